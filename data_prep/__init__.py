@@ -1,0 +1,18 @@
+"""Conversations in, training-ready token ids and assistant-only loss masks out.
+
+`load_conversations` reads and validates files or Hub data sets, `render_with_masks` /
+`render_prompt` apply the target's chat template, `tokenize_conversations` builds the cached
+tokenized data set and `Collator` pads it into batches.
+"""
+from data_prep.conversations import load_conversations
+from data_prep.dataset import Collator, domain_names, tokenize_conversations
+from data_prep.template import render_prompt, render_with_masks
+
+__all__ = [
+    "Collator",
+    "domain_names",
+    "load_conversations",
+    "render_prompt",
+    "render_with_masks",
+    "tokenize_conversations",
+]

@@ -1,0 +1,248 @@
+"""Read chat conversations from local files, globs, directories or Hub data sets into one
+normalized `datasets.Dataset`.
+
+Every record becomes `{"messages": [{"role", "content"}, ...], "domain", "source", "record"}`:
+`source` is the file path (or Hub id) it came from and `record` its 1-based position there, so
+that any later stage (tokenization, the eval) can point the user at the offending record.
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import gzip
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import datasets
+
+from draftsmith.errors import UserError
+
+logger = logging.getLogger("draftsmith.data")
+
+DEFAULT_DOMAIN = "default"
+# Suffix -> `datasets` builder. Checked with endswith so that `.jsonl.gz` is recognized.
+FILE_BUILDERS = {".jsonl": "json", ".jsonl.gz": "json", ".json": "json", ".json.gz": "json", ".parquet": "parquet"}
+# ShareGPT speakers and the roles chat templates expect. Roles already in the target vocabulary
+# map to themselves so that both shapes go through the same table.
+ROLES = {
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function": "tool",
+}
+FEATURES = datasets.Features(
+    {
+        "messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")}),
+        "domain": datasets.Value("string"),
+        "source": datasets.Value("string"),
+        "record": datasets.Value("int64"),
+    }
+)
+# datasets fingerprints a module-level map function by reference, not by its code, so an edit to
+# the normalization below would otherwise reuse stale map caches (and stale tokenized caches,
+# whose key builds on this fingerprint). Hashing this file's bytes ties the fingerprint to the code.
+_CODE_HASH = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
+def load_conversations(sources: list[str], max_conversations: Optional[int] = None) -> datasets.Dataset:
+    """Load and validate conversations from every source, in order.
+
+    A source is a local `.jsonl`, `.jsonl.gz`, `.json`, `.json.gz` or `.parquet` file, a glob, a
+    directory (searched recursively for such files), or a Hub data set id, optionally `id:split`
+    (default split `train`). Each file of a glob or directory counts as its own source:
+    `max_conversations` keeps the first N records of each. Any invalid record raises a UserError
+    naming the source and the 1-based record number.
+    """
+    if isinstance(sources, str):  # a bare string would otherwise be read character by character
+        sources = [sources]
+    if not sources:
+        raise UserError("no conversation sources given (data.train / data.eval are empty)")
+    if max_conversations is not None and max_conversations < 1:
+        raise UserError(f"data.max_conversations={max_conversations} must be at least 1 (or null for all)")
+    parts = []
+    for source in sources:
+        for name, loader in _expand(str(source)):
+            dataset = loader()
+            if max_conversations is not None and len(dataset) > max_conversations:
+                dataset = dataset.select(range(max_conversations))
+            parts.append(_normalize(dataset, name))
+            logger.info("loaded %d conversations from %s", len(dataset), name)
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+def _expand(source: str) -> list[tuple[str, Any]]:
+    """Resolve one source string into (name, loader) pairs: one per local file, or one Hub split."""
+    local = os.path.expanduser(source)
+    if any(char in source for char in "*?["):
+        files = [path for path in sorted(glob.glob(local, recursive=True)) if _is_data_file(path)]
+        if not files:
+            raise UserError(f"data source {source!r} matches no {_suffixes()} file")
+    elif os.path.isdir(local):
+        files = [str(path) for path in sorted(Path(local).rglob("*")) if _is_data_file(str(path))]
+        if not files:
+            raise UserError(f"data directory {source!r} holds no {_suffixes()} file")
+    elif os.path.isfile(local):
+        if _builder(local) is None:
+            raise UserError(f"data file {source!r} has an unsupported format (expected {_suffixes()})")
+        files = [local]
+    elif _builder(source) is not None or source.startswith((".", "/", "~")):
+        raise UserError(f"data file {source!r} does not exist")
+    else:  # not a local path: a Hub data set id, `owner/name[:split]`
+        return [(source, lambda: _load_hub(source))]
+    return [(path, lambda path=path: _load_file(path)) for path in files]
+
+
+def _builder(path: str) -> Optional[str]:
+    return next((builder for suffix, builder in FILE_BUILDERS.items() if path.endswith(suffix)), None)
+
+
+def _is_data_file(path: str) -> bool:
+    return _builder(path) is not None and os.path.isfile(path)
+
+
+def _suffixes() -> str:
+    return "/".join(FILE_BUILDERS)
+
+
+def _load_hub(source: str) -> datasets.Dataset:
+    repo, _, split = source.partition(":")
+    split = split or "train"
+    try:
+        dataset = datasets.load_dataset(repo, split=split)
+    except Exception as err:  # network, auth, unknown repo or split: all the user's to fix
+        raise UserError(f"cannot load data set {repo!r} (split {split!r}): {_one_line(err)}") from None
+    if len(dataset) == 0:
+        raise UserError(f"data set {source!r} has no records")
+    return dataset
+
+
+def _load_file(path: str) -> datasets.Dataset:
+    builder = _builder(path)
+    try:
+        with _quiet_json_builder():
+            dataset = datasets.load_dataset(builder, data_files=path, split="train")
+    except Exception as err:  # the builders raise assorted types (ArrowInvalid, StopIteration on empty files, ...)
+        if builder == "json":
+            _diagnose_json(path)  # raises the precise, line-numbered error when it finds one
+        raise UserError(f"cannot read {path}: {_one_line(err)}") from None
+    if len(dataset) == 0:
+        raise UserError(f"{path} has no records")
+    return dataset
+
+
+@contextlib.contextmanager
+def _quiet_json_builder() -> Iterator[None]:
+    """The JSON builder logs its parse error before raising; we report a better one on one line."""
+    builder_logger = logging.getLogger("datasets.packaged_modules.json.json")
+    level = builder_logger.level
+    builder_logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        builder_logger.setLevel(level)
+
+
+def _diagnose_json(path: str) -> None:
+    """Rescan a file the JSON builder rejected and raise a UserError at the first problem found:
+    a malformed line (`path:LINE: malformed JSON`), a non-object record, an invalid record
+    (e.g. a content of the wrong type, which breaks Arrow's type inference), or no records."""
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as handle:
+            text = handle.read()
+    except (OSError, UnicodeDecodeError, EOFError) as err:
+        raise UserError(f"cannot read {path}: {_one_line(err)}") from None
+    if text.lstrip().startswith("["):  # one JSON document holding a list of records
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise UserError(f"{path}:{err.lineno}: malformed JSON ({err.msg})") from None
+        numbered = list(enumerate(records, 1))
+    else:  # JSON lines; blank lines are skipped like the builder does
+        numbered = []
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                numbered.append((len(numbered) + 1, json.loads(line)))
+            except json.JSONDecodeError as err:
+                raise UserError(f"{path}:{lineno}: malformed JSON ({err.msg})") from None
+    if not numbered:
+        raise UserError(f"{path} has no records")
+    for number, record in numbered:
+        if not isinstance(record, dict):
+            raise UserError(f"{path} record {number}: expected a JSON object, got {type(record).__name__}")
+        normalize_record(record, source=path, number=number)
+
+
+def _normalize(dataset: datasets.Dataset, source: str) -> datasets.Dataset:
+    fingerprint = hashlib.sha256(f"{dataset._fingerprint}|{source}|{_CODE_HASH}".encode()).hexdigest()[:16]
+    return dataset.map(
+        _normalize_row,
+        with_indices=True,
+        fn_kwargs={"source": source},
+        remove_columns=dataset.column_names,
+        features=FEATURES,
+        new_fingerprint=fingerprint,
+        desc=f"checking {source}",
+    )
+
+
+def _normalize_row(row: dict[str, Any], index: int, source: str) -> dict[str, Any]:
+    return normalize_record(row, source=source, number=index + 1)
+
+
+def normalize_record(record: dict[str, Any], source: str, number: int) -> dict[str, Any]:
+    """Validate one raw record (messages or ShareGPT shape) and return it normalized.
+
+    Arrow gives every row all columns of its file, with None for absent ones, so "missing" and
+    "None" are treated alike throughout.
+    """
+    where = f"{source} record {number}"
+    turns = record.get("messages")
+    if turns is None:
+        turns = record.get("conversations")
+    if turns is None:
+        raise UserError(f"{where}: no 'messages' field (nor a ShareGPT 'conversations' field)")
+    if not isinstance(turns, list) or not turns:
+        raise UserError(f"{where}: 'messages' must be a non-empty list of turns")
+    messages = []
+    for turn_number, turn in enumerate(turns, 1):
+        if not isinstance(turn, dict):
+            raise UserError(f"{where}: turn {turn_number} is not an object with a role and a content")
+        role = turn.get("role") if turn.get("role") is not None else turn.get("from")
+        content = turn.get("content") if turn.get("content") is not None else turn.get("value")
+        if role is None:
+            raise UserError(f"{where}: turn {turn_number} has no role ('role', or ShareGPT 'from')")
+        if not isinstance(role, str) or role.lower() not in ROLES:
+            raise UserError(f"{where}: turn {turn_number} has an unknown role {role!r} (known: {', '.join(ROLES)})")
+        if content is None:
+            raise UserError(f"{where}: turn {turn_number} has no content ('content', or ShareGPT 'value')")
+        if not isinstance(content, str):
+            raise UserError(f"{where}: turn {turn_number} has a content of type {type(content).__name__}, expected a string")
+        if not content.strip():
+            raise UserError(f"{where}: turn {turn_number} has an empty content")
+        messages.append({"role": ROLES[role.lower()], "content": content})
+    if not any(message["role"] == "assistant" for message in messages):
+        raise UserError(f"{where}: no assistant turn, so nothing to train on")
+    domain = record.get("domain")
+    return {
+        "messages": messages,
+        "domain": DEFAULT_DOMAIN if domain is None or domain == "" else str(domain),
+        "source": source,
+        "record": number,
+    }
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(f"{type(err).__name__}: {err}".split())[:300]

@@ -1,0 +1,107 @@
+"""Render conversations with the target tokenizer's own chat template and mark the tokens the
+assistant generates (the loss mask), without any per-template knowledge.
+
+Method: the assistant's span of turn i starts where `messages[:i]` rendered with the generation
+prompt ends, and ends where `messages[:i+1]` rendered ends; both must be prefixes of the whole
+rendered conversation. The whole text is tokenized once, and a token is in the mask when its
+first character lies inside a span.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from jinja2 import TemplateError
+
+from draftsmith.errors import UserError
+
+Message = dict[str, Any]
+
+
+def render_with_masks(tokenizer, messages: Sequence[Message]) -> tuple[list[int], list[int]]:
+    """Token ids of the whole conversation and a 0/1 mask that is 1 exactly on the tokens the
+    assistant generates: its contents and the end-of-turn token(s) right after each."""
+    messages = list(messages)
+    full = _render(tokenizer, messages, add_generation_prompt=False)
+    spans = []
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = _render(tokenizer, messages[:index], add_generation_prompt=True)
+        turn = _render(tokenizer, messages[: index + 1], add_generation_prompt=False)
+        if not (full.startswith(prompt) and full.startswith(turn) and len(turn) > len(prompt)):
+            raise UserError(
+                f"chat template of {_name(tokenizer)} is not prefix-stable for assistant turn {index + 1}: "
+                "rendering the conversation up to that turn is not a prefix of rendering all of it "
+                "(templates that rewrite earlier turns, e.g. drop their reasoning, are not supported)"
+            )
+        spans.append((len(prompt), len(prompt) + _generated_length(full[len(prompt) : len(turn)], tokenizer.eos_token)))
+    ids, offsets = _encode(tokenizer, full)
+    # Offsets (0, 0) belong to tokens the tokenizer added itself (BOS), never to the rendered text.
+    mask = [int(end > start and any(lo <= start < hi for lo, hi in spans)) for start, end in offsets]
+    return ids, mask
+
+
+def _generated_length(span: str, eos_token: str | None) -> int:
+    """How many leading characters of an assistant span (content + whatever the template emits up
+    to the next turn) the model actually generates.
+
+    The model stops by emitting a stop token; what the template writes after that token (a newline
+    before the next header, say) is glue the serving engine never sees the model produce. So:
+    - if the span holds `eos_token`, the model's stop token is known: keep everything up to and
+      including its last occurrence (ChatML `...<|im_end|>` + "\n", the reference `...<|end|>` + "\n");
+    - otherwise the template ends turns with its own marker that is not eos_token (Llama-3
+      `<|eot_id|>` with eos `<|end_of_text|>`, ChatML `<|im_end|>` with eos `<|endoftext|>`, Gemma
+      `<end_of_turn>`): the span runs exactly to where the next turn begins, so keep it all but its
+      trailing whitespace, which no template's end-of-turn marker ends with and which is
+      inter-turn glue. Serving engines stop on these markers too (generation_config lists them).
+    """
+    if eos_token and eos_token in span:
+        return span.rindex(eos_token) + len(eos_token)
+    return len(span.rstrip())
+
+
+def render_prompt(tokenizer, messages: Sequence[Message]) -> tuple[list[int], str]:
+    """Token ids of the conversation up to its last assistant turn, ending with the generation
+    prompt, and that assistant turn's content (the reference answer)."""
+    messages = list(messages)
+    last = max((i for i, message in enumerate(messages) if message["role"] == "assistant"), default=None)
+    if last is None:
+        raise UserError("conversation has no assistant turn to use as the reference answer")
+    ids, _ = _encode(tokenizer, _render(tokenizer, messages[:last], add_generation_prompt=True))
+    return ids, messages[last]["content"]
+
+
+def require_chat_template(tokenizer) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(
+            f"tokenizer of {_name(tokenizer)} has no chat template; use the chat/instruct version of the model "
+            "or add one (a chat_template.jinja file next to tokenizer_config.json)"
+        )
+
+
+def _render(tokenizer, messages: list[Message], add_generation_prompt: bool) -> str:
+    require_chat_template(tokenizer)
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except TemplateError as err:  # raise_exception() in templates, e.g. "roles must alternate"
+        raise UserError(f"chat template of {_name(tokenizer)} rejected the conversation: {err}") from None
+
+
+def _encode(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """Tokenize rendered text exactly as the target will see it.
+
+    Special tokens (BOS) are added unless the template already wrote the BOS text itself (Llama-3
+    templates start with `<|begin_of_text|>`); adding it again would give the target a doubled BOS
+    it never saw in training. Tokenizers that add no BOS (Qwen) are unaffected either way.
+    """
+    bos = tokenizer.bos_token
+    add_special_tokens = not (bos and text.startswith(bos))
+    try:
+        encoding = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True, verbose=False)
+    except NotImplementedError:
+        raise UserError(f"tokenizer of {_name(tokenizer)} gives no character offsets; a fast (tokenizers) tokenizer is needed") from None
+    return list(encoding["input_ids"]), [tuple(offset) for offset in encoding["offset_mapping"]]
+
+
+def _name(tokenizer) -> str:
+    return getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__

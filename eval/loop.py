@@ -1,0 +1,352 @@
+"""The draft-verify loop at batch size 1: chain and tree drafts, greedy and exact sampling.
+
+One cycle:
+
+    cache = prefix                    the committed tokens except the last one (the root)
+    draft = drafter.propose(...)      N nodes hanging below the root (a chain is a tree)
+    forward([root] + draft)           ONE target forward; node i sees the prefix, its ancestors and itself
+    path, bonus = verify(...)         walk down from the root accepting children; the target picks the bonus
+    cache = prefix + root + path      crop the rejected nodes, packing the accepted ones into place
+    root = bonus                      it is not in the cache yet: the next forward starts with it
+
+The prefill runs over the prompt minus its last token, which becomes the first root. So every new
+token comes out of a decode forward, and tau (new tokens per target forward, bonus included) is exact
+with the prefill not counted as a forward. Plain decoding is the same loop with an empty draft: one
+forward, one token.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol, Sequence
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from draftsmith.errors import UserError
+from draftsmith.target import FeatureRequest, run_target
+from heads.base import DraftState, DraftTree
+
+Tree = Sequence[tuple[int, ...]]  # static tree as paths of per-depth candidate ranks (parents first)
+
+
+class Proposer(Protocol):
+    """What the loop needs from a drafter: `heads.Drafter` and `eval.ngram.NGramDrafter` both fit."""
+
+    @property
+    def features(self) -> FeatureRequest: ...
+
+    def propose(self, state: DraftState, num_tokens: int, tree: Optional[Tree] = None) -> DraftTree: ...
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is drawn from the target's logits; speculative and plain decoding share it,
+    so both sample exactly the same (warped) distribution."""
+
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., V] logits -> [..., V] float32 probabilities (one-hot on the argmax when greedy)."""
+        logits = logits.float()
+        if self.temperature <= 0:
+            return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        logits = logits / self.temperature
+        if 0 < self.top_k < logits.shape[-1]:
+            kth = logits.topk(self.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p < 1.0:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            sorted_probs = sorted_logits.softmax(-1)
+            # Drop a token once the more likely ones already cover top_p; the most likely always stays.
+            drop = sorted_probs.cumsum(-1) - sorted_probs >= self.top_p
+            logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        return logits.softmax(-1)
+
+
+# An acceptance rule sees the target's current distribution p at a node, the draft distribution q of
+# one child, the child's token and a uniform draw u; it returns (accepted, the p to use next if not).
+AcceptRule = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], tuple[bool, torch.Tensor]]
+
+
+def exact_rule(p: torch.Tensor, q: torch.Tensor, token: int, u: torch.Tensor) -> tuple[bool, torch.Tensor]:
+    """Speculative sampling: accept with min(1, p/q), else continue with norm(max(0, p - q)).
+
+    With a deterministic draft q is one-hot, so this accepts with probability p(token) and the
+    residual is p with p(token) set to 0, renormalised.
+    """
+    if u * q[token] < p[token]:  # u < p/q without dividing by q
+        return True, p
+    residual = (p - q).clamp_min(0)
+    total = residual.sum()
+    if total <= 0:  # p == q up to rounding: a rejection had probability ~0, p itself is the answer
+        return False, p
+    return False, residual / total
+
+
+@dataclass
+class Verdict:
+    path: list[int]  # accepted node indices, root's child first
+    bonus: Optional[int]  # the target's token after the path; None when the path ended in EOS
+    depth_reached: int  # deepest draft position that was tested (a node there was accepted or rejected)
+
+
+def children_of(parents: torch.Tensor) -> list[list[int]]:
+    """children[0] are the root's children, children[1 + i] node i's, each in proposal order."""
+    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for node, parent in enumerate(parents.tolist()):
+        children[parent + 1].append(node)
+    return children
+
+
+def verify(
+    draft: DraftTree,
+    target_probs: torch.Tensor,
+    generator: torch.Generator,
+    eos_ids: frozenset[int] = frozenset(),
+    rule: AcceptRule = exact_rule,
+) -> Verdict:
+    """Choose the accepted path and the bonus token.
+
+    `target_probs[0]` is the target's distribution after the root, `target_probs[1 + i]` after node i.
+    From the root, try the children in order: accepting one moves down to it, rejecting one replaces
+    p by the rule's residual before the next sibling; when no child is left the bonus is drawn from
+    the current p. This is recursive rejection sampling (SpecInfer; EAGLE's tree sampling): each try
+    is a standard speculative-sampling step w.r.t. the current p, whose output is distributed exactly
+    as p, so by induction over the siblings the emitted token at every depth follows the target.
+    It holds for deterministic children (q one-hot) and for children drawn independently from their
+    q. A sibling repeating an already-rejected token has p = 0 there and is rejected without effect.
+    Greedy is the same walk with p one-hot on the argmax: it accepts the (unique, for distinct
+    siblings) child equal to the argmax, which gives the longest matching path.
+    """
+    vocab = target_probs.shape[-1]
+    children = children_of(draft.parents)
+    path: list[int] = []
+    node, p = -1, target_probs[0]  # start at the root
+    while True:
+        for child in children[node + 1]:
+            q = draft.probs[child].to(p) if draft.probs is not None else F.one_hot(draft.tokens[child], vocab).to(p)
+            u = torch.rand((), generator=generator, device=generator.device)
+            accepted, p = rule(p, q, int(draft.tokens[child]), u.to(p.device))
+            if accepted:
+                break
+        else:  # every child rejected, or a leaf: the bonus comes from what is left of p
+            depth_reached = len(path) + (1 if children[node + 1] else 0)
+            break
+        path.append(child)
+        node, p = child, target_probs[1 + child]
+        if int(draft.tokens[child]) in eos_ids:  # nothing after an EOS is emitted
+            return Verdict(path, None, len(path))
+    bonus = int(torch.multinomial(p.to(generator.device), 1, generator=generator))
+    return Verdict(path, bonus, depth_reached)
+
+
+def tree_depths(parents: torch.Tensor) -> torch.Tensor:
+    """Depth of [root] + nodes: 0 for the root, parent's depth + 1 for a node."""
+    depths = [0]
+    for parent in parents.tolist():
+        depths.append(depths[parent + 1] + 1)
+    return torch.tensor(depths, device=parents.device)
+
+
+def draft_depth(draft: DraftTree) -> int:
+    """Draft positions a proposal fills: a chain's length, a tree's longest path."""
+    return int(tree_depths(draft.parents).max())
+
+
+def tree_attention_mask(parents: torch.Tensor, past_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive [1, 1, 1+N, past_len+1+N] mask: every query sees the cached prefix, and among the new
+    tokens only itself and its ancestors (the root is every node's ancestor). Additive (0 / min)
+    rather than boolean so that eager attention, which adds the mask, and SDPA read it the same."""
+    size = len(parents) + 1
+    sees = torch.zeros(size, size, dtype=torch.bool, device=parents.device)
+    sees[0, 0] = True
+    for node, parent in enumerate(parents.tolist()):
+        sees[node + 1] = sees[parent + 1]  # parents precede children, so this row is complete
+        sees[node + 1, node + 1] = True
+    sees = torch.cat([sees.new_ones(size, past_len), sees], dim=1)
+    mask = torch.zeros(sees.shape, dtype=dtype, device=parents.device)
+    return mask.masked_fill(~sees, torch.finfo(dtype).min)[None, None]
+
+
+def is_chain(parents: torch.Tensor) -> bool:
+    return bool(torch.equal(parents, torch.arange(-1, len(parents) - 1, device=parents.device)))
+
+
+@dataclass
+class DecodeState:
+    """Everything committed so far. Invariant: the cache holds all of `tokens` but the last (the root);
+    `final`/`layers` are the target's hidden states at the position before the root."""
+
+    tokens: list[int]
+    cache: DynamicCache
+    final: torch.Tensor  # [H]
+    layers: dict[int, torch.Tensor]
+
+    def draft_state(self) -> DraftState:
+        return DraftState(tokens=torch.tensor(self.tokens, device=self.final.device), final=self.final, layers=self.layers)
+
+
+def check_target(model, cache: DynamicCache) -> None:
+    """Tree verification needs a backend that takes a custom 4D mask and a full-attention KV cache
+    that can be cropped and gathered (sliding-window and linear-attention layers cannot)."""
+    implementation = getattr(model.config, "_attn_implementation", "eager")
+    if implementation not in ("eager", "sdpa"):
+        raise UserError(f"the eval loop needs attn_implementation 'sdpa' or 'eager' (custom tree masks); the target uses {implementation!r}")
+    kinds = {type(layer).__name__ for layer in cache.layers}
+    if kinds != {DynamicLayer.__name__}:
+        raise UserError(f"the eval loop supports full-attention KV caches only; this target's cache has {sorted(kinds)}")
+
+
+@torch.no_grad()
+def prefill(model, prompt: Sequence[int], request: FeatureRequest = FeatureRequest()) -> DecodeState:
+    """Cache the prompt except its last token, which becomes the first root."""
+    if len(prompt) < 2:
+        raise UserError("a prompt needs at least 2 tokens (the chat template alone gives more)")
+    device = model.get_output_embeddings().weight.device
+    cache = DynamicCache(config=model.config)
+    check_target(model, cache)
+    ids = torch.tensor([list(prompt[:-1])], device=device)
+    out = run_target(model, ids, request=request, past_key_values=cache, use_cache=True)
+    return DecodeState(
+        tokens=list(prompt),
+        cache=cache,
+        final=out.final[0, -1],
+        layers={layer: hidden[0, -1] for layer, hidden in out.layers.items()},
+    )
+
+
+def keep_in_cache(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
+    """The cache holds [prefix | root | nodes] with the prefix `start` long; keep the new positions
+    `keep` (relative to `start`, in order) packed right after the prefix and drop the rest."""
+    kept = len(keep)
+    if not torch.equal(keep, torch.arange(kept, device=keep.device)):  # a chain's path is already in place
+        index = keep + start
+        for layer in cache.layers:
+            # The right-hand side is gathered into a new tensor before the write, so overlap is safe.
+            layer.keys[..., start : start + kept, :] = layer.keys[..., index, :]
+            layer.values[..., start : start + kept, :] = layer.values[..., index, :]
+    cache.crop(-(cache.get_seq_length() - start - kept))
+
+
+def empty_draft(device: torch.device) -> DraftTree:
+    return DraftTree.chain(torch.empty(0, dtype=torch.long, device=device))
+
+
+def propose(drafter: Optional[Proposer], state: DecodeState, gamma: int, tree: Optional[Tree], max_depth: int) -> DraftTree:
+    """The drafter's proposal, no deeper than `max_depth` (so a cycle never emits past the budget)."""
+    device = state.final.device
+    if drafter is None or max_depth < 1:
+        return empty_draft(device)
+    if tree is not None:
+        paths = [path for path in tree if len(path) <= max_depth]  # a prefix-closed cut stays a tree
+        draft = drafter.propose(state.draft_state(), gamma, paths)
+    else:
+        draft = drafter.propose(state.draft_state(), min(gamma, max_depth))
+    probs = None if draft.probs is None else draft.probs.to(device)
+    return DraftTree(tokens=draft.tokens.to(device), parents=draft.parents.to(device), probs=probs)
+
+
+@torch.no_grad()
+def verify_step(
+    model,
+    state: DecodeState,
+    draft: DraftTree,
+    sampling: Sampling,
+    generator: torch.Generator,
+    eos_ids: frozenset[int] = frozenset(),
+    request: FeatureRequest = FeatureRequest(),
+    rule: AcceptRule = exact_rule,
+) -> Verdict:
+    """One target forward over [root] + draft, then verification and cache rollback; updates `state`."""
+    past_len = state.cache.get_seq_length()
+    root = torch.tensor([state.tokens[-1]], device=draft.tokens.device)
+    ids = torch.cat([root, draft.tokens])[None]
+    positions = (tree_depths(draft.parents) + past_len)[None]
+    # A chain's tree mask is the causal mask: let the model build it, which keeps SDPA on the same
+    # kernels as plain decoding (an explicit mask would make plain decoding slower, inflating speedups).
+    mask = None if is_chain(draft.parents) else tree_attention_mask(draft.parents, past_len, model.dtype)
+    out = run_target(model, ids, mask, request, positions, state.cache, use_cache=True)
+    verdict = verify(draft, sampling.probs(out.logits[0]), generator, eos_ids, rule)
+
+    keep = torch.tensor([0] + [1 + node for node in verdict.path], device=ids.device)
+    keep_in_cache(state.cache, past_len, keep)
+    state.tokens.extend(int(draft.tokens[node]) for node in verdict.path)
+    if verdict.bonus is not None:
+        state.tokens.append(verdict.bonus)
+    last = int(keep[-1])  # the position whose logits produced the bonus
+    state.final = out.final[0, last]
+    state.layers = {layer: hidden[0, last] for layer, hidden in out.layers.items()}
+    return verdict
+
+
+@dataclass
+class Generation:
+    """One prompt's output and counters.
+
+    `drafted` counts draft positions (the proposal's depth: a chain's length, a tree's longest path),
+    not tree nodes, so alpha = accepted/drafted compares chains and trees. `reached[d]` /
+    `accepted_at[d]` count the cycles that tested / accepted a node at draft position d+1.
+    """
+
+    tokens: list[int] = field(default_factory=list)  # new tokens only
+    target_forwards: int = 0  # decode forwards; the prefill is not counted
+    drafted: int = 0
+    accepted: int = 0
+    reached: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+    wall_s: float = 0.0  # prefill included
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens)
+
+    def count(self, depth: int, verdict: Verdict) -> None:
+        self.target_forwards += 1
+        self.drafted += depth
+        self.accepted += len(verdict.path)
+        grow = max(0, verdict.depth_reached - len(self.reached))
+        self.reached += [0] * grow
+        self.accepted_at += [0] * grow
+        for d in range(verdict.depth_reached):
+            self.reached[d] += 1
+            self.accepted_at[d] += int(d < len(verdict.path))
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    drafter: Optional[Proposer] = None,
+    gamma: int = 0,
+    tree: Optional[Tree] = None,
+    sampling: Sampling = Sampling(),
+    eos_ids: frozenset[int] = frozenset(),
+    seed: int = 0,
+    rule: AcceptRule = exact_rule,
+) -> Generation:
+    """Decode up to `max_new_tokens` (stopping after an EOS) with a chain of `gamma` draft tokens, a
+    static `tree`, or no drafter at all (plain decoding). `rule` is replaceable for tests only."""
+    start = time.perf_counter()
+    device = model.get_output_embeddings().weight.device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    request = drafter.features if drafter is not None else FeatureRequest()
+    state = prefill(model, prompt, request)
+    result = Generation()
+    while len(result.tokens) < max_new_tokens:
+        draft = propose(drafter, state, gamma, tree, max_depth=max_new_tokens - len(result.tokens) - 1)
+        before = len(state.tokens)
+        verdict = verify_step(model, state, draft, sampling, generator, eos_ids, request, rule)
+        result.tokens += state.tokens[before:]
+        result.count(draft_depth(draft), verdict)
+        if verdict.bonus is None or verdict.bonus in eos_ids:
+            break
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    result.wall_s = time.perf_counter() - start
+    return result

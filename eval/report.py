@@ -1,0 +1,398 @@
+"""The per-domain eval: run plain decoding, the drafter (chain, and tree when eval.tree > 0) and the
+n-gram baseline through the same loop on the same prompts, and write report.json, report.md and
+acceptance.png to `<output_dir>/eval/`.
+
+Definitions (also in eval/README_SECTION.md):
+- tau = new_tokens / target_forwards: tokens emitted per decode forward, bonus included. The prefill
+  (prompt minus its last token) is not a forward here; every new token comes from a decode forward.
+- drafted = draft positions proposed per forward summed (a chain's length, a tree's depth);
+  alpha = accepted / drafted.
+- per_position[d] = accepted at draft position d+1 / cycles that tested position d+1, i.e. the
+  acceptance of position d+1 given that positions 1..d were accepted (EAGLE's n-alpha). With a
+  greedy target this is what a Medusa head's top-1 accuracy on the target's own text estimates.
+- tokens_per_s = all new tokens / all wall time (prefill included); speedup = tokens_per_s / plain's
+  tokens_per_s in the same domain and the same run.
+- lossless (greedy only): every prompt's token ids equal plain greedy decoding's.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from draftsmith.errors import UserError
+from draftsmith.recipe import save_recipe
+from draftsmith.target import load_target, load_tokenizer, resolve_device, target_id
+from eval.loop import Generation, Proposer, Sampling, Tree, generate
+from eval.ngram import NGramDrafter
+from heads.base import TargetShape, load_drafter
+
+REPORT_VERSION = 1
+WARMUP_TOKENS = 8
+ALL = "all"  # the aggregate "domain": counters summed over every domain
+
+
+@dataclass
+class Method:
+    """One way of decoding: `group` is "drafter" (rows under `domains`) or "baseline" (`baselines`)."""
+
+    name: str
+    group: str
+    drafter: Optional[Proposer] = None
+    gamma: int = 0
+    tree: Optional[Tree] = None
+    info: dict = field(default_factory=dict)
+
+    @property
+    def depth(self) -> int:
+        """Draft positions per forward at most: γ for a chain, the longest path for a tree."""
+        if self.drafter is None:
+            return 0
+        return max(map(len, self.tree)) if self.tree is not None else self.gamma
+
+    def run(self, model, prompt: list[int], max_new_tokens: int, sampling: Sampling, eos_ids: frozenset[int], seed: int) -> Generation:
+        return generate(model, prompt, max_new_tokens, self.drafter, self.gamma, self.tree, sampling, eos_ids, seed)
+
+
+@dataclass
+class Tally:
+    """Counters of one method over a set of prompts."""
+
+    prompts: int = 0
+    new_tokens: int = 0
+    target_forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    reached: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+    wall_s: float = 0.0
+    mismatched: int = 0  # prompts whose greedy output differs from plain decoding
+
+    def add(self, run: Generation | "Tally", prompts: int = 1, mismatched: int = 0) -> None:
+        self.prompts += prompts
+        self.mismatched += mismatched
+        self.new_tokens += run.new_tokens
+        self.target_forwards += run.target_forwards
+        self.drafted += run.drafted
+        self.accepted += run.accepted
+        self.wall_s += run.wall_s
+        self.reached = _add_lists(self.reached, run.reached)
+        self.accepted_at = _add_lists(self.accepted_at, run.accepted_at)
+
+    def merge(self, other: "Tally") -> None:
+        self.add(other, prompts=other.prompts, mismatched=other.mismatched)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def row(self, plain: "Tally", greedy: bool, positions: int) -> dict[str, Any]:
+        """`positions`: the method's draft depth; per-position lists always have that length."""
+        reached = (self.reached + [0] * positions)[:positions]
+        accepted_at = (self.accepted_at + [0] * positions)[:positions]
+        return {
+            "prompts": self.prompts,
+            "new_tokens": self.new_tokens,
+            "target_forwards": self.target_forwards,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "alpha": _ratio(self.accepted, self.drafted),
+            "tau": _ratio(self.new_tokens, self.target_forwards),
+            "per_position": [_ratio(a, r) for a, r in zip(accepted_at, reached)],
+            "per_position_counts": {"reached": reached, "accepted": accepted_at},
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "wall_s": round(self.wall_s, 4),
+            "speedup": _ratio(self.tokens_per_s, plain.tokens_per_s),
+            "lossless": (self.mismatched == 0) if greedy else None,
+        }
+
+
+def _add_lists(a: list[int], b: list[int]) -> list[int]:
+    longer, shorter = (a, b) if len(a) >= len(b) else (b, a)
+    return [x + (shorter[i] if i < len(shorter) else 0) for i, x in enumerate(longer)]
+
+
+def _ratio(num: float, den: float) -> Optional[float]:
+    return round(num / den, 4) if den else None
+
+
+def versions() -> dict[str, str]:
+    found = {"python": platform.python_version()}
+    for package in ("torch", "transformers", "draftsmith"):
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:  # draftsmith run from a checkout without `pip install -e .`
+            found[package] = _checkout_version() if package == "draftsmith" else "unknown"
+    return found
+
+
+def _checkout_version() -> str:
+    import tomllib
+
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    try:
+        return tomllib.loads(pyproject.read_text())["project"]["version"] + "+checkout"
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return "unknown"
+
+
+def load_prompts(sources: list[str], tokenizer, max_prompts: int, max_length: int) -> dict[str, list[list[int]]]:
+    """The first `max_prompts` conversations of each domain, rendered up to their last assistant turn
+    with the generation prompt; prompts longer than `max_length` keep their last tokens."""
+    from data_prep import load_conversations, render_prompt
+
+    conversations = load_conversations(sources)
+    picked: dict[str, list[int]] = {}
+    for index, domain in enumerate(conversations["domain"]):
+        rows = picked.setdefault(domain, [])
+        if len(rows) < max_prompts:
+            rows.append(index)
+    if ALL in picked:
+        raise UserError(f"domain name {ALL!r} is reserved for the report's aggregate row; rename it in the eval data")
+    prompts: dict[str, list[list[int]]] = {}
+    for domain in sorted(picked):
+        for row in conversations.select(picked[domain]):
+            ids, _ = render_prompt(tokenizer, row["messages"])
+            prompts.setdefault(domain, []).append(ids[-max_length:])
+    if not prompts:
+        raise UserError(f"no conversations in the eval data {sources}")
+    return prompts
+
+
+def eos_ids_of(model, tokenizer) -> frozenset[int]:
+    """Generation stops at any EOS the model's generation config or the tokenizer names."""
+    generation_config = getattr(model, "generation_config", None)
+    ids = getattr(generation_config, "eos_token_id", None)
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return frozenset(int(i) for i in ids)
+
+
+def check_settings(cfg: DictConfig) -> Sampling:
+    e = cfg.eval
+    if e.max_new_tokens < 1 or e.max_prompts < 1:
+        raise UserError(f"eval.max_new_tokens and eval.max_prompts must be at least 1 (got {e.max_new_tokens}, {e.max_prompts})")
+    if e.num_speculative_tokens < 1 or e.tree < 0:
+        raise UserError(f"eval.num_speculative_tokens must be >= 1 and eval.tree >= 0 (got {e.num_speculative_tokens}, {e.tree})")
+    if e.temperature < 0 or not 0 < e.top_p <= 1 or e.top_k < 0:
+        raise UserError(f"need eval.temperature >= 0, 0 < eval.top_p <= 1, eval.top_k >= 0 (got {e.temperature}, {e.top_p}, {e.top_k})")
+    return Sampling(temperature=float(e.temperature), top_p=float(e.top_p), top_k=int(e.top_k))
+
+
+def build_methods(cfg: DictConfig, drafter) -> list[Method]:
+    """Plain first: the others' speedup and lossless check are measured against it."""
+    gamma, nodes = int(cfg.eval.num_speculative_tokens), int(cfg.eval.tree)
+    if drafter.max_chain is not None and gamma > drafter.max_chain:
+        raise UserError(f"eval.num_speculative_tokens={gamma} but this {drafter.type} drafter proposes at most {drafter.max_chain} tokens")
+    methods = [
+        Method("plain", "baseline"),
+        Method("chain", "drafter", drafter, gamma, info={"gamma": gamma}),
+    ]
+    if nodes > 0:
+        tree = drafter.default_tree(nodes)
+        methods.append(Method("tree", "drafter", drafter, gamma, tree, {"nodes": len(tree), "paths": [list(p) for p in tree]}))
+    ngram_max = int(cfg.eval.ngram_max)
+    methods.append(Method("ngram", "baseline", NGramDrafter(ngram_max), gamma, info={"gamma": gamma, "ngram_max": ngram_max}))
+    return methods
+
+
+def run_eval(cfg: DictConfig, drafter_path: Optional[str] = None, target=None, tokenizer=None) -> dict[str, Any]:
+    """Evaluate a drafter checkpoint per domain and write the report; returns report.json's content.
+
+    `drafter_path` defaults to `<output_dir>/final` (what train.py writes). train.py passes its
+    already-loaded `target` and `tokenizer`; otherwise they are loaded from the recipe.
+    """
+    sampling = check_settings(cfg)
+    sources = list(cfg.eval.data) or list(cfg.data.eval)
+    if not sources:
+        raise UserError("no eval data: set eval.data=[files] or data.eval in the recipe")
+    checkpoint = Path(drafter_path) if drafter_path else Path(cfg.output_dir) / "final"
+    if not checkpoint.exists():  # checked before the (slow) target load
+        raise UserError(f"no drafter checkpoint at {checkpoint}: pass drafter.path=<checkpoint dir>")
+    name = cfg.target.name_or_path
+    if target is None:
+        target = load_target(name, cfg.target.revision, cfg.target.dtype, resolve_device(cfg.eval.device), cfg.target.trust_remote_code)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(name, cfg.target.revision, cfg.target.trust_remote_code)
+    device = target.get_output_embeddings().weight.device
+    drafter = load_drafter(checkpoint, TargetShape.of(target, name)).to(device).eval()
+    methods = build_methods(cfg, drafter)
+    prompts = load_prompts(sources, tokenizer, int(cfg.eval.max_prompts), int(cfg.data.max_length))
+    eos_ids = eos_ids_of(target, tokenizer)
+    max_new_tokens, greedy = int(cfg.eval.max_new_tokens), sampling.temperature <= 0
+
+    first = next(iter(prompts.values()))[0]
+    for method in methods:  # warm-up, so lazy initialisation does not land in the first prompt's timing
+        method.run(target, first, min(WARMUP_TOKENS, max_new_tokens), sampling, eos_ids, cfg.eval.seed)
+
+    tallies: dict[str, dict[str, Tally]] = {domain: {m.name: Tally() for m in methods} for domain in prompts}
+    progress = tqdm(total=sum(map(len, prompts.values())), desc="eval", unit="prompt", file=sys.stderr)
+    seed = int(cfg.eval.seed)
+    for domain, domain_prompts in prompts.items():
+        for number, prompt in enumerate(domain_prompts):
+            reference: Optional[list[int]] = None
+            for method in methods:
+                run = method.run(target, prompt, max_new_tokens, sampling, eos_ids, seed)
+                reference = run.tokens if reference is None else reference
+                mismatched = greedy and run.tokens != reference
+                if mismatched:
+                    _warn_mismatch(method.name, domain, number, reference, run.tokens)
+                tallies[domain][method.name].add(run, mismatched=int(mismatched))
+            seed += 1
+            progress.update()
+    progress.close()
+
+    report = assemble(cfg, checkpoint, drafter, target, methods, tallies, sampling, greedy)
+    out_dir = Path(cfg.output_dir) / "eval"
+    write_report(report, out_dir)
+    save_recipe(cfg, out_dir)
+    print(f"eval report written to {out_dir}/report.json, report.md, acceptance.png", file=sys.stderr)
+    return report
+
+
+def _warn_mismatch(method: str, domain: str, number: int, reference: list[int], tokens: list[int]) -> None:
+    at = next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b), min(len(reference), len(tokens)))
+    print(
+        f"WARNING: lossless check FAILED: {method} differs from plain greedy decoding on {domain} prompt {number} "
+        f"at new token {at} (plain {reference[at:at + 1]}, {method} {tokens[at:at + 1]})",
+        file=sys.stderr,
+    )
+
+
+def assemble(cfg, checkpoint: Path, drafter, target, methods: list[Method], tallies, sampling: Sampling, greedy: bool) -> dict[str, Any]:
+    """report.json: `domains[domain][method]` for the drafter, `baselines[domain][method]` for plain
+    and n-gram, both with an `all` domain that sums the counters over the domains."""
+    tallies = dict(tallies)
+    total = {m.name: Tally() for m in methods}
+    for per_method in tallies.values():
+        for method_name, tally in per_method.items():
+            total[method_name].merge(tally)
+    tallies[ALL] = total
+    groups: dict[str, dict[str, dict[str, Any]]] = {"domains": {}, "baselines": {}}
+    for domain, per_method in tallies.items():
+        for method in methods:
+            key = "domains" if method.group == "drafter" else "baselines"
+            row = per_method[method.name].row(per_method["plain"], greedy, method.depth)
+            groups[key].setdefault(domain, {})[method.name] = row
+    return {
+        "report_version": REPORT_VERSION,
+        "target": {"name_or_path": cfg.target.name_or_path, "id": target_id(cfg.target.name_or_path), "revision": cfg.target.revision},
+        "drafter": {"path": str(checkpoint.resolve()), "type": drafter.type, "config": asdict(drafter.config)},
+        "recipe": OmegaConf.to_container(cfg, resolve=True),
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "max_new_tokens": int(cfg.eval.max_new_tokens),
+        "device": str(target.get_output_embeddings().weight.device),
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "batch_size": 1,
+        "cpu_threads": torch.get_num_threads(),
+        "versions": versions(),
+        "methods": {m.name: {"group": m.group, "depth": m.depth, **m.info} for m in methods},
+        "lossless_check": (
+            "greedy: each method's token ids compared with plain greedy decoding, prompt by prompt"
+            if greedy
+            else "not checked at temperature > 0 (outputs are random); the sampling rule's exactness is tested in tests/test_eval.py"
+        ),
+        **groups,
+    }
+
+
+def write_report(report: dict[str, Any], out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _atomic_write(out_dir / "report.json", json.dumps(report, indent=2) + "\n")
+    _atomic_write(out_dir / "report.md", render_markdown(report))
+    plot_acceptance(report, out_dir / "acceptance.png")
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _fmt(value: Optional[float], digits: int = 2) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    methods = report["methods"]
+    settings = [f"temperature {report['temperature']}", f"max_new_tokens {report['max_new_tokens']}", f"device {report['device']} ({report['dtype']})"]
+    settings.append(f"chain γ={methods['chain']['gamma']}")
+    if "tree" in methods:
+        settings.append(f"tree {methods['tree']['nodes']} nodes, depth {methods['tree']['depth']}")
+    lines = [
+        f"# Eval: {report['drafter']['type']} drafter for {report['target']['id']}",
+        "",
+        f"drafter `{report['drafter']['path']}`; " + ", ".join(settings) + ".",
+        "",
+        "| domain | method | prompts | τ | α | per position | tok/s | speedup | lossless |",
+        "|---|---|---:|---:|---:|---|---:|---:|:---:|",
+    ]
+    for domain in report["baselines"]:
+        rows = {**report["baselines"][domain], **report["domains"][domain]}
+        for name in methods:
+            row = rows[name]
+            lossless = {True: "yes", False: "**NO**", None: "n/a"}[row["lossless"]]
+            per_position = " / ".join(_fmt(p) for p in row["per_position"]) or "–"
+            lines.append(
+                f"| {domain} | {name} | {row['prompts']} | {_fmt(row['tau'])} | {_fmt(row['alpha'])} | {per_position} "
+                f"| {row['tokens_per_s']:.1f} | {_fmt(row['speedup'])}× | {lossless} |"
+            )
+    lines += [
+        "",
+        "τ: new tokens per target forward (bonus included, prefill not counted). α: accepted / drafted positions. "
+        "Per position: acceptance at draft position k given positions < k were accepted. "
+        "Speedup: tokens/s over plain decoding in the same run. "
+        f"Lossless: {report['lossless_check']}.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot_acceptance(report: dict[str, Any], path: Path) -> None:
+    """Left: alpha per domain for each drafting method; right: per-position acceptance per domain."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    domains = list(report["domains"])
+    drafting = [name for name in report["methods"] if name != "plain"]
+    rows = {d: {**report["baselines"][d], **report["domains"][d]} for d in domains}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(drafting)
+    for i, name in enumerate(drafting):
+        values = [rows[d][name]["alpha"] or 0.0 for d in domains]
+        left.bar([x + i * width for x in range(len(domains))], values, width, label=name)
+    left.set_xticks([x + 0.4 - width / 2 for x in range(len(domains))], domains)
+    left.set_ylim(0, 1)
+    left.set_ylabel("α (accepted / drafted)")
+    left.set_title("acceptance per domain")
+    left.legend()
+    styles = {"chain": "-", "tree": "--"}
+    for domain in domains:
+        for name, style in styles.items():
+            if name in report["domains"][domain]:
+                rates = report["domains"][domain][name]["per_position"]
+                right.plot(range(1, len(rates) + 1), [r or 0.0 for r in rates], style, marker="o", label=f"{domain} {name}")
+    right.set_ylim(0, 1)
+    right.set_xlabel("draft position")
+    right.set_ylabel("acceptance given earlier positions accepted")
+    right.set_title("per-position acceptance")
+    right.legend(fontsize="small")
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)

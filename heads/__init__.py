@@ -1,0 +1,25 @@
+"""Drafter architectures, one file each, found by the recipe's `drafter.type` through this registry."""
+from __future__ import annotations
+
+from draftsmith.errors import UserError
+from heads.base import DraftState, DraftTree, Drafter, TargetShape, load_drafter
+
+REGISTRY: dict[str, type[Drafter]] = {}
+
+
+def register(cls: type[Drafter]) -> type[Drafter]:
+    if cls.type in REGISTRY:
+        raise ValueError(f"drafter type {cls.type!r} registered twice")
+    REGISTRY[cls.type] = cls
+    return cls
+
+
+def drafter_class(name: str) -> type[Drafter]:
+    if name not in REGISTRY:
+        raise UserError(f"unknown drafter.type {name!r}; known types: {', '.join(sorted(REGISTRY))}")
+    return REGISTRY[name]
+
+
+from heads import medusa  # noqa: E402,F401  (registers itself)
+
+__all__ = ["DraftState", "DraftTree", "Drafter", "TargetShape", "drafter_class", "load_drafter", "register", "REGISTRY"]

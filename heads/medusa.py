@@ -1,0 +1,198 @@
+"""Medusa-1: K heads on the frozen target's last hidden state; head k guesses the token k+1
+positions beyond the target's own next token.
+
+Parameter names follow vLLM's Medusa layout (`blocks.{h}.layers.{l}.weight|bias`,
+`lm_heads.{h}.weight`, with `medusa_fc_bias: true`), so export is a config rewrite, not a rename.
+Head numbering in metrics is 1-based: `head1` predicts 2 tokens ahead of the hidden state it reads.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.errors import UserError
+from draftsmith.target import FeatureRequest, TargetOutput
+from heads import register
+from heads.base import DraftState, DraftTree, Drafter, TargetShape
+
+
+@dataclass
+class MedusaConfig:
+    type: str = "medusa"
+    num_heads: int = 3
+    num_layers: int = 1  # residual SiLU blocks per head
+    loss_decay: float = 0.8  # head k's loss weight is loss_decay**(k-1) ...
+    loss_weights: Optional[List[float]] = None  # ... unless given explicitly, one per head
+    init_lm_heads_from_target: bool = True
+    tree_topk: int = 10  # candidates per head considered when building a tree
+    head_accuracy: Optional[dict] = field(default=None)  # filled after training: {"top1": [...], "top5": [...]}
+
+
+class ResidualBlock(nn.Module):
+    """x + SiLU(W x + b). Zero-initialised W and b make a fresh head start as the identity."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaBlocks(nn.Module):
+    """One head's stack of residual blocks; `layers.{l}` are distinct modules with their own weights."""
+
+    def __init__(self, hidden_size: int, num_layers: int):
+        super().__init__()
+        self.layers = nn.ModuleList(ResidualBlock(hidden_size) for _ in range(num_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@register
+class Medusa(Drafter):
+    type = "medusa"
+    Config = MedusaConfig
+
+    def __init__(self, config: MedusaConfig, target: TargetShape):
+        super().__init__(config, target)
+        if config.num_heads < 1 or config.num_layers < 0:
+            raise UserError(f"drafter.num_heads must be >= 1 and num_layers >= 0 (got {config.num_heads}, {config.num_layers})")
+        if config.loss_weights is not None and len(config.loss_weights) != config.num_heads:
+            raise UserError(f"drafter.loss_weights has {len(config.loss_weights)} values for {config.num_heads} heads")
+        hidden, vocab = target.hidden_size, target.vocab_size
+        self.blocks = nn.ModuleList(MedusaBlocks(hidden, config.num_layers) for _ in range(config.num_heads))
+        self.lm_heads = nn.ModuleList(nn.Linear(hidden, vocab, bias=False) for _ in range(config.num_heads))
+        self._register_state_dict_hook(_vllm_names)
+        self._register_load_state_dict_pre_hook(_from_vllm_names)
+
+    @classmethod
+    def from_target(cls, config: MedusaConfig, target_model, name_or_path: str) -> "Medusa":
+        drafter = cls(config, TargetShape.of(target_model, name_or_path))
+        if config.init_lm_heads_from_target:
+            weight = target_model.get_output_embeddings().weight.detach().float()
+            for head in drafter.lm_heads:
+                head.weight.data.copy_(weight)
+        return drafter
+
+    @property
+    def features(self) -> FeatureRequest:
+        return FeatureRequest(final=True)
+
+    @property
+    def max_chain(self) -> int:
+        return self.config.num_heads
+
+    def loss_weights(self) -> list[float]:
+        if self.config.loss_weights is not None:
+            return list(self.config.loss_weights)
+        return [self.config.loss_decay**k for k in range(self.config.num_heads)]
+
+    def head_logits(self, head: int, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_heads[head](self.blocks[head](hidden))
+
+    def loss(self, batch: dict, target_out: TargetOutput):
+        hidden = target_out.final.to(self.lm_heads[0].weight.dtype)
+        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
+        batch_size = input_ids.shape[0]
+        total = hidden.new_zeros(())
+        stats: dict[str, torch.Tensor] = {}
+        for k, weight in enumerate(self.loss_weights()):
+            shift = k + 2  # hidden at t -> token t+2 for the first head
+            if input_ids.shape[1] <= shift:
+                continue
+            # Project only the supervised positions: the vocab projection dominates memory.
+            mask = loss_mask[:, shift:]
+            rows = mask.nonzero(as_tuple=True)[0]
+            logits = self.head_logits(k, hidden[:, :-shift][mask]).float()
+            labels = input_ids[:, shift:][mask]
+            token_loss = F.cross_entropy(logits, labels, reduction="none")
+            count = mask.sum()
+            total = total + weight * token_loss.sum() / count.clamp(min=1)
+            with torch.no_grad():
+                top5 = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
+                hit1 = (top5[:, 0] == labels).float()
+                hit5 = (top5 == labels[:, None]).any(-1).float()
+                counts = torch.zeros(batch_size, device=hidden.device).index_add_(0, rows, torch.ones_like(hit1))
+                for name, values in (("loss", token_loss.detach()), ("top1", hit1), ("top5", hit5)):
+                    sums = torch.zeros(batch_size, device=hidden.device).index_add_(0, rows, values)
+                    stats[f"head{k + 1}/{name}"] = torch.stack([sums, counts], dim=-1)
+        return total, stats
+
+    # -- decoding -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def propose(self, state: DraftState, num_tokens: int, tree: Optional[Sequence[tuple[int, ...]]] = None) -> DraftTree:
+        hidden = state.final.to(self.lm_heads[0].weight.dtype)[None]
+        if tree is None:
+            if not 1 <= num_tokens <= self.config.num_heads:
+                raise UserError(f"a Medusa drafter with {self.config.num_heads} heads proposes at most {self.config.num_heads} tokens (asked {num_tokens})")
+            tokens = torch.stack([self.head_logits(k, hidden)[0].argmax() for k in range(num_tokens)])
+            return DraftTree.chain(tokens)
+        depth = max(len(path) for path in tree)
+        if depth > self.config.num_heads:
+            raise UserError(f"tree depth {depth} exceeds the drafter's {self.config.num_heads} heads")
+        width = max(max(path) for path in tree) + 1
+        candidates = [self.head_logits(k, hidden)[0].topk(width).indices for k in range(depth)]
+        index = {path: i for i, path in enumerate(tree)}
+        tokens = torch.stack([candidates[len(path) - 1][path[-1]] for path in tree])
+        parents = torch.tensor([index[path[:-1]] if len(path) > 1 else -1 for path in tree], device=tokens.device)
+        return DraftTree(tokens=tokens, parents=parents)
+
+    def default_tree(self, size: int) -> list[tuple[int, ...]]:
+        """The `size` most likely paths under per-head, per-rank acceptance estimates (Medusa's
+        static trees are built the same way from measured accuracies)."""
+        rank_probs = [self._rank_probabilities(k) for k in range(self.config.num_heads)]
+        frontier = [(-rank_probs[0][r], (r,)) for r in range(len(rank_probs[0]))]
+        heapq.heapify(frontier)
+        paths: list[tuple[int, ...]] = []
+        while frontier and len(paths) < size:
+            neg_prob, path = heapq.heappop(frontier)
+            paths.append(path)
+            if len(path) < self.config.num_heads:
+                for r, p in enumerate(rank_probs[len(path)]):
+                    heapq.heappush(frontier, (neg_prob * p, path + (r,)))
+        # Sort so every parent precedes its children (shorter paths first, then by rank).
+        return sorted(paths, key=lambda path: (len(path), path))
+
+    def _rank_probabilities(self, head: int) -> list[float]:
+        """P(the true token is the head's rank-r candidate), from measured top-1/top-5 accuracy."""
+        accuracy = self.config.head_accuracy or {}
+        top1 = (accuracy.get("top1") or [])[head:head + 1] or [0.6 * 0.7**head]
+        top5 = (accuracy.get("top5") or [])[head:head + 1] or [min(0.95, top1[0] * 1.6)]
+        top1, top5 = float(top1[0]), max(float(top5[0]), float(top1[0]))
+        spread = [0.4, 0.27, 0.2, 0.13]  # how the top-2..5 mass usually falls off
+        tail = max(1.0 - top5, 0.0) / max(self.config.tree_topk - 5, 1) * 0.5
+        probs = [top1] + [(top5 - top1) * s for s in spread] + [tail] * max(self.config.tree_topk - 5, 0)
+        return probs[: self.config.tree_topk]
+
+    def calibrate(self, summary: dict[str, float]) -> None:
+        """Keep the measured per-head accuracy: it shapes the default tree at decode time."""
+        self.config.head_accuracy = {
+            metric: [summary.get(f"head{k + 1}/{metric}", 0.0) for k in range(self.config.num_heads)]
+            for metric in ("top1", "top5")
+        }
+
+
+def _vllm_names(module, state_dict, prefix, local_metadata):
+    for key in list(state_dict):
+        if key.startswith(prefix + "blocks.") and ".linear." in key:
+            state_dict[key.replace(".linear.", ".")] = state_dict.pop(key)
+    return state_dict
+
+
+def _from_vllm_names(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    for key in list(state_dict):
+        if key.startswith(prefix + "blocks.") and key.count(".") - prefix.count(".") == 4:
+            head, rest = key[len(prefix):].split(".layers.", 1)
+            layer, param = rest.split(".", 1)
+            state_dict[f"{prefix}{head}.layers.{layer}.linear.{param}"] = state_dict.pop(key)

@@ -1,0 +1,412 @@
+"""data_prep: reading conversations, chat-template loss masks, the tokenized cache, the collator."""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from tokenizers import processors
+
+from data_prep import (
+    Collator,
+    domain_names,
+    load_conversations,
+    render_prompt,
+    render_with_masks,
+    tokenize_conversations,
+)
+from data_prep.dataset import cache_key
+from draftsmith.errors import UserError
+from draftsmith.target import load_tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+REFERENCE = REPO.parent / "shared" / "models" / "reference-target"
+MATH_EVAL = REPO.parent / "shared" / "data" / "corpus" / "math.eval.jsonl.gz"
+
+# Meta-Llama-3-8B-Instruct's template, verbatim.
+LLAMA3_TEMPLATE = (
+    r"{% set loop_messages = messages %}{% for message in loop_messages %}"
+    r"{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}"
+    r"{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+    r"{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+# Qwen2.5-Instruct's template without its `tools` branch (no tools are passed here): ChatML with
+# a default system message when the conversation has none.
+QWEN25_TEMPLATE = r"""{%- if messages[0]['role'] == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+{%- else %}
+    {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- message.content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+
+ANSWER_1 = "Paris is the capital of France.\n"  # the trailing newline is content, Llama-3's trim drops it
+ANSWER_2 = "About 2.1 million people live in Paris."
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": ANSWER_1},
+    {"role": "user", "content": "How many people live there?"},
+    {"role": "assistant", "content": ANSWER_2},
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def isolated_datasets_cache(tmp_path_factory):
+    """Keep datasets' own cache (json/parquet builders, map results) out of the user's home."""
+    saved = datasets.config.HF_DATASETS_CACHE
+    datasets.config.HF_DATASETS_CACHE = str(tmp_path_factory.mktemp("hf_datasets"))
+    datasets.disable_progress_bars()
+    yield datasets.config.HF_DATASETS_CACHE
+    datasets.config.HF_DATASETS_CACHE = saved
+    datasets.enable_progress_bars()
+
+
+@pytest.fixture(scope="module")
+def reference_tokenizer():
+    return load_tokenizer(str(REFERENCE))
+
+
+def llama3_tokenizer(eos: str):
+    tokenizer = load_tokenizer(str(REFERENCE))
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|end_of_text|>"]}
+    )
+    tokenizer.bos_token = "<|begin_of_text|>"
+    tokenizer.eos_token = eos
+    tokenizer.chat_template = LLAMA3_TEMPLATE
+    return tokenizer
+
+
+def qwen_tokenizer(eos: str):
+    tokenizer = load_tokenizer(str(REFERENCE))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]})
+    # Like Qwen's own tokenizer: no BOS token and none added by the post-processor.
+    tokenizer.backend_tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    tokenizer.bos_token = None
+    tokenizer.eos_token = eos
+    tokenizer.chat_template = QWEN25_TEMPLATE
+    return tokenizer
+
+
+def decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def masked_runs(tokenizer, ids: list[int], mask: list[int]) -> list[str]:
+    """The masked tokens decoded, one string per contiguous masked run."""
+    runs: list[list[int]] = []
+    for position, (token, flag) in enumerate(zip(ids, mask)):
+        if flag:
+            if position == 0 or not mask[position - 1]:
+                runs.append([])
+            runs[-1].append(token)
+    return [decode(tokenizer, run) for run in runs]
+
+
+def write_jsonl(path: Path, records: list, opener=open) -> Path:
+    with opener(path, "wt", encoding="utf-8") as handle:
+        for record in records:
+            handle.write((record if isinstance(record, str) else json.dumps(record)) + "\n")
+    return path
+
+
+# ---- loss masks -------------------------------------------------------------------------------
+
+
+def test_reference_template_masks_exactly_the_answers(reference_tokenizer):
+    ids, mask = render_with_masks(reference_tokenizer, CONVERSATION)
+    assert len(ids) == len(mask)
+    assert ids[0] == reference_tokenizer.bos_token_id  # the tokenizer adds <|bos|>; the template does not
+    assert decode(reference_tokenizer, ids) == "<|bos|>" + reference_tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
+    assert masked_runs(reference_tokenizer, ids, mask) == [ANSWER_1 + "<|end|>", ANSWER_2 + "<|end|>"]
+
+
+@pytest.mark.parametrize("eos", ["<|eot_id|>", "<|end_of_text|>"])
+def test_llama3_template_masks_exactly_the_answers(eos):
+    tokenizer = llama3_tokenizer(eos)
+    ids, mask = render_with_masks(tokenizer, CONVERSATION)
+    # The template writes <|begin_of_text|> itself, so no second BOS is added.
+    assert decode(tokenizer, ids) == tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
+    assert decode(tokenizer, ids[:2]) == "<|begin_of_text|><|start_header_id|>"
+    # With eos <|end_of_text|> the span ends at the template's own <|eot_id|>: same mask.
+    assert masked_runs(tokenizer, ids, mask) == [ANSWER_1.strip() + "<|eot_id|>", ANSWER_2 + "<|eot_id|>"]
+
+
+@pytest.mark.parametrize("eos", ["<|im_end|>", "<|endoftext|>"])
+@pytest.mark.parametrize("with_system", [True, False])
+def test_chatml_template_masks_exactly_the_answers(eos, with_system):
+    tokenizer = qwen_tokenizer(eos)
+    conversation = CONVERSATION if with_system else CONVERSATION[1:]  # else the default system prompt
+    ids, mask = render_with_masks(tokenizer, conversation)
+    text = tokenizer.apply_chat_template(conversation, tokenize=False)
+    assert text.startswith("<|im_start|>system\n")
+    assert decode(tokenizer, ids) == text  # no BOS added
+    assert masked_runs(tokenizer, ids, mask) == [ANSWER_1 + "<|im_end|>", ANSWER_2 + "<|im_end|>"]
+
+
+def test_render_prompt_stops_at_the_last_assistant_turn(reference_tokenizer):
+    ids, answer = render_prompt(reference_tokenizer, CONVERSATION)
+    assert answer == ANSWER_2
+    expected = reference_tokenizer.apply_chat_template(CONVERSATION[:-1], tokenize=False, add_generation_prompt=True)
+    assert decode(reference_tokenizer, ids) == "<|bos|>" + expected
+    assert expected.endswith("<|assistant|>\n")
+    llama_ids, _ = render_prompt(llama3_tokenizer("<|eot_id|>"), CONVERSATION)
+    assert decode(llama3_tokenizer("<|eot_id|>"), llama_ids[:1]) == "<|begin_of_text|>"  # still a single BOS
+
+
+def test_template_errors():
+    tokenizer = load_tokenizer(str(REFERENCE))
+    tokenizer.chat_template = None
+    with pytest.raises(UserError, match="tokenizer of .*reference-target has no chat template"):
+        render_with_masks(tokenizer, CONVERSATION)
+    # A template whose output depends on the number of messages rewrites earlier turns.
+    tokenizer.chat_template = "{{ messages | length }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    with pytest.raises(UserError, match="is not prefix-stable for assistant turn 3"):
+        render_with_masks(tokenizer, CONVERSATION)
+    tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(UserError, match="rejected the conversation: roles must alternate"):
+        render_with_masks(tokenizer, CONVERSATION)
+
+
+# ---- reading conversations --------------------------------------------------------------------
+
+RECORDS = [
+    {"id": "a", "domain": "geo", "messages": CONVERSATION},
+    {"id": "b", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]},
+]
+SHAREGPT_ROLES = {"system": "system", "user": "human", "assistant": "gpt"}
+SHAREGPT = [
+    {"domain": "geo", "conversations": [{"from": SHAREGPT_ROLES[t["role"]], "value": t["content"]} for t in CONVERSATION]},
+    {"conversations": [{"from": "human", "value": "Hi"}, {"from": "chatgpt", "value": "Hello!"}]},
+]
+
+
+def test_all_formats_give_identical_conversations(tmp_path):
+    paths = [
+        write_jsonl(tmp_path / "plain.jsonl", RECORDS),
+        write_jsonl(tmp_path / "packed.jsonl.gz", RECORDS, opener=gzip.open),
+        write_jsonl(tmp_path / "sharegpt.jsonl", SHAREGPT),
+        tmp_path / "array.json",
+        tmp_path / "table.parquet",
+    ]
+    paths[3].write_text(json.dumps(RECORDS))
+    datasets.Dataset.from_list(RECORDS).to_parquet(str(paths[4]))
+    expected = [record["messages"] for record in RECORDS]
+    for path in paths:
+        loaded = load_conversations([str(path)])
+        assert loaded.column_names == ["messages", "domain", "source", "record"]
+        assert loaded["messages"] == expected, path.name
+        assert list(loaded["domain"]) == ["geo", "default"], path.name
+        assert list(loaded["source"]) == [str(path)] * 2 and list(loaded["record"]) == [1, 2]
+
+
+def test_globs_directories_and_per_file_cap(tmp_path):
+    (tmp_path / "sub").mkdir()
+    first = write_jsonl(tmp_path / "a.jsonl", RECORDS)
+    second = write_jsonl(tmp_path / "sub" / "b.jsonl", RECORDS[::-1])
+    (tmp_path / "notes.txt").write_text("not data")
+    for source in (str(tmp_path), str(tmp_path / "**" / "*.jsonl")):
+        loaded = load_conversations([source], max_conversations=1)
+        assert list(loaded["source"]) == [str(first), str(second)]
+        assert list(loaded["domain"]) == ["geo", "default"]  # the first record of each file
+    assert len(load_conversations([str(first), str(second)])) == 4
+
+
+def test_hub_ids_go_through_load_dataset(monkeypatch):
+    calls = []
+
+    def fake_load_dataset(path, split):
+        calls.append((path, split))
+        return datasets.Dataset.from_list(RECORDS)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    loaded = load_conversations(["someone/chats:validation", "someone/other"])
+    assert calls == [("someone/chats", "validation"), ("someone/other", "train")]
+    assert list(loaded["source"]) == ["someone/chats:validation"] * 2 + ["someone/other"] * 2
+
+
+USER = {"role": "user", "content": "Hi"}
+ASSISTANT = {"role": "assistant", "content": "Hello!"}
+GOOD = {"messages": [USER, ASSISTANT]}
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        ([GOOD, GOOD, '{"messages": [oops'], r"bad\.jsonl:3: malformed JSON"),
+        ([GOOD, {"messages": [USER, {"content": "Hello!"}]}], r"bad\.jsonl record 2: turn 2 has no role"),
+        ([GOOD, {"messages": [USER, {"role": "assistant", "content": "  \n"}]}], r"bad\.jsonl record 2: turn 2 has an empty content"),
+        ([{"messages": [{"role": "wizard", "content": "Hi"}, ASSISTANT]}], r"bad\.jsonl record 1: turn 1 has an unknown role 'wizard'"),
+        ([GOOD, {"messages": [USER]}], r"bad\.jsonl record 2: no assistant turn"),
+        ([GOOD, {"messages": [USER, {"role": "assistant", "content": 5}]}], r"bad\.jsonl record 2: turn 2 has a content of type int"),
+        ([{"prompt": "Hi", "response": "Hello!"}], r"bad\.jsonl record 1: no 'messages' field"),
+        ([], r"bad\.jsonl has no records"),
+    ],
+    ids=["malformed", "no-role", "empty-turn", "unknown-role", "no-assistant", "non-string", "no-messages", "empty-file"],
+)
+def test_bad_records_name_file_and_record(tmp_path, lines, message):
+    path = write_jsonl(tmp_path / "bad.jsonl", lines)
+    with pytest.raises(UserError, match=message) as caught:
+        load_conversations([str(path)])
+    assert "\n" not in str(caught.value)
+
+
+def test_bad_sources(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load_conversations([str(tmp_path / "missing.jsonl")])
+    with pytest.raises(UserError, match="matches no"):
+        load_conversations([str(tmp_path / "*.parquet")])
+    with pytest.raises(UserError, match="max_conversations"):
+        load_conversations([str(write_jsonl(tmp_path / "ok.jsonl", [GOOD]))], max_conversations=0)
+
+
+def test_fingerprint_is_stable_across_processes_and_follows_the_file(tmp_path, isolated_datasets_cache):
+    path = write_jsonl(tmp_path / "chats.jsonl", RECORDS)
+    fingerprint = load_conversations([str(path)])._fingerprint
+    assert load_conversations([str(path)])._fingerprint == fingerprint
+    script = f"from data_prep import load_conversations; print(load_conversations([{str(path)!r}])._fingerprint)"
+    env = {**os.environ, "HF_DATASETS_CACHE": isolated_datasets_cache}
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == fingerprint
+    write_jsonl(path, RECORDS[:1])
+    os.utime(path, (path.stat().st_atime + 5, path.stat().st_mtime + 5))
+    assert load_conversations([str(path)])._fingerprint != fingerprint
+
+
+# ---- tokenized data set -----------------------------------------------------------------------
+
+
+def test_tokenized_dataset_carries_domains(tmp_path, reference_tokenizer):
+    conversations = load_conversations([str(write_jsonl(tmp_path / "c.jsonl", RECORDS))])
+    tokenized = tokenize_conversations(conversations, reference_tokenizer, max_length=512, cache_dir=str(tmp_path / "cache"))
+    assert tokenized.column_names == ["input_ids", "loss_mask", "domain", "length"]
+    assert list(tokenized["domain"]) == ["geo", "default"]
+    assert domain_names(tokenized) == ["default", "geo"]
+    ids, mask = render_with_masks(reference_tokenizer, CONVERSATION)
+    assert tokenized[0]["input_ids"] == ids and tokenized[0]["loss_mask"] == mask and tokenized[0]["length"] == len(ids)
+
+
+LONG = {"domain": "long", "messages": [{"role": "user", "content": "Tell me."}, {"role": "assistant", "content": "Fine. " * 40}]}
+LONG_PROMPT = {"messages": [{"role": "user", "content": "Listen. " * 80}, ASSISTANT]}
+
+
+def test_overlong_policies(tmp_path, reference_tokenizer):
+    conversations = load_conversations([str(write_jsonl(tmp_path / "c.jsonl", [GOOD, LONG, LONG_PROMPT]))])
+    full = [render_with_masks(reference_tokenizer, row["messages"]) for row in conversations]
+    max_length = 60
+    assert len(full[0][0]) <= max_length < len(full[1][0]) and len(full[2][0]) > max_length
+    cache = str(tmp_path / "cache")
+
+    with pytest.raises(UserError, match=r"c\.jsonl record 2: \d+ tokens is more than data.max_length=60"):
+        tokenize_conversations(conversations, reference_tokenizer, max_length, overlong="error", cache_dir=cache)
+
+    truncated = tokenize_conversations(conversations, reference_tokenizer, max_length, overlong="truncate", cache_dir=cache)
+    # LONG_PROMPT keeps no assistant token within 60 tokens, so it goes even when truncating.
+    assert len(truncated) == 2
+    assert truncated[1]["input_ids"] == full[1][0][:max_length] and truncated[1]["loss_mask"] == full[1][1][:max_length]
+    assert truncated[1]["length"] == max_length and truncated[1]["domain"] == "long"
+
+    dropped = tokenize_conversations(conversations, reference_tokenizer, max_length, overlong="drop", cache_dir=cache)
+    assert len(dropped) == 1 and dropped[0]["input_ids"] == full[0][0]
+
+    with pytest.raises(UserError, match="data.overlong='cut' is not one of"):
+        tokenize_conversations(conversations, reference_tokenizer, max_length, overlong="cut", cache_dir=cache)
+
+
+def test_tokenizing_without_chat_template_fails(tmp_path):
+    tokenizer = load_tokenizer(str(REFERENCE))
+    tokenizer.chat_template = None
+    conversations = load_conversations([str(write_jsonl(tmp_path / "c.jsonl", [GOOD]))])
+    with pytest.raises(UserError, match="has no chat template"):
+        tokenize_conversations(conversations, tokenizer, 64, cache_dir=str(tmp_path / "cache"))
+
+
+def test_cache_is_reused_and_keyed_on_settings(tmp_path, reference_tokenizer, monkeypatch):
+    conversations = load_conversations([str(write_jsonl(tmp_path / "c.jsonl", RECORDS))])
+    cache = tmp_path / "cache"
+    first = tokenize_conversations(conversations, reference_tokenizer, 512, cache_dir=str(cache))
+    key = cache_key(conversations, reference_tokenizer, 512, "truncate")
+    assert [p.name for p in (cache / "tokenized").iterdir()] == [key]  # no temporary leftovers
+
+    def no_map(*args, **kwargs):
+        raise AssertionError("tokenized again instead of loading the cache")
+
+    monkeypatch.setattr(datasets.Dataset, "map", no_map)
+    again = tokenize_conversations(conversations, reference_tokenizer, 512, cache_dir=str(cache))
+    assert again.to_list() == first.to_list()
+    monkeypatch.undo()
+
+    assert cache_key(conversations, reference_tokenizer, 256, "truncate") != key
+    assert cache_key(conversations, reference_tokenizer, 512, "drop") != key
+    assert cache_key(conversations, qwen_tokenizer("<|im_end|>"), 512, "truncate") != key
+    tokenize_conversations(conversations, reference_tokenizer, 256, cache_dir=str(cache))
+    assert len(list((cache / "tokenized").iterdir())) == 2
+
+
+# ---- collator ---------------------------------------------------------------------------------
+
+
+def test_collator_pads_right_and_masks_padding():
+    rows = [
+        {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1], "domain": "a", "length": 3},
+        {"input_ids": [8], "loss_mask": [1], "domain": "b", "length": 1},
+    ]
+    batch = Collator(pad_token_id=0)(rows)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["loss_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
+    assert all(batch[name].dtype == torch.long for name in ("input_ids", "attention_mask", "loss_mask"))
+    assert batch["domain"] == ["a", "b"]
+
+
+def test_collator_with_dataloader(tmp_path, reference_tokenizer):
+    conversations = load_conversations([str(write_jsonl(tmp_path / "c.jsonl", RECORDS + [LONG]))])
+    tokenized = tokenize_conversations(conversations, reference_tokenizer, 512, cache_dir=str(tmp_path / "cache"))
+    pad = reference_tokenizer.pad_token_id
+    loader = torch.utils.data.DataLoader(tokenized, batch_size=3, collate_fn=Collator(pad))
+    batch = next(iter(loader))
+    lengths = list(tokenized["length"])
+    assert batch["input_ids"].shape == (3, max(lengths))
+    assert batch["attention_mask"].sum(dim=1).tolist() == lengths
+    assert (batch["input_ids"][batch["attention_mask"] == 0] == pad).all()
+    assert (batch["loss_mask"][batch["attention_mask"] == 0] == 0).all()
+    assert batch["loss_mask"].sum(dim=1).tolist() == [sum(row["loss_mask"]) for row in tokenized]
+    assert batch["domain"] == ["geo", "default", "long"]
+
+
+# ---- the real corpus --------------------------------------------------------------------------
+
+
+def test_real_corpus_slice(tmp_path, reference_tokenizer):
+    conversations = load_conversations([str(MATH_EVAL)], max_conversations=200)
+    assert len(conversations) == 200 and domain_names(conversations) == ["math"]
+    tokenized = tokenize_conversations(conversations, reference_tokenizer, 512, cache_dir=str(tmp_path / "cache"))
+    assert len(tokenized) == 200
+    assert all(any(row["loss_mask"]) for row in tokenized)
+    first = tokenized[0]
+    answer = conversations[0]["messages"][-1]["content"]
+    assert masked_runs(reference_tokenizer, first["input_ids"], first["loss_mask"]) == [answer + "<|end|>"]

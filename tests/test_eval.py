@@ -1,0 +1,413 @@
+"""The draft-verify loop: greedy losslessness (chain, tree, n-gram), KV-cache rollback, the tree
+mask, the exactness of speculative sampling (chi-square against the target's exact distribution),
+and the report / CLI."""
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+from scipy import stats
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from draftsmith.errors import UserError
+from draftsmith.recipe import load_recipe
+from draftsmith.target import FeatureRequest, load_target
+from eval.loop import Sampling, exact_rule, generate, prefill, propose, tree_attention_mask, tree_depths, verify_step
+from eval.ngram import NGramDrafter
+from eval.report import run_eval
+from heads import drafter_class
+from heads.base import DraftState, DraftTree
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+REFERENCE_TARGET = SHARED / "models" / "reference-target"
+CORPUS = SHARED / "data" / "corpus"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run several times faster on one thread (no pool wake-ups per op)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_llama(vocab: int = 96, hidden: int = 48, layers: int = 2, seed: int = 0, attn: str = "sdpa", logit_scale: float = 1.0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attn_implementation=attn,
+    )
+    model = LlamaForCausalLM(config).eval()
+    model.lm_head.weight.data *= logit_scale  # sharper next-token distributions
+    return model.requires_grad_(False)
+
+
+def perturbed_medusa(model, num_heads: int = 3, noise: float = 0.05, seed: int = 0):
+    """Medusa heads initialised from the lm_head plus noise: wrong most of the time."""
+    medusa = drafter_class("medusa")
+    drafter = medusa.from_target(medusa.Config(num_heads=num_heads), model, "tiny")
+    generator = torch.Generator().manual_seed(seed)
+    for parameter in drafter.parameters():
+        parameter.data += noise * torch.randn(parameter.shape, generator=generator)
+    return drafter.eval()
+
+
+def tree_from_paths(paths) -> list[int]:
+    index = {path: i for i, path in enumerate(paths)}
+    return [index[path[:-1]] if len(path) > 1 else -1 for path in paths]
+
+
+class OracleDrafter:
+    """Knows the target's greedy continuation and hides it among wrong siblings: at each depth the
+    true token sits at a random rank (or nowhere, with probability 1 - hit_rate). Accepted paths
+    then run through any branch of a tree, which exercises the cache gather."""
+
+    features = FeatureRequest(final=True)
+
+    def __init__(self, continuation: list[int], prompt_len: int, vocab: int, hit_rate: float, seed: int = 0):
+        self.continuation, self.prompt_len, self.vocab, self.hit_rate = continuation, prompt_len, vocab, hit_rate
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def propose(self, state: DraftState, num_tokens: int, tree=None) -> DraftTree:
+        paths = list(tree) if tree is not None else [(0,) * d for d in range(1, num_tokens + 1)]
+        width = max(max(path) for path in paths) + 1
+        done = len(state.tokens) - self.prompt_len  # new tokens before the one after the root
+        truth, rank = [], []
+        for depth in range(max(map(len, paths))):
+            position = done + depth
+            truth.append(self.continuation[position] if position < len(self.continuation) else 0)
+            hit = torch.rand((), generator=self.generator) < self.hit_rate
+            rank.append(int(torch.randint(width, (), generator=self.generator)) if hit else -1)
+        tokens = []
+        for path in paths:
+            depth = len(path) - 1
+            on_truth = all(path[d] == rank[d] for d in range(len(path)))
+            tokens.append(truth[depth] if on_truth else (truth[depth] + 1 + path[-1]) % self.vocab)
+        return DraftTree(tokens=torch.tensor(tokens), parents=torch.tensor(tree_from_paths(paths)))
+
+
+WIDE_TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 0, 1), (2, 0, 0)]
+
+
+# -- greedy: speculative output == plain output ---------------------------------------------------
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 96, (length,), generator=generator).tolist() for length in (5, 11, 17)]
+
+
+@pytest.mark.parametrize("kind", ["medusa-chain", "medusa-tree", "oracle-chain", "oracle-tree", "ngram"])
+def test_greedy_speculative_equals_plain(model, prompts, kind):
+    new_tokens, totals = 48, {"drafted": 0, "accepted": 0}
+    for number, prompt in enumerate(prompts):
+        plain = generate(model, prompt, new_tokens)
+        assert plain.target_forwards == plain.new_tokens == new_tokens
+        if kind.startswith("medusa"):
+            drafter = perturbed_medusa(model, seed=number)
+            tree = drafter.default_tree(10) if kind == "medusa-tree" else None
+        elif kind.startswith("oracle"):
+            drafter = OracleDrafter(plain.tokens, len(prompt), 96, hit_rate=0.7, seed=number)
+            tree = WIDE_TREE if kind == "oracle-tree" else None
+        else:
+            drafter, tree = NGramDrafter(3), None
+        spec = generate(model, prompt, new_tokens, drafter, gamma=3, tree=tree)
+        assert spec.tokens == plain.tokens, f"{kind} differs from plain greedy on prompt {number}"
+        assert spec.new_tokens == new_tokens
+        assert spec.accepted == sum(spec.accepted_at) <= spec.drafted
+        totals["drafted"] += spec.drafted
+        totals["accepted"] += spec.accepted
+    assert totals["accepted"] < totals["drafted"]  # rejections happened
+    if kind.startswith("oracle") or kind == "ngram":
+        assert totals["accepted"] > 0
+
+
+def test_greedy_stops_at_eos(model, prompts):
+    plain = generate(model, prompts[1], 40)
+    eos = plain.tokens[9]
+    stop = plain.tokens.index(eos) + 1
+    drafter = OracleDrafter(plain.tokens, len(prompts[1]), 96, hit_rate=1.0)
+    for tree in (None, WIDE_TREE):
+        spec = generate(model, prompts[1], 40, drafter, gamma=3, tree=tree, eos_ids=frozenset({eos}))
+        assert spec.tokens == plain.tokens[:stop]
+
+
+def test_cache_after_many_cycles_equals_fresh_prefill(model, prompts):
+    prompt = prompts[2]
+    plain = generate(model, prompt, 80)
+    drafter = OracleDrafter(plain.tokens, len(prompt), 96, hit_rate=0.8, seed=3)
+    state = prefill(model, prompt)
+    generator = torch.Generator().manual_seed(0)
+    gathered = 0  # cycles whose accepted path was not already contiguous in the cache
+    for _ in range(25):
+        draft = propose(drafter, state, 3, WIDE_TREE, max_depth=3)
+        verdict = verify_step(model, state, draft, Sampling(), generator)
+        gathered += verdict.path != list(range(len(verdict.path)))
+    assert gathered >= 5
+    assert state.tokens[len(prompt):] == plain.tokens[: len(state.tokens) - len(prompt)]
+    fresh = prefill(model, state.tokens)
+    assert state.cache.get_seq_length() == fresh.cache.get_seq_length() == len(state.tokens) - 1
+    for mine, theirs in zip(state.cache.layers, fresh.cache.layers):
+        torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(mine.values, theirs.values, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(state.final, fresh.final, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_tree_mask_forward_equals_path_forwards(attn):
+    model = tiny_llama(attn=attn, seed=2)
+    generator = torch.Generator().manual_seed(0)
+    prefix = torch.randint(3, 96, (9,), generator=generator).tolist()
+    parents = torch.tensor([-1, -1, 0, 0, 1, 2, 2, 4, -1])
+    tokens = torch.randint(3, 96, (len(parents),), generator=generator)
+    state = prefill(model, prefix)  # caches prefix[:-1]; prefix[-1] is the root
+    past = state.cache.get_seq_length()
+    ids = torch.cat([torch.tensor(prefix[-1:]), tokens])[None]
+    mask = tree_attention_mask(parents, past, model.dtype)
+    positions = (tree_depths(parents) + past)[None]
+    tree_logits = model(ids, attention_mask=mask, position_ids=positions, past_key_values=state.cache).logits[0]
+    for node in range(-1, len(parents)):
+        path, walk = [], node
+        while walk >= 0:
+            path.insert(0, int(tokens[walk]))
+            walk = int(parents[walk])
+        sequence = torch.tensor([prefix + path])
+        expected = model(sequence).logits[0, -1]
+        torch.testing.assert_close(tree_logits[node + 1], expected, atol=1e-4, rtol=1e-4)
+
+
+# -- sampling: exactness against the target's own distribution ------------------------------------
+VOCAB, SAMPLES, NEW = 8, 1200, 3
+
+
+def no_residual_rule(p, q, token, u):
+    """WRONG on purpose: after a rejection it samples from p instead of norm(max(0, p - q))."""
+    accepted, _ = exact_rule(p, q, token, u)
+    return accepted, p
+
+
+def exact_conditionals(model, prompt: list[int], sampling: Sampling) -> list[torch.Tensor]:
+    """The warped target's P(x1), P(x2 | x1), P(x3 | x1, x2) as [V], [V, V], [V, V, V], from one
+    batched forward over every prompt + (x1, x2)."""
+    pairs = torch.cartesian_prod(torch.arange(VOCAB), torch.arange(VOCAB))
+    sequences = torch.cat([torch.tensor(prompt).expand(len(pairs), -1), pairs], dim=1)
+    probs = sampling.probs(model(sequences).logits[:, -NEW:]).reshape(VOCAB, VOCAB, NEW, VOCAB)
+    return [probs[0, 0, 0], probs[:, 0, 1], probs[:, :, 2]]
+
+
+def exact_joint(conditionals: list[torch.Tensor]) -> torch.Tensor:
+    p1, p2, p3 = conditionals
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+class NearTargetDrafter:
+    """Draft distribution q(. | new tokens so far) = a mix of the target's exact conditional and a
+    fixed random one: close enough to be accepted often, different enough that a wrong rule shows.
+    Sampled (probs given), or deterministic by rank of q (a tree's rank-2 child repeats rank 1 to
+    test duplicate siblings)."""
+
+    features = FeatureRequest(final=True)
+
+    def __init__(self, conditionals: list[torch.Tensor], prompt_len: int, stochastic: bool, mix: float = 0.5, seed: int = 0):
+        generator = torch.Generator().manual_seed(seed)
+        noise = [(2.0 * torch.randn(p.shape, generator=generator)).softmax(-1) for p in conditionals]
+        self.q = [(1 - mix) * p + mix * r for p, r in zip(conditionals, noise)]
+        self.prompt_len, self.stochastic = prompt_len, stochastic
+        self.generator = torch.Generator().manual_seed(seed + 1)
+
+    def q_after(self, history: list[int]) -> torch.Tensor:
+        return self.q[len(history)][tuple(history)]
+
+    def propose(self, state: DraftState, num_tokens: int, tree=None) -> DraftTree:
+        done = state.tokens[self.prompt_len :].tolist()
+        if tree is not None:
+            tokens: list[int] = []
+            for path in tree:
+                history = done + [tokens[tree.index(path[:k])] for k in range(1, len(path))]
+                order = self.q_after(history).argsort(descending=True)
+                tokens.append(int(order[min(path[-1], 1)]))
+            return DraftTree(tokens=torch.tensor(tokens), parents=torch.tensor(tree_from_paths(tree)))
+        tokens, probs = [], []
+        for _ in range(num_tokens):
+            q = self.q_after(done + tokens)
+            tokens.append(int(torch.multinomial(q, 1, generator=self.generator)) if self.stochastic else int(q.argmax()))
+            probs.append(q)
+        return DraftTree.chain(torch.tensor(tokens), torch.stack(probs) if self.stochastic else None)
+
+
+def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test with the cells expected to hold fewer than 5 samples pooled into one."""
+    probs = probs.flatten().double()
+    counts, expected = counts.flatten().double(), probs / probs.sum() * counts.sum()  # float32 rounding
+    if counts[expected == 0].sum() > 0:  # a sequence the target can never produce
+        return 0.0
+    small = expected < 5
+    observed = torch.cat([counts[~small], counts[small].sum()[None]])
+    expected = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = expected > 0
+    return float(stats.chisquare(observed[keep].numpy(), expected[keep].numpy()).pvalue)
+
+
+@pytest.fixture(scope="module")
+def small_model():
+    return tiny_llama(vocab=VOCAB, hidden=16, layers=1, seed=5, logit_scale=8.0)
+
+
+TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)]  # rank 2 duplicates rank 1 (NearTargetDrafter)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(name="chain, stochastic q", stochastic=True, tree=None, sampling=Sampling(1.0), rule=exact_rule, exact=True),
+        dict(name="chain, one-hot q, top-p", stochastic=False, tree=None, sampling=Sampling(1.0, top_p=0.9), rule=exact_rule, exact=True),
+        dict(name="tree, one-hot q, top-k", stochastic=False, tree=TREE, sampling=Sampling(0.8, top_k=6), rule=exact_rule, exact=True),
+        dict(name="WRONG chain, one-hot q, no residual", stochastic=False, tree=None, sampling=Sampling(1.0), rule=no_residual_rule, exact=False),
+        dict(name="WRONG tree, one-hot q, no residual", stochastic=False, tree=TREE, sampling=Sampling(0.8, top_k=6), rule=no_residual_rule, exact=False),
+    ],
+    ids=lambda case: case["name"],
+)
+def test_speculative_sampling_matches_target_distribution(small_model, case):
+    prompt = [1, 5, 2, 7]
+    conditionals = exact_conditionals(small_model, prompt, case["sampling"])
+    drafter = NearTargetDrafter(conditionals, len(prompt), case["stochastic"])
+    counts, accepted = torch.zeros(VOCAB, VOCAB, VOCAB), 0
+    for seed in range(SAMPLES):
+        out = generate(small_model, prompt, NEW, drafter, gamma=2, tree=case["tree"], sampling=case["sampling"], seed=seed, rule=case["rule"])
+        counts[tuple(out.tokens)] += 1
+        accepted += out.accepted
+    assert 0.1 * SAMPLES < accepted < 1.9 * SAMPLES  # both acceptances and rejections were exercised
+    pvalue = chi_square_pvalue(counts, exact_joint(conditionals))
+    if case["exact"]:
+        assert pvalue > 1e-3, f"{case['name']}: p={pvalue:.2e}"
+    else:
+        assert pvalue < 1e-6, f"the wrong rule went undetected: p={pvalue:.2e}"
+
+
+def test_plain_sampling_is_seeded(small_model):
+    runs = [generate(small_model, [1, 2, 3], 12, sampling=Sampling(1.0), seed=s).tokens for s in (7, 7, 8)]
+    assert runs[0] == runs[1] != runs[2]
+
+
+# -- n-gram drafter -------------------------------------------------------------------------------
+def test_ngram_proposes_the_continuation_of_the_longest_most_recent_match():
+    drafter = NGramDrafter(3)
+
+    def propose_after(tokens: list[int], n: int) -> list[int]:
+        state = DraftState(tokens=torch.tensor(tokens), final=torch.zeros(4), layers={})
+        return drafter.propose(state, n).tokens.tolist()
+
+    assert propose_after([5, 6, 7, 8, 9, 6, 7], 3) == [8, 9, 6]  # trailing "6 7" seen at 1
+    assert propose_after([1, 7, 2, 4, 7, 3, 9, 4, 7], 2) == [3, 9]  # "4 7" beats the older "7"
+    assert propose_after([1, 2, 3, 2], 5) == [3, 2]  # fewer than asked: the context ends
+    assert propose_after([1, 2, 3, 4], 3) == []  # no match: a plain step
+
+
+# -- report and CLI -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def eval_setup(tmp_path_factory):
+    """A recipe for the reference target, a small two-domain eval file and an untrained Medusa."""
+    root = tmp_path_factory.mktemp("eval")
+    lines = []
+    for domain in ("code", "math"):
+        with gzip.open(CORPUS / f"{domain}.eval.jsonl.gz", "rt") as file:
+            lines += [next(file) for _ in range(3)]
+    (root / "eval.jsonl").write_text("".join(lines))
+    recipe = root / "recipe.yaml"
+    recipe.write_text(
+        "drafter: {type: medusa, num_heads: 3}\n"
+        f"target: {{name_or_path: {REFERENCE_TARGET}}}\n"
+        f"data: {{eval: [{root / 'eval.jsonl'}], max_length: 256}}\n"
+        "eval: {max_prompts: 2, max_new_tokens: 12, num_speculative_tokens: 3, tree: 6}\n"
+        f"output_dir: {root / 'run'}\n"
+    )
+    target = load_target(str(REFERENCE_TARGET))
+    medusa = drafter_class("medusa")
+    medusa.from_target(medusa.Config(num_heads=3), target, str(REFERENCE_TARGET)).save_pretrained(root / "run" / "final")
+    return root, recipe, target
+
+
+ROW_KEYS = {
+    "prompts", "new_tokens", "target_forwards", "drafted", "accepted", "alpha", "tau", "per_position",
+    "per_position_counts", "tokens_per_s", "wall_s", "speedup", "lossless",
+}
+
+
+def test_report_has_every_field(eval_setup):
+    root, recipe, target = eval_setup
+    report = run_eval(load_recipe([f"recipe={recipe}"]), target=target)  # checkpoint: <output_dir>/final
+    out = root / "run" / "eval"
+    assert json.loads((out / "report.json").read_text()) == report
+    assert (out / "report.md").read_text().startswith("# Eval")
+    assert (out / "acceptance.png").stat().st_size > 1000
+    assert (out / "recipe.yaml").is_file()
+    for key in ("target", "drafter", "recipe", "temperature", "device", "dtype", "versions", "domains", "baselines"):
+        assert key in report
+    assert {"torch", "transformers", "draftsmith"} <= set(report["versions"])
+    assert report["drafter"]["type"] == "medusa"
+    assert set(report["domains"]) == set(report["baselines"]) == {"code", "math", "all"}
+    for domain in ("code", "math", "all"):
+        assert set(report["domains"][domain]) == {"chain", "tree"}
+        assert set(report["baselines"][domain]) == {"plain", "ngram"}
+        for row in (*report["domains"][domain].values(), *report["baselines"][domain].values()):
+            assert set(row) == ROW_KEYS
+            assert row["lossless"] is True
+            assert row["prompts"] == (4 if domain == "all" else 2)
+        plain = report["baselines"][domain]["plain"]
+        assert plain["tau"] == 1.0 and plain["speedup"] == 1.0 and plain["drafted"] == 0
+        chain, tree = report["domains"][domain]["chain"], report["domains"][domain]["tree"]
+        assert len(chain["per_position"]) == 3 and chain["tau"] >= 1.0
+        assert len(tree["per_position"]) == report["methods"]["tree"]["depth"]
+    totals = report["domains"]["all"]["chain"]
+    assert totals["new_tokens"] == sum(report["domains"][d]["chain"]["new_tokens"] for d in ("code", "math"))
+
+
+def test_bad_settings_are_user_errors(eval_setup, tmp_path):
+    root, recipe, target = eval_setup
+    checkpoint = root / "run" / "final"
+    with pytest.raises(UserError, match="proposes at most 3"):
+        run_eval(load_recipe([f"recipe={recipe}", "eval.num_speculative_tokens=4"]), str(checkpoint), target=target)
+    with pytest.raises(UserError, match="no eval data"):
+        run_eval(load_recipe([f"recipe={recipe}", "data.eval=[]"]), str(checkpoint), target=target)
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "config.json").write_text((checkpoint / "config.json").read_text())
+    (corrupt / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(UserError, match="corrupt"):
+        run_eval(load_recipe([f"recipe={recipe}"]), str(corrupt), target=target)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "eval", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_cli_rejects_a_missing_and_a_foreign_checkpoint(eval_setup, tmp_path):
+    _, recipe, _ = eval_setup
+    missing = run_cli(f"recipe={recipe}", f"drafter.path={tmp_path / 'nothing'}")
+    assert missing.returncode == 2
+    assert missing.stderr.strip().splitlines() == [missing.stderr.strip()] and missing.stderr.startswith("error: no drafter checkpoint")
+
+    foreign_target = tiny_llama(vocab=64, hidden=256, layers=1)
+    medusa = drafter_class("medusa")
+    medusa.from_target(medusa.Config(num_heads=3), foreign_target, "tiny").save_pretrained(tmp_path / "foreign")
+    foreign = run_cli(f"recipe={recipe}", f"drafter.path={tmp_path / 'foreign'}")
+    assert foreign.returncode == 2
+    assert len(foreign.stderr.strip().splitlines()) == 1 and "vocab_size=64" in foreign.stderr, foreign.stderr

@@ -1,0 +1,147 @@
+"""The real train.py on the reference target: heads learn, the target stays frozen, checkpoints are
+complete, a killed run resumes into the same losses, and two processes train one set of heads."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import REFERENCE_TARGET, REPO, run_entry, train_args
+
+pytestmark = pytest.mark.slow
+
+
+def read_log(output_dir: Path) -> dict[int, dict]:
+    """log.jsonl rows by step; a resumed run appends, so the last row of a step wins."""
+    rows = {}
+    for line in (output_dir / "log.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        rows[row["step"]] = {**rows.get(row["step"], {}), **row}
+    return rows
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, small_data, token_cache):
+    """One in-process training run, with the target captured to check it stays frozen."""
+    from draftsmith.recipe import load_recipe
+    import trainer.loop as loop
+
+    output_dir = tmp_path_factory.mktemp("train") / "run"
+    captured = {}
+    real_load_target = loop.load_target
+
+    def capture(*args, **kwargs):
+        captured["target"] = real_load_target(*args, **kwargs)
+        return captured["target"]
+
+    cfg = load_recipe(train_args(output_dir, small_data, token_cache, "train.max_steps=40", "train.save_every=20"))
+    loop.load_target = capture
+    try:
+        loop.train(cfg)
+    finally:
+        loop.load_target = real_load_target
+    return output_dir, captured["target"]
+
+
+def test_heads_learn_and_beat_untrained(trained_run):
+    output_dir, _ = trained_run
+    table = json.loads((output_dir / "eval_accuracy.json").read_text())
+    for head in ("head1", "head2", "head3"):
+        trained, untrained = table["trained"]["all"][f"{head}/top1"], table["untrained"]["all"][f"{head}/top1"]
+        assert trained > untrained + 0.02, (head, trained, untrained)
+    assert set(table["trained"]) == {"all", "code", "docs", "math", "packages"}
+    log = read_log(output_dir)
+    assert log[40]["train/loss"] < log[1]["train/loss"]
+
+
+def test_target_is_frozen_and_unchanged(trained_run):
+    _, target = trained_run
+    assert not target.training
+    assert not any(p.requires_grad for p in target.parameters())
+    on_disk = load_file(str(REFERENCE_TARGET / "model.safetensors"))
+    for name, param in target.state_dict().items():
+        assert torch.equal(param, on_disk[name].to(param.dtype)), name
+
+
+def test_checkpoint_files_and_logs(trained_run):
+    output_dir, _ = trained_run
+    final = output_dir / "final"
+    assert (final / "config.json").is_file() and (final / "model.safetensors").is_file()
+    weights = load_file(str(final / "model.safetensors"))
+    # vLLM's Medusa layout, so export is a config rewrite.
+    assert {"blocks.0.layers.0.weight", "blocks.0.layers.0.bias", "lm_heads.2.weight"} <= set(weights)
+    assert any(w.abs().sum() > 0 for k, w in weights.items() if k.startswith("blocks.")), "blocks never trained"
+    config = json.loads((final / "config.json").read_text())
+    assert config["target"]["hidden_size"] == 256 and config["drafter"]["head_accuracy"]["top1"][0] > 0
+    for step in (20, 40):
+        ckpt = output_dir / "checkpoints" / f"step_{step:07d}"
+        assert (ckpt / "trainer_state.json").is_file() and (ckpt / "drafter" / "model.safetensors").is_file()
+        assert any(ckpt.glob("optimizer*")) and any(ckpt.glob("random_states*")), sorted(p.name for p in ckpt.iterdir())
+    assert list((output_dir / "tb").rglob("events.out.tfevents.*")), "no TensorBoard event file"
+    assert (output_dir / "recipe.yaml").is_file()
+
+
+def test_kill_and_resume_continues_the_same_run(tmp_path, small_data, token_cache):
+    steps = ["train.max_steps=12", "train.save_every=4"]
+    straight = tmp_path / "straight"
+    result = run_entry(["train.py", *train_args(straight, small_data, token_cache, *steps)])
+    assert result.returncode == 0, result.stderr[-2000:]
+
+    # Kill a second run with SIGKILL as soon as its step-4 checkpoint is complete.
+    killed = tmp_path / "killed"
+    process = subprocess.Popen(
+        [sys.executable, "train.py", *train_args(killed, small_data, token_cache, *steps)],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    checkpoint = killed / "checkpoints" / "step_0000004"
+    deadline = time.time() + 300
+    while not (checkpoint / "trainer_state.json").exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert (checkpoint / "trainer_state.json").exists()
+
+    resumed = run_entry(["train.py", *train_args(killed, small_data, token_cache, *steps, f"train.resume={checkpoint}")])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    a, b = read_log(straight), read_log(killed)
+    for step in range(5, 13):
+        assert b[step]["train/loss"] == pytest.approx(a[step]["train/loss"], rel=1e-5, abs=1e-6), step
+        assert b[step]["train/lr"] == pytest.approx(a[step]["train/lr"], rel=1e-9)
+    final_a = load_file(str(straight / "final" / "model.safetensors"))
+    final_b = load_file(str(killed / "final" / "model.safetensors"))
+    for name in final_a:
+        torch.testing.assert_close(final_b[name], final_a[name], rtol=1e-5, atol=1e-6)
+
+
+def test_resume_true_picks_latest_and_finished_run_is_a_no_op(tmp_path, small_data, token_cache):
+    out = tmp_path / "run"
+    args = train_args(out, small_data, token_cache, "train.max_steps=4", "train.save_every=2")
+    assert run_entry(["train.py", *args]).returncode == 0
+    again = run_entry(["train.py", *args, "train.resume=true"])
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resumed from" in again.stdout and "step_0000004" in again.stdout
+
+
+def test_two_process_launch_trains_one_set_of_heads_on_different_data(tmp_path, small_data, token_cache):
+    out = tmp_path / "ddp"
+    result = run_entry(
+        # --multi_gpu picks accelerate's torchrun launcher; with no GPU the trainer forms a gloo group.
+        ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+         "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29513",
+         "train.py", *train_args(out, small_data, token_cache, "train.max_steps=6")],
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 6
+    rank0, rank1 = sorted(summary["ranks"], key=lambda r: r["rank"])
+    assert rank0["param_checksum"] == pytest.approx(rank1["param_checksum"], rel=1e-9)  # same heads
+    assert rank0["data_checksum"] != rank1["data_checksum"]  # different data
+    assert (out / "final" / "model.safetensors").is_file()
