@@ -35,6 +35,20 @@ class TargetSection:
 
 
 @dataclass
+class CaptureSection:
+    """`python -m data_prep.capture`: what to store from the target's forward over data.train.
+    None means "what the recipe's drafter asks for" (its `features`)."""
+
+    output: Optional[str] = None  # shard directory; default <output_dir>/features
+    layers: Optional[List[int]] = None  # decoder-layer outputs (draftsmith.target's convention; -1 = embeddings)
+    final: Optional[bool] = None  # last hidden state after the final norm
+    logits: str = "auto"  # auto (topk if the drafter asks for logits, else none) | none | topk | full
+    topk: int = 32  # entries kept per token when logits=topk
+    dtype: str = "bfloat16"  # bfloat16 | float16 | float8 (e4m3 with a float32 scale per token)
+    shard_tokens: int = 65536  # tokens per shard, approximately (shards hold whole conversations)
+
+
+@dataclass
 class DataSection:
     train: List[str] = field(default_factory=list)  # files (.jsonl, .jsonl.gz, .json, .parquet), globs or Hub ids
     eval: List[str] = field(default_factory=list)
@@ -42,6 +56,8 @@ class DataSection:
     overlong: str = "truncate"  # truncate | drop | error
     max_conversations: Optional[int] = None  # cap per source file, for quick runs
     cache_dir: Optional[str] = None  # tokenized-data cache; default ~/.cache/draftsmith
+    features: Optional[str] = None  # a data_prep.capture directory to train from instead of running the target
+    capture: CaptureSection = field(default_factory=CaptureSection)
 
 
 @dataclass
@@ -93,6 +109,8 @@ class RecipeSchema:
 CHOICES = {
     "target.dtype": ("auto", "float32", "bfloat16", "float16"),
     "data.overlong": ("truncate", "drop", "error"),
+    "data.capture.logits": ("auto", "none", "topk", "full"),
+    "data.capture.dtype": ("bfloat16", "float16", "float8"),
     "train.mixed_precision": ("auto", "no", "bf16", "fp16"),
 }
 

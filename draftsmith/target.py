@@ -89,6 +89,7 @@ class FeatureRequest:
 
     final: bool = True  # last hidden state after the final norm (lm_head input)
     layers: tuple[int, ...] = ()  # outputs of these decoder layers (see the module docstring)
+    logits: bool = False  # the target's next-token distribution (soft targets for distillation)
 
 
 @dataclass

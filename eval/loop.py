@@ -119,9 +119,10 @@ def verify(
     is a standard speculative-sampling step w.r.t. the current p, whose output is distributed exactly
     as p, so by induction over the siblings the emitted token at every depth follows the target.
     It holds for deterministic children (q one-hot) and for children drawn independently from their
-    q. A sibling repeating an already-rejected token has p = 0 there and is rejected without effect.
-    Greedy is the same walk with p one-hot on the argmax: it accepts the (unique, for distinct
-    siblings) child equal to the argmax, which gives the longest matching path.
+    q. With one-hot q a sibling repeating a rejected token meets p = 0 there and is rejected without
+    changing p, so duplicates need no special case (a duplicate of an accepted token is never tried).
+    Greedy is the same walk with p one-hot on the argmax: it accepts the child equal to the argmax
+    (unique among distinct siblings), which gives the longest matching path.
     """
     vocab = target_probs.shape[-1]
     children = children_of(draft.parents)

@@ -381,11 +381,15 @@ def plot_acceptance(report: dict[str, Any], path: Path) -> None:
     left.set_title("acceptance per domain")
     left.legend()
     styles = {"chain": "-", "tree": "--"}
-    for domain in domains:
+    depth = 1
+    for color, domain in enumerate(domains):
         for name, style in styles.items():
             if name in report["domains"][domain]:
                 rates = report["domains"][domain][name]["per_position"]
-                right.plot(range(1, len(rates) + 1), [r or 0.0 for r in rates], style, marker="o", label=f"{domain} {name}")
+                depth = max(depth, len(rates))
+                values = [float("nan") if r is None else r for r in rates]  # untested positions: a gap
+                right.plot(range(1, len(rates) + 1), values, style, color=f"C{color}", marker="o", label=f"{domain} {name}")
+    right.set_xticks(range(1, depth + 1))
     right.set_ylim(0, 1)
     right.set_xlabel("draft position")
     right.set_ylabel("acceptance given earlier positions accepted")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from draftsmith.errors import UserError
-from heads.base import DraftState, DraftTree, Drafter, TargetShape, load_drafter
+from heads.base import DraftState, DraftTree, Drafter, DynamicTree, TargetShape, Tree, load_drafter
 
 REGISTRY: dict[str, type[Drafter]] = {}
 
@@ -20,6 +20,6 @@ def drafter_class(name: str) -> type[Drafter]:
     return REGISTRY[name]
 
 
-from heads import medusa  # noqa: E402,F401  (registers itself)
+from heads import eagle, medusa  # noqa: E402,F401  (each registers itself)
 
-__all__ = ["DraftState", "DraftTree", "Drafter", "TargetShape", "drafter_class", "load_drafter", "register", "REGISTRY"]
+__all__ = ["DraftState", "DraftTree", "Drafter", "DynamicTree", "TargetShape", "Tree", "drafter_class", "load_drafter", "register", "REGISTRY"]

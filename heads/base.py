@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import ClassVar, Optional, Sequence
+from typing import ClassVar, Optional, Sequence, Union
 
 import torch
 from safetensors import SafetensorError
@@ -57,11 +57,39 @@ class DraftState:
     `tokens` are all committed tokens; the last one (the root) came from the target's own
     distribution and is verified by construction. `final`/`layers` are the target's hidden states
     at the position *before* the root, i.e. the position whose logits produced the root.
+
+    Drafters with their own KV cache over the sequence (EAGLE) also need the target's hidden states
+    at every committed position they have not seen yet: `new_final` / `new_layers` hold them for the
+    last m positions before the root (positions len(tokens)-1-m .. len(tokens)-2; the last row is
+    `final`), i.e. everything committed since this sequence's previous proposal, the whole prompt but
+    its last token at the first one. `fresh` marks that first proposal of a new sequence: state kept
+    from an earlier sequence must be dropped. A drafter that reads only `final` ignores all three.
     """
 
     tokens: torch.Tensor  # [n] long
     final: torch.Tensor  # [H]
     layers: dict[int, torch.Tensor]
+    new_final: Optional[torch.Tensor] = None  # [m, H]
+    new_layers: dict[int, torch.Tensor] = field(default_factory=dict)  # layer id -> [m, H]
+    fresh: bool = True
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """A tree that the drafter grows per step from its own scores (EAGLE-2), as opposed to a static
+    tree given as paths: up to `nodes` nodes, at most `depth` deep, expanding `topk` children of the
+    `topk` best nodes per step. `default_tree` returns one from drafters that draft this way."""
+
+    nodes: int
+    depth: int
+    topk: int
+
+    def cut(self, max_depth: int) -> "DynamicTree":
+        return replace(self, depth=min(self.depth, max_depth))
+
+
+# A tree request: a static tree as paths of per-depth candidate ranks (parents first), or a DynamicTree.
+Tree = Union[Sequence[tuple[int, ...]], DynamicTree]
 
 
 @dataclass
@@ -123,12 +151,18 @@ class Drafter(nn.Module):
     # -- decoding -------------------------------------------------------------------------------
     max_chain: ClassVar[Optional[int]] = None  # longest chain it can propose (None: unlimited)
 
-    def propose(self, state: DraftState, num_tokens: int, tree: Optional[Sequence[tuple[int, ...]]] = None) -> DraftTree:
-        """A chain of `num_tokens` tokens, or (if the drafter supports it) a tree given as paths."""
+    def propose(self, state: DraftState, num_tokens: int, tree: Optional[Tree] = None) -> DraftTree:
+        """A chain of `num_tokens` tokens, or (if the drafter supports it) a tree: the `tree` its
+        `default_tree` returned, possibly cut to a smaller depth by the decode loop."""
         raise NotImplementedError
 
-    def default_tree(self, size: int) -> list[tuple[int, ...]]:
+    def default_tree(self, size: int) -> Tree:
+        """The drafter's tree of about `size` nodes (eval.tree): static paths or a DynamicTree."""
         raise UserError(f"drafter {self.type!r} does not propose trees; set eval.tree=0")
+
+    def attach_target(self, target_model) -> None:
+        """Re-attach frozen target modules the drafter uses but does not own or save (EAGLE's token
+        embedding and lm_head); `from_target` and `load_drafter(..., target_model=)` call it."""
 
     # -- files ----------------------------------------------------------------------------------
     def extra_config(self) -> dict:
@@ -167,8 +201,9 @@ def config_from_dict(config_cls: type, values: dict):
     return config_cls(**values)
 
 
-def load_drafter(directory: str | os.PathLike, target: Optional[TargetShape] = None) -> Drafter:
-    """Load a checkpoint written by `save_pretrained`; refuse one made for a different target."""
+def load_drafter(directory: str | os.PathLike, target: Optional[TargetShape] = None, target_model=None) -> Drafter:
+    """Load a checkpoint written by `save_pretrained`; refuse one made for a different target.
+    With `target_model` the drafter gets the target modules it shares re-attached (`attach_target`)."""
     from heads import drafter_class
 
     directory = Path(directory)
@@ -199,4 +234,6 @@ def load_drafter(directory: str | os.PathLike, target: Optional[TargetShape] = N
     if missing or unexpected:
         raise UserError(f"{weights_path}: weights do not match a {cls.type} drafter (missing {missing[:3]}, unexpected {unexpected[:3]})")
     drafter.load_extra_config(saved)
+    if target_model is not None:
+        drafter.attach_target(target_model)
     return drafter

@@ -3,12 +3,7 @@ mask, the exactness of speculative sampling (chi-square against the target's exa
 and the report / CLI."""
 from __future__ import annotations
 
-import gzip
 import json
-import subprocess
-import sys
-from pathlib import Path
-from typing import Optional
 
 import pytest
 import torch
@@ -23,11 +18,7 @@ from eval.ngram import NGramDrafter
 from eval.report import run_eval
 from heads import drafter_class
 from heads.base import DraftState, DraftTree
-
-REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
-REFERENCE_TARGET = SHARED / "models" / "reference-target"
-CORPUS = SHARED / "data" / "corpus"
+from tests.conftest import DOMAINS, REFERENCE_TARGET, run_entry
 
 
 @pytest.fixture(autouse=True)
@@ -323,20 +314,15 @@ def test_ngram_proposes_the_continuation_of_the_longest_most_recent_match():
 
 # -- report and CLI -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def eval_setup(tmp_path_factory):
-    """A recipe for the reference target, a small two-domain eval file and an untrained Medusa."""
+def eval_setup(tmp_path_factory, small_data):
+    """A recipe for the reference target and the four-domain corpus slice, and an untrained Medusa."""
     root = tmp_path_factory.mktemp("eval")
-    lines = []
-    for domain in ("code", "math"):
-        with gzip.open(CORPUS / f"{domain}.eval.jsonl.gz", "rt") as file:
-            lines += [next(file) for _ in range(3)]
-    (root / "eval.jsonl").write_text("".join(lines))
     recipe = root / "recipe.yaml"
     recipe.write_text(
         "drafter: {type: medusa, num_heads: 3}\n"
         f"target: {{name_or_path: {REFERENCE_TARGET}}}\n"
-        f"data: {{eval: [{root / 'eval.jsonl'}], max_length: 256}}\n"
-        "eval: {max_prompts: 2, max_new_tokens: 12, num_speculative_tokens: 3, tree: 6}\n"
+        f"data: {{eval: [{small_data['eval']}], max_length: 256}}\n"
+        "eval: {max_prompts: 1, max_new_tokens: 12, num_speculative_tokens: 3, tree: 6}\n"
         f"output_dir: {root / 'run'}\n"
     )
     target = load_target(str(REFERENCE_TARGET))
@@ -363,21 +349,21 @@ def test_report_has_every_field(eval_setup):
         assert key in report
     assert {"torch", "transformers", "draftsmith"} <= set(report["versions"])
     assert report["drafter"]["type"] == "medusa"
-    assert set(report["domains"]) == set(report["baselines"]) == {"code", "math", "all"}
-    for domain in ("code", "math", "all"):
+    assert set(report["domains"]) == set(report["baselines"]) == {*DOMAINS, "all"}
+    for domain in (*DOMAINS, "all"):
         assert set(report["domains"][domain]) == {"chain", "tree"}
         assert set(report["baselines"][domain]) == {"plain", "ngram"}
         for row in (*report["domains"][domain].values(), *report["baselines"][domain].values()):
             assert set(row) == ROW_KEYS
             assert row["lossless"] is True
-            assert row["prompts"] == (4 if domain == "all" else 2)
+            assert row["prompts"] == (len(DOMAINS) if domain == "all" else 1)
         plain = report["baselines"][domain]["plain"]
         assert plain["tau"] == 1.0 and plain["speedup"] == 1.0 and plain["drafted"] == 0
         chain, tree = report["domains"][domain]["chain"], report["domains"][domain]["tree"]
         assert len(chain["per_position"]) == 3 and chain["tau"] >= 1.0
         assert len(tree["per_position"]) == report["methods"]["tree"]["depth"]
     totals = report["domains"]["all"]["chain"]
-    assert totals["new_tokens"] == sum(report["domains"][d]["chain"]["new_tokens"] for d in ("code", "math"))
+    assert totals["new_tokens"] == sum(report["domains"][d]["chain"]["new_tokens"] for d in DOMAINS)
 
 
 def test_bad_settings_are_user_errors(eval_setup, tmp_path):
@@ -395,19 +381,15 @@ def test_bad_settings_are_user_errors(eval_setup, tmp_path):
         run_eval(load_recipe([f"recipe={recipe}"]), str(corrupt), target=target)
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "eval", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
-
-
 def test_cli_rejects_a_missing_and_a_foreign_checkpoint(eval_setup, tmp_path):
     _, recipe, _ = eval_setup
-    missing = run_cli(f"recipe={recipe}", f"drafter.path={tmp_path / 'nothing'}")
+    missing = run_entry(["-m", "eval", f"recipe={recipe}", f"drafter.path={tmp_path / 'nothing'}"], timeout=120)
     assert missing.returncode == 2
     assert missing.stderr.strip().splitlines() == [missing.stderr.strip()] and missing.stderr.startswith("error: no drafter checkpoint")
 
     foreign_target = tiny_llama(vocab=64, hidden=256, layers=1)
     medusa = drafter_class("medusa")
     medusa.from_target(medusa.Config(num_heads=3), foreign_target, "tiny").save_pretrained(tmp_path / "foreign")
-    foreign = run_cli(f"recipe={recipe}", f"drafter.path={tmp_path / 'foreign'}")
+    foreign = run_entry(["-m", "eval", f"recipe={recipe}", f"drafter.path={tmp_path / 'foreign'}"], timeout=120)
     assert foreign.returncode == 2
     assert len(foreign.stderr.strip().splitlines()) == 1 and "vocab_size=64" in foreign.stderr, foreign.stderr

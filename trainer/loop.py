@@ -149,9 +149,9 @@ def train(cfg: DictConfig) -> Path:
     write_run_summary(accelerator, output_dir, drafter, state, data_checksum)
 
     if cfg.eval.enabled and accelerator.is_main_process:
-        from eval import run_eval  # eval never imports trainer; the trainer may call eval
+        from eval.report import render_markdown, run_eval  # eval never imports trainer; the reverse is fine
 
-        run_eval(cfg, drafter_path=final_dir, target=target, tokenizer=tokenizer)
+        print(render_markdown(run_eval(cfg, drafter_path=final_dir, target=target, tokenizer=tokenizer)))
     accelerator.wait_for_everyone()
     accelerator.end_training()  # also ends the process group: nothing collective after this
     return final_dir

@@ -1,0 +1,293 @@
+"""Captured target features on disk: the format `python -m data_prep.capture` writes, and the reader
+that lets training use them instead of running the target every step.
+
+A capture directory holds
+    manifest.json                           what was captured, from which target and data; every shard
+    shard_{rank:02d}_{index:05d}.safetensors   written by that rank, whole conversations each
+    manifest_part_{rank:02d}.json           one rank's finished shards (resume), merged into manifest.json
+
+A shard concatenates its conversations along T; `offsets` (int64 [n+1]) marks where each starts and
+the safetensors metadata `domains` (a JSON list) names each one's domain. Tensors per token:
+    input_ids      int32 [T]
+    loss_mask      uint8 [T]
+    final          [T, H] storage dtype     the last hidden state after the final norm (if captured)
+    layer_{i}      [T, H] storage dtype     output of decoder layer i, -1 = embeddings (draftsmith.target)
+    {name}.scale   float32 [T]              float8 only: x ≈ q.float() * scale[:, None], scale = absmax / 448
+    topk_ids       int32 [T, k]             logits=topk: the target's k most likely next tokens
+    topk_logprobs  float16 [T, k]           ... and their log-probabilities under the full distribution
+    logits         float16 [T, V]           logits=full
+Row t of the distribution fields is the target's prediction after reading tokens 0..t (for token
+t+1), the same alignment as the model's own logits. The distribution is float16 whatever the
+storage dtype: log-probabilities lie in about [-100, 0], where float16 is 8x finer than bfloat16
+and float8 would blur the ranking the drafter learns from.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch.nn.utils.rnn import pad_sequence
+from torch.utils.data import Dataset
+
+from data_prep.dataset import Collator
+from draftsmith.errors import UserError
+from draftsmith.target import FeatureRequest, TargetOutput, target_id
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+LAYER_CONVENTION = (
+    "layer i is the output of decoder layer i (0-based), i.e. transformers' hidden_states[i + 1]; "
+    "-1 is the token embeddings (hidden_states[0]); 'final' is the last hidden state after the final "
+    "norm (the lm_head input)"
+)
+STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float8": torch.float8_e4m3fn}
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+DISTRIBUTION_DTYPE = torch.float16
+DISTRIBUTION_FIELDS = {"none": (), "topk": ("topk_ids", "topk_logprobs"), "full": ("logits",)}
+
+
+def shard_name(rank: int, index: int) -> str:
+    return f"shard_{rank:02d}_{index:05d}.safetensors"
+
+
+def part_name(rank: int) -> str:
+    return f"manifest_part_{rank:02d}.json"
+
+
+def hidden_names(final: bool, layers: Sequence[int]) -> list[str]:
+    """Tensor names of the hidden-state features: `final`, then `layer_{i}` per layer id."""
+    return (["final"] if final else []) + [f"layer_{layer}" for layer in layers]
+
+
+def encode(name: str, hidden: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+    """Hidden states [T, H] in a storage dtype; float8 adds a per-row scale (`name.scale`)."""
+    if dtype != "float8":
+        return {name: hidden.to(STORAGE_DTYPES[dtype])}
+    # A scale per token, not per tensor: hidden-state norms vary a lot between positions (the first
+    # token's are often 10-100x the rest), and one outlier row must not flush the others to zero.
+    absmax = hidden.float().abs().amax(dim=-1)
+    scale = absmax.clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX
+    # Clamp: float8_e4m3fn has no inf, and a rounding step past 448 would cast to NaN.
+    quantized = (hidden.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return {name: quantized, f"{name}.scale": scale}
+
+
+def decode(stored: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Stored hidden states back to float32."""
+    return stored.float() if scale is None else stored.float() * scale[:, None]
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def expected_features(target_model, name_or_path: str, request: FeatureRequest) -> dict[str, Any]:
+    """What a training run needs from a capture, in the form `open_features(expect=...)` checks."""
+    config = target_model.config
+    return {
+        "name_or_path": str(name_or_path),
+        "hidden_size": int(config.hidden_size),
+        "vocab_size": int(target_model.get_output_embeddings().weight.shape[0]),
+        "num_hidden_layers": int(config.num_hidden_layers),
+        "final": request.final,
+        "layers": list(request.layers),
+        "logits": request.logits,
+    }
+
+
+@dataclass
+class _Shard:
+    path: Path
+    sha256: str
+    offsets: list[int]  # n + 1 token offsets of its conversations
+    domains: list[str]
+
+
+class FeatureStore(Dataset):
+    """A capture as a map-style data set of conversations, in the order of the tokenized data they
+    were captured from. Item i: `input_ids`, `loss_mask` (long [T]), `domain`, and each stored
+    feature as a float32 tensor (`final`, `layer_{i}` [T, H]; `topk_ids` long / `topk_logprobs`
+    [T, k] or `logits` [T, V]). Each shard's sha256 is checked the first time this process reads it.
+    """
+
+    def __init__(self, directory: Path, manifest: dict[str, Any], shards: list[_Shard]):
+        self.directory = directory
+        self.manifest = manifest
+        self.final: bool = manifest["final"]
+        self.layers: tuple[int, ...] = tuple(manifest["layers"])
+        self.logits: str = manifest["logits"]  # none | topk | full
+        self.vocab_size: int = manifest["target"]["vocab_size"]
+        self._quantized = manifest["dtype"] == "float8"
+        self._shards = shards
+        self._starts: list[int] = []  # index of each shard's first conversation
+        count = 0
+        for shard in shards:
+            self._starts.append(count)
+            count += len(shard.domains)
+        self._count = count
+        self._verified: set[Path] = set()
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if not 0 <= index < self._count:
+            raise IndexError(index)
+        number = bisect.bisect_right(self._starts, index) - 1
+        shard, local = self._shards[number], index - self._starts[number]
+        self._verify(shard)
+        start, stop = shard.offsets[local], shard.offsets[local + 1]
+        with safe_open(str(shard.path), framework="pt") as f:
+
+            def rows(name: str) -> torch.Tensor:
+                return f.get_slice(name)[start:stop]  # reads only this conversation's rows
+
+            item: dict[str, Any] = {
+                "input_ids": rows("input_ids").long(),
+                "loss_mask": rows("loss_mask").long(),
+                "domain": shard.domains[local],
+            }
+            for name in hidden_names(self.final, self.layers):
+                item[name] = decode(rows(name), rows(f"{name}.scale") if self._quantized else None)
+            if self.logits == "topk":
+                item["topk_ids"] = rows("topk_ids").long()
+                item["topk_logprobs"] = rows("topk_logprobs").float()
+            elif self.logits == "full":
+                item["logits"] = rows("logits").float()
+        return item
+
+    def _verify(self, shard: _Shard) -> None:
+        if shard.path in self._verified:
+            return
+        if file_sha256(shard.path) != shard.sha256:
+            raise UserError(
+                f"feature shard {shard.path} is corrupt (sha256 differs from {MANIFEST_NAME}); "
+                "run data_prep.capture again with the same recipe to redo it"
+            )
+        self._verified.add(shard.path)
+
+    def to_target_output(self, batch: Mapping[str, Any]) -> TargetOutput:
+        """A collated batch as the TargetOutput a drafter's loss takes, on the batch's device.
+
+        `logits` [B, T, V] float32: the stored logits for logits=full; for logits=topk, the top-k
+        log-probabilities at their ids and -inf elsewhere, so `softmax(logits)` is the target's
+        distribution renormalized over its top k (use a soft cross-entropy, -sum p*log q: a KL with
+        log_target=True is NaN at the -inf entries); None when no distribution was captured. The
+        batch also keeps `topk_ids`/`topk_logprobs` [B, T, k] for losses that stay sparse.
+        `final` is None when it was not captured.
+        """
+        logits = batch.get("logits")
+        if self.logits == "topk":
+            ids = batch["topk_ids"]
+            logits = torch.full((*ids.shape[:-1], self.vocab_size), float("-inf"), device=ids.device)
+            logits.scatter_(-1, ids, batch["topk_logprobs"].float())
+        return TargetOutput(
+            logits=logits,
+            final=batch.get("final"),
+            layers={layer: batch[f"layer_{layer}"] for layer in self.layers},
+        )
+
+
+@dataclass
+class FeatureCollator:
+    """Pads like `data_prep.Collator` (input_ids, attention_mask, loss_mask, domain) and pads every
+    feature tensor with zeros to the same width; padding positions have attention/loss mask 0."""
+
+    pad_token_id: int
+
+    def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        batch = Collator(self.pad_token_id)(rows)
+        for name, value in rows[0].items():
+            if name not in batch:
+                batch[name] = pad_sequence([row[name] for row in rows], batch_first=True)
+        return batch
+
+
+def open_features(directory: str | os.PathLike, expect: Optional[Mapping[str, Any]] = None) -> FeatureStore:
+    """Open a finished capture. Checks the manifest and, when `expect` is given (see
+    `expected_features`; any subset of its keys), that the capture fits the target and drafter.
+    Every shard must exist with the manifest's size and a readable header; its sha256 is checked
+    when first read. Any misfit is a one-line UserError naming the file."""
+    directory = Path(directory)
+    manifest = _read_manifest(directory)
+    if expect is not None:
+        _check_expectation(directory, manifest, expect)
+    shards = [_open_shard(directory, entry) for entry in manifest["shards"]]
+    return FeatureStore(directory, manifest, shards)
+
+
+_MANIFEST_KEYS = ("target", "final", "layers", "logits", "dtype", "shards", "tokens")
+
+
+def _read_manifest(directory: Path) -> dict[str, Any]:
+    path = directory / MANIFEST_NAME
+    if not path.is_file():
+        hint = "the capture has not finished" if any(directory.glob("manifest_part_*.json")) else "not a feature capture"
+        raise UserError(f"{directory} holds no {MANIFEST_NAME} ({hint}); run python -m data_prep.capture to write it")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"{path}: not valid JSON ({err})") from None
+    version = manifest.get("schema_version") if isinstance(manifest, dict) else None
+    if version != SCHEMA_VERSION:
+        raise UserError(
+            f"{path}: feature schema version {version!r}, but this draftsmith reads version {SCHEMA_VERSION}; capture again"
+        )
+    missing = [key for key in _MANIFEST_KEYS if key not in manifest]
+    if missing:
+        raise UserError(f"{path}: corrupt manifest, missing {', '.join(missing)}")
+    return manifest
+
+
+def _check_expectation(directory: Path, manifest: Mapping[str, Any], expect: Mapping[str, Any]) -> None:
+    captured = manifest["target"]
+    shape_keys = ("hidden_size", "vocab_size", "num_hidden_layers")
+    mismatch = [key for key in shape_keys if key in expect and expect[key] != captured[key]]
+    if "name_or_path" in expect and target_id(str(expect["name_or_path"])) != captured["id"]:
+        mismatch.append("name_or_path")
+    if mismatch:
+        captured_shape = ", ".join(f"{key}={captured[key]}" for key in shape_keys)
+        expected_shape = ", ".join(f"{key}={expect[key]}" for key in shape_keys if key in expect)
+        raise UserError(
+            f"features in {directory} were captured from target {captured['name_or_path']} ({captured_shape}) "
+            f"but the recipe's target is {expect.get('name_or_path', '?')} ({expected_shape})"
+        )
+    needed = sorted(set(expect.get("layers") or ()))
+    if not set(needed) <= set(manifest["layers"]):
+        raise UserError(
+            f"features in {directory} hold layers {sorted(manifest['layers'])} but the drafter needs {needed}; "
+            f"capture again with data.capture.layers={needed}"
+        )
+    if expect.get("final") and not manifest["final"]:
+        raise UserError(f"features in {directory} hold no final hidden state but the drafter needs it; capture again with data.capture.final=true")
+    if expect.get("logits") and manifest["logits"] == "none":
+        raise UserError(
+            f"features in {directory} hold no target distribution but the drafter needs the target's logits; "
+            "capture again with data.capture.logits=topk (or full)"
+        )
+
+
+def _open_shard(directory: Path, entry: Mapping[str, Any]) -> _Shard:
+    path = directory / entry["file"]
+    if not path.is_file():
+        raise UserError(f"feature shard {path} listed in {MANIFEST_NAME} is missing")
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        raise UserError(f"feature shard {path} is truncated or altered ({size} bytes, {MANIFEST_NAME} says {entry['bytes']})")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            offsets = f.get_tensor("offsets").tolist()
+            domains = json.loads(f.metadata()["domains"])
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError) as err:
+        raise UserError(f"feature shard {path} is corrupt ({' '.join(str(err).split())[:200]})") from None
+    if len(domains) != entry["conversations"] or offsets[-1] != entry["tokens"]:
+        raise UserError(f"feature shard {path} does not match its {MANIFEST_NAME} entry (conversations or tokens differ)")
+    return _Shard(path=path, sha256=entry["sha256"], offsets=offsets, domains=domains)

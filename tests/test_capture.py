@@ -1,0 +1,267 @@
+"""Feature capture (data_prep.capture) and its reader (data_prep.features) on the reference target:
+stored features equal a fresh forward within storage precision, a killed capture resumes without
+redoing finished shards, two ranks write one capture, and bad input is a one-line error."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from data_prep import load_conversations, tokenize_conversations
+from data_prep import capture as capture_module
+from data_prep.capture import CaptureResult, capture, main
+from data_prep.features import FeatureCollator, expected_features, open_features
+from draftsmith.errors import UserError, run_cli
+from draftsmith.recipe import load_recipe
+from draftsmith.target import FeatureRequest, load_target, load_tokenizer, run_target
+from tests.conftest import REFERENCE_TARGET, corpus_slice, run_entry
+
+LAYERS = (-1, 0, 3)  # embeddings, the first and the last decoder layer of the 4-layer reference target
+TOPK = 8
+EVERYTHING = FeatureRequest(final=True, layers=LAYERS, logits=True)
+
+
+@pytest.fixture(scope="module")
+def conversations(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("capture_data")
+    return {"train": corpus_slice(root / "train.jsonl", "eval", 2), "cache": root / "cache"}  # 8 conversations
+
+
+def capture_args(output: Path, data: dict[str, Path], *extra: str) -> list[str]:
+    return [
+        "recipe=medusa",
+        f"target.name_or_path={REFERENCE_TARGET}",
+        f"data.train=[{data['train']}]",
+        f"data.cache_dir={data['cache']}",
+        "data.max_length=96",
+        "train.micro_batch_size=3",
+        f"output_dir={output}",
+        *extra,
+    ]
+
+
+def run_capture(output: Path, data: dict[str, Path], *extra: str) -> CaptureResult:
+    return capture(load_recipe(capture_args(output, data, *extra)))
+
+
+FULL = (f"data.capture.layers=[{','.join(map(str, LAYERS))}]", "data.capture.final=true", "data.capture.logits=topk", f"data.capture.topk={TOPK}")
+
+
+@pytest.fixture(scope="module")
+def captures(tmp_path_factory, conversations) -> dict[str, CaptureResult]:
+    """The same conversations captured in each storage dtype, with layers, final and top-k."""
+    root = tmp_path_factory.mktemp("captures")
+    return {
+        dtype: run_capture(root / dtype, conversations, *FULL, f"data.capture.dtype={dtype}", "data.capture.shard_tokens=250")
+        for dtype in ("bfloat16", "float16", "float8")
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(conversations):
+    """The tokenized conversations (as training sees them) and the target, for fresh forwards."""
+    tokenizer = load_tokenizer(str(REFERENCE_TARGET))
+    data = tokenize_conversations(load_conversations([str(conversations["train"])]), tokenizer, 96, "truncate", str(conversations["cache"]))
+    return data, load_target(str(REFERENCE_TARGET))
+
+
+def assert_stored(stored: torch.Tensor, fresh: torch.Tensor, dtype: str) -> None:
+    if dtype == "float8":
+        # e4m3 keeps 3 mantissa bits: 2^-4 relative error, plus half a subnormal step of the row's scale.
+        scale = fresh.abs().amax(-1, keepdim=True) / 448
+        assert ((stored - fresh).abs() <= fresh.abs() * 2**-4 + scale * 2**-9 + 1e-5).all()
+        assert (stored - fresh).norm() / fresh.norm() < 0.05
+    else:
+        rtol = {"bfloat16": 2**-8, "float16": 2**-10}[dtype]  # one rounding: half an ulp, plus batching noise
+        torch.testing.assert_close(stored, fresh, rtol=rtol, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float8"])
+def test_features_equal_a_fresh_forward_within_storage_precision(captures, reference, dtype):
+    data, target = reference
+    store = open_features(captures[dtype].directory, expect=expected_features(target, str(REFERENCE_TARGET), EVERYTHING))
+    assert len(store) == len(data) == 8
+    for i, row in enumerate(data):
+        item = store[i]
+        assert item["input_ids"].tolist() == row["input_ids"] and item["loss_mask"].tolist() == row["loss_mask"]
+        assert item["domain"] == row["domain"]
+        with torch.no_grad():
+            fresh = run_target(target, torch.tensor([row["input_ids"]]), None, EVERYTHING)
+        assert_stored(item["final"], fresh.final[0], dtype)
+        for layer in LAYERS:
+            assert_stored(item[f"layer_{layer}"], fresh.layers[layer][0], dtype)
+        logprobs = torch.log_softmax(fresh.logits[0].float(), dim=-1)
+        top_ids = logprobs.topk(TOPK, dim=-1).indices
+        assert (item["topk_ids"] == top_ids).float().mean() > 0.99  # near-ties may swap places
+        torch.testing.assert_close(item["topk_logprobs"], logprobs.gather(-1, item["topk_ids"]), rtol=2**-10, atol=1e-3)
+
+
+def test_manifest_records_the_capture_and_fp8_is_smallest(captures):
+    manifests = {dtype: result.manifest for dtype, result in captures.items()}
+    bf16 = manifests["bfloat16"]
+    assert bf16["schema_version"] == 1 and bf16["layers"] == list(LAYERS) and bf16["topk"] == TOPK
+    assert bf16["target"]["hidden_size"] == 256 and bf16["target"]["num_hidden_layers"] == 4
+    assert "hidden_states[i + 1]" in bf16["layer_convention"]
+    assert set(bf16["fields"]) == {"input_ids", "loss_mask", "offsets", "final", "layer_-1", "layer_0", "layer_3", "topk_ids", "topk_logprobs"}
+    assert "layer_0.scale" in manifests["float8"]["fields"]
+    assert bf16["tokens"] == sum(s["tokens"] for s in bf16["shards"]) and len(bf16["shards"]) >= 3
+    assert bf16["domains"] == {"code": 2, "docs": 2, "math": 2, "packages": 2}
+    assert bf16["anchor_bytes_per_token"] == 8 * 256
+    for manifest in manifests.values():
+        assert manifest["bytes_per_token"] == pytest.approx(manifest["bytes"] / manifest["tokens"])
+    assert manifests["float8"]["bytes_per_token"] < 0.6 * bf16["bytes_per_token"]
+    assert manifests["float16"]["bytes_per_token"] == pytest.approx(bf16["bytes_per_token"], rel=0.01)
+
+
+def test_collate_pads_features_and_rebuilds_the_target_output(captures):
+    store = open_features(captures["bfloat16"].directory)
+    rows = [store[i] for i in range(3)]
+    batch = FeatureCollator(pad_token_id=0)(rows)
+    width = max(len(row["input_ids"]) for row in rows)
+    assert batch["final"].shape == (3, width, 256) and batch["topk_ids"].shape == (3, width, TOPK)
+    out = store.to_target_output(batch)
+    assert sorted(out.layers) == sorted(LAYERS) and out.logits.shape == (3, width, 4096)
+    for b, row in enumerate(rows):
+        n = len(row["input_ids"])
+        assert batch["attention_mask"][b].sum() == n and not batch["layer_3"][b, n:].any()
+        torch.testing.assert_close(out.layers[0][b, :n], row["layer_0"])
+        probs = torch.softmax(out.logits[b, :n], dim=-1)  # the target's distribution renormalized over its top k
+        kept = torch.softmax(row["topk_logprobs"], dim=-1)
+        torch.testing.assert_close(probs.gather(-1, row["topk_ids"]), kept)
+
+
+class Killed(Exception):
+    """Stands in for SIGKILL in the middle of writing a shard."""
+
+
+def assert_same_shards(one: CaptureResult, other: CaptureResult) -> None:
+    """Tensor for tensor (not byte for byte: safetensors orders the header's metadata at random)."""
+    assert [s["file"] for s in one.manifest["shards"]] == [s["file"] for s in other.manifest["shards"]]
+    for shard in one.manifest["shards"]:
+        mine, theirs = load_file(one.directory / shard["file"]), load_file(other.directory / shard["file"])
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def shard_stats(directory: Path) -> dict[str, tuple[int, int]]:
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in directory.glob("shard_*.safetensors")}
+
+
+def test_killed_capture_resumes_without_redoing_finished_shards(tmp_path, conversations, monkeypatch):
+    settings = ("data.capture.shard_tokens=150",)
+    uninterrupted = run_capture(tmp_path / "straight", conversations, *settings)
+    planned = len(uninterrupted.manifest["shards"])
+    assert planned >= 4 and uninterrupted.computed == planned
+
+    real_save, written = capture_module.save_file, []
+
+    def dies_on_third_shard(tensors, filename, metadata=None):
+        if len(written) == 2:
+            Path(filename).write_bytes(b"half a shard")
+            raise Killed
+        real_save(tensors, filename, metadata=metadata)
+        written.append(filename)
+
+    monkeypatch.setattr(capture_module, "save_file", dies_on_third_shard)
+    with pytest.raises(Killed):
+        run_capture(tmp_path / "run", conversations, *settings)
+    monkeypatch.undo()
+    features = tmp_path / "run" / "features"
+    assert sorted(shard_stats(features)) == ["shard_00_00000.safetensors", "shard_00_00001.safetensors"]
+    assert (features / "shard_00_00002.safetensors.tmp").is_file() and not (features / "manifest.json").exists()
+    with pytest.raises(UserError, match="has not finished"):
+        open_features(features)
+
+    before = shard_stats(features)
+    resumed = run_capture(tmp_path / "run", conversations, *settings)
+    assert (resumed.computed, resumed.reused) == (planned - 2, 2)
+    after = shard_stats(features)
+    assert {name: after[name] for name in before} == before  # finished shards untouched
+    assert not list(features.glob("*.tmp")) and not list(features.glob(".tmp*"))
+    assert_same_shards(resumed, uninterrupted)
+
+    # A finished shard damaged on disk (same size) fails its checksum when read, and is redone on resume.
+    victim = features / "shard_00_00001.safetensors"
+    damaged = bytearray(victim.read_bytes())
+    damaged[-10] ^= 0xFF
+    victim.write_bytes(damaged)
+    store = open_features(features)
+    first_of_victim = resumed.manifest["shards"][1]["first_conversation"]
+    with pytest.raises(UserError, match="shard_00_00001.safetensors is corrupt"):
+        store[first_of_victim]
+    again = run_capture(tmp_path / "run", conversations, *settings)
+    assert (again.computed, again.reused) == (1, planned - 1)
+    assert_same_shards(again, uninterrupted)
+
+
+def test_two_ranks_write_their_own_shards_and_one_manifest(tmp_path, conversations):
+    single = run_capture(tmp_path / "single", conversations, "data.capture.shard_tokens=150")
+    output = tmp_path / "ddp"
+    result = run_entry(
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "data_prep.capture", *capture_args(output, conversations, "data.capture.shard_tokens=150")],
+        timeout=300,
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "bytes/token" in result.stdout
+    features = output / "features"
+    manifest = json.loads((features / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and {s["rank"] for s in manifest["shards"]} == {0, 1}
+    assert (features / "manifest_part_00.json").is_file() and (features / "manifest_part_01.json").is_file()
+    starts = [s["first_conversation"] for s in manifest["shards"]]
+    ends = [s["first_conversation"] + s["conversations"] for s in manifest["shards"]]
+    assert starts[0] == 0 and starts[1:] == ends[:-1] and ends[-1] == 8  # every conversation once, in order
+    two, one = open_features(features), open_features(single.directory)
+    for i in range(len(one)):
+        assert two[i]["input_ids"].tolist() == one[i]["input_ids"].tolist()
+        torch.testing.assert_close(two[i]["final"], one[i]["final"], rtol=2**-7, atol=1e-4)
+
+
+def test_features_from_another_target_or_layer_set_are_refused(tmp_path, captures, conversations):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    directory = captures["bfloat16"].directory
+    other = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, vocab_size=4096))
+    with pytest.raises(UserError, match=r"captured from target .*reference-target \(hidden_size=256.* recipe's target is tiny \(hidden_size=64"):
+        open_features(directory, expect=expected_features(other, "tiny", FeatureRequest(final=True)))
+    with pytest.raises(UserError, match=r"hold layers \[-1, 0, 3\] but the drafter needs \[1, 2\]"):
+        open_features(directory, expect={"layers": [1, 2]})
+    # A drafter that distils from the target's distribution cannot train on a capture without one.
+    final_only = run_capture(tmp_path, conversations)  # the medusa recipe's default: final only
+    with pytest.raises(UserError, match="hold no target distribution"):
+        open_features(final_only.directory, expect={"logits": True})
+
+
+def test_truncated_shard_or_missing_manifest_is_a_user_error(tmp_path, captures):
+    copy = tmp_path / "copy"
+    shutil.copytree(captures["float16"].directory, copy)
+    shard = copy / "shard_00_00001.safetensors"
+    os.truncate(shard, shard.stat().st_size // 2)
+    with pytest.raises(UserError, match=r"shard_00_00001.safetensors is truncated"):
+        open_features(copy)
+    (copy / "manifest.json").unlink()
+    with pytest.raises(UserError, match="holds no manifest.json"):
+        open_features(copy)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("data.capture.layers=[4]", "layer id 4 is out of range for a target with 4 layers"),
+        ("data.capture.dtype=int4", "data.capture.dtype='int4' is not one of"),
+        ("data.capture.dtype=float16", "already holds a capture with other settings (dtype: 'bfloat16' -> 'float16'"),
+    ],
+)
+def test_bad_capture_settings_exit_2_with_one_line(captures, conversations, capsys, override, message):
+    output = captures["bfloat16"].directory.parent  # holds a bfloat16 capture
+    args = capture_args(output, conversations, *FULL, "data.capture.shard_tokens=250", override)
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(main, args)
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert message in lines[-1] and lines[-1].startswith("error: ")
