@@ -40,6 +40,7 @@ from data_prep.features import (
     LAYER_CONVENTION,
     MANIFEST_NAME,
     SCHEMA_VERSION,
+    STORAGE_DTYPES,
     encode,
     file_sha256,
     hidden_names,
@@ -107,16 +108,18 @@ def capture(cfg: DictConfig) -> CaptureResult:
     state = PartialState(cpu=not torch.cuda.is_available())
     section = cfg.data.capture
     if section.topk < 1 or section.shard_tokens < 1:
-        raise UserError(f"data.capture.topk={section.topk} and data.capture.shard_tokens={section.shard_tokens} must be at least 1")
-
-    tokenizer = load_tokenizer(cfg.target.name_or_path, cfg.target.revision, cfg.target.trust_remote_code)
+        raise UserError(f"data.capture.topk={section.topk} and shard_tokens={section.shard_tokens} must be at least 1")
     if not cfg.data.train:
         raise UserError("data.train is empty: give at least one conversation file or Hub data set id to capture")
+
+    tokenizer = load_tokenizer(cfg.target.name_or_path, cfg.target.revision, cfg.target.trust_remote_code)
     with state.main_process_first():  # rank 0 tokenizes and caches, the others read the cache
         # Exactly as training tokenizes, so a capture lines up with the online data set row by row.
         conversations = load_conversations(list(cfg.data.train), cfg.data.max_conversations)
         data = tokenize_conversations(conversations, tokenizer, cfg.data.max_length, cfg.data.overlong, cfg.data.cache_dir)
-    target = load_target(cfg.target.name_or_path, cfg.target.revision, cfg.target.dtype, state.device, cfg.target.trust_remote_code)
+    target = load_target(
+        cfg.target.name_or_path, cfg.target.revision, cfg.target.dtype, state.device, cfg.target.trust_remote_code
+    )
     selection = resolve_selection(cfg, target)
 
     directory = Path(section.output or Path(cfg.output_dir) / "features")
@@ -141,6 +144,12 @@ def capture(cfg: DictConfig) -> CaptureResult:
     plan = plan_shards(list(data["length"]), state.num_processes, section.shard_tokens)[state.process_index]
     part_path = directory / part_name(state.process_index)
     done = {entry["file"]: entry for entry in read_json(part_path)["shards"]} if part_path.is_file() else {}
+
+    def record() -> None:
+        shards = sorted(done.values(), key=lambda entry: entry["index"])
+        write_json(part_path, {"settings": settings, "rank": state.process_index, "shards": shards})
+
+    record()  # from the start, so the merge finds a part for every rank, even one with no conversations
     computed = reused = 0
     progress = tqdm(total=sum(s.tokens for s in plan), unit="tok", desc="capture", disable=not state.is_main_process)
     for shard in plan:
@@ -150,10 +159,11 @@ def capture(cfg: DictConfig) -> CaptureResult:
             progress.update(shard.tokens)
             continue
         rows = data[shard.start : shard.stop]
-        tensors = capture_shard(target, rows, selection, cfg.train.micro_batch_size, tokenizer.pad_token_id, state.device, progress)
+        tensors = capture_shard(
+            target, rows, selection, cfg.train.micro_batch_size, tokenizer.pad_token_id, state.device, progress
+        )
         done[shard.name] = write_shard(directory, shard, tensors, rows["domain"])
-        # Recorded only once the shard is in place under its final name.
-        write_json(part_path, {"settings": settings, "rank": state.process_index, "shards": sorted(done.values(), key=lambda e: e["index"])})
+        record()  # only now that the shard is in place under its final name
         computed += 1
     progress.close()
     log.info("rank %d: computed %d shard(s), reused %d", state.process_index, computed, reused)
@@ -163,9 +173,10 @@ def capture(cfg: DictConfig) -> CaptureResult:
     if state.is_main_process:
         manifest = merge_manifest(directory, settings, cfg, tokenizer)
         print(
-            f"captured {manifest['tokens']} tokens ({manifest['conversations']} conversations, {len(manifest['shards'])} shards) "
-            f"into {directory}: {manifest['bytes_per_token']:.1f} bytes/token; EAGLE-3's four bf16 features (8*H) would be "
-            f"{manifest['anchor_bytes_per_token']} bytes/token (ratio {manifest['anchor_ratio']:.3f})",
+            f"captured {manifest['tokens']} tokens ({manifest['conversations']} conversations, "
+            f"{len(manifest['shards'])} shards) into {directory}: {manifest['bytes_per_token']:.1f} bytes/token; "
+            f"EAGLE-3's four bf16 features (8*H) would be {manifest['anchor_bytes_per_token']} bytes/token "
+            f"(ratio {manifest['anchor_ratio']:.3f})",
             flush=True,
         )
     return CaptureResult(directory=directory, computed=computed, reused=reused, manifest=manifest)
@@ -180,9 +191,9 @@ def resolve_selection(cfg: DictConfig, target) -> Selection:
     if section.layers is None or section.final is None or section.logits == "auto":
         # Only the drafter's `features` matter here, not its weights: on the meta device a
         # vocab-sized head costs no memory.
+        drafter_cls = drafter_class(cfg.drafter.type)
         with torch.device("meta"):
-            drafter = drafter_class(cfg.drafter.type).from_target(OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path)
-        wanted = drafter.features
+            wanted = drafter_cls.from_target(OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path).features
     layers = tuple(sorted(set(wanted.layers if section.layers is None else section.layers)))
     check_layers(target, layers)
     final = wanted.final if section.final is None else bool(section.final)
@@ -286,14 +297,13 @@ def stored_tensors(out: TargetOutput, row: int, length: int, selection: Selectio
     stored: dict[str, torch.Tensor] = {}
     for name in hidden_names(selection.final, selection.layers):
         stored |= encode(name, hidden[name][row, :length], selection.dtype)
-    logits = out.logits[row, :length].float()
     if selection.logits == "topk":
-        logprobs, ids = torch.log_softmax(logits, dim=-1).topk(selection.topk, dim=-1)
+        logprobs, ids = torch.log_softmax(out.logits[row, :length].float(), dim=-1).topk(selection.topk, dim=-1)
         stored["topk_ids"] = ids.to(torch.int32)
         stored["topk_logprobs"] = logprobs.to(DISTRIBUTION_DTYPE)
     elif selection.logits == "full":
         limit = torch.finfo(DISTRIBUTION_DTYPE).max  # saturate rather than store inf
-        stored["logits"] = logits.clamp(-limit, limit).to(DISTRIBUTION_DTYPE)
+        stored["logits"] = out.logits[row, :length].float().clamp(-limit, limit).to(DISTRIBUTION_DTYPE)
     return {name: tensor.contiguous().cpu() for name, tensor in stored.items()}
 
 
@@ -301,7 +311,12 @@ def write_shard(directory: Path, shard: ShardPlan, tensors: dict[str, torch.Tens
     """Write to `<name>.tmp`, make it durable, rename it into place; return its manifest entry."""
     path = directory / shard.name
     tmp = path.with_name(path.name + ".tmp")
-    metadata = {"format": "pt", "draftsmith_features": str(SCHEMA_VERSION), "first_conversation": str(shard.start), "domains": json.dumps(domains)}
+    metadata = {
+        "format": "pt",
+        "draftsmith_features": str(SCHEMA_VERSION),
+        "first_conversation": str(shard.start),
+        "domains": json.dumps(domains),  # one per conversation, in order
+    }
     save_file(tensors, str(tmp), metadata=metadata)
     os.chmod(tmp, SHARD_MODE)
     with open(tmp, "rb") as f:
@@ -323,8 +338,8 @@ def write_shard(directory: Path, shard: ShardPlan, tensors: dict[str, torch.Tens
 
 def merge_manifest(directory: Path, settings: dict[str, Any], cfg: DictConfig, tokenizer) -> dict[str, Any]:
     """Join every rank's part into manifest.json, with totals and the bytes/token comparison."""
-    shards = [entry for rank in range(settings["world_size"]) for entry in read_json(directory / part_name(rank))["shards"]]
-    shards.sort(key=lambda entry: entry["first_conversation"])
+    parts = [read_json(directory / part_name(rank)) for rank in range(settings["world_size"])]
+    shards = sorted((entry for part in parts for entry in part["shards"]), key=lambda entry: entry["first_conversation"])
     tokens = sum(entry["tokens"] for entry in shards)
     total_bytes = sum(entry["bytes"] for entry in shards)
     domains: Counter[str] = Counter()
@@ -360,15 +375,18 @@ def merge_manifest(directory: Path, settings: dict[str, Any], cfg: DictConfig, t
 
 def field_layout(settings: dict[str, Any], hidden_size: int) -> dict[str, str]:
     """Every tensor a shard holds, with its dtype and shape (T = the shard's tokens)."""
-    storage = {"bfloat16": "bfloat16", "float16": "float16", "float8": f"float8_e4m3fn (x = q * scale, scale = absmax/{FP8_MAX:g})"}
+    storage = str(STORAGE_DTYPES[settings["dtype"]]).removeprefix("torch.")
     fields = {"input_ids": "int32 [T]", "loss_mask": "uint8 [T]", "offsets": "int64 [conversations + 1]"}
     for name in hidden_names(settings["final"], settings["layers"]):
-        fields[name] = f"{storage[settings['dtype']]} [T, {hidden_size}]"
+        fields[name] = f"{storage} [T, {hidden_size}]"
         if settings["dtype"] == "float8":
-            fields[f"{name}.scale"] = "float32 [T]"
+            fields[f"{name}.scale"] = f"float32 [T]: {name} = {name}.float() * scale[:, None], scale = absmax / {FP8_MAX:g}"
     distribution = str(DISTRIBUTION_DTYPE).removeprefix("torch.")
-    shapes = {"topk_ids": f"int32 [T, {settings['topk']}]", "topk_logprobs": f"{distribution} [T, {settings['topk']}]",
-              "logits": f"{distribution} [T, {settings['target']['vocab_size']}]"}
+    shapes = {
+        "topk_ids": f"int32 [T, {settings['topk']}]",
+        "topk_logprobs": f"{distribution} [T, {settings['topk']}]",
+        "logits": f"{distribution} [T, {settings['target']['vocab_size']}]",
+    }
     fields |= {name: shapes[name] for name in DISTRIBUTION_FIELDS[settings["logits"]]}
     return fields
 

@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
@@ -127,19 +128,15 @@ class FeatureStore(Dataset):
         self.vocab_size: int = manifest["target"]["vocab_size"]
         self._quantized = manifest["dtype"] == "float8"
         self._shards = shards
-        self._starts: list[int] = []  # index of each shard's first conversation
-        count = 0
-        for shard in shards:
-            self._starts.append(count)
-            count += len(shard.domains)
-        self._count = count
+        # Index of each shard's first conversation, then the total.
+        self._starts = [0, *accumulate(len(shard.domains) for shard in shards)]
         self._verified: set[Path] = set()
 
     def __len__(self) -> int:
-        return self._count
+        return self._starts[-1]
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        if not 0 <= index < self._count:
+        if not 0 <= index < len(self):
             raise IndexError(index)
         number = bisect.bisect_right(self._starts, index) - 1
         shard, local = self._shards[number], index - self._starts[number]
@@ -205,7 +202,7 @@ class FeatureCollator:
 
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         batch = Collator(self.pad_token_id)(rows)
-        for name, value in rows[0].items():
+        for name in rows[0]:
             if name not in batch:
                 batch[name] = pad_sequence([row[name] for row in rows], batch_first=True)
         return batch
@@ -267,7 +264,10 @@ def _check_expectation(directory: Path, manifest: Mapping[str, Any], expect: Map
             f"capture again with data.capture.layers={needed}"
         )
     if expect.get("final") and not manifest["final"]:
-        raise UserError(f"features in {directory} hold no final hidden state but the drafter needs it; capture again with data.capture.final=true")
+        raise UserError(
+            f"features in {directory} hold no final hidden state but the drafter needs it; "
+            "capture again with data.capture.final=true"
+        )
     if expect.get("logits") and manifest["logits"] == "none":
         raise UserError(
             f"features in {directory} hold no target distribution but the drafter needs the target's logits; "

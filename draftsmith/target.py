@@ -4,7 +4,9 @@ drafter asks for.
 Layer index convention (used by every drafter and, later, by feature shards): layer `i` means the
 *output* of decoder layer i (0-based), i.e. `hidden_states[i + 1]` of transformers'
 `output_hidden_states`; `-1` means the embeddings (`hidden_states[0]`). The `final` feature is the
-last hidden state after the final norm, the input of the lm_head.
+last hidden state after the final norm, the input of the lm_head. Caveat: transformers returns the
+*normed* state as `hidden_states[L]`, so layer L-1 is the same tensor as `final`, not the raw output
+of the last decoder layer (EAGLE-3's default layers 1, L//2-1, L-4 never touch it).
 """
 from __future__ import annotations
 

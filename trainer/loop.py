@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from data_prep import Collator, load_conversations, tokenize_conversations
+from data_prep.features import FeatureCollator, expected_features, open_features
 from draftsmith.errors import UserError
 from draftsmith.recipe import resolve_bool_or_path, save_recipe
 from draftsmith.target import load_target, load_tokenizer, run_target
@@ -48,8 +49,9 @@ def train(cfg: DictConfig) -> Path:
 
     # -- data, target, drafter (inputs are checked before anything is written) -----------------
     tokenizer = load_tokenizer(cfg.target.name_or_path, cfg.target.revision, cfg.target.trust_remote_code)
+    offline = cfg.data.features is not None  # train from captured shards instead of running the target
     with accelerator.main_process_first():  # rank 0 tokenizes and caches, the others read the cache
-        train_data = tokenized(cfg, cfg.data.train, tokenizer, "data.train")
+        train_data = None if offline else tokenized(cfg, cfg.data.train, tokenizer, "data.train")
         eval_data = tokenized(cfg, cfg.data.eval, tokenizer, "data.eval") if cfg.data.eval else None
     collate = Collator(tokenizer.pad_token_id)
     target = load_target(
@@ -59,6 +61,17 @@ def train(cfg: DictConfig) -> Path:
     drafter_cls = drafter_class(cfg.drafter.type)
     drafter_config = OmegaConf.to_object(cfg.drafter)
     drafter = drafter_cls.from_target(drafter_config, target, cfg.target.name_or_path).to(accelerator.device)
+    if offline:
+        store = open_features(
+            cfg.data.features, expect=expected_features(target, cfg.target.name_or_path, drafter.features)
+        )
+        train_data, train_collate, target_features = store, FeatureCollator(tokenizer.pad_token_id), store.to_target_output
+    else:
+        request = drafter.features
+        train_collate = collate
+
+        def target_features(batch: dict):
+            return run_target(target, batch["input_ids"], batch["attention_mask"], request)
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         trainable, lr=cfg.train.lr, betas=tuple(cfg.train.adam_betas), weight_decay=cfg.train.weight_decay
@@ -86,7 +99,7 @@ def train(cfg: DictConfig) -> Path:
     accelerator.init_trackers("tb")
 
     # -- the loop -------------------------------------------------------------------------------
-    stream = micro_batches(train_data, collate, cfg, world, rank, state)
+    stream = micro_batches(train_data, train_collate, cfg, world, rank, state)
     progress = tqdm(total=max_steps, initial=state.step, desc="train", disable=not accelerator.is_main_process)
     interval_stats: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(2, device=accelerator.device))
     interval_tokens, interval_start = 0, time.perf_counter()
@@ -98,9 +111,7 @@ def train(cfg: DictConfig) -> Path:
             batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
             with accelerator.accumulate(drafter):
                 with torch.no_grad():
-                    target_out = run_target(
-                        target, batch["input_ids"], batch["attention_mask"], accelerator.unwrap_model(drafter).features
-                    )
+                    target_out = target_features(batch)
                 with accelerator.autocast():
                     loss, stats = drafter(batch, target_out)
                 accelerator.backward(loss)

@@ -1,0 +1,63 @@
+"""Time the README's main command and summarise what it measured, as JSON.
+
+    python benchmarks/default_run.py [--output-dir runs/bench_medusa] [key=value overrides ...]
+
+Runs `accelerate launch train.py recipe=medusa` (the bundled demo target and data) in a fresh
+output directory and prints: wall time, eval-split top-1 accuracy per domain and head (trained vs
+untrained heads), and the speculative-decoding report's tau/alpha/speedup per domain and method.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output-dir", default="runs/bench_medusa")
+    parser.add_argument("overrides", nargs="*", help="recipe overrides, key=value")
+    args = parser.parse_args()
+    output_dir = Path(args.output_dir).resolve()
+    shutil.rmtree(output_dir, ignore_errors=True)
+
+    command = ["accelerate", "launch", "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no",
+               "--dynamo_backend", "no", "train.py", "recipe=medusa", f"output_dir={output_dir}", *args.overrides]
+    start = time.perf_counter()
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    wall_s = time.perf_counter() - start
+    if result.returncode != 0:
+        sys.exit(f"training failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
+
+    accuracy = json.loads((output_dir / "eval_accuracy.json").read_text())
+    report = json.loads((output_dir / "eval" / "report.json").read_text())
+    heads = sorted({k.split("/")[0] for k in accuracy["trained"]["all"] if k.endswith("/top1")})
+    summary = {
+        "command": " ".join(command),
+        "cpu_threads": os.cpu_count(),
+        "wall_s": round(wall_s, 1),
+        "top1": {
+            domain: {h: {"untrained": round(accuracy["untrained"][domain][f"{h}/top1"], 3),
+                         "trained": round(accuracy["trained"][domain][f"{h}/top1"], 3)} for h in heads}
+            for domain in accuracy["trained"]
+        },
+        "speculative": {
+            domain: {
+                method: {k: row[k] for k in ("tau", "alpha", "speedup", "lossless")}
+                for method, row in {**report["domains"][domain], **report["baselines"][domain]}.items()
+            }
+            for domain in report["domains"]
+        },
+    }
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
