@@ -27,9 +27,7 @@ from transformers.cache_utils import DynamicLayer
 
 from draftsmith.errors import UserError
 from draftsmith.target import FeatureRequest, run_target
-from heads.base import DraftState, DraftTree
-
-Tree = Sequence[tuple[int, ...]]  # static tree as paths of per-depth candidate ranks (parents first)
+from heads.base import DraftState, DraftTree, DynamicTree, Tree
 
 
 class Proposer(Protocol):
@@ -178,18 +176,53 @@ def is_chain(parents: torch.Tensor) -> bool:
     return bool(torch.equal(parents, torch.arange(-1, len(parents) - 1, device=parents.device)))
 
 
+def tree_depth(tree: Tree) -> int:
+    """Draft positions a tree request fills at most: its longest path."""
+    return tree.depth if isinstance(tree, DynamicTree) else max(map(len, tree))
+
+
+def cut_tree(tree: Tree, max_depth: int) -> Tree:
+    """The request no deeper than `max_depth` (a prefix-closed cut of static paths stays a tree)."""
+    return tree.cut(max_depth) if isinstance(tree, DynamicTree) else [path for path in tree if len(path) <= max_depth]
+
+
 @dataclass
 class DecodeState:
     """Everything committed so far. Invariant: the cache holds all of `tokens` but the last (the root);
-    `final`/`layers` are the target's hidden states at the position before the root."""
+    `final`/`layers` are the target's hidden states at the position before the root; `new_final` /
+    `new_layers` are those at the positions committed since the drafter last proposed (see DraftState),
+    `fresh` is True until it first has."""
 
     tokens: list[int]
     cache: DynamicCache
     final: torch.Tensor  # [H]
     layers: dict[int, torch.Tensor]
+    new_final: torch.Tensor  # [m, H]
+    new_layers: dict[int, torch.Tensor]  # layer id -> [m, H]
+    fresh: bool = True
 
     def draft_state(self) -> DraftState:
-        return DraftState(tokens=torch.tensor(self.tokens, device=self.final.device), final=self.final, layers=self.layers)
+        return DraftState(
+            tokens=torch.tensor(self.tokens, device=self.final.device),
+            final=self.final,
+            layers=self.layers,
+            new_final=self.new_final,
+            new_layers=self.new_layers,
+            fresh=self.fresh,
+        )
+
+    def commit_hidden(self, final: torch.Tensor, layers: dict[int, torch.Tensor]) -> None:
+        """Record the target's hidden states [k, H] at newly committed positions (oldest first)."""
+        self.final = final[-1]
+        self.layers = {layer: hidden[-1] for layer, hidden in layers.items()}
+        self.new_final = torch.cat([self.new_final, final])
+        self.new_layers = {layer: torch.cat([self.new_layers[layer], hidden]) for layer, hidden in layers.items()}
+
+    def mark_proposed(self) -> None:
+        """The drafter has seen everything committed so far."""
+        self.new_final = self.new_final[:0]
+        self.new_layers = {layer: hidden[:0] for layer, hidden in self.new_layers.items()}
+        self.fresh = False
 
 
 def check_target(model, cache: DynamicCache) -> None:
@@ -213,11 +246,14 @@ def prefill(model, prompt: Sequence[int], request: FeatureRequest = FeatureReque
     check_target(model, cache)
     ids = torch.tensor([list(prompt[:-1])], device=device)
     out = run_target(model, ids, request=request, past_key_values=cache, use_cache=True)
+    layers = {layer: hidden[0] for layer, hidden in out.layers.items()}
     return DecodeState(
         tokens=list(prompt),
         cache=cache,
         final=out.final[0, -1],
-        layers={layer: hidden[0, -1] for layer, hidden in out.layers.items()},
+        layers={layer: hidden[-1] for layer, hidden in layers.items()},
+        new_final=out.final[0],  # every cached position is new to the drafter
+        new_layers=layers,
     )
 
 
@@ -241,13 +277,16 @@ def empty_draft(device: torch.device) -> DraftTree:
 def propose(drafter: Optional[Proposer], state: DecodeState, gamma: int, tree: Optional[Tree], max_depth: int) -> DraftTree:
     """The drafter's proposal, no deeper than `max_depth` (so a cycle never emits past the budget)."""
     device = state.final.device
-    if drafter is None or max_depth < 1:
+    if drafter is None:
+        state.mark_proposed()  # nobody will read them: plain decoding must not pile up hidden states
+        return empty_draft(device)
+    if max_depth < 1:
         return empty_draft(device)
     if tree is not None:
-        paths = [path for path in tree if len(path) <= max_depth]  # a prefix-closed cut stays a tree
-        draft = drafter.propose(state.draft_state(), gamma, paths)
+        draft = drafter.propose(state.draft_state(), gamma, cut_tree(tree, max_depth))
     else:
         draft = drafter.propose(state.draft_state(), min(gamma, max_depth))
+    state.mark_proposed()
     probs = None if draft.probs is None else draft.probs.to(device)
     return DraftTree(tokens=draft.tokens.to(device), parents=draft.parents.to(device), probs=probs)
 
@@ -279,9 +318,8 @@ def verify_step(
     state.tokens.extend(int(draft.tokens[node]) for node in verdict.path)
     if verdict.bonus is not None:
         state.tokens.append(verdict.bonus)
-    last = int(keep[-1])  # the position whose logits produced the bonus
-    state.final = out.final[0, last]
-    state.layers = {layer: hidden[0, last] for layer, hidden in out.layers.items()}
+    # Committed now: the root and the path; the last of them produced the bonus.
+    state.commit_hidden(out.final[0, keep], {layer: hidden[0, keep] for layer, hidden in out.layers.items()})
     return verdict
 
 
@@ -332,7 +370,7 @@ def generate(
     rule: AcceptRule = exact_rule,
 ) -> Generation:
     """Decode up to `max_new_tokens` (stopping after an EOS) with a chain of `gamma` draft tokens, a
-    static `tree`, or no drafter at all (plain decoding). `rule` is replaceable for tests only."""
+    `tree` (static paths or a DynamicTree), or no drafter at all (plain decoding). `rule` is replaceable for tests only."""
     start = time.perf_counter()
     device = model.get_output_embeddings().weight.device
     generator = torch.Generator(device=device).manual_seed(seed)

@@ -12,8 +12,7 @@ import torch
 
 from draftsmith.errors import UserError
 from draftsmith.target import FeatureRequest
-from heads.base import DraftState, DraftTree
-from eval.loop import Tree
+from heads.base import DraftState, DraftTree, Tree
 
 
 class NGramDrafter:

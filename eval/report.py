@@ -32,9 +32,9 @@ from tqdm.auto import tqdm
 from draftsmith.errors import UserError
 from draftsmith.recipe import save_recipe
 from draftsmith.target import load_target, load_tokenizer, resolve_device, target_id
-from eval.loop import Generation, Proposer, Sampling, Tree, generate
+from eval.loop import Generation, Proposer, Sampling, generate, tree_depth
 from eval.ngram import NGramDrafter
-from heads.base import TargetShape, load_drafter
+from heads.base import DynamicTree, TargetShape, Tree, load_drafter
 
 REPORT_VERSION = 1
 WARMUP_TOKENS = 8
@@ -57,7 +57,7 @@ class Method:
         """Draft positions per forward at most: γ for a chain, the longest path for a tree."""
         if self.drafter is None:
             return 0
-        return max(map(len, self.tree)) if self.tree is not None else self.gamma
+        return tree_depth(self.tree) if self.tree is not None else self.gamma
 
     def run(self, model, prompt: list[int], max_new_tokens: int, sampling: Sampling, eos_ids: frozenset[int], seed: int) -> Generation:
         return generate(model, prompt, max_new_tokens, self.drafter, self.gamma, self.tree, sampling, eos_ids, seed)
@@ -200,10 +200,17 @@ def build_methods(cfg: DictConfig, drafter) -> list[Method]:
     ]
     if nodes > 0:
         tree = drafter.default_tree(nodes)
-        methods.append(Method("tree", "drafter", drafter, gamma, tree, {"nodes": len(tree), "paths": [list(p) for p in tree]}))
+        methods.append(Method("tree", "drafter", drafter, gamma, tree, tree_info(tree)))
     ngram_max = int(cfg.eval.ngram_max)
     methods.append(Method("ngram", "baseline", NGramDrafter(ngram_max), gamma, info={"gamma": gamma, "ngram_max": ngram_max}))
     return methods
+
+
+def tree_info(tree: Tree) -> dict:
+    """The report's description of the drafter's tree: its paths if static, its budget if dynamic."""
+    if isinstance(tree, DynamicTree):
+        return {"nodes": tree.nodes, "dynamic": {"depth": tree.depth, "topk": tree.topk}}
+    return {"nodes": len(tree), "paths": [list(p) for p in tree]}
 
 
 def run_eval(cfg: DictConfig, drafter_path: Optional[str] = None, target=None, tokenizer=None) -> dict[str, Any]:
@@ -225,7 +232,7 @@ def run_eval(cfg: DictConfig, drafter_path: Optional[str] = None, target=None, t
     if tokenizer is None:
         tokenizer = load_tokenizer(name, cfg.target.revision, cfg.target.trust_remote_code)
     device = target.get_output_embeddings().weight.device
-    drafter = load_drafter(checkpoint, TargetShape.of(target, name)).to(device).eval()
+    drafter = load_drafter(checkpoint, TargetShape.of(target, name), target).to(device).eval()
     methods = build_methods(cfg, drafter)
     prompts = load_prompts(sources, tokenizer, int(cfg.eval.max_prompts), int(cfg.data.max_length))
     eos_ids = eos_ids_of(target, tokenizer)

@@ -4,8 +4,10 @@ A drafter says
 - which target outputs it needs (`features`, a FeatureRequest),
 - how to build itself for a target (`from_target`, e.g. copying the target's lm_head),
 - its training loss and metrics from a batch plus the target's outputs (`loss`),
-- how to propose tokens at decode time (`propose`, a chain or a tree),
-- and it saves/loads as `config.json` + `model.safetensors` (`save_pretrained`, `load_drafter`).
+- how to propose tokens at decode time (`propose`, a chain or a tree; `default_tree` says which tree),
+- and it saves/loads as `config.json` + `model.safetensors` (`save_pretrained`, `load_drafter`);
+  target modules it shares but does not save (EAGLE's embedding and lm_head) are re-attached on
+  load (`attach_target`).
 """
 from __future__ import annotations
 

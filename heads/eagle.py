@@ -1,0 +1,283 @@
+"""EAGLE-1 (with EAGLE-2's dynamic draft tree at decode time): a small autoregressive model over the
+target's features.
+
+Draft position t reads the target's post-norm last hidden state f_t (the lm_head input, EAGLE's
+`hidden_states[-1]`) and the embedding of the *next* token x_{t+1}:
+
+    f̂_{t+1} = layers(fc(cat(embed(x_{t+1}), f_t)))      layers: decoder layers of the target's family
+
+and the target's own lm_head turns f̂_{t+1} into a guess of x_{t+2}. At decode time the drafter keeps
+its own KV cache over (token, feature) pairs: committed positions carry the target's features, draft
+positions its own predictions, which is how it runs several steps ahead.
+
+The token embedding and the lm_head are the target's, frozen, and not part of the checkpoint
+(vLLM and SGLang share them with the target too); `attach_target` re-attaches them after loading.
+Parameter names are those of vLLM's/SGLang's EAGLE-1 loaders (`fc.weight|bias`, `layers.{i}.*`,
+no `layers.0.input_layernorm`), so export is at most a prefix rename; vLLM's loader has no fc bias
+(`fc_bias: false` for a checkpoint meant for it).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache
+
+from draftsmith.errors import UserError
+from draftsmith.target import FeatureRequest, TargetOutput
+from heads import register
+from heads.base import DraftState, DraftTree, Drafter, DynamicTree, TargetShape, Tree
+
+
+@dataclass
+class EagleConfig:
+    type: str = "eagle"
+    num_layers: int = 1  # decoder layers (every published EAGLE-1 checkpoint has 1)
+    fc_bias: bool = True  # EAGLE's default; the LLaMA-3 checkpoints and vLLM's loader have none
+    feature_loss_weight: float = 1.0  # v_w: SmoothL1 between predicted and target feature
+    token_loss_weight: float = 0.1  # p_w: soft cross-entropy against the target's next-token distribution
+    noise_std: float = 0.2  # width of the uniform noise on input features in training (see `loss`)
+    tree_depth: int = 5  # dynamic tree (EAGLE-2): draft steps ...
+    tree_topk: int = 8  # ... children expanded per node and nodes expanded per step; eval.tree = node budget
+    decoder: Optional[dict] = None  # the target family's layer/rotary classes and config; set by from_target
+
+
+def import_qualified(name: str):
+    module, _, attribute = name.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as err:
+        raise UserError(f"EAGLE drafter: cannot import {name!r} ({err}); is the target's model code installed?") from None
+
+
+def qualified_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def decoder_spec(target_model, num_layers: int) -> dict:
+    """What it takes to rebuild the target family's decoder layers without the target: the layer and
+    rotary classes and the target's config with `num_layers` layers."""
+    base = target_model.get_decoder()
+    layers, rotary = getattr(base, "layers", None), getattr(base, "rotary_emb", None)
+    if layers is None or rotary is None:
+        raise UserError(f"EAGLE needs a decoder with `layers` and `rotary_emb` (RoPE); {type(target_model).__name__} has none")
+    config = target_model.config.to_dict()
+    config["num_hidden_layers"] = num_layers
+    config.pop("layer_types", None)  # per-layer kinds are the target's; the draft layers are full attention
+    return {
+        "layer": qualified_name(type(layers[0])),
+        "rotary": qualified_name(type(rotary)),
+        "config_class": qualified_name(type(target_model.config)),
+        "config": config,
+    }
+
+
+@register
+class Eagle(Drafter):
+    type = "eagle"
+    Config = EagleConfig
+
+    def __init__(self, config: EagleConfig, target: TargetShape):
+        super().__init__(config, target)
+        if config.num_layers < 1 or config.tree_depth < 1 or config.tree_topk < 1:
+            raise UserError(f"drafter.num_layers, tree_depth and tree_topk must be >= 1 (got {config.num_layers}, {config.tree_depth}, {config.tree_topk})")
+        if config.decoder is None:
+            raise UserError("an EAGLE drafter is built for a target: use Eagle.from_target (drafter.decoder is filled there)")
+        layer_config = import_qualified(config.decoder["config_class"]).from_dict(config.decoder["config"])
+        layer_config._attn_implementation = "sdpa"  # takes the explicit tree masks of decoding
+        self.layer_config = layer_config
+        layer_cls = import_qualified(config.decoder["layer"])
+        hidden = target.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=config.fc_bias)
+        self.layers = nn.ModuleList(layer_cls(layer_config, layer_idx=i) for i in range(config.num_layers))
+        # EAGLE feeds fc's output to the first layer unnormalised (vLLM: disable_input_layernorm).
+        self.layers[0].input_layernorm = nn.Identity()
+        self.rotary_emb = import_qualified(config.decoder["rotary"])(config=layer_config)
+        self.shared: Optional[tuple[nn.Module, nn.Module]] = None  # target's (embedding, lm_head): see attach_target
+        self.cache: Optional[DynamicCache] = None  # decoding: the drafter's KV cache, see `catch_up`
+
+    @classmethod
+    def from_target(cls, config: EagleConfig, target_model, name_or_path: str) -> "Eagle":
+        config = replace(config, decoder=decoder_spec(target_model, config.num_layers))
+        drafter = cls(config, TargetShape.of(target_model, name_or_path))
+        drafter.attach_target(target_model)
+        return drafter
+
+    def attach_target(self, target_model) -> None:
+        # A plain tuple, not submodules: the target's modules stay out of state_dict(), parameters()
+        # (so out of the optimizer, DDP and the checkpoint) and `.to()`; they are frozen already.
+        self.shared = (target_model.get_input_embeddings(), target_model.get_output_embeddings())
+
+    def target_modules(self) -> tuple[nn.Module, nn.Module]:
+        if self.shared is None:
+            raise RuntimeError("the EAGLE drafter has no target embedding/lm_head: load it with load_drafter(..., target_model=target)")
+        return self.shared
+
+    @property
+    def features(self) -> FeatureRequest:
+        return FeatureRequest(final=True, logits=True)
+
+    # -- the draft model ------------------------------------------------------------------------
+    def draft(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[B, q] tokens and [B, q, H] features at [B, q] positions -> predicted next features [B, q, H].
+        `mask` None is causal attention within the call (training); decoding passes a boolean
+        [1, 1, q, cached + q] mask (True = may attend) and goes through `self.cache`."""
+        embed, _ = self.target_modules()
+        hidden = self.fc(torch.cat([embed(tokens).to(features.dtype), features], dim=-1))
+        rope = self.rotary_emb(hidden, positions)
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=self.cache, position_embeddings=rope)
+        return hidden
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        _, lm_head = self.target_modules()
+        return lm_head(features.to(lm_head.weight.dtype)).float()
+
+    # -- training -------------------------------------------------------------------------------
+    def loss(self, batch: dict, target_out: TargetOutput):
+        """EAGLE's loss, teacher-forced on the target's features of the same forward.
+
+        Alignment, with x_t = input_ids[:, t] and f_t = target_out.final[:, t] (f_t is what the target
+        reads to predict x_{t+1}): draft position t reads (embed(x_{t+1}), f_t) and predicts f_{t+1},
+        whose lm_head output is a guess of x_{t+2}. So for t in [0, T-2): tokens input_ids[:, 1:-1],
+        features final[:, :-2], regression target final[:, 1:-1], soft labels the target's
+        distribution logits[:, 1:-1] (of x_{t+2}), and position t counts where x_{t+2} is
+        supervised: loss_mask[:, 2:]. (EAGLE #317 and SpecForge #885 were off-by-ones here.)
+        """
+        dtype = self.fc.weight.dtype
+        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
+        batch_size, length = input_ids.shape
+        final = target_out.final.to(dtype)
+        features = final[:, :-2]
+        if self.training and self.config.noise_std > 0:
+            # EAGLE's uniform noise, (rand - 0.5) * std, without its as-coded extra factor
+            # 512 / seq_len, which makes the amplitude depend on the padded batch length.
+            features = features + (torch.rand_like(features) - 0.5) * self.config.noise_std
+        positions = torch.arange(length - 2, device=input_ids.device).expand(batch_size, -1)
+        predicted = self.draft(input_ids[:, 1:-1], features, positions)
+
+        mask = loss_mask[:, 2:]
+        rows = mask.nonzero(as_tuple=True)[0]
+        predicted = predicted[mask]  # only supervised positions reach the vocab projection (memory)
+        feature_loss = F.smooth_l1_loss(predicted.float(), final[:, 1:-1][mask].float(), reduction="none").mean(-1)
+        target_logits = target_out.logits[:, 1:-1][mask].float()
+        log_probs = self.logits(predicted).log_softmax(-1)
+        token_loss = -(target_logits.softmax(-1) * log_probs).sum(-1)
+        count = mask.sum().clamp(min=1)
+        total = (self.config.feature_loss_weight * feature_loss.sum() + self.config.token_loss_weight * token_loss.sum()) / count
+
+        with torch.no_grad():
+            guess = log_probs.argmax(-1)
+            values = {
+                "feature_loss": feature_loss.detach(),
+                "token_loss": token_loss.detach(),
+                # agreement with the target's greedy token: greedy acceptance of the first draft token
+                "step1/top1": (guess == target_logits.argmax(-1)).float(),
+                "step1/top1_data": (guess == input_ids[:, 2:][mask]).float(),  # the data's next token
+            }
+            counts = torch.zeros(batch_size, device=total.device).index_add_(0, rows, torch.ones_like(feature_loss))
+            stats = {}
+            for name, per_position in values.items():
+                sums = torch.zeros(batch_size, device=total.device).index_add_(0, rows, per_position.float())
+                stats[name] = torch.stack([sums, counts], dim=-1)
+        return total, stats
+
+    # -- decoding -------------------------------------------------------------------------------
+    def default_tree(self, size: int) -> DynamicTree:
+        return DynamicTree(nodes=size, depth=self.config.tree_depth, topk=self.config.tree_topk)
+
+    @torch.no_grad()
+    def propose(self, state: DraftState, num_tokens: int, tree: Optional[Tree] = None) -> DraftTree:
+        """A greedy chain of `num_tokens` tokens, or an EAGLE-2 dynamic tree. Deterministic (top-k
+        tokens, probs None), so the loop's exact rule treats q as one-hot."""
+        if tree is not None and not isinstance(tree, DynamicTree):
+            raise UserError("the EAGLE drafter grows its tree itself: pass eval.tree=<node budget>, not a static tree")
+        root_feature = self.catch_up(state)
+        if tree is None:
+            return self.grow(root_feature, depth=num_tokens, topk=1, nodes=num_tokens)
+        return self.grow(root_feature, depth=tree.depth, topk=tree.topk, nodes=tree.nodes)
+
+    def catch_up(self, state: DraftState) -> torch.Tensor:
+        """Bring the drafter's cache to the committed sequence and return f̂ after the root.
+
+        Cache entry p holds (x_{p+1}, f_p). With n committed tokens the target's features are known
+        at positions 0..n-2, and `new_final` holds the last m of them. Everything in the cache from
+        position n-1-m on is either a draft entry (own predicted feature) or an entry whose token was
+        not yet committed, so it is cropped and rebuilt from the target's features; the last rebuilt
+        entry, (root, f_{n-2}), predicts f̂_{n-1}, the feature behind the first draft token.
+        """
+        if state.new_final is None or len(state.new_final) == 0:
+            raise ValueError("EAGLE needs the target's hidden states at the newly committed positions (DraftState.new_final)")
+        tokens = state.tokens
+        committed = len(tokens) - 1  # positions with the target's feature known
+        start = committed - len(state.new_final)
+        if state.fresh or self.cache is None:
+            self.cache = DynamicCache(config=self.layer_config)
+        if self.cache.get_seq_length() < start:
+            raise RuntimeError(f"EAGLE cache holds {self.cache.get_seq_length()} positions, the committed sequence needs {start}")
+        self.cache.crop(start - self.cache.get_seq_length())  # crop takes minus the count to drop
+        new = torch.arange(start, committed, device=tokens.device)
+        features = state.new_final.to(self.fc.weight.dtype)
+        mask = torch.ones(1, 1, len(new), committed, dtype=torch.bool, device=tokens.device).tril(start)
+        out = self.draft(tokens[start + 1 :][None], features[None], new[None], mask)
+        return out[0, -1]
+
+    def grow(self, root_feature: torch.Tensor, depth: int, topk: int, nodes: int) -> DraftTree:
+        """EAGLE-2's dynamic tree: score nodes by cumulative draft log-prob; at each step give each
+        of the `topk` best newest nodes its `topk` most likely children; after `depth` steps keep the
+        best `nodes` nodes overall. A child never outscores its parent and ties go to the older node,
+        so the kept set contains every kept node's parent. topk = 1 is the greedy chain."""
+        device = root_feature.device
+        committed = self.cache.get_seq_length()  # the root's entry is the last, at position committed-1
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        node_depth: list[int] = []
+        entry_of: dict[int, int] = {}  # expanded node -> its cache entry
+        output_of: dict[int, torch.Tensor] = {-1: root_feature}  # expanded node (or root) -> f̂ its entry predicts
+
+        def add_children(parent: int, parent_score: float, feature: torch.Tensor) -> list[int]:
+            # Clamped so that rounding never lets a child outscore its parent (see the docstring).
+            best = self.logits(feature).log_softmax(-1).clamp(max=0).topk(topk)
+            added = []
+            for token, log_prob in zip(best.indices.tolist(), best.values.tolist()):
+                added.append(len(tokens))
+                tokens.append(token)
+                parents.append(parent)
+                scores.append(parent_score + log_prob)
+                node_depth.append(1 if parent < 0 else node_depth[parent] + 1)
+            return added
+
+        newest = add_children(-1, 0.0, root_feature)
+        for _ in range(depth - 1):
+            frontier = sorted(newest, key=lambda n: (-scores[n], n))[:topk]
+            features = torch.stack([output_of[parents[n]] for n in frontier])  # a node's entry reads its parent's f̂
+            past = self.cache.get_seq_length()
+            mask = torch.zeros(1, 1, len(frontier), past + len(frontier), dtype=torch.bool, device=device)
+            mask[..., :committed] = True
+            for row, node in enumerate(frontier):
+                ancestor = parents[node]
+                while ancestor >= 0:
+                    mask[0, 0, row, entry_of[ancestor]] = True
+                    ancestor = parents[ancestor]
+                mask[0, 0, row, past + row] = True
+            for row, node in enumerate(frontier):
+                entry_of[node] = past + row
+            positions = torch.tensor([[committed - 1 + node_depth[n] for n in frontier]], device=device)
+            frontier_tokens = torch.tensor([[tokens[n] for n in frontier]], device=device)
+            out = self.draft(frontier_tokens, features[None], positions, mask)[0]
+            newest = []
+            for row, node in enumerate(frontier):
+                output_of[node] = out[row]
+                newest += add_children(node, scores[node], out[row])
+
+        kept = sorted(sorted(range(len(tokens)), key=lambda n: (-scores[n], n))[:nodes])  # then by creation: parents first
+        index = {node: i for i, node in enumerate(kept)}
+        return DraftTree(
+            tokens=torch.tensor([tokens[n] for n in kept], device=device),
+            parents=torch.tensor([index[parents[n]] if parents[n] >= 0 else -1 for n in kept], device=device),
+        )
