@@ -49,6 +49,18 @@ class CaptureSection:
 
 
 @dataclass
+class RegenerateSection:
+    """`python -m data_prep.regenerate`: data.train with every assistant turn rewritten by the target."""
+
+    output: Optional[str] = None  # directory of part files; default <output_dir>/regenerated
+    max_new_tokens: int = 256  # per assistant turn
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    batch_size: int = 8  # conversations generated together (left-padded)
+    seed: int = 0
+
+
+@dataclass
 class DataSection:
     train: List[str] = field(default_factory=list)  # files (.jsonl, .jsonl.gz, .json, .parquet), globs or Hub ids
     eval: List[str] = field(default_factory=list)
@@ -58,6 +70,7 @@ class DataSection:
     cache_dir: Optional[str] = None  # tokenized-data cache; default ~/.cache/draftsmith
     features: Optional[str] = None  # a data_prep.capture directory to train from instead of running the target
     capture: CaptureSection = field(default_factory=CaptureSection)
+    regenerate: RegenerateSection = field(default_factory=RegenerateSection)
 
 
 @dataclass

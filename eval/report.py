@@ -233,6 +233,7 @@ def run_eval(cfg: DictConfig, drafter_path: Optional[str] = None, target=None, t
         tokenizer = load_tokenizer(name, cfg.target.revision, cfg.target.trust_remote_code)
     device = target.get_output_embeddings().weight.device
     drafter = load_drafter(checkpoint, TargetShape.of(target, name), target).to(device).eval()
+    drafter.set_sampling(sampling.temperature)
     methods = build_methods(cfg, drafter)
     prompts = load_prompts(sources, tokenizer, int(cfg.eval.max_prompts), int(cfg.data.max_length))
     eos_ids = eos_ids_of(target, tokenizer)

@@ -158,6 +158,10 @@ class Drafter(nn.Module):
         `default_tree` returned, possibly cut to a smaller depth by the decode loop."""
         raise NotImplementedError
 
+    def set_sampling(self, temperature: float) -> None:
+        """Told the eval's sampling temperature before decoding. Deterministic drafters ignore it;
+        a stochastic drafter samples its proposals from q at this temperature and returns q."""
+
     def default_tree(self, size: int) -> Tree:
         """The drafter's tree of about `size` nodes (eval.tree): static paths or a DynamicTree."""
         raise UserError(f"drafter {self.type!r} does not propose trees; set eval.tree=0")

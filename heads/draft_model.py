@@ -1,0 +1,254 @@
+"""A separate small causal LM as the drafter (classic speculative decoding), sharing the target's
+tokenizer and vocabulary, trained by distillation on the target's next-token distributions.
+
+Built either from an existing checkpoint (`name_or_path`, same vocab as the target) or from the
+target itself (`init: layers`): the target's config with `num_layers` decoder layers, holding a copy
+of the target's embedding, its first `num_layers` decoder layers, final norm and lm_head, so the
+fresh drafter is the target's early-exit model.
+
+Training: full fine-tuning, or LoRA adapters (`lora`) on a frozen copy. Checkpoints are always a
+plain model: with LoRA, `save_pretrained` writes the *merged* weights (plus the adapter alone in
+`adapter/`, peft's format), and `load_drafter` rebuilds the plain architecture from the HF config
+stored in the drafter section (`model_config`). Weight names are the HF model's under a `model.`
+prefix (strip it for an HF checkpoint).
+
+Decoding: `propose` runs the draft model autoregressively with its own KV cache, which survives
+across calls and is cropped to the longest common prefix with the committed tokens. Greedy by
+default (argmax, `probs=None`); after `set_sampling(T)` with T > 0 (the eval calls it) the
+drafter samples each token from q = softmax(logits / T) with its own generator and returns q
+as `probs`, which the exact acceptance rule min(1, p/q) needs.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+from draftsmith.errors import UserError
+from draftsmith.target import FeatureRequest, TargetOutput
+from heads import register
+from heads.base import DraftState, DraftTree, Drafter, TargetShape
+from heads.distill import LOSSES, distill_loss, divergences
+
+ADAPTER_DIR = "adapter"
+
+
+@dataclass
+class LoraSection:
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@dataclass
+class DraftModelConfig:
+    type: str = "draft_model"
+    name_or_path: Optional[str] = None  # an HF causal LM with the target's vocab; None = build from the target
+    init: str = "layers"  # with name_or_path unset: the target's first `num_layers` layers
+    num_layers: int = 1
+    loss: str = "fkl"  # fkl | rkl | tvd | mix (see heads/distill.py)
+    mix_weights: List[float] = field(default_factory=lambda: [1.0, 0.0, 1.0])  # loss=mix: weights of fkl, rkl, tvd
+    ce_weight: float = 0.0  # extra cross-entropy on the data's own next tokens
+    temperature: float = 1.0  # distillation temperature, applied to both distributions
+    lora: Optional[LoraSection] = None  # train LoRA adapters only (merged into the saved weights)
+    model_config: Optional[dict] = None  # filled by from_target: the draft's HF config, to rebuild it on load
+
+    def __post_init__(self):
+        if isinstance(self.lora, dict):  # read back from a checkpoint's config.json
+            self.lora = LoraSection(**self.lora)
+
+
+@register
+class DraftModel(Drafter):
+    type = "draft_model"
+    Config = DraftModelConfig  # max_chain stays None: an autoregressive draft proposes chains of any length
+
+    def __init__(self, config: DraftModelConfig, target: TargetShape, model=None):
+        super().__init__(config, target)
+        if config.loss not in LOSSES:
+            raise UserError(f"drafter.loss={config.loss!r} is not one of {', '.join(LOSSES)}")
+        weights = list(config.mix_weights)
+        if len(weights) != 3 or min(weights) < 0 or sum(weights) <= 0 or config.temperature <= 0 or config.ce_weight < 0:
+            raise UserError(
+                f"need 3 drafter.mix_weights >= 0 (fkl, rkl, tvd; not all 0), drafter.temperature > 0 and ce_weight >= 0 "
+                f"(got {list(config.mix_weights)}, {config.temperature}, {config.ce_weight})"
+            )
+        if model is None:  # load_drafter: rebuild the plain architecture, the weights come next
+            if config.model_config is None:
+                raise UserError("draft_model checkpoint has no drafter.model_config; was it written by save_pretrained?")
+            settings = dict(config.model_config)
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(settings.pop("model_type"), **settings), dtype=torch.float32)
+        self.model = model
+        self.sampling_temperature = 0.0  # set_sampling (the eval); 0 = greedy, probs=None
+        self.sampling_seed = 0
+        self._generator: Optional[torch.Generator] = None  # one stream for all proposals, see _sample
+        self._cache: Optional[DynamicCache] = None
+        self._cached: list[int] = []  # the tokens whose keys/values `_cache` holds
+
+    # -- building -------------------------------------------------------------------------------
+    @classmethod
+    def from_target(cls, config: DraftModelConfig, target_model, name_or_path: str) -> "DraftModel":
+        shape = TargetShape.of(target_model, name_or_path)
+        model = load_draft(config.name_or_path, shape) if config.name_or_path else layers_of(target_model, config)
+        model.config.use_cache = True
+        config = replace(config, model_config=model.config.to_dict())
+        if config.lora is not None:
+            from peft import LoraConfig, get_peft_model
+
+            lora = config.lora
+            adapters = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules))
+            model = get_peft_model(model, adapters)  # freezes every base weight
+        return cls(config, shape, model)
+
+    # -- training -------------------------------------------------------------------------------
+    @property
+    def features(self) -> FeatureRequest:
+        return FeatureRequest(final=False, logits=True)
+
+    def loss(self, batch: dict, target_out: TargetOutput):
+        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
+        logits = self.model(input_ids=input_ids, attention_mask=batch["attention_mask"], use_cache=False).logits
+        # The distribution at position t predicts token t+1: supervise it where t+1 is an assistant token.
+        mask = loss_mask[:, 1:]
+        rows = mask.nonzero(as_tuple=True)[0]
+        student = logits[:, :-1][mask].float()
+        teacher = target_out.logits[:, :-1][mask].float()
+        terms = divergences(student, teacher, self.config.temperature)
+        per_token = distill_loss(terms, self.config.loss, self.config.mix_weights)
+        if self.config.ce_weight > 0:
+            terms["ce"] = F.cross_entropy(student, input_ids[:, 1:][mask], reduction="none")
+            per_token = per_token + self.config.ce_weight * terms["ce"]
+        loss = per_token.sum() / mask.sum().clamp(min=1)
+        with torch.no_grad():
+            values = {name: value.detach() for name, value in terms.items()}
+            values["top1"] = (student.argmax(-1) == teacher.argmax(-1)).float()
+            values["accept"] = 1.0 - terms["tvd"].detach()  # speculative sampling's acceptance at this temperature
+            batch_size = input_ids.shape[0]
+            counts = torch.zeros(batch_size, device=logits.device).index_add_(0, rows, torch.ones_like(per_token))
+            stats = {
+                f"step1/{name}": torch.stack([torch.zeros(batch_size, device=logits.device).index_add_(0, rows, value), counts], dim=-1)
+                for name, value in values.items()
+            }
+        return loss, stats
+
+    # -- decoding -------------------------------------------------------------------------------
+    def set_sampling(self, temperature: float) -> None:
+        self.sampling_temperature = float(temperature)
+
+    @torch.no_grad()
+    def propose(self, state: DraftState, num_tokens: int, tree=None) -> DraftTree:
+        if tree is not None:
+            raise UserError("a draft_model drafter proposes chains only; set eval.tree=0")
+        device = self.model.get_output_embeddings().weight.device
+        logits = self._advance(state.tokens.tolist(), device)
+        tokens, probs = [], []
+        for step in range(num_tokens):
+            if step > 0:
+                logits = self._advance(self._cached + [tokens[-1]], device)
+            if self.sampling_temperature > 0:
+                q = (logits.float() / self.sampling_temperature).softmax(-1)
+                tokens.append(int(torch.multinomial(q, 1, generator=self._sample_generator(device))))
+                probs.append(q)
+            else:
+                tokens.append(int(logits.argmax()))
+        token_tensor = torch.tensor(tokens, device=device)
+        return DraftTree.chain(token_tensor, torch.stack(probs) if probs else None)
+
+    def _advance(self, tokens: list[int], device: torch.device) -> torch.Tensor:
+        """The draft's next-token logits [V] after `tokens`, feeding only what the cache lacks.
+
+        The cache is cropped to the longest common prefix of what it holds and `tokens` (this rolls
+        back rejected draft tokens; a new prompt shares little or nothing), keeping at least the last
+        token to feed, whose logits are the answer."""
+        common = 0
+        for cached, new in zip(self._cached, tokens[:-1]):
+            if cached != new:
+                break
+            common += 1
+        if self._cache is None or common == 0:
+            self._cache = DynamicCache(config=self.model.config)
+            common = 0
+        elif self._cache.get_seq_length() > common:
+            self._cache.crop(common - self._cache.get_seq_length())  # v5: a negative count removes positions
+        ids = torch.tensor([tokens[common:]], device=device)
+        positions = torch.arange(common, len(tokens), device=device)[None]
+        out = self.model(input_ids=ids, position_ids=positions, past_key_values=self._cache, use_cache=True)
+        self._cached = list(tokens)
+        return out.logits[0, -1]
+
+    def _sample_generator(self, device: torch.device) -> torch.Generator:
+        # Seeded once and never reset: re-seeding per prompt would repeat the same draws across
+        # prompts, so the proposals would no longer be independent samples of q.
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device).manual_seed(self.sampling_seed)
+        return self._generator
+
+    # -- files ----------------------------------------------------------------------------------
+    def save_pretrained(self, directory: str | os.PathLike, state_dict: Optional[dict] = None) -> None:
+        """A plain model either way; with LoRA the adapters are merged into a copy (the training
+        module keeps its adapters) and also written alone to `adapter/`."""
+        from peft import PeftModel
+
+        if isinstance(self.model, PeftModel):
+            adapted = copy.deepcopy(self.model)
+            if state_dict is not None:  # gathered from shards: the training module's own names
+                adapted.load_state_dict({name.removeprefix("model."): value for name, value in state_dict.items()})
+            adapted.save_pretrained(Path(directory) / ADAPTER_DIR)
+            state_dict = {f"model.{name}": value for name, value in adapted.merge_and_unload().state_dict().items()}
+        super().save_pretrained(directory, untied(self.state_dict() if state_dict is None else state_dict))
+
+
+def untied(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors that share memory: a tied lm_head is stored as its own copy (the
+    model ties it again when the checkpoint is loaded)."""
+    seen: set[int] = set()
+    result = {}
+    for name, tensor in state_dict.items():
+        result[name] = tensor.clone() if tensor.data_ptr() in seen else tensor
+        seen.add(tensor.data_ptr())
+    return result
+
+
+def load_draft(name_or_path: str, target: TargetShape):
+    """An existing HF causal LM as the draft; it must score the target's vocabulary."""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot load draft model {name_or_path!r}: {' '.join(str(err).split())[:300]}") from None
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    if vocab != target.vocab_size:
+        raise UserError(
+            f"draft model {name_or_path!r} has vocab_size {vocab} but the target {target.name_or_path!r} has {target.vocab_size}; "
+            "a draft model must share the target's tokenizer"
+        )
+    return model
+
+
+def layers_of(target_model, config: DraftModelConfig):
+    """The target's first `num_layers` decoder layers with its embedding, final norm and lm_head,
+    as a standalone float32 model of the target's architecture."""
+    if config.init != "layers":
+        raise UserError(f"drafter.init={config.init!r} is not supported (use 'layers', or set drafter.name_or_path)")
+    total = int(target_model.config.num_hidden_layers)
+    if not 1 <= config.num_layers <= total:
+        raise UserError(f"drafter.num_layers={config.num_layers} must be between 1 and the target's {total} layers")
+    draft_config = copy.deepcopy(target_model.config)
+    draft_config.num_hidden_layers = config.num_layers
+    if getattr(draft_config, "layer_types", None):  # per-layer attention kinds (Qwen3, Gemma): keep the first N
+        draft_config.layer_types = draft_config.layer_types[: config.num_layers]
+    model = AutoModelForCausalLM.from_config(draft_config, dtype=torch.float32)
+    wanted = model.state_dict()
+    # Decoder layers 0..N-1 have the same names in both models; layers >= N exist only in the target.
+    copied = {name: tensor for name, tensor in target_model.state_dict().items() if name in wanted}
+    missing = sorted(set(wanted) - set(copied))
+    if missing:
+        raise UserError(f"cannot build the draft from {type(target_model).__name__}: no target weights for {missing[:3]}")
+    model.load_state_dict(copied)
+    return model

@@ -1,0 +1,257 @@
+"""The draft_model drafter: built from the target's first layers, the distillation losses by hand,
+LoRA training through the real trainer, lossless decoding (greedy and exact sampling with the
+draft's own q), the vocabulary check; and data_prep.regenerate's resumable output."""
+from __future__ import annotations
+
+import gzip
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.errors import UserError
+from draftsmith.recipe import load_recipe
+from draftsmith.target import load_target
+from eval.loop import Sampling, generate
+from heads import drafter_class
+from heads.base import TargetShape, load_drafter
+from heads.distill import distill_loss, divergences, forward_kl, reverse_kl, total_variation
+from tests.conftest import REFERENCE_TARGET
+from tests.test_eval import NEW, SAMPLES, VOCAB, chi_square_pvalue, exact_conditionals, exact_joint, one_thread, tiny_llama  # noqa: F401
+
+DraftModel = drafter_class("draft_model")
+
+
+def perturbed_draft(target, num_layers: int = 1, noise: float = 0.05, seed: int = 0):
+    """The target's first layers plus noise: right often, wrong often enough."""
+    drafter = DraftModel.from_target(DraftModel.Config(num_layers=num_layers), target, "tiny")
+    generator = torch.Generator().manual_seed(seed)
+    for parameter in drafter.parameters():
+        parameter.data += noise * torch.randn(parameter.shape, generator=generator)
+    return drafter.eval()
+
+
+# -- building -------------------------------------------------------------------------------------
+def test_layers_init_reproduces_the_targets_first_layers(tmp_path):
+    target = tiny_llama(layers=3)
+    drafter = DraftModel.from_target(DraftModel.Config(num_layers=2), target, "tiny")
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = target(ids, output_hidden_states=True).hidden_states
+        mine = drafter.model(ids, output_hidden_states=True)
+    # Embeddings and layer 0's output are the same tensors; the draft's last state has the final
+    # norm applied (transformers' convention), so it is the target's layer-1 output, normed.
+    torch.testing.assert_close(mine.hidden_states[0], theirs[0])
+    torch.testing.assert_close(mine.hidden_states[1], theirs[1])
+    torch.testing.assert_close(mine.hidden_states[2], target.model.norm(theirs[2]))
+    torch.testing.assert_close(mine.logits, target.lm_head(target.model.norm(theirs[2])))
+
+    drafter.save_pretrained(tmp_path)  # a plain HF architecture rebuilt from the stored config
+    loaded = load_drafter(tmp_path, TargetShape.of(target, "tiny"))
+    torch.testing.assert_close(loaded.model(ids).logits, mine.logits)
+
+
+def test_a_tied_lm_head_saves_and_loads(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    target = LlamaForCausalLM(config).eval()
+    drafter = DraftModel.from_target(DraftModel.Config(num_layers=1), target, "tied")
+    drafter.save_pretrained(tmp_path)  # safetensors refuses shared memory unless the copy is untied
+    loaded = load_drafter(tmp_path, TargetShape.of(target, "tied"))
+    ids = torch.arange(2, 12)[None]
+    torch.testing.assert_close(loaded.model(ids).logits, drafter.model(ids).logits)
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(tmp_path):
+    target = tiny_llama(vocab=96)
+    tiny_llama(vocab=64).save_pretrained(tmp_path / "other")
+    with pytest.raises(UserError, match="vocab_size 64 but the target 'tiny' has 96"):
+        DraftModel.from_target(DraftModel.Config(name_or_path=str(tmp_path / "other")), target, "tiny")
+    tiny_llama(vocab=96, layers=1, seed=3).save_pretrained(tmp_path / "same")
+    drafter = DraftModel.from_target(DraftModel.Config(name_or_path=str(tmp_path / "same")), target, "tiny")
+    assert drafter.model.config.num_hidden_layers == 1
+
+
+# -- distillation losses --------------------------------------------------------------------------
+def test_distillation_losses_by_hand():
+    p = torch.tensor([[0.5, 0.5, 0.0]])  # a zero in p: its log is -inf
+    q = torch.tensor([[0.25, 0.75, 0.0]])
+    teacher, student = p.log(), q.log()
+    fkl = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75)
+    rkl = 0.25 * math.log(0.25 / 0.5) + 0.75 * math.log(0.75 / 0.5)
+    tvd = 0.5 * (0.25 + 0.25)
+    assert forward_kl(student, teacher).item() == pytest.approx(fkl, abs=1e-6)
+    assert reverse_kl(student, teacher).item() == pytest.approx(rkl, abs=1e-6)
+    assert total_variation(student, teacher).item() == pytest.approx(tvd, abs=1e-6)
+    terms = divergences(student, teacher)
+    mixed = distill_loss(terms, "mix", (0.5, 0.25, 2.0))
+    assert mixed.item() == pytest.approx(0.5 * fkl + 0.25 * rkl + 2.0 * tvd, abs=1e-6)
+    assert distill_loss(terms, "rkl").item() == pytest.approx(rkl, abs=1e-6)
+
+    # Temperature 2 softens both: p stays uniform on its support, q becomes sqrt(q) renormalised.
+    soft_q = torch.tensor([0.25, 0.75]).sqrt() / torch.tensor([0.25, 0.75]).sqrt().sum()
+    assert total_variation(student, teacher, 2.0).item() == pytest.approx(0.5 * float((soft_q - 0.5).abs().sum()), abs=1e-6)
+
+    # Zero probabilities keep values and gradients finite.
+    logits = student.clone().requires_grad_(True)
+    distill_loss(divergences(logits, teacher), "mix", (1.0, 1.0, 1.0)).sum().backward()
+    assert torch.isfinite(logits.grad).all()
+
+
+# -- LoRA through the real trainer ----------------------------------------------------------------
+def test_lora_training_moves_only_adapters_and_the_merged_model_matches(tmp_path, small_data, token_cache):
+    from peft import PeftModel
+
+    from heads.draft_model import ADAPTER_DIR, layers_of
+    from trainer.loop import train
+
+    recipe = tmp_path / "lora.yaml"
+    recipe.write_text(
+        "drafter: {type: draft_model, num_layers: 1, loss: mix, ce_weight: 0.1, lora: {r: 4, alpha: 8}}\n"
+        f"target: {{name_or_path: '{REFERENCE_TARGET}'}}\n"
+        f"output_dir: '{tmp_path / 'run'}'\n"
+    )
+    cfg = load_recipe([
+        f"recipe={recipe}", f"data.train=[{small_data['train']}]", f"data.cache_dir={token_cache}", "data.max_length=64",
+        "data.max_conversations=8", "train.micro_batch_size=4", "train.max_steps=2", "train.lr=1e-2", "eval.enabled=false",
+    ])  # fmt: skip
+    final = train(cfg)
+
+    target = load_target(str(REFERENCE_TARGET))
+    original = layers_of(target, DraftModel.Config(num_layers=1)).state_dict()
+    trained = load_file(str(next((tmp_path / "run" / "checkpoints").iterdir()) / "model.safetensors"))
+    adapters = {name: value for name, value in trained.items() if "lora_" in name}
+    assert adapters and any(value.abs().sum() > 0 for name, value in adapters.items() if "lora_B" in name)  # B starts at 0
+    for name, value in trained.items():
+        if "lora_" not in name:  # every base weight is still the target's copy
+            plain = name.removeprefix("model.base_model.model.").replace(".base_layer", "")
+            torch.testing.assert_close(value, original[plain], msg=name)
+
+    merged = load_drafter(final, TargetShape.of(target, str(REFERENCE_TARGET)))
+    assert not any("lora" in name for name in merged.state_dict())  # a plain model
+    base = layers_of(target, DraftModel.Config(num_layers=1))
+    adapted = PeftModel.from_pretrained(base, final / ADAPTER_DIR).eval()
+    ids = torch.randint(0, 4096, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(merged.model(ids).logits, adapted(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+# -- decoding is lossless -------------------------------------------------------------------------
+def test_greedy_speculative_equals_plain():
+    target = tiny_llama(layers=2)
+    drafter = perturbed_draft(target)  # one instance across prompts: its cache must reset itself
+    generator = torch.Generator().manual_seed(1)
+    accepted = drafted = 0
+    for length in (5, 11, 17):
+        prompt = torch.randint(3, 96, (length,), generator=generator).tolist()
+        plain = generate(target, prompt, 40)
+        fast = generate(target, prompt, 40, drafter, gamma=4)
+        assert fast.tokens == plain.tokens
+        accepted, drafted = accepted + fast.accepted, drafted + fast.drafted
+    assert 0 < accepted < drafted  # both acceptances and rejections (cache rollback) were exercised
+
+
+def test_train_then_eval_a_draft_recipe_is_lossless(tmp_path, small_data, token_cache):
+    from trainer.loop import train
+
+    cfg = load_recipe([
+        "recipe=draft", f"target.name_or_path={REFERENCE_TARGET}", f"data.train=[{small_data['train']}]",
+        f"data.eval=[{small_data['eval']}]", f"data.cache_dir={token_cache}", "data.max_length=64", "data.max_conversations=8",
+        "train.micro_batch_size=4", "train.max_steps=2", "train.save_every=0", "eval.max_prompts=1", "eval.max_new_tokens=8",
+        f"output_dir={tmp_path}",
+    ])  # fmt: skip
+    train(cfg)
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert report["drafter"]["type"] == "draft_model"
+    assert all(rows["chain"]["lossless"] for rows in report["domains"].values())
+    accuracy = json.loads((tmp_path / "eval_accuracy.json").read_text())["trained"]["all"]
+    assert accuracy["step1/accept"] == pytest.approx(1 - accuracy["step1/tvd"])
+
+
+def test_sampling_with_the_drafts_own_q_matches_the_target_distribution():
+    target = tiny_llama(vocab=VOCAB, hidden=16, layers=2, seed=5, logit_scale=8.0)
+    drafter = perturbed_draft(target, noise=0.3)
+    drafter.set_sampling(1.0)  # what the eval does for a sampled run
+    prompt, sampling = [1, 5, 2, 7], Sampling(1.0)
+    counts, accepted = torch.zeros(VOCAB, VOCAB, VOCAB), 0
+    for seed in range(SAMPLES):
+        out = generate(target, prompt, NEW, drafter, gamma=2, sampling=sampling, seed=seed)
+        counts[tuple(out.tokens)] += 1
+        accepted += out.accepted
+    assert 0.1 * SAMPLES < accepted < 1.9 * SAMPLES  # both acceptances and rejections were exercised
+    pvalue = chi_square_pvalue(counts, exact_joint(exact_conditionals(target, prompt, sampling)))
+    assert pvalue > 1e-3, f"p={pvalue:.2e}"
+
+
+# -- data_prep.regenerate -------------------------------------------------------------------------
+class CountingTarget:
+    """The target with `generate` counted, dying at call number `die_at` like a killed job."""
+
+    def __init__(self, model, die_at: int = 0):
+        self.model, self.die_at, self.calls = model, die_at, 0
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def generate(self, **kwargs):
+        self.calls += 1
+        if self.calls == self.die_at:
+            raise KeyboardInterrupt("killed")
+        return self.model.generate(**kwargs)
+
+
+def test_regeneration_resumes_without_redoing_finished_conversations(tmp_path, small_data):
+    from data_prep import load_conversations
+    from data_prep.regenerate import SETTINGS_NAME, regenerate
+    from draftsmith.target import load_tokenizer
+
+    def recipe(output, *extra):
+        return load_recipe([
+            "recipe=draft", f"target.name_or_path={REFERENCE_TARGET}", f"data.train=[{small_data['train']}]",
+            "data.max_conversations=5", f"data.regenerate.output={output}", "data.regenerate.batch_size=2",
+            "data.regenerate.max_new_tokens=3", f"output_dir={tmp_path}", *extra,
+        ])  # fmt: skip
+
+    model, tokenizer = load_target(str(REFERENCE_TARGET)), load_tokenizer(str(REFERENCE_TARGET))
+    original = load_conversations([str(small_data["train"])], 5)
+    rounds = [sum(m["role"] == "assistant" for m in row["messages"]) for row in original]
+    calls_per_chunk = [max(rounds[i : i + 2]) for i in range(0, 5, 2)]  # one generate call per assistant round
+
+    killed = CountingTarget(model, die_at=calls_per_chunk[0] + 1)  # dies in the second chunk
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(recipe(tmp_path / "resumed"), killed, tokenizer)
+    assert sorted(p.name for p in (tmp_path / "resumed").glob("part-*")) == ["part-00000.jsonl.gz"]
+
+    resumed = CountingTarget(model)
+    result = regenerate(recipe(tmp_path / "resumed"), resumed, tokenizer)
+    assert (result.conversations, result.generated) == (5, 3)  # the first chunk's 2 were not redone
+    assert resumed.calls == sum(calls_per_chunk[1:])
+
+    fresh = regenerate(recipe(tmp_path / "fresh"), CountingTarget(model), tokenizer)  # greedy: the same output
+    assert fresh.generated == 5
+    out = load_conversations([str(tmp_path / "resumed")])
+    assert out.to_list() and [r["messages"] for r in out] == [r["messages"] for r in load_conversations([str(tmp_path / "fresh")])]
+    assert out["domain"] == original["domain"]
+    for new, old in zip(out, original):
+        assert [(m["role"], m["content"]) for m in new["messages"] if m["role"] != "assistant"] == [
+            (m["role"], m["content"]) for m in old["messages"] if m["role"] != "assistant"
+        ]
+    raw = [json.loads(line) for line in gzip.open(tmp_path / "resumed" / "part-00001.jsonl.gz", "rt")]
+    assert set(raw[0]) == {"messages", "domain", "regenerated_by"} and raw[0]["regenerated_by"] == str(REFERENCE_TARGET)
+    assert any(m["content"] != o["content"] for r, row in zip(out, original) for m, o in zip(r["messages"], row["messages"]))
+
+    assert (tmp_path / "resumed" / SETTINGS_NAME).is_file()
+    with pytest.raises(UserError, match="other settings.*max_new_tokens"):
+        regenerate(recipe(tmp_path / "resumed", "data.regenerate.max_new_tokens=4"), model, tokenizer)
+
+
+def test_regenerate_cli_reports_bad_input_in_one_line(tmp_path):
+    from tests.conftest import run_entry
+
+    done = run_entry(["-m", "data_prep.regenerate", "recipe=draft", "data.regenerate.batch_size=0", f"output_dir={tmp_path}"])
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "error: data.regenerate.batch_size and max_new_tokens must be at least 1 (got 0, 256)"
+    ]
