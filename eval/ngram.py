@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
 from draftsmith.errors import UserError
 from draftsmith.target import FeatureRequest
 from heads.base import DraftState, DraftTree, Tree

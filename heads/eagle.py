@@ -47,6 +47,10 @@ class EagleConfig:
 
 
 def import_qualified(name: str):
+    """A class named in a checkpoint's config. Only transformers' own model code may be named: a
+    checkpoint is data, and must not be able to make us import arbitrary modules."""
+    if not name.startswith("transformers."):
+        raise UserError(f"EAGLE drafter config names {name!r}; only classes from transformers are loaded")
     module, _, attribute = name.rpartition(".")
     try:
         return getattr(importlib.import_module(module), attribute)

@@ -259,3 +259,12 @@ def test_sampling_matches_target_distribution():
         accepted += out.accepted
     assert 0.1 * SAMPLES < accepted < 1.9 * SAMPLES
     assert chi_square_pvalue(counts, exact_joint(conditionals)) > 1e-3
+
+
+def test_checkpoint_cannot_name_code_outside_transformers():
+    from draftsmith.errors import UserError
+    from heads.eagle import import_qualified
+
+    with pytest.raises(UserError, match="only classes from transformers"):
+        import_qualified("os.system")
+    assert import_qualified("transformers.models.llama.modeling_llama.LlamaDecoderLayer").__name__ == "LlamaDecoderLayer"

@@ -1,0 +1,70 @@
+"""Compare drafters trained with the same budget on the same data, at T=0 and T=1, as JSON.
+
+    python benchmarks/drafters.py [--steps 200] [--runs runs/bench_drafters] [--only medusa,eagle]
+
+Each drafter trains with `python train.py recipe=R train.max_steps=STEPS` on the bundled demo (same
+data, seed and eval settings; the T=0 eval runs at the end of training), then `python -m eval` runs
+again on its final checkpoint at temperature 1. Prints tau per domain for every drafter and method
+(chain, tree) plus the n-gram baseline, the share of lossless rows at T=0, and the wall time of training plus its greedy eval.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# name -> recipe overrides; every run also gets train.max_steps and its own output_dir.
+DRAFTERS = {
+    "medusa": ["recipe=medusa"],
+    "eagle": ["recipe=eagle"],
+    "draft_tvd": ["recipe=draft", "drafter.loss=tvd"],
+    "draft_fkl": ["recipe=draft", "drafter.loss=fkl"],
+}
+
+
+def run(args: list[str]) -> float:
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.exit(f"`python {' '.join(args)}` failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
+    return time.perf_counter() - start
+
+
+def taus(report: dict) -> dict:
+    rows = {d: {**report["domains"][d], **report["baselines"][d]} for d in report["domains"]}
+    return {d: {m: row["tau"] for m, row in methods.items() if m != "plain"} for d, methods in rows.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--runs", default="runs/bench_drafters")
+    parser.add_argument("--only", default=",".join(DRAFTERS))
+    args = parser.parse_args()
+    runs = Path(args.runs).resolve()
+
+    results = {}
+    for name in args.only.split(","):
+        out = runs / name
+        train_s = run(["train.py", *DRAFTERS[name], f"train.max_steps={args.steps}", f"output_dir={out}"])
+        greedy = json.loads((out / "eval" / "report.json").read_text())
+        run(["-m", "eval", f"recipe={out / 'recipe.yaml'}", f"drafter.path={out / 'final'}",
+             "eval.temperature=1.0", f"output_dir={out / 'sampled'}"])
+        sampled = json.loads((out / "sampled" / "eval" / "report.json").read_text())
+        lossless = [row["lossless"] for d in greedy["domains"] for row in greedy["domains"][d].values()]
+        results[name] = {
+            "train_and_greedy_eval_wall_s": round(train_s, 1),
+            "tau_T0": taus(greedy),
+            "tau_T1": taus(sampled),
+            "lossless_T0": f"{sum(map(bool, lossless))}/{len(lossless)}",
+        }
+    print(json.dumps({"steps": args.steps, "drafters": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
