@@ -48,6 +48,7 @@ from data_prep.features import (
     shard_name,
 )
 from draftsmith.errors import UserError, run_cli
+from draftsmith.files import write_text_atomic
 from draftsmith.recipe import load_recipe
 from draftsmith.target import FeatureRequest, TargetOutput, check_layers, load_target, load_tokenizer, run_target, target_id
 
@@ -399,9 +400,7 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def write_json(path: Path, value: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(value, indent=2) + "\n")
 
 
 if __name__ == "__main__":

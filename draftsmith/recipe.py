@@ -17,6 +17,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from draftsmith.errors import UserError
+from draftsmith.files import write_text_atomic
 
 REPO_DIR = Path(__file__).resolve().parent.parent
 RECIPES_DIR = REPO_DIR / "recipes"
@@ -252,9 +253,7 @@ def save_recipe(cfg: DictConfig, directory: str | os.PathLike) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "recipe.yaml"
-    tmp = path.with_suffix(".yaml.tmp")
-    tmp.write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    os.replace(tmp, path)
+    write_text_atomic(path, OmegaConf.to_yaml(cfg, resolve=True))
     return path
 
 

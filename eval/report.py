@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from draftsmith.errors import UserError
+from draftsmith.files import write_text_atomic
 from draftsmith.recipe import save_recipe
 from draftsmith.target import load_target, load_tokenizer, resolve_device, target_id
 from eval.loop import Generation, Proposer, Sampling, generate, tree_depth
@@ -318,15 +319,9 @@ def assemble(cfg, checkpoint: Path, drafter, target, methods: list[Method], tall
 
 def write_report(report: dict[str, Any], out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out_dir / "report.json", json.dumps(report, indent=2) + "\n")
-    _atomic_write(out_dir / "report.md", render_markdown(report))
+    write_text_atomic(out_dir / "report.json", json.dumps(report, indent=2) + "\n")
+    write_text_atomic(out_dir / "report.md", render_markdown(report))
     plot_acceptance(report, out_dir / "acceptance.png")
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _fmt(value: Optional[float], digits: int = 2) -> str:

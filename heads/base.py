@@ -199,6 +199,17 @@ class Drafter(nn.Module):
         (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
 
 
+def per_sample_stats(values: dict[str, torch.Tensor], rows: torch.Tensor, batch_size: int) -> dict[str, torch.Tensor]:
+    """Per-position metric values -> `name -> [B, 2]` (sum, count) per sample, the shape `loss`
+    returns; `rows[i]` is the sample position i belongs to."""
+    ones = torch.ones(rows.shape[0], device=rows.device)
+    counts = torch.zeros(batch_size, device=rows.device).index_add_(0, rows, ones)
+    return {
+        name: torch.stack([torch.zeros(batch_size, device=rows.device).index_add_(0, rows, value.float()), counts], dim=-1)
+        for name, value in values.items()
+    }
+
+
 def config_from_dict(config_cls: type, values: dict):
     known = {f.name for f in fields(config_cls)}
     unknown = sorted(set(values) - known)

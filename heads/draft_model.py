@@ -33,7 +33,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from draftsmith.errors import UserError
 from draftsmith.target import FeatureRequest, TargetOutput
 from heads import register
-from heads.base import DraftState, DraftTree, Drafter, TargetShape
+from heads.base import DraftState, DraftTree, Drafter, TargetShape, per_sample_stats
 from heads.distill import LOSSES, distill_loss, divergences
 
 ADAPTER_DIR = "adapter"
@@ -130,12 +130,7 @@ class DraftModel(Drafter):
             values = {name: value.detach() for name, value in terms.items()}
             values["top1"] = (student.argmax(-1) == teacher.argmax(-1)).float()
             values["accept"] = 1.0 - terms["tvd"].detach()  # speculative sampling's acceptance at this temperature
-            batch_size = input_ids.shape[0]
-            counts = torch.zeros(batch_size, device=logits.device).index_add_(0, rows, torch.ones_like(per_token))
-            stats = {
-                f"step1/{name}": torch.stack([torch.zeros(batch_size, device=logits.device).index_add_(0, rows, value), counts], dim=-1)
-                for name, value in values.items()
-            }
+            stats = per_sample_stats({f"step1/{name}": value for name, value in values.items()}, rows, input_ids.shape[0])
         return loss, stats
 
     # -- decoding -------------------------------------------------------------------------------

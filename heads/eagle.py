@@ -30,7 +30,7 @@ from transformers import DynamicCache
 from draftsmith.errors import UserError
 from draftsmith.target import FeatureRequest, TargetOutput
 from heads import register
-from heads.base import DraftState, DraftTree, Drafter, DynamicTree, TargetShape, Tree
+from heads.base import DraftState, DraftTree, Drafter, DynamicTree, TargetShape, Tree, per_sample_stats
 
 
 @dataclass
@@ -183,12 +183,7 @@ class Eagle(Drafter):
                 "step1/top1": (guess == target_logits.argmax(-1)).float(),
                 "step1/top1_data": (guess == input_ids[:, 2:][mask]).float(),  # the data's next token
             }
-            counts = torch.zeros(batch_size, device=total.device).index_add_(0, rows, torch.ones_like(feature_loss))
-            stats = {}
-            for name, per_position in values.items():
-                sums = torch.zeros(batch_size, device=total.device).index_add_(0, rows, per_position.float())
-                stats[name] = torch.stack([sums, counts], dim=-1)
-        return total, stats
+        return total, per_sample_stats(values, rows, batch_size)
 
     # -- decoding -------------------------------------------------------------------------------
     def default_tree(self, size: int) -> DynamicTree:

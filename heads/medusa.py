@@ -18,7 +18,7 @@ from torch import nn
 from draftsmith.errors import UserError
 from draftsmith.target import FeatureRequest, TargetOutput
 from heads import register
-from heads.base import DraftState, DraftTree, Drafter, TargetShape
+from heads.base import DraftState, DraftTree, Drafter, TargetShape, per_sample_stats
 
 
 @dataclass
@@ -123,10 +123,8 @@ class Medusa(Drafter):
                 top5 = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
                 hit1 = (top5[:, 0] == labels).float()
                 hit5 = (top5 == labels[:, None]).any(-1).float()
-                counts = torch.zeros(batch_size, device=hidden.device).index_add_(0, rows, torch.ones_like(hit1))
-                for name, values in (("loss", token_loss.detach()), ("top1", hit1), ("top5", hit5)):
-                    sums = torch.zeros(batch_size, device=hidden.device).index_add_(0, rows, values)
-                    stats[f"head{k + 1}/{name}"] = torch.stack([sums, counts], dim=-1)
+                values = {f"head{k + 1}/loss": token_loss.detach(), f"head{k + 1}/top1": hit1, f"head{k + 1}/top5": hit5}
+                stats.update(per_sample_stats(values, rows, batch_size))
         return total, stats
 
     # -- decoding -------------------------------------------------------------------------------
