@@ -1,11 +1,15 @@
 """Compare drafters trained with the same budget on the same data, at T=0 and T=1, as JSON.
 
     python benchmarks/drafters.py [--steps 200] [--runs runs/bench_drafters] [--only medusa,eagle]
+                                  [--train-data demo/data/train.regenerated.jsonl.gz]
 
-Each drafter trains with `python train.py recipe=R train.max_steps=STEPS` on the bundled demo (same
-data, seed and eval settings; the T=0 eval runs at the end of training), then `python -m eval` runs
-again on its final checkpoint at temperature 1. Prints tau per domain for every drafter and method
-(chain, tree) plus the n-gram baseline, the share of lossless rows at T=0, and the wall time of training plus its greedy eval.
+Each drafter trains with `python train.py recipe=R train.max_steps=STEPS data.train=[DATA]` on the
+bundled demo target (same data, steps, micro-batch, seed and eval settings; the T=0 eval runs at the
+end of training), then `python -m eval` runs again on its final checkpoint at temperature 1. The
+default data are the target's own answers (`python -m data_prep.regenerate`), which Medusa-2 needs
+and every drafter benefits from; `medusa_corpus` trains Medusa-1 on the original corpus answers to
+show what that is worth. Prints tau per domain for every drafter and method (chain, tree) plus the
+n-gram baseline, the share of lossless rows at T=0, and the wall time of training plus its greedy eval.
 """
 from __future__ import annotations
 
@@ -21,10 +25,15 @@ REPO = Path(__file__).resolve().parent.parent
 # name -> recipe overrides; every run also gets train.max_steps and its own output_dir.
 DRAFTERS = {
     "medusa": ["recipe=medusa"],
+    "medusa2": ["recipe=medusa2"],
     "eagle": ["recipe=eagle"],
-    "draft_tvd": ["recipe=draft", "drafter.loss=tvd"],
+    "eagle3": ["recipe=eagle3"],
     "draft_fkl": ["recipe=draft", "drafter.loss=fkl"],
+    "draft_tvd": ["recipe=draft", "drafter.loss=tvd"],
+    "draft_mix": ["recipe=draft", "drafter.loss=mix"],
+    "medusa_corpus": ["recipe=medusa", "data.train=[demo/data/train.jsonl.gz]"],  # after data.train=[DATA]: wins
 }
+BASELINE_ONLY = {"plain", "original"}  # not drafting: tau is 1 by construction
 
 
 def run(args: list[str]) -> float:
@@ -37,7 +46,7 @@ def run(args: list[str]) -> float:
 
 def taus(report: dict) -> dict:
     rows = {d: {**report["domains"][d], **report["baselines"][d]} for d in report["domains"]}
-    return {d: {m: row["tau"] for m, row in methods.items() if m != "plain"} for d, methods in rows.items()}
+    return {d: {m: row["tau"] for m, row in methods.items() if m not in BASELINE_ONLY} for d, methods in rows.items()}
 
 
 def main() -> None:
@@ -45,25 +54,30 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--runs", default="runs/bench_drafters")
     parser.add_argument("--only", default=",".join(DRAFTERS))
+    parser.add_argument("--train-data", default="demo/data/train.regenerated.jsonl.gz")
     args = parser.parse_args()
     runs = Path(args.runs).resolve()
 
     results = {}
     for name in args.only.split(","):
         out = runs / name
-        train_s = run(["train.py", *DRAFTERS[name], f"train.max_steps={args.steps}", f"output_dir={out}"])
+        overrides = [DRAFTERS[name][0], f"data.train=[{args.train_data}]", *DRAFTERS[name][1:]]
+        train_s = run(["train.py", *overrides, f"train.max_steps={args.steps}", f"output_dir={out}"])
         greedy = json.loads((out / "eval" / "report.json").read_text())
         run(["-m", "eval", f"recipe={out / 'recipe.yaml'}", f"drafter.path={out / 'final'}",
              "eval.temperature=1.0", f"output_dir={out / 'sampled'}"])
         sampled = json.loads((out / "sampled" / "eval" / "report.json").read_text())
         lossless = [row["lossless"] for d in greedy["domains"] for row in greedy["domains"][d].values()]
         results[name] = {
+            "verifier": greedy.get("verifier", "target"),
             "train_and_greedy_eval_wall_s": round(train_s, 1),
             "tau_T0": taus(greedy),
             "tau_T1": taus(sampled),
             "lossless_T0": f"{sum(map(bool, lossless))}/{len(lossless)}",
+            # adapted verifiers (Medusa-2): share of prompts where plain greedy decoding still gives the original target's tokens
+            "original_same_output_T0": greedy["baselines"]["all"].get("original", {}).get("same_output"),
         }
-    print(json.dumps({"steps": args.steps, "drafters": results}, indent=2))
+    print(json.dumps({"steps": args.steps, "train_data": args.train_data, "drafters": results}, indent=2))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass
 from itertools import accumulate, chain
@@ -151,7 +152,8 @@ def capture(cfg: DictConfig) -> CaptureResult:
         write_json(part_path, {"settings": settings, "rank": state.process_index, "shards": shards})
 
     record()  # from the start, so the merge finds a part for every rank, even one with no conversations
-    computed = reused = 0
+    computed = reused = computed_tokens = 0
+    started = time.perf_counter()
     progress = tqdm(total=sum(s.tokens for s in plan), unit="tok", desc="capture", disable=not state.is_main_process)
     for shard in plan:
         entry = done.get(shard.name)
@@ -166,7 +168,9 @@ def capture(cfg: DictConfig) -> CaptureResult:
         done[shard.name] = write_shard(directory, shard, tensors, rows["domain"])
         record()  # only now that the shard is in place under its final name
         computed += 1
+        computed_tokens += shard.tokens
     progress.close()
+    tokens_per_s = computed_tokens / max(time.perf_counter() - started, 1e-9)  # forward + encode + write, per rank
     log.info("rank %d: computed %d shard(s), reused %d", state.process_index, computed, reused)
 
     state.wait_for_everyone()
@@ -177,7 +181,7 @@ def capture(cfg: DictConfig) -> CaptureResult:
             f"captured {manifest['tokens']} tokens ({manifest['conversations']} conversations, "
             f"{len(manifest['shards'])} shards) into {directory}: {manifest['bytes_per_token']:.1f} bytes/token; "
             f"EAGLE-3's four bf16 features (8*H) would be {manifest['anchor_bytes_per_token']} bytes/token "
-            f"(ratio {manifest['anchor_ratio']:.3f})",
+            f"(ratio {manifest['anchor_ratio']:.3f}); rank 0 captured {tokens_per_s:.0f} tokens/s",
             flush=True,
         )
     return CaptureResult(directory=directory, computed=computed, reused=reused, manifest=manifest)

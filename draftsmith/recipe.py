@@ -70,6 +70,7 @@ class DataSection:
     max_conversations: Optional[int] = None  # cap per source file, for quick runs
     cache_dir: Optional[str] = None  # tokenized-data cache; default ~/.cache/draftsmith
     features: Optional[str] = None  # a data_prep.capture directory to train from instead of running the target
+    online: Optional[bool] = None  # run the frozen target inside each step; default: yes unless `features` is set
     capture: CaptureSection = field(default_factory=CaptureSection)
     regenerate: RegenerateSection = field(default_factory=RegenerateSection)
 
@@ -238,6 +239,10 @@ def validate(cfg: DictConfig) -> DictConfig:
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
             raise UserError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+    if cfg.data.online is True and cfg.data.features is not None:
+        raise UserError("data.online=true and data.features are both set: train from the target or from captured features")
+    if cfg.data.online is False and cfg.data.features is None:
+        raise UserError("data.online=false needs data.features=<a data_prep.capture directory>")
     OmegaConf.set_readonly(cfg, True)
     return cfg
 

@@ -52,6 +52,12 @@ class Method:
     gamma: int = 0
     tree: Optional[Tree] = None
     info: dict = field(default_factory=dict)
+    model: Any = None  # decode with this model instead of the verifier (the original target, for Medusa-2)
+
+    @property
+    def checks_lossless(self) -> bool:
+        """Only methods decoding with the verifier must reproduce plain decoding's tokens."""
+        return self.model is None
 
     @property
     def depth(self) -> int:
@@ -61,7 +67,7 @@ class Method:
         return tree_depth(self.tree) if self.tree is not None else self.gamma
 
     def run(self, model, prompt: list[int], max_new_tokens: int, sampling: Sampling, eos_ids: frozenset[int], seed: int) -> Generation:
-        return generate(model, prompt, max_new_tokens, self.drafter, self.gamma, self.tree, sampling, eos_ids, seed)
+        return generate(self.model if self.model is not None else model, prompt, max_new_tokens, self.drafter, self.gamma, self.tree, sampling, eos_ids, seed)
 
 
 @dataclass
@@ -190,8 +196,10 @@ def check_settings(cfg: DictConfig) -> Sampling:
     return Sampling(temperature=float(e.temperature), top_p=float(e.top_p), top_k=int(e.top_k))
 
 
-def build_methods(cfg: DictConfig, drafter) -> list[Method]:
-    """Plain first: the others' speedup and lossless check are measured against it."""
+def build_methods(cfg: DictConfig, drafter, target) -> list[Method]:
+    """Plain first: the others' speedup and lossless check are measured against it. A drafter that
+    verifies with an adapted target (Medusa-2) also gets `original`: plain decoding with the target
+    as it was, to show how far the adapters moved the output."""
     gamma, nodes = int(cfg.eval.num_speculative_tokens), int(cfg.eval.tree)
     if drafter.max_chain is not None and gamma > drafter.max_chain:
         raise UserError(f"eval.num_speculative_tokens={gamma} but this {drafter.type} drafter proposes at most {drafter.max_chain} tokens")
@@ -204,6 +212,8 @@ def build_methods(cfg: DictConfig, drafter) -> list[Method]:
         methods.append(Method("tree", "drafter", drafter, gamma, tree, tree_info(tree)))
     ngram_max = int(cfg.eval.ngram_max)
     methods.append(Method("ngram", "baseline", NGramDrafter(ngram_max), gamma, info={"gamma": gamma, "ngram_max": ngram_max}))
+    if drafter.verifier(target) is not target:
+        methods.append(Method("original", "baseline", model=target, info={"model": "the target without the drafter's adapters"}))
     return methods
 
 
@@ -235,14 +245,15 @@ def run_eval(cfg: DictConfig, drafter_path: Optional[str] = None, target=None, t
     device = target.get_output_embeddings().weight.device
     drafter = load_drafter(checkpoint, TargetShape.of(target, name), target).to(device).eval()
     drafter.set_sampling(sampling.temperature)
-    methods = build_methods(cfg, drafter)
+    verifier = drafter.verifier(target)  # the target, or the target with the drafter's adapters (Medusa-2)
+    methods = build_methods(cfg, drafter, target)
     prompts = load_prompts(sources, tokenizer, int(cfg.eval.max_prompts), int(cfg.data.max_length))
     eos_ids = eos_ids_of(target, tokenizer)
     max_new_tokens, greedy = int(cfg.eval.max_new_tokens), sampling.temperature <= 0
 
     first = next(iter(prompts.values()))[0]
     for method in methods:  # warm-up, so lazy initialisation does not land in the first prompt's timing
-        method.run(target, first, min(WARMUP_TOKENS, max_new_tokens), sampling, eos_ids, cfg.eval.seed)
+        method.run(verifier, first, min(WARMUP_TOKENS, max_new_tokens), sampling, eos_ids, cfg.eval.seed)
 
     tallies: dict[str, dict[str, Tally]] = {domain: {m.name: Tally() for m in methods} for domain in prompts}
     progress = tqdm(total=sum(map(len, prompts.values())), desc="eval", unit="prompt", file=sys.stderr)
@@ -251,17 +262,17 @@ def run_eval(cfg: DictConfig, drafter_path: Optional[str] = None, target=None, t
         for number, prompt in enumerate(domain_prompts):
             reference: Optional[list[int]] = None
             for method in methods:
-                run = method.run(target, prompt, max_new_tokens, sampling, eos_ids, seed)
+                run = method.run(verifier, prompt, max_new_tokens, sampling, eos_ids, seed)
                 reference = run.tokens if reference is None else reference
                 mismatched = greedy and run.tokens != reference
-                if mismatched:
+                if mismatched and method.checks_lossless:
                     _warn_mismatch(method.name, domain, number, reference, run.tokens)
                 tallies[domain][method.name].add(run, mismatched=int(mismatched))
             seed += 1
             progress.update()
     progress.close()
 
-    report = assemble(cfg, checkpoint, drafter, target, methods, tallies, sampling, greedy)
+    report = assemble(cfg, checkpoint, drafter, target, verifier, methods, tallies, sampling, greedy)
     out_dir = Path(cfg.output_dir) / "eval"
     write_report(report, out_dir)
     save_recipe(cfg, out_dir)
@@ -278,9 +289,11 @@ def _warn_mismatch(method: str, domain: str, number: int, reference: list[int], 
     )
 
 
-def assemble(cfg, checkpoint: Path, drafter, target, methods: list[Method], tallies, sampling: Sampling, greedy: bool) -> dict[str, Any]:
+def assemble(cfg, checkpoint: Path, drafter, target, verifier, methods: list[Method], tallies, sampling: Sampling, greedy: bool) -> dict[str, Any]:
     """report.json: `domains[domain][method]` for the drafter, `baselines[domain][method]` for plain
-    and n-gram, both with an `all` domain that sums the counters over the domains."""
+    and n-gram, both with an `all` domain that sums the counters over the domains. A method that
+    decodes with another model than the verifier (`original`) has no lossless verdict; at T=0 its
+    `same_output` is the fraction of prompts on which it produced plain decoding's exact tokens."""
     tallies = dict(tallies)
     total = {m.name: Tally() for m in methods}
     for per_method in tallies.values():
@@ -291,12 +304,17 @@ def assemble(cfg, checkpoint: Path, drafter, target, methods: list[Method], tall
     for domain, per_method in tallies.items():
         for method in methods:
             key = "domains" if method.group == "drafter" else "baselines"
-            row = per_method[method.name].row(per_method["plain"], greedy, method.depth)
+            tally = per_method[method.name]
+            row = tally.row(per_method["plain"], greedy, method.depth)
+            if not method.checks_lossless:
+                row["lossless"] = None
+                row["same_output"] = _ratio(tally.prompts - tally.mismatched, tally.prompts) if greedy else None
             groups[key].setdefault(domain, {})[method.name] = row
     return {
         "report_version": REPORT_VERSION,
         "target": {"name_or_path": cfg.target.name_or_path, "id": target_id(cfg.target.name_or_path), "revision": cfg.target.revision},
         "drafter": {"path": str(checkpoint.resolve()), "type": drafter.type, "config": asdict(drafter.config)},
+        "verifier": "target" if verifier is target else f"target with the {drafter.type} drafter's LoRA adapters (from its checkpoint)",
         "recipe": OmegaConf.to_container(cfg, resolve=True),
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
@@ -337,7 +355,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# Eval: {report['drafter']['type']} drafter for {report['target']['id']}",
         "",
-        f"drafter `{report['drafter']['path']}`; " + ", ".join(settings) + ".",
+        f"drafter `{report['drafter']['path']}`; verified by the {report.get('verifier', 'target')}; " + ", ".join(settings) + ".",
         "",
         "| domain | method | prompts | τ | α | per position | tok/s | speedup | lossless |",
         "|---|---|---:|---:|---:|---|---:|---:|:---:|",
@@ -347,6 +365,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         for name in methods:
             row = rows[name]
             lossless = {True: "yes", False: "**NO**", None: "n/a"}[row["lossless"]]
+            if row.get("same_output") is not None:  # another model than the verifier: how often it agrees
+                lossless = f"{row['same_output']:.0%} same"
             per_position = " / ".join(_fmt(p) for p in row["per_position"]) or "–"
             lines.append(
                 f"| {domain} | {name} | {row['prompts']} | {_fmt(row['tau'])} | {_fmt(row['alpha'])} | {per_position} "

@@ -166,6 +166,22 @@ class Drafter(nn.Module):
         """The drafter's tree of about `size` nodes (eval.tree): static paths or a DynamicTree."""
         raise UserError(f"drafter {self.type!r} does not propose trees; set eval.tree=0")
 
+    def param_groups(self) -> list[tuple[list[nn.Parameter], float]]:
+        """The trainable parameters as (parameters, learning-rate scale) groups; train.lr times the
+        scale is each group's peak rate. Default: everything that requires grad, at train.lr."""
+        return [([p for p in self.parameters() if p.requires_grad], 1.0)]
+
+    def prepare(self, dataset) -> None:
+        """Called once on every rank before training with the training set (rows holding at least
+        `input_ids` and `loss_mask`): fit what depends on the data rather than on the target
+        (EAGLE-3's draft vocabulary). What it fits must live in the state dict, so that a checkpoint
+        (and a resumed run) carries it."""
+
+    def verifier(self, target_model):
+        """The model that verifies this drafter's proposals at decode time: the target itself, unless
+        the drafter trained adapters into it (Medusa-2 verifies with its LoRA-adapted target)."""
+        return target_model
+
     def attach_target(self, target_model) -> None:
         """Re-attach frozen target modules the drafter uses but does not own or save (EAGLE's token
         embedding and lm_head); `from_target` and `load_drafter(..., target_model=)` call it."""
@@ -243,6 +259,8 @@ def load_drafter(directory: str | os.PathLike, target: Optional[TargetShape] = N
                     f"but the target {target.name_or_path!r} has {key}={theirs}"
                 )
     drafter = cls(config, saved_target)
+    if target_model is not None:  # before loading: a drafter may hold weights inside the target (Medusa-2's LoRA)
+        drafter.attach_target(target_model)
     try:
         state = load_file(str(weights_path))
     except (SafetensorError, OSError) as err:
@@ -251,6 +269,4 @@ def load_drafter(directory: str | os.PathLike, target: Optional[TargetShape] = N
     if missing or unexpected:
         raise UserError(f"{weights_path}: weights do not match a {cls.type} drafter (missing {missing[:3]}, unexpected {unexpected[:3]})")
     drafter.load_extra_config(saved)
-    if target_model is not None:
-        drafter.attach_target(target_model)
     return drafter

@@ -35,16 +35,7 @@ from draftsmith.target import FeatureRequest, TargetOutput
 from heads import register
 from heads.base import DraftState, DraftTree, Drafter, TargetShape, per_sample_stats
 from heads.distill import LOSSES, distill_loss, divergences
-
-ADAPTER_DIR = "adapter"
-
-
-@dataclass
-class LoraSection:
-    r: int = 8
-    alpha: int = 16
-    dropout: float = 0.0
-    target_modules: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+from heads.lora import ADAPTER_DIR, LoraSection
 
 
 @dataclass
@@ -61,8 +52,7 @@ class DraftModelConfig:
     model_config: Optional[dict] = None  # filled by from_target: the draft's HF config, to rebuild it on load
 
     def __post_init__(self):
-        if isinstance(self.lora, dict):  # read back from a checkpoint's config.json
-            self.lora = LoraSection(**self.lora)
+        self.lora = LoraSection.coerce(self.lora)
 
 
 @register
@@ -100,11 +90,9 @@ class DraftModel(Drafter):
         model.config.use_cache = True
         config = replace(config, model_config=model.config.to_dict())
         if config.lora is not None:
-            from peft import LoraConfig, get_peft_model
+            from peft import get_peft_model
 
-            lora = config.lora
-            adapters = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules))
-            model = get_peft_model(model, adapters)  # freezes every base weight
+            model = get_peft_model(model, config.lora.peft_config())  # freezes every base weight
         return cls(config, shape, model)
 
     # -- training -------------------------------------------------------------------------------

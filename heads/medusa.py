@@ -102,7 +102,12 @@ class Medusa(Drafter):
         return self.lm_heads[head](self.blocks[head](hidden))
 
     def loss(self, batch: dict, target_out: TargetOutput):
-        hidden = target_out.final.to(self.lm_heads[0].weight.dtype)
+        return self.heads_loss(batch, target_out.final)
+
+    def heads_loss(self, batch: dict, hidden: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Weighted cross-entropy of every head on the data's tokens, read from `hidden`, the
+        target's post-norm last hidden state [B, T, H] (Medusa-2 passes its adapted target's)."""
+        hidden = hidden.to(self.lm_heads[0].weight.dtype)
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
         batch_size = input_ids.shape[0]
         total = hidden.new_zeros(())

@@ -93,3 +93,12 @@ def test_train_py_bad_input_is_one_line_exit_2(tmp_path, args):
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert "Traceback" not in result.stderr
     assert not out.exists(), "a failed start must not leave a half-written output_dir"
+
+
+def test_online_and_features_are_exclusive():
+    assert load_recipe(["recipe=medusa", "data.online=true"]).data.online is True
+    assert load_recipe(["recipe=medusa", "data.features=/x", "data.online=false"]).data.features == "/x"
+    with pytest.raises(UserError, match="both set"):
+        load_recipe(["recipe=medusa", "data.features=/x", "data.online=true"])
+    with pytest.raises(UserError, match="needs data.features"):
+        load_recipe(["recipe=medusa", "data.online=false"])

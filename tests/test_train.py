@@ -127,6 +127,12 @@ def test_resume_true_picks_latest_and_finished_run_is_a_no_op(tmp_path, small_da
     again = run_entry(["train.py", *args, "train.resume=true"])
     assert again.returncode == 0, again.stderr[-2000:]
     assert "resumed from" in again.stdout and "step_0000004" in again.stdout
+    # Without train.resume the same directory holds a new run: nothing of the earlier one is resumed,
+    # pruned in its place or mixed into its log.
+    fresh = run_entry(["train.py", *args[:-2], "train.max_steps=2", "train.save_every=1"])
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000001", "step_0000002"]
+    assert sorted(read_log(out)) == [1, 2]
 
 
 def test_two_process_launch_trains_one_set_of_heads_on_different_data(tmp_path, small_data, token_cache):

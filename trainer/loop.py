@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
+import shutil
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -72,10 +74,8 @@ def train(cfg: DictConfig) -> Path:
 
         def target_features(batch: dict):
             return run_target(target, batch["input_ids"], batch["attention_mask"], request)
-    trainable = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        trainable, lr=cfg.train.lr, betas=tuple(cfg.train.adam_betas), weight_decay=cfg.train.weight_decay
-    )
+    groups = [{"params": params, "lr": cfg.train.lr * scale} for params, scale in drafter.param_groups()]
+    optimizer = torch.optim.AdamW(groups, lr=cfg.train.lr, betas=tuple(cfg.train.adam_betas), weight_decay=cfg.train.weight_decay)
 
     world, rank, micro = accelerator.num_processes, accelerator.process_index, cfg.train.micro_batch_size
     batches_per_epoch = len(train_data) // (world * micro)
@@ -96,6 +96,9 @@ def train(cfg: DictConfig) -> Path:
     if resume_from is not None:
         state = load_checkpoint(accelerator, resume_from)
         log.info("resumed from %s at step %d", resume_from, state.step)
+    elif accelerator.is_main_process:
+        clear_earlier_run(output_dir)
+    accelerator.wait_for_everyone()
     accelerator.init_trackers("tb")
 
     # -- the loop -------------------------------------------------------------------------------
@@ -166,6 +169,20 @@ def train(cfg: DictConfig) -> Path:
     accelerator.wait_for_everyone()
     accelerator.end_training()  # also ends the process group: nothing collective after this
     return final_dir
+
+
+def clear_earlier_run(output_dir: Path) -> None:
+    """A new run (no train.resume) in the directory of an earlier one starts clean: its checkpoints
+    would be resumed or pruned as if they were this run's, and its log rows mixed with this run's."""
+    stale = [output_dir / name for name in ("checkpoints", "log.jsonl", "tb") if (output_dir / name).exists()]
+    if stale:
+        log.warning("new run in %s: removing the earlier run's %s (train.resume=true continues a run instead)",
+                    output_dir, ", ".join(p.name for p in stale))
+    for path in stale:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def mixed_precision(setting: str):
@@ -246,13 +263,18 @@ def evaluate_split(accelerator, drafter, target, dataset, collate, cfg: DictConf
 
 
 def accuracy_table(table: dict) -> str:
-    """Markdown: per domain, each head's top-1 accuracy trained vs untrained on the eval split."""
+    """Markdown: per domain, every top-1 metric (`head2/top1`, `step1/top1`, ...) of the drafter on
+    the eval split, untrained vs trained."""
     trained, untrained = table["trained"], table["untrained"]
-    heads = sorted({n.split("/")[0] for n in trained["all"] if n.endswith("/top1")}, key=lambda h: int(h[4:]))
-    header = "| domain | " + " | ".join(f"{h} top-1 (untrained → trained)" for h in heads) + " |"
-    lines = [header, "|" + "---|" * (len(heads) + 1)]
+
+    def natural(name: str) -> list:  # head2 before head10
+        return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+    names = sorted((n for n in trained["all"] if n.endswith("/top1")), key=natural)
+    header = "| domain | " + " | ".join(f"{n.removesuffix('/top1')} top-1 (untrained → trained)" for n in names) + " |"
+    lines = [header, "|" + "---|" * (len(names) + 1)]
     for domain in trained:
-        cells = [f"{untrained[domain][f'{h}/top1']:.3f} → {trained[domain][f'{h}/top1']:.3f}" for h in heads]
+        cells = [f"{untrained[domain][n]:.3f} → {trained[domain][n]:.3f}" for n in names]
         lines.append(f"| {domain} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -1,0 +1,158 @@
+"""Medusa-2: Medusa heads trained jointly with LoRA adapters on the target itself.
+
+The heads read the *adapted* target's last hidden state, so the backbone can move its features
+towards what the heads find predictable; the backbone keeps its behaviour through a forward KL to
+the original (adapter-free) target's next-token distribution on the training data, which should be
+the target's own answers (`python -m data_prep.regenerate`, Medusa's "self-distillation"). The heads'
+loss weight ramps up on a sine over `heads_warmup` training forward passes, so the adapters first
+see a small heads loss (the Medusa maintainers: train the heads first, then together).
+
+Decoding verifies with the adapted target (`verifier`), so "lossless" means identical to the adapted
+target's own greedy output; the eval report says which model verified and how often the adapted
+target's plain output still equals the original's.
+
+The adapted target is a copy of the target's module tree that *shares* every frozen weight with the
+target (only the LoRA matrices are new memory), built by `attach_target`. The checkpoint holds the
+heads (vLLM's Medusa names), the LoRA weights and the ramp counter, never the target's weights; the
+adapters are also written in peft's format to `adapter/`, for serving the adapted target. Sharing
+weights rules out FSDP and ZeRO-3 (they re-shard parameters): train Medusa-2 with DDP or ZeRO-2.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from draftsmith.errors import UserError
+from draftsmith.target import FeatureRequest, TargetOutput
+from heads import register
+from heads.base import TargetShape, per_sample_stats
+from heads.distill import forward_kl
+from heads.lora import ADAPTER_DIR, LoraSection
+from heads.medusa import Medusa, MedusaConfig
+
+BACKBONE = "backbone."
+
+
+def _all_projections() -> LoraSection:
+    # Medusa-2's published recipes adapt every linear layer of the decoder (r=32, alpha=16).
+    return LoraSection(r=16, alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+@dataclass
+class Medusa2Config(MedusaConfig):
+    type: str = "medusa2"
+    lora: LoraSection = field(default_factory=_all_projections)
+    backbone_loss_weight: float = 1.0  # KL(original target || adapted target) on the supervised tokens
+    heads_weight: float = 0.2  # the heads' loss weight once ramped up (Medusa's heads_coefficient)
+    heads_warmup: int = 100  # training forward passes (micro-batches) over which that weight ramps up (sine)
+    heads_lr_scale: float = 4.0  # heads learn at train.lr x this, the adapters at train.lr (Medusa-2 recipes: x4)
+
+    def __post_init__(self):
+        self.lora = LoraSection.coerce(self.lora)
+
+
+@register
+class Medusa2(Medusa):
+    type = "medusa2"
+    Config = Medusa2Config
+
+    def __init__(self, config: Medusa2Config, target: TargetShape):
+        super().__init__(config, target)
+        if config.backbone_loss_weight < 0 or config.heads_weight <= 0 or config.heads_warmup < 0 or config.heads_lr_scale <= 0:
+            raise UserError("drafter.backbone_loss_weight must be >= 0, heads_weight and heads_lr_scale > 0, heads_warmup >= 0")
+        self.backbone: Optional[torch.nn.Module] = None  # the adapted target: see attach_target
+        self.register_buffer("forward_calls", torch.zeros((), dtype=torch.long))  # drives the heads' ramp; resumes with the run
+        self._register_state_dict_hook(_without_target_weights)
+        self.register_load_state_dict_post_hook(_target_weights_not_missing)
+
+    @classmethod
+    def from_target(cls, config: Medusa2Config, target_model, name_or_path: str) -> "Medusa2":
+        drafter = super().from_target(config, target_model, name_or_path)
+        drafter.attach_target(target_model)
+        return drafter
+
+    def attach_target(self, target_model) -> None:
+        """Build the adapted target: a copy of the target's modules whose frozen tensors *are* the
+        target's (deepcopy's memo maps each to itself), with peft's LoRA layers injected."""
+        from peft import get_peft_model
+
+        shared = {id(t): t for t in itertools.chain(target_model.parameters(), target_model.buffers())}
+        backbone = copy.deepcopy(target_model, memo=shared)
+        try:
+            self.backbone = get_peft_model(backbone, self.config.lora.peft_config())
+        except ValueError as err:  # e.g. target_modules that the target does not have
+            raise UserError(f"drafter.lora does not fit {type(target_model).__name__}: {' '.join(str(err).split())[:300]}") from None
+
+    def adapted_target(self) -> torch.nn.Module:
+        if self.backbone is None:
+            raise RuntimeError("the Medusa-2 drafter has no target: load it with load_drafter(..., target_model=target)")
+        return self.backbone.get_base_model()  # the target's own class with LoRA layers inside
+
+    def verifier(self, target_model):
+        return self.adapted_target()
+
+    @property
+    def features(self) -> FeatureRequest:
+        return FeatureRequest(final=False, logits=True)  # the original target's distribution, the backbone's teacher
+
+    def param_groups(self):
+        heads = [p for p in itertools.chain(self.blocks.parameters(), self.lm_heads.parameters()) if p.requires_grad]
+        adapters = [p for p in self.backbone.parameters() if p.requires_grad]
+        return [(heads, self.config.heads_lr_scale), (adapters, 1.0)]
+
+    def heads_weight_now(self) -> float:
+        """heads_weight x sin(pi/2 x progress), progress = (calls + 1) / heads_warmup capped at 1."""
+        warmup = self.config.heads_warmup
+        progress = 1.0 if warmup == 0 else min(1.0, (int(self.forward_calls) + 1) / warmup)
+        return self.config.heads_weight * math.sin(math.pi / 2 * progress)
+
+    def loss(self, batch: dict, target_out: TargetOutput):
+        input_ids = batch["input_ids"]
+        out = self.adapted_target()(
+            input_ids=input_ids, attention_mask=batch["attention_mask"], output_hidden_states=True, return_dict=True
+        )
+        heads_loss, stats = self.heads_loss(batch, out.hidden_states[-1])
+
+        # The backbone keeps the original target's next-token distribution wherever a token is supervised.
+        mask = batch["loss_mask"].bool()[:, 1:]
+        rows = mask.nonzero(as_tuple=True)[0]
+        student, teacher = out.logits[:, :-1][mask].float(), target_out.logits[:, :-1][mask].float()
+        kl = forward_kl(student, teacher)
+        heads_weight = self.heads_weight_now()
+        if self.training:
+            self.forward_calls += 1
+        total = self.config.backbone_loss_weight * kl.sum() / mask.sum().clamp(min=1) + heads_weight * heads_loss
+        with torch.no_grad():
+            values = {"backbone/kl": kl.detach(), "backbone/top1": (student.argmax(-1) == teacher.argmax(-1)).float()}
+            stats.update(per_sample_stats(values, rows, input_ids.shape[0]))
+        return total, stats
+
+    def save_pretrained(self, directory: str | os.PathLike, state_dict: Optional[dict] = None) -> None:
+        super().save_pretrained(directory, state_dict)
+        if self.backbone is not None:
+            adapters = copy.copy(self.backbone)  # shallow: the same modules, only for peft's writer
+            if state_dict is not None:  # gathered from shards: write those values, not the local ones
+                adapters = copy.deepcopy(self.backbone)
+                adapters.load_state_dict({k.removeprefix(BACKBONE): v for k, v in state_dict.items() if k.startswith(BACKBONE)}, strict=False)
+            adapters.save_pretrained(Path(directory) / ADAPTER_DIR)
+
+
+def _without_target_weights(module, state_dict, prefix, local_metadata):
+    """Keep the LoRA weights of the backbone and drop the target's own (shared, frozen) weights."""
+    for key in list(state_dict):
+        if key.startswith(prefix + BACKBONE) and ".lora_" not in key:
+            del state_dict[key]
+    return state_dict
+
+
+def _target_weights_not_missing(module, incompatible_keys) -> None:
+    """The target's weights are never in a checkpoint: not missing, whether loading is strict or not."""
+    missing = incompatible_keys.missing_keys
+    missing[:] = [key for key in missing if not (BACKBONE in key and ".lora_" not in key)]
