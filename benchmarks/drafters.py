@@ -78,6 +78,22 @@ def main() -> None:
             "original_same_output_T0": greedy["baselines"]["all"].get("original", {}).get("same_output"),
         }
     print(json.dumps({"steps": args.steps, "train_data": args.train_data, "drafters": results}, indent=2))
+    print(markdown(results), file=sys.stderr)
+
+
+def markdown(results: dict) -> str:
+    """One tau table per temperature: a column per drafter and method, then the n-gram baseline."""
+    tables = []
+    for key, title in (("tau_T0", "T = 0 (greedy)"), ("tau_T1", "T = 1 (exact speculative sampling)")):
+        columns = [(name, method) for name, r in results.items() for method in ("chain", "tree") if method in r[key]["all"]]
+        first = next(iter(results.values()))[key]
+        header = [f"{name} {method}" for name, method in columns] + ["n-gram"]
+        lines = [title, "", "| domain | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]
+        for domain in first:
+            cells = [results[name][key][domain][method] for name, method in columns] + [first[domain]["ngram"]]
+            lines.append(f"| {domain} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
+        tables.append("\n".join(lines))
+    return "\n\n".join(tables)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import os
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -160,6 +160,16 @@ class FeatureStore(Dataset):
             elif self.logits == "full":
                 item["logits"] = rows("logits").float()
         return item
+
+    def token_rows(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(input_ids, loss_mask) of every conversation in order, reading no feature: what a drafter's
+        `prepare` counts tokens from (EAGLE-3's draft vocabulary)."""
+        for shard in self._shards:
+            self._verify(shard)
+            with safe_open(str(shard.path), framework="pt") as f:
+                input_ids, loss_mask = f.get_tensor("input_ids").long(), f.get_tensor("loss_mask").long()
+            for start, stop in zip(shard.offsets, shard.offsets[1:]):
+                yield input_ids[start:stop], loss_mask[start:stop]
 
     def _verify(self, shard: _Shard) -> None:
         if shard.path in self._verified:

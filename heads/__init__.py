@@ -20,6 +20,6 @@ def drafter_class(name: str) -> type[Drafter]:
     return REGISTRY[name]
 
 
-from heads import draft_model, eagle, medusa, medusa2  # noqa: E402,F401  (each registers itself)
+from heads import draft_model, eagle, eagle3, medusa, medusa2  # noqa: E402,F401  (each registers itself)
 
 __all__ = ["DraftState", "DraftTree", "Drafter", "DynamicTree", "TargetShape", "Tree", "drafter_class", "load_drafter", "register", "REGISTRY"]

@@ -12,6 +12,9 @@ positions its own predictions, which is how it runs several steps ahead.
 
 The token embedding and the lm_head are the target's, frozen, and not part of the checkpoint
 (vLLM and SGLang share them with the target too); `attach_target` re-attaches them after loading.
+The decode-time machinery (the drafter's own KV cache over the committed sequence, the greedy chain
+and EAGLE-2's dynamic tree) lives in `EagleBase`, which EAGLE-3 (heads/eagle3.py) shares.
+
 Parameter names are those of vLLM's/SGLang's EAGLE-1 loaders (`fc.weight|bias`, `layers.{i}.*`,
 no `layers.0.input_layernorm`), so export is at most a prefix rename; vLLM's loader has no fc bias
 (`fc_bias: false` for a checkpoint meant for it).
@@ -80,33 +83,37 @@ def decoder_spec(target_model, num_layers: int) -> dict:
     }
 
 
-@register
-class Eagle(Drafter):
-    type = "eagle"
-    Config = EagleConfig
+class EagleBase(Drafter):
+    """What EAGLE-1 (`eagle`) and EAGLE-3 (`eagle3`) share: a draft model of the target family's
+    layers that reads the target's token embedding, and at decode time its own KV cache over the
+    committed sequence (`catch_up`) plus EAGLE-2's dynamic tree grown from it (`grow`).
 
-    def __init__(self, config: EagleConfig, target: TargetShape):
+    A subclass defines `draft` (the draft model over given input features), `top_tokens` (its best
+    next tokens, in target ids) and `committed_features` (the input features of newly committed
+    positions, from the target's hidden states in a DraftState), and sets `fc`.
+    """
+
+    def __init__(self, config, target: TargetShape):
         super().__init__(config, target)
-        if config.num_layers < 1 or config.tree_depth < 1 or config.tree_topk < 1:
-            raise UserError(f"drafter.num_layers, tree_depth and tree_topk must be >= 1 (got {config.num_layers}, {config.tree_depth}, {config.tree_topk})")
+        if config.tree_depth < 1 or config.tree_topk < 1:
+            raise UserError(f"drafter.tree_depth and tree_topk must be >= 1 (got {config.tree_depth}, {config.tree_topk})")
         if config.decoder is None:
-            raise UserError("an EAGLE drafter is built for a target: use Eagle.from_target (drafter.decoder is filled there)")
+            raise UserError(f"an {self.type} drafter is built for a target: use from_target (drafter.decoder is filled there)")
         layer_config = import_qualified(config.decoder["config_class"]).from_dict(config.decoder["config"])
         layer_config._attn_implementation = "sdpa"  # takes the explicit tree masks of decoding
         self.layer_config = layer_config
-        layer_cls = import_qualified(config.decoder["layer"])
-        hidden = target.hidden_size
-        self.fc = nn.Linear(2 * hidden, hidden, bias=config.fc_bias)
-        self.layers = nn.ModuleList(layer_cls(layer_config, layer_idx=i) for i in range(config.num_layers))
-        # EAGLE feeds fc's output to the first layer unnormalised (vLLM: disable_input_layernorm).
-        self.layers[0].input_layernorm = nn.Identity()
         self.rotary_emb = import_qualified(config.decoder["rotary"])(config=layer_config)
         self.shared: Optional[tuple[nn.Module, nn.Module]] = None  # target's (embedding, lm_head): see attach_target
         self.cache: Optional[DynamicCache] = None  # decoding: the drafter's KV cache, see `catch_up`
 
     @classmethod
-    def from_target(cls, config: EagleConfig, target_model, name_or_path: str) -> "Eagle":
-        config = replace(config, decoder=decoder_spec(target_model, config.num_layers))
+    def decoder_layers(cls, config) -> int:
+        """How many of the target family's decoder layers `decoder_spec` configures."""
+        return config.num_layers
+
+    @classmethod
+    def from_target(cls, config, target_model, name_or_path: str) -> "EagleBase":
+        config = replace(config, decoder=decoder_spec(target_model, cls.decoder_layers(config)))
         drafter = cls(config, TargetShape.of(target_model, name_or_path))
         drafter.attach_target(target_model)
         return drafter
@@ -118,28 +125,164 @@ class Eagle(Drafter):
 
     def target_modules(self) -> tuple[nn.Module, nn.Module]:
         if self.shared is None:
-            raise RuntimeError("the EAGLE drafter has no target embedding/lm_head: load it with load_drafter(..., target_model=target)")
+            raise RuntimeError(f"the {self.type} drafter has no target embedding/lm_head: load it with load_drafter(..., target_model=target)")
         return self.shared
+
+    # -- what a subclass defines ----------------------------------------------------------------
+    def draft(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, mask: Optional[torch.Tensor] = None, cache: Optional[DynamicCache] = None) -> torch.Tensor:
+        """[B, q] tokens and [B, q, H] input features at [B, q] positions -> [B, q, H] output
+        features, each the input feature of the entry after it. `mask` None is causal attention
+        within the call; otherwise a boolean [1, 1, q, cached + q] mask (True = may attend) over
+        `cache`'s entries and the new ones, which the call appends to `cache`."""
+        raise NotImplementedError
+
+    def top_tokens(self, feature: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """An output feature [H] -> the k best next tokens' log-probabilities (at most 0, best
+        first) and their ids in the target's vocabulary."""
+        raise NotImplementedError
+
+    def committed_features(self, state: DraftState) -> Optional[torch.Tensor]:
+        """The input features [m, H] of the positions committed since the last proposal."""
+        raise NotImplementedError
+
+    # -- decoding -------------------------------------------------------------------------------
+    def default_tree(self, size: int) -> DynamicTree:
+        return DynamicTree(nodes=size, depth=self.config.tree_depth, topk=self.config.tree_topk)
+
+    @torch.no_grad()
+    def propose(self, state: DraftState, num_tokens: int, tree: Optional[Tree] = None) -> DraftTree:
+        """A greedy chain of `num_tokens` tokens, or an EAGLE-2 dynamic tree. Deterministic (top-k
+        tokens, probs None), so the loop's exact rule treats q as one-hot."""
+        if tree is not None and not isinstance(tree, DynamicTree):
+            raise UserError(f"the {self.type} drafter grows its tree itself: pass eval.tree=<node budget>, not a static tree")
+        root_feature = self.catch_up(state)
+        if tree is None:
+            return self.grow(root_feature, depth=num_tokens, topk=1, nodes=num_tokens)
+        return self.grow(root_feature, depth=tree.depth, topk=tree.topk, nodes=tree.nodes)
+
+    def catch_up(self, state: DraftState) -> torch.Tensor:
+        """Bring the drafter's cache to the committed sequence and return the output feature after the root.
+
+        Cache entry p holds (x_{p+1}, f_p), f_p the input feature the target's hidden states at p
+        give. With n committed tokens the target's states are known at positions 0..n-2, and the
+        state's new ones cover the last m of them. Everything in the cache from position n-1-m on
+        is either a draft entry (own predicted feature) or an entry whose token was not yet
+        committed, so it is cropped and rebuilt from the target's states; the last rebuilt entry,
+        (root, f_{n-2}), predicts the feature behind the first draft token.
+        """
+        features = self.committed_features(state)
+        if features is None or len(features) == 0:
+            raise ValueError(f"{self.type} needs the target's hidden states at the newly committed positions (DraftState.new_final / new_layers)")
+        tokens = state.tokens
+        committed = len(tokens) - 1  # positions with the target's feature known
+        start = committed - len(features)
+        if state.fresh or self.cache is None:
+            self.cache = DynamicCache(config=self.layer_config)
+        if self.cache.get_seq_length() < start:
+            raise RuntimeError(f"{self.type} cache holds {self.cache.get_seq_length()} positions, the committed sequence needs {start}")
+        self.cache.crop(start - self.cache.get_seq_length())  # crop takes minus the count to drop
+        new = torch.arange(start, committed, device=tokens.device)
+        mask = torch.ones(1, 1, len(new), committed, dtype=torch.bool, device=tokens.device).tril(start)
+        out = self.draft(tokens[start + 1 :][None], features[None], new[None], mask, self.cache)
+        return out[0, -1]
+
+    def grow(self, root_feature: torch.Tensor, depth: int, topk: int, nodes: int) -> DraftTree:
+        """EAGLE-2's dynamic tree: score nodes by cumulative draft log-prob; at each step give each
+        of the `topk` best newest nodes its `topk` most likely children; after `depth` steps keep the
+        best `nodes` nodes overall. A child never outscores its parent and ties go to the older node,
+        so the kept set contains every kept node's parent. topk = 1 is the greedy chain."""
+        device = root_feature.device
+        committed = self.cache.get_seq_length()  # the root's entry is the last, at position committed-1
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        node_depth: list[int] = []
+        entry_of: dict[int, int] = {}  # expanded node -> its cache entry
+        output_of: dict[int, torch.Tensor] = {-1: root_feature}  # expanded node (or root) -> the feature its entry predicts
+
+        def add_children(parent: int, parent_score: float, feature: torch.Tensor) -> list[int]:
+            log_probs, ids = self.top_tokens(feature, topk)
+            added = []
+            for token, log_prob in zip(ids.tolist(), log_probs.tolist()):
+                added.append(len(tokens))
+                tokens.append(token)
+                parents.append(parent)
+                scores.append(parent_score + log_prob)
+                node_depth.append(1 if parent < 0 else node_depth[parent] + 1)
+            return added
+
+        newest = add_children(-1, 0.0, root_feature)
+        for _ in range(depth - 1):
+            frontier = sorted(newest, key=lambda n: (-scores[n], n))[:topk]
+            features = torch.stack([output_of[parents[n]] for n in frontier])  # a node's entry reads its parent's f̂
+            past = self.cache.get_seq_length()
+            mask = torch.zeros(1, 1, len(frontier), past + len(frontier), dtype=torch.bool, device=device)
+            mask[..., :committed] = True
+            for row, node in enumerate(frontier):
+                ancestor = parents[node]
+                while ancestor >= 0:
+                    mask[0, 0, row, entry_of[ancestor]] = True
+                    ancestor = parents[ancestor]
+                mask[0, 0, row, past + row] = True
+            for row, node in enumerate(frontier):
+                entry_of[node] = past + row
+            positions = torch.tensor([[committed - 1 + node_depth[n] for n in frontier]], device=device)
+            frontier_tokens = torch.tensor([[tokens[n] for n in frontier]], device=device)
+            out = self.draft(frontier_tokens, features[None], positions, mask, self.cache)[0]
+            newest = []
+            for row, node in enumerate(frontier):
+                output_of[node] = out[row]
+                newest += add_children(node, scores[node], out[row])
+
+        kept = sorted(sorted(range(len(tokens)), key=lambda n: (-scores[n], n))[:nodes])  # then by creation: parents first
+        index = {node: i for i, node in enumerate(kept)}
+        return DraftTree(
+            tokens=torch.tensor([tokens[n] for n in kept], device=device),
+            parents=torch.tensor([index[parents[n]] if parents[n] >= 0 else -1 for n in kept], device=device),
+        )
+
+
+@register
+class Eagle(EagleBase):
+    type = "eagle"
+    Config = EagleConfig
+
+    def __init__(self, config: EagleConfig, target: TargetShape):
+        if config.num_layers < 1:
+            raise UserError(f"drafter.num_layers must be >= 1 (got {config.num_layers})")
+        super().__init__(config, target)
+        layer_cls = import_qualified(config.decoder["layer"])
+        hidden = target.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=config.fc_bias)
+        self.layers = nn.ModuleList(layer_cls(self.layer_config, layer_idx=i) for i in range(config.num_layers))
+        # EAGLE feeds fc's output to the first layer unnormalised (vLLM: disable_input_layernorm).
+        self.layers[0].input_layernorm = nn.Identity()
 
     @property
     def features(self) -> FeatureRequest:
         return FeatureRequest(final=True, logits=True)
 
     # -- the draft model ------------------------------------------------------------------------
-    def draft(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """[B, q] tokens and [B, q, H] features at [B, q] positions -> predicted next features [B, q, H].
-        `mask` None is causal attention within the call (training); decoding passes a boolean
-        [1, 1, q, cached + q] mask (True = may attend) and goes through `self.cache`."""
+    def draft(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, mask: Optional[torch.Tensor] = None, cache: Optional[DynamicCache] = None) -> torch.Tensor:
+        """EAGLE-1: f̂_{p+1} = layers(fc(cat(embed(x_{p+1}), f_p))) (see EagleBase.draft)."""
         embed, _ = self.target_modules()
         hidden = self.fc(torch.cat([embed(tokens).to(features.dtype), features], dim=-1))
         rope = self.rotary_emb(hidden, positions)
         for layer in self.layers:
-            hidden = layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=self.cache, position_embeddings=rope)
+            hidden = layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=cache, position_embeddings=rope)
         return hidden
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         _, lm_head = self.target_modules()
         return lm_head(features.to(lm_head.weight.dtype)).float()
+
+    def top_tokens(self, feature: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # Clamped so that rounding never lets a child outscore its parent (see `grow`).
+        best = self.logits(feature).log_softmax(-1).clamp(max=0).topk(k)
+        return best.values, best.indices
+
+    def committed_features(self, state: DraftState) -> Optional[torch.Tensor]:
+        return None if state.new_final is None else state.new_final.to(self.fc.weight.dtype)
 
     # -- training -------------------------------------------------------------------------------
     def loss(self, batch: dict, target_out: TargetOutput):
@@ -184,99 +327,3 @@ class Eagle(Drafter):
                 "step1/top1_data": (guess == input_ids[:, 2:][mask]).float(),  # the data's next token
             }
         return total, per_sample_stats(values, rows, batch_size)
-
-    # -- decoding -------------------------------------------------------------------------------
-    def default_tree(self, size: int) -> DynamicTree:
-        return DynamicTree(nodes=size, depth=self.config.tree_depth, topk=self.config.tree_topk)
-
-    @torch.no_grad()
-    def propose(self, state: DraftState, num_tokens: int, tree: Optional[Tree] = None) -> DraftTree:
-        """A greedy chain of `num_tokens` tokens, or an EAGLE-2 dynamic tree. Deterministic (top-k
-        tokens, probs None), so the loop's exact rule treats q as one-hot."""
-        if tree is not None and not isinstance(tree, DynamicTree):
-            raise UserError("the EAGLE drafter grows its tree itself: pass eval.tree=<node budget>, not a static tree")
-        root_feature = self.catch_up(state)
-        if tree is None:
-            return self.grow(root_feature, depth=num_tokens, topk=1, nodes=num_tokens)
-        return self.grow(root_feature, depth=tree.depth, topk=tree.topk, nodes=tree.nodes)
-
-    def catch_up(self, state: DraftState) -> torch.Tensor:
-        """Bring the drafter's cache to the committed sequence and return f̂ after the root.
-
-        Cache entry p holds (x_{p+1}, f_p). With n committed tokens the target's features are known
-        at positions 0..n-2, and `new_final` holds the last m of them. Everything in the cache from
-        position n-1-m on is either a draft entry (own predicted feature) or an entry whose token was
-        not yet committed, so it is cropped and rebuilt from the target's features; the last rebuilt
-        entry, (root, f_{n-2}), predicts f̂_{n-1}, the feature behind the first draft token.
-        """
-        if state.new_final is None or len(state.new_final) == 0:
-            raise ValueError("EAGLE needs the target's hidden states at the newly committed positions (DraftState.new_final)")
-        tokens = state.tokens
-        committed = len(tokens) - 1  # positions with the target's feature known
-        start = committed - len(state.new_final)
-        if state.fresh or self.cache is None:
-            self.cache = DynamicCache(config=self.layer_config)
-        if self.cache.get_seq_length() < start:
-            raise RuntimeError(f"EAGLE cache holds {self.cache.get_seq_length()} positions, the committed sequence needs {start}")
-        self.cache.crop(start - self.cache.get_seq_length())  # crop takes minus the count to drop
-        new = torch.arange(start, committed, device=tokens.device)
-        features = state.new_final.to(self.fc.weight.dtype)
-        mask = torch.ones(1, 1, len(new), committed, dtype=torch.bool, device=tokens.device).tril(start)
-        out = self.draft(tokens[start + 1 :][None], features[None], new[None], mask)
-        return out[0, -1]
-
-    def grow(self, root_feature: torch.Tensor, depth: int, topk: int, nodes: int) -> DraftTree:
-        """EAGLE-2's dynamic tree: score nodes by cumulative draft log-prob; at each step give each
-        of the `topk` best newest nodes its `topk` most likely children; after `depth` steps keep the
-        best `nodes` nodes overall. A child never outscores its parent and ties go to the older node,
-        so the kept set contains every kept node's parent. topk = 1 is the greedy chain."""
-        device = root_feature.device
-        committed = self.cache.get_seq_length()  # the root's entry is the last, at position committed-1
-        tokens: list[int] = []
-        parents: list[int] = []
-        scores: list[float] = []
-        node_depth: list[int] = []
-        entry_of: dict[int, int] = {}  # expanded node -> its cache entry
-        output_of: dict[int, torch.Tensor] = {-1: root_feature}  # expanded node (or root) -> f̂ its entry predicts
-
-        def add_children(parent: int, parent_score: float, feature: torch.Tensor) -> list[int]:
-            # Clamped so that rounding never lets a child outscore its parent (see the docstring).
-            best = self.logits(feature).log_softmax(-1).clamp(max=0).topk(topk)
-            added = []
-            for token, log_prob in zip(best.indices.tolist(), best.values.tolist()):
-                added.append(len(tokens))
-                tokens.append(token)
-                parents.append(parent)
-                scores.append(parent_score + log_prob)
-                node_depth.append(1 if parent < 0 else node_depth[parent] + 1)
-            return added
-
-        newest = add_children(-1, 0.0, root_feature)
-        for _ in range(depth - 1):
-            frontier = sorted(newest, key=lambda n: (-scores[n], n))[:topk]
-            features = torch.stack([output_of[parents[n]] for n in frontier])  # a node's entry reads its parent's f̂
-            past = self.cache.get_seq_length()
-            mask = torch.zeros(1, 1, len(frontier), past + len(frontier), dtype=torch.bool, device=device)
-            mask[..., :committed] = True
-            for row, node in enumerate(frontier):
-                ancestor = parents[node]
-                while ancestor >= 0:
-                    mask[0, 0, row, entry_of[ancestor]] = True
-                    ancestor = parents[ancestor]
-                mask[0, 0, row, past + row] = True
-            for row, node in enumerate(frontier):
-                entry_of[node] = past + row
-            positions = torch.tensor([[committed - 1 + node_depth[n] for n in frontier]], device=device)
-            frontier_tokens = torch.tensor([[tokens[n] for n in frontier]], device=device)
-            out = self.draft(frontier_tokens, features[None], positions, mask)[0]
-            newest = []
-            for row, node in enumerate(frontier):
-                output_of[node] = out[row]
-                newest += add_children(node, scores[node], out[row])
-
-        kept = sorted(sorted(range(len(tokens)), key=lambda n: (-scores[n], n))[:nodes])  # then by creation: parents first
-        index = {node: i for i, node in enumerate(kept)}
-        return DraftTree(
-            tokens=torch.tensor([tokens[n] for n in kept], device=device),
-            parents=torch.tensor([index[parents[n]] if parents[n] >= 0 else -1 for n in kept], device=device),
-        )

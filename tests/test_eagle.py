@@ -28,7 +28,6 @@ from tests.test_eval import (
     tiny_llama,
 )
 
-Eagle = drafter_class("eagle")
 TREE = DynamicTree(nodes=10, depth=4, topk=3)
 
 
@@ -51,13 +50,15 @@ def greedy_text(model, rows: int, length: int, seed: int) -> torch.Tensor:
     return ids
 
 
-def fitted_eagle(model, steps: int, seed: int = 0, **config):
-    """An EAGLE drafter fitted briefly to the target's greedy text: right often enough that drafts
-    get accepted, wrong often enough that they get rejected."""
+def fitted_eagle(model, steps: int, seed: int = 0, drafter_type: str = "eagle", **config):
+    """An EAGLE drafter (`eagle` or `eagle3`) fitted briefly to the target's greedy text: right often
+    enough that drafts get accepted, wrong often enough that they get rejected."""
     torch.manual_seed(seed)  # initialisation and feature noise: the same fit whatever ran before
-    drafter = Eagle.from_target(Eagle.Config(**config), model, "tiny")
+    cls = drafter_class(drafter_type)
+    drafter = cls.from_target(cls.Config(**config), model, "tiny")
     ids = greedy_text(model, rows=16, length=48, seed=seed)
     batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids)}
+    drafter.prepare([{"input_ids": row, "loss_mask": mask} for row, mask in zip(ids, batch["loss_mask"])])
     target_out = run_target(model, ids, request=drafter.features)
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
     drafter.train()
@@ -164,6 +165,11 @@ def test_loss_supervises_the_feature_that_decoding_computes(model):
 # -- decoding -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "dynamic-tree"])
 def test_greedy_speculative_equals_plain(model, drafter, prompts, tree):
+    assert_greedy_equals_plain(model, drafter, prompts, tree)
+
+
+def assert_greedy_equals_plain(model, drafter, prompts, tree) -> None:
+    """Speculative greedy output equals plain greedy token for token, with drafts both accepted and rejected."""
     drafted = accepted = 0
     for number, prompt in enumerate(prompts):
         plain = generate(model, prompt, 40)
@@ -226,20 +232,24 @@ def test_dynamic_tree_matches_a_sequential_reference(model, drafter, prompts):
 
 
 def test_cache_rollback_matches_a_drafter_rebuilt_from_scratch(model, drafter, prompts, tmp_path):
+    assert_cache_rollback(model, drafter, prompts[2], tmp_path)
+
+
+def assert_cache_rollback(model, drafter, prompt: list[int], tmp_path) -> None:
     """Over many verify cycles the drafter only ever sees what was committed since its last call;
     its proposals must equal those of a fresh copy given the whole committed sequence."""
     drafter.save_pretrained(tmp_path / "eagle")
     fresh_drafter = load_drafter(tmp_path / "eagle", TargetShape.of(model, "tiny"), model).eval()
-    state = prefill(model, prompts[2], drafter.features)
+    state = prefill(model, prompt, drafter.features)
     generator = torch.Generator().manual_seed(0)
     lengths = set()
     for cycle in range(24):
         tree = TREE if cycle % 2 else None
-        expected = fresh_drafter.propose(prefill(model, state.tokens).draft_state(), 3, tree)
+        expected = fresh_drafter.propose(prefill(model, state.tokens, drafter.features).draft_state(), 3, tree)
         draft = propose(drafter, state, 3, tree, max_depth=4)
         assert torch.equal(draft.tokens, expected.tokens) and torch.equal(draft.parents, expected.parents), cycle
         assert drafter.cache.get_seq_length() >= len(state.tokens) - 1
-        lengths.add(len(verify_step(model, state, draft, Sampling(), generator).path))
+        lengths.add(len(verify_step(model, state, draft, Sampling(), generator, request=drafter.features).path))
     assert len(lengths) >= 2  # accepted paths of different lengths were rolled back
 
 

@@ -74,6 +74,7 @@ def train(cfg: DictConfig) -> Path:
 
         def target_features(batch: dict):
             return run_target(target, batch["input_ids"], batch["attention_mask"], request)
+    drafter.prepare(train_data)  # what the drafter fits to the data (EAGLE-3's draft vocabulary), on every rank
     groups = [{"params": params, "lr": cfg.train.lr * scale} for params, scale in drafter.param_groups()]
     optimizer = torch.optim.AdamW(groups, lr=cfg.train.lr, betas=tuple(cfg.train.adam_betas), weight_decay=cfg.train.weight_decay)
 
@@ -150,6 +151,7 @@ def train(cfg: DictConfig) -> Path:
     final_dir = output_dir / "final"
     if eval_data is not None:
         untrained = drafter_cls.from_target(OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path)
+        untrained.prepare(train_data)
         table = {
             "trained": evaluate_split(accelerator, drafter, target, eval_data, collate, cfg),
             "untrained": evaluate_split(accelerator, untrained.to(accelerator.device), target, eval_data, collate, cfg),

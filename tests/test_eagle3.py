@@ -1,0 +1,260 @@
+"""EAGLE-3: the training-time test computes exactly what decoding computes (same positions, tokens,
+attention and features at every draft depth), the loss scores each step against the right target
+distribution, the draft vocabulary (d2t/t2d) is picked from the data and survives the checkpoint,
+speculative decoding stays lossless with its own cache, and the real trainer (online and from
+captured shards) lowers the loss while the target stays frozen."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.errors import UserError
+from draftsmith.recipe import load_recipe
+from draftsmith.target import run_target
+from eval.loop import prefill
+from heads import drafter_class, load_drafter
+from heads.base import DynamicTree, TargetShape
+from tests.conftest import run_entry, train_args
+from tests.test_eagle import TINY_VOCAB, assert_cache_rollback, assert_greedy_equals_plain, fitted_eagle
+from tests.test_eval import tiny_llama
+
+Eagle3 = drafter_class("eagle3")
+DRAFT_VOCAB = 24  # of TINY_VOCAB = 32: pruned, so d2t/t2d are in play everywhere below
+TINY = {"drafter_type": "eagle3", "aux_layers": [-1, 0, 1], "draft_vocab_size": DRAFT_VOCAB, "ttt_steps": 4}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(vocab=TINY_VOCAB, logit_scale=4.0)
+
+
+@pytest.fixture(scope="module")
+def drafter(model):
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    fitted = fitted_eagle(model, steps=60, **TINY)
+    # The target is frozen: no gradient reached it and its weights are unchanged.
+    assert all(p.grad is None and not p.requires_grad for p in model.parameters())
+    assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
+    return fitted
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(3, TINY_VOCAB, (length,), generator=generator).tolist() for length in (5, 11, 17)]
+
+
+def chain_logits(drafter, state, depth: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A greedy chain and the draft logits decoding computed for each of its tokens."""
+    recorded = []
+    original = drafter.draft_logits
+
+    def record(outputs):
+        recorded.append(original(outputs))
+        return recorded[-1]
+
+    drafter.draft_logits = record
+    try:
+        chain = drafter.propose(state, depth)
+    finally:
+        del drafter.draft_logits
+    return chain.tokens, recorded
+
+
+# -- alignment: training computes what decoding computes --------------------------------------------
+@pytest.mark.parametrize("n", [2, 7, 12])
+def test_training_time_test_equals_decoding(model, drafter, n):
+    """Commit x_0..x_{n-1}, let decoding draft a greedy chain d_1..d_k, and continue the text with
+    exactly that chain: then TTT step i at position n-2 (teacher-forced on the data) must give the
+    logits decoding gave at depth i+1, for every step. An off-by-one in tokens, features, positions
+    or the attention mask of either side breaks the equality."""
+    generator = torch.Generator().manual_seed(n)
+    prefix = torch.randint(3, TINY_VOCAB, (n,), generator=generator)
+    steps = drafter.config.ttt_steps
+    tokens, decoded = chain_logits(drafter, prefill(model, prefix.tolist(), drafter.features).draft_state(), steps)
+    assert set(tokens.tolist()) <= set(drafter.draft_ids().tolist())  # proposals are target ids of draft tokens
+    text = torch.cat([prefix, tokens, torch.randint(3, TINY_VOCAB, (3,), generator=generator)])[None]
+    with torch.no_grad():
+        outputs = drafter.unroll(text, run_target(model, text, request=drafter.features).layers)
+        for step in range(steps):
+            trained = drafter.draft_logits(outputs[step][0, n - 2])
+            torch.testing.assert_close(trained, decoded[step], rtol=1e-4, atol=1e-4, msg=f"step {step}")
+
+
+def test_loss_scores_step_i_against_the_target_distribution_of_its_token(model, drafter):
+    """With one supervised token x_j, step i scores its output at t = j-2-i against the target's
+    distribution after x_0..x_{j-1} (its logits at j-1), renormalised over the draft vocabulary."""
+    generator = torch.Generator().manual_seed(9)
+    text = torch.randint(3, TINY_VOCAB, (1, 16), generator=generator)
+    target_out = run_target(model, text, request=drafter.features)
+    # Make sure x_j's target argmax is in the draft vocabulary, so every step scores it.
+    j = next(j for j in range(10, 16) if drafter.t2d[target_out.logits[0, j - 1].argmax()])
+    loss_mask = torch.zeros_like(text)
+    loss_mask[0, j] = 1
+    with torch.no_grad():
+        loss, stats = drafter({"input_ids": text, "loss_mask": loss_mask}, target_out)
+        outputs = drafter.unroll(text, target_out.layers)
+    expected_total = 0.0
+    p = target_out.logits[0, j - 1, drafter.draft_ids()].softmax(-1)
+    for step in range(drafter.config.ttt_steps):
+        log_q = drafter.draft_logits(outputs[step][0, j - 2 - step]).log_softmax(-1)
+        expected = -(p * log_q).sum().item()
+        assert stats[f"step{step + 1}/loss"][0].tolist() == pytest.approx([expected, 1.0], rel=1e-4)
+        hit = float(drafter.draft_ids()[log_q.argmax()] == target_out.logits[0, j - 1].argmax())
+        assert stats[f"step{step + 1}/top1"][0].tolist() == [hit, 1.0]
+        expected_total += drafter.config.ttt_decay**step * expected
+    assert loss.item() == pytest.approx(expected_total, rel=1e-4)
+
+
+def test_target_argmax_outside_the_draft_vocabulary_is_a_miss_and_not_in_the_loss(model, drafter):
+    generator = torch.Generator().manual_seed(3)
+    text = torch.randint(3, TINY_VOCAB, (4, 24), generator=generator)
+    target_out = run_target(model, text, request=drafter.features)
+    _, stats = drafter({"input_ids": text, "loss_mask": torch.ones_like(text)}, target_out)
+    in_vocab = drafter.t2d[target_out.logits[:, 1:-1].argmax(-1)].float()  # step 1 scores logits 1..T-2
+    assert 0 < in_vocab.mean() < 1  # both kinds occur
+    assert stats["vocab_coverage"].sum(0).tolist() == pytest.approx([in_vocab.sum().item(), in_vocab.numel()])
+    assert stats["step1/loss"][:, 1].sum() == in_vocab.sum()  # the loss sees in-vocabulary positions only
+    assert stats["step1/top1"][:, 0].sum() <= in_vocab.sum()  # a hit needs an in-vocabulary argmax
+
+
+# -- draft vocabulary and checkpoint --------------------------------------------------------------
+def test_prepare_keeps_the_most_frequent_loss_tokens_ties_by_id(model):
+    drafter = Eagle3.from_target(Eagle3.Config(aux_layers=[0, 1], draft_vocab_size=4), model, "tiny")
+    rows = [
+        {"input_ids": [9, 9, 9, 5, 5, 7, 7, 3, 3, 3, 3], "loss_mask": [1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0]},  # 3 bears no loss
+        {"input_ids": [8, 8, 6, 6, 4, 4], "loss_mask": [1, 1, 1, 1, 1, 1]},
+    ]
+    drafter.prepare(rows)
+    # 9 (x3), then 4, 5, 6, 7, 8 (x2 each): ties go to the lower ids; kept in id order.
+    assert drafter.draft_ids().tolist() == [4, 5, 6, 9]
+    assert drafter.d2t.tolist() == [4, 4, 4, 6]  # target id = draft id + d2t[draft id]
+    assert drafter.t2d.nonzero().flatten().tolist() == [4, 5, 6, 9]
+    assert torch.equal(drafter.lm_head.weight, model.lm_head.weight[[4, 5, 6, 9]])
+    assert drafter.vocab_coverage == pytest.approx(9 / 13)
+
+    class Store:  # a FeatureStore hands over tokens without features
+        def token_rows(self):
+            return iter([(torch.tensor(row["input_ids"]), torch.tensor(row["loss_mask"])) for row in rows])
+
+        def __getitem__(self, index):
+            raise AssertionError("prepare must not read features")
+
+    drafter.prepare(Store())
+    assert drafter.draft_ids().tolist() == [4, 5, 6, 9]
+
+
+def test_checkpoint_round_trips_the_draft_vocabulary(model, drafter, tmp_path):
+    drafter.save_pretrained(tmp_path / "eagle3")
+    saved = load_file(str(tmp_path / "eagle3" / "model.safetensors"))
+    # The speculators/vLLM Eagle3 layout; the embedding is the target's and not saved.
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "layers.0.hidden_norm.weight", "layers.0.input_layernorm.weight"} <= set(saved)
+    assert not [name for name in saved if "embed" in name]
+    hidden = model.config.hidden_size
+    assert saved["fc.weight"].shape == (hidden, 3 * hidden) and saved["layers.0.self_attn.q_proj.weight"].shape[1] == 2 * hidden
+    assert saved["lm_head.weight"].shape == (DRAFT_VOCAB, hidden)
+    assert saved["d2t"].dtype == torch.int64 and saved["t2d"].dtype == torch.bool and saved["t2d"].shape == (TINY_VOCAB,)
+    assert torch.equal(saved["t2d"].nonzero().flatten(), torch.arange(DRAFT_VOCAB) + saved["d2t"])
+    config = json.loads((tmp_path / "eagle3" / "config.json").read_text())
+    assert config["drafter"]["aux_layers"] == [-1, 0, 1] and config["drafter"]["norm_before_residual"] is False
+
+    loaded = load_drafter(tmp_path / "eagle3", TargetShape.of(model, "tiny"), model).eval()
+    assert torch.equal(loaded.d2t, drafter.d2t) and torch.equal(loaded.t2d, drafter.t2d)
+    assert loaded.vocab_coverage == drafter.vocab_coverage
+    state = prefill(model, [5, 9, 2, 7, 11], drafter.features).draft_state()
+    for tree in (None, DynamicTree(nodes=10, depth=4, topk=3)):
+        mine, theirs = drafter.propose(state, 4, tree), loaded.propose(state, 4, tree)
+        assert torch.equal(mine.tokens, theirs.tokens) and torch.equal(mine.parents, theirs.parents)
+
+
+def test_full_vocabulary_has_no_d2t_t2d(model, tmp_path):
+    drafter = Eagle3.from_target(Eagle3.Config(aux_layers=[0, 1]), model, "tiny")  # 32000 clipped to 32
+    assert drafter.config.draft_vocab_size == TINY_VOCAB and not drafter.pruned
+    drafter.prepare([{"input_ids": [1, 2], "loss_mask": [1, 1]}])  # nothing to pick
+    assert torch.equal(drafter.lm_head.weight, model.lm_head.weight)
+    drafter.save_pretrained(tmp_path / "full")
+    assert not {"d2t", "t2d"} & set(load_file(str(tmp_path / "full" / "model.safetensors")))
+    loaded = load_drafter(tmp_path / "full", TargetShape.of(model, "tiny"), model)
+    assert torch.equal(loaded.draft_ids(), torch.arange(TINY_VOCAB))
+
+
+# -- decoding -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tree", [None, DynamicTree(nodes=10, depth=4, topk=3)], ids=["chain", "dynamic-tree"])
+def test_greedy_speculative_equals_plain(model, drafter, prompts, tree):
+    assert_greedy_equals_plain(model, drafter, prompts, tree)
+
+
+def test_cache_rollback_matches_a_drafter_rebuilt_from_scratch(model, drafter, prompts, tmp_path):
+    assert_cache_rollback(model, drafter, prompts[2], tmp_path)
+
+
+# -- configuration --------------------------------------------------------------------------------
+def test_aux_layers_default_and_bad_values():
+    deep = tiny_llama(vocab=16, hidden=16, layers=12)
+    drafter = Eagle3.from_target(Eagle3.Config(), deep, "deep")
+    assert drafter.config.aux_layers == [1, 5, 8]  # vLLM's [2, L//2, L-3] = ours + 1
+    assert drafter.features.layers == (1, 5, 8) and not drafter.features.final and drafter.features.logits
+    shallow = tiny_llama(vocab=16, hidden=16, layers=4)
+    with pytest.raises(UserError, match=r"default aux layers .* \[1, 1, 0\].*set drafter.aux_layers"):
+        Eagle3.from_target(Eagle3.Config(), shallow, "shallow")
+    with pytest.raises(UserError, match=r"drafter.aux_layers=\[0, 4\]: layer id\(s\) \[4\] out of range .*valid: -1..3"):
+        Eagle3.from_target(Eagle3.Config(aux_layers=[0, 4]), shallow, "shallow")
+    with pytest.raises(UserError, match="distinct and increasing"):
+        Eagle3.from_target(Eagle3.Config(aux_layers=[2, 1]), shallow, "shallow")
+
+
+# -- the real trainer -----------------------------------------------------------------------------
+@pytest.mark.slow
+def test_real_trainer_lowers_the_loss_and_saves_the_draft_vocabulary(tmp_path, small_data, token_cache):
+    from trainer.loop import train
+
+    output_dir = tmp_path / "run"
+    args = train_args(output_dir, small_data, token_cache, "train.max_steps=16", "train.lr=3e-3", "data.max_length=96")
+    train(load_recipe(["recipe=eagle3", *args[1:], "drafter.draft_vocab_size=1024", "drafter.ttt_steps=3"]))
+
+    log = {row["step"]: row for row in map(json.loads, (output_dir / "log.jsonl").read_text().splitlines()) if "train/loss" in row}
+    assert sum(log[step]["train/loss"] for step in range(13, 17)) / 4 < 0.8 * log[1]["train/loss"]
+    table = json.loads((output_dir / "eval_accuracy.json").read_text())
+    trained, untrained = table["trained"]["all"], table["untrained"]["all"]
+    assert trained["step1/top1"] > untrained["step1/top1"] + 0.05 and trained["step1/loss"] < untrained["step1/loss"]
+    assert {"step1/top1", "step3/top1", "vocab_coverage"} <= set(trained)
+
+    final = output_dir / "final"
+    weights = load_file(str(final / "model.safetensors"))
+    assert weights["lm_head.weight"].shape[0] == 1024 and int(weights["t2d"].sum()) == 1024
+    config = json.loads((final / "config.json").read_text())
+    assert config["drafter"]["aux_layers"] == [0, 1, 2] and 0.5 < config["draft_vocab_coverage"] <= 1
+
+
+@pytest.mark.slow
+def test_training_from_captured_shards(tmp_path, small_data, token_cache):
+    """Capture stores exactly the aux layers and the top-k distribution; training reads them; a
+    capture of other layers is refused in one line (exit 2)."""
+    from data_prep.capture import capture
+    from trainer.loop import train
+
+    features = tmp_path / "features"
+    quick = ["data.max_conversations=8", "data.max_length=96", "drafter.ttt_steps=2", "drafter.draft_vocab_size=512"]
+    args = ["recipe=eagle3", *train_args(tmp_path / "run", small_data, token_cache, *quick)[1:]]
+    capture(load_recipe([*args, f"data.capture.output={features}"]))
+    manifest = json.loads((features / "manifest.json").read_text())
+    assert manifest["layers"] == [0, 1, 2] and not manifest["final"] and manifest["logits"] == "topk"
+
+    train(load_recipe([*args, "train.max_steps=2", f"data.features={features}"]))
+    assert '"train/step2/top1"' in (tmp_path / "run" / "log.jsonl").read_text()
+    assert int(load_file(str(tmp_path / "run" / "final" / "model.safetensors"))["t2d"].sum()) == 512
+
+    other = run_entry(["train.py", *args, "drafter.aux_layers=[0,3]", f"data.features={features}", f"output_dir={tmp_path / 'other'}"])
+    assert other.returncode == 2
+    assert other.stderr.strip().splitlines()[-1].startswith("error:") and "hold layers [0, 1, 2] but the drafter needs [0, 3]" in other.stderr
