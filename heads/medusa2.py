@@ -50,7 +50,7 @@ class Medusa2Config(MedusaConfig):
     type: str = "medusa2"
     lora: LoraSection = field(default_factory=_all_projections)
     backbone_loss_weight: float = 1.0  # KL(original target || adapted target) on the supervised tokens
-    heads_weight: float = 0.2  # the heads' loss weight once ramped up (Medusa's heads_coefficient)
+    heads_weight: float = 0.01  # the heads' loss weight once ramped up (Medusa-2 recipes' heads_coefficient)
     heads_warmup: int = 100  # training forward passes (micro-batches) over which that weight ramps up (sine)
     heads_lr_scale: float = 4.0  # heads learn at train.lr x this, the adapters at train.lr (Medusa-2 recipes: x4)
 
