@@ -196,7 +196,7 @@ def check_settings(cfg: DictConfig) -> Sampling:
     return Sampling(temperature=float(e.temperature), top_p=float(e.top_p), top_k=int(e.top_k))
 
 
-def build_methods(cfg: DictConfig, drafter, target) -> list[Method]:
+def build_methods(cfg: DictConfig, drafter, target, verifier) -> list[Method]:
     """Plain first: the others' speedup and lossless check are measured against it. A drafter that
     verifies with an adapted target (Medusa-2) also gets `original`: plain decoding with the target
     as it was, to show how far the adapters moved the output."""
@@ -212,7 +212,7 @@ def build_methods(cfg: DictConfig, drafter, target) -> list[Method]:
         methods.append(Method("tree", "drafter", drafter, gamma, tree, tree_info(tree)))
     ngram_max = int(cfg.eval.ngram_max)
     methods.append(Method("ngram", "baseline", NGramDrafter(ngram_max), gamma, info={"gamma": gamma, "ngram_max": ngram_max}))
-    if drafter.verifier(target) is not target:
+    if verifier is not target:
         methods.append(Method("original", "baseline", model=target, info={"model": "the target without the drafter's adapters"}))
     return methods
 
@@ -246,7 +246,7 @@ def run_eval(cfg: DictConfig, drafter_path: Optional[str] = None, target=None, t
     drafter = load_drafter(checkpoint, TargetShape.of(target, name), target).to(device).eval()
     drafter.set_sampling(sampling.temperature)
     verifier = drafter.verifier(target)  # the target, or the target with the drafter's adapters (Medusa-2)
-    methods = build_methods(cfg, drafter, target)
+    methods = build_methods(cfg, drafter, target, verifier)
     prompts = load_prompts(sources, tokenizer, int(cfg.eval.max_prompts), int(cfg.data.max_length))
     eos_ids = eos_ids_of(target, tokenizer)
     max_new_tokens, greedy = int(cfg.eval.max_new_tokens), sampling.temperature <= 0

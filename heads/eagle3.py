@@ -230,8 +230,6 @@ class Eagle3(EagleBase):
         explicit = config.aux_layers is not None
         aux_layers = [int(layer) for layer in config.aux_layers] if explicit else default_aux_layers(num_layers)
         check_aux_layers(aux_layers, num_layers, explicit)
-        if config.draft_vocab_size < 1:
-            raise UserError(f"drafter.draft_vocab_size={config.draft_vocab_size} must be at least 1")
         vocab = int(target_model.get_output_embeddings().weight.shape[0])
         config = replace(config, aux_layers=aux_layers, draft_vocab_size=min(config.draft_vocab_size, vocab))
         drafter = super().from_target(config, target_model, name_or_path)

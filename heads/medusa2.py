@@ -137,11 +137,9 @@ class Medusa2(Medusa):
     def save_pretrained(self, directory: str | os.PathLike, state_dict: Optional[dict] = None) -> None:
         super().save_pretrained(directory, state_dict)
         if self.backbone is not None:
-            adapters = copy.copy(self.backbone)  # shallow: the same modules, only for peft's writer
-            if state_dict is not None:  # gathered from shards: write those values, not the local ones
-                adapters = copy.deepcopy(self.backbone)
-                adapters.load_state_dict({k.removeprefix(BACKBONE): v for k, v in state_dict.items() if k.startswith(BACKBONE)}, strict=False)
-            adapters.save_pretrained(Path(directory) / ADAPTER_DIR)
+            # Given a gathered state dict, peft writes its LoRA entries rather than the local values.
+            gathered = None if state_dict is None else {k.removeprefix(BACKBONE): v for k, v in state_dict.items() if k.startswith(BACKBONE)}
+            self.backbone.save_pretrained(Path(directory) / ADAPTER_DIR, state_dict=gathered)
 
 
 def _without_target_weights(module, state_dict, prefix, local_metadata):
