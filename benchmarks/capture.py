@@ -11,11 +11,11 @@ For the recipe's drafter on the bundled demo target, side by side in one run:
 It names the cheapest dtype whose overall tau (chain and tree) stays within 2% of bfloat16's.
 Training tokens/s is the mean of the logged intervals after the first (which holds start-up).
 """
+
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 import time
@@ -62,16 +62,14 @@ def main() -> None:
     captures = {}
     for dtype in args.dtypes.split(","):
         shards = runs / f"features_{dtype}"
-        wall, stdout = run(["-m", "data_prep.capture", *common, f"data.capture.dtype={dtype}",
-                            f"data.capture.output={shards}", f"output_dir={runs / 'capture'}"])
+        wall, _ = run(["-m", "data_prep.capture", *common, f"data.capture.dtype={dtype}", f"data.capture.output={shards}", f"output_dir={runs / 'capture'}"])
         manifest = json.loads((shards / "manifest.json").read_text())
-        speed = re.search(r"captured ([0-9.]+) tokens/s", stdout)
         captures[dtype] = {
             "bytes_per_token": round(manifest["bytes_per_token"], 1),
             "anchor_bytes_per_token": manifest["anchor_bytes_per_token"],
             "anchor_ratio": round(manifest["anchor_ratio"], 3),
             "tokens": manifest["tokens"],
-            "capture_tokens_per_s": float(speed.group(1)) if speed else None,
+            "capture_tokens_per_s": manifest["last_run"]["tokens_per_s"],
             "capture_wall_s": round(wall, 1),
             "fields": manifest.get("fields"),
             "offline": train(common, runs / f"offline_{dtype}", f"data.features={shards}"),

@@ -6,6 +6,7 @@ Runs `accelerate launch train.py recipe=medusa` (the bundled demo target and dat
 output directory and prints: wall time, eval-split top-1 accuracy per domain and head (trained vs
 untrained heads), and the speculative-decoding report's tau/alpha/speedup per domain and method.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,8 @@ def main() -> None:
     output_dir = Path(args.output_dir).resolve()
     shutil.rmtree(output_dir, ignore_errors=True)
 
-    command = ["accelerate", "launch", "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no",
-               "--dynamo_backend", "no", "train.py", "recipe=medusa", f"output_dir={output_dir}", *args.overrides]
+    launch = ["accelerate", "launch", "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
+    command = [*launch, "train.py", "recipe=medusa", f"output_dir={output_dir}", *args.overrides]
     start = time.perf_counter()
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     wall_s = time.perf_counter() - start
@@ -44,8 +45,10 @@ def main() -> None:
         "cpu_threads": os.cpu_count(),
         "wall_s": round(wall_s, 1),
         "top1": {
-            domain: {h: {"untrained": round(accuracy["untrained"][domain][f"{h}/top1"], 3),
-                         "trained": round(accuracy["trained"][domain][f"{h}/top1"], 3)} for h in heads}
+            domain: {
+                h: {"untrained": round(accuracy["untrained"][domain][f"{h}/top1"], 3), "trained": round(accuracy["trained"][domain][f"{h}/top1"], 3)}
+                for h in heads
+            }
             for domain in accuracy["trained"]
         },
         "speculative": {

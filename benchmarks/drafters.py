@@ -11,6 +11,7 @@ and every drafter benefits from; `medusa_corpus` trains Medusa-1 on the original
 show what that is worth. Prints tau per domain for every drafter and method (chain, tree) plus the
 n-gram baseline, the share of lossless rows at T=0, and the wall time of training plus its greedy eval.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,8 +65,7 @@ def main() -> None:
         overrides = [DRAFTERS[name][0], f"data.train=[{args.train_data}]", *DRAFTERS[name][1:]]
         train_s = run(["train.py", *overrides, f"train.max_steps={args.steps}", f"output_dir={out}"])
         greedy = json.loads((out / "eval" / "report.json").read_text())
-        run(["-m", "eval", f"recipe={out / 'recipe.yaml'}", f"drafter.path={out / 'final'}",
-             "eval.temperature=1.0", f"output_dir={out / 'sampled'}"])
+        run(["-m", "eval", f"recipe={out / 'recipe.yaml'}", f"drafter.path={out / 'final'}", "eval.temperature=1.0", f"output_dir={out / 'sampled'}"])
         sampled = json.loads((out / "sampled" / "eval" / "report.json").read_text())
         lossless = [row["lossless"] for d in greedy["domains"] for row in greedy["domains"][d].values()]
         results[name] = {

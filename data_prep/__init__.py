@@ -4,14 +4,16 @@
 `render_prompt` apply the target's chat template, `tokenize_conversations` builds the cached
 tokenized data set and `Collator` pads it into batches.
 """
-from data_prep.conversations import load_conversations
-from data_prep.dataset import Collator, domain_names, tokenize_conversations
-from data_prep.template import render_prompt, render_with_masks
+
+from draftsmith.data_prep.conversations import load_conversations
+from draftsmith.data_prep.dataset import Collator, domain_names, load_tokenized, tokenize_conversations
+from draftsmith.data_prep.template import render_prompt, render_with_masks
 
 __all__ = [
     "Collator",
     "domain_names",
     "load_conversations",
+    "load_tokenized",
     "render_prompt",
     "render_with_masks",
     "tokenize_conversations",

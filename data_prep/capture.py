@@ -13,6 +13,7 @@ complete, and only then recorded in the rank's manifest part; a killed job run a
 recorded shards whose sha256 still matches and redoes the rest (a `.tmp` is never read, only
 overwritten). After a barrier, rank 0 merges the parts into manifest.json.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,7 +22,7 @@ import os
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from itertools import accumulate, chain
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -32,15 +33,16 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from data_prep.conversations import load_conversations
-from data_prep.dataset import Collator, cache_key, tokenize_conversations, tokenizer_identity
-from data_prep.features import (
+from draftsmith.data_prep.conversations import load_conversations
+from draftsmith.data_prep.dataset import Collator, cache_key, tokenize_conversations, tokenizer_identity
+from draftsmith.data_prep.features import (
     DISTRIBUTION_DTYPE,
     DISTRIBUTION_FIELDS,
     FP8_MAX,
     LAYER_CONVENTION,
     MANIFEST_NAME,
     SCHEMA_VERSION,
+    SHARD_METADATA,
     STORAGE_DTYPES,
     encode,
     file_sha256,
@@ -50,21 +52,19 @@ from data_prep.features import (
 )
 from draftsmith.errors import UserError, run_cli
 from draftsmith.files import write_text_atomic
+from draftsmith.outputs import held_by_main_process
 from draftsmith.recipe import load_recipe
-from draftsmith.target import FeatureRequest, TargetOutput, check_layers, load_target, load_tokenizer, run_target, target_id
+from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, check_layers, load_target, load_tokenizer, run_target
 
 log = logging.getLogger("draftsmith.capture")
 
 
-def _current_umask() -> int:
-    mask = os.umask(0)  # the only way to read it is to set it; put it straight back
+def shard_mode() -> int:
+    """safetensors writes through a private temporary file (mode 0600); shards get the mode any other
+    new file gets, so that a training job run by another user can read them."""
+    mask = os.umask(0)  # the only way to read the umask is to set it; put it straight back
     os.umask(mask)
-    return mask
-
-
-# safetensors writes through a private temporary file (mode 0600); shards get the mode any other
-# new file gets, so that a training job run by another user can read them.
-SHARD_MODE = 0o666 & ~_current_umask()
+    return 0o666 & ~mask
 
 
 @dataclass(frozen=True)
@@ -106,25 +106,28 @@ def main(argv: Sequence[str]) -> None:
 
 
 def capture(cfg: DictConfig) -> CaptureResult:
+    """Capture on every rank; the main process holds the capture directory while they run."""
     # Without a GPU, accelerate forms a (gloo) process group only when told the run is on CPU.
     state = PartialState(cpu=not torch.cuda.is_available())
+    directory = Path(cfg.data.capture.output or Path(cfg.output_dir) / "features")
+    with held_by_main_process(directory, state):
+        return capture_into(cfg, directory, state)
+
+
+def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
     section = cfg.data.capture
-    if section.topk < 1 or section.shard_tokens < 1:
-        raise UserError(f"data.capture.topk={section.topk} and shard_tokens={section.shard_tokens} must be at least 1")
     if not cfg.data.train:
         raise UserError("data.train is empty: give at least one conversation file or Hub data set id to capture")
 
-    tokenizer = load_tokenizer(cfg.target.name_or_path, cfg.target.revision, cfg.target.trust_remote_code)
+    tokenizer = load_tokenizer(cfg.target)
     with state.main_process_first():  # rank 0 tokenizes and caches, the others read the cache
-        # Exactly as training tokenizes, so a capture lines up with the online data set row by row.
+        # Exactly as training tokenizes (data_prep.load_tokenized), so a capture lines up with the
+        # online data set row by row; the conversations' fingerprint also keys the capture.
         conversations = load_conversations(list(cfg.data.train), cfg.data.max_conversations)
         data = tokenize_conversations(conversations, tokenizer, cfg.data.max_length, cfg.data.overlong, cfg.data.cache_dir)
-    target = load_target(
-        cfg.target.name_or_path, cfg.target.revision, cfg.target.dtype, state.device, cfg.target.trust_remote_code
-    )
+    target = load_target(cfg.target, state.device)
     selection = resolve_selection(cfg, target)
 
-    directory = Path(section.output or Path(cfg.output_dir) / "features")
     settings = {
         "target": target_description(target, cfg),
         "data_fingerprint": cache_key(conversations, tokenizer, cfg.data.max_length, cfg.data.overlong),
@@ -139,7 +142,6 @@ def capture(cfg: DictConfig) -> CaptureResult:
     # Every rank checks before any rank writes, so all of them see the same files and agree.
     refuse_other_capture(directory, settings)
     if state.is_main_process:
-        directory.mkdir(parents=True, exist_ok=True)
         remove_leftovers(directory)
     state.wait_for_everyone()
 
@@ -147,12 +149,14 @@ def capture(cfg: DictConfig) -> CaptureResult:
     part_path = directory / part_name(state.process_index)
     done = {entry["file"]: entry for entry in read_json(part_path)["shards"]} if part_path.is_file() else {}
 
+    run = {"tokens_computed": 0, "seconds": 0.0}  # this run's work on this rank (a resumed run reuses shards)
+
     def record() -> None:
         shards = sorted(done.values(), key=lambda entry: entry["index"])
-        write_json(part_path, {"settings": settings, "rank": state.process_index, "shards": shards})
+        write_json(part_path, {"settings": settings, "rank": state.process_index, "shards": shards, "last_run": run})
 
     record()  # from the start, so the merge finds a part for every rank, even one with no conversations
-    computed = reused = computed_tokens = 0
+    computed = reused = 0
     started = time.perf_counter()
     progress = tqdm(total=sum(s.tokens for s in plan), unit="tok", desc="capture", disable=not state.is_main_process)
     for shard in plan:
@@ -162,15 +166,13 @@ def capture(cfg: DictConfig) -> CaptureResult:
             progress.update(shard.tokens)
             continue
         rows = data[shard.start : shard.stop]
-        tensors = capture_shard(
-            target, rows, selection, cfg.train.micro_batch_size, tokenizer.pad_token_id, state.device, progress
-        )
+        tensors = capture_shard(target, rows, selection, cfg.train.micro_batch_size, tokenizer.pad_token_id, state.device, progress)
         done[shard.name] = write_shard(directory, shard, tensors, rows["domain"])
-        record()  # only now that the shard is in place under its final name
         computed += 1
-        computed_tokens += shard.tokens
+        run["tokens_computed"] += shard.tokens
+        run["seconds"] = round(time.perf_counter() - started, 3)  # forward + encode + write
+        record()  # only now that the shard is in place under its final name
     progress.close()
-    tokens_per_s = computed_tokens / max(time.perf_counter() - started, 1e-9)  # forward + encode + write, per rank
     log.info("rank %d: computed %d shard(s), reused %d", state.process_index, computed, reused)
 
     state.wait_for_everyone()
@@ -181,7 +183,7 @@ def capture(cfg: DictConfig) -> CaptureResult:
             f"captured {manifest['tokens']} tokens ({manifest['conversations']} conversations, "
             f"{len(manifest['shards'])} shards) into {directory}: {manifest['bytes_per_token']:.1f} bytes/token; "
             f"EAGLE-3's four bf16 features (8*H) would be {manifest['anchor_bytes_per_token']} bytes/token "
-            f"(ratio {manifest['anchor_ratio']:.3f}); rank 0 captured {tokens_per_s:.0f} tokens/s",
+            f"(ratio {manifest['anchor_ratio']:.3f}); this run captured {manifest['last_run']['tokens_per_s']:.0f} tokens/s",
             flush=True,
         )
     return CaptureResult(directory=directory, computed=computed, reused=reused, manifest=manifest)
@@ -189,16 +191,11 @@ def capture(cfg: DictConfig) -> CaptureResult:
 
 def resolve_selection(cfg: DictConfig, target) -> Selection:
     """data.capture with None/auto replaced by what the recipe's drafter asks for."""
-    from heads import drafter_class
+    from draftsmith.heads import drafter_class
 
     section = cfg.data.capture
-    wanted = FeatureRequest(final=False)
-    if section.layers is None or section.final is None or section.logits == "auto":
-        # Only the drafter's `features` matter here, not its weights: on the meta device a
-        # vocab-sized head costs no memory.
-        drafter_cls = drafter_class(cfg.drafter.type)
-        with torch.device("meta"):
-            wanted = drafter_cls.from_target(OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path).features
+    shape = TargetShape.of(target, cfg.target.name_or_path)
+    wanted = drafter_class(cfg.drafter.type).features(OmegaConf.to_object(cfg.drafter), shape)
     layers = tuple(sorted(set(wanted.layers if section.layers is None else section.layers)))
     check_layers(target, layers)
     final = wanted.final if section.final is None else bool(section.final)
@@ -212,17 +209,9 @@ def resolve_selection(cfg: DictConfig, target) -> Selection:
 
 
 def target_description(target, cfg: DictConfig) -> dict[str, Any]:
-    config = target.config
-    return {
-        "name_or_path": str(cfg.target.name_or_path),
-        "id": target_id(str(cfg.target.name_or_path)),
-        "revision": cfg.target.revision,
-        "dtype": str(target.dtype).removeprefix("torch."),  # what the forward ran in (features depend on it)
-        "model_type": str(config.model_type),
-        "hidden_size": int(config.hidden_size),
-        "vocab_size": int(target.get_output_embeddings().weight.shape[0]),
-        "num_hidden_layers": int(config.num_hidden_layers),
-    }
+    """The target's shape, id, revision and the dtype its forward ran in (features depend on it)."""
+    shape = TargetShape.of(target, cfg.target.name_or_path)
+    return {**asdict(shape), "id": shape.id, "revision": cfg.target.revision, "dtype": str(target.dtype).removeprefix("torch.")}
 
 
 def refuse_other_capture(directory: Path, settings: dict[str, Any]) -> None:
@@ -237,8 +226,7 @@ def refuse_other_capture(directory: Path, settings: dict[str, Any]) -> None:
         if differ:
             changes = "; ".join(f"{key}: {found.get(key)!r} -> {settings[key]!r}" for key in differ)
             raise UserError(
-                f"{directory} already holds a capture with other settings ({changes[:400]}); "
-                "remove it or set data.capture.output to another directory"
+                f"{directory} already holds a capture with other settings ({changes[:400]}); remove it or set data.capture.output to another directory"
             )
 
 
@@ -272,9 +260,7 @@ def is_intact(path: Path, entry: dict[str, Any]) -> bool:
 
 
 @torch.no_grad()
-def capture_shard(
-    target, rows: dict[str, list], selection: Selection, micro_batch_size: int, pad_token_id: int, device, progress
-) -> dict[str, torch.Tensor]:
+def capture_shard(target, rows: dict[str, list], selection: Selection, micro_batch_size: int, pad_token_id: int, device, progress) -> dict[str, torch.Tensor]:
     """Run the target over one shard's conversations and return the shard's tensors (on CPU)."""
     request = FeatureRequest(final=selection.final, layers=selection.layers, logits=selection.logits != "none")
     lengths: list[int] = rows["length"]
@@ -288,6 +274,7 @@ def capture_shard(
         out = run_target(target, batch["input_ids"].to(device), batch["attention_mask"].to(device), request)
         for row, i in enumerate(members):
             per_conversation[i] = stored_tensors(out, row, lengths[i], selection)
+            refuse_nonfinite(per_conversation[i], rows, i)
         progress.update(sum(lengths[i] for i in members))
     tensors = {name: torch.cat([c[name] for c in per_conversation]) for name in per_conversation[0]}
     tensors["input_ids"] = torch.tensor(list(chain.from_iterable(rows["input_ids"])), dtype=torch.int32)
@@ -312,18 +299,26 @@ def stored_tensors(out: TargetOutput, row: int, length: int, selection: Selectio
     return {name: tensor.contiguous().cpu() for name, tensor in stored.items()}
 
 
+def refuse_nonfinite(stored: dict[str, torch.Tensor], rows: dict[str, list], index: int) -> None:
+    """A shard never holds NaN/inf features: a target that produces them is reported at capture, not
+    as a NaN loss somewhere in training. (Top-k log-probabilities may be -inf: zero probability.)"""
+    for name, tensor in stored.items():
+        values = tensor.float()
+        bad = values.isnan() if name == "topk_logprobs" else ~values.isfinite()
+        if bad.any():
+            position = int(bad.reshape(len(values), -1).any(-1).nonzero()[0])
+            raise UserError(f"the target's {name} is not finite at token {position} of {rows['sample'][index]}; refusing to write a shard with it")
+
+
 def write_shard(directory: Path, shard: ShardPlan, tensors: dict[str, torch.Tensor], domains: list[str]) -> dict[str, Any]:
     """Write to `<name>.tmp`, make it durable, rename it into place; return its manifest entry."""
     path = directory / shard.name
     tmp = path.with_name(path.name + ".tmp")
-    metadata = {
-        "format": "pt",
-        "draftsmith_features": str(SCHEMA_VERSION),
-        "first_conversation": str(shard.start),
-        "domains": json.dumps(domains),  # one per conversation, in order
-    }
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.chmod(tmp, SHARD_MODE)
+    # One metadata key: safetensors writes several in a per-process random order, and a shard must
+    # be the same bytes whenever it is made (a resumed capture equals an uninterrupted one).
+    header = {"schema_version": SCHEMA_VERSION, "first_conversation": shard.start, "domains": domains}  # domains: one per conversation
+    save_file(tensors, str(tmp), metadata={SHARD_METADATA: json.dumps(header, sort_keys=True)})
+    os.chmod(tmp, shard_mode())
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())  # the rename must never publish bytes still only in the page cache
     digest = file_sha256(tmp)
@@ -350,6 +345,8 @@ def merge_manifest(directory: Path, settings: dict[str, Any], cfg: DictConfig, t
     domains: Counter[str] = Counter()
     for entry in shards:
         domains.update(entry["domains"])
+    computed = sum(part.get("last_run", {}).get("tokens_computed", 0) for part in parts)
+    seconds = max(part.get("last_run", {}).get("seconds", 0.0) for part in parts)  # ranks run side by side
     hidden_size = settings["target"]["hidden_size"]
     # EAGLE-3 offline (SpecForge) stores the last hidden state plus three layers in bf16: 4 * 2 * H.
     anchor = 8 * hidden_size
@@ -373,6 +370,8 @@ def merge_manifest(directory: Path, settings: dict[str, Any], cfg: DictConfig, t
         "anchor_ratio": total_bytes / tokens / anchor,
         "domains": dict(sorted(domains.items())),
         "shards": shards,
+        # The last run's throughput, all ranks together (0 when it only reused finished shards).
+        "last_run": {"tokens_computed": computed, "seconds": seconds, "tokens_per_s": round(computed / seconds, 1) if seconds else 0.0},
     }
     write_json(directory / MANIFEST_NAME, manifest)
     return manifest

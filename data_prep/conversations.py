@@ -5,6 +5,7 @@ Every record becomes `{"messages": [{"role", "content"}, ...], "domain", "source
 `source` is the file path (or Hub id) it came from and `record` its 1-based position there, so
 that any later stage (tokenization, the eval) can point the user at the offending record.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,7 +20,7 @@ from typing import Any, Iterator, Optional
 
 import datasets
 
-from draftsmith.errors import UserError
+from draftsmith.errors import UserError, one_line
 
 logger = logging.getLogger("draftsmith.data")
 
@@ -245,4 +246,4 @@ def normalize_record(record: dict[str, Any], source: str, number: int) -> dict[s
 
 
 def _one_line(err: BaseException) -> str:
-    return " ".join(f"{type(err).__name__}: {err}".split())[:300]
+    return one_line(f"{type(err).__name__}: {err}")

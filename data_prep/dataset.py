@@ -1,5 +1,6 @@
 """Tokenized training data: conversations -> (input_ids, loss_mask, domain, length), cached on disk,
 and the collator that pads them into batches."""
+
 from __future__ import annotations
 
 import hashlib
@@ -15,14 +16,14 @@ from typing import Any, Mapping, Optional, Sequence
 import datasets
 import torch
 
-from data_prep.conversations import DEFAULT_DOMAIN
-from data_prep.template import render_with_masks, require_chat_template
+from draftsmith.data_prep.conversations import DEFAULT_DOMAIN
+from draftsmith.data_prep.template import render_with_masks, require_chat_template
 from draftsmith.errors import UserError
 
 logger = logging.getLogger("draftsmith.data")
 
 # Bump when the layout of a cached data set changes. Code edits are covered by _CODE_HASH.
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 OVERLONG = ("truncate", "drop", "error")
 DEFAULT_CACHE_ROOT = Path("~/.cache/draftsmith")
 FEATURES = datasets.Features(
@@ -31,12 +32,23 @@ FEATURES = datasets.Features(
         "loss_mask": datasets.List(datasets.Value("int8")),
         "domain": datasets.Value("string"),
         "length": datasets.Value("int32"),
+        "sample": datasets.Value("string"),  # where the conversation came from: `source:record`
     }
 )
 # A fix to the masking must not be hidden behind a cache written by the old code.
-_CODE_HASH = hashlib.sha256(
-    b"".join((Path(__file__).parent / name).read_bytes() for name in ("template.py", "dataset.py"))
-).hexdigest()
+_CODE_HASH = hashlib.sha256(b"".join((Path(__file__).parent / name).read_bytes() for name in ("template.py", "dataset.py"))).hexdigest()
+
+
+def load_tokenized(cfg, sources: Sequence[str], tokenizer, key: str) -> datasets.Dataset:
+    """The recipe's conversations from `sources` (the value of recipe key `key`, for errors), read,
+    validated and tokenized exactly as every stage needs them (training, capture, the eval split):
+    one definition, so a capture lines up with the online data row by row."""
+    from draftsmith.data_prep.conversations import load_conversations
+
+    if not sources:
+        raise UserError(f"{key} is empty: give at least one conversation file or Hub data set id")
+    conversations = load_conversations(list(sources), cfg.data.max_conversations)
+    return tokenize_conversations(conversations, tokenizer, cfg.data.max_length, cfg.data.overlong, cfg.data.cache_dir)
 
 
 def tokenize_conversations(
@@ -97,11 +109,9 @@ def tokenize_conversations(
     return dataset
 
 
-def _tokenize_batch(
-    batch: dict[str, list], indices: list[int], tokenizer, max_length: int, overlong: str, stats: Counter
-) -> dict[str, list]:
+def _tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer, max_length: int, overlong: str, stats: Counter) -> dict[str, list]:
     # stats is mutated in place: this runs in the calling process (map's default num_proc=1).
-    out: dict[str, list] = {"input_ids": [], "loss_mask": [], "domain": [], "length": []}
+    out: dict[str, list] = {"input_ids": [], "loss_mask": [], "domain": [], "length": [], "sample": []}
     count = len(batch["messages"])
     domains = batch.get("domain") or [DEFAULT_DOMAIN] * count
     for row in range(count):
@@ -112,10 +122,7 @@ def _tokenize_batch(
             raise UserError(f"{where}: {err}") from None
         if len(ids) > max_length:
             if overlong == "error":
-                raise UserError(
-                    f"{where}: {len(ids)} tokens is more than data.max_length={max_length} "
-                    "(raise it, or set data.overlong=truncate or drop)"
-                )
+                raise UserError(f"{where}: {len(ids)} tokens is more than data.max_length={max_length} (raise it, or set data.overlong=truncate or drop)")
             if overlong == "drop":
                 stats["dropped_overlong"] += 1
                 continue
@@ -128,6 +135,7 @@ def _tokenize_batch(
         out["loss_mask"].append(mask)
         out["domain"].append(domains[row])
         out["length"].append(len(ids))
+        out["sample"].append(f"{batch['source'][row]}:{batch['record'][row]}" if "source" in batch else f"conversation {indices[row] + 1}")
     return out
 
 
@@ -146,7 +154,9 @@ def _log_stats(stats: Counter, total: int, max_length: int) -> None:
     if stats["dropped_no_assistant_token"]:
         logger.info(
             "dropped %d of %d conversations with no assistant token within data.max_length=%d",
-            stats["dropped_no_assistant_token"], total, max_length,
+            stats["dropped_no_assistant_token"],
+            total,
+            max_length,
         )
 
 
@@ -189,7 +199,8 @@ def domain_names(dataset: datasets.Dataset) -> list[str]:
 @dataclass
 class Collator:
     """Pad rows of a tokenized data set into a batch: right padding with `pad_token_id`, and
-    attention_mask/loss_mask zero on padding. `domain` stays a list of strings for per-domain metrics."""
+    attention_mask/loss_mask zero on padding. `domain` stays a list of strings for per-domain metrics,
+    `sample` one of where each row came from (for error messages)."""
 
     pad_token_id: int
 
@@ -210,4 +221,5 @@ class Collator:
             "attention_mask": attention_mask,
             "loss_mask": loss_mask,
             "domain": [row.get("domain", DEFAULT_DOMAIN) for row in rows],
+            "sample": [row.get("sample", "") for row in rows],
         }

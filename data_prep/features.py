@@ -7,7 +7,8 @@ A capture directory holds
     manifest_part_{rank:02d}.json           one rank's finished shards (resume), merged into manifest.json
 
 A shard concatenates its conversations along T; `offsets` (int64 [n+1]) marks where each starts and
-the safetensors metadata `domains` (a JSON list) names each one's domain. Tensors per token:
+the safetensors metadata `draftsmith_features` (a JSON object: schema_version, first_conversation,
+domains) names each one's domain. Tensors per token:
     input_ids      int32 [T]
     loss_mask      uint8 [T]
     final          [T, H] storage dtype     the last hidden state after the final norm (if captured)
@@ -21,6 +22,7 @@ t+1), the same alignment as the model's own logits. The distribution is float16 
 storage dtype: log-probabilities lie in about [-100, 0], where float16 is 8x finer than bfloat16
 and float8 would blur the ranking the drafter learns from.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -37,11 +39,12 @@ from safetensors import SafetensorError, safe_open
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
 
-from data_prep.dataset import Collator
-from draftsmith.errors import UserError
-from draftsmith.target import FeatureRequest, TargetOutput, target_id
+from draftsmith.data_prep.dataset import Collator
+from draftsmith.errors import UserError, one_line
+from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, target_id
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: shard metadata in one key (reproducible bytes)
+SHARD_METADATA = "draftsmith_features"
 MANIFEST_NAME = "manifest.json"
 LAYER_CONVENTION = (
     "layer i is the output of decoder layer i (0-based), i.e. transformers' hidden_states[i + 1]; "
@@ -90,14 +93,13 @@ def file_sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def expected_features(target_model, name_or_path: str, request: FeatureRequest) -> dict[str, Any]:
+def expected_features(target: TargetShape, request: FeatureRequest) -> dict[str, Any]:
     """What a training run needs from a capture, in the form `open_features(expect=...)` checks."""
-    config = target_model.config
     return {
-        "name_or_path": str(name_or_path),
-        "hidden_size": int(config.hidden_size),
-        "vocab_size": int(target_model.get_output_embeddings().weight.shape[0]),
-        "num_hidden_layers": int(config.num_hidden_layers),
+        "name_or_path": target.name_or_path,
+        "hidden_size": target.hidden_size,
+        "vocab_size": target.vocab_size,
+        "num_hidden_layers": target.num_hidden_layers,
         "final": request.final,
         "layers": list(request.layers),
         "logits": request.logits,
@@ -151,6 +153,7 @@ class FeatureStore(Dataset):
                 "input_ids": rows("input_ids").long(),
                 "loss_mask": rows("loss_mask").long(),
                 "domain": shard.domains[local],
+                "sample": f"{shard.path.name} conversation {local}",
             }
             for name in hidden_names(self.final, self.layers):
                 item[name] = decode(rows(name), rows(f"{name}.scale") if self._quantized else None)
@@ -176,8 +179,7 @@ class FeatureStore(Dataset):
             return
         if file_sha256(shard.path) != shard.sha256:
             raise UserError(
-                f"feature shard {shard.path} is corrupt (sha256 differs from {MANIFEST_NAME}); "
-                "run data_prep.capture again with the same recipe to redo it"
+                f"feature shard {shard.path} is corrupt (sha256 differs from {MANIFEST_NAME}); run data_prep.capture again with the same recipe to redo it"
             )
         self._verified.add(shard.path)
 
@@ -245,9 +247,7 @@ def _read_manifest(directory: Path) -> dict[str, Any]:
         raise UserError(f"{path}: not valid JSON ({err})") from None
     version = manifest.get("schema_version") if isinstance(manifest, dict) else None
     if version != SCHEMA_VERSION:
-        raise UserError(
-            f"{path}: feature schema version {version!r}, but this draftsmith reads version {SCHEMA_VERSION}; capture again"
-        )
+        raise UserError(f"{path}: feature schema version {version!r}, but this draftsmith reads version {SCHEMA_VERSION}; capture again")
     missing = [key for key in _MANIFEST_KEYS if key not in manifest]
     if missing:
         raise UserError(f"{path}: corrupt manifest, missing {', '.join(missing)}")
@@ -270,14 +270,10 @@ def _check_expectation(directory: Path, manifest: Mapping[str, Any], expect: Map
     needed = sorted(set(expect.get("layers") or ()))
     if not set(needed) <= set(manifest["layers"]):
         raise UserError(
-            f"features in {directory} hold layers {sorted(manifest['layers'])} but the drafter needs {needed}; "
-            f"capture again with data.capture.layers={needed}"
+            f"features in {directory} hold layers {sorted(manifest['layers'])} but the drafter needs {needed}; capture again with data.capture.layers={needed}"
         )
     if expect.get("final") and not manifest["final"]:
-        raise UserError(
-            f"features in {directory} hold no final hidden state but the drafter needs it; "
-            "capture again with data.capture.final=true"
-        )
+        raise UserError(f"features in {directory} hold no final hidden state but the drafter needs it; capture again with data.capture.final=true")
     if expect.get("logits") and manifest["logits"] == "none":
         raise UserError(
             f"features in {directory} hold no target distribution but the drafter needs the target's logits; "
@@ -295,9 +291,9 @@ def _open_shard(directory: Path, entry: Mapping[str, Any]) -> _Shard:
     try:
         with safe_open(str(path), framework="pt") as f:
             offsets = f.get_tensor("offsets").tolist()
-            domains = json.loads(f.metadata()["domains"])
+            domains = json.loads(f.metadata()[SHARD_METADATA])["domains"]
     except (SafetensorError, OSError, ValueError, KeyError, TypeError) as err:
-        raise UserError(f"feature shard {path} is corrupt ({' '.join(str(err).split())[:200]})") from None
+        raise UserError(f"feature shard {path} is corrupt ({one_line(err, 200)})") from None
     if len(domains) != entry["conversations"] or offsets[-1] != entry["tokens"]:
         raise UserError(f"feature shard {path} does not match its {MANIFEST_NAME} entry (conversations or tokens differ)")
     return _Shard(path=path, sha256=entry["sha256"], offsets=offsets, domains=domains)

@@ -15,6 +15,7 @@ that `data.train` reads as it is (the directory or `DIR/*.jsonl.gz`), one record
 resumes by skipping the finished parts. `regenerate.settings` records what the parts were made
 with, and a run with other settings or data refuses to mix into them.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -28,9 +29,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from data_prep.conversations import load_conversations
-from data_prep.template import render_prompt
+from draftsmith.data_prep.conversations import load_conversations
+from draftsmith.data_prep.template import render_prompt
 from draftsmith.errors import UserError, run_cli
+from draftsmith.files import write_text_atomic
+from draftsmith.outputs import DirectoryLock
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target, load_tokenizer, resolve_device
 
@@ -54,12 +57,15 @@ def part_name(index: int) -> str:
 
 
 def regenerate(cfg: DictConfig, target=None, tokenizer=None) -> RegenerateResult:
-    """Regenerate data.train into the output directory; `target`/`tokenizer` skip loading them (tests)."""
+    """Regenerate data.train into the output directory (held while it runs); `target`/`tokenizer`
+    skip loading them (tests)."""
+    directory = Path(cfg.data.regenerate.output or Path(cfg.output_dir) / "regenerated")
+    with DirectoryLock(directory):
+        return regenerate_into(cfg, directory, target, tokenizer)
+
+
+def regenerate_into(cfg: DictConfig, directory: Path, target, tokenizer) -> RegenerateResult:
     section = cfg.data.regenerate
-    if section.batch_size < 1 or section.max_new_tokens < 1:
-        raise UserError(f"data.regenerate.batch_size and max_new_tokens must be at least 1 (got {section.batch_size}, {section.max_new_tokens})")
-    if section.temperature < 0 or not 0 < section.top_p <= 1:
-        raise UserError(f"need data.regenerate.temperature >= 0 and 0 < top_p <= 1 (got {section.temperature}, {section.top_p})")
     if not cfg.data.train:
         raise UserError("data.train is empty: give at least one conversation file or Hub data set id to regenerate")
 
@@ -68,10 +74,9 @@ def regenerate(cfg: DictConfig, target=None, tokenizer=None) -> RegenerateResult
         if not any(message["role"] == "assistant" for message in row["messages"]):
             raise UserError(f"{row['source']} record {row['record']}: conversation has no assistant turn to regenerate")
     name = cfg.target.name_or_path
-    tokenizer = tokenizer or load_tokenizer(name, cfg.target.revision, cfg.target.trust_remote_code)
-    target = target or load_target(name, cfg.target.revision, cfg.target.dtype, resolve_device(), cfg.target.trust_remote_code)
+    tokenizer = tokenizer or load_tokenizer(cfg.target)
+    target = target or load_target(cfg.target, resolve_device())
 
-    directory = Path(section.output or Path(cfg.output_dir) / "regenerated")
     settings = {
         "target": name,
         "revision": cfg.target.revision,
@@ -101,7 +106,6 @@ def regenerate(cfg: DictConfig, target=None, tokenizer=None) -> RegenerateResult
 
 def claim_directory(directory: Path, settings: dict[str, Any]) -> None:
     """Start a new output directory, or resume one made with the same settings; drop partial parts."""
-    directory.mkdir(parents=True, exist_ok=True)
     path = directory / SETTINGS_NAME
     if path.is_file():
         saved = json.loads(path.read_text())
@@ -111,16 +115,18 @@ def claim_directory(directory: Path, settings: dict[str, Any]) -> None:
     elif any(directory.glob("part-*")):
         raise UserError(f"{directory} holds part files but no {SETTINGS_NAME}; use another data.regenerate.output or delete it")
     else:
-        path.write_text(json.dumps(settings, indent=2) + "\n")
+        write_text_atomic(path, json.dumps(settings, indent=2) + "\n")
     for leftover in directory.glob("*.tmp"):  # a part a killed run was writing
         leftover.unlink()
 
 
 def write_part(path: Path, records: list[dict[str, Any]]) -> None:
+    """Write to `<name>.tmp`, rename into place. The gzip header's time is fixed (mtime 0), so the same
+    records always give the same bytes, whether or not the run was interrupted."""
     tmp = path.with_name(path.name + ".tmp")
-    with gzip.open(tmp, "wt") as f:
-        for record in records:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    text = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+    with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f:
+        f.write(text.encode())
     os.replace(tmp, path)
 
 
@@ -149,9 +155,7 @@ def generate(model, tokenizer, prompts: list[list[int]], section) -> list[str]:
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     sampling = {"do_sample": True, "temperature": section.temperature, "top_p": section.top_p} if section.temperature > 0 else {"do_sample": False}
-    output = model.generate(
-        input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=section.max_new_tokens, pad_token_id=pad, **sampling
-    )
+    output = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=section.max_new_tokens, pad_token_id=pad, **sampling)
     return [text.strip() for text in tokenizer.batch_decode(output[:, width:], skip_special_tokens=True)]
 
 

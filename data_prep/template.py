@@ -6,6 +6,7 @@ prompt ends, and ends where `messages[:i+1]` rendered ends; both must be prefixe
 rendered conversation. The whole text is tokenized once, and a token is in the mask when its
 first character lies inside a span.
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence

@@ -7,6 +7,7 @@ corpus, bf16 weights, its own BPE tokenizer and chat template). demo/data/ holds
 first TRAIN_PER_DOMAIN records of `<domain>.train.jsonl.gz` and the first EVAL_PER_DOMAIN records
 of `<domain>.eval.jsonl.gz` from shared/data/corpus, unchanged.
 """
+
 import gzip
 import shutil
 import sys
@@ -15,8 +16,16 @@ from pathlib import Path
 TRAIN_PER_DOMAIN = 600
 EVAL_PER_DOMAIN = 24
 DOMAINS = ("code", "docs", "math", "packages")
-TARGET_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                "tokenizer_config.json", "chat_template.jinja", "README.md", "training_summary.json")
+TARGET_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "README.md",
+    "training_summary.json",
+)
 
 
 def head_lines(src: Path, count: int) -> list[bytes]:

@@ -1,4 +1,10 @@
-"""Shared core of draftsmith: the recipe parser, the one-line error convention and target loading.
+"""draftsmith: train speculative-decoding drafters for a target LLM, evaluate them losslessly, export
+them to serving engines, and retrain them when acceptance drifts.
 
-Every stage (data_prep, trainer, eval) imports from here and never from each other.
+This folder is the shared core every stage uses: the recipe parser (`recipe`), the one-line error
+convention (`errors`), the frozen target and its shape (`target`), files bundled with the package
+(`resources`), atomic writes and output-directory safety (`files`, `outputs`) and the command line
+(`cli`). Stages talk to each other through files (conversations, feature shards, checkpoints,
+reports); the only stage-to-stage imports are from `heads` (the drafter contract, which every stage
+reads checkpoints through) and `data_prep` (reading conversations).
 """

@@ -1,12 +1,37 @@
 """Bad input is the user's problem to fix, not ours to debug: one line on stderr and exit code 2."""
+
 from __future__ import annotations
 
 import sys
-from typing import Callable, NoReturn, Sequence
+from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 
 class UserError(Exception):
     """Input the user can fix (a recipe key, a data file, a checkpoint). Reported as one line, exit 2."""
+
+
+class Preempted(Exception):
+    """The job was asked to stop (SIGTERM) and saved what it needs to continue; exit EXIT_PREEMPTED."""
+
+
+# Exit codes a scheduler can act on: 2 = fix the input; 75 (EX_TEMPFAIL) = stopped on request after
+# saving a checkpoint, requeue the same command with train.resume=true.
+EXIT_USER_ERROR = 2
+EXIT_PREEMPTED = 75
+
+
+def one_line(err: BaseException | str, limit: int = 300) -> str:
+    """An error's text folded onto one line and cut to `limit` characters."""
+    return " ".join(str(err).split())[:limit]
+
+
+def close_progress_bars() -> None:
+    """End any progress bar a failing job left open, so the error starts a line of its own."""
+    from tqdm import tqdm
+
+    for bar in list(tqdm._instances):
+        bar.close()
 
 
 def run_cli(main: Callable[[Sequence[str]], object], argv: Sequence[str] | None = None) -> NoReturn:
@@ -15,9 +40,13 @@ def run_cli(main: Callable[[Sequence[str]], object], argv: Sequence[str] | None 
     try:
         main(argv)
     except UserError as err:
-        message = " ".join(str(err).split())  # one line, whatever the message held
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
+        close_progress_bars()
+        print(f"error: {one_line(err, limit=2000)}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+    except Preempted as err:
+        close_progress_bars()
+        print(f"preempted: {one_line(err, limit=2000)}", file=sys.stderr)
+        sys.exit(EXIT_PREEMPTED)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)

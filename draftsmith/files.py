@@ -1,4 +1,5 @@
 """Small file helpers shared by every stage."""
+
 from __future__ import annotations
 
 import os

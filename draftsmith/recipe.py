@@ -6,25 +6,24 @@ Hydra's grammar (its override parser), applied to the YAML merged into a typed O
 Not `@hydra.main`: that would change the working directory and own argv under `accelerate launch`
 and `torchrun`, and any key of the schema must be overridable, not only those the YAML spells out.
 """
+
 from __future__ import annotations
 
 import os
+import re
+import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional
 
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from draftsmith.errors import UserError
+from draftsmith.errors import UserError, one_line
 from draftsmith.files import write_text_atomic
-
-REPO_DIR = Path(__file__).resolve().parent.parent
-RECIPES_DIR = REPO_DIR / "recipes"
-
-# `${repo:demo/target}` in a recipe is a path inside this checkout, wherever the command runs from.
-if not OmegaConf.has_resolver("repo"):
-    OmegaConf.register_new_resolver("repo", lambda relative: str(REPO_DIR / relative))
+from draftsmith.resources import bundled, recipes_dir
+from draftsmith.target import local_target_shape
 
 
 @dataclass
@@ -91,6 +90,8 @@ class TrainSection:
     save_every: int = 0  # steps between checkpoints; 0 = only the final one
     keep_checkpoints: int = 2  # older step checkpoints are deleted
     resume: Optional[str] = None  # true = latest checkpoint in output_dir, or a checkpoint path
+    overwrite: bool = False  # start over in an output_dir that holds another run: the earlier run is moved aside
+    max_nonfinite: int = 10  # optimizer steps skipped for a non-finite loss/gradient before the run stops
     mixed_precision: str = "auto"  # auto (bf16 where the GPU supports it, else none) | no | bf16 | fp16
     num_workers: int = 0
 
@@ -144,9 +145,9 @@ def recipe_path(name: str) -> Path:
     if candidate.suffix in (".yaml", ".yml"):
         path = candidate
     else:
-        path = RECIPES_DIR / f"{name}.yaml"
+        path = recipes_dir() / f"{name}.yaml"
     if not path.is_file():
-        known = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+        known = sorted(p.stem for p in recipes_dir().glob("*.yaml"))
         raise UserError(f"recipe {name!r} not found ({path}); shipped recipes: {', '.join(known)}")
     return path.resolve()
 
@@ -181,7 +182,7 @@ def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:
                 raise UserError(f"override {override.input_line!r}: sweeps are not supported")
             parsed.append((override.key_or_group, override.value()))
     except HydraException as err:
-        raise UserError(f"cannot parse override: {' '.join(str(err).split())}") from None
+        raise UserError(f"cannot parse override: {one_line(err)}") from None
     return parsed
 
 
@@ -191,14 +192,15 @@ def compose(recipe: str, overrides: Sequence[str]) -> DictConfig:
     Unknown keys, values of the wrong type and missing required values are all caught here, before
     any model or data is touched.
     """
-    from heads import drafter_class  # the drafter section's schema belongs to the drafter type
+    from draftsmith.heads import drafter_class  # the drafter section's schema belongs to the drafter type
 
+    register_resolvers()
     path = recipe_path(recipe)
     parsed = parse_overrides(overrides)
     try:
         raw = OmegaConf.load(path)
     except Exception as err:  # YAML syntax errors come from the yaml parser
-        raise UserError(f"recipe {path}: not valid YAML ({' '.join(str(err).split())[:200]})") from None
+        raise UserError(f"recipe {path}: not valid YAML ({one_line(err, 200)})") from None
     if not isinstance(raw, DictConfig):
         raise UserError(f"recipe {path}: top level must be a mapping of sections")
     drafter_type = dict(parsed).get("drafter.type", OmegaConf.select(raw, "drafter.type"))
@@ -226,8 +228,101 @@ def compose(recipe: str, overrides: Sequence[str]) -> DictConfig:
 _ABSENT = object()
 
 
+def register_resolvers() -> None:
+    """`${bundled:demo/target}` in a recipe is a file shipped with draftsmith (checkout or wheel)."""
+    if not OmegaConf.has_resolver("bundled"):
+        OmegaConf.register_new_resolver("bundled", lambda relative: str(bundled(relative)))
+
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise UserError(message)
+
+
+def check_train(t) -> None:
+    require(t.lr > 0, f"train.lr={t.lr} must be > 0")
+    require(t.max_steps == -1 or t.max_steps >= 1, f"train.max_steps={t.max_steps} must be >= 1, or -1 to run train.epochs epochs")
+    require(t.epochs >= 1, f"train.epochs={t.epochs} must be >= 1")
+    for key in ("micro_batch_size", "grad_accum", "log_every"):
+        require(t[key] >= 1, f"train.{key}={t[key]} must be >= 1")
+    for key in ("warmup_steps", "save_every", "keep_checkpoints", "num_workers", "max_nonfinite", "weight_decay"):
+        require(t[key] >= 0, f"train.{key}={t[key]} must be >= 0")
+    require(t.max_grad_norm > 0, f"train.max_grad_norm={t.max_grad_norm} must be > 0")
+    betas = list(t.adam_betas)
+    require(len(betas) == 2 and all(0 <= b < 1 for b in betas), f"train.adam_betas={betas} must be two values in [0, 1)")
+    require(
+        not (t.overwrite and resolve_bool_or_path(t.resume)),
+        "train.overwrite=true and train.resume are both set: continue the earlier run or start over, not both",
+    )
+
+
+def check_data(d) -> None:
+    # A prompt needs 2 tokens (the last one is the first decode root), a training row 3 (predict 2 ahead).
+    require(d.max_length >= 3, f"data.max_length={d.max_length} must be >= 3")
+    require(d.max_conversations is None or d.max_conversations >= 1, f"data.max_conversations={d.max_conversations} must be >= 1 (or null for all)")
+    require(
+        not (d.online is True and d.features is not None), "data.online=true and data.features are both set: train from the target or from captured features"
+    )
+    require(not (d.online is False and d.features is None), "data.online=false needs data.features=<a data_prep.capture directory>")
+    c = d.capture
+    require(c.topk >= 1 and c.shard_tokens >= 1, f"data.capture.topk={c.topk} and data.capture.shard_tokens={c.shard_tokens} must be >= 1")
+    require(c.layers is None or all(layer >= -1 for layer in c.layers), f"data.capture.layers={list(c.layers or [])}: ids are >= -1 (-1 = embeddings)")
+    r = d.regenerate
+    require(r.batch_size >= 1 and r.max_new_tokens >= 1, f"data.regenerate.batch_size={r.batch_size} and max_new_tokens={r.max_new_tokens} must be >= 1")
+    require(r.temperature >= 0 and 0 < r.top_p <= 1, f"need data.regenerate.temperature >= 0 and 0 < top_p <= 1 (got {r.temperature}, {r.top_p})")
+
+
+def check_eval(e) -> None:
+    require(e.max_new_tokens >= 1 and e.max_prompts >= 1, f"eval.max_new_tokens={e.max_new_tokens} and eval.max_prompts={e.max_prompts} must be >= 1")
+    require(e.num_speculative_tokens >= 1, f"eval.num_speculative_tokens={e.num_speculative_tokens} must be >= 1")
+    require(e.tree >= 0, f"eval.tree={e.tree} must be >= 0 (0 = chain only)")
+    require(
+        e.temperature >= 0 and 0 < e.top_p <= 1 and e.top_k >= 0,
+        f"need eval.temperature >= 0, 0 < eval.top_p <= 1, eval.top_k >= 0 (got {e.temperature}, {e.top_p}, {e.top_k})",
+    )
+    require(e.ngram_max >= 1, f"eval.ngram_max={e.ngram_max} must be >= 1")
+    require(bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?", e.device)), f"eval.device={e.device!r} is not auto, cpu, cuda or cuda:N")
+
+
+def check_output_dir(path: str) -> None:
+    """The output directory must be creatable: its nearest existing ancestor is a directory we can
+    create entries in (probed with a temporary directory, removed at once)."""
+    target = Path(path).expanduser().absolute()
+    if target.exists():
+        require(target.is_dir(), f"output_dir={path!r} exists and is not a directory")
+    ancestor = target
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    require(ancestor.is_dir(), f"output_dir={path!r} cannot be created: {ancestor} is not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".draftsmith-probe-", dir=ancestor))
+    except OSError as err:
+        raise UserError(f"output_dir={path!r} cannot be created under {ancestor}: {err.strerror or one_line(err)}") from None
+
+
+def check_drafter(cfg: DictConfig) -> None:
+    """The drafter type's own check of its section, against the target's shape when the target is a
+    local directory (its config.json, not its weights); and the eval's chain length against what the
+    drafter can propose."""
+    from draftsmith.heads import drafter_class
+
+    drafter_cls = drafter_class(cfg.drafter.type)
+    try:
+        config = OmegaConf.to_object(cfg.drafter)
+    except OmegaConfBaseException as err:
+        raise UserError(f"invalid drafter section: {_one_line(err)}") from None
+    config.check(local_target_shape(cfg.target.name_or_path))
+    longest = drafter_cls.max_chain(config)
+    gamma = cfg.eval.num_speculative_tokens
+    require(
+        longest is None or gamma <= longest,
+        f"eval.num_speculative_tokens={gamma} but a {cfg.drafter.type} drafter with this config proposes at most {longest} tokens",
+    )
+
+
 def validate(cfg: DictConfig) -> DictConfig:
-    """Check that required values are set and choices are known; resolve interpolations."""
+    """Check every value before any model or data is touched: required values set, choices known,
+    interpolations resolved, each section's ranges, the drafter's own settings, the output directory."""
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise UserError(f"missing required value(s): {', '.join(missing)}")
@@ -239,10 +334,11 @@ def validate(cfg: DictConfig) -> DictConfig:
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
             raise UserError(f"{key}={value!r} is not one of {', '.join(allowed)}")
-    if cfg.data.online is True and cfg.data.features is not None:
-        raise UserError("data.online=true and data.features are both set: train from the target or from captured features")
-    if cfg.data.online is False and cfg.data.features is None:
-        raise UserError("data.online=false needs data.features=<a data_prep.capture directory>")
+    check_train(cfg.train)
+    check_data(cfg.data)
+    check_eval(cfg.eval)
+    check_drafter(cfg)
+    check_output_dir(cfg.output_dir)
     OmegaConf.set_readonly(cfg, True)
     return cfg
 

@@ -8,15 +8,20 @@ last hidden state after the final norm, the input of the lm_head. Caveat: transf
 *normed* state as `hidden_states[L]`, so layer L-1 is the same tensor as `final`, not the raw output
 of the last decoder layer (EAGLE-3's default layers 1, L//2-1, L-4 never touch it).
 """
+
 from __future__ import annotations
 
+import json
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from types import SimpleNamespace
+from typing import Any, Optional
 
 import torch
 
-from draftsmith.errors import UserError
+from draftsmith.errors import UserError, one_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -39,36 +44,41 @@ def resolve_device(name: str = "auto") -> torch.device:
     return device
 
 
-def load_tokenizer(name_or_path: str, revision: Optional[str] = None, trust_remote_code: bool = False):
+def target_section(target: Any) -> Any:
+    """The recipe's `target` section, or a plain path / Hub id standing for one with the defaults."""
+    if isinstance(target, (str, os.PathLike)):
+        return SimpleNamespace(name_or_path=str(target), revision=None, dtype="auto", trust_remote_code=False)
+    return target
+
+
+def load_tokenizer(section):
+    """The target's tokenizer, from the recipe's `target` section (or a path)."""
     from transformers import AutoTokenizer
 
+    section = target_section(section)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(section.name_or_path, revision=section.revision, trust_remote_code=section.trust_remote_code)
     except (OSError, ValueError) as err:
-        raise UserError(f"cannot load the tokenizer of {name_or_path!r}: {' '.join(str(err).split())[:300]}") from None
+        raise UserError(f"cannot load the tokenizer of {section.name_or_path!r}: {one_line(err)}") from None
     if tokenizer.pad_token_id is None:
         # Padding positions are masked out everywhere; any id works, EOS is the usual choice.
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def load_target(
-    name_or_path: str,
-    revision: Optional[str] = None,
-    dtype: str = "auto",
-    device: torch.device | str = "cpu",
-    trust_remote_code: bool = False,
-):
-    """Load the target causal LM frozen: eval mode, no parameter requires grad."""
+def load_target(section, device: torch.device | str = "cpu"):
+    """The target causal LM from the recipe's `target` section (or a path), frozen: eval mode, no
+    parameter requires grad."""
     from transformers import AutoModelForCausalLM
 
-    torch_dtype = resolve_dtype(dtype, device)
+    section = target_section(section)
+    torch_dtype = resolve_dtype(section.dtype, device)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            name_or_path, revision=revision, dtype=torch_dtype, trust_remote_code=trust_remote_code
+            section.name_or_path, revision=section.revision, dtype=torch_dtype, trust_remote_code=section.trust_remote_code
         )
     except (OSError, ValueError) as err:
-        raise UserError(f"cannot load target {name_or_path!r}: {' '.join(str(err).split())[:300]}") from None
+        raise UserError(f"cannot load target {section.name_or_path!r}: {one_line(err)}") from None
     model.to(device)
     return freeze(model)
 
@@ -83,6 +93,56 @@ def target_id(name_or_path: str) -> str:
     """A stable name for the target: the Hub id, or the directory's name for a local path."""
     path = Path(name_or_path)
     return path.resolve().name if path.exists() else name_or_path
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    """What a drafter must agree on with its target; stored in every checkpoint, feature capture
+    and export, and checked wherever two of them meet."""
+
+    name_or_path: str
+    model_type: str
+    hidden_size: int
+    vocab_size: int
+    num_hidden_layers: int
+
+    @classmethod
+    def of(cls, model, name_or_path: str) -> TargetShape:
+        """A loaded target's shape (the vocabulary is the lm_head's rows, which may be padded)."""
+        shape = cls.from_config(model.config, name_or_path)
+        vocab = int(model.get_output_embeddings().weight.shape[0])
+        return cls(**{**shape.__dict__, "vocab_size": vocab})
+
+    @classmethod
+    def from_config(cls, config: Any, name_or_path: str) -> TargetShape:
+        """From an HF config object or its dict form (a target's config.json)."""
+        get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+        text = get("text_config")  # multimodal wrappers keep the language model's shape here
+        if text is not None and get("hidden_size") is None:
+            return cls.from_config(text, name_or_path)
+        return cls(
+            name_or_path=str(name_or_path),
+            model_type=str(get("model_type")),
+            hidden_size=int(get("hidden_size")),
+            vocab_size=int(get("vocab_size")),
+            num_hidden_layers=int(get("num_hidden_layers")),
+        )
+
+    @property
+    def id(self) -> str:
+        return target_id(self.name_or_path)
+
+
+def local_target_shape(name_or_path: str) -> Optional[TargetShape]:
+    """The shape of a target in a local directory, read from its config.json alone (no weights, no
+    network); None for a Hub id or a directory without a readable config."""
+    path = Path(name_or_path) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        return TargetShape.from_config(json.loads(path.read_text()), name_or_path)
+    except (ValueError, TypeError, KeyError):
+        return None
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """The draft-verify loop (chain and tree, greedy and exact sampling), the n-gram baseline and the
 per-domain report. `python -m eval recipe=NAME drafter.path=DIR ...`, or `run_eval(cfg)` from train.py.
 Never imports `trainer`: it reads drafter checkpoints through `heads.load_drafter`."""
-from eval.loop import Generation, Sampling, generate
-from eval.ngram import NGramDrafter
-from eval.report import run_eval
+
+from draftsmith.eval.loop import Generation, Sampling, generate
+from draftsmith.eval.ngram import NGramDrafter
+from draftsmith.eval.report import run_eval
 
 __all__ = ["Generation", "NGramDrafter", "Sampling", "generate", "run_eval"]

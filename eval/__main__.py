@@ -5,6 +5,7 @@ it is taken out of the arguments before the recipe is parsed. Without it the che
 `<output_dir>/final`, where train.py writes it. The report goes to `<output_dir>/eval/`; its
 markdown table is printed to stdout.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -16,7 +17,7 @@ PATH_ARG = "drafter.path="
 
 
 def split_drafter_path(argv: Sequence[str]) -> tuple[Optional[str], list[str]]:
-    paths = [arg[len(PATH_ARG):] for arg in argv if arg.startswith(PATH_ARG)]
+    paths = [arg[len(PATH_ARG) :] for arg in argv if arg.startswith(PATH_ARG)]
     if len(paths) > 1 or (paths and not paths[0]):
         raise UserError("give drafter.path=<checkpoint dir> once, with a value")
     return (paths[0] if paths else None), [arg for arg in argv if not arg.startswith(PATH_ARG)]
@@ -26,7 +27,7 @@ def main(argv: Sequence[str]) -> None:
     import datasets
     import transformers
 
-    from eval.report import render_markdown, run_eval
+    from draftsmith.eval.report import render_markdown, run_eval
 
     # The eval's own progress bar is the one worth watching; weight loading and data set
     # preparation would otherwise print theirs on stderr too.

@@ -14,11 +14,13 @@ token comes out of a decode forward, and tau (new tokens per target forward, bon
 with the prefill not counted as a forward. Plain decoding is the same loop with an empty draft: one
 forward, one token.
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -26,17 +28,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from draftsmith.errors import UserError
+from draftsmith.heads.base import DraftState, DraftTree, DynamicTree, Proposer, Tree
 from draftsmith.target import FeatureRequest, run_target
-from heads.base import DraftState, DraftTree, DynamicTree, Tree
-
-
-class Proposer(Protocol):
-    """What the loop needs from a drafter: `heads.Drafter` and `eval.ngram.NGramDrafter` both fit."""
-
-    @property
-    def features(self) -> FeatureRequest: ...
-
-    def propose(self, state: DraftState, num_tokens: int, tree: Optional[Tree] = None) -> DraftTree: ...
 
 
 @dataclass(frozen=True)
@@ -323,29 +316,34 @@ def verify_step(
     return verdict
 
 
+def _add_lists(a: list[int], b: list[int]) -> list[int]:
+    longer, shorter = (a, b) if len(a) >= len(b) else (b, a)
+    return [x + (shorter[i] if i < len(shorter) else 0) for i, x in enumerate(longer)]
+
+
 @dataclass
-class Generation:
-    """One prompt's output and counters.
+class Counts:
+    """Decoding counters, of one prompt or summed over many.
 
     `drafted` counts draft positions (the proposal's depth: a chain's length, a tree's longest path),
     not tree nodes, so alpha = accepted/drafted compares chains and trees. `reached[d]` /
     `accepted_at[d]` count the cycles that tested / accepted a node at draft position d+1.
+    `mismatched` counts prompts whose greedy output differed from plain decoding's (set by the report).
     """
 
-    tokens: list[int] = field(default_factory=list)  # new tokens only
+    prompts: int = 0
+    new_tokens: int = 0
     target_forwards: int = 0  # decode forwards; the prefill is not counted
     drafted: int = 0
     accepted: int = 0
     reached: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
     wall_s: float = 0.0  # prefill included
+    mismatched: int = 0
 
-    @property
-    def new_tokens(self) -> int:
-        return len(self.tokens)
-
-    def count(self, depth: int, verdict: Verdict) -> None:
+    def count_cycle(self, depth: int, new_tokens: int, verdict: Verdict) -> None:
         self.target_forwards += 1
+        self.new_tokens += new_tokens
         self.drafted += depth
         self.accepted += len(verdict.path)
         grow = max(0, verdict.depth_reached - len(self.reached))
@@ -354,6 +352,24 @@ class Generation:
         for d in range(verdict.depth_reached):
             self.reached[d] += 1
             self.accepted_at[d] += int(d < len(verdict.path))
+
+    def add(self, other: Counts) -> None:
+        for name in ("prompts", "new_tokens", "target_forwards", "drafted", "accepted", "wall_s", "mismatched"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.reached = _add_lists(self.reached, other.reached)
+        self.accepted_at = _add_lists(self.accepted_at, other.accepted_at)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass
+class Generation:
+    """One prompt's new tokens and its counters."""
+
+    tokens: list[int] = field(default_factory=list)
+    counts: Counts = field(default_factory=lambda: Counts(prompts=1))
 
 
 @torch.no_grad()
@@ -382,10 +398,10 @@ def generate(
         before = len(state.tokens)
         verdict = verify_step(model, state, draft, sampling, generator, eos_ids, request, rule)
         result.tokens += state.tokens[before:]
-        result.count(draft_depth(draft), verdict)
+        result.counts.count_cycle(draft_depth(draft), len(state.tokens) - before, verdict)
         if verdict.bonus is None or verdict.bonus in eos_ids:
             break
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    result.wall_s = time.perf_counter() - start
+    result.counts.wall_s = time.perf_counter() - start
     return result

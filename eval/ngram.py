@@ -4,21 +4,21 @@ Find the longest trailing n-gram of the committed tokens (n = ngram_max down to 
 context and propose the tokens that followed it. Repetitive outputs (code that echoes the prompt,
 quoted documents, lists) get long accepted chains for free; a drafter worth training beats it.
 """
+
 from __future__ import annotations
 
 from typing import Optional
 
 from draftsmith.errors import UserError
+from draftsmith.heads.base import DraftState, DraftTree, Proposer, Tree
 from draftsmith.target import FeatureRequest
-from heads.base import DraftState, DraftTree, Tree
 
 
-class NGramDrafter:
+class NGramDrafter(Proposer):
     """A deterministic chain drafter (q one-hot). It may propose fewer than asked, or nothing (then
     the loop runs a plain step)."""
 
     features = FeatureRequest(final=True)
-    max_chain: Optional[int] = None
 
     def __init__(self, ngram_max: int = 3):
         if ngram_max < 1:

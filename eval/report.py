@@ -2,7 +2,7 @@
 n-gram baseline through the same loop on the same prompts, and write report.json, report.md and
 acceptance.png to `<output_dir>/eval/`.
 
-Definitions (also in eval/README_SECTION.md):
+Definitions (the README's "Evaluating a drafter" section says the same for users):
 - tau = new_tokens / target_forwards: tokens emitted per decode forward, bonus included. The prefill
   (prompt minus its last token) is not a forward here; every new token comes from a decode forward.
 - drafted = draft positions proposed per forward summed (a chain's length, a tree's depth);
@@ -14,6 +14,7 @@ Definitions (also in eval/README_SECTION.md):
   tokens_per_s in the same domain and the same run.
 - lossless (greedy only): every prompt's token ids equal plain greedy decoding's.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,12 +31,13 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from draftsmith.errors import UserError
+from draftsmith.eval.loop import Counts, Generation, Sampling, generate, tree_depth
+from draftsmith.eval.ngram import NGramDrafter
 from draftsmith.files import write_text_atomic
+from draftsmith.heads.base import DynamicTree, Proposer, Tree, load_drafter
+from draftsmith.outputs import DirectoryLock
 from draftsmith.recipe import save_recipe
-from draftsmith.target import load_target, load_tokenizer, resolve_device, target_id
-from eval.loop import Generation, Proposer, Sampling, generate, tree_depth
-from eval.ngram import NGramDrafter
-from heads.base import DynamicTree, TargetShape, Tree, load_drafter
+from draftsmith.target import TargetShape, load_target, load_tokenizer, resolve_device, target_id
 
 REPORT_VERSION = 1
 WARMUP_TOKENS = 8
@@ -48,7 +50,7 @@ class Method:
 
     name: str
     group: str
-    drafter: Optional[Proposer] = None
+    proposer: Optional[Proposer] = None
     gamma: int = 0
     tree: Optional[Tree] = None
     info: dict = field(default_factory=dict)
@@ -62,70 +64,33 @@ class Method:
     @property
     def depth(self) -> int:
         """Draft positions per forward at most: γ for a chain, the longest path for a tree."""
-        if self.drafter is None:
+        if self.proposer is None:
             return 0
         return tree_depth(self.tree) if self.tree is not None else self.gamma
 
     def run(self, model, prompt: list[int], max_new_tokens: int, sampling: Sampling, eos_ids: frozenset[int], seed: int) -> Generation:
-        return generate(self.model if self.model is not None else model, prompt, max_new_tokens, self.drafter, self.gamma, self.tree, sampling, eos_ids, seed)
+        return generate(self.model if self.model is not None else model, prompt, max_new_tokens, self.proposer, self.gamma, self.tree, sampling, eos_ids, seed)
 
 
-@dataclass
-class Tally:
-    """Counters of one method over a set of prompts."""
-
-    prompts: int = 0
-    new_tokens: int = 0
-    target_forwards: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    reached: list[int] = field(default_factory=list)
-    accepted_at: list[int] = field(default_factory=list)
-    wall_s: float = 0.0
-    mismatched: int = 0  # prompts whose greedy output differs from plain decoding
-
-    def add(self, run: Generation | "Tally", prompts: int = 1, mismatched: int = 0) -> None:
-        self.prompts += prompts
-        self.mismatched += mismatched
-        self.new_tokens += run.new_tokens
-        self.target_forwards += run.target_forwards
-        self.drafted += run.drafted
-        self.accepted += run.accepted
-        self.wall_s += run.wall_s
-        self.reached = _add_lists(self.reached, run.reached)
-        self.accepted_at = _add_lists(self.accepted_at, run.accepted_at)
-
-    def merge(self, other: "Tally") -> None:
-        self.add(other, prompts=other.prompts, mismatched=other.mismatched)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-    def row(self, plain: "Tally", greedy: bool, positions: int) -> dict[str, Any]:
-        """`positions`: the method's draft depth; per-position lists always have that length."""
-        reached = (self.reached + [0] * positions)[:positions]
-        accepted_at = (self.accepted_at + [0] * positions)[:positions]
-        return {
-            "prompts": self.prompts,
-            "new_tokens": self.new_tokens,
-            "target_forwards": self.target_forwards,
-            "drafted": self.drafted,
-            "accepted": self.accepted,
-            "alpha": _ratio(self.accepted, self.drafted),
-            "tau": _ratio(self.new_tokens, self.target_forwards),
-            "per_position": [_ratio(a, r) for a, r in zip(accepted_at, reached)],
-            "per_position_counts": {"reached": reached, "accepted": accepted_at},
-            "tokens_per_s": round(self.tokens_per_s, 3),
-            "wall_s": round(self.wall_s, 4),
-            "speedup": _ratio(self.tokens_per_s, plain.tokens_per_s),
-            "lossless": (self.mismatched == 0) if greedy else None,
-        }
-
-
-def _add_lists(a: list[int], b: list[int]) -> list[int]:
-    longer, shorter = (a, b) if len(a) >= len(b) else (b, a)
-    return [x + (shorter[i] if i < len(shorter) else 0) for i, x in enumerate(longer)]
+def report_row(counts: Counts, plain: Counts, greedy: bool, positions: int) -> dict[str, Any]:
+    """A report row. `positions`: the method's draft depth; per-position lists always have that length."""
+    reached = (counts.reached + [0] * positions)[:positions]
+    accepted_at = (counts.accepted_at + [0] * positions)[:positions]
+    return {
+        "prompts": counts.prompts,
+        "new_tokens": counts.new_tokens,
+        "target_forwards": counts.target_forwards,
+        "drafted": counts.drafted,
+        "accepted": counts.accepted,
+        "alpha": _ratio(counts.accepted, counts.drafted),
+        "tau": _ratio(counts.new_tokens, counts.target_forwards),
+        "per_position": [_ratio(a, r) for a, r in zip(accepted_at, reached)],
+        "per_position_counts": {"reached": reached, "accepted": accepted_at},
+        "tokens_per_s": round(counts.tokens_per_s, 3),
+        "wall_s": round(counts.wall_s, 4),
+        "speedup": _ratio(counts.tokens_per_s, plain.tokens_per_s),
+        "lossless": (counts.mismatched == 0) if greedy else None,
+    }
 
 
 def _ratio(num: float, den: float) -> Optional[float]:
@@ -137,25 +102,15 @@ def versions() -> dict[str, str]:
     for package in ("torch", "transformers", "draftsmith"):
         try:
             found[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:  # draftsmith run from a checkout without `pip install -e .`
-            found[package] = _checkout_version() if package == "draftsmith" else "unknown"
+        except metadata.PackageNotFoundError:
+            found[package] = "unknown"
     return found
-
-
-def _checkout_version() -> str:
-    import tomllib
-
-    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
-    try:
-        return tomllib.loads(pyproject.read_text())["project"]["version"] + "+checkout"
-    except (OSError, KeyError, tomllib.TOMLDecodeError):
-        return "unknown"
 
 
 def load_prompts(sources: list[str], tokenizer, max_prompts: int, max_length: int) -> dict[str, list[list[int]]]:
     """The first `max_prompts` conversations of each domain, rendered up to their last assistant turn
     with the generation prompt; prompts longer than `max_length` keep their last tokens."""
-    from data_prep import load_conversations, render_prompt
+    from draftsmith.data_prep import load_conversations, render_prompt
 
     conversations = load_conversations(sources)
     picked: dict[str, list[int]] = {}
@@ -185,31 +140,28 @@ def eos_ids_of(model, tokenizer) -> frozenset[int]:
     return frozenset(int(i) for i in ids)
 
 
-def check_settings(cfg: DictConfig) -> Sampling:
+def sampling_of(cfg: DictConfig) -> Sampling:
     e = cfg.eval
-    if e.max_new_tokens < 1 or e.max_prompts < 1:
-        raise UserError(f"eval.max_new_tokens and eval.max_prompts must be at least 1 (got {e.max_new_tokens}, {e.max_prompts})")
-    if e.num_speculative_tokens < 1 or e.tree < 0:
-        raise UserError(f"eval.num_speculative_tokens must be >= 1 and eval.tree >= 0 (got {e.num_speculative_tokens}, {e.tree})")
-    if e.temperature < 0 or not 0 < e.top_p <= 1 or e.top_k < 0:
-        raise UserError(f"need eval.temperature >= 0, 0 < eval.top_p <= 1, eval.top_k >= 0 (got {e.temperature}, {e.top_p}, {e.top_k})")
     return Sampling(temperature=float(e.temperature), top_p=float(e.top_p), top_k=int(e.top_k))
 
 
-def build_methods(cfg: DictConfig, drafter, target, verifier) -> list[Method]:
-    """Plain first: the others' speedup and lossless check are measured against it. A drafter that
-    verifies with an adapted target (Medusa-2) also gets `original`: plain decoding with the target
-    as it was, to show how far the adapters moved the output."""
+def build_methods(cfg: DictConfig, drafter, target, verifier, temperature: float) -> list[Method]:
+    """Plain first: the others' speedup and lossless check are measured against it. Each drafting
+    method gets its own proposer (its own decoding state). A drafter that verifies with an adapted
+    target (Medusa-2) also gets `original`: plain decoding with the target as it was, to show how
+    far the adapters moved the output."""
     gamma, nodes = int(cfg.eval.num_speculative_tokens), int(cfg.eval.tree)
-    if drafter.max_chain is not None and gamma > drafter.max_chain:
-        raise UserError(f"eval.num_speculative_tokens={gamma} but this {drafter.type} drafter proposes at most {drafter.max_chain} tokens")
+    longest = type(drafter).max_chain(drafter.config)
+    if longest is not None and gamma > longest:
+        raise UserError(f"eval.num_speculative_tokens={gamma} but this {drafter.type} checkpoint proposes at most {longest} tokens")
     methods = [
         Method("plain", "baseline"),
-        Method("chain", "drafter", drafter, gamma, info={"gamma": gamma}),
+        Method("chain", "drafter", drafter.proposer(temperature), gamma, info={"gamma": gamma}),
     ]
     if nodes > 0:
-        tree = drafter.default_tree(nodes)
-        methods.append(Method("tree", "drafter", drafter, gamma, tree, tree_info(tree)))
+        proposer = drafter.proposer(temperature)
+        tree = proposer.default_tree(nodes)
+        methods.append(Method("tree", "drafter", proposer, gamma, tree, tree_info(tree)))
     ngram_max = int(cfg.eval.ngram_max)
     methods.append(Method("ngram", "baseline", NGramDrafter(ngram_max), gamma, info={"gamma": gamma, "ngram_max": ngram_max}))
     if verifier is not target:
@@ -224,13 +176,36 @@ def tree_info(tree: Tree) -> dict:
     return {"nodes": len(tree), "paths": [list(p) for p in tree]}
 
 
+def evaluate_trained_run(cfg: DictConfig, final_dir: Path) -> None:
+    """What train.py does after training: eval-split accuracy (trained vs untrained, recorded in the
+    checkpoint for decoding) when data.eval is set, then the speculative-decoding report when
+    eval.enabled; both printed."""
+    from draftsmith.eval.accuracy import accuracy_table, split_accuracy
+
+    if not (cfg.data.eval or cfg.eval.enabled):
+        return
+    target = load_target(cfg.target, resolve_device(cfg.eval.device))
+    tokenizer = load_tokenizer(cfg.target)
+    if cfg.data.eval:
+        print(accuracy_table(split_accuracy(cfg, final_dir, target, tokenizer)))
+    if cfg.eval.enabled:
+        print(render_markdown(run_eval(cfg, final_dir, target, tokenizer)))
+
+
 def run_eval(cfg: DictConfig, drafter_path: Optional[str] = None, target=None, tokenizer=None) -> dict[str, Any]:
     """Evaluate a drafter checkpoint per domain and write the report; returns report.json's content.
 
-    `drafter_path` defaults to `<output_dir>/final` (what train.py writes). train.py passes its
-    already-loaded `target` and `tokenizer`; otherwise they are loaded from the recipe.
+    `drafter_path` defaults to `<output_dir>/final` (what train.py writes). A caller that has the
+    target and tokenizer loaded passes them; otherwise they are loaded from the recipe. The report
+    directory is held (locked) while the eval runs.
     """
-    sampling = check_settings(cfg)
+    out_dir = Path(cfg.output_dir) / "eval"
+    with DirectoryLock(out_dir):
+        return _run_eval(cfg, out_dir, drafter_path, target, tokenizer)
+
+
+def _run_eval(cfg: DictConfig, out_dir: Path, drafter_path: Optional[str], target, tokenizer) -> dict[str, Any]:
+    sampling = sampling_of(cfg)
     sources = list(cfg.eval.data) or list(cfg.data.eval)
     if not sources:
         raise UserError("no eval data: set eval.data=[files] or data.eval in the recipe")
@@ -239,14 +214,14 @@ def run_eval(cfg: DictConfig, drafter_path: Optional[str] = None, target=None, t
         raise UserError(f"no drafter checkpoint at {checkpoint}: pass drafter.path=<checkpoint dir>")
     name = cfg.target.name_or_path
     if target is None:
-        target = load_target(name, cfg.target.revision, cfg.target.dtype, resolve_device(cfg.eval.device), cfg.target.trust_remote_code)
+        target = load_target(cfg.target, resolve_device(cfg.eval.device))
     if tokenizer is None:
-        tokenizer = load_tokenizer(name, cfg.target.revision, cfg.target.trust_remote_code)
+        tokenizer = load_tokenizer(cfg.target)
     device = target.get_output_embeddings().weight.device
     drafter = load_drafter(checkpoint, TargetShape.of(target, name), target).to(device).eval()
-    drafter.set_sampling(sampling.temperature)
-    verifier = drafter.verifier(target)  # the target, or the target with the drafter's adapters (Medusa-2)
-    methods = build_methods(cfg, drafter, target, verifier)
+    # The target, or the target with the drafter's adapters (Medusa-2): the model that verifies.
+    verifier = drafter.proposer(sampling.temperature).verifier or target
+    methods = build_methods(cfg, drafter, target, verifier, sampling.temperature)
     prompts = load_prompts(sources, tokenizer, int(cfg.eval.max_prompts), int(cfg.data.max_length))
     eos_ids = eos_ids_of(target, tokenizer)
     max_new_tokens, greedy = int(cfg.eval.max_new_tokens), sampling.temperature <= 0
@@ -255,7 +230,7 @@ def run_eval(cfg: DictConfig, drafter_path: Optional[str] = None, target=None, t
     for method in methods:  # warm-up, so lazy initialisation does not land in the first prompt's timing
         method.run(verifier, first, min(WARMUP_TOKENS, max_new_tokens), sampling, eos_ids, cfg.eval.seed)
 
-    tallies: dict[str, dict[str, Tally]] = {domain: {m.name: Tally() for m in methods} for domain in prompts}
+    tallies: dict[str, dict[str, Counts]] = {domain: {m.name: Counts() for m in methods} for domain in prompts}
     progress = tqdm(total=sum(map(len, prompts.values())), desc="eval", unit="prompt", file=sys.stderr)
     seed = int(cfg.eval.seed)
     for domain, domain_prompts in prompts.items():
@@ -267,13 +242,13 @@ def run_eval(cfg: DictConfig, drafter_path: Optional[str] = None, target=None, t
                 mismatched = greedy and run.tokens != reference
                 if mismatched and method.checks_lossless:
                     _warn_mismatch(method.name, domain, number, reference, run.tokens)
-                tallies[domain][method.name].add(run, mismatched=int(mismatched))
+                run.counts.mismatched = int(mismatched)
+                tallies[domain][method.name].add(run.counts)
             seed += 1
             progress.update()
     progress.close()
 
     report = assemble(cfg, checkpoint, drafter, target, verifier, methods, tallies, sampling, greedy)
-    out_dir = Path(cfg.output_dir) / "eval"
     write_report(report, out_dir)
     save_recipe(cfg, out_dir)
     print(f"eval report written to {out_dir}/report.json, report.md, acceptance.png", file=sys.stderr)
@@ -284,7 +259,7 @@ def _warn_mismatch(method: str, domain: str, number: int, reference: list[int], 
     at = next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b), min(len(reference), len(tokens)))
     print(
         f"WARNING: lossless check FAILED: {method} differs from plain greedy decoding on {domain} prompt {number} "
-        f"at new token {at} (plain {reference[at:at + 1]}, {method} {tokens[at:at + 1]})",
+        f"at new token {at} (plain {reference[at : at + 1]}, {method} {tokens[at : at + 1]})",
         file=sys.stderr,
     )
 
@@ -295,20 +270,20 @@ def assemble(cfg, checkpoint: Path, drafter, target, verifier, methods: list[Met
     decodes with another model than the verifier (`original`) has no lossless verdict; at T=0 its
     `same_output` is the fraction of prompts on which it produced plain decoding's exact tokens."""
     tallies = dict(tallies)
-    total = {m.name: Tally() for m in methods}
+    total = {m.name: Counts() for m in methods}
     for per_method in tallies.values():
-        for method_name, tally in per_method.items():
-            total[method_name].merge(tally)
+        for method_name, counts in per_method.items():
+            total[method_name].add(counts)
     tallies[ALL] = total
     groups: dict[str, dict[str, dict[str, Any]]] = {"domains": {}, "baselines": {}}
     for domain, per_method in tallies.items():
         for method in methods:
             key = "domains" if method.group == "drafter" else "baselines"
-            tally = per_method[method.name]
-            row = tally.row(per_method["plain"], greedy, method.depth)
+            counts = per_method[method.name]
+            row = report_row(counts, per_method["plain"], greedy, method.depth)
             if not method.checks_lossless:
                 row["lossless"] = None
-                row["same_output"] = _ratio(tally.prompts - tally.mismatched, tally.prompts) if greedy else None
+                row["same_output"] = _ratio(counts.prompts - counts.mismatched, counts.prompts) if greedy else None
             groups[key].setdefault(domain, {})[method.name] = row
     return {
         "report_version": REPORT_VERSION,

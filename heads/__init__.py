@@ -1,8 +1,20 @@
-"""Drafter architectures, one file each, found by the recipe's `drafter.type` through this registry."""
+"""Drafter architectures, one file each, found by the recipe's `drafter.type` through this registry.
+Adding a kind touches its own file and the import line below, nothing else."""
+
 from __future__ import annotations
 
 from draftsmith.errors import UserError
-from heads.base import DraftState, DraftTree, Drafter, DynamicTree, TargetShape, Tree, load_drafter
+from draftsmith.heads.base import (
+    Drafter,
+    DrafterConfig,
+    DraftState,
+    DraftTree,
+    DynamicTree,
+    Proposer,
+    Tree,
+    load_drafter,
+)
+from draftsmith.target import TargetShape
 
 REGISTRY: dict[str, type[Drafter]] = {}
 
@@ -20,6 +32,19 @@ def drafter_class(name: str) -> type[Drafter]:
     return REGISTRY[name]
 
 
-from heads import draft_model, eagle, eagle3, medusa, medusa2  # noqa: E402,F401  (each registers itself)
+from draftsmith.heads import draft_model, eagle, eagle3, medusa, medusa2  # noqa: E402,F401,I001  (each registers itself)
 
-__all__ = ["DraftState", "DraftTree", "Drafter", "DynamicTree", "TargetShape", "Tree", "drafter_class", "load_drafter", "register", "REGISTRY"]
+__all__ = [
+    "REGISTRY",
+    "DraftState",
+    "DraftTree",
+    "Drafter",
+    "DrafterConfig",
+    "DynamicTree",
+    "Proposer",
+    "TargetShape",
+    "Tree",
+    "drafter_class",
+    "load_drafter",
+    "register",
+]

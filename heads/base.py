@@ -1,55 +1,51 @@
-"""The drafter contract. Every drafter architecture is one file in heads/ implementing `Drafter`.
+"""The drafter contract. Every drafter architecture is one file in heads/ with two sides.
 
-A drafter says
-- which target outputs it needs (`features`, a FeatureRequest),
-- how to build itself for a target (`from_target`, e.g. copying the target's lm_head),
-- its training loss and metrics from a batch plus the target's outputs (`loss`),
-- how to propose tokens at decode time (`propose`, a chain or a tree; `default_tree` says which tree),
-- and it saves/loads as `config.json` + `model.safetensors` (`save_pretrained`, `load_drafter`);
-  target modules it shares but does not save (EAGLE's embedding and lm_head) are re-attached on
-  load (`attach_target`).
+Training side, `Drafter` (an nn.Module) and its `Config` (a dataclass: the recipe's drafter section):
+- `Config.check(target)`: one-line errors for bad settings, before any model or data is touched
+  (`target` is the target's shape when it is known from its config.json alone, else None);
+- `features(config, target)`: which target outputs it trains and drafts from (a FeatureRequest),
+  answered from the config and the target's shape alone (capture asks it without building a model);
+- `max_chain(config)`: the longest chain it can propose (None: any), checked against eval settings;
+- `from_target`: a fresh drafter for a loaded target; `attach_target`: re-attach frozen target
+  modules it uses but does not own or save (EAGLE's embedding and lm_head);
+- `prepare(dataset)`: fit what depends on the training data rather than on the target;
+- `loss(batch, target_out)`: the scalar loss and per-sample metric statistics;
+- `param_groups()`: the trainable parameters with learning-rate scales.
+
+Decoding side, `Proposer`: built by `drafter.proposer(temperature)`, it holds one sequence's drafting
+state (a KV cache, a random stream) and proposes a chain or a tree of tokens per decode cycle. The
+eval loop (eval/loop.py) knows only this side.
+
+Files: `save_pretrained` writes config.json + model.safetensors; `load_drafter` reads them back and
+refuses a checkpoint made for another target. What a drafter learned from data or training that
+decoding uses (measured head accuracy, draft-vocabulary coverage) lives in one place, `learned`,
+saved under its own key in config.json, never in the config schema.
 """
+
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import ClassVar, Optional, Sequence, Union
+from typing import Any, ClassVar, Optional, Union
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from draftsmith.errors import UserError
-from draftsmith.target import FeatureRequest, TargetOutput
+from draftsmith.errors import UserError, one_line
+from draftsmith.files import write_text_atomic
+from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-FORMAT_VERSION = 1
-
-
-@dataclass(frozen=True)
-class TargetShape:
-    """What a drafter must agree on with its target; stored in every checkpoint and checked on load."""
-
-    name_or_path: str
-    model_type: str
-    hidden_size: int
-    vocab_size: int
-    num_hidden_layers: int
-
-    @classmethod
-    def of(cls, model, name_or_path: str) -> "TargetShape":
-        config = model.config
-        return cls(
-            name_or_path=str(name_or_path),
-            model_type=str(config.model_type),
-            hidden_size=int(config.hidden_size),
-            vocab_size=int(model.get_output_embeddings().weight.shape[0]),
-            num_hidden_layers=int(config.num_hidden_layers),
-        )
+FORMAT_VERSION = 2  # 2: learned facts under "learned" (1 kept them in the drafter config)
+# `learned` key where the eval stage records the trained drafter's eval-split metric means
+# (`head2/top1`, `step1/top1`, ...; see eval/accuracy.py).
+EVAL_SPLIT = "eval_split_metrics"
 
 
 @dataclass
@@ -86,7 +82,7 @@ class DynamicTree:
     depth: int
     topk: int
 
-    def cut(self, max_depth: int) -> "DynamicTree":
+    def cut(self, max_depth: int) -> DynamicTree:
         return replace(self, depth=min(self.depth, max_depth))
 
 
@@ -108,7 +104,7 @@ class DraftTree:
     probs: Optional[torch.Tensor] = None  # [N, V] float
 
     @classmethod
-    def chain(cls, tokens: torch.Tensor, probs: Optional[torch.Tensor] = None) -> "DraftTree":
+    def chain(cls, tokens: torch.Tensor, probs: Optional[torch.Tensor] = None) -> DraftTree:
         parents = torch.arange(-1, len(tokens) - 1, device=tokens.device)
         return cls(tokens=tokens, parents=parents, probs=probs)
 
@@ -116,27 +112,81 @@ class DraftTree:
         return int(self.tokens.numel())
 
 
+class Proposer:
+    """The decoding side of a drafter: one sequence's drafting state.
+
+    `features` is what it reads from the target at decode time; `verifier`, when not None, is the
+    model that must verify its proposals instead of the target (Medusa-2's adapted target)."""
+
+    features: FeatureRequest = FeatureRequest()
+    verifier: Optional[nn.Module] = None
+
+    def propose(self, state: DraftState, num_tokens: int, tree: Optional[Tree] = None) -> DraftTree:
+        """A chain of `num_tokens` tokens, or (if the drafter supports it) a tree: the `tree` that
+        `default_tree` returned, possibly cut to a smaller depth by the decode loop. A proposer may
+        propose fewer tokens than asked, or none (the loop then runs a plain step)."""
+        raise NotImplementedError
+
+    def default_tree(self, size: int) -> Tree:
+        """The drafter's tree of about `size` nodes (eval.tree): static paths or a DynamicTree."""
+        raise UserError("this drafter proposes chains only; set eval.tree=0")
+
+
+class DrafterConfig:
+    """Base of every drafter's Config dataclass."""
+
+    def check(self, target: Optional[TargetShape] = None) -> None:
+        """Raise a one-line UserError for a bad setting. `target`: the target's shape when known."""
+
+
 class Drafter(nn.Module):
-    """Base class of all trainable drafters."""
+    """The training side of a drafter."""
 
     type: ClassVar[str]  # registry key, the recipe's drafter.type
-    Config: ClassVar[type]  # a dataclass: the schema of the recipe's drafter section
+    Config: ClassVar[type]  # a DrafterConfig dataclass: the schema of the recipe's drafter section
 
     def __init__(self, config, target: TargetShape):
         super().__init__()
+        config.check(target)
         self.config = config
         self.target = target
+        self.learned: dict[str, Any] = {}  # facts learned from data or training that decoding uses
+
+    # -- what it needs and can do, from the config alone ---------------------------------------
+    @classmethod
+    def features(cls, config, target: TargetShape) -> FeatureRequest:
+        raise NotImplementedError
+
+    @classmethod
+    def max_chain(cls, config) -> Optional[int]:
+        """The longest chain it proposes (None: unlimited)."""
+        return None
+
+    @property
+    def request(self) -> FeatureRequest:
+        return type(self).features(self.config, self.target)
 
     # -- building -------------------------------------------------------------------------------
     @classmethod
-    def from_target(cls, config, target_model, name_or_path: str) -> "Drafter":
+    def from_target(cls, config, target_model, name_or_path: str) -> Drafter:
         """A fresh drafter for this target, initialised from the target's weights where it helps."""
         raise NotImplementedError
 
+    def attach_target(self, target_model) -> None:
+        """Re-attach frozen target modules the drafter uses but does not own or save; `from_target`
+        and `load_drafter(..., target_model=)` call it."""
+
     # -- training -------------------------------------------------------------------------------
-    @property
-    def features(self) -> FeatureRequest:
-        raise NotImplementedError
+    def prepare(self, dataset) -> None:
+        """Called once on every rank before training with the training set (rows holding at least
+        `input_ids` and `loss_mask`): fit what depends on the data rather than on the target
+        (EAGLE-3's draft vocabulary). What it fits must live in the state dict (so a checkpoint and a
+        resumed run carry it); what decoding reports about it goes to `learned`."""
+
+    def param_groups(self) -> list[tuple[list[nn.Parameter], float]]:
+        """The trainable parameters as (parameters, learning-rate scale) groups; train.lr times the
+        scale is each group's peak rate. Default: everything that requires grad, at train.lr."""
+        return [([p for p in self.parameters() if p.requires_grad], 1.0)]
 
     def forward(self, batch: dict, target_out: TargetOutput) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         # Training calls the module (not .loss) so DDP/DeepSpeed wrappers see the forward.
@@ -151,52 +201,13 @@ class Drafter(nn.Module):
         raise NotImplementedError
 
     # -- decoding -------------------------------------------------------------------------------
-    max_chain: ClassVar[Optional[int]] = None  # longest chain it can propose (None: unlimited)
-
-    def propose(self, state: DraftState, num_tokens: int, tree: Optional[Tree] = None) -> DraftTree:
-        """A chain of `num_tokens` tokens, or (if the drafter supports it) a tree: the `tree` its
-        `default_tree` returned, possibly cut to a smaller depth by the decode loop."""
+    def proposer(self, temperature: float = 0.0) -> Proposer:
+        """A fresh decoding side for one sequence at a time. `temperature` is the eval's sampling
+        temperature: deterministic drafters ignore it, a stochastic one samples its proposals from q
+        at this temperature and returns q."""
         raise NotImplementedError
 
-    def set_sampling(self, temperature: float) -> None:
-        """Told the eval's sampling temperature before decoding. Deterministic drafters ignore it;
-        a stochastic drafter samples its proposals from q at this temperature and returns q."""
-
-    def default_tree(self, size: int) -> Tree:
-        """The drafter's tree of about `size` nodes (eval.tree): static paths or a DynamicTree."""
-        raise UserError(f"drafter {self.type!r} does not propose trees; set eval.tree=0")
-
-    def param_groups(self) -> list[tuple[list[nn.Parameter], float]]:
-        """The trainable parameters as (parameters, learning-rate scale) groups; train.lr times the
-        scale is each group's peak rate. Default: everything that requires grad, at train.lr."""
-        return [([p for p in self.parameters() if p.requires_grad], 1.0)]
-
-    def prepare(self, dataset) -> None:
-        """Called once on every rank before training with the training set (rows holding at least
-        `input_ids` and `loss_mask`): fit what depends on the data rather than on the target
-        (EAGLE-3's draft vocabulary). What it fits must live in the state dict, so that a checkpoint
-        (and a resumed run) carries it."""
-
-    def verifier(self, target_model):
-        """The model that verifies this drafter's proposals at decode time: the target itself, unless
-        the drafter trained adapters into it (Medusa-2 verifies with its LoRA-adapted target)."""
-        return target_model
-
-    def attach_target(self, target_model) -> None:
-        """Re-attach frozen target modules the drafter uses but does not own or save (EAGLE's token
-        embedding and lm_head); `from_target` and `load_drafter(..., target_model=)` call it."""
-
     # -- files ----------------------------------------------------------------------------------
-    def extra_config(self) -> dict:
-        """Facts learned in training that decoding uses (e.g. per-head accuracy); saved in config.json."""
-        return {}
-
-    def load_extra_config(self, saved: dict) -> None:
-        """Read back what `extra_config` wrote."""
-
-    def calibrate(self, summary: dict[str, float]) -> None:
-        """Given eval-split metric means after training, keep what decoding can use (default: nothing)."""
-
     def save_pretrained(self, directory: str | os.PathLike, state_dict: Optional[dict] = None) -> None:
         """Write config.json + model.safetensors. `state_dict` is given when it was gathered from
         shards (ZeRO-3/FSDP); otherwise the module's own is used."""
@@ -205,14 +216,16 @@ class Drafter(nn.Module):
         state_dict = self.state_dict() if state_dict is None else state_dict
         state = {name: tensor.detach().contiguous().cpu() for name, tensor in state_dict.items()}
         save_file(state, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
-        config = {
+        write_text_atomic(directory / CONFIG_NAME, json.dumps(self.checkpoint_config(), indent=2) + "\n")
+
+    def checkpoint_config(self) -> dict[str, Any]:
+        return {
             "draftsmith_format": FORMAT_VERSION,
             "drafter_type": self.type,
             "drafter": asdict(self.config),
             "target": asdict(self.target),
-            **self.extra_config(),
+            "learned": self.learned,
         }
-        (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
 
 
 def per_sample_stats(values: dict[str, torch.Tensor], rows: torch.Tensor, batch_size: int) -> dict[str, torch.Tensor]:
@@ -221,8 +234,7 @@ def per_sample_stats(values: dict[str, torch.Tensor], rows: torch.Tensor, batch_
     ones = torch.ones(rows.shape[0], device=rows.device)
     counts = torch.zeros(batch_size, device=rows.device).index_add_(0, rows, ones)
     return {
-        name: torch.stack([torch.zeros(batch_size, device=rows.device).index_add_(0, rows, value.float()), counts], dim=-1)
-        for name, value in values.items()
+        name: torch.stack([torch.zeros(batch_size, device=rows.device).index_add_(0, rows, value.float()), counts], dim=-1) for name, value in values.items()
     }
 
 
@@ -234,39 +246,57 @@ def config_from_dict(config_cls: type, values: dict):
     return config_cls(**values)
 
 
-def load_drafter(directory: str | os.PathLike, target: Optional[TargetShape] = None, target_model=None) -> Drafter:
-    """Load a checkpoint written by `save_pretrained`; refuse one made for a different target.
-    With `target_model` the drafter gets the target modules it shares re-attached (`attach_target`)."""
-    from heads import drafter_class
-
-    directory = Path(directory)
+def read_checkpoint_config(directory: Path) -> dict[str, Any]:
+    """A draftsmith checkpoint's config.json; a one-line UserError for anything else."""
     config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
     if not config_path.is_file() or not weights_path.is_file():
         raise UserError(f"{directory} is not a drafter checkpoint (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
     try:
         saved = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"{config_path}: corrupt drafter config ({one_line(err)})") from None
+    if not isinstance(saved, dict) or "draftsmith_format" not in saved:
+        raise UserError(f"{config_path} is not a draftsmith checkpoint config (no draftsmith_format)")
+    if saved["draftsmith_format"] != FORMAT_VERSION:
+        raise UserError(f"{config_path}: checkpoint format {saved['draftsmith_format']!r}, this draftsmith reads {FORMAT_VERSION}; retrain it")
+    return saved
+
+
+def load_drafter(directory: str | os.PathLike, target: Optional[TargetShape] = None, target_model=None) -> Drafter:
+    """Load a checkpoint written by `save_pretrained`; refuse one made for a different target.
+    With `target_model` the drafter gets the target modules it shares re-attached (`attach_target`)."""
+    from draftsmith.heads import drafter_class
+
+    directory = Path(directory)
+    saved = read_checkpoint_config(directory)
+    try:
         cls = drafter_class(saved["drafter_type"])
         config = config_from_dict(cls.Config, saved["drafter"])
         saved_target = TargetShape(**saved["target"])
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        raise UserError(f"{config_path}: corrupt drafter config ({type(err).__name__}: {err})") from None
+    except (KeyError, TypeError) as err:
+        raise UserError(f"{directory / CONFIG_NAME}: corrupt drafter config ({type(err).__name__}: {err})") from None
     if target is not None:
-        for key in ("hidden_size", "vocab_size"):
-            mine, theirs = getattr(saved_target, key), getattr(target, key)
-            if mine != theirs:
-                raise UserError(
-                    f"drafter {directory} was trained for target {saved_target.name_or_path!r} with {key}={mine}, "
-                    f"but the target {target.name_or_path!r} has {key}={theirs}"
-                )
+        check_same_target(saved_target, target, str(directory))
     drafter = cls(config, saved_target)
     if target_model is not None:  # before loading: a drafter may hold weights inside the target (Medusa-2's LoRA)
         drafter.attach_target(target_model)
+    weights_path = directory / WEIGHTS_NAME
     try:
         state = load_file(str(weights_path))
     except (SafetensorError, OSError) as err:
-        raise UserError(f"{weights_path}: corrupt weights file ({' '.join(str(err).split())})") from None
+        raise UserError(f"{weights_path}: corrupt weights file ({one_line(err)})") from None
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise UserError(f"{weights_path}: weights do not match a {cls.type} drafter (missing {missing[:3]}, unexpected {unexpected[:3]})")
-    drafter.load_extra_config(saved)
+    drafter.learned = dict(saved.get("learned") or {})
     return drafter
+
+
+def check_same_target(made_for: TargetShape, target: TargetShape, what: str) -> None:
+    """A drafter reads the target's hidden states and scores its vocabulary: both sizes must agree."""
+    for key in ("hidden_size", "vocab_size"):
+        mine, theirs = getattr(made_for, key), getattr(target, key)
+        if mine != theirs:
+            raise UserError(
+                f"drafter {what} was made for target {made_for.name_or_path!r} with {key}={mine}, but the target {target.name_or_path!r} has {key}={theirs}"
+            )

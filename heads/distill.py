@@ -15,6 +15,7 @@ Teacher logits captured as top-k (data_prep.capture logits=topk) are -inf outsid
 there: forward KL and TV stay finite, reverse KL is infinite wherever q puts mass outside the top k
 (capture logits=full for rkl).
 """
+
 from __future__ import annotations
 
 from typing import Sequence

@@ -12,12 +12,13 @@ plain model: with LoRA, `save_pretrained` writes the *merged* weights (plus the 
 stored in the drafter section (`model_config`). Weight names are the HF model's under a `model.`
 prefix (strip it for an HF checkpoint).
 
-Decoding: `propose` runs the draft model autoregressively with its own KV cache, which survives
-across calls and is cropped to the longest common prefix with the committed tokens. Greedy by
-default (argmax, `probs=None`); after `set_sampling(T)` with T > 0 (the eval calls it) the
-drafter samples each token from q = softmax(logits / T) with its own generator and returns q
-as `probs`, which the exact acceptance rule min(1, p/q) needs.
+Decoding (`DraftModelProposer`): the draft model runs autoregressively with its own KV cache, which
+survives across calls and is cropped to the longest common prefix with the committed tokens. At
+temperature 0 it proposes the argmax (`probs=None`); at T > 0 (the eval's sampling temperature) it
+samples each token from q = softmax(logits / T) with its own generator and returns q as `probs`,
+which the exact acceptance rule min(1, p/q) needs.
 """
+
 from __future__ import annotations
 
 import copy
@@ -30,16 +31,16 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from draftsmith.errors import UserError
-from draftsmith.target import FeatureRequest, TargetOutput
-from heads import register
-from heads.base import DraftState, DraftTree, Drafter, TargetShape, per_sample_stats
-from heads.distill import LOSSES, distill_loss, divergences
-from heads.lora import ADAPTER_DIR, LoraSection
+from draftsmith.errors import UserError, one_line
+from draftsmith.heads import register
+from draftsmith.heads.base import Drafter, DrafterConfig, DraftState, DraftTree, Proposer, per_sample_stats
+from draftsmith.heads.distill import LOSSES, distill_loss, divergences
+from draftsmith.heads.lora import ADAPTER_DIR, LoraSection
+from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 
 @dataclass
-class DraftModelConfig:
+class DraftModelConfig(DrafterConfig):
     type: str = "draft_model"
     name_or_path: Optional[str] = None  # an HF causal LM with the target's vocab; None = build from the target
     init: str = "layers"  # with name_or_path unset: the target's first `num_layers` layers
@@ -54,6 +55,24 @@ class DraftModelConfig:
     def __post_init__(self):
         self.lora = LoraSection.coerce(self.lora)
 
+    def check(self, target: Optional[TargetShape] = None) -> None:
+        if self.loss not in LOSSES:
+            raise UserError(f"drafter.loss={self.loss!r} is not one of {', '.join(LOSSES)}")
+        weights = list(self.mix_weights)
+        if len(weights) != 3 or min(weights) < 0 or sum(weights) <= 0 or self.temperature <= 0 or self.ce_weight < 0:
+            raise UserError(
+                f"need 3 drafter.mix_weights >= 0 (fkl, rkl, tvd; not all 0), drafter.temperature > 0 and ce_weight >= 0 "
+                f"(got {weights}, {self.temperature}, {self.ce_weight})"
+            )
+        if self.name_or_path is None and self.model_config is None:
+            if self.init != "layers":
+                raise UserError(f"drafter.init={self.init!r} is not supported (use 'layers', or set drafter.name_or_path)")
+            if self.num_layers < 1 or (target is not None and self.num_layers > target.num_hidden_layers):
+                limit = f"the target's {target.num_hidden_layers} layers" if target is not None else "the target's layer count"
+                raise UserError(f"drafter.num_layers={self.num_layers} must be between 1 and {limit}")
+        if self.lora is not None:
+            self.lora.check()
+
 
 @register
 class DraftModel(Drafter):
@@ -62,29 +81,16 @@ class DraftModel(Drafter):
 
     def __init__(self, config: DraftModelConfig, target: TargetShape, model=None):
         super().__init__(config, target)
-        if config.loss not in LOSSES:
-            raise UserError(f"drafter.loss={config.loss!r} is not one of {', '.join(LOSSES)}")
-        weights = list(config.mix_weights)
-        if len(weights) != 3 or min(weights) < 0 or sum(weights) <= 0 or config.temperature <= 0 or config.ce_weight < 0:
-            raise UserError(
-                f"need 3 drafter.mix_weights >= 0 (fkl, rkl, tvd; not all 0), drafter.temperature > 0 and ce_weight >= 0 "
-                f"(got {list(config.mix_weights)}, {config.temperature}, {config.ce_weight})"
-            )
         if model is None:  # load_drafter: rebuild the plain architecture, the weights come next
             if config.model_config is None:
                 raise UserError("draft_model checkpoint has no drafter.model_config; was it written by save_pretrained?")
             settings = dict(config.model_config)
             model = AutoModelForCausalLM.from_config(AutoConfig.for_model(settings.pop("model_type"), **settings), dtype=torch.float32)
         self.model = model
-        self.sampling_temperature = 0.0  # set_sampling (the eval); 0 = greedy, probs=None
-        self.sampling_seed = 0
-        self._generator: Optional[torch.Generator] = None  # one stream for all proposals, see _sample
-        self._cache: Optional[DynamicCache] = None
-        self._cached: list[int] = []  # the tokens whose keys/values `_cache` holds
 
     # -- building -------------------------------------------------------------------------------
     @classmethod
-    def from_target(cls, config: DraftModelConfig, target_model, name_or_path: str) -> "DraftModel":
+    def from_target(cls, config: DraftModelConfig, target_model, name_or_path: str) -> DraftModel:
         shape = TargetShape.of(target_model, name_or_path)
         model = load_draft(config.name_or_path, shape) if config.name_or_path else layers_of(target_model, config)
         model.config.use_cache = True
@@ -96,8 +102,8 @@ class DraftModel(Drafter):
         return cls(config, shape, model)
 
     # -- training -------------------------------------------------------------------------------
-    @property
-    def features(self) -> FeatureRequest:
+    @classmethod
+    def features(cls, config: DraftModelConfig, target: TargetShape) -> FeatureRequest:
         return FeatureRequest(final=False, logits=True)
 
     def loss(self, batch: dict, target_out: TargetOutput):
@@ -121,9 +127,36 @@ class DraftModel(Drafter):
             stats = per_sample_stats({f"step1/{name}": value for name, value in values.items()}, rows, input_ids.shape[0])
         return loss, stats
 
-    # -- decoding -------------------------------------------------------------------------------
-    def set_sampling(self, temperature: float) -> None:
-        self.sampling_temperature = float(temperature)
+    def proposer(self, temperature: float = 0.0, seed: int = 0) -> DraftModelProposer:
+        return DraftModelProposer(self, temperature, seed)
+
+    # -- files ----------------------------------------------------------------------------------
+    def save_pretrained(self, directory: str | os.PathLike, state_dict: Optional[dict] = None) -> None:
+        """A plain model either way; with LoRA the adapters are merged into a copy (the training
+        module keeps its adapters) and also written alone to `adapter/`."""
+        from peft import PeftModel
+
+        if isinstance(self.model, PeftModel):
+            adapted = copy.deepcopy(self.model)
+            if state_dict is not None:  # gathered from shards: the training module's own names
+                adapted.load_state_dict({name.removeprefix("model."): value for name, value in state_dict.items()})
+            adapted.save_pretrained(Path(directory) / ADAPTER_DIR)
+            state_dict = {f"model.{name}": value for name, value in adapted.merge_and_unload().state_dict().items()}
+        super().save_pretrained(directory, untied(self.state_dict() if state_dict is None else state_dict))
+
+
+class DraftModelProposer(Proposer):
+    """Autoregressive drafting with the draft model's own KV cache (see the module docstring)."""
+
+    features = FeatureRequest(final=False)
+
+    def __init__(self, drafter: DraftModel, temperature: float, seed: int):
+        self.model = drafter.model
+        self.temperature = float(temperature)
+        self.seed = seed
+        self._generator: Optional[torch.Generator] = None  # one stream for all proposals, see _sample_generator
+        self._cache: Optional[DynamicCache] = None
+        self._cached: list[int] = []  # the tokens whose keys/values `_cache` holds
 
     @torch.no_grad()
     def propose(self, state: DraftState, num_tokens: int, tree=None) -> DraftTree:
@@ -135,8 +168,8 @@ class DraftModel(Drafter):
         for step in range(num_tokens):
             if step > 0:
                 logits = self._advance(self._cached + [tokens[-1]], device)
-            if self.sampling_temperature > 0:
-                q = (logits.float() / self.sampling_temperature).softmax(-1)
+            if self.temperature > 0:
+                q = (logits.float() / self.temperature).softmax(-1)
                 tokens.append(int(torch.multinomial(q, 1, generator=self._sample_generator(device))))
                 probs.append(q)
             else:
@@ -170,22 +203,8 @@ class DraftModel(Drafter):
         # Seeded once and never reset: re-seeding per prompt would repeat the same draws across
         # prompts, so the proposals would no longer be independent samples of q.
         if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device=device).manual_seed(self.sampling_seed)
+            self._generator = torch.Generator(device=device).manual_seed(self.seed)
         return self._generator
-
-    # -- files ----------------------------------------------------------------------------------
-    def save_pretrained(self, directory: str | os.PathLike, state_dict: Optional[dict] = None) -> None:
-        """A plain model either way; with LoRA the adapters are merged into a copy (the training
-        module keeps its adapters) and also written alone to `adapter/`."""
-        from peft import PeftModel
-
-        if isinstance(self.model, PeftModel):
-            adapted = copy.deepcopy(self.model)
-            if state_dict is not None:  # gathered from shards: the training module's own names
-                adapted.load_state_dict({name.removeprefix("model."): value for name, value in state_dict.items()})
-            adapted.save_pretrained(Path(directory) / ADAPTER_DIR)
-            state_dict = {f"model.{name}": value for name, value in adapted.merge_and_unload().state_dict().items()}
-        super().save_pretrained(directory, untied(self.state_dict() if state_dict is None else state_dict))
 
 
 def untied(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -204,7 +223,7 @@ def load_draft(name_or_path: str, target: TargetShape):
     try:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
     except (OSError, ValueError) as err:
-        raise UserError(f"cannot load draft model {name_or_path!r}: {' '.join(str(err).split())[:300]}") from None
+        raise UserError(f"cannot load draft model {name_or_path!r}: {one_line(err)}") from None
     vocab = int(model.get_output_embeddings().weight.shape[0])
     if vocab != target.vocab_size:
         raise UserError(
@@ -217,11 +236,7 @@ def load_draft(name_or_path: str, target: TargetShape):
 def layers_of(target_model, config: DraftModelConfig):
     """The target's first `num_layers` decoder layers with its embedding, final norm and lm_head,
     as a standalone float32 model of the target's architecture."""
-    if config.init != "layers":
-        raise UserError(f"drafter.init={config.init!r} is not supported (use 'layers', or set drafter.name_or_path)")
-    total = int(target_model.config.num_hidden_layers)
-    if not 1 <= config.num_layers <= total:
-        raise UserError(f"drafter.num_layers={config.num_layers} must be between 1 and the target's {total} layers")
+    config.check(TargetShape.from_config(target_model.config, ""))
     draft_config = copy.deepcopy(target_model.config)
     draft_config.num_hidden_layers = config.num_layers
     if getattr(draft_config, "layer_types", None):  # per-layer attention kinds (Qwen3, Gemma): keep the first N

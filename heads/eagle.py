@@ -12,13 +12,15 @@ positions its own predictions, which is how it runs several steps ahead.
 
 The token embedding and the lm_head are the target's, frozen, and not part of the checkpoint
 (vLLM and SGLang share them with the target too); `attach_target` re-attaches them after loading.
-The decode-time machinery (the drafter's own KV cache over the committed sequence, the greedy chain
-and EAGLE-2's dynamic tree) lives in `EagleBase`, which EAGLE-3 (heads/eagle3.py) shares.
+What EAGLE-1 and EAGLE-3 (heads/eagle3.py) share is `EagleBase`; their decoding side, the drafter's
+own KV cache over the committed sequence with the greedy chain and EAGLE-2's dynamic tree grown from
+it, is `EagleProposer`.
 
 Parameter names are those of vLLM's/SGLang's EAGLE-1 loaders (`fc.weight|bias`, `layers.{i}.*`,
 no `layers.0.input_layernorm`), so export is at most a prefix rename; vLLM's loader has no fc bias
 (`fc_bias: false` for a checkpoint meant for it).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -31,22 +33,36 @@ from torch import nn
 from transformers import DynamicCache
 
 from draftsmith.errors import UserError
-from draftsmith.target import FeatureRequest, TargetOutput
-from heads import register
-from heads.base import DraftState, DraftTree, Drafter, DynamicTree, TargetShape, Tree, per_sample_stats
+from draftsmith.heads import register
+from draftsmith.heads.base import Drafter, DrafterConfig, DraftState, DraftTree, DynamicTree, Proposer, Tree, per_sample_stats
+from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 
 @dataclass
-class EagleConfig:
+class EagleConfig(DrafterConfig):
     type: str = "eagle"
     num_layers: int = 1  # decoder layers (every published EAGLE-1 checkpoint has 1)
-    fc_bias: bool = True  # EAGLE's default; the LLaMA-3 checkpoints and vLLM's loader have none
+    fc_bias: bool = False  # EAGLE's code defaults to True; its LLaMA-3 checkpoints and vLLM's loader have none
     feature_loss_weight: float = 1.0  # v_w: SmoothL1 between predicted and target feature
     token_loss_weight: float = 0.1  # p_w: soft cross-entropy against the target's next-token distribution
     noise_std: float = 0.2  # width of the uniform noise on input features in training (see `loss`)
     tree_depth: int = 5  # dynamic tree (EAGLE-2): draft steps ...
     tree_topk: int = 8  # ... children expanded per node and nodes expanded per step; eval.tree = node budget
     decoder: Optional[dict] = None  # the target family's layer/rotary classes and config; set by from_target
+
+    def check(self, target: Optional[TargetShape] = None) -> None:
+        check_tree_settings(self)
+        if self.num_layers < 1:
+            raise UserError(f"drafter.num_layers must be >= 1 (got {self.num_layers})")
+        if self.feature_loss_weight < 0 or self.token_loss_weight < 0 or self.feature_loss_weight + self.token_loss_weight <= 0:
+            raise UserError("drafter.feature_loss_weight and token_loss_weight must be >= 0, not both 0")
+        if self.noise_std < 0:
+            raise UserError(f"drafter.noise_std={self.noise_std} must be >= 0")
+
+
+def check_tree_settings(config) -> None:
+    if config.tree_depth < 1 or config.tree_topk < 1:
+        raise UserError(f"drafter.tree_depth and tree_topk must be >= 1 (got {config.tree_depth}, {config.tree_topk})")
 
 
 def import_qualified(name: str):
@@ -85,8 +101,7 @@ def decoder_spec(target_model, num_layers: int) -> dict:
 
 class EagleBase(Drafter):
     """What EAGLE-1 (`eagle`) and EAGLE-3 (`eagle3`) share: a draft model of the target family's
-    layers that reads the target's token embedding, and at decode time its own KV cache over the
-    committed sequence (`catch_up`) plus EAGLE-2's dynamic tree grown from it (`grow`).
+    layers that reads the target's token embedding; decoded by `EagleProposer`.
 
     A subclass defines `draft` (the draft model over given input features), `top_tokens` (its best
     next tokens, in target ids) and `committed_features` (the input features of newly committed
@@ -95,8 +110,6 @@ class EagleBase(Drafter):
 
     def __init__(self, config, target: TargetShape):
         super().__init__(config, target)
-        if config.tree_depth < 1 or config.tree_topk < 1:
-            raise UserError(f"drafter.tree_depth and tree_topk must be >= 1 (got {config.tree_depth}, {config.tree_topk})")
         if config.decoder is None:
             raise UserError(f"an {self.type} drafter is built for a target: use from_target (drafter.decoder is filled there)")
         layer_config = import_qualified(config.decoder["config_class"]).from_dict(config.decoder["config"])
@@ -104,7 +117,6 @@ class EagleBase(Drafter):
         self.layer_config = layer_config
         self.rotary_emb = import_qualified(config.decoder["rotary"])(config=layer_config)
         self.shared: Optional[tuple[nn.Module, nn.Module]] = None  # target's (embedding, lm_head): see attach_target
-        self.cache: Optional[DynamicCache] = None  # decoding: the drafter's KV cache, see `catch_up`
 
     @classmethod
     def decoder_layers(cls, config) -> int:
@@ -112,7 +124,7 @@ class EagleBase(Drafter):
         return config.num_layers
 
     @classmethod
-    def from_target(cls, config, target_model, name_or_path: str) -> "EagleBase":
+    def from_target(cls, config, target_model, name_or_path: str) -> EagleBase:
         config = replace(config, decoder=decoder_spec(target_model, cls.decoder_layers(config)))
         drafter = cls(config, TargetShape.of(target_model, name_or_path))
         drafter.attach_target(target_model)
@@ -129,7 +141,9 @@ class EagleBase(Drafter):
         return self.shared
 
     # -- what a subclass defines ----------------------------------------------------------------
-    def draft(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, mask: Optional[torch.Tensor] = None, cache: Optional[DynamicCache] = None) -> torch.Tensor:
+    def draft(
+        self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, mask: Optional[torch.Tensor] = None, cache: Optional[DynamicCache] = None
+    ) -> torch.Tensor:
         """[B, q] tokens and [B, q, H] input features at [B, q] positions -> [B, q, H] output
         features, each the input feature of the entry after it. `mask` None is causal attention
         within the call; otherwise a boolean [1, 1, q, cached + q] mask (True = may attend) over
@@ -145,16 +159,27 @@ class EagleBase(Drafter):
         """The input features [m, H] of the positions committed since the last proposal."""
         raise NotImplementedError
 
-    # -- decoding -------------------------------------------------------------------------------
+    def proposer(self, temperature: float = 0.0) -> EagleProposer:
+        return EagleProposer(self)
+
+
+class EagleProposer(Proposer):
+    """EAGLE decoding for one sequence at a time: the drafter's own KV cache over the committed
+    sequence (`catch_up`) and a greedy chain or EAGLE-2's dynamic tree grown from it (`grow`).
+    Deterministic (top-k tokens, probs None), so the loop's exact rule treats q as one-hot."""
+
+    def __init__(self, drafter: EagleBase):
+        self.drafter = drafter
+        self.features = drafter.request
+        self.cache: Optional[DynamicCache] = None
+
     def default_tree(self, size: int) -> DynamicTree:
-        return DynamicTree(nodes=size, depth=self.config.tree_depth, topk=self.config.tree_topk)
+        return DynamicTree(nodes=size, depth=self.drafter.config.tree_depth, topk=self.drafter.config.tree_topk)
 
     @torch.no_grad()
     def propose(self, state: DraftState, num_tokens: int, tree: Optional[Tree] = None) -> DraftTree:
-        """A greedy chain of `num_tokens` tokens, or an EAGLE-2 dynamic tree. Deterministic (top-k
-        tokens, probs None), so the loop's exact rule treats q as one-hot."""
         if tree is not None and not isinstance(tree, DynamicTree):
-            raise UserError(f"the {self.type} drafter grows its tree itself: pass eval.tree=<node budget>, not a static tree")
+            raise UserError(f"the {self.drafter.type} drafter grows its tree itself: pass eval.tree=<node budget>, not a static tree")
         root_feature = self.catch_up(state)
         if tree is None:
             return self.grow(root_feature, depth=num_tokens, topk=1, nodes=num_tokens)
@@ -170,20 +195,21 @@ class EagleBase(Drafter):
         committed, so it is cropped and rebuilt from the target's states; the last rebuilt entry,
         (root, f_{n-2}), predicts the feature behind the first draft token.
         """
-        features = self.committed_features(state)
+        drafter = self.drafter
+        features = drafter.committed_features(state)
         if features is None or len(features) == 0:
-            raise ValueError(f"{self.type} needs the target's hidden states at the newly committed positions (DraftState.new_final / new_layers)")
+            raise ValueError(f"{drafter.type} needs the target's hidden states at the newly committed positions (DraftState.new_final / new_layers)")
         tokens = state.tokens
         committed = len(tokens) - 1  # positions with the target's feature known
         start = committed - len(features)
         if state.fresh or self.cache is None:
-            self.cache = DynamicCache(config=self.layer_config)
+            self.cache = DynamicCache(config=drafter.layer_config)
         if self.cache.get_seq_length() < start:
-            raise RuntimeError(f"{self.type} cache holds {self.cache.get_seq_length()} positions, the committed sequence needs {start}")
+            raise RuntimeError(f"{drafter.type} cache holds {self.cache.get_seq_length()} positions, the committed sequence needs {start}")
         self.cache.crop(start - self.cache.get_seq_length())  # crop takes minus the count to drop
         new = torch.arange(start, committed, device=tokens.device)
         mask = torch.ones(1, 1, len(new), committed, dtype=torch.bool, device=tokens.device).tril(start)
-        out = self.draft(tokens[start + 1 :][None], features[None], new[None], mask, self.cache)
+        out = drafter.draft(tokens[start + 1 :][None], features[None], new[None], mask, self.cache)
         return out[0, -1]
 
     def grow(self, root_feature: torch.Tensor, depth: int, topk: int, nodes: int) -> DraftTree:
@@ -191,7 +217,7 @@ class EagleBase(Drafter):
         of the `topk` best newest nodes its `topk` most likely children; after `depth` steps keep the
         best `nodes` nodes overall. A child never outscores its parent and ties go to the older node,
         so the kept set contains every kept node's parent. topk = 1 is the greedy chain."""
-        device = root_feature.device
+        drafter, device = self.drafter, root_feature.device
         committed = self.cache.get_seq_length()  # the root's entry is the last, at position committed-1
         tokens: list[int] = []
         parents: list[int] = []
@@ -201,7 +227,7 @@ class EagleBase(Drafter):
         output_of: dict[int, torch.Tensor] = {-1: root_feature}  # expanded node (or root) -> the feature its entry predicts
 
         def add_children(parent: int, parent_score: float, feature: torch.Tensor) -> list[int]:
-            log_probs, ids = self.top_tokens(feature, topk)
+            log_probs, ids = drafter.top_tokens(feature, topk)
             added = []
             for token, log_prob in zip(ids.tolist(), log_probs.tolist()):
                 added.append(len(tokens))
@@ -228,7 +254,7 @@ class EagleBase(Drafter):
                 entry_of[node] = past + row
             positions = torch.tensor([[committed - 1 + node_depth[n] for n in frontier]], device=device)
             frontier_tokens = torch.tensor([[tokens[n] for n in frontier]], device=device)
-            out = self.draft(frontier_tokens, features[None], positions, mask, self.cache)[0]
+            out = drafter.draft(frontier_tokens, features[None], positions, mask, self.cache)[0]
             newest = []
             for row, node in enumerate(frontier):
                 output_of[node] = out[row]
@@ -248,8 +274,6 @@ class Eagle(EagleBase):
     Config = EagleConfig
 
     def __init__(self, config: EagleConfig, target: TargetShape):
-        if config.num_layers < 1:
-            raise UserError(f"drafter.num_layers must be >= 1 (got {config.num_layers})")
         super().__init__(config, target)
         layer_cls = import_qualified(config.decoder["layer"])
         hidden = target.hidden_size
@@ -258,12 +282,14 @@ class Eagle(EagleBase):
         # EAGLE feeds fc's output to the first layer unnormalised (vLLM: disable_input_layernorm).
         self.layers[0].input_layernorm = nn.Identity()
 
-    @property
-    def features(self) -> FeatureRequest:
+    @classmethod
+    def features(cls, config: EagleConfig, target: TargetShape) -> FeatureRequest:
         return FeatureRequest(final=True, logits=True)
 
     # -- the draft model ------------------------------------------------------------------------
-    def draft(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, mask: Optional[torch.Tensor] = None, cache: Optional[DynamicCache] = None) -> torch.Tensor:
+    def draft(
+        self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, mask: Optional[torch.Tensor] = None, cache: Optional[DynamicCache] = None
+    ) -> torch.Tensor:
         """EAGLE-1: f̂_{p+1} = layers(fc(cat(embed(x_{p+1}), f_p))) (see EagleBase.draft)."""
         embed, _ = self.target_modules()
         hidden = self.fc(torch.cat([embed(tokens).to(features.dtype), features], dim=-1))

@@ -29,12 +29,14 @@ Checkpoint names follow the speculators/vLLM Eagle3 layout: `fc.weight [H, n*H]`
 `norm.weight`, `lm_head.weight [draft_vocab, H]`, `d2t`, `t2d` (SGLang: `layers.0.` -> `midlayer.`).
 The token embedding is the target's, frozen, not saved (re-attached on load, as the engines share it).
 """
+
 from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -42,16 +44,17 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from draftsmith.errors import UserError
-from draftsmith.target import FeatureRequest, TargetOutput
-from heads import register
-from heads.base import DraftState, TargetShape, per_sample_stats
-from heads.eagle import EagleBase, import_qualified
+from draftsmith.heads import register
+from draftsmith.heads.base import DrafterConfig, DraftState, per_sample_stats
+from draftsmith.heads.eagle import EagleBase, check_tree_settings, import_qualified
+from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 log = logging.getLogger("draftsmith.eagle3")
+COVERAGE = "draft_vocab_coverage"  # `learned` key: share of the training data's loss tokens in the draft vocabulary
 
 
 @dataclass
-class Eagle3Config:
+class Eagle3Config(DrafterConfig):
     type: str = "eagle3"
     # Target layers to fuse, our ids (output of layer i; vLLM id = ours + 1). None: EAGLE-3's default,
     # [1, L//2 - 1, L - 4] (= vLLM's [2, L//2, L-3]), filled in by from_target.
@@ -66,6 +69,19 @@ class Eagle3Config:
     tree_depth: int = 5  # dynamic tree (EAGLE-2): draft steps ...
     tree_topk: int = 8  # ... children expanded per node and nodes expanded per step; eval.tree = node budget
     decoder: Optional[dict] = None  # the target family's layer/rotary classes and config; set by from_target
+
+    def check(self, target: Optional[TargetShape] = None) -> None:
+        check_tree_settings(self)
+        if self.ttt_steps < 1 or self.ttt_decay <= 0:
+            raise UserError(f"drafter.ttt_steps must be >= 1 and ttt_decay > 0 (got {self.ttt_steps}, {self.ttt_decay})")
+        if self.draft_vocab_size < 1:
+            raise UserError(f"drafter.draft_vocab_size={self.draft_vocab_size} must be >= 1")
+        if target is not None:
+            check_aux_layers(self.layers_for(target.num_hidden_layers), target.num_hidden_layers, explicit=self.aux_layers is not None)
+
+    def layers_for(self, num_layers: int) -> list[int]:
+        """The aux layers, EAGLE-3's default for a target of `num_layers` layers when unset."""
+        return [int(layer) for layer in self.aux_layers] if self.aux_layers is not None else default_aux_layers(num_layers)
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -102,8 +118,7 @@ class Eagle3Layer(nn.Module):
         parts = [getattr(layer, name, None) for name in ("input_layernorm", "post_attention_layernorm", "mlp")]
         if not all(isinstance(p, nn.Linear) for p in projections) or any(p is None for p in parts):
             raise UserError(
-                f"EAGLE-3 needs a decoder layer with input_layernorm, self_attn.q/k/v_proj, post_attention_layernorm "
-                f"and mlp; {type(layer).__name__} differs"
+                f"EAGLE-3 needs a decoder layer with input_layernorm, self_attn.q/k/v_proj, post_attention_layernorm and mlp; {type(layer).__name__} differs"
             )
         for name, proj in zip(("q_proj", "k_proj", "v_proj"), projections):
             setattr(attention, name, nn.Linear(2 * hidden, proj.out_features, bias=proj.bias is not None))
@@ -181,7 +196,10 @@ class StepKeys:
         return self.keys, self.values
 
 
-AttentionInterface.register(ATTENTION, ttt_attention)
+def register_ttt_attention() -> None:
+    """Make `ttt_attention` selectable as the draft layer's attn_implementation (idempotent)."""
+    if ATTENTION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(ATTENTION, ttt_attention)
 
 
 def token_rows(dataset) -> Iterable[tuple]:
@@ -203,11 +221,10 @@ class Eagle3(EagleBase):
         super().__init__(config, target)
         if not config.aux_layers:
             raise UserError("an eagle3 drafter is built for a target: use from_target (drafter.aux_layers is filled there)")
-        if config.ttt_steps < 1 or config.ttt_decay <= 0:
-            raise UserError(f"drafter.ttt_steps must be >= 1 and ttt_decay > 0 (got {config.ttt_steps}, {config.ttt_decay})")
-        if not 1 <= config.draft_vocab_size <= target.vocab_size:
-            raise UserError(f"drafter.draft_vocab_size={config.draft_vocab_size} must be in 1..{target.vocab_size} (the target's vocabulary)")
+        if config.draft_vocab_size > target.vocab_size:
+            raise UserError(f"drafter.draft_vocab_size={config.draft_vocab_size} exceeds the target's vocabulary of {target.vocab_size}")
         hidden = target.hidden_size
+        register_ttt_attention()
         self.layer_config._attn_implementation = ATTENTION  # SDPA, plus the training-time test's attention
         layer = import_qualified(config.decoder["layer"])(self.layer_config, layer_idx=0)
         self.fc = nn.Linear(len(config.aux_layers) * hidden, hidden, bias=False)
@@ -218,23 +235,17 @@ class Eagle3(EagleBase):
         if self.pruned:  # until `prepare` picks the draft vocabulary: the first draft_vocab_size ids
             self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
             self.register_buffer("t2d", torch.arange(target.vocab_size) < config.draft_vocab_size)
-        self.vocab_coverage: Optional[float] = None  # share of the training data's loss tokens in the draft vocabulary
 
     @classmethod
     def decoder_layers(cls, config) -> int:
         return 1
 
     @classmethod
-    def from_target(cls, config: Eagle3Config, target_model, name_or_path: str) -> "Eagle3":
-        num_layers = int(target_model.config.num_hidden_layers)
-        explicit = config.aux_layers is not None
-        aux_layers = [int(layer) for layer in config.aux_layers] if explicit else default_aux_layers(num_layers)
-        check_aux_layers(aux_layers, num_layers, explicit)
-        vocab = int(target_model.get_output_embeddings().weight.shape[0])
-        config = replace(config, aux_layers=aux_layers, draft_vocab_size=min(config.draft_vocab_size, vocab))
+    def from_target(cls, config: Eagle3Config, target_model, name_or_path: str) -> Eagle3:
+        shape = TargetShape.of(target_model, name_or_path)
+        config.check(shape)
+        config = replace(config, aux_layers=config.layers_for(shape.num_hidden_layers), draft_vocab_size=min(config.draft_vocab_size, shape.vocab_size))
         drafter = super().from_target(config, target_model, name_or_path)
-        if drafter.lm_head.weight.is_meta:  # built only to read its `features` (data_prep.capture)
-            return drafter
         final_norm = getattr(target_model.get_decoder(), "norm", None)
         with torch.no_grad():
             # The lm_head starts as the target's rows of the draft tokens, read through the target's
@@ -244,9 +255,9 @@ class Eagle3(EagleBase):
         drafter.set_draft_vocab(torch.arange(config.draft_vocab_size))
         return drafter
 
-    @property
-    def features(self) -> FeatureRequest:
-        return FeatureRequest(final=False, layers=tuple(self.config.aux_layers), logits=True)
+    @classmethod
+    def features(cls, config: Eagle3Config, target: TargetShape) -> FeatureRequest:
+        return FeatureRequest(final=False, layers=tuple(config.layers_for(target.num_hidden_layers)), logits=True)
 
     # -- the draft vocabulary -------------------------------------------------------------------
     def draft_ids(self) -> torch.Tensor:
@@ -280,15 +291,15 @@ class Eagle3(EagleBase):
         kept = order[: self.config.draft_vocab_size].sort().values
         self.set_draft_vocab(kept)
         total = int(counts.sum())
-        self.vocab_coverage = float(counts[kept].sum()) / total if total else None
-        coverage = "n/a" if self.vocab_coverage is None else f"{self.vocab_coverage:.4f}"
-        log.info("draft vocabulary: %d of %d tokens, covering %s of %d loss tokens", len(kept), len(counts), coverage, total)
-
-    def extra_config(self) -> dict:
-        return {} if self.vocab_coverage is None else {"draft_vocab_coverage": self.vocab_coverage}
-
-    def load_extra_config(self, saved: dict) -> None:
-        self.vocab_coverage = saved.get("draft_vocab_coverage")
+        if total:
+            self.learned[COVERAGE] = float(counts[kept].sum()) / total
+        log.info(
+            "draft vocabulary: %d of %d tokens, covering %s of %d loss tokens",
+            len(kept),
+            len(counts),
+            f"{self.learned[COVERAGE]:.4f}" if total else "n/a",
+            total,
+        )
 
     # -- the draft model ------------------------------------------------------------------------
     def fuse(self, layers: dict[int, torch.Tensor]) -> torch.Tensor:

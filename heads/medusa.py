@@ -5,24 +5,26 @@ Parameter names follow vLLM's Medusa layout (`blocks.{h}.layers.{l}.weight|bias`
 `lm_heads.{h}.weight`, with `medusa_fc_bias: true`), so export is a config rewrite, not a rename.
 Head numbering in metrics is 1-based: `head1` predicts 2 tokens ahead of the hidden state it reads.
 """
+
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.errors import UserError
-from draftsmith.target import FeatureRequest, TargetOutput
-from heads import register
-from heads.base import DraftState, DraftTree, Drafter, TargetShape, per_sample_stats
+from draftsmith.heads import register
+from draftsmith.heads.base import EVAL_SPLIT, Drafter, DrafterConfig, DraftState, DraftTree, Proposer, per_sample_stats
+from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 
 @dataclass
-class MedusaConfig:
+class MedusaConfig(DrafterConfig):
     type: str = "medusa"
     num_heads: int = 3
     num_layers: int = 1  # residual SiLU blocks per head
@@ -30,7 +32,14 @@ class MedusaConfig:
     loss_weights: Optional[List[float]] = None  # ... unless given explicitly, one per head
     init_lm_heads_from_target: bool = True
     tree_topk: int = 10  # candidates per head considered when building a tree
-    head_accuracy: Optional[dict] = field(default=None)  # filled after training: {"top1": [...], "top5": [...]}
+
+    def check(self, target: Optional[TargetShape] = None) -> None:
+        if self.num_heads < 1 or self.num_layers < 0:
+            raise UserError(f"drafter.num_heads must be >= 1 and num_layers >= 0 (got {self.num_heads}, {self.num_layers})")
+        if self.loss_weights is not None and len(self.loss_weights) != self.num_heads:
+            raise UserError(f"drafter.loss_weights has {len(self.loss_weights)} values for {self.num_heads} heads")
+        if self.loss_decay <= 0 or self.tree_topk < 1:
+            raise UserError(f"drafter.loss_decay must be > 0 and tree_topk >= 1 (got {self.loss_decay}, {self.tree_topk})")
 
 
 class ResidualBlock(nn.Module):
@@ -66,10 +75,6 @@ class Medusa(Drafter):
 
     def __init__(self, config: MedusaConfig, target: TargetShape):
         super().__init__(config, target)
-        if config.num_heads < 1 or config.num_layers < 0:
-            raise UserError(f"drafter.num_heads must be >= 1 and num_layers >= 0 (got {config.num_heads}, {config.num_layers})")
-        if config.loss_weights is not None and len(config.loss_weights) != config.num_heads:
-            raise UserError(f"drafter.loss_weights has {len(config.loss_weights)} values for {config.num_heads} heads")
         hidden, vocab = target.hidden_size, target.vocab_size
         self.blocks = nn.ModuleList(MedusaBlocks(hidden, config.num_layers) for _ in range(config.num_heads))
         self.lm_heads = nn.ModuleList(nn.Linear(hidden, vocab, bias=False) for _ in range(config.num_heads))
@@ -77,7 +82,7 @@ class Medusa(Drafter):
         self._register_load_state_dict_pre_hook(_from_vllm_names)
 
     @classmethod
-    def from_target(cls, config: MedusaConfig, target_model, name_or_path: str) -> "Medusa":
+    def from_target(cls, config: MedusaConfig, target_model, name_or_path: str) -> Medusa:
         drafter = cls(config, TargetShape.of(target_model, name_or_path))
         if config.init_lm_heads_from_target:
             weight = target_model.get_output_embeddings().weight.detach().float()
@@ -85,13 +90,13 @@ class Medusa(Drafter):
                 head.weight.data.copy_(weight)
         return drafter
 
-    @property
-    def features(self) -> FeatureRequest:
+    @classmethod
+    def features(cls, config: MedusaConfig, target: TargetShape) -> FeatureRequest:
         return FeatureRequest(final=True)
 
-    @property
-    def max_chain(self) -> int:
-        return self.config.num_heads
+    @classmethod
+    def max_chain(cls, config: MedusaConfig) -> int:
+        return config.num_heads
 
     def loss_weights(self) -> list[float]:
         if self.config.loss_weights is not None:
@@ -132,20 +137,33 @@ class Medusa(Drafter):
                 stats.update(per_sample_stats(values, rows, batch_size))
         return total, stats
 
-    # -- decoding -------------------------------------------------------------------------------
+    def proposer(self, temperature: float = 0.0) -> MedusaProposer:
+        return MedusaProposer(self)
+
+
+class MedusaProposer(Proposer):
+    """Medusa decoding: every head reads the target's last hidden state before the root once; a
+    chain takes each head's argmax, a tree each head's top candidates along static paths."""
+
+    features = FeatureRequest(final=True)
+
+    def __init__(self, drafter: Medusa):
+        self.drafter = drafter
+
     @torch.no_grad()
     def propose(self, state: DraftState, num_tokens: int, tree: Optional[Sequence[tuple[int, ...]]] = None) -> DraftTree:
-        hidden = state.final.to(self.lm_heads[0].weight.dtype)[None]
+        drafter, heads = self.drafter, self.drafter.config.num_heads
+        hidden = state.final.to(drafter.lm_heads[0].weight.dtype)[None]
         if tree is None:
-            if not 1 <= num_tokens <= self.config.num_heads:
-                raise UserError(f"a Medusa drafter with {self.config.num_heads} heads proposes at most {self.config.num_heads} tokens (asked {num_tokens})")
-            tokens = torch.stack([self.head_logits(k, hidden)[0].argmax() for k in range(num_tokens)])
+            if not 1 <= num_tokens <= heads:
+                raise UserError(f"a Medusa drafter with {heads} heads proposes at most {heads} tokens (asked {num_tokens})")
+            tokens = torch.stack([drafter.head_logits(k, hidden)[0].argmax() for k in range(num_tokens)])
             return DraftTree.chain(tokens)
         depth = max(len(path) for path in tree)
-        if depth > self.config.num_heads:
-            raise UserError(f"tree depth {depth} exceeds the drafter's {self.config.num_heads} heads")
+        if depth > heads:
+            raise UserError(f"tree depth {depth} exceeds the drafter's {heads} heads")
         width = max(max(path) for path in tree) + 1
-        candidates = [self.head_logits(k, hidden)[0].topk(width).indices for k in range(depth)]
+        candidates = [drafter.head_logits(k, hidden)[0].topk(width).indices for k in range(depth)]
         index = {path: i for i, path in enumerate(tree)}
         tokens = torch.stack([candidates[len(path) - 1][path[-1]] for path in tree])
         parents = torch.tensor([index[path[:-1]] if len(path) > 1 else -1 for path in tree], device=tokens.device)
@@ -154,36 +172,31 @@ class Medusa(Drafter):
     def default_tree(self, size: int) -> list[tuple[int, ...]]:
         """The `size` most likely paths under per-head, per-rank acceptance estimates (Medusa's
         static trees are built the same way from measured accuracies)."""
-        rank_probs = [self._rank_probabilities(k) for k in range(self.config.num_heads)]
+        heads = self.drafter.config.num_heads
+        rank_probs = [self._rank_probabilities(k) for k in range(heads)]
         frontier = [(-rank_probs[0][r], (r,)) for r in range(len(rank_probs[0]))]
         heapq.heapify(frontier)
         paths: list[tuple[int, ...]] = []
         while frontier and len(paths) < size:
             neg_prob, path = heapq.heappop(frontier)
             paths.append(path)
-            if len(path) < self.config.num_heads:
+            if len(path) < heads:
                 for r, p in enumerate(rank_probs[len(path)]):
                     heapq.heappush(frontier, (neg_prob * p, path + (r,)))
         # Sort so every parent precedes its children (shorter paths first, then by rank).
         return sorted(paths, key=lambda path: (len(path), path))
 
     def _rank_probabilities(self, head: int) -> list[float]:
-        """P(the true token is the head's rank-r candidate), from measured top-1/top-5 accuracy."""
-        accuracy = self.config.head_accuracy or {}
-        top1 = (accuracy.get("top1") or [])[head:head + 1] or [0.6 * 0.7**head]
-        top5 = (accuracy.get("top5") or [])[head:head + 1] or [min(0.95, top1[0] * 1.6)]
-        top1, top5 = float(top1[0]), max(float(top5[0]), float(top1[0]))
+        """P(the true token is the head's rank-r candidate), from the top-1/top-5 accuracy measured
+        on the eval split after training (`learned`), or rough priors for a head never measured."""
+        measured = self.drafter.learned.get(EVAL_SPLIT, {})
+        topk = self.drafter.config.tree_topk
+        top1 = float(measured.get(f"head{head + 1}/top1", 0.6 * 0.7**head))
+        top5 = max(float(measured.get(f"head{head + 1}/top5", min(0.95, top1 * 1.6))), top1)
         spread = [0.4, 0.27, 0.2, 0.13]  # how the top-2..5 mass usually falls off
-        tail = max(1.0 - top5, 0.0) / max(self.config.tree_topk - 5, 1) * 0.5
-        probs = [top1] + [(top5 - top1) * s for s in spread] + [tail] * max(self.config.tree_topk - 5, 0)
-        return probs[: self.config.tree_topk]
-
-    def calibrate(self, summary: dict[str, float]) -> None:
-        """Keep the measured per-head accuracy: it shapes the default tree at decode time."""
-        self.config.head_accuracy = {
-            metric: [summary.get(f"head{k + 1}/{metric}", 0.0) for k in range(self.config.num_heads)]
-            for metric in ("top1", "top5")
-        }
+        tail = max(1.0 - top5, 0.0) / max(topk - 5, 1) * 0.5
+        probs = [top1] + [(top5 - top1) * s for s in spread] + [tail] * max(topk - 5, 0)
+        return probs[:topk]
 
 
 def _vllm_names(module, state_dict, prefix, local_metadata):
@@ -196,6 +209,6 @@ def _vllm_names(module, state_dict, prefix, local_metadata):
 def _from_vllm_names(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
     for key in list(state_dict):
         if key.startswith(prefix + "blocks.") and key.count(".") - prefix.count(".") == 4:
-            head, rest = key[len(prefix):].split(".layers.", 1)
+            head, rest = key[len(prefix) :].split(".layers.", 1)
             layer, param = rest.split(".", 1)
             state_dict[f"{prefix}{head}.layers.{layer}.linear.{param}"] = state_dict.pop(key)

@@ -17,6 +17,7 @@ heads (vLLM's Medusa names), the LoRA weights and the ramp counter, never the ta
 adapters are also written in peft's format to `adapter/`, for serving the adapted target. Sharing
 weights rules out FSDP and ZeRO-3 (they re-shard parameters): train Medusa-2 with DDP or ZeRO-2.
 """
+
 from __future__ import annotations
 
 import copy
@@ -29,13 +30,13 @@ from typing import Optional
 
 import torch
 
-from draftsmith.errors import UserError
-from draftsmith.target import FeatureRequest, TargetOutput
-from heads import register
-from heads.base import TargetShape, per_sample_stats
-from heads.distill import forward_kl
-from heads.lora import ADAPTER_DIR, LoraSection
-from heads.medusa import Medusa, MedusaConfig
+from draftsmith.errors import UserError, one_line
+from draftsmith.heads import register
+from draftsmith.heads.base import per_sample_stats
+from draftsmith.heads.distill import forward_kl
+from draftsmith.heads.lora import ADAPTER_DIR, LoraSection
+from draftsmith.heads.medusa import Medusa, MedusaConfig, MedusaProposer
+from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 BACKBONE = "backbone."
 
@@ -57,6 +58,12 @@ class Medusa2Config(MedusaConfig):
     def __post_init__(self):
         self.lora = LoraSection.coerce(self.lora)
 
+    def check(self, target: Optional[TargetShape] = None) -> None:
+        super().check(target)
+        if self.backbone_loss_weight < 0 or self.heads_weight <= 0 or self.heads_warmup < 0 or self.heads_lr_scale <= 0:
+            raise UserError("drafter.backbone_loss_weight must be >= 0, heads_weight and heads_lr_scale > 0, heads_warmup >= 0")
+        self.lora.check()
+
 
 @register
 class Medusa2(Medusa):
@@ -65,15 +72,13 @@ class Medusa2(Medusa):
 
     def __init__(self, config: Medusa2Config, target: TargetShape):
         super().__init__(config, target)
-        if config.backbone_loss_weight < 0 or config.heads_weight <= 0 or config.heads_warmup < 0 or config.heads_lr_scale <= 0:
-            raise UserError("drafter.backbone_loss_weight must be >= 0, heads_weight and heads_lr_scale > 0, heads_warmup >= 0")
         self.backbone: Optional[torch.nn.Module] = None  # the adapted target: see attach_target
         self.register_buffer("forward_calls", torch.zeros((), dtype=torch.long))  # drives the heads' ramp; resumes with the run
         self._register_state_dict_hook(_without_target_weights)
         self.register_load_state_dict_post_hook(_target_weights_not_missing)
 
     @classmethod
-    def from_target(cls, config: Medusa2Config, target_model, name_or_path: str) -> "Medusa2":
+    def from_target(cls, config: Medusa2Config, target_model, name_or_path: str) -> Medusa2:
         drafter = super().from_target(config, target_model, name_or_path)
         drafter.attach_target(target_model)
         return drafter
@@ -88,18 +93,21 @@ class Medusa2(Medusa):
         try:
             self.backbone = get_peft_model(backbone, self.config.lora.peft_config())
         except ValueError as err:  # e.g. target_modules that the target does not have
-            raise UserError(f"drafter.lora does not fit {type(target_model).__name__}: {' '.join(str(err).split())[:300]}") from None
+            raise UserError(f"drafter.lora does not fit {type(target_model).__name__}: {one_line(err)}") from None
 
     def adapted_target(self) -> torch.nn.Module:
         if self.backbone is None:
             raise RuntimeError("the Medusa-2 drafter has no target: load it with load_drafter(..., target_model=target)")
         return self.backbone.get_base_model()  # the target's own class with LoRA layers inside
 
-    def verifier(self, target_model):
-        return self.adapted_target()
+    def proposer(self, temperature: float = 0.0) -> MedusaProposer:
+        """Medusa decoding, verified by the adapted target (the heads read *its* hidden states)."""
+        proposer = MedusaProposer(self)
+        proposer.verifier = self.adapted_target()
+        return proposer
 
-    @property
-    def features(self) -> FeatureRequest:
+    @classmethod
+    def features(cls, config: Medusa2Config, target: TargetShape) -> FeatureRequest:
         return FeatureRequest(final=False, logits=True)  # the original target's distribution, the backbone's teacher
 
     def param_groups(self):
@@ -115,9 +123,7 @@ class Medusa2(Medusa):
 
     def loss(self, batch: dict, target_out: TargetOutput):
         input_ids = batch["input_ids"]
-        out = self.adapted_target()(
-            input_ids=input_ids, attention_mask=batch["attention_mask"], output_hidden_states=True, return_dict=True
-        )
+        out = self.adapted_target()(input_ids=input_ids, attention_mask=batch["attention_mask"], output_hidden_states=True, return_dict=True)
         heads_loss, stats = self.heads_loss(batch, out.hidden_states[-1])
 
         # The backbone keeps the original target's next-token distribution wherever a token is supervised.

@@ -1,5 +1,10 @@
-"""Shared fixtures: the reference target, a small mixed-domain slice of the corpus, and a runner
-for the real entry points as subprocesses (the way users call them)."""
+"""Shared fixtures: the demo target (a copy of the shared reference target), a small mixed-domain
+slice of the demo data, a runner for the real entry points as subprocesses (the way users call
+them), and `one_thread` for tests of tiny models.
+
+Tiers: `python -m pytest -q -m "not slow"` is the fast edit-test loop; `python -m pytest -q` (CI) runs
+everything, the real processes and the engine included."""
+
 from __future__ import annotations
 
 import gzip
@@ -10,25 +15,40 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED = Path(os.environ.get("DRAFTSMITH_SHARED", REPO.parent / "shared"))
-REFERENCE_TARGET = SHARED / "models" / "reference-target"
-CORPUS = SHARED / "data" / "corpus"
+DEMO = REPO / "demo"
+REFERENCE_TARGET = DEMO / "target"  # a copy of shared/models/reference-target (demo/README.md)
 DOMAINS = ("code", "docs", "math", "packages")
 
 
 def corpus_slice(path: Path, split: str, per_domain: int) -> Path:
-    """First `per_domain` records of each domain's split, interleaved, as one jsonl file."""
-    rows = []
-    for domain in DOMAINS:
-        with gzip.open(CORPUS / f"{domain}.{split}.jsonl.gz", "rt") as f:
-            rows.append([json.loads(line) for _, line in zip(range(per_domain), f)])
+    """First `per_domain` records of each domain of the demo's `split` (train or eval; the demo holds
+    the first records of each domain of the shared corpus), interleaved, as one jsonl file."""
+    by_domain: dict[str, list[dict]] = {domain: [] for domain in DOMAINS}
+    with gzip.open(DEMO / "data" / f"{split}.jsonl.gz", "rt") as f:
+        for line in f:
+            row = json.loads(line)
+            if len(by_domain[row["domain"]]) < per_domain:
+                by_domain[row["domain"]].append(row)
     with open(path, "w") as f:
-        for group in zip(*rows):
+        for group in zip(*by_domain.values()):
             for row in group:
                 f.write(json.dumps(row) + "\n")
     return path
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run several times faster on one thread (no pool wake-ups per op); on a shared
+    2-core CPU, OpenMP threads spinning against other jobs make each forward many times slower.
+    Module-wide (`pytestmark = pytest.mark.usefixtures("one_thread")`), so module fixtures that fit
+    a model run on one thread too."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +63,37 @@ def small_data(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def token_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("token_cache")
+
+
+def read_log(output_dir: Path) -> dict[int, dict]:
+    """log.jsonl rows by step; a resumed run appends, so the last row of a step wins."""
+    rows: dict[int, dict] = {}
+    for line in (output_dir / "log.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        rows[row["step"]] = {**rows.get(row["step"], {}), **row}
+    return rows
+
+
+def train_in_process(args: list[str]) -> tuple[Path, object]:
+    """Run what `train.py args` runs (training, then the eval stage) in this process; return the final
+    checkpoint directory and the target the drafter trained against (to check it stays frozen)."""
+    import draftsmith.trainer.loop as loop
+    from draftsmith.cli import train_main
+    from draftsmith.recipe import load_recipe
+
+    captured = {}
+    real_load_target = loop.load_target
+
+    def capture(*a, **k):
+        captured["target"] = real_load_target(*a, **k)
+        return captured["target"]
+
+    loop.load_target = capture
+    try:
+        train_main(args)
+    finally:
+        loop.load_target = real_load_target
+    return Path(load_recipe(args).output_dir) / "final", captured["target"]
 
 
 def run_entry(args: list[str], cwd: Path = REPO, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:

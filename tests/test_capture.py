@@ -1,6 +1,7 @@
 """Feature capture (data_prep.capture) and its reader (data_prep.features) on the reference target:
 stored features equal a fresh forward within storage precision, a killed capture resumes without
 redoing finished shards, two ranks write one capture, and bad input is a one-line error."""
+
 from __future__ import annotations
 
 import json
@@ -12,28 +13,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from data_prep import load_conversations, tokenize_conversations
-from data_prep import capture as capture_module
-from data_prep.capture import CaptureResult, capture, main
-from data_prep.features import FeatureCollator, expected_features, open_features
+from draftsmith.data_prep import capture as capture_module
+from draftsmith.data_prep import load_conversations, tokenize_conversations
+from draftsmith.data_prep.capture import CaptureResult, capture, main
+from draftsmith.data_prep.features import SCHEMA_VERSION, FeatureCollator, expected_features, open_features
 from draftsmith.errors import UserError, run_cli
 from draftsmith.recipe import load_recipe
-from draftsmith.target import FeatureRequest, load_target, load_tokenizer, run_target
+from draftsmith.target import FeatureRequest, TargetShape, load_target, load_tokenizer, run_target
 from tests.conftest import REFERENCE_TARGET, corpus_slice, run_entry
 
 LAYERS = (-1, 0, 2)  # embeddings and two decoder layers of the 4-layer reference target
 TOPK = 8
 EVERYTHING = FeatureRequest(final=True, layers=LAYERS, logits=True)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The forwards here are tiny; on a shared CPU, OpenMP threads spinning against other jobs make
-    each one ~30x slower than a single thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +93,7 @@ def assert_stored(stored: torch.Tensor, fresh: torch.Tensor, dtype: str) -> None
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float8"])
 def test_features_equal_a_fresh_forward_within_storage_precision(captures, reference, dtype):
     data, target = reference
-    store = open_features(captures[dtype].directory, expect=expected_features(target, str(REFERENCE_TARGET), EVERYTHING))
+    store = open_features(captures[dtype].directory, expect=expected_features(TargetShape.of(target, str(REFERENCE_TARGET)), EVERYTHING))
     assert len(store) == len(data) == 8
     for i, row in enumerate(data):
         item = store[i]
@@ -120,7 +113,7 @@ def test_features_equal_a_fresh_forward_within_storage_precision(captures, refer
 def test_manifest_records_the_capture_and_fp8_is_smallest(captures):
     manifests = {dtype: result.manifest for dtype, result in captures.items()}
     bf16 = manifests["bfloat16"]
-    assert bf16["schema_version"] == 1 and bf16["layers"] == list(LAYERS) and bf16["topk"] == TOPK
+    assert bf16["schema_version"] == SCHEMA_VERSION and bf16["layers"] == list(LAYERS) and bf16["topk"] == TOPK
     assert bf16["target"]["hidden_size"] == 256 and bf16["target"]["num_hidden_layers"] == 4
     assert "hidden_states[i + 1]" in bf16["layer_convention"]
     stored = {"input_ids", "loss_mask", "offsets", "final", "layer_-1", "layer_0", "layer_2", "topk_ids", "topk_logprobs"}
@@ -219,8 +212,16 @@ def test_two_ranks_write_their_own_shards_and_one_manifest(tmp_path, conversatio
     single = run_capture(tmp_path / "single", conversations, "data.capture.shard_tokens=150")
     output = tmp_path / "ddp"
     result = run_entry(
-        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "data_prep.capture", *capture_args(output, conversations, "data.capture.shard_tokens=150")],
+        [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "data_prep.capture",
+            *capture_args(output, conversations, "data.capture.shard_tokens=150"),
+        ],
         timeout=300,
         env={"OMP_NUM_THREADS": "1"},
     )
@@ -243,12 +244,10 @@ def test_features_from_another_target_or_layer_set_are_refused(tmp_path, capture
     from transformers import LlamaConfig, LlamaForCausalLM
 
     directory = captures["bfloat16"].directory
-    other = LlamaForCausalLM(
-        LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, vocab_size=4096)
-    )
-    mismatch = r"captured from target .*reference-target \(hidden_size=256.* recipe's target is tiny \(hidden_size=64"
+    other = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, vocab_size=4096))
+    mismatch = r"captured from target .*/target \(hidden_size=256.* recipe's target is tiny \(hidden_size=64"
     with pytest.raises(UserError, match=mismatch):
-        open_features(directory, expect=expected_features(other, "tiny", FeatureRequest(final=True)))
+        open_features(directory, expect=expected_features(TargetShape.of(other, "tiny"), FeatureRequest(final=True)))
     with pytest.raises(UserError, match=r"hold layers \[-1, 0, 2\] but the drafter needs \[1, 2\]"):
         open_features(directory, expect={"layers": [1, 2]})
     # A drafter that distils from the target's distribution cannot train on a capture without one.

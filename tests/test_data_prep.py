@@ -1,4 +1,5 @@
 """data_prep: reading conversations, chat-template loss masks, the tokenized cache, the collator."""
+
 from __future__ import annotations
 
 import gzip
@@ -13,7 +14,7 @@ import pytest
 import torch
 from tokenizers import processors
 
-from data_prep import (
+from draftsmith.data_prep import (
     Collator,
     domain_names,
     load_conversations,
@@ -21,7 +22,7 @@ from data_prep import (
     render_with_masks,
     tokenize_conversations,
 )
-from data_prep.dataset import cache_key
+from draftsmith.data_prep.dataset import cache_key
 from draftsmith.errors import UserError
 from draftsmith.target import load_tokenizer
 
@@ -288,7 +289,7 @@ def test_fingerprint_is_stable_across_processes_and_follows_the_file(tmp_path, i
     path = write_jsonl(tmp_path / "chats.jsonl", RECORDS)
     fingerprint = load_conversations([str(path)])._fingerprint
     assert load_conversations([str(path)])._fingerprint == fingerprint
-    script = f"from data_prep import load_conversations; print(load_conversations([{str(path)!r}])._fingerprint)"
+    script = f"from draftsmith.data_prep import load_conversations; print(load_conversations([{str(path)!r}])._fingerprint)"
     env = {**os.environ, "HF_DATASETS_CACHE": isolated_datasets_cache}
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == fingerprint
@@ -303,7 +304,7 @@ def test_fingerprint_is_stable_across_processes_and_follows_the_file(tmp_path, i
 def test_tokenized_dataset_carries_domains(tmp_path, reference_tokenizer):
     conversations = load_conversations([str(write_jsonl(tmp_path / "c.jsonl", RECORDS))])
     tokenized = tokenize_conversations(conversations, reference_tokenizer, max_length=512, cache_dir=str(tmp_path / "cache"))
-    assert tokenized.column_names == ["input_ids", "loss_mask", "domain", "length"]
+    assert tokenized.column_names == ["input_ids", "loss_mask", "domain", "length", "sample"]
     assert list(tokenized["domain"]) == ["geo", "default"]
     assert domain_names(tokenized) == ["default", "geo"]
     ids, mask = render_with_masks(reference_tokenizer, CONVERSATION)

@@ -1,6 +1,7 @@
 """The draft_model drafter: built from the target's first layers, the distillation losses by hand,
 LoRA training through the real trainer, lossless decoding (greedy and exact sampling with the
 draft's own q), the vocabulary check; and data_prep.regenerate's resumable output."""
+
 from __future__ import annotations
 
 import gzip
@@ -12,16 +13,18 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.errors import UserError
+from draftsmith.eval.loop import Sampling, generate
+from draftsmith.heads import drafter_class
+from draftsmith.heads.base import TargetShape, load_drafter
+from draftsmith.heads.distill import distill_loss, divergences, forward_kl, reverse_kl, total_variation
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target
-from eval.loop import Sampling, generate
-from heads import drafter_class
-from heads.base import TargetShape, load_drafter
-from heads.distill import distill_loss, divergences, forward_kl, reverse_kl, total_variation
-from tests.conftest import REFERENCE_TARGET
-from tests.test_eval import NEW, SAMPLES, VOCAB, chi_square_pvalue, exact_conditionals, exact_joint, one_thread, tiny_llama  # noqa: F401
+from tests.conftest import REFERENCE_TARGET, train_in_process
+from tests.test_eval import NEW, SAMPLES, VOCAB, chi_square_pvalue, exact_conditionals, exact_joint, tiny_llama
 
 DraftModel = drafter_class("draft_model")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def perturbed_draft(target, num_layers: int = 1, noise: float = 0.05, seed: int = 0):
@@ -56,7 +59,9 @@ def test_layers_init_reproduces_the_targets_first_layers(tmp_path):
 def test_a_tied_lm_head_saves_and_loads(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True
+    )
     target = LlamaForCausalLM(config).eval()
     drafter = DraftModel.from_target(DraftModel.Config(num_layers=1), target, "tied")
     drafter.save_pretrained(tmp_path)  # safetensors refuses shared memory unless the copy is untied
@@ -105,8 +110,7 @@ def test_distillation_losses_by_hand():
 def test_lora_training_moves_only_adapters_and_the_merged_model_matches(tmp_path, small_data, token_cache):
     from peft import PeftModel
 
-    from heads.draft_model import ADAPTER_DIR, layers_of
-    from trainer.loop import train
+    from draftsmith.heads.draft_model import ADAPTER_DIR, layers_of
 
     recipe = tmp_path / "lora.yaml"
     recipe.write_text(
@@ -114,11 +118,10 @@ def test_lora_training_moves_only_adapters_and_the_merged_model_matches(tmp_path
         f"target: {{name_or_path: '{REFERENCE_TARGET}'}}\n"
         f"output_dir: '{tmp_path / 'run'}'\n"
     )
-    cfg = load_recipe([
+    final, _ = train_in_process([
         f"recipe={recipe}", f"data.train=[{small_data['train']}]", f"data.cache_dir={token_cache}", "data.max_length=64",
         "data.max_conversations=8", "train.micro_batch_size=4", "train.max_steps=2", "train.lr=1e-2", "eval.enabled=false",
     ])  # fmt: skip
-    final = train(cfg)
 
     target = load_target(str(REFERENCE_TARGET))
     original = layers_of(target, DraftModel.Config(num_layers=1)).state_dict()
@@ -142,7 +145,7 @@ def test_lora_training_moves_only_adapters_and_the_merged_model_matches(tmp_path
 # -- decoding is lossless -------------------------------------------------------------------------
 def test_greedy_speculative_equals_plain():
     target = tiny_llama(layers=2)
-    drafter = perturbed_draft(target)  # one instance across prompts: its cache must reset itself
+    drafter = perturbed_draft(target).proposer()  # one instance across prompts: its cache must reset itself
     generator = torch.Generator().manual_seed(1)
     accepted = drafted = 0
     for length in (5, 11, 17):
@@ -150,20 +153,17 @@ def test_greedy_speculative_equals_plain():
         plain = generate(target, prompt, 40)
         fast = generate(target, prompt, 40, drafter, gamma=4)
         assert fast.tokens == plain.tokens
-        accepted, drafted = accepted + fast.accepted, drafted + fast.drafted
+        accepted, drafted = accepted + fast.counts.accepted, drafted + fast.counts.drafted
     assert 0 < accepted < drafted  # both acceptances and rejections (cache rollback) were exercised
 
 
 def test_train_then_eval_a_draft_recipe_is_lossless(tmp_path, small_data, token_cache):
-    from trainer.loop import train
-
-    cfg = load_recipe([
+    train_in_process([
         "recipe=draft", f"target.name_or_path={REFERENCE_TARGET}", f"data.train=[{small_data['train']}]",
         f"data.eval=[{small_data['eval']}]", f"data.cache_dir={token_cache}", "data.max_length=64", "data.max_conversations=8",
         "train.micro_batch_size=4", "train.max_steps=2", "train.save_every=0", "eval.max_prompts=1", "eval.max_new_tokens=8",
         f"output_dir={tmp_path}",
     ])  # fmt: skip
-    train(cfg)
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert report["drafter"]["type"] == "draft_model"
     assert all(rows["chain"]["lossless"] for rows in report["domains"].values())
@@ -173,14 +173,13 @@ def test_train_then_eval_a_draft_recipe_is_lossless(tmp_path, small_data, token_
 
 def test_sampling_with_the_drafts_own_q_matches_the_target_distribution():
     target = tiny_llama(vocab=VOCAB, hidden=16, layers=2, seed=5, logit_scale=8.0)
-    drafter = perturbed_draft(target, noise=0.3)
-    drafter.set_sampling(1.0)  # what the eval does for a sampled run
+    drafter = perturbed_draft(target, noise=0.3).proposer(1.0)  # what the eval builds for a sampled run
     prompt, sampling = [1, 5, 2, 7], Sampling(1.0)
     counts, accepted = torch.zeros(VOCAB, VOCAB, VOCAB), 0
     for seed in range(SAMPLES):
         out = generate(target, prompt, NEW, drafter, gamma=2, sampling=sampling, seed=seed)
         counts[tuple(out.tokens)] += 1
-        accepted += out.accepted
+        accepted += out.counts.accepted
     assert 0.1 * SAMPLES < accepted < 1.9 * SAMPLES  # both acceptances and rejections were exercised
     pvalue = chi_square_pvalue(counts, exact_joint(exact_conditionals(target, prompt, sampling)))
     assert pvalue > 1e-3, f"p={pvalue:.2e}"
@@ -204,8 +203,8 @@ class CountingTarget:
 
 
 def test_regeneration_resumes_without_redoing_finished_conversations(tmp_path, small_data):
-    from data_prep import load_conversations
-    from data_prep.regenerate import SETTINGS_NAME, regenerate
+    from draftsmith.data_prep import load_conversations
+    from draftsmith.data_prep.regenerate import SETTINGS_NAME, regenerate
     from draftsmith.target import load_tokenizer
 
     def recipe(output, *extra):
@@ -252,6 +251,4 @@ def test_regenerate_cli_reports_bad_input_in_one_line(tmp_path):
     from tests.conftest import run_entry
 
     done = run_entry(["-m", "data_prep.regenerate", "recipe=draft", "data.regenerate.batch_size=0", f"output_dir={tmp_path}"])
-    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
-        "error: data.regenerate.batch_size and max_new_tokens must be at least 1 (got 0, 256)"
-    ]
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == ["error: data.regenerate.batch_size=0 and max_new_tokens=256 must be >= 1"]

@@ -3,6 +3,7 @@ attention and features at every draft depth), the loss scores each step against 
 distribution, the draft vocabulary (d2t/t2d) is picked from the data and survives the checkpoint,
 speculative decoding stays lossless with its own cache, and the real trainer (online and from
 captured shards) lowers the loss while the target stays frozen."""
+
 from __future__ import annotations
 
 import json
@@ -12,12 +13,12 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.errors import UserError
+from draftsmith.eval.loop import prefill
+from draftsmith.heads import drafter_class, load_drafter
+from draftsmith.heads.base import DynamicTree, TargetShape
 from draftsmith.recipe import load_recipe
 from draftsmith.target import run_target
-from eval.loop import prefill
-from heads import drafter_class, load_drafter
-from heads.base import DynamicTree, TargetShape
-from tests.conftest import run_entry, train_args
+from tests.conftest import run_entry, train_args, train_in_process
 from tests.test_eagle import TINY_VOCAB, assert_cache_rollback, assert_greedy_equals_plain, fitted_eagle
 from tests.test_eval import tiny_llama
 
@@ -25,13 +26,7 @@ Eagle3 = drafter_class("eagle3")
 DRAFT_VOCAB = 24  # of TINY_VOCAB = 32: pruned, so d2t/t2d are in play everywhere below
 TINY = {"drafter_type": "eagle3", "aux_layers": [-1, 0, 1], "draft_vocab_size": DRAFT_VOCAB, "ttt_steps": 4}
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +61,7 @@ def chain_logits(drafter, state, depth: int) -> tuple[torch.Tensor, list[torch.T
 
     drafter.draft_logits = record
     try:
-        chain = drafter.propose(state, depth)
+        chain = drafter.proposer().propose(state, depth)
     finally:
         del drafter.draft_logits
     return chain.tokens, recorded
@@ -82,11 +77,11 @@ def test_training_time_test_equals_decoding(model, drafter, n):
     generator = torch.Generator().manual_seed(n)
     prefix = torch.randint(3, TINY_VOCAB, (n,), generator=generator)
     steps = drafter.config.ttt_steps
-    tokens, decoded = chain_logits(drafter, prefill(model, prefix.tolist(), drafter.features).draft_state(), steps)
+    tokens, decoded = chain_logits(drafter, prefill(model, prefix.tolist(), drafter.request).draft_state(), steps)
     assert set(tokens.tolist()) <= set(drafter.draft_ids().tolist())  # proposals are target ids of draft tokens
     text = torch.cat([prefix, tokens, torch.randint(3, TINY_VOCAB, (3,), generator=generator)])[None]
     with torch.no_grad():
-        outputs = drafter.unroll(text, run_target(model, text, request=drafter.features).layers)
+        outputs = drafter.unroll(text, run_target(model, text, request=drafter.request).layers)
         for step in range(steps):
             trained = drafter.draft_logits(outputs[step][0, n - 2])
             torch.testing.assert_close(trained, decoded[step], rtol=1e-4, atol=1e-4, msg=f"step {step}")
@@ -97,7 +92,7 @@ def test_loss_scores_step_i_against_the_target_distribution_of_its_token(model, 
     distribution after x_0..x_{j-1} (its logits at j-1), renormalised over the draft vocabulary."""
     generator = torch.Generator().manual_seed(9)
     text = torch.randint(3, TINY_VOCAB, (1, 16), generator=generator)
-    target_out = run_target(model, text, request=drafter.features)
+    target_out = run_target(model, text, request=drafter.request)
     # Make sure x_j's target argmax is in the draft vocabulary, so every step scores it.
     j = next(j for j in range(10, 16) if drafter.t2d[target_out.logits[0, j - 1].argmax()])
     loss_mask = torch.zeros_like(text)
@@ -120,7 +115,7 @@ def test_loss_scores_step_i_against_the_target_distribution_of_its_token(model, 
 def test_target_argmax_outside_the_draft_vocabulary_is_a_miss_and_not_in_the_loss(model, drafter):
     generator = torch.Generator().manual_seed(3)
     text = torch.randint(3, TINY_VOCAB, (4, 24), generator=generator)
-    target_out = run_target(model, text, request=drafter.features)
+    target_out = run_target(model, text, request=drafter.request)
     _, stats = drafter({"input_ids": text, "loss_mask": torch.ones_like(text)}, target_out)
     in_vocab = drafter.t2d[target_out.logits[:, 1:-1].argmax(-1)].float()  # step 1 scores logits 1..T-2
     assert 0 < in_vocab.mean() < 1  # both kinds occur
@@ -142,7 +137,7 @@ def test_prepare_keeps_the_most_frequent_loss_tokens_ties_by_id(model):
     assert drafter.d2t.tolist() == [4, 4, 4, 6]  # target id = draft id + d2t[draft id]
     assert drafter.t2d.nonzero().flatten().tolist() == [4, 5, 6, 9]
     assert torch.equal(drafter.lm_head.weight, model.lm_head.weight[[4, 5, 6, 9]])
-    assert drafter.vocab_coverage == pytest.approx(9 / 13)
+    assert drafter.learned["draft_vocab_coverage"] == pytest.approx(9 / 13)
 
     class Store:  # a FeatureStore hands over tokens without features
         def token_rows(self):
@@ -171,10 +166,10 @@ def test_checkpoint_round_trips_the_draft_vocabulary(model, drafter, tmp_path):
 
     loaded = load_drafter(tmp_path / "eagle3", TargetShape.of(model, "tiny"), model).eval()
     assert torch.equal(loaded.d2t, drafter.d2t) and torch.equal(loaded.t2d, drafter.t2d)
-    assert loaded.vocab_coverage == drafter.vocab_coverage
-    state = prefill(model, [5, 9, 2, 7, 11], drafter.features).draft_state()
+    assert loaded.learned == drafter.learned
+    state = prefill(model, [5, 9, 2, 7, 11], drafter.request).draft_state()
     for tree in (None, DynamicTree(nodes=10, depth=4, topk=3)):
-        mine, theirs = drafter.propose(state, 4, tree), loaded.propose(state, 4, tree)
+        mine, theirs = drafter.proposer().propose(state, 4, tree), loaded.proposer().propose(state, 4, tree)
         assert torch.equal(mine.tokens, theirs.tokens) and torch.equal(mine.parents, theirs.parents)
 
 
@@ -204,7 +199,7 @@ def test_aux_layers_default_and_bad_values():
     deep = tiny_llama(vocab=16, hidden=16, layers=12)
     drafter = Eagle3.from_target(Eagle3.Config(), deep, "deep")
     assert drafter.config.aux_layers == [1, 5, 8]  # vLLM's [2, L//2, L-3] = ours + 1
-    assert drafter.features.layers == (1, 5, 8) and not drafter.features.final and drafter.features.logits
+    assert drafter.request.layers == (1, 5, 8) and not drafter.request.final and drafter.request.logits
     shallow = tiny_llama(vocab=16, hidden=16, layers=4)
     with pytest.raises(UserError, match=r"default aux layers .* \[1, 1, 0\].*set drafter.aux_layers"):
         Eagle3.from_target(Eagle3.Config(), shallow, "shallow")
@@ -217,11 +212,10 @@ def test_aux_layers_default_and_bad_values():
 # -- the real trainer -----------------------------------------------------------------------------
 @pytest.mark.slow
 def test_real_trainer_lowers_the_loss_and_saves_the_draft_vocabulary(tmp_path, small_data, token_cache):
-    from trainer.loop import train
 
     output_dir = tmp_path / "run"
     args = train_args(output_dir, small_data, token_cache, "train.max_steps=16", "train.lr=3e-3", "data.max_length=96")
-    train(load_recipe(["recipe=eagle3", *args[1:], "drafter.draft_vocab_size=1024", "drafter.ttt_steps=3"]))
+    train_in_process(["recipe=eagle3", *args[1:], "drafter.draft_vocab_size=1024", "drafter.ttt_steps=3"])
 
     log = {row["step"]: row for row in map(json.loads, (output_dir / "log.jsonl").read_text().splitlines()) if "train/loss" in row}
     assert sum(log[step]["train/loss"] for step in range(13, 17)) / 4 < 0.8 * log[1]["train/loss"]
@@ -234,15 +228,14 @@ def test_real_trainer_lowers_the_loss_and_saves_the_draft_vocabulary(tmp_path, s
     weights = load_file(str(final / "model.safetensors"))
     assert weights["lm_head.weight"].shape[0] == 1024 and int(weights["t2d"].sum()) == 1024
     config = json.loads((final / "config.json").read_text())
-    assert config["drafter"]["aux_layers"] == [0, 1, 2] and 0.5 < config["draft_vocab_coverage"] <= 1
+    assert config["drafter"]["aux_layers"] == [0, 1, 2] and 0.5 < config["learned"]["draft_vocab_coverage"] <= 1
 
 
 @pytest.mark.slow
 def test_training_from_captured_shards(tmp_path, small_data, token_cache):
     """Capture stores exactly the aux layers and the top-k distribution; training reads them; a
     capture of other layers is refused in one line (exit 2)."""
-    from data_prep.capture import capture
-    from trainer.loop import train
+    from draftsmith.data_prep.capture import capture
 
     features = tmp_path / "features"
     quick = ["data.max_conversations=8", "data.max_length=96", "drafter.ttt_steps=2", "drafter.draft_vocab_size=512"]
@@ -251,7 +244,7 @@ def test_training_from_captured_shards(tmp_path, small_data, token_cache):
     manifest = json.loads((features / "manifest.json").read_text())
     assert manifest["layers"] == [0, 1, 2] and not manifest["final"] and manifest["logits"] == "topk"
 
-    train(load_recipe([*args, "train.max_steps=2", f"data.features={features}"]))
+    train_in_process([*args, "train.max_steps=2", f"data.features={features}"])
     assert '"train/step2/top1"' in (tmp_path / "run" / "log.jsonl").read_text()
     assert int(load_file(str(tmp_path / "run" / "final" / "model.safetensors"))["t2d"].sum()) == 512
 

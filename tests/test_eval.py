@@ -1,6 +1,7 @@
 """The draft-verify loop: greedy losslessness (chain, tree, n-gram), KV-cache rollback, the tree
 mask, the exactness of speculative sampling (chi-square against the target's exact distribution),
 and the report / CLI."""
+
 from __future__ import annotations
 
 import json
@@ -11,23 +12,16 @@ from scipy import stats
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.errors import UserError
+from draftsmith.eval.loop import Sampling, exact_rule, generate, prefill, propose, tree_attention_mask, tree_depths, verify_step
+from draftsmith.eval.ngram import NGramDrafter
+from draftsmith.eval.report import run_eval
+from draftsmith.heads import drafter_class
+from draftsmith.heads.base import DraftState, DraftTree
 from draftsmith.recipe import load_recipe
 from draftsmith.target import FeatureRequest, load_target
-from eval.loop import Sampling, exact_rule, generate, prefill, propose, tree_attention_mask, tree_depths, verify_step
-from eval.ngram import NGramDrafter
-from eval.report import run_eval
-from heads import drafter_class
-from heads.base import DraftState, DraftTree
 from tests.conftest import DOMAINS, REFERENCE_TARGET, run_entry
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run several times faster on one thread (no pool wake-ups per op)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_llama(vocab: int = 96, hidden: int = 48, layers: int = 2, seed: int = 0, attn: str = "sdpa", logit_scale: float = 1.0):
@@ -111,9 +105,9 @@ def test_greedy_speculative_equals_plain(model, prompts, kind):
     new_tokens, totals = 48, {"drafted": 0, "accepted": 0}
     for number, prompt in enumerate(prompts):
         plain = generate(model, prompt, new_tokens)
-        assert plain.target_forwards == plain.new_tokens == new_tokens
+        assert plain.counts.target_forwards == plain.counts.new_tokens == new_tokens
         if kind.startswith("medusa"):
-            drafter = perturbed_medusa(model, seed=number)
+            drafter = perturbed_medusa(model, seed=number).proposer()
             tree = drafter.default_tree(10) if kind == "medusa-tree" else None
         elif kind.startswith("oracle"):
             drafter = OracleDrafter(plain.tokens, len(prompt), 96, hit_rate=0.7, seed=number)
@@ -122,10 +116,10 @@ def test_greedy_speculative_equals_plain(model, prompts, kind):
             drafter, tree = NGramDrafter(3), None
         spec = generate(model, prompt, new_tokens, drafter, gamma=3, tree=tree)
         assert spec.tokens == plain.tokens, f"{kind} differs from plain greedy on prompt {number}"
-        assert spec.new_tokens == new_tokens
-        assert spec.accepted == sum(spec.accepted_at) <= spec.drafted
-        totals["drafted"] += spec.drafted
-        totals["accepted"] += spec.accepted
+        assert spec.counts.new_tokens == new_tokens
+        assert spec.counts.accepted == sum(spec.counts.accepted_at) <= spec.counts.drafted
+        totals["drafted"] += spec.counts.drafted
+        totals["accepted"] += spec.counts.accepted
     assert totals["accepted"] < totals["drafted"]  # rejections happened
     if kind.startswith("oracle") or kind == "ngram":
         assert totals["accepted"] > 0
@@ -153,7 +147,7 @@ def test_cache_after_many_cycles_equals_fresh_prefill(model, prompts):
         verdict = verify_step(model, state, draft, Sampling(), generator)
         gathered += verdict.path != list(range(len(verdict.path)))
     assert gathered >= 5
-    assert state.tokens[len(prompt):] == plain.tokens[: len(state.tokens) - len(prompt)]
+    assert state.tokens[len(prompt) :] == plain.tokens[: len(state.tokens) - len(prompt)]
     fresh = prefill(model, state.tokens)
     assert state.cache.get_seq_length() == fresh.cache.get_seq_length() == len(state.tokens) - 1
     for mine, theirs in zip(state.cache.layers, fresh.cache.layers):
@@ -284,7 +278,7 @@ def test_speculative_sampling_matches_target_distribution(small_model, case):
     for seed in range(SAMPLES):
         out = generate(small_model, prompt, NEW, drafter, gamma=2, tree=case["tree"], sampling=case["sampling"], seed=seed, rule=case["rule"])
         counts[tuple(out.tokens)] += 1
-        accepted += out.accepted
+        accepted += out.counts.accepted
     assert 0.1 * SAMPLES < accepted < 1.9 * SAMPLES  # both acceptances and rejections were exercised
     pvalue = chi_square_pvalue(counts, exact_joint(conditionals))
     if case["exact"]:
@@ -332,8 +326,19 @@ def eval_setup(tmp_path_factory, small_data):
 
 
 ROW_KEYS = {
-    "prompts", "new_tokens", "target_forwards", "drafted", "accepted", "alpha", "tau", "per_position",
-    "per_position_counts", "tokens_per_s", "wall_s", "speedup", "lossless",
+    "prompts",
+    "new_tokens",
+    "target_forwards",
+    "drafted",
+    "accepted",
+    "alpha",
+    "tau",
+    "per_position",
+    "per_position_counts",
+    "tokens_per_s",
+    "wall_s",
+    "speedup",
+    "lossless",
 }
 
 

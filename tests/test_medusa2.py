@@ -1,6 +1,7 @@
 """Medusa-2 on the reference target: heads and LoRA adapters train together while the target's own
 weights stay untouched (and shared, not copied); the checkpoint holds heads + adapters only; the
 eval verifies with the adapted target, losslessly; resume restores adapters and the heads' ramp."""
+
 from __future__ import annotations
 
 import json
@@ -10,58 +11,28 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REFERENCE_TARGET, run_entry, train_args
+from tests.conftest import REFERENCE_TARGET, read_log, run_entry, train_args, train_in_process
 
-pytestmark = pytest.mark.slow
-torch.set_num_threads(1)  # tiny forwards: a second OpenMP thread on 2 shared cores only slows them
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 def medusa2_args(output_dir: Path, data, cache, *extra: str) -> list[str]:
     # A faster-moving backbone than the recipe's, so 24 steps change the adapters measurably.
-    args = train_args(output_dir, data, cache, "drafter.heads_warmup=4", "train.lr=5e-4", "drafter.heads_lr_scale=4",
-                      "drafter.heads_weight=0.2", *extra)
+    args = train_args(output_dir, data, cache, "drafter.heads_warmup=4", "train.lr=5e-4", "drafter.heads_lr_scale=4", "drafter.heads_weight=0.2", *extra)
     args[0] = "recipe=medusa2"
     return args
-
-
-def read_log(output_dir: Path) -> dict[int, dict]:
-    rows: dict[int, dict] = {}
-    for line in (output_dir / "log.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        rows[row["step"]] = {**rows.get(row["step"], {}), **row}
-    return rows
-
-
-def train_in_process(args: list[str]):
-    """Run trainer.loop.train in this process and hand back the target it trained against."""
-    from draftsmith.recipe import load_recipe
-    import trainer.loop as loop
-
-    captured = {}
-    real_load_target = loop.load_target
-
-    def capture(*a, **k):
-        captured["target"] = real_load_target(*a, **k)
-        return captured["target"]
-
-    loop.load_target = capture
-    try:
-        loop.train(load_recipe(args))
-    finally:
-        loop.load_target = real_load_target
-    return captured["target"]
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, small_data, token_cache):
     output_dir = tmp_path_factory.mktemp("medusa2") / "run"
-    target = train_in_process(medusa2_args(output_dir, small_data, token_cache, "train.max_steps=24", "train.save_every=12"))
+    _, target = train_in_process(medusa2_args(output_dir, small_data, token_cache, "train.max_steps=24", "train.save_every=12"))
     return output_dir, target
 
 
 def load(output_dir: Path, target):
-    from heads import load_drafter
-    from heads.base import TargetShape
+    from draftsmith.heads import load_drafter
+    from draftsmith.heads.base import TargetShape
 
     return load_drafter(output_dir / "final", TargetShape.of(target, str(REFERENCE_TARGET)), target).eval()
 
@@ -91,7 +62,7 @@ def test_target_untouched_weights_shared_checkpoint_holds_heads_and_adapters(run
     assert int(saved["forward_calls"]) == 24
 
     drafter = load(output_dir, target)
-    adapted = drafter.verifier(target)
+    adapted = drafter.proposer().verifier
     assert adapted is not target
     # The adapted target reads the target's own tensors: no second copy of the weights.
     assert adapted.get_input_embeddings().weight.data_ptr() == target.get_input_embeddings().weight.data_ptr()
@@ -112,10 +83,19 @@ def test_target_untouched_weights_shared_checkpoint_holds_heads_and_adapters(run
 
 def test_eval_verifies_with_the_adapted_target_losslessly(run, small_data, tmp_path):
     output_dir, _ = run
-    result = run_entry([
-        "-m", "eval", "recipe=medusa2", f"target.name_or_path={REFERENCE_TARGET}", f"drafter.path={output_dir / 'final'}",
-        f"eval.data=[{small_data['eval']}]", "eval.max_prompts=2", "eval.max_new_tokens=24", f"output_dir={tmp_path}",
-    ])
+    result = run_entry(
+        [
+            "-m",
+            "eval",
+            "recipe=medusa2",
+            f"target.name_or_path={REFERENCE_TARGET}",
+            f"drafter.path={output_dir / 'final'}",
+            f"eval.data=[{small_data['eval']}]",
+            "eval.max_prompts=2",
+            "eval.max_new_tokens=24",
+            f"output_dir={tmp_path}",
+        ]
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert "medusa2" in report["verifier"] and "adapters" in report["verifier"]

@@ -1,4 +1,5 @@
 """Training from captured shards (`data.features=<dir>`) sees the same batches as training online."""
+
 from __future__ import annotations
 
 import json
@@ -6,14 +7,14 @@ import json
 import pytest
 import torch
 
-from data_prep import Collator
-from data_prep.capture import capture
-from data_prep.features import FeatureCollator, open_features
+from draftsmith.data_prep import Collator, load_tokenized
+from draftsmith.data_prep.capture import capture
+from draftsmith.data_prep.features import FeatureCollator, open_features
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target, load_tokenizer, run_target
+from draftsmith.trainer.checkpoint import TrainerState
+from draftsmith.trainer.loop import micro_batches
 from tests.conftest import REFERENCE_TARGET, run_entry, train_args
-from trainer.checkpoint import TrainerState
-from trainer.loop import micro_batches, tokenized
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +32,7 @@ def test_offline_and_online_batches_match(captured, small_data, token_cache, tmp
     cfg = load_recipe(train_args(tmp_path, small_data, token_cache))
     tokenizer = load_tokenizer(str(REFERENCE_TARGET))
     target = load_target(str(REFERENCE_TARGET))
-    online = micro_batches(tokenized(cfg, cfg.data.train, tokenizer, "data.train"), Collator(tokenizer.pad_token_id), cfg, 1, 0, TrainerState())
+    online = micro_batches(load_tokenized(cfg, cfg.data.train, tokenizer, "data.train"), Collator(tokenizer.pad_token_id), cfg, 1, 0, TrainerState())
     store = open_features(captured)
     offline = micro_batches(store, FeatureCollator(tokenizer.pad_token_id), cfg, 1, 0, TrainerState())
     for _ in range(3):
@@ -54,4 +55,3 @@ def test_train_py_from_features(captured, small_data, token_cache, tmp_path):
     offline_loss = [json.loads(line)["train/loss"] for line in (out / "log.jsonl").read_text().splitlines() if '"train/loss"' in line]
     online_loss = [json.loads(line)["train/loss"] for line in (online_out / "log.jsonl").read_text().splitlines() if '"train/loss"' in line]
     assert offline_loss == pytest.approx(online_loss, rel=1e-3)  # same batches, features within float16
-

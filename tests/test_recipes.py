@@ -1,4 +1,5 @@
 """Recipes: every shipped recipe and launch config is valid; bad keys and values are one-line errors."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,11 +9,12 @@ import yaml
 from omegaconf import OmegaConf
 
 from draftsmith.errors import UserError
-from draftsmith.recipe import RECIPES_DIR, load_recipe, save_recipe
+from draftsmith.recipe import load_recipe, save_recipe
+from draftsmith.resources import recipes_dir
 from tests.conftest import REPO, run_entry
 
-SHIPPED = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
-LAUNCH_CONFIGS = sorted((RECIPES_DIR / "accelerate").glob("*.yaml"))
+SHIPPED = sorted(p.stem for p in recipes_dir().glob("*.yaml"))
+LAUNCH_CONFIGS = sorted((recipes_dir() / "accelerate").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -60,6 +62,62 @@ def test_bad_overrides_are_user_errors(override, fragment):
     assert fragment in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        # the cases a user hit: each used to fail late, be ignored, or end in a traceback
+        ("eval.num_speculative_tokens=9", "eval.num_speculative_tokens=9 but a medusa drafter with this config proposes at most 3 tokens"),
+        ("train.max_steps=-5", "train.max_steps=-5 must be >= 1, or -1"),
+        ("train.micro_batch_size=0", "train.micro_batch_size=0 must be >= 1"),
+        ("output_dir=/proc/xx", "output_dir='/proc/xx' cannot be created"),
+        # every section's ranges
+        ("train.lr=0", "train.lr=0.0 must be > 0"),
+        ("train.grad_accum=0", "train.grad_accum=0 must be >= 1"),
+        ("train.adam_betas=[0.9]", "train.adam_betas=[0.9] must be two values"),
+        ("train.max_nonfinite=-1", "train.max_nonfinite=-1 must be >= 0"),
+        ("data.max_length=2", "data.max_length=2 must be >= 3"),
+        ("data.max_conversations=0", "data.max_conversations=0 must be >= 1"),
+        ("data.capture.topk=0", "data.capture.topk=0"),
+        ("data.capture.layers=[-2]", "data.capture.layers=[-2]"),
+        ("data.regenerate.batch_size=0", "data.regenerate.batch_size=0"),
+        ("data.regenerate.top_p=1.5", "0 < top_p <= 1"),
+        ("eval.max_prompts=0", "eval.max_prompts=0 must be >= 1"),
+        ("eval.tree=-1", "eval.tree=-1 must be >= 0"),
+        ("eval.top_p=0", "0 < eval.top_p <= 1"),
+        ("eval.ngram_max=0", "eval.ngram_max=0 must be >= 1"),
+        ("eval.device=tpu", "eval.device='tpu' is not auto, cpu, cuda or cuda:N"),
+        # the drafter type's own check
+        ("drafter.num_heads=0", "drafter.num_heads must be >= 1"),
+        ("drafter.loss_weights=[1.0]", "drafter.loss_weights has 1 values for 3 heads"),
+    ],
+)
+def test_bad_values_are_refused_before_anything_runs(override, fragment):
+    with pytest.raises(UserError) as info:
+        load_recipe(["recipe=medusa", override])
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        # checked against the target's config.json (a local target: no weights are read)
+        (["recipe=eagle3", "drafter.aux_layers=[0,4]"], "layer id(s) [4] out of range for a target with 4 layers"),
+        (["recipe=eagle3", "drafter.aux_layers=null"], "default aux layers [1, L//2-1, L-4] = [1, 1, 0]"),
+        (["recipe=eagle3", "drafter.ttt_steps=0"], "drafter.ttt_steps must be >= 1"),
+        (["recipe=eagle", "drafter.num_layers=0"], "drafter.num_layers must be >= 1"),
+        (["recipe=eagle", "drafter.tree_topk=0"], "drafter.tree_depth and tree_topk must be >= 1"),
+        (["recipe=draft", "drafter.num_layers=9"], "drafter.num_layers=9 must be between 1 and the target's 4 layers"),
+        (["recipe=draft", "drafter.loss=kl"], "drafter.loss='kl' is not one of"),
+        (["recipe=medusa2", "drafter.lora.r=0"], "drafter.lora needs r >= 1"),
+        (["recipe=medusa2", "drafter.heads_weight=0"], "heads_weight and heads_lr_scale > 0"),
+    ],
+)
+def test_drafter_settings_are_checked_against_the_target_shape(args, fragment):
+    with pytest.raises(UserError) as info:
+        load_recipe(args)
+    assert fragment in str(info.value)
+
+
 def test_missing_required_value(tmp_path):
     recipe = tmp_path / "mine.yaml"
     recipe.write_text(yaml.safe_dump({"drafter": {"type": "medusa"}, "output_dir": "x"}))
@@ -75,6 +133,7 @@ def test_resolved_recipe_is_saved_and_reloads(tmp_path):
     assert OmegaConf.to_container(again) == OmegaConf.to_container(cfg)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args",
     [
@@ -82,17 +141,39 @@ def test_resolved_recipe_is_saved_and_reloads(tmp_path):
         ["recipe=does_not_exist"],
         ["train.lr=1"],
         ["recipe=medusa", "data.train=[/nonexistent/file.jsonl]"],
+        ["recipe=medusa", "eval.num_speculative_tokens=9"],
+        ["recipe=medusa", "train.micro_batch_size=0"],
     ],
-    ids=["unknown-key", "unknown-recipe", "no-recipe", "missing-data"],
+    ids=["unknown-key", "unknown-recipe", "no-recipe", "missing-data", "gamma-above-heads", "zero-batch"],
 )
 def test_train_py_bad_input_is_one_line_exit_2(tmp_path, args):
     out = tmp_path / "run"
     result = run_entry(["train.py", *args, f"output_dir={out}"], timeout=120)
+    assert_one_line_exit_2(result)
+    assert not out.exists(), "a failed start must not leave a half-written output_dir"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "entry, override",
+    [
+        (["-m", "data_prep.capture"], "data.capture.shard_tokens=0"),
+        (["-m", "data_prep.regenerate"], "data.regenerate.max_new_tokens=0"),
+        (["-m", "eval"], "eval.top_k=-1"),
+        (["train.py"], "output_dir=/proc/xx"),
+    ],
+)
+def test_every_entry_point_refuses_bad_settings_in_one_line(tmp_path, entry, override):
+    out = tmp_path / "run"
+    assert_one_line_exit_2(run_entry([*entry, "recipe=medusa", f"output_dir={out}", override], timeout=120))
+    assert not out.exists()
+
+
+def assert_one_line_exit_2(result) -> None:
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert "Traceback" not in result.stderr
-    assert not out.exists(), "a failed start must not leave a half-written output_dir"
 
 
 def test_online_and_features_are_exclusive():

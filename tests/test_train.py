@@ -1,5 +1,6 @@
 """The real train.py on the reference target: heads learn, the target stays frozen, checkpoints are
 complete, a killed run resumes into the same losses, and two processes train one set of heads."""
+
 from __future__ import annotations
 
 import json
@@ -7,47 +8,22 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REFERENCE_TARGET, REPO, run_entry, train_args
+from tests.conftest import REFERENCE_TARGET, REPO, read_log, run_entry, train_args, train_in_process
 
 pytestmark = pytest.mark.slow
-
-
-def read_log(output_dir: Path) -> dict[int, dict]:
-    """log.jsonl rows by step; a resumed run appends, so the last row of a step wins."""
-    rows = {}
-    for line in (output_dir / "log.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        rows[row["step"]] = {**rows.get(row["step"], {}), **row}
-    return rows
 
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory, small_data, token_cache):
     """One in-process training run, with the target captured to check it stays frozen."""
-    from draftsmith.recipe import load_recipe
-    import trainer.loop as loop
-
     output_dir = tmp_path_factory.mktemp("train") / "run"
-    captured = {}
-    real_load_target = loop.load_target
-
-    def capture(*args, **kwargs):
-        captured["target"] = real_load_target(*args, **kwargs)
-        return captured["target"]
-
-    cfg = load_recipe(train_args(output_dir, small_data, token_cache, "train.max_steps=40", "train.save_every=20"))
-    loop.load_target = capture
-    try:
-        loop.train(cfg)
-    finally:
-        loop.load_target = real_load_target
-    return output_dir, captured["target"]
+    _, target = train_in_process(train_args(output_dir, small_data, token_cache, "train.max_steps=40", "train.save_every=20"))
+    return output_dir, target
 
 
 def test_heads_learn_and_beat_untrained(trained_run):
@@ -79,7 +55,7 @@ def test_checkpoint_files_and_logs(trained_run):
     assert {"blocks.0.layers.0.weight", "blocks.0.layers.0.bias", "lm_heads.2.weight"} <= set(weights)
     assert any(w.abs().sum() > 0 for k, w in weights.items() if k.startswith("blocks.")), "blocks never trained"
     config = json.loads((final / "config.json").read_text())
-    assert config["target"]["hidden_size"] == 256 and config["drafter"]["head_accuracy"]["top1"][0] > 0
+    assert config["target"]["hidden_size"] == 256 and config["learned"]["eval_split_metrics"]["head1/top1"] > 0
     for step in (20, 40):
         ckpt = output_dir / "checkpoints" / f"step_{step:07d}"
         assert (ckpt / "trainer_state.json").is_file() and (ckpt / "drafter" / "model.safetensors").is_file()
@@ -98,7 +74,9 @@ def test_kill_and_resume_continues_the_same_run(tmp_path, small_data, token_cach
     killed = tmp_path / "killed"
     process = subprocess.Popen(
         [sys.executable, "train.py", *train_args(killed, small_data, token_cache, *steps)],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     checkpoint = killed / "checkpoints" / "step_0000004"
     deadline = time.time() + 300
@@ -127,21 +105,37 @@ def test_resume_true_picks_latest_and_finished_run_is_a_no_op(tmp_path, small_da
     again = run_entry(["train.py", *args, "train.resume=true"])
     assert again.returncode == 0, again.stderr[-2000:]
     assert "resumed from" in again.stdout and "step_0000004" in again.stdout
-    # Without train.resume the same directory holds a new run: nothing of the earlier one is resumed,
-    # pruned in its place or mixed into its log.
-    fresh = run_entry(["train.py", *args[:-2], "train.max_steps=2", "train.save_every=1"])
+    # Without train.resume the directory is refused (tests/test_reliability.py); with
+    # train.overwrite=true the earlier run is moved aside and nothing of it is resumed or mixed in.
+    fresh = run_entry(["train.py", *args[:-2], "train.max_steps=2", "train.save_every=1", "train.overwrite=true"])
     assert fresh.returncode == 0, fresh.stderr[-2000:]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000001", "step_0000002"]
     assert sorted(read_log(out)) == [1, 2]
+    (replaced,) = (out / "replaced").iterdir()
+    assert sorted(p.name for p in (replaced / "checkpoints").iterdir()) == ["step_0000002", "step_0000004"]
 
 
 def test_two_process_launch_trains_one_set_of_heads_on_different_data(tmp_path, small_data, token_cache):
     out = tmp_path / "ddp"
     result = run_entry(
         # --multi_gpu picks accelerate's torchrun launcher; with no GPU the trainer forms a gloo group.
-        ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-         "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29513",
-         "train.py", *train_args(out, small_data, token_cache, "train.max_steps=6")],
+        [
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            "29513",
+            "train.py",
+            *train_args(out, small_data, token_cache, "train.max_steps=6"),
+        ],  # fmt: skip
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,4 +1,6 @@
-"""The training loop on accelerate (trainer/loop.py) and its checkpoints (trainer/checkpoint.py)."""
-from trainer.loop import train
+"""The training loop on accelerate (trainer/loop.py), its checkpoints and output directory (trainer/checkpoint.py)."""
 
-__all__ = ["train"]
+from draftsmith.trainer.checkpoint import claim_output_dir
+from draftsmith.trainer.loop import train
+
+__all__ = ["claim_output_dir", "train"]

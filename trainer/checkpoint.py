@@ -1,21 +1,41 @@
-"""Checkpoints: `checkpoints/step_NNNNNNN/` holds accelerate's state (optimizer, scheduler, RNG of
-every rank; sharded correctly under DeepSpeed/FSDP), the portable drafter (`drafter/`, safetensors +
-config.json) and `trainer_state.json` (step and data position).
+"""Checkpoints and the output directory of a training run.
 
-A checkpoint is written under a `.tmp` name and renamed when complete, and `trainer_state.json` is
-its last file, so a run killed mid-save never leaves a checkpoint that resume would pick up.
+`checkpoints/step_NNNNNNN/` holds accelerate's state (optimizer, scheduler, RNG of every rank;
+sharded correctly under DeepSpeed/FSDP), the portable drafter (`drafter/`, safetensors + config.json)
+and `trainer_state.json` (step, data position, skipped steps). A checkpoint is written under a `.tmp`
+name and renamed when complete, and `trainer_state.json` is its last file, so a run killed mid-save
+never leaves a checkpoint that resume would pick up; a write that fails (a full disk) removes its
+partial copy and leaves the previous checkpoint as it was. `final/` is replaced the same way.
+
+The output directory is claimed before anything is written (`claim_output_dir`): locked against a
+second job, and refused when it holds another run unless the user says to continue it
+(`train.resume=true`) or to start over (`train.overwrite=true`, which moves the earlier run aside).
 """
+
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import logging
 import shutil
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-from draftsmith.errors import UserError
+from omegaconf import DictConfig
+from safetensors import SafetensorError
+
+from draftsmith.errors import UserError, one_line
+from draftsmith.outputs import held_by_main_process, move_aside
+from draftsmith.recipe import resolve_bool_or_path
+
+log = logging.getLogger("draftsmith.train")
 
 STATE_NAME = "trainer_state.json"
+# What a training run writes into its output directory: an earlier run is recognised by these.
+RUN_OUTPUTS = ["checkpoints", "final", "log.jsonl", "tb", "eval", "eval_accuracy.json", "run_summary.json", "recipe.yaml"]
 
 
 @dataclass
@@ -23,6 +43,7 @@ class TrainerState:
     step: int = 0  # optimizer steps done
     epoch: int = 0  # epoch the next micro-batch comes from
     batch_in_epoch: int = 0  # micro-batches of that epoch already consumed (per rank)
+    skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
 
 
 def checkpoint_dir(output_dir: Path, step: int) -> Path:
@@ -35,16 +56,50 @@ def save_checkpoint(accelerator, drafter, state: TrainerState, output_dir: Path,
     if accelerator.is_main_process and tmp.exists():
         shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    save_drafter(accelerator, drafter, tmp / "drafter")
+    with _writing(tmp, f"checkpoint for step {state.step}", output_dir):
+        accelerator.save_state(str(tmp))
+        save_drafter(accelerator, drafter, tmp / "drafter")
+        if accelerator.is_main_process:
+            (tmp / STATE_NAME).write_text(json.dumps(asdict(state), indent=2) + "\n")
     if accelerator.is_main_process:
-        (tmp / STATE_NAME).write_text(json.dumps(asdict(state), indent=2) + "\n")
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
         prune_checkpoints(output_dir, keep)
     accelerator.wait_for_everyone()
     return final
+
+
+def save_final(accelerator, drafter, directory: Path) -> None:
+    """The trained drafter alone, as eval and export read it, replacing any earlier `final/` in one rename."""
+    tmp = directory.with_name(directory.name + ".tmp")
+    if accelerator.is_main_process and tmp.exists():
+        shutil.rmtree(tmp)
+    with _writing(tmp, "final drafter", directory.parent):
+        save_drafter(accelerator, drafter, tmp)
+    if accelerator.is_main_process:
+        old = directory.with_name(directory.name + ".old")
+        if directory.exists():
+            directory.rename(old)
+        tmp.rename(directory)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _writing(tmp: Path, what: str, output_dir: Path) -> Iterator[None]:
+    """Turn a failed write (a full disk, a quota, permissions) into one line and remove the partial
+    copy. The writers report a full disk differently (OSError ENOSPC from Python, SafetensorError
+    from safetensors, RuntimeError from torch.save's zip writer), so the space left decides the reason."""
+    try:
+        yield
+    except (OSError, RuntimeError, SafetensorError) as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        found = completed_checkpoints(output_dir)
+        intact = f"the last complete checkpoint, {found[-1]}, is intact" if found else "no earlier checkpoint exists"
+        free = shutil.disk_usage(output_dir).free
+        full = getattr(err, "errno", None) == errno.ENOSPC or "No space left" in str(err) or free < 16 * 2**20
+        reason = f"no space left on device ({free / 2**20:.1f} MiB free)" if full else one_line(err)
+        raise UserError(f"could not write the {what} under {tmp.parent}: {reason}; {intact}") from None
 
 
 def save_drafter(accelerator, drafter, directory: Path) -> None:
@@ -68,8 +123,10 @@ def completed_checkpoints(output_dir: Path) -> list[Path]:
     return sorted(p for p in root.glob("step_*") if not p.name.endswith(".tmp") and (p / STATE_NAME).is_file())
 
 
-def find_resume_checkpoint(output_dir: Path, resume: Optional[str]) -> Optional[Path]:
-    """`latest` -> newest complete checkpoint in output_dir (None if there is none yet); else a path."""
+def resume_checkpoint(output_dir: Path, resume: Optional[str]) -> Optional[Path]:
+    """`train.resume`: true -> the newest complete checkpoint in output_dir (None if there is none
+    yet, so a scheduler can always pass it); a path -> that checkpoint; unset -> None."""
+    resume = resolve_bool_or_path(resume)
     if resume is None:
         return None
     if resume == "latest":
@@ -87,3 +144,32 @@ def load_checkpoint(accelerator, path: Path) -> TrainerState:
         return TrainerState(**json.loads((path / STATE_NAME).read_text()))
     except (json.JSONDecodeError, TypeError) as err:
         raise UserError(f"{path / STATE_NAME}: corrupt trainer state ({err})") from None
+
+
+def earlier_run(output_dir: Path) -> list[str]:
+    """The training outputs already in `output_dir` (empty for a fresh directory)."""
+    return [name for name in RUN_OUTPUTS if (output_dir / name).exists()]
+
+
+def check_earlier_run(cfg: DictConfig) -> None:
+    """Refuse to start a new run over an earlier one; with train.overwrite=true move it aside first."""
+    output_dir = Path(cfg.output_dir)
+    found = earlier_run(output_dir)
+    if not found or resolve_bool_or_path(cfg.train.resume) is not None:
+        return
+    if cfg.train.overwrite:
+        moved = move_aside(output_dir, RUN_OUTPUTS)
+        log.warning("train.overwrite=true: moved the earlier run's %s to %s", ", ".join(found), moved)
+        return
+    steps = [p.name for p in completed_checkpoints(output_dir)]
+    held = f"checkpoints {', '.join(steps)}" if steps else ", ".join(found)
+    raise UserError(
+        f"output_dir {output_dir} holds an earlier run ({held}); continue it with train.resume=true, "
+        f"or start over with train.overwrite=true (moves it to {output_dir}/replaced/<time>/)"
+    )
+
+
+def claim_output_dir(cfg: DictConfig, state):
+    """Hold the output directory for this job (`state`: accelerate's PartialState): locked, and
+    checked for an earlier run, before any rank writes."""
+    return held_by_main_process(cfg.output_dir, state, check=lambda: check_earlier_run(cfg))

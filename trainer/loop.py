@@ -3,14 +3,19 @@
 Runs unchanged under `python train.py`, `accelerate launch train.py` (DDP, FSDP, DeepSpeed) and
 `torchrun train.py`. Each rank reads its own slice of a seeded per-epoch shuffle, so the data
 position is two integers and resume is exact.
+
+Nothing is lost: the output directory is locked and checked for an earlier run before anything is
+written (draftsmith/outputs.py, `claim_output_dir`); SIGTERM (a scheduler's preemption) stops the loop
+at the next step boundary with a checkpoint and exit code 75; a non-finite loss or gradient skips the
+step, names where it first appeared, and stops the run after `train.max_nonfinite` such steps.
 """
+
 from __future__ import annotations
 
 import json
 import logging
 import math
-import re
-import shutil
+import signal
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -23,18 +28,20 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from data_prep import Collator, load_conversations, tokenize_conversations
-from data_prep.features import FeatureCollator, expected_features, open_features
-from draftsmith.errors import UserError
-from draftsmith.recipe import resolve_bool_or_path, save_recipe
-from draftsmith.target import load_target, load_tokenizer, run_target
-from heads import Drafter, drafter_class
-from trainer.checkpoint import TrainerState, find_resume_checkpoint, load_checkpoint, save_checkpoint, save_drafter
+from draftsmith.data_prep import Collator, load_tokenized
+from draftsmith.data_prep.features import FeatureCollator, expected_features, open_features
+from draftsmith.errors import Preempted, UserError
+from draftsmith.heads import Drafter, drafter_class
+from draftsmith.recipe import save_recipe
+from draftsmith.target import TargetOutput, load_target, load_tokenizer, run_target
+from draftsmith.trainer.checkpoint import TrainerState, load_checkpoint, resume_checkpoint, save_checkpoint, save_final
 
 log = logging.getLogger("draftsmith.train")
 
 
 def train(cfg: DictConfig) -> Path:
+    """Train the recipe's drafter; returns the final checkpoint directory. The caller holds the
+    output directory (`claim_output_dir`)."""
     output_dir = Path(cfg.output_dir)
     accelerator = Accelerator(
         gradient_accumulation_steps=cfg.train.grad_accum,
@@ -50,30 +57,26 @@ def train(cfg: DictConfig) -> Path:
     set_seed(cfg.train.seed)
 
     # -- data, target, drafter (inputs are checked before anything is written) -----------------
-    tokenizer = load_tokenizer(cfg.target.name_or_path, cfg.target.revision, cfg.target.trust_remote_code)
+    tokenizer = load_tokenizer(cfg.target)
     offline = cfg.data.features is not None  # train from captured shards instead of running the target
     with accelerator.main_process_first():  # rank 0 tokenizes and caches, the others read the cache
-        train_data = None if offline else tokenized(cfg, cfg.data.train, tokenizer, "data.train")
-        eval_data = tokenized(cfg, cfg.data.eval, tokenizer, "data.eval") if cfg.data.eval else None
-    collate = Collator(tokenizer.pad_token_id)
-    target = load_target(
-        cfg.target.name_or_path, cfg.target.revision, cfg.target.dtype, accelerator.device, cfg.target.trust_remote_code
-    )
+        train_data = None if offline else load_tokenized(cfg, cfg.data.train, tokenizer, "data.train")
+        if cfg.data.eval:  # the eval stage reads it after training: a bad file must fail now, not then
+            load_tokenized(cfg, cfg.data.eval, tokenizer, "data.eval")
+    target = load_target(cfg.target, accelerator.device)
 
     drafter_cls = drafter_class(cfg.drafter.type)
-    drafter_config = OmegaConf.to_object(cfg.drafter)
-    drafter = drafter_cls.from_target(drafter_config, target, cfg.target.name_or_path).to(accelerator.device)
+    drafter = drafter_cls.from_target(OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path).to(accelerator.device)
+    request = drafter.request
     if offline:
-        store = open_features(
-            cfg.data.features, expect=expected_features(target, cfg.target.name_or_path, drafter.features)
-        )
-        train_data, train_collate, target_features = store, FeatureCollator(tokenizer.pad_token_id), store.to_target_output
+        store = open_features(cfg.data.features, expect=expected_features(drafter.target, request))
+        train_data, collate, target_features = store, FeatureCollator(tokenizer.pad_token_id), store.to_target_output
     else:
-        request = drafter.features
-        train_collate = collate
+        collate = Collator(tokenizer.pad_token_id)
 
-        def target_features(batch: dict):
+        def target_features(batch: dict) -> TargetOutput:
             return run_target(target, batch["input_ids"], batch["attention_mask"], request)
+
     drafter.prepare(train_data)  # what the drafter fits to the data (EAGLE-3's draft vocabulary), on every rank
     groups = [{"params": params, "lr": cfg.train.lr * scale} for params, scale in drafter.param_groups()]
     optimizer = torch.optim.AdamW(groups, lr=cfg.train.lr, betas=tuple(cfg.train.adam_betas), weight_decay=cfg.train.weight_decay)
@@ -81,9 +84,7 @@ def train(cfg: DictConfig) -> Path:
     world, rank, micro = accelerator.num_processes, accelerator.process_index, cfg.train.micro_batch_size
     batches_per_epoch = len(train_data) // (world * micro)
     if batches_per_epoch == 0:
-        raise UserError(
-            f"{len(train_data)} training conversations cannot fill one step of {world} process(es) x micro_batch_size {micro}"
-        )
+        raise UserError(f"{len(train_data)} training conversations cannot fill one step of {world} process(es) x micro_batch_size {micro}")
     max_steps = cfg.train.max_steps
     if max_steps < 0:
         max_steps = max(1, cfg.train.epochs * batches_per_epoch // cfg.train.grad_accum)
@@ -93,98 +94,167 @@ def train(cfg: DictConfig) -> Path:
         save_recipe(cfg, output_dir)
 
     state = TrainerState()
-    resume_from = find_resume_checkpoint(output_dir, resolve_bool_or_path(cfg.train.resume))
+    resume_from = resume_checkpoint(output_dir, cfg.train.resume)
     if resume_from is not None:
         state = load_checkpoint(accelerator, resume_from)
         log.info("resumed from %s at step %d", resume_from, state.step)
-    elif accelerator.is_main_process:
-        clear_earlier_run(output_dir)
     accelerator.wait_for_everyone()
     accelerator.init_trackers("tb")
 
     # -- the loop -------------------------------------------------------------------------------
-    stream = micro_batches(train_data, train_collate, cfg, world, rank, state)
+    stream = micro_batches(train_data, collate, cfg, world, rank, state)
     progress = tqdm(total=max_steps, initial=state.step, desc="train", disable=not accelerator.is_main_process)
     interval_stats: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(2, device=accelerator.device))
     interval_tokens, interval_start = 0, time.perf_counter()
     data_checksum = 0  # fingerprint of the token ids this rank trained on (for distributed checks)
+    stop = StopRequest()
     drafter.train()
-    while state.step < max_steps:
-        for _ in range(cfg.train.grad_accum):
-            epoch, batch_index, batch = next(stream)
-            batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
-            with accelerator.accumulate(drafter):
-                with torch.no_grad():
-                    target_out = target_features(batch)
-                with accelerator.autocast():
-                    loss, stats = drafter(batch, target_out)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(drafter.parameters(), cfg.train.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            interval_stats["loss"] += torch.stack([loss.detach().float(), torch.ones((), device=loss.device)])
-            for name, values in stats.items():
-                interval_stats[name] += values.sum(0)
-            interval_tokens += int(batch["attention_mask"].sum())
-            data_checksum += int(batch["input_ids"].sum())
-            state.epoch, state.batch_in_epoch = epoch, batch_index + 1
-        scheduler.step()
-        state.step += 1
-        progress.update(1)
+    with stop.on_sigterm():
+        while state.step < max_steps:
+            nonfinite = False
+            for _ in range(cfg.train.grad_accum):
+                epoch, batch_index, batch = next(stream)
+                batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+                with accelerator.accumulate(drafter):
+                    with torch.no_grad():
+                        target_out = target_features(batch)
+                    with accelerator.autocast():
+                        loss, stats = drafter(batch, target_out)
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), cfg.train.max_grad_norm)
+                        nonfinite = any_rank(accelerator, not (math.isfinite(float(loss.detach())) and math.isfinite(float(grad_norm))))
+                        if nonfinite and accelerator.scaler is None:
+                            state.skipped_steps += 1
+                            report_nonfinite(accelerator, cfg, drafter, batch, target_out, loss, state)
+                        else:  # an fp16 GradScaler skips non-finite steps itself and lowers its scale
+                            optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                if not nonfinite:
+                    interval_stats["loss"] += torch.stack([loss.detach().float(), torch.ones((), device=loss.device)])
+                    for name, values in stats.items():
+                        interval_stats[name] += values.sum(0)
+                interval_tokens += int(batch["attention_mask"].sum())
+                data_checksum += int(batch["input_ids"].sum())
+                state.epoch, state.batch_in_epoch = epoch, batch_index + 1
+            scheduler.step()
+            state.step += 1
+            progress.update(1)
 
-        if state.step % cfg.train.log_every == 0 or state.step == max_steps:
-            elapsed = time.perf_counter() - interval_start
-            metrics = reduce_means(accelerator, interval_stats)
-            metrics["lr"] = scheduler.get_last_lr()[0]
-            metrics["tokens_per_s"] = interval_tokens * world / max(elapsed, 1e-9)
-            log_step(accelerator, output_dir, state.step, {f"train/{k}": v for k, v in metrics.items()})
-            progress.set_postfix(loss=f"{metrics['loss']:.3f}")
-            interval_stats.clear()
-            interval_tokens, interval_start = 0, time.perf_counter()
-        if cfg.train.save_every > 0 and state.step % cfg.train.save_every == 0 and state.step < max_steps:
-            save_checkpoint(accelerator, drafter, state, output_dir, cfg.train.keep_checkpoints)
+            if state.step % cfg.train.log_every == 0 or state.step == max_steps:
+                elapsed = time.perf_counter() - interval_start
+                metrics = reduce_means(accelerator, interval_stats)
+                metrics["lr"] = scheduler.get_last_lr()[0]
+                metrics["tokens_per_s"] = interval_tokens * world / max(elapsed, 1e-9)
+                metrics["skipped_steps"] = state.skipped_steps
+                log_step(accelerator, output_dir, state.step, {f"train/{k}": v for k, v in metrics.items()})
+                if "loss" in metrics:
+                    progress.set_postfix(loss=f"{metrics['loss']:.3f}")
+                interval_stats.clear()
+                interval_tokens, interval_start = 0, time.perf_counter()
+            if state.step < max_steps and any_rank(accelerator, stop.requested):
+                path = save_checkpoint(accelerator, drafter, state, output_dir, cfg.train.keep_checkpoints)
+                progress.close()
+                accelerator.end_training()
+                raise Preempted(
+                    f"stopped on SIGTERM after step {state.step} of {max_steps}; checkpoint {path}; run the same command with train.resume=true to continue"
+                )
+            if cfg.train.save_every > 0 and state.step % cfg.train.save_every == 0 and state.step < max_steps:
+                save_checkpoint(accelerator, drafter, state, output_dir, cfg.train.keep_checkpoints)
     progress.close()
 
-    # -- the end: final checkpoint, per-domain accuracy, speculative eval ------------------------
+    # -- the end: final checkpoint ----------------------------------------------------------------
     save_checkpoint(accelerator, drafter, state, output_dir, cfg.train.keep_checkpoints)
     final_dir = output_dir / "final"
-    if eval_data is not None:
-        untrained = drafter_cls.from_target(OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path)
-        untrained.prepare(train_data)
-        table = {
-            "trained": evaluate_split(accelerator, drafter, target, eval_data, collate, cfg),
-            "untrained": evaluate_split(accelerator, untrained.to(accelerator.device), target, eval_data, collate, cfg),
-        }
-        accelerator.unwrap_model(drafter).calibrate(table["trained"]["all"])
-        log_step(accelerator, output_dir, state.step, {f"eval/{k}": v for k, v in table["trained"]["all"].items()})
-        if accelerator.is_main_process:
-            (output_dir / "eval_accuracy.json").write_text(json.dumps(table, indent=2) + "\n")
-            print(accuracy_table(table))
-    save_drafter(accelerator, drafter, final_dir)
+    save_final(accelerator, drafter, final_dir)
     write_run_summary(accelerator, output_dir, drafter, state, data_checksum)
-
-    if cfg.eval.enabled and accelerator.is_main_process:
-        from eval.report import render_markdown, run_eval  # eval never imports trainer; the reverse is fine
-
-        print(render_markdown(run_eval(cfg, drafter_path=final_dir, target=target, tokenizer=tokenizer)))
     accelerator.wait_for_everyone()
     accelerator.end_training()  # also ends the process group: nothing collective after this
     return final_dir
 
 
-def clear_earlier_run(output_dir: Path) -> None:
-    """A new run (no train.resume) in the directory of an earlier one starts clean: its checkpoints
-    would be resumed or pruned as if they were this run's, and its log rows mixed with this run's."""
-    stale = [output_dir / name for name in ("checkpoints", "log.jsonl", "tb") if (output_dir / name).exists()]
-    if stale:
-        log.warning("new run in %s: removing the earlier run's %s (train.resume=true continues a run instead)",
-                    output_dir, ", ".join(p.name for p in stale))
-    for path in stale:
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
+class StopRequest:
+    """Set by SIGTERM (what SLURM, Kubernetes and spot instances send before killing a job); the loop
+    checks it at each step boundary, on every rank, and stops with a checkpoint."""
+
+    def __init__(self):
+        self.requested = False
+
+    def on_sigterm(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def installed():
+            def handler(signum, frame):
+                log.warning("SIGTERM: saving a checkpoint at the end of this step, then stopping")
+                self.requested = True
+
+            previous = signal.signal(signal.SIGTERM, handler)
+            try:
+                yield
+            finally:
+                signal.signal(signal.SIGTERM, previous)
+
+        return installed()
+
+
+def any_rank(accelerator, flag: bool) -> bool:
+    """True on every rank when `flag` is true on any: decisions that change control flow must agree."""
+    if accelerator.num_processes == 1:
+        return flag
+    value = torch.tensor(float(flag), device=accelerator.device)
+    return bool(accelerator.reduce(value, reduction="sum") > 0)
+
+
+def report_nonfinite(accelerator, cfg: DictConfig, drafter, batch: dict, target_out: TargetOutput, loss: torch.Tensor, state: TrainerState) -> None:
+    """Log where a non-finite loss or gradient first appeared, with the batch's samples; raise a
+    UserError once `train.max_nonfinite` steps have been skipped. Collective: every rank calls it."""
+    where = locate_nonfinite(accelerator.unwrap_model(drafter), batch, target_out, loss)
+    found = accelerator.gather_for_metrics([{"rank": accelerator.process_index, "where": where, "samples": batch.get("sample", [])}], use_gather_object=True)
+    bad = [item for item in found if item["where"]] or found
+    description = "; ".join(
+        f"rank {item['rank']}: {item['where'] or 'non-finite gradient after reduction'} (samples {', '.join(map(str, item['samples'][:8]))})" for item in bad
+    )
+    message = f"non-finite loss or gradient at step {state.step + 1}, step skipped ({state.skipped_steps} so far): {description}"
+    if state.skipped_steps > cfg.train.max_nonfinite:
+        raise UserError(f"stopping: more than train.max_nonfinite={cfg.train.max_nonfinite} steps skipped; last {message}")
+    log.warning(message)
+
+
+@torch.no_grad()
+def locate_nonfinite(drafter: Drafter, batch: dict, target_out: TargetOutput, loss: torch.Tensor) -> str:
+    """The first place a NaN/inf shows: the target's outputs (or captured features), else the first
+    drafter module whose output is non-finite when the forward is re-run, else the loss, else the
+    first parameter with a non-finite gradient. Empty when this rank's side is finite."""
+    inputs = {"target final hidden state": target_out.final, "target logits": target_out.logits}
+    inputs |= {f"target layer {layer} hidden state": hidden for layer, hidden in target_out.layers.items()}
+    for name, tensor in inputs.items():
+        if tensor is not None and tensor.is_floating_point() and not torch.isfinite(tensor[batch["attention_mask"].bool()]).all():
+            return name
+    first: list[str] = []
+
+    def hook(name):
+        def check(module, args, output):
+            tensors = output if isinstance(output, (tuple, list)) else (output,)
+            if not first and any(torch.is_tensor(t) and t.is_floating_point() and not torch.isfinite(t).all() for t in tensors):
+                first.append(name)
+
+        return check
+
+    handles = [module.register_forward_hook(hook(name)) for name, module in drafter.named_modules() if name]
+    try:
+        drafter(batch, target_out)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if first:
+        return f"drafter module {first[0]}"
+    if not math.isfinite(float(loss)):
+        return "the loss"
+    for name, parameter in drafter.named_parameters():
+        if parameter.grad is not None and not torch.isfinite(parameter.grad).all():
+            return f"gradient of {name}"
+    return ""
 
 
 def mixed_precision(setting: str):
@@ -198,13 +268,6 @@ def mixed_precision(setting: str):
     if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
         return "bf16"
     return "no"
-
-
-def tokenized(cfg: DictConfig, sources, tokenizer, key: str):
-    if not sources:
-        raise UserError(f"{key} is empty: give at least one conversation file or Hub data set id")
-    conversations = load_conversations(list(sources), cfg.data.max_conversations)
-    return tokenize_conversations(conversations, tokenizer, cfg.data.max_length, cfg.data.overlong, cfg.data.cache_dir)
 
 
 def micro_batches(dataset, collate, cfg: DictConfig, world: int, rank: int, state: TrainerState):
@@ -233,52 +296,6 @@ def reduce_means(accelerator, stats: dict[str, torch.Tensor]) -> dict[str, float
     names = sorted(stats)
     totals = accelerator.reduce(torch.stack([stats[n] for n in names]), reduction="sum")
     return {n: float(t[0] / t[1].clamp(min=1)) for n, t in zip(names, totals)}
-
-
-@torch.no_grad()
-def evaluate_split(accelerator, drafter, target, dataset, collate, cfg: DictConfig) -> dict[str, dict[str, float]]:
-    """Per-domain means of the drafter's metrics on the eval split (each rank takes a slice)."""
-    module: Drafter = accelerator.unwrap_model(drafter)
-    was_training = module.training
-    module.eval()
-    world, rank = accelerator.num_processes, accelerator.process_index
-    indices = list(range(rank, len(dataset), world))
-    batches = [indices[i : i + cfg.train.micro_batch_size] for i in range(0, len(indices), cfg.train.micro_batch_size)]
-    per_domain: dict[str, dict[str, torch.Tensor]] = defaultdict(lambda: defaultdict(lambda: torch.zeros(2)))
-    for batch in DataLoader(dataset, batch_sampler=batches, collate_fn=collate):
-        tensors = {k: v.to(accelerator.device) for k, v in batch.items() if torch.is_tensor(v)}
-        target_out = run_target(target, tensors["input_ids"], tensors["attention_mask"], module.features)
-        with accelerator.autocast():
-            _, stats = module(tensors, target_out)
-        for name, values in stats.items():
-            for row, domain in enumerate(batch["domain"]):
-                per_domain[domain][name] += values[row].float().cpu()
-                per_domain["all"][name] += values[row].float().cpu()
-    module.train(was_training)
-    gathered = accelerator.gather_for_metrics([{d: dict(s) for d, s in per_domain.items()}], use_gather_object=True)
-    merged: dict[str, dict[str, torch.Tensor]] = defaultdict(lambda: defaultdict(lambda: torch.zeros(2)))
-    for part in gathered:
-        for domain, stats in part.items():
-            for name, pair in stats.items():
-                merged[domain][name] += pair
-    return {d: {n: float(p[0] / p[1].clamp(min=1)) for n, p in sorted(s.items())} for d, s in sorted(merged.items())}
-
-
-def accuracy_table(table: dict) -> str:
-    """Markdown: per domain, every top-1 metric (`head2/top1`, `step1/top1`, ...) of the drafter on
-    the eval split, untrained vs trained."""
-    trained, untrained = table["trained"], table["untrained"]
-
-    def natural(name: str) -> list:  # head2 before head10
-        return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
-
-    names = sorted((n for n in trained["all"] if n.endswith("/top1")), key=natural)
-    header = "| domain | " + " | ".join(f"{n.removesuffix('/top1')} top-1 (untrained → trained)" for n in names) + " |"
-    lines = [header, "|" + "---|" * (len(names) + 1)]
-    for domain in trained:
-        cells = [f"{untrained[domain][n]:.3f} → {trained[domain][n]:.3f}" for n in names]
-        lines.append(f"| {domain} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def log_step(accelerator, output_dir: Path, step: int, metrics: dict[str, float]) -> None:

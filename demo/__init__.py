@@ -1,0 +1,1 @@
+"""Package data: read through importlib.resources (draftsmith.resources)."""

@@ -1,0 +1,178 @@
+"""Output directories: one writer per directory, and nothing of an earlier run deleted implicitly.
+
+Every job that writes (train, capture, regenerate, eval, export, the monitor's pipeline) holds
+`DirectoryLock` on the directory it writes before it writes anything. The lock is a file,
+`.draftsmith.lock`, holding who holds it (pid, host, start time, command) and an advisory `flock` on
+it: the kernel drops the flock when the holder dies, even by `kill -9`, so a lock whose holder is gone
+is recognised and taken over (with a warning), and a live holder is never overridden. flock is local
+to a host's kernel; on a network file system that does not forward it, two hosts are not excluded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import json
+import logging
+import os
+import shutil
+import socket
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Optional
+
+from draftsmith.errors import UserError
+
+LOCK_NAME = ".draftsmith.lock"
+REPLACED_DIR = "replaced"  # where train.overwrite=true moves an earlier run
+
+log = logging.getLogger("draftsmith.outputs")
+
+
+def utc_stamp() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+class DirectoryLock:
+    """Exclusive use of `directory` by this process (see the module docstring). Use as a context
+    manager or with acquire()/release(). A failed start (an exception while held) leaves no trace:
+    the lock file goes, and the directory too if acquiring created it and it is still empty."""
+
+    def __init__(self, directory: str | os.PathLike, command: Optional[str] = None):
+        self.directory = Path(directory)
+        self.path = self.directory / LOCK_NAME
+        self.command = command if command is not None else " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
+        self._fd: Optional[int] = None
+        self._created: list[Path] = []  # directories acquire() created, innermost first
+
+    def acquire(self) -> DirectoryLock:
+        if self._fd is not None:  # already held by this object
+            return self
+        missing = self.directory
+        while not missing.exists():
+            self._created.append(missing)
+            missing = missing.parent
+        self.directory.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _describe(_read_holder(fd))
+                os.close(fd)
+                self._undo_created_directory()
+                raise UserError(f"{self.directory} is in use by another job ({holder}); wait for it to finish or use another directory") from None
+            # The file we locked must still be the one at the path: a releasing holder unlinks it, and
+            # a lock on an unlinked file excludes nobody.
+            if _same_file(fd, self.path):
+                break
+            os.close(fd)
+        previous = _read_holder(fd)
+        if previous:
+            log.warning("taking over the lock of %s in %s: that job is gone (killed or crashed)", _describe(previous), self.directory)
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": utc_stamp(), "command": self.command}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            self.path.unlink(missing_ok=True)
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def _undo_created_directory(self) -> None:
+        for directory in self._created:
+            try:
+                directory.rmdir()  # only if still empty
+            except OSError:
+                break
+        self._created = []
+
+    def __enter__(self) -> DirectoryLock:
+        return self.acquire()
+
+    def __exit__(self, kind, value, traceback) -> None:
+        failed_start = kind is not None and bool(self._created) and _only_lock_inside(self.directory)
+        self.release()
+        if failed_start:
+            self._undo_created_directory()
+
+
+@contextlib.contextmanager
+def held_by_main_process(directory: str | os.PathLike, state, check: Optional[Callable[[], None]] = None) -> Iterator[None]:
+    """A multi-process job's hold on `directory` (`state`: accelerate's PartialState): the main
+    process locks it and runs `check` (which may refuse with a UserError); every rank learns the
+    outcome before any rank writes, and all of them raise the same one-line error on failure."""
+    lock, error = None, None
+    if state.is_main_process:
+        lock = DirectoryLock(directory)
+        try:
+            lock.acquire()
+            if check is not None:
+                check()
+        except UserError as err:
+            lock.__exit__(UserError, err, None)  # releases, and removes what acquire created
+            lock, error = None, str(err)
+    if state.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        error = broadcast_object_list([error])[0]
+    if error is not None:
+        raise UserError(error)
+    if lock is None:
+        yield
+        return
+    with lock:
+        yield
+
+
+def _read_holder(fd: int) -> dict:
+    try:
+        text = os.pread(fd, 4096, 0).decode(errors="replace")
+        return json.loads(text) if text.strip() else {}
+    except (OSError, ValueError):
+        return {"unreadable": True}
+
+
+def _describe(holder: dict) -> str:
+    if not holder or holder.get("unreadable"):
+        return "holder unknown"
+    return f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('started')}: {holder.get('command')}"
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        on_disk = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (mine.st_dev, mine.st_ino) == (on_disk.st_dev, on_disk.st_ino)
+
+
+def _only_lock_inside(directory: Path) -> bool:
+    try:
+        return {p.name for p in directory.iterdir()} <= {LOCK_NAME}
+    except OSError:
+        return False
+
+
+def move_aside(directory: Path, names: list[str]) -> Optional[Path]:
+    """Move the entries `names` of `directory` (those that exist) into `directory/replaced/<UTC time>/`
+    and return that folder; None if none existed. Nothing is deleted."""
+    present = [name for name in names if (directory / name).exists()]
+    if not present:
+        return None
+    destination = directory / REPLACED_DIR / utc_stamp()
+    destination.mkdir(parents=True, exist_ok=False)
+    for name in present:
+        shutil.move(str(directory / name), str(destination / name))
+    return destination

@@ -1,0 +1,90 @@
+"""Teacher-forced accuracy of a trained drafter on the eval split, per domain, next to the same
+drafter untrained: `eval_accuracy.json` in the run's output directory, and the trained drafter's
+overall means recorded in its checkpoint (`learned`), where decoding reads them (Medusa builds its
+tree from the measured per-head accuracy).
+
+The untrained drafter is the drafter type's fresh initialisation for the same target, prepared on the
+same training data (EAGLE-3 picks the same draft vocabulary), so the comparison is about the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import DataLoader
+
+from draftsmith.data_prep import Collator, load_tokenized
+from draftsmith.data_prep.features import open_features
+from draftsmith.files import write_text_atomic
+from draftsmith.heads import drafter_class, load_drafter
+from draftsmith.heads.base import CONFIG_NAME, EVAL_SPLIT, Drafter
+from draftsmith.target import TargetShape, run_target
+
+ACCURACY_NAME = "eval_accuracy.json"
+
+
+def split_accuracy(cfg: DictConfig, checkpoint: Path, target, tokenizer) -> dict:
+    """Measure, write `<output_dir>/eval_accuracy.json` and record the trained means in the
+    checkpoint; returns {"trained": {domain: {metric: mean}}, "untrained": ...}."""
+    data = load_tokenized(cfg, cfg.data.eval, tokenizer, "data.eval")
+    device = target.get_output_embeddings().weight.device
+    trained = load_drafter(checkpoint, TargetShape.of(target, cfg.target.name_or_path), target).to(device)
+    untrained = drafter_class(trained.type).from_target(OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path)
+    untrained.prepare(open_features(cfg.data.features) if cfg.data.features else load_tokenized(cfg, cfg.data.train, tokenizer, "data.train"))
+    untrained.to(device)
+    collate = Collator(tokenizer.pad_token_id)
+    table = {
+        "trained": metric_means(trained, target, data, collate, cfg.train.micro_batch_size),
+        "untrained": metric_means(untrained, target, data, collate, cfg.train.micro_batch_size),
+    }
+    write_text_atomic(Path(cfg.output_dir) / ACCURACY_NAME, json.dumps(table, indent=2) + "\n")
+    record_learned(checkpoint, {EVAL_SPLIT: table["trained"]["all"]})
+    return table
+
+
+@torch.no_grad()
+def metric_means(drafter: Drafter, target, dataset, collate, batch_size: int) -> dict[str, dict[str, float]]:
+    """Per-domain (and `all`) token-weighted means of every metric the drafter's loss reports."""
+    drafter.eval()
+    device = target.get_output_embeddings().weight.device
+    sums: dict[str, dict[str, torch.Tensor]] = defaultdict(lambda: defaultdict(lambda: torch.zeros(2)))
+    batches = [list(range(i, min(i + batch_size, len(dataset)))) for i in range(0, len(dataset), batch_size)]
+    for batch in DataLoader(dataset, batch_sampler=batches, collate_fn=collate):
+        tensors = {k: v.to(device) for k, v in batch.items() if torch.is_tensor(v)}
+        target_out = run_target(target, tensors["input_ids"], tensors["attention_mask"], drafter.request)
+        _, stats = drafter(tensors, target_out)
+        for name, values in stats.items():
+            for row, domain in enumerate(batch["domain"]):
+                sums[domain][name] += values[row].float().cpu()
+                sums["all"][name] += values[row].float().cpu()
+    return {d: {n: float(p[0] / p[1].clamp(min=1)) for n, p in sorted(s.items())} for d, s in sorted(sums.items())}
+
+
+def record_learned(checkpoint: Path, facts: dict) -> None:
+    """Add facts to a checkpoint's `learned` section (atomically rewriting its config.json)."""
+    path = checkpoint / CONFIG_NAME
+    saved = json.loads(path.read_text())
+    saved["learned"] = {**(saved.get("learned") or {}), **facts}
+    write_text_atomic(path, json.dumps(saved, indent=2) + "\n")
+
+
+def accuracy_table(table: dict) -> str:
+    """Markdown: per domain, every top-1 metric (`head2/top1`, `step1/top1`, ...) of the drafter on
+    the eval split, untrained vs trained."""
+    trained, untrained = table["trained"], table["untrained"]
+
+    def natural(name: str) -> list:  # head2 before head10
+        return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+    names = sorted((n for n in trained["all"] if n.endswith("/top1")), key=natural)
+    header = "| domain | " + " | ".join(f"{n.removesuffix('/top1')} top-1 (untrained → trained)" for n in names) + " |"
+    lines = [header, "|" + "---|" * (len(names) + 1)]
+    for domain in trained:
+        cells = [f"{untrained[domain][n]:.3f} → {trained[domain][n]:.3f}" for n in names]
+        lines.append(f"| {domain} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,163 @@
+"""Fault injection with real processes: each job is killed with SIGKILL at seeded random moments, run
+again until it finishes, and must then hold exactly what an uninterrupted run holds (training: the
+same per-step losses and final weights; capture and regeneration: the same bytes). Meanwhile a
+reader opens every published file over and over: none may ever be partial."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from draftsmith.outputs import LOCK_NAME
+from tests.conftest import REPO, read_log, train_args
+
+pytestmark = pytest.mark.slow
+TRIALS = 3
+
+
+class PartialFileReader(threading.Thread):
+    """Reads every published file under `root` in a loop and records those it cannot read whole.
+    Published = not a temporary (`*.tmp`, inside a `*.tmp` directory, dot-files) and not the lock."""
+
+    def __init__(self, root: Path):
+        super().__init__(daemon=True)
+        self.root, self.stop, self.problems, self.reads = root, threading.Event(), [], 0
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            for path in list(self.root.rglob("*")) if self.root.exists() else []:
+                if self.stop.is_set():
+                    return
+                if path.is_file() and not any(part.endswith(".tmp") or part.startswith(".") for part in path.relative_to(self.root).parts):
+                    self.check(path)
+
+    def check(self, path: Path) -> None:
+        try:
+            name = path.name
+            if name.endswith(".safetensors"):
+                load_file(str(path))
+            elif name.endswith(".json") or name == "regenerate.settings":
+                json.loads(path.read_text())
+            elif name.endswith(".jsonl"):  # append-only: every complete line parses
+                for line in path.read_text().splitlines(keepends=True):
+                    if line.endswith("\n"):
+                        json.loads(line)
+            elif name.endswith(".jsonl.gz"):
+                for line in gzip.decompress(path.read_bytes()).decode().splitlines():
+                    json.loads(line)
+            elif name.endswith(".yaml"):
+                yaml.safe_load(path.read_text())
+            elif name.endswith(".bin"):  # torch.save's zip format (accelerate's optimizer/scheduler state)
+                with zipfile.ZipFile(path) as archive:
+                    assert archive.testzip() is None
+            else:
+                return
+            self.reads += 1
+        except FileNotFoundError:  # pruned or replaced while we looked: not a partial read
+            pass
+        except Exception as err:  # noqa: BLE001 - any failure to read a published file is the finding
+            if path.exists():
+                self.problems.append(f"{path}: {type(err).__name__}: {err}")
+
+
+def run_killed_then_resumed(args: list[str], watched: Path, kill_after: float, resume: list[str], timeout: float = 600) -> None:
+    """Start `python args`, SIGKILL it after `kill_after` seconds (unless it finished), then run
+    `args + resume` until it exits 0, with a reader watching `watched` throughout."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    reader = PartialFileReader(watched)
+    reader.start()
+    try:
+        process = subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        try:
+            process.wait(timeout=kill_after)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGKILL)
+            process.wait()
+        for _ in range(3):
+            again = subprocess.run([sys.executable, *args, *resume], cwd=REPO, capture_output=True, text=True, env=env, timeout=timeout)
+            if again.returncode == 0:
+                break
+        assert again.returncode == 0, again.stderr[-3000:]
+    finally:
+        reader.stop.set()
+        reader.join()
+    assert not reader.problems, reader.problems[:5]
+    assert reader.reads > 0
+    assert not (watched / LOCK_NAME).exists()
+
+
+def timed(args: list[str]) -> float:
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return time.perf_counter() - start
+
+
+def digests(directory: Path, pattern: str) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.glob(pattern))}
+
+
+def test_training_killed_anywhere_resumes_into_the_same_run(tmp_path, small_data, token_cache):
+    quick = ("train.max_steps=10", "train.save_every=2", "train.keep_checkpoints=2")
+    reference = tmp_path / "reference"
+    duration = timed(["train.py", *train_args(reference, small_data, token_cache, *quick)])
+    losses = {step: row["train/loss"] for step, row in read_log(reference).items()}
+    weights = load_file(str(reference / "final" / "model.safetensors"))
+    rng = random.Random(14)
+    for trial in range(TRIALS):
+        out = tmp_path / f"trial{trial}"
+        run_killed_then_resumed(["train.py", *train_args(out, small_data, token_cache, *quick)], out, rng.uniform(1.0, duration), ["train.resume=true"])
+        assert {step: row["train/loss"] for step, row in read_log(out).items()} == losses, trial
+        resumed = load_file(str(out / "final" / "model.safetensors"))
+        assert all(resumed[name].equal(weights[name]) for name in weights), trial
+
+
+def test_capture_killed_anywhere_resumes_into_the_same_bytes(tmp_path, small_data, token_cache):
+    def args(out: Path) -> list[str]:
+        return [
+            "-m",
+            "data_prep.capture",
+            *train_args(tmp_path / "run", small_data, token_cache, "data.capture.shard_tokens=600", f"data.capture.output={out}"),
+        ]
+
+    reference = tmp_path / "reference"
+    duration = timed(args(reference))
+    shards = digests(reference, "shard_*.safetensors")
+    manifest = {key: value for key, value in json.loads((reference / "manifest.json").read_text()).items() if key != "last_run"}
+    assert len(shards) >= 6
+    rng = random.Random(15)
+    for trial in range(TRIALS):
+        out = tmp_path / f"trial{trial}"
+        run_killed_then_resumed(args(out), out, rng.uniform(1.0, duration), [])
+        assert digests(out, "shard_*.safetensors") == shards, trial
+        assert {key: value for key, value in json.loads((out / "manifest.json").read_text()).items() if key != "last_run"} == manifest
+
+
+def test_regeneration_killed_anywhere_resumes_into_the_same_bytes(tmp_path, small_data, token_cache):
+    def args(out: Path) -> list[str]:
+        quick = ["data.max_conversations=16", "data.regenerate.batch_size=2", "data.regenerate.max_new_tokens=24", f"data.regenerate.output={out}"]
+        return ["-m", "data_prep.regenerate", *train_args(tmp_path / "run", small_data, token_cache, *quick)]
+
+    reference = tmp_path / "reference"
+    duration = timed(args(reference))
+    parts = digests(reference, "part-*.jsonl.gz")
+    assert len(parts) == 8  # 16 conversations in pairs
+    rng = random.Random(16)
+    for trial in range(TRIALS):
+        out = tmp_path / f"trial{trial}"
+        run_killed_then_resumed(args(out), out, rng.uniform(1.0, duration), [])
+        assert digests(out, "part-*.jsonl.gz") == parts, trial
