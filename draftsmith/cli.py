@@ -27,6 +27,8 @@ COMMANDS = {
     "eval": ("draftsmith.eval.__main__", "main"),
     "capture": ("draftsmith.data_prep.capture", "main"),
     "regenerate": ("draftsmith.data_prep.regenerate", "main"),
+    "export": ("draftsmith.export.__main__", "main"),
+    "monitor": ("draftsmith.monitor.__main__", "main"),
 }
 
 

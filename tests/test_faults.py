@@ -1,7 +1,7 @@
-"""Fault injection with real processes: each job is killed with SIGKILL at seeded random moments, run
-again until it finishes, and must then hold exactly what an uninterrupted run holds (training: the
-same per-step losses and final weights; capture and regeneration: the same bytes). Meanwhile a
-reader opens every published file over and over: none may ever be partial."""
+"""Fault injection with real processes: each job (training, capture, regeneration, export) is killed
+with SIGKILL at seeded random moments, run again until it finishes, and must then hold exactly what
+an uninterrupted run holds (training: the same per-step losses and final weights; the others: the
+same bytes). Meanwhile a reader opens every published file over and over: none may ever be partial."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import yaml
 from safetensors.torch import load_file
 
 from draftsmith.outputs import LOCK_NAME
-from tests.conftest import REPO, read_log, train_args
+from tests.conftest import REFERENCE_TARGET, REPO, read_log, train_args
 
 pytestmark = pytest.mark.slow
 TRIALS = 3
@@ -39,7 +39,11 @@ class PartialFileReader(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.is_set():
-            for path in list(self.root.rglob("*")) if self.root.exists() else []:
+            try:
+                paths = list(self.root.rglob("*"))
+            except FileNotFoundError:  # a temporary directory was renamed or removed mid-listing
+                continue
+            for path in paths:
                 if self.stop.is_set():
                     return
                 if path.is_file() and not any(part.endswith(".tmp") or part.startswith(".") for part in path.relative_to(self.root).parts):
@@ -161,3 +165,36 @@ def test_regeneration_killed_anywhere_resumes_into_the_same_bytes(tmp_path, smal
         out = tmp_path / f"trial{trial}"
         run_killed_then_resumed(args(out), out, rng.uniform(1.0, duration), [])
         assert digests(out, "part-*.jsonl.gz") == parts, trial
+
+
+def test_export_killed_anywhere_resumes_into_the_same_bytes(tmp_path):
+    from draftsmith.target import load_target
+    from tests.test_export import save_drafter
+
+    checkpoint = save_drafter("eagle3", load_target(str(REFERENCE_TARGET)), tmp_path / "ckpt")
+
+    def args(out: Path) -> list[str]:
+        return [
+            "-m",
+            "export",
+            "recipe=eagle3",
+            f"drafter.path={checkpoint}",
+            f"output_dir={tmp_path / 'run'}",
+            f"export.output={out}",
+            "export.engines=[vllm,sglang]",
+        ]
+
+    def contents(out: Path) -> dict[str, str]:
+        """Each file's digest, with the folder's own path (in the cards' serving commands) masked."""
+        masked = {str(p.relative_to(out)): p.read_bytes().replace(str(out.resolve()).encode(), b"<out>") for p in sorted(out.rglob("*")) if p.is_file()}
+        return {name: hashlib.sha256(data).hexdigest() for name, data in masked.items()}
+
+    reference = tmp_path / "reference"
+    duration = timed(args(reference))
+    expected = contents(reference)
+    assert {"vllm/model.safetensors", "sglang/model.safetensors", "vllm/README.md", "vllm/draftsmith_export.json"} <= set(expected)
+    rng = random.Random(17)
+    for trial in range(TRIALS):
+        out = tmp_path / f"trial{trial}"
+        run_killed_then_resumed(args(out), out, rng.uniform(1.0, duration), [])
+        assert contents(out) == expected, trial

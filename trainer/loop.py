@@ -31,7 +31,7 @@ from transformers import get_cosine_schedule_with_warmup
 from draftsmith.data_prep import Collator, load_tokenized
 from draftsmith.data_prep.features import FeatureCollator, expected_features, open_features
 from draftsmith.errors import Preempted, UserError
-from draftsmith.heads import Drafter, drafter_class
+from draftsmith.heads import Drafter, drafter_class, load_drafter
 from draftsmith.recipe import save_recipe
 from draftsmith.target import TargetOutput, load_target, load_tokenizer, run_target
 from draftsmith.trainer.checkpoint import TrainerState, load_checkpoint, resume_checkpoint, save_checkpoint, save_final
@@ -78,6 +78,11 @@ def train(cfg: DictConfig) -> Path:
             return run_target(target, batch["input_ids"], batch["attention_mask"], request)
 
     drafter.prepare(train_data)  # what the drafter fits to the data (EAGLE-3's draft vocabulary), on every rank
+    if cfg.train.init_from:  # warm start: its weights and data-fitted state (the draft vocabulary is kept, not re-fitted)
+        start = load_drafter(cfg.train.init_from, drafter.target, target)
+        drafter.load_state_dict(start.state_dict())
+        drafter.learned = dict(start.learned)
+        log.info("warm start from %s", cfg.train.init_from)
     groups = [{"params": params, "lr": cfg.train.lr * scale} for params, scale in drafter.param_groups()]
     optimizer = torch.optim.AdamW(groups, lr=cfg.train.lr, betas=tuple(cfg.train.adam_betas), weight_decay=cfg.train.weight_decay)
 

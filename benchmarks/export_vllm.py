@@ -1,0 +1,62 @@
+"""vLLM's acceptance next to draftsmith's for every exportable drafter, as JSON.
+
+    python benchmarks/export_vllm.py --vllm-python /path/to/venv/bin/python [--runs runs/bench_drafters]
+                                     [--only medusa,eagle3] [--prompts 8] [--new-tokens 64]
+
+For each kind it takes the trained checkpoint `<runs>/<kind>/final` (benchmarks/drafters.py writes
+them; a missing one is trained with the kind's recipe first), exports it for vLLM with
+`export.vllm_python`, and reports what the export check measured on the eval prompts (4 domains x
+--prompts, greedy, γ of the recipe): vLLM's τ and P(accepted >= k) next to draftsmith's on the same
+prompts and schedule, whether vLLM's output with the drafter equals its output without it and
+draftsmith's, and the wall time of the check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from drafters import run  # benchmarks/ is the script's directory, first on sys.path
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPES = {"medusa": "medusa", "medusa2": "medusa2", "eagle": "eagle", "eagle3": "eagle3", "draft_tvd": "draft"}
+TRAIN_DATA = "demo/data/train.regenerated.jsonl.gz"  # what benchmarks/drafters.py trains on
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm-python", required=True)
+    parser.add_argument("--runs", default="runs/bench_drafters")
+    parser.add_argument("--only", default=",".join(RECIPES))
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    results = {}
+    for name in args.only.split(","):
+        run_dir = (REPO / args.runs / name).resolve()
+        recipe = f"recipe={RECIPES[name]}"
+        settings = [recipe, f"data.train=[{TRAIN_DATA}]", f"output_dir={run_dir}", f"eval.max_prompts={args.prompts}", f"eval.max_new_tokens={args.new_tokens}"]
+        if not (run_dir / "final" / "model.safetensors").is_file():
+            run(["train.py", *settings])
+        output = run_dir / "export"  # no 'eagle-'/'eagle3' in the run names: vLLM picks methods from paths
+        wall = run(
+            [
+                "-m",
+                "export",
+                *settings,
+                f"drafter.path={run_dir / 'final'}",
+                f"export.output={output}",
+                f"export.vllm_python={args.vllm_python}",
+                "export.overwrite=true",
+            ]
+        )
+        verified = json.loads((output / "vllm" / "draftsmith_export.json").read_text())["verified"]
+        results[name] = {key: verified[key] for key in ("engine_version", "prompts", "max_new_tokens", "num_speculative_tokens", "tau_engine", "tau_draftsmith",
+                                                          "relative_difference", "at_least_engine", "at_least_draftsmith", "lossless", "equals_draftsmith_plain", "counters")}  # fmt: skip
+        results[name]["export_and_check_wall_s"] = round(wall, 1)
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

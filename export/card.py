@@ -1,0 +1,150 @@
+"""The model card (README.md) of an exported folder: YAML front matter the Hub reads, the serving
+command, draftsmith's per-domain acceptance from the eval report, the engine-side numbers when the
+folder was checked in the engine, what it was trained on, and the conventions converted on export."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from huggingface_hub import ModelCard, ModelCardData
+
+from draftsmith.export.repo import EngineRepo
+
+TITLES = {"medusa": "Medusa-1", "medusa2": "Medusa-2", "eagle": "EAGLE-1", "eagle3": "EAGLE-3", "draft_model": "Draft model"}
+
+
+def write_card(folder: Path, repo: EngineRepo, info: dict[str, Any], report: Optional[dict[str, Any]], served_as: str) -> None:
+    kind, engine = info["drafter_type"], repo.engine
+    data = ModelCardData(
+        base_model=info["verifier"],
+        library_name=engine,
+        pipeline_tag="text-generation",
+        license=target_license(info),
+        tags=["speculative-decoding", "draftsmith", kind, engine],
+    )
+    gamma = info["num_speculative_tokens"]
+    command = repo.serve.format(target=info["verifier"], path=served_as, gamma=gamma, gamma_plus_one=gamma + 1)
+    lines = [
+        "---",
+        data.to_yaml(),
+        "---",
+        "",
+        f"# {TITLES.get(kind, kind)} drafter for `{info['target']['id']}` ({engine})",
+        "",
+        f"A speculative-decoding drafter trained with draftsmith for `{info['verifier']}`: {engine} proposes "
+        "tokens with it and verifies them with the target in one forward pass, so the output is exactly the target's.",
+        "",
+        "## Serve it",
+        "",
+        "```bash",
+        command,
+        "```",
+        "",
+        served_note(engine, info.get("verified")),
+        "",
+        *acceptance_section(report),
+        *engine_section(info.get("verified")),
+        *training_section(info, report),
+        "## Conventions converted on export",
+        "",
+        *[f"- **{key}**: {describe(value)}" for key, value in info["conventions"].items()],
+        "",
+        "`draftsmith_export.json` records the source checkpoint (path and sha256), the drafter's settings and these conversions.",
+        "",
+    ]
+    ModelCard("\n".join(lines)).save(folder / "README.md")
+
+
+def served_note(engine: str, verified: Optional[dict[str, Any]]) -> str:
+    if verified:
+        return (
+            f"Tested: this folder was loaded in vLLM {verified['engine_version']} as the speculative model for the target on "
+            f"{verified['prompts']} eval prompts (greedy, {verified['max_new_tokens']} new tokens, γ={verified['num_speculative_tokens']}): "
+            "outputs identical to vLLM without speculation and to draftsmith's plain decoding."
+        )
+    if engine == "sglang":
+        return "Checked against SGLang's loader source (names, shapes, layer-id convention); not run in SGLang by draftsmith."
+    return "Checked against vLLM's loader (names, shapes, conventions); not loaded in the engine at export (set export.vllm_python to do so)."
+
+
+def acceptance_section(report: Optional[dict[str, Any]]) -> list[str]:
+    if report is None:
+        return ["## Acceptance", "", "No eval report was found for this checkpoint (run `python -m eval` and export again).", ""]
+    methods = report["methods"]
+    lines = [
+        "## Acceptance (draftsmith eval)",
+        "",
+        f"Temperature {report['temperature']}, {report['max_new_tokens']} new tokens, {report['device']} ({report['dtype']}); "
+        f"chain γ={methods['chain']['gamma']}" + (f", tree {methods['tree']['nodes']} nodes" if "tree" in methods else "") + ". "
+        "τ: new tokens per target forward (bonus included); α: accepted / drafted; per position: acceptance at draft position k given "
+        "the earlier ones were accepted; lossless: token-identical to plain greedy decoding.",
+        "",
+        "| domain | method | τ | α | per position | lossless |",
+        "|---|---|---:|---:|---|:---:|",
+    ]
+    for domain in report["domains"]:
+        rows = {**report["domains"][domain], **{k: v for k, v in report["baselines"][domain].items() if k == "ngram"}}
+        for method, row in rows.items():
+            per_position = " / ".join("–" if p is None else f"{p:.2f}" for p in row["per_position"]) or "–"
+            lossless = {True: "yes", False: "**no**", None: "n/a"}[row["lossless"]]
+            tau = "–" if row["tau"] is None else f"{row['tau']:.2f}"
+            alpha = "–" if row["alpha"] is None else f"{row['alpha']:.2f}"
+            lines.append(f"| {domain} | {method} | {tau} | {alpha} | {per_position} | {lossless} |")
+    return [*lines, ""]
+
+
+def engine_section(verified: Optional[dict[str, Any]]) -> list[str]:
+    if not verified:
+        return []
+    at_least = " / ".join(f"{p:.2f}" for p in verified["at_least_engine"])
+    ours = " / ".join(f"{p:.2f}" for p in verified["at_least_draftsmith"])
+    return [
+        f"## In vLLM {verified['engine_version']}",
+        "",
+        "| | τ | P(accepted ≥ k), k = 1.. | lossless |",
+        "|---|---:|---|:---:|",
+        f"| vLLM | {verified['tau_engine']:.3f} | {at_least} | {'yes' if verified['lossless'] else '**no**'} |",
+        f"| draftsmith | {verified['tau_draftsmith']:.3f} | {ours} | yes |",
+        "",
+        f"Same prompts, greedy, chain γ={verified['num_speculative_tokens']}; τ differs by {verified['relative_difference']:+.1%} "
+        f"(the check allows ±{verified['tolerance']:.0%}). vLLM counters: {verified['counters']['num_drafts']} drafts, "
+        f"{verified['counters']['num_draft_tokens']} draft tokens, {verified['counters']['num_accepted_tokens']} accepted.",
+        "",
+    ]
+
+
+def training_section(info: dict[str, Any], report: Optional[dict[str, Any]]) -> list[str]:
+    lines = ["## Training", "", f"- drafter: `{info['drafter_type']}` with {compact(info['drafter_config'])}"]
+    recipe = (report or {}).get("recipe")
+    if recipe:
+        data, train = recipe.get("data", {}), recipe.get("train", {})
+        lines += [
+            f"- data: {', '.join(f'`{Path(s).name}`' for s in data.get('train', []))} (max_length {data.get('max_length')})",
+            f"- optimisation: lr {train.get('lr')}, {train.get('max_steps')} steps, micro-batch {train.get('micro_batch_size')}, seed {train.get('seed')}",
+        ]
+    learned = info.get("learned") or {}
+    if "draft_vocab_coverage" in learned:
+        lines.append(f"- draft vocabulary covers {learned['draft_vocab_coverage']:.1%} of the training data's assistant tokens")
+    return [*lines, ""]
+
+
+def describe(value: Any) -> str:
+    if isinstance(value, dict):
+        return "; ".join(f"{key}: {item}" for key, item in value.items())
+    return str(value)
+
+
+def compact(config: dict[str, Any]) -> str:
+    return ", ".join(f"{key}={value}" for key, value in config.items() if key != "type" and value is not None)
+
+
+def target_license(info: dict[str, Any]) -> Optional[str]:
+    """The target's license, from the front matter of its local README; None when unknown."""
+    readme = Path(info["target"]["name_or_path"]) / "README.md"
+    if not readme.is_file():
+        return None
+    try:
+        return ModelCard.load(readme).data.license
+    except Exception:  # noqa: BLE001 - a README without front matter has no license to read
+        return None

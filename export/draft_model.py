@@ -1,0 +1,95 @@
+"""A distilled draft model for vLLM (`method: draft_model`) and SGLang (`STANDALONE`): a plain causal-LM
+folder (its own config.json, the model's weights under the transformers names, the target's tokenizer).
+
+Checked: the vocabulary equals the target's (vLLM refuses another), max_position_embeddings is at
+least the target's (vLLM raises an EAGLE drafter's, not a draft model's), and a tied lm_head is not
+shipped twice. LoRA-trained checkpoints already hold merged weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith.errors import UserError
+from draftsmith.export import Exporter, Source, register
+from draftsmith.export.repo import EngineRepo, check_vllm_path
+from draftsmith.heads import drafter_class
+
+VLLM_SERVE = """vllm serve {target} --speculative-config '{{"method": "draft_model", "model": "{path}", "num_speculative_tokens": {gamma}}}'"""
+SGLANG_SERVE = (
+    "python -m sglang.launch_server --model-path {target} --speculative-algorithm STANDALONE --speculative-draft-model-path {path} "
+    "--speculative-num-steps {gamma} --speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma_plus_one}"
+)
+PREFIX = "model."  # the DraftModel drafter holds the causal LM as `model`
+
+
+def model_config(source: Source) -> dict[str, Any]:
+    drafter, target = source.drafter, source.target
+    config = dict(drafter.config.model_config)
+    config["architectures"] = [type(drafter.model.get_base_model() if hasattr(drafter.model, "get_base_model") else drafter.model).__name__]
+    if config.get("vocab_size") != target.shape.vocab_size:
+        raise UserError(f"the draft model's vocab_size {config.get('vocab_size')} differs from the target's {target.shape.vocab_size}; engines refuse it")
+    theirs = target.config.get("max_position_embeddings")
+    if theirs and config.get("max_position_embeddings", 0) < theirs:
+        raise UserError(
+            f"the draft model's max_position_embeddings {config.get('max_position_embeddings')} is below the target's {theirs}: "
+            "vLLM would clamp the served context to it"
+        )
+    config.pop("_name_or_path", None)
+    config.pop("transformers_version", None)
+    return config
+
+
+def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The weights transformers (and the engines, which follow its names) load for this config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **settings))
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    if config.get("tie_word_embeddings"):
+        expected.pop("lm_head.weight", None)  # tied: the embedding serves, the engines skip a second copy
+    return expected
+
+
+def engine_tensors(source: Source, config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    tensors = {name.removeprefix(PREFIX): tensor for name, tensor in source.drafter.state_dict().items() if name.startswith(PREFIX)}
+    if config.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)
+    return tensors
+
+
+@register
+class DraftModelExporter(Exporter):
+    kinds = ("draft_model",)
+
+    def repo(self, source: Source, engine: str, serve: str, method: str) -> EngineRepo:
+        config = model_config(source)
+        conventions = {"tokenizer": "the target's (copied); the vocabulary is the target's", "weights": "the transformers names of the draft's causal LM"}
+        return EngineRepo(engine, config, engine_tensors(source, config), expected_tensors(config), serve, conventions, tokenizer=True, method=method)
+
+    def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
+        check_vllm_path(output, "draft-model")
+        return self.repo(source, "vllm", VLLM_SERVE, "draft_model")
+
+    def sglang(self, source: Source, gamma: int, output: Path) -> EngineRepo:
+        return self.repo(source, "sglang", SGLANG_SERVE, "STANDALONE")
+
+    def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
+        return any(name.endswith("embed_tokens.weight") for name in tensors) and "fc.weight" not in tensors
+
+    def read(self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]):
+        draft = drafter_class("draft_model")
+        settings = {"model_config": {k: v for k, v in config.items() if k != "architectures"}}
+        settings |= {k: v for k, v in info.get("drafter_config", {}).items() if k in ("loss", "temperature", "mix_weights", "ce_weight")}
+        from draftsmith.target import TargetShape
+
+        drafter = draft(draft.Config(**settings), TargetShape.of(target_model, info.get("verifier", "target")))
+        if config.get("tie_word_embeddings") and "lm_head.weight" not in tensors:
+            tensors = tensors | {"lm_head.weight": tensors["model.embed_tokens.weight"]}
+        drafter.load_state_dict({PREFIX + name: tensor for name, tensor in tensors.items()})
+        return drafter

@@ -1,0 +1,185 @@
+"""EAGLE-3 for vLLM (the speculators format) and SGLang (`LlamaForCausalLMEagle3`).
+
+The conversions, each checked and recorded in draftsmith_export.json:
+
+- Layer ids. draftsmith's id i is the output of decoder layer i (-1 the embeddings). vLLM's
+  `eagle_aux_hidden_state_layer_ids` name the layer whose *input* it captures, pre-norm, so vLLM id =
+  ours + 1. Our id L-1 (transformers' last state) is *after* the final norm, which vLLM cannot capture
+  (its id L is before the norm): such a drafter is refused. vLLM does not derive the fc's width from
+  the ids, so `num_aux_hidden_states` is written too.
+- `norm_before_residual` is always written: the speculators format defaults to true in vLLM, the plain
+  form to false, draftsmith to false; a missing key changes the layer silently.
+- The draft vocabulary: `d2t` (offsets, target id = draft id + d2t) and `t2d` ship only when the
+  vocabulary is pruned (vLLM refuses a `d2t` for a full vocabulary); `lm_head` always ships.
+- max_position_embeddings and rope come from the target's config, never defaults.
+
+SGLang (checked against sglang's llama_eagle3.py and the Llama target's layer capture, source read,
+not run): `eagle_config.eagle_aux_hidden_state_layer_ids` are draftsmith's ids (it captures id + 1
+before that layer), the layer's residual is always the un-normalised feature (it ignores
+`norm_before_residual`, so a drafter trained with true is refused), weights are `midlayer.*` (every
+version loads that name), and no `bias` key (it would add an o_proj bias). The SGLang folder also
+carries vLLM's top-level ids (ours + 1), which SGLang ignores, so vLLM loads that form too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith.errors import UserError
+from draftsmith.export import Exporter, Source, register
+from draftsmith.export.repo import EngineRepo, llama_layer_config, require_llama
+from draftsmith.heads import drafter_class
+
+VLLM_SERVE = """vllm serve {target} --speculative-config '{{"method": "eagle3", "model": "{path}", "num_speculative_tokens": {gamma}}}'"""
+SGLANG_SERVE = (
+    "python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 --speculative-draft-model-path {path} "
+    "--speculative-num-steps {gamma} --speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma_plus_one}"
+)
+
+
+def vllm_ids(ours: list[int], num_layers: int) -> list[int]:
+    """draftsmith's aux-layer ids (output of layer i) -> vLLM's (input of layer i, pre-norm)."""
+    if ours and ours[-1] >= num_layers - 1:
+        raise UserError(
+            f"aux layer {ours[-1]} is the target's last hidden state after its final norm (transformers' hidden_states[{num_layers}]), "
+            f"which vLLM cannot capture (its id {num_layers} is the state before the norm); retrain with aux layers below {num_layers - 1}"
+        )
+    return [layer + 1 for layer in ours]
+
+
+def layer_expected(config: dict[str, Any], vocab: int, draft_vocab: int, num_aux: int) -> dict[str, tuple[int, ...]]:
+    """The tensors an EAGLE-3 drafter of one Llama layer is loaded from (layer prefix `layers.0.`)."""
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    expected = {
+        "fc.weight": (hidden, num_aux * hidden),
+        "layers.0.self_attn.q_proj.weight": (heads * head_dim, 2 * hidden),
+        "layers.0.self_attn.k_proj.weight": (kv_heads * head_dim, 2 * hidden),
+        "layers.0.self_attn.v_proj.weight": (kv_heads * head_dim, 2 * hidden),
+        "layers.0.self_attn.o_proj.weight": (hidden, heads * head_dim),
+        "layers.0.mlp.gate_proj.weight": (inner, hidden),
+        "layers.0.mlp.up_proj.weight": (inner, hidden),
+        "layers.0.mlp.down_proj.weight": (hidden, inner),
+        "layers.0.input_layernorm.weight": (hidden,),
+        "layers.0.hidden_norm.weight": (hidden,),
+        "layers.0.post_attention_layernorm.weight": (hidden,),
+        "norm.weight": (hidden,),
+        "lm_head.weight": (draft_vocab, hidden),
+    }
+    if draft_vocab < vocab:
+        expected |= {"d2t": (draft_vocab,), "t2d": (vocab,)}
+    return expected
+
+
+def check_plain_llama(source: Source, engine: str) -> None:
+    require_llama(source.target, engine, "EAGLE-3")
+    biased = [key for key in ("attention_bias", "mlp_bias") if source.target.config.get(key)]
+    if biased:
+        raise UserError(f"the target sets {', '.join(biased)}: an EAGLE-3 layer with biases has not been verified against {engine}'s loader")
+
+
+@register
+class Eagle3Exporter(Exporter):
+    kinds = ("eagle3",)
+
+    def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
+        """The speculators format: vLLM serves it from `--speculative-config` or as `vllm serve <folder>`."""
+        check_plain_llama(source, "vLLM")
+        drafter, target = source.drafter, source.target
+        ours = list(drafter.config.aux_layers)
+        ids = vllm_ids(ours, target.shape.num_hidden_layers)
+        layer = llama_layer_config(target, 1) | {"architectures": ["LlamaForCausalLM"], "num_aux_hidden_states": len(ids)}
+        config = {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "transformer_layer_config": layer,
+            "draft_vocab_size": drafter.config.draft_vocab_size,
+            "target_hidden_size": target.shape.hidden_size,
+            "norm_before_residual": bool(drafter.config.norm_before_residual),
+            "norm_before_fc": False,
+            "fc_norm": False,
+            "norm_output": False,
+            "eagle_aux_hidden_state_layer_ids": ids,
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": gamma, "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                "default_proposal_method": "greedy",
+                "verifier": {"name_or_path": target.verifier, "architectures": list(target.config.get("architectures") or [])},
+            },
+        }
+        conventions = {
+            "aux_layer_ids": {
+                "draftsmith": ours,
+                "vllm": ids,
+                "rule": "vLLM id = draftsmith id + 1 (vLLM: input of layer id, pre-norm; draftsmith: output of layer id)",
+            },
+            "norm_before_residual": f"written {config['norm_before_residual']} (vLLM's speculators default is true)",
+            "num_aux_hidden_states": f"written {len(ids)}: vLLM sizes the fc from it, not from the ids",
+            "draft_vocab": "d2t (offsets) and t2d shipped" if drafter.pruned else "full vocabulary: no d2t/t2d",
+        }
+        expected = layer_expected(layer, target.shape.vocab_size, drafter.config.draft_vocab_size, len(ids))
+        return EngineRepo("vllm", config, drafter.state_dict(), expected, VLLM_SERVE, conventions, method="eagle3")
+
+    def sglang(self, source: Source, gamma: int, output: Path) -> EngineRepo:
+        check_plain_llama(source, "SGLang")
+        drafter, target = source.drafter, source.target
+        if drafter.config.norm_before_residual:
+            raise UserError(
+                "this EAGLE-3 drafter was trained with norm_before_residual=true; SGLang's EAGLE-3 layer always keeps the "
+                "un-normalised feature as its residual and would serve another function (export it for vllm, or retrain with false)"
+            )
+        ours = list(drafter.config.aux_layers)
+        ids = vllm_ids(ours, target.shape.num_hidden_layers)  # also refuses our last id, which SGLang never captures
+        config = llama_layer_config(target, 1) | {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "draft_vocab_size": drafter.config.draft_vocab_size,
+            "target_hidden_size": target.shape.hidden_size,
+            "num_aux_hidden_states": len(ours),
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": ours, "use_aux_hidden_state": True},
+            "norm_before_residual": False,
+            "eagle_aux_hidden_state_layer_ids": ids,  # vLLM's convention; SGLang reads eagle_config
+        }
+        tensors = {name.replace("layers.0.", "midlayer."): tensor for name, tensor in drafter.state_dict().items()}
+        expected = {
+            name.replace("layers.0.", "midlayer."): shape
+            for name, shape in layer_expected(config, target.shape.vocab_size, drafter.config.draft_vocab_size, len(ours)).items()
+        }
+        conventions = {
+            "aux_layer_ids": {
+                "draftsmith": ours,
+                "sglang": ours,
+                "vllm": ids,
+                "rule": "SGLang's eagle_config ids are draftsmith's (it captures the input of layer id + 1); the top-level ids are vLLM's (+1)",
+            },
+            "norm_before_residual": "false: SGLang's layer keeps the un-normalised feature as the residual",
+            "weights": "layers.0.* written as midlayer.*",
+            "checked_against": "sglang python/sglang/srt/models/llama_eagle3.py and models/llama.py (source read, not run)",
+        }
+        return EngineRepo("sglang", config, tensors, expected, SGLANG_SERVE, conventions, method="EAGLE3")
+
+    def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
+        return config.get("speculators_model_type") == "eagle3" or any("Eagle3" in arch for arch in config.get("architectures", []))
+
+    def read(self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]):
+        if "speculators_config" in config:  # vLLM convention: input of layer id
+            ours = [layer - 1 for layer in config["eagle_aux_hidden_state_layer_ids"]]
+            norm_before_residual = config.get("norm_before_residual", True)  # vLLM's default for this format
+        else:  # LlamaForCausalLMEagle3: SGLang's eagle_config ids are draftsmith's (output of layer id)
+            ours = list(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+            top = config.get("eagle_aux_hidden_state_layer_ids")
+            if top is not None and list(top) != [layer + 1 for layer in ours]:
+                raise UserError(f"{folder}: top-level eagle_aux_hidden_state_layer_ids {top} disagree with eagle_config's {ours} (+1 expected)")
+            norm_before_residual = config.get("norm_before_residual", False)
+        eagle3 = drafter_class("eagle3")
+        settings = {"aux_layers": ours, "draft_vocab_size": int(config["draft_vocab_size"]), "norm_before_residual": bool(norm_before_residual)}
+        settings |= {key: value for key, value in info.get("drafter_config", {}).items() if key in ("tree_depth", "tree_topk", "ttt_steps", "ttt_decay")}
+        drafter = eagle3.from_target(eagle3.Config(**settings), target_model, info.get("verifier", "target"))
+        tensors = {name.replace("midlayer.", "layers.0."): tensor for name, tensor in tensors.items() if not name.startswith("embed_tokens")}
+        if drafter.pruned and "t2d" not in tensors:  # vLLM needs only d2t; t2d follows from it
+            tensors["t2d"] = torch.zeros(drafter.target.vocab_size, dtype=torch.bool).index_fill_(0, torch.arange(len(tensors["d2t"])) + tensors["d2t"], True)
+        drafter.load_state_dict(tensors)
+        drafter.learned = dict(info.get("learned") or {})
+        return drafter

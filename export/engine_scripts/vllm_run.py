@@ -1,0 +1,171 @@
+"""Greedy generation in the real vLLM engine, with and without a drafter, and its spec-decode counters.
+
+Runs with the Python of an environment that has vLLM (never draftsmith's): it imports only the
+standard library and vllm. draftsmith's export check starts it as a subprocess:
+
+    <vllm python> vllm_run.py < request.json > result.json
+
+Request: {"target": DIR, "prompts": [[token ids], ...], "max_tokens": N, "dtype": "float32",
+"max_model_len": N, "gpu_memory_utilization": 0.3, "runs": [{"name": ..., "speculative_config":
+null | {...}}, ...]}. Result: one JSON object, {"ok": true, "vllm_version": ..., "runs": {name:
+{"outputs": [[ids]], "finish_reasons": [...], "metrics": {"num_drafts", "num_draft_tokens",
+"num_accepted_tokens", "accepted_per_position"}, "seconds": {...}}}}, or {"ok": false, "error": ...,
+"error_lines": [...]} with exit code 1.
+
+vLLM writes its logs to stdout (also from the engine processes it spawns), so file descriptors 1
+and 2 are routed through a pipe to the real stderr and the result goes to a saved copy of stdout.
+The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) on one OpenMP thread: on a
+small CPU machine it starts about 4x faster, and two threads spin against each other.
+"""
+
+import json
+import os
+import re
+import sys
+import threading
+import time
+import traceback
+
+COUNTERS = {
+    "vllm:spec_decode_num_drafts": "num_drafts",
+    "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
+}
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+ERROR_LINE = re.compile(r"\b([A-Za-z_][\w.]*(?:Error|Exception)): (.+)$")
+
+
+class LogsToStderr:
+    """fd 1 and 2 (inherited by vLLM's subprocesses) into a pipe copied to the real stderr; error
+    lines are kept, since an engine subprocess's root cause appears only in its log."""
+
+    def __init__(self):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.result_stream = os.fdopen(os.dup(1), "w", buffering=1)
+        self.stderr_fd = os.dup(2)
+        read_end, write_end = os.pipe()
+        os.dup2(write_end, 1)
+        os.dup2(write_end, 2)
+        os.close(write_end)
+        self.error_lines = []
+        self.thread = threading.Thread(target=self.pump, args=(read_end,), daemon=True)
+        self.thread.start()
+
+    def pump(self, read_end):
+        pending = b""
+        while True:
+            chunk = os.read(read_end, 65536)
+            if not chunk:
+                break
+            os.write(self.stderr_fd, chunk)
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                found = ERROR_LINE.search(line.decode("utf-8", "replace"))
+                if found and found.group(0).strip() not in self.error_lines:
+                    self.error_lines.append(found.group(0).strip())
+
+    def close(self):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(self.stderr_fd, 1)
+        os.dup2(self.stderr_fd, 2)
+        self.thread.join(timeout=3.0)
+
+
+def spec_counters(llm):
+    """The spec-decode counters, summed over engines (labels model_name, engine)."""
+    from vllm.v1.metrics.reader import Counter, Vector
+
+    totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_position": []}
+    for metric in llm.get_metrics():
+        if metric.name in COUNTERS and isinstance(metric, Counter):
+            totals[COUNTERS[metric.name]] += int(metric.value)
+        elif metric.name == PER_POSITION and isinstance(metric, Vector):
+            per_position = totals["accepted_per_position"]
+            per_position += [0] * (len(metric.values) - len(per_position))
+            for position, value in enumerate(metric.values):
+                per_position[position] += int(value)
+    return totals
+
+
+def difference(after, before):
+    out = {key: after[key] - before[key] for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    earlier = before["accepted_per_position"] + [0] * len(after["accepted_per_position"])
+    out["accepted_per_position"] = [a - b for a, b in zip(after["accepted_per_position"], earlier)]
+    return out
+
+
+def generate(request, speculative_config):
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    seconds = {}
+    start = time.perf_counter()
+    kwargs = {
+        "model": request["target"],
+        "dtype": request.get("dtype", "float32"),
+        "enforce_eager": True,
+        "gpu_memory_utilization": float(request.get("gpu_memory_utilization", 0.3)),
+        "max_model_len": int(request.get("max_model_len", 1024)),
+        "seed": 0,
+        "disable_log_stats": False,  # LLM.get_metrics() needs the stat loggers
+    }
+    if speculative_config is not None:
+        kwargs["speculative_config"] = dict(speculative_config)
+    llm = LLM(**kwargs)
+    seconds["construct"] = time.perf_counter() - start
+    sampling = SamplingParams(temperature=0.0, max_tokens=int(request["max_tokens"]))
+    before = spec_counters(llm)
+    start = time.perf_counter()
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in request["prompts"]], sampling, use_tqdm=False)
+    seconds["generate"] = time.perf_counter() - start
+    after = spec_counters(llm)
+    for _ in range(10):  # the last step's stats may land a moment after generate() returns
+        time.sleep(0.05)
+        again = spec_counters(llm)
+        if again == after:
+            break
+        after = again
+    result = {
+        "outputs": [[int(t) for t in o.outputs[0].token_ids] for o in outputs],
+        "finish_reasons": [o.outputs[0].finish_reason for o in outputs],
+        "metrics": difference(after, before),
+        "seconds": seconds,
+    }
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+    del llm
+    return result
+
+
+def main():
+    request = json.loads(sys.stdin.read())
+    logs = LogsToStderr()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    code, result = 0, {}
+    try:
+        import gc
+
+        import vllm
+
+        result = {"ok": True, "vllm_version": vllm.__version__, "runs": {}}
+        for run in request["runs"]:
+            result["runs"][run["name"]] = generate(request, run.get("speculative_config"))
+            gc.collect()
+    except BaseException as err:  # noqa: BLE001 - everything is reported as JSON
+        code, result = 1, {"ok": False, "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+    logs.close()
+    if code:
+        result["error_lines"] = logs.error_lines[-8:]
+    logs.result_stream.write(json.dumps(result) + "\n")
+    logs.result_stream.flush()
+    os._exit(code)  # engine threads can hang interpreter teardown
+
+
+if __name__ == "__main__":  # vLLM starts engine processes with spawn, which re-imports this module
+    main()

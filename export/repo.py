@@ -1,0 +1,153 @@
+"""What an exporter works from (`TargetInfo`) and produces (`EngineRepo`), and the writer that checks
+an engine folder before it lands.
+
+Serving engines skip what they do not expect and leave unloaded what is missing, without an error
+(vLLM's EAGLE loaders check nothing; a Medusa head bias without `medusa_fc_bias` is dropped). So an
+exporter states exactly which tensors, with which shapes, the engine will read for the config it
+writes (`EngineRepo.expected`), and `write_repo` refuses a folder that differs in any name or shape.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors.torch import save_file
+
+from draftsmith.errors import UserError
+from draftsmith.files import write_text_atomic
+from draftsmith.target import TargetShape
+
+EXPORT_INFO = "draftsmith_export.json"
+WEIGHTS = "model.safetensors"
+# The target's tokenizer files, copied where an engine reads a tokenizer from the drafter's folder.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json", "tokenizer.model", "generation_config.json")
+
+
+@dataclass
+class TargetInfo:
+    """The target as an exporter needs it: its shape, its HF config (max_position_embeddings, rope
+    and the layer settings come from here, never from defaults), the name serving gives it, and its
+    local directory when it has one (for tokenizer files)."""
+
+    shape: TargetShape
+    config: dict[str, Any]
+    verifier: str
+    directory: Optional[Path] = None
+
+
+@dataclass
+class EngineRepo:
+    """One engine's folder: its config.json and weights, the tensors the engine reads for that config
+        (name -> shape, checked exactly), the serving command (`{path}` = this folder, `{target}` = the
+        verifier), the conventions converted on the way (recorded in draftsmith_export.json), and the
+    engine's name for the method."""
+
+    engine: str
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    expected: dict[str, tuple[int, ...]]
+    serve: str
+    conventions: dict[str, Any] = field(default_factory=dict)
+    method: str = ""  # the engine's name for the algorithm (vLLM's speculative_config method)
+    tokenizer: bool = False  # copy the target's tokenizer files in
+    extra: Optional[Callable[[Path], None]] = None  # writes more into the folder (Medusa-2's merged target)
+    weights_dir: str = ""  # subfolder holding config.json + weights ("" = the folder itself)
+
+
+def write_json(path: Path, value: dict[str, Any]) -> None:
+    write_text_atomic(path, json.dumps(value, indent=2, sort_keys=True) + "\n")
+
+
+def check_tensors(repo: EngineRepo, what: str) -> None:
+    """The weights are exactly what the engine loads for this config: no missing name (left
+    uninitialised), no extra name (skipped), no other shape."""
+    missing = sorted(set(repo.expected) - set(repo.tensors))
+    extra = sorted(set(repo.tensors) - set(repo.expected))
+    if missing or extra:
+        raise UserError(f"{what}: the {repo.engine} folder would miss {missing[:4]} and carry {extra[:4]} that {repo.engine} does not load")
+    wrong = [(name, tuple(tensor.shape), repo.expected[name]) for name, tensor in repo.tensors.items() if tuple(tensor.shape) != tuple(repo.expected[name])]
+    if wrong:
+        raise UserError(f"{what}: {repo.engine} expects other shapes: {', '.join(f'{n} {got} vs {want}' for n, got, want in wrong[:3])}")
+
+
+def stage_repo(repo: EngineRepo, directory: Path, target: TargetInfo) -> Path:
+    """Write the folder's config and weights under `<directory>.tmp` (the card and
+    draftsmith_export.json follow once the folder has been checked); returns the staging path."""
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    weights_dir = tmp / repo.weights_dir
+    weights_dir.mkdir(parents=True)
+    tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in sorted(repo.tensors.items())}
+    save_file(tensors, str(weights_dir / WEIGHTS), metadata={"format": "pt"})  # one metadata key: reproducible bytes
+    write_json(weights_dir / "config.json", repo.config)
+    if repo.tokenizer:
+        copy_tokenizer(target, weights_dir)
+    if repo.extra is not None:
+        repo.extra(tmp)
+    return tmp
+
+
+def publish(tmp: Path, directory: Path) -> None:
+    """Replace `directory` by the staged folder with renames only: a killed export leaves either the
+    earlier folder or the new one in place, never a mix."""
+    old = directory.with_name(directory.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if directory.exists():
+        directory.rename(old)
+    tmp.rename(directory)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def copy_tokenizer(target: TargetInfo, destination: Path) -> None:
+    if target.directory is None:
+        raise UserError(f"the export needs the target's tokenizer files, but the target {target.verifier!r} is not a local directory")
+    copied = [name for name in TOKENIZER_FILES if (target.directory / name).is_file()]
+    if "tokenizer.json" not in copied and "tokenizer.model" not in copied:
+        raise UserError(f"the target directory {target.directory} holds no tokenizer.json or tokenizer.model to copy into the export")
+    for name in copied:
+        shutil.copyfile(target.directory / name, destination / name)
+
+
+# vLLM 0.32 picks the speculative method from the draft's path when the path contains one of these
+# (config/speculative.py), even if another method was asked for: a Medusa or draft-model folder
+# under such a path would be served as EAGLE.
+VLLM_PATH_TRIGGERS = ("eagle-", "eagle3", "dflash", "dspark")
+
+
+def check_vllm_path(directory: Path, kind: str) -> None:
+    lowered = str(directory.resolve()).lower()
+    found = [word for word in VLLM_PATH_TRIGGERS if word in lowered]
+    if found:
+        raise UserError(
+            f"export.output {directory} contains {found[0]!r}: vLLM would serve a {kind} drafter found there as another method "
+            "(it picks the method from the path); export to a path without 'eagle-', 'eagle3', 'dflash' or 'dspark'"
+        )
+
+
+def llama_layer_config(target: TargetInfo, num_layers: int) -> dict[str, Any]:
+    """The target's decoder settings for a drafter of `num_layers` Llama layers: every field the
+    engines read comes from the target (max_position_embeddings and rope included), nothing defaults."""
+    keep = (
+        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
+        "rms_norm_eps", "vocab_size", "max_position_embeddings", "rope_parameters", "rope_theta", "rope_scaling",
+        "attention_bias", "mlp_bias", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
+    )  # fmt: skip
+    config = {key: target.config[key] for key in keep if key in target.config and target.config[key] is not None}
+    config["head_dim"] = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return {**config, "model_type": "llama", "num_hidden_layers": num_layers, "torch_dtype": "float32"}
+
+
+def require_llama(target: TargetInfo, engine: str, kind: str) -> None:
+    """The engines' EAGLE loaders build Llama layers; a drafter of another family's layers (Qwen2's
+    q/k/v biases, Qwen3's q/k norms) would load with those parts silently missing."""
+    model_type = target.shape.model_type
+    if model_type not in ("llama", "mistral"):
+        raise UserError(
+            f"{engine} serves {kind} drafters with Llama layers; this drafter has {model_type} layers (the target's family), which it would load incompletely"
+        )

@@ -1,0 +1,199 @@
+"""The export job: checkpoint in, one checked engine folder per engine out (see export/__init__.py).
+
+Order, so that a bad combination never leaves a folder behind: every engine's folder is built and
+checked (names and shapes the engine loads, conventions converted) before anything is written; each
+is staged under `<engine>.tmp`, read back into a drafter whose re-export must give the same tensors,
+loaded in vLLM when `export.vllm_python` names a Python that has it, given its model card and
+`draftsmith_export.json`, and only then renamed into place. Pushing comes last.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from omegaconf import DictConfig
+from safetensors.torch import load_file
+
+from draftsmith.errors import UserError, one_line
+from draftsmith.export import EXPORTERS, Source, exporter_for
+from draftsmith.export.repo import EXPORT_INFO, WEIGHTS, EngineRepo, TargetInfo, check_tensors, publish, stage_repo, write_json
+from draftsmith.heads import load_drafter
+from draftsmith.heads.base import CONFIG_NAME, check_same_target, read_checkpoint_config
+from draftsmith.outputs import DirectoryLock, move_aside
+from draftsmith.target import TargetShape, load_target, resolve_device
+
+EXPORT_FORMAT = 1
+
+
+def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=None) -> dict[str, Path]:
+    """Export `checkpoint` for every engine in export.engines; returns engine -> folder."""
+    output = Path(cfg.export.output or Path(cfg.output_dir) / "export")
+    with DirectoryLock(output):
+        kind = read_checkpoint_config(checkpoint)["drafter_type"]  # before the target loads: can these engines serve it?
+        for engine in cfg.export.engines:
+            if engine == "sglang" and exporter_for(kind).sglang_reason:
+                raise UserError(f"{kind} cannot be exported for sglang: {exporter_for(kind).sglang_reason}")
+        source_digest = file_digest(checkpoint / WEIGHTS)
+        claim_export_dir(output, list(cfg.export.engines), source_digest, cfg.export.overwrite)
+        target = target if target is not None else load_target(cfg.target, resolve_device(cfg.eval.device))
+        source = load_source(cfg, checkpoint, target)
+        gamma = serving_gamma(cfg, source)
+        exporter = exporter_for(source.drafter.type)
+        repos = {engine: exporter.build(engine, source, gamma, output / engine) for engine in cfg.export.engines}
+        for repo in repos.values():
+            check_tensors(repo, f"{source.drafter.type} checkpoint {checkpoint}")
+        report = find_report(cfg, checkpoint)
+        folders = {}
+        for engine, repo in repos.items():
+            staged = stage_repo(repo, output / engine, source.target)
+            info = export_info(cfg, source, repo, gamma, source_digest, report)
+            write_json(staged / EXPORT_INFO, info)
+            check_round_trip(exporter, source, repo, staged, target, gamma, output / engine)
+            if engine == "vllm" and cfg.export.vllm_python:
+                from draftsmith.export.verify import verify_in_vllm
+
+                info["verified"] = verify_in_vllm(cfg, source, repo, staged, gamma, tokenizer)
+                write_json(staged / EXPORT_INFO, info)
+            from draftsmith.export.card import write_card
+
+            write_card(staged, repo, info, report, serving_name(cfg, engine, output / engine))
+            publish(staged, output / engine)
+            folders[engine] = output / engine
+    if cfg.export.push.repo_id:
+        from draftsmith.export.push import push_folders
+
+        push_folders(cfg, folders, report)
+    return folders
+
+
+def load_source(cfg: DictConfig, checkpoint: Path, target) -> Source:
+    name = cfg.target.name_or_path
+    drafter = load_drafter(checkpoint, TargetShape.of(target, name), target).eval()
+    directory = Path(name) if Path(name).is_dir() else None
+    info = TargetInfo(shape=TargetShape.of(target, name), config=target.config.to_dict(), verifier=cfg.export.verifier or name, directory=directory)
+    return Source(drafter=drafter, checkpoint=checkpoint, target_model=target, target=info)
+
+
+def serving_gamma(cfg: DictConfig, source: Source) -> int:
+    gamma = int(cfg.export.num_speculative_tokens or cfg.eval.num_speculative_tokens)
+    longest = type(source.drafter).max_chain(source.drafter.config)
+    if longest is not None and gamma > longest:
+        raise UserError(f"num_speculative_tokens={gamma} but this {source.drafter.type} drafter proposes at most {longest}; set export.num_speculative_tokens")
+    return gamma
+
+
+def claim_export_dir(output: Path, engines: list[str], digest: str, overwrite: bool) -> None:
+    """An engine folder made from another checkpoint is never replaced implicitly; one made from this
+    checkpoint is re-exported in place (the same inputs give the same bytes)."""
+    others = []
+    for engine in engines:
+        info_path = output / engine / EXPORT_INFO
+        if (output / engine).exists():
+            made_from = json.loads(info_path.read_text()).get("source", {}).get("sha256") if info_path.is_file() else None
+            if made_from != digest:
+                others.append(engine)
+    if not others:
+        return
+    if not overwrite:
+        raise UserError(
+            f"{output} holds {', '.join(others)} export(s) of another checkpoint; use another export.output, "
+            f"or export.overwrite=true to move them to {output}/replaced/<time>/"
+        )
+    move_aside(output, others)
+
+
+def file_digest(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def find_report(cfg: DictConfig, checkpoint: Path) -> Optional[dict[str, Any]]:
+    """The eval report the model card shows: export.report, else the one train.py wrote beside the
+    checkpoint (<output_dir>/eval/report.json), else none."""
+    path = Path(cfg.export.report) if cfg.export.report else checkpoint.resolve().parent / "eval" / "report.json"
+    if not path.is_file():
+        if cfg.export.report:
+            raise UserError(f"export.report={cfg.export.report!r} does not exist")
+        return None
+    try:
+        report = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"{path}: not an eval report ({one_line(err)})") from None
+    if report.get("drafter", {}).get("path") != str(checkpoint.resolve()):
+        raise UserError(f"{path} evaluates {report.get('drafter', {}).get('path')}, not {checkpoint.resolve()}; pass export.report for this checkpoint")
+    return {**report, "_path": str(path)}
+
+
+def export_info(cfg: DictConfig, source: Source, repo: EngineRepo, gamma: int, digest: str, report: Optional[dict]) -> dict[str, Any]:
+    """draftsmith_export.json: where the folder came from and what was converted on the way."""
+    from importlib import metadata
+
+    drafter = source.drafter
+    info = {
+        "draftsmith_export": EXPORT_FORMAT,
+        "draftsmith_version": metadata.version("draftsmith"),
+        "engine": repo.engine,
+        "drafter_type": drafter.type,
+        "drafter_config": {k: v for k, v in asdict(drafter.config).items() if k not in ("decoder", "model_config")},
+        "learned": drafter.learned,
+        "source": {"checkpoint": str(source.checkpoint.resolve()), "sha256": digest},
+        "target": {**source.target.shape.__dict__, "id": source.target.shape.id},
+        "verifier": source.target.verifier,
+        "num_speculative_tokens": gamma,
+        "conventions": repo.conventions,
+        "serve": repo.serve,
+        "eval_report": None
+        if report is None
+        else {"path": report["_path"], "temperature": report["temperature"], "tau_all": report["domains"]["all"]["chain"]["tau"]},
+    }
+    return info
+
+
+def serving_name(cfg: DictConfig, engine: str, folder: Path) -> str:
+    """How the serving commands name the drafter: its Hub repo when pushed, else its local path."""
+    from draftsmith.export.push import repo_id_for
+
+    return repo_id_for(cfg, engine) if cfg.export.push.repo_id else str(folder.resolve())
+
+
+def check_round_trip(exporter, source: Source, repo: EngineRepo, staged: Path, target, gamma: int, final: Path) -> None:
+    """Read the staged folder back into a drafter and export that again: the same tensors must come
+    out, or the folder's config does not describe its weights."""
+    drafter = read_folder(staged / repo.weights_dir, target)
+    again = exporter.build(repo.engine, Source(drafter, source.checkpoint, source.target_model, source.target), gamma, final)
+    differ = [name for name, tensor in repo.tensors.items() if name not in again.tensors or not torch.equal(again.tensors[name].cpu(), tensor.cpu())]
+    if differ or set(again.tensors) != set(repo.tensors):
+        raise UserError(f"the {repo.engine} folder does not read back into the same drafter (tensors {differ[:4]} differ); this is a draftsmith bug")
+
+
+def read_folder(folder: Path, target):
+    """The draftsmith drafter an engine folder holds, attached to `target`."""
+    config = json.loads((folder / CONFIG_NAME).read_text())
+    tensors = load_file(str(folder / WEIGHTS))
+    info_path = next((p for p in (folder / EXPORT_INFO, folder.parent / EXPORT_INFO) if p.is_file()), None)
+    info = json.loads(info_path.read_text()) if info_path else {}
+    matches = [exporter for exporter in dict.fromkeys(EXPORTERS.values()) if exporter.recognises(config, tensors)]
+    if len(matches) != 1:
+        raise UserError(f"{folder} is not a drafter folder draftsmith can read (config.json architectures {config.get('architectures')})")
+    drafter = matches[0].read(folder, config, tensors, target, info)
+    return drafter.eval()
+
+
+def open_drafter(path: str | Path, target_shape: TargetShape, target):
+    """A draftsmith checkpoint, or an engine folder an export wrote (its `vllm/` or `sglang/`, or the
+    export directory holding one), as a drafter attached to `target` for the eval."""
+    path = Path(path)
+    saved = path / CONFIG_NAME
+    if saved.is_file() and "draftsmith_format" in json.loads(saved.read_text()):
+        return load_drafter(path, target_shape, target)
+    for folder in (path, path / "medusa", path / "vllm", path / "vllm" / "medusa", path / "sglang"):
+        if (folder / CONFIG_NAME).is_file() and (folder / WEIGHTS).is_file():
+            drafter = read_folder(folder, target)
+            check_same_target(drafter.target, target_shape, str(folder))
+            return drafter
+    raise UserError(f"{path} holds neither a drafter checkpoint nor an exported drafter folder (config.json + {WEIGHTS})")

@@ -1,0 +1,136 @@
+"""The proof of an export: load the folder in the real vLLM, as the speculative model for the target,
+on the eval prompts, and compare with draftsmith's own decoding of the same prompts.
+
+Passes when (a) vLLM's greedy output with the drafter equals its output without it and draftsmith's
+plain greedy output, token for token; (b) vLLM's counters show accepted draft tokens; (c) vLLM's τ
+(1 + accepted / drafts) is within `export.tolerance` (relative) of draftsmith's chain τ at the same γ.
+A drafter the engine reads differently from how it was trained (a missing `norm_before_residual`,
+layer ids off by one, dropped biases) stays lossless but accepts less, and fails (c).
+
+vLLM runs in its own Python environment (`export.vllm_python`): its pinned torch and transformers
+need not match draftsmith's. The engine side is export/engine_scripts/vllm_run.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from draftsmith.errors import UserError, one_line
+from draftsmith.eval.loop import Counts, generate
+from draftsmith.eval.report import eos_ids_of, load_prompts
+from draftsmith.export import Source
+from draftsmith.export.repo import EngineRepo
+from draftsmith.target import load_tokenizer
+
+ENGINE_TIMEOUT_S = 1800
+
+
+def run_vllm(python: str, request: dict[str, Any]) -> dict[str, Any]:
+    """Run export/engine_scripts/vllm_run.py with `python`; its JSON result."""
+    script = Path(str(files("draftsmith.export.engine_scripts").joinpath("vllm_run.py")))
+    try:
+        done = subprocess.run([python, str(script)], input=json.dumps(request), capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise UserError(f"could not run vLLM with export.vllm_python={python!r}: {one_line(err)}") from None
+    try:
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):
+        raise UserError(f"vLLM ({python}) gave no result: {one_line(done.stderr[-600:])}") from None
+    if not result.get("ok"):
+        cause = "; ".join(result.get("error_lines") or []) or result.get("error", "unknown error")
+        raise UserError(f"vLLM could not serve the export: {one_line(cause, 600)}")
+    return result
+
+
+def draftsmith_side(source: Source, prompts: list[list[int]], max_new_tokens: int, gamma: int, eos_ids: frozenset[int]) -> dict[str, Any]:
+    """Plain greedy decoding and the drafter's greedy chain, in draftsmith's loop, on vLLM's schedule:
+    vLLM takes the first new token from the prefill and drafts after it, so the chain here decodes
+    each prompt with its first greedy token appended (the same draft positions, the same counts)."""
+    proposer = source.drafter.proposer()
+    verifier = proposer.verifier or source.target_model
+    plain = [generate(verifier, prompt, max_new_tokens, eos_ids=eos_ids).tokens for prompt in prompts]
+    counts = Counts()
+    for prompt, tokens in zip(prompts, plain):
+        if len(tokens) > 1 and tokens[0] not in eos_ids:
+            counts.add(generate(verifier, prompt + tokens[:1], max_new_tokens - 1, proposer, gamma, eos_ids=eos_ids).counts)
+    drafts = max(counts.reached[0] if counts.reached else 0, 1)  # cycles that drafted: vLLM's num_drafts
+    return {
+        "plain": plain,
+        "tau": 1 + counts.accepted / drafts,  # vLLM's mean acceptance length
+        "at_least": [accepted / drafts for accepted in counts.accepted_at],  # P(accepted >= k), vLLM's per-position rate
+    }
+
+
+def verify_in_vllm(cfg: DictConfig, source: Source, repo: EngineRepo, folder: Path, gamma: int, tokenizer=None) -> dict[str, Any]:
+    """Check the staged vLLM `folder` in the engine (see the module docstring); the summary that goes
+    into draftsmith_export.json and the model card, or a UserError saying what failed."""
+    tokenizer = tokenizer or load_tokenizer(cfg.target)
+    sources = list(cfg.eval.data) or list(cfg.data.eval)
+    if not sources:
+        raise UserError("export.vllm_python checks the export on the eval prompts: set eval.data or data.eval")
+    by_domain = load_prompts(sources, tokenizer, int(cfg.eval.max_prompts), int(cfg.data.max_length))
+    prompts = [prompt for domain in by_domain.values() for prompt in domain]
+    max_new = int(cfg.eval.max_new_tokens)
+    ours = draftsmith_side(source, prompts, max_new, gamma, eos_ids_of(source.target_model, tokenizer))
+    served = folder / "target" if (folder / "target").is_dir() else served_target(cfg)
+    limit = int(source.target.config.get("max_position_embeddings") or 4096)
+    request = {
+        "target": str(served),
+        "prompts": prompts,
+        "max_tokens": max_new,
+        "max_model_len": min(limit, max(map(len, prompts)) + max_new + 8),
+        "runs": [
+            {"name": "plain", "speculative_config": None},
+            {"name": "speculative", "speculative_config": {"method": repo.method, "model": str(folder / repo.weights_dir), "num_speculative_tokens": gamma}},
+        ],
+    }
+    engine = run_vllm(cfg.export.vllm_python, request)
+    return compare(engine, ours, gamma, float(cfg.export.tolerance), len(prompts), max_new)
+
+
+def served_target(cfg: DictConfig) -> str:
+    name = cfg.target.name_or_path
+    if not Path(name).is_dir():
+        raise UserError(f"the engine check needs the target as a local directory; {name!r} is not one")
+    return str(Path(name).resolve())
+
+
+def compare(engine: dict[str, Any], ours: dict[str, Any], gamma: int, tolerance: float, prompts: int, max_new: int) -> dict[str, Any]:
+    plain, speculative = engine["runs"]["plain"], engine["runs"]["speculative"]
+    counters = speculative["metrics"]
+    drafts, accepted = counters["num_drafts"], counters["num_accepted_tokens"]
+    tau = 1 + accepted / drafts if drafts else None
+    summary = {
+        "engine": "vllm",
+        "engine_version": engine["vllm_version"],
+        "prompts": prompts,
+        "max_new_tokens": max_new,
+        "num_speculative_tokens": gamma,
+        "lossless": speculative["outputs"] == plain["outputs"],
+        "equals_draftsmith_plain": plain["outputs"] == ours["plain"],
+        "counters": counters,
+        "tau_engine": None if tau is None else round(tau, 4),
+        "tau_draftsmith": round(ours["tau"], 4),
+        "relative_difference": None if tau is None else round(tau / ours["tau"] - 1, 4),
+        "tolerance": tolerance,
+        "at_least_engine": [round(n / drafts, 4) for n in counters["accepted_per_position"]] if drafts else [],
+        "at_least_draftsmith": [round(p, 4) for p in ours["at_least"]],
+    }
+    problems = []
+    if not summary["lossless"]:
+        problems.append("vLLM's greedy output with the drafter differs from its output without it")
+    if not summary["equals_draftsmith_plain"]:
+        problems.append("vLLM's plain greedy output differs from draftsmith's")
+    if not accepted:
+        problems.append(f"vLLM accepted no draft token in {drafts} drafts")
+    elif abs(summary["relative_difference"]) > tolerance:
+        problems.append(f"vLLM's τ {tau:.3f} differs from draftsmith's {ours['tau']:.3f} by {summary['relative_difference']:+.1%} (tolerance ±{tolerance:.0%})")
+    if problems:
+        raise UserError(f"export check in vLLM {engine['vllm_version']} failed: {'; '.join(problems)}")
+    return summary

@@ -1,0 +1,47 @@
+"""`python -m monitor check recipe=NAME [key=value ...]` runs one check (for cron, a systemd timer or a
+Kubernetes CronJob); `python -m monitor watch ...` checks every monitor.interval_s seconds until
+stopped (SIGTERM or Ctrl-C ends it between checks).
+
+Exit codes (monitor.Outcome): 0 healthy, 10 drift (waiting), 11 retrained but not promoted,
+12 retrained and promoted (redeploy), 2 bad input, 75 stopped on SIGTERM during a retraining
+(the next check resumes it). `watch` exits only on bad input or a signal.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from collections.abc import Sequence
+
+from draftsmith.errors import UserError, run_cli
+from draftsmith.recipe import load_recipe
+
+USAGE = "usage: python -m monitor check|watch recipe=NAME [key=value ...]"
+
+
+def main(argv: Sequence[str]) -> None:
+    if not argv or argv[0] not in ("check", "watch"):
+        raise UserError(USAGE)
+    cfg = load_recipe(argv[1:])
+    from draftsmith.monitor.check import check
+
+    if argv[0] == "check":
+        outcome = check(cfg)
+        print(f"monitor: {outcome.name.lower()}")
+        sys.exit(int(outcome))
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    while not stop:
+        outcome = check(cfg)
+        print(f"monitor: {outcome.name.lower()}", flush=True)
+        deadline = time.monotonic() + cfg.monitor.interval_s
+        while not stop and time.monotonic() < deadline:
+            time.sleep(min(1.0, cfg.monitor.interval_s))
+
+
+if __name__ == "__main__":
+    from draftsmith.cli import configure_logging
+
+    configure_logging()
+    run_cli(main)

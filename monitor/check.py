@@ -1,0 +1,183 @@
+"""One check: measure, decide, record, and retrain when the drift is real.
+
+Measured: the engine's counters over the window since the previous check (monitor/metrics.py), and
+draftsmith's eval of the deployed drafter on a sample of recent traffic, per domain
+(monitor/traffic.py). Decided (monitor/drift.py): drift when either is significantly below the
+baseline; the streak must reach `monitor.consecutive` and the cooldown must be over before the
+retraining pipeline starts (monitor/pipeline.py). Recorded: `<state_dir>/checks/<n>.json` with
+everything measured and decided, TensorBoard scalars in `<state_dir>/tb`, and the state file.
+
+The whole check holds `<state_dir>` (DirectoryLock): two checks, or two retrainings, never overlap.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig
+
+from draftsmith.errors import UserError
+from draftsmith.export.repo import EXPORT_INFO
+from draftsmith.files import write_text_atomic
+from draftsmith.monitor import Outcome
+from draftsmith.monitor.drift import DRIFT, HEALTHY, TOO_FEW, Baseline, domain_tests, engine_tests, verdict_of
+from draftsmith.monitor.metrics import collect, window
+from draftsmith.monitor.state import State
+from draftsmith.monitor.traffic import sample, write_conversations
+from draftsmith.outputs import DirectoryLock
+from draftsmith.recipe import derived
+
+
+def state_dir_of(cfg: DictConfig) -> Path:
+    return Path(cfg.monitor.state_dir or Path(cfg.output_dir) / "monitor")
+
+
+def check(cfg: DictConfig, now: Optional[float] = None) -> Outcome:
+    directory = state_dir_of(cfg)
+    with DirectoryLock(directory):
+        state = State.load(directory)
+        if state.pipeline is not None:  # a retraining was interrupted: finish it first
+            from draftsmith.monitor.pipeline import run_pipeline
+
+            return run_pipeline(cfg, directory, state)
+        return measure_and_decide(cfg, directory, state, time.time() if now is None else now)
+
+
+def deployed_of(cfg: DictConfig, state: State) -> dict[str, Any]:
+    """The deployed export (the state's, once the monitor has promoted one; else monitor.deployed)
+    and the report its baseline comes from."""
+    if state.deployed is not None:
+        return state.deployed
+    folder = cfg.monitor.deployed
+    if not folder or not (Path(folder) / EXPORT_INFO).is_file():
+        raise UserError(f"monitor.deployed={folder!r} is not an export folder (an export's vllm/ or sglang/ holding {EXPORT_INFO})")
+    info = json.loads((Path(folder) / EXPORT_INFO).read_text())
+    report = cfg.monitor.baseline or (info.get("eval_report") or {}).get("path")
+    if not report:
+        raise UserError(f"{folder} was exported without an eval report: set monitor.baseline=<report.json> (evaluate the checkpoint and export again)")
+    return {
+        "export": str(Path(folder).resolve()),
+        "revision": 0,
+        "baseline": str(report),
+        "checkpoint": info["source"]["checkpoint"],
+        "sha256": info["source"]["sha256"],
+    }
+
+
+def load_baseline(path: str) -> Baseline:
+    try:
+        return Baseline.from_report(json.loads(Path(path).read_text()), path)
+    except (OSError, json.JSONDecodeError) as err:
+        raise UserError(f"cannot read the baseline report {path}: {err}") from None
+
+
+def measure_and_decide(cfg: DictConfig, directory: Path, state: State, now: float) -> Outcome:
+    settings = cfg.monitor
+    if not settings.metrics and not settings.traffic:
+        raise UserError("nothing to monitor: set monitor.metrics=[<engine /metrics URLs>] and/or monitor.traffic=<request log directory>")
+    deployed = deployed_of(cfg, state)
+    baseline = load_baseline(deployed["baseline"])
+    state.checks += 1
+    number = state.checks
+    record: dict[str, Any] = {
+        "check": number,
+        "time": datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(),
+        "deployed": deployed,
+        "baseline": asdict(baseline),
+        "settings": {key: settings[key] for key in ("min_drafts", "max_drop", "confidence", "consecutive", "cooldown_s")},
+    }
+    verdicts = []
+    if settings.metrics:
+        current = collect(list(settings.metrics))
+        if state.counters is None:
+            record["engine"] = {"verdict": TOO_FEW, "note": "first scrape of this deployment: the window starts now"}
+        else:
+            measured = window(state.counters, current)
+            tests = engine_tests(measured, baseline, settings) if settings.engine == "vllm" else {}
+            record["engine"] = {**measured.as_dict(), "tests": tests, "verdict": verdict_of(tests) if tests else TOO_FEW}
+            verdicts.append(record["engine"]["verdict"])
+        state.counters = current
+    if settings.traffic:
+        record["traffic"] = measure_traffic(cfg, directory, deployed, baseline, number, now)
+        verdicts.append(record["traffic"]["verdict"])
+
+    drift = DRIFT in verdicts
+    if drift:
+        state.consecutive_drift += 1
+    elif verdicts and all(verdict == HEALTHY for verdict in verdicts):
+        state.consecutive_drift = 0
+    outcome, action = decide(cfg, state, drift, now)
+    if action == "retrain":
+        state.pipeline = {"id": f"retrain_{number:05d}", "started": record["time"], "domains": drifted_domains(record), "deployed": deployed, "done": {}}
+    record["decision"] = {"drift": drift, "consecutive": state.consecutive_drift, "action": action, "outcome": outcome.name}
+    write_record(directory, number, record, now)
+    state.last_check = {"time": record["time"], "record": str(directory / "checks" / f"{number:05d}.json"), "outcome": outcome.name}
+    state.save(directory)
+    if action == "retrain":
+        from draftsmith.monitor.pipeline import run_pipeline
+
+        return run_pipeline(cfg, directory, state)
+    return outcome
+
+
+def decide(cfg: DictConfig, state: State, drift: bool, now: float) -> tuple[Outcome, str]:
+    if not drift:
+        return Outcome.HEALTHY, "none"
+    if state.consecutive_drift < cfg.monitor.consecutive:
+        return Outcome.DRIFT, f"wait: drift in {state.consecutive_drift} of {cfg.monitor.consecutive} checks in a row"
+    if now < state.cooldown_until:
+        return Outcome.DRIFT, f"wait: cooldown until {datetime.datetime.fromtimestamp(state.cooldown_until, datetime.timezone.utc).isoformat()}"
+    if not cfg.monitor.retrain:
+        return Outcome.DRIFT, "report only (monitor.retrain=false)"
+    return Outcome.DRIFT, "retrain"
+
+
+def measure_traffic(cfg: DictConfig, directory: Path, deployed: dict[str, Any], baseline: Baseline, number: int, now: float) -> dict[str, Any]:
+    """draftsmith's eval of the deployed drafter on the latest requests of each domain."""
+    from draftsmith.eval.report import run_eval
+
+    requests, summary = sample(Path(cfg.monitor.traffic), cfg.monitor.sample_per_domain, cfg.monitor.traffic_window_s, now)
+    if not requests:
+        return {**summary, "verdict": TOO_FEW, "domains": {}}
+    check_dir = directory / "checks" / f"{number:05d}"
+    conversations = write_conversations(requests, check_dir / "traffic_sample.jsonl")
+    variant = derived(cfg, {"eval.data": [str(conversations)], "eval.max_prompts": cfg.monitor.sample_per_domain, "eval.tree": 0, "output_dir": str(check_dir)})
+    report = run_eval(variant, deployed["export"])
+    tests = domain_tests(report, baseline, cfg.monitor)
+    return {**summary, "sample": str(conversations), "report": str(check_dir / "eval" / "report.json"), "domains": tests, "verdict": verdict_of(tests)}
+
+
+def drifted_domains(record: dict[str, Any]) -> list[str]:
+    """The domains retraining targets: those the traffic sample found drifted or new; all sampled
+    domains when the engine alone saw the drift."""
+    domains = record.get("traffic", {}).get("domains", {})
+    marked = [name for name, test in domains.items() if test["verdict"] == DRIFT or test["new_domain"]]
+    return marked or sorted(domains)
+
+
+def write_record(directory: Path, number: int, record: dict[str, Any], now: float) -> None:
+    path = directory / "checks" / f"{number:05d}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(record, indent=2, default=str) + "\n")
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(directory / "tb"))
+    try:
+        engine = record.get("engine", {})
+        for name, value in (("engine/alpha", engine.get("alpha")), ("engine/tau", engine.get("tau")), ("baseline/alpha", record["baseline"]["alpha"])):
+            if value is not None:
+                writer.add_scalar(name, value, number, walltime=now)
+        for position, rate in enumerate(engine.get("at_least", [])):
+            writer.add_scalar(f"engine/at_least_{position + 1}", rate, number, walltime=now)
+        for domain, test in record.get("traffic", {}).get("domains", {}).items():
+            if test["measured"] is not None:
+                writer.add_scalar(f"traffic/{domain}/alpha", test["measured"], number, walltime=now)
+        writer.add_scalar("decision/drift", float(record["decision"]["drift"]), number, walltime=now)
+        writer.add_scalar("decision/consecutive", record["decision"]["consecutive"], number, walltime=now)
+    finally:
+        writer.close()

@@ -1,0 +1,115 @@
+"""Is acceptance significantly below the baseline?
+
+The baseline is the eval report recorded with the deployed export: overall acceptance α (accepted /
+drafted), P(accepted >= k) per draft position, and α per domain. A measured rate drifts when even
+its optimistic bound is below the baseline by more than `monitor.max_drop` (relative): the one-sided
+Wilson upper bound at `monitor.confidence` < baseline x (1 - max_drop). It is healthy when its
+pessimistic bound clears that line, and undecided in between or below `monitor.min_drafts` samples.
+
+The trials are verify steps ("drafts"), not draft tokens: the positions of one draft are not
+independent (position k is tested only after k-1 was accepted), so a draft is the unit that is, and
+the test is conservative for α. Two drafts of one request are not independent either; the minimum
+sample and the confidence absorb that, and the hysteresis (a drift must persist over
+`monitor.consecutive` checks) guards the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from statistics import NormalDist
+from typing import Any, Optional
+
+from draftsmith.errors import UserError
+
+DRIFT, HEALTHY, UNDECIDED, TOO_FEW = "drift", "healthy", "undecided", "too few samples"
+
+
+@dataclass
+class Judgement:
+    measured: Optional[float]
+    baseline: float
+    threshold: float  # baseline x (1 - max_drop)
+    upper: Optional[float]
+    lower: Optional[float]
+    trials: float
+    verdict: str
+
+
+def wilson(rate: float, trials: float, z: float) -> tuple[float, float]:
+    """The Wilson score interval of a proportion observed over `trials` (z: the normal quantile)."""
+    centre = rate + z * z / (2 * trials)
+    spread = z * math.sqrt(rate * (1 - rate) / trials + z * z / (4 * trials * trials))
+    scale = 1 + z * z / trials
+    return max(0.0, (centre - spread) / scale), min(1.0, (centre + spread) / scale)
+
+
+def judge(measured: Optional[float], trials: float, baseline: float, settings) -> Judgement:
+    threshold = baseline * (1 - settings.max_drop)
+    if measured is None or trials < settings.min_drafts:
+        return Judgement(measured, baseline, threshold, None, None, trials, TOO_FEW)
+    z = NormalDist().inv_cdf(settings.confidence)
+    lower, upper = wilson(min(max(measured, 0.0), 1.0), trials, z)
+    verdict = DRIFT if upper < threshold else HEALTHY if lower >= threshold else UNDECIDED
+    return Judgement(measured, baseline, threshold, upper, lower, trials, verdict)
+
+
+@dataclass
+class Baseline:
+    """What the deployed drafter accepted in its eval (chain rows of the report)."""
+
+    alpha: float
+    at_least: list[float]  # P(accepted >= k) per draft
+    domains: dict[str, float]  # domain -> α
+    temperature: float
+    source: str
+
+    @classmethod
+    def from_report(cls, report: dict[str, Any], source: str) -> Baseline:
+        def alpha(row: dict[str, Any]) -> float:
+            if not row.get("drafted"):
+                raise UserError(f"the baseline report {source} has no drafted tokens in a chain row")
+            return row["accepted"] / row["drafted"]
+
+        if "domains" not in report or "all" not in report["domains"]:
+            raise UserError(f"{source} is not a draftsmith eval report (no domains.all)")
+        overall = report["domains"]["all"]["chain"]
+        counts = overall["per_position_counts"]
+        cycles = counts["reached"][0] if counts["reached"] else 0
+        at_least = [accepted / cycles for accepted in counts["accepted"]] if cycles else []
+        domains = {name: alpha(rows["chain"]) for name, rows in report["domains"].items() if name != "all" and rows["chain"].get("drafted")}
+        return cls(alpha=alpha(overall), at_least=at_least, domains=domains, temperature=report.get("temperature", 0.0), source=source)
+
+
+def engine_tests(window, baseline: Baseline, settings) -> dict[str, dict[str, Any]]:
+    """α and each position's P(accepted >= k), from the engine's counters over the window."""
+    tests = {"alpha": judge(window.alpha, window.drafts, baseline.alpha, settings)}
+    for position, rate in enumerate(window.at_least):
+        if position < len(baseline.at_least):
+            tests[f"at_least_{position + 1}"] = judge(rate, window.drafts, baseline.at_least[position], settings)
+    return {name: asdict(test) for name, test in tests.items()}
+
+
+def domain_tests(report: dict[str, Any], baseline: Baseline, settings) -> dict[str, dict[str, Any]]:
+    """α per domain of the traffic sample (draftsmith's eval of the deployed drafter on it) against
+    that domain's baseline, or the overall baseline for a domain the drafter was never evaluated on."""
+    tests = {}
+    for domain, rows in report["domains"].items():
+        if domain == "all":
+            continue
+        row = rows["chain"]
+        cycles = row["per_position_counts"]["reached"][0] if row["per_position_counts"]["reached"] else 0
+        measured = row["accepted"] / row["drafted"] if row["drafted"] else None
+        new = domain not in baseline.domains
+        test = judge(measured, cycles, baseline.alpha if new else baseline.domains[domain], settings)
+        tests[domain] = {**asdict(test), "new_domain": new, "prompts": row["prompts"], "tau": row["tau"]}
+    return tests
+
+
+def verdict_of(tests: dict[str, dict[str, Any]]) -> str:
+    verdicts = {test["verdict"] for test in tests.values()}
+    if DRIFT in verdicts:
+        return DRIFT
+    if verdicts and verdicts <= {HEALTHY}:
+        return HEALTHY
+    return TOO_FEW if verdicts <= {TOO_FEW} else UNDECIDED

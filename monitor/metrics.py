@@ -1,0 +1,122 @@
+"""The serving engine's speculative-decoding counters, from its Prometheus `/metrics`.
+
+vLLM exposes Counters (labels `model_name`, `engine`; the per-position one also `position`):
+`vllm:spec_decode_num_drafts_total` (verify steps that had draft tokens), `..._num_draft_tokens_total`,
+`..._num_accepted_tokens_total` (bonus excluded) and `..._num_accepted_tokens_per_pos_total`
+(accepted at position k, counted only when positions < k were accepted too). A check scrapes every
+replica, keeps each series (target URL + labels) apart, and turns two scrapes into the counts of the
+window between them: a series that went down restarted from zero (a server restart), so its window
+count is its new value. SGLang exposes gauges (`sglang:spec_accept_length`, `sglang:spec_accept_rate`):
+levels with no counts behind them, recorded as they are.
+
+Parsing is prometheus_client's own parser, not regexes.
+"""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from draftsmith.errors import UserError, one_line
+
+VLLM_COUNTERS = {
+    "vllm:spec_decode_num_drafts_total": "drafts",
+    "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens_total": "accepted",
+}
+VLLM_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+SGLANG_GAUGES = ("sglang:spec_accept_length", "sglang:spec_accept_rate")
+
+
+def scrape(url: str, timeout: float = 10.0) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.read().decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError) as err:
+        raise UserError(f"cannot scrape {url}: {one_line(getattr(err, 'reason', err))}") from None
+
+
+def series(text: str, url: str) -> dict[str, float]:
+    """The spec-decode samples of one exposition as `series key -> value`; the key names the kind
+    (`drafts`, `draft_tokens`, `accepted`, `pos<k>`, or the SGLang gauge) and the series' labels."""
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = {k: v for k, v in sample.labels.items() if k != "position"}
+            suffix = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+            if sample.name in VLLM_COUNTERS:
+                found[f"{VLLM_COUNTERS[sample.name]}|{url}|{suffix}"] = sample.value
+            elif sample.name == VLLM_PER_POSITION:
+                found[f"pos{int(sample.labels['position'])}|{url}|{suffix}"] = sample.value
+            elif sample.name in SGLANG_GAUGES:
+                found[f"{sample.name}|{url}|{suffix}"] = sample.value
+    return found
+
+
+def collect(urls: list[str]) -> dict[str, float]:
+    """One scrape of every replica."""
+    values: dict[str, float] = {}
+    for url in urls:
+        values |= series(scrape(url), url)
+    return values
+
+
+@dataclass
+class Window:
+    """The engine's counts between two scrapes, all replicas and label sets summed."""
+
+    drafts: float = 0.0
+    draft_tokens: float = 0.0
+    accepted: float = 0.0
+    accepted_per_position: list[float] = field(default_factory=list)
+    resets: int = 0  # series that went down (a restarted server): counted from zero
+    gauges: dict[str, float] = field(default_factory=dict)  # SGLang: the latest level, averaged over replicas
+
+    @property
+    def alpha(self) -> float | None:
+        return self.accepted / self.draft_tokens if self.draft_tokens else None
+
+    @property
+    def tau(self) -> float | None:
+        """Mean acceptance length: tokens per verify step, the bonus included."""
+        return 1 + self.accepted / self.drafts if self.drafts else None
+
+    @property
+    def at_least(self) -> list[float]:
+        """P(accepted >= k) per draft, k = 1.. (vLLM's per-position rate)."""
+        return [count / self.drafts for count in self.accepted_per_position] if self.drafts else []
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "drafts": self.drafts, "draft_tokens": self.draft_tokens, "accepted": self.accepted,
+            "accepted_per_position": self.accepted_per_position, "alpha": self.alpha, "tau": self.tau,
+            "at_least": self.at_least, "counter_resets": self.resets, "gauges": self.gauges,
+        }  # fmt: skip
+
+
+def window(before: dict[str, float], after: dict[str, float]) -> Window:
+    """The counts between two scrapes (see the module docstring for resets)."""
+    result = Window()
+    gauges: dict[str, list[float]] = {}
+    for key, value in after.items():
+        kind = key.split("|", 1)[0]
+        if kind in SGLANG_GAUGES:
+            gauges.setdefault(kind, []).append(value)
+            continue
+        previous = before.get(key, 0.0)
+        delta = value - previous
+        if delta < 0:  # the series restarted: everything it counts is new
+            delta = value
+            result.resets += 1
+        if kind.startswith("pos"):
+            position = int(kind[3:])
+            result.accepted_per_position += [0.0] * (position + 1 - len(result.accepted_per_position))
+            result.accepted_per_position[position] += delta
+        else:
+            setattr(result, kind, getattr(result, kind) + delta)
+    result.gauges = {name: sum(values) / len(values) for name, values in gauges.items()}
+    return result

@@ -1,0 +1,216 @@
+"""The retraining pipeline a drift starts, each step resumable and recorded in the state file:
+
+    sample      recent traffic of the drifted and new domains, split 80/20 (by a hash of each request)
+                into data to retrain on and held-out prompts to judge on
+    regenerate  the target's own answers to those requests (data_prep.regenerate: resumable by parts)
+    train       warm start from the deployed drafter (train.init_from: its weights and draft vocabulary),
+                on the regenerated traffic, listed monitor.new_data_weight times, mixed with data.train
+                (train.resume=true: a killed run continues from its last checkpoint)
+    evaluate    the deployed and the new drafter on the old domains (the recipe's eval data) and the
+                new ones (the held-out traffic), same prompts, chains, greedy
+    gate        promote only if τ on the new domains rises by >= monitor.gate_min_gain and τ on the old
+                domains falls by <= monitor.gate_max_loss (counts summed over each group's domains)
+    export      the new drafter for export.engines into <state_dir>/exports/rev_<n> (pushed when
+                export.push.repo_id is set: a new commit, i.e. a new Hub revision)
+    record      the new export becomes the deployed one, with its eval as the baseline; cooldown starts
+
+A step that finished is never run again; a killed pipeline resumes at the first unfinished step the
+next time `check` runs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from draftsmith.errors import UserError
+from draftsmith.monitor import Outcome
+from draftsmith.monitor.state import State
+from draftsmith.monitor.traffic import sample, write_conversations
+from draftsmith.recipe import derived
+
+HELD_OUT = 0.2
+
+
+def run_pipeline(cfg: DictConfig, directory: Path, state: State) -> Outcome:
+    pipeline = state.pipeline
+    run_dir = directory / "retrain" / pipeline["id"]
+    for step, run_step in STEPS.items():
+        if step in pipeline["done"]:
+            continue
+        if step == "export" and not pipeline["done"]["gate"]["promote"]:
+            return reject(directory, state, cfg.monitor.cooldown_s)
+        result = run_step(cfg, directory, state, run_dir)
+        if step == "record":
+            return Outcome.PROMOTED
+        pipeline["done"][step] = result
+        state.save(directory)
+    raise AssertionError("the record step ends every pipeline")
+
+
+def step_sample(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -> dict[str, Any]:
+    requests, summary = sample(Path(cfg.monitor.traffic), cfg.monitor.retrain_samples, cfg.monitor.traffic_window_s)
+    wanted = set(state.pipeline["domains"])
+    requests = [r for r in requests if r["domain"] in wanted]
+    if not requests:
+        raise UserError(f"no recent traffic of the drifted domains {sorted(wanted)} in {cfg.monitor.traffic} to retrain on")
+
+    def held_out(request: dict[str, Any]) -> bool:
+        digest = hashlib.sha256(json.dumps(request["messages"], sort_keys=True).encode()).digest()
+        return digest[0] < 256 * HELD_OUT
+
+    train = write_conversations([r for r in requests if not held_out(r)], run_dir / "traffic_train.jsonl")
+    judge = write_conversations([r for r in requests if held_out(r)], run_dir / "traffic_eval.jsonl")
+    return {"train": str(train), "eval": str(judge), "domains": sorted(wanted), "read": summary}
+
+
+def step_regenerate(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -> dict[str, Any]:
+    from draftsmith.data_prep.regenerate import regenerate
+
+    variant = derived(
+        cfg, {"data.train": [state.pipeline["done"]["sample"]["train"]], "data.max_conversations": None, "data.regenerate.output": str(run_dir / "regenerated")}
+    )
+    result = regenerate(variant)
+    return {"output": str(result.directory), "conversations": result.conversations}
+
+
+def deployed_checkpoint(state: State, directory: Path, run_dir: Path, target) -> str:
+    """The draftsmith checkpoint the deployed export came from (its sha256 checked), or, when that is
+    gone, the export folder read back into one."""
+    from draftsmith.export import open_drafter
+    from draftsmith.export.run import file_digest
+    from draftsmith.target import TargetShape
+
+    deployed = state.pipeline["deployed"]
+    checkpoint = Path(deployed["checkpoint"])
+    if (checkpoint / "model.safetensors").is_file() and file_digest(checkpoint / "model.safetensors") == deployed["sha256"]:
+        return str(checkpoint)
+    rebuilt = run_dir / "deployed_checkpoint"
+    if not (rebuilt / "model.safetensors").is_file():
+        open_drafter(deployed["export"], TargetShape.of(target, "target"), target).save_pretrained(rebuilt)
+    return str(rebuilt)
+
+
+def step_train(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -> dict[str, Any]:
+    from accelerate import PartialState
+
+    from draftsmith.target import load_target
+    from draftsmith.trainer import claim_output_dir, train
+
+    regenerated = state.pipeline["done"]["regenerate"]["output"]
+    start = deployed_checkpoint(state, directory, run_dir, load_target(cfg.target))
+    changes = {
+        "data.train": [regenerated] * cfg.monitor.new_data_weight + list(cfg.data.train),
+        "data.features": None,
+        "data.online": None,
+        "data.eval": [],
+        "train.init_from": start,
+        "train.resume": "true",
+        "train.overwrite": False,
+        "eval.enabled": False,
+        "output_dir": str(run_dir / "train"),
+    }
+    variant = derived(cfg, changes)
+    with claim_output_dir(variant, PartialState()):
+        final = train(variant)
+    return {"checkpoint": str(final), "warm_start": start, "steps": variant.train.max_steps}
+
+
+def step_evaluate(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -> dict[str, Any]:
+    from draftsmith.eval.report import run_eval
+
+    prompts = [*(list(cfg.eval.data) or list(cfg.data.eval)), state.pipeline["done"]["sample"]["eval"]]
+    reports = {}
+    for name, drafter in (("deployed", state.pipeline["deployed"]["export"]), ("candidate", state.pipeline["done"]["train"]["checkpoint"])):
+        variant = derived(cfg, {"eval.data": prompts, "eval.tree": 0, "output_dir": str(run_dir / f"eval_{name}")})
+        run_eval(variant, drafter)
+        reports[name] = str(run_dir / f"eval_{name}" / "eval" / "report.json")
+    return reports
+
+
+def group_tau(report: dict[str, Any], domains: list[str]) -> float:
+    rows = [report["domains"][d]["chain"] for d in domains if d in report["domains"]]
+    forwards = sum(row["target_forwards"] for row in rows)
+    return sum(row["new_tokens"] for row in rows) / forwards if forwards else 0.0
+
+
+def step_gate(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -> dict[str, Any]:
+    reports = {name: json.loads(Path(path).read_text()) for name, path in state.pipeline["done"]["evaluate"].items()}
+    new = list(state.pipeline["domains"])
+    old = [d for d in reports["deployed"]["domains"] if d != "all" and d not in new]
+    tau = {name: {"new": group_tau(report, new), "old": group_tau(report, old)} for name, report in reports.items()}
+    gain = tau["candidate"]["new"] / tau["deployed"]["new"] - 1 if tau["deployed"]["new"] else 0.0
+    change_old = tau["candidate"]["old"] / tau["deployed"]["old"] - 1 if old and tau["deployed"]["old"] else 0.0
+    promote = gain >= cfg.monitor.gate_min_gain and change_old >= -cfg.monitor.gate_max_loss
+    per_domain = {d: {name: report["domains"][d]["chain"]["tau"] for name, report in reports.items()} for d in reports["deployed"]["domains"]}
+    return {
+        "promote": promote,
+        "new_domains": new,
+        "old_domains": old,
+        "tau": tau,
+        "gain_new": round(gain, 4),
+        "change_old": round(change_old, 4),
+        "per_domain": per_domain,
+    }
+
+
+def step_export(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -> dict[str, Any]:
+    from draftsmith.export import export_checkpoint
+
+    revision = len(state.revisions) + 1
+    output = directory / "exports" / f"rev_{revision:04d}"
+    report = state.pipeline["done"]["evaluate"]["candidate"]
+    variant = derived(cfg, {"export.output": str(output), "export.report": report, "export.overwrite": True, "output_dir": str(run_dir / "train")})
+    folders = export_checkpoint(variant, Path(state.pipeline["done"]["train"]["checkpoint"]))
+    return {"revision": revision, "folders": {engine: str(folder) for engine, folder in folders.items()}, "report": report}
+
+
+def step_record(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -> None:
+    from draftsmith.export.run import file_digest
+
+    exported, train = state.pipeline["done"]["export"], state.pipeline["done"]["train"]
+    engine = cfg.monitor.engine if cfg.monitor.engine in exported["folders"] else next(iter(exported["folders"]))
+    checkpoint = Path(train["checkpoint"])
+    state.deployed = {
+        "export": exported["folders"][engine], "revision": exported["revision"], "baseline": exported["report"],
+        "checkpoint": str(checkpoint), "sha256": file_digest(checkpoint / "model.safetensors"),
+    }  # fmt: skip
+    finish(state, promoted=True, cooldown_s=cfg.monitor.cooldown_s)
+    state.revisions.append({**state.deployed, "folders": exported["folders"], "gate": state.last_retrain["gate"]})
+    state.save(directory)
+
+
+def reject(directory: Path, state: State, cooldown_s: float) -> Outcome:
+    finish(state, promoted=False, cooldown_s=cooldown_s)
+    state.save(directory)
+    return Outcome.REJECTED
+
+
+def finish(state: State, promoted: bool, cooldown_s: float) -> None:
+    """End the pipeline: keep its summary, start the cooldown, and start a fresh counter window (the
+    redeployed server, or the unchanged one, is measured from here on)."""
+    now = time.time()
+    pipeline = state.pipeline
+    state.last_retrain = {"id": pipeline["id"], "promoted": promoted, "finished": datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(),
+                          "domains": pipeline["domains"], "gate": pipeline["done"].get("gate")}  # fmt: skip
+    state.cooldown_until = now + cooldown_s
+    state.consecutive_drift = 0
+    state.counters = None
+    state.pipeline = None
+
+
+STEPS = {
+    "sample": step_sample,
+    "regenerate": step_regenerate,
+    "train": step_train,
+    "evaluate": step_evaluate,
+    "gate": step_gate,
+    "export": step_export,
+    "record": step_record,
+}

@@ -1,0 +1,47 @@
+"""The monitor's one state file, `<state_dir>/state.json` (written atomically): the deployed export and
+its baseline, the last scrape's counters (where the next window starts), the drift streak, the
+cooldown, the retraining in progress (its completed steps, so a killed run resumes), and every
+revision promoted so far."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from draftsmith.errors import UserError
+from draftsmith.files import write_text_atomic
+
+STATE_NAME = "state.json"
+STATE_VERSION = 1
+
+
+@dataclass
+class State:
+    deployed: Optional[dict[str, Any]] = None  # {"export": folder, "revision": n, "baseline": report path}
+    counters: Optional[dict[str, float]] = None  # the last scrape, by series
+    checks: int = 0
+    consecutive_drift: int = 0
+    cooldown_until: float = 0.0
+    last_check: Optional[dict[str, Any]] = None  # {"time", "record", "outcome"}
+    last_retrain: Optional[dict[str, Any]] = None
+    pipeline: Optional[dict[str, Any]] = None  # the retraining in progress: {"id", "domains", "done": {step: result}}
+    revisions: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def load(cls, directory: Path) -> State:
+        path = directory / STATE_NAME
+        if not path.is_file():
+            return cls()
+        try:
+            saved = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise UserError(f"{path}: corrupt monitor state ({err}); move it aside to start over") from None
+        if saved.pop("state_version", None) != STATE_VERSION:
+            raise UserError(f"{path}: written by another draftsmith version (state_version); move it aside to start over")
+        return cls(**saved)
+
+    def save(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(directory / STATE_NAME, json.dumps({"state_version": STATE_VERSION, **asdict(self)}, indent=2, sort_keys=True) + "\n")

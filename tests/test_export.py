@@ -1,0 +1,241 @@
+"""Export without the engine: every kind's folders hold exactly what vLLM/SGLang load (names, shapes,
+conventions converted and written), every known silent failure is refused at export in one line, an
+exported folder evaluates exactly like its checkpoint, a re-export is byte-identical, and a push lands
+every file on a Hub server (a local fake of the Hub's HTTP API, driven by the real huggingface_hub)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.errors import UserError
+from draftsmith.export import export_checkpoint
+from draftsmith.export.repo import EXPORT_INFO
+from draftsmith.heads import drafter_class
+from draftsmith.recipe import load_recipe
+from draftsmith.target import load_target
+from tests.conftest import REFERENCE_TARGET, run_entry
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+KINDS = {"medusa": "medusa", "medusa2": "medusa2", "eagle": "eagle", "eagle3": "eagle3", "draft_model": "draft"}  # kind -> recipe
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target(str(REFERENCE_TARGET))
+
+
+def save_drafter(kind: str, target, directory: Path, seed: int = 0, **config) -> Path:
+    """A fresh drafter of `kind` for the demo target with its weights perturbed (so a lost or
+    renamed tensor shows), saved as a draftsmith checkpoint."""
+    recipe = load_recipe([f"recipe={KINDS[kind]}", *[f"drafter.{k}={v}" for k, v in config.items()]])
+    from omegaconf import OmegaConf
+
+    cls = drafter_class(kind)
+    drafter = cls.from_target(OmegaConf.to_object(recipe.drafter), target, str(REFERENCE_TARGET))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in drafter.parameters():
+            if parameter.requires_grad:
+                parameter.add_(0.02 * torch.randn(parameter.shape, generator=generator))
+    drafter.save_pretrained(directory)
+    return directory
+
+
+def export_args(kind: str, checkpoint: Path, output: Path, *extra: str) -> list[str]:
+    return [f"recipe={KINDS[kind]}", f"output_dir={output.parent / 'run'}", f"export.output={output}", *extra]
+
+
+def run_export(kind: str, checkpoint: Path, output: Path, *extra: str, target=None) -> dict[str, Path]:
+    return export_checkpoint(load_recipe(export_args(kind, checkpoint, output, *extra)), checkpoint, target=target)
+
+
+# -- formats --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kind, engines",
+    [("medusa", ["vllm"]), ("medusa2", ["vllm"]), ("eagle", ["vllm", "sglang"]), ("eagle3", ["vllm", "sglang"]), ("draft_model", ["vllm", "sglang"])],
+)
+def test_every_kind_exports_a_complete_folder_per_engine(kind, engines, target, tmp_path):
+    checkpoint = save_drafter(kind, target, tmp_path / "ckpt")
+    folders = run_export(kind, checkpoint, tmp_path / "export", f"export.engines=[{','.join(engines)}]", target=target)
+    assert sorted(folders) == sorted(engines)
+    for engine, folder in folders.items():
+        info = json.loads((folder / EXPORT_INFO).read_text())
+        assert info["engine"] == engine and info["drafter_type"] == kind and len(info["source"]["sha256"]) == 64
+        card = (folder / "README.md").read_text()
+        assert card.startswith("---\nbase_model: ") and f"- {kind}\n" in card and "library_name: " + engine in card
+        assert ("vllm serve" if engine == "vllm" else "python -m sglang.launch_server") in card
+        weights_dir = folder / ("medusa" if kind == "medusa2" else "")
+        config = json.loads((weights_dir / "config.json").read_text())
+        assert not list(folder.parent.glob("*.tmp")) and load_file(str(weights_dir / "model.safetensors"))
+        if kind == "draft_model":  # a plain causal LM with the target's tokenizer
+            assert (folder / "tokenizer.json").is_file() and config["max_position_embeddings"] == target.config.max_position_embeddings
+    if kind == "medusa2":  # the verifier ships: the target with the adapters merged
+        assert (folders["vllm"] / "target" / "model.safetensors").is_file() and (folders["vllm"] / "target" / "tokenizer.json").is_file()
+        assert "vllm serve " + str(folders["vllm"] / "target") in (folders["vllm"] / "README.md").read_text()
+
+
+def test_eagle3_conventions_are_converted_and_written(target, tmp_path):
+    checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt")  # aux layers [0, 1, 2], pruned to 2048 tokens
+    folders = run_export("eagle3", checkpoint, tmp_path / "export", "export.engines=[vllm,sglang]", target=target)
+    vllm = json.loads((folders["vllm"] / "config.json").read_text())
+    assert vllm["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # vLLM: input of layer id = our output of id - 1
+    assert vllm["norm_before_residual"] is False  # written although it is the drafter's default: vLLM's differs
+    assert vllm["transformer_layer_config"]["num_aux_hidden_states"] == 3  # vLLM sizes fc from it, not from the ids
+    assert vllm["transformer_layer_config"]["max_position_embeddings"] == target.config.max_position_embeddings
+    assert vllm["transformer_layer_config"]["rope_parameters"] == target.config.rope_parameters
+    assert vllm["speculators_config"]["verifier"]["name_or_path"] == str(REFERENCE_TARGET)
+    weights = load_file(str(folders["vllm"] / "model.safetensors"))
+    assert {"d2t", "t2d", "lm_head.weight", "layers.0.hidden_norm.weight"} <= set(weights) and not [n for n in weights if "embed" in n]
+    sglang = json.loads((folders["sglang"] / "config.json").read_text())
+    assert sglang["architectures"] == ["LlamaForCausalLMEagle3"] and "bias" not in sglang
+    assert sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]  # SGLang adds 1 itself
+    assert all(name.startswith(("midlayer.", "fc.", "norm.", "lm_head.", "d2t", "t2d")) for name in load_file(str(folders["sglang"] / "model.safetensors")))
+    conventions = json.loads((folders["vllm"] / EXPORT_INFO).read_text())["conventions"]
+    assert conventions["aux_layer_ids"]["draftsmith"] == [0, 1, 2] and conventions["aux_layer_ids"]["vllm"] == [1, 2, 3]
+
+    true = save_drafter("eagle3", target, tmp_path / "true", norm_before_residual="true")
+    folders = run_export("eagle3", true, tmp_path / "export_true", target=target)
+    assert json.loads((folders["vllm"] / "config.json").read_text())["norm_before_residual"] is True
+
+
+@pytest.mark.parametrize(
+    "kind, config, extra, fragment",
+    [
+        ("eagle", {"fc_bias": "true"}, [], "vLLM's EAGLE-1 skips without an error"),
+        ("eagle3", {"norm_before_residual": "true"}, ["export.engines=[sglang]"], "SGLang's EAGLE-3 layer always keeps the un-normalised feature"),
+        ("eagle3", {"aux_layers": "[0,1,3]"}, [], "aux layer 3 is the target's last hidden state after its final norm"),
+        ("medusa", {}, ["export.num_speculative_tokens=4"], "num_speculative_tokens=4 but this medusa drafter proposes at most 3"),
+    ],
+    ids=["eagle-fc-bias", "eagle3-norm-before-residual-for-sglang", "eagle3-post-norm-layer", "medusa-more-tokens-than-heads"],
+)
+def test_combinations_an_engine_would_misread_are_refused(kind, config, extra, fragment, target, tmp_path):
+    checkpoint = save_drafter(kind, target, tmp_path / "ckpt", **config)
+    with pytest.raises(UserError, match=None) as info:
+        run_export(kind, checkpoint, tmp_path / "export", *extra, target=target)
+    assert fragment in str(info.value)
+    assert not (tmp_path / "export" / "vllm").exists() and not (tmp_path / "export" / "sglang").exists()
+
+
+def test_eagle1_fc_bias_ships_to_sglang_where_it_is_read(target, tmp_path):
+    with_bias = save_drafter("eagle", target, tmp_path / "bias", fc_bias="true")
+    folders = run_export("eagle", with_bias, tmp_path / "a", "export.engines=[sglang]", target=target)
+    assert torch.equal(load_file(str(folders["sglang"] / "model.safetensors"))["fc.bias"], load_file(str(with_bias / "model.safetensors"))["fc.bias"])
+    without = save_drafter("eagle", target, tmp_path / "nobias")  # SGLang's fc always has a bias: zeros are the same function
+    folders = run_export("eagle", without, tmp_path / "b", "export.engines=[sglang]", target=target)
+    assert not load_file(str(folders["sglang"] / "model.safetensors"))["fc.bias"].any()
+
+
+def test_medusa_biases_are_declared_and_a_folder_that_would_drop_them_is_refused(target, tmp_path):
+    from draftsmith.export import Source, exporter_for
+    from draftsmith.export.repo import check_tensors
+    from draftsmith.export.run import load_source
+
+    checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
+    folders = run_export("medusa", checkpoint, tmp_path / "export", target=target)
+    config = json.loads((folders["vllm"] / "config.json").read_text())
+    assert config["medusa_fc_bias"] is True and config["num_heads"] == 3
+    assert not [key for key in config if "num" in key and "heads" in key and key != "num_heads"]  # vLLM would rename it to num_heads
+    assert "blocks.0.layers.0.bias" in load_file(str(folders["vllm"] / "model.safetensors"))
+    # The same tensors under a config without the flag: vLLM would drop the biases, export refuses.
+    cfg = load_recipe(export_args("medusa", checkpoint, tmp_path / "x"))
+    source: Source = load_source(cfg, checkpoint, target)
+    repo = exporter_for("medusa").build("vllm", source, 3, tmp_path / "x" / "vllm")
+    from draftsmith.export.medusa import medusa_expected
+
+    repo.expected = medusa_expected({**repo.config, "medusa_fc_bias": False})
+    with pytest.raises(UserError, match=r"carry \['blocks.0.layers.0.bias'"):
+        check_tensors(repo, "test")
+
+
+# -- round trip: an exported folder evaluates exactly like its checkpoint --------------------------
+@pytest.mark.parametrize(
+    "kind, engine",
+    [("medusa", "vllm"), ("medusa2", "vllm"), ("eagle", "vllm"), ("eagle", "sglang"), ("eagle3", "vllm"), ("eagle3", "sglang"), ("draft_model", "vllm")],
+)
+def test_an_exported_folder_evaluates_like_its_checkpoint(kind, engine, target, small_data, tmp_path):
+    from draftsmith.eval.report import run_eval
+
+    checkpoint = save_drafter(kind, target, tmp_path / "ckpt", seed=3)
+    folders = run_export(kind, checkpoint, tmp_path / "export", f"export.engines=[{engine}]", target=target)
+    quick = [f"eval.data=[{small_data['eval']}]", "eval.max_prompts=1", "eval.max_new_tokens=16", "eval.tree=6"]
+    if kind == "draft_model":
+        quick[-1] = "eval.tree=0"
+    rows = {}
+    for name, path in (("checkpoint", checkpoint), ("export", folders[engine])):
+        cfg = load_recipe([f"recipe={KINDS[kind]}", f"output_dir={tmp_path / name}", *quick])
+        report = run_eval(cfg, str(path), target=target)
+        rows[name] = {
+            (d, m): (row["new_tokens"], row["target_forwards"], row["accepted"], row["lossless"])
+            for d in report["domains"]
+            for m, row in report["domains"][d].items()
+        }
+    assert rows["export"] == rows["checkpoint"]
+
+
+# -- the output directory ----------------------------------------------------------------------------
+def test_a_reexport_is_byte_identical_and_another_checkpoint_is_not_mixed_in(target, tmp_path):
+    one = save_drafter("eagle3", target, tmp_path / "one", seed=1)
+    first = run_export("eagle3", one, tmp_path / "export", target=target)["vllm"]
+    before = {p.name: p.read_bytes() for p in first.iterdir()}
+    run_export("eagle3", one, tmp_path / "export", target=target)
+    assert {p.name: p.read_bytes() for p in first.iterdir()} == before
+    two = save_drafter("eagle3", target, tmp_path / "two", seed=2)
+    with pytest.raises(UserError, match="holds vllm export\\(s\\) of another checkpoint.*export.overwrite=true"):
+        run_export("eagle3", two, tmp_path / "export", target=target)
+    run_export("eagle3", two, tmp_path / "export", "export.overwrite=true", target=target)
+    (moved,) = (tmp_path / "export" / "replaced").iterdir()
+    assert {p.name: p.read_bytes() for p in (moved / "vllm").iterdir()} == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kind, args, fragment",
+    [
+        ("medusa", ["export.engines=[sglang]"], "medusa cannot be exported for sglang: SGLang serves no Medusa drafter"),
+        ("medusa", ["export.engines=[tensorrt]"], "export.engines=['tensorrt']"),
+        ("draft_model", ["export.output={tmp}/my_eagle3_run"], "vLLM would serve a draft-model drafter found there as another method"),
+    ],
+)
+def test_export_cli_refuses_in_one_line(kind, args, fragment, target, tmp_path):
+    checkpoint = save_drafter(kind, target, tmp_path / "ckpt")
+    args = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
+    result = run_entry(["-m", "export", f"recipe={KINDS[kind]}", f"drafter.path={checkpoint}", f"output_dir={tmp_path / 'run'}", *args])
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in result.stderr
+
+
+# -- push ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_push_lands_every_file_and_an_unchanged_rerun_makes_no_commit(target, tmp_path):
+    from tests.hub_server import FakeHub
+
+    checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt")
+    token = "hf_draftsmith_test_token_123"
+    args = ["-m", "export", "recipe=eagle3", f"drafter.path={checkpoint}", f"output_dir={tmp_path / 'run'}", f"export.output={tmp_path / 'export'}",
+            "export.engines=[vllm,sglang]", "export.push.repo_id=acme/demo-eagle3", "export.push.revision=draftsmith-v1"]  # fmt: skip
+    with FakeHub(token=token) as hub:
+        env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": token, "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(tmp_path / "hf_home"), "NO_PROXY": "127.0.0.1,localhost"}
+        first = run_entry(args, env=env)
+        assert first.returncode == 0, first.stderr[-3000:]
+        for repo_id, folder in (("acme/demo-eagle3", "vllm"), ("acme/demo-eagle3-sglang", "sglang")):
+            assert hub.repo(repo_id).private
+            landed = hub.files(repo_id, "draftsmith-v1")
+            local = {str(p.relative_to(tmp_path / "export" / folder)): p.read_bytes() for p in (tmp_path / "export" / folder).rglob("*") if p.is_file()}
+            assert {path: data for path, data in landed.items() if path != ".gitattributes"} == local
+        commits = hub.commits("acme/demo-eagle3", "draftsmith-v1")
+        assert "draftsmith: eagle3 drafter for target (vllm)" in commits[-1]["title"]
+        again = run_entry(args, env=env)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert hub.commits("acme/demo-eagle3", "draftsmith-v1") == commits  # nothing changed: no new commit
+        assert not hub.leaks(token)  # sent only as the Authorization header
+    for output in (first.stdout + first.stderr, again.stdout + again.stderr):
+        assert token not in output
+    assert not [p for p in (tmp_path / "export").rglob("*") if p.is_file() and token.encode() in p.read_bytes()]
+    assert os.environ.get("HF_TOKEN") != token  # the test's token never leaked into this process

