@@ -417,13 +417,19 @@ def check_drafter(cfg: DictConfig) -> None:
 def validate(cfg: DictConfig) -> DictConfig:
     """Check every value before any model or data is touched: required values set, choices known,
     interpolations resolved, each section's ranges, the drafter's own settings, the output directory."""
-    missing = sorted(OmegaConf.missing_keys(cfg))
+    try:
+        missing = sorted(OmegaConf.missing_keys(cfg))  # resolves interpolations on the way
+        if not missing:
+            OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as err:
+        cause = err.__context__  # a resolver's own message (`${package:...}` not installed), however deep
+        while cause is not None and not isinstance(cause, UserError):
+            cause = cause.__context__
+        if cause is not None:
+            raise cause from None
+        raise UserError(f"invalid recipe: {_one_line(err)}") from None
     if missing:
         raise UserError(f"missing required value(s): {', '.join(missing)}")
-    try:
-        OmegaConf.resolve(cfg)
-    except OmegaConfBaseException as err:
-        raise UserError(f"invalid recipe: {_one_line(err)}") from None
     for key, allowed in CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
