@@ -26,7 +26,6 @@ and float8 would blur the ranking the drafter learns from.
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from torch.utils.data import Dataset
 
 from draftsmith.data_prep.dataset import Collator
 from draftsmith.errors import UserError, one_line
+from draftsmith.files import file_sha256
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, target_id
 
 SCHEMA_VERSION = 2  # 2: shard metadata in one key (reproducible bytes)
@@ -86,11 +86,6 @@ def encode(name: str, hidden: torch.Tensor, dtype: str) -> dict[str, torch.Tenso
 def decode(stored: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Stored hidden states back to float32."""
     return stored.float() if scale is None else stored.float() * scale[:, None]
-
-
-def file_sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def expected_features(target: TargetShape, request: FeatureRequest) -> dict[str, Any]:

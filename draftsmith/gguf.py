@@ -13,13 +13,13 @@ target behind.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import shutil
 from pathlib import Path
 
 from draftsmith.errors import UserError, one_line
+from draftsmith.files import file_sha256
 
 SOURCE_FILE = "gguf_source.json"  # provenance: which GGUF file (and hash) a cached directory came from
 
@@ -49,18 +49,10 @@ def locate(name_or_path: str, gguf_file: str, revision: str | None) -> Path:
         raise UserError(f"target.gguf_file={gguf_file!r} of {name_or_path!r}: {one_line(err)}") from None
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def materialize(name_or_path: str, gguf_file: str, revision: str | None = None) -> Path:
     """The transformers directory for a GGUF target, converting it on first use."""
     source = locate(name_or_path, gguf_file, revision)
-    digest = sha256(source)
+    digest = file_sha256(source)
     directory = cache_root() / f"{source.stem}-{digest[:16]}"
     if (directory / SOURCE_FILE).is_file():
         return directory

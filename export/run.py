@@ -9,7 +9,6 @@ loaded in vLLM when `export.vllm_python` names a Python that has it, given its m
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -22,6 +21,7 @@ from safetensors.torch import load_file
 from draftsmith.errors import UserError, one_line
 from draftsmith.export import EXPORTERS, Source, exporter_for
 from draftsmith.export.repo import EXPORT_INFO, WEIGHTS, EngineRepo, TargetInfo, check_tensors, publish, stage_repo, write_json
+from draftsmith.files import file_sha256
 from draftsmith.heads import load_drafter
 from draftsmith.heads.base import CONFIG_NAME, check_same_target, read_checkpoint_config
 from draftsmith.outputs import DirectoryLock, move_aside
@@ -38,7 +38,7 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
         for engine in cfg.export.engines:
             if engine == "sglang" and exporter_for(kind).sglang_reason:
                 raise UserError(f"{kind} cannot be exported for sglang: {exporter_for(kind).sglang_reason}")
-        source_digest = file_digest(checkpoint / WEIGHTS)
+        source_digest = file_sha256(checkpoint / WEIGHTS)
         claim_export_dir(output, list(cfg.export.engines), source_digest, cfg.export.overwrite)
         target = target if target is not None else load_target(cfg.target, resolve_device(cfg.eval.device))
         source = load_source(cfg, checkpoint, target)
@@ -105,11 +105,6 @@ def claim_export_dir(output: Path, engines: list[str], digest: str, overwrite: b
             f"or export.overwrite=true to move them to {output}/replaced/<time>/"
         )
     move_aside(output, others)
-
-
-def file_digest(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def find_report(cfg: DictConfig, checkpoint: Path) -> Optional[dict[str, Any]]:

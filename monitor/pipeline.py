@@ -30,6 +30,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from draftsmith.errors import UserError
+from draftsmith.files import file_sha256
 from draftsmith.monitor import Outcome
 from draftsmith.monitor.state import State
 from draftsmith.monitor.traffic import sample, write_conversations
@@ -84,12 +85,11 @@ def deployed_checkpoint(state: State, directory: Path, run_dir: Path, target) ->
     """The draftsmith checkpoint the deployed export came from (its sha256 checked), or, when that is
     gone, the export folder read back into one."""
     from draftsmith.export import open_drafter
-    from draftsmith.export.run import file_digest
     from draftsmith.target import TargetShape
 
     deployed = state.pipeline["deployed"]
     checkpoint = Path(deployed["checkpoint"])
-    if (checkpoint / "model.safetensors").is_file() and file_digest(checkpoint / "model.safetensors") == deployed["sha256"]:
+    if (checkpoint / "model.safetensors").is_file() and file_sha256(checkpoint / "model.safetensors") == deployed["sha256"]:
         return str(checkpoint)
     rebuilt = run_dir / "deployed_checkpoint"
     if not (rebuilt / "model.safetensors").is_file():
@@ -172,14 +172,12 @@ def step_export(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -
 
 
 def step_record(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -> None:
-    from draftsmith.export.run import file_digest
-
     exported, train = state.pipeline["done"]["export"], state.pipeline["done"]["train"]
     engine = cfg.monitor.engine if cfg.monitor.engine in exported["folders"] else next(iter(exported["folders"]))
     checkpoint = Path(train["checkpoint"])
     state.deployed = {
         "export": exported["folders"][engine], "revision": exported["revision"], "baseline": exported["report"],
-        "checkpoint": str(checkpoint), "sha256": file_digest(checkpoint / "model.safetensors"),
+        "checkpoint": str(checkpoint), "sha256": file_sha256(checkpoint / "model.safetensors"),
     }  # fmt: skip
     finish(state, promoted=True, cooldown_s=cfg.monitor.cooldown_s)
     state.revisions.append({**state.deployed, "folders": exported["folders"], "gate": state.last_retrain["gate"]})

@@ -14,8 +14,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# Tests run offline: everything they load is on disk (demo/, ../shared, models built in memory), and a
+# Hub lookup that slipped in must fail here, not pass on a machine with a network. Subprocesses
+# inherit it; the push test talks to its loopback Hub server with HF_HUB_OFFLINE=0.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "demo"

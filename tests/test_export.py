@@ -221,7 +221,14 @@ def test_push_lands_every_file_and_an_unchanged_rerun_makes_no_commit(target, tm
     args = ["-m", "export", "recipe=eagle3", f"drafter.path={checkpoint}", f"output_dir={tmp_path / 'run'}", f"export.output={tmp_path / 'export'}",
             "export.engines=[vllm,sglang]", "export.push.repo_id=acme/demo-eagle3", "export.push.revision=draftsmith-v1"]  # fmt: skip
     with FakeHub(token=token) as hub:
-        env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": token, "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(tmp_path / "hf_home"), "NO_PROXY": "127.0.0.1,localhost"}
+        env = {
+            "HF_ENDPOINT": hub.url,
+            "HF_HUB_OFFLINE": "0",
+            "HF_TOKEN": token,
+            "HF_HUB_DISABLE_XET": "1",
+            "HF_HOME": str(tmp_path / "hf_home"),
+            "NO_PROXY": "127.0.0.1,localhost",
+        }
         first = run_entry(args, env=env)
         assert first.returncode == 0, first.stderr[-3000:]
         for repo_id, folder in (("acme/demo-eagle3", "vllm"), ("acme/demo-eagle3-sglang", "sglang")):
