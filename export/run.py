@@ -73,9 +73,10 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
 
 def load_source(cfg: DictConfig, checkpoint: Path, target) -> Source:
     name = cfg.target.name_or_path
-    drafter = load_drafter(checkpoint, TargetShape.of(target, name), target).eval()
+    shape = TargetShape.of(target, name)
+    drafter = load_drafter(checkpoint, shape, target).eval()
     directory = Path(name) if Path(name).is_dir() else None
-    info = TargetInfo(shape=TargetShape.of(target, name), config=target.config.to_dict(), verifier=cfg.export.verifier or name, directory=directory)
+    info = TargetInfo(shape=shape, config=target.config.to_dict(), verifier=cfg.export.verifier or name, directory=directory)
     return Source(drafter=drafter, checkpoint=checkpoint, target_model=target, target=info)
 
 

@@ -115,8 +115,8 @@ def measure_and_decide(cfg: DictConfig, directory: Path, state: State, now: floa
     if action == "retrain":
         state.pipeline = {"id": f"retrain_{number:05d}", "started": record["time"], "domains": drifted_domains(record), "deployed": deployed, "done": {}}
     record["decision"] = {"drift": drift, "consecutive": state.consecutive_drift, "action": action, "outcome": outcome.name}
-    write_record(directory, number, record, now)
-    state.last_check = {"time": record["time"], "record": str(directory / "checks" / f"{number:05d}.json"), "outcome": outcome.name}
+    path = write_record(directory, number, record, now)
+    state.last_check = {"time": record["time"], "record": str(path), "outcome": outcome.name}
     state.save(directory)
     if action == "retrain":
         from draftsmith.monitor.pipeline import run_pipeline
@@ -160,7 +160,7 @@ def drifted_domains(record: dict[str, Any]) -> list[str]:
     return marked or sorted(domains)
 
 
-def write_record(directory: Path, number: int, record: dict[str, Any], now: float) -> None:
+def write_record(directory: Path, number: int, record: dict[str, Any], now: float) -> Path:
     path = directory / "checks" / f"{number:05d}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(record, indent=2, default=str) + "\n")
@@ -181,3 +181,4 @@ def write_record(directory: Path, number: int, record: dict[str, Any], now: floa
         writer.add_scalar("decision/consecutive", record["decision"]["consecutive"], number, walltime=now)
     finally:
         writer.close()
+    return path
