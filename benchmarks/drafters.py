@@ -9,7 +9,9 @@ end of training), then `python -m eval` runs again on its final checkpoint at te
 default data are the target's own answers (`python -m data_prep.regenerate`), which Medusa-2 needs
 and every drafter benefits from; `medusa_corpus` trains Medusa-1 on the original corpus answers to
 show what that is worth. Prints tau per domain for every drafter and method (chain, tree) plus the
-n-gram baseline, the share of lossless rows at T=0, and the wall time of training plus its greedy eval.
+n-gram baseline, the drafter's forward passes per target forward (a DFlash block or Medusa's heads:
+one; an EAGLE chain of γ: γ), the share of lossless rows at T=0, and the wall time of training plus its
+greedy eval.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ DRAFTERS = {
     "medusa2": ["recipe=medusa2"],
     "eagle": ["recipe=eagle"],
     "eagle3": ["recipe=eagle3"],
+    "dflash": ["recipe=dflash"],
     "draft_fkl": ["recipe=draft", "drafter.loss=fkl"],
     "draft_tvd": ["recipe=draft", "drafter.loss=tvd"],
     "draft_mix": ["recipe=draft", "drafter.loss=mix"],
@@ -48,6 +51,11 @@ def run(args: list[str]) -> float:
 def taus(report: dict) -> dict:
     rows = {d: {**report["domains"][d], **report["baselines"][d]} for d in report["domains"]}
     return {d: {m: row["tau"] for m, row in methods.items() if m not in BASELINE_ONLY} for d, methods in rows.items()}
+
+
+def draft_forwards(report: dict) -> dict:
+    """The drafter's forward passes per target forward, per method, over all domains."""
+    return {m: row["draft_forwards_per_cycle"] for m, row in report["domains"]["all"].items()}
 
 
 def main() -> None:
@@ -73,6 +81,7 @@ def main() -> None:
             "train_and_greedy_eval_wall_s": round(train_s, 1),
             "tau_T0": taus(greedy),
             "tau_T1": taus(sampled),
+            "draft_forwards_per_cycle_T0": draft_forwards(greedy),
             "lossless_T0": f"{sum(map(bool, lossless))}/{len(lossless)}",
             # adapted verifiers (Medusa-2): share of prompts where plain greedy decoding still gives the original target's tokens
             "original_same_output_T0": greedy["baselines"]["all"].get("original", {}).get("same_output"),

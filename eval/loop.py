@@ -334,6 +334,7 @@ class Counts:
     prompts: int = 0
     new_tokens: int = 0
     target_forwards: int = 0  # decode forwards; the prefill is not counted
+    draft_forwards: int = 0  # the drafter's forward passes (Proposer.draft_forwards)
     drafted: int = 0
     accepted: int = 0
     reached: list[int] = field(default_factory=list)
@@ -354,7 +355,7 @@ class Counts:
             self.accepted_at[d] += int(d < len(verdict.path))
 
     def add(self, other: Counts) -> None:
-        for name in ("prompts", "new_tokens", "target_forwards", "drafted", "accepted", "wall_s", "mismatched"):
+        for name in ("prompts", "new_tokens", "target_forwards", "draft_forwards", "drafted", "accepted", "wall_s", "mismatched"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.reached = _add_lists(self.reached, other.reached)
         self.accepted_at = _add_lists(self.accepted_at, other.accepted_at)
@@ -370,6 +371,11 @@ class Generation:
 
     tokens: list[int] = field(default_factory=list)
     counts: Counts = field(default_factory=lambda: Counts(prompts=1))
+
+
+def draft_forwards(drafter: Optional[Proposer]) -> int:
+    """The proposer's forward passes so far; 0 for none, or for a duck-typed proposer without the counter."""
+    return getattr(drafter, "draft_forwards", 0)
 
 
 @torch.no_grad()
@@ -393,6 +399,7 @@ def generate(
     request = drafter.features if drafter is not None else FeatureRequest()
     state = prefill(model, prompt, request)
     result = Generation()
+    forwards_before = draft_forwards(drafter)
     while len(result.tokens) < max_new_tokens:
         draft = propose(drafter, state, gamma, tree, max_depth=max_new_tokens - len(result.tokens) - 1)
         before = len(state.tokens)
@@ -401,6 +408,7 @@ def generate(
         result.counts.count_cycle(draft_depth(draft), len(state.tokens) - before, verdict)
         if verdict.bonus is None or verdict.bonus in eos_ids:
             break
+    result.counts.draft_forwards = draft_forwards(drafter) - forwards_before
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     result.counts.wall_s = time.perf_counter() - start

@@ -5,6 +5,8 @@ acceptance.png to `<output_dir>/eval/`.
 Definitions (the README's "Evaluating a drafter" section says the same for users):
 - tau = new_tokens / target_forwards: tokens emitted per decode forward, bonus included. The prefill
   (prompt minus its last token) is not a forward here; every new token comes from a decode forward.
+- draft_forwards_per_cycle = the drafter's forward passes / target forwards: what a cycle costs on the
+  draft side (an EAGLE chain of γ costs γ, a Medusa or DFlash proposal 1; the n-gram baseline 0).
 - drafted = draft positions proposed per forward summed (a chain's length, a tree's depth);
   alpha = accepted / drafted.
 - per_position[d] = accepted at draft position d+1 / cycles that tested position d+1, i.e. the
@@ -84,6 +86,7 @@ def report_row(counts: Counts, plain: Counts, greedy: bool, positions: int) -> d
         "accepted": counts.accepted,
         "alpha": _ratio(counts.accepted, counts.drafted),
         "tau": _ratio(counts.new_tokens, counts.target_forwards),
+        "draft_forwards_per_cycle": _ratio(counts.draft_forwards, counts.target_forwards),
         "per_position": [_ratio(a, r) for a, r in zip(accepted_at, reached)],
         "per_position_counts": {"reached": reached, "accepted": accepted_at},
         "tokens_per_s": round(counts.tokens_per_s, 3),
@@ -334,8 +337,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"drafter `{report['drafter']['path']}`; verified by the {report.get('verifier', 'target')}; " + ", ".join(settings) + ".",
         "",
-        "| domain | method | prompts | τ | α | per position | tok/s | speedup | lossless |",
-        "|---|---|---:|---:|---:|---|---:|---:|:---:|",
+        "| domain | method | prompts | τ | α | per position | draft fwd/cycle | tok/s | speedup | lossless |",
+        "|---|---|---:|---:|---:|---|---:|---:|---:|:---:|",
     ]
     for domain in report["baselines"]:
         rows = {**report["baselines"][domain], **report["domains"][domain]}
@@ -347,12 +350,13 @@ def render_markdown(report: dict[str, Any]) -> str:
             per_position = " / ".join(_fmt(p) for p in row["per_position"]) or "–"
             lines.append(
                 f"| {domain} | {name} | {row['prompts']} | {_fmt(row['tau'])} | {_fmt(row['alpha'])} | {per_position} "
-                f"| {row['tokens_per_s']:.1f} | {_fmt(row['speedup'])}× | {lossless} |"
+                f"| {_fmt(row['draft_forwards_per_cycle'])} | {row['tokens_per_s']:.1f} | {_fmt(row['speedup'])}× | {lossless} |"
             )
     lines += [
         "",
         "τ: new tokens per target forward (bonus included, prefill not counted). α: accepted / drafted positions. "
         "Per position: acceptance at draft position k given positions < k were accepted. "
+        "Draft fwd/cycle: the drafter's forward passes per target forward. "
         "Speedup: tokens/s over plain decoding in the same run. "
         f"Lossless: {report['lossless_check']}.",
         "",

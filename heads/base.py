@@ -120,6 +120,9 @@ class Proposer:
 
     features: FeatureRequest = FeatureRequest()
     verifier: Optional[nn.Module] = None
+    # Forward passes of the draft model so far (a chain of k from an autoregressive drafter costs k;
+    # Medusa's heads and DFlash's block cost 1 per proposal): what a proposal costs besides tau.
+    draft_forwards: int = 0
 
     def propose(self, state: DraftState, num_tokens: int, tree: Optional[Tree] = None) -> DraftTree:
         """A chain of `num_tokens` tokens, or (if the drafter supports it) a tree: the `tree` that
@@ -236,6 +239,19 @@ def per_sample_stats(values: dict[str, torch.Tensor], rows: torch.Tensor, batch_
     return {
         name: torch.stack([torch.zeros(batch_size, device=rows.device).index_add_(0, rows, value.float()), counts], dim=-1) for name, value in values.items()
     }
+
+
+def check_layer_ids(layers: list[int], num_layers: int, key: str, where: str, hint: str = "") -> None:
+    """One-line UserErrors for target layer ids (draftsmith's convention, draftsmith.target) that a
+    drafter concatenates: none given, ids the target lacks, or not strictly increasing (the engines
+    concatenate the captured states in layer order). `where` names the setting, `hint` follows."""
+    if not layers:
+        raise UserError(f"{key} is empty: name at least one target layer")
+    bad = [layer for layer in layers if not -1 <= layer < num_layers]
+    if bad:
+        raise UserError(f"{where}: layer id(s) {bad} out of range for a target with {num_layers} layers (valid: -1..{num_layers - 1}){hint}")
+    if any(b <= a for a, b in zip(layers, layers[1:])):
+        raise UserError(f"{where}: ids must be distinct and increasing (engines concatenate the layers in order){hint}")
 
 
 def config_from_dict(config_cls: type, values: dict):

@@ -196,6 +196,7 @@ class DraftModelProposer(Proposer):
         ids = torch.tensor([tokens[common:]], device=device)
         positions = torch.arange(common, len(tokens), device=device)[None]
         out = self.model(input_ids=ids, position_ids=positions, past_key_values=self._cache, use_cache=True)
+        self.draft_forwards += 1
         self._cached = list(tokens)
         return out.logits[0, -1]
 

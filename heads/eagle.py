@@ -210,6 +210,7 @@ class EagleProposer(Proposer):
         new = torch.arange(start, committed, device=tokens.device)
         mask = torch.ones(1, 1, len(new), committed, dtype=torch.bool, device=tokens.device).tril(start)
         out = drafter.draft(tokens[start + 1 :][None], features[None], new[None], mask, self.cache)
+        self.draft_forwards += 1
         return out[0, -1]
 
     def grow(self, root_feature: torch.Tensor, depth: int, topk: int, nodes: int) -> DraftTree:
@@ -255,6 +256,7 @@ class EagleProposer(Proposer):
             positions = torch.tensor([[committed - 1 + node_depth[n] for n in frontier]], device=device)
             frontier_tokens = torch.tensor([[tokens[n] for n in frontier]], device=device)
             out = drafter.draft(frontier_tokens, features[None], positions, mask, self.cache)[0]
+            self.draft_forwards += 1
             newest = []
             for row, node in enumerate(frontier):
                 output_of[node] = out[row]

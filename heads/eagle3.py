@@ -45,7 +45,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from draftsmith.errors import UserError
 from draftsmith.heads import register
-from draftsmith.heads.base import DrafterConfig, DraftState, per_sample_stats
+from draftsmith.heads.base import DrafterConfig, DraftState, check_layer_ids, per_sample_stats
 from draftsmith.heads.eagle import EagleBase, check_tree_settings, import_qualified
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
@@ -97,13 +97,7 @@ def check_aux_layers(layers: list[int], num_layers: int, explicit: bool) -> None
     else:
         where = f"EAGLE-3's default aux layers [1, L//2-1, L-4] = {layers} for this {num_layers}-layer target"
         hint = "; set drafter.aux_layers to low/mid/high layers of your own, e.g. [0, 1, 2]"
-    if not layers:
-        raise UserError("drafter.aux_layers is empty: name at least one target layer to fuse")
-    bad = [layer for layer in layers if not -1 <= layer < num_layers]
-    if bad:
-        raise UserError(f"{where}: layer id(s) {bad} out of range for a target with {num_layers} layers (valid: -1..{num_layers - 1}){hint}")
-    if any(b <= a for a, b in zip(layers, layers[1:])):
-        raise UserError(f"{where}: ids must be distinct and increasing (engines fuse the layers in order){hint}")
+    check_layer_ids(layers, num_layers, "drafter.aux_layers", where, hint)
 
 
 class Eagle3Layer(nn.Module):

@@ -163,6 +163,7 @@ class MedusaProposer(Proposer):
     @torch.no_grad()
     def propose(self, state: DraftState, num_tokens: int, tree: Optional[Sequence[tuple[int, ...]]] = None) -> DraftTree:
         drafter, heads = self.drafter, self.drafter.config.num_heads
+        self.draft_forwards += 1  # every head reads the same hidden state: one pass
         hidden = state.final.to(drafter.lm_heads[0].weight.dtype)[None]
         if tree is None:
             if not 1 <= num_tokens <= heads:

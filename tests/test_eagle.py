@@ -43,8 +43,9 @@ def greedy_text(model, rows: int, length: int, seed: int) -> torch.Tensor:
 
 
 def fitted_eagle(model, steps: int, seed: int = 0, drafter_type: str = "eagle", **config):
-    """An EAGLE drafter (`eagle` or `eagle3`) fitted briefly to the target's greedy text: right often
-    enough that drafts get accepted, wrong often enough that they get rejected."""
+    """A drafter over the target's features (`eagle`, `eagle3` or `dflash`) fitted briefly to the
+    target's greedy text: right often enough that drafts get accepted, wrong often enough that they
+    get rejected."""
     torch.manual_seed(seed)  # initialisation and feature noise: the same fit whatever ran before
     cls = drafter_class(drafter_type)
     drafter = cls.from_target(cls.Config(**config), model, "tiny")

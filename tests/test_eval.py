@@ -329,6 +329,7 @@ ROW_KEYS = {
     "prompts",
     "new_tokens",
     "target_forwards",
+    "draft_forwards_per_cycle",
     "drafted",
     "accepted",
     "alpha",
@@ -363,8 +364,9 @@ def test_report_has_every_field(eval_setup):
             assert row["lossless"] is True
             assert row["prompts"] == (len(DOMAINS) if domain == "all" else 1)
         plain = report["baselines"][domain]["plain"]
-        assert plain["tau"] == 1.0 and plain["speedup"] == 1.0 and plain["drafted"] == 0
+        assert plain["tau"] == 1.0 and plain["speedup"] == 1.0 and plain["drafted"] == 0 and plain["draft_forwards_per_cycle"] == 0
         chain, tree = report["domains"][domain]["chain"], report["domains"][domain]["tree"]
+        assert 0 < chain["draft_forwards_per_cycle"] <= 1 and 0 < tree["draft_forwards_per_cycle"] <= 1  # Medusa: one pass of all heads
         assert len(chain["per_position"]) == 3 and chain["tau"] >= 1.0
         assert len(tree["per_position"]) == report["methods"]["tree"]["depth"]
     totals = report["domains"]["all"]["chain"]

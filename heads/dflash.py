@@ -1,0 +1,442 @@
+"""DFlash: a block drafter. One draft forward proposes a whole block of tokens.
+
+The block is `[x_a, m, m, ..., m]` (block_size positions, at RoPE positions a .. a+block_size-1): the
+last committed token x_a (the anchor) followed by block_size-1 copies of a mask embedding that the
+drafter owns (a target vocabulary has no mask token to spare). A small stack of the target family's
+decoder layers denoises it in one pass; the target's own (frozen, shared, not saved) lm_head turns
+block position k's output into a guess of x_{a+k}. Every layer's attention reads
+
+    queries: the block;   keys/values: [projected context ; the block]   non-causal within the block
+
+where the context is the fused target feature c_j = hidden_norm(fc(cat(h^l_j for l in target_layers)))
+at every position j < a (strictly before the anchor: the target has not run on x_a yet), projected by
+each layer's own k_proj/v_proj (no input_layernorm on it). The context does not change across layers.
+
+Decoding: the context keys and values of committed positions are cached per layer and cropped on
+rejection (they change only when the committed sequence does); the block is recomputed per cycle.
+The chain is the block's per-position argmax (T=0) or a sample from each position's q (T>0, q
+returned for the exact rule); DDTree is a best-first tree over the per-position top-k under the node
+budget `eval.tree`, scored by summed log q. Either way: one draft forward per decode cycle.
+
+Training (`loss`): random anchors per sequence, positions a where x_a and x_{a+1} both bear loss,
+at most `anchors` of them; one block per anchor, its context the positions before a. Block position
+k (1..block_size-1) is scored against x_{a+k} (cross-entropy to the data, or soft cross-entropy to
+the target's distribution of x_{a+k}) with weight exp(-(k-1)/loss_decay). Attention cost per layer
+and sequence: anchors × block_size queries against T context keys plus block_size block keys, i.e.
+O(A·B·(T+B)) scores, never the O((A·B)²) of a dense mask over all blocks (see `block_attention`).
+
+Layer ids: `target_layers` use draftsmith's convention (draftsmith.target: id i is the output of
+decoder layer i, transformers' hidden_states[i + 1]), which is also DFlash's own `target_layer_ids`;
+speculators' `aux_hidden_state_layer_ids` are these + 1. Default: `num_layers` ids spread evenly
+over [1, L-3] (the reference's choice).
+
+Checkpoint names follow the public DFlash layout: `fc.weight [H, n*H]`, `hidden_norm.weight`,
+`layers.{i}.self_attn.{q,k,v,o}_proj.*` (and `q_norm`/`k_norm` for families that have them),
+`layers.{i}.mlp.*`, `layers.{i}.{input,post_attention}_layernorm.weight`, `norm.weight`, plus
+`mask_embedding [H]`, the one tensor the public layout lacks: it keeps its mask token as a row of the
+target's embedding (`mask_token_id`), so an exporter must place this vector in such a row.
+"""
+
+from __future__ import annotations
+
+import copy
+import heapq
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+from torch import nn
+
+from draftsmith.errors import UserError
+from draftsmith.heads import register
+from draftsmith.heads.base import DrafterConfig, DraftState, DraftTree, DynamicTree, Proposer, Tree, check_layer_ids, per_sample_stats
+from draftsmith.heads.eagle import EagleBase, import_qualified
+from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
+
+LOSSES = ("ce", "soft_ce")
+
+
+@dataclass
+class DFlashConfig(DrafterConfig):
+    type: str = "dflash"
+    num_layers: int = 2  # draft decoder layers (the reference uses 5 for a 36-layer target)
+    # Target layers whose states form the context, our ids (= DFlash's target_layer_ids; speculators'
+    # aux_hidden_state_layer_ids = ours + 1). None: num_layers ids spread evenly over [1, L-3].
+    target_layers: Optional[list[int]] = None
+    block_size: int = 8  # block = anchor + block_size-1 masks: proposes up to block_size-1 tokens
+    anchors: int = 64  # training: blocks per sequence at most (random loss-bearing anchors)
+    loss: str = "ce"  # ce: to the data's tokens; soft_ce: to the target's distribution
+    loss_decay: float = 7.0  # block position k's loss weight exp(-(k-1)/loss_decay)
+    tree_topk: int = 8  # DDTree: candidates per block position; eval.tree = node budget
+    decoder: Optional[dict] = None  # the target family's layer/rotary classes and config; set by from_target
+
+    def check(self, target: Optional[TargetShape] = None) -> None:
+        if self.num_layers < 1:
+            raise UserError(f"drafter.num_layers must be >= 1 (got {self.num_layers})")
+        if self.block_size < 2:
+            raise UserError(f"drafter.block_size must be >= 2 (the anchor and at least one mask; got {self.block_size})")
+        if self.anchors < 1 or self.tree_topk < 1 or self.loss_decay <= 0:
+            raise UserError(f"drafter.anchors and tree_topk must be >= 1 and loss_decay > 0 (got {self.anchors}, {self.tree_topk}, {self.loss_decay})")
+        if self.loss not in LOSSES:
+            raise UserError(f"drafter.loss={self.loss!r} is not one of {', '.join(LOSSES)}")
+        if target is not None:
+            check_target_layers(self.layers_for(target.num_hidden_layers), target.num_hidden_layers, explicit=self.target_layers is not None)
+
+    def layers_for(self, num_layers: int) -> list[int]:
+        """The context layers, the even spread for a target of `num_layers` layers when unset."""
+        if self.target_layers is not None:
+            return [int(layer) for layer in self.target_layers]
+        return default_target_layers(num_layers, self.num_layers)
+
+
+def default_target_layers(num_target_layers: int, count: int) -> list[int]:
+    """`count` ids spread evenly over [1, L-3] (the middle layer when count is 1)."""
+    if count == 1:
+        return [num_target_layers // 2]
+    low, high = 1, num_target_layers - 3
+    return [round(low + index * (high - low) / (count - 1)) for index in range(count)]
+
+
+def check_target_layers(layers: list[int], num_layers: int, explicit: bool) -> None:
+    if explicit:
+        where, hint = f"drafter.target_layers={layers}", ""
+    else:
+        where = f"DFlash's default target layers (spread over [1, L-3]) = {layers} for this {num_layers}-layer target"
+        hint = "; set drafter.target_layers to distinct layers of your own, e.g. [0, 1, 2]"
+    check_layer_ids(layers, num_layers, "drafter.target_layers", where, hint)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE (rotate-half form, as the Llama/Qwen/Mistral families) on [B, heads, n, d] with cos/sin [B, n, d]."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos[:, None] + torch.cat([-second, first], dim=-1) * sin[:, None]
+
+
+def block_attention(query, context_key, context_value, block_key, block_value, visible, scaling: float) -> torch.Tensor:
+    """Attention of A blocks of S queries each: [B, h, A, S, d] queries against the shared context
+    ([B, kv, C, d] keys/values, `visible` [B, A, C] says which context positions block a may see) and
+    its own block's S keys/values ([B, kv, A, S, d], all visible: non-causal). Scores are computed in
+    two parts, [A, S, C] and [A, S, S] per head, so memory is A·S·(C+S) per head rather than the
+    (A·S)·(C + A·S) of one mask over every block. Grouped-query attention reads kv head h // group
+    without copying keys. Returns [B, h, A, S, d]."""
+    batch, heads, blocks, size, dim = query.shape
+    kv_heads = context_key.shape[1]
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads, blocks * size, dim)
+    context_scores = (grouped @ context_key[:, :, None].transpose(-1, -2)).view(batch, kv_heads, -1, blocks, size, context_key.shape[2])
+    context_scores = context_scores.masked_fill(~visible[:, None, None, :, None, :], float("-inf"))
+    grouped = grouped.view(batch, kv_heads, -1, blocks, size, dim)
+    block_scores = grouped @ block_key[:, :, None].transpose(-1, -2)  # [B, kv, g, A, S, S]
+    weights = (torch.cat([context_scores, block_scores], dim=-1) * scaling).softmax(-1, dtype=torch.float32).to(query.dtype)
+    context_weights, block_weights = weights.split([context_key.shape[2], size], dim=-1)
+    out = (context_weights.flatten(3, 4) @ context_value[:, :, None]).view(batch, kv_heads, -1, blocks, size, dim)
+    out = out + block_weights @ block_value[:, :, None]
+    return out.reshape(batch, heads, blocks, size, dim)
+
+
+class DFlashLayer(nn.Module):
+    """One decoder layer of the target's family, with DFlash's attention (see the module docstring):
+    its q/k/v/o projections (and q_norm/k_norm where the family has them), norms and MLP are the
+    family's modules under the family's names; only the attention's wiring is DFlash's."""
+
+    def __init__(self, layer: nn.Module, config):
+        super().__init__()
+        attention = getattr(layer, "self_attn", None)
+        needed = [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        parts = [getattr(layer, name, None) for name in ("input_layernorm", "post_attention_layernorm", "mlp")]
+        if not all(isinstance(p, nn.Linear) for p in needed) or any(p is None for p in parts):
+            raise UserError(
+                f"DFlash needs a decoder layer with input_layernorm, self_attn.q/k/v/o_proj, post_attention_layernorm and mlp; {type(layer).__name__} differs"
+            )
+        self.self_attn = attention
+        self.mlp = layer.mlp
+        self.input_layernorm = layer.input_layernorm
+        self.post_attention_layernorm = layer.post_attention_layernorm
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(attention, "head_dim", None) or config.hidden_size // self.heads
+        self.scaling = float(getattr(attention, "scaling", self.head_dim**-0.5))
+
+    def _heads(self, projection: str, norm: str, x: torch.Tensor, count: int) -> torch.Tensor:
+        """[B, n, H] -> [B, count, n, d] through self_attn.<projection> (and .<norm> if the family has one)."""
+        out = getattr(self.self_attn, projection)(x).view(*x.shape[:-1], count, self.head_dim)
+        norm_module = getattr(self.self_attn, norm, None)
+        return (norm_module(out) if norm_module is not None else out).transpose(1, 2)
+
+    def keys_values(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (rotated) and values [B, kv, n, d] of inputs [B, n, H] at the positions `rope` encodes."""
+        return rotate(self._heads("k_proj", "k_norm", x, self.kv_heads), *rope), self._heads("v_proj", "v_norm", x, self.kv_heads)
+
+    def forward(self, hidden, rope, context_kv, visible) -> torch.Tensor:
+        """hidden [B, A, S, H] (A blocks of S) at the positions `rope` encodes ([B, A*S, d] cos/sin);
+        context_kv: this layer's context keys/values [B, kv, C, d]; visible [B, A, C]."""
+        batch, blocks, size, width = hidden.shape
+        x = self.input_layernorm(hidden).view(batch, blocks * size, width)
+        query = rotate(self._heads("q_proj", "q_norm", x, self.heads), *rope)
+        block_key, block_value = self.keys_values(x, rope)
+
+        def per_block(t):
+            return t.view(batch, t.shape[1], blocks, size, self.head_dim)
+
+        attended = block_attention(per_block(query), *context_kv, per_block(block_key), per_block(block_value), visible, self.scaling)
+        attended = attended.permute(0, 2, 3, 1, 4).reshape(batch, blocks, size, self.heads * self.head_dim)
+        hidden = hidden + self.self_attn.o_proj(attended)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+@register
+class DFlash(EagleBase):
+    """Built like the EAGLE drafters (EagleBase: decoder layers of the target's family, the target's
+    embedding and lm_head shared, frozen and not saved), decoded by `DFlashProposer`."""
+
+    type = "dflash"
+    Config = DFlashConfig
+
+    def __init__(self, config: DFlashConfig, target: TargetShape):
+        super().__init__(config, target)
+        if not config.target_layers:
+            raise UserError("a dflash drafter is built for a target: use from_target (drafter.target_layers is filled there)")
+        hidden = target.hidden_size
+        layer_cls = import_qualified(config.decoder["layer"])
+        self.fc = nn.Linear(len(config.target_layers) * hidden, hidden, bias=False)
+        family_layers = [layer_cls(self.layer_config, layer_idx=i) for i in range(config.num_layers)]
+        self.hidden_norm = copy.deepcopy(family_layers[0].input_layernorm)  # fresh norms of the family's class
+        self.layers = nn.ModuleList(DFlashLayer(layer, self.layer_config) for layer in family_layers)
+        self.norm = copy.deepcopy(family_layers[0].input_layernorm)
+        self.mask_embedding = nn.Parameter(torch.randn(hidden) * 0.02)
+
+    @classmethod
+    def from_target(cls, config: DFlashConfig, target_model, name_or_path: str) -> DFlash:
+        shape = TargetShape.of(target_model, name_or_path)
+        config.check(shape)
+        config = replace(config, target_layers=config.layers_for(shape.num_hidden_layers))
+        drafter = super().from_target(config, target_model, name_or_path)
+        final_norm = getattr(target_model.get_decoder(), "norm", None)
+        with torch.no_grad():
+            # The output norm starts as the target's final norm (it feeds the target's lm_head); the
+            # mask embedding as the mean token embedding, the neutral point of the input space.
+            if final_norm is not None and final_norm.state_dict().keys() == drafter.norm.state_dict().keys():
+                drafter.norm.load_state_dict(final_norm.state_dict())
+            drafter.mask_embedding.copy_(target_model.get_input_embeddings().weight.float().mean(0))
+        return drafter
+
+    @classmethod
+    def decoder_layers(cls, config) -> int:
+        return config.num_layers
+
+    @classmethod
+    def features(cls, config: DFlashConfig, target: TargetShape) -> FeatureRequest:
+        return FeatureRequest(final=False, layers=tuple(config.layers_for(target.num_hidden_layers)), logits=config.loss == "soft_ce")
+
+    @classmethod
+    def max_chain(cls, config: DFlashConfig) -> int:
+        return config.block_size - 1
+
+    def proposer(self, temperature: float = 0.0, seed: int = 0) -> DFlashProposer:
+        return DFlashProposer(self, temperature, seed)
+
+    # -- the draft model ------------------------------------------------------------------------
+    def context(self, layers: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The target's states [..., H] per context layer -> the context feature [..., H]."""
+        dtype = self.fc.weight.dtype
+        return self.hidden_norm(self.fc(torch.cat([layers[layer].to(dtype) for layer in self.config.target_layers], dim=-1)))
+
+    def context_keys(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's keys/values [B, kv, C, d] of the context [B, C, H] at positions [B, C]."""
+        rope = self.rotary_emb(context, positions)
+        return [layer.keys_values(context, rope) for layer in self.layers]
+
+    def denoise(self, anchors: torch.Tensor, positions: torch.Tensor, context_kv, visible: torch.Tensor) -> torch.Tensor:
+        """Blocks [anchor, mask, ...]: anchor tokens [B, A] at block positions [B, A, S] -> the
+        target's logits [B, A, S, V] (float32) of every block position's token."""
+        embed, _ = self.target_modules()
+        batch, blocks, size = positions.shape
+        dtype = self.fc.weight.dtype
+        first = embed(anchors).to(dtype)[:, :, None]
+        hidden = torch.cat([first, self.mask_embedding.to(dtype).expand(batch, blocks, size - 1, -1)], dim=2)
+        rope = self.rotary_emb(hidden, positions.view(batch, blocks * size))
+        for layer, kv in zip(self.layers, context_kv):
+            hidden = layer(hidden, rope, kv, visible)
+        return self.norm(hidden)
+
+    def logits(self, outputs: torch.Tensor) -> torch.Tensor:
+        _, lm_head = self.target_modules()
+        return lm_head(outputs.to(lm_head.weight.dtype)).float()
+
+    # -- training -------------------------------------------------------------------------------
+    def sample_anchors(self, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Up to `anchors` random positions a per row with x_a and x_{a+1} loss-bearing, sorted:
+        ([B, A] positions, [B, A] whether real; rows with fewer valid anchors are padded with 0)."""
+        valid = loss_mask[:, :-1] & loss_mask[:, 1:]
+        valid = torch.cat([valid, valid.new_zeros(valid.shape[0], 1)], dim=1)
+        count = min(self.config.anchors, loss_mask.shape[1])
+        scores = torch.rand(loss_mask.shape, device=loss_mask.device).masked_fill(~valid, -1.0)
+        picked, anchors = scores.topk(count, dim=1)
+        real = picked >= 0
+        anchors = anchors.masked_fill(~real, 0)
+        order = anchors.masked_fill(~real, loss_mask.shape[1]).argsort(dim=1)  # real anchors first, by position
+        return anchors.gather(1, order), real.gather(1, order)
+
+    def blocks(self, input_ids: torch.Tensor, layers: dict[int, torch.Tensor], anchors: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced blocks: for anchors [B, A] (positions in input_ids [B, T]) the block outputs
+        [B, A, S, H], block a reading the context of the target's `layers` [B, T, H] at positions < a,
+        exactly what decoding computes after committing x_0..x_a."""
+        batch_size, length = input_ids.shape
+        positions = anchors[..., None] + torch.arange(self.config.block_size, device=input_ids.device)  # [B, A, S]
+        context_positions = torch.arange(length, device=input_ids.device).expand(batch_size, -1)
+        visible = context_positions[:, None, :] < anchors[..., None]  # [B, A, T]: strictly before the anchor
+        context_kv = self.context_keys(self.context(layers), context_positions)
+        return self.denoise(input_ids.gather(1, anchors), positions, context_kv, visible)
+
+    def loss(self, batch: dict, target_out: TargetOutput):
+        """Weighted (soft) cross-entropy over every block position k >= 1 whose token x_{a+k} exists
+        and bears loss, normalised by the summed weights: sum w_k·CE / sum w_k.
+
+        Metrics: `block{k}/top1`, the argmax at block position k equal to the data's token (the
+        target's own greedy text when the data were regenerated by it), teacher-forced on the context
+        but not on the earlier block positions (as in decoding: the block is drafted in one pass);
+        `accepted`, per anchor the number of leading block positions whose argmax is right, what a
+        greedy chain of block_size-1 would accept on this data.
+        """
+        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
+        batch_size, length = input_ids.shape
+        size = self.config.block_size
+        anchors, real = self.sample_anchors(loss_mask)
+        outputs = self.blocks(input_ids, target_out.layers, anchors)[:, :, 1:]  # [B, A, S-1, H]
+
+        scored = anchors[..., None] + torch.arange(1, size, device=input_ids.device)  # x_{a+k}, k = 1..S-1
+        inside = scored < length
+        clamped = scored.clamp(max=length - 1)
+        labels = input_ids.gather(1, clamped.flatten(1)).view_as(scored)
+        supervised = real[..., None] & inside & loss_mask.gather(1, clamped.flatten(1)).view_as(scored)
+        weights = torch.exp(-torch.arange(size - 1, device=input_ids.device, dtype=torch.float32) / self.config.loss_decay)
+        rows, blocks, ks = supervised.nonzero(as_tuple=True)
+        log_q = self.logits(outputs[rows, blocks, ks]).log_softmax(-1)  # only supervised positions reach the vocabulary
+        if self.config.loss == "soft_ce":
+            with torch.no_grad():  # the target's distribution of x_{a+k}: its logits one position earlier
+                p = target_out.logits[rows, scored[rows, blocks, ks] - 1].float().softmax(-1)
+            token_loss = -(p * log_q).sum(-1)
+        else:
+            token_loss = -log_q.gather(1, labels[rows, blocks, ks][:, None])[:, 0]
+        weight = weights[ks]
+        total = (weight * token_loss).sum() / weight.sum().clamp(min=1e-6)
+
+        with torch.no_grad():
+            correct = torch.zeros_like(supervised)
+            correct[rows, blocks, ks] = log_q.argmax(-1) == labels[rows, blocks, ks]
+            values = {f"block{k + 1}/top1": correct[..., k][supervised[..., k]].float() for k in range(size - 1)}
+            stats = {}
+            for k in range(size - 1):
+                sample_rows = supervised[..., k].nonzero(as_tuple=True)[0]
+                stats |= per_sample_stats({f"block{k + 1}/top1": values[f"block{k + 1}/top1"]}, sample_rows, batch_size)
+            stats |= per_sample_stats({"loss": token_loss.detach()}, rows, batch_size)
+            anchor_rows = real.nonzero(as_tuple=True)
+            accepted = correct.cumprod(-1).sum(-1)[anchor_rows].float()
+            stats |= per_sample_stats({"accepted": accepted}, anchor_rows[0], batch_size)
+        return total, stats
+
+
+class DFlashProposer(Proposer):
+    """DFlash decoding for one sequence at a time: the context keys/values of the committed sequence
+    per layer (`catch_up`), one block forward per cycle, a chain or DDTree from its distributions."""
+
+    def __init__(self, drafter: DFlash, temperature: float, seed: int):
+        self.drafter = drafter
+        self.features = FeatureRequest(final=False, layers=tuple(drafter.config.target_layers))
+        self.temperature = float(temperature)
+        self.seed = seed
+        self.generator: Optional[torch.Generator] = None  # one stream for all proposals (independent draws across prompts)
+        self.cache: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None  # per layer [1, kv, committed-1, d]
+
+    def default_tree(self, size: int) -> DynamicTree:
+        return DynamicTree(nodes=size, depth=self.drafter.config.block_size - 1, topk=self.drafter.config.tree_topk)
+
+    def cached(self) -> int:
+        return 0 if self.cache is None else int(self.cache[0][0].shape[2])
+
+    def catch_up(self, state: DraftState) -> None:
+        """Bring the per-layer context keys/values to positions 0 .. n-2 of the n committed tokens
+        (everything before the root, which is the next block's anchor). The state carries the
+        target's layers for the last m of them; entries from position n-1-m on are cropped (they were
+        never there, or a previous sequence's) and rebuilt."""
+        missing = [layer for layer in self.drafter.config.target_layers if layer not in state.new_layers]
+        if missing:
+            raise ValueError(f"dflash needs the target's layers {missing} at the newly committed positions (DraftState.new_layers)")
+        count = len(next(iter(state.new_layers.values())))
+        committed = len(state.tokens) - 1
+        start = committed - count
+        if state.fresh or self.cache is None:
+            self.cache = None
+        if self.cached() < start:
+            raise RuntimeError(f"dflash context cache holds {self.cached()} positions, the committed sequence needs {start}")
+        if count == 0:
+            return
+        device = state.tokens.device
+        context = self.drafter.context({layer: state.new_layers[layer] for layer in self.drafter.config.target_layers})[None]
+        fresh = self.drafter.context_keys(context, torch.arange(start, committed, device=device)[None])
+        if self.cache is None:
+            self.cache = fresh
+        else:
+            self.cache = [(torch.cat([k[:, :, :start], nk], dim=2), torch.cat([v[:, :, :start], nv], dim=2)) for (k, v), (nk, nv) in zip(self.cache, fresh)]
+
+    @torch.no_grad()
+    def block_logits(self, state: DraftState) -> torch.Tensor:
+        """The draft's logits [block_size-1, V] for the tokens after the root, from one forward."""
+        self.catch_up(state)
+        self.draft_forwards += 1
+        drafter = self.drafter
+        committed = len(state.tokens) - 1
+        device = state.tokens.device
+        positions = (committed + torch.arange(drafter.config.block_size, device=device))[None, None]
+        visible = torch.ones(1, 1, self.cached(), dtype=torch.bool, device=device)
+        outputs = drafter.denoise(state.tokens[-1:][None], positions, self.cache, visible)
+        return drafter.logits(outputs[0, 0, 1:])
+
+    @torch.no_grad()
+    def propose(self, state: DraftState, num_tokens: int, tree: Optional[Tree] = None) -> DraftTree:
+        if tree is not None and not isinstance(tree, DynamicTree):
+            raise UserError("the dflash drafter builds its tree (DDTree) from its block: pass eval.tree=<node budget>, not a static tree")
+        logits = self.block_logits(state)
+        device = logits.device
+        if tree is not None:
+            log_q = (logits / self.temperature if self.temperature > 0 else logits).log_softmax(-1)
+            return best_first_tree(log_q[: tree.depth], tree.nodes, tree.topk)
+        logits = logits[:num_tokens]
+        if self.temperature <= 0:
+            return DraftTree.chain(logits.argmax(-1))
+        q = (logits / self.temperature).softmax(-1)
+        if self.generator is None or self.generator.device != device:
+            self.generator = torch.Generator(device=device).manual_seed(self.seed)
+        # Each position is sampled from its own q, independently: the exact rule's proposal.
+        return DraftTree.chain(torch.multinomial(q, 1, generator=self.generator)[:, 0], q)
+
+
+def best_first_tree(log_q: torch.Tensor, nodes: int, topk: int) -> DraftTree:
+    """DDTree: the `nodes` most likely prefixes under the block's per-position distributions, where a
+    prefix (t_1..t_d) scores sum_k log q_k(t_k) and position k offers its `topk` best tokens.
+
+    Best-first with a heap: popping a node adds it to the tree and offers its best child (the next
+    position's top token) and its next sibling (same parent, the next-ranked token), so candidates
+    enter the heap in score order and the kept set is exactly the best `nodes` prefixes; every
+    node's parent is kept before it. Deterministic (ties by insertion order): q one-hot for the loop."""
+    values, ids = log_q.topk(min(topk, log_q.shape[-1]), dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    depth, width = len(values), len(values[0]) if values else 0
+    tokens: list[int] = []
+    parents: list[int] = []
+    heap = [(-values[0][0], 0, 0, 0, -1)] if depth and nodes > 0 else []  # (-score, order, position, rank, parent)
+    order = 1
+    while heap and len(tokens) < nodes:
+        negative, _, position, rank, parent = heapq.heappop(heap)
+        node = len(tokens)
+        tokens.append(ids[position][rank])
+        parents.append(parent)
+        score = -negative
+        if position + 1 < depth:
+            heapq.heappush(heap, (-(score + values[position + 1][0]), order, position + 1, 0, node))
+            order += 1
+        if rank + 1 < width and not math.isinf(values[position][rank + 1]):
+            heapq.heappush(heap, (-(score - values[position][rank] + values[position][rank + 1]), order, position, rank + 1, parent))
+            order += 1
+    device = log_q.device
+    return DraftTree(tokens=torch.tensor(tokens, dtype=torch.long, device=device), parents=torch.tensor(parents, dtype=torch.long, device=device))

@@ -1,0 +1,249 @@
+"""DFlash: a training block computes exactly what a decoding block computes (same context, positions,
+anchor and masks), the loss scores block position k against x_{a+k} with the decaying weights and
+only at anchors whose token and next token bear loss, DDTree keeps exactly the best prefixes, and
+speculative decoding is lossless (chain and DDTree), rolls its context cache back consistently,
+samples exactly, and costs one draft forward per cycle. The real trainer (online, and from captured
+shards with the same losses) lowers the loss with the target frozen and ends with the eval report."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.data_prep.capture import capture
+from draftsmith.errors import UserError
+from draftsmith.eval.loop import Sampling, exact_rule, generate, prefill, propose, verify_step
+from draftsmith.heads import drafter_class, load_drafter
+from draftsmith.heads.base import DynamicTree, TargetShape
+from draftsmith.heads.dflash import best_first_tree, default_target_layers
+from draftsmith.recipe import load_recipe
+from draftsmith.target import run_target
+from tests.conftest import read_log, run_entry, train_args, train_in_process
+from tests.test_eagle import TINY_VOCAB, assert_greedy_equals_plain, fitted_eagle, greedy_text
+from tests.test_eval import NEW, SAMPLES, VOCAB, chi_square_pvalue, exact_conditionals, exact_joint, tiny_llama
+
+DFlash = drafter_class("dflash")
+TINY = {"target_layers": [-1, 0, 1], "block_size": 5, "anchors": 12}
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def fitted_dflash(model, steps: int, **config):
+    return fitted_eagle(model, steps, drafter_type="dflash", **{**TINY, **config})
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(vocab=TINY_VOCAB, logit_scale=4.0)
+
+
+@pytest.fixture(scope="module")
+def drafter(model):
+    return fitted_dflash(model, steps=100)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """Random prompts of 5, 11 and 17 tokens (the target's own text follows them)."""
+    rows = torch.randint(3, TINY_VOCAB, (3, 17), generator=torch.Generator().manual_seed(1))
+    return [row[:length].tolist() for row, length in zip(rows, (5, 11, 17))]
+
+
+# -- training computes what decoding computes -------------------------------------------------------
+@torch.no_grad()
+def test_training_blocks_equal_decoding_blocks(model, drafter):
+    """Several anchors of two sequences in one teacher-forced pass (each block sees only context
+    before its anchor, among other blocks) give the logits of a decoding block after committing
+    x_0..x_a, which sees nothing but its own context cache."""
+    ids = greedy_text(model, rows=2, length=24, seed=3)
+    anchors = torch.tensor([[1, 4, 9, 20], [2, 3, 15, 22]])
+    out = run_target(model, ids, request=drafter.request)
+    trained = drafter.logits(drafter.blocks(ids, out.layers, anchors))[:, :, 1:]
+    for row, column in itertools.product(range(2), range(4)):
+        a = int(anchors[row, column])
+        state = prefill(model, ids[row, : a + 1].tolist(), drafter.request).draft_state()
+        decoded = drafter.proposer().block_logits(state)
+        torch.testing.assert_close(trained[row, column], decoded, rtol=1e-4, atol=1e-4)
+
+
+def test_loss_scores_block_position_k_against_x_a_plus_k(model, drafter):
+    """The loss, recomputed by hand from the same anchors: CE of block position k to x_{a+k} with
+    weight exp(-(k-1)/decay), only where x_{a+k} exists and bears loss, anchors only where x_a and
+    x_{a+1} bear loss."""
+    ids = greedy_text(model, rows=3, length=30, seed=4)
+    loss_mask = torch.zeros_like(ids, dtype=torch.bool)
+    loss_mask[0, 10:] = True
+    loss_mask[1, 5:12] = True
+    loss_mask[1, 20:26] = True
+    loss_mask[2, 27:] = True  # three loss tokens: anchors 27 and 28, blocks running past the end
+    batch = {"input_ids": ids, "loss_mask": loss_mask}
+    out = run_target(model, ids, request=drafter.request)
+    torch.manual_seed(7)
+    loss, stats = drafter(batch, out)
+    torch.manual_seed(7)
+    anchors, real = drafter.sample_anchors(loss_mask)
+    for row in range(3):
+        picked = anchors[row][real[row]].tolist()
+        assert picked == sorted(picked) and all(loss_mask[row, a] and loss_mask[row, a + 1] for a in picked)
+        assert len(picked) == min(drafter.config.anchors, int((loss_mask[row, :-1] & loss_mask[row, 1:]).sum()))
+    with torch.no_grad():
+        logits = drafter.logits(drafter.blocks(ids, out.layers, anchors))
+    weighted = weights = 0.0
+    for row, column, k in itertools.product(range(3), range(anchors.shape[1]), range(1, drafter.config.block_size)):
+        a = int(anchors[row, column])
+        if real[row, column] and a + k < ids.shape[1] and loss_mask[row, a + k]:
+            weight = math.exp(-(k - 1) / drafter.config.loss_decay)
+            weighted += weight * float(-logits[row, column, k].log_softmax(-1)[ids[row, a + k]])
+            weights += weight
+    assert loss.item() == pytest.approx(weighted / weights, rel=1e-4)
+    assert stats["block4/top1"][2, 1] == 0  # row 2's blocks reach x_{a+4} past the sequence: never scored
+    assert stats["accepted"][:, 1].tolist() == real.sum(1).tolist()  # one value per real anchor
+
+
+def test_soft_loss_reads_the_targets_distribution(model):
+    soft = fitted_dflash(model, steps=0, loss="soft_ce")
+    assert soft.request.logits and not DFlash.features(DFlash.Config(**TINY), soft.target).logits
+    ids = greedy_text(model, rows=2, length=20, seed=5)
+    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids)}
+    out = run_target(model, ids, request=soft.request)
+    hard = DFlash(replace(soft.config, loss="ce"), soft.target)
+    hard.load_state_dict(soft.state_dict())
+    hard.attach_target(model)
+    # The target's distribution of x_{t+1} (its logits at t) made one-hot on the data's token: soft CE
+    # to it is CE to the data. The real distribution gives another loss.
+    one_hot = torch.full_like(out.logits, -1e4).scatter(-1, ids.roll(-1, dims=1)[..., None], 0.0)
+    losses = []
+    for drafter, target_out in [(soft, type(out)(logits=one_hot, final=out.final, layers=out.layers)), (hard, out), (soft, out)]:
+        torch.manual_seed(0)  # the same anchors each time
+        losses.append(drafter(batch, target_out)[0].item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-4) and losses[2] != pytest.approx(losses[1], rel=1e-3)
+
+
+# -- DDTree -----------------------------------------------------------------------------------------
+def test_ddtree_keeps_exactly_the_best_prefixes():
+    generator = torch.Generator().manual_seed(0)
+    log_q = (3 * torch.randn(4, 10, generator=generator)).log_softmax(-1)
+    topk, nodes = 3, 17
+    tree = best_first_tree(log_q, nodes, topk)
+    values, ids = log_q.topk(topk, dim=-1)
+    every = {}
+    for depth in range(1, 5):
+        for ranks in itertools.product(range(topk), repeat=depth):
+            every[tuple(int(ids[d, r]) for d, r in enumerate(ranks))] = sum(float(values[d, r]) for d, r in enumerate(ranks))
+    best = sorted(every.values(), reverse=True)[:nodes]
+    parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
+    assert len(tree) == nodes and all(parent < node for node, parent in enumerate(parents))
+
+    def prefix(node):
+        return prefix(parents[node]) + (tokens[node],) if node >= 0 else ()
+
+    kept = [every[prefix(node)] for node in range(nodes)]
+    assert sorted(kept, reverse=True) == pytest.approx(best)
+    assert best_first_tree(log_q, 4, 1).parents.tolist() == [-1, 0, 1, 2]  # topk 1: the greedy chain
+
+
+# -- decoding ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tree", [None, DynamicTree(nodes=10, depth=4, topk=3)], ids=["chain", "ddtree"])
+def test_greedy_speculative_equals_plain_with_one_draft_forward_per_cycle(model, drafter, prompts, tree):
+    assert_greedy_equals_plain(model, drafter, prompts, tree)
+    out = generate(model, prompts[0], 30, drafter.proposer(), gamma=4, tree=tree)
+    assert out.counts.draft_forwards == out.counts.target_forwards
+
+
+def test_context_cache_rollback_matches_a_drafter_rebuilt_from_scratch(model, drafter, prompts, tmp_path):
+    drafter.save_pretrained(tmp_path / "dflash")
+    saved = load_file(str(tmp_path / "dflash" / "model.safetensors"))
+    assert "mask_embedding" in saved and "fc.weight" in saved and not any("embed_tokens" in name or "lm_head" in name for name in saved)
+    fresh_drafter = load_drafter(tmp_path / "dflash", TargetShape.of(model, "tiny"), model).eval()
+    state = prefill(model, prompts[1], drafter.request)
+    proposer, lengths = drafter.proposer(), set()
+    for cycle in range(20):
+        tree = DynamicTree(nodes=8, depth=4, topk=2) if cycle % 2 else None
+        expected = fresh_drafter.proposer().propose(prefill(model, state.tokens, drafter.request).draft_state(), 4, tree)
+        draft = propose(proposer, state, 4, tree, max_depth=4)
+        assert torch.equal(draft.tokens, expected.tokens) and torch.equal(draft.parents, expected.parents), cycle
+        assert proposer.cached() == len(state.tokens) - 1  # the context: every committed position before the root
+        lengths.add(len(verify_step(model, state, draft, Sampling(), torch.Generator().manual_seed(cycle), request=drafter.request).path))
+    assert len(lengths) >= 2  # accepted paths of different lengths were rolled back
+
+
+@pytest.mark.parametrize("tree", [None, DynamicTree(nodes=4, depth=2, topk=2)], ids=["sampled-chain", "ddtree"])
+def test_sampling_matches_target_distribution(tree):
+    """Chain: each block position's token is drawn from its own q and q goes to the exact rule.
+    DDTree: deterministic nodes (q one-hot). Chi-square against the target's exact distribution."""
+    small_model = tiny_llama(vocab=VOCAB, hidden=16, layers=1, seed=5, logit_scale=8.0)
+    sampling = Sampling(1.0)
+    prompt = [1, 5, 2, 7]
+    drafter = fitted_dflash(small_model, steps=30, target_layers=[-1, 0], block_size=3)
+    proposer = drafter.proposer(temperature=1.0)  # one random stream across all samples
+    conditionals = exact_conditionals(small_model, prompt, sampling)
+    counts, accepted = torch.zeros(VOCAB, VOCAB, VOCAB), 0
+    for seed in range(SAMPLES):
+        out = generate(small_model, prompt, NEW, proposer, gamma=2, tree=tree, sampling=sampling, seed=seed, rule=exact_rule)
+        counts[tuple(out.tokens)] += 1
+        accepted += out.counts.accepted
+    assert 0.1 * SAMPLES < accepted < 1.9 * SAMPLES
+    assert chi_square_pvalue(counts, exact_joint(conditionals)) > 1e-3
+
+
+# -- configuration ----------------------------------------------------------------------------------
+def test_target_layers_default_and_bad_values():
+    assert default_target_layers(36, 5) == [1, 9, 17, 25, 33]  # the reference's Qwen3-8B drafter
+    assert default_target_layers(30, 3) == [1, 14, 27] and default_target_layers(12, 1) == [6]
+    deep = tiny_llama(vocab=16, hidden=16, layers=12)
+    drafter = DFlash.from_target(DFlash.Config(num_layers=3), deep, "deep")
+    assert drafter.config.target_layers == [1, 5, 9] and drafter.request.layers == (1, 5, 9) and not drafter.request.final
+    assert DFlash.max_chain(drafter.config) == 7
+    shallow = tiny_llama(vocab=16, hidden=16, layers=4)
+    with pytest.raises(UserError, match=r"default target layers .* \[1, 1\].*set drafter.target_layers"):
+        DFlash.from_target(DFlash.Config(), shallow, "shallow")
+    with pytest.raises(UserError, match=r"target_layers=\[0, 4\]: layer id\(s\) \[4\] out of range"):
+        DFlash.from_target(DFlash.Config(target_layers=[0, 4]), shallow, "shallow")
+    for bad, fragment in [({"block_size": 1}, "block_size must be >= 2"), ({"loss": "kl"}, "drafter.loss='kl'"), ({"anchors": 0}, "anchors")]:
+        with pytest.raises(UserError, match=fragment):
+            DFlash.Config(target_layers=[0, 1], **bad).check()
+
+
+def test_chain_longer_than_the_block_is_refused_before_loading(tmp_path):
+    result = run_entry(["train.py", "recipe=dflash", "eval.num_speculative_tokens=8", f"output_dir={tmp_path / 'run'}"])
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("error:")
+    assert "7" in result.stderr and not (tmp_path / "run").exists()
+
+
+# -- the real trainer -------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_real_trainer_online_and_from_shards(tmp_path, small_data, token_cache):
+    """`train.py recipe=dflash` lowers the loss, keeps the target frozen and ends with an eval report
+    in which chain and DDTree are lossless at one draft forward per cycle; training from captured
+    shards (float16 features) logs the same losses as training online, within float16 rounding."""
+    quick = ["data.max_length=96", "drafter.anchors=16"]
+    output_dir = tmp_path / "run"
+    args = ["recipe=dflash", *train_args(output_dir, small_data, token_cache, "train.max_steps=16", *quick)[1:]]
+    final, target = train_in_process([*args, "eval.enabled=true", "eval.max_prompts=2", "eval.max_new_tokens=24"])
+    assert all(not p.requires_grad for p in target.parameters())
+    log = read_log(output_dir)
+    assert sum(log[step]["train/loss"] for step in range(13, 17)) / 4 < 0.8 * log[1]["train/loss"]
+    report = json.loads((output_dir / "eval" / "report.json").read_text())
+    rows = report["domains"]["all"]
+    assert set(rows) == {"chain", "tree"} and all(row["lossless"] for row in rows.values())
+    for row in rows.values():  # one draft forward per cycle; a prompt's last cycle may have no room to draft
+        draft_forwards = round(row["draft_forwards_per_cycle"] * row["target_forwards"])
+        assert row["target_forwards"] - row["prompts"] <= draft_forwards <= row["target_forwards"]
+    config = json.loads((final / "config.json").read_text())
+    assert config["drafter_type"] == "dflash" and config["drafter"]["target_layers"] == [0, 1, 2]
+
+    features = tmp_path / "features"
+    short = [*args[:-1], "train.max_steps=3"]  # args[-1] is output_dir
+    capture(load_recipe([*short, f"output_dir={tmp_path / 'c'}", "data.capture.dtype=float16", f"data.capture.output={features}"]))
+    manifest = json.loads((features / "manifest.json").read_text())
+    assert manifest["layers"] == [0, 1, 2] and not manifest["final"] and manifest["logits"] == "none"
+    train_in_process([*short, f"output_dir={tmp_path / 'offline'}", f"data.features={features}"])
+    train_in_process([*short, f"output_dir={tmp_path / 'online'}"])
+    offline, online = read_log(tmp_path / "offline"), read_log(tmp_path / "online")
+    assert [offline[s]["train/loss"] for s in (1, 2, 3)] == pytest.approx([online[s]["train/loss"] for s in (1, 2, 3)], rel=2e-3)
