@@ -373,11 +373,6 @@ class Generation:
     counts: Counts = field(default_factory=lambda: Counts(prompts=1))
 
 
-def draft_forwards(drafter: Optional[Proposer]) -> int:
-    """The proposer's forward passes so far; 0 for none, or for a duck-typed proposer without the counter."""
-    return getattr(drafter, "draft_forwards", 0)
-
-
 @torch.no_grad()
 def generate(
     model,
@@ -399,7 +394,7 @@ def generate(
     request = drafter.features if drafter is not None else FeatureRequest()
     state = prefill(model, prompt, request)
     result = Generation()
-    forwards_before = draft_forwards(drafter)
+    forwards_before = drafter.draft_forwards if drafter is not None else 0
     while len(result.tokens) < max_new_tokens:
         draft = propose(drafter, state, gamma, tree, max_depth=max_new_tokens - len(result.tokens) - 1)
         before = len(state.tokens)
@@ -408,7 +403,8 @@ def generate(
         result.counts.count_cycle(draft_depth(draft), len(state.tokens) - before, verdict)
         if verdict.bonus is None or verdict.bonus in eos_ids:
             break
-    result.counts.draft_forwards = draft_forwards(drafter) - forwards_before
+    if drafter is not None:
+        result.counts.draft_forwards = drafter.draft_forwards - forwards_before
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     result.counts.wall_s = time.perf_counter() - start

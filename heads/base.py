@@ -241,10 +241,16 @@ def per_sample_stats(values: dict[str, torch.Tensor], rows: torch.Tensor, batch_
     }
 
 
-def check_layer_ids(layers: list[int], num_layers: int, key: str, where: str, hint: str = "") -> None:
+def check_layer_ids(layers: list[int], num_layers: int, key: str, default: Optional[str], advice: str) -> None:
     """One-line UserErrors for target layer ids (draftsmith's convention, draftsmith.target) that a
     drafter concatenates: none given, ids the target lacks, or not strictly increasing (the engines
-    concatenate the captured states in layer order). `where` names the setting, `hint` follows."""
+    concatenate the captured states in layer order). `default` describes the rule that chose the ids
+    when the recipe left `key` unset (None: the recipe set them); then the error advises setting
+    `key` to `advice`, since a small target's default can be unusable."""
+    if default is None:
+        where, hint = f"{key}={layers}", ""
+    else:
+        where, hint = f"{default} = {layers} for this {num_layers}-layer target", f"; set {key} to {advice} of your own, e.g. [0, 1, 2]"
     if not layers:
         raise UserError(f"{key} is empty: name at least one target layer")
     bad = [layer for layer in layers if not -1 <= layer < num_layers]

@@ -81,7 +81,8 @@ class DFlashConfig(DrafterConfig):
         if self.loss not in LOSSES:
             raise UserError(f"drafter.loss={self.loss!r} is not one of {', '.join(LOSSES)}")
         if target is not None:
-            check_target_layers(self.layers_for(target.num_hidden_layers), target.num_hidden_layers, explicit=self.target_layers is not None)
+            default = None if self.target_layers is not None else "DFlash's default target layers (spread over [1, L-3])"
+            check_layer_ids(self.layers_for(target.num_hidden_layers), target.num_hidden_layers, "drafter.target_layers", default, "distinct layers")
 
     def layers_for(self, num_layers: int) -> list[int]:
         """The context layers, the even spread for a target of `num_layers` layers when unset."""
@@ -96,15 +97,6 @@ def default_target_layers(num_target_layers: int, count: int) -> list[int]:
         return [num_target_layers // 2]
     low, high = 1, num_target_layers - 3
     return [round(low + index * (high - low) / (count - 1)) for index in range(count)]
-
-
-def check_target_layers(layers: list[int], num_layers: int, explicit: bool) -> None:
-    if explicit:
-        where, hint = f"drafter.target_layers={layers}", ""
-    else:
-        where = f"DFlash's default target layers (spread over [1, L-3]) = {layers} for this {num_layers}-layer target"
-        hint = "; set drafter.target_layers to distinct layers of your own, e.g. [0, 1, 2]"
-    check_layer_ids(layers, num_layers, "drafter.target_layers", where, hint)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -324,11 +316,10 @@ class DFlash(EagleBase):
         with torch.no_grad():
             correct = torch.zeros_like(supervised)
             correct[rows, blocks, ks] = log_q.argmax(-1) == labels[rows, blocks, ks]
-            values = {f"block{k + 1}/top1": correct[..., k][supervised[..., k]].float() for k in range(size - 1)}
             stats = {}
             for k in range(size - 1):
-                sample_rows = supervised[..., k].nonzero(as_tuple=True)[0]
-                stats |= per_sample_stats({f"block{k + 1}/top1": values[f"block{k + 1}/top1"]}, sample_rows, batch_size)
+                scored_here = supervised[..., k]
+                stats |= per_sample_stats({f"block{k + 1}/top1": correct[..., k][scored_here].float()}, scored_here.nonzero(as_tuple=True)[0], batch_size)
             stats |= per_sample_stats({"loss": token_loss.detach()}, rows, batch_size)
             anchor_rows = real.nonzero(as_tuple=True)
             accepted = correct.cumprod(-1).sum(-1)[anchor_rows].float()
@@ -342,7 +333,7 @@ class DFlashProposer(Proposer):
 
     def __init__(self, drafter: DFlash, temperature: float, seed: int):
         self.drafter = drafter
-        self.features = FeatureRequest(final=False, layers=tuple(drafter.config.target_layers))
+        self.features = drafter.request
         self.temperature = float(temperature)
         self.seed = seed
         self.generator: Optional[torch.Generator] = None  # one stream for all proposals (independent draws across prompts)

@@ -77,7 +77,8 @@ class Eagle3Config(DrafterConfig):
         if self.draft_vocab_size < 1:
             raise UserError(f"drafter.draft_vocab_size={self.draft_vocab_size} must be >= 1")
         if target is not None:
-            check_aux_layers(self.layers_for(target.num_hidden_layers), target.num_hidden_layers, explicit=self.aux_layers is not None)
+            default = None if self.aux_layers is not None else "EAGLE-3's default aux layers [1, L//2-1, L-4]"
+            check_layer_ids(self.layers_for(target.num_hidden_layers), target.num_hidden_layers, "drafter.aux_layers", default, "low/mid/high layers")
 
     def layers_for(self, num_layers: int) -> list[int]:
         """The aux layers, EAGLE-3's default for a target of `num_layers` layers when unset."""
@@ -88,16 +89,6 @@ def default_aux_layers(num_layers: int) -> list[int]:
     """EAGLE-3's low/mid/high layers in our ids: the inputs of layers 2, L//2, L-3 are the outputs of
     layers 1, L//2 - 1, L - 4."""
     return [1, num_layers // 2 - 1, num_layers - 4]
-
-
-def check_aux_layers(layers: list[int], num_layers: int, explicit: bool) -> None:
-    """One-line UserErrors for ids the target lacks or out of order (a small target's default included)."""
-    if explicit:
-        where, hint = f"drafter.aux_layers={layers}", ""
-    else:
-        where = f"EAGLE-3's default aux layers [1, L//2-1, L-4] = {layers} for this {num_layers}-layer target"
-        hint = "; set drafter.aux_layers to low/mid/high layers of your own, e.g. [0, 1, 2]"
-    check_layer_ids(layers, num_layers, "drafter.aux_layers", where, hint)
 
 
 class Eagle3Layer(nn.Module):

@@ -260,26 +260,22 @@ class FakeHub:
         ({path: bytes} full snapshot)."""
         with self._lock:
             repo = self.repo(repo_id, repo_type)
-            out = []
-            cid = self._resolve(repo, revision)
-            while cid:
-                c = repo.commits[cid]
-                out.append(
-                    {
-                        "id": c.id,
-                        "title": c.title,
-                        "description": c.description,
-                        "parents": list(c.parents),
-                        "date": c.date,
-                        "author": c.author,
-                        "branch": c.branch,
-                        "added": list(c.added),
-                        "deleted": list(c.deleted),
-                        "lfs": sorted(p for p, f in c.tree.items() if f.lfs),
-                        "files": {p: self._blobs[f.sha256] for p, f in sorted(c.tree.items())},
-                    }
-                )
-                cid = c.parents[0] if c.parents else None
+            out = [
+                {
+                    "id": c.id,
+                    "title": c.title,
+                    "description": c.description,
+                    "parents": list(c.parents),
+                    "date": c.date,
+                    "author": c.author,
+                    "branch": c.branch,
+                    "added": list(c.added),
+                    "deleted": list(c.deleted),
+                    "lfs": sorted(p for p, f in c.tree.items() if f.lfs),
+                    "files": {p: self._blobs[f.sha256] for p, f in sorted(c.tree.items())},
+                }
+                for c in self._first_parent_chain(repo, revision)
+            ]
             return out[::-1]
 
     def requests_to(self, method: str | None = None, contains: str = "") -> list[RequestRecord]:
@@ -308,6 +304,14 @@ class FakeHub:
     def _new_id(self, *parts: Any) -> str:
         h = hashlib.sha1(json.dumps([next(self._counter), _now(), *map(str, parts)]).encode())
         return h.hexdigest()
+
+    def _first_parent_chain(self, repo: Repo, revision: str | None):
+        """The commits of `revision` and its first parents, newest first."""
+        cid = self._resolve(repo, revision)
+        while cid:
+            commit = repo.commits[cid]
+            yield commit
+            cid = commit.parents[0] if commit.parents else None
 
     def _resolve(self, repo: Repo, revision: str | None) -> str | None:
         """branch / tag / refs/pr/N / commit id -> commit id. HubError 404 RevisionNotFound if unknown."""
@@ -706,21 +710,17 @@ class _Router:
 
     def list_commits(self, repo_type: str, rid: str, revision: str) -> None:
         repo = self.get_repo(repo_type, rid)
-        cid = self.hub._resolve(repo, revision)
-        out = []
-        while cid:
-            c = repo.commits[cid]
-            out.append(
-                {
-                    "id": c.id,
-                    "title": c.title,
-                    "message": c.description,
-                    "authors": [{"user": c.author, "avatar": ""}],
-                    "date": c.date,
-                    "formatted": {"title": c.title, "message": c.description},
-                }
-            )
-            cid = c.parents[0] if c.parents else None
+        out = [
+            {
+                "id": c.id,
+                "title": c.title,
+                "message": c.description,
+                "authors": [{"user": c.author, "avatar": ""}],
+                "date": c.date,
+                "formatted": {"title": c.title, "message": c.description},
+            }
+            for c in self.hub._first_parent_chain(repo, revision)
+        ]
         self.h._send(200, out)
 
     # -- tree / paths-info ---------------------------------------------------------

@@ -16,7 +16,7 @@ from draftsmith.eval.loop import Sampling, exact_rule, generate, prefill, propos
 from draftsmith.eval.ngram import NGramDrafter
 from draftsmith.eval.report import run_eval
 from draftsmith.heads import drafter_class
-from draftsmith.heads.base import DraftState, DraftTree
+from draftsmith.heads.base import DraftState, DraftTree, Proposer
 from draftsmith.recipe import load_recipe
 from draftsmith.target import FeatureRequest, load_target
 from tests.conftest import DOMAINS, REFERENCE_TARGET, run_entry
@@ -56,7 +56,7 @@ def tree_from_paths(paths) -> list[int]:
     return [index[path[:-1]] if len(path) > 1 else -1 for path in paths]
 
 
-class OracleDrafter:
+class OracleDrafter(Proposer):
     """Knows the target's greedy continuation and hides it among wrong siblings: at each depth the
     true token sits at a random rank (or nowhere, with probability 1 - hit_rate). Accepted paths
     then run through any branch of a tree, which exercises the cache gather."""
@@ -203,7 +203,7 @@ def exact_joint(conditionals: list[torch.Tensor]) -> torch.Tensor:
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-class NearTargetDrafter:
+class NearTargetDrafter(Proposer):
     """Draft distribution q(. | new tokens so far) = a mix of the target's exact conditional and a
     fixed random one: close enough to be accepted often, different enough that a wrong rule shows.
     Sampled (probs given), or deterministic by rank of q (a tree's rank-2 child repeats rank 1 to
