@@ -54,7 +54,8 @@ from draftsmith.errors import UserError, run_cli
 from draftsmith.files import write_text_atomic
 from draftsmith.outputs import held_by_main_process
 from draftsmith.recipe import load_recipe
-from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, check_layers, load_target, load_tokenizer, run_target
+from draftsmith.sharding import Lockstep, load_run_target
+from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, check_layers, load_tokenizer, run_target
 
 log = logging.getLogger("draftsmith.capture")
 
@@ -125,7 +126,10 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
         # online data set row by row; the conversations' fingerprint also keys the capture.
         conversations = load_conversations(list(cfg.data.train), cfg.data.max_conversations)
         data = tokenize_conversations(conversations, tokenizer, cfg.data.max_length, cfg.data.overlong, cfg.data.cache_dir)
-    target = load_target(cfg.target, state.device)
+    target = load_run_target(cfg.target, state.device)
+    # A sharded target's forwards are collectives, and ranks have different numbers of them (their
+    # slices differ, a resumed run skips finished shards): Lockstep keeps them in step.
+    lockstep = Lockstep(target)
     selection = resolve_selection(cfg, target)
 
     settings = {
@@ -166,13 +170,14 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
             progress.update(shard.tokens)
             continue
         rows = data[shard.start : shard.stop]
-        tensors = capture_shard(target, rows, selection, cfg.train.micro_batch_size, tokenizer.pad_token_id, state.device, progress)
+        tensors = capture_shard(target, rows, selection, cfg.train.micro_batch_size, tokenizer.pad_token_id, state.device, progress, lockstep)
         done[shard.name] = write_shard(directory, shard, tensors, rows["domain"])
         computed += 1
         run["tokens_computed"] += shard.tokens
         run["seconds"] = round(time.perf_counter() - started, 3)  # forward + encode + write
         record()  # only now that the shard is in place under its final name
     progress.close()
+    lockstep.finish()
     log.info("rank %d: computed %d shard(s), reused %d", state.process_index, computed, reused)
 
     state.wait_for_everyone()
@@ -260,8 +265,12 @@ def is_intact(path: Path, entry: dict[str, Any]) -> bool:
 
 
 @torch.no_grad()
-def capture_shard(target, rows: dict[str, list], selection: Selection, micro_batch_size: int, pad_token_id: int, device, progress) -> dict[str, torch.Tensor]:
-    """Run the target over one shard's conversations and return the shard's tensors (on CPU)."""
+def capture_shard(
+    target, rows: dict[str, list], selection: Selection, micro_batch_size: int, pad_token_id: int, device, progress, lockstep: Optional[Lockstep] = None
+) -> dict[str, torch.Tensor]:
+    """Run the target over one shard's conversations and return the shard's tensors (on CPU); each
+    forward through `lockstep` when the target is sharded."""
+    lockstep = lockstep or Lockstep(target)
     request = FeatureRequest(final=selection.final, layers=selection.layers, logits=selection.logits != "none")
     lengths: list[int] = rows["length"]
     collate = Collator(pad_token_id)
@@ -271,7 +280,7 @@ def capture_shard(target, rows: dict[str, list], selection: Selection, micro_bat
     for first in range(0, len(order), micro_batch_size):
         members = order[first : first + micro_batch_size]
         batch = collate([{"input_ids": rows["input_ids"][i], "loss_mask": rows["loss_mask"][i]} for i in members])
-        out = run_target(target, batch["input_ids"].to(device), batch["attention_mask"].to(device), request)
+        out = lockstep.run(run_target, target, batch["input_ids"].to(device), batch["attention_mask"].to(device), request)
         for row, i in enumerate(members):
             per_conversation[i] = stored_tensors(out, row, lengths[i], selection)
             refuse_nonfinite(per_conversation[i], rows, i)

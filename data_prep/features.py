@@ -159,6 +159,10 @@ class FeatureStore(Dataset):
                 item["logits"] = rows("logits").float()
         return item
 
+    def lengths(self) -> list[int]:
+        """Every conversation's token count, in order, from the shard headers (no tensor is read)."""
+        return [stop - start for shard in self._shards for start, stop in zip(shard.offsets, shard.offsets[1:])]
+
     def token_rows(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(input_ids, loss_mask) of every conversation in order, reading no feature: what a drafter's
         `prepare` counts tokens from (EAGLE-3's draft vocabulary)."""

@@ -14,6 +14,10 @@ that `data.train` reads as it is (the directory or `DIR/*.jsonl.gz`), one record
 `part-NNNNN.jsonl.gz`, written to a temporary name and renamed when complete; a killed run
 resumes by skipping the finished parts. `regenerate.settings` records what the parts were made
 with, and a run with other settings or data refuses to mix into them.
+
+Under `torchrun`/`accelerate launch` rank r of N generates the parts still to do whose position in
+that list is r modulo N (a part is the same bytes whichever rank made it); with `target.shard=fsdp`
+the ranks hold pieces of one target and generate in step (draftsmith/sharding.py).
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
+from accelerate import PartialState
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
@@ -33,9 +38,10 @@ from draftsmith.data_prep.conversations import load_conversations
 from draftsmith.data_prep.template import render_prompt
 from draftsmith.errors import UserError, run_cli
 from draftsmith.files import write_text_atomic
-from draftsmith.outputs import DirectoryLock
+from draftsmith.outputs import held_by_main_process
 from draftsmith.recipe import load_recipe
-from draftsmith.target import load_target, load_tokenizer, resolve_device
+from draftsmith.sharding import Lockstep, is_sharded, load_run_target
+from draftsmith.target import load_tokenizer
 
 SETTINGS_NAME = "regenerate.settings"  # not a data suffix: a directory source skips it
 
@@ -49,7 +55,10 @@ class RegenerateResult:
 
 def main(argv: Sequence[str]) -> None:
     result = regenerate(load_recipe(argv))
-    print(f"{result.conversations} conversations in {result.directory} ({result.generated} generated now)")
+    state = PartialState()
+    if state.is_main_process:
+        print(f"{result.conversations} conversations in {result.directory} ({result.generated} generated now)")
+    state.destroy_process_group()
 
 
 def part_name(index: int) -> str:
@@ -57,15 +66,10 @@ def part_name(index: int) -> str:
 
 
 def regenerate(cfg: DictConfig, target=None, tokenizer=None) -> RegenerateResult:
-    """Regenerate data.train into the output directory (held while it runs); `target`/`tokenizer`
-    skip loading them (tests)."""
-    directory = Path(cfg.data.regenerate.output or Path(cfg.output_dir) / "regenerated")
-    with DirectoryLock(directory):
-        return regenerate_into(cfg, directory, target, tokenizer)
-
-
-def regenerate_into(cfg: DictConfig, directory: Path, target, tokenizer) -> RegenerateResult:
+    """Regenerate data.train into the output directory (held by the main process while every rank
+    runs); `target`/`tokenizer` skip loading them (tests). `generated` counts all ranks' conversations."""
     section = cfg.data.regenerate
+    directory = Path(section.output or Path(cfg.output_dir) / "regenerated")
     if not cfg.data.train:
         raise UserError("data.train is empty: give at least one conversation file or Hub data set id to regenerate")
 
@@ -73,34 +77,47 @@ def regenerate_into(cfg: DictConfig, directory: Path, target, tokenizer) -> Rege
     for row in conversations:
         if not any(message["role"] == "assistant" for message in row["messages"]):
             raise UserError(f"{row['source']} record {row['record']}: conversation has no assistant turn to regenerate")
-    name = cfg.target.name_or_path
-    tokenizer = tokenizer or load_tokenizer(cfg.target)
-    target = target or load_target(cfg.target, resolve_device())
-
     settings = {
-        "target": name,
+        "target": cfg.target.name_or_path,
         "revision": cfg.target.revision,
         "data": conversations._fingerprint,  # changes with the sources and max_conversations
         **OmegaConf.to_container(section),
     }
     settings.pop("output")
-    claim_directory(directory, settings)
+    # Without a GPU, accelerate forms a (gloo) process group only when told the run is on CPU.
+    state = PartialState(cpu=not torch.cuda.is_available())
+    with held_by_main_process(directory, state, check=lambda: claim_directory(directory, settings)):
+        return regenerate_into(cfg, directory, conversations, target, tokenizer, state)
+
+
+def regenerate_into(cfg: DictConfig, directory: Path, conversations, target, tokenizer, state) -> RegenerateResult:
+    section, name = cfg.data.regenerate, cfg.target.name_or_path
+    tokenizer = tokenizer or load_tokenizer(cfg.target)
+    if target is None:
+        target = load_run_target(cfg.target, state.device)
+    # A sharded target's `generate` calls are collectives, and ranks have different numbers of them.
+    lockstep = Lockstep(target)
 
     batch_size = section.batch_size
     chunks = [list(range(start, min(start + batch_size, len(conversations)))) for start in range(0, len(conversations), batch_size)]
     todo = [index for index in range(len(chunks)) if not (directory / part_name(index)).is_file()]
     done = len(conversations) - sum(len(chunks[index]) for index in todo)
-    progress = tqdm(total=len(conversations), initial=done, desc="regenerate", unit="conversation")
+    progress = tqdm(total=len(conversations), initial=done, desc="regenerate", unit="conversation", disable=not state.is_main_process)
     generated = 0
-    for index in todo:
+    for index in todo[state.process_index :: state.num_processes]:
         torch.manual_seed(section.seed + index)
         rows = [conversations[i] for i in chunks[index]]
-        messages = regenerate_batch(target, tokenizer, [row["messages"] for row in rows], section)
+        messages = regenerate_batch(target, tokenizer, [row["messages"] for row in rows], section, lockstep)
         records = [{"messages": m, "domain": row["domain"], "regenerated_by": name} for m, row in zip(messages, rows)]
         write_part(directory / part_name(index), records)
         generated += len(rows)
-        progress.update(len(rows))
+        progress.update(len(rows) * state.num_processes)  # the others go at about the same pace
     progress.close()
+    lockstep.finish(idle=lambda: generate(target, tokenizer, [[tokenizer.pad_token_id]], section, max_new_tokens=1))
+    if state.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        generated = sum(gather_object([generated]))
     return RegenerateResult(directory, len(conversations), generated)
 
 
@@ -131,31 +148,41 @@ def write_part(path: Path, records: list[dict[str, Any]]) -> None:
 
 
 @torch.no_grad()
-def regenerate_batch(model, tokenizer, batch: list[list[dict]], section) -> list[list[dict]]:
+def regenerate_batch(model, tokenizer, batch: list[list[dict]], section, lockstep: Optional[Lockstep] = None) -> list[list[dict]]:
     """Every assistant turn of each conversation replaced by the target's answer to the turns before
     it (its own earlier answers included); round k generates the k-th assistant turn of every
-    conversation that has one, in one left-padded `generate` call."""
+    conversation that has one, in one left-padded `generate` call (through `lockstep`, in step with
+    the other ranks, when the target is sharded)."""
+    lockstep = lockstep or Lockstep(model)
     conversations = [[dict(message) for message in messages] for messages in batch]
     turns = [[i for i, message in enumerate(messages) if message["role"] == "assistant"] for messages in conversations]
     for round_ in range(max(map(len, turns))):
         active = [(row, turns[row][round_]) for row in range(len(conversations)) if round_ < len(turns[row])]
         prompts = [render_prompt(tokenizer, conversations[row][: turn + 1])[0] for row, turn in active]
-        answers = generate(model, tokenizer, prompts, section)
+        answers = lockstep.run(generate, model, tokenizer, prompts, section)
         for (row, turn), answer in zip(active, answers):
             conversations[row][turn]["content"] = answer
     return conversations
 
 
-def generate(model, tokenizer, prompts: list[list[int]], section) -> list[str]:
+def generate(model, tokenizer, prompts: list[list[int]], section, max_new_tokens: Optional[int] = None) -> list[str]:
     """Left-pad the prompts (so every row's next token is at the same position) and decode the
-    new tokens of each; EOS and padding are special tokens and are dropped."""
+    new tokens of each; EOS and padding are special tokens and are dropped. A sharded target
+    generates with `synced_gpus`: a rank whose rows are done keeps running forwards until all are."""
     device = model.get_output_embeddings().weight.device
     width = max(map(len, prompts))
     pad = tokenizer.pad_token_id
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     sampling = {"do_sample": True, "temperature": section.temperature, "top_p": section.top_p} if section.temperature > 0 else {"do_sample": False}
-    output = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=section.max_new_tokens, pad_token_id=pad, **sampling)
+    output = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=max_new_tokens or section.max_new_tokens,
+        pad_token_id=pad,
+        synced_gpus=is_sharded(model),
+        **sampling,
+    )
     return [text.strip() for text in tokenizer.batch_decode(output[:, width:], skip_special_tokens=True)]
 
 

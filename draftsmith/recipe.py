@@ -23,6 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 from draftsmith.errors import UserError, one_line
 from draftsmith.files import write_text_atomic
 from draftsmith.resources import bundled, recipes_dir
+from draftsmith.sharding import SHARD_CHOICES, check_shard
 from draftsmith.target import local_target_shape
 
 
@@ -35,6 +36,10 @@ class TargetSection:
     gguf_file: Optional[str] = None
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16
     trust_remote_code: bool = False
+    # none: every rank holds the whole target | fsdp: its decoder layers sharded over the ranks of
+    # train, capture and regenerate (FSDP2; embedding and lm_head stay whole), for targets too big
+    # for one device (draftsmith.sharding). Eval and export load the target whole either way.
+    shard: str = "none"
 
 
 @dataclass
@@ -73,6 +78,10 @@ class DataSection:
     cache_dir: Optional[str] = None  # tokenized-data cache; default ~/.cache/draftsmith
     features: Optional[str] = None  # a data_prep.capture directory to train from instead of running the target
     online: Optional[bool] = None  # run the frozen target inside each step; default: yes unless `features` is set
+    # Sequence packing: each micro-batch's conversations laid end to end in rows of pack_length tokens
+    # (default max_length), attention and positions per conversation; same losses, less padding.
+    pack: bool = False
+    pack_length: Optional[int] = None
     capture: CaptureSection = field(default_factory=CaptureSection)
     regenerate: RegenerateSection = field(default_factory=RegenerateSection)
 
@@ -114,6 +123,10 @@ class EvalSection:
     ngram_max: int = 3  # prompt-lookup baseline: longest n-gram to match
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 0
+    # Prompts decoded together (one target forward per cycle for the batch); each row is still checked
+    # against plain decoding of its prompt alone.
+    batch_size: int = 1
+    batch_sizes: List[int] = field(default_factory=list)  # a sweep, e.g. [1, 2, 4, 8]: every method at each size (report's batch_sweep)
 
 
 @dataclass
@@ -180,6 +193,7 @@ class RecipeSchema:
 
 CHOICES = {
     "target.dtype": ("auto", "float32", "bfloat16", "float16"),
+    "target.shard": SHARD_CHOICES,
     "data.overlong": ("truncate", "drop", "error"),
     "data.capture.logits": ("auto", "none", "topk", "full"),
     "data.capture.dtype": ("bfloat16", "float16", "float8"),
@@ -333,6 +347,10 @@ def check_data(d) -> None:
         not (d.online is True and d.features is not None), "data.online=true and data.features are both set: train from the target or from captured features"
     )
     require(not (d.online is False and d.features is None), "data.online=false needs data.features=<a data_prep.capture directory>")
+    require(
+        d.pack_length is None or d.pack_length >= d.max_length,
+        f"data.pack_length={d.pack_length} must be >= data.max_length={d.max_length}: a conversation is packed whole into one row",
+    )
     c = d.capture
     require(c.topk >= 1 and c.shard_tokens >= 1, f"data.capture.topk={c.topk} and data.capture.shard_tokens={c.shard_tokens} must be >= 1")
     require(c.layers is None or all(layer >= -1 for layer in c.layers), f"data.capture.layers={list(c.layers or [])}: ids are >= -1 (-1 = embeddings)")
@@ -350,6 +368,9 @@ def check_eval(e) -> None:
         f"need eval.temperature >= 0, 0 < eval.top_p <= 1, eval.top_k >= 0 (got {e.temperature}, {e.top_p}, {e.top_k})",
     )
     require(e.ngram_max >= 1, f"eval.ngram_max={e.ngram_max} must be >= 1")
+    require(e.batch_size >= 1, f"eval.batch_size={e.batch_size} must be >= 1")
+    sizes = list(e.batch_sizes)
+    require(all(size >= 1 for size in sizes) and len(set(sizes)) == len(sizes), f"eval.batch_sizes={sizes} must be distinct sizes >= 1")
     require(bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?", e.device)), f"eval.device={e.device!r} is not auto, cpu, cuda or cuda:N")
 
 
@@ -446,6 +467,7 @@ def validate(cfg: DictConfig) -> DictConfig:
         cfg.target.name_or_path = str(materialize(cfg.target.name_or_path, cfg.target.gguf_file, cfg.target.revision))
         cfg.target.gguf_file = None
     check_drafter(cfg)
+    check_shard(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg
 

@@ -1,18 +1,26 @@
-"""The draft-verify loop at batch size 1: chain and tree drafts, greedy and exact sampling.
+"""The draft-verify loop: chain and tree drafts, greedy and exact sampling, one prompt or a batch.
 
-One cycle:
+One cycle, for every row of the batch at once:
 
     cache = prefix                    the committed tokens except the last one (the root)
-    draft = drafter.propose(...)      N nodes hanging below the root (a chain is a tree)
-    forward([root] + draft)           ONE target forward; node i sees the prefix, its ancestors and itself
-    path, bonus = verify(...)         walk down from the root accepting children; the target picks the bonus
-    cache = prefix + root + path      crop the rejected nodes, packing the accepted ones into place
+    draft = drafter.propose(...)      N nodes hanging below the root (a chain is a tree), per row
+    forward([root] + draft)           ONE target forward for the batch; node i sees its row's prefix,
+                                      its ancestors and itself
+    path, bonus = verify(...)         per row: walk down from the root accepting children; the target
+                                      picks the bonus
+    cache = prefix + root + path      drop the rejected nodes, packing the accepted ones into place
     root = bonus                      it is not in the cache yet: the next forward starts with it
 
 The prefill runs over the prompt minus its last token, which becomes the first root. So every new
 token comes out of a decode forward, and tau (new tokens per target forward, bonus included) is exact
 with the prefill not counted as a forward. Plain decoding is the same loop with an empty draft: one
 forward, one token.
+
+Batches: rows accept different numbers of tokens, so their committed lengths drift apart. The cache
+keeps each row right-aligned (left padding that no query sees) and positions are given explicitly, so
+every row is attended and positioned exactly as if it were decoded alone; a finished row (EOS or its
+token budget) leaves the batch. Each row has its own proposer (its own drafting state) and its own
+random stream, seeded as it would be alone, so a batch changes nothing but the arithmetic's grouping.
 """
 
 from __future__ import annotations
@@ -150,19 +158,35 @@ def draft_depth(draft: DraftTree) -> int:
     return int(tree_depths(draft.parents).max())
 
 
-def tree_attention_mask(parents: torch.Tensor, past_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive [1, 1, 1+N, past_len+1+N] mask: every query sees the cached prefix, and among the new
-    tokens only itself and its ancestors (the root is every node's ancestor). Additive (0 / min)
-    rather than boolean so that eager attention, which adds the mask, and SDPA read it the same."""
+def tree_visibility(parents: torch.Tensor) -> torch.Tensor:
+    """[1+N, 1+N] bool over [root] + nodes: each sees itself and its ancestors (the root is every
+    node's ancestor)."""
     size = len(parents) + 1
     sees = torch.zeros(size, size, dtype=torch.bool, device=parents.device)
     sees[0, 0] = True
     for node, parent in enumerate(parents.tolist()):
         sees[node + 1] = sees[parent + 1]  # parents precede children, so this row is complete
         sees[node + 1, node + 1] = True
-    sees = torch.cat([sees.new_ones(size, past_len), sees], dim=1)
-    mask = torch.zeros(sees.shape, dtype=dtype, device=parents.device)
-    return mask.masked_fill(~sees, torch.finfo(dtype).min)[None, None]
+    return sees
+
+
+def verify_mask(drafts: Sequence[DraftTree], cached: Sequence[int], width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive [B, 1, Q, width+Q] mask for a verify forward over [root] + draft per row, Q = 1 + the
+    largest draft: row b's queries see its `cached[b]` right-aligned cache entries and, among the new
+    tokens, themselves and their ancestors. Queries past a row's draft (batch padding) see only
+    themselves, so every row of the softmax stays finite. Additive (0 / min) rather than boolean so
+    that eager attention, which adds the mask, and SDPA read it the same."""
+    queries = 1 + max(len(draft) for draft in drafts)
+    device = drafts[0].tokens.device
+    sees = torch.zeros(len(drafts), queries, width + queries, dtype=torch.bool, device=device)
+    diagonal = torch.arange(queries, device=device)
+    for b, (draft, length) in enumerate(zip(drafts, cached)):
+        size = len(draft) + 1
+        sees[b, :, width - length : width] = True
+        sees[b, :size, width : width + size] = tree_visibility(draft.parents)
+        sees[b, diagonal[size:], width + diagonal[size:]] = True
+    mask = torch.zeros(sees.shape, dtype=dtype, device=device)
+    return mask.masked_fill(~sees, torch.finfo(dtype).min)[:, None]
 
 
 def is_chain(parents: torch.Tensor) -> bool:
@@ -180,14 +204,12 @@ def cut_tree(tree: Tree, max_depth: int) -> Tree:
 
 
 @dataclass
-class DecodeState:
-    """Everything committed so far. Invariant: the cache holds all of `tokens` but the last (the root);
-    `final`/`layers` are the target's hidden states at the position before the root; `new_final` /
-    `new_layers` are those at the positions committed since the drafter last proposed (see DraftState),
-    `fresh` is True until it first has."""
+class RowState:
+    """One sequence: everything committed so far. `final`/`layers` are the target's hidden states at
+    the position before the root; `new_final` / `new_layers` are those at the positions committed since
+    the drafter last proposed (see DraftState), `fresh` is True until it first has."""
 
     tokens: list[int]
-    cache: DynamicCache
     final: torch.Tensor  # [H]
     layers: dict[int, torch.Tensor]
     new_final: torch.Tensor  # [m, H]
@@ -217,6 +239,34 @@ class DecodeState:
         self.new_layers = {layer: hidden[:0] for layer, hidden in self.new_layers.items()}
         self.fresh = False
 
+    @property
+    def cached(self) -> int:
+        """Positions of this row in the cache: every committed token but the root."""
+        return len(self.tokens) - 1
+
+
+@dataclass
+class DecodeState:
+    """Rows decoded together over one KV cache. Invariant: row b's cache entries are the last
+    `rows[b].cached` of the cache's `width` positions (right-aligned); the positions before them are
+    padding, masked for every query."""
+
+    rows: list[RowState]
+    cache: DynamicCache
+
+    @property
+    def width(self) -> int:
+        return self.cache.get_seq_length()
+
+    def keep_rows(self, keep: Sequence[int]) -> None:
+        """Drop the other rows (finished sequences), and the left padding nobody needs any more."""
+        self.rows = [self.rows[b] for b in keep]
+        width = max(row.cached for row in self.rows)
+        index = torch.tensor(list(keep), device=self.cache.layers[0].keys.device)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[index, :, -width:]
+            layer.values = layer.values[index, :, -width:]
+
 
 def check_target(model, cache: DynamicCache) -> None:
     """Tree verification needs a backend that takes a custom 4D mask and a full-attention KV cache
@@ -230,29 +280,46 @@ def check_target(model, cache: DynamicCache) -> None:
 
 
 @torch.no_grad()
-def prefill(model, prompt: Sequence[int], request: FeatureRequest = FeatureRequest()) -> DecodeState:
-    """Cache the prompt except its last token, which becomes the first root."""
-    if len(prompt) < 2:
+def prefill(model, prompts: Sequence[Sequence[int]], request: FeatureRequest = FeatureRequest()) -> DecodeState:
+    """Cache every prompt except its last token, which becomes the row's first root. Shorter prompts
+    are left-padded; a padding query sees only itself, a prompt token its own row's causal prefix."""
+    if any(len(prompt) < 2 for prompt in prompts):
         raise UserError("a prompt needs at least 2 tokens (the chat template alone gives more)")
     device = model.get_output_embeddings().weight.device
     cache = DynamicCache(config=model.config)
     check_target(model, cache)
-    ids = torch.tensor([list(prompt[:-1])], device=device)
-    out = run_target(model, ids, request=request, past_key_values=cache, use_cache=True)
-    layers = {layer: hidden[0] for layer, hidden in out.layers.items()}
-    return DecodeState(
-        tokens=list(prompt),
-        cache=cache,
-        final=out.final[0, -1],
-        layers={layer: hidden[-1] for layer, hidden in layers.items()},
-        new_final=out.final[0],  # every cached position is new to the drafter
-        new_layers=layers,
-    )
+    lengths = [len(prompt) - 1 for prompt in prompts]
+    width = max(lengths)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    for b, prompt in enumerate(prompts):
+        ids[b, width - lengths[b] :] = torch.tensor(list(prompt[:-1]), device=device)
+    mask = positions = None  # one prompt: no padding, the model's own causal mask
+    if len(prompts) > 1:
+        pad = torch.tensor([width - n for n in lengths], device=device)[:, None]
+        column = torch.arange(width, device=device)
+        positions = (column - pad).clamp(min=0)
+        sees = (column[None, None, :] <= column[None, :, None]) & (column[None, None, :] >= pad[:, :, None])
+        sees |= torch.eye(width, dtype=torch.bool, device=device)
+        mask = torch.zeros(sees.shape, dtype=model.dtype, device=device).masked_fill(~sees, torch.finfo(model.dtype).min)[:, None]
+    out = run_target(model, ids, mask, request, positions, cache, use_cache=True)
+    rows = []
+    for b, (prompt, n) in enumerate(zip(prompts, lengths)):
+        layers = {layer: hidden[b, width - n :] for layer, hidden in out.layers.items()}
+        rows.append(
+            RowState(
+                tokens=list(prompt),
+                final=out.final[b, -1],
+                layers={layer: hidden[-1] for layer, hidden in layers.items()},
+                new_final=out.final[b, width - n :],  # every cached position is new to the drafter
+                new_layers=layers,
+            )
+        )
+    return DecodeState(rows=rows, cache=cache)
 
 
 def keep_in_cache(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
-    """The cache holds [prefix | root | nodes] with the prefix `start` long; keep the new positions
-    `keep` (relative to `start`, in order) packed right after the prefix and drop the rest."""
+    """One row: the cache holds [prefix | root | nodes] with the prefix `start` long; keep the new
+    positions `keep` (relative to `start`, in order) packed right after the prefix and drop the rest."""
     kept = len(keep)
     if not torch.equal(keep, torch.arange(kept, device=keep.device)):  # a chain's path is already in place
         index = keep + start
@@ -263,11 +330,28 @@ def keep_in_cache(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
     cache.crop(-(cache.get_seq_length() - start - kept))
 
 
+def gather_cache(cache: DynamicCache, width: int, cached: Sequence[int], keeps: Sequence[torch.Tensor]) -> None:
+    """Several rows: the cache holds [right-aligned prefixes (`width`) | new positions]; row b keeps its
+    `cached[b]` prefix entries and the new positions `keeps[b]`, right-aligned again in a cache as wide
+    as the longest row. Padding slots point at entry 0 (finite, and masked)."""
+    device = keeps[0].device
+    lengths = [n + len(keep) for n, keep in zip(cached, keeps)]
+    new_width = max(lengths)
+    index = torch.zeros(len(keeps), new_width, dtype=torch.long, device=device)
+    for b, (n, keep) in enumerate(zip(cached, keeps)):
+        index[b, new_width - lengths[b] :] = torch.cat([torch.arange(width - n, width, device=device), keep + width])
+    for layer in cache.layers:
+        heads, dim = layer.keys.shape[1], layer.keys.shape[-1]
+        gather = index[:, None, :, None].expand(-1, heads, -1, dim)
+        layer.keys = layer.keys.gather(2, gather)
+        layer.values = layer.values.gather(2, gather)
+
+
 def empty_draft(device: torch.device) -> DraftTree:
     return DraftTree.chain(torch.empty(0, dtype=torch.long, device=device))
 
 
-def propose(drafter: Optional[Proposer], state: DecodeState, gamma: int, tree: Optional[Tree], max_depth: int) -> DraftTree:
+def propose(drafter: Optional[Proposer], state: RowState, gamma: int, tree: Optional[Tree], max_depth: int) -> DraftTree:
     """The drafter's proposal, no deeper than `max_depth` (so a cycle never emits past the budget)."""
     device = state.final.device
     if drafter is None:
@@ -288,32 +372,49 @@ def propose(drafter: Optional[Proposer], state: DecodeState, gamma: int, tree: O
 def verify_step(
     model,
     state: DecodeState,
-    draft: DraftTree,
+    drafts: Sequence[DraftTree],
     sampling: Sampling,
-    generator: torch.Generator,
+    generators: Sequence[torch.Generator],
     eos_ids: frozenset[int] = frozenset(),
     request: FeatureRequest = FeatureRequest(),
     rule: AcceptRule = exact_rule,
-) -> Verdict:
-    """One target forward over [root] + draft, then verification and cache rollback; updates `state`."""
-    past_len = state.cache.get_seq_length()
-    root = torch.tensor([state.tokens[-1]], device=draft.tokens.device)
-    ids = torch.cat([root, draft.tokens])[None]
-    positions = (tree_depths(draft.parents) + past_len)[None]
-    # A chain's tree mask is the causal mask: let the model build it, which keeps SDPA on the same
-    # kernels as plain decoding (an explicit mask would make plain decoding slower, inflating speedups).
-    mask = None if is_chain(draft.parents) else tree_attention_mask(draft.parents, past_len, model.dtype)
+) -> list[Verdict]:
+    """One target forward over [root] + draft of every row, then per row verification and cache
+    rollback; updates `state`."""
+    width, rows = state.width, state.rows
+    cached = [row.cached for row in rows]
+    queries = 1 + max(len(draft) for draft in drafts)
+    device = drafts[0].tokens.device
+    ids = torch.zeros(len(rows), queries, dtype=torch.long, device=device)
+    positions = torch.zeros(len(rows), queries, dtype=torch.long, device=device)
+    for b, (row, draft) in enumerate(zip(rows, drafts)):
+        size = len(draft) + 1
+        ids[b, :size] = torch.cat([torch.tensor([row.tokens[-1]], device=device), draft.tokens])
+        positions[b] = row.cached
+        positions[b, :size] += tree_depths(draft.parents)
+    # One row with a chain: the tree mask is the causal mask, so let the model build it, which keeps
+    # SDPA on the same kernels as plain decoding (an explicit mask would make plain decoding slower,
+    # inflating speedups). A batch always needs the explicit mask (padding), plain decoding included.
+    single_chain = len(rows) == 1 and is_chain(drafts[0].parents)
+    mask = None if single_chain else verify_mask(drafts, cached, width, model.dtype)
     out = run_target(model, ids, mask, request, positions, state.cache, use_cache=True)
-    verdict = verify(draft, sampling.probs(out.logits[0]), generator, eos_ids, rule)
 
-    keep = torch.tensor([0] + [1 + node for node in verdict.path], device=ids.device)
-    keep_in_cache(state.cache, past_len, keep)
-    state.tokens.extend(int(draft.tokens[node]) for node in verdict.path)
-    if verdict.bonus is not None:
-        state.tokens.append(verdict.bonus)
-    # Committed now: the root and the path; the last of them produced the bonus.
-    state.commit_hidden(out.final[0, keep], {layer: hidden[0, keep] for layer, hidden in out.layers.items()})
-    return verdict
+    verdicts, keeps = [], []
+    for b, (row, draft) in enumerate(zip(rows, drafts)):
+        verdict = verify(draft, sampling.probs(out.logits[b, : len(draft) + 1]), generators[b], eos_ids, rule)
+        keep = torch.tensor([0] + [1 + node for node in verdict.path], device=device)
+        row.tokens.extend(int(draft.tokens[node]) for node in verdict.path)
+        if verdict.bonus is not None:
+            row.tokens.append(verdict.bonus)
+        # Committed now: the root and the path; the last of them produced the bonus.
+        row.commit_hidden(out.final[b, keep], {layer: hidden[b, keep] for layer, hidden in out.layers.items()})
+        verdicts.append(verdict)
+        keeps.append(keep)
+    if len(rows) == 1:
+        keep_in_cache(state.cache, width, keeps[0])
+    else:
+        gather_cache(state.cache, width, cached, keeps)
+    return verdicts
 
 
 def _add_lists(a: list[int], b: list[int]) -> list[int]:
@@ -386,26 +487,60 @@ def generate(
     seed: int = 0,
     rule: AcceptRule = exact_rule,
 ) -> Generation:
-    """Decode up to `max_new_tokens` (stopping after an EOS) with a chain of `gamma` draft tokens, a
-    `tree` (static paths or a DynamicTree), or no drafter at all (plain decoding). `rule` is replaceable for tests only."""
+    """Decode one prompt: `generate_batch` with a batch of one."""
+    return generate_batch(model, [prompt], max_new_tokens, [drafter], gamma, tree, sampling, eos_ids, [seed], rule)[0]
+
+
+@torch.no_grad()
+def generate_batch(
+    model,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    drafters: Optional[Sequence[Optional[Proposer]]] = None,
+    gamma: int = 0,
+    tree: Optional[Tree] = None,
+    sampling: Sampling = Sampling(),
+    eos_ids: frozenset[int] = frozenset(),
+    seeds: Optional[Sequence[int]] = None,
+    rule: AcceptRule = exact_rule,
+) -> list[Generation]:
+    """Decode the prompts together, up to `max_new_tokens` each (a row stops after an EOS), with a
+    chain of `gamma` draft tokens, a `tree` (static paths or a DynamicTree), or no drafter at all
+    (plain decoding). `drafters[b]` is row b's own proposer (None for all: plain); `seeds[b]` seeds its
+    random stream (default 0 for every row). Each row's counters are charged an equal share of the
+    batch's wall time, so summed counters give the batch's tokens/s. `rule` is replaceable for tests only."""
     start = time.perf_counter()
     device = model.get_output_embeddings().weight.device
-    generator = torch.Generator(device=device).manual_seed(seed)
-    request = drafter.features if drafter is not None else FeatureRequest()
-    state = prefill(model, prompt, request)
-    result = Generation()
-    forwards_before = drafter.draft_forwards if drafter is not None else 0
-    while len(result.tokens) < max_new_tokens:
-        draft = propose(drafter, state, gamma, tree, max_depth=max_new_tokens - len(result.tokens) - 1)
-        before = len(state.tokens)
-        verdict = verify_step(model, state, draft, sampling, generator, eos_ids, request, rule)
-        result.tokens += state.tokens[before:]
-        result.counts.count_cycle(draft_depth(draft), len(state.tokens) - before, verdict)
-        if verdict.bonus is None or verdict.bonus in eos_ids:
-            break
-    if drafter is not None:
-        result.counts.draft_forwards = drafter.draft_forwards - forwards_before
+    size = len(prompts)
+    drafters = list(drafters) if drafters is not None else [None] * size
+    if len(drafters) != size or (drafters[0] is not None and len({id(d) for d in drafters}) != size):
+        raise ValueError("generate_batch needs one proposer of its own per prompt (a proposer holds one sequence's state)")
+    generators = [torch.Generator(device=device).manual_seed(seed) for seed in (seeds or [0] * size)]
+    request = drafters[0].features if drafters[0] is not None else FeatureRequest()
+    forwards_before = [d.draft_forwards if d is not None else 0 for d in drafters]
+    results = [Generation() for _ in range(size)]
+    state = prefill(model, prompts, request)
+    active = list(range(size)) if max_new_tokens > 0 else []  # prompt index of each row of `state`
+    while active:
+        drafts = [propose(drafters[i], row, gamma, tree, max_new_tokens - len(results[i].tokens) - 1) for i, row in zip(active, state.rows)]
+        before = [len(row.tokens) for row in state.rows]
+        verdicts = verify_step(model, state, drafts, sampling, [generators[i] for i in active], eos_ids, request, rule)
+        going = []
+        for b, i in enumerate(active):
+            new = state.rows[b].tokens[before[b] :]
+            results[i].tokens += new
+            results[i].counts.count_cycle(draft_depth(drafts[b]), len(new), verdicts[b])
+            if not (verdicts[b].bonus is None or verdicts[b].bonus in eos_ids or len(results[i].tokens) >= max_new_tokens):
+                going.append(b)
+        if going and len(going) < len(active):
+            state.keep_rows(going)
+        active = [active[b] for b in going]
+    for result, drafter, before in zip(results, drafters, forwards_before):
+        if drafter is not None:
+            result.counts.draft_forwards = drafter.draft_forwards - before
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    result.counts.wall_s = time.perf_counter() - start
-    return result
+    wall = time.perf_counter() - start
+    for result in results:
+        result.counts.wall_s = wall / size
+    return results

@@ -14,7 +14,13 @@ Definitions (the README's "Evaluating a drafter" section says the same for users
   greedy target this is what a Medusa head's top-1 accuracy on the target's own text estimates.
 - tokens_per_s = all new tokens / all wall time (prefill included); speedup = tokens_per_s / plain's
   tokens_per_s in the same domain and the same run.
-- lossless (greedy only): every prompt's token ids equal plain greedy decoding's.
+- lossless (greedy only): every prompt's token ids equal plain greedy decoding's of that prompt alone
+  (batch size 1), whatever batch the prompt was decoded in.
+
+Batches (eval.batch_size): consecutive prompts of a domain are decoded together, one target forward
+per cycle for the batch (eval/loop.py); counters are per row, so tau and alpha keep their meaning and
+tokens_per_s is the batch's throughput. eval.batch_sizes runs every method at each batch size and adds
+`batch_sweep` to report.json (speedup over plain decoding at the same batch size) and batch_sweep.png.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
@@ -33,7 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from draftsmith.errors import UserError
-from draftsmith.eval.loop import Counts, Generation, Sampling, generate, tree_depth
+from draftsmith.eval.loop import Counts, Generation, Sampling, generate, generate_batch, tree_depth
 from draftsmith.eval.ngram import NGramDrafter
 from draftsmith.files import write_text_atomic
 from draftsmith.heads.base import DynamicTree, Proposer, Tree
@@ -48,15 +56,18 @@ ALL = "all"  # the aggregate "domain": counters summed over every domain
 
 @dataclass
 class Method:
-    """One way of decoding: `group` is "drafter" (rows under `domains`) or "baseline" (`baselines`)."""
+    """One way of decoding: `group` is "drafter" (rows under `domains`) or "baseline" (`baselines`).
+    `new_proposer` makes one sequence's proposer (None: plain decoding); a batch of n prompts decodes
+    with n of them, made once and reused (each resets itself on a new sequence)."""
 
     name: str
     group: str
-    proposer: Optional[Proposer] = None
+    new_proposer: Optional[Callable[[], Proposer]] = None
     gamma: int = 0
     tree: Optional[Tree] = None
     info: dict = field(default_factory=dict)
     model: Any = None  # decode with this model instead of the verifier (the original target, for Medusa-2)
+    proposers: list[Proposer] = field(default_factory=list)
 
     @property
     def checks_lossless(self) -> bool:
@@ -66,12 +77,18 @@ class Method:
     @property
     def depth(self) -> int:
         """Draft positions per forward at most: γ for a chain, the longest path for a tree."""
-        if self.proposer is None:
+        if self.new_proposer is None:
             return 0
         return tree_depth(self.tree) if self.tree is not None else self.gamma
 
-    def run(self, model, prompt: list[int], max_new_tokens: int, sampling: Sampling, eos_ids: frozenset[int], seed: int) -> Generation:
-        return generate(self.model if self.model is not None else model, prompt, max_new_tokens, self.proposer, self.gamma, self.tree, sampling, eos_ids, seed)
+    def run(self, model, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling, eos_ids: frozenset[int], seeds: list[int]) -> list[Generation]:
+        """Decode `prompts` as one batch, row b seeded with seeds[b]."""
+        drafters = None
+        if self.new_proposer is not None:
+            self.proposers += [self.new_proposer() for _ in range(len(prompts) - len(self.proposers))]
+            drafters = self.proposers[: len(prompts)]
+        model = self.model if self.model is not None else model
+        return generate_batch(model, prompts, max_new_tokens, drafters, self.gamma, self.tree, sampling, eos_ids, seeds)
 
 
 def report_row(counts: Counts, plain: Counts, greedy: bool, positions: int) -> dict[str, Any]:
@@ -157,16 +174,16 @@ def build_methods(cfg: DictConfig, drafter, target, verifier, temperature: float
     longest = type(drafter).max_chain(drafter.config)
     if longest is not None and gamma > longest:
         raise UserError(f"eval.num_speculative_tokens={gamma} but this {drafter.type} checkpoint proposes at most {longest} tokens")
+    new_proposer = partial(drafter.proposer, temperature)
     methods = [
         Method("plain", "baseline"),
-        Method("chain", "drafter", drafter.proposer(temperature), gamma, info={"gamma": gamma}),
+        Method("chain", "drafter", new_proposer, gamma, info={"gamma": gamma}),
     ]
     if nodes > 0:
-        proposer = drafter.proposer(temperature)
-        tree = proposer.default_tree(nodes)
-        methods.append(Method("tree", "drafter", proposer, gamma, tree, tree_info(tree)))
+        tree = new_proposer().default_tree(nodes)
+        methods.append(Method("tree", "drafter", new_proposer, gamma, tree, tree_info(tree)))
     ngram_max = int(cfg.eval.ngram_max)
-    methods.append(Method("ngram", "baseline", NGramDrafter(ngram_max), gamma, info={"gamma": gamma, "ngram_max": ngram_max}))
+    methods.append(Method("ngram", "baseline", partial(NGramDrafter, ngram_max), gamma, info={"gamma": gamma, "ngram_max": ngram_max}))
     if verifier is not target:
         methods.append(Method("original", "baseline", model=target, info={"model": "the target without the drafter's adapters"}))
     return methods
@@ -233,37 +250,101 @@ def _run_eval(cfg: DictConfig, out_dir: Path, drafter_path: Optional[str], targe
 
     first = next(iter(prompts.values()))[0]
     for method in methods:  # warm-up, so lazy initialisation does not land in the first prompt's timing
-        method.run(verifier, first, min(WARMUP_TOKENS, max_new_tokens), sampling, eos_ids, cfg.eval.seed)
+        method.run(verifier, [first], min(WARMUP_TOKENS, max_new_tokens), sampling, eos_ids, [cfg.eval.seed])
 
-    tallies: dict[str, dict[str, Counts]] = {domain: {m.name: Counts() for m in methods} for domain in prompts}
-    progress = tqdm(total=sum(map(len, prompts.values())), desc="eval", unit="prompt", file=sys.stderr)
-    seed = int(cfg.eval.seed)
-    for domain, domain_prompts in prompts.items():
-        for number, prompt in enumerate(domain_prompts):
-            reference: Optional[list[int]] = None
-            for method in methods:
-                run = method.run(verifier, prompt, max_new_tokens, sampling, eos_ids, seed)
-                reference = run.tokens if reference is None else reference
-                mismatched = greedy and run.tokens != reference
-                if mismatched and method.checks_lossless:
-                    _warn_mismatch(method.name, domain, number, reference, run.tokens)
-                run.counts.mismatched = int(mismatched)
-                tallies[domain][method.name].add(run.counts)
-            seed += 1
-            progress.update()
-    progress.close()
+    # Prompt i of the run (domains in order) is seeded eval.seed + i, at every batch size.
+    numbered = [(domain, number) for domain, domain_prompts in prompts.items() for number in range(len(domain_prompts))]
+    seeds = {key: int(cfg.eval.seed) + i for i, key in enumerate(numbered)}
+    references: dict[tuple[str, int], list[int]] = {}  # greedy: plain decoding of each prompt alone
+    batch_size = int(cfg.eval.batch_size)
+    tallies = decode_all(methods, verifier, prompts, batch_size, max_new_tokens, sampling, eos_ids, seeds, references if greedy else None)
+    sweep = {}
+    for size in cfg.eval.batch_sizes:
+        swept = [m for m in methods if m.model is None]  # the drafting methods and their baselines
+        per_domain = (
+            tallies
+            if size == batch_size
+            else decode_all(swept, verifier, prompts, size, max_new_tokens, sampling, eos_ids, seeds, references if greedy else None)
+        )
+        sweep[int(size)] = {domain: {m.name: per_domain[domain][m.name] for m in swept} for domain in prompts}
 
     report = assemble(cfg, checkpoint, drafter, target, verifier, methods, tallies, sampling, greedy)
+    if sweep:
+        report["batch_sweep"] = sweep_rows(sweep, methods, greedy)
     write_report(report, out_dir)
     save_recipe(cfg, out_dir)
-    print(f"eval report written to {out_dir}/report.json, report.md, acceptance.png", file=sys.stderr)
+    print(f"eval report written to {out_dir}/report.json, report.md, acceptance.png" + (", batch_sweep.png" if sweep else ""), file=sys.stderr)
     return report
 
 
-def _warn_mismatch(method: str, domain: str, number: int, reference: list[int], tokens: list[int]) -> None:
+def decode_all(
+    methods: list[Method],
+    verifier,
+    prompts: dict[str, list[list[int]]],
+    batch_size: int,
+    max_new_tokens: int,
+    sampling: Sampling,
+    eos_ids: frozenset[int],
+    seeds: dict[tuple[str, int], int],
+    references: Optional[dict[tuple[str, int], list[int]]],
+) -> dict[str, dict[str, Counts]]:
+    """Every method over every domain's prompts, `batch_size` consecutive prompts at a time; counters
+    per domain and method. Greedy (`references` given): each prompt's tokens are compared with plain
+    decoding of that prompt alone, run here when no earlier pass left it in `references`."""
+    tallies: dict[str, dict[str, Counts]] = {domain: {m.name: Counts() for m in methods} for domain in prompts}
+    progress = tqdm(total=sum(map(len, prompts.values())), desc=f"eval (batch size {batch_size})", unit="prompt", file=sys.stderr)
+    plain_alone = batch_size == 1 and methods[0].name == "plain"  # its tokens are the references
+    for domain, domain_prompts in prompts.items():
+        for start in range(0, len(domain_prompts), batch_size):
+            group = domain_prompts[start : start + batch_size]
+            keys = [(domain, start + i) for i in range(len(group))]
+            group_seeds = [seeds[key] for key in keys]
+            if references is not None and not plain_alone:
+                for key, prompt, seed in zip(keys, group, group_seeds):
+                    if key not in references:
+                        references[key] = generate(verifier, prompt, max_new_tokens, sampling=sampling, eos_ids=eos_ids, seed=seed).tokens
+            for method in methods:
+                for key, run in zip(keys, method.run(verifier, group, max_new_tokens, sampling, eos_ids, group_seeds)):
+                    mismatched = False
+                    if references is not None:
+                        reference = references.setdefault(key, run.tokens)  # set by plain alone, which runs first
+                        mismatched = run.tokens != reference
+                        if mismatched and method.checks_lossless:
+                            _warn_mismatch(method.name, domain, key[1], reference, run.tokens, batch_size)
+                    run.counts.mismatched = int(mismatched)
+                    tallies[domain][method.name].add(run.counts)
+            progress.update(len(group))
+    progress.close()
+    return tallies
+
+
+def sweep_rows(sweep: dict[int, dict[str, dict[str, Counts]]], methods: list[Method], greedy: bool) -> dict[str, Any]:
+    """report.json's `batch_sweep`: per batch size, domain (with `all`) and method, the report row;
+    speedup is over plain decoding at the same batch size."""
+    depth = {m.name: m.depth for m in methods}
+    rows: dict[str, Any] = {}
+    for size, per_domain in sweep.items():
+        per_domain = {**per_domain, ALL: summed(per_domain)}
+        rows[str(size)] = {
+            domain: {name: report_row(counts, per_method["plain"], greedy, depth[name]) for name, counts in per_method.items()}
+            for domain, per_method in per_domain.items()
+        }
+    return {"batch_sizes": sorted(sweep), "rows": rows}
+
+
+def summed(per_domain: dict[str, dict[str, Counts]]) -> dict[str, Counts]:
+    """Counters of every domain added up, per method: the `all` row."""
+    total: dict[str, Counts] = {}
+    for per_method in per_domain.values():
+        for name, counts in per_method.items():
+            total.setdefault(name, Counts()).add(counts)
+    return total
+
+
+def _warn_mismatch(method: str, domain: str, number: int, reference: list[int], tokens: list[int], batch_size: int) -> None:
     at = next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b), min(len(reference), len(tokens)))
     print(
-        f"WARNING: lossless check FAILED: {method} differs from plain greedy decoding on {domain} prompt {number} "
+        f"WARNING: lossless check FAILED: {method} at batch size {batch_size} differs from plain greedy decoding alone on {domain} prompt {number} "
         f"at new token {at} (plain {reference[at : at + 1]}, {method} {tokens[at : at + 1]})",
         file=sys.stderr,
     )
@@ -274,12 +355,7 @@ def assemble(cfg, checkpoint: Path, drafter, target, verifier, methods: list[Met
     and n-gram, both with an `all` domain that sums the counters over the domains. A method that
     decodes with another model than the verifier (`original`) has no lossless verdict; at T=0 its
     `same_output` is the fraction of prompts on which it produced plain decoding's exact tokens."""
-    tallies = dict(tallies)
-    total = {m.name: Counts() for m in methods}
-    for per_method in tallies.values():
-        for method_name, counts in per_method.items():
-            total[method_name].add(counts)
-    tallies[ALL] = total
+    tallies = {**tallies, ALL: summed(tallies)}
     groups: dict[str, dict[str, dict[str, Any]]] = {"domains": {}, "baselines": {}}
     for domain, per_method in tallies.items():
         for method in methods:
@@ -302,12 +378,12 @@ def assemble(cfg, checkpoint: Path, drafter, target, verifier, methods: list[Met
         "max_new_tokens": int(cfg.eval.max_new_tokens),
         "device": str(target.get_output_embeddings().weight.device),
         "dtype": str(target.dtype).removeprefix("torch."),
-        "batch_size": 1,
+        "batch_size": int(cfg.eval.batch_size),
         "cpu_threads": torch.get_num_threads(),
         "versions": versions(),
         "methods": {m.name: {"group": m.group, "depth": m.depth, **m.info} for m in methods},
         "lossless_check": (
-            "greedy: each method's token ids compared with plain greedy decoding, prompt by prompt"
+            "greedy: each method's token ids compared with plain greedy decoding of the prompt alone, prompt by prompt"
             if greedy
             else "not checked at temperature > 0 (outputs are random); the sampling rule's exactness is tested in tests/test_eval.py"
         ),
@@ -320,6 +396,8 @@ def write_report(report: dict[str, Any], out_dir: Path) -> None:
     write_text_atomic(out_dir / "report.json", json.dumps(report, indent=2) + "\n")
     write_text_atomic(out_dir / "report.md", render_markdown(report))
     plot_acceptance(report, out_dir / "acceptance.png")
+    if "batch_sweep" in report:
+        plot_batch_sweep(report, out_dir / "batch_sweep.png")
 
 
 def _fmt(value: Optional[float], digits: int = 2) -> str:
@@ -328,7 +406,12 @@ def _fmt(value: Optional[float], digits: int = 2) -> str:
 
 def render_markdown(report: dict[str, Any]) -> str:
     methods = report["methods"]
-    settings = [f"temperature {report['temperature']}", f"max_new_tokens {report['max_new_tokens']}", f"device {report['device']} ({report['dtype']})"]
+    settings = [
+        f"temperature {report['temperature']}",
+        f"max_new_tokens {report['max_new_tokens']}",
+        f"batch size {report['batch_size']}",
+        f"device {report['device']} ({report['dtype']}, {report['cpu_threads']} CPU threads)",
+    ]
     settings.append(f"chain γ={methods['chain']['gamma']}")
     if "tree" in methods:
         settings.append(f"tree {methods['tree']['nodes']} nodes, depth {methods['tree']['depth']}")
@@ -361,7 +444,30 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"Lossless: {report['lossless_check']}.",
         "",
     ]
+    if "batch_sweep" in report:
+        lines += render_batch_sweep(report["batch_sweep"])
     return "\n".join(lines)
+
+
+def render_batch_sweep(sweep: dict[str, Any]) -> list[str]:
+    lines = [
+        "## Batch sizes",
+        "",
+        "Prompts decoded together, one target forward per cycle for the batch; speedup is over plain decoding at the same batch size.",
+        "",
+        "| domain | method | " + " | ".join(f"bs {size}: τ / tok/s / speedup" for size in sweep["batch_sizes"]) + " |",
+        "|---|---|" + "---:|" * len(sweep["batch_sizes"]),
+    ]
+    first = sweep["rows"][str(sweep["batch_sizes"][0])]
+    for domain in first:
+        for name in first[domain]:
+            cells = []
+            for size in sweep["batch_sizes"]:
+                row = sweep["rows"][str(size)][domain][name]
+                flag = " **NOT LOSSLESS**" if row["lossless"] is False else ""
+                cells.append(f"{_fmt(row['tau'])} / {row['tokens_per_s']:.1f} / {_fmt(row['speedup'])}×{flag}")
+            lines.append(f"| {domain} | {name} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def plot_acceptance(report: dict[str, Any], path: Path) -> None:
@@ -399,6 +505,38 @@ def plot_acceptance(report: dict[str, Any], path: Path) -> None:
     right.set_ylabel("acceptance given earlier positions accepted")
     right.set_title("per-position acceptance")
     right.legend(fontsize="small")
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def plot_batch_sweep(report: dict[str, Any], path: Path) -> None:
+    """Speedup over plain decoding at the same batch size against the batch size, one panel per
+    domain (the aggregate first), one line per drafting method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sweep = report["batch_sweep"]
+    sizes = sweep["batch_sizes"]
+    first = sweep["rows"][str(sizes[0])]
+    domains = [ALL] + [d for d in first if d != ALL]
+    methods = [name for name in first[ALL] if name != "plain"]
+    fig, axes = plt.subplots(1, len(domains), figsize=(3.2 * len(domains), 3.4), sharey=True, squeeze=False)
+    for ax, domain in zip(axes[0], domains):
+        for name in methods:
+            values = [sweep["rows"][str(size)][domain][name]["speedup"] or float("nan") for size in sizes]
+            ax.plot(sizes, values, marker="o", label=name)
+        ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(size) for size in sizes])
+        ax.set_xlabel("batch size")
+        ax.set_title(domain)
+    axes[0][0].set_ylabel("speedup vs plain, same batch size")
+    axes[0][0].legend(fontsize="small")
     fig.tight_layout()
     tmp = path.with_name(path.name + ".tmp.png")
     fig.savefig(tmp, dpi=100)

@@ -9,7 +9,8 @@ Training side, `Drafter` (an nn.Module) and its `Config` (a dataclass: the recip
 - `from_target`: a fresh drafter for a loaded target; `attach_target`: re-attach frozen target
   modules it uses but does not own or save (EAGLE's embedding and lm_head);
 - `prepare(dataset)`: fit what depends on the training data rather than on the target;
-- `loss(batch, target_out)`: the scalar loss and per-sample metric statistics;
+- `loss(batch, target_out)`: the scalar loss and per-sample (per-document) metric statistics, for
+  padded and packed batches alike (heads/packing.py);
 - `param_groups()`: the trainable parameters with learning-rate scales.
 
 Decoding side, `Proposer`: built by `drafter.proposer(temperature)`, it holds one sequence's drafting
@@ -196,10 +197,13 @@ class Drafter(nn.Module):
         return self.loss(batch, target_out)
 
     def loss(self, batch: dict, target_out: TargetOutput) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Scalar loss, and per-sample statistics `name -> [B, 2]` (sum, count) for any metric.
+        """Scalar loss, and per-sample statistics `name -> [D, 2]` (sum, count) for any metric,
+        one row per document (conversation) of the batch: D = len(batch["domain"]), the rows of an
+        unpacked batch, more than the rows of a packed one (heads/packing.py).
 
         Returning sums and counts per sample lets the trainer average over tokens across ranks
-        and break every metric down by the batch's `domain`.
+        and break every metric down by the batch's `domain`. In a packed batch no label, input or
+        attention may cross a document boundary: heads/packing.py has the helpers.
         """
         raise NotImplementedError
 
@@ -232,8 +236,9 @@ class Drafter(nn.Module):
 
 
 def per_sample_stats(values: dict[str, torch.Tensor], rows: torch.Tensor, batch_size: int) -> dict[str, torch.Tensor]:
-    """Per-position metric values -> `name -> [B, 2]` (sum, count) per sample, the shape `loss`
-    returns; `rows[i]` is the sample position i belongs to."""
+    """Per-position metric values -> `name -> [D, 2]` (sum, count) per sample, the shape `loss`
+    returns; `rows[i]` is the sample (document, heads/packing.py `documents`) position i belongs
+    to, `batch_size` the number of samples (`num_documents`)."""
     ones = torch.ones(rows.shape[0], device=rows.device)
     counts = torch.zeros(batch_size, device=rows.device).index_add_(0, rows, ones)
     return {

@@ -52,6 +52,7 @@ from draftsmith.errors import UserError
 from draftsmith.heads import register
 from draftsmith.heads.base import DrafterConfig, DraftState, DraftTree, DynamicTree, Proposer, Tree, check_layer_ids, per_sample_stats
 from draftsmith.heads.eagle import EagleBase, import_qualified
+from draftsmith.heads.packing import documents, num_documents, positions, same_document
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 LOSSES = ("ce", "soft_ce")
@@ -256,29 +257,43 @@ class DFlash(EagleBase):
         return lm_head(outputs.to(lm_head.weight.dtype)).float()
 
     # -- training -------------------------------------------------------------------------------
-    def sample_anchors(self, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Up to `anchors` random positions a per row with x_a and x_{a+1} loss-bearing, sorted:
-        ([B, A] positions, [B, A] whether real; rows with fewer valid anchors are padded with 0)."""
-        valid = loss_mask[:, :-1] & loss_mask[:, 1:]
-        valid = torch.cat([valid, valid.new_zeros(valid.shape[0], 1)], dim=1)
-        count = min(self.config.anchors, loss_mask.shape[1])
+    def sample_anchors(self, loss_mask: torch.Tensor, docs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Up to `anchors` random positions a per document (`docs` [B, T], heads/packing.py; default:
+        one per row) with x_a and x_{a+1} loss-bearing and in a's document, sorted by position:
+        ([B, A] positions, [B, A] whether real; rows with fewer anchors are padded with 0)."""
+        batch_size, length = loss_mask.shape
+        docs = torch.arange(batch_size, device=loss_mask.device)[:, None].expand(-1, length) if docs is None else docs
+        valid = loss_mask[:, :-1] & loss_mask[:, 1:] & same_document(docs, 1)
+        valid = torch.cat([valid, valid.new_zeros(batch_size, 1)], dim=1)
         scores = torch.rand(loss_mask.shape, device=loss_mask.device).masked_fill(~valid, -1.0)
-        picked, anchors = scores.topk(count, dim=1)
-        real = picked >= 0
-        anchors = anchors.masked_fill(~real, 0)
-        order = anchors.masked_fill(~real, loss_mask.shape[1]).argsort(dim=1)  # real anchors first, by position
-        return anchors.gather(1, order), real.gather(1, order)
+        # Each position's rank by score within its document: sort by (document, score descending),
+        # then count from the first position of each document's run.
+        key = docs.double() * 4 + (1 - scores.double())  # 1 - score lies in (0, 2]
+        order = key.argsort(dim=1)
+        index = torch.arange(length, device=loss_mask.device).expand(batch_size, -1)
+        sorted_docs = docs.gather(1, order)
+        run_start = torch.cat([sorted_docs.new_ones(batch_size, 1, dtype=torch.bool), sorted_docs[:, 1:] != sorted_docs[:, :-1]], dim=1)
+        rank = torch.empty(batch_size, length, dtype=torch.long, device=loss_mask.device).scatter_(1, order, index - (index * run_start).cummax(dim=1).values)
+        picked = valid & (rank < self.config.anchors)
+        count = max(1, int(picked.sum(1).max()))
+        anchors = index.masked_fill(~picked, length).sort(dim=1).values[:, :count]  # picked positions first, in order
+        real = anchors < length
+        return anchors.masked_fill(~real, 0), real
 
-    def blocks(self, input_ids: torch.Tensor, layers: dict[int, torch.Tensor], anchors: torch.Tensor) -> torch.Tensor:
+    def blocks(self, input_ids: torch.Tensor, layers: dict[int, torch.Tensor], anchors: torch.Tensor, batch: Optional[dict] = None) -> torch.Tensor:
         """Teacher-forced blocks: for anchors [B, A] (positions in input_ids [B, T]) the block outputs
         [B, A, S, H], block a reading the context of the target's `layers` [B, T, H] at positions < a,
-        exactly what decoding computes after committing x_0..x_a."""
-        batch_size, length = input_ids.shape
-        positions = anchors[..., None] + torch.arange(self.config.block_size, device=input_ids.device)  # [B, A, S]
-        context_positions = torch.arange(length, device=input_ids.device).expand(batch_size, -1)
-        visible = context_positions[:, None, :] < anchors[..., None]  # [B, A, T]: strictly before the anchor
+        exactly what decoding computes after committing x_0..x_a. With a packed `batch` the context
+        is also only a's document, and RoPE positions restart per document (heads/packing.py)."""
+        batch = {"input_ids": input_ids} if batch is None else batch
+        length = input_ids.shape[1]
+        docs, context_positions = documents(batch), positions(batch)
+        offsets = torch.arange(self.config.block_size, device=input_ids.device)
+        block_positions = context_positions.gather(1, anchors)[..., None] + offsets  # [B, A, S]
+        before = torch.arange(length, device=input_ids.device)[None, None, :] < anchors[..., None]
+        visible = before & (docs[:, None, :] == docs.gather(1, anchors)[..., None])  # [B, A, T]: strictly before, same document
         context_kv = self.context_keys(self.context(layers), context_positions)
-        return self.denoise(input_ids.gather(1, anchors), positions, context_kv, visible)
+        return self.denoise(input_ids.gather(1, anchors), block_positions, context_kv, visible)
 
     def loss(self, batch: dict, target_out: TargetOutput):
         """Weighted (soft) cross-entropy over every block position k >= 1 whose token x_{a+k} exists
@@ -291,16 +306,23 @@ class DFlash(EagleBase):
         greedy chain of block_size-1 would accept on this data.
         """
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
-        batch_size, length = input_ids.shape
+        length = input_ids.shape[1]
         size = self.config.block_size
-        anchors, real = self.sample_anchors(loss_mask)
-        outputs = self.blocks(input_ids, target_out.layers, anchors)[:, :, 1:]  # [B, A, S-1, H]
+        docs, num_docs = documents(batch), num_documents(batch)
+        anchors, real = self.sample_anchors(loss_mask, docs)
+        outputs = self.blocks(input_ids, target_out.layers, anchors, batch)[:, :, 1:]  # [B, A, S-1, H]
 
         scored = anchors[..., None] + torch.arange(1, size, device=input_ids.device)  # x_{a+k}, k = 1..S-1
         inside = scored < length
         clamped = scored.clamp(max=length - 1)
-        labels = input_ids.gather(1, clamped.flatten(1)).view_as(scored)
-        supervised = real[..., None] & inside & loss_mask.gather(1, clamped.flatten(1)).view_as(scored)
+
+        def at_scored(values: torch.Tensor) -> torch.Tensor:
+            return values.gather(1, clamped.flatten(1)).view_as(scored)
+
+        labels = at_scored(input_ids)
+        # A block must not run past its anchor's document (packed rows hold several).
+        same = at_scored(docs) == docs.gather(1, anchors)[..., None]
+        supervised = real[..., None] & inside & at_scored(loss_mask) & same
         weights = torch.exp(-torch.arange(size - 1, device=input_ids.device, dtype=torch.float32) / self.config.loss_decay)
         rows, blocks, ks = supervised.nonzero(as_tuple=True)
         log_q = self.logits(outputs[rows, blocks, ks]).log_softmax(-1)  # only supervised positions reach the vocabulary
@@ -317,13 +339,13 @@ class DFlash(EagleBase):
             correct = torch.zeros_like(supervised)
             correct[rows, blocks, ks] = log_q.argmax(-1) == labels[rows, blocks, ks]
             stats = {}
+            anchor_docs = docs.gather(1, anchors)  # [B, A]: the document of each block
             for k in range(size - 1):
                 scored_here = supervised[..., k]
-                stats |= per_sample_stats({f"block{k + 1}/top1": correct[..., k][scored_here].float()}, scored_here.nonzero(as_tuple=True)[0], batch_size)
-            stats |= per_sample_stats({"loss": token_loss.detach()}, rows, batch_size)
-            anchor_rows = real.nonzero(as_tuple=True)
-            accepted = correct.cumprod(-1).sum(-1)[anchor_rows].float()
-            stats |= per_sample_stats({"accepted": accepted}, anchor_rows[0], batch_size)
+                stats |= per_sample_stats({f"block{k + 1}/top1": correct[..., k][scored_here].float()}, anchor_docs[scored_here], num_docs)
+            stats |= per_sample_stats({"loss": token_loss.detach()}, anchor_docs[rows, blocks], num_docs)
+            accepted = correct.cumprod(-1).sum(-1)[real].float()
+            stats |= per_sample_stats({"accepted": accepted}, anchor_docs[real], num_docs)
         return total, stats
 
 

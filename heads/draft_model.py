@@ -36,6 +36,7 @@ from draftsmith.heads import register
 from draftsmith.heads.base import Drafter, DrafterConfig, DraftState, DraftTree, Proposer, per_sample_stats
 from draftsmith.heads.distill import LOSSES, distill_loss, divergences
 from draftsmith.heads.lora import ADAPTER_DIR, LoraSection
+from draftsmith.heads.packing import causal_lm_inputs, documents, is_packed, num_documents, require_packed_attention, same_document
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 
@@ -87,6 +88,7 @@ class DraftModel(Drafter):
             settings = dict(config.model_config)
             model = AutoModelForCausalLM.from_config(AutoConfig.for_model(settings.pop("model_type"), **settings), dtype=torch.float32)
         self.model = model
+        self.packing_checked = False  # see loss
 
     # -- building -------------------------------------------------------------------------------
     @classmethod
@@ -108,10 +110,15 @@ class DraftModel(Drafter):
 
     def loss(self, batch: dict, target_out: TargetOutput):
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
-        logits = self.model(input_ids=input_ids, attention_mask=batch["attention_mask"], use_cache=False).logits
-        # The distribution at position t predicts token t+1: supervise it where t+1 is an assistant token.
-        mask = loss_mask[:, 1:]
-        rows = mask.nonzero(as_tuple=True)[0]
+        if is_packed(batch) and not self.packing_checked:  # a draft model of another family than the target's may not honour packing
+            require_packed_attention(self.model, "the draft model")
+            self.packing_checked = True
+        logits = self.model(input_ids=input_ids, **causal_lm_inputs(batch), use_cache=False).logits
+        # The distribution at position t predicts token t+1: supervise it where t+1 is an assistant
+        # token of the same document (packed rows hold several).
+        docs = documents(batch)
+        mask = loss_mask[:, 1:] & same_document(docs, 1)
+        rows = docs[:, :-1][mask]
         student = logits[:, :-1][mask].float()
         teacher = target_out.logits[:, :-1][mask].float()
         terms = divergences(student, teacher, self.config.temperature)
@@ -124,7 +131,7 @@ class DraftModel(Drafter):
             values = {name: value.detach() for name, value in terms.items()}
             values["top1"] = (student.argmax(-1) == teacher.argmax(-1)).float()
             values["accept"] = 1.0 - terms["tvd"].detach()  # speculative sampling's acceptance at this temperature
-            stats = per_sample_stats({f"step1/{name}": value for name, value in values.items()}, rows, input_ids.shape[0])
+            stats = per_sample_stats({f"step1/{name}": value for name, value in values.items()}, rows, num_documents(batch))
         return loss, stats
 
     def proposer(self, temperature: float = 0.0, seed: int = 0) -> DraftModelProposer:

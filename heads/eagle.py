@@ -35,6 +35,7 @@ from transformers import DynamicCache
 from draftsmith.errors import UserError
 from draftsmith.heads import register
 from draftsmith.heads.base import Drafter, DrafterConfig, DraftState, DraftTree, DynamicTree, Proposer, Tree, per_sample_stats
+from draftsmith.heads.packing import documents, draft_attention_mask, num_documents, positions, same_document
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 
@@ -322,21 +323,25 @@ class Eagle(EagleBase):
         features final[:, :-2], regression target final[:, 1:-1], soft labels the target's
         distribution logits[:, 1:-1] (of x_{t+2}), and position t counts where x_{t+2} is
         supervised: loss_mask[:, 2:]. (EAGLE #317 and SpecForge #885 were off-by-ones here.)
+
+        Packed rows: attention is block-diagonal per document and positions restart, and t counts
+        only where x_{t+2} is in t's document. The last position of a document reads the next
+        document's first token, but nothing in its own document attends to it and it is not scored.
         """
         dtype = self.fc.weight.dtype
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
-        batch_size, length = input_ids.shape
+        length = input_ids.shape[1]
+        docs = documents(batch)
         final = target_out.final.to(dtype)
         features = final[:, :-2]
         if self.training and self.config.noise_std > 0:
             # EAGLE's uniform noise, (rand - 0.5) * std, without its as-coded extra factor
             # 512 / seq_len, which makes the amplitude depend on the padded batch length.
             features = features + (torch.rand_like(features) - 0.5) * self.config.noise_std
-        positions = torch.arange(length - 2, device=input_ids.device).expand(batch_size, -1)
-        predicted = self.draft(input_ids[:, 1:-1], features, positions)
+        predicted = self.draft(input_ids[:, 1:-1], features, positions(batch)[:, :-2], draft_attention_mask(batch, length - 2))
 
-        mask = loss_mask[:, 2:]
-        rows = mask.nonzero(as_tuple=True)[0]
+        mask = loss_mask[:, 2:] & same_document(docs, 2)
+        rows = docs[:, :-2][mask]
         predicted = predicted[mask]  # only supervised positions reach the vocab projection (memory)
         feature_loss = F.smooth_l1_loss(predicted.float(), final[:, 1:-1][mask].float(), reduction="none").mean(-1)
         target_logits = target_out.logits[:, 1:-1][mask].float()
@@ -354,4 +359,4 @@ class Eagle(EagleBase):
                 "step1/top1": (guess == target_logits.argmax(-1)).float(),
                 "step1/top1_data": (guess == input_ids[:, 2:][mask]).float(),  # the data's next token
             }
-        return total, per_sample_stats(values, rows, batch_size)
+        return total, per_sample_stats(values, rows, num_documents(batch))

@@ -47,6 +47,7 @@ from draftsmith.errors import UserError
 from draftsmith.heads import register
 from draftsmith.heads.base import DrafterConfig, DraftState, check_layer_ids, per_sample_stats
 from draftsmith.heads.eagle import EagleBase, check_tree_settings, import_qualified
+from draftsmith.heads.packing import documents, draft_attention_mask, num_documents, positions, same_document
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 log = logging.getLogger("draftsmith.eagle3")
@@ -147,7 +148,9 @@ def ttt_attention(module, query, key, value, attention_mask, scaling=None, dropo
     0..i, [B, kv heads, W, d] each. The query at position t sees step 0's keys at positions <= t
     (causal) and each later step's key at t only (the diagonal): what a draft at depth i+1 sees at
     decode time (the committed sequence, its ancestors, itself). EAGLE-3's trick: the diagonal costs
-    W scores per step instead of a [W, (i+1)W] mask."""
+    W scores per step instead of a [W, (i+1)W] mask. A packed batch gives `attention_mask`, [B, 1, W, W]
+    causal within each document (heads/packing.py), in place of the plain causal mask over step 0's
+    keys; the diagonal is a position's own, always in its document."""
     if ttt_width is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     batch, heads, width, dim = query.shape
@@ -155,8 +158,11 @@ def ttt_attention(module, query, key, value, attention_mask, scaling=None, dropo
     scaling = dim**-0.5 if scaling is None else scaling
     # Grouped-query attention without copying keys: query head h reads kv head h // (heads // kv_heads).
     grouped = query.view(batch, kv_heads, heads // kv_heads, width, dim)
-    causal = torch.ones(width, width, dtype=torch.bool, device=query.device).tril()
-    scores = (grouped @ key[0][:, :, None].transpose(-1, -2)).masked_fill_(~causal, float("-inf"))
+    if attention_mask is None:
+        visible = torch.ones(width, width, dtype=torch.bool, device=query.device).tril()
+    else:
+        visible = attention_mask[:, :, None]  # [B, 1, 1, W, W] against scores [B, kv, group, W, W]
+    scores = (grouped @ key[0][:, :, None].transpose(-1, -2)).masked_fill_(~visible, float("-inf"))
     diagonal = [(grouped * k[:, :, None]).sum(-1, keepdim=True) for k in key[1:]]
     weights = (torch.cat([scores, *diagonal], dim=-1) * scaling).softmax(-1, dtype=torch.float32).to(query.dtype)
     weights = nn.functional.dropout(weights, p=dropout, training=module.training)
@@ -315,7 +321,7 @@ class Eagle3(EagleBase):
         return self.fuse(state.new_layers)
 
     # -- training -------------------------------------------------------------------------------
-    def unroll(self, input_ids: torch.Tensor, layers: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+    def unroll(self, input_ids: torch.Tensor, layers: dict[int, torch.Tensor], batch: Optional[dict] = None) -> list[torch.Tensor]:
         """Training-time test: the output features [B, T-2, H] of draft steps 0..ttt_steps-1.
 
         Alignment, with x_t = input_ids[:, t] and h_t the target's states at t (what it reads to
@@ -326,16 +332,21 @@ class Eagle3(EagleBase):
         the data. Its attention sees step 0's keys at positions <= t (the committed entries) and steps
         1..i's keys at t (its ancestors and itself), the decode-time tree mask (`ttt_attention`). Positions past the
         sequence's end read a pad token; the loss masks them out.
+
+        `batch` (optional, the training batch) makes it packing-aware: RoPE positions restart per
+        document and step 0's keys are seen only within a document. A position near a document's
+        end reads the next document's tokens at later steps, exactly as one near a row's end reads
+        padding: it is never scored (`loss`), and only its own later steps read it.
         """
-        batch_size, length = input_ids.shape
-        width = length - 2
+        width = input_ids.shape[1] - 2
         features = self.fuse(layers)[:, :width]
-        positions = torch.arange(width, device=input_ids.device).expand(batch_size, -1)
+        batch = {"input_ids": input_ids} if batch is None else batch
+        start, mask = positions(batch)[:, :width], draft_attention_mask(batch, width)
         cache = StepKeys()  # step i's attention reads the keys of steps 0..i
         outputs = []
         for step in range(self.config.ttt_steps):
             tokens = shifted(input_ids, 1 + step, width)
-            features = self.draft(tokens, features, positions + step, cache=cache, ttt_width=width)
+            features = self.draft(tokens, features, start + step, mask, cache=cache, ttt_width=width)
             outputs.append(features)
         return outputs
 
@@ -357,8 +368,9 @@ class Eagle3(EagleBase):
         vocabulary: the ceiling of step1/top1) when the vocabulary is pruned.
         """
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
-        batch_size, length = input_ids.shape
-        outputs = self.unroll(input_ids, target_out.layers)
+        length = input_ids.shape[1]
+        docs, num_docs = documents(batch), num_documents(batch)
+        outputs = self.unroll(input_ids, target_out.layers, batch)
         draft_ids = self.draft_ids()
         with torch.no_grad():  # the target's side, once for all steps: [B, T] argmax, [B, T, draft vocab] distribution
             logits = target_out.logits
@@ -371,7 +383,10 @@ class Eagle3(EagleBase):
         total = torch.zeros((), device=input_ids.device)
         stats: dict[str, torch.Tensor] = {}
         for step, output in enumerate(outputs):
-            rows, cols = shifted(loss_mask, 2 + step, length - 2, fill=False).nonzero(as_tuple=True)
+            # x_{t+2+step} must bear loss and be in t's document (packed rows hold several).
+            supervised = shifted(loss_mask, 2 + step, length - 2, fill=False) & same_document(docs, 2 + step, length - 2)
+            rows, cols = supervised.nonzero(as_tuple=True)
+            samples = docs[rows, cols]
             scored = rows * length + cols + 1 + step  # the target's distribution of x_{t+2+step}
             log_q = self.draft_logits(output[rows, cols]).log_softmax(-1)
             token_loss = -(p_all.index_select(0, scored) * log_q).sum(-1)  # 0 outside the draft vocabulary
@@ -379,8 +394,8 @@ class Eagle3(EagleBase):
             total = total + self.config.ttt_decay**step * token_loss.sum() / counted.sum().clamp(min=1)
             with torch.no_grad():
                 top1 = (draft_ids[log_q.argmax(-1)] == target_best[scored]).float()
-                stats |= per_sample_stats({f"step{step + 1}/top1": top1}, rows, batch_size)
-                stats |= per_sample_stats({f"step{step + 1}/loss": token_loss[counted].detach()}, rows[counted], batch_size)
+                stats |= per_sample_stats({f"step{step + 1}/top1": top1}, samples, num_docs)
+                stats |= per_sample_stats({f"step{step + 1}/loss": token_loss[counted].detach()}, samples[counted], num_docs)
                 if step == 0 and self.pruned:
-                    stats |= per_sample_stats({"vocab_coverage": counted.float()}, rows, batch_size)
+                    stats |= per_sample_stats({"vocab_coverage": counted.float()}, samples, num_docs)
         return total, stats

@@ -20,6 +20,7 @@ from torch import nn
 from draftsmith.errors import UserError
 from draftsmith.heads import register
 from draftsmith.heads.base import EVAL_SPLIT, Drafter, DrafterConfig, DraftState, DraftTree, Proposer, per_sample_stats
+from draftsmith.heads.packing import documents, num_documents, same_document
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 
@@ -115,16 +116,17 @@ class Medusa(Drafter):
         target's post-norm last hidden state [B, T, H] (Medusa-2 passes its adapted target's)."""
         hidden = hidden.to(self.lm_heads[0].weight.dtype)
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
-        batch_size = input_ids.shape[0]
+        docs, num_docs = documents(batch), num_documents(batch)
         total = hidden.new_zeros(())
         stats: dict[str, torch.Tensor] = {}
         for k, weight in enumerate(self.loss_weights()):
             shift = k + 2  # hidden at t -> token t+2 for the first head
             if input_ids.shape[1] <= shift:
                 continue
-            # Project only the supervised positions: the vocab projection dominates memory.
-            mask = loss_mask[:, shift:]
-            rows = mask.nonzero(as_tuple=True)[0]
+            # Project only the supervised positions: the vocab projection dominates memory. The
+            # label must be in the hidden state's own document (packed rows hold several).
+            mask = loss_mask[:, shift:] & same_document(docs, shift)
+            rows = docs[:, :-shift][mask]
             logits = self.head_logits(k, hidden[:, :-shift][mask]).float()
             labels = input_ids[:, shift:][mask]
             token_loss = F.cross_entropy(logits, labels, reduction="none")
@@ -135,7 +137,7 @@ class Medusa(Drafter):
                 hit1 = (top5[:, 0] == labels).float()
                 hit5 = (top5 == labels[:, None]).any(-1).float()
                 values = {f"head{k + 1}/loss": token_loss.detach(), f"head{k + 1}/top1": hit1, f"head{k + 1}/top5": hit5}
-                stats.update(per_sample_stats(values, rows, batch_size))
+                stats.update(per_sample_stats(values, rows, num_docs))
         return total, stats
 
     def verify_with(self, model: nn.Module) -> None:

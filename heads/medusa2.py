@@ -36,6 +36,7 @@ from draftsmith.heads.base import per_sample_stats
 from draftsmith.heads.distill import forward_kl
 from draftsmith.heads.lora import ADAPTER_DIR, LoraSection
 from draftsmith.heads.medusa import Medusa, MedusaConfig
+from draftsmith.heads.packing import causal_lm_inputs, documents, num_documents, same_document
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 BACKBONE = "backbone."
@@ -121,12 +122,14 @@ class Medusa2(Medusa):
 
     def loss(self, batch: dict, target_out: TargetOutput):
         input_ids = batch["input_ids"]
-        out = self.adapted_target()(input_ids=input_ids, attention_mask=batch["attention_mask"], output_hidden_states=True, return_dict=True)
+        # Packed rows need the same forward as the target's (no cache: see causal_lm_inputs).
+        out = self.adapted_target()(input_ids=input_ids, **causal_lm_inputs(batch), use_cache=False, output_hidden_states=True, return_dict=True)
         heads_loss, stats = self.heads_loss(batch, out.hidden_states[-1])
 
         # The backbone keeps the original target's next-token distribution wherever a token is supervised.
-        mask = batch["loss_mask"].bool()[:, 1:]
-        rows = mask.nonzero(as_tuple=True)[0]
+        docs = documents(batch)
+        mask = batch["loss_mask"].bool()[:, 1:] & same_document(docs, 1)
+        rows = docs[:, :-1][mask]
         student, teacher = out.logits[:, :-1][mask].float(), target_out.logits[:, :-1][mask].float()
         kl = forward_kl(student, teacher)
         heads_weight = self.heads_weight_now()
@@ -135,7 +138,7 @@ class Medusa2(Medusa):
         total = self.config.backbone_loss_weight * kl.sum() / mask.sum().clamp(min=1) + heads_weight * heads_loss
         with torch.no_grad():
             values = {"backbone/kl": kl.detach(), "backbone/top1": (student.argmax(-1) == teacher.argmax(-1)).float()}
-            stats.update(per_sample_stats(values, rows, input_ids.shape[0]))
+            stats.update(per_sample_stats(values, rows, num_documents(batch)))
         return total, stats
 
     def save_pretrained(self, directory: str | os.PathLike, state_dict: Optional[dict] = None) -> None:

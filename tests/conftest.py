@@ -116,17 +116,17 @@ def train_in_process(args: list[str]) -> tuple[Path, object]:
     from draftsmith.recipe import load_recipe
 
     captured = {}
-    real_load_target = loop.load_target
+    real_load_target = loop.load_run_target
 
     def capture(*a, **k):
         captured["target"] = real_load_target(*a, **k)
         return captured["target"]
 
-    loop.load_target = capture
+    loop.load_run_target = capture
     try:
         train_main(args)
     finally:
-        loop.load_target = real_load_target
+        loop.load_run_target = real_load_target
     return Path(load_recipe(args).output_dir) / "final", captured["target"]
 
 

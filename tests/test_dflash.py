@@ -67,7 +67,7 @@ def test_training_blocks_equal_decoding_blocks(model, drafter):
     trained = drafter.logits(drafter.blocks(ids, out.layers, anchors))[:, :, 1:]
     for row, column in itertools.product(range(2), range(4)):
         a = int(anchors[row, column])
-        state = prefill(model, ids[row, : a + 1].tolist(), drafter.request).draft_state()
+        state = prefill(model, [ids[row, : a + 1].tolist()], drafter.request).rows[0].draft_state()
         decoded = drafter.proposer().block_logits(state)
         torch.testing.assert_close(trained[row, column], decoded, rtol=1e-4, atol=1e-4)
 
@@ -161,15 +161,15 @@ def test_context_cache_rollback_matches_a_drafter_rebuilt_from_scratch(model, dr
     saved = load_file(str(tmp_path / "dflash" / "model.safetensors"))
     assert "mask_embedding" in saved and "fc.weight" in saved and not any("embed_tokens" in name or "lm_head" in name for name in saved)
     fresh_drafter = load_drafter(tmp_path / "dflash", TargetShape.of(model, "tiny"), model).eval()
-    state = prefill(model, prompts[1], drafter.request)
-    proposer, lengths = drafter.proposer(), set()
+    state = prefill(model, [prompts[1]], drafter.request)
+    row, proposer, lengths = state.rows[0], drafter.proposer(), set()
     for cycle in range(20):
         tree = DynamicTree(nodes=8, depth=4, topk=2) if cycle % 2 else None
-        expected = fresh_drafter.proposer().propose(prefill(model, state.tokens, drafter.request).draft_state(), 4, tree)
-        draft = propose(proposer, state, 4, tree, max_depth=4)
+        expected = fresh_drafter.proposer().propose(prefill(model, [row.tokens], drafter.request).rows[0].draft_state(), 4, tree)
+        draft = propose(proposer, row, 4, tree, max_depth=4)
         assert torch.equal(draft.tokens, expected.tokens) and torch.equal(draft.parents, expected.parents), cycle
-        assert proposer.cached() == len(state.tokens) - 1  # the context: every committed position before the root
-        lengths.add(len(verify_step(model, state, draft, Sampling(), torch.Generator().manual_seed(cycle), request=drafter.request).path))
+        assert proposer.cached() == len(row.tokens) - 1  # the context: every committed position before the root
+        lengths.add(len(verify_step(model, state, [draft], Sampling(), [torch.Generator().manual_seed(cycle)], request=drafter.request)[0].path))
     assert len(lengths) >= 2  # accepted paths of different lengths were rolled back
 
 

@@ -124,10 +124,10 @@ def test_checkpoint_leaves_out_the_target_modules_and_reattaches_them(model, dra
 
     detached = load_drafter(tmp_path / "eagle", TargetShape.of(model, "tiny"))
     with pytest.raises(RuntimeError, match="target_model"):
-        detached.proposer().propose(prefill(model, [5, 6, 7]).draft_state(), 2)
+        detached.proposer().propose(prefill(model, [[5, 6, 7]]).rows[0].draft_state(), 2)
     loaded = load_drafter(tmp_path / "eagle", TargetShape.of(model, "tiny"), model)
     assert loaded.target_modules() == (model.get_input_embeddings(), model.get_output_embeddings())
-    state = prefill(model, [5, 6, 7, 8]).draft_state()
+    state = prefill(model, [[5, 6, 7, 8]]).rows[0].draft_state()
     assert torch.equal(loaded.proposer().propose(state, 3, TREE).tokens, drafter.proposer().propose(state, 3, TREE).tokens)
 
     foreign = tiny_llama(vocab=64, hidden=48, layers=1)
@@ -143,7 +143,7 @@ def test_loss_supervises_the_feature_that_decoding_computes(model):
     generator = torch.Generator().manual_seed(4)
     ids = torch.randint(3, TINY_VOCAB, (1, 20), generator=generator)
     n = 13
-    decoded = drafter.proposer().catch_up(prefill(model, ids[0, :n].tolist()).draft_state())
+    decoded = drafter.proposer().catch_up(prefill(model, [ids[0, :n].tolist()]).rows[0].draft_state())
 
     target_out = run_target(model, ids, request=drafter.request)
     loss_mask = torch.zeros_like(ids)
@@ -173,7 +173,7 @@ def assert_greedy_equals_plain(model, drafter, prompts, tree) -> None:
 
 
 def test_dynamic_tree_shape(model, drafter):
-    state = prefill(model, [5, 9, 2, 7]).draft_state()
+    state = prefill(model, [[5, 9, 2, 7]]).rows[0].draft_state()
     proposer = drafter.proposer()
     draft = proposer.propose(state, 3, DynamicTree(nodes=12, depth=4, topk=3))
     parents = draft.parents.tolist()
@@ -194,7 +194,7 @@ def sequential_top_tokens(drafter, model, committed: list[int], path: list[int],
     """Reference without cache or tree mask: the drafter's top-k tokens after `committed` + `path`,
     running its whole sequence from scratch with the target's features for committed positions and
     its own predictions after them."""
-    features = prefill(model, committed).new_final  # f_0 .. f_{n-2}
+    features = prefill(model, [committed]).rows[0].new_final  # f_0 .. f_{n-2}
     tokens = committed[1:]  # entry p reads x_{p+1}
     for step in range(len(path) + 1):
         ids = torch.tensor([tokens])
@@ -209,7 +209,7 @@ def test_dynamic_tree_matches_a_sequential_reference(model, drafter, prompts):
     without cache, after the node's path: the tree mask, positions and cache entries are right."""
     committed = prompts[1]
     tree = DynamicTree(nodes=30, depth=4, topk=3)  # a budget that reaches the full depth
-    draft = drafter.proposer().propose(prefill(model, committed).draft_state(), 3, tree)
+    draft = drafter.proposer().propose(prefill(model, [committed]).rows[0].draft_state(), 3, tree)
     paths: list[list[int]] = []
     for node, parent in enumerate(draft.parents.tolist()):
         paths.append((paths[parent] if parent >= 0 else []) + [int(draft.tokens[node])])
@@ -230,17 +230,17 @@ def assert_cache_rollback(model, drafter, prompt: list[int], tmp_path) -> None:
     its proposals must equal those of a fresh copy given the whole committed sequence."""
     drafter.save_pretrained(tmp_path / "eagle")
     fresh_drafter = load_drafter(tmp_path / "eagle", TargetShape.of(model, "tiny"), model).eval()
-    state = prefill(model, prompt, drafter.request)
-    generator = torch.Generator().manual_seed(0)
+    state = prefill(model, [prompt], drafter.request)
+    row, generator = state.rows[0], torch.Generator().manual_seed(0)
     lengths = set()
     proposer, fresh = drafter.proposer(), fresh_drafter.proposer()
     for cycle in range(24):
         tree = TREE if cycle % 2 else None
-        expected = fresh.propose(prefill(model, state.tokens, drafter.request).draft_state(), 3, tree)
-        draft = propose(proposer, state, 3, tree, max_depth=4)
+        expected = fresh.propose(prefill(model, [row.tokens], drafter.request).rows[0].draft_state(), 3, tree)
+        draft = propose(proposer, row, 3, tree, max_depth=4)
         assert torch.equal(draft.tokens, expected.tokens) and torch.equal(draft.parents, expected.parents), cycle
-        assert proposer.cache.get_seq_length() >= len(state.tokens) - 1
-        lengths.add(len(verify_step(model, state, draft, Sampling(), generator, request=drafter.request).path))
+        assert proposer.cache.get_seq_length() >= len(row.tokens) - 1
+        lengths.add(len(verify_step(model, state, [draft], Sampling(), [generator], request=drafter.request)[0].path))
     assert len(lengths) >= 2  # accepted paths of different lengths were rolled back
 
 

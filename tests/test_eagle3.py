@@ -77,7 +77,7 @@ def test_training_time_test_equals_decoding(model, drafter, n):
     generator = torch.Generator().manual_seed(n)
     prefix = torch.randint(3, TINY_VOCAB, (n,), generator=generator)
     steps = drafter.config.ttt_steps
-    tokens, decoded = chain_logits(drafter, prefill(model, prefix.tolist(), drafter.request).draft_state(), steps)
+    tokens, decoded = chain_logits(drafter, prefill(model, [prefix.tolist()], drafter.request).rows[0].draft_state(), steps)
     assert set(tokens.tolist()) <= set(drafter.draft_ids().tolist())  # proposals are target ids of draft tokens
     text = torch.cat([prefix, tokens, torch.randint(3, TINY_VOCAB, (3,), generator=generator)])[None]
     with torch.no_grad():
@@ -167,7 +167,7 @@ def test_checkpoint_round_trips_the_draft_vocabulary(model, drafter, tmp_path):
     loaded = load_drafter(tmp_path / "eagle3", TargetShape.of(model, "tiny"), model).eval()
     assert torch.equal(loaded.d2t, drafter.d2t) and torch.equal(loaded.t2d, drafter.t2d)
     assert loaded.learned == drafter.learned
-    state = prefill(model, [5, 9, 2, 7, 11], drafter.request).draft_state()
+    state = prefill(model, [[5, 9, 2, 7, 11]], drafter.request).rows[0].draft_state()
     for tree in (None, DynamicTree(nodes=10, depth=4, topk=3)):
         mine, theirs = drafter.proposer().propose(state, 4, tree), loaded.proposer().propose(state, 4, tree)
         assert torch.equal(mine.tokens, theirs.tokens) and torch.equal(mine.parents, theirs.parents)

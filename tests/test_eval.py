@@ -12,7 +12,7 @@ from scipy import stats
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.errors import UserError
-from draftsmith.eval.loop import Sampling, exact_rule, generate, prefill, propose, tree_attention_mask, tree_depths, verify_step
+from draftsmith.eval.loop import Sampling, exact_rule, generate, prefill, propose, tree_depths, verify_mask, verify_step
 from draftsmith.eval.ngram import NGramDrafter
 from draftsmith.eval.report import run_eval
 from draftsmith.heads import drafter_class
@@ -139,21 +139,21 @@ def test_cache_after_many_cycles_equals_fresh_prefill(model, prompts):
     prompt = prompts[2]
     plain = generate(model, prompt, 80)
     drafter = OracleDrafter(plain.tokens, len(prompt), 96, hit_rate=0.8, seed=3)
-    state = prefill(model, prompt)
-    generator = torch.Generator().manual_seed(0)
+    state = prefill(model, [prompt])
+    row, generator = state.rows[0], torch.Generator().manual_seed(0)
     gathered = 0  # cycles whose accepted path was not already contiguous in the cache
     for _ in range(25):
-        draft = propose(drafter, state, 3, WIDE_TREE, max_depth=3)
-        verdict = verify_step(model, state, draft, Sampling(), generator)
+        draft = propose(drafter, row, 3, WIDE_TREE, max_depth=3)
+        (verdict,) = verify_step(model, state, [draft], Sampling(), [generator])
         gathered += verdict.path != list(range(len(verdict.path)))
     assert gathered >= 5
-    assert state.tokens[len(prompt) :] == plain.tokens[: len(state.tokens) - len(prompt)]
-    fresh = prefill(model, state.tokens)
-    assert state.cache.get_seq_length() == fresh.cache.get_seq_length() == len(state.tokens) - 1
+    assert row.tokens[len(prompt) :] == plain.tokens[: len(row.tokens) - len(prompt)]
+    fresh = prefill(model, [row.tokens])
+    assert state.cache.get_seq_length() == fresh.cache.get_seq_length() == len(row.tokens) - 1
     for mine, theirs in zip(state.cache.layers, fresh.cache.layers):
         torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(mine.values, theirs.values, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(state.final, fresh.final, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(row.final, fresh.rows[0].final, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -163,10 +163,10 @@ def test_tree_mask_forward_equals_path_forwards(attn):
     prefix = torch.randint(3, 96, (9,), generator=generator).tolist()
     parents = torch.tensor([-1, -1, 0, 0, 1, 2, 2, 4, -1])
     tokens = torch.randint(3, 96, (len(parents),), generator=generator)
-    state = prefill(model, prefix)  # caches prefix[:-1]; prefix[-1] is the root
+    state = prefill(model, [prefix])  # caches prefix[:-1]; prefix[-1] is the root
     past = state.cache.get_seq_length()
     ids = torch.cat([torch.tensor(prefix[-1:]), tokens])[None]
-    mask = tree_attention_mask(parents, past, model.dtype)
+    mask = verify_mask([DraftTree(tokens, parents)], [past], past, model.dtype)
     positions = (tree_depths(parents) + past)[None]
     tree_logits = model(ids, attention_mask=mask, position_ids=positions, past_key_values=state.cache).logits[0]
     for node in range(-1, len(parents)):
@@ -371,6 +371,33 @@ def test_report_has_every_field(eval_setup):
         assert len(tree["per_position"]) == report["methods"]["tree"]["depth"]
     totals = report["domains"]["all"]["chain"]
     assert totals["new_tokens"] == sum(report["domains"][d]["chain"]["new_tokens"] for d in DOMAINS)
+
+
+def test_report_batch_size_and_sweep(eval_setup, tmp_path):
+    """eval.batch_size decodes prompts together and still checks each against plain decoding alone;
+    eval.batch_sizes adds a sweep (report.json, report.md, batch_sweep.png) with speedups over plain
+    decoding at the same batch size."""
+    root, recipe, target = eval_setup
+    overrides = [f"recipe={recipe}", "eval.max_prompts=3", "eval.batch_size=2", "eval.batch_sizes=[1,3]", f"output_dir={tmp_path}"]
+    report = run_eval(load_recipe(overrides), str(root / "run" / "final"), target=target)
+    assert report["batch_size"] == 2
+    sweep = report["batch_sweep"]
+    assert sweep["batch_sizes"] == [1, 3] and set(sweep["rows"]) == {"1", "3"}
+    for size in ("1", "3"):
+        assert set(sweep["rows"][size]) == {*DOMAINS, "all"}
+        for domain, rows in sweep["rows"][size].items():
+            assert set(rows) == {"plain", "chain", "tree", "ngram"}
+            assert rows["plain"]["speedup"] == 1.0 and rows["plain"]["tau"] == 1.0
+            assert all(set(row) == ROW_KEYS and row["lossless"] is True for row in rows.values())
+            assert rows["chain"]["prompts"] == (3 * len(DOMAINS) if domain == "all" else 3)
+    # the same prompts and tokens at every batch size: the same acceptance counts
+    for name in ("chain", "tree", "ngram"):
+        counts = [sweep["rows"][size]["all"][name]["per_position_counts"] for size in ("1", "3")]
+        assert counts[0] == counts[1] == report["domains" if name != "ngram" else "baselines"]["all"][name]["per_position_counts"]
+    assert "## Batch sizes" in (tmp_path / "eval" / "report.md").read_text()
+    assert (tmp_path / "eval" / "batch_sweep.png").stat().st_size > 1000
+    with pytest.raises(UserError, match="eval.batch_sizes"):
+        load_recipe([f"recipe={recipe}", "eval.batch_sizes=[2,2]"])
 
 
 def test_bad_settings_are_user_errors(eval_setup, tmp_path):

@@ -28,12 +28,14 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from draftsmith.data_prep import Collator, load_tokenized
+from draftsmith.data_prep import Collator, PackingCollator, load_tokenized
 from draftsmith.data_prep.features import FeatureCollator, expected_features, open_features
 from draftsmith.errors import Preempted, UserError
 from draftsmith.heads import Drafter, drafter_class, load_drafter
+from draftsmith.heads.packing import causal_lm_inputs, require_packed_attention
 from draftsmith.recipe import save_recipe
-from draftsmith.target import TargetOutput, load_target, load_tokenizer, run_target
+from draftsmith.sharding import load_run_target, local_bytes
+from draftsmith.target import TargetOutput, load_tokenizer, run_target
 from draftsmith.trainer.checkpoint import TrainerState, load_checkpoint, resume_checkpoint, save_checkpoint, save_final
 
 log = logging.getLogger("draftsmith.train")
@@ -63,19 +65,25 @@ def train(cfg: DictConfig) -> Path:
         train_data = None if offline else load_tokenized(cfg, cfg.data.train, tokenizer, "data.train")
         if cfg.data.eval:  # the eval stage reads it after training: a bad file must fail now, not then
             load_tokenized(cfg, cfg.data.eval, tokenizer, "data.eval")
-    target = load_target(cfg.target, accelerator.device)
+    # target.shard=fsdp: each rank holds pieces of the decoder layers (draftsmith/sharding.py); the
+    # loop needs nothing else, since every rank runs every step's target forward together.
+    target = load_run_target(cfg.target, accelerator.device)
 
     drafter_cls = drafter_class(cfg.drafter.type)
     drafter = drafter_cls.from_target(OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path).to(accelerator.device)
     request = drafter.request
+    pack = packing_collator(cfg, tokenizer, target)
     if offline:
         store = open_features(cfg.data.features, expect=expected_features(drafter.target, request))
-        train_data, collate, target_features = store, FeatureCollator(tokenizer.pad_token_id), store.to_target_output
+        longest = max(store.lengths())  # captured under the capture's data.max_length, which may be longer
+        if pack is not None and longest > pack.pack_length:
+            raise UserError(f"{cfg.data.features} holds a conversation of {longest} tokens, more than data.pack_length={pack.pack_length}; raise it")
+        train_data, collate, target_features = store, pack or FeatureCollator(tokenizer.pad_token_id), store.to_target_output
     else:
-        collate = Collator(tokenizer.pad_token_id)
+        collate = pack or Collator(tokenizer.pad_token_id)
 
         def target_features(batch: dict) -> TargetOutput:
-            return run_target(target, batch["input_ids"], batch["attention_mask"], request)
+            return run_target(target, batch["input_ids"], request=request, **causal_lm_inputs(batch))
 
     drafter.prepare(train_data)  # what the drafter fits to the data (EAGLE-3's draft vocabulary), on every rank
     if cfg.train.init_from:  # warm start: its weights and data-fitted state (the draft vocabulary is kept, not re-fitted)
@@ -110,7 +118,7 @@ def train(cfg: DictConfig) -> Path:
     stream = micro_batches(train_data, collate, cfg, world, rank, state)
     progress = tqdm(total=max_steps, initial=state.step, desc="train", disable=not accelerator.is_main_process)
     interval_stats: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(2, device=accelerator.device))
-    interval_tokens, interval_start = 0, time.perf_counter()
+    interval_tokens, interval_positions, interval_start = 0, 0, time.perf_counter()
     data_checksum = 0  # fingerprint of the token ids this rank trained on (for distributed checks)
     stop = StopRequest()
     drafter.train()
@@ -140,6 +148,7 @@ def train(cfg: DictConfig) -> Path:
                     for name, values in stats.items():
                         interval_stats[name] += values.sum(0)
                 interval_tokens += int(batch["attention_mask"].sum())
+                interval_positions += batch["input_ids"].numel()  # tokens plus padding: what the forward pays for
                 data_checksum += int(batch["input_ids"].sum())
                 state.epoch, state.batch_in_epoch = epoch, batch_index + 1
             scheduler.step()
@@ -151,12 +160,13 @@ def train(cfg: DictConfig) -> Path:
                 metrics = reduce_means(accelerator, interval_stats)
                 metrics["lr"] = scheduler.get_last_lr()[0]
                 metrics["tokens_per_s"] = interval_tokens * world / max(elapsed, 1e-9)
+                metrics["padding_fraction"] = 1 - interval_tokens / max(interval_positions, 1)  # this rank's
                 metrics["skipped_steps"] = state.skipped_steps
                 log_step(accelerator, output_dir, state.step, {f"train/{k}": v for k, v in metrics.items()})
                 if "loss" in metrics:
                     progress.set_postfix(loss=f"{metrics['loss']:.3f}")
                 interval_stats.clear()
-                interval_tokens, interval_start = 0, time.perf_counter()
+                interval_tokens, interval_positions, interval_start = 0, 0, time.perf_counter()
             if state.step < max_steps and any_rank(accelerator, stop.requested):
                 path = save_checkpoint(accelerator, drafter, state, output_dir, cfg.train.keep_checkpoints)
                 progress.close()
@@ -172,7 +182,7 @@ def train(cfg: DictConfig) -> Path:
     save_checkpoint(accelerator, drafter, state, output_dir, cfg.train.keep_checkpoints)
     final_dir = output_dir / "final"
     save_final(accelerator, drafter, final_dir)
-    write_run_summary(accelerator, output_dir, drafter, state, data_checksum)
+    write_run_summary(accelerator, output_dir, drafter, state, data_checksum, target)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # also ends the process group: nothing collective after this
     return final_dir
@@ -275,11 +285,21 @@ def mixed_precision(setting: str):
     return "no"
 
 
+def packing_collator(cfg: DictConfig, tokenizer, target) -> PackingCollator | None:
+    """`data.pack`: the collator that packs each micro-batch's conversations into rows, once the
+    target is known to keep packed documents apart (heads/packing.py); None when off."""
+    if not cfg.data.pack:
+        return None
+    require_packed_attention(target, f"the target {cfg.target.name_or_path}")
+    return PackingCollator(tokenizer.pad_token_id, cfg.data.pack_length or cfg.data.max_length)
+
+
 def micro_batches(dataset, collate, cfg: DictConfig, world: int, rank: int, state: TrainerState):
     """Yield (epoch, index in epoch, batch) forever, starting at the state's data position.
 
     Every rank draws the same seeded permutation and takes every world-th example, cut so all
-    ranks have the same number of batches (DDP needs them in lockstep).
+    ranks have the same number of batches (DDP needs them in lockstep). A batch is always
+    `micro_batch_size` conversations; with `data.pack` the collator lays them into fewer rows.
     """
     micro = cfg.train.micro_batch_size
     per_rank = len(dataset) // (world * micro) * micro
@@ -311,13 +331,13 @@ def log_step(accelerator, output_dir: Path, step: int, metrics: dict[str, float]
             f.write(json.dumps({"step": step, **{k: round(v, 6) for k, v in metrics.items()}}) + "\n")
 
 
-def write_run_summary(accelerator, output_dir: Path, drafter, state: TrainerState, data_checksum: int) -> None:
-    """Per-rank facts for checking a distributed run: identical weights, different data."""
+def write_run_summary(accelerator, output_dir: Path, drafter, state: TrainerState, data_checksum: int, target) -> None:
+    """Per-rank facts for checking a distributed run: identical weights, different data, and the
+    bytes of target parameters each rank holds (all of them, or its pieces under target.shard=fsdp)."""
     module = accelerator.unwrap_model(drafter)
     checksum = float(sum(p.detach().double().sum() for p in module.parameters()))
-    ranks = accelerator.gather_for_metrics(
-        [{"rank": accelerator.process_index, "param_checksum": checksum, "data_checksum": data_checksum}], use_gather_object=True
-    )
+    mine = {"rank": accelerator.process_index, "param_checksum": checksum, "data_checksum": data_checksum, "target_param_bytes": local_bytes(target)}
+    ranks = accelerator.gather_for_metrics([mine], use_gather_object=True)
     if accelerator.is_main_process:
         summary = {"world_size": accelerator.num_processes, "steps": state.step, "ranks": ranks}
         (output_dir / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -1,0 +1,243 @@
+"""The frozen target sharded across the ranks of a run (`target.shard=fsdp`), so that a target too
+big for one device (Llama-3.1-70B in bf16 is 141 GB) still trains drafters online, and captures and
+regenerates data.
+
+Engine: torch's FSDP2 (`fully_shard`) over all ranks of the run's process group. The drafter is not
+touched: accelerate prepares it as before (DDP, or whatever the launch config says).
+
+What is sharded and what is not:
+
+- every child of a decoder layer that holds a matrix (attention, MLP, an MoE block) is its own FSDP
+  unit: its weights live in 1/world pieces, are all-gathered just before it runs and freed right
+  after, so a rank holds one or two blocks whole at a time;
+- the root unit (the model) shards what is left inside the decoder layers (their norms);
+- the token embedding, the final norm and the lm_head stay whole on every rank (replicated).
+
+Why not shard those too: drafters call the target's embedding and lm_head outside the target's
+forward (EAGLE, EAGLE-3 and DFlash embed tokens and score features with them in their loss and at
+decode time; EAGLE-3 copies lm_head rows for its draft vocabulary, Medusa copies the lm_head at
+start, EAGLE-3/DFlash the final norm). As plain tensors they work unchanged and cost no collective;
+sharded, every such call would have to be a collective that all ranks make in step. The price is
+their memory on every rank: 2 x vocab x hidden, for Llama-3.1-70B 2 x 128256 x 8192 x 2 bytes =
+4.2 GB of the 141 GB. Decoder layers are not themselves units because `fully_shard` swaps a module's
+class for an FSDP subclass, and EAGLE-family drafters rebuild the target's layers from the class
+name of `get_decoder().layers[0]`; sharding the blocks inside keeps that class the target's own.
+
+Loading: every rank builds the model with its parameters on the meta device (no memory), shards it,
+then only rank 0 reads the weights (into host memory) and torch's `set_model_state_dict` with
+`broadcast_from_rank0` sends them tensor by tensor; each rank keeps its pieces. No device ever holds
+the whole target; rank 0's host memory holds it once, while loading.
+
+Every rank must run every forward of the target (each unit's all-gather is a collective): training
+does (all ranks step together); a job whose ranks have different amounts of work (capture,
+regenerate) runs its forwards through `Lockstep`.
+
+Not supported (a one-line error at recipe validation, `unshardable`): Medusa-2, which trains LoRA
+inside the target's layers, and a draft model built from copies of the target's first layers.
+Which loader a stage uses is the recipe's `target.shard`; the eval stage and export always load the
+target whole on one device (`draftsmith.target.load_target`).
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+from typing import Callable, Optional, TypeVar
+
+import torch
+from torch import nn
+
+from draftsmith.errors import UserError, one_line
+from draftsmith.target import DTYPES, freeze, load_target, resolve_dtype, target_section
+
+log = logging.getLogger("draftsmith.sharding")
+
+SHARD_CHOICES = ("none", "fsdp")
+
+
+def unshardable(drafter_config) -> Optional[str]:
+    """Why a drafter cannot train against a sharded target, or None when it can."""
+    if drafter_config.type == "medusa2":
+        return "it trains LoRA adapters inside the target's layers (trainable weights inside FSDP units are not supported here)"
+    if drafter_config.type == "draft_model" and drafter_config.name_or_path is None:
+        return "it copies the target's first decoder layers, of which each rank holds only pieces; set drafter.name_or_path to a separate draft model"
+    return None
+
+
+def check_shard(cfg) -> None:
+    """Recipe validation: target.shard=fsdp with a drafter that cannot work with it is a one-line error."""
+    if cfg.target.shard == "none":
+        return
+    reason = unshardable(cfg.drafter)
+    if reason:
+        raise UserError(f"target.shard={cfg.target.shard} does not work with drafter.type={cfg.drafter.type}: {reason}")
+
+
+def load_run_target(section, device: torch.device | str):
+    """The target of a training, capture or regeneration run, as the recipe's `target.shard` says:
+    whole on this rank's device (`load_target`), or sharded over the ranks (`load_sharded_target`)."""
+    if section.shard == "none":
+        return load_target(section, device)
+    return load_sharded_target(section, device)
+
+
+def load_sharded_target(section, device: torch.device | str):
+    """The recipe's target (its `target` section) with its decoder layers sharded over every rank of
+    the run (see the module docstring); frozen like `load_target`'s. Collective: every rank calls it.
+    Without a process group (plain `python`), a one-process group is formed, so a single process runs
+    the same code."""
+    import torch.distributed as dist
+    from accelerate import init_empty_weights
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    section = target_section(section)
+    device = torch.device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = resolve_dtype(section.dtype, device)
+    try:
+        config = AutoConfig.from_pretrained(section.name_or_path, revision=section.revision, trust_remote_code=section.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot load target {section.name_or_path!r}: {one_line(err)}") from None
+
+    # Parameters on the meta device; buffers real (the rotary frequencies are computed here, not
+    # stored in the checkpoint). No random initialisation runs on meta, but the RNG is kept as it
+    # was anyway, so a sharded run draws the same drafter initialisation as an unsharded one.
+    with torch.random.fork_rng(devices=[]), init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=section.trust_remote_code)
+    freeze(model)
+    buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
+    shard_target(model, init_device_mesh(device.type, (world,)))
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():  # to_empty left them uninitialised
+            buffer.copy_(buffers[name])
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+
+    full, error = {}, [None]
+    if rank == 0:
+        # In host memory, in the dtype the run computes in; the broadcast moves each tensor to the device.
+        on_host = SimpleNamespace(
+            name_or_path=section.name_or_path, revision=section.revision, dtype=dtype_name(dtype), trust_remote_code=section.trust_remote_code
+        )
+        try:
+            full = load_target(on_host, "cpu").state_dict()
+        except UserError as err:
+            error = [str(err)]
+    dist.broadcast_object_list(error, src=0)  # a bad checkpoint is one error on every rank, not a hang
+    if error[0] is not None:
+        raise UserError(error[0])
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del full
+    log.info(
+        "target %s sharded over %d rank(s): %.2f GB of %.2f GB on this rank", section.name_or_path, world, local_bytes(model) / 1e9, whole_bytes(model) / 1e9
+    )
+    return freeze(model)
+
+
+def shard_target(model: nn.Module, mesh) -> nn.Module:
+    """Apply FSDP2 to a target in place: each matrix-holding child of each decoder layer is a unit,
+    the root holds the rest of the layers; embedding, final norm and lm_head are left whole."""
+    import inspect
+
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        fully_shard = None
+    if fully_shard is None or "ignored_params" not in inspect.signature(fully_shard).parameters:
+        raise UserError(f"target.shard=fsdp needs torch 2.7 or later (FSDP2's fully_shard with ignored_params); this is torch {torch.__version__}")
+    decoder = model.get_decoder()
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise UserError(f"target.shard=fsdp needs a decoder with `layers`; {type(model).__name__} has none")
+    # Frozen: nothing is all-gathered again for a backward, so every unit (the root too) frees its
+    # gathered weights as soon as its forward is done.
+    for layer in layers:
+        for block in layer.children():
+            if any(p.dim() >= 2 for p in block.parameters()):
+                fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True, ignored_params=set(replicated_parameters(model)))
+    return model
+
+
+def replicated_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The target's parameters that stay whole on every rank: embedding, final norm, lm_head."""
+    decoder = model.get_decoder()
+    modules = [model.get_input_embeddings(), model.get_output_embeddings(), getattr(decoder, "norm", None)]
+    return [p for module in modules if module is not None for p in module.parameters()]
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def local_bytes(model: nn.Module) -> int:
+    """Bytes of the target's parameters held on this rank (a sharded parameter's local piece)."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        total += local.numel() * local.element_size()
+    return total
+
+
+def whole_bytes(model: nn.Module) -> int:
+    """Bytes of all the target's parameters, sharded or not (what one unsharded copy takes)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, value in DTYPES.items() if value == dtype)
+
+
+T = TypeVar("T")
+
+
+class Lockstep:
+    """Runs a sharded target's forwards in step on every rank when ranks have different amounts of
+    work (capture and regenerate: each rank its own slice of the data, some of it done by an earlier run).
+
+    Before each of its forwards a rank with work votes 1 (`run`); a rank out of work (`finish`) votes
+    0 and, while any rank voted 1, runs a one-token forward alongside, so every rank makes the same
+    collectives in the same order. Does nothing for an unsharded target."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.active = is_sharded(model)
+
+    def run(self, forward: Callable[..., T], *args, **kwargs) -> T:
+        """`forward(*args, **kwargs)`, which runs the target once."""
+        if self.active:
+            self._any_busy(1)
+        return forward(*args, **kwargs)
+
+    def finish(self, idle: Optional[Callable[[], object]] = None) -> None:
+        """Run `idle` (default: a one-token forward) alongside each forward the other ranks still
+        make; returns when every rank has called `finish`. `idle` must make the same collectives as
+        one `run` call (for `generate` with `synced_gpus`: a one-token generate)."""
+        if not self.active:
+            return
+        if idle is None:
+            device = self.model.get_output_embeddings().weight.device
+            token = torch.zeros((1, 1), dtype=torch.long, device=device)
+
+            def idle():
+                return self.model(input_ids=token, use_cache=False)
+
+        while self._any_busy(0):
+            with torch.no_grad():
+                idle()
+
+    def _any_busy(self, busy: int) -> bool:
+        import torch.distributed as dist
+
+        vote = torch.tensor([busy], device=self.model.get_output_embeddings().weight.device)
+        dist.all_reduce(vote)
+        return bool(vote.item() > 0)
