@@ -37,6 +37,7 @@ from transformers.cache_utils import DynamicLayer
 
 from draftsmith.errors import UserError
 from draftsmith.heads.base import DraftState, DraftTree, DynamicTree, Proposer, Tree
+from draftsmith.heads.packing import causal_document_mask
 from draftsmith.target import FeatureRequest, run_target
 
 
@@ -170,12 +171,17 @@ def tree_visibility(parents: torch.Tensor) -> torch.Tensor:
     return sees
 
 
+def additive_mask(sees: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean [B, Q, K] visibility -> additive [B, 1, Q, K] mask (0 / min): eager attention adds the
+    mask and SDPA reads an additive one the same way."""
+    return torch.zeros(sees.shape, dtype=dtype, device=sees.device).masked_fill(~sees, torch.finfo(dtype).min)[:, None]
+
+
 def verify_mask(drafts: Sequence[DraftTree], cached: Sequence[int], width: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive [B, 1, Q, width+Q] mask for a verify forward over [root] + draft per row, Q = 1 + the
     largest draft: row b's queries see its `cached[b]` right-aligned cache entries and, among the new
     tokens, themselves and their ancestors. Queries past a row's draft (batch padding) see only
-    themselves, so every row of the softmax stays finite. Additive (0 / min) rather than boolean so
-    that eager attention, which adds the mask, and SDPA read it the same."""
+    themselves, so every row of the softmax stays finite."""
     queries = 1 + max(len(draft) for draft in drafts)
     device = drafts[0].tokens.device
     sees = torch.zeros(len(drafts), queries, width + queries, dtype=torch.bool, device=device)
@@ -185,8 +191,7 @@ def verify_mask(drafts: Sequence[DraftTree], cached: Sequence[int], width: int, 
         sees[b, :, width - length : width] = True
         sees[b, :size, width : width + size] = tree_visibility(draft.parents)
         sees[b, diagonal[size:], width + diagonal[size:]] = True
-    mask = torch.zeros(sees.shape, dtype=dtype, device=device)
-    return mask.masked_fill(~sees, torch.finfo(dtype).min)[:, None]
+    return additive_mask(sees, dtype)
 
 
 def is_chain(parents: torch.Tensor) -> bool:
@@ -282,7 +287,7 @@ def check_target(model, cache: DynamicCache) -> None:
 @torch.no_grad()
 def prefill(model, prompts: Sequence[Sequence[int]], request: FeatureRequest = FeatureRequest()) -> DecodeState:
     """Cache every prompt except its last token, which becomes the row's first root. Shorter prompts
-    are left-padded; a padding query sees only itself, a prompt token its own row's causal prefix."""
+    are left-padded; a prompt token sees its own row's causal prefix, padding only padding."""
     if any(len(prompt) < 2 for prompt in prompts):
         raise UserError("a prompt needs at least 2 tokens (the chat template alone gives more)")
     device = model.get_output_embeddings().weight.device
@@ -298,9 +303,9 @@ def prefill(model, prompts: Sequence[Sequence[int]], request: FeatureRequest = F
         pad = torch.tensor([width - n for n in lengths], device=device)[:, None]
         column = torch.arange(width, device=device)
         positions = (column - pad).clamp(min=0)
-        sees = (column[None, None, :] <= column[None, :, None]) & (column[None, None, :] >= pad[:, :, None])
-        sees |= torch.eye(width, dtype=torch.bool, device=device)
-        mask = torch.zeros(sees.shape, dtype=model.dtype, device=device).masked_fill(~sees, torch.finfo(model.dtype).min)[:, None]
+        # The padding is a document of its own (-1), so its queries stay finite and no prompt sees it.
+        documents = torch.where(column >= pad, 0, -1)
+        mask = additive_mask(causal_document_mask(documents)[:, 0], model.dtype)
     out = run_target(model, ids, mask, request, positions, cache, use_cache=True)
     rows = []
     for b, (prompt, n) in enumerate(zip(prompts, lengths)):

@@ -259,8 +259,8 @@ def _run_eval(cfg: DictConfig, out_dir: Path, drafter_path: Optional[str], targe
     batch_size = int(cfg.eval.batch_size)
     tallies = decode_all(methods, verifier, prompts, batch_size, max_new_tokens, sampling, eos_ids, seeds, references if greedy else None)
     sweep = {}
+    swept = [m for m in methods if m.model is None]  # the drafting methods and their baselines
     for size in cfg.eval.batch_sizes:
-        swept = [m for m in methods if m.model is None]  # the drafting methods and their baselines
         per_domain = (
             tallies
             if size == batch_size
