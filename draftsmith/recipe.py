@@ -24,7 +24,7 @@ from draftsmith.errors import UserError, one_line
 from draftsmith.files import write_text_atomic
 from draftsmith.resources import bundled, recipes_dir
 from draftsmith.sharding import SHARD_CHOICES, check_shard
-from draftsmith.target import local_target_shape
+from draftsmith.target import TargetShape, local_target_shape
 
 
 @dataclass
@@ -76,6 +76,10 @@ class DataSection:
     overlong: str = "truncate"  # truncate | drop | error
     max_conversations: Optional[int] = None  # cap per source file, for quick runs
     cache_dir: Optional[str] = None  # tokenized-data cache; default ~/.cache/draftsmith
+    # Conversations whose assistant tokens pick a pruned draft vocabulary (EAGLE-3) instead of data.train's:
+    # raw text of the same traffic counts tokens as well as expensive regenerated answers do, and more of it
+    # ranks more of a large vocabulary (tokens never seen tie, and fall to the lowest ids).
+    draft_vocab: Optional[List[str]] = None
     features: Optional[str] = None  # a data_prep.capture directory to train from instead of running the target
     online: Optional[bool] = None  # run the frozen target inside each step; default: yes unless `features` is set
     # Sequence packing: each micro-batch's conversations laid end to end in rows of pack_length tokens
@@ -415,6 +419,17 @@ def check_output_dir(path: str) -> None:
         raise UserError(f"output_dir={path!r} cannot be created under {ancestor}: {err.strerror or one_line(err)}") from None
 
 
+def require_draft_vocab_use(cfg: DictConfig, config, target: Optional[TargetShape]) -> None:
+    """data.draft_vocab only for a drafter that picks a pruned draft vocabulary: anywhere else it
+    would be ignored."""
+    from draftsmith.heads import drafter_class
+
+    require(
+        not cfg.data.draft_vocab or drafter_class(cfg.drafter.type).picks_draft_vocab(config, target),
+        f"data.draft_vocab is set, but the {cfg.drafter.type} drafter with these settings for this target has no pruned draft vocabulary to pick; remove it",
+    )
+
+
 def check_drafter(cfg: DictConfig) -> None:
     """The drafter type's own check of its section, against the target's shape when the target is a
     local directory (its config.json, not its weights); and the eval's chain length against what the
@@ -426,7 +441,9 @@ def check_drafter(cfg: DictConfig) -> None:
         config = OmegaConf.to_object(cfg.drafter)
     except OmegaConfBaseException as err:
         raise UserError(f"invalid drafter section: {_one_line(err)}") from None
-    config.check(local_target_shape(cfg.target.name_or_path))
+    shape = local_target_shape(cfg.target.name_or_path)
+    config.check(shape)
+    require_draft_vocab_use(cfg, config, shape)
     longest = drafter_cls.max_chain(config)
     gamma = cfg.eval.num_speculative_tokens
     require(

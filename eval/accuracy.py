@@ -4,7 +4,7 @@ overall means recorded in its checkpoint (`learned`), where decoding reads them 
 tree from the measured per-head accuracy).
 
 The untrained drafter is the drafter type's fresh initialisation for the same target, prepared on the
-same training data (EAGLE-3 picks the same draft vocabulary), so the comparison is about the weights.
+same training data or data.draft_vocab (EAGLE-3 picks the same draft vocabulary), so the comparison is about the weights.
 """
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ def split_accuracy(cfg: DictConfig, checkpoint: Path, target, tokenizer) -> dict
     device = target.get_output_embeddings().weight.device
     trained = load_drafter(checkpoint, TargetShape.of(target, cfg.target.name_or_path), target).to(device)
     untrained = drafter_class(trained.type).from_target(OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path)
-    untrained.prepare(open_features(cfg.data.features) if cfg.data.features else load_tokenized(cfg, cfg.data.train, tokenizer, "data.train"))
+    if cfg.data.draft_vocab:  # the rows the trainer prepared on (trainer/loop.py)
+        untrained.prepare(load_tokenized(cfg, cfg.data.draft_vocab, tokenizer, "data.draft_vocab"))
+    else:
+        untrained.prepare(open_features(cfg.data.features) if cfg.data.features else load_tokenized(cfg, cfg.data.train, tokenizer, "data.train"))
     untrained.to(device)
     collate = Collator(tokenizer.pad_token_id)
     table = {

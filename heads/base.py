@@ -187,6 +187,12 @@ class Drafter(nn.Module):
         (EAGLE-3's draft vocabulary). What it fits must live in the state dict (so a checkpoint and a
         resumed run carry it); what decoding reports about it goes to `learned`."""
 
+    @classmethod
+    def picks_draft_vocab(cls, config, target: Optional[TargetShape]) -> bool:
+        """Whether `prepare` picks a pruned draft vocabulary from the data (what data.draft_vocab is
+        for); `target` None (not known yet) answers for any target."""
+        return False
+
     def param_groups(self) -> list[tuple[list[nn.Parameter], float]]:
         """The trainable parameters as (parameters, learning-rate scale) groups; train.lr times the
         scale is each group's peak rate. Default: everything that requires grad, at train.lr."""

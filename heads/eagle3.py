@@ -268,9 +268,13 @@ class Eagle3(EagleBase):
         _, target_lm_head = self.target_modules()
         self.lm_head.weight.copy_(target_lm_head.weight[kept.to(target_lm_head.weight.device)])
 
+    @classmethod
+    def picks_draft_vocab(cls, config: Eagle3Config, target: Optional[TargetShape]) -> bool:
+        return target is None or config.draft_vocab_size < target.vocab_size
+
     def prepare(self, dataset) -> None:
         """Pick the draft vocabulary: the draft_vocab_size tokens that most often are a loss-bearing
-        (assistant) token of the training data, ties to the lower id, kept in id order (as EAGLE-3's
+        (assistant) token of the training data (or of data.draft_vocab), ties to the lower id, kept in id order (as EAGLE-3's
         scandata). Deterministic, so every rank picks the same. A no-op without pruning."""
         if not self.pruned:
             return

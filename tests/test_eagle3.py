@@ -248,6 +248,20 @@ def test_training_from_captured_shards(tmp_path, small_data, token_cache):
     assert '"train/step2/top1"' in (tmp_path / "run" / "log.jsonl").read_text()
     assert int(load_file(str(tmp_path / "run" / "final" / "model.safetensors"))["t2d"].sum()) == 512
 
+    # data.draft_vocab: the vocabulary is ranked on that text, not on the shards' training tokens.
+    answer = "the same few words again and again"
+    vocab_file = tmp_path / "vocab.jsonl"
+    vocab_file.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": answer}]}) + "\n")
+    train_in_process([*args, "train.max_steps=1", f"data.features={features}", f"data.draft_vocab=[{vocab_file}]", f"output_dir={tmp_path / 'vocab'}"])
+    config = json.loads((tmp_path / "vocab" / "final" / "config.json").read_text())
+    assert config["learned"]["draft_vocab_coverage"] == 1.0  # every token of that one answer is kept
+    ranked_on_answer = load_file(str(tmp_path / "vocab" / "final" / "model.safetensors"))["t2d"]
+    ranked_on_shards = load_file(str(tmp_path / "run" / "final" / "model.safetensors"))["t2d"]
+    # A dozen distinct answer tokens; the rest of the 512 are unseen, tied, so the lowest ids.
+    assert int(ranked_on_answer[512:].sum()) < 16 and not torch.equal(ranked_on_answer, ranked_on_shards)
+    accuracy = json.loads((tmp_path / "vocab" / "eval_accuracy.json").read_text())  # the untrained baseline ranks on the same text
+    assert accuracy["trained"]["all"]["vocab_coverage"] == accuracy["untrained"]["all"]["vocab_coverage"]
+
     other = run_entry(["train.py", *args, "drafter.aux_layers=[0,3]", f"data.features={features}", f"output_dir={tmp_path / 'other'}"])
     assert other.returncode == 2
     assert other.stderr.strip().splitlines()[-1].startswith("error:") and "hold layers [0, 1, 2] but the drafter needs [0, 3]" in other.stderr

@@ -116,6 +116,8 @@ def test_bad_values_are_refused_before_anything_runs(override, fragment):
         (["recipe=draft", "drafter.loss=kl"], "drafter.loss='kl' is not one of"),
         (["recipe=medusa2", "drafter.lora.r=0"], "drafter.lora needs r >= 1"),
         (["recipe=medusa2", "drafter.heads_weight=0"], "heads_weight and heads_lr_scale > 0"),
+        (["recipe=medusa", "data.draft_vocab=[x.jsonl]"], "the medusa drafter with these settings for this target has no pruned draft vocabulary"),
+        (["recipe=eagle3", "data.draft_vocab=[x.jsonl]", "drafter.draft_vocab_size=4096"], "the eagle3 drafter"),
     ],
 )
 def test_drafter_settings_are_checked_against_the_target_shape(args, fragment):

@@ -33,7 +33,7 @@ from draftsmith.data_prep.features import FeatureCollator, expected_features, op
 from draftsmith.errors import Preempted, UserError
 from draftsmith.heads import Drafter, drafter_class, load_drafter
 from draftsmith.heads.packing import causal_lm_inputs, require_packed_attention
-from draftsmith.recipe import save_recipe
+from draftsmith.recipe import require_draft_vocab_use, save_recipe
 from draftsmith.sharding import load_run_target, local_bytes
 from draftsmith.target import TargetOutput, load_tokenizer, run_target
 from draftsmith.trainer.checkpoint import TrainerState, load_checkpoint, resume_checkpoint, save_checkpoint, save_final
@@ -63,6 +63,7 @@ def train(cfg: DictConfig) -> Path:
     offline = cfg.data.features is not None  # train from captured shards instead of running the target
     with accelerator.main_process_first():  # rank 0 tokenizes and caches, the others read the cache
         train_data = None if offline else load_tokenized(cfg, cfg.data.train, tokenizer, "data.train")
+        vocab_data = load_tokenized(cfg, cfg.data.draft_vocab, tokenizer, "data.draft_vocab") if cfg.data.draft_vocab else None
         if cfg.data.eval:  # the eval stage reads it after training: a bad file must fail now, not then
             load_tokenized(cfg, cfg.data.eval, tokenizer, "data.eval")
     # target.shard=fsdp: each rank holds pieces of the decoder layers (draftsmith/sharding.py); the
@@ -71,6 +72,7 @@ def train(cfg: DictConfig) -> Path:
 
     drafter_cls = drafter_class(cfg.drafter.type)
     drafter = drafter_cls.from_target(OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path).to(accelerator.device)
+    require_draft_vocab_use(cfg, drafter.config, drafter.target)  # again with the loaded target's shape (a Hub or GGUF target's is known only now)
     request = drafter.request
     pack = packing_collator(cfg, tokenizer, target)
     if offline:
@@ -85,7 +87,7 @@ def train(cfg: DictConfig) -> Path:
         def target_features(batch: dict) -> TargetOutput:
             return run_target(target, batch["input_ids"], request=request, **causal_lm_inputs(batch))
 
-    drafter.prepare(train_data)  # what the drafter fits to the data (EAGLE-3's draft vocabulary), on every rank
+    drafter.prepare(train_data if vocab_data is None else vocab_data)  # what the drafter fits to the data (EAGLE-3's draft vocabulary), on every rank
     if cfg.train.init_from:  # warm start: its weights and data-fitted state (the draft vocabulary is kept, not re-fitted)
         start = load_drafter(cfg.train.init_from, drafter.target, target)
         drafter.load_state_dict(start.state_dict())
