@@ -18,7 +18,7 @@ Stages, each skipped when its output exists (so a killed run continues):
    prompts, greedy, with its target forwards counted by a hook, next to plain `generate`
    (<runs>/prompt_lookup.json).
 Each stage's wall time is kept in <runs>/walls.json; the result is <runs>/result.json (also printed)
-and <runs>/tau.png.
+and <runs>/tau_T0.png, <runs>/tau_T1.png.
 
 Reports, per domain: τ and per-position acceptance of each drafter (chain and its tree: Medusa's static
 tree, EAGLE-2's dynamic tree, DFlash's DDTree) and of
@@ -161,21 +161,22 @@ class StageWalls:
         self.path.write_text(json.dumps(self.seconds, indent=2) + "\n")
 
 
-def plot_taus(result: dict, path: Path) -> None:
-    """τ at T=0 per domain: every drafter's chain next to the n-gram baseline and transformers' prompt
-    lookup, and every tree."""
+def plot_taus(result: dict, temperature: str, path: Path) -> None:
+    """τ per domain at `temperature` ("T0" or "T1"): every drafter's chain next to the n-gram baseline
+    (and, at T=0, transformers' prompt lookup), and every tree."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     domains = [*DOMAINS, "all"]
-    drafters = result["drafters"]
-    any_drafter = next(iter(drafters.values()))["T0"]
+    drafters = {name: rows[temperature] for name, rows in result["drafters"].items() if temperature in rows}
+    any_drafter = next(iter(drafters.values()))
     baselines = {"n-gram": [any_drafter[d]["ngram"]["tau"] for d in domains]}
-    baselines["prompt lookup (transformers)"] = [result["transformers_prompt_lookup_T0"][d]["tau"] for d in domains]
-    chains = baselines | {name: [rows["T0"][d]["chain"]["tau"] for d in domains] for name, rows in drafters.items()}
-    trees = baselines | {name: [rows["T0"][d]["tree"]["tau"] for d in domains] for name, rows in drafters.items() if "tree" in rows["T0"]["all"]}
+    if temperature == "T0":
+        baselines["prompt lookup (transformers)"] = [result["transformers_prompt_lookup_T0"][d]["tau"] for d in domains]
+    chains = baselines | {name: [rows[d]["chain"]["tau"] for d in domains] for name, rows in drafters.items()}
+    trees = baselines | {name: [rows[d]["tree"]["tau"] for d in domains] for name, rows in drafters.items() if "tree" in rows["all"]}
     # one colour per method in both panels, the baselines grey (tab10's own grey left out)
     palette = iter(colour for i, colour in enumerate(plt.get_cmap("tab10").colors) if i != 7)
     colours = {"n-gram": "0.3", "prompt lookup (transformers)": "0.65"} | {name: next(palette) for name in drafters}
@@ -185,7 +186,7 @@ def plot_taus(result: dict, path: Path) -> None:
         for i, (name, values) in enumerate(bars.items()):
             axis.bar([x + i * width for x in range(len(domains))], values, width, label=name, color=colours[name])
         axis.set_xticks([x + 0.4 - width / 2 for x in range(len(domains))], domains)
-        axis.set_title(f"SmolLM2-135M-Instruct, T = 0: {title}")
+        axis.set_title(f"SmolLM2-135M-Instruct, T = {temperature[1:]}: {title}")
     axes[0].set_ylim(bottom=1.0)  # τ counts the target's own token, so 1 is the floor
     axes[0].set_ylabel("τ (new tokens per target forward)")
     handles, labels = axes[0].get_legend_handles_labels()
@@ -293,7 +294,9 @@ def main() -> None:
         "this_invocation_wall_s": round(time.perf_counter() - started, 1),
     }
     (runs / "result.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot_taus(result, runs / "tau.png")
+    for temperature in ("T0", "T1"):
+        if any(temperature in rows for rows in drafters.values()):
+            plot_taus(result, temperature, runs / f"tau_{temperature}.png")
     print(json.dumps(result, indent=2))
 
 
