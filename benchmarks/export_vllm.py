@@ -7,8 +7,8 @@ For each kind it takes the trained checkpoint `<runs>/<kind>/final` (benchmarks/
 them; a missing one is trained with the kind's recipe first), exports it for vLLM with
 `export.vllm_python` under the recipe that trained it (`<runs>/<kind>/recipe.yaml`, so runs of another
 benchmark export as they were trained: `--runs runs/bench_smollm2 --prompts 4` checks the SmolLM2
-drafters of benchmarks/real_target.py against vLLM serving SmolLM2), and reports what the export check measured on the eval prompts (4 domains x
---prompts, greedy, γ of the recipe): vLLM's τ and P(accepted >= k) next to draftsmith's on the same
+drafters of benchmarks/real_target.py against vLLM serving SmolLM2), and reports what the export
+check measured on the eval prompts (4 domains x --prompts, greedy, γ of the recipe): vLLM's τ and P(accepted >= k) next to draftsmith's on the same
 prompts and schedule, whether vLLM's output with the drafter equals its output without it and
 draftsmith's, and the wall time of the check.
 """
@@ -37,16 +37,16 @@ def main() -> None:
     results = {}
     for name in args.only.split(","):
         run_dir = (REPO / args.runs / name).resolve()
-        prompts = [f"output_dir={run_dir}", f"eval.max_prompts={args.prompts}", f"eval.max_new_tokens={args.new_tokens}"]
+        eval_settings = [f"output_dir={run_dir}", f"eval.max_prompts={args.prompts}", f"eval.max_new_tokens={args.new_tokens}"]
         if not (run_dir / "final" / "model.safetensors").is_file():
-            run(["train.py", f"recipe={RECIPES[name]}", f"data.train=[{TRAIN_DATA}]", *prompts])
+            run(["train.py", f"recipe={RECIPES[name]}", f"data.train=[{TRAIN_DATA}]", *eval_settings])
         output = run_dir / "export"  # no 'eagle-'/'eagle3' in the run names: vLLM picks methods from paths
         wall = run(
             [
                 "-m",
                 "export",
                 f"recipe={run_dir / 'recipe.yaml'}",  # the resolved recipe the checkpoint was trained with
-                *prompts,
+                *eval_settings,
                 f"drafter.path={run_dir / 'final'}",
                 f"export.output={output}",
                 f"export.vllm_python={args.vllm_python}",
