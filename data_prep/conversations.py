@@ -20,6 +20,7 @@ from typing import Any, Iterator, Optional
 
 import datasets
 
+from draftsmith.data_prep.sources import is_named, named_file
 from draftsmith.errors import UserError, one_line
 
 logger = logging.getLogger("draftsmith.data")
@@ -55,14 +56,16 @@ FEATURES = datasets.Features(
 _CODE_HASH = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
 
 
-def load_conversations(sources: list[str], max_conversations: Optional[int] = None) -> datasets.Dataset:
+def load_conversations(sources: list[str], max_conversations: Optional[int] = None, prompts_only: bool = False) -> datasets.Dataset:
     """Load and validate conversations from every source, in order.
 
     A source is a local `.jsonl`, `.jsonl.gz`, `.json`, `.json.gz` or `.parquet` file, a glob, a
-    directory (searched recursively for such files), or a Hub data set id, optionally `id:split`
-    (default split `train`). Each file of a glob or directory counts as its own source:
-    `max_conversations` keeps the first N records of each. Any invalid record raises a UserError
-    naming the source and the 1-based record number.
+    directory (searched recursively for such files), a named standard data set (`named:sharegpt`,
+    `named:mt_bench`: data_prep/sources.py), or a Hub data set id, optionally `id:split` (default
+    split `train`). Each file of a glob or directory counts as its own source: `max_conversations`
+    keeps the first N records of each. Any invalid record raises a UserError naming the source and
+    the 1-based record number. `prompts_only` (the eval's prompts) also accepts conversations that end
+    with a user turn and have no answer yet.
     """
     if isinstance(sources, str):  # a bare string would otherwise be read character by character
         sources = [sources]
@@ -76,13 +79,16 @@ def load_conversations(sources: list[str], max_conversations: Optional[int] = No
             dataset = loader()
             if max_conversations is not None and len(dataset) > max_conversations:
                 dataset = dataset.select(range(max_conversations))
-            parts.append(_normalize(dataset, name))
+            parts.append(_normalize(dataset, name, prompts_only))
             logger.info("loaded %d conversations from %s", len(dataset), name)
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
 def _expand(source: str) -> list[tuple[str, Any]]:
     """Resolve one source string into (name, loader) pairs: one per local file, or one Hub split."""
+    if is_named(source):
+        path = str(named_file(source))
+        return [(source, lambda: _load_file(path))]
     local = os.path.expanduser(source)
     if any(char in source for char in "*?["):
         files = [path for path in sorted(glob.glob(local, recursive=True)) if _is_data_file(path)]
@@ -186,12 +192,12 @@ def _diagnose_json(path: str) -> None:
         normalize_record(record, source=path, number=number)
 
 
-def _normalize(dataset: datasets.Dataset, source: str) -> datasets.Dataset:
-    fingerprint = hashlib.sha256(f"{dataset._fingerprint}|{source}|{_CODE_HASH}".encode()).hexdigest()[:16]
+def _normalize(dataset: datasets.Dataset, source: str, prompts_only: bool) -> datasets.Dataset:
+    fingerprint = hashlib.sha256(f"{dataset._fingerprint}|{source}|{prompts_only}|{_CODE_HASH}".encode()).hexdigest()[:16]
     return dataset.map(
         _normalize_row,
         with_indices=True,
-        fn_kwargs={"source": source},
+        fn_kwargs={"source": source, "prompts_only": prompts_only},
         remove_columns=dataset.column_names,
         features=FEATURES,
         new_fingerprint=fingerprint,
@@ -199,12 +205,13 @@ def _normalize(dataset: datasets.Dataset, source: str) -> datasets.Dataset:
     )
 
 
-def _normalize_row(row: dict[str, Any], index: int, source: str) -> dict[str, Any]:
-    return normalize_record(row, source=source, number=index + 1)
+def _normalize_row(row: dict[str, Any], index: int, source: str, prompts_only: bool) -> dict[str, Any]:
+    return normalize_record(row, source=source, number=index + 1, prompts_only=prompts_only)
 
 
-def normalize_record(record: dict[str, Any], source: str, number: int) -> dict[str, Any]:
-    """Validate one raw record (messages or ShareGPT shape) and return it normalized.
+def normalize_record(record: dict[str, Any], source: str, number: int, prompts_only: bool = False) -> dict[str, Any]:
+    """Validate one raw record (messages or ShareGPT shape) and return it normalized; with
+    `prompts_only`, a conversation may end with a user turn instead of holding an answer.
 
     Arrow gives every row all columns of its file, with None for absent ones, so "missing" and
     "None" are treated alike throughout.
@@ -234,8 +241,8 @@ def normalize_record(record: dict[str, Any], source: str, number: int) -> dict[s
         if not content.strip():
             raise UserError(f"{where}: turn {turn_number} has an empty content")
         messages.append({"role": ROLES[role.lower()], "content": content})
-    if not any(message["role"] == "assistant" for message in messages):
-        raise UserError(f"{where}: no assistant turn, so nothing to train on")
+    if not any(message["role"] == "assistant" for message in messages) and not (prompts_only and messages[-1]["role"] == "user"):
+        raise UserError(f"{where}: no assistant turn, so nothing to train on" + (" (nor a last user turn to answer)" if prompts_only else ""))
     domain = record.get("domain")
     return {
         "messages": messages,

@@ -9,7 +9,7 @@ first character lies inside a span.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from jinja2 import TemplateError
 
@@ -61,15 +61,20 @@ def _generated_length(span: str, eos_token: str | None) -> int:
     return len(span.rstrip())
 
 
-def render_prompt(tokenizer, messages: Sequence[Message]) -> tuple[list[int], str]:
+def render_prompt(tokenizer, messages: Sequence[Message]) -> tuple[list[int], Optional[str]]:
     """Token ids of the conversation up to its last assistant turn, ending with the generation
-    prompt, and that assistant turn's content (the reference answer)."""
+    prompt, and that assistant turn's content (the reference answer); a conversation that ends with a
+    user turn (a prompt with no answer yet, as MT-bench's) is rendered whole, with no reference."""
     messages = list(messages)
-    last = max((i for i, message in enumerate(messages) if message["role"] == "assistant"), default=None)
-    if last is None:
-        raise UserError("conversation has no assistant turn to use as the reference answer")
+    if messages and messages[-1]["role"] == "user":
+        last, answer = len(messages), None
+    else:
+        last = max((i for i, message in enumerate(messages) if message["role"] == "assistant"), default=None)
+        if last is None:
+            raise UserError("conversation has no assistant turn to use as the reference answer")
+        answer = messages[last]["content"]
     ids, _ = _encode(tokenizer, _render(tokenizer, messages[:last], add_generation_prompt=True))
-    return ids, messages[last]["content"]
+    return ids, answer
 
 
 def require_chat_template(tokenizer) -> None:

@@ -11,13 +11,20 @@ class UserError(Exception):
     """Input the user can fix (a recipe key, a data file, a checkpoint). Reported as one line, exit 2."""
 
 
+class EngineUnavailable(Exception):
+    """A serving engine the job needs could not be started or stopped answering: a temporary fault,
+    not bad input. What was finished is kept; exit EXIT_ENGINE_UNAVAILABLE, retry the same command."""
+
+
 class Preempted(Exception):
     """The job was asked to stop (SIGTERM) and saved what it needs to continue; exit EXIT_PREEMPTED."""
 
 
-# Exit codes a scheduler can act on: 2 = fix the input; 75 (EX_TEMPFAIL) = stopped on request after
-# saving a checkpoint, requeue the same command with train.resume=true.
+# Exit codes a scheduler can act on: 2 = fix the input; 69 (EX_UNAVAILABLE) = an engine the job needs is
+# down, retry later; 75 (EX_TEMPFAIL) = stopped on request after saving a checkpoint, requeue the same
+# command (train.resume=true for training).
 EXIT_USER_ERROR = 2
+EXIT_ENGINE_UNAVAILABLE = 69
 EXIT_PREEMPTED = 75
 
 
@@ -43,6 +50,10 @@ def run_cli(main: Callable[[Sequence[str]], object], argv: Sequence[str] | None 
         close_progress_bars()
         print(f"error: {one_line(err, limit=2000)}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
+    except EngineUnavailable as err:
+        close_progress_bars()
+        print(f"engine unavailable: {one_line(err, limit=2000)}", file=sys.stderr)
+        sys.exit(EXIT_ENGINE_UNAVAILABLE)
     except Preempted as err:
         close_progress_bars()
         print(f"preempted: {one_line(err, limit=2000)}", file=sys.stderr)

@@ -57,15 +57,29 @@ class CaptureSection:
 
 
 @dataclass
+class RegenerateVllmSection:
+    """How data.regenerate.engine=vllm runs the engine (passed to vLLM's `LLM`)."""
+
+    python: Optional[str] = None  # a Python with vLLM installed (its own environment); default this one
+    dtype: str = "auto"  # the target's weights as vLLM loads them
+    tensor_parallel_size: int = 1  # GPUs per engine; N processes (accelerate launch / torchrun) run N engines on their own GPUs
+    gpu_memory_utilization: Optional[float] = None  # default 0.9 with a GPU, 0.3 without (then it is host memory)
+    enforce_eager: Optional[bool] = None  # default: on without a GPU (no graphs to capture on CPU)
+    max_num_seqs: int = 256  # sequences decoded together
+
+
+@dataclass
 class RegenerateSection:
     """`python -m data_prep.regenerate`: data.train with every assistant turn rewritten by the target."""
 
     output: Optional[str] = None  # directory of part files; default <output_dir>/regenerated
+    engine: str = "transformers"  # transformers (model.generate, left-padded batches) | vllm (continuous batching, see `vllm`)
     max_new_tokens: int = 256  # per assistant turn
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
-    batch_size: int = 8  # conversations generated together (left-padded)
+    batch_size: int = 8  # conversations per part file, generated together (vllm: use hundreds)
     seed: int = 0
+    vllm: RegenerateVllmSection = field(default_factory=RegenerateVllmSection)
 
 
 @dataclass
@@ -111,6 +125,12 @@ class TrainSection:
     init_from: Optional[str] = None  # warm start: a drafter checkpoint whose weights (and draft vocabulary) training starts from
     mixed_precision: str = "auto"  # auto (bf16 where the GPU supports it, else none) | no | bf16 | fp16
     num_workers: int = 0
+    # Held-out evaluation during training: the last `heldout` conversations of data.train (in file
+    # order, before any shuffling) are never trained on; every `eval_every` optimizer steps (and at
+    # the last step) the drafter's teacher-forced per-depth top-1 on them gives `heldout/tau_est`,
+    # and the best evaluation so far is kept in <output_dir>/best/ (trainer/loop.py). 0 = off.
+    heldout: int = 0  # conversations held out of data.train; 0 = none
+    eval_every: int = 0  # optimizer steps between held-out evaluations; 0 = never (needs heldout > 0)
 
 
 @dataclass
@@ -201,6 +221,7 @@ CHOICES = {
     "data.overlong": ("truncate", "drop", "error"),
     "data.capture.logits": ("auto", "none", "topk", "full"),
     "data.capture.dtype": ("bfloat16", "float16", "float8"),
+    "data.regenerate.engine": ("transformers", "vllm"),
     "train.mixed_precision": ("auto", "no", "bf16", "fp16"),
 }
 
@@ -332,9 +353,13 @@ def check_train(t) -> None:
     require(t.epochs >= 1, f"train.epochs={t.epochs} must be >= 1")
     for key in ("micro_batch_size", "grad_accum", "log_every"):
         require(t[key] >= 1, f"train.{key}={t[key]} must be >= 1")
-    for key in ("warmup_steps", "save_every", "keep_checkpoints", "num_workers", "max_nonfinite", "weight_decay"):
+    for key in ("warmup_steps", "save_every", "keep_checkpoints", "num_workers", "max_nonfinite", "weight_decay", "heldout", "eval_every"):
         require(t[key] >= 0, f"train.{key}={t[key]} must be >= 0")
     require(t.max_grad_norm > 0, f"train.max_grad_norm={t.max_grad_norm} must be > 0")
+    require(
+        t.eval_every == 0 or t.heldout > 0,
+        f"train.eval_every={t.eval_every} needs train.heldout > 0 (conversations of data.train to evaluate on, never trained on)",
+    )
     betas = list(t.adam_betas)
     require(len(betas) == 2 and all(0 <= b < 1 for b in betas), f"train.adam_betas={betas} must be two values in [0, 1)")
     require(
@@ -361,6 +386,15 @@ def check_data(d) -> None:
     r = d.regenerate
     require(r.batch_size >= 1 and r.max_new_tokens >= 1, f"data.regenerate.batch_size={r.batch_size} and max_new_tokens={r.max_new_tokens} must be >= 1")
     require(r.temperature >= 0 and 0 < r.top_p <= 1, f"need data.regenerate.temperature >= 0 and 0 < top_p <= 1 (got {r.temperature}, {r.top_p})")
+    v = r.vllm
+    require(
+        v.tensor_parallel_size >= 1 and v.max_num_seqs >= 1,
+        f"data.regenerate.vllm.tensor_parallel_size and max_num_seqs must be >= 1 (got {v.tensor_parallel_size}, {v.max_num_seqs})",
+    )
+    require(
+        v.gpu_memory_utilization is None or 0 < v.gpu_memory_utilization <= 1,
+        f"data.regenerate.vllm.gpu_memory_utilization={v.gpu_memory_utilization} must be in (0, 1]",
+    )
 
 
 def check_eval(e) -> None:

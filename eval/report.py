@@ -132,7 +132,7 @@ def load_prompts(sources: list[str], tokenizer, max_prompts: int, max_length: in
     with the generation prompt; prompts longer than `max_length` keep their last tokens."""
     from draftsmith.data_prep import load_conversations, render_prompt
 
-    conversations = load_conversations(sources)
+    conversations = load_conversations(sources, prompts_only=True)
     picked: dict[str, list[int]] = {}
     for index, domain in enumerate(conversations["domain"]):
         rows = picked.setdefault(domain, [])

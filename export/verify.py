@@ -8,7 +8,7 @@ A drafter the engine reads differently from how it was trained (a missing `norm_
 layer ids off by one, dropped biases) stays lossless but accepts less, and fails (c).
 
 vLLM runs in its own Python environment (`export.vllm_python`): its pinned torch and transformers
-need not match draftsmith's. The engine side is export/engine_scripts/vllm_run.py.
+need not match draftsmith's. The engine side is draftsmith/engine_scripts/vllm_run.py.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ ENGINE_TIMEOUT_S = 1800
 
 
 def run_vllm(python: str, request: dict[str, Any]) -> dict[str, Any]:
-    """Run export/engine_scripts/vllm_run.py with `python`; its JSON result."""
-    script = Path(str(files("draftsmith.export.engine_scripts").joinpath("vllm_run.py")))
+    """Run draftsmith/engine_scripts/vllm_run.py with `python`; its JSON result."""
+    script = Path(str(files("draftsmith.engine_scripts").joinpath("vllm_run.py")))
     try:
         done = subprocess.run([python, str(script)], input=json.dumps(request), capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as err:

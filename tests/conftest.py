@@ -136,6 +136,19 @@ def run_entry(args: list[str], cwd: Path = REPO, timeout: int = 600, env: dict |
     return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
+def kill_train_after(checkpoint: Path, args: list[str]) -> None:
+    """Run `train.py args` and SIGKILL it as soon as `checkpoint` is complete (or the run ends first)."""
+    import signal
+    import time
+
+    process = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (checkpoint / "trainer_state.json").exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+
+
 def train_args(output_dir: Path, data: dict[str, Path], cache: Path, *extra: str) -> list[str]:
     """A quick Medusa run on the reference target and the small corpus slice."""
     return [

@@ -4,16 +4,12 @@ complete, a killed run resumes into the same losses, and two processes train one
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REFERENCE_TARGET, REPO, read_log, run_entry, train_args, train_in_process
+from tests.conftest import REFERENCE_TARGET, kill_train_after, read_log, run_entry, train_args, train_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -72,18 +68,8 @@ def test_kill_and_resume_continues_the_same_run(tmp_path, small_data, token_cach
 
     # Kill a second run with SIGKILL as soon as its step-4 checkpoint is complete.
     killed = tmp_path / "killed"
-    process = subprocess.Popen(
-        [sys.executable, "train.py", *train_args(killed, small_data, token_cache, *steps)],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
     checkpoint = killed / "checkpoints" / "step_0000004"
-    deadline = time.time() + 300
-    while not (checkpoint / "trainer_state.json").exists() and process.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    kill_train_after(checkpoint, train_args(killed, small_data, token_cache, *steps))
     assert (checkpoint / "trainer_state.json").exists()
 
     resumed = run_entry(["train.py", *train_args(killed, small_data, token_cache, *steps, f"train.resume={checkpoint}")])

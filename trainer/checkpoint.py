@@ -2,10 +2,11 @@
 
 `checkpoints/step_NNNNNNN/` holds accelerate's state (optimizer, scheduler, RNG of every rank;
 sharded correctly under DeepSpeed/FSDP), the portable drafter (`drafter/`, safetensors + config.json)
-and `trainer_state.json` (step, data position, skipped steps). A checkpoint is written under a `.tmp`
+and `trainer_state.json` (step, data position, skipped steps, tokens trained on, the best held-out
+evaluation and the held-out curve so far). A checkpoint is written under a `.tmp`
 name and renamed when complete, and `trainer_state.json` is its last file, so a run killed mid-save
 never leaves a checkpoint that resume would pick up; a write that fails (a full disk) removes its
-partial copy and leaves the previous checkpoint as it was. `final/` is replaced the same way.
+partial copy and leaves the previous checkpoint as it was. `final/` and `best/` are replaced the same way.
 
 The output directory is claimed before anything is written (`claim_output_dir`): locked against a
 second job, and refused when it holds another run unless the user says to continue it
@@ -20,7 +21,7 @@ import json
 import logging
 import shutil
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -35,7 +36,7 @@ log = logging.getLogger("draftsmith.train")
 
 STATE_NAME = "trainer_state.json"
 # What a training run writes into its output directory: an earlier run is recognised by these.
-RUN_OUTPUTS = ["checkpoints", "final", "log.jsonl", "tb", "eval", "eval_accuracy.json", "run_summary.json", "recipe.yaml"]
+RUN_OUTPUTS = ["checkpoints", "final", "best", "curve.json", "curve.png", "log.jsonl", "tb", "eval", "eval_accuracy.json", "run_summary.json", "recipe.yaml"]
 
 
 @dataclass
@@ -44,6 +45,11 @@ class TrainerState:
     epoch: int = 0  # epoch the next micro-batch comes from
     batch_in_epoch: int = 0  # micro-batches of that epoch already consumed (per rank)
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
+    # Fields added later default when a checkpoint lacks them (an older run resumes; its token count
+    # then starts from 0). `tokens`: tokens consumed by training so far, all ranks together.
+    tokens: int = 0
+    best: Optional[dict] = None  # the best held-out evaluation so far, as <output_dir>/best/best.json holds it
+    curve: list = field(default_factory=list)  # one row per held-out evaluation (curve.json's rows)
 
 
 def checkpoint_dir(output_dir: Path, step: int) -> Path:
@@ -70,13 +76,17 @@ def save_checkpoint(accelerator, drafter, state: TrainerState, output_dir: Path,
     return final
 
 
-def save_final(accelerator, drafter, directory: Path) -> None:
-    """The trained drafter alone, as eval and export read it, replacing any earlier `final/` in one rename."""
+def save_final(accelerator, drafter, directory: Path, files: Optional[dict[str, str]] = None) -> None:
+    """The trained drafter alone, as eval and export read it, replacing any earlier `final/` in one
+    rename; `files` (name -> text) are written beside it before the rename (best/'s best.json)."""
     tmp = directory.with_name(directory.name + ".tmp")
     if accelerator.is_main_process and tmp.exists():
         shutil.rmtree(tmp)
-    with _writing(tmp, "final drafter", directory.parent):
+    with _writing(tmp, f"{directory.name} drafter", directory.parent):
         save_drafter(accelerator, drafter, tmp)
+        if accelerator.is_main_process:
+            for name, text in (files or {}).items():
+                (tmp / name).write_text(text)
     if accelerator.is_main_process:
         old = directory.with_name(directory.name + ".old")
         if directory.exists():

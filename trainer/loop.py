@@ -8,6 +8,18 @@ Nothing is lost: the output directory is locked and checked for an earlier run b
 written (draftsmith/outputs.py, `claim_output_dir`); SIGTERM (a scheduler's preemption) stops the loop
 at the next step boundary with a checkpoint and exit code 75; a non-finite loss or gradient skips the
 step, names where it first appeared, and stops the run after `train.max_nonfinite` such steps.
+
+Held-out evaluation (`train.heldout`, `train.eval_every`): the last `train.heldout` conversations of
+the tokenized data.train are set aside before anything is shuffled and never trained on (nor fitted
+to: `prepare` sees only the training part). Every `eval_every` optimizer steps and at the last step the
+drafter runs over them in eval mode, as in training (same collator, same target features), and its
+per-depth teacher-forced top-1 a_1..a_g (g = eval.num_speculative_tokens, or fewer if the drafter
+reports fewer depths) gives `heldout/tau_est` = 1 + sum_k prod_{i<=k} a_i. Logged as `heldout/<stat>`
+beside `train/tokens` (training tokens so far, all ranks). The evaluation with the highest tau_est so
+far is kept in `<output_dir>/best/`: the drafter in `final/`'s format plus `best.json` (step, tokens,
+tau_est, the held-out metrics), replaced in one rename. `curve.json` (one row per evaluation; updated
+at each) and `curve.png` (at the end) plot tau_est and top-1 against training tokens (trainer/curve.py).
+The best evaluation and the curve live in the trainer state, so a resumed run continues them exactly.
 """
 
 from __future__ import annotations
@@ -37,8 +49,11 @@ from draftsmith.recipe import require_draft_vocab_use, save_recipe
 from draftsmith.sharding import load_run_target, local_bytes
 from draftsmith.target import TargetOutput, load_tokenizer, run_target
 from draftsmith.trainer.checkpoint import TrainerState, load_checkpoint, resume_checkpoint, save_checkpoint, save_final
+from draftsmith.trainer.curve import chain_tau, depth_top1, write_curve
 
 log = logging.getLogger("draftsmith.train")
+
+BEST_DIR, BEST_JSON = "best", "best.json"  # <output_dir>/best/: the drafter of the best held-out evaluation
 
 
 def train(cfg: DictConfig) -> Path:
@@ -61,11 +76,16 @@ def train(cfg: DictConfig) -> Path:
     # -- data, target, drafter (inputs are checked before anything is written) -----------------
     tokenizer = load_tokenizer(cfg.target)
     offline = cfg.data.features is not None  # train from captured shards instead of running the target
+    if offline and cfg.train.heldout > 0:
+        raise UserError(f"train.heldout={cfg.train.heldout} is not supported with data.features yet (it holds out tokenized data.train); set train.heldout=0")
     with accelerator.main_process_first():  # rank 0 tokenizes and caches, the others read the cache
         train_data = None if offline else load_tokenized(cfg, cfg.data.train, tokenizer, "data.train")
         vocab_data = load_tokenized(cfg, cfg.data.draft_vocab, tokenizer, "data.draft_vocab") if cfg.data.draft_vocab else None
         if cfg.data.eval:  # the eval stage reads it after training: a bad file must fail now, not then
             load_tokenized(cfg, cfg.data.eval, tokenizer, "data.eval")
+    heldout = None  # train.heldout: the last conversations of data.train, in file order, never trained on
+    if cfg.train.heldout > 0:
+        train_data, heldout = split_heldout(train_data, cfg.train.heldout, accelerator.num_processes * cfg.train.micro_batch_size)
     # target.shard=fsdp: each rank holds pieces of the decoder layers (draftsmith/sharding.py); the
     # loop needs nothing else, since every rank runs every step's target forward together.
     target = load_run_target(cfg.target, accelerator.device)
@@ -113,6 +133,7 @@ def train(cfg: DictConfig) -> Path:
     if resume_from is not None:
         state = load_checkpoint(accelerator, resume_from)
         log.info("resumed from %s at step %d", resume_from, state.step)
+        check_best_on_resume(output_dir, state)
     accelerator.wait_for_everyone()
     accelerator.init_trackers("tb")
 
@@ -126,7 +147,7 @@ def train(cfg: DictConfig) -> Path:
     drafter.train()
     with stop.on_sigterm():
         while state.step < max_steps:
-            nonfinite = False
+            nonfinite, step_tokens = False, 0
             for _ in range(cfg.train.grad_accum):
                 epoch, batch_index, batch = next(stream)
                 batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
@@ -149,14 +170,17 @@ def train(cfg: DictConfig) -> Path:
                     interval_stats["loss"] += torch.stack([loss.detach().float(), torch.ones((), device=loss.device)])
                     for name, values in stats.items():
                         interval_stats[name] += values.sum(0)
-                interval_tokens += int(batch["attention_mask"].sum())
+                step_tokens += int(batch["attention_mask"].sum())
                 interval_positions += batch["input_ids"].numel()  # tokens plus padding: what the forward pays for
                 data_checksum += int(batch["input_ids"].sum())
                 state.epoch, state.batch_in_epoch = epoch, batch_index + 1
             scheduler.step()
             state.step += 1
+            state.tokens += sum_ranks(accelerator, step_tokens)
+            interval_tokens += step_tokens
             progress.update(1)
 
+            row: dict[str, float] = {}  # this step's log row
             if state.step % cfg.train.log_every == 0 or state.step == max_steps:
                 elapsed = time.perf_counter() - interval_start
                 metrics = reduce_means(accelerator, interval_stats)
@@ -164,11 +188,21 @@ def train(cfg: DictConfig) -> Path:
                 metrics["tokens_per_s"] = interval_tokens * world / max(elapsed, 1e-9)
                 metrics["padding_fraction"] = 1 - interval_tokens / max(interval_positions, 1)  # this rank's
                 metrics["skipped_steps"] = state.skipped_steps
-                log_step(accelerator, output_dir, state.step, {f"train/{k}": v for k, v in metrics.items()})
+                row |= {f"train/{k}": v for k, v in metrics.items()}
                 if "loss" in metrics:
                     progress.set_postfix(loss=f"{metrics['loss']:.3f}")
                 interval_stats.clear()
                 interval_tokens, interval_positions, interval_start = 0, 0, time.perf_counter()
+            if heldout is not None and cfg.train.eval_every > 0 and (state.step % cfg.train.eval_every == 0 or state.step == max_steps):
+                measured = evaluate_heldout(accelerator, drafter, heldout, collate, target_features, cfg)
+                row |= {f"heldout/{k}": v for k, v in measured.items()}
+                state.curve.append(curve_row(state, measured, cfg.eval.num_speculative_tokens))
+                if keep_best(accelerator, drafter, state, output_dir, measured):
+                    log.info("step %d: heldout tau_est %.4f, the best so far: %s", state.step, measured["tau_est"], output_dir / BEST_DIR)
+                if accelerator.is_main_process:
+                    write_curve(output_dir, state.curve, state.best, png=False)
+            if row:
+                log_step(accelerator, output_dir, state.step, {**row, "train/tokens": state.tokens})
             if state.step < max_steps and any_rank(accelerator, stop.requested):
                 path = save_checkpoint(accelerator, drafter, state, output_dir, cfg.train.keep_checkpoints)
                 progress.close()
@@ -184,6 +218,8 @@ def train(cfg: DictConfig) -> Path:
     save_checkpoint(accelerator, drafter, state, output_dir, cfg.train.keep_checkpoints)
     final_dir = output_dir / "final"
     save_final(accelerator, drafter, final_dir)
+    if accelerator.is_main_process and state.curve:
+        write_curve(output_dir, state.curve, state.best)
     write_run_summary(accelerator, output_dir, drafter, state, data_checksum, target)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # also ends the process group: nothing collective after this
@@ -323,6 +359,96 @@ def reduce_means(accelerator, stats: dict[str, torch.Tensor]) -> dict[str, float
     names = sorted(stats)
     totals = accelerator.reduce(torch.stack([stats[n] for n in names]), reduction="sum")
     return {n: float(t[0] / t[1].clamp(min=1)) for n, t in zip(names, totals)}
+
+
+def sum_ranks(accelerator, value: int) -> int:
+    """`value` summed over all ranks (every rank calls it)."""
+    if accelerator.num_processes == 1:
+        return value
+    return int(accelerator.reduce(torch.tensor(value, dtype=torch.long, device=accelerator.device), reduction="sum"))
+
+
+def split_heldout(dataset, count: int, step_size: int):
+    """(training part, held-out part) of the tokenized data.train: its last `count` conversations, in
+    file order (train.heldout). The training part must still fill one micro-batch on every process."""
+    left = len(dataset) - count
+    if left < step_size:
+        raise UserError(
+            f"train.heldout={count} leaves {max(left, 0)} of the {len(dataset)} data.train conversations for training, "
+            f"fewer than one step of {step_size} (processes x train.micro_batch_size); lower train.heldout"
+        )
+    return dataset.select(range(left)), dataset.select(range(left, len(dataset)))
+
+
+@torch.no_grad()
+def evaluate_heldout(accelerator, drafter, heldout, collate, target_features, cfg: DictConfig) -> dict[str, float]:
+    """The drafter's own statistics (its loss's (sum, count) pairs, and `loss` per batch as in training)
+    over the held-out conversations in eval mode: token-weighted means over all ranks, plus `tau_est`.
+
+    Each rank takes every world-th conversation in micro-batches of train.micro_batch_size, and every
+    rank runs the same number of forwards (a rank out of data runs one more batch and counts it with
+    weight 0), so a collective target forward (target.shard=fsdp) or wrapper stays in step. Randomness
+    (DFlash's anchors) comes from a forked RNG seeded with train.seed: each evaluation draws the same,
+    and training's random streams are untouched, so a run trains the same with or without them."""
+    world, rank, micro = accelerator.num_processes, accelerator.process_index, cfg.train.micro_batch_size
+    mine = list(range(len(heldout)))[rank::world]
+    rounds = math.ceil(math.ceil(len(heldout) / world) / micro)
+    sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(2, device=accelerator.device))
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        with torch.random.fork_rng(devices=[accelerator.device] if accelerator.device.type == "cuda" else []):
+            torch.manual_seed(cfg.train.seed)
+            for i in range(rounds):
+                indices = mine[i * micro : (i + 1) * micro]
+                weight = 1.0 if indices else 0.0
+                batch = collate([heldout[j] for j in (indices or [0])])
+                batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+                target_out = target_features(batch)
+                with accelerator.autocast():
+                    loss, stats = drafter(batch, target_out)
+                sums["loss"] += weight * torch.stack([loss.float(), torch.ones((), device=loss.device)])
+                for name, values in stats.items():
+                    sums[name] += weight * values.float().sum(0)
+    finally:
+        drafter.train(was_training)
+    metrics = reduce_means(accelerator, sums)
+    # Teacher-forced estimate of tokens per target forward of a greedy chain: depth i's top-1 (scored
+    # with the true earlier tokens as context) stands in for the conditional acceptance of depth i
+    # given depths < i were accepted. DFlash's block{i}/top1 is not even conditioned that way.
+    metrics["tau_est"] = chain_tau([value for _, value in depth_top1(metrics, cfg.eval.num_speculative_tokens)])
+    return metrics
+
+
+def curve_row(state: TrainerState, measured: dict[str, float], max_depth: int) -> dict:
+    """One row of curve.json: step, tokens, tau_est and the per-depth top-1 (name -> value, depth 1 first)."""
+    top1 = dict(depth_top1(measured, max_depth))
+    return {"step": state.step, "tokens": state.tokens, "tau_est": measured["tau_est"], "top1": top1}
+
+
+def keep_best(accelerator, drafter, state: TrainerState, output_dir: Path, measured: dict[str, float]) -> bool:
+    """When `measured["tau_est"]` is higher than every earlier held-out evaluation of the run, record
+    it in `state.best` and write `<output_dir>/best/` (the drafter in `final/`'s format, plus best.json
+    holding state.best) in one rename; returns whether it did. Collective (the weights are gathered
+    from shards under ZeRO-3/FSDP): every rank calls it with the same (reduced) metrics."""
+    tau = measured["tau_est"]
+    if not math.isfinite(tau) or (state.best is not None and tau <= state.best["tau_est"]):
+        return False
+    state.best = {"step": state.step, "tokens": state.tokens, "tau_est": tau, "metrics": {f"heldout/{k}": v for k, v in measured.items()}}
+    save_final(accelerator, drafter, output_dir / BEST_DIR, files={BEST_JSON: json.dumps(state.best, indent=2) + "\n"})
+    return True
+
+
+def check_best_on_resume(output_dir: Path, state: TrainerState) -> None:
+    """best/ written after the checkpoint a run resumes from belongs to steps the run replays: warn
+    that it stands until the replay evaluates better than the checkpoint's best (on a deterministic
+    device the replay reaches the same evaluation and rewrites it)."""
+    path = output_dir / BEST_DIR / BEST_JSON
+    if not path.is_file():
+        return
+    on_disk, kept = json.loads(path.read_text()).get("step"), (state.best or {}).get("step")
+    if on_disk != kept:
+        log.warning("%s is from step %s, after this checkpoint (whose best is step %s); replaced when the run evaluates better", path.parent, on_disk, kept)
 
 
 def log_step(accelerator, output_dir: Path, step: int, metrics: dict[str, float]) -> None:

@@ -7,7 +7,9 @@ standard library and vllm. draftsmith's export check starts it as a subprocess:
 
 Request: {"target": DIR, "prompts": [[token ids], ...], "max_tokens": N, "dtype": "float32",
 "max_model_len": N, "gpu_memory_utilization": 0.3, "runs": [{"name": ..., "speculative_config":
-null | {...}}, ...]}. Result: one JSON object, {"ok": true, "vllm_version": ..., "runs": {name:
+null | {...}}, ...]}; optional "sequential": true (batch size 1: one prompt at a time, each timed and
+counted, as "per_prompt": [{"seconds", "tokens", "metrics"}]) and "warmup": N (untimed generations
+first). Result: one JSON object, {"ok": true, "vllm_version": ..., "runs": {name:
 {"outputs": [[ids]], "finish_reasons": [...], "metrics": {"num_drafts", "num_draft_tokens",
 "num_accepted_tokens", "accepted_per_position"}, "seconds": {...}}}}, or {"ok": false, "error": ...,
 "error_lines": [...]} with exit code 1.
@@ -90,6 +92,18 @@ def spec_counters(llm):
     return totals
 
 
+def settled_counters(llm):
+    """The counters once the last step's stats have landed (they may come a moment after generate() returns)."""
+    after = spec_counters(llm)
+    for _ in range(10):
+        time.sleep(0.05)
+        again = spec_counters(llm)
+        if again == after:
+            break
+        after = again
+    return after
+
+
 def difference(after, before):
     out = {key: after[key] - before[key] for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
     earlier = before["accepted_per_position"] + [0] * len(after["accepted_per_position"])
@@ -117,23 +131,30 @@ def generate(request, speculative_config):
     llm = LLM(**kwargs)
     seconds["construct"] = time.perf_counter() - start
     sampling = SamplingParams(temperature=0.0, max_tokens=int(request["max_tokens"]))
+    prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in request["prompts"]]
+    for _ in range(int(request.get("warmup", 0))):  # untimed: lazy initialisation stays out of the figures
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     before = spec_counters(llm)
     start = time.perf_counter()
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in request["prompts"]], sampling, use_tqdm=False)
+    if request.get("sequential"):  # batch size 1: each prompt alone, timed and counted on its own
+        outputs, per_prompt = [], []
+        for prompt in prompts:
+            counted = settled_counters(llm)  # settled before the clock starts: its waits are not timed
+            begin = time.perf_counter()
+            outputs += llm.generate([prompt], sampling, use_tqdm=False)
+            per_prompt.append({"seconds": time.perf_counter() - begin, "tokens": len(outputs[-1].outputs[0].token_ids)})
+            per_prompt[-1]["metrics"] = difference(settled_counters(llm), counted)
+    else:
+        outputs, per_prompt = llm.generate(prompts, sampling, use_tqdm=False), None
     seconds["generate"] = time.perf_counter() - start
-    after = spec_counters(llm)
-    for _ in range(10):  # the last step's stats may land a moment after generate() returns
-        time.sleep(0.05)
-        again = spec_counters(llm)
-        if again == after:
-            break
-        after = again
     result = {
         "outputs": [[int(t) for t in o.outputs[0].token_ids] for o in outputs],
         "finish_reasons": [o.outputs[0].finish_reason for o in outputs],
-        "metrics": difference(after, before),
+        "metrics": difference(settled_counters(llm), before),
         "seconds": seconds,
     }
+    if per_prompt is not None:
+        result["per_prompt"] = per_prompt
     try:
         llm.llm_engine.engine_core.shutdown()
     except Exception:  # noqa: BLE001 - best effort

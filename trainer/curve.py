@@ -1,0 +1,106 @@
+"""Acceptance against training tokens: the held-out evaluations of a run (train.heldout,
+train.eval_every; trainer/loop.py) as `curve.json` and `curve.png` in its output directory.
+
+A row is one evaluation: `step`, `tokens` (training tokens consumed so far, all ranks), `tau_est` and
+`top1` (the drafter's teacher-forced top-1 per depth, metric name -> value, depth 1 first). curve.json
+also holds `best`, the evaluation kept in best/. `plot_curves` draws one run or several (a benchmark
+comparing drafters or data) from rows; `load_curve` reads a run's curve.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+from draftsmith.files import write_text_atomic
+
+CURVE_JSON = "curve.json"
+CURVE_PNG = "curve.png"
+# The per-depth teacher-forced top-1 each drafter's loss reports: EAGLE-1, EAGLE-3 and the draft model
+# `step{i}/top1`, Medusa-1/2 `head{i}/top1`, DFlash `block{i}/top1` (Medusa-2's `backbone/top1` is not a depth).
+DEPTH_TOP1 = re.compile(r"(step|head|block)(\d+)/top1")
+
+
+def depth_top1(metrics: Mapping[str, float], max_depth: int) -> list[tuple[str, float]]:
+    """(name, value) of the per-depth top-1 metrics in `metrics`, depth 1 first: consecutive depths
+    from 1, at most `max_depth` (the chain length evaluated), fewer when the drafter reports fewer."""
+    by_depth = {}
+    for name, value in metrics.items():
+        match = DEPTH_TOP1.fullmatch(name)
+        if match:
+            by_depth[int(match.group(2))] = (name, float(value))
+    found = []
+    for depth in range(1, max_depth + 1):
+        if depth not in by_depth:
+            break
+        found.append(by_depth[depth])
+    return found
+
+
+def chain_tau(top1: Sequence[float]) -> float:
+    """Tokens per target forward of a greedy chain whose depth-i draft is accepted with probability
+    top1[i-1] given depths < i were: 1 + sum_k prod_{i<=k} a_i (the target's own token always counts)."""
+    tau, accepted = 1.0, 1.0
+    for rate in top1:
+        accepted *= rate
+        tau += accepted
+    return tau
+
+
+def write_curve(output_dir: Path, rows: Sequence[Mapping[str, Any]], best: Optional[Mapping] = None, png: bool = True) -> None:
+    """`curve.json` (and with `png`, `curve.png`) in `output_dir`, each replaced atomically."""
+    payload = {"best": best, "rows": [dict(row) for row in rows]}
+    write_text_atomic(output_dir / CURVE_JSON, json.dumps(payload, indent=2) + "\n")
+    if png and rows:
+        plot_curves({output_dir.name: rows}, output_dir / CURVE_PNG)
+
+
+def load_curve(path: str | os.PathLike) -> dict[str, Any]:
+    """A run's curve.json (`path`: the file or the run's output directory)."""
+    path = Path(path)
+    return json.loads((path / CURVE_JSON if path.is_dir() else path).read_text())
+
+
+def plot_curves(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: Path, title: Optional[str] = None) -> None:
+    """Left: tau_est against training tokens, one line per run, a star on its best evaluation;
+    right: teacher-forced top-1 per depth against training tokens (a colour per run, a line style
+    per depth). `runs`: label -> rows (curve.json's `rows`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    styles = ["-", "--", ":", "-."]
+    several = len(runs) > 1
+    for color, (label, rows) in enumerate(runs.items()):
+        tokens = [row["tokens"] for row in rows]
+        left.plot(tokens, [row["tau_est"] for row in rows], color=f"C{color}", marker="o", label=label)
+        if rows:  # the evaluation best/ keeps (the first of equals, as train keeps it)
+            best = max(rows, key=lambda row: row["tau_est"])
+            left.plot([best["tokens"]], [best["tau_est"]], "*", color=f"C{color}", markersize=14)
+        top1 = [list(row["top1"].values()) for row in rows]
+        for k in range(max(map(len, top1), default=0)):
+            values = [rates[k] if k < len(rates) else float("nan") for rates in top1]
+            name = f"{label} depth {k + 1}" if several else f"depth {k + 1}"
+            right.plot(tokens, values, styles[k % len(styles)], color=f"C{color if several else k}", marker="o", markersize=3, label=name)
+    left.set_xlabel("training tokens")
+    left.set_ylabel("τ estimate (tokens per target forward)")
+    left.set_title("teacher-forced acceptance estimate")
+    left.legend(fontsize="small")
+    right.set_ylim(0, 1)
+    right.set_xlabel("training tokens")
+    right.set_ylabel("teacher-forced top-1")
+    right.set_title("held-out top-1 per depth")
+    right.legend(fontsize="small")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)
