@@ -11,10 +11,12 @@ of the last decoder layer (EAGLE-3's default layers 1, L//2-1, L-4 never touch i
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional
@@ -154,12 +156,52 @@ class FeatureRequest:
     logits: bool = False  # the target's next-token distribution (soft targets for distillation)
 
 
-@dataclass
 class TargetOutput:
-    logits: torch.Tensor  # [B, T, V]
-    final: torch.Tensor  # [B, T, H], post-norm last hidden state
-    layers: dict[int, torch.Tensor] = field(default_factory=dict)  # layer id -> [B, T, H]
-    past_key_values: object = None
+    """The target's outputs over a batch: `final` [B, T, H] (post-norm last hidden state), `layers`
+    (layer id -> [B, T, H]), `past_key_values`, and `logits` [B, T, V].
+
+    `logits` is either given (captured features, a model whose logits are not its lm_head's output)
+    or computed from `final` by `head`, the target's lm_head, on first access (`run_target`), under
+    the grad and autocast modes of the forward: identical to the forward's own logits, and paid for
+    only by a caller that reads them. `logits_at` reads the logits at a few positions without the
+    whole [B, T, V] tensor."""
+
+    def __init__(
+        self,
+        logits: Optional[torch.Tensor] = None,
+        final: Optional[torch.Tensor] = None,
+        layers: Optional[dict[int, torch.Tensor]] = None,
+        past_key_values: object = None,
+        head: Optional[torch.nn.Module] = None,
+    ):
+        self._logits = logits
+        self.final = final
+        self.layers = {} if layers is None else layers
+        self.past_key_values = past_key_values
+        self.head = head if logits is None else None
+        self._modes = (torch.is_grad_enabled(), _autocast_state(final)) if self.head is not None else None
+
+    @property
+    def logits(self) -> Optional[torch.Tensor]:
+        if self._logits is None and self.head is not None:
+            self._logits = self._apply_head(self.final)
+        return self._logits
+
+    @logits.setter
+    def logits(self, value: Optional[torch.Tensor]) -> None:
+        self._logits, self.head = value, None
+
+    def logits_at(self, index: torch.Tensor) -> torch.Tensor:
+        """The logits at flat positions `index` (b * T + t), [len(index), V]: rows of `logits`,
+        computed for those positions alone when they are computed from `final`."""
+        if self._logits is None and self.head is not None:
+            return self._apply_head(self.final.flatten(0, 1).index_select(0, index))
+        return self.logits.flatten(0, 1).index_select(0, index)
+
+    def _apply_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        grad, autocast = self._modes
+        with torch.set_grad_enabled(grad), _autocast(hidden.device.type, autocast):
+            return self.head(hidden)
 
 
 def num_layers(model) -> int:
@@ -173,6 +215,38 @@ def check_layers(model, layers: Sequence[int]) -> None:
             raise UserError(f"layer id {layer} is out of range for a target with {count} layers (valid: -1..{count - 1})")
 
 
+def _autocast_state(tensor: Optional[torch.Tensor]) -> Optional[torch.dtype]:
+    """The autocast dtype in force for `tensor`'s device type, None when autocast is off."""
+    if tensor is None:
+        return None
+    kind = tensor.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+
+
+def _autocast(kind: str, dtype: Optional[torch.dtype]):
+    return torch.autocast(kind, dtype=dtype) if dtype is not None else torch.autocast(kind, enabled=False)
+
+
+# model -> whether its logits are its lm_head applied to hidden_states[-1] (checked on its first forward)
+_PLAIN_HEAD: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def _defers_logits(model) -> Optional[bool]:
+    """Whether `run_target` may skip the lm_head in `model`'s forward and compute the logits from the
+    final hidden state on demand: True, False, or None when not known yet (its first forward checks)."""
+    if model in _PLAIN_HEAD:
+        return _PLAIN_HEAD[model]
+    try:
+        takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        takes_keep = False
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not takes_keep or head is None:
+        _PLAIN_HEAD[model] = False
+        return False
+    return None
+
+
 def run_target(
     model,
     input_ids: torch.Tensor,
@@ -182,8 +256,17 @@ def run_target(
     past_key_values=None,
     use_cache: bool = False,
 ) -> TargetOutput:
-    """One forward of the target returning logits, the final hidden state and requested layers."""
+    """One forward of the target returning logits, the final hidden state and requested layers.
+
+    The logits are what the model's forward returns, but where they are its lm_head applied to the
+    final hidden state (checked once per model, on its first forward: logit soft-capping or scaling
+    fails the check) the forward skips the lm_head (`logits_to_keep`) and `TargetOutput.logits` applies
+    it on first access. A caller that never reads them (Medusa, a drafter trained on hard labels, the
+    eval loop's prefill) never pays for the [B, T, V] projection; EAGLE-3 reads them at the positions
+    its loss scores (`TargetOutput.logits_at`)."""
     want_layers = bool(request.layers)
+    defer = _defers_logits(model)
+    keep = {"logits_to_keep": torch.empty(0, dtype=torch.long, device=input_ids.device)} if defer else {}
     outputs = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -192,12 +275,21 @@ def run_target(
         use_cache=use_cache,
         output_hidden_states=True,
         return_dict=True,
+        **keep,
     )
     hidden_states = outputs.hidden_states
+    final = hidden_states[-1]
+    head = model.get_output_embeddings() if defer else None
+    if defer is None:  # first forward of this model: are its logits its lm_head's output?
+        with torch.no_grad():
+            _PLAIN_HEAD[model] = outputs.logits.shape == (*final.shape[:-1], outputs.logits.shape[-1]) and torch.equal(
+                outputs.logits, model.get_output_embeddings()(final)
+            )
     layers = {layer: hidden_states[layer + 1] for layer in request.layers} if want_layers else {}
     return TargetOutput(
-        logits=outputs.logits,
-        final=hidden_states[-1],
+        logits=None if defer else outputs.logits,
+        final=final,
         layers=layers,
         past_key_values=outputs.past_key_values if use_cache else None,
+        head=head,
     )

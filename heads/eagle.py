@@ -41,7 +41,7 @@ from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 @dataclass
 class EagleConfig(DrafterConfig):
-    type: str = "eagle"
+    type: str = "eagle"  # the drafter kind (registry key)
     num_layers: int = 1  # decoder layers (every published EAGLE-1 checkpoint has 1)
     fc_bias: bool = False  # EAGLE's code defaults to True; its LLaMA-3 checkpoints and vLLM's loader have none
     feature_loss_weight: float = 1.0  # v_w: SmoothL1 between predicted and target feature
@@ -344,7 +344,9 @@ class Eagle(EagleBase):
         rows = docs[:, :-2][mask]
         predicted = predicted[mask]  # only supervised positions reach the vocab projection (memory)
         feature_loss = F.smooth_l1_loss(predicted.float(), final[:, 1:-1][mask].float(), reduction="none").mean(-1)
-        target_logits = target_out.logits[:, 1:-1][mask].float()
+        # The target's distribution of x_{t+2} (its logits at t+1), read at the supervised positions only.
+        at_b, at_t = mask.nonzero(as_tuple=True)
+        target_logits = target_out.logits_at(at_b * length + at_t + 1).float()
         log_probs = self.logits(predicted).log_softmax(-1)
         token_loss = -(target_logits.softmax(-1) * log_probs).sum(-1)
         count = mask.sum().clamp(min=1)

@@ -56,7 +56,7 @@ COVERAGE = "draft_vocab_coverage"  # `learned` key: share of the training data's
 
 @dataclass
 class Eagle3Config(DrafterConfig):
-    type: str = "eagle3"
+    type: str = "eagle3"  # the drafter kind (registry key)
     # Target layers to fuse, our ids (output of layer i; vLLM id = ours + 1). None: EAGLE-3's default,
     # [1, L//2 - 1, L - 4] (= vLLM's [2, L//2, L-3]), filled in by from_target.
     aux_layers: Optional[list[int]] = None
@@ -142,49 +142,78 @@ def shifted(x: torch.Tensor, offset: int, length: int, fill=0) -> torch.Tensor:
 ATTENTION = "eagle3_ttt"
 
 
-def ttt_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, ttt_width=None, **kwargs):
-    """The draft layer's attention: SDPA (decoding, masks given), or with `ttt_width` W the attention
-    of a training-time-test step i, whose keys and values come from `StepKeys` as lists of steps
-    0..i, [B, kv heads, W, d] each. The query at position t sees step 0's keys at positions <= t
-    (causal) and each later step's key at t only (the diagonal): what a draft at depth i+1 sees at
-    decode time (the committed sequence, its ancestors, itself). EAGLE-3's trick: the diagonal costs
-    W scores per step instead of a [W, (i+1)W] mask. A packed batch gives `attention_mask`, [B, 1, W, W]
-    causal within each document (heads/packing.py), in place of the plain causal mask over step 0's
-    keys; the diagonal is a position's own, always in its document."""
-    if ttt_width is None:
+def ttt_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, ttt_at=None, **kwargs):
+    """The draft layer's attention: SDPA (decoding with its masks, and step 0 of the training-time test,
+    causal or block-diagonal per document), or with `ttt_at` (a `StepPositions`) the attention of a
+    training-time-test step i > 0 at the positions it runs at (`Eagle3.unroll_at`).
+
+    Step i's query at position t sees step 0's keys at positions <= t (causal; within its document
+    when packed: `attention_mask` [B, 1, W, W]) and each later step's key at t only (the diagonal):
+    what a draft at depth i+1 sees at decode time (the committed sequence, its ancestors, itself).
+    EAGLE-3's trick: the diagonal costs i scores per position instead of a [W, (i+1)W] mask. `key`
+    and `value` come from `StepKeys`: step 0's [B, kv heads, W, d] and, for this step's N positions,
+    steps 1..i's at the same position, stacked [N, kv heads, i, d]; `query` is [1, heads, N, d]."""
+    if ttt_at is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    batch, heads, width, dim = query.shape
-    kv_heads = key[0].shape[1]
+    (keys, own_keys), (values, own_values) = key, value
+    _, heads, count, dim = query.shape
+    batch, kv_heads, width = keys.shape[:3]
+    group = heads // kv_heads  # grouped-query attention without copying keys: query head h reads kv head h // group
     scaling = dim**-0.5 if scaling is None else scaling
-    # Grouped-query attention without copying keys: query head h reads kv head h // (heads // kv_heads).
-    grouped = query.view(batch, kv_heads, heads // kv_heads, width, dim)
+    flat = ttt_at.rows * width + ttt_at.cols  # each query's place in the rows' layout
+
+    def laid_out(per_query: torch.Tensor) -> torch.Tensor:  # [N, kv, group, x] -> [B, kv, group, W, x], zeros where no query runs
+        full = per_query.new_zeros(batch * width, *per_query.shape[1:]).index_copy(0, flat, per_query)
+        return full.view(batch, width, *per_query.shape[1:]).permute(0, 2, 3, 1, 4)
+
+    def gathered(full: torch.Tensor) -> torch.Tensor:  # [B, kv, group, W, x] -> [N, kv, group, x]
+        return full.permute(0, 3, 1, 2, 4).reshape(batch * width, *full.shape[1:3], full.shape[-1]).index_select(0, flat)
+
+    grouped = query[0].view(kv_heads, group, count, dim).permute(2, 0, 1, 3)  # [N, kv, group, d]
+    scores = gathered(laid_out(grouped) @ keys[:, :, None].transpose(-1, -2))  # [N, kv, group, W] against step 0's keys
     if attention_mask is None:
-        visible = torch.ones(width, width, dtype=torch.bool, device=query.device).tril()
+        visible = torch.arange(width, device=query.device) <= ttt_at.cols[:, None]
     else:
-        visible = attention_mask[:, :, None]  # [B, 1, 1, W, W] against scores [B, kv, group, W, W]
-    scores = (grouped @ key[0][:, :, None].transpose(-1, -2)).masked_fill_(~visible, float("-inf"))
-    diagonal = [(grouped * k[:, :, None]).sum(-1, keepdim=True) for k in key[1:]]
-    weights = (torch.cat([scores, *diagonal], dim=-1) * scaling).softmax(-1, dtype=torch.float32).to(query.dtype)
+        visible = attention_mask[ttt_at.rows, 0, ttt_at.cols]  # [N, W]
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    diagonal = grouped @ own_keys.transpose(-1, -2)  # [N, kv, group, i]: the position's own steps 1..i
+    weights = (torch.cat([scores, diagonal], dim=-1) * scaling).softmax(-1, dtype=torch.float32).to(query.dtype)
     weights = nn.functional.dropout(weights, p=dropout, training=module.training)
-    weights = weights.split([width] + [1] * len(diagonal), dim=-1)
-    out = weights[0] @ value[0][:, :, None]
-    for weight, v in zip(weights[1:], value[1:]):
-        out = out + weight * v[:, :, None]
-    return out.reshape(batch, heads, width, dim).transpose(1, 2).contiguous(), None
+    first, own = weights.split([width, own_keys.shape[2]], dim=-1)
+    out = gathered(laid_out(first) @ values[:, :, None]) + own @ own_values  # [N, kv, group, d]
+    return out.reshape(count, heads, dim)[None], None
+
+
+@dataclass
+class StepPositions:
+    """The positions a training-time-test step i > 0 runs at (`Eagle3.unroll_at`): row and column of
+    each, in row-major order."""
+
+    rows: torch.Tensor  # [N] long
+    cols: torch.Tensor  # [N] long
 
 
 class StepKeys:
-    """The training-time test's stand-in for a KV cache: each step's keys and values as a list, which
-    the family's attention module hands to `ttt_attention` unchanged (no growing concatenation)."""
+    """The training-time test's stand-in for a KV cache: step 0's keys and values [B, kv heads, W, d],
+    and for the positions of the step running now, steps 1..i's keys and values at each of them,
+    stacked [N, kv heads, i, d], which the family's attention module hands to `ttt_attention`
+    unchanged. Before a step i >= 2, `previous` is set to each of its positions' index among step
+    i-1's (a step runs at a subset of the previous step's positions)."""
 
     def __init__(self):
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
+        self.first: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.stacked: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.previous: Optional[torch.Tensor] = None
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
-        self.keys.append(keys)
-        self.values.append(values)
-        return self.keys, self.values
+        if self.first is None:
+            self.first = (keys, values)
+            return keys, values
+        new = [x[0].transpose(0, 1)[:, :, None] for x in (keys, values)]  # [1, kv, N, d] -> [N, kv, 1, d]
+        if self.stacked is not None:
+            new = [torch.cat([old.index_select(0, self.previous), x], dim=2) for old, x in zip(self.stacked, new)]
+        self.stacked = (new[0], new[1])
+        return (self.first[0], new[0]), (self.first[1], new[1])
 
 
 def register_ttt_attention() -> None:
@@ -304,7 +333,7 @@ class Eagle3(EagleBase):
 
     def draft(self, tokens, features, positions, mask=None, cache=None, **attention) -> torch.Tensor:
         """o = layer(embed(x), g) for input features g (fused target features or earlier outputs);
-        see EagleBase.draft. `attention` goes to the attention function (`ttt_width`, see `unroll`)."""
+        see EagleBase.draft. `attention` goes to the attention function (`ttt_at`, see `unroll_at`)."""
         embed, _ = self.target_modules()
         rope = self.rotary_emb(features, positions)
         return self.layers[0](embed(tokens).to(features.dtype), features, rope, positions, mask, cache, **attention)
@@ -342,17 +371,40 @@ class Eagle3(EagleBase):
         end reads the next document's tokens at later steps, exactly as one near a row's end reads
         padding: it is never scored (`loss`), and only its own later steps read it.
         """
+        batch = {"input_ids": input_ids} if batch is None else batch
+        rows, width = input_ids.shape[0], input_ids.shape[1] - 2
+        everywhere = torch.ones(self.config.ttt_steps, rows, width, dtype=torch.bool, device=input_ids.device)
+        return [outputs.view(rows, width, -1) for outputs, _ in self.unroll_at(input_ids, layers, batch, everywhere)]
+
+    def unroll_at(self, input_ids: torch.Tensor, layers: dict[int, torch.Tensor], batch: dict, needed: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`unroll` where only some outputs are read: `needed` [ttt_steps, B, T-2] bool marks the
+        positions whose output each step's caller reads (the loss: the positions it scores). Step 0
+        runs everywhere (its keys are every later step's context); a step i > 0 only at the positions
+        read at step i or later: position t of step i reads step 0's keys and its own earlier steps
+        at t, never another position of a step > 0 (`unroll`), so its output there is `unroll`'s.
+        Per step: (outputs [N_i, H] in row-major order of the positions, slots [B, T-2] long, each
+        position's row of outputs, -1 where the step did not run)."""
         width = input_ids.shape[1] - 2
         features = self.fuse(layers)[:, :width]
-        batch = {"input_ids": input_ids} if batch is None else batch
         start, mask = positions(batch)[:, :width], draft_attention_mask(batch, width)
-        cache = StepKeys()  # step i's attention reads the keys of steps 0..i
-        outputs = []
-        for step in range(self.config.ttt_steps):
-            tokens = shifted(input_ids, 1 + step, width)
-            features = self.draft(tokens, features, start + step, mask, cache=cache, ttt_width=width)
-            outputs.append(features)
-        return outputs
+        cache = StepKeys()  # step i's attention reads the keys of step 0 and of the position's own steps 1..i
+        output = self.draft(shifted(input_ids, 1, width), features, start, mask, cache=cache)
+        slots = torch.arange(output.shape[0] * width, device=input_ids.device).view(-1, width)
+        unrolled = [(output.flatten(0, 1), slots)]
+        live = needed.flip(0).cumsum(0).flip(0) > 0  # live[i]: read at step i or later
+        for step in range(1, self.config.ttt_steps):
+            rows, cols = live[step].nonzero(as_tuple=True)
+            previous, previous_slots = unrolled[-1]
+            if len(rows) == 0:  # and none at the later steps either
+                unrolled += [(previous[:0], torch.full_like(slots, -1))] * (self.config.ttt_steps - step)
+                break
+            cache.previous = previous_slots[rows, cols]  # each position's row among the previous step's
+            tokens = shifted(input_ids, 1 + step, width)[rows, cols]
+            features = previous.index_select(0, cache.previous)
+            output = self.draft(tokens[None], features[None], (start[rows, cols] + step)[None], mask, cache=cache, ttt_at=StepPositions(rows, cols))[0]
+            slots = torch.full_like(slots, -1).index_put_((rows, cols), torch.arange(len(rows), device=rows.device))
+            unrolled.append((output, slots))
+        return unrolled
 
     def loss(self, batch: dict, target_out: TargetOutput):
         """Soft cross-entropy to the target's distribution, summed over the TTT steps with weights
@@ -372,34 +424,70 @@ class Eagle3(EagleBase):
         vocabulary: the ceiling of step1/top1) when the vocabulary is pruned.
         """
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
-        length = input_ids.shape[1]
+        length, steps = input_ids.shape[1], self.config.ttt_steps
         docs, num_docs = documents(batch), num_documents(batch)
-        outputs = self.unroll(input_ids, target_out.layers, batch)
         draft_ids = self.draft_ids()
-        with torch.no_grad():  # the target's side, once for all steps: [B, T] argmax, [B, T, draft vocab] distribution
-            logits = target_out.logits
-            target_best = logits.argmax(-1)
-            in_vocab = self.t2d[target_best] if self.pruned else torch.ones_like(target_best, dtype=torch.bool)
-            p_all = (logits[..., draft_ids] if self.pruned else logits).float().softmax(-1)
-            # Zero where the argmax is out of the vocabulary (and a captured top-k row may be all -inf there).
-            p_all = p_all.masked_fill(~in_vocab[..., None], 0.0).flatten(0, 1)  # rows b * T + t
-            target_best, in_vocab = target_best.flatten(), in_vocab.flatten()
+        # Every step's supervised positions at once, in the order step, row, column (a few host syncs
+        # per batch, not per step): step i scores its output at t where x_{t+2+i} bears loss and is
+        # in t's document (packed rows hold several), against the target's distribution of x_{t+2+i},
+        # its logits at flat position `scored` = b * T + t + 1 + i.
+        supervised = torch.stack([shifted(loss_mask, 2 + step, length - 2, fill=False) & same_document(docs, 2 + step, length - 2) for step in range(steps)])
+        step_of, rows, cols = supervised.nonzero(as_tuple=True)
+        scored = rows * length + cols + 1 + step_of
+        with torch.no_grad():  # the target's side, once for all steps, at the positions some step scores
+            distributions, slot = torch.unique(scored, return_inverse=True)  # each scored position once
+            target_best, in_vocab, p = self.target_distribution(target_out, distributions)
+            counted = in_vocab[slot]  # where the target's argmax is a draft token: the positions in the loss
+        per_step = torch.bincount(step_of, minlength=steps).tolist()
+        # Only counted positions reach the draft lm_head: elsewhere the distribution is zero (no loss,
+        # no gradient) and the draft cannot hit the target's out-of-vocabulary argmax (top1 = 0).
+        kept = counted.nonzero().squeeze(1)
+        kept_per_step = torch.bincount(step_of[kept], minlength=steps).tolist()
+        sample_of = docs[rows, cols]
+        hits = counted.float()  # top1 per supervised position; the counted ones are filled in below
+        kept_rows, kept_cols, kept_slot = (x.index_select(0, kept).split(kept_per_step) for x in (rows, cols, slot))
+        kept_index = kept.split(kept_per_step)
+        # The draft runs where the loss reads it: step 0 everywhere, a later step where it or a later one is counted.
+        needed = torch.zeros_like(supervised).index_put_((step_of[kept], rows[kept], cols[kept]), torch.ones((), dtype=torch.bool, device=kept.device))
+        unrolled = self.unroll_at(input_ids, target_out.layers, batch, needed)
         total = torch.zeros((), device=input_ids.device)
         stats: dict[str, torch.Tensor] = {}
-        for step, output in enumerate(outputs):
-            # x_{t+2+step} must bear loss and be in t's document (packed rows hold several).
-            supervised = shifted(loss_mask, 2 + step, length - 2, fill=False) & same_document(docs, 2 + step, length - 2)
-            rows, cols = supervised.nonzero(as_tuple=True)
-            samples = docs[rows, cols]
-            scored = rows * length + cols + 1 + step  # the target's distribution of x_{t+2+step}
-            log_q = self.draft_logits(output[rows, cols]).log_softmax(-1)
-            token_loss = -(p_all.index_select(0, scored) * log_q).sum(-1)  # 0 outside the draft vocabulary
-            counted = in_vocab[scored]
-            total = total + self.config.ttt_decay**step * token_loss.sum() / counted.sum().clamp(min=1)
-            with torch.no_grad():
-                top1 = (draft_ids[log_q.argmax(-1)] == target_best[scored]).float()
-                stats |= per_sample_stats({f"step{step + 1}/top1": top1}, samples, num_docs)
-                stats |= per_sample_stats({f"step{step + 1}/loss": token_loss[counted].detach()}, samples[counted], num_docs)
+        losses = []
+        for step, (output, slots) in enumerate(unrolled):
+            log_q = self.draft_logits(output.index_select(0, slots[kept_rows[step], kept_cols[step]])).log_softmax(-1)
+            token_loss = -(p.index_select(0, kept_slot[step]) * log_q).sum(-1)
+            total = total + self.config.ttt_decay**step * token_loss.sum() / max(kept_per_step[step], 1)
+            with torch.no_grad():  # max(-1).indices: argmax's (first maximum), about twice as fast on CPU
+                hits[kept_index[step]] = (draft_ids[log_q.max(-1).indices] == target_best[kept_slot[step]]).float()
+                losses.append(token_loss.detach())
+        with torch.no_grad():
+            counted_samples = sample_of.index_select(0, kept).split(kept_per_step)
+            for step, (top1, step_samples) in enumerate(zip(hits.split(per_step), sample_of.split(per_step))):
+                stats |= per_sample_stats({f"step{step + 1}/top1": top1}, step_samples, num_docs)
+                stats |= per_sample_stats({f"step{step + 1}/loss": losses[step]}, counted_samples[step], num_docs)
                 if step == 0 and self.pruned:
-                    stats |= per_sample_stats({"vocab_coverage": counted.float()}, samples, num_docs)
+                    stats |= per_sample_stats({"vocab_coverage": counted[: per_step[0]].float()}, step_samples, num_docs)
         return total, stats
+
+    # Bytes of full-vocabulary target logits materialised at once by `target_distribution`.
+    TARGET_CHUNK_BYTES = 1 << 27
+
+    @torch.no_grad()
+    def target_distribution(self, target_out: TargetOutput, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """At flat positions `index` (b * T + t), [N]: the target's argmax over its whole vocabulary
+        [N], whether that is a draft token [N], and its distribution restricted to the draft
+        vocabulary and renormalised there (EAGLE-3's softmax(logits[t2d])), zero where the argmax is
+        not a draft token (a captured top-k row may be all -inf there) [N, draft vocab]. The logits
+        are read at those positions only (`TargetOutput.logits_at`, from the final hidden state when
+        the target runs live), a bounded number of rows at a time."""
+        draft_ids = self.draft_ids()
+        rows = max(1, self.TARGET_CHUNK_BYTES // (4 * self.target.vocab_size))
+        best, probs = [], []
+        for chunk in index.split(rows):
+            logits = target_out.logits_at(chunk)
+            best.append(logits.max(-1).indices)  # argmax (the first maximum)
+            probs.append((logits[:, draft_ids] if self.pruned else logits).float().softmax(-1))
+        best = torch.cat(best) if len(best) != 1 else best[0]
+        probs = torch.cat(probs) if len(probs) != 1 else probs[0]
+        in_vocab = self.t2d[best] if self.pruned else torch.ones_like(best, dtype=torch.bool)
+        return best, in_vocab, probs.masked_fill_(~in_vocab[:, None], 0.0)

@@ -11,13 +11,17 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import DynamicCache
 
+from draftsmith.data_prep import Collator, PackingCollator
 from draftsmith.errors import UserError
 from draftsmith.eval.loop import prefill
 from draftsmith.heads import drafter_class, load_drafter
-from draftsmith.heads.base import DynamicTree, TargetShape
+from draftsmith.heads.base import DynamicTree, TargetShape, per_sample_stats
+from draftsmith.heads.eagle3 import shifted
+from draftsmith.heads.packing import causal_lm_inputs, documents, draft_attention_mask, num_documents, positions, same_document
 from draftsmith.recipe import load_recipe
-from draftsmith.target import run_target
+from draftsmith.target import TargetOutput, run_target
 from tests.conftest import run_entry, train_args, train_in_process
 from tests.test_eagle import TINY_VOCAB, assert_cache_rollback, assert_greedy_equals_plain, fitted_eagle
 from tests.test_eval import tiny_llama
@@ -122,6 +126,119 @@ def test_target_argmax_outside_the_draft_vocabulary_is_a_miss_and_not_in_the_los
     assert stats["vocab_coverage"].sum(0).tolist() == pytest.approx([in_vocab.sum().item(), in_vocab.numel()])
     assert stats["step1/loss"][:, 1].sum() == in_vocab.sum()  # the loss sees in-vocabulary positions only
     assert stats["step1/top1"][:, 0].sum() <= in_vocab.sum()  # a hit needs an in-vocabulary argmax
+
+
+def reference_unroll(drafter, input_ids: torch.Tensor, layers: dict, batch: dict) -> list[torch.Tensor]:
+    """The training-time test the straightforward way: every step at every position, the keys of all
+    steps so far in one KV cache, and the decode-time tree mask over them as one [W, (i+1)W] mask:
+    step 0's keys causally (within the document), each later step's key at the position itself."""
+    width = input_ids.shape[1] - 2
+    features = drafter.fuse(layers)[:, :width]
+    start = positions(batch)[:, :width]
+    first = draft_attention_mask(batch, width)
+    first = torch.ones(width, width, dtype=torch.bool).tril().expand(len(input_ids), 1, -1, -1) if first is None else first
+    itself = torch.eye(width, dtype=torch.bool).expand_as(first)
+    cache = DynamicCache(config=drafter.layer_config)
+    outputs = []
+    for step in range(drafter.config.ttt_steps):
+        mask = torch.cat([first, *[itself] * step], dim=-1)
+        features = drafter.draft(shifted(input_ids, 1 + step, width), features, start + step, mask, cache)
+        outputs.append(features)
+    return outputs
+
+
+def reference_loss(drafter, batch: dict, target_out: TargetOutput):
+    """EAGLE-3's loss computed the straightforward way, as the loss was first written: the target's
+    distribution over the draft vocabulary at every position of the batch from its full logits, then
+    per step the supervised positions' rows of it, every supervised position through the lm_head;
+    the draft's outputs from `reference_unroll`."""
+    input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
+    length = input_ids.shape[1]
+    docs, num_docs = documents(batch), num_documents(batch)
+    outputs = reference_unroll(drafter, input_ids, target_out.layers, batch)
+    draft_ids = drafter.draft_ids()
+    with torch.no_grad():
+        logits = target_out.logits
+        target_best = logits.argmax(-1)
+        in_vocab = drafter.t2d[target_best] if drafter.pruned else torch.ones_like(target_best, dtype=torch.bool)
+        p_all = (logits[..., draft_ids] if drafter.pruned else logits).float().softmax(-1)
+        p_all = p_all.masked_fill(~in_vocab[..., None], 0.0).flatten(0, 1)
+        target_best, in_vocab = target_best.flatten(), in_vocab.flatten()
+    total = torch.zeros(())
+    stats = {}
+    for step, output in enumerate(outputs):
+        supervised = shifted(loss_mask, 2 + step, length - 2, fill=False) & same_document(docs, 2 + step, length - 2)
+        rows, cols = supervised.nonzero(as_tuple=True)
+        samples = docs[rows, cols]
+        scored = rows * length + cols + 1 + step
+        log_q = drafter.draft_logits(output[rows, cols]).log_softmax(-1)
+        token_loss = -(p_all.index_select(0, scored) * log_q).sum(-1)
+        counted = in_vocab[scored]
+        total = total + drafter.config.ttt_decay**step * token_loss.sum() / counted.sum().clamp(min=1)
+        with torch.no_grad():
+            top1 = (draft_ids[log_q.argmax(-1)] == target_best[scored]).float()
+            stats |= per_sample_stats({f"step{step + 1}/top1": top1}, samples, num_docs)
+            stats |= per_sample_stats({f"step{step + 1}/loss": token_loss[counted].detach()}, samples[counted], num_docs)
+            if step == 0 and drafter.pruned:
+                stats |= per_sample_stats({"vocab_coverage": counted.float()}, samples, num_docs)
+    return total, stats
+
+
+def loss_rows(lengths=(24, 17, 9, 30, 6), seed: int = 4) -> list[dict]:
+    """Conversations with a prompt that bears no loss (or none), some ending with loss-free tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for i, length in enumerate(lengths):
+        prompt, end = (length // 3, 0, 2)[i % 3], length - (i % 2)
+        mask = [0] * prompt + [1] * (end - prompt) + [0] * (length - end)
+        rows.append({"input_ids": torch.randint(3, TINY_VOCAB, (length,), generator=generator).tolist(), "loss_mask": mask, "domain": "d", "sample": str(i)})
+    return rows
+
+
+@pytest.mark.parametrize("case", ["padded", "packed", "captured-topk", "full-vocabulary", "more-steps-than-positions"])
+def test_loss_and_stats_equal_a_straightforward_reference(model, drafter, case, monkeypatch):
+    """The loss reads the target's distribution only where some step scores it (over the draft
+    vocabulary, from the final hidden state, the full-vocabulary argmax in chunks) and sends only
+    in-vocabulary positions through the draft lm_head: the loss, every statistic and the gradients
+    are those of the straightforward computation, up to float rounding."""
+    monkeypatch.setattr(Eagle3, "TARGET_CHUNK_BYTES", 4 * TINY_VOCAB * 7)  # 7 positions per chunk: several chunks
+    rows = loss_rows()
+    if case == "full-vocabulary":
+        torch.manual_seed(0)
+        drafter = Eagle3.from_target(Eagle3.Config(aux_layers=[-1, 0, 1], ttt_steps=4), model, "tiny")
+        assert not drafter.pruned
+    if case == "more-steps-than-positions":
+        torch.manual_seed(0)
+        drafter = Eagle3.from_target(Eagle3.Config(aux_layers=[-1, 0, 1], draft_vocab_size=DRAFT_VOCAB, ttt_steps=9), model, "tiny")
+        drafter.prepare(rows)
+        rows = loss_rows(lengths=(9, 6, 4, 11))
+    batch = (PackingCollator(0, 40) if case == "packed" else Collator(0))(rows)
+    with torch.no_grad():
+        target_out = run_target(model, batch["input_ids"], request=drafter.request, **causal_lm_inputs(batch))
+    if case == "captured-topk":  # as a capture with logits=topk gives it: top-5 log-probabilities, -inf elsewhere
+        logprobs, ids = target_out.logits.float().log_softmax(-1).topk(5, dim=-1)
+        sparse = torch.full_like(target_out.logits, float("-inf")).scatter_(-1, ids, logprobs)
+        target_out = TargetOutput(logits=sparse, layers=target_out.layers)
+    results = []
+    for compute in (lambda: drafter(batch, target_out), lambda: reference_loss(drafter, batch, target_out)):
+        drafter.zero_grad()
+        loss, stats = compute()
+        loss.backward()
+        results.append((loss.detach(), stats, {name: p.grad.clone() for name, p in drafter.named_parameters() if p.grad is not None}))
+    (loss, stats, grads), (expected_loss, expected_stats, expected_grads) = results
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+    assert list(stats) == list(expected_stats)
+    for name, values in expected_stats.items():
+        assert torch.equal(stats[name][:, 1], values[:, 1]), name  # the same positions counted
+        torch.testing.assert_close(stats[name], values, rtol=1e-5, atol=1e-5, msg=name)
+    assert grads.keys() == expected_grads.keys() and grads
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    if drafter.pruned:  # both kinds of positions occur: the in-vocabulary filter is exercised
+        coverage = expected_stats["vocab_coverage"].sum(0)
+        assert 0 < coverage[0] < coverage[1]
+    if case == "more-steps-than-positions":
+        assert expected_stats["step9/top1"][:, 1].sum() == 0 and expected_stats["step1/top1"][:, 1].sum() > 0
 
 
 # -- draft vocabulary and checkpoint --------------------------------------------------------------
