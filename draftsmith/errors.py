@@ -16,14 +16,21 @@ class EngineUnavailable(Exception):
     not bad input. What was finished is kept; exit EXIT_ENGINE_UNAVAILABLE, retry the same command."""
 
 
+class NotLossless(Exception):
+    """The eval's greedy check found a method whose tokens differ from plain greedy decoding: a bug in
+    the drafter's verification, not bad input. The report is written; exit EXIT_NOT_LOSSLESS."""
+
+
 class Preempted(Exception):
     """The job was asked to stop (SIGTERM) and saved what it needs to continue; exit EXIT_PREEMPTED."""
 
 
-# Exit codes a scheduler can act on: 2 = fix the input; 69 (EX_UNAVAILABLE) = an engine the job needs is
+# Exit codes a scheduler can act on: 2 = fix the input; 3 = the eval's lossless check failed (a bug to
+# report, the report is written); 69 (EX_UNAVAILABLE) = an engine the job needs is
 # down, retry later; 75 (EX_TEMPFAIL) = stopped on request after saving a checkpoint, requeue the same
 # command (train.resume=true for training).
 EXIT_USER_ERROR = 2
+EXIT_NOT_LOSSLESS = 3
 EXIT_ENGINE_UNAVAILABLE = 69
 EXIT_PREEMPTED = 75
 
@@ -42,7 +49,7 @@ def close_progress_bars() -> None:
 
 
 def run_cli(main: Callable[[Sequence[str]], object], argv: Sequence[str] | None = None) -> NoReturn:
-    """Run an entry point; a UserError becomes `error: <message>` on stderr and exit code 2."""
+    """Run an entry point; each exception above becomes one line on stderr and its exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         main(argv)
@@ -50,6 +57,10 @@ def run_cli(main: Callable[[Sequence[str]], object], argv: Sequence[str] | None 
         close_progress_bars()
         print(f"error: {one_line(err, limit=2000)}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
+    except NotLossless as err:
+        close_progress_bars()
+        print(f"lossless check failed: {one_line(err, limit=2000)}", file=sys.stderr)
+        sys.exit(EXIT_NOT_LOSSLESS)
     except EngineUnavailable as err:
         close_progress_bars()
         print(f"engine unavailable: {one_line(err, limit=2000)}", file=sys.stderr)

@@ -391,6 +391,17 @@ def assemble(cfg, checkpoint: Path, drafter, target, verifier, methods: list[Met
     }
 
 
+def failed_lossless(report: dict[str, Any]) -> list[str]:
+    """`method on domain` for every row of the report whose greedy lossless check failed."""
+    return [
+        f"{method} on {domain}"
+        for group in ("domains", "baselines")
+        for domain, rows in report[group].items()
+        for method, row in rows.items()
+        if row.get("lossless") is False and domain != ALL
+    ]
+
+
 def write_report(report: dict[str, Any], out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out_dir / "report.json", json.dumps(report, indent=2) + "\n")

@@ -3,8 +3,10 @@ Kubernetes CronJob); `python -m monitor watch ...` checks every monitor.interval
 stopped (SIGTERM or Ctrl-C ends it between checks).
 
 Exit codes (monitor.Outcome): 0 healthy, 10 drift (waiting), 11 retrained but not promoted,
-12 retrained and promoted (redeploy), 2 bad input, 75 stopped on SIGTERM during a retraining
-(the next check resumes it). `watch` exits only on bad input or a signal.
+12 retrained and promoted (redeploy), 2 bad input, 69 an engine that does not answer or answers with a
+server error (temporary: retry), 75 stopped on SIGTERM during a retraining
+(the next check resumes it). `watch` exits only on bad input or a signal; an engine that does not
+answer is one line (`engine unavailable: ...`) and the next check tries again.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from draftsmith.errors import UserError, run_cli
+from draftsmith.errors import EngineUnavailable, UserError, one_line
 from draftsmith.recipe import load_recipe
 
 USAGE = "usage: python -m monitor check|watch recipe=NAME [key=value ...]"
@@ -33,15 +35,17 @@ def main(argv: Sequence[str]) -> None:
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
     while not stop:
-        outcome = check(cfg)
-        print(f"monitor: {outcome.name.lower()}", flush=True)
+        try:
+            print(f"monitor: {check(cfg).name.lower()}", flush=True)
+        except EngineUnavailable as err:  # temporary: the next check tries again
+            print(f"engine unavailable: {one_line(err, limit=2000)}", file=sys.stderr, flush=True)
         deadline = time.monotonic() + cfg.monitor.interval_s
         while not stop and time.monotonic() < deadline:
             time.sleep(min(1.0, cfg.monitor.interval_s))
 
 
 if __name__ == "__main__":
-    from draftsmith.cli import configure_logging
+    from draftsmith.cli import configure_logging, entry_point
 
     configure_logging()
-    run_cli(main)
+    entry_point(main, __doc__)

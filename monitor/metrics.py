@@ -21,7 +21,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from draftsmith.errors import UserError, one_line
+from draftsmith.errors import EngineUnavailable, UserError, one_line
 
 VLLM_COUNTERS = {
     "vllm:spec_decode_num_drafts_total": "drafts",
@@ -33,27 +33,40 @@ SGLANG_GAUGES = ("sglang:spec_accept_length", "sglang:spec_accept_rate")
 
 
 def scrape(url: str, timeout: float = 10.0) -> str:
+    """The exposition text at `url`. An engine that does not answer, or answers with a server error
+    (5xx: a proxy in front of a dead engine, say), is a temporary fault (EngineUnavailable: retry);
+    a client error (4xx: a wrong path) or a URL that cannot be fetched at all is bad input."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             return response.read().decode("utf-8", "replace")
-    except (urllib.error.URLError, OSError) as err:
-        raise UserError(f"cannot scrape {url}: {one_line(getattr(err, 'reason', err))}") from None
+    except urllib.error.HTTPError as err:
+        if err.code >= 500:
+            raise EngineUnavailable(f"{url} answered HTTP {err.code} {one_line(err.reason)}") from None
+        raise UserError(f"{url} answered HTTP {err.code} {one_line(err.reason)}: check monitor.metrics_urls") from None
+    except ValueError as err:  # not a URL urllib can fetch
+        raise UserError(f"cannot scrape {url}: {one_line(err)}") from None
+    except (urllib.error.URLError, OSError) as err:  # refused, unreachable, timed out
+        raise EngineUnavailable(f"cannot scrape {url}: {one_line(getattr(err, 'reason', err))}") from None
 
 
 def series(text: str, url: str) -> dict[str, float]:
     """The spec-decode samples of one exposition as `series key -> value`; the key names the kind
     (`drafts`, `draft_tokens`, `accepted`, `pos<k>`, or the SGLang gauge) and the series' labels."""
     found: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = {k: v for k, v in sample.labels.items() if k != "position"}
-            suffix = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
-            if sample.name in VLLM_COUNTERS:
-                found[f"{VLLM_COUNTERS[sample.name]}|{url}|{suffix}"] = sample.value
-            elif sample.name == VLLM_PER_POSITION:
-                found[f"pos{int(sample.labels['position'])}|{url}|{suffix}"] = sample.value
-            elif sample.name in SGLANG_GAUGES:
-                found[f"{sample.name}|{url}|{suffix}"] = sample.value
+    try:
+        samples = [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+    except (ValueError, KeyError, IndexError) as err:  # an HTML page, a body cut off mid-line
+        first = one_line(text, limit=80)
+        raise UserError(f"{url} did not answer with Prometheus text ({one_line(err, limit=120)}; it begins {first!r}): check monitor.metrics_urls") from None
+    for sample in samples:
+        labels = {k: v for k, v in sample.labels.items() if k != "position"}
+        suffix = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+        if sample.name in VLLM_COUNTERS:
+            found[f"{VLLM_COUNTERS[sample.name]}|{url}|{suffix}"] = sample.value
+        elif sample.name == VLLM_PER_POSITION:
+            found[f"pos{int(sample.labels['position'])}|{url}|{suffix}"] = sample.value
+        elif sample.name in SGLANG_GAUGES:
+            found[f"{sample.name}|{url}|{suffix}"] = sample.value
     return found
 
 

@@ -427,3 +427,27 @@ def test_cli_rejects_a_missing_and_a_foreign_checkpoint(eval_setup, tmp_path):
     foreign = run_entry(["-m", "eval", f"recipe={recipe}", f"drafter.path={tmp_path / 'foreign'}"], timeout=120)
     assert foreign.returncode == 2
     assert len(foreign.stderr.strip().splitlines()) == 1 and "vocab_size=64" in foreign.stderr, foreign.stderr
+
+
+def test_a_failed_lossless_check_writes_the_report_and_exits_3(eval_setup, tmp_path, monkeypatch, capsys):
+    """A verifier that accepts every drafted token (a broken rule) makes the untrained Medusa's output
+    differ from plain greedy decoding: the eval writes its report with the rows marked, then exits 3
+    with one line naming them (run_cli, as `python -m eval` runs it)."""
+    import draftsmith.eval.loop as loop
+    from draftsmith.errors import EXIT_NOT_LOSSLESS, run_cli
+    from draftsmith.eval.__main__ import main
+
+    root, recipe, _ = eval_setup
+    honest = loop.verify
+
+    def accept_everything(draft, target_probs, generator, eos_ids=frozenset(), rule=None):
+        return honest(draft, target_probs, generator, eos_ids, lambda p, q, token, u: (True, p))
+
+    monkeypatch.setattr(loop, "verify", accept_everything)
+    with pytest.raises(SystemExit) as exited:
+        run_cli(main, [f"recipe={recipe}", f"output_dir={tmp_path}", f"drafter.path={root / 'run' / 'final'}"])
+    assert exited.value.code == EXIT_NOT_LOSSLESS == 3
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert report["domains"]["all"]["chain"]["lossless"] is False
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("lossless check failed: ") and "differ from plain greedy decoding" in last

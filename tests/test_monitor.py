@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import configparser
 import gzip
+import http.server
 import json
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -18,7 +20,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 
-from draftsmith.errors import UserError
+from draftsmith.errors import EngineUnavailable, UserError
 from draftsmith.monitor import Outcome
 from draftsmith.monitor.drift import DRIFT, HEALTHY, TOO_FEW, UNDECIDED, Baseline, judge
 from draftsmith.monitor.metrics import collect, window
@@ -76,6 +78,46 @@ def test_counters_are_summed_over_replicas_and_a_restart_is_not_a_negative_windo
     measured = window(before, after)
     assert measured.drafts == 50 and measured.resets > 0 and measured.at_least == pytest.approx([0.4, 0.2])
     one.server.shutdown(), two.server.shutdown()
+
+
+class Answers(http.server.BaseHTTPRequestHandler):
+    """A loopback server answering /<status>/<body name> with that status and body."""
+
+    BODIES = {
+        "html": "<html><body><h1>502 Bad Gateway</h1></body></html>",
+        "cut": 'vllm:spec_decode_num_drafts_total{model_name="demo",engine="0"} 10.0\nvllm:spec_decode_num_dr',
+    }
+
+    def do_GET(self):
+        _, status, body = self.path.split("/")
+        self.send_response(int(status))
+        self.end_headers()
+        self.wfile.write(self.BODIES[body].encode())
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_bad_scrape_is_one_line_and_a_failing_engine_is_temporary():
+    """An HTML page or a body cut off mid-line is bad input (one line, no traceback); a refused
+    connection or a 5xx (a proxy in front of a dead engine) is EngineUnavailable: exit 69, retry."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answers)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_port}"
+    try:
+        for path in ("/200/html", "/200/cut"):
+            with pytest.raises(UserError, match="did not answer with Prometheus text") as err:
+                collect([base + path])
+            assert "\n" not in str(err.value)
+        with pytest.raises(UserError, match="HTTP 404"):
+            collect([base + "/404/html"])
+        with pytest.raises(EngineUnavailable, match="HTTP 502"):
+            collect([base + "/502/html"])
+    finally:
+        server.shutdown()
+        server.server_close()
+    with pytest.raises(EngineUnavailable, match="cannot scrape"):
+        collect([base + "/200/html"])  # nothing listens there now
 
 
 def test_the_decision_needs_a_significant_drop_and_enough_drafts():
@@ -235,12 +277,17 @@ def test_the_deploy_examples_run_as_written(healthy_setup):
     job = yaml.safe_load((REPO / "deploy" / "kubernetes" / "cronjob.yaml").read_text())
     assert (job["apiVersion"], job["kind"], job["spec"]["concurrencyPolicy"]) == ("batch/v1", "CronJob", "Forbid")
     rules = {rule["action"]: rule["onExitCodes"]["values"] for rule in job["spec"]["jobTemplate"]["spec"]["podFailurePolicy"]["rules"]}
-    assert rules == {"Ignore": [75], "FailJob": [2]}
+    assert rules == {"Ignore": [69, 75], "FailJob": [2]}
     container = job["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]
     assert container["command"][:2] == ["/bin/sh", "-c"]
     assert run_as_written(container["command"][2], recipe).returncode == 0
     bad = run_as_written(container["command"][2], recipe.parent / "missing.yaml")
     assert bad.returncode == 2  # bad input fails the Job
+    engine.server.shutdown()
+    engine.server.server_close()
+    down = run_as_written(service["Service"]["ExecStart"], recipe)  # the engine is down: retry later, not "bad input"
+    lines = [line for line in down.stderr.splitlines() if line.strip()]
+    assert down.returncode == 69 and len(lines) == 1 and lines[0].startswith("engine unavailable: "), down.stderr[-1000:]
 
 
 @pytest.mark.slow
