@@ -4,9 +4,8 @@ Also runs as `python train.py ...`, `torchrun --nproc-per-node N train.py ...` a
 `draftsmith train ...` (see draftsmith/cli.py).
 """
 
-from draftsmith.cli import configure_logging, train_main
-from draftsmith.errors import run_cli
+from draftsmith.cli import TRAIN_USAGE, configure_logging, entry_point, train_main
 
 if __name__ == "__main__":
     configure_logging()
-    run_cli(train_main)
+    entry_point(train_main, TRAIN_USAGE)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -50,7 +49,7 @@ from draftsmith.data_prep.features import (
     part_name,
     shard_name,
 )
-from draftsmith.errors import UserError, run_cli
+from draftsmith.errors import UserError
 from draftsmith.files import write_text_atomic
 from draftsmith.outputs import held_by_main_process
 from draftsmith.recipe import load_recipe
@@ -416,5 +415,7 @@ def write_json(path: Path, value: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    run_cli(main)
+    from draftsmith.cli import configure_logging, entry_point
+
+    configure_logging()
+    entry_point(main, __doc__)

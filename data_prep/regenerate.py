@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 from draftsmith.data_prep.conversations import load_conversations
 from draftsmith.data_prep.template import render_prompt
 from draftsmith.engines import VllmGenerator, vllm_python
-from draftsmith.errors import UserError, run_cli
+from draftsmith.errors import UserError
 from draftsmith.files import write_text_atomic
 from draftsmith.outputs import held_by_main_process
 from draftsmith.recipe import load_recipe
@@ -294,4 +294,7 @@ def generate(model, tokenizer, prompts: list[list[int]], section, max_new_tokens
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    from draftsmith.cli import configure_logging, entry_point
+
+    configure_logging()
+    entry_point(main, __doc__)

@@ -1,5 +1,6 @@
 """The command line. Installed: `draftsmith COMMAND recipe=NAME [key=value ...]`; from a checkout the
-same commands run as `python train.py`, `python -m eval`, `python -m data_prep.capture`, ...
+same commands run as `python train.py`, `python -m eval`, `python -m data_prep.capture`, ...; several
+processes: `accelerate launch -m draftsmith train ...` (or `accelerate launch train.py ...`).
 
     train       train the recipe's drafter, then evaluate it (eval-split accuracy and the report)
     eval        the speculative-decoding report of a checkpoint (drafter.path=DIR)
@@ -8,8 +9,13 @@ same commands run as `python train.py`, `python -m eval`, `python -m data_prep.c
     export      write engine-ready repos (vLLM, SGLang) from a checkpoint, optionally push them
     monitor     check a serving engine's acceptance for drift, retrain when it drops
 
-Exit codes: 0 done, 2 bad input (one line on stderr), 75 stopped on SIGTERM after saving a
-checkpoint (requeue with train.resume=true), 130 interrupted.
+Every command takes `--help` (with recipe=NAME: that recipe's keys and values) and `--cfg` (print
+the resolved recipe and exit without running). `drafter.path=DIR` names the checkpoint a command
+reads (eval, export); without it, `<output_dir>/final`.
+
+Exit codes: 0 done, 2 bad input (one line on stderr), 3 the eval's lossless check failed, 69 an
+engine the job needs is down (retry), 75 stopped on SIGTERM after saving a checkpoint (requeue with
+train.resume=true), 130 interrupted; `monitor check` adds its outcomes 10, 11, 12.
 """
 
 from __future__ import annotations
@@ -17,9 +23,10 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NoReturn, Optional
 
-from draftsmith.errors import EXIT_USER_ERROR, run_cli
+from draftsmith.errors import EXIT_USER_ERROR, UserError, run_cli
 
 # command -> (module, function taking the arguments after the command)
 COMMANDS = {
@@ -30,6 +37,59 @@ COMMANDS = {
     "export": ("draftsmith.export.__main__", "main"),
     "monitor": ("draftsmith.monitor.__main__", "main"),
 }
+
+
+TRAIN_USAGE = """`draftsmith train recipe=NAME [key=value ...]`, `python train.py ...`, or on several processes
+`accelerate launch [-m draftsmith] train[.py] recipe=NAME ...` (torchrun works too): train the recipe's
+drafter into <output_dir> (checkpoints, final/, log.jsonl, TensorBoard), then evaluate it (eval.enabled).
+SIGTERM saves a checkpoint and exits 75; train.resume=true continues bit-identically."""
+
+PATH_ARG = "drafter.path="
+
+
+def split_drafter_path(argv: Sequence[str]) -> tuple[Optional[str], list[str]]:
+    """`drafter.path=DIR`, the checkpoint a command reads, apart from the recipe's arguments: it is not
+    a recipe key (the drafter section is the drafter type's schema)."""
+    paths = [arg[len(PATH_ARG) :] for arg in argv if arg.startswith(PATH_ARG)]
+    if len(paths) > 1 or (paths and not paths[0]):
+        raise UserError("give drafter.path=<checkpoint dir> once, with a value")
+    return (paths[0] if paths else None), [arg for arg in argv if not arg.startswith(PATH_ARG)]
+
+
+def recipe_args(argv: Sequence[str]) -> list[str]:
+    """The recipe's arguments among a command's: recipe=NAME and key=value (not drafter.path, not a
+    sub-command such as monitor's check|watch, not an option)."""
+    return [arg for arg in split_drafter_path(argv)[1] if "=" in arg and not arg.startswith("-")]
+
+
+def help_text(usage: str, argv: Sequence[str]) -> str:
+    """The command's usage, the common options, and the recipe keys (the given recipe's values when
+    recipe=NAME is among the arguments)."""
+    from draftsmith.recipe import load_recipe
+    from draftsmith.recipe_keys import render_text
+
+    args = recipe_args(argv)
+    cfg = load_recipe(args) if any(arg.startswith("recipe=") for arg in args) else None
+    options = (
+        "Options:\n  --help  this text (with recipe=NAME: that recipe's keys and values)\n  --cfg   print the resolved recipe (YAML) and exit without running"
+    )
+    keys = "Recipe keys" + (" and the recipe's values" if cfg is not None else " (schema defaults; recipe=NAME --help shows a recipe's)")
+    return f"{usage.strip()}\n\n{options}\n\n{keys}:\n{render_text(cfg)}"
+
+
+def entry_point(main: Callable[[Sequence[str]], object], usage: str, argv: Sequence[str] | None = None) -> NoReturn:
+    """Run a command the way every entry point does: `--help`/`-h` prints `help_text`, `--cfg` the
+    resolved recipe, both with exit 0; otherwise `main(argv)` under run_cli (errors -> exit codes)."""
+    from omegaconf import OmegaConf
+
+    from draftsmith.recipe import load_recipe
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        run_cli(lambda args: print(help_text(usage, args)), [arg for arg in argv if arg not in ("--help", "-h")])
+    if "--cfg" in argv:
+        run_cli(lambda args: print(OmegaConf.to_yaml(load_recipe(recipe_args(args)), resolve=True), end=""), [arg for arg in argv if arg != "--cfg"])
+    run_cli(main, argv)
 
 
 def configure_logging() -> None:
@@ -68,4 +128,5 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(EXIT_USER_ERROR)
     module, function = COMMANDS[command]
     configure_logging()
-    run_cli(getattr(importlib.import_module(module), function), rest)
+    loaded = importlib.import_module(module)
+    entry_point(getattr(loaded, function), TRAIN_USAGE if command == "train" else loaded.__doc__, rest)

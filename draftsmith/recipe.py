@@ -29,13 +29,15 @@ from draftsmith.target import TargetShape, local_target_shape
 
 @dataclass
 class TargetSection:
+    """The model the drafter is trained for and verified by."""
+
     name_or_path: str = MISSING  # local directory or Hub id
-    revision: Optional[str] = None
+    revision: Optional[str] = None  # a Hub branch, tag or commit of name_or_path
     # A GGUF file inside name_or_path (or an absolute path): dequantized once into a cached
     # transformers directory, which then replaces name_or_path (see draftsmith.gguf).
     gguf_file: Optional[str] = None
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # run the model repository's own Python code (off: only transformers' classes)
     # none: every rank holds the whole target | fsdp: its decoder layers sharded over the ranks of
     # train, capture and regenerate (FSDP2; embedding and lm_head stay whole), for targets too big
     # for one device (draftsmith.sharding). Eval and export load the target whole either way.
@@ -76,16 +78,18 @@ class RegenerateSection:
     engine: str = "transformers"  # transformers (model.generate, left-padded batches) | vllm (continuous batching, see `vllm`)
     max_new_tokens: int = 256  # per assistant turn
     temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
+    top_p: float = 1.0  # nucleus sampling when temperature > 0
     batch_size: int = 8  # conversations per part file, generated together (vllm: use hundreds)
-    seed: int = 0
+    seed: int = 0  # sampling seed (temperature > 0)
     vllm: RegenerateVllmSection = field(default_factory=RegenerateVllmSection)
 
 
 @dataclass
 class DataSection:
+    """Conversations (`messages` of role/content; optional `domain`) and how they are tokenized."""
+
     train: List[str] = field(default_factory=list)  # files (.jsonl, .jsonl.gz, .json, .parquet), globs or Hub ids
-    eval: List[str] = field(default_factory=list)
+    eval: List[str] = field(default_factory=list)  # held-out conversations: eval-split accuracy, and the eval's prompts
     max_length: int = 1024  # tokens per conversation after the chat template
     overlong: str = "truncate"  # truncate | drop | error
     max_conversations: Optional[int] = None  # cap per source file, for quick runs
@@ -99,24 +103,26 @@ class DataSection:
     # Sequence packing: each micro-batch's conversations laid end to end in rows of pack_length tokens
     # (default max_length), attention and positions per conversation; same losses, less padding.
     pack: bool = False
-    pack_length: Optional[int] = None
+    pack_length: Optional[int] = None  # tokens per packed row; default data.max_length
     capture: CaptureSection = field(default_factory=CaptureSection)
     regenerate: RegenerateSection = field(default_factory=RegenerateSection)
 
 
 @dataclass
 class TrainSection:
-    lr: float = 1e-3
+    """`train.py`: the training loop (trainer/loop.py) and its checkpoints."""
+
+    lr: float = 1e-3  # peak learning rate (AdamW; linear warm-up, then cosine decay to zero)
     max_steps: int = -1  # optimizer steps; -1 means run `epochs` epochs
-    epochs: int = 1
+    epochs: int = 1  # passes over data.train (when max_steps is -1)
     micro_batch_size: int = 8  # conversations per process per forward
-    grad_accum: int = 1
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    adam_betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    log_every: int = 10
+    grad_accum: int = 1  # micro-batches per optimizer step
+    warmup_steps: int = 0  # optimizer steps of linear learning-rate warm-up
+    weight_decay: float = 0.0  # AdamW weight decay
+    adam_betas: List[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
+    max_grad_norm: float = 1.0  # gradient clipping (global norm)
+    seed: int = 0  # initialisation and data order
+    log_every: int = 10  # optimizer steps between log lines (stdout, log.jsonl, TensorBoard)
     save_every: int = 0  # steps between checkpoints; 0 = only the final one
     keep_checkpoints: int = 2  # older step checkpoints are deleted
     resume: Optional[str] = None  # true = latest checkpoint in output_dir, or a checkpoint path
@@ -124,7 +130,7 @@ class TrainSection:
     max_nonfinite: int = 10  # optimizer steps skipped for a non-finite loss/gradient before the run stops
     init_from: Optional[str] = None  # warm start: a drafter checkpoint whose weights (and draft vocabulary) training starts from
     mixed_precision: str = "auto"  # auto (bf16 where the GPU supports it, else none) | no | bf16 | fp16
-    num_workers: int = 0
+    num_workers: int = 0  # DataLoader worker processes
     # Held-out evaluation during training: the last `heldout` conversations of data.train (in file
     # order, before any shuffling) are never trained on; every `eval_every` optimizer steps (and at
     # the last step) the drafter's teacher-forced per-depth top-1 on them gives `heldout/tau_est`,
@@ -135,18 +141,20 @@ class TrainSection:
 
 @dataclass
 class EvalSection:
+    """`python -m eval`: speculative decoding with the drafter against plain decoding and n-gram lookup."""
+
     enabled: bool = True  # train.py runs the eval when training ends
     data: List[str] = field(default_factory=list)  # conversations; empty = data.eval
     max_prompts: int = 8  # per domain
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
+    max_new_tokens: int = 64  # per prompt
+    temperature: float = 0.0  # 0 = greedy (then every method is checked lossless against plain decoding)
+    top_p: float = 1.0  # nucleus sampling when temperature > 0
+    top_k: int = 0  # top-k sampling when temperature > 0; 0 = off
     num_speculative_tokens: int = 3  # chain length gamma
     tree: int = 0  # nodes in the static draft tree (0 = chain only)
     ngram_max: int = 3  # prompt-lookup baseline: longest n-gram to match
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    seed: int = 0
+    seed: int = 0  # sampling seed (temperature > 0)
     # Prompts decoded together (one target forward per cycle for the batch); each row is still checked
     # against plain decoding of its prompt alone.
     batch_size: int = 1
@@ -159,7 +167,7 @@ class PushSection:
 
     repo_id: Optional[str] = None  # ORG/NAME for the vllm folder; another engine's folder goes to ORG/NAME-<engine>
     revision: str = "main"  # branch, created when missing
-    private: bool = True
+    private: bool = True  # a new repository is created private
     commit_message: Optional[str] = None  # default: the drafter and its eval summary
 
 
@@ -205,6 +213,8 @@ class MonitorSection:
 
 @dataclass
 class RecipeSchema:
+    """A whole recipe: one section per stage, and where its outputs go."""
+
     drafter: Any = MISSING  # checked against the drafter type's own schema (heads registry)
     target: TargetSection = field(default_factory=TargetSection)
     data: DataSection = field(default_factory=DataSection)
@@ -212,7 +222,7 @@ class RecipeSchema:
     eval: EvalSection = field(default_factory=EvalSection)
     export: ExportSection = field(default_factory=ExportSection)
     monitor: MonitorSection = field(default_factory=MonitorSection)
-    output_dir: str = MISSING
+    output_dir: str = MISSING  # the run's directory: checkpoints, logs, eval report, export
 
 
 CHOICES = {

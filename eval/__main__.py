@@ -3,31 +3,24 @@
 `drafter.path` is not a recipe key (the drafter section belongs to the drafter type's schema), so
 it is taken out of the arguments before the recipe is parsed. Without it the checkpoint is
 `<output_dir>/final`, where train.py writes it. The report goes to `<output_dir>/eval/`; its
-markdown table is printed to stdout.
+markdown table is printed to stdout. Exit code 3 when a greedy row failed the lossless check (its
+tokens differ from plain greedy decoding's): the report is still written, with the row marked.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
-from draftsmith.errors import UserError, run_cli
+from draftsmith.cli import entry_point, split_drafter_path
+from draftsmith.errors import NotLossless
 from draftsmith.recipe import load_recipe
-
-PATH_ARG = "drafter.path="
-
-
-def split_drafter_path(argv: Sequence[str]) -> tuple[Optional[str], list[str]]:
-    paths = [arg[len(PATH_ARG) :] for arg in argv if arg.startswith(PATH_ARG)]
-    if len(paths) > 1 or (paths and not paths[0]):
-        raise UserError("give drafter.path=<checkpoint dir> once, with a value")
-    return (paths[0] if paths else None), [arg for arg in argv if not arg.startswith(PATH_ARG)]
 
 
 def main(argv: Sequence[str]) -> None:
     import datasets
     import transformers
 
-    from draftsmith.eval.report import render_markdown, run_eval
+    from draftsmith.eval.report import failed_lossless, render_markdown, run_eval
 
     # The eval's own progress bar is the one worth watching; weight loading and data set
     # preparation would otherwise print theirs on stderr too.
@@ -36,7 +29,9 @@ def main(argv: Sequence[str]) -> None:
     drafter_path, overrides = split_drafter_path(argv)
     report = run_eval(load_recipe(overrides), drafter_path)
     print(render_markdown(report))
+    if failed := failed_lossless(report):
+        raise NotLossless(f"{', '.join(failed)}: tokens differ from plain greedy decoding (the WARNING lines above say where)")
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    entry_point(main, __doc__)

@@ -9,8 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from draftsmith.errors import run_cli
-from draftsmith.eval.__main__ import split_drafter_path
+from draftsmith.cli import entry_point, split_drafter_path
 from draftsmith.recipe import load_recipe
 
 
@@ -28,4 +27,4 @@ if __name__ == "__main__":
     from draftsmith.cli import configure_logging
 
     configure_logging()
-    run_cli(main)
+    entry_point(main, __doc__)

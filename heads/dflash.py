@@ -60,7 +60,7 @@ LOSSES = ("ce", "soft_ce")
 
 @dataclass
 class DFlashConfig(DrafterConfig):
-    type: str = "dflash"
+    type: str = "dflash"  # the drafter kind (registry key)
     num_layers: int = 2  # draft decoder layers (the reference uses 5 for a 36-layer target)
     # Target layers whose states form the context, our ids (= DFlash's target_layer_ids; speculators'
     # aux_hidden_state_layer_ids = ours + 1). None: num_layers ids spread evenly over [1, L-3].

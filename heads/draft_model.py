@@ -42,10 +42,10 @@ from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 @dataclass
 class DraftModelConfig(DrafterConfig):
-    type: str = "draft_model"
+    type: str = "draft_model"  # the drafter kind (registry key)
     name_or_path: Optional[str] = None  # an HF causal LM with the target's vocab; None = build from the target
     init: str = "layers"  # with name_or_path unset: the target's first `num_layers` layers
-    num_layers: int = 1
+    num_layers: int = 1  # decoder layers of a draft built from the target
     loss: str = "fkl"  # fkl | rkl | tvd | mix (see heads/distill.py)
     mix_weights: List[float] = field(default_factory=lambda: [1.0, 0.0, 1.0])  # loss=mix: weights of fkl, rkl, tvd
     ce_weight: float = 0.0  # extra cross-entropy on the data's own next tokens

@@ -26,12 +26,12 @@ from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 @dataclass
 class MedusaConfig(DrafterConfig):
-    type: str = "medusa"
-    num_heads: int = 3
+    type: str = "medusa"  # the drafter kind (registry key)
+    num_heads: int = 3  # heads, one per draft position: the longest chain
     num_layers: int = 1  # residual SiLU blocks per head
     loss_decay: float = 0.8  # head k's loss weight is loss_decay**(k-1) ...
     loss_weights: Optional[List[float]] = None  # ... unless given explicitly, one per head
-    init_lm_heads_from_target: bool = True
+    init_lm_heads_from_target: bool = True  # each head's output layer starts as a copy of the target's lm_head
     tree_topk: int = 10  # candidates per head considered when building a tree
 
     def check(self, target: Optional[TargetShape] = None) -> None:

@@ -1,0 +1,60 @@
+"""One command grammar: every entry point answers --help (the recipe keys, with a recipe's values when
+recipe=NAME is given) and --cfg (the resolved recipe) with exit 0, without running anything; the
+recipe reference in docs/ is generated from the schema and cannot go stale; every key is described."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from draftsmith.cli import COMMANDS, TRAIN_USAGE, entry_point
+from draftsmith.heads import REGISTRY
+from draftsmith.recipe import load_recipe
+from draftsmith.recipe_keys import drafter_section, recipe_sections, render_markdown
+from tests.conftest import REPO, run_entry
+
+ENTRIES = {name: (importlib.import_module(module), function) for name, (module, function) in COMMANDS.items()}
+
+
+def run(command: str, argv: list[str], capsys) -> tuple[int, str, str]:
+    module, function = ENTRIES[command]
+    with pytest.raises(SystemExit) as exited:
+        entry_point(getattr(module, function), TRAIN_USAGE if command == "train" else module.__doc__, argv)
+    out, err = capsys.readouterr()
+    return exited.value.code, out, err
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_answers_help_without_running(command, capsys):
+    code, out, _ = run(command, ["--help"], capsys)
+    assert code == 0 and "--cfg" in out and "data.max_length (int) = 1024" in out and "give recipe=NAME --help" in out
+    code, out, _ = run(command, ["recipe=eagle3_sharegpt_smollm2", "-h"], capsys)
+    assert code == 0
+    assert "data.max_conversations (Optional[int]) = 2000 (default null)" in out  # the recipe's value beside the default
+    assert "drafter.ttt_steps (int) = 4 (default 7)" in out  # the recipe's drafter type's keys
+
+
+def test_cfg_prints_the_resolved_recipe_and_a_bad_one_is_one_line(capsys, tmp_path):
+    args = ["recipe=medusa", "train.lr=0.5", f"output_dir={tmp_path}"]
+    code, out, _ = run("eval", [*args, "drafter.path=/anything", "--cfg"], capsys)
+    assert code == 0 and yaml.safe_load(out) == OmegaConf.to_container(load_recipe(args), resolve=True)
+    assert not any(tmp_path.iterdir())  # nothing ran
+    code, out, err = run("train", ["recipe=medusa", "train.nope=1", "--cfg"], capsys)
+    assert code == 2 and err.strip().splitlines() == ["error: unknown recipe key 'train.nope' (override train.nope=1)"]
+
+
+def test_every_key_is_described_and_the_reference_is_current():
+    sections = [*recipe_sections(), *(drafter_section(kind) for kind in sorted(REGISTRY))]
+    undescribed = [key.name for section in sections for key in section.keys if not key.help]
+    assert not undescribed, f"describe these keys with a comment in the schema: {undescribed}"
+    assert (REPO / "docs" / "recipe.md").read_text() == render_markdown(), "regenerate: python -m draftsmith.recipe_keys > docs/recipe.md"
+
+
+@pytest.mark.slow
+def test_the_scripts_answer_help_as_processes():
+    for args in (["train.py", "--help"], ["-m", "draftsmith", "monitor", "--help"], ["-m", "data_prep.regenerate", "recipe=medusa", "--help"]):
+        done = run_entry(args, timeout=120)
+        assert done.returncode == 0 and "Recipe keys" in done.stdout and not done.stderr.strip(), (args, done.stderr[-500:])
