@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
@@ -48,9 +49,26 @@ def close_progress_bars() -> None:
         bar.close()
 
 
+def stop_on_sigterm(signum, frame) -> None:
+    """SIGTERM outside a training loop (which installs its own, to checkpoint first): stop where the
+    job is. Every stage publishes by rename, so what it finished is kept and the same command
+    continues (regeneration and capture after their last finished part, export from its checks)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM during the unwinding kills
+    raise Preempted("stopped on SIGTERM; what was finished is kept: run the same command again to continue")
+
+
 def run_cli(main: Callable[[Sequence[str]], object], argv: Sequence[str] | None = None) -> NoReturn:
-    """Run an entry point; each exception above becomes one line on stderr and its exit code."""
+    """Run an entry point; each exception above becomes one line on stderr and its exit code, and
+    SIGTERM becomes Preempted (exit 75) wherever the job is (`stop_on_sigterm`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
+    try:
+        _run(main, argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(main: Callable[[Sequence[str]], object], argv: list[str]) -> NoReturn:
     try:
         main(argv)
     except UserError as err:

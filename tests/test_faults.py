@@ -167,6 +167,63 @@ def test_regeneration_killed_anywhere_resumes_into_the_same_bytes(tmp_path, smal
         assert digests(out, "part-*.jsonl.gz") == parts, trial
 
 
+def sigterm_mid_run(args: list[str], mid_run, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Start `python args`, send SIGTERM once `mid_run(stderr so far)` says the job is under way (it
+    must not have finished by then), and return how it ended."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    process = subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    stderr = bytearray()
+    reader = threading.Thread(target=lambda: [stderr.extend(chunk) for chunk in iter(lambda: process.stderr.read1(4096), b"")], daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout
+    while not mid_run(stderr.decode(errors="replace")):
+        assert process.poll() is None, "the job ended before it could be interrupted: " + stderr.decode(errors="replace")[-2000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    stdout = process.stdout.read()
+    process.wait(timeout=timeout)
+    reader.join()
+    return subprocess.CompletedProcess(args, process.returncode, stdout.decode(), stderr.decode(errors="replace"))
+
+
+def assert_preempted(done: subprocess.CompletedProcess) -> None:
+    """Exit 75 and, after any progress bar, one line saying what to do."""
+    last = [line for line in done.stderr.replace("\r", "\n").splitlines() if line.strip()][-1]
+    assert done.returncode == 75 and last.startswith("preempted: stopped on SIGTERM"), done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+
+
+def test_sigterm_stops_regeneration_and_eval_mid_run_with_exit_75(tmp_path, small_data, token_cache):
+    """Outside training (which checkpoints first), SIGTERM stops a job where it is: exit 75, one line,
+    the finished part files kept, and the same command finishes the same bytes."""
+    quick = ["data.max_conversations=16", "data.regenerate.batch_size=2", "data.regenerate.max_new_tokens=24"]
+    reference, out = tmp_path / "reference", tmp_path / "interrupted"
+    args = ["-m", "data_prep.regenerate", *train_args(tmp_path / "run", small_data, token_cache, *quick)]
+    assert subprocess.run([sys.executable, *args, f"data.regenerate.output={reference}"], cwd=REPO, capture_output=True, timeout=600).returncode == 0
+    done = sigterm_mid_run([*args, f"data.regenerate.output={out}"], lambda _: any(out.glob("part-*.jsonl.gz")))
+    assert_preempted(done)
+    assert 1 <= len(digests(out, "part-*.jsonl.gz")) < 8  # the signal landed mid-run
+    again = subprocess.run([sys.executable, *args, f"data.regenerate.output={out}"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert digests(out, "part-*.jsonl.gz") == digests(reference, "part-*.jsonl.gz")
+    assert not (out / LOCK_NAME).exists()
+
+    from draftsmith.target import load_target
+    from tests.test_export import save_drafter
+
+    checkpoint = save_drafter("medusa", load_target(str(REFERENCE_TARGET)), tmp_path / "ckpt")
+    evaluation = [
+        "-m",
+        "eval",
+        *train_args(tmp_path / "eval", small_data, token_cache, "eval.max_prompts=4", "eval.max_new_tokens=48"),
+        f"drafter.path={checkpoint}",
+    ]
+    done = sigterm_mid_run(evaluation, lambda stderr: "prompt/s" in stderr or "s/prompt" in stderr)  # the eval's progress bar has moved
+    assert_preempted(done)
+    assert not (tmp_path / "eval" / "eval" / "report.json").exists() and not (tmp_path / "eval" / "eval" / LOCK_NAME).exists()
+
+
 def test_export_killed_anywhere_resumes_into_the_same_bytes(tmp_path):
     from draftsmith.target import load_target
     from tests.test_export import save_drafter
