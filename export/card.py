@@ -80,8 +80,8 @@ def acceptance_section(report: Optional[dict[str, Any]]) -> list[str]:
         "τ: new tokens per target forward (bonus included); α: accepted / drafted; per position: acceptance at draft position k given "
         "the earlier ones were accepted; lossless: token-identical to plain greedy decoding.",
         "",
-        "| domain | method | τ | α | per position | lossless |",
-        "|---|---|---:|---:|---|:---:|",
+        "| domain | method | served by | τ | α | per position | lossless |",
+        "|---|---|---|---:|---:|---|:---:|",
     ]
     for domain in report["domains"]:
         rows = {**report["domains"][domain], **{k: v for k, v in report["baselines"][domain].items() if k == "ngram"}}
@@ -90,7 +90,8 @@ def acceptance_section(report: Optional[dict[str, Any]]) -> list[str]:
             lossless = {True: "yes", False: "**no**", None: "n/a"}[row["lossless"]]
             tau = "–" if row["tau"] is None else f"{row['tau']:.2f}"
             alpha = "–" if row["alpha"] is None else f"{row['alpha']:.2f}"
-            lines.append(f"| {domain} | {method} | {tau} | {alpha} | {per_position} | {lossless} |")
+            served_by = methods.get(method, {}).get("served_by", "–")  # reports before served_by: unknown
+            lines.append(f"| {domain} | {method} | {served_by} | {tau} | {alpha} | {per_position} | {lossless} |")
     return [*lines, ""]
 
 

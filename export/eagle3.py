@@ -12,6 +12,9 @@ The conversions, each checked and recorded in draftsmith_export.json:
 - The draft vocabulary: `d2t` (offsets, target id = draft id + d2t) and `t2d` ship only when the
   vocabulary is pruned (vLLM refuses a `d2t` for a full vocabulary); `lm_head` always ships.
 - max_position_embeddings and rope come from the target's config, never defaults.
+- EAGLE-3.1's `fc_norm` (weights `fc_norm.{i}.weight`, one per aux layer) and `norm_output` are always
+  written, as vLLM reads them (vllm/transformers_utils/configs/speculators/algos.py, models/llama_eagle3.py;
+  both default to false). SGLang's EAGLE-3 layer has neither: such a drafter is refused for SGLang.
 
 SGLang (checked against sglang's llama_eagle3.py and the Llama target's layer capture, source read,
 not run): `eagle_config.eagle_aux_hidden_state_layer_ids` are draftsmith's ids (it captures id + 1
@@ -100,8 +103,8 @@ class Eagle3Exporter(Exporter):
             "target_hidden_size": target.shape.hidden_size,
             "norm_before_residual": bool(drafter.config.norm_before_residual),
             "norm_before_fc": False,
-            "fc_norm": False,
-            "norm_output": False,
+            "fc_norm": bool(drafter.config.fc_norm),
+            "norm_output": bool(drafter.config.norm_output),
             "eagle_aux_hidden_state_layer_ids": ids,
             "speculators_config": {
                 "algorithm": "eagle3",
@@ -119,13 +122,22 @@ class Eagle3Exporter(Exporter):
             "norm_before_residual": f"written {config['norm_before_residual']} (vLLM's speculators default is true)",
             "num_aux_hidden_states": f"written {len(ids)}: vLLM sizes the fc from it, not from the ids",
             "draft_vocab": "d2t (offsets) and t2d shipped" if drafter.pruned else "full vocabulary: no d2t/t2d",
+            "eagle3.1": f"fc_norm {config['fc_norm']}, norm_output {config['norm_output']} (written either way; vLLM defaults both to false)",
         }
         expected = layer_expected(layer, target.shape.vocab_size, drafter.config.draft_vocab_size, len(ids))
+        if drafter.config.fc_norm:
+            expected |= {f"fc_norm.{i}.weight": (target.shape.hidden_size,) for i in range(len(ids))}
         return EngineRepo("vllm", config, drafter.state_dict(), expected, VLLM_SERVE, conventions, method="eagle3")
 
     def sglang(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         check_plain_llama(source, "SGLang")
         drafter, target = source.drafter, source.target
+        extensions = [key for key in ("fc_norm", "norm_output") if getattr(drafter.config, key)]
+        if extensions:
+            raise UserError(
+                f"this EAGLE-3 drafter uses EAGLE-3.1's {' and '.join(extensions)}, which SGLang's EAGLE-3 layer does not have: it would "
+                "serve another function (export it for vllm, or train without them)"
+            )
         if drafter.config.norm_before_residual:
             raise UserError(
                 "this EAGLE-3 drafter was trained with norm_before_residual=true; SGLang's EAGLE-3 layer always keeps the "
@@ -167,14 +179,16 @@ class Eagle3Exporter(Exporter):
         if "speculators_config" in config:  # vLLM convention: input of layer id
             ours = [layer - 1 for layer in config["eagle_aux_hidden_state_layer_ids"]]
             norm_before_residual = config.get("norm_before_residual", True)  # vLLM's default for this format
+            extensions = {key: bool(config.get(key, False)) for key in ("fc_norm", "norm_output")}  # EAGLE-3.1; vLLM's default false
         else:  # LlamaForCausalLMEagle3: SGLang's eagle_config ids are draftsmith's (output of layer id)
             ours = list(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
             top = config.get("eagle_aux_hidden_state_layer_ids")
             if top is not None and list(top) != [layer + 1 for layer in ours]:
                 raise UserError(f"{folder}: top-level eagle_aux_hidden_state_layer_ids {top} disagree with eagle_config's {ours} (+1 expected)")
             norm_before_residual = config.get("norm_before_residual", False)
+            extensions = {}
         eagle3 = drafter_class("eagle3")
-        settings = {"aux_layers": ours, "draft_vocab_size": int(config["draft_vocab_size"]), "norm_before_residual": bool(norm_before_residual)}
+        settings = {"aux_layers": ours, "draft_vocab_size": int(config["draft_vocab_size"]), "norm_before_residual": bool(norm_before_residual), **extensions}
         settings |= {key: value for key, value in info.get("drafter_config", {}).items() if key in ("tree_depth", "tree_topk", "ttt_steps", "ttt_decay")}
         drafter = eagle3.from_target(eagle3.Config(**settings), target_model, info.get("verifier", "target"))
         tensors = {name.replace("midlayer.", "layers.0."): tensor for name, tensor in tensors.items() if not name.startswith("embed_tokens")}

@@ -148,6 +148,9 @@ class Drafter(nn.Module):
 
     type: ClassVar[str]  # registry key, the recipe's drafter.type
     Config: ClassVar[type]  # a DrafterConfig dataclass: the schema of the recipe's drafter section
+    # Which serving engine can serve what the eval measures, per eval method (chain, tree): reports and
+    # the README's matrix say it beside every figure. vLLM 0.32 verifies chains only; SGLang EAGLE trees.
+    SERVED_BY: ClassVar[dict[str, str]] = {"chain": "vLLM", "tree": "draftsmith eval only"}
 
     def __init__(self, config, target: TargetShape):
         super().__init__()

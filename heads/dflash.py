@@ -184,6 +184,7 @@ class DFlash(EagleBase):
 
     type = "dflash"
     Config = DFlashConfig
+    SERVED_BY = {"chain": "draftsmith eval only (no exporter yet)", "tree": "draftsmith eval only (DDTree)"}
 
     def __init__(self, config: DFlashConfig, target: TargetShape):
         super().__init__(config, target)

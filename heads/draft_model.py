@@ -79,6 +79,7 @@ class DraftModelConfig(DrafterConfig):
 class DraftModel(Drafter):
     type = "draft_model"
     Config = DraftModelConfig  # max_chain stays None: an autoregressive draft proposes chains of any length
+    SERVED_BY = {"chain": "vLLM, SGLang"}  # SGLang: STANDALONE
 
     def __init__(self, config: DraftModelConfig, target: TargetShape, model=None):
         super().__init__(config, target)

@@ -109,6 +109,8 @@ class EagleBase(Drafter):
     positions, from the target's hidden states in a DraftState), and sets `fc`.
     """
 
+    SERVED_BY = {"chain": "vLLM, SGLang", "tree": "SGLang"}  # SGLang verifies EAGLE trees (topk > 1)
+
     def __init__(self, config, target: TargetShape):
         super().__init__(config, target)
         if config.decoder is None:

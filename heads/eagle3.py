@@ -10,6 +10,10 @@ side (2H inputs) gives an output feature o_t, and norm + lm_head turn o_t into a
 Unlike EAGLE-1 there is no feature regression: the next draft step reads o_t itself in place of a
 target feature (at decode time that is all there is), and training unrolls that (TTT, see `loss`).
 
+EAGLE-3.1 (`fc_norm`, `norm_output`, as vLLM reads them): g_t = fc(cat(n_a(h^a_t), n_b(h^b_t), n_c(h^c_t)))
+with one RMSNorm per aux layer (`fc_norm.{i}`, vLLM's names), and the feature
+passed on is o'_t = norm(o_t), read by the lm_head as it is.
+
 Layer ids: `aux_layers` use draftsmith's convention (draftsmith.target): id i is the *output* of
 decoder layer i (transformers' hidden_states[i + 1]), -1 the embeddings. vLLM's
 `eagle_aux_hidden_state_layer_ids` (and EAGLE-3's own code) name the layer whose *input* is captured,
@@ -67,6 +71,12 @@ class Eagle3Config(DrafterConfig):
     # code, speculators' default). True: the residual is hidden_norm(fused). vLLM assumes True when the
     # key is missing, so an export must write it.
     norm_before_residual: bool = False
+    # EAGLE-3.1 (vLLM reads both from its configs): an RMSNorm per aux layer on its captured state before
+    # `fc` ...
+    fc_norm: bool = False
+    # ... and the post-norm output o' = norm(o) as the feature the next draft step reads (and the lm_head's
+    # input), where EAGLE-3 passes the pre-norm o on.
+    norm_output: bool = False
     tree_depth: int = 5  # dynamic tree (EAGLE-2): draft steps ...
     tree_topk: int = 8  # ... children expanded per node and nodes expanded per step; eval.tree = node budget
     decoder: Optional[dict] = None  # the target family's layer/rotary classes and config; set by from_target
@@ -248,6 +258,8 @@ class Eagle3(EagleBase):
         self.layer_config._attn_implementation = ATTENTION  # SDPA, plus the training-time test's attention
         layer = import_qualified(config.decoder["layer"])(self.layer_config, layer_idx=0)
         self.fc = nn.Linear(len(config.aux_layers) * hidden, hidden, bias=False)
+        if config.fc_norm:  # fresh norms of the family's class (weight 1)
+            self.fc_norm = nn.ModuleList([copy.deepcopy(layer.input_layernorm) for _ in config.aux_layers])
         self.layers = nn.ModuleList([Eagle3Layer(layer, hidden, config.norm_before_residual)])
         self.norm = copy.deepcopy(layer.input_layernorm)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
@@ -329,18 +341,23 @@ class Eagle3(EagleBase):
     def fuse(self, layers: dict[int, torch.Tensor]) -> torch.Tensor:
         """The target's aux-layer states [..., H] each -> the fused input feature [..., H]."""
         dtype = self.fc.weight.dtype
-        return self.fc(torch.cat([layers[layer].to(dtype) for layer in self.config.aux_layers], dim=-1))
+        states = [layers[layer].to(dtype) for layer in self.config.aux_layers]
+        if self.config.fc_norm:
+            states = [norm(state) for norm, state in zip(self.fc_norm, states)]
+        return self.fc(torch.cat(states, dim=-1))
 
     def draft(self, tokens, features, positions, mask=None, cache=None, **attention) -> torch.Tensor:
         """o = layer(embed(x), g) for input features g (fused target features or earlier outputs);
         see EagleBase.draft. `attention` goes to the attention function (`ttt_at`, see `unroll_at`)."""
         embed, _ = self.target_modules()
         rope = self.rotary_emb(features, positions)
-        return self.layers[0](embed(tokens).to(features.dtype), features, rope, positions, mask, cache, **attention)
+        out = self.layers[0](embed(tokens).to(features.dtype), features, rope, positions, mask, cache, **attention)
+        return self.norm(out) if self.config.norm_output else out
 
     def draft_logits(self, outputs: torch.Tensor) -> torch.Tensor:
-        """Output features [..., H] -> logits over the draft vocabulary [..., draft_vocab_size]."""
-        return self.lm_head(self.norm(outputs)).float()
+        """Output features [..., H] -> logits over the draft vocabulary [..., draft_vocab_size]
+        (with norm_output the features are already normed)."""
+        return self.lm_head(outputs if self.config.norm_output else self.norm(outputs)).float()
 
     def top_tokens(self, feature: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         # Clamped so that rounding never lets a child outscore its parent (see `grow`).

@@ -25,7 +25,7 @@ from draftsmith.errors import UserError
 from draftsmith.export.repo import EXPORT_INFO
 from draftsmith.files import write_text_atomic
 from draftsmith.monitor import Outcome
-from draftsmith.monitor.drift import DRIFT, HEALTHY, TOO_FEW, Baseline, domain_tests, engine_tests, verdict_of
+from draftsmith.monitor.drift import DRIFT, HEALTHY, TOO_FEW, Baseline, domain_tests, engine_tests, request_tests, verdict_of
 from draftsmith.monitor.metrics import collect, window
 from draftsmith.monitor.state import State
 from draftsmith.monitor.traffic import sample, write_conversations
@@ -138,17 +138,21 @@ def decide(cfg: DictConfig, state: State, drift: bool, now: float) -> tuple[Outc
 
 
 def measure_traffic(cfg: DictConfig, directory: Path, deployed: dict[str, Any], baseline: Baseline, number: int, now: float) -> dict[str, Any]:
-    """draftsmith's eval of the deployed drafter on the latest requests of each domain."""
+    """Acceptance per domain of recent traffic: from the engine's per-request counts where the logged
+    requests carry them (monitor/traffic.py), else by replay, draftsmith's eval of the deployed
+    drafter on the latest requests of the domain."""
     from draftsmith.eval.report import run_eval
 
     requests, summary = sample(Path(cfg.monitor.traffic), cfg.monitor.sample_per_domain, cfg.monitor.traffic_window_s, now)
-    if not requests:
-        return {**summary, "verdict": TOO_FEW, "domains": {}}
+    tests = request_tests(summary["per_request_acceptance"], baseline, cfg.monitor)
+    replayed = [request for request in requests if request["domain"] not in tests]
+    if not replayed:
+        return {**summary, "domains": tests, "verdict": verdict_of(tests) if tests else TOO_FEW}
     check_dir = directory / "checks" / f"{number:05d}"
-    conversations = write_conversations(requests, check_dir / "traffic_sample.jsonl")
+    conversations = write_conversations(replayed, check_dir / "traffic_sample.jsonl")
     variant = derived(cfg, {"eval.data": [str(conversations)], "eval.max_prompts": cfg.monitor.sample_per_domain, "eval.tree": 0, "output_dir": str(check_dir)})
     report = run_eval(variant, deployed["export"])
-    tests = domain_tests(report, baseline, cfg.monitor)
+    tests |= domain_tests(report, baseline, cfg.monitor)
     return {**summary, "sample": str(conversations), "report": str(check_dir / "eval" / "report.json"), "domains": tests, "verdict": verdict_of(tests)}
 
 

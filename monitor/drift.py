@@ -102,7 +102,27 @@ def domain_tests(report: dict[str, Any], baseline: Baseline, settings) -> dict[s
         measured = row["accepted"] / row["drafted"] if row["drafted"] else None
         new = domain not in baseline.domains
         test = judge(measured, cycles, baseline.alpha if new else baseline.domains[domain], settings)
-        tests[domain] = {**asdict(test), "new_domain": new, "prompts": row["prompts"], "tau": row["tau"]}
+        tests[domain] = {**asdict(test), "new_domain": new, "prompts": row["prompts"], "tau": row["tau"], "source": "replay"}
+    return tests
+
+
+def request_tests(per_domain: dict[str, dict[str, Any]], baseline: Baseline, settings) -> dict[str, dict[str, Any]]:
+    """α per domain from the engine's per-request counts (monitor/traffic.py `per_request_acceptance`),
+    against that domain's baseline or the overall one for a new domain; trials are verify steps."""
+    tests = {}
+    for domain, counts in per_domain.items():
+        measured = counts["accepted"] / counts["draft_tokens"] if counts["draft_tokens"] else None
+        new = domain not in baseline.domains
+        test = judge(measured, counts["drafts"], baseline.alpha if new else baseline.domains[domain], settings)
+        tau = 1 + counts["accepted"] / counts["drafts"]
+        tests[domain] = {
+            **asdict(test),
+            "new_domain": new,
+            "requests": counts["requests"],
+            "tau": tau,
+            "at_least": counts["at_least"],
+            "source": "engine per-request",
+        }
     return tests
 
 

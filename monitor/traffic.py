@@ -2,6 +2,12 @@
 line, `{"messages": [...], "domain": "...", "timestamp": ...}` (domain optional; timestamp as Unix
 seconds or ISO 8601; the assistant's logged answer may end the messages or be absent).
 
+A record may also carry the engine's own acceptance for that request, as vLLM 0.32 returns it with
+`--per-request-spec-decode-metrics summary|detailed`: the response's `metrics` object copied into the
+record (`"metrics": {"speculative_decoding": {"acceptance_histogram": [...], "num_draft_tokens": N,
+...}}`). Those counts are what the engine measured on the real request, so a domain whose recent
+requests carry them is judged from them (`per_request_acceptance`) and needs no replay.
+
 The sample is the latest `monitor.sample_per_domain` requests of each domain within the last
 `monitor.traffic_window_s` seconds, written as a conversation file the eval and regeneration read:
 each request's messages, ending with the logged answer, or with a placeholder answer when none was
@@ -58,8 +64,44 @@ def read_requests(directory: Path) -> tuple[list[dict[str, Any]], int]:
             if not messages or not any(m["role"] == "user" for m in messages):
                 malformed += 1
                 continue
-            requests.append({"messages": messages, "domain": str(record.get("domain") or DEFAULT_DOMAIN), "time": timestamp_of(record.get("timestamp"))})
+            request = {"messages": messages, "domain": str(record.get("domain") or DEFAULT_DOMAIN), "time": timestamp_of(record.get("timestamp"))}
+            request["spec_decode"] = spec_decode_counts(record.get("metrics"))
+            requests.append(request)
     return requests, malformed
+
+
+def spec_decode_counts(metrics: Any) -> Optional[dict[str, Any]]:
+    """A request's acceptance from vLLM's per-request `metrics.speculative_decoding`: verify steps
+    (`drafts`), proposed and accepted draft tokens, and the histogram of accepted tokens per step;
+    None when the record has none (or a malformed one: then the request is replayed instead)."""
+    spec = metrics.get("speculative_decoding") if isinstance(metrics, dict) else None
+    if not isinstance(spec, dict):
+        return None
+    histogram, proposed = spec.get("acceptance_histogram"), spec.get("num_draft_tokens")
+    if not isinstance(histogram, list) or not all(isinstance(n, int) and n >= 0 for n in histogram) or not isinstance(proposed, int):
+        return None
+    accepted = sum(j * count for j, count in enumerate(histogram))
+    return {"drafts": sum(histogram), "draft_tokens": proposed, "accepted": accepted, "histogram": histogram}
+
+
+def per_request_acceptance(requests: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per domain, the engine's per-request counts summed over the requests that carry them: drafts,
+    draft tokens, accepted tokens, and P(accepted >= k) per draft position (the histogram's tail)."""
+    totals: dict[str, dict[str, Any]] = {}
+    for request in requests:
+        counts = request.get("spec_decode")
+        if counts is None or not counts["drafts"]:
+            continue
+        total = totals.setdefault(request["domain"], {"requests": 0, "drafts": 0, "draft_tokens": 0, "accepted": 0, "histogram": []})
+        total["requests"] += 1
+        for key in ("drafts", "draft_tokens", "accepted"):
+            total[key] += counts[key]
+        width = max(len(total["histogram"]), len(counts["histogram"]))
+        total["histogram"] = [a + b for a, b in zip(total["histogram"] + [0] * width, counts["histogram"] + [0] * width)][:width]
+    for total in totals.values():
+        tail = [sum(total["histogram"][k:]) for k in range(1, len(total["histogram"]))]
+        total["at_least"] = [count / total["drafts"] for count in tail]
+    return totals
 
 
 def sample(directory: Path, per_domain: int, window_s: float, now: Optional[float] = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -71,7 +113,10 @@ def sample(directory: Path, per_domain: int, window_s: float, now: Optional[floa
     for request in recent:
         by_domain[request["domain"]].append(request)
     picked = {domain: rows[-per_domain:] for domain, rows in sorted(by_domain.items())}
-    summary = {"requests_read": len(requests), "malformed_lines": malformed, "in_window": len(recent), "per_domain": {d: len(r) for d, r in picked.items()}}
+    summary = {
+        "requests_read": len(requests), "malformed_lines": malformed, "in_window": len(recent), "per_domain": {d: len(r) for d, r in picked.items()},
+        "per_request_acceptance": per_request_acceptance(recent),  # every recent request the engine reported on, not only the sample
+    }  # fmt: skip
     return [row for rows in picked.values() for row in rows], summary
 
 

@@ -311,6 +311,47 @@ def test_cache_rollback_matches_a_drafter_rebuilt_from_scratch(model, drafter, p
     assert_cache_rollback(model, drafter, prompts[2], tmp_path)
 
 
+# -- EAGLE-3.1: fc_norm and norm_output ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def drafter31(model):
+    return fitted_eagle(model, steps=60, **TINY, fc_norm=True, norm_output=True)
+
+
+def test_eagle31_norms_each_aux_state_and_passes_the_normed_output_on(model, drafter31):
+    """fc reads each aux layer's state through its own norm, and a draft step's output is norm(layer
+    output): the lm_head reads it as it is (no second norm), the next step reads the same."""
+    text = torch.randint(3, TINY_VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        layers = run_target(model, text, request=drafter31.request).layers
+        states = [norm(layers[layer]) for norm, layer in zip(drafter31.fc_norm, drafter31.config.aux_layers)]
+        torch.testing.assert_close(drafter31.fuse(layers), drafter31.fc(torch.cat(states, dim=-1)))
+        assert not torch.equal(drafter31.fuse(layers), drafter31.fc(torch.cat([layers[i] for i in drafter31.config.aux_layers], dim=-1)))
+        args = (text[:, 1:], drafter31.fuse(layers)[:, :-1], torch.arange(8)[None])
+        out = drafter31.draft(*args)
+        drafter31.config.norm_output = False
+        try:
+            layer_output = drafter31.draft(*args)
+        finally:
+            drafter31.config.norm_output = True
+        torch.testing.assert_close(out, drafter31.norm(layer_output))  # the normed output is passed on ...
+        torch.testing.assert_close(drafter31.draft_logits(out), drafter31.lm_head(out).float())  # ... and read as it is
+
+
+@pytest.mark.parametrize("n", [2, 7])
+def test_eagle31_training_time_test_equals_decoding(model, drafter31, n):
+    test_training_time_test_equals_decoding(model, drafter31, n)
+
+
+def test_eagle31_greedy_is_lossless_and_round_trips_the_checkpoint(model, drafter31, prompts, tmp_path):
+    assert_greedy_equals_plain(model, drafter31, prompts, DynamicTree(nodes=10, depth=4, topk=3))
+    drafter31.save_pretrained(tmp_path / "eagle31")
+    assert {f"fc_norm.{i}.weight" for i in range(3)} <= set(load_file(str(tmp_path / "eagle31" / "model.safetensors")))
+    loaded = load_drafter(tmp_path / "eagle31", TargetShape.of(model, "tiny"), model).eval()
+    assert loaded.config.fc_norm and loaded.config.norm_output
+    state = prefill(model, [[5, 9, 2, 7, 11]], drafter31.request).rows[0].draft_state()
+    assert torch.equal(drafter31.proposer().propose(state, 4).tokens, loaded.proposer().propose(state, 4).tokens)
+
+
 # -- configuration --------------------------------------------------------------------------------
 def test_aux_layers_default_and_bad_values():
     deep = tiny_llama(vocab=16, hidden=16, layers=12)

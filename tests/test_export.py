@@ -110,9 +110,10 @@ def test_eagle3_conventions_are_converted_and_written(target, tmp_path):
         ("eagle", {"fc_bias": "true"}, [], "vLLM's EAGLE-1 skips without an error"),
         ("eagle3", {"norm_before_residual": "true"}, ["export.engines=[sglang]"], "SGLang's EAGLE-3 layer always keeps the un-normalised feature"),
         ("eagle3", {"aux_layers": "[0,1,3]"}, [], "aux layer 3 is the target's last hidden state after its final norm"),
+        ("eagle3", {"norm_output": "true"}, ["export.engines=[sglang]"], "EAGLE-3.1's norm_output, which SGLang's EAGLE-3 layer does not have"),
         ("medusa", {}, ["export.num_speculative_tokens=4"], "num_speculative_tokens=4 but this medusa drafter proposes at most 3"),
     ],
-    ids=["eagle-fc-bias", "eagle3-norm-before-residual-for-sglang", "eagle3-post-norm-layer", "medusa-more-tokens-than-heads"],
+    ids=["eagle-fc-bias", "eagle3-norm-before-residual-for-sglang", "eagle3-post-norm-layer", "eagle31-for-sglang", "medusa-more-tokens-than-heads"],
 )
 def test_combinations_an_engine_would_misread_are_refused(kind, config, extra, fragment, target, tmp_path):
     checkpoint = save_drafter(kind, target, tmp_path / "ckpt", **config)
@@ -154,15 +155,24 @@ def test_medusa_biases_are_declared_and_a_folder_that_would_drop_them_is_refused
 
 
 # -- round trip: an exported folder evaluates exactly like its checkpoint --------------------------
+EAGLE31 = {"fc_norm": "true", "norm_output": "true"}
+
+
 @pytest.mark.parametrize(
-    "kind, engine",
-    [("medusa", "vllm"), ("medusa2", "vllm"), ("eagle", "vllm"), ("eagle", "sglang"), ("eagle3", "vllm"), ("eagle3", "sglang"), ("draft_model", "vllm")],
-)
-def test_an_exported_folder_evaluates_like_its_checkpoint(kind, engine, target, small_data, tmp_path):
+    "kind, engine, config",
+    [("medusa", "vllm", {}), ("medusa2", "vllm", {}), ("eagle", "vllm", {}), ("eagle", "sglang", {}), ("eagle3", "vllm", {}), ("eagle3", "sglang", {}),
+     ("eagle3", "vllm", EAGLE31), ("draft_model", "vllm", {})],
+    ids=["medusa-vllm", "medusa2-vllm", "eagle-vllm", "eagle-sglang", "eagle3-vllm", "eagle3-sglang", "eagle3.1-vllm", "draft_model-vllm"],
+)  # fmt: skip
+def test_an_exported_folder_evaluates_like_its_checkpoint(kind, engine, config, target, small_data, tmp_path):
     from draftsmith.eval.report import run_eval
 
-    checkpoint = save_drafter(kind, target, tmp_path / "ckpt", seed=3)
+    checkpoint = save_drafter(kind, target, tmp_path / "ckpt", seed=3, **config)
     folders = run_export(kind, checkpoint, tmp_path / "export", f"export.engines=[{engine}]", target=target)
+    if config:  # EAGLE-3.1: both keys written, one norm per aux layer shipped under vLLM's names
+        written = json.loads((folders[engine] / "config.json").read_text())
+        assert written["fc_norm"] is True and written["norm_output"] is True
+        assert {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"} <= set(load_file(str(folders[engine] / "model.safetensors")))
     quick = [f"eval.data=[{small_data['eval']}]", "eval.max_prompts=1", "eval.max_new_tokens=16", "eval.tree=6"]
     if kind == "draft_model":
         quick[-1] = "eval.tree=0"

