@@ -171,7 +171,7 @@ def stage_train(args, runs: Path, kind: str, log: Path) -> None:
         [
             "train.py", f"recipe={RECIPES[kind]}", f"output_dir={kind_dir}", f"data.train=[{runs / 'data' / 'regenerated'}]",
             f"train.epochs={args.epochs}", f"train.max_steps={args.max_steps}", f"train.heldout={args.heldout}", f"train.eval_every={args.eval_every}",
-            "eval.enabled=false", *resume,
+            "eval.enabled=false", "data.eval=[]", *resume,  # MT-bench is prompts only: the eval stage reads it, not training
         ],
         log,
     )  # fmt: skip
