@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, Optional
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 
 @dataclass
@@ -116,10 +116,9 @@ def drafter_section(kind: str) -> Section:
 def _show(value: Any) -> str:
     if value is MISSING:
         return "required"
-    if isinstance(value, (DictConfig, dict, list)) or hasattr(value, "_content"):
-        value = OmegaConf.to_container(value) if not isinstance(value, (dict, list)) else value
-    text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
-    return text
+    if isinstance(value, (DictConfig, ListConfig)):  # a recipe's value, as OmegaConf.select returns it
+        value = OmegaConf.to_container(value)
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def render_text(cfg: Optional[DictConfig] = None) -> str:

@@ -23,6 +23,7 @@ import gzip
 import json
 import time
 from collections import defaultdict
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any, Optional
 
@@ -96,8 +97,7 @@ def per_request_acceptance(requests: list[dict[str, Any]]) -> dict[str, dict[str
         total["requests"] += 1
         for key in ("drafts", "draft_tokens", "accepted"):
             total[key] += counts[key]
-        width = max(len(total["histogram"]), len(counts["histogram"]))
-        total["histogram"] = [a + b for a, b in zip(total["histogram"] + [0] * width, counts["histogram"] + [0] * width)][:width]
+        total["histogram"] = [a + b for a, b in zip_longest(total["histogram"], counts["histogram"], fillvalue=0)]
     for total in totals.values():
         tail = [sum(total["histogram"][k:]) for k in range(1, len(total["histogram"]))]
         total["at_least"] = [count / total["drafts"] for count in tail]
