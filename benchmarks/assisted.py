@@ -44,7 +44,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from draftsmith.eval.loop import generate
-    from draftsmith.eval.report import eos_ids_of, load_prompts
+    from draftsmith.eval.prompts import eos_ids_of, load_prompts
     from draftsmith.heads import load_drafter
     from draftsmith.recipe import load_recipe
     from draftsmith.target import TargetShape, load_target, load_tokenizer
@@ -53,7 +53,14 @@ def main() -> None:
     trained_s = None
     if not (output_dir / "final" / "model.safetensors").is_file():
         began = time.perf_counter()
-        command = [sys.executable, "train.py", "recipe=draft", f"output_dir={output_dir}", "eval.enabled=false", "train.overwrite=true"]
+        command = [
+            sys.executable,
+            "train.py",
+            "recipe=draft",
+            f"output_dir={output_dir}",
+            "eval.enabled=false",
+            "train.overwrite=true",
+        ]
         result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
         if result.returncode != 0:
             sys.exit(f"training the draft model failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
@@ -63,10 +70,23 @@ def main() -> None:
     target, tokenizer = load_target(cfg.target), load_tokenizer(cfg.target)
     drafter = load_drafter(output_dir / "final", TargetShape.of(target, cfg.target.name_or_path), target).eval()
     assistant = drafter.model.eval()
-    prompts = [p for domain in load_prompts(list(cfg.data.eval), tokenizer, args.prompts, int(cfg.data.max_length)).values() for p in domain]
+    prompts = [
+        p
+        for domain in load_prompts(list(cfg.data.eval), tokenizer, args.prompts, int(cfg.data.max_length)).values()
+        for p in domain
+    ]
     eos_ids = eos_ids_of(target, tokenizer)
-    hf_settings = {"max_new_tokens": args.new_tokens, "do_sample": False, "eos_token_id": sorted(eos_ids), "pad_token_id": tokenizer.pad_token_id}
-    fixed = {"num_assistant_tokens": args.gamma, "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
+    hf_settings = {
+        "max_new_tokens": args.new_tokens,
+        "do_sample": False,
+        "eos_token_id": sorted(eos_ids),
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    fixed = {
+        "num_assistant_tokens": args.gamma,
+        "num_assistant_tokens_schedule": "constant",
+        "assistant_confidence_threshold": 0.0,
+    }
 
     def ours(prompt, proposer=None):
         return generate(target, prompt, args.new_tokens, proposer, args.gamma, eos_ids=eos_ids).tokens
@@ -119,9 +139,13 @@ def main() -> None:
         "speedup_over_own_plain": {
             "draftsmith_draft_model": round(rates["draftsmith_draft_model"] / rates["draftsmith_plain"], 3),
             "transformers_assisted_fixed": round(rates["transformers_assisted_fixed"] / rates["transformers_plain"], 3),
-            "transformers_assisted_default": round(rates["transformers_assisted_default"] / rates["transformers_plain"], 3),
+            "transformers_assisted_default": round(
+                rates["transformers_assisted_default"] / rates["transformers_plain"], 3
+            ),
         },
-        "speedup_over_transformers_plain": {name: round(rate / rates["transformers_plain"], 3) for name, rate in rates.items()},
+        "speedup_over_transformers_plain": {
+            name: round(rate / rates["transformers_plain"], 3) for name, rate in rates.items()
+        },
         "equal_to_plain_greedy": {name: f"{same[name]}/{len(prompts)}" for name in ways},
     }
     print(json.dumps(summary, indent=2))

@@ -46,7 +46,14 @@ def main() -> None:
         trained_s = None
         if not (output_dir / "final" / "model.safetensors").is_file():
             began = time.perf_counter()
-            command = [sys.executable, "train.py", f"recipe={name}", f"output_dir={output_dir}", "eval.enabled=false", "train.overwrite=true"]
+            command = [
+                sys.executable,
+                "train.py",
+                f"recipe={name}",
+                f"output_dir={output_dir}",
+                "eval.enabled=false",
+                "train.overwrite=true",
+            ]
             result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
             if result.returncode != 0:
                 sys.exit(f"training {name} failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
@@ -66,7 +73,10 @@ def main() -> None:
             "eval_s": round(time.perf_counter() - began, 1),
             "plot": str(output_dir / "eval" / "batch_sweep.png"),
             "all": {
-                size: {method: {k: row[k] for k in ("tau", "tokens_per_s", "speedup", "lossless")} for method, row in sweep[size]["all"].items()}
+                size: {
+                    method: {k: row[k] for k in ("tau", "tokens_per_s", "speedup", "lossless")}
+                    for method, row in sweep[size]["all"].items()
+                }
                 for size in sweep
             },
             "speedup_per_domain": {

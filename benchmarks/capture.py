@@ -62,7 +62,16 @@ def main() -> None:
     captures = {}
     for dtype in args.dtypes.split(","):
         shards = runs / f"features_{dtype}"
-        wall, _ = run(["-m", "data_prep.capture", *common, f"data.capture.dtype={dtype}", f"data.capture.output={shards}", f"output_dir={runs / 'capture'}"])
+        wall, _ = run(
+            [
+                "-m",
+                "data_prep.capture",
+                *common,
+                f"data.capture.dtype={dtype}",
+                f"data.capture.output={shards}",
+                f"output_dir={runs / 'capture'}",
+            ]
+        )
         manifest = json.loads((shards / "manifest.json").read_text())
         captures[dtype] = {
             "bytes_per_token": round(manifest["bytes_per_token"], 1),

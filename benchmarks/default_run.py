@@ -46,7 +46,10 @@ def main() -> None:
         "wall_s": round(wall_s, 1),
         "top1": {
             domain: {
-                h: {"untrained": round(accuracy["untrained"][domain][f"{h}/top1"], 3), "trained": round(accuracy["trained"][domain][f"{h}/top1"], 3)}
+                h: {
+                    "untrained": round(accuracy["untrained"][domain][f"{h}/top1"], 3),
+                    "trained": round(accuracy["trained"][domain][f"{h}/top1"], 3),
+                }
                 for h in heads
             }
             for domain in accuracy["trained"]

@@ -89,13 +89,27 @@ def main() -> None:
     rows = []
     for length in map(int, args.lengths.split(",")):
         for anchors in map(int, args.anchors.split(",")):
-            command = [sys.executable, __file__, "--one", str(length), str(anchors), "--block-size", str(args.block_size), "--threads", str(args.threads)]
+            command = [
+                sys.executable,
+                __file__,
+                "--one",
+                str(length),
+                str(anchors),
+                "--block-size",
+                str(args.block_size),
+                "--threads",
+                str(args.threads),
+            ]
             result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
             if result.returncode != 0:
                 sys.exit(f"T={length} A={anchors} failed:\n{result.stderr[-2000:]}")
             rows.append(json.loads(result.stdout.strip().splitlines()[-1]))
             print(json.dumps(rows[-1]), file=sys.stderr)
-    print(json.dumps({"target": "demo (4 heads, hidden 256, vocab 4096)", "threads": args.threads, "rows": rows}, indent=2))
+    print(
+        json.dumps(
+            {"target": "demo (4 heads, hidden 256, vocab 4096)", "threads": args.threads, "rows": rows}, indent=2
+        )
+    )
 
 
 if __name__ == "__main__":

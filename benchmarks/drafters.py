@@ -73,7 +73,16 @@ def main() -> None:
         overrides = [DRAFTERS[name][0], f"data.train=[{args.train_data}]", *DRAFTERS[name][1:]]
         train_s = run(["train.py", *overrides, f"train.max_steps={args.steps}", f"output_dir={out}"])
         greedy = json.loads((out / "eval" / "report.json").read_text())
-        run(["-m", "eval", f"recipe={out / 'recipe.yaml'}", f"drafter.path={out / 'final'}", "eval.temperature=1.0", f"output_dir={out / 'sampled'}"])
+        run(
+            [
+                "-m",
+                "eval",
+                f"recipe={out / 'recipe.yaml'}",
+                f"drafter.path={out / 'final'}",
+                "eval.temperature=1.0",
+                f"output_dir={out / 'sampled'}",
+            ]
+        )
         sampled = json.loads((out / "sampled" / "eval" / "report.json").read_text())
         lossless = [row["lossless"] for d in greedy["domains"] for row in greedy["domains"][d].values()]
         results[name] = {
@@ -94,7 +103,9 @@ def markdown(results: dict) -> str:
     """One tau table per temperature: a column per drafter and method, then the n-gram baseline."""
     tables = []
     for key, title in (("tau_T0", "T = 0 (greedy)"), ("tau_T1", "T = 1 (exact speculative sampling)")):
-        columns = [(name, method) for name, r in results.items() for method in ("chain", "tree") if method in r[key]["all"]]
+        columns = [
+            (name, method) for name, r in results.items() for method in ("chain", "tree") if method in r[key]["all"]
+        ]
         first = next(iter(results.values()))[key]
         header = [f"{name} {method}" for name, method in columns] + ["n-gram"]
         lines = [title, "", "| domain | " + " | ".join(header) + " |", "|---" * (len(header) + 1) + "|"]

@@ -22,7 +22,14 @@ from pathlib import Path
 from drafters import run  # benchmarks/ is the script's directory, first on sys.path
 
 REPO = Path(__file__).resolve().parent.parent
-RECIPES = {"medusa": "medusa", "medusa2": "medusa2", "eagle": "eagle", "eagle3": "eagle3", "draft_tvd": "draft"}
+RECIPES = {
+    "medusa": "medusa",
+    "medusa2": "medusa2",
+    "eagle": "eagle",
+    "eagle3": "eagle3",
+    "draft_tvd": "draft",
+    "dflash": "dflash",
+}
 TRAIN_DATA = "demo/data/train.regenerated.jsonl.gz"  # what benchmarks/drafters.py trains on
 
 
@@ -37,7 +44,11 @@ def main() -> None:
     results = {}
     for name in args.only.split(","):
         run_dir = (REPO / args.runs / name).resolve()
-        eval_settings = [f"output_dir={run_dir}", f"eval.max_prompts={args.prompts}", f"eval.max_new_tokens={args.new_tokens}"]
+        eval_settings = [
+            f"output_dir={run_dir}",
+            f"eval.max_prompts={args.prompts}",
+            f"eval.max_new_tokens={args.new_tokens}",
+        ]
         if not (run_dir / "final" / "model.safetensors").is_file():
             run(["train.py", f"recipe={RECIPES[name]}", f"data.train=[{TRAIN_DATA}]", *eval_settings])
         output = run_dir / "export"  # no 'eagle-'/'eagle3' in the run names: vLLM picks methods from paths

@@ -54,11 +54,23 @@ def bench(recipe: str, steps: int, warmup: int, pack_length: int | None) -> dict
     runs = {}
     for way in ways:
         torch.manual_seed(cfg.train.seed)
-        drafter = drafter_class(cfg.drafter.type).from_target(OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path)
+        drafter = drafter_class(cfg.drafter.type).from_target(
+            OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path
+        )
         drafter.prepare(data)
         groups = [{"params": params, "lr": cfg.train.lr * scale} for params, scale in drafter.param_groups()]
-        optimizer = torch.optim.AdamW(groups, lr=cfg.train.lr, betas=tuple(cfg.train.adam_betas), weight_decay=cfg.train.weight_decay)
-        runs[way] = {"drafter": drafter.train(), "optimizer": optimizer, "seconds": [], "losses": [], "tokens": 0, "positions": 0, "rows": 0}
+        optimizer = torch.optim.AdamW(
+            groups, lr=cfg.train.lr, betas=tuple(cfg.train.adam_betas), weight_decay=cfg.train.weight_decay
+        )
+        runs[way] = {
+            "drafter": drafter.train(),
+            "optimizer": optimizer,
+            "seconds": [],
+            "losses": [],
+            "tokens": 0,
+            "positions": 0,
+            "rows": 0,
+        }
 
     def step(run: dict, batch: dict) -> tuple[float, float]:
         drafter, optimizer = run["drafter"], run["optimizer"]
@@ -105,14 +117,18 @@ def bench(recipe: str, steps: int, warmup: int, pack_length: int | None) -> dict
         }
     result["real_tokens_per_step"] = round(runs["packed"]["tokens"] / steps, 1)
     result["speedup_tokens_per_s"] = round(result["packed"]["tokens_per_s"] / result["padded"]["tokens_per_s"], 3)
-    result["max_rel_loss_difference"] = float(f"{max(abs(a - b) / abs(b) for a, b in zip(runs['packed']['losses'], runs['padded']['losses'])):.3g}")
+    result["max_rel_loss_difference"] = float(
+        f"{max(abs(a - b) / abs(b) for a, b in zip(runs['packed']['losses'], runs['padded']['losses'])):.3g}"
+    )
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipes", default="medusa,eagle3")
-    parser.add_argument("--steps", default="30,12", help="timed steps per recipe (one value for all, or one per recipe)")
+    parser.add_argument(
+        "--steps", default="30,12", help="timed steps per recipe (one value for all, or one per recipe)"
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--pack-length", type=int, default=None, help="default: each recipe's data.max_length")

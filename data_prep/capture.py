@@ -124,7 +124,9 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
         # Exactly as training tokenizes (data_prep.load_tokenized), so a capture lines up with the
         # online data set row by row; the conversations' fingerprint also keys the capture.
         conversations = load_conversations(list(cfg.data.train), cfg.data.max_conversations)
-        data = tokenize_conversations(conversations, tokenizer, cfg.data.max_length, cfg.data.overlong, cfg.data.cache_dir)
+        data = tokenize_conversations(
+            conversations, tokenizer, cfg.data.max_length, cfg.data.overlong, cfg.data.cache_dir
+        )
     target = load_run_target(cfg.target, state.device)
     # A sharded target's forwards are collectives, and ranks have different numbers of them (their
     # slices differ, a resumed run skips finished shards): Lockstep keeps them in step.
@@ -169,7 +171,16 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
             progress.update(shard.tokens)
             continue
         rows = data[shard.start : shard.stop]
-        tensors = capture_shard(target, rows, selection, cfg.train.micro_batch_size, tokenizer.pad_token_id, state.device, progress, lockstep)
+        tensors = capture_shard(
+            target,
+            rows,
+            selection,
+            cfg.train.micro_batch_size,
+            tokenizer.pad_token_id,
+            state.device,
+            progress,
+            lockstep,
+        )
         done[shard.name] = write_shard(directory, shard, tensors, rows["domain"])
         computed += 1
         run["tokens_computed"] += shard.tokens
@@ -215,7 +226,12 @@ def resolve_selection(cfg: DictConfig, target) -> Selection:
 def target_description(target, cfg: DictConfig) -> dict[str, Any]:
     """The target's shape, id, revision and the dtype its forward ran in (features depend on it)."""
     shape = TargetShape.of(target, cfg.target.name_or_path)
-    return {**asdict(shape), "id": shape.id, "revision": cfg.target.revision, "dtype": str(target.dtype).removeprefix("torch.")}
+    return {
+        **asdict(shape),
+        "id": shape.id,
+        "revision": cfg.target.revision,
+        "dtype": str(target.dtype).removeprefix("torch."),
+    }
 
 
 def refuse_other_capture(directory: Path, settings: dict[str, Any]) -> None:
@@ -265,7 +281,14 @@ def is_intact(path: Path, entry: dict[str, Any]) -> bool:
 
 @torch.no_grad()
 def capture_shard(
-    target, rows: dict[str, list], selection: Selection, micro_batch_size: int, pad_token_id: int, device, progress, lockstep: Optional[Lockstep] = None
+    target,
+    rows: dict[str, list],
+    selection: Selection,
+    micro_batch_size: int,
+    pad_token_id: int,
+    device,
+    progress,
+    lockstep: Optional[Lockstep] = None,
 ) -> dict[str, torch.Tensor]:
     """Run the target over one shard's conversations and return the shard's tensors (on CPU); each
     forward through `lockstep` when the target is sharded."""
@@ -279,7 +302,9 @@ def capture_shard(
     for first in range(0, len(order), micro_batch_size):
         members = order[first : first + micro_batch_size]
         batch = collate([{"input_ids": rows["input_ids"][i], "loss_mask": rows["loss_mask"][i]} for i in members])
-        out = lockstep.run(run_target, target, batch["input_ids"].to(device), batch["attention_mask"].to(device), request)
+        out = lockstep.run(
+            run_target, target, batch["input_ids"].to(device), batch["attention_mask"].to(device), request
+        )
         for row, i in enumerate(members):
             per_conversation[i] = stored_tensors(out, row, lengths[i], selection)
             refuse_nonfinite(per_conversation[i], rows, i)
@@ -315,16 +340,24 @@ def refuse_nonfinite(stored: dict[str, torch.Tensor], rows: dict[str, list], ind
         bad = values.isnan() if name == "topk_logprobs" else ~values.isfinite()
         if bad.any():
             position = int(bad.reshape(len(values), -1).any(-1).nonzero()[0])
-            raise UserError(f"the target's {name} is not finite at token {position} of {rows['sample'][index]}; refusing to write a shard with it")
+            raise UserError(
+                f"the target's {name} is not finite at token {position} of {rows['sample'][index]}; refusing to write a shard with it"
+            )
 
 
-def write_shard(directory: Path, shard: ShardPlan, tensors: dict[str, torch.Tensor], domains: list[str]) -> dict[str, Any]:
+def write_shard(
+    directory: Path, shard: ShardPlan, tensors: dict[str, torch.Tensor], domains: list[str]
+) -> dict[str, Any]:
     """Write to `<name>.tmp`, make it durable, rename it into place; return its manifest entry."""
     path = directory / shard.name
     tmp = path.with_name(path.name + ".tmp")
     # One metadata key: safetensors writes several in a per-process random order, and a shard must
     # be the same bytes whenever it is made (a resumed capture equals an uninterrupted one).
-    header = {"schema_version": SCHEMA_VERSION, "first_conversation": shard.start, "domains": domains}  # domains: one per conversation
+    header = {
+        "schema_version": SCHEMA_VERSION,
+        "first_conversation": shard.start,
+        "domains": domains,
+    }  # domains: one per conversation
     save_file(tensors, str(tmp), metadata={SHARD_METADATA: json.dumps(header, sort_keys=True)})
     os.chmod(tmp, shard_mode())
     with open(tmp, "rb") as f:
@@ -347,7 +380,9 @@ def write_shard(directory: Path, shard: ShardPlan, tensors: dict[str, torch.Tens
 def merge_manifest(directory: Path, settings: dict[str, Any], cfg: DictConfig, tokenizer) -> dict[str, Any]:
     """Join every rank's part into manifest.json, with totals and the bytes/token comparison."""
     parts = [read_json(directory / part_name(rank)) for rank in range(settings["world_size"])]
-    shards = sorted((entry for part in parts for entry in part["shards"]), key=lambda entry: entry["first_conversation"])
+    shards = sorted(
+        (entry for part in parts for entry in part["shards"]), key=lambda entry: entry["first_conversation"]
+    )
     tokens = sum(entry["tokens"] for entry in shards)
     total_bytes = sum(entry["bytes"] for entry in shards)
     domains: Counter[str] = Counter()
@@ -379,7 +414,11 @@ def merge_manifest(directory: Path, settings: dict[str, Any], cfg: DictConfig, t
         "domains": dict(sorted(domains.items())),
         "shards": shards,
         # The last run's throughput, all ranks together (0 when it only reused finished shards).
-        "last_run": {"tokens_computed": computed, "seconds": seconds, "tokens_per_s": round(computed / seconds, 1) if seconds else 0.0},
+        "last_run": {
+            "tokens_computed": computed,
+            "seconds": seconds,
+            "tokens_per_s": round(computed / seconds, 1) if seconds else 0.0,
+        },
     }
     write_json(directory / MANIFEST_NAME, manifest)
     return manifest
@@ -392,7 +431,9 @@ def field_layout(settings: dict[str, Any], hidden_size: int) -> dict[str, str]:
     for name in hidden_names(settings["final"], settings["layers"]):
         fields[name] = f"{storage} [T, {hidden_size}]"
         if settings["dtype"] == "float8":
-            fields[f"{name}.scale"] = f"float32 [T]: {name} = {name}.float() * scale[:, None], scale = absmax / {FP8_MAX:g}"
+            fields[f"{name}.scale"] = (
+                f"float32 [T]: {name} = {name}.float() * scale[:, None], scale = absmax / {FP8_MAX:g}"
+            )
     distribution = str(DISTRIBUTION_DTYPE).removeprefix("torch.")
     shapes = {
         "topk_ids": f"int32 [T, {settings['topk']}]",

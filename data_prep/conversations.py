@@ -56,7 +56,9 @@ FEATURES = datasets.Features(
 _CODE_HASH = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
 
 
-def load_conversations(sources: list[str], max_conversations: Optional[int] = None, prompts_only: bool = False) -> datasets.Dataset:
+def load_conversations(
+    sources: list[str], max_conversations: Optional[int] = None, prompts_only: bool = False
+) -> datasets.Dataset:
     """Load and validate conversations from every source, in order.
 
     A source is a local `.jsonl`, `.jsonl.gz`, `.json`, `.json.gz` or `.parquet` file, a glob, a
@@ -193,7 +195,9 @@ def _diagnose_json(path: str) -> None:
 
 
 def _normalize(dataset: datasets.Dataset, source: str, prompts_only: bool) -> datasets.Dataset:
-    fingerprint = hashlib.sha256(f"{dataset._fingerprint}|{source}|{prompts_only}|{_CODE_HASH}".encode()).hexdigest()[:16]
+    fingerprint = hashlib.sha256(f"{dataset._fingerprint}|{source}|{prompts_only}|{_CODE_HASH}".encode()).hexdigest()[
+        :16
+    ]
     return dataset.map(
         _normalize_row,
         with_indices=True,
@@ -237,12 +241,19 @@ def normalize_record(record: dict[str, Any], source: str, number: int, prompts_o
         if content is None:
             raise UserError(f"{where}: turn {turn_number} has no content ('content', or ShareGPT 'value')")
         if not isinstance(content, str):
-            raise UserError(f"{where}: turn {turn_number} has a content of type {type(content).__name__}, expected a string")
+            raise UserError(
+                f"{where}: turn {turn_number} has a content of type {type(content).__name__}, expected a string"
+            )
         if not content.strip():
             raise UserError(f"{where}: turn {turn_number} has an empty content")
         messages.append({"role": ROLES[role.lower()], "content": content})
-    if not any(message["role"] == "assistant" for message in messages) and not (prompts_only and messages[-1]["role"] == "user"):
-        raise UserError(f"{where}: no assistant turn, so nothing to train on" + (" (nor a last user turn to answer)" if prompts_only else ""))
+    if not any(message["role"] == "assistant" for message in messages) and not (
+        prompts_only and messages[-1]["role"] == "user"
+    ):
+        raise UserError(
+            f"{where}: no assistant turn, so nothing to train on"
+            + (" (nor a last user turn to answer)" if prompts_only else "")
+        )
     domain = record.get("domain")
     return {
         "messages": messages,

@@ -36,7 +36,9 @@ FEATURES = datasets.Features(
     }
 )
 # A fix to the masking must not be hidden behind a cache written by the old code.
-_CODE_HASH = hashlib.sha256(b"".join((Path(__file__).parent / name).read_bytes() for name in ("template.py", "dataset.py"))).hexdigest()
+_CODE_HASH = hashlib.sha256(
+    b"".join((Path(__file__).parent / name).read_bytes() for name in ("template.py", "dataset.py"))
+).hexdigest()
 
 
 def load_tokenized(cfg, sources: Sequence[str], tokenizer, key: str) -> datasets.Dataset:
@@ -95,7 +97,9 @@ def tokenize_conversations(
         )
         _log_stats(stats, len(conversations), max_length)
         if len(tokenized) == 0:
-            raise UserError(f"no conversation is left after tokenization with data.max_length={max_length} and data.overlong={overlong}")
+            raise UserError(
+                f"no conversation is left after tokenization with data.max_length={max_length} and data.overlong={overlong}"
+            )
         staged = os.path.join(scratch, "dataset")
         tokenized.save_to_disk(staged)
         try:
@@ -109,7 +113,9 @@ def tokenize_conversations(
     return dataset
 
 
-def _tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer, max_length: int, overlong: str, stats: Counter) -> dict[str, list]:
+def _tokenize_batch(
+    batch: dict[str, list], indices: list[int], tokenizer, max_length: int, overlong: str, stats: Counter
+) -> dict[str, list]:
     # stats is mutated in place: this runs in the calling process (map's default num_proc=1).
     out: dict[str, list] = {"input_ids": [], "loss_mask": [], "domain": [], "length": [], "sample": []}
     count = len(batch["messages"])
@@ -122,7 +128,9 @@ def _tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer, max_l
             raise UserError(f"{where}: {err}") from None
         if len(ids) > max_length:
             if overlong == "error":
-                raise UserError(f"{where}: {len(ids)} tokens is more than data.max_length={max_length} (raise it, or set data.overlong=truncate or drop)")
+                raise UserError(
+                    f"{where}: {len(ids)} tokens is more than data.max_length={max_length} (raise it, or set data.overlong=truncate or drop)"
+                )
             if overlong == "drop":
                 stats["dropped_overlong"] += 1
                 continue
@@ -135,7 +143,11 @@ def _tokenize_batch(batch: dict[str, list], indices: list[int], tokenizer, max_l
         out["loss_mask"].append(mask)
         out["domain"].append(domains[row])
         out["length"].append(len(ids))
-        out["sample"].append(f"{batch['source'][row]}:{batch['record'][row]}" if "source" in batch else f"conversation {indices[row] + 1}")
+        out["sample"].append(
+            f"{batch['source'][row]}:{batch['record'][row]}"
+            if "source" in batch
+            else f"conversation {indices[row] + 1}"
+        )
     return out
 
 
@@ -148,9 +160,16 @@ def _where(batch: dict[str, list], row: int, index: int) -> str:
 
 def _log_stats(stats: Counter, total: int, max_length: int) -> None:
     if stats["truncated"]:
-        logger.info("truncated %d of %d conversations to data.max_length=%d tokens", stats["truncated"], total, max_length)
+        logger.info(
+            "truncated %d of %d conversations to data.max_length=%d tokens", stats["truncated"], total, max_length
+        )
     if stats["dropped_overlong"]:
-        logger.info("dropped %d of %d conversations longer than data.max_length=%d tokens", stats["dropped_overlong"], total, max_length)
+        logger.info(
+            "dropped %d of %d conversations longer than data.max_length=%d tokens",
+            stats["dropped_overlong"],
+            total,
+            max_length,
+        )
     if stats["dropped_no_assistant_token"]:
         logger.info(
             "dropped %d of %d conversations with no assistant token within data.max_length=%d",

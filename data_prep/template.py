@@ -105,7 +105,9 @@ def _encode(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
     try:
         encoding = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True, verbose=False)
     except NotImplementedError:
-        raise UserError(f"tokenizer of {_name(tokenizer)} gives no character offsets; a fast (tokenizers) tokenizer is needed") from None
+        raise UserError(
+            f"tokenizer of {_name(tokenizer)} gives no character offsets; a fast (tokenizers) tokenizer is needed"
+        ) from None
     return list(encoding["input_ids"]), [tuple(offset) for offset in encoding["offset_mapping"]]
 
 

@@ -70,10 +70,10 @@ def help_text(usage: str, argv: Sequence[str]) -> str:
 
     args = recipe_args(argv)
     cfg = load_recipe(args) if any(arg.startswith("recipe=") for arg in args) else None
-    options = (
-        "Options:\n  --help  this text (with recipe=NAME: that recipe's keys and values)\n  --cfg   print the resolved recipe (YAML) and exit without running"
+    options = "Options:\n  --help  this text (with recipe=NAME: that recipe's keys and values)\n  --cfg   print the resolved recipe (YAML) and exit without running"
+    keys = "Recipe keys" + (
+        " and the recipe's values" if cfg is not None else " (schema defaults; recipe=NAME --help shows a recipe's)"
     )
-    keys = "Recipe keys" + (" and the recipe's values" if cfg is not None else " (schema defaults; recipe=NAME --help shows a recipe's)")
     return f"{usage.strip()}\n\n{options}\n\n{keys}:\n{render_text(cfg)}"
 
 
@@ -88,12 +88,17 @@ def entry_point(main: Callable[[Sequence[str]], object], usage: str, argv: Seque
     if "--help" in argv or "-h" in argv:
         run_cli(lambda args: print(help_text(usage, args)), [arg for arg in argv if arg not in ("--help", "-h")])
     if "--cfg" in argv:
-        run_cli(lambda args: print(OmegaConf.to_yaml(load_recipe(recipe_args(args)), resolve=True), end=""), [arg for arg in argv if arg != "--cfg"])
+        run_cli(
+            lambda args: print(OmegaConf.to_yaml(load_recipe(recipe_args(args)), resolve=True), end=""),
+            [arg for arg in argv if arg != "--cfg"],
+        )
     run_cli(main, argv)
 
 
 def configure_logging() -> None:
-    logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        stream=sys.stdout, level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
 
 
 def train_main(argv: Sequence[str]) -> None:

@@ -29,7 +29,9 @@ def vllm_python(setting: Optional[str], key: str) -> str:
         return str(Path(setting).expanduser())
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
-    raise UserError(f"vLLM is not installed in this environment: set {key}=<the python of an environment that has vllm>")
+    raise UserError(
+        f"vLLM is not installed in this environment: set {key}=<the python of an environment that has vllm>"
+    )
 
 
 class VllmGenerator:
@@ -62,17 +64,31 @@ class VllmGenerator:
             message = json.loads(line)
         except json.JSONDecodeError:
             self.process.kill()
-            raise EngineUnavailable(f"the vLLM worker stopped before it could {doing} (exit code {self.process.wait()}); its log is above") from None
+            raise EngineUnavailable(
+                f"the vLLM worker stopped before it could {doing} (exit code {self.process.wait()}); its log is above"
+            ) from None
         if not message.get("ok"):
             self.process.wait()
             if message.get("error", "").startswith("ModuleNotFoundError: No module named 'vllm"):
-                raise UserError(f"{self.python} cannot import vllm ({message['error']}): point {self.key} at the python of an environment that has it")
+                raise UserError(
+                    f"{self.python} cannot import vllm ({message['error']}): point {self.key} at the python of an environment that has it"
+                )
             cause = "; ".join(message.get("error_lines") or []) or message.get("error", "unknown error")
             raise EngineUnavailable(f"vLLM could not {doing}: {one_line(cause, 600)}")
         return message
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int, temperature: float, top_p: float, seeds: Sequence[int]) -> list[list[int]]:
-        self.send({"prompts": [list(p) for p in prompts], "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seeds": list(seeds)})
+    def generate(
+        self, prompts: Sequence[Sequence[int]], max_tokens: int, temperature: float, top_p: float, seeds: Sequence[int]
+    ) -> list[list[int]]:
+        self.send(
+            {
+                "prompts": [list(p) for p in prompts],
+                "max_tokens": max_tokens,
+                "temperature": temperature,
+                "top_p": top_p,
+                "seeds": list(seeds),
+            }
+        )
         return self.receive("generate")["outputs"]
 
     def close(self) -> None:

@@ -64,7 +64,9 @@ def materialize(name_or_path: str, gguf_file: str, revision: str | None = None) 
         staging = directory.with_name(directory.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
         convert(source, staging)
-        (staging / SOURCE_FILE).write_text(json.dumps({"gguf_file": str(source.resolve()), "sha256": digest}, indent=2) + "\n")
+        (staging / SOURCE_FILE).write_text(
+            json.dumps({"gguf_file": str(source.resolve()), "sha256": digest}, indent=2) + "\n"
+        )
         os.replace(staging, directory)
     return directory
 
@@ -78,7 +80,9 @@ def convert(source: Path, directory: Path) -> None:
     try:
         import gguf  # noqa: F401  (transformers needs it; a clear message beats its ImportError)
     except ImportError:
-        raise UserError("target.gguf_file needs the `gguf` package: pip install 'draftsmith[smollm]' (or pip install gguf)") from None
+        raise UserError(
+            "target.gguf_file needs the `gguf` package: pip install 'draftsmith[smollm]' (or pip install gguf)"
+        ) from None
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

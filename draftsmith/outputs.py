@@ -63,7 +63,9 @@ class DirectoryLock:
                 holder = _describe(_read_holder(fd))
                 os.close(fd)
                 self._undo_created_directory()
-                raise UserError(f"{self.directory} is in use by another job ({holder}); wait for it to finish or use another directory") from None
+                raise UserError(
+                    f"{self.directory} is in use by another job ({holder}); wait for it to finish or use another directory"
+                ) from None
             # The file we locked must still be the one at the path: a releasing holder unlinks it, and
             # a lock on an unlinked file excludes nobody.
             if _same_file(fd, self.path):
@@ -71,7 +73,11 @@ class DirectoryLock:
             os.close(fd)
         previous = _read_holder(fd)
         if previous:
-            log.warning("taking over the lock of %s in %s: that job is gone (killed or crashed)", _describe(previous), self.directory)
+            log.warning(
+                "taking over the lock of %s in %s: that job is gone (killed or crashed)",
+                _describe(previous),
+                self.directory,
+            )
         holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": utc_stamp(), "command": self.command}
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
@@ -108,7 +114,9 @@ class DirectoryLock:
 
 
 @contextlib.contextmanager
-def held_by_main_process(directory: str | os.PathLike, state, check: Optional[Callable[[], None]] = None) -> Iterator[None]:
+def held_by_main_process(
+    directory: str | os.PathLike, state, check: Optional[Callable[[], None]] = None
+) -> Iterator[None]:
     """A multi-process job's hold on `directory` (`state`: accelerate's PartialState): the main
     process locks it and runs `check` (which may refuse with a UserError); every rank learns the
     outcome before any rank writes, and all of them raise the same one-line error on failure."""

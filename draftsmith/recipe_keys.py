@@ -1,5 +1,5 @@
 """Every recipe key with its type, default and description, read from the schema itself: the sections of
-draftsmith/recipe.py and each drafter type's Config. `--help` lists them and docs/recipe.md is generated
+draftsmith/recipe_schema.py and each drafter type's Config. `--help` lists them and docs/recipe.md is generated
 from them (tests/test_cli.py fails when that page is stale), so a key documented in the schema is
 documented everywhere and nowhere else.
 
@@ -89,7 +89,11 @@ def sections(schema: type, prefix: str = "", doc: Optional[str] = None) -> list[
             nested += sections(type(default), f"{name}.")
         elif field.name != "drafter":  # its keys are the drafter type's (drafter_sections)
             keys.append(Key(name, str(field.type), default, _help(schema, field.name)))
-    own = [Section(prefix.rstrip(".") or "(top level)", " ".join((doc or _docstring(schema)).split()), keys)] if keys else []
+    own = (
+        [Section(prefix.rstrip(".") or "(top level)", " ".join((doc or _docstring(schema)).split()), keys)]
+        if keys
+        else []
+    )
     return own + nested
 
 
@@ -100,7 +104,7 @@ def _docstring(cls: type) -> str:
 
 
 def recipe_sections() -> list[Section]:
-    from draftsmith.recipe import RecipeSchema
+    from draftsmith.recipe_schema import RecipeSchema
 
     return sections(RecipeSchema)
 
@@ -132,7 +136,11 @@ def render_text(cfg: Optional[DictConfig] = None) -> str:
     for section in [*drafter, *recipe_sections()]:
         out.append(f"\n{section.name}:" + (f"  {section.help}" if section.help else ""))
         for key in section.keys:
-            value = OmegaConf.select(cfg, key.name, default=key.default, throw_on_missing=False) if cfg is not None else key.default
+            value = (
+                OmegaConf.select(cfg, key.name, default=key.default, throw_on_missing=False)
+                if cfg is not None
+                else key.default
+            )
             shown = _show(value)
             if cfg is not None and shown != _show(key.default):
                 shown += f" (default {_show(key.default)})"
@@ -140,7 +148,9 @@ def render_text(cfg: Optional[DictConfig] = None) -> str:
             if key.help:
                 out += [f"      {line}" for line in textwrap.wrap(key.help, 100)]
     if cfg is None:
-        out.append(f"\ndrafter.*: the keys of drafter.type ({', '.join(sorted(REGISTRY))}); give recipe=NAME --help to list them")
+        out.append(
+            f"\ndrafter.*: the keys of drafter.type ({', '.join(sorted(REGISTRY))}); give recipe=NAME --help to list them"
+        )
     return "\n".join(out).lstrip("\n")
 
 
@@ -165,7 +175,10 @@ def render_markdown() -> str:
         if section.help:
             out += [section.help, ""]
         out += ["| key | type | default | description |", "|---|---|---|---|"]
-        out += [f"| `{key.name}` | `{cell(key.type)}` | `{cell(_show(key.default))}` | {cell(key.help)} |" for key in section.keys]
+        out += [
+            f"| `{key.name}` | `{cell(key.type)}` | `{cell(_show(key.default))}` | {cell(key.help)} |"
+            for key in section.keys
+        ]
     return "\n".join(out) + "\n"
 
 

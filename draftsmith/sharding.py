@@ -95,11 +95,15 @@ def load_sharded_target(section, device: torch.device | str):
     section = target_section(section)
     device = torch.device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1
+        )
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = resolve_dtype(section.dtype, device)
     try:
-        config = AutoConfig.from_pretrained(section.name_or_path, revision=section.revision, trust_remote_code=section.trust_remote_code)
+        config = AutoConfig.from_pretrained(
+            section.name_or_path, revision=section.revision, trust_remote_code=section.trust_remote_code
+        )
     except (OSError, ValueError) as err:
         raise UserError(f"cannot load target {section.name_or_path!r}: {one_line(err)}") from None
 
@@ -122,7 +126,10 @@ def load_sharded_target(section, device: torch.device | str):
     if rank == 0:
         # In host memory, in the dtype the run computes in; the broadcast moves each tensor to the device.
         on_host = SimpleNamespace(
-            name_or_path=section.name_or_path, revision=section.revision, dtype=dtype_name(dtype), trust_remote_code=section.trust_remote_code
+            name_or_path=section.name_or_path,
+            revision=section.revision,
+            dtype=dtype_name(dtype),
+            trust_remote_code=section.trust_remote_code,
         )
         try:
             full = load_target(on_host, "cpu").state_dict()
@@ -134,7 +141,11 @@ def load_sharded_target(section, device: torch.device | str):
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     del full
     log.info(
-        "target %s sharded over %d rank(s): %.2f GB of %.2f GB on this rank", section.name_or_path, world, local_bytes(model) / 1e9, whole_bytes(model) / 1e9
+        "target %s sharded over %d rank(s): %.2f GB of %.2f GB on this rank",
+        section.name_or_path,
+        world,
+        local_bytes(model) / 1e9,
+        whole_bytes(model) / 1e9,
     )
     return freeze(model)
 
@@ -149,7 +160,9 @@ def shard_target(model: nn.Module, mesh) -> nn.Module:
     except ImportError:
         fully_shard = None
     if fully_shard is None or "ignored_params" not in inspect.signature(fully_shard).parameters:
-        raise UserError(f"target.shard=fsdp needs torch 2.7 or later (FSDP2's fully_shard with ignored_params); this is torch {torch.__version__}")
+        raise UserError(
+            f"target.shard=fsdp needs torch 2.7 or later (FSDP2's fully_shard with ignored_params); this is torch {torch.__version__}"
+        )
     decoder = model.get_decoder()
     layers = getattr(decoder, "layers", None)
     if layers is None:

@@ -59,7 +59,9 @@ def load_tokenizer(section):
 
     section = target_section(section)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(section.name_or_path, revision=section.revision, trust_remote_code=section.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(
+            section.name_or_path, revision=section.revision, trust_remote_code=section.trust_remote_code
+        )
     except (OSError, ValueError) as err:
         raise UserError(f"cannot load the tokenizer of {section.name_or_path!r}: {one_line(err)}") from None
     if tokenizer.pad_token_id is None:
@@ -77,7 +79,10 @@ def load_target(section, device: torch.device | str = "cpu"):
     torch_dtype = resolve_dtype(section.dtype, device)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            section.name_or_path, revision=section.revision, dtype=torch_dtype, trust_remote_code=section.trust_remote_code
+            section.name_or_path,
+            revision=section.revision,
+            dtype=torch_dtype,
+            trust_remote_code=section.trust_remote_code,
         )
     except (OSError, ValueError) as err:
         raise UserError(f"cannot load target {section.name_or_path!r}: {one_line(err)}") from None
@@ -212,7 +217,9 @@ def check_layers(model, layers: Sequence[int]) -> None:
     count = num_layers(model)
     for layer in layers:
         if not -1 <= layer < count:
-            raise UserError(f"layer id {layer} is out of range for a target with {count} layers (valid: -1..{count - 1})")
+            raise UserError(
+                f"layer id {layer} is out of range for a target with {count} layers (valid: -1..{count - 1})"
+            )
 
 
 def _autocast_state(tensor: Optional[torch.Tensor]) -> Optional[torch.dtype]:

@@ -20,17 +20,21 @@ def main(argv: Sequence[str]) -> None:
     import datasets
     import transformers
 
-    from draftsmith.eval.report import failed_lossless, render_markdown, run_eval
+    from draftsmith.eval.render import render_markdown
+    from draftsmith.eval.report import failed_lossless, run_eval
+    from draftsmith.export import open_drafter  # drafter.path may also be a folder an export wrote
 
     # The eval's own progress bar is the one worth watching; weight loading and data set
     # preparation would otherwise print theirs on stderr too.
     transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()
     drafter_path, overrides = split_drafter_path(argv)
-    report = run_eval(load_recipe(overrides), drafter_path)
+    report = run_eval(load_recipe(overrides), drafter_path, open_drafter=open_drafter)
     print(render_markdown(report))
     if failed := failed_lossless(report):
-        raise NotLossless(f"{', '.join(failed)}: tokens differ from plain greedy decoding (the WARNING lines above say where)")
+        raise NotLossless(
+            f"{', '.join(failed)}: tokens differ from plain greedy decoding (the WARNING lines above say where)"
+        )
 
 
 if __name__ == "__main__":

@@ -34,11 +34,17 @@ def split_accuracy(cfg: DictConfig, checkpoint: Path, target, tokenizer) -> dict
     data = load_tokenized(cfg, cfg.data.eval, tokenizer, "data.eval")
     device = target.get_output_embeddings().weight.device
     trained = load_drafter(checkpoint, TargetShape.of(target, cfg.target.name_or_path), target).to(device)
-    untrained = drafter_class(trained.type).from_target(OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path)
+    untrained = drafter_class(trained.type).from_target(
+        OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path
+    )
     if cfg.data.draft_vocab:  # the rows the trainer prepared on (trainer/loop.py)
         untrained.prepare(load_tokenized(cfg, cfg.data.draft_vocab, tokenizer, "data.draft_vocab"))
     else:
-        untrained.prepare(open_features(cfg.data.features) if cfg.data.features else load_tokenized(cfg, cfg.data.train, tokenizer, "data.train"))
+        untrained.prepare(
+            open_features(cfg.data.features)
+            if cfg.data.features
+            else load_tokenized(cfg, cfg.data.train, tokenizer, "data.train")
+        )
     untrained.to(device)
     collate = Collator(tokenizer.pad_token_id)
     table = {

@@ -36,7 +36,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from draftsmith.errors import UserError
-from draftsmith.heads.base import DraftState, DraftTree, DynamicTree, Proposer, Tree
+from draftsmith.eval.trees import additive_mask, cut_tree, draft_depth, is_chain, tree_depths, verify_mask
+from draftsmith.heads.base import DraftState, DraftTree, Proposer, Tree
 from draftsmith.heads.packing import causal_document_mask
 from draftsmith.target import FeatureRequest, run_target
 
@@ -146,68 +147,6 @@ def verify(
     return Verdict(path, bonus, depth_reached)
 
 
-def tree_depths(parents: torch.Tensor) -> torch.Tensor:
-    """Depth of [root] + nodes: 0 for the root, parent's depth + 1 for a node."""
-    depths = [0]
-    for parent in parents.tolist():
-        depths.append(depths[parent + 1] + 1)
-    return torch.tensor(depths, device=parents.device)
-
-
-def draft_depth(draft: DraftTree) -> int:
-    """Draft positions a proposal fills: a chain's length, a tree's longest path."""
-    return int(tree_depths(draft.parents).max())
-
-
-def tree_visibility(parents: torch.Tensor) -> torch.Tensor:
-    """[1+N, 1+N] bool over [root] + nodes: each sees itself and its ancestors (the root is every
-    node's ancestor)."""
-    size = len(parents) + 1
-    sees = torch.zeros(size, size, dtype=torch.bool, device=parents.device)
-    sees[0, 0] = True
-    for node, parent in enumerate(parents.tolist()):
-        sees[node + 1] = sees[parent + 1]  # parents precede children, so this row is complete
-        sees[node + 1, node + 1] = True
-    return sees
-
-
-def additive_mask(sees: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Boolean [B, Q, K] visibility -> additive [B, 1, Q, K] mask (0 / min): eager attention adds the
-    mask and SDPA reads an additive one the same way."""
-    return torch.zeros(sees.shape, dtype=dtype, device=sees.device).masked_fill(~sees, torch.finfo(dtype).min)[:, None]
-
-
-def verify_mask(drafts: Sequence[DraftTree], cached: Sequence[int], width: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive [B, 1, Q, width+Q] mask for a verify forward over [root] + draft per row, Q = 1 + the
-    largest draft: row b's queries see its `cached[b]` right-aligned cache entries and, among the new
-    tokens, themselves and their ancestors. Queries past a row's draft (batch padding) see only
-    themselves, so every row of the softmax stays finite."""
-    queries = 1 + max(len(draft) for draft in drafts)
-    device = drafts[0].tokens.device
-    sees = torch.zeros(len(drafts), queries, width + queries, dtype=torch.bool, device=device)
-    diagonal = torch.arange(queries, device=device)
-    for b, (draft, length) in enumerate(zip(drafts, cached)):
-        size = len(draft) + 1
-        sees[b, :, width - length : width] = True
-        sees[b, :size, width : width + size] = tree_visibility(draft.parents)
-        sees[b, diagonal[size:], width + diagonal[size:]] = True
-    return additive_mask(sees, dtype)
-
-
-def is_chain(parents: torch.Tensor) -> bool:
-    return bool(torch.equal(parents, torch.arange(-1, len(parents) - 1, device=parents.device)))
-
-
-def tree_depth(tree: Tree) -> int:
-    """Draft positions a tree request fills at most: its longest path."""
-    return tree.depth if isinstance(tree, DynamicTree) else max(map(len, tree))
-
-
-def cut_tree(tree: Tree, max_depth: int) -> Tree:
-    """The request no deeper than `max_depth` (a prefix-closed cut of static paths stays a tree)."""
-    return tree.cut(max_depth) if isinstance(tree, DynamicTree) else [path for path in tree if len(path) <= max_depth]
-
-
 @dataclass
 class RowState:
     """One sequence: everything committed so far. `final`/`layers` are the target's hidden states at
@@ -278,10 +217,14 @@ def check_target(model, cache: DynamicCache) -> None:
     that can be cropped and gathered (sliding-window and linear-attention layers cannot)."""
     implementation = getattr(model.config, "_attn_implementation", "eager")
     if implementation not in ("eager", "sdpa"):
-        raise UserError(f"the eval loop needs attn_implementation 'sdpa' or 'eager' (custom tree masks); the target uses {implementation!r}")
+        raise UserError(
+            f"the eval loop needs attn_implementation 'sdpa' or 'eager' (custom tree masks); the target uses {implementation!r}"
+        )
     kinds = {type(layer).__name__ for layer in cache.layers}
     if kinds != {DynamicLayer.__name__}:
-        raise UserError(f"the eval loop supports full-attention KV caches only; this target's cache has {sorted(kinds)}")
+        raise UserError(
+            f"the eval loop supports full-attention KV caches only; this target's cache has {sorted(kinds)}"
+        )
 
 
 @torch.no_grad()
@@ -356,7 +299,9 @@ def empty_draft(device: torch.device) -> DraftTree:
     return DraftTree.chain(torch.empty(0, dtype=torch.long, device=device))
 
 
-def propose(drafter: Optional[Proposer], state: RowState, gamma: int, tree: Optional[Tree], max_depth: int) -> DraftTree:
+def propose(
+    drafter: Optional[Proposer], state: RowState, gamma: int, tree: Optional[Tree], max_depth: int
+) -> DraftTree:
     """The drafter's proposal, no deeper than `max_depth` (so a cycle never emits past the budget)."""
     device = state.final.device
     if drafter is None:
@@ -461,7 +406,16 @@ class Counts:
             self.accepted_at[d] += int(d < len(verdict.path))
 
     def add(self, other: Counts) -> None:
-        for name in ("prompts", "new_tokens", "target_forwards", "draft_forwards", "drafted", "accepted", "wall_s", "mismatched"):
+        for name in (
+            "prompts",
+            "new_tokens",
+            "target_forwards",
+            "draft_forwards",
+            "drafted",
+            "accepted",
+            "wall_s",
+            "mismatched",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.reached = _add_lists(self.reached, other.reached)
         self.accepted_at = _add_lists(self.accepted_at, other.accepted_at)
@@ -519,7 +473,9 @@ def generate_batch(
     size = len(prompts)
     drafters = list(drafters) if drafters is not None else [None] * size
     if len(drafters) != size or (drafters[0] is not None and len({id(d) for d in drafters}) != size):
-        raise ValueError("generate_batch needs one proposer of its own per prompt (a proposer holds one sequence's state)")
+        raise ValueError(
+            "generate_batch needs one proposer of its own per prompt (a proposer holds one sequence's state)"
+        )
     generators = [torch.Generator(device=device).manual_seed(seed) for seed in (seeds or [0] * size)]
     request = drafters[0].features if drafters[0] is not None else FeatureRequest()
     forwards_before = [d.draft_forwards if d is not None else 0 for d in drafters]
@@ -527,7 +483,10 @@ def generate_batch(
     state = prefill(model, prompts, request)
     active = list(range(size)) if max_new_tokens > 0 else []  # prompt index of each row of `state`
     while active:
-        drafts = [propose(drafters[i], row, gamma, tree, max_new_tokens - len(results[i].tokens) - 1) for i, row in zip(active, state.rows)]
+        drafts = [
+            propose(drafters[i], row, gamma, tree, max_new_tokens - len(results[i].tokens) - 1)
+            for i, row in zip(active, state.rows)
+        ]
         before = [len(row.tokens) for row in state.rows]
         verdicts = verify_step(model, state, drafts, sampling, [generators[i] for i in active], eos_ids, request, rule)
         going = []
@@ -535,7 +494,9 @@ def generate_batch(
             new = state.rows[b].tokens[before[b] :]
             results[i].tokens += new
             results[i].counts.count_cycle(draft_depth(drafts[b]), len(new), verdicts[b])
-            if not (verdicts[b].bonus is None or verdicts[b].bonus in eos_ids or len(results[i].tokens) >= max_new_tokens):
+            if not (
+                verdicts[b].bonus is None or verdicts[b].bonus in eos_ids or len(results[i].tokens) >= max_new_tokens
+            ):
                 going.append(b)
         if going and len(going) < len(active):
             state.keep_rows(going)

@@ -57,7 +57,9 @@ class Exporter:
         """Whether an engine folder (its config.json and weights) is in one of this exporter's formats."""
         raise NotImplementedError
 
-    def read(self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]) -> Drafter:
+    def read(
+        self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]
+    ) -> Drafter:
         """The draftsmith drafter an engine folder holds. `info` is draftsmith_export.json when the
         folder has one (settings the engine does not carry, such as tree sizes); the engine's config
         decides everything the engine uses."""
@@ -82,7 +84,7 @@ def exporter_for(kind: str) -> Exporter:
     return EXPORTERS[kind]
 
 
-from draftsmith.export import draft_model, eagle, eagle3, medusa  # noqa: E402,F401,I001  (each registers itself)
+from draftsmith.export import dflash, draft_model, eagle, eagle3, medusa  # noqa: E402,F401,I001  (each registers itself)
 from draftsmith.export.run import export_checkpoint, open_drafter  # noqa: E402
 
 __all__ = ["EXPORTERS", "Exporter", "Source", "export_checkpoint", "exporter_for", "open_drafter", "register"]

@@ -11,10 +11,18 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from draftsmith.export.repo import EngineRepo
 
-TITLES = {"medusa": "Medusa-1", "medusa2": "Medusa-2", "eagle": "EAGLE-1", "eagle3": "EAGLE-3", "draft_model": "Draft model"}
+TITLES = {
+    "medusa": "Medusa-1",
+    "medusa2": "Medusa-2",
+    "eagle": "EAGLE-1",
+    "eagle3": "EAGLE-3",
+    "draft_model": "Draft model",
+}
 
 
-def write_card(folder: Path, repo: EngineRepo, info: dict[str, Any], report: Optional[dict[str, Any]], served_as: str) -> None:
+def write_card(
+    folder: Path, repo: EngineRepo, info: dict[str, Any], report: Optional[dict[str, Any]], served_as: str
+) -> None:
     kind, engine = info["drafter_type"], repo.engine
     data = ModelCardData(
         base_model=info["verifier"],
@@ -43,6 +51,7 @@ def write_card(folder: Path, repo: EngineRepo, info: dict[str, Any], report: Opt
         "",
         served_note(engine, info.get("verified")),
         "",
+        *gamma_note(engine, gamma, info.get("recommended_num_speculative_tokens")),
         *acceptance_section(report),
         *engine_section(info.get("verified")),
         *training_section(info, report),
@@ -54,6 +63,18 @@ def write_card(folder: Path, repo: EngineRepo, info: dict[str, Any], report: Opt
         "",
     ]
     ModelCard("\n".join(lines)).save(folder / "README.md")
+
+
+def gamma_note(engine: str, gamma: int, recommended: Optional[dict[str, Any]]) -> list[str]:
+    """The recommended γ (export/gamma.py) when the eval report allowed one."""
+    if not recommended:
+        return []
+    tokens = ", ".join(f"γ={g}: {t}" for g, t in recommended["tokens_per_cycle"].items())
+    return [
+        f"Recommended `num_speculative_tokens`: **{recommended[engine]}** (the command above uses {gamma}), from the eval report: "
+        f"expected tokens per cycle {tokens}; one draft forward costs {recommended['draft_forward_cost']} target forwards there.",
+        "",
+    ]
 
 
 def served_note(engine: str, verified: Optional[dict[str, Any]]) -> str:
@@ -70,13 +91,20 @@ def served_note(engine: str, verified: Optional[dict[str, Any]]) -> str:
 
 def acceptance_section(report: Optional[dict[str, Any]]) -> list[str]:
     if report is None:
-        return ["## Acceptance", "", "No eval report was found for this checkpoint (run `python -m eval` and export again).", ""]
+        return [
+            "## Acceptance",
+            "",
+            "No eval report was found for this checkpoint (run `python -m eval` and export again).",
+            "",
+        ]
     methods = report["methods"]
     lines = [
         "## Acceptance (draftsmith eval)",
         "",
         f"Temperature {report['temperature']}, {report['max_new_tokens']} new tokens, {report['device']} ({report['dtype']}); "
-        f"chain γ={methods['chain']['gamma']}" + (f", tree {methods['tree']['nodes']} nodes" if "tree" in methods else "") + ". "
+        f"chain γ={methods['chain']['gamma']}"
+        + (f", tree {methods['tree']['nodes']} nodes" if "tree" in methods else "")
+        + ". "
         "τ: new tokens per target forward (bonus included); α: accepted / drafted; per position: acceptance at draft position k given "
         "the earlier ones were accepted; lossless: token-identical to plain greedy decoding.",
         "",
@@ -126,7 +154,9 @@ def training_section(info: dict[str, Any], report: Optional[dict[str, Any]]) -> 
         ]
     learned = info.get("learned") or {}
     if "draft_vocab_coverage" in learned:
-        lines.append(f"- draft vocabulary covers {learned['draft_vocab_coverage']:.1%} of the training data's assistant tokens")
+        lines.append(
+            f"- draft vocabulary covers {learned['draft_vocab_coverage']:.1%} of the training data's assistant tokens"
+        )
     return [*lines, ""]
 
 

@@ -29,9 +29,13 @@ PREFIX = "model."  # the DraftModel drafter holds the causal LM as `model`
 def model_config(source: Source) -> dict[str, Any]:
     drafter, target = source.drafter, source.target
     config = dict(drafter.config.model_config)
-    config["architectures"] = [type(drafter.model.get_base_model() if hasattr(drafter.model, "get_base_model") else drafter.model).__name__]
+    config["architectures"] = [
+        type(drafter.model.get_base_model() if hasattr(drafter.model, "get_base_model") else drafter.model).__name__
+    ]
     if config.get("vocab_size") != target.shape.vocab_size:
-        raise UserError(f"the draft model's vocab_size {config.get('vocab_size')} differs from the target's {target.shape.vocab_size}; engines refuse it")
+        raise UserError(
+            f"the draft model's vocab_size {config.get('vocab_size')} differs from the target's {target.shape.vocab_size}; engines refuse it"
+        )
     theirs = target.config.get("max_position_embeddings")
     if theirs and config.get("max_position_embeddings", 0) < theirs:
         raise UserError(
@@ -57,7 +61,11 @@ def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 
 def engine_tensors(source: Source, config: dict[str, Any]) -> dict[str, torch.Tensor]:
-    tensors = {name.removeprefix(PREFIX): tensor for name, tensor in source.drafter.state_dict().items() if name.startswith(PREFIX)}
+    tensors = {
+        name.removeprefix(PREFIX): tensor
+        for name, tensor in source.drafter.state_dict().items()
+        if name.startswith(PREFIX)
+    }
     if config.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
     return tensors
@@ -69,8 +77,20 @@ class DraftModelExporter(Exporter):
 
     def repo(self, source: Source, engine: str, serve: str, method: str) -> EngineRepo:
         config = model_config(source)
-        conventions = {"tokenizer": "the target's (copied); the vocabulary is the target's", "weights": "the transformers names of the draft's causal LM"}
-        return EngineRepo(engine, config, engine_tensors(source, config), expected_tensors(config), serve, conventions, tokenizer=True, method=method)
+        conventions = {
+            "tokenizer": "the target's (copied); the vocabulary is the target's",
+            "weights": "the transformers names of the draft's causal LM",
+        }
+        return EngineRepo(
+            engine,
+            config,
+            engine_tensors(source, config),
+            expected_tensors(config),
+            serve,
+            conventions,
+            tokenizer=True,
+            method=method,
+        )
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         check_vllm_path(output, "draft-model")
@@ -82,10 +102,16 @@ class DraftModelExporter(Exporter):
     def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
         return any(name.endswith("embed_tokens.weight") for name in tensors) and "fc.weight" not in tensors
 
-    def read(self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]):
+    def read(
+        self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]
+    ):
         draft = drafter_class("draft_model")
         settings = {"model_config": {k: v for k, v in config.items() if k != "architectures"}}
-        settings |= {k: v for k, v in info.get("drafter_config", {}).items() if k in ("loss", "temperature", "mix_weights", "ce_weight")}
+        settings |= {
+            k: v
+            for k, v in info.get("drafter_config", {}).items()
+            if k in ("loss", "temperature", "mix_weights", "ce_weight")
+        }
         from draftsmith.target import TargetShape
 
         drafter = draft(draft.Config(**settings), TargetShape.of(target_model, info.get("verifier", "target")))

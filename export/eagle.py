@@ -68,20 +68,29 @@ class EagleExporter(Exporter):
                 "retrain with drafter.fc_bias=false to serve it in vLLM"
             )
         config = self.config(source, "EagleLlamaForCausalLM")
-        expected = {"fc.weight": (config["hidden_size"], 2 * config["hidden_size"]), **llama_layers_expected(config, skip_first_input_norm=True)}
+        expected = {
+            "fc.weight": (config["hidden_size"], 2 * config["hidden_size"]),
+            **llama_layers_expected(config, skip_first_input_norm=True),
+        }
         conventions = {
             "fc": "input cat(embed(x_{t+1}), f_t), embedding first; f_t the target's final (post-norm) hidden state; no bias",
             "layers": "layer 0 has no input_layernorm (vLLM: disable_input_layernorm); no final norm; the target's lm_head reads the output",
             "shared": "embed_tokens and lm_head are the target's (not in the folder)",
         }
-        return EngineRepo("vllm", config, source.drafter.state_dict(), expected, VLLM_SERVE, conventions, method="eagle")
+        return EngineRepo(
+            "vllm", config, source.drafter.state_dict(), expected, VLLM_SERVE, conventions, method="eagle"
+        )
 
     def sglang(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         config = self.config(source, "LlamaForCausalLMEagle")
         hidden = config["hidden_size"]
         tensors = dict(source.drafter.state_dict())
         tensors.setdefault("fc.bias", torch.zeros(hidden))
-        expected = {"fc.weight": (hidden, 2 * hidden), "fc.bias": (hidden,), **llama_layers_expected(config, skip_first_input_norm=True)}
+        expected = {
+            "fc.weight": (hidden, 2 * hidden),
+            "fc.bias": (hidden,),
+            **llama_layers_expected(config, skip_first_input_norm=True),
+        }
         conventions = {
             "fc": "input cat(embed(x_{t+1}), f_t), embedding first; SGLang's fc always has a bias (zeros when draftsmith trained none)",
             "layers": "layer 0 has no input_layernorm; no final norm; the target's lm_head reads the output",
@@ -91,12 +100,16 @@ class EagleExporter(Exporter):
         return EngineRepo("sglang", config, tensors, expected, SGLANG_SERVE, conventions, method="EAGLE")
 
     def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
-        return "fc.weight" in tensors and tensors["fc.weight"].shape[1] == 2 * config.get("hidden_size", -1) and "speculators_config" not in config
+        return bool({"EagleLlamaForCausalLM", "LlamaForCausalLMEagle"} & set(config.get("architectures", [])))
 
-    def read(self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]):
+    def read(
+        self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]
+    ):
         eagle = drafter_class("eagle")
         settings = {"num_layers": int(config["num_hidden_layers"]), "fc_bias": "fc.bias" in tensors}
-        settings |= {key: value for key, value in info.get("drafter_config", {}).items() if key in ("tree_depth", "tree_topk")}  # decode-only
+        settings |= {
+            key: value for key, value in info.get("drafter_config", {}).items() if key in ("tree_depth", "tree_topk")
+        }  # decode-only
         drafter = eagle.from_target(eagle.Config(**settings), target_model, info.get("verifier", "target"))
         drafter.load_state_dict(tensors)
         return drafter

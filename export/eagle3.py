@@ -81,7 +81,9 @@ def check_plain_llama(source: Source, engine: str) -> None:
     require_llama(source.target, engine, "EAGLE-3")
     biased = [key for key in ("attention_bias", "mlp_bias") if source.target.config.get(key)]
     if biased:
-        raise UserError(f"the target sets {', '.join(biased)}: an EAGLE-3 layer with biases has not been verified against {engine}'s loader")
+        raise UserError(
+            f"the target sets {', '.join(biased)}: an EAGLE-3 layer with biases has not been verified against {engine}'s loader"
+        )
 
 
 @register
@@ -94,7 +96,10 @@ class Eagle3Exporter(Exporter):
         drafter, target = source.drafter, source.target
         ours = list(drafter.config.aux_layers)
         ids = vllm_ids(ours, target.shape.num_hidden_layers)
-        layer = llama_layer_config(target, 1) | {"architectures": ["LlamaForCausalLM"], "num_aux_hidden_states": len(ids)}
+        layer = llama_layer_config(target, 1) | {
+            "architectures": ["LlamaForCausalLM"],
+            "num_aux_hidden_states": len(ids),
+        }
         config = {
             "architectures": ["Eagle3Speculator"],
             "speculators_model_type": "eagle3",
@@ -108,9 +113,19 @@ class Eagle3Exporter(Exporter):
             "eagle_aux_hidden_state_layer_ids": ids,
             "speculators_config": {
                 "algorithm": "eagle3",
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": gamma, "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                "proposal_methods": [
+                    {
+                        "proposal_type": "greedy",
+                        "speculative_tokens": gamma,
+                        "verifier_accept_k": 1,
+                        "accept_tolerance": 0.0,
+                    }
+                ],
                 "default_proposal_method": "greedy",
-                "verifier": {"name_or_path": target.verifier, "architectures": list(target.config.get("architectures") or [])},
+                "verifier": {
+                    "name_or_path": target.verifier,
+                    "architectures": list(target.config.get("architectures") or []),
+                },
             },
         }
         conventions = {
@@ -157,7 +172,9 @@ class Eagle3Exporter(Exporter):
         tensors = {name.replace("layers.0.", "midlayer."): tensor for name, tensor in drafter.state_dict().items()}
         expected = {
             name.replace("layers.0.", "midlayer."): shape
-            for name, shape in layer_expected(config, target.shape.vocab_size, drafter.config.draft_vocab_size, len(ours)).items()
+            for name, shape in layer_expected(
+                config, target.shape.vocab_size, drafter.config.draft_vocab_size, len(ours)
+            ).items()
         }
         conventions = {
             "aux_layer_ids": {
@@ -173,27 +190,50 @@ class Eagle3Exporter(Exporter):
         return EngineRepo("sglang", config, tensors, expected, SGLANG_SERVE, conventions, method="EAGLE3")
 
     def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
-        return config.get("speculators_model_type") == "eagle3" or any("Eagle3" in arch for arch in config.get("architectures", []))
+        return config.get("speculators_model_type") == "eagle3" or any(
+            "Eagle3" in arch for arch in config.get("architectures", [])
+        )
 
-    def read(self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]):
+    def read(
+        self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]
+    ):
         if "speculators_config" in config:  # vLLM convention: input of layer id
             ours = [layer - 1 for layer in config["eagle_aux_hidden_state_layer_ids"]]
             norm_before_residual = config.get("norm_before_residual", True)  # vLLM's default for this format
-            extensions = {key: bool(config.get(key, False)) for key in ("fc_norm", "norm_output")}  # EAGLE-3.1; vLLM's default false
+            extensions = {
+                key: bool(config.get(key, False)) for key in ("fc_norm", "norm_output")
+            }  # EAGLE-3.1; vLLM's default false
         else:  # LlamaForCausalLMEagle3: SGLang's eagle_config ids are draftsmith's (output of layer id)
             ours = list(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
             top = config.get("eagle_aux_hidden_state_layer_ids")
             if top is not None and list(top) != [layer + 1 for layer in ours]:
-                raise UserError(f"{folder}: top-level eagle_aux_hidden_state_layer_ids {top} disagree with eagle_config's {ours} (+1 expected)")
+                raise UserError(
+                    f"{folder}: top-level eagle_aux_hidden_state_layer_ids {top} disagree with eagle_config's {ours} (+1 expected)"
+                )
             norm_before_residual = config.get("norm_before_residual", False)
             extensions = {}
         eagle3 = drafter_class("eagle3")
-        settings = {"aux_layers": ours, "draft_vocab_size": int(config["draft_vocab_size"]), "norm_before_residual": bool(norm_before_residual), **extensions}
-        settings |= {key: value for key, value in info.get("drafter_config", {}).items() if key in ("tree_depth", "tree_topk", "ttt_steps", "ttt_decay")}
+        settings = {
+            "aux_layers": ours,
+            "draft_vocab_size": int(config["draft_vocab_size"]),
+            "norm_before_residual": bool(norm_before_residual),
+            **extensions,
+        }
+        settings |= {
+            key: value
+            for key, value in info.get("drafter_config", {}).items()
+            if key in ("tree_depth", "tree_topk", "ttt_steps", "ttt_decay")
+        }
         drafter = eagle3.from_target(eagle3.Config(**settings), target_model, info.get("verifier", "target"))
-        tensors = {name.replace("midlayer.", "layers.0."): tensor for name, tensor in tensors.items() if not name.startswith("embed_tokens")}
+        tensors = {
+            name.replace("midlayer.", "layers.0."): tensor
+            for name, tensor in tensors.items()
+            if not name.startswith("embed_tokens")
+        }
         if drafter.pruned and "t2d" not in tensors:  # vLLM needs only d2t; t2d follows from it
-            tensors["t2d"] = torch.zeros(drafter.target.vocab_size, dtype=torch.bool).index_fill_(0, torch.arange(len(tensors["d2t"])) + tensors["d2t"], True)
+            tensors["t2d"] = torch.zeros(drafter.target.vocab_size, dtype=torch.bool).index_fill_(
+                0, torch.arange(len(tensors["d2t"])) + tensors["d2t"], True
+            )
         drafter.load_state_dict(tensors)
         drafter.learned = dict(info.get("learned") or {})
         return drafter

@@ -68,7 +68,9 @@ class MedusaExporter(Exporter):
         drafter = source.drafter
         check_vllm_path(output, "Medusa")  # (γ <= heads is checked for every kind by max_chain)
         config = medusa_config(drafter)
-        tensors = {name: tensor for name, tensor in drafter.state_dict().items() if name.startswith(("blocks.", "lm_heads."))}
+        tensors = {
+            name: tensor for name, tensor in drafter.state_dict().items() if name.startswith(("blocks.", "lm_heads."))
+        }
         conventions = {
             "medusa_fc_bias": "written true: draftsmith's residual blocks have biases, which vLLM's default (false) would drop",
             "heads": "head h reads the target's final (post-norm) hidden state at t and guesses token t+2+h, in draftsmith and in vLLM",
@@ -78,7 +80,9 @@ class MedusaExporter(Exporter):
         conventions["verifier"] = (
             f"{TARGET_DIR}/ is the target with the drafter's LoRA adapters merged; the heads read its hidden states, so it is the model to serve"
         )
-        serve = SERVE.replace("{target}", "{path}/" + TARGET_DIR).replace('"model": "{path}"', f'"model": "{{path}}/{HEADS_DIR}"')
+        serve = SERVE.replace("{target}", "{path}/" + TARGET_DIR).replace(
+            '"model": "{path}"', f'"model": "{{path}}/{HEADS_DIR}"'
+        )
         return EngineRepo(
             "vllm", config, tensors, medusa_expected(config), serve, conventions, method="medusa",
             extra=lambda folder: write_merged_target(source, folder / TARGET_DIR), weights_dir=HEADS_DIR,
@@ -87,15 +91,23 @@ class MedusaExporter(Exporter):
     def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
         return config.get("model_type") == "medusa" or "MedusaModel" in config.get("architectures", [])
 
-    def read(self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]):
+    def read(
+        self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]
+    ):
         """A Medusa drafter from a vLLM Medusa folder; beside a `target/` (a Medusa-2 export), that
         merged target becomes the model that verifies it."""
         medusa = drafter_class("medusa")
         settings = {"num_heads": int(config["num_heads"]), "num_layers": int(config["num_hidden_layers"])}
-        settings |= {key: value for key, value in info.get("drafter_config", {}).items() if key == "tree_topk"}  # decode-only
+        settings |= {
+            key: value for key, value in info.get("drafter_config", {}).items() if key == "tree_topk"
+        }  # decode-only
         drafter = medusa(medusa.Config(**settings), TargetShape.of(target_model, info.get("verifier", "target")))
         if not config.get("medusa_fc_bias"):  # a Medusa folder without biases is draftsmith's with zero biases
-            tensors = tensors | {n.replace(".weight", ".bias"): torch.zeros(t.shape[0]) for n, t in tensors.items() if n.startswith("blocks.")}
+            tensors = tensors | {
+                n.replace(".weight", ".bias"): torch.zeros(t.shape[0])
+                for n, t in tensors.items()
+                if n.startswith("blocks.")
+            }
         drafter.load_state_dict(tensors)
         merged = folder.parent / TARGET_DIR
         if folder.name == HEADS_DIR and merged.is_dir():
@@ -112,7 +124,9 @@ def write_merged_target(source: Source, directory: Path) -> None:
 
     adapter = source.checkpoint / ADAPTER_DIR
     if not adapter.is_dir():
-        raise UserError(f"{source.checkpoint} has no {ADAPTER_DIR}/ (the LoRA adapters in peft's format) to merge into the target")
+        raise UserError(
+            f"{source.checkpoint} has no {ADAPTER_DIR}/ (the LoRA adapters in peft's format) to merge into the target"
+        )
     merged = PeftModel.from_pretrained(copy.deepcopy(source.target_model), adapter).merge_and_unload()
     merged.save_pretrained(directory)
     copy_tokenizer(source.target, directory)

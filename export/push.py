@@ -52,7 +52,10 @@ def push_folders(cfg: DictConfig, folders: dict[str, Path], report: Optional[dic
             if push.revision != "main":
                 api.create_branch(repo_id, branch=push.revision, exist_ok=True)
             commit = api.upload_folder(
-                repo_id=repo_id, folder_path=str(folder), revision=push.revision, commit_message=commit_message(cfg, engine, report, folder)
+                repo_id=repo_id,
+                folder_path=str(folder),
+                revision=push.revision,
+                commit_message=commit_message(cfg, engine, report, folder),
             )
         except (HfHubHTTPError, OSError, ValueError) as err:
             raise UserError(f"could not push {folder} to {repo_id}@{push.revision}: {one_line(err)}") from None

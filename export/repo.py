@@ -26,7 +26,14 @@ from draftsmith.target import TargetShape
 EXPORT_INFO = "draftsmith_export.json"
 WEIGHTS = "model.safetensors"
 # The target's tokenizer files, copied where an engine reads a tokenizer from the drafter's folder.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json", "tokenizer.model", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "generation_config.json",
+)
 
 
 @dataclass
@@ -70,10 +77,18 @@ def check_tensors(repo: EngineRepo, what: str) -> None:
     missing = sorted(set(repo.expected) - set(repo.tensors))
     extra = sorted(set(repo.tensors) - set(repo.expected))
     if missing or extra:
-        raise UserError(f"{what}: the {repo.engine} folder would miss {missing[:4]} and carry {extra[:4]} that {repo.engine} does not load")
-    wrong = [(name, tuple(tensor.shape), repo.expected[name]) for name, tensor in repo.tensors.items() if tuple(tensor.shape) != tuple(repo.expected[name])]
+        raise UserError(
+            f"{what}: the {repo.engine} folder would miss {missing[:4]} and carry {extra[:4]} that {repo.engine} does not load"
+        )
+    wrong = [
+        (name, tuple(tensor.shape), repo.expected[name])
+        for name, tensor in repo.tensors.items()
+        if tuple(tensor.shape) != tuple(repo.expected[name])
+    ]
     if wrong:
-        raise UserError(f"{what}: {repo.engine} expects other shapes: {', '.join(f'{n} {got} vs {want}' for n, got, want in wrong[:3])}")
+        raise UserError(
+            f"{what}: {repo.engine} expects other shapes: {', '.join(f'{n} {got} vs {want}' for n, got, want in wrong[:3])}"
+        )
 
 
 def stage_repo(repo: EngineRepo, directory: Path, target: TargetInfo) -> Path:
@@ -106,10 +121,14 @@ def publish(tmp: Path, directory: Path) -> None:
 
 def copy_tokenizer(target: TargetInfo, destination: Path) -> None:
     if target.directory is None:
-        raise UserError(f"the export needs the target's tokenizer files, but the target {target.verifier!r} is not a local directory")
+        raise UserError(
+            f"the export needs the target's tokenizer files, but the target {target.verifier!r} is not a local directory"
+        )
     copied = [name for name in TOKENIZER_FILES if (target.directory / name).is_file()]
     if "tokenizer.json" not in copied and "tokenizer.model" not in copied:
-        raise UserError(f"the target directory {target.directory} holds no tokenizer.json or tokenizer.model to copy into the export")
+        raise UserError(
+            f"the target directory {target.directory} holds no tokenizer.json or tokenizer.model to copy into the export"
+        )
     for name in copied:
         shutil.copyfile(target.directory / name, destination / name)
 

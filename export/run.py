@@ -20,7 +20,17 @@ from safetensors.torch import load_file
 
 from draftsmith.errors import UserError, one_line
 from draftsmith.export import EXPORTERS, Source, exporter_for
-from draftsmith.export.repo import EXPORT_INFO, WEIGHTS, EngineRepo, TargetInfo, check_tensors, publish, stage_repo, write_json
+from draftsmith.export.gamma import recommended_gamma
+from draftsmith.export.repo import (
+    EXPORT_INFO,
+    WEIGHTS,
+    EngineRepo,
+    TargetInfo,
+    check_tensors,
+    publish,
+    stage_repo,
+    write_json,
+)
 from draftsmith.files import file_sha256
 from draftsmith.heads import load_drafter
 from draftsmith.heads.base import CONFIG_NAME, check_same_target, read_checkpoint_config
@@ -34,7 +44,9 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
     """Export `checkpoint` for every engine in export.engines; returns engine -> folder."""
     output = Path(cfg.export.output or Path(cfg.output_dir) / "export")
     with DirectoryLock(output):
-        kind = read_checkpoint_config(checkpoint)["drafter_type"]  # before the target loads: can these engines serve it?
+        kind = read_checkpoint_config(checkpoint)[
+            "drafter_type"
+        ]  # before the target loads: can these engines serve it?
         for engine in cfg.export.engines:
             if engine == "sglang" and exporter_for(kind).sglang_reason:
                 raise UserError(f"{kind} cannot be exported for sglang: {exporter_for(kind).sglang_reason}")
@@ -76,7 +88,9 @@ def load_source(cfg: DictConfig, checkpoint: Path, target) -> Source:
     shape = TargetShape.of(target, name)
     drafter = load_drafter(checkpoint, shape, target).eval()
     directory = Path(name) if Path(name).is_dir() else None
-    info = TargetInfo(shape=shape, config=target.config.to_dict(), verifier=cfg.export.verifier or name, directory=directory)
+    info = TargetInfo(
+        shape=shape, config=target.config.to_dict(), verifier=cfg.export.verifier or name, directory=directory
+    )
     return Source(drafter=drafter, checkpoint=checkpoint, target_model=target, target=info)
 
 
@@ -84,7 +98,9 @@ def serving_gamma(cfg: DictConfig, source: Source) -> int:
     gamma = int(cfg.export.num_speculative_tokens or cfg.eval.num_speculative_tokens)
     longest = type(source.drafter).max_chain(source.drafter.config)
     if longest is not None and gamma > longest:
-        raise UserError(f"num_speculative_tokens={gamma} but this {source.drafter.type} drafter proposes at most {longest}; set export.num_speculative_tokens")
+        raise UserError(
+            f"num_speculative_tokens={gamma} but this {source.drafter.type} drafter proposes at most {longest}; set export.num_speculative_tokens"
+        )
     return gamma
 
 
@@ -95,7 +111,9 @@ def claim_export_dir(output: Path, engines: list[str], digest: str, overwrite: b
     for engine in engines:
         info_path = output / engine / EXPORT_INFO
         if (output / engine).exists():
-            made_from = json.loads(info_path.read_text()).get("source", {}).get("sha256") if info_path.is_file() else None
+            made_from = (
+                json.loads(info_path.read_text()).get("source", {}).get("sha256") if info_path.is_file() else None
+            )
             if made_from != digest:
                 others.append(engine)
     if not others:
@@ -121,11 +139,15 @@ def find_report(cfg: DictConfig, checkpoint: Path) -> Optional[dict[str, Any]]:
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise UserError(f"{path}: not an eval report ({one_line(err)})") from None
     if report.get("drafter", {}).get("path") != str(checkpoint.resolve()):
-        raise UserError(f"{path} evaluates {report.get('drafter', {}).get('path')}, not {checkpoint.resolve()}; pass export.report for this checkpoint")
+        raise UserError(
+            f"{path} evaluates {report.get('drafter', {}).get('path')}, not {checkpoint.resolve()}; pass export.report for this checkpoint"
+        )
     return {**report, "_path": str(path)}
 
 
-def export_info(cfg: DictConfig, source: Source, repo: EngineRepo, gamma: int, digest: str, report: Optional[dict]) -> dict[str, Any]:
+def export_info(
+    cfg: DictConfig, source: Source, repo: EngineRepo, gamma: int, digest: str, report: Optional[dict]
+) -> dict[str, Any]:
     """draftsmith_export.json: where the folder came from and what was converted on the way."""
     from importlib import metadata
 
@@ -143,9 +165,14 @@ def export_info(cfg: DictConfig, source: Source, repo: EngineRepo, gamma: int, d
         "num_speculative_tokens": gamma,
         "conventions": repo.conventions,
         "serve": repo.serve,
+        "recommended_num_speculative_tokens": recommended_gamma(report),
         "eval_report": None
         if report is None
-        else {"path": report["_path"], "temperature": report["temperature"], "tau_all": report["domains"]["all"]["chain"]["tau"]},
+        else {
+            "path": report["_path"],
+            "temperature": report["temperature"],
+            "tau_all": report["domains"]["all"]["chain"]["tau"],
+        },
     }
     return info
 
@@ -161,10 +188,18 @@ def check_round_trip(exporter, source: Source, repo: EngineRepo, staged: Path, t
     """Read the staged folder back into a drafter and export that again: the same tensors must come
     out, or the folder's config does not describe its weights."""
     drafter = read_folder(staged / repo.weights_dir, target)
-    again = exporter.build(repo.engine, Source(drafter, source.checkpoint, source.target_model, source.target), gamma, final)
-    differ = [name for name, tensor in repo.tensors.items() if name not in again.tensors or not torch.equal(again.tensors[name].cpu(), tensor.cpu())]
+    again = exporter.build(
+        repo.engine, Source(drafter, source.checkpoint, source.target_model, source.target), gamma, final
+    )
+    differ = [
+        name
+        for name, tensor in repo.tensors.items()
+        if name not in again.tensors or not torch.equal(again.tensors[name].cpu(), tensor.cpu())
+    ]
     if differ or set(again.tensors) != set(repo.tensors):
-        raise UserError(f"the {repo.engine} folder does not read back into the same drafter (tensors {differ[:4]} differ); this is a draftsmith bug")
+        raise UserError(
+            f"the {repo.engine} folder does not read back into the same drafter (tensors {differ[:4]} differ); this is a draftsmith bug"
+        )
 
 
 def read_folder(folder: Path, target):
@@ -175,7 +210,9 @@ def read_folder(folder: Path, target):
     info = json.loads(info_path.read_text()) if info_path else {}
     matches = [exporter for exporter in dict.fromkeys(EXPORTERS.values()) if exporter.recognises(config, tensors)]
     if len(matches) != 1:
-        raise UserError(f"{folder} is not a drafter folder draftsmith can read (config.json architectures {config.get('architectures')})")
+        raise UserError(
+            f"{folder} is not a drafter folder draftsmith can read (config.json architectures {config.get('architectures')})"
+        )
     drafter = matches[0].read(folder, config, tensors, target, info)
     return drafter.eval()
 
@@ -192,4 +229,6 @@ def open_drafter(path: str | Path, target_shape: TargetShape, target):
             drafter = read_folder(folder, target)
             check_same_target(drafter.target, target_shape, str(folder))
             return drafter
-    raise UserError(f"{path} holds neither a drafter checkpoint nor an exported drafter folder (config.json + {WEIGHTS})")
+    raise UserError(
+        f"{path} holds neither a drafter checkpoint nor an exported drafter folder (config.json + {WEIGHTS})"
+    )

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 from draftsmith.errors import UserError, one_line
 from draftsmith.eval.loop import Counts, generate
-from draftsmith.eval.report import eos_ids_of, load_prompts
+from draftsmith.eval.prompts import eos_ids_of, load_prompts
 from draftsmith.export import Source
 from draftsmith.export.repo import EngineRepo
 from draftsmith.target import load_tokenizer
@@ -35,7 +35,9 @@ def run_vllm(python: str, request: dict[str, Any]) -> dict[str, Any]:
     """Run draftsmith/engine_scripts/vllm_run.py with `python`; its JSON result."""
     script = Path(str(files("draftsmith.engine_scripts").joinpath("vllm_run.py")))
     try:
-        done = subprocess.run([python, str(script)], input=json.dumps(request), capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
+        done = subprocess.run(
+            [python, str(script)], input=json.dumps(request), capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S
+        )
     except (OSError, subprocess.TimeoutExpired) as err:
         raise UserError(f"could not run vLLM with export.vllm_python={python!r}: {one_line(err)}") from None
     try:
@@ -48,7 +50,9 @@ def run_vllm(python: str, request: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def draftsmith_side(source: Source, prompts: list[list[int]], max_new_tokens: int, gamma: int, eos_ids: frozenset[int]) -> dict[str, Any]:
+def draftsmith_side(
+    source: Source, prompts: list[list[int]], max_new_tokens: int, gamma: int, eos_ids: frozenset[int]
+) -> dict[str, Any]:
     """Plain greedy decoding and the drafter's greedy chain, in draftsmith's loop, on vLLM's schedule:
     vLLM takes the first new token from the prefill and drafts after it, so the chain here decodes
     each prompt with its first greedy token appended (the same draft positions, the same counts)."""
@@ -58,16 +62,22 @@ def draftsmith_side(source: Source, prompts: list[list[int]], max_new_tokens: in
     counts = Counts()
     for prompt, tokens in zip(prompts, plain):
         if len(tokens) > 1 and tokens[0] not in eos_ids:
-            counts.add(generate(verifier, prompt + tokens[:1], max_new_tokens - 1, proposer, gamma, eos_ids=eos_ids).counts)
+            counts.add(
+                generate(verifier, prompt + tokens[:1], max_new_tokens - 1, proposer, gamma, eos_ids=eos_ids).counts
+            )
     drafts = max(counts.reached[0] if counts.reached else 0, 1)  # cycles that drafted: vLLM's num_drafts
     return {
         "plain": plain,
         "tau": 1 + counts.accepted / drafts,  # vLLM's mean acceptance length
-        "at_least": [accepted / drafts for accepted in counts.accepted_at],  # P(accepted >= k), vLLM's per-position rate
+        "at_least": [
+            accepted / drafts for accepted in counts.accepted_at
+        ],  # P(accepted >= k), vLLM's per-position rate
     }
 
 
-def verify_in_vllm(cfg: DictConfig, source: Source, repo: EngineRepo, folder: Path, gamma: int, tokenizer=None) -> dict[str, Any]:
+def verify_in_vllm(
+    cfg: DictConfig, source: Source, repo: EngineRepo, folder: Path, gamma: int, tokenizer=None
+) -> dict[str, Any]:
     """Check the staged vLLM `folder` in the engine (see the module docstring); the summary that goes
     into draftsmith_export.json and the model card, or a UserError saying what failed."""
     tokenizer = tokenizer or load_tokenizer(cfg.target)
@@ -87,7 +97,14 @@ def verify_in_vllm(cfg: DictConfig, source: Source, repo: EngineRepo, folder: Pa
         "max_model_len": min(limit, max(map(len, prompts)) + max_new + 8),
         "runs": [
             {"name": "plain", "speculative_config": None},
-            {"name": "speculative", "speculative_config": {"method": repo.method, "model": str(folder / repo.weights_dir), "num_speculative_tokens": gamma}},
+            {
+                "name": "speculative",
+                "speculative_config": {
+                    "method": repo.method,
+                    "model": str(folder / repo.weights_dir),
+                    "num_speculative_tokens": gamma,
+                },
+            },
         ],
     }
     engine = run_vllm(cfg.export.vllm_python, request)
@@ -101,7 +118,9 @@ def served_target(cfg: DictConfig) -> str:
     return str(Path(name).resolve())
 
 
-def compare(engine: dict[str, Any], ours: dict[str, Any], gamma: int, tolerance: float, prompts: int, max_new: int) -> dict[str, Any]:
+def compare(
+    engine: dict[str, Any], ours: dict[str, Any], gamma: int, tolerance: float, prompts: int, max_new: int
+) -> dict[str, Any]:
     plain, speculative = engine["runs"]["plain"], engine["runs"]["speculative"]
     counters = speculative["metrics"]
     drafts, accepted = counters["num_drafts"], counters["num_accepted_tokens"]
@@ -130,7 +149,9 @@ def compare(engine: dict[str, Any], ours: dict[str, Any], gamma: int, tolerance:
     if not accepted:
         problems.append(f"vLLM accepted no draft token in {drafts} drafts")
     elif abs(summary["relative_difference"]) > tolerance:
-        problems.append(f"vLLM's τ {tau:.3f} differs from draftsmith's {ours['tau']:.3f} by {summary['relative_difference']:+.1%} (tolerance ±{tolerance:.0%})")
+        problems.append(
+            f"vLLM's τ {tau:.3f} differs from draftsmith's {ours['tau']:.3f} by {summary['relative_difference']:+.1%} (tolerance ±{tolerance:.0%})"
+        )
     if problems:
         raise UserError(f"export check in vLLM {engine['vllm_version']} failed: {'; '.join(problems)}")
     return summary

@@ -251,7 +251,10 @@ def per_sample_stats(values: dict[str, torch.Tensor], rows: torch.Tensor, batch_
     ones = torch.ones(rows.shape[0], device=rows.device)
     counts = torch.zeros(batch_size, device=rows.device).index_add_(0, rows, ones)
     return {
-        name: torch.stack([torch.zeros(batch_size, device=rows.device).index_add_(0, rows, value.float()), counts], dim=-1) for name, value in values.items()
+        name: torch.stack(
+            [torch.zeros(batch_size, device=rows.device).index_add_(0, rows, value.float()), counts], dim=-1
+        )
+        for name, value in values.items()
     }
 
 
@@ -264,12 +267,17 @@ def check_layer_ids(layers: list[int], num_layers: int, key: str, default: Optio
     if default is None:
         where, hint = f"{key}={layers}", ""
     else:
-        where, hint = f"{default} = {layers} for this {num_layers}-layer target", f"; set {key} to {advice} of your own, e.g. [0, 1, 2]"
+        where, hint = (
+            f"{default} = {layers} for this {num_layers}-layer target",
+            f"; set {key} to {advice} of your own, e.g. [0, 1, 2]",
+        )
     if not layers:
         raise UserError(f"{key} is empty: name at least one target layer")
     bad = [layer for layer in layers if not -1 <= layer < num_layers]
     if bad:
-        raise UserError(f"{where}: layer id(s) {bad} out of range for a target with {num_layers} layers (valid: -1..{num_layers - 1}){hint}")
+        raise UserError(
+            f"{where}: layer id(s) {bad} out of range for a target with {num_layers} layers (valid: -1..{num_layers - 1}){hint}"
+        )
     if any(b <= a for a, b in zip(layers, layers[1:])):
         raise UserError(f"{where}: ids must be distinct and increasing (engines concatenate the layers in order){hint}")
 
@@ -294,7 +302,9 @@ def read_checkpoint_config(directory: Path) -> dict[str, Any]:
     if not isinstance(saved, dict) or "draftsmith_format" not in saved:
         raise UserError(f"{config_path} is not a draftsmith checkpoint config (no draftsmith_format)")
     if saved["draftsmith_format"] != FORMAT_VERSION:
-        raise UserError(f"{config_path}: checkpoint format {saved['draftsmith_format']!r}, this draftsmith reads {FORMAT_VERSION}; retrain it")
+        raise UserError(
+            f"{config_path}: checkpoint format {saved['draftsmith_format']!r}, this draftsmith reads {FORMAT_VERSION}; retrain it"
+        )
     return saved
 
 
@@ -323,7 +333,9 @@ def load_drafter(directory: str | os.PathLike, target: Optional[TargetShape] = N
         raise UserError(f"{weights_path}: corrupt weights file ({one_line(err)})") from None
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise UserError(f"{weights_path}: weights do not match a {cls.type} drafter (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise UserError(
+            f"{weights_path}: weights do not match a {cls.type} drafter (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
     drafter.learned = dict(saved.get("learned") or {})
     return drafter
 

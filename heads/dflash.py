@@ -1,9 +1,10 @@
 """DFlash: a block drafter. One draft forward proposes a whole block of tokens.
 
 The block is `[x_a, m, m, ..., m]` (block_size positions, at RoPE positions a .. a+block_size-1): the
-last committed token x_a (the anchor) followed by block_size-1 copies of a mask embedding that the
-drafter owns (a target vocabulary has no mask token to spare). A small stack of the target family's
-decoder layers denoises it in one pass; the target's own (frozen, shared, not saved) lm_head turns
+last committed token x_a (the anchor) followed by block_size-1 copies of the mask input m: the target's
+embedding of `mask_token_id` (a token of its vocabulary, frozen: what the engines feed, so the export is
+exact) or, with mask_token_id null, a vector the drafter learns (draftsmith's eval only: the engines'
+layout has no slot for it). A small stack of the target family's decoder layers denoises it in one pass; the target's own (frozen, shared, not saved) lm_head turns
 block position k's output into a guess of x_{a+k}. Every layer's attention reads
 
     queries: the block;   keys/values: [projected context ; the block]   non-causal within the block
@@ -11,12 +12,16 @@ block position k's output into a guess of x_{a+k}. Every layer's attention reads
 where the context is the fused target feature c_j = hidden_norm(fc(cat(h^l_j for l in target_layers)))
 at every position j < a (strictly before the anchor: the target has not run on x_a yet), projected by
 each layer's own k_proj/v_proj (no input_layernorm on it). The context does not change across layers.
+With `qk_norm` (the default) every layer normalises queries and keys per head (Qwen3's q_norm/k_norm,
+added where the target's family has none): vLLM's DFlash layers always apply them.
 
 Decoding: the context keys and values of committed positions are cached per layer and cropped on
 rejection (they change only when the committed sequence does); the block is recomputed per cycle.
-The chain is the block's per-position argmax (T=0) or a sample from each position's q (T>0, q
-returned for the exact rule); DDTree is a best-first tree over the per-position top-k under the node
-budget `eval.tree`, scored by summed log q. Either way: one draft forward per decode cycle.
+A chain of γ tokens runs a block of 1 + γ queries, as vLLM runs DFlash with num_speculative_tokens γ
+(so γ = block_size - 1 is the block trained on), and is the per-position argmax (T=0) or a sample from
+each position's q (T>0, q returned for the exact rule); DDTree runs the whole block and is a
+best-first tree over the per-position top-k under the node budget `eval.tree`, scored by summed log q.
+Either way: one draft forward per decode cycle.
 
 Training (`loss`): random anchors per sequence, positions a where x_a and x_{a+1} both bear loss,
 at most `anchors` of them; one block per anchor, its context the positions before a. Block position
@@ -32,9 +37,9 @@ over [1, L-3] (the reference's choice).
 
 Checkpoint names follow the public DFlash layout: `fc.weight [H, n*H]`, `hidden_norm.weight`,
 `layers.{i}.self_attn.{q,k,v,o}_proj.*` (and `q_norm`/`k_norm` for families that have them),
-`layers.{i}.mlp.*`, `layers.{i}.{input,post_attention}_layernorm.weight`, `norm.weight`, plus
-`mask_embedding [H]`, the one tensor the public layout lacks: it keeps its mask token as a row of the
-target's embedding (`mask_token_id`), so an exporter must place this vector in such a row.
+`layers.{i}.mlp.*`, `layers.{i}.{input,post_attention}_layernorm.weight`, `norm.weight`, and with a
+learned mask `mask_embedding [H]`, the one tensor the public layout lacks (it names the mask by
+`mask_token_id`): export/dflash.py refuses such a drafter.
 """
 
 from __future__ import annotations
@@ -50,7 +55,16 @@ from torch import nn
 
 from draftsmith.errors import UserError
 from draftsmith.heads import register
-from draftsmith.heads.base import DrafterConfig, DraftState, DraftTree, DynamicTree, Proposer, Tree, check_layer_ids, per_sample_stats
+from draftsmith.heads.base import (
+    DrafterConfig,
+    DraftState,
+    DraftTree,
+    DynamicTree,
+    Proposer,
+    Tree,
+    check_layer_ids,
+    per_sample_stats,
+)
 from draftsmith.heads.eagle import EagleBase, import_qualified
 from draftsmith.heads.packing import documents, num_documents, positions, same_document
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
@@ -70,20 +84,40 @@ class DFlashConfig(DrafterConfig):
     loss: str = "ce"  # ce: to the data's tokens; soft_ce: to the target's distribution
     loss_decay: float = 7.0  # block position k's loss weight exp(-(k-1)/loss_decay)
     tree_topk: int = 8  # DDTree: candidates per block position; eval.tree = node budget
+    # The mask queries' input: this token's row of the target's (frozen) embedding, as vLLM embeds
+    # DFlash's mask queries (dflash_config.mask_token_id); null learns a vector (not exportable).
+    mask_token_id: Optional[int] = None
+    qk_norm: bool = True  # per-head RMSNorm on queries and keys (Qwen3's), as vLLM's DFlash layers apply
     decoder: Optional[dict] = None  # the target family's layer/rotary classes and config; set by from_target
 
     def check(self, target: Optional[TargetShape] = None) -> None:
         if self.num_layers < 1:
             raise UserError(f"drafter.num_layers must be >= 1 (got {self.num_layers})")
         if self.block_size < 2:
-            raise UserError(f"drafter.block_size must be >= 2 (the anchor and at least one mask; got {self.block_size})")
+            raise UserError(
+                f"drafter.block_size must be >= 2 (the anchor and at least one mask; got {self.block_size})"
+            )
         if self.anchors < 1 or self.tree_topk < 1 or self.loss_decay <= 0:
-            raise UserError(f"drafter.anchors and tree_topk must be >= 1 and loss_decay > 0 (got {self.anchors}, {self.tree_topk}, {self.loss_decay})")
+            raise UserError(
+                f"drafter.anchors and tree_topk must be >= 1 and loss_decay > 0 (got {self.anchors}, {self.tree_topk}, {self.loss_decay})"
+            )
         if self.loss not in LOSSES:
             raise UserError(f"drafter.loss={self.loss!r} is not one of {', '.join(LOSSES)}")
+        if target is not None and self.mask_token_id is not None and not 0 <= self.mask_token_id < target.vocab_size:
+            raise UserError(
+                f"drafter.mask_token_id={self.mask_token_id} is not a token of the target's {target.vocab_size}-token vocabulary"
+            )
         if target is not None:
-            default = None if self.target_layers is not None else "DFlash's default target layers (spread over [1, L-3])"
-            check_layer_ids(self.layers_for(target.num_hidden_layers), target.num_hidden_layers, "drafter.target_layers", default, "distinct layers")
+            default = (
+                None if self.target_layers is not None else "DFlash's default target layers (spread over [1, L-3])"
+            )
+            check_layer_ids(
+                self.layers_for(target.num_hidden_layers),
+                target.num_hidden_layers,
+                "drafter.target_layers",
+                default,
+                "distinct layers",
+            )
 
     def layers_for(self, num_layers: int) -> list[int]:
         """The context layers, the even spread for a target of `num_layers` layers when unset."""
@@ -98,6 +132,16 @@ def default_target_layers(num_target_layers: int, count: int) -> list[int]:
         return [num_target_layers // 2]
     low, high = 1, num_target_layers - 3
     return [round(low + index * (high - low) / (count - 1)) for index in range(count)]
+
+
+def add_qk_norm(layer: nn.Module, config) -> None:
+    """Give a family decoder layer without them Qwen3's per-head q_norm/k_norm (RMSNorm over head_dim,
+    of the family's RMSNorm class, weights 1: a fresh layer's norms)."""
+    attention = layer.self_attn
+    head_dim = getattr(attention, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    for name in ("q_norm", "k_norm"):
+        if getattr(attention, name, None) is None:
+            setattr(attention, name, type(layer.input_layernorm)(head_dim, eps=getattr(config, "rms_norm_eps", 1e-6)))
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -116,11 +160,15 @@ def block_attention(query, context_key, context_value, block_key, block_value, v
     batch, heads, blocks, size, dim = query.shape
     kv_heads = context_key.shape[1]
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, blocks * size, dim)
-    context_scores = (grouped @ context_key[:, :, None].transpose(-1, -2)).view(batch, kv_heads, -1, blocks, size, context_key.shape[2])
+    context_scores = (grouped @ context_key[:, :, None].transpose(-1, -2)).view(
+        batch, kv_heads, -1, blocks, size, context_key.shape[2]
+    )
     context_scores = context_scores.masked_fill(~visible[:, None, None, :, None, :], float("-inf"))
     grouped = grouped.view(batch, kv_heads, -1, blocks, size, dim)
     block_scores = grouped @ block_key[:, :, None].transpose(-1, -2)  # [B, kv, g, A, S, S]
-    weights = (torch.cat([context_scores, block_scores], dim=-1) * scaling).softmax(-1, dtype=torch.float32).to(query.dtype)
+    weights = (
+        (torch.cat([context_scores, block_scores], dim=-1) * scaling).softmax(-1, dtype=torch.float32).to(query.dtype)
+    )
     context_weights, block_weights = weights.split([context_key.shape[2], size], dim=-1)
     out = (context_weights.flatten(3, 4) @ context_value[:, :, None]).view(batch, kv_heads, -1, blocks, size, dim)
     out = out + block_weights @ block_value[:, :, None]
@@ -156,9 +204,13 @@ class DFlashLayer(nn.Module):
         norm_module = getattr(self.self_attn, norm, None)
         return (norm_module(out) if norm_module is not None else out).transpose(1, 2)
 
-    def keys_values(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def keys_values(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (rotated) and values [B, kv, n, d] of inputs [B, n, H] at the positions `rope` encodes."""
-        return rotate(self._heads("k_proj", "k_norm", x, self.kv_heads), *rope), self._heads("v_proj", "v_norm", x, self.kv_heads)
+        return rotate(self._heads("k_proj", "k_norm", x, self.kv_heads), *rope), self._heads(
+            "v_proj", "v_norm", x, self.kv_heads
+        )
 
     def forward(self, hidden, rope, context_kv, visible) -> torch.Tensor:
         """hidden [B, A, S, H] (A blocks of S) at the positions `rope` encodes ([B, A*S, d] cos/sin);
@@ -171,7 +223,9 @@ class DFlashLayer(nn.Module):
         def per_block(t):
             return t.view(batch, t.shape[1], blocks, size, self.head_dim)
 
-        attended = block_attention(per_block(query), *context_kv, per_block(block_key), per_block(block_value), visible, self.scaling)
+        attended = block_attention(
+            per_block(query), *context_kv, per_block(block_key), per_block(block_value), visible, self.scaling
+        )
         attended = attended.permute(0, 2, 3, 1, 4).reshape(batch, blocks, size, self.heads * self.head_dim)
         hidden = hidden + self.self_attn.o_proj(attended)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
@@ -184,20 +238,26 @@ class DFlash(EagleBase):
 
     type = "dflash"
     Config = DFlashConfig
-    SERVED_BY = {"chain": "draftsmith eval only (no exporter yet)", "tree": "draftsmith eval only (DDTree)"}
+    SERVED_BY = {"chain": "vLLM (drafter.mask_token_id set)", "tree": "draftsmith eval only (DDTree)"}
 
     def __init__(self, config: DFlashConfig, target: TargetShape):
         super().__init__(config, target)
         if not config.target_layers:
-            raise UserError("a dflash drafter is built for a target: use from_target (drafter.target_layers is filled there)")
+            raise UserError(
+                "a dflash drafter is built for a target: use from_target (drafter.target_layers is filled there)"
+            )
         hidden = target.hidden_size
         layer_cls = import_qualified(config.decoder["layer"])
         self.fc = nn.Linear(len(config.target_layers) * hidden, hidden, bias=False)
         family_layers = [layer_cls(self.layer_config, layer_idx=i) for i in range(config.num_layers)]
+        if config.qk_norm:
+            for layer in family_layers:
+                add_qk_norm(layer, self.layer_config)
         self.hidden_norm = copy.deepcopy(family_layers[0].input_layernorm)  # fresh norms of the family's class
         self.layers = nn.ModuleList(DFlashLayer(layer, self.layer_config) for layer in family_layers)
         self.norm = copy.deepcopy(family_layers[0].input_layernorm)
-        self.mask_embedding = nn.Parameter(torch.randn(hidden) * 0.02)
+        if config.mask_token_id is None:
+            self.mask_embedding = nn.Parameter(torch.randn(hidden) * 0.02)
 
     @classmethod
     def from_target(cls, config: DFlashConfig, target_model, name_or_path: str) -> DFlash:
@@ -211,7 +271,8 @@ class DFlash(EagleBase):
             # mask embedding as the mean token embedding, the neutral point of the input space.
             if final_norm is not None and final_norm.state_dict().keys() == drafter.norm.state_dict().keys():
                 drafter.norm.load_state_dict(final_norm.state_dict())
-            drafter.mask_embedding.copy_(target_model.get_input_embeddings().weight.float().mean(0))
+            if config.mask_token_id is None:
+                drafter.mask_embedding.copy_(target_model.get_input_embeddings().weight.float().mean(0))
         return drafter
 
     @classmethod
@@ -220,7 +281,9 @@ class DFlash(EagleBase):
 
     @classmethod
     def features(cls, config: DFlashConfig, target: TargetShape) -> FeatureRequest:
-        return FeatureRequest(final=False, layers=tuple(config.layers_for(target.num_hidden_layers)), logits=config.loss == "soft_ce")
+        return FeatureRequest(
+            final=False, layers=tuple(config.layers_for(target.num_hidden_layers)), logits=config.loss == "soft_ce"
+        )
 
     @classmethod
     def max_chain(cls, config: DFlashConfig) -> int:
@@ -233,21 +296,32 @@ class DFlash(EagleBase):
     def context(self, layers: dict[int, torch.Tensor]) -> torch.Tensor:
         """The target's states [..., H] per context layer -> the context feature [..., H]."""
         dtype = self.fc.weight.dtype
-        return self.hidden_norm(self.fc(torch.cat([layers[layer].to(dtype) for layer in self.config.target_layers], dim=-1)))
+        return self.hidden_norm(
+            self.fc(torch.cat([layers[layer].to(dtype) for layer in self.config.target_layers], dim=-1))
+        )
 
     def context_keys(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's keys/values [B, kv, C, d] of the context [B, C, H] at positions [B, C]."""
         rope = self.rotary_emb(context, positions)
         return [layer.keys_values(context, rope) for layer in self.layers]
 
-    def denoise(self, anchors: torch.Tensor, positions: torch.Tensor, context_kv, visible: torch.Tensor) -> torch.Tensor:
+    def mask_input(self) -> torch.Tensor:
+        """The mask queries' input [H]: the target's embedding of mask_token_id, or the learned vector."""
+        if self.config.mask_token_id is None:
+            return self.mask_embedding
+        embed, _ = self.target_modules()
+        return embed(torch.tensor([self.config.mask_token_id], device=self.fc.weight.device))[0]
+
+    def denoise(
+        self, anchors: torch.Tensor, positions: torch.Tensor, context_kv, visible: torch.Tensor
+    ) -> torch.Tensor:
         """Blocks [anchor, mask, ...]: anchor tokens [B, A] at block positions [B, A, S] -> the
-        target's logits [B, A, S, V] (float32) of every block position's token."""
+        final-norm outputs [B, A, S, H] of every block position (`logits` turns them into tokens)."""
         embed, _ = self.target_modules()
         batch, blocks, size = positions.shape
         dtype = self.fc.weight.dtype
         first = embed(anchors).to(dtype)[:, :, None]
-        hidden = torch.cat([first, self.mask_embedding.to(dtype).expand(batch, blocks, size - 1, -1)], dim=2)
+        hidden = torch.cat([first, self.mask_input().to(dtype).expand(batch, blocks, size - 1, -1)], dim=2)
         rope = self.rotary_emb(hidden, positions.view(batch, blocks * size))
         for layer, kv in zip(self.layers, context_kv):
             hidden = layer(hidden, rope, kv, visible)
@@ -258,7 +332,9 @@ class DFlash(EagleBase):
         return lm_head(outputs.to(lm_head.weight.dtype)).float()
 
     # -- training -------------------------------------------------------------------------------
-    def sample_anchors(self, loss_mask: torch.Tensor, docs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample_anchors(
+        self, loss_mask: torch.Tensor, docs: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Up to `anchors` random positions a per document (`docs` [B, T], heads/packing.py; default:
         one per row) with x_a and x_{a+1} loss-bearing and in a's document, sorted by position:
         ([B, A] positions, [B, A] whether real; rows with fewer anchors are padded with 0)."""
@@ -273,15 +349,25 @@ class DFlash(EagleBase):
         order = key.argsort(dim=1)
         index = torch.arange(length, device=loss_mask.device).expand(batch_size, -1)
         sorted_docs = docs.gather(1, order)
-        run_start = torch.cat([sorted_docs.new_ones(batch_size, 1, dtype=torch.bool), sorted_docs[:, 1:] != sorted_docs[:, :-1]], dim=1)
-        rank = torch.empty(batch_size, length, dtype=torch.long, device=loss_mask.device).scatter_(1, order, index - (index * run_start).cummax(dim=1).values)
+        run_start = torch.cat(
+            [sorted_docs.new_ones(batch_size, 1, dtype=torch.bool), sorted_docs[:, 1:] != sorted_docs[:, :-1]], dim=1
+        )
+        rank = torch.empty(batch_size, length, dtype=torch.long, device=loss_mask.device).scatter_(
+            1, order, index - (index * run_start).cummax(dim=1).values
+        )
         picked = valid & (rank < self.config.anchors)
         count = max(1, int(picked.sum(1).max()))
         anchors = index.masked_fill(~picked, length).sort(dim=1).values[:, :count]  # picked positions first, in order
         real = anchors < length
         return anchors.masked_fill(~real, 0), real
 
-    def blocks(self, input_ids: torch.Tensor, layers: dict[int, torch.Tensor], anchors: torch.Tensor, batch: Optional[dict] = None) -> torch.Tensor:
+    def blocks(
+        self,
+        input_ids: torch.Tensor,
+        layers: dict[int, torch.Tensor],
+        anchors: torch.Tensor,
+        batch: Optional[dict] = None,
+    ) -> torch.Tensor:
         """Teacher-forced blocks: for anchors [B, A] (positions in input_ids [B, T]) the block outputs
         [B, A, S, H], block a reading the context of the target's `layers` [B, T, H] at positions < a,
         exactly what decoding computes after committing x_0..x_a. With a packed `batch` the context
@@ -292,7 +378,9 @@ class DFlash(EagleBase):
         offsets = torch.arange(self.config.block_size, device=input_ids.device)
         block_positions = context_positions.gather(1, anchors)[..., None] + offsets  # [B, A, S]
         before = torch.arange(length, device=input_ids.device)[None, None, :] < anchors[..., None]
-        visible = before & (docs[:, None, :] == docs.gather(1, anchors)[..., None])  # [B, A, T]: strictly before, same document
+        visible = before & (
+            docs[:, None, :] == docs.gather(1, anchors)[..., None]
+        )  # [B, A, T]: strictly before, same document
         context_kv = self.context_keys(self.context(layers), context_positions)
         return self.denoise(input_ids.gather(1, anchors), block_positions, context_kv, visible)
 
@@ -324,7 +412,9 @@ class DFlash(EagleBase):
         # A block must not run past its anchor's document (packed rows hold several).
         same = at_scored(docs) == docs.gather(1, anchors)[..., None]
         supervised = real[..., None] & inside & at_scored(loss_mask) & same
-        weights = torch.exp(-torch.arange(size - 1, device=input_ids.device, dtype=torch.float32) / self.config.loss_decay)
+        weights = torch.exp(
+            -torch.arange(size - 1, device=input_ids.device, dtype=torch.float32) / self.config.loss_decay
+        )
         rows, blocks, ks = supervised.nonzero(as_tuple=True)
         log_q = self.logits(outputs[rows, blocks, ks]).log_softmax(-1)  # only supervised positions reach the vocabulary
         if self.config.loss == "soft_ce":
@@ -343,7 +433,9 @@ class DFlash(EagleBase):
             anchor_docs = docs.gather(1, anchors)  # [B, A]: the document of each block
             for k in range(size - 1):
                 scored_here = supervised[..., k]
-                stats |= per_sample_stats({f"block{k + 1}/top1": correct[..., k][scored_here].float()}, anchor_docs[scored_here], num_docs)
+                stats |= per_sample_stats(
+                    {f"block{k + 1}/top1": correct[..., k][scored_here].float()}, anchor_docs[scored_here], num_docs
+                )
             stats |= per_sample_stats({"loss": token_loss.detach()}, anchor_docs[rows, blocks], num_docs)
             accepted = correct.cumprod(-1).sum(-1)[real].float()
             stats |= per_sample_stats({"accepted": accepted}, anchor_docs[real], num_docs)
@@ -359,7 +451,9 @@ class DFlashProposer(Proposer):
         self.features = drafter.request
         self.temperature = float(temperature)
         self.seed = seed
-        self.generator: Optional[torch.Generator] = None  # one stream for all proposals (independent draws across prompts)
+        self.generator: Optional[torch.Generator] = (
+            None  # one stream for all proposals (independent draws across prompts)
+        )
         self.cache: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None  # per layer [1, kv, committed-1, d]
 
     def default_tree(self, size: int) -> DynamicTree:
@@ -375,33 +469,43 @@ class DFlashProposer(Proposer):
         never there, or a previous sequence's) and rebuilt."""
         missing = [layer for layer in self.drafter.config.target_layers if layer not in state.new_layers]
         if missing:
-            raise ValueError(f"dflash needs the target's layers {missing} at the newly committed positions (DraftState.new_layers)")
+            raise ValueError(
+                f"dflash needs the target's layers {missing} at the newly committed positions (DraftState.new_layers)"
+            )
         count = len(next(iter(state.new_layers.values())))
         committed = len(state.tokens) - 1
         start = committed - count
         if state.fresh or self.cache is None:
             self.cache = None
         if self.cached() < start:
-            raise RuntimeError(f"dflash context cache holds {self.cached()} positions, the committed sequence needs {start}")
+            raise RuntimeError(
+                f"dflash context cache holds {self.cached()} positions, the committed sequence needs {start}"
+            )
         if count == 0:
             return
         device = state.tokens.device
-        context = self.drafter.context({layer: state.new_layers[layer] for layer in self.drafter.config.target_layers})[None]
+        context = self.drafter.context({layer: state.new_layers[layer] for layer in self.drafter.config.target_layers})[
+            None
+        ]
         fresh = self.drafter.context_keys(context, torch.arange(start, committed, device=device)[None])
         if self.cache is None:
             self.cache = fresh
         else:
-            self.cache = [(torch.cat([k[:, :, :start], nk], dim=2), torch.cat([v[:, :, :start], nv], dim=2)) for (k, v), (nk, nv) in zip(self.cache, fresh)]
+            self.cache = [
+                (torch.cat([k[:, :, :start], nk], dim=2), torch.cat([v[:, :, :start], nv], dim=2))
+                for (k, v), (nk, nv) in zip(self.cache, fresh)
+            ]
 
     @torch.no_grad()
-    def block_logits(self, state: DraftState) -> torch.Tensor:
-        """The draft's logits [block_size-1, V] for the tokens after the root, from one forward."""
+    def block_logits(self, state: DraftState, size: Optional[int] = None) -> torch.Tensor:
+        """The draft's logits [size-1, V] for the tokens after the root, from one forward of a block
+        of `size` queries (the root and size-1 masks; default the trained block_size)."""
         self.catch_up(state)
         self.draft_forwards += 1
         drafter = self.drafter
         committed = len(state.tokens) - 1
         device = state.tokens.device
-        positions = (committed + torch.arange(drafter.config.block_size, device=device))[None, None]
+        positions = (committed + torch.arange(size or drafter.config.block_size, device=device))[None, None]
         visible = torch.ones(1, 1, self.cached(), dtype=torch.bool, device=device)
         outputs = drafter.denoise(state.tokens[-1:][None], positions, self.cache, visible)
         return drafter.logits(outputs[0, 0, 1:])
@@ -409,13 +513,15 @@ class DFlashProposer(Proposer):
     @torch.no_grad()
     def propose(self, state: DraftState, num_tokens: int, tree: Optional[Tree] = None) -> DraftTree:
         if tree is not None and not isinstance(tree, DynamicTree):
-            raise UserError("the dflash drafter builds its tree (DDTree) from its block: pass eval.tree=<node budget>, not a static tree")
-        logits = self.block_logits(state)
-        device = logits.device
+            raise UserError(
+                "the dflash drafter builds its tree (DDTree) from its block: pass eval.tree=<node budget>, not a static tree"
+            )
         if tree is not None:
+            logits = self.block_logits(state)
             log_q = (logits / self.temperature if self.temperature > 0 else logits).log_softmax(-1)
             return best_first_tree(log_q[: tree.depth], tree.nodes, tree.topk)
-        logits = logits[:num_tokens]
+        logits = self.block_logits(state, num_tokens + 1)  # the block vLLM runs for a chain of num_tokens
+        device = logits.device
         if self.temperature <= 0:
             return DraftTree.chain(logits.argmax(-1))
         q = (logits / self.temperature).softmax(-1)
@@ -450,7 +556,13 @@ def best_first_tree(log_q: torch.Tensor, nodes: int, topk: int) -> DraftTree:
             heapq.heappush(heap, (-(score + values[position + 1][0]), order, position + 1, 0, node))
             order += 1
         if rank + 1 < width and not math.isinf(values[position][rank + 1]):
-            heapq.heappush(heap, (-(score - values[position][rank] + values[position][rank + 1]), order, position, rank + 1, parent))
+            heapq.heappush(
+                heap,
+                (-(score - values[position][rank] + values[position][rank + 1]), order, position, rank + 1, parent),
+            )
             order += 1
     device = log_q.device
-    return DraftTree(tokens=torch.tensor(tokens, dtype=torch.long, device=device), parents=torch.tensor(parents, dtype=torch.long, device=device))
+    return DraftTree(
+        tokens=torch.tensor(tokens, dtype=torch.long, device=device),
+        parents=torch.tensor(parents, dtype=torch.long, device=device),
+    )

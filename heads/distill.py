@@ -35,14 +35,20 @@ def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
 
 
 def forward_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    return _kl(F.log_softmax(teacher_logits.float() / temperature, -1), F.log_softmax(student_logits.float() / temperature, -1))
+    return _kl(
+        F.log_softmax(teacher_logits.float() / temperature, -1), F.log_softmax(student_logits.float() / temperature, -1)
+    )
 
 
 def reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    return _kl(F.log_softmax(student_logits.float() / temperature, -1), F.log_softmax(teacher_logits.float() / temperature, -1))
+    return _kl(
+        F.log_softmax(student_logits.float() / temperature, -1), F.log_softmax(teacher_logits.float() / temperature, -1)
+    )
 
 
-def total_variation(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def total_variation(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     p = F.softmax(teacher_logits.float() / temperature, -1)
     q = F.softmax(student_logits.float() / temperature, -1)
     return 0.5 * (p - q).abs().sum(-1)
@@ -51,12 +57,16 @@ def total_variation(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
 TERMS = {"fkl": forward_kl, "rkl": reverse_kl, "tvd": total_variation}
 
 
-def divergences(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> dict[str, torch.Tensor]:
+def divergences(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0
+) -> dict[str, torch.Tensor]:
     """All three terms per row: {"fkl", "rkl", "tvd"} -> [N]."""
     return {name: term(student_logits, teacher_logits, temperature) for name, term in TERMS.items()}
 
 
-def distill_loss(terms: dict[str, torch.Tensor], kind: str, mix_weights: Sequence[float] = (1.0, 0.0, 0.0)) -> torch.Tensor:
+def distill_loss(
+    terms: dict[str, torch.Tensor], kind: str, mix_weights: Sequence[float] = (1.0, 0.0, 0.0)
+) -> torch.Tensor:
     """The per-row loss of `kind` from `divergences`' output; `mix` weighs fkl, rkl, tvd in that order."""
     if kind == "mix":  # zero-weight terms are left out: 0 * inf (rkl on top-k teachers) would be nan
         return sum(weight * terms[name] for name, weight in zip(KINDS, mix_weights) if weight != 0)

@@ -36,7 +36,14 @@ from draftsmith.heads import register
 from draftsmith.heads.base import Drafter, DrafterConfig, DraftState, DraftTree, Proposer, per_sample_stats
 from draftsmith.heads.distill import LOSSES, distill_loss, divergences
 from draftsmith.heads.lora import ADAPTER_DIR, LoraSection
-from draftsmith.heads.packing import causal_lm_inputs, documents, is_packed, num_documents, require_packed_attention, same_document
+from draftsmith.heads.packing import (
+    causal_lm_inputs,
+    documents,
+    is_packed,
+    num_documents,
+    require_packed_attention,
+    same_document,
+)
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 
@@ -67,9 +74,15 @@ class DraftModelConfig(DrafterConfig):
             )
         if self.name_or_path is None and self.model_config is None:
             if self.init != "layers":
-                raise UserError(f"drafter.init={self.init!r} is not supported (use 'layers', or set drafter.name_or_path)")
+                raise UserError(
+                    f"drafter.init={self.init!r} is not supported (use 'layers', or set drafter.name_or_path)"
+                )
             if self.num_layers < 1 or (target is not None and self.num_layers > target.num_hidden_layers):
-                limit = f"the target's {target.num_hidden_layers} layers" if target is not None else "the target's layer count"
+                limit = (
+                    f"the target's {target.num_hidden_layers} layers"
+                    if target is not None
+                    else "the target's layer count"
+                )
                 raise UserError(f"drafter.num_layers={self.num_layers} must be between 1 and {limit}")
         if self.lora is not None:
             self.lora.check()
@@ -85,9 +98,13 @@ class DraftModel(Drafter):
         super().__init__(config, target)
         if model is None:  # load_drafter: rebuild the plain architecture, the weights come next
             if config.model_config is None:
-                raise UserError("draft_model checkpoint has no drafter.model_config; was it written by save_pretrained?")
+                raise UserError(
+                    "draft_model checkpoint has no drafter.model_config; was it written by save_pretrained?"
+                )
             settings = dict(config.model_config)
-            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(settings.pop("model_type"), **settings), dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(
+                AutoConfig.for_model(settings.pop("model_type"), **settings), dtype=torch.float32
+            )
         self.model = model
         self.packing_checked = False  # see loss
 
@@ -111,7 +128,9 @@ class DraftModel(Drafter):
 
     def loss(self, batch: dict, target_out: TargetOutput):
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
-        if is_packed(batch) and not self.packing_checked:  # a draft model of another family than the target's may not honour packing
+        if (
+            is_packed(batch) and not self.packing_checked
+        ):  # a draft model of another family than the target's may not honour packing
             require_packed_attention(self.model, "the draft model")
             self.packing_checked = True
         logits = self.model(input_ids=input_ids, **causal_lm_inputs(batch), use_cache=False).logits
@@ -132,7 +151,9 @@ class DraftModel(Drafter):
             values = {name: value.detach() for name, value in terms.items()}
             values["top1"] = (student.argmax(-1) == teacher.argmax(-1)).float()
             values["accept"] = 1.0 - terms["tvd"].detach()  # speculative sampling's acceptance at this temperature
-            stats = per_sample_stats({f"step1/{name}": value for name, value in values.items()}, rows, num_documents(batch))
+            stats = per_sample_stats(
+                {f"step1/{name}": value for name, value in values.items()}, rows, num_documents(batch)
+            )
         return loss, stats
 
     def proposer(self, temperature: float = 0.0, seed: int = 0) -> DraftModelProposer:
@@ -256,6 +277,8 @@ def layers_of(target_model, config: DraftModelConfig):
     copied = {name: tensor for name, tensor in target_model.state_dict().items() if name in wanted}
     missing = sorted(set(wanted) - set(copied))
     if missing:
-        raise UserError(f"cannot build the draft from {type(target_model).__name__}: no target weights for {missing[:3]}")
+        raise UserError(
+            f"cannot build the draft from {type(target_model).__name__}: no target weights for {missing[:3]}"
+        )
     model.load_state_dict(copied)
     return model

@@ -34,7 +34,16 @@ from transformers import DynamicCache
 
 from draftsmith.errors import UserError
 from draftsmith.heads import register
-from draftsmith.heads.base import Drafter, DrafterConfig, DraftState, DraftTree, DynamicTree, Proposer, Tree, per_sample_stats
+from draftsmith.heads.base import (
+    Drafter,
+    DrafterConfig,
+    DraftState,
+    DraftTree,
+    DynamicTree,
+    Proposer,
+    Tree,
+    per_sample_stats,
+)
 from draftsmith.heads.packing import documents, draft_attention_mask, num_documents, positions, same_document
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
@@ -55,7 +64,11 @@ class EagleConfig(DrafterConfig):
         check_tree_settings(self)
         if self.num_layers < 1:
             raise UserError(f"drafter.num_layers must be >= 1 (got {self.num_layers})")
-        if self.feature_loss_weight < 0 or self.token_loss_weight < 0 or self.feature_loss_weight + self.token_loss_weight <= 0:
+        if (
+            self.feature_loss_weight < 0
+            or self.token_loss_weight < 0
+            or self.feature_loss_weight + self.token_loss_weight <= 0
+        ):
             raise UserError("drafter.feature_loss_weight and token_loss_weight must be >= 0, not both 0")
         if self.noise_std < 0:
             raise UserError(f"drafter.noise_std={self.noise_std} must be >= 0")
@@ -75,7 +88,9 @@ def import_qualified(name: str):
     try:
         return getattr(importlib.import_module(module), attribute)
     except (ImportError, AttributeError) as err:
-        raise UserError(f"EAGLE drafter: cannot import {name!r} ({err}); is the target's model code installed?") from None
+        raise UserError(
+            f"EAGLE drafter: cannot import {name!r} ({err}); is the target's model code installed?"
+        ) from None
 
 
 def qualified_name(cls: type) -> str:
@@ -88,7 +103,9 @@ def decoder_spec(target_model, num_layers: int) -> dict:
     base = target_model.get_decoder()
     layers, rotary = getattr(base, "layers", None), getattr(base, "rotary_emb", None)
     if layers is None or rotary is None:
-        raise UserError(f"EAGLE needs a decoder with `layers` and `rotary_emb` (RoPE); {type(target_model).__name__} has none")
+        raise UserError(
+            f"EAGLE needs a decoder with `layers` and `rotary_emb` (RoPE); {type(target_model).__name__} has none"
+        )
     config = target_model.config.to_dict()
     config["num_hidden_layers"] = num_layers
     config.pop("layer_types", None)  # per-layer kinds are the target's; the draft layers are full attention
@@ -114,7 +131,9 @@ class EagleBase(Drafter):
     def __init__(self, config, target: TargetShape):
         super().__init__(config, target)
         if config.decoder is None:
-            raise UserError(f"an {self.type} drafter is built for a target: use from_target (drafter.decoder is filled there)")
+            raise UserError(
+                f"an {self.type} drafter is built for a target: use from_target (drafter.decoder is filled there)"
+            )
         layer_config = import_qualified(config.decoder["config_class"]).from_dict(config.decoder["config"])
         layer_config._attn_implementation = "sdpa"  # takes the explicit tree masks of decoding
         self.layer_config = layer_config
@@ -140,12 +159,19 @@ class EagleBase(Drafter):
 
     def target_modules(self) -> tuple[nn.Module, nn.Module]:
         if self.shared is None:
-            raise RuntimeError(f"the {self.type} drafter has no target embedding/lm_head: load it with load_drafter(..., target_model=target)")
+            raise RuntimeError(
+                f"the {self.type} drafter has no target embedding/lm_head: load it with load_drafter(..., target_model=target)"
+            )
         return self.shared
 
     # -- what a subclass defines ----------------------------------------------------------------
     def draft(
-        self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, mask: Optional[torch.Tensor] = None, cache: Optional[DynamicCache] = None
+        self,
+        tokens: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        mask: Optional[torch.Tensor] = None,
+        cache: Optional[DynamicCache] = None,
     ) -> torch.Tensor:
         """[B, q] tokens and [B, q, H] input features at [B, q] positions -> [B, q, H] output
         features, each the input feature of the entry after it. `mask` None is causal attention
@@ -182,7 +208,9 @@ class EagleProposer(Proposer):
     @torch.no_grad()
     def propose(self, state: DraftState, num_tokens: int, tree: Optional[Tree] = None) -> DraftTree:
         if tree is not None and not isinstance(tree, DynamicTree):
-            raise UserError(f"the {self.drafter.type} drafter grows its tree itself: pass eval.tree=<node budget>, not a static tree")
+            raise UserError(
+                f"the {self.drafter.type} drafter grows its tree itself: pass eval.tree=<node budget>, not a static tree"
+            )
         root_feature = self.catch_up(state)
         if tree is None:
             return self.grow(root_feature, depth=num_tokens, topk=1, nodes=num_tokens)
@@ -201,14 +229,18 @@ class EagleProposer(Proposer):
         drafter = self.drafter
         features = drafter.committed_features(state)
         if features is None or len(features) == 0:
-            raise ValueError(f"{drafter.type} needs the target's hidden states at the newly committed positions (DraftState.new_final / new_layers)")
+            raise ValueError(
+                f"{drafter.type} needs the target's hidden states at the newly committed positions (DraftState.new_final / new_layers)"
+            )
         tokens = state.tokens
         committed = len(tokens) - 1  # positions with the target's feature known
         start = committed - len(features)
         if state.fresh or self.cache is None:
             self.cache = DynamicCache(config=drafter.layer_config)
         if self.cache.get_seq_length() < start:
-            raise RuntimeError(f"{drafter.type} cache holds {self.cache.get_seq_length()} positions, the committed sequence needs {start}")
+            raise RuntimeError(
+                f"{drafter.type} cache holds {self.cache.get_seq_length()} positions, the committed sequence needs {start}"
+            )
         self.cache.crop(start - self.cache.get_seq_length())  # crop takes minus the count to drop
         new = torch.arange(start, committed, device=tokens.device)
         mask = torch.ones(1, 1, len(new), committed, dtype=torch.bool, device=tokens.device).tril(start)
@@ -228,7 +260,9 @@ class EagleProposer(Proposer):
         scores: list[float] = []
         node_depth: list[int] = []
         entry_of: dict[int, int] = {}  # expanded node -> its cache entry
-        output_of: dict[int, torch.Tensor] = {-1: root_feature}  # expanded node (or root) -> the feature its entry predicts
+        output_of: dict[int, torch.Tensor] = {
+            -1: root_feature
+        }  # expanded node (or root) -> the feature its entry predicts
 
         def add_children(parent: int, parent_score: float, feature: torch.Tensor) -> list[int]:
             log_probs, ids = drafter.top_tokens(feature, topk)
@@ -265,7 +299,9 @@ class EagleProposer(Proposer):
                 output_of[node] = out[row]
                 newest += add_children(node, scores[node], out[row])
 
-        kept = sorted(sorted(range(len(tokens)), key=lambda n: (-scores[n], n))[:nodes])  # then by creation: parents first
+        kept = sorted(
+            sorted(range(len(tokens)), key=lambda n: (-scores[n], n))[:nodes]
+        )  # then by creation: parents first
         index = {node: i for i, node in enumerate(kept)}
         return DraftTree(
             tokens=torch.tensor([tokens[n] for n in kept], device=device),
@@ -293,14 +329,21 @@ class Eagle(EagleBase):
 
     # -- the draft model ------------------------------------------------------------------------
     def draft(
-        self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, mask: Optional[torch.Tensor] = None, cache: Optional[DynamicCache] = None
+        self,
+        tokens: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        mask: Optional[torch.Tensor] = None,
+        cache: Optional[DynamicCache] = None,
     ) -> torch.Tensor:
         """EAGLE-1: f̂_{p+1} = layers(fc(cat(embed(x_{p+1}), f_p))) (see EagleBase.draft)."""
         embed, _ = self.target_modules()
         hidden = self.fc(torch.cat([embed(tokens).to(features.dtype), features], dim=-1))
         rope = self.rotary_emb(hidden, positions)
         for layer in self.layers:
-            hidden = layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=cache, position_embeddings=rope)
+            hidden = layer(
+                hidden, attention_mask=mask, position_ids=positions, past_key_values=cache, position_embeddings=rope
+            )
         return hidden
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
@@ -340,7 +383,9 @@ class Eagle(EagleBase):
             # EAGLE's uniform noise, (rand - 0.5) * std, without its as-coded extra factor
             # 512 / seq_len, which makes the amplitude depend on the padded batch length.
             features = features + (torch.rand_like(features) - 0.5) * self.config.noise_std
-        predicted = self.draft(input_ids[:, 1:-1], features, positions(batch)[:, :-2], draft_attention_mask(batch, length - 2))
+        predicted = self.draft(
+            input_ids[:, 1:-1], features, positions(batch)[:, :-2], draft_attention_mask(batch, length - 2)
+        )
 
         mask = loss_mask[:, 2:] & same_document(docs, 2)
         rows = docs[:, :-2][mask]
@@ -352,7 +397,9 @@ class Eagle(EagleBase):
         log_probs = self.logits(predicted).log_softmax(-1)
         token_loss = -(target_logits.softmax(-1) * log_probs).sum(-1)
         count = mask.sum().clamp(min=1)
-        total = (self.config.feature_loss_weight * feature_loss.sum() + self.config.token_loss_weight * token_loss.sum()) / count
+        total = (
+            self.config.feature_loss_weight * feature_loss.sum() + self.config.token_loss_weight * token_loss.sum()
+        ) / count
 
         with torch.no_grad():
             guess = log_probs.argmax(-1)

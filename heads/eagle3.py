@@ -84,16 +84,26 @@ class Eagle3Config(DrafterConfig):
     def check(self, target: Optional[TargetShape] = None) -> None:
         check_tree_settings(self)
         if self.ttt_steps < 1 or self.ttt_decay <= 0:
-            raise UserError(f"drafter.ttt_steps must be >= 1 and ttt_decay > 0 (got {self.ttt_steps}, {self.ttt_decay})")
+            raise UserError(
+                f"drafter.ttt_steps must be >= 1 and ttt_decay > 0 (got {self.ttt_steps}, {self.ttt_decay})"
+            )
         if self.draft_vocab_size < 1:
             raise UserError(f"drafter.draft_vocab_size={self.draft_vocab_size} must be >= 1")
         if target is not None:
             default = None if self.aux_layers is not None else "EAGLE-3's default aux layers [1, L//2-1, L-4]"
-            check_layer_ids(self.layers_for(target.num_hidden_layers), target.num_hidden_layers, "drafter.aux_layers", default, "low/mid/high layers")
+            check_layer_ids(
+                self.layers_for(target.num_hidden_layers),
+                target.num_hidden_layers,
+                "drafter.aux_layers",
+                default,
+                "low/mid/high layers",
+            )
 
     def layers_for(self, num_layers: int) -> list[int]:
         """The aux layers, EAGLE-3's default for a target of `num_layers` layers when unset."""
-        return [int(layer) for layer in self.aux_layers] if self.aux_layers is not None else default_aux_layers(num_layers)
+        return (
+            [int(layer) for layer in self.aux_layers] if self.aux_layers is not None else default_aux_layers(num_layers)
+        )
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -134,7 +144,12 @@ class Eagle3Layer(nn.Module):
             features = self.hidden_norm(features)
         hidden = torch.cat([self.input_layernorm(embeds), features], dim=-1)
         attended, _ = self.self_attn(
-            hidden_states=hidden, position_embeddings=rope, attention_mask=mask, past_key_values=cache, position_ids=positions, **attention
+            hidden_states=hidden,
+            position_embeddings=rope,
+            attention_mask=mask,
+            past_key_values=cache,
+            position_ids=positions,
+            **attention,
         )
         hidden = residual + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
@@ -164,7 +179,9 @@ def ttt_attention(module, query, key, value, attention_mask, scaling=None, dropo
     and `value` come from `StepKeys`: step 0's [B, kv heads, W, d] and, for this step's N positions,
     steps 1..i's at the same position, stacked [N, kv heads, i, d]; `query` is [1, heads, N, d]."""
     if ttt_at is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     (keys, own_keys), (values, own_values) = key, value
     _, heads, count, dim = query.shape
     batch, kv_heads, width = keys.shape[:3]
@@ -172,12 +189,16 @@ def ttt_attention(module, query, key, value, attention_mask, scaling=None, dropo
     scaling = dim**-0.5 if scaling is None else scaling
     flat = ttt_at.rows * width + ttt_at.cols  # each query's place in the rows' layout
 
-    def laid_out(per_query: torch.Tensor) -> torch.Tensor:  # [N, kv, group, x] -> [B, kv, group, W, x], zeros where no query runs
+    def laid_out(
+        per_query: torch.Tensor,
+    ) -> torch.Tensor:  # [N, kv, group, x] -> [B, kv, group, W, x], zeros where no query runs
         full = per_query.new_zeros(batch * width, *per_query.shape[1:]).index_copy(0, flat, per_query)
         return full.view(batch, width, *per_query.shape[1:]).permute(0, 2, 3, 1, 4)
 
     def gathered(full: torch.Tensor) -> torch.Tensor:  # [B, kv, group, W, x] -> [N, kv, group, x]
-        return full.permute(0, 3, 1, 2, 4).reshape(batch * width, *full.shape[1:3], full.shape[-1]).index_select(0, flat)
+        return (
+            full.permute(0, 3, 1, 2, 4).reshape(batch * width, *full.shape[1:3], full.shape[-1]).index_select(0, flat)
+        )
 
     grouped = query[0].view(kv_heads, group, count, dim).permute(2, 0, 1, 3)  # [N, kv, group, d]
     scores = gathered(laid_out(grouped) @ keys[:, :, None].transpose(-1, -2))  # [N, kv, group, W] against step 0's keys
@@ -250,9 +271,13 @@ class Eagle3(EagleBase):
     def __init__(self, config: Eagle3Config, target: TargetShape):
         super().__init__(config, target)
         if not config.aux_layers:
-            raise UserError("an eagle3 drafter is built for a target: use from_target (drafter.aux_layers is filled there)")
+            raise UserError(
+                "an eagle3 drafter is built for a target: use from_target (drafter.aux_layers is filled there)"
+            )
         if config.draft_vocab_size > target.vocab_size:
-            raise UserError(f"drafter.draft_vocab_size={config.draft_vocab_size} exceeds the target's vocabulary of {target.vocab_size}")
+            raise UserError(
+                f"drafter.draft_vocab_size={config.draft_vocab_size} exceeds the target's vocabulary of {target.vocab_size}"
+            )
         hidden = target.hidden_size
         register_ttt_attention()
         self.layer_config._attn_implementation = ATTENTION  # SDPA, plus the training-time test's attention
@@ -276,7 +301,11 @@ class Eagle3(EagleBase):
     def from_target(cls, config: Eagle3Config, target_model, name_or_path: str) -> Eagle3:
         shape = TargetShape.of(target_model, name_or_path)
         config.check(shape)
-        config = replace(config, aux_layers=config.layers_for(shape.num_hidden_layers), draft_vocab_size=min(config.draft_vocab_size, shape.vocab_size))
+        config = replace(
+            config,
+            aux_layers=config.layers_for(shape.num_hidden_layers),
+            draft_vocab_size=min(config.draft_vocab_size, shape.vocab_size),
+        )
         drafter = super().from_target(config, target_model, name_or_path)
         final_norm = getattr(target_model.get_decoder(), "norm", None)
         with torch.no_grad():
@@ -367,11 +396,15 @@ class Eagle3(EagleBase):
     def committed_features(self, state: DraftState) -> Optional[torch.Tensor]:
         missing = [layer for layer in self.config.aux_layers if layer not in state.new_layers]
         if missing:
-            raise ValueError(f"eagle3 needs the target's layers {missing} at the newly committed positions (DraftState.new_layers)")
+            raise ValueError(
+                f"eagle3 needs the target's layers {missing} at the newly committed positions (DraftState.new_layers)"
+            )
         return self.fuse(state.new_layers)
 
     # -- training -------------------------------------------------------------------------------
-    def unroll(self, input_ids: torch.Tensor, layers: dict[int, torch.Tensor], batch: Optional[dict] = None) -> list[torch.Tensor]:
+    def unroll(
+        self, input_ids: torch.Tensor, layers: dict[int, torch.Tensor], batch: Optional[dict] = None
+    ) -> list[torch.Tensor]:
         """Training-time test: the output features [B, T-2, H] of draft steps 0..ttt_steps-1.
 
         Alignment, with x_t = input_ids[:, t] and h_t the target's states at t (what it reads to
@@ -393,7 +426,9 @@ class Eagle3(EagleBase):
         everywhere = torch.ones(self.config.ttt_steps, rows, width, dtype=torch.bool, device=input_ids.device)
         return [outputs.view(rows, width, -1) for outputs, _ in self.unroll_at(input_ids, layers, batch, everywhere)]
 
-    def unroll_at(self, input_ids: torch.Tensor, layers: dict[int, torch.Tensor], batch: dict, needed: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def unroll_at(
+        self, input_ids: torch.Tensor, layers: dict[int, torch.Tensor], batch: dict, needed: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`unroll` where only some outputs are read: `needed` [ttt_steps, B, T-2] bool marks the
         positions whose output each step's caller reads (the loss: the positions it scores). Step 0
         runs everywhere (its keys are every later step's context); a step i > 0 only at the positions
@@ -418,7 +453,14 @@ class Eagle3(EagleBase):
             cache.previous = previous_slots[rows, cols]  # each position's row among the previous step's
             tokens = shifted(input_ids, 1 + step, width)[rows, cols]
             features = previous.index_select(0, cache.previous)
-            output = self.draft(tokens[None], features[None], (start[rows, cols] + step)[None], mask, cache=cache, ttt_at=StepPositions(rows, cols))[0]
+            output = self.draft(
+                tokens[None],
+                features[None],
+                (start[rows, cols] + step)[None],
+                mask,
+                cache=cache,
+                ttt_at=StepPositions(rows, cols),
+            )[0]
             slots = torch.full_like(slots, -1).index_put_((rows, cols), torch.arange(len(rows), device=rows.device))
             unrolled.append((output, slots))
         return unrolled
@@ -448,7 +490,12 @@ class Eagle3(EagleBase):
         # per batch, not per step): step i scores its output at t where x_{t+2+i} bears loss and is
         # in t's document (packed rows hold several), against the target's distribution of x_{t+2+i},
         # its logits at flat position `scored` = b * T + t + 1 + i.
-        supervised = torch.stack([shifted(loss_mask, 2 + step, length - 2, fill=False) & same_document(docs, 2 + step, length - 2) for step in range(steps)])
+        supervised = torch.stack(
+            [
+                shifted(loss_mask, 2 + step, length - 2, fill=False) & same_document(docs, 2 + step, length - 2)
+                for step in range(steps)
+            ]
+        )
         step_of, rows, cols = supervised.nonzero(as_tuple=True)
         scored = rows * length + cols + 1 + step_of
         with torch.no_grad():  # the target's side, once for all steps, at the positions some step scores
@@ -465,7 +512,9 @@ class Eagle3(EagleBase):
         kept_rows, kept_cols, kept_slot = (x.index_select(0, kept).split(kept_per_step) for x in (rows, cols, slot))
         kept_index = kept.split(kept_per_step)
         # The draft runs where the loss reads it: step 0 everywhere, a later step where it or a later one is counted.
-        needed = torch.zeros_like(supervised).index_put_((step_of[kept], rows[kept], cols[kept]), torch.ones((), dtype=torch.bool, device=kept.device))
+        needed = torch.zeros_like(supervised).index_put_(
+            (step_of[kept], rows[kept], cols[kept]), torch.ones((), dtype=torch.bool, device=kept.device)
+        )
         unrolled = self.unroll_at(input_ids, target_out.layers, batch, needed)
         total = torch.zeros((), device=input_ids.device)
         stats: dict[str, torch.Tensor] = {}
@@ -483,14 +532,18 @@ class Eagle3(EagleBase):
                 stats |= per_sample_stats({f"step{step + 1}/top1": top1}, step_samples, num_docs)
                 stats |= per_sample_stats({f"step{step + 1}/loss": losses[step]}, counted_samples[step], num_docs)
                 if step == 0 and self.pruned:
-                    stats |= per_sample_stats({"vocab_coverage": counted[: per_step[0]].float()}, step_samples, num_docs)
+                    stats |= per_sample_stats(
+                        {"vocab_coverage": counted[: per_step[0]].float()}, step_samples, num_docs
+                    )
         return total, stats
 
     # Bytes of full-vocabulary target logits materialised at once by `target_distribution`.
     TARGET_CHUNK_BYTES = 1 << 27
 
     @torch.no_grad()
-    def target_distribution(self, target_out: TargetOutput, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def target_distribution(
+        self, target_out: TargetOutput, index: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """At flat positions `index` (b * T + t), [N]: the target's argmax over its whole vocabulary
         [N], whether that is a draft token [N], and its distribution restricted to the draft
         vocabulary and renormalised there (EAGLE-3's softmax(logits[t2d])), zero where the argmax is

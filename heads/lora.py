@@ -29,4 +29,6 @@ class LoraSection:
     def peft_config(self):
         from peft import LoraConfig
 
-        return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=list(self.target_modules))
+        return LoraConfig(
+            r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=list(self.target_modules)
+        )

@@ -36,11 +36,15 @@ class MedusaConfig(DrafterConfig):
 
     def check(self, target: Optional[TargetShape] = None) -> None:
         if self.num_heads < 1 or self.num_layers < 0:
-            raise UserError(f"drafter.num_heads must be >= 1 and num_layers >= 0 (got {self.num_heads}, {self.num_layers})")
+            raise UserError(
+                f"drafter.num_heads must be >= 1 and num_layers >= 0 (got {self.num_heads}, {self.num_layers})"
+            )
         if self.loss_weights is not None and len(self.loss_weights) != self.num_heads:
             raise UserError(f"drafter.loss_weights has {len(self.loss_weights)} values for {self.num_heads} heads")
         if self.loss_decay <= 0 or self.tree_topk < 1:
-            raise UserError(f"drafter.loss_decay must be > 0 and tree_topk >= 1 (got {self.loss_decay}, {self.tree_topk})")
+            raise UserError(
+                f"drafter.loss_decay must be > 0 and tree_topk >= 1 (got {self.loss_decay}, {self.tree_topk})"
+            )
 
 
 class ResidualBlock(nn.Module):
@@ -136,7 +140,11 @@ class Medusa(Drafter):
                 top5 = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
                 hit1 = (top5[:, 0] == labels).float()
                 hit5 = (top5 == labels[:, None]).any(-1).float()
-                values = {f"head{k + 1}/loss": token_loss.detach(), f"head{k + 1}/top1": hit1, f"head{k + 1}/top5": hit5}
+                values = {
+                    f"head{k + 1}/loss": token_loss.detach(),
+                    f"head{k + 1}/top1": hit1,
+                    f"head{k + 1}/top5": hit5,
+                }
                 stats.update(per_sample_stats(values, rows, num_docs))
         return total, stats
 
@@ -163,13 +171,17 @@ class MedusaProposer(Proposer):
         self.verifier = drafter.verifier()
 
     @torch.no_grad()
-    def propose(self, state: DraftState, num_tokens: int, tree: Optional[Sequence[tuple[int, ...]]] = None) -> DraftTree:
+    def propose(
+        self, state: DraftState, num_tokens: int, tree: Optional[Sequence[tuple[int, ...]]] = None
+    ) -> DraftTree:
         drafter, heads = self.drafter, self.drafter.config.num_heads
         self.draft_forwards += 1  # every head reads the same hidden state: one pass
         hidden = state.final.to(drafter.lm_heads[0].weight.dtype)[None]
         if tree is None:
             if not 1 <= num_tokens <= heads:
-                raise UserError(f"a Medusa drafter with {heads} heads proposes at most {heads} tokens (asked {num_tokens})")
+                raise UserError(
+                    f"a Medusa drafter with {heads} heads proposes at most {heads} tokens (asked {num_tokens})"
+                )
             tokens = torch.stack([drafter.head_logits(k, hidden)[0].argmax() for k in range(num_tokens)])
             return DraftTree.chain(tokens)
         depth = max(len(path) for path in tree)

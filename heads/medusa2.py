@@ -44,7 +44,9 @@ BACKBONE = "backbone."
 
 def _all_projections() -> LoraSection:
     # Medusa-2's published recipes adapt every linear layer of the decoder (r=32, alpha=16).
-    return LoraSection(r=16, alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    return LoraSection(
+        r=16, alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
 
 
 @dataclass
@@ -62,7 +64,9 @@ class Medusa2Config(MedusaConfig):
     def check(self, target: Optional[TargetShape] = None) -> None:
         super().check(target)
         if self.backbone_loss_weight < 0 or self.heads_weight <= 0 or self.heads_warmup < 0 or self.heads_lr_scale <= 0:
-            raise UserError("drafter.backbone_loss_weight must be >= 0, heads_weight and heads_lr_scale > 0, heads_warmup >= 0")
+            raise UserError(
+                "drafter.backbone_loss_weight must be >= 0, heads_weight and heads_lr_scale > 0, heads_warmup >= 0"
+            )
         self.lora.check()
 
 
@@ -74,7 +78,9 @@ class Medusa2(Medusa):
     def __init__(self, config: Medusa2Config, target: TargetShape):
         super().__init__(config, target)
         self.backbone: Optional[torch.nn.Module] = None  # the adapted target: see attach_target
-        self.register_buffer("forward_calls", torch.zeros((), dtype=torch.long))  # drives the heads' ramp; resumes with the run
+        self.register_buffer(
+            "forward_calls", torch.zeros((), dtype=torch.long)
+        )  # drives the heads' ramp; resumes with the run
         self._register_state_dict_hook(_without_target_weights)
         self.register_load_state_dict_post_hook(_target_weights_not_missing)
 
@@ -98,7 +104,9 @@ class Medusa2(Medusa):
 
     def adapted_target(self) -> torch.nn.Module:
         if self.backbone is None:
-            raise RuntimeError("the Medusa-2 drafter has no target: load it with load_drafter(..., target_model=target)")
+            raise RuntimeError(
+                "the Medusa-2 drafter has no target: load it with load_drafter(..., target_model=target)"
+            )
         return self.backbone.get_base_model()  # the target's own class with LoRA layers inside
 
     def verifier(self) -> torch.nn.Module:
@@ -123,7 +131,9 @@ class Medusa2(Medusa):
     def loss(self, batch: dict, target_out: TargetOutput):
         input_ids = batch["input_ids"]
         # Packed rows need the same forward as the target's (no cache: see causal_lm_inputs).
-        out = self.adapted_target()(input_ids=input_ids, **causal_lm_inputs(batch), use_cache=False, output_hidden_states=True, return_dict=True)
+        out = self.adapted_target()(
+            input_ids=input_ids, **causal_lm_inputs(batch), use_cache=False, output_hidden_states=True, return_dict=True
+        )
         heads_loss, stats = self.heads_loss(batch, out.hidden_states[-1])
 
         # The backbone keeps the original target's next-token distribution wherever a token is supervised.
@@ -145,7 +155,11 @@ class Medusa2(Medusa):
         super().save_pretrained(directory, state_dict)
         if self.backbone is not None:
             # Given a gathered state dict, peft writes its LoRA entries rather than the local values.
-            gathered = None if state_dict is None else {k.removeprefix(BACKBONE): v for k, v in state_dict.items() if k.startswith(BACKBONE)}
+            gathered = (
+                None
+                if state_dict is None
+                else {k.removeprefix(BACKBONE): v for k, v in state_dict.items() if k.startswith(BACKBONE)}
+            )
             self.backbone.save_pretrained(Path(directory) / ADAPTER_DIR, state_dict=gathered)
 
 

@@ -116,7 +116,11 @@ def require_packed_attention(model, what: str) -> None:
     try:
         alone = model(input_ids=ids[:, 4:], use_cache=False).logits.float()
         packed = model(input_ids=ids, position_ids=restart, use_cache=False).logits[:, 4:].float()
-        leaking = model(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=restart, use_cache=False).logits[:, 4:].float()
+        leaking = (
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=restart, use_cache=False)
+            .logits[:, 4:]
+            .float()
+        )
     finally:
         model.train(was_training)
     error, leak = float((packed - alone).abs().max()), float((leaking - alone).abs().max())

@@ -25,7 +25,16 @@ from draftsmith.errors import UserError
 from draftsmith.export.repo import EXPORT_INFO
 from draftsmith.files import write_text_atomic
 from draftsmith.monitor import Outcome
-from draftsmith.monitor.drift import DRIFT, HEALTHY, TOO_FEW, Baseline, domain_tests, engine_tests, request_tests, verdict_of
+from draftsmith.monitor.drift import (
+    DRIFT,
+    HEALTHY,
+    TOO_FEW,
+    Baseline,
+    domain_tests,
+    engine_tests,
+    request_tests,
+    verdict_of,
+)
 from draftsmith.monitor.metrics import collect, window
 from draftsmith.monitor.state import State
 from draftsmith.monitor.traffic import sample, write_conversations
@@ -55,11 +64,15 @@ def deployed_of(cfg: DictConfig, state: State) -> dict[str, Any]:
         return state.deployed
     folder = cfg.monitor.deployed
     if not folder or not (Path(folder) / EXPORT_INFO).is_file():
-        raise UserError(f"monitor.deployed={folder!r} is not an export folder (an export's vllm/ or sglang/ holding {EXPORT_INFO})")
+        raise UserError(
+            f"monitor.deployed={folder!r} is not an export folder (an export's vllm/ or sglang/ holding {EXPORT_INFO})"
+        )
     info = json.loads((Path(folder) / EXPORT_INFO).read_text())
     report = cfg.monitor.baseline or (info.get("eval_report") or {}).get("path")
     if not report:
-        raise UserError(f"{folder} was exported without an eval report: set monitor.baseline=<report.json> (evaluate the checkpoint and export again)")
+        raise UserError(
+            f"{folder} was exported without an eval report: set monitor.baseline=<report.json> (evaluate the checkpoint and export again)"
+        )
     return {
         "export": str(Path(folder).resolve()),
         "revision": 0,
@@ -79,7 +92,9 @@ def load_baseline(path: str) -> Baseline:
 def measure_and_decide(cfg: DictConfig, directory: Path, state: State, now: float) -> Outcome:
     settings = cfg.monitor
     if not settings.metrics and not settings.traffic:
-        raise UserError("nothing to monitor: set monitor.metrics=[<engine /metrics URLs>] and/or monitor.traffic=<request log directory>")
+        raise UserError(
+            "nothing to monitor: set monitor.metrics=[<engine /metrics URLs>] and/or monitor.traffic=<request log directory>"
+        )
     deployed = deployed_of(cfg, state)
     baseline = load_baseline(deployed["baseline"])
     state.checks += 1
@@ -89,7 +104,9 @@ def measure_and_decide(cfg: DictConfig, directory: Path, state: State, now: floa
         "time": datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(),
         "deployed": deployed,
         "baseline": asdict(baseline),
-        "settings": {key: settings[key] for key in ("min_drafts", "max_drop", "confidence", "consecutive", "cooldown_s")},
+        "settings": {
+            key: settings[key] for key in ("min_drafts", "max_drop", "confidence", "consecutive", "cooldown_s")
+        },
     }
     verdicts = []
     if settings.metrics:
@@ -99,7 +116,11 @@ def measure_and_decide(cfg: DictConfig, directory: Path, state: State, now: floa
         else:
             measured = window(state.counters, current)
             tests = engine_tests(measured, baseline, settings) if settings.engine == "vllm" else {}
-            record["engine"] = {**measured.as_dict(), "tests": tests, "verdict": verdict_of(tests) if tests else TOO_FEW}
+            record["engine"] = {
+                **measured.as_dict(),
+                "tests": tests,
+                "verdict": verdict_of(tests) if tests else TOO_FEW,
+            }
             verdicts.append(record["engine"]["verdict"])
         state.counters = current
     if settings.traffic:
@@ -113,8 +134,19 @@ def measure_and_decide(cfg: DictConfig, directory: Path, state: State, now: floa
         state.consecutive_drift = 0
     outcome, action = decide(cfg, state, drift, now)
     if action == "retrain":
-        state.pipeline = {"id": f"retrain_{number:05d}", "started": record["time"], "domains": drifted_domains(record), "deployed": deployed, "done": {}}
-    record["decision"] = {"drift": drift, "consecutive": state.consecutive_drift, "action": action, "outcome": outcome.name}
+        state.pipeline = {
+            "id": f"retrain_{number:05d}",
+            "started": record["time"],
+            "domains": drifted_domains(record),
+            "deployed": deployed,
+            "done": {},
+        }
+    record["decision"] = {
+        "drift": drift,
+        "consecutive": state.consecutive_drift,
+        "action": action,
+        "outcome": outcome.name,
+    }
     path = write_record(directory, number, record, now)
     state.last_check = {"time": record["time"], "record": str(path), "outcome": outcome.name}
     state.save(directory)
@@ -131,29 +163,51 @@ def decide(cfg: DictConfig, state: State, drift: bool, now: float) -> tuple[Outc
     if state.consecutive_drift < cfg.monitor.consecutive:
         return Outcome.DRIFT, f"wait: drift in {state.consecutive_drift} of {cfg.monitor.consecutive} checks in a row"
     if now < state.cooldown_until:
-        return Outcome.DRIFT, f"wait: cooldown until {datetime.datetime.fromtimestamp(state.cooldown_until, datetime.timezone.utc).isoformat()}"
+        return (
+            Outcome.DRIFT,
+            f"wait: cooldown until {datetime.datetime.fromtimestamp(state.cooldown_until, datetime.timezone.utc).isoformat()}",
+        )
     if not cfg.monitor.retrain:
         return Outcome.DRIFT, "report only (monitor.retrain=false)"
     return Outcome.DRIFT, "retrain"
 
 
-def measure_traffic(cfg: DictConfig, directory: Path, deployed: dict[str, Any], baseline: Baseline, number: int, now: float) -> dict[str, Any]:
+def measure_traffic(
+    cfg: DictConfig, directory: Path, deployed: dict[str, Any], baseline: Baseline, number: int, now: float
+) -> dict[str, Any]:
     """Acceptance per domain of recent traffic: from the engine's per-request counts where the logged
     requests carry them (monitor/traffic.py), else by replay, draftsmith's eval of the deployed
     drafter on the latest requests of the domain."""
     from draftsmith.eval.report import run_eval
+    from draftsmith.export import open_drafter
 
-    requests, summary = sample(Path(cfg.monitor.traffic), cfg.monitor.sample_per_domain, cfg.monitor.traffic_window_s, now)
+    requests, summary = sample(
+        Path(cfg.monitor.traffic), cfg.monitor.sample_per_domain, cfg.monitor.traffic_window_s, now
+    )
     tests = request_tests(summary["per_request_acceptance"], baseline, cfg.monitor)
     replayed = [request for request in requests if request["domain"] not in tests]
     if not replayed:
         return {**summary, "domains": tests, "verdict": verdict_of(tests) if tests else TOO_FEW}
     check_dir = directory / "checks" / f"{number:05d}"
     conversations = write_conversations(replayed, check_dir / "traffic_sample.jsonl")
-    variant = derived(cfg, {"eval.data": [str(conversations)], "eval.max_prompts": cfg.monitor.sample_per_domain, "eval.tree": 0, "output_dir": str(check_dir)})
-    report = run_eval(variant, deployed["export"])
+    variant = derived(
+        cfg,
+        {
+            "eval.data": [str(conversations)],
+            "eval.max_prompts": cfg.monitor.sample_per_domain,
+            "eval.tree": 0,
+            "output_dir": str(check_dir),
+        },
+    )
+    report = run_eval(variant, deployed["export"], open_drafter=open_drafter)
     tests |= domain_tests(report, baseline, cfg.monitor)
-    return {**summary, "sample": str(conversations), "report": str(check_dir / "eval" / "report.json"), "domains": tests, "verdict": verdict_of(tests)}
+    return {
+        **summary,
+        "sample": str(conversations),
+        "report": str(check_dir / "eval" / "report.json"),
+        "domains": tests,
+        "verdict": verdict_of(tests),
+    }
 
 
 def drifted_domains(record: dict[str, Any]) -> list[str]:
@@ -173,7 +227,11 @@ def write_record(directory: Path, number: int, record: dict[str, Any], now: floa
     writer = SummaryWriter(str(directory / "tb"))
     try:
         engine = record.get("engine", {})
-        for name, value in (("engine/alpha", engine.get("alpha")), ("engine/tau", engine.get("tau")), ("baseline/alpha", record["baseline"]["alpha"])):
+        for name, value in (
+            ("engine/alpha", engine.get("alpha")),
+            ("engine/tau", engine.get("tau")),
+            ("baseline/alpha", record["baseline"]["alpha"]),
+        ):
             if value is not None:
                 writer.add_scalar(name, value, number, walltime=now)
         for position, rate in enumerate(engine.get("at_least", [])):

@@ -77,8 +77,18 @@ class Baseline:
         counts = overall["per_position_counts"]
         cycles = counts["reached"][0] if counts["reached"] else 0
         at_least = [accepted / cycles for accepted in counts["accepted"]] if cycles else []
-        domains = {name: alpha(rows["chain"]) for name, rows in report["domains"].items() if name != "all" and rows["chain"].get("drafted")}
-        return cls(alpha=alpha(overall), at_least=at_least, domains=domains, temperature=report.get("temperature", 0.0), source=source)
+        domains = {
+            name: alpha(rows["chain"])
+            for name, rows in report["domains"].items()
+            if name != "all" and rows["chain"].get("drafted")
+        }
+        return cls(
+            alpha=alpha(overall),
+            at_least=at_least,
+            domains=domains,
+            temperature=report.get("temperature", 0.0),
+            source=source,
+        )
 
 
 def engine_tests(window, baseline: Baseline, settings) -> dict[str, dict[str, Any]]:
@@ -102,7 +112,13 @@ def domain_tests(report: dict[str, Any], baseline: Baseline, settings) -> dict[s
         measured = row["accepted"] / row["drafted"] if row["drafted"] else None
         new = domain not in baseline.domains
         test = judge(measured, cycles, baseline.alpha if new else baseline.domains[domain], settings)
-        tests[domain] = {**asdict(test), "new_domain": new, "prompts": row["prompts"], "tau": row["tau"], "source": "replay"}
+        tests[domain] = {
+            **asdict(test),
+            "new_domain": new,
+            "prompts": row["prompts"],
+            "tau": row["tau"],
+            "source": "replay",
+        }
     return tests
 
 

@@ -57,7 +57,9 @@ def series(text: str, url: str) -> dict[str, float]:
         samples = [sample for family in text_string_to_metric_families(text) for sample in family.samples]
     except (ValueError, KeyError, IndexError) as err:  # an HTML page, a body cut off mid-line
         first = one_line(text, limit=80)
-        raise UserError(f"{url} did not answer with Prometheus text ({one_line(err, limit=120)}; it begins {first!r}): check monitor.metrics_urls") from None
+        raise UserError(
+            f"{url} did not answer with Prometheus text ({one_line(err, limit=120)}; it begins {first!r}): check monitor.metrics_urls"
+        ) from None
     for sample in samples:
         labels = {k: v for k, v in sample.labels.items() if k != "position"}
         suffix = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))

@@ -60,7 +60,9 @@ def step_sample(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -
     wanted = set(state.pipeline["domains"])
     requests = [r for r in requests if r["domain"] in wanted]
     if not requests:
-        raise UserError(f"no recent traffic of the drifted domains {sorted(wanted)} in {cfg.monitor.traffic} to retrain on")
+        raise UserError(
+            f"no recent traffic of the drifted domains {sorted(wanted)} in {cfg.monitor.traffic} to retrain on"
+        )
 
     def held_out(request: dict[str, Any]) -> bool:
         digest = hashlib.sha256(json.dumps(request["messages"], sort_keys=True).encode()).digest()
@@ -75,7 +77,12 @@ def step_regenerate(cfg: DictConfig, directory: Path, state: State, run_dir: Pat
     from draftsmith.data_prep.regenerate import regenerate
 
     variant = derived(
-        cfg, {"data.train": [state.pipeline["done"]["sample"]["train"]], "data.max_conversations": None, "data.regenerate.output": str(run_dir / "regenerated")}
+        cfg,
+        {
+            "data.train": [state.pipeline["done"]["sample"]["train"]],
+            "data.max_conversations": None,
+            "data.regenerate.output": str(run_dir / "regenerated"),
+        },
     )
     result = regenerate(variant)
     return {"output": str(result.directory), "conversations": result.conversations}
@@ -89,7 +96,9 @@ def deployed_checkpoint(state: State, directory: Path, run_dir: Path, target) ->
 
     deployed = state.pipeline["deployed"]
     checkpoint = Path(deployed["checkpoint"])
-    if (checkpoint / "model.safetensors").is_file() and file_sha256(checkpoint / "model.safetensors") == deployed["sha256"]:
+    if (checkpoint / "model.safetensors").is_file() and file_sha256(checkpoint / "model.safetensors") == deployed[
+        "sha256"
+    ]:
         return str(checkpoint)
     rebuilt = run_dir / "deployed_checkpoint"
     if not (rebuilt / "model.safetensors").is_file():
@@ -124,12 +133,16 @@ def step_train(cfg: DictConfig, directory: Path, state: State, run_dir: Path) ->
 
 def step_evaluate(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -> dict[str, Any]:
     from draftsmith.eval.report import run_eval
+    from draftsmith.export import open_drafter
 
     prompts = [*(list(cfg.eval.data) or list(cfg.data.eval)), state.pipeline["done"]["sample"]["eval"]]
     reports = {}
-    for name, drafter in (("deployed", state.pipeline["deployed"]["export"]), ("candidate", state.pipeline["done"]["train"]["checkpoint"])):
+    for name, drafter in (
+        ("deployed", state.pipeline["deployed"]["export"]),
+        ("candidate", state.pipeline["done"]["train"]["checkpoint"]),
+    ):
         variant = derived(cfg, {"eval.data": prompts, "eval.tree": 0, "output_dir": str(run_dir / f"eval_{name}")})
-        run_eval(variant, drafter)
+        run_eval(variant, drafter, open_drafter=open_drafter)  # the deployed one is an export folder
         reports[name] = str(run_dir / f"eval_{name}" / "eval" / "report.json")
     return reports
 
@@ -148,7 +161,10 @@ def step_gate(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -> 
     gain = tau["candidate"]["new"] / tau["deployed"]["new"] - 1 if tau["deployed"]["new"] else 0.0
     change_old = tau["candidate"]["old"] / tau["deployed"]["old"] - 1 if old and tau["deployed"]["old"] else 0.0
     promote = gain >= cfg.monitor.gate_min_gain and change_old >= -cfg.monitor.gate_max_loss
-    per_domain = {d: {name: report["domains"][d]["chain"]["tau"] for name, report in reports.items()} for d in reports["deployed"]["domains"]}
+    per_domain = {
+        d: {name: report["domains"][d]["chain"]["tau"] for name, report in reports.items()}
+        for d in reports["deployed"]["domains"]
+    }
     return {
         "promote": promote,
         "new_domains": new,
@@ -166,9 +182,21 @@ def step_export(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -
     revision = len(state.revisions) + 1
     output = directory / "exports" / f"rev_{revision:04d}"
     report = state.pipeline["done"]["evaluate"]["candidate"]
-    variant = derived(cfg, {"export.output": str(output), "export.report": report, "export.overwrite": True, "output_dir": str(run_dir / "train")})
+    variant = derived(
+        cfg,
+        {
+            "export.output": str(output),
+            "export.report": report,
+            "export.overwrite": True,
+            "output_dir": str(run_dir / "train"),
+        },
+    )
     folders = export_checkpoint(variant, Path(state.pipeline["done"]["train"]["checkpoint"]))
-    return {"revision": revision, "folders": {engine: str(folder) for engine, folder in folders.items()}, "report": report}
+    return {
+        "revision": revision,
+        "folders": {engine: str(folder) for engine, folder in folders.items()},
+        "report": report,
+    }
 
 
 def step_record(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -> None:

@@ -39,9 +39,14 @@ class State:
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise UserError(f"{path}: corrupt monitor state ({err}); move it aside to start over") from None
         if saved.pop("state_version", None) != STATE_VERSION:
-            raise UserError(f"{path}: written by another draftsmith version (state_version); move it aside to start over")
+            raise UserError(
+                f"{path}: written by another draftsmith version (state_version); move it aside to start over"
+            )
         return cls(**saved)
 
     def save(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(directory / STATE_NAME, json.dumps({"state_version": STATE_VERSION, **asdict(self)}, indent=2, sort_keys=True) + "\n")
+        write_text_atomic(
+            directory / STATE_NAME,
+            json.dumps({"state_version": STATE_VERSION, **asdict(self)}, indent=2, sort_keys=True) + "\n",
+        )

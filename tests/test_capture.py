@@ -65,7 +65,9 @@ def captures(tmp_path_factory, conversations) -> dict[str, CaptureResult]:
     """The same conversations captured in each storage dtype, with layers, final and top-k."""
     root = tmp_path_factory.mktemp("captures")
     return {
-        dtype: run_capture(root / dtype, conversations, *FULL, f"data.capture.dtype={dtype}", "data.capture.shard_tokens=250")
+        dtype: run_capture(
+            root / dtype, conversations, *FULL, f"data.capture.dtype={dtype}", "data.capture.shard_tokens=250"
+        )
         for dtype in ("bfloat16", "float16", "float8")
     }
 
@@ -93,7 +95,9 @@ def assert_stored(stored: torch.Tensor, fresh: torch.Tensor, dtype: str) -> None
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float8"])
 def test_features_equal_a_fresh_forward_within_storage_precision(captures, reference, dtype):
     data, target = reference
-    store = open_features(captures[dtype].directory, expect=expected_features(TargetShape.of(target, str(REFERENCE_TARGET)), EVERYTHING))
+    store = open_features(
+        captures[dtype].directory, expect=expected_features(TargetShape.of(target, str(REFERENCE_TARGET)), EVERYTHING)
+    )
     assert len(store) == len(data) == 8
     for i, row in enumerate(data):
         item = store[i]
@@ -116,7 +120,17 @@ def test_manifest_records_the_capture_and_fp8_is_smallest(captures):
     assert bf16["schema_version"] == SCHEMA_VERSION and bf16["layers"] == list(LAYERS) and bf16["topk"] == TOPK
     assert bf16["target"]["hidden_size"] == 256 and bf16["target"]["num_hidden_layers"] == 4
     assert "hidden_states[i + 1]" in bf16["layer_convention"]
-    stored = {"input_ids", "loss_mask", "offsets", "final", "layer_-1", "layer_0", "layer_2", "topk_ids", "topk_logprobs"}
+    stored = {
+        "input_ids",
+        "loss_mask",
+        "offsets",
+        "final",
+        "layer_-1",
+        "layer_0",
+        "layer_2",
+        "topk_ids",
+        "topk_logprobs",
+    }
     assert set(bf16["fields"]) == stored
     assert "layer_0.scale" in manifests["float8"]["fields"]
     assert bf16["tokens"] == sum(s["tokens"] for s in bf16["shards"]) and len(bf16["shards"]) >= 3
@@ -244,7 +258,9 @@ def test_features_from_another_target_or_layer_set_are_refused(tmp_path, capture
     from transformers import LlamaConfig, LlamaForCausalLM
 
     directory = captures["bfloat16"].directory
-    other = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, vocab_size=4096))
+    other = LlamaForCausalLM(
+        LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, vocab_size=4096)
+    )
     mismatch = r"captured from target .*/target \(hidden_size=256.* recipe's target is tiny \(hidden_size=64"
     with pytest.raises(UserError, match=mismatch):
         open_features(directory, expect=expected_features(TargetShape.of(other, "tiny"), FeatureRequest(final=True)))

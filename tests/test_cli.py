@@ -33,7 +33,9 @@ def test_every_command_answers_help_without_running(command, capsys):
     assert code == 0 and "--cfg" in out and "data.max_length (int) = 1024" in out and "give recipe=NAME --help" in out
     code, out, _ = run(command, ["recipe=eagle3_sharegpt_smollm2", "-h"], capsys)
     assert code == 0
-    assert "data.max_conversations (Optional[int]) = 2000 (default null)" in out  # the recipe's value beside the default
+    assert (
+        "data.max_conversations (Optional[int]) = 2000 (default null)" in out
+    )  # the recipe's value beside the default
     assert "drafter.ttt_steps (int) = 4 (default 7)" in out  # the recipe's drafter type's keys
 
 
@@ -50,11 +52,20 @@ def test_every_key_is_described_and_the_reference_is_current():
     sections = [*recipe_sections(), *(drafter_section(kind) for kind in sorted(REGISTRY))]
     undescribed = [key.name for section in sections for key in section.keys if not key.help]
     assert not undescribed, f"describe these keys with a comment in the schema: {undescribed}"
-    assert (REPO / "docs" / "recipe.md").read_text() == render_markdown(), "regenerate: python -m draftsmith.recipe_keys > docs/recipe.md"
+    assert (REPO / "docs" / "recipe.md").read_text() == render_markdown(), (
+        "regenerate: python -m draftsmith.recipe_keys > docs/recipe.md"
+    )
 
 
 @pytest.mark.slow
 def test_the_scripts_answer_help_as_processes():
-    for args in (["train.py", "--help"], ["-m", "draftsmith", "monitor", "--help"], ["-m", "data_prep.regenerate", "recipe=medusa", "--help"]):
+    for args in (
+        ["train.py", "--help"],
+        ["-m", "draftsmith", "monitor", "--help"],
+        ["-m", "data_prep.regenerate", "recipe=medusa", "--help"],
+    ):
         done = run_entry(args, timeout=120)
-        assert done.returncode == 0 and "Recipe keys" in done.stdout and not done.stderr.strip(), (args, done.stderr[-500:])
+        assert done.returncode == 0 and "Recipe keys" in done.stdout and not done.stderr.strip(), (
+            args,
+            done.stderr[-500:],
+        )

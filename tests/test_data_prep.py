@@ -94,7 +94,15 @@ def reference_tokenizer():
 def llama3_tokenizer(eos: str):
     tokenizer = load_tokenizer(str(REFERENCE))
     tokenizer.add_special_tokens(
-        {"additional_special_tokens": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|end_of_text|>"]}
+        {
+            "additional_special_tokens": [
+                "<|begin_of_text|>",
+                "<|start_header_id|>",
+                "<|end_header_id|>",
+                "<|eot_id|>",
+                "<|end_of_text|>",
+            ]
+        }
     )
     tokenizer.bos_token = "<|begin_of_text|>"
     tokenizer.eos_token = eos
@@ -142,7 +150,9 @@ def test_reference_template_masks_exactly_the_answers(reference_tokenizer):
     ids, mask = render_with_masks(reference_tokenizer, CONVERSATION)
     assert len(ids) == len(mask)
     assert ids[0] == reference_tokenizer.bos_token_id  # the tokenizer adds <|bos|>; the template does not
-    assert decode(reference_tokenizer, ids) == "<|bos|>" + reference_tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
+    assert decode(reference_tokenizer, ids) == "<|bos|>" + reference_tokenizer.apply_chat_template(
+        CONVERSATION, tokenize=False
+    )
     assert masked_runs(reference_tokenizer, ids, mask) == [ANSWER_1 + "<|end|>", ANSWER_2 + "<|end|>"]
 
 
@@ -185,7 +195,9 @@ def test_template_errors():
     with pytest.raises(UserError, match="tokenizer of .*reference-target has no chat template"):
         render_with_masks(tokenizer, CONVERSATION)
     # A template whose output depends on the number of messages rewrites earlier turns.
-    tokenizer.chat_template = "{{ messages | length }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    tokenizer.chat_template = (
+        "{{ messages | length }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    )
     with pytest.raises(UserError, match="is not prefix-stable for assistant turn 3"):
         render_with_masks(tokenizer, CONVERSATION)
     tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
@@ -201,7 +213,10 @@ RECORDS = [
 ]
 SHAREGPT_ROLES = {"system": "system", "user": "human", "assistant": "gpt"}
 SHAREGPT = [
-    {"domain": "geo", "conversations": [{"from": SHAREGPT_ROLES[t["role"]], "value": t["content"]} for t in CONVERSATION]},
+    {
+        "domain": "geo",
+        "conversations": [{"from": SHAREGPT_ROLES[t["role"]], "value": t["content"]} for t in CONVERSATION],
+    },
     {"conversations": [{"from": "human", "value": "Hi"}, {"from": "chatgpt", "value": "Hello!"}]},
 ]
 
@@ -260,14 +275,32 @@ GOOD = {"messages": [USER, ASSISTANT]}
     [
         ([GOOD, GOOD, '{"messages": [oops'], r"bad\.jsonl:3: malformed JSON"),
         ([GOOD, {"messages": [USER, {"content": "Hello!"}]}], r"bad\.jsonl record 2: turn 2 has no role"),
-        ([GOOD, {"messages": [USER, {"role": "assistant", "content": "  \n"}]}], r"bad\.jsonl record 2: turn 2 has an empty content"),
-        ([{"messages": [{"role": "wizard", "content": "Hi"}, ASSISTANT]}], r"bad\.jsonl record 1: turn 1 has an unknown role 'wizard'"),
+        (
+            [GOOD, {"messages": [USER, {"role": "assistant", "content": "  \n"}]}],
+            r"bad\.jsonl record 2: turn 2 has an empty content",
+        ),
+        (
+            [{"messages": [{"role": "wizard", "content": "Hi"}, ASSISTANT]}],
+            r"bad\.jsonl record 1: turn 1 has an unknown role 'wizard'",
+        ),
         ([GOOD, {"messages": [USER]}], r"bad\.jsonl record 2: no assistant turn"),
-        ([GOOD, {"messages": [USER, {"role": "assistant", "content": 5}]}], r"bad\.jsonl record 2: turn 2 has a content of type int"),
+        (
+            [GOOD, {"messages": [USER, {"role": "assistant", "content": 5}]}],
+            r"bad\.jsonl record 2: turn 2 has a content of type int",
+        ),
         ([{"prompt": "Hi", "response": "Hello!"}], r"bad\.jsonl record 1: no 'messages' field"),
         ([], r"bad\.jsonl has no records"),
     ],
-    ids=["malformed", "no-role", "empty-turn", "unknown-role", "no-assistant", "non-string", "no-messages", "empty-file"],
+    ids=[
+        "malformed",
+        "no-role",
+        "empty-turn",
+        "unknown-role",
+        "no-assistant",
+        "non-string",
+        "no-messages",
+        "empty-file",
+    ],
 )
 def test_bad_records_name_file_and_record(tmp_path, lines, message):
     path = write_jsonl(tmp_path / "bad.jsonl", lines)
@@ -289,9 +322,13 @@ def test_fingerprint_is_stable_across_processes_and_follows_the_file(tmp_path, i
     path = write_jsonl(tmp_path / "chats.jsonl", RECORDS)
     fingerprint = load_conversations([str(path)])._fingerprint
     assert load_conversations([str(path)])._fingerprint == fingerprint
-    script = f"from draftsmith.data_prep import load_conversations; print(load_conversations([{str(path)!r}])._fingerprint)"
+    script = (
+        f"from draftsmith.data_prep import load_conversations; print(load_conversations([{str(path)!r}])._fingerprint)"
+    )
     env = {**os.environ, "HF_DATASETS_CACHE": isolated_datasets_cache}
-    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, check=True
+    )
     assert result.stdout.strip() == fingerprint
     write_jsonl(path, RECORDS[:1])
     os.utime(path, (path.stat().st_atime + 5, path.stat().st_mtime + 5))
@@ -303,7 +340,9 @@ def test_fingerprint_is_stable_across_processes_and_follows_the_file(tmp_path, i
 
 def test_tokenized_dataset_carries_domains(tmp_path, reference_tokenizer):
     conversations = load_conversations([str(write_jsonl(tmp_path / "c.jsonl", RECORDS))])
-    tokenized = tokenize_conversations(conversations, reference_tokenizer, max_length=512, cache_dir=str(tmp_path / "cache"))
+    tokenized = tokenize_conversations(
+        conversations, reference_tokenizer, max_length=512, cache_dir=str(tmp_path / "cache")
+    )
     assert tokenized.column_names == ["input_ids", "loss_mask", "domain", "length", "sample"]
     assert list(tokenized["domain"]) == ["geo", "default"]
     assert domain_names(tokenized) == ["default", "geo"]
@@ -311,7 +350,10 @@ def test_tokenized_dataset_carries_domains(tmp_path, reference_tokenizer):
     assert tokenized[0]["input_ids"] == ids and tokenized[0]["loss_mask"] == mask and tokenized[0]["length"] == len(ids)
 
 
-LONG = {"domain": "long", "messages": [{"role": "user", "content": "Tell me."}, {"role": "assistant", "content": "Fine. " * 40}]}
+LONG = {
+    "domain": "long",
+    "messages": [{"role": "user", "content": "Tell me."}, {"role": "assistant", "content": "Fine. " * 40}],
+}
 LONG_PROMPT = {"messages": [{"role": "user", "content": "Listen. " * 80}, ASSISTANT]}
 
 
@@ -325,7 +367,9 @@ def test_overlong_policies(tmp_path, reference_tokenizer):
     with pytest.raises(UserError, match=r"c\.jsonl record 2: \d+ tokens is more than data.max_length=60"):
         tokenize_conversations(conversations, reference_tokenizer, max_length, overlong="error", cache_dir=cache)
 
-    truncated = tokenize_conversations(conversations, reference_tokenizer, max_length, overlong="truncate", cache_dir=cache)
+    truncated = tokenize_conversations(
+        conversations, reference_tokenizer, max_length, overlong="truncate", cache_dir=cache
+    )
     # LONG_PROMPT keeps no assistant token within 60 tokens, so it goes even when truncating.
     assert len(truncated) == 2
     assert truncated[1]["input_ids"] == full[1][0][:max_length] and truncated[1]["loss_mask"] == full[1][1][:max_length]

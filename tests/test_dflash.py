@@ -25,11 +25,22 @@ from draftsmith.heads.dflash import best_first_tree, default_target_layers
 from draftsmith.recipe import load_recipe
 from draftsmith.target import run_target
 from tests.conftest import read_log, run_entry, train_args, train_in_process
-from tests.test_eagle import TINY_VOCAB, assert_greedy_equals_plain, fitted_eagle, greedy_text
-from tests.test_eval import NEW, SAMPLES, VOCAB, chi_square_pvalue, exact_conditionals, exact_joint, tiny_llama
+from tests.helpers import DFLASH_TINY as TINY
+from tests.helpers import (
+    NEW,
+    SAMPLES,
+    TINY_VOCAB,
+    VOCAB,
+    assert_greedy_equals_plain,
+    chi_square_pvalue,
+    exact_conditionals,
+    exact_joint,
+    fitted_eagle,
+    greedy_text,
+    tiny_llama,
+)
 
 DFlash = drafter_class("dflash")
-TINY = {"target_layers": [-1, 0, 1], "block_size": 5, "anchors": 12}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -119,7 +130,11 @@ def test_soft_loss_reads_the_targets_distribution(model):
     # to it is CE to the data. The real distribution gives another loss.
     one_hot = torch.full_like(out.logits, -1e4).scatter(-1, ids.roll(-1, dims=1)[..., None], 0.0)
     losses = []
-    for drafter, target_out in [(soft, type(out)(logits=one_hot, final=out.final, layers=out.layers)), (hard, out), (soft, out)]:
+    for drafter, target_out in [
+        (soft, type(out)(logits=one_hot, final=out.final, layers=out.layers)),
+        (hard, out),
+        (soft, out),
+    ]:
         torch.manual_seed(0)  # the same anchors each time
         losses.append(drafter(batch, target_out)[0].item())
     assert losses[0] == pytest.approx(losses[1], rel=1e-4) and losses[2] != pytest.approx(losses[1], rel=1e-3)
@@ -135,7 +150,9 @@ def test_ddtree_keeps_exactly_the_best_prefixes():
     every = {}
     for depth in range(1, 5):
         for ranks in itertools.product(range(topk), repeat=depth):
-            every[tuple(int(ids[d, r]) for d, r in enumerate(ranks))] = sum(float(values[d, r]) for d, r in enumerate(ranks))
+            every[tuple(int(ids[d, r]) for d, r in enumerate(ranks))] = sum(
+                float(values[d, r]) for d, r in enumerate(ranks)
+            )
     best = sorted(every.values(), reverse=True)[:nodes]
     parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
     assert len(tree) == nodes and all(parent < node for node, parent in enumerate(parents))
@@ -159,18 +176,57 @@ def test_greedy_speculative_equals_plain_with_one_draft_forward_per_cycle(model,
 def test_context_cache_rollback_matches_a_drafter_rebuilt_from_scratch(model, drafter, prompts, tmp_path):
     drafter.save_pretrained(tmp_path / "dflash")
     saved = load_file(str(tmp_path / "dflash" / "model.safetensors"))
-    assert "mask_embedding" in saved and "fc.weight" in saved and not any("embed_tokens" in name or "lm_head" in name for name in saved)
+    assert (
+        "mask_embedding" in saved
+        and "fc.weight" in saved
+        and not any("embed_tokens" in name or "lm_head" in name for name in saved)
+    )
     fresh_drafter = load_drafter(tmp_path / "dflash", TargetShape.of(model, "tiny"), model).eval()
     state = prefill(model, [prompts[1]], drafter.request)
     row, proposer, lengths = state.rows[0], drafter.proposer(), set()
     for cycle in range(20):
         tree = DynamicTree(nodes=8, depth=4, topk=2) if cycle % 2 else None
-        expected = fresh_drafter.proposer().propose(prefill(model, [row.tokens], drafter.request).rows[0].draft_state(), 4, tree)
+        expected = fresh_drafter.proposer().propose(
+            prefill(model, [row.tokens], drafter.request).rows[0].draft_state(), 4, tree
+        )
         draft = propose(proposer, row, 4, tree, max_depth=4)
         assert torch.equal(draft.tokens, expected.tokens) and torch.equal(draft.parents, expected.parents), cycle
         assert proposer.cached() == len(row.tokens) - 1  # the context: every committed position before the root
-        lengths.add(len(verify_step(model, state, [draft], Sampling(), [torch.Generator().manual_seed(cycle)], request=drafter.request)[0].path))
+        lengths.add(
+            len(
+                verify_step(
+                    model, state, [draft], Sampling(), [torch.Generator().manual_seed(cycle)], request=drafter.request
+                )[0].path
+            )
+        )
     assert len(lengths) >= 2  # accepted paths of different lengths were rolled back
+
+
+def test_a_mask_token_is_the_targets_embedding_row_and_adds_no_tensor(model, prompts):
+    """drafter.mask_token_id: the mask queries read the target's (frozen) embedding of that token, as
+    vLLM feeds them; nothing of the mask is saved. qk_norm gives a Llama layer Qwen3's q/k norms."""
+    drafter = fitted_dflash(model, steps=20, mask_token_id=3)
+    embedding = model.get_input_embeddings().weight
+    assert torch.equal(drafter.mask_input(), embedding[3]) and not hasattr(drafter, "mask_embedding")
+    names = set(drafter.state_dict())
+    assert {"layers.0.self_attn.q_norm.weight", "layers.0.self_attn.k_norm.weight"} <= names and not [
+        n for n in names if "mask" in n
+    ]
+    assert_greedy_equals_plain(model, drafter, prompts, None)
+    with pytest.raises(UserError, match=r"mask_token_id=32 is not a token of the target's 32-token vocabulary"):
+        DFlash.Config(mask_token_id=32, **TINY).check(TargetShape.of(model, "tiny"))
+
+
+@torch.no_grad()
+def test_a_chain_of_gamma_runs_a_block_of_gamma_plus_one_queries(model, drafter, prompts):
+    """As vLLM runs DFlash with num_speculative_tokens γ: the root and γ masks, non-causal among
+    themselves, so the chain is the argmax of that block, not a truncation of the trained one."""
+    state = prefill(model, [prompts[2]], drafter.request).rows[0].draft_state()
+    for gamma in (1, 2, 4):
+        chain = drafter.proposer().propose(state, gamma)
+        assert chain.tokens.tolist() == drafter.proposer().block_logits(state, gamma + 1).argmax(-1).tolist()
+    full, short = drafter.proposer().block_logits(state), drafter.proposer().block_logits(state, 3)
+    assert not torch.allclose(full[:2], short)  # fewer masks attend differently
 
 
 @pytest.mark.parametrize("tree", [None, DynamicTree(nodes=4, depth=2, topk=2)], ids=["sampled-chain", "ddtree"])
@@ -185,7 +241,9 @@ def test_sampling_matches_target_distribution(tree):
     conditionals = exact_conditionals(small_model, prompt, sampling)
     counts, accepted = torch.zeros(VOCAB, VOCAB, VOCAB), 0
     for seed in range(SAMPLES):
-        out = generate(small_model, prompt, NEW, proposer, gamma=2, tree=tree, sampling=sampling, seed=seed, rule=exact_rule)
+        out = generate(
+            small_model, prompt, NEW, proposer, gamma=2, tree=tree, sampling=sampling, seed=seed, rule=exact_rule
+        )
         counts[tuple(out.tokens)] += 1
         accepted += out.counts.accepted
     assert 0.1 * SAMPLES < accepted < 1.9 * SAMPLES
@@ -198,14 +256,20 @@ def test_target_layers_default_and_bad_values():
     assert default_target_layers(30, 3) == [1, 14, 27] and default_target_layers(12, 1) == [6]
     deep = tiny_llama(vocab=16, hidden=16, layers=12)
     drafter = DFlash.from_target(DFlash.Config(num_layers=3), deep, "deep")
-    assert drafter.config.target_layers == [1, 5, 9] and drafter.request.layers == (1, 5, 9) and not drafter.request.final
+    assert (
+        drafter.config.target_layers == [1, 5, 9] and drafter.request.layers == (1, 5, 9) and not drafter.request.final
+    )
     assert DFlash.max_chain(drafter.config) == 7
     shallow = tiny_llama(vocab=16, hidden=16, layers=4)
     with pytest.raises(UserError, match=r"default target layers .* \[1, 1\].*set drafter.target_layers"):
         DFlash.from_target(DFlash.Config(), shallow, "shallow")
     with pytest.raises(UserError, match=r"target_layers=\[0, 4\]: layer id\(s\) \[4\] out of range"):
         DFlash.from_target(DFlash.Config(target_layers=[0, 4]), shallow, "shallow")
-    for bad, fragment in [({"block_size": 1}, "block_size must be >= 2"), ({"loss": "kl"}, "drafter.loss='kl'"), ({"anchors": 0}, "anchors")]:
+    for bad, fragment in [
+        ({"block_size": 1}, "block_size must be >= 2"),
+        ({"loss": "kl"}, "drafter.loss='kl'"),
+        ({"anchors": 0}, "anchors"),
+    ]:
         with pytest.raises(UserError, match=fragment):
             DFlash.Config(target_layers=[0, 1], **bad).check()
 
@@ -240,10 +304,16 @@ def test_real_trainer_online_and_from_shards(tmp_path, small_data, token_cache):
 
     features = tmp_path / "features"
     short = [*args[:-1], "train.max_steps=3"]  # args[-1] is output_dir
-    capture(load_recipe([*short, f"output_dir={tmp_path / 'c'}", "data.capture.dtype=float16", f"data.capture.output={features}"]))
+    capture(
+        load_recipe(
+            [*short, f"output_dir={tmp_path / 'c'}", "data.capture.dtype=float16", f"data.capture.output={features}"]
+        )
+    )
     manifest = json.loads((features / "manifest.json").read_text())
     assert manifest["layers"] == [0, 1, 2] and not manifest["final"] and manifest["logits"] == "none"
     train_in_process([*short, f"output_dir={tmp_path / 'offline'}", f"data.features={features}"])
     train_in_process([*short, f"output_dir={tmp_path / 'online'}"])
     offline, online = read_log(tmp_path / "offline"), read_log(tmp_path / "online")
-    assert [offline[s]["train/loss"] for s in (1, 2, 3)] == pytest.approx([online[s]["train/loss"] for s in (1, 2, 3)], rel=2e-3)
+    assert [offline[s]["train/loss"] for s in (1, 2, 3)] == pytest.approx(
+        [online[s]["train/loss"] for s in (1, 2, 3)], rel=2e-3
+    )

@@ -26,7 +26,11 @@ def test_the_readme_is_short_and_its_links_resolve():
 def test_the_docs_site_builds_strictly(tmp_path):
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")], cwd=REPO, capture_output=True, text=True, env=env
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=env,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "site" / "recipe" / "index.html").is_file()

@@ -20,7 +20,7 @@ from draftsmith.heads.distill import distill_loss, divergences, forward_kl, reve
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target
 from tests.conftest import REFERENCE_TARGET, train_in_process
-from tests.test_eval import NEW, SAMPLES, VOCAB, chi_square_pvalue, exact_conditionals, exact_joint, tiny_llama
+from tests.helpers import NEW, SAMPLES, VOCAB, chi_square_pvalue, exact_conditionals, exact_joint, tiny_llama
 
 DraftModel = drafter_class("draft_model")
 
@@ -60,7 +60,13 @@ def test_a_tied_lm_head_saves_and_loads(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
     )
     target = LlamaForCausalLM(config).eval()
     drafter = DraftModel.from_target(DraftModel.Config(num_layers=1), target, "tied")
@@ -98,7 +104,9 @@ def test_distillation_losses_by_hand():
 
     # Temperature 2 softens both: p stays uniform on its support, q becomes sqrt(q) renormalised.
     soft_q = torch.tensor([0.25, 0.75]).sqrt() / torch.tensor([0.25, 0.75]).sqrt().sum()
-    assert total_variation(student, teacher, 2.0).item() == pytest.approx(0.5 * float((soft_q - 0.5).abs().sum()), abs=1e-6)
+    assert total_variation(student, teacher, 2.0).item() == pytest.approx(
+        0.5 * float((soft_q - 0.5).abs().sum()), abs=1e-6
+    )
 
     # Zero probabilities keep values and gradients finite.
     logits = student.clone().requires_grad_(True)
@@ -127,7 +135,9 @@ def test_lora_training_moves_only_adapters_and_the_merged_model_matches(tmp_path
     original = layers_of(target, DraftModel.Config(num_layers=1)).state_dict()
     trained = load_file(str(next((tmp_path / "run" / "checkpoints").iterdir()) / "model.safetensors"))
     adapters = {name: value for name, value in trained.items() if "lora_" in name}
-    assert adapters and any(value.abs().sum() > 0 for name, value in adapters.items() if "lora_B" in name)  # B starts at 0
+    assert adapters and any(
+        value.abs().sum() > 0 for name, value in adapters.items() if "lora_B" in name
+    )  # B starts at 0
     for name, value in trained.items():
         if "lora_" not in name:  # every base weight is still the target's copy
             plain = name.removeprefix("model.base_model.model.").replace(".base_layer", "")
@@ -232,7 +242,9 @@ def test_regeneration_resumes_without_redoing_finished_conversations(tmp_path, s
     fresh = regenerate(recipe(tmp_path / "fresh"), CountingTarget(model), tokenizer)  # greedy: the same output
     assert fresh.generated == 5
     out = load_conversations([str(tmp_path / "resumed")])
-    assert out.to_list() and [r["messages"] for r in out] == [r["messages"] for r in load_conversations([str(tmp_path / "fresh")])]
+    assert out.to_list() and [r["messages"] for r in out] == [
+        r["messages"] for r in load_conversations([str(tmp_path / "fresh")])
+    ]
     assert out["domain"] == original["domain"]
     for new, old in zip(out, original):
         assert [(m["role"], m["content"]) for m in new["messages"] if m["role"] != "assistant"] == [
@@ -240,7 +252,9 @@ def test_regeneration_resumes_without_redoing_finished_conversations(tmp_path, s
         ]
     raw = [json.loads(line) for line in gzip.open(tmp_path / "resumed" / "part-00001.jsonl.gz", "rt")]
     assert set(raw[0]) == {"messages", "domain", "regenerated_by"} and raw[0]["regenerated_by"] == str(REFERENCE_TARGET)
-    assert any(m["content"] != o["content"] for r, row in zip(out, original) for m, o in zip(r["messages"], row["messages"]))
+    assert any(
+        m["content"] != o["content"] for r, row in zip(out, original) for m, o in zip(r["messages"], row["messages"])
+    )
 
     assert (tmp_path / "resumed" / SETTINGS_NAME).is_file()
     with pytest.raises(UserError, match="other settings.*max_new_tokens"):
@@ -250,5 +264,9 @@ def test_regeneration_resumes_without_redoing_finished_conversations(tmp_path, s
 def test_regenerate_cli_reports_bad_input_in_one_line(tmp_path):
     from tests.conftest import run_entry
 
-    done = run_entry(["-m", "data_prep.regenerate", "recipe=draft", "data.regenerate.batch_size=0", f"output_dir={tmp_path}"])
-    assert done.returncode == 2 and done.stderr.strip().splitlines() == ["error: data.regenerate.batch_size=0 and max_new_tokens=256 must be >= 1"]
+    done = run_entry(
+        ["-m", "data_prep.regenerate", "recipe=draft", "data.regenerate.batch_size=0", f"output_dir={tmp_path}"]
+    )
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "error: data.regenerate.batch_size=0 and max_new_tokens=256 must be >= 1"
+    ]

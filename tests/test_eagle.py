@@ -13,57 +13,27 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from draftsmith.errors import UserError
-from draftsmith.eval.loop import Sampling, exact_rule, generate, prefill, propose, verify_step
-from draftsmith.heads import drafter_class, load_drafter
+from draftsmith.eval.loop import Sampling, exact_rule, generate, prefill
+from draftsmith.heads import load_drafter
 from draftsmith.heads.base import DynamicTree, TargetShape
 from draftsmith.target import run_target
 from tests.conftest import REFERENCE_TARGET, train_args, train_in_process
-from tests.test_eval import (
+from tests.helpers import EAGLE_TREE as TREE
+from tests.helpers import (
     NEW,
     SAMPLES,
+    TINY_VOCAB,
     VOCAB,
+    assert_cache_rollback,
+    assert_greedy_equals_plain,
     chi_square_pvalue,
     exact_conditionals,
     exact_joint,
+    fitted_eagle,
     tiny_llama,
 )
 
-TREE = DynamicTree(nodes=10, depth=4, topk=3)
-
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def greedy_text(model, rows: int, length: int, seed: int) -> torch.Tensor:
-    """Random 4-token prompts continued greedily by the target: what decoding will feed the drafter."""
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, model.config.vocab_size, (rows, 4), generator=generator)
-    while ids.shape[1] < length:
-        ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
-    return ids
-
-
-def fitted_eagle(model, steps: int, seed: int = 0, drafter_type: str = "eagle", **config):
-    """A drafter over the target's features (`eagle`, `eagle3` or `dflash`) fitted briefly to the
-    target's greedy text: right often enough that drafts get accepted, wrong often enough that they
-    get rejected."""
-    torch.manual_seed(seed)  # initialisation and feature noise: the same fit whatever ran before
-    cls = drafter_class(drafter_type)
-    drafter = cls.from_target(cls.Config(**config), model, "tiny")
-    ids = greedy_text(model, rows=16, length=48, seed=seed)
-    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids)}
-    drafter.prepare([{"input_ids": row, "loss_mask": mask} for row, mask in zip(ids, batch["loss_mask"])])
-    target_out = run_target(model, ids, request=drafter.request)
-    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
-    drafter.train()
-    for _ in range(steps):
-        loss, _ = drafter(batch, target_out)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return drafter.eval()
-
-
-TINY_VOCAB = 32
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +61,11 @@ def test_real_trainer_lowers_the_loss_and_saves_the_draft_model_only(tmp_path, s
     args = train_args(output_dir, small_data, token_cache, "train.max_steps=24", "train.lr=2e-3")
     train_in_process(["recipe=eagle", *args[1:]])  # the EAGLE recipe, with the quick-run overrides
 
-    log = {row["step"]: row for row in map(json.loads, (output_dir / "log.jsonl").read_text().splitlines()) if "train/loss" in row}
+    log = {
+        row["step"]: row
+        for row in map(json.loads, (output_dir / "log.jsonl").read_text().splitlines())
+        if "train/loss" in row
+    }
     last = sum(log[step]["train/loss"] for step in range(19, 25)) / 6  # per-step losses are noisy
     assert last < 0.85 * log[1]["train/loss"]
     table = json.loads((output_dir / "eval_accuracy.json").read_text())
@@ -104,7 +78,9 @@ def test_real_trainer_lowers_the_loss_and_saves_the_draft_model_only(tmp_path, s
     assert "fc.bias" not in weights  # vLLM's EAGLE-1 fc has no bias: the recipe trains none
     assert {"fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.post_attention_layernorm.weight"} <= set(weights)
     # vLLM/SGLang names; the target's embedding and lm_head are shared, layer 0 has no input norm.
-    assert not [name for name in weights if "embed" in name or "lm_head" in name or name.startswith("layers.0.input_layernorm")]
+    assert not [
+        name for name in weights if "embed" in name or "lm_head" in name or name.startswith("layers.0.input_layernorm")
+    ]
 
     from draftsmith.target import load_target
 
@@ -128,7 +104,9 @@ def test_checkpoint_leaves_out_the_target_modules_and_reattaches_them(model, dra
     loaded = load_drafter(tmp_path / "eagle", TargetShape.of(model, "tiny"), model)
     assert loaded.target_modules() == (model.get_input_embeddings(), model.get_output_embeddings())
     state = prefill(model, [[5, 6, 7, 8]]).rows[0].draft_state()
-    assert torch.equal(loaded.proposer().propose(state, 3, TREE).tokens, drafter.proposer().propose(state, 3, TREE).tokens)
+    assert torch.equal(
+        loaded.proposer().propose(state, 3, TREE).tokens, drafter.proposer().propose(state, 3, TREE).tokens
+    )
 
     foreign = tiny_llama(vocab=64, hidden=48, layers=1)
     with pytest.raises(UserError, match=f"vocab_size={TINY_VOCAB}"):
@@ -159,17 +137,6 @@ def test_loss_supervises_the_feature_that_decoding_computes(model):
 @pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "dynamic-tree"])
 def test_greedy_speculative_equals_plain(model, drafter, prompts, tree):
     assert_greedy_equals_plain(model, drafter, prompts, tree)
-
-
-def assert_greedy_equals_plain(model, drafter, prompts, tree) -> None:
-    """Speculative greedy output equals plain greedy token for token, with drafts both accepted and rejected."""
-    drafted = accepted = 0
-    for number, prompt in enumerate(prompts):
-        plain = generate(model, prompt, 40)
-        spec = generate(model, prompt, 40, drafter.proposer(), gamma=3, tree=tree)
-        assert spec.tokens == plain.tokens, f"differs from plain greedy on prompt {number}"
-        drafted, accepted = drafted + spec.counts.drafted, accepted + spec.counts.accepted
-    assert 0 < accepted < drafted  # acceptances and rejections both happened
 
 
 def test_dynamic_tree_shape(model, drafter):
@@ -225,28 +192,9 @@ def test_cache_rollback_matches_a_drafter_rebuilt_from_scratch(model, drafter, p
     assert_cache_rollback(model, drafter, prompts[2], tmp_path)
 
 
-def assert_cache_rollback(model, drafter, prompt: list[int], tmp_path) -> None:
-    """Over many verify cycles the drafter only ever sees what was committed since its last call;
-    its proposals must equal those of a fresh copy given the whole committed sequence."""
-    drafter.save_pretrained(tmp_path / "eagle")
-    fresh_drafter = load_drafter(tmp_path / "eagle", TargetShape.of(model, "tiny"), model).eval()
-    state = prefill(model, [prompt], drafter.request)
-    row, generator = state.rows[0], torch.Generator().manual_seed(0)
-    lengths = set()
-    proposer, fresh = drafter.proposer(), fresh_drafter.proposer()
-    for cycle in range(24):
-        tree = TREE if cycle % 2 else None
-        expected = fresh.propose(prefill(model, [row.tokens], drafter.request).rows[0].draft_state(), 3, tree)
-        draft = propose(proposer, row, 3, tree, max_depth=4)
-        assert torch.equal(draft.tokens, expected.tokens) and torch.equal(draft.parents, expected.parents), cycle
-        assert proposer.cache.get_seq_length() >= len(row.tokens) - 1
-        lengths.add(len(verify_step(model, state, [draft], Sampling(), [generator], request=drafter.request)[0].path))
-    assert len(lengths) >= 2  # accepted paths of different lengths were rolled back
-
-
 def test_sampling_matches_target_distribution():
     """Exact speculative sampling with EAGLE's deterministic drafts, chi-square against the target's
-    exact distribution (the helpers of tests/test_eval.py). A dynamic tree with siblings: the chain
+    exact distribution (the helpers in tests/helpers.py). A dynamic tree with siblings: the chain
     is the same code with one child per node, and the loop's rule is tested on chains already."""
     small_model = tiny_llama(vocab=VOCAB, hidden=16, layers=1, seed=5, logit_scale=8.0)
     sampling = Sampling(1.0)
@@ -255,7 +203,16 @@ def test_sampling_matches_target_distribution():
     conditionals = exact_conditionals(small_model, prompt, sampling)
     counts, accepted = torch.zeros(VOCAB, VOCAB, VOCAB), 0
     for seed in range(SAMPLES):
-        out = generate(small_model, prompt, NEW, drafter.proposer(), tree=DynamicTree(nodes=4, depth=2, topk=2), sampling=sampling, seed=seed, rule=exact_rule)
+        out = generate(
+            small_model,
+            prompt,
+            NEW,
+            drafter.proposer(),
+            tree=DynamicTree(nodes=4, depth=2, topk=2),
+            sampling=sampling,
+            seed=seed,
+            rule=exact_rule,
+        )
         counts[tuple(out.tokens)] += 1
         accepted += out.counts.accepted
     assert 0.1 * SAMPLES < accepted < 1.9 * SAMPLES
@@ -268,4 +225,6 @@ def test_checkpoint_cannot_name_code_outside_transformers():
 
     with pytest.raises(UserError, match="only classes from transformers"):
         import_qualified("os.system")
-    assert import_qualified("transformers.models.llama.modeling_llama.LlamaDecoderLayer").__name__ == "LlamaDecoderLayer"
+    assert (
+        import_qualified("transformers.models.llama.modeling_llama.LlamaDecoderLayer").__name__ == "LlamaDecoderLayer"
+    )

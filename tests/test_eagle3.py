@@ -19,12 +19,18 @@ from draftsmith.eval.loop import prefill
 from draftsmith.heads import drafter_class, load_drafter
 from draftsmith.heads.base import DynamicTree, TargetShape, per_sample_stats
 from draftsmith.heads.eagle3 import shifted
-from draftsmith.heads.packing import causal_lm_inputs, documents, draft_attention_mask, num_documents, positions, same_document
+from draftsmith.heads.packing import (
+    causal_lm_inputs,
+    documents,
+    draft_attention_mask,
+    num_documents,
+    positions,
+    same_document,
+)
 from draftsmith.recipe import load_recipe
 from draftsmith.target import TargetOutput, run_target
 from tests.conftest import run_entry, train_args, train_in_process
-from tests.test_eagle import TINY_VOCAB, assert_cache_rollback, assert_greedy_equals_plain, fitted_eagle
-from tests.test_eval import tiny_llama
+from tests.helpers import TINY_VOCAB, assert_cache_rollback, assert_greedy_equals_plain, fitted_eagle, tiny_llama
 
 Eagle3 = drafter_class("eagle3")
 DRAFT_VOCAB = 24  # of TINY_VOCAB = 32: pruned, so d2t/t2d are in play everywhere below
@@ -81,7 +87,9 @@ def test_training_time_test_equals_decoding(model, drafter, n):
     generator = torch.Generator().manual_seed(n)
     prefix = torch.randint(3, TINY_VOCAB, (n,), generator=generator)
     steps = drafter.config.ttt_steps
-    tokens, decoded = chain_logits(drafter, prefill(model, [prefix.tolist()], drafter.request).rows[0].draft_state(), steps)
+    tokens, decoded = chain_logits(
+        drafter, prefill(model, [prefix.tolist()], drafter.request).rows[0].draft_state(), steps
+    )
     assert set(tokens.tolist()) <= set(drafter.draft_ids().tolist())  # proposals are target ids of draft tokens
     text = torch.cat([prefix, tokens, torch.randint(3, TINY_VOCAB, (3,), generator=generator)])[None]
     with torch.no_grad():
@@ -136,7 +144,9 @@ def reference_unroll(drafter, input_ids: torch.Tensor, layers: dict, batch: dict
     features = drafter.fuse(layers)[:, :width]
     start = positions(batch)[:, :width]
     first = draft_attention_mask(batch, width)
-    first = torch.ones(width, width, dtype=torch.bool).tril().expand(len(input_ids), 1, -1, -1) if first is None else first
+    first = (
+        torch.ones(width, width, dtype=torch.bool).tril().expand(len(input_ids), 1, -1, -1) if first is None else first
+    )
     itself = torch.eye(width, dtype=torch.bool).expand_as(first)
     cache = DynamicCache(config=drafter.layer_config)
     outputs = []
@@ -178,7 +188,9 @@ def reference_loss(drafter, batch: dict, target_out: TargetOutput):
         with torch.no_grad():
             top1 = (draft_ids[log_q.argmax(-1)] == target_best[scored]).float()
             stats |= per_sample_stats({f"step{step + 1}/top1": top1}, samples, num_docs)
-            stats |= per_sample_stats({f"step{step + 1}/loss": token_loss[counted].detach()}, samples[counted], num_docs)
+            stats |= per_sample_stats(
+                {f"step{step + 1}/loss": token_loss[counted].detach()}, samples[counted], num_docs
+            )
             if step == 0 and drafter.pruned:
                 stats |= per_sample_stats({"vocab_coverage": counted.float()}, samples, num_docs)
     return total, stats
@@ -191,7 +203,14 @@ def loss_rows(lengths=(24, 17, 9, 30, 6), seed: int = 4) -> list[dict]:
     for i, length in enumerate(lengths):
         prompt, end = (length // 3, 0, 2)[i % 3], length - (i % 2)
         mask = [0] * prompt + [1] * (end - prompt) + [0] * (length - end)
-        rows.append({"input_ids": torch.randint(3, TINY_VOCAB, (length,), generator=generator).tolist(), "loss_mask": mask, "domain": "d", "sample": str(i)})
+        rows.append(
+            {
+                "input_ids": torch.randint(3, TINY_VOCAB, (length,), generator=generator).tolist(),
+                "loss_mask": mask,
+                "domain": "d",
+                "sample": str(i),
+            }
+        )
     return rows
 
 
@@ -209,7 +228,9 @@ def test_loss_and_stats_equal_a_straightforward_reference(model, drafter, case, 
         assert not drafter.pruned
     if case == "more-steps-than-positions":
         torch.manual_seed(0)
-        drafter = Eagle3.from_target(Eagle3.Config(aux_layers=[-1, 0, 1], draft_vocab_size=DRAFT_VOCAB, ttt_steps=9), model, "tiny")
+        drafter = Eagle3.from_target(
+            Eagle3.Config(aux_layers=[-1, 0, 1], draft_vocab_size=DRAFT_VOCAB, ttt_steps=9), model, "tiny"
+        )
         drafter.prepare(rows)
         rows = loss_rows(lengths=(9, 6, 4, 11))
     batch = (PackingCollator(0, 40) if case == "packed" else Collator(0))(rows)
@@ -224,7 +245,13 @@ def test_loss_and_stats_equal_a_straightforward_reference(model, drafter, case, 
         drafter.zero_grad()
         loss, stats = compute()
         loss.backward()
-        results.append((loss.detach(), stats, {name: p.grad.clone() for name, p in drafter.named_parameters() if p.grad is not None}))
+        results.append(
+            (
+                loss.detach(),
+                stats,
+                {name: p.grad.clone() for name, p in drafter.named_parameters() if p.grad is not None},
+            )
+        )
     (loss, stats, grads), (expected_loss, expected_stats, expected_grads) = results
     torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
     assert list(stats) == list(expected_stats)
@@ -245,7 +272,10 @@ def test_loss_and_stats_equal_a_straightforward_reference(model, drafter, case, 
 def test_prepare_keeps_the_most_frequent_loss_tokens_ties_by_id(model):
     drafter = Eagle3.from_target(Eagle3.Config(aux_layers=[0, 1], draft_vocab_size=4), model, "tiny")
     rows = [
-        {"input_ids": [9, 9, 9, 5, 5, 7, 7, 3, 3, 3, 3], "loss_mask": [1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0]},  # 3 bears no loss
+        {
+            "input_ids": [9, 9, 9, 5, 5, 7, 7, 3, 3, 3, 3],
+            "loss_mask": [1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0],
+        },  # 3 bears no loss
         {"input_ids": [8, 8, 6, 6, 4, 4], "loss_mask": [1, 1, 1, 1, 1, 1]},
     ]
     drafter.prepare(rows)
@@ -271,12 +301,25 @@ def test_checkpoint_round_trips_the_draft_vocabulary(model, drafter, tmp_path):
     drafter.save_pretrained(tmp_path / "eagle3")
     saved = load_file(str(tmp_path / "eagle3" / "model.safetensors"))
     # The speculators/vLLM Eagle3 layout; the embedding is the target's and not saved.
-    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "layers.0.hidden_norm.weight", "layers.0.input_layernorm.weight"} <= set(saved)
+    assert {
+        "fc.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "t2d",
+        "layers.0.hidden_norm.weight",
+        "layers.0.input_layernorm.weight",
+    } <= set(saved)
     assert not [name for name in saved if "embed" in name]
     hidden = model.config.hidden_size
-    assert saved["fc.weight"].shape == (hidden, 3 * hidden) and saved["layers.0.self_attn.q_proj.weight"].shape[1] == 2 * hidden
+    assert (
+        saved["fc.weight"].shape == (hidden, 3 * hidden)
+        and saved["layers.0.self_attn.q_proj.weight"].shape[1] == 2 * hidden
+    )
     assert saved["lm_head.weight"].shape == (DRAFT_VOCAB, hidden)
-    assert saved["d2t"].dtype == torch.int64 and saved["t2d"].dtype == torch.bool and saved["t2d"].shape == (TINY_VOCAB,)
+    assert (
+        saved["d2t"].dtype == torch.int64 and saved["t2d"].dtype == torch.bool and saved["t2d"].shape == (TINY_VOCAB,)
+    )
     assert torch.equal(saved["t2d"].nonzero().flatten(), torch.arange(DRAFT_VOCAB) + saved["d2t"])
     config = json.loads((tmp_path / "eagle3" / "config.json").read_text())
     assert config["drafter"]["aux_layers"] == [-1, 0, 1] and config["drafter"]["norm_before_residual"] is False
@@ -325,7 +368,9 @@ def test_eagle31_norms_each_aux_state_and_passes_the_normed_output_on(model, dra
         layers = run_target(model, text, request=drafter31.request).layers
         states = [norm(layers[layer]) for norm, layer in zip(drafter31.fc_norm, drafter31.config.aux_layers)]
         torch.testing.assert_close(drafter31.fuse(layers), drafter31.fc(torch.cat(states, dim=-1)))
-        assert not torch.equal(drafter31.fuse(layers), drafter31.fc(torch.cat([layers[i] for i in drafter31.config.aux_layers], dim=-1)))
+        assert not torch.equal(
+            drafter31.fuse(layers), drafter31.fc(torch.cat([layers[i] for i in drafter31.config.aux_layers], dim=-1))
+        )
         args = (text[:, 1:], drafter31.fuse(layers)[:, :-1], torch.arange(8)[None])
         out = drafter31.draft(*args)
         drafter31.config.norm_output = False
@@ -361,7 +406,9 @@ def test_aux_layers_default_and_bad_values():
     shallow = tiny_llama(vocab=16, hidden=16, layers=4)
     with pytest.raises(UserError, match=r"default aux layers .* \[1, 1, 0\].*set drafter.aux_layers"):
         Eagle3.from_target(Eagle3.Config(), shallow, "shallow")
-    with pytest.raises(UserError, match=r"drafter.aux_layers=\[0, 4\]: layer id\(s\) \[4\] out of range .*valid: -1..3"):
+    with pytest.raises(
+        UserError, match=r"drafter.aux_layers=\[0, 4\]: layer id\(s\) \[4\] out of range .*valid: -1..3"
+    ):
         Eagle3.from_target(Eagle3.Config(aux_layers=[0, 4]), shallow, "shallow")
     with pytest.raises(UserError, match="distinct and increasing"):
         Eagle3.from_target(Eagle3.Config(aux_layers=[2, 1]), shallow, "shallow")
@@ -375,7 +422,11 @@ def test_real_trainer_lowers_the_loss_and_saves_the_draft_vocabulary(tmp_path, s
     args = train_args(output_dir, small_data, token_cache, "train.max_steps=16", "train.lr=3e-3", "data.max_length=96")
     train_in_process(["recipe=eagle3", *args[1:], "drafter.draft_vocab_size=1024", "drafter.ttt_steps=3"])
 
-    log = {row["step"]: row for row in map(json.loads, (output_dir / "log.jsonl").read_text().splitlines()) if "train/loss" in row}
+    log = {
+        row["step"]: row
+        for row in map(json.loads, (output_dir / "log.jsonl").read_text().splitlines())
+        if "train/loss" in row
+    }
     assert sum(log[step]["train/loss"] for step in range(13, 17)) / 4 < 0.8 * log[1]["train/loss"]
     table = json.loads((output_dir / "eval_accuracy.json").read_text())
     trained, untrained = table["trained"]["all"], table["untrained"]["all"]
@@ -409,17 +460,34 @@ def test_training_from_captured_shards(tmp_path, small_data, token_cache):
     # data.draft_vocab: the vocabulary is ranked on that text, not on the shards' training tokens.
     answer = "the same few words again and again"
     vocab_file = tmp_path / "vocab.jsonl"
-    vocab_file.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": answer}]}) + "\n")
-    train_in_process([*args, "train.max_steps=1", f"data.features={features}", f"data.draft_vocab=[{vocab_file}]", f"output_dir={tmp_path / 'vocab'}"])
+    vocab_file.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": answer}]}) + "\n"
+    )
+    train_in_process(
+        [
+            *args,
+            "train.max_steps=1",
+            f"data.features={features}",
+            f"data.draft_vocab=[{vocab_file}]",
+            f"output_dir={tmp_path / 'vocab'}",
+        ]
+    )
     config = json.loads((tmp_path / "vocab" / "final" / "config.json").read_text())
     assert config["learned"]["draft_vocab_coverage"] == 1.0  # every token of that one answer is kept
     ranked_on_answer = load_file(str(tmp_path / "vocab" / "final" / "model.safetensors"))["t2d"]
     ranked_on_shards = load_file(str(tmp_path / "run" / "final" / "model.safetensors"))["t2d"]
     # A dozen distinct answer tokens; the rest of the 512 are unseen, tied, so the lowest ids.
     assert int(ranked_on_answer[512:].sum()) < 16 and not torch.equal(ranked_on_answer, ranked_on_shards)
-    accuracy = json.loads((tmp_path / "vocab" / "eval_accuracy.json").read_text())  # the untrained baseline ranks on the same text
+    accuracy = json.loads(
+        (tmp_path / "vocab" / "eval_accuracy.json").read_text()
+    )  # the untrained baseline ranks on the same text
     assert accuracy["trained"]["all"]["vocab_coverage"] == accuracy["untrained"]["all"]["vocab_coverage"]
 
-    other = run_entry(["train.py", *args, "drafter.aux_layers=[0,3]", f"data.features={features}", f"output_dir={tmp_path / 'other'}"])
+    other = run_entry(
+        ["train.py", *args, "drafter.aux_layers=[0,3]", f"data.features={features}", f"output_dir={tmp_path / 'other'}"]
+    )
     assert other.returncode == 2
-    assert other.stderr.strip().splitlines()[-1].startswith("error:") and "hold layers [0, 1, 2] but the drafter needs [0, 3]" in other.stderr
+    assert (
+        other.stderr.strip().splitlines()[-1].startswith("error:")
+        and "hold layers [0, 1, 2] but the drafter needs [0, 3]" in other.stderr
+    )

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine]
 # case -> (recipe, overrides): every exportable kind, and EAGLE-3.1's options of eagle3
 CASES = {
     "medusa": ("medusa", []), "medusa2": ("medusa2", []), "eagle": ("eagle", []), "eagle3": ("eagle3", []), "draft_model": ("draft", []),
-    "eagle3.1": ("eagle3", ["drafter.fc_norm=true", "drafter.norm_output=true"]),
+    "eagle3.1": ("eagle3", ["drafter.fc_norm=true", "drafter.norm_output=true"]), "dflash": ("dflash", []),
 }  # fmt: skip
 SELF_DISTILLED = DEMO / "data" / "train.regenerated.jsonl.gz"  # the target's own answers: acceptance comes fast
 
@@ -43,11 +43,17 @@ def target():
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_an_exported_drafter_runs_in_vllm_like_in_draftsmith(case, vllm_python, target, tmp_path, small_data, token_cache):
+def test_an_exported_drafter_runs_in_vllm_like_in_draftsmith(
+    case, vllm_python, target, tmp_path, small_data, token_cache
+):
     recipe, overrides = CASES[case]
     args = [f"recipe={recipe}", *overrides, *common(tmp_path / "run", small_data, token_cache), "train.max_steps=20"]
     final, _ = train_in_process(args)
-    folders = export_checkpoint(load_recipe([*args, f"export.vllm_python={vllm_python}", f"export.output={tmp_path / 'export'}"]), final, target=target)
+    folders = export_checkpoint(
+        load_recipe([*args, f"export.vllm_python={vllm_python}", f"export.output={tmp_path / 'export'}"]),
+        final,
+        target=target,
+    )
     verified = json.loads((folders["vllm"] / EXPORT_INFO).read_text())["verified"]
     assert verified["lossless"] and verified["equals_draftsmith_plain"]  # (a)
     assert verified["counters"]["num_accepted_tokens"] > 0  # (b)

@@ -8,84 +8,32 @@ import json
 
 import pytest
 import torch
-from scipy import stats
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.errors import UserError
 from draftsmith.eval.loop import Sampling, exact_rule, generate, prefill, propose, tree_depths, verify_mask, verify_step
 from draftsmith.eval.ngram import NGramDrafter
 from draftsmith.eval.report import run_eval
 from draftsmith.heads import drafter_class
-from draftsmith.heads.base import DraftState, DraftTree, Proposer
+from draftsmith.heads.base import DraftState, DraftTree
 from draftsmith.recipe import load_recipe
-from draftsmith.target import FeatureRequest, load_target
+from draftsmith.target import load_target
 from tests.conftest import DOMAINS, REFERENCE_TARGET, run_entry
+from tests.helpers import (
+    NEW,
+    SAMPLES,
+    TREE,
+    VOCAB,
+    WIDE_TREE,
+    NearTargetDrafter,
+    OracleDrafter,
+    chi_square_pvalue,
+    exact_conditionals,
+    exact_joint,
+    perturbed_medusa,
+    tiny_llama,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def tiny_llama(vocab: int = 96, hidden: int = 48, layers: int = 2, seed: int = 0, attn: str = "sdpa", logit_scale: float = 1.0):
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        attn_implementation=attn,
-    )
-    model = LlamaForCausalLM(config).eval()
-    model.lm_head.weight.data *= logit_scale  # sharper next-token distributions
-    return model.requires_grad_(False)
-
-
-def perturbed_medusa(model, num_heads: int = 3, noise: float = 0.05, seed: int = 0):
-    """Medusa heads initialised from the lm_head plus noise: wrong most of the time."""
-    medusa = drafter_class("medusa")
-    drafter = medusa.from_target(medusa.Config(num_heads=num_heads), model, "tiny")
-    generator = torch.Generator().manual_seed(seed)
-    for parameter in drafter.parameters():
-        parameter.data += noise * torch.randn(parameter.shape, generator=generator)
-    return drafter.eval()
-
-
-def tree_from_paths(paths) -> list[int]:
-    index = {path: i for i, path in enumerate(paths)}
-    return [index[path[:-1]] if len(path) > 1 else -1 for path in paths]
-
-
-class OracleDrafter(Proposer):
-    """Knows the target's greedy continuation and hides it among wrong siblings: at each depth the
-    true token sits at a random rank (or nowhere, with probability 1 - hit_rate). Accepted paths
-    then run through any branch of a tree, which exercises the cache gather."""
-
-    features = FeatureRequest(final=True)
-
-    def __init__(self, continuation: list[int], prompt_len: int, vocab: int, hit_rate: float, seed: int = 0):
-        self.continuation, self.prompt_len, self.vocab, self.hit_rate = continuation, prompt_len, vocab, hit_rate
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def propose(self, state: DraftState, num_tokens: int, tree=None) -> DraftTree:
-        paths = list(tree) if tree is not None else [(0,) * d for d in range(1, num_tokens + 1)]
-        width = max(max(path) for path in paths) + 1
-        done = len(state.tokens) - self.prompt_len  # new tokens before the one after the root
-        truth, rank = [], []
-        for depth in range(max(map(len, paths))):
-            position = done + depth
-            truth.append(self.continuation[position] if position < len(self.continuation) else 0)
-            hit = torch.rand((), generator=self.generator) < self.hit_rate
-            rank.append(int(torch.randint(width, (), generator=self.generator)) if hit else -1)
-        tokens = []
-        for path in paths:
-            depth = len(path) - 1
-            on_truth = all(path[d] == rank[d] for d in range(len(path)))
-            tokens.append(truth[depth] if on_truth else (truth[depth] + 1 + path[-1]) % self.vocab)
-        return DraftTree(tokens=torch.tensor(tokens), parents=torch.tensor(tree_from_paths(paths)))
-
-
-WIDE_TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 0, 1), (2, 0, 0)]
 
 
 # -- greedy: speculative output == plain output ---------------------------------------------------
@@ -180,75 +128,10 @@ def test_tree_mask_forward_equals_path_forwards(attn):
 
 
 # -- sampling: exactness against the target's own distribution ------------------------------------
-VOCAB, SAMPLES, NEW = 8, 1200, 3
-
-
 def no_residual_rule(p, q, token, u):
     """WRONG on purpose: after a rejection it samples from p instead of norm(max(0, p - q))."""
     accepted, _ = exact_rule(p, q, token, u)
     return accepted, p
-
-
-def exact_conditionals(model, prompt: list[int], sampling: Sampling) -> list[torch.Tensor]:
-    """The warped target's P(x1), P(x2 | x1), P(x3 | x1, x2) as [V], [V, V], [V, V, V], from one
-    batched forward over every prompt + (x1, x2)."""
-    pairs = torch.cartesian_prod(torch.arange(VOCAB), torch.arange(VOCAB))
-    sequences = torch.cat([torch.tensor(prompt).expand(len(pairs), -1), pairs], dim=1)
-    probs = sampling.probs(model(sequences).logits[:, -NEW:]).reshape(VOCAB, VOCAB, NEW, VOCAB)
-    return [probs[0, 0, 0], probs[:, 0, 1], probs[:, :, 2]]
-
-
-def exact_joint(conditionals: list[torch.Tensor]) -> torch.Tensor:
-    p1, p2, p3 = conditionals
-    return p1[:, None, None] * p2[:, :, None] * p3
-
-
-class NearTargetDrafter(Proposer):
-    """Draft distribution q(. | new tokens so far) = a mix of the target's exact conditional and a
-    fixed random one: close enough to be accepted often, different enough that a wrong rule shows.
-    Sampled (probs given), or deterministic by rank of q (a tree's rank-2 child repeats rank 1 to
-    test duplicate siblings)."""
-
-    features = FeatureRequest(final=True)
-
-    def __init__(self, conditionals: list[torch.Tensor], prompt_len: int, stochastic: bool, mix: float = 0.5, seed: int = 0):
-        generator = torch.Generator().manual_seed(seed)
-        noise = [(2.0 * torch.randn(p.shape, generator=generator)).softmax(-1) for p in conditionals]
-        self.q = [(1 - mix) * p + mix * r for p, r in zip(conditionals, noise)]
-        self.prompt_len, self.stochastic = prompt_len, stochastic
-        self.generator = torch.Generator().manual_seed(seed + 1)
-
-    def q_after(self, history: list[int]) -> torch.Tensor:
-        return self.q[len(history)][tuple(history)]
-
-    def propose(self, state: DraftState, num_tokens: int, tree=None) -> DraftTree:
-        done = state.tokens[self.prompt_len :].tolist()
-        if tree is not None:
-            tokens: list[int] = []
-            for path in tree:
-                history = done + [tokens[tree.index(path[:k])] for k in range(1, len(path))]
-                order = self.q_after(history).argsort(descending=True)
-                tokens.append(int(order[min(path[-1], 1)]))
-            return DraftTree(tokens=torch.tensor(tokens), parents=torch.tensor(tree_from_paths(tree)))
-        tokens, probs = [], []
-        for _ in range(num_tokens):
-            q = self.q_after(done + tokens)
-            tokens.append(int(torch.multinomial(q, 1, generator=self.generator)) if self.stochastic else int(q.argmax()))
-            probs.append(q)
-        return DraftTree.chain(torch.tensor(tokens), torch.stack(probs) if self.stochastic else None)
-
-
-def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's test with the cells expected to hold fewer than 5 samples pooled into one."""
-    probs = probs.flatten().double()
-    counts, expected = counts.flatten().double(), probs / probs.sum() * counts.sum()  # float32 rounding
-    if counts[expected == 0].sum() > 0:  # a sequence the target can never produce
-        return 0.0
-    small = expected < 5
-    observed = torch.cat([counts[~small], counts[small].sum()[None]])
-    expected = torch.cat([expected[~small], expected[small].sum()[None]])
-    keep = expected > 0
-    return float(stats.chisquare(observed[keep].numpy(), expected[keep].numpy()).pvalue)
 
 
 @pytest.fixture(scope="module")
@@ -256,17 +139,44 @@ def small_model():
     return tiny_llama(vocab=VOCAB, hidden=16, layers=1, seed=5, logit_scale=8.0)
 
 
-TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)]  # rank 2 duplicates rank 1 (NearTargetDrafter)
-
-
 @pytest.mark.parametrize(
     "case",
     [
-        dict(name="chain, stochastic q", stochastic=True, tree=None, sampling=Sampling(1.0), rule=exact_rule, exact=True),
-        dict(name="chain, one-hot q, top-p", stochastic=False, tree=None, sampling=Sampling(1.0, top_p=0.9), rule=exact_rule, exact=True),
-        dict(name="tree, one-hot q, top-k", stochastic=False, tree=TREE, sampling=Sampling(0.8, top_k=6), rule=exact_rule, exact=True),
-        dict(name="WRONG chain, one-hot q, no residual", stochastic=False, tree=None, sampling=Sampling(1.0), rule=no_residual_rule, exact=False),
-        dict(name="WRONG tree, one-hot q, no residual", stochastic=False, tree=TREE, sampling=Sampling(0.8, top_k=6), rule=no_residual_rule, exact=False),
+        dict(
+            name="chain, stochastic q", stochastic=True, tree=None, sampling=Sampling(1.0), rule=exact_rule, exact=True
+        ),
+        dict(
+            name="chain, one-hot q, top-p",
+            stochastic=False,
+            tree=None,
+            sampling=Sampling(1.0, top_p=0.9),
+            rule=exact_rule,
+            exact=True,
+        ),
+        dict(
+            name="tree, one-hot q, top-k",
+            stochastic=False,
+            tree=TREE,
+            sampling=Sampling(0.8, top_k=6),
+            rule=exact_rule,
+            exact=True,
+        ),
+        dict(
+            name="WRONG chain, one-hot q, no residual",
+            stochastic=False,
+            tree=None,
+            sampling=Sampling(1.0),
+            rule=no_residual_rule,
+            exact=False,
+        ),
+        dict(
+            name="WRONG tree, one-hot q, no residual",
+            stochastic=False,
+            tree=TREE,
+            sampling=Sampling(0.8, top_k=6),
+            rule=no_residual_rule,
+            exact=False,
+        ),
     ],
     ids=lambda case: case["name"],
 )
@@ -276,7 +186,17 @@ def test_speculative_sampling_matches_target_distribution(small_model, case):
     drafter = NearTargetDrafter(conditionals, len(prompt), case["stochastic"])
     counts, accepted = torch.zeros(VOCAB, VOCAB, VOCAB), 0
     for seed in range(SAMPLES):
-        out = generate(small_model, prompt, NEW, drafter, gamma=2, tree=case["tree"], sampling=case["sampling"], seed=seed, rule=case["rule"])
+        out = generate(
+            small_model,
+            prompt,
+            NEW,
+            drafter,
+            gamma=2,
+            tree=case["tree"],
+            sampling=case["sampling"],
+            seed=seed,
+            rule=case["rule"],
+        )
         counts[tuple(out.tokens)] += 1
         accepted += out.counts.accepted
     assert 0.1 * SAMPLES < accepted < 1.9 * SAMPLES  # both acceptances and rejections were exercised
@@ -321,7 +241,9 @@ def eval_setup(tmp_path_factory, small_data):
     )
     target = load_target(str(REFERENCE_TARGET))
     medusa = drafter_class("medusa")
-    medusa.from_target(medusa.Config(num_heads=3), target, str(REFERENCE_TARGET)).save_pretrained(root / "run" / "final")
+    medusa.from_target(medusa.Config(num_heads=3), target, str(REFERENCE_TARGET)).save_pretrained(
+        root / "run" / "final"
+    )
     return root, recipe, target
 
 
@@ -364,9 +286,16 @@ def test_report_has_every_field(eval_setup):
             assert row["lossless"] is True
             assert row["prompts"] == (len(DOMAINS) if domain == "all" else 1)
         plain = report["baselines"][domain]["plain"]
-        assert plain["tau"] == 1.0 and plain["speedup"] == 1.0 and plain["drafted"] == 0 and plain["draft_forwards_per_cycle"] == 0
+        assert (
+            plain["tau"] == 1.0
+            and plain["speedup"] == 1.0
+            and plain["drafted"] == 0
+            and plain["draft_forwards_per_cycle"] == 0
+        )
         chain, tree = report["domains"][domain]["chain"], report["domains"][domain]["tree"]
-        assert 0 < chain["draft_forwards_per_cycle"] <= 1 and 0 < tree["draft_forwards_per_cycle"] <= 1  # Medusa: one pass of all heads
+        assert (
+            0 < chain["draft_forwards_per_cycle"] <= 1 and 0 < tree["draft_forwards_per_cycle"] <= 1
+        )  # Medusa: one pass of all heads
         assert len(chain["per_position"]) == 3 and chain["tau"] >= 1.0
         assert len(tree["per_position"]) == report["methods"]["tree"]["depth"]
     totals = report["domains"]["all"]["chain"]
@@ -378,7 +307,13 @@ def test_report_batch_size_and_sweep(eval_setup, tmp_path):
     eval.batch_sizes adds a sweep (report.json, report.md, batch_sweep.png) with speedups over plain
     decoding at the same batch size."""
     root, recipe, target = eval_setup
-    overrides = [f"recipe={recipe}", "eval.max_prompts=3", "eval.batch_size=2", "eval.batch_sizes=[1,3]", f"output_dir={tmp_path}"]
+    overrides = [
+        f"recipe={recipe}",
+        "eval.max_prompts=3",
+        "eval.batch_size=2",
+        "eval.batch_sizes=[1,3]",
+        f"output_dir={tmp_path}",
+    ]
     report = run_eval(load_recipe(overrides), str(root / "run" / "final"), target=target)
     assert report["batch_size"] == 2
     sweep = report["batch_sweep"]
@@ -393,7 +328,11 @@ def test_report_batch_size_and_sweep(eval_setup, tmp_path):
     # the same prompts and tokens at every batch size: the same acceptance counts
     for name in ("chain", "tree", "ngram"):
         counts = [sweep["rows"][size]["all"][name]["per_position_counts"] for size in ("1", "3")]
-        assert counts[0] == counts[1] == report["domains" if name != "ngram" else "baselines"]["all"][name]["per_position_counts"]
+        assert (
+            counts[0]
+            == counts[1]
+            == report["domains" if name != "ngram" else "baselines"]["all"][name]["per_position_counts"]
+        )
     assert "## Batch sizes" in (tmp_path / "eval" / "report.md").read_text()
     assert (tmp_path / "eval" / "batch_sweep.png").stat().st_size > 1000
     with pytest.raises(UserError, match="eval.batch_sizes"):
@@ -419,7 +358,9 @@ def test_cli_rejects_a_missing_and_a_foreign_checkpoint(eval_setup, tmp_path):
     _, recipe, _ = eval_setup
     missing = run_entry(["-m", "eval", f"recipe={recipe}", f"drafter.path={tmp_path / 'nothing'}"], timeout=120)
     assert missing.returncode == 2
-    assert missing.stderr.strip().splitlines() == [missing.stderr.strip()] and missing.stderr.startswith("error: no drafter checkpoint")
+    assert missing.stderr.strip().splitlines() == [missing.stderr.strip()] and missing.stderr.startswith(
+        "error: no drafter checkpoint"
+    )
 
     foreign_target = tiny_llama(vocab=64, hidden=256, layers=1)
     medusa = drafter_class("medusa")

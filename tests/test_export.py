@@ -16,35 +16,17 @@ from safetensors.torch import load_file
 from draftsmith.errors import UserError
 from draftsmith.export import export_checkpoint
 from draftsmith.export.repo import EXPORT_INFO
-from draftsmith.heads import drafter_class
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target
 from tests.conftest import REFERENCE_TARGET, run_entry
+from tests.helpers import KINDS, save_drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-KINDS = {"medusa": "medusa", "medusa2": "medusa2", "eagle": "eagle", "eagle3": "eagle3", "draft_model": "draft"}  # kind -> recipe
 
 
 @pytest.fixture(scope="module")
 def target():
     return load_target(str(REFERENCE_TARGET))
-
-
-def save_drafter(kind: str, target, directory: Path, seed: int = 0, **config) -> Path:
-    """A fresh drafter of `kind` for the demo target with its weights perturbed (so a lost or
-    renamed tensor shows), saved as a draftsmith checkpoint."""
-    recipe = load_recipe([f"recipe={KINDS[kind]}", *[f"drafter.{k}={v}" for k, v in config.items()]])
-    from omegaconf import OmegaConf
-
-    cls = drafter_class(kind)
-    drafter = cls.from_target(OmegaConf.to_object(recipe.drafter), target, str(REFERENCE_TARGET))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in drafter.parameters():
-            if parameter.requires_grad:
-                parameter.add_(0.02 * torch.randn(parameter.shape, generator=generator))
-    drafter.save_pretrained(directory)
-    return directory
 
 
 def export_args(kind: str, checkpoint: Path, output: Path, *extra: str) -> list[str]:
@@ -58,8 +40,9 @@ def run_export(kind: str, checkpoint: Path, output: Path, *extra: str, target=No
 # -- formats --------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "kind, engines",
-    [("medusa", ["vllm"]), ("medusa2", ["vllm"]), ("eagle", ["vllm", "sglang"]), ("eagle3", ["vllm", "sglang"]), ("draft_model", ["vllm", "sglang"])],
-)
+    [("medusa", ["vllm"]), ("medusa2", ["vllm"]), ("eagle", ["vllm", "sglang"]), ("eagle3", ["vllm", "sglang"]), ("draft_model", ["vllm", "sglang"]),
+     ("dflash", ["vllm"])],
+)  # fmt: skip
 def test_every_kind_exports_a_complete_folder_per_engine(kind, engines, target, tmp_path):
     checkpoint = save_drafter(kind, target, tmp_path / "ckpt")
     folders = run_export(kind, checkpoint, tmp_path / "export", f"export.engines=[{','.join(engines)}]", target=target)
@@ -74,9 +57,13 @@ def test_every_kind_exports_a_complete_folder_per_engine(kind, engines, target, 
         config = json.loads((weights_dir / "config.json").read_text())
         assert not list(folder.parent.glob("*.tmp")) and load_file(str(weights_dir / "model.safetensors"))
         if kind == "draft_model":  # a plain causal LM with the target's tokenizer
-            assert (folder / "tokenizer.json").is_file() and config["max_position_embeddings"] == target.config.max_position_embeddings
+            assert (folder / "tokenizer.json").is_file() and config[
+                "max_position_embeddings"
+            ] == target.config.max_position_embeddings
     if kind == "medusa2":  # the verifier ships: the target with the adapters merged
-        assert (folders["vllm"] / "target" / "model.safetensors").is_file() and (folders["vllm"] / "target" / "tokenizer.json").is_file()
+        assert (folders["vllm"] / "target" / "model.safetensors").is_file() and (
+            folders["vllm"] / "target" / "tokenizer.json"
+        ).is_file()
         assert "vllm serve " + str(folders["vllm"] / "target") in (folders["vllm"] / "README.md").read_text()
 
 
@@ -91,11 +78,16 @@ def test_eagle3_conventions_are_converted_and_written(target, tmp_path):
     assert vllm["transformer_layer_config"]["rope_parameters"] == target.config.rope_parameters
     assert vllm["speculators_config"]["verifier"]["name_or_path"] == str(REFERENCE_TARGET)
     weights = load_file(str(folders["vllm"] / "model.safetensors"))
-    assert {"d2t", "t2d", "lm_head.weight", "layers.0.hidden_norm.weight"} <= set(weights) and not [n for n in weights if "embed" in n]
+    assert {"d2t", "t2d", "lm_head.weight", "layers.0.hidden_norm.weight"} <= set(weights) and not [
+        n for n in weights if "embed" in n
+    ]
     sglang = json.loads((folders["sglang"] / "config.json").read_text())
     assert sglang["architectures"] == ["LlamaForCausalLMEagle3"] and "bias" not in sglang
     assert sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]  # SGLang adds 1 itself
-    assert all(name.startswith(("midlayer.", "fc.", "norm.", "lm_head.", "d2t", "t2d")) for name in load_file(str(folders["sglang"] / "model.safetensors")))
+    assert all(
+        name.startswith(("midlayer.", "fc.", "norm.", "lm_head.", "d2t", "t2d"))
+        for name in load_file(str(folders["sglang"] / "model.safetensors"))
+    )
     conventions = json.loads((folders["vllm"] / EXPORT_INFO).read_text())["conventions"]
     assert conventions["aux_layer_ids"]["draftsmith"] == [0, 1, 2] and conventions["aux_layer_ids"]["vllm"] == [1, 2, 3]
 
@@ -104,16 +96,68 @@ def test_eagle3_conventions_are_converted_and_written(target, tmp_path):
     assert json.loads((folders["vllm"] / "config.json").read_text())["norm_before_residual"] is True
 
 
+def test_dflash_conventions_are_converted_and_written(target, tmp_path):
+    checkpoint = save_drafter("dflash", target, tmp_path / "ckpt")  # target layers [0, 1, 2], mask token 5, block 8
+    folder = run_export("dflash", checkpoint, tmp_path / "export", target=target)["vllm"]
+    config = json.loads((folder / "config.json").read_text())
+    assert (
+        config["architectures"] == ["DFlashDraftModel"]
+        and config["model_type"] == "qwen3"
+        and config["block_size"] == 8
+    )
+    assert config["dflash_config"] == {
+        "mask_token_id": 5,
+        "target_layer_ids": [0, 1, 2],
+    }  # draftsmith's ids: vLLM adds 1 itself
+    assert config["rope_parameters"] == target.config.rope_parameters and config["num_hidden_layers"] == 2
+    weights = load_file(str(folder / "model.safetensors"))
+    assert weights["fc.weight"].shape == (256, 3 * 256) and weights["layers.1.self_attn.k_norm.weight"].shape == (64,)
+    assert not [
+        name for name in weights if "embed" in name or "lm_head" in name or "mask" in name
+    ]  # the target's, and a token
+    info = json.loads((folder / EXPORT_INFO).read_text())
+    assert info["conventions"]["recommended_num_speculative_tokens"] == 7 and '"method": "dflash"' in info["serve"]
+
+
 @pytest.mark.parametrize(
     "kind, config, extra, fragment",
     [
         ("eagle", {"fc_bias": "true"}, [], "vLLM's EAGLE-1 skips without an error"),
-        ("eagle3", {"norm_before_residual": "true"}, ["export.engines=[sglang]"], "SGLang's EAGLE-3 layer always keeps the un-normalised feature"),
+        (
+            "eagle3",
+            {"norm_before_residual": "true"},
+            ["export.engines=[sglang]"],
+            "SGLang's EAGLE-3 layer always keeps the un-normalised feature",
+        ),
         ("eagle3", {"aux_layers": "[0,1,3]"}, [], "aux layer 3 is the target's last hidden state after its final norm"),
-        ("eagle3", {"norm_output": "true"}, ["export.engines=[sglang]"], "EAGLE-3.1's norm_output, which SGLang's EAGLE-3 layer does not have"),
-        ("medusa", {}, ["export.num_speculative_tokens=4"], "num_speculative_tokens=4 but this medusa drafter proposes at most 3"),
+        (
+            "eagle3",
+            {"norm_output": "true"},
+            ["export.engines=[sglang]"],
+            "EAGLE-3.1's norm_output, which SGLang's EAGLE-3 layer does not have",
+        ),
+        (
+            "medusa",
+            {},
+            ["export.num_speculative_tokens=4"],
+            "num_speculative_tokens=4 but this medusa drafter proposes at most 3",
+        ),
+        ("dflash", {"mask_token_id": "null"}, [], "learned its own mask vector"),
+        ("dflash", {"qk_norm": "false"}, [], "no q_norm/k_norm, which every vLLM DFlash layer applies"),
+        ("dflash", {"target_layers": "[0,1,3]"}, [], "target layer 3 is the target's post-norm last state"),
+        ("dflash", {}, ["export.engines=[sglang]"], "checked against vLLM's loader only"),
     ],
-    ids=["eagle-fc-bias", "eagle3-norm-before-residual-for-sglang", "eagle3-post-norm-layer", "eagle31-for-sglang", "medusa-more-tokens-than-heads"],
+    ids=[
+        "eagle-fc-bias",
+        "eagle3-norm-before-residual-for-sglang",
+        "eagle3-post-norm-layer",
+        "eagle31-for-sglang",
+        "medusa-more-tokens-than-heads",
+        "dflash-learned-mask",
+        "dflash-without-qk-norm",
+        "dflash-post-norm-layer",
+        "dflash-for-sglang",
+    ],
 )
 def test_combinations_an_engine_would_misread_are_refused(kind, config, extra, fragment, target, tmp_path):
     checkpoint = save_drafter(kind, target, tmp_path / "ckpt", **config)
@@ -126,8 +170,13 @@ def test_combinations_an_engine_would_misread_are_refused(kind, config, extra, f
 def test_eagle1_fc_bias_ships_to_sglang_where_it_is_read(target, tmp_path):
     with_bias = save_drafter("eagle", target, tmp_path / "bias", fc_bias="true")
     folders = run_export("eagle", with_bias, tmp_path / "a", "export.engines=[sglang]", target=target)
-    assert torch.equal(load_file(str(folders["sglang"] / "model.safetensors"))["fc.bias"], load_file(str(with_bias / "model.safetensors"))["fc.bias"])
-    without = save_drafter("eagle", target, tmp_path / "nobias")  # SGLang's fc always has a bias: zeros are the same function
+    assert torch.equal(
+        load_file(str(folders["sglang"] / "model.safetensors"))["fc.bias"],
+        load_file(str(with_bias / "model.safetensors"))["fc.bias"],
+    )
+    without = save_drafter(
+        "eagle", target, tmp_path / "nobias"
+    )  # SGLang's fc always has a bias: zeros are the same function
     folders = run_export("eagle", without, tmp_path / "b", "export.engines=[sglang]", target=target)
     assert not load_file(str(folders["sglang"] / "model.safetensors"))["fc.bias"].any()
 
@@ -141,7 +190,9 @@ def test_medusa_biases_are_declared_and_a_folder_that_would_drop_them_is_refused
     folders = run_export("medusa", checkpoint, tmp_path / "export", target=target)
     config = json.loads((folders["vllm"] / "config.json").read_text())
     assert config["medusa_fc_bias"] is True and config["num_heads"] == 3
-    assert not [key for key in config if "num" in key and "heads" in key and key != "num_heads"]  # vLLM would rename it to num_heads
+    assert not [
+        key for key in config if "num" in key and "heads" in key and key != "num_heads"
+    ]  # vLLM would rename it to num_heads
     assert "blocks.0.layers.0.bias" in load_file(str(folders["vllm"] / "model.safetensors"))
     # The same tensors under a config without the flag: vLLM would drop the biases, export refuses.
     cfg = load_recipe(export_args("medusa", checkpoint, tmp_path / "x"))
@@ -161,25 +212,28 @@ EAGLE31 = {"fc_norm": "true", "norm_output": "true"}
 @pytest.mark.parametrize(
     "kind, engine, config",
     [("medusa", "vllm", {}), ("medusa2", "vllm", {}), ("eagle", "vllm", {}), ("eagle", "sglang", {}), ("eagle3", "vllm", {}), ("eagle3", "sglang", {}),
-     ("eagle3", "vllm", EAGLE31), ("draft_model", "vllm", {})],
-    ids=["medusa-vllm", "medusa2-vllm", "eagle-vllm", "eagle-sglang", "eagle3-vllm", "eagle3-sglang", "eagle3.1-vllm", "draft_model-vllm"],
+     ("eagle3", "vllm", EAGLE31), ("draft_model", "vllm", {}), ("dflash", "vllm", {})],
+    ids=["medusa-vllm", "medusa2-vllm", "eagle-vllm", "eagle-sglang", "eagle3-vllm", "eagle3-sglang", "eagle3.1-vllm", "draft_model-vllm", "dflash-vllm"],
 )  # fmt: skip
 def test_an_exported_folder_evaluates_like_its_checkpoint(kind, engine, config, target, small_data, tmp_path):
     from draftsmith.eval.report import run_eval
+    from draftsmith.export import open_drafter
 
     checkpoint = save_drafter(kind, target, tmp_path / "ckpt", seed=3, **config)
     folders = run_export(kind, checkpoint, tmp_path / "export", f"export.engines=[{engine}]", target=target)
     if config:  # EAGLE-3.1: both keys written, one norm per aux layer shipped under vLLM's names
         written = json.loads((folders[engine] / "config.json").read_text())
         assert written["fc_norm"] is True and written["norm_output"] is True
-        assert {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"} <= set(load_file(str(folders[engine] / "model.safetensors")))
+        assert {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"} <= set(
+            load_file(str(folders[engine] / "model.safetensors"))
+        )
     quick = [f"eval.data=[{small_data['eval']}]", "eval.max_prompts=1", "eval.max_new_tokens=16", "eval.tree=6"]
     if kind == "draft_model":
         quick[-1] = "eval.tree=0"
     rows = {}
     for name, path in (("checkpoint", checkpoint), ("export", folders[engine])):
         cfg = load_recipe([f"recipe={KINDS[kind]}", f"output_dir={tmp_path / name}", *quick])
-        report = run_eval(cfg, str(path), target=target)
+        report = run_eval(cfg, str(path), target=target, open_drafter=open_drafter)
         rows[name] = {
             (d, m): (row["new_tokens"], row["target_forwards"], row["accepted"], row["lossless"])
             for d in report["domains"]
@@ -207,15 +261,25 @@ def test_a_reexport_is_byte_identical_and_another_checkpoint_is_not_mixed_in(tar
 @pytest.mark.parametrize(
     "kind, args, fragment",
     [
-        ("medusa", ["export.engines=[sglang]"], "medusa cannot be exported for sglang: SGLang serves no Medusa drafter"),
+        (
+            "medusa",
+            ["export.engines=[sglang]"],
+            "medusa cannot be exported for sglang: SGLang serves no Medusa drafter",
+        ),
         ("medusa", ["export.engines=[tensorrt]"], "export.engines=['tensorrt']"),
-        ("draft_model", ["export.output={tmp}/my_eagle3_run"], "vLLM would serve a draft-model drafter found there as another method"),
+        (
+            "draft_model",
+            ["export.output={tmp}/my_eagle3_run"],
+            "vLLM would serve a draft-model drafter found there as another method",
+        ),
     ],
 )
 def test_export_cli_refuses_in_one_line(kind, args, fragment, target, tmp_path):
     checkpoint = save_drafter(kind, target, tmp_path / "ckpt")
     args = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
-    result = run_entry(["-m", "export", f"recipe={KINDS[kind]}", f"drafter.path={checkpoint}", f"output_dir={tmp_path / 'run'}", *args])
+    result = run_entry(
+        ["-m", "export", f"recipe={KINDS[kind]}", f"drafter.path={checkpoint}", f"output_dir={tmp_path / 'run'}", *args]
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in result.stderr
@@ -244,7 +308,11 @@ def test_push_lands_every_file_and_an_unchanged_rerun_makes_no_commit(target, tm
         for repo_id, folder in (("acme/demo-eagle3", "vllm"), ("acme/demo-eagle3-sglang", "sglang")):
             assert hub.repo(repo_id).private
             landed = hub.files(repo_id, "draftsmith-v1")
-            local = {str(p.relative_to(tmp_path / "export" / folder)): p.read_bytes() for p in (tmp_path / "export" / folder).rglob("*") if p.is_file()}
+            local = {
+                str(p.relative_to(tmp_path / "export" / folder)): p.read_bytes()
+                for p in (tmp_path / "export" / folder).rglob("*")
+                if p.is_file()
+            }
             assert {path: data for path, data in landed.items() if path != ".gitattributes"} == local
         commits = hub.commits("acme/demo-eagle3", "draftsmith-v1")
         assert "draftsmith: eagle3 drafter for target (vllm)" in commits[-1]["title"]
@@ -256,3 +324,31 @@ def test_push_lands_every_file_and_an_unchanged_rerun_makes_no_commit(target, tm
         assert token not in output
     assert not [p for p in (tmp_path / "export").rglob("*") if p.is_file() and token.encode() in p.read_bytes()]
     assert os.environ.get("HF_TOKEN") != token  # the test's token never leaked into this process
+
+
+def test_the_recommended_gamma_weighs_expected_tokens_against_measured_draft_cost():
+    from draftsmith.export.gamma import recommended_gamma
+
+    def report(draft_forwards: float, chain_wall: float) -> dict:
+        chain = {
+            "per_position": [0.8, 0.5, 0.2],
+            "target_forwards": 100,
+            "draft_forwards_per_cycle": draft_forwards,
+            "wall_s": chain_wall,
+        }
+        return {
+            "temperature": 0.0, "device": "cpu", "methods": {"chain": {"gamma": 3}},
+            "domains": {"all": {"chain": chain}}, "baselines": {"all": {"plain": {"target_forwards": 100, "wall_s": 1.0}}},
+        }  # fmt: skip
+
+    # E(γ) = 1, 1.8, 2.2, 2.28. Sequential, a draft forward at half a target forward: 1.8/1.5 > 2.2/2 > 2.28/2.5.
+    costly = recommended_gamma(report(3.0, 2.5))
+    assert costly["vllm"] == costly["sglang"] == 1 and costly["draft_forward_cost"] == pytest.approx(0.5)
+    assert costly["tokens_per_cycle"] == {"1": 1.8, "2": 2.2, "3": 2.28}
+    assert recommended_gamma(report(3.0, 1.0))["vllm"] == 3  # free drafting: the longest measured chain
+    assert (
+        recommended_gamma(report(1.0, 1.5))["vllm"] == 3
+    )  # one forward for the whole chain: its cost does not grow with γ
+    assert (
+        recommended_gamma({**report(3.0, 2.5), "temperature": 1.0}) is None
+    )  # sampled rows: no greedy acceptance to read

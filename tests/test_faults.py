@@ -46,7 +46,9 @@ class PartialFileReader(threading.Thread):
             for path in paths:
                 if self.stop.is_set():
                     return
-                if path.is_file() and not any(part.endswith(".tmp") or part.startswith(".") for part in path.relative_to(self.root).parts):
+                if path.is_file() and not any(
+                    part.endswith(".tmp") or part.startswith(".") for part in path.relative_to(self.root).parts
+                ):
                     self.check(path)
 
     def check(self, path: Path) -> None:
@@ -78,21 +80,31 @@ class PartialFileReader(threading.Thread):
                 self.problems.append(f"{path}: {type(err).__name__}: {err}")
 
 
-def run_killed_then_resumed(args: list[str], watched: Path, kill_after: float, resume: list[str], timeout: float = 600) -> None:
+def run_killed_then_resumed(
+    args: list[str], watched: Path, kill_after: float, resume: list[str], timeout: float = 600
+) -> bool:
     """Start `python args`, SIGKILL it after `kill_after` seconds (unless it finished), then run
-    `args + resume` until it exits 0, with a reader watching `watched` throughout."""
+    `args + resume` until it exits 0, with a reader watching `watched` throughout. Returns whether the
+    kill landed mid-run: the job was still running and had already written into `watched` (its lock
+    file at least: it had claimed the directory)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     reader = PartialFileReader(watched)
     reader.start()
     try:
-        process = subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        started = False
+        process = subprocess.Popen(
+            [sys.executable, *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
+        )
         try:
             process.wait(timeout=kill_after)
         except subprocess.TimeoutExpired:
+            started = watched.is_dir() and any(path.is_file() for path in watched.rglob("*"))
             process.send_signal(signal.SIGKILL)
             process.wait()
         for _ in range(3):
-            again = subprocess.run([sys.executable, *args, *resume], cwd=REPO, capture_output=True, text=True, env=env, timeout=timeout)
+            again = subprocess.run(
+                [sys.executable, *args, *resume], cwd=REPO, capture_output=True, text=True, env=env, timeout=timeout
+            )
             if again.returncode == 0:
                 break
         assert again.returncode == 0, again.stderr[-3000:]
@@ -102,6 +114,7 @@ def run_killed_then_resumed(args: list[str], watched: Path, kill_after: float, r
     assert not reader.problems, reader.problems[:5]
     assert reader.reads > 0
     assert not (watched / LOCK_NAME).exists()
+    return process.returncode == -signal.SIGKILL and started
 
 
 def timed(args: list[str]) -> float:
@@ -121,13 +134,21 @@ def test_training_killed_anywhere_resumes_into_the_same_run(tmp_path, small_data
     duration = timed(["train.py", *train_args(reference, small_data, token_cache, *quick)])
     losses = {step: row["train/loss"] for step, row in read_log(reference).items()}
     weights = load_file(str(reference / "final" / "model.safetensors"))
-    rng = random.Random(14)
+    rng, landed = random.Random(14), []
     for trial in range(TRIALS):
         out = tmp_path / f"trial{trial}"
-        run_killed_then_resumed(["train.py", *train_args(out, small_data, token_cache, *quick)], out, rng.uniform(1.0, duration), ["train.resume=true"])
+        landed.append(
+            run_killed_then_resumed(
+                ["train.py", *train_args(out, small_data, token_cache, *quick)],
+                out,
+                rng.uniform(1.0, duration),
+                ["train.resume=true"],
+            )
+        )
         assert {step: row["train/loss"] for step, row in read_log(out).items()} == losses, trial
         resumed = load_file(str(out / "final" / "model.safetensors"))
         assert all(resumed[name].equal(weights[name]) for name in weights), trial
+    assert any(landed), "no kill landed mid-run: every trial finished first or was killed before writing"
 
 
 def test_capture_killed_anywhere_resumes_into_the_same_bytes(tmp_path, small_data, token_cache):
@@ -135,49 +156,68 @@ def test_capture_killed_anywhere_resumes_into_the_same_bytes(tmp_path, small_dat
         return [
             "-m",
             "data_prep.capture",
-            *train_args(tmp_path / "run", small_data, token_cache, "data.capture.shard_tokens=600", f"data.capture.output={out}"),
+            *train_args(
+                tmp_path / "run", small_data, token_cache, "data.capture.shard_tokens=600", f"data.capture.output={out}"
+            ),
         ]
 
     reference = tmp_path / "reference"
     duration = timed(args(reference))
     shards = digests(reference, "shard_*.safetensors")
-    manifest = {key: value for key, value in json.loads((reference / "manifest.json").read_text()).items() if key != "last_run"}
+    manifest = {
+        key: value for key, value in json.loads((reference / "manifest.json").read_text()).items() if key != "last_run"
+    }
     assert len(shards) >= 6
-    rng = random.Random(15)
+    rng, landed = random.Random(15), []
     for trial in range(TRIALS):
         out = tmp_path / f"trial{trial}"
-        run_killed_then_resumed(args(out), out, rng.uniform(1.0, duration), [])
+        landed.append(run_killed_then_resumed(args(out), out, rng.uniform(1.0, duration), []))
         assert digests(out, "shard_*.safetensors") == shards, trial
-        assert {key: value for key, value in json.loads((out / "manifest.json").read_text()).items() if key != "last_run"} == manifest
+        assert {
+            key: value for key, value in json.loads((out / "manifest.json").read_text()).items() if key != "last_run"
+        } == manifest
+    assert any(landed), "no kill landed mid-run"
 
 
 def test_regeneration_killed_anywhere_resumes_into_the_same_bytes(tmp_path, small_data, token_cache):
     def args(out: Path) -> list[str]:
-        quick = ["data.max_conversations=16", "data.regenerate.batch_size=2", "data.regenerate.max_new_tokens=24", f"data.regenerate.output={out}"]
+        quick = [
+            "data.max_conversations=16",
+            "data.regenerate.batch_size=2",
+            "data.regenerate.max_new_tokens=24",
+            f"data.regenerate.output={out}",
+        ]
         return ["-m", "data_prep.regenerate", *train_args(tmp_path / "run", small_data, token_cache, *quick)]
 
     reference = tmp_path / "reference"
     duration = timed(args(reference))
     parts = digests(reference, "part-*.jsonl.gz")
     assert len(parts) == 8  # 16 conversations in pairs
-    rng = random.Random(16)
+    rng, landed = random.Random(16), []
     for trial in range(TRIALS):
         out = tmp_path / f"trial{trial}"
-        run_killed_then_resumed(args(out), out, rng.uniform(1.0, duration), [])
+        landed.append(run_killed_then_resumed(args(out), out, rng.uniform(1.0, duration), []))
         assert digests(out, "part-*.jsonl.gz") == parts, trial
+    assert any(landed), "no kill landed mid-run"
 
 
 def sigterm_mid_run(args: list[str], mid_run, timeout: float = 300) -> subprocess.CompletedProcess:
     """Start `python args`, send SIGTERM once `mid_run(stderr so far)` says the job is under way (it
     must not have finished by then), and return how it ended."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    process = subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    process = subprocess.Popen(
+        [sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
     stderr = bytearray()
-    reader = threading.Thread(target=lambda: [stderr.extend(chunk) for chunk in iter(lambda: process.stderr.read1(4096), b"")], daemon=True)
+    reader = threading.Thread(
+        target=lambda: [stderr.extend(chunk) for chunk in iter(lambda: process.stderr.read1(4096), b"")], daemon=True
+    )
     reader.start()
     deadline = time.monotonic() + timeout
     while not mid_run(stderr.decode(errors="replace")):
-        assert process.poll() is None, "the job ended before it could be interrupted: " + stderr.decode(errors="replace")[-2000:]
+        assert process.poll() is None, (
+            "the job ended before it could be interrupted: " + stderr.decode(errors="replace")[-2000:]
+        )
         assert time.monotonic() < deadline
         time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
@@ -200,17 +240,24 @@ def test_sigterm_stops_regeneration_and_eval_mid_run_with_exit_75(tmp_path, smal
     quick = ["data.max_conversations=16", "data.regenerate.batch_size=2", "data.regenerate.max_new_tokens=24"]
     reference, out = tmp_path / "reference", tmp_path / "interrupted"
     args = ["-m", "data_prep.regenerate", *train_args(tmp_path / "run", small_data, token_cache, *quick)]
-    assert subprocess.run([sys.executable, *args, f"data.regenerate.output={reference}"], cwd=REPO, capture_output=True, timeout=600).returncode == 0
+    assert (
+        subprocess.run(
+            [sys.executable, *args, f"data.regenerate.output={reference}"], cwd=REPO, capture_output=True, timeout=600
+        ).returncode
+        == 0
+    )
     done = sigterm_mid_run([*args, f"data.regenerate.output={out}"], lambda _: any(out.glob("part-*.jsonl.gz")))
     assert_preempted(done)
     assert 1 <= len(digests(out, "part-*.jsonl.gz")) < 8  # the signal landed mid-run
-    again = subprocess.run([sys.executable, *args, f"data.regenerate.output={out}"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    again = subprocess.run(
+        [sys.executable, *args, f"data.regenerate.output={out}"], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
     assert again.returncode == 0, again.stderr[-2000:]
     assert digests(out, "part-*.jsonl.gz") == digests(reference, "part-*.jsonl.gz")
     assert not (out / LOCK_NAME).exists()
 
     from draftsmith.target import load_target
-    from tests.test_export import save_drafter
+    from tests.helpers import save_drafter
 
     checkpoint = save_drafter("medusa", load_target(str(REFERENCE_TARGET)), tmp_path / "ckpt")
     evaluation = [
@@ -219,14 +266,19 @@ def test_sigterm_stops_regeneration_and_eval_mid_run_with_exit_75(tmp_path, smal
         *train_args(tmp_path / "eval", small_data, token_cache, "eval.max_prompts=4", "eval.max_new_tokens=48"),
         f"drafter.path={checkpoint}",
     ]
-    done = sigterm_mid_run(evaluation, lambda stderr: "prompt/s" in stderr or "s/prompt" in stderr)  # the eval's progress bar has moved
+    done = sigterm_mid_run(
+        evaluation, lambda stderr: "prompt/s" in stderr or "s/prompt" in stderr
+    )  # the eval's progress bar has moved
     assert_preempted(done)
-    assert not (tmp_path / "eval" / "eval" / "report.json").exists() and not (tmp_path / "eval" / "eval" / LOCK_NAME).exists()
+    assert (
+        not (tmp_path / "eval" / "eval" / "report.json").exists()
+        and not (tmp_path / "eval" / "eval" / LOCK_NAME).exists()
+    )
 
 
 def test_export_killed_anywhere_resumes_into_the_same_bytes(tmp_path):
     from draftsmith.target import load_target
-    from tests.test_export import save_drafter
+    from tests.helpers import save_drafter
 
     checkpoint = save_drafter("eagle3", load_target(str(REFERENCE_TARGET)), tmp_path / "ckpt")
 
@@ -243,15 +295,25 @@ def test_export_killed_anywhere_resumes_into_the_same_bytes(tmp_path):
 
     def contents(out: Path) -> dict[str, str]:
         """Each file's digest, with the folder's own path (in the cards' serving commands) masked."""
-        masked = {str(p.relative_to(out)): p.read_bytes().replace(str(out.resolve()).encode(), b"<out>") for p in sorted(out.rglob("*")) if p.is_file()}
+        masked = {
+            str(p.relative_to(out)): p.read_bytes().replace(str(out.resolve()).encode(), b"<out>")
+            for p in sorted(out.rglob("*"))
+            if p.is_file()
+        }
         return {name: hashlib.sha256(data).hexdigest() for name, data in masked.items()}
 
     reference = tmp_path / "reference"
     duration = timed(args(reference))
     expected = contents(reference)
-    assert {"vllm/model.safetensors", "sglang/model.safetensors", "vllm/README.md", "vllm/draftsmith_export.json"} <= set(expected)
-    rng = random.Random(17)
+    assert {
+        "vllm/model.safetensors",
+        "sglang/model.safetensors",
+        "vllm/README.md",
+        "vllm/draftsmith_export.json",
+    } <= set(expected)
+    rng, landed = random.Random(17), []
     for trial in range(TRIALS):
         out = tmp_path / f"trial{trial}"
-        run_killed_then_resumed(args(out), out, rng.uniform(1.0, duration), [])
+        landed.append(run_killed_then_resumed(args(out), out, rng.uniform(1.0, duration), []))
         assert contents(out) == expected, trial
+    assert any(landed), "no kill landed mid-run"

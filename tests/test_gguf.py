@@ -27,7 +27,9 @@ DEMO = bundled("demo/target")
 
 def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's converter interleaves each head's rotary halves; transformers undoes it on load."""
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
 
 
 def write_demo_gguf(path: Path) -> None:
@@ -53,8 +55,12 @@ def write_demo_gguf(path: Path) -> None:
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list([token for token, _ in vocab])
-    writer.add_token_types([gguf.TokenType.CONTROL if index in special else gguf.TokenType.NORMAL for _, index in vocab])
-    writer.add_token_merges([" ".join(merge) if isinstance(merge, list) else merge for merge in tokenizer["model"]["merges"]])
+    writer.add_token_types(
+        [gguf.TokenType.CONTROL if index in special else gguf.TokenType.NORMAL for _, index in vocab]
+    )
+    writer.add_token_merges(
+        [" ".join(merge) if isinstance(merge, list) else merge for merge in tokenizer["model"]["merges"]]
+    )
     writer.add_bos_token_id(config["bos_token_id"])
     writer.add_eos_token_id(config["eos_token_id"])
     writer.add_pad_token_id(config["pad_token_id"])
@@ -111,7 +117,10 @@ def test_gguf_target_dequantizes_to_the_same_model_and_tokenizer(demo_gguf, cach
 
     original, converted = load_target(str(DEMO)), load_target(str(directory))
     ours, theirs = load_tokenizer(str(DEMO)), load_tokenizer(str(directory))
-    messages = [{"role": "user", "content": "Sort a list in Python, then print it."}, {"role": "assistant", "content": "Use sorted(xs)."}]
+    messages = [
+        {"role": "user", "content": "Sort a list in Python, then print it."},
+        {"role": "assistant", "content": "Use sorted(xs)."},
+    ]
     text = ours.apply_chat_template(messages, tokenize=False)
     assert theirs.apply_chat_template(messages, tokenize=False) == text
     assert theirs(text)["input_ids"] == ours(text)["input_ids"]
@@ -125,14 +134,28 @@ def test_gguf_target_dequantizes_to_the_same_model_and_tokenizer(demo_gguf, cach
 
 
 def test_recipe_with_gguf_file_points_every_stage_at_the_cached_directory(demo_gguf, cache, tmp_path):
-    cfg = load_recipe(["recipe=medusa", f"target.name_or_path={demo_gguf.parent}", f"target.gguf_file={demo_gguf.name}", f"output_dir={tmp_path / 'run'}"])
+    cfg = load_recipe(
+        [
+            "recipe=medusa",
+            f"target.name_or_path={demo_gguf.parent}",
+            f"target.gguf_file={demo_gguf.name}",
+            f"output_dir={tmp_path / 'run'}",
+        ]
+    )
     assert Path(cfg.target.name_or_path).parent == cache / "targets"
     assert cfg.target.gguf_file is None  # the recipe a run saves loads the directory, not the file again
 
 
 def test_missing_gguf_file_is_one_line(tmp_path, cache):
     with pytest.raises(UserError, match="no such file"):
-        load_recipe(["recipe=medusa", f"target.name_or_path={tmp_path}", "target.gguf_file=absent.gguf", f"output_dir={tmp_path / 'run'}"])
+        load_recipe(
+            [
+                "recipe=medusa",
+                f"target.name_or_path={tmp_path}",
+                "target.gguf_file=absent.gguf",
+                f"output_dir={tmp_path / 'run'}",
+            ]
+        )
     assert not (cache / "targets").exists() or not any((cache / "targets").iterdir())
 
 

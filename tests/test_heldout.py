@@ -23,14 +23,28 @@ from draftsmith.trainer.curve import chain_tau, depth_top1, load_curve, plot_cur
 from draftsmith.trainer.loop import BEST_DIR, BEST_JSON, keep_best, split_heldout, train
 from tests.conftest import kill_train_after, read_log, run_entry, train_args
 
-HELDOUT = ["train.heldout=8", "train.eval_every=2", "train.max_steps=4", "train.save_every=2", "train.keep_checkpoints=0", "data.eval=[]"]
+HELDOUT = [
+    "train.heldout=8",
+    "train.eval_every=2",
+    "train.max_steps=4",
+    "train.save_every=2",
+    "train.keep_checkpoints=0",
+    "data.eval=[]",
+]
 
 
 # -- fast: the estimate, the best-checkpoint decision, the curve, the checks ---------------------
 
 
 def test_depth_top1_and_chain_tau():
-    metrics = {"head2/top1": 0.5, "head1/top1": 0.8, "head1/top5": 0.9, "head3/top1": 0.2, "backbone/top1": 0.99, "loss": 3.0}
+    metrics = {
+        "head2/top1": 0.5,
+        "head1/top1": 0.8,
+        "head1/top5": 0.9,
+        "head3/top1": 0.2,
+        "backbone/top1": 0.99,
+        "loss": 3.0,
+    }
     assert depth_top1(metrics, 2) == [("head1/top1", 0.8), ("head2/top1", 0.5)]
     assert [name for name, _ in depth_top1(metrics, 9)] == ["head1/top1", "head2/top1", "head3/top1"]
     assert depth_top1({"step1/top1": 0.7, "step3/top1": 0.1}, 3) == [("step1/top1", 0.7)]  # consecutive from depth 1
@@ -64,7 +78,11 @@ def test_keep_best_writes_best_only_when_tau_rises(tmp_path):
 
     assert evaluate(2, 1.5)
     first = {name: value.clone() for name, value in drafter.state_dict().items()}
-    assert weights_equal(best, drafter) and sorted(p.name for p in best.iterdir()) == ["best.json", "config.json", "model.safetensors"]
+    assert weights_equal(best, drafter) and sorted(p.name for p in best.iterdir()) == [
+        "best.json",
+        "config.json",
+        "model.safetensors",
+    ]
     with torch.no_grad():
         for parameter in drafter.parameters():
             parameter.add_(1.0)
@@ -77,7 +95,11 @@ def test_keep_best_writes_best_only_when_tau_rises(tmp_path):
     assert evaluate(6, 1.75)
     assert weights_equal(best, drafter)
     recorded = json.loads((best / BEST_JSON).read_text())
-    assert recorded == state.best == {"step": 6, "tokens": 600, "tau_est": 1.75, "metrics": {"heldout/head1/top1": 0.75, "heldout/tau_est": 1.75}}
+    assert (
+        recorded
+        == state.best
+        == {"step": 6, "tokens": 600, "tau_est": 1.75, "metrics": {"heldout/head1/top1": 0.75, "heldout/tau_est": 1.75}}
+    )
     assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob("*.old"))
 
     # The state carries best and the curve through a checkpoint; a state saved before they existed loads.
@@ -88,7 +110,10 @@ def test_keep_best_writes_best_only_when_tau_rises(tmp_path):
 
 
 def test_curve_files_and_plot_of_several_runs(tmp_path):
-    rows = [{"step": s, "tokens": 500 * s, "tau_est": 1 + 0.1 * s, "top1": {"step1/top1": 0.05 * s, "step2/top1": 0.02 * s}} for s in (2, 4)]
+    rows = [
+        {"step": s, "tokens": 500 * s, "tau_est": 1 + 0.1 * s, "top1": {"step1/top1": 0.05 * s, "step2/top1": 0.02 * s}}
+        for s in (2, 4)
+    ]
     write_curve(tmp_path, rows, best={"step": 4})
     assert load_curve(tmp_path) == {"best": {"step": 4}, "rows": rows}
     assert (tmp_path / "curve.png").stat().st_size > 0
@@ -99,10 +124,16 @@ def test_curve_files_and_plot_of_several_runs(tmp_path):
 def test_split_heldout_takes_the_last_conversations():
     data = datasets.Dataset.from_dict({"input_ids": [[i, i] for i in range(10)]})
     kept, heldout = split_heldout(data, 3, step_size=4)
-    assert [row[0] for row in kept["input_ids"]] == list(range(7)) and [row[0] for row in heldout["input_ids"]] == [7, 8, 9]
+    assert [row[0] for row in kept["input_ids"]] == list(range(7)) and [row[0] for row in heldout["input_ids"]] == [
+        7,
+        8,
+        9,
+    ]
     with pytest.raises(UserError) as info:
         split_heldout(data, 7, step_size=4)
-    assert "train.heldout=7 leaves 3 of the 10 data.train conversations" in str(info.value) and "\n" not in str(info.value)
+    assert "train.heldout=7 leaves 3 of the 10 data.train conversations" in str(info.value) and "\n" not in str(
+        info.value
+    )
 
 
 @pytest.mark.parametrize(
@@ -121,7 +152,9 @@ def test_recipe_checks_are_one_line(override, fragment):
 
 
 def test_heldout_with_features_is_refused_in_one_line(tmp_path):
-    cfg = load_recipe(["recipe=medusa", "data.features=/nonexistent", "train.heldout=4", f"output_dir={tmp_path / 'run'}"])
+    cfg = load_recipe(
+        ["recipe=medusa", "data.features=/nonexistent", "train.heldout=4", f"output_dir={tmp_path / 'run'}"]
+    )
     with pytest.raises(UserError) as info:
         train(cfg)
     assert "train.heldout=4 is not supported with data.features yet" in str(info.value) and "\n" not in str(info.value)

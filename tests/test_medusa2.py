@@ -18,7 +18,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 def medusa2_args(output_dir: Path, data, cache, *extra: str) -> list[str]:
     # A faster-moving backbone than the recipe's, so 24 steps change the adapters measurably.
-    args = train_args(output_dir, data, cache, "drafter.heads_warmup=4", "train.lr=5e-4", "drafter.heads_lr_scale=4", "drafter.heads_weight=0.2", *extra)
+    args = train_args(
+        output_dir,
+        data,
+        cache,
+        "drafter.heads_warmup=4",
+        "train.lr=5e-4",
+        "drafter.heads_lr_scale=4",
+        "drafter.heads_weight=0.2",
+        *extra,
+    )
     args[0] = "recipe=medusa2"
     return args
 
@@ -26,7 +35,9 @@ def medusa2_args(output_dir: Path, data, cache, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, small_data, token_cache):
     output_dir = tmp_path_factory.mktemp("medusa2") / "run"
-    _, target = train_in_process(medusa2_args(output_dir, small_data, token_cache, "train.max_steps=24", "train.save_every=12"))
+    _, target = train_in_process(
+        medusa2_args(output_dir, small_data, token_cache, "train.max_steps=24", "train.save_every=12")
+    )
     return output_dir, target
 
 
@@ -56,7 +67,9 @@ def test_target_untouched_weights_shared_checkpoint_holds_heads_and_adapters(run
     assert not any(p.requires_grad for p in target.parameters())
 
     saved = load_file(str(output_dir / "final" / "model.safetensors"))
-    assert all(k.startswith(("blocks.", "lm_heads.", "forward_calls")) or ".lora_" in k for k in saved), sorted(saved)[:5]
+    assert all(k.startswith(("blocks.", "lm_heads.", "forward_calls")) or ".lora_" in k for k in saved), sorted(saved)[
+        :5
+    ]
     lora_b = [v for k, v in saved.items() if ".lora_B." in k]
     assert lora_b and any(v.abs().sum() > 0 for v in lora_b), "adapters never trained"
     assert int(saved["forward_calls"]) == 24
@@ -66,7 +79,10 @@ def test_target_untouched_weights_shared_checkpoint_holds_heads_and_adapters(run
     assert adapted is not target
     # The adapted target reads the target's own tensors: no second copy of the weights.
     assert adapted.get_input_embeddings().weight.data_ptr() == target.get_input_embeddings().weight.data_ptr()
-    assert adapted.model.layers[0].self_attn.q_proj.base_layer.weight.data_ptr() == target.model.layers[0].self_attn.q_proj.weight.data_ptr()
+    assert (
+        adapted.model.layers[0].self_attn.q_proj.base_layer.weight.data_ptr()
+        == target.model.layers[0].self_attn.q_proj.weight.data_ptr()
+    )
 
     # adapter/ is a standard peft adapter of the target: applied to a fresh target it computes the same logits.
     from peft import PeftModel
@@ -110,7 +126,11 @@ def test_resume_restores_adapters_and_the_heads_ramp(run, small_data, token_cach
     output_dir, _ = run
     resumed = tmp_path / "resumed"
     checkpoint = output_dir / "checkpoints" / "step_0000012"
-    train_in_process(medusa2_args(resumed, small_data, token_cache, "train.max_steps=24", "train.save_every=12", f"train.resume={checkpoint}"))
+    train_in_process(
+        medusa2_args(
+            resumed, small_data, token_cache, "train.max_steps=24", "train.save_every=12", f"train.resume={checkpoint}"
+        )
+    )
     a, b = read_log(output_dir), read_log(resumed)
     for step in range(13, 25):
         assert b[step]["train/loss"] == pytest.approx(a[step]["train/loss"], rel=1e-5, abs=1e-6), step
@@ -123,7 +143,12 @@ def test_resume_restores_adapters_and_the_heads_ramp(run, small_data, token_cach
 
 def test_lora_that_does_not_fit_the_target_is_one_line_exit_2(small_data, token_cache, tmp_path):
     out = tmp_path / "bad"
-    result = run_entry(["train.py", *medusa2_args(out, small_data, token_cache, "train.max_steps=1", "drafter.lora.target_modules=[nope_proj]")])
+    result = run_entry(
+        [
+            "train.py",
+            *medusa2_args(out, small_data, token_cache, "train.max_steps=1", "drafter.lora.target_modules=[nope_proj]"),
+        ]
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines()[-1].startswith("error: drafter.lora does not fit LlamaForCausalLM")
     assert "Traceback" not in result.stderr

@@ -27,7 +27,7 @@ from draftsmith.monitor.metrics import collect, window
 from draftsmith.monitor.traffic import read_requests, sample
 from draftsmith.outputs import DirectoryLock
 from draftsmith.recipe import load_recipe
-from tests.conftest import DEMO, REPO, run_entry, train_in_process
+from tests.conftest import DEMO, REPO, run_entry
 
 LABELS = ["model_name", "engine"]
 
@@ -44,7 +44,9 @@ class FakeEngine:
         self.drafts = Counter("vllm:spec_decode_num_drafts", "drafts", LABELS, registry=registry)
         self.tokens = Counter("vllm:spec_decode_num_draft_tokens", "draft tokens", LABELS, registry=registry)
         self.accepted = Counter("vllm:spec_decode_num_accepted_tokens", "accepted", LABELS, registry=registry)
-        self.per_position = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "per position", [*LABELS, "position"], registry=registry)
+        self.per_position = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "per position", [*LABELS, "position"], registry=registry
+        )
         self.server, _ = start_http_server(0, addr="127.0.0.1", registry=registry)
         self.url = f"http://127.0.0.1:{self.server.server_port}/metrics"
 
@@ -132,7 +134,9 @@ def test_the_traffic_reader_skips_a_line_being_written_and_counts_malformed_ones
     logs = tmp_path / "logs"
     logs.mkdir()
     request = {"messages": [{"role": "user", "content": "hi"}], "domain": "chat", "timestamp": "2026-11-23T10:00:00Z"}
-    (logs / "a.jsonl").write_text(json.dumps(request) + "\nnot json\n" + json.dumps({"messages": []}) + "\n" + json.dumps(request)[:20])
+    (logs / "a.jsonl").write_text(
+        json.dumps(request) + "\nnot json\n" + json.dumps({"messages": []}) + "\n" + json.dumps(request)[:20]
+    )
     (logs / "b.jsonl.gz").write_bytes(gzip.compress((json.dumps({**request, "domain": None}) + "\n").encode()))
     requests, malformed = read_requests(logs)
     assert [r["domain"] for r in requests] == ["chat", "default"] and malformed == 2
@@ -154,41 +158,38 @@ def test_per_request_acceptance_judges_a_domain_without_replay(tmp_path):
     logs.mkdir()
     ask = {"messages": [{"role": "user", "content": "hi"}], "timestamp": time.time()}
     lines = [{**ask, "domain": "code", "metrics": vllm_metrics([30, 5, 3, 2])} for _ in range(10)]  # alpha = 17 / 120
-    lines += [{**ask, "domain": "chat", "metrics": vllm_metrics([5, 10, 10, 15])} for _ in range(10)]  # alpha = 75 / 120
-    lines += [{**ask, "domain": "math"}, {**ask, "domain": "docs", "metrics": {"speculative_decoding": {"acceptance_histogram": "x"}}}]
+    lines += [
+        {**ask, "domain": "chat", "metrics": vllm_metrics([5, 10, 10, 15])} for _ in range(10)
+    ]  # alpha = 75 / 120
+    lines += [
+        {**ask, "domain": "math"},
+        {**ask, "domain": "docs", "metrics": {"speculative_decoding": {"acceptance_histogram": "x"}}},
+    ]
     (logs / "requests.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     picked, summary = sample(logs, per_domain=4, window_s=3600)
     counts = summary["per_request_acceptance"]
-    assert sorted(counts) == ["chat", "code"] and counts["code"]["requests"] == 10  # every recent request, not the sample of 4
-    assert counts["code"]["drafts"] == 400 and counts["code"]["accepted"] == 170 and counts["code"]["draft_tokens"] == 1200
+    assert (
+        sorted(counts) == ["chat", "code"] and counts["code"]["requests"] == 10
+    )  # every recent request, not the sample of 4
+    assert (
+        counts["code"]["drafts"] == 400 and counts["code"]["accepted"] == 170 and counts["code"]["draft_tokens"] == 1200
+    )
     assert counts["code"]["at_least"] == pytest.approx([100 / 400, 50 / 400, 20 / 400])
-    baseline = Baseline(alpha=0.5, at_least=[0.7, 0.5, 0.3], domains={"code": 0.55, "chat": 0.6}, temperature=0.0, source="test")
+    baseline = Baseline(
+        alpha=0.5, at_least=[0.7, 0.5, 0.3], domains={"code": 0.55, "chat": 0.6}, temperature=0.0, source="test"
+    )
     settings = load_recipe(["recipe=medusa", "output_dir=/tmp/unused"]).monitor
     tests = request_tests(counts, baseline, settings)
-    assert tests["code"]["verdict"] == DRIFT and tests["chat"]["verdict"] == HEALTHY and tests["code"]["source"] == "engine per-request"
+    assert (
+        tests["code"]["verdict"] == DRIFT
+        and tests["chat"]["verdict"] == HEALTHY
+        and tests["code"]["source"] == "engine per-request"
+    )
     assert tests["code"]["tau"] == pytest.approx(1 + 170 / 400)
     assert sorted({r["domain"] for r in picked} - set(tests)) == ["docs", "math"]  # replayed
 
 
 # -- the loop, end to end with the loopback exposition ------------------------------------------------
-@pytest.fixture(scope="module")
-def deployed(tmp_path_factory, token_cache):
-    """A Medusa drafter trained on two domains (math, packages) with its eval report, exported for vLLM."""
-    root = tmp_path_factory.mktemp("monitor")
-    rows = [json.loads(line) for line in gzip.open(DEMO / "data" / "train.jsonl.gz", "rt")]
-    evals = [json.loads(line) for line in gzip.open(DEMO / "data" / "eval.jsonl.gz", "rt")]
-    (root / "old_train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["domain"] in ("math", "packages")))
-    (root / "old_eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals if r["domain"] in ("math", "packages")))
-    (root / "traffic_source.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals + rows[::10]))
-    args = ["recipe=medusa", f"data.train=[{root / 'old_train.jsonl'}]", f"data.eval=[{root / 'old_eval.jsonl'}]", f"data.cache_dir={token_cache}",
-            "data.max_length=160", "data.max_conversations=200", "eval.max_prompts=4", "eval.max_new_tokens=32", "eval.tree=0"]  # fmt: skip
-    final, _ = train_in_process([*args, "train.max_steps=40", f"output_dir={root / 'deployed'}"])
-    from draftsmith.export import export_checkpoint
-
-    export_checkpoint(load_recipe([*args, f"output_dir={root / 'deployed'}", f"export.output={root / 'export'}"]), final)
-    return root, args
-
-
 def log_requests(logs: Path, source: Path, domain: str, count: int) -> None:
     """Append `count` requests of `domain` (user turn only, answer not logged) to the request log."""
     rows = [json.loads(line) for line in source.read_text().splitlines()]
@@ -222,7 +223,10 @@ def test_a_shift_is_detected_located_retrained_and_promoted(deployed, tmp_path, 
     engine.serve(2000, [rate / 3 for rate in baseline.at_least])
     assert check(cfg) == Outcome.DRIFT  # hysteresis: 1 of 2 checks
     record = json.loads((tmp_path / "run" / "monitor" / "checks" / "00003.json").read_text())
-    assert record["engine"]["verdict"] == DRIFT and record["engine"]["tests"]["alpha"]["upper"] < record["engine"]["tests"]["alpha"]["threshold"]
+    assert (
+        record["engine"]["verdict"] == DRIFT
+        and record["engine"]["tests"]["alpha"]["upper"] < record["engine"]["tests"]["alpha"]["threshold"]
+    )
     located = {d for d, test in record["traffic"]["domains"].items() if test["verdict"] == DRIFT}
     assert located and located <= {"code", "docs"}  # where: the unseen domains, not the trained ones
     assert {d for d, test in record["traffic"]["domains"].items() if test["new_domain"]} == {"code", "docs"}
@@ -238,7 +242,10 @@ def test_a_shift_is_detected_located_retrained_and_promoted(deployed, tmp_path, 
     with pytest.raises(KeyboardInterrupt):
         check(cfg)
     state = json.loads((tmp_path / "run" / "monitor" / "state.json").read_text())
-    assert set(state["pipeline"]["done"]) == {"sample", "regenerate"} and state["pipeline"]["domains"] == ["code", "docs"]
+    assert set(state["pipeline"]["done"]) == {"sample", "regenerate"} and state["pipeline"]["domains"] == [
+        "code",
+        "docs",
+    ]
 
     def must_not_run(*a, **k):
         raise AssertionError("a finished step ran again")
@@ -281,7 +288,9 @@ def healthy_setup(deployed, tmp_path):
 
 def run_as_written(command: str, recipe: Path) -> subprocess.CompletedProcess:
     """A deploy example's command with this test's recipe and the installed `draftsmith`."""
-    command = command.replace("/etc/draftsmith/monitor.yaml", str(recipe)).replace("/opt/draftsmith/bin/draftsmith", "draftsmith")
+    command = command.replace("/etc/draftsmith/monitor.yaml", str(recipe)).replace(
+        "/opt/draftsmith/bin/draftsmith", "draftsmith"
+    )
     return subprocess.run(["/bin/sh", "-c", command], capture_output=True, text=True, timeout=300, cwd=recipe.parent)
 
 
@@ -289,17 +298,27 @@ def run_as_written(command: str, recipe: Path) -> subprocess.CompletedProcess:
 def test_the_deploy_examples_run_as_written(healthy_setup):
     recipe, engine = healthy_setup
     # cron: a 5-field schedule, a user, the command
-    line = next(line for line in (REPO / "deploy" / "cron" / "draftsmith-monitor").read_text().splitlines() if line and not line.startswith(("#", "SHELL")))
+    line = next(
+        line
+        for line in (REPO / "deploy" / "cron" / "draftsmith-monitor").read_text().splitlines()
+        if line and not line.startswith(("#", "SHELL"))
+    )
     fields = line.split(None, 6)
     assert fields[:5] == ["*/10", "*", "*", "*", "*"] and fields[5] == "draftsmith"
-    command = fields[6].replace(">> /var/log/draftsmith-monitor.log 2>&1", "").replace("/etc/draftsmith/redeploy.sh", "true")
+    command = (
+        fields[6].replace(">> /var/log/draftsmith-monitor.log 2>&1", "").replace("/etc/draftsmith/redeploy.sh", "true")
+    )
     assert run_as_written(command, recipe).returncode == 0
     # systemd: a oneshot service whose outcomes are not failures, started by the timer
     service = configparser.ConfigParser(strict=False, interpolation=None)
     service.read(REPO / "deploy" / "systemd" / "draftsmith-monitor.service")
     timer = configparser.ConfigParser(strict=False, interpolation=None)
     timer.read(REPO / "deploy" / "systemd" / "draftsmith-monitor.timer")
-    assert service["Service"]["Type"] == "oneshot" and set(service["Service"]["SuccessExitStatus"].split()) == {"10", "11", "12"}
+    assert service["Service"]["Type"] == "oneshot" and set(service["Service"]["SuccessExitStatus"].split()) == {
+        "10",
+        "11",
+        "12",
+    }
     assert timer["Timer"]["Unit"] == "draftsmith-monitor.service" and timer["Timer"]["OnCalendar"]
     engine.serve(1000, [0.2, 0.05, 0.03])
     done = run_as_written(service["Service"]["ExecStart"], recipe)
@@ -307,7 +326,10 @@ def test_the_deploy_examples_run_as_written(healthy_setup):
     # Kubernetes: a CronJob, one at a time, outcomes mapped to success, 75 ignored, 2 failing the Job
     job = yaml.safe_load((REPO / "deploy" / "kubernetes" / "cronjob.yaml").read_text())
     assert (job["apiVersion"], job["kind"], job["spec"]["concurrencyPolicy"]) == ("batch/v1", "CronJob", "Forbid")
-    rules = {rule["action"]: rule["onExitCodes"]["values"] for rule in job["spec"]["jobTemplate"]["spec"]["podFailurePolicy"]["rules"]}
+    rules = {
+        rule["action"]: rule["onExitCodes"]["values"]
+        for rule in job["spec"]["jobTemplate"]["spec"]["podFailurePolicy"]["rules"]
+    }
     assert rules == {"Ignore": [69, 75], "FailJob": [2]}
     container = job["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]
     assert container["command"][:2] == ["/bin/sh", "-c"]
@@ -318,7 +340,9 @@ def test_the_deploy_examples_run_as_written(healthy_setup):
     engine.server.server_close()
     down = run_as_written(service["Service"]["ExecStart"], recipe)  # the engine is down: retry later, not "bad input"
     lines = [line for line in down.stderr.splitlines() if line.strip()]
-    assert down.returncode == 69 and len(lines) == 1 and lines[0].startswith("engine unavailable: "), down.stderr[-1000:]
+    assert down.returncode == 69 and len(lines) == 1 and lines[0].startswith("engine unavailable: "), down.stderr[
+        -1000:
+    ]
 
 
 @pytest.mark.slow
@@ -330,4 +354,7 @@ def test_monitor_cli_bad_input_is_one_line_exit_2(tmp_path):
     ):
         result = run_entry(args)
         lines = [line for line in result.stderr.splitlines() if line.strip()]
-        assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (args, result.stderr[-1000:])
+        assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (
+            args,
+            result.stderr[-1000:],
+        )

@@ -23,7 +23,6 @@ from draftsmith.monitor import Outcome
 from draftsmith.monitor.check import check
 from draftsmith.recipe import load_recipe
 from tests.conftest import REFERENCE_TARGET
-from tests.test_monitor import deployed  # noqa: F401  (the two-domain drafter and its export)
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 REQUESTS_PER_DOMAIN = 12
@@ -62,7 +61,9 @@ class VllmServer:
 
     def chat(self, messages: list[dict]) -> dict:
         """The chat completion's whole response body."""
-        body = json.dumps({"model": str(REFERENCE_TARGET), "messages": messages, "temperature": 0, "max_tokens": NEW_TOKENS}).encode()
+        body = json.dumps(
+            {"model": str(REFERENCE_TARGET), "messages": messages, "temperature": 0, "max_tokens": NEW_TOKENS}
+        ).encode()
         request = urllib.request.Request(self.url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=300) as response:
             return json.loads(response.read())
@@ -81,7 +82,11 @@ def send(server: VllmServer, source: Path, logs: Path, domains: tuple[str, ...],
             for row in [r for r in rows if r["domain"] == domain][skip : skip + REQUESTS_PER_DOMAIN]:
                 prompt = row["messages"][:1]
                 response = server.chat(prompt)
-                record = {"messages": [*prompt, response["choices"][0]["message"]], "domain": domain, "timestamp": time.time()}
+                record = {
+                    "messages": [*prompt, response["choices"][0]["message"]],
+                    "domain": domain,
+                    "timestamp": time.time(),
+                }
                 if response.get("metrics"):
                     record["metrics"] = response["metrics"]
                 log.write(json.dumps(record) + "\n")
@@ -90,7 +95,11 @@ def send(server: VllmServer, source: Path, logs: Path, domains: tuple[str, ...],
 def window_of(directory: Path, number: int) -> dict:
     record = json.loads((directory / "checks" / f"{number:05d}.json").read_text())
     engine = record.get("engine", {})
-    per_domain = {d: round(t["measured"], 4) for d, t in record.get("traffic", {}).get("domains", {}).items() if t["measured"] is not None}
+    per_domain = {
+        d: round(t["measured"], 4)
+        for d, t in record.get("traffic", {}).get("domains", {}).items()
+        if t["measured"] is not None
+    }
     return {
         "alpha": engine.get("alpha"),
         "tau": engine.get("tau"),
@@ -100,7 +109,7 @@ def window_of(directory: Path, number: int) -> dict:
     }
 
 
-def test_serve_monitor_retrain_redeploy(deployed, vllm_python, tmp_path):  # noqa: F811
+def test_serve_monitor_retrain_redeploy(deployed, vllm_python, tmp_path):
     root, args = deployed
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -136,20 +145,27 @@ def test_serve_monitor_retrain_redeploy(deployed, vllm_python, tmp_path):  # noq
     finally:
         server.stop()
     assert after["alpha"] > drifted["alpha"] * 1.2, (drifted, after)  # acceptance on the new domains recovers
-    summary = {"in_domain": before, "after_shift": drifted, "after_retraining": after, "gate": state["last_retrain"]["gate"]}
+    summary = {
+        "in_domain": before,
+        "after_shift": drifted,
+        "after_retraining": after,
+        "gate": state["last_retrain"]["gate"],
+    }
     print(json.dumps(summary, indent=2))
     if os.environ.get("DRAFTSMITH_E2E_SUMMARY"):
         Path(os.environ["DRAFTSMITH_E2E_SUMMARY"]).write_text(json.dumps(summary, indent=2) + "\n")
 
 
-def test_per_request_acceptance_from_the_real_server_matches_its_counters(deployed, vllm_python, tmp_path):  # noqa: F811
+def test_per_request_acceptance_from_the_real_server_matches_its_counters(deployed, vllm_python, tmp_path):
     """`vllm serve --per-request-spec-decode-metrics summary` returns each request's acceptance; logged
     with the requests, the check judges each domain from them without replaying any request, and
     their sums over the window equal the server's own Prometheus counters over the same window."""
     root, args = deployed
     logs = tmp_path / "logs"
     logs.mkdir()
-    server = VllmServer(vllm_python, root / "export" / "vllm", tmp_path / "serve.log", "--per-request-spec-decode-metrics", "summary")
+    server = VllmServer(
+        vllm_python, root / "export" / "vllm", tmp_path / "serve.log", "--per-request-spec-decode-metrics", "summary"
+    )
     try:
         cfg = load_recipe([
             *args, f"output_dir={tmp_path / 'run'}", f"monitor.deployed={root / 'export' / 'vllm'}", f"monitor.metrics=[{server.url}/metrics]",
@@ -162,8 +178,16 @@ def test_per_request_acceptance_from_the_real_server_matches_its_counters(deploy
         server.stop()
     record = json.loads((tmp_path / "run" / "monitor" / "checks" / "00002.json").read_text())
     traffic, engine = record["traffic"], record["engine"]
-    assert "sample" not in traffic and not (tmp_path / "run" / "monitor" / "checks" / "00002").exists()  # nothing replayed
-    assert {domain: test["source"] for domain, test in traffic["domains"].items()} == {"math": "engine per-request", "code": "engine per-request"}
+    assert (
+        "sample" not in traffic and not (tmp_path / "run" / "monitor" / "checks" / "00002").exists()
+    )  # nothing replayed
+    assert {domain: test["source"] for domain, test in traffic["domains"].items()} == {
+        "math": "engine per-request",
+        "code": "engine per-request",
+    }
     counted = traffic["per_request_acceptance"]
-    assert sum(d["drafts"] for d in counted.values()) == engine["drafts"] and sum(d["accepted"] for d in counted.values()) == engine["accepted"]
+    assert (
+        sum(d["drafts"] for d in counted.values()) == engine["drafts"]
+        and sum(d["accepted"] for d in counted.values()) == engine["accepted"]
+    )
     assert traffic["domains"]["code"]["measured"] < traffic["domains"]["math"]["measured"]  # the drafter never saw code

@@ -23,7 +23,9 @@ pytestmark = pytest.mark.slow
 def captured(tmp_path_factory, small_data, token_cache):
     root = tmp_path_factory.mktemp("offline")
     features = root / "features"
-    args = train_args(root / "run", small_data, token_cache, "data.capture.dtype=float16", f"data.capture.output={features}")
+    args = train_args(
+        root / "run", small_data, token_cache, "data.capture.dtype=float16", f"data.capture.output={features}"
+    )
     capture(load_recipe(args))
     return features
 
@@ -32,7 +34,14 @@ def test_offline_and_online_batches_match(captured, small_data, token_cache, tmp
     cfg = load_recipe(train_args(tmp_path, small_data, token_cache))
     tokenizer = load_tokenizer(str(REFERENCE_TARGET))
     target = load_target(str(REFERENCE_TARGET))
-    online = micro_batches(load_tokenized(cfg, cfg.data.train, tokenizer, "data.train"), Collator(tokenizer.pad_token_id), cfg, 1, 0, TrainerState())
+    online = micro_batches(
+        load_tokenized(cfg, cfg.data.train, tokenizer, "data.train"),
+        Collator(tokenizer.pad_token_id),
+        cfg,
+        1,
+        0,
+        TrainerState(),
+    )
     store = open_features(captured)
     offline = micro_batches(store, FeatureCollator(tokenizer.pad_token_id), cfg, 1, 0, TrainerState())
     for _ in range(3):
@@ -48,10 +57,22 @@ def test_offline_and_online_batches_match(captured, small_data, token_cache, tmp
 
 def test_train_py_from_features(captured, small_data, token_cache, tmp_path):
     out = tmp_path / "offline_run"
-    result = run_entry(["train.py", *train_args(out, small_data, token_cache, "train.max_steps=6", f"data.features={captured}")])
+    result = run_entry(
+        ["train.py", *train_args(out, small_data, token_cache, "train.max_steps=6", f"data.features={captured}")]
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     online_out = tmp_path / "online_run"
-    assert run_entry(["train.py", *train_args(online_out, small_data, token_cache, "train.max_steps=6")]).returncode == 0
-    offline_loss = [json.loads(line)["train/loss"] for line in (out / "log.jsonl").read_text().splitlines() if '"train/loss"' in line]
-    online_loss = [json.loads(line)["train/loss"] for line in (online_out / "log.jsonl").read_text().splitlines() if '"train/loss"' in line]
+    assert (
+        run_entry(["train.py", *train_args(online_out, small_data, token_cache, "train.max_steps=6")]).returncode == 0
+    )
+    offline_loss = [
+        json.loads(line)["train/loss"]
+        for line in (out / "log.jsonl").read_text().splitlines()
+        if '"train/loss"' in line
+    ]
+    online_loss = [
+        json.loads(line)["train/loss"]
+        for line in (online_out / "log.jsonl").read_text().splitlines()
+        if '"train/loss"' in line
+    ]
     assert offline_loss == pytest.approx(online_loss, rel=1e-3)  # same batches, features within float16

@@ -41,7 +41,9 @@ def test_every_launch_config_loads_in_accelerate(path):
 
 
 def test_overrides_are_typed_and_cover_schema_defaults():
-    cfg = load_recipe(["recipe=medusa", "train.lr=1e-4", "train.resume=true", "eval.data=x.jsonl", "drafter.num_heads=4"])
+    cfg = load_recipe(
+        ["recipe=medusa", "train.lr=1e-4", "train.resume=true", "eval.data=x.jsonl", "drafter.num_heads=4"]
+    )
     assert cfg.train.lr == pytest.approx(1e-4) and isinstance(cfg.train.lr, float)
     assert cfg.train.resume == "True"  # a schema default the YAML never mentions is still overridable
     assert list(cfg.eval.data) == ["x.jsonl"]  # one file for a list key means a list of one
@@ -72,7 +74,10 @@ def test_bad_overrides_are_user_errors(override, fragment):
     "override, fragment",
     [
         # the cases a user hit: each used to fail late, be ignored, or end in a traceback
-        ("eval.num_speculative_tokens=9", "eval.num_speculative_tokens=9 but a medusa drafter with this config proposes at most 3 tokens"),
+        (
+            "eval.num_speculative_tokens=9",
+            "eval.num_speculative_tokens=9 but a medusa drafter with this config proposes at most 3 tokens",
+        ),
         ("train.max_steps=-5", "train.max_steps=-5 must be >= 1, or -1"),
         ("train.micro_batch_size=0", "train.micro_batch_size=0 must be >= 1"),
         ("output_dir=/proc/xx", "output_dir='/proc/xx' cannot be created"),
@@ -116,7 +121,10 @@ def test_bad_values_are_refused_before_anything_runs(override, fragment):
         (["recipe=draft", "drafter.loss=kl"], "drafter.loss='kl' is not one of"),
         (["recipe=medusa2", "drafter.lora.r=0"], "drafter.lora needs r >= 1"),
         (["recipe=medusa2", "drafter.heads_weight=0"], "heads_weight and heads_lr_scale > 0"),
-        (["recipe=medusa", "data.draft_vocab=[x.jsonl]"], "the medusa drafter with these settings for this target has no pruned draft vocabulary"),
+        (
+            ["recipe=medusa", "data.draft_vocab=[x.jsonl]"],
+            "the medusa drafter with these settings for this target has no pruned draft vocabulary",
+        ),
         (["recipe=eagle3", "data.draft_vocab=[x.jsonl]", "drafter.draft_vocab_size=4096"], "the eagle3 drafter"),
     ],
 )

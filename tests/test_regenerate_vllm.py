@@ -57,7 +57,9 @@ def test_vllm_regeneration_matches_transformers_and_resumes(vllm_python, tmp_pat
     model, tokenizer = load_target(str(REFERENCE_TARGET)), load_tokenizer(str(REFERENCE_TARGET))
     identical = 0
     for ours, theirs in zip(by_vllm, by_transformers):
-        assert [m for m in ours["messages"] if m["role"] != "assistant"] == [m for m in theirs["messages"] if m["role"] != "assistant"]
+        assert [m for m in ours["messages"] if m["role"] != "assistant"] == [
+            m for m in theirs["messages"] if m["role"] != "assistant"
+        ]
         for turn, (a, b) in enumerate(zip(ours["messages"], theirs["messages"])):
             if a["role"] != "assistant" or a["content"] == b["content"]:
                 identical += a["role"] == "assistant"
@@ -67,7 +69,9 @@ def test_vllm_regeneration_matches_transformers_and_resumes(vllm_python, tmp_pat
             prompt = render_prompt(tokenizer, theirs["messages"][: turn + 1])[0] + tb[:k]
             with torch.no_grad():
                 best = model(torch.tensor([prompt])).logits[0, -1].topk(2).values
-            assert float(best[0] - best[1]) < NEAR_TIE, f"record {ours['messages'][0]['content'][:40]!r}: vLLM and transformers differ at a clear choice"
+            assert float(best[0] - best[1]) < NEAR_TIE, (
+                f"record {ours['messages'][0]['content'][:40]!r}: vLLM and transformers differ at a clear choice"
+            )
     assert identical >= len(by_vllm) // 2
 
     # Resume: a missing part is the only one generated again, and comes back byte for byte.
@@ -83,12 +87,20 @@ def test_vllm_regeneration_matches_transformers_and_resumes(vllm_python, tmp_pat
 @pytest.mark.engine
 def test_an_engine_that_dies_is_a_temporary_failure_and_the_rerun_finishes(vllm_python, tmp_path, small_data):
     out = tmp_path / "run" / "out"
-    args = regenerate_args(out, small_data, "data.regenerate.engine=vllm", f"data.regenerate.vllm.python={vllm_python}", "data.regenerate.batch_size=2")
+    args = regenerate_args(
+        out,
+        small_data,
+        "data.regenerate.engine=vllm",
+        f"data.regenerate.vllm.python={vllm_python}",
+        "data.regenerate.batch_size=2",
+    )
     job = subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while not (out / "part-00000.jsonl.gz").exists() and time.monotonic() < deadline and job.poll() is None:
         time.sleep(0.2)
-    worker = subprocess.run(["pgrep", "-f", "-P", str(job.pid), "vllm_generate.py"], capture_output=True, text=True).stdout.split()
+    worker = subprocess.run(
+        ["pgrep", "-f", "-P", str(job.pid), "vllm_generate.py"], capture_output=True, text=True
+    ).stdout.split()
     assert worker, "the vLLM worker was not found while the job ran"
     subprocess.run(["kill", f"-{int(signal.SIGKILL)}", *worker], check=True)
     _, stderr = job.communicate(timeout=120)
@@ -103,6 +115,10 @@ def test_an_engine_that_dies_is_a_temporary_failure_and_the_rerun_finishes(vllm_
 
 
 def test_a_python_without_vllm_is_bad_input(tmp_path, small_data):
-    done = run_entry(regenerate_args(tmp_path / "out", small_data, "data.regenerate.engine=vllm", f"data.regenerate.vllm.python={sys.executable}"))
+    done = run_entry(
+        regenerate_args(
+            tmp_path / "out", small_data, "data.regenerate.engine=vllm", f"data.regenerate.vllm.python={sys.executable}"
+        )
+    )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith(f"error: {sys.executable} cannot import vllm")

@@ -9,25 +9,15 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
 from draftsmith.errors import UserError
 from draftsmith.export import EXPORTERS
 from draftsmith.heads import REGISTRY
 from draftsmith.recipe import load_recipe
-from draftsmith.resources import recipes_dir
 from tests.conftest import REPO, train_in_process
+from tests.helpers import demo_recipe
 
 KINDS = sorted(REGISTRY)
-
-
-def demo_recipe(kind: str) -> str:
-    """The shipped recipe that trains `kind` on the bundled demo target."""
-    for path in sorted(recipes_dir().glob("*.yaml")):
-        raw = yaml.safe_load(path.read_text())  # as written: `${bundled:demo/target}` unresolved
-        if raw["drafter"]["type"] == kind and "demo/target" in str(raw["target"]["name_or_path"]):
-            return path.stem
-    raise AssertionError(f"no recipe trains {kind} on the demo target: add recipes/<name>.yaml")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -56,7 +46,9 @@ def test_every_kind_trains_decodes_losslessly_and_exports_or_is_refused(kind, tm
     final, _ = train_in_process(args)
     report = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())
     drafted = report["domains"]["all"]
-    assert drafted and all(row["lossless"] is True for row in drafted.values()), {name: row["lossless"] for name, row in drafted.items()}
+    assert drafted and all(row["lossless"] is True for row in drafted.values()), {
+        name: row["lossless"] for name, row in drafted.items()
+    }
     cfg = load_recipe([*args, f"export.output={tmp_path / 'export'}"])
     if kind in EXPORTERS:
         folders = export_checkpoint(cfg, final)

@@ -27,7 +27,14 @@ pytestmark = pytest.mark.slow
 
 def start_train(args: list[str]) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "train.py", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 def wait_for(condition, process: subprocess.Popen | None = None, timeout: float = 300) -> None:
@@ -40,7 +47,11 @@ def wait_for(condition, process: subprocess.Popen | None = None, timeout: float 
 
 def logged_steps(output_dir: Path) -> int:
     path = output_dir / "log.jsonl"
-    return max((json.loads(line)["step"] for line in path.read_text().splitlines() if line.endswith("}")), default=0) if path.exists() else 0
+    return (
+        max((json.loads(line)["step"] for line in path.read_text().splitlines() if line.endswith("}")), default=0)
+        if path.exists()
+        else 0
+    )
 
 
 def one_error_line(stderr: str) -> str:
@@ -127,7 +138,10 @@ def test_sigterm_saves_a_checkpoint_exits_75_and_resume_is_bit_identical(tmp_pat
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     a, b = read_log(straight), read_log(preempted)
     assert [b[step]["train/loss"] for step in range(1, 15)] == [a[step]["train/loss"] for step in range(1, 15)]
-    final_a, final_b = load_file(str(straight / "final" / "model.safetensors")), load_file(str(preempted / "final" / "model.safetensors"))
+    final_a, final_b = (
+        load_file(str(straight / "final" / "model.safetensors")),
+        load_file(str(preempted / "final" / "model.safetensors")),
+    )
     assert all(torch.equal(final_a[name], final_b[name]) for name in final_a)
 
 
@@ -139,7 +153,13 @@ def nan_features(tmp_path_factory, small_data, token_cache) -> Path:
     root = tmp_path_factory.mktemp("nan")
     features = root / "features"
     result = run_entry(
-        ["-m", "data_prep.capture", *train_args(root / "capture", small_data, token_cache, "data.max_conversations=8", f"data.capture.output={features}")]
+        [
+            "-m",
+            "data_prep.capture",
+            *train_args(
+                root / "capture", small_data, token_cache, "data.max_conversations=8", f"data.capture.output={features}"
+            ),
+        ]
     )
     assert result.returncode == 0, result.stderr[-2000:]
     manifest = json.loads((features / MANIFEST_NAME).read_text())
@@ -158,11 +178,19 @@ def nan_features(tmp_path_factory, small_data, token_cache) -> Path:
     return features
 
 
-def test_a_nan_batch_is_skipped_and_counted_then_the_run_stops_naming_where(tmp_path, small_data, token_cache, nan_features):
+def test_a_nan_batch_is_skipped_and_counted_then_the_run_stops_naming_where(
+    tmp_path, small_data, token_cache, nan_features
+):
     # Skipped and counted: the run finishes with finite weights.
     skipping = tmp_path / "skipping"
     args = train_args(
-        skipping, small_data, token_cache, "data.max_conversations=8", f"data.features={nan_features}", "train.max_steps=6", "train.max_nonfinite=5"
+        skipping,
+        small_data,
+        token_cache,
+        "data.max_conversations=8",
+        f"data.features={nan_features}",
+        "train.max_steps=6",
+        "train.max_nonfinite=5",
     )
     result = run_entry(["train.py", *args])
     assert result.returncode == 0, result.stderr[-2000:]
@@ -174,7 +202,13 @@ def test_a_nan_batch_is_skipped_and_counted_then_the_run_stops_naming_where(tmp_
     # Past train.max_nonfinite: one line naming the step, the samples and the tensor.
     stopping = tmp_path / "stopping"
     args = train_args(
-        stopping, small_data, token_cache, "data.max_conversations=8", f"data.features={nan_features}", "train.max_steps=6", "train.max_nonfinite=0"
+        stopping,
+        small_data,
+        token_cache,
+        "data.max_conversations=8",
+        f"data.features={nan_features}",
+        "train.max_steps=6",
+        "train.max_nonfinite=0",
     )
     result = run_entry(["train.py", *args])
     assert result.returncode == 2
@@ -208,7 +242,9 @@ def test_capture_refuses_to_write_nonfinite_features(tmp_path, small_data, token
     model.save_pretrained(broken)
     AutoTokenizer.from_pretrained(REFERENCE_TARGET).save_pretrained(broken)
     features = tmp_path / "features"
-    args = train_args(tmp_path / "capture", small_data, token_cache, "data.max_conversations=4", f"data.capture.output={features}")
+    args = train_args(
+        tmp_path / "capture", small_data, token_cache, "data.max_conversations=4", f"data.capture.output={features}"
+    )
     result = run_entry(["-m", "data_prep.capture", *args, f"target.name_or_path={broken}"])
     assert result.returncode == 2
     line = one_error_line(result.stderr)
@@ -222,17 +258,28 @@ def small_disk(tmp_path):
     """A 30 MiB tmpfs where the machine lets us mount one (root, no seccomp ban); None elsewhere."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=30m", "tmpfs", str(mount)], capture_output=True).returncode != 0:
+    if (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=30m", "tmpfs", str(mount)], capture_output=True).returncode
+        != 0
+    ):
         yield None
         return
     yield mount
     subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
-def test_a_full_disk_during_a_checkpoint_leaves_the_previous_one_intact(small_disk, tmp_path, small_data, token_cache, monkeypatch):
+def test_a_full_disk_during_a_checkpoint_leaves_the_previous_one_intact(
+    small_disk, tmp_path, small_data, token_cache, monkeypatch
+):
     # One head: a checkpoint (weights, AdamW state, the drafter) is ~17 MB, so the first fits in
     # 30 MiB and the second does not.
-    quick = ("drafter.num_heads=1", "eval.num_speculative_tokens=1", "train.max_steps=4", "train.save_every=1", "train.keep_checkpoints=2")
+    quick = (
+        "drafter.num_heads=1",
+        "eval.num_speculative_tokens=1",
+        "train.max_steps=4",
+        "train.save_every=1",
+        "train.keep_checkpoints=2",
+    )
     if small_disk is not None:
         out = small_disk / "run"
         result = run_entry(["train.py", *train_args(out, small_data, token_cache, *quick)])

@@ -38,8 +38,14 @@ def replicated_bytes(config: dict, element_size: int = 4) -> int:
 @pytest.mark.parametrize(
     "overrides, fragment",
     [
-        (["recipe=medusa2"], "target.shard=fsdp does not work with drafter.type=medusa2: it trains LoRA adapters inside the target's layers"),
-        (["recipe=draft"], "target.shard=fsdp does not work with drafter.type=draft_model: it copies the target's first decoder layers"),
+        (
+            ["recipe=medusa2"],
+            "target.shard=fsdp does not work with drafter.type=medusa2: it trains LoRA adapters inside the target's layers",
+        ),
+        (
+            ["recipe=draft"],
+            "target.shard=fsdp does not work with drafter.type=draft_model: it copies the target's first decoder layers",
+        ),
     ],
     ids=["medusa2", "draft_model"],
 )
@@ -55,7 +61,10 @@ def test_shard_key_takes_known_values_and_works_with_the_other_drafters():
     for recipe in ("medusa", "eagle", "eagle3", "dflash"):
         assert load_recipe([f"recipe={recipe}", "target.shard=fsdp"]).target.shard == "fsdp"
     # a draft model of its own does not copy the target's layers
-    assert load_recipe(["recipe=draft", "target.shard=fsdp", f"drafter.name_or_path={REFERENCE_TARGET}"]).target.shard == "fsdp"
+    assert (
+        load_recipe(["recipe=draft", "target.shard=fsdp", f"drafter.name_or_path={REFERENCE_TARGET}"]).target.shard
+        == "fsdp"
+    )
     assert load_recipe(["recipe=eagle3_llama3_70b"]).target.shard == "fsdp"
 
 
@@ -93,7 +102,9 @@ def test_one_process_runs_the_sharded_code_path(one_process_group):
         assert isinstance(parameter, DTensor) == (name not in kept_whole), name
     # The decoder layers keep their own class: EAGLE-family drafters rebuild layers by its name.
     assert all(type(layer) is LlamaDecoderLayer for layer in sharded.model.layers)
-    drafter = drafter_class("eagle3").from_target(drafter_class("eagle3").Config(aux_layers=[0, 1, 2], draft_vocab_size=512), sharded, "target")
+    drafter = drafter_class("eagle3").from_target(
+        drafter_class("eagle3").Config(aux_layers=[0, 1, 2], draft_vocab_size=512), sharded, "target"
+    )
     assert drafter.target_modules()[1] is sharded.lm_head
 
     assert local_bytes(sharded) == whole_bytes(sharded) == whole_bytes(whole)  # one rank holds every piece
@@ -167,7 +178,11 @@ def seven(tmp_path_factory) -> Path:
 
 
 def torchrun(*args: str):
-    return run_entry(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args], timeout=300, env={"OMP_NUM_THREADS": "1"})
+    return run_entry(
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args],
+        timeout=300,
+        env={"OMP_NUM_THREADS": "1"},
+    )
 
 
 @pytest.mark.slow
@@ -184,7 +199,9 @@ def test_two_rank_capture_with_a_sharded_target_writes_the_same_shards(tmp_path,
         manifests[shard] = json.loads((tmp_path / shard / "features" / "manifest.json").read_text())
     per_rank = [sum(s["conversations"] for s in manifests["fsdp"]["shards"] if s["rank"] == rank) for rank in (0, 1)]
     assert per_rank == [3, 4]  # one forward per conversation: rank 0 ran out first and kept step
-    assert [(s["file"], s["sha256"]) for s in manifests["fsdp"]["shards"]] == [(s["file"], s["sha256"]) for s in manifests["none"]["shards"]]
+    assert [(s["file"], s["sha256"]) for s in manifests["fsdp"]["shards"]] == [
+        (s["file"], s["sha256"]) for s in manifests["none"]["shards"]
+    ]
 
 
 @pytest.mark.slow

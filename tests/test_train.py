@@ -18,7 +18,9 @@ pytestmark = pytest.mark.slow
 def trained_run(tmp_path_factory, small_data, token_cache):
     """One in-process training run, with the target captured to check it stays frozen."""
     output_dir = tmp_path_factory.mktemp("train") / "run"
-    _, target = train_in_process(train_args(output_dir, small_data, token_cache, "train.max_steps=40", "train.save_every=20"))
+    _, target = train_in_process(
+        train_args(output_dir, small_data, token_cache, "train.max_steps=40", "train.save_every=20")
+    )
     return output_dir, target
 
 
@@ -72,7 +74,9 @@ def test_kill_and_resume_continues_the_same_run(tmp_path, small_data, token_cach
     kill_train_after(checkpoint, train_args(killed, small_data, token_cache, *steps))
     assert (checkpoint / "trainer_state.json").exists()
 
-    resumed = run_entry(["train.py", *train_args(killed, small_data, token_cache, *steps, f"train.resume={checkpoint}")])
+    resumed = run_entry(
+        ["train.py", *train_args(killed, small_data, token_cache, *steps, f"train.resume={checkpoint}")]
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     a, b = read_log(straight), read_log(killed)
     for step in range(5, 13):

@@ -36,7 +36,19 @@ log = logging.getLogger("draftsmith.train")
 
 STATE_NAME = "trainer_state.json"
 # What a training run writes into its output directory: an earlier run is recognised by these.
-RUN_OUTPUTS = ["checkpoints", "final", "best", "curve.json", "curve.png", "log.jsonl", "tb", "eval", "eval_accuracy.json", "run_summary.json", "recipe.yaml"]
+RUN_OUTPUTS = [
+    "checkpoints",
+    "final",
+    "best",
+    "curve.json",
+    "curve.png",
+    "log.jsonl",
+    "tb",
+    "eval",
+    "eval_accuracy.json",
+    "run_summary.json",
+    "recipe.yaml",
+]
 
 
 @dataclass

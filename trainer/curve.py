@@ -51,7 +51,9 @@ def chain_tau(top1: Sequence[float]) -> float:
     return tau
 
 
-def write_curve(output_dir: Path, rows: Sequence[Mapping[str, Any]], best: Optional[Mapping] = None, png: bool = True) -> None:
+def write_curve(
+    output_dir: Path, rows: Sequence[Mapping[str, Any]], best: Optional[Mapping] = None, png: bool = True
+) -> None:
     """`curve.json` (and with `png`, `curve.png`) in `output_dir`, each replaced atomically."""
     payload = {"best": best, "rows": [dict(row) for row in rows]}
     write_text_atomic(output_dir / CURVE_JSON, json.dumps(payload, indent=2) + "\n")
@@ -87,7 +89,15 @@ def plot_curves(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: Path, tit
         for k in range(max(map(len, top1), default=0)):
             values = [rates[k] if k < len(rates) else float("nan") for rates in top1]
             name = f"{label} depth {k + 1}" if several else f"depth {k + 1}"
-            right.plot(tokens, values, styles[k % len(styles)], color=f"C{color if several else k}", marker="o", markersize=3, label=name)
+            right.plot(
+                tokens,
+                values,
+                styles[k % len(styles)],
+                color=f"C{color if several else k}",
+                marker="o",
+                markersize=3,
+                label=name,
+            )
     left.set_xlabel("training tokens")
     left.set_ylabel("τ estimate (tokens per target forward)")
     left.set_title("teacher-forced acceptance estimate")

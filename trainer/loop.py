@@ -30,7 +30,10 @@ import math
 import signal
 import time
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -56,86 +59,43 @@ log = logging.getLogger("draftsmith.train")
 BEST_DIR, BEST_JSON = "best", "best.json"  # <output_dir>/best/: the drafter of the best held-out evaluation
 
 
+@dataclass
+class Run:
+    """What the loop works with, built and checked by `set_up` before the first step."""
+
+    accelerator: Accelerator
+    target: torch.nn.Module
+    drafter: torch.nn.Module  # the Drafter, wrapped by accelerate (DDP, FSDP, DeepSpeed)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    train_data: Any  # tokenized conversations, or a store of captured features
+    collate: Callable[[list], dict]
+    target_features: Callable[[dict], TargetOutput]  # a batch -> the target's features the loss reads
+    heldout: Any  # train.heldout conversations never trained on, or None
+    max_steps: int
+    state: TrainerState  # fresh, or the resumed checkpoint's
+
+
 def train(cfg: DictConfig) -> Path:
     """Train the recipe's drafter; returns the final checkpoint directory. The caller holds the
     output directory (`claim_output_dir`)."""
     output_dir = Path(cfg.output_dir)
-    accelerator = Accelerator(
-        gradient_accumulation_steps=cfg.train.grad_accum,
-        mixed_precision=mixed_precision(cfg.train.mixed_precision),
-        log_with="tensorboard",
-        project_dir=str(output_dir),
-        # The schedule counts optimizer steps; we step it ourselves once per optimizer step.
-        step_scheduler_with_optimizer=False,
-        # Without a GPU, accelerate only forms a process group (gloo) when told the run is on CPU;
-        # this makes `torchrun`/`accelerate launch --multi_gpu` with N processes real DDP on CPU.
-        cpu=not torch.cuda.is_available(),
+    run = set_up(cfg, output_dir)
+    accelerator, drafter, optimizer, scheduler, state = (
+        run.accelerator,
+        run.drafter,
+        run.optimizer,
+        run.scheduler,
+        run.state,
     )
-    set_seed(cfg.train.seed)
-
-    # -- data, target, drafter (inputs are checked before anything is written) -----------------
-    tokenizer = load_tokenizer(cfg.target)
-    offline = cfg.data.features is not None  # train from captured shards instead of running the target
-    if offline and cfg.train.heldout > 0:
-        raise UserError(f"train.heldout={cfg.train.heldout} is not supported with data.features yet (it holds out tokenized data.train); set train.heldout=0")
-    with accelerator.main_process_first():  # rank 0 tokenizes and caches, the others read the cache
-        train_data = None if offline else load_tokenized(cfg, cfg.data.train, tokenizer, "data.train")
-        vocab_data = load_tokenized(cfg, cfg.data.draft_vocab, tokenizer, "data.draft_vocab") if cfg.data.draft_vocab else None
-        if cfg.data.eval:  # the eval stage reads it after training: a bad file must fail now, not then
-            load_tokenized(cfg, cfg.data.eval, tokenizer, "data.eval")
-    heldout = None  # train.heldout: the last conversations of data.train, in file order, never trained on
-    if cfg.train.heldout > 0:
-        train_data, heldout = split_heldout(train_data, cfg.train.heldout, accelerator.num_processes * cfg.train.micro_batch_size)
-    # target.shard=fsdp: each rank holds pieces of the decoder layers (draftsmith/sharding.py); the
-    # loop needs nothing else, since every rank runs every step's target forward together.
-    target = load_run_target(cfg.target, accelerator.device)
-
-    drafter_cls = drafter_class(cfg.drafter.type)
-    drafter = drafter_cls.from_target(OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path).to(accelerator.device)
-    require_draft_vocab_use(cfg, drafter.config, drafter.target)  # again with the loaded target's shape (a Hub or GGUF target's is known only now)
-    request = drafter.request
-    pack = packing_collator(cfg, tokenizer, target)
-    if offline:
-        store = open_features(cfg.data.features, expect=expected_features(drafter.target, request))
-        longest = max(store.lengths())  # captured under the capture's data.max_length, which may be longer
-        if pack is not None and longest > pack.pack_length:
-            raise UserError(f"{cfg.data.features} holds a conversation of {longest} tokens, more than data.pack_length={pack.pack_length}; raise it")
-        train_data, collate, target_features = store, pack or FeatureCollator(tokenizer.pad_token_id), store.to_target_output
-    else:
-        collate = pack or Collator(tokenizer.pad_token_id)
-
-        def target_features(batch: dict) -> TargetOutput:
-            return run_target(target, batch["input_ids"], request=request, **causal_lm_inputs(batch))
-
-    drafter.prepare(train_data if vocab_data is None else vocab_data)  # what the drafter fits to the data (EAGLE-3's draft vocabulary), on every rank
-    if cfg.train.init_from:  # warm start: its weights and data-fitted state (the draft vocabulary is kept, not re-fitted)
-        start = load_drafter(cfg.train.init_from, drafter.target, target)
-        drafter.load_state_dict(start.state_dict())
-        drafter.learned = dict(start.learned)
-        log.info("warm start from %s", cfg.train.init_from)
-    groups = [{"params": params, "lr": cfg.train.lr * scale} for params, scale in drafter.param_groups()]
-    optimizer = torch.optim.AdamW(groups, lr=cfg.train.lr, betas=tuple(cfg.train.adam_betas), weight_decay=cfg.train.weight_decay)
-
-    world, rank, micro = accelerator.num_processes, accelerator.process_index, cfg.train.micro_batch_size
-    batches_per_epoch = len(train_data) // (world * micro)
-    if batches_per_epoch == 0:
-        raise UserError(f"{len(train_data)} training conversations cannot fill one step of {world} process(es) x micro_batch_size {micro}")
-    max_steps = cfg.train.max_steps
-    if max_steps < 0:
-        max_steps = max(1, cfg.train.epochs * batches_per_epoch // cfg.train.grad_accum)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.train.warmup_steps, max_steps)
-    drafter, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
-    if accelerator.is_main_process:
-        save_recipe(cfg, output_dir)
-
-    state = TrainerState()
-    resume_from = resume_checkpoint(output_dir, cfg.train.resume)
-    if resume_from is not None:
-        state = load_checkpoint(accelerator, resume_from)
-        log.info("resumed from %s at step %d", resume_from, state.step)
-        check_best_on_resume(output_dir, state)
-    accelerator.wait_for_everyone()
-    accelerator.init_trackers("tb")
+    train_data, collate, target_features, heldout, max_steps = (
+        run.train_data,
+        run.collate,
+        run.target_features,
+        run.heldout,
+        run.max_steps,
+    )
+    world, rank = accelerator.num_processes, accelerator.process_index
 
     # -- the loop -------------------------------------------------------------------------------
     stream = micro_batches(train_data, collate, cfg, world, rank, state)
@@ -159,7 +119,9 @@ def train(cfg: DictConfig) -> Path:
                     accelerator.backward(loss)
                     if accelerator.sync_gradients:
                         grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), cfg.train.max_grad_norm)
-                        nonfinite = any_rank(accelerator, not (math.isfinite(float(loss.detach())) and math.isfinite(float(grad_norm))))
+                        nonfinite = any_rank(
+                            accelerator, not (math.isfinite(float(loss.detach())) and math.isfinite(float(grad_norm)))
+                        )
                         if nonfinite and accelerator.scaler is None:
                             state.skipped_steps += 1
                             report_nonfinite(accelerator, cfg, drafter, batch, target_out, loss, state)
@@ -193,12 +155,21 @@ def train(cfg: DictConfig) -> Path:
                     progress.set_postfix(loss=f"{metrics['loss']:.3f}")
                 interval_stats.clear()
                 interval_tokens, interval_positions, interval_start = 0, 0, time.perf_counter()
-            if heldout is not None and cfg.train.eval_every > 0 and (state.step % cfg.train.eval_every == 0 or state.step == max_steps):
+            if (
+                heldout is not None
+                and cfg.train.eval_every > 0
+                and (state.step % cfg.train.eval_every == 0 or state.step == max_steps)
+            ):
                 measured = evaluate_heldout(accelerator, drafter, heldout, collate, target_features, cfg)
                 row |= {f"heldout/{k}": v for k, v in measured.items()}
                 state.curve.append(curve_row(state, measured, cfg.eval.num_speculative_tokens))
                 if keep_best(accelerator, drafter, state, output_dir, measured):
-                    log.info("step %d: heldout tau_est %.4f, the best so far: %s", state.step, measured["tau_est"], output_dir / BEST_DIR)
+                    log.info(
+                        "step %d: heldout tau_est %.4f, the best so far: %s",
+                        state.step,
+                        measured["tau_est"],
+                        output_dir / BEST_DIR,
+                    )
                 if accelerator.is_main_process:
                     write_curve(output_dir, state.curve, state.best, png=False)
             if row:
@@ -220,10 +191,128 @@ def train(cfg: DictConfig) -> Path:
     save_final(accelerator, drafter, final_dir)
     if accelerator.is_main_process and state.curve:
         write_curve(output_dir, state.curve, state.best)
-    write_run_summary(accelerator, output_dir, drafter, state, data_checksum, target)
+    write_run_summary(accelerator, output_dir, drafter, state, data_checksum, run.target)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # also ends the process group: nothing collective after this
     return final_dir
+
+
+def set_up(cfg: DictConfig, output_dir: Path) -> Run:
+    """Accelerator, data, target, drafter, optimizer, schedule and the resumed state, every input
+    checked before anything is written; the loop reads them from the returned `Run`."""
+    accelerator = Accelerator(
+        gradient_accumulation_steps=cfg.train.grad_accum,
+        mixed_precision=mixed_precision(cfg.train.mixed_precision),
+        log_with="tensorboard",
+        project_dir=str(output_dir),
+        # The schedule counts optimizer steps; we step it ourselves once per optimizer step.
+        step_scheduler_with_optimizer=False,
+        # Without a GPU, accelerate only forms a process group (gloo) when told the run is on CPU;
+        # this makes `torchrun`/`accelerate launch --multi_gpu` with N processes real DDP on CPU.
+        cpu=not torch.cuda.is_available(),
+    )
+    set_seed(cfg.train.seed)
+
+    # -- data, target, drafter (inputs are checked before anything is written) -----------------
+    tokenizer = load_tokenizer(cfg.target)
+    offline = cfg.data.features is not None  # train from captured shards instead of running the target
+    if offline and cfg.train.heldout > 0:
+        raise UserError(
+            f"train.heldout={cfg.train.heldout} is not supported with data.features yet (it holds out tokenized data.train); set train.heldout=0"
+        )
+    with accelerator.main_process_first():  # rank 0 tokenizes and caches, the others read the cache
+        train_data = None if offline else load_tokenized(cfg, cfg.data.train, tokenizer, "data.train")
+        vocab_data = (
+            load_tokenized(cfg, cfg.data.draft_vocab, tokenizer, "data.draft_vocab") if cfg.data.draft_vocab else None
+        )
+        if cfg.data.eval:  # the eval stage reads it after training: a bad file must fail now, not then
+            load_tokenized(cfg, cfg.data.eval, tokenizer, "data.eval")
+    heldout = None  # train.heldout: the last conversations of data.train, in file order, never trained on
+    if cfg.train.heldout > 0:
+        train_data, heldout = split_heldout(
+            train_data, cfg.train.heldout, accelerator.num_processes * cfg.train.micro_batch_size
+        )
+    # target.shard=fsdp: each rank holds pieces of the decoder layers (draftsmith/sharding.py); the
+    # loop needs nothing else, since every rank runs every step's target forward together.
+    target = load_run_target(cfg.target, accelerator.device)
+
+    drafter_cls = drafter_class(cfg.drafter.type)
+    drafter = drafter_cls.from_target(OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path).to(
+        accelerator.device
+    )
+    require_draft_vocab_use(
+        cfg, drafter.config, drafter.target
+    )  # again with the loaded target's shape (a Hub or GGUF target's is known only now)
+    request = drafter.request
+    pack = packing_collator(cfg, tokenizer, target)
+    if offline:
+        store = open_features(cfg.data.features, expect=expected_features(drafter.target, request))
+        longest = max(store.lengths())  # captured under the capture's data.max_length, which may be longer
+        if pack is not None and longest > pack.pack_length:
+            raise UserError(
+                f"{cfg.data.features} holds a conversation of {longest} tokens, more than data.pack_length={pack.pack_length}; raise it"
+            )
+        train_data, collate, target_features = (
+            store,
+            pack or FeatureCollator(tokenizer.pad_token_id),
+            store.to_target_output,
+        )
+    else:
+        collate = pack or Collator(tokenizer.pad_token_id)
+
+        def target_features(batch: dict) -> TargetOutput:
+            return run_target(target, batch["input_ids"], request=request, **causal_lm_inputs(batch))
+
+    drafter.prepare(
+        train_data if vocab_data is None else vocab_data
+    )  # what the drafter fits to the data (EAGLE-3's draft vocabulary), on every rank
+    if (
+        cfg.train.init_from
+    ):  # warm start: its weights and data-fitted state (the draft vocabulary is kept, not re-fitted)
+        start = load_drafter(cfg.train.init_from, drafter.target, target)
+        drafter.load_state_dict(start.state_dict())
+        drafter.learned = dict(start.learned)
+        log.info("warm start from %s", cfg.train.init_from)
+    groups = [{"params": params, "lr": cfg.train.lr * scale} for params, scale in drafter.param_groups()]
+    optimizer = torch.optim.AdamW(
+        groups, lr=cfg.train.lr, betas=tuple(cfg.train.adam_betas), weight_decay=cfg.train.weight_decay
+    )
+
+    world, micro = accelerator.num_processes, cfg.train.micro_batch_size
+    batches_per_epoch = len(train_data) // (world * micro)
+    if batches_per_epoch == 0:
+        raise UserError(
+            f"{len(train_data)} training conversations cannot fill one step of {world} process(es) x micro_batch_size {micro}"
+        )
+    max_steps = cfg.train.max_steps
+    if max_steps < 0:
+        max_steps = max(1, cfg.train.epochs * batches_per_epoch // cfg.train.grad_accum)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.train.warmup_steps, max_steps)
+    drafter, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
+    if accelerator.is_main_process:
+        save_recipe(cfg, output_dir)
+
+    state = TrainerState()
+    resume_from = resume_checkpoint(output_dir, cfg.train.resume)
+    if resume_from is not None:
+        state = load_checkpoint(accelerator, resume_from)
+        log.info("resumed from %s at step %d", resume_from, state.step)
+        check_best_on_resume(output_dir, state)
+    accelerator.wait_for_everyone()
+    accelerator.init_trackers("tb")
+    return Run(
+        accelerator,
+        target,
+        drafter,
+        optimizer,
+        scheduler,
+        train_data,
+        collate,
+        target_features,
+        heldout,
+        max_steps,
+        state,
+    )
 
 
 class StopRequest:
@@ -259,18 +348,32 @@ def any_rank(accelerator, flag: bool) -> bool:
     return bool(accelerator.reduce(value, reduction="sum") > 0)
 
 
-def report_nonfinite(accelerator, cfg: DictConfig, drafter, batch: dict, target_out: TargetOutput, loss: torch.Tensor, state: TrainerState) -> None:
+def report_nonfinite(
+    accelerator,
+    cfg: DictConfig,
+    drafter,
+    batch: dict,
+    target_out: TargetOutput,
+    loss: torch.Tensor,
+    state: TrainerState,
+) -> None:
     """Log where a non-finite loss or gradient first appeared, with the batch's samples; raise a
     UserError once `train.max_nonfinite` steps have been skipped. Collective: every rank calls it."""
     where = locate_nonfinite(accelerator.unwrap_model(drafter), batch, target_out, loss)
-    found = accelerator.gather_for_metrics([{"rank": accelerator.process_index, "where": where, "samples": batch.get("sample", [])}], use_gather_object=True)
+    found = accelerator.gather_for_metrics(
+        [{"rank": accelerator.process_index, "where": where, "samples": batch.get("sample", [])}],
+        use_gather_object=True,
+    )
     bad = [item for item in found if item["where"]] or found
     description = "; ".join(
-        f"rank {item['rank']}: {item['where'] or 'non-finite gradient after reduction'} (samples {', '.join(map(str, item['samples'][:8]))})" for item in bad
+        f"rank {item['rank']}: {item['where'] or 'non-finite gradient after reduction'} (samples {', '.join(map(str, item['samples'][:8]))})"
+        for item in bad
     )
     message = f"non-finite loss or gradient at step {state.step + 1}, step skipped ({state.skipped_steps} so far): {description}"
     if state.skipped_steps > cfg.train.max_nonfinite:
-        raise UserError(f"stopping: more than train.max_nonfinite={cfg.train.max_nonfinite} steps skipped; last {message}")
+        raise UserError(
+            f"stopping: more than train.max_nonfinite={cfg.train.max_nonfinite} steps skipped; last {message}"
+        )
     log.warning(message)
 
 
@@ -282,14 +385,20 @@ def locate_nonfinite(drafter: Drafter, batch: dict, target_out: TargetOutput, lo
     inputs = {"target final hidden state": target_out.final, "target logits": target_out.logits}
     inputs |= {f"target layer {layer} hidden state": hidden for layer, hidden in target_out.layers.items()}
     for name, tensor in inputs.items():
-        if tensor is not None and tensor.is_floating_point() and not torch.isfinite(tensor[batch["attention_mask"].bool()]).all():
+        if (
+            tensor is not None
+            and tensor.is_floating_point()
+            and not torch.isfinite(tensor[batch["attention_mask"].bool()]).all()
+        ):
             return name
     first: list[str] = []
 
     def hook(name):
         def check(module, args, output):
             tensors = output if isinstance(output, (tuple, list)) else (output,)
-            if not first and any(torch.is_tensor(t) and t.is_floating_point() and not torch.isfinite(t).all() for t in tensors):
+            if not first and any(
+                torch.is_tensor(t) and t.is_floating_point() and not torch.isfinite(t).all() for t in tensors
+            ):
                 first.append(name)
 
         return check
@@ -434,7 +543,12 @@ def keep_best(accelerator, drafter, state: TrainerState, output_dir: Path, measu
     tau = measured["tau_est"]
     if not math.isfinite(tau) or (state.best is not None and tau <= state.best["tau_est"]):
         return False
-    state.best = {"step": state.step, "tokens": state.tokens, "tau_est": tau, "metrics": {f"heldout/{k}": v for k, v in measured.items()}}
+    state.best = {
+        "step": state.step,
+        "tokens": state.tokens,
+        "tau_est": tau,
+        "metrics": {f"heldout/{k}": v for k, v in measured.items()},
+    }
     save_final(accelerator, drafter, output_dir / BEST_DIR, files={BEST_JSON: json.dumps(state.best, indent=2) + "\n"})
     return True
 
@@ -448,7 +562,12 @@ def check_best_on_resume(output_dir: Path, state: TrainerState) -> None:
         return
     on_disk, kept = json.loads(path.read_text()).get("step"), (state.best or {}).get("step")
     if on_disk != kept:
-        log.warning("%s is from step %s, after this checkpoint (whose best is step %s); replaced when the run evaluates better", path.parent, on_disk, kept)
+        log.warning(
+            "%s is from step %s, after this checkpoint (whose best is step %s); replaced when the run evaluates better",
+            path.parent,
+            on_disk,
+            kept,
+        )
 
 
 def log_step(accelerator, output_dir: Path, step: int, metrics: dict[str, float]) -> None:
@@ -464,7 +583,12 @@ def write_run_summary(accelerator, output_dir: Path, drafter, state: TrainerStat
     bytes of target parameters each rank holds (all of them, or its pieces under target.shard=fsdp)."""
     module = accelerator.unwrap_model(drafter)
     checksum = float(sum(p.detach().double().sum() for p in module.parameters()))
-    mine = {"rank": accelerator.process_index, "param_checksum": checksum, "data_checksum": data_checksum, "target_param_bytes": local_bytes(target)}
+    mine = {
+        "rank": accelerator.process_index,
+        "param_checksum": checksum,
+        "data_checksum": data_checksum,
+        "target_param_bytes": local_bytes(target),
+    }
     ranks = accelerator.gather_for_metrics([mine], use_gather_object=True)
     if accelerator.is_main_process:
         summary = {"world_size": accelerator.num_processes, "steps": state.step, "ranks": ranks}

@@ -38,7 +38,12 @@ def serve(requests, reply):
             continue
         request = json.loads(line)
         params = [
-            SamplingParams(temperature=float(request["temperature"]), top_p=float(request["top_p"]), max_tokens=int(request["max_tokens"]), seed=int(seed))
+            SamplingParams(
+                temperature=float(request["temperature"]),
+                top_p=float(request["top_p"]),
+                max_tokens=int(request["max_tokens"]),
+                seed=int(seed),
+            )
             for seed in request["seeds"]
         ]
         prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in prompt]) for prompt in request["prompts"]]
@@ -81,7 +86,14 @@ def main():
     except BaseException as err:  # noqa: BLE001 - everything is reported as JSON
         code = 1
         logs.close()
-        reply({"ok": False, "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc(), "error_lines": logs.error_lines[-8:]})
+        reply(
+            {
+                "ok": False,
+                "error": f"{type(err).__name__}: {err}",
+                "traceback": traceback.format_exc(),
+                "error_lines": logs.error_lines[-8:],
+            }
+        )
     os._exit(code)  # engine threads can hang interpreter teardown
 
 

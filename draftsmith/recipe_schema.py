@@ -1,0 +1,232 @@
+"""The recipe's typed schema: one dataclass per section, each key with its type, default and (as the
+comment beside it) its description, which `--help` and docs/recipe.md are generated from
+(draftsmith/recipe_keys.py). The drafter section's schema is the drafter type's own config class
+(heads registry). draftsmith/recipe.py composes and validates recipes against it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from omegaconf import MISSING
+
+from draftsmith.sharding import SHARD_CHOICES
+
+
+@dataclass
+class TargetSection:
+    """The model the drafter is trained for and verified by."""
+
+    name_or_path: str = MISSING  # local directory or Hub id
+    revision: Optional[str] = None  # a Hub branch, tag or commit of name_or_path
+    # A GGUF file inside name_or_path (or an absolute path): dequantized once into a cached
+    # transformers directory, which then replaces name_or_path (see draftsmith.gguf).
+    gguf_file: Optional[str] = None
+    dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16
+    trust_remote_code: bool = False  # run the model repository's own Python code (off: only transformers' classes)
+    # none: every rank holds the whole target | fsdp: its decoder layers sharded over the ranks of
+    # train, capture and regenerate (FSDP2; embedding and lm_head stay whole), for targets too big
+    # for one device (draftsmith.sharding). Eval and export load the target whole either way.
+    shard: str = "none"
+
+
+@dataclass
+class CaptureSection:
+    """`python -m data_prep.capture`: what to store from the target's forward over data.train.
+    None means "what the recipe's drafter asks for" (its `features`)."""
+
+    output: Optional[str] = None  # shard directory; default <output_dir>/features
+    layers: Optional[List[int]] = None  # decoder-layer outputs (draftsmith.target's convention; -1 = embeddings)
+    final: Optional[bool] = None  # last hidden state after the final norm
+    logits: str = "auto"  # auto (topk if the drafter asks for logits, else none) | none | topk | full
+    topk: int = 32  # entries kept per token when logits=topk
+    dtype: str = "bfloat16"  # bfloat16 | float16 | float8 (e4m3 with a float32 scale per token)
+    shard_tokens: int = 65536  # tokens per shard, approximately (shards hold whole conversations)
+
+
+@dataclass
+class RegenerateVllmSection:
+    """How data.regenerate.engine=vllm runs the engine (passed to vLLM's `LLM`)."""
+
+    python: Optional[str] = None  # a Python with vLLM installed (its own environment); default this one
+    dtype: str = "auto"  # the target's weights as vLLM loads them
+    # GPUs per engine; N processes (accelerate launch / torchrun) run N engines on their own GPUs
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: Optional[float] = None  # default 0.9 with a GPU, 0.3 without (then it is host memory)
+    enforce_eager: Optional[bool] = None  # default: on without a GPU (no graphs to capture on CPU)
+    max_num_seqs: int = 256  # sequences decoded together
+
+
+@dataclass
+class RegenerateSection:
+    """`python -m data_prep.regenerate`: data.train with every assistant turn rewritten by the target."""
+
+    output: Optional[str] = None  # directory of part files; default <output_dir>/regenerated
+    # transformers (model.generate, left-padded batches) | vllm (continuous batching, see `vllm`)
+    engine: str = "transformers"
+    max_new_tokens: int = 256  # per assistant turn
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus sampling when temperature > 0
+    batch_size: int = 8  # conversations per part file, generated together (vllm: use hundreds)
+    seed: int = 0  # sampling seed (temperature > 0)
+    vllm: RegenerateVllmSection = field(default_factory=RegenerateVllmSection)
+
+
+@dataclass
+class DataSection:
+    """Conversations (`messages` of role/content; optional `domain`) and how they are tokenized."""
+
+    train: List[str] = field(default_factory=list)  # files (.jsonl, .jsonl.gz, .json, .parquet), globs or Hub ids
+    eval: List[str] = field(default_factory=list)  # held-out conversations: eval-split accuracy, and the eval's prompts
+    max_length: int = 1024  # tokens per conversation after the chat template
+    overlong: str = "truncate"  # truncate | drop | error
+    max_conversations: Optional[int] = None  # cap per source file, for quick runs
+    cache_dir: Optional[str] = None  # tokenized-data cache; default ~/.cache/draftsmith
+    # Conversations whose assistant tokens pick a pruned draft vocabulary (EAGLE-3) instead of data.train's:
+    # raw text of the same traffic counts tokens as well as expensive regenerated answers do, and more of it
+    # ranks more of a large vocabulary (tokens never seen tie, and fall to the lowest ids).
+    draft_vocab: Optional[List[str]] = None
+    features: Optional[str] = None  # a data_prep.capture directory to train from instead of running the target
+    online: Optional[bool] = None  # run the frozen target inside each step; default: yes unless `features` is set
+    # Sequence packing: each micro-batch's conversations laid end to end in rows of pack_length tokens
+    # (default max_length), attention and positions per conversation; same losses, less padding.
+    pack: bool = False
+    pack_length: Optional[int] = None  # tokens per packed row; default data.max_length
+    capture: CaptureSection = field(default_factory=CaptureSection)
+    regenerate: RegenerateSection = field(default_factory=RegenerateSection)
+
+
+@dataclass
+class TrainSection:
+    """`train.py`: the training loop (trainer/loop.py) and its checkpoints."""
+
+    lr: float = 1e-3  # peak learning rate (AdamW; linear warm-up, then cosine decay to zero)
+    max_steps: int = -1  # optimizer steps; -1 means run `epochs` epochs
+    epochs: int = 1  # passes over data.train (when max_steps is -1)
+    micro_batch_size: int = 8  # conversations per process per forward
+    grad_accum: int = 1  # micro-batches per optimizer step
+    warmup_steps: int = 0  # optimizer steps of linear learning-rate warm-up
+    weight_decay: float = 0.0  # AdamW weight decay
+    adam_betas: List[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
+    max_grad_norm: float = 1.0  # gradient clipping (global norm)
+    seed: int = 0  # initialisation and data order
+    log_every: int = 10  # optimizer steps between log lines (stdout, log.jsonl, TensorBoard)
+    save_every: int = 0  # steps between checkpoints; 0 = only the final one
+    keep_checkpoints: int = 2  # older step checkpoints are deleted
+    resume: Optional[str] = None  # true = latest checkpoint in output_dir, or a checkpoint path
+    overwrite: bool = False  # start over in an output_dir that holds another run: the earlier run is moved aside
+    max_nonfinite: int = 10  # optimizer steps skipped for a non-finite loss/gradient before the run stops
+    # warm start: a drafter checkpoint whose weights (and draft vocabulary) training starts from
+    init_from: Optional[str] = None
+    mixed_precision: str = "auto"  # auto (bf16 where the GPU supports it, else none) | no | bf16 | fp16
+    num_workers: int = 0  # DataLoader worker processes
+    # Held-out evaluation during training: the last `heldout` conversations of data.train (in file
+    # order, before any shuffling) are never trained on; every `eval_every` optimizer steps (and at
+    # the last step) the drafter's teacher-forced per-depth top-1 on them gives `heldout/tau_est`,
+    # and the best evaluation so far is kept in <output_dir>/best/ (trainer/loop.py). 0 = off.
+    heldout: int = 0  # conversations held out of data.train; 0 = none
+    eval_every: int = 0  # optimizer steps between held-out evaluations; 0 = never (needs heldout > 0)
+
+
+@dataclass
+class EvalSection:
+    """`python -m eval`: speculative decoding with the drafter against plain decoding and n-gram lookup."""
+
+    enabled: bool = True  # train.py runs the eval when training ends
+    data: List[str] = field(default_factory=list)  # conversations; empty = data.eval
+    max_prompts: int = 8  # per domain
+    max_new_tokens: int = 64  # per prompt
+    temperature: float = 0.0  # 0 = greedy (then every method is checked lossless against plain decoding)
+    top_p: float = 1.0  # nucleus sampling when temperature > 0
+    top_k: int = 0  # top-k sampling when temperature > 0; 0 = off
+    num_speculative_tokens: int = 3  # chain length gamma
+    tree: int = 0  # nodes in the static draft tree (0 = chain only)
+    ngram_max: int = 3  # prompt-lookup baseline: longest n-gram to match
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    seed: int = 0  # sampling seed (temperature > 0)
+    # Prompts decoded together (one target forward per cycle for the batch); each row is still checked
+    # against plain decoding of its prompt alone.
+    batch_size: int = 1
+    # a sweep, e.g. [1, 2, 4, 8]: every method at each size (report's batch_sweep)
+    batch_sizes: List[int] = field(default_factory=list)
+
+
+@dataclass
+class PushSection:
+    """Push exported folders to the Hugging Face Hub (token: HF_TOKEN or the local login)."""
+
+    repo_id: Optional[str] = None  # ORG/NAME for the vllm folder; another engine's folder goes to ORG/NAME-<engine>
+    revision: str = "main"  # branch, created when missing
+    private: bool = True  # a new repository is created private
+    commit_message: Optional[str] = None  # default: the drafter and its eval summary
+
+
+@dataclass
+class ExportSection:
+    """`python -m export`: engine-ready repos from a checkpoint (export/)."""
+
+    engines: List[str] = field(default_factory=lambda: ["vllm"])  # vllm | sglang
+    output: Optional[str] = None  # default <output_dir>/export; one folder per engine inside
+    # γ written into configs and serving commands; default eval.num_speculative_tokens
+    num_speculative_tokens: Optional[int] = None
+    verifier: Optional[str] = None  # the target as the engine names it (Hub id or path); default target.name_or_path
+    # eval report.json for the model card; default <checkpoint>/../eval/report.json if present
+    report: Optional[str] = None
+    # a Python with vLLM installed: load the vllm folder in the engine and compare it with draftsmith's eval
+    vllm_python: Optional[str] = None
+    # largest relative difference between the engine's tau and draftsmith's (same prompts and schedule)
+    tolerance: float = 0.02
+    overwrite: bool = False  # replace an export made from another checkpoint (moved aside, not deleted)
+    push: PushSection = field(default_factory=PushSection)
+
+
+@dataclass
+class MonitorSection:
+    """`python -m monitor check|watch`: acceptance drift of a deployed export, and retraining (monitor/)."""
+
+    metrics: List[str] = field(default_factory=list)  # Prometheus /metrics URLs of the serving replicas (summed)
+    engine: str = "vllm"  # vllm | sglang: which metric names to read
+    traffic: Optional[str] = None  # directory of JSONL request logs (messages, optional domain, timestamp)
+    # the deployed export folder (an export's vllm/ or sglang/); its eval report is the baseline
+    deployed: Optional[str] = None
+    # an eval report.json to use as the baseline instead (e.g. one at the serving temperature)
+    baseline: Optional[str] = None
+    state_dir: Optional[str] = None  # default <output_dir>/monitor: state.json, check records, retraining runs, exports
+    min_drafts: int = 200  # verify steps (drafts) a window needs before it is judged
+    max_drop: float = 0.10  # drift: acceptance significantly more than this fraction below the baseline
+    confidence: float = 0.99  # of the one-sided test
+    consecutive: int = 2  # hysteresis: drift in this many checks in a row before retraining
+    cooldown_s: float = 21600.0  # no retraining within this long of the last one
+    interval_s: float = 300.0  # `watch`: seconds between checks
+    sample_per_domain: int = 16  # traffic requests per domain the check evaluates
+    traffic_window_s: float = 86400.0  # only requests this recent are sampled
+    retrain: bool = True  # start the retraining pipeline on drift (false: only report)
+    retrain_samples: int = 128  # requests per drifted or new domain the retraining regenerates and trains on
+    new_data_weight: int = 4  # the regenerated traffic is listed this many times beside data.train
+    gate_min_gain: float = 0.02  # promote only if tau on the new domains rises by at least this fraction ...
+    gate_max_loss: float = 0.02  # ... and tau on the old domains falls by at most this fraction
+
+
+@dataclass
+class RecipeSchema:
+    """A whole recipe: one section per stage, and where its outputs go."""
+
+    drafter: Any = MISSING  # checked against the drafter type's own schema (heads registry)
+    target: TargetSection = field(default_factory=TargetSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    export: ExportSection = field(default_factory=ExportSection)
+    monitor: MonitorSection = field(default_factory=MonitorSection)
+    output_dir: str = MISSING  # the run's directory: checkpoints, logs, eval report, export
+
+
+CHOICES = {
+    "target.dtype": ("auto", "float32", "bfloat16", "float16"),
+    "target.shard": SHARD_CHOICES,
+    "data.overlong": ("truncate", "drop", "error"),
+    "data.capture.logits": ("auto", "none", "topk", "full"),
+    "data.capture.dtype": ("bfloat16", "float16", "float8"),
+    "data.regenerate.engine": ("transformers", "vllm"),
+    "train.mixed_precision": ("auto", "no", "bf16", "fp16"),
+}

@@ -1,0 +1,170 @@
+"""An eval report as people read it: report.md (the per-domain tables), acceptance.png and
+batch_sweep.png, written beside report.json."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from draftsmith.eval.prompts import ALL
+from draftsmith.files import write_text_atomic
+
+
+def write_report(report: dict[str, Any], out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out_dir / "report.json", json.dumps(report, indent=2) + "\n")
+    write_text_atomic(out_dir / "report.md", render_markdown(report))
+    plot_acceptance(report, out_dir / "acceptance.png")
+    if "batch_sweep" in report:
+        plot_batch_sweep(report, out_dir / "batch_sweep.png")
+
+
+def _fmt(value: Optional[float], digits: int = 2) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    methods = report["methods"]
+    settings = [
+        f"temperature {report['temperature']}",
+        f"max_new_tokens {report['max_new_tokens']}",
+        f"batch size {report['batch_size']}",
+        f"device {report['device']} ({report['dtype']}, {report['cpu_threads']} CPU threads)",
+    ]
+    settings.append(f"chain γ={methods['chain']['gamma']}")
+    if "tree" in methods:
+        settings.append(f"tree {methods['tree']['nodes']} nodes, depth {methods['tree']['depth']}")
+    lines = [
+        f"# Eval: {report['drafter']['type']} drafter for {report['target']['id']}",
+        "",
+        f"drafter `{report['drafter']['path']}`; verified by the {report.get('verifier', 'target')}; "
+        + ", ".join(settings)
+        + ".",
+        "",
+        "| domain | method | served by | prompts | τ | α | per position | draft fwd/cycle | tok/s | speedup | lossless |",
+        "|---|---|---|---:|---:|---:|---|---:|---:|---:|:---:|",
+    ]
+    for domain in report["baselines"]:
+        rows = {**report["baselines"][domain], **report["domains"][domain]}
+        for name in methods:
+            row = rows[name]
+            lossless = {True: "yes", False: "**NO**", None: "n/a"}[row["lossless"]]
+            if row.get("same_output") is not None:  # another model than the verifier: how often it agrees
+                lossless = f"{row['same_output']:.0%} same"
+            per_position = " / ".join(_fmt(p) for p in row["per_position"]) or "–"
+            lines.append(
+                f"| {domain} | {name} | {methods[name].get('served_by', '–')} | {row['prompts']} | {_fmt(row['tau'])} | {_fmt(row['alpha'])} | {per_position} "
+                f"| {_fmt(row['draft_forwards_per_cycle'])} | {row['tokens_per_s']:.1f} | {_fmt(row['speedup'])}× | {lossless} |"
+            )
+    lines += [
+        "",
+        "τ: new tokens per target forward (bonus included, prefill not counted). α: accepted / drafted positions. "
+        "Per position: acceptance at draft position k given positions < k were accepted. "
+        "Draft fwd/cycle: the drafter's forward passes per target forward. "
+        "Speedup: tokens/s over plain decoding in the same run. "
+        "Served by: the engines that can serve the method as measured (vLLM 0.32 verifies chains only). "
+        f"Lossless: {report['lossless_check']}.",
+        "",
+    ]
+    if "batch_sweep" in report:
+        lines += render_batch_sweep(report["batch_sweep"])
+    return "\n".join(lines)
+
+
+def render_batch_sweep(sweep: dict[str, Any]) -> list[str]:
+    lines = [
+        "## Batch sizes",
+        "",
+        "Prompts decoded together, one target forward per cycle for the batch; speedup is over plain decoding at the same batch size.",
+        "",
+        "| domain | method | " + " | ".join(f"bs {size}: τ / tok/s / speedup" for size in sweep["batch_sizes"]) + " |",
+        "|---|---|" + "---:|" * len(sweep["batch_sizes"]),
+    ]
+    first = sweep["rows"][str(sweep["batch_sizes"][0])]
+    for domain in first:
+        for name in first[domain]:
+            cells = []
+            for size in sweep["batch_sizes"]:
+                row = sweep["rows"][str(size)][domain][name]
+                flag = " **NOT LOSSLESS**" if row["lossless"] is False else ""
+                cells.append(f"{_fmt(row['tau'])} / {row['tokens_per_s']:.1f} / {_fmt(row['speedup'])}×{flag}")
+            lines.append(f"| {domain} | {name} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def plot_acceptance(report: dict[str, Any], path: Path) -> None:
+    """Left: alpha per domain for each drafting method; right: per-position acceptance per domain."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    domains = list(report["domains"])
+    drafting = [name for name in report["methods"] if name != "plain"]
+    rows = {d: {**report["baselines"][d], **report["domains"][d]} for d in domains}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(drafting)
+    for i, name in enumerate(drafting):
+        values = [rows[d][name]["alpha"] or 0.0 for d in domains]
+        left.bar([x + i * width for x in range(len(domains))], values, width, label=name)
+    left.set_xticks([x + 0.4 - width / 2 for x in range(len(domains))], domains)
+    left.set_ylim(0, 1)
+    left.set_ylabel("α (accepted / drafted)")
+    left.set_title("acceptance per domain")
+    left.legend()
+    styles = {"chain": "-", "tree": "--"}
+    depth = 1
+    for color, domain in enumerate(domains):
+        for name, style in styles.items():
+            if name in report["domains"][domain]:
+                rates = report["domains"][domain][name]["per_position"]
+                depth = max(depth, len(rates))
+                values = [float("nan") if r is None else r for r in rates]  # untested positions: a gap
+                right.plot(
+                    range(1, len(rates) + 1), values, style, color=f"C{color}", marker="o", label=f"{domain} {name}"
+                )
+    right.set_xticks(range(1, depth + 1))
+    right.set_ylim(0, 1)
+    right.set_xlabel("draft position")
+    right.set_ylabel("acceptance given earlier positions accepted")
+    right.set_title("per-position acceptance")
+    right.legend(fontsize="small")
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def plot_batch_sweep(report: dict[str, Any], path: Path) -> None:
+    """Speedup over plain decoding at the same batch size against the batch size, one panel per
+    domain (the aggregate first), one line per drafting method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sweep = report["batch_sweep"]
+    sizes = sweep["batch_sizes"]
+    first = sweep["rows"][str(sizes[0])]
+    domains = [ALL] + [d for d in first if d != ALL]
+    methods = [name for name in first[ALL] if name != "plain"]
+    fig, axes = plt.subplots(1, len(domains), figsize=(3.2 * len(domains), 3.4), sharey=True, squeeze=False)
+    for ax, domain in zip(axes[0], domains):
+        for name in methods:
+            values = [sweep["rows"][str(size)][domain][name]["speedup"] or float("nan") for size in sizes]
+            ax.plot(sizes, values, marker="o", label=name)
+        ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(size) for size in sizes])
+        ax.set_xlabel("batch size")
+        ax.set_title(domain)
+    axes[0][0].set_ylabel("speedup vs plain, same batch size")
+    axes[0][0].legend(fontsize="small")
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)

@@ -1,0 +1,136 @@
+"""DFlash for vLLM (`DFlashDraftModel`, vllm/model_executor/models/qwen3_dflash.py).
+
+vLLM builds Qwen3 decoder layers with non-causal attention over [context keys/values ; the block]:
+the context is `hidden_norm(fc(cat(target layers)))` at every position before the block's first token,
+projected by each layer's k_proj (then k_norm, RoPE) and v_proj; the block's queries are the bonus
+token and then `num_speculative_tokens` copies of `dflash_config.mask_token_id`, embedded with the
+target's embedding; the target's lm_head reads `norm` of the output. That is draftsmith's DFlash with
+these conventions, each checked here and recorded in draftsmith_export.json:
+
+- The mask is a token: a drafter trained with a learned mask vector (drafter.mask_token_id null) has
+  no place in the layout (safetensors weights, `mask_token_id` naming a row of the target's embedding)
+  and is refused.
+- q_norm/k_norm are in every vLLM layer: a drafter of a family without them trained with
+  drafter.qk_norm=false is refused (an RMSNorm cannot be switched off by its weights).
+- Layer ids: `dflash_config.target_layer_ids` are draftsmith's ids (output of layer i); vLLM adds 1
+  itself. Our last id (transformers' post-norm state) has no vLLM counterpart and is refused.
+- The block: vLLM runs 1 + γ queries for num_speculative_tokens γ, and so does draftsmith's chain of γ;
+  γ = block_size - 1 is the block the drafter was trained on (recorded as the recommended γ).
+- Embedding and lm_head are the target's (not in the folder; vLLM shares them). Targets with
+  attention or MLP biases are refused: their placement in vLLM's layer has not been checked.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith.errors import UserError
+from draftsmith.export import Exporter, Source, register
+from draftsmith.export.eagle import llama_layers_expected
+from draftsmith.export.repo import EngineRepo, llama_layer_config
+from draftsmith.heads import drafter_class
+
+VLLM_SERVE = """vllm serve {target} --speculative-config '{{"method": "dflash", "model": "{path}", "num_speculative_tokens": {gamma}}}'"""
+FAMILIES = ("llama", "mistral", "qwen3")  # decoder layers vLLM's Qwen3 DFlash layer reproduces (with q/k norms)
+
+
+@register
+class DFlashExporter(Exporter):
+    kinds = ("dflash",)
+    sglang_reason = "draftsmith's DFlash export has been checked against vLLM's loader only; export it for vllm"
+
+    def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
+        drafter, target = source.drafter, source.target
+        settings = drafter.config
+        if target.shape.model_type not in FAMILIES:
+            raise UserError(
+                f"vLLM serves DFlash with Qwen3-style layers; this drafter has {target.shape.model_type} layers (exportable: {', '.join(FAMILIES)})"
+            )
+        biased = [key for key in ("attention_bias", "mlp_bias") if target.config.get(key)]
+        if biased:
+            raise UserError(
+                f"the target sets {', '.join(biased)}: vLLM's DFlash layer would place those biases differently"
+            )
+        if settings.mask_token_id is None:
+            raise UserError(
+                "this DFlash drafter learned its own mask vector, which vLLM's DFlash layout has no place for (it embeds "
+                "dflash_config.mask_token_id with the target's embedding); retrain with drafter.mask_token_id=<a token id>"
+            )
+        attention = drafter.layers[0].self_attn
+        if getattr(attention, "q_norm", None) is None or getattr(attention, "k_norm", None) is None:
+            raise UserError(
+                "this DFlash drafter has no q_norm/k_norm, which every vLLM DFlash layer applies; retrain with drafter.qk_norm=true"
+            )
+        ours = list(settings.target_layers)
+        last = target.shape.num_hidden_layers - 1
+        if max(ours) >= last:
+            raise UserError(
+                f"target layer {max(ours)} is the target's post-norm last state, which vLLM cannot capture; retrain with target_layers below {last}"
+            )
+        layer = llama_layer_config(target, settings.num_layers)
+        config = {
+            **layer,
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "tie_word_embeddings": False,  # no lm_head of its own: vLLM shares the target's
+            "block_size": settings.block_size,
+            "dflash_config": {"mask_token_id": settings.mask_token_id, "target_layer_ids": ours},
+        }
+        hidden, head_dim = layer["hidden_size"], layer["head_dim"]
+        expected = {
+            "fc.weight": (hidden, len(ours) * hidden),
+            "hidden_norm.weight": (hidden,),
+            "norm.weight": (hidden,),
+        }
+        expected |= llama_layers_expected(layer, skip_first_input_norm=False)
+        for i in range(settings.num_layers):
+            expected |= {
+                f"layers.{i}.self_attn.q_norm.weight": (head_dim,),
+                f"layers.{i}.self_attn.k_norm.weight": (head_dim,),
+            }
+        conventions = {
+            "target_layer_ids": {
+                "draftsmith": ours,
+                "vllm_capture": [i + 1 for i in ours],
+                "rule": "written as draftsmith's ids; vLLM adds 1",
+            },
+            "mask": f"token {settings.mask_token_id}, embedded with the target's embedding (as trained)",
+            "block": f"vLLM runs 1 + num_speculative_tokens queries; trained on block_size {settings.block_size}",
+            "recommended_num_speculative_tokens": settings.block_size - 1,
+            "attention": "non-causal within the block, the context before it; q_norm/k_norm in every layer",
+            "shared": "embed_tokens and lm_head are the target's (not in the folder)",
+        }
+        return EngineRepo("vllm", config, drafter.state_dict(), expected, VLLM_SERVE, conventions, method="dflash")
+
+    def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
+        return "dflash_config" in config and "DFlashDraftModel" in config.get("architectures", [])
+
+    def read(
+        self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]
+    ):
+        dflash = drafter_class("dflash")
+        options = config["dflash_config"]
+        block_size = config.get("block_size") or info.get("drafter_config", {}).get("block_size")
+        if not block_size or "mask_token_id" not in options:
+            raise UserError(
+                f"{folder}: a DFlash folder needs block_size and dflash_config.mask_token_id in its config.json"
+            )
+        settings = {
+            "num_layers": int(config["num_hidden_layers"]),
+            "target_layers": [int(layer) for layer in options["target_layer_ids"]],
+            "block_size": int(block_size),
+            "mask_token_id": int(options["mask_token_id"]),
+            "qk_norm": True,
+        }
+        settings |= {
+            key: value
+            for key, value in info.get("drafter_config", {}).items()
+            if key in ("tree_topk", "anchors", "loss", "loss_decay")
+        }
+        drafter = dflash.from_target(dflash.Config(**settings), target_model, info.get("verifier", "target"))
+        drafter.load_state_dict(tensors)
+        drafter.learned = dict(info.get("learned") or {})
+        return drafter

@@ -1,0 +1,268 @@
+"""Helpers that several test modules share (test modules never import one another): tiny targets and
+drafters, the exact-distribution helpers of the speculative-sampling tests, the greedy and cache
+rollback checks of the drafters over the target's features, the demo recipe of each kind, and
+checkpoints to export."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import yaml
+from scipy import stats
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from draftsmith.eval.loop import Sampling, generate, prefill, propose, verify_step
+from draftsmith.heads import drafter_class, load_drafter
+from draftsmith.heads.base import DraftState, DraftTree, DynamicTree, Proposer, TargetShape
+from draftsmith.recipe import load_recipe
+from draftsmith.resources import recipes_dir
+from draftsmith.target import FeatureRequest, run_target
+from tests.conftest import REFERENCE_TARGET
+
+
+# -- tiny targets and drafters with known behaviour (the draft-verify loop) -----------------------
+def tiny_llama(
+    vocab: int = 96, hidden: int = 48, layers: int = 2, seed: int = 0, attn: str = "sdpa", logit_scale: float = 1.0
+):
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attn_implementation=attn,
+    )
+    model = LlamaForCausalLM(config).eval()
+    model.lm_head.weight.data *= logit_scale  # sharper next-token distributions
+    return model.requires_grad_(False)
+
+
+def perturbed_medusa(model, num_heads: int = 3, noise: float = 0.05, seed: int = 0):
+    """Medusa heads initialised from the lm_head plus noise: wrong most of the time."""
+    medusa = drafter_class("medusa")
+    drafter = medusa.from_target(medusa.Config(num_heads=num_heads), model, "tiny")
+    generator = torch.Generator().manual_seed(seed)
+    for parameter in drafter.parameters():
+        parameter.data += noise * torch.randn(parameter.shape, generator=generator)
+    return drafter.eval()
+
+
+def tree_from_paths(paths) -> list[int]:
+    index = {path: i for i, path in enumerate(paths)}
+    return [index[path[:-1]] if len(path) > 1 else -1 for path in paths]
+
+
+class OracleDrafter(Proposer):
+    """Knows the target's greedy continuation and hides it among wrong siblings: at each depth the
+    true token sits at a random rank (or nowhere, with probability 1 - hit_rate). Accepted paths
+    then run through any branch of a tree, which exercises the cache gather."""
+
+    features = FeatureRequest(final=True)
+
+    def __init__(self, continuation: list[int], prompt_len: int, vocab: int, hit_rate: float, seed: int = 0):
+        self.continuation, self.prompt_len, self.vocab, self.hit_rate = continuation, prompt_len, vocab, hit_rate
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def propose(self, state: DraftState, num_tokens: int, tree=None) -> DraftTree:
+        paths = list(tree) if tree is not None else [(0,) * d for d in range(1, num_tokens + 1)]
+        width = max(max(path) for path in paths) + 1
+        done = len(state.tokens) - self.prompt_len  # new tokens before the one after the root
+        truth, rank = [], []
+        for depth in range(max(map(len, paths))):
+            position = done + depth
+            truth.append(self.continuation[position] if position < len(self.continuation) else 0)
+            hit = torch.rand((), generator=self.generator) < self.hit_rate
+            rank.append(int(torch.randint(width, (), generator=self.generator)) if hit else -1)
+        tokens = []
+        for path in paths:
+            depth = len(path) - 1
+            on_truth = all(path[d] == rank[d] for d in range(len(path)))
+            tokens.append(truth[depth] if on_truth else (truth[depth] + 1 + path[-1]) % self.vocab)
+        return DraftTree(tokens=torch.tensor(tokens), parents=torch.tensor(tree_from_paths(paths)))
+
+
+WIDE_TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 0, 1), (2, 0, 0)]
+
+
+# -- sampling: exactness against the target's own distribution ------------------------------------
+VOCAB, SAMPLES, NEW = 8, 1200, 3
+
+
+def exact_conditionals(model, prompt: list[int], sampling: Sampling) -> list[torch.Tensor]:
+    """The warped target's P(x1), P(x2 | x1), P(x3 | x1, x2) as [V], [V, V], [V, V, V], from one
+    batched forward over every prompt + (x1, x2)."""
+    pairs = torch.cartesian_prod(torch.arange(VOCAB), torch.arange(VOCAB))
+    sequences = torch.cat([torch.tensor(prompt).expand(len(pairs), -1), pairs], dim=1)
+    probs = sampling.probs(model(sequences).logits[:, -NEW:]).reshape(VOCAB, VOCAB, NEW, VOCAB)
+    return [probs[0, 0, 0], probs[:, 0, 1], probs[:, :, 2]]
+
+
+def exact_joint(conditionals: list[torch.Tensor]) -> torch.Tensor:
+    p1, p2, p3 = conditionals
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+class NearTargetDrafter(Proposer):
+    """Draft distribution q(. | new tokens so far) = a mix of the target's exact conditional and a
+    fixed random one: close enough to be accepted often, different enough that a wrong rule shows.
+    Sampled (probs given), or deterministic by rank of q (a tree's rank-2 child repeats rank 1 to
+    test duplicate siblings)."""
+
+    features = FeatureRequest(final=True)
+
+    def __init__(
+        self, conditionals: list[torch.Tensor], prompt_len: int, stochastic: bool, mix: float = 0.5, seed: int = 0
+    ):
+        generator = torch.Generator().manual_seed(seed)
+        noise = [(2.0 * torch.randn(p.shape, generator=generator)).softmax(-1) for p in conditionals]
+        self.q = [(1 - mix) * p + mix * r for p, r in zip(conditionals, noise)]
+        self.prompt_len, self.stochastic = prompt_len, stochastic
+        self.generator = torch.Generator().manual_seed(seed + 1)
+
+    def q_after(self, history: list[int]) -> torch.Tensor:
+        return self.q[len(history)][tuple(history)]
+
+    def propose(self, state: DraftState, num_tokens: int, tree=None) -> DraftTree:
+        done = state.tokens[self.prompt_len :].tolist()
+        if tree is not None:
+            tokens: list[int] = []
+            for path in tree:
+                history = done + [tokens[tree.index(path[:k])] for k in range(1, len(path))]
+                order = self.q_after(history).argsort(descending=True)
+                tokens.append(int(order[min(path[-1], 1)]))
+            return DraftTree(tokens=torch.tensor(tokens), parents=torch.tensor(tree_from_paths(tree)))
+        tokens, probs = [], []
+        for _ in range(num_tokens):
+            q = self.q_after(done + tokens)
+            tokens.append(
+                int(torch.multinomial(q, 1, generator=self.generator)) if self.stochastic else int(q.argmax())
+            )
+            probs.append(q)
+        return DraftTree.chain(torch.tensor(tokens), torch.stack(probs) if self.stochastic else None)
+
+
+def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test with the cells expected to hold fewer than 5 samples pooled into one."""
+    probs = probs.flatten().double()
+    counts, expected = counts.flatten().double(), probs / probs.sum() * counts.sum()  # float32 rounding
+    if counts[expected == 0].sum() > 0:  # a sequence the target can never produce
+        return 0.0
+    small = expected < 5
+    observed = torch.cat([counts[~small], counts[small].sum()[None]])
+    expected = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = expected > 0
+    return float(stats.chisquare(observed[keep].numpy(), expected[keep].numpy()).pvalue)
+
+
+TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)]  # rank 2 duplicates rank 1 (NearTargetDrafter)
+
+
+# -- drafters over the target's features (EAGLE, EAGLE-3, DFlash) ---------------------------------
+EAGLE_TREE = DynamicTree(nodes=10, depth=4, topk=3)
+
+
+def greedy_text(model, rows: int, length: int, seed: int) -> torch.Tensor:
+    """Random 4-token prompts continued greedily by the target: what decoding will feed the drafter."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, model.config.vocab_size, (rows, 4), generator=generator)
+    while ids.shape[1] < length:
+        ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
+    return ids
+
+
+def fitted_eagle(model, steps: int, seed: int = 0, drafter_type: str = "eagle", **config):
+    """A drafter over the target's features (`eagle`, `eagle3` or `dflash`) fitted briefly to the
+    target's greedy text: right often enough that drafts get accepted, wrong often enough that they
+    get rejected."""
+    torch.manual_seed(seed)  # initialisation and feature noise: the same fit whatever ran before
+    cls = drafter_class(drafter_type)
+    drafter = cls.from_target(cls.Config(**config), model, "tiny")
+    ids = greedy_text(model, rows=16, length=48, seed=seed)
+    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids)}
+    drafter.prepare([{"input_ids": row, "loss_mask": mask} for row, mask in zip(ids, batch["loss_mask"])])
+    target_out = run_target(model, ids, request=drafter.request)
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
+    drafter.train()
+    for _ in range(steps):
+        loss, _ = drafter(batch, target_out)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return drafter.eval()
+
+
+TINY_VOCAB = 32
+
+
+def assert_greedy_equals_plain(model, drafter, prompts, tree) -> None:
+    """Speculative greedy output equals plain greedy token for token, with drafts both accepted and rejected."""
+    drafted = accepted = 0
+    for number, prompt in enumerate(prompts):
+        plain = generate(model, prompt, 40)
+        spec = generate(model, prompt, 40, drafter.proposer(), gamma=3, tree=tree)
+        assert spec.tokens == plain.tokens, f"differs from plain greedy on prompt {number}"
+        drafted, accepted = drafted + spec.counts.drafted, accepted + spec.counts.accepted
+    assert 0 < accepted < drafted  # acceptances and rejections both happened
+
+
+def assert_cache_rollback(model, drafter, prompt: list[int], tmp_path) -> None:
+    """Over many verify cycles the drafter only ever sees what was committed since its last call;
+    its proposals must equal those of a fresh copy given the whole committed sequence."""
+    drafter.save_pretrained(tmp_path / "eagle")
+    fresh_drafter = load_drafter(tmp_path / "eagle", TargetShape.of(model, "tiny"), model).eval()
+    state = prefill(model, [prompt], drafter.request)
+    row, generator = state.rows[0], torch.Generator().manual_seed(0)
+    lengths = set()
+    proposer, fresh = drafter.proposer(), fresh_drafter.proposer()
+    for cycle in range(24):
+        tree = EAGLE_TREE if cycle % 2 else None
+        expected = fresh.propose(prefill(model, [row.tokens], drafter.request).rows[0].draft_state(), 3, tree)
+        draft = propose(proposer, row, 3, tree, max_depth=4)
+        assert torch.equal(draft.tokens, expected.tokens) and torch.equal(draft.parents, expected.parents), cycle
+        assert proposer.cache.get_seq_length() >= len(row.tokens) - 1
+        lengths.add(len(verify_step(model, state, [draft], Sampling(), [generator], request=drafter.request)[0].path))
+    assert len(lengths) >= 2  # accepted paths of different lengths were rolled back
+
+
+DFLASH_TINY = {"target_layers": [-1, 0, 1], "block_size": 5, "anchors": 12}
+
+
+# -- recipes and checkpoints ----------------------------------------------------------------------
+def demo_recipe(kind: str) -> str:
+    """The shipped recipe that trains `kind` on the bundled demo target."""
+    for path in sorted(recipes_dir().glob("*.yaml")):
+        raw = yaml.safe_load(path.read_text())  # as written: `${bundled:demo/target}` unresolved
+        if raw["drafter"]["type"] == kind and "demo/target" in str(raw["target"]["name_or_path"]):
+            return path.stem
+    raise AssertionError(f"no recipe trains {kind} on the demo target: add recipes/<name>.yaml")
+
+
+KINDS = {
+    "medusa": "medusa",
+    "medusa2": "medusa2",
+    "eagle": "eagle",
+    "eagle3": "eagle3",
+    "draft_model": "draft",
+    "dflash": "dflash",
+}  # kind -> recipe
+
+
+def save_drafter(kind: str, target, directory: Path, seed: int = 0, **config) -> Path:
+    """A fresh drafter of `kind` for the demo target with its weights perturbed (so a lost or
+    renamed tensor shows), saved as a draftsmith checkpoint."""
+    recipe = load_recipe([f"recipe={KINDS[kind]}", *[f"drafter.{k}={v}" for k, v in config.items()]])
+    from omegaconf import OmegaConf
+
+    cls = drafter_class(kind)
+    drafter = cls.from_target(OmegaConf.to_object(recipe.drafter), target, str(REFERENCE_TARGET))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in drafter.parameters():
+            if parameter.requires_grad:
+                parameter.add_(0.02 * torch.randn(parameter.shape, generator=generator))
+    drafter.save_pretrained(directory)
+    return directory
