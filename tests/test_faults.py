@@ -1,5 +1,6 @@
 """Fault injection with real processes: each job (training, capture, regeneration, export) is killed
-with SIGKILL at seeded random moments, run again until it finishes, and must then hold exactly what
+with SIGKILL at seeded random moments while it writes (between its first write and its end, as a
+reference run measured; each test checks a kill landed mid-run), run again until it finishes, and must then hold exactly what
 an uninterrupted run holds (training: the same per-step losses and final weights; the others: the
 same bytes). Meanwhile a reader opens every published file over and over: none may ever be partial."""
 
@@ -80,25 +81,29 @@ class PartialFileReader(threading.Thread):
                 self.problems.append(f"{path}: {type(err).__name__}: {err}")
 
 
+def has_written(directory: Path) -> bool:
+    return directory.is_dir() and any(path.is_file() for path in directory.rglob("*"))
+
+
 def run_killed_then_resumed(
     args: list[str], watched: Path, kill_after: float, resume: list[str], timeout: float = 600
 ) -> bool:
-    """Start `python args`, SIGKILL it after `kill_after` seconds (unless it finished), then run
+    """Start `python args`, wait until it has written into `watched` (its lock file at least: it has
+    claimed the directory), SIGKILL it `kill_after` seconds later unless it finished, then run
     `args + resume` until it exits 0, with a reader watching `watched` throughout. Returns whether the
-    kill landed mid-run: the job was still running and had already written into `watched` (its lock
-    file at least: it had claimed the directory)."""
+    kill landed mid-run (the job was still running)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     reader = PartialFileReader(watched)
     reader.start()
     try:
-        started = False
         process = subprocess.Popen(
             [sys.executable, *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
         )
+        while process.poll() is None and not has_written(watched):
+            time.sleep(0.02)
         try:
             process.wait(timeout=kill_after)
         except subprocess.TimeoutExpired:
-            started = watched.is_dir() and any(path.is_file() for path in watched.rglob("*"))
             process.send_signal(signal.SIGKILL)
             process.wait()
         for _ in range(3):
@@ -114,14 +119,21 @@ def run_killed_then_resumed(
     assert not reader.problems, reader.problems[:5]
     assert reader.reads > 0
     assert not (watched / LOCK_NAME).exists()
-    return process.returncode == -signal.SIGKILL and started
+    return process.returncode == -signal.SIGKILL
 
 
-def timed(args: list[str]) -> float:
-    start = time.perf_counter()
-    result = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return time.perf_counter() - start
+def writing_window(args: list[str], watched: Path) -> float:
+    """Run `python args` to completion; the seconds from its first write into `watched` to its exit:
+    the window in which a kill lands mid-run (before it, a job has done nothing to resume)."""
+    process = subprocess.Popen(
+        [sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    while process.poll() is None and not has_written(watched):
+        time.sleep(0.02)
+    first_write = time.perf_counter()
+    _, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr[-3000:]
+    return time.perf_counter() - first_write
 
 
 def digests(directory: Path, pattern: str) -> dict[str, str]:
@@ -131,7 +143,7 @@ def digests(directory: Path, pattern: str) -> dict[str, str]:
 def test_training_killed_anywhere_resumes_into_the_same_run(tmp_path, small_data, token_cache):
     quick = ("train.max_steps=10", "train.save_every=2", "train.keep_checkpoints=2")
     reference = tmp_path / "reference"
-    duration = timed(["train.py", *train_args(reference, small_data, token_cache, *quick)])
+    window = writing_window(["train.py", *train_args(reference, small_data, token_cache, *quick)], reference)
     losses = {step: row["train/loss"] for step, row in read_log(reference).items()}
     weights = load_file(str(reference / "final" / "model.safetensors"))
     rng, landed = random.Random(14), []
@@ -141,7 +153,7 @@ def test_training_killed_anywhere_resumes_into_the_same_run(tmp_path, small_data
             run_killed_then_resumed(
                 ["train.py", *train_args(out, small_data, token_cache, *quick)],
                 out,
-                rng.uniform(1.0, duration),
+                rng.uniform(0.0, 0.9 * window),
                 ["train.resume=true"],
             )
         )
@@ -162,7 +174,7 @@ def test_capture_killed_anywhere_resumes_into_the_same_bytes(tmp_path, small_dat
         ]
 
     reference = tmp_path / "reference"
-    duration = timed(args(reference))
+    window = writing_window(args(reference), reference)
     shards = digests(reference, "shard_*.safetensors")
     manifest = {
         key: value for key, value in json.loads((reference / "manifest.json").read_text()).items() if key != "last_run"
@@ -171,7 +183,7 @@ def test_capture_killed_anywhere_resumes_into_the_same_bytes(tmp_path, small_dat
     rng, landed = random.Random(15), []
     for trial in range(TRIALS):
         out = tmp_path / f"trial{trial}"
-        landed.append(run_killed_then_resumed(args(out), out, rng.uniform(1.0, duration), []))
+        landed.append(run_killed_then_resumed(args(out), out, rng.uniform(0.0, 0.9 * window), []))
         assert digests(out, "shard_*.safetensors") == shards, trial
         assert {
             key: value for key, value in json.loads((out / "manifest.json").read_text()).items() if key != "last_run"
@@ -190,13 +202,13 @@ def test_regeneration_killed_anywhere_resumes_into_the_same_bytes(tmp_path, smal
         return ["-m", "data_prep.regenerate", *train_args(tmp_path / "run", small_data, token_cache, *quick)]
 
     reference = tmp_path / "reference"
-    duration = timed(args(reference))
+    window = writing_window(args(reference), reference)
     parts = digests(reference, "part-*.jsonl.gz")
     assert len(parts) == 8  # 16 conversations in pairs
     rng, landed = random.Random(16), []
     for trial in range(TRIALS):
         out = tmp_path / f"trial{trial}"
-        landed.append(run_killed_then_resumed(args(out), out, rng.uniform(1.0, duration), []))
+        landed.append(run_killed_then_resumed(args(out), out, rng.uniform(0.0, 0.9 * window), []))
         assert digests(out, "part-*.jsonl.gz") == parts, trial
     assert any(landed), "no kill landed mid-run"
 
@@ -303,7 +315,7 @@ def test_export_killed_anywhere_resumes_into_the_same_bytes(tmp_path):
         return {name: hashlib.sha256(data).hexdigest() for name, data in masked.items()}
 
     reference = tmp_path / "reference"
-    duration = timed(args(reference))
+    window = writing_window(args(reference), reference)
     expected = contents(reference)
     assert {
         "vllm/model.safetensors",
@@ -314,6 +326,6 @@ def test_export_killed_anywhere_resumes_into_the_same_bytes(tmp_path):
     rng, landed = random.Random(17), []
     for trial in range(TRIALS):
         out = tmp_path / f"trial{trial}"
-        landed.append(run_killed_then_resumed(args(out), out, rng.uniform(1.0, duration), []))
+        landed.append(run_killed_then_resumed(args(out), out, rng.uniform(0.0, 0.9 * window), []))
         assert contents(out) == expected, trial
     assert any(landed), "no kill landed mid-run"
