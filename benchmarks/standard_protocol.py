@@ -37,6 +37,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -158,13 +159,11 @@ def log_linear_fit(rows: list[dict], goals: tuple[float, ...] = (2.30, 2.8)) -> 
     and the training tokens at which the line reaches each goal (n-gram's τ in vLLM on MT-bench, and
     the issue's target). A guide to the budget, not a measurement: acceptance curves flatten, and one
     cosine schedule's decay bends the last points."""
-    points = [(math.log(row["tokens"]), row["tau_est"]) for row in rows[1:]]
-    if len(points) < 3:
+    if len(rows) < 4:
         return {}
-    n = len(points)
-    mean_x, mean_y = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
-    intercept = mean_y - slope * mean_x
+    slope, intercept = statistics.linear_regression(
+        [math.log(row["tokens"]) for row in rows[1:]], [row["tau_est"] for row in rows[1:]]
+    )
     return {
         "fit": "tau_est = a + b ln(tokens), held-out evaluations after the first",
         "a": round(intercept, 4),

@@ -81,8 +81,10 @@ class PartialFileReader(threading.Thread):
                 self.problems.append(f"{path}: {type(err).__name__}: {err}")
 
 
-def has_written(directory: Path) -> bool:
-    return directory.is_dir() and any(path.is_file() for path in directory.rglob("*"))
+def wait_for_first_write(process: subprocess.Popen, directory: Path) -> None:
+    """Until `process` has written a file into `directory` (or ended)."""
+    while process.poll() is None and not (directory.is_dir() and any(p.is_file() for p in directory.rglob("*"))):
+        time.sleep(0.02)
 
 
 def run_killed_then_resumed(
@@ -99,8 +101,7 @@ def run_killed_then_resumed(
         process = subprocess.Popen(
             [sys.executable, *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
         )
-        while process.poll() is None and not has_written(watched):
-            time.sleep(0.02)
+        wait_for_first_write(process, watched)
         try:
             process.wait(timeout=kill_after)
         except subprocess.TimeoutExpired:
@@ -128,8 +129,7 @@ def writing_window(args: list[str], watched: Path) -> float:
     process = subprocess.Popen(
         [sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    while process.poll() is None and not has_written(watched):
-        time.sleep(0.02)
+    wait_for_first_write(process, watched)
     first_write = time.perf_counter()
     _, stderr = process.communicate(timeout=600)
     assert process.returncode == 0, stderr[-3000:]

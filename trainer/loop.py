@@ -88,17 +88,11 @@ def train(cfg: DictConfig) -> Path:
         run.scheduler,
         run.state,
     )
-    train_data, collate, target_features, heldout, max_steps = (
-        run.train_data,
-        run.collate,
-        run.target_features,
-        run.heldout,
-        run.max_steps,
-    )
+    max_steps = run.max_steps
     world, rank = accelerator.num_processes, accelerator.process_index
 
     # -- the loop -------------------------------------------------------------------------------
-    stream = micro_batches(train_data, collate, cfg, world, rank, state)
+    stream = micro_batches(run.train_data, run.collate, cfg, world, rank, state)
     progress = tqdm(total=max_steps, initial=state.step, desc="train", disable=not accelerator.is_main_process)
     interval_stats: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(2, device=accelerator.device))
     interval_tokens, interval_positions, interval_start = 0, 0, time.perf_counter()
@@ -113,7 +107,7 @@ def train(cfg: DictConfig) -> Path:
                 batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
                 with accelerator.accumulate(drafter):
                     with torch.no_grad():
-                        target_out = target_features(batch)
+                        target_out = run.target_features(batch)
                     with accelerator.autocast():
                         loss, stats = drafter(batch, target_out)
                     accelerator.backward(loss)
@@ -156,11 +150,11 @@ def train(cfg: DictConfig) -> Path:
                 interval_stats.clear()
                 interval_tokens, interval_positions, interval_start = 0, 0, time.perf_counter()
             if (
-                heldout is not None
+                run.heldout is not None
                 and cfg.train.eval_every > 0
                 and (state.step % cfg.train.eval_every == 0 or state.step == max_steps)
             ):
-                measured = evaluate_heldout(accelerator, drafter, heldout, collate, target_features, cfg)
+                measured = evaluate_heldout(accelerator, drafter, run.heldout, run.collate, run.target_features, cfg)
                 row |= {f"heldout/{k}": v for k, v in measured.items()}
                 state.curve.append(curve_row(state, measured, cfg.eval.num_speculative_tokens))
                 if keep_best(accelerator, drafter, state, output_dir, measured):
