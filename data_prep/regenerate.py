@@ -273,9 +273,15 @@ def regenerate_batch(
     it (its own earlier answers included); round k answers the k-th assistant turn of every
     conversation that has one, in one call of `engine` (TransformersAnswers or VllmAnswers). A turn
     whose prompt holds `max_length` tokens or more ends its conversation at the assistant turn before
-    it (None: left out, when it is the first). Returns the conversations and which were cut short."""
+    it (None: left out, when it is the first). With `section.max_turns` a conversation ends after its
+    max_turns-th assistant turn. Returns the conversations and which were cut short."""
     conversations = [[dict(message) for message in messages] for messages in batch]
-    turns = [[i for i, message in enumerate(messages) if message["role"] == "assistant"] for messages in conversations]
+    turns = [
+        [i for i, message in enumerate(messages) if message["role"] == "assistant"][: section.max_turns]
+        for messages in conversations
+    ]
+    if section.max_turns is not None:
+        conversations = [messages[: kept[-1] + 1] for messages, kept in zip(conversations, turns)]
     cut = [False] * len(conversations)
     for round_ in range(max(map(len, turns))):
         active, prompts = [], []

@@ -219,6 +219,10 @@ def check_data(d) -> None:
         f"data.regenerate.batch_size={r.batch_size} and max_new_tokens={r.max_new_tokens} must be >= 1",
     )
     require(
+        r.max_turns is None or r.max_turns >= 1,
+        f"data.regenerate.max_turns={r.max_turns} must be >= 1 (or null: every assistant turn)",
+    )
+    require(
         r.temperature >= 0 and 0 < r.top_p <= 1,
         f"need data.regenerate.temperature >= 0 and 0 < top_p <= 1 (got {r.temperature}, {r.top_p})",
     )
@@ -336,6 +340,10 @@ def check_drafter(cfg: DictConfig) -> None:
     shape = local_target_shape(cfg.target.name_or_path)
     config.check(shape)
     require_draft_vocab_use(cfg, config, shape)
+    require(
+        cfg.eval.tree == 0 or drafter_cls.proposes_trees(config),
+        f"eval.tree={cfg.eval.tree} but this {cfg.drafter.type} drafter, as configured, proposes chains only: set eval.tree=0",
+    )
     longest = drafter_cls.max_chain(config)
     gamma = cfg.eval.num_speculative_tokens
     require(

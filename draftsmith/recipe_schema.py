@@ -65,6 +65,9 @@ class RegenerateSection:
     # transformers (model.generate, left-padded batches) | vllm (continuous batching, see `vllm`)
     engine: str = "transformers"
     max_new_tokens: int = 256  # per assistant turn
+    # assistant turns answered per conversation, the rest of it dropped (None: all); 1 = first turns only,
+    # as MT-bench scores them (more distinct prompts for the same generation time)
+    max_turns: Optional[int] = None
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0  # nucleus sampling when temperature > 0
     batch_size: int = 8  # conversations per part file, generated together (vllm: use hundreds)

@@ -16,6 +16,14 @@ The conversions, each checked and recorded in draftsmith_export.json:
   written, as vLLM reads them (vllm/transformers_utils/configs/speculators/algos.py, models/llama_eagle3.py;
   both default to false). SGLang's EAGLE-3 layer has neither: such a drafter is refused for SGLang.
 
+P-EAGLE (`drafter.parallel_drafting`) is vLLM's own parallel format, `speculators_model_type: "peagle"`
+with `mask_token_id` (vllm/transformers_utils/configs/speculators/algos.py: it becomes `pard_token`) and
+the `mask_hidden` weight [n_aux * H]; it is served with `"parallel_drafting": true` in the speculative
+config (written into the serving command; without it vLLM skips mask_hidden with a warning and drafts
+sequentially with a drafter trained for mask inputs). vLLM's peagle reader drops the top-level
+`fc_norm`/`norm_output`, but starts from `transformer_layer_config`, so EAGLE-3.1's keys go there too.
+SGLang has no parallel EAGLE: refused.
+
 SGLang (checked against sglang's llama_eagle3.py and the Llama target's layer capture, source read,
 not run): `eagle_config.eagle_aux_hidden_state_layer_ids` are draftsmith's ids (it captures id + 1
 before that layer), the layer's residual is always the un-normalised feature (it ignores
@@ -37,6 +45,7 @@ from draftsmith.export.repo import EngineRepo, llama_layer_config, require_llama
 from draftsmith.heads import drafter_class
 
 VLLM_SERVE = """vllm serve {target} --speculative-config '{{"method": "eagle3", "model": "{path}", "num_speculative_tokens": {gamma}}}'"""
+VLLM_SERVE_PARALLEL = """vllm serve {target} --speculative-config '{{"method": "eagle3", "model": "{path}", "num_speculative_tokens": {gamma}, "parallel_drafting": true}}'"""
 SGLANG_SERVE = (
     "python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 --speculative-draft-model-path {path} "
     "--speculative-num-steps {gamma} --speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma_plus_one}"
@@ -128,6 +137,12 @@ class Eagle3Exporter(Exporter):
                 },
             },
         }
+        serve, options = VLLM_SERVE, {}
+        if drafter.config.parallel_drafting:
+            extensions = {key: config[key] for key in ("fc_norm", "norm_output")}
+            config |= {"speculators_model_type": "peagle", "mask_token_id": int(drafter.config.mask_token_id)}
+            config["transformer_layer_config"] = layer | extensions  # the peagle reader reads them only there
+            serve, options = VLLM_SERVE_PARALLEL, {"parallel_drafting": True}
         conventions = {
             "aux_layer_ids": {
                 "draftsmith": ours,
@@ -142,11 +157,24 @@ class Eagle3Exporter(Exporter):
         expected = layer_expected(layer, target.shape.vocab_size, drafter.config.draft_vocab_size, len(ids))
         if drafter.config.fc_norm:
             expected |= {f"fc_norm.{i}.weight": (target.shape.hidden_size,) for i in range(len(ids))}
-        return EngineRepo("vllm", config, drafter.state_dict(), expected, VLLM_SERVE, conventions, method="eagle3")
+        if drafter.config.parallel_drafting:
+            expected["mask_hidden"] = (len(ids) * target.shape.hidden_size,)
+            conventions["parallel_drafting"] = (
+                f"speculators_model_type peagle, mask_token_id {config['mask_token_id']} (vLLM's pard_token), mask_hidden shipped; "
+                "serve with parallel_drafting: true; EAGLE-3.1's keys also in transformer_layer_config (the peagle reader reads them there)"
+            )
+        return EngineRepo(
+            "vllm", config, drafter.state_dict(), expected, serve, conventions, method="eagle3", options=options
+        )
 
     def sglang(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         check_plain_llama(source, "SGLang")
         drafter, target = source.drafter, source.target
+        if drafter.config.parallel_drafting:
+            raise UserError(
+                "this EAGLE-3 drafter drafts in parallel (P-EAGLE), which SGLang does not serve: it would draft sequentially "
+                "with a drafter trained for mask inputs (export it for vllm)"
+            )
         extensions = [key for key in ("fc_norm", "norm_output") if getattr(drafter.config, key)]
         if extensions:
             raise UserError(
@@ -190,7 +218,7 @@ class Eagle3Exporter(Exporter):
         return EngineRepo("sglang", config, tensors, expected, SGLANG_SERVE, conventions, method="EAGLE3")
 
     def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
-        return config.get("speculators_model_type") == "eagle3" or any(
+        return config.get("speculators_model_type") in ("eagle3", "peagle") or any(
             "Eagle3" in arch for arch in config.get("architectures", [])
         )
 
@@ -199,10 +227,14 @@ class Eagle3Exporter(Exporter):
     ):
         if "speculators_config" in config:  # vLLM convention: input of layer id
             ours = [layer - 1 for layer in config["eagle_aux_hidden_state_layer_ids"]]
-            norm_before_residual = config.get("norm_before_residual", True)  # vLLM's default for this format
-            extensions = {
-                key: bool(config.get(key, False)) for key in ("fc_norm", "norm_output")
-            }  # EAGLE-3.1; vLLM's default false
+            parallel = config["speculators_model_type"] == "peagle"
+            # read where vLLM reads: its eagle3 reader defaults norm_before_residual to true and takes
+            # EAGLE-3.1's keys from the top level, its peagle reader to false and from the layer config
+            norm_before_residual = config.get("norm_before_residual", not parallel)
+            holder = config.get("transformer_layer_config", {}) if parallel else config
+            extensions = {key: bool(holder.get(key, False)) for key in ("fc_norm", "norm_output")}
+            if parallel:
+                extensions |= {"parallel_drafting": True, "mask_token_id": int(config["mask_token_id"])}
         else:  # LlamaForCausalLMEagle3: SGLang's eagle_config ids are draftsmith's (output of layer id)
             ours = list(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
             top = config.get("eagle_aux_hidden_state_layer_ids")

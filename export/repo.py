@@ -62,6 +62,8 @@ class EngineRepo:
     serve: str
     conventions: dict[str, Any] = field(default_factory=dict)
     method: str = ""  # the engine's name for the algorithm (vLLM's speculative_config method)
+    # what else the engine's speculative config must say to serve this folder (P-EAGLE: parallel_drafting)
+    options: dict[str, Any] = field(default_factory=dict)
     tokenizer: bool = False  # copy the target's tokenizer files in
     extra: Optional[Callable[[Path], None]] = None  # writes more into the folder (Medusa-2's merged target)
     weights_dir: str = ""  # subfolder holding config.json + weights ("" = the folder itself)

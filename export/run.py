@@ -165,6 +165,7 @@ def export_info(
         "num_speculative_tokens": gamma,
         "conventions": repo.conventions,
         "serve": repo.serve,
+        "speculative_config": {"method": repo.method, **repo.options},  # vLLM's, less model and γ
         "recommended_num_speculative_tokens": recommended_gamma(report),
         "eval_report": None
         if report is None

@@ -103,6 +103,7 @@ def verify_in_vllm(
                     "method": repo.method,
                     "model": str(folder / repo.weights_dir),
                     "num_speculative_tokens": gamma,
+                    **repo.options,
                 },
             },
         ],

@@ -169,6 +169,11 @@ class Drafter(nn.Module):
         """The longest chain it proposes (None: unlimited)."""
         return None
 
+    @classmethod
+    def proposes_trees(cls, config) -> bool:
+        """Whether its proposer grows trees (eval.tree > 0), or proposes chains only."""
+        return "tree" in cls.SERVED_BY
+
     @property
     def request(self) -> FeatureRequest:
         return type(self).features(self.config, self.target)

@@ -216,8 +216,16 @@ class EagleProposer(Proposer):
             return self.grow(root_feature, depth=num_tokens, topk=1, nodes=num_tokens)
         return self.grow(root_feature, depth=tree.depth, topk=tree.topk, nodes=tree.nodes)
 
-    def catch_up(self, state: DraftState) -> torch.Tensor:
+    def catch_up(
+        self,
+        state: DraftState,
+        extra_tokens: Optional[torch.Tensor] = None,
+        extra_features: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """Bring the drafter's cache to the committed sequence and return the output feature after the root.
+        With `extra_tokens` [k] and `extra_features` [k, H] (P-EAGLE's masked queries), k more entries
+        follow the root in the same forward, at the next positions: the outputs of the root and of
+        them are returned, [1 + k, H].
 
         Cache entry p holds (x_{p+1}, f_p), f_p the input feature the target's hidden states at p
         give. With n committed tokens the target's states are known at positions 0..n-2, and the
@@ -242,11 +250,18 @@ class EagleProposer(Proposer):
                 f"{drafter.type} cache holds {self.cache.get_seq_length()} positions, the committed sequence needs {start}"
             )
         self.cache.crop(start - self.cache.get_seq_length())  # crop takes minus the count to drop
-        new = torch.arange(start, committed, device=tokens.device)
-        mask = torch.ones(1, 1, len(new), committed, dtype=torch.bool, device=tokens.device).tril(start)
-        out = drafter.draft(tokens[start + 1 :][None], features[None], new[None], mask, self.cache)
+        inputs, extra = tokens[start + 1 :], 0
+        if extra_tokens is not None:
+            inputs, features, extra = (
+                torch.cat([inputs, extra_tokens]),
+                torch.cat([features, extra_features]),
+                len(extra_tokens),
+            )
+        new = torch.arange(start, committed + extra, device=tokens.device)
+        mask = torch.ones(1, 1, len(new), committed + extra, dtype=torch.bool, device=tokens.device).tril(start)
+        out = drafter.draft(inputs[None], features[None], new[None], mask, self.cache)
         self.draft_forwards += 1
-        return out[0, -1]
+        return out[0, -1] if extra_tokens is None else out[0, -1 - extra :]
 
     def grow(self, root_feature: torch.Tensor, depth: int, topk: int, nodes: int) -> DraftTree:
         """EAGLE-2's dynamic tree: score nodes by cumulative draft log-prob; at each step give each

@@ -14,6 +14,13 @@ EAGLE-3.1 (`fc_norm`, `norm_output`, as vLLM reads them): g_t = fc(cat(n_a(h^a_t
 with one RMSNorm per aux layer (`fc_norm.{i}`, vLLM's names), and the feature
 passed on is o'_t = norm(o_t), read by the lm_head as it is.
 
+P-EAGLE (`parallel_drafting`, as vLLM serves it with `parallel_drafting: true`): one draft forward
+proposes the whole chain. The first query is the usual (x_{t+1}, g_t); the k-th of the γ-1 after it
+reads the embedding of `mask_token_id` (a token of the target's vocabulary) and the fused learned
+`mask_hidden` (the aux layers' states side by side, [n_aux * H], through fc_norm and fc like a
+captured state), at position t+k, attending to the committed entries and the mask queries before it.
+Training is the training-time test with those inputs at every step after the first.
+
 Layer ids: `aux_layers` use draftsmith's convention (draftsmith.target): id i is the *output* of
 decoder layer i (transformers' hidden_states[i + 1]), -1 the embeddings. vLLM's
 `eagle_aux_hidden_state_layer_ids` (and EAGLE-3's own code) name the layer whose *input* is captured,
@@ -49,8 +56,16 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from draftsmith.errors import UserError
 from draftsmith.heads import register
-from draftsmith.heads.base import DrafterConfig, DraftState, check_layer_ids, per_sample_stats
-from draftsmith.heads.eagle import EagleBase, check_tree_settings, import_qualified
+from draftsmith.heads.base import (
+    DrafterConfig,
+    DraftState,
+    DraftTree,
+    Proposer,
+    Tree,
+    check_layer_ids,
+    per_sample_stats,
+)
+from draftsmith.heads.eagle import EagleBase, EagleProposer, check_tree_settings, import_qualified
 from draftsmith.heads.packing import documents, draft_attention_mask, num_documents, positions, same_document
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
@@ -77,6 +92,10 @@ class Eagle3Config(DrafterConfig):
     # ... and the post-norm output o' = norm(o) as the feature the next draft step reads (and the lm_head's
     # input), where EAGLE-3 passes the pre-norm o on.
     norm_output: bool = False
+    # P-EAGLE: one draft forward proposes the whole chain, the later queries reading mask_token_id's
+    # embedding and a learned `mask_hidden` (vLLM: speculative_config parallel_drafting=true) ...
+    parallel_drafting: bool = False
+    mask_token_id: Optional[int] = None  # ... a token of the target's vocabulary (required with parallel_drafting)
     tree_depth: int = 5  # dynamic tree (EAGLE-2): draft steps ...
     tree_topk: int = 8  # ... children expanded per node and nodes expanded per step; eval.tree = node budget
     decoder: Optional[dict] = None  # the target family's layer/rotary classes and config; set by from_target
@@ -89,6 +108,15 @@ class Eagle3Config(DrafterConfig):
             )
         if self.draft_vocab_size < 1:
             raise UserError(f"drafter.draft_vocab_size={self.draft_vocab_size} must be >= 1")
+        if self.parallel_drafting and self.mask_token_id is None:
+            raise UserError(
+                "drafter.parallel_drafting=true needs drafter.mask_token_id: the token the engine feeds at the masked "
+                "positions (any token of the target's vocabulary; its embedding stays the target's)"
+            )
+        if target is not None and self.mask_token_id is not None and not 0 <= self.mask_token_id < target.vocab_size:
+            raise UserError(
+                f"drafter.mask_token_id={self.mask_token_id} is not a token of the target's {target.vocab_size}-token vocabulary"
+            )
         if target is not None:
             default = None if self.aux_layers is not None else "EAGLE-3's default aux layers [1, L//2-1, L-4]"
             check_layer_ids(
@@ -286,6 +314,8 @@ class Eagle3(EagleBase):
         if config.fc_norm:  # fresh norms of the family's class (weight 1)
             self.fc_norm = nn.ModuleList([copy.deepcopy(layer.input_layernorm) for _ in config.aux_layers])
         self.layers = nn.ModuleList([Eagle3Layer(layer, hidden, config.norm_before_residual)])
+        if config.parallel_drafting:  # unit scale: through fc_norm it is a normalised state from the start
+            self.mask_hidden = nn.Parameter(torch.randn(len(config.aux_layers) * hidden))
         self.norm = copy.deepcopy(layer.input_layernorm)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
         self.pruned = config.draft_vocab_size < target.vocab_size
@@ -315,6 +345,10 @@ class Eagle3(EagleBase):
                 drafter.norm.load_state_dict(final_norm.state_dict())
         drafter.set_draft_vocab(torch.arange(config.draft_vocab_size))
         return drafter
+
+    @classmethod
+    def proposes_trees(cls, config: Eagle3Config) -> bool:
+        return not config.parallel_drafting  # one forward proposes one chain
 
     @classmethod
     def features(cls, config: Eagle3Config, target: TargetShape) -> FeatureRequest:
@@ -375,6 +409,14 @@ class Eagle3(EagleBase):
             states = [norm(state) for norm, state in zip(self.fc_norm, states)]
         return self.fc(torch.cat(states, dim=-1))
 
+    def mask_inputs(self, count: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """P-EAGLE's masked queries: `count` mask tokens [count] and their feature, mask_hidden fused
+        like a captured state [count, H] (vLLM: combine_hidden_states(mask_hidden))."""
+        chunks = self.mask_hidden.chunk(len(self.config.aux_layers))
+        feature = self.fuse(dict(zip(self.config.aux_layers, chunks)))
+        tokens = torch.full((count,), self.config.mask_token_id, dtype=torch.long, device=device)
+        return tokens, feature.expand(count, -1)
+
     def draft(self, tokens, features, positions, mask=None, cache=None, **attention) -> torch.Tensor:
         """o = layer(embed(x), g) for input features g (fused target features or earlier outputs);
         see EagleBase.draft. `attention` goes to the attention function (`ttt_at`, see `unroll_at`)."""
@@ -400,6 +442,9 @@ class Eagle3(EagleBase):
                 f"eagle3 needs the target's layers {missing} at the newly committed positions (DraftState.new_layers)"
             )
         return self.fuse(state.new_layers)
+
+    def proposer(self, temperature: float = 0.0) -> EagleProposer:
+        return ParallelProposer(self) if self.config.parallel_drafting else EagleProposer(self)
 
     # -- training -------------------------------------------------------------------------------
     def unroll(
@@ -451,8 +496,11 @@ class Eagle3(EagleBase):
                 unrolled += [(previous[:0], torch.full_like(slots, -1))] * (self.config.ttt_steps - step)
                 break
             cache.previous = previous_slots[rows, cols]  # each position's row among the previous step's
-            tokens = shifted(input_ids, 1 + step, width)[rows, cols]
-            features = previous.index_select(0, cache.previous)
+            if self.config.parallel_drafting:  # every later query reads the mask, never an earlier guess
+                tokens, features = self.mask_inputs(len(rows), input_ids.device)
+            else:
+                tokens = shifted(input_ids, 1 + step, width)[rows, cols]
+                features = previous.index_select(0, cache.previous)
             output = self.draft(
                 tokens[None],
                 features[None],
@@ -561,3 +609,22 @@ class Eagle3(EagleBase):
         probs = torch.cat(probs) if len(probs) != 1 else probs[0]
         in_vocab = self.t2d[best] if self.pruned else torch.ones_like(best, dtype=torch.bool)
         return best, in_vocab, probs.masked_fill_(~in_vocab[:, None], 0.0)
+
+
+class ParallelProposer(EagleProposer):
+    """P-EAGLE decoding: the committed entries and γ-1 masked queries in one draft forward, whose
+    last γ outputs give the chain (greedy). The masked entries sit past the root in the cache and
+    are cropped by the next catch-up like any draft entry. Chains only: the engines serve no
+    parallel tree."""
+
+    default_tree = Proposer.default_tree  # chains only: refused before decoding starts
+
+    @torch.no_grad()
+    def propose(self, state: DraftState, num_tokens: int, tree: Optional[Tree] = None) -> DraftTree:
+        if tree is not None:
+            raise UserError(
+                "a parallel-drafting eagle3 drafter proposes chains only (one forward per chain); set eval.tree=0"
+            )
+        tokens, features = self.drafter.mask_inputs(num_tokens - 1, state.tokens.device)
+        outputs = self.catch_up(state, tokens, features)
+        return DraftTree.chain(self.drafter.top_tokens(outputs, 1)[1][:, 0])

@@ -209,9 +209,10 @@ def assert_greedy_equals_plain(model, drafter, prompts, tree) -> None:
     assert 0 < accepted < drafted  # acceptances and rejections both happened
 
 
-def assert_cache_rollback(model, drafter, prompt: list[int], tmp_path) -> None:
+def assert_cache_rollback(model, drafter, prompt: list[int], tmp_path, trees: bool = True) -> None:
     """Over many verify cycles the drafter only ever sees what was committed since its last call;
-    its proposals must equal those of a fresh copy given the whole committed sequence."""
+    its proposals must equal those of a fresh copy given the whole committed sequence (chains and,
+    with `trees`, EAGLE trees on every other cycle)."""
     drafter.save_pretrained(tmp_path / "eagle")
     fresh_drafter = load_drafter(tmp_path / "eagle", TargetShape.of(model, "tiny"), model).eval()
     state = prefill(model, [prompt], drafter.request)
@@ -219,7 +220,7 @@ def assert_cache_rollback(model, drafter, prompt: list[int], tmp_path) -> None:
     lengths = set()
     proposer, fresh = drafter.proposer(), fresh_drafter.proposer()
     for cycle in range(24):
-        tree = EAGLE_TREE if cycle % 2 else None
+        tree = EAGLE_TREE if cycle % 2 and trees else None
         expected = fresh.propose(prefill(model, [row.tokens], drafter.request).rows[0].draft_state(), 3, tree)
         draft = propose(proposer, row, 3, tree, max_depth=4)
         assert torch.equal(draft.tokens, expected.tokens) and torch.equal(draft.parents, expected.parents), cycle
@@ -253,8 +254,9 @@ KINDS = {
 
 def save_drafter(kind: str, target, directory: Path, seed: int = 0, **config) -> Path:
     """A fresh drafter of `kind` for the demo target with its weights perturbed (so a lost or
-    renamed tensor shows), saved as a draftsmith checkpoint."""
-    recipe = load_recipe([f"recipe={KINDS[kind]}", *[f"drafter.{k}={v}" for k, v in config.items()]])
+    renamed tensor shows), saved as a draftsmith checkpoint. `config`: drafter keys, or dotted recipe keys."""
+    overrides = [f"{k}={v}" if "." in k else f"drafter.{k}={v}" for k, v in config.items()]
+    recipe = load_recipe([f"recipe={KINDS[kind]}", *overrides])
     from omegaconf import OmegaConf
 
     cls = drafter_class(kind)

@@ -261,6 +261,38 @@ def test_regeneration_resumes_without_redoing_finished_conversations(tmp_path, s
         regenerate(recipe(tmp_path / "resumed", "data.regenerate.max_new_tokens=4"), model, tokenizer)
 
 
+def test_max_turns_answers_the_first_turns_and_ends_the_conversation_there():
+    from omegaconf import OmegaConf
+
+    from draftsmith.data_prep.regenerate import regenerate_batch
+    from draftsmith.target import load_tokenizer
+
+    class Answers:  # a stand-in engine: which prompts were asked is what this test is about
+        def __init__(self):
+            self.asked = []
+
+        def answers(self, prompts, seeds):
+            self.asked += prompts
+            return [f"answer {i}" for i in range(len(prompts))]
+
+    def turn(role, content):
+        return {"role": role, "content": content}
+
+    batch = [
+        [turn("user", "a"), turn("assistant", "x"), turn("user", "b"), turn("assistant", "y"), turn("user", "c")],
+        [turn("system", "s"), turn("user", "d"), turn("assistant", "z")],
+    ]
+    tokenizer, engine = load_tokenizer(str(REFERENCE_TARGET)), Answers()
+    out, cut = regenerate_batch(engine, tokenizer, batch, OmegaConf.create({"max_turns": 1}), 1024)
+    assert out == [
+        [turn("user", "a"), turn("assistant", "answer 0")],
+        [turn("system", "s"), turn("user", "d"), turn("assistant", "answer 1")],
+    ]
+    assert len(engine.asked) == 2 and cut == [False, False]
+    everything, _ = regenerate_batch(Answers(), tokenizer, batch, OmegaConf.create({"max_turns": None}), 1024)
+    assert [m["role"] for m in everything[0]] == ["user", "assistant", "user", "assistant", "user"]
+
+
 def test_regenerate_cli_reports_bad_input_in_one_line(tmp_path):
     from tests.conftest import run_entry
 

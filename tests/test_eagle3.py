@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 from draftsmith.data_prep import Collator, PackingCollator
 from draftsmith.errors import UserError
-from draftsmith.eval.loop import prefill
+from draftsmith.eval.loop import generate, prefill
 from draftsmith.heads import drafter_class, load_drafter
 from draftsmith.heads.base import DynamicTree, TargetShape, per_sample_stats
 from draftsmith.heads.eagle3 import shifted
@@ -395,6 +395,59 @@ def test_eagle31_greedy_is_lossless_and_round_trips_the_checkpoint(model, drafte
     assert loaded.config.fc_norm and loaded.config.norm_output
     state = prefill(model, [[5, 9, 2, 7, 11]], drafter31.request).rows[0].draft_state()
     assert torch.equal(drafter31.proposer().propose(state, 4).tokens, loaded.proposer().propose(state, 4).tokens)
+
+
+# -- P-EAGLE: parallel drafting ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def parallel_drafter(model):
+    return fitted_eagle(model, steps=60, **TINY, fc_norm=True, parallel_drafting=True, mask_token_id=2)
+
+
+@pytest.mark.parametrize("n", [2, 7, 12])
+def test_parallel_training_time_test_equals_the_one_forward_of_decoding(model, parallel_drafter, n):
+    """Decoding drafts the whole chain in one forward (the root's query, then mask queries); TTT step i
+    at position n-2 must give that forward's i-th logits. Later steps read the mask, never the text
+    after the committed prefix: any continuation gives the same logits."""
+    generator = torch.Generator().manual_seed(n)
+    prefix = torch.randint(3, TINY_VOCAB, (n,), generator=generator)
+    steps = parallel_drafter.config.ttt_steps
+    state = prefill(model, [prefix.tolist()], parallel_drafter.request).rows[0].draft_state()
+    proposer = parallel_drafter.proposer()
+    tokens, decoded = chain_logits(parallel_drafter, state, steps)
+    assert len(decoded) == 1 and decoded[0].shape[0] == steps  # one lm_head call over the whole chain
+    assert torch.equal(proposer.propose(state, steps).tokens, tokens) and proposer.draft_forwards == 1
+    for continuation in (tokens, torch.randint(3, TINY_VOCAB, (steps,), generator=generator)):
+        text = torch.cat([prefix, continuation, torch.randint(3, TINY_VOCAB, (3,), generator=generator)])[None]
+        with torch.no_grad():
+            outputs = parallel_drafter.unroll(text, run_target(model, text, request=parallel_drafter.request).layers)
+            for step in range(steps):
+                trained = parallel_drafter.draft_logits(outputs[step][0, n - 2])
+                torch.testing.assert_close(trained, decoded[0][step], rtol=1e-4, atol=1e-4, msg=f"step {step}")
+
+
+def test_parallel_greedy_is_lossless_at_one_draft_forward_per_cycle(model, parallel_drafter, prompts, tmp_path):
+    assert_greedy_equals_plain(model, parallel_drafter, prompts, None)
+    out = generate(model, prompts[2], 40, parallel_drafter.proposer(), gamma=3)
+    assert out.counts.draft_forwards == out.counts.target_forwards > 0  # one draft forward per verify cycle
+    assert_cache_rollback(model, parallel_drafter, prompts[2], tmp_path, trees=False)
+    with pytest.raises(UserError, match="chains only"):
+        parallel_drafter.proposer().default_tree(6)
+    with pytest.raises(UserError, match="chains only"):
+        generate(model, prompts[0], 8, parallel_drafter.proposer(), gamma=3, tree=DynamicTree(nodes=6, depth=3, topk=2))
+    with pytest.raises(UserError, match="eval.tree=16 but this eagle3 drafter, as configured, proposes chains only"):
+        load_recipe(["recipe=eagle3", "drafter.parallel_drafting=true", "drafter.mask_token_id=2", "eval.tree=16"])
+    with pytest.raises(UserError, match="parallel_drafting=true needs drafter.mask_token_id"):
+        load_recipe(["recipe=eagle3", "drafter.parallel_drafting=true", "eval.tree=0"])
+
+
+def test_parallel_drafter_round_trips_mask_hidden(model, parallel_drafter, prompts, tmp_path):
+    parallel_drafter.save_pretrained(tmp_path / "peagle")
+    saved = load_file(str(tmp_path / "peagle" / "model.safetensors"))
+    assert saved["mask_hidden"].shape == (3 * model.config.hidden_size,)
+    loaded = load_drafter(tmp_path / "peagle", TargetShape.of(model, "tiny"), model).eval()
+    assert loaded.config.parallel_drafting and loaded.config.mask_token_id == 2
+    state = prefill(model, [prompts[1]], parallel_drafter.request).rows[0].draft_state()
+    assert torch.equal(parallel_drafter.proposer().propose(state, 4).tokens, loaded.proposer().propose(state, 4).tokens)
 
 
 # -- configuration --------------------------------------------------------------------------------

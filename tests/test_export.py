@@ -96,6 +96,25 @@ def test_eagle3_conventions_are_converted_and_written(target, tmp_path):
     assert json.loads((folders["vllm"] / "config.json").read_text())["norm_before_residual"] is True
 
 
+PEAGLE = {"parallel_drafting": "true", "mask_token_id": "5", "eval.tree": "0"}  # P-EAGLE proposes chains only
+
+
+def test_peagle_is_written_in_vllms_parallel_format(target, tmp_path):
+    checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt", **PEAGLE, fc_norm="true")
+    folder = run_export("eagle3", checkpoint, tmp_path / "export", target=target)["vllm"]
+    config = json.loads((folder / "config.json").read_text())
+    assert config["speculators_model_type"] == "peagle" and config["mask_token_id"] == 5
+    assert config["transformer_layer_config"]["fc_norm"] is True  # where vLLM's peagle reader looks
+    hidden = target.config.hidden_size
+    assert load_file(str(folder / "model.safetensors"))["mask_hidden"].shape == (3 * hidden,)
+    info = json.loads((folder / EXPORT_INFO).read_text())
+    assert info["speculative_config"] == {"method": "eagle3", "parallel_drafting": True}
+    assert (
+        '"parallel_drafting": true' in info["serve"]
+        and '"parallel_drafting": true' in (folder / "README.md").read_text()
+    )
+
+
 def test_dflash_conventions_are_converted_and_written(target, tmp_path):
     checkpoint = save_drafter("dflash", target, tmp_path / "ckpt")  # target layers [0, 1, 2], mask token 5, block 8
     folder = run_export("dflash", checkpoint, tmp_path / "export", target=target)["vllm"]
@@ -136,6 +155,7 @@ def test_dflash_conventions_are_converted_and_written(target, tmp_path):
             ["export.engines=[sglang]"],
             "EAGLE-3.1's norm_output, which SGLang's EAGLE-3 layer does not have",
         ),
+        ("eagle3", PEAGLE, ["export.engines=[sglang]"], "drafts in parallel (P-EAGLE), which SGLang does not serve"),
         (
             "medusa",
             {},
@@ -152,6 +172,7 @@ def test_dflash_conventions_are_converted_and_written(target, tmp_path):
         "eagle3-norm-before-residual-for-sglang",
         "eagle3-post-norm-layer",
         "eagle31-for-sglang",
+        "peagle-for-sglang",
         "medusa-more-tokens-than-heads",
         "dflash-learned-mask",
         "dflash-without-qk-norm",
@@ -212,8 +233,9 @@ EAGLE31 = {"fc_norm": "true", "norm_output": "true"}
 @pytest.mark.parametrize(
     "kind, engine, config",
     [("medusa", "vllm", {}), ("medusa2", "vllm", {}), ("eagle", "vllm", {}), ("eagle", "sglang", {}), ("eagle3", "vllm", {}), ("eagle3", "sglang", {}),
-     ("eagle3", "vllm", EAGLE31), ("draft_model", "vllm", {}), ("dflash", "vllm", {})],
-    ids=["medusa-vllm", "medusa2-vllm", "eagle-vllm", "eagle-sglang", "eagle3-vllm", "eagle3-sglang", "eagle3.1-vllm", "draft_model-vllm", "dflash-vllm"],
+     ("eagle3", "vllm", EAGLE31), ("eagle3", "vllm", PEAGLE | EAGLE31), ("draft_model", "vllm", {}), ("dflash", "vllm", {})],
+    ids=["medusa-vllm", "medusa2-vllm", "eagle-vllm", "eagle-sglang", "eagle3-vllm", "eagle3-sglang", "eagle3.1-vllm", "peagle-vllm",
+         "draft_model-vllm", "dflash-vllm"],
 )  # fmt: skip
 def test_an_exported_folder_evaluates_like_its_checkpoint(kind, engine, config, target, small_data, tmp_path):
     from draftsmith.eval.report import run_eval
@@ -223,12 +245,13 @@ def test_an_exported_folder_evaluates_like_its_checkpoint(kind, engine, config, 
     folders = run_export(kind, checkpoint, tmp_path / "export", f"export.engines=[{engine}]", target=target)
     if config:  # EAGLE-3.1: both keys written, one norm per aux layer shipped under vLLM's names
         written = json.loads((folders[engine] / "config.json").read_text())
-        assert written["fc_norm"] is True and written["norm_output"] is True
+        holder = written["transformer_layer_config"] if "parallel_drafting" in config else written
+        assert holder["fc_norm"] is True and holder["norm_output"] is True
         assert {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"} <= set(
             load_file(str(folders[engine] / "model.safetensors"))
         )
     quick = [f"eval.data=[{small_data['eval']}]", "eval.max_prompts=1", "eval.max_new_tokens=16", "eval.tree=6"]
-    if kind == "draft_model":
+    if kind == "draft_model" or "parallel_drafting" in config:  # chains only
         quick[-1] = "eval.tree=0"
     rows = {}
     for name, path in (("checkpoint", checkpoint), ("export", folders[engine])):
