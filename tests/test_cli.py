@@ -34,9 +34,9 @@ def test_every_command_answers_help_without_running(command, capsys):
     code, out, _ = run(command, ["recipe=eagle3_sharegpt_smollm2", "-h"], capsys)
     assert code == 0
     assert (
-        "data.max_conversations (Optional[int]) = 2000 (default null)" in out
+        "data.max_conversations (Optional[int]) = 2400 (default null)" in out
     )  # the recipe's value beside the default
-    assert "drafter.ttt_steps (int) = 4 (default 7)" in out  # the recipe's drafter type's keys
+    assert "drafter.ttt_steps (int) = 3 (default 7)" in out  # the recipe's drafter type's keys
 
 
 def test_cfg_prints_the_resolved_recipe_and_a_bad_one_is_one_line(capsys, tmp_path):
