@@ -388,7 +388,8 @@ def main() -> None:
     for kind in kinds:
         if "train" in stages:
             timed(f"train_{kind}", stage_train, args, runs, kind, log)
-            curve = load_json(runs / kind / "curve.json")
+        curve = load_json(runs / kind / "curve.json")  # also of a training stopped early (best/ is then the last best)
+        if curve:
             result.setdefault("curves", {})[kind] = curve | {"extrapolation": log_linear_fit(curve.get("rows", []))}
         if "eval" in stages:
             result.setdefault("draftsmith_mtbench", {})[kind] = timed(f"eval_{kind}", stage_eval, args, runs, kind, log)
