@@ -48,13 +48,21 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parent.parent
+
+
 # kind -> (recipe, overrides) of the protocol; a kind is also the name of its folder under --runs. P-EAGLE
 # is EAGLE-3.1 drafting its whole chain in one forward (<empty_output>, id 16, as the mask token).
+class KindRecipe(NamedTuple):
+    recipe: str
+    overrides: list[str]
+
+
 RECIPES = {
-    "eagle3": ("eagle3_sharegpt_smollm2", []),
-    "peagle": ("eagle3_sharegpt_smollm2", ["drafter.parallel_drafting=true", "drafter.mask_token_id=16"]),
+    "eagle3": KindRecipe("eagle3_sharegpt_smollm2", []),
+    "peagle": KindRecipe("eagle3_sharegpt_smollm2", ["drafter.parallel_drafting=true", "drafter.mask_token_id=16"]),
 }
 STAGES = ("regenerate", "train", "eval", "export", "gamma", "time")
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
@@ -95,7 +103,7 @@ def target_dir() -> str:
     from draftsmith.recipe import load_recipe
 
     return load_recipe(
-        [f"recipe={RECIPES['eagle3'][0]}", "output_dir=/tmp/draftsmith-protocol-probe"]
+        [f"recipe={RECIPES['eagle3'].recipe}", "output_dir=/tmp/draftsmith-protocol-probe"]
     ).target.name_or_path
 
 
@@ -197,7 +205,7 @@ def stage_regenerate(args, runs: Path, log: Path) -> None:
         shutil.copytree(REPO / args.regenerated, output)
     run(
         [
-            "-m", "data_prep.regenerate", f"recipe={RECIPES['eagle3'][0]}", f"output_dir={runs / 'data'}",
+            "-m", "data_prep.regenerate", f"recipe={RECIPES['eagle3'].recipe}", f"output_dir={runs / 'data'}",
             f"data.max_conversations={args.conversations}", f"data.regenerate.vllm.python={args.vllm_python}",
         ],
         log,
@@ -211,7 +219,7 @@ def stage_train(args, runs: Path, kind: str, log: Path) -> None:
     resume = ["train.resume=true"] if any(kind_dir.glob("checkpoints/step_*")) else []
     run(
         [
-            "train.py", f"recipe={RECIPES[kind][0]}", *RECIPES[kind][1], f"output_dir={kind_dir}", f"data.train=[{runs / 'data' / 'regenerated'}]",
+            "train.py", f"recipe={RECIPES[kind].recipe}", *RECIPES[kind].overrides, f"output_dir={kind_dir}", f"data.train=[{runs / 'data' / 'regenerated'}]",
             f"train.epochs={args.epochs}", f"train.max_steps={args.max_steps}", f"train.heldout={args.heldout}", f"train.eval_every={args.eval_every}",
             "eval.enabled=false", "data.eval=[]", *resume,  # MT-bench is prompts only: the eval stage reads it, not training
         ],

