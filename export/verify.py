@@ -13,8 +13,11 @@ need not match draftsmith's. The engine side is draftsmith/engine_scripts/vllm_r
 
 from __future__ import annotations
 
+import atexit
 import json
+import select
 import subprocess
+import tempfile
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -31,23 +34,73 @@ from draftsmith.target import load_tokenizer
 ENGINE_TIMEOUT_S = 1800
 
 
+class EngineRunner:
+    """draftsmith/engine_scripts/vllm_run.py --serve under one vLLM Python: requests in, results out,
+    one line each. It stays up for the next check in this process (a session that exports several
+    drafters imports vLLM once) and is replaced after any failure."""
+
+    def __init__(self, python: str):
+        self.log = tempfile.TemporaryFile(mode="w+")  # vLLM's log: kept for the error message, never piped unread
+        script = Path(str(files("draftsmith.engine_scripts").joinpath("vllm_run.py")))
+        try:
+            self.process = subprocess.Popen(
+                [python, str(script), "--serve"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self.log,
+                text=True,
+            )
+        except OSError as err:
+            raise UserError(f"could not run vLLM with export.vllm_python={python!r}: {one_line(err)}") from None
+        self.python = python
+
+    def run(self, request: dict[str, Any]) -> dict[str, Any]:
+        try:
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+            ready, _, _ = select.select([self.process.stdout], [], [], ENGINE_TIMEOUT_S)
+            line = self.process.stdout.readline() if ready else ""
+            result = json.loads(line)
+        except (OSError, json.JSONDecodeError):
+            self.close()
+            self.log.seek(0)
+            raise UserError(f"vLLM ({self.python}) gave no result: {one_line(self.log.read()[-600:])}") from None
+        if not result.get("ok"):
+            self.close()
+        return result
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        RUNNERS.pop(self.python, None)
+
+
+RUNNERS: dict[str, EngineRunner] = {}  # by vLLM Python, for the life of this process
+
+
 def run_vllm(python: str, request: dict[str, Any]) -> dict[str, Any]:
-    """Run draftsmith/engine_scripts/vllm_run.py with `python`; its JSON result."""
-    script = Path(str(files("draftsmith.engine_scripts").joinpath("vllm_run.py")))
-    try:
-        done = subprocess.run(
-            [python, str(script)], input=json.dumps(request), capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S
-        )
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise UserError(f"could not run vLLM with export.vllm_python={python!r}: {one_line(err)}") from None
-    try:
-        result = json.loads(done.stdout.strip().splitlines()[-1])
-    except (json.JSONDecodeError, IndexError):
-        raise UserError(f"vLLM ({python}) gave no result: {one_line(done.stderr[-600:])}") from None
+    """Run `request` (see draftsmith/engine_scripts/vllm_run.py) in the EngineRunner for `python`; its JSON result."""
+    runner = RUNNERS.get(python)
+    if runner is None or runner.process.poll() is not None:
+        runner = RUNNERS[python] = EngineRunner(python)
+    result = runner.run(request)
     if not result.get("ok"):
         cause = "; ".join(result.get("error_lines") or []) or result.get("error", "unknown error")
         raise UserError(f"vLLM could not serve the export: {one_line(cause, 600)}")
     return result
+
+
+@atexit.register
+def close_runners() -> None:
+    for runner in list(RUNNERS.values()):
+        if runner.process.poll() is not None:
+            continue
+        runner.process.stdin.close()  # end of input: the runner exits by itself
+        try:
+            runner.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            runner.close()
 
 
 def draftsmith_side(
@@ -95,21 +148,30 @@ def verify_in_vllm(
         "prompts": prompts,
         "max_tokens": max_new,
         "max_model_len": min(limit, max(map(len, prompts)) + max_new + 8),
-        "runs": [
-            {"name": "plain", "speculative_config": None},
-            {
-                "name": "speculative",
-                "speculative_config": {
-                    "method": repo.method,
-                    "model": str(folder / repo.weights_dir),
-                    "num_speculative_tokens": gamma,
-                    **repo.options,
-                },
-            },
-        ],
     }
+    plain_key = json.dumps([cfg.export.vllm_python, stamp(Path(served)), request])
+    speculative = {
+        "method": repo.method,
+        "model": str(folder / repo.weights_dir),
+        "num_speculative_tokens": gamma,
+        **repo.options,
+    }
+    request["runs"] = [{"name": "speculative", "speculative_config": speculative}]
+    if plain_key not in PLAIN_RUNS:
+        request["runs"].insert(0, {"name": "plain", "speculative_config": None})
     engine = run_vllm(cfg.export.vllm_python, request)
+    engine["runs"]["plain"] = PLAIN_RUNS.setdefault(plain_key, engine["runs"].get("plain"))
     return compare(engine, ours, gamma, float(cfg.export.tolerance), len(prompts), max_new)
+
+
+# The engine's plain greedy outputs by vLLM Python, target files and request: checking several drafters
+# of one target in one process runs the target alone once.
+PLAIN_RUNS: dict[str, dict[str, Any]] = {}
+
+
+def stamp(directory: Path) -> list:
+    """What identifies a target folder's contents cheaply: its files' names, sizes and mtimes."""
+    return sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in directory.iterdir() if p.is_file())
 
 
 def served_target(cfg: DictConfig) -> str:

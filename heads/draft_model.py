@@ -12,6 +12,15 @@ plain model: with LoRA, `save_pretrained` writes the *merged* weights (plus the 
 stored in the drafter section (`model_config`). Weight names are the HF model's under a `model.`
 prefix (strip it for an HF checkpoint).
 
+PARD (`parallel_drafting`, as vLLM serves it: `method: draft_model` with `parallel_drafting: true` and
+`pard_token` in the draft's config.json): one draft forward proposes the whole chain. After the
+committed tokens the draft reads `parallel_tokens - 1` copies of `mask_token_id` (a token of the
+target's vocabulary) at the following positions; the last committed token's logits give draft 1 and
+mask j's give draft j + 1. Training puts, after the real tokens of each row, `parallel_tokens - 1`
+groups of mask tokens, one per anchor t: group k's mask for anchor t sits at position t + k, sees the
+real tokens up to t and anchor t's masks of groups 1..k (a 4-D attention mask), and learns the target's
+distribution for token t + k + 1; group 0 (the real tokens) trains as the plain draft model does.
+
 Decoding (`DraftModelProposer`): the draft model runs autoregressively with its own KV cache, which
 survives across calls and is cropped to the longest common prefix with the committed tokens. At
 temperature 0 it proposes the argmax (`probs=None`); at T > 0 (the eval's sampling temperature) it
@@ -37,6 +46,7 @@ from draftsmith.heads.base import Drafter, DrafterConfig, DraftState, DraftTree,
 from draftsmith.heads.distill import LOSSES, distill_loss, divergences
 from draftsmith.heads.lora import ADAPTER_DIR, LoraSection
 from draftsmith.heads.packing import (
+    causal_document_mask,
     causal_lm_inputs,
     documents,
     is_packed,
@@ -59,6 +69,11 @@ class DraftModelConfig(DrafterConfig):
     temperature: float = 1.0  # distillation temperature, applied to both distributions
     lora: Optional[LoraSection] = None  # train LoRA adapters only (merged into the saved weights)
     model_config: Optional[dict] = None  # filled by from_target: the draft's HF config, to rebuild it on load
+    # PARD: one draft forward proposes `parallel_tokens` tokens, the later ones read at mask_token_id
+    # positions (vLLM: speculative_config parallel_drafting=true, the draft's config.json pard_token) ...
+    parallel_drafting: bool = False
+    mask_token_id: Optional[int] = None  # ... a token of the target's vocabulary (required with parallel_drafting)
+    parallel_tokens: int = 4  # ... tokens per forward that training teaches: the longest chain it proposes
 
     def __post_init__(self):
         self.lora = LoraSection.coerce(self.lora)
@@ -86,13 +101,24 @@ class DraftModelConfig(DrafterConfig):
                 raise UserError(f"drafter.num_layers={self.num_layers} must be between 1 and {limit}")
         if self.lora is not None:
             self.lora.check()
+        if self.parallel_drafting and self.mask_token_id is None:
+            raise UserError(
+                "drafter.parallel_drafting=true needs drafter.mask_token_id: the token the engine feeds at the masked "
+                "positions (any token of the target's vocabulary)"
+            )
+        if self.parallel_tokens < 2:
+            raise UserError(f"drafter.parallel_tokens={self.parallel_tokens} must be >= 2")
+        if target is not None and self.mask_token_id is not None and not 0 <= self.mask_token_id < target.vocab_size:
+            raise UserError(
+                f"drafter.mask_token_id={self.mask_token_id} is not a token of the target's {target.vocab_size}-token vocabulary"
+            )
 
 
 @register
 class DraftModel(Drafter):
     type = "draft_model"
     Config = DraftModelConfig  # max_chain stays None: an autoregressive draft proposes chains of any length
-    SERVED_BY = {"chain": "vLLM, SGLang"}  # SGLang: STANDALONE
+    SERVED_BY = {"chain": "vLLM, SGLang (not PARD)"}  # SGLang: STANDALONE, sequential drafting only
 
     def __init__(self, config: DraftModelConfig, target: TargetShape, model=None):
         super().__init__(config, target)
@@ -121,6 +147,14 @@ class DraftModel(Drafter):
             model = get_peft_model(model, config.lora.peft_config())  # freezes every base weight
         return cls(config, shape, model)
 
+    @classmethod
+    def proposes_trees(cls, config: DraftModelConfig) -> bool:
+        return not config.parallel_drafting  # one forward proposes one chain
+
+    @classmethod
+    def max_chain(cls, config: DraftModelConfig) -> Optional[int]:
+        return config.parallel_tokens if config.parallel_drafting else None  # deeper masks were never trained
+
     # -- training -------------------------------------------------------------------------------
     @classmethod
     def features(cls, config: DraftModelConfig, target: TargetShape) -> FeatureRequest:
@@ -128,32 +162,42 @@ class DraftModel(Drafter):
 
     def loss(self, batch: dict, target_out: TargetOutput):
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
-        if (
-            is_packed(batch) and not self.packing_checked
-        ):  # a draft model of another family than the target's may not honour packing
-            require_packed_attention(self.model, "the draft model")
-            self.packing_checked = True
-        logits = self.model(input_ids=input_ids, **causal_lm_inputs(batch), use_cache=False).logits
-        # The distribution at position t predicts token t+1: supervise it where t+1 is an assistant
-        # token of the same document (packed rows hold several).
         docs = documents(batch)
-        mask = loss_mask[:, 1:] & same_document(docs, 1)
-        rows = docs[:, :-1][mask]
-        student = logits[:, :-1][mask].float()
-        teacher = target_out.logits[:, :-1][mask].float()
-        terms = divergences(student, teacher, self.config.temperature)
-        per_token = distill_loss(terms, self.config.loss, self.config.mix_weights)
-        if self.config.ce_weight > 0:
-            terms["ce"] = F.cross_entropy(student, input_ids[:, 1:][mask], reduction="none")
-            per_token = per_token + self.config.ce_weight * terms["ce"]
-        loss = per_token.sum() / mask.sum().clamp(min=1)
-        with torch.no_grad():
-            values = {name: value.detach() for name, value in terms.items()}
-            values["top1"] = (student.argmax(-1) == teacher.argmax(-1)).float()
-            values["accept"] = 1.0 - terms["tvd"].detach()  # speculative sampling's acceptance at this temperature
-            stats = per_sample_stats(
-                {f"step1/{name}": value for name, value in values.items()}, rows, num_documents(batch)
-            )
+        depths = self.config.parallel_tokens if self.config.parallel_drafting else 1
+        if depths > 1:
+            inputs = parallel_inputs(self.model, batch, depths, self.config.mask_token_id)
+            logits = self.model(**inputs, use_cache=False).logits
+        else:
+            if is_packed(batch) and not self.packing_checked:  # a draft of another family may not honour packing
+                require_packed_attention(self.model, "the draft model")
+                self.packing_checked = True
+            logits = self.model(input_ids=input_ids, **causal_lm_inputs(batch), use_cache=False).logits
+        length = input_ids.shape[1]
+        loss, stats = 0.0, {}
+        for depth in range(depths):
+            # Depth 0: the real token at t predicts token t + 1. Depth k: anchor t's mask at position t + k
+            # predicts token t + k + 1, which the target scores at t + k. Supervised where that token is an
+            # assistant token of anchor t's document (packed rows hold several).
+            shift = depth + 1
+            if shift >= length:
+                break
+            mask = loss_mask[:, shift:] & same_document(docs, shift)
+            rows = docs[:, :-shift][mask]
+            student = logits[:, depth * length : (depth + 1) * length - shift][mask].float()
+            teacher = target_out.logits[:, depth:-1][mask].float()
+            terms = divergences(student, teacher, self.config.temperature)
+            per_token = distill_loss(terms, self.config.loss, self.config.mix_weights)
+            if self.config.ce_weight > 0:
+                terms["ce"] = F.cross_entropy(student, input_ids[:, shift:][mask], reduction="none")
+                per_token = per_token + self.config.ce_weight * terms["ce"]
+            loss = loss + per_token.sum() / mask.sum().clamp(min=1)
+            with torch.no_grad():
+                values = {name: value.detach() for name, value in terms.items()}
+                values["top1"] = (student.argmax(-1) == teacher.argmax(-1)).float()
+                values["accept"] = 1.0 - terms["tvd"].detach()  # speculative sampling's acceptance at this temperature
+                stats |= per_sample_stats(
+                    {f"step{shift}/{name}": value for name, value in values.items()}, rows, num_documents(batch)
+                )
         return loss, stats
 
     def proposer(self, temperature: float = 0.0, seed: int = 0) -> DraftModelProposer:
@@ -174,13 +218,50 @@ class DraftModel(Drafter):
         super().save_pretrained(directory, untied(self.state_dict() if state_dict is None else state_dict))
 
 
+def parallel_inputs(model, batch: dict, depths: int, mask_token_id: int) -> dict[str, torch.Tensor]:
+    """The forward's inputs in PARD training (module docstring): each row's T real tokens, then
+    `depths - 1` groups of T mask tokens (group k's t-th at position t + k, for anchor t), with the
+    4-D mask that lets group k's mask for anchor t see the real tokens up to t in its document and
+    anchor t's masks of groups 1..k."""
+    implementation = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    if implementation.startswith("flash"):
+        raise UserError(
+            f"drafter.parallel_drafting trains with a 4-D attention mask, which {implementation} cannot take: "
+            "load the draft with sdpa or eager attention"
+        )
+    input_ids = batch["input_ids"]
+    rows, length = input_ids.shape
+    device = input_ids.device
+    positions = (
+        batch["position_ids"] if is_packed(batch) else torch.arange(length, device=device)[None].expand(rows, -1)
+    )
+    real = causal_document_mask(documents(batch))[:, 0]  # [B, T, T]
+    own = torch.eye(length, dtype=torch.bool, device=device).expand(rows, -1, -1)
+    allowed = torch.zeros(rows, depths * length, depths * length, dtype=torch.bool, device=device)
+    for depth in range(depths):
+        group = slice(depth * length, (depth + 1) * length)
+        allowed[:, group, :length] = real
+        for earlier in range(1, depth + 1):
+            allowed[:, group, earlier * length : (earlier + 1) * length] = own
+    mask = allowed[:, None]
+    if implementation == "eager":  # eager attention adds the mask to the scores
+        mask = torch.zeros(mask.shape, device=device).masked_fill(~mask, torch.finfo(torch.float32).min)
+    return {
+        "input_ids": torch.cat([input_ids, input_ids.new_full((rows, (depths - 1) * length), mask_token_id)], dim=1),
+        "position_ids": torch.cat([positions + depth for depth in range(depths)], dim=1),
+        "attention_mask": mask,
+    }
+
+
 class DraftModelProposer(Proposer):
-    """Autoregressive drafting with the draft model's own KV cache (see the module docstring)."""
+    """Autoregressive drafting with the draft model's own KV cache, or PARD's one forward per chain
+    (see the module docstring)."""
 
     features = FeatureRequest(final=False)
 
     def __init__(self, drafter: DraftModel, temperature: float, seed: int):
         self.model = drafter.model
+        self.mask_token_id = drafter.config.mask_token_id if drafter.config.parallel_drafting else None
         self.temperature = float(temperature)
         self.seed = seed
         self._generator: Optional[torch.Generator] = None  # one stream for all proposals, see _sample_generator
@@ -192,11 +273,15 @@ class DraftModelProposer(Proposer):
         if tree is not None:
             raise UserError("a draft_model drafter proposes chains only; set eval.tree=0")
         device = self.model.get_output_embeddings().weight.device
-        logits = self._advance(state.tokens.tolist(), device)
+        committed = state.tokens.tolist()
+        if self.mask_token_id is not None:  # PARD: the committed tokens, then masks; one forward, every draft
+            parallel = self._advance(committed + [self.mask_token_id] * (num_tokens - 1), device, num_tokens)
         tokens, probs = [], []
         for step in range(num_tokens):
-            if step > 0:
-                logits = self._advance(self._cached + [tokens[-1]], device)
+            if self.mask_token_id is not None:
+                logits = parallel[step]
+            else:
+                logits = self._advance(committed if step == 0 else self._cached + [tokens[-1]], device)[-1]
             if self.temperature > 0:
                 q = (logits.float() / self.temperature).softmax(-1)
                 tokens.append(int(torch.multinomial(q, 1, generator=self._sample_generator(device))))
@@ -206,14 +291,15 @@ class DraftModelProposer(Proposer):
         token_tensor = torch.tensor(tokens, device=device)
         return DraftTree.chain(token_tensor, torch.stack(probs) if probs else None)
 
-    def _advance(self, tokens: list[int], device: torch.device) -> torch.Tensor:
-        """The draft's next-token logits [V] after `tokens`, feeding only what the cache lacks.
+    def _advance(self, tokens: list[int], device: torch.device, outputs: int = 1) -> torch.Tensor:
+        """The draft's next-token logits [outputs, V] at the last `outputs` of `tokens`, feeding only
+        what the cache lacks.
 
         The cache is cropped to the longest common prefix of what it holds and `tokens` (this rolls
-        back rejected draft tokens; a new prompt shares little or nothing), keeping at least the last
-        token to feed, whose logits are the answer."""
+        back rejected draft tokens and PARD's masks; a new prompt shares little or nothing), keeping at
+        least the last `outputs` tokens to feed, whose logits are the answer."""
         common = 0
-        for cached, new in zip(self._cached, tokens[:-1]):
+        for cached, new in zip(self._cached, tokens[:-outputs]):
             if cached != new:
                 break
             common += 1
@@ -227,7 +313,7 @@ class DraftModelProposer(Proposer):
         out = self.model(input_ids=ids, position_ids=positions, past_key_values=self._cache, use_cache=True)
         self.draft_forwards += 1
         self._cached = list(tokens)
-        return out.logits[0, -1]
+        return out.logits[0, -outputs:]
 
     def _sample_generator(self, device: torch.device) -> torch.Generator:
         # Seeded once and never reset: re-seeding per prompt would repeat the same draws across

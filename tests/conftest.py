@@ -19,9 +19,35 @@ from pathlib import Path
 # Hub lookup that slipped in must fail here, not pass on a machine with a network. Subprocesses
 # inherit it; the push test talks to its loopback Hub server with HF_HUB_OFFLINE=0.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The suite runs on pytest-xdist workers (`-n auto` in pyproject.toml), one per core, capped by
+# `pytest_xdist_auto_num_workers` below. The cores are shared out: each worker, and every process it
+# starts (training, accelerate ranks, vLLM), gets cores // workers OpenMP threads, because OpenMP threads
+# that outnumber the cores spin against each other and make every forward many times slower.
+CORES = len(os.sched_getaffinity(0))
+WORKER_THREADS = max(1, CORES // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+os.environ.setdefault("OMP_NUM_THREADS", str(WORKER_THREADS))
+MAX_WORKERS = 4  # each worker may hold a vLLM engine or an accelerate launch: memory, not cores, bounds more
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+torch.set_num_threads(WORKER_THREADS)
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    return min(CORES, MAX_WORKERS)
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Modules with engine tests first, then those with other slow tests, then the rest (each module's
+    tests stay together, for its module fixtures): the workers start on the long jobs and the short
+    ones fill the end, instead of one worker finishing a long module alone."""
+    weight: dict[str, int] = {}
+    for item in items:
+        heavy = 2 if item.get_closest_marker("engine") else 1 if item.get_closest_marker("slow") else 0
+        weight[item.module.__name__] = max(weight.get(item.module.__name__, 0), heavy)
+    items.sort(key=lambda item: -weight[item.module.__name__])
+
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "demo"

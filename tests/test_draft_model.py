@@ -167,6 +167,103 @@ def test_greedy_speculative_equals_plain():
     assert 0 < accepted < drafted  # both acceptances and rejections (cache rollback) were exercised
 
 
+# -- PARD: one draft forward per chain -----------------------------------------------------------
+MASK = 3  # a token of the tiny target's vocabulary
+
+
+def pard_draft(target, depths: int = 4, noise: float = 0.05):
+    config = DraftModel.Config(parallel_drafting=True, mask_token_id=MASK, parallel_tokens=depths)
+    drafter = DraftModel.from_target(config, target, "tiny")
+    generator = torch.Generator().manual_seed(0)
+    for parameter in drafter.parameters():
+        parameter.data += noise * torch.randn(parameter.shape, generator=generator)
+    return drafter.eval()
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_pard_training_gives_every_depth_the_logits_of_the_one_decoding_forward(packed):
+    """Anchor t's group-k logits in the training forward equal the decoding forward's after the
+    committed tokens x_0..x_t of the same document followed by masks, at mask k: so what training
+    teaches at depth k + 1 is what decoding reads there, whatever text follows the anchor."""
+    from draftsmith.heads.draft_model import parallel_inputs
+
+    target = tiny_llama(layers=2, attn="eager" if packed else "sdpa")
+    drafter, depths = pard_draft(target), 4
+    ids = torch.randint(4, 96, (2, 14), generator=torch.Generator().manual_seed(3))
+    if packed:  # row 0 holds two documents (0..5, 6..13); row 1 one document and 3 padding positions
+        positions = torch.tensor([list(range(6)) + list(range(8)), list(range(11)) + [0, 1, 2]])
+        docs = torch.tensor([[0] * 6 + [1] * 8, [2] * 11 + [-1] * 3])
+        batch = {"input_ids": ids, "position_ids": positions, "document_ids": docs}
+    else:
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        positions, docs = torch.arange(14).expand(2, -1), torch.tensor([[0] * 14, [1] * 14])
+    with torch.no_grad():
+        trained = drafter.model(**parallel_inputs(drafter.model, batch, depths, MASK), use_cache=False).logits
+        for row, anchor in [(0, 0), (0, 4), (0, 7), (0, 12), (1, 9)]:
+            start = int((docs[row] == docs[row, anchor]).nonzero()[0])  # the anchor's document starts here
+            committed = ids[row, start : anchor + 1].tolist()
+            decoded = drafter.model(
+                input_ids=torch.tensor([committed + [MASK] * (depths - 1)]), use_cache=False
+            ).logits[0]
+            for depth in range(depths):
+                assert int(positions[row, anchor]) + depth == len(committed) - 1 + depth
+                torch.testing.assert_close(
+                    trained[row, depth * 14 + anchor], decoded[len(committed) - 1 + depth], atol=1e-4, rtol=1e-4
+                )
+
+
+def test_pard_greedy_is_lossless_with_one_draft_forward_per_cycle():
+    target = tiny_llama(layers=2)
+    proposer = pard_draft(target, noise=0.02).proposer()
+    generator = torch.Generator().manual_seed(1)
+    accepted = drafted = 0
+    for length in (5, 11, 17):
+        prompt = torch.randint(4, 96, (length,), generator=generator).tolist()
+        plain = generate(target, prompt, 40)
+        before = proposer.draft_forwards
+        fast = generate(target, prompt, 40, proposer, gamma=3)
+        assert fast.tokens == plain.tokens
+        accepted, drafted = accepted + fast.counts.accepted, drafted + fast.counts.drafted
+        assert proposer.draft_forwards - before == fast.counts.reached[0]  # one forward per cycle that drafted
+    assert 0 < accepted < drafted  # acceptances and rollbacks of the cache (masks included) were exercised
+
+
+def test_pard_loss_scores_each_depth_against_the_target_ahead():
+    """Depth k's loss at anchor t is the divergence from the target's distribution at t + k (the
+    token t + k + 1), recomputed here by hand from the decoding forward."""
+    from draftsmith.heads.distill import distill_loss, divergences
+    from draftsmith.target import TargetOutput
+
+    target = tiny_llama(layers=2)
+    drafter = pard_draft(target, depths=3)
+    ids = torch.randint(4, 96, (1, 10), generator=torch.Generator().manual_seed(4))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    with torch.no_grad():
+        teacher = target(input_ids=ids).logits
+        loss, stats = drafter.loss(batch, TargetOutput(logits=teacher))
+        expected = 0.0
+        for depth in range(3):
+            per_anchor = []
+            for anchor in range(10 - depth - 1):
+                decoded = drafter.model(input_ids=torch.tensor([ids[0, : anchor + 1].tolist() + [MASK] * depth])).logits
+                terms = divergences(decoded[0, -1:], teacher[0, anchor + depth : anchor + depth + 1], 1.0)
+                per_anchor.append(distill_loss(terms, "fkl", [1.0, 0.0, 1.0]))
+            expected += torch.cat(per_anchor).mean()
+    assert float(loss) == pytest.approx(float(expected), rel=1e-4)
+    assert {"step1/top1", "step2/top1", "step3/top1"} <= set(stats)
+
+
+def test_pard_settings_are_checked_before_anything_loads():
+    for overrides, fragment in (
+        (["drafter.parallel_drafting=true"], "needs drafter.mask_token_id"),
+        (["drafter.parallel_drafting=true", "drafter.mask_token_id=5", "drafter.parallel_tokens=1"], "must be >= 2"),
+        (["drafter.parallel_drafting=true", "drafter.mask_token_id=5", "eval.num_speculative_tokens=5",
+          "drafter.parallel_tokens=4"], "4"),
+    ):  # fmt: skip
+        with pytest.raises(UserError, match=fragment):
+            load_recipe(["recipe=draft", *overrides])
+
+
 def test_train_then_eval_a_draft_recipe_is_lossless(tmp_path, small_data, token_cache):
     train_in_process([
         "recipe=draft", f"target.name_or_path={REFERENCE_TARGET}", f"data.train=[{small_data['train']}]",

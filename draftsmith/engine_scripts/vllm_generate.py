@@ -19,11 +19,10 @@ started it. Any failure is one line
 import json
 import os
 import sys
-import threading
 import time
 import traceback
 
-from vllm_run import LogsToStderr  # this script's directory is first on sys.path
+from vllm_run import LogsToStderr, exit_with_parent  # this script's directory is first on sys.path
 
 
 def serve(requests, reply):
@@ -57,18 +56,6 @@ def serve(requests, reply):
                 "seconds": time.perf_counter() - start,
             }
         )
-
-
-def exit_with_parent():
-    """A worker outlives its job only by a second: a killed job's engine must not go on using the machine."""
-    parent = os.getppid()
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True).start()
 
 
 def main():

@@ -3,7 +3,8 @@
 Runs with the Python of an environment that has vLLM (never draftsmith's): it imports only the
 standard library and vllm. draftsmith's export check starts it as a subprocess:
 
-    <vllm python> vllm_run.py < request.json > result.json
+    <vllm python> vllm_run.py < request.json > result.json           (one request)
+    <vllm python> vllm_run.py --serve                                   (one request a line, one result a line)
 
 Request: {"target": DIR, "prompts": [[token ids], ...], "max_tokens": N, "dtype": "float32",
 "max_model_len": N, "gpu_memory_utilization": 0.3, "runs": [{"name": ..., "speculative_config":
@@ -12,7 +13,9 @@ counted, as "per_prompt": [{"seconds", "tokens", "metrics"}]) and "warmup": N (u
 first). Result: one JSON object, {"ok": true, "vllm_version": ..., "runs": {name:
 {"outputs": [[ids]], "finish_reasons": [...], "metrics": {"num_drafts", "num_draft_tokens",
 "num_accepted_tokens", "accepted_per_position"}, "seconds": {...}}}}, or {"ok": false, "error": ...,
-"error_lines": [...]} with exit code 1.
+"error_lines": [...]} with exit code 1. With --serve the process stays up between requests, so a
+program that checks several exports (a test session, a benchmark) imports vLLM once; it ends at the
+end of stdin, after a failed request, and when the process that started it is gone.
 
 vLLM writes its logs to stdout (also from the engine processes it spawns), so file descriptors 1
 and 2 are routed through a pipe to the real stderr and the result goes to a saved copy of stdout.
@@ -20,6 +23,7 @@ The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) on one O
 small CPU machine it starts about 4x faster, and two threads spin against each other.
 """
 
+import gc
 import json
 import os
 import re
@@ -163,29 +167,54 @@ def generate(request, speculative_config):
     return result
 
 
+def run_request(request):
+    import vllm
+
+    result = {"ok": True, "vllm_version": vllm.__version__, "runs": {}}
+    for run in request["runs"]:
+        result["runs"][run["name"]] = generate(request, run.get("speculative_config"))
+        gc.collect()
+    return result
+
+
+def exit_with_parent():
+    """A worker outlives its job only by a second: a killed job's engine must not go on using the machine."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def main():
-    request = json.loads(sys.stdin.read())
+    serving = sys.argv[1:] == ["--serve"]
+    if serving:
+        exit_with_parent()
+    requests = iter(sys.stdin.readline, "") if serving else [sys.stdin.read()]
     logs = LogsToStderr()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    code, result = 0, {}
-    try:
-        import gc
 
-        import vllm
+    def reply(message):
+        logs.result_stream.write(json.dumps(message) + "\n")
+        logs.result_stream.flush()
 
-        result = {"ok": True, "vllm_version": vllm.__version__, "runs": {}}
-        for run in request["runs"]:
-            result["runs"][run["name"]] = generate(request, run.get("speculative_config"))
-            gc.collect()
-    except BaseException as err:  # noqa: BLE001 - everything is reported as JSON
-        code, result = 1, {"ok": False, "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+    for line in requests:
+        if not line.strip():
+            continue
+        logs.error_lines.clear()
+        try:
+            reply(run_request(json.loads(line)))
+        except BaseException as err:  # noqa: BLE001 - everything is reported as JSON
+            logs.close()
+            reply({"ok": False, "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc(),
+                   "error_lines": logs.error_lines[-8:]})  # fmt: skip
+            os._exit(1)  # an engine that failed may hold half-freed state: the next request gets a fresh process
     logs.close()
-    if code:
-        result["error_lines"] = logs.error_lines[-8:]
-    logs.result_stream.write(json.dumps(result) + "\n")
-    logs.result_stream.flush()
-    os._exit(code)  # engine threads can hang interpreter teardown
+    os._exit(0)  # engine threads can hang interpreter teardown
 
 
 if __name__ == "__main__":  # vLLM starts engine processes with spawn, which re-imports this module
