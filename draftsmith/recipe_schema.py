@@ -169,6 +169,9 @@ class ExportSection:
     """`python -m export`: engine-ready repos from a checkpoint (export/)."""
 
     engines: List[str] = field(default_factory=lambda: ["vllm"])  # vllm | sglang
+    # the vllm folder's layout: speculators | native (EAGLE-3 only: vLLM's LlamaForCausalLMEagle3 config;
+    # every other kind has one vLLM layout and refuses native)
+    vllm_format: str = "speculators"
     output: Optional[str] = None  # default <output_dir>/export; one folder per engine inside
     # γ written into configs and serving commands; default eval.num_speculative_tokens
     num_speculative_tokens: Optional[int] = None

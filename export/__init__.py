@@ -34,6 +34,7 @@ class Source:
     checkpoint: Path
     target_model: torch.nn.Module
     target: TargetInfo
+    vllm_format: str = "speculators"  # export.vllm_format
 
 
 class Exporter:
@@ -41,10 +42,19 @@ class Exporter:
 
     kinds: ClassVar[tuple[str, ...]]
     sglang_reason: ClassVar[str] = ""  # why SGLang cannot serve these kinds ("" = it can)
+    vllm_formats: ClassVar[tuple[str, ...]] = ("speculators",)  # export.vllm_format values it writes
+
+    def check_engines(self, kind: str, engines: list[str], vllm_format: str) -> None:
+        """Whether these engines (and vLLM layout) can serve the kind at all: known before any model loads."""
+        if "sglang" in engines and self.sglang_reason:
+            raise UserError(f"{kind} cannot be exported for sglang: {self.sglang_reason}")
+        if "vllm" in engines and vllm_format not in self.vllm_formats:
+            raise UserError(
+                f"export.vllm_format={vllm_format}: {kind} has one vLLM layout; leave export.vllm_format unset"
+            )
 
     def build(self, engine: str, source: Source, gamma: int, output: Path) -> EngineRepo:
-        if engine == "sglang" and self.sglang_reason:
-            raise UserError(f"{source.drafter.type} cannot be exported for sglang: {self.sglang_reason}")
+        self.check_engines(source.drafter.type, [engine], source.vllm_format)
         return getattr(self, engine)(source, gamma, output)
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:

