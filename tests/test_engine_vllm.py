@@ -31,7 +31,8 @@ CASES = {
     "eagle3.1-native": ("eagle3", ["drafter.fc_norm=true", "drafter.norm_output=true", "export.vllm_format=native"]),
     # PARD: the draft model drafting in parallel (one forward, masks after the committed tokens)
     "pard": ("draft", ["drafter.parallel_drafting=true", "drafter.mask_token_id=5", "drafter.parallel_tokens=3",
-                       "eval.num_speculative_tokens=3", "train.max_steps=100", "train.lr=3e-3", "train.warmup_steps=5"]),
+                       "eval.num_speculative_tokens=3", "train.max_steps=100", "train.lr=3e-3", "train.warmup_steps=5",
+                       "data.max_length=128"]),
     # trained longer, and faster (γ = 3 unrolled steps, a higher lr): its later guesses (the mask queries') must be
     # accepted too, or only depth 1 is compared
     "peagle": ("eagle3", ["drafter.parallel_drafting=true", "drafter.mask_token_id=5", "drafter.fc_norm=true", "eval.tree=0",
