@@ -107,10 +107,13 @@ def compose(recipe: str, overrides: Sequence[str]) -> DictConfig:
         schema.drafter = OmegaConf.structured(drafter_class(str(drafter_type)).Config)
         cfg = OmegaConf.merge(schema, raw)
         for key, value in parsed:
-            node_is_list = isinstance(OmegaConf.select(cfg, key, throw_on_missing=False), ListConfig)
-            if node_is_list and isinstance(value, str):
+            # unresolved: an override replaces `${package:...}` for a package that need not be installed
+            current = OmegaConf.select(
+                cfg, key, default=_ABSENT, throw_on_missing=False, throw_on_resolution_failure=False
+            )
+            if isinstance(current, ListConfig) and isinstance(value, str):
                 value = [value]  # `data.train=file.jsonl` means a list of one file
-            if OmegaConf.select(cfg, key, default=_ABSENT, throw_on_missing=False) is _ABSENT:
+            if current is _ABSENT:
                 raise UserError(f"unknown recipe key {key!r} (override {key}={value})")
             try:
                 OmegaConf.update(cfg, key, value, merge=False)

@@ -39,14 +39,23 @@ def test_every_command_answers_help_without_running(command, capsys):
     assert "drafter.ttt_steps (int) = 3 (default 7)" in out  # the recipe's drafter type's keys
 
 
-def test_help_lists_a_recipe_that_cannot_run_on_this_machine(capsys):
-    """A recipe whose target is a package not installed here: --help still lists its keys and values,
-    the unresolvable one as written (running it is the one-line error)."""
-    missing = "target.name_or_path=${package:no_such_package_here}"
-    code, out, _ = run("train", ["recipe=eagle3_sharegpt_smollm2", missing, "--help"], capsys)
+def test_a_recipe_whose_package_is_not_installed_is_listed_and_overridable(capsys, tmp_path):
+    """A recipe whose target is a package not installed here (as recipe=*_smollm2 without the extra):
+    --help lists its keys with that value as written, running it is the one-line error, and overriding
+    the target runs it."""
+    recipe = (
+        (REPO / "recipes" / "medusa.yaml")
+        .read_text()
+        .replace("${bundled:demo/target}", "${package:no_such_package_here}")
+    )
+    (tmp_path / "elsewhere.yaml").write_text(recipe)
+    args = [f"recipe={tmp_path / 'elsewhere.yaml'}", f"output_dir={tmp_path / 'run'}"]
+    code, out, _ = run("train", [*args, "--help"], capsys)
     assert code == 0 and "target.name_or_path (str) = ${package:no_such_package_here}" in out
-    code, _, err = run("train", ["recipe=eagle3_sharegpt_smollm2", missing, "--cfg"], capsys)
+    code, _, err = run("train", [*args, "--cfg"], capsys)
     assert code == 2 and "'no_such_package_here', which is not installed" in err
+    code, out, _ = run("train", [*args, f"target.name_or_path={REPO / 'demo' / 'target'}", "--cfg"], capsys)
+    assert code == 0 and yaml.safe_load(out)["target"]["name_or_path"] == str(REPO / "demo" / "target")
 
 
 def test_cfg_prints_the_resolved_recipe_and_a_bad_one_is_one_line(capsys, tmp_path):
