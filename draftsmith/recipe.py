@@ -107,10 +107,10 @@ def compose(recipe: str, overrides: Sequence[str]) -> DictConfig:
         schema.drafter = OmegaConf.structured(drafter_class(str(drafter_type)).Config)
         cfg = OmegaConf.merge(schema, raw)
         for key, value in parsed:
-            # unresolved: an override replaces `${package:...}` for a package that need not be installed
-            current = OmegaConf.select(
-                cfg, key, default=_ABSENT, throw_on_missing=False, throw_on_resolution_failure=False
-            )
+            try:
+                current = OmegaConf.select(cfg, key, default=_ABSENT, throw_on_missing=False)
+            except OmegaConfBaseException:  # `${package:...}` not installed here: the override replaces it
+                current = None
             if isinstance(current, ListConfig) and isinstance(value, str):
                 value = [value]  # `data.train=file.jsonl` means a list of one file
             if current is _ABSENT:
