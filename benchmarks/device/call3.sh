@@ -2,4 +2,4 @@
 cd "$(dirname "$0")/../.." || exit 2
 source benchmarks/device/setup.sh || exit $?
 cp /tmp/runs/peagle_parts/* $OUT/
-timeout ${TIER_S:-200} python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider --durations=0 2>&1 | tail -40
+timeout ${TIER_S:-200} python3 -m pytest -o addopts="-ra --strict-markers" -m gpu tests/test_gpu.py -q -p no:cacheprovider --durations=0 2>&1 | tail -40
