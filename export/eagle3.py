@@ -67,8 +67,11 @@ def vllm_ids(ours: list[int], num_layers: int) -> list[int]:
     return [layer + 1 for layer in ours]
 
 
-def layer_expected(config: dict[str, Any], vocab: int, draft_vocab: int, num_aux: int) -> dict[str, tuple[int, ...]]:
-    """The tensors an EAGLE-3 drafter of one Llama layer is loaded from (layer prefix `layers.0.`)."""
+def layer_expected(
+    config: dict[str, Any], vocab: int, draft_vocab: int, num_aux: int, fc_norm: bool = False
+) -> dict[str, tuple[int, ...]]:
+    """The tensors an EAGLE-3 drafter of one Llama layer is loaded from (layer prefix `layers.0.`);
+    `fc_norm`: EAGLE-3.1's norm per aux layer."""
     hidden, inner = config["hidden_size"], config["intermediate_size"]
     heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
     expected = {
@@ -88,7 +91,14 @@ def layer_expected(config: dict[str, Any], vocab: int, draft_vocab: int, num_aux
     }
     if draft_vocab < vocab:
         expected |= {"d2t": (draft_vocab,), "t2d": (vocab,)}
+    if fc_norm:
+        expected |= {f"fc_norm.{i}.weight": (hidden,) for i in range(num_aux)}
     return expected
+
+
+def as_midlayer(named: dict[str, Any]) -> dict[str, Any]:
+    """`layers.0.*` under the name LlamaForCausalLMEagle3 folders use, `midlayer.*` (vLLM maps it back)."""
+    return {name.replace("layers.0.", "midlayer."): value for name, value in named.items()}
 
 
 def check_plain_llama(source: Source, engine: str) -> None:
@@ -162,9 +172,9 @@ class Eagle3Exporter(Exporter):
             "draft_vocab": "d2t (offsets) and t2d shipped" if drafter.pruned else "full vocabulary: no d2t/t2d",
             "eagle3.1": f"fc_norm {config['fc_norm']}, norm_output {config['norm_output']} (written either way; vLLM defaults both to false)",
         }
-        expected = layer_expected(layer, target.shape.vocab_size, drafter.config.draft_vocab_size, len(ids))
-        if drafter.config.fc_norm:
-            expected |= {f"fc_norm.{i}.weight": (target.shape.hidden_size,) for i in range(len(ids))}
+        expected = layer_expected(
+            layer, target.shape.vocab_size, drafter.config.draft_vocab_size, len(ids), drafter.config.fc_norm
+        )
         if drafter.config.parallel_drafting:
             expected["mask_hidden"] = (len(ids) * target.shape.hidden_size,)
             conventions["parallel_drafting"] = (
@@ -196,11 +206,9 @@ class Eagle3Exporter(Exporter):
             "fc_norm": bool(drafter.config.fc_norm),
             "norm_output": bool(drafter.config.norm_output),
         }
-        expected = layer_expected(config, target.shape.vocab_size, drafter.config.draft_vocab_size, len(ids))
-        if drafter.config.fc_norm:
-            expected |= {f"fc_norm.{i}.weight": (target.shape.hidden_size,) for i in range(len(ids))}
-        midlayer = {name.replace("layers.0.", "midlayer."): shape for name, shape in expected.items()}
-        tensors = {name.replace("layers.0.", "midlayer."): tensor for name, tensor in drafter.state_dict().items()}
+        expected = layer_expected(
+            config, target.shape.vocab_size, drafter.config.draft_vocab_size, len(ids), drafter.config.fc_norm
+        )
         conventions = {
             "format": "vLLM's native EAGLE-3 form (LlamaForCausalLMEagle3), export.vllm_format=native",
             "aux_layer_ids": {
@@ -213,7 +221,15 @@ class Eagle3Exporter(Exporter):
             "eagle3.1": f"fc_norm {config['fc_norm']}, norm_output {config['norm_output']} (top level, where vLLM reads them)",
             "weights": "layers.0.* written as midlayer.*",
         }
-        return EngineRepo("vllm", config, tensors, midlayer, VLLM_SERVE, conventions, method="eagle3")
+        return EngineRepo(
+            "vllm",
+            config,
+            as_midlayer(drafter.state_dict()),
+            as_midlayer(expected),
+            VLLM_SERVE,
+            conventions,
+            method="eagle3",
+        )
 
     def sglang(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         check_plain_llama(source, "SGLang")
@@ -245,13 +261,10 @@ class Eagle3Exporter(Exporter):
             "norm_before_residual": False,
             "eagle_aux_hidden_state_layer_ids": ids,  # vLLM's convention; SGLang reads eagle_config
         }
-        tensors = {name.replace("layers.0.", "midlayer."): tensor for name, tensor in drafter.state_dict().items()}
-        expected = {
-            name.replace("layers.0.", "midlayer."): shape
-            for name, shape in layer_expected(
-                config, target.shape.vocab_size, drafter.config.draft_vocab_size, len(ours)
-            ).items()
-        }
+        tensors = as_midlayer(drafter.state_dict())
+        expected = as_midlayer(
+            layer_expected(config, target.shape.vocab_size, drafter.config.draft_vocab_size, len(ours))
+        )
         conventions = {
             "aux_layer_ids": {
                 "draftsmith": ours,

@@ -263,6 +263,20 @@ def per_sample_stats(values: dict[str, torch.Tensor], rows: torch.Tensor, batch_
     }
 
 
+def check_mask_token(mask_token_id: Optional[int], target: Optional[TargetShape], required_by: str = "") -> None:
+    """A drafter's mask token (P-EAGLE's, PARD's, DFlash's): a token of the target's vocabulary, which
+    the engine feeds at the masked positions; `required_by` names the setting that needs one."""
+    if required_by and mask_token_id is None:
+        raise UserError(
+            f"{required_by} needs drafter.mask_token_id: the token the engine feeds at the masked positions "
+            "(any token of the target's vocabulary)"
+        )
+    if target is not None and mask_token_id is not None and not 0 <= mask_token_id < target.vocab_size:
+        raise UserError(
+            f"drafter.mask_token_id={mask_token_id} is not a token of the target's {target.vocab_size}-token vocabulary"
+        )
+
+
 def check_layer_ids(layers: list[int], num_layers: int, key: str, default: Optional[str], advice: str) -> None:
     """One-line UserErrors for target layer ids (draftsmith's convention, draftsmith.target) that a
     drafter concatenates: none given, ids the target lacks, or not strictly increasing (the engines

@@ -63,6 +63,7 @@ from draftsmith.heads.base import (
     Proposer,
     Tree,
     check_layer_ids,
+    check_mask_token,
     per_sample_stats,
 )
 from draftsmith.heads.eagle import EagleBase, import_qualified
@@ -103,10 +104,7 @@ class DFlashConfig(DrafterConfig):
             )
         if self.loss not in LOSSES:
             raise UserError(f"drafter.loss={self.loss!r} is not one of {', '.join(LOSSES)}")
-        if target is not None and self.mask_token_id is not None and not 0 <= self.mask_token_id < target.vocab_size:
-            raise UserError(
-                f"drafter.mask_token_id={self.mask_token_id} is not a token of the target's {target.vocab_size}-token vocabulary"
-            )
+        check_mask_token(self.mask_token_id, target)
         if target is not None:
             default = (
                 None if self.target_layers is not None else "DFlash's default target layers (spread over [1, L-3])"

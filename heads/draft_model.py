@@ -42,7 +42,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from draftsmith.errors import UserError, one_line
 from draftsmith.heads import register
-from draftsmith.heads.base import Drafter, DrafterConfig, DraftState, DraftTree, Proposer, per_sample_stats
+from draftsmith.heads.base import (
+    Drafter,
+    DrafterConfig,
+    DraftState,
+    DraftTree,
+    Proposer,
+    check_mask_token,
+    per_sample_stats,
+)
 from draftsmith.heads.distill import LOSSES, distill_loss, divergences
 from draftsmith.heads.lora import ADAPTER_DIR, LoraSection
 from draftsmith.heads.packing import (
@@ -101,17 +109,9 @@ class DraftModelConfig(DrafterConfig):
                 raise UserError(f"drafter.num_layers={self.num_layers} must be between 1 and {limit}")
         if self.lora is not None:
             self.lora.check()
-        if self.parallel_drafting and self.mask_token_id is None:
-            raise UserError(
-                "drafter.parallel_drafting=true needs drafter.mask_token_id: the token the engine feeds at the masked "
-                "positions (any token of the target's vocabulary)"
-            )
+        check_mask_token(self.mask_token_id, target, "drafter.parallel_drafting=true" if self.parallel_drafting else "")
         if self.parallel_tokens < 2:
             raise UserError(f"drafter.parallel_tokens={self.parallel_tokens} must be >= 2")
-        if target is not None and self.mask_token_id is not None and not 0 <= self.mask_token_id < target.vocab_size:
-            raise UserError(
-                f"drafter.mask_token_id={self.mask_token_id} is not a token of the target's {target.vocab_size}-token vocabulary"
-            )
 
 
 @register

@@ -63,6 +63,7 @@ from draftsmith.heads.base import (
     Proposer,
     Tree,
     check_layer_ids,
+    check_mask_token,
     per_sample_stats,
 )
 from draftsmith.heads.eagle import EagleBase, EagleProposer, check_tree_settings, import_qualified
@@ -108,15 +109,7 @@ class Eagle3Config(DrafterConfig):
             )
         if self.draft_vocab_size < 1:
             raise UserError(f"drafter.draft_vocab_size={self.draft_vocab_size} must be >= 1")
-        if self.parallel_drafting and self.mask_token_id is None:
-            raise UserError(
-                "drafter.parallel_drafting=true needs drafter.mask_token_id: the token the engine feeds at the masked "
-                "positions (any token of the target's vocabulary; its embedding stays the target's)"
-            )
-        if target is not None and self.mask_token_id is not None and not 0 <= self.mask_token_id < target.vocab_size:
-            raise UserError(
-                f"drafter.mask_token_id={self.mask_token_id} is not a token of the target's {target.vocab_size}-token vocabulary"
-            )
+        check_mask_token(self.mask_token_id, target, "drafter.parallel_drafting=true" if self.parallel_drafting else "")
         if target is not None:
             default = None if self.aux_layers is not None else "EAGLE-3's default aux layers [1, L//2-1, L-4]"
             check_layer_ids(
