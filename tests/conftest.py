@@ -8,11 +8,14 @@ everything, the real processes and the engine included."""
 
 from __future__ import annotations
 
+import fcntl
 import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 # Tests run offline: everything they load is on disk (demo/, ../shared, models built in memory), and a
@@ -128,28 +131,48 @@ def token_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("token_cache")
 
 
-@pytest.fixture(scope="module")  # tests/test_monitor.py and tests/test_monitor_vllm.py
+@contextmanager
+def built_once(tmp_path_factory, name: str):
+    """A directory that one test session builds once, whichever xdist workers ask for it: yields
+    (directory, whether the caller must build it), under a lock the other workers wait on. A build
+    counts once the block exits normally (a marker file); a failed one is started over by the next."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the session's directory above the workers' own
+    directory, marker = shared / name, shared / f"{name}.built"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        build = not marker.exists()
+        if build:
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir(parents=True)
+        yield directory, build
+        marker.touch()
+
+
+@pytest.fixture(scope="session")  # tests/test_monitor.py and tests/test_monitor_vllm.py
 def deployed(tmp_path_factory, token_cache):
     """A Medusa drafter trained on two domains (math, packages) with its eval report, exported for vLLM."""
-    root = tmp_path_factory.mktemp("monitor")
-    rows = [json.loads(line) for line in gzip.open(DEMO / "data" / "train.jsonl.gz", "rt")]
-    evals = [json.loads(line) for line in gzip.open(DEMO / "data" / "eval.jsonl.gz", "rt")]
-    (root / "old_train.jsonl").write_text(
-        "".join(json.dumps(r) + "\n" for r in rows if r["domain"] in ("math", "packages"))
-    )
-    (root / "old_eval.jsonl").write_text(
-        "".join(json.dumps(r) + "\n" for r in evals if r["domain"] in ("math", "packages"))
-    )
-    (root / "traffic_source.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals + rows[::10]))
-    args = ["recipe=medusa", f"data.train=[{root / 'old_train.jsonl'}]", f"data.eval=[{root / 'old_eval.jsonl'}]", f"data.cache_dir={token_cache}",
-            "data.max_length=160", "data.max_conversations=200", "eval.max_prompts=4", "eval.max_new_tokens=32", "eval.tree=0"]  # fmt: skip
-    final, _ = train_in_process([*args, "train.max_steps=40", f"output_dir={root / 'deployed'}"])
-    from draftsmith.export import export_checkpoint
-    from draftsmith.recipe import load_recipe
+    with built_once(tmp_path_factory, "monitor") as (root, build):
+        args = ["recipe=medusa", f"data.train=[{root / 'old_train.jsonl'}]", f"data.eval=[{root / 'old_eval.jsonl'}]", f"data.cache_dir={token_cache}",
+                "data.max_length=160", "data.max_conversations=200", "eval.max_prompts=4", "eval.max_new_tokens=32", "eval.tree=0"]  # fmt: skip
+        if build:
+            rows = [json.loads(line) for line in gzip.open(DEMO / "data" / "train.jsonl.gz", "rt")]
+            evals = [json.loads(line) for line in gzip.open(DEMO / "data" / "eval.jsonl.gz", "rt")]
+            (root / "old_train.jsonl").write_text(
+                "".join(json.dumps(r) + "\n" for r in rows if r["domain"] in ("math", "packages"))
+            )
+            (root / "old_eval.jsonl").write_text(
+                "".join(json.dumps(r) + "\n" for r in evals if r["domain"] in ("math", "packages"))
+            )
+            (root / "traffic_source.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals + rows[::10]))
+            final, _ = train_in_process([*args, "train.max_steps=40", f"output_dir={root / 'deployed'}"])
+            from draftsmith.export import export_checkpoint
+            from draftsmith.recipe import load_recipe
 
-    export_checkpoint(
-        load_recipe([*args, f"output_dir={root / 'deployed'}", f"export.output={root / 'export'}"]), final
-    )
+            export_checkpoint(
+                load_recipe([*args, f"output_dir={root / 'deployed'}", f"export.output={root / 'export'}"]), final
+            )
     return root, args
 
 

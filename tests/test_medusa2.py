@@ -107,7 +107,7 @@ def test_eval_verifies_with_the_adapted_target_losslessly(run, small_data, tmp_p
             f"target.name_or_path={REFERENCE_TARGET}",
             f"drafter.path={output_dir / 'final'}",
             f"eval.data=[{small_data['eval']}]",
-            "eval.max_prompts=2",
+            "eval.max_prompts=1",
             "eval.max_new_tokens=24",
             f"output_dir={tmp_path}",
         ]

@@ -109,12 +109,28 @@ def window_of(directory: Path, number: int) -> dict:
     }
 
 
+def per_request_test(record: dict) -> None:
+    """A check's record judged every domain from the server's per-request acceptance, replaying
+    nothing, and those counts summed over the window equal the server's own Prometheus counters."""
+    traffic, engine = record["traffic"], record["engine"]
+    assert "sample" not in traffic and {test["source"] for test in traffic["domains"].values()} == {
+        "engine per-request"
+    }
+    counted = traffic["per_request_acceptance"]
+    assert sum(d["drafts"] for d in counted.values()) == engine["drafts"]
+    assert sum(d["accepted"] for d in counted.values()) == engine["accepted"]
+
+
 def test_serve_monitor_retrain_redeploy(deployed, vllm_python, tmp_path):
+    """Both servers return each request's acceptance (`--per-request-spec-decode-metrics summary`),
+    logged with the requests: the monitor judges each domain from them (the replay of logged requests,
+    for servers that do not return them, is tested on a loopback exposition in tests/test_monitor.py)."""
     root, args = deployed
     logs = tmp_path / "logs"
     logs.mkdir()
     source = root / "traffic_source.jsonl"
-    server = VllmServer(vllm_python, root / "export" / "vllm", tmp_path / "serve_1.log")
+    per_request = ("--per-request-spec-decode-metrics", "summary")
+    server = VllmServer(vllm_python, root / "export" / "vllm", tmp_path / "serve_1.log", *per_request)
     try:
         cfg = load_recipe([
             *args, f"output_dir={tmp_path / 'run'}", f"monitor.deployed={root / 'export' / 'vllm'}", f"monitor.metrics=[{server.url}/metrics]",
@@ -125,16 +141,22 @@ def test_serve_monitor_retrain_redeploy(deployed, vllm_python, tmp_path):
         assert check(cfg) == Outcome.HEALTHY  # the window starts
         send(server, source, logs, ("math", "packages"))
         assert check(cfg) == Outcome.HEALTHY  # 2: in-domain traffic
+        per_request_test(json.loads((state_dir / "checks" / "00002.json").read_text()))
         before = window_of(state_dir, 2)
         send(server, source, logs, ("code", "docs"))
         outcome = check(cfg)  # 3: the shift is measured by the server's counters, located, retrained
         drifted = window_of(state_dir, 3)
         assert drifted["verdict"] == "drift" and drifted["alpha"] < before["alpha"], (before, drifted)
+        located = json.loads((state_dir / "checks" / "00003.json").read_text())["traffic"]["domains"]
+        assert located["code"]["measured"] < located["math"]["measured"]  # the drafter never saw code
+        assert {d for d, test in located.items() if test["verdict"] == "drift"} <= {"code", "docs"}
         assert outcome == Outcome.PROMOTED
     finally:
         server.stop()
     state = json.loads((state_dir / "state.json").read_text())
-    server = VllmServer(vllm_python, Path(state["deployed"]["export"]), tmp_path / "serve_2.log")  # redeploy
+    server = VllmServer(
+        vllm_python, Path(state["deployed"]["export"]), tmp_path / "serve_2.log", *per_request
+    )  # redeploy
     try:
         cfg = load_recipe([*args, f"output_dir={tmp_path / 'run'}", f"monitor.metrics=[{server.url}/metrics]", f"monitor.traffic={logs}",
                            "monitor.min_drafts=100", "monitor.consecutive=1", "monitor.sample_per_domain=6", "monitor.traffic_window_s=600"])  # fmt: skip
@@ -154,40 +176,3 @@ def test_serve_monitor_retrain_redeploy(deployed, vllm_python, tmp_path):
     print(json.dumps(summary, indent=2))
     if os.environ.get("DRAFTSMITH_E2E_SUMMARY"):
         Path(os.environ["DRAFTSMITH_E2E_SUMMARY"]).write_text(json.dumps(summary, indent=2) + "\n")
-
-
-def test_per_request_acceptance_from_the_real_server_matches_its_counters(deployed, vllm_python, tmp_path):
-    """`vllm serve --per-request-spec-decode-metrics summary` returns each request's acceptance; logged
-    with the requests, the check judges each domain from them without replaying any request, and
-    their sums over the window equal the server's own Prometheus counters over the same window."""
-    root, args = deployed
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    server = VllmServer(
-        vllm_python, root / "export" / "vllm", tmp_path / "serve.log", "--per-request-spec-decode-metrics", "summary"
-    )
-    try:
-        cfg = load_recipe([
-            *args, f"output_dir={tmp_path / 'run'}", f"monitor.deployed={root / 'export' / 'vllm'}", f"monitor.metrics=[{server.url}/metrics]",
-            f"monitor.traffic={logs}", "monitor.min_drafts=50", "monitor.consecutive=1", "monitor.retrain=false", "monitor.traffic_window_s=600",
-        ])  # fmt: skip
-        check(cfg)  # the counters' window starts (no traffic yet)
-        send(server, root / "traffic_source.jsonl", logs, ("math", "code"))
-        check(cfg)
-    finally:
-        server.stop()
-    record = json.loads((tmp_path / "run" / "monitor" / "checks" / "00002.json").read_text())
-    traffic, engine = record["traffic"], record["engine"]
-    assert (
-        "sample" not in traffic and not (tmp_path / "run" / "monitor" / "checks" / "00002").exists()
-    )  # nothing replayed
-    assert {domain: test["source"] for domain, test in traffic["domains"].items()} == {
-        "math": "engine per-request",
-        "code": "engine per-request",
-    }
-    counted = traffic["per_request_acceptance"]
-    assert (
-        sum(d["drafts"] for d in counted.values()) == engine["drafts"]
-        and sum(d["accepted"] for d in counted.values()) == engine["accepted"]
-    )
-    assert traffic["domains"]["code"]["measured"] < traffic["domains"]["math"]["measured"]  # the drafter never saw code

