@@ -53,7 +53,7 @@ from draftsmith.errors import UserError
 from draftsmith.files import write_text_atomic
 from draftsmith.outputs import held_by_main_process
 from draftsmith.recipe import load_recipe
-from draftsmith.sharding import Lockstep, load_run_target
+from draftsmith.sharding import Lockstep, end_process_group, load_run_target
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, check_layers, load_tokenizer, run_target
 
 log = logging.getLogger("draftsmith.capture")
@@ -102,7 +102,7 @@ class CaptureResult:
 def main(argv: Sequence[str]) -> None:
     cfg = load_recipe(argv)  # validate before any model or data is touched
     capture(cfg)
-    PartialState().destroy_process_group()
+    end_process_group()
 
 
 def capture(cfg: DictConfig) -> CaptureResult:

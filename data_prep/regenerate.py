@@ -52,7 +52,7 @@ from draftsmith.errors import UserError
 from draftsmith.files import write_text_atomic
 from draftsmith.outputs import held_by_main_process
 from draftsmith.recipe import load_recipe
-from draftsmith.sharding import Lockstep, is_sharded, load_run_target
+from draftsmith.sharding import Lockstep, end_process_group, is_sharded, load_run_target
 from draftsmith.target import load_tokenizer
 
 SETTINGS_NAME = "regenerate.settings"  # not a data suffix: a directory source skips it
@@ -76,7 +76,7 @@ def main(argv: Sequence[str]) -> None:
             f"{result.conversations - result.left_out} conversations in {result.directory} ({result.generated} generated now, "
             f"{result.cut} of them cut short and {result.left_out} left out: prompt of data.max_length={cfg.data.max_length} tokens or more)"
         )
-    state.destroy_process_group()
+    end_process_group()
 
 
 def part_name(index: int) -> str:

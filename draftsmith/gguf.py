@@ -20,6 +20,7 @@ from pathlib import Path
 
 from draftsmith.errors import UserError, one_line
 from draftsmith.files import file_sha256
+from draftsmith.target import TargetShape
 
 SOURCE_FILE = "gguf_source.json"  # provenance: which GGUF file (and hash) a cached directory came from
 
@@ -29,24 +30,74 @@ def cache_root() -> Path:
     return Path(os.environ.get("DRAFTSMITH_CACHE") or "~/.cache/draftsmith").expanduser() / "targets"
 
 
-def locate(name_or_path: str, gguf_file: str, revision: str | None) -> Path:
-    """The GGUF file: `gguf_file` inside the local directory `name_or_path`, an absolute path, or a
-    file of the Hub repository `name_or_path` (downloaded through huggingface_hub's cache)."""
+def local_file(name_or_path: str, gguf_file: str) -> Path | None:
+    """The GGUF file on disk: `gguf_file` inside the local directory `name_or_path`, or an absolute
+    path; None where `name_or_path` is a Hub repository (the file is downloaded when first used)."""
     path = Path(gguf_file).expanduser()
-    if path.is_absolute():
-        candidate = path
-    else:
-        candidate = Path(name_or_path).expanduser() / gguf_file
+    candidate = path if path.is_absolute() else Path(name_or_path).expanduser() / gguf_file
     if candidate.is_file():
         return candidate
     if Path(name_or_path).expanduser().exists() or path.is_absolute():
         raise UserError(f"target.gguf_file={gguf_file!r}: no such file ({candidate})")
+    return None
+
+
+def locate(name_or_path: str, gguf_file: str, revision: str | None) -> Path:
+    """The GGUF file: on disk (`local_file`), or a file of the Hub repository `name_or_path`
+    (downloaded through huggingface_hub's cache)."""
+    local = local_file(name_or_path, gguf_file)
+    if local is not None:
+        return local
     from huggingface_hub import hf_hub_download
 
     try:
         return Path(hf_hub_download(name_or_path, gguf_file, revision=revision))
     except Exception as err:  # offline, unknown repository or file: one line, not a traceback
         raise UserError(f"target.gguf_file={gguf_file!r} of {name_or_path!r}: {one_line(err)}") from None
+
+
+def header_shape(name_or_path: str, gguf_file: str) -> TargetShape | None:
+    """The target's shape from a GGUF file's metadata, for recipe validation: the header is parsed
+    (the file is memory-mapped) and no tensor is read or dequantized. None for a file on the Hub."""
+    source = local_file(name_or_path, gguf_file)
+    if source is None:
+        return None
+    reader = open_reader(source)
+    try:
+        architecture = field_value(reader, "general.architecture")
+        vocab = reader.fields.get(f"{architecture}.vocab_size")
+        return TargetShape(
+            name_or_path=str(source),
+            model_type=architecture,
+            hidden_size=int(field_value(reader, f"{architecture}.embedding_length")),
+            vocab_size=int(field_value(reader, f"{architecture}.vocab_size"))
+            if vocab is not None
+            else len(reader.fields["tokenizer.ggml.tokens"].data),
+            num_hidden_layers=int(field_value(reader, f"{architecture}.block_count")),
+        )
+    except (KeyError, ValueError, IndexError) as err:
+        raise UserError(f"cannot read GGUF target {source}: its header lacks {one_line(err)}") from None
+
+
+def open_reader(source: Path):
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise UserError(
+            "target.gguf_file needs the `gguf` package: pip install 'draftsmith[smollm]' (or pip install gguf)"
+        ) from None
+    try:
+        return GGUFReader(source)
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        raise UserError(f"cannot read GGUF target {source}: {one_line(err)}") from None
+
+
+def field_value(reader, key: str):
+    """A scalar or string metadata value of the header."""
+    value = reader.fields[key].contents()
+    if value is None:
+        raise KeyError(key)
+    return value
 
 
 def materialize(name_or_path: str, gguf_file: str, revision: str | None = None) -> Path:
@@ -77,12 +128,7 @@ def convert(source: Path, directory: Path) -> None:
     A model loaded from GGUF refuses save_pretrained (it records its quantization origin), so its
     weights are copied into a fresh model of the same config first. Float32: the file's
     dequantized values are low-precision products float32 holds exactly; target.dtype casts at load."""
-    try:
-        import gguf  # noqa: F401  (transformers needs it; a clear message beats its ImportError)
-    except ImportError:
-        raise UserError(
-            "target.gguf_file needs the `gguf` package: pip install 'draftsmith[smollm]' (or pip install gguf)"
-        ) from None
+    open_reader(source)  # the `gguf` package transformers needs, and a readable header: one line if not
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -344,7 +344,12 @@ def check_drafter(cfg: DictConfig) -> None:
         config = OmegaConf.to_object(cfg.drafter)
     except OmegaConfBaseException as err:
         raise UserError(f"invalid drafter section: {_one_line(err)}") from None
-    shape = local_target_shape(cfg.target.name_or_path)
+    if cfg.target.gguf_file is not None:
+        from draftsmith.gguf import header_shape
+
+        shape = header_shape(cfg.target.name_or_path, cfg.target.gguf_file)
+    else:
+        shape = local_target_shape(cfg.target.name_or_path)
     config.check(shape)
     require_draft_vocab_use(cfg, config, shape)
     require(
@@ -385,11 +390,6 @@ def validate(cfg: DictConfig) -> DictConfig:
     check_export(cfg.export)
     check_monitor(cfg.monitor)
     check_output_dir(cfg.output_dir)
-    if cfg.target.gguf_file is not None:  # the drafter's check below reads the target's config.json
-        from draftsmith.gguf import materialize
-
-        cfg.target.name_or_path = str(materialize(cfg.target.name_or_path, cfg.target.gguf_file, cfg.target.revision))
-        cfg.target.gguf_file = None
     check_drafter(cfg)
     check_shard(cfg)
     OmegaConf.set_readonly(cfg, True)
@@ -397,9 +397,17 @@ def validate(cfg: DictConfig) -> DictConfig:
 
 
 def load_recipe(argv: Sequence[str]) -> DictConfig:
-    """Parse `recipe=NAME key=value ...` into a validated, read-only config."""
+    """Parse `recipe=NAME key=value ...` into a validated, read-only config whose target is a local
+    directory or a Hub id: a GGUF target is dequantized once (draftsmith.gguf), after validation, and
+    the recipe names the converted directory from then on (a run's saved recipe loads it, not the file)."""
     recipe, overrides = split_argv(argv)
-    return validate(compose(recipe, overrides))
+    cfg = validate(compose(recipe, overrides))
+    if cfg.target.gguf_file is None:
+        return cfg
+    from draftsmith.gguf import materialize
+
+    directory = materialize(cfg.target.name_or_path, cfg.target.gguf_file, cfg.target.revision)
+    return derived(cfg, {"target.name_or_path": str(directory), "target.gguf_file": None})
 
 
 def derived(cfg: DictConfig, changes: dict[str, Any]) -> DictConfig:

@@ -126,7 +126,7 @@ class TrainSection:
     # Held-out evaluation during training: the last `heldout` conversations of data.train (in file
     # order, before any shuffling) are never trained on; every `eval_every` optimizer steps (and at
     # the last step) the drafter's teacher-forced per-depth top-1 on them gives `heldout/tau_est`,
-    # and the best evaluation so far is kept in <output_dir>/best/ (trainer/loop.py). 0 = off.
+    # and the best evaluation so far is kept in <output_dir>/best/ (trainer/heldout.py). 0 = off.
     heldout: int = 0  # conversations held out of data.train; 0 = none
     eval_every: int = 0  # optimizer steps between held-out evaluations; 0 = never (needs heldout > 0)
 

@@ -73,6 +73,17 @@ def check_shard(cfg) -> None:
         raise UserError(f"target.shard={cfg.target.shard} does not work with drafter.type={cfg.drafter.type}: {reason}")
 
 
+def end_process_group() -> None:
+    """At the end of a multi-process job: every rank past its last collective, then the group
+    destroyed while the interpreter is still whole (gloo's worker threads outliving it can abort a
+    rank at exit with SIGABRT, after its work is done)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def load_run_target(section, device: torch.device | str):
     """The target of a training, capture or regeneration run, as the recipe's `target.shard` says:
     whole on this rank's device (`load_target`), or sharded over the ranks (`load_sharded_target`)."""

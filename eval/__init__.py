@@ -2,8 +2,9 @@
 per-domain report. `python -m eval recipe=NAME drafter.path=DIR ...`, or `run_eval(cfg)` from train.py.
 Never imports `trainer`: it reads drafter checkpoints through `heads.load_drafter`."""
 
-from draftsmith.eval.loop import Generation, Sampling, generate
+from draftsmith.eval.loop import Generation, generate
 from draftsmith.eval.ngram import NGramDrafter
 from draftsmith.eval.report import run_eval
+from draftsmith.eval.sampling import Sampling
 
 __all__ = ["Generation", "NGramDrafter", "Sampling", "generate", "run_eval"]

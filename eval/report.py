@@ -39,10 +39,11 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from draftsmith.errors import UserError
-from draftsmith.eval.loop import Counts, Generation, Sampling, generate, generate_batch
+from draftsmith.eval.loop import Counts, Generation, generate, generate_batch
 from draftsmith.eval.ngram import NGramDrafter
 from draftsmith.eval.prompts import ALL, eos_ids_of, load_prompts
 from draftsmith.eval.render import render_markdown, write_report
+from draftsmith.eval.sampling import Sampling
 from draftsmith.eval.trees import tree_depth
 from draftsmith.heads import load_drafter
 from draftsmith.heads.base import DynamicTree, Proposer, Tree

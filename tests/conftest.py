@@ -217,6 +217,30 @@ def run_entry(
     )
 
 
+def run_entry_in_process(args: list[str], capsys) -> subprocess.CompletedProcess:
+    """What `run_entry(args)` gives for a command that stops before any model or data is loaded (bad
+    input): the same script (`train.py ...`) or module (`-m eval ...`) run as `__main__` in this
+    process, its exit code and output. No interpreter start and no imports to pay for; the output of
+    a real process (nothing printed on import) is checked by tests/test_recipes.py, once per entry point."""
+    import runpy
+
+    argv, code = sys.argv, 0
+    capsys.readouterr()
+    try:
+        if args[0] == "-m":
+            sys.argv = [args[1], *args[2:]]
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(args)
+            runpy.run_path(str(REPO / args[0]), run_name="__main__")
+    except SystemExit as exit:
+        code = exit.code if isinstance(exit.code, int) else 1
+    finally:
+        sys.argv = argv
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
 def kill_train_after(checkpoint: Path, args: list[str]) -> None:
     """Run `train.py args` and SIGKILL it as soon as `checkpoint` is complete (or the run ends first)."""
     import signal

@@ -12,7 +12,8 @@ import yaml
 from scipy import stats
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draftsmith.eval.loop import Sampling, generate, prefill, propose, verify_step
+from draftsmith.eval.loop import generate, prefill, propose, verify_step
+from draftsmith.eval.sampling import Sampling
 from draftsmith.heads import drafter_class, load_drafter
 from draftsmith.heads.base import DraftState, DraftTree, DynamicTree, Proposer, TargetShape
 from draftsmith.recipe import load_recipe

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.eval.loop import Sampling, generate, generate_batch, prefill, propose, verify_step
+from draftsmith.eval.loop import generate, generate_batch, prefill, propose, verify_step
 from draftsmith.eval.ngram import NGramDrafter
+from draftsmith.eval.sampling import Sampling
 from draftsmith.heads import drafter_class
 from tests.helpers import (
     DFLASH_TINY,

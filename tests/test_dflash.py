@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 
 from draftsmith.data_prep.capture import capture
 from draftsmith.errors import UserError
-from draftsmith.eval.loop import Sampling, exact_rule, generate, prefill, propose, verify_step
+from draftsmith.eval.loop import generate, prefill, propose, verify_step
+from draftsmith.eval.sampling import Sampling, exact_rule
 from draftsmith.heads import drafter_class, load_drafter
 from draftsmith.heads.base import DynamicTree, TargetShape
 from draftsmith.heads.dflash import best_first_tree, default_target_layers

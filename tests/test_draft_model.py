@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.errors import UserError
-from draftsmith.eval.loop import Sampling, generate
+from draftsmith.eval.loop import generate
+from draftsmith.eval.sampling import Sampling
 from draftsmith.heads import drafter_class
 from draftsmith.heads.base import TargetShape, load_drafter
 from draftsmith.heads.distill import distill_loss, divergences, forward_kl, reverse_kl, total_variation

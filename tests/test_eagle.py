@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from draftsmith.errors import UserError
-from draftsmith.eval.loop import Sampling, exact_rule, generate, prefill
+from draftsmith.eval.loop import generate, prefill
+from draftsmith.eval.sampling import Sampling, exact_rule
 from draftsmith.heads import load_drafter
 from draftsmith.heads.base import DynamicTree, TargetShape
 from draftsmith.target import run_target

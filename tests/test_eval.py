@@ -10,14 +10,15 @@ import pytest
 import torch
 
 from draftsmith.errors import UserError
-from draftsmith.eval.loop import Sampling, exact_rule, generate, prefill, propose, tree_depths, verify_mask, verify_step
+from draftsmith.eval.loop import generate, prefill, propose, tree_depths, verify_mask, verify_step
 from draftsmith.eval.ngram import NGramDrafter
 from draftsmith.eval.report import run_eval
+from draftsmith.eval.sampling import Sampling, exact_rule
 from draftsmith.heads import drafter_class
 from draftsmith.heads.base import DraftState, DraftTree
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target
-from tests.conftest import DOMAINS, REFERENCE_TARGET, run_entry
+from tests.conftest import DOMAINS, REFERENCE_TARGET, run_entry_in_process
 from tests.helpers import (
     NEW,
     SAMPLES,
@@ -354,9 +355,9 @@ def test_bad_settings_are_user_errors(eval_setup, tmp_path):
         run_eval(load_recipe([f"recipe={recipe}"]), str(corrupt), target=target)
 
 
-def test_cli_rejects_a_missing_and_a_foreign_checkpoint(eval_setup, tmp_path):
+def test_cli_rejects_a_missing_and_a_foreign_checkpoint(eval_setup, tmp_path, capsys):
     _, recipe, _ = eval_setup
-    missing = run_entry(["-m", "eval", f"recipe={recipe}", f"drafter.path={tmp_path / 'nothing'}"], timeout=120)
+    missing = run_entry_in_process(["-m", "eval", f"recipe={recipe}", f"drafter.path={tmp_path / 'nothing'}"], capsys)
     assert missing.returncode == 2
     assert missing.stderr.strip().splitlines() == [missing.stderr.strip()] and missing.stderr.startswith(
         "error: no drafter checkpoint"
@@ -365,7 +366,7 @@ def test_cli_rejects_a_missing_and_a_foreign_checkpoint(eval_setup, tmp_path):
     foreign_target = tiny_llama(vocab=64, hidden=256, layers=1)
     medusa = drafter_class("medusa")
     medusa.from_target(medusa.Config(num_heads=3), foreign_target, "tiny").save_pretrained(tmp_path / "foreign")
-    foreign = run_entry(["-m", "eval", f"recipe={recipe}", f"drafter.path={tmp_path / 'foreign'}"], timeout=120)
+    foreign = run_entry_in_process(["-m", "eval", f"recipe={recipe}", f"drafter.path={tmp_path / 'foreign'}"], capsys)
     assert foreign.returncode == 2
     assert len(foreign.stderr.strip().splitlines()) == 1 and "vocab_size=64" in foreign.stderr, foreign.stderr
 

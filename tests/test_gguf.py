@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.errors import UserError
-from draftsmith.gguf import SOURCE_FILE, materialize
-from draftsmith.recipe import load_recipe
+from draftsmith.gguf import SOURCE_FILE, header_shape, materialize
+from draftsmith.recipe import compose, load_recipe, split_argv, validate
 from draftsmith.resources import bundled
-from draftsmith.target import load_target, load_tokenizer
+from draftsmith.target import TargetShape, load_target, load_tokenizer
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -144,6 +144,20 @@ def test_recipe_with_gguf_file_points_every_stage_at_the_cached_directory(demo_g
     )
     assert Path(cfg.target.name_or_path).parent == cache / "targets"
     assert cfg.target.gguf_file is None  # the recipe a run saves loads the directory, not the file again
+
+
+def test_validation_reads_the_header_and_converts_nothing(demo_gguf, cache, tmp_path):
+    """Validating a GGUF recipe (what `--cfg` prints, what every bad setting is caught by) parses the
+    file's header alone: the drafter is checked against the shape written there, and nothing is
+    dequantized or cached."""
+    args = ["recipe=eagle3", f"target.name_or_path={demo_gguf.parent}", f"target.gguf_file={demo_gguf.name}", f"output_dir={tmp_path / 'run'}"]  # fmt: skip
+    assert header_shape(str(demo_gguf.parent), demo_gguf.name) == TargetShape.from_config(
+        json.loads((DEMO / "config.json").read_text()), str(demo_gguf)
+    )
+    assert validate(compose(*split_argv(args))).target.gguf_file == demo_gguf.name
+    with pytest.raises(UserError, match=r"layer id\(s\) \[4\] out of range for a target with 4 layers"):
+        validate(compose(*split_argv([*args, "drafter.aux_layers=[0,4]"])))
+    assert not (cache / "targets").exists()
 
 
 def test_missing_gguf_file_is_one_line(tmp_path, cache):

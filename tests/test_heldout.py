@@ -20,7 +20,8 @@ from draftsmith.recipe import load_recipe
 from draftsmith.target import TargetShape
 from draftsmith.trainer.checkpoint import TrainerState
 from draftsmith.trainer.curve import chain_tau, depth_top1, load_curve, plot_curves, write_curve
-from draftsmith.trainer.loop import BEST_DIR, BEST_JSON, keep_best, split_heldout, train
+from draftsmith.trainer.heldout import BEST_DIR, BEST_JSON, keep_best, split_heldout
+from draftsmith.trainer.loop import train
 from tests.conftest import kill_train_after, read_log, run_entry, train_args
 
 HELDOUT = [

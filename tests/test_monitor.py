@@ -27,7 +27,7 @@ from draftsmith.monitor.metrics import collect, window
 from draftsmith.monitor.traffic import read_requests, sample
 from draftsmith.outputs import DirectoryLock
 from draftsmith.recipe import load_recipe
-from tests.conftest import DEMO, REPO, run_entry
+from tests.conftest import DEMO, REPO, run_entry_in_process
 
 LABELS = ["model_name", "engine"]
 
@@ -208,7 +208,7 @@ def test_a_shift_is_detected_located_retrained_and_promoted(deployed, tmp_path, 
     logs.mkdir()
     cfg = load_recipe([
         *args, f"output_dir={tmp_path / 'run'}", f"monitor.deployed={root / 'export' / 'vllm'}", f"monitor.metrics=[{engine.url}]",
-        f"monitor.traffic={logs}", "monitor.min_drafts=100", "monitor.sample_per_domain=6", "monitor.retrain_samples=48", "train.max_steps=30",
+        f"monitor.traffic={logs}", "monitor.min_drafts=100", "monitor.sample_per_domain=6", "monitor.retrain_samples=48", "train.max_steps=30", "data.regenerate.max_new_tokens=64",
     ])  # fmt: skip
     baseline = Baseline.from_report(json.loads((root / "deployed" / "eval" / "report.json").read_text()), "report")
     source = root / "traffic_source.jsonl"
@@ -345,14 +345,13 @@ def test_the_deploy_examples_run_as_written(healthy_setup):
     ]
 
 
-@pytest.mark.slow
-def test_monitor_cli_bad_input_is_one_line_exit_2(tmp_path):
+def test_monitor_cli_bad_input_is_one_line_exit_2(tmp_path, capsys):
     for args in (
         ["-m", "monitor"],
         ["-m", "monitor", "check", "recipe=medusa", f"output_dir={tmp_path}"],
         ["-m", "monitor", "check", "recipe=medusa", "monitor.metrics=[localhost:9]"],
     ):
-        result = run_entry(args)
+        result = run_entry_in_process(args, capsys)
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (
             args,

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from draftsmith.errors import UserError
 from draftsmith.recipe import load_recipe, save_recipe
 from draftsmith.resources import recipes_dir
-from tests.conftest import REPO, run_entry
+from tests.conftest import REPO, run_entry, run_entry_in_process
 
 SHIPPED = sorted(p.stem for p in recipes_dir().glob("*.yaml"))
 LAUNCH_CONFIGS = sorted((recipes_dir() / "accelerate").glob("*.yaml"))
@@ -150,7 +150,6 @@ def test_resolved_recipe_is_saved_and_reloads(tmp_path):
     assert OmegaConf.to_container(again) == OmegaConf.to_container(cfg)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "args",
     [
@@ -163,9 +162,9 @@ def test_resolved_recipe_is_saved_and_reloads(tmp_path):
     ],
     ids=["unknown-key", "unknown-recipe", "no-recipe", "missing-data", "gamma-above-heads", "zero-batch"],
 )
-def test_train_py_bad_input_is_one_line_exit_2(tmp_path, args):
+def test_train_py_bad_input_is_one_line_exit_2(tmp_path, args, capsys):
     out = tmp_path / "run"
-    result = run_entry(["train.py", *args, f"output_dir={out}"], timeout=120)
+    result = run_entry_in_process(["train.py", *args, f"output_dir={out}"], capsys)
     assert_one_line_exit_2(result)
     assert not out.exists(), "a failed start must not leave a half-written output_dir"
 
@@ -178,9 +177,12 @@ def test_train_py_bad_input_is_one_line_exit_2(tmp_path, args):
         (["-m", "data_prep.regenerate"], "data.regenerate.max_new_tokens=0"),
         (["-m", "eval"], "eval.top_k=-1"),
         (["train.py"], "output_dir=/proc/xx"),
+        (["-m", "monitor", "check"], "monitor.min_drafts=0"),
+        (["-m", "export"], "export.tolerance=-1"),
     ],
 )
 def test_every_entry_point_refuses_bad_settings_in_one_line(tmp_path, entry, override):
+    """As real processes: nothing but the one line on stderr, whatever the imports print."""
     out = tmp_path / "run"
     assert_one_line_exit_2(run_entry([*entry, "recipe=medusa", f"output_dir={out}", override], timeout=120))
     assert not out.exists()

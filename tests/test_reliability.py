@@ -220,7 +220,7 @@ def test_a_nan_batch_is_skipped_and_counted_then_the_run_stops_naming_where(
 def test_a_drafter_layer_that_produces_nan_is_named(tmp_path):
     from draftsmith.heads import drafter_class
     from draftsmith.target import load_target, run_target
-    from draftsmith.trainer.loop import locate_nonfinite
+    from draftsmith.trainer.nonfinite import locate_nonfinite
 
     target = load_target(str(REFERENCE_TARGET))
     medusa = drafter_class("medusa")
