@@ -32,13 +32,13 @@ CASES = {
     # EAGLE-3.1 in vLLM's native form (LlamaForCausalLMEagle3) instead of the speculators one
     "eagle3.1-native": ("eagle3", ["drafter.fc_norm=true", "drafter.norm_output=true", "export.vllm_format=native"]),
     # PARD: the draft model drafting in parallel (one forward, masks after the committed tokens)
-    "pard": ("draft", ["drafter.parallel_drafting=true", "drafter.mask_token_id=5", "drafter.parallel_tokens=3",
-                       "eval.num_speculative_tokens=3", "train.max_steps=60", "train.lr=6e-3", "train.warmup_steps=5", "eval.max_prompts=4",
+    "pard": ("draft", ["drafter.parallel_drafting=true", "drafter.mask_token_id=5", "drafter.parallel_tokens=2",
+                       "eval.num_speculative_tokens=2", "train.max_steps=60", "train.lr=6e-3", "train.warmup_steps=5", "eval.max_prompts=4",
                        "data.max_length=128"]),
     # trained longer, and faster (γ = 3 unrolled steps, a higher lr): its later guesses (the mask queries') must be
     # accepted too, or only depth 1 is compared
     "peagle": ("eagle3", ["drafter.parallel_drafting=true", "drafter.mask_token_id=5", "drafter.fc_norm=true", "eval.tree=0",
-                          "train.max_steps=50", "drafter.ttt_steps=3", "train.lr=6e-3", "train.warmup_steps=5"]),
+                          "train.max_steps=50", "drafter.ttt_steps=2", "eval.num_speculative_tokens=2", "train.lr=6e-3", "train.warmup_steps=5"]),
 }  # fmt: skip
 SELF_DISTILLED = DEMO / "data" / "train.regenerated.jsonl.gz"  # the target's own answers: acceptance comes fast
 

@@ -266,6 +266,14 @@ def test_medusa_biases_are_declared_and_a_folder_that_would_drop_them_is_refused
 
 
 # -- round trip: an exported folder evaluates exactly like its checkpoint --------------------------
+@pytest.fixture(scope="module")
+def one_prompt(small_data, tmp_path_factory) -> Path:
+    """The first eval conversation alone: one domain, one prompt."""
+    path = tmp_path_factory.mktemp("one_prompt") / "eval.jsonl"
+    path.write_text(small_data["eval"].read_text().splitlines()[0] + "\n")
+    return path
+
+
 EAGLE31 = {"fc_norm": "true", "norm_output": "true"}
 
 
@@ -277,7 +285,7 @@ EAGLE31 = {"fc_norm": "true", "norm_output": "true"}
     ids=["medusa-vllm", "medusa2-vllm", "eagle-vllm", "eagle-sglang", "eagle3-vllm", "eagle3-sglang", "eagle3.1-vllm", "peagle-vllm",
          "draft_model-vllm", "pard-vllm", "dflash-vllm"],
 )  # fmt: skip
-def test_an_exported_folder_evaluates_like_its_checkpoint(kind, engine, config, target, small_data, tmp_path):
+def test_an_exported_folder_evaluates_like_its_checkpoint(kind, engine, config, target, one_prompt, tmp_path):
     from draftsmith.eval.report import run_eval
     from draftsmith.export import open_drafter
 
@@ -290,7 +298,7 @@ def test_an_exported_folder_evaluates_like_its_checkpoint(kind, engine, config, 
         assert {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"} <= set(
             load_file(str(folders[engine] / "model.safetensors"))
         )
-    quick = [f"eval.data=[{small_data['eval']}]", "eval.max_prompts=1", "eval.max_new_tokens=16", "eval.tree=6"]
+    quick = [f"eval.data=[{one_prompt}]", "eval.max_new_tokens=16", "eval.tree=6"]
     if kind == "draft_model" or "parallel_drafting" in config:  # chains only
         quick[-1] = "eval.tree=0"
     rows = {}

@@ -169,7 +169,12 @@ def test_capture_killed_anywhere_resumes_into_the_same_bytes(tmp_path, small_dat
             "-m",
             "data_prep.capture",
             *train_args(
-                tmp_path / "run", small_data, token_cache, "data.capture.shard_tokens=600", f"data.capture.output={out}"
+                tmp_path / "run",
+                small_data,
+                token_cache,
+                "data.max_conversations=48",
+                "data.capture.shard_tokens=400",
+                f"data.capture.output={out}",
             ),
         ]
 
@@ -191,24 +196,33 @@ def test_capture_killed_anywhere_resumes_into_the_same_bytes(tmp_path, small_dat
     assert any(landed), "no kill landed mid-run"
 
 
-def test_regeneration_killed_anywhere_resumes_into_the_same_bytes(tmp_path, small_data, token_cache):
-    def args(out: Path) -> list[str]:
-        quick = [
-            "data.max_conversations=16",
-            "data.regenerate.batch_size=2",
-            "data.regenerate.max_new_tokens=24",
-            f"data.regenerate.output={out}",
-        ]
-        return ["-m", "data_prep.regenerate", *train_args(tmp_path / "run", small_data, token_cache, *quick)]
+REGENERATION = ["data.max_conversations=16", "data.regenerate.batch_size=2", "data.regenerate.max_new_tokens=24"]
 
-    reference = tmp_path / "reference"
-    window = writing_window(args(reference), reference)
-    parts = digests(reference, "part-*.jsonl.gz")
-    assert len(parts) == 8  # 16 conversations in pairs
+
+def regenerate_args(run: Path, small_data, token_cache, out: Path) -> list[str]:
+    """16 conversations regenerated in pairs: 8 part files."""
+    quick = [*REGENERATION, f"data.regenerate.output={out}"]
+    return ["-m", "data_prep.regenerate", *train_args(run, small_data, token_cache, *quick)]
+
+
+@pytest.fixture(scope="module")
+def regenerated(tmp_path_factory, small_data, token_cache) -> tuple[dict[str, str], float]:
+    """An uninterrupted regeneration, which both regeneration tests must reproduce: its part files'
+    digests, and its writing window."""
+    root = tmp_path_factory.mktemp("regenerated")
+    window = writing_window(regenerate_args(root / "run", small_data, token_cache, root / "out"), root / "out")
+    parts = digests(root / "out", "part-*.jsonl.gz")
+    assert len(parts) == 8
+    return parts, window
+
+
+def test_regeneration_killed_anywhere_resumes_into_the_same_bytes(tmp_path, small_data, token_cache, regenerated):
+    parts, window = regenerated
     rng, landed = random.Random(16), []
     for trial in range(TRIALS):
         out = tmp_path / f"trial{trial}"
-        landed.append(run_killed_then_resumed(args(out), out, rng.uniform(0.0, 0.9 * window), []))
+        args = regenerate_args(tmp_path / "run", small_data, token_cache, out)
+        landed.append(run_killed_then_resumed(args, out, rng.uniform(0.0, 0.9 * window), []))
         assert digests(out, "part-*.jsonl.gz") == parts, trial
     assert any(landed), "no kill landed mid-run"
 
@@ -246,26 +260,17 @@ def assert_preempted(done: subprocess.CompletedProcess) -> None:
     assert "Traceback" not in done.stderr
 
 
-def test_sigterm_stops_regeneration_and_eval_mid_run_with_exit_75(tmp_path, small_data, token_cache):
+def test_sigterm_stops_regeneration_and_eval_mid_run_with_exit_75(tmp_path, small_data, token_cache, regenerated):
     """Outside training (which checkpoints first), SIGTERM stops a job where it is: exit 75, one line,
     the finished part files kept, and the same command finishes the same bytes."""
-    quick = ["data.max_conversations=16", "data.regenerate.batch_size=2", "data.regenerate.max_new_tokens=24"]
-    reference, out = tmp_path / "reference", tmp_path / "interrupted"
-    args = ["-m", "data_prep.regenerate", *train_args(tmp_path / "run", small_data, token_cache, *quick)]
-    assert (
-        subprocess.run(
-            [sys.executable, *args, f"data.regenerate.output={reference}"], cwd=REPO, capture_output=True, timeout=600
-        ).returncode
-        == 0
-    )
-    done = sigterm_mid_run([*args, f"data.regenerate.output={out}"], lambda _: any(out.glob("part-*.jsonl.gz")))
+    out = tmp_path / "interrupted"
+    args = regenerate_args(tmp_path / "run", small_data, token_cache, out)
+    done = sigterm_mid_run(args, lambda _: any(out.glob("part-*.jsonl.gz")))
     assert_preempted(done)
     assert 1 <= len(digests(out, "part-*.jsonl.gz")) < 8  # the signal landed mid-run
-    again = subprocess.run(
-        [sys.executable, *args, f"data.regenerate.output={out}"], cwd=REPO, capture_output=True, text=True, timeout=600
-    )
+    again = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-2000:]
-    assert digests(out, "part-*.jsonl.gz") == digests(reference, "part-*.jsonl.gz")
+    assert digests(out, "part-*.jsonl.gz") == regenerated[0]
     assert not (out / LOCK_NAME).exists()
 
     from draftsmith.target import load_target

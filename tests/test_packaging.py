@@ -1,6 +1,7 @@
-"""The package as a user installs it: a wheel built from this checkout, installed into a fresh venv,
-run from a directory outside the checkout — the console script trains the default recipe on the
-bundled demo (recipes and demo data are package data) and evaluates the result."""
+"""The package as a user installs it: a wheel built from this checkout holds every package, recipe,
+engine script and the demo bundle (fast tier); installed into a fresh venv and run from a directory
+outside the checkout, the console script trains the default recipe on the bundled demo and evaluates
+the result, and `accelerate launch -m draftsmith train` trains on two processes (slow tier)."""
 
 from __future__ import annotations
 
@@ -9,20 +10,17 @@ import os
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> Path:
-    """A venv holding only the built wheel; the heavy dependencies (torch, transformers, ...) come from
-    this interpreter's site-packages through a plain path entry, which Python adds to sys.path without
-    running the .pth files there, so the checkout's editable install is not visible inside."""
+def wheel(tmp_path_factory) -> Path:
+    """The wheel `pip wheel` builds from this checkout."""
     root = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [
@@ -39,7 +37,37 @@ def installed(tmp_path_factory) -> Path:
         ],
         check=True,
     )
-    (wheel,) = (root / "dist").glob("draftsmith-*.whl")
+    (built,) = (root / "dist").glob("draftsmith-*.whl")
+    return built
+
+
+def test_the_wheel_holds_every_package_its_data_and_the_console_script(wheel):
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    names = set(zipfile.ZipFile(wheel).namelist())
+    settings = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = settings["package-dir"]
+    for package in settings["packages"]:  # every module of every package
+        parent, _, last = package.rpartition(".")
+        folder = REPO / folders[package] if package in folders else REPO / folders[parent] / last
+        for module in folder.glob("*.py"):
+            assert f"{package.replace('.', '/')}/{module.name}" in names, module
+    for package, patterns in settings["package-data"].items():
+        for pattern in patterns:
+            found = list((REPO / folders[package]).glob(pattern))
+            assert found and all(
+                f"{package.replace('.', '/')}/{path.relative_to(REPO / folders[package])}" in names for path in found
+            ), pattern
+    assert {"draftsmith/engine_scripts/vllm_run.py", "draftsmith/demo/target/model.safetensors"} <= names
+    (entry_points,) = [name for name in names if name.endswith(".dist-info/entry_points.txt")]
+    assert "draftsmith = draftsmith.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory) -> Path:
+    """A venv holding only the built wheel; the heavy dependencies (torch, transformers, ...) come from
+    this interpreter's site-packages through a plain path entry, which Python adds to sys.path without
+    running the .pth files there, so the checkout's editable install is not visible inside."""
+    root = wheel.parent.parent
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
@@ -60,6 +88,7 @@ def run_in(venv: Path, args: list[str], cwd: Path) -> subprocess.CompletedProces
     return subprocess.run(args, cwd=cwd, capture_output=True, text=True, env=env, timeout=600)
 
 
+@pytest.mark.slow
 def test_the_wheel_trains_and_evaluates_from_outside_the_checkout(installed, tmp_path):
     where = run_in(
         installed,
@@ -108,6 +137,7 @@ def test_the_wheel_trains_and_evaluates_from_outside_the_checkout(installed, tmp
     assert run_in(installed, ["draftsmith", "nope"], tmp_path).returncode == 2
 
 
+@pytest.mark.slow
 def test_the_wheel_trains_on_two_processes_and_answers_help(installed, tmp_path):
     """Multi-process training needs no checkout: `accelerate launch -m draftsmith train ...`."""
     launch = ["python", "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from draftsmith.data_prep.features import MANIFEST_NAME, file_sha256
 from draftsmith.errors import EXIT_PREEMPTED, UserError
 from draftsmith.outputs import LOCK_NAME, DirectoryLock
-from tests.conftest import REFERENCE_TARGET, REPO, read_log, run_entry, train_args
+from tests.conftest import REFERENCE_TARGET, REPO, read_log, run_entry, run_entry_in_process, train_args
 
 pytestmark = pytest.mark.slow
 
@@ -63,21 +63,30 @@ def one_error_line(stderr: str) -> str:
 
 
 # -- 1. never delete implicitly ---------------------------------------------------------------------
-def test_a_plain_rerun_is_refused_and_the_earlier_run_kept(tmp_path, small_data, token_cache):
+def test_a_rerun_is_refused_resumed_or_started_over_and_nothing_is_deleted(tmp_path, small_data, token_cache, capsys):
     out = tmp_path / "run"
     args = train_args(out, small_data, token_cache, "train.max_steps=2", "train.save_every=1")
     assert run_entry(["train.py", *args]).returncode == 0
     before = {p: p.stat().st_mtime_ns for p in (out / "checkpoints").rglob("*")}
-    again = run_entry(["train.py", *args])
+    again = run_entry_in_process(["train.py", *args], capsys)  # without train.resume: refused
     assert again.returncode == 2
     line = one_error_line(again.stderr)
     assert "holds an earlier run (checkpoints step_0000001, step_0000002)" in line
     assert "train.resume=true" in line and "train.overwrite=true" in line
-    assert {p: p.stat().st_mtime_ns for p in (out / "checkpoints").rglob("*")} == before  # untouched
-    # With train.overwrite=true it starts over and the earlier run is moved aside, not deleted
-    # (tests/test_train.py checks the moved run; here: both keys at once are refused).
-    both = run_entry(["train.py", *args, "train.resume=true", "train.overwrite=true"])
+    both = run_entry_in_process(["train.py", *args, "train.resume=true", "train.overwrite=true"], capsys)
     assert both.returncode == 2 and "both set" in one_error_line(both.stderr)
+    assert {p: p.stat().st_mtime_ns for p in (out / "checkpoints").rglob("*")} == before  # untouched
+
+    resumed = run_entry(["train.py", *args, "train.resume=true"])  # the latest checkpoint; the run was finished
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout and "step_0000002" in resumed.stdout
+    # train.overwrite=true starts over: the earlier run moves aside, and nothing of it is resumed or mixed in.
+    fresh = run_entry(["train.py", *args[:-2], "train.max_steps=1", "train.save_every=1", "train.overwrite=true"])
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000001"]
+    assert sorted(read_log(out)) == [1]
+    (replaced,) = (out / "replaced").iterdir()
+    assert sorted(p.name for p in (replaced / "checkpoints").iterdir()) == ["step_0000001", "step_0000002"]
 
 
 # -- 2. one writer per directory --------------------------------------------------------------------

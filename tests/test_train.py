@@ -1,6 +1,6 @@
 """The real train.py on the reference target: heads learn, the target stays frozen, checkpoints are
-complete, `train.resume=true` and `train.overwrite=true`, and two processes train one set of heads (a
-killed run resuming into the same losses and weights: tests/test_faults.py)."""
+complete, and two processes train one set of heads (a killed run resuming into the same losses and
+weights: tests/test_faults.py; `train.resume=true` and `train.overwrite=true`: tests/test_reliability.py)."""
 
 from __future__ import annotations
 
@@ -61,23 +61,6 @@ def test_checkpoint_files_and_logs(trained_run):
         assert any(ckpt.glob("optimizer*")) and any(ckpt.glob("random_states*")), sorted(p.name for p in ckpt.iterdir())
     assert list((output_dir / "tb").rglob("events.out.tfevents.*")), "no TensorBoard event file"
     assert (output_dir / "recipe.yaml").is_file()
-
-
-def test_resume_true_picks_latest_and_finished_run_is_a_no_op(tmp_path, small_data, token_cache):
-    out = tmp_path / "run"
-    args = train_args(out, small_data, token_cache, "train.max_steps=4", "train.save_every=2")
-    assert run_entry(["train.py", *args]).returncode == 0
-    again = run_entry(["train.py", *args, "train.resume=true"])
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert "resumed from" in again.stdout and "step_0000004" in again.stdout
-    # Without train.resume the directory is refused (tests/test_reliability.py); with
-    # train.overwrite=true the earlier run is moved aside and nothing of it is resumed or mixed in.
-    fresh = run_entry(["train.py", *args[:-2], "train.max_steps=2", "train.save_every=1", "train.overwrite=true"])
-    assert fresh.returncode == 0, fresh.stderr[-2000:]
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000001", "step_0000002"]
-    assert sorted(read_log(out)) == [1, 2]
-    (replaced,) = (out / "replaced").iterdir()
-    assert sorted(p.name for p in (replaced / "checkpoints").iterdir()) == ["step_0000002", "step_0000004"]
 
 
 def test_two_process_launch_trains_one_set_of_heads_on_different_data(tmp_path, small_data, token_cache):
