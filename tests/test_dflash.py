@@ -25,7 +25,7 @@ from draftsmith.heads.base import DynamicTree, TargetShape
 from draftsmith.heads.dflash import best_first_tree, default_target_layers
 from draftsmith.recipe import load_recipe
 from draftsmith.target import run_target
-from tests.conftest import read_log, run_entry, train_args, train_in_process
+from tests.conftest import read_log, run_entry_in_process, train_args, train_in_process
 from tests.helpers import DFLASH_TINY as TINY
 from tests.helpers import (
     NEW,
@@ -275,8 +275,9 @@ def test_target_layers_default_and_bad_values():
             DFlash.Config(target_layers=[0, 1], **bad).check()
 
 
-def test_chain_longer_than_the_block_is_refused_before_loading(tmp_path):
-    result = run_entry(["train.py", "recipe=dflash", "eval.num_speculative_tokens=8", f"output_dir={tmp_path / 'run'}"])
+def test_chain_longer_than_the_block_is_refused_before_loading(tmp_path, capsys):
+    args = ["train.py", "recipe=dflash", "eval.num_speculative_tokens=8", f"output_dir={tmp_path / 'run'}"]
+    result = run_entry_in_process(args, capsys)
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("error:")
     assert "7" in result.stderr and not (tmp_path / "run").exists()
 

@@ -391,11 +391,11 @@ def test_max_turns_answers_the_first_turns_and_ends_the_conversation_there():
     assert [m["role"] for m in everything[0]] == ["user", "assistant", "user", "assistant", "user"]
 
 
-def test_regenerate_cli_reports_bad_input_in_one_line(tmp_path):
-    from tests.conftest import run_entry
+def test_regenerate_cli_reports_bad_input_in_one_line(tmp_path, capsys):
+    from tests.conftest import run_entry_in_process
 
-    done = run_entry(
-        ["-m", "data_prep.regenerate", "recipe=draft", "data.regenerate.batch_size=0", f"output_dir={tmp_path}"]
+    done = run_entry_in_process(
+        ["-m", "data_prep.regenerate", "recipe=draft", "data.regenerate.batch_size=0", f"output_dir={tmp_path}"], capsys
     )
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         "error: data.regenerate.batch_size=0 and max_new_tokens=256 must be >= 1"

@@ -99,6 +99,8 @@ def test_target_untouched_weights_shared_checkpoint_holds_heads_and_adapters(run
 
 def test_eval_verifies_with_the_adapted_target_losslessly(run, small_data, tmp_path):
     output_dir, _ = run
+    one_prompt = tmp_path / "eval.jsonl"  # the first eval conversation alone: one domain, one prompt
+    one_prompt.write_text(small_data["eval"].read_text().splitlines()[0] + "\n")
     result = run_entry(
         [
             "-m",
@@ -106,8 +108,7 @@ def test_eval_verifies_with_the_adapted_target_losslessly(run, small_data, tmp_p
             "recipe=medusa2",
             f"target.name_or_path={REFERENCE_TARGET}",
             f"drafter.path={output_dir / 'final'}",
-            f"eval.data=[{small_data['eval']}]",
-            "eval.max_prompts=1",
+            f"eval.data=[{one_prompt}]",
             "eval.max_new_tokens=24",
             f"output_dir={tmp_path}",
         ]

@@ -21,7 +21,7 @@ import torch
 
 from draftsmith.data_prep import render_prompt
 from draftsmith.target import load_target, load_tokenizer
-from tests.conftest import REFERENCE_TARGET, REPO, run_entry
+from tests.conftest import REFERENCE_TARGET, REPO, run_entry, run_entry_in_process
 
 NEAR_TIE = 0.05  # largest gap between the two best logits at which two float32 engines may pick differently
 
@@ -100,11 +100,8 @@ def test_vllm_regeneration_survives_its_engine_dying_and_matches_transformers(vl
     assert identical >= len(by_vllm) // 2
 
 
-def test_a_python_without_vllm_is_bad_input(tmp_path, small_data):
-    done = run_entry(
-        regenerate_args(
-            tmp_path / "out", small_data, "data.regenerate.engine=vllm", f"data.regenerate.vllm.python={sys.executable}"
-        )
-    )
+def test_a_python_without_vllm_is_bad_input(tmp_path, small_data, capsys):
+    engine = ["data.regenerate.engine=vllm", f"data.regenerate.vllm.python={sys.executable}"]
+    done = run_entry_in_process(regenerate_args(tmp_path / "out", small_data, *engine), capsys)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith(f"error: {sys.executable} cannot import vllm")

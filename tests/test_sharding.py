@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from draftsmith.errors import UserError
 from draftsmith.recipe import load_recipe
-from tests.conftest import REFERENCE_TARGET, REPO, corpus_slice, read_log, run_entry
+from tests.conftest import REFERENCE_TARGET, REPO, corpus_slice, read_log, run_entry, run_entry_in_process
 
 FSDP_LAUNCH = REPO / "recipes" / "accelerate" / "fsdp_target.yaml"
 
@@ -68,8 +68,9 @@ def test_shard_key_takes_known_values_and_works_with_the_other_drafters():
     assert load_recipe(["recipe=eagle3_llama3_70b"]).target.shard == "fsdp"
 
 
-def test_train_refuses_an_unshardable_drafter_in_one_line(tmp_path):
-    done = run_entry(["train.py", "recipe=medusa2", "target.shard=fsdp", f"output_dir={tmp_path / 'run'}"])
+def test_train_refuses_an_unshardable_drafter_in_one_line(tmp_path, capsys):
+    args = ["train.py", "recipe=medusa2", "target.shard=fsdp", f"output_dir={tmp_path / 'run'}"]
+    done = run_entry_in_process(args, capsys)
     assert done.returncode == 2
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("error: target.shard=fsdp does not work with drafter.type=medusa2")
