@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine]
 CASES = {
     "medusa": ("medusa", []), "medusa2": ("medusa2", []), "eagle": ("eagle", []), "draft_model": ("draft", []),
     # trained long enough (τ ≈ 1.4) for the misread folders of the last test to show in the acceptance
-    "eagle3": ("eagle3", ["train.max_steps=60", "drafter.ttt_steps=2", "data.max_length=256", "eval.max_prompts=4", "eval.max_new_tokens=48"]),
+    "eagle3": ("eagle3", ["train.max_steps=60", "drafter.ttt_steps=2", "data.max_length=256", "eval.max_prompts=3", "eval.max_new_tokens=48"]),
     "eagle3.1": ("eagle3", ["drafter.fc_norm=true", "drafter.norm_output=true"]), "dflash": ("dflash", []),
     # EAGLE-3.1 in vLLM's native form (LlamaForCausalLMEagle3) instead of the speculators one
     "eagle3.1-native": ("eagle3", ["drafter.fc_norm=true", "drafter.norm_output=true", "export.vllm_format=native"]),

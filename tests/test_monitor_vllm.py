@@ -135,7 +135,7 @@ def test_serve_monitor_retrain_redeploy(deployed, vllm_python, tmp_path):
         cfg = load_recipe([
             *args, f"output_dir={tmp_path / 'run'}", f"monitor.deployed={root / 'export' / 'vllm'}", f"monitor.metrics=[{server.url}/metrics]",
             f"monitor.traffic={logs}", "monitor.min_drafts=100", "monitor.consecutive=1", "monitor.sample_per_domain=6",
-            "monitor.retrain_samples=48", "monitor.traffic_window_s=600", "train.max_steps=40", "data.regenerate.max_new_tokens=64",
+            "monitor.retrain_samples=32", "monitor.traffic_window_s=600", "train.max_steps=30", "data.regenerate.max_new_tokens=64",
         ])  # fmt: skip
         state_dir = tmp_path / "run" / "monitor"
         assert check(cfg) == Outcome.HEALTHY  # the window starts
