@@ -16,6 +16,7 @@ import fcntl
 import json
 import os
 import shutil
+import struct
 from pathlib import Path
 
 from draftsmith.errors import UserError, one_line
@@ -57,47 +58,76 @@ def locate(name_or_path: str, gguf_file: str, revision: str | None) -> Path:
 
 
 def header_shape(name_or_path: str, gguf_file: str) -> TargetShape | None:
-    """The target's shape from a GGUF file's metadata, for recipe validation: the header is parsed
-    (the file is memory-mapped) and no tensor is read or dequantized. None for a file on the Hub."""
+    """The target's shape from a GGUF file's metadata, for recipe validation: only the key-value header
+    is read, no tensor. None for a file on the Hub (it is downloaded when first used)."""
     source = local_file(name_or_path, gguf_file)
     if source is None:
         return None
-    reader = open_reader(source)
+    fields = header_fields(source)
     try:
-        architecture = field_value(reader, "general.architecture")
-        vocab = reader.fields.get(f"{architecture}.vocab_size")
+        architecture = fields["general.architecture"]
         return TargetShape(
             name_or_path=str(source),
             model_type=architecture,
-            hidden_size=int(field_value(reader, f"{architecture}.embedding_length")),
-            vocab_size=int(field_value(reader, f"{architecture}.vocab_size"))
-            if vocab is not None
-            else len(reader.fields["tokenizer.ggml.tokens"].data),
-            num_hidden_layers=int(field_value(reader, f"{architecture}.block_count")),
+            hidden_size=int(fields[f"{architecture}.embedding_length"]),
+            # an array is read as its length: the tokenizer's token list when the vocabulary size is not written
+            vocab_size=int(fields.get(f"{architecture}.vocab_size", fields["tokenizer.ggml.tokens"])),
+            num_hidden_layers=int(fields[f"{architecture}.block_count"]),
         )
-    except (KeyError, ValueError, IndexError) as err:
-        raise UserError(f"cannot read GGUF target {source}: its header lacks {one_line(err)}") from None
+    except KeyError as err:
+        raise UserError(f"cannot read GGUF target {source}: its header lacks {err}") from None
 
 
-def open_reader(source: Path):
+# GGUF metadata value types (ggml's docs/gguf.md): scalars by struct format; 8 is a string, 9 an array.
+SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+STRING, ARRAY = 8, 9
+
+
+def header_fields(source: Path) -> dict[str, object]:
+    """Every key of a GGUF file's metadata: scalars and strings as values, arrays as their lengths.
+    The gguf package's reader maps every tensor and decodes every array (seconds for a tokenizer of
+    50k tokens); validation needs three numbers, so the header is walked here, skipping array items."""
+
+    def read(f, fmt: str):
+        size = struct.calcsize("<" + fmt)
+        data = f.read(size)
+        if len(data) < size:
+            raise ValueError("the header ends early")
+        return struct.unpack("<" + fmt, data)[0]
+
+    def string(f, keep: bool = True):
+        length = read(f, "Q")
+        return f.read(length).decode("utf-8", "replace") if keep else f.seek(length, 1)
+
+    def value(f, kind: int, keep: bool = True):
+        if kind in SCALARS:
+            return read(f, SCALARS[kind])
+        if kind == STRING:
+            return string(f, keep)
+        if kind == ARRAY:
+            item, count = read(f, "I"), read(f, "Q")
+            if item in SCALARS:
+                f.seek(count * struct.calcsize("<" + SCALARS[item]), 1)
+            else:
+                for _ in range(count):
+                    value(f, item, keep=False)
+            return count
+        raise ValueError(f"unknown metadata value type {kind}")
+
     try:
-        from gguf import GGUFReader
-    except ImportError:
-        raise UserError(
-            "target.gguf_file needs the `gguf` package: pip install 'draftsmith[smollm]' (or pip install gguf)"
-        ) from None
-    try:
-        return GGUFReader(source)
-    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        with open(source, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ValueError("not a GGUF file")
+            if read(f, "I") < 2:
+                raise ValueError("GGUF version 1 is not supported")
+            read(f, "Q")  # the tensor count
+            fields = {}
+            for _ in range(read(f, "Q")):
+                key = string(f)
+                fields[key] = value(f, read(f, "I"))
+            return fields
+    except (OSError, ValueError, struct.error) as err:
         raise UserError(f"cannot read GGUF target {source}: {one_line(err)}") from None
-
-
-def field_value(reader, key: str):
-    """A scalar or string metadata value of the header."""
-    value = reader.fields[key].contents()
-    if value is None:
-        raise KeyError(key)
-    return value
 
 
 def materialize(name_or_path: str, gguf_file: str, revision: str | None = None) -> Path:
@@ -128,7 +158,13 @@ def convert(source: Path, directory: Path) -> None:
     A model loaded from GGUF refuses save_pretrained (it records its quantization origin), so its
     weights are copied into a fresh model of the same config first. Float32: the file's
     dequantized values are low-precision products float32 holds exactly; target.dtype casts at load."""
-    open_reader(source)  # the `gguf` package transformers needs, and a readable header: one line if not
+    try:
+        import gguf  # noqa: F401  (transformers needs it; a clear message beats its ImportError)
+    except ImportError:
+        raise UserError(
+            "target.gguf_file needs the `gguf` package: pip install 'draftsmith[smollm]' (or pip install gguf)"
+        ) from None
+    header_fields(source)  # a file that is not GGUF: one line, before transformers tries
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
