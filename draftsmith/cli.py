@@ -83,16 +83,14 @@ def entry_point(main: Callable[[Sequence[str]], object], usage: str, argv: Seque
     resolved recipe, both with exit 0; otherwise `main(argv)` under run_cli (errors -> exit codes)."""
     from omegaconf import OmegaConf
 
-    from draftsmith.recipe import compose, split_argv, validate
+    from draftsmith.recipe import validated
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
         run_cli(lambda args: print(help_text(usage, args)), [arg for arg in argv if arg not in ("--help", "-h")])
     if "--cfg" in argv:
         run_cli(
-            lambda args: print(
-                OmegaConf.to_yaml(validate(compose(*split_argv(recipe_args(args)))), resolve=True), end=""
-            ),
+            lambda args: print(OmegaConf.to_yaml(validated(recipe_args(args)), resolve=True), end=""),
             [arg for arg in argv if arg != "--cfg"],
         )
     run_cli(main, argv)

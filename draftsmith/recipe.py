@@ -396,12 +396,16 @@ def validate(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
+def validated(argv: Sequence[str]) -> DictConfig:
+    """`recipe=NAME key=value ...` composed and validated, nothing loaded or converted (what `--cfg` prints)."""
+    return validate(compose(*split_argv(argv)))
+
+
 def load_recipe(argv: Sequence[str]) -> DictConfig:
     """Parse `recipe=NAME key=value ...` into a validated, read-only config whose target is a local
     directory or a Hub id: a GGUF target is dequantized once (draftsmith.gguf), after validation, and
     the recipe names the converted directory from then on (a run's saved recipe loads it, not the file)."""
-    recipe, overrides = split_argv(argv)
-    cfg = validate(compose(recipe, overrides))
+    cfg = validated(argv)
     if cfg.target.gguf_file is None:
         return cfg
     from draftsmith.gguf import materialize

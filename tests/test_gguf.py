@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from draftsmith.errors import UserError
 from draftsmith.gguf import SOURCE_FILE, header_shape, materialize
-from draftsmith.recipe import compose, load_recipe, split_argv, validate
+from draftsmith.recipe import load_recipe, validated
 from draftsmith.resources import bundled
 from draftsmith.target import TargetShape, load_target, load_tokenizer
 
@@ -154,9 +154,9 @@ def test_validation_reads_the_header_and_converts_nothing(demo_gguf, cache, tmp_
     assert header_shape(str(demo_gguf.parent), demo_gguf.name) == TargetShape.from_config(
         json.loads((DEMO / "config.json").read_text()), str(demo_gguf)
     )
-    assert validate(compose(*split_argv(args))).target.gguf_file == demo_gguf.name
+    assert validated(args).target.gguf_file == demo_gguf.name
     with pytest.raises(UserError, match=r"layer id\(s\) \[4\] out of range for a target with 4 layers"):
-        validate(compose(*split_argv([*args, "drafter.aux_layers=[0,4]"])))
+        validated([*args, "drafter.aux_layers=[0,4]"])
     assert not (cache / "targets").exists()
 
 
