@@ -152,7 +152,8 @@ def regenerate_into(cfg: DictConfig, directory: Path, conversations, target, tok
             generated += len(rows)
             cut += sum(row_cut)
             left_out += len(rows) - len(records)
-            progress.update(len(rows) * state.num_processes)  # the others go at about the same pace
+            # The others go at about the same pace; the estimate stops at the total.
+            progress.update(min(len(rows) * state.num_processes, progress.total - progress.n))
     progress.close()
     if state.num_processes > 1:
         from accelerate.utils import gather_object

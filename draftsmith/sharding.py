@@ -40,6 +40,7 @@ target whole on one device (`draftsmith.target.load_target`).
 
 from __future__ import annotations
 
+import atexit
 import logging
 from types import SimpleNamespace
 from typing import Callable, Optional, TypeVar
@@ -84,6 +85,20 @@ def end_process_group() -> None:
         dist.destroy_process_group()
 
 
+def release_device_mesh() -> None:
+    """Free a sharded target's device mesh, and with it the mesh's process group, while the
+    interpreter is still whole. DTensor caches sharding decisions in module-level caches that hold
+    the mesh, so without this the group outlives `destroy_process_group` and is torn down with the
+    interpreter, where its gloo threads could abort a finished rank with SIGABRT (seen as one rank of
+    a 2-rank sharded regeneration dying after its work). Runs at exit once a sharded target is loaded."""
+    import gc
+
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache  # both caches: Python and C++
+
+    _clear_sharding_prop_cache()
+    gc.collect()  # the target's modules hold the mesh in reference cycles (FSDP's hooks)
+
+
 def load_run_target(section, device: torch.device | str):
     """The target of a training, capture or regeneration run, as the recipe's `target.shard` says:
     whole on this rank's device (`load_target`), or sharded over the ranks (`load_sharded_target`)."""
@@ -110,6 +125,7 @@ def load_sharded_target(section, device: torch.device | str):
             "nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1
         )
     rank, world = dist.get_rank(), dist.get_world_size()
+    atexit.register(release_device_mesh)  # registering twice runs it twice, which is harmless
     dtype = resolve_dtype(section.dtype, device)
     try:
         config = AutoConfig.from_pretrained(

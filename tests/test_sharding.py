@@ -122,6 +122,26 @@ def test_one_process_runs_the_sharded_code_path(one_process_group):
     assert all(torch.equal(mine.layers[layer], theirs.layers[layer]) for layer in request.layers)
 
 
+def gloo_threads() -> list[str]:
+    names = (Path(task, "comm").read_text().strip() for task in Path("/proc/self/task").iterdir())
+    return [name for name in names if name.startswith(("pt_gloo", "gloo"))]
+
+
+def test_a_sharded_target_leaves_no_gloo_thread_to_die_with_the_interpreter(one_process_group):
+    """DTensor's caches keep the mesh and its process group past destroy_process_group; the handler
+    that loading a sharded target registers at exit frees them while the interpreter is whole."""
+    from draftsmith.sharding import end_process_group, load_sharded_target, release_device_mesh
+
+    sharded = load_sharded_target(str(REFERENCE_TARGET), "cpu")
+    with torch.no_grad():
+        sharded(input_ids=torch.tensor([[1, 2, 3]]))  # fills DTensor's sharding caches
+    del sharded
+    end_process_group()
+    assert gloo_threads()  # the group is destroyed, yet its threads run: the caches hold it
+    release_device_mesh()
+    assert gloo_threads() == []
+
+
 # -- slow: two ranks, the real entry points ---------------------------------------------------
 def launch_train(output_dir: Path, data: dict[str, Path], cache: Path, port: int, *extra: str):
     """train.py under the shipped launch config with 2 processes (on CPU: DDP over gloo)."""
