@@ -25,8 +25,9 @@ pytestmark = [
 
 def test_eagle3_on_smollm2_trains_and_decodes_losslessly(tmp_path):
     out = tmp_path / "run"
+    held_out = corpus_slice(tmp_path / "eval.jsonl", "eval", 1)  # the recipe's own data.eval: 2 min of 30 layers
     args = ["train.py", "recipe=eagle3_smollm2", f"data.train=[{corpus_slice(tmp_path / 'train.jsonl', 'train', 4)}]",
-            f"eval.data=[{corpus_slice(tmp_path / 'eval.jsonl', 'eval', 1)}]", "train.max_steps=3", "train.log_every=1",
+            f"data.eval=[{held_out}]", f"eval.data=[{held_out}]", "train.max_steps=3", "train.log_every=1",
             "train.save_every=0", "eval.max_prompts=1", "eval.max_new_tokens=12", f"output_dir={out}"]  # fmt: skip
     result = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
