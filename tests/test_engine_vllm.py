@@ -22,7 +22,7 @@ from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target
 from tests.conftest import DEMO, REFERENCE_TARGET, train_in_process
 
-pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.engine]
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
 # case -> (recipe, overrides): every exportable kind, and EAGLE-3.1's and P-EAGLE's options of eagle3
 CASES = {
     "medusa": ("medusa", []), "medusa2": ("medusa2", []), "eagle": ("eagle", []), "draft_model": ("draft", []),

@@ -199,7 +199,6 @@ def log_requests(logs: Path, source: Path, domain: str, count: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.long
 def test_a_shift_is_detected_located_retrained_and_promoted(deployed, tmp_path, monkeypatch):
     import draftsmith.monitor.pipeline as pipeline
     from draftsmith.monitor.check import check

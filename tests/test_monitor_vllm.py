@@ -24,7 +24,7 @@ from draftsmith.monitor.check import check
 from draftsmith.recipe import load_recipe
 from tests.conftest import REFERENCE_TARGET
 
-pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.engine]
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
 REQUESTS_PER_DOMAIN = 12
 NEW_TOKENS = 32
 
