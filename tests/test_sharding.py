@@ -22,7 +22,15 @@ from safetensors.torch import load_file
 
 from draftsmith.errors import UserError
 from draftsmith.recipe import load_recipe
-from tests.conftest import REFERENCE_TARGET, REPO, corpus_slice, read_log, run_entry, run_entry_in_process
+from tests.conftest import (
+    REFERENCE_TARGET,
+    REPO,
+    corpus_slice,
+    first_records,
+    read_log,
+    run_entry,
+    run_entry_in_process,
+)
 
 FSDP_LAUNCH = REPO / "recipes" / "accelerate" / "fsdp_target.yaml"
 
@@ -193,9 +201,7 @@ def test_two_ranks_hold_half_the_layers_and_train_the_same_drafter(tmp_path, sma
 def seven(tmp_path_factory) -> Path:
     """Seven conversations: two ranks get 3 and 4, so they make different numbers of forwards."""
     root = tmp_path_factory.mktemp("seven")
-    lines = corpus_slice(root / "eight.jsonl", "eval", 2).read_text().splitlines()[:7]
-    (root / "seven.jsonl").write_text("\n".join(lines) + "\n")
-    return root / "seven.jsonl"
+    return first_records(corpus_slice(root / "eight.jsonl", "eval", 2), root / "seven.jsonl", 7)
 
 
 def torchrun(*args: str):

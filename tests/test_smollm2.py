@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, corpus_slice
+from tests.conftest import REPO, corpus_slice, first_records
 
 pytestmark = [
     pytest.mark.slow,
@@ -25,8 +25,8 @@ pytestmark = [
 
 def test_eagle3_on_smollm2_trains_and_decodes_losslessly(tmp_path):
     out = tmp_path / "run"
-    held_out = tmp_path / "held_out.jsonl"  # one conversation: 30 layers and a 49k vocabulary are slow on CPU
-    held_out.write_text(corpus_slice(tmp_path / "eval.jsonl", "eval", 1).read_text().splitlines()[0] + "\n")
+    # one conversation: 30 layers and a 49k vocabulary are slow on CPU
+    held_out = first_records(corpus_slice(tmp_path / "eval.jsonl", "eval", 1), tmp_path / "held_out.jsonl", 1)
     args = ["train.py", "recipe=eagle3_smollm2", f"data.train=[{corpus_slice(tmp_path / 'train.jsonl', 'train', 2)}]",
             f"data.eval=[{held_out}]", f"eval.data=[{held_out}]", "data.max_length=128", "train.micro_batch_size=2",
             "drafter.ttt_steps=2", "train.max_steps=3", "train.log_every=1", "train.save_every=0", "eval.max_prompts=1",
