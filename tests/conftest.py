@@ -229,14 +229,22 @@ def run_entry(
 
 
 def run_entry_in_process(args: list[str], capsys) -> subprocess.CompletedProcess:
-    """What `run_entry(args)` gives for a command that stops before any model or data is loaded (bad
-    input): the same script (`train.py ...`) or module (`-m eval ...`) run as `__main__` in this
-    process, its exit code and output. No interpreter start and no imports to pay for; the output of
-    a real process (nothing printed on import) is checked by tests/test_recipes.py, once per entry point."""
+    """What `run_entry(args)` gives, for a command that needs no process of its own (one that is not
+    killed or signalled): the same script (`train.py ...`) or module (`-m eval ...`) run as `__main__`
+    in this process, its exit code and output. No interpreter start and no imports to pay for (about
+    5 s a run); the output of a real process (nothing printed on import) is checked by
+    tests/test_recipes.py, once per entry point. The log lines go to stdout as in a process of its own:
+    there draftsmith's logging.basicConfig does it, here pytest's handlers on the root logger make
+    basicConfig a no-op."""
+    import logging
     import runpy
 
     argv, code = sys.argv, 0
     capsys.readouterr()
+    root, to_stdout = logging.getLogger(), logging.StreamHandler(sys.stdout)
+    level = root.level
+    root.setLevel(logging.INFO)
+    root.addHandler(to_stdout)
     try:
         if args[0] == "-m":
             sys.argv = [args[1], *args[2:]]
@@ -248,6 +256,8 @@ def run_entry_in_process(args: list[str], capsys) -> subprocess.CompletedProcess
         code = exit.code if isinstance(exit.code, int) else 1
     finally:
         sys.argv = argv
+        root.removeHandler(to_stdout)
+        root.setLevel(level)
     out, err = capsys.readouterr()
     return subprocess.CompletedProcess(args, code, out, err)
 

@@ -29,7 +29,7 @@ from draftsmith.heads.packing import (
 )
 from draftsmith.recipe import load_recipe
 from draftsmith.target import TargetOutput, run_target
-from tests.conftest import run_entry, train_args, train_in_process
+from tests.conftest import run_entry_in_process, train_args, train_in_process
 from tests.helpers import TINY_VOCAB, assert_cache_rollback, assert_greedy_equals_plain, fitted_eagle, tiny_llama
 
 Eagle3 = drafter_class("eagle3")
@@ -494,7 +494,7 @@ def test_real_trainer_lowers_the_loss_and_saves_the_draft_vocabulary(tmp_path, s
 
 
 @pytest.mark.slow
-def test_training_from_captured_shards(tmp_path, small_data, token_cache):
+def test_training_from_captured_shards(tmp_path, small_data, token_cache, capsys):
     """Capture stores exactly the aux layers and the top-k distribution; training reads them; a
     capture of other layers is refused in one line (exit 2)."""
     from draftsmith.data_prep.capture import capture
@@ -536,8 +536,15 @@ def test_training_from_captured_shards(tmp_path, small_data, token_cache):
     )  # the untrained baseline ranks on the same text
     assert accuracy["trained"]["all"]["vocab_coverage"] == accuracy["untrained"]["all"]["vocab_coverage"]
 
-    other = run_entry(
-        ["train.py", *args, "drafter.aux_layers=[0,3]", f"data.features={features}", f"output_dir={tmp_path / 'other'}"]
+    other = run_entry_in_process(
+        [
+            "train.py",
+            *args,
+            "drafter.aux_layers=[0,3]",
+            f"data.features={features}",
+            f"output_dir={tmp_path / 'other'}",
+        ],
+        capsys,
     )
     assert other.returncode == 2
     assert (

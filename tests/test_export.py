@@ -18,7 +18,7 @@ from draftsmith.export import export_checkpoint
 from draftsmith.export.repo import EXPORT_INFO
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target
-from tests.conftest import REFERENCE_TARGET, first_records, run_entry
+from tests.conftest import REFERENCE_TARGET, first_records, run_entry, run_entry_in_process
 from tests.helpers import KINDS, save_drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -326,7 +326,6 @@ def test_a_reexport_is_byte_identical_and_another_checkpoint_is_not_mixed_in(tar
     assert {p.name: p.read_bytes() for p in (moved / "vllm").iterdir()} == before
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "kind, args, fragment",
     [
@@ -343,11 +342,19 @@ def test_a_reexport_is_byte_identical_and_another_checkpoint_is_not_mixed_in(tar
         ),
     ],
 )
-def test_export_cli_refuses_in_one_line(kind, args, fragment, target, tmp_path):
+def test_export_cli_refuses_in_one_line(kind, args, fragment, target, tmp_path, capsys):
     checkpoint = save_drafter(kind, target, tmp_path / "ckpt")
     args = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
-    result = run_entry(
-        ["-m", "export", f"recipe={KINDS[kind]}", f"drafter.path={checkpoint}", f"output_dir={tmp_path / 'run'}", *args]
+    result = run_entry_in_process(
+        [
+            "-m",
+            "export",
+            f"recipe={KINDS[kind]}",
+            f"drafter.path={checkpoint}",
+            f"output_dir={tmp_path / 'run'}",
+            *args,
+        ],
+        capsys,
     )
     assert result.returncode == 2, result.stderr[-2000:]
     lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]

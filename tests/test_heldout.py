@@ -22,7 +22,7 @@ from draftsmith.trainer.checkpoint import TrainerState
 from draftsmith.trainer.curve import chain_tau, depth_top1, load_curve, plot_curves, write_curve
 from draftsmith.trainer.heldout import BEST_DIR, BEST_JSON, keep_best, split_heldout
 from draftsmith.trainer.loop import train
-from tests.conftest import kill_train_after, read_log, run_entry, train_args
+from tests.conftest import kill_train_after, read_log, run_entry_in_process, train_args, train_in_process
 
 HELDOUT = [
     "train.heldout=8",
@@ -167,8 +167,7 @@ def test_heldout_with_features_is_refused_in_one_line(tmp_path):
 @pytest.fixture(scope="module")
 def heldout_run(tmp_path_factory, small_data, token_cache):
     output_dir = tmp_path_factory.mktemp("heldout") / "run"
-    result = run_entry(["train.py", *train_args(output_dir, small_data, token_cache, *HELDOUT)])
-    assert result.returncode == 0, result.stderr[-3000:]
+    train_in_process(train_args(output_dir, small_data, token_cache, *HELDOUT))
     return output_dir
 
 
@@ -211,7 +210,7 @@ def test_training_keeps_the_best_heldout_checkpoint(heldout_run):
 
 
 @pytest.mark.slow
-def test_resume_continues_the_best_and_the_curve_exactly(heldout_run, tmp_path, small_data, token_cache):
+def test_resume_continues_the_best_and_the_curve_exactly(heldout_run, tmp_path, small_data, token_cache, capsys):
     killed = tmp_path / "killed"
     args = train_args(killed, small_data, token_cache, *HELDOUT)
     checkpoint = killed / "checkpoints" / "step_0000002"
@@ -220,7 +219,7 @@ def test_resume_continues_the_best_and_the_curve_exactly(heldout_run, tmp_path, 
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     assert [row["step"] for row in state["curve"]] == [2] and state["best"]["step"] == 2
 
-    resumed = run_entry(["train.py", *args, "train.resume=true"])
+    resumed = run_entry_in_process(["train.py", *args, "train.resume=true"], capsys)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "step_0000002" in resumed.stdout
     a, b = read_log(heldout_run), read_log(killed)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REFERENCE_TARGET, first_records, read_log, run_entry, train_args, train_in_process
+from tests.conftest import REFERENCE_TARGET, first_records, read_log, run_entry_in_process, train_args, train_in_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -97,10 +97,10 @@ def test_target_untouched_weights_shared_checkpoint_holds_heads_and_adapters(run
     assert (ours - original).abs().max() > 1e-4  # the adapters are active in the verifier
 
 
-def test_eval_verifies_with_the_adapted_target_losslessly(run, small_data, tmp_path):
+def test_eval_verifies_with_the_adapted_target_losslessly(run, small_data, tmp_path, capsys):
     output_dir, _ = run
     one_prompt = first_records(small_data["eval"], tmp_path / "eval.jsonl", 1)  # one domain, one prompt
-    result = run_entry(
+    result = run_entry_in_process(
         [
             "-m",
             "eval",
@@ -110,7 +110,8 @@ def test_eval_verifies_with_the_adapted_target_losslessly(run, small_data, tmp_p
             f"eval.data=[{one_prompt}]",
             "eval.max_new_tokens=24",
             f"output_dir={tmp_path}",
-        ]
+        ],
+        capsys,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
@@ -141,13 +142,14 @@ def test_resume_restores_adapters_and_the_heads_ramp(run, small_data, token_cach
         torch.testing.assert_close(final_b[name], final_a[name], rtol=1e-5, atol=1e-6)
 
 
-def test_lora_that_does_not_fit_the_target_is_one_line_exit_2(small_data, token_cache, tmp_path):
+def test_lora_that_does_not_fit_the_target_is_one_line_exit_2(small_data, token_cache, tmp_path, capsys):
     out = tmp_path / "bad"
-    result = run_entry(
+    result = run_entry_in_process(
         [
             "train.py",
             *medusa2_args(out, small_data, token_cache, "train.max_steps=1", "drafter.lora.target_modules=[nope_proj]"),
-        ]
+        ],
+        capsys,
     )
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines()[-1].startswith("error: drafter.lora does not fit LlamaForCausalLM")

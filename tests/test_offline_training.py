@@ -14,7 +14,7 @@ from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target, load_tokenizer, run_target
 from draftsmith.trainer.checkpoint import TrainerState
 from draftsmith.trainer.loop import micro_batches
-from tests.conftest import REFERENCE_TARGET, run_entry, train_args
+from tests.conftest import REFERENCE_TARGET, run_entry_in_process, train_args
 
 pytestmark = pytest.mark.slow
 
@@ -55,15 +55,19 @@ def test_offline_and_online_batches_match(captured, small_data, token_cache, tmp
         torch.testing.assert_close(stored.final[mask], fresh.final[mask], rtol=2e-3, atol=2e-3)  # float16 storage
 
 
-def test_train_py_from_features(captured, small_data, token_cache, tmp_path):
+def test_train_py_from_features(captured, small_data, token_cache, tmp_path, capsys):
     out = tmp_path / "offline_run"
-    result = run_entry(
-        ["train.py", *train_args(out, small_data, token_cache, "train.max_steps=6", f"data.features={captured}")]
+    result = run_entry_in_process(
+        ["train.py", *train_args(out, small_data, token_cache, "train.max_steps=6", f"data.features={captured}")],
+        capsys,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     online_out = tmp_path / "online_run"
     assert (
-        run_entry(["train.py", *train_args(online_out, small_data, token_cache, "train.max_steps=6")]).returncode == 0
+        run_entry_in_process(
+            ["train.py", *train_args(online_out, small_data, token_cache, "train.max_steps=6")], capsys
+        ).returncode
+        == 0
     )
     offline_loss = [
         json.loads(line)["train/loss"]

@@ -16,7 +16,7 @@ from draftsmith.errors import UserError
 from draftsmith.heads import drafter_class
 from draftsmith.heads.packing import causal_lm_inputs, documents, require_packed_attention, same_document
 from draftsmith.target import FeatureRequest, run_target
-from tests.conftest import read_log, run_entry, train_args
+from tests.conftest import read_log, run_entry_in_process, train_args
 from tests.helpers import tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -282,13 +282,15 @@ def test_pack_length_shorter_than_max_length_is_refused_before_anything_runs(tmp
 
 
 @pytest.mark.slow
-def test_train_py_packed_trains_into_the_padded_losses_and_resumes_exactly(tmp_path, small_data, token_cache):
+def test_train_py_packed_trains_into_the_padded_losses_and_resumes_exactly(tmp_path, small_data, token_cache, capsys):
     # Conversations of up to 256 tokens (most of the slice is longer), packed into rows of 256.
     steps = ["train.max_steps=4", "train.save_every=2", "train.micro_batch_size=6", "data.max_length=256"]
     packed_dir, padded_dir = tmp_path / "packed", tmp_path / "padded"
-    packed = run_entry(["train.py", *train_args(packed_dir, small_data, token_cache, *steps, "data.pack=true")])
+    packed = run_entry_in_process(
+        ["train.py", *train_args(packed_dir, small_data, token_cache, *steps, "data.pack=true")], capsys
+    )
     assert packed.returncode == 0, packed.stderr[-2000:]
-    padded = run_entry(["train.py", *train_args(padded_dir, small_data, token_cache, *steps)])
+    padded = run_entry_in_process(["train.py", *train_args(padded_dir, small_data, token_cache, *steps)], capsys)
     assert padded.returncode == 0, padded.stderr[-2000:]
     a, b = read_log(packed_dir), read_log(padded_dir)
     padding = [sum(log[step]["train/padding_fraction"] for step in range(1, 5)) / 4 for log in (a, b)]
@@ -300,11 +302,12 @@ def test_train_py_packed_trains_into_the_padded_losses_and_resumes_exactly(tmp_p
     # Resume the packed run from its step-2 checkpoint: the same data position, the same losses.
     checkpoint = packed_dir / "checkpoints" / "step_0000002"
     resumed_dir = tmp_path / "resumed"
-    resumed = run_entry(
+    resumed = run_entry_in_process(
         [
             "train.py",
             *train_args(resumed_dir, small_data, token_cache, *steps, "data.pack=true", f"train.resume={checkpoint}"),
-        ]
+        ],
+        capsys,
     )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     c = read_log(resumed_dir)
@@ -313,7 +316,7 @@ def test_train_py_packed_trains_into_the_padded_losses_and_resumes_exactly(tmp_p
 
 
 @pytest.mark.slow
-def test_training_from_captured_features_packs_them_into_the_padded_losses(tmp_path, small_data, token_cache):
+def test_training_from_captured_features_packs_them_into_the_padded_losses(tmp_path, small_data, token_cache, capsys):
     """Offline (`data.features`): the captured per-conversation features are laid into packed rows
     by the same collator; the losses equal the padded ones, train.py runs packed from the shards,
     and a capture holding conversations longer than data.pack_length is refused in one line."""
@@ -354,7 +357,7 @@ def test_training_from_captured_features_packs_them_into_the_padded_losses(tmp_p
         for metric in stats_a:
             torch.testing.assert_close(stats_b[metric], stats_a[metric], **TOLERANCE, msg=metric)
 
-    result = run_entry(
+    result = run_entry_in_process(
         [
             "train.py",
             *train_args(
@@ -365,10 +368,11 @@ def test_training_from_captured_features_packs_them_into_the_padded_losses(tmp_p
                 f"data.features={features}",
                 "data.pack=true",
             ),
-        ]
+        ],
+        capsys,
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    too_short = run_entry(
+    too_short = run_entry_in_process(
         [
             "train.py",
             *train_args(
@@ -379,7 +383,8 @@ def test_training_from_captured_features_packs_them_into_the_padded_losses(tmp_p
                 "data.pack=true",
                 "data.max_length=64",
             ),
-        ]
+        ],
+        capsys,
     )
     assert too_short.returncode == 2 and "more than data.pack_length=64" in too_short.stderr, too_short.stderr[-2000:]
     assert len([line for line in too_short.stderr.splitlines() if line.startswith("error")]) == 1

@@ -21,7 +21,7 @@ import torch
 
 from draftsmith.data_prep import render_prompt
 from draftsmith.target import load_target, load_tokenizer
-from tests.conftest import REFERENCE_TARGET, REPO, run_entry, run_entry_in_process
+from tests.conftest import REFERENCE_TARGET, REPO, run_entry_in_process
 
 NEAR_TIE = 0.05  # largest gap between the two best logits at which two float32 engines may pick differently
 
@@ -45,7 +45,9 @@ def first_divergence(tokenizer, a: str, b: str) -> tuple[list[int], list[int], i
 
 @pytest.mark.slow
 @pytest.mark.engine
-def test_vllm_regeneration_survives_its_engine_dying_and_matches_transformers(vllm_python, tmp_path, small_data):
+def test_vllm_regeneration_survives_its_engine_dying_and_matches_transformers(
+    vllm_python, tmp_path, small_data, capsys
+):
     """The vLLM worker killed mid-run: exit 69 and one line, the finished parts kept; the same command
     generates only the rest; the records then equal transformers' regeneration of the same data."""
     out = tmp_path / "vllm" / "out"
@@ -71,10 +73,12 @@ def test_vllm_regeneration_survives_its_engine_dying_and_matches_transformers(vl
     finished = sorted(p.name for p in out.glob("part-*"))
     assert finished and len(finished) < 4  # killed mid-run, the finished parts kept
 
-    done = run_entry(regenerate_args(out, small_data, *engine))
+    done = run_entry_in_process(regenerate_args(out, small_data, *engine), capsys)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "8 conversations in" in done.stdout and f"({8 - 2 * len(finished)} generated now" in done.stdout
-    done = run_entry(regenerate_args(tmp_path / "transformers" / "out", small_data, "data.regenerate.batch_size=2"))
+    done = run_entry_in_process(
+        regenerate_args(tmp_path / "transformers" / "out", small_data, "data.regenerate.batch_size=2"), capsys
+    )
     assert done.returncode == 0, done.stderr[-2000:]
 
     by_vllm, by_transformers = records(out), records(tmp_path / "transformers" / "out")

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from draftsmith.data_prep.features import MANIFEST_NAME, file_sha256
 from draftsmith.errors import EXIT_PREEMPTED, UserError
 from draftsmith.outputs import LOCK_NAME, DirectoryLock
-from tests.conftest import REFERENCE_TARGET, REPO, read_log, run_entry, run_entry_in_process, train_args
+from tests.conftest import REFERENCE_TARGET, REPO, read_log, run_entry_in_process, train_args
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +66,7 @@ def one_error_line(stderr: str) -> str:
 def test_a_rerun_is_refused_resumed_or_started_over_and_nothing_is_deleted(tmp_path, small_data, token_cache, capsys):
     out = tmp_path / "run"
     args = train_args(out, small_data, token_cache, "train.max_steps=2", "train.save_every=1")
-    assert run_entry(["train.py", *args]).returncode == 0
+    assert run_entry_in_process(["train.py", *args], capsys).returncode == 0
     before = {p: p.stat().st_mtime_ns for p in (out / "checkpoints").rglob("*")}
     again = run_entry_in_process(["train.py", *args], capsys)  # without train.resume: refused
     assert again.returncode == 2
@@ -77,11 +77,13 @@ def test_a_rerun_is_refused_resumed_or_started_over_and_nothing_is_deleted(tmp_p
     assert both.returncode == 2 and "both set" in one_error_line(both.stderr)
     assert {p: p.stat().st_mtime_ns for p in (out / "checkpoints").rglob("*")} == before  # untouched
 
-    resumed = run_entry(["train.py", *args, "train.resume=true"])  # the latest checkpoint; the run was finished
+    resumed = run_entry_in_process(["train.py", *args, "train.resume=true"], capsys)  # the latest checkpoint; finished
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout and "step_0000002" in resumed.stdout
     # train.overwrite=true starts over: the earlier run moves aside, and nothing of it is resumed or mixed in.
-    fresh = run_entry(["train.py", *args[:-2], "train.max_steps=1", "train.save_every=1", "train.overwrite=true"])
+    fresh = run_entry_in_process(
+        ["train.py", *args[:-2], "train.max_steps=1", "train.save_every=1", "train.overwrite=true"], capsys
+    )
     assert fresh.returncode == 0, fresh.stderr[-2000:]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000001"]
     assert sorted(read_log(out)) == [1]
@@ -90,22 +92,26 @@ def test_a_rerun_is_refused_resumed_or_started_over_and_nothing_is_deleted(tmp_p
 
 
 # -- 2. one writer per directory --------------------------------------------------------------------
-def test_a_second_job_on_a_busy_directory_is_refused_and_the_first_finishes(tmp_path, small_data, token_cache):
+def test_a_second_job_on_a_busy_directory_is_refused_and_the_first_finishes(tmp_path, small_data, token_cache, capsys):
     out = tmp_path / "run"
-    args = train_args(out, small_data, token_cache, "train.max_steps=40", "train.save_every=10")
+    args = train_args(out, small_data, token_cache, "train.max_steps=4", "train.save_every=2")
     first = start_train(args)
     wait_for(lambda: logged_steps(out) >= 1, first)  # running, holding the directory
-    second = run_entry(["train.py", *args, "train.resume=true"])
+    first.send_signal(signal.SIGSTOP)  # paused there, the lock held: it cannot finish before the second job asks
+    try:
+        second = run_entry_in_process(["train.py", *args, "train.resume=true"], capsys)
+    finally:
+        first.send_signal(signal.SIGCONT)
     assert second.returncode == 2
     line = one_error_line(second.stderr)
     assert f"is in use by another job (pid {first.pid} on " in line and "train.py" in line
     stdout, stderr = first.communicate(timeout=600)
     assert first.returncode == 0, stderr[-2000:]
-    assert (out / "final" / "model.safetensors").is_file() and sorted(read_log(out))[-1] == 40
+    assert (out / "final" / "model.safetensors").is_file() and sorted(read_log(out))[-1] == 4
     assert not (out / LOCK_NAME).exists()  # released at the end
 
 
-def test_a_lock_whose_holder_died_is_taken_over_with_a_warning(tmp_path, small_data, token_cache):
+def test_a_lock_whose_holder_died_is_taken_over_with_a_warning(tmp_path, small_data, token_cache, capsys):
     out = tmp_path / "run"
     holder = subprocess.Popen(
         [
@@ -121,16 +127,19 @@ def test_a_lock_whose_holder_died_is_taken_over_with_a_warning(tmp_path, small_d
     holder.kill()  # kill -9: no cleanup; the lock file stays, the kernel drops the flock
     holder.wait()
     assert (out / LOCK_NAME).exists()
-    result = run_entry(["train.py", *train_args(out, small_data, token_cache, "train.max_steps=1")])
+    result = run_entry_in_process(["train.py", *train_args(out, small_data, token_cache, "train.max_steps=1")], capsys)
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"taking over the lock of pid {holder.pid}" in result.stdout and "that job is gone" in result.stdout
 
 
 # -- 3. preemption ----------------------------------------------------------------------------------
-def test_sigterm_saves_a_checkpoint_exits_75_and_resume_is_bit_identical(tmp_path, small_data, token_cache):
+def test_sigterm_saves_a_checkpoint_exits_75_and_resume_is_bit_identical(tmp_path, small_data, token_cache, capsys):
     steps = ["train.max_steps=14", "train.save_every=0"]  # no periodic checkpoints: preemption must make one
     straight = tmp_path / "straight"
-    assert run_entry(["train.py", *train_args(straight, small_data, token_cache, *steps)]).returncode == 0
+    assert (
+        run_entry_in_process(["train.py", *train_args(straight, small_data, token_cache, *steps)], capsys).returncode
+        == 0
+    )
 
     preempted = tmp_path / "preempted"
     process = start_train(train_args(preempted, small_data, token_cache, *steps))
@@ -143,7 +152,9 @@ def test_sigterm_saves_a_checkpoint_exits_75_and_resume_is_bit_identical(tmp_pat
     stopped_at = int(checkpoint.name.removeprefix("step_"))
     assert 3 <= stopped_at < 14
 
-    resumed = run_entry(["train.py", *train_args(preempted, small_data, token_cache, *steps, "train.resume=true")])
+    resumed = run_entry_in_process(
+        ["train.py", *train_args(preempted, small_data, token_cache, *steps, "train.resume=true")], capsys
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     a, b = read_log(straight), read_log(preempted)
     assert [b[step]["train/loss"] for step in range(1, 15)] == [a[step]["train/loss"] for step in range(1, 15)]
@@ -159,18 +170,18 @@ def test_sigterm_saves_a_checkpoint_exits_75_and_resume_is_bit_identical(tmp_pat
 def nan_features(tmp_path_factory, small_data, token_cache) -> Path:
     """A Medusa capture whose conversation 0 has a NaN in its final hidden state (the shard and its
     manifest rewritten consistently, as a faulty capture tool would leave them)."""
+    from draftsmith.data_prep.capture import capture
+    from draftsmith.recipe import load_recipe
+
     root = tmp_path_factory.mktemp("nan")
     features = root / "features"
-    result = run_entry(
-        [
-            "-m",
-            "data_prep.capture",
-            *train_args(
+    capture(
+        load_recipe(
+            train_args(
                 root / "capture", small_data, token_cache, "data.max_conversations=8", f"data.capture.output={features}"
-            ),
-        ]
+            )
+        )
     )
-    assert result.returncode == 0, result.stderr[-2000:]
     manifest = json.loads((features / MANIFEST_NAME).read_text())
     entry = manifest["shards"][0]
     path = features / entry["file"]
@@ -188,7 +199,7 @@ def nan_features(tmp_path_factory, small_data, token_cache) -> Path:
 
 
 def test_a_nan_batch_is_skipped_and_counted_then_the_run_stops_naming_where(
-    tmp_path, small_data, token_cache, nan_features
+    tmp_path, small_data, token_cache, nan_features, capsys
 ):
     # Skipped and counted: the run finishes with finite weights.
     skipping = tmp_path / "skipping"
@@ -201,7 +212,7 @@ def test_a_nan_batch_is_skipped_and_counted_then_the_run_stops_naming_where(
         "train.max_steps=6",
         "train.max_nonfinite=5",
     )
-    result = run_entry(["train.py", *args])
+    result = run_entry_in_process(["train.py", *args], capsys)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "non-finite loss or gradient at step" in result.stdout and "target final hidden state" in result.stdout
     log = read_log(skipping)
@@ -219,7 +230,7 @@ def test_a_nan_batch_is_skipped_and_counted_then_the_run_stops_naming_where(
         "train.max_steps=6",
         "train.max_nonfinite=0",
     )
-    result = run_entry(["train.py", *args])
+    result = run_entry_in_process(["train.py", *args], capsys)
     assert result.returncode == 2
     line = one_error_line(result.stderr)
     assert "more than train.max_nonfinite=0 steps skipped" in line and "at step " in line
@@ -242,7 +253,7 @@ def test_a_drafter_layer_that_produces_nan_is_named(tmp_path):
     assert locate_nonfinite(drafter, batch, target_out, loss) == "drafter module blocks.1.layers.0.linear"
 
 
-def test_capture_refuses_to_write_nonfinite_features(tmp_path, small_data, token_cache):
+def test_capture_refuses_to_write_nonfinite_features(tmp_path, small_data, token_cache, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     broken = tmp_path / "broken-target"
@@ -254,7 +265,7 @@ def test_capture_refuses_to_write_nonfinite_features(tmp_path, small_data, token
     args = train_args(
         tmp_path / "capture", small_data, token_cache, "data.max_conversations=4", f"data.capture.output={features}"
     )
-    result = run_entry(["-m", "data_prep.capture", *args, f"target.name_or_path={broken}"])
+    result = run_entry_in_process(["-m", "data_prep.capture", *args, f"target.name_or_path={broken}"], capsys)
     assert result.returncode == 2
     line = one_error_line(result.stderr)
     assert "the target's final is not finite at token 0 of" in line and "train.jsonl:" in line  # source:record
@@ -278,7 +289,7 @@ def small_disk(tmp_path):
 
 
 def test_a_full_disk_during_a_checkpoint_leaves_the_previous_one_intact(
-    small_disk, tmp_path, small_data, token_cache, monkeypatch
+    small_disk, tmp_path, small_data, token_cache, monkeypatch, capsys
 ):
     # One head: a checkpoint (weights, AdamW state, the drafter) is ~17 MB, so the first fits in
     # 30 MiB and the second does not.
@@ -291,7 +302,7 @@ def test_a_full_disk_during_a_checkpoint_leaves_the_previous_one_intact(
     )
     if small_disk is not None:
         out = small_disk / "run"
-        result = run_entry(["train.py", *train_args(out, small_data, token_cache, *quick)])
+        result = run_entry_in_process(["train.py", *train_args(out, small_data, token_cache, *quick)], capsys)
         assert result.returncode == 2
         line = one_error_line(result.stderr)
     else:  # no tmpfs here: the same failure injected where the checkpoint's weights are written

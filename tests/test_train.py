@@ -1,6 +1,7 @@
 """The real train.py on the reference target: heads learn, the target stays frozen, checkpoints are
-complete, and two processes train one set of heads (a killed run resuming into the same losses and
-weights: tests/test_faults.py; `train.resume=true` and `train.overwrite=true`: tests/test_reliability.py)."""
+complete (two processes training one set of heads on different data: tests/test_sharding.py; a killed
+run resuming into the same losses and weights: tests/test_faults.py; `train.resume=true` and
+`train.overwrite=true`: tests/test_reliability.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REFERENCE_TARGET, read_log, run_entry, train_args, train_in_process
+from tests.conftest import REFERENCE_TARGET, read_log, train_args, train_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -61,35 +62,3 @@ def test_checkpoint_files_and_logs(trained_run):
         assert any(ckpt.glob("optimizer*")) and any(ckpt.glob("random_states*")), sorted(p.name for p in ckpt.iterdir())
     assert list((output_dir / "tb").rglob("events.out.tfevents.*")), "no TensorBoard event file"
     assert (output_dir / "recipe.yaml").is_file()
-
-
-def test_two_process_launch_trains_one_set_of_heads_on_different_data(tmp_path, small_data, token_cache):
-    out = tmp_path / "ddp"
-    result = run_entry(
-        # --multi_gpu picks accelerate's torchrun launcher; with no GPU the trainer forms a gloo group.
-        [
-            "-m",
-            "accelerate.commands.launch",
-            "--multi_gpu",
-            "--num_processes",
-            "2",
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            "--main_process_port",
-            "29513",
-            "train.py",
-            *train_args(out, small_data, token_cache, "train.max_steps=6"),
-        ],  # fmt: skip
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads((out / "run_summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["steps"] == 6
-    rank0, rank1 = sorted(summary["ranks"], key=lambda r: r["rank"])
-    assert rank0["param_checksum"] == pytest.approx(rank1["param_checksum"], rel=1e-9)  # same heads
-    assert rank0["data_checksum"] != rank1["data_checksum"]  # different data
-    assert (out / "final" / "model.safetensors").is_file()
