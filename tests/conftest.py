@@ -45,16 +45,22 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return min(CORES, MAX_WORKERS)
 
 
+# Seconds each of the longest modules took in a profile of the whole suite (two workers on 2 cores,
+# 2026-11-26, `python -m pytest -q --durations=0`, summed by module). They only order the modules.
+MODULE_SECONDS = {
+    "test_engine_vllm": 408, "test_faults": 152, "test_monitor": 111, "test_monitor_vllm": 105, "test_packaging": 73,
+    "test_sharding": 72, "test_dflash": 47, "test_regenerate_vllm": 45, "test_reliability": 43, "test_eval": 40,
+    "test_export": 39, "test_registry": 35, "test_recipes": 32, "test_smollm2": 25,
+}  # fmt: skip
+
+
 def pytest_collection_modifyitems(items) -> None:
-    """Modules with engine tests first, then those with other slow tests, then the rest (each module's
-    tests stay together, for its module fixtures). xdist (`--dist loadscope`) then hands modules out by
-    their number of tests, this order breaking ties. Tried 2026-11-26: this order kept as given
-    (`--no-loadscope-reorder`) paired the vLLM-heavy modules at the start and took 972 s against 900 s."""
-    weight: dict[str, int] = {}
-    for item in items:
-        heavy = 2 if item.get_closest_marker("engine") else 1 if item.get_closest_marker("slow") else 0
-        weight[item.module.__name__] = max(weight.get(item.module.__name__, 0), heavy)
-    items.sort(key=lambda item: -weight[item.module.__name__])
+    """The longest modules first (MODULE_SECONDS; an unlisted module counts as short), each module's
+    tests together for its module fixtures. xdist hands whole modules out in this order (`--dist
+    loadscope --no-loadscope-reorder` in pyproject.toml), so the long ones spread over the workers from
+    the start and the short ones fill in at the end. Its own order (most tests first) started the
+    long single-test modules last, and one worker ran on alone for a minute after the other had finished."""
+    items.sort(key=lambda item: -MODULE_SECONDS.get(item.module.__name__.rpartition(".")[2], 0))
 
 
 REPO = Path(__file__).resolve().parent.parent
