@@ -45,22 +45,24 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return min(CORES, MAX_WORKERS)
 
 
-# Seconds each of the longest modules took in a profile of the whole suite (two workers on 2 cores,
-# 2026-11-26, `python -m pytest -q --durations=0`, summed by module). They only order the modules.
-MODULE_SECONDS = {
-    "test_engine_vllm": 408, "test_faults": 152, "test_monitor": 111, "test_monitor_vllm": 105, "test_packaging": 73,
-    "test_sharding": 72, "test_dflash": 47, "test_regenerate_vllm": 45, "test_reliability": 43, "test_eval": 40,
-    "test_export": 39, "test_registry": 35, "test_recipes": 32, "test_smollm2": 25,
-}  # fmt: skip
+# The long modules in the order xdist hands them out (`--dist loadscope --no-loadscope-reorder` in
+# pyproject.toml), each with its tests together for its module fixtures; the others follow, in file
+# order, to fill in at the end. From a profile of the whole suite on two workers (2026-11-26, seconds
+# per module): the engine module (408 s) starts first, and the other long ones (faults 152, monitor
+# 111, packaging 73, sharding 72, dflash 47) keep the second worker busy meanwhile; `vllm serve`
+# (test_monitor_vllm, 105 s: three processes, which spin while they work) comes once the engine module
+# is nearly done. Beside it, the two ran 187 s and 442 s. xdist's own order (most tests first) starts
+# the long single-test modules last, and left one worker running on alone for about a minute.
+LONG_MODULES = (
+    "test_engine_vllm", "test_faults", "test_monitor", "test_packaging", "test_sharding", "test_dflash", "test_monitor_vllm",
+    "test_regenerate_vllm", "test_reliability", "test_eval", "test_export", "test_registry", "test_recipes", "test_smollm2",
+)  # fmt: skip
 
 
 def pytest_collection_modifyitems(items) -> None:
-    """The longest modules first (MODULE_SECONDS; an unlisted module counts as short), each module's
-    tests together for its module fixtures. xdist hands whole modules out in this order (`--dist
-    loadscope --no-loadscope-reorder` in pyproject.toml), so the long ones spread over the workers from
-    the start and the short ones fill in at the end. Its own order (most tests first) started the
-    long single-test modules last, and one worker ran on alone for a minute after the other had finished."""
-    items.sort(key=lambda item: -MODULE_SECONDS.get(item.module.__name__.rpartition(".")[2], 0))
+    """The modules in LONG_MODULES' order, then the rest."""
+    rank = {name: position for position, name in enumerate(LONG_MODULES)}
+    items.sort(key=lambda item: rank.get(item.module.__name__.rpartition(".")[2], len(rank)))
 
 
 REPO = Path(__file__).resolve().parent.parent
