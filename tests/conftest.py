@@ -45,24 +45,20 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return min(CORES, MAX_WORKERS)
 
 
-# The long modules in the order xdist hands them out (`--dist loadscope --no-loadscope-reorder` in
-# pyproject.toml), each with its tests together for its module fixtures; the others follow, in file
-# order, to fill in at the end. From a profile of the whole suite on two workers (2026-11-26, seconds
-# per module): the engine module (408 s) starts first, and the other long ones (faults 152, monitor
-# 111, packaging 73, sharding 72, dflash 47) keep the second worker busy meanwhile; `vllm serve`
-# (test_monitor_vllm, 105 s: three processes, which spin while they work) comes once the engine module
-# is nearly done. Beside it, the two ran 187 s and 442 s. xdist's own order (most tests first) starts
-# the long single-test modules last, and left one worker running on alone for about a minute.
-LONG_MODULES = (
-    "test_engine_vllm", "test_faults", "test_monitor", "test_packaging", "test_sharding", "test_dflash", "test_monitor_vllm",
-    "test_regenerate_vllm", "test_reliability", "test_eval", "test_export", "test_registry", "test_recipes", "test_smollm2",
-)  # fmt: skip
-
-
 def pytest_collection_modifyitems(items) -> None:
-    """The modules in LONG_MODULES' order, then the rest."""
-    rank = {name: position for position, name in enumerate(LONG_MODULES)}
-    items.sort(key=lambda item: rank.get(item.module.__name__.rpartition(".")[2], len(rank)))
+    """Modules with engine tests first, then those with other slow tests, then the rest (each module's
+    tests stay together, for its module fixtures). xdist (`--dist loadscope`) then hands modules out by
+    their number of tests, this order breaking ties, which starts the engine module early and
+    `vllm serve`'s (tests/test_monitor_vllm.py, one test) last: 764 s on 2026-11-26. Kept as given
+    (`--no-loadscope-reorder`), three orders were slower, because `vllm serve` (three processes, which
+    spin while they work) then ran beside other long modules and took 184-187 s instead of 105 s: this
+    one (972 s), the longest modules first (788 s), and the engine module first with `vllm serve` after
+    about as many seconds of other modules (773 s)."""
+    weight: dict[str, int] = {}
+    for item in items:
+        heavy = 2 if item.get_closest_marker("engine") else 1 if item.get_closest_marker("slow") else 0
+        weight[item.module.__name__] = max(weight.get(item.module.__name__, 0), heavy)
+    items.sort(key=lambda item: -weight[item.module.__name__])
 
 
 REPO = Path(__file__).resolve().parent.parent
