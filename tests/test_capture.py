@@ -222,6 +222,7 @@ def test_killed_capture_resumes_without_redoing_finished_shards(tmp_path, conver
     assert_same_shards(again, uninterrupted)
 
 
+@pytest.mark.slow  # two ranks under torch.distributed.run: real processes
 def test_two_ranks_write_their_own_shards_and_one_manifest(tmp_path, conversations):
     single = run_capture(tmp_path / "single", conversations, "data.capture.shard_tokens=150")
     output = tmp_path / "ddp"
