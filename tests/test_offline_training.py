@@ -63,12 +63,10 @@ def test_train_py_from_features(captured, small_data, token_cache, tmp_path, cap
     )
     assert result.returncode == 0, result.stderr[-2000:]
     online_out = tmp_path / "online_run"
-    assert (
-        run_entry_in_process(
-            ["train.py", *train_args(online_out, small_data, token_cache, "train.max_steps=6")], capsys
-        ).returncode
-        == 0
+    online = run_entry_in_process(
+        ["train.py", *train_args(online_out, small_data, token_cache, "train.max_steps=6")], capsys
     )
+    assert online.returncode == 0, online.stderr[-2000:]
     offline_loss = [
         json.loads(line)["train/loss"]
         for line in (out / "log.jsonl").read_text().splitlines()

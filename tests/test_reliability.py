@@ -136,10 +136,8 @@ def test_a_lock_whose_holder_died_is_taken_over_with_a_warning(tmp_path, small_d
 def test_sigterm_saves_a_checkpoint_exits_75_and_resume_is_bit_identical(tmp_path, small_data, token_cache, capsys):
     steps = ["train.max_steps=14", "train.save_every=0"]  # no periodic checkpoints: preemption must make one
     straight = tmp_path / "straight"
-    assert (
-        run_entry_in_process(["train.py", *train_args(straight, small_data, token_cache, *steps)], capsys).returncode
-        == 0
-    )
+    done = run_entry_in_process(["train.py", *train_args(straight, small_data, token_cache, *steps)], capsys)
+    assert done.returncode == 0, done.stderr[-2000:]
 
     preempted = tmp_path / "preempted"
     process = start_train(train_args(preempted, small_data, token_cache, *steps))
