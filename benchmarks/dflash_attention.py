@@ -51,8 +51,8 @@ def one(length: int, anchors: int, block_size: int, threads: int) -> dict:
         with torch.no_grad():
             out = run_target(target, ids, request=drafter.request)
         start = time.perf_counter()
-        loss, _ = drafter(batch, out)
-        loss.backward()
+        loss, count, _ = drafter(batch, out)
+        (loss / count.clamp(min=1)).backward()
         drafter.zero_grad(set_to_none=True)
         return time.perf_counter() - start
 

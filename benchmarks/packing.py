@@ -77,8 +77,8 @@ def bench(recipe: str, steps: int, warmup: int, pack_length: int | None) -> dict
         start = time.perf_counter()
         with torch.no_grad():
             target_out = run_target(target, batch["input_ids"], request=drafter.request, **causal_lm_inputs(batch))
-        loss, _ = drafter(batch, target_out)
-        loss.backward()
+        loss, count, _ = drafter(batch, target_out)
+        (loss / count.clamp(min=1)).backward()  # the per-token loss (heads/base.py)
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.train.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -123,7 +123,9 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
     with state.main_process_first():  # rank 0 tokenizes and caches, the others read the cache
         # Exactly as training tokenizes (data_prep.load_tokenized), so a capture lines up with the
         # online data set row by row; the conversations' fingerprint also keys the capture.
-        conversations = load_conversations(list(cfg.data.train), cfg.data.max_conversations)
+        conversations = load_conversations(
+            list(cfg.data.train), cfg.data.max_conversations, skip_invalid_utf8=cfg.data.skip_invalid_utf8
+        )
         data = tokenize_conversations(
             conversations, tokenizer, cfg.data.max_length, cfg.data.overlong, cfg.data.cache_dir
         )

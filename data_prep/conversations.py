@@ -57,7 +57,10 @@ _CODE_HASH = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
 
 
 def load_conversations(
-    sources: list[str], max_conversations: Optional[int] = None, prompts_only: bool = False
+    sources: list[str],
+    max_conversations: Optional[int] = None,
+    prompts_only: bool = False,
+    skip_invalid_utf8: bool = False,
 ) -> datasets.Dataset:
     """Load and validate conversations from every source, in order.
 
@@ -67,7 +70,9 @@ def load_conversations(
     split `train`). Each file of a glob or directory counts as its own source: `max_conversations`
     keeps the first N records of each. Any invalid record raises a UserError naming the source and
     the 1-based record number. `prompts_only` (the eval's prompts) also accepts conversations that end
-    with a user turn and have no answer yet.
+    with a user turn and have no answer yet. A line that is not valid UTF-8 is a UserError naming the
+    file and line, or, with `skip_invalid_utf8` (recipe key data.skip_invalid_utf8), a record skipped
+    and counted in a warning (JSON-lines files; records keep their numbers in the file).
     """
     if isinstance(sources, str):  # a bare string would otherwise be read character by character
         sources = [sources]
@@ -77,20 +82,20 @@ def load_conversations(
         raise UserError(f"data.max_conversations={max_conversations} must be at least 1 (or null for all)")
     parts = []
     for source in sources:
-        for name, loader in _expand(str(source)):
+        for name, loader in _expand(str(source), skip_invalid_utf8):
             dataset = loader()
             if max_conversations is not None and len(dataset) > max_conversations:
                 dataset = dataset.select(range(max_conversations))
-            parts.append(_normalize(dataset, name, prompts_only))
-            logger.info("loaded %d conversations from %s", len(dataset), name)
+            parts.append(_normalize_utf8(dataset, name, prompts_only, skip_invalid_utf8))
+            logger.info("loaded %d conversations from %s", len(parts[-1]), name)
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
-def _expand(source: str) -> list[tuple[str, Any]]:
+def _expand(source: str, skip_invalid_utf8: bool = False) -> list[tuple[str, Any]]:
     """Resolve one source string into (name, loader) pairs: one per local file, or one Hub split."""
     if is_named(source):
         path = str(named_file(source))
-        return [(source, lambda: _load_file(path))]
+        return [(source, lambda: _load_file(path, skip_invalid_utf8))]
     local = os.path.expanduser(source)
     if any(char in source for char in "*?["):
         files = [path for path in sorted(glob.glob(local, recursive=True)) if _is_data_file(path)]
@@ -108,7 +113,7 @@ def _expand(source: str) -> list[tuple[str, Any]]:
         raise UserError(f"data file {source!r} does not exist")
     else:  # not a local path: a Hub data set id, `owner/name[:split]`
         return [(source, lambda: _load_hub(source))]
-    return [(path, lambda path=path: _load_file(path)) for path in files]
+    return [(path, lambda path=path: _load_file(path, skip_invalid_utf8)) for path in files]
 
 
 def _builder(path: str) -> Optional[str]:
@@ -135,14 +140,14 @@ def _load_hub(source: str) -> datasets.Dataset:
     return dataset
 
 
-def _load_file(path: str) -> datasets.Dataset:
+def _load_file(path: str, skip_invalid_utf8: bool = False) -> datasets.Dataset:
     builder = _builder(path)
     try:
         with _quiet_json_builder():
             dataset = datasets.load_dataset(builder, data_files=path, split="train")
     except Exception as err:  # the builders raise assorted types (ArrowInvalid, StopIteration on empty files, ...)
         if builder == "json":
-            _diagnose_json(path)  # raises the precise, line-numbered error when it finds one
+            _diagnose_json(path, skip_invalid_utf8)  # raises the precise, line-numbered error when it finds one
         raise UserError(f"cannot read {path}: {_one_line(err)}") from None
     if len(dataset) == 0:
         raise UserError(f"{path} has no records")
@@ -161,29 +166,45 @@ def _quiet_json_builder() -> Iterator[None]:
         builder_logger.setLevel(level)
 
 
-def _diagnose_json(path: str) -> None:
+def _diagnose_json(path: str, skip_invalid_utf8: bool = False) -> None:
     """Rescan a file the JSON builder rejected and raise a UserError at the first problem found:
-    a malformed line (`path:LINE: malformed JSON`), a non-object record, an invalid record
+    a line that is not valid UTF-8 (`path:LINE: invalid UTF-8`; skipped with `skip_invalid_utf8` in
+    JSON lines), a malformed line (`path:LINE: malformed JSON`), a non-object record, an invalid record
     (e.g. a content of the wrong type, which breaks Arrow's type inference), or no records."""
     opener = gzip.open if path.endswith(".gz") else open
     try:
-        with opener(path, "rt", encoding="utf-8") as handle:
-            text = handle.read()
-    except (OSError, UnicodeDecodeError, EOFError) as err:
+        with opener(path, "rb") as handle:
+            raw = handle.read()
+    except (OSError, EOFError) as err:
         raise UserError(f"cannot read {path}: {_one_line(err)}") from None
-    if text.lstrip().startswith("["):  # one JSON document holding a list of records
+    if raw.lstrip().startswith(b"["):  # one JSON document holding a list of records
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            lineno, start = raw.count(b"\n", 0, err.start) + 1, raw.rfind(b"\n", 0, err.start) + 1
+            raise UserError(
+                f"{path}:{lineno}: {_utf8_problem(err, start)}; fix that line (data.skip_invalid_utf8 skips records"
+                " of JSON-lines files only, and this file is one JSON document)"
+            ) from None
         try:
             records = json.loads(text)
         except json.JSONDecodeError as err:
             raise UserError(f"{path}:{err.lineno}: malformed JSON ({err.msg})") from None
         numbered = list(enumerate(records, 1))
     else:  # JSON lines; blank lines are skipped like the builder does
-        numbered = []
-        for lineno, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
+        numbered, record = [], 0
+        for lineno, raw_line in enumerate(raw.split(b"\n"), 1):
+            if not raw_line.strip():
                 continue
+            record += 1
             try:
-                numbered.append((len(numbered) + 1, json.loads(line)))
+                line = raw_line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                if skip_invalid_utf8:
+                    continue
+                raise UserError(f"{path}:{lineno}: {_utf8_problem(err)}; {UTF8_HINT}") from None
+            try:
+                numbered.append((record, json.loads(line)))
             except json.JSONDecodeError as err:
                 raise UserError(f"{path}:{lineno}: malformed JSON ({err.msg})") from None
     if not numbered:
@@ -194,14 +215,77 @@ def _diagnose_json(path: str) -> None:
         normalize_record(record, source=path, number=number)
 
 
-def _normalize(dataset: datasets.Dataset, source: str, prompts_only: bool) -> datasets.Dataset:
+UTF8_HINT = "fix or remove that line, or set data.skip_invalid_utf8=true to skip such records and count them"
+
+
+def _utf8_problem(err: UnicodeDecodeError, line_start: int = 0) -> str:
+    """`invalid UTF-8 (byte 0xff at byte 12 of the line)`, for a decode error over a line (or over a
+    whole file whose current line starts at `line_start`)."""
+    return f"invalid UTF-8 (byte 0x{err.object[err.start]:02x} at byte {err.start - line_start + 1} of the line)"
+
+
+def _invalid_utf8_lines(path: str) -> Iterator[tuple[int, int, UnicodeDecodeError]]:
+    """(line number, record number, error) of every line of a JSON-lines file that is not valid UTF-8;
+    records are counted over the non-blank lines, as the JSON builder numbers its rows."""
+    opener = gzip.open if path.endswith(".gz") else open
+    record = 0
+    with opener(path, "rb") as handle:
+        for lineno, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            record += 1
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield lineno, record, err
+
+
+def _normalize_utf8(
+    dataset: datasets.Dataset, source: str, prompts_only: bool, skip_invalid_utf8: bool
+) -> datasets.Dataset:
+    """`_normalize`, with text that is not valid UTF-8 found and named. Arrow's JSON reader takes such
+    bytes into its strings without complaint; they fail only when a record is read, here. Then the file
+    is scanned for its invalid lines: the first is a UserError naming the file and line, or with
+    `skip_invalid_utf8` every such record is left out (the others keep their record numbers) and the
+    count is logged. Clean files pay nothing for the check."""
+    try:
+        return _normalize(dataset, source, prompts_only)
+    except UnicodeDecodeError as err:
+        if _builder(source) != "json" or not os.path.isfile(source):
+            raise UserError(f"{source}: a record holds text that is not valid UTF-8 ({_one_line(err)})") from None
+        found = _invalid_utf8_lines(source)
+        bad = {record: (lineno, error) for lineno, record, error in found if record <= len(dataset)}
+        if not bad:
+            raise UserError(f"{source}: a record holds text that is not valid UTF-8 ({_one_line(err)})") from None
+    if not skip_invalid_utf8:
+        lineno, error = bad[min(bad)]
+        raise UserError(f"{source}:{lineno}: {_utf8_problem(error)}; {UTF8_HINT}")
+    keep = [index for index in range(len(dataset)) if index + 1 not in bad]
+    lines = [lineno for lineno, _ in bad.values()]
+    shown = ", ".join(map(str, lines[:10])) + (", ..." if len(lines) > 10 else "")
+    logger.warning(
+        "%s: skipped %d record(s) that are not valid UTF-8 (data.skip_invalid_utf8=true), on line(s) %s",
+        source,
+        len(bad),
+        shown,
+    )
+    if not keep:
+        raise UserError(f"{source}: every record is invalid UTF-8 (lines {shown}), so none is left")
+    return _normalize(dataset.select(keep), source, prompts_only, numbers=[index + 1 for index in keep])
+
+
+def _normalize(
+    dataset: datasets.Dataset, source: str, prompts_only: bool, numbers: Optional[list[int]] = None
+) -> datasets.Dataset:
+    """Every row validated and normalized; `numbers`: each row's record number in its file, where
+    rows were left out (default: the row's position)."""
     fingerprint = hashlib.sha256(f"{dataset._fingerprint}|{source}|{prompts_only}|{_CODE_HASH}".encode()).hexdigest()[
         :16
     ]
     return dataset.map(
         _normalize_row,
         with_indices=True,
-        fn_kwargs={"source": source, "prompts_only": prompts_only},
+        fn_kwargs={"source": source, "prompts_only": prompts_only, "numbers": numbers},
         remove_columns=dataset.column_names,
         features=FEATURES,
         new_fingerprint=fingerprint,
@@ -209,8 +293,11 @@ def _normalize(dataset: datasets.Dataset, source: str, prompts_only: bool) -> da
     )
 
 
-def _normalize_row(row: dict[str, Any], index: int, source: str, prompts_only: bool) -> dict[str, Any]:
-    return normalize_record(row, source=source, number=index + 1, prompts_only=prompts_only)
+def _normalize_row(
+    row: dict[str, Any], index: int, source: str, prompts_only: bool, numbers: Optional[list[int]] = None
+) -> dict[str, Any]:
+    number = index + 1 if numbers is None else numbers[index]
+    return normalize_record(row, source=source, number=number, prompts_only=prompts_only)
 
 
 def normalize_record(record: dict[str, Any], source: str, number: int, prompts_only: bool = False) -> dict[str, Any]:

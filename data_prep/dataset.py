@@ -49,7 +49,9 @@ def load_tokenized(cfg, sources: Sequence[str], tokenizer, key: str) -> datasets
 
     if not sources:
         raise UserError(f"{key} is empty: give at least one conversation file or Hub data set id")
-    conversations = load_conversations(list(sources), cfg.data.max_conversations)
+    conversations = load_conversations(
+        list(sources), cfg.data.max_conversations, skip_invalid_utf8=cfg.data.skip_invalid_utf8
+    )
     return tokenize_conversations(conversations, tokenizer, cfg.data.max_length, cfg.data.overlong, cfg.data.cache_dir)
 
 

@@ -91,7 +91,9 @@ def regenerate(cfg: DictConfig, target=None, tokenizer=None) -> RegenerateResult
     if not cfg.data.train:
         raise UserError("data.train is empty: give at least one conversation file or Hub data set id to regenerate")
 
-    conversations = load_conversations(list(cfg.data.train), cfg.data.max_conversations)
+    conversations = load_conversations(
+        list(cfg.data.train), cfg.data.max_conversations, skip_invalid_utf8=cfg.data.skip_invalid_utf8
+    )
     for row in conversations:
         if not any(message["role"] == "assistant" for message in row["messages"]):
             raise UserError(f"{row['source']} record {row['record']}: conversation has no assistant turn to regenerate")

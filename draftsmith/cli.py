@@ -111,7 +111,10 @@ def train_main(argv: Sequence[str]) -> None:
     from draftsmith.recipe import load_recipe
 
     cfg = load_recipe(argv)  # validate before any model or data is touched
+    from draftsmith.threads import set_cpu_threads
     from draftsmith.trainer import claim_output_dir, train
+
+    set_cpu_threads(cfg.train.cpu_threads)  # accelerate launch's OMP_NUM_THREADS=1 is not a choice (threads.py)
 
     state = PartialState(cpu=not torch.cuda.is_available())
     with claim_output_dir(cfg, state):

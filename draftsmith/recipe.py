@@ -160,6 +160,10 @@ def check_train(t) -> None:
         f"train.max_steps={t.max_steps} must be >= 1, or -1 to run train.epochs epochs",
     )
     require(t.epochs >= 1, f"train.epochs={t.epochs} must be >= 1")
+    require(
+        t.cpu_threads is None or t.cpu_threads >= 1,
+        f"train.cpu_threads={t.cpu_threads} must be >= 1, or null to let draftsmith choose",
+    )
     for key in ("micro_batch_size", "grad_accum", "log_every"):
         require(t[key] >= 1, f"train.{key}={t[key]} must be >= 1")
     for key in (
@@ -439,7 +443,8 @@ def save_recipe(cfg: DictConfig, directory: str | os.PathLike) -> Path:
 
 
 def resolve_bool_or_path(value: Optional[str]) -> Optional[str]:
-    """`train.resume`: None/false -> None, true -> 'latest', anything else is a path."""
+    """`train.resume`: None/false -> None, true -> 'latest', anything else is a path (or `latest_intact`,
+    which trainer/checkpoint.py reads)."""
     if value is None or str(value).lower() in ("false", "none", ""):
         return None
     if str(value).lower() == "true":

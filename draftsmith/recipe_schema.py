@@ -84,6 +84,9 @@ class DataSection:
     max_length: int = 1024  # tokens per conversation after the chat template
     overlong: str = "truncate"  # truncate | drop | error
     max_conversations: Optional[int] = None  # cap per source file, for quick runs
+    # a record of a JSON-lines file whose line is not valid UTF-8 (traffic logs hold such bytes): false = stop
+    # with one line naming the file and line; true = leave it out and log how many were left out, per file
+    skip_invalid_utf8: bool = False
     cache_dir: Optional[str] = None  # tokenized-data cache; default ~/.cache/draftsmith
     # Conversations whose assistant tokens pick a pruned draft vocabulary (EAGLE-3) instead of data.train's:
     # raw text of the same traffic counts tokens as well as expensive regenerated answers do, and more of it
@@ -116,13 +119,19 @@ class TrainSection:
     log_every: int = 10  # optimizer steps between log lines (stdout, log.jsonl, TensorBoard)
     save_every: int = 0  # steps between checkpoints; 0 = only the final one
     keep_checkpoints: int = 2  # older step checkpoints are deleted
-    resume: Optional[str] = None  # true = latest checkpoint in output_dir, or a checkpoint path
+    # true = the newest checkpoint in output_dir | latest_intact = the newest whose files match the checksums
+    # recorded when it was saved (a damaged one is refused otherwise) | a checkpoint path
+    resume: Optional[str] = None
     overwrite: bool = False  # start over in an output_dir that holds another run: the earlier run is moved aside
     max_nonfinite: int = 10  # optimizer steps skipped for a non-finite loss/gradient before the run stops
     # warm start: a drafter checkpoint whose weights (and draft vocabulary) training starts from
     init_from: Optional[str] = None
     mixed_precision: str = "auto"  # auto (bf16 where the GPU supports it, else none) | no | bf16 | fp16
     num_workers: int = 0  # DataLoader worker processes
+    # threads torch computes with on a CPU run; null = draftsmith chooses (draftsmith/threads.py): OMP_NUM_THREADS
+    # where it is the user's, else the available cores / the processes on this machine. `accelerate launch`
+    # sets OMP_NUM_THREADS=1 for its processes, which cannot be told from a user's 1: under a launcher set this.
+    cpu_threads: Optional[int] = None
     # Held-out evaluation during training: the last `heldout` conversations of data.train (in file
     # order, before any shuffling) are never trained on; every `eval_every` optimizer steps (and at
     # the last step) the drafter's teacher-forced per-depth top-1 on them gives `heldout/tau_est`,

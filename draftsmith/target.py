@@ -163,7 +163,7 @@ class FeatureRequest:
 
 class TargetOutput:
     """The target's outputs over a batch: `final` [B, T, H] (post-norm last hidden state), `layers`
-    (layer id -> [B, T, H]), `past_key_values`, and `logits` [B, T, V].
+    (layer id -> [B, T, H]), `cache` (the KV cache, when the forward used one), and `logits` [B, T, V].
 
     `logits` is either given (captured features, a model whose logits are not its lm_head's output)
     or computed from `final` by `head`, the target's lm_head, on first access (`run_target`), under
@@ -176,13 +176,13 @@ class TargetOutput:
         logits: Optional[torch.Tensor] = None,
         final: Optional[torch.Tensor] = None,
         layers: Optional[dict[int, torch.Tensor]] = None,
-        past_key_values: object = None,
+        cache: object = None,
         head: Optional[torch.nn.Module] = None,
     ):
         self._logits = logits
         self.final = final
         self.layers = {} if layers is None else layers
-        self.past_key_values = past_key_values
+        self.cache = cache
         self.head = head if logits is None else None
         self._modes = (torch.is_grad_enabled(), _autocast_state(final)) if self.head is not None else None
 
@@ -260,7 +260,7 @@ def run_target(
     attention_mask: Optional[torch.Tensor] = None,
     request: FeatureRequest = FeatureRequest(),
     position_ids: Optional[torch.Tensor] = None,
-    past_key_values=None,
+    cache=None,
     use_cache: bool = False,
 ) -> TargetOutput:
     """One forward of the target returning logits, the final hidden state and requested layers.
@@ -278,7 +278,7 @@ def run_target(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        past_key_values=past_key_values,
+        cache=cache,
         use_cache=use_cache,
         output_hidden_states=True,
         return_dict=True,
@@ -297,6 +297,6 @@ def run_target(
         logits=None if defer else outputs.logits,
         final=final,
         layers=layers,
-        past_key_values=outputs.past_key_values if use_cache else None,
+        cache=outputs.cache if use_cache else None,
         head=head,
     )

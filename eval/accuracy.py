@@ -66,7 +66,7 @@ def metric_means(drafter: Drafter, target, dataset, collate, batch_size: int) ->
     for batch in DataLoader(dataset, batch_sampler=batches, collate_fn=collate):
         tensors = {k: v.to(device) for k, v in batch.items() if torch.is_tensor(v)}
         target_out = run_target(target, tensors["input_ids"], tensors["attention_mask"], drafter.request)
-        _, stats = drafter(tensors, target_out)
+        _, _, stats = drafter(tensors, target_out)
         for name, values in stats.items():
             for row, domain in enumerate(batch["domain"]):
                 sums[domain][name] += values[row].float().cpu()

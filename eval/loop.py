@@ -32,11 +32,19 @@ from typing import Optional
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from draftsmith.errors import UserError
 from draftsmith.eval.sampling import AcceptRule, Sampling, Verdict, exact_rule, verify
-from draftsmith.eval.trees import additive_mask, cut_tree, draft_depth, is_chain, tree_depths, verify_mask
+from draftsmith.eval.trees import (
+    additive_mask,
+    cache_positions,
+    cut_tree,
+    draft_depth,
+    is_chain,
+    tree_depths,
+    verify_visibility,
+)
+from draftsmith.families import ATTENTION_KINDS, FULL, SLIDING, layer_types, sliding_window
 from draftsmith.heads.base import DraftState, DraftTree, Proposer, Tree
 from draftsmith.heads.packing import causal_document_mask
 from draftsmith.target import FeatureRequest, run_target
@@ -107,19 +115,36 @@ class DecodeState:
             layer.values = layer.values[index, :, -width:]
 
 
-def check_target(model, cache: DynamicCache) -> None:
-    """Tree verification needs a backend that takes a custom 4D mask and a full-attention KV cache
-    that can be cropped and gathered (sliding-window and linear-attention layers cannot)."""
+def check_target(model) -> None:
+    """Tree verification needs a backend that takes a custom 4D mask, and attention layers whose keys
+    can be cropped and gathered: full or sliding-window attention (a sliding-window layer keeps every
+    key in the loop's cache, and its mask hides those out of the window), not linear attention."""
     implementation = getattr(model.config, "_attn_implementation", "eager")
     if implementation not in ("eager", "sdpa"):
         raise UserError(
             f"the eval loop needs attn_implementation 'sdpa' or 'eager' (custom tree masks); the target uses {implementation!r}"
         )
-    kinds = {type(layer).__name__ for layer in cache.layers}
-    if kinds != {DynamicLayer.__name__}:
+    other = sorted(set(layer_types(model.config)) - set(ATTENTION_KINDS))
+    if other:
         raise UserError(
-            f"the eval loop supports full-attention KV caches only; this target's cache has {sorted(kinds)}"
+            f"the eval loop verifies drafts on attention layers only (full or sliding-window, whose keys it can roll back); "
+            f"this target also has {other} layers"
         )
+
+
+def attention_masks(model, sees: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor):
+    """The attention mask(s) of a forward whose queries see keys as `sees` [B, Q, K] says, at
+    `query_positions` [B, Q] and `key_positions` [B, K]: one additive mask where every layer attends
+    alike, and for a target with full and sliding-window layers one per kind (transformers' mapping by
+    layer type), the sliding-window one also hiding keys `sliding_window` or more positions back."""
+    kinds = set(layer_types(model.config))
+    if SLIDING not in kinds:
+        return additive_mask(sees, model.dtype)
+    near = (query_positions[:, :, None] - key_positions[:, None, :]) < sliding_window(model.config)
+    windowed = additive_mask(sees & near, model.dtype)
+    if kinds == {SLIDING}:
+        return windowed
+    return {FULL: additive_mask(sees, model.dtype), SLIDING: windowed}
 
 
 @torch.no_grad()
@@ -129,8 +154,8 @@ def prefill(model, prompts: Sequence[Sequence[int]], request: FeatureRequest = F
     if any(len(prompt) < 2 for prompt in prompts):
         raise UserError("a prompt needs at least 2 tokens (the chat template alone gives more)")
     device = model.get_output_embeddings().weight.device
-    cache = DynamicCache(config=model.config)
-    check_target(model, cache)
+    check_target(model)
+    cache = DynamicCache()  # a full-length layer for every kind: sliding-window layers are masked, not truncated
     lengths = [len(prompt) - 1 for prompt in prompts]
     width = max(lengths)
     ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
@@ -143,7 +168,7 @@ def prefill(model, prompts: Sequence[Sequence[int]], request: FeatureRequest = F
         positions = (column - pad).clamp(min=0)
         # The padding is a document of its own (-1), so its queries stay finite and no prompt sees it.
         documents = torch.where(column >= pad, 0, -1)
-        mask = additive_mask(causal_document_mask(documents)[:, 0], model.dtype)
+        mask = attention_masks(model, causal_document_mask(documents)[:, 0], positions, positions)
     out = run_target(model, ids, mask, request, positions, cache, use_cache=True)
     rows = []
     for b, (prompt, n) in enumerate(zip(prompts, lengths)):
@@ -241,7 +266,10 @@ def verify_step(
     # SDPA on the same kernels as plain decoding (an explicit mask would make plain decoding slower,
     # inflating speedups). A batch always needs the explicit mask (padding), plain decoding included.
     single_chain = len(rows) == 1 and is_chain(drafts[0].parents)
-    mask = None if single_chain else verify_mask(drafts, cached, width, model.dtype)
+    mask = None
+    if not single_chain:
+        keys = torch.cat([cache_positions(cached, width, device), positions], dim=1)
+        mask = attention_masks(model, verify_visibility(drafts, cached, width), positions, keys)
     out = run_target(model, ids, mask, request, positions, state.cache, use_cache=True)
 
     verdicts, keeps = [], []

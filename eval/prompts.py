@@ -8,12 +8,15 @@ from draftsmith.errors import UserError
 ALL = "all"  # the aggregate "domain" of a report: counters summed over every domain
 
 
-def load_prompts(sources: list[str], tokenizer, max_prompts: int, max_length: int) -> dict[str, list[list[int]]]:
+def load_prompts(
+    sources: list[str], tokenizer, max_prompts: int, max_length: int, skip_invalid_utf8: bool = False
+) -> dict[str, list[list[int]]]:
     """The first `max_prompts` conversations of each domain, rendered up to their last assistant turn
-    with the generation prompt; prompts longer than `max_length` keep their last tokens."""
+    with the generation prompt; prompts longer than `max_length` keep their last tokens.
+    `skip_invalid_utf8`: data.skip_invalid_utf8 (load_conversations)."""
     from draftsmith.data_prep import load_conversations, render_prompt
 
-    conversations = load_conversations(sources, prompts_only=True)
+    conversations = load_conversations(sources, prompts_only=True, skip_invalid_utf8=skip_invalid_utf8)
     picked: dict[str, list[int]] = {}
     for index, domain in enumerate(conversations["domain"]):
         rows = picked.setdefault(domain, [])

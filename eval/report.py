@@ -248,7 +248,9 @@ def _run_eval(
     # The target, or the target with the drafter's adapters (Medusa-2): the model that verifies.
     verifier = drafter.proposer(sampling.temperature).verifier or target
     methods = build_methods(cfg, drafter, target, verifier, sampling.temperature)
-    prompts = load_prompts(sources, tokenizer, int(cfg.eval.max_prompts), int(cfg.data.max_length))
+    prompts = load_prompts(
+        sources, tokenizer, int(cfg.eval.max_prompts), int(cfg.data.max_length), cfg.data.skip_invalid_utf8
+    )
     eos_ids = eos_ids_of(target, tokenizer)
     max_new_tokens, greedy = int(cfg.eval.max_new_tokens), sampling.temperature <= 0
 

@@ -42,9 +42,9 @@ def additive_mask(sees: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(sees.shape, dtype=dtype, device=sees.device).masked_fill(~sees, torch.finfo(dtype).min)[:, None]
 
 
-def verify_mask(drafts: Sequence[DraftTree], cached: Sequence[int], width: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive [B, 1, Q, width+Q] mask for a verify forward over [root] + draft per row, Q = 1 + the
-    largest draft: row b's queries see its `cached[b]` right-aligned cache entries and, among the new
+def verify_visibility(drafts: Sequence[DraftTree], cached: Sequence[int], width: int) -> torch.Tensor:
+    """[B, Q, width+Q] bool for a verify forward over [root] + draft per row, Q = 1 + the largest
+    draft: row b's queries see its `cached[b]` right-aligned cache entries and, among the new
     tokens, themselves and their ancestors. Queries past a row's draft (batch padding) see only
     themselves, so every row of the softmax stays finite."""
     queries = 1 + max(len(draft) for draft in drafts)
@@ -56,7 +56,14 @@ def verify_mask(drafts: Sequence[DraftTree], cached: Sequence[int], width: int, 
         sees[b, :, width - length : width] = True
         sees[b, :size, width : width + size] = tree_visibility(draft.parents)
         sees[b, diagonal[size:], width + diagonal[size:]] = True
-    return additive_mask(sees, dtype)
+    return sees
+
+
+def cache_positions(cached: Sequence[int], width: int, device: torch.device) -> torch.Tensor:
+    """[B, width] the position of every right-aligned cache entry (row b's `cached[b]` entries hold
+    positions 0..cached[b]-1; the padding before them gets negative positions no query sees)."""
+    column = torch.arange(width, device=device)
+    return column[None] - (width - torch.tensor(list(cached), device=device))[:, None]
 
 
 def is_chain(parents: torch.Tensor) -> bool:

@@ -30,11 +30,11 @@ import torch
 from draftsmith.errors import UserError
 from draftsmith.export import Exporter, Source, register
 from draftsmith.export.eagle import llama_layers_expected
-from draftsmith.export.repo import EngineRepo, llama_layer_config
+from draftsmith.export.repo import EngineRepo, draft_layer_config
 from draftsmith.heads import drafter_class
 
 VLLM_SERVE = """vllm serve {target} --speculative-config '{{"method": "dflash", "model": "{path}", "num_speculative_tokens": {gamma}}}'"""
-FAMILIES = ("llama", "mistral", "qwen3")  # decoder layers vLLM's Qwen3 DFlash layer reproduces (with q/k norms)
+FAMILIES = ("llama", "qwen3")  # draft layers vLLM's Qwen3 DFlash layer reproduces (with q/k norms)
 
 
 @register
@@ -45,15 +45,7 @@ class DFlashExporter(Exporter):
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         drafter, target = source.drafter, source.target
         settings = drafter.config
-        if target.shape.model_type not in FAMILIES:
-            raise UserError(
-                f"vLLM serves DFlash with Qwen3-style layers; this drafter has {target.shape.model_type} layers (exportable: {', '.join(FAMILIES)})"
-            )
-        biased = [key for key in ("attention_bias", "mlp_bias") if target.config.get(key)]
-        if biased:
-            raise UserError(
-                f"the target sets {', '.join(biased)}: vLLM's DFlash layer would place those biases differently"
-            )
+        layer = draft_layer_config(drafter, FAMILIES, "vLLM", "DFlash")
         if settings.mask_token_id is None:
             raise UserError(
                 "this DFlash drafter learned its own mask vector, which vLLM's DFlash layout has no place for (it embeds "
@@ -70,7 +62,6 @@ class DFlashExporter(Exporter):
             raise UserError(
                 f"target layer {max(ours)} is the target's post-norm last state, which vLLM cannot capture; retrain with target_layers below {last}"
             )
-        layer = llama_layer_config(target, settings.num_layers)
         config = {
             **layer,
             "architectures": ["DFlashDraftModel"],

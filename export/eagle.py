@@ -20,7 +20,7 @@ import torch
 
 from draftsmith.errors import UserError
 from draftsmith.export import Exporter, Source, register
-from draftsmith.export.repo import EngineRepo, llama_layer_config, require_llama
+from draftsmith.export.repo import EngineRepo, draft_layer_config
 from draftsmith.heads import drafter_class
 
 VLLM_SERVE = """vllm serve {target} --speculative-config '{{"method": "eagle", "model": "{path}", "num_speculative_tokens": {gamma}}}'"""
@@ -56,10 +56,8 @@ def llama_layers_expected(config: dict[str, Any], skip_first_input_norm: bool) -
 class EagleExporter(Exporter):
     kinds = ("eagle",)
 
-    def config(self, source: Source, architecture: str) -> dict[str, Any]:
-        require_llama(source.target, architecture.split("For")[0], "EAGLE-1")
-        drafter = source.drafter
-        return {**llama_layer_config(source.target, drafter.config.num_layers), "architectures": [architecture]}
+    def config(self, source: Source, architecture: str, engine: str) -> dict[str, Any]:
+        return {**draft_layer_config(source.drafter, ("llama",), engine, "EAGLE-1"), "architectures": [architecture]}
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         if source.drafter.config.fc_bias:
@@ -67,7 +65,7 @@ class EagleExporter(Exporter):
                 "this EAGLE-1 checkpoint has an fc bias, which vLLM's EAGLE-1 skips without an error (its fc has none); "
                 "retrain with drafter.fc_bias=false to serve it in vLLM"
             )
-        config = self.config(source, "EagleLlamaForCausalLM")
+        config = self.config(source, "EagleLlamaForCausalLM", "vLLM")
         expected = {
             "fc.weight": (config["hidden_size"], 2 * config["hidden_size"]),
             **llama_layers_expected(config, skip_first_input_norm=True),
@@ -82,7 +80,7 @@ class EagleExporter(Exporter):
         )
 
     def sglang(self, source: Source, gamma: int, output: Path) -> EngineRepo:
-        config = self.config(source, "LlamaForCausalLMEagle")
+        config = self.config(source, "LlamaForCausalLMEagle", "SGLang")
         hidden = config["hidden_size"]
         tensors = dict(source.drafter.state_dict())
         tensors.setdefault("fc.bias", torch.zeros(hidden))

@@ -46,7 +46,7 @@ import torch
 
 from draftsmith.errors import UserError
 from draftsmith.export import Exporter, Source, register
-from draftsmith.export.repo import EngineRepo, llama_layer_config, require_llama
+from draftsmith.export.repo import EngineRepo, draft_layer_config
 from draftsmith.heads import drafter_class
 
 VLLM_SERVE = """vllm serve {target} --speculative-config '{{"method": "eagle3", "model": "{path}", "num_speculative_tokens": {gamma}}}'"""
@@ -70,8 +70,8 @@ def vllm_ids(ours: list[int], num_layers: int) -> list[int]:
 def layer_expected(
     config: dict[str, Any], vocab: int, draft_vocab: int, num_aux: int, fc_norm: bool = False
 ) -> dict[str, tuple[int, ...]]:
-    """The tensors an EAGLE-3 drafter of one Llama layer is loaded from (layer prefix `layers.0.`);
-    `fc_norm`: EAGLE-3.1's norm per aux layer."""
+    """The tensors an EAGLE-3 drafter of one draft layer (Llama's, or Qwen3's with its per-head q/k
+    norms) is loaded from (layer prefix `layers.0.`); `fc_norm`: EAGLE-3.1's norm per aux layer."""
     hidden, inner = config["hidden_size"], config["intermediate_size"]
     heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
     expected = {
@@ -89,6 +89,8 @@ def layer_expected(
         "norm.weight": (hidden,),
         "lm_head.weight": (draft_vocab, hidden),
     }
+    if config["model_type"] == "qwen3":
+        expected |= {f"layers.0.self_attn.{norm}.weight": (head_dim,) for norm in ("q_norm", "k_norm")}
     if draft_vocab < vocab:
         expected |= {"d2t": (draft_vocab,), "t2d": (vocab,)}
     if fc_norm:
@@ -101,13 +103,11 @@ def as_midlayer(named: dict[str, Any]) -> dict[str, Any]:
     return {name.replace("layers.0.", "midlayer."): value for name, value in named.items()}
 
 
-def check_plain_llama(source: Source, engine: str) -> None:
-    require_llama(source.target, engine, "EAGLE-3")
-    biased = [key for key in ("attention_bias", "mlp_bias") if source.target.config.get(key)]
-    if biased:
-        raise UserError(
-            f"the target sets {', '.join(biased)}: an EAGLE-3 layer with biases has not been verified against {engine}'s loader"
-        )
+# The draft-layer families each engine form builds for EAGLE-3 (vLLM's speculators reader picks the
+# architecture from transformer_layer_config.model_type: llama or qwen3; its native form and SGLang
+# build Llama layers).
+SPECULATORS_FAMILIES = ("llama", "qwen3")
+LLAMA_ONLY = ("llama",)
 
 
 @register
@@ -117,14 +117,14 @@ class Eagle3Exporter(Exporter):
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         """The speculators format: vLLM serves it from `--speculative-config` or as `vllm serve <folder>`."""
-        check_plain_llama(source, "vLLM")
         if source.vllm_format == "native":
             return self.native_vllm(source)
         drafter, target = source.drafter, source.target
+        layer = draft_layer_config(drafter, SPECULATORS_FAMILIES, "vLLM", "EAGLE-3")
         ours = list(drafter.config.aux_layers)
         ids = vllm_ids(ours, target.shape.num_hidden_layers)
-        layer = llama_layer_config(target, 1) | {
-            "architectures": ["LlamaForCausalLM"],
+        layer |= {
+            "architectures": ["Qwen3ForCausalLM" if layer["model_type"] == "qwen3" else "LlamaForCausalLM"],
             "num_aux_hidden_states": len(ids),
         }
         config = {
@@ -171,6 +171,8 @@ class Eagle3Exporter(Exporter):
             "num_aux_hidden_states": f"written {len(ids)}: vLLM sizes the fc from it, not from the ids",
             "draft_vocab": "d2t (offsets) and t2d shipped" if drafter.pruned else "full vocabulary: no d2t/t2d",
             "eagle3.1": f"fc_norm {config['fc_norm']}, norm_output {config['norm_output']} (written either way; vLLM defaults both to false)",
+            "draft_layers": f"{layer['model_type']} (drafter.layer_family; vLLM builds {layer['architectures'][0].replace('ForCausalLM', '')} "
+            f"EAGLE-3 layers from transformer_layer_config.model_type, whatever the target's family, {target.shape.model_type})",
         }
         expected = layer_expected(
             layer, target.shape.vocab_size, drafter.config.draft_vocab_size, len(ids), drafter.config.fc_norm
@@ -195,7 +197,7 @@ class Eagle3Exporter(Exporter):
                 "export.vllm_format=native: P-EAGLE is written in vLLM's speculators format only (peagle); leave export.vllm_format unset"
             )
         ids = vllm_ids(list(drafter.config.aux_layers), target.shape.num_hidden_layers)
-        config = llama_layer_config(target, 1) | {
+        config = draft_layer_config(drafter, LLAMA_ONLY, "vLLM's native EAGLE-3 form", "EAGLE-3") | {
             "architectures": ["LlamaForCausalLMEagle3"],
             "draft_vocab_size": drafter.config.draft_vocab_size,
             "target_hidden_size": target.shape.hidden_size,
@@ -232,8 +234,8 @@ class Eagle3Exporter(Exporter):
         )
 
     def sglang(self, source: Source, gamma: int, output: Path) -> EngineRepo:
-        check_plain_llama(source, "SGLang")
         drafter, target = source.drafter, source.target
+        layer = draft_layer_config(drafter, LLAMA_ONLY, "SGLang", "EAGLE-3")
         if drafter.config.parallel_drafting:
             raise UserError(
                 "this EAGLE-3 drafter drafts in parallel (P-EAGLE), which SGLang does not serve: it would draft sequentially "
@@ -252,7 +254,7 @@ class Eagle3Exporter(Exporter):
             )
         ours = list(drafter.config.aux_layers)
         ids = vllm_ids(ours, target.shape.num_hidden_layers)  # also refuses our last id, which SGLang never captures
-        config = llama_layer_config(target, 1) | {
+        config = layer | {
             "architectures": ["LlamaForCausalLMEagle3"],
             "draft_vocab_size": drafter.config.draft_vocab_size,
             "target_hidden_size": target.shape.hidden_size,
@@ -309,8 +311,12 @@ class Eagle3Exporter(Exporter):
                 )
             norm_before_residual = config.get("norm_before_residual", False)
             extensions = {}
+        family = config.get("transformer_layer_config", {}).get(
+            "model_type", "llama"
+        )  # the native form and SGLang's: Llama
         eagle3 = drafter_class("eagle3")
         settings = {
+            "layer_family": family,
             "aux_layers": ours,
             "draft_vocab_size": int(config["draft_vocab_size"]),
             "norm_before_residual": bool(norm_before_residual),

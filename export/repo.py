@@ -151,24 +151,33 @@ def check_vllm_path(directory: Path, kind: str) -> None:
         )
 
 
-def llama_layer_config(target: TargetInfo, num_layers: int) -> dict[str, Any]:
-    """The target's decoder settings for a drafter of `num_layers` Llama layers: every field the
-    engines read comes from the target (max_position_embeddings and rope included), nothing defaults."""
-    keep = (
-        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
-        "rms_norm_eps", "vocab_size", "max_position_embeddings", "rope_parameters", "rope_theta", "rope_scaling",
-        "attention_bias", "mlp_bias", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
-    )  # fmt: skip
-    config = {key: target.config[key] for key in keep if key in target.config and target.config[key] is not None}
-    config["head_dim"] = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return {**config, "model_type": "llama", "num_hidden_layers": num_layers, "torch_dtype": "float32"}
+# The fields of a draft layer config an engine reads (everything else in a checkpoint's record of its
+# layers, e.g. a pre-0.2 checkpoint's copy of the whole target config, stays out of the export).
+LAYER_KEYS = (
+    "model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "hidden_act", "rms_norm_eps", "vocab_size", "max_position_embeddings", "rope_parameters", "rope_theta",
+    "rope_scaling", "attention_bias", "mlp_bias", "tie_word_embeddings", "bos_token_id", "eos_token_id",
+    "pad_token_id",
+)  # fmt: skip
 
 
-def require_llama(target: TargetInfo, engine: str, kind: str) -> None:
-    """The engines' EAGLE loaders build Llama layers; a drafter of another family's layers (Qwen2's
-    q/k/v biases, Qwen3's q/k norms) would load with those parts silently missing."""
-    model_type = target.shape.model_type
-    if model_type not in ("llama", "mistral"):
+def draft_layer_config(drafter, families: tuple[str, ...], engine: str, kind: str) -> dict[str, Any]:
+    """The config of a drafter's own decoder layers as it trained them (`drafter.decoder`, its layer
+    family at the target's shape), under the names the engine reads, with the layer count it has. An
+    engine that builds draft layers of other families only, or would drop the layers' biases, is a
+    one-line error: it would load the drafter incompletely."""
+    layers = drafter.config.decoder["config"]
+    family = str(layers["model_type"])
+    if family not in families:
         raise UserError(
-            f"{engine} serves {kind} drafters with Llama layers; this drafter has {model_type} layers (the target's family), which it would load incompletely"
+            f"{engine} builds {kind} draft layers of the {' or '.join(families)} family; this drafter has {family} layers "
+            f"(drafter.layer_family): retrain with drafter.layer_family={families[0]}"
         )
+    biased = [key for key in ("attention_bias", "mlp_bias") if layers.get(key)]
+    if biased:
+        raise UserError(
+            f"this drafter's layers set {', '.join(biased)}: {kind} layers with biases have not been verified against {engine}'s loader"
+        )
+    config = {key: layers[key] for key in LAYER_KEYS if layers.get(key) is not None}
+    config["head_dim"] = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return {**config, "num_hidden_layers": int(layers["num_hidden_layers"]), "torch_dtype": "float32"}

@@ -137,7 +137,9 @@ def verify_in_vllm(
     sources = list(cfg.eval.data) or list(cfg.data.eval)
     if not sources:
         raise UserError("export.vllm_python checks the export on the eval prompts: set eval.data or data.eval")
-    by_domain = load_prompts(sources, tokenizer, int(cfg.eval.max_prompts), int(cfg.data.max_length))
+    by_domain = load_prompts(
+        sources, tokenizer, int(cfg.eval.max_prompts), int(cfg.data.max_length), bool(cfg.data.skip_invalid_utf8)
+    )
     prompts = [prompt for domain in by_domain.values() for prompt in domain]
     max_new = int(cfg.eval.max_new_tokens)
     ours = draftsmith_side(source, prompts, max_new, gamma, eos_ids_of(source.target_model, tokenizer))

@@ -9,13 +9,30 @@ Training side, `Drafter` (an nn.Module) and its `Config` (a dataclass: the recip
 - `from_target`: a fresh drafter for a loaded target; `attach_target`: re-attach frozen target
   modules it uses but does not own or save (EAGLE's embedding and lm_head);
 - `prepare(dataset)`: fit what depends on the training data rather than on the target;
-- `loss(batch, target_out)`: the scalar loss and per-sample (per-document) metric statistics, for
-  padded and packed batches alike (heads/packing.py);
+- `loss(batch, target_out)`: `(loss_sum, count, stats)`: the loss *summed* over the tokens it scores,
+  its normaliser `count` (= `loss_tokens(batch)`) and per-sample (per-document) metric statistics, for
+  padded and packed batches alike (heads/packing.py). See "The loss contract" below;
+- `loss_tokens(batch)`: that normaliser from the batch alone, computable on the host before the batch
+  moves to the device (the trainer counts a whole optimizer step before its first forward);
 - `param_groups()`: the trainable parameters with learning-rate scales.
 
 Decoding side, `Proposer`: built by `drafter.proposer(temperature)`, it holds one sequence's drafting
 state (a KV cache, a random stream) and proposes a chain or a tree of tokens per decode cycle. The
 eval loop (eval/loop.py) knows only this side.
+
+The loss contract (split invariance). A drafter's loss is a sum over the batch's documents, never a
+mean over the micro-batch: `loss_sum` = sum over every scored token of its weighted loss (a head's or a
+TTT step's weight multiplies each of its token losses, as before), and `count` = `loss_tokens(batch)`,
+by default the batch's supervised tokens, `loss_mask.sum()`. Both are sums over documents, so the
+trainer's objective for an optimizer step, sum(loss_sum) / sum(count) over every micro-batch of every
+rank, and its gradient do not depend on how the step's conversations are split into micro-batches,
+accumulation steps, ranks or packed rows (tests/test_split_invariance.py). The normaliser is the
+supervised tokens rather than the tokens each head or step scores: those are (nearly) the same
+positions for the first head or step and a subset for later ones, so a per-token loss keeps the scale
+of the earlier sum of per-head means (`max_grad_norm` and the learning rate keep their meaning), and a
+count that depends on the drafter's outputs (EAGLE-3 leaves out positions whose target argmax is
+outside its draft vocabulary) could not be known before the forward. A kind whose unit of training is
+not a token overrides `loss_tokens` (DFlash counts its blocks: heads/dflash.py).
 
 Files: `save_pretrained` writes config.json + model.safetensors; `load_drafter` reads them back and
 refuses a checkpoint made for another target. What a drafter learned from data or training that
@@ -206,12 +223,22 @@ class Drafter(nn.Module):
         scale is each group's peak rate. Default: everything that requires grad, at train.lr."""
         return [([p for p in self.parameters() if p.requires_grad], 1.0)]
 
-    def forward(self, batch: dict, target_out: TargetOutput) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def forward(
+        self, batch: dict, target_out: TargetOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         # Training calls the module (not .loss) so DDP/DeepSpeed wrappers see the forward.
         return self.loss(batch, target_out)
 
-    def loss(self, batch: dict, target_out: TargetOutput) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Scalar loss, and per-sample statistics `name -> [D, 2]` (sum, count) for any metric,
+    def loss_tokens(self, batch: dict) -> torch.Tensor:
+        """The normaliser of `loss`'s sum (module docstring, "The loss contract"): the batch's
+        supervised tokens. A function of the batch alone, on whatever device it is (the trainer
+        calls it on the host, before the transfer); a sum over documents."""
+        return batch["loss_mask"].sum()
+
+    def loss(self, batch: dict, target_out: TargetOutput) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """`(loss_sum, count, stats)`: the scalar loss summed over the tokens it scores (weighted per
+        head or step), its normaliser `count` = `loss_tokens(batch)` (so `loss_sum / count` is the
+        per-token loss), and per-sample statistics `name -> [D, 2]` (sum, count) for any metric,
         one row per document (conversation) of the batch: D = len(batch["domain"]), the rows of an
         unpacked batch, more than the rows of a packed one (heads/packing.py).
 

@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from draftsmith.errors import UserError
+from draftsmith.families import layer_family
 from draftsmith.heads import register
 from draftsmith.heads.base import (
     DrafterConfig,
@@ -66,7 +67,7 @@ from draftsmith.heads.base import (
     check_mask_token,
     per_sample_stats,
 )
-from draftsmith.heads.eagle import EagleBase, import_qualified
+from draftsmith.heads.eagle import EagleBase, import_qualified, start_from_norm
 from draftsmith.heads.packing import documents, num_documents, positions, same_document
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
@@ -89,9 +90,13 @@ class DFlashConfig(DrafterConfig):
     # DFlash's mask queries (dflash_config.mask_token_id); null learns a vector (not exportable).
     mask_token_id: Optional[int] = None
     qk_norm: bool = True  # per-head RMSNorm on queries and keys (Qwen3's), as vLLM's DFlash layers apply
-    decoder: Optional[dict] = None  # the target family's layer/rotary classes and config; set by from_target
+    # The family of the draft's own decoder layers (draftsmith.families); llama with qk_norm is the
+    # function of vLLM's DFlash layers (Qwen3's), whatever the target's family.
+    layer_family: str = "llama"
+    decoder: Optional[dict] = None  # the draft layers' classes and config, resolved by from_target
 
     def check(self, target: Optional[TargetShape] = None) -> None:
+        layer_family(self.layer_family)
         if self.num_layers < 1:
             raise UserError(f"drafter.num_layers must be >= 1 (got {self.num_layers})")
         if self.block_size < 2:
@@ -267,8 +272,7 @@ class DFlash(EagleBase):
         with torch.no_grad():
             # The output norm starts as the target's final norm (it feeds the target's lm_head); the
             # mask embedding as the mean token embedding, the neutral point of the input space.
-            if final_norm is not None and final_norm.state_dict().keys() == drafter.norm.state_dict().keys():
-                drafter.norm.load_state_dict(final_norm.state_dict())
+            start_from_norm(drafter.norm, final_norm)
             if config.mask_token_id is None:
                 drafter.mask_embedding.copy_(target_model.get_input_embeddings().weight.float().mean(0))
         return drafter
@@ -307,18 +311,16 @@ class DFlash(EagleBase):
         """The mask queries' input [H]: the target's embedding of mask_token_id, or the learned vector."""
         if self.config.mask_token_id is None:
             return self.mask_embedding
-        embed, _ = self.target_modules()
-        return embed(torch.tensor([self.config.mask_token_id], device=self.fc.weight.device))[0]
+        return self.embed(torch.tensor([self.config.mask_token_id], device=self.fc.weight.device))[0]
 
     def denoise(
         self, anchors: torch.Tensor, positions: torch.Tensor, context_kv, visible: torch.Tensor
     ) -> torch.Tensor:
         """Blocks [anchor, mask, ...]: anchor tokens [B, A] at block positions [B, A, S] -> the
         final-norm outputs [B, A, S, H] of every block position (`logits` turns them into tokens)."""
-        embed, _ = self.target_modules()
         batch, blocks, size = positions.shape
         dtype = self.fc.weight.dtype
-        first = embed(anchors).to(dtype)[:, :, None]
+        first = self.embed(anchors).to(dtype)[:, :, None]
         hidden = torch.cat([first, self.mask_input().to(dtype).expand(batch, blocks, size - 1, -1)], dim=2)
         rope = self.rotary_emb(hidden, positions.view(batch, blocks * size))
         for layer, kv in zip(self.layers, context_kv):
@@ -382,9 +384,20 @@ class DFlash(EagleBase):
         context_kv = self.context_keys(self.context(layers), context_positions)
         return self.denoise(input_ids.gather(1, anchors), block_positions, context_kv, visible)
 
+    def loss_tokens(self, batch: dict) -> torch.Tensor:
+        """DFlash trains on blocks, so its normaliser counts blocks, not tokens: per document,
+        min(anchors, the positions `sample_anchors` draws from), exactly the blocks the loss samples
+        (heads/base.py, "The loss contract"). A function of the batch alone, for the host."""
+        loss_mask, docs = batch["loss_mask"].bool(), documents(batch)
+        valid = loss_mask[:, :-1] & loss_mask[:, 1:] & same_document(docs, 1)
+        return torch.bincount(docs[:, :-1][valid]).clamp(max=self.config.anchors).sum()
+
     def loss(self, batch: dict, target_out: TargetOutput):
         """Weighted (soft) cross-entropy over every block position k >= 1 whose token x_{a+k} exists
-        and bears loss, normalised by the summed weights: sum w_k·CE / sum w_k.
+        and bears loss, summed: sum over blocks and k of w_k·CE, the weights normalised to sum 1 over a
+        whole block (w_k = exp(-(k-1)/loss_decay) / sum_j exp(-(j-1)/loss_decay)), with the number of
+        blocks as the normaliser (`loss_tokens`). Per complete block that is its weighted mean
+        sum w_k·CE / sum w_k, as before; a block cut short by its document's end weighs less.
 
         Metrics: `block{k}/top1`, the argmax at block position k equal to the data's token (the
         target's own greedy text when the data were regenerated by it), teacher-forced on the context
@@ -413,6 +426,7 @@ class DFlash(EagleBase):
         weights = torch.exp(
             -torch.arange(size - 1, device=input_ids.device, dtype=torch.float32) / self.config.loss_decay
         )
+        weights = weights / weights.sum()  # a whole block's weights sum to 1: its loss is a weighted mean
         rows, blocks, ks = supervised.nonzero(as_tuple=True)
         log_q = self.logits(outputs[rows, blocks, ks]).log_softmax(-1)  # only supervised positions reach the vocabulary
         if self.config.loss == "soft_ce":
@@ -421,8 +435,7 @@ class DFlash(EagleBase):
             token_loss = -(p * log_q).sum(-1)
         else:
             token_loss = -log_q.gather(1, labels[rows, blocks, ks][:, None])[:, 0]
-        weight = weights[ks]
-        total = (weight * token_loss).sum() / weight.sum().clamp(min=1e-6)
+        total = (weights[ks] * token_loss).sum()  # the trainer divides by the blocks (loss_tokens)
 
         with torch.no_grad():
             correct = torch.zeros_like(supervised)
@@ -434,10 +447,10 @@ class DFlash(EagleBase):
                 stats |= per_sample_stats(
                     {f"block{k + 1}/top1": correct[..., k][scored_here].float()}, anchor_docs[scored_here], num_docs
                 )
-            stats |= per_sample_stats({"loss": token_loss.detach()}, anchor_docs[rows, blocks], num_docs)
+            stats |= per_sample_stats({"token_loss": token_loss.detach()}, anchor_docs[rows, blocks], num_docs)
             accepted = correct.cumprod(-1).sum(-1)[real].float()
             stats |= per_sample_stats({"accepted": accepted}, anchor_docs[real], num_docs)
-        return total, stats
+        return total, real.sum(), stats
 
 
 class DFlashProposer(Proposer):

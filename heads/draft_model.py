@@ -190,7 +190,7 @@ class DraftModel(Drafter):
             if self.config.ce_weight > 0:
                 terms["ce"] = F.cross_entropy(student, input_ids[:, shift:][mask], reduction="none")
                 per_token = per_token + self.config.ce_weight * terms["ce"]
-            loss = loss + per_token.sum() / mask.sum().clamp(min=1)
+            loss = loss + per_token.sum()  # a sum over tokens (heads/base.py, "The loss contract")
             with torch.no_grad():
                 values = {name: value.detach() for name, value in terms.items()}
                 values["top1"] = (student.argmax(-1) == teacher.argmax(-1)).float()
@@ -198,7 +198,7 @@ class DraftModel(Drafter):
                 stats |= per_sample_stats(
                     {f"step{shift}/{name}": value for name, value in values.items()}, rows, num_documents(batch)
                 )
-        return loss, stats
+        return loss, self.loss_tokens(batch), stats
 
     def proposer(self, temperature: float = 0.0, seed: int = 0) -> DraftModelProposer:
         return DraftModelProposer(self, temperature, seed)
@@ -310,7 +310,7 @@ class DraftModelProposer(Proposer):
             self._cache.crop(common - self._cache.get_seq_length())  # v5: a negative count removes positions
         ids = torch.tensor([tokens[common:]], device=device)
         positions = torch.arange(common, len(tokens), device=device)[None]
-        out = self.model(input_ids=ids, position_ids=positions, past_key_values=self._cache, use_cache=True)
+        out = self.model(input_ids=ids, position_ids=positions, cache=self._cache, use_cache=True)
         self.draft_forwards += 1
         self._cached = list(tokens)
         return out.logits[0, -outputs:]

@@ -23,6 +23,7 @@ no `layers.0.input_layernorm`), so export is at most a prefix rename; vLLM's loa
 
 from __future__ import annotations
 
+import copy
 import importlib
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -33,6 +34,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from draftsmith.errors import UserError
+from draftsmith.families import layer_family
 from draftsmith.heads import register
 from draftsmith.heads.base import (
     Drafter,
@@ -58,10 +60,14 @@ class EagleConfig(DrafterConfig):
     noise_std: float = 0.2  # width of the uniform noise on input features in training (see `loss`)
     tree_depth: int = 5  # dynamic tree (EAGLE-2): draft steps ...
     tree_topk: int = 8  # ... children expanded per node and nodes expanded per step; eval.tree = node budget
-    decoder: Optional[dict] = None  # the target family's layer/rotary classes and config; set by from_target
+    # The family of the draft's own decoder layers, whatever the target's (draftsmith.families):
+    # llama is what vLLM and SGLang build for an EAGLE drafter of any target.
+    layer_family: str = "llama"
+    decoder: Optional[dict] = None  # the draft layers' classes and config, resolved by from_target
 
     def check(self, target: Optional[TargetShape] = None) -> None:
         check_tree_settings(self)
+        layer_family(self.layer_family)
         if self.num_layers < 1:
             raise UserError(f"drafter.num_layers must be >= 1 (got {self.num_layers})")
         if (
@@ -93,28 +99,39 @@ def import_qualified(name: str):
         ) from None
 
 
-def qualified_name(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def decoder_spec(target_model, num_layers: int) -> dict:
-    """What it takes to rebuild the target family's decoder layers without the target: the layer and
-    rotary classes and the target's config with `num_layers` layers."""
-    base = target_model.get_decoder()
-    layers, rotary = getattr(base, "layers", None), getattr(base, "rotary_emb", None)
-    if layers is None or rotary is None:
-        raise UserError(
-            f"EAGLE needs a decoder with `layers` and `rotary_emb` (RoPE); {type(target_model).__name__} has none"
-        )
-    config = target_model.config.to_dict()
-    config["num_hidden_layers"] = num_layers
-    config.pop("layer_types", None)  # per-layer kinds are the target's; the draft layers are full attention
+def decoder_spec(target_config, family: str, num_layers: int) -> dict:
+    """What it takes to build the draft's decoder layers without the target: the layer, rotary and
+    config classes of `family` and its config at the target's shape with `num_layers` layers."""
+    chosen = layer_family(family)
     return {
-        "layer": qualified_name(type(layers[0])),
-        "rotary": qualified_name(type(rotary)),
-        "config_class": qualified_name(type(target_model.config)),
-        "config": config,
+        "layer": chosen.layer,
+        "rotary": chosen.rotary,
+        "config_class": chosen.config_class,
+        "config": chosen.config(target_config, num_layers),
     }
+
+
+def decoder_family(config) -> str:
+    """The model type of a drafter's own decoder layers, as recorded in its checkpoint."""
+    return str(config.decoder["config"]["model_type"])
+
+
+@torch.no_grad()
+def start_from_norm(draft_norm: nn.Module, target_norm: Optional[nn.Module]) -> None:
+    """Load the target's final norm into a draft norm where, with those weights, both compute the same
+    function: Llama's, Qwen's and Mistral's RMSNorms do, Gemma's (x * (1 + w)) and Cohere's LayerNorm
+    do not (their weights would mean something else in a Llama norm). Elsewhere the draft norm keeps
+    its fresh weights."""
+    if target_norm is None or target_norm.state_dict().keys() != draft_norm.state_dict().keys():
+        return
+    trial = copy.deepcopy(draft_norm)
+    trial.load_state_dict(target_norm.state_dict())
+    weight = next(target_norm.parameters(), None)
+    if weight is None:
+        return
+    probe = torch.randn(3, weight.shape[-1], generator=torch.Generator().manual_seed(0)).to(weight)
+    if torch.allclose(trial.to(weight.dtype)(probe).float(), target_norm(probe).float(), rtol=1e-3, atol=1e-3):
+        draft_norm.load_state_dict(target_norm.state_dict())
 
 
 class EagleBase(Drafter):
@@ -147,7 +164,9 @@ class EagleBase(Drafter):
 
     @classmethod
     def from_target(cls, config, target_model, name_or_path: str) -> EagleBase:
-        config = replace(config, decoder=decoder_spec(target_model, cls.decoder_layers(config)))
+        config = replace(
+            config, decoder=decoder_spec(target_model.config, config.layer_family, cls.decoder_layers(config))
+        )
         drafter = cls(config, TargetShape.of(target_model, name_or_path))
         drafter.attach_target(target_model)
         return drafter
@@ -156,6 +175,13 @@ class EagleBase(Drafter):
         # A plain tuple, not submodules: the target's modules stay out of state_dict(), parameters()
         # (so out of the optimizer, DDP and the checkpoint) and `.to()`; they are frozen already.
         self.shared = (target_model.get_input_embeddings(), target_model.get_output_embeddings())
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The target's embedding rows of `tokens`, as the engines hand them to a drafter: the shared
+        table itself, without a family's scaling of it (Gemma's embedding module multiplies by
+        sqrt(hidden); vLLM applies that in the target's model, not in the table it shares)."""
+        embedding, _ = self.target_modules()
+        return F.embedding(tokens, embedding.weight)
 
     def target_modules(self) -> tuple[nn.Module, nn.Module]:
         if self.shared is None:
@@ -352,13 +378,10 @@ class Eagle(EagleBase):
         cache: Optional[DynamicCache] = None,
     ) -> torch.Tensor:
         """EAGLE-1: f̂_{p+1} = layers(fc(cat(embed(x_{p+1}), f_p))) (see EagleBase.draft)."""
-        embed, _ = self.target_modules()
-        hidden = self.fc(torch.cat([embed(tokens).to(features.dtype), features], dim=-1))
+        hidden = self.fc(torch.cat([self.embed(tokens).to(features.dtype), features], dim=-1))
         rope = self.rotary_emb(hidden, positions)
         for layer in self.layers:
-            hidden = layer(
-                hidden, attention_mask=mask, position_ids=positions, past_key_values=cache, position_embeddings=rope
-            )
+            hidden = layer(hidden, attention_mask=mask, position_ids=positions, cache=cache, position_embeddings=rope)
         return hidden
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
@@ -411,10 +434,8 @@ class Eagle(EagleBase):
         target_logits = target_out.logits_at(at_b * length + at_t + 1).float()
         log_probs = self.logits(predicted).log_softmax(-1)
         token_loss = -(target_logits.softmax(-1) * log_probs).sum(-1)
-        count = mask.sum().clamp(min=1)
-        total = (
-            self.config.feature_loss_weight * feature_loss.sum() + self.config.token_loss_weight * token_loss.sum()
-        ) / count
+        # Sums over the scored positions; the trainer divides by loss_tokens (heads/base.py, "The loss contract").
+        total = self.config.feature_loss_weight * feature_loss.sum() + self.config.token_loss_weight * token_loss.sum()
 
         with torch.no_grad():
             guess = log_probs.argmax(-1)
@@ -425,4 +446,4 @@ class Eagle(EagleBase):
                 "step1/top1": (guess == target_logits.argmax(-1)).float(),
                 "step1/top1_data": (guess == input_ids[:, 2:][mask]).float(),  # the data's next token
             }
-        return total, per_sample_stats(values, rows, num_documents(batch))
+        return total, self.loss_tokens(batch), per_sample_stats(values, rows, num_documents(batch))

@@ -55,6 +55,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from draftsmith.errors import UserError
+from draftsmith.families import layer_family
 from draftsmith.heads import register
 from draftsmith.heads.base import (
     DrafterConfig,
@@ -66,7 +67,7 @@ from draftsmith.heads.base import (
     check_mask_token,
     per_sample_stats,
 )
-from draftsmith.heads.eagle import EagleBase, EagleProposer, check_tree_settings, import_qualified
+from draftsmith.heads.eagle import EagleBase, EagleProposer, check_tree_settings, import_qualified, start_from_norm
 from draftsmith.heads.packing import documents, draft_attention_mask, num_documents, positions, same_document
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
@@ -99,10 +100,14 @@ class Eagle3Config(DrafterConfig):
     mask_token_id: Optional[int] = None  # ... a token of the target's vocabulary (required with parallel_drafting)
     tree_depth: int = 5  # dynamic tree (EAGLE-2): draft steps ...
     tree_topk: int = 8  # ... children expanded per node and nodes expanded per step; eval.tree = node budget
-    decoder: Optional[dict] = None  # the target family's layer/rotary classes and config; set by from_target
+    # The family of the draft layer, whatever the target's (draftsmith.families): llama is what vLLM
+    # (any format) and SGLang build for any target; qwen3 is vLLM's Eagle3Qwen3ForCausalLM (speculators format).
+    layer_family: str = "llama"
+    decoder: Optional[dict] = None  # the draft layers' classes and config, resolved by from_target
 
     def check(self, target: Optional[TargetShape] = None) -> None:
         check_tree_settings(self)
+        layer_family(self.layer_family)
         if self.ttt_steps < 1 or self.ttt_decay <= 0:
             raise UserError(
                 f"drafter.ttt_steps must be >= 1 and ttt_decay > 0 (got {self.ttt_steps}, {self.ttt_decay})"
@@ -134,7 +139,7 @@ def default_aux_layers(num_layers: int) -> list[int]:
 
 
 class Eagle3Layer(nn.Module):
-    """EAGLE-3's decoder layer, built from one decoder layer of the target's family: its attention
+    """EAGLE-3's decoder layer, built from one decoder layer of the draft's layer family: its attention
     reads cat(input_layernorm(embedding), hidden_norm(feature)), so q/k/v_proj take 2H inputs; the
     residual stream starts from the feature (see Eagle3Config.norm_before_residual)."""
 
@@ -168,7 +173,7 @@ class Eagle3Layer(nn.Module):
             hidden_states=hidden,
             position_embeddings=rope,
             attention_mask=mask,
-            past_key_values=cache,
+            cache=cache,
             position_ids=positions,
             **attention,
         )
@@ -334,8 +339,7 @@ class Eagle3(EagleBase):
         with torch.no_grad():
             # The lm_head starts as the target's rows of the draft tokens, read through the target's
             # final norm; the fused feature and layer are new.
-            if final_norm is not None and final_norm.state_dict().keys() == drafter.norm.state_dict().keys():
-                drafter.norm.load_state_dict(final_norm.state_dict())
+            start_from_norm(drafter.norm, final_norm)
         drafter.set_draft_vocab(torch.arange(config.draft_vocab_size))
         return drafter
 
@@ -413,9 +417,8 @@ class Eagle3(EagleBase):
     def draft(self, tokens, features, positions, mask=None, cache=None, **attention) -> torch.Tensor:
         """o = layer(embed(x), g) for input features g (fused target features or earlier outputs);
         see EagleBase.draft. `attention` goes to the attention function (`ttt_at`, see `unroll_at`)."""
-        embed, _ = self.target_modules()
         rope = self.rotary_emb(features, positions)
-        out = self.layers[0](embed(tokens).to(features.dtype), features, rope, positions, mask, cache, **attention)
+        out = self.layers[0](self.embed(tokens).to(features.dtype), features, rope, positions, mask, cache, **attention)
         return self.norm(out) if self.config.norm_output else out
 
     def draft_logits(self, outputs: torch.Tensor) -> torch.Tensor:
@@ -514,8 +517,11 @@ class Eagle3(EagleBase):
         t+1+i) where x_{t+2+i} bears loss (loss_mask[:, t+2+i]). The target's distribution is
         restricted to the draft vocabulary and renormalised there (EAGLE-3's softmax(logits[t2d])),
         and positions whose target argmax lies outside the draft vocabulary are left out of the loss
-        (EAGLE-3's position mask: no draft token can be accepted there at T=0). Each step's loss is
-        the mean over the positions it scores.
+        (EAGLE-3's position mask: no draft token can be accepted there at T=0). The loss is the sum
+        over steps i of ttt_decay**i x step i's token losses summed over the positions it scores,
+        normalised by the trainer with `loss_tokens` (the batch's supervised tokens, heads/base.py "The
+        loss contract"): a left-out position adds nothing to the sum and still counts in the
+        normaliser, so a pruned vocabulary's uncovered positions weigh as tokens the draft cannot win.
 
         Metrics: `step{i+1}/top1`, the draft's argmax (in target ids) equal to the target's argmax at
         every supervised position, an out-of-vocabulary argmax counting as a miss; teacher-forced,
@@ -563,7 +569,7 @@ class Eagle3(EagleBase):
         for step, (output, slots) in enumerate(unrolled):
             log_q = self.draft_logits(output.index_select(0, slots[kept_rows[step], kept_cols[step]])).log_softmax(-1)
             token_loss = -(p.index_select(0, kept_slot[step]) * log_q).sum(-1)
-            total = total + self.config.ttt_decay**step * token_loss.sum() / max(kept_per_step[step], 1)
+            total = total + self.config.ttt_decay**step * token_loss.sum()
             with torch.no_grad():  # max(-1).indices: argmax's (first maximum), about twice as fast on CPU
                 hits[kept_index[step]] = (draft_ids[log_q.max(-1).indices] == target_best[kept_slot[step]]).float()
                 losses.append(token_loss.detach())
@@ -576,7 +582,7 @@ class Eagle3(EagleBase):
                     stats |= per_sample_stats(
                         {"vocab_coverage": counted[: per_step[0]].float()}, step_samples, num_docs
                     )
-        return total, stats
+        return total, self.loss_tokens(batch), stats
 
     # Bytes of full-vocabulary target logits materialised at once by `target_distribution`.
     TARGET_CHUNK_BYTES = 1 << 27

@@ -113,11 +113,14 @@ class Medusa(Drafter):
         return self.lm_heads[head](self.blocks[head](hidden))
 
     def loss(self, batch: dict, target_out: TargetOutput):
-        return self.heads_loss(batch, target_out.final)
+        total, stats = self.heads_loss(batch, target_out.final)
+        return total, self.loss_tokens(batch), stats
 
     def heads_loss(self, batch: dict, hidden: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Weighted cross-entropy of every head on the data's tokens, read from `hidden`, the
-        target's post-norm last hidden state [B, T, H] (Medusa-2 passes its adapted target's)."""
+        target's post-norm last hidden state [B, T, H] (Medusa-2 passes its adapted target's): the
+        sum over heads k of loss_weights[k] x head k's cross-entropy summed over the tokens it scores
+        (heads/base.py, "The loss contract"), and the per-sample statistics."""
         hidden = hidden.to(self.lm_heads[0].weight.dtype)
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
         docs, num_docs = documents(batch), num_documents(batch)
@@ -134,8 +137,7 @@ class Medusa(Drafter):
             logits = self.head_logits(k, hidden[:, :-shift][mask]).float()
             labels = input_ids[:, shift:][mask]
             token_loss = F.cross_entropy(logits, labels, reduction="none")
-            count = mask.sum()
-            total = total + weight * token_loss.sum() / count.clamp(min=1)
+            total = total + weight * token_loss.sum()
             with torch.no_grad():
                 top5 = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
                 hit1 = (top5[:, 0] == labels).float()

@@ -145,11 +145,11 @@ class Medusa2(Medusa):
         heads_weight = self.heads_weight_now()
         if self.training:
             self.forward_calls += 1
-        total = self.config.backbone_loss_weight * kl.sum() / mask.sum().clamp(min=1) + heads_weight * heads_loss
+        total = self.config.backbone_loss_weight * kl.sum() + heads_weight * heads_loss  # sums (heads/base.py)
         with torch.no_grad():
             values = {"backbone/kl": kl.detach(), "backbone/top1": (student.argmax(-1) == teacher.argmax(-1)).float()}
             stats.update(per_sample_stats(values, rows, num_documents(batch)))
-        return total, stats
+        return total, self.loss_tokens(batch), stats
 
     def save_pretrained(self, directory: str | os.PathLike, state_dict: Optional[dict] = None) -> None:
         super().save_pretrained(directory, state_dict)

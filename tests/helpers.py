@@ -189,9 +189,9 @@ def fitted_eagle(model, steps: int, seed: int = 0, drafter_type: str = "eagle", 
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
     drafter.train()
     for _ in range(steps):
-        loss, _ = drafter(batch, target_out)
+        loss, count, _ = drafter(batch, target_out)
         optimizer.zero_grad()
-        loss.backward()
+        (loss / count).backward()  # the per-token loss (heads/base.py, "The loss contract")
         optimizer.step()
     return drafter.eval()
 

@@ -25,6 +25,7 @@ from draftsmith.data_prep import (
 from draftsmith.data_prep.dataset import cache_key
 from draftsmith.errors import UserError
 from draftsmith.target import load_tokenizer
+from tests.conftest import run_entry_in_process, train_args
 
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE = REPO.parent / "shared" / "models" / "reference-target"
@@ -316,6 +317,53 @@ def test_bad_sources(tmp_path):
         load_conversations([str(tmp_path / "*.parquet")])
     with pytest.raises(UserError, match="max_conversations"):
         load_conversations([str(write_jsonl(tmp_path / "ok.jsonl", [GOOD]))], max_conversations=0)
+
+
+# A traffic log's line with bytes that are not UTF-8, as the probe of issue #40 wrote it.
+INVALID_UTF8_LINE = (
+    b'{"messages": [{"role": "user", "content": "hi \xff\xfe"}, {"role": "assistant", "content": "ok"}]}'
+)
+
+
+def write_lines(path: Path, lines: list[bytes]) -> Path:
+    data = b"".join(line + b"\n" for line in lines)
+    path.write_bytes(gzip.compress(data, mtime=0) if path.name.endswith(".gz") else data)
+    return path
+
+
+@pytest.mark.parametrize("name", ["traffic.jsonl", "traffic.jsonl.gz"])
+def test_invalid_utf8_names_the_line_or_is_skipped_and_counted(tmp_path, name, caplog):
+    good = json.dumps(GOOD).encode()
+    path = write_lines(tmp_path / name, [good, b"", INVALID_UTF8_LINE, good, INVALID_UTF8_LINE])
+    with pytest.raises(UserError, match=rf"{name}:3: invalid UTF-8 \(byte 0xff at byte 47 of the line\)") as caught:
+        load_conversations([str(path)])
+    assert "\n" not in str(caught.value) and "data.skip_invalid_utf8=true" in str(caught.value)
+    with caplog.at_level("WARNING", logger="draftsmith.data"):
+        kept = load_conversations([str(path)], skip_invalid_utf8=True)
+    assert list(kept["record"]) == [1, 3]  # records keep their numbers in the file (a blank line is no record)
+    assert f"{name}: skipped 2 record(s) that are not valid UTF-8 (data.skip_invalid_utf8=true), on line(s) 3, 5" in (
+        caplog.text
+    )
+    # max_conversations keeps the first records before the check: a bad line after them is not read
+    assert len(load_conversations([str(path)], max_conversations=1)) == 1
+
+
+def test_invalid_utf8_in_a_json_document_names_the_line(tmp_path):
+    path = write_lines(tmp_path / "chats.json", [b"[", json.dumps(GOOD).encode() + b",", INVALID_UTF8_LINE, b"]"])
+    for skip in (False, True):
+        with pytest.raises(UserError, match=r"chats\.json:3: invalid UTF-8 .*one JSON document"):
+            load_conversations([str(path)], skip_invalid_utf8=skip)
+
+
+def test_train_on_invalid_utf8_is_one_line_and_exit_2(tmp_path, token_cache, capsys):
+    path = write_lines(tmp_path / "traffic.jsonl", [json.dumps(GOOD).encode(), INVALID_UTF8_LINE])
+    data = {"train": path, "eval": path}
+    result = run_entry_in_process(["train.py", *train_args(tmp_path / "run", data, token_cache)], capsys)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert lines[-1].startswith(f"error: {path}:2: invalid UTF-8 (byte 0xff"), lines[-1]
+    assert [line for line in lines if line.startswith("error: ")] == [lines[-1]]
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_fingerprint_is_stable_across_processes_and_follows_the_file(tmp_path, isolated_datasets_cache):

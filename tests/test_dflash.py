@@ -97,7 +97,7 @@ def test_loss_scores_block_position_k_against_x_a_plus_k(model, drafter):
     batch = {"input_ids": ids, "loss_mask": loss_mask}
     out = run_target(model, ids, request=drafter.request)
     torch.manual_seed(7)
-    loss, stats = drafter(batch, out)
+    loss, count, stats = drafter(batch, out)
     torch.manual_seed(7)
     anchors, real = drafter.sample_anchors(loss_mask)
     for row in range(3):
@@ -113,7 +113,11 @@ def test_loss_scores_block_position_k_against_x_a_plus_k(model, drafter):
             weight = math.exp(-(k - 1) / drafter.config.loss_decay)
             weighted += weight * float(-logits[row, column, k].log_softmax(-1)[ids[row, a + k]])
             weights += weight
-    assert loss.item() == pytest.approx(weighted / weights, rel=1e-4)
+    # A sum over blocks, each block's weights normalised to sum 1 over a whole block (heads/base.py, "The
+    # loss contract"), over the number of blocks: per complete block its weighted mean.
+    block = sum(math.exp(-(k - 1) / drafter.config.loss_decay) for k in range(1, drafter.config.block_size))
+    assert loss.item() == pytest.approx(weighted / block, rel=1e-4)
+    assert int(count) == int(real.sum()) == int(drafter.loss_tokens(batch))
     assert stats["block4/top1"][2, 1] == 0  # row 2's blocks reach x_{a+4} past the sequence: never scored
     assert stats["accepted"][:, 1].tolist() == real.sum(1).tolist()  # one value per real anchor
 

@@ -241,7 +241,7 @@ def test_pard_loss_scores_each_depth_against_the_target_ahead():
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
     with torch.no_grad():
         teacher = target(input_ids=ids).logits
-        loss, stats = drafter.loss(batch, TargetOutput(logits=teacher))
+        loss, count, stats = drafter.loss(batch, TargetOutput(logits=teacher))
         expected = 0.0
         for depth in range(3):
             per_anchor = []
@@ -249,8 +249,8 @@ def test_pard_loss_scores_each_depth_against_the_target_ahead():
                 decoded = drafter.model(input_ids=torch.tensor([ids[0, : anchor + 1].tolist() + [MASK] * depth])).logits
                 terms = divergences(decoded[0, -1:], teacher[0, anchor + depth : anchor + depth + 1], 1.0)
                 per_anchor.append(distill_loss(terms, "fkl", [1.0, 0.0, 1.0]))
-            expected += torch.cat(per_anchor).mean()
-    assert float(loss) == pytest.approx(float(expected), rel=1e-4)
+            expected += torch.cat(per_anchor).sum()  # a sum over tokens (heads/base.py, "The loss contract")
+    assert float(loss) == pytest.approx(float(expected), rel=1e-4) and int(count) == 10
     assert {"step1/top1", "step2/top1", "step3/top1"} <= set(stats)
 
 

@@ -127,7 +127,8 @@ def test_loss_supervises_the_feature_that_decoding_computes(model):
     target_out = run_target(model, ids, request=drafter.request)
     loss_mask = torch.zeros_like(ids)
     loss_mask[0, n] = 1
-    loss, stats = drafter({"input_ids": ids, "loss_mask": loss_mask}, target_out)
+    loss, count, stats = drafter({"input_ids": ids, "loss_mask": loss_mask}, target_out)
+    assert int(count) == 1  # one supervised token: the loss sum is its loss
     feature = F.smooth_l1_loss(decoded, target_out.final[0, n - 1]).item()
     token = -(target_out.logits[0, n - 1].softmax(-1) * drafter.logits(decoded).log_softmax(-1)).sum().item()
     assert loss.item() == pytest.approx(feature + 0.1 * token, rel=1e-4)

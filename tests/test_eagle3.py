@@ -110,7 +110,7 @@ def test_loss_scores_step_i_against_the_target_distribution_of_its_token(model, 
     loss_mask = torch.zeros_like(text)
     loss_mask[0, j] = 1
     with torch.no_grad():
-        loss, stats = drafter({"input_ids": text, "loss_mask": loss_mask}, target_out)
+        loss, count, stats = drafter({"input_ids": text, "loss_mask": loss_mask}, target_out)
         outputs = drafter.unroll(text, target_out.layers)
     expected_total = 0.0
     p = target_out.logits[0, j - 1, drafter.draft_ids()].softmax(-1)
@@ -121,14 +121,14 @@ def test_loss_scores_step_i_against_the_target_distribution_of_its_token(model, 
         hit = float(drafter.draft_ids()[log_q.argmax()] == target_out.logits[0, j - 1].argmax())
         assert stats[f"step{step + 1}/top1"][0].tolist() == [hit, 1.0]
         expected_total += drafter.config.ttt_decay**step * expected
-    assert loss.item() == pytest.approx(expected_total, rel=1e-4)
+    assert loss.item() == pytest.approx(expected_total, rel=1e-4) and int(count) == 1  # a sum over one token
 
 
 def test_target_argmax_outside_the_draft_vocabulary_is_a_miss_and_not_in_the_loss(model, drafter):
     generator = torch.Generator().manual_seed(3)
     text = torch.randint(3, TINY_VOCAB, (4, 24), generator=generator)
     target_out = run_target(model, text, request=drafter.request)
-    _, stats = drafter({"input_ids": text, "loss_mask": torch.ones_like(text)}, target_out)
+    _, _, stats = drafter({"input_ids": text, "loss_mask": torch.ones_like(text)}, target_out)
     in_vocab = drafter.t2d[target_out.logits[:, 1:-1].argmax(-1)].float()  # step 1 scores logits 1..T-2
     assert 0 < in_vocab.mean() < 1  # both kinds occur
     assert stats["vocab_coverage"].sum(0).tolist() == pytest.approx([in_vocab.sum().item(), in_vocab.numel()])
@@ -184,7 +184,7 @@ def reference_loss(drafter, batch: dict, target_out: TargetOutput):
         log_q = drafter.draft_logits(output[rows, cols]).log_softmax(-1)
         token_loss = -(p_all.index_select(0, scored) * log_q).sum(-1)
         counted = in_vocab[scored]
-        total = total + drafter.config.ttt_decay**step * token_loss.sum() / counted.sum().clamp(min=1)
+        total = total + drafter.config.ttt_decay**step * token_loss[counted].sum()
         with torch.no_grad():
             top1 = (draft_ids[log_q.argmax(-1)] == target_best[scored]).float()
             stats |= per_sample_stats({f"step{step + 1}/top1": top1}, samples, num_docs)
@@ -193,7 +193,7 @@ def reference_loss(drafter, batch: dict, target_out: TargetOutput):
             )
             if step == 0 and drafter.pruned:
                 stats |= per_sample_stats({"vocab_coverage": counted.float()}, samples, num_docs)
-    return total, stats
+    return total, loss_mask.sum(), stats
 
 
 def loss_rows(lengths=(24, 17, 9, 30, 6), seed: int = 4) -> list[dict]:
@@ -243,11 +243,11 @@ def test_loss_and_stats_equal_a_straightforward_reference(model, drafter, case, 
     results = []
     for compute in (lambda: drafter(batch, target_out), lambda: reference_loss(drafter, batch, target_out)):
         drafter.zero_grad()
-        loss, stats = compute()
-        loss.backward()
+        loss, count, stats = compute()
+        (loss / count).backward()
         results.append(
             (
-                loss.detach(),
+                torch.stack([loss.detach(), count.float()]),
                 stats,
                 {name: p.grad.clone() for name, p in drafter.named_parameters() if p.grad is not None},
             )

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from draftsmith.errors import UserError
-from draftsmith.eval.loop import generate, prefill, propose, tree_depths, verify_mask, verify_step
+from draftsmith.eval.loop import generate, prefill, propose, tree_depths, verify_step
 from draftsmith.eval.ngram import NGramDrafter
 from draftsmith.eval.report import run_eval
 from draftsmith.eval.sampling import Sampling, exact_rule
+from draftsmith.eval.trees import additive_mask, verify_visibility
 from draftsmith.heads import drafter_class
 from draftsmith.heads.base import DraftState, DraftTree
 from draftsmith.recipe import load_recipe
@@ -115,9 +116,9 @@ def test_tree_mask_forward_equals_path_forwards(attn):
     state = prefill(model, [prefix])  # caches prefix[:-1]; prefix[-1] is the root
     past = state.cache.get_seq_length()
     ids = torch.cat([torch.tensor(prefix[-1:]), tokens])[None]
-    mask = verify_mask([DraftTree(tokens, parents)], [past], past, model.dtype)
+    mask = additive_mask(verify_visibility([DraftTree(tokens, parents)], [past], past), model.dtype)
     positions = (tree_depths(parents) + past)[None]
-    tree_logits = model(ids, attention_mask=mask, position_ids=positions, past_key_values=state.cache).logits[0]
+    tree_logits = model(ids, attention_mask=mask, position_ids=positions, cache=state.cache).logits[0]
     for node in range(-1, len(parents)):
         path, walk = [], node
         while walk >= 0:

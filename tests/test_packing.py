@@ -233,11 +233,12 @@ def test_packed_loss_and_per_conversation_stats_equal_padded(name, target, batch
         padded_out = run_target(target, padded["input_ids"], padded["attention_mask"], request)
         packed_out = run_target(target, packed["input_ids"], request=request, **causal_lm_inputs(packed))
     torch.manual_seed(3)
-    loss, stats = drafter(padded, padded_out)
+    loss, count, stats = drafter(padded, padded_out)
     torch.manual_seed(3)
-    packed_loss, packed_stats = drafter(packed, packed_out)
+    packed_loss, packed_count, packed_stats = drafter(packed, packed_out)
 
     torch.testing.assert_close(packed_loss, loss, **TOLERANCE)
+    assert int(packed_count) == int(count) == int(drafter.loss_tokens(padded)) == int(drafter.loss_tokens(packed))
     assert sorted(packed_stats) == sorted(stats)
     for metric, values in stats.items():
         assert values.shape == (len(rows), 2), metric  # one row per conversation: batch["domain"] names it

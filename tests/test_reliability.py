@@ -247,7 +247,7 @@ def test_a_drafter_layer_that_produces_nan_is_named(tmp_path):
     ids = torch.randint(3, 4000, (2, 12), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
     target_out = run_target(target, ids, batch["attention_mask"], drafter.request)
-    loss, _ = drafter(batch, target_out)
+    loss, _, _ = drafter(batch, target_out)
     assert locate_nonfinite(drafter, batch, target_out, loss) == "drafter module blocks.1.layers.0.linear"
 
 

@@ -49,15 +49,13 @@ def test_logits_are_the_models_own_and_computed_only_when_read():
 
         # With a KV cache, as the eval loop runs it: the same logits as the model's own forward.
         cache, theirs = DynamicCache(config=model.config), DynamicCache(config=model.config)
-        first = run_target(model, ids[:, :6], mask[:, :6], REQUEST, past_key_values=cache, use_cache=True)
-        own_first = model(ids[:, :6], attention_mask=mask[:, :6], past_key_values=theirs, use_cache=True).logits
-        second = run_target(model, ids[:, 6:], mask, REQUEST, past_key_values=cache, use_cache=True)
+        first = run_target(model, ids[:, :6], mask[:, :6], REQUEST, cache=cache, use_cache=True)
+        own_first = model(ids[:, :6], attention_mask=mask[:, :6], cache=theirs, use_cache=True).logits
+        second = run_target(model, ids[:, 6:], mask, REQUEST, cache=cache, use_cache=True)
         assert torch.equal(first.logits, own_first)
         # a 6-token forward need not round like the 11-token one: equal to float32 precision
         torch.testing.assert_close(first.logits, expected[:, :6], rtol=1e-5, atol=1e-5)
-        assert torch.equal(
-            second.logits, model(ids[:, 6:], attention_mask=mask, past_key_values=theirs, use_cache=True).logits
-        )
+        assert torch.equal(second.logits, model(ids[:, 6:], attention_mask=mask, cache=theirs, use_cache=True).logits)
 
 
 def test_soft_capped_logits_stay_the_models_own():

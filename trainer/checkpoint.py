@@ -8,6 +8,12 @@ name and renamed when complete, and `trainer_state.json` is its last file, so a 
 never leaves a checkpoint that resume would pick up; a write that fails (a full disk) removes its
 partial copy and leaves the previous checkpoint as it was. `final/` and `best/` are replaced the same way.
 
+`checksums.json` records every file's size and sha256 as it was written, and resuming verifies them
+first: a checkpoint damaged since (a copy cut short between machines) is refused in one line naming
+it and the file, before anything is loaded or written; `train.resume=latest_intact` resumes from the
+newest checkpoint that is intact instead. A checkpoint saved before checksums were recorded resumes
+unverified, and the log says so.
+
 The output directory is claimed before anything is written (`claim_output_dir`): locked against a
 second job, and refused when it holds another run unless the user says to continue it
 (`train.resume=true`) or to start over (`train.overwrite=true`, which moves the earlier run aside).
@@ -17,8 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import logging
+import pickle
 import shutil
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -29,12 +37,16 @@ from omegaconf import DictConfig
 from safetensors import SafetensorError
 
 from draftsmith.errors import UserError, one_line
+from draftsmith.files import file_sha256
 from draftsmith.outputs import held_by_main_process, move_aside
 from draftsmith.recipe import resolve_bool_or_path
 
 log = logging.getLogger("draftsmith.train")
 
 STATE_NAME = "trainer_state.json"
+CHECKSUMS_NAME = "checksums.json"  # every other file of a checkpoint: {"files": {path: {"bytes", "sha256"}}}
+# train.resume's value for "the newest checkpoint whose files match their checksums" (true: the newest, verified)
+LATEST_INTACT = "latest_intact"
 # What a training run writes into its output directory: an earlier run is recognised by these.
 RUN_OUTPUTS = [
     "checkpoints",
@@ -77,8 +89,11 @@ def save_checkpoint(accelerator, drafter, state: TrainerState, output_dir: Path,
     with _writing(tmp, f"checkpoint for step {state.step}", output_dir):
         accelerator.save_state(str(tmp))
         save_drafter(accelerator, drafter, tmp / "drafter")
+        accelerator.wait_for_everyone()  # every rank's files are complete before they are summed
         if accelerator.is_main_process:
-            (tmp / STATE_NAME).write_text(json.dumps(asdict(state), indent=2) + "\n")
+            text = json.dumps(asdict(state), indent=2) + "\n"
+            write_checksums(tmp, {STATE_NAME: text.encode()})
+            (tmp / STATE_NAME).write_text(text)
     if accelerator.is_main_process:
         if final.exists():
             shutil.rmtree(final)
@@ -131,6 +146,68 @@ def save_drafter(accelerator, drafter, directory: Path) -> None:
         accelerator.unwrap_model(drafter).save_pretrained(directory, state_dict=state_dict)
 
 
+def write_checksums(directory: Path, pending: dict[str, bytes]) -> None:
+    """`checksums.json`: the size and sha256 of every file under `directory`, and of `pending` (name ->
+    the bytes about to be written there: the trainer state, written last)."""
+    files = {
+        path.relative_to(directory).as_posix(): {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
+    for name, data in pending.items():
+        files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (directory / CHECKSUMS_NAME).write_text(json.dumps({"algorithm": "sha256", "files": files}, indent=1) + "\n")
+
+
+def checkpoint_damage(path: Path) -> Optional[str]:
+    """What differs between a checkpoint's files and the checksums recorded when it was saved
+    (`drafter/model.safetensors is 1000 bytes, 5000 were written`), or None when all match. A
+    checkpoint without checksums.json (saved before they were recorded) has nothing to differ from."""
+    listing = path / CHECKSUMS_NAME
+    if not listing.is_file():
+        return None
+    try:
+        recorded = {
+            name: (int(entry["bytes"]), str(entry["sha256"]))
+            for name, entry in json.loads(listing.read_text())["files"].items()
+        }
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+        return f"its {CHECKSUMS_NAME} is unreadable"
+    for name, (size, digest) in recorded.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} is {file.stat().st_size} bytes, {size} were written"
+        if file_sha256(file) != digest:
+            return f"{name} differs from what was written (sha256)"
+    return None
+
+
+def verified(path: Path, hint: str) -> Path:
+    """`path`, a checkpoint to resume from, once its files match their checksums; otherwise one line
+    naming it and the damaged file (and `hint`, what the user can do), before anything is touched."""
+    damage = _verify(path)
+    if damage is not None:
+        raise UserError(f"checkpoint {path} is damaged: {damage}; nothing was loaded or changed; {hint}")
+    return path
+
+
+def _verify(path: Path) -> Optional[str]:
+    """checkpoint_damage, with a log line saying what was verified (or that nothing could be)."""
+    if not (path / CHECKSUMS_NAME).is_file():
+        log.warning(
+            "checkpoint %s has no %s (saved before checkpoints recorded checksums): resuming from it unverified",
+            path,
+            CHECKSUMS_NAME,
+        )
+        return None
+    damage = checkpoint_damage(path)
+    if damage is None:
+        log.info("checkpoint %s verified: its files match their checksums", path)
+    return damage
+
+
 def prune_checkpoints(output_dir: Path, keep: int) -> None:
     if keep <= 0:
         return
@@ -145,23 +222,69 @@ def completed_checkpoints(output_dir: Path) -> list[Path]:
     return sorted(p for p in root.glob("step_*") if not p.name.endswith(".tmp") and (p / STATE_NAME).is_file())
 
 
-def resume_checkpoint(output_dir: Path, resume: Optional[str]) -> Optional[Path]:
+def resume_checkpoint(output_dir: Path, resume: Optional[str], accelerator=None) -> Optional[Path]:
     """`train.resume`: true -> the newest complete checkpoint in output_dir (None if there is none
-    yet, so a scheduler can always pass it); a path -> that checkpoint; unset -> None."""
+    yet, so a scheduler can always pass it); latest_intact -> the newest one whose files match their
+    checksums (skipping damaged ones with a warning each); a path -> that checkpoint; unset -> None.
+    The checkpoint is verified against its checksums (UserError when damaged). With an `accelerator`
+    of several processes the main process verifies and the others receive its answer."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return _resume_checkpoint(output_dir, resume)
+    from accelerate.utils import broadcast_object_list
+
+    answer: list = [None]
+    if accelerator.is_main_process:
+        try:
+            found = _resume_checkpoint(output_dir, resume)
+            answer = [("path", None if found is None else str(found))]
+        except UserError as err:
+            answer = [("error", str(err))]
+    kind, value = broadcast_object_list(answer)[0]
+    if kind == "error":
+        raise UserError(value)
+    return None if value is None else Path(value)
+
+
+def _resume_checkpoint(output_dir: Path, resume: Optional[str]) -> Optional[Path]:
     resume = resolve_bool_or_path(resume)
     if resume is None:
         return None
-    if resume == "latest":
+    if resume in ("latest", LATEST_INTACT):
         found = completed_checkpoints(output_dir)
-        return found[-1] if found else None
+        if not found:
+            return None
+        if resume == "latest":
+            earlier = "train.resume=latest_intact resumes from the newest intact one, " if len(found) > 1 else ""
+            return verified(found[-1], f"{earlier}train.overwrite=true starts over (the run is moved aside)")
+        for path in reversed(found):
+            damage = _verify(path)
+            if damage is None:
+                return path
+            log.warning(
+                "train.resume=%s: checkpoint %s is damaged (%s); trying the one before it", LATEST_INTACT, path, damage
+            )
+        raise UserError(
+            f"train.resume={LATEST_INTACT}: every checkpoint in {output_dir / 'checkpoints'} is damaged (the warnings"
+            " above name their files); start over with train.overwrite=true (the run is moved aside)"
+        )
     path = Path(resume)
     if not (path / STATE_NAME).is_file():
         raise UserError(f"train.resume={resume!r} is not a complete checkpoint (no {STATE_NAME})")
-    return path
+    return verified(
+        path, f"give another checkpoint, or train.resume={LATEST_INTACT} for the newest intact one in output_dir"
+    )
 
 
 def load_checkpoint(accelerator, path: Path) -> TrainerState:
-    accelerator.load_state(str(path))
+    if (path / CHECKSUMS_NAME).is_file():  # verified: any failure here is not the files' (a bug, or another recipe)
+        accelerator.load_state(str(path))
+    else:  # unverified (saved before checksums): a damaged file is still the user's to fix, in one line
+        try:
+            accelerator.load_state(str(path))
+        except (SafetensorError, EOFError, pickle.UnpicklingError, RuntimeError) as err:
+            raise UserError(
+                f"checkpoint {path} (saved without checksums) cannot be loaded, a file of it may be damaged: {one_line(err)}"
+            ) from None
     try:
         return TrainerState(**json.loads((path / STATE_NAME).read_text()))
     except (json.JSONDecodeError, TypeError) as err:

@@ -54,8 +54,9 @@ def split_heldout(dataset, count: int, step_size: int):
 
 @torch.no_grad()
 def evaluate_heldout(accelerator, drafter, heldout, collate, target_features, cfg: DictConfig) -> dict[str, float]:
-    """The drafter's own statistics (its loss's (sum, count) pairs, and `loss` per batch as in training)
-    over the held-out conversations in eval mode: token-weighted means over all ranks, plus `tau_est`.
+    """The drafter's own statistics (its loss's (sum, count) pairs, and `loss`: its loss sums over its
+    loss_tokens, as training logs it, heads/base.py "The loss contract") over the held-out conversations
+    in eval mode: token-weighted means over all ranks, however they fall into batches, plus `tau_est`.
 
     Each rank takes every world-th conversation in micro-batches of train.micro_batch_size, and every
     rank runs the same number of forwards (a rank out of data runs one more batch and counts it with
@@ -78,8 +79,8 @@ def evaluate_heldout(accelerator, drafter, heldout, collate, target_features, cf
                 batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
                 target_out = target_features(batch)
                 with accelerator.autocast():
-                    loss, stats = drafter(batch, target_out)
-                sums["loss"] += weight * torch.stack([loss.float(), torch.ones((), device=loss.device)])
+                    loss, count, stats = drafter(batch, target_out)
+                sums["loss"] += weight * torch.stack([loss.float(), torch.as_tensor(count).to(loss.device).float()])
                 for name, values in stats.items():
                     sums[name] += weight * values.float().sum(0)
     finally:

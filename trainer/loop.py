@@ -91,48 +91,62 @@ def train(cfg: DictConfig) -> Path:
     world, rank = accelerator.num_processes, accelerator.process_index
 
     # -- the loop -------------------------------------------------------------------------------
+    # Split-invariant loss (heads/base.py, "The loss contract"): each micro-batch's backward is of its
+    # loss *sum* times `loss_scale`, so the step's gradient is d(sum of every token loss of the step,
+    # all micro-batches, all ranks) / d(params) / (the step's global loss_tokens), however the step is
+    # split. That count must be known before the step's first backward: each step's micro-batches are
+    # collated and counted on the host one step ahead, and the counts ride on the previous step's one
+    # all-reduce (`agree`), with the decisions every rank must share (non-finite, SIGTERM).
     stream = micro_batches(run.train_data, run.collate, cfg, world, rank, state)
+    module = accelerator.unwrap_model(drafter)
     progress = tqdm(total=max_steps, initial=state.step, desc="train", disable=not accelerator.is_main_process)
     interval_stats: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(2, device=accelerator.device))
-    interval_tokens, interval_positions, interval_start = 0, 0, time.perf_counter()
+    interval_tokens, interval_positions, interval_start = 0, 0, time.perf_counter()  # this rank's
+    interval_global_tokens = 0  # all ranks'
     data_checksum = 0  # fingerprint of the token ids this rank trained on (for distributed checks)
     stop = StopRequest()
+    upcoming = next_step(stream, module, cfg.train.grad_accum)
+    agreed = agree(accelerator, upcoming=upcoming)  # the first step's counts; later ones come with each step's
     drafter.train()
     with stop.on_sigterm():
         while state.step < max_steps:
-            nonfinite, step_tokens = False, 0
-            for _ in range(cfg.train.grad_accum):
-                epoch, batch_index, batch = next(stream)
-                batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+            step, nonfinite, step_tokens = upcoming, False, agreed.tokens  # agreed for this step, all ranks
+            scale = loss_scale(accelerator, agreed.loss_tokens)
+            step_loss = torch.zeros((), device=accelerator.device)
+            step_stats: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(2, device=accelerator.device))
+            for epoch, batch_index, batch in step.batches:
                 with accelerator.accumulate(drafter):
-                    with torch.no_grad():
-                        target_out = run.target_features(batch)
-                    with accelerator.autocast():
-                        loss, stats = drafter(batch, target_out)
-                    accelerator.backward(loss)
+                    batch, target_out, (loss, count, stats) = forward_backward(
+                        accelerator, drafter, batch, run.target_features, scale
+                    )
+                    step_loss += loss.detach().float()
+                    step_stats["loss"] += torch.stack([loss.detach().float(), torch.as_tensor(count).to(step_loss)])
+                    for name, values in stats.items():
+                        step_stats[name] += values.detach().float().sum(0)
                     if accelerator.sync_gradients:
                         grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), cfg.train.max_grad_norm)
-                        nonfinite = any_rank(
-                            accelerator, not (math.isfinite(float(loss.detach())) and math.isfinite(float(grad_norm)))
+                        upcoming = (
+                            next_step(stream, module, cfg.train.grad_accum) if state.step + 1 < max_steps else None
                         )
+                        agreed = agree(accelerator, not_finite(step_loss, grad_norm), stop.requested, upcoming)
+                        nonfinite = agreed.nonfinite
                         if nonfinite and accelerator.scaler is None:
                             state.skipped_steps += 1
                             report_nonfinite(accelerator, cfg, drafter, batch, target_out, loss, state)
                         else:  # an fp16 GradScaler skips non-finite steps itself and lowers its scale
                             optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-                if not nonfinite:
-                    interval_stats["loss"] += torch.stack([loss.detach().float(), torch.ones((), device=loss.device)])
-                    for name, values in stats.items():
-                        interval_stats[name] += values.sum(0)
-                step_tokens += int(batch["attention_mask"].sum())
-                interval_positions += batch["input_ids"].numel()  # tokens plus padding: what the forward pays for
-                data_checksum += int(batch["input_ids"].sum())
                 state.epoch, state.batch_in_epoch = epoch, batch_index + 1
+            if not nonfinite:
+                for name, values in step_stats.items():
+                    interval_stats[name] += values
+            data_checksum += step.checksum
             scheduler.step()
             state.step += 1
-            state.tokens += sum_ranks(accelerator, step_tokens)
-            interval_tokens += step_tokens
+            state.tokens += step_tokens
+            interval_tokens += step.tokens
+            interval_positions += step.positions
+            interval_global_tokens += step_tokens
             progress.update(1)
 
             row: dict[str, float] = {}  # this step's log row
@@ -140,7 +154,7 @@ def train(cfg: DictConfig) -> Path:
                 elapsed = time.perf_counter() - interval_start
                 metrics = reduce_means(accelerator, interval_stats)
                 metrics["lr"] = scheduler.get_last_lr()[0]
-                metrics["tokens_per_s"] = interval_tokens * world / max(elapsed, 1e-9)
+                metrics["tokens_per_s"] = interval_global_tokens / max(elapsed, 1e-9)
                 metrics["padding_fraction"] = 1 - interval_tokens / max(interval_positions, 1)  # this rank's
                 metrics["skipped_steps"] = state.skipped_steps
                 row |= {f"train/{k}": v for k, v in metrics.items()}
@@ -148,6 +162,7 @@ def train(cfg: DictConfig) -> Path:
                     progress.set_postfix(loss=f"{metrics['loss']:.3f}")
                 interval_stats.clear()
                 interval_tokens, interval_positions, interval_start = 0, 0, time.perf_counter()
+                interval_global_tokens = 0
             if (
                 run.heldout is not None
                 and cfg.train.eval_every > 0
@@ -167,7 +182,7 @@ def train(cfg: DictConfig) -> Path:
                     write_curve(output_dir, state.curve, state.best, png=False)
             if row:
                 log_step(accelerator, output_dir, state.step, {**row, "train/tokens": state.tokens})
-            if state.step < max_steps and any_rank(accelerator, stop.requested):
+            if state.step < max_steps and agreed.stop:  # SIGTERM on any rank, agreed in this step's all-reduce
                 path = save_checkpoint(accelerator, drafter, state, output_dir, cfg.train.keep_checkpoints)
                 progress.close()
                 accelerator.end_training()
@@ -205,6 +220,8 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
         cpu=not torch.cuda.is_available(),
     )
     set_seed(cfg.train.seed)
+    # train.resume: the checkpoint, verified against its checksums before anything is loaded or written
+    resume_from = resume_checkpoint(output_dir, cfg.train.resume, accelerator)
 
     # -- data, target, drafter (inputs are checked before anything is written) -----------------
     tokenizer = load_tokenizer(cfg.target)
@@ -290,7 +307,6 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
         save_recipe(cfg, output_dir)
 
     state = TrainerState()
-    resume_from = resume_checkpoint(output_dir, cfg.train.resume)
     if resume_from is not None:
         state = load_checkpoint(accelerator, resume_from)
         log.info("resumed from %s at step %d", resume_from, state.step)
@@ -337,14 +353,6 @@ class StopRequest:
         return installed()
 
 
-def any_rank(accelerator, flag: bool) -> bool:
-    """True on every rank when `flag` is true on any: decisions that change control flow must agree."""
-    if accelerator.num_processes == 1:
-        return flag
-    value = torch.tensor(float(flag), device=accelerator.device)
-    return bool(accelerator.reduce(value, reduction="sum") > 0)
-
-
 def mixed_precision(setting: str):
     """`auto`: whatever `accelerate launch` was told, else bf16 on a GPU that has it, else none."""
     import os
@@ -381,17 +389,97 @@ def micro_batches(dataset, collate, cfg: DictConfig, world: int, rank: int, stat
         order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(cfg.train.seed + epoch)).tolist()
         mine = order[rank::world][:per_rank]
         batches = [mine[i : i + micro] for i in range(0, per_rank, micro)][skip:]
-        loader = DataLoader(dataset, batch_sampler=batches, collate_fn=collate, num_workers=cfg.train.num_workers)
+        # Its own generator (worker seeds): a loader drawn from the global RNG would shift the drafter's
+        # random streams by when the loop starts one, which differs between a resumed and a straight run.
+        loader = DataLoader(
+            dataset,
+            batch_sampler=batches,
+            collate_fn=collate,
+            num_workers=cfg.train.num_workers,
+            generator=torch.Generator().manual_seed(cfg.train.seed + epoch),
+        )
         for offset, batch in enumerate(loader):
             yield epoch, skip + offset, batch
         epoch, skip = epoch + 1, 0
 
 
-def sum_ranks(accelerator, value: int) -> int:
-    """`value` summed over all ranks (every rank calls it)."""
-    if accelerator.num_processes == 1:
-        return value
-    return int(accelerator.reduce(torch.tensor(value, dtype=torch.long, device=accelerator.device), reduction="sum"))
+def forward_backward(accelerator, drafter, batch: dict, target_features, scale: float):
+    """One micro-batch, inside `accelerator.accumulate`: the batch to the device, the target's
+    features, the drafter's (loss_sum, count, stats), and the backward of loss_sum x `scale`
+    (`loss_scale`). Returns (the batch on the device, the target's features, the drafter's output)."""
+    batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+    with torch.no_grad():
+        target_out = target_features(batch)
+    with accelerator.autocast():
+        out = drafter(batch, target_out)
+    accelerator.backward(out[0] * scale)
+    return batch, target_out, out
+
+
+@dataclass
+class StepData:
+    """One optimizer step's micro-batches of this rank, collated on the host, and what the loop counts
+    of them there (no device sync): the loss's normaliser, tokens, positions and a checksum."""
+
+    batches: list  # (epoch, index in epoch, batch) per micro-batch
+    loss_tokens: int  # sum of the drafter's loss_tokens (heads/base.py)
+    tokens: int  # attention-mask tokens
+    positions: int  # tokens plus padding: what the forward pays for
+    checksum: int  # sum of the token ids
+
+
+def next_step(stream, drafter, grad_accum: int) -> StepData:
+    """The next `grad_accum` micro-batches of `stream`, counted on the host. `drafter` is the unwrapped
+    Drafter (its `loss_tokens`)."""
+    batches = [next(stream) for _ in range(grad_accum)]
+    counted = [batch for _, _, batch in batches]
+    return StepData(
+        batches,
+        loss_tokens=sum(int(drafter.loss_tokens(batch)) for batch in counted),
+        tokens=sum(int(batch["attention_mask"].sum()) for batch in counted),
+        positions=sum(batch["input_ids"].numel() for batch in counted),
+        checksum=sum(int(batch["input_ids"].sum()) for batch in counted),
+    )
+
+
+@dataclass
+class Agreed:
+    """What every rank knows after a step's all-reduce: whether the step was non-finite on any rank,
+    whether any rank was asked to stop, and the next step's counts summed over ranks."""
+
+    nonfinite: bool
+    stop: bool
+    loss_tokens: int
+    tokens: int
+
+
+def agree(accelerator, nonfinite=None, stop: bool = False, upcoming: StepData | None = None) -> Agreed:
+    """One all-reduce (a sum over ranks) of the decisions every rank must share and the next step's
+    host counts, and the step's one host sync. `nonfinite`: this rank's flag, a device tensor (or None)."""
+    device = accelerator.device
+    counts = (upcoming.loss_tokens, upcoming.tokens) if upcoming is not None else (0, 0)
+    host = torch.tensor([int(stop), *counts], dtype=torch.long)
+    flag = torch.zeros(1, dtype=torch.long, device=device) if nonfinite is None else nonfinite.reshape(1).long()
+    packed = torch.cat([flag, host.to(device)])
+    if accelerator.num_processes > 1:
+        packed = accelerator.reduce(packed, reduction="sum")
+    bad, stopping, loss_tokens, tokens = packed.tolist()
+    return Agreed(nonfinite=bad > 0, stop=stopping > 0, loss_tokens=loss_tokens, tokens=tokens)
+
+
+def not_finite(step_loss: torch.Tensor, grad_norm) -> torch.Tensor:
+    """This rank's non-finite flag as a device tensor (no sync): the step's summed loss or the
+    gradient norm (None or a float under DeepSpeed)."""
+    norm = torch.as_tensor(0.0 if grad_norm is None else grad_norm, device=step_loss.device, dtype=torch.float32)
+    return ~(torch.isfinite(step_loss) & torch.isfinite(norm))
+
+
+def loss_scale(accelerator, global_loss_tokens: int) -> float:
+    """What a micro-batch's loss sum is multiplied by before `accelerator.backward`, so that the step's
+    gradient is d(sum of the step's token losses over all micro-batches and ranks)/d(params) divided
+    by the step's global count: accelerate divides each backward by grad_accum (DeepSpeed's engine
+    does it itself) and DDP, DeepSpeed and FSDP average gradients over ranks, which this undoes."""
+    return accelerator.gradient_accumulation_steps * accelerator.num_processes / max(global_loss_tokens, 1)
 
 
 def log_step(accelerator, output_dir: Path, step: int, metrics: dict[str, float]) -> None:

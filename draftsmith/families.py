@@ -1,0 +1,166 @@
+"""What draftsmith knows about target families, read from the model's own config (never from a list
+of model names), and the decoder-layer families a drafter's own layers can be built from.
+
+A target family that transformers implements needs nothing here: every stage reads the target
+through transformers' own outputs (`output_hidden_states`, the model's mask construction, its
+cache). The two things that do differ between families, and that a stage must know, are:
+
+- each decoder layer's attention kind (`layer_types`): full attention, sliding-window attention
+  (Mistral, Gemma-2/3, gpt-oss, Qwen with `use_sliding_window`), or another kind (linear attention in
+  hybrid models such as Qwen3-Next), which decides how the eval loop masks a draft and which layers
+  may be tapped for features;
+- the shape fields a drafter's own decoder layers take from the target (hidden size, heads, head
+  dimension, norm epsilon, RoPE).
+
+A drafter's own layers (EAGLE-1/3, DFlash) are a *choice*, `drafter.layer_family`, not an accident of
+the target: a serving engine builds them from the family its format names, whatever the target is.
+vLLM and SGLang build Llama layers for an EAGLE drafter of any target (what SpecForge and speculators
+train for Qwen, gpt-oss, Kimi); vLLM also builds Qwen3 layers (`Eagle3Qwen3ForCausalLM`, and every
+DFlash drafter). `DRAFT_LAYER_FAMILIES` lists the families a drafter can be built from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from draftsmith.errors import UserError
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+ATTENTION_KINDS = (FULL, SLIDING)  # the kinds whose keys the eval loop can crop and gather
+
+
+def _get(config: Any, key: str, default=None):
+    if isinstance(config, dict):
+        return config.get(key, default)
+    return getattr(config, key, default)
+
+
+def text_config(config: Any) -> Any:
+    """The language model's config of a multimodal wrapper (its `text_config`), else the config."""
+    text = _get(config, "text_config")
+    return text if text is not None and _get(config, "hidden_size") is None else config
+
+
+def layer_types(config: Any) -> list[str]:
+    """Each decoder layer's attention kind. The config's own `layer_types` where the family has them
+    (transformers derives them from `sliding_window`, `use_sliding_window`, `max_window_layers`,
+    `sliding_window_pattern`); else sliding-window attention on every layer when the config sets a
+    window (Mistral), full attention otherwise."""
+    config = text_config(config)
+    types = _get(config, "layer_types")
+    if types:
+        return [str(kind) for kind in types]
+    window = _get(config, "sliding_window")
+    uses_window = window is not None and _get(config, "use_sliding_window", True) is not False
+    return [SLIDING if uses_window else FULL] * int(_get(config, "num_hidden_layers"))
+
+
+def sliding_window(config: Any) -> Optional[int]:
+    """The number of positions a sliding-window layer sees (itself included), None without one."""
+    config = text_config(config)
+    return int(_get(config, "sliding_window")) if SLIDING in layer_types(config) else None
+
+
+def attention_layers(config: Any) -> list[int]:
+    """The layers whose kind is (full or sliding-window) attention: where a drafter may tap features
+    by default. Linear-attention layers of a hybrid target (Qwen3-Next) are left out."""
+    return [index for index, kind in enumerate(layer_types(config)) if kind in ATTENTION_KINDS]
+
+
+def norm_eps(config: Any) -> float:
+    for key in ("rms_norm_eps", "layer_norm_eps", "norm_eps", "layer_norm_epsilon"):
+        value = _get(config, key)
+        if value is not None:
+            return float(value)
+    return 1e-6
+
+
+def rope_theta(config: Any) -> float:
+    """The target's RoPE base (of its full-attention layers where the family sets one per kind)."""
+    params = _get(config, "rope_parameters") or _get(config, "rope_scaling") or {}
+    if isinstance(params, dict) and FULL in params:
+        params = params[FULL]
+    theta = (params or {}).get("rope_theta") if isinstance(params, dict) else None
+    return float(theta or _get(config, "rope_theta") or 10000.0)
+
+
+# Scaled RoPE kinds the engines' Llama/Qwen3 layers read exactly as transformers computes them;
+# other kinds (yarn with per-family extras, per-layer-kind dicts) give the draft layers plain RoPE
+# with the target's base: a drafter's positions are its own, and the export writes what it was trained with.
+PORTABLE_ROPE = ("default", "linear", "llama3")
+
+
+def draft_rope(config: Any) -> dict[str, Any]:
+    params = _get(config, "rope_parameters") or _get(config, "rope_scaling")
+    if isinstance(params, dict) and params.get("rope_type", params.get("type")) in PORTABLE_ROPE:
+        return {key: value for key, value in params.items() if key != "type"} | {
+            "rope_type": params.get("rope_type", params.get("type")),
+            "rope_theta": rope_theta(config),
+        }
+    return {"rope_type": "default", "rope_theta": rope_theta(config)}
+
+
+@dataclass(frozen=True)
+class LayerFamily:
+    """A family a drafter's own decoder layers are built from: its transformers config class, layer
+    and rotary classes (qualified names, imported only from transformers)."""
+
+    model_type: str
+    config_class: str
+    layer: str
+    rotary: str
+
+    def config(self, target_config: Any, num_layers: int) -> dict[str, Any]:
+        """The draft layers' config: the target's shape (hidden size, heads, head dimension, MLP width,
+        norm epsilon, RoPE base, context length, vocabulary), plain SiLU layers without biases or
+        sliding windows, `num_layers` of them; nothing else from the target's family."""
+        target = text_config(target_config)
+        hidden, heads = int(_get(target, "hidden_size")), int(_get(target, "num_attention_heads"))
+        config = {
+            "model_type": self.model_type,
+            "hidden_size": hidden,
+            "intermediate_size": int(_get(target, "intermediate_size") or 4 * hidden),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(_get(target, "num_key_value_heads") or heads),
+            "head_dim": int(_get(target, "head_dim") or hidden // heads),
+            "hidden_act": "silu",
+            "rms_norm_eps": norm_eps(target),
+            "vocab_size": int(_get(target, "vocab_size")),
+            "max_position_embeddings": int(_get(target, "max_position_embeddings") or 4096),
+            "rope_parameters": draft_rope(target),
+            "attention_bias": False,
+            "num_hidden_layers": num_layers,
+            "tie_word_embeddings": False,
+        }
+        if self.model_type == "llama":
+            config["mlp_bias"] = False
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if _get(target, key) is not None:
+                config[key] = _get(target, key)
+        return config
+
+
+DRAFT_LAYER_FAMILIES = {
+    "llama": LayerFamily(
+        "llama",
+        "transformers.models.llama.configuration_llama.LlamaConfig",
+        "transformers.models.llama.modeling_llama.LlamaDecoderLayer",
+        "transformers.models.llama.modeling_llama.LlamaRotaryEmbedding",
+    ),
+    "qwen3": LayerFamily(
+        "qwen3",
+        "transformers.models.qwen3.configuration_qwen3.Qwen3Config",
+        "transformers.models.qwen3.modeling_qwen3.Qwen3DecoderLayer",
+        "transformers.models.qwen3.modeling_qwen3.Qwen3RotaryEmbedding",
+    ),
+}
+
+
+def layer_family(name: str) -> LayerFamily:
+    if name not in DRAFT_LAYER_FAMILIES:
+        raise UserError(
+            f"drafter.layer_family={name!r} is not one of {', '.join(DRAFT_LAYER_FAMILIES)} (the families engines build draft layers from)"
+        )
+    return DRAFT_LAYER_FAMILIES[name]

@@ -1,0 +1,104 @@
+"""Checkpoints record their files' checksums when saved and are verified before a run resumes from
+them: a damaged one (weights cut short in a copy) is one line naming it and the file, exit 2, nothing
+touched; `train.resume=latest_intact` resumes from the newest intact one instead; a checkpoint saved
+before checksums were recorded still resumes, and the log says it is unverified."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+from draftsmith.errors import UserError
+from draftsmith.trainer.checkpoint import CHECKSUMS_NAME, STATE_NAME, checkpoint_damage, resume_checkpoint
+from tests.conftest import run_entry_in_process, train_args, train_in_process
+
+
+def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
+    """Every file under `directory` (the job lock aside) with its size and modification time."""
+    return {
+        str(path.relative_to(directory)): (path.stat().st_size, path.stat().st_mtime_ns)
+        for path in sorted(directory.rglob("*"))
+        if path.is_file() and path.name != ".draftsmith.lock"
+    }
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory, small_data, token_cache):
+    """A two-step run with a checkpoint after each step."""
+    output_dir = tmp_path_factory.mktemp("integrity") / "run"
+    args = train_args(output_dir, small_data, token_cache, "train.max_steps=2", "train.save_every=1")
+    train_in_process(args)
+    return output_dir, args
+
+
+def test_a_checkpoint_records_the_checksums_of_its_files(two_checkpoints):
+    output_dir, _ = two_checkpoints
+    checkpoint = output_dir / "checkpoints" / "step_0000002"
+    recorded = json.loads((checkpoint / CHECKSUMS_NAME).read_text())["files"]
+    on_disk = {str(p.relative_to(checkpoint)) for p in checkpoint.rglob("*") if p.is_file()} - {CHECKSUMS_NAME}
+    assert set(recorded) == on_disk and {STATE_NAME, "model.safetensors", "drafter/model.safetensors"} <= on_disk
+    assert checkpoint_damage(checkpoint) is None
+
+
+def test_damaged_weights_are_named_in_one_line_and_latest_intact_resumes_from_the_one_before(
+    two_checkpoints, tmp_path, capsys
+):
+    source, args = two_checkpoints
+    output_dir = tmp_path / "run"
+    shutil.copytree(source, output_dir)
+    args = [arg.replace(str(source), str(output_dir)) for arg in args]
+    newest = output_dir / "checkpoints" / "step_0000002"
+    weights = newest / "model.safetensors"
+    size = weights.stat().st_size
+    weights.write_bytes(weights.read_bytes()[: size // 2])  # a copy cut short between machines
+    before = snapshot(output_dir)
+
+    refused = run_entry_in_process(["train.py", *args, "train.max_steps=3", "train.resume=true"], capsys)
+    lines = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    assert [line for line in lines if line.startswith("error: ")] == [lines[-1]]
+    assert lines[-1].startswith(
+        f"error: checkpoint {newest} is damaged: model.safetensors is {size // 2} bytes, {size} were written"
+    )
+    assert "train.resume=latest_intact" in lines[-1]
+    assert snapshot(output_dir) == before  # nothing loaded, nothing written
+
+    resumed = run_entry_in_process(["train.py", *args, "train.max_steps=3", "train.resume=latest_intact"], capsys)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"checkpoint {newest} is damaged (model.safetensors is {size // 2} bytes" in resumed.stdout
+    assert "resumed from" in resumed.stdout and "step_0000001 at step 1" in resumed.stdout
+    assert checkpoint_damage(output_dir / "checkpoints" / "step_0000003") is None
+
+
+def test_changed_bytes_of_the_same_size_are_found(two_checkpoints, tmp_path):
+    source, _ = two_checkpoints
+    checkpoint = tmp_path / "step_0000001"
+    shutil.copytree(source / "checkpoints" / "step_0000001", checkpoint)
+    weights = checkpoint / "drafter" / "model.safetensors"
+    original = weights.read_bytes()
+    weights.write_bytes(original[:-1] + bytes([original[-1] ^ 0xFF]))
+    assert checkpoint_damage(checkpoint) == "drafter/model.safetensors differs from what was written (sha256)"
+    with pytest.raises(UserError, match=r"step_0000001 is damaged: drafter/model\.safetensors differs"):
+        resume_checkpoint(tmp_path, str(checkpoint))
+    weights.write_bytes(original)
+    assert checkpoint_damage(checkpoint) is None
+    (checkpoint / "optimizer.bin").unlink()
+    assert checkpoint_damage(checkpoint) == "optimizer.bin is missing"
+
+
+def test_a_checkpoint_saved_before_checksums_resumes_unverified(two_checkpoints, tmp_path, caplog):
+    source, _ = two_checkpoints
+    output_dir = tmp_path / "old"
+    shutil.copytree(source / "checkpoints", output_dir / "checkpoints")
+    for checkpoint in (output_dir / "checkpoints").iterdir():
+        (checkpoint / CHECKSUMS_NAME).unlink()
+    with caplog.at_level(logging.INFO, logger="draftsmith.train"):
+        found = resume_checkpoint(output_dir, "true")
+    assert found == output_dir / "checkpoints" / "step_0000002"
+    assert f"checkpoint {found} has no {CHECKSUMS_NAME} (saved before checkpoints recorded checksums)" in caplog.text
+    assert "resuming from it unverified" in caplog.text
+    assert resume_checkpoint(tmp_path / "fresh", "latest_intact") is None  # nothing to resume yet: a fresh run

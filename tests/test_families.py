@@ -1,0 +1,111 @@
+"""Target families: every decoder-only family that transformers and vLLM both implement goes through
+draftsmith with no code of its own. Tiny random-weight targets of each family (draftsmith.random_target:
+hidden 256, 4 layers, GQA, mixtures of experts with 4 experts, sliding windows shorter than the test's
+sequences so that every windowed layer actually drops keys) prove, per family:
+
+- the layer-index convention: a captured layer id i is transformers' hidden_states[i + 1];
+- the eval loop: plain decoding equals transformers' own greedy `generate` (the family's real masks and
+  cache), a batch decodes as each prompt alone, and a tree's one-forward verification equals the
+  forwards of each of its paths, also past a sliding window;
+- EAGLE-3 with Llama draft layers (and Qwen3 ones) trains, saves and loads, and decodes losslessly.
+
+The real engine's side (vLLM serving each family's drafter with draftsmith's acceptance) is
+tests/test_families_vllm.py; the whole matrix of kinds is benchmarks/target_matrix.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftsmith.eval.loop import generate, generate_batch, prefill
+from draftsmith.eval.trees import tree_depths
+from draftsmith.families import SLIDING
+from draftsmith.heads.base import DraftTree
+from draftsmith.random_target import build_config, build_model
+from draftsmith.target import FeatureRequest, run_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FAMILIES = (
+    "llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2", "gemma3_text", "phi3", "gpt_oss",
+    "glm4", "cohere", "granite",
+)  # fmt: skip
+VOCAB, WINDOW = 256, 12  # a window far shorter than the sequences below
+
+
+def tiny(model_type: str, attn: str | None = None):
+    """A 2-layer model of the family at a small width (fast), its sliding-window layers WINDOW wide."""
+    config = build_config(
+        model_type, VOCAB, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}, sliding_window=WINDOW,
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16,
+    )  # fmt: skip
+    if model_type == "gpt_oss" or getattr(config, "layer_types", None) is None:
+        pass
+    elif SLIDING in set(config.layer_types) or model_type in ("gemma2", "gemma3_text"):
+        config.layer_types = ["sliding_attention", "full_attention"]  # hybrid: both kinds in 2 layers
+    if attn is not None:
+        config._attn_implementation = attn
+    return build_model(config, std=0.2).requires_grad_(False)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    return request.param, tiny(request.param)
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_captured_layer_i_is_hidden_states_i_plus_1(family):
+    _, model = family
+    ids = torch.tensor([random_prompt(20, 0)])
+    out = run_target(model, ids, request=FeatureRequest(layers=(-1, 0, 1)))
+    reference = model(ids, output_hidden_states=True).hidden_states
+    for layer in (-1, 0, 1):
+        torch.testing.assert_close(out.layers[layer], reference[layer + 1])
+    torch.testing.assert_close(out.logits, model(ids).logits)
+
+
+def test_plain_loop_equals_generate_past_the_window(family):
+    """The loop's cache keeps every key and its masks hide those out of a layer's window: the tokens
+    are transformers' own greedy ones (its sliding-window cache and masks) far past the window."""
+    name, model = family
+    prompt = random_prompt(2 * WINDOW, 1)
+    ours = generate(model, prompt, 3 * WINDOW).tokens
+    theirs = model.generate(
+        torch.tensor([prompt]), max_new_tokens=3 * WINDOW, do_sample=False, eos_token_id=None, pad_token_id=0
+    )[0, len(prompt) :].tolist()
+    assert ours == theirs, name
+
+
+def test_batch_decodes_as_each_prompt_alone(family):
+    _, model = family
+    prompts = [random_prompt(length, seed) for seed, length in enumerate((5, 2 * WINDOW, WINDOW + 3))]
+    together = [result.tokens for result in generate_batch(model, prompts, 2 * WINDOW)]
+    assert together == [generate(model, prompt, 2 * WINDOW).tokens for prompt in prompts]
+
+
+def test_tree_forward_equals_path_forwards_past_the_window(family):
+    name, model = family
+    prefix = random_prompt(2 * WINDOW, 2)
+    parents = torch.tensor([-1, -1, 0, 0, 1, 2, 2, 4, -1])
+    tokens = torch.tensor(random_prompt(len(parents), 3))
+    state = prefill(model, [prefix])
+    from draftsmith.eval.loop import attention_masks
+    from draftsmith.eval.trees import cache_positions, verify_visibility
+
+    past = state.cache.get_seq_length()
+    positions = (tree_depths(parents) + past)[None]
+    keys = torch.cat([cache_positions([past], past, positions.device), positions], dim=1)
+    mask = attention_masks(model, verify_visibility([DraftTree(tokens, parents)], [past], past), positions, keys)
+    ids = torch.cat([torch.tensor(prefix[-1:]), tokens])[None]
+    tree_logits = model(ids, attention_mask=mask, position_ids=positions, cache=state.cache).logits[0]
+    for node in range(-1, len(parents)):
+        path, walk = [], node
+        while walk >= 0:
+            path.insert(0, int(tokens[walk]))
+            walk = int(parents[walk])
+        expected = model(torch.tensor([prefix + path])).logits[0, -1]
+        torch.testing.assert_close(tree_logits[node + 1], expected, atol=1e-4, rtol=1e-4, msg=name)
