@@ -31,7 +31,7 @@ from draftsmith.errors import UserError, one_line
 # 4 heads over 2 KV heads of 64, and for mixtures of experts 4 experts of which 2 are routed.
 TINY = {
     "hidden_size": 256,
-    "intermediate_size": 512,
+    "intermediate_size": 768,
     "num_hidden_layers": 4,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
@@ -91,13 +91,18 @@ def build_model(
     dtype=torch.float32,
     last_layer_scale: float = 1.0,
     head_scale: float = 1.0,
+    seed_from: Optional[str | Path] = None,
 ):
     """The causal LM of `config` with random weights (every >= 2-D weight from N(0, std²); norms and
     biases as the family initialises them), in eval mode. `last_layer_scale` < 1 shrinks the last
     decoder layer's weights: its contribution to the residual stream becomes small, so the next token
     is nearly a function of the states a drafter captures below it, learnable in a few dozen steps
     (what an engine check needs: accepted drafts, from a drafter trained in seconds). `head_scale`
-    multiplies the lm_head (a tied one with the embedding): sharper next-token distributions."""
+    multiplies the lm_head (a tied one with the embedding): sharper next-token distributions.
+    `seed_from`: a checkpoint directory (model.safetensors) whose tensors replace the random ones
+    wherever name and shape match, by name only, whatever the families: a trained model's weights
+    make the target's text predictable, so a drafter learns something within seconds, while every
+    part the family does differently (its norms, fused projections, experts, biases) stays its own."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -106,11 +111,28 @@ def build_model(
     for parameter in model.parameters():
         if parameter.dim() >= 2:
             parameter.normal_(0.0, std)
+    if seed_from is not None:
+        seed_weights(model, Path(seed_from))
     for parameter in model.get_decoder().layers[-1].parameters():
         if parameter.dim() >= 2:
             parameter.mul_(last_layer_scale)
     model.get_output_embeddings().weight.mul_(head_scale)
     return model.eval()
+
+
+def seed_weights(model, directory: Path) -> float:
+    """Copy the tensors of `directory`'s model.safetensors into `model` where name and shape match;
+    returns the share of `model`'s parameters so copied."""
+    from safetensors.torch import load_file
+
+    source = load_file(str(directory / "model.safetensors"))
+    own = model.state_dict()
+    copied = 0
+    for name, tensor in source.items():
+        if name in own and own[name].shape == tensor.shape:
+            own[name].copy_(tensor.to(own[name].dtype))
+            copied += tensor.numel()
+    return copied / sum(p.numel() for p in model.parameters())
 
 
 def write_random_target(
@@ -119,6 +141,7 @@ def write_random_target(
     sliding_window: Optional[int] = 48,
     seed: int = 0,
     last_layer_scale: float = 1.0,
+    seed_from: Optional[str | Path] = None,
     **shape: Any,
 ) -> Path:
     """A tiny random target of `model_type` in `directory` (config.json, model.safetensors and the
@@ -127,7 +150,7 @@ def write_random_target(
     demo = json.loads((source / "config.json").read_text())
     special = {key: demo[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
     config = build_config(model_type, demo["vocab_size"], special, sliding_window=sliding_window, **shape)
-    model = build_model(config, seed=seed, last_layer_scale=last_layer_scale)
+    model = build_model(config, seed=seed, last_layer_scale=last_layer_scale, seed_from=seed_from)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)

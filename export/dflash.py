@@ -30,7 +30,7 @@ import torch
 from draftsmith.errors import UserError
 from draftsmith.export import Exporter, Source, register
 from draftsmith.export.eagle import llama_layers_expected
-from draftsmith.export.repo import EngineRepo, draft_layer_config
+from draftsmith.export.repo import EngineRepo, draft_layer_config, require_vllm_state_capture
 from draftsmith.heads import drafter_class
 
 VLLM_SERVE = """vllm serve {target} --speculative-config '{{"method": "dflash", "model": "{path}", "num_speculative_tokens": {gamma}}}'"""
@@ -45,6 +45,7 @@ class DFlashExporter(Exporter):
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         drafter, target = source.drafter, source.target
         settings = drafter.config
+        require_vllm_state_capture(target, "DFlash")
         layer = draft_layer_config(drafter, FAMILIES, "vLLM", "DFlash")
         if settings.mask_token_id is None:
             raise UserError(

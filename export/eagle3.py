@@ -46,7 +46,7 @@ import torch
 
 from draftsmith.errors import UserError
 from draftsmith.export import Exporter, Source, register
-from draftsmith.export.repo import EngineRepo, draft_layer_config
+from draftsmith.export.repo import EngineRepo, draft_layer_config, require_vllm_state_capture
 from draftsmith.heads import drafter_class
 
 VLLM_SERVE = """vllm serve {target} --speculative-config '{{"method": "eagle3", "model": "{path}", "num_speculative_tokens": {gamma}}}'"""
@@ -117,6 +117,7 @@ class Eagle3Exporter(Exporter):
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         """The speculators format: vLLM serves it from `--speculative-config` or as `vllm serve <folder>`."""
+        require_vllm_state_capture(source.target, "P-EAGLE" if source.drafter.config.parallel_drafting else "EAGLE-3")
         if source.vllm_format == "native":
             return self.native_vllm(source)
         drafter, target = source.drafter, source.target

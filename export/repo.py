@@ -151,6 +151,26 @@ def check_vllm_path(directory: Path, kind: str) -> None:
         )
 
 
+# Target architectures vLLM 0.32 cannot capture intermediate hidden states from (their model classes
+# lack its SupportsEagle3 interface), which EAGLE-3, P-EAGLE and DFlash drafters read: vLLM refuses to
+# start ("Model does not support EAGLE3 interface"), measured by benchmarks/target_matrix.py. A target
+# not listed is tried: the export's engine check (export.vllm_python) proves or refuses it.
+VLLM_NO_STATE_CAPTURE = (
+    "MixtralForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
+    "Glm4ForCausalLM", "CohereForCausalLM",
+)  # fmt: skip
+
+
+def require_vllm_state_capture(target: TargetInfo, kind: str) -> None:
+    architectures = list(target.config.get("architectures") or [])
+    refused = [name for name in architectures if name in VLLM_NO_STATE_CAPTURE]
+    if refused:
+        raise UserError(
+            f"vLLM 0.32 cannot capture the hidden states {kind} drafters read from a {refused[0]} target (the model lacks its "
+            f"EAGLE-3 interface: it refuses to serve them); for this target export medusa, eagle or draft_model drafters"
+        )
+
+
 # The fields of a draft layer config an engine reads (everything else in a checkpoint's record of its
 # layers, e.g. a pre-0.2 checkpoint's copy of the whole target config, stays out of the export).
 LAYER_KEYS = (

@@ -304,7 +304,7 @@ class DraftModelProposer(Proposer):
                 break
             common += 1
         if self._cache is None or common == 0:
-            self._cache = DynamicCache(config=self.model.config)
+            self._cache = DynamicCache()  # full-length layers: a sliding-window layer's keys must crop like any other
             common = 0
         elif self._cache.get_seq_length() > common:
             self._cache.crop(common - self._cache.get_seq_length())  # v5: a negative count removes positions

@@ -1,0 +1,155 @@
+"""The target-family matrix: every drafter kind on tiny targets of every family that transformers and
+vLLM both implement, through the real entry points, as JSON rows (docs/targets.md is this table).
+
+    python benchmarks/target_matrix.py --vllm-python /path/to/vllm-venv/bin/python
+        [--families qwen3,gpt_oss] [--kinds eagle3,medusa] [--out benchmarks/results/target_matrix.jsonl]
+
+Per family, a random-weight target of that family is built from transformers' config class
+(draftsmith.random_target: hidden 256, 4 layers, 4 heads over 2 KV heads, 4 experts of which 2 are
+routed for mixtures of experts, sliding windows of 48 positions where the family has them), its
+tensors seeded from the demo target's trained weights wherever name and shape match (so its text is
+predictable and a drafter learns within seconds; every part the family does differently stays
+random), in a temporary directory: nothing downloads. Per kind, one row:
+
+- `train`: `python train.py recipe=<kind> target.name_or_path=<target> ...` (a few dozen steps on the
+  demo's regenerated data) exited 0; its eval stage decoded the eval prompts (greedy, γ of the
+  recipe): `lossless` (every method's tokens equal plain greedy decoding's) and `tau_draftsmith`;
+- `resume`: the same command with train.max_steps raised and train.resume=true continued the run;
+- `export`: `python -m export ... export.vllm_python=<venv>` exited 0, which means vLLM loaded the
+  folder and served the eval prompts with the drafter: `vllm_lossless` (vLLM's tokens with the
+  drafter equal its tokens without it and draftsmith's), `tau_vllm` and `tau_draftsmith_same_prompts`
+  (draftsmith's chain τ on the prompts vLLM served), `relative_difference`; or `refused` with the
+  export's one-line error (a combination vLLM 0.32 cannot serve).
+
+Resumable: rows already in --out are kept and their (family, kind) skipped. Timings are of this
+machine with whatever else runs on it; they are not the point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from draftsmith.random_target import demo_tokenizer_dir, write_random_target  # noqa: E402
+
+FAMILIES = (
+    "llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2", "gemma3_text", "phi3", "gpt_oss",
+    "glm4", "cohere", "granite",
+)  # fmt: skip
+TRAIN_DATA = "demo/data/train.regenerated.jsonl.gz"
+EVAL_DATA = "demo/data/eval.jsonl.gz"
+COMMON = [
+    f"data.train=[{TRAIN_DATA}]", "data.eval=[]", f"eval.data=[{EVAL_DATA}]", "data.max_length=192",
+    "train.save_every=0", "train.log_every=10", "eval.max_prompts=3", "eval.max_new_tokens=48", "eval.tree=0",
+    "train.warmup_steps=5",
+]  # fmt: skip
+# kind -> (recipe, overrides): short runs that reach accepted drafts on the seeded targets
+KINDS = {
+    "eagle3": ("eagle3", ["train.max_steps=40", "drafter.ttt_steps=2", "train.lr=3e-3"]),
+    "eagle3-qwen3-layers": ("eagle3", ["train.max_steps=40", "drafter.ttt_steps=2", "train.lr=3e-3", "drafter.layer_family=qwen3"]),
+    "eagle3.1": ("eagle3", ["train.max_steps=40", "drafter.ttt_steps=2", "train.lr=3e-3", "drafter.fc_norm=true", "drafter.norm_output=true"]),
+    "peagle": ("eagle3", ["train.max_steps=50", "drafter.ttt_steps=2", "train.lr=6e-3", "drafter.parallel_drafting=true",
+                          "drafter.mask_token_id=5", "drafter.fc_norm=true", "eval.num_speculative_tokens=2"]),
+    "eagle": ("eagle", ["train.max_steps=40", "train.lr=3e-3"]),
+    "medusa": ("medusa", ["train.max_steps=40"]),
+    "draft_model": ("draft", ["train.max_steps=40"]),
+    "pard": ("draft", ["train.max_steps=60", "train.lr=6e-3", "drafter.parallel_drafting=true", "drafter.mask_token_id=5",
+                       "drafter.parallel_tokens=2", "eval.num_speculative_tokens=2", "train.micro_batch_size=4", "data.max_length=128"]),
+    "dflash": ("dflash", ["train.max_steps=40", "drafter.anchors=16"]),
+}  # fmt: skip
+RESUME_STEPS = 4  # the resumed run's extra steps
+
+
+def run(args: list[str], env: dict) -> tuple[int, str, float]:
+    """Run `python args` in the repository; (exit code, last error line, seconds)."""
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, env=env)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    tail = lines[-1] if lines else (result.stderr.strip().splitlines() or [""])[-1]
+    return result.returncode, tail[:400], round(time.perf_counter() - start, 1)
+
+
+def measure(family: str, kind: str, target: Path, work: Path, vllm_python: str, env: dict) -> dict:
+    recipe, overrides = KINDS[kind]
+    out = work / f"{family}-{kind}"
+    args = [f"recipe={recipe}", f"target.name_or_path={target}", *COMMON, *overrides, f"output_dir={out}"]
+    row: dict = {"family": family, "kind": kind}
+    code, error, seconds = run(["train.py", *args], env)
+    row |= {"train": code == 0, "train_s": seconds}
+    if code != 0:
+        return row | {"error": error}
+    report = json.loads((out / "eval" / "report.json").read_text()) if (out / "eval" / "report.json").exists() else None
+    if report is None:
+        report = json.loads(next(out.rglob("report.json")).read_text())
+    every = report["domains"]["all"]
+    row["lossless"] = all(method.get("lossless", True) for method in every.values())
+    row["tau_draftsmith"] = round(every["chain"]["tau"], 4) if "chain" in every else None
+    steps = next(int(o.split("=")[1]) for o in overrides if o.startswith("train.max_steps="))
+    code, error, _ = run(
+        ["train.py", *args, f"train.max_steps={steps + RESUME_STEPS}", "train.resume=true", "eval.enabled=false"], env
+    )
+    row["resume"] = code == 0
+    code, error, seconds = run(
+        ["-m", "export", *args, f"drafter.path={out / 'final'}", f"export.output={work / f'served-{family}-{kind}'}",
+         f"export.vllm_python={vllm_python}"],
+        env,
+    )  # fmt: skip
+    row["export_s"] = seconds
+    if code != 0:
+        return row | {"export": False, "refused": error}
+    info = json.loads((work / f"served-{family}-{kind}" / "vllm" / "draftsmith_export.json").read_text())
+    verified = info["verified"]
+    return row | {
+        "export": True,
+        "vllm_lossless": bool(verified["lossless"] and verified["equals_draftsmith_plain"]),
+        "tau_vllm": verified["tau_engine"],
+        "tau_draftsmith_same_prompts": verified["tau_draftsmith"],
+        "relative_difference": verified["relative_difference"],
+        "vllm_version": verified.get("engine_version"),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm-python", required=True)
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--kinds", default="eagle3")
+    parser.add_argument("--out", default="benchmarks/results/target_matrix.jsonl")
+    parser.add_argument("--threads", type=int, default=1)
+    options = parser.parse_args()
+    out = REPO / options.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = set()
+    if out.exists():
+        done = {(row["family"], row["kind"]) for row in map(json.loads, out.read_text().splitlines()) if row}
+    env = {**os.environ, "OMP_NUM_THREADS": str(options.threads), "TOKENIZERS_PARALLELISM": "false"}
+    machine = {"machine": platform.processor() or platform.machine(), "cores": os.cpu_count(), "threads": options.threads}
+    with tempfile.TemporaryDirectory(prefix="target-matrix-") as tmp:
+        work = Path(tmp)
+        for family in options.families.split(","):
+            target = None
+            for kind in options.kinds.split(","):
+                if (family, kind) in done:
+                    continue
+                if target is None:
+                    target = write_random_target(family, work / family, seed_from=demo_tokenizer_dir())
+                start = time.perf_counter()
+                row = measure(family, kind, target, work, options.vllm_python, env)
+                row |= machine | {"wall_s": round(time.perf_counter() - start, 1)}
+                print(json.dumps(row), flush=True)
+                with out.open("a") as stream:
+                    stream.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
