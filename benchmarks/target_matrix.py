@@ -119,15 +119,42 @@ def measure(family: str, kind: str, target: Path, work: Path, vllm_python: str, 
     }
 
 
+def markdown(rows: list[dict]) -> str:
+    """The matrix as docs/targets.md shows it: one line per (family, kind)."""
+    def mark(value) -> str:
+        return {True: "yes", False: "**no**", None: "–"}.get(value, str(value))
+
+    lines = [
+        "| family | kind | trains | resumes | lossless (draftsmith) | τ draftsmith | vLLM serves | lossless (vLLM) | τ vLLM / draftsmith, same prompts | Δ |",
+        "|---|---|:-:|:-:|:-:|--:|:-:|:-:|--:|--:|",
+    ]
+    for row in rows:
+        served = mark(row.get("export")) if "export" in row else "–"
+        if row.get("refused"):
+            served = "refused: " + row["refused"].removeprefix("error: ").split(" (")[0]
+        pair = f"{row['tau_vllm']:.3f} / {row['tau_draftsmith_same_prompts']:.3f}" if row.get("export") else "–"
+        delta = f"{100 * row['relative_difference']:+.1f}%" if row.get("export") else "–"
+        lines.append(
+            f"| {row['family']} | {row['kind']} | {mark(row.get('train'))} | {mark(row.get('resume'))} | "
+            f"{mark(row.get('lossless'))} | {row.get('tau_draftsmith') or '–'} | {served} | "
+            f"{mark(row.get('vllm_lossless'))} | {pair} | {delta} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vllm-python", required=True)
+    parser.add_argument("--vllm-python")
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--kinds", default="eagle3")
     parser.add_argument("--out", default="benchmarks/results/target_matrix.jsonl")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--markdown", action="store_true", help="print --out as docs/targets.md's table and stop")
     options = parser.parse_args()
     out = REPO / options.out
+    if options.markdown:
+        print(markdown([json.loads(line) for line in out.read_text().splitlines() if line]))
+        return
     out.parent.mkdir(parents=True, exist_ok=True)
     done = set()
     if out.exists():

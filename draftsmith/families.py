@@ -164,3 +164,17 @@ def layer_family(name: str) -> LayerFamily:
             f"drafter.layer_family={name!r} is not one of {', '.join(DRAFT_LAYER_FAMILIES)} (the families engines build draft layers from)"
         )
     return DRAFT_LAYER_FAMILIES[name]
+
+
+def tap_layers(config: Any, wanted: list[int]) -> list[int]:
+    """A drafter's default tap layers `wanted` (our ids: output of layer i) for this target: unchanged
+    where every layer is attention; on a hybrid target with layers of another kind (linear attention:
+    Qwen3-Next, Qwen3.5) each moved to the nearest attention layer below the last (whose normed state no
+    engine captures), in order, without repeats."""
+    kinds = layer_types(config)
+    allowed = attention_layers(config)
+    if len(allowed) == len(kinds) or not allowed:
+        return list(wanted)
+    usable = [layer for layer in allowed if layer < len(kinds) - 1] or allowed
+    snapped = [min(usable, key=lambda layer: (abs(layer - want), layer)) for want in wanted]
+    return sorted(dict.fromkeys(snapped))

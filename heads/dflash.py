@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from draftsmith.errors import UserError
-from draftsmith.families import layer_family
+from draftsmith.families import layer_family, tap_layers
 from draftsmith.heads import register
 from draftsmith.heads.base import (
     DrafterConfig,
@@ -266,7 +266,10 @@ class DFlash(EagleBase):
     def from_target(cls, config: DFlashConfig, target_model, name_or_path: str) -> DFlash:
         shape = TargetShape.of(target_model, name_or_path)
         config.check(shape)
-        config = replace(config, target_layers=config.layers_for(shape.num_hidden_layers))
+        layers = config.layers_for(shape.num_hidden_layers)
+        config = replace(
+            config, target_layers=layers if config.target_layers is not None else tap_layers(target_model.config, layers)
+        )
         drafter = super().from_target(config, target_model, name_or_path)
         final_norm = getattr(target_model.get_decoder(), "norm", None)
         with torch.no_grad():

@@ -55,7 +55,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from draftsmith.errors import UserError
-from draftsmith.families import layer_family
+from draftsmith.families import layer_family, tap_layers
 from draftsmith.heads import register
 from draftsmith.heads.base import (
     DrafterConfig,
@@ -329,9 +329,10 @@ class Eagle3(EagleBase):
     def from_target(cls, config: Eagle3Config, target_model, name_or_path: str) -> Eagle3:
         shape = TargetShape.of(target_model, name_or_path)
         config.check(shape)
+        default = tap_layers(target_model.config, config.layers_for(shape.num_hidden_layers))
         config = replace(
             config,
-            aux_layers=config.layers_for(shape.num_hidden_layers),
+            aux_layers=config.layers_for(shape.num_hidden_layers) if config.aux_layers is not None else default,
             draft_vocab_size=min(config.draft_vocab_size, shape.vocab_size),
         )
         drafter = super().from_target(config, target_model, name_or_path)

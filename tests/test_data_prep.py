@@ -180,6 +180,57 @@ def test_chatml_template_masks_exactly_the_answers(eos, with_system):
     assert masked_runs(tokenizer, ids, mask) == [ANSWER_1 + "<|im_end|>", ANSWER_2 + "<|im_end|>"]
 
 
+
+# Gemma's turns: a system prompt folds into the first user turn, the assistant is "model", every turn
+# ends with <end_of_turn> (eos is <eos>, which a turn never holds).
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% set system = '' %}{% for m in messages %}{% if m['role'] == 'system' %}"
+    "{% set system = m['content'] + '\n\n' %}{% else %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
+    "{% if loop.index0 == 1 and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "{{ m['content'] | trim }}<end_of_turn>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+# gpt-oss's harmony format for one answer: the model writes its reasoning on the analysis channel, then
+# a header of its own and the answer on the final channel, ending with <|return|>.
+HARMONY_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}"
+    "{% if m.get('thinking') %}<|start|>assistant<|channel|>analysis<|message|>{{ m['thinking'] }}<|end|>{% endif %}"
+    "<|start|>assistant<|channel|>final<|message|>{{ m['content'] }}<|return|>"
+    "{% else %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+
+
+def family_tokenizer(template: str, specials: list[str], eos: str, bos: str | None):
+    tokenizer = load_tokenizer(str(REFERENCE))
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    tokenizer.backend_tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)  # the template writes BOS
+    tokenizer.bos_token, tokenizer.eos_token, tokenizer.chat_template = bos, eos, template
+    return tokenizer
+
+
+def test_gemma_turns_mask_exactly_the_answers():
+    tokenizer = family_tokenizer(GEMMA_TEMPLATE, ["<start_of_turn>", "<end_of_turn>", "<eos>"], "<eos>", "<|bos|>")
+    ids, mask = render_with_masks(tokenizer, CONVERSATION)
+    assert decode(tokenizer, ids) == tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
+    assert masked_runs(tokenizer, ids, mask) == [ANSWER_1.strip() + "<end_of_turn>", ANSWER_2 + "<end_of_turn>"]
+
+
+def test_harmony_masks_the_analysis_channel_and_the_final_answer():
+    """What gpt-oss generates after `<|start|>assistant`: its reasoning, the final channel's header
+    and the answer, up to <|return|>; the prompt's turns stay out."""
+    specials = ["<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>"]
+    tokenizer = family_tokenizer(HARMONY_TEMPLATE, specials, "<|return|>", None)
+    conversation = [{"role": "user", "content": "What is the capital of France?"},
+                    {"role": "assistant", "content": ANSWER_1, "thinking": "The user asks for a capital."}]  # fmt: skip
+    ids, mask = render_with_masks(tokenizer, conversation)
+    assert masked_runs(tokenizer, ids, mask) == [
+        "<|channel|>analysis<|message|>The user asks for a capital.<|end|><|start|>assistant<|channel|>final<|message|>"
+        + ANSWER_1
+        + "<|return|>"
+    ]
+
+
 def test_render_prompt_stops_at_the_last_assistant_turn(reference_tokenizer):
     ids, answer = render_prompt(reference_tokenizer, CONVERSATION)
     assert answer == ANSWER_2

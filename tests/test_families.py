@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 
 from draftsmith.eval.loop import generate, generate_batch, prefill
 from draftsmith.eval.trees import tree_depths
-from draftsmith.families import SLIDING
+from draftsmith.families import SLIDING, layer_types
 from draftsmith.heads import REGISTRY, drafter_class
 from draftsmith.heads.base import DraftTree, load_drafter
 from draftsmith.random_target import build_config, build_model
@@ -177,3 +177,16 @@ def test_every_kind_trains_and_decodes_losslessly_on_family_quirks(kind, model_t
     plain = generate(verifier, prompt, 2 * WINDOW).tokens
     gamma = min(3, REGISTRY[kind].max_chain(drafter.config) or 3)
     assert generate(verifier, prompt, 2 * WINDOW, drafter=proposer, gamma=gamma).tokens == plain
+
+
+def test_default_taps_of_a_hybrid_linear_attention_target_are_attention_layers():
+    """Qwen3-Next: three linear-attention layers to each full-attention one; EAGLE-3's and DFlash's
+    default taps move to full-attention layers (below the last), every layer's kind from the config."""
+    config = build_config("qwen3_next", VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=16, head_dim=16)
+    assert [i for i, kind in enumerate(layer_types(config)) if kind == "full_attention"] == [3, 7, 11, 15]
+    model = build_model(config).requires_grad_(False)
+    eagle3 = drafter_class("eagle3")
+    drafter = eagle3.from_target(eagle3.Config(draft_vocab_size=VOCAB), model, "qwen3_next")
+    assert drafter.config.aux_layers == [3, 7, 11]  # EAGLE-3's [1, 7, 12], each moved to a full-attention layer
+    dflash = drafter_class("dflash")
+    assert dflash.from_target(dflash.Config(num_layers=2), model, "qwen3_next").config.target_layers == [3, 11]
