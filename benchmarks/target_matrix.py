@@ -121,6 +121,7 @@ def measure(family: str, kind: str, target: Path, work: Path, vllm_python: str, 
 
 def markdown(rows: list[dict]) -> str:
     """The matrix as docs/targets.md shows it: one line per (family, kind)."""
+
     def mark(value) -> str:
         return {True: "yes", False: "**no**", None: "–"}.get(value, str(value))
 
@@ -160,7 +161,11 @@ def main() -> None:
     if out.exists():
         done = {(row["family"], row["kind"]) for row in map(json.loads, out.read_text().splitlines()) if row}
     env = {**os.environ, "OMP_NUM_THREADS": str(options.threads), "TOKENIZERS_PARALLELISM": "false"}
-    machine = {"machine": platform.processor() or platform.machine(), "cores": os.cpu_count(), "threads": options.threads}
+    machine = {
+        "machine": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "threads": options.threads,
+    }
     with tempfile.TemporaryDirectory(prefix="target-matrix-") as tmp:
         work = Path(tmp)
         for family in options.families.split(","):

@@ -268,7 +268,8 @@ class DFlash(EagleBase):
         config.check(shape)
         layers = config.layers_for(shape.num_hidden_layers)
         config = replace(
-            config, target_layers=layers if config.target_layers is not None else tap_layers(target_model.config, layers)
+            config,
+            target_layers=layers if config.target_layers is not None else tap_layers(target_model.config, layers),
         )
         drafter = super().from_target(config, target_model, name_or_path)
         final_norm = getattr(target_model.get_decoder(), "norm", None)

@@ -180,7 +180,6 @@ def test_chatml_template_masks_exactly_the_answers(eos, with_system):
     assert masked_runs(tokenizer, ids, mask) == [ANSWER_1 + "<|im_end|>", ANSWER_2 + "<|im_end|>"]
 
 
-
 # Gemma's turns: a system prompt folds into the first user turn, the assistant is "model", every turn
 # ends with <end_of_turn> (eos is <eos>, which a turn never holds).
 GEMMA_TEMPLATE = (
