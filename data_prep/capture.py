@@ -29,6 +29,7 @@ from typing import Any, Optional, Sequence
 import torch
 from accelerate import PartialState
 from omegaconf import DictConfig, OmegaConf
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
@@ -49,7 +50,7 @@ from draftsmith.data_prep.features import (
     part_name,
     shard_name,
 )
-from draftsmith.errors import UserError
+from draftsmith.errors import StorageError, UserError, one_line
 from draftsmith.files import write_text_atomic
 from draftsmith.outputs import held_by_main_process
 from draftsmith.recipe import load_recipe
@@ -360,7 +361,11 @@ def write_shard(
         "first_conversation": shard.start,
         "domains": domains,
     }  # domains: one per conversation
-    save_file(tensors, str(tmp), metadata={SHARD_METADATA: json.dumps(header, sort_keys=True)})
+    try:
+        save_file(tensors, str(tmp), metadata={SHARD_METADATA: json.dumps(header, sort_keys=True)})
+    except SafetensorError as err:  # how safetensors reports a full disk; an OSError is one already
+        tmp.unlink(missing_ok=True)
+        raise StorageError(f"could not write {tmp}: {one_line(err)}; the shards before it are intact") from None
     os.chmod(tmp, shard_mode())
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())  # the rename must never publish bytes still only in the page cache

@@ -13,9 +13,11 @@ Every command takes `--help` (with recipe=NAME: that recipe's keys and values) a
 the resolved recipe and exit without running). `drafter.path=DIR` names the checkpoint a command
 reads (eval, export); without it, `<output_dir>/final`.
 
-Exit codes: 0 done, 2 bad input (one line on stderr), 3 the eval's lossless check failed, 69 an
-engine the job needs is down (retry), 75 stopped on SIGTERM after saving a checkpoint (requeue with
-train.resume=true), 130 interrupted; `monitor check` adds its outcomes 10, 11, 12.
+Exit codes (one line on stderr; docs/faults.md): 0 done, 2 bad input, 3 a lossless or export check
+failed, 4 training diverged, 69 an engine the job needs is down (retry), 70 a draftsmith bug (the
+traceback in a log file, or on stderr with DRAFTSMITH_DEBUG=1), 74 a full disk or I/O error, 75
+stopped on SIGTERM after saving a checkpoint (requeue with train.resume=true), 130 interrupted;
+`monitor check` adds its outcomes 10, 11, 12.
 """
 
 from __future__ import annotations

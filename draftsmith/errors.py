@@ -1,9 +1,16 @@
-"""Bad input is the user's problem to fix, not ours to debug: one line on stderr and exit code 2."""
+"""Exit codes a scheduler can act on. Each kind of failure is an exception class below and one exit
+code, the same in every stage (train, capture, regenerate, eval, export, monitor); run_cli turns it
+into one line on stderr. Bad input, and only bad input, exits 2. docs/faults.md has the table."""
 
 from __future__ import annotations
 
+import errno
+import os
 import signal
 import sys
+import tempfile
+import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
@@ -12,28 +19,76 @@ class UserError(Exception):
     """Input the user can fix (a recipe key, a data file, a checkpoint). Reported as one line, exit 2."""
 
 
+class CheckFailed(Exception):
+    """A correctness check on finished work failed: a bug to report (in the drafter's verification, the
+    export's conversion or the engine), not bad input; exit EXIT_CHECK_FAILED."""
+
+
+class NotLossless(CheckFailed):
+    """The eval's greedy check found a method whose tokens differ from plain greedy decoding: a bug in
+    the drafter's verification, not bad input. The report is written; exit EXIT_CHECK_FAILED."""
+
+
+class ExportCheckFailed(CheckFailed):
+    """The export's check in the real engine failed (its output with the drafter differs from its
+    output without, or its acceptance from draftsmith's, or it refused the folder): nothing was
+    published; exit EXIT_CHECK_FAILED."""
+
+
+class TrainingDiverged(Exception):
+    """Training stopped because more than `train.max_nonfinite` steps had a non-finite loss or
+    gradient: lower train.lr or remove the batches named, then resume or start over; exit EXIT_DIVERGED."""
+
+
 class EngineUnavailable(Exception):
     """A serving engine the job needs could not be started or stopped answering: a temporary fault,
     not bad input. What was finished is kept; exit EXIT_ENGINE_UNAVAILABLE, retry the same command."""
 
 
-class NotLossless(Exception):
-    """The eval's greedy check found a method whose tokens differ from plain greedy decoding: a bug in
-    the drafter's verification, not bad input. The report is written; exit EXIT_NOT_LOSSLESS."""
+class StorageError(Exception):
+    """An output could not be written (a full disk, a quota, an I/O error, permissions): what was
+    finished before is intact; free space and run the same command again; exit EXIT_IO_ERROR."""
+
+
+class InternalError(Exception):
+    """Something that cannot happen did (a draftsmith bug); exit EXIT_INTERNAL with the traceback kept.
+    Any exception that is none of the above is treated the same way."""
 
 
 class Preempted(Exception):
     """The job was asked to stop (SIGTERM) and saved what it needs to continue; exit EXIT_PREEMPTED."""
 
 
-# Exit codes a scheduler can act on: 2 = fix the input; 3 = the eval's lossless check failed (a bug to
-# report, the report is written); 69 (EX_UNAVAILABLE) = an engine the job needs is
-# down, retry later; 75 (EX_TEMPFAIL) = stopped on request after saving a checkpoint, requeue the same
-# command (train.resume=true for training).
+# The exit codes (docs/faults.md): 2 = fix the input; 3 = a correctness check failed (the eval's lossless
+# check, the export's engine check: a bug to report); 4 = training diverged; 10/11/12 = monitor outcomes
+# (monitor/check.py); 69 (EX_UNAVAILABLE) = an engine the job needs is down, retry later; 70
+# (EX_SOFTWARE) = a draftsmith bug, traceback in a log file; 74 (EX_IOERR) = an output could not be
+# written (disk full), free space and rerun; 75 (EX_TEMPFAIL) = stopped on request after saving,
+# requeue the same command (train.resume=true for training); 130 = Ctrl-C.
 EXIT_USER_ERROR = 2
-EXIT_NOT_LOSSLESS = 3
+EXIT_CHECK_FAILED = 3
+EXIT_NOT_LOSSLESS = EXIT_CHECK_FAILED
+EXIT_DIVERGED = 4
 EXIT_ENGINE_UNAVAILABLE = 69
+EXIT_INTERNAL = 70
+EXIT_IO_ERROR = 74
 EXIT_PREEMPTED = 75
+EXIT_INTERRUPTED = 130
+
+# OSError numbers that mean the storage failed, not draftsmith: exit EXIT_IO_ERROR wherever they surface.
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG})
+DEBUG_ENV = "DRAFTSMITH_DEBUG"  # set (to anything but 0): an internal error prints its traceback on stderr
+
+# exception class -> (exit code, what the line starts with); the first match in order wins
+OUTCOMES: tuple[tuple[type[BaseException], int, str], ...] = (
+    (UserError, EXIT_USER_ERROR, "error"),
+    (NotLossless, EXIT_CHECK_FAILED, "lossless check failed"),
+    (CheckFailed, EXIT_CHECK_FAILED, "check failed"),
+    (TrainingDiverged, EXIT_DIVERGED, "training diverged"),
+    (EngineUnavailable, EXIT_ENGINE_UNAVAILABLE, "engine unavailable"),
+    (StorageError, EXIT_IO_ERROR, "I/O error"),
+    (Preempted, EXIT_PREEMPTED, "preempted"),
+)
 
 
 def one_line(err: BaseException | str, limit: int = 300) -> str:
@@ -58,8 +113,8 @@ def stop_on_sigterm(signum, frame) -> None:
 
 
 def run_cli(main: Callable[[Sequence[str]], object], argv: Sequence[str] | None = None) -> NoReturn:
-    """Run an entry point; each exception above becomes one line on stderr and its exit code, and
-    SIGTERM becomes Preempted (exit 75) wherever the job is (`stop_on_sigterm`)."""
+    """Run an entry point; each exception above becomes one line on stderr and its exit code (`outcome`),
+    and SIGTERM becomes Preempted (exit 75) wherever the job is (`stop_on_sigterm`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
     try:
@@ -71,23 +126,46 @@ def run_cli(main: Callable[[Sequence[str]], object], argv: Sequence[str] | None 
 def _run(main: Callable[[Sequence[str]], object], argv: list[str]) -> NoReturn:
     try:
         main(argv)
-    except UserError as err:
-        close_progress_bars()
-        print(f"error: {one_line(err, limit=2000)}", file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR)
-    except NotLossless as err:
-        close_progress_bars()
-        print(f"lossless check failed: {one_line(err, limit=2000)}", file=sys.stderr)
-        sys.exit(EXIT_NOT_LOSSLESS)
-    except EngineUnavailable as err:
-        close_progress_bars()
-        print(f"engine unavailable: {one_line(err, limit=2000)}", file=sys.stderr)
-        sys.exit(EXIT_ENGINE_UNAVAILABLE)
-    except Preempted as err:
-        close_progress_bars()
-        print(f"preempted: {one_line(err, limit=2000)}", file=sys.stderr)
-        sys.exit(EXIT_PREEMPTED)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
+    except Exception as err:  # noqa: BLE001 - every failure ends as one line and its exit code
+        close_progress_bars()
+        code, line = outcome(err)
+        print(line, file=sys.stderr)
+        sys.exit(code)
     sys.exit(0)
+
+
+def outcome(err: BaseException) -> tuple[int, str]:
+    """The exit code of an exception that ended a command and the one line that says so. An OSError
+    of the storage (STORAGE_ERRNOS) is an I/O error wherever it was raised; anything unexpected is a
+    draftsmith bug, its traceback written to a log file (or to stderr with DRAFTSMITH_DEBUG=1)."""
+    for cls, code, prefix in OUTCOMES:
+        if isinstance(err, cls):
+            return code, f"{prefix}: {one_line(err, limit=2000)}"
+    if isinstance(err, OSError) and err.errno in STORAGE_ERRNOS:
+        where = f" ({err.filename})" if err.filename else ""
+        return (
+            EXIT_IO_ERROR,
+            f"I/O error: {os.strerror(err.errno).lower()}{where}; free space (or fix the disk) and run the same command again",
+        )
+    return (
+        EXIT_INTERNAL,
+        f"internal error (a draftsmith bug, please report it): {type(err).__name__}: {one_line(err)}; {traceback_kept(err)}",
+    )
+
+
+def traceback_kept(err: BaseException) -> str:
+    """Where the traceback of an internal error went: stderr with DRAFTSMITH_DEBUG=1, else a log file."""
+    text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    if os.environ.get(DEBUG_ENV, "0") not in ("", "0"):
+        sys.stderr.write(text)
+        return "the traceback is above"
+    try:
+        fd, path = tempfile.mkstemp(prefix=f"draftsmith-error-{time.strftime('%Y%m%d-%H%M%S')}-", suffix=".log")
+        with os.fdopen(fd, "w") as f:
+            f.write(" ".join(sys.argv) + "\n\n" + text)
+    except OSError:
+        return f"rerun with {DEBUG_ENV}=1 to print the traceback"
+    return f"traceback in {path} (or rerun with {DEBUG_ENV}=1 to print it)"

@@ -12,6 +12,19 @@ def file_sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def checkpoint_digest(directory: Path) -> str:
+    """The sha256 of a drafter checkpoint as a whole: of every file under `directory` (its config.json
+    and weights, a Medusa-2 adapter), each named by its relative path; hidden files (a job lock) aside.
+    What an export records as its source, so a changed config is a changed source too."""
+    directory = Path(directory)
+    listing = "".join(
+        f"{path.relative_to(directory).as_posix()} {file_sha256(path)}\n"
+        for path in sorted(directory.rglob("*"))
+        if path.is_file() and not any(part.startswith(".") for part in path.relative_to(directory).parts)
+    )
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Write to `<name>.tmp` and rename into place, so a reader never sees a half-written file."""
     tmp = path.with_name(path.name + ".tmp")

@@ -76,6 +76,8 @@ def build_config(
     for key, value in EXPERTS.items():
         if hasattr(config, key) and key not in shape:
             setattr(config, key, value)
+    for key in EXPERTS.keys() & shape.keys():  # again: a field may be an alias of another (num_experts)
+        setattr(config, key, shape[key])
     if sliding_window is not None and getattr(config, "sliding_window", None) is not None:
         config.sliding_window = sliding_window
     config.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))

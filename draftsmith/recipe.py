@@ -179,6 +179,15 @@ def check_train(t) -> None:
         require(t[key] >= 0, f"train.{key}={t[key]} must be >= 0")
     require(t.max_grad_norm > 0, f"train.max_grad_norm={t.max_grad_norm} must be > 0")
     require(
+        t.peak_tflops is None or t.peak_tflops > 0,
+        f"train.peak_tflops={t.peak_tflops} must be > 0 (the device's peak TFLOP/s), or null to report no MFU",
+    )
+    steps = None if t.profile_steps is None else list(t.profile_steps)
+    require(
+        steps is None or (len(steps) == 2 and 1 <= steps[0] <= steps[1]),
+        f"train.profile_steps={steps} must be [first, last] optimizer steps with 1 <= first <= last, or null",
+    )
+    require(
         t.eval_every == 0 or t.heldout > 0,
         f"train.eval_every={t.eval_every} needs train.heldout > 0 (conversations of data.train to evaluate on, never trained on)",
     )

@@ -128,6 +128,12 @@ class TrainSection:
     init_from: Optional[str] = None
     mixed_precision: str = "auto"  # auto (bf16 where the GPU supports it, else none) | no | bf16 | fp16
     num_workers: int = 0  # DataLoader worker processes
+    # the device's peak FLOP/s in TFLOP/s, per process, for train/mfu in the log (trainer/observe.py): e.g. 989 for
+    # an H100 SXM's dense bf16 tensor cores; null = MFU not reported (draftsmith never guesses a device's peak)
+    peak_tflops: Optional[float] = None
+    # [first, last]: torch.profiler over optimizer steps first..last (1-based), a Chrome trace written to
+    # output_dir/profile/ (trainer/observe.py); null = no profiling
+    profile_steps: Optional[List[int]] = None
     # threads torch computes with on a CPU run; null = draftsmith chooses (draftsmith/threads.py): OMP_NUM_THREADS
     # where it is the user's, else the available cores / the processes on this machine. `accelerate launch`
     # sets OMP_NUM_THREADS=1 for its processes, which cannot be told from a user's 1: under a launcher set this.

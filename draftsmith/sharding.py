@@ -57,12 +57,11 @@ SHARD_CHOICES = ("none", "fsdp")
 
 
 def unshardable(drafter_config) -> Optional[str]:
-    """Why a drafter cannot train against a sharded target, or None when it can."""
-    if drafter_config.type == "medusa2":
-        return "it trains LoRA adapters inside the target's layers (trainable weights inside FSDP units are not supported here)"
-    if drafter_config.type == "draft_model" and drafter_config.name_or_path is None:
-        return "it copies the target's first decoder layers, of which each rank holds only pieces; set drafter.name_or_path to a separate draft model"
-    return None
+    """Why a drafter cannot train against a sharded target, or None when it can: its kind says
+    (`Drafter.unshardable`)."""
+    from draftsmith.heads import drafter_class
+
+    return drafter_class(drafter_config.type).unshardable(drafter_config)
 
 
 def check_shard(cfg) -> None:

@@ -1,7 +1,9 @@
 """Teacher-forced accuracy of a trained drafter on the eval split, per domain, next to the same
-drafter untrained: `eval_accuracy.json` in the run's output directory, and the trained drafter's
-overall means recorded in its checkpoint (`learned`), where decoding reads them (Medusa builds its
-tree from the measured per-head accuracy).
+drafter untrained: `eval_accuracy.json` in the run's output directory (beside `final/`), naming the
+checkpoint it measured. The eval stage writes only its own files, never the checkpoint: the
+consumers of the measurement (Medusa builds its tree from the measured per-head accuracy) read it
+from there explicitly (`measured_accuracy`: the speculative-decoding eval, which records what it used
+in its report; the export takes it from the report it is given).
 
 The untrained drafter is the drafter type's fresh initialisation for the same target, prepared on the
 same training data or data.draft_vocab (EAGLE-3 picks the same draft vocabulary), so the comparison is about the weights.
@@ -13,6 +15,7 @@ import json
 import re
 from collections import defaultdict
 from pathlib import Path
+from typing import Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -22,15 +25,15 @@ from draftsmith.data_prep import Collator, load_tokenized
 from draftsmith.data_prep.features import open_features
 from draftsmith.files import write_text_atomic
 from draftsmith.heads import drafter_class, load_drafter
-from draftsmith.heads.base import CONFIG_NAME, EVAL_SPLIT, Drafter
+from draftsmith.heads.base import EVAL_SPLIT, Drafter
 from draftsmith.target import TargetShape, run_target
 
 ACCURACY_NAME = "eval_accuracy.json"
 
 
 def split_accuracy(cfg: DictConfig, checkpoint: Path, target, tokenizer) -> dict:
-    """Measure, write `<output_dir>/eval_accuracy.json` and record the trained means in the
-    checkpoint; returns {"trained": {domain: {metric: mean}}, "untrained": ...}."""
+    """Measure and write `<output_dir>/eval_accuracy.json` (the checkpoint is only read); returns
+    {"checkpoint": path, "trained": {domain: {metric: mean}}, "untrained": ...}."""
     data = load_tokenized(cfg, cfg.data.eval, tokenizer, "data.eval")
     device = target.get_output_embeddings().weight.device
     trained = load_drafter(checkpoint, TargetShape.of(target, cfg.target.name_or_path), target).to(device)
@@ -48,12 +51,34 @@ def split_accuracy(cfg: DictConfig, checkpoint: Path, target, tokenizer) -> dict
     untrained.to(device)
     collate = Collator(tokenizer.pad_token_id)
     table = {
+        "checkpoint": str(checkpoint.resolve()),
         "trained": metric_means(trained, target, data, collate, cfg.train.micro_batch_size),
         "untrained": metric_means(untrained, target, data, collate, cfg.train.micro_batch_size),
     }
     write_text_atomic(Path(cfg.output_dir) / ACCURACY_NAME, json.dumps(table, indent=2) + "\n")
-    record_learned(checkpoint, {EVAL_SPLIT: table["trained"]["all"]})
     return table
+
+
+def measured_accuracy(checkpoint: Path) -> tuple[Optional[dict[str, float]], Optional[Path]]:
+    """The eval split's overall metric means of `checkpoint` (`{"head1/top1": ..., ...}`, what
+    decoding reads as `learned[EVAL_SPLIT]`) and the file they came from: `eval_accuracy.json` beside
+    the checkpoint's folder (`<output_dir>/eval_accuracy.json` for `<output_dir>/final`, where
+    train.py's eval writes it), when it measured this checkpoint; (None, None) otherwise."""
+    path = Path(checkpoint).resolve().parent / ACCURACY_NAME
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None, None
+    if not isinstance(table, dict) or table.get("checkpoint") != str(Path(checkpoint).resolve()):
+        return None, None  # another checkpoint's, or written before the file named its checkpoint
+    return dict(table["trained"]["all"]), path
+
+
+def with_measured_accuracy(drafter: Drafter, measured: Optional[dict[str, float]]) -> Drafter:
+    """`drafter` (in memory) with the eval split's measurement among what decoding reads (`learned`)."""
+    if measured:
+        drafter.learned = {**drafter.learned, EVAL_SPLIT: dict(measured)}
+    return drafter
 
 
 @torch.no_grad()
@@ -72,14 +97,6 @@ def metric_means(drafter: Drafter, target, dataset, collate, batch_size: int) ->
                 sums[domain][name] += values[row].float().cpu()
                 sums["all"][name] += values[row].float().cpu()
     return {d: {n: float(p[0] / p[1].clamp(min=1)) for n, p in sorted(s.items())} for d, s in sorted(sums.items())}
-
-
-def record_learned(checkpoint: Path, facts: dict) -> None:
-    """Add facts to a checkpoint's `learned` section (atomically rewriting its config.json)."""
-    path = checkpoint / CONFIG_NAME
-    saved = json.loads(path.read_text())
-    saved["learned"] = {**(saved.get("learned") or {}), **facts}
-    write_text_atomic(path, json.dumps(saved, indent=2) + "\n")
 
 
 def accuracy_table(table: dict) -> str:

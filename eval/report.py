@@ -193,8 +193,8 @@ def tree_info(tree: Tree) -> dict:
 
 
 def evaluate_trained_run(cfg: DictConfig, final_dir: Path) -> None:
-    """What train.py does after training: eval-split accuracy (trained vs untrained, recorded in the
-    checkpoint for decoding) when data.eval is set, then the speculative-decoding report when
+    """What train.py does after training: eval-split accuracy (trained vs untrained, written to
+    <output_dir>/eval_accuracy.json, where decoding reads it) when data.eval is set, then the speculative-decoding report when
     eval.enabled; both printed."""
     from draftsmith.eval.accuracy import accuracy_table, split_accuracy
 
@@ -245,6 +245,12 @@ def _run_eval(
         tokenizer = load_tokenizer(cfg.target)
     device = target.get_output_embeddings().weight.device
     drafter = open_drafter(checkpoint, TargetShape.of(target, name), target).to(device).eval()
+    from draftsmith.eval.accuracy import measured_accuracy, with_measured_accuracy
+
+    # What the eval split measured (Medusa's tree is built from it): the eval stage's own file, read
+    # here explicitly and recorded in the report; the checkpoint is only read.
+    measured, measured_from = measured_accuracy(checkpoint)
+    with_measured_accuracy(drafter, measured)
     # The target, or the target with the drafter's adapters (Medusa-2): the model that verifies.
     verifier = drafter.proposer(sampling.temperature).verifier or target
     methods = build_methods(cfg, drafter, target, verifier, sampling.temperature)
@@ -279,6 +285,8 @@ def _run_eval(
         sweep[int(size)] = {domain: {m.name: per_domain[domain][m.name] for m in swept} for domain in prompts}
 
     report = assemble(cfg, checkpoint, drafter, target, verifier, methods, tallies, sampling, greedy)
+    report["drafter"]["learned"] = dict(drafter.learned)  # what decoding read: the export reads it from here
+    report["drafter"]["eval_split_metrics_from"] = None if measured_from is None else str(measured_from)
     if sweep:
         report["batch_sweep"] = sweep_rows(sweep, methods, greedy)
     write_report(report, out_dir)

@@ -43,6 +43,7 @@ class Exporter:
     kinds: ClassVar[tuple[str, ...]]
     sglang_reason: ClassVar[str] = ""  # why SGLang cannot serve these kinds ("" = it can)
     vllm_formats: ClassVar[tuple[str, ...]] = ("speculators",)  # export.vllm_format values it writes
+    weights_dirs: ClassVar[tuple[str, ...]] = ()  # subfolders of an engine folder that hold its drafter
 
     def check_engines(self, kind: str, engines: list[str], vllm_format: str) -> None:
         """Whether these engines (and vLLM layout) can serve the kind at all: known before any model loads."""

@@ -10,14 +10,7 @@ from typing import Any, Optional
 from huggingface_hub import ModelCard, ModelCardData
 
 from draftsmith.export.repo import EngineRepo
-
-TITLES = {
-    "medusa": "Medusa-1",
-    "medusa2": "Medusa-2",
-    "eagle": "EAGLE-1",
-    "eagle3": "EAGLE-3",
-    "draft_model": "Draft model",
-}
+from draftsmith.heads import drafter_class
 
 
 def write_card(
@@ -38,7 +31,7 @@ def write_card(
         data.to_yaml(),
         "---",
         "",
-        f"# {TITLES.get(kind, kind)} drafter for `{info['target']['id']}` ({engine})",
+        f"# {drafter_class(kind).TITLE} drafter for `{info['target']['id']}` ({engine})",
         "",
         f"A speculative-decoding drafter trained with draftsmith for `{info['verifier']}`: {engine} proposes "
         "tokens with it and verifies them with the target in one forward pass, so the output is exactly the target's.",

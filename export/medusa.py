@@ -62,6 +62,7 @@ def medusa_expected(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 @register
 class MedusaExporter(Exporter):
     kinds = ("medusa", "medusa2")
+    weights_dirs = (HEADS_DIR,)  # a Medusa-2 folder: the heads beside the adapted target
     sglang_reason = "SGLang serves no Medusa drafter (it has neither a Medusa model nor a Medusa speculative algorithm)"
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
@@ -109,6 +110,7 @@ class MedusaExporter(Exporter):
                 if n.startswith("blocks.")
             }
         drafter.load_state_dict(tensors)
+        drafter.learned = dict(info.get("learned") or {})  # the eval split's accuracy, which shapes the tree
         merged = folder.parent / TARGET_DIR
         if folder.name == HEADS_DIR and merged.is_dir():
             device = target_model.get_output_embeddings().weight.device

@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig
 from safetensors.torch import load_file
 
-from draftsmith.errors import UserError, one_line
+from draftsmith.errors import InternalError, UserError, one_line
 from draftsmith.export import EXPORTERS, Source, exporter_for
 from draftsmith.export.gamma import recommended_gamma
 from draftsmith.export.repo import (
@@ -31,9 +31,9 @@ from draftsmith.export.repo import (
     stage_repo,
     write_json,
 )
-from draftsmith.files import file_sha256
+from draftsmith.files import checkpoint_digest
 from draftsmith.heads import load_drafter
-from draftsmith.heads.base import CONFIG_NAME, check_same_target, read_checkpoint_config
+from draftsmith.heads.base import CONFIG_NAME, EVAL_SPLIT, check_same_target, read_checkpoint_config
 from draftsmith.outputs import DirectoryLock, move_aside
 from draftsmith.target import TargetShape, load_target, resolve_device
 
@@ -48,7 +48,7 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
         exporter_for(kind).check_engines(
             kind, list(cfg.export.engines), cfg.export.vllm_format
         )  # before the target loads
-        source_digest = file_sha256(checkpoint / WEIGHTS)
+        source_digest = checkpoint_digest(checkpoint)  # its config.json as well as its weights
         claim_export_dir(output, list(cfg.export.engines), source_digest, cfg.export.overwrite)
         target = target if target is not None else load_target(cfg.target, resolve_device(cfg.eval.device))
         source = load_source(cfg, checkpoint, target)
@@ -58,6 +58,7 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
         for repo in repos.values():
             check_tensors(repo, f"{source.drafter.type} checkpoint {checkpoint}")
         report = find_report(cfg, checkpoint)
+        with_reported_accuracy(source, report)
         folders = {}
         for engine, repo in repos.items():
             staged = stage_repo(repo, output / engine, source.target)
@@ -145,6 +146,15 @@ def find_report(cfg: DictConfig, checkpoint: Path) -> Optional[dict[str, Any]]:
     return {**report, "_path": str(path)}
 
 
+def with_reported_accuracy(source: Source, report: Optional[dict[str, Any]]) -> None:
+    """What the eval report measured on the eval split and decoding read (`drafter.learned`), taken
+    from the report the export was given: the checkpoint never holds it (the eval writes only its own
+    files), and the export records it in draftsmith_export.json's `learned`."""
+    measured = ((report or {}).get("drafter", {}).get("learned") or {}).get(EVAL_SPLIT)
+    if measured:
+        source.drafter.learned = {**source.drafter.learned, EVAL_SPLIT: dict(measured)}
+
+
 def export_info(
     cfg: DictConfig, source: Source, repo: EngineRepo, gamma: int, digest: str, report: Optional[dict]
 ) -> dict[str, Any]:
@@ -201,7 +211,7 @@ def check_round_trip(exporter, source: Source, repo: EngineRepo, staged: Path, t
         if name not in again.tensors or not torch.equal(again.tensors[name].cpu(), tensor.cpu())
     ]
     if differ or set(again.tensors) != set(repo.tensors):
-        raise UserError(
+        raise InternalError(
             f"the {repo.engine} folder does not read back into the same drafter (tensors {differ[:4]} differ); this is a draftsmith bug"
         )
 
@@ -228,7 +238,9 @@ def open_drafter(path: str | Path, target_shape: TargetShape, target):
     saved = path / CONFIG_NAME
     if saved.is_file() and "draftsmith_format" in json.loads(saved.read_text()):
         return load_drafter(path, target_shape, target)
-    for folder in (path, path / "medusa", path / "vllm", path / "vllm" / "medusa", path / "sglang"):
+    inner = sorted({name for exporter in EXPORTERS.values() for name in exporter.weights_dirs})
+    engines = [path, *(path / name for name in inner), path / "vllm", *(path / "vllm" / name for name in inner)]
+    for folder in (*engines, path / "sglang"):
         if (folder / CONFIG_NAME).is_file() and (folder / WEIGHTS).is_file():
             drafter = read_folder(folder, target)
             check_same_target(drafter.target, target_shape, str(folder))

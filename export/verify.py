@@ -24,7 +24,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from draftsmith.errors import UserError, one_line
+from draftsmith.errors import EngineUnavailable, ExportCheckFailed, UserError, one_line
 from draftsmith.eval.loop import Counts, generate
 from draftsmith.eval.prompts import eos_ids_of, load_prompts
 from draftsmith.export import Source
@@ -64,7 +64,10 @@ class EngineRunner:
         except (OSError, json.JSONDecodeError):
             self.close()
             self.log.seek(0)
-            raise UserError(f"vLLM ({self.python}) gave no result: {one_line(self.log.read()[-600:])}") from None
+            raise EngineUnavailable(
+                f"vLLM ({self.python}) gave no answer (exit code {self.process.returncode}): "
+                f"{one_line(self.log.read()[-600:])}"
+            ) from None
         if not result.get("ok"):
             self.close()
         return result
@@ -86,8 +89,12 @@ def run_vllm(python: str, request: dict[str, Any]) -> dict[str, Any]:
         runner = RUNNERS[python] = EngineRunner(python)
     result = runner.run(request)
     if not result.get("ok"):
+        if result.get("error", "").startswith("ModuleNotFoundError: No module named 'vllm"):
+            raise UserError(
+                f"{python} cannot import vllm ({result['error']}): point export.vllm_python at the python of an environment that has it"
+            )
         cause = "; ".join(result.get("error_lines") or []) or result.get("error", "unknown error")
-        raise UserError(f"vLLM could not serve the export: {one_line(cause, 600)}")
+        raise ExportCheckFailed(f"vLLM could not serve the export: {one_line(cause, 600)}")
     return result
 
 
@@ -132,7 +139,8 @@ def verify_in_vllm(
     cfg: DictConfig, source: Source, repo: EngineRepo, folder: Path, gamma: int, tokenizer=None
 ) -> dict[str, Any]:
     """Check the staged vLLM `folder` in the engine (see the module docstring); the summary that goes
-    into draftsmith_export.json and the model card, or a UserError saying what failed."""
+    into draftsmith_export.json and the model card; ExportCheckFailed (exit 3) saying what failed, or
+    EngineUnavailable (exit 69) when the engine died before it answered."""
     tokenizer = tokenizer or load_tokenizer(cfg.target)
     sources = list(cfg.eval.data) or list(cfg.data.eval)
     if not sources:
@@ -218,5 +226,5 @@ def compare(
             f"vLLM's τ {tau:.3f} differs from draftsmith's {ours['tau']:.3f} by {summary['relative_difference']:+.1%} (tolerance ±{tolerance:.0%})"
         )
     if problems:
-        raise UserError(f"export check in vLLM {engine['vllm_version']} failed: {'; '.join(problems)}")
+        raise ExportCheckFailed(f"export check in vLLM {engine['vllm_version']} failed: {'; '.join(problems)}")
     return summary

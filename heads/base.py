@@ -36,8 +36,9 @@ not a token overrides `loss_tokens` (DFlash counts its blocks: heads/dflash.py).
 
 Files: `save_pretrained` writes config.json + model.safetensors; `load_drafter` reads them back and
 refuses a checkpoint made for another target. What a drafter learned from data or training that
-decoding uses (measured head accuracy, draft-vocabulary coverage) lives in one place, `learned`,
-saved under its own key in config.json, never in the config schema.
+decoding uses (draft-vocabulary coverage) lives in one place, `learned`, saved under its own key in
+config.json, never in the config schema. The eval split's measured accuracy joins `learned` in memory
+only: the eval writes it to its own file and the eval and export read it from there (eval/accuracy.py).
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 FORMAT_VERSION = 2  # 2: learned facts under "learned" (1 kept them in the drafter config)
-# `learned` key where the eval stage records the trained drafter's eval-split metric means
-# (`head2/top1`, `step1/top1`, ...; see eval/accuracy.py).
+# `learned` key (in memory, never in a checkpoint) for the trained drafter's eval-split metric means
+# (`head2/top1`, `step1/top1`, ...), read from the eval's eval_accuracy.json (see eval/accuracy.py).
 EVAL_SPLIT = "eval_split_metrics"
 
 
@@ -168,6 +169,13 @@ class Drafter(nn.Module):
     # Which serving engine can serve what the eval measures, per eval method (chain, tree): reports and
     # the README's matrix say it beside every figure. vLLM 0.32 verifies chains only; SGLang EAGLE trees.
     SERVED_BY: ClassVar[dict[str, str]] = {"chain": "vLLM", "tree": "draftsmith eval only"}
+    TITLE: ClassVar[str]  # how people name the kind (the model card's title: "EAGLE-3")
+
+    @classmethod
+    def unshardable(cls, config) -> Optional[str]:
+        """Why this kind cannot train against a target sharded over ranks (target.shard=fsdp), or None
+        when it can (draftsmith/sharding.py asks)."""
+        return None
 
     def __init__(self, config, target: TargetShape):
         super().__init__()

@@ -240,6 +240,7 @@ class DFlash(EagleBase):
     embedding and lm_head shared, frozen and not saved), decoded by `DFlashProposer`."""
 
     type = "dflash"
+    TITLE = "DFlash"
     Config = DFlashConfig
     SERVED_BY = {"chain": "vLLM (drafter.mask_token_id set)", "tree": "draftsmith eval only (DDTree)"}
 

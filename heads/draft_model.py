@@ -117,6 +117,14 @@ class DraftModelConfig(DrafterConfig):
 @register
 class DraftModel(Drafter):
     type = "draft_model"
+    TITLE = "Draft model"
+
+    @classmethod
+    def unshardable(cls, config) -> Optional[str]:
+        if config.name_or_path is None:
+            return "it copies the target's first decoder layers, of which each rank holds only pieces; set drafter.name_or_path to a separate draft model"
+        return None
+
     Config = DraftModelConfig  # max_chain stays None: an autoregressive draft proposes chains of any length
     SERVED_BY = {"chain": "vLLM, SGLang (not PARD)"}  # SGLang: STANDALONE, sequential drafting only
 

@@ -353,6 +353,7 @@ class EagleProposer(Proposer):
 @register
 class Eagle(EagleBase):
     type = "eagle"
+    TITLE = "EAGLE-1"
     Config = EagleConfig
 
     def __init__(self, config: EagleConfig, target: TargetShape):

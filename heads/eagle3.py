@@ -292,6 +292,7 @@ def token_rows(dataset) -> Iterable[tuple]:
 @register
 class Eagle3(EagleBase):
     type = "eagle3"
+    TITLE = "EAGLE-3"
     Config = Eagle3Config
 
     def __init__(self, config: Eagle3Config, target: TargetShape):
@@ -568,11 +569,11 @@ class Eagle3(EagleBase):
         stats: dict[str, torch.Tensor] = {}
         losses = []
         for step, (output, slots) in enumerate(unrolled):
-            log_q = self.draft_logits(output.index_select(0, slots[kept_rows[step], kept_cols[step]])).log_softmax(-1)
-            token_loss = -(p.index_select(0, kept_slot[step]) * log_q).sum(-1)
+            chosen = output.index_select(0, slots[kept_rows[step], kept_cols[step]])
+            token_loss, best = self.draft_loss(chosen, p, kept_slot[step])
             total = total + self.config.ttt_decay**step * token_loss.sum()
-            with torch.no_grad():  # max(-1).indices: argmax's (first maximum), about twice as fast on CPU
-                hits[kept_index[step]] = (draft_ids[log_q.max(-1).indices] == target_best[kept_slot[step]]).float()
+            with torch.no_grad():
+                hits[kept_index[step]] = (draft_ids[best] == target_best[kept_slot[step]]).float()
                 losses.append(token_loss.detach())
         with torch.no_grad():
             counted_samples = sample_of.index_select(0, kept).split(kept_per_step)
@@ -587,6 +588,42 @@ class Eagle3(EagleBase):
 
     # Bytes of full-vocabulary target logits materialised at once by `target_distribution`.
     TARGET_CHUNK_BYTES = 1 << 27
+    # Bytes of draft-vocabulary logits (float32) one tile of `draft_loss` materialises at once.
+    DRAFT_CHUNK_BYTES = 1 << 27
+
+    def draft_loss(
+        self, outputs: torch.Tensor, p: torch.Tensor, slot: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Soft cross-entropy of the draft at output features `outputs` [N, H] against the target's
+        distributions `p[slot]` ([N] rows of p [M, draft vocab]): per-position losses [N] (with grad) and
+        the draft's argmax in draft ids [N].
+
+        Tiled over positions: when the N x draft-vocab float32 logits exceed DRAFT_CHUNK_BYTES and a
+        gradient is wanted, each tile of rows runs under activation checkpointing (torch.utils.checkpoint,
+        non-reentrant), so a tile's logits, log-softmax and gathered p are freed after its forward and
+        recomputed in its backward: the step never holds more than one tile of [rows, draft vocab]
+        (TTT steps included), at the price of one more lm_head forward per tile. The same operations run
+        on the same rows: losses and gradients equal the untiled ones to float rounding
+        (tests/test_eagle3.py)."""
+        rows = max(1, self.DRAFT_CHUNK_BYTES // (4 * self.config.draft_vocab_size))
+        if len(slot) <= rows or not torch.is_grad_enabled():
+            return self.tile_loss(outputs, p, slot)
+        from torch.utils.checkpoint import checkpoint
+
+        tiles = [
+            checkpoint(self.tile_loss, chunk, p, index, use_reentrant=False)
+            for chunk, index in zip(outputs.split(rows), slot.split(rows))
+        ]
+        return torch.cat([loss for loss, _ in tiles]), torch.cat([best for _, best in tiles])
+
+    def tile_loss(
+        self, outputs: torch.Tensor, p: torch.Tensor, slot: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`draft_loss` on one tile of rows, untiled."""
+        log_q = self.draft_logits(outputs).log_softmax(-1)
+        token_loss = -(p.index_select(0, slot) * log_q).sum(-1)
+        # max(-1).indices: argmax's (first maximum), about twice as fast on CPU
+        return token_loss, log_q.detach().max(-1).indices
 
     @torch.no_grad()
     def target_distribution(

@@ -76,6 +76,7 @@ class MedusaBlocks(nn.Module):
 @register
 class Medusa(Drafter):
     type = "medusa"
+    TITLE = "Medusa-1"
     Config = MedusaConfig
 
     def __init__(self, config: MedusaConfig, target: TargetShape):

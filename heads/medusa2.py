@@ -73,6 +73,12 @@ class Medusa2Config(MedusaConfig):
 @register
 class Medusa2(Medusa):
     type = "medusa2"
+    TITLE = "Medusa-2"
+
+    @classmethod
+    def unshardable(cls, config) -> Optional[str]:
+        return "it trains LoRA adapters inside the target's layers (trainable weights inside FSDP units are not supported here)"
+
     Config = Medusa2Config
 
     def __init__(self, config: Medusa2Config, target: TargetShape):

@@ -5,7 +5,7 @@ stopped (SIGTERM or Ctrl-C ends it between checks).
 Exit codes (monitor.Outcome): 0 healthy, 10 drift (waiting), 11 retrained but not promoted,
 12 retrained and promoted (redeploy), 2 bad input, 69 an engine that does not answer or answers with a
 server error (temporary: retry), 75 stopped on SIGTERM during a retraining
-(the next check resumes it). `watch` exits only on bad input or a signal; an engine that does not
+(the next check resumes it), and as every command 3, 4, 70, 74 (docs/faults.md). `watch` exits only on bad input or a signal; an engine that does not
 answer is one line (`engine unavailable: ...`) and the next check tries again.
 """
 

@@ -30,7 +30,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from draftsmith.errors import UserError
-from draftsmith.files import file_sha256
+from draftsmith.files import checkpoint_digest
 from draftsmith.monitor import Outcome
 from draftsmith.monitor.state import State
 from draftsmith.monitor.traffic import sample, write_conversations
@@ -96,9 +96,7 @@ def deployed_checkpoint(state: State, directory: Path, run_dir: Path, target) ->
 
     deployed = state.pipeline["deployed"]
     checkpoint = Path(deployed["checkpoint"])
-    if (checkpoint / "model.safetensors").is_file() and file_sha256(checkpoint / "model.safetensors") == deployed[
-        "sha256"
-    ]:
+    if (checkpoint / "model.safetensors").is_file() and checkpoint_digest(checkpoint) == deployed["sha256"]:
         return str(checkpoint)
     rebuilt = run_dir / "deployed_checkpoint"
     if not (rebuilt / "model.safetensors").is_file():
@@ -205,7 +203,7 @@ def step_record(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -
     checkpoint = Path(train["checkpoint"])
     state.deployed = {
         "export": exported["folders"][engine], "revision": exported["revision"], "baseline": exported["report"],
-        "checkpoint": str(checkpoint), "sha256": file_sha256(checkpoint / "model.safetensors"),
+        "checkpoint": str(checkpoint), "sha256": checkpoint_digest(checkpoint),
     }  # fmt: skip
     finish(state, promoted=True, cooldown_s=cfg.monitor.cooldown_s)
     state.revisions.append({**state.deployed, "folders": exported["folders"], "gate": state.last_retrain["gate"]})

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftsmith.eval.loop import generate, prefill, propose, verify_step
 from draftsmith.eval.sampling import Sampling
-from draftsmith.heads import drafter_class, load_drafter
+from draftsmith.heads import REGISTRY, drafter_class, load_drafter
 from draftsmith.heads.base import DraftState, DraftTree, DynamicTree, Proposer, TargetShape
 from draftsmith.recipe import load_recipe
 from draftsmith.resources import recipes_dir
@@ -243,14 +243,7 @@ def demo_recipe(kind: str) -> str:
     raise AssertionError(f"no recipe trains {kind} on the demo target: add recipes/<name>.yaml")
 
 
-KINDS = {
-    "medusa": "medusa",
-    "medusa2": "medusa2",
-    "eagle": "eagle",
-    "eagle3": "eagle3",
-    "draft_model": "draft",
-    "dflash": "dflash",
-}  # kind -> recipe
+KINDS = {kind: demo_recipe(kind) for kind in sorted(REGISTRY)}  # kind -> its demo recipe, from the registry
 
 
 def save_drafter(kind: str, target, directory: Path, seed: int = 0, **config) -> Path:

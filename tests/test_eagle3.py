@@ -268,6 +268,35 @@ def test_loss_and_stats_equal_a_straightforward_reference(model, drafter, case, 
         assert expected_stats["step9/top1"][:, 1].sum() == 0 and expected_stats["step1/top1"][:, 1].sum() > 0
 
 
+@pytest.mark.parametrize("kind", ["drafter", "parallel_drafter"])
+def test_tiled_draft_loss_equals_the_untiled_one(model, kind, request, monkeypatch):
+    """`draft_loss` tiles the draft lm_head and softmax over positions (activation checkpointing per tile)
+    when a step's logits exceed DRAFT_CHUNK_BYTES: the loss, the statistics and the gradients are the
+    untiled ones to float rounding."""
+    drafter = request.getfixturevalue(kind)
+    batch = Collator(0)(loss_rows())
+    with torch.no_grad():
+        target_out = run_target(model, batch["input_ids"], request=drafter.request, **causal_lm_inputs(batch))
+    results = []
+    for tile_rows in (None, 5):  # untiled, then tiles of 5 positions (several per TTT step)
+        if tile_rows is not None:
+            monkeypatch.setattr(Eagle3, "DRAFT_CHUNK_BYTES", 4 * DRAFT_VOCAB * tile_rows)
+        drafter.zero_grad()
+        loss, count, stats = drafter(batch, target_out)
+        (loss / count).backward()
+        grads = {name: p.grad.clone() for name, p in drafter.named_parameters() if p.grad is not None}
+        results.append((loss.detach(), stats, grads))
+    drafter.zero_grad()
+    (loss, stats, grads), (tiled_loss, tiled_stats, tiled_grads) = results
+    torch.testing.assert_close(tiled_loss, loss, rtol=1e-6, atol=1e-6)
+    assert list(tiled_stats) == list(stats)
+    for name, values in stats.items():
+        torch.testing.assert_close(tiled_stats[name], values, rtol=1e-6, atol=1e-6, msg=name)
+    assert tiled_grads.keys() == grads.keys() and grads
+    for name, grad in grads.items():
+        torch.testing.assert_close(tiled_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 # -- draft vocabulary and checkpoint --------------------------------------------------------------
 def test_prepare_keeps_the_most_frequent_loss_tokens_ties_by_id(model):
     drafter = Eagle3.from_target(Eagle3.Config(aux_layers=[0, 1], draft_vocab_size=4), model, "tiny")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.errors import UserError
+from draftsmith.errors import ExportCheckFailed
 from draftsmith.export import export_checkpoint, exporter_for
 from draftsmith.export.repo import EXPORT_INFO
 from draftsmith.export.run import load_source
@@ -107,6 +107,6 @@ def test_a_silently_misread_eagle3_folder_fails_the_check(exported, target, tmp_
         config = json.loads((broken / "config.json").read_text())
         change(config)
         (broken / "config.json").write_text(json.dumps(config))
-        with pytest.raises(UserError, match="vLLM's τ .* differs from draftsmith's") as info:
+        with pytest.raises(ExportCheckFailed, match="vLLM's τ .* differs from draftsmith's") as info:
             verify_in_vllm(cfg, source, repo, broken, 3)
         assert "greedy output" not in str(info.value), name  # still lossless: only the acceptance shows it

@@ -394,3 +394,53 @@ def test_a_failed_lossless_check_writes_the_report_and_exits_3(eval_setup, tmp_p
     assert report["domains"]["all"]["chain"]["lossless"] is False
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("lossless check failed: ") and "differ from plain greedy decoding" in last
+
+
+def test_the_eval_leaves_the_checkpoint_byte_identical_and_the_export_reads_what_it_measured(
+    eval_setup, small_data, tmp_path
+):
+    """train.py's eval stage (eval-split accuracy, then the speculative-decoding report) only reads the
+    checkpoint: every file hashes the same after it. What it measured goes to its own files, the tree
+    is built from it, and the export takes it from the report it is given; the export's source digest
+    covers the checkpoint's config.json as well as its weights."""
+    import hashlib
+    import shutil
+
+    from draftsmith.eval.report import evaluate_trained_run
+    from draftsmith.export import export_checkpoint
+    from draftsmith.export.repo import EXPORT_INFO
+    from draftsmith.files import checkpoint_digest
+    from draftsmith.heads import load_drafter
+    from draftsmith.heads.base import EVAL_SPLIT
+
+    root, recipe, target = eval_setup
+    final = tmp_path / "run" / "final"
+    shutil.copytree(root / "run" / "final", final)
+
+    def hashes() -> dict[str, str]:
+        return {str(p.relative_to(final)): hashlib.sha256(p.read_bytes()).hexdigest() for p in final.rglob("*")}
+
+    before = hashes()
+    overrides = [f"recipe={recipe}", f"output_dir={final.parent}", f"data.train=[{small_data['eval']}]"]
+    overrides += ["data.max_length=96", "data.max_conversations=8", "eval.max_new_tokens=8"]
+    evaluate_trained_run(load_recipe([*overrides, "eval.enabled=true"]), final)
+    assert hashes() == before
+
+    accuracy = json.loads((final.parent / "eval_accuracy.json").read_text())
+    assert accuracy["checkpoint"] == str(final.resolve())
+    report = json.loads((final.parent / "eval" / "report.json").read_text())
+    assert report["drafter"]["learned"][EVAL_SPLIT] == accuracy["trained"]["all"]
+    assert report["drafter"]["eval_split_metrics_from"] == str(final.parent / "eval_accuracy.json")
+    measured = load_drafter(final, None, target)
+    measured.learned[EVAL_SPLIT] = accuracy["trained"]["all"]
+    assert report["methods"]["tree"]["paths"] == [list(p) for p in measured.proposer().default_tree(6)]
+
+    cfg = load_recipe([*overrides, f"export.output={tmp_path / 'export'}"])
+    folder = export_checkpoint(cfg, final, target=target)["vllm"]
+    assert hashes() == before
+    info = json.loads((folder / EXPORT_INFO).read_text())
+    assert info["learned"][EVAL_SPLIT] == accuracy["trained"]["all"]
+    assert info["source"]["sha256"] == checkpoint_digest(final)
+    config = json.loads((final / "config.json").read_text())
+    (final / "config.json").write_text(json.dumps({**config, "drafter": {**config["drafter"], "tree_topk": 3}}))
+    assert checkpoint_digest(final) != info["source"]["sha256"]  # the same weights, another config

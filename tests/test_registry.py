@@ -56,3 +56,42 @@ def test_every_kind_trains_decodes_losslessly_and_exports_or_is_refused(kind, tm
     else:
         with pytest.raises(UserError, match=f"{kind!r} has no export format"):
             export_checkpoint(cfg, final)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_kind_declares_its_title_and_whether_it_shards(kind):
+    from draftsmith.sharding import unshardable
+
+    cls = REGISTRY[kind]
+    assert isinstance(cls.TITLE, str) and cls.TITLE, f"give {cls.__name__} a TITLE (the model card's name for it)"
+    cfg = load_recipe([f"recipe={demo_recipe(kind)}"])
+    assert unshardable(cfg.drafter) == cls.unshardable(cfg.drafter)
+
+
+# Strings that equal a kind's name by coincidence: vLLM picks a speculative method from a model path that
+# contains one of these (export/repo.py refuses such export paths); they name vLLM's behaviour, not a kind.
+NOT_KIND_NAMES = {("export/repo.py", "eagle3"), ("export/repo.py", "dflash")}
+
+
+def test_no_kind_is_named_outside_its_own_files_and_the_registry():
+    """Product code knows a kind only through the registry (heads.REGISTRY, export.EXPORTERS): a string
+    equal to a kind's name appears only in heads/<kind>.py, the exporter module that declares it, and
+    its recipes (docs and tests may name kinds)."""
+    import ast
+    import inspect
+
+    own = {kind: {f"heads/{inspect.getmodule(cls).__name__.rsplit('.', 1)[-1]}.py"} for kind, cls in REGISTRY.items()}
+    for kind, exporter in EXPORTERS.items():
+        own[kind].add(f"export/{inspect.getmodule(type(exporter)).__name__.rsplit('.', 1)[-1]}.py")
+    roots = ("draftsmith", "eval", "export", "monitor", "trainer", "data_prep", "heads")
+    files = [REPO / "train.py", *(path for root in roots for path in sorted((REPO / root).rglob("*.py")))]
+    found = []
+    for path in files:
+        name = path.relative_to(REPO).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in REGISTRY:
+                if name not in own[node.value] and (name, node.value) not in NOT_KIND_NAMES:
+                    found.append(f"{name}:{node.lineno}: {node.value!r}")
+    assert not found, (
+        "kind names outside their kinds' files (declare it on the Drafter or Exporter class): " + "; ".join(found)
+    )

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith.data_prep.features import MANIFEST_NAME, file_sha256
-from draftsmith.errors import EXIT_PREEMPTED, UserError
+from draftsmith.errors import EXIT_DIVERGED, EXIT_IO_ERROR, EXIT_PREEMPTED, StorageError, UserError
 from draftsmith.outputs import LOCK_NAME, DirectoryLock
 from tests.conftest import REFERENCE_TARGET, REPO, read_log, run_entry_in_process, train_args
 
@@ -54,10 +54,10 @@ def logged_steps(output_dir: Path) -> int:
     )
 
 
-def one_error_line(stderr: str) -> str:
+def one_error_line(stderr: str, prefix: str = "error: ") -> str:
     """The error, one line, last on stderr (progress bars of work already started may precede it)."""
     lines = [line for line in stderr.splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith("error: ")]
+    errors = [line for line in lines if line.startswith(prefix)]
     assert len(errors) == 1 and lines[-1] == errors[0] and "Traceback" not in stderr, stderr[-2000:]
     return errors[0]
 
@@ -229,8 +229,8 @@ def test_a_nan_batch_is_skipped_and_counted_then_the_run_stops_naming_where(
         "train.max_nonfinite=0",
     )
     result = run_entry_in_process(["train.py", *args], capsys)
-    assert result.returncode == 2
-    line = one_error_line(result.stderr)
+    assert result.returncode == EXIT_DIVERGED
+    line = one_error_line(result.stderr, "training diverged: ")
     assert "more than train.max_nonfinite=0 steps skipped" in line and "at step " in line
     assert "target final hidden state" in line and "shard_00_00000.safetensors conversation 0" in line
 
@@ -301,8 +301,8 @@ def test_a_full_disk_during_a_checkpoint_leaves_the_previous_one_intact(
     if small_disk is not None:
         out = small_disk / "run"
         result = run_entry_in_process(["train.py", *train_args(out, small_data, token_cache, *quick)], capsys)
-        assert result.returncode == 2
-        line = one_error_line(result.stderr)
+        assert result.returncode == EXIT_IO_ERROR
+        line = one_error_line(result.stderr, "I/O error: ")
     else:  # no tmpfs here: the same failure injected where the checkpoint's weights are written
         from draftsmith.cli import train_main
 
@@ -316,9 +316,9 @@ def test_a_full_disk_during_a_checkpoint_leaves_the_previous_one_intact(
             return real_save(*args, **kwargs)
 
         monkeypatch.setattr(torch, "save", full_disk)
-        with pytest.raises(UserError) as info:
+        with pytest.raises(StorageError) as info:
             train_main(train_args(out, small_data, token_cache, *quick))
-        line = f"error: {info.value}"
+        line = f"I/O error: {info.value}"
     assert "could not write the checkpoint for step 2" in line and "no space left on device" in line
     assert f"the last complete checkpoint, {out / 'checkpoints' / 'step_0000001'}, is intact" in line
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000001"]  # no partial step_0000002.tmp

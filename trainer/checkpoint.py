@@ -36,7 +36,7 @@ from typing import Optional
 from omegaconf import DictConfig
 from safetensors import SafetensorError
 
-from draftsmith.errors import UserError, one_line
+from draftsmith.errors import StorageError, UserError, one_line
 from draftsmith.files import file_sha256
 from draftsmith.outputs import held_by_main_process, move_aside
 from draftsmith.recipe import resolve_bool_or_path
@@ -124,8 +124,8 @@ def save_final(accelerator, drafter, directory: Path, files: Optional[dict[str, 
 
 @contextlib.contextmanager
 def _writing(tmp: Path, what: str, output_dir: Path) -> Iterator[None]:
-    """Turn a failed write (a full disk, a quota, permissions) into one line and remove the partial
-    copy. The writers report a full disk differently (OSError ENOSPC from Python, SafetensorError
+    """Turn a failed write (a full disk, a quota, permissions) into one line (StorageError, exit 74)
+    and remove the partial copy. The writers report a full disk differently (OSError ENOSPC from Python, SafetensorError
     from safetensors, RuntimeError from torch.save's zip writer), so the space left decides the reason."""
     try:
         yield
@@ -136,7 +136,7 @@ def _writing(tmp: Path, what: str, output_dir: Path) -> Iterator[None]:
         free = shutil.disk_usage(output_dir).free
         full = getattr(err, "errno", None) == errno.ENOSPC or "No space left" in str(err) or free < 16 * 2**20
         reason = f"no space left on device ({free / 2**20:.1f} MiB free)" if full else one_line(err)
-        raise UserError(f"could not write the {what} under {tmp.parent}: {reason}; {intact}") from None
+        raise StorageError(f"could not write the {what} under {tmp.parent}: {reason}; {intact}") from None
 
 
 def save_drafter(accelerator, drafter, directory: Path) -> None:

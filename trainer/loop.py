@@ -54,6 +54,7 @@ from draftsmith.trainer.heldout import (
     split_heldout,
 )
 from draftsmith.trainer.nonfinite import report_nonfinite
+from draftsmith.trainer.observe import FlopCounter, StepProfiler, mfu, parameter_counts, peak_memory_mb
 
 log = logging.getLogger("draftsmith.train")
 
@@ -102,7 +103,13 @@ def train(cfg: DictConfig) -> Path:
     progress = tqdm(total=max_steps, initial=state.step, desc="train", disable=not accelerator.is_main_process)
     interval_stats: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(2, device=accelerator.device))
     interval_tokens, interval_positions, interval_start = 0, 0, time.perf_counter()  # this rank's
-    interval_global_tokens = 0  # all ranks'
+    interval_global_tokens, interval_rows = 0, 0  # all ranks' tokens; this rank's rows
+    # Observability (trainer/observe.py): parameter counts once, MFU and peak memory at log_every, the profiler
+    parameters = parameter_counts(run.target, module)
+    flops = FlopCounter(run.target, module)
+    profiler = StepProfiler(cfg.train.profile_steps, output_dir, rank)
+    log.info("parameters: %s trainable, %s frozen", f"{parameters['trainable']:,}", f"{parameters['frozen']:,}")
+    log_step(accelerator, output_dir, state.step, {f"params/{k}": v for k, v in parameters.items()})
     data_checksum = 0  # fingerprint of the token ids this rank trained on (for distributed checks)
     stop = StopRequest()
     upcoming = next_step(stream, module, cfg.train.grad_accum)
@@ -111,6 +118,7 @@ def train(cfg: DictConfig) -> Path:
     with stop.on_sigterm():
         while state.step < max_steps:
             step, nonfinite, step_tokens = upcoming, False, agreed.tokens  # agreed for this step, all ranks
+            profiler.before_step(state.step + 1)
             scale = loss_scale(accelerator, agreed.loss_tokens)
             step_loss = torch.zeros((), device=accelerator.device)
             step_stats: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(2, device=accelerator.device))
@@ -147,7 +155,9 @@ def train(cfg: DictConfig) -> Path:
             interval_tokens += step.tokens
             interval_positions += step.positions
             interval_global_tokens += step_tokens
+            interval_rows += step.rows
             progress.update(1)
+            profiler.after_step(state.step)
 
             row: dict[str, float] = {}  # this step's log row
             if state.step % cfg.train.log_every == 0 or state.step == max_steps:
@@ -157,12 +167,17 @@ def train(cfg: DictConfig) -> Path:
                 metrics["tokens_per_s"] = interval_global_tokens / max(elapsed, 1e-9)
                 metrics["padding_fraction"] = 1 - interval_tokens / max(interval_positions, 1)  # this rank's
                 metrics["skipped_steps"] = state.skipped_steps
+                per_token = flops.per_token(interval_positions / max(interval_rows, 1))["total"]
+                metrics["model_tflops_per_s"] = per_token * metrics["tokens_per_s"] / 1e12  # all ranks together
+                if cfg.train.peak_tflops:
+                    metrics["mfu"] = mfu(per_token, metrics["tokens_per_s"], cfg.train.peak_tflops, world)
+                metrics["peak_memory_mb"] = peak_memory_mb(accelerator.device)  # this rank's
                 row |= {f"train/{k}": v for k, v in metrics.items()}
                 if "loss" in metrics:
                     progress.set_postfix(loss=f"{metrics['loss']:.3f}")
                 interval_stats.clear()
                 interval_tokens, interval_positions, interval_start = 0, 0, time.perf_counter()
-                interval_global_tokens = 0
+                interval_global_tokens, interval_rows = 0, 0
             if (
                 run.heldout is not None
                 and cfg.train.eval_every > 0
@@ -192,6 +207,7 @@ def train(cfg: DictConfig) -> Path:
             if cfg.train.save_every > 0 and state.step % cfg.train.save_every == 0 and state.step < max_steps:
                 save_checkpoint(accelerator, drafter, state, output_dir, cfg.train.keep_checkpoints)
     progress.close()
+    profiler.after_step(state.step, final=True)  # a range past the run's end: what was profiled
 
     # -- the end: final checkpoint ----------------------------------------------------------------
     save_checkpoint(accelerator, drafter, state, output_dir, cfg.train.keep_checkpoints)
@@ -199,7 +215,7 @@ def train(cfg: DictConfig) -> Path:
     save_final(accelerator, drafter, final_dir)
     if accelerator.is_main_process and state.curve:
         write_curve(output_dir, state.curve, state.best)
-    write_run_summary(accelerator, output_dir, drafter, state, data_checksum, run.target)
+    write_run_summary(accelerator, output_dir, drafter, state, data_checksum, run.target, parameters)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # also ends the process group: nothing collective after this
     return final_dir
@@ -425,6 +441,7 @@ class StepData:
     loss_tokens: int  # sum of the drafter's loss_tokens (heads/base.py)
     tokens: int  # attention-mask tokens
     positions: int  # tokens plus padding: what the forward pays for
+    rows: int  # rows of the micro-batches (positions / rows: the row length the attention runs over)
     checksum: int  # sum of the token ids
 
 
@@ -438,6 +455,7 @@ def next_step(stream, drafter, grad_accum: int) -> StepData:
         loss_tokens=sum(int(drafter.loss_tokens(batch)) for batch in counted),
         tokens=sum(int(batch["attention_mask"].sum()) for batch in counted),
         positions=sum(batch["input_ids"].numel() for batch in counted),
+        rows=sum(batch["input_ids"].shape[0] for batch in counted),
         checksum=sum(int(batch["input_ids"].sum()) for batch in counted),
     )
 
@@ -490,9 +508,18 @@ def log_step(accelerator, output_dir: Path, step: int, metrics: dict[str, float]
             f.write(json.dumps({"step": step, **{k: round(v, 6) for k, v in metrics.items()}}) + "\n")
 
 
-def write_run_summary(accelerator, output_dir: Path, drafter, state: TrainerState, data_checksum: int, target) -> None:
+def write_run_summary(
+    accelerator,
+    output_dir: Path,
+    drafter,
+    state: TrainerState,
+    data_checksum: int,
+    target,
+    parameters: dict[str, int] | None = None,
+) -> None:
     """Per-rank facts for checking a distributed run: identical weights, different data, and the
-    bytes of target parameters each rank holds (all of them, or its pieces under target.shard=fsdp)."""
+    bytes of target parameters each rank holds (all of them, or its pieces under target.shard=fsdp);
+    `parameters`: the run's trainable and frozen parameter counts (trainer/observe.py)."""
     module = accelerator.unwrap_model(drafter)
     checksum = float(sum(p.detach().double().sum() for p in module.parameters()))
     mine = {
@@ -504,6 +531,8 @@ def write_run_summary(accelerator, output_dir: Path, drafter, state: TrainerStat
     ranks = accelerator.gather_for_metrics([mine], use_gather_object=True)
     if accelerator.is_main_process:
         summary = {"world_size": accelerator.num_processes, "steps": state.step, "ranks": ranks}
+        if parameters is not None:
+            summary["parameters"] = parameters
         (output_dir / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if not math.isfinite(checksum):
             raise RuntimeError("drafter weights are not finite after training")

@@ -9,7 +9,7 @@ import math
 import torch
 from omegaconf import DictConfig
 
-from draftsmith.errors import UserError
+from draftsmith.errors import TrainingDiverged
 from draftsmith.heads import Drafter
 from draftsmith.target import TargetOutput
 from draftsmith.trainer.checkpoint import TrainerState
@@ -27,7 +27,7 @@ def report_nonfinite(
     state: TrainerState,
 ) -> None:
     """Log where a non-finite loss or gradient first appeared, with the batch's samples; raise a
-    UserError once `train.max_nonfinite` steps have been skipped. Collective: every rank calls it."""
+    TrainingDiverged (exit 4) once more than `train.max_nonfinite` steps have been skipped. Collective: every rank calls it."""
     where = locate_nonfinite(accelerator.unwrap_model(drafter), batch, target_out, loss)
     found = accelerator.gather_for_metrics(
         [{"rank": accelerator.process_index, "where": where, "samples": batch.get("sample", [])}],
@@ -40,7 +40,7 @@ def report_nonfinite(
     )
     message = f"non-finite loss or gradient at step {state.step + 1}, step skipped ({state.skipped_steps} so far): {description}"
     if state.skipped_steps > cfg.train.max_nonfinite:
-        raise UserError(
+        raise TrainingDiverged(
             f"stopping: more than train.max_nonfinite={cfg.train.max_nonfinite} steps skipped; last {message}"
         )
     log.warning(message)

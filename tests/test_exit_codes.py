@@ -1,0 +1,203 @@
+"""Exit codes a scheduler can act on (docs/faults.md): one code per kind of failure, the same in every
+stage, each provoked here through a real entry point run in this process. 2 is bad input only; 3 a
+failed correctness check; 4 a diverged training run; 69 an engine that died; 70 a draftsmith bug (its
+traceback kept in a log file); 74 a full disk; 75 SIGTERM; 130 Ctrl-C. Also proved elsewhere, in real
+processes or with real faults: 3 by the eval (tests/test_eval.py), 69 by a killed vLLM regeneration
+(tests/test_regenerate_vllm.py), 74 by a real tmpfs filling during a checkpoint and 75 by a real
+SIGTERM during training (tests/test_reliability.py), 10/11/12 by the monitor (tests/test_monitor.py)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from draftsmith import errors
+from draftsmith.target import load_target
+from tests.conftest import REFERENCE_TARGET, run_entry_in_process, train_args
+from tests.helpers import save_drafter
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def only_line(result, prefix: str) -> str:
+    """The one line a failure ends with: last on stderr, the only one starting with `prefix`, no traceback."""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith(prefix), result.stderr[-2000:]
+    assert [line for line in lines if line.startswith(prefix)] == [lines[-1]], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    return lines[-1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return save_drafter("medusa", load_target(str(REFERENCE_TARGET)), tmp_path_factory.mktemp("exit") / "final")
+
+
+def fake_vllm(directory: Path, body: str) -> str:
+    """A stand-in for export.vllm_python: an executable that speaks the engine worker's protocol
+    (draftsmith/engine_scripts/vllm_run.py: one JSON request per line on stdin, one result per line)
+    the way a failing engine does. The real engine cannot be made to die or refuse on cue cheaply
+    (the real one, killed, is tests/test_regenerate_vllm.py's)."""
+    path = directory / "fake-vllm-python"
+    path.write_text(f"#!{sys.executable}\nimport json, sys\nrequest = sys.stdin.readline()\n{body}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def export(checkpoint: Path, tmp_path: Path, capsys, *extra: str):
+    args = [
+        "-m",
+        "export",
+        "recipe=medusa",
+        f"drafter.path={checkpoint}",
+        f"output_dir={tmp_path / 'run'}",
+        f"export.output={tmp_path / 'export'}",
+        "eval.max_prompts=1",
+        "eval.max_new_tokens=4",
+        *extra,
+    ]
+    return run_entry_in_process(args, capsys)
+
+
+def test_bad_input_exits_2(checkpoint, tmp_path, capsys):
+    result = export(checkpoint, tmp_path, capsys, "export.engines=[tensorrt]")
+    assert result.returncode == errors.EXIT_USER_ERROR == 2
+    assert "export.engines=['tensorrt']" in only_line(result, "error: ")
+
+
+def test_an_engine_that_dies_during_the_export_check_exits_69(checkpoint, tmp_path, capsys):
+    """The same code as a vLLM regeneration whose engine dies: retry the same command."""
+    python = fake_vllm(tmp_path, "sys.stderr.write('engine core died\\n'); sys.exit(1)")
+    result = export(checkpoint, tmp_path, capsys, f"export.vllm_python={python}")
+    assert result.returncode == errors.EXIT_ENGINE_UNAVAILABLE == 69
+    line = only_line(result, "engine unavailable: ")
+    assert "gave no answer (exit code 1)" in line and "engine core died" in line
+    assert not (tmp_path / "export" / "vllm").exists()  # nothing published
+
+
+def test_an_engine_that_refuses_the_export_exits_3(checkpoint, tmp_path, capsys):
+    """An engine that answers but cannot serve the folder: the export failed its check (as a τ or
+    lossless mismatch in the engine would), not bad input and not worth a retry."""
+    reply = {"ok": False, "error": "ValueError: unknown speculative method", "error_lines": []}
+    python = fake_vllm(tmp_path, f"print(json.dumps({reply!r}), flush=True); sys.exit(1)")
+    result = export(checkpoint, tmp_path, capsys, f"export.vllm_python={python}")
+    assert result.returncode == errors.EXIT_CHECK_FAILED == 3
+    assert "vLLM could not serve the export: ValueError: unknown speculative method" in only_line(
+        result, "check failed: "
+    )
+    assert not (tmp_path / "export" / "vllm").exists()
+
+
+def test_a_full_disk_exits_74_wherever_it_is_met(checkpoint, tmp_path, monkeypatch, capsys):
+    """ENOSPC injected where the export writes draftsmith_export.json (a real full disk during a
+    checkpoint, on a tmpfs: tests/test_reliability.py)."""
+    import draftsmith.export.run as run
+
+    def full_disk(path, value):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(run, "write_json", full_disk)
+    result = export(checkpoint, tmp_path, capsys)
+    assert result.returncode == errors.EXIT_IO_ERROR == 74
+    line = only_line(result, "I/O error: ")
+    assert "no space left on device" in line and "draftsmith_export.json" in line
+    assert not (tmp_path / "export" / "vllm").exists()
+
+
+def test_a_draftsmith_bug_exits_70_with_its_traceback_in_a_log_file(checkpoint, tmp_path, monkeypatch, capsys):
+    import draftsmith.export.run as run
+
+    def broken(*args, **kwargs):
+        raise KeyError("num_heads")  # an exception no stage raises on purpose
+
+    monkeypatch.setattr(run, "serving_gamma", broken)
+    monkeypatch.delenv(errors.DEBUG_ENV, raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    result = export(checkpoint, tmp_path, capsys)
+    assert result.returncode == errors.EXIT_INTERNAL == 70
+    line = only_line(result, "internal error (a draftsmith bug, please report it): KeyError: 'num_heads'")
+    (log,) = tmp_path.glob("draftsmith-error-*.log")
+    assert f"traceback in {log}" in line and f"{errors.DEBUG_ENV}=1" in line
+    assert "Traceback" in log.read_text() and "in broken" in log.read_text()
+
+    monkeypatch.setenv(errors.DEBUG_ENV, "1")  # or on stderr, above the line
+    result = export(checkpoint, tmp_path, capsys)
+    assert result.returncode == 70 and "in broken" in result.stderr
+    assert result.stderr.strip().splitlines()[-1].endswith("the traceback is above")
+
+
+def test_a_readback_that_differs_is_a_draftsmith_bug_not_bad_input(checkpoint, tmp_path, monkeypatch, capsys):
+    import draftsmith.export.run as run
+
+    real = run.read_folder
+
+    def changed(folder, target):
+        drafter = real(folder, target)
+        next(drafter.parameters()).data.add_(1.0)
+        return drafter
+
+    monkeypatch.setattr(run, "read_folder", changed)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    result = export(checkpoint, tmp_path, capsys)
+    assert result.returncode == errors.EXIT_INTERNAL
+    assert "does not read back into the same drafter" in only_line(result, "internal error")
+
+
+def test_sigterm_exits_75_and_ctrl_c_130(checkpoint, tmp_path, monkeypatch, capsys):
+    """A real SIGTERM to this process while the export runs (during training, where a checkpoint is
+    saved first: tests/test_reliability.py)."""
+    import draftsmith.export.run as run
+
+    real = run.serving_gamma
+
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(run, "serving_gamma", signalled)
+    result = export(checkpoint, tmp_path, capsys)
+    assert result.returncode == errors.EXIT_PREEMPTED == 75
+    only_line(result, "preempted: ")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "serving_gamma", interrupted)
+    result = export(checkpoint, tmp_path / "again", capsys)
+    assert result.returncode == errors.EXIT_INTERRUPTED == 130
+    assert result.stderr.strip().splitlines()[-1] == "interrupted"
+
+
+def test_a_diverged_training_run_exits_4(tmp_path, small_data, token_cache, capsys):
+    """A learning rate that blows the weights up: every step after the first is non-finite, and past
+    train.max_nonfinite the run stops with one line naming where."""
+    args = train_args(
+        tmp_path / "run",
+        small_data,
+        token_cache,
+        "data.max_conversations=8",
+        "train.max_steps=4",
+        "train.warmup_steps=0",
+        "train.lr=1e30",
+        "train.max_nonfinite=0",
+        "data.eval=[]",
+    )
+    result = run_entry_in_process(["train.py", *args], capsys)
+    assert result.returncode == errors.EXIT_DIVERGED == 4
+    line = only_line(result, "training diverged: ")
+    assert "more than train.max_nonfinite=0 steps skipped" in line and "non-finite loss or gradient at step" in line
+
+
+def test_every_outcome_has_its_own_code():
+    codes = [code for _, code, _ in errors.OUTCOMES if code != errors.EXIT_CHECK_FAILED]
+    codes += [errors.EXIT_CHECK_FAILED, errors.EXIT_INTERNAL, errors.EXIT_INTERRUPTED]
+    assert len(codes) == len(set(codes))
+    from draftsmith.monitor import Outcome
+
+    assert not {int(outcome) for outcome in Outcome} & set(codes)  # the monitor's 0, 10, 11, 12
