@@ -53,9 +53,16 @@ def run(args: list[str]) -> float:
     return time.perf_counter() - start
 
 
+ENGINES = None  # the benchmark's one EngineSession: vLLM imported once for every run
+
+
 def vllm(python: str, target: str, prompts: list[list[int]], new_tokens: int, speculative_config) -> dict:
     """One engine (draftsmith/engine_scripts/vllm_run.py, one runner process for the benchmark), one prompt at a time."""
-    from draftsmith.export.verify import run_vllm
+    global ENGINES
+    if ENGINES is None:
+        from draftsmith.export.verify import EngineSession
+
+        ENGINES = EngineSession()
 
     request = {
         "target": target,
@@ -68,7 +75,7 @@ def vllm(python: str, target: str, prompts: list[list[int]], new_tokens: int, sp
         "warmup": 2,
         "runs": [{"name": "run", "speculative_config": speculative_config}],
     }
-    result = run_vllm(python, request)
+    result = ENGINES.run(python, request)
     return {"vllm_version": result["vllm_version"], **result["runs"]["run"]}
 
 

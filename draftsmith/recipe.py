@@ -209,14 +209,6 @@ def check_data(d) -> None:
         f"data.max_conversations={d.max_conversations} must be >= 1 (or null for all)",
     )
     require(
-        not (d.online is True and d.features is not None),
-        "data.online=true and data.features are both set: train from the target or from captured features",
-    )
-    require(
-        not (d.online is False and d.features is None),
-        "data.online=false needs data.features=<a data_prep.capture directory>",
-    )
-    require(
         d.pack_length is None or d.pack_length >= d.max_length,
         f"data.pack_length={d.pack_length} must be >= data.max_length={d.max_length}: a conversation is packed whole into one row",
     )

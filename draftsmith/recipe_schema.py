@@ -93,7 +93,6 @@ class DataSection:
     # ranks more of a large vocabulary (tokens never seen tie, and fall to the lowest ids).
     draft_vocab: Optional[List[str]] = None
     features: Optional[str] = None  # a data_prep.capture directory to train from instead of running the target
-    online: Optional[bool] = None  # run the frozen target inside each step; default: yes unless `features` is set
     # Sequence packing: each micro-batch's conversations laid end to end in rows of pack_length tokens
     # (default max_length), attention and positions per conversation; same losses, less padding.
     pack: bool = False

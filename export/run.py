@@ -10,6 +10,7 @@ loaded in vLLM when `export.vllm_python` names a Python that has it, given its m
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
@@ -40,8 +41,9 @@ from draftsmith.target import TargetShape, load_target, resolve_device
 EXPORT_FORMAT = 1
 
 
-def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=None) -> dict[str, Path]:
-    """Export `checkpoint` for every engine in export.engines; returns engine -> folder."""
+def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=None, engines=None) -> dict[str, Path]:
+    """Export `checkpoint` for every engine in export.engines; returns engine -> folder. `engines`: an
+    export.verify.EngineSession to run the vLLM check in (one of its own, closed at the end, if None)."""
     output = Path(cfg.export.output or Path(cfg.output_dir) / "export")
     with DirectoryLock(output):
         kind = read_checkpoint_config(checkpoint)["drafter_type"]
@@ -66,9 +68,10 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
             write_json(staged / EXPORT_INFO, info)
             check_round_trip(exporter, source, repo, staged, target, gamma, output / engine)
             if engine == "vllm" and cfg.export.vllm_python:
-                from draftsmith.export.verify import verify_in_vllm
+                from draftsmith.export.verify import EngineSession, verify_in_vllm
 
-                info["verified"] = verify_in_vllm(cfg, source, repo, staged, gamma, tokenizer)
+                with nullcontext(engines) if engines is not None else EngineSession() as session:
+                    info["verified"] = verify_in_vllm(cfg, source, repo, staged, gamma, session, tokenizer)
                 write_json(staged / EXPORT_INFO, info)
             from draftsmith.export.card import write_card
 

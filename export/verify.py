@@ -13,7 +13,6 @@ need not match draftsmith's. The engine side is draftsmith/engine_scripts/vllm_r
 
 from __future__ import annotations
 
-import atexit
 import json
 import select
 import subprocess
@@ -36,8 +35,8 @@ ENGINE_TIMEOUT_S = 1800
 
 class EngineRunner:
     """draftsmith/engine_scripts/vllm_run.py --serve under one vLLM Python: requests in, results out,
-    one line each. It stays up for the next check in this process (a session that exports several
-    drafters imports vLLM once) and is replaced after any failure."""
+    one line each. It stays up for the next request of its EngineSession and is replaced after any
+    failure."""
 
     def __init__(self, python: str):
         self.log = tempfile.TemporaryFile(mode="w+")  # vLLM's log: kept for the error message, never piped unread
@@ -76,38 +75,55 @@ class EngineRunner:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
-        RUNNERS.pop(self.python, None)
 
-
-RUNNERS: dict[str, EngineRunner] = {}  # by vLLM Python, for the life of this process
-
-
-def run_vllm(python: str, request: dict[str, Any]) -> dict[str, Any]:
-    """Run `request` (see draftsmith/engine_scripts/vllm_run.py) in the EngineRunner for `python`; its JSON result."""
-    runner = RUNNERS.get(python)
-    if runner is None or runner.process.poll() is not None:
-        runner = RUNNERS[python] = EngineRunner(python)
-    result = runner.run(request)
-    if not result.get("ok"):
-        if result.get("error", "").startswith("ModuleNotFoundError: No module named 'vllm"):
-            raise UserError(
-                f"{python} cannot import vllm ({result['error']}): point export.vllm_python at the python of an environment that has it"
-            )
-        cause = "; ".join(result.get("error_lines") or []) or result.get("error", "unknown error")
-        raise ExportCheckFailed(f"vLLM could not serve the export: {one_line(cause, 600)}")
-    return result
-
-
-@atexit.register
-def close_runners() -> None:
-    for runner in list(RUNNERS.values()):
-        if runner.process.poll() is not None:
-            continue
-        runner.process.stdin.close()  # end of input: the runner exits by itself
+    def finish(self) -> None:
+        """End of input: the runner exits by itself (killed if it does not within 30 s)."""
+        if self.process.poll() is not None:
+            return
+        self.process.stdin.close()
         try:
-            runner.process.wait(timeout=30)
+            self.process.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            runner.close()
+            self.close()
+
+
+class EngineSession:
+    """The vLLM work of one caller, explicitly: one EngineRunner per vLLM Python (vLLM is imported once
+    for every check of the session) and the target's plain greedy runs already made (checking several
+    drafters of one target runs the target alone once). `export_checkpoint` opens one per export unless
+    its caller passes one in to share (a benchmark or a test session exporting many drafters); nothing
+    is kept between sessions. A context manager: leaving it ends the runners."""
+
+    def __init__(self):
+        self.runners: dict[str, EngineRunner] = {}
+        self.plain_runs: dict[str, dict[str, Any]] = {}
+
+    def run(self, python: str, request: dict[str, Any]) -> dict[str, Any]:
+        """Run `request` (see draftsmith/engine_scripts/vllm_run.py) under `python`; its JSON result."""
+        runner = self.runners.get(python)
+        if runner is None or runner.process.poll() is not None:
+            runner = self.runners[python] = EngineRunner(python)
+        result = runner.run(request)
+        if not result.get("ok"):
+            self.runners.pop(python, None)
+            if result.get("error", "").startswith("ModuleNotFoundError: No module named 'vllm"):
+                raise UserError(
+                    f"{python} cannot import vllm ({result['error']}): point export.vllm_python at the python of an environment that has it"
+                )
+            cause = "; ".join(result.get("error_lines") or []) or result.get("error", "unknown error")
+            raise ExportCheckFailed(f"vLLM could not serve the export: {one_line(cause, 600)}")
+        return result
+
+    def close(self) -> None:
+        for runner in self.runners.values():
+            runner.finish()
+        self.runners.clear()
+
+    def __enter__(self) -> EngineSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def draftsmith_side(
@@ -136,7 +152,7 @@ def draftsmith_side(
 
 
 def verify_in_vllm(
-    cfg: DictConfig, source: Source, repo: EngineRepo, folder: Path, gamma: int, tokenizer=None
+    cfg: DictConfig, source: Source, repo: EngineRepo, folder: Path, gamma: int, session: EngineSession, tokenizer=None
 ) -> dict[str, Any]:
     """Check the staged vLLM `folder` in the engine (see the module docstring); the summary that goes
     into draftsmith_export.json and the model card; ExportCheckFailed (exit 3) saying what failed, or
@@ -167,16 +183,11 @@ def verify_in_vllm(
         **repo.options,
     }
     request["runs"] = [{"name": "speculative", "speculative_config": speculative}]
-    if plain_key not in PLAIN_RUNS:
+    if plain_key not in session.plain_runs:
         request["runs"].insert(0, {"name": "plain", "speculative_config": None})
-    engine = run_vllm(cfg.export.vllm_python, request)
-    engine["runs"]["plain"] = PLAIN_RUNS.setdefault(plain_key, engine["runs"].get("plain"))
+    engine = session.run(cfg.export.vllm_python, request)
+    engine["runs"]["plain"] = session.plain_runs.setdefault(plain_key, engine["runs"].get("plain"))
     return compare(engine, ours, gamma, float(cfg.export.tolerance), len(prompts), max_new)
-
-
-# The engine's plain greedy outputs by vLLM Python, target files and request: checking several drafters
-# of one target in one process runs the target alone once.
-PLAIN_RUNS: dict[str, dict[str, Any]] = {}
 
 
 def stamp(directory: Path) -> list:

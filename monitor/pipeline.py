@@ -115,7 +115,6 @@ def step_train(cfg: DictConfig, directory: Path, state: State, run_dir: Path) ->
     changes = {
         "data.train": [regenerated] * cfg.monitor.new_data_weight + list(cfg.data.train),
         "data.features": None,
-        "data.online": None,
         "data.eval": [],
         "train.init_from": start,
         "train.resume": "true",

@@ -120,6 +120,16 @@ def vllm_python() -> str:
     return str(venv / "bin" / "python")
 
 
+@pytest.fixture(scope="session")
+def engine_session():
+    """One EngineSession for this test process's export checks: vLLM is imported once, and the
+    target's plain greedy run is made once per target and prompts."""
+    from draftsmith.export.verify import EngineSession
+
+    with EngineSession() as session:
+        yield session
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models run several times faster on one thread (no pool wake-ups per op); on a shared

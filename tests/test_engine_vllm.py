@@ -59,7 +59,7 @@ def target():
 
 
 @pytest.fixture(scope="module")
-def exported(vllm_python, target, tmp_path_factory, small_data, token_cache):
+def exported(vllm_python, engine_session, target, tmp_path_factory, small_data, token_cache):
     """case -> (recipe, checkpoint, vLLM folder): each case trained once and exported (the export checked
     in vLLM on the way) once per module; cases that differ only in export.* settings share the training."""
     checkpoints: dict[tuple, Path] = {}
@@ -76,7 +76,7 @@ def exported(vllm_python, target, tmp_path_factory, small_data, token_cache):
             final = checkpoints[recipe, training]
             cfg = load_recipe([f"recipe={recipe}", "train.max_steps=20", *common(final.parent, small_data, token_cache), *overrides,
                                f"export.vllm_python={vllm_python}", f"export.output={tmp_path_factory.mktemp('export')}"])  # fmt: skip
-            done[case] = (cfg, final, export_checkpoint(cfg, final, target=target)["vllm"])
+            done[case] = (cfg, final, export_checkpoint(cfg, final, target=target, engines=engine_session)["vllm"])
         return done[case]
 
     return export_case
@@ -94,7 +94,7 @@ def test_an_exported_drafter_runs_in_vllm_like_in_draftsmith(case, exported):
     assert "## In vLLM" in (folder / "README.md").read_text()
 
 
-def test_a_silently_misread_eagle3_folder_fails_the_check(exported, target, tmp_path):
+def test_a_silently_misread_eagle3_folder_fails_the_check(exported, engine_session, target, tmp_path):
     """The EAGLE-3 case's drafter (it accepts often enough for the mistakes to show), its folder
     broken two ways after the export passed the check."""
     cfg, checkpoint, folder = exported("eagle3")
@@ -108,5 +108,5 @@ def test_a_silently_misread_eagle3_folder_fails_the_check(exported, target, tmp_
         change(config)
         (broken / "config.json").write_text(json.dumps(config))
         with pytest.raises(ExportCheckFailed, match="vLLM's τ .* differs from draftsmith's") as info:
-            verify_in_vllm(cfg, source, repo, broken, 3)
+            verify_in_vllm(cfg, source, repo, broken, 3, engine_session)
         assert "greedy output" not in str(info.value), name  # still lossless: only the acceptance shows it

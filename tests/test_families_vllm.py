@@ -40,7 +40,7 @@ CASES = {  # case -> (family, extra overrides)
 
 
 @pytest.fixture(scope="module")
-def served(vllm_python, tmp_path_factory, small_data, token_cache):
+def served(vllm_python, engine_session, tmp_path_factory, small_data, token_cache):
     targets = {}
 
     def serve(family: str, overrides: list[str]):
@@ -55,7 +55,7 @@ def served(vllm_python, tmp_path_factory, small_data, token_cache):
         ]  # fmt: skip
         final, _ = train_in_process(args)
         cfg = load_recipe([*args, f"export.vllm_python={vllm_python}", f"export.output={tmp_path_factory.mktemp('x')}"])
-        return final, cfg
+        return final, cfg, engine_session
 
     return serve
 
@@ -63,8 +63,8 @@ def served(vllm_python, tmp_path_factory, small_data, token_cache):
 @pytest.mark.parametrize("case", list(CASES))
 def test_eagle3_for_a_family_is_served_by_vllm_like_in_draftsmith(case, served):
     family, overrides = CASES[case]
-    final, cfg = served(family, overrides)
-    folder = export_checkpoint(cfg, final)["vllm"]
+    final, cfg, session = served(family, overrides)
+    folder = export_checkpoint(cfg, final, engines=session)["vllm"]
     verified = json.loads((folder / EXPORT_INFO).read_text())["verified"]
     assert verified["lossless"] and verified["equals_draftsmith_plain"], verified
     assert verified["counters"]["num_accepted_tokens"] > 0, verified
@@ -75,7 +75,7 @@ def test_eagle3_for_a_family_is_served_by_vllm_like_in_draftsmith(case, served):
 
 def test_a_target_vllm_cannot_capture_for_eagle3_is_refused_in_one_line(served):
     """vLLM 0.32's Gemma-3 has no EAGLE-3 hidden-state capture: the export says so and writes nothing."""
-    final, cfg = served("gemma3_text", ["train.max_steps=2"])
+    final, cfg, _ = served("gemma3_text", ["train.max_steps=2"])
     with pytest.raises(
         UserError, match="cannot capture the hidden states EAGLE-3 drafters read from a Gemma3ForCausalLM"
     ) as info:

@@ -193,12 +193,3 @@ def assert_one_line_exit_2(result) -> None:
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert "Traceback" not in result.stderr
-
-
-def test_online_and_features_are_exclusive():
-    assert load_recipe(["recipe=medusa", "data.online=true"]).data.online is True
-    assert load_recipe(["recipe=medusa", "data.features=/x", "data.online=false"]).data.features == "/x"
-    with pytest.raises(UserError, match="both set"):
-        load_recipe(["recipe=medusa", "data.features=/x", "data.online=true"])
-    with pytest.raises(UserError, match="needs data.features"):
-        load_recipe(["recipe=medusa", "data.online=false"])
