@@ -11,8 +11,8 @@ the generic spelling of mixture-of-experts sizes, set where the config class has
 Every weight of two or more dimensions is drawn from N(0, std²) (std 0.08 makes greedy decoding
 decisive on a tiny model: the top logit wins by a clear margin, so engines agree token for token).
 
-`python -m draftsmith.random_target MODEL_TYPE DIRECTORY` writes one such target with the demo
-target's tokenizer, ready for `target.name_or_path=DIRECTORY`.
+`python -m draftsmith.random_target MODEL_TYPE DIRECTORY [--seed-from-demo]` writes one such target
+with the demo target's tokenizer, ready for `target.name_or_path=DIRECTORY`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -91,17 +92,10 @@ def build_model(
     seed: int = 0,
     device: str | torch.device = "cpu",
     dtype=torch.float32,
-    last_layer_scale: float = 1.0,
-    head_scale: float = 1.0,
     seed_from: Optional[str | Path] = None,
 ):
     """The causal LM of `config` with random weights (every >= 2-D weight from N(0, std²); norms and
-    biases as the family initialises them), in eval mode. `last_layer_scale` < 1 shrinks the last
-    decoder layer's weights: its contribution to the residual stream becomes small, so the next token
-    is nearly a function of the states a drafter captures below it, learnable in a few dozen steps
-    (what an engine check needs: accepted drafts, from a drafter trained in seconds). `head_scale`
-    multiplies the lm_head (a tied one with the embedding): sharper next-token distributions.
-    `seed_from`: a checkpoint directory (model.safetensors) whose tensors replace the random ones
+    biases as the family initialises them), in eval mode. `seed_from`: a checkpoint directory (model.safetensors) whose tensors replace the random ones
     wherever name and shape match, by name only, whatever the families: a trained model's weights
     make the target's text predictable, so a drafter learns something within seconds, while every
     part the family does differently (its norms, fused projections, experts, biases) stays its own."""
@@ -115,10 +109,6 @@ def build_model(
             parameter.normal_(0.0, std)
     if seed_from is not None:
         seed_weights(model, Path(seed_from))
-    for parameter in model.get_decoder().layers[-1].parameters():
-        if parameter.dim() >= 2:
-            parameter.mul_(last_layer_scale)
-    model.get_output_embeddings().weight.mul_(head_scale)
     return model.eval()
 
 
@@ -142,7 +132,6 @@ def write_random_target(
     directory: str | Path,
     sliding_window: Optional[int] = 48,
     seed: int = 0,
-    last_layer_scale: float = 1.0,
     seed_from: Optional[str | Path] = None,
     **shape: Any,
 ) -> Path:
@@ -152,7 +141,7 @@ def write_random_target(
     demo = json.loads((source / "config.json").read_text())
     special = {key: demo[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
     config = build_config(model_type, demo["vocab_size"], special, sliding_window=sliding_window, **shape)
-    model = build_model(config, seed=seed, last_layer_scale=last_layer_scale, seed_from=seed_from)
+    model = build_model(config, seed=seed, seed_from=seed_from)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
@@ -168,14 +157,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("directory")
     parser.add_argument("--sliding-window", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--last-layer-scale", type=float, default=1.0)
+    parser.add_argument(
+        "--seed-from-demo",
+        action="store_true",
+        help="copy the demo target's trained tensors wherever name and shape match (a predictable target)",
+    )
     args = parser.parse_args(argv)
     try:
         path = write_random_target(
-            args.model_type, args.directory, args.sliding_window, args.seed, args.last_layer_scale
+            args.model_type,
+            args.directory,
+            args.sliding_window,
+            args.seed,
+            seed_from=demo_tokenizer_dir() if args.seed_from_demo else None,
         )
     except UserError as err:
-        print(f"error: {err}")
+        print(f"error: {err}", file=sys.stderr)
         return 2
     print(path)
     return 0

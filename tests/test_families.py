@@ -190,3 +190,13 @@ def test_default_taps_of_a_hybrid_linear_attention_target_are_attention_layers()
     assert drafter.config.aux_layers == [3, 7, 11]  # EAGLE-3's [1, 7, 12], each moved to a full-attention layer
     dflash = drafter_class("dflash")
     assert dflash.from_target(dflash.Config(num_layers=2), model, "qwen3_next").config.target_layers == [3, 11]
+
+
+def test_random_target_command_writes_a_target_or_one_line(tmp_path, capsys):
+    from draftsmith.random_target import main
+
+    assert main(["qwen3", str(tmp_path / "qwen3"), "--seed-from-demo"]) == 0
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (tmp_path / "qwen3").iterdir()}
+    assert main(["no_such_family", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err.startswith("error: transformers has no model type 'no_such_family'")
+    assert not (tmp_path / "x").exists()
