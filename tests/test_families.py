@@ -197,6 +197,7 @@ def test_random_target_command_writes_a_target_or_one_line(tmp_path, capsys):
 
     assert main(["qwen3", str(tmp_path / "qwen3"), "--seed-from-demo"]) == 0
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (tmp_path / "qwen3").iterdir()}
+    capsys.readouterr()
     assert main(["no_such_family", str(tmp_path / "x")]) == 2
     assert capsys.readouterr().err.startswith("error: transformers has no model type 'no_such_family'")
     assert not (tmp_path / "x").exists()
