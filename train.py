@@ -8,4 +8,4 @@ from draftsmith.cli import TRAIN_USAGE, configure_logging, entry_point, train_ma
 
 if __name__ == "__main__":
     configure_logging()
-    entry_point(train_main, TRAIN_USAGE)
+    entry_point(train_main, TRAIN_USAGE, command="train")

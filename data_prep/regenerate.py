@@ -335,4 +335,4 @@ if __name__ == "__main__":
     from draftsmith.cli import configure_logging, entry_point
 
     configure_logging()
-    entry_point(main, __doc__)
+    entry_point(main, __doc__, command="regenerate")

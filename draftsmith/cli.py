@@ -41,6 +41,16 @@ COMMANDS = {
 }
 
 
+# command -> its own recipe sections, shown first by --help (the others follow)
+COMMAND_SECTIONS = {
+    "train": ("drafter", "target", "data", "train"),
+    "eval": ("eval", "drafter", "target"),
+    "capture": ("data", "target"),
+    "regenerate": ("data", "target"),
+    "export": ("export", "target", "eval"),
+    "monitor": ("monitor", "target", "export"),
+}
+
 TRAIN_USAGE = """`draftsmith train recipe=NAME [key=value ...]`, `python train.py ...`, or on several processes
 `accelerate launch [-m draftsmith] train[.py] recipe=NAME ...` (torchrun works too): train the recipe's
 drafter into <output_dir> (checkpoints, final/, log.jsonl, TensorBoard), then evaluate it (eval.enabled).
@@ -64,9 +74,9 @@ def recipe_args(argv: Sequence[str]) -> list[str]:
     return [arg for arg in split_drafter_path(argv)[1] if "=" in arg and not arg.startswith("-")]
 
 
-def help_text(usage: str, argv: Sequence[str]) -> str:
+def help_text(usage: str, argv: Sequence[str], own: Sequence[str] = ()) -> str:
     """The command's usage, the common options, and the recipe keys (the given recipe's values when
-    recipe=NAME is among the arguments)."""
+    recipe=NAME is among the arguments), the command's `own` sections first."""
     from draftsmith.recipe import compose, split_argv
     from draftsmith.recipe_keys import render_text
 
@@ -77,19 +87,25 @@ def help_text(usage: str, argv: Sequence[str]) -> str:
     keys = "Recipe keys" + (
         " and the recipe's values" if cfg is not None else " (schema defaults; recipe=NAME --help shows a recipe's)"
     )
-    return f"{usage.strip()}\n\n{options}\n\n{keys}:\n{render_text(cfg)}"
+    return f"{usage.strip()}\n\n{options}\n\n{keys}:\n{render_text(cfg, own)}"
 
 
-def entry_point(main: Callable[[Sequence[str]], object], usage: str, argv: Sequence[str] | None = None) -> NoReturn:
-    """Run a command the way every entry point does: `--help`/`-h` prints `help_text`, `--cfg` the
-    resolved recipe, both with exit 0; otherwise `main(argv)` under run_cli (errors -> exit codes)."""
+def entry_point(
+    main: Callable[[Sequence[str]], object], usage: str, argv: Sequence[str] | None = None, command: str = ""
+) -> NoReturn:
+    """Run a command the way every entry point does: `--help`/`-h` prints `help_text` (the `command`'s
+    own sections first), `--cfg` the resolved recipe, both with exit 0; otherwise `main(argv)` under
+    run_cli (errors -> exit codes)."""
     from omegaconf import OmegaConf
 
     from draftsmith.recipe import validated
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
-        run_cli(lambda args: print(help_text(usage, args)), [arg for arg in argv if arg not in ("--help", "-h")])
+        run_cli(
+            lambda args: print(help_text(usage, args, COMMAND_SECTIONS.get(command, ()))),
+            [arg for arg in argv if arg not in ("--help", "-h")],
+        )
     if "--cfg" in argv:
         run_cli(
             lambda args: print(OmegaConf.to_yaml(validated(recipe_args(args)), resolve=True), end=""),
@@ -140,4 +156,4 @@ def main(argv: Sequence[str] | None = None) -> None:
     module, function = COMMANDS[command]
     configure_logging()
     loaded = importlib.import_module(module)
-    entry_point(getattr(loaded, function), TRAIN_USAGE if command == "train" else loaded.__doc__, rest)
+    entry_point(getattr(loaded, function), TRAIN_USAGE if command == "train" else loaded.__doc__, rest, command)

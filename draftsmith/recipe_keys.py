@@ -15,6 +15,7 @@ import io
 import re
 import textwrap
 import tokenize
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, Optional
@@ -138,16 +139,26 @@ def recipe_value(cfg: DictConfig, raw: dict, key: Key) -> Any:
         return value
 
 
-def render_text(cfg: Optional[DictConfig] = None) -> str:
+def render_text(cfg: Optional[DictConfig] = None, own: Sequence[str] = ()) -> str:
     """The keys for a terminal: with a recipe, every key's value in it (and the schema's default
     where the recipe changes it) and the keys of its drafter type; without, the schema's defaults
-    and the drafter types to choose from."""
+    and the drafter types to choose from. The sections named in `own` (a command's own: `train`
+    also covers `train.*`) come first, the others after an "Other sections" line."""
     from draftsmith.heads import REGISTRY
 
     drafter = [drafter_section(str(cfg.drafter.type))] if cfg is not None else []
     raw = OmegaConf.to_container(cfg, resolve=False) if cfg is not None else {}
+    every = [*drafter, *recipe_sections()]
+
+    def is_own(section: Section) -> bool:
+        return any(section.name == name or section.name.startswith(name + ".") for name in own)
+
+    first = [section for section in every if is_own(section)]
+    rest = [section for section in every if not is_own(section)]
     out = []
-    for section in [*drafter, *recipe_sections()]:
+    for section in [*first, *rest]:
+        if first and section is (rest[0] if rest else None):
+            out.append("\nOther sections:")
         out.append(f"\n{section.name}:" + (f"  {section.help}" if section.help else ""))
         for key in section.keys:
             value = recipe_value(cfg, raw, key) if cfg is not None else key.default

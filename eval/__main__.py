@@ -38,4 +38,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    entry_point(main, __doc__)
+    entry_point(main, __doc__, command="eval")

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from draftsmith.cli import COMMANDS, TRAIN_USAGE, entry_point
+from draftsmith.cli import COMMAND_SECTIONS, COMMANDS, TRAIN_USAGE, entry_point
 from draftsmith.heads import REGISTRY
 from draftsmith.recipe import load_recipe
 from draftsmith.recipe_keys import drafter_section, recipe_sections, render_markdown
@@ -22,7 +22,7 @@ ENTRIES = {name: (importlib.import_module(module), function) for name, (module, 
 def run(command: str, argv: list[str], capsys) -> tuple[int, str, str]:
     module, function = ENTRIES[command]
     with pytest.raises(SystemExit) as exited:
-        entry_point(getattr(module, function), TRAIN_USAGE if command == "train" else module.__doc__, argv)
+        entry_point(getattr(module, function), TRAIN_USAGE if command == "train" else module.__doc__, argv, command)
     out, err = capsys.readouterr()
     return exited.value.code, out, err
 
@@ -31,6 +31,9 @@ def run(command: str, argv: list[str], capsys) -> tuple[int, str, str]:
 def test_every_command_answers_help_without_running(command, capsys):
     code, out, _ = run(command, ["--help"], capsys)
     assert code == 0 and "--cfg" in out and "data.max_length (int) = 1024" in out and "give recipe=NAME --help" in out
+    own, others = out.split("\nOther sections:\n")  # the command's own sections first
+    assert f"\n{COMMAND_SECTIONS[command][-1]}:" in own or f"\n{COMMAND_SECTIONS[command][0]}:" in own
+    assert "\nmonitor:" in (own if command == "monitor" else others)
     code, out, _ = run(command, ["recipe=eagle3_sharegpt_smollm2", "-h"], capsys)
     assert code == 0
     assert (
