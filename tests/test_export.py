@@ -106,7 +106,11 @@ def test_peagle_is_written_in_vllms_parallel_format(target, tmp_path):
     assert config["speculators_model_type"] == "peagle" and config["mask_token_id"] == 5
     assert config["transformer_layer_config"]["fc_norm"] is True  # where vLLM's peagle reader looks
     hidden = target.config.hidden_size
-    assert load_file(str(folder / "model.safetensors"))["mask_hidden"].shape == (1, 1, 3 * hidden)  # speculators' layout
+    assert load_file(str(folder / "model.safetensors"))["mask_hidden"].shape == (
+        1,
+        1,
+        3 * hidden,
+    )  # speculators' layout
     info = json.loads((folder / EXPORT_INFO).read_text())
     assert info["speculative_config"] == {"method": "eagle3", "parallel_drafting": True}
     assert (
