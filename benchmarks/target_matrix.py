@@ -2,7 +2,7 @@
 vLLM both implement, through the real entry points, as JSON rows (docs/targets.md is this table).
 
     python benchmarks/target_matrix.py --vllm-python /path/to/vllm-venv/bin/python
-        [--families qwen3,gpt_oss] [--kinds eagle3,medusa] [--out benchmarks/results/target_matrix.jsonl]
+        [--families qwen3,gpt_oss] [--kinds eagle3,medusa] [--out docs/results/target_matrix.jsonl]
 
 Per family, a random-weight target of that family is built from transformers' config class
 (draftsmith.random_target: hidden 256, 4 layers, 4 heads over 2 KV heads, 4 experts of which 2 are
@@ -129,6 +129,9 @@ def markdown(rows: list[dict]) -> str:
         "| family | kind | trains | resumes | lossless (draftsmith) | τ draftsmith | vLLM serves | lossless (vLLM) | τ vLLM / draftsmith, same prompts | Δ |",
         "|---|---|:-:|:-:|:-:|--:|:-:|:-:|--:|--:|",
     ]
+    order = {family: index for index, family in enumerate(FAMILIES)}
+    kinds = {kind: index for index, kind in enumerate(KINDS)}
+    rows = sorted(rows, key=lambda r: (order.get(r["family"], len(order)), r["family"], kinds.get(r["kind"], 99)))
     for row in rows:
         served = mark(row.get("export")) if "export" in row else "–"
         if row.get("refused"):
@@ -148,7 +151,7 @@ def main() -> None:
     parser.add_argument("--vllm-python")
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--kinds", default="eagle3")
-    parser.add_argument("--out", default="benchmarks/results/target_matrix.jsonl")
+    parser.add_argument("--out", default="docs/results/target_matrix.jsonl")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--markdown", action="store_true", help="print --out as docs/targets.md's table and stop")
     options = parser.parse_args()
