@@ -352,9 +352,10 @@ def test_training_from_captured_features_packs_them_into_the_padded_losses(tmp_p
         (_, _, a), (_, _, b) = next(padded), next(packed)
         assert "document_ids" in b and b["final"].shape[:2] == b["input_ids"].shape
         with torch.no_grad():
-            loss_a, stats_a = drafter(a, store.to_target_output(a))
-            loss_b, stats_b = drafter(b, store.to_target_output(b))
+            loss_a, count_a, stats_a = drafter(a, store.to_target_output(a))
+            loss_b, count_b, stats_b = drafter(b, store.to_target_output(b))
         torch.testing.assert_close(loss_b, loss_a, **TOLERANCE)
+        assert int(count_b) == int(count_a)
         for metric in stats_a:
             torch.testing.assert_close(stats_b[metric], stats_a[metric], **TOLERANCE, msg=metric)
 

@@ -109,7 +109,7 @@ def train(cfg: DictConfig) -> Path:
     flops = FlopCounter(run.target, module)
     profiler = StepProfiler(cfg.train.profile_steps, output_dir, rank)
     log.info("parameters: %s trainable, %s frozen", f"{parameters['trainable']:,}", f"{parameters['frozen']:,}")
-    log_step(accelerator, output_dir, state.step, {f"params/{k}": v for k, v in parameters.items()})
+    counts_row = {f"params/{k}": v for k, v in parameters.items()}  # in this run's first logged row
     data_checksum = 0  # fingerprint of the token ids this rank trained on (for distributed checks)
     stop = StopRequest()
     upcoming = next_step(stream, module, cfg.train.grad_accum)
@@ -196,7 +196,8 @@ def train(cfg: DictConfig) -> Path:
                 if accelerator.is_main_process:
                     write_curve(output_dir, state.curve, state.best, png=False)
             if row:
-                log_step(accelerator, output_dir, state.step, {**row, "train/tokens": state.tokens})
+                log_step(accelerator, output_dir, state.step, {**row, **counts_row, "train/tokens": state.tokens})
+                counts_row = {}
             if state.step < max_steps and agreed.stop:  # SIGTERM on any rank, agreed in this step's all-reduce
                 path = save_checkpoint(accelerator, drafter, state, output_dir, cfg.train.keep_checkpoints)
                 progress.close()
