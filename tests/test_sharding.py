@@ -186,9 +186,10 @@ def test_two_ranks_hold_half_the_layers_and_train_the_same_drafter(tmp_path, sma
 
     a, b = read_log(whole_run), read_log(sharded_run)
     assert sorted(a) == sorted(b) == list(range(1, 7))
+    measured = {"train/tokens_per_s", "train/model_tflops_per_s", "train/mfu", "train/peak_memory_mb"}  # of the machine
     for step in a:
         for key in a[step]:
-            if key != "train/tokens_per_s":
+            if key not in measured and not key.startswith("params/"):  # a rank holds half the sharded target
                 assert b[step][key] == pytest.approx(a[step][key], rel=1e-6, abs=1e-6), (step, key)
     final_a, final_b = (load_file(str(run / "final" / "model.safetensors")) for run in (whole_run, sharded_run))
     assert final_a.keys() == final_b.keys()
