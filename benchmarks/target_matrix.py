@@ -88,9 +88,7 @@ def measure(family: str, kind: str, target: Path, work: Path, vllm_python: str, 
     row |= {"train": code == 0, "train_s": seconds}
     if code != 0:
         return row | {"error": error}
-    report = json.loads((out / "eval" / "report.json").read_text()) if (out / "eval" / "report.json").exists() else None
-    if report is None:
-        report = json.loads(next(out.rglob("report.json")).read_text())
+    report = json.loads((out / "eval" / "report.json").read_text())
     every = report["domains"]["all"]
     row["lossless"] = all(method.get("lossless", True) for method in every.values())
     row["tau_draftsmith"] = round(every["chain"]["tau"], 4) if "chain" in every else None

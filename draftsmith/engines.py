@@ -34,6 +34,16 @@ def vllm_python(setting: Optional[str], key: str) -> str:
     )
 
 
+def failure_cause(reply: dict[str, Any], python: str, key: str) -> str:
+    """The one-line cause of a vLLM worker's failed reply (draftsmith/engine_scripts/*.py: `error`,
+    `error_lines`); a UserError when `python` (the recipe's `key`) has no vllm at all."""
+    if reply.get("error", "").startswith("ModuleNotFoundError: No module named 'vllm"):
+        raise UserError(
+            f"{python} cannot import vllm ({reply['error']}): point {key} at the python of an environment that has it"
+        )
+    return one_line("; ".join(reply.get("error_lines") or []) or reply.get("error", "unknown error"), 600)
+
+
 class VllmGenerator:
     """One vLLM engine in a worker process (engine_scripts/vllm_generate.py) answering batches of
     token-id prompts with token ids. A worker that cannot start or dies is EngineUnavailable (a
@@ -69,12 +79,7 @@ class VllmGenerator:
             ) from None
         if not message.get("ok"):
             self.process.wait()
-            if message.get("error", "").startswith("ModuleNotFoundError: No module named 'vllm"):
-                raise UserError(
-                    f"{self.python} cannot import vllm ({message['error']}): point {self.key} at the python of an environment that has it"
-                )
-            cause = "; ".join(message.get("error_lines") or []) or message.get("error", "unknown error")
-            raise EngineUnavailable(f"vLLM could not {doing}: {one_line(cause, 600)}")
+            raise EngineUnavailable(f"vLLM could not {doing}: {failure_cause(message, self.python, self.key)}")
         return message
 
     def generate(

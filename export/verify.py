@@ -23,6 +23,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from draftsmith.engines import failure_cause
 from draftsmith.errors import EngineUnavailable, ExportCheckFailed, UserError, one_line
 from draftsmith.eval.loop import Counts, generate
 from draftsmith.eval.prompts import eos_ids_of, load_prompts
@@ -106,12 +107,9 @@ class EngineSession:
         result = runner.run(request)
         if not result.get("ok"):
             self.runners.pop(python, None)
-            if result.get("error", "").startswith("ModuleNotFoundError: No module named 'vllm"):
-                raise UserError(
-                    f"{python} cannot import vllm ({result['error']}): point export.vllm_python at the python of an environment that has it"
-                )
-            cause = "; ".join(result.get("error_lines") or []) or result.get("error", "unknown error")
-            raise ExportCheckFailed(f"vLLM could not serve the export: {one_line(cause, 600)}")
+            raise ExportCheckFailed(
+                f"vLLM could not serve the export: {failure_cause(result, python, 'export.vllm_python')}"
+            )
         return result
 
     def close(self) -> None:

@@ -330,10 +330,10 @@ class Eagle3(EagleBase):
     def from_target(cls, config: Eagle3Config, target_model, name_or_path: str) -> Eagle3:
         shape = TargetShape.of(target_model, name_or_path)
         config.check(shape)
-        default = tap_layers(target_model.config, config.layers_for(shape.num_hidden_layers))
+        layers = config.layers_for(shape.num_hidden_layers)
         config = replace(
             config,
-            aux_layers=config.layers_for(shape.num_hidden_layers) if config.aux_layers is not None else default,
+            aux_layers=layers if config.aux_layers is not None else tap_layers(target_model.config, layers),
             draft_vocab_size=min(config.draft_vocab_size, shape.vocab_size),
         )
         drafter = super().from_target(config, target_model, name_or_path)

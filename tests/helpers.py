@@ -12,8 +12,9 @@ import yaml
 from scipy import stats
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draftsmith.eval.loop import generate, prefill, propose, verify_step
+from draftsmith.eval.loop import attention_masks, generate, prefill, propose, verify_step
 from draftsmith.eval.sampling import Sampling
+from draftsmith.eval.trees import cache_positions, tree_depths, verify_visibility
 from draftsmith.heads import REGISTRY, drafter_class, load_drafter
 from draftsmith.heads.base import DraftState, DraftTree, DynamicTree, Proposer, TargetShape
 from draftsmith.recipe import load_recipe
@@ -262,3 +263,22 @@ def save_drafter(kind: str, target, directory: Path, seed: int = 0, **config) ->
                 parameter.add_(0.02 * torch.randn(parameter.shape, generator=generator))
     drafter.save_pretrained(directory)
     return directory
+
+
+def assert_tree_forward_equals_path_forwards(model, prefix: list[int], tokens: torch.Tensor, parents: torch.Tensor):
+    """One verify forward over [root] + the tree after `prefix` (the eval loop's cache and masks) gives
+    every node the logits of a plain forward over the prefix and that node's path."""
+    state = prefill(model, [prefix])  # caches prefix[:-1]; prefix[-1] is the root
+    past = state.cache.get_seq_length()
+    positions = (tree_depths(parents) + past)[None]
+    keys = torch.cat([cache_positions([past], past, positions.device), positions], dim=1)
+    mask = attention_masks(model, verify_visibility([DraftTree(tokens, parents)], [past], past), positions, keys)
+    ids = torch.cat([torch.tensor(prefix[-1:]), tokens])[None]
+    tree_logits = model(ids, attention_mask=mask, position_ids=positions, cache=state.cache).logits[0]
+    for node in range(-1, len(parents)):
+        path, walk = [], node
+        while walk >= 0:
+            path.insert(0, int(tokens[walk]))
+            walk = int(parents[walk])
+        expected = model(torch.tensor([prefix + path])).logits[0, -1]
+        torch.testing.assert_close(tree_logits[node + 1], expected, atol=1e-4, rtol=1e-4)

@@ -10,13 +10,12 @@ import pytest
 import torch
 
 from draftsmith.errors import UserError
-from draftsmith.eval.loop import generate, prefill, propose, tree_depths, verify_step
+from draftsmith.eval.loop import generate, prefill, propose, verify_step
 from draftsmith.eval.ngram import NGramDrafter
 from draftsmith.eval.report import run_eval
 from draftsmith.eval.sampling import Sampling, exact_rule
-from draftsmith.eval.trees import additive_mask, verify_visibility
 from draftsmith.heads import drafter_class
-from draftsmith.heads.base import DraftState, DraftTree
+from draftsmith.heads.base import DraftState
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target
 from tests.conftest import DOMAINS, REFERENCE_TARGET, run_entry_in_process
@@ -28,6 +27,7 @@ from tests.helpers import (
     WIDE_TREE,
     NearTargetDrafter,
     OracleDrafter,
+    assert_tree_forward_equals_path_forwards,
     chi_square_pvalue,
     exact_conditionals,
     exact_joint,
@@ -113,20 +113,7 @@ def test_tree_mask_forward_equals_path_forwards(attn):
     prefix = torch.randint(3, 96, (9,), generator=generator).tolist()
     parents = torch.tensor([-1, -1, 0, 0, 1, 2, 2, 4, -1])
     tokens = torch.randint(3, 96, (len(parents),), generator=generator)
-    state = prefill(model, [prefix])  # caches prefix[:-1]; prefix[-1] is the root
-    past = state.cache.get_seq_length()
-    ids = torch.cat([torch.tensor(prefix[-1:]), tokens])[None]
-    mask = additive_mask(verify_visibility([DraftTree(tokens, parents)], [past], past), model.dtype)
-    positions = (tree_depths(parents) + past)[None]
-    tree_logits = model(ids, attention_mask=mask, position_ids=positions, cache=state.cache).logits[0]
-    for node in range(-1, len(parents)):
-        path, walk = [], node
-        while walk >= 0:
-            path.insert(0, int(tokens[walk]))
-            walk = int(parents[walk])
-        sequence = torch.tensor([prefix + path])
-        expected = model(sequence).logits[0, -1]
-        torch.testing.assert_close(tree_logits[node + 1], expected, atol=1e-4, rtol=1e-4)
+    assert_tree_forward_equals_path_forwards(model, prefix, tokens, parents)
 
 
 # -- sampling: exactness against the target's own distribution ------------------------------------

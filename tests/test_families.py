@@ -19,15 +19,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from draftsmith.eval.loop import generate, generate_batch, prefill
-from draftsmith.eval.trees import tree_depths
+from draftsmith.eval.loop import generate, generate_batch
 from draftsmith.families import SLIDING, layer_types
 from draftsmith.heads import REGISTRY, drafter_class
-from draftsmith.heads.base import DraftTree, load_drafter
+from draftsmith.heads.base import load_drafter
 from draftsmith.random_target import build_config, build_model
 from draftsmith.recipe import load_recipe
 from draftsmith.target import FeatureRequest, run_target
-from tests.helpers import demo_recipe
+from tests.helpers import assert_tree_forward_equals_path_forwards, demo_recipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -44,9 +43,7 @@ def tiny(model_type: str, attn: str | None = None):
         model_type, VOCAB, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}, sliding_window=WINDOW,
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16,
     )  # fmt: skip
-    if model_type == "gpt_oss" or getattr(config, "layer_types", None) is None:
-        pass
-    elif SLIDING in set(config.layer_types) or model_type in ("gemma2", "gemma3_text"):
+    if SLIDING in (getattr(config, "layer_types", None) or ()):
         config.layer_types = ["sliding_attention", "full_attention"]  # hybrid: both kinds in 2 layers
     if attn is not None:
         config._attn_implementation = attn
@@ -96,23 +93,7 @@ def test_tree_forward_equals_path_forwards_past_the_window(family):
     prefix = random_prompt(2 * WINDOW, 2)
     parents = torch.tensor([-1, -1, 0, 0, 1, 2, 2, 4, -1])
     tokens = torch.tensor(random_prompt(len(parents), 3))
-    state = prefill(model, [prefix])
-    from draftsmith.eval.loop import attention_masks
-    from draftsmith.eval.trees import cache_positions, verify_visibility
-
-    past = state.cache.get_seq_length()
-    positions = (tree_depths(parents) + past)[None]
-    keys = torch.cat([cache_positions([past], past, positions.device), positions], dim=1)
-    mask = attention_masks(model, verify_visibility([DraftTree(tokens, parents)], [past], past), positions, keys)
-    ids = torch.cat([torch.tensor(prefix[-1:]), tokens])[None]
-    tree_logits = model(ids, attention_mask=mask, position_ids=positions, cache=state.cache).logits[0]
-    for node in range(-1, len(parents)):
-        path, walk = [], node
-        while walk >= 0:
-            path.insert(0, int(tokens[walk]))
-            walk = int(parents[walk])
-        expected = model(torch.tensor([prefix + path])).logits[0, -1]
-        torch.testing.assert_close(tree_logits[node + 1], expected, atol=1e-4, rtol=1e-4, msg=name)
+    assert_tree_forward_equals_path_forwards(model, prefix, tokens, parents)
 
 
 @pytest.mark.parametrize("layer_family", ["llama", "qwen3"])
