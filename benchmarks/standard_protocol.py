@@ -50,6 +50,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from draftsmith.export.repo import VLLM_PINNED
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -65,7 +67,7 @@ RECIPES = {
     "peagle": KindRecipe("eagle3_sharegpt_smollm2", ["drafter.parallel_drafting=true", "drafter.mask_token_id=16"]),
 }
 STAGES = ("regenerate", "train", "eval", "export", "gamma", "time")
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4, **VLLM_PINNED}
 
 
 def run(args: list[str], log: Path) -> float:
@@ -331,6 +333,8 @@ def stage_time(args, runs: Path, kinds: list[str], gammas: dict[str, int], log: 
         "rows": rows,
         "vllm_version": timing["plain"]["vllm_version"],
         "wall_s": {name: timing[name]["wall_s"] for name in methods},
+        # what the engine resolved (runner, draft and rejection sampling): the settings that move τ
+        "engine_settings": {name: timing[name].get("engine_settings") for name in methods},
     }
 
 

@@ -54,8 +54,16 @@ from draftsmith.errors import StorageError, UserError, one_line
 from draftsmith.files import write_text_atomic
 from draftsmith.outputs import held_by_main_process
 from draftsmith.recipe import load_recipe
-from draftsmith.sharding import Lockstep, end_process_group, load_run_target
-from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, check_layers, load_tokenizer, run_target
+from draftsmith.sharding import Lockstep, end_process_group
+from draftsmith.target import (
+    FeatureRequest,
+    TargetOutput,
+    TargetShape,
+    check_layers,
+    load_target,
+    load_tokenizer,
+    run_target,
+)
 
 log = logging.getLogger("draftsmith.capture")
 
@@ -128,9 +136,9 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
             list(cfg.data.train), cfg.data.max_conversations, skip_invalid_utf8=cfg.data.skip_invalid_utf8
         )
         data = tokenize_conversations(
-            conversations, tokenizer, cfg.data.max_length, cfg.data.overlong, cfg.data.cache_dir
+            conversations, tokenizer, cfg.data.max_length, cfg.data.overlong, cfg.data.cache_dir, cfg.data.thinking
         )
-    target = load_run_target(cfg.target, state.device)
+    target = load_target(cfg.target, state.device, shard=cfg.target.shard)
     # A sharded target's forwards are collectives, and ranks have different numbers of them (their
     # slices differ, a resumed run skips finished shards): Lockstep keeps them in step.
     lockstep = Lockstep(target)
@@ -138,7 +146,9 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
 
     settings = {
         "target": target_description(target, cfg),
-        "data_fingerprint": cache_key(conversations, tokenizer, cfg.data.max_length, cfg.data.overlong),
+        "data_fingerprint": cache_key(
+            conversations, tokenizer, cfg.data.max_length, cfg.data.overlong, cfg.data.thinking
+        ),
         "final": selection.final,
         "layers": list(selection.layers),
         "logits": selection.logits,

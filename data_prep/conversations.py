@@ -42,9 +42,19 @@ ROLES = {
     "tool": "tool",
     "function": "tool",
 }
+# A turn's reasoning, under the name its chat template reads: `thinking` (gpt-oss's harmony template
+# and transformers' convention), `reasoning_content` (Qwen3's). Kept as given; data.thinking decides
+# whether the tokens the template renders it as are trained on.
+REASONING_KEYS = ("thinking", "reasoning_content")
 FEATURES = datasets.Features(
     {
-        "messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")}),
+        "messages": datasets.List(
+            {
+                "role": datasets.Value("string"),
+                "content": datasets.Value("string"),
+                **{key: datasets.Value("string") for key in REASONING_KEYS},
+            }
+        ),
         "domain": datasets.Value("string"),
         "source": datasets.Value("string"),
         "record": datasets.Value("int64"),
@@ -333,7 +343,13 @@ def normalize_record(record: dict[str, Any], source: str, number: int, prompts_o
             )
         if not content.strip():
             raise UserError(f"{where}: turn {turn_number} has an empty content")
-        messages.append({"role": ROLES[role.lower()], "content": content})
+        reasoning = {key: turn.get(key) for key in REASONING_KEYS}
+        for key, value in reasoning.items():
+            if value is not None and not isinstance(value, str):
+                raise UserError(
+                    f"{where}: turn {turn_number} has a {key} of type {type(value).__name__}, expected a string"
+                )
+        messages.append({"role": ROLES[role.lower()], "content": content, **reasoning})
     if not any(message["role"] == "assistant" for message in messages) and not (
         prompts_only and messages[-1]["role"] == "user"
     ):

@@ -52,7 +52,9 @@ def load_tokenized(cfg, sources: Sequence[str], tokenizer, key: str) -> datasets
     conversations = load_conversations(
         list(sources), cfg.data.max_conversations, skip_invalid_utf8=cfg.data.skip_invalid_utf8
     )
-    return tokenize_conversations(conversations, tokenizer, cfg.data.max_length, cfg.data.overlong, cfg.data.cache_dir)
+    return tokenize_conversations(
+        conversations, tokenizer, cfg.data.max_length, cfg.data.overlong, cfg.data.cache_dir, cfg.data.thinking
+    )
 
 
 def tokenize_conversations(
@@ -61,9 +63,11 @@ def tokenize_conversations(
     max_length: int,
     overlong: str = "truncate",
     cache_dir: Optional[str] = None,
+    thinking: str = "train",
 ) -> datasets.Dataset:
     """Render, tokenize and mask every conversation, handling those over `max_length` tokens as
-    `overlong` says (truncate: keep the first max_length tokens; drop; error). Conversations left
+    `overlong` says (truncate: keep the first max_length tokens; drop; error); an assistant turn's
+    reasoning is trained on or left out of the mask as `thinking` says (data.thinking). Conversations left
     with no masked token are dropped. The result is cached under
     `<cache_dir or ~/.cache/draftsmith>/tokenized/<key>` and reused while the conversations, the
     tokenizer, the settings and this code are unchanged."""
@@ -72,7 +76,7 @@ def tokenize_conversations(
     if max_length < 1:
         raise UserError(f"data.max_length={max_length} must be at least 1")
     require_chat_template(tokenizer)  # fail before any cache lookup or work
-    key = cache_key(conversations, tokenizer, max_length, overlong)
+    key = cache_key(conversations, tokenizer, max_length, overlong, thinking)
     root = Path(cache_dir or DEFAULT_CACHE_ROOT).expanduser() / "tokenized"
     final = root / key
     if final.is_dir():
@@ -89,7 +93,13 @@ def tokenize_conversations(
             _tokenize_batch,
             batched=True,  # a batch may shrink: dropped conversations produce no row
             with_indices=True,
-            fn_kwargs={"tokenizer": tokenizer, "max_length": max_length, "overlong": overlong, "stats": stats},
+            fn_kwargs={
+                "tokenizer": tokenizer,
+                "max_length": max_length,
+                "overlong": overlong,
+                "thinking": thinking,
+                "stats": stats,
+            },
             remove_columns=conversations.column_names,
             features=FEATURES,
             cache_file_name=os.path.join(scratch, "map.arrow"),
@@ -116,7 +126,7 @@ def tokenize_conversations(
 
 
 def _tokenize_batch(
-    batch: dict[str, list], indices: list[int], tokenizer, max_length: int, overlong: str, stats: Counter
+    batch: dict[str, list], indices: list[int], tokenizer, max_length: int, overlong: str, thinking: str, stats: Counter
 ) -> dict[str, list]:
     # stats is mutated in place: this runs in the calling process (map's default num_proc=1).
     out: dict[str, list] = {"input_ids": [], "loss_mask": [], "domain": [], "length": [], "sample": []}
@@ -125,7 +135,7 @@ def _tokenize_batch(
     for row in range(count):
         where = _where(batch, row, indices[row])
         try:
-            ids, mask = render_with_masks(tokenizer, batch["messages"][row])
+            ids, mask = render_with_masks(tokenizer, batch["messages"][row], thinking)
         except UserError as err:
             raise UserError(f"{where}: {err}") from None
         if len(ids) > max_length:
@@ -181,13 +191,16 @@ def _log_stats(stats: Counter, total: int, max_length: int) -> None:
         )
 
 
-def cache_key(conversations: datasets.Dataset, tokenizer, max_length: int, overlong: str) -> str:
+def cache_key(
+    conversations: datasets.Dataset, tokenizer, max_length: int, overlong: str, thinking: str = "train"
+) -> str:
     """sha256 over everything the tokenized data depends on."""
     parts = {
         "conversations": conversations._fingerprint,
         "tokenizer": tokenizer_identity(tokenizer),
         "max_length": max_length,
         "overlong": overlong,
+        "thinking": thinking,
         "cache_version": CACHE_VERSION,
         "code": _CODE_HASH,
     }

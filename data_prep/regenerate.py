@@ -45,15 +45,15 @@ from accelerate import PartialState
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from draftsmith.data_prep.conversations import load_conversations
+from draftsmith.data_prep.conversations import REASONING_KEYS, load_conversations
 from draftsmith.data_prep.template import render_prompt
 from draftsmith.engines import VllmGenerator, vllm_python
 from draftsmith.errors import UserError
 from draftsmith.files import write_text_atomic
 from draftsmith.outputs import held_by_main_process
 from draftsmith.recipe import load_recipe
-from draftsmith.sharding import Lockstep, end_process_group, is_sharded, load_run_target
-from draftsmith.target import load_tokenizer
+from draftsmith.sharding import Lockstep, end_process_group, is_sharded
+from draftsmith.target import load_target, load_tokenizer
 
 SETTINGS_NAME = "regenerate.settings"  # not a data suffix: a directory source skips it
 
@@ -206,7 +206,9 @@ def answer_engine(cfg: DictConfig, target, tokenizer, state, needed: bool):
     section = cfg.data.regenerate
     if section.engine == "transformers":
         engine = TransformersAnswers(
-            target if target is not None else load_run_target(cfg.target, state.device), tokenizer, section
+            target if target is not None else load_target(cfg.target, state.device, shard=cfg.target.shard),
+            tokenizer,
+            section,
         )
         yield engine
         engine.finish()
@@ -302,7 +304,8 @@ def regenerate_batch(
             engine.answers(prompts, [seeds[row] for row, _ in active] if seeds is not None else None) if prompts else []
         )
         for (row, turn), answer in zip(active, answers):
-            conversations[row][turn]["content"] = answer
+            # the target's answer replaces the turn, and the reasoning that led to the old one goes with it
+            conversations[row][turn] |= {"content": answer, **dict.fromkeys(REASONING_KEYS)}
     return conversations, cut
 
 

@@ -13,14 +13,21 @@ from typing import Any, Optional, Sequence
 
 from jinja2 import TemplateError
 
+from draftsmith.data_prep.conversations import REASONING_KEYS
 from draftsmith.errors import UserError
 
 Message = dict[str, Any]
+THINKING = ("train", "mask")
 
 
-def render_with_masks(tokenizer, messages: Sequence[Message]) -> tuple[list[int], list[int]]:
+def render_with_masks(tokenizer, messages: Sequence[Message], thinking: str = "train") -> tuple[list[int], list[int]]:
     """Token ids of the whole conversation and a 0/1 mask that is 1 exactly on the tokens the
-    assistant generates: its contents and the end-of-turn token(s) right after each."""
+    assistant generates: its contents and the end-of-turn token(s) right after each. With `thinking`
+    = "mask" (data.thinking), a turn's reasoning (its `thinking` or `reasoning_content`) is left out of
+    the mask where the template renders it, found verbatim inside the turn's span; the markup around
+    it (a channel header, `<think>`) stays, since the model generates that too."""
+    if thinking not in THINKING:
+        raise UserError(f"data.thinking={thinking!r} is not one of {', '.join(THINKING)}")
     messages = list(messages)
     full = _render(tokenizer, messages, add_generation_prompt=False)
     spans = []
@@ -35,11 +42,27 @@ def render_with_masks(tokenizer, messages: Sequence[Message]) -> tuple[list[int]
                 "rendering the conversation up to that turn is not a prefix of rendering all of it "
                 "(templates that rewrite earlier turns, e.g. drop their reasoning, are not supported)"
             )
-        spans.append((len(prompt), len(prompt) + _generated_length(full[len(prompt) : len(turn)], tokenizer.eos_token)))
+        span = (len(prompt), len(prompt) + _generated_length(full[len(prompt) : len(turn)], tokenizer.eos_token))
+        reasoning = next((message[key] for key in REASONING_KEYS if message.get(key)), None)
+        if thinking == "mask" and reasoning and reasoning.strip():
+            spans += _without(span, full, reasoning.strip(), index)
+        else:
+            spans.append(span)
     ids, offsets = _encode(tokenizer, full)
     # Offsets (0, 0) belong to tokens the tokenizer added itself (BOS), never to the rendered text.
     mask = [int(end > start and any(lo <= start < hi for lo, hi in spans)) for start, end in offsets]
     return ids, mask
+
+
+def _without(span: tuple[int, int], full: str, reasoning: str, index: int) -> list[tuple[int, int]]:
+    """The span less the first verbatim occurrence of the turn's reasoning in it."""
+    start = full.find(reasoning, span[0], span[1])
+    if start < 0:
+        raise UserError(
+            f"data.thinking=mask: the chat template does not render assistant turn {index + 1}'s reasoning verbatim "
+            "in that turn, so it cannot be told apart from the answer (train on it with data.thinking=train)"
+        )
+    return [(span[0], start), (start + len(reasoning), span[1])]
 
 
 def _generated_length(span: str, eos_token: str | None) -> int:
@@ -87,6 +110,9 @@ def require_chat_template(tokenizer) -> None:
 
 def _render(tokenizer, messages: list[Message], add_generation_prompt: bool) -> str:
     require_chat_template(tokenizer)
+    # A turn without reasoning has None under those keys (one Arrow schema for all rows): leave them
+    # out, as a template tests whether the key is there, not what it holds.
+    messages = [{key: value for key, value in message.items() if value is not None} for message in messages]
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except TemplateError as err:  # raise_exception() in templates, e.g. "roles must alternate"

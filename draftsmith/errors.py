@@ -60,7 +60,7 @@ class Preempted(Exception):
 
 
 # The exit codes (docs/faults.md): 2 = fix the input; 3 = a correctness check failed (the eval's lossless
-# check, the export's engine check: a bug to report); 4 = training diverged; 10/11/12 = monitor outcomes
+# check, the export's engine check: a bug to report); 4 = training diverged; 10/11/12/13 = monitor outcomes
 # (monitor/check.py); 69 (EX_UNAVAILABLE) = an engine the job needs is down, retry later; 70
 # (EX_SOFTWARE) = a draftsmith bug, traceback in a log file; 74 (EX_IOERR) = an output could not be
 # written (disk full), free space and rerun; 75 (EX_TEMPFAIL) = stopped on request after saving,

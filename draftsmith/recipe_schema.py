@@ -87,6 +87,9 @@ class DataSection:
     # a record of a JSON-lines file whose line is not valid UTF-8 (traffic logs hold such bytes): false = stop
     # with one line naming the file and line; true = leave it out and log how many were left out, per file
     skip_invalid_utf8: bool = False
+    # an assistant turn's reasoning (its `thinking` or `reasoning_content`, as the target's chat template renders
+    # it): train | mask (left out of the loss, found verbatim in the turn; the markup around it is still trained)
+    thinking: str = "train"
     cache_dir: Optional[str] = None  # tokenized-data cache; default ~/.cache/draftsmith
     # Conversations whose assistant tokens pick a pruned draft vocabulary (EAGLE-3) instead of data.train's:
     # raw text of the same traffic counts tokens as well as expensive regenerated answers do, and more of it
@@ -196,6 +199,9 @@ class ExportSection:
     vllm_python: Optional[str] = None
     # largest relative difference between the engine's tau and draftsmith's (same prompts and schedule)
     tolerance: float = 0.02
+    # a load sweep of this checkpoint's export (benchmarks/load_sweep.py, JSONL): write vLLM's γ per batch
+    # size (num_speculative_tokens_per_batch_size) from it; the served γ becomes its largest K
+    batch_sweep: Optional[str] = None
     overwrite: bool = False  # replace an export made from another checkpoint (moved aside, not deleted)
     push: PushSection = field(default_factory=PushSection)
 
@@ -245,6 +251,7 @@ CHOICES = {
     "target.dtype": ("auto", "float32", "bfloat16", "float16"),
     "target.shard": SHARD_CHOICES,
     "data.overlong": ("truncate", "drop", "error"),
+    "data.thinking": ("train", "mask"),
     "data.capture.logits": ("auto", "none", "topk", "full"),
     "data.capture.dtype": ("bfloat16", "float16", "float8"),
     "data.regenerate.engine": ("transformers", "vllm"),

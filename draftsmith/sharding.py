@@ -34,22 +34,22 @@ regenerate) runs its forwards through `Lockstep`.
 
 Not supported (a one-line error at recipe validation, `unshardable`): Medusa-2, which trains LoRA
 inside the target's layers, and a draft model built from copies of the target's first layers.
-Which loader a stage uses is the recipe's `target.shard`; the eval stage and export always load the
-target whole on one device (`draftsmith.target.load_target`).
+Loading a target has one home, `draftsmith.target.load_target`: the stages that train, capture or
+regenerate pass it the recipe's `target.shard`, and for `fsdp` it calls `load_sharded` here with the
+target's config and a reader of its weights; this module imports nothing from it. The eval stage and
+the export always load the target whole on one device.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
-from types import SimpleNamespace
 from typing import Callable, Optional, TypeVar
 
 import torch
 from torch import nn
 
-from draftsmith.errors import UserError, one_line
-from draftsmith.target import DTYPES, freeze, load_target, resolve_dtype, target_section
+from draftsmith.errors import UserError
 
 log = logging.getLogger("draftsmith.sharding")
 
@@ -98,26 +98,20 @@ def release_device_mesh() -> None:
     gc.collect()  # the target's modules hold the mesh in reference cycles (FSDP's hooks)
 
 
-def load_run_target(section, device: torch.device | str):
-    """The target of a training, capture or regeneration run, as the recipe's `target.shard` says:
-    whole on this rank's device (`load_target`), or sharded over the ranks (`load_sharded_target`)."""
-    if section.shard == "none":
-        return load_target(section, device)
-    return load_sharded_target(section, device)
-
-
-def load_sharded_target(section, device: torch.device | str):
-    """The recipe's target (its `target` section) with its decoder layers sharded over every rank of
-    the run (see the module docstring); frozen like `load_target`'s. Collective: every rank calls it.
-    Without a process group (plain `python`), a one-process group is formed, so a single process runs
-    the same code."""
+def load_sharded(
+    config, dtype: torch.dtype, device: torch.device | str, read_weights: Callable[[], dict], trust_remote_code: bool
+):
+    """The model of `config` with its decoder layers sharded over every rank of the run (see the
+    module docstring), its weights from `read_weights()`, called on rank 0 only (the whole state dict,
+    in host memory, in `dtype`); draftsmith.target.load_target calls this for `target.shard=fsdp`.
+    Collective: every rank calls it. Without a process group (plain `python`), a one-process group is
+    formed, so a single process runs the same code."""
     import torch.distributed as dist
     from accelerate import init_empty_weights
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    section = target_section(section)
     device = torch.device(device)
     if not dist.is_initialized():
         dist.init_process_group(
@@ -126,20 +120,13 @@ def load_sharded_target(section, device: torch.device | str):
     rank, world = dist.get_rank(), dist.get_world_size()
     atexit.unregister(release_device_mesh)  # once per process, however many targets it loads
     atexit.register(release_device_mesh)
-    dtype = resolve_dtype(section.dtype, device)
-    try:
-        config = AutoConfig.from_pretrained(
-            section.name_or_path, revision=section.revision, trust_remote_code=section.trust_remote_code
-        )
-    except (OSError, ValueError) as err:
-        raise UserError(f"cannot load target {section.name_or_path!r}: {one_line(err)}") from None
 
     # Parameters on the meta device; buffers real (the rotary frequencies are computed here, not
     # stored in the checkpoint). No random initialisation runs on meta, but the RNG is kept as it
     # was anyway, so a sharded run draws the same drafter initialisation as an unsharded one.
     with torch.random.fork_rng(devices=[]), init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=section.trust_remote_code)
-    freeze(model)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    model.requires_grad_(False)
     buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
     shard_target(model, init_device_mesh(device.type, (world,)))
     model.to_empty(device=device)
@@ -151,15 +138,8 @@ def load_sharded_target(section, device: torch.device | str):
 
     full, error = {}, [None]
     if rank == 0:
-        # In host memory, in the dtype the run computes in; the broadcast moves each tensor to the device.
-        on_host = SimpleNamespace(
-            name_or_path=section.name_or_path,
-            revision=section.revision,
-            dtype=dtype_name(dtype),
-            trust_remote_code=section.trust_remote_code,
-        )
         try:
-            full = load_target(on_host, "cpu").state_dict()
+            full = read_weights()
         except UserError as err:
             error = [str(err)]
     dist.broadcast_object_list(error, src=0)  # a bad checkpoint is one error on every rank, not a hang
@@ -169,12 +149,12 @@ def load_sharded_target(section, device: torch.device | str):
     del full
     log.info(
         "target %s sharded over %d rank(s): %.2f GB of %.2f GB on this rank",
-        section.name_or_path,
+        config.name_or_path,
         world,
         local_bytes(model) / 1e9,
         whole_bytes(model) / 1e9,
     )
-    return freeze(model)
+    return model
 
 
 def shard_target(model: nn.Module, mesh) -> nn.Module:
@@ -231,10 +211,6 @@ def local_bytes(model: nn.Module) -> int:
 def whole_bytes(model: nn.Module) -> int:
     """Bytes of all the target's parameters, sharded or not (what one unsharded copy takes)."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return next(name for name, value in DTYPES.items() if value == dtype)
 
 
 T = TypeVar("T")

@@ -70,24 +70,52 @@ def load_tokenizer(section):
     return tokenizer
 
 
-def load_target(section, device: torch.device | str = "cpu"):
+def load_target(section, device: torch.device | str = "cpu", shard: str = "none"):
     """The target causal LM from the recipe's `target` section (or a path), frozen: eval mode, no
-    parameter requires grad."""
+    parameter requires grad. `shard` is the recipe's `target.shard` for the stages that train, capture
+    or regenerate: `fsdp` shards its decoder layers over the run's ranks (draftsmith.sharding, which
+    this module calls and which calls nothing here); the eval and the export load it whole."""
+    section = target_section(section)
+    dtype = resolve_dtype(section.dtype, device)
+    if shard == "none":
+        return freeze(read_model(section, dtype, device))
+    from draftsmith.sharding import load_sharded
+
+    model = load_sharded(
+        load_config(section),
+        dtype,
+        device,
+        read_weights=lambda: read_model(section, dtype, "cpu").state_dict(),  # rank 0's, in host memory
+        trust_remote_code=section.trust_remote_code,
+    )
+    return freeze(model)
+
+
+def load_config(section):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(
+            section.name_or_path, revision=section.revision, trust_remote_code=section.trust_remote_code
+        )
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot load target {section.name_or_path!r}: {one_line(err)}") from None
+
+
+def read_model(section, dtype: torch.dtype, device: torch.device | str):
+    """The whole model, its weights read from the checkpoint, on `device`."""
     from transformers import AutoModelForCausalLM
 
-    section = target_section(section)
-    torch_dtype = resolve_dtype(section.dtype, device)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             section.name_or_path,
             revision=section.revision,
-            dtype=torch_dtype,
+            dtype=dtype,
             trust_remote_code=section.trust_remote_code,
         )
     except (OSError, ValueError) as err:
         raise UserError(f"cannot load target {section.name_or_path!r}: {one_line(err)}") from None
-    model.to(device)
-    return freeze(model)
+    return model.to(device)
 
 
 def freeze(model: torch.nn.Module) -> torch.nn.Module:

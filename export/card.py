@@ -4,6 +4,7 @@ folder was checked in the engine, what it was trained on, and the conventions co
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Optional
 
@@ -25,7 +26,16 @@ def write_card(
         tags=["speculative-decoding", "draftsmith", kind, engine],
     )
     gamma = info["num_speculative_tokens"]
-    command = repo.serve.format(target=info["verifier"], path=served_as, gamma=gamma, gamma_plus_one=gamma + 1)
+    model = f"{served_as}/{repo.weights_dir}" if repo.weights_dir else served_as
+    method, *rest = info["speculative_config"].items()
+    speculative_config = json.dumps(dict([method, ("model", model), *rest]))
+    command = repo.serve.format(
+        target=info["verifier"],
+        path=served_as,
+        gamma=gamma,
+        gamma_plus_one=gamma + 1,
+        speculative_config=speculative_config,
+    )
     lines = [
         "---",
         data.to_yaml(),
@@ -47,6 +57,7 @@ def write_card(
         *gamma_note(engine, gamma, info.get("recommended_num_speculative_tokens")),
         *acceptance_section(report),
         *engine_section(info.get("verified")),
+        *batch_section(info.get("batch_schedule")),
         *training_section(info, report),
         "## Conventions converted on export",
         "",
@@ -134,6 +145,33 @@ def engine_section(verified: Optional[dict[str, Any]]) -> list[str]:
         f"{verified['counters']['num_draft_tokens']} draft tokens, {verified['counters']['num_accepted_tokens']} accepted.",
         "",
     ]
+
+
+def batch_section(schedule: Optional[dict[str, Any]]) -> list[str]:
+    """τ and speed-up at each measured batch size, beside the γ the served config uses there."""
+    if not schedule:
+        return []
+    lines = [
+        "## Speed-up by batch size",
+        "",
+        f"Measured in vLLM {', '.join(str(e.get('vllm_version')) for e in schedule['engine'] if e)} by a load sweep "
+        f"(`{schedule['sweep']}`, this drafter as `{schedule['method']}`): at each concurrency, requests in flight, the γ the "
+        "schedule serves and what that γ measured. γ 0 is plain decoding: speculation does not pay there.",
+        "",
+        "| concurrency | γ served | τ (vLLM) | speed-up over plain |",
+        "|---:|---:|---:|---:|",
+    ]
+    for concurrency, level in schedule["per_concurrency"].items():
+        tau = "–" if level["tau"] is None else f"{level['tau']:.2f}"
+        lines.append(f"| {concurrency} | {level['chosen']} | {tau} | {level['speedup']:.2f}× |")
+    lines += [
+        "",
+        f"`num_speculative_tokens_per_batch_size` {schedule['num_speculative_tokens_per_batch_size']}: vLLM looks the γ up by "
+        "the requests scheduled in a step (prefills included) and carries the last range's γ past its end. It ignores the "
+        "schedule under data parallelism (`--data-parallel-size` > 1) and drafts the full γ on every rank.",
+        "",
+    ]
+    return lines
 
 
 def training_section(info: dict[str, Any], report: Optional[dict[str, Any]]) -> list[str]:

@@ -30,10 +30,9 @@ import torch
 from draftsmith.errors import UserError
 from draftsmith.export import Exporter, Source, register
 from draftsmith.export.eagle import llama_layers_expected
-from draftsmith.export.repo import EngineRepo, draft_layer_config, require_vllm_state_capture
+from draftsmith.export.repo import VLLM_SERVE, EngineRepo, draft_layer_config, require_vllm_state_capture
 from draftsmith.heads import drafter_class
 
-VLLM_SERVE = """vllm serve {target} --speculative-config '{{"method": "dflash", "model": "{path}", "num_speculative_tokens": {gamma}}}'"""
 FAMILIES = ("llama", "qwen3")  # draft layers vLLM's Qwen3 DFlash layer reproduces (with q/k norms)
 
 

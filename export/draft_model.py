@@ -19,11 +19,9 @@ import torch
 
 from draftsmith.errors import UserError
 from draftsmith.export import Exporter, Source, register
-from draftsmith.export.repo import EngineRepo, check_vllm_path
+from draftsmith.export.repo import VLLM_SERVE, EngineRepo, check_vllm_path
 from draftsmith.heads import drafter_class
 
-VLLM_SERVE = """vllm serve {target} --speculative-config '{{"method": "draft_model", "model": "{path}", "num_speculative_tokens": {gamma}}}'"""
-VLLM_SERVE_PARALLEL = """vllm serve {target} --speculative-config '{{"method": "draft_model", "model": "{path}", "num_speculative_tokens": {gamma}, "parallel_drafting": true}}'"""
 SGLANG_SERVE = (
     "python -m sglang.launch_server --model-path {target} --speculative-algorithm STANDALONE --speculative-draft-model-path {path} "
     "--speculative-num-steps {gamma} --speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma_plus_one}"
@@ -109,8 +107,7 @@ class DraftModelExporter(Exporter):
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         check_vllm_path(output, "draft-model")
-        serve = VLLM_SERVE_PARALLEL if source.drafter.config.parallel_drafting else VLLM_SERVE
-        return self.repo(source, "vllm", serve, "draft_model")
+        return self.repo(source, "vllm", VLLM_SERVE, "draft_model")
 
     def sglang(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         if source.drafter.config.parallel_drafting:

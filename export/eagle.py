@@ -20,10 +20,9 @@ import torch
 
 from draftsmith.errors import UserError
 from draftsmith.export import Exporter, Source, register
-from draftsmith.export.repo import EngineRepo, draft_layer_config
+from draftsmith.export.repo import VLLM_SERVE, EngineRepo, draft_layer_config
 from draftsmith.heads import drafter_class
 
-VLLM_SERVE = """vllm serve {target} --speculative-config '{{"method": "eagle", "model": "{path}", "num_speculative_tokens": {gamma}}}'"""
 SGLANG_SERVE = (
     "python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE --speculative-draft-model-path {path} "
     "--speculative-num-steps {gamma} --speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma_plus_one}"

@@ -47,11 +47,9 @@ import torch
 
 from draftsmith.errors import UserError
 from draftsmith.export import Exporter, Source, register
-from draftsmith.export.repo import EngineRepo, draft_layer_config, require_vllm_state_capture
+from draftsmith.export.repo import VLLM_SERVE, EngineRepo, draft_layer_config, require_vllm_state_capture
 from draftsmith.heads import drafter_class
 
-VLLM_SERVE = """vllm serve {target} --speculative-config '{{"method": "eagle3", "model": "{path}", "num_speculative_tokens": {gamma}}}'"""
-VLLM_SERVE_PARALLEL = """vllm serve {target} --speculative-config '{{"method": "eagle3", "model": "{path}", "num_speculative_tokens": {gamma}, "parallel_drafting": true}}'"""
 SGLANG_SERVE = (
     "python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 --speculative-draft-model-path {path} "
     "--speculative-num-steps {gamma} --speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma_plus_one}"
@@ -157,12 +155,12 @@ class Eagle3Exporter(Exporter):
                 },
             },
         }
-        serve, options = VLLM_SERVE, {}
+        options = {}
         if drafter.config.parallel_drafting:
             extensions = {key: config[key] for key in ("fc_norm", "norm_output")}
             config |= {"speculators_model_type": "peagle", "mask_token_id": int(drafter.config.mask_token_id)}
             config["transformer_layer_config"] = layer | extensions  # the peagle reader reads them only there
-            serve, options = VLLM_SERVE_PARALLEL, {"parallel_drafting": True}
+            options = {"parallel_drafting": True}
         conventions = {
             "aux_layer_ids": {
                 "draftsmith": ours,
@@ -196,7 +194,7 @@ class Eagle3Exporter(Exporter):
         tensors = {**drafter.state_dict(), "embed_tokens.weight": embedding.weight}
         if drafter.config.parallel_drafting:
             tensors["mask_hidden"] = tensors["mask_hidden"].view(1, 1, -1)
-        return EngineRepo("vllm", config, tensors, expected, serve, conventions, method="eagle3", options=options)
+        return EngineRepo("vllm", config, tensors, expected, VLLM_SERVE, conventions, method="eagle3", options=options)
 
     def native_vllm(self, source: Source) -> EngineRepo:
         """vLLM's native form (`export.vllm_format=native`): a `LlamaForCausalLMEagle3` config with the

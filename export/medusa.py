@@ -22,12 +22,11 @@ import torch
 
 from draftsmith.errors import UserError
 from draftsmith.export import Exporter, Source, register
-from draftsmith.export.repo import EngineRepo, check_vllm_path, copy_tokenizer
+from draftsmith.export.repo import VLLM_SERVE, EngineRepo, check_vllm_path, copy_tokenizer
 from draftsmith.heads import drafter_class
 from draftsmith.heads.lora import ADAPTER_DIR
 from draftsmith.target import TargetShape, load_target
 
-SERVE = """vllm serve {target} --speculative-config '{{"method": "medusa", "model": "{path}", "num_speculative_tokens": {gamma}}}'"""
 HEADS_DIR, TARGET_DIR = "medusa", "target"  # a Medusa-2 folder's two models
 
 
@@ -77,13 +76,13 @@ class MedusaExporter(Exporter):
             "heads": "head h reads the target's final (post-norm) hidden state at t and guesses token t+2+h, in draftsmith and in vLLM",
         }
         if drafter.type == "medusa":
-            return EngineRepo("vllm", config, tensors, medusa_expected(config), SERVE, conventions, method="medusa")
+            return EngineRepo(
+                "vllm", config, tensors, medusa_expected(config), VLLM_SERVE, conventions, method="medusa"
+            )
         conventions["verifier"] = (
             f"{TARGET_DIR}/ is the target with the drafter's LoRA adapters merged; the heads read its hidden states, so it is the model to serve"
         )
-        serve = SERVE.replace("{target}", "{path}/" + TARGET_DIR).replace(
-            '"model": "{path}"', f'"model": "{{path}}/{HEADS_DIR}"'
-        )
+        serve = VLLM_SERVE.replace("{target}", "{path}/" + TARGET_DIR)  # the model: {path}/HEADS_DIR (weights_dir)
         return EngineRepo(
             "vllm", config, tensors, medusa_expected(config), serve, conventions, method="medusa",
             extra=lambda folder: write_merged_target(source, folder / TARGET_DIR), weights_dir=HEADS_DIR,

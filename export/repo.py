@@ -48,6 +48,14 @@ class TargetInfo:
     directory: Optional[Path] = None
 
 
+# vLLM's serving command: the export's whole speculative config (export/run.py::served_config) as one
+# JSON argument, the folder as its model.
+VLLM_SERVE = "vllm serve {target} --speculative-config '{speculative_config}'"
+# vLLM 0.32's defaults for the settings that move τ, written into every served config so that an engine
+# version with other defaults cannot change acceptance silently (vLLM 0.28 changed draft_sample_method's).
+VLLM_PINNED = {"draft_sample_method": "greedy", "rejection_sample_method": "standard"}
+
+
 @dataclass
 class EngineRepo:
     """One engine's folder: its config.json and weights, the tensors the engine reads for that config

@@ -10,6 +10,7 @@ loaded in vLLM when `export.vllm_python` names a Python that has it, given its m
 from __future__ import annotations
 
 import json
+import logging
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
@@ -24,6 +25,7 @@ from draftsmith.export import EXPORTERS, Source, exporter_for
 from draftsmith.export.gamma import recommended_gamma
 from draftsmith.export.repo import (
     EXPORT_INFO,
+    VLLM_PINNED,
     WEIGHTS,
     EngineRepo,
     TargetInfo,
@@ -39,6 +41,7 @@ from draftsmith.outputs import DirectoryLock, move_aside
 from draftsmith.target import TargetShape, load_target, resolve_device
 
 EXPORT_FORMAT = 1
+log = logging.getLogger("draftsmith.export")
 
 
 def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=None, engines=None) -> dict[str, Path]:
@@ -51,10 +54,11 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
             kind, list(cfg.export.engines), cfg.export.vllm_format
         )  # before the target loads
         source_digest = checkpoint_digest(checkpoint)  # its config.json as well as its weights
+        schedule = batch_schedule_of(cfg, source_digest)  # before the target loads: a bad sweep stops here
         claim_export_dir(output, list(cfg.export.engines), source_digest, cfg.export.overwrite)
         target = target if target is not None else load_target(cfg.target, resolve_device(cfg.eval.device))
         source = load_source(cfg, checkpoint, target)
-        gamma = serving_gamma(cfg, source)
+        gamma = serving_gamma(cfg, source, schedule)
         exporter = exporter_for(source.drafter.type)
         repos = {engine: exporter.build(engine, source, gamma, output / engine) for engine in cfg.export.engines}
         for repo in repos.values():
@@ -64,14 +68,17 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
         folders = {}
         for engine, repo in repos.items():
             staged = stage_repo(repo, output / engine, source.target)
-            info = export_info(cfg, source, repo, gamma, source_digest, report)
+            info = export_info(cfg, source, repo, gamma, source_digest, report, schedule)
             write_json(staged / EXPORT_INFO, info)
             check_round_trip(exporter, source, repo, staged, target, gamma, output / engine)
             if engine == "vllm" and cfg.export.vllm_python:
                 from draftsmith.export.verify import EngineSession, verify_in_vllm
 
                 with nullcontext(engines) if engines is not None else EngineSession() as session:
-                    info["verified"] = verify_in_vllm(cfg, source, repo, staged, gamma, session, tokenizer)
+                    info["verified"] = verify_in_vllm(
+                        cfg, source, repo, staged, info["speculative_config"], session, tokenizer
+                    )
+                info["engine_settings"] = info["verified"]["engine_settings"]
                 write_json(staged / EXPORT_INFO, info)
             from draftsmith.export.card import write_card
 
@@ -98,8 +105,46 @@ def load_source(cfg: DictConfig, checkpoint: Path, target) -> Source:
     )
 
 
-def serving_gamma(cfg: DictConfig, source: Source) -> int:
+def batch_schedule_of(cfg: DictConfig, digest: str) -> Optional[dict[str, Any]]:
+    """The γ per batch size that export.batch_sweep's measurement of this checkpoint's export gives
+    (export/schedule.py), with what it rests on; None without a sweep."""
+    if not cfg.export.batch_sweep:
+        return None
+    from draftsmith.export.schedule import PLAIN, batch_schedule, read_sweep
+
+    path = Path(cfg.export.batch_sweep).resolve()
+    rows = read_sweep(path)
+    methods = sorted({row["method"] for row in rows if row.get("source_sha256") == digest})
+    if len(methods) != 1:
+        found = f"measures it as {', '.join(methods)}" if methods else "measured no export of it"
+        raise UserError(
+            f"export.batch_sweep={cfg.export.batch_sweep}: the sweep {found} (checkpoint sha256 {digest[:12]}); "
+            "sweep one export of this checkpoint (benchmarks/load_sweep.py)"
+        )
+    measured = [row for row in rows if row["method"] == PLAIN or row.get("source_sha256") == digest]
+    schedule = batch_schedule(measured, methods[0])
+    engines = {json.dumps(row.get("engine"), sort_keys=True) for row in measured}
+    log.info(
+        "γ per batch size from %s (%s): %s; vLLM ignores it under data parallelism (--data-parallel-size > 1)",
+        path, methods[0], schedule["num_speculative_tokens_per_batch_size"],
+    )  # fmt: skip
+    return {**schedule, "sweep": str(path), "method": methods[0], "engine": [json.loads(e) for e in sorted(engines)]}
+
+
+def serving_gamma(cfg: DictConfig, source: Source, schedule: Optional[dict[str, Any]] = None) -> int:
+    """The γ the served config names: the schedule's largest K when there is one (vLLM caps every
+    batch size's K at it), else export.num_speculative_tokens or the eval's."""
     gamma = int(cfg.export.num_speculative_tokens or cfg.eval.num_speculative_tokens)
+    if schedule is not None:
+        if (
+            cfg.export.num_speculative_tokens
+            and int(cfg.export.num_speculative_tokens) != schedule["num_speculative_tokens"]
+        ):
+            raise UserError(
+                f"export.num_speculative_tokens={cfg.export.num_speculative_tokens} but export.batch_sweep's schedule "
+                f"needs {schedule['num_speculative_tokens']} (its largest γ); leave export.num_speculative_tokens unset"
+            )
+        gamma = schedule["num_speculative_tokens"]
     longest = type(source.drafter).max_chain(source.drafter.config)
     if longest is not None and gamma > longest:
         raise UserError(
@@ -158,8 +203,25 @@ def with_reported_accuracy(source: Source, report: Optional[dict[str, Any]]) -> 
         source.drafter.learned = {**source.drafter.learned, EVAL_SPLIT: dict(measured)}
 
 
+def served_config(repo: EngineRepo, gamma: int, schedule: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """The engine's speculative config for this folder, less `model`: for vLLM the method, γ, what the
+    folder needs (P-EAGLE's parallel_drafting), the pinned sampling settings and the γ per batch size."""
+    if repo.engine != "vllm":
+        return {"method": repo.method, **repo.options}
+    config = {"method": repo.method, "num_speculative_tokens": gamma, **repo.options, **VLLM_PINNED}
+    if schedule is not None:
+        config["num_speculative_tokens_per_batch_size"] = schedule["num_speculative_tokens_per_batch_size"]
+    return config
+
+
 def export_info(
-    cfg: DictConfig, source: Source, repo: EngineRepo, gamma: int, digest: str, report: Optional[dict]
+    cfg: DictConfig,
+    source: Source,
+    repo: EngineRepo,
+    gamma: int,
+    digest: str,
+    report: Optional[dict],
+    schedule: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """draftsmith_export.json: where the folder came from and what was converted on the way."""
     from importlib import metadata
@@ -178,7 +240,9 @@ def export_info(
         "num_speculative_tokens": gamma,
         "conventions": repo.conventions,
         "serve": repo.serve,
-        "speculative_config": {"method": repo.method, **repo.options},  # vLLM's, less model and γ
+        "speculative_config": served_config(repo, gamma, schedule),
+        "batch_schedule": schedule,
+        "engine_settings": None,  # what the engine resolved, when the export was checked in it
         "recommended_num_speculative_tokens": recommended_gamma(report),
         "eval_report": None
         if report is None

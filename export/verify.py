@@ -150,11 +150,20 @@ def draftsmith_side(
 
 
 def verify_in_vllm(
-    cfg: DictConfig, source: Source, repo: EngineRepo, folder: Path, gamma: int, session: EngineSession, tokenizer=None
+    cfg: DictConfig,
+    source: Source,
+    repo: EngineRepo,
+    folder: Path,
+    served: dict[str, Any],
+    session: EngineSession,
+    tokenizer=None,
 ) -> dict[str, Any]:
-    """Check the staged vLLM `folder` in the engine (see the module docstring); the summary that goes
-    into draftsmith_export.json and the model card; ExportCheckFailed (exit 3) saying what failed, or
-    EngineUnavailable (exit 69) when the engine died before it answered."""
+    """Check the staged vLLM `folder` in the engine (see the module docstring) under `served`, the
+    export's speculative config less `model`; the summary that goes into draftsmith_export.json and
+    the model card; ExportCheckFailed (exit 3) saying what failed, or EngineUnavailable (exit 69) when
+    the engine died before it answered. A γ per batch size in `served` is checked in a second run on
+    the same prompts, all at once: the engine must take it as written and stay lossless; τ is compared
+    at the fixed γ, since the schedule changes γ with the batch."""
     tokenizer = tokenizer or load_tokenizer(cfg.target)
     sources = list(cfg.eval.data) or list(cfg.data.eval)
     if not sources:
@@ -164,28 +173,56 @@ def verify_in_vllm(
     )
     prompts = [prompt for domain in by_domain.values() for prompt in domain]
     max_new = int(cfg.eval.max_new_tokens)
+    gamma = int(served["num_speculative_tokens"])
     ours = draftsmith_side(source, prompts, max_new, gamma, eos_ids_of(source.target_model, tokenizer))
-    served = folder / "target" if (folder / "target").is_dir() else served_target(cfg)
+    served_target_dir = folder / "target" if (folder / "target").is_dir() else served_target(cfg)
     limit = int(source.target.config.get("max_position_embeddings") or 4096)
     request = {
-        "target": str(served),
+        "target": str(served_target_dir),
         "prompts": prompts,
         "max_tokens": max_new,
         "max_model_len": min(limit, max(map(len, prompts)) + max_new + 8),
     }
-    plain_key = json.dumps([cfg.export.vllm_python, stamp(Path(served)), request])
-    speculative = {
-        "method": repo.method,
-        "model": str(folder / repo.weights_dir),
-        "num_speculative_tokens": gamma,
-        **repo.options,
-    }
+    plain_key = json.dumps([cfg.export.vllm_python, stamp(Path(served_target_dir)), request])
+    speculative = {**served, "model": str(folder / repo.weights_dir)}
+    schedule = speculative.pop("num_speculative_tokens_per_batch_size", None)
     request["runs"] = [{"name": "speculative", "speculative_config": speculative}]
+    if schedule is not None:
+        request["runs"].append(
+            {
+                "name": "scheduled",
+                "speculative_config": {**speculative, "num_speculative_tokens_per_batch_size": schedule},
+            }
+        )
     if plain_key not in session.plain_runs:
         request["runs"].insert(0, {"name": "plain", "speculative_config": None})
     engine = session.run(cfg.export.vllm_python, request)
     engine["runs"]["plain"] = session.plain_runs.setdefault(plain_key, engine["runs"].get("plain"))
-    return compare(engine, ours, gamma, float(cfg.export.tolerance), len(prompts), max_new)
+    summary = compare(engine, ours, gamma, float(cfg.export.tolerance), len(prompts), max_new)
+    resolved = engine["runs"]["scheduled" if schedule is not None else "speculative"]
+    summary["engine_settings"] = {"vllm_version": engine["vllm_version"], **resolved["engine_settings"]}
+    if schedule is not None:
+        summary["schedule"] = check_schedule(engine, schedule)
+    return summary
+
+
+def check_schedule(engine: dict[str, Any], schedule: list[list[int]]) -> dict[str, Any]:
+    """The run with the γ per batch size: taken as written, and lossless."""
+    run = engine["runs"]["scheduled"]
+    taken = run["engine_settings"].get("num_speculative_tokens_per_batch_size")
+    result = {
+        "lossless": run["outputs"] == engine["runs"]["plain"]["outputs"],
+        "taken_as": taken,
+        "counters": run["metrics"],
+    }
+    if taken != schedule:
+        raise ExportCheckFailed(f"vLLM {engine['vllm_version']} resolved the γ per batch size {schedule} as {taken}")
+    if not result["lossless"]:
+        raise ExportCheckFailed(
+            f"export check in vLLM {engine['vllm_version']} failed: with the γ per batch size {schedule}, vLLM's greedy "
+            "output differs from its output without the drafter"
+        )
+    return result
 
 
 def stamp(directory: Path) -> list:

@@ -6,8 +6,9 @@
 A check reads the engine's speculative-decoding counters (monitor/metrics.py) and evaluates the
 deployed drafter on a sample of recent traffic (monitor/traffic.py), tests both against the baseline
 recorded with the deployed export (monitor/drift.py), and on a persistent drift runs the retraining
-pipeline (monitor/pipeline.py); monitor/check.py ties them together, monitor/state.py keeps the one
-state file.
+pipeline (monitor/pipeline.py); an engine other than the one the export was checked in is no drift
+but a reason to check the export in it (REVERIFY). monitor/check.py ties them together,
+monitor/state.py keeps the one state file.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class Outcome(IntEnum):
     DRIFT = 10  # drift measured, no retraining now (hysteresis, cooldown, or monitor.retrain=false)
     REJECTED = 11  # retrained; the new drafter did not pass the gate: the deployed one stays
     PROMOTED = 12  # retrained and exported: deploy the new export (state.json's deployed.export)
+    REVERIFY = 13  # the engine is not the one the export was checked in: check the export in it (no drift judged)
 
 
 __all__ = ["Outcome"]

@@ -3,10 +3,12 @@ Kubernetes CronJob); `python -m monitor watch ...` checks every monitor.interval
 stopped (SIGTERM or Ctrl-C ends it between checks).
 
 Exit codes (monitor.Outcome): 0 healthy, 10 drift (waiting), 11 retrained but not promoted,
-12 retrained and promoted (redeploy), 2 bad input, 69 an engine that does not answer or answers with a
-server error (temporary: retry), 75 stopped on SIGTERM during a retraining
-(the next check resumes it), and as every command 3, 4, 70, 74 (docs/faults.md). `watch` exits only on bad input or a signal; an engine that does not
-answer is one line (`engine unavailable: ...`) and the next check tries again.
+12 retrained and promoted (redeploy), 13 re-verify: the engine is not the one the export was checked
+in (nothing was judged; the line says what to run), 2 bad input, 69 an engine that does not answer
+or answers with a server error (temporary: retry), 75 stopped on SIGTERM during a retraining (the
+next check resumes it), and as every command 3, 4, 70, 74 (docs/faults.md). `watch` exits only on
+bad input or a signal; an engine that does not answer is one line (`engine unavailable: ...`) and
+the next check tries again.
 """
 
 from __future__ import annotations
@@ -26,17 +28,17 @@ def main(argv: Sequence[str]) -> None:
     if not argv or argv[0] not in ("check", "watch"):
         raise UserError(USAGE)
     cfg = load_recipe(argv[1:])
-    from draftsmith.monitor.check import check
+    from draftsmith.monitor.check import check, summary
 
     if argv[0] == "check":
         outcome = check(cfg)
-        print(f"monitor: {outcome.name.lower()}")
+        print(summary(cfg, outcome))
         sys.exit(int(outcome))
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
     while not stop:
         try:
-            print(f"monitor: {check(cfg).name.lower()}", flush=True)
+            print(summary(cfg, check(cfg)), flush=True)
         except EngineUnavailable as err:  # temporary: the next check tries again
             print(f"engine unavailable: {one_line(err, limit=2000)}", file=sys.stderr, flush=True)
         deadline = time.monotonic() + cfg.monitor.interval_s

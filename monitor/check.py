@@ -4,7 +4,9 @@ Measured: the engine's counters over the window since the previous check (monito
 draftsmith's eval of the deployed drafter on a sample of recent traffic, per domain
 (monitor/traffic.py). Decided (monitor/drift.py): drift when either is significantly below the
 baseline; the streak must reach `monitor.consecutive` and the cooldown must be over before the
-retraining pipeline starts (monitor/pipeline.py). Recorded: `<state_dir>/checks/<n>.json` with
+retraining pipeline starts (monitor/pipeline.py). Unless the engine is not the one the export was
+checked in (`engine_change`): then the check judges nothing and says how to check the export in the
+new engine (Outcome.REVERIFY). Recorded: `<state_dir>/checks/<n>.json` with
 everything measured and decided, TensorBoard scalars in `<state_dir>/tb`, and the state file.
 
 The whole check holds `<state_dir>` (DirectoryLock): two checks, or two retrainings, never overlap.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import shlex
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -22,12 +25,13 @@ from typing import Any, Optional
 from omegaconf import DictConfig
 
 from draftsmith.errors import UserError
-from draftsmith.export.repo import EXPORT_INFO
+from draftsmith.export.repo import EXPORT_INFO, VLLM_PINNED
 from draftsmith.files import write_text_atomic
 from draftsmith.monitor import Outcome
 from draftsmith.monitor.drift import (
     DRIFT,
     HEALTHY,
+    REVERIFY,
     TOO_FEW,
     Baseline,
     domain_tests,
@@ -35,7 +39,7 @@ from draftsmith.monitor.drift import (
     request_tests,
     verdict_of,
 )
-from draftsmith.monitor.metrics import collect, window
+from draftsmith.monitor.metrics import UNKNOWN, collect, engine_version, window
 from draftsmith.monitor.state import State
 from draftsmith.monitor.traffic import sample, write_conversations
 from draftsmith.outputs import DirectoryLock
@@ -57,6 +61,13 @@ def check(cfg: DictConfig, now: Optional[float] = None) -> Outcome:
         return measure_and_decide(cfg, directory, state, time.time() if now is None else now)
 
 
+def summary(cfg: DictConfig, outcome: Outcome) -> str:
+    """The one line `python -m monitor` prints for a check: its outcome, and for a re-verify what to run."""
+    if outcome == Outcome.REVERIFY:
+        return f"monitor: {State.load(state_dir_of(cfg)).last_check['action']}"
+    return f"monitor: {outcome.name.lower()}"
+
+
 def deployed_of(cfg: DictConfig, state: State) -> dict[str, Any]:
     """The deployed export (the state's, once the monitor has promoted one; else monitor.deployed)
     and the report its baseline comes from."""
@@ -67,7 +78,7 @@ def deployed_of(cfg: DictConfig, state: State) -> dict[str, Any]:
         raise UserError(
             f"monitor.deployed={folder!r} is not an export folder (an export's vllm/ or sglang/ holding {EXPORT_INFO})"
         )
-    info = json.loads((Path(folder) / EXPORT_INFO).read_text())
+    info = export_info(folder)
     report = cfg.monitor.baseline or (info.get("eval_report") or {}).get("path")
     if not report:
         raise UserError(
@@ -80,6 +91,14 @@ def deployed_of(cfg: DictConfig, state: State) -> dict[str, Any]:
         "checkpoint": info["source"]["checkpoint"],
         "sha256": info["source"]["sha256"],
     }
+
+
+def export_info(folder: str) -> dict[str, Any]:
+    path = Path(folder) / EXPORT_INFO
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise UserError(f"cannot read the deployed export's {path}: {err}") from None
 
 
 def load_baseline(path: str) -> Baseline:
@@ -108,9 +127,10 @@ def measure_and_decide(cfg: DictConfig, directory: Path, state: State, now: floa
             key: settings[key] for key in ("min_drafts", "max_drop", "confidence", "consecutive", "cooldown_s")
         },
     }
-    verdicts = []
+    verdicts, change = [], None
     if settings.metrics:
-        current = collect(list(settings.metrics))
+        urls = list(settings.metrics)
+        current = collect(urls)
         if state.counters is None:
             record["engine"] = {"verdict": TOO_FEW, "note": "first scrape of this deployment: the window starts now"}
         else:
@@ -122,17 +142,28 @@ def measure_and_decide(cfg: DictConfig, directory: Path, state: State, now: floa
                 "verdict": verdict_of(tests) if tests else TOO_FEW,
             }
             verdicts.append(record["engine"]["verdict"])
+        if settings.engine == "vllm":
+            versions = {url: engine_version(url) for url in urls}
+            record["engine"]["versions"] = versions
+            change = engine_change(deployed, versions)
+        if change is not None:
+            record["engine"]["verdict"] = REVERIFY  # its tests stay recorded, as measured
+            record["engine_change"] = change
         state.counters = current
     if settings.traffic:
         record["traffic"] = measure_traffic(cfg, directory, deployed, baseline, number, now)
         verdicts.append(record["traffic"]["verdict"])
 
-    drift = DRIFT in verdicts
+    # In an engine the export was not checked in, a drop is not drift (nor a healthy window a
+    # recovery): the streak stays where it was until the export is checked in that engine. The
+    # per-request counts of the traffic come from the same engine, and a retraining's export would be
+    # checked in export.vllm_python, not in it, so the whole check waits for the re-verification.
+    drift = change is None and DRIFT in verdicts
     if drift:
         state.consecutive_drift += 1
-    elif verdicts and all(verdict == HEALTHY for verdict in verdicts):
+    elif change is None and verdicts and all(verdict == HEALTHY for verdict in verdicts):
         state.consecutive_drift = 0
-    outcome, action = decide(cfg, state, drift, now)
+    outcome, action = decide(cfg, state, drift, change, now)
     if action == "retrain":
         state.pipeline = {
             "id": f"retrain_{number:05d}",
@@ -148,7 +179,7 @@ def measure_and_decide(cfg: DictConfig, directory: Path, state: State, now: floa
         "outcome": outcome.name,
     }
     path = write_record(directory, number, record, now)
-    state.last_check = {"time": record["time"], "record": str(path), "outcome": outcome.name}
+    state.last_check = {"time": record["time"], "record": str(path), "outcome": outcome.name, "action": action}
     state.save(directory)
     if action == "retrain":
         from draftsmith.monitor.pipeline import run_pipeline
@@ -157,7 +188,14 @@ def measure_and_decide(cfg: DictConfig, directory: Path, state: State, now: floa
     return outcome
 
 
-def decide(cfg: DictConfig, state: State, drift: bool, now: float) -> tuple[Outcome, str]:
+def decide(
+    cfg: DictConfig, state: State, drift: bool, change: Optional[dict[str, Any]], now: float
+) -> tuple[Outcome, str]:
+    if change is not None:
+        return (
+            Outcome.REVERIFY,
+            f"reverify: {change['reason']}. Check the export in that engine before its acceptance is judged again: {change['command']}",
+        )
     if not drift:
         return Outcome.HEALTHY, "none"
     if state.consecutive_drift < cfg.monitor.consecutive:
@@ -170,6 +208,57 @@ def decide(cfg: DictConfig, state: State, drift: bool, now: float) -> tuple[Outc
     if not cfg.monitor.retrain:
         return Outcome.DRIFT, "report only (monitor.retrain=false)"
     return Outcome.DRIFT, "retrain"
+
+
+def engine_change(deployed: dict[str, Any], versions: dict[str, str]) -> Optional[dict[str, Any]]:
+    """What the deployed export records of the engine it was checked in against what the replicas
+    report, when one reports another version; None when they agree, and when there is nothing to
+    compare: a replica without /version (UNKNOWN), or an export never checked in an engine (exported
+    without export.vllm_python: its baseline is draftsmith's eval alone, judged as before).
+
+    vLLM's /metrics and /version do not report the speculative config, so the settings that move τ
+    cannot be read from a running engine: the version stands for them. An export pins the sampling
+    settings in its served config (VLLM_PINNED), so a new engine cannot move them; for an older export
+    that does not, the change says that the engine's defaults decide them."""
+    info = export_info(deployed["export"])
+    checked = info.get("engine_settings") or {}
+    recorded = checked.get("vllm_version") or (info.get("verified") or {}).get("engine_version")
+    reported = {url: version for url, version in versions.items() if version not in (recorded, UNKNOWN)}
+    if recorded is None or not reported:
+        return None
+    by_version: dict[str, list[str]] = {}
+    for url, version in reported.items():
+        by_version.setdefault(version, []).append(url)
+    served = "; ".join(f"vLLM {version} at {', '.join(urls)}" for version, urls in by_version.items())
+    reason = f"the export {deployed['export']} was checked in vLLM {recorded} and is served by {served}"
+    pinned = info.get("speculative_config") or {}
+    unpinned = [key for key in VLLM_PINNED if key not in pinned]
+    if unpinned:
+        sampling = f"the export does not pin {', '.join(unpinned)}: the engine's defaults decide them"
+        reason += f"; {sampling}"
+    else:
+        sampling = f"pinned in the served config: {', '.join(f'{key}={pinned[key]}' for key in VLLM_PINNED)}"
+    engines = " / ".join(f"vLLM {version}" for version in by_version)
+    return {
+        "recorded": recorded,
+        "reported": reported,
+        "sampling": sampling,
+        "reason": reason,
+        "command": f"{reverify_command(deployed, info)} (RECIPE: this monitor's recipe; PYTHON: a Python with {engines})",
+    }
+
+
+def reverify_command(deployed: dict[str, Any], info: dict[str, Any]) -> str:
+    """The export of the deployed checkpoint again, into the deployed folder (an export of the same
+    checkpoint is redone in place), as it was made and checked in the engine PYTHON runs."""
+    args = [f"drafter.path={deployed['checkpoint']}", f"export.output={Path(deployed['export']).parent}"]
+    if info.get("num_speculative_tokens"):
+        args.append(f"export.num_speculative_tokens={info['num_speculative_tokens']}")
+    if info.get("eval_report"):  # else the re-export would look for the report beside the checkpoint
+        args.append(f"export.report={info['eval_report']['path']}")
+    if info.get("batch_schedule"):
+        args.append(f"export.batch_sweep={info['batch_schedule']['sweep']}")
+    return f"python -m export recipe=RECIPE {shlex.join(args)} export.vllm_python=PYTHON"
 
 
 def measure_traffic(

@@ -23,6 +23,9 @@ from typing import Any, Optional
 from draftsmith.errors import UserError
 
 DRIFT, HEALTHY, UNDECIDED, TOO_FEW = "drift", "healthy", "undecided", "too few samples"
+# The engine's verdict when it is not the engine the export was checked in (monitor/check.py): its
+# acceptance can differ from the baseline for reasons that are not drift, so nothing is judged.
+REVERIFY = "reverify"
 
 
 @dataclass

@@ -10,14 +10,19 @@ count is its new value. SGLang exposes gauges (`sglang:spec_accept_length`, `sgl
 levels with no counts behind them, recorded as they are.
 
 Parsing is prometheus_client's own parser, not regexes.
+
+vLLM's server also answers `GET /version` (`{"version": "0.32.0"}`) beside its `/metrics`: the version
+of the engine serving, which a check compares with the one the export was checked in (monitor/check.py).
 """
 
 from __future__ import annotations
 
+import json
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -30,23 +35,56 @@ VLLM_COUNTERS = {
 }
 VLLM_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 SGLANG_GAUGES = ("sglang:spec_accept_length", "sglang:spec_accept_rate")
+UNKNOWN = "unknown"  # a replica's version when its server has no /version
 
 
-def scrape(url: str, timeout: float = 10.0) -> str:
-    """The exposition text at `url`. An engine that does not answer, or answers with a server error
-    (5xx: a proxy in front of a dead engine, say), is a temporary fault (EngineUnavailable: retry);
-    a client error (4xx: a wrong path) or a URL that cannot be fetched at all is bad input."""
+def get(url: str, timeout: float = 10.0) -> Optional[str]:
+    """The body at `url`, or None when the server has no such path (404). An engine that does not
+    answer, or answers with a server error (5xx: a proxy in front of a dead engine, say), is a
+    temporary fault (EngineUnavailable: retry); another client error or a URL that cannot be fetched
+    at all is bad input."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             return response.read().decode("utf-8", "replace")
     except urllib.error.HTTPError as err:
+        if err.code == 404:
+            return None
         if err.code >= 500:
             raise EngineUnavailable(f"{url} answered HTTP {err.code} {one_line(err.reason)}") from None
-        raise UserError(f"{url} answered HTTP {err.code} {one_line(err.reason)}: check monitor.metrics_urls") from None
+        raise UserError(f"{url} answered HTTP {err.code} {one_line(err.reason)}: check monitor.metrics") from None
     except ValueError as err:  # not a URL urllib can fetch
         raise UserError(f"cannot scrape {url}: {one_line(err)}") from None
     except (urllib.error.URLError, OSError) as err:  # refused, unreachable, timed out
         raise EngineUnavailable(f"cannot scrape {url}: {one_line(getattr(err, 'reason', err))}") from None
+
+
+def scrape(url: str, timeout: float = 10.0) -> str:
+    """The exposition text at `url`; a 404 is a wrong path, bad input like any other client error."""
+    text = get(url, timeout)
+    if text is None:
+        raise UserError(f"{url} answered HTTP 404 Not Found: check monitor.metrics")
+    return text
+
+
+def engine_version(metrics_url: str, timeout: float = 10.0) -> str:
+    """The vLLM version the server of `metrics_url` reports at the /version beside it, or UNKNOWN when
+    there is none (404: a proxy that routes only /metrics, or a server older than the endpoint): the
+    monitor was told where the counters are, not where the version is, so a missing one leaves the
+    version uncompared instead of stopping the monitoring. A server that does not answer is
+    EngineUnavailable and any other answer that is not `{"version": "..."}` bad input, as for /metrics."""
+    url = urllib.parse.urljoin(metrics_url.rstrip("/"), "version")
+    text = get(url, timeout)
+    if text is None:
+        return UNKNOWN
+    try:
+        version = json.loads(text)["version"]
+    except (json.JSONDecodeError, TypeError, KeyError):
+        version = None
+    if not isinstance(version, str):
+        raise UserError(
+            f"{url} did not answer with vLLM's version (it begins {one_line(text, limit=80)!r}): monitor.metrics must name vLLM's own server"
+        )
+    return version
 
 
 def series(text: str, url: str) -> dict[str, float]:

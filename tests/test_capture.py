@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from draftsmith.data_prep.features import SCHEMA_VERSION, FeatureCollator, expec
 from draftsmith.errors import UserError, run_cli
 from draftsmith.recipe import load_recipe
 from draftsmith.target import FeatureRequest, TargetShape, load_target, load_tokenizer, run_target
-from tests.conftest import REFERENCE_TARGET, corpus_slice, run_entry
+from tests.helpers import REFERENCE_TARGET, assert_one_line_error, corpus_slice, run_entry
 
 LAYERS = (-1, 0, 2)  # embeddings and two decoder layers of the 4-layer reference target
 TOPK = 8
@@ -298,6 +299,5 @@ def test_bad_capture_settings_exit_2_with_one_line(captures, conversations, caps
     args = capture_args(output, conversations, *FULL, "data.capture.shard_tokens=250", override)
     with pytest.raises(SystemExit) as exit_info:
         run_cli(main, args)
-    assert exit_info.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert message in lines[-1] and lines[-1].startswith("error: ")
+    done = subprocess.CompletedProcess(args, exit_info.value.code, "", capsys.readouterr().err)
+    assert_one_line_error(done, 2, message)

@@ -14,7 +14,7 @@ import pytest
 
 from draftsmith.errors import UserError
 from draftsmith.trainer.checkpoint import CHECKSUMS_NAME, STATE_NAME, checkpoint_damage, resume_checkpoint
-from tests.conftest import run_entry_in_process, train_args, train_in_process
+from tests.helpers import assert_one_line_error, run_entry_in_process, train_args, train_in_process
 
 
 def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
@@ -58,13 +58,11 @@ def test_damaged_weights_are_named_in_one_line_and_latest_intact_resumes_from_th
     before = snapshot(output_dir)
 
     refused = run_entry_in_process(["train.py", *args, "train.max_steps=3", "train.resume=true"], capsys)
-    lines = [line for line in refused.stderr.splitlines() if line.strip()]
-    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
-    assert [line for line in lines if line.startswith("error: ")] == [lines[-1]]
-    assert lines[-1].startswith(
+    line = assert_one_line_error(refused, 2)
+    assert line.startswith(
         f"error: checkpoint {newest} is damaged: model.safetensors is {size // 2} bytes, {size} were written"
     )
-    assert "train.resume=latest_intact" in lines[-1]
+    assert "train.resume=latest_intact" in line
     assert snapshot(output_dir) == before  # nothing loaded, nothing written
 
     resumed = run_entry_in_process(["train.py", *args, "train.max_steps=3", "train.resume=latest_intact"], capsys)

@@ -25,7 +25,7 @@ from draftsmith.data_prep import (
 from draftsmith.data_prep.dataset import cache_key
 from draftsmith.errors import UserError
 from draftsmith.target import load_tokenizer
-from tests.conftest import run_entry_in_process, train_args
+from tests.helpers import assert_one_line_error, run_entry_in_process, train_args
 
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE = REPO.parent / "shared" / "models" / "reference-target"
@@ -230,6 +230,74 @@ def test_harmony_masks_the_analysis_channel_and_the_final_answer():
     ]
 
 
+# Qwen3's way: the reasoning as `reasoning_content`, rendered between <think> tags before the answer.
+THINK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and m.reasoning_content is string %}"
+    "<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+REASONING = "The user asks for a capital."
+
+
+@pytest.mark.parametrize("family", ["harmony", "qwen3"])
+def test_thinking_is_trained_on_or_masked_by_a_setting(family):
+    """data.thinking=mask leaves the reasoning itself out of the loss, wherever the template puts it;
+    the markup around it, which the model generates too, stays in."""
+    if family == "harmony":
+        tokenizer = family_tokenizer(HARMONY_TEMPLATE, ["<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>"], "<|return|>", None)  # fmt: skip
+        turn, before, after = (
+            {"thinking": REASONING},
+            "<|channel|>analysis<|message|>",
+            "<|end|><|start|>assistant<|channel|>final<|message|>",
+        )
+        end = "<|return|>"
+    else:
+        tokenizer = family_tokenizer(
+            THINK_TEMPLATE, ["<|im_start|>", "<|im_end|>", "<think>", "</think>"], "<|im_end|>", None
+        )
+        turn, before, after, end = {"reasoning_content": REASONING}, "<think>\n", "\n</think>\n\n", "<|im_end|>"
+    conversation = [{"role": "user", "content": "What is the capital of France?"},
+                    {"role": "assistant", "content": ANSWER_1, "thinking": None, "reasoning_content": None, **turn}]  # fmt: skip
+    ids, trained = render_with_masks(tokenizer, conversation)
+    assert masked_runs(tokenizer, ids, trained) == [before + REASONING + after + ANSWER_1 + end]
+    same, masked = render_with_masks(tokenizer, conversation, thinking="mask")
+    assert same == ids and masked_runs(tokenizer, ids, masked) == [before, after + ANSWER_1 + end]
+    silent = family_tokenizer(
+        GEMMA_TEMPLATE, ["<start_of_turn>", "<end_of_turn>", "<eos>"], "<eos>", "<|bos|>"
+    )  # renders none
+    with pytest.raises(UserError, match="does not render assistant turn 2's reasoning verbatim"):
+        render_with_masks(silent, conversation, thinking="mask")
+
+
+def test_the_loader_keeps_a_turns_reasoning_and_the_setting_keys_the_cache(tmp_path):
+    path = tmp_path / "reasoning.jsonl"
+    record = {"messages": [{"role": "user", "content": "What is the capital of France?"},
+                           {"role": "assistant", "content": ANSWER_1, "reasoning_content": REASONING}]}  # fmt: skip
+    path.write_text(json.dumps(record) + "\n")
+    conversations = load_conversations([str(path)])
+    assert (
+        conversations[0]["messages"][1]["reasoning_content"] == REASONING
+        and conversations[0]["messages"][1]["thinking"] is None
+    )
+    tokenizer = family_tokenizer(
+        THINK_TEMPLATE, ["<|im_start|>", "<|im_end|>", "<think>", "</think>"], "<|im_end|>", None
+    )
+    cache = str(tmp_path / "cache")
+    trained = tokenize_conversations(conversations, tokenizer, 256, cache_dir=cache)
+    masked = tokenize_conversations(conversations, tokenizer, 256, cache_dir=cache, thinking="mask")
+    assert trained[0]["input_ids"] == masked[0]["input_ids"] and sum(masked[0]["loss_mask"]) < sum(
+        trained[0]["loss_mask"]
+    )
+    path.write_text(
+        json.dumps(
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", "thinking": 3}]}
+        )
+        + "\n"
+    )
+    with pytest.raises(UserError, match="turn 2 has a thinking of type int, expected a string"):
+        load_conversations([str(path)])
+
+
 def test_render_prompt_stops_at_the_last_assistant_turn(reference_tokenizer):
     ids, answer = render_prompt(reference_tokenizer, CONVERSATION)
     assert answer == ANSWER_2
@@ -282,7 +350,8 @@ def test_all_formats_give_identical_conversations(tmp_path):
     ]
     paths[3].write_text(json.dumps(RECORDS))
     datasets.Dataset.from_list(RECORDS).to_parquet(str(paths[4]))
-    expected = [record["messages"] for record in RECORDS]
+    no_reasoning = {"thinking": None, "reasoning_content": None}  # one Arrow schema: absent reads as None
+    expected = [[{**message, **no_reasoning} for message in record["messages"]] for record in RECORDS]
     for path in paths:
         loaded = load_conversations([str(path)])
         assert loaded.column_names == ["messages", "domain", "source", "record"]
@@ -409,10 +478,7 @@ def test_train_on_invalid_utf8_is_one_line_and_exit_2(tmp_path, token_cache, cap
     path = write_lines(tmp_path / "traffic.jsonl", [json.dumps(GOOD).encode(), INVALID_UTF8_LINE])
     data = {"train": path, "eval": path}
     result = run_entry_in_process(["train.py", *train_args(tmp_path / "run", data, token_cache)], capsys)
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
-    assert lines[-1].startswith(f"error: {path}:2: invalid UTF-8 (byte 0xff"), lines[-1]
-    assert [line for line in lines if line.startswith("error: ")] == [lines[-1]]
+    assert assert_one_line_error(result, 2).startswith(f"error: {path}:2: invalid UTF-8 (byte 0xff")
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

@@ -25,7 +25,6 @@ from draftsmith.heads.base import DynamicTree, TargetShape
 from draftsmith.heads.dflash import best_first_tree, default_target_layers
 from draftsmith.recipe import load_recipe
 from draftsmith.target import run_target
-from tests.conftest import read_log, run_entry_in_process, train_args, train_in_process
 from tests.helpers import DFLASH_TINY as TINY
 from tests.helpers import (
     NEW,
@@ -33,12 +32,17 @@ from tests.helpers import (
     TINY_VOCAB,
     VOCAB,
     assert_greedy_equals_plain,
+    assert_one_line_error,
     chi_square_pvalue,
     exact_conditionals,
     exact_joint,
     fitted_eagle,
     greedy_text,
+    read_log,
+    run_entry_in_process,
     tiny_llama,
+    train_args,
+    train_in_process,
 )
 
 DFlash = drafter_class("dflash")
@@ -282,8 +286,7 @@ def test_target_layers_default_and_bad_values():
 def test_chain_longer_than_the_block_is_refused_before_loading(tmp_path, capsys):
     args = ["train.py", "recipe=dflash", "eval.num_speculative_tokens=8", f"output_dir={tmp_path / 'run'}"]
     result = run_entry_in_process(args, capsys)
-    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("error:")
-    assert "7" in result.stderr and not (tmp_path / "run").exists()
+    assert "7" in assert_one_line_error(result, 2, prefix="error:") and not (tmp_path / "run").exists()
 
 
 # -- the real trainer -------------------------------------------------------------------------------

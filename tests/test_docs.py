@@ -12,7 +12,7 @@ import sys
 
 from draftsmith.cli import recipe_args
 from draftsmith.recipe import load_recipe
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 
 def test_the_readme_is_short_and_its_links_resolve():

@@ -20,8 +20,18 @@ from draftsmith.heads.base import TargetShape, load_drafter
 from draftsmith.heads.distill import distill_loss, divergences, forward_kl, reverse_kl, total_variation
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target
-from tests.conftest import REFERENCE_TARGET, train_in_process
-from tests.helpers import NEW, SAMPLES, VOCAB, chi_square_pvalue, exact_conditionals, exact_joint, tiny_llama
+from tests.helpers import (
+    NEW,
+    REFERENCE_TARGET,
+    SAMPLES,
+    VOCAB,
+    assert_one_line_error,
+    chi_square_pvalue,
+    exact_conditionals,
+    exact_joint,
+    tiny_llama,
+    train_in_process,
+)
 
 DraftModel = drafter_class("draft_model")
 
@@ -392,11 +402,10 @@ def test_max_turns_answers_the_first_turns_and_ends_the_conversation_there():
 
 
 def test_regenerate_cli_reports_bad_input_in_one_line(tmp_path, capsys):
-    from tests.conftest import run_entry_in_process
+    from tests.helpers import run_entry_in_process
 
     done = run_entry_in_process(
         ["-m", "data_prep.regenerate", "recipe=draft", "data.regenerate.batch_size=0", f"output_dir={tmp_path}"], capsys
     )
-    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
-        "error: data.regenerate.batch_size=0 and max_new_tokens=256 must be >= 1"
-    ]
+    line = assert_one_line_error(done, 2, alone=True)
+    assert line == "error: data.regenerate.batch_size=0 and max_new_tokens=256 must be >= 1"

@@ -18,10 +18,10 @@ from draftsmith.eval.sampling import Sampling, exact_rule
 from draftsmith.heads import load_drafter
 from draftsmith.heads.base import DynamicTree, TargetShape
 from draftsmith.target import run_target
-from tests.conftest import REFERENCE_TARGET, train_args, train_in_process
 from tests.helpers import EAGLE_TREE as TREE
 from tests.helpers import (
     NEW,
+    REFERENCE_TARGET,
     SAMPLES,
     TINY_VOCAB,
     VOCAB,
@@ -32,6 +32,8 @@ from tests.helpers import (
     exact_joint,
     fitted_eagle,
     tiny_llama,
+    train_args,
+    train_in_process,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")

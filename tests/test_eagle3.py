@@ -29,8 +29,17 @@ from draftsmith.heads.packing import (
 )
 from draftsmith.recipe import load_recipe
 from draftsmith.target import TargetOutput, run_target
-from tests.conftest import run_entry_in_process, train_args, train_in_process
-from tests.helpers import TINY_VOCAB, assert_cache_rollback, assert_greedy_equals_plain, fitted_eagle, tiny_llama
+from tests.helpers import (
+    TINY_VOCAB,
+    assert_cache_rollback,
+    assert_greedy_equals_plain,
+    assert_one_line_error,
+    fitted_eagle,
+    run_entry_in_process,
+    tiny_llama,
+    train_args,
+    train_in_process,
+)
 
 Eagle3 = drafter_class("eagle3")
 DRAFT_VOCAB = 24  # of TINY_VOCAB = 32: pruned, so d2t/t2d are in play everywhere below
@@ -575,8 +584,4 @@ def test_training_from_captured_shards(tmp_path, small_data, token_cache, capsys
         ],
         capsys,
     )
-    assert other.returncode == 2
-    assert (
-        other.stderr.strip().splitlines()[-1].startswith("error:")
-        and "hold layers [0, 1, 2] but the drafter needs [0, 3]" in other.stderr
-    )
+    assert_one_line_error(other, 2, "hold layers [0, 1, 2] but the drafter needs [0, 3]", prefix="error:")

@@ -3,7 +3,9 @@
 (a) greedy outputs equal vLLM's without speculation and draftsmith's plain decoding, (b) vLLM's
 counters show accepted tokens, (c) vLLM's τ is within export.tolerance (2%) of draftsmith's on the
 same prompts and schedule. And (c) fails for the silent mistakes the field has shipped: an EAGLE-3
-folder without `norm_before_residual`, or with draftsmith's layer ids written unshifted."""
+folder without `norm_before_residual`, or with draftsmith's layer ids written unshifted. An export with a
+γ per batch size (export.batch_sweep) is served with it: the engine takes it as written, drafts less
+once the batch is past it, and stays lossless."""
 
 from __future__ import annotations
 
@@ -12,15 +14,17 @@ import shutil
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from draftsmith.errors import ExportCheckFailed
 from draftsmith.export import export_checkpoint, exporter_for
-from draftsmith.export.repo import EXPORT_INFO
-from draftsmith.export.run import load_source
+from draftsmith.export.repo import EXPORT_INFO, VLLM_PINNED
+from draftsmith.export.run import load_source, served_config
 from draftsmith.export.verify import verify_in_vllm
+from draftsmith.files import checkpoint_digest
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target
-from tests.conftest import DEMO, REFERENCE_TARGET, train_in_process
+from tests.helpers import DEMO, REFERENCE_TARGET, train_in_process, write_sweep
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 # case -> (recipe, overrides): every exportable kind, and EAGLE-3.1's and P-EAGLE's options of eagle3
@@ -108,5 +112,25 @@ def test_a_silently_misread_eagle3_folder_fails_the_check(exported, engine_sessi
         change(config)
         (broken / "config.json").write_text(json.dumps(config))
         with pytest.raises(ExportCheckFailed, match="vLLM's τ .* differs from draftsmith's") as info:
-            verify_in_vllm(cfg, source, repo, broken, 3, engine_session)
+            verify_in_vllm(cfg, source, repo, broken, served_config(repo, 3, None), engine_session)
         assert "greedy output" not in str(info.value), name  # still lossless: only the acceptance shows it
+
+
+def test_an_export_with_a_gamma_per_batch_size_is_served_with_it(exported, engine_session, target, tmp_path):
+    """The EAGLE-3 case's checkpoint exported with a schedule that speculates at batch sizes 1-2 only;
+    the check sends every eval prompt at once, so the engine runs past the schedule's edge: the same
+    output, no drafts."""
+    cfg, checkpoint, _ = exported("eagle3")
+    sweep = write_sweep(tmp_path / "sweep.jsonl", checkpoint_digest(checkpoint))
+    scheduled = OmegaConf.merge(cfg, {"export": {"output": str(tmp_path / "export"), "batch_sweep": str(sweep)}})
+    folder = export_checkpoint(scheduled, checkpoint, target=target, engines=engine_session)["vllm"]
+    info = json.loads((folder / EXPORT_INFO).read_text())
+    verified = info["verified"]
+    assert verified["schedule"]["taken_as"] == [[1, 2, 2], [3, 4, 0]] and verified["schedule"]["lossless"]
+    assert info["engine_settings"]["num_speculative_tokens_per_batch_size"] == [[1, 2, 2], [3, 4, 0]]
+    assert {key: info["engine_settings"][key] for key in VLLM_PINNED} == VLLM_PINNED
+    # every prompt at once, all of the same length: the batch never falls to the schedule's 2, so no drafts
+    assert (
+        verified["prompts"] >= 3
+        and verified["schedule"]["counters"]["num_drafts"] == 0 < verified["counters"]["num_drafts"]
+    )

@@ -18,20 +18,23 @@ from draftsmith.heads import drafter_class
 from draftsmith.heads.base import DraftState
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target
-from tests.conftest import DOMAINS, REFERENCE_TARGET, run_entry_in_process
 from tests.helpers import (
+    DOMAINS,
     NEW,
+    REFERENCE_TARGET,
     SAMPLES,
     TREE,
     VOCAB,
     WIDE_TREE,
     NearTargetDrafter,
     OracleDrafter,
+    assert_one_line_error,
     assert_tree_forward_equals_path_forwards,
     chi_square_pvalue,
     exact_conditionals,
     exact_joint,
     perturbed_medusa,
+    run_entry_in_process,
     tiny_llama,
 )
 
@@ -289,6 +292,16 @@ def test_report_has_every_field(eval_setup):
         assert len(tree["per_position"]) == report["methods"]["tree"]["depth"]
     totals = report["domains"]["all"]["chain"]
     assert totals["new_tokens"] == sum(report["domains"][d]["chain"]["new_tokens"] for d in DOMAINS)
+    # the last lines: the drafter's best wall-clock speed-up beside n-gram's, and what to conclude
+    best = max(report["domains"]["all"].values(), key=lambda row: row["speedup"])
+    ngram = report["baselines"]["all"]["ngram"]["speedup"]
+    last = (out / "report.md").read_text().strip().splitlines()[-1]
+    assert (
+        last.startswith("**Result:**")
+        and f"{best['speedup']:.2f}× plain" in last
+        and f"n-gram lookup's {ngram:.2f}×" in last
+    )
+    assert ("wins in wall-clock" in last) == (best["speedup"] > max(1.0, ngram))
 
 
 def test_report_batch_size_and_sweep(eval_setup, tmp_path):
@@ -346,17 +359,13 @@ def test_bad_settings_are_user_errors(eval_setup, tmp_path):
 def test_cli_rejects_a_missing_and_a_foreign_checkpoint(eval_setup, tmp_path, capsys):
     _, recipe, _ = eval_setup
     missing = run_entry_in_process(["-m", "eval", f"recipe={recipe}", f"drafter.path={tmp_path / 'nothing'}"], capsys)
-    assert missing.returncode == 2
-    assert missing.stderr.strip().splitlines() == [missing.stderr.strip()] and missing.stderr.startswith(
-        "error: no drafter checkpoint"
-    )
+    assert_one_line_error(missing, 2, prefix="error: no drafter checkpoint", alone=True)
 
     foreign_target = tiny_llama(vocab=64, hidden=256, layers=1)
     medusa = drafter_class("medusa")
     medusa.from_target(medusa.Config(num_heads=3), foreign_target, "tiny").save_pretrained(tmp_path / "foreign")
     foreign = run_entry_in_process(["-m", "eval", f"recipe={recipe}", f"drafter.path={tmp_path / 'foreign'}"], capsys)
-    assert foreign.returncode == 2
-    assert len(foreign.stderr.strip().splitlines()) == 1 and "vocab_size=64" in foreign.stderr, foreign.stderr
+    assert_one_line_error(foreign, 2, "vocab_size=64", alone=True)
 
 
 def test_a_failed_lossless_check_writes_the_report_and_exits_3(eval_setup, tmp_path, monkeypatch, capsys):

@@ -4,7 +4,7 @@ failed correctness check; 4 a diverged training run; 69 an engine that died; 70 
 traceback kept in a log file); 74 a full disk; 75 SIGTERM; 130 Ctrl-C. Also proved elsewhere, in real
 processes or with real faults: 3 by the eval (tests/test_eval.py), 69 by a killed vLLM regeneration
 (tests/test_regenerate_vllm.py), 74 by a real tmpfs filling during a checkpoint and 75 by a real
-SIGTERM during training (tests/test_reliability.py), 10/11/12 by the monitor (tests/test_monitor.py)."""
+SIGTERM during training (tests/test_reliability.py), 10/11/12/13 by the monitor (tests/test_monitor.py)."""
 
 from __future__ import annotations
 
@@ -19,19 +19,9 @@ import pytest
 
 from draftsmith import errors
 from draftsmith.target import load_target
-from tests.conftest import REFERENCE_TARGET, run_entry_in_process, train_args
-from tests.helpers import save_drafter
+from tests.helpers import REFERENCE_TARGET, assert_one_line_error, run_entry_in_process, save_drafter, train_args
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def only_line(result, prefix: str) -> str:
-    """The one line a failure ends with: last on stderr, the only one starting with `prefix`, no traceback."""
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert lines and lines[-1].startswith(prefix), result.stderr[-2000:]
-    assert [line for line in lines if line.startswith(prefix)] == [lines[-1]], result.stderr[-2000:]
-    assert "Traceback" not in result.stderr, result.stderr[-2000:]
-    return lines[-1]
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +58,7 @@ def export(checkpoint: Path, tmp_path: Path, capsys, *extra: str):
 def test_bad_input_exits_2(checkpoint, tmp_path, capsys):
     result = export(checkpoint, tmp_path, capsys, "export.engines=[tensorrt]")
     assert result.returncode == errors.EXIT_USER_ERROR == 2
-    assert "export.engines=['tensorrt']" in only_line(result, "error: ")
+    assert_one_line_error(result, 2, "export.engines=['tensorrt']")
 
 
 def test_an_engine_that_dies_during_the_export_check_exits_69(checkpoint, tmp_path, capsys):
@@ -76,7 +66,7 @@ def test_an_engine_that_dies_during_the_export_check_exits_69(checkpoint, tmp_pa
     python = fake_vllm(tmp_path, "sys.stderr.write('engine core died\\n'); sys.exit(1)")
     result = export(checkpoint, tmp_path, capsys, f"export.vllm_python={python}")
     assert result.returncode == errors.EXIT_ENGINE_UNAVAILABLE == 69
-    line = only_line(result, "engine unavailable: ")
+    line = assert_one_line_error(result, 69, prefix="engine unavailable: ")
     assert "gave no answer (exit code 1)" in line and "engine core died" in line
     assert not (tmp_path / "export" / "vllm").exists()  # nothing published
 
@@ -88,9 +78,8 @@ def test_an_engine_that_refuses_the_export_exits_3(checkpoint, tmp_path, capsys)
     python = fake_vllm(tmp_path, f"print(json.dumps({reply!r}), flush=True); sys.exit(1)")
     result = export(checkpoint, tmp_path, capsys, f"export.vllm_python={python}")
     assert result.returncode == errors.EXIT_CHECK_FAILED == 3
-    assert "vLLM could not serve the export: ValueError: unknown speculative method" in only_line(
-        result, "check failed: "
-    )
+    fragment = "vLLM could not serve the export: ValueError: unknown speculative method"
+    assert_one_line_error(result, 3, fragment, prefix="check failed: ")
     assert not (tmp_path / "export" / "vllm").exists()
 
 
@@ -105,7 +94,7 @@ def test_a_full_disk_exits_74_wherever_it_is_met(checkpoint, tmp_path, monkeypat
     monkeypatch.setattr(run, "write_json", full_disk)
     result = export(checkpoint, tmp_path, capsys)
     assert result.returncode == errors.EXIT_IO_ERROR == 74
-    line = only_line(result, "I/O error: ")
+    line = assert_one_line_error(result, 74, prefix="I/O error: ")
     assert "no space left on device" in line and "draftsmith_export.json" in line
     assert not (tmp_path / "export" / "vllm").exists()
 
@@ -121,7 +110,9 @@ def test_a_draftsmith_bug_exits_70_with_its_traceback_in_a_log_file(checkpoint, 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     result = export(checkpoint, tmp_path, capsys)
     assert result.returncode == errors.EXIT_INTERNAL == 70
-    line = only_line(result, "internal error (a draftsmith bug, please report it): KeyError: 'num_heads'")
+    line = assert_one_line_error(
+        result, 70, prefix="internal error (a draftsmith bug, please report it): KeyError: 'num_heads'"
+    )
     (log,) = tmp_path.glob("draftsmith-error-*.log")
     assert f"traceback in {log}" in line and f"{errors.DEBUG_ENV}=1" in line
     assert "Traceback" in log.read_text() and "in broken" in log.read_text()
@@ -146,7 +137,7 @@ def test_a_readback_that_differs_is_a_draftsmith_bug_not_bad_input(checkpoint, t
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     result = export(checkpoint, tmp_path, capsys)
     assert result.returncode == errors.EXIT_INTERNAL
-    assert "does not read back into the same drafter" in only_line(result, "internal error")
+    assert_one_line_error(result, 70, "does not read back into the same drafter", prefix="internal error")
 
 
 def test_sigterm_exits_75_and_ctrl_c_130(checkpoint, tmp_path, monkeypatch, capsys):
@@ -163,7 +154,7 @@ def test_sigterm_exits_75_and_ctrl_c_130(checkpoint, tmp_path, monkeypatch, caps
     monkeypatch.setattr(run, "serving_gamma", signalled)
     result = export(checkpoint, tmp_path, capsys)
     assert result.returncode == errors.EXIT_PREEMPTED == 75
-    only_line(result, "preempted: ")
+    assert_one_line_error(result, 75, prefix="preempted: ")
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -190,7 +181,7 @@ def test_a_diverged_training_run_exits_4(tmp_path, small_data, token_cache, caps
     )
     result = run_entry_in_process(["train.py", *args], capsys)
     assert result.returncode == errors.EXIT_DIVERGED == 4
-    line = only_line(result, "training diverged: ")
+    line = assert_one_line_error(result, 4, prefix="training diverged: ")
     assert "more than train.max_nonfinite=0 steps skipped" in line and "non-finite loss or gradient at step" in line
 
 
@@ -200,4 +191,4 @@ def test_every_outcome_has_its_own_code():
     assert len(codes) == len(set(codes))
     from draftsmith.monitor import Outcome
 
-    assert not {int(outcome) for outcome in Outcome} & set(codes)  # the monitor's 0, 10, 11, 12
+    assert not {int(outcome) for outcome in Outcome} & set(codes)  # the monitor's 0, 10, 11, 12, 13

@@ -15,11 +15,18 @@ from safetensors.torch import load_file
 
 from draftsmith.errors import UserError
 from draftsmith.export import export_checkpoint
-from draftsmith.export.repo import EXPORT_INFO
+from draftsmith.export.repo import EXPORT_INFO, VLLM_PINNED
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target
-from tests.conftest import REFERENCE_TARGET, first_records, run_entry, run_entry_in_process
-from tests.helpers import KINDS, save_drafter
+from tests.helpers import (
+    KINDS,
+    REFERENCE_TARGET,
+    assert_one_line_error,
+    first_records,
+    run_entry,
+    run_entry_in_process,
+    save_drafter,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -112,11 +119,13 @@ def test_peagle_is_written_in_vllms_parallel_format(target, tmp_path):
         3 * hidden,
     )  # speculators' layout
     info = json.loads((folder / EXPORT_INFO).read_text())
-    assert info["speculative_config"] == {"method": "eagle3", "parallel_drafting": True}
-    assert (
-        '"parallel_drafting": true' in info["serve"]
-        and '"parallel_drafting": true' in (folder / "README.md").read_text()
-    )
+    assert info["speculative_config"] == {
+        "method": "eagle3",
+        "num_speculative_tokens": 3,
+        "parallel_drafting": True,
+        **VLLM_PINNED,
+    }
+    assert '"parallel_drafting": true' in (folder / "README.md").read_text()
 
 
 PARD = {"parallel_drafting": "true", "mask_token_id": "5"}  # the draft model drafting in parallel
@@ -135,7 +144,7 @@ def test_eagle31_is_written_in_vllms_native_form_and_reads_back(target, tmp_path
     assert config["fc_norm"] is True and config["norm_output"] is True and config["norm_before_residual"] is False
     weights = load_file(str(folder / "model.safetensors"))
     assert "midlayer.self_attn.q_proj.weight" in weights and "fc_norm.2.weight" in weights
-    assert json.loads((folder / EXPORT_INFO).read_text())["speculative_config"] == {"method": "eagle3"}
+    assert json.loads((folder / EXPORT_INFO).read_text())["speculative_config"]["method"] == "eagle3"
     drafter = open_drafter(folder, TargetShape.of(target, str(REFERENCE_TARGET)), target)
     saved = load_file(str(checkpoint / "model.safetensors"))
     assert drafter.config.aux_layers == [0, 1, 2] and drafter.config.fc_norm and drafter.config.norm_output
@@ -148,7 +157,10 @@ def test_pard_is_written_with_its_pard_token_and_served_in_parallel(target, tmp_
     config = json.loads((folder / "config.json").read_text())
     assert config["pard_token"] == 5 and config["vocab_size"] == target.config.vocab_size
     info = json.loads((folder / EXPORT_INFO).read_text())
-    assert info["speculative_config"] == {"method": "draft_model", "parallel_drafting": True}
+    assert (
+        info["speculative_config"]["method"] == "draft_model"
+        and info["speculative_config"]["parallel_drafting"] is True
+    )
     assert '"parallel_drafting": true' in (folder / "README.md").read_text()
 
 
@@ -172,7 +184,10 @@ def test_dflash_conventions_are_converted_and_written(target, tmp_path):
         name for name in weights if "embed" in name or "lm_head" in name or "mask" in name
     ]  # the target's, and a token
     info = json.loads((folder / EXPORT_INFO).read_text())
-    assert info["conventions"]["recommended_num_speculative_tokens"] == 7 and '"method": "dflash"' in info["serve"]
+    assert (
+        info["conventions"]["recommended_num_speculative_tokens"] == 7
+        and '"method": "dflash"' in (folder / "README.md").read_text()
+    )
 
 
 @pytest.mark.parametrize(
@@ -360,9 +375,7 @@ def test_export_cli_refuses_in_one_line(kind, args, fragment, target, tmp_path, 
         ],
         capsys,
     )
-    assert result.returncode == 2, result.stderr[-2000:]
-    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in result.stderr
+    assert_one_line_error(result, 2, fragment)
 
 
 # -- push ----------------------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ tests/test_families_vllm.py; the whole matrix of kinds is benchmarks/target_matr
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -26,7 +28,7 @@ from draftsmith.heads.base import load_drafter
 from draftsmith.random_target import build_config, build_model
 from draftsmith.recipe import load_recipe
 from draftsmith.target import FeatureRequest, run_target
-from tests.helpers import assert_tree_forward_equals_path_forwards, demo_recipe
+from tests.helpers import assert_one_line_error, assert_tree_forward_equals_path_forwards, demo_recipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -179,6 +181,6 @@ def test_random_target_command_writes_a_target_or_one_line(tmp_path, capsys):
     assert main(["qwen3", str(tmp_path / "qwen3"), "--seed-from-demo"]) == 0
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (tmp_path / "qwen3").iterdir()}
     capsys.readouterr()
-    assert main(["no_such_family", str(tmp_path / "x")]) == 2
-    assert capsys.readouterr().err.startswith("error: transformers has no model type 'no_such_family'")
+    done = subprocess.CompletedProcess([], main(["no_such_family", str(tmp_path / "x")]), "", capsys.readouterr().err)
+    assert assert_one_line_error(done, 2).startswith("error: transformers has no model type 'no_such_family'")
     assert not (tmp_path / "x").exists()

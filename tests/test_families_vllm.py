@@ -23,7 +23,7 @@ from draftsmith.export import export_checkpoint
 from draftsmith.export.repo import EXPORT_INFO
 from draftsmith.random_target import demo_tokenizer_dir, write_random_target
 from draftsmith.recipe import load_recipe
-from tests.conftest import DEMO, train_in_process
+from tests.helpers import DEMO, train_in_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 

@@ -25,7 +25,7 @@ import yaml
 from safetensors.torch import load_file
 
 from draftsmith.outputs import LOCK_NAME
-from tests.conftest import REFERENCE_TARGET, REPO, read_log, train_args
+from tests.helpers import REFERENCE_TARGET, REPO, assert_one_line_error, read_log, train_args
 
 pytestmark = pytest.mark.slow
 TRIALS = 1  # each trial is a kill at a seeded random moment in the writing window, and a resume
@@ -262,9 +262,7 @@ def sigterm_mid_run(args: list[str], mid_run, timeout: float = 300) -> subproces
 
 def assert_preempted(done: subprocess.CompletedProcess) -> None:
     """Exit 75 and, after any progress bar, one line saying what to do."""
-    last = [line for line in done.stderr.replace("\r", "\n").splitlines() if line.strip()][-1]
-    assert done.returncode == 75 and last.startswith("preempted: stopped on SIGTERM"), done.stderr[-2000:]
-    assert "Traceback" not in done.stderr
+    assert_one_line_error(done, 75, prefix="preempted: stopped on SIGTERM")
 
 
 def test_sigterm_stops_regeneration_and_eval_mid_run_with_exit_75(tmp_path, small_data, token_cache, regenerated):

@@ -20,8 +20,7 @@ import pytest
 import torch
 
 from draftsmith.heads import REGISTRY
-from tests.conftest import REPO, read_log, run_entry, train_in_process
-from tests.helpers import demo_recipe
+from tests.helpers import REPO, demo_recipe, read_log, run_entry, train_in_process
 
 pytestmark = [
     pytest.mark.gpu,

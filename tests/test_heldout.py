@@ -22,7 +22,7 @@ from draftsmith.trainer.checkpoint import TrainerState
 from draftsmith.trainer.curve import chain_tau, depth_top1, load_curve, plot_curves, write_curve
 from draftsmith.trainer.heldout import BEST_DIR, BEST_JSON, keep_best, split_heldout
 from draftsmith.trainer.loop import train
-from tests.conftest import kill_train_after, read_log, run_entry_in_process, train_args, train_in_process
+from tests.helpers import kill_train_after, read_log, run_entry_in_process, train_args, train_in_process
 
 HELDOUT = [
     "train.heldout=8",

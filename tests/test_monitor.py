@@ -1,9 +1,9 @@
 """The drift monitor against an engine's exposition served by prometheus_client on loopback (the real
 vLLM server is tests/test_monitor_vllm.py): counters summed over replicas and surviving restarts, the
-statistical decision, the traffic reader, and the whole loop — a shift to unseen domains is detected
-by the counters, located by the traffic sample, waits out the hysteresis, is retrained (interrupted
-once and resumed), passes the gate and is exported as the new deployed revision. The deploy examples
-under deploy/ run as written."""
+statistical decision, the traffic reader, a new engine version as a re-verify and not a drift, and
+the whole loop — a shift to unseen domains is detected by the counters, located by the traffic
+sample, waits out the hysteresis, is retrained (interrupted once and resumed), passes the gate and is
+exported as the new deployed revision. The deploy examples under deploy/ run as written."""
 
 from __future__ import annotations
 
@@ -11,32 +11,38 @@ import configparser
 import gzip
 import http.server
 import json
+import shutil
 import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import yaml
-from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from draftsmith.errors import EngineUnavailable, UserError
+from draftsmith.export.repo import EXPORT_INFO, VLLM_PINNED
 from draftsmith.monitor import Outcome
-from draftsmith.monitor.drift import DRIFT, HEALTHY, TOO_FEW, UNDECIDED, Baseline, judge, request_tests
-from draftsmith.monitor.metrics import collect, window
+from draftsmith.monitor.drift import DRIFT, HEALTHY, REVERIFY, TOO_FEW, UNDECIDED, Baseline, judge, request_tests
+from draftsmith.monitor.metrics import UNKNOWN, collect, engine_version, window
 from draftsmith.monitor.traffic import read_requests, sample
 from draftsmith.outputs import DirectoryLock
 from draftsmith.recipe import load_recipe
-from tests.conftest import DEMO, REPO, run_entry_in_process
+from tests.helpers import DEMO, REPO, assert_one_line_error, run_entry_in_process
 
 LABELS = ["model_name", "engine"]
+SERVED = "0.32.0"  # the vLLM version FakeEngine reports unless told otherwise
 
 
 class FakeEngine:
-    """vLLM's spec-decode counters, exposed by prometheus_client on 127.0.0.1 (names, labels and
-    `_total` suffixes as vLLM 0.32's /metrics has them)."""
+    """vLLM's spec-decode counters in prometheus_client's exposition at /metrics (names, labels and
+    `_total` suffixes as vLLM 0.32's /metrics has them) and its `{"version": ...}` at /version, on
+    127.0.0.1; `version` None: a server without /version (404)."""
 
-    def __init__(self):
+    def __init__(self, version: Optional[str] = SERVED):
+        self.version = version
         self.start()
 
     def start(self) -> None:
@@ -47,7 +53,26 @@ class FakeEngine:
         self.per_position = Counter(
             "vllm:spec_decode_num_accepted_tokens_per_pos", "per position", [*LABELS, "position"], registry=registry
         )
-        self.server, _ = start_http_server(0, addr="127.0.0.1", registry=registry)
+        engine = self
+
+        class Endpoints(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                if self.path == "/metrics":
+                    body = generate_latest(registry)
+                elif self.path == "/version" and engine.version is not None:
+                    body = json.dumps({"version": engine.version}).encode()
+                else:
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Endpoints)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_port}/metrics"
 
     def restart(self) -> None:
@@ -83,15 +108,17 @@ def test_counters_are_summed_over_replicas_and_a_restart_is_not_a_negative_windo
 
 
 class Answers(http.server.BaseHTTPRequestHandler):
-    """A loopback server answering /<status>/<body name> with that status and body."""
+    """A loopback server answering /<status>/<body name>[/anything] with that status and body."""
 
     BODIES = {
         "html": "<html><body><h1>502 Bad Gateway</h1></body></html>",
         "cut": 'vllm:spec_decode_num_drafts_total{model_name="demo",engine="0"} 10.0\nvllm:spec_decode_num_dr',
+        "version": '{"version": "0.33.0"}',
+        "other": '{"status": "ok"}',
     }
 
     def do_GET(self):
-        _, status, body = self.path.split("/")
+        _, status, body, *_ = self.path.split("/")
         self.send_response(int(status))
         self.end_headers()
         self.wfile.write(self.BODIES[body].encode())
@@ -120,6 +147,31 @@ def test_a_bad_scrape_is_one_line_and_a_failing_engine_is_temporary():
         server.server_close()
     with pytest.raises(EngineUnavailable, match="cannot scrape"):
         collect([base + "/200/html"])  # nothing listens there now
+
+
+def test_the_engine_version_is_read_beside_metrics_and_a_server_without_one_is_unknown():
+    """/version beside each /metrics URL gives vLLM's version; a server without one (404: a proxy that
+    routes only /metrics) is "unknown", not an error; not answering or a 5xx is temporary (exit 69) and
+    any other answer bad input, as for /metrics."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answers)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_port}"
+    try:
+        assert engine_version(base + "/200/version/metrics") == "0.33.0"
+        assert engine_version(base + "/404/html/metrics") == UNKNOWN
+        for path in ("/200/html/metrics", "/200/other/metrics"):
+            with pytest.raises(UserError, match="did not answer with vLLM's version") as err:
+                engine_version(base + path)
+            assert "\n" not in str(err.value)
+        with pytest.raises(UserError, match="HTTP 403"):
+            engine_version(base + "/403/html/metrics")
+        with pytest.raises(EngineUnavailable, match="HTTP 502"):
+            engine_version(base + "/502/html/metrics")
+    finally:
+        server.shutdown()
+        server.server_close()
+    with pytest.raises(EngineUnavailable, match="cannot scrape .*/version"):
+        engine_version(base + "/200/version/metrics")
 
 
 def test_the_decision_needs_a_significant_drop_and_enough_drafts():
@@ -189,7 +241,150 @@ def test_per_request_acceptance_judges_a_domain_without_replay(tmp_path):
     assert sorted({r["domain"] for r in picked} - set(tests)) == ["docs", "math"]  # replayed
 
 
+# -- the engine the export was checked in -------------------------------------------------------------
+AT_LEAST = [0.7, 0.5, 0.3]  # the baseline of served_export: P(accepted >= k) per draft, α 0.5
+DROPPED = [rate / 3 for rate in AT_LEAST]  # a window that is drift against it
+
+
+def served_export(folder: Path, **info) -> Path:
+    """A deployed export as a check of the counters reads it: its draftsmith_export.json (no weights)
+    and the eval report it names (α 0.5, P(accepted >= k) AT_LEAST); `info` replaces keys of the record."""
+    folder.mkdir(parents=True)
+    chain = {
+        "drafted": 3000,
+        "accepted": 1500,
+        "per_position_counts": {"reached": [1000, 700, 500], "accepted": [700, 500, 300]},
+    }
+    report = folder.parent / "report.json"
+    report.write_text(json.dumps({"temperature": 0.0, "domains": {"all": {"chain": chain}}}))
+    record = {"source": {"checkpoint": str(folder.parent / "final"), "sha256": "0" * 64}, "num_speculative_tokens": 3,
+              "speculative_config": {"method": "medusa", "num_speculative_tokens": 3, **VLLM_PINNED},
+              "engine_settings": None, "eval_report": {"path": str(report)}, **info}  # fmt: skip
+    (folder / EXPORT_INFO).write_text(json.dumps(record))
+    return folder
+
+
+def checked_in(version: str) -> dict:
+    """engine_settings as an export checked in vLLM `version` records them."""
+    return {"vllm_version": version, "runner": "cpu", "method": "medusa", "num_speculative_tokens": 3, **VLLM_PINNED}
+
+
+def check_record(tmp_path: Path, number: int) -> dict:
+    return json.loads((tmp_path / "run" / "monitor" / "checks" / f"{number:05d}.json").read_text())
+
+
+@pytest.mark.parametrize(
+    "recorded, served",
+    [
+        ({"engine_settings": checked_in(SERVED)}, SERVED),
+        ({"verified": {"engine_version": SERVED}}, SERVED),  # an export from before engine_settings
+        ({"engine_settings": checked_in(SERVED)}, None),  # a server without /version: nothing to compare
+    ],
+    ids=["engine_settings", "verified", "no_version_endpoint"],
+)
+def test_the_engine_the_export_was_checked_in_is_judged_as_before(tmp_path, recorded, served):
+    from draftsmith.monitor.check import check
+
+    engine = FakeEngine(served)
+    folder = served_export(tmp_path / "export" / "vllm", **recorded)
+    cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"monitor.deployed={folder}", f"monitor.metrics=[{engine.url}]"])  # fmt: skip
+    try:
+        assert check(cfg) == Outcome.HEALTHY  # the window starts
+        engine.serve(2000, AT_LEAST)
+        assert check(cfg) == Outcome.HEALTHY
+        engine.serve(2000, DROPPED)
+        assert check(cfg) == Outcome.DRIFT  # 1 of 2
+    finally:
+        engine.server.shutdown()
+    record = check_record(tmp_path, 3)
+    assert record["engine"]["verdict"] == DRIFT and "engine_change" not in record
+    assert record["engine"]["versions"] == {engine.url: served or UNKNOWN}
+
+
+def test_a_new_engine_version_is_a_reverify_not_a_drift(tmp_path, capsys):
+    """Counters that look like drift, in a vLLM other than the one the export was checked in: exit 13
+    with one line naming both versions and the export command to check it in the new engine, no
+    retraining, the streak kept; once the export records the new engine, checks judge drift again."""
+    from draftsmith.monitor.check import check
+
+    engine = FakeEngine()
+    folder = served_export(tmp_path / "export" / "vllm", engine_settings=checked_in(SERVED))
+    args = ["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"monitor.deployed={folder}", f"monitor.metrics=[{engine.url}]"]  # fmt: skip
+    cfg = load_recipe(args)
+    try:
+        check(cfg)
+        engine.serve(2000, DROPPED)
+        assert check(cfg) == Outcome.DRIFT  # 1 of 2: the next drift would start the retraining
+        engine.version = "0.33.0"  # the engine was upgraded
+        engine.serve(2000, DROPPED)
+        result = run_entry_in_process(["-m", "monitor", "check", *args], capsys)
+        assert result.returncode == Outcome.REVERIFY == 13, result.stderr[-1000:]
+        [line] = [line for line in result.stdout.splitlines() if line.startswith("monitor: ")]
+        assert line.startswith("monitor: reverify: ") and "checked in vLLM 0.32.0" in line and "vLLM 0.33.0 at" in line
+        assert (
+            f"python -m export recipe=RECIPE drafter.path={folder.parent / 'final'} export.output={folder.parent} "
+            in line
+        )
+        assert "export.vllm_python=PYTHON (RECIPE: this monitor's recipe; PYTHON: a Python with vLLM 0.33.0)" in line
+        state = json.loads((tmp_path / "run" / "monitor" / "state.json").read_text())
+        assert state["pipeline"] is None and state["last_retrain"] is None and state["consecutive_drift"] == 1
+        record = check_record(tmp_path, 3)
+        assert record["engine"]["verdict"] == REVERIFY and record["engine"]["tests"]["alpha"]["verdict"] == DRIFT
+        change = record["engine_change"]
+        assert change["recorded"] == "0.32.0" and change["reported"] == {engine.url: "0.33.0"}
+        assert (
+            change["sampling"]
+            == "pinned in the served config: draft_sample_method=greedy, rejection_sample_method=standard"
+        )
+        assert record["decision"] == {"drift": False, "consecutive": 1, "action": line.removeprefix("monitor: "), "outcome": "REVERIFY"}  # fmt: skip
+
+        # the export command checked the export in vLLM 0.33.0 and recorded it: the streak goes on
+        info = json.loads((folder / EXPORT_INFO).read_text())
+        (folder / EXPORT_INFO).write_text(json.dumps({**info, "engine_settings": checked_in("0.33.0")}))
+        engine.serve(2000, DROPPED)
+        assert check(load_recipe([*args, "monitor.retrain=false"])) == Outcome.DRIFT
+        assert check_record(tmp_path, 4)["decision"]["consecutive"] == 2
+    finally:
+        engine.server.shutdown()
+
+
+def test_an_older_export_that_pins_nothing_says_the_engines_defaults_decide(tmp_path):
+    """An export checked in vLLM before the sampling settings were pinned, served by another vLLM;
+    and one never checked in an engine (exported without export.vllm_python), judged as before."""
+    from draftsmith.monitor.check import check
+
+    engine = FakeEngine()
+    unpinned = {"method": "medusa", "num_speculative_tokens": 3}
+    older = served_export(
+        tmp_path / "older" / "vllm", speculative_config=unpinned, verified={"engine_version": "0.31.0"}
+    )
+    never = served_export(tmp_path / "never" / "vllm", speculative_config=unpinned)
+    try:
+        for name, folder, outcome in (("older", older, Outcome.REVERIFY), ("never", never, Outcome.HEALTHY)):
+            cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path / name}", f"monitor.deployed={folder}", f"monitor.metrics=[{engine.url}]"])  # fmt: skip
+            assert check(cfg) == outcome, name
+    finally:
+        engine.server.shutdown()
+    change = json.loads((tmp_path / "older" / "monitor" / "checks" / "00001.json").read_text())["engine_change"]
+    assert change["recorded"] == "0.31.0" and change["reported"] == {engine.url: SERVED}
+    assert (
+        "the export does not pin draft_sample_method, rejection_sample_method: the engine's defaults decide them"
+        in change["reason"]
+    )
+    assert "engine_change" not in json.loads((tmp_path / "never" / "monitor" / "checks" / "00001.json").read_text())
+
+
 # -- the loop, end to end with the loopback exposition ------------------------------------------------
+def recorded_as_checked(export: Path, tmp_path: Path) -> Path:
+    """A copy of the `deployed` fixture's export recording that it was checked in the FakeEngine's
+    vLLM, as export.vllm_python records it: exported without, it would be a re-verify, not judged."""
+    copy = tmp_path / "export" / export.name
+    shutil.copytree(export, copy)
+    info = json.loads((copy / EXPORT_INFO).read_text())
+    (copy / EXPORT_INFO).write_text(json.dumps({**info, "engine_settings": checked_in(SERVED)}))
+    return copy
+
+
 def log_requests(logs: Path, source: Path, domain: str, count: int) -> None:
     """Append `count` requests of `domain` (user turn only, answer not logged) to the request log."""
     rows = [json.loads(line) for line in source.read_text().splitlines()]
@@ -207,7 +402,7 @@ def test_a_shift_is_detected_located_retrained_and_promoted(deployed, tmp_path, 
     engine, logs = FakeEngine(), tmp_path / "logs"
     logs.mkdir()
     cfg = load_recipe([
-        *args, f"output_dir={tmp_path / 'run'}", f"monitor.deployed={root / 'export' / 'vllm'}", f"monitor.metrics=[{engine.url}]",
+        *args, f"output_dir={tmp_path / 'run'}", f"monitor.deployed={recorded_as_checked(root / 'export' / 'vllm', tmp_path)}", f"monitor.metrics=[{engine.url}]",
         f"monitor.traffic={logs}", "monitor.min_drafts=100", "monitor.sample_per_domain=4", "monitor.retrain_samples=48", "train.max_steps=30", "data.regenerate.max_new_tokens=64",
     ])  # fmt: skip
     baseline = Baseline.from_report(json.loads((root / "deployed" / "eval" / "report.json").read_text()), "report")
@@ -279,7 +474,7 @@ def healthy_setup(deployed, tmp_path):
     root, args = deployed
     engine = FakeEngine()
     settings = {"drafter": {"type": "medusa"}, "target": {"name_or_path": str(DEMO / "target")}, "output_dir": str(tmp_path / "run"),
-                "monitor": {"deployed": str(root / "export" / "vllm"), "metrics": [engine.url], "min_drafts": 100}}  # fmt: skip
+                "monitor": {"deployed": str(recorded_as_checked(root / "export" / "vllm", tmp_path)), "metrics": [engine.url], "min_drafts": 100}}  # fmt: skip
     recipe = tmp_path / "monitor.yaml"
     recipe.write_text(yaml.safe_dump(settings))
     yield recipe, engine
@@ -339,10 +534,7 @@ def test_the_deploy_examples_run_as_written(healthy_setup):
     engine.server.shutdown()
     engine.server.server_close()
     down = run_as_written(service["Service"]["ExecStart"], recipe)  # the engine is down: retry later, not "bad input"
-    lines = [line for line in down.stderr.splitlines() if line.strip()]
-    assert down.returncode == 69 and len(lines) == 1 and lines[0].startswith("engine unavailable: "), down.stderr[
-        -1000:
-    ]
+    assert_one_line_error(down, 69, prefix="engine unavailable: ", alone=True)
 
 
 def test_monitor_cli_bad_input_is_one_line_exit_2(tmp_path, capsys):
@@ -351,9 +543,4 @@ def test_monitor_cli_bad_input_is_one_line_exit_2(tmp_path, capsys):
         ["-m", "monitor", "check", "recipe=medusa", f"output_dir={tmp_path}"],
         ["-m", "monitor", "check", "recipe=medusa", "monitor.metrics=[localhost:9]"],
     ):
-        result = run_entry_in_process(args, capsys)
-        lines = [line for line in result.stderr.splitlines() if line.strip()]
-        assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (
-            args,
-            result.stderr[-1000:],
-        )
+        assert_one_line_error(run_entry_in_process(args, capsys), 2, alone=True)

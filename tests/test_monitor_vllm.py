@@ -22,7 +22,7 @@ import pytest
 from draftsmith.monitor import Outcome
 from draftsmith.monitor.check import check
 from draftsmith.recipe import load_recipe
-from tests.conftest import REFERENCE_TARGET
+from tests.helpers import REFERENCE_TARGET
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 REQUESTS_PER_DOMAIN = 12

@@ -10,8 +10,7 @@ import pytest
 
 from draftsmith.heads import drafter_class
 from draftsmith.trainer.observe import FlopCounter, attention_width, flops_per_token, matmul_parameters, mfu
-from tests.conftest import read_log, train_args, train_in_process
-from tests.helpers import tiny_llama
+from tests.helpers import read_log, tiny_llama, train_args, train_in_process
 
 
 def test_flop_count_equals_a_hand_count_on_a_tiny_llama():

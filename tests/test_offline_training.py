@@ -14,7 +14,7 @@ from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target, load_tokenizer, run_target
 from draftsmith.trainer.checkpoint import TrainerState
 from draftsmith.trainer.loop import micro_batches
-from tests.conftest import REFERENCE_TARGET, run_entry_in_process, train_args
+from tests.helpers import REFERENCE_TARGET, run_entry_in_process, train_args
 
 pytestmark = pytest.mark.slow
 

@@ -16,8 +16,7 @@ from draftsmith.errors import UserError
 from draftsmith.heads import drafter_class
 from draftsmith.heads.packing import causal_lm_inputs, documents, require_packed_attention, same_document
 from draftsmith.target import FeatureRequest, run_target
-from tests.conftest import read_log, run_entry_in_process, train_args
-from tests.helpers import tiny_llama
+from tests.helpers import assert_one_line_error, read_log, run_entry_in_process, tiny_llama, train_args
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -327,7 +326,7 @@ def test_training_from_captured_features_packs_them_into_the_padded_losses(tmp_p
     from draftsmith.target import load_target
     from draftsmith.trainer.checkpoint import TrainerState
     from draftsmith.trainer.loop import micro_batches
-    from tests.conftest import REFERENCE_TARGET
+    from tests.helpers import REFERENCE_TARGET
 
     features = tmp_path / "features"
     capture(
@@ -388,5 +387,4 @@ def test_training_from_captured_features_packs_them_into_the_padded_losses(tmp_p
         ],
         capsys,
     )
-    assert too_short.returncode == 2 and "more than data.pack_length=64" in too_short.stderr, too_short.stderr[-2000:]
-    assert len([line for line in too_short.stderr.splitlines() if line.startswith("error")]) == 1
+    assert_one_line_error(too_short, 2, "more than data.pack_length=64", prefix="error")

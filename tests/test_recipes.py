@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from draftsmith.errors import UserError
 from draftsmith.recipe import load_recipe, save_recipe
 from draftsmith.resources import recipes_dir
-from tests.conftest import REPO, run_entry, run_entry_in_process
+from tests.helpers import REPO, assert_one_line_error, run_entry, run_entry_in_process
 
 SHIPPED = sorted(p.stem for p in recipes_dir().glob("*.yaml"))
 LAUNCH_CONFIGS = sorted((recipes_dir() / "accelerate").glob("*.yaml"))
@@ -165,7 +165,7 @@ def test_resolved_recipe_is_saved_and_reloads(tmp_path):
 def test_train_py_bad_input_is_one_line_exit_2(tmp_path, args, capsys):
     out = tmp_path / "run"
     result = run_entry_in_process(["train.py", *args, f"output_dir={out}"], capsys)
-    assert_one_line_exit_2(result)
+    assert_one_line_error(result, 2, alone=True)
     assert not out.exists(), "a failed start must not leave a half-written output_dir"
 
 
@@ -184,12 +184,7 @@ def test_train_py_bad_input_is_one_line_exit_2(tmp_path, args, capsys):
 def test_every_entry_point_refuses_bad_settings_in_one_line(tmp_path, entry, override):
     """As real processes: nothing but the one line on stderr, whatever the imports print."""
     out = tmp_path / "run"
-    assert_one_line_exit_2(run_entry([*entry, "recipe=medusa", f"output_dir={out}", override], timeout=120))
+    assert_one_line_error(
+        run_entry([*entry, "recipe=medusa", f"output_dir={out}", override], timeout=120), 2, alone=True
+    )
     assert not out.exists()
-
-
-def assert_one_line_exit_2(result) -> None:
-    assert result.returncode == 2, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.stderr

@@ -21,7 +21,7 @@ import torch
 
 from draftsmith.data_prep import render_prompt
 from draftsmith.target import load_target, load_tokenizer
-from tests.conftest import REFERENCE_TARGET, REPO, run_entry_in_process
+from tests.helpers import REFERENCE_TARGET, REPO, run_entry_in_process
 
 NEAR_TIE = 0.05  # largest gap between the two best logits at which two float32 engines may pick differently
 

@@ -14,8 +14,7 @@ from draftsmith.errors import UserError
 from draftsmith.export import EXPORTERS
 from draftsmith.heads import REGISTRY
 from draftsmith.recipe import load_recipe
-from tests.conftest import REPO, train_in_process
-from tests.helpers import demo_recipe
+from tests.helpers import REPO, demo_recipe, train_in_process
 
 KINDS = sorted(REGISTRY)
 

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from draftsmith.data_prep.features import MANIFEST_NAME, file_sha256
 from draftsmith.errors import EXIT_DIVERGED, EXIT_IO_ERROR, EXIT_PREEMPTED, StorageError, UserError
 from draftsmith.outputs import LOCK_NAME, DirectoryLock
-from tests.conftest import REFERENCE_TARGET, REPO, read_log, run_entry_in_process, train_args
+from tests.helpers import REFERENCE_TARGET, REPO, assert_one_line_error, read_log, run_entry_in_process, train_args
 
 pytestmark = pytest.mark.slow
 
@@ -54,14 +54,6 @@ def logged_steps(output_dir: Path) -> int:
     )
 
 
-def one_error_line(stderr: str, prefix: str = "error: ") -> str:
-    """The error, one line, last on stderr (progress bars of work already started may precede it)."""
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith(prefix)]
-    assert len(errors) == 1 and lines[-1] == errors[0] and "Traceback" not in stderr, stderr[-2000:]
-    return errors[0]
-
-
 # -- 1. never delete implicitly ---------------------------------------------------------------------
 def test_a_rerun_is_refused_resumed_or_started_over_and_nothing_is_deleted(tmp_path, small_data, token_cache, capsys):
     out = tmp_path / "run"
@@ -69,12 +61,11 @@ def test_a_rerun_is_refused_resumed_or_started_over_and_nothing_is_deleted(tmp_p
     assert run_entry_in_process(["train.py", *args], capsys).returncode == 0
     before = {p: p.stat().st_mtime_ns for p in (out / "checkpoints").rglob("*")}
     again = run_entry_in_process(["train.py", *args], capsys)  # without train.resume: refused
-    assert again.returncode == 2
-    line = one_error_line(again.stderr)
+    line = assert_one_line_error(again, 2)
     assert "holds an earlier run (checkpoints step_0000001, step_0000002)" in line
     assert "train.resume=true" in line and "train.overwrite=true" in line
     both = run_entry_in_process(["train.py", *args, "train.resume=true", "train.overwrite=true"], capsys)
-    assert both.returncode == 2 and "both set" in one_error_line(both.stderr)
+    assert_one_line_error(both, 2, "both set")
     assert {p: p.stat().st_mtime_ns for p in (out / "checkpoints").rglob("*")} == before  # untouched
 
     resumed = run_entry_in_process(["train.py", *args, "train.resume=true"], capsys)  # the latest checkpoint; finished
@@ -102,8 +93,7 @@ def test_a_second_job_on_a_busy_directory_is_refused_and_the_first_finishes(tmp_
         second = run_entry_in_process(["train.py", *args, "train.resume=true"], capsys)
     finally:
         first.send_signal(signal.SIGCONT)
-    assert second.returncode == 2
-    line = one_error_line(second.stderr)
+    line = assert_one_line_error(second, 2)
     assert f"is in use by another job (pid {first.pid} on " in line and "train.py" in line
     stdout, stderr = first.communicate(timeout=600)
     assert first.returncode == 0, stderr[-2000:]
@@ -229,8 +219,7 @@ def test_a_nan_batch_is_skipped_and_counted_then_the_run_stops_naming_where(
         "train.max_nonfinite=0",
     )
     result = run_entry_in_process(["train.py", *args], capsys)
-    assert result.returncode == EXIT_DIVERGED
-    line = one_error_line(result.stderr, "training diverged: ")
+    line = assert_one_line_error(result, EXIT_DIVERGED, prefix="training diverged: ")
     assert "more than train.max_nonfinite=0 steps skipped" in line and "at step " in line
     assert "target final hidden state" in line and "shard_00_00000.safetensors conversation 0" in line
 
@@ -264,8 +253,7 @@ def test_capture_refuses_to_write_nonfinite_features(tmp_path, small_data, token
         tmp_path / "capture", small_data, token_cache, "data.max_conversations=4", f"data.capture.output={features}"
     )
     result = run_entry_in_process(["-m", "data_prep.capture", *args, f"target.name_or_path={broken}"], capsys)
-    assert result.returncode == 2
-    line = one_error_line(result.stderr)
+    line = assert_one_line_error(result, 2)
     assert "the target's final is not finite at token 0 of" in line and "train.jsonl:" in line  # source:record
     assert not list(features.glob("shard_*.safetensors")) and not (features / MANIFEST_NAME).exists()
 
@@ -301,8 +289,7 @@ def test_a_full_disk_during_a_checkpoint_leaves_the_previous_one_intact(
     if small_disk is not None:
         out = small_disk / "run"
         result = run_entry_in_process(["train.py", *train_args(out, small_data, token_cache, *quick)], capsys)
-        assert result.returncode == EXIT_IO_ERROR
-        line = one_error_line(result.stderr, "I/O error: ")
+        line = assert_one_line_error(result, EXIT_IO_ERROR, prefix="I/O error: ")
     else:  # no tmpfs here: the same failure injected where the checkpoint's weights are written
         from draftsmith.cli import train_main
 

@@ -22,9 +22,10 @@ from safetensors.torch import load_file
 
 from draftsmith.errors import UserError
 from draftsmith.recipe import load_recipe
-from tests.conftest import (
+from tests.helpers import (
     REFERENCE_TARGET,
     REPO,
+    assert_one_line_error,
     corpus_slice,
     first_records,
     read_log,
@@ -79,15 +80,15 @@ def test_shard_key_takes_known_values_and_works_with_the_other_drafters():
 def test_train_refuses_an_unshardable_drafter_in_one_line(tmp_path, capsys):
     args = ["train.py", "recipe=medusa2", "target.shard=fsdp", f"output_dir={tmp_path / 'run'}"]
     done = run_entry_in_process(args, capsys)
-    assert done.returncode == 2
-    (line,) = done.stderr.strip().splitlines()
-    assert line.startswith("error: target.shard=fsdp does not work with drafter.type=medusa2")
+    assert_one_line_error(
+        done, 2, prefix="error: target.shard=fsdp does not work with drafter.type=medusa2", alone=True
+    )
     assert not (tmp_path / "run").exists()
 
 
 @pytest.fixture
 def one_process_group(one_thread):
-    """`load_sharded_target` forms a one-process group when none exists; it is ended afterwards."""
+    """A sharded load (`load_target(..., shard="fsdp")`) forms a one-process group when none exists; it is ended afterwards."""
     import torch.distributed as dist
 
     ours = not dist.is_initialized()
@@ -101,10 +102,10 @@ def test_one_process_runs_the_sharded_code_path(one_process_group):
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     from draftsmith.heads import drafter_class
-    from draftsmith.sharding import Lockstep, load_sharded_target, local_bytes, whole_bytes
+    from draftsmith.sharding import Lockstep, local_bytes, whole_bytes
     from draftsmith.target import FeatureRequest, load_target, run_target
 
-    sharded, whole = load_sharded_target(str(REFERENCE_TARGET), "cpu"), load_target(str(REFERENCE_TARGET))
+    sharded, whole = load_target(str(REFERENCE_TARGET), "cpu", shard="fsdp"), load_target(str(REFERENCE_TARGET))
     assert not sharded.training and not any(p.requires_grad for p in sharded.parameters())
     kept_whole = {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"}
     for name, parameter in sharded.named_parameters():
@@ -138,9 +139,10 @@ def gloo_threads() -> list[str]:
 def test_a_sharded_target_leaves_no_gloo_thread_to_die_with_the_interpreter(one_process_group):
     """DTensor's caches keep the mesh and its process group past destroy_process_group; the handler
     that loading a sharded target registers at exit frees them while the interpreter is whole."""
-    from draftsmith.sharding import end_process_group, load_sharded_target, release_device_mesh
+    from draftsmith.sharding import end_process_group, release_device_mesh
+    from draftsmith.target import load_target
 
-    sharded = load_sharded_target(str(REFERENCE_TARGET), "cpu")
+    sharded = load_target(str(REFERENCE_TARGET), "cpu", shard="fsdp")
     with torch.no_grad():
         sharded(input_ids=torch.tensor([[1, 2, 3]]))  # fills DTensor's sharding caches
     del sharded

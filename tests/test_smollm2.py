@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, corpus_slice, first_records
+from tests.helpers import REPO, corpus_slice, first_records
 
 pytestmark = [
     pytest.mark.slow,

@@ -14,7 +14,7 @@ from draftsmith.data_prep.sources import cleaning_counts, named_file
 from draftsmith.errors import UserError
 from draftsmith.eval.prompts import load_prompts
 from draftsmith.target import load_tokenizer
-from tests.conftest import REFERENCE_TARGET
+from tests.helpers import REFERENCE_TARGET
 
 
 def turn(speaker: str, text: str) -> dict:

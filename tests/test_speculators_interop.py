@@ -1,14 +1,26 @@
 """speculators (vLLM's drafter trainer, the peer users compare with) reads draftsmith's exports with its
-own loader: every speculators-format folder draftsmith writes (EAGLE-3, EAGLE-3.1, P-EAGLE) loads through
-`SpeculatorModelConfig.from_pretrained` and `SpeculatorModel.from_pretrained` in speculators 0.9.0 (its
-own venv: it pins transformers <= 5.19), and every tensor of the folder, the target's embedding
-included, is in the loaded model bit for bit, with nothing of the model left unfilled but what it
-takes from the verifier itself (`verifier_lm_head`, `verifier_norm`, used by its training only).
-Without the embedding in the folder, speculators ran the draft on an all-zero embedding, silently.
+own loader, and its draft model computes what draftsmith's drafter computes. Every speculators-format
+folder draftsmith writes (EAGLE-3, EAGLE-3.1, P-EAGLE) loads through `SpeculatorModelConfig.from_pretrained`
+and `SpeculatorModel.from_pretrained` in speculators 0.9.0 (its own venv: it pins transformers <= 5.19),
+and every tensor of the folder, the target's embedding included, is in the loaded model bit for bit,
+with nothing of the model left unfilled but what it takes from the verifier itself (`verifier_lm_head`,
+`verifier_norm`, used by its training only). Without the embedding in the folder, speculators ran the
+draft on an all-zero embedding, silently.
 
-Not here yet: speculators' draft model proposing draftsmith's tokens on the same captured target
-states (function equivalence), and the other direction (a speculators checkpoint evaluated and
-warm-started by draftsmith)."""
+Function equivalence: on the same prompt, speculators' draft model, run by its own `forward` on the
+target's states picked by the folder's `eagle_aux_hidden_state_layer_ids` (the target's
+`output_hidden_states`, vLLM's convention: id i is the input of layer i), proposes the same greedy
+chain of 7 tokens (mapped to target ids with the folder's `d2t`) as draftsmith's proposer, its logits
+within 1e-4 of ours, at every step. This checks the layer ids, the norms (EAGLE-3.1's `fc_norm`,
+`norm_output`), the vocabulary map and P-EAGLE's mask token and `mask_hidden` as speculators reads
+them (the drafters train 2 steps, so their chains repeat tokens: the logits, over the whole draft
+vocabulary, are the sharp check; a layer id off by one moved them by 5, a dropped `d2t` by 0.5).
+speculators 0.9.0 has no inference entry point: EAGLE-3's chain comes from its training forward (the
+training-time test), whose teacher forcing feeds the last prompt slot the chain drafted so far, one
+forward per token; P-EAGLE's from its training forward with the sampled depths fixed to one chain
+after the last prompt slot (vLLM's parallel drafting: the root, then mask queries).
+
+Not here yet: the other direction (a speculators checkpoint evaluated and warm-started by draftsmith)."""
 
 from __future__ import annotations
 
@@ -16,10 +28,15 @@ import json
 import subprocess
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
+from draftsmith.eval.loop import prefill
 from draftsmith.export import export_checkpoint
+from draftsmith.heads import load_drafter
 from draftsmith.recipe import load_recipe
-from tests.conftest import train_in_process
+from draftsmith.target import TargetShape, load_tokenizer
+from tests.helpers import train_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -28,29 +45,105 @@ CASES = {
     "eagle3.1": ["drafter.fc_norm=true", "drafter.norm_output=true"],
     "peagle": ["drafter.parallel_drafting=true", "drafter.mask_token_id=5", "drafter.fc_norm=true", "eval.tree=0"],
 }
+DRAFT_TOKENS = 7
+PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return"
 # Run by the speculators venv's Python: load the folder with speculators' own loader and compare its
-# state dict with the folder's tensors.
+# state dict with the folder's tensors; then draft on the saved target states with speculators' forward.
 CHECK = """
 import json, sys, torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from speculators import SpeculatorModel, SpeculatorModelConfig
-folder = sys.argv[1]
+import speculators.models.peagle.core as peagle_core
+from speculators.losses import resolve_loss_config
+folder, states, out = sys.argv[1:4]
 config = SpeculatorModelConfig.from_pretrained(folder)
-model = SpeculatorModel.from_pretrained(folder)
+# speculators' default attention is flex attention with block masks (compiled, for CUDA); its trainer's
+# --draft-attn-impl sdpa is the dense-mask path, which runs on CPU.
+config.transformer_layer_config._attn_implementation = "sdpa"
+model = SpeculatorModel.from_pretrained(folder, config=config).eval()
 loaded, shipped = model.state_dict(), load_file(folder + "/model.safetensors")
+saved = load_file(states)
+gamma = len(saved["proposed"])
+# The target's states by speculators' layer ids (vLLM's: id i is layer i's input), concatenated as its
+# data holds them, one slot per prompt position but the last; slot i holds the token after it (the
+# shifted layout of speculators/models/eagle3/data.py).
+aux = torch.cat([saved["layer_inputs"][i] for i in model.config.eagle_aux_hidden_state_layer_ids], -1)[None]
+aux, n, prompt = aux.to(model.dtype), aux.shape[1], saved["input_ids"]
+logits = []
+model.lm_head.register_forward_hook(lambda module, args, output: logits.append(output[0].float()))
+to_target = lambda draft: draft + model.d2t[draft] if model.d2t is not None else draft
+with torch.no_grad():
+    if model.config.speculators_model_type == "peagle":
+        # One rollout: every slot at depth 0, then depths 1..gamma-1 (mask queries) after the last slot.
+        anchor = torch.cat([torch.arange(n), torch.full((gamma - 1,), n - 1)])
+        depth = torch.cat([torch.zeros(n, dtype=torch.long), torch.arange(1, gamma)])
+        peagle_core.generate_cod_sample_indices = lambda *args, **kwargs: (anchor, depth)
+        ids = torch.cat([prompt[1:], torch.zeros(gamma - 1, dtype=torch.long)])[None]  # past the prompt: never read
+        hidden = torch.cat([aux, aux.new_zeros(1, gamma - 1, aux.shape[-1])], 1)
+        zeros = hidden.new_zeros(1, n + gamma - 1, model.hidden_size)  # its loss's targets: unused here
+        # Its forward always computes its loss: the eager one, as its trainer's --loss-implementation
+        # eager (the default fused loss needs Triton).
+        loss = resolve_loss_config("kl_div", "eager")
+        model(
+            hidden_states=hidden, input_ids=ids, document_ids=torch.zeros_like(ids),
+            verifier_last_hidden_states=zeros, loss_config=loss,
+        )
+        steps = logits[0][n - 1 :]
+        proposed = to_target(steps.argmax(-1)).tolist()
+    else:
+        # The training-time test: at step s the last slot reads its own earlier output and, by teacher
+        # forcing, the input token s places on: the chain drafted so far, appended (the slots past the
+        # prompt are never seen by the prompt's). One forward per drafted token.
+        proposed = []
+        for step in range(gamma):
+            logits.clear()
+            ids = torch.cat([prompt[1:], torch.tensor(proposed, dtype=torch.long)])[None]
+            hidden = torch.cat([aux, aux.new_zeros(1, step, aux.shape[-1])], 1)
+            model(hidden_states=hidden, input_ids=ids, document_ids=torch.zeros_like(ids), ttt_steps=step + 1)
+            proposed.append(int(to_target(logits[-1][n - 1].argmax())))
+        steps = torch.stack([step_logits[n - 1] for step_logits in logits])
+save_file({"logits": steps.contiguous()}, out)
 print(json.dumps({
     "config": type(config).__name__,
     "model": type(model).__name__,
+    "attention": model._attn_impl,
     "not_loaded": sorted(set(shipped) - set(loaded)),
     "not_shipped": sorted(set(loaded) - set(shipped)),
     "differ": sorted(k for k in shipped if k in loaded and not torch.equal(loaded[k].to(shipped[k].dtype), shipped[k])),
     "embedding_sum": float(loaded["embed_tokens.weight"].float().abs().sum()),
+    "proposed": proposed,
 }))
 """
 
 
+def draftsmith_proposal(checkpoint, target, recipe, path) -> list[int]:
+    """Draftsmith's greedy chain on PROMPT from the trained checkpoint; saved to `path` with the prompt,
+    the input of every target layer (HF's hidden_states: what vLLM's layer ids index) over the prompt
+    but its last token (the root), and the draft-vocabulary logits of every step."""
+    drafter = load_drafter(checkpoint, TargetShape.of(target, recipe.target.name_or_path), target).eval()
+    prompt = load_tokenizer(recipe.target)(PROMPT)["input_ids"]
+    logits = []
+    drafter.lm_head.register_forward_hook(
+        lambda module, args, output: logits.append(output.reshape(-1, output.shape[-1]))
+    )
+    with torch.no_grad():
+        state = prefill(target, [prompt], drafter.request).rows[0].draft_state()
+        proposed = drafter.proposer().propose(state, DRAFT_TOKENS).tokens
+        layer_inputs = target(torch.tensor([prompt[:-1]]), output_hidden_states=True).hidden_states
+    save_file(
+        {
+            "input_ids": torch.tensor(prompt),
+            "layer_inputs": torch.cat(layer_inputs).float().contiguous(),
+            "proposed": proposed.cpu(),
+            "logits": torch.cat(logits)[-DRAFT_TOKENS:].float().contiguous(),
+        },
+        path,
+    )
+    return proposed.tolist()
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_speculators_loads_every_tensor_of_a_draftsmith_export(
+def test_speculators_loads_and_drafts_like_a_draftsmith_export(
     case, speculators_python, small_data, token_cache, tmp_path
 ):
     args = [
@@ -58,12 +151,25 @@ def test_speculators_loads_every_tensor_of_a_draftsmith_export(
         "data.eval=[]", f"data.cache_dir={token_cache}", "data.max_length=128", "train.save_every=0",
         "eval.enabled=false", f"output_dir={tmp_path / 'run'}", *CASES[case],
     ]  # fmt: skip
-    final, _ = train_in_process(args)
-    folder = export_checkpoint(load_recipe([*args, f"export.output={tmp_path / 'export'}"]), final)["vllm"]
-    done = subprocess.run([speculators_python, "-c", CHECK, str(folder)], capture_output=True, text=True, timeout=600)
+    final, target = train_in_process(args)
+    recipe = load_recipe([*args, f"export.output={tmp_path / 'export'}"])
+    folder = export_checkpoint(recipe, final)["vllm"]
+    states, out = tmp_path / "states.safetensors", tmp_path / "speculators.safetensors"
+    ours = draftsmith_proposal(final, target, recipe, states)
+    done = subprocess.run(
+        [speculators_python, "-c", CHECK, str(folder), str(states), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["model"] == ("PEagleDraftModel" if case == "peagle" else "Eagle3DraftModel") or result["model"]
+    assert result["model"] == ("PEagleDraftModel" if case == "peagle" else "Eagle3DraftModel"), result
     assert result["not_loaded"] == [] and result["differ"] == [], result
     assert set(result["not_shipped"]) <= {"verifier_lm_head.weight", "verifier_norm.weight"}, result
     assert result["embedding_sum"] > 0
+    assert result["attention"] == "sdpa" and len(ours) == DRAFT_TOKENS
+    assert result["proposed"] == ours, result
+    diff = (load_file(out)["logits"] - load_file(states)["logits"]).abs().max().item()
+    print(f"{case}: draft {ours}, logits max |diff| {diff:.2e}")
+    assert diff < 1e-4

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REFERENCE_TARGET, read_log, train_args, train_in_process
+from tests.helpers import REFERENCE_TARGET, read_log, train_args, train_in_process
 
 pytestmark = pytest.mark.slow
 

@@ -40,8 +40,8 @@ from draftsmith.errors import Preempted, UserError
 from draftsmith.heads import drafter_class, load_drafter
 from draftsmith.heads.packing import causal_lm_inputs, require_packed_attention
 from draftsmith.recipe import require_draft_vocab_use, save_recipe
-from draftsmith.sharding import load_run_target, local_bytes
-from draftsmith.target import TargetOutput, load_tokenizer, run_target
+from draftsmith.sharding import local_bytes
+from draftsmith.target import TargetOutput, load_target, load_tokenizer, run_target
 from draftsmith.trainer.checkpoint import TrainerState, load_checkpoint, resume_checkpoint, save_checkpoint, save_final
 from draftsmith.trainer.curve import write_curve
 from draftsmith.trainer.heldout import (
@@ -261,7 +261,7 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
         )
     # target.shard=fsdp: each rank holds pieces of the decoder layers (draftsmith/sharding.py); the
     # loop needs nothing else, since every rank runs every step's target forward together.
-    target = load_run_target(cfg.target, accelerator.device)
+    target = load_target(cfg.target, accelerator.device, shard=cfg.target.shard)
 
     drafter_cls = drafter_class(cfg.drafter.type)
     drafter = drafter_cls.from_target(OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path).to(

@@ -9,11 +9,16 @@ standard library and vllm. draftsmith's export check starts it as a subprocess:
 Request: {"target": DIR, "prompts": [[token ids], ...], "max_tokens": N, "dtype": "float32",
 "max_model_len": N, "gpu_memory_utilization": 0.3, "runs": [{"name": ..., "speculative_config":
 null | {...}}, ...]}; optional "sequential": true (batch size 1: one prompt at a time, each timed and
-counted, as "per_prompt": [{"seconds", "tokens", "metrics"}]) and "warmup": N (untimed generations
-first). Result: one JSON object, {"ok": true, "vllm_version": ..., "runs": {name:
-{"outputs": [[ids]], "finish_reasons": [...], "metrics": {"num_drafts", "num_draft_tokens",
-"num_accepted_tokens", "accepted_per_position"}, "seconds": {...}}}}, or {"ok": false, "error": ...,
-"error_lines": [...]} with exit code 1. With --serve the process stays up between requests, so a
+counted, as "per_prompt": [{"seconds", "tokens", "metrics"}]), "warmup": N (untimed generations
+first) and "load": [{"concurrency": C, "prompts": [[ids], ...]}, ...] (instead of "prompts": a closed
+loop per level, C requests in flight until the level's prompts are done, as "levels": [{"concurrency",
+"outputs", "seconds", "tokens", "steps", "mean_batch", "tpot_s": [per request], "metrics"}]). Result:
+one JSON object, {"ok": true, "vllm_version": ..., "runs": {name: {"outputs": [[ids]],
+"finish_reasons": [...], "metrics": {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
+"accepted_per_position"}, "seconds": {...}, "engine_settings": {what the engine resolved: runner,
+max_num_seqs and, when speculating, method, num_speculative_tokens, the batch-size schedule,
+draft_sample_method, rejection_sample_method}}}}, or {"ok": false, "error": ..., "error_lines": [...]}
+with exit code 1. With --serve the process stays up between requests, so a
 program that checks several exports (a test session, a benchmark) imports vLLM once; it ends at the
 end of stdin, after a failed request, and when the process that started it is gone.
 
@@ -132,12 +137,31 @@ def generate(request, speculative_config):
     }
     if speculative_config is not None:
         kwargs["speculative_config"] = dict(speculative_config)
+    load = request.get("load")
+    if load:
+        kwargs["max_num_seqs"] = max(int(level["concurrency"]) for level in load)
     llm = LLM(**kwargs)
     seconds["construct"] = time.perf_counter() - start
     sampling = SamplingParams(temperature=0.0, max_tokens=int(request["max_tokens"]))
-    prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in request["prompts"]]
+    short = SamplingParams(temperature=0.0, max_tokens=8)
     for _ in range(int(request.get("warmup", 0))):  # untimed: lazy initialisation stays out of the figures
-        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+        if load:  # at every level's batch size: each compiles its own paths lazily
+            for level in load:
+                closed_loop(
+                    llm,
+                    {"concurrency": level["concurrency"], "prompts": level["prompts"][: int(level["concurrency"])]},
+                    short,
+                )
+        else:
+            llm.generate([TokensPrompt(prompt_token_ids=request["prompts"][0])], short, use_tqdm=False)
+    if load:
+        result = {
+            "levels": [closed_loop(llm, level, sampling) for level in load],
+            "engine_settings": engine_settings(llm),
+        }
+        shut_down(llm)
+        return result
+    prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in request["prompts"]]
     before = spec_counters(llm)
     start = time.perf_counter()
     if request.get("sequential"):  # batch size 1: each prompt alone, timed and counted on its own
@@ -159,12 +183,84 @@ def generate(request, speculative_config):
     }
     if per_prompt is not None:
         result["per_prompt"] = per_prompt
+    result["engine_settings"] = engine_settings(llm)
+    shut_down(llm)
+    return result
+
+
+def shut_down(llm):
+    """The engine's memory back before the next run's engine sizes its KV cache from what is free."""
     try:
         llm.llm_engine.engine_core.shutdown()
     except Exception:  # noqa: BLE001 - best effort
         pass
-    del llm
-    return result
+
+
+def closed_loop(llm, level, sampling):
+    """One load level: `concurrency` requests in flight (a new one enters as one finishes) until the
+    level's prompts are done, stepping the engine directly so every token's arrival is timed.
+    Time per output token of a request = (last token's arrival - first's) / (tokens - 1)."""
+    from vllm.inputs import TokensPrompt
+
+    engine, concurrency = llm.llm_engine, int(level["concurrency"])
+    waiting = list(enumerate(level["prompts"]))[::-1]
+    index_of, first, last, outputs = {}, {}, {}, [None] * len(waiting)
+    steps = served = 0
+    counted = settled_counters(llm)
+    begin = time.perf_counter()
+    while waiting or engine.has_unfinished_requests():
+        while waiting and engine.get_num_unfinished_requests() < concurrency:
+            index, prompt = waiting.pop()
+            request_id = f"load-{concurrency}-{index}"  # outputs carry this id (the engine's own is another)
+            engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), sampling)
+            index_of[request_id] = index
+        step_outputs = engine.step()
+        now = time.perf_counter()
+        steps += 1
+        served += len(step_outputs)
+        for output in step_outputs:
+            if output.outputs and output.outputs[0].token_ids:
+                first.setdefault(output.request_id, now)
+                last[output.request_id] = now
+            if output.finished:
+                outputs[index_of[output.request_id]] = [int(t) for t in output.outputs[0].token_ids]
+    seconds = time.perf_counter() - begin
+    tpot = [
+        (last[rid] - first[rid]) / (len(outputs[index]) - 1)
+        for rid, index in index_of.items()
+        if len(outputs[index]) > 1
+    ]
+    return {
+        "concurrency": concurrency,
+        "outputs": outputs,
+        "seconds": seconds,
+        "tokens": sum(map(len, outputs)),
+        "steps": steps,
+        "mean_batch": served / steps if steps else 0.0,
+        "tpot_s": tpot,
+        "metrics": difference(settled_counters(llm), counted),
+    }
+
+
+def engine_settings(llm):
+    """What the engine resolved from its arguments: the settings that move τ or the schedule."""
+    from vllm.platforms import current_platform
+
+    config = llm.llm_engine.vllm_config
+    settings = {"runner": current_platform.device_type, "max_num_seqs": config.scheduler_config.max_num_seqs}
+    speculative = config.speculative_config
+    if speculative is not None:
+        schedule = speculative.num_speculative_tokens_per_batch_size
+        settings |= {
+            "method": speculative.method,
+            "num_speculative_tokens": speculative.num_speculative_tokens,
+            "num_speculative_tokens_per_batch_size": [list(map(int, entry)) for entry in schedule]
+            if schedule
+            else None,
+            "draft_sample_method": speculative.draft_sample_method,
+            "rejection_sample_method": speculative.rejection_sample_method,
+        }
+    return settings
 
 
 def run_request(request):

@@ -1,0 +1,157 @@
+"""A γ per batch size for vLLM (`num_speculative_tokens_per_batch_size`), from a load sweep.
+
+Speculation pays while the target's step is memory-bound: at batch size 1 a verify forward of γ + 1
+tokens costs about what a plain step does, at large batch sizes it costs up to γ + 1 times as much.
+A load sweep (benchmarks/load_sweep.py) serves the target in vLLM at several concurrencies, plain
+and with this drafter at each γ, and writes a JSONL row per (method, γ, concurrency) with the wall
+time, engine steps, decoded tokens and the engine's acceptance counters. From it, per concurrency c:
+
+- the step cost s(c, γ): the run's wall time per request and engine step (steps x the mean requests
+  per step), which does not depend on how much that run's drafts happened to be accepted;
+- the drafter's acceptance, pooled over every run of this drafter (it depends on the text, not on the
+  batch): P(accepted >= k) = accepted at position k / drafts, over runs with γ >= k, and the share d
+  of request-steps that drafted at all (1 for a drafter model; less for n-gram lookup, which drafts
+  only where it finds a match), so a chain of γ gains E(γ) = 1 + d · sum_{k <= γ} P(accepted >= k)
+  tokens per request and step;
+- the predicted throughput per request, E(γ) / s(c, γ), against plain's 1 / s(c, 0).
+
+K(c) is the γ with the highest prediction, or 0 (no speculation) unless it beats plain by `min_gain`.
+Against thrash at a range edge (vLLM keys the lookup on the requests scheduled in a step, prefills
+included, so a batch near an edge alternates between two K; vLLM issue #49548), K changes between
+neighbouring measured concurrencies only where the new K gains `min_gain` over keeping the previous
+one, and ranges with the same K are merged. Batch sizes between two measured concurrencies take the
+nearer one's K (geometric midpoint); past the largest measured one vLLM carries the last K forward.
+vLLM ignores the schedule under data parallelism (it warns and drafts the full γ on every rank).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from draftsmith.errors import ExportCheckFailed, UserError, one_line
+
+PLAIN = "plain"
+FIELDS = (
+    "method",
+    "gamma",
+    "concurrency",
+    "seconds",
+    "tokens",
+    "steps",
+    "mean_batch",
+    "drafts",
+    "accepted_per_position",
+)
+
+
+def read_sweep(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a load sweep's JSONL; UserError naming the first bad line."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"export.batch_sweep={str(path)!r} does not exist")
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UserError(f"{path}:{number}: not JSON ({one_line(err)})") from None
+        missing = [key for key in FIELDS if key not in row]
+        if missing:
+            raise UserError(f"{path}:{number}: not a load-sweep row (missing {', '.join(missing)})")
+        rows.append(row)
+    return rows
+
+
+def pooled_acceptance(runs: list[dict[str, Any]]) -> list[float]:
+    """P(accepted >= k) for k = 1.. the longest γ measured, over every run of one drafter."""
+    longest = max(int(row["gamma"]) for row in runs)
+    rates = []
+    for position in range(longest):
+        drafts = sum(row["drafts"] for row in runs if int(row["gamma"]) > position)
+        accepted = sum(row["accepted_per_position"][position] for row in runs if int(row["gamma"]) > position)
+        rates.append(accepted / drafts if drafts else 0.0)
+    return rates
+
+
+def predicted_rates(rows: list[dict[str, Any]], method: str) -> dict[int, dict[int, float]]:
+    """concurrency -> γ (0 = plain) -> predicted tokens/s of the whole batch: E(γ) tokens per request
+    and step over the measured seconds per request and step (steps x the mean requests per step)."""
+    plain = {int(r["concurrency"]): r for r in rows if r["method"] == PLAIN}
+    mine = [r for r in rows if r["method"] == method]
+    if not plain or not mine:
+        raise UserError(f"the load sweep has no {'plain' if not plain else repr(method)} rows")
+    # A proposer may skip steps (n-gram lookup drafts only where it finds a match): the share of
+    # request-steps that drafted scales what the accepted tokens add, pooled like the acceptance.
+    drafted = sum(r["drafts"] for r in mine) / max(1.0, sum(r["steps"] * r["mean_batch"] for r in mine))
+    expected = [1.0]
+    for rate in pooled_acceptance(mine):
+        expected.append(expected[-1] + min(1.0, drafted) * rate)
+    rates = {concurrency: {0: row["tokens"] / row["seconds"]} for concurrency, row in plain.items()}
+    for row in mine:
+        concurrency, gamma = int(row["concurrency"]), int(row["gamma"])
+        if concurrency in rates and row["steps"] and row["mean_batch"]:
+            rates[concurrency][gamma] = expected[gamma] * row["steps"] * row["mean_batch"] / row["seconds"]
+    return rates
+
+
+def batch_schedule(rows: list[dict[str, Any]], method: str, min_gain: float = 0.02) -> dict[str, Any]:
+    """The schedule, the choice at each measured concurrency and what it rests on."""
+    rates = predicted_rates(rows, method)
+    levels = sorted(rates)
+    chosen: dict[int, int] = {}
+    previous = None
+    for concurrency in levels:
+        options = rates[concurrency]
+        best = max(options, key=options.get)
+        if best and options[best] < options[0] * (1 + min_gain):
+            best = 0
+        if previous is not None and previous in options and previous != best:
+            if options[best] < options[previous] * (1 + min_gain):
+                best = previous  # not worth an edge
+        chosen[concurrency] = previous = best
+    if not any(chosen.values()):
+        summary = ", ".join(f"c={c}: {max(rates[c][g] for g in rates[c] if g) / rates[c][0]:.2f}×" for c in levels)
+        raise ExportCheckFailed(
+            f"speculation with this drafter beats plain decoding by {min_gain:.0%} at no measured concurrency "
+            f"(best predicted speed-up {summary}); serve the target without it"
+        )
+    ranges: list[list[int]] = []
+    for index, concurrency in enumerate(levels):
+        start = 1 if index == 0 else math.floor(math.sqrt(levels[index - 1] * concurrency)) + 1
+        end = levels[-1] if index == len(levels) - 1 else math.floor(math.sqrt(concurrency * levels[index + 1]))
+        if end < start:
+            continue
+        if ranges and ranges[-1][2] == chosen[concurrency]:
+            ranges[-1][1] = end
+        else:
+            ranges.append([start, end, chosen[concurrency]])
+    measured = {(r["method"], int(r["gamma"]), int(r["concurrency"])): r for r in rows}
+    return {
+        "num_speculative_tokens": max(chosen.values()),
+        "num_speculative_tokens_per_batch_size": ranges,
+        "per_concurrency": {
+            str(c): {
+                "chosen": chosen[c],
+                "predicted_tok_s": {str(g): round(v, 2) for g, v in sorted(rates[c].items())},
+                **measured_pair(measured.get((method, chosen[c], c)), measured[PLAIN, 0, c]),
+            }
+            for c in levels
+        },
+        "min_gain": min_gain,
+        "acceptance": [round(r, 4) for r in pooled_acceptance([r for r in rows if r["method"] == method])],
+    }
+
+
+def measured_pair(run: dict[str, Any] | None, plain: dict[str, Any]) -> dict[str, Any]:
+    """τ and speed-up over plain as the sweep measured them at the chosen γ (none measured: plain)."""
+    if run is None:
+        return {"tau": None, "speedup": 1.0}
+    drafts = run["drafts"]
+    tau = 1 + sum(run["accepted_per_position"]) / drafts if drafts else None
+    speedup = (run["tokens"] / run["seconds"]) / (plain["tokens"] / plain["seconds"])
+    return {"tau": None if tau is None else round(tau, 4), "speedup": round(speedup, 4)}

@@ -1,0 +1,128 @@
+"""The γ per batch size (export/schedule.py, `export.batch_sweep`): chosen from a load sweep's step
+costs and pooled acceptance, K = 0 where speculation loses, no edge that gains less than the margin,
+written into the export's served config (and its serving command) with the pinned sampling settings;
+a sweep that is not of this checkpoint, a malformed one, or one where speculation never pays is refused
+in one line before the target loads. The engine side is tests/test_engine_vllm.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from draftsmith.errors import ExportCheckFailed, UserError
+from draftsmith.export.repo import EXPORT_INFO, VLLM_PINNED
+from draftsmith.export.schedule import batch_schedule, pooled_acceptance, read_sweep
+from draftsmith.files import checkpoint_digest
+from tests.helpers import (
+    KINDS,
+    assert_one_line_error,
+    run_entry_in_process,
+    save_drafter,
+    sweep,
+    sweep_row,
+    write_sweep,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_pooled_acceptance_counts_a_position_only_in_runs_that_drafted_it():
+    rows = [sweep_row("d", 1, 1, 1, [50], 100), sweep_row("d", 3, 2, 1, [70, 40, 10], 100)]
+    assert pooled_acceptance(rows) == [120 / 200, 40 / 100, 10 / 100]
+
+
+def test_k_follows_the_step_cost_and_is_zero_where_speculation_loses():
+    # E(γ) = 1.6 / 1.9 / 2.0; a verify step costs more with γ the busier the batch
+    cost = {
+        1: {1: 1.1, 2: 1.2, 3: 1.4},
+        2: {1: 1.2, 2: 1.5, 3: 1.9},
+        4: {1: 1.7, 2: 2.4, 3: 3.2},
+        8: {1: 2.0, 2: 3.0, 3: 4.0},
+    }
+    rows = sweep({c: 1.0 for c in cost}, {(c, g): s for c, by_gamma in cost.items() for g, s in by_gamma.items()})
+    schedule = batch_schedule(rows, "d")
+    chosen = {int(c): v["chosen"] for c, v in schedule["per_concurrency"].items()}
+    assert chosen == {1: 2, 2: 1, 4: 0, 8: 0}  # 1.9/1.2 > 2.0/1.4 > 1.6/1.1; at 4, 1.6/1.7 < 1
+    # batch sizes between measured ones take the nearer's K (geometric midpoint); the engine carries the last K on
+    assert schedule["num_speculative_tokens_per_batch_size"] == [[1, 1, 2], [2, 2, 1], [3, 8, 0]]
+    assert schedule["num_speculative_tokens"] == 2
+
+
+def test_a_k_change_that_gains_less_than_the_margin_is_not_made():
+    # at concurrency 2, γ 1 would be 1% faster than keeping γ 2: not worth an edge the engine could thrash on
+    rows = sweep({1: 1.0, 2: 1.0}, {(1, 2): 1.2, (1, 1): 1.1, (2, 2): 1.4, (2, 1): 1.6 / (1.9 / 1.4) / 1.01})
+    assert batch_schedule(rows, "d")["num_speculative_tokens_per_batch_size"] == [[1, 2, 2]]
+
+
+def test_a_sweep_where_speculation_never_pays_is_refused():
+    rows = sweep({1: 1.0, 2: 1.0}, {(1, 1): 1.7, (2, 1): 1.8})
+    with pytest.raises(ExportCheckFailed, match="at no measured concurrency"):
+        batch_schedule(rows, "d")
+
+
+def test_a_malformed_sweep_is_named_by_its_line(tmp_path):
+    path = tmp_path / "sweep.jsonl"
+    path.write_text(json.dumps(sweep_row("plain", 0, 1, 1.0)) + "\n{not json\n")
+    with pytest.raises(UserError, match="sweep.jsonl:2: not JSON"):
+        read_sweep(path)
+    path.write_text(json.dumps({"method": "plain"}) + "\n")
+    with pytest.raises(UserError, match="sweep.jsonl:1: not a load-sweep row"):
+        read_sweep(path)
+
+
+@pytest.fixture(scope="module")
+def target():
+    from draftsmith.target import load_target
+    from tests.helpers import REFERENCE_TARGET
+
+    return load_target(str(REFERENCE_TARGET))
+
+
+def test_the_export_serves_the_schedule_with_the_pinned_sampling_settings(target, tmp_path):
+    from draftsmith.export import export_checkpoint
+    from draftsmith.recipe import load_recipe
+
+    checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt")
+    measured = write_sweep(tmp_path / "sweep.jsonl", checkpoint_digest(checkpoint))
+    cfg = load_recipe([f"recipe={KINDS['eagle3']}", f"output_dir={tmp_path / 'run'}", f"export.output={tmp_path / 'export'}",
+                       f"export.batch_sweep={measured}"])  # fmt: skip
+    folder = export_checkpoint(cfg, checkpoint, target=target)["vllm"]
+    info = json.loads((folder / EXPORT_INFO).read_text())
+    served = {
+        "method": "eagle3",
+        "num_speculative_tokens": 2,
+        **VLLM_PINNED,
+        "num_speculative_tokens_per_batch_size": [[1, 2, 2], [3, 4, 0]],
+    }
+    assert info["speculative_config"] == served and info["num_speculative_tokens"] == 2
+    assert info["batch_schedule"]["sweep"] == str(measured) and info["batch_schedule"]["method"] == "d"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 2
+    card = (folder / "README.md").read_text()
+    assert "## Speed-up by batch size" in card and "| 4 | 0 | – | 1.00× |" in card  # τ and speed-up as a pair
+    assert (
+        json.dumps(
+            {"method": "eagle3", "model": str(folder.resolve()), **{k: v for k, v in served.items() if k != "method"}}
+        )
+        in card
+    )
+
+
+@pytest.mark.parametrize(
+    "setting, fragment",
+    [
+        ("other", "the sweep measured no export of it"),
+        ("gamma", "export.num_speculative_tokens=3 but export.batch_sweep's schedule needs 2"),
+        ("missing", "does not exist"),
+    ],
+)
+def test_a_sweep_that_does_not_fit_is_refused_in_one_line(setting, fragment, target, tmp_path, capsys):
+    checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt")
+    digest = "0" * 64 if setting == "other" else checkpoint_digest(checkpoint)
+    measured = write_sweep(tmp_path / "sweep.jsonl", digest) if setting != "missing" else tmp_path / "none.jsonl"
+    extra = ["export.num_speculative_tokens=3"] if setting == "gamma" else []
+    result = run_entry_in_process(["-m", "export", f"recipe={KINDS['eagle3']}", f"drafter.path={checkpoint}", f"output_dir={tmp_path / 'run'}",
+                                   f"export.output={tmp_path / 'export'}", f"export.batch_sweep={measured}", *extra], capsys)  # fmt: skip
+    assert_one_line_error(result, 2, fragment)
+    assert not (tmp_path / "export" / "vllm").exists()
