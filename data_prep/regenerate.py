@@ -305,7 +305,10 @@ def regenerate_batch(
         )
         for (row, turn), answer in zip(active, answers):
             # the target's answer replaces the turn, and the reasoning that led to the old one goes with it
-            conversations[row][turn] |= {"content": answer, **dict.fromkeys(REASONING_KEYS)}
+            message = conversations[row][turn]
+            message["content"] = answer
+            for key in REASONING_KEYS:
+                message.pop(key, None)
     return conversations, cut
 
 
