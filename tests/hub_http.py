@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -161,11 +160,6 @@ class Router(UploadRoutes):
                 if seg.endswith(".git") and s[i + 1 : i + 4] == ["info", "lfs", "objects"]:
                     repo_type, rid = self._repo_from_prefix(s[:i] + [seg[: -len(".git")]])
                     return self.lfs_api(m, repo_type, rid, s[i + 4 :])
-            # resolve: /{prefix}{ns}/{name}/resolve/{rev}/{path...}
-            if "resolve" in s:
-                i = s.index("resolve")
-                repo_type, rid = self._repo_from_prefix(s[:i])
-                return self.resolve(m, repo_type, rid, unquote(s[i + 1]), unquote("/".join(s[i + 2 :])))
         raise HubError(404, f"fake hub: no route for {m} {self.raw_path}")
 
     @staticmethod
@@ -179,14 +173,6 @@ class Router(UploadRoutes):
     def api(self, m: str, s: list[str]) -> None:
         if s == ["repos", "create"] and m == "POST":
             return self.create_repo()
-        if s == ["repos", "delete"] and m == "DELETE":
-            return self.delete_repo()
-        if s == ["whoami-v2"] and m == "GET":
-            if self.hub.token is not None and self._token() != self.hub.token:
-                raise HubError(401, "Invalid credentials in Authorization header")
-            return self.h._send(
-                200, {"type": "user", "name": self.hub.user, "orgs": [], "auth": {"type": "access_token"}}
-            )
         if s == ["validate-yaml"] and m == "POST":
             return self.h._send(200, {"errors": [], "warnings": []})
         if len(s) >= 3 and s[0] in REPO_TYPES:
@@ -197,22 +183,12 @@ class Router(UploadRoutes):
                 return self.repo_info(repo_type, rid, None)
             if action == "revision" and m == "GET":
                 return self.repo_info(repo_type, rid, "/".join(args))
-            if action == "branch" and m in ("POST", "DELETE"):
-                return self.branch(m, repo_type, rid, "/".join(args))
-            if action == "refs" and m == "GET":
-                return self.refs(repo_type, rid)
-            if action == "commits" and m == "GET":
-                return self.list_commits(repo_type, rid, "/".join(args) or "main")
-            if action == "tree" and m == "GET":
-                return self.tree(repo_type, rid, args[0] if args else "main", "/".join(args[1:]))
-            if action == "paths-info" and m == "POST":
-                return self.paths_info(repo_type, rid, "/".join(args))
+            if action == "branch" and m == "POST":
+                return self.branch(repo_type, rid, "/".join(args))
             if action == "preupload" and m == "POST":
                 return self.preupload(repo_type, rid, "/".join(args))
             if action == "commit" and m == "POST":
                 return self.commit(repo_type, rid, "/".join(args))
-            if action == "settings" and m == "PUT":
-                return self.settings(repo_type, rid)
         raise HubError(404, f"fake hub: no API route for {m} /api/{'/'.join(s)}")
 
     # -- repos -----------------------------------------------------------------
@@ -240,24 +216,6 @@ class Router(UploadRoutes):
             f = StoredFile(".gitattributes", self.hub._store(data), len(data), False, git_blob_oid(data))
             self.hub._make_commit(repo, ("branch", "main"), "initial commit", "", {f.path: f}, [f.path], [])
         self.h._send(200, {"url": url, "name": rid, "id": self.hub._new_id(rid)})
-
-    def delete_repo(self) -> None:
-        self.require_write()
-        p = self.json()
-        repo_type = p.get("type") or "model"
-        rid = f"{p.get('organization') or self.hub.user}/{p.get('name')}"
-        if self.hub._repos.pop((repo_type, rid), None) is None:
-            raise HubError(404, "Repository not found", "RepoNotFound")
-        self.h._send(200, {})
-
-    def settings(self, repo_type: str, rid: str) -> None:
-        repo = self.get_repo(repo_type, rid, write=True)
-        p = self.json()
-        if "private" in p and p["private"] is not None:
-            repo.private = bool(p["private"])
-        if p.get("visibility") in ("private", "public"):
-            repo.private = p["visibility"] == "private"
-        self.h._send(200, {})
 
     def repo_info(self, repo_type: str, rid: str, revision: str | None) -> None:
         repo = self.get_repo(repo_type, rid)
@@ -296,15 +254,8 @@ class Router(UploadRoutes):
 
     # -- refs ------------------------------------------------------------------
 
-    def branch(self, m: str, repo_type: str, rid: str, branch: str) -> None:
+    def branch(self, repo_type: str, rid: str, branch: str) -> None:
         repo = self.get_repo(repo_type, rid, write=True)
-        if m == "DELETE":
-            if branch == "main":
-                raise HubError(403, "Cannot delete the main branch")
-            if branch not in repo.branches:
-                raise HubError(404, f"Branch {branch} not found", "RevisionNotFound")
-            del repo.branches[branch]
-            return self.h._send(200, {})
         if not branch or branch.startswith("refs/") or branch in repo.branches:
             if branch in repo.branches:
                 raise HubError(409, f"Reference already exists: refs/heads/{branch}")
@@ -313,113 +264,4 @@ class Router(UploadRoutes):
         repo.branches[branch] = self.hub._resolve(repo, start or "main")
         self.h._send(200, {})
 
-    def refs(self, repo_type: str, rid: str) -> None:
-        repo = self.get_repo(repo_type, rid)
-        out: dict[str, Any] = {
-            "branches": [
-                {"name": b, "ref": f"refs/heads/{b}", "targetCommit": c} for b, c in repo.branches.items() if c
-            ],
-            "converts": [],
-            "tags": [{"name": t, "ref": f"refs/tags/{t}", "targetCommit": c} for t, c in repo.tags.items()],
-        }
-        if truthy(self.query.get("include_prs")):
-            out["pullRequests"] = [
-                {"name": str(n), "ref": f"refs/pr/{n}", "targetCommit": c} for n, c in repo.pull_requests.items()
-            ]
-        self.h._send(200, out)
-
-    def list_commits(self, repo_type: str, rid: str, revision: str) -> None:
-        repo = self.get_repo(repo_type, rid)
-        out = [
-            {
-                "id": c.id,
-                "title": c.title,
-                "message": c.description,
-                "authors": [{"user": c.author, "avatar": ""}],
-                "date": c.date,
-                "formatted": {"title": c.title, "message": c.description},
-            }
-            for c in self.hub._first_parent_chain(repo, revision)
-        ]
-        self.h._send(200, out)
-
-    # -- tree / paths-info ---------------------------------------------------------
-
-    def tree(self, repo_type: str, rid: str, revision: str, path: str) -> None:
-        repo = self.get_repo(repo_type, rid)
-        head, files = self.hub._tree(repo, revision)
-        recursive, expand = truthy(self.query.get("recursive")), truthy(self.query.get("expand"))
-        prefix = path.strip("/") + "/" if path.strip("/") else ""
-        if prefix and not any(p.startswith(prefix) for p in files):
-            raise HubError(404, f"Path {path} not found", "EntryNotFound")
-        entries: dict[str, dict] = {}
-        for p, f in sorted(files.items()):
-            if not p.startswith(prefix):
-                continue
-            rel = p[len(prefix) :].split("/")
-            for depth in range(1, len(rel)):  # intermediate folders
-                folder = prefix + "/".join(rel[:depth])
-                if depth == 1 or recursive:
-                    entries.setdefault(
-                        folder,
-                        {
-                            "type": "directory",
-                            "oid": hashlib.sha1(folder.encode()).hexdigest(),
-                            "size": 0,
-                            "path": folder,
-                        },
-                    )
-                if not recursive:
-                    break
-            if len(rel) == 1 or recursive:
-                entries[p] = self.hub._entry(f, repo, head, expand)
-        self.h._send(200, list(entries.values()))
-
-    def paths_info(self, repo_type: str, rid: str, revision: str) -> None:
-        repo = self.get_repo(repo_type, rid)
-        head, files = self.hub._tree(repo, revision)
-        ctype = self.h.headers.get("Content-Type", "")
-        if "json" in ctype:
-            p = self.json()
-            paths, expand = p.get("paths", []), bool(p.get("expand"))
-        else:
-            form = parse_qs(self.body.decode(), keep_blank_values=True)
-            paths, expand = form.get("paths", []), truthy((form.get("expand") or ["false"])[-1])
-        out = []
-        for path in paths:
-            path = path.strip("/")
-            if path in files:
-                out.append(self.hub._entry(files[path], repo, head, expand))
-            elif any(p.startswith(path + "/") for p in files):
-                out.append(
-                    {"type": "directory", "oid": hashlib.sha1(path.encode()).hexdigest(), "size": 0, "path": path}
-                )
-        self.h._send(200, out)
-
     # -- upload: preupload / LFS / commit -----------------------------------------------
-
-    def resolve(self, m: str, repo_type: str, rid: str, revision: str, path: str) -> None:
-        if m not in ("GET", "HEAD"):
-            raise HubError(405, "Method not allowed")
-        repo = self.get_repo(repo_type, rid)
-        head, files = self.hub._tree(repo, revision)
-        f = files.get(path)
-        if f is None:
-            raise HubError(404, "Entry not found", "EntryNotFound", headers={"X-Repo-Commit": head} if head else None)
-        data = self.hub._blobs[f.sha256]
-        headers = {"X-Repo-Commit": head, "Content-Length": str(len(data)), "Accept-Ranges": "bytes"}
-        if f.lfs:
-            headers.update({"ETag": f'"{f.sha256}"', "X-Linked-Etag": f'"{f.sha256}"', "X-Linked-Size": str(f.size)})
-        else:
-            headers["ETag"] = f'"{f.git_oid}"'
-        rng = self.h.headers.get("Range")
-        status = 200
-        if rng and m == "GET":
-            mr = re.fullmatch(r"bytes=(\d+)-(\d*)", rng.strip())
-            if mr:
-                start, end = int(mr.group(1)), int(mr.group(2) or len(data) - 1)
-                headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
-                data = data[start : end + 1]
-                headers["Content-Length"] = str(len(data))
-                status = 206
-        self.h._send(status, data, headers)

@@ -15,28 +15,20 @@ does not implement. No server response turns that off: set ``HF_HUB_DISABLE_XET=
 huggingface_hub, or patch ``huggingface_hub.constants.HF_HUB_DISABLE_XET = True`` (read at call time by
 ``huggingface_hub.utils._runtime.is_xet_available``). Then large files go through the legacy LFS batch API.
 
-Endpoints (``{t}`` = models|datasets|spaces|kernels, ``{repo}`` = namespace/name, ``{rev}`` = URL-quoted,
+Endpoints, the ones draftsmith's push (export/push.py: create_repo, create_branch, upload_folder)
+reaches (``{t}`` = models|datasets|spaces|kernels, ``{repo}`` = namespace/name, ``{rev}`` = URL-quoted,
 ``{prefix}`` = "" for models, "datasets/" etc. otherwise):
 
   POST   /api/repos/create                        {"name","organization","visibility"?,"type"?} -> {"url"} (409 + {"url"} if exists)
-  DELETE /api/repos/delete                        {"name","organization","type"?}
-  PUT    /api/{t}/{repo}/settings                 {"private"?, "visibility"?}
-  GET    /api/whoami-v2
   POST   /api/validate-yaml                       -> {"errors": [], "warnings": []}
   GET    /api/{t}/{repo}[/revision/{rev}]         repo_info / model_info (sha = head of rev, siblings; ?blobs=true for sizes/lfs)
   POST   /api/{t}/{repo}/branch/{branch}          {"startingPoint"?} (409 if exists)
-  DELETE /api/{t}/{repo}/branch/{branch}
-  GET    /api/{t}/{repo}/refs                     {"branches","converts","tags","pullRequests"?}
-  GET    /api/{t}/{repo}/commits/{rev}            newest first: [{"id","title","message","authors","date"}]
-  GET    /api/{t}/{repo}/tree/{rev}[/{path}]      ?recursive=&expand=  (no pagination: one page)
-  POST   /api/{t}/{repo}/paths-info/{rev}         form: paths=..&paths=..&expand=..
   POST   /api/{t}/{repo}/preupload/{rev}          {"files":[{"path","sample","size"}],"gitIgnore"?}
                                                   -> {"files":[{"path","uploadMode","shouldIgnore","oid"?}],"commitOid"}
   POST   /api/{t}/{repo}/commit/{rev}             NDJSON header/file/lfsFile/deletedFile/deletedFolder (?create_pr=1)
   POST   /{prefix}{repo}.git/info/lfs/objects/batch   LFS batch API, "basic" transfer
   PUT    /__lfs__/{prefix}{repo}/{oid}            LFS single-part upload target (sha256 + size verified; NO auth header)
   POST   /{prefix}{repo}.git/info/lfs/objects/verify  {"oid","size"}
-  HEAD/GET /{prefix}{repo}/resolve/{rev}/{path}   hf_hub_download (X-Repo-Commit, ETag / X-Linked-Etag, X-Linked-Size)
 
 This module holds the Hub's data model (repositories, commits, trees, LFS objects) and FakeHub; the
 HTTP side, one method per endpoint, is tests/hub_http.py.
@@ -253,13 +245,6 @@ class FakeHub:
             tree = repo.commits[head].tree if head else {}
             return {p: self._blobs[f.sha256] for p, f in sorted(tree.items())}
 
-    def lfs_paths(self, repo_id: str, revision: str = "main", repo_type: str = "model") -> set[str]:
-        """Paths stored as LFS objects at `revision` (i.e. committed as lfsFile)."""
-        with self._lock:
-            repo = self.repo(repo_id, repo_type)
-            head = self._resolve(repo, revision)
-            return {p for p, f in (repo.commits[head].tree.items() if head else ()) if f.lfs}
-
     def commits(self, repo_id: str, revision: str = "main", repo_type: str = "model") -> list[dict]:
         """History of `revision`, OLDEST first (first-parent chain). Each dict: id, title (=commit_message),
         description (=commit_description), parents, date, author, branch, added, deleted, lfs, files
@@ -283,10 +268,6 @@ class FakeHub:
                 for c in self._first_parent_chain(repo, revision)
             ]
             return out[::-1]
-
-    def requests_to(self, method: str | None = None, contains: str = "") -> list[RequestRecord]:
-        with self._lock:
-            return [r for r in self.requests if (method is None or r.method == method) and contains in r.path]
 
     def leaks(self, secret: str) -> list[str]:
         """Where `secret` appeared in a request OTHER than in an Authorization header (paths, other headers,
@@ -404,25 +385,6 @@ class FakeHub:
         if any(self._match(p, path) for p in lfs_patterns):
             return "lfs"
         return "regular"
-
-    def _entry(self, f: StoredFile, repo: Repo, head: str | None, expand: bool) -> dict:
-        d: dict[str, Any] = {"type": "file", "oid": f.git_oid, "size": f.size, "path": f.path}
-        if f.lfs:
-            d["lfs"] = {"oid": f.sha256, "size": f.size, "pointerSize": len(lfs_pointer(f.sha256, f.size))}
-        if expand and head:
-            c = self._last_commit_touching(repo, head, f.path)
-            if c:
-                d["lastCommit"] = {"id": c.id, "title": c.title, "date": c.date}
-        return d
-
-    def _last_commit_touching(self, repo: Repo, head: str, path: str) -> Commit | None:
-        cid: str | None = head
-        while cid:
-            c = repo.commits[cid]
-            if path in c.added:
-                return c
-            cid = c.parents[0] if c.parents else None
-        return None
 
 
 # ---------------------------------------------------------------------------------------------- HTTP layer
