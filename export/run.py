@@ -78,7 +78,7 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
                     info["verified"] = verify_in_vllm(
                         cfg, source, repo, staged, info["speculative_config"], session, tokenizer
                     )
-                info["engine_settings"] = info["verified"]["engine_settings"]
+                info["engine_settings"] = info["verified"].pop("engine_settings")  # recorded once, at the top
                 write_json(staged / EXPORT_INFO, info)
             from draftsmith.export.card import write_card
 

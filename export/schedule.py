@@ -78,18 +78,16 @@ def pooled_acceptance(runs: list[dict[str, Any]]) -> list[float]:
     return rates
 
 
-def predicted_rates(rows: list[dict[str, Any]], method: str) -> dict[int, dict[int, float]]:
+def predicted_rates(rows: list[dict[str, Any]], method: str, acceptance: list[float]) -> dict[int, dict[int, float]]:
     """concurrency -> γ (0 = plain) -> predicted tokens/s of the whole batch: E(γ) tokens per request
     and step over the measured seconds per request and step (steps x the mean requests per step)."""
     plain = {int(r["concurrency"]): r for r in rows if r["method"] == PLAIN}
     mine = [r for r in rows if r["method"] == method]
-    if not plain or not mine:
-        raise UserError(f"the load sweep has no {'plain' if not plain else repr(method)} rows")
     # A proposer may skip steps (n-gram lookup drafts only where it finds a match): the share of
     # request-steps that drafted scales what the accepted tokens add, pooled like the acceptance.
     drafted = sum(r["drafts"] for r in mine) / max(1.0, sum(r["steps"] * r["mean_batch"] for r in mine))
     expected = [1.0]
-    for rate in pooled_acceptance(mine):
+    for rate in acceptance:
         expected.append(expected[-1] + min(1.0, drafted) * rate)
     rates = {concurrency: {0: row["tokens"] / row["seconds"]} for concurrency, row in plain.items()}
     for row in mine:
@@ -101,7 +99,11 @@ def predicted_rates(rows: list[dict[str, Any]], method: str) -> dict[int, dict[i
 
 def batch_schedule(rows: list[dict[str, Any]], method: str, min_gain: float = 0.02) -> dict[str, Any]:
     """The schedule, the choice at each measured concurrency and what it rests on."""
-    rates = predicted_rates(rows, method)
+    plain, mine = [r for r in rows if r["method"] == PLAIN], [r for r in rows if r["method"] == method]
+    if not plain or not mine:
+        raise UserError(f"the load sweep has no {'plain' if not plain else repr(method)} rows")
+    acceptance = pooled_acceptance(mine)
+    rates = predicted_rates(rows, method, acceptance)
     levels = sorted(rates)
     chosen: dict[int, int] = {}
     previous = None
@@ -143,7 +145,7 @@ def batch_schedule(rows: list[dict[str, Any]], method: str, min_gain: float = 0.
             for c in levels
         },
         "min_gain": min_gain,
-        "acceptance": [round(r, 4) for r in pooled_acceptance([r for r in rows if r["method"] == method])],
+        "acceptance": [round(r, 4) for r in acceptance],
     }
 
 
