@@ -2,8 +2,8 @@
 on the demo target: the same records as transformers' regeneration, greedy answers equal to
 transformers' greedy answers except where the target's two best next tokens are a float32 near-tie
 (vLLM's CPU kernels and transformers' sum in different orders), and an engine that dies mid-run is a
-temporary failure (exit 69) that the same command recovers from, generating only the missing parts
-(that a part resumed is byte for byte the uninterrupted one: tests/test_faults.py).
+temporary failure (exit 69) that the same command recovers from, generating only the missing parts,
+byte for byte what an uninterrupted run wrote.
 A Python without vLLM is bad input (exit 2), checked in the fast tier."""
 
 from __future__ import annotations
@@ -49,33 +49,45 @@ def test_vllm_regeneration_survives_its_engine_dying_and_matches_transformers(
     vllm_python, tmp_path, small_data, capsys
 ):
     """The vLLM worker killed mid-run: exit 69 and one line, the finished parts kept; the same command
-    generates only the rest; the records then equal transformers' regeneration of the same data."""
+    generates only the rest, byte for byte what an uninterrupted run wrote; the records then equal
+    transformers' regeneration of the same data."""
     out = tmp_path / "vllm" / "out"
     engine = [
         "data.regenerate.engine=vllm",
         f"data.regenerate.vllm.python={vllm_python}",
         "data.regenerate.batch_size=2",
     ]
+    done = run_entry_in_process(regenerate_args(out, small_data, *engine), capsys)
+    assert done.returncode == 0, done.stderr[-2000:]
+    uninterrupted = {p.name: p.read_bytes() for p in out.glob("part-*")}
+    assert len(uninterrupted) == 4
+    # What a run killed after its second part leaves: two parts and one half-written.
+    for name in ("part-00002.jsonl.gz", "part-00003.jsonl.gz"):
+        (out / name).unlink()
+    (out / "part-00002.jsonl.gz.tmp").write_bytes(uninterrupted["part-00002.jsonl.gz"][:10])
+
+    # The worker is killed while it starts (it needs seconds to load the engine), so the moment is
+    # deterministic: no part can be finished by then.
     job = subprocess.Popen(
         [sys.executable, *regenerate_args(out, small_data, *engine)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )  # fmt: skip
-    deadline = time.monotonic() + 300
-    while not (out / "part-00000.jsonl.gz").exists() and time.monotonic() < deadline and job.poll() is None:
-        time.sleep(0.2)
-    worker = subprocess.run(
-        ["pgrep", "-f", "-P", str(job.pid), "vllm_generate.py"], capture_output=True, text=True
-    ).stdout.split()
-    assert worker, "the vLLM worker was not found while the job ran"
+    deadline, worker = time.monotonic() + 300, []
+    while not worker and time.monotonic() < deadline and job.poll() is None:
+        worker = subprocess.run(
+            ["pgrep", "-f", "-P", str(job.pid), "vllm_generate.py"], capture_output=True, text=True
+        ).stdout.split()
+        time.sleep(0.05)
+    assert worker, f"the vLLM worker was not found while the job ran: {job.poll()=}"
     subprocess.run(["kill", f"-{int(signal.SIGKILL)}", *worker], check=True)
     _, stderr = job.communicate(timeout=120)
     assert job.returncode == 69, stderr[-2000:]
     assert stderr.strip().splitlines()[-1].startswith("engine unavailable: the vLLM worker stopped")
-    finished = sorted(p.name for p in out.glob("part-*"))
-    assert finished and len(finished) < 4  # killed mid-run, the finished parts kept
+    assert sorted(p.name for p in out.glob("part-*")) == ["part-00000.jsonl.gz", "part-00001.jsonl.gz"]
 
     done = run_entry_in_process(regenerate_args(out, small_data, *engine), capsys)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "8 conversations in" in done.stdout and f"({8 - 2 * len(finished)} generated now" in done.stdout
+    assert "8 conversations in" in done.stdout and "(4 generated now" in done.stdout
+    assert {p.name: p.read_bytes() for p in out.glob("part-*")} == uninterrupted
     done = run_entry_in_process(
         regenerate_args(tmp_path / "transformers" / "out", small_data, "data.regenerate.batch_size=2"), capsys
     )
