@@ -78,7 +78,7 @@ def main() -> None:
                 "-m",
                 "eval",
                 f"recipe={out / 'recipe.yaml'}",
-                f"drafter.path={out / 'final'}",
+                f"checkpoint={out / 'final'}",
                 "eval.temperature=1.0",
                 f"output_dir={out / 'sampled'}",
             ]

@@ -58,7 +58,7 @@ def main() -> None:
                 "export",
                 f"recipe={run_dir / 'recipe.yaml'}",  # the resolved recipe the checkpoint was trained with
                 *eval_settings,
-                f"drafter.path={run_dir / 'final'}",
+                f"checkpoint={run_dir / 'final'}",
                 f"export.output={output}",
                 f"export.vllm_python={args.vllm_python}",
                 "export.overwrite=true",

@@ -173,7 +173,7 @@ def export(run_dir: Path, folder: str, overrides: list[str], refusable: bool = F
     as (None, its message) instead of ending the benchmark."""
     output = run_dir / folder
     if not (output / "vllm" / "draftsmith_export.json").is_file():
-        command = [sys.executable, "-m", "export", f"recipe={run_dir / 'recipe.yaml'}", f"drafter.path={checkpoint_of(run_dir)}",
+        command = [sys.executable, "-m", "export", f"recipe={run_dir / 'recipe.yaml'}", f"checkpoint={checkpoint_of(run_dir)}",
                    f"export.output={output}", f"output_dir={run_dir}", *overrides]  # fmt: skip
         done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
         if refusable and done.returncode == 3:

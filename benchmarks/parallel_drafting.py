@@ -130,7 +130,7 @@ def main() -> None:
             "lossless": chain["lossless"],
         }
         if not (out / "export" / "vllm").is_dir():
-            run(["-m", "export", f"recipe={out / 'recipe.yaml'}", f"drafter.path={out / 'final'}", f"output_dir={out}",
+            run(["-m", "export", f"recipe={out / 'recipe.yaml'}", f"checkpoint={out / 'final'}", f"output_dir={out}",
                  f"export.output={out / 'export'}", f"export.num_speculative_tokens={args.gamma}"])  # fmt: skip
 
     from draftsmith.eval.prompts import load_prompts

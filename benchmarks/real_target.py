@@ -273,7 +273,7 @@ def main() -> None:
                                                                   *overrides, *([draft_vocab] if recipe.startswith("eagle3") else []),
                                                                   f"train.max_steps={args.steps}", *common, f"output_dir={out}"]))  # fmt: skip
         if not args.no_sampled and not (out / "sampled" / "eval" / "report.json").exists():
-            walls.record(f"{name}_sampled_eval_s", run(["-m", "eval", f"recipe={out / 'recipe.yaml'}", f"drafter.path={out / 'final'}",
+            walls.record(f"{name}_sampled_eval_s", run(["-m", "eval", f"recipe={out / 'recipe.yaml'}", f"checkpoint={out / 'final'}",
                                                          "eval.temperature=1.0", f"output_dir={out / 'sampled'}"]))  # fmt: skip
         greedy = json.loads((out / "eval" / "report.json").read_text())
         sampled = out / "sampled" / "eval" / "report.json"

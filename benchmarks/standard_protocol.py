@@ -235,7 +235,7 @@ def stage_eval(args, runs: Path, kind: str, log: Path) -> dict:
     if not report.is_file():
         run(
             [
-                "-m", "eval", f"recipe={kind_dir / 'recipe.yaml'}", f"output_dir={kind_dir / 'mtbench'}", f"drafter.path={kind_dir / 'best'}",
+                "-m", "eval", f"recipe={kind_dir / 'recipe.yaml'}", f"output_dir={kind_dir / 'mtbench'}", f"checkpoint={kind_dir / 'best'}",
                 "eval.data=[named:mt_bench]", f"eval.max_prompts={args.eval_prompts or args.prompts}", f"eval.max_new_tokens={args.new_tokens}", "eval.num_speculative_tokens=3",
                 "eval.tree=0", "eval.temperature=0",
             ],
@@ -258,7 +258,7 @@ def stage_export(runs: Path, kind: str, log: Path, gamma: int, folder: str) -> N
         return
     run(
         [
-            "-m", "export", f"recipe={kind_dir / 'recipe.yaml'}", f"drafter.path={kind_dir / 'best'}", f"export.output={kind_dir / folder}",
+            "-m", "export", f"recipe={kind_dir / 'recipe.yaml'}", f"checkpoint={kind_dir / 'best'}", f"export.output={kind_dir / folder}",
             f"export.num_speculative_tokens={gamma}", f"output_dir={kind_dir}",
         ],
         log,

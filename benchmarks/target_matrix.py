@@ -98,7 +98,7 @@ def measure(family: str, kind: str, target: Path, work: Path, vllm_python: str, 
     )
     row["resume"] = code == 0
     code, error, seconds = run(
-        ["-m", "export", *args, f"drafter.path={out / 'final'}", f"export.output={work / f'served-{family}-{kind}'}",
+        ["-m", "export", *args, f"checkpoint={out / 'final'}", f"export.output={work / f'served-{family}-{kind}'}",
          f"export.vllm_python={vllm_python}"],
         env,
     )  # fmt: skip

@@ -3,15 +3,15 @@ same commands run as `python train.py`, `python -m eval`, `python -m data_prep.c
 processes: `accelerate launch -m draftsmith train ...` (or `accelerate launch train.py ...`).
 
     train       train the recipe's drafter, then evaluate it (eval-split accuracy and the report)
-    eval        the speculative-decoding report of a checkpoint (drafter.path=DIR)
+    eval        the speculative-decoding report of a drafter (checkpoint=DIR)
     capture     capture the target's features over data.train to shards
     regenerate  rewrite data.train's assistant turns with the target itself
     export      write engine-ready repos (vLLM, SGLang) from a checkpoint, optionally push them
     monitor     check a serving engine's acceptance for drift, retrain when it drops
 
 Every command takes `--help` (with recipe=NAME: that recipe's keys and values) and `--cfg` (print
-the resolved recipe and exit without running). `drafter.path=DIR` names the checkpoint a command
-reads (eval, export); without it, `<output_dir>/final`.
+the resolved recipe and exit without running). `checkpoint=DIR` names the drafter a command reads:
+eval and export read it (without it, `<output_dir>/final`), train starts from it, monitor watches it.
 
 Exit codes (one line on stderr; docs/faults.md): 0 done, 2 bad input, 3 a lossless or export check
 failed, 4 training diverged, 69 an engine the job needs is down (retry), 70 a draftsmith bug (the
@@ -26,9 +26,9 @@ import importlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from typing import NoReturn, Optional
+from typing import NoReturn
 
-from draftsmith.errors import EXIT_USER_ERROR, UserError, run_cli
+from draftsmith.errors import EXIT_USER_ERROR, run_cli
 
 # command -> (module, function taking the arguments after the command)
 COMMANDS = {
@@ -56,22 +56,10 @@ TRAIN_USAGE = """`draftsmith train recipe=NAME [key=value ...]`, `python train.p
 drafter into <output_dir> (checkpoints, final/, log.jsonl, TensorBoard), then evaluate it (eval.enabled).
 SIGTERM saves a checkpoint and exits 75; train.resume=true continues bit-identically."""
 
-PATH_ARG = "drafter.path="
-
-
-def split_drafter_path(argv: Sequence[str]) -> tuple[Optional[str], list[str]]:
-    """`drafter.path=DIR`, the checkpoint a command reads, apart from the recipe's arguments: it is not
-    a recipe key (the drafter section is the drafter type's schema)."""
-    paths = [arg[len(PATH_ARG) :] for arg in argv if arg.startswith(PATH_ARG)]
-    if len(paths) > 1 or (paths and not paths[0]):
-        raise UserError("give drafter.path=<checkpoint dir> once, with a value")
-    return (paths[0] if paths else None), [arg for arg in argv if not arg.startswith(PATH_ARG)]
-
-
 def recipe_args(argv: Sequence[str]) -> list[str]:
-    """The recipe's arguments among a command's: recipe=NAME and key=value (not drafter.path, not a
-    sub-command such as monitor's check|watch, not an option)."""
-    return [arg for arg in split_drafter_path(argv)[1] if "=" in arg and not arg.startswith("-")]
+    """The recipe's arguments among a command's: recipe=NAME and key=value (not a sub-command such as
+    monitor's check|watch, not an option)."""
+    return [arg for arg in argv if "=" in arg and not arg.startswith("-")]
 
 
 def help_text(usage: str, argv: Sequence[str], own: Sequence[str] = ()) -> str:

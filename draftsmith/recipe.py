@@ -99,6 +99,13 @@ def compose(recipe: str, overrides: Sequence[str]) -> DictConfig:
         raise UserError(f"recipe {path}: not valid YAML ({one_line(err, 200)})") from None
     if not isinstance(raw, DictConfig):
         raise UserError(f"recipe {path}: top level must be a mapping of sections")
+    for old, now in RENAMED.items():
+        section, key = old.split(".")
+        if old in dict(parsed) or OmegaConf.select(raw, old, default=None) is not None:
+            where = f"the override {old}=..." if old in dict(parsed) else f"recipe {path}"
+            raise UserError(f"{old} is now the recipe key {now}: rename it in {where}")
+        if isinstance(raw.get(section), DictConfig) and key in raw[section]:  # null in a run's saved recipe
+            del raw[section][key]
     drafter_type = dict(parsed).get("drafter.type", OmegaConf.select(raw, "drafter.type"))
     if drafter_type is None:
         raise UserError(f"recipe {path}: no drafter.type")
@@ -125,6 +132,9 @@ def compose(recipe: str, overrides: Sequence[str]) -> DictConfig:
 
 
 _ABSENT = object()
+
+# Keys an earlier draftsmith read, and the key that means the same now: one line instead of "unknown key".
+RENAMED = {"drafter.path": "checkpoint", "train.init_from": "checkpoint", "monitor.deployed": "checkpoint"}
 
 
 def register_resolvers() -> None:

@@ -126,8 +126,6 @@ class TrainSection:
     resume: Optional[str] = None
     overwrite: bool = False  # start over in an output_dir that holds another run: the earlier run is moved aside
     max_nonfinite: int = 10  # optimizer steps skipped for a non-finite loss/gradient before the run stops
-    # warm start: a drafter checkpoint whose weights (and draft vocabulary) training starts from
-    init_from: Optional[str] = None
     mixed_precision: str = "auto"  # auto (bf16 where the GPU supports it, else none) | no | bf16 | fp16
     num_workers: int = 0  # DataLoader worker processes
     # the device's peak FLOP/s in TFLOP/s, per process, for train/mfu in the log (trainer/observe.py): e.g. 989 for
@@ -213,8 +211,6 @@ class MonitorSection:
     metrics: List[str] = field(default_factory=list)  # Prometheus /metrics URLs of the serving replicas (summed)
     engine: str = "vllm"  # vllm | sglang: which metric names to read
     traffic: Optional[str] = None  # directory of JSONL request logs (messages, optional domain, timestamp)
-    # the deployed export folder (an export's vllm/ or sglang/); its eval report is the baseline
-    deployed: Optional[str] = None
     # an eval report.json to use as the baseline instead (e.g. one at the serving temperature)
     baseline: Optional[str] = None
     state_dir: Optional[str] = None  # default <output_dir>/monitor: state.json, check records, retraining runs, exports
@@ -245,6 +241,11 @@ class RecipeSchema:
     export: ExportSection = field(default_factory=ExportSection)
     monitor: MonitorSection = field(default_factory=MonitorSection)
     output_dir: str = MISSING  # the run's directory: checkpoints, logs, eval report, export
+    # The drafter a command reads: eval evaluates it and export exports it (a draftsmith checkpoint or an
+    # export's engine folder; default <output_dir>/final, where train writes); train starts from its weights
+    # and draft vocabulary (warm start; train.resume continues this run's own state instead); monitor watches
+    # it (the deployed export's vllm/ or sglang/ folder, whose eval report is the baseline).
+    checkpoint: Optional[str] = None
 
 
 CHOICES = {

@@ -1,5 +1,5 @@
 """The draft-verify loop (chain and tree, greedy and exact sampling), the n-gram baseline and the
-per-domain report. `python -m eval recipe=NAME drafter.path=DIR ...`, or `run_eval(cfg)` from train.py.
+per-domain report. `python -m eval recipe=NAME checkpoint=DIR ...`, or `run_eval(cfg)` from train.py.
 Never imports `trainer`: it reads drafter checkpoints through `heads.load_drafter`."""
 
 from draftsmith.eval.loop import Generation, generate

@@ -1,7 +1,6 @@
-"""`python -m eval recipe=NAME [drafter.path=CHECKPOINT_DIR] [key=value ...]`
+"""`python -m eval recipe=NAME [checkpoint=DIR] [key=value ...]`
 
-`drafter.path` is not a recipe key (the drafter section belongs to the drafter type's schema), so
-it is taken out of the arguments before the recipe is parsed. Without it the checkpoint is
+`checkpoint` is a draftsmith checkpoint or a folder an export wrote; without it the eval reads
 `<output_dir>/final`, where train.py writes it. The report goes to `<output_dir>/eval/`; its
 markdown table is printed to stdout. Exit code 3 when a greedy row failed the lossless check (its
 tokens differ from plain greedy decoding's): the report is still written, with the row marked.
@@ -11,7 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from draftsmith.cli import entry_point, split_drafter_path
+from draftsmith.cli import entry_point
 from draftsmith.errors import NotLossless
 from draftsmith.recipe import load_recipe
 
@@ -22,14 +21,13 @@ def main(argv: Sequence[str]) -> None:
 
     from draftsmith.eval.render import render_markdown
     from draftsmith.eval.report import failed_lossless, run_eval
-    from draftsmith.export import open_drafter  # drafter.path may also be a folder an export wrote
+    from draftsmith.export import open_drafter  # checkpoint may also be a folder an export wrote
 
     # The eval's own progress bar is the one worth watching; weight loading and data set
     # preparation would otherwise print theirs on stderr too.
     transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()
-    drafter_path, overrides = split_drafter_path(argv)
-    report = run_eval(load_recipe(overrides), drafter_path, open_drafter=open_drafter)
+    report = run_eval(load_recipe(argv), open_drafter=open_drafter)
     print(render_markdown(report))
     if failed := failed_lossless(report):
         raise NotLossless(

@@ -210,14 +210,16 @@ def evaluate_trained_run(cfg: DictConfig, final_dir: Path) -> None:
 
 def run_eval(
     cfg: DictConfig,
-    drafter_path: Optional[str] = None,
+    checkpoint: Optional[str | Path] = None,
     target=None,
     tokenizer=None,
     open_drafter: Callable = load_drafter,
 ) -> dict[str, Any]:
     """Evaluate a drafter checkpoint per domain and write the report; returns report.json's content.
 
-    `drafter_path` defaults to `<output_dir>/final` (what train.py writes). A caller that has the
+    `checkpoint` defaults to the recipe's `checkpoint`, else `<output_dir>/final` (what train.py
+    writes); train's own eval passes its final checkpoint (its recipe's `checkpoint` is where it
+    started from). A caller that has the
     target and tokenizer loaded passes them; otherwise they are loaded from the recipe. The report
     directory is held (locked) while the eval runs. `open_drafter(path, target_shape, target)` makes
     the drafter: a draftsmith checkpoint by default; export.open_drafter also reads the engine folders
@@ -225,19 +227,19 @@ def run_eval(
     """
     out_dir = Path(cfg.output_dir) / "eval"
     with DirectoryLock(out_dir):
-        return _run_eval(cfg, out_dir, drafter_path, target, tokenizer, open_drafter)
+        return _run_eval(cfg, out_dir, checkpoint, target, tokenizer, open_drafter)
 
 
 def _run_eval(
-    cfg: DictConfig, out_dir: Path, drafter_path: Optional[str], target, tokenizer, open_drafter: Callable
+    cfg: DictConfig, out_dir: Path, checkpoint: Optional[str | Path], target, tokenizer, open_drafter: Callable
 ) -> dict[str, Any]:
     sampling = sampling_of(cfg)
     sources = list(cfg.eval.data) or list(cfg.data.eval)
     if not sources:
         raise UserError("no eval data: set eval.data=[files] or data.eval in the recipe")
-    checkpoint = Path(drafter_path) if drafter_path else Path(cfg.output_dir) / "final"
+    checkpoint = Path(checkpoint or cfg.checkpoint or Path(cfg.output_dir) / "final")
     if not checkpoint.exists():  # checked before the (slow) target load
-        raise UserError(f"no drafter checkpoint at {checkpoint}: pass drafter.path=<checkpoint dir>")
+        raise UserError(f"no drafter checkpoint at {checkpoint}: pass checkpoint=<checkpoint dir>")
     name = cfg.target.name_or_path
     if target is None:
         target = load_target(cfg.target, resolve_device(cfg.eval.device))

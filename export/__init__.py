@@ -4,11 +4,11 @@ target's tokenizer where the engine reads one, a model card, `draftsmith_export.
 against the target and the engine's loader before it lands, optionally loaded in the real engine
 (vLLM) and compared with draftsmith's own eval, and optionally pushed to the Hub.
 
-    python -m export recipe=NAME drafter.path=CHECKPOINT export.engines=[vllm,sglang] export.output=DIR
+    python -m export recipe=NAME checkpoint=DIR export.engines=[vllm,sglang] export.output=DIR
 
 One exporter per drafter kind (export/<kind>.py), found through this registry; each builds the
 folder for an engine (`vllm`, `sglang`) or says why that engine cannot serve the kind, and reads an
-engine folder back into a draftsmith drafter (so `python -m eval drafter.path=<export>` evaluates
+engine folder back into a draftsmith drafter (so `python -m eval checkpoint=<export>` evaluates
 exactly what the engine serves).
 """
 

@@ -1,6 +1,6 @@
-"""`python -m export recipe=NAME drafter.path=CHECKPOINT [export.engines=[vllm,sglang]] [export.output=DIR] ...`
+"""`python -m export recipe=NAME checkpoint=DIR [export.engines=[vllm,sglang]] [export.output=DIR] ...`
 
-Without drafter.path the checkpoint is `<output_dir>/final` (what train.py writes). Prints one line
+Without `checkpoint` it is `<output_dir>/final` (what train.py writes). Prints one line
 per engine folder written (and pushed).
 """
 
@@ -9,16 +9,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from draftsmith.cli import entry_point, split_drafter_path
+from draftsmith.cli import entry_point
 from draftsmith.recipe import load_recipe
 
 
 def main(argv: Sequence[str]) -> None:
     from draftsmith.export import export_checkpoint
 
-    drafter_path, overrides = split_drafter_path(argv)
-    cfg = load_recipe(overrides)
-    checkpoint = Path(drafter_path) if drafter_path else Path(cfg.output_dir) / "final"
+    cfg = load_recipe(argv)
+    checkpoint = Path(cfg.checkpoint or Path(cfg.output_dir) / "final")
     for engine, folder in export_checkpoint(cfg, checkpoint).items():
         print(f"{engine}: {folder}")
 

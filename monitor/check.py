@@ -69,14 +69,14 @@ def summary(cfg: DictConfig, outcome: Outcome) -> str:
 
 
 def deployed_of(cfg: DictConfig, state: State) -> dict[str, Any]:
-    """The deployed export (the state's, once the monitor has promoted one; else monitor.deployed)
+    """The deployed export (the state's, once the monitor has promoted one; else the recipe's checkpoint)
     and the report its baseline comes from."""
     if state.deployed is not None:
         return state.deployed
-    folder = cfg.monitor.deployed
+    folder = cfg.checkpoint
     if not folder or not (Path(folder) / EXPORT_INFO).is_file():
         raise UserError(
-            f"monitor.deployed={folder!r} is not an export folder (an export's vllm/ or sglang/ holding {EXPORT_INFO})"
+            f"checkpoint={folder!r} is not an export folder (an export's vllm/ or sglang/ holding {EXPORT_INFO})"
         )
     info = export_info(folder)
     report = cfg.monitor.baseline or (info.get("eval_report") or {}).get("path")
@@ -251,7 +251,7 @@ def engine_change(deployed: dict[str, Any], versions: dict[str, str]) -> Optiona
 def reverify_command(deployed: dict[str, Any], info: dict[str, Any]) -> str:
     """The export of the deployed checkpoint again, into the deployed folder (an export of the same
     checkpoint is redone in place), as it was made and checked in the engine PYTHON runs."""
-    args = [f"drafter.path={deployed['checkpoint']}", f"export.output={Path(deployed['export']).parent}"]
+    args = [f"checkpoint={deployed['checkpoint']}", f"export.output={Path(deployed['export']).parent}"]
     if info.get("num_speculative_tokens"):
         args.append(f"export.num_speculative_tokens={info['num_speculative_tokens']}")
     if info.get("eval_report"):  # else the re-export would look for the report beside the checkpoint

@@ -3,7 +3,7 @@
     sample      recent traffic of the drifted and new domains, split 80/20 (by a hash of each request)
                 into data to retrain on and held-out prompts to judge on
     regenerate  the target's own answers to those requests (data_prep.regenerate: resumable by parts)
-    train       warm start from the deployed drafter (train.init_from: its weights and draft vocabulary),
+    train       warm start from the deployed drafter (checkpoint: its weights and draft vocabulary),
                 on the regenerated traffic, listed monitor.new_data_weight times, mixed with data.train
                 (train.resume=true: a killed run continues from its last checkpoint)
     evaluate    the deployed and the new drafter on the old domains (the recipe's eval data) and the
@@ -116,7 +116,7 @@ def step_train(cfg: DictConfig, directory: Path, state: State, run_dir: Path) ->
         "data.train": [regenerated] * cfg.monitor.new_data_weight + list(cfg.data.train),
         "data.features": None,
         "data.eval": [],
-        "train.init_from": start,
+        "checkpoint": start,
         "train.resume": "true",
         "train.overwrite": False,
         "eval.enabled": False,

@@ -122,7 +122,7 @@ def test_a_sweep_that_does_not_fit_is_refused_in_one_line(setting, fragment, tar
     digest = "0" * 64 if setting == "other" else checkpoint_digest(checkpoint)
     measured = write_sweep(tmp_path / "sweep.jsonl", digest) if setting != "missing" else tmp_path / "none.jsonl"
     extra = ["export.num_speculative_tokens=3"] if setting == "gamma" else []
-    result = run_entry_in_process(["-m", "export", f"recipe={KINDS['eagle3']}", f"drafter.path={checkpoint}", f"output_dir={tmp_path / 'run'}",
+    result = run_entry_in_process(["-m", "export", f"recipe={KINDS['eagle3']}", f"checkpoint={checkpoint}", f"output_dir={tmp_path / 'run'}",
                                    f"export.output={tmp_path / 'export'}", f"export.batch_sweep={measured}", *extra], capsys)  # fmt: skip
     assert_one_line_error(result, 2, fragment)
     assert not (tmp_path / "export" / "vllm").exists()

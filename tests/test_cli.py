@@ -63,13 +63,29 @@ def test_a_recipe_whose_package_is_not_installed_is_listed_and_overridable(capsy
 
 
 def test_cfg_prints_the_resolved_recipe_and_a_bad_one_is_one_line(capsys, tmp_path):
-    args = ["recipe=medusa", "train.lr=0.5", f"output_dir={tmp_path}"]
-    code, out, _ = run("eval", [*args, "drafter.path=/anything", "--cfg"], capsys)
+    args = ["recipe=medusa", "train.lr=0.5", f"output_dir={tmp_path}", "checkpoint=/anything"]
+    code, out, _ = run("eval", [*args, "--cfg"], capsys)
     assert code == 0 and yaml.safe_load(out) == OmegaConf.to_container(load_recipe(args), resolve=True)
     assert not any(tmp_path.iterdir())  # nothing ran
     code, out, err = run("train", ["recipe=medusa", "train.nope=1", "--cfg"], capsys)
     line = assert_one_line_error(subprocess.CompletedProcess([], code, out, err), 2, alone=True)
     assert line == "error: unknown recipe key 'train.nope' (override train.nope=1)"
+
+
+@pytest.mark.parametrize("old", ["drafter.path", "train.init_from", "monitor.deployed"])
+def test_the_keys_that_became_checkpoint_say_so(old, capsys, tmp_path):
+    """Four names meant "a checkpoint to read"; the old ones are one line naming the new key, and a
+    run's recipe saved by an earlier draftsmith (which wrote them as null) still loads."""
+    code, out, err = run("eval", ["recipe=medusa", f"{old}=/a/checkpoint", "--cfg"], capsys)
+    line = assert_one_line_error(subprocess.CompletedProcess([], code, out, err), 2, alone=True)
+    assert line == f"error: {old} is now the recipe key checkpoint: rename it in the override {old}=..."
+    saved = yaml.safe_load(run("train", ["recipe=medusa", "--cfg"], capsys)[1])
+    section, key = old.split(".")
+    saved.pop("checkpoint")
+    saved.setdefault(section, {})[key] = None
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(saved))
+    code, out, _ = run("eval", [f"recipe={tmp_path / 'recipe.yaml'}", "--cfg"], capsys)
+    assert code == 0 and yaml.safe_load(out)["checkpoint"] is None
 
 
 def test_every_key_is_described_and_the_reference_is_current():

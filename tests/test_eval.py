@@ -358,13 +358,13 @@ def test_bad_settings_are_user_errors(eval_setup, tmp_path):
 
 def test_cli_rejects_a_missing_and_a_foreign_checkpoint(eval_setup, tmp_path, capsys):
     _, recipe, _ = eval_setup
-    missing = run_entry_in_process(["-m", "eval", f"recipe={recipe}", f"drafter.path={tmp_path / 'nothing'}"], capsys)
+    missing = run_entry_in_process(["-m", "eval", f"recipe={recipe}", f"checkpoint={tmp_path / 'nothing'}"], capsys)
     assert_one_line_error(missing, 2, prefix="error: no drafter checkpoint", alone=True)
 
     foreign_target = tiny_llama(vocab=64, hidden=256, layers=1)
     medusa = drafter_class("medusa")
     medusa.from_target(medusa.Config(num_heads=3), foreign_target, "tiny").save_pretrained(tmp_path / "foreign")
-    foreign = run_entry_in_process(["-m", "eval", f"recipe={recipe}", f"drafter.path={tmp_path / 'foreign'}"], capsys)
+    foreign = run_entry_in_process(["-m", "eval", f"recipe={recipe}", f"checkpoint={tmp_path / 'foreign'}"], capsys)
     assert_one_line_error(foreign, 2, "vocab_size=64", alone=True)
 
 
@@ -384,7 +384,7 @@ def test_a_failed_lossless_check_writes_the_report_and_exits_3(eval_setup, tmp_p
 
     monkeypatch.setattr(loop, "verify", accept_everything)
     with pytest.raises(SystemExit) as exited:
-        run_cli(main, [f"recipe={recipe}", f"output_dir={tmp_path}", f"drafter.path={root / 'run' / 'final'}"])
+        run_cli(main, [f"recipe={recipe}", f"output_dir={tmp_path}", f"checkpoint={root / 'run' / 'final'}"])
     assert exited.value.code == EXIT_NOT_LOSSLESS == 3
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert report["domains"]["all"]["chain"]["lossless"] is False

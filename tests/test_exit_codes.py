@@ -45,7 +45,7 @@ def export(checkpoint: Path, tmp_path: Path, capsys, *extra: str):
         "-m",
         "export",
         "recipe=medusa",
-        f"drafter.path={checkpoint}",
+        f"checkpoint={checkpoint}",
         f"output_dir={tmp_path / 'run'}",
         f"export.output={tmp_path / 'export'}",
         "eval.max_prompts=1",

@@ -369,7 +369,7 @@ def test_export_cli_refuses_in_one_line(kind, args, fragment, target, tmp_path, 
             "-m",
             "export",
             f"recipe={KINDS[kind]}",
-            f"drafter.path={checkpoint}",
+            f"checkpoint={checkpoint}",
             f"output_dir={tmp_path / 'run'}",
             *args,
         ],
@@ -385,7 +385,7 @@ def test_push_lands_every_file_and_an_unchanged_rerun_makes_no_commit(target, tm
 
     checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt")
     token = "hf_draftsmith_test_token_123"
-    args = ["-m", "export", "recipe=eagle3", f"drafter.path={checkpoint}", f"output_dir={tmp_path / 'run'}", f"export.output={tmp_path / 'export'}",
+    args = ["-m", "export", "recipe=eagle3", f"checkpoint={checkpoint}", f"output_dir={tmp_path / 'run'}", f"export.output={tmp_path / 'export'}",
             "export.engines=[vllm,sglang]", "export.push.repo_id=acme/demo-eagle3", "export.push.revision=draftsmith-v1"]  # fmt: skip
     with FakeHub(token=token) as hub:
         env = {

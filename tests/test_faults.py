@@ -286,7 +286,7 @@ def test_sigterm_stops_regeneration_and_eval_mid_run_with_exit_75(tmp_path, smal
         "-m",
         "eval",
         *train_args(tmp_path / "eval", small_data, token_cache, "eval.max_prompts=4", "eval.max_new_tokens=48"),
-        f"drafter.path={checkpoint}",
+        f"checkpoint={checkpoint}",
     ]
     done = sigterm_mid_run(
         evaluation, lambda stderr: "prompt/s" in stderr or "s/prompt" in stderr
@@ -309,7 +309,7 @@ def test_export_killed_anywhere_resumes_into_the_same_bytes(tmp_path):
             "-m",
             "export",
             "recipe=eagle3",
-            f"drafter.path={checkpoint}",
+            f"checkpoint={checkpoint}",
             f"output_dir={tmp_path / 'run'}",
             f"export.output={out}",
             "export.engines=[vllm,sglang]",

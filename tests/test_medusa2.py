@@ -114,7 +114,7 @@ def test_eval_verifies_with_the_adapted_target_losslessly(run, small_data, tmp_p
             "eval",
             "recipe=medusa2",
             f"target.name_or_path={REFERENCE_TARGET}",
-            f"drafter.path={output_dir / 'final'}",
+            f"checkpoint={output_dir / 'final'}",
             f"eval.data=[{one_prompt}]",
             "eval.max_new_tokens=24",
             f"output_dir={tmp_path}",

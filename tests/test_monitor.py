@@ -287,7 +287,7 @@ def test_the_engine_the_export_was_checked_in_is_judged_as_before(tmp_path, reco
 
     engine = FakeEngine(served)
     folder = served_export(tmp_path / "export" / "vllm", **recorded)
-    cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"monitor.deployed={folder}", f"monitor.metrics=[{engine.url}]"])  # fmt: skip
+    cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}", f"monitor.metrics=[{engine.url}]"])  # fmt: skip
     try:
         assert check(cfg) == Outcome.HEALTHY  # the window starts
         engine.serve(2000, AT_LEAST)
@@ -309,7 +309,7 @@ def test_a_new_engine_version_is_a_reverify_not_a_drift(tmp_path, capsys):
 
     engine = FakeEngine()
     folder = served_export(tmp_path / "export" / "vllm", engine_settings=checked_in(SERVED))
-    args = ["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"monitor.deployed={folder}", f"monitor.metrics=[{engine.url}]"]  # fmt: skip
+    args = ["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}", f"monitor.metrics=[{engine.url}]"]  # fmt: skip
     cfg = load_recipe(args)
     try:
         check(cfg)
@@ -322,7 +322,7 @@ def test_a_new_engine_version_is_a_reverify_not_a_drift(tmp_path, capsys):
         [line] = [line for line in result.stdout.splitlines() if line.startswith("monitor: ")]
         assert line.startswith("monitor: reverify: ") and "checked in vLLM 0.32.0" in line and "vLLM 0.33.0 at" in line
         assert (
-            f"python -m export recipe=RECIPE drafter.path={folder.parent / 'final'} export.output={folder.parent} "
+            f"python -m export recipe=RECIPE checkpoint={folder.parent / 'final'} export.output={folder.parent} "
             in line
         )
         assert "export.vllm_python=PYTHON (RECIPE: this monitor's recipe; PYTHON: a Python with vLLM 0.33.0)" in line
@@ -361,7 +361,7 @@ def test_an_older_export_that_pins_nothing_says_the_engines_defaults_decide(tmp_
     never = served_export(tmp_path / "never" / "vllm", speculative_config=unpinned)
     try:
         for name, folder, outcome in (("older", older, Outcome.REVERIFY), ("never", never, Outcome.HEALTHY)):
-            cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path / name}", f"monitor.deployed={folder}", f"monitor.metrics=[{engine.url}]"])  # fmt: skip
+            cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path / name}", f"checkpoint={folder}", f"monitor.metrics=[{engine.url}]"])  # fmt: skip
             assert check(cfg) == outcome, name
     finally:
         engine.server.shutdown()
@@ -402,7 +402,7 @@ def test_a_shift_is_detected_located_retrained_and_promoted(deployed, tmp_path, 
     engine, logs = FakeEngine(), tmp_path / "logs"
     logs.mkdir()
     cfg = load_recipe([
-        *args, f"output_dir={tmp_path / 'run'}", f"monitor.deployed={recorded_as_checked(root / 'export' / 'vllm', tmp_path)}", f"monitor.metrics=[{engine.url}]",
+        *args, f"output_dir={tmp_path / 'run'}", f"checkpoint={recorded_as_checked(root / 'export' / 'vllm', tmp_path)}", f"monitor.metrics=[{engine.url}]",
         f"monitor.traffic={logs}", "monitor.min_drafts=100", "monitor.sample_per_domain=4", "monitor.retrain_samples=48", "train.max_steps=30", "data.regenerate.max_new_tokens=64",
     ])  # fmt: skip
     baseline = Baseline.from_report(json.loads((root / "deployed" / "eval" / "report.json").read_text()), "report")
@@ -474,7 +474,7 @@ def healthy_setup(deployed, tmp_path):
     root, args = deployed
     engine = FakeEngine()
     settings = {"drafter": {"type": "medusa"}, "target": {"name_or_path": str(DEMO / "target")}, "output_dir": str(tmp_path / "run"),
-                "monitor": {"deployed": str(recorded_as_checked(root / "export" / "vllm", tmp_path)), "metrics": [engine.url], "min_drafts": 100}}  # fmt: skip
+                "checkpoint": str(recorded_as_checked(root / "export" / "vllm", tmp_path)), "monitor": {"metrics": [engine.url], "min_drafts": 100}}  # fmt: skip
     recipe = tmp_path / "monitor.yaml"
     recipe.write_text(yaml.safe_dump(settings))
     yield recipe, engine

@@ -133,7 +133,7 @@ def test_serve_monitor_retrain_redeploy(deployed, vllm_python, tmp_path):
     server = VllmServer(vllm_python, root / "export" / "vllm", tmp_path / "serve_1.log", *per_request)
     try:
         cfg = load_recipe([
-            *args, f"output_dir={tmp_path / 'run'}", f"monitor.deployed={root / 'export' / 'vllm'}", f"monitor.metrics=[{server.url}/metrics]",
+            *args, f"output_dir={tmp_path / 'run'}", f"checkpoint={root / 'export' / 'vllm'}", f"monitor.metrics=[{server.url}/metrics]",
             f"monitor.traffic={logs}", "monitor.min_drafts=100", "monitor.consecutive=1", "monitor.sample_per_domain=6",
             "monitor.retrain_samples=32", "monitor.traffic_window_s=600", "train.max_steps=30", "data.regenerate.max_new_tokens=64",
         ])  # fmt: skip

@@ -119,7 +119,7 @@ def test_the_wheel_trains_and_evaluates_from_outside_the_checkout(installed, tmp
             "draftsmith",
             "eval",
             "recipe=medusa",
-            f"drafter.path={tmp_path / 'run' / 'final'}",
+            f"checkpoint={tmp_path / 'run' / 'final'}",
             *quick,
             f"output_dir={tmp_path / 'eval'}",
         ],

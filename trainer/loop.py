@@ -293,13 +293,11 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     drafter.prepare(
         train_data if vocab_data is None else vocab_data
     )  # what the drafter fits to the data (EAGLE-3's draft vocabulary), on every rank
-    if (
-        cfg.train.init_from
-    ):  # warm start: its weights and data-fitted state (the draft vocabulary is kept, not re-fitted)
-        start = load_drafter(cfg.train.init_from, drafter.target, target)
+    if cfg.checkpoint:  # warm start: its weights and data-fitted state (the draft vocabulary is kept, not re-fitted)
+        start = load_drafter(cfg.checkpoint, drafter.target, target)
         drafter.load_state_dict(start.state_dict())
         drafter.learned = dict(start.learned)
-        log.info("warm start from %s", cfg.train.init_from)
+        log.info("warm start from %s", cfg.checkpoint)
     groups = [{"params": params, "lr": cfg.train.lr * scale} for params, scale in drafter.param_groups()]
     optimizer = torch.optim.AdamW(
         groups, lr=cfg.train.lr, betas=tuple(cfg.train.adam_betas), weight_decay=cfg.train.weight_decay
