@@ -7,7 +7,7 @@
 
 The target is the drafters' (each RUN_DIR holds the recipe.yaml train.py saved and a checkpoint in
 best/ or final/); the prompts are MT-bench's 80 first turns in order, reused round-robin. Each engine
-process (draftsmith/engine_scripts/vllm_run.py, vLLM alone on the machine, OMP threads --threads)
+process (draftsmith/engine_scripts/vllm_worker.py, vLLM alone on the machine, OMP threads --threads)
 serves one method at one γ at every concurrency c in turn, as a closed loop: c requests in flight,
 a new one entering as one finishes, until max(--min-requests, --requests-per-slot x c) requests are
 done; each token's arrival is timed. Methods: plain decoding, vLLM's n-gram proposer (lookup 2-4) and
@@ -46,6 +46,7 @@ import sys
 import time
 from pathlib import Path
 
+from draftsmith.engines import VllmWorker
 from draftsmith.export.repo import VLLM_PINNED
 
 REPO = Path(__file__).resolve().parent.parent
@@ -212,14 +213,9 @@ def serve(python: str, target: str, load: list[dict], new_tokens: int, speculati
         "warmup": 1,
         "runs": [{"name": "run", "speculative_config": speculative_config}],
     }
-    script = REPO / "draftsmith" / "engine_scripts" / "vllm_run.py"
     began = time.perf_counter()
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    done = subprocess.run([python, str(script)], input=json.dumps(request), capture_output=True, text=True, env=env)
-    lines = done.stdout.strip().splitlines()
-    result = json.loads(lines[-1]) if lines else {"ok": False, "error": done.stderr[-1500:]}
-    if not result.get("ok"):
-        sys.exit(f"vLLM failed: {result.get('error_lines') or result.get('error')}")
+    with VllmWorker(python, "--vllm-python", {"OMP_NUM_THREADS": str(threads)}, show_log=False) as worker:
+        result = worker.ask({"runs": request}, "serve the sweep")
     return {"vllm_version": result["vllm_version"], "process_s": time.perf_counter() - began, **result["runs"]["run"]}
 
 

@@ -57,7 +57,7 @@ ENGINES = None  # the benchmark's one EngineSession: vLLM imported once for ever
 
 
 def vllm(python: str, target: str, prompts: list[list[int]], new_tokens: int, speculative_config) -> dict:
-    """One engine (draftsmith/engine_scripts/vllm_run.py, one runner process for the benchmark), one prompt at a time."""
+    """One engine (draftsmith/engine_scripts/vllm_worker.py, one worker process for the benchmark), one prompt at a time."""
     global ENGINES
     if ENGINES is None:
         from draftsmith.export.verify import EngineSession

@@ -50,6 +50,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from draftsmith.engines import VllmWorker
 from draftsmith.export.repo import VLLM_PINNED
 
 REPO = Path(__file__).resolve().parent.parent
@@ -130,7 +131,7 @@ def calibration_prompts(skip: int, count: int) -> list[list[int]]:
 
 
 def vllm_generate(python: str, prompts: list[list[int]], new_tokens: int, speculative_config, threads: int) -> dict:
-    """One engine process (draftsmith/engine_scripts/vllm_run.py), prompts one at a time (batch size 1)."""
+    """One engine process (draftsmith/engine_scripts/vllm_worker.py), prompts one at a time (batch size 1)."""
     request = {
         "target": target_dir(),
         "prompts": prompts,
@@ -142,12 +143,8 @@ def vllm_generate(python: str, prompts: list[list[int]], new_tokens: int, specul
         "warmup": 2,
         "runs": [{"name": "run", "speculative_config": speculative_config}],
     }
-    script = REPO / "draftsmith" / "engine_scripts" / "vllm_run.py"
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    done = subprocess.run([python, str(script)], input=json.dumps(request), capture_output=True, text=True, env=env)
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    if not result.get("ok"):
-        sys.exit(f"vLLM failed: {result.get('error_lines') or result.get('error')}")
+    with VllmWorker(python, "--vllm-python", {"OMP_NUM_THREADS": str(threads)}, show_log=False) as worker:
+        result = worker.ask({"runs": request}, "time the prompts")
     return {"vllm_version": result["vllm_version"], **result["runs"]["run"]}
 
 

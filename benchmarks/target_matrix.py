@@ -62,6 +62,7 @@ KINDS = {
                           "drafter.mask_token_id=5", "drafter.fc_norm=true", "eval.num_speculative_tokens=2"]),
     "eagle": ("eagle", ["train.max_steps=40", "train.lr=3e-3"]),
     "medusa": ("medusa", ["train.max_steps=40"]),
+    "medusa2": ("medusa2", ["train.max_steps=40", "drafter.heads_warmup=4"]),
     "draft_model": ("draft", ["train.max_steps=40"]),
     "pard": ("draft", ["train.max_steps=60", "train.lr=6e-3", "drafter.parallel_drafting=true", "drafter.mask_token_id=5",
                        "drafter.parallel_tokens=2", "eval.num_speculative_tokens=2", "train.micro_batch_size=4", "data.max_length=128"]),

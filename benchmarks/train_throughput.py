@@ -322,6 +322,8 @@ def bench_shape(args, kind: str) -> dict:
     drafter = shape_drafter(kind, target, vocab, draft_vocab)
     drafter.prepare(rows)
     drafter.to(device).train()
+    if args.compile:  # automatic dynamic shapes: the positions scored per draft step vary, the rows do not
+        drafter.compile()
     optimizer = torch.optim.AdamW([{"params": params, "lr": 1e-4 * scale} for params, scale in drafter.param_groups()])
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
     collate, request = Collator(PAD), drafter.request
@@ -329,7 +331,8 @@ def bench_shape(args, kind: str) -> dict:
     # The vocabulary's share (EAGLE-3 kinds): the target's distribution is timed where it runs (no grad);
     # the draft side's forward + backward is replayed on the step's own inputs after the step.
     vocab_seconds, draft_calls = [0.0], []
-    if isinstance(drafter, Eagle3):
+    timed_vocabulary = isinstance(drafter, Eagle3) and not args.compile  # its timers would break the compiled graph
+    if timed_vocabulary:
         target_distribution, draft_loss = drafter.target_distribution, drafter.draft_loss
 
         def timed_distribution(*a, **k):
@@ -420,11 +423,12 @@ def bench_shape(args, kind: str) -> dict:
         "device": device_name(device),
         "dtype": args.dtype,
         "autocast": "bfloat16" if dtype == torch.bfloat16 else None,
+        "compiled": args.compile,
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "note": WEIGHTS_NOTE,
     }
-    if isinstance(drafter, Eagle3):
+    if timed_vocabulary:
         share = statistics.median(seconds["vocabulary"])
         result |= {
             "vocabulary_s_median": round(share, 4),
@@ -468,6 +472,9 @@ def main() -> None:
     parser.add_argument("--dtype", help="with --shape: the target's dtype (default bfloat16 on cuda, else float32)")
     parser.add_argument("--peak-tflops", type=float, help="the device's peak TFLOP/s for MFU (989: H100 dense bf16)")
     parser.add_argument("--draft-chunk-mb", type=float, help="EAGLE-3's draft-loss tile in MiB; 0 = untiled")
+    parser.add_argument(
+        "--compile", action="store_true", help="with --shape: torch.compile the drafter (nn.Module.compile) before the steps"
+    )
     parser.add_argument("--recipe", default="eagle3_smollm2")
     parser.add_argument(
         "--data",

@@ -1,23 +1,24 @@
-"""Serving engines as draftsmith uses them: vLLM in an environment of its own, driven through the
-scripts in draftsmith/engine_scripts (which import only vLLM and the standard library), so vLLM's
+"""Serving engines as draftsmith uses them: vLLM in an environment of its own, driven through
+draftsmith/engine_scripts/vllm_worker.py (which imports only vLLM and the standard library), so vLLM's
 pinned torch and transformers never meet draftsmith's."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
+import select
 import subprocess
 import sys
+import tempfile
 from importlib.resources import files
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from draftsmith.errors import EngineUnavailable, UserError, one_line
 
-
-def engine_script(name: str) -> Path:
-    return Path(str(files("draftsmith.engine_scripts").joinpath(name)))
+WORKER_SCRIPT = Path(str(files("draftsmith.engine_scripts").joinpath("vllm_worker.py")))
 
 
 def vllm_python(setting: Optional[str], key: str) -> str:
@@ -34,76 +35,117 @@ def vllm_python(setting: Optional[str], key: str) -> str:
     )
 
 
-def failure_cause(reply: dict[str, Any], python: str, key: str) -> str:
-    """The one-line cause of a vLLM worker's failed reply (draftsmith/engine_scripts/*.py: `error`,
-    `error_lines`); a UserError when `python` (the recipe's `key`) has no vllm at all."""
-    if reply.get("error", "").startswith("ModuleNotFoundError: No module named 'vllm"):
-        raise UserError(
-            f"{python} cannot import vllm ({reply['error']}): point {key} at the python of an environment that has it"
-        )
-    return one_line("; ".join(reply.get("error_lines") or []) or reply.get("error", "unknown error"), 600)
+class VllmWorker:
+    """draftsmith/engine_scripts/vllm_worker.py under one vLLM Python: a request in, its reply out, one
+    line each (the protocol is the script's docstring). A worker that cannot be reached, dies or gives
+    no reply within `timeout_s` (None: no limit) is EngineUnavailable, a temporary fault. A request it
+    answers with a failure has ended it, and is raised as `refusal` with the one-line cause (UserError
+    when `python` cannot import vllm at all).
+
+    `key` is the recipe key that named `python`, for errors; `env` goes over this process's environment.
+    With `show_log` the worker's log (vLLM's) goes to this process's stderr, where a long job's
+    progress belongs; without, it is kept in a temporary file (never piped unread, which could block the
+    worker) and its tail is the cause of a death."""
+
+    def __init__(
+        self,
+        python: str,
+        key: str,
+        env: Optional[dict[str, str]] = None,
+        show_log: bool = True,
+        refusal: type[Exception] = EngineUnavailable,
+        timeout_s: Optional[float] = None,
+    ):
+        self.python, self.key, self.refusal, self.timeout_s = python, key, refusal, timeout_s
+        self.log = None if show_log else tempfile.TemporaryFile(mode="w+")
+        try:
+            self.process = subprocess.Popen(
+                [python, str(WORKER_SCRIPT)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self.log,
+                text=True,
+                env={**os.environ, **(env or {})},
+            )
+        except OSError as err:
+            raise UserError(f"could not run vLLM with {key}={python!r}: {one_line(err)}") from None
+
+    @property
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def ask(self, request: dict[str, Any], doing: str) -> dict[str, Any]:
+        """The worker's reply to `request`; `doing` names what it asks for in errors ("start", ...)."""
+        try:
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+            ready, _, _ = select.select([self.process.stdout], [], [], self.timeout_s)
+            reply = json.loads(self.process.stdout.readline() if ready else "")
+        except (OSError, json.JSONDecodeError):
+            self.close(grace_s=5)  # a worker that died has its exit code by then; a hung one is killed
+            raise EngineUnavailable(
+                f"the vLLM worker stopped before it could {doing}: {self.python} gave no answer "
+                f"(exit code {self.process.returncode}){self.log_tail()}"
+            ) from None
+        if not reply.get("ok"):
+            self.close()
+            raise self.refusal(f"vLLM could not {doing}: {self.cause(reply)}")
+        return reply
+
+    def cause(self, reply: dict[str, Any]) -> str:
+        """The one-line cause of a failed reply (`error`, `error_lines`)."""
+        if reply.get("error", "").startswith("ModuleNotFoundError: No module named 'vllm"):
+            raise UserError(
+                f"{self.python} cannot import vllm ({reply['error']}): point {self.key} at the python of an environment that has it"
+            )
+        return one_line("; ".join(reply.get("error_lines") or []) or reply.get("error", "unknown error"), 600)
+
+    def log_tail(self) -> str:
+        if self.log is None:
+            return "; its log is above"
+        self.log.seek(0)
+        return f": {one_line(self.log.read()[-600:])}"
+
+    def close(self, grace_s: float = 60) -> None:
+        """End of input: the worker exits by itself, or is killed if it has not within `grace_s`."""
+        with contextlib.suppress(OSError):  # the pipe of a worker that is gone
+            self.process.stdin.close()
+        try:
+            self.process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def __enter__(self) -> VllmWorker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class VllmGenerator:
-    """One vLLM engine in a worker process (engine_scripts/vllm_generate.py) answering batches of
-    token-id prompts with token ids. A worker that cannot start or dies is EngineUnavailable (a
-    temporary fault); work finished before it stays finished."""
+    """One long-lived vLLM engine in a VllmWorker, answering batches of token-id prompts with token ids
+    (data_prep.regenerate). A worker that cannot start or dies is EngineUnavailable (a temporary fault);
+    work finished before it stays finished."""
 
     def __init__(self, python: str, key: str, engine: dict[str, Any], env: Optional[dict[str, str]] = None):
-        self.python, self.key = python, key  # the recipe key that named `python`, for errors
-        self.process = subprocess.Popen(
-            [python, str(engine_script("vllm_generate.py"))],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**os.environ, **(env or {})},
-        )
-        self.send({"engine": engine})
-        self.version = self.receive("start")["vllm_version"]
-
-    def send(self, message: dict[str, Any]) -> None:
-        try:
-            self.process.stdin.write(json.dumps(message) + "\n")
-            self.process.stdin.flush()
-        except (BrokenPipeError, OSError):
-            self.receive("take a request")  # the worker is gone: its last line says why
-
-    def receive(self, doing: str) -> dict[str, Any]:
-        line = self.process.stdout.readline()
-        try:
-            message = json.loads(line)
-        except json.JSONDecodeError:
-            self.process.kill()
-            raise EngineUnavailable(
-                f"the vLLM worker stopped before it could {doing} (exit code {self.process.wait()}); its log is above"
-            ) from None
-        if not message.get("ok"):
-            self.process.wait()
-            raise EngineUnavailable(f"vLLM could not {doing}: {failure_cause(message, self.python, self.key)}")
-        return message
+        self.worker = VllmWorker(python, key, env)
+        self.worker.ask({"open": engine}, "start")
 
     def generate(
         self, prompts: Sequence[Sequence[int]], max_tokens: int, temperature: float, top_p: float, seeds: Sequence[int]
     ) -> list[list[int]]:
-        self.send(
-            {
-                "prompts": [list(p) for p in prompts],
-                "max_tokens": max_tokens,
-                "temperature": temperature,
-                "top_p": top_p,
-                "seeds": list(seeds),
-            }
-        )
-        return self.receive("generate")["outputs"]
+        batch = {
+            "prompts": [list(p) for p in prompts],
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "seeds": list(seeds),
+        }
+        return self.worker.ask({"generate": batch}, "generate")["outputs"]
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.stdin.close()
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        self.worker.close()
 
     def __enter__(self) -> VllmGenerator:
         return self

@@ -8,23 +8,20 @@ A drafter the engine reads differently from how it was trained (a missing `norm_
 layer ids off by one, dropped biases) stays lossless but accepts less, and fails (c).
 
 vLLM runs in its own Python environment (`export.vllm_python`): its pinned torch and transformers
-need not match draftsmith's. The engine side is draftsmith/engine_scripts/vllm_run.py.
+need not match draftsmith's. The engine side is draftsmith/engine_scripts/vllm_worker.py.
 """
 
 from __future__ import annotations
 
 import json
-import select
-import subprocess
-import tempfile
-from importlib.resources import files
+import os
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
-from draftsmith.engines import failure_cause
-from draftsmith.errors import EngineUnavailable, ExportCheckFailed, UserError, one_line
+from draftsmith.engines import VllmWorker
+from draftsmith.errors import ExportCheckFailed, UserError
 from draftsmith.eval.loop import Counts, generate
 from draftsmith.eval.prompts import eos_ids_of, load_prompts
 from draftsmith.export import Source
@@ -34,88 +31,39 @@ from draftsmith.target import load_tokenizer
 ENGINE_TIMEOUT_S = 1800
 
 
-class EngineRunner:
-    """draftsmith/engine_scripts/vllm_run.py --serve under one vLLM Python: requests in, results out,
-    one line each. It stays up for the next request of its EngineSession and is replaced after any
-    failure."""
-
-    def __init__(self, python: str):
-        self.log = tempfile.TemporaryFile(mode="w+")  # vLLM's log: kept for the error message, never piped unread
-        script = Path(str(files("draftsmith.engine_scripts").joinpath("vllm_run.py")))
-        try:
-            self.process = subprocess.Popen(
-                [python, str(script), "--serve"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=self.log,
-                text=True,
-            )
-        except OSError as err:
-            raise UserError(f"could not run vLLM with export.vllm_python={python!r}: {one_line(err)}") from None
-        self.python = python
-
-    def run(self, request: dict[str, Any]) -> dict[str, Any]:
-        try:
-            self.process.stdin.write(json.dumps(request) + "\n")
-            self.process.stdin.flush()
-            ready, _, _ = select.select([self.process.stdout], [], [], ENGINE_TIMEOUT_S)
-            line = self.process.stdout.readline() if ready else ""
-            result = json.loads(line)
-        except (OSError, json.JSONDecodeError):
-            self.close()
-            self.log.seek(0)
-            raise EngineUnavailable(
-                f"vLLM ({self.python}) gave no answer (exit code {self.process.returncode}): "
-                f"{one_line(self.log.read()[-600:])}"
-            ) from None
-        if not result.get("ok"):
-            self.close()
-        return result
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-
-    def finish(self) -> None:
-        """End of input: the runner exits by itself (killed if it does not within 30 s)."""
-        if self.process.poll() is not None:
-            return
-        self.process.stdin.close()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.close()
-
-
 class EngineSession:
-    """The vLLM work of one caller, explicitly: one EngineRunner per vLLM Python (vLLM is imported once
-    for every check of the session) and the target's plain greedy runs already made (checking several
-    drafters of one target runs the target alone once). `export_checkpoint` opens one per export unless
-    its caller passes one in to share (a benchmark or a test session exporting many drafters); nothing
-    is kept between sessions. A context manager: leaving it ends the runners."""
+    """The vLLM work of one caller, explicitly: one VllmWorker per vLLM Python (vLLM is imported once
+    for every check of the session; a worker that failed is replaced) and the target's plain greedy
+    runs already made (checking several drafters of one target runs the target alone once).
+    `export_checkpoint` opens one per export unless its caller passes one in to share (a benchmark or a
+    test session exporting many drafters); nothing is kept between sessions. A context manager:
+    leaving it ends the workers."""
 
     def __init__(self):
-        self.runners: dict[str, EngineRunner] = {}
+        self.workers: dict[str, VllmWorker] = {}
         self.plain_runs: dict[str, dict[str, Any]] = {}
 
     def run(self, python: str, request: dict[str, Any]) -> dict[str, Any]:
-        """Run `request` (see draftsmith/engine_scripts/vllm_run.py) under `python`; its JSON result."""
-        runner = self.runners.get(python)
-        if runner is None or runner.process.poll() is not None:
-            runner = self.runners[python] = EngineRunner(python)
-        result = runner.run(request)
-        if not result.get("ok"):
-            self.runners.pop(python, None)
-            raise ExportCheckFailed(
-                f"vLLM could not serve the export: {failure_cause(result, python, 'export.vllm_python')}"
+        """The reply to the "runs" request `request` (see draftsmith/engine_scripts/vllm_worker.py) under
+        `python`: ExportCheckFailed when vLLM answers that it failed, EngineUnavailable when it gives no
+        answer."""
+        worker = self.workers.get(python)
+        if worker is None or not worker.running:
+            worker = self.workers[python] = VllmWorker(
+                python,
+                "export.vllm_python",
+                # One OpenMP thread unless the job sets its own: on a small CPU machine two spin against each other.
+                env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+                show_log=False,
+                refusal=ExportCheckFailed,
+                timeout_s=ENGINE_TIMEOUT_S,
             )
-        return result
+        return worker.ask({"runs": request}, "serve the export")
 
     def close(self) -> None:
-        for runner in self.runners.values():
-            runner.finish()
-        self.runners.clear()
+        for worker in self.workers.values():
+            worker.close()
+        self.workers.clear()
 
     def __enter__(self) -> EngineSession:
         return self

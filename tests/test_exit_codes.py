@@ -31,7 +31,7 @@ def checkpoint(tmp_path_factory) -> Path:
 
 def fake_vllm(directory: Path, body: str) -> str:
     """A stand-in for export.vllm_python: an executable that speaks the engine worker's protocol
-    (draftsmith/engine_scripts/vllm_run.py: one JSON request per line on stdin, one result per line)
+    (draftsmith/engine_scripts/vllm_worker.py: one JSON request per line on stdin, one reply per line)
     the way a failing engine does. The real engine cannot be made to die or refuse on cue cheaply
     (the real one, killed, is tests/test_regenerate_vllm.py's)."""
     path = directory / "fake-vllm-python"

@@ -57,7 +57,7 @@ def test_the_wheel_holds_every_package_its_data_and_the_console_script(wheel):
             assert found and all(
                 f"{package.replace('.', '/')}/{path.relative_to(REPO / folders[package])}" in names for path in found
             ), pattern
-    assert {"draftsmith/engine_scripts/vllm_run.py", "draftsmith/demo/target/model.safetensors"} <= names
+    assert {"draftsmith/engine_scripts/vllm_worker.py", "draftsmith/demo/target/model.safetensors"} <= names
     (entry_points,) = [name for name in names if name.endswith(".dist-info/entry_points.txt")]
     assert "draftsmith = draftsmith.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 

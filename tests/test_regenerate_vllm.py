@@ -74,7 +74,7 @@ def test_vllm_regeneration_survives_its_engine_dying_and_matches_transformers(
     deadline, worker = time.monotonic() + 300, []
     while not worker and time.monotonic() < deadline and job.poll() is None:
         worker = subprocess.run(
-            ["pgrep", "-f", "-P", str(job.pid), "vllm_generate.py"], capture_output=True, text=True
+            ["pgrep", "-f", "-P", str(job.pid), "vllm_worker.py"], capture_output=True, text=True
         ).stdout.split()
         time.sleep(0.05)
     assert worker, f"the vLLM worker was not found while the job ran: {job.poll()=}"

@@ -1,31 +1,45 @@
-"""Greedy generation in the real vLLM engine, with and without a drafter, and its spec-decode counters.
+"""The vLLM worker: the real vLLM engine in a process of its own, answering draftsmith's requests
+(its client is draftsmith.engines.VllmWorker).
 
 Runs with the Python of an environment that has vLLM (never draftsmith's): it imports only the
-standard library and vllm. draftsmith's export check starts it as a subprocess:
+standard library and vllm, so vLLM's pinned torch and transformers never meet draftsmith's.
 
-    <vllm python> vllm_run.py < request.json > result.json           (one request)
-    <vllm python> vllm_run.py --serve                                   (one request a line, one result a line)
+    <vllm python> vllm_worker.py        (one JSON request a line on stdin, one JSON reply a line on stdout)
 
-Request: {"target": DIR, "prompts": [[token ids], ...], "max_tokens": N, "dtype": "float32",
-"max_model_len": N, "gpu_memory_utilization": 0.3, "runs": [{"name": ..., "speculative_config":
-null | {...}}, ...]}; optional "sequential": true (batch size 1: one prompt at a time, each timed and
-counted, as "per_prompt": [{"seconds", "tokens", "metrics"}]), "warmup": N (untimed generations
-first) and "load": [{"concurrency": C, "prompts": [[ids], ...]}, ...] (instead of "prompts": a closed
-loop per level, C requests in flight until the level's prompts are done, as "levels": [{"concurrency",
-"outputs", "seconds", "tokens", "steps", "mean_batch", "tpot_s": [per request], "metrics"}]). Result:
-one JSON object, {"ok": true, "vllm_version": ..., "runs": {name: {"outputs": [[ids]],
-"finish_reasons": [...], "metrics": {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
-"accepted_per_position"}, "seconds": {...}, "engine_settings": {what the engine resolved: runner,
-max_num_seqs and, when speculating, method, num_speculative_tokens, the batch-size schedule,
-draft_sample_method, rejection_sample_method}}}}, or {"ok": false, "error": ..., "error_lines": [...]}
-with exit code 1. With --serve the process stays up between requests, so a
-program that checks several exports (a test session, a benchmark) imports vLLM once; it ends at the
-end of stdin, after a failed request, and when the process that started it is gone.
+A request is an object with one key, the name of what it asks for, whose value holds its arguments:
+
+- {"open": {LLM keyword arguments: model, dtype, max_model_len, ...}} starts the worker's long-lived
+  engine for the "generate" requests after it. Reply: {"ok": true, "vllm_version": "..."}.
+- {"generate": {"prompts": [[token ids], ...], "max_tokens": N, "temperature": T, "top_p": P, "seeds":
+  [int, ...]}} answers one batch on that engine (data_prep.regenerate). Reply: {"ok": true, "outputs":
+  [[token ids], ...], "finish_reasons": [...], "seconds": S}. Prompts and answers are token ids, so the
+  chat template and the decoding are draftsmith's own; every prompt of a batch goes to `LLM.generate`
+  at once (continuous batching), each with its own seed, so sampled answers do not depend on the batch
+  they were in.
+- {"runs": {"target": DIR, "prompts": [[token ids], ...], "max_tokens": N, "dtype": "float32",
+  "max_model_len": N, "gpu_memory_utilization": 0.3, "runs": [{"name": ..., "speculative_config": null
+  | {...}}, ...]}} greedy generation with and without a drafter, each run in an engine of its own that
+  is shut down after it, with vLLM's spec-decode counters (the export check, the benchmarks). Optional:
+  "sequential": true (batch size 1: one prompt at a time, each timed and counted, as "per_prompt":
+  [{"seconds", "tokens", "metrics"}]), "warmup": N (untimed generations first) and "load":
+  [{"concurrency": C, "prompts": [[ids], ...]}, ...] (instead of "prompts": a closed loop per level, C
+  requests in flight until the level's prompts are done, as "levels": [{"concurrency", "outputs",
+  "seconds", "tokens", "steps", "mean_batch", "tpot_s": [per request], "metrics"}]). Reply: {"ok": true,
+  "vllm_version": ..., "runs": {name: {"outputs": [[ids]], "finish_reasons": [...], "metrics":
+  {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position"}, "seconds": {...},
+  "engine_settings": {what the engine resolved: runner, max_num_seqs and, when speculating, method,
+  num_speculative_tokens, the batch-size schedule, draft_sample_method, rejection_sample_method}}}}.
+
+A failed request is answered {"ok": false, "error": ..., "traceback": ..., "error_lines": [...]} and
+ends the worker with exit code 1: an engine that failed may hold half-freed state, so the next request
+gets a fresh process. The end of stdin ends the worker (exit code 0), and so does the end of the
+process that started it. The worker stays up between requests, so a program that checks several
+exports (a test session, a benchmark) imports vLLM once.
 
 vLLM writes its logs to stdout (also from the engine processes it spawns), so file descriptors 1
-and 2 are routed through a pipe to the real stderr and the result goes to a saved copy of stdout.
-The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) on one OpenMP thread: on a
-small CPU machine it starts about 4x faster, and two threads spin against each other.
+and 2 are routed through a pipe to the real stderr and the replies go to a saved copy of stdout.
+The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): on a small CPU machine it
+starts about 4x faster. Its OpenMP threads (OMP_NUM_THREADS) are the caller's to choose.
 """
 
 import gc
@@ -120,7 +134,8 @@ def difference(after, before):
     return out
 
 
-def generate(request, speculative_config):
+def measured_run(request, speculative_config):
+    """One run of a "runs" request, in an engine of its own: its outputs, counters and timings."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -263,14 +278,50 @@ def engine_settings(llm):
     return settings
 
 
-def run_request(request):
+def runs(request):
+    """The "runs" request: each run in turn, one engine after another in this process."""
     import vllm
 
-    result = {"ok": True, "vllm_version": vllm.__version__, "runs": {}}
+    result = {"vllm_version": vllm.__version__, "runs": {}}
     for run in request["runs"]:
-        result["runs"][run["name"]] = generate(request, run.get("speculative_config"))
+        result["runs"][run["name"]] = measured_run(request, run.get("speculative_config"))
         gc.collect()
     return result
+
+
+class LongLivedEngine:
+    """The "open" and "generate" requests: one engine kept between requests."""
+
+    def __init__(self):
+        self.llm = None
+
+    def open(self, engine):
+        import vllm
+
+        self.llm = vllm.LLM(**engine)
+        return {"vllm_version": vllm.__version__}
+
+    def generate(self, batch):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = [
+            SamplingParams(
+                temperature=float(batch["temperature"]),
+                top_p=float(batch["top_p"]),
+                max_tokens=int(batch["max_tokens"]),
+                seed=int(seed),
+            )
+            for seed in batch["seeds"]
+        ]
+        prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in prompt]) for prompt in batch["prompts"]]
+        start = time.perf_counter()
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return {
+            "outputs": [[int(t) for t in o.outputs[0].token_ids] for o in outputs],
+            "finish_reasons": [o.outputs[0].finish_reason for o in outputs],
+            "seconds": time.perf_counter() - start,
+        }
 
 
 def exit_with_parent():
@@ -286,24 +337,26 @@ def exit_with_parent():
 
 
 def main():
-    serving = sys.argv[1:] == ["--serve"]
-    if serving:
-        exit_with_parent()
-    requests = iter(sys.stdin.readline, "") if serving else [sys.stdin.read()]
+    exit_with_parent()
     logs = LogsToStderr()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    engine = LongLivedEngine()
+    handlers = {"open": engine.open, "generate": engine.generate, "runs": runs}
 
     def reply(message):
         logs.result_stream.write(json.dumps(message) + "\n")
         logs.result_stream.flush()
 
-    for line in requests:
+    for line in iter(sys.stdin.readline, ""):
         if not line.strip():
             continue
         logs.error_lines.clear()
         try:
-            reply(run_request(json.loads(line)))
+            request = json.loads(line)
+            if len(request) != 1 or next(iter(request)) not in handlers:
+                raise ValueError(f"a request names one of {sorted(handlers)}; this one has the keys {sorted(request)}")
+            ((name, arguments),) = request.items()
+            reply({"ok": True, **handlers[name](arguments)})
         except BaseException as err:  # noqa: BLE001 - everything is reported as JSON
             logs.close()
             reply({"ok": False, "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc(),
