@@ -65,3 +65,19 @@ def test_checkpoint_files_and_logs(trained_run):
         assert any(ckpt.glob("optimizer*")) and any(ckpt.glob("random_states*")), sorted(p.name for p in ckpt.iterdir())
     assert list((output_dir / "tb").rglob("events.out.tfevents.*")), "no TensorBoard event file"
     assert (output_dir / "recipe.yaml").is_file()
+
+
+def test_a_warm_start_begins_at_the_checkpoint(trained_run, tmp_path, small_data, token_cache):
+    """`checkpoint=` on train: the run starts from that drafter's weights (one step at a learning rate
+    of 1e-9 moves none of them by more than 1e-6), and the run's own eval reads its own final/."""
+    output_dir, _ = trained_run
+    start = load_file(str(output_dir / "final" / "model.safetensors"))
+    warm = tmp_path / "warm"
+    args = train_args(warm, small_data, token_cache, f"checkpoint={output_dir / 'final'}", "train.max_steps=1",
+                      "train.lr=1e-9", "train.warmup_steps=0", "data.eval=[]")  # fmt: skip
+    final, _ = train_in_process(args)
+    weights = load_file(str(final / "model.safetensors"))
+    assert weights.keys() == start.keys()
+    assert max(float((weights[k] - start[k]).abs().max()) for k in start) < 1e-6
+    cold, _ = train_in_process([a for a in args if not a.startswith(("checkpoint=", "output_dir="))] + [f"output_dir={tmp_path / 'cold'}"])
+    assert max(float((load_file(str(cold / "model.safetensors"))[k] - start[k]).abs().max()) for k in start) > 1e-2
