@@ -473,7 +473,9 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, help="the device's peak TFLOP/s for MFU (989: H100 dense bf16)")
     parser.add_argument("--draft-chunk-mb", type=float, help="EAGLE-3's draft-loss tile in MiB; 0 = untiled")
     parser.add_argument(
-        "--compile", action="store_true", help="with --shape: torch.compile the drafter (nn.Module.compile) before the steps"
+        "--compile",
+        action="store_true",
+        help="with --shape: torch.compile the drafter (nn.Module.compile) before the steps",
     )
     parser.add_argument("--recipe", default="eagle3_smollm2")
     parser.add_argument(

@@ -56,6 +56,7 @@ TRAIN_USAGE = """`draftsmith train recipe=NAME [key=value ...]`, `python train.p
 drafter into <output_dir> (checkpoints, final/, log.jsonl, TensorBoard), then evaluate it (eval.enabled).
 SIGTERM saves a checkpoint and exits 75; train.resume=true continues bit-identically."""
 
+
 def recipe_args(argv: Sequence[str]) -> list[str]:
     """The recipe's arguments among a command's: recipe=NAME and key=value (not a sub-command such as
     monitor's check|watch, not an option)."""

@@ -40,6 +40,7 @@ carries vLLM's top-level ids (ours + 1), which SGLang ignores, so vLLM loads tha
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,8 @@ from draftsmith.errors import UserError
 from draftsmith.export import Exporter, Source, register
 from draftsmith.export.repo import VLLM_SERVE, EngineRepo, draft_layer_config, require_vllm_state_capture
 from draftsmith.heads import drafter_class
+from draftsmith.heads.base import check_same_target
+from draftsmith.target import TargetShape
 
 SGLANG_SERVE = (
     "python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 --speculative-draft-model-path {path} "
@@ -100,6 +103,90 @@ def layer_expected(
 def as_midlayer(named: dict[str, Any]) -> dict[str, Any]:
     """`layers.0.*` under the name LlamaForCausalLMEagle3 folders use, `midlayer.*` (vLLM maps it back)."""
     return {name.replace("layers.0.", "midlayer."): value for name, value in named.items()}
+
+
+# What a folder's draft-layer config sets that changes the layer's function (its shapes, activation,
+# norms' epsilon, rotary embedding, biases): each must be what draftsmith builds for the target.
+LAYER_FUNCTION_KEYS = (
+    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
+    "rms_norm_eps", "rope_parameters", "rope_theta", "rope_scaling", "attention_bias", "mlp_bias",
+)  # fmt: skip
+
+
+def folder_target(
+    config: dict[str, Any],
+    layer: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    info: dict[str, Any],
+    target: TargetShape,
+) -> TargetShape:
+    """The target an EAGLE-3 folder was made for, as far as the folder tells (its hidden size and
+    vocabulary; the rest taken from `target`), to refuse one made for another with check_same_target.
+    The vocabulary is t2d's length (one entry per target token), else the config's when only d2t
+    ships, else the draft vocabulary: unpruned, it is the target's (lm_head rows, as TargetShape's)."""
+    verifier = config.get("speculators_config", {}).get("verifier", {}).get("name_or_path") or info.get("verifier")
+    if "t2d" in tensors:
+        vocab = len(tensors["t2d"])
+    else:
+        vocab = layer.get("vocab_size", target.vocab_size) if "d2t" in tensors else config["draft_vocab_size"]
+    hidden = config.get("target_hidden_size") or layer.get("hidden_size") or target.hidden_size
+    return replace(
+        target, name_or_path=str(verifier or target.name_or_path), hidden_size=int(hidden), vocab_size=int(vocab)
+    )
+
+
+def refuse_unhonoured(
+    folder: Path, config: dict[str, Any], layer: dict[str, Any], ours: list[int], num_layers: int
+) -> None:
+    """One-line errors for what an EAGLE-3 folder (speculators' own checkpoints included) sets that
+    draftsmith's EAGLE-3 cannot compute: it would draft with another function."""
+    if ours and ours[-1] >= num_layers - 1:  # vLLM/speculators id L: the last layer's output before the final norm
+        raise UserError(
+            f"{folder}: aux layer id {ours[-1] + 1} (vLLM's convention) is the target's last state before its final norm, "
+            f"which draftsmith's taps do not provide (its id {num_layers - 1} is after the norm)"
+        )
+    if config.get("norm_before_fc"):
+        raise UserError(
+            f"{folder}: norm_before_fc (one RMSNorm over the concatenated aux states) is not in draftsmith's EAGLE-3"
+        )
+    if int(layer.get("num_hidden_layers", 1)) != 1:
+        raise UserError(
+            f"{folder}: {layer['num_hidden_layers']} draft layers; draftsmith's EAGLE-3 has one (as vLLM's and SGLang's layouts)"
+        )
+    window = layer.get("sliding_window")
+    context = int(layer.get("max_position_embeddings") or 0)
+    if "sliding_attention" in (layer.get("layer_types") or []) and window is not None and int(window) < context:
+        raise UserError(
+            f"{folder}: its draft layer attends to a sliding window of {window} positions, less than the target's context of "
+            f"{context}; draftsmith's EAGLE-3 layer attends to all of them (retrain with full attention)"
+        )
+
+
+def check_draft_layer(folder: Path, layer: dict[str, Any], ours: dict[str, Any]) -> None:
+    """The folder's draft-layer config must be the one draftsmith builds for this target (`ours`: the
+    drafter's decoder config) wherever the folder sets a key that changes the layer's function."""
+
+    def value(config: dict[str, Any], key: str):
+        if key == "head_dim":
+            return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        return config.get(key)
+
+    differ = [
+        f"{key}={value(layer, key)!r} (draftsmith's: {value(ours, key)!r})"
+        for key in LAYER_FUNCTION_KEYS
+        if layer.get(key) is not None and value(layer, key) != value(ours, key)
+    ]
+    if differ:
+        raise UserError(
+            f"{folder}: its draft layer differs from the one draftsmith builds for this target: {', '.join(differ)}"
+        )
+
+
+def same_values(saved: torch.Tensor, tensor: torch.Tensor) -> bool:
+    """Whether two tensors hold the same values at the coarser of their two precisions (a checkpoint
+    saved in bfloat16 holds a float32 target's rows rounded)."""
+    dtype = max((saved.dtype, tensor.dtype), key=lambda d: torch.finfo(d).eps)
+    return saved.shape == tensor.shape and torch.equal(saved.to(tensor.device, dtype), tensor.detach().to(dtype))
 
 
 # The draft-layer families each engine form builds for EAGLE-3 (vLLM's speculators reader picks the
@@ -297,8 +384,14 @@ class Eagle3Exporter(Exporter):
     def read(
         self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]
     ):
+        layer_config = config.get("transformer_layer_config", config)  # the native form and SGLang's: top level
+        target = TargetShape.of(target_model, str(getattr(target_model, "name_or_path", "") or "the target"))
+        num_layers = target.num_hidden_layers
+        check_same_target(folder_target(config, layer_config, tensors, info, target), target, str(folder))
         if "speculators_config" in config:  # vLLM convention: input of layer id
-            ours = [layer - 1 for layer in config["eagle_aux_hidden_state_layer_ids"]]
+            # speculators resolves unset ids to its default [2, L//2, L-3] (vLLM's ids) when it loads
+            ids = config.get("eagle_aux_hidden_state_layer_ids") or [2, num_layers // 2, num_layers - 3]
+            ours = [layer - 1 for layer in ids]
             parallel = config["speculators_model_type"] == "peagle"
             # read where vLLM reads: its eagle3 reader defaults norm_before_residual to true and takes
             # EAGLE-3.1's keys from the top level, its peagle reader to false and from the layer config
@@ -323,6 +416,7 @@ class Eagle3Exporter(Exporter):
         family = config.get("transformer_layer_config", {}).get(
             "model_type", "llama"
         )  # the native form and SGLang's: Llama
+        refuse_unhonoured(folder, config, layer_config, ours, num_layers)
         eagle3 = drafter_class("eagle3")
         settings = {
             "layer_family": family,
@@ -337,17 +431,31 @@ class Eagle3Exporter(Exporter):
             if key in ("tree_depth", "tree_topk", "ttt_steps", "ttt_decay")
         }
         drafter = eagle3.from_target(eagle3.Config(**settings), target_model, info.get("verifier", "target"))
+        check_draft_layer(folder, layer_config, drafter.config.decoder["config"])
+        embedding, _ = drafter.target_modules()
+        if "embed_tokens.weight" in tensors and not same_values(tensors["embed_tokens.weight"], embedding.weight):
+            raise UserError(
+                f"{folder}: its embed_tokens.weight is not the target's embedding (trained, e.g. speculators' "
+                "--embed-requires-grad); draftsmith drafts with the target's own and would run another function"
+            )
         tensors = {
             name.replace("midlayer.", "layers.0."): tensor
             for name, tensor in tensors.items()
-            if not name.startswith("embed_tokens")
+            # The embedding is the target's (checked above; draftsmith shares it). verifier_lm_head and
+            # verifier_norm, in what speculators' model holds (its save skips them, a state dict copied
+            # by hand keeps them), are its training's teacher: the target's lm_head rows of the draft
+            # vocabulary and its final norm, which draftsmith reads from the target itself.
+            if not name.startswith(("embed_tokens.", "verifier_lm_head.", "verifier_norm."))
         }
         if "mask_hidden" in tensors:  # [1, 1, n * H] in the speculators layout
             tensors["mask_hidden"] = tensors["mask_hidden"].reshape(-1)
-        if drafter.pruned and "t2d" not in tensors:  # vLLM needs only d2t; t2d follows from it
-            tensors["t2d"] = torch.zeros(drafter.target.vocab_size, dtype=torch.bool).index_fill_(
+        if drafter.pruned and "d2t" in tensors:  # vLLM needs only d2t; t2d follows from it
+            t2d = torch.zeros(drafter.target.vocab_size, dtype=torch.bool).index_fill_(
                 0, torch.arange(len(tensors["d2t"])) + tensors["d2t"], True
             )
+            if "t2d" in tensors and not torch.equal(tensors["t2d"].bool(), t2d):
+                raise UserError(f"{folder}: its t2d and d2t name different draft vocabularies")
+            tensors["t2d"] = t2d
         drafter.load_state_dict(tensors)
         drafter.learned = dict(info.get("learned") or {})
         return drafter

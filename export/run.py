@@ -36,7 +36,7 @@ from draftsmith.export.repo import (
 )
 from draftsmith.files import checkpoint_digest
 from draftsmith.heads import load_drafter
-from draftsmith.heads.base import CONFIG_NAME, EVAL_SPLIT, check_same_target, read_checkpoint_config
+from draftsmith.heads.base import CONFIG_NAME, EVAL_SPLIT, architecture, check_same_target, read_checkpoint_config
 from draftsmith.outputs import DirectoryLock, move_aside
 from draftsmith.target import TargetShape, load_target, resolve_device
 
@@ -315,3 +315,27 @@ def open_drafter(path: str | Path, target_shape: TargetShape, target):
     raise UserError(
         f"{path} holds neither a drafter checkpoint nor an exported drafter folder (config.json + {WEIGHTS})"
     )
+
+
+def warm_start(path: str | Path, drafter, target_model):
+    """The drafter a training run starts from (`checkpoint=`): a draftsmith checkpoint, or an engine
+    folder, its export's or one speculators saved (`open_drafter`), for `drafter`'s target. Its
+    architecture must be the recipe's (`drafter`, built from the recipe's drafter section), or the
+    starting weights would train, save and export as another function: a difference is one UserError
+    naming the keys to set, never adopted silently (training settings, DrafterConfig.SETTINGS, may differ)."""
+    start = open_drafter(path, drafter.target, target_model)
+    if start.type != drafter.type:
+        raise UserError(
+            f"checkpoint={path} holds a {start.type} drafter, the recipe trains {drafter.type}: set drafter.type={start.type}"
+        )
+    theirs, ours = architecture(start.config), architecture(drafter.config)
+    differ = [
+        f"drafter.{key}={json.dumps(ours[key], default=str)} ({path} has {json.dumps(theirs.get(key), default=str)})"
+        for key in ours
+        if theirs.get(key) != ours[key]
+    ]
+    if differ:
+        raise UserError(
+            f"checkpoint={path} is another architecture than the recipe's: {'; '.join(differ)}; set those to the checkpoint's"
+        )
+    return start

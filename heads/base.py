@@ -157,6 +157,10 @@ class Proposer:
 class DrafterConfig:
     """Base of every drafter's Config dataclass."""
 
+    # Keys that set how it trains or decodes, not what its weights compute: a warm start may change
+    # them (`architecture`); every other key must be the starting drafter's.
+    SETTINGS: ClassVar[tuple[str, ...]] = ()
+
     def check(self, target: Optional[TargetShape] = None) -> None:
         """Raise a one-line UserError for a bad setting. `target`: the target's shape when known."""
 
@@ -334,6 +338,13 @@ def check_layer_ids(layers: list[int], num_layers: int, key: str, default: Optio
         )
     if any(b <= a for a, b in zip(layers, layers[1:])):
         raise UserError(f"{where}: ids must be distinct and increasing (engines concatenate the layers in order){hint}")
+
+
+def architecture(config: DrafterConfig) -> dict[str, Any]:
+    """What a drafter config fixes about its weights' function: every key but its SETTINGS and what
+    from_target resolves from the target (the decoder spec, the draft model's HF config)."""
+    skipped = {*config.SETTINGS, "decoder", "model_config"}
+    return {key: value for key, value in asdict(config).items() if key not in skipped}
 
 
 def config_from_dict(config_cls: type, values: dict):

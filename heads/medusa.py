@@ -27,6 +27,7 @@ from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 @dataclass
 class MedusaConfig(DrafterConfig):
     type: str = "medusa"  # the drafter kind (registry key)
+    SETTINGS = ("loss_decay", "loss_weights", "init_lm_heads_from_target", "tree_topk")  # see DrafterConfig
     num_heads: int = 3  # heads, one per draft position: the longest chain
     num_layers: int = 1  # residual SiLU blocks per head
     loss_decay: float = 0.8  # head k's loss weight is loss_decay**(k-1) ...

@@ -52,6 +52,7 @@ def _all_projections() -> LoraSection:
 @dataclass
 class Medusa2Config(MedusaConfig):
     type: str = "medusa2"  # the drafter kind (registry key)
+    SETTINGS = (*MedusaConfig.SETTINGS, "backbone_loss_weight", "heads_weight", "heads_warmup", "heads_lr_scale")
     lora: LoraSection = field(default_factory=_all_projections)
     backbone_loss_weight: float = 1.0  # KL(original target || adapted target) on the supervised tokens
     heads_weight: float = 0.01  # the heads' loss weight once ramped up (Medusa-2 recipes' heads_coefficient)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -149,6 +150,120 @@ def test_eagle31_is_written_in_vllms_native_form_and_reads_back(target, tmp_path
     saved = load_file(str(checkpoint / "model.safetensors"))
     assert drafter.config.aux_layers == [0, 1, 2] and drafter.config.fc_norm and drafter.config.norm_output
     assert all(torch.equal(drafter.state_dict()[name], tensor) for name, tensor in saved.items())
+
+
+# What speculators 0.9.0's trainer saves per checkpoint (`Eagle3DraftModel.save_pretrained` with its
+# state dict in bfloat16, then config.json's dtype patched; tests/test_speculators_interop.py builds
+# one with speculators itself): its own architecture name, extra fields, the layer config of its
+# default draft (a sliding window of 2048) and the verifier's embedding. Its save drops
+# verifier_lm_head and verifier_norm; a state dict saved by hand keeps them.
+SPECULATORS_CONFIG = {
+    "architectures": ["Eagle3DraftModel"], "auto_map": {"": "config.Eagle3SpeculatorConfig"}, "draft_vocab_size": 2048,
+    "dtype": "bfloat16", "eagle_aux_hidden_state_layer_ids": [1, 2, 3], "embed_requires_grad": False, "fc_norm": False,
+    "norm_before_fc": False, "norm_before_residual": True, "norm_output": False,
+    "speculators_config": {
+        "algorithm": "eagle3", "default_proposal_method": "greedy",
+        "proposal_methods": [{"accept_tolerance": 0.0, "proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1}],
+        "verifier": {"architectures": ["LlamaForCausalLM"], "name_or_path": str(REFERENCE_TARGET)},
+    },
+    "speculators_model_type": "eagle3", "speculators_version": "0.9.0", "target_hidden_size": None, "tie_word_embeddings": False,
+    "transformer_layer_config": {
+        "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2, "head_dim": 64, "hidden_act": "silu",
+        "hidden_size": 256, "initializer_range": 0.02, "intermediate_size": 768, "layer_types": ["sliding_attention"],
+        "max_position_embeddings": 2048, "mlp_bias": False, "model_type": "llama", "num_attention_heads": 4, "num_hidden_layers": 1,
+        "num_key_value_heads": 2, "pad_token_id": None, "pretraining_tp": 1, "rms_norm_eps": 1e-06,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "sliding_window": 2048, "tie_word_embeddings": False,
+        "use_cache": True, "use_sliding_window": True, "vocab_size": 4096,
+    },
+    "transformers_version": "5.19.0",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def speculators_tensors(target, tmp_path_factory) -> dict[str, torch.Tensor]:
+    """A perturbed EAGLE-3 drafter's tensors for the demo target as speculators saves them."""
+    checkpoint = save_drafter("eagle3", target, tmp_path_factory.mktemp("ckpt"), norm_before_residual="true")
+    tensors = {
+        name: tensor.bfloat16() if tensor.is_floating_point() else tensor
+        for name, tensor in load_file(str(checkpoint / "model.safetensors")).items()
+    }
+    verifier = {
+        "verifier_lm_head.weight": tensors["lm_head.weight"].clone(),
+        "verifier_norm.weight": tensors["norm.weight"].clone(),
+    }
+    return {**tensors, "embed_tokens.weight": target.get_input_embeddings().weight.detach().bfloat16(), **verifier}
+
+
+def write_speculators_folder(folder: Path, tensors: dict, layer: Optional[dict] = None, **top) -> Path:
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    config = SPECULATORS_CONFIG | top
+    config["transformer_layer_config"] = config["transformer_layer_config"] | (layer or {})
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(folder / "model.safetensors"))
+    return folder
+
+
+def test_a_folder_speculators_saved_is_read_and_warm_starts(target, speculators_tensors, tmp_path):
+    from omegaconf import OmegaConf
+
+    from draftsmith.export import open_drafter
+    from draftsmith.export.run import warm_start
+    from draftsmith.heads import drafter_class
+    from draftsmith.heads.base import TargetShape
+
+    folder = write_speculators_folder(tmp_path / "speculators", speculators_tensors)
+    drafter = open_drafter(folder, TargetShape.of(target, str(REFERENCE_TARGET)), target)
+    assert drafter.config.aux_layers == [0, 1, 2] and drafter.config.norm_before_residual
+    weights = drafter.state_dict()
+    assert set(speculators_tensors) - set(weights) == {
+        "embed_tokens.weight",
+        "verifier_lm_head.weight",
+        "verifier_norm.weight",
+    }
+    assert all(torch.equal(weights[name], speculators_tensors[name].to(weights[name].dtype)) for name in weights)
+    for norm_before_residual, refused in (("true", False), ("false", True)):
+        recipe = load_recipe([f"recipe={KINDS['eagle3']}", f"drafter.norm_before_residual={norm_before_residual}"])
+        fresh = drafter_class("eagle3").from_target(OmegaConf.to_object(recipe.drafter), target, str(REFERENCE_TARGET))
+        if not refused:
+            assert warm_start(folder, fresh, target).state_dict().keys() == weights.keys()
+            continue
+        with pytest.raises(UserError) as info:
+            warm_start(folder, fresh, target)
+        assert "drafter.norm_before_residual=false" in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "layer, top, fragment",
+    [({}, {"eagle_aux_hidden_state_layer_ids": [2, 3, 4]}, "before its final norm"),
+     ({"num_hidden_layers": 2}, {}, "2 draft layers"),
+     ({"sliding_window": 512}, {}, "sliding window of 512"),
+     ({}, {"norm_before_fc": True}, "norm_before_fc"),
+     ({"hidden_act": "gelu", "rms_norm_eps": 1e-5}, {}, "hidden_act='gelu' (draftsmith's: 'silu'), rms_norm_eps=1e-05"),
+     ({"vocab_size": 8192}, {"vocab": 8192}, "with vocab_size=8192, but the target"),
+     ({}, {"target_hidden_size": 512}, "with hidden_size=512, but the target"),
+     ({}, {"embed": True}, "not the target's embedding")],
+    ids=["last-state-before-norm", "two-layers", "sliding-window", "norm-before-fc", "layer-config", "other-vocabulary",
+         "other-hidden-size", "trained-embedding"],
+)  # fmt: skip
+def test_what_draftsmith_cannot_compute_from_a_speculators_folder_is_refused(
+    layer, top, fragment, target, speculators_tensors, tmp_path
+):
+    from draftsmith.export import open_drafter
+    from draftsmith.heads.base import TargetShape
+
+    tensors = dict(speculators_tensors)
+    if top.pop("embed", False):  # trained with speculators' --embed-requires-grad
+        tensors["embed_tokens.weight"] = tensors["embed_tokens.weight"] * 1.5
+    if "vocab" in top:  # made for a target of a larger vocabulary: t2d has an entry per token of it
+        tensors["t2d"] = torch.cat(
+            [tensors["t2d"], torch.zeros(top.pop("vocab") - len(tensors["t2d"]), dtype=torch.bool)]
+        )
+    folder = write_speculators_folder(tmp_path / "speculators", tensors, layer, **top)
+    with pytest.raises(UserError) as info:
+        open_drafter(folder, TargetShape.of(target, str(REFERENCE_TARGET)), target)
+    assert fragment in str(info.value) and "\n" not in str(info.value)
 
 
 def test_pard_is_written_with_its_pard_token_and_served_in_parallel(target, tmp_path):

@@ -20,7 +20,12 @@ training-time test), whose teacher forcing feeds the last prompt slot the chain 
 forward per token; P-EAGLE's from its training forward with the sampled depths fixed to one chain
 after the last prompt slot (vLLM's parallel drafting: the root, then mask queries).
 
-Not here yet: the other direction (a speculators checkpoint evaluated and warm-started by draftsmith)."""
+The other direction: a checkpoint speculators itself saves (its trainer's default EAGLE-3 draft for the
+target, built by its own classes in its own random init, saved in bfloat16 as its checkpointer saves
+one) is read by `open_drafter` (the eval's) into a drafter that proposes the chain speculators' forward
+proposes on the same states, logits within 1e-4, and `warm_start` (training's) returns every tensor of
+the folder to the bit. What such a folder may set that draftsmith cannot compute is refused in one line
+(tests/test_export.py, without speculators)."""
 
 from __future__ import annotations
 
@@ -29,14 +34,16 @@ import subprocess
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
 from draftsmith.eval.loop import prefill
-from draftsmith.export import export_checkpoint
-from draftsmith.heads import load_drafter
+from draftsmith.export import export_checkpoint, open_drafter
+from draftsmith.export.run import warm_start
+from draftsmith.heads import drafter_class, load_drafter
 from draftsmith.recipe import load_recipe
-from draftsmith.target import TargetShape, load_tokenizer
-from tests.helpers import train_in_process
+from draftsmith.target import TargetShape, load_target, load_tokenizer
+from tests.helpers import REFERENCE_TARGET, train_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -55,15 +62,15 @@ from safetensors.torch import load_file, save_file
 from speculators import SpeculatorModel, SpeculatorModelConfig
 import speculators.models.peagle.core as peagle_core
 from speculators.losses import resolve_loss_config
-folder, states, out = sys.argv[1:4]
+folder, states, out, gamma = sys.argv[1:5]
 config = SpeculatorModelConfig.from_pretrained(folder)
 # speculators' default attention is flex attention with block masks (compiled, for CUDA); its trainer's
 # --draft-attn-impl sdpa is the dense-mask path, which runs on CPU.
 config.transformer_layer_config._attn_implementation = "sdpa"
-model = SpeculatorModel.from_pretrained(folder, config=config).eval()
+# float32, as draftsmith drafts on CPU (a checkpoint of speculators' trainer is saved in bfloat16)
+model = SpeculatorModel.from_pretrained(folder, config=config, dtype=torch.float32).eval()
 loaded, shipped = model.state_dict(), load_file(folder + "/model.safetensors")
-saved = load_file(states)
-gamma = len(saved["proposed"])
+saved, gamma = load_file(states), int(gamma)
 # The target's states by speculators' layer ids (vLLM's: id i is layer i's input), concatenated as its
 # data holds them, one slot per prompt position but the last; slot i holds the token after it (the
 # shifted layout of speculators/models/eagle3/data.py).
@@ -116,12 +123,46 @@ print(json.dumps({
 """
 
 
-def draftsmith_proposal(checkpoint, target, recipe, path) -> list[int]:
-    """Draftsmith's greedy chain on PROMPT from the trained checkpoint; saved to `path` with the prompt,
-    the input of every target layer (HF's hidden_states: what vLLM's layer ids index) over the prompt
-    but its last token (the root), and the draft-vocabulary logits of every step."""
-    drafter = load_drafter(checkpoint, TargetShape.of(target, recipe.target.name_or_path), target).eval()
+# Run by the speculators venv's Python before CHECK (argv: the target, then CHECK's): an EAGLE-3 draft
+# model as speculators' trainer builds one by default for this target (one Llama layer with a sliding
+# window of 2048, norm_before_residual, a pruned vocabulary), in its own random init, embedding and
+# lm_head from the verifier, saved as its checkpointer saves every checkpoint (bfloat16).
+BUILD = """
+import sys, torch
+from pathlib import Path
+from speculators.models.eagle3 import Eagle3DraftModel
+from speculators.train.checkpointer import convert_float_dtype, patch_config_dtype
+from speculators.train.cli import create_transformer_layer_config
+target = sys.argv.pop(1)
+torch.manual_seed(0)
+layer = create_transformer_layer_config(
+    verifier_name_or_path=target, num_layers=1, draft_arch="llama", hidden_act=None, sliding_window=2048,
+    full_attention_indices=[],
+)
+kept = torch.randperm(layer.vocab_size)[:2048].sort().values
+t2d = torch.zeros(layer.vocab_size, dtype=torch.bool).index_fill_(0, kept, True)
+draft = Eagle3DraftModel.from_training_args(
+    verifier_config=layer, t2d=t2d, d2t=kept - torch.arange(len(kept)), draft_vocab_size=len(kept),
+    norm_before_residual=True, ttt_steps=3, verifier_name_or_path=target, target_layer_ids=[1, 2, 3],
+    draft_attn_impl="sdpa",
+)
+draft.save_pretrained(sys.argv[1], state_dict=convert_float_dtype(draft.state_dict(), torch.bfloat16))
+patch_config_dtype(Path(sys.argv[1]) / "config.json", torch.bfloat16)
+"""
+
+
+def target_states(target, recipe, path) -> list[int]:
+    """PROMPT's tokens and the input of every target layer (HF's hidden_states: what vLLM's layer ids
+    index) over the prompt but its last token (the root), saved to `path`; returns the tokens."""
     prompt = load_tokenizer(recipe.target)(PROMPT)["input_ids"]
+    with torch.no_grad():
+        layer_inputs = target(torch.tensor([prompt[:-1]]), output_hidden_states=True).hidden_states
+    save_file({"input_ids": torch.tensor(prompt), "layer_inputs": torch.cat(layer_inputs).float().contiguous()}, path)
+    return prompt
+
+
+def draftsmith_proposal(drafter, target, prompt) -> tuple[list[int], torch.Tensor]:
+    """draftsmith's greedy chain of DRAFT_TOKENS on `prompt` and its draft-vocabulary logits per step."""
     logits = []
     drafter.lm_head.register_forward_hook(
         lambda module, args, output: logits.append(output.reshape(-1, output.shape[-1]))
@@ -129,17 +170,25 @@ def draftsmith_proposal(checkpoint, target, recipe, path) -> list[int]:
     with torch.no_grad():
         state = prefill(target, [prompt], drafter.request).rows[0].draft_state()
         proposed = drafter.proposer().propose(state, DRAFT_TOKENS).tokens
-        layer_inputs = target(torch.tensor([prompt[:-1]]), output_hidden_states=True).hidden_states
-    save_file(
-        {
-            "input_ids": torch.tensor(prompt),
-            "layer_inputs": torch.cat(layer_inputs).float().contiguous(),
-            "proposed": proposed.cpu(),
-            "logits": torch.cat(logits)[-DRAFT_TOKENS:].float().contiguous(),
-        },
-        path,
-    )
-    return proposed.tolist()
+    return proposed.tolist(), torch.cat(logits)[-DRAFT_TOKENS:].float()
+
+
+def speculators_drafts(python, folder, states, out, *build) -> dict:
+    """CHECK's findings on `folder` (after BUILD, given its argument `build`, made the folder)."""
+    script = (BUILD if build else "") + CHECK
+    args = [python, "-c", script, *build, str(folder), str(states), str(out), str(DRAFT_TOKENS)]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def assert_same_drafts(result: dict, ours: list[int], logits: torch.Tensor, out, case: str) -> None:
+    """speculators' draft model, on the folder, proposed draftsmith's chain with the same logits."""
+    assert result["attention"] == "sdpa" and len(ours) == DRAFT_TOKENS
+    assert result["proposed"] == ours, result
+    diff = (load_file(out)["logits"] - logits).abs().max().item()
+    print(f"{case}: draft {ours}, logits max |diff| {diff:.2e}")
+    assert diff < 1e-4
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -155,21 +204,37 @@ def test_speculators_loads_and_drafts_like_a_draftsmith_export(
     recipe = load_recipe([*args, f"export.output={tmp_path / 'export'}"])
     folder = export_checkpoint(recipe, final)["vllm"]
     states, out = tmp_path / "states.safetensors", tmp_path / "speculators.safetensors"
-    ours = draftsmith_proposal(final, target, recipe, states)
-    done = subprocess.run(
-        [speculators_python, "-c", CHECK, str(folder), str(states), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    prompt = target_states(target, recipe, states)
+    drafter = load_drafter(final, TargetShape.of(target, recipe.target.name_or_path), target).eval()
+    ours, logits = draftsmith_proposal(drafter, target, prompt)
+    result = speculators_drafts(speculators_python, folder, states, out)
     assert result["model"] == ("PEagleDraftModel" if case == "peagle" else "Eagle3DraftModel"), result
     assert result["not_loaded"] == [] and result["differ"] == [], result
     assert set(result["not_shipped"]) <= {"verifier_lm_head.weight", "verifier_norm.weight"}, result
     assert result["embedding_sum"] > 0
-    assert result["attention"] == "sdpa" and len(ours) == DRAFT_TOKENS
-    assert result["proposed"] == ours, result
-    diff = (load_file(out)["logits"] - load_file(states)["logits"]).abs().max().item()
-    print(f"{case}: draft {ours}, logits max |diff| {diff:.2e}")
-    assert diff < 1e-4
+    assert_same_drafts(result, ours, logits, out, case)
+
+
+def test_draftsmith_evaluates_and_warm_starts_from_a_speculators_checkpoint(speculators_python, tmp_path):
+    """The other direction: a checkpoint speculators itself saved (BUILD) is, through `open_drafter`
+    (the eval's `checkpoint=`), a drafter proposing what speculators' own forward proposes on the same
+    target states, and `warm_start` returns it with every tensor of the folder, to the bit."""
+    recipe = load_recipe(["recipe=eagle3", "drafter.norm_before_residual=true"])  # speculators' trainer's default
+    target = load_target(recipe.target)
+    folder, states, out = tmp_path / "speculators", tmp_path / "states.safetensors", tmp_path / "drafts.safetensors"
+    prompt = target_states(target, recipe, states)
+    result = speculators_drafts(speculators_python, folder, states, out, str(REFERENCE_TARGET))
+    shape = TargetShape.of(target, recipe.target.name_or_path)
+    drafter = open_drafter(folder, shape, target)
+    assert drafter.config.aux_layers == [0, 1, 2] and drafter.config.norm_before_residual and drafter.pruned
+    ours, logits = draftsmith_proposal(drafter, target, prompt)
+    assert_same_drafts(result, ours, logits, out, "speculators checkpoint")
+    saved = load_file(str(folder / "model.safetensors"))
+    assert saved["fc.weight"].dtype == torch.bfloat16 and "verifier_lm_head.weight" not in saved
+    recipe_drafter = drafter_class("eagle3").from_target(
+        OmegaConf.to_object(recipe.drafter), target, recipe.target.name_or_path
+    )
+    start = warm_start(folder, recipe_drafter, target).state_dict()
+    assert set(saved) - set(start) == {"embed_tokens.weight"} and set(start) <= set(saved)  # the target's embedding
+    assert all(torch.equal(start[name], saved[name].to(start[name].dtype)) for name in start)
+    recipe_drafter.load_state_dict(start)  # what the trainer does with it

@@ -79,5 +79,7 @@ def test_a_warm_start_begins_at_the_checkpoint(trained_run, tmp_path, small_data
     weights = load_file(str(final / "model.safetensors"))
     assert weights.keys() == start.keys()
     assert max(float((weights[k] - start[k]).abs().max()) for k in start) < 1e-6
-    cold, _ = train_in_process([a for a in args if not a.startswith(("checkpoint=", "output_dir="))] + [f"output_dir={tmp_path / 'cold'}"])
+    cold, _ = train_in_process(
+        [a for a in args if not a.startswith(("checkpoint=", "output_dir="))] + [f"output_dir={tmp_path / 'cold'}"]
+    )
     assert max(float((load_file(str(cold / "model.safetensors"))[k] - start[k]).abs().max()) for k in start) > 1e-2

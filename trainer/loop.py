@@ -37,7 +37,8 @@ from transformers import get_cosine_schedule_with_warmup
 from draftsmith.data_prep import Collator, PackingCollator, load_tokenized
 from draftsmith.data_prep.features import FeatureCollator, expected_features, open_features
 from draftsmith.errors import Preempted, UserError
-from draftsmith.heads import drafter_class, load_drafter
+from draftsmith.export.run import warm_start
+from draftsmith.heads import drafter_class
 from draftsmith.heads.packing import causal_lm_inputs, require_packed_attention
 from draftsmith.recipe import require_draft_vocab_use, save_recipe
 from draftsmith.sharding import local_bytes
@@ -294,7 +295,7 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
         train_data if vocab_data is None else vocab_data
     )  # what the drafter fits to the data (EAGLE-3's draft vocabulary), on every rank
     if cfg.checkpoint:  # warm start: its weights and data-fitted state (the draft vocabulary is kept, not re-fitted)
-        start = load_drafter(cfg.checkpoint, drafter.target, target)
+        start = warm_start(cfg.checkpoint, drafter, target)  # a checkpoint, an export's folder or speculators'
         drafter.load_state_dict(start.state_dict())
         drafter.learned = dict(start.learned)
         log.info("warm start from %s", cfg.checkpoint)
