@@ -22,7 +22,7 @@ installed=$(date +%s.%N)
 accelerate launch train.py recipe=medusa > "$work/run.log" 2>&1 || { tail -20 "$work/run.log"; exit 1; }
 finished=$(date +%s.%N)
 python3 - "$start" "$installed" "$finished" "$load_before" "$work/run.log" <<'PY'
-import json, os, platform, sys
+import json, os, platform, subprocess, sys
 from pathlib import Path
 
 start, installed, finished, load_before = map(float, sys.argv[1:5])
@@ -31,6 +31,8 @@ report = json.loads(Path("runs/medusa/eval/report.json").read_text())
 print(json.dumps({
     "command": 'pip install "torch==2.13.0" -e ".[dev]" && accelerate launch train.py recipe=medusa',
     "pip_cache": "none (PIP_NO_CACHE_DIR=1, new virtual environment, fresh clone)",
+    # where pip may find packages besides PyPI (a machine's find-links can hold prebuilt wheels)
+    "pip_config": subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout.splitlines(),
     "install_s": round(installed - start, 1),
     "run_s": round(finished - installed, 1),
     "cpu_threads": report.get("cpu_threads"),
