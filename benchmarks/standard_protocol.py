@@ -101,6 +101,21 @@ def save_json(path: Path, value) -> None:
     os.replace(tmp, path)
 
 
+def stage_timer(walls_path: Path):
+    """`timed(name, stage, *args)`: run a stage, adding its wall time to `walls_path` under `name`
+    (kept across resumed runs)."""
+    walls = load_json(walls_path)
+
+    def timed(name: str, stage, *stage_args):
+        start = time.perf_counter()
+        value = stage(*stage_args)
+        walls[name] = round(walls.get(name, 0) + time.perf_counter() - start, 1)
+        save_json(walls_path, walls)
+        return value
+
+    return timed
+
+
 def target_dir() -> str:
     """SmolLM2's dequantized transformers directory (the recipe's GGUF target, converted once)."""
     from draftsmith.recipe import load_recipe
@@ -391,18 +406,11 @@ def main() -> None:
     args = parser.parse_args()
     runs = (REPO / args.runs).resolve()
     runs.mkdir(parents=True, exist_ok=True)
-    log, walls = runs / "protocol.log", load_json(runs / "walls.json")
+    log, timed = runs / "protocol.log", stage_timer(runs / "walls.json")
     kinds, stages = args.kinds.split(","), args.stages.split(",")
     result = load_json(runs / "result.json") | {
         "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "engine_threads": args.threads}
     }
-
-    def timed(name: str, stage, *stage_args):
-        start = time.perf_counter()
-        value = stage(*stage_args)
-        walls[name] = round(walls.get(name, 0) + time.perf_counter() - start, 1)
-        save_json(runs / "walls.json", walls)
-        return value
 
     if "regenerate" in stages:
         timed("regenerate", stage_regenerate, args, runs, log)
@@ -425,7 +433,7 @@ def main() -> None:
         gammas = {kind: result["gamma"][kind]["gamma"] for kind in kinds}
         result["vllm_timing"] = timed("time", stage_time, args, runs, kinds, gammas, log)
         plot_timing(result["vllm_timing"]["rows"], runs / "timing.png")
-    result["walls_s"] = walls
+    result["walls_s"] = load_json(runs / "walls.json")
     save_json(runs / "result.json", result)
     print(json.dumps(result, indent=2))
 

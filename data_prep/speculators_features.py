@@ -1,0 +1,131 @@
+"""The target's states in the offline data format of speculators 0.9.0 (vLLM's drafter trainer), from
+draftsmith's own tokenization and target forward, so the same conversations and states feed both
+trainers:
+
+    python -m data_prep.speculators_features OUTPUT recipe=NAME [key=value ...]
+
+OUTPUT is a folder `speculators train --data-path OUTPUT` reads without a vLLM server:
+
+- the rows (`datasets` save_to_disk, torch format): `input_ids`, `loss_mask` and `seq_len` of every
+  conversation of the recipe's `data.train`, tokenized exactly as draftsmith's training tokenizes it
+  (chat template, assistant mask, `data.max_length`), in order;
+- `hidden_states/hs_{i}.safetensors` for row i: `token_ids` [T] and `hidden_states` [T, taps + 1, H],
+  the taps in vLLM's layer ids and, last, the final decoder layer's output before the final norm
+  (what vLLM's `extract_hidden_states` appends; speculators' reader splits it off as the verifier's
+  last state);
+- `token_freq.pt`: the count of every token under the loss mask, as `speculators prepare-data` writes
+  it, from which `--draft-vocab-size` picks the draft vocabulary;
+- `draftsmith_features.json`: the target, the layer ids in both conventions, the rows.
+
+Layer ids: the taps are the recipe drafter's `aux_layers` (EAGLE-3's default when unset). draftsmith's
+id i is the output of decoder layer i; vLLM's (speculators' `--target-layer-ids`) id j is the input of
+layer j, transformers' `hidden_states[j]`: j = i + 1. vLLM's id L, the last slot, is not transformers'
+`hidden_states[L]` (that one is after the final norm), so it is read at the final norm's input.
+
+A row's file is written to `.tmp` and renamed when complete: a run killed and started again skips the
+finished rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from safetensors.torch import save_file
+
+from draftsmith.data_prep.dataset import load_tokenized
+from draftsmith.errors import UserError
+from draftsmith.files import write_text_atomic
+from draftsmith.heads.eagle3 import default_aux_layers
+from draftsmith.recipe import load_recipe
+from draftsmith.target import DTYPES, load_target, load_tokenizer, num_layers
+
+HIDDEN_STATES = "hidden_states"
+TOKEN_FREQ = "token_freq.pt"
+INFO = "draftsmith_features.json"
+
+
+def speculators_states(model, input_ids: torch.Tensor, layer_ids: Sequence[int]) -> torch.Tensor:
+    """[T, len(layer_ids) + 1, H] for one sequence `input_ids` [T]: transformers' `hidden_states[j]`
+    for each vLLM layer id j < L, then the last decoder layer's output before the final norm."""
+    count = num_layers(model)
+    if any(not 0 <= j < count for j in layer_ids):
+        raise UserError(
+            f"speculators' layer ids {list(layer_ids)} must lie in 0..{count - 1} for a target of {count} layers"
+        )
+    norm = getattr(model.get_decoder(), "norm", None)
+    if norm is None:
+        raise UserError(
+            f"{type(model).__name__} has no final norm at get_decoder().norm: its pre-norm last state cannot be read"
+        )
+    captured = []
+    handle = norm.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
+    try:
+        with torch.no_grad():
+            states = model(input_ids=input_ids[None], output_hidden_states=True, return_dict=True).hidden_states
+    finally:
+        handle.remove()
+    return torch.stack([*(states[j][0] for j in layer_ids), captured[-1][0]], dim=1)
+
+
+def write_speculators_data(cfg, output: Path, dtype: str = "bfloat16") -> dict:
+    """Write `output` (the module docstring's layout) for recipe `cfg`; returns its info."""
+    import datasets
+
+    output = Path(output)
+    hidden_dir = output / HIDDEN_STATES
+    hidden_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(cfg.target)
+    rows = load_tokenized(cfg, cfg.data.train, tokenizer, "data.train")
+    model = load_target(cfg.target, "cpu")
+    aux = cfg.drafter.get("aux_layers")
+    ours = [int(i) for i in aux] if aux is not None else default_aux_layers(num_layers(model))
+    layer_ids = [i + 1 for i in ours]
+    frequency: Counter[int] = Counter()
+    for index, row in enumerate(rows):
+        ids = torch.tensor(row["input_ids"], dtype=torch.long)
+        frequency.update(ids[torch.tensor(row["loss_mask"], dtype=torch.bool)].tolist())
+        path = hidden_dir / f"hs_{index}.safetensors"
+        if path.is_file():
+            continue
+        states = speculators_states(model, ids, layer_ids).to(DTYPES[dtype]).contiguous()
+        tmp = path.with_name(path.name + ".tmp")
+        save_file({"token_ids": ids, HIDDEN_STATES: states}, str(tmp))
+        os.replace(tmp, path)
+    table = datasets.Dataset.from_dict(
+        {"input_ids": rows["input_ids"], "loss_mask": rows["loss_mask"], "seq_len": rows["length"]}
+    )
+    # speculators' reader compares token ids as tensors: the torch format is saved with the rows
+    table.with_format("torch").save_to_disk(str(output))
+    torch.save(dict(frequency), output / TOKEN_FREQ)
+    info = {
+        "target": str(cfg.target.name_or_path),  # speculators reads the verifier from it
+        "rows": len(rows),
+        "tokens": int(sum(rows["length"])),
+        "masked_tokens": int(sum(frequency.values())),
+        "draftsmith_layer_ids": ours,
+        "speculators_layer_ids": layer_ids,
+        "last_slot": f"vLLM id {num_layers(model)}: the last decoder layer's output before the final norm",
+        "dtype": dtype,
+        "data": list(cfg.data.train),
+        "max_length": int(cfg.data.max_length),
+    }
+    write_text_atomic(output / INFO, json.dumps(info, indent=2) + "\n")
+    return info
+
+
+def main(argv: Sequence[str]) -> None:
+    if not argv or "=" in argv[0]:
+        raise UserError("usage: python -m data_prep.speculators_features OUTPUT recipe=NAME [key=value ...]")
+    print(json.dumps(write_speculators_data(load_recipe(list(argv[1:])), Path(argv[0])), indent=2))
+
+
+if __name__ == "__main__":
+    from draftsmith.cli import configure_logging, entry_point
+
+    configure_logging()
+    entry_point(main, __doc__)
