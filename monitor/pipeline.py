@@ -88,30 +88,24 @@ def step_regenerate(cfg: DictConfig, directory: Path, state: State, run_dir: Pat
     return {"output": str(result.directory), "conversations": result.conversations}
 
 
-def deployed_checkpoint(state: State, directory: Path, run_dir: Path, target) -> str:
-    """The draftsmith checkpoint the deployed export came from (its sha256 checked), or, when that is
-    gone, the export folder read back into one."""
-    from draftsmith.export import open_drafter
-    from draftsmith.target import TargetShape
-
+def warm_start_of(state: State) -> str:
+    """What the retraining starts from: the draftsmith checkpoint the deployed export came from (its
+    sha256 checked), or, when that is gone or changed, the export folder itself (train's `checkpoint=`
+    reads both)."""
     deployed = state.pipeline["deployed"]
     checkpoint = Path(deployed["checkpoint"])
     if (checkpoint / "model.safetensors").is_file() and checkpoint_digest(checkpoint) == deployed["sha256"]:
         return str(checkpoint)
-    rebuilt = run_dir / "deployed_checkpoint"
-    if not (rebuilt / "model.safetensors").is_file():
-        open_drafter(deployed["export"], TargetShape.of(target, "target"), target).save_pretrained(rebuilt)
-    return str(rebuilt)
+    return deployed["export"]
 
 
 def step_train(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -> dict[str, Any]:
     from accelerate import PartialState
 
-    from draftsmith.target import load_target
     from draftsmith.trainer import claim_output_dir, train
 
     regenerated = state.pipeline["done"]["regenerate"]["output"]
-    start = deployed_checkpoint(state, directory, run_dir, load_target(cfg.target))
+    start = warm_start_of(state)
     changes = {
         "data.train": [regenerated] * cfg.monitor.new_data_weight + list(cfg.data.train),
         "data.features": None,
