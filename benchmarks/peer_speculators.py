@@ -8,6 +8,7 @@ at batch size 1.
         [--data demo/data/train.regenerated.jsonl.gz] [--conversations 400] [--epochs 2] [--depth 3]
         [--runs runs/peer_speculators] [--out docs/results/peer_speculators] [--prompts 3]
         [--new-tokens 64] [--threads 2] [--stages prepare,train-speculators,train-draftsmith,measure,report]
+        [--draftsmith-set KEY=VALUE ...]
 
 Stages, each resumable (skipped when its output exists; a stopped run is started again with the same
 command):
@@ -83,7 +84,7 @@ def draftsmith_args(args, runs: Path) -> list[str]:
     """The recipe and overrides of draftsmith's run (also what the features are captured for)."""
     return [
         f"recipe={args.recipe}", *EAGLE31, f"drafter.ttt_steps={args.depth}", f"data.train=[{REPO / args.data}]",
-        f"output_dir={runs / 'draftsmith'}",
+        f"output_dir={runs / 'draftsmith'}", *args.draftsmith_set,
     ]  # fmt: skip
 
 
@@ -159,7 +160,10 @@ def stage_train_draftsmith(args, runs: Path, log: Path) -> dict:
     return {
         **load_json(out / "train.json"),
         "checkpoint": str(out / "final"),
-        "settings": {"recipe": args.recipe, "overrides": [*EAGLE31, f"drafter.ttt_steps={args.depth}", *overrides]},
+        "settings": {
+            "recipe": args.recipe,
+            "overrides": [*EAGLE31, f"drafter.ttt_steps={args.depth}", *args.draftsmith_set, *overrides],
+        },
         "train_tokens": int(tokens) * args.epochs,
     }
 
@@ -315,6 +319,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="OMP threads of training and the engine")
     parser.add_argument("--stages", default=",".join(STAGES))
+    parser.add_argument(
+        "--draftsmith-set", action="append", default=[], metavar="KEY=VALUE",
+        help="a recipe override of draftsmith's run (repeatable); with <runs>/data and <runs>/speculators linked "
+        "from an earlier run, only draftsmith's side is trained again",
+    )  # fmt: skip
     args = parser.parse_args()
     runs, out = (REPO / args.runs).resolve(), (REPO / args.out).resolve()
     runs.mkdir(parents=True, exist_ok=True)

@@ -165,6 +165,7 @@ def require(condition: bool, message: str) -> None:
 
 def check_train(t) -> None:
     require(t.lr > 0, f"train.lr={t.lr} must be > 0")
+    require(t.optimizer in ("adamw", "muon"), f"train.optimizer={t.optimizer!r} must be adamw or muon")
     require(
         t.max_steps == -1 or t.max_steps >= 1,
         f"train.max_steps={t.max_steps} must be >= 1, or -1 to run train.epochs epochs",

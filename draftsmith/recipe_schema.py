@@ -108,13 +108,16 @@ class DataSection:
 class TrainSection:
     """`train.py`: the training loop (trainer/loop.py) and its checkpoints."""
 
-    lr: float = 1e-3  # peak learning rate (AdamW; linear warm-up, then cosine decay to zero)
+    lr: float = 1e-3  # peak learning rate (linear warm-up, then cosine decay to zero)
+    # adamw | muon: Muon on the hidden layers' weight matrices, AdamW on norms, biases, embeddings and
+    # output heads, one lr for both (trainer/optim.py); not under DeepSpeed
+    optimizer: str = "adamw"
     max_steps: int = -1  # optimizer steps; -1 means run `epochs` epochs
     epochs: int = 1  # passes over data.train (when max_steps is -1)
     micro_batch_size: int = 8  # conversations per process per forward
     grad_accum: int = 1  # micro-batches per optimizer step
     warmup_steps: int = 0  # optimizer steps of linear learning-rate warm-up
-    weight_decay: float = 0.0  # AdamW weight decay
+    weight_decay: float = 0.0  # weight decay (AdamW's, and Muon's with train.optimizer=muon)
     adam_betas: List[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
     max_grad_norm: float = 1.0  # gradient clipping (global norm)
     seed: int = 0  # initialisation and data order

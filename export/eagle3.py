@@ -14,7 +14,9 @@ The conversions, each checked and recorded in draftsmith_export.json:
 - max_position_embeddings and rope come from the target's config, never defaults.
 - EAGLE-3.1's `fc_norm` (weights `fc_norm.{i}.weight`, one per aux layer) and `norm_output` are always
   written, as vLLM reads them (vllm/transformers_utils/configs/speculators/algos.py, models/llama_eagle3.py;
-  both default to false). SGLang's EAGLE-3 layer has neither: such a drafter is refused for SGLang.
+  both default to false). So is `norm_before_fc` (speculators' default: one RMSNorm over the
+  concatenated taps, weight `input_norm.weight` [n_aux * H]; vLLM reads it from the top level or from
+  `eagle_config`). SGLang's EAGLE-3 layer has none of the three: such a drafter is refused for SGLang.
 
 P-EAGLE (`drafter.parallel_drafting`) is vLLM's own parallel format, `speculators_model_type: "peagle"`
 with `mask_token_id` (vllm/transformers_utils/configs/speculators/algos.py: it becomes `pard_token`) and
@@ -70,10 +72,16 @@ def vllm_ids(ours: list[int], num_layers: int) -> list[int]:
 
 
 def layer_expected(
-    config: dict[str, Any], vocab: int, draft_vocab: int, num_aux: int, fc_norm: bool = False
+    config: dict[str, Any],
+    vocab: int,
+    draft_vocab: int,
+    num_aux: int,
+    fc_norm: bool = False,
+    norm_before_fc: bool = False,
 ) -> dict[str, tuple[int, ...]]:
     """The tensors an EAGLE-3 drafter of one draft layer (Llama's, or Qwen3's with its per-head q/k
-    norms) is loaded from (layer prefix `layers.0.`); `fc_norm`: EAGLE-3.1's norm per aux layer."""
+    norms) is loaded from (layer prefix `layers.0.`); `fc_norm`: EAGLE-3.1's norm per aux layer;
+    `norm_before_fc`: the one norm over all of them side by side."""
     hidden, inner = config["hidden_size"], config["intermediate_size"]
     heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
     expected = {
@@ -97,6 +105,8 @@ def layer_expected(
         expected |= {"d2t": (draft_vocab,), "t2d": (vocab,)}
     if fc_norm:
         expected |= {f"fc_norm.{i}.weight": (hidden,) for i in range(num_aux)}
+    if norm_before_fc:
+        expected["input_norm.weight"] = (num_aux * hidden,)
     return expected
 
 
@@ -144,10 +154,6 @@ def refuse_unhonoured(
         raise UserError(
             f"{folder}: aux layer id {ours[-1] + 1} (vLLM's convention) is the target's last state before its final norm, "
             f"which draftsmith's taps do not provide (its id {num_layers - 1} is after the norm)"
-        )
-    if config.get("norm_before_fc"):
-        raise UserError(
-            f"{folder}: norm_before_fc (one RMSNorm over the concatenated aux states) is not in draftsmith's EAGLE-3"
         )
     if int(layer.get("num_hidden_layers", 1)) != 1:
         raise UserError(
@@ -221,7 +227,7 @@ class Eagle3Exporter(Exporter):
             "draft_vocab_size": drafter.config.draft_vocab_size,
             "target_hidden_size": target.shape.hidden_size,
             "norm_before_residual": bool(drafter.config.norm_before_residual),
-            "norm_before_fc": False,
+            "norm_before_fc": bool(drafter.config.norm_before_fc),
             "fc_norm": bool(drafter.config.fc_norm),
             "norm_output": bool(drafter.config.norm_output),
             "eagle_aux_hidden_state_layer_ids": ids,
@@ -257,13 +263,15 @@ class Eagle3Exporter(Exporter):
             "norm_before_residual": f"written {config['norm_before_residual']} (vLLM's speculators default is true)",
             "num_aux_hidden_states": f"written {len(ids)}: vLLM sizes the fc from it, not from the ids",
             "draft_vocab": "d2t (offsets) and t2d shipped" if drafter.pruned else "full vocabulary: no d2t/t2d",
-            "eagle3.1": f"fc_norm {config['fc_norm']}, norm_output {config['norm_output']} (written either way; vLLM defaults both to false)",
+            "eagle3.1": f"fc_norm {config['fc_norm']}, norm_output {config['norm_output']}, norm_before_fc {config['norm_before_fc']} "
+            "(written either way; vLLM defaults them to false)",
             "draft_layers": f"{layer['model_type']} (drafter.layer_family; vLLM builds {layer['architectures'][0].replace('ForCausalLM', '')} "
             f"EAGLE-3 layers from transformer_layer_config.model_type, whatever the target's family, {target.shape.model_type})",
         }
         expected = layer_expected(
-            layer, target.shape.vocab_size, drafter.config.draft_vocab_size, len(ids), drafter.config.fc_norm
-        )
+            layer, target.shape.vocab_size, drafter.config.draft_vocab_size, len(ids), drafter.config.fc_norm,
+            drafter.config.norm_before_fc,
+        )  # fmt: skip
         if drafter.config.parallel_drafting:
             expected["mask_hidden"] = (1, 1, len(ids) * target.shape.hidden_size)
             conventions["parallel_drafting"] = (
@@ -303,10 +311,12 @@ class Eagle3Exporter(Exporter):
             "norm_before_residual": bool(drafter.config.norm_before_residual),
             "fc_norm": bool(drafter.config.fc_norm),
             "norm_output": bool(drafter.config.norm_output),
+            "norm_before_fc": bool(drafter.config.norm_before_fc),
         }
         expected = layer_expected(
-            config, target.shape.vocab_size, drafter.config.draft_vocab_size, len(ids), drafter.config.fc_norm
-        )
+            config, target.shape.vocab_size, drafter.config.draft_vocab_size, len(ids), drafter.config.fc_norm,
+            drafter.config.norm_before_fc,
+        )  # fmt: skip
         conventions = {
             "format": "vLLM's native EAGLE-3 form (LlamaForCausalLMEagle3), export.vllm_format=native",
             "aux_layer_ids": {
@@ -316,7 +326,8 @@ class Eagle3Exporter(Exporter):
                 "where SGLang would read them in draftsmith's",
             },
             "norm_before_residual": f"written {config['norm_before_residual']} (vLLM's native default is false)",
-            "eagle3.1": f"fc_norm {config['fc_norm']}, norm_output {config['norm_output']} (top level, where vLLM reads them)",
+            "eagle3.1": f"fc_norm {config['fc_norm']}, norm_output {config['norm_output']}, norm_before_fc {config['norm_before_fc']} "
+            "(top level, where vLLM reads them)",
             "weights": "layers.0.* written as midlayer.*",
         }
         return EngineRepo(
@@ -337,10 +348,10 @@ class Eagle3Exporter(Exporter):
                 "this EAGLE-3 drafter drafts in parallel (P-EAGLE), which SGLang does not serve: it would draft sequentially "
                 "with a drafter trained for mask inputs (export it for vllm)"
             )
-        extensions = [key for key in ("fc_norm", "norm_output") if getattr(drafter.config, key)]
+        extensions = [key for key in ("fc_norm", "norm_output", "norm_before_fc") if getattr(drafter.config, key)]
         if extensions:
             raise UserError(
-                f"this EAGLE-3 drafter uses EAGLE-3.1's {' and '.join(extensions)}, which SGLang's EAGLE-3 layer does not have: it would "
+                f"this EAGLE-3 drafter uses {' and '.join(extensions)}, which SGLang's EAGLE-3 layer does not have: it would "
                 "serve another function (export it for vllm, or train without them)"
             )
         if drafter.config.norm_before_residual:
@@ -416,6 +427,10 @@ class Eagle3Exporter(Exporter):
         family = config.get("transformer_layer_config", {}).get(
             "model_type", "llama"
         )  # the native form and SGLang's: Llama
+        # vLLM reads norm_before_fc from eagle_config first, then the top level, in every form
+        extensions["norm_before_fc"] = bool(
+            config.get("eagle_config", {}).get("norm_before_fc", config.get("norm_before_fc", False))
+        )
         refuse_unhonoured(folder, config, layer_config, ours, num_layers)
         eagle3 = drafter_class("eagle3")
         settings = {

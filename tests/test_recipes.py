@@ -83,6 +83,7 @@ def test_bad_overrides_are_user_errors(override, fragment):
         ("output_dir=/proc/xx", "output_dir='/proc/xx' cannot be created"),
         # every section's ranges
         ("train.lr=0", "train.lr=0.0 must be > 0"),
+        ("train.optimizer=sgd", "train.optimizer='sgd' must be adamw or muon"),
         ("train.grad_accum=0", "train.grad_accum=0 must be >= 1"),
         ("train.adam_betas=[0.9]", "train.adam_betas=[0.9] must be two values"),
         ("train.max_nonfinite=-1", "train.max_nonfinite=-1 must be >= 0"),

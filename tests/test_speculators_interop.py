@@ -12,7 +12,7 @@ target's states picked by the folder's `eagle_aux_hidden_state_layer_ids` (the t
 `output_hidden_states`, vLLM's convention: id i is the input of layer i), proposes the same greedy
 chain of 7 tokens (mapped to target ids with the folder's `d2t`) as draftsmith's proposer, its logits
 within 1e-4 of ours, at every step. This checks the layer ids, the norms (EAGLE-3.1's `fc_norm`,
-`norm_output`), the vocabulary map and P-EAGLE's mask token and `mask_hidden` as speculators reads
+`norm_output`, speculators' `norm_before_fc`), the vocabulary map and P-EAGLE's mask token and `mask_hidden` as speculators reads
 them (the drafters train 2 steps, so their chains repeat tokens: the logits, over the whole draft
 vocabulary, are the sharp check; a layer id off by one moved them by 5, a dropped `d2t` by 0.5).
 speculators 0.9.0 has no inference entry point: EAGLE-3's chain comes from its training forward (the
@@ -48,7 +48,7 @@ from tests.helpers import REFERENCE_TARGET, train_in_process
 pytestmark = pytest.mark.slow
 
 CASES = {
-    "eagle3": [],
+    "eagle3": ["drafter.norm_before_fc=true"],  # speculators' own norm over the concatenated taps
     "eagle3.1": ["drafter.fc_norm=true", "drafter.norm_output=true"],
     "peagle": ["drafter.parallel_drafting=true", "drafter.mask_token_id=5", "drafter.fc_norm=true", "eval.tree=0"],
 }
@@ -125,7 +125,7 @@ print(json.dumps({
 
 # Run by the speculators venv's Python before CHECK (argv: the target, then CHECK's): an EAGLE-3 draft
 # model as speculators' trainer builds one by default for this target (one Llama layer with a sliding
-# window of 2048, norm_before_residual, a pruned vocabulary), in its own random init, embedding and
+# window of 2048, norm_before_residual, norm_before_fc and norm_output, a pruned vocabulary), in its own random init, embedding and
 # lm_head from the verifier, saved as its checkpointer saves every checkpoint (bfloat16).
 BUILD = """
 import sys, torch
@@ -143,7 +143,7 @@ kept = torch.randperm(layer.vocab_size)[:2048].sort().values
 t2d = torch.zeros(layer.vocab_size, dtype=torch.bool).index_fill_(0, kept, True)
 draft = Eagle3DraftModel.from_training_args(
     verifier_config=layer, t2d=t2d, d2t=kept - torch.arange(len(kept)), draft_vocab_size=len(kept),
-    norm_before_residual=True, ttt_steps=3, verifier_name_or_path=target, target_layer_ids=[1, 2, 3],
+    norm_before_residual=True, norm_before_fc=True, norm_output=True, ttt_steps=3, verifier_name_or_path=target, target_layer_ids=[1, 2, 3],
     draft_attn_impl="sdpa",
 )
 draft.save_pretrained(sys.argv[1], state_dict=convert_float_dtype(draft.state_dict(), torch.bfloat16))
@@ -219,14 +219,16 @@ def test_draftsmith_evaluates_and_warm_starts_from_a_speculators_checkpoint(spec
     """The other direction: a checkpoint speculators itself saved (BUILD) is, through `open_drafter`
     (the eval's `checkpoint=`), a drafter proposing what speculators' own forward proposes on the same
     target states, and `warm_start` returns it with every tensor of the folder, to the bit."""
-    recipe = load_recipe(["recipe=eagle3", "drafter.norm_before_residual=true"])  # speculators' trainer's default
+    speculators_defaults = ["norm_before_residual", "norm_before_fc", "norm_output"]  # its trainer's, for EAGLE-3
+    recipe = load_recipe(["recipe=eagle3", *(f"drafter.{key}=true" for key in speculators_defaults)])
     target = load_target(recipe.target)
     folder, states, out = tmp_path / "speculators", tmp_path / "states.safetensors", tmp_path / "drafts.safetensors"
     prompt = target_states(target, recipe, states)
     result = speculators_drafts(speculators_python, folder, states, out, str(REFERENCE_TARGET))
     shape = TargetShape.of(target, recipe.target.name_or_path)
     drafter = open_drafter(folder, shape, target)
-    assert drafter.config.aux_layers == [0, 1, 2] and drafter.config.norm_before_residual and drafter.pruned
+    assert drafter.config.aux_layers == [0, 1, 2] and drafter.pruned
+    assert all(getattr(drafter.config, key) for key in speculators_defaults)
     ours, logits = draftsmith_proposal(drafter, target, prompt)
     assert_same_drafts(result, ours, logits, out, "speculators checkpoint")
     saved = load_file(str(folder / "model.safetensors"))

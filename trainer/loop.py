@@ -56,6 +56,7 @@ from draftsmith.trainer.heldout import (
 )
 from draftsmith.trainer.nonfinite import report_nonfinite
 from draftsmith.trainer.observe import FlopCounter, StepProfiler, mfu, parameter_counts, peak_memory_mb
+from draftsmith.trainer.optim import build_optimizer
 
 log = logging.getLogger("draftsmith.train")
 
@@ -299,10 +300,7 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
         drafter.load_state_dict(start.state_dict())
         drafter.learned = dict(start.learned)
         log.info("warm start from %s", cfg.checkpoint)
-    groups = [{"params": params, "lr": cfg.train.lr * scale} for params, scale in drafter.param_groups()]
-    optimizer = torch.optim.AdamW(
-        groups, lr=cfg.train.lr, betas=tuple(cfg.train.adam_betas), weight_decay=cfg.train.weight_decay
-    )
+    optimizer = build_optimizer(cfg.train, drafter, deepspeed=accelerator.state.deepspeed_plugin is not None)
 
     world, micro = accelerator.num_processes, cfg.train.micro_batch_size
     batches_per_epoch = len(train_data) // (world * micro)

@@ -1,0 +1,89 @@
+"""train.optimizer=muon (trainer/optim.py): Muon takes the hidden layers' weight matrices of every
+kind, AdamW the rest (norms, biases, embeddings, output heads), both stepping under one learning-rate
+schedule; a restored state continues exactly. DeepSpeed is refused in one line. A killed Muon run
+resumes into the same weights: tests/test_faults.py."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from transformers import get_cosine_schedule_with_warmup
+
+from draftsmith.errors import UserError
+from draftsmith.heads import REGISTRY, drafter_class
+from draftsmith.recipe import load_recipe
+from draftsmith.target import load_target
+from draftsmith.trainer.optim import MuonWithAdamW, build_optimizer, is_hidden_matrix
+from tests.helpers import KINDS
+
+MUON = SimpleNamespace(optimizer="muon", lr=1e-2, adam_betas=[0.9, 0.95], weight_decay=0.01)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target(load_recipe(["recipe=medusa"]).target)
+
+
+def drafter_for(kind: str, target):
+    recipe = load_recipe([f"recipe={KINDS[kind]}"])
+    return drafter_class(kind).from_target(OmegaConf.to_object(recipe.drafter), target, "target")
+
+
+@pytest.mark.parametrize("kind", sorted(REGISTRY))
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(kind, target):
+    drafter = drafter_for(kind, target)
+    optimizer = build_optimizer(MUON, drafter, deepspeed=False)
+    muon = {id(p) for group in optimizer.muon.param_groups for p in group["params"]}
+    adamw = {id(p) for group in optimizer.adamw.param_groups for p in group["params"]}
+    trainable = {id(p): name for name, p in drafter.named_parameters() if p.requires_grad}
+    assert muon | adamw == set(trainable) and not muon & adamw  # every trainable parameter, once
+    assert muon and all(dict(drafter.named_parameters())[trainable[i]].ndim == 2 for i in muon)
+    for index in adamw:
+        name = trainable[index]
+        assert not is_hidden_matrix(name, dict(drafter.named_parameters())[name]), name
+
+
+def test_both_follow_the_schedule_and_a_restored_state_continues_exactly(target):
+    def steps(drafter, optimizer, count):
+        for _ in range(count):
+            loss = sum((p * p).sum() for p in drafter.parameters() if p.requires_grad)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    torch.manual_seed(0)
+    drafter = drafter_for("eagle3", target)
+    start = {k: v.clone() for k, v in drafter.state_dict().items()}
+    optimizer = build_optimizer(MUON, drafter, deepspeed=False)
+    schedule = get_cosine_schedule_with_warmup(optimizer, 2, 10)
+    optimizer.load_state_dict(optimizer.state_dict())  # as accelerate's prepare does, after the schedule
+    steps(drafter, optimizer, 2)
+    schedule.step()
+    assert (
+        {group["lr"] for group in optimizer.muon.param_groups + optimizer.adamw.param_groups}
+        == {schedule.get_last_lr()[0]}
+        != {0.0}
+    )
+    # (state_dict holds the live state tensors: a checkpoint is a copy of them)
+    saved, middle = copy.deepcopy(optimizer.state_dict()), {k: v.clone() for k, v in drafter.state_dict().items()}
+    steps(drafter, optimizer, 2)
+    uninterrupted = drafter.state_dict()
+
+    restored_drafter = drafter_for("eagle3", target)
+    restored_drafter.load_state_dict(middle)
+    restored = build_optimizer(MUON, restored_drafter, deepspeed=False)
+    restored.load_state_dict(saved)
+    steps(restored_drafter, restored, 2)
+    assert all(torch.equal(restored_drafter.state_dict()[k], uninterrupted[k]) for k in uninterrupted)
+    assert any(not torch.equal(start[k], uninterrupted[k]) for k in start)
+    assert isinstance(optimizer, MuonWithAdamW)
+
+
+def test_muon_under_deepspeed_is_refused_in_one_line(target):
+    with pytest.raises(UserError, match="DeepSpeed builds its own optimizer") as info:
+        build_optimizer(MUON, drafter_for("medusa", target), deepspeed=True)
+    assert "\n" not in str(info.value)
