@@ -21,12 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from peer_speculators import SPECULATORS_PYTHON  # benchmarks/, first on sys.path
+from peer_speculators import SPECULATORS_PYTHON, own_eval, own_eval_taus, run  # benchmarks/, first on sys.path
 from standard_protocol import cpu_name
 
 REPO = Path(__file__).resolve().parent.parent
@@ -94,29 +92,6 @@ SPECULATORS_VARIANTS = {
 }
 
 
-def run(command: list[str], log: Path, threads: int) -> float:
-    start = time.perf_counter()
-    with open(log, "a") as out:
-        out.write(f"\n$ {' '.join(command)}\n")
-        out.flush()
-        done = subprocess.run(
-            command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": str(threads)}
-        )
-    if done.returncode != 0:
-        sys.exit(f"`{' '.join(command)}` failed (exit {done.returncode}); see {log}")
-    return time.perf_counter() - start
-
-
-def own_eval(args, recipe: Path, checkpoint: Path, out: Path, log: Path) -> dict:
-    """draftsmith's eval on MT-bench: tau per category (and `all`)."""
-    report = out / "eval" / "report.json"
-    if not report.is_file():
-        run([sys.executable, "-m", "eval", f"recipe={recipe}", f"output_dir={out}", f"checkpoint={checkpoint}",
-             "eval.data=[named:mt_bench]", f"eval.max_prompts={args.prompts}", f"eval.max_new_tokens={args.new_tokens}",
-             f"eval.num_speculative_tokens={args.depth}", "eval.tree=0", "eval.temperature=0"], log, args.threads)  # fmt: skip
-    return {category: domain["chain"]["tau"] for category, domain in json.loads(report.read_text())["domains"].items()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default=",".join(VARIANTS))
@@ -132,23 +107,25 @@ def main() -> None:
     args = parser.parse_args()
     runs = (REPO / args.runs).resolve()
     runs.mkdir(parents=True, exist_ok=True)
-    log, rows = runs / "ablation.log", []
+    log, rows, threads = runs / "ablation.log", [], {"OMP_NUM_THREADS": str(args.threads)}
     for name in args.variants.split(","):
         overrides, why = VARIANTS[name]
         out = runs / name
         train = out / "train.json"
         if not train.is_file():
-            seconds = run([sys.executable, "train.py", *SHARED, *overrides, f"output_dir={out}"], log, args.threads)
+            seconds = run([sys.executable, "train.py", *SHARED, *overrides, f"output_dir={out}"], log, threads)
             train.write_text(json.dumps({"train_s": round(seconds, 1)}))
         steps = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
         last = [row for row in steps if "train/tokens" in row][-1]
-        tau = own_eval(args, out / "recipe.yaml", out / "final", out / "mtbench", log)
+        own_eval(args, out / "recipe.yaml", out / "final", out / "mtbench", log)
+        tau = own_eval_taus(out / "mtbench")
         rows.append({"variant": name, "overrides": overrides, "copies": why, "steps": last["step"],
                      "train_tokens": last["train/tokens"], **json.loads(train.read_text()), "own_eval_tau": tau})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     speculators = (REPO / args.speculators).resolve()
     if speculators.is_dir():
-        tau = own_eval(args, runs / "base" / "recipe.yaml", speculators, runs / "speculators" / "mtbench", log)
+        own_eval(args, runs / "base" / "recipe.yaml", speculators, runs / "speculators" / "mtbench", log)
+        tau = own_eval_taus(runs / "speculators" / "mtbench")
         rows.append({"variant": "speculators", "checkpoint": str(speculators), "own_eval_tau": tau})
         print(json.dumps(rows[-1]), flush=True)
         # its trainer's command, as the head-to-head ran it (benchmarks/peer_speculators.py)
@@ -159,11 +136,13 @@ def main() -> None:
             out = runs / name
             final = out / str(int(command[command.index("--epochs") + 1]) - 1)  # named by 0-based epoch
             if not (final / "model.safetensors").is_file():
-                save = command.index("--save-path") + 1
-                moved = [*command[:save], str(out), "--log-dir", str(out / "logs"), *command[save + 3 :]]
-                seconds = run([str(SPECULATORS_PYTHON), *moved, *flags], log, args.threads)
+                moved = list(command)
+                moved[command.index("--save-path") + 1] = str(out)
+                moved[command.index("--log-dir") + 1] = str(out / "logs")
+                seconds = run([str(SPECULATORS_PYTHON), *moved, *flags], log, threads)
                 (out / "train.json").write_text(json.dumps({"train_s": round(seconds, 1)}))
-            tau = own_eval(args, runs / "base" / "recipe.yaml", final, out / "mtbench", log)
+            own_eval(args, runs / "base" / "recipe.yaml", final, out / "mtbench", log)
+            tau = own_eval_taus(out / "mtbench")
             rows.append({"variant": name, "flags": flags, "copies": why, **json.loads((out / "train.json").read_text()),
                          "own_eval_tau": tau})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)

@@ -232,18 +232,20 @@ def stage_measure(args, runs: Path, trained: dict, log: Path) -> dict:
             }
             save_json(path, timing)
     for trainer in ("draftsmith", "speculators"):
-        own_eval(args, runs, trainer, trained[trainer]["checkpoint"], log)
+        own_eval(
+            args, runs / "draftsmith" / "recipe.yaml", trained[trainer]["checkpoint"], runs / trainer / "mtbench", log
+        )
     return timing
 
 
-def own_eval(args, runs: Path, trainer: str, checkpoint: str, log: Path) -> None:
-    """draftsmith's eval on MT-bench (chain, γ --depth, T = 0); a failure is recorded, not raised: the
-    eval reads speculators' checkpoints only once draftsmith has a reader for them."""
-    out = runs / trainer / "mtbench"
+def own_eval(args, recipe: Path, checkpoint, out: Path, log: Path) -> None:
+    """draftsmith's eval of `checkpoint` on MT-bench (chain, γ --depth, T = 0) -> <out>/eval/report.json;
+    a failure is recorded in <out>/failed.txt, not raised: the eval may have no reader for a
+    checkpoint another trainer saved."""
     if (out / "eval" / "report.json").is_file() or (out / "failed.txt").is_file():
         return
     command = [
-        sys.executable, "-m", "eval", f"recipe={runs / 'draftsmith' / 'recipe.yaml'}", f"output_dir={out}",
+        sys.executable, "-m", "eval", f"recipe={recipe}", f"output_dir={out}",
         f"checkpoint={checkpoint}", "eval.data=[named:mt_bench]", f"eval.max_prompts={args.prompts}",
         f"eval.max_new_tokens={args.new_tokens}", f"eval.num_speculative_tokens={args.depth}", "eval.tree=0",
         "eval.temperature=0",
@@ -259,8 +261,8 @@ def own_eval(args, runs: Path, trainer: str, checkpoint: str, log: Path) -> None
         (out / "failed.txt").write_text(f"draftsmith's eval could not read {checkpoint}: {cause}")
 
 
-def own_eval_taus(runs: Path, trainer: str) -> dict:
-    out = runs / trainer / "mtbench"
+def own_eval_taus(out: Path) -> dict:
+    """τ per MT-bench category (and `all`) of `own_eval`'s report in `out`, or why it did not run."""
     if (out / "failed.txt").is_file():
         return {"not_run": (out / "failed.txt").read_text()}
     report = json.loads((out / "eval" / "report.json").read_text())
@@ -275,7 +277,7 @@ def report(args, runs: Path, trained: dict, timing: dict) -> tuple[list[dict], d
         ranges[category] = list(range(offset, offset + len(prompts)))
         offset += len(prompts)
     ranges["all"] = list(range(offset))
-    own = {trainer: own_eval_taus(runs, trainer) for trainer in ("draftsmith", "speculators")}
+    own = {trainer: own_eval_taus(runs / trainer / "mtbench") for trainer in ("draftsmith", "speculators")}
     for category, indices in ranges.items():
         plain = [summarize(timing[name]["per_prompt"], indices)["tok_s"] for name in ("plain", "plain_rerun")]
         for trainer in ("speculators", "draftsmith"):

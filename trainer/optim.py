@@ -33,7 +33,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.muon = torch.optim.Muon(muon_groups, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
         self.adamw = torch.optim.AdamW(adamw_groups, lr=lr, betas=betas, weight_decay=weight_decay)
         super().__init__([dict(group) for group in self.muon.param_groups + self.adamw.param_groups], {"lr": lr})
-        self.param_groups = self.muon.param_groups + self.adamw.param_groups  # the same dicts the two step with
+        self.share_groups()
+
+    def share_groups(self) -> None:
+        """`param_groups` := the two optimizers' own group dicts, which a schedule then sets."""
+        self.param_groups = self.muon.param_groups + self.adamw.param_groups
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -50,7 +54,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.adamw.load_state_dict(state_dict["adamw"])
         # torch's load_state_dict gives each optimizer new group dicts (accelerate loads one when it
         # places the state on the device): point at those, or the schedule would set stale ones
-        self.param_groups = self.muon.param_groups + self.adamw.param_groups
+        self.share_groups()
 
 
 def build_optimizer(train, drafter: nn.Module, deepspeed: bool) -> torch.optim.Optimizer:
