@@ -44,7 +44,8 @@ from __future__ import annotations
 
 import atexit
 import logging
-from typing import Callable, Optional, TypeVar
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional, TypeVar
 
 import torch
 from torch import nn
@@ -257,3 +258,21 @@ class Lockstep:
         vote = torch.tensor([busy], device=self.model.get_output_embeddings().weight.device)
         dist.all_reduce(vote)
         return bool(vote.item() > 0)
+
+
+@contextmanager
+def built_whole() -> Iterator[None]:
+    """Models built inside are whole, also in a process launched with DeepSpeed ZeRO-3. accelerate keeps
+    transformers' DeepSpeed config alive whatever `zero3_init_flag` says, and transformers then builds
+    every model partitioned (each weight of shape [0]): the frozen target, which DeepSpeed's engine
+    never holds, and the drafter, which `accelerator.prepare` partitions itself. Seen on a GPU: a ZeRO-3
+    launch read the target's vocabulary as 0. transformers has no public way to set that config aside
+    and put it back, so its module-level reference is swapped out for the block."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    kept = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = kept  # accelerator.prepare reads it

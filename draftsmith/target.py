@@ -75,19 +75,20 @@ def load_target(section, device: torch.device | str = "cpu", shard: str = "none"
     parameter requires grad. `shard` is the recipe's `target.shard` for the stages that train, capture
     or regenerate: `fsdp` shards its decoder layers over the run's ranks (draftsmith.sharding, which
     this module calls and which calls nothing here); the eval and the export load it whole."""
+    from draftsmith.sharding import built_whole, load_sharded
+
     section = target_section(section)
     dtype = resolve_dtype(section.dtype, device)
-    if shard == "none":
-        return freeze(read_model(section, dtype, device))
-    from draftsmith.sharding import load_sharded
-
-    model = load_sharded(
-        load_config(section),
-        dtype,
-        device,
-        read_weights=lambda: read_model(section, dtype, "cpu").state_dict(),  # rank 0's, in host memory
-        trust_remote_code=section.trust_remote_code,
-    )
+    with built_whole():  # never partitioned by a ZeRO-3 launch: the frozen target is not DeepSpeed's
+        if shard == "none":
+            return freeze(read_model(section, dtype, device))
+        model = load_sharded(
+            load_config(section),
+            dtype,
+            device,
+            read_weights=lambda: read_model(section, dtype, "cpu").state_dict(),  # rank 0's, in host memory
+            trust_remote_code=section.trust_remote_code,
+        )
     return freeze(model)
 
 

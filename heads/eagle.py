@@ -131,7 +131,9 @@ def start_from_norm(draft_norm: nn.Module, target_norm: Optional[nn.Module]) -> 
     if weight is None:
         return
     probe = torch.randn(3, weight.shape[-1], generator=torch.Generator().manual_seed(0)).to(weight)
-    if torch.allclose(trial.to(weight.dtype)(probe).float(), target_norm(probe).float(), rtol=1e-3, atol=1e-3):
+    # the draft norm is built on the host; the target may be on a GPU
+    trial.to(device=weight.device, dtype=weight.dtype)
+    if torch.allclose(trial(probe).float(), target_norm(probe).float(), rtol=1e-3, atol=1e-3):
         draft_norm.load_state_dict(target_norm.state_dict())
 
 

@@ -1,9 +1,8 @@
 """The GPU tier, `python -m pytest -m gpu`: what only a CUDA device exercises. Every test here is
 skipped without one; where a GPU is lent, one device call runs the tier (docs/tests.md).
 
-Ran once, 2026-11-25, on a lent H100 (torch 2.11.0+cu130, transformers 5.17.0, accelerate 1.15.0,
-DeepSpeed 0.19.8): 10 passed, ZeRO-2 and ZeRO-3 failed (accelerate's prepare() wanted DeepSpeed's
-micro-batch size, which trainer/loop.py now sets) in 122 s; the fix has not run on a GPU yet.
+Ran 2026-11-27 on a lent H100 (torch 2.11.0+cu130, transformers 5.24.0, accelerate 1.15.0, DeepSpeed
+0.19.8): all 12 pass, after two fixes only a GPU could show (docs/tests.md, "The GPU tier").
 
 - every drafter kind trains two bf16 steps on CUDA (the target in bfloat16, mixed precision bf16);
 - a drafter trained on CUDA decodes losslessly there (greedy speculative = plain greedy);

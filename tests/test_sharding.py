@@ -256,3 +256,30 @@ def test_two_rank_regeneration_with_a_sharded_target_writes_the_same_text(tmp_pa
     assert parts == ["part-00000.jsonl.gz", "part-00001.jsonl.gz", "part-00002.jsonl.gz"]  # rank 0 made two, rank 1 one
     match, mismatch, errors = filecmp.cmpfiles(single.directory, tmp_path / "sharded", parts, shallow=False)
     assert match == parts, (mismatch, errors)
+
+
+def test_models_built_under_a_zero3_launch_are_whole(tmp_path):
+    """accelerate keeps transformers' ZeRO-3 config alive even with zero3_init_flag false, and
+    transformers then builds every model partitioned (the GPU tier's ZeRO-3 launch read the target's
+    vocabulary as 0, in training and again in the eval after it); `load_target` and the trainer's
+    drafter construction build inside `built_whole`."""
+    pytest.importorskip("deepspeed")
+    from accelerate.utils import DeepSpeedPlugin
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
+
+    from draftsmith.sharding import built_whole
+    from draftsmith.target import load_target
+
+    plugin = DeepSpeedPlugin(hf_ds_config={"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    plugin.zero3_init_flag = False  # as recipes/accelerate/deepspeed_zero3.yaml says
+    plugin.set_deepspeed_weakref()
+    try:
+        assert is_deepspeed_zero3_enabled()  # what transformers' model construction consults
+        with built_whole():
+            assert not is_deepspeed_zero3_enabled()
+        assert is_deepspeed_zero3_enabled()  # restored for accelerator.prepare
+        target = load_target(str(REPO / "demo" / "target"))
+        assert target.get_output_embeddings().weight.shape[0] == target.config.vocab_size
+        assert is_deepspeed_zero3_enabled()
+    finally:
+        unset_hf_deepspeed_config()

@@ -41,7 +41,7 @@ from draftsmith.export.run import warm_start
 from draftsmith.heads import drafter_class
 from draftsmith.heads.packing import causal_lm_inputs, require_packed_attention
 from draftsmith.recipe import require_draft_vocab_use, save_recipe
-from draftsmith.sharding import local_bytes
+from draftsmith.sharding import built_whole, local_bytes
 from draftsmith.target import TargetOutput, load_target, load_tokenizer, run_target
 from draftsmith.trainer.checkpoint import TrainerState, load_checkpoint, resume_checkpoint, save_checkpoint, save_final
 from draftsmith.trainer.curve import write_curve
@@ -263,12 +263,12 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
         )
     # target.shard=fsdp: each rank holds pieces of the decoder layers (draftsmith/sharding.py); the
     # loop needs nothing else, since every rank runs every step's target forward together.
-    target = load_target(cfg.target, accelerator.device, shard=cfg.target.shard)
-
-    drafter_cls = drafter_class(cfg.drafter.type)
-    drafter = drafter_cls.from_target(OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path).to(
-        accelerator.device
-    )
+    with built_whole():  # under ZeRO-3 too: prepare() partitions the drafter, the target is never DeepSpeed's
+        target = load_target(cfg.target, accelerator.device, shard=cfg.target.shard)
+        drafter = drafter_class(cfg.drafter.type).from_target(
+            OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path
+        )
+    drafter = drafter.to(accelerator.device)
     require_draft_vocab_use(
         cfg, drafter.config, drafter.target
     )  # again with the loaded target's shape (a Hub or GGUF target's is known only now)
