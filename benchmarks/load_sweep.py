@@ -11,7 +11,8 @@ process (draftsmith/engine_scripts/vllm_worker.py, vLLM alone on the machine, OM
 serves one method at one γ at every concurrency c in turn, as a closed loop: c requests in flight,
 a new one entering as one finishes, until max(--min-requests, --requests-per-slot x c) requests are
 done; each token's arrival is timed. Methods: plain decoding, vLLM's n-gram proposer (lookup 2-4) and
-each drafter (its export, written to RUN_DIR/export_load first) at every γ.
+each drafter (its export, written to RUN_DIR/export_load first) at every γ, and at γ 0: loaded with a
+schedule that drafts at no batch size, which in vLLM 0.32 is not free (export/schedule.py).
 
 Stages, each resumable (a row already in <out>/sweep.jsonl is not measured again):
 1. sweep: the rows for every (method, γ, concurrency);
@@ -110,6 +111,11 @@ def main() -> None:
             fixed = {
                 k: v for k, v in info["speculative_config"].items() if k != "num_speculative_tokens_per_batch_size"
             }
+            # γ 0: the drafter loaded with a schedule that drafts nowhere, what a schedule's K = 0 costs
+            # (vLLM 0.32 still runs an EAGLE-style drafter's forward there; export/schedule.py uses it)
+            off = {**fixed, "model": str(folder), "num_speculative_tokens": 1,
+                   "num_speculative_tokens_per_batch_size": [[1, max(levels), 0]]}  # fmt: skip
+            measure(name, 0, off, info["source"]["sha256"])
             for gamma in gammas:
                 config = {**fixed, "model": str(folder), "num_speculative_tokens": gamma}
                 measure(name, gamma, config, info["source"]["sha256"])
@@ -287,11 +293,12 @@ def report(rows: list[dict], methods: list[str], out: Path) -> dict:
         scheduled = {r["concurrency"]: r for r in rows if r["method"] == f"{name}+schedule"}
         if not scheduled:
             continue
-        fixed = {
+        fixed = {  # γ 0 is plain decoding, without the drafter; its γ-0 rows (loaded, drafting nowhere) apart
             gamma: {r["concurrency"]: r["tok_s"] for r in rows if r["method"] == name and r["gamma"] == gamma}
-            for gamma in sorted({r["gamma"] for r in rows if r["method"] == name})
+            for gamma in sorted({r["gamma"] for r in rows if r["method"] == name and r["gamma"] > 0})
         }
         fixed[0] = {r["concurrency"]: r["tok_s"] for r in rows if r["method"] == "plain"}
+        loaded_off = {r["concurrency"]: r["tok_s"] for r in rows if r["method"] == name and r["gamma"] == 0}
         per_level = {}
         for c in levels:
             if c not in scheduled:
@@ -311,6 +318,11 @@ def report(rows: list[dict], methods: list[str], out: Path) -> dict:
             "summed_tok_s": {
                 "schedule": round(sum(v["schedule_tok_s"] for v in per_level.values()), 2),
                 **{f"gamma_{g}": round(t, 2) for g, t in totals.items()},
+                **(
+                    {"gamma_0_drafter_loaded": round(sum(loaded_off.get(c, 0.0) for c in per_level), 2)}
+                    if loaded_off
+                    else {}
+                ),
             },  # fmt: skip
             "within_3pct_of_best_fixed_everywhere": all(v["vs_best_fixed"] >= 0.97 for v in per_level.values()),
             "never_3pct_below_plain": all(v["vs_plain"] >= 0.97 for v in per_level.values()),

@@ -156,7 +156,12 @@ def batch_section(schedule: Optional[dict[str, Any]]) -> list[str]:
         "",
         f"Measured in vLLM {', '.join(str(e.get('vllm_version')) for e in schedule['engine'] if e)} by a load sweep "
         f"(`{schedule['sweep']}`, this drafter as `{schedule['method']}`): at each concurrency, requests in flight, the γ the "
-        "schedule serves and what that γ measured. γ 0 is plain decoding: speculation does not pay there.",
+        "schedule serves and what that γ measured. At γ 0 the drafter drafts nothing, but vLLM 0.32 still runs it: "
+        + (
+            "the sweep measured that cost (its speed-up below 1)."
+            if schedule.get("gamma_0_measured")
+            else "the sweep did not measure that cost, so the row shows plain decoding's."
+        ),
         "",
         "| concurrency | γ served | τ (vLLM) | speed-up over plain |",
         "|---:|---:|---:|---:|",
@@ -164,6 +169,12 @@ def batch_section(schedule: Optional[dict[str, Any]]) -> list[str]:
     for concurrency, level in schedule["per_concurrency"].items():
         tau = "–" if level["tau"] is None else f"{level['tau']:.2f}"
         lines.append(f"| {concurrency} | {level['chosen']} | {tau} | {level['speedup']:.2f}× |")
+    if schedule.get("below_plain_at"):
+        lines += [
+            "",
+            f"**At concurrency {', '.join(map(str, schedule['below_plain_at']))} this drafter is predicted slower than plain decoding "
+            "at any γ: at that load, serve the target without it.**",
+        ]
     lines += [
         "",
         f"`num_speculative_tokens_per_batch_size` {schedule['num_speculative_tokens_per_batch_size']}: vLLM looks the γ up by "

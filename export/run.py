@@ -128,6 +128,15 @@ def batch_schedule_of(cfg: DictConfig, digest: str) -> Optional[dict[str, Any]]:
         "γ per batch size from %s (%s): %s; vLLM ignores it under data parallelism (--data-parallel-size > 1)",
         path, methods[0], schedule["num_speculative_tokens_per_batch_size"],
     )  # fmt: skip
+    if schedule["below_plain_at"]:
+        log.warning(
+            "at concurrency %s even the schedule's best γ is predicted below plain decoding (the drafter's cost at γ 0%s): "
+            "at that load, serve the target without the drafter",
+            ", ".join(map(str, schedule["below_plain_at"])),
+            " was measured"
+            if schedule["gamma_0_measured"]
+            else " was not measured: sweep it, benchmarks/load_sweep.py",
+        )
     return {**schedule, "sweep": str(path), "method": methods[0], "engine": [json.loads(e) for e in sorted(engines)]}
 
 

@@ -15,7 +15,13 @@ time, engine steps, decoded tokens and the engine's acceptance counters. From it
   tokens per request and step;
 - the predicted throughput per request, E(γ) / s(c, γ), against plain's 1 / s(c, 0).
 
-K(c) is the γ with the highest prediction, or 0 (no speculation) unless it beats plain by `min_gain`.
+K(c) is the γ with the highest prediction, or 0 (no speculation) unless it beats K = 0 by `min_gain`.
+K = 0 in a schedule is not plain decoding: vLLM 0.32 keeps an EAGLE-style drafter's forward running at
+K = 0 (to keep its KV cache in step) and only returns no drafts. Where the sweep measured this drafter
+with a schedule of K = 0 everywhere (rows of γ 0, benchmarks/load_sweep.py), that cost is K = 0's
+prediction; otherwise plain's. Served at all, the drafter must beat plain decoding (without it) by
+`min_gain` somewhere, or the export is refused; the concurrencies where even the best K is predicted
+more than `min_gain` below plain are named (`below_plain_at`): at that load, serve the target alone.
 Against thrash at a range edge (vLLM keys the lookup on the requests scheduled in a step, prefills
 included, so a batch near an edge alternates between two K; vLLM issue #49548), K changes between
 neighbouring measured concurrencies only where the new K gains `min_gain` over keeping the previous
@@ -79,13 +85,15 @@ def pooled_acceptance(runs: list[dict[str, Any]]) -> list[float]:
 
 
 def predicted_rates(rows: list[dict[str, Any]], method: str, acceptance: list[float]) -> dict[int, dict[int, float]]:
-    """concurrency -> γ (0 = plain) -> predicted tokens/s of the whole batch: E(γ) tokens per request
-    and step over the measured seconds per request and step (steps x the mean requests per step)."""
+    """concurrency -> γ -> predicted tokens/s of the whole batch: E(γ) tokens per request and step over
+    the measured seconds per request and step (steps x the mean requests per step). γ 0 is this
+    drafter's own γ-0 row where the sweep has one (the drafter loaded, drafting nowhere), else plain's."""
     plain = {int(r["concurrency"]): r for r in rows if r["method"] == PLAIN}
     mine = [r for r in rows if r["method"] == method]
+    drafting = [r for r in mine if int(r["gamma"]) > 0]
     # A proposer may skip steps (n-gram lookup drafts only where it finds a match): the share of
     # request-steps that drafted scales what the accepted tokens add, pooled like the acceptance.
-    drafted = sum(r["drafts"] for r in mine) / max(1.0, sum(r["steps"] * r["mean_batch"] for r in mine))
+    drafted = sum(r["drafts"] for r in drafting) / max(1.0, sum(r["steps"] * r["mean_batch"] for r in drafting))
     expected = [1.0]
     for rate in acceptance:
         expected.append(expected[-1] + min(1.0, drafted) * rate)
@@ -100,10 +108,11 @@ def predicted_rates(rows: list[dict[str, Any]], method: str, acceptance: list[fl
 def batch_schedule(rows: list[dict[str, Any]], method: str, min_gain: float = 0.02) -> dict[str, Any]:
     """The schedule, the choice at each measured concurrency and what it rests on."""
     plain, mine = [r for r in rows if r["method"] == PLAIN], [r for r in rows if r["method"] == method]
-    if not plain or not mine:
+    if not plain or not any(int(r["gamma"]) > 0 for r in mine):
         raise UserError(f"the load sweep has no {'plain' if not plain else repr(method)} rows")
     acceptance = pooled_acceptance(mine)
     rates = predicted_rates(rows, method, acceptance)
+    plain_rate = {int(r["concurrency"]): r["tokens"] / r["seconds"] for r in plain}
     levels = sorted(rates)
     chosen: dict[int, int] = {}
     previous = None
@@ -116,8 +125,8 @@ def batch_schedule(rows: list[dict[str, Any]], method: str, min_gain: float = 0.
             if options[best] < options[previous] * (1 + min_gain):
                 best = previous  # not worth an edge
         chosen[concurrency] = previous = best
-    if not any(chosen.values()):
-        summary = ", ".join(f"c={c}: {max(rates[c][g] for g in rates[c] if g) / rates[c][0]:.2f}×" for c in levels)
+    if not any(rates[c][chosen[c]] >= plain_rate[c] * (1 + min_gain) for c in levels if chosen[c]):
+        summary = ", ".join(f"c={c}: {max(rates[c].values()) / plain_rate[c]:.2f}×" for c in levels)
         raise ExportCheckFailed(
             f"speculation with this drafter beats plain decoding by {min_gain:.0%} at no measured concurrency "
             f"(best predicted speed-up {summary}); serve the target without it"
@@ -140,17 +149,21 @@ def batch_schedule(rows: list[dict[str, Any]], method: str, min_gain: float = 0.
             str(c): {
                 "chosen": chosen[c],
                 "predicted_tok_s": {str(g): round(v, 2) for g, v in sorted(rates[c].items())},
+                "predicted_vs_plain": round(rates[c][chosen[c]] / plain_rate[c], 4),
                 **measured_pair(measured.get((method, chosen[c], c)), measured[PLAIN, 0, c]),
             }
             for c in levels
         },
+        "gamma_0_measured": sorted(c for (m, g, c) in measured if m == method and g == 0),
+        "below_plain_at": [c for c in levels if rates[c][chosen[c]] < plain_rate[c] * (1 - min_gain)],
         "min_gain": min_gain,
         "acceptance": [round(r, 4) for r in acceptance],
     }
 
 
 def measured_pair(run: dict[str, Any] | None, plain: dict[str, Any]) -> dict[str, Any]:
-    """τ and speed-up over plain as the sweep measured them at the chosen γ (none measured: plain)."""
+    """τ and speed-up over plain as the sweep measured them at the chosen γ (γ 0 with the drafter
+    loaded where the sweep has that row; none measured: plain's)."""
     if run is None:
         return {"tau": None, "speedup": 1.0}
     drafts = run["drafts"]

@@ -55,6 +55,32 @@ def test_a_k_change_that_gains_less_than_the_margin_is_not_made():
     assert batch_schedule(rows, "d")["num_speculative_tokens_per_batch_size"] == [[1, 2, 2]]
 
 
+def test_k_0_costs_what_the_drafter_measured_at_gamma_0_and_a_load_below_plain_is_named():
+    """vLLM 0.32 runs an EAGLE-style drafter at K = 0 too: with the sweep's γ-0 rows (the drafter loaded,
+    drafting nowhere) K = 0 is predicted at that cost, not plain's, and where even the best K stays
+    below plain the schedule says so."""
+    rows = sweep({1: 1.0, 2: 1.0}, {(1, 1): 1.1, (2, 1): 1.7})  # E(1) = 1.6: 1.45x at c=1, 0.94x at c=2
+    assert batch_schedule(rows, "d")["num_speculative_tokens_per_batch_size"] == [[1, 1, 1], [2, 2, 0]]
+    off = [sweep_row("d", 0, c, 1.1, (), 0, "abc") for c in (1, 2)]  # 10% slower than plain at γ 0
+    schedule = batch_schedule(rows + off, "d")
+    level = schedule["per_concurrency"]["2"]
+    assert level["chosen"] == 1 and level["predicted_tok_s"]["0"] == round(1 / 1.1, 2)  # 0.94 beats 0.91 by > 2%
+    assert schedule["below_plain_at"] == [2] and schedule["gamma_0_measured"] == [1, 2]
+    assert schedule["acceptance"] == [0.6]  # the γ-0 rows add no drafts and dilute nothing
+    # served at K = 0 where that is the choice, the measured speed-up is the γ-0 row's
+    busy = sweep({1: 1.0, 2: 1.0}, {(1, 1): 1.1, (2, 1): 2.0}) + [
+        sweep_row("d", 0, c, 1.05, (), 0, "abc") for c in (1, 2)
+    ]
+    level = batch_schedule(busy, "d")["per_concurrency"]["2"]
+    assert level["chosen"] == 0 and level["speedup"] == round(1 / 1.05, 4)
+
+
+def test_a_drafter_that_beats_only_its_own_gamma_0_cost_is_refused():
+    rows = sweep({1: 1.0}, {(1, 1): 1.62}) + [sweep_row("d", 0, 1, 1.3, (), 0, "abc")]  # 0.99x plain, 1.28x its γ 0
+    with pytest.raises(ExportCheckFailed, match="at no measured concurrency"):
+        batch_schedule(rows, "d")
+
+
 def test_a_sweep_where_speculation_never_pays_is_refused():
     rows = sweep({1: 1.0, 2: 1.0}, {(1, 1): 1.7, (2, 1): 1.8})
     with pytest.raises(ExportCheckFailed, match="at no measured concurrency"):
@@ -107,6 +133,20 @@ def test_the_export_serves_the_schedule_with_the_pinned_sampling_settings(target
         )
         in card
     )
+
+    # the same sweep with the drafter's γ-0 rows (10% below plain): at 4 requests even its best γ loses to plain
+    with measured.open("a") as rows:
+        for concurrency in (1, 4):
+            rows.write(json.dumps(sweep_row("d", 0, concurrency, 1.1, (), 0, checkpoint_digest(checkpoint))) + "\n")
+    cfg = load_recipe([f"recipe={KINDS['eagle3']}", f"output_dir={tmp_path / 'run'}", f"export.output={tmp_path / 'again'}",
+                       f"export.batch_sweep={measured}"])  # fmt: skip
+    folder = export_checkpoint(cfg, checkpoint, target=target)["vllm"]
+    schedule = json.loads((folder / EXPORT_INFO).read_text())["batch_schedule"]
+    assert schedule["below_plain_at"] == [4] and schedule["num_speculative_tokens_per_batch_size"] == [
+        [1, 2, 2],
+        [3, 4, 1],
+    ]
+    assert "At concurrency 4 this drafter is predicted slower than plain decoding" in (folder / "README.md").read_text()
 
 
 @pytest.mark.parametrize(
