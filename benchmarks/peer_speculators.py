@@ -327,6 +327,10 @@ def main() -> None:
         "from an earlier run, only draftsmith's side is trained again",
     )  # fmt: skip
     args = parser.parse_args()
+    if not Path(args.data).is_file():  # data.max_conversations counts per file: a folder of parts gives more
+        sys.exit(
+            f"--data {args.data}: give one file (concatenate the parts), so both trainers take the same first conversations"
+        )
     runs, out = (REPO / args.runs).resolve(), (REPO / args.out).resolve()
     runs.mkdir(parents=True, exist_ok=True)
     stages, log, timed = args.stages.split(","), runs / "peer.log", stage_timer(runs / "walls.json")
