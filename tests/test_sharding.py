@@ -258,7 +258,7 @@ def test_two_rank_regeneration_with_a_sharded_target_writes_the_same_text(tmp_pa
     assert match == parts, (mismatch, errors)
 
 
-def test_models_built_under_a_zero3_launch_are_whole(tmp_path):
+def test_models_built_under_a_zero3_launch_are_whole():
     """accelerate keeps transformers' ZeRO-3 config alive even with zero3_init_flag false, and
     transformers then builds every model partitioned (the GPU tier's ZeRO-3 launch read the target's
     vocabulary as 0, in training and again in the eval after it); `load_target` and the trainer's

@@ -263,8 +263,8 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
         )
     # target.shard=fsdp: each rank holds pieces of the decoder layers (draftsmith/sharding.py); the
     # loop needs nothing else, since every rank runs every step's target forward together.
-    with built_whole():  # under ZeRO-3 too: prepare() partitions the drafter, the target is never DeepSpeed's
-        target = load_target(cfg.target, accelerator.device, shard=cfg.target.shard)
+    target = load_target(cfg.target, accelerator.device, shard=cfg.target.shard)
+    with built_whole():  # whole under ZeRO-3 too: accelerator.prepare() partitions the drafter itself
         drafter = drafter_class(cfg.drafter.type).from_target(
             OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path
         )
