@@ -3,7 +3,7 @@
     python benchmarks/load_sweep.py --vllm-python <venv>/bin/python --drafter eagle3.1=runs/load/eagle3
         [--drafter NAME=RUN_DIR ...] [--out docs/results/load_sweep] [--concurrency 1,2,4,8,16,32]
         [--gammas 1,2,3,4,5] [--new-tokens 64] [--requests-per-slot 2] [--min-requests 8] [--threads 2]
-        [--stages sweep,schedule,report]
+        [--repeats 3] [--stages sweep,schedule,repeat,report]
 
 The target is the drafters' (each RUN_DIR holds the recipe.yaml train.py saved and a checkpoint in
 best/ or final/); the prompts are MT-bench's 80 first turns in order, reused round-robin. Each engine
@@ -15,15 +15,22 @@ each drafter (its export, written to RUN_DIR/export_load first) at every γ, and
 schedule that drafts at no batch size, which in vLLM 0.32 is not free (export/schedule.py).
 
 Stages, each resumable (a row already in <out>/sweep.jsonl is not measured again):
-1. sweep: the rows for every (method, γ, concurrency);
+1. sweep: the rows for every (method, γ, concurrency), then plain once more (`plain-rerun`): how far
+   two runs of one setting differ on this machine, which the schedule's margin never goes below;
 2. schedule: per drafter, `python -m export ... export.batch_sweep=<out>/sweep.jsonl` into
    RUN_DIR/export_scheduled (export/schedule.py chooses K per batch-size range), then that export served
    with its schedule at every concurrency (method `<name>+schedule`); the same rule applied to the
    n-gram rows, served as `ngram+schedule`; a schedule refused because speculation pays nowhere is
    noted in <out>/schedule_notes.json;
-3. report: <out>/summary.json (per method and concurrency the best γ; the crossover where speculation
-   stops paying; the schedule against every fixed γ; plain measured a second time at the end of the
-   schedule stage, over the first: the run-to-run noise of this machine) and <out>/speedup.png.
+3. repeat: --repeats rounds, each serving in turn plain, then per drafter the drafter at γ 0 and the
+   drafter with its schedule, every concurrency, into <out>/repeats.jsonl (rows as below plus `round`;
+   speedup over the same round's plain). A shared machine's speed drifts by more than the few percent
+   at stake between γ 0, the schedule and plain; measured side by side and repeated, their ratios
+   can be told from that drift;
+4. report: <out>/summary.json (per method and concurrency the best γ; the crossover where speculation
+   stops paying; the schedule against every fixed γ; plain's second run over its first: the
+   run-to-run noise of this machine; `repeated`: per method and
+   concurrency the median, lowest and highest ratio over the same round's plain) and <out>/speedup.png.
 
 A row: method, gamma, concurrency, requests, tokens, seconds, steps, mean_batch (requests served per
 engine step), tok_s, tpot_ms_p50, tpot_ms_p90 (per request: time between its first and last token over
@@ -45,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from draftsmith.engines import VllmWorker
@@ -52,7 +60,7 @@ from draftsmith.export.repo import VLLM_PINNED
 
 REPO = Path(__file__).resolve().parent.parent
 NGRAM = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4, **VLLM_PINNED}
-STAGES = ("sweep", "schedule", "report")
+STAGES = ("sweep", "schedule", "repeat", "report")
 
 
 def main() -> None:
@@ -66,6 +74,7 @@ def main() -> None:
     parser.add_argument("--requests-per-slot", type=int, default=2)
     parser.add_argument("--min-requests", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--stages", default=",".join(STAGES))
     args = parser.parse_args()
     out = (REPO / args.out).resolve()
@@ -79,26 +88,33 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     gammas = [int(g) for g in args.gammas.split(",")]
     stages = args.stages.split(",")
-    sweep = out / "sweep.jsonl"
+    sweep, repeats = out / "sweep.jsonl", out / "repeats.jsonl"
     target = recipe_of(next(iter(drafters.values())))["target"]
     prompts = mt_bench_prompts(target)
     began = time.perf_counter()
 
-    def measure(method: str, gamma: int, speculative_config, source: str | None = None) -> None:
-        done = {(r["method"], r["gamma"], r["concurrency"]) for r in read_rows(sweep)}
-        missing = [c for c in levels if (method, gamma, c) not in done]
+    def measure(method: str, gamma: int, speculative_config, source: str | None = None, round_: int | None = None):
+        """Rows of one method at one γ at every concurrency not yet measured: in sweep.jsonl, or with
+        `round_` in repeats.jsonl (speed-up over that round's plain, outputs checked against the sweep's)."""
+        path = sweep if round_ is None else repeats
+        done = {(r["method"], r["gamma"], r["concurrency"], r.get("round")) for r in read_rows(path)}
+        missing = [c for c in levels if (method, gamma, c, round_) not in done]
         if not missing:
             return
-        print(f"{method} γ={gamma}: concurrency {missing}", file=sys.stderr, flush=True)
+        print(f"{method} γ={gamma}{'' if round_ is None else f' round {round_}'}: concurrency {missing}", file=sys.stderr, flush=True)  # fmt: skip
         load = [
             {"concurrency": c, "prompts": take(prompts, max(args.min_requests, args.requests_per_slot * c))}
             for c in missing
         ]
         result = serve(args.vllm_python, target, load, args.new_tokens, speculative_config, args.threads)
         plain = {r["concurrency"]: r for r in read_rows(sweep) if r["method"] == "plain"}
-        with sweep.open("a") as rows:
+        same_round = {r["concurrency"]: r["tok_s"] for r in read_rows(repeats) if r["method"] == "plain" and r.get("round") == round_}  # fmt: skip
+        with path.open("a") as rows:
             for level in result["levels"]:
-                row = summarize(method, gamma, level, plain.get(level["concurrency"]), result, args.threads, source)
+                c = level["concurrency"]
+                row = summarize(method, gamma, level, plain.get(c), result, args.threads, source)
+                if round_ is not None:  # speed-up over this round's plain (1 for plain), outputs against the sweep's
+                    row |= {"round": round_, "speedup": round(row["tok_s"] / same_round.get(c, row["tok_s"]), 4)}
                 rows.write(json.dumps(row) + "\n")
 
     if "sweep" in stages:
@@ -106,19 +122,11 @@ def main() -> None:
         for gamma in gammas:
             measure("ngram", gamma, {**NGRAM, "num_speculative_tokens": gamma})
         for name, run_dir in drafters.items():
-            folder, _ = export(run_dir, "export_load", [])
-            info = json.loads((folder / "draftsmith_export.json").read_text())
-            fixed = {
-                k: v for k, v in info["speculative_config"].items() if k != "num_speculative_tokens_per_batch_size"
-            }
-            # γ 0: the drafter loaded with a schedule that drafts nowhere, what a schedule's K = 0 costs
-            # (vLLM 0.32 still runs an EAGLE-style drafter's forward there; export/schedule.py uses it)
-            off = {**fixed, "model": str(folder), "num_speculative_tokens": 1,
-                   "num_speculative_tokens_per_batch_size": [[1, max(levels), 0]]}  # fmt: skip
-            measure(name, 0, off, info["source"]["sha256"])
+            at_gamma, source = fixed_configs(run_dir, levels)
+            measure(name, 0, at_gamma(0), source)
             for gamma in gammas:
-                config = {**fixed, "model": str(folder), "num_speculative_tokens": gamma}
-                measure(name, gamma, config, info["source"]["sha256"])
+                measure(name, gamma, at_gamma(gamma), source)
+        measure("plain-rerun", 0, None)  # plain once more, last: the schedule's margin is at least this noise
     notes_path = out / "schedule_notes.json"
     if "schedule" in stages:
         from draftsmith.errors import ExportCheckFailed
@@ -138,14 +146,24 @@ def main() -> None:
             if folder is None:
                 notes[name] = {"refused": refused}
                 continue
-            info = json.loads((folder / "draftsmith_export.json").read_text())
-            notes[name] = {"schedule": info["speculative_config"]["num_speculative_tokens_per_batch_size"]}
-            config = {**info["speculative_config"], "model": str(folder)}
-            measure(f"{name}+schedule", int(info["num_speculative_tokens"]), config, info["source"]["sha256"])
+            gamma, config, source = scheduled_config(folder)
+            notes[name] = {"schedule": config["num_speculative_tokens_per_batch_size"]}
+            measure(f"{name}+schedule", gamma, config, source)
         notes_path.write_text(json.dumps(notes, indent=2) + "\n")
-        measure("plain-rerun", 0, None)  # plain once more, last: how far two runs of one setting differ here
+    if "repeat" in stages:  # side by side, in rounds: what a drafter loaded at γ 0 and its schedule cost against plain
+        for round_ in range(1, args.repeats + 1):
+            measure("plain", 0, None, round_=round_)
+            for name, run_dir in drafters.items():
+                at_gamma, source = fixed_configs(run_dir, levels)
+                measure(name, 0, at_gamma(0), source, round_)
+                folder = run_dir / "export_scheduled" / "vllm"
+                if (folder / "draftsmith_export.json").is_file():  # none where the schedule was refused
+                    gamma, config, source = scheduled_config(folder)
+                    measure(f"{name}+schedule", gamma, config, source, round_)
     if "report" in stages:
         summary = report(read_rows(sweep), ["ngram", *drafters], out)
+        if repeats.is_file():
+            summary["repeated"] = repeated(read_rows(repeats))
         summary["schedule_notes"] = json.loads(notes_path.read_text()) if notes_path.is_file() else {}
         summary |= {
             "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "engine_threads": args.threads},
@@ -158,6 +176,33 @@ def main() -> None:
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         print(json.dumps(summary, indent=2))
+
+
+def fixed_configs(run_dir: Path, levels: list[int]) -> tuple[Callable[[int], dict], str]:
+    """The drafter's export (RUN_DIR/export_load) as a served config at a given γ, and its checkpoint's
+    sha256. At γ 0 it is loaded with a schedule that drafts nowhere: what a schedule's K = 0 costs
+    (vLLM 0.32 still runs an EAGLE-style drafter's forward there; export/schedule.py uses it)."""
+    folder, _ = export(run_dir, "export_load", [])
+    info = json.loads((folder / "draftsmith_export.json").read_text())
+    fixed = {k: v for k, v in info["speculative_config"].items() if k != "num_speculative_tokens_per_batch_size"}
+
+    def at_gamma(gamma: int) -> dict:
+        if gamma == 0:
+            return {**fixed, "model": str(folder), "num_speculative_tokens": 1,
+                    "num_speculative_tokens_per_batch_size": [[1, max(levels), 0]]}  # fmt: skip
+        return {**fixed, "model": str(folder), "num_speculative_tokens": gamma}
+
+    return at_gamma, info["source"]["sha256"]
+
+
+def scheduled_config(folder: Path) -> tuple[int, dict, str]:
+    """An export written with a schedule: its largest γ, its served config, its checkpoint's sha256."""
+    info = json.loads((folder / "draftsmith_export.json").read_text())
+    return (
+        int(info["num_speculative_tokens"]),
+        {**info["speculative_config"], "model": str(folder)},
+        info["source"]["sha256"],
+    )
 
 
 def recipe_of(run_dir: Path) -> dict:
@@ -338,6 +383,32 @@ def report(rows: list[dict], methods: list[str], out: Path) -> dict:
     return {"best_per_concurrency": best, "crossover": crossover, "schedules": schedules, "lossless": lossless,
             "plain_rerun_over_plain": noise,
             "engine": rows[0]["engine"]["vllm_version"] if rows else None}  # fmt: skip
+
+
+def repeated(rows: list[dict]) -> dict:
+    """The repeat stage's rounds: per method (and γ) and concurrency, the ratio of its tok/s over the
+    same round's plain, as median, lowest and highest over the rounds; plain's own spread is its rounds
+    over their median. `never_3pct_below_plain` reads the medians."""
+    plain = {(r["round"], r["concurrency"]): r["tok_s"] for r in rows if r["method"] == "plain"}
+    levels = sorted({c for _, c in plain})
+    result: dict = {"rounds": len({r for r, _ in plain})}
+    for c in levels:
+        speeds = [v for (_, level), v in plain.items() if level == c]
+        middle = statistics.median(speeds)
+        result.setdefault("plain_spread", {})[c] = [round(min(speeds) / middle, 4), round(max(speeds) / middle, 4)]
+    for method, gamma in sorted({(r["method"], r["gamma"]) for r in rows if r["method"] != "plain"}):
+        name = method if method.endswith("+schedule") else f"{method} at gamma {gamma}"
+        per_level = {}
+        for c in levels:
+            ratios = [r["tok_s"] / plain[r["round"], c] for r in rows
+                      if (r["method"], r["gamma"], r["concurrency"]) == (method, gamma, c) and (r["round"], c) in plain]  # fmt: skip
+            if ratios:
+                per_level[c] = {"median": round(statistics.median(ratios), 4), "min": round(min(ratios), 4),
+                                "max": round(max(ratios), 4)}  # fmt: skip
+        lossless = all(r["lossless"] for r in rows if (r["method"], r["gamma"]) == (method, gamma))
+        result[name] = {"over_plain": per_level, "lossless": lossless,
+                        "never_3pct_below_plain": all(v["median"] >= 0.97 for v in per_level.values())}  # fmt: skip
+    return result
 
 
 def plot(rows, best, schedules, levels, path: Path) -> None:

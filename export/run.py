@@ -110,7 +110,7 @@ def batch_schedule_of(cfg: DictConfig, digest: str) -> Optional[dict[str, Any]]:
     (export/schedule.py), with what it rests on; None without a sweep."""
     if not cfg.export.batch_sweep:
         return None
-    from draftsmith.export.schedule import PLAIN, batch_schedule, read_sweep
+    from draftsmith.export.schedule import PLAIN, PLAIN_AGAIN, batch_schedule, read_sweep
 
     path = Path(cfg.export.batch_sweep).resolve()
     rows = read_sweep(path)
@@ -121,7 +121,7 @@ def batch_schedule_of(cfg: DictConfig, digest: str) -> Optional[dict[str, Any]]:
             f"export.batch_sweep={cfg.export.batch_sweep}: the sweep {found} (checkpoint sha256 {digest[:12]}); "
             "sweep one export of this checkpoint (benchmarks/load_sweep.py)"
         )
-    measured = [row for row in rows if row["method"] == PLAIN or row.get("source_sha256") == digest]
+    measured = [row for row in rows if row["method"] in (PLAIN, PLAIN_AGAIN) or row.get("source_sha256") == digest]
     schedule = batch_schedule(measured, methods[0])
     engines = {json.dumps(row.get("engine"), sort_keys=True) for row in measured}
     log.info(

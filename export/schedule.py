@@ -15,16 +15,19 @@ time, engine steps, decoded tokens and the engine's acceptance counters. From it
   tokens per request and step;
 - the predicted throughput per request, E(γ) / s(c, γ), against plain's 1 / s(c, 0).
 
-K(c) is the γ with the highest prediction, or 0 (no speculation) unless it beats K = 0 by `min_gain`.
+K(c) is the γ with the highest prediction, or 0 (no speculation) unless it beats K = 0 by the margin:
+`min_gain`, or the sweep's own noise where that is larger. A sweep that measured plain twice (rows
+`plain-rerun`, benchmarks/load_sweep.py) shows how far two runs of one setting differ on its machine;
+a predicted gain smaller than that is not a gain, and a schedule built on it would chase the noise.
 K = 0 in a schedule is not plain decoding: vLLM 0.32 keeps an EAGLE-style drafter's forward running at
 K = 0 (to keep its KV cache in step) and only returns no drafts. Where the sweep measured this drafter
 with a schedule of K = 0 everywhere (rows of γ 0, benchmarks/load_sweep.py), that cost is K = 0's
 prediction; otherwise plain's. Served at all, the drafter must beat plain decoding (without it) by
-`min_gain` somewhere, or the export is refused; the concurrencies where even the best K is predicted
-more than `min_gain` below plain are named (`below_plain_at`): at that load, serve the target alone.
+the margin somewhere, or the export is refused; the concurrencies where even the best K is predicted
+more than the margin below plain are named (`below_plain_at`): at that load, serve the target alone.
 Against thrash at a range edge (vLLM keys the lookup on the requests scheduled in a step, prefills
 included, so a batch near an edge alternates between two K; vLLM issue #49548), K changes between
-neighbouring measured concurrencies only where the new K gains `min_gain` over keeping the previous
+neighbouring measured concurrencies only where the new K gains the margin over keeping the previous
 one, and ranges with the same K are merged. Batch sizes between two measured concurrencies take the
 nearer one's K (geometric midpoint); past the largest measured one vLLM carries the last K forward.
 vLLM ignores the schedule under data parallelism (it warns and drafts the full γ on every rank).
@@ -40,6 +43,7 @@ from typing import Any
 from draftsmith.errors import ExportCheckFailed, UserError, one_line
 
 PLAIN = "plain"
+PLAIN_AGAIN = "plain-rerun"  # plain measured a second time in the same sweep: its noise
 FIELDS = (
     "method",
     "gamma",
@@ -105,11 +109,22 @@ def predicted_rates(rows: list[dict[str, Any]], method: str, acceptance: list[fl
     return rates
 
 
+def sweep_noise(rows: list[dict[str, Any]]) -> float | None:
+    """How far the sweep's second plain run strays from its first, at worst over the concurrencies both
+    measured (|tok/s ratio - 1|); None without a second run."""
+    first = {int(r["concurrency"]): r["tokens"] / r["seconds"] for r in rows if r["method"] == PLAIN}
+    again = {int(r["concurrency"]): r["tokens"] / r["seconds"] for r in rows if r["method"] == PLAIN_AGAIN}
+    both = sorted(set(first) & set(again))
+    return max(abs(again[c] / first[c] - 1) for c in both) if both else None
+
+
 def batch_schedule(rows: list[dict[str, Any]], method: str, min_gain: float = 0.02) -> dict[str, Any]:
     """The schedule, the choice at each measured concurrency and what it rests on."""
     plain, mine = [r for r in rows if r["method"] == PLAIN], [r for r in rows if r["method"] == method]
     if not plain or not any(int(r["gamma"]) > 0 for r in mine):
         raise UserError(f"the load sweep has no {'plain' if not plain else repr(method)} rows")
+    noise = sweep_noise(rows)
+    margin = max(min_gain, noise or 0.0)
     acceptance = pooled_acceptance(mine)
     rates = predicted_rates(rows, method, acceptance)
     plain_rate = {int(r["concurrency"]): r["tokens"] / r["seconds"] for r in plain}
@@ -119,17 +134,19 @@ def batch_schedule(rows: list[dict[str, Any]], method: str, min_gain: float = 0.
     for concurrency in levels:
         options = rates[concurrency]
         best = max(options, key=options.get)
-        if best and options[best] < options[0] * (1 + min_gain):
+        if best and options[best] < options[0] * (1 + margin):
             best = 0
         if previous is not None and previous in options and previous != best:
-            if options[best] < options[previous] * (1 + min_gain):
+            if options[best] < options[previous] * (1 + margin):
                 best = previous  # not worth an edge
         chosen[concurrency] = previous = best
-    if not any(rates[c][chosen[c]] >= plain_rate[c] * (1 + min_gain) for c in levels if chosen[c]):
+    if not any(rates[c][chosen[c]] >= plain_rate[c] * (1 + margin) for c in levels if chosen[c]):
         summary = ", ".join(f"c={c}: {max(rates[c].values()) / plain_rate[c]:.2f}×" for c in levels)
+        why = f"{margin:.0%}" if margin == min_gain else f"{margin:.0%}, how far the sweep's two plain runs differ"
         raise ExportCheckFailed(
-            f"speculation with this drafter beats plain decoding by {min_gain:.0%} at no measured concurrency "
+            f"speculation with this drafter beats plain decoding by {why}, at no measured concurrency "
             f"(best predicted speed-up {summary}); serve the target without it"
+            + ("" if margin == min_gain else ", or measure again on a quieter machine")
         )
     ranges: list[list[int]] = []
     for index, concurrency in enumerate(levels):
@@ -155,8 +172,10 @@ def batch_schedule(rows: list[dict[str, Any]], method: str, min_gain: float = 0.
             for c in levels
         },
         "gamma_0_measured": sorted(c for (m, g, c) in measured if m == method and g == 0),
-        "below_plain_at": [c for c in levels if rates[c][chosen[c]] < plain_rate[c] * (1 - min_gain)],
+        "below_plain_at": [c for c in levels if rates[c][chosen[c]] < plain_rate[c] * (1 - margin)],
         "min_gain": min_gain,
+        "noise": None if noise is None else round(noise, 4),
+        "margin": round(margin, 4),
         "acceptance": [round(r, 4) for r in acceptance],
     }
 

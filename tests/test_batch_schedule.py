@@ -87,6 +87,22 @@ def test_a_sweep_where_speculation_never_pays_is_refused():
         batch_schedule(rows, "d")
 
 
+def test_the_margin_is_the_sweeps_own_noise_where_that_is_larger():
+    """A second plain run 10% off the first: a predicted gain under 10% is noise, not a reason to draft."""
+    rows = sweep({1: 1.0, 2: 1.0}, {(1, 1): 1.5, (2, 1): 1.1})  # E(1) = 1.6: 1.07x at c=1, 1.45x at c=2
+    quiet = rows + [sweep_row("plain-rerun", 0, c, 1.01) for c in (1, 2)]
+    schedule = batch_schedule(quiet, "d")
+    assert schedule["num_speculative_tokens_per_batch_size"] == [[1, 2, 1]]
+    assert (schedule["noise"], schedule["margin"]) == (round(1 - 1 / 1.01, 4), 0.02)
+    noisy = rows + [sweep_row("plain-rerun", 0, 1, 1.0), sweep_row("plain-rerun", 0, 2, 1 / 1.1)]
+    schedule = batch_schedule(noisy, "d")
+    assert schedule["num_speculative_tokens_per_batch_size"] == [[1, 1, 0], [2, 2, 1]]  # 7% < the 10% noise
+    assert schedule["margin"] == schedule["noise"] == 0.1
+    swamped = sweep({1: 1.0}, {(1, 1): 1.1}) + [sweep_row("plain-rerun", 0, 1, 1 / 1.6)]  # 45% gain, 60% noise
+    with pytest.raises(ExportCheckFailed, match="by 60%, how far the sweep's two plain runs differ.*quieter machine"):
+        batch_schedule(swamped, "d")
+
+
 def test_a_malformed_sweep_is_named_by_its_line(tmp_path):
     path = tmp_path / "sweep.jsonl"
     path.write_text(json.dumps(sweep_row("plain", 0, 1, 1.0)) + "\n{not json\n")

@@ -203,7 +203,8 @@ def train(cfg: DictConfig) -> Path:
             if state.step < max_steps and agreed.stop:  # SIGTERM on any rank, agreed in this step's all-reduce
                 path = save_checkpoint(accelerator, drafter, state, output_dir, cfg.train.keep_checkpoints)
                 progress.close()
-                accelerator.end_training()
+                del drafter, run  # see end_run
+                end_run(accelerator)
                 raise Preempted(
                     f"stopped on SIGTERM after step {state.step} of {max_steps}; checkpoint {path}; run the same command with train.resume=true to continue"
                 )
@@ -220,8 +221,19 @@ def train(cfg: DictConfig) -> Path:
         write_curve(output_dir, state.curve, state.best)
     write_run_summary(accelerator, output_dir, drafter, state, data_checksum, run.target, parameters)
     accelerator.wait_for_everyone()
-    accelerator.end_training()  # also ends the process group: nothing collective after this
+    del drafter, run  # see end_run
+    end_run(accelerator)
     return final_dir
+
+
+def end_run(accelerator: Accelerator) -> None:
+    """Trackers finished and the process group ended: nothing collective after this. The caller
+    drops its own references to the wrapped drafter first. DDP's reducer holds the process group, so a
+    wrapper that outlives `end_training` keeps the group to interpreter exit, where tearing gloo down
+    can abort a finished rank with SIGABRT (seen once in ~12 CI runs: rank 1 of a 2-process CPU run,
+    after its work, while rank 0 evaluated)."""
+    accelerator.free_memory()  # the accelerator's references, then gc: the wrapper's hooks form cycles
+    accelerator.end_training()
 
 
 def set_up(cfg: DictConfig, output_dir: Path) -> Run:
