@@ -403,7 +403,7 @@ def test_a_shift_is_detected_located_retrained_and_promoted(deployed, tmp_path, 
     logs.mkdir()
     cfg = load_recipe([
         *args, f"output_dir={tmp_path / 'run'}", f"checkpoint={recorded_as_checked(root / 'export' / 'vllm', tmp_path)}", f"monitor.metrics=[{engine.url}]",
-        f"monitor.traffic={logs}", "monitor.min_drafts=100", "monitor.sample_per_domain=4", "monitor.retrain_samples=48", "train.max_steps=30", "data.regenerate.max_new_tokens=64",
+        f"monitor.traffic={logs}", "monitor.min_drafts=100", "monitor.sample_per_domain=4", "monitor.retrain_samples=32", "train.max_steps=30", "data.regenerate.max_new_tokens=64",
     ])  # fmt: skip
     baseline = Baseline.from_report(json.loads((root / "deployed" / "eval" / "report.json").read_text()), "report")
     source = root / "traffic_source.jsonl"
