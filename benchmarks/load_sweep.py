@@ -108,7 +108,7 @@ def main() -> None:
         ]
         result = serve(args.vllm_python, target, load, args.new_tokens, speculative_config, args.threads)
         plain = {r["concurrency"]: r for r in read_rows(sweep) if r["method"] == "plain"}
-        same_round = {r["concurrency"]: r["tok_s"] for r in read_rows(repeats) if r["method"] == "plain" and r.get("round") == round_}  # fmt: skip
+        same_round = {} if round_ is None else {r["concurrency"]: r["tok_s"] for r in read_rows(repeats) if r["method"] == "plain" and r["round"] == round_}  # fmt: skip
         with path.open("a") as rows:
             for level in result["levels"]:
                 c = level["concurrency"]
@@ -151,15 +151,18 @@ def main() -> None:
             measure(f"{name}+schedule", gamma, config, source)
         notes_path.write_text(json.dumps(notes, indent=2) + "\n")
     if "repeat" in stages:  # side by side, in rounds: what a drafter loaded at γ 0 and its schedule cost against plain
+        served = []  # (method, γ, config, source), each drafter at γ 0, then with its schedule where one was exported
+        for name, run_dir in drafters.items():
+            at_gamma, source = fixed_configs(run_dir, levels)
+            served.append((name, 0, at_gamma(0), source))
+            folder = run_dir / "export_scheduled" / "vllm"
+            if (folder / "draftsmith_export.json").is_file():  # none where the schedule was refused
+                gamma, config, source = scheduled_config(folder)
+                served.append((f"{name}+schedule", gamma, config, source))
         for round_ in range(1, args.repeats + 1):
             measure("plain", 0, None, round_=round_)
-            for name, run_dir in drafters.items():
-                at_gamma, source = fixed_configs(run_dir, levels)
-                measure(name, 0, at_gamma(0), source, round_)
-                folder = run_dir / "export_scheduled" / "vllm"
-                if (folder / "draftsmith_export.json").is_file():  # none where the schedule was refused
-                    gamma, config, source = scheduled_config(folder)
-                    measure(f"{name}+schedule", gamma, config, source, round_)
+            for method, gamma, config, source in served:
+                measure(method, gamma, config, source, round_)
     if "report" in stages:
         summary = report(read_rows(sweep), ["ngram", *drafters], out)
         if repeats.is_file():
@@ -391,11 +394,12 @@ def repeated(rows: list[dict]) -> dict:
     over their median. `never_3pct_below_plain` reads the medians."""
     plain = {(r["round"], r["concurrency"]): r["tok_s"] for r in rows if r["method"] == "plain"}
     levels = sorted({c for _, c in plain})
-    result: dict = {"rounds": len({r for r, _ in plain})}
-    for c in levels:
-        speeds = [v for (_, level), v in plain.items() if level == c]
-        middle = statistics.median(speeds)
-        result.setdefault("plain_spread", {})[c] = [round(min(speeds) / middle, 4), round(max(speeds) / middle, 4)]
+    speeds = {c: [v for (_, level), v in plain.items() if level == c] for c in levels}
+    result: dict = {
+        "rounds": len({r for r, _ in plain}),
+        "plain_spread": {c: [round(min(v) / statistics.median(v), 4), round(max(v) / statistics.median(v), 4)]
+                         for c, v in speeds.items()},
+    }  # fmt: skip
     for method, gamma in sorted({(r["method"], r["gamma"]) for r in rows if r["method"] != "plain"}):
         name = method if method.endswith("+schedule") else f"{method} at gamma {gamma}"
         per_level = {}

@@ -142,11 +142,12 @@ def batch_schedule(rows: list[dict[str, Any]], method: str, min_gain: float = 0.
         chosen[concurrency] = previous = best
     if not any(rates[c][chosen[c]] >= plain_rate[c] * (1 + margin) for c in levels if chosen[c]):
         summary = ", ".join(f"c={c}: {max(rates[c].values()) / plain_rate[c]:.2f}×" for c in levels)
-        why = f"{margin:.0%}" if margin == min_gain else f"{margin:.0%}, how far the sweep's two plain runs differ"
+        noisy = margin > min_gain
         raise ExportCheckFailed(
-            f"speculation with this drafter beats plain decoding by {why}, at no measured concurrency "
-            f"(best predicted speed-up {summary}); serve the target without it"
-            + ("" if margin == min_gain else ", or measure again on a quieter machine")
+            f"speculation with this drafter beats plain decoding by {margin:.0%}"
+            + (", how far the sweep's two plain runs differ" if noisy else "")
+            + f", at no measured concurrency (best predicted speed-up {summary}); serve the target without it"
+            + (", or measure again on a quieter machine" if noisy else "")
         )
     ranges: list[list[int]] = []
     for index, concurrency in enumerate(levels):
