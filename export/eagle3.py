@@ -12,6 +12,11 @@ The conversions, each checked and recorded in draftsmith_export.json:
 - The draft vocabulary: `d2t` (offsets, target id = draft id + d2t) and `t2d` ship only when the
   vocabulary is pruned (vLLM refuses a `d2t` for a full vocabulary); `lm_head` always ships.
 - max_position_embeddings and rope come from the target's config, never defaults.
+- A draft layer with a sliding window (`drafter.sliding_window`) gets `layer_types: [sliding_attention]`,
+  `sliding_window` and `use_sliding_window` in its layer config, which vLLM's Llama and Qwen3 EAGLE-3
+  layers honour (vllm/model_executor/models/llama.py, qwen3_eagle3.py; proven in vLLM-CPU by
+  tests/test_engine_vllm.py); read back the same way from any folder, speculators' own included.
+  SGLang: refused (not verified).
 - EAGLE-3.1's `fc_norm` (weights `fc_norm.{i}.weight`, one per aux layer) and `norm_output` are always
   written, as vLLM reads them (vllm/transformers_utils/configs/speculators/algos.py, models/llama_eagle3.py;
   both default to false). So is `norm_before_fc` (speculators' default: one RMSNorm over the
@@ -44,7 +49,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -159,13 +164,30 @@ def refuse_unhonoured(
         raise UserError(
             f"{folder}: {layer['num_hidden_layers']} draft layers; draftsmith's EAGLE-3 has one (as vLLM's and SGLang's layouts)"
         )
-    window = layer.get("sliding_window")
-    context = int(layer.get("max_position_embeddings") or 0)
-    if "sliding_attention" in (layer.get("layer_types") or []) and window is not None and int(window) < context:
-        raise UserError(
-            f"{folder}: its draft layer attends to a sliding window of {window} positions, less than the target's context of "
-            f"{context}; draftsmith's EAGLE-3 layer attends to all of them (retrain with full attention)"
-        )
+
+
+def layer_window(layer: dict[str, Any]) -> Optional[int]:
+    """The draft layer's sliding window as vLLM reads a layer config (Llama's and Qwen3's EAGLE-3
+    layers): `sliding_window` where `layer_types` makes the first layer "sliding_attention", else None."""
+    if (layer.get("layer_types") or [None])[0] == "sliding_attention" and layer.get("sliding_window") is not None:
+        return int(layer["sliding_window"])
+    return None
+
+
+def window_keys(drafter) -> dict[str, Any]:
+    """The layer-config keys that give a drafter's draft layer its sliding window in vLLM (none without
+    one: the layer attends to every position)."""
+    window = drafter.config.sliding_window
+    if window is None:
+        return {}
+    return {"layer_types": ["sliding_attention"], "sliding_window": int(window), "use_sliding_window": True}
+
+
+def attention_convention(drafter) -> str:
+    window = drafter.config.sliding_window
+    if window is None:
+        return "full attention (no layer_types/sliding_window written)"
+    return f"a sliding window of {window} positions (layer_types [sliding_attention], sliding_window {window}: vLLM's draft layer honours both)"
 
 
 def check_draft_layer(folder: Path, layer: dict[str, Any], ours: dict[str, Any]) -> None:
@@ -213,7 +235,7 @@ class Eagle3Exporter(Exporter):
         if source.vllm_format == "native":
             return self.native_vllm(source)
         drafter, target = source.drafter, source.target
-        layer = draft_layer_config(drafter, SPECULATORS_FAMILIES, "vLLM", "EAGLE-3")
+        layer = draft_layer_config(drafter, SPECULATORS_FAMILIES, "vLLM", "EAGLE-3") | window_keys(drafter)
         ours = list(drafter.config.aux_layers)
         ids = vllm_ids(ours, target.shape.num_hidden_layers)
         layer |= {
@@ -267,6 +289,7 @@ class Eagle3Exporter(Exporter):
             "(written either way; vLLM defaults them to false)",
             "draft_layers": f"{layer['model_type']} (drafter.layer_family; vLLM builds {layer['architectures'][0].replace('ForCausalLM', '')} "
             f"EAGLE-3 layers from transformer_layer_config.model_type, whatever the target's family, {target.shape.model_type})",
+            "attention": attention_convention(drafter),
         }
         expected = layer_expected(
             layer, target.shape.vocab_size, drafter.config.draft_vocab_size, len(ids), drafter.config.fc_norm,
@@ -301,18 +324,22 @@ class Eagle3Exporter(Exporter):
                 "export.vllm_format=native: P-EAGLE is written in vLLM's speculators format only (peagle); leave export.vllm_format unset"
             )
         ids = vllm_ids(list(drafter.config.aux_layers), target.shape.num_hidden_layers)
-        config = draft_layer_config(drafter, LLAMA_ONLY, "vLLM's native EAGLE-3 form", "EAGLE-3") | {
-            "architectures": ["LlamaForCausalLMEagle3"],
-            "draft_vocab_size": drafter.config.draft_vocab_size,
-            "target_hidden_size": target.shape.hidden_size,
-            "num_aux_hidden_states": len(ids),
-            "eagle_config": {"use_aux_hidden_state": True},
-            "eagle_aux_hidden_state_layer_ids": ids,
-            "norm_before_residual": bool(drafter.config.norm_before_residual),
-            "fc_norm": bool(drafter.config.fc_norm),
-            "norm_output": bool(drafter.config.norm_output),
-            "norm_before_fc": bool(drafter.config.norm_before_fc),
-        }
+        config = (
+            draft_layer_config(drafter, LLAMA_ONLY, "vLLM's native EAGLE-3 form", "EAGLE-3")
+            | window_keys(drafter)
+            | {
+                "architectures": ["LlamaForCausalLMEagle3"],
+                "draft_vocab_size": drafter.config.draft_vocab_size,
+                "target_hidden_size": target.shape.hidden_size,
+                "num_aux_hidden_states": len(ids),
+                "eagle_config": {"use_aux_hidden_state": True},
+                "eagle_aux_hidden_state_layer_ids": ids,
+                "norm_before_residual": bool(drafter.config.norm_before_residual),
+                "fc_norm": bool(drafter.config.fc_norm),
+                "norm_output": bool(drafter.config.norm_output),
+                "norm_before_fc": bool(drafter.config.norm_before_fc),
+            }
+        )
         expected = layer_expected(
             config, target.shape.vocab_size, drafter.config.draft_vocab_size, len(ids), drafter.config.fc_norm,
             drafter.config.norm_before_fc,
@@ -329,6 +356,7 @@ class Eagle3Exporter(Exporter):
             "eagle3.1": f"fc_norm {config['fc_norm']}, norm_output {config['norm_output']}, norm_before_fc {config['norm_before_fc']} "
             "(top level, where vLLM reads them)",
             "weights": "layers.0.* written as midlayer.*",
+            "attention": attention_convention(drafter),
         }
         return EngineRepo(
             "vllm",
@@ -353,6 +381,11 @@ class Eagle3Exporter(Exporter):
             raise UserError(
                 f"this EAGLE-3 drafter uses {' and '.join(extensions)}, which SGLang's EAGLE-3 layer does not have: it would "
                 "serve another function (export it for vllm, or train without them)"
+            )
+        if drafter.config.sliding_window is not None:
+            raise UserError(
+                f"this EAGLE-3 drafter's layer attends to a sliding window of {drafter.config.sliding_window} positions, which "
+                "SGLang's EAGLE-3 layer has not been verified to honour (export it for vllm, or retrain with drafter.sliding_window=null)"
             )
         if drafter.config.norm_before_residual:
             raise UserError(
@@ -434,6 +467,7 @@ class Eagle3Exporter(Exporter):
         refuse_unhonoured(folder, config, layer_config, ours, num_layers)
         eagle3 = drafter_class("eagle3")
         settings = {
+            "sliding_window": layer_window(layer_config),
             "layer_family": family,
             "aux_layers": ours,
             "draft_vocab_size": int(config["draft_vocab_size"]),

@@ -46,7 +46,14 @@ from draftsmith.heads.base import (
     Tree,
     per_sample_stats,
 )
-from draftsmith.heads.packing import documents, draft_attention_mask, num_documents, positions, same_document
+from draftsmith.heads.packing import (
+    documents,
+    draft_attention_mask,
+    num_documents,
+    positions,
+    same_document,
+    within_window,
+)
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 
@@ -193,6 +200,11 @@ class EagleBase(Drafter):
             )
         return self.shared
 
+    def attention_window(self) -> Optional[int]:
+        """The draft layers' sliding window (keys at positions > p - window seen from position p), or
+        None: every position (EAGLE-1)."""
+        return None
+
     # -- what a subclass defines ----------------------------------------------------------------
     def draft(
         self,
@@ -288,6 +300,9 @@ class EagleProposer(Proposer):
             )
         new = torch.arange(start, committed + extra, device=tokens.device)
         mask = torch.ones(1, 1, len(new), committed + extra, dtype=torch.bool, device=tokens.device).tril(start)
+        window = drafter.attention_window()
+        if window is not None:  # cache entry p sits at position p
+            mask &= within_window(new[:, None], torch.arange(committed + extra, device=tokens.device), window)
         out = drafter.draft(inputs[None], features[None], new[None], mask, self.cache)
         self.draft_forwards += 1
         return out[0, -1] if extra_tokens is None else out[0, -1 - extra :]
@@ -304,6 +319,8 @@ class EagleProposer(Proposer):
         scores: list[float] = []
         node_depth: list[int] = []
         entry_of: dict[int, int] = {}  # expanded node -> its cache entry
+        entry_positions = list(range(committed))  # of every cache entry, the expanded nodes' appended
+        window = drafter.attention_window()
         output_of: dict[int, torch.Tensor] = {
             -1: root_feature
         }  # expanded node (or root) -> the feature its entry predicts
@@ -335,6 +352,9 @@ class EagleProposer(Proposer):
             for row, node in enumerate(frontier):
                 entry_of[node] = past + row
             positions = torch.tensor([[committed - 1 + node_depth[n] for n in frontier]], device=device)
+            entry_positions += positions[0].tolist()
+            if window is not None:
+                mask &= within_window(positions[0, :, None], torch.tensor(entry_positions, device=device), window)
             frontier_tokens = torch.tensor([[tokens[n] for n in frontier]], device=device)
             out = drafter.draft(frontier_tokens, features[None], positions, mask, self.cache)[0]
             self.draft_forwards += 1

@@ -16,6 +16,10 @@ passed on is o'_t = norm(o_t), read by the lm_head as it is. `norm_before_fc` (s
 vLLM's `input_norm`): one RMSNorm over the concatenated states, g_t = fc(n(cat(h^a_t, h^b_t, h^c_t))),
 in place of fc_norm (speculators refuses the two together).
 
+A sliding window (`sliding_window`, speculators' default draft layer): a query at position p attends
+to the keys at positions > p - window only, in training and decoding alike, as vLLM's draft layer
+does (the window moves with the draft's own position at every depth).
+
 P-EAGLE (`parallel_drafting`, as vLLM serves it with `parallel_drafting: true`): one draft forward
 proposes the whole chain. The first query is the usual (x_{t+1}, g_t); the k-th of the γ-1 after it
 reads the embedding of `mask_token_id` (a token of the target's vocabulary) and the fused learned
@@ -70,7 +74,14 @@ from draftsmith.heads.base import (
     per_sample_stats,
 )
 from draftsmith.heads.eagle import EagleBase, EagleProposer, check_tree_settings, import_qualified, start_from_norm
-from draftsmith.heads.packing import documents, draft_attention_mask, num_documents, positions, same_document
+from draftsmith.heads.packing import (
+    documents,
+    draft_attention_mask,
+    num_documents,
+    positions,
+    same_document,
+    within_window,
+)
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 log = logging.getLogger("draftsmith.eagle3")
@@ -110,6 +121,10 @@ class Eagle3Config(DrafterConfig):
     # The family of the draft layer, whatever the target's (draftsmith.families): llama is what vLLM
     # (any format) and SGLang build for any target; qwen3 is vLLM's Eagle3Qwen3ForCausalLM (speculators format).
     layer_family: str = "llama"
+    # The draft layer's attention sees only the last `sliding_window` positions (its own included), as
+    # speculators' trainer builds its draft layers by default (2048); None: every position. Exported as
+    # the layer config's layer_types/sliding_window, which vLLM's Llama and Qwen3 draft layers honour.
+    sliding_window: Optional[int] = None
     decoder: Optional[dict] = None  # the draft layers' classes and config, resolved by from_target
 
     def check(self, target: Optional[TargetShape] = None) -> None:
@@ -121,6 +136,8 @@ class Eagle3Config(DrafterConfig):
             )
         if self.draft_vocab_size < 1:
             raise UserError(f"drafter.draft_vocab_size={self.draft_vocab_size} must be >= 1")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise UserError(f"drafter.sliding_window={self.sliding_window} must be >= 1 (or null: full attention)")
         if self.fc_norm and self.norm_before_fc:  # speculators' loader refuses the pair (vLLM would chain them)
             raise UserError("drafter.fc_norm and drafter.norm_before_fc both normalise the taps before fc: choose one")
         check_mask_token(self.mask_token_id, target, "drafter.parallel_drafting=true" if self.parallel_drafting else "")
@@ -241,6 +258,8 @@ def ttt_attention(module, query, key, value, attention_mask, scaling=None, dropo
         visible = torch.arange(width, device=query.device) <= ttt_at.cols[:, None]
     else:
         visible = attention_mask[ttt_at.rows, 0, ttt_at.cols]  # [N, W]
+    if ttt_at.window is not None:  # the window moves with the query's position, t+i (vLLM's at depth i+1)
+        visible = visible & within_window(ttt_at.positions[:, None], ttt_at.key_positions[ttt_at.rows], ttt_at.window)
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
     diagonal = grouped @ own_keys.transpose(-1, -2)  # [N, kv, group, i]: the position's own steps 1..i
     weights = (torch.cat([scores, diagonal], dim=-1) * scaling).softmax(-1, dtype=torch.float32).to(query.dtype)
@@ -253,10 +272,14 @@ def ttt_attention(module, query, key, value, attention_mask, scaling=None, dropo
 @dataclass
 class StepPositions:
     """The positions a training-time-test step i > 0 runs at (`Eagle3.unroll_at`): row and column of
-    each, in row-major order."""
+    each, in row-major order; with a sliding window, the RoPE positions of the step's queries and of
+    step 0's keys."""
 
     rows: torch.Tensor  # [N] long
     cols: torch.Tensor  # [N] long
+    window: Optional[int] = None  # drafter.sliding_window
+    positions: Optional[torch.Tensor] = None  # [N] long: the queries' positions (t + i)
+    key_positions: Optional[torch.Tensor] = None  # [B, W] long: step 0's keys' positions
 
 
 class StepKeys:
@@ -431,6 +454,9 @@ class Eagle3(EagleBase):
         tokens = torch.full((count,), self.config.mask_token_id, dtype=torch.long, device=device)
         return tokens, feature.expand(count, -1)
 
+    def attention_window(self) -> Optional[int]:
+        return self.config.sliding_window
+
     def draft(self, tokens, features, positions, mask=None, cache=None, **attention) -> torch.Tensor:
         """o = layer(embed(x), g) for input features g (fused target features or earlier outputs);
         see EagleBase.draft. `attention` goes to the attention function (`ttt_at`, see `unroll_at`)."""
@@ -470,7 +496,8 @@ class Eagle3(EagleBase):
         entry t of decoding, and its output guesses x_{t+2}. Step i > 0 at position t reads
         (x_{t+1+i}, step i-1's output at t) at RoPE position t+i and guesses x_{t+2+i}: it is the
         draft at depth i+1 after committing x_0..x_{t+1}, with the earlier drafts teacher-forced to
-        the data. Its attention sees step 0's keys at positions <= t (the committed entries) and steps
+        the data. Its attention sees step 0's keys at positions <= t (the committed entries; with a sliding
+        window only those > t+i - window, vLLM's window at depth i+1) and steps
         1..i's keys at t (its ancestors and itself), the decode-time tree mask (`ttt_attention`). Positions past the
         sequence's end read a pad token; the loss masks them out.
 
@@ -496,7 +523,8 @@ class Eagle3(EagleBase):
         position's row of outputs, -1 where the step did not run)."""
         width = input_ids.shape[1] - 2
         features = self.fuse(layers)[:, :width]
-        start, mask = positions(batch)[:, :width], draft_attention_mask(batch, width)
+        window = self.config.sliding_window
+        start, mask = positions(batch)[:, :width], draft_attention_mask(batch, width, window)
         cache = StepKeys()  # step i's attention reads the keys of step 0 and of the position's own steps 1..i
         output = self.draft(shifted(input_ids, 1, width), features, start, mask, cache=cache)
         slots = torch.arange(output.shape[0] * width, device=input_ids.device).view(-1, width)
@@ -514,13 +542,14 @@ class Eagle3(EagleBase):
             else:
                 tokens = shifted(input_ids, 1 + step, width)[rows, cols]
                 features = previous.index_select(0, cache.previous)
+            places = start[rows, cols] + step
             output = self.draft(
                 tokens[None],
                 features[None],
-                (start[rows, cols] + step)[None],
+                places[None],
                 mask,
                 cache=cache,
-                ttt_at=StepPositions(rows, cols),
+                ttt_at=StepPositions(rows, cols, window, places, start),
             )[0]
             slots = torch.full_like(slots, -1).index_put_((rows, cols), torch.arange(len(rows), device=rows.device))
             unrolled.append((output, slots))

@@ -16,7 +16,8 @@ every helper here answers for both, so each drafter has one code path:
   cannot reach a scored output: at a position that is never scored and that no scored position
   of its document attends to (a document's last positions, as a row's last ones read padding);
 - `causal_document_mask(docs)` / `draft_attention_mask(batch)`: the block-diagonal causal mask for a
-  drafter's own attention layers (None when unpacked: plain causal attention is right);
+  drafter's own attention layers (None when unpacked: plain causal attention is right), with a
+  sliding window where the drafter's attention has one (`within_window`);
 - `causal_lm_inputs(batch)`: the keyword arguments of a transformers causal-LM forward (the target,
   Medusa-2's adapted target, the draft model), and `require_packed_attention(model)`, the probe that
   such a model honours them.
@@ -79,13 +80,29 @@ def causal_document_mask(docs: torch.Tensor) -> torch.Tensor:
     return (causal & (docs[:, :, None] == docs[:, None, :]))[:, None]
 
 
-def draft_attention_mask(batch: dict, width: Optional[int] = None) -> Optional[torch.Tensor]:
+def draft_attention_mask(
+    batch: dict, width: Optional[int] = None, window: Optional[int] = None
+) -> Optional[torch.Tensor]:
     """The mask for a drafter's own causal attention over the first `width` positions: None (plain
-    causal; right padding cannot reach a real token) unless the batch is packed."""
-    if not is_packed(batch):
+    causal; right padding cannot reach a real token) unless the batch is packed or the attention
+    has a sliding `window`: then a query at position p also sees only keys at positions > p - window
+    (the engines' sliding window, `within_window`)."""
+    if not is_packed(batch) and window is None:
         return None
-    docs = documents(batch)
-    return causal_document_mask(docs if width is None else docs[:, :width])
+    docs, places = documents(batch), positions(batch)
+    if width is not None:
+        docs, places = docs[:, :width], places[:, :width]
+    mask = causal_document_mask(docs)
+    if window is None:
+        return mask
+    return mask & within_window(places[:, :, None], places[:, None, :], window)[:, None]
+
+
+def within_window(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """Whether a key is inside a query's sliding window of `window` positions (its own included), as
+    vLLM's and transformers' sliding-window attention count it: key position > query position - window.
+    Broadcasts its arguments."""
+    return key_positions > query_positions - window
 
 
 def causal_lm_inputs(batch: dict) -> dict[str, Any]:

@@ -452,6 +452,55 @@ def test_eagle31_greedy_is_lossless_and_round_trips_the_checkpoint(model, drafte
     assert torch.equal(drafter31.proposer().propose(state, 4).tokens, loaded.proposer().propose(state, 4).tokens)
 
 
+# -- a sliding-window draft layer (speculators' default) ------------------------------------------
+WINDOW = 4  # of the prompts' 5-17 committed positions, and the chain's 4 steps: the window engages at every depth
+
+
+@pytest.fixture(scope="module")
+def windowed(model):
+    return fitted_eagle(model, steps=60, **TINY, sliding_window=WINDOW)
+
+
+@pytest.mark.parametrize("n", [7, 12])
+def test_windowed_training_time_test_equals_decoding(model, windowed, n):
+    test_training_time_test_equals_decoding(model, windowed, n)
+
+
+def test_a_windowed_draft_reads_only_the_last_window_positions(model, windowed):
+    """Step 0 at position t equals the draft over positions t-WINDOW+1..t alone (at their own
+    positions), and differs from full attention over the same weights: the window is applied, by the
+    engines' count (a key at p - WINDOW is out)."""
+    text = torch.randint(3, TINY_VOCAB, (1, 14), generator=torch.Generator().manual_seed(5))
+    t = 9
+    with torch.no_grad():
+        layers = run_target(model, text, request=windowed.request).layers
+        windowed_out = windowed.unroll(text, layers)[0][0, t]
+        first = t - WINDOW + 1
+        features = windowed.fuse(layers)[:, first : t + 1]
+        alone = windowed.draft(text[:, first + 1 : t + 2], features, torch.arange(first, t + 1)[None])[0, -1]
+        torch.testing.assert_close(windowed_out, alone, rtol=1e-5, atol=1e-5)
+        windowed.config.sliding_window = None
+        try:
+            full = windowed.unroll(text, layers)[0][0, t]
+        finally:
+            windowed.config.sliding_window = WINDOW
+    assert not torch.allclose(full, windowed_out, atol=1e-3)
+
+
+@pytest.mark.parametrize("tree", [None, DynamicTree(nodes=10, depth=4, topk=3)], ids=["chain", "dynamic-tree"])
+def test_windowed_greedy_speculative_equals_plain(model, windowed, prompts, tree):
+    assert_greedy_equals_plain(model, windowed, prompts, tree)
+
+
+def test_windowed_cache_rollback_and_checkpoint(model, windowed, prompts, tmp_path):
+    assert_cache_rollback(model, windowed, prompts[2], tmp_path)
+    windowed.save_pretrained(tmp_path / "windowed")
+    assert load_drafter(tmp_path / "windowed", TargetShape.of(model, "tiny"), model).config.sliding_window == WINDOW
+    with pytest.raises(UserError, match="drafter.sliding_window=0 must be >= 1") as info:
+        Eagle3Config(sliding_window=0).check()
+    assert "\n" not in str(info.value)
+
+
 # -- P-EAGLE: parallel drafting ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def parallel_drafter(model):

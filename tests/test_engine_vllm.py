@@ -4,7 +4,8 @@ norm_before_residual + norm_output in vLLM's native one, and P-EAGLE's and PARD'
 (a) greedy outputs equal vLLM's without speculation and draftsmith's plain decoding, (b) vLLM's
 counters show accepted tokens, (c) vLLM's τ is within export.tolerance (2%) of draftsmith's on the
 same prompts and schedule. And (c) fails for the silent mistakes the field has shipped: an EAGLE-3
-folder without `norm_before_residual`, or with draftsmith's layer ids written unshifted. An export with a
+folder without `norm_before_residual`, with draftsmith's layer ids written unshifted, or without its
+draft layer's sliding window (the EAGLE-3 case attends to the last 8 positions, in vLLM as in draftsmith). An export with a
 γ per batch size (export.batch_sweep) is served with it: the engine takes it as written, drafts less
 once the batch is past it, and stays lossless."""
 
@@ -32,9 +33,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine]
 CASES = {
     "medusa": ("medusa", []), "medusa2": ("medusa2", []), "eagle": ("eagle", []), "draft_model": ("draft", []),
     # trained long enough (τ ≈ 1.47) for the misread folders of the last test to show in the acceptance (-16%, -7%),
-    # on more prompts and tokens than the others so that the right folder stays well inside the 2% (0.2% measured)
+    # on more prompts and tokens than the others so that the right folder stays well inside the 2% (0.2% measured);
+    # its draft layer sees a sliding window of 2 positions (speculators' default layer type), far shorter than the prompts
     "eagle3": ("eagle3", ["train.max_steps=40", "drafter.ttt_steps=2", "train.lr=3e-3", "train.warmup_steps=5", "eval.max_prompts=3",
-                          "eval.max_new_tokens=48"]),
+                          "eval.max_new_tokens=48", "drafter.sliding_window=2"]),
     # TTT 2 and DFlash's 16 anchors a sequence (of 64): the engine check needs accepted tokens, not a good drafter
     "eagle3.1": ("eagle3", ["drafter.fc_norm=true", "drafter.norm_output=true", "drafter.ttt_steps=2"]),
     "dflash": ("dflash", ["drafter.anchors=16"]),
@@ -103,12 +105,14 @@ def test_an_exported_drafter_runs_in_vllm_like_in_draftsmith(case, exported):
 
 def test_a_silently_misread_eagle3_folder_fails_the_check(exported, engine_session, target, tmp_path):
     """The EAGLE-3 case's drafter (it accepts often enough for the mistakes to show), its folder
-    broken two ways after the export passed the check."""
+    broken three ways after the export passed the check."""
     cfg, checkpoint, folder = exported("eagle3")
     source = load_source(cfg, checkpoint, target)
     repo = exporter_for("eagle3").build("vllm", source, 3, folder)
+    window = ("layer_types", "sliding_window", "use_sliding_window")
     for name, change in (("norm_before_residual missing", lambda c: c.pop("norm_before_residual")),
-                         ("layer ids unshifted", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 1, 2]))):  # fmt: skip
+                         ("layer ids unshifted", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 1, 2])),
+                         ("sliding window dropped", lambda c: [c["transformer_layer_config"].pop(k) for k in window])):  # fmt: skip
         broken = tmp_path / name.replace(" ", "_")
         shutil.copytree(folder, broken)
         config = json.loads((broken / "config.json").read_text())

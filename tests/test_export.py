@@ -234,6 +234,7 @@ def test_a_folder_speculators_saved_is_read_and_warm_starts(target, speculators_
         recipe = load_recipe(
             [f"recipe={KINDS['eagle3']}", f"drafter.norm_before_residual={norm_before_residual}"]
             + [f"drafter.{key}={value}" for key, value in SPECULATORS_NORMS.items()]
+            + ["drafter.sliding_window=2048"]  # speculators' default draft layer
         )
         fresh = drafter_class("eagle3").from_target(OmegaConf.to_object(recipe.drafter), target, str(REFERENCE_TARGET))
         if not refused:
@@ -245,15 +246,61 @@ def test_a_folder_speculators_saved_is_read_and_warm_starts(target, speculators_
 
 
 @pytest.mark.parametrize(
+    "layer, window",
+    [({}, 2048), ({"sliding_window": 512}, 512), ({"layer_types": ["full_attention"]}, None)],
+    ids=["speculators-default", "narrower", "full-attention"],
+)
+def test_a_speculators_folder_s_sliding_window_is_read_as_vllm_reads_it(
+    layer, window, target, speculators_tensors, tmp_path
+):
+    """speculators' trainer gives its draft layer a sliding window by default; draftsmith's drafter then
+    attends within it (tests/test_eagle3.py proves the window), and a window-less recipe is told to set it."""
+    from omegaconf import OmegaConf
+
+    from draftsmith.export import open_drafter
+    from draftsmith.export.run import warm_start
+    from draftsmith.heads import drafter_class
+    from draftsmith.heads.base import TargetShape
+
+    folder = write_speculators_folder(tmp_path / "speculators", speculators_tensors, layer)
+    assert open_drafter(folder, TargetShape.of(target, str(REFERENCE_TARGET)), target).config.sliding_window == window
+    recipe = load_recipe(
+        [f"recipe={KINDS['eagle3']}", "drafter.norm_before_residual=true"]
+        + [f"drafter.{key}={value}" for key, value in SPECULATORS_NORMS.items()]
+    )
+    fresh = drafter_class("eagle3").from_target(OmegaConf.to_object(recipe.drafter), target, str(REFERENCE_TARGET))
+    if window is None:
+        warm_start(folder, fresh, target)
+        return
+    with pytest.raises(UserError) as info:
+        warm_start(folder, fresh, target)
+    assert f"drafter.sliding_window=null ({folder} has {window})" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_windowed_eagle3_is_written_with_its_window_in_both_vllm_forms(target, tmp_path):
+    from draftsmith.export import open_drafter
+    from draftsmith.heads.base import TargetShape
+
+    checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt", sliding_window=16)
+    keys = {"layer_types": ["sliding_attention"], "sliding_window": 16, "use_sliding_window": True}
+    for form in ("speculators", "native"):
+        folder = run_export("eagle3", checkpoint, tmp_path / form, f"export.vllm_format={form}", target=target)["vllm"]
+        config = json.loads((folder / "config.json").read_text())
+        layer = config.get("transformer_layer_config", config)
+        assert {key: layer.get(key) for key in keys} == keys, form
+        assert "sliding window of 16" in json.loads((folder / EXPORT_INFO).read_text())["conventions"]["attention"]
+        assert open_drafter(folder, TargetShape.of(target, str(REFERENCE_TARGET)), target).config.sliding_window == 16
+
+
+@pytest.mark.parametrize(
     "layer, top, fragment",
     [({}, {"eagle_aux_hidden_state_layer_ids": [2, 3, 4]}, "before its final norm"),
      ({"num_hidden_layers": 2}, {}, "2 draft layers"),
-     ({"sliding_window": 512}, {}, "sliding window of 512"),
      ({"hidden_act": "gelu", "rms_norm_eps": 1e-5}, {}, "hidden_act='gelu' (draftsmith's: 'silu'), rms_norm_eps=1e-05"),
      ({"vocab_size": 8192}, {"vocab": 8192}, "with vocab_size=8192, but the target"),
      ({}, {"target_hidden_size": 512}, "with hidden_size=512, but the target"),
      ({}, {"embed": True}, "not the target's embedding")],
-    ids=["last-state-before-norm", "two-layers", "sliding-window", "layer-config", "other-vocabulary",
+    ids=["last-state-before-norm", "two-layers", "layer-config", "other-vocabulary",
          "other-hidden-size", "trained-embedding"],
 )  # fmt: skip
 def test_what_draftsmith_cannot_compute_from_a_speculators_folder_is_refused(
@@ -332,6 +379,12 @@ def test_dflash_conventions_are_converted_and_written(target, tmp_path):
             "uses norm_output, which SGLang's EAGLE-3 layer does not have",
         ),
         ("eagle3", PEAGLE, ["export.engines=[sglang]"], "drafts in parallel (P-EAGLE), which SGLang does not serve"),
+        (
+            "eagle3",
+            {"sliding_window": "16"},
+            ["export.engines=[sglang]"],
+            "sliding window of 16 positions, which SGLang",
+        ),
         ("draft_model", PARD, ["export.engines=[sglang]"], "drafts in parallel (PARD), which SGLang does not serve"),
         ("eagle3", PEAGLE, ["export.vllm_format=native"], "P-EAGLE is written in vLLM's speculators format only"),
         ("medusa", {}, ["export.vllm_format=native"], "medusa has one vLLM layout"),
@@ -352,6 +405,7 @@ def test_dflash_conventions_are_converted_and_written(target, tmp_path):
         "eagle3-post-norm-layer",
         "eagle31-for-sglang",
         "peagle-for-sglang",
+        "windowed-eagle3-for-sglang",
         "pard-for-sglang",
         "peagle-native",
         "medusa-native",

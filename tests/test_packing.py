@@ -184,6 +184,14 @@ DRAFTERS = {
     },
     "eagle": {"noise_std": 0.0},
     "eagle3": {"aux_layers": [0, 1], "draft_vocab_size": 40, "ttt_steps": 4},
+    # the window counts positions within a conversation, not within the packed row
+    "eagle3_windowed": {
+        "type": "eagle3",
+        "aux_layers": [0, 1],
+        "draft_vocab_size": 40,
+        "ttt_steps": 4,
+        "sliding_window": 5,
+    },
     "dflash": {
         "num_layers": 2,
         "target_layers": [0, 1],

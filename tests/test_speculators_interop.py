@@ -123,9 +123,9 @@ print(json.dumps({
 """
 
 
-# Run by the speculators venv's Python before CHECK (argv: the target, then CHECK's): an EAGLE-3 draft
-# model as speculators' trainer builds one by default for this target (one Llama layer with a sliding
-# window of 2048, norm_before_residual, norm_before_fc and norm_output, a pruned vocabulary), in its own random init, embedding and
+# Run by the speculators venv's Python before CHECK (argv: the target, the window, then CHECK's): an EAGLE-3
+# draft model as speculators' trainer builds one by default for this target (one Llama layer with a sliding
+# window, 2048 by default, norm_before_residual, norm_before_fc and norm_output, a pruned vocabulary), in its own random init, embedding and
 # lm_head from the verifier, saved as its checkpointer saves every checkpoint (bfloat16).
 BUILD = """
 import sys, torch
@@ -133,10 +133,10 @@ from pathlib import Path
 from speculators.models.eagle3 import Eagle3DraftModel
 from speculators.train.checkpointer import convert_float_dtype, patch_config_dtype
 from speculators.train.cli import create_transformer_layer_config
-target = sys.argv.pop(1)
+target, window = sys.argv.pop(1), int(sys.argv.pop(1))
 torch.manual_seed(0)
 layer = create_transformer_layer_config(
-    verifier_name_or_path=target, num_layers=1, draft_arch="llama", hidden_act=None, sliding_window=2048,
+    verifier_name_or_path=target, num_layers=1, draft_arch="llama", hidden_act=None, sliding_window=window,
     full_attention_indices=[],
 )
 kept = torch.randperm(layer.vocab_size)[:2048].sort().values
@@ -215,22 +215,38 @@ def test_speculators_loads_and_drafts_like_a_draftsmith_export(
     assert_same_drafts(result, ours, logits, out, case)
 
 
-def test_draftsmith_evaluates_and_warm_starts_from_a_speculators_checkpoint(speculators_python, tmp_path):
+@pytest.mark.parametrize("window", [2048, 8], ids=["default-window", "window-inside-the-prompt"])
+def test_draftsmith_evaluates_and_warm_starts_from_a_speculators_checkpoint(window, speculators_python, tmp_path):
     """The other direction: a checkpoint speculators itself saved (BUILD) is, through `open_drafter`
     (the eval's `checkpoint=`), a drafter proposing what speculators' own forward proposes on the same
-    target states, and `warm_start` returns it with every tensor of the folder, to the bit."""
+    target states, and `warm_start` returns it with every tensor of the folder, to the bit.
+
+    With a window narrower than the prompt, the first draft step attends to the last `window`
+    positions on both sides, logits within 1e-4. Later steps differ by design: at depth i+1 speculators'
+    training forward keeps the window of the root's position, vLLM's draft layer (and draftsmith's, in
+    training and decoding) moves it with the draft's own position, so it drops i more of the oldest keys."""
     speculators_defaults = ["norm_before_residual", "norm_before_fc", "norm_output"]  # its trainer's, for EAGLE-3
-    recipe = load_recipe(["recipe=eagle3", *(f"drafter.{key}=true" for key in speculators_defaults)])
+    recipe = load_recipe(
+        ["recipe=eagle3", *(f"drafter.{key}=true" for key in speculators_defaults), f"drafter.sliding_window={window}"]
+    )
     target = load_target(recipe.target)
     folder, states, out = tmp_path / "speculators", tmp_path / "states.safetensors", tmp_path / "drafts.safetensors"
     prompt = target_states(target, recipe, states)
-    result = speculators_drafts(speculators_python, folder, states, out, str(REFERENCE_TARGET))
+    result = speculators_drafts(speculators_python, folder, states, out, str(REFERENCE_TARGET), str(window))
     shape = TargetShape.of(target, recipe.target.name_or_path)
     drafter = open_drafter(folder, shape, target)
-    assert drafter.config.aux_layers == [0, 1, 2] and drafter.pruned
+    assert drafter.config.aux_layers == [0, 1, 2] and drafter.pruned and drafter.config.sliding_window == window
     assert all(getattr(drafter.config, key) for key in speculators_defaults)
     ours, logits = draftsmith_proposal(drafter, target, prompt)
-    assert_same_drafts(result, ours, logits, out, "speculators checkpoint")
+    if window >= len(prompt):
+        assert_same_drafts(result, ours, logits, out, "speculators checkpoint")
+    else:
+        first = (load_file(out)["logits"][0] - logits[0]).abs().max().item()
+        print(f"window {window} of a {len(prompt)}-token prompt: first step's logits max |diff| {first:.2e}")
+        assert result["proposed"][0] == ours[0] and first < 1e-4
+        drafter.config.sliding_window = None  # the window is what makes them agree: without it they do not
+        assert (draftsmith_proposal(drafter, target, prompt)[1][0] - logits[0]).abs().max().item() > 1e-3
+        drafter.config.sliding_window = window
     saved = load_file(str(folder / "model.safetensors"))
     assert saved["fc.weight"].dtype == torch.bfloat16 and "verifier_lm_head.weight" not in saved
     recipe_drafter = drafter_class("eagle3").from_target(
