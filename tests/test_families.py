@@ -7,7 +7,9 @@ sequences so that every windowed layer actually drops keys) prove, per family:
 - the eval loop: plain decoding equals transformers' own greedy `generate` (the family's real masks and
   cache), a batch decodes as each prompt alone, and a tree's one-forward verification equals the
   forwards of each of its paths, also past a sliding window;
-- EAGLE-3 with Llama draft layers (and Qwen3 ones) trains, saves and loads, and decodes losslessly.
+- EAGLE-3 with Llama draft layers (and Qwen3 ones) trains, saves and loads, resumes exactly (its
+  weights and optimizer state reloaded, it continues as the run that never stopped), and decodes
+  losslessly.
 
 The real engine's side (vLLM serving each family's drafter with draftsmith's acceptance) is
 tests/test_families_vllm.py; the whole matrix of kinds is benchmarks/target_matrix.py.
@@ -15,6 +17,7 @@ tests/test_families_vllm.py; the whole matrix of kinds is benchmarks/target_matr
 
 from __future__ import annotations
 
+import copy
 import subprocess
 
 import pytest
@@ -99,9 +102,11 @@ def test_tree_forward_equals_path_forwards_past_the_window(family):
 
 
 @pytest.mark.parametrize("layer_family", ["llama", "qwen3"])
-def test_eagle3_trains_reloads_and_decodes_losslessly(family, layer_family, tmp_path):
-    """EAGLE-3 with draft layers of the chosen family on any target: its loss trains it, the saved
-    checkpoint reloads to the same drafter, and its chain decodes exactly plain greedy's tokens."""
+def test_eagle3_trains_resumes_and_decodes_losslessly(family, layer_family, tmp_path):
+    """EAGLE-3 with draft layers of the chosen family on any target: its loss trains it; the saved
+    checkpoint reloads to the same drafter, and with the optimizer's state (as the trainer resumes:
+    the drafter's weights from its checkpoint, the optimizer's state by parameter order) two more steps
+    land exactly where the uninterrupted run's do; its chain decodes exactly plain greedy's tokens."""
     name, model = family
     eagle3 = drafter_class("eagle3")
     config = eagle3.Config(aux_layers=[-1, 0], draft_vocab_size=VOCAB, ttt_steps=2, layer_family=layer_family)
@@ -110,22 +115,33 @@ def test_eagle3_trains_reloads_and_decodes_losslessly(family, layer_family, tmp_
     ids = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(4))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
     target_out = run_target(model, ids, request=eagle3.features(drafter.config, drafter.target))
+
+    def steps(drafter, optimizer, count: int) -> list[float]:
+        losses = []
+        for _ in range(count):
+            loss_sum, tokens, _ = drafter.loss(batch, target_out)
+            (loss_sum / tokens).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss_sum / tokens))
+        return losses
+
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(4):
-        loss_sum, count, _ = drafter.loss(batch, target_out)
-        (loss_sum / count).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss_sum / count))
-    assert losses[-1] < losses[0], losses
+    losses = steps(drafter, optimizer, 2)
     drafter.save_pretrained(tmp_path)
     reloaded = load_drafter(tmp_path, target_model=model)
     for key, tensor in drafter.state_dict().items():
         assert torch.equal(tensor, reloaded.state_dict()[key]), key
+    resumed = torch.optim.AdamW(reloaded.parameters(), lr=1e-2)
+    resumed.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # as saved: its own tensors, not the run's
+    losses += steps(drafter, optimizer, 2)
+    assert losses[-1] < losses[0], losses
+    assert steps(reloaded, resumed, 2) == losses[2:]
+    for key, tensor in drafter.state_dict().items():
+        assert torch.equal(tensor, reloaded.state_dict()[key]), key
     prompt = random_prompt(WINDOW + 5, 5)
     plain = generate(model, prompt, 2 * WINDOW).tokens
-    for proposer in (drafter.eval().proposer(), reloaded.proposer()):
+    for proposer in (drafter.eval().proposer(), reloaded.eval().proposer()):
         assert generate(model, prompt, 2 * WINDOW, drafter=proposer, gamma=3).tokens == plain
 
 
