@@ -79,6 +79,20 @@ VARIANTS = {
         ],
         "every speculators default draftsmith has but Muon: its architecture, loss weights and weight decay",
     ),
+    # speculators' draft layer attends to a sliding window (2,048 positions, longer than these
+    # conversations); narrower windows, on top of the best variant above
+    **{
+        f"steps+residual+muon+window{window}": (
+            [
+                *ONE_PER_STEP,
+                "drafter.norm_before_residual=true",
+                "train.optimizer=muon",
+                f"drafter.sliding_window={window}",
+            ],
+            f"and a draft layer attending to the last {window} positions only (speculators' layer type, narrower)",
+        )
+        for window in (4, 32)
+    },
 }
 
 

@@ -8,7 +8,11 @@ at batch size 1.
         [--data demo/data/train.regenerated.jsonl.gz] [--conversations 400] [--epochs 2] [--depth 3]
         [--runs runs/peer_speculators] [--out docs/results/peer_speculators] [--prompts 3]
         [--new-tokens 64] [--threads 2] [--stages prepare,train-speculators,train-draftsmith,measure,report]
-        [--draftsmith-set KEY=VALUE ...]
+        [--draftsmith-set KEY=VALUE ...] [--own-defaults]
+
+--own-defaults: the same data, taps and token budget, each trainer otherwise as it comes (speculators:
+the target's whole vocabulary, 8192-token packed rows, 3 steps, one sliding-window layer, Muon;
+draftsmith: the recipe's drafter and micro-batch); --depth is then only the γ both are served at.
 
 Stages, each resumable (skipped when its output exists; a stopped run is started again with the same
 command):
@@ -26,10 +30,10 @@ command):
    greedy, each MT-bench first turn on its own (--prompts per category): plain, speculators'
    checkpoint as vLLM reads the speculators format, draftsmith's export, plain again, one engine per method, γ =
    --depth -> <runs>/timing.json (one key per method, resumable), the load average before and after;
-   then draftsmith's own eval (chain, γ --depth, T = 0) of both, speculators' through the eval's
-   `checkpoint=<folder>` (noted, not failed, where draftsmith cannot read it yet)
-   -> <runs>/<trainer>/mtbench/eval/report.json;
-5. report: <out>/rows.jsonl and <out>/summary.json (printed).
+5. own-eval: draftsmith's own eval (chain, γ --depth, T = 0) of both, speculators' through the eval's
+   `checkpoint=<folder>` (noted, not failed, where draftsmith cannot read it)
+   -> <runs>/<trainer>/mtbench/eval/report.json (about 35 minutes each for 80 prompts of 128 tokens);
+6. report: <out>/rows.jsonl and <out>/summary.json (printed).
 
 A row: trainer, settings (what both runs share and each tool's own choices), category, train_tokens
 (tokens of the training rows x epochs), train_s, tau (vLLM: 1 + accepted / drafts),
@@ -54,7 +58,7 @@ from standard_protocol import cpu_name, load_json, save_json, stage_timer, summa
 from draftsmith.export.repo import VLLM_PINNED
 
 REPO = Path(__file__).resolve().parent.parent
-STAGES = ("prepare", "train-speculators", "train-draftsmith", "measure", "report")
+STAGES = ("prepare", "train-speculators", "train-draftsmith", "measure", "own-eval", "report")
 SPECULATORS_PYTHON = Path.home() / ".cache/draftsmith/engines/speculators-0.9.0/bin/python"
 # speculators' own options its trainer needs on a CPU (the patches are in benchmarks/speculators_cpu.py)
 SPECULATORS_CPU_ARGS = ["--loss-implementation", "eager", "--draft-attn-impl", "sdpa", "--num-workers", "0",
@@ -80,10 +84,15 @@ def load_avg() -> float:
     return os.getloadavg()[0]
 
 
+def matched_overrides(args) -> list[str]:
+    """What draftsmith's run sets to match speculators' (none with --own-defaults: the recipe's own)."""
+    return [] if args.own_defaults else [*EAGLE31, f"drafter.ttt_steps={args.depth}"]
+
+
 def draftsmith_args(args, runs: Path) -> list[str]:
     """The recipe and overrides of draftsmith's run (also what the features are captured for)."""
     return [
-        f"recipe={args.recipe}", *EAGLE31, f"drafter.ttt_steps={args.depth}", f"data.train=[{REPO / args.data}]",
+        f"recipe={args.recipe}", *matched_overrides(args), f"data.train=[{REPO / args.data}]",
         f"output_dir={runs / 'draftsmith'}", *args.draftsmith_set,
     ]  # fmt: skip
 
@@ -109,22 +118,29 @@ def stage_train_speculators(args, runs: Path, info: dict, log: Path) -> dict:
     out = runs / "speculators"
     final = out / str(args.epochs - 1)
     settings = {
+        # the features hold these taps only; they are also speculators' default for the target ([2, L//2, L-3])
         "target_layer_ids": info["speculators_layer_ids"],
+        "epochs": args.epochs,
+        "train_data_ratio": (args.conversations + 0.5) / (args.conversations + 1),  # all rows but the last
+    }
+    matched = {
         "draft_vocab_size": args.draft_vocab_size,
         "ttt_steps": args.depth,
         "num_layers": 1,
-        "epochs": args.epochs,
-        "train_data_ratio": (args.conversations + 0.5) / (args.conversations + 1),  # all rows but the last
         "total_seq_len": info["max_length"],
     }
+    if args.own_defaults:  # its defaults: the target's whole vocabulary, 3 steps, 1 layer, 8192-token rows
+        settings["own_defaults"] = True
+    else:
+        settings |= matched
     if not (final / "model.safetensors").is_file():
+        options = [f"--{key.replace('_', '-')}={value}" for key, value in settings.items() if key in matched]
         command = [
             str(args.speculators_python), str(REPO / "benchmarks/speculators_cpu.py"),
             "--verifier-name-or-path", info["target"], "--data-path", str(runs / "data"), "--save-path", str(out),
             "--log-dir", str(out / "logs"), "--target-layer-ids", *map(str, settings["target_layer_ids"]),
-            "--draft-vocab-size", str(args.draft_vocab_size), "--ttt-steps", str(args.depth), "--num-layers", "1",
-            "--epochs", str(args.epochs), "--train-data-ratio", str(settings["train_data_ratio"]),
-            "--total-seq-len", str(settings["total_seq_len"]), *SPECULATORS_CPU_ARGS,
+            "--epochs", str(args.epochs), "--train-data-ratio", str(settings["train_data_ratio"]), *options,
+            *SPECULATORS_CPU_ARGS,
         ]  # fmt: skip
         before = load_avg()
         seconds = run(command, log, {"OMP_NUM_THREADS": str(args.threads)})
@@ -140,9 +156,11 @@ def stage_train_speculators(args, runs: Path, info: dict, log: Path) -> dict:
 def stage_train_draftsmith(args, runs: Path, log: Path) -> dict:
     out = runs / "draftsmith"
     overrides = [
-        f"data.max_conversations={args.conversations}", f"drafter.draft_vocab_size={args.draft_vocab_size}",
-        f"train.epochs={args.epochs}", "train.max_steps=-1", "train.heldout=0", "train.eval_every=0", "eval.enabled=false", "data.eval=[]",
+        f"data.max_conversations={args.conversations}", f"train.epochs={args.epochs}", "train.max_steps=-1",
+        "train.heldout=0", "train.eval_every=0", "eval.enabled=false", "data.eval=[]",
     ]  # fmt: skip
+    if not args.own_defaults:
+        overrides.append(f"drafter.draft_vocab_size={args.draft_vocab_size}")
     if not (out / "final").is_dir():
         before = load_avg()
         seconds = run([sys.executable, "train.py", *draftsmith_args(args, runs), *overrides], log,
@@ -162,7 +180,7 @@ def stage_train_draftsmith(args, runs: Path, log: Path) -> dict:
         "checkpoint": str(out / "final"),
         "settings": {
             "recipe": args.recipe,
-            "overrides": [*EAGLE31, f"drafter.ttt_steps={args.depth}", *args.draftsmith_set, *overrides],
+            "overrides": [*matched_overrides(args), *args.draftsmith_set, *overrides],
         },
         "train_tokens": int(tokens) * args.epochs,
     }
@@ -184,7 +202,7 @@ def mt_bench(target: str, per_category: int) -> dict[str, list[list[int]]]:
 
 
 def stage_measure(args, runs: Path, trained: dict, log: Path) -> dict:
-    """One vLLM engine per method, the prompts one at a time; then draftsmith's own eval of both."""
+    """One vLLM engine per method, the prompts one at a time."""
     from draftsmith.export.verify import EngineSession
 
     path = runs / "timing.json"
@@ -231,11 +249,14 @@ def stage_measure(args, runs: Path, trained: dict, log: Path) -> dict:
                 "load_avg": [before, load_avg()],
             }
             save_json(path, timing)
+    return timing
+
+
+def stage_own_eval(args, runs: Path, trained: dict, log: Path) -> None:
     for trainer in ("draftsmith", "speculators"):
         own_eval(
             args, runs / "draftsmith" / "recipe.yaml", trained[trainer]["checkpoint"], runs / trainer / "mtbench", log
         )
-    return timing
 
 
 def own_eval(args, recipe: Path, checkpoint, out: Path, log: Path) -> None:
@@ -265,6 +286,8 @@ def own_eval_taus(out: Path) -> dict:
     """τ per MT-bench category (and `all`) of `own_eval`'s report in `out`, or why it did not run."""
     if (out / "failed.txt").is_file():
         return {"not_run": (out / "failed.txt").read_text()}
+    if not (out / "eval" / "report.json").is_file():
+        return {"not_run": "the own-eval stage was not run"}
     report = json.loads((out / "eval" / "report.json").read_text())
     return {category: rows["chain"]["tau"] for category, rows in report["domains"].items()}
 
@@ -322,6 +345,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="OMP threads of training and the engine")
     parser.add_argument("--stages", default=",".join(STAGES))
     parser.add_argument(
+        "--own-defaults", action="store_true",
+        help="each trainer with its own defaults (speculators: the whole vocabulary, 8192-token rows, its steps and "
+        "layers; draftsmith: the recipe's drafter and batch), on the same data, taps and token budget; --depth is "
+        "then only the served γ",
+    )  # fmt: skip
+    parser.add_argument(
         "--draftsmith-set", action="append", default=[], metavar="KEY=VALUE",
         help="a recipe override of draftsmith's run (repeatable); with <runs>/data and <runs>/speculators linked "
         "from an earlier run, only draftsmith's side is trained again",
@@ -344,6 +373,8 @@ def main() -> None:
         trained["draftsmith"] = timed("train-draftsmith", stage_train_draftsmith, args, runs, log)
     if "measure" in stages:
         timed("measure", stage_measure, args, runs, trained, log)
+    if "own-eval" in stages:
+        timed("own-eval", stage_own_eval, args, runs, trained, log)
     if "report" not in stages:
         return
     timing = load_json(runs / "timing.json")
@@ -358,7 +389,8 @@ def main() -> None:
     ).stdout.strip()  # fmt: skip
     summary = {
         "what": "same-budget head-to-head: draftsmith EAGLE-3.1 vs speculators EAGLE-3, both served by vLLM-CPU, "
-        "MT-bench first turns, batch size 1, greedy",
+        "MT-bench first turns, batch size 1, greedy"
+        + (", each trainer with its own defaults" if args.own_defaults else ", matched settings"),
         "rows_file": "rows.jsonl",
         "overall": {
             row["trainer"]: {

@@ -196,6 +196,7 @@ def test_cache_rollback_matches_a_drafter_rebuilt_from_scratch(model, drafter, p
     assert_cache_rollback(model, drafter, prompts[2], tmp_path)
 
 
+@pytest.mark.slow  # the rejection rule is proven in the fast tier by tests/test_eval.py; here EAGLE's own q (11 s)
 def test_sampling_matches_target_distribution():
     """Exact speculative sampling with EAGLE's deterministic drafts, chi-square against the target's
     exact distribution (the helpers in tests/helpers.py). A dynamic tree with siblings: the chain
