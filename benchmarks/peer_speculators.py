@@ -134,7 +134,7 @@ def stage_train_speculators(args, runs: Path, info: dict, log: Path) -> dict:
     else:
         settings |= matched
     if not (final / "model.safetensors").is_file():
-        options = [f"--{key.replace('_', '-')}={value}" for key, value in settings.items() if key in matched]
+        options = [] if args.own_defaults else [f"--{key.replace('_', '-')}={value}" for key, value in matched.items()]
         command = [
             str(args.speculators_python), str(REPO / "benchmarks/speculators_cpu.py"),
             "--verifier-name-or-path", info["target"], "--data-path", str(runs / "data"), "--save-path", str(out),

@@ -63,6 +63,13 @@ def sliding_window(config: Any) -> Optional[int]:
     return int(_get(config, "sliding_window")) if SLIDING in layer_types(config) else None
 
 
+def within_window(query_positions, key_positions, window: int):
+    """Whether a key is inside a query's sliding window of `window` positions (its own included), as
+    vLLM's and transformers' sliding-window attention count it: key position > query position - window.
+    Broadcasts its (tensor) arguments."""
+    return key_positions > query_positions - window
+
+
 def attention_layers(config: Any) -> list[int]:
     """The layers whose kind is (full or sliding-window) attention: where a drafter may tap features
     by default. Linear-attention layers of a hybrid target (Qwen3-Next) are left out."""

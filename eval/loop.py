@@ -44,7 +44,7 @@ from draftsmith.eval.trees import (
     tree_depths,
     verify_visibility,
 )
-from draftsmith.families import ATTENTION_KINDS, FULL, SLIDING, layer_types, sliding_window
+from draftsmith.families import ATTENTION_KINDS, FULL, SLIDING, layer_types, sliding_window, within_window
 from draftsmith.heads.base import DraftState, DraftTree, Proposer, Tree
 from draftsmith.heads.packing import causal_document_mask
 from draftsmith.target import FeatureRequest, run_target
@@ -140,7 +140,7 @@ def attention_masks(model, sees: torch.Tensor, query_positions: torch.Tensor, ke
     kinds = set(layer_types(model.config))
     if SLIDING not in kinds:
         return additive_mask(sees, model.dtype)
-    near = (query_positions[:, :, None] - key_positions[:, None, :]) < sliding_window(model.config)
+    near = within_window(query_positions[:, :, None], key_positions[:, None, :], sliding_window(model.config))
     windowed = additive_mask(sees & near, model.dtype)
     if kinds == {SLIDING}:
         return windowed

@@ -56,6 +56,7 @@ import torch
 from draftsmith.errors import UserError
 from draftsmith.export import Exporter, Source, register
 from draftsmith.export.repo import VLLM_SERVE, EngineRepo, draft_layer_config, require_vllm_state_capture
+from draftsmith.families import SLIDING
 from draftsmith.heads import drafter_class
 from draftsmith.heads.base import check_same_target
 from draftsmith.target import TargetShape
@@ -169,7 +170,7 @@ def refuse_unhonoured(
 def layer_window(layer: dict[str, Any]) -> Optional[int]:
     """The draft layer's sliding window as vLLM reads a layer config (Llama's and Qwen3's EAGLE-3
     layers): `sliding_window` where `layer_types` makes the first layer "sliding_attention", else None."""
-    if (layer.get("layer_types") or [None])[0] == "sliding_attention" and layer.get("sliding_window") is not None:
+    if (layer.get("layer_types") or [None])[0] == SLIDING and layer.get("sliding_window") is not None:
         return int(layer["sliding_window"])
     return None
 
@@ -180,7 +181,7 @@ def window_keys(drafter) -> dict[str, Any]:
     window = drafter.config.sliding_window
     if window is None:
         return {}
-    return {"layer_types": ["sliding_attention"], "sliding_window": int(window), "use_sliding_window": True}
+    return {"layer_types": [SLIDING], "sliding_window": int(window), "use_sliding_window": True}
 
 
 def attention_convention(drafter) -> str:

@@ -34,7 +34,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from draftsmith.errors import UserError
-from draftsmith.families import layer_family
+from draftsmith.families import layer_family, within_window
 from draftsmith.heads import register
 from draftsmith.heads.base import (
     Drafter,
@@ -46,14 +46,7 @@ from draftsmith.heads.base import (
     Tree,
     per_sample_stats,
 )
-from draftsmith.heads.packing import (
-    documents,
-    draft_attention_mask,
-    num_documents,
-    positions,
-    same_document,
-    within_window,
-)
+from draftsmith.heads.packing import documents, draft_attention_mask, num_documents, positions, same_document
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 
@@ -319,8 +312,8 @@ class EagleProposer(Proposer):
         scores: list[float] = []
         node_depth: list[int] = []
         entry_of: dict[int, int] = {}  # expanded node -> its cache entry
-        entry_positions = list(range(committed))  # of every cache entry, the expanded nodes' appended
         window = drafter.attention_window()
+        drafted_positions: list[int] = []  # of the expanded nodes' cache entries, after the committed ones
         output_of: dict[int, torch.Tensor] = {
             -1: root_feature
         }  # expanded node (or root) -> the feature its entry predicts
@@ -352,9 +345,12 @@ class EagleProposer(Proposer):
             for row, node in enumerate(frontier):
                 entry_of[node] = past + row
             positions = torch.tensor([[committed - 1 + node_depth[n] for n in frontier]], device=device)
-            entry_positions += positions[0].tolist()
-            if window is not None:
-                mask &= within_window(positions[0, :, None], torch.tensor(entry_positions, device=device), window)
+            if window is not None:  # committed entry p sits at position p
+                drafted_positions += positions[0].tolist()
+                keys = torch.cat(
+                    [torch.arange(committed, device=device), torch.tensor(drafted_positions, device=device)]
+                )
+                mask &= within_window(positions[0, :, None], keys, window)
             frontier_tokens = torch.tensor([[tokens[n] for n in frontier]], device=device)
             out = drafter.draft(frontier_tokens, features[None], positions, mask, self.cache)[0]
             self.draft_forwards += 1

@@ -61,7 +61,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from draftsmith.errors import UserError
-from draftsmith.families import layer_family, tap_layers
+from draftsmith.families import layer_family, tap_layers, within_window
 from draftsmith.heads import register
 from draftsmith.heads.base import (
     DrafterConfig,
@@ -74,14 +74,7 @@ from draftsmith.heads.base import (
     per_sample_stats,
 )
 from draftsmith.heads.eagle import EagleBase, EagleProposer, check_tree_settings, import_qualified, start_from_norm
-from draftsmith.heads.packing import (
-    documents,
-    draft_attention_mask,
-    num_documents,
-    positions,
-    same_document,
-    within_window,
-)
+from draftsmith.heads.packing import documents, draft_attention_mask, num_documents, positions, same_document
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 log = logging.getLogger("draftsmith.eagle3")

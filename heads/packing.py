@@ -30,6 +30,7 @@ from typing import Any, Optional
 import torch
 
 from draftsmith.errors import UserError
+from draftsmith.families import within_window
 
 
 def is_packed(batch: dict) -> bool:
@@ -96,13 +97,6 @@ def draft_attention_mask(
     if window is None:
         return mask
     return mask & within_window(places[:, :, None], places[:, None, :], window)[:, None]
-
-
-def within_window(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
-    """Whether a key is inside a query's sliding window of `window` positions (its own included), as
-    vLLM's and transformers' sliding-window attention count it: key position > query position - window.
-    Broadcasts its arguments."""
-    return key_positions > query_positions - window
 
 
 def causal_lm_inputs(batch: dict) -> dict[str, Any]:
