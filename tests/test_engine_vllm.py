@@ -5,7 +5,7 @@ norm_before_residual + norm_output in vLLM's native one, and P-EAGLE's and PARD'
 counters show accepted tokens, (c) vLLM's τ is within export.tolerance (2%) of draftsmith's on the
 same prompts and schedule. And (c) fails for the silent mistakes the field has shipped: an EAGLE-3
 folder without `norm_before_residual`, with draftsmith's layer ids written unshifted, or without its
-draft layer's sliding window (the EAGLE-3 case attends to the last 8 positions, in vLLM as in draftsmith). An export with a
+draft layer's sliding window (the EAGLE-3 case attends to the last 2 positions, in vLLM as in draftsmith). An export with a
 γ per batch size (export.batch_sweep) is served with it: the engine takes it as written, drafts less
 once the batch is past it, and stays lossless."""
 
