@@ -312,6 +312,10 @@ def report(args, runs: Path, trained: dict, timing: dict) -> tuple[list[dict], d
                     "category": category,
                     "train_tokens": trained[trainer]["train_tokens"],
                     "train_s": trained[trainer]["train_s"],
+                    # on `threads` cores; the load average beside it in train.json says whether they were its own
+                    "train_tokens_per_s_per_core": round(
+                        trained[trainer]["train_tokens"] / trained[trainer]["train_s"] / args.threads, 1
+                    ),
                     "tau": measured["tau"],
                     "acceptance_per_position": measured["acceptance_per_position"],
                     "tokens_per_forward": measured["tokens_per_forward"],
