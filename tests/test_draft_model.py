@@ -370,6 +370,30 @@ def test_regeneration_resumes_without_redoing_finished_conversations(tmp_path, s
         regenerate(recipe(tmp_path / "resumed", "data.regenerate.max_new_tokens=4"), model, tokenizer)
 
 
+def test_a_finished_regeneration_is_known_by_its_conversations_not_their_path(tmp_path, small_data):
+    """The same conversations read through another file (a moved or re-installed source, another machine,
+    edited loading code) resume the finished directory without generating anything; other
+    conversations are refused, naming `data`."""
+    from draftsmith.data_prep.regenerate import regenerate
+    from draftsmith.target import load_tokenizer
+
+    def recipe(source, count=3):
+        return load_recipe([
+            "recipe=draft", f"target.name_or_path={REFERENCE_TARGET}", f"data.train=[{source}]",
+            f"data.max_conversations={count}", f"data.regenerate.output={tmp_path / 'out'}",
+            "data.regenerate.max_new_tokens=2", "data.regenerate.max_turns=1", f"output_dir={tmp_path}",
+        ])  # fmt: skip
+
+    model, tokenizer = load_target(str(REFERENCE_TARGET)), load_tokenizer(str(REFERENCE_TARGET))
+    assert regenerate(recipe(small_data["train"]), model, tokenizer).generated == 3
+    elsewhere = tmp_path / "elsewhere" / "copy.jsonl"
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(small_data["train"].read_bytes())
+    assert regenerate(recipe(elsewhere), model, tokenizer).generated == 0
+    with pytest.raises(UserError, match=r"other settings \(data\)"):
+        regenerate(recipe(elsewhere, count=4), model, tokenizer)
+
+
 def test_max_turns_answers_the_first_turns_and_ends_the_conversation_there():
     from omegaconf import OmegaConf
 
