@@ -6,7 +6,7 @@ changed (`--speculators-variants`: AdamW instead of Muon). JSON rows, one per va
 variant whose eval report exists is not run again); the committed result and what it says:
 docs/comparing.md.
 
-    python benchmarks/peer_ablation.py [--variants base,steps,...] [--speculators-variants speculators-adamw]
+    python benchmarks/peer_ablation.py [--variants base,steps,...] [--speculators-variants speculators-adamw] [--seed N]
         [--runs runs/peer_ablation] [--speculators runs/peer_speculators_demo/speculators/1]
         [--out docs/results/peer_speculators/ablation.jsonl]
 
@@ -118,13 +118,18 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=10, help="MT-bench first turns per category (10 = all 80)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="train.seed of draftsmith's runs (not 0: runs/<variant>@seed<N>)"
+    )
     args = parser.parse_args()
     runs = (REPO / args.runs).resolve()
     runs.mkdir(parents=True, exist_ok=True)
     log, rows, threads = runs / "ablation.log", [], {"OMP_NUM_THREADS": str(args.threads)}
     for name in args.variants.split(","):
         overrides, why = VARIANTS[name]
-        out = runs / name
+        if args.seed:  # another draw of the same variant: its initialization and data order
+            overrides = [*overrides, f"train.seed={args.seed}"]
+        out = runs / (f"{name}@seed{args.seed}" if args.seed else name)
         train = out / "train.json"
         if not train.is_file():
             seconds = run([sys.executable, "train.py", *SHARED, *overrides, f"output_dir={out}"], log, threads)
@@ -133,7 +138,7 @@ def main() -> None:
         last = [row for row in steps if "train/tokens" in row][-1]
         own_eval(args, out / "recipe.yaml", out / "final", out / "mtbench", log)
         tau = own_eval_taus(out / "mtbench")
-        rows.append({"variant": name, "overrides": overrides, "copies": why, "steps": last["step"],
+        rows.append({"variant": name, "seed": args.seed, "overrides": overrides, "copies": why, "steps": last["step"],
                      "train_tokens": last["train/tokens"], **json.loads(train.read_text()), "own_eval_tau": tau})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     speculators = (REPO / args.speculators).resolve()
