@@ -123,18 +123,16 @@ def stage_train_speculators(args, runs: Path, info: dict, log: Path) -> dict:
         "epochs": args.epochs,
         "train_data_ratio": (args.conversations + 0.5) / (args.conversations + 1),  # all rows but the last
     }
-    matched = {
+    # its defaults with --own-defaults: the target's whole vocabulary, 3 steps, 1 layer, 8192-token rows
+    matched = {} if args.own_defaults else {
         "draft_vocab_size": args.draft_vocab_size,
         "ttt_steps": args.depth,
         "num_layers": 1,
         "total_seq_len": info["max_length"],
-    }
-    if args.own_defaults:  # its defaults: the target's whole vocabulary, 3 steps, 1 layer, 8192-token rows
-        settings["own_defaults"] = True
-    else:
-        settings |= matched
+    }  # fmt: skip
+    settings |= matched or {"own_defaults": True}
     if not (final / "model.safetensors").is_file():
-        options = [] if args.own_defaults else [f"--{key.replace('_', '-')}={value}" for key, value in matched.items()]
+        options = [f"--{key.replace('_', '-')}={value}" for key, value in matched.items()]
         command = [
             str(args.speculators_python), str(REPO / "benchmarks/speculators_cpu.py"),
             "--verifier-name-or-path", info["target"], "--data-path", str(runs / "data"), "--save-path", str(out),
@@ -330,21 +328,25 @@ def report(args, runs: Path, trained: dict, timing: dict) -> tuple[list[dict], d
     return rows, own
 
 
-def defaults_as_run(args, runs: Path) -> dict:
+def defaults_as_run(trained: dict) -> dict:
     """With --own-defaults, what each trainer's defaults came to, read from what it saved: the draft
     vocabulary, the depth, the draft layer's window and the optimizer steps."""
     from omegaconf import OmegaConf
 
-    folder = load_json(runs / "speculators" / str(args.epochs - 1) / "config.json")
+    speculators, draftsmith = (
+        Path(trained["speculators"]["checkpoint"]),
+        Path(trained["draftsmith"]["checkpoint"]).parent,
+    )
+    folder = load_json(speculators / "config.json")
     layer = folder["transformer_layer_config"]
     windowed = "sliding_attention" in layer.get("layer_types", [])
-    recipe = OmegaConf.load(runs / "draftsmith" / "recipe.yaml")
+    recipe = OmegaConf.load(draftsmith / "recipe.yaml")
     return {
         "speculators": {
             "draft_vocab_size": folder["draft_vocab_size"],
             "depth": folder["speculators_config"]["proposal_methods"][0]["speculative_tokens"],
             "sliding_window": layer.get("sliding_window") if windowed else None,
-            "steps": load_json(runs / "speculators" / str(args.epochs - 1) / "training_state.json")["global_step"],
+            "steps": load_json(speculators / "training_state.json")["global_step"],
             "rows": "conversations packed into rows of 8,192 tokens (--total-seq-len), one row a step",
         },
         "draftsmith": {
@@ -353,7 +355,7 @@ def defaults_as_run(args, runs: Path) -> dict:
             "sliding_window": recipe.drafter.sliding_window,
             "micro_batch_size": recipe.train.micro_batch_size,
             "optimizer": recipe.train.optimizer,
-            "steps": load_json(runs / "draftsmith" / "run_summary.json")["steps"],
+            "steps": load_json(draftsmith / "run_summary.json")["steps"],
         },
     }
 
@@ -420,7 +422,7 @@ def main() -> None:
         capture_output=True, text=True,
     ).stdout.strip()  # fmt: skip
     trainer_settings = (
-        {"as_run": defaults_as_run(args, runs)}
+        {"as_run": defaults_as_run(trained)}
         if args.own_defaults
         else {"depth": args.depth, "draft_vocab_size": args.draft_vocab_size}
     )
