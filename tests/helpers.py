@@ -3,7 +3,8 @@ holds hooks and fixtures only): the checkout's paths, the demo data's slices and
 run as processes or in-process, the one-line refusal check (`assert_one_line_error`), the engines'
 venvs, tiny targets and drafters, the exact-distribution helpers of the speculative-sampling tests, the
 greedy and cache rollback checks of the drafters over the target's features, the demo recipe of each
-kind, checkpoints to export, and load sweeps to schedule γ from."""
+kind, checkpoints to export, load sweeps to schedule γ from, and drafters for tiny targets of any
+family trained and checked in vLLM."""
 
 from __future__ import annotations
 
@@ -52,6 +53,21 @@ def corpus_slice(path: Path, split: str, per_domain: int) -> Path:
             for row in group:
                 f.write(json.dumps(row) + "\n")
     return path
+
+
+def product_strings(among: set[str]) -> list[tuple[str, int, str]]:
+    """(file relative to the checkout, line, value) of every string constant in product code (train.py
+    and the package's folders) whose value is in `among`: what the naming-contract tests check."""
+    import ast
+
+    roots = ("draftsmith", "eval", "export", "monitor", "trainer", "data_prep", "heads")
+    files = [REPO / "train.py", *(path for root in roots for path in sorted((REPO / root).rglob("*.py")))]
+    found = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in among:
+                found.append((path.relative_to(REPO).as_posix(), node.lineno, node.value))
+    return found
 
 
 def first_records(source: Path, path: Path, count: int) -> Path:
@@ -519,3 +535,36 @@ def write_sweep(path: Path, source: str) -> Path:
         "".join(json.dumps({**r, "source_sha256": source if r["method"] == "d" else None}) + "\n" for r in rows)
     )
     return path
+
+
+# -- drafters for tiny targets of any family, trained and checked in the real vLLM ------------------
+# Short training on the demo's own answers (the family targets are seeded from the demo's weights, so
+# their text is close to it): enough for accepted drafts, which the engine check needs, not a good drafter.
+FAMILY_TRAINING = [
+    f"data.train=[{DEMO / 'data' / 'train.regenerated.jsonl.gz'}]", "data.eval=[]", "data.max_length=192",
+    "train.save_every=0", "train.log_every=10", "eval.enabled=false", "eval.max_prompts=1", "eval.max_new_tokens=40",
+    "eval.tree=0", "train.warmup_steps=5",
+]  # fmt: skip
+
+
+def family_recipe(target: Path, recipe: str, overrides: list[str], run: Path, small_data, token_cache) -> list[str]:
+    """The arguments of `train.py` for a drafter of `recipe` against the tiny target `target`, checked on
+    one eval prompt per domain."""
+    return [f"recipe={recipe}", f"target.name_or_path={target}", *FAMILY_TRAINING, f"eval.data=[{small_data['eval']}]",
+            f"data.cache_dir={token_cache}", f"output_dir={run}", *overrides]  # fmt: skip
+
+
+def train_and_export_for_vllm(args: list[str], vllm_python: str, export_dir: Path, session) -> dict:
+    """Train `train.py args` in this process, export the final checkpoint for vLLM with the engine check
+    (in `session`, an EngineSession), and return what the check verified and the served layers' family."""
+    from draftsmith.export import export_checkpoint
+    from draftsmith.export.repo import EXPORT_INFO
+
+    final, _ = train_in_process(args)
+    cfg = load_recipe([*args, f"export.vllm_python={vllm_python}", f"export.output={export_dir}"])
+    folder = export_checkpoint(cfg, final, engines=session)["vllm"]
+    config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
+    return {  # Medusa-2's folder holds its adapted target and heads in folders of their own: no config.json
+        "verified": json.loads((folder / EXPORT_INFO).read_text())["verified"],
+        "layer_family": config.get("transformer_layer_config", {}).get("model_type"),
+    }

@@ -31,7 +31,12 @@ from draftsmith.heads.base import load_drafter
 from draftsmith.random_target import build_config, build_model
 from draftsmith.recipe import load_recipe
 from draftsmith.target import FeatureRequest, run_target
-from tests.helpers import assert_one_line_error, assert_tree_forward_equals_path_forwards, demo_recipe
+from tests.helpers import (
+    assert_one_line_error,
+    assert_tree_forward_equals_path_forwards,
+    demo_recipe,
+    product_strings,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -200,3 +205,24 @@ def test_random_target_command_writes_a_target_or_one_line(tmp_path, capsys):
     done = subprocess.CompletedProcess([], main(["no_such_family", str(tmp_path / "x")]), "", capsys.readouterr().err)
     assert assert_one_line_error(done, 2).startswith("error: transformers has no model type 'no_such_family'")
     assert not (tmp_path / "x").exists()
+
+
+def test_no_target_family_is_named_in_product_code():
+    """Adding a target family costs nothing: product code names a family (a transformers model type or
+    its causal-LM class) only as a family draft layers are built from (draftsmith.families'
+    DRAFT_LAYER_FAMILIES) or in the table of targets vLLM cannot capture features from
+    (export/repo.py's VLLM_NO_STATE_CAPTURE), never in a branch of its own."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from draftsmith.export.repo import VLLM_NO_STATE_CAPTURE
+    from draftsmith.families import DRAFT_LAYER_FAMILIES
+
+    families = set(CONFIG_MAPPING_NAMES) | set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    draft_layers = {*DRAFT_LAYER_FAMILIES, *(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[f] for f in DRAFT_LAYER_FAMILIES)}
+    found = [
+        f"{name}:{line}: {value!r}"
+        for name, line, value in product_strings(families)
+        if value not in draft_layers and not (name == "export/repo.py" and value in VLLM_NO_STATE_CAPTURE)
+    ]
+    assert not found, "target families named in product code: " + "; ".join(found)

@@ -14,7 +14,7 @@ from draftsmith.errors import UserError
 from draftsmith.export import EXPORTERS
 from draftsmith.heads import REGISTRY
 from draftsmith.recipe import load_recipe
-from tests.helpers import REPO, demo_recipe, train_in_process
+from tests.helpers import REPO, demo_recipe, product_strings, train_in_process
 
 KINDS = sorted(REGISTRY)
 
@@ -76,21 +76,16 @@ def test_no_kind_is_named_outside_its_own_files_and_the_registry():
     """Product code knows a kind only through the registry (heads.REGISTRY, export.EXPORTERS): a string
     equal to a kind's name appears only in heads/<kind>.py, the exporter module that declares it, and
     its recipes (docs and tests may name kinds)."""
-    import ast
     import inspect
 
     own = {kind: {f"heads/{inspect.getmodule(cls).__name__.rsplit('.', 1)[-1]}.py"} for kind, cls in REGISTRY.items()}
     for kind, exporter in EXPORTERS.items():
         own[kind].add(f"export/{inspect.getmodule(type(exporter)).__name__.rsplit('.', 1)[-1]}.py")
-    roots = ("draftsmith", "eval", "export", "monitor", "trainer", "data_prep", "heads")
-    files = [REPO / "train.py", *(path for root in roots for path in sorted((REPO / root).rglob("*.py")))]
-    found = []
-    for path in files:
-        name = path.relative_to(REPO).as_posix()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in REGISTRY:
-                if name not in own[node.value] and (name, node.value) not in NOT_KIND_NAMES:
-                    found.append(f"{name}:{node.lineno}: {node.value!r}")
+    found = [
+        f"{name}:{line}: {value!r}"
+        for name, line, value in product_strings(set(REGISTRY))
+        if name not in own[value] and (name, value) not in NOT_KIND_NAMES
+    ]
     assert not found, (
         "kind names outside their kinds' files (declare it on the Drafter or Exporter class): " + "; ".join(found)
     )
