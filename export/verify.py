@@ -16,13 +16,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import DictConfig
 
 from draftsmith.engines import VllmWorker
 from draftsmith.errors import ExportCheckFailed, UserError
-from draftsmith.eval.loop import Counts, generate
+from draftsmith.eval.loop import Counts, generate_batch
 from draftsmith.eval.prompts import eos_ids_of, load_prompts
 from draftsmith.export import Source
 from draftsmith.export.repo import EngineRepo
@@ -34,7 +34,8 @@ ENGINE_TIMEOUT_S = 1800
 class EngineSession:
     """The vLLM work of one caller, explicitly: one VllmWorker per vLLM Python (vLLM is imported once
     for every check of the session; a worker that failed is replaced) and the target's plain greedy
-    runs already made (checking several drafters of one target runs the target alone once).
+    runs already made, in vLLM and in draftsmith's loop (checking several drafters of one target runs
+    the target alone once in each).
     `export_checkpoint` opens one per export unless its caller passes one in to share (a benchmark or a
     test session exporting many drafters); nothing is kept between sessions. A context manager:
     leaving it ends the workers."""
@@ -42,6 +43,7 @@ class EngineSession:
     def __init__(self):
         self.workers: dict[str, VllmWorker] = {}
         self.plain_runs: dict[str, dict[str, Any]] = {}
+        self.draftsmith_plain: dict[str, list[list[int]]] = {}
 
     def run(self, python: str, request: dict[str, Any]) -> dict[str, Any]:
         """The reply to the "runs" request `request` (see draftsmith/engine_scripts/vllm_worker.py) under
@@ -73,20 +75,29 @@ class EngineSession:
 
 
 def draftsmith_side(
-    source: Source, prompts: list[list[int]], max_new_tokens: int, gamma: int, eos_ids: frozenset[int]
+    source: Source,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    gamma: int,
+    eos_ids: frozenset[int],
+    plain: Optional[list[list[int]]] = None,
 ) -> dict[str, Any]:
-    """Plain greedy decoding and the drafter's greedy chain, in draftsmith's loop, on vLLM's schedule:
-    vLLM takes the first new token from the prefill and drafts after it, so the chain here decodes
-    each prompt with its first greedy token appended (the same draft positions, the same counts)."""
+    """Plain greedy decoding (unless `plain` holds its tokens already) and the drafter's greedy chain,
+    in draftsmith's loop, on vLLM's schedule: vLLM takes the first new token from the prefill and
+    drafts after it, so the chain here decodes each prompt with its first greedy token appended (the
+    same draft positions, the same counts). The prompts are decoded together, as vLLM serves them
+    (a batch decodes as each prompt alone: tests/test_batched_eval.py)."""
     proposer = source.drafter.proposer()
     verifier = proposer.verifier or source.target_model
-    plain = [generate(verifier, prompt, max_new_tokens, eos_ids=eos_ids).tokens for prompt in prompts]
+    if plain is None:
+        plain = [generation.tokens for generation in generate_batch(verifier, prompts, max_new_tokens, eos_ids=eos_ids)]
+    drafted = [
+        prompt + tokens[:1] for prompt, tokens in zip(prompts, plain) if len(tokens) > 1 and tokens[0] not in eos_ids
+    ]
+    proposers = [proposer] + [source.drafter.proposer() for _ in drafted[1:]]  # one a sequence: each holds its state
     counts = Counts()
-    for prompt, tokens in zip(prompts, plain):
-        if len(tokens) > 1 and tokens[0] not in eos_ids:
-            counts.add(
-                generate(verifier, prompt + tokens[:1], max_new_tokens - 1, proposer, gamma, eos_ids=eos_ids).counts
-            )
+    for generation in generate_batch(verifier, drafted, max_new_tokens - 1, proposers, gamma, eos_ids=eos_ids):
+        counts.add(generation.counts)
     drafts = max(counts.reached[0] if counts.reached else 0, 1)  # cycles that drafted: vLLM's num_drafts
     return {
         "plain": plain,
@@ -122,7 +133,6 @@ def verify_in_vllm(
     prompts = [prompt for domain in by_domain.values() for prompt in domain]
     max_new = int(cfg.eval.max_new_tokens)
     gamma = int(served["num_speculative_tokens"])
-    ours = draftsmith_side(source, prompts, max_new, gamma, eos_ids_of(source.target_model, tokenizer))
     served_target_dir = folder / "target" if (folder / "target").is_dir() else served_target(cfg)
     limit = int(source.target.config.get("max_position_embeddings") or 4096)
     request = {
@@ -131,7 +141,12 @@ def verify_in_vllm(
         "max_tokens": max_new,
         "max_model_len": min(limit, max(map(len, prompts)) + max_new + 8),
     }
+    # the served target's files and the request: what both loops' plain runs depend on (a drafter that
+    # verifies with a target of its own, Medusa-2's adapted one, serves that target from its folder)
     plain_key = json.dumps([cfg.export.vllm_python, stamp(Path(served_target_dir)), request])
+    eos_ids = eos_ids_of(source.target_model, tokenizer)
+    ours = draftsmith_side(source, prompts, max_new, gamma, eos_ids, session.draftsmith_plain.get(plain_key))
+    session.draftsmith_plain.setdefault(plain_key, ours["plain"])
     speculative = {**served, "model": str(folder / repo.weights_dir)}
     schedule = speculative.pop("num_speculative_tokens_per_batch_size", None)
     request["runs"] = [{"name": "speculative", "speculative_config": speculative}]

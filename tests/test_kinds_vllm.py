@@ -6,21 +6,17 @@ the drafter equal its tokens without it and draftsmith's, accepted drafts, vLLM'
 draftsmith's on the same prompts; for P-EAGLE and PARD, whose one draft forward proposes several
 tokens, later positions are accepted too.
 
-The Qwen3 drafters train on the demo's own answers (the tiny Qwen3 target is seeded from the demo's
-weights and writes much like it). The tiny Qwen3-MoE's experts have no counterpart in the demo and stay
-random, so its text is its own: its drafters train on the target's own answers to the demo's prompts,
-regenerated once by `data_prep.regenerate` (the product's self-distillation step), as a user would.
-Measured 2026-11-27 (one thread): τ 1.11-1.40 on Qwen3, 1.13-1.28 on Qwen3-MoE.
+Each drafter trains 40 steps on the target's own answers to the demo's prompts, regenerated once per
+family by `data_prep.regenerate` (the product's self-distillation step): the tiny Qwen3-MoE's experts
+have no counterpart in the demo's weights and stay random, so its text is its own, and trained on the
+demo's answers its Medusa heads and draft model were hardly ever accepted.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from draftsmith.data_prep.regenerate import regenerate
-from draftsmith.random_target import demo_tokenizer_dir, write_random_target
-from draftsmith.recipe import load_recipe
-from tests.helpers import DEMO, family_recipe, train_and_export_for_vllm
+from tests.helpers import family_recipe, family_target, train_and_export_for_vllm
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -40,10 +36,6 @@ KINDS = {  # case -> (recipe, overrides at the family's training budget)
     "dflash": ("dflash", ["drafter.anchors=16"]),
 }  # fmt: skip
 FAMILIES = ("qwen3", "qwen3_moe")
-# every case trains on the target's own answers to the demo's prompts, 4 conversations a step, and is
-# checked on 2 prompts a domain: these drafters often accept whole chains or nothing, and on one prompt a
-# domain a chain more or less moves τ by 2%
-TRAINING = ["train.max_steps=40", "train.micro_batch_size=4", "train.warmup_steps=2", "eval.max_prompts=2"]
 EXTRA = {  # (family, case) -> its own last overrides
     # the draft model is the target's first layer, an MoE one here (its experts learn slowly); its chains are
     # 4 long, so it is checked on 3 prompts a domain
@@ -52,21 +44,13 @@ EXTRA = {  # (family, case) -> its own last overrides
 
 
 @pytest.fixture(scope="module")
-def family_data(tmp_path_factory, token_cache):
-    """family -> (its tiny target, its own answers to the demo's training prompts), built once."""
+def targets(tmp_path_factory, token_cache):
+    """family -> its tiny target and the target's own answers, built once."""
     built = {}
 
     def build(family: str):
         if family not in built:
-            target = write_random_target(family, tmp_path_factory.mktemp(family), seed_from=demo_tokenizer_dir())
-            answers = tmp_path_factory.mktemp(f"{family}_answers")
-            regenerate(load_recipe([
-                "recipe=medusa", f"target.name_or_path={target}", f"data.train=[{DEMO / 'data' / 'train.jsonl.gz'}]",
-                "data.max_conversations=128", "data.max_length=192", f"data.cache_dir={token_cache}",
-                "data.regenerate.max_new_tokens=64", "data.regenerate.max_turns=1", "data.regenerate.batch_size=32",
-                f"data.regenerate.output={answers}",
-            ]))  # fmt: skip
-            built[family] = target, answers
+            built[family] = family_target(family, tmp_path_factory.mktemp(family), token_cache)
         return built[family]
 
     return build
@@ -77,12 +61,12 @@ CASES = [(family, kind) for family in FAMILIES for kind in KINDS]
 
 @pytest.mark.parametrize("family,kind", CASES, ids=[f"{f}-{k}" for f, k in CASES])
 def test_every_kind_for_a_family_is_served_by_vllm_like_in_draftsmith(
-    family, kind, family_data, vllm_python, engine_session, tmp_path, small_data, token_cache
+    family, kind, targets, vllm_python, engine_session, tmp_path, small_data, token_cache
 ):
-    target, answers = family_data(family)
     recipe, overrides = KINDS[kind]
-    overrides = [*overrides, *TRAINING, f"data.train=[{answers}]", *EXTRA.get((family, kind), [])]
-    args = family_recipe(target, recipe, overrides, tmp_path / "run", small_data, token_cache)
+    args = family_recipe(
+        targets(family), recipe, [*overrides, *EXTRA.get((family, kind), [])], tmp_path / "run", small_data, token_cache
+    )
     verified = train_and_export_for_vllm(args, vllm_python, tmp_path / "export", engine_session)["verified"]
     assert verified["lossless"] and verified["equals_draftsmith_plain"], verified
     assert verified["counters"]["num_accepted_tokens"] > 0, verified
