@@ -542,7 +542,7 @@ def write_sweep(path: Path, source: str) -> Path:
 # engine check needs, not a good drafter. Checked on 2 prompts a domain: these drafters often accept whole
 # chains or nothing, and on one prompt a domain a chain more or less moves τ by 2%.
 FAMILY_TRAINING = [
-    "data.eval=[]", "data.max_length=192", "train.max_steps=40", "train.micro_batch_size=4", "train.warmup_steps=2",
+    "data.eval=[]", "data.max_length=192", "train.max_steps=24", "train.micro_batch_size=4", "train.warmup_steps=2",
     "train.save_every=0", "train.log_every=10", "eval.enabled=false", "eval.max_prompts=2", "eval.max_new_tokens=40",
     "eval.tree=0",
 ]  # fmt: skip

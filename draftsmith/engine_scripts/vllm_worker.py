@@ -42,6 +42,7 @@ The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): on a sm
 starts about 4x faster. Its OpenMP threads (OMP_NUM_THREADS) are the caller's to choose.
 """
 
+import gc
 import json
 import os
 import re
@@ -278,13 +279,17 @@ def engine_settings(llm):
 
 
 def runs(request):
-    """The "runs" request: each run in turn, one engine after another in this process (each engine's
-    shutdown and the next one's start collect the garbage of the one before: vLLM calls gc.collect in both)."""
+    """The "runs" request: each run in turn, one engine after another in this process."""
     import vllm
 
     result = {"vllm_version": vllm.__version__, "runs": {}}
     for run in request["runs"]:
         result["runs"][run["name"]] = measured_run(request, run.get("speculative_config"))
+        # The engine is gone: collect its garbage, then freeze what is left (vLLM's modules, this worker's
+        # state), so that the next engine's start-up collections (five full ones in vLLM 0.32) skip it:
+        # about 1 s less per engine. vLLM's shutdown unfreezes everything again.
+        gc.collect()
+        gc.freeze()
     return result
 
 
