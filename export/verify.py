@@ -144,9 +144,10 @@ def verify_in_vllm(
     # the served target's files and the request: what both loops' plain runs depend on (a drafter that
     # verifies with a target of its own, Medusa-2's adapted one, serves that target from its folder)
     plain_key = json.dumps([cfg.export.vllm_python, stamp(Path(served_target_dir)), request])
+    own_key = json.dumps([plain_key, str(source.target_model.dtype)])  # draftsmith's loop runs the target as loaded
     eos_ids = eos_ids_of(source.target_model, tokenizer)
-    ours = draftsmith_side(source, prompts, max_new, gamma, eos_ids, session.draftsmith_plain.get(plain_key))
-    session.draftsmith_plain.setdefault(plain_key, ours["plain"])
+    ours = draftsmith_side(source, prompts, max_new, gamma, eos_ids, session.draftsmith_plain.get(own_key))
+    session.draftsmith_plain.setdefault(own_key, ours["plain"])
     speculative = {**served, "model": str(folder / repo.weights_dir)}
     schedule = speculative.pop("num_speculative_tokens_per_batch_size", None)
     request["runs"] = [{"name": "speculative", "speculative_config": speculative}]
