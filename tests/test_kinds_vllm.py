@@ -26,19 +26,17 @@ KINDS = {  # case -> (recipe, overrides at the family's training budget)
     "eagle3": ("eagle3", EAGLE3),
     "eagle3-qwen3-layers": ("eagle3", [*EAGLE3, "drafter.layer_family=qwen3"]),
     "eagle3.1": ("eagle3", [*EAGLE3, "drafter.fc_norm=true", "drafter.norm_output=true"]),
-    # its later guesses (the mask queries') must be accepted too: trained faster
-    "peagle": ("eagle3", ["drafter.ttt_steps=2", "train.lr=6e-3", "drafter.fc_norm=true", *PARALLEL]),
+    # the parallel drafters' later guesses (their mask queries') must be accepted too: trained faster and longer
+    "peagle": ("eagle3", ["drafter.ttt_steps=2", "train.lr=6e-3", "drafter.fc_norm=true", *PARALLEL, "train.max_steps=40"]),
     "eagle": ("eagle", ["train.lr=3e-3"]),
     "medusa": ("medusa", []),
     "medusa2": ("medusa2", ["drafter.heads_warmup=4"]),
     "draft_model": ("draft", []),
-    "pard": ("draft", ["train.lr=6e-3", "drafter.parallel_tokens=2", *PARALLEL, "train.micro_batch_size=4", "data.max_length=128"]),
+    "pard": ("draft", ["train.lr=6e-3", "drafter.parallel_tokens=2", *PARALLEL, "data.max_length=128", "train.max_steps=40"]),
     "dflash": ("dflash", ["drafter.anchors=16"]),
 }  # fmt: skip
 FAMILIES = ("qwen3", "qwen3_moe")
 EXTRA = {  # (family, case) -> its own last overrides
-    # the parallel drafters' later positions (their mask queries') need more steps to be accepted at all
-    **{(family, kind): ["train.max_steps=40"] for family in FAMILIES for kind in ("peagle", "pard")},
     # the draft model is the target's first layer, an MoE one here (its experts learn slowly); its chains are
     # 4 long, so it is checked on 3 prompts a domain
     ("qwen3_moe", "draft_model"): ["train.lr=3e-3", "eval.max_prompts=3"],
