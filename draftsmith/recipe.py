@@ -186,6 +186,7 @@ def check_train(t) -> None:
         "weight_decay",
         "heldout",
         "eval_every",
+        "patience",
     ):
         require(t[key] >= 0, f"train.{key}={t[key]} must be >= 0")
     require(t.max_grad_norm > 0, f"train.max_grad_norm={t.max_grad_norm} must be > 0")
@@ -201,6 +202,10 @@ def check_train(t) -> None:
     require(
         t.eval_every == 0 or t.heldout > 0,
         f"train.eval_every={t.eval_every} needs train.heldout > 0 (conversations of data.train to evaluate on, never trained on)",
+    )
+    require(
+        t.patience == 0 or t.eval_every > 0,
+        f"train.patience={t.patience} needs train.eval_every > 0 (it counts held-out evaluations without a new best)",
     )
     betas = list(t.adam_betas)
     require(

@@ -147,6 +147,9 @@ class TrainSection:
     # and the best evaluation so far is kept in <output_dir>/best/ (trainer/heldout.py). 0 = off.
     heldout: int = 0  # conversations held out of data.train; 0 = none
     eval_every: int = 0  # optimizer steps between held-out evaluations; 0 = never (needs heldout > 0)
+    # stop on measured acceptance, not on loss: training ends once this many held-out evaluations in a row
+    # have not beaten the best tau_est (best/ keeps that one); 0 = never (needs eval_every > 0)
+    patience: int = 0
 
 
 @dataclass

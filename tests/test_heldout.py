@@ -20,7 +20,14 @@ from draftsmith.recipe import load_recipe
 from draftsmith.target import TargetShape
 from draftsmith.trainer.checkpoint import TrainerState
 from draftsmith.trainer.curve import chain_tau, depth_top1, load_curve, plot_curves, write_curve
-from draftsmith.trainer.heldout import BEST_DIR, BEST_JSON, keep_best, split_heldout
+from draftsmith.trainer.heldout import (
+    BEST_DIR,
+    BEST_JSON,
+    evaluations_since_best,
+    keep_best,
+    patience_spent,
+    split_heldout,
+)
 from draftsmith.trainer.loop import train
 from tests.helpers import kill_train_after, read_log, run_entry_in_process, train_args, train_in_process
 
@@ -110,6 +117,18 @@ def test_keep_best_writes_best_only_when_tau_rises(tmp_path):
     assert (old.tokens, old.best, old.curve) == (0, None, [])
 
 
+def test_patience_counts_the_evaluations_after_the_best():
+    def state(taus, best_step):
+        rows = [{"step": 2 * (i + 1), "tau_est": tau} for i, tau in enumerate(taus)]
+        return TrainerState(curve=rows, best=None if best_step is None else {"step": best_step})
+
+    assert evaluations_since_best(state([], None)) == 0
+    assert evaluations_since_best(state([1.2, 1.5, 1.4, 1.5], 4)) == 2  # a tie is no new best
+    assert evaluations_since_best(state([math.nan, math.nan], None)) == 2  # nothing finite: every one counts
+    assert not patience_spent(state([1.2, 1.5, 1.4, 1.5], 4), 3) and patience_spent(state([1.2, 1.5, 1.4, 1.5], 4), 2)
+    assert not patience_spent(state([1.2, 1.1, 1.0, 0.9], 2), 0)  # 0 = never stop early
+
+
 def test_curve_files_and_plot_of_several_runs(tmp_path):
     rows = [
         {"step": s, "tokens": 500 * s, "tau_est": 1 + 0.1 * s, "top1": {"step1/top1": 0.05 * s, "step2/top1": 0.02 * s}}
@@ -143,6 +162,8 @@ def test_split_heldout_takes_the_last_conversations():
         (["train.eval_every=5"], "train.eval_every=5 needs train.heldout > 0"),
         (["train.heldout=-1"], "train.heldout=-1 must be >= 0"),
         (["train.heldout=4", "train.eval_every=-2"], "train.eval_every=-2 must be >= 0"),
+        (["train.heldout=4", "train.patience=2"], "train.patience=2 needs train.eval_every > 0"),
+        (["train.heldout=4", "train.eval_every=5", "train.patience=-1"], "train.patience=-1 must be >= 0"),
     ],
 )
 def test_recipe_checks_are_one_line(override, fragment):
@@ -236,3 +257,24 @@ def test_resume_continues_the_best_and_the_curve_exactly(heldout_run, tmp_path, 
     rows_a, rows_b = load_curve(heldout_run)["rows"], load_curve(killed)["rows"]
     assert [(r["step"], r["tokens"]) for r in rows_b] == [(r["step"], r["tokens"]) for r in rows_a]
     assert [r["tau_est"] for r in rows_b] == pytest.approx([r["tau_est"] for r in rows_a], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_patience_stops_training_on_acceptance_and_a_resume_counts_on(tmp_path, small_data, token_cache, capsys):
+    """A learning rate too small to move a float32 weight keeps tau_est level: the first evaluation is
+    the best, and train.patience=2 ends the run two evaluations later, at step 3 of 10. Resumed with
+    patience 3, it counts on from the state and stops one evaluation later."""
+    out = tmp_path / "run"
+    args = train_args(out, small_data, token_cache, "train.heldout=8", "train.eval_every=1", "train.max_steps=10",
+                      "train.lr=1e-12", "data.eval=[]")  # fmt: skip
+    first = run_entry_in_process(["train.py", *args, "train.patience=2"], capsys)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "stopped at step 3 of 10: 2 held-out evaluations in a row without beating step 1's tau_est" in first.stdout
+    assert max(read_log(out)) == 3 and json.loads((out / "run_summary.json").read_text())["ended"] == "patience"
+    assert json.loads((out / BEST_DIR / BEST_JSON).read_text())["step"] == 1 and (out / "final").is_dir()
+
+    resumed = run_entry_in_process(["train.py", *args, "train.patience=3", "train.resume=true"], capsys)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "stopped at step 4 of 10: 3 held-out evaluations" in resumed.stdout
+    assert [row["step"] for row in load_curve(out)["rows"]] == [1, 2, 3, 4]
+    assert json.loads((out / "run_summary.json").read_text())["steps"] == 4

@@ -9,6 +9,8 @@ far is kept in `<output_dir>/best/`: the drafter in `final/`'s format plus `best
 tau_est, the held-out metrics), replaced in one rename. `curve.json` (one row per evaluation; updated
 at each) and `curve.png` (at the end) plot tau_est and top-1 against training tokens (trainer/curve.py).
 The best evaluation and the curve live in the trainer state, so a resumed run continues them exactly.
+`train.patience` stops training on measured acceptance: after that many evaluations in a row without a
+new best (an EAGLE-3 drafter's acceptance can peak within a few epochs and fall after).
 """
 
 from __future__ import annotations
@@ -115,6 +117,19 @@ def keep_best(accelerator, drafter, state: TrainerState, output_dir: Path, measu
     }
     save_final(accelerator, drafter, output_dir / BEST_DIR, files={BEST_JSON: json.dumps(state.best, indent=2) + "\n"})
     return True
+
+
+def evaluations_since_best(state: TrainerState) -> int:
+    """Held-out evaluations after the best one (all of them while none was finite): read from the
+    state's curve, so a resumed run counts on exactly where it stopped."""
+    best_step = -1 if state.best is None else state.best["step"]
+    return sum(1 for row in state.curve if row["step"] > best_step)
+
+
+def patience_spent(state: TrainerState, patience: int) -> bool:
+    """train.patience: `patience` evaluations in a row have not beaten the best tau_est. Every rank
+    decides alike from the same reduced metrics, so stopping needs no collective of its own."""
+    return patience > 0 and evaluations_since_best(state) >= patience
 
 
 def check_best_on_resume(output_dir: Path, state: TrainerState) -> None:

@@ -51,6 +51,7 @@ from draftsmith.trainer.heldout import (
     curve_row,
     evaluate_heldout,
     keep_best,
+    patience_spent,
     reduce_means,
     split_heldout,
 )
@@ -118,7 +119,7 @@ def train(cfg: DictConfig) -> Path:
     agreed = agree(accelerator, upcoming=upcoming)  # the first step's counts; later ones come with each step's
     drafter.train()
     with stop.on_sigterm():
-        while state.step < max_steps:
+        while state.step < max_steps and not patience_spent(state, cfg.train.patience):
             step, nonfinite, step_tokens = upcoming, False, agreed.tokens  # agreed for this step, all ranks
             profiler.before_step(state.step + 1)
             scale = loss_scale(accelerator, agreed.loss_tokens)
@@ -212,6 +213,18 @@ def train(cfg: DictConfig) -> Path:
                 save_checkpoint(accelerator, drafter, state, output_dir, cfg.train.keep_checkpoints)
     progress.close()
     profiler.after_step(state.step, final=True)  # a range past the run's end: what was profiled
+    ended = "max_steps" if state.step >= max_steps else "patience"
+    if ended == "patience":
+        log.info(
+            "stopped at step %d of %d: %d held-out evaluations in a row without beating step %s's tau_est %.4f "
+            "(train.patience); the best drafter is %s",
+            state.step,
+            max_steps,
+            cfg.train.patience,
+            state.best["step"] if state.best else None,
+            state.best["tau_est"] if state.best else float("nan"),
+            output_dir / BEST_DIR,
+        )
 
     # -- the end: final checkpoint ----------------------------------------------------------------
     save_checkpoint(accelerator, drafter, state, output_dir, cfg.train.keep_checkpoints)
@@ -219,7 +232,7 @@ def train(cfg: DictConfig) -> Path:
     save_final(accelerator, drafter, final_dir)
     if accelerator.is_main_process and state.curve:
         write_curve(output_dir, state.curve, state.best)
-    write_run_summary(accelerator, output_dir, drafter, state, data_checksum, run.target, parameters)
+    write_run_summary(accelerator, output_dir, drafter, state, data_checksum, run.target, parameters, ended)
     accelerator.wait_for_everyone()
     del drafter, run  # see end_run
     end_run(accelerator)
@@ -525,11 +538,13 @@ def write_run_summary(
     state: TrainerState,
     data_checksum: int,
     target,
-    parameters: dict[str, int] | None = None,
+    parameters: dict[str, int],
+    ended: str,
 ) -> None:
     """Per-rank facts for checking a distributed run: identical weights, different data, and the
     bytes of target parameters each rank holds (all of them, or its pieces under target.shard=fsdp);
-    `parameters`: the run's trainable and frozen parameter counts (trainer/observe.py)."""
+    `parameters`: the run's trainable and frozen parameter counts (trainer/observe.py); `ended`: why
+    training ended (max_steps: every step it was given; patience: train.patience stopped it)."""
     module = accelerator.unwrap_model(drafter)
     checksum = float(sum(p.detach().double().sum() for p in module.parameters()))
     mine = {
@@ -540,9 +555,13 @@ def write_run_summary(
     }
     ranks = accelerator.gather_for_metrics([mine], use_gather_object=True)
     if accelerator.is_main_process:
-        summary = {"world_size": accelerator.num_processes, "steps": state.step, "ranks": ranks}
-        if parameters is not None:
-            summary["parameters"] = parameters
+        summary = {
+            "world_size": accelerator.num_processes,
+            "steps": state.step,
+            "ended": ended,
+            "ranks": ranks,
+            "parameters": parameters,
+        }
         (output_dir / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if not math.isfinite(checksum):
             raise RuntimeError("drafter weights are not finite after training")
