@@ -223,7 +223,9 @@ def test_training_keeps_the_best_heldout_checkpoint(heldout_run):
         assert any(not torch.equal(in_best[k], final[k]) for k in final)
 
     curve = load_curve(out)
-    assert [(r["step"], r["tokens"]) for r in curve["rows"]] == [(s, log[s]["train/tokens"]) for s in (2, 4)]
+    assert [(r["step"], r["tokens"], r["samples"]) for r in curve["rows"]] == [
+        (s, log[s]["train/tokens"], 4 * s) for s in (2, 4)
+    ]
     assert [r["tau_est"] for r in curve["rows"]] == pytest.approx([taus[s] for s in (2, 4)], abs=1e-6)
     assert list(curve["rows"][0]["top1"]) == ["head1/top1", "head2/top1", "head3/top1"] and curve["best"] == best
     assert (out / "curve.png").stat().st_size > 0

@@ -6,8 +6,9 @@ per-depth teacher-forced top-1 a_1..a_g (g = eval.num_speculative_tokens, or few
 reports fewer depths) gives `heldout/tau_est` = 1 + sum_k prod_{i<=k} a_i. Logged as `heldout/<stat>`
 beside `train/tokens` (training tokens so far, all ranks). The evaluation with the highest tau_est so
 far is kept in `<output_dir>/best/`: the drafter in `final/`'s format plus `best.json` (step, tokens,
-tau_est, the held-out metrics), replaced in one rename. `curve.json` (one row per evaluation; updated
-at each) and `curve.png` (at the end) plot tau_est and top-1 against training tokens (trainer/curve.py).
+tau_est, the held-out metrics), replaced in one rename. `curve.json` (one row per evaluation, with the
+training tokens and conversations seen; updated at each) and `curve.png` (at the end) plot tau_est and
+top-1 against training tokens (trainer/curve.py).
 The best evaluation and the curve live in the trainer state, so a resumed run continues them exactly.
 `train.patience` stops training on measured acceptance: after that many evaluations in a row without a
 new best (an EAGLE-3 drafter's acceptance can peak within a few epochs and fall after).
@@ -95,10 +96,19 @@ def evaluate_heldout(accelerator, drafter, heldout, collate, target_features, cf
     return metrics
 
 
-def curve_row(state: TrainerState, measured: dict[str, float], max_depth: int) -> dict:
-    """One row of curve.json: step, tokens, tau_est and the per-depth top-1 (name -> value, depth 1 first)."""
+def curve_row(state: TrainerState, measured: dict[str, float], max_depth: int, samples_per_step: int) -> dict:
+    """One row of curve.json: step, tokens, samples (conversations trained on, all ranks: every
+    micro-batch holds train.micro_batch_size of them), tau_est and the per-depth top-1 (name -> value,
+    depth 1 first)."""
     top1 = dict(depth_top1(measured, max_depth))
-    return {"step": state.step, "tokens": state.tokens, "tau_est": measured["tau_est"], "top1": top1}
+    samples = state.step * samples_per_step
+    return {
+        "step": state.step,
+        "tokens": state.tokens,
+        "samples": samples,
+        "tau_est": measured["tau_est"],
+        "top1": top1,
+    }
 
 
 def keep_best(accelerator, drafter, state: TrainerState, output_dir: Path, measured: dict[str, float]) -> bool:

@@ -115,6 +115,7 @@ def train(cfg: DictConfig) -> Path:
     counts_row = {f"params/{k}": v for k, v in parameters.items()}  # in this run's first logged row
     data_checksum = 0  # fingerprint of the token ids this rank trained on (for distributed checks)
     stop = StopRequest()
+    samples_per_step = world * cfg.train.micro_batch_size * cfg.train.grad_accum  # full micro-batches only
     upcoming = next_step(stream, module, cfg.train.grad_accum)
     agreed = agree(accelerator, upcoming=upcoming)  # the first step's counts; later ones come with each step's
     drafter.train()
@@ -188,7 +189,7 @@ def train(cfg: DictConfig) -> Path:
             ):
                 measured = evaluate_heldout(accelerator, drafter, run.heldout, run.collate, run.target_features, cfg)
                 row |= {f"heldout/{k}": v for k, v in measured.items()}
-                state.curve.append(curve_row(state, measured, cfg.eval.num_speculative_tokens))
+                state.curve.append(curve_row(state, measured, cfg.eval.num_speculative_tokens, samples_per_step))
                 if keep_best(accelerator, drafter, state, output_dir, measured):
                     log.info(
                         "step %d: heldout tau_est %.4f, the best so far: %s",
