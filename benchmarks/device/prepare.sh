@@ -32,7 +32,7 @@ xz -T0 -6 -c "$gguf" > .gpu/gguf.xz
 
 target=$(python -c "from draftsmith.gguf import materialize; print(materialize('$(dirname "$gguf")', '$(basename "$gguf")'))" | tail -1)
 mkdir -p .gpu/probe_target
-cp "$target"/*.json .gpu/probe_target/
+find "$target" -maxdepth 1 -type f ! -name "*.safetensors" ! -name gguf_source.json -exec cp {} .gpu/probe_target/ \;  # config, tokenizer, chat template
 
 # Parts sized so that each call's working tree (the tracked files) plus what it carries stays under 64 MiB
 mib=$((1024 * 1024)) room=$((63 * 1024 * 1024 - $(git ls-files -z | xargs -0 cat | wc -c)))
