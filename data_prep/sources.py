@@ -92,11 +92,6 @@ def named_file(source: str) -> Path:
     return converted
 
 
-def cleaning_counts(source: str) -> dict[str, Any]:
-    """The counts written when `source` was converted (named_file converts it if needed)."""
-    return json.loads((named_file(source).parent / "cleaning.json").read_text())
-
-
 def read_json_array(path: Path) -> tuple[list[Any], bool]:
     """The items of a file holding one JSON array, and whether the file was cut off inside it (then
     the items before the cut are returned, the cut one is not)."""

@@ -112,11 +112,6 @@ def decoder_spec(target_config, family: str, num_layers: int) -> dict:
     }
 
 
-def decoder_family(config) -> str:
-    """The model type of a drafter's own decoder layers, as recorded in its checkpoint."""
-    return str(config.decoder["config"]["model_type"])
-
-
 @torch.no_grad()
 def start_from_norm(draft_norm: nn.Module, target_norm: Optional[nn.Module]) -> None:
     """Load the target's final norm into a draft norm where, with those weights, both compute the same

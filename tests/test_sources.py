@@ -10,7 +10,7 @@ import json
 import pytest
 
 from draftsmith.data_prep import load_conversations
-from draftsmith.data_prep.sources import cleaning_counts, named_file
+from draftsmith.data_prep.sources import named_file
 from draftsmith.errors import UserError
 from draftsmith.eval.prompts import load_prompts
 from draftsmith.target import load_tokenizer
@@ -82,7 +82,7 @@ def test_sharegpt_is_cleaned_with_every_rule_counted(packages):
         [("user", "Question?"), ("assistant", "Answer.")],
         [("user", "Q1"), ("assistant", "A1")],
     ]
-    counts = cleaning_counts("named:sharegpt")
+    counts = json.loads((named_file("named:sharegpt").parent / "cleaning.json").read_text())  # written on conversion
     assert {key: value for key, value in counts.items() if key != "source"} == {
         "records": 10,
         "kept": 3,
