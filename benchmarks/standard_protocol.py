@@ -15,8 +15,9 @@ Stages, each resumable and skipped when its output exists (`--stages regenerate,
    with data.regenerate.engine=vllm (greedy, 256 new tokens, first turns only) -> <runs>/data/regenerated
    (--regenerated: start from a finished one, such as benchmarks/data/sharegpt_smollm2);
 2. train: `train.py recipe=<kind's recipe>` on it, --heldout conversations held out and evaluated every
-   --eval-every steps (teacher-forced τ estimate), the best checkpoint kept (<runs>/<kind>/best),
-   resumed with train.resume=true when a checkpoint exists; the acceptance-vs-tokens curve
+   --eval-every steps (teacher-forced τ estimate), the best checkpoint kept (<runs>/<kind>/best), stopped
+   after --patience evaluations without a new best (train.patience), resumed with train.resume=true when
+   a checkpoint exists; the acceptance-vs-tokens curve
    (<runs>/<kind>/curve.png);
 3. eval: draftsmith's own eval of best/ on MT-bench (80 first turns, 8 categories, γ 3 chain, T = 0,
    --new-tokens) -> <runs>/<kind>/mtbench/eval/report.json;
@@ -234,7 +235,7 @@ def stage_train(args, runs: Path, kind: str, log: Path) -> None:
     run(
         [
             "train.py", f"recipe={RECIPES[kind].recipe}", *RECIPES[kind].overrides, f"output_dir={kind_dir}", f"data.train=[{runs / 'data' / 'regenerated'}]",
-            f"train.epochs={args.epochs}", f"train.max_steps={args.max_steps}", f"train.heldout={args.heldout}", f"train.eval_every={args.eval_every}",
+            f"train.epochs={args.epochs}", f"train.max_steps={args.max_steps}", f"train.heldout={args.heldout}", f"train.eval_every={args.eval_every}", f"train.patience={args.patience}",
             "eval.enabled=false", "data.eval=[]", *resume,  # MT-bench is prompts only: the eval stage reads it, not training
         ],
         log,
@@ -391,6 +392,12 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=-1, help="optimizer steps (-1: --epochs epochs)")
     parser.add_argument("--heldout", type=int, default=64)
     parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument(
+        "--patience",
+        type=int,
+        default=0,
+        help="stop training after this many held-out evaluations without a new best (0: never)",
+    )
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=10, help="MT-bench first turns per category (10 = all 80)")
     parser.add_argument(
