@@ -124,7 +124,10 @@ def test_a_lock_whose_holder_died_is_taken_over_with_a_warning(tmp_path, small_d
 
 # -- 3. preemption ----------------------------------------------------------------------------------
 def test_sigterm_saves_a_checkpoint_exits_75_and_resume_is_bit_identical(tmp_path, small_data, token_cache, capsys):
-    steps = ["train.max_steps=14", "train.save_every=0"]  # no periodic checkpoints: preemption must make one
+    # no periodic checkpoints: preemption must make one. One thread in every run, in this process and in
+    # the preempted one: bit-identity across processes needs equal thread counts, and an in-process run
+    # otherwise computes with whatever count an earlier test in this worker left (draftsmith/threads.py)
+    steps = ["train.max_steps=14", "train.save_every=0", "train.cpu_threads=1"]
     straight = tmp_path / "straight"
     done = run_entry_in_process(["train.py", *train_args(straight, small_data, token_cache, *steps)], capsys)
     assert done.returncode == 0, done.stderr[-2000:]
