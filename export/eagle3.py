@@ -1,14 +1,17 @@
-"""EAGLE-3 for vLLM (the speculators format, or vLLM's native one) and SGLang (`LlamaForCausalLMEagle3`).
+"""EAGLE-3 for vLLM (the speculators format, or vLLM's native one) and SGLang (`LlamaForCausalLMEagle3`):
+one `Layout` per folder format (`Speculators`, with P-EAGLE's `peagle` type, `Native`, `SGLang`),
+each holding its writer, its reader and the defaults its engine assumes. The exporter writes the
+layout an engine and `export.vllm_format` ask for, and reads a folder with the layout that recognises it.
 
 The conversions, each checked and recorded in draftsmith_export.json:
 
 - Layer ids. draftsmith's id i is the output of decoder layer i (-1 the embeddings). vLLM's
   `eagle_aux_hidden_state_layer_ids` name the layer whose *input* it captures, pre-norm, so vLLM id =
-  ours + 1. Our id L-1 (transformers' last state) is *after* the final norm, which vLLM cannot capture
-  (its id L is before the norm): such a drafter is refused. vLLM does not derive the fc's width from
-  the ids, so `num_aux_hidden_states` is written too.
-- `norm_before_residual` is always written: the speculators format defaults to true in vLLM, the plain
-  form to false, draftsmith to false; a missing key changes the layer silently.
+  ours + 1 (`vllm_ids`, `draftsmith_ids`). Our id L-1 (transformers' last state) is *after* the final
+  norm, which vLLM cannot capture (its id L is before the norm): such a drafter is refused. vLLM does
+  not derive the fc's width from the ids, so `num_aux_hidden_states` is written too.
+- `norm_before_residual` is always written: its default differs between the layouts' readers
+  (`Layout.norm_before_residual`) and from draftsmith's (false); a missing key changes the layer silently.
 - The draft vocabulary: `d2t` (offsets, target id = draft id + d2t) and `t2d` ship only when the
   vocabulary is pruned (vLLM refuses a `d2t` for a full vocabulary); `lm_head` always ships.
 - max_position_embeddings and rope come from the target's config, never defaults.
@@ -18,38 +21,18 @@ The conversions, each checked and recorded in draftsmith_export.json:
   tests/test_engine_vllm.py); read back the same way from any folder, speculators' own included.
   SGLang: refused (not verified).
 - EAGLE-3.1's `fc_norm` (weights `fc_norm.{i}.weight`, one per aux layer) and `norm_output` are always
-  written, as vLLM reads them (vllm/transformers_utils/configs/speculators/algos.py, models/llama_eagle3.py;
-  both default to false). So is `norm_before_fc` (speculators' default: one RMSNorm over the
-  concatenated taps, weight `input_norm.weight` [n_aux * H]; vLLM reads it from the top level or from
-  `eagle_config`). SGLang's EAGLE-3 layer has none of the three: such a drafter is refused for SGLang.
-
-P-EAGLE (`drafter.parallel_drafting`) is vLLM's own parallel format, `speculators_model_type: "peagle"`
-with `mask_token_id` (vllm/transformers_utils/configs/speculators/algos.py: it becomes `pard_token`) and
-the `mask_hidden` weight, shipped [1, 1, n_aux * H] as speculators' PEagle model holds it (vLLM flattens
-whatever it reads; draftsmith keeps [n_aux * H]); it is served with `"parallel_drafting": true` in the speculative
-config (written into the serving command; without it vLLM skips mask_hidden with a warning and drafts
-sequentially with a drafter trained for mask inputs). vLLM's peagle reader drops the top-level
-`fc_norm`/`norm_output`, but starts from `transformer_layer_config`, so EAGLE-3.1's keys go there too.
-SGLang has no parallel EAGLE: refused.
-
-vLLM's native form (`export.vllm_format=native`, the layout of the EAGLE authors' checkpoints):
-`LlamaForCausalLMEagle3`, the ids at the top level in vLLM's convention and none in `eagle_config`
-(SGLang would read those, in ours), `norm_before_residual` (native default false), EAGLE-3.1's keys at
-the top level, `midlayer.*`. P-EAGLE has the speculators form only.
-
-SGLang (checked against sglang's llama_eagle3.py and the Llama target's layer capture, source read,
-not run): `eagle_config.eagle_aux_hidden_state_layer_ids` are draftsmith's ids (it captures id + 1
-before that layer), the layer's residual is always the un-normalised feature (it ignores
-`norm_before_residual`, so a drafter trained with true is refused), weights are `midlayer.*` (every
-version loads that name), and no `bias` key (it would add an o_proj bias). The SGLang folder also
-carries vLLM's top-level ids (ours + 1), which SGLang ignores, so vLLM loads that form too.
+  written for vLLM, as it reads them (vllm/transformers_utils/configs/speculators/algos.py,
+  models/llama_eagle3.py; both default to false), where the layout's reader looks for them. So is
+  `norm_before_fc` (speculators' default: one RMSNorm over the concatenated taps, weight
+  `input_norm.weight` [n_aux * H]; vLLM reads it from `eagle_config`, else the top level, in every layout).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+import json
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 
@@ -67,6 +50,9 @@ SGLANG_SERVE = (
 )
 
 
+VLLM_ID_SHIFT = 1  # vLLM's id names the layer whose input it captures, draftsmith's the layer whose output it is
+
+
 def vllm_ids(ours: list[int], num_layers: int) -> list[int]:
     """draftsmith's aux-layer ids (output of layer i) -> vLLM's (input of layer i, pre-norm)."""
     if ours and ours[-1] >= num_layers - 1:
@@ -74,7 +60,12 @@ def vllm_ids(ours: list[int], num_layers: int) -> list[int]:
             f"aux layer {ours[-1]} is the target's last hidden state after its final norm (transformers' hidden_states[{num_layers}]), "
             f"which vLLM cannot capture (its id {num_layers} is the state before the norm); retrain with aux layers below {num_layers - 1}"
         )
-    return [layer + 1 for layer in ours]
+    return [layer + VLLM_ID_SHIFT for layer in ours]
+
+
+def draftsmith_ids(theirs: list[int]) -> list[int]:
+    """vLLM's aux-layer ids -> draftsmith's."""
+    return [layer - VLLM_ID_SHIFT for layer in theirs]
 
 
 def layer_expected(
@@ -158,7 +149,7 @@ def refuse_unhonoured(
     draftsmith's EAGLE-3 cannot compute: it would draft with another function."""
     if ours and ours[-1] >= num_layers - 1:  # vLLM/speculators id L: the last layer's output before the final norm
         raise UserError(
-            f"{folder}: aux layer id {ours[-1] + 1} (vLLM's convention) is the target's last state before its final norm, "
+            f"{folder}: aux layer id {ours[-1] + VLLM_ID_SHIFT} (vLLM's convention) is the target's last state before its final norm, "
             f"which draftsmith's taps do not provide (its id {num_layers - 1} is after the norm)"
         )
     if int(layer.get("num_hidden_layers", 1)) != 1:
@@ -218,41 +209,88 @@ def same_values(saved: torch.Tensor, tensor: torch.Tensor) -> bool:
     return saved.shape == tensor.shape and torch.equal(saved.to(tensor.device, dtype), tensor.detach().to(dtype))
 
 
-# The draft-layer families each engine form builds for EAGLE-3 (vLLM's speculators reader picks the
+# The draft-layer families each layout builds for EAGLE-3 (vLLM's speculators reader picks the
 # architecture from transformer_layer_config.model_type: llama or qwen3; its native form and SGLang
 # build Llama layers).
 SPECULATORS_FAMILIES = ("llama", "qwen3")
 LLAMA_ONLY = ("llama",)
+EXTENSIONS = ("fc_norm", "norm_output")  # EAGLE-3.1's keys whose place a reader decides (norm_before_fc: one for all)
 
 
-@register
-class Eagle3Exporter(Exporter):
-    kinds = ("eagle3",)
-    vllm_formats = ("speculators", "native")
+def extension_values(drafter) -> dict[str, bool]:
+    return {key: bool(getattr(drafter.config, key)) for key in EXTENSIONS}
 
-    def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
-        """The speculators format: vLLM serves it from `--speculative-config` or as `vllm serve <folder>`."""
-        require_vllm_state_capture(source.target, "P-EAGLE" if source.drafter.config.parallel_drafting else "EAGLE-3")
-        if source.vllm_format == "native":
-            return self.native_vllm(source)
+
+class Layout:
+    """One folder format of EAGLE-3: its writer (`write`), its reader (`recognises`, `read`) and the
+    defaults its engine assumes, each stated once here."""
+
+    engine: ClassVar[str]
+    families: ClassVar[tuple[str, ...]]  # the draft-layer families the engine builds in this format
+    # what the engine's layer does when the folder does not say (draftsmith's default is false)
+    norm_before_residual: ClassVar[bool]
+
+    def write(self, source: Source, gamma: int) -> EngineRepo:
+        raise NotImplementedError
+
+    def recognises(self, config: dict[str, Any]) -> bool:
+        raise NotImplementedError
+
+    def layer(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The draft layer's config within the folder's config (at its top level unless overridden)."""
+        return config
+
+    def read(self, folder: Path, config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+        """The drafter settings the folder sets in this format: `aux_layers` (draftsmith's ids),
+        `layer_family`, `norm_before_residual`, and EAGLE-3.1's and P-EAGLE's keys where it has them."""
+        raise NotImplementedError
+
+
+def eagle3_architecture(config: dict[str, Any]) -> bool:
+    return any("Eagle3" in arch for arch in config.get("architectures", []))
+
+
+@dataclass(frozen=True)
+class Speculators(Layout):
+    """The speculators format, which vLLM serves from `--speculative-config` or as `vllm serve <folder>`
+    and speculators' trainer saves: `transformer_layer_config` holds the draft layer, vLLM's ids
+    (ours + 1) at the top level.
+
+    P-EAGLE (`drafter.parallel_drafting`) is its `peagle` type, with `mask_token_id`
+    (vllm/transformers_utils/configs/speculators/algos.py: it becomes `pard_token`) and the
+    `mask_hidden` weight, shipped [1, 1, n_aux * H] as speculators' PEagle model holds it (vLLM
+    flattens whatever it reads; draftsmith keeps [n_aux * H]); it is served with `"parallel_drafting":
+    true` in the speculative config (written into the serving command; without it vLLM skips
+    mask_hidden with a warning and drafts sequentially with a drafter trained for mask inputs). vLLM's
+    peagle reader drops the top-level `fc_norm`/`norm_output` but starts from `transformer_layer_config`,
+    so EAGLE-3.1's keys go there too."""
+
+    model_type: str  # speculators_model_type
+    parallel: bool  # P-EAGLE
+    norm_before_residual: bool  # vLLM's reader of this type defaults the key to it
+    extensions_in_layer: bool  # that reader takes EAGLE-3.1's keys from transformer_layer_config, not the top
+    engine: ClassVar[str] = "vllm"
+    families: ClassVar[tuple[str, ...]] = SPECULATORS_FAMILIES
+
+    def write(self, source: Source, gamma: int) -> EngineRepo:
         drafter, target = source.drafter, source.target
-        layer = draft_layer_config(drafter, SPECULATORS_FAMILIES, "vLLM", "EAGLE-3") | window_keys(drafter)
+        layer = draft_layer_config(drafter, self.families, "vLLM", "EAGLE-3") | window_keys(drafter)
         ours = list(drafter.config.aux_layers)
         ids = vllm_ids(ours, target.shape.num_hidden_layers)
         layer |= {
             "architectures": ["Qwen3ForCausalLM" if layer["model_type"] == "qwen3" else "LlamaForCausalLM"],
             "num_aux_hidden_states": len(ids),
         }
+        extensions = extension_values(drafter)
         config = {
             "architectures": ["Eagle3Speculator"],
-            "speculators_model_type": "eagle3",
-            "transformer_layer_config": layer,
+            "speculators_model_type": self.model_type,
+            "transformer_layer_config": layer | (extensions if self.extensions_in_layer else {}),
             "draft_vocab_size": drafter.config.draft_vocab_size,
             "target_hidden_size": target.shape.hidden_size,
             "norm_before_residual": bool(drafter.config.norm_before_residual),
             "norm_before_fc": bool(drafter.config.norm_before_fc),
-            "fc_norm": bool(drafter.config.fc_norm),
-            "norm_output": bool(drafter.config.norm_output),
+            **extensions,
             "eagle_aux_hidden_state_layer_ids": ids,
             "speculators_config": {
                 "algorithm": "eagle3",
@@ -271,19 +309,16 @@ class Eagle3Exporter(Exporter):
                 },
             },
         }
-        options = {}
-        if drafter.config.parallel_drafting:
-            extensions = {key: config[key] for key in ("fc_norm", "norm_output")}
-            config |= {"speculators_model_type": "peagle", "mask_token_id": int(drafter.config.mask_token_id)}
-            config["transformer_layer_config"] = layer | extensions  # the peagle reader reads them only there
-            options = {"parallel_drafting": True}
+        if self.parallel:
+            config["mask_token_id"] = int(drafter.config.mask_token_id)
         conventions = {
             "aux_layer_ids": {
                 "draftsmith": ours,
                 "vllm": ids,
                 "rule": "vLLM id = draftsmith id + 1 (vLLM: input of layer id, pre-norm; draftsmith: output of layer id)",
             },
-            "norm_before_residual": f"written {config['norm_before_residual']} (vLLM's speculators default is true)",
+            "norm_before_residual": f"written {config['norm_before_residual']} "
+            f"(vLLM's speculators default is {json.dumps(self.norm_before_residual)})",
             "num_aux_hidden_states": f"written {len(ids)}: vLLM sizes the fc from it, not from the ids",
             "draft_vocab": "d2t (offsets) and t2d shipped" if drafter.pruned else "full vocabulary: no d2t/t2d",
             "eagle3.1": f"fc_norm {config['fc_norm']}, norm_output {config['norm_output']}, norm_before_fc {config['norm_before_fc']} "
@@ -296,7 +331,7 @@ class Eagle3Exporter(Exporter):
             layer, target.shape.vocab_size, drafter.config.draft_vocab_size, len(ids), drafter.config.fc_norm,
             drafter.config.norm_before_fc,
         )  # fmt: skip
-        if drafter.config.parallel_drafting:
+        if self.parallel:
             expected["mask_hidden"] = (1, 1, len(ids) * target.shape.hidden_size)
             conventions["parallel_drafting"] = (
                 f"speculators_model_type peagle, mask_token_id {config['mask_token_id']} (vLLM's pard_token), mask_hidden shipped; "
@@ -311,14 +346,45 @@ class Eagle3Exporter(Exporter):
             "the target's embedding table shipped as embed_tokens.weight (vLLM shares the target's when equal)"
         )
         tensors = {**drafter.state_dict(), "embed_tokens.weight": embedding.weight}
-        if drafter.config.parallel_drafting:
+        if self.parallel:
             tensors["mask_hidden"] = tensors["mask_hidden"].view(1, 1, -1)
-        return EngineRepo("vllm", config, tensors, expected, VLLM_SERVE, conventions, method="eagle3", options=options)
+        options = {"parallel_drafting": True} if self.parallel else {}
+        return EngineRepo(
+            self.engine, config, tensors, expected, VLLM_SERVE, conventions, method="eagle3", options=options
+        )
 
-    def native_vllm(self, source: Source) -> EngineRepo:
-        """vLLM's native form (`export.vllm_format=native`): a `LlamaForCausalLMEagle3` config with the
-        ids at the top level in vLLM's convention (ours + 1) and none in `eagle_config` (SGLang reads
-        those, in ours), EAGLE-3.1's keys and norm_before_residual at the top level, `midlayer.*`."""
+    def recognises(self, config: dict[str, Any]) -> bool:
+        return config.get("speculators_model_type") == self.model_type
+
+    def layer(self, config: dict[str, Any]) -> dict[str, Any]:
+        return config.get("transformer_layer_config", config)
+
+    def read(self, folder: Path, config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+        # speculators resolves unset ids to its default [2, L//2, L-3] (vLLM's ids) when it loads
+        ids = config.get("eagle_aux_hidden_state_layer_ids") or [2, num_layers // 2, num_layers - 3]
+        holder = self.layer(config) if self.extensions_in_layer else config
+        settings = {
+            "aux_layers": draftsmith_ids(ids),
+            "layer_family": self.layer(config).get("model_type", self.families[0]),
+            "norm_before_residual": bool(config.get("norm_before_residual", self.norm_before_residual)),
+            **{key: bool(holder.get(key, False)) for key in EXTENSIONS},
+        }
+        if self.parallel:
+            settings |= {"parallel_drafting": True, "mask_token_id": int(config["mask_token_id"])}
+        return settings
+
+
+class Native(Layout):
+    """vLLM's native form (`export.vllm_format=native`, the layout of the EAGLE authors' checkpoints):
+    `LlamaForCausalLMEagle3`, the ids at the top level in vLLM's convention (ours + 1) and none in
+    `eagle_config` (SGLang would read those, in ours), norm_before_residual and EAGLE-3.1's keys at the
+    top level, `midlayer.*`. P-EAGLE has the speculators form only."""
+
+    engine = "vllm"
+    families = LLAMA_ONLY
+    norm_before_residual = False
+
+    def write(self, source: Source, gamma: int) -> EngineRepo:
         drafter, target = source.drafter, source.target
         if drafter.config.parallel_drafting:
             raise UserError(
@@ -326,7 +392,7 @@ class Eagle3Exporter(Exporter):
             )
         ids = vllm_ids(list(drafter.config.aux_layers), target.shape.num_hidden_layers)
         config = (
-            draft_layer_config(drafter, LLAMA_ONLY, "vLLM's native EAGLE-3 form", "EAGLE-3")
+            draft_layer_config(drafter, self.families, "vLLM's native EAGLE-3 form", "EAGLE-3")
             | window_keys(drafter)
             | {
                 "architectures": ["LlamaForCausalLMEagle3"],
@@ -336,8 +402,7 @@ class Eagle3Exporter(Exporter):
                 "eagle_config": {"use_aux_hidden_state": True},
                 "eagle_aux_hidden_state_layer_ids": ids,
                 "norm_before_residual": bool(drafter.config.norm_before_residual),
-                "fc_norm": bool(drafter.config.fc_norm),
-                "norm_output": bool(drafter.config.norm_output),
+                **extension_values(drafter),
                 "norm_before_fc": bool(drafter.config.norm_before_fc),
             }
         )
@@ -353,14 +418,15 @@ class Eagle3Exporter(Exporter):
                 "rule": "top-level eagle_aux_hidden_state_layer_ids, vLLM's convention (draftsmith id + 1); none in eagle_config, "
                 "where SGLang would read them in draftsmith's",
             },
-            "norm_before_residual": f"written {config['norm_before_residual']} (vLLM's native default is false)",
+            "norm_before_residual": f"written {config['norm_before_residual']} "
+            f"(vLLM's native default is {json.dumps(self.norm_before_residual)})",
             "eagle3.1": f"fc_norm {config['fc_norm']}, norm_output {config['norm_output']}, norm_before_fc {config['norm_before_fc']} "
             "(top level, where vLLM reads them)",
             "weights": "layers.0.* written as midlayer.*",
             "attention": attention_convention(drafter),
         }
         return EngineRepo(
-            "vllm",
+            self.engine,
             config,
             as_midlayer(drafter.state_dict()),
             as_midlayer(expected),
@@ -369,15 +435,45 @@ class Eagle3Exporter(Exporter):
             method="eagle3",
         )
 
-    def sglang(self, source: Source, gamma: int, output: Path) -> EngineRepo:
+    def recognises(self, config: dict[str, Any]) -> bool:
+        return (
+            eagle3_architecture(config)
+            and "speculators_model_type" not in config
+            and "eagle_aux_hidden_state_layer_ids" not in config.get("eagle_config", {})
+        )
+
+    def read(self, folder: Path, config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+        return {
+            "aux_layers": draftsmith_ids(config["eagle_aux_hidden_state_layer_ids"]),
+            "layer_family": self.families[0],
+            "norm_before_residual": bool(config.get("norm_before_residual", self.norm_before_residual)),
+            **{key: bool(config.get(key, False)) for key in EXTENSIONS},
+        }
+
+
+class SGLang(Layout):
+    """SGLang's `LlamaForCausalLMEagle3` (checked against sglang's llama_eagle3.py and the Llama target's
+    layer capture, source read, not run): `eagle_config.eagle_aux_hidden_state_layer_ids` are
+    draftsmith's ids (it captures id + 1 before that layer), the layer's residual is always the
+    un-normalised feature (it ignores `norm_before_residual`, so a drafter trained with true is
+    refused), weights are `midlayer.*` (every version loads that name), and no `bias` key (it would add
+    an o_proj bias). It has neither EAGLE-3.1's norms nor a parallel EAGLE: such drafters are refused.
+    The folder also carries vLLM's top-level ids (ours + 1), which SGLang ignores, so vLLM loads that
+    form too."""
+
+    engine = "sglang"
+    families = LLAMA_ONLY
+    norm_before_residual = False
+
+    def write(self, source: Source, gamma: int) -> EngineRepo:
         drafter, target = source.drafter, source.target
-        layer = draft_layer_config(drafter, LLAMA_ONLY, "SGLang", "EAGLE-3")
+        layer = draft_layer_config(drafter, self.families, "SGLang", "EAGLE-3")
         if drafter.config.parallel_drafting:
             raise UserError(
                 "this EAGLE-3 drafter drafts in parallel (P-EAGLE), which SGLang does not serve: it would draft sequentially "
                 "with a drafter trained for mask inputs (export it for vllm)"
             )
-        extensions = [key for key in ("fc_norm", "norm_output", "norm_before_fc") if getattr(drafter.config, key)]
+        extensions = [key for key in (*EXTENSIONS, "norm_before_fc") if getattr(drafter.config, key)]
         if extensions:
             raise UserError(
                 f"this EAGLE-3 drafter uses {' and '.join(extensions)}, which SGLang's EAGLE-3 layer does not have: it would "
@@ -388,7 +484,7 @@ class Eagle3Exporter(Exporter):
                 f"this EAGLE-3 drafter's layer attends to a sliding window of {drafter.config.sliding_window} positions, which "
                 "SGLang's EAGLE-3 layer has not been verified to honour (export it for vllm, or retrain with drafter.sliding_window=null)"
             )
-        if drafter.config.norm_before_residual:
+        if drafter.config.norm_before_residual != self.norm_before_residual:
             raise UserError(
                 "this EAGLE-3 drafter was trained with norm_before_residual=true; SGLang's EAGLE-3 layer always keeps the "
                 "un-normalised feature as its residual and would serve another function (export it for vllm, or retrain with false)"
@@ -401,7 +497,7 @@ class Eagle3Exporter(Exporter):
             "target_hidden_size": target.shape.hidden_size,
             "num_aux_hidden_states": len(ours),
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": ours, "use_aux_hidden_state": True},
-            "norm_before_residual": False,
+            "norm_before_residual": self.norm_before_residual,
             "eagle_aux_hidden_state_layer_ids": ids,  # vLLM's convention; SGLang reads eagle_config
         }
         tensors = as_midlayer(drafter.state_dict())
@@ -419,67 +515,75 @@ class Eagle3Exporter(Exporter):
             "weights": "layers.0.* written as midlayer.*",
             "checked_against": "sglang python/sglang/srt/models/llama_eagle3.py and models/llama.py (source read, not run)",
         }
-        return EngineRepo("sglang", config, tensors, expected, SGLANG_SERVE, conventions, method="EAGLE3")
+        return EngineRepo(self.engine, config, tensors, expected, SGLANG_SERVE, conventions, method="EAGLE3")
+
+    def recognises(self, config: dict[str, Any]) -> bool:
+        return (
+            eagle3_architecture(config)
+            and "speculators_model_type" not in config
+            and "eagle_aux_hidden_state_layer_ids" in config.get("eagle_config", {})
+        )
+
+    def read(self, folder: Path, config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+        ours = list(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+        top = config.get("eagle_aux_hidden_state_layer_ids")
+        if top is not None and draftsmith_ids(top) != ours:
+            raise UserError(
+                f"{folder}: top-level eagle_aux_hidden_state_layer_ids {top} disagree with eagle_config's {ours} (+1 expected)"
+            )
+        return {
+            "aux_layers": ours,
+            "layer_family": self.families[0],
+            "norm_before_residual": bool(config.get("norm_before_residual", self.norm_before_residual)),
+        }
+
+
+SPECULATORS = Speculators("eagle3", parallel=False, norm_before_residual=True, extensions_in_layer=False)
+PEAGLE = Speculators("peagle", parallel=True, norm_before_residual=False, extensions_in_layer=True)
+NATIVE, SGLANG = Native(), SGLang()
+LAYOUTS = (SPECULATORS, PEAGLE, NATIVE, SGLANG)
+
+
+@register
+class Eagle3Exporter(Exporter):
+    kinds = ("eagle3",)
+    vllm_formats = ("speculators", "native")
+
+    def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
+        require_vllm_state_capture(source.target, "P-EAGLE" if source.drafter.config.parallel_drafting else "EAGLE-3")
+        if source.vllm_format == "native":
+            return NATIVE.write(source, gamma)
+        return (PEAGLE if source.drafter.config.parallel_drafting else SPECULATORS).write(source, gamma)
+
+    def sglang(self, source: Source, gamma: int, output: Path) -> EngineRepo:
+        return SGLANG.write(source, gamma)
 
     def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
-        return config.get("speculators_model_type") in ("eagle3", "peagle") or any(
-            "Eagle3" in arch for arch in config.get("architectures", [])
-        )
+        return any(layout.recognises(config) for layout in LAYOUTS)
 
     def read(
         self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]
     ):
-        layer_config = config.get("transformer_layer_config", config)  # the native form and SGLang's: top level
+        layout = next(layout for layout in LAYOUTS if layout.recognises(config))
+        layer_config = layout.layer(config)
         target = TargetShape.of(target_model, str(getattr(target_model, "name_or_path", "") or "the target"))
         num_layers = target.num_hidden_layers
         check_same_target(folder_target(config, layer_config, tensors, info, target), target, str(folder))
-        if "speculators_config" in config:  # vLLM convention: input of layer id
-            # speculators resolves unset ids to its default [2, L//2, L-3] (vLLM's ids) when it loads
-            ids = config.get("eagle_aux_hidden_state_layer_ids") or [2, num_layers // 2, num_layers - 3]
-            ours = [layer - 1 for layer in ids]
-            parallel = config["speculators_model_type"] == "peagle"
-            # read where vLLM reads: its eagle3 reader defaults norm_before_residual to true and takes
-            # EAGLE-3.1's keys from the top level, its peagle reader to false and from the layer config
-            norm_before_residual = config.get("norm_before_residual", not parallel)
-            holder = config.get("transformer_layer_config", {}) if parallel else config
-            extensions = {key: bool(holder.get(key, False)) for key in ("fc_norm", "norm_output")}
-            if parallel:
-                extensions |= {"parallel_drafting": True, "mask_token_id": int(config["mask_token_id"])}
-        elif "eagle_aux_hidden_state_layer_ids" not in config.get("eagle_config", {}):  # vLLM's native form
-            ours = [layer - 1 for layer in config["eagle_aux_hidden_state_layer_ids"]]
-            norm_before_residual = config.get("norm_before_residual", False)
-            extensions = {key: bool(config.get(key, False)) for key in ("fc_norm", "norm_output")}
-        else:  # LlamaForCausalLMEagle3: SGLang's eagle_config ids are draftsmith's (output of layer id)
-            ours = list(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
-            top = config.get("eagle_aux_hidden_state_layer_ids")
-            if top is not None and list(top) != [layer + 1 for layer in ours]:
-                raise UserError(
-                    f"{folder}: top-level eagle_aux_hidden_state_layer_ids {top} disagree with eagle_config's {ours} (+1 expected)"
-                )
-            norm_before_residual = config.get("norm_before_residual", False)
-            extensions = {}
-        family = config.get("transformer_layer_config", {}).get(
-            "model_type", "llama"
-        )  # the native form and SGLang's: Llama
-        # vLLM reads norm_before_fc from eagle_config first, then the top level, in every form
-        extensions["norm_before_fc"] = bool(
-            config.get("eagle_config", {}).get("norm_before_fc", config.get("norm_before_fc", False))
-        )
-        refuse_unhonoured(folder, config, layer_config, ours, num_layers)
-        eagle3 = drafter_class("eagle3")
-        settings = {
+        settings = layout.read(folder, config, num_layers)
+        refuse_unhonoured(folder, config, layer_config, settings["aux_layers"], num_layers)
+        # vLLM reads norm_before_fc from eagle_config first, then the top level, in every layout
+        norm_before_fc = config.get("eagle_config", {}).get("norm_before_fc", config.get("norm_before_fc", False))
+        settings |= {
+            "norm_before_fc": bool(norm_before_fc),
             "sliding_window": layer_window(layer_config),
-            "layer_family": family,
-            "aux_layers": ours,
             "draft_vocab_size": int(config["draft_vocab_size"]),
-            "norm_before_residual": bool(norm_before_residual),
-            **extensions,
         }
         settings |= {
             key: value
             for key, value in info.get("drafter_config", {}).items()
             if key in ("tree_depth", "tree_topk", "ttt_steps", "ttt_decay")
         }
+        eagle3 = drafter_class("eagle3")
         drafter = eagle3.from_target(eagle3.Config(**settings), target_model, info.get("verifier", "target"))
         check_draft_layer(folder, layer_config, drafter.config.decoder["config"])
         embedding, _ = drafter.target_modules()

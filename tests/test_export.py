@@ -132,6 +132,38 @@ def test_peagle_is_written_in_vllms_parallel_format(target, tmp_path):
 PARD = {"parallel_drafting": "true", "mask_token_id": "5"}  # the draft model drafting in parallel
 
 
+# One drafter per EAGLE-3 layout, setting away from draftsmith's defaults what the layout carries.
+WINDOWED_31 = {"fc_norm": "true", "norm_output": "true", "sliding_window": "16"}
+LAYOUT_DRAFTERS = {
+    "speculators": {**WINDOWED_31, "norm_before_residual": "true"},
+    "peagle": {**PEAGLE, **WINDOWED_31},  # EAGLE-3.1's keys in the layer config too
+    "native": {"norm_before_fc": "true", "norm_output": "true", "sliding_window": "16", "norm_before_residual": "true"},
+    "sglang": {},  # SGLang's layer has none of them
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUT_DRAFTERS))
+def test_each_eagle3_layout_reads_back_what_it_writes(name, target, tmp_path):
+    from draftsmith.export import EXPORTERS
+    from draftsmith.export.eagle3 import LAYOUTS, NATIVE, PEAGLE, SGLANG, SPECULATORS
+    from draftsmith.export.repo import WEIGHTS, stage_repo
+    from draftsmith.export.run import load_source
+    from draftsmith.heads.base import architecture
+
+    layout = {"speculators": SPECULATORS, "peagle": PEAGLE, "native": NATIVE, "sglang": SGLANG}[name]
+    checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt", **LAYOUT_DRAFTERS[name])
+    source = load_source(load_recipe(export_args("eagle3", checkpoint, tmp_path / "export")), checkpoint, target)
+    repo = layout.write(source, gamma=3)
+    folder = stage_repo(repo, tmp_path / name, source.target)
+    config, tensors = json.loads((folder / "config.json").read_text()), load_file(str(folder / WEIGHTS))
+    assert [other for other in LAYOUTS if other.recognises(config)] == [layout]
+    drafter = EXPORTERS["eagle3"].read(folder, config, tensors, target, {})
+    assert architecture(drafter.config) == architecture(source.drafter.config)
+    written = source.drafter.state_dict()
+    assert drafter.state_dict().keys() == written.keys()
+    assert all(torch.equal(tensor, written[key]) for key, tensor in drafter.state_dict().items())
+
+
 def test_eagle31_is_written_in_vllms_native_form_and_reads_back(target, tmp_path):
     from draftsmith.export import open_drafter
     from draftsmith.heads.base import TargetShape
