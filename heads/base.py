@@ -154,6 +154,16 @@ class Proposer:
         raise UserError("this drafter proposes chains only; set eval.tree=0")
 
 
+@dataclass(frozen=True)
+class FlopProfile:
+    """How a training step runs a drafter's trainable parameters per token: `passes` forwards and
+    backwards, but for the parameters whose names start with one of `once`, which run once per token
+    whatever the passes (a layer fusing the target's states before an unrolled one)."""
+
+    passes: int = 1
+    once: tuple[str, ...] = ()
+
+
 class DrafterConfig:
     """Base of every drafter's Config dataclass."""
 
@@ -174,6 +184,12 @@ class Drafter(nn.Module):
     # the README's matrix say it beside every figure. vLLM 0.32 verifies chains only; SGLang EAGLE trees.
     SERVED_BY: ClassVar[dict[str, str]] = {"chain": "vLLM", "tree": "draftsmith eval only"}
     TITLE: ClassVar[str]  # how people name the kind (the model card's title: "EAGLE-3")
+    # The name of its loss's statistic for the teacher-forced top-1 at draft depth `depth` (1 first),
+    # which the held-out evaluation chains into tau_est and curve.json plots (trainer/curve.py).
+    DEPTH_TOP1: ClassVar[str] = "step{depth}/top1"
+    # Bytes of [rows, vocabulary] float32 logits a loss over a vocabulary holds at once (heads/vocab_loss.py);
+    # the trainer sets it from train.vocab_chunk_mb.
+    loss_chunk_bytes: int = 256 << 20
 
     @classmethod
     def unshardable(cls, config) -> Optional[str]:
@@ -202,6 +218,12 @@ class Drafter(nn.Module):
     def proposes_trees(cls, config) -> bool:
         """Whether its proposer grows trees (eval.tree > 0), or proposes chains only."""
         return "tree" in cls.SERVED_BY
+
+    @classmethod
+    def flop_profile(cls, config) -> FlopProfile:
+        """How a training step runs its parameters per token, which the trainer's FLOP count behind MFU
+        reads (trainer/observe.py): by default each once."""
+        return FlopProfile()
 
     @property
     def request(self) -> FeatureRequest:
@@ -288,18 +310,23 @@ class Drafter(nn.Module):
         }
 
 
-def per_sample_stats(values: dict[str, torch.Tensor], rows: torch.Tensor, batch_size: int) -> dict[str, torch.Tensor]:
+def per_sample_stats(
+    values: dict[str, torch.Tensor], rows: torch.Tensor, batch_size: int, where: Optional[torch.Tensor] = None
+) -> dict[str, torch.Tensor]:
     """Per-position metric values -> `name -> [D, 2]` (sum, count) per sample, the shape `loss`
     returns; `rows[i]` is the sample (document, heads/packing.py `documents`) position i belongs
-    to, `batch_size` the number of samples (`num_documents`)."""
-    ones = torch.ones(rows.shape[0], device=rows.device)
-    counts = torch.zeros(batch_size, device=rows.device).index_add_(0, rows, ones)
-    return {
-        name: torch.stack(
-            [torch.zeros(batch_size, device=rows.device).index_add_(0, rows, value.float()), counts], dim=-1
-        )
-        for name, value in values.items()
-    }
+    to, `batch_size` the number of samples (`num_documents`). `where` (rows' shape, bool): the
+    positions that count, every one when None; a fixed-shape caller masks instead of gathering."""
+    rows = rows.flatten()
+    counted = torch.ones(rows.shape[0], device=rows.device) if where is None else where.flatten().float()
+    counts = torch.zeros(batch_size, device=rows.device).index_add_(0, rows, counted)
+
+    def summed(value: torch.Tensor) -> torch.Tensor:
+        value = value.flatten().float()
+        value = value if where is None else torch.where(where.flatten(), value, 0.0)
+        return torch.zeros(batch_size, device=rows.device).index_add_(0, rows, value)
+
+    return {name: torch.stack([summed(value), counts], dim=-1) for name, value in values.items()}
 
 
 def check_mask_token(mask_token_id: Optional[int], target: Optional[TargetShape], required_by: str = "") -> None:

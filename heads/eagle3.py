@@ -57,16 +57,15 @@ from typing import Optional
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from draftsmith.errors import UserError
-from draftsmith.families import layer_family, tap_layers, within_window
+from draftsmith.families import layer_family, tap_layers
 from draftsmith.heads import register
 from draftsmith.heads.base import (
     DrafterConfig,
     DraftState,
     DraftTree,
+    FlopProfile,
     Proposer,
     Tree,
     check_layer_ids,
@@ -75,6 +74,16 @@ from draftsmith.heads.base import (
 )
 from draftsmith.heads.eagle import EagleBase, EagleProposer, check_tree_settings, import_qualified, start_from_norm
 from draftsmith.heads.packing import documents, draft_attention_mask, num_documents, positions, same_document
+from draftsmith.heads.ttt_attention import (
+    ATTENTION,
+    BACKENDS,
+    StepKeys,
+    TTTStep,
+    register_ttt_attention,
+    resolved_backend,
+    step_visibility,
+)
+from draftsmith.heads.vocab_loss import chunk_rows_for, soft_cross_entropy
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 log = logging.getLogger("draftsmith.eagle3")
@@ -84,13 +93,16 @@ COVERAGE = "draft_vocab_coverage"  # `learned` key: share of the training data's
 @dataclass
 class Eagle3Config(DrafterConfig):
     type: str = "eagle3"  # the drafter kind (registry key)
-    SETTINGS = ("ttt_steps", "ttt_decay", "tree_depth", "tree_topk")  # see DrafterConfig
+    SETTINGS = ("ttt_steps", "ttt_decay", "tree_depth", "tree_topk", "ttt_attention")  # see DrafterConfig
     # Target layers to fuse, our ids (output of layer i; vLLM id = ours + 1). None: EAGLE-3's default,
     # [1, L//2 - 1, L - 4] (= vLLM's [2, L//2, L-3]), filled in by from_target.
     aux_layers: Optional[list[int]] = None
     draft_vocab_size: int = 32000  # lm_head rows; clipped to the target's vocabulary (= no pruning)
     ttt_steps: int = 7  # training-time test: draft steps unrolled in training
     ttt_decay: float = 0.8  # step i's (0-based) loss weight: ttt_decay**i
+    # How steps i > 0 of the training-time test attend (heads/ttt_attention.py): dense (every score,
+    # the reference), flex (block-sparse flex attention, CUDA), auto (flex on CUDA, dense elsewhere).
+    ttt_attention: str = "auto"
     # False: the layer's residual is the fused feature itself, hidden_norm only feeds attention (EAGLE-3's
     # code, speculators' default). True: the residual is hidden_norm(fused). vLLM assumes True when the
     # key is missing, so an export must write it.
@@ -127,6 +139,8 @@ class Eagle3Config(DrafterConfig):
             raise UserError(
                 f"drafter.ttt_steps must be >= 1 and ttt_decay > 0 (got {self.ttt_steps}, {self.ttt_decay})"
             )
+        if self.ttt_attention not in BACKENDS:
+            raise UserError(f"drafter.ttt_attention={self.ttt_attention!r} must be one of {', '.join(BACKENDS)}")
         if self.draft_vocab_size < 1:
             raise UserError(f"drafter.draft_vocab_size={self.draft_vocab_size} must be >= 1")
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -209,101 +223,6 @@ def shifted(x: torch.Tensor, offset: int, length: int, fill=0) -> torch.Tensor:
     return torch.cat([part, part.new_full((x.shape[0], missing), fill)], dim=1)
 
 
-ATTENTION = "eagle3_ttt"
-
-
-def ttt_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, ttt_at=None, **kwargs):
-    """The draft layer's attention: SDPA (decoding with its masks, and step 0 of the training-time test,
-    causal or block-diagonal per document), or with `ttt_at` (a `StepPositions`) the attention of a
-    training-time-test step i > 0 at the positions it runs at (`Eagle3.unroll_at`).
-
-    Step i's query at position t sees step 0's keys at positions <= t (causal; within its document
-    when packed: `attention_mask` [B, 1, W, W]) and each later step's key at t only (the diagonal):
-    what a draft at depth i+1 sees at decode time (the committed sequence, its ancestors, itself).
-    EAGLE-3's trick: the diagonal costs i scores per position instead of a [W, (i+1)W] mask. `key`
-    and `value` come from `StepKeys`: step 0's [B, kv heads, W, d] and, for this step's N positions,
-    steps 1..i's at the same position, stacked [N, kv heads, i, d]; `query` is [1, heads, N, d]."""
-    if ttt_at is None:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    (keys, own_keys), (values, own_values) = key, value
-    _, heads, count, dim = query.shape
-    batch, kv_heads, width = keys.shape[:3]
-    group = heads // kv_heads  # grouped-query attention without copying keys: query head h reads kv head h // group
-    scaling = dim**-0.5 if scaling is None else scaling
-    flat = ttt_at.rows * width + ttt_at.cols  # each query's place in the rows' layout
-
-    def laid_out(
-        per_query: torch.Tensor,
-    ) -> torch.Tensor:  # [N, kv, group, x] -> [B, kv, group, W, x], zeros where no query runs
-        full = per_query.new_zeros(batch * width, *per_query.shape[1:]).index_copy(0, flat, per_query)
-        return full.view(batch, width, *per_query.shape[1:]).permute(0, 2, 3, 1, 4)
-
-    def gathered(full: torch.Tensor) -> torch.Tensor:  # [B, kv, group, W, x] -> [N, kv, group, x]
-        return (
-            full.permute(0, 3, 1, 2, 4).reshape(batch * width, *full.shape[1:3], full.shape[-1]).index_select(0, flat)
-        )
-
-    grouped = query[0].view(kv_heads, group, count, dim).permute(2, 0, 1, 3)  # [N, kv, group, d]
-    scores = gathered(laid_out(grouped) @ keys[:, :, None].transpose(-1, -2))  # [N, kv, group, W] against step 0's keys
-    if attention_mask is None:
-        visible = torch.arange(width, device=query.device) <= ttt_at.cols[:, None]
-    else:
-        visible = attention_mask[ttt_at.rows, 0, ttt_at.cols]  # [N, W]
-    if ttt_at.window is not None:  # the window moves with the query's position, t+i (vLLM's at depth i+1)
-        visible = visible & within_window(ttt_at.positions[:, None], ttt_at.key_positions[ttt_at.rows], ttt_at.window)
-    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
-    diagonal = grouped @ own_keys.transpose(-1, -2)  # [N, kv, group, i]: the position's own steps 1..i
-    weights = (torch.cat([scores, diagonal], dim=-1) * scaling).softmax(-1, dtype=torch.float32).to(query.dtype)
-    weights = nn.functional.dropout(weights, p=dropout, training=module.training)
-    first, own = weights.split([width, own_keys.shape[2]], dim=-1)
-    out = gathered(laid_out(first) @ values[:, :, None]) + own @ own_values  # [N, kv, group, d]
-    return out.reshape(count, heads, dim)[None], None
-
-
-@dataclass
-class StepPositions:
-    """The positions a training-time-test step i > 0 runs at (`Eagle3.unroll_at`): row and column of
-    each, in row-major order; with a sliding window, the RoPE positions of the step's queries and of
-    step 0's keys."""
-
-    rows: torch.Tensor  # [N] long
-    cols: torch.Tensor  # [N] long
-    window: Optional[int] = None  # drafter.sliding_window
-    positions: Optional[torch.Tensor] = None  # [N] long: the queries' positions (t + i)
-    key_positions: Optional[torch.Tensor] = None  # [B, W] long: step 0's keys' positions
-
-
-class StepKeys:
-    """The training-time test's stand-in for a KV cache: step 0's keys and values [B, kv heads, W, d],
-    and for the positions of the step running now, steps 1..i's keys and values at each of them,
-    stacked [N, kv heads, i, d], which the family's attention module hands to `ttt_attention`
-    unchanged. Before a step i >= 2, `previous` is set to each of its positions' index among step
-    i-1's (a step runs at a subset of the previous step's positions)."""
-
-    def __init__(self):
-        self.first: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-        self.stacked: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-        self.previous: Optional[torch.Tensor] = None
-
-    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if self.first is None:
-            self.first = (keys, values)
-            return keys, values
-        new = [x[0].transpose(0, 1)[:, :, None] for x in (keys, values)]  # [1, kv, N, d] -> [N, kv, 1, d]
-        if self.stacked is not None:
-            new = [torch.cat([old.index_select(0, self.previous), x], dim=2) for old, x in zip(self.stacked, new)]
-        self.stacked = (new[0], new[1])
-        return (self.first[0], new[0]), (self.first[1], new[1])
-
-
-def register_ttt_attention() -> None:
-    """Make `ttt_attention` selectable as the draft layer's attn_implementation (idempotent)."""
-    if ATTENTION not in AttentionInterface._global_mapping:
-        AttentionInterface.register(ATTENTION, ttt_attention)
-
-
 def token_rows(dataset) -> Iterable[tuple]:
     """(input_ids, loss_mask) per conversation: a FeatureStore's light accessor (no features are
     read), else the rows of a tokenized data set."""
@@ -381,6 +300,12 @@ class Eagle3(EagleBase):
     @classmethod
     def features(cls, config: Eagle3Config, target: TargetShape) -> FeatureRequest:
         return FeatureRequest(final=False, layers=tuple(config.layers_for(target.num_hidden_layers)), logits=True)
+
+    @classmethod
+    def flop_profile(cls, config: Eagle3Config) -> FlopProfile:
+        # fc fuses the target's states once per token; the training-time test runs the layer and the
+        # lm_head once a step (an upper bound: steps after the first run only where a later one is scored)
+        return FlopProfile(passes=config.ttt_steps, once=("fc.",))
 
     # -- the draft vocabulary -------------------------------------------------------------------
     def draft_ids(self) -> torch.Tensor:
@@ -489,10 +414,11 @@ class Eagle3(EagleBase):
         entry t of decoding, and its output guesses x_{t+2}. Step i > 0 at position t reads
         (x_{t+1+i}, step i-1's output at t) at RoPE position t+i and guesses x_{t+2+i}: it is the
         draft at depth i+1 after committing x_0..x_{t+1}, with the earlier drafts teacher-forced to
-        the data. Its attention sees step 0's keys at positions <= t (the committed entries; with a sliding
-        window only those > t+i - window, vLLM's window at depth i+1) and steps
-        1..i's keys at t (its ancestors and itself), the decode-time tree mask (`ttt_attention`). Positions past the
-        sequence's end read a pad token; the loss masks them out.
+        the data. Its attention sees step 0's keys at positions <= t (the committed entries; with a
+        sliding window only those > t+i - window, vLLM's window at depth i+1) and steps 1..i's keys at
+        t (its ancestors and itself), the decode-time tree mask (heads/ttt_attention.py). Every step
+        runs at every position, so no shape depends on the data; positions past the sequence's end
+        read a pad token and the loss does not score them.
 
         `batch` (optional, the training batch) makes it packing-aware: RoPE positions restart per
         document and step 0's keys are seen only within a document. A position near a document's
@@ -501,66 +427,39 @@ class Eagle3(EagleBase):
         """
         batch = {"input_ids": input_ids} if batch is None else batch
         rows, width = input_ids.shape[0], input_ids.shape[1] - 2
-        everywhere = torch.ones(self.config.ttt_steps, rows, width, dtype=torch.bool, device=input_ids.device)
-        return [outputs.view(rows, width, -1) for outputs, _ in self.unroll_at(input_ids, layers, batch, everywhere)]
-
-    def unroll_at(
-        self, input_ids: torch.Tensor, layers: dict[int, torch.Tensor], batch: dict, needed: torch.Tensor
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """`unroll` where only some outputs are read: `needed` [ttt_steps, B, T-2] bool marks the
-        positions whose output each step's caller reads (the loss: the positions it scores). Step 0
-        runs everywhere (its keys are every later step's context); a step i > 0 only at the positions
-        read at step i or later: position t of step i reads step 0's keys and its own earlier steps
-        at t, never another position of a step > 0 (`unroll`), so its output there is `unroll`'s.
-        Per step: (outputs [N_i, H] in row-major order of the positions, slots [B, T-2] long, each
-        position's row of outputs, -1 where the step did not run)."""
-        width = input_ids.shape[1] - 2
-        features = self.fuse(layers)[:, :width]
         window = self.config.sliding_window
         start, mask = positions(batch)[:, :width], draft_attention_mask(batch, width, window)
-        cache = StepKeys()  # step i's attention reads the keys of step 0 and of the position's own steps 1..i
-        output = self.draft(shifted(input_ids, 1, width), features, start, mask, cache=cache)
-        slots = torch.arange(output.shape[0] * width, device=input_ids.device).view(-1, width)
-        unrolled = [(output.flatten(0, 1), slots)]
-        live = needed.flip(0).cumsum(0).flip(0) > 0  # live[i]: read at step i or later
+        backend = resolved_backend(self.config.ttt_attention, input_ids.device)
+        cache = StepKeys()  # step i's attention reads the keys of step 0 and of each position's steps 1..i
+        outputs = [self.draft(shifted(input_ids, 1, width), self.fuse(layers)[:, :width], start, mask, cache=cache)]
         for step in range(1, self.config.ttt_steps):
-            rows, cols = live[step].nonzero(as_tuple=True)
-            previous, previous_slots = unrolled[-1]
-            if len(rows) == 0:  # and none at the later steps either
-                unrolled += [(previous[:0], torch.full_like(slots, -1))] * (self.config.ttt_steps - step)
-                break
-            cache.previous = previous_slots[rows, cols]  # each position's row among the previous step's
             if self.config.parallel_drafting:  # every later query reads the mask, never an earlier guess
-                tokens, features = self.mask_inputs(len(rows), input_ids.device)
+                tokens, features = self.mask_inputs(rows * width, input_ids.device)
+                tokens, features = tokens.view(rows, width), features.reshape(rows, width, -1)
             else:
-                tokens = shifted(input_ids, 1 + step, width)[rows, cols]
-                features = previous.index_select(0, cache.previous)
-            places = start[rows, cols] + step
-            output = self.draft(
-                tokens[None],
-                features[None],
-                places[None],
-                mask,
-                cache=cache,
-                ttt_at=StepPositions(rows, cols, window, places, start),
-            )[0]
-            slots = torch.full_like(slots, -1).index_put_((rows, cols), torch.arange(len(rows), device=rows.device))
-            unrolled.append((output, slots))
-        return unrolled
+                tokens, features = shifted(input_ids, 1 + step, width), outputs[-1]
+            visible = step_visibility(start, step, mask, window)
+            outputs.append(self.draft(tokens, features, start + step, cache=cache, ttt_step=TTTStep(visible, backend)))
+        return outputs
 
     def loss(self, batch: dict, target_out: TargetOutput):
         """Soft cross-entropy to the target's distribution, summed over the TTT steps with weights
         ttt_decay**i (see `unroll` for the alignment).
 
         Step i at position t is scored against the target's distribution of x_{t+2+i} (its logits at
-        t+1+i) where x_{t+2+i} bears loss (loss_mask[:, t+2+i]). The target's distribution is
-        restricted to the draft vocabulary and renormalised there (EAGLE-3's softmax(logits[t2d])),
-        and positions whose target argmax lies outside the draft vocabulary are left out of the loss
-        (EAGLE-3's position mask: no draft token can be accepted there at T=0). The loss is the sum
-        over steps i of ttt_decay**i x step i's token losses summed over the positions it scores,
-        normalised by the trainer with `loss_tokens` (the batch's supervised tokens, heads/base.py "The
-        loss contract"): a left-out position adds nothing to the sum and still counts in the
-        normaliser, so a pruned vocabulary's uncovered positions weigh as tokens the draft cannot win.
+        t+1+i) where x_{t+2+i} bears loss (loss_mask[:, t+2+i]) and is in t's document. The target's
+        distribution is restricted to the draft vocabulary and renormalised there (EAGLE-3's
+        softmax(logits[t2d])), and positions whose target argmax lies outside the draft vocabulary are
+        left out of the loss (EAGLE-3's position mask: no draft token can be accepted there at T=0).
+        The loss is the sum over steps i of ttt_decay**i x step i's token losses summed over the
+        positions it scores, normalised by the trainer with `loss_tokens` (the batch's supervised
+        tokens, heads/base.py "The loss contract"): a left-out position adds nothing to the sum and
+        still counts in the normaliser, so a pruned vocabulary's uncovered positions weigh as tokens
+        the draft cannot win.
+
+        Every step scores all positions with a weight (0 where it does not score), through the fused
+        vocabulary loss (heads/vocab_loss.py), in chunks of `loss_chunk_bytes`: no shape depends on
+        the data, so nothing here waits for the host.
 
         Metrics: `step{i+1}/top1`, the draft's argmax (in target ids) equal to the target's argmax at
         every supervised position, an out-of-vocabulary argmax counting as a miss; teacher-forced,
@@ -569,120 +468,72 @@ class Eagle3(EagleBase):
         vocabulary: the ceiling of step1/top1) when the vocabulary is pruned.
         """
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
-        length, steps = input_ids.shape[1], self.config.ttt_steps
+        rows, width = input_ids.shape[0], input_ids.shape[1] - 2
         docs, num_docs = documents(batch), num_documents(batch)
+        samples = docs[:, :width].clamp(min=0)  # position t's document (padding is never scored)
+        teacher = self.teacher(target_out, input_ids.shape)
         draft_ids = self.draft_ids()
-        # Every step's supervised positions at once, in the order step, row, column (a few host syncs
-        # per batch, not per step): step i scores its output at t where x_{t+2+i} bears loss and is
-        # in t's document (packed rows hold several), against the target's distribution of x_{t+2+i},
-        # its logits at flat position `scored` = b * T + t + 1 + i.
-        supervised = torch.stack(
-            [
-                shifted(loss_mask, 2 + step, length - 2, fill=False) & same_document(docs, 2 + step, length - 2)
-                for step in range(steps)
-            ]
-        )
-        step_of, rows, cols = supervised.nonzero(as_tuple=True)
-        scored = rows * length + cols + 1 + step_of
-        with torch.no_grad():  # the target's side, once for all steps, at the positions some step scores
-            distributions, slot = torch.unique(scored, return_inverse=True)  # each scored position once
-            target_best, in_vocab, p = self.target_distribution(target_out, distributions)
-            counted = in_vocab[slot]  # where the target's argmax is a draft token: the positions in the loss
-        per_step = torch.bincount(step_of, minlength=steps).tolist()
-        # Only counted positions reach the draft lm_head: elsewhere the distribution is zero (no loss,
-        # no gradient) and the draft cannot hit the target's out-of-vocabulary argmax (top1 = 0).
-        kept = counted.nonzero().squeeze(1)
-        kept_per_step = torch.bincount(step_of[kept], minlength=steps).tolist()
-        sample_of = docs[rows, cols]
-        hits = counted.float()  # top1 per supervised position; the counted ones are filled in below
-        kept_rows, kept_cols, kept_slot = (x.index_select(0, kept).split(kept_per_step) for x in (rows, cols, slot))
-        kept_index = kept.split(kept_per_step)
-        # The draft runs where the loss reads it: step 0 everywhere, a later step where it or a later one is counted.
-        needed = torch.zeros_like(supervised).index_put_(
-            (step_of[kept], rows[kept], cols[kept]), torch.ones((), dtype=torch.bool, device=kept.device)
-        )
-        unrolled = self.unroll_at(input_ids, target_out.layers, batch, needed)
+        chunk = chunk_rows_for(self.loss_chunk_bytes, self.config.draft_vocab_size)
         total = torch.zeros((), device=input_ids.device)
         stats: dict[str, torch.Tensor] = {}
-        losses = []
-        for step, (output, slots) in enumerate(unrolled):
-            chosen = output.index_select(0, slots[kept_rows[step], kept_cols[step]])
-            token_loss, best = self.draft_loss(chosen, p, kept_slot[step])
-            total = total + self.config.ttt_decay**step * token_loss.sum()
+        for step, output in enumerate(self.unroll(input_ids, target_out.layers, batch)):
+            supervised = shifted(loss_mask, 2 + step, width, fill=False) & same_document(docs, 2 + step, width)
+            counted = supervised & shifted(teacher.in_vocab, 1 + step, width, fill=False)
+            scored = self.config.ttt_decay**step * counted.flatten().float()
+            features = (output if self.config.norm_output else self.norm(output)).flatten(0, 1)
+            result = soft_cross_entropy(features, self.lm_head.weight, teacher.rows_for(step), scored, chunk)
+            total = total + result.loss
             with torch.no_grad():
-                hits[kept_index[step]] = (draft_ids[best] == target_best[kept_slot[step]]).float()
-                losses.append(token_loss.detach())
-        with torch.no_grad():
-            counted_samples = sample_of.index_select(0, kept).split(kept_per_step)
-            for step, (top1, step_samples) in enumerate(zip(hits.split(per_step), sample_of.split(per_step))):
-                stats |= per_sample_stats({f"step{step + 1}/top1": top1}, step_samples, num_docs)
-                stats |= per_sample_stats({f"step{step + 1}/loss": losses[step]}, counted_samples[step], num_docs)
+                best = draft_ids[result.best.clamp(min=0)].view(rows, width)  # -1: not scored
+                hits = counted & (best == shifted(teacher.best, 1 + step, width))
+                stats |= per_sample_stats({f"step{step + 1}/top1": hits}, samples, num_docs, where=supervised)
+                token_loss = result.token_loss.view(rows, width)
+                stats |= per_sample_stats({f"step{step + 1}/loss": token_loss}, samples, num_docs, where=counted)
                 if step == 0 and self.pruned:
-                    stats |= per_sample_stats(
-                        {"vocab_coverage": counted[: per_step[0]].float()}, step_samples, num_docs
-                    )
+                    stats |= per_sample_stats({"vocab_coverage": counted}, samples, num_docs, where=supervised)
         return total, self.loss_tokens(batch), stats
 
-    # Bytes of full-vocabulary target logits materialised at once by `target_distribution`.
-    TARGET_CHUNK_BYTES = 1 << 27
-    # Bytes of draft-vocabulary logits (float32) one tile of `draft_loss` materialises at once.
-    DRAFT_CHUNK_BYTES = 1 << 27
-
-    def draft_loss(
-        self, outputs: torch.Tensor, p: torch.Tensor, slot: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Soft cross-entropy of the draft at output features `outputs` [N, H] against the target's
-        distributions `p[slot]` ([N] rows of p [M, draft vocab]): per-position losses [N] (with grad) and
-        the draft's argmax in draft ids [N].
-
-        Tiled over positions: when the N x draft-vocab float32 logits exceed DRAFT_CHUNK_BYTES and a
-        gradient is wanted, each tile of rows runs under activation checkpointing (torch.utils.checkpoint,
-        non-reentrant), so a tile's logits, log-softmax and gathered p are freed after its forward and
-        recomputed in its backward: the step never holds more than one tile of [rows, draft vocab]
-        (TTT steps included), at the price of one more lm_head forward per tile. The same operations run
-        on the same rows: losses and gradients equal the untiled ones to float rounding
-        (tests/test_eagle3.py)."""
-        rows = max(1, self.DRAFT_CHUNK_BYTES // (4 * self.config.draft_vocab_size))
-        if len(slot) <= rows or not torch.is_grad_enabled():
-            return self.tile_loss(outputs, p, slot)
-        from torch.utils.checkpoint import checkpoint
-
-        tiles = [
-            checkpoint(self.tile_loss, chunk, p, index, use_reentrant=False)
-            for chunk, index in zip(outputs.split(rows), slot.split(rows))
-        ]
-        return torch.cat([loss for loss, _ in tiles]), torch.cat([best for _, best in tiles])
-
-    def tile_loss(
-        self, outputs: torch.Tensor, p: torch.Tensor, slot: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`draft_loss` on one tile of rows, untiled."""
-        log_q = self.draft_logits(outputs).log_softmax(-1)
-        token_loss = -(p.index_select(0, slot) * log_q).sum(-1)
-        # max(-1).indices: argmax's (first maximum), about twice as fast on CPU
-        return token_loss, log_q.detach().max(-1).indices
-
     @torch.no_grad()
-    def target_distribution(
-        self, target_out: TargetOutput, index: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """At flat positions `index` (b * T + t), [N]: the target's argmax over its whole vocabulary
-        [N], whether that is a draft token [N], and its distribution restricted to the draft
-        vocabulary and renormalised there (EAGLE-3's softmax(logits[t2d])), zero where the argmax is
-        not a draft token (a captured top-k row may be all -inf there) [N, draft vocab]. The logits
-        are read at those positions only (`TargetOutput.logits_at`, from the final hidden state when
-        the target runs live), a bounded number of rows at a time."""
+    def teacher(self, target_out: TargetOutput, shape: torch.Size) -> Teacher:
+        """The target's side of the loss, once for every step: at every position of the [B, T] batch
+        its argmax over its whole vocabulary, whether that is a draft token, and its distribution
+        restricted to the draft vocabulary and renormalised there (EAGLE-3's softmax(logits[t2d])), zero
+        where the argmax is not a draft token (a captured top-k row may be all -inf there). The logits
+        are read `loss_chunk_bytes` of full-vocabulary rows at a time (`TargetOutput.logits_at`, from the
+        final hidden state when the target runs live)."""
         draft_ids = self.draft_ids()
-        rows = max(1, self.TARGET_CHUNK_BYTES // (4 * self.target.vocab_size))
+        index = torch.arange(shape[0] * shape[1], device=draft_ids.device)
         best, probs = [], []
-        for chunk in index.split(rows):
+        for chunk in index.split(chunk_rows_for(self.loss_chunk_bytes, self.target.vocab_size)):
             logits = target_out.logits_at(chunk)
             best.append(logits.max(-1).indices)  # argmax (the first maximum)
             probs.append((logits[:, draft_ids] if self.pruned else logits).float().softmax(-1))
-        best = torch.cat(best) if len(best) != 1 else best[0]
-        probs = torch.cat(probs) if len(probs) != 1 else probs[0]
+        best = torch.cat(best)
         in_vocab = self.t2d[best] if self.pruned else torch.ones_like(best, dtype=torch.bool)
-        return best, in_vocab, probs.masked_fill_(~in_vocab[:, None], 0.0)
+        probs = torch.cat(probs).masked_fill_(~in_vocab[:, None], 0.0)
+        return Teacher(best.view(shape), in_vocab.view(shape), probs, shape[1])
+
+
+@dataclass
+class Teacher:
+    """The target's side of EAGLE-3's loss over a [B, T] batch (`Eagle3.teacher`)."""
+
+    best: torch.Tensor  # [B, T] long: the target's argmax over its whole vocabulary
+    in_vocab: torch.Tensor  # [B, T] bool: whether that argmax is a draft token
+    probs: torch.Tensor  # [B * T, draft vocab] float32: its distribution over the draft vocabulary (0: not in it)
+    length: int  # T
+
+    def rows_for(self, step: int):
+        """The teacher of TTT step `step` for the fused loss: rows of the step's flattened [B, T-2]
+        positions -> the distributions they are scored against, those at position t + 1 + step (clamped to
+        the row: a position past it is never scored)."""
+        width = self.length - 2
+
+        def rows(index: torch.Tensor) -> torch.Tensor:
+            places = (index % width + 1 + step).clamp(max=self.length - 1)
+            return self.probs.index_select(0, index // width * self.length + places)
+
+        return rows
 
 
 class ParallelProposer(EagleProposer):

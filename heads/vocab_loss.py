@@ -1,31 +1,34 @@
 """A fused, chunked soft cross-entropy over a (draft) vocabulary: `soft_cross_entropy`.
 
 For rows i of output features f_i [H] and an lm_head weight W [V, H] it scores the draft's
-distribution q_i = softmax(f_i @ W.T) against a teacher's p_i = softmax(float32(teacher logits i)):
+distribution q_i = softmax(f_i @ W.T) against a teacher's distribution p_i:
 CE_i = -(p_i * log q_i).sum(), loss = sum_i row_weight[i] * CE_i, and gives each row's argmax.
 
 What makes it exact: for a scored row p_i sums to 1, so d CE_i / d logits_i = softmax(logits_i) - p_i
 (the log-softmax's normaliser contributes softmax * sum(p) = softmax). The forward therefore has
 everything the backward needs: walking the rows `chunk_rows` at a time, it computes the chunk's logits,
-its losses and argmax, the gradient of the weighted loss w.r.t. the logits
-g = row_weight[:, None] * (softmax - p), and from g the chunk's gradient w.r.t. the features (g @ W)
-and its contribution to the gradient w.r.t. W (g.T @ f). The backward only scales the stored
-gradients by the loss's incoming gradient: nothing is recomputed, unlike activation checkpointing,
-which runs the lm_head forward twice.
+their log-softmax, the losses and the argmax, the gradient w.r.t. the logits g = softmax - p (in the
+logits' buffer), and from g the chunk's gradient w.r.t. the features (row_weight * (g @ W)) and its
+contribution to the gradient w.r.t. W (g.T @ (row_weight * f)); the row weights scale [rows, H]
+tensors, never [rows, V] ones. The backward only scales the stored gradients by the loss's incoming
+gradient: nothing is recomputed, unlike activation checkpointing, which runs the lm_head forward twice.
 
-Memory held: while a chunk runs, a few [chunk_rows, V] float32 temporaries (logits, then their
-log-softmax, softmax and g in the same buffer; the teacher's p; the product p * log q; the teacher's
-logits as the teacher returns them; under autocast, the bf16 logits and g); between forward and backward, the gradients w.r.t. the features ([N, H], in the
-features' dtype) and the weight ([V, H], float32), only those whose inputs require grad.
+Which rows run: on a CPU, where reading a count costs nothing, only the scored rows (row_weight != 0)
+go through the GEMMs; on an accelerator every row does, at a fixed shape, so nothing waits for the host.
 
-This is the CPU path and the numerical reference for a later fused GPU kernel (the logits chunk
-staying in on-chip memory); see docs/performance.md "The vocabulary loss".
+Memory held: while a chunk runs, two [chunk_rows, V] float32 buffers (the logits, turned into their
+log-softmax and then into g; the teacher's rows); between forward and backward, the gradients w.r.t.
+the features ([N, H], in the features' dtype) and the weight ([V, H], float32), only those whose inputs
+require grad.
+
+This is the CPU path and the numerical reference for a fused GPU kernel (the logits chunk staying in
+on-chip memory); see docs/performance.md "The vocabulary loss".
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +37,7 @@ import torch.nn.functional as F
 class VocabLoss(NamedTuple):
     loss: torch.Tensor  # scalar float32: sum_i row_weight[i] * CE_i, differentiable w.r.t. features and weight
     token_loss: torch.Tensor  # [N] float32, detached: CE_i, 0 where row_weight[i] == 0
-    best: torch.Tensor  # [N] long, detached: the first argmax of features_i @ weight.T
+    best: torch.Tensor  # [N] long, detached: the first argmax of features_i @ weight.T, -1 where row_weight[i] == 0
 
 
 def chunk_rows_for(budget_bytes: int, vocab: int) -> int:
@@ -45,25 +48,32 @@ def chunk_rows_for(budget_bytes: int, vocab: int) -> int:
 def soft_cross_entropy(
     features: torch.Tensor,
     weight: torch.Tensor,
-    teacher: Callable[[int, int], torch.Tensor],
+    teacher: Callable[[torch.Tensor], torch.Tensor],
     row_weight: torch.Tensor,
     chunk_rows: int,
+    every_row: Optional[bool] = None,
 ) -> VocabLoss:
     """Soft cross-entropy of softmax(features @ weight.T) ([N, H] @ [H, V]) against the teacher's
-    softmax, `chunk_rows` rows at a time (module docstring).
+    distribution, `chunk_rows` rows at a time (module docstring).
 
-    `teacher(start, stop)` gives the teacher's logits over the same V for rows start:stop ([stop - start,
-    V], any dtype); it is called once per chunk, under no_grad. `row_weight` [N] weighs each row in
-    `loss`; a row of weight 0 is not scored, and its teacher logits may be anything (all -inf
-    included): its token_loss and gradients are exactly 0. The lm_head GEMMs run as F.linear would
-    (in bf16 under a bf16 autocast); everything past them runs in float32."""
+    `teacher(rows)` gives the teacher's probabilities at the rows `rows` (a long tensor of row indices,
+    at most `chunk_rows` of them), [len(rows), V] float32: summing to 1 on a scored row, finite
+    everywhere. It is called once per chunk, under no_grad. `row_weight` [N] weighs each row in `loss`;
+    a row of weight 0 is not scored: its token_loss and gradients are exactly 0 and its best -1. The
+    lm_head GEMMs run as F.linear would (in bf16 under a bf16 autocast); everything past them runs in
+    float32. `every_row`: run every row (a fixed shape) or only the scored ones; None: every row on an
+    accelerator, the scored ones on a CPU, where counting them waits for nothing."""
     grad_enabled = torch.is_grad_enabled()
+    if every_row is None:
+        every_row = features.device.type != "cpu"
+    rows = None if every_row else row_weight.nonzero().squeeze(1)
     return VocabLoss(
         *_SoftCrossEntropy.apply(
             features,
             weight,
             teacher,
             row_weight,
+            rows,
             chunk_rows,
             grad_enabled and features.requires_grad,
             grad_enabled and weight.requires_grad,
@@ -71,37 +81,51 @@ def soft_cross_entropy(
     )
 
 
+def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum(a * b, -1) for [n, V] float32 rows without an [n, V] temporary, in float32 whatever autocast says."""
+    with torch.autocast(a.device.type, enabled=False):
+        return torch.bmm(a[:, None, :], b[:, :, None]).view(-1)
+
+
 class _SoftCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, features, weight, teacher, row_weight, chunk_rows, features_grad, weight_grad):
+    def forward(ctx, features, weight, teacher, row_weight, rows: Optional[torch.Tensor], chunk_rows, *wanted):
+        features_grad, weight_grad = wanted
         row_weight = row_weight.float()
-        scored = row_weight != 0
-        token_loss = torch.empty(len(features), dtype=torch.float32, device=features.device)
-        best = torch.empty(len(features), dtype=torch.long, device=features.device)
-        grad_features = torch.empty_like(features) if features_grad else None
+        count = len(features) if rows is None else len(rows)
+        token_loss = torch.zeros(len(features), dtype=torch.float32, device=features.device)
+        best = torch.full((len(features),), -1, dtype=torch.long, device=features.device)
+        grad_features = torch.zeros_like(features) if features_grad else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if weight_grad else None
-        for start in range(0, len(features), chunk_rows):
-            stop = min(start + chunk_rows, len(features))
-            chunk = features[start:stop]
+        for start in range(0, count, chunk_rows):
+            stop = min(start + chunk_rows, count)
+            if rows is None:
+                index, chunk = torch.arange(start, stop, device=features.device), features[start:stop]
+            else:
+                index = rows[start:stop]
+                chunk = features.index_select(0, index)
+            scale = row_weight.index_select(0, index)[:, None]
             logits = F.linear(chunk, weight)
             gemm_dtype = logits.dtype  # bf16 under a bf16 autocast
-            logits = logits.float()
             # max(-1).indices: argmax's (the first maximum), about twice as fast on CPU
-            best[start:stop] = logits.max(-1).indices
-            log_q = logits.sub_(logits.logsumexp(-1, keepdim=True))
-            # where, not a product: an unscored row's teacher softmax may be NaN (all -inf logits)
-            p = teacher(start, stop).float().softmax(-1).masked_fill_(~scored[start:stop, None], 0.0)
-            token_loss[start:stop] = -(p * log_q).sum(-1)  # a product: vecdot and bmm would autocast to bf16
+            chunk_best = logits.max(-1).indices
+            log_q = logits.float().log_softmax(-1)
+            p = teacher(index)
+            chunk_loss = -_row_dot(p, log_q)
+            scored = scale[:, 0] != 0
+            token_loss.index_copy_(0, index, torch.where(scored, chunk_loss, 0.0))
+            best.index_copy_(0, index, torch.where(scored, chunk_best, -1))
             if not (features_grad or weight_grad):
                 continue
-            g = log_q.exp_().sub_(p).mul_(row_weight[start:stop, None]).to(gemm_dtype)
+            g = log_q.exp_().sub_(p).to(gemm_dtype)  # softmax - p: d CE / d logits, row by row
             if features_grad:
-                grad_features[start:stop] = torch.mm(g, weight)
+                grad_features.index_copy_(0, index, (torch.mm(g, weight) * scale).to(features.dtype))
             if weight_grad:
+                weighted = chunk * scale
                 if g.dtype == grad_weight.dtype:
-                    grad_weight.addmm_(g.T, chunk)
+                    grad_weight.addmm_(g.T, weighted)
                 else:  # a low-precision GEMM, accumulated in float32
-                    grad_weight += torch.mm(g.T, chunk)
+                    grad_weight += torch.mm(g.T, weighted)
         ctx.save_for_backward(grad_features, grad_weight)
         ctx.weight_dtype = weight.dtype
         ctx.mark_non_differentiable(token_loss, best)
@@ -114,4 +138,4 @@ class _SoftCrossEntropy(torch.autograd.Function):
             grad_features = grad_features * grad_loss
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
-        return grad_features, grad_weight, None, None, None, None, None
+        return grad_features, grad_weight, None, None, None, None, None, None

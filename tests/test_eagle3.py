@@ -148,8 +148,9 @@ def test_target_argmax_outside_the_draft_vocabulary_is_a_miss_and_not_in_the_los
 def reference_unroll(drafter, input_ids: torch.Tensor, layers: dict, batch: dict) -> list[torch.Tensor]:
     """The training-time test the straightforward way: every step at every position, the keys of all
     steps so far in one KV cache, and the decode-time tree mask over them as one [W, (i+1)W] mask:
-    step 0's keys causally (within the document), each later step's key at the position itself."""
-    width = input_ids.shape[1] - 2
+    step 0's keys causally (within the document, within the window at the query's position t + i),
+    each later step's key at the position itself; P-EAGLE's later steps read the mask inputs."""
+    width, window = input_ids.shape[1] - 2, drafter.config.sliding_window
     features = drafter.fuse(layers)[:, :width]
     start = positions(batch)[:, :width]
     first = draft_attention_mask(batch, width)
@@ -160,8 +161,13 @@ def reference_unroll(drafter, input_ids: torch.Tensor, layers: dict, batch: dict
     cache = DynamicCache(config=drafter.layer_config)
     outputs = []
     for step in range(drafter.config.ttt_steps):
-        mask = torch.cat([first, *[itself] * step], dim=-1)
-        features = drafter.draft(shifted(input_ids, 1 + step, width), features, start + step, mask, cache)
+        seen = first if window is None else first & (start[:, None, None, :] > start[:, None, :, None] + step - window)
+        mask = torch.cat([seen, *[itself] * step], dim=-1)
+        tokens = shifted(input_ids, 1 + step, width)
+        if step and drafter.config.parallel_drafting:
+            tokens, features = drafter.mask_inputs(tokens.numel(), tokens.device)
+            tokens, features = tokens.view(len(input_ids), width), features.reshape(len(input_ids), width, -1)
+        features = drafter.draft(tokens, features, start + step, mask, cache)
         outputs.append(features)
     return outputs
 
@@ -223,13 +229,24 @@ def loss_rows(lengths=(24, 17, 9, 30, 6), seed: int = 4) -> list[dict]:
     return rows
 
 
-@pytest.mark.parametrize("case", ["padded", "packed", "captured-topk", "full-vocabulary", "more-steps-than-positions"])
-def test_loss_and_stats_equal_a_straightforward_reference(model, drafter, case, monkeypatch):
-    """The loss reads the target's distribution only where some step scores it (over the draft
-    vocabulary, from the final hidden state, the full-vocabulary argmax in chunks) and sends only
-    in-vocabulary positions through the draft lm_head: the loss, every statistic and the gradients
-    are those of the straightforward computation, up to float rounding."""
-    monkeypatch.setattr(Eagle3, "TARGET_CHUNK_BYTES", 4 * TINY_VOCAB * 7)  # 7 positions per chunk: several chunks
+EQUIVALENCE_CASES = ["padded", "packed", "captured-topk", "full-vocabulary", "more-steps-than-positions"]
+VARIANT_CASES = [
+    (variant, case) for variant in ("drafter31", "windowed", "parallel_drafter") for case in ("padded", "packed")
+]
+
+
+@pytest.mark.parametrize(
+    "variant, case",
+    [("drafter", case) for case in EQUIVALENCE_CASES] + VARIANT_CASES,
+    ids=[f"eagle3-{case}" for case in EQUIVALENCE_CASES] + [f"{v}-{c}" for v, c in VARIANT_CASES],
+)
+def test_loss_and_stats_equal_a_straightforward_reference(model, variant, case, request, monkeypatch):
+    """Every TTT step runs at every position with the fused vocabulary loss (heads/vocab_loss.py) in
+    chunks, the target's full-vocabulary argmax read in chunks too; the loss, every statistic and the
+    gradients are those of the straightforward computation (one KV cache and one mask over all steps,
+    materialised logits), up to float rounding, for EAGLE-3, EAGLE-3.1, the sliding-window layer and
+    P-EAGLE, padded and packed."""
+    drafter = request.getfixturevalue(variant)
     rows = loss_rows()
     if case == "full-vocabulary":
         torch.manual_seed(0)
@@ -242,6 +259,7 @@ def test_loss_and_stats_equal_a_straightforward_reference(model, drafter, case, 
         )
         drafter.prepare(rows)
         rows = loss_rows(lengths=(9, 6, 4, 11))
+    monkeypatch.setattr(drafter, "loss_chunk_bytes", 4 * TINY_VOCAB * 7)  # 7 rows a chunk: several chunks
     batch = (PackingCollator(0, 40) if case == "packed" else Collator(0))(rows)
     with torch.no_grad():
         target_out = run_target(model, batch["input_ids"], request=drafter.request, **causal_lm_inputs(batch))
@@ -277,11 +295,29 @@ def test_loss_and_stats_equal_a_straightforward_reference(model, drafter, case, 
         assert expected_stats["step9/top1"][:, 1].sum() == 0 and expected_stats["step1/top1"][:, 1].sum() > 0
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("variant", ["drafter", "windowed", "parallel_drafter"])
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_flex_attention_unroll_equals_the_dense_one(model, variant, packed, request, monkeypatch):
+    """drafter.ttt_attention=flex (block-sparse flex attention, the CUDA path) computes what the dense
+    reference computes at every step; on the CPU flex attention runs its forward only."""
+    drafter = request.getfixturevalue(variant)
+    batch = (PackingCollator(0, 40) if packed else Collator(0))(loss_rows())
+    with torch.no_grad():
+        layers = run_target(model, batch["input_ids"], request=drafter.request, **causal_lm_inputs(batch)).layers
+        unrolled = {}
+        for backend in ("dense", "flex"):
+            monkeypatch.setattr(drafter.config, "ttt_attention", backend)
+            unrolled[backend] = drafter.unroll(batch["input_ids"], layers, batch)
+    for step, (dense, flex) in enumerate(zip(unrolled["dense"], unrolled["flex"])):
+        torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-5, msg=f"step {step}")
+
+
 @pytest.mark.parametrize("kind", ["drafter", "parallel_drafter"])
-def test_tiled_draft_loss_equals_the_untiled_one(model, kind, request, monkeypatch):
-    """`draft_loss` tiles the draft lm_head and softmax over positions (activation checkpointing per tile)
-    when a step's logits exceed DRAFT_CHUNK_BYTES: the loss, the statistics and the gradients are the
-    untiled ones to float rounding."""
+def test_chunked_loss_equals_the_unchunked_one(model, kind, request, monkeypatch):
+    """The loss walks the positions `loss_chunk_bytes` of logits at a time (the draft lm_head, softmax and
+    gradients per chunk, nothing recomputed): the loss, the statistics and the gradients are the
+    unchunked ones to float rounding."""
     drafter = request.getfixturevalue(kind)
     batch = Collator(0)(loss_rows())
     with torch.no_grad():
@@ -289,7 +325,7 @@ def test_tiled_draft_loss_equals_the_untiled_one(model, kind, request, monkeypat
     results = []
     for tile_rows in (None, 5):  # untiled, then tiles of 5 positions (several per TTT step)
         if tile_rows is not None:
-            monkeypatch.setattr(Eagle3, "DRAFT_CHUNK_BYTES", 4 * DRAFT_VOCAB * tile_rows)
+            monkeypatch.setattr(drafter, "loss_chunk_bytes", 4 * DRAFT_VOCAB * tile_rows)
         drafter.zero_grad()
         loss, count, stats = drafter(batch, target_out)
         (loss / count).backward()

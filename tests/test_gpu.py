@@ -7,7 +7,9 @@ Ran 2026-11-27 on a lent H100 (torch 2.11.0+cu130, transformers 5.24.0, accelera
 - every drafter kind trains two bf16 steps on CUDA (the target in bfloat16, mixed precision bf16);
 - a drafter trained on CUDA decodes losslessly there (greedy speculative = plain greedy);
 - the frozen target sharded with FSDP2 (`target.shard=fsdp`) and the drafter under DeepSpeed ZeRO-2 and
-  ZeRO-3, each launched by `accelerate launch` with one process.
+  ZeRO-3, each launched by `accelerate launch` with one process;
+- EAGLE-3's training step on CUDA (compiled flex attention, the fused vocabulary loss) equals the
+  straightforward reference, and never waits for the host.
 """
 
 from __future__ import annotations
@@ -90,3 +92,82 @@ def test_distributed_configs_train_with_one_rank(config, extra, tmp_path, small_
     losses = [row["train/loss"] for row in read_log(tmp_path / "run").values() if "train/loss" in row]
     assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+
+
+EAGLE3_VARIANTS = {
+    "eagle3": {},
+    "eagle3.1": {"fc_norm": True, "norm_output": True},
+    "sliding-window": {"sliding_window": 6},
+    "p-eagle": {"fc_norm": True, "parallel_drafting": True, "mask_token_id": 2},
+}
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("variant", sorted(EAGLE3_VARIANTS))
+def test_eagle3_loss_on_cuda_equals_the_straightforward_reference(variant, packed):
+    """On CUDA the training-time test runs through compiled flex attention (drafter.ttt_attention=auto) and
+    the fused vocabulary loss: the loss, statistics and gradients equal the straightforward computation
+    (one KV cache, one mask, materialised logits; tests/test_eagle3.py) on the same device, float32."""
+    from draftsmith.data_prep import Collator, PackingCollator
+    from draftsmith.heads import drafter_class
+    from draftsmith.heads.packing import causal_lm_inputs
+    from draftsmith.target import run_target
+    from tests.helpers import TINY_VOCAB, tiny_llama
+    from tests.test_eagle3 import loss_rows, reference_loss
+
+    model = tiny_llama(vocab=TINY_VOCAB, logit_scale=4.0).cuda()
+    cls = drafter_class("eagle3")
+    torch.manual_seed(0)
+    config = cls.Config(aux_layers=[-1, 0, 1], draft_vocab_size=24, ttt_steps=4, **EAGLE3_VARIANTS[variant])
+    drafter = cls.from_target(config, model, "tiny").cuda()
+    rows = loss_rows()
+    drafter.prepare(rows)
+    drafter.loss_chunk_bytes = 4 * TINY_VOCAB * 7  # several chunks
+    batch = (PackingCollator(0, 40) if packed else Collator(0))(rows)
+    batch = {key: value.cuda() if torch.is_tensor(value) else value for key, value in batch.items()}
+    with torch.no_grad():
+        target_out = run_target(model, batch["input_ids"], request=drafter.request, **causal_lm_inputs(batch))
+    results = []
+    for compute in (lambda: drafter(batch, target_out), lambda: reference_loss(drafter, batch, target_out)):
+        drafter.zero_grad()
+        loss, count, stats = compute()
+        (loss / count).backward()
+        grads = {name: p.grad.clone() for name, p in drafter.named_parameters() if p.grad is not None}
+        results.append((loss.detach(), stats, grads))
+    (loss, stats, grads), (expected_loss, expected_stats, expected_grads) = results
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+    for name, values in expected_stats.items():
+        torch.testing.assert_close(stats[name], values, rtol=1e-5, atol=1e-5, msg=name)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_eagle3_step_never_waits_for_the_host():
+    """The EAGLE-3 loss, its backward and the fused AdamW step (all of the step but the target's forward) raise under
+    torch.cuda.set_sync_debug_mode("error") if anything in them synchronises with the host."""
+    from draftsmith.data_prep import Collator
+    from draftsmith.heads import drafter_class
+    from draftsmith.target import run_target
+    from tests.helpers import TINY_VOCAB, tiny_llama
+    from tests.test_eagle3 import loss_rows
+
+    model = tiny_llama(vocab=TINY_VOCAB, logit_scale=4.0).cuda()
+    cls = drafter_class("eagle3")
+    drafter = cls.from_target(cls.Config(aux_layers=[-1, 0, 1], draft_vocab_size=24, ttt_steps=4), model, "tiny")
+    drafter = drafter.cuda()
+    rows = loss_rows()
+    drafter.prepare(rows)
+    batch = {key: value.cuda() if torch.is_tensor(value) else value for key, value in Collator(0)(rows).items()}
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-3, fused=True)
+    for step in range(3):  # the first compiles flex attention, which may synchronise
+        with torch.no_grad():  # the target's forward is transformers' (its mask creation may read values)
+            target_out = run_target(model, batch["input_ids"], request=drafter.request)
+        if step == 2:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss, count, _ = drafter(batch, target_out)
+            (loss / count).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)

@@ -63,7 +63,9 @@ def build_optimizer(train, drafter: nn.Module, deepspeed: bool) -> torch.optim.O
     groups = [{"params": params, "lr": train.lr * scale} for params, scale in drafter.param_groups()]
     betas = tuple(train.adam_betas)
     if train.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=train.lr, betas=betas, weight_decay=train.weight_decay)
+        # One fused kernel for every parameter on CUDA instead of a few per tensor; DeepSpeed wraps its own.
+        fused = not deepspeed and all(p.is_cuda for group in groups for p in group["params"])
+        return torch.optim.AdamW(groups, lr=train.lr, betas=betas, weight_decay=train.weight_decay, fused=fused)
     if deepspeed:
         raise UserError(
             "train.optimizer=muon runs under DDP or one process; DeepSpeed builds its own optimizer (use adamw)"
