@@ -256,6 +256,22 @@ def check_data(d) -> None:
         f"data.regenerate.vllm.tensor_parallel_size and max_num_seqs must be >= 1 (got {v.tensor_parallel_size}, {v.max_num_seqs})",
     )
     require(
+    require(
+        r.samples >= 1 and r.min_turns >= 1,
+        f"data.regenerate.samples={r.samples} and min_turns={r.min_turns} must be >= 1",
+    )
+    require(
+        r.max_turns is None or r.max_turns >= r.min_turns,
+        f"data.regenerate.max_turns={r.max_turns} is below min_turns={r.min_turns}: no conversation would be written",
+    )
+    require(
+        r.samples == 1 or r.temperature > 0,
+        f"data.regenerate.samples={r.samples} needs temperature > 0: greedy answers to one prompt are all the same",
+    )
+    require(
+        not r.reuse or r.temperature == 0,
+        "data.regenerate.reuse needs greedy answers (temperature 0): a sampled answer is one draw, not the target's answer",
+    )
         v.gpu_memory_utilization is None or 0 < v.gpu_memory_utilization <= 1,
         f"data.regenerate.vllm.gpu_memory_utilization={v.gpu_memory_utilization} must be in (0, 1]",
     )

@@ -49,7 +49,9 @@ class RegenerateVllmSection:
     """How data.regenerate.engine=vllm runs the engine (passed to vLLM's `LLM`)."""
 
     python: Optional[str] = None  # a Python with vLLM installed (its own environment); default this one
-    dtype: str = "auto"  # the target's weights as vLLM loads them
+    # the target's weights as vLLM runs them: auto = as the trainer loads the target (target.dtype, whose auto is
+    # float32 on CPU, bfloat16 on a GPU), not vLLM's own auto; regenerate.settings records the one that ran
+    dtype: str = "auto"
     # GPUs per engine; N processes (accelerate launch / torchrun) run N engines on their own GPUs
     tensor_parallel_size: int = 1
     gpu_memory_utilization: Optional[float] = None  # default 0.9 with a GPU, 0.3 without (then it is host memory)
@@ -72,6 +74,19 @@ class RegenerateSection:
     top_p: float = 1.0  # nucleus sampling when temperature > 0
     batch_size: int = 8  # conversations per part file, generated together (vllm: use hundreds)
     seed: int = 0  # sampling seed (temperature > 0)
+    # answers written per conversation, each its own seeded draw (needs temperature > 0): more of the
+    # target's answers to the same prompts
+    samples: int = 1
+    # conversations with fewer assistant turns answered (as given, or once data.max_length cuts them) are not
+    # written; 2 (with max_turns null): the later turns of conversations whose first turns a max_turns=1
+    # regeneration holds already (see reuse)
+    min_turns: int = 1
+    # earlier regenerations (directories) by this target with the same answer settings (greedy): a turn whose
+    # prompt, the conversation so far, one of them answered takes that answer instead of a new generation
+    reuse: List[str] = field(default_factory=list)
+    # held-out conversations (files, directories): a data.train conversation whose first user turn is one of
+    # theirs is not regenerated, so no record written holds a held-out prompt
+    exclude: List[str] = field(default_factory=list)
     vllm: RegenerateVllmSection = field(default_factory=RegenerateVllmSection)
 
 
@@ -264,3 +279,4 @@ CHOICES = {
     "data.regenerate.engine": ("transformers", "vllm"),
     "train.mixed_precision": ("auto", "no", "bf16", "fp16"),
 }
+    "data.regenerate.vllm.dtype": ("auto", "float32", "bfloat16", "float16"),

@@ -309,13 +309,14 @@ class CountingTarget:
     """The target with `generate` counted, dying at call number `die_at` like a killed job."""
 
     def __init__(self, model, die_at: int = 0):
-        self.model, self.die_at, self.calls = model, die_at, 0
+        self.model, self.die_at, self.calls, self.prompts = model, die_at, 0, []
 
     def __getattr__(self, name):
         return getattr(self.model, name)
 
     def generate(self, **kwargs):
         self.calls += 1
+        self.prompts += [row[mask.bool()].tolist() for row, mask in zip(kwargs["input_ids"], kwargs["attention_mask"])]
         if self.calls == self.die_at:
             raise KeyboardInterrupt("killed")
         return self.model.generate(**kwargs)
@@ -424,6 +425,99 @@ def test_max_turns_answers_the_first_turns_and_ends_the_conversation_there():
     assert len(engine.asked) == 2 and cut == [False, False]
     everything, _ = regenerate_batch(Answers(), tokenizer, batch, OmegaConf.create({"max_turns": None}), 1024)
     assert [m["role"] for m in everything[0]] == ["user", "assistant", "user", "assistant", "user"]
+
+
+def write_conversations(path, conversations) -> str:
+    path.write_text("".join(json.dumps({"messages": messages, "domain": "chat"}) + "\n" for messages in conversations))
+    return str(path)
+
+
+def exchange(*texts):
+    """A conversation of user/assistant turns, alternating from the user's."""
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": text} for i, text in enumerate(texts)]
+
+
+def test_later_turns_reuse_the_first_answers_resume_and_keep_held_out_prompts_out(tmp_path):
+    """min_turns=2 with reuse: a first-turn regeneration's answers stand for the first turns, so the engine is
+    asked only the second ones, each with the target's own first answer before it; the held-out conversation
+    and the one-turn one are not regenerated; a killed run resumes; the settings know the data and the reused
+    answers by content."""
+    from draftsmith.data_prep import load_conversations, render_prompt
+    from draftsmith.data_prep.regenerate import SETTINGS_NAME, check_reusable, regenerate
+    from draftsmith.target import load_tokenizer
+
+    two_turns = [exchange(f"Name a number above {i}.", "5", "And one below it?", "4") for i in range(5)]
+    train = write_conversations(tmp_path / "train.jsonl", [*two_turns, exchange("Say hi.", "hi")])
+    held_out = write_conversations(tmp_path / "held_out.jsonl", [exchange("Name a number above 4.", "9")])
+
+    def recipe(output, *extra):
+        return load_recipe([
+            "recipe=draft", f"target.name_or_path={REFERENCE_TARGET}", f"data.train=[{train}]", f"output_dir={tmp_path}",
+            f"data.regenerate.output={tmp_path / output}", "data.regenerate.batch_size=2", "data.regenerate.max_new_tokens=3",
+            *extra,
+        ])  # fmt: skip
+
+    later = [f"data.regenerate.reuse=[{tmp_path / 'first'}]", f"data.regenerate.exclude=[{held_out}]", "data.regenerate.min_turns=2"]  # fmt: skip
+    model, tokenizer = load_target(str(REFERENCE_TARGET)), load_tokenizer(str(REFERENCE_TARGET))
+    assert regenerate(recipe("first", "data.regenerate.max_turns=1"), model, tokenizer).generated == 6
+    with pytest.raises(KeyboardInterrupt):  # one generate call a part (the second turns): dies in the second part
+        regenerate(recipe("later", *later), CountingTarget(model, die_at=2), tokenizer)
+    resumed = CountingTarget(model)
+    result = regenerate(recipe("later", *later), resumed, tokenizer)
+    assert (result.conversations, result.generated, result.excluded, result.short, resumed.calls) == (4, 2, 1, 1, 1)
+
+    first = {
+        r["messages"][0]["content"]: r["messages"][1]["content"] for r in load_conversations([str(tmp_path / "first")])
+    }
+    out = load_conversations([str(tmp_path / "later")])
+    assert [m["content"] for r in out for m in r["messages"] if m["role"] == "user"] == [
+        text for i in range(4) for text in (f"Name a number above {i}.", "And one below it?")
+    ]
+    assert all(r["messages"][1]["content"] == first[r["messages"][0]["content"]] for r in out)
+    assert resumed.prompts == [
+        render_prompt(tokenizer, exchange(question, first[question], "And one below it?", "?"))[0]
+        for question in ("Name a number above 2.", "Name a number above 3.")
+    ]
+
+    settings = json.loads((tmp_path / "later" / SETTINGS_NAME).read_text())
+    assert settings["min_turns"] == 2 and settings["reuse"] not in (None, [str(tmp_path / "first")])
+    with pytest.raises(UserError, match=r"other settings \(data\)"):  # the held-out conversation would mix in
+        regenerate(recipe("later", *later[:1], "data.regenerate.min_turns=2"), model, tokenizer)
+    with pytest.raises(UserError, match=r"reuse: .*first was answered with other settings \(max_new_tokens\)"):
+        check_reusable([tmp_path / "first"], {**settings, "max_new_tokens": 4})
+
+
+def test_sampled_answers_are_seeded_draws_that_resume_into_the_same_bytes(tmp_path, small_data):
+    """samples=2 at temperature 1: each kept prompt written twice with its own draw; a run killed in its
+    second part resumes into an uninterrupted run's bytes; the held-out prompt is not answered."""
+    from draftsmith.data_prep import load_conversations
+    from draftsmith.data_prep.regenerate import regenerate
+    from draftsmith.target import load_tokenizer
+
+    source = load_conversations([str(small_data["train"])], 3)
+    held_out = write_conversations(tmp_path / "held_out.jsonl", [source[2]["messages"]])
+
+    def recipe(output, *extra):
+        return load_recipe([
+            "recipe=draft", f"target.name_or_path={REFERENCE_TARGET}", f"data.train=[{small_data['train']}]",
+            "data.max_conversations=3", f"data.regenerate.output={tmp_path / output}", "data.regenerate.batch_size=2",
+            "data.regenerate.max_new_tokens=4", "data.regenerate.max_turns=1", "data.regenerate.temperature=1.0",
+            "data.regenerate.samples=2", f"data.regenerate.exclude=[{held_out}]", f"output_dir={tmp_path}", *extra,
+        ])  # fmt: skip
+
+    model, tokenizer = load_target(str(REFERENCE_TARGET)), load_tokenizer(str(REFERENCE_TARGET))
+    whole = regenerate(recipe("whole"), model, tokenizer)
+    assert (whole.conversations, whole.excluded) == (4, 1)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(recipe("resumed"), CountingTarget(model, die_at=2), tokenizer)
+    assert regenerate(recipe("resumed"), model, tokenizer).generated == 2
+    parts = sorted((tmp_path / "whole").glob("part-*"))
+    assert [p.read_bytes() for p in parts] == [(tmp_path / "resumed" / p.name).read_bytes() for p in parts]
+    rows = [r["messages"] for r in load_conversations([str(tmp_path / "whole")])]
+    assert [m[0]["content"] for m in rows] == [source[i]["messages"][0]["content"] for i in (0, 0, 1, 1)]
+    assert rows[0][1]["content"] != rows[1][1]["content"] or rows[2][1]["content"] != rows[3][1]["content"]
+    with pytest.raises(UserError, match="samples=2 needs temperature > 0"):
+        recipe("greedy", "data.regenerate.temperature=0")
 
 
 def test_regenerate_cli_reports_bad_input_in_one_line(tmp_path, capsys):

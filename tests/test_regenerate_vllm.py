@@ -4,7 +4,8 @@ transformers' greedy answers except where the target's two best next tokens are 
 (vLLM's CPU kernels and transformers' sum in different orders), and an engine that dies mid-run is a
 temporary failure (exit 69) that the same command recovers from, generating only the missing parts,
 byte for byte what an uninterrupted run wrote.
-A Python without vLLM is bad input (exit 2), checked in the fast tier."""
+A Python without vLLM is bad input (exit 2), and vLLM is given the dtype the trainer loads the target in,
+checked in the fast tier."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import pytest
 import torch
 
 from draftsmith.data_prep import render_prompt
+from draftsmith.data_prep.regenerate import SETTINGS_NAME, vllm_dtype
+from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target, load_tokenizer
 from tests.helpers import REFERENCE_TARGET, REPO, run_entry_in_process
 
@@ -121,3 +124,15 @@ def test_a_python_without_vllm_is_bad_input(tmp_path, small_data, capsys):
     done = run_entry_in_process(regenerate_args(tmp_path / "out", small_data, *engine), capsys)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith(f"error: {sys.executable} cannot import vllm")
+    # recorded before the engine starts: the dtype it is given, the demo target's as the trainer loads it on CPU
+    # (vLLM's own auto would run this float32 target in bfloat16)
+    assert json.loads((tmp_path / "out" / SETTINGS_NAME).read_text())["vllm_dtype"] == "float32"
+
+
+def test_vllm_runs_the_target_in_the_dtype_the_trainer_loads_it_in(tmp_path, small_data):
+    def dtype(*extra: str) -> str:
+        return vllm_dtype(load_recipe(regenerate_args(tmp_path / "out", small_data, *extra)[2:]))
+
+    assert dtype() == "float32"  # target.dtype auto, on CPU
+    assert dtype("target.dtype=bfloat16") == "bfloat16"
+    assert dtype("target.dtype=bfloat16", "data.regenerate.vllm.dtype=float16") == "float16"
