@@ -144,8 +144,8 @@ def copy_tokenizer(target: TargetInfo, destination: Path) -> None:
 
 
 # vLLM 0.32 picks the speculative method from the draft's path when the path contains one of these
-# (config/speculative.py), even if another method was asked for: a Medusa or draft-model folder
-# under such a path would be served as EAGLE.
+# (config/speculative.py), even if another method was asked for: a folder of another method under
+# such a path would be served as the path's.
 VLLM_PATH_TRIGGERS = ("eagle-", "eagle3", "dflash", "dspark")
 
 
@@ -153,14 +153,15 @@ def check_vllm_path(directory: Path, kind: str) -> None:
     lowered = str(directory.resolve()).lower()
     found = [word for word in VLLM_PATH_TRIGGERS if word in lowered]
     if found:
+        words = ", ".join(map(repr, VLLM_PATH_TRIGGERS[:-1])) + f" or {VLLM_PATH_TRIGGERS[-1]!r}"
         raise UserError(
-            f"export.output {directory} contains {found[0]!r}: vLLM would serve a {kind} drafter found there as another method "
-            "(it picks the method from the path); export to a path without 'eagle-', 'eagle3', 'dflash' or 'dspark'"
+            f"export.output {directory} contains {found[0]!r}: vLLM would serve a {kind} drafter found there as another "
+            f"method (it picks the method from the path); export to a path without {words}"
         )
 
 
 # Target architectures vLLM 0.32 cannot capture intermediate hidden states from (their model classes
-# lack its SupportsEagle3 interface), which EAGLE-3, P-EAGLE and DFlash drafters read: vLLM refuses to
+# lack its SupportsEagle3 interface), which drafters reading the target's inner layers need: vLLM refuses to
 # start ("Model does not support EAGLE3 interface"), measured by benchmarks/target_matrix.py. A target
 # not listed is tried: the export's engine check (export.vllm_python) proves or refuses it.
 VLLM_NO_STATE_CAPTURE = (
@@ -174,8 +175,9 @@ def require_vllm_state_capture(target: TargetInfo, kind: str) -> None:
     refused = [name for name in architectures if name in VLLM_NO_STATE_CAPTURE]
     if refused:
         raise UserError(
-            f"vLLM 0.32 cannot capture the hidden states {kind} drafters read from a {refused[0]} target (the model lacks its "
-            f"EAGLE-3 interface: it refuses to serve them); for this target export medusa, eagle or draft_model drafters"
+            f"vLLM 0.32 cannot capture the hidden states {kind} drafters read from a {refused[0]} target (the model "
+            "lacks its EAGLE-3 interface: it refuses to serve them); for this target export a kind that reads at most "
+            "its final hidden state"
         )
 
 

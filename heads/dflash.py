@@ -242,6 +242,7 @@ class DFlash(EagleBase):
 
     type = "dflash"
     TITLE = "DFlash"
+    DEPTH_TOP1 = "block{depth}/top1"  # block position k is depth k
     Config = DFlashConfig
     SERVED_BY = {"chain": "vLLM (drafter.mask_token_id set)", "tree": "draftsmith eval only (DDTree)"}
 

@@ -78,6 +78,7 @@ class MedusaBlocks(nn.Module):
 class Medusa(Drafter):
     type = "medusa"
     TITLE = "Medusa-1"
+    DEPTH_TOP1 = "head{depth}/top1"  # head h guesses depth h
     Config = MedusaConfig
 
     def __init__(self, config: MedusaConfig, target: TargetShape):

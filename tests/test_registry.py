@@ -12,7 +12,7 @@ import pytest
 
 from draftsmith.errors import UserError
 from draftsmith.export import EXPORTERS
-from draftsmith.heads import REGISTRY
+from draftsmith.heads import REGISTRY, Drafter
 from draftsmith.recipe import load_recipe
 from tests.helpers import REPO, demo_recipe, product_strings, train_in_process
 
@@ -58,13 +58,19 @@ def test_every_kind_trains_decodes_losslessly_and_exports_or_is_refused(kind, tm
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_kind_declares_its_title_and_whether_it_shards(kind):
+def test_a_kind_declares_its_title_flop_profile_depth_metric_and_whether_it_shards(kind):
+    from omegaconf import OmegaConf
+
+    from draftsmith.heads.base import FlopProfile
     from draftsmith.sharding import unshardable
 
     cls = REGISTRY[kind]
     assert isinstance(cls.TITLE, str) and cls.TITLE, f"give {cls.__name__} a TITLE (the model card's name for it)"
     cfg = load_recipe([f"recipe={demo_recipe(kind)}"])
     assert unshardable(cfg.drafter) == cls.unshardable(cfg.drafter)
+    profile = cls.flop_profile(OmegaConf.to_object(cfg.drafter))
+    assert isinstance(profile, FlopProfile) and profile.passes >= 1
+    assert cls.DEPTH_TOP1.format(depth=1) != cls.DEPTH_TOP1.format(depth=2), "DEPTH_TOP1 must name the {depth}"
 
 
 # Strings that equal a kind's name by coincidence: vLLM picks a speculative method from a model path that
@@ -89,3 +95,73 @@ def test_no_kind_is_named_outside_its_own_files_and_the_registry():
     assert not found, (
         "kind names outside their kinds' files (declare it on the Drafter or Exporter class): " + "; ".join(found)
     )
+
+
+def kind_specific_names() -> tuple[set[str], set[str]]:
+    """(every kind's name, every drafter setting only one kind has and no other recipe section either,
+    every parameter-name prefix a kind's FLOP profile declares at its default settings; the stem of
+    every per-depth metric a kind declares other than the default, `head` of `head{depth}/top1`)."""
+    from collections import Counter
+    from dataclasses import fields
+
+    from omegaconf import OmegaConf
+
+    def keys(value) -> set[str]:
+        return {k for key, inner in value.items() for k in (key, *keys(inner))} if isinstance(value, dict) else set()
+
+    recipe = OmegaConf.to_container(load_recipe([f"recipe={demo_recipe(KINDS[0])}"]))
+    elsewhere = {key for section, value in recipe.items() if section != "drafter" for key in {section, *keys(value)}}
+    settings = Counter(field.name for cls in REGISTRY.values() for field in fields(cls.Config))
+    unique = {name for name, count in settings.items() if count == 1 and name not in elsewhere}
+    prefixes = {prefix.rstrip(".") for cls in REGISTRY.values() for prefix in cls.flop_profile(cls.Config()).once}
+    metrics = {cls.DEPTH_TOP1.split("{")[0] for cls in REGISTRY.values() if cls.DEPTH_TOP1 != Drafter.DEPTH_TOP1}
+    return {*REGISTRY, *unique, *prefixes}, metrics
+
+
+def code_words(path: Path) -> list[tuple[int, str, str, bool]]:
+    """(line, identifier or string, one of its words, whether it is a string) for a file's code;
+    docstrings, like comments, are prose and left out."""
+    import ast
+    import re
+
+    tree = ast.parse(path.read_text())
+    prose = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    words = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
+            words += [(node.lineno, node.value, word, True) for word in re.findall(r"\w+", node.value)]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            words += [(node.lineno, node.module, word, False) for word in node.module.split(".")]
+        elif isinstance(node, ast.alias):
+            words += [(node.lineno, node.name, word, False) for word in node.name.split(".")]
+        else:
+            names = [getattr(node, a) for a in ("id", "attr", "arg", "name") if isinstance(getattr(node, a, None), str)]
+            words += [(node.lineno, name, name, False) for name in names]
+    return words
+
+
+def test_the_trainer_and_the_export_writer_know_no_kind():
+    """trainer/ and export/repo.py serve every kind alike: what they need of a kind it declares
+    (`Drafter.flop_profile`, `Drafter.DEPTH_TOP1`), so no identifier or string in their code is a
+    kind's name, a setting of one kind (`ttt_steps`) or a parameter its FLOP profile names (`fc.`), and
+    no string names a kind's per-depth metric. vLLM's path triggers (export/repo.py) are vLLM's words
+    that equal kind names by coincidence."""
+    from draftsmith.export.repo import VLLM_PATH_TRIGGERS
+
+    names, metrics = kind_specific_names()
+    assert {"ttt_steps", "fc"} <= names and "head" in metrics
+    files = [*sorted((REPO / "trainer").glob("*.py")), REPO / "export" / "repo.py"]
+    found = [
+        f"{path.relative_to(REPO)}:{line}: {word!r} in {text!r}"
+        for path in files
+        for line, text, word, string in code_words(path)
+        if (word in names or (string and word in metrics)) and text not in VLLM_PATH_TRIGGERS
+    ]
+    assert not found, "kind knowledge outside the kinds' files (declare it on the Drafter class): " + "; ".join(found)

@@ -89,8 +89,8 @@ def fresh(kind: str):
 def step(drafter, target, rows: list[dict], micro: int, accum: int, packed: bool, accelerator=None) -> dict:
     """One optimizer step over `rows` the way trainer/loop.py takes it; returns the gradients and the
     weights after an SGD step, by parameter name (SGD: AdamW's first step, lr x g / |g| elementwise,
-    would turn a rounding-level gradient element of either sign into a full step). Checks that the
-    count the loss returns is the one counted on the host."""
+    would turn a rounding-level gradient element of either sign into a full step), and the names of
+    the statistics the loss reported. Checks that the count the loss returns is the one counted on the host."""
     accelerator = accelerator or Accelerator(gradient_accumulation_steps=accum, cpu=True)
     collate = PackingCollator(0, PACK) if packed else Collator(0)
     stream = ((0, i, collate(rows[start : start + micro])) for i, start in enumerate(range(0, len(rows), micro)))
@@ -103,16 +103,17 @@ def step(drafter, target, rows: list[dict], micro: int, accum: int, packed: bool
 
     optimizer = torch.optim.SGD([p for p in drafter.parameters() if p.requires_grad], lr=LR)
     optimizer.zero_grad(set_to_none=True)
-    counted = 0
+    counted, reported = 0, set()
     for _, _, batch in upcoming.batches:
         with accelerator.accumulate(drafter):
-            _, _, (_, count, _) = forward_backward(accelerator, drafter, batch, features, scale)
+            _, _, (_, count, stats) = forward_backward(accelerator, drafter, batch, features, scale)
         counted += int(count)
+        reported |= set(stats)
     assert counted == upcoming.loss_tokens > 0
     grads = {name: p.grad.detach().clone() for name, p in module.named_parameters() if p.grad is not None}
     optimizer.step()
     weights = {name: p.detach().clone() for name, p in module.named_parameters() if name in grads}
-    return {"grads": grads, "weights": weights}
+    return {"grads": grads, "weights": weights, "reported": sorted(reported)}
 
 
 def relative_errors(got: dict, expected: dict) -> dict[str, float]:
@@ -146,6 +147,10 @@ def test_one_step_is_the_same_however_the_step_is_split(kind):
         results[name] = step(drafter, target, rows, micro, accum, packed)
     reference = results["1x8"]
     assert any(g.abs().sum() > 0 for g in reference["grads"].values())
+    # what the trainer reads by the kind's declarations: its depth-1 top-1 and its FLOP profile's parameters
+    assert drafter.DEPTH_TOP1.format(depth=1) in reference["reported"]
+    once = type(drafter).flop_profile(drafter.config).once
+    assert all(any(name.startswith(prefix) for name in reference["grads"]) for prefix in once)
     for name, result in results.items():
         assert_same(result, reference, name)
 

@@ -11,33 +11,28 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
 from draftsmith.files import write_text_atomic
+from draftsmith.heads import REGISTRY
 
 CURVE_JSON = "curve.json"
 CURVE_PNG = "curve.png"
-# The per-depth teacher-forced top-1 each drafter's loss reports: EAGLE-1, EAGLE-3 and the draft model
-# `step{i}/top1`, Medusa-1/2 `head{i}/top1`, DFlash `block{i}/top1` (Medusa-2's `backbone/top1` is not a depth).
-DEPTH_TOP1 = re.compile(r"(step|head|block)(\d+)/top1")
 
 
 def depth_top1(metrics: Mapping[str, float], max_depth: int) -> list[tuple[str, float]]:
-    """(name, value) of the per-depth top-1 metrics in `metrics`, depth 1 first: consecutive depths
-    from 1, at most `max_depth` (the chain length evaluated), fewer when the drafter reports fewer."""
-    by_depth = {}
-    for name, value in metrics.items():
-        match = DEPTH_TOP1.fullmatch(name)
-        if match:
-            by_depth[int(match.group(2))] = (name, float(value))
+    """(name, value) of the per-depth top-1 metrics in `metrics`, named as a kind's loss reports them
+    (its `Drafter.DEPTH_TOP1`), depth 1 first: consecutive depths from 1, at most `max_depth` (the
+    chain length evaluated), fewer when the drafter reports fewer."""
+    templates = sorted({cls.DEPTH_TOP1 for cls in REGISTRY.values()})
     found = []
     for depth in range(1, max_depth + 1):
-        if depth not in by_depth:
+        reported = [name for name in (template.format(depth=depth) for template in templates) if name in metrics]
+        if not reported:
             break
-        found.append(by_depth[depth])
+        found.append((reported[0], float(metrics[reported[0]])))
     return found
 
 

@@ -17,6 +17,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from draftsmith.heads import Drafter
+
 log = logging.getLogger("draftsmith.train")
 
 
@@ -43,12 +45,14 @@ def parameter_counts(target: nn.Module, drafter: nn.Module) -> dict[str, int]:
     return {"trainable": trainable, "frozen": frozen, "target": sum(numel(p) for p in target.parameters())}
 
 
-def matmul_parameters(model: nn.Module, trainable_only: bool = False, prefix: Optional[str] = None) -> int:
+def matmul_parameters(
+    model: nn.Module, trainable_only: bool = False, prefixes: Optional[tuple[str, ...]] = None
+) -> int:
     """The parameters a token's forward multiplies by once each: every >= 2-D weight but embedding tables
     (a lookup, no FLOPs); an lm_head counts even when it shares the embedding's tensor (it is a matmul).
     Mixture-of-experts weights (parameter names containing `.experts.`) count at the routed share,
-    num_experts_per_tok / num_experts of the model's config: the active parameters. `prefix`: only the
-    parameters whose names start with it."""
+    num_experts_per_tok / num_experts of the model's config: the active parameters. `prefixes`: only the
+    parameters whose names start with one of them."""
     config = getattr(model, "config", None)
     routed = getattr(config, "num_experts_per_tok", None)
     experts = next(
@@ -67,7 +71,7 @@ def matmul_parameters(model: nn.Module, trainable_only: bool = False, prefix: Op
     for name, param in model.named_parameters(remove_duplicate=False):
         if param.dim() < 2 or (trainable_only and not param.requires_grad) or id(param) in counted:
             continue
-        if prefix is not None and not name.startswith(prefix):
+        if prefixes is not None and not name.startswith(prefixes):
             continue
         if id(param) in embeddings and id(param) != head:  # a lookup; a tied lm_head is counted once
             continue
@@ -107,9 +111,8 @@ def flops_per_token(
     dim (`attention_width`); T: the row length the attention runs over (the whole row, as PaLM: the
     causal mask's skipped half and packed documents' blocks are counted, padding is not a token);
     N_d: the drafter's trainable matmul parameters, N_once those of them that run once per token
-    whatever the passes (EAGLE-3's fusing `fc`); A_d its attention width; `passes`: draft forwards per
-    token (EAGLE-3's training-time test runs its layer and lm_head `ttt_steps` times, an upper bound:
-    steps after the first run only where a later step is scored; 1 for the other kinds).
+    whatever the passes; A_d its attention width; `passes`: draft forwards per token (both from the
+    kind's `Drafter.flop_profile`: by default one pass, nothing apart).
     A forward costs 2 FLOPs per parameter per token (multiply and add), its backward twice that; the
     target runs no backward. Not counted: norms, activations, softmaxes, the loss, the optimizer.
     MFU = FLOPs per token x tokens/s / (peak FLOP/s x devices); the peak is the user's
@@ -123,16 +126,16 @@ def flops_per_token(
 class FlopCounter:
     """`flops_per_token` for a run's target and drafter, counted once; `per_token(seq_len)` per log line."""
 
-    def __init__(self, target: nn.Module, drafter: nn.Module):
-        config = getattr(drafter, "config", None)
-        self.passes = int(getattr(config, "ttt_steps", 1) or 1)
+    def __init__(self, target: nn.Module, drafter: Drafter):
+        profile = type(drafter).flop_profile(drafter.config)
+        self.passes = profile.passes
         self.sizes = {
             "target_params": matmul_parameters(target),
             "target_attention": attention_width(target),
             "drafter_params": matmul_parameters(drafter, trainable_only=True),
             "drafter_attention": attention_width(drafter),
-            # EAGLE-3 fuses the target's states once per token, then unrolls its layer and lm_head
-            "drafter_params_once": matmul_parameters(drafter, trainable_only=True, prefix="fc.")
+            # one pass: every parameter runs once, wherever the profile splits them
+            "drafter_params_once": matmul_parameters(drafter, trainable_only=True, prefixes=profile.once)
             if self.passes > 1
             else 0,
         }
