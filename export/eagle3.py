@@ -45,8 +45,9 @@ from draftsmith.heads.base import check_same_target
 from draftsmith.target import TargetShape
 
 SGLANG_SERVE = (
-    "python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 --speculative-draft-model-path {path} "
-    "--speculative-num-steps {gamma} --speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma_plus_one}"
+    "python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
+    "--speculative-draft-model-path {path} --speculative-num-steps {gamma} --speculative-eagle-topk 1 "
+    "--speculative-num-draft-tokens {gamma_plus_one}"
 )
 
 
@@ -57,8 +58,9 @@ def vllm_ids(ours: list[int], num_layers: int) -> list[int]:
     """draftsmith's aux-layer ids (output of layer i) -> vLLM's (input of layer i, pre-norm)."""
     if ours and ours[-1] >= num_layers - 1:
         raise UserError(
-            f"aux layer {ours[-1]} is the target's last hidden state after its final norm (transformers' hidden_states[{num_layers}]), "
-            f"which vLLM cannot capture (its id {num_layers} is the state before the norm); retrain with aux layers below {num_layers - 1}"
+            f"aux layer {ours[-1]} is the target's last hidden state after its final norm (transformers' "
+            f"hidden_states[{num_layers}]), which vLLM cannot capture (its id {num_layers} is the state before the "
+            f"norm); retrain with aux layers below {num_layers - 1}"
         )
     return [layer + VLLM_ID_SHIFT for layer in ours]
 
@@ -149,12 +151,13 @@ def refuse_unhonoured(
     draftsmith's EAGLE-3 cannot compute: it would draft with another function."""
     if ours and ours[-1] >= num_layers - 1:  # vLLM/speculators id L: the last layer's output before the final norm
         raise UserError(
-            f"{folder}: aux layer id {ours[-1] + VLLM_ID_SHIFT} (vLLM's convention) is the target's last state before its final norm, "
-            f"which draftsmith's taps do not provide (its id {num_layers - 1} is after the norm)"
+            f"{folder}: aux layer id {ours[-1] + VLLM_ID_SHIFT} (vLLM's convention) is the target's last state "
+            f"before its final norm, which draftsmith's taps do not provide (its id {num_layers - 1} is after the norm)"
         )
     if int(layer.get("num_hidden_layers", 1)) != 1:
         raise UserError(
-            f"{folder}: {layer['num_hidden_layers']} draft layers; draftsmith's EAGLE-3 has one (as vLLM's and SGLang's layouts)"
+            f"{folder}: {layer['num_hidden_layers']} draft layers; draftsmith's EAGLE-3 has one (as vLLM's and "
+            "SGLang's layouts)"
         )
 
 
@@ -179,7 +182,10 @@ def attention_convention(drafter) -> str:
     window = drafter.config.sliding_window
     if window is None:
         return "full attention (no layer_types/sliding_window written)"
-    return f"a sliding window of {window} positions (layer_types [sliding_attention], sliding_window {window}: vLLM's draft layer honours both)"
+    return (
+        f"a sliding window of {window} positions (layer_types [sliding_attention], sliding_window {window}: "
+        "vLLM's draft layer honours both)"
+    )
 
 
 def check_draft_layer(folder: Path, layer: dict[str, Any], ours: dict[str, Any]) -> None:
@@ -315,16 +321,18 @@ class Speculators(Layout):
             "aux_layer_ids": {
                 "draftsmith": ours,
                 "vllm": ids,
-                "rule": "vLLM id = draftsmith id + 1 (vLLM: input of layer id, pre-norm; draftsmith: output of layer id)",
+                "rule": "vLLM id = draftsmith id + 1 "
+                "(vLLM: input of layer id, pre-norm; draftsmith: output of layer id)",
             },
             "norm_before_residual": f"written {config['norm_before_residual']} "
             f"(vLLM's speculators default is {json.dumps(self.norm_before_residual)})",
             "num_aux_hidden_states": f"written {len(ids)}: vLLM sizes the fc from it, not from the ids",
             "draft_vocab": "d2t (offsets) and t2d shipped" if drafter.pruned else "full vocabulary: no d2t/t2d",
-            "eagle3.1": f"fc_norm {config['fc_norm']}, norm_output {config['norm_output']}, norm_before_fc {config['norm_before_fc']} "
-            "(written either way; vLLM defaults them to false)",
-            "draft_layers": f"{layer['model_type']} (drafter.layer_family; vLLM builds {layer['architectures'][0].replace('ForCausalLM', '')} "
-            f"EAGLE-3 layers from transformer_layer_config.model_type, whatever the target's family, {target.shape.model_type})",
+            "eagle3.1": f"fc_norm {config['fc_norm']}, norm_output {config['norm_output']}, "
+            f"norm_before_fc {config['norm_before_fc']} (written either way; vLLM defaults them to false)",
+            "draft_layers": f"{layer['model_type']} (drafter.layer_family; vLLM builds "
+            f"{layer['architectures'][0].replace('ForCausalLM', '')} EAGLE-3 layers from "
+            f"transformer_layer_config.model_type, whatever the target's family, {target.shape.model_type})",
             "attention": attention_convention(drafter),
         }
         expected = layer_expected(
@@ -334,8 +342,9 @@ class Speculators(Layout):
         if self.parallel:
             expected["mask_hidden"] = (1, 1, len(ids) * target.shape.hidden_size)
             conventions["parallel_drafting"] = (
-                f"speculators_model_type peagle, mask_token_id {config['mask_token_id']} (vLLM's pard_token), mask_hidden shipped; "
-                "serve with parallel_drafting: true; EAGLE-3.1's keys also in transformer_layer_config (the peagle reader reads them there)"
+                f"speculators_model_type peagle, mask_token_id {config['mask_token_id']} (vLLM's pard_token), "
+                "mask_hidden shipped; serve with parallel_drafting: true; EAGLE-3.1's keys also in "
+                "transformer_layer_config (the peagle reader reads them there)"
             )
         # The target's embedding table ships too: vLLM loads it and, finding it equal to the target's,
         # shares the target's; speculators' loader would otherwise run the draft on an embedding it
@@ -388,7 +397,8 @@ class Native(Layout):
         drafter, target = source.drafter, source.target
         if drafter.config.parallel_drafting:
             raise UserError(
-                "export.vllm_format=native: P-EAGLE is written in vLLM's speculators format only (peagle); leave export.vllm_format unset"
+                "export.vllm_format=native: P-EAGLE is written in vLLM's speculators format only (peagle); "
+                "leave export.vllm_format unset"
             )
         ids = vllm_ids(list(drafter.config.aux_layers), target.shape.num_hidden_layers)
         config = (
@@ -415,13 +425,13 @@ class Native(Layout):
             "aux_layer_ids": {
                 "draftsmith": list(drafter.config.aux_layers),
                 "vllm": ids,
-                "rule": "top-level eagle_aux_hidden_state_layer_ids, vLLM's convention (draftsmith id + 1); none in eagle_config, "
-                "where SGLang would read them in draftsmith's",
+                "rule": "top-level eagle_aux_hidden_state_layer_ids, vLLM's convention (draftsmith id + 1); "
+                "none in eagle_config, where SGLang would read them in draftsmith's",
             },
             "norm_before_residual": f"written {config['norm_before_residual']} "
             f"(vLLM's native default is {json.dumps(self.norm_before_residual)})",
-            "eagle3.1": f"fc_norm {config['fc_norm']}, norm_output {config['norm_output']}, norm_before_fc {config['norm_before_fc']} "
-            "(top level, where vLLM reads them)",
+            "eagle3.1": f"fc_norm {config['fc_norm']}, norm_output {config['norm_output']}, "
+            f"norm_before_fc {config['norm_before_fc']} (top level, where vLLM reads them)",
             "weights": "layers.0.* written as midlayer.*",
             "attention": attention_convention(drafter),
         }
@@ -470,24 +480,26 @@ class SGLang(Layout):
         layer = draft_layer_config(drafter, self.families, "SGLang", "EAGLE-3")
         if drafter.config.parallel_drafting:
             raise UserError(
-                "this EAGLE-3 drafter drafts in parallel (P-EAGLE), which SGLang does not serve: it would draft sequentially "
-                "with a drafter trained for mask inputs (export it for vllm)"
+                "this EAGLE-3 drafter drafts in parallel (P-EAGLE), which SGLang does not serve: it would draft "
+                "sequentially with a drafter trained for mask inputs (export it for vllm)"
             )
         extensions = [key for key in (*EXTENSIONS, "norm_before_fc") if getattr(drafter.config, key)]
         if extensions:
             raise UserError(
-                f"this EAGLE-3 drafter uses {' and '.join(extensions)}, which SGLang's EAGLE-3 layer does not have: it would "
-                "serve another function (export it for vllm, or train without them)"
+                f"this EAGLE-3 drafter uses {' and '.join(extensions)}, which SGLang's EAGLE-3 layer does not have: "
+                "it would serve another function (export it for vllm, or train without them)"
             )
         if drafter.config.sliding_window is not None:
             raise UserError(
-                f"this EAGLE-3 drafter's layer attends to a sliding window of {drafter.config.sliding_window} positions, which "
-                "SGLang's EAGLE-3 layer has not been verified to honour (export it for vllm, or retrain with drafter.sliding_window=null)"
+                f"this EAGLE-3 drafter's layer attends to a sliding window of {drafter.config.sliding_window} "
+                "positions, which SGLang's EAGLE-3 layer has not been verified to honour (export it for vllm, or "
+                "retrain with drafter.sliding_window=null)"
             )
         if drafter.config.norm_before_residual != self.norm_before_residual:
             raise UserError(
-                "this EAGLE-3 drafter was trained with norm_before_residual=true; SGLang's EAGLE-3 layer always keeps the "
-                "un-normalised feature as its residual and would serve another function (export it for vllm, or retrain with false)"
+                "this EAGLE-3 drafter was trained with norm_before_residual=true; SGLang's EAGLE-3 layer always "
+                "keeps the un-normalised feature as its residual and would serve another function (export it for "
+                "vllm, or retrain with false)"
             )
         ours = list(drafter.config.aux_layers)
         ids = vllm_ids(ours, target.shape.num_hidden_layers)  # also refuses our last id, which SGLang never captures
@@ -509,11 +521,13 @@ class SGLang(Layout):
                 "draftsmith": ours,
                 "sglang": ours,
                 "vllm": ids,
-                "rule": "SGLang's eagle_config ids are draftsmith's (it captures the input of layer id + 1); the top-level ids are vLLM's (+1)",
+                "rule": "SGLang's eagle_config ids are draftsmith's (it captures the input of layer id + 1); "
+                "the top-level ids are vLLM's (+1)",
             },
             "norm_before_residual": "false: SGLang's layer keeps the un-normalised feature as the residual",
             "weights": "layers.0.* written as midlayer.*",
-            "checked_against": "sglang python/sglang/srt/models/llama_eagle3.py and models/llama.py (source read, not run)",
+            "checked_against": "sglang python/sglang/srt/models/llama_eagle3.py and models/llama.py "
+            "(source read, not run)",
         }
         return EngineRepo(self.engine, config, tensors, expected, SGLANG_SERVE, conventions, method="EAGLE3")
 
@@ -529,7 +543,8 @@ class SGLang(Layout):
         top = config.get("eagle_aux_hidden_state_layer_ids")
         if top is not None and draftsmith_ids(top) != ours:
             raise UserError(
-                f"{folder}: top-level eagle_aux_hidden_state_layer_ids {top} disagree with eagle_config's {ours} (+1 expected)"
+                f"{folder}: top-level eagle_aux_hidden_state_layer_ids {top} disagree with eagle_config's {ours} "
+                "(+1 expected)"
             )
         return {
             "aux_layers": ours,
