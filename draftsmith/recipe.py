@@ -163,7 +163,8 @@ def require(condition: bool, message: str) -> None:
         raise UserError(message)
 
 
-def check_train(t) -> None:
+def check_train(t, d) -> None:
+    """The train section `t`, and its settings that depend on the data section `d`."""
     require(t.lr > 0, f"train.lr={t.lr} must be > 0")
     require(t.optimizer in ("adamw", "muon"), f"train.optimizer={t.optimizer!r} must be adamw or muon")
     require(
@@ -202,6 +203,11 @@ def check_train(t) -> None:
     require(
         t.eval_every == 0 or t.heldout > 0,
         f"train.eval_every={t.eval_every} needs train.heldout > 0 (conversations of data.train to evaluate on, never trained on)",
+    )
+    require(
+        t.heldout == 0 or d.features is None,
+        f"train.heldout={t.heldout} is not supported with data.features yet (it holds out tokenized data.train); "
+        "set train.heldout=0",
     )
     require(
         t.patience == 0 or t.eval_every > 0,
@@ -250,12 +256,6 @@ def check_data(d) -> None:
         r.temperature >= 0 and 0 < r.top_p <= 1,
         f"need data.regenerate.temperature >= 0 and 0 < top_p <= 1 (got {r.temperature}, {r.top_p})",
     )
-    v = r.vllm
-    require(
-        v.tensor_parallel_size >= 1 and v.max_num_seqs >= 1,
-        f"data.regenerate.vllm.tensor_parallel_size and max_num_seqs must be >= 1 (got {v.tensor_parallel_size}, {v.max_num_seqs})",
-    )
-    require(
     require(
         r.samples >= 1 and r.min_turns >= 1,
         f"data.regenerate.samples={r.samples} and min_turns={r.min_turns} must be >= 1",
@@ -272,6 +272,12 @@ def check_data(d) -> None:
         not r.reuse or r.temperature == 0,
         "data.regenerate.reuse needs greedy answers (temperature 0): a sampled answer is one draw, not the target's answer",
     )
+    v = r.vllm
+    require(
+        v.tensor_parallel_size >= 1 and v.max_num_seqs >= 1,
+        f"data.regenerate.vllm.tensor_parallel_size and max_num_seqs must be >= 1 (got {v.tensor_parallel_size}, {v.max_num_seqs})",
+    )
+    require(
         v.gpu_memory_utilization is None or 0 < v.gpu_memory_utilization <= 1,
         f"data.regenerate.vllm.gpu_memory_utilization={v.gpu_memory_utilization} must be in (0, 1]",
     )
@@ -421,7 +427,7 @@ def validate(cfg: DictConfig) -> DictConfig:
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
             raise UserError(f"{key}={value!r} is not one of {', '.join(allowed)}")
-    check_train(cfg.train)
+    check_train(cfg.train, cfg.data)
     check_data(cfg.data)
     check_eval(cfg.eval)
     check_export(cfg.export)

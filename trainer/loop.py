@@ -30,6 +30,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from omegaconf import DictConfig, OmegaConf
+from torch.profiler import record_function
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
@@ -64,8 +65,10 @@ log = logging.getLogger("draftsmith.train")
 
 @dataclass
 class Run:
-    """What the loop works with, built and checked by `set_up` before the first step."""
+    """What the loop works with, built and checked by `set_up` before the first step (`prepare_run`
+    assembles it from its parts)."""
 
+    cfg: DictConfig
     accelerator: Accelerator
     target: torch.nn.Module
     drafter: torch.nn.Module  # the Drafter, wrapped by accelerate (DDP, FSDP, DeepSpeed)
@@ -81,162 +84,222 @@ class Run:
 
 def train(cfg: DictConfig) -> Path:
     """Train the recipe's drafter; returns the final checkpoint directory. The caller holds the
-    output directory (`claim_output_dir`)."""
+    output directory (`claim_output_dir`). Each pass of the loop is one `train_step`, then the periodic
+    work: the log line, the held-out evaluation, the SIGTERM checkpoint, the periodic checkpoint."""
     output_dir = Path(cfg.output_dir)
     run = set_up(cfg, output_dir)
-    accelerator, drafter, optimizer, scheduler, state = (
-        run.accelerator,
-        run.drafter,
-        run.optimizer,
-        run.scheduler,
-        run.state,
-    )
-    max_steps = run.max_steps
+    accelerator, state, max_steps = run.accelerator, run.state, run.max_steps
     world, rank = accelerator.num_processes, accelerator.process_index
-
-    # -- the loop -------------------------------------------------------------------------------
-    # Split-invariant loss (heads/base.py, "The loss contract"): each micro-batch's backward is of its
-    # loss *sum* times `loss_scale`, so the step's gradient is d(sum of every token loss of the step,
-    # all micro-batches, all ranks) / d(params) / (the step's global loss_tokens), however the step is
-    # split. That count must be known before the step's first backward: each step's micro-batches are
-    # collated and counted on the host one step ahead, and the counts ride on the previous step's one
-    # all-reduce (`agree`), with the decisions every rank must share (non-finite, SIGTERM).
     stream = micro_batches(run.train_data, run.collate, cfg, world, rank, state)
-    module = accelerator.unwrap_model(drafter)
-    progress = tqdm(total=max_steps, initial=state.step, desc="train", disable=not accelerator.is_main_process)
-    interval_stats: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(2, device=accelerator.device))
-    interval_tokens, interval_positions, interval_start = 0, 0, time.perf_counter()  # this rank's
-    interval_global_tokens, interval_rows = 0, 0  # all ranks' tokens; this rank's rows
+    module = accelerator.unwrap_model(run.drafter)
     # Observability (trainer/observe.py): parameter counts once, MFU and peak memory at log_every, the profiler
     parameters = parameter_counts(run.target, module)
-    flops = FlopCounter(run.target, module)
-    profiler = StepProfiler(cfg.train.profile_steps, output_dir, rank)
     log.info("parameters: %s trainable, %s frozen", f"{parameters['trainable']:,}", f"{parameters['frozen']:,}")
     counts_row = {f"params/{k}": v for k, v in parameters.items()}  # in this run's first logged row
-    data_checksum = 0  # fingerprint of the token ids this rank trained on (for distributed checks)
-    stop = StopRequest()
-    samples_per_step = world * cfg.train.micro_batch_size * cfg.train.grad_accum  # full micro-batches only
+    flops, meters = FlopCounter(run.target, module), Meters(accelerator.device)
+    profiler = StepProfiler(cfg.train.profile_steps, output_dir, rank)
+    progress = tqdm(total=max_steps, initial=state.step, desc="train", disable=not accelerator.is_main_process)
+    stop, data_checksum = StopRequest(), 0  # data_checksum: the token ids this rank trained on (distributed checks)
     upcoming = next_step(stream, module, cfg.train.grad_accum)
     agreed = agree(accelerator, upcoming=upcoming)  # the first step's counts; later ones come with each step's
-    drafter.train()
+    run.drafter.train()
     with stop.on_sigterm():
         while state.step < max_steps and not patience_spent(state, cfg.train.patience):
-            step, nonfinite, step_tokens = upcoming, False, agreed.tokens  # agreed for this step, all ranks
             profiler.before_step(state.step + 1)
-            scale = loss_scale(accelerator, agreed.loss_tokens)
-            step_loss = torch.zeros((), device=accelerator.device)
-            step_stats: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(2, device=accelerator.device))
-            for epoch, batch_index, batch in step.batches:
-                with accelerator.accumulate(drafter):
-                    batch, target_out, (loss, count, stats) = forward_backward(
-                        accelerator, drafter, batch, run.target_features, scale
-                    )
-                    step_loss += loss.detach().float()
-                    step_stats["loss"] += torch.stack([loss.detach().float(), torch.as_tensor(count).to(step_loss)])
-                    for name, values in stats.items():
-                        step_stats[name] += values.detach().float().sum(0)
-                    if accelerator.sync_gradients:
-                        grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), cfg.train.max_grad_norm)
-                        upcoming = (
-                            next_step(stream, module, cfg.train.grad_accum) if state.step + 1 < max_steps else None
-                        )
-                        agreed = agree(accelerator, not_finite(step_loss, grad_norm), stop.requested, upcoming)
-                        nonfinite = agreed.nonfinite
-                        if nonfinite and accelerator.scaler is None:
-                            state.skipped_steps += 1
-                            report_nonfinite(accelerator, cfg, drafter, batch, target_out, loss, state)
-                        else:  # an fp16 GradScaler skips non-finite steps itself and lowers its scale
-                            optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                state.epoch, state.batch_in_epoch = epoch, batch_index + 1
-            if not nonfinite:
-                for name, values in step_stats.items():
-                    interval_stats[name] += values
-            data_checksum += step.checksum
-            scheduler.step()
-            state.step += 1
-            state.tokens += step_tokens
-            interval_tokens += step.tokens
-            interval_positions += step.positions
-            interval_global_tokens += step_tokens
-            interval_rows += step.rows
+            done = train_step(run, upcoming, agreed, stream, stop)
+            upcoming, agreed = done.upcoming, done.agreed
+            meters.add(done)
+            data_checksum += done.data.checksum
             progress.update(1)
             profiler.after_step(state.step)
 
-            row: dict[str, float] = {}  # this step's log row
-            if state.step % cfg.train.log_every == 0 or state.step == max_steps:
-                elapsed = time.perf_counter() - interval_start
-                metrics = reduce_means(accelerator, interval_stats)
-                metrics["lr"] = scheduler.get_last_lr()[0]
-                metrics["tokens_per_s"] = interval_global_tokens / max(elapsed, 1e-9)
-                metrics["padding_fraction"] = 1 - interval_tokens / max(interval_positions, 1)  # this rank's
-                metrics["skipped_steps"] = state.skipped_steps
-                per_token = flops.per_token(interval_positions / max(interval_rows, 1))["total"]
-                metrics["model_tflops_per_s"] = per_token * metrics["tokens_per_s"] / 1e12  # all ranks together
-                if cfg.train.peak_tflops:
-                    metrics["mfu"] = mfu(per_token, metrics["tokens_per_s"], cfg.train.peak_tflops, world)
-                metrics["peak_memory_mb"] = peak_memory_mb(accelerator.device)  # this rank's
-                row |= {f"train/{k}": v for k, v in metrics.items()}
-                if "loss" in metrics:
-                    progress.set_postfix(loss=f"{metrics['loss']:.3f}")
-                interval_stats.clear()
-                interval_tokens, interval_positions, interval_start = 0, 0, time.perf_counter()
-                interval_global_tokens, interval_rows = 0, 0
-            if (
-                run.heldout is not None
-                and cfg.train.eval_every > 0
-                and (state.step % cfg.train.eval_every == 0 or state.step == max_steps)
-            ):
-                measured = evaluate_heldout(accelerator, drafter, run.heldout, run.collate, run.target_features, cfg)
-                row |= {f"heldout/{k}": v for k, v in measured.items()}
-                state.curve.append(curve_row(state, measured, cfg.eval.num_speculative_tokens, samples_per_step))
-                if keep_best(accelerator, drafter, state, output_dir, measured):
-                    log.info(
-                        "step %d: heldout tau_est %.4f, the best so far: %s",
-                        state.step,
-                        measured["tau_est"],
-                        output_dir / BEST_DIR,
-                    )
-                if accelerator.is_main_process:
-                    write_curve(output_dir, state.curve, state.best, png=False)
+            row = log_interval(run, meters, flops, progress) if due(state.step, cfg.train.log_every, max_steps) else {}
+            row |= evaluate_if_due(run, output_dir)
             if row:
                 log_step(accelerator, output_dir, state.step, {**row, **counts_row, "train/tokens": state.tokens})
                 counts_row = {}
             if state.step < max_steps and agreed.stop:  # SIGTERM on any rank, agreed in this step's all-reduce
-                path = save_checkpoint(accelerator, drafter, state, output_dir, cfg.train.keep_checkpoints)
+                preempted = checkpoint_on_sigterm(run, output_dir)
                 progress.close()
-                del drafter, run  # see end_run
+                del run  # see end_run
                 end_run(accelerator)
-                raise Preempted(
-                    f"stopped on SIGTERM after step {state.step} of {max_steps}; checkpoint {path}; run the same command with train.resume=true to continue"
-                )
-            if cfg.train.save_every > 0 and state.step % cfg.train.save_every == 0 and state.step < max_steps:
-                save_checkpoint(accelerator, drafter, state, output_dir, cfg.train.keep_checkpoints)
+                raise preempted
+            save_if_due(run, output_dir)
     progress.close()
     profiler.after_step(state.step, final=True)  # a range past the run's end: what was profiled
-    ended = "max_steps" if state.step >= max_steps else "patience"
+    final_dir = finish(run, output_dir, data_checksum, parameters)
+    del run  # see end_run
+    end_run(accelerator)
+    return final_dir
+
+
+@dataclass
+class StepResult:
+    """What `train_step` did: its micro-batches' host counts, all ranks' tokens of the step, the drafter's
+    (sum, count) statistics summed over the micro-batches (device tensors), and what the next step starts
+    from: its micro-batches, collated (None after the last step), and what the step's all-reduce agreed."""
+
+    data: StepData
+    tokens: int
+    stats: dict[str, torch.Tensor]
+    upcoming: StepData | None
+    agreed: Agreed  # this step's non-finite flag and SIGTERM, the upcoming step's counts
+
+
+def train_step(run: Run, step: StepData, agreed: Agreed, stream, stop: StopRequest) -> StepResult:
+    """One optimizer step, as the loop takes it and benchmarks/train_throughput.py times it: each
+    micro-batch's target forward, drafter forward and backward under `accelerator.accumulate`, then
+    gradient clipping, the next step's micro-batches from `stream` (`next_step`), the step's one
+    all-reduce (`agree`), the optimizer step (or the skip of a non-finite step), zero_grad and the
+    schedule's step. `agreed`: what the previous step's all-reduce agreed (this step's counts).
+    Advances `run.state` (step, tokens, data position, skipped steps).
+
+    Split-invariant loss (heads/base.py, "The loss contract"): each micro-batch's backward is of its
+    loss *sum* times `loss_scale`, so the step's gradient is d(sum of every token loss of the step,
+    all micro-batches, all ranks) / d(params) / (the step's global loss_tokens), however the step is
+    split. That count must be known before the step's first backward: each step's micro-batches are
+    collated and counted on the host one step ahead, and the counts ride on the previous step's one
+    all-reduce (`agree`), with the decisions every rank must share (non-finite, SIGTERM)."""
+    cfg, accelerator, drafter, state = run.cfg, run.accelerator, run.drafter, run.state
+    scale = loss_scale(accelerator, agreed.loss_tokens)
+    step_loss = torch.zeros((), device=accelerator.device)
+    stats: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(2, device=accelerator.device))
+    for epoch, batch_index, batch in step.batches:
+        with accelerator.accumulate(drafter):
+            batch, target_out, (loss, count, batch_stats) = forward_backward(
+                accelerator, drafter, batch, run.target_features, scale
+            )
+            step_loss += loss.detach().float()
+            stats["loss"] += torch.stack([loss.detach().float(), torch.as_tensor(count).to(step_loss)])
+            for name, values in batch_stats.items():
+                stats[name] += values.detach().float().sum(0)
+            if accelerator.sync_gradients:
+                with record_function("clip_grad_norm"):
+                    grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), cfg.train.max_grad_norm)
+                module = accelerator.unwrap_model(drafter)
+                upcoming = next_step(stream, module, cfg.train.grad_accum) if state.step + 1 < run.max_steps else None
+                agreement = agree(accelerator, not_finite(step_loss, grad_norm), stop.requested, upcoming)
+                with record_function("optimizer_step"):
+                    if agreement.nonfinite and accelerator.scaler is None:
+                        state.skipped_steps += 1
+                        report_nonfinite(accelerator, cfg, drafter, batch, target_out, loss, state)
+                    else:  # an fp16 GradScaler skips non-finite steps itself and lowers its scale
+                        run.optimizer.step()
+            run.optimizer.zero_grad(set_to_none=True)
+        state.epoch, state.batch_in_epoch = epoch, batch_index + 1
+    run.scheduler.step()
+    state.step += 1
+    state.tokens += agreed.tokens
+    return StepResult(step, agreed.tokens, stats, upcoming, agreement)
+
+
+class Meters:
+    """What the loop sums between two log lines: the drafter's (sum, count) statistics of the steps that
+    were not skipped, this rank's tokens, positions (tokens plus padding) and rows, all ranks' tokens, and
+    when the interval began."""
+
+    def __init__(self, device: torch.device):
+        self.stats: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(2, device=device))
+        self.reset()
+
+    def reset(self) -> None:
+        self.stats.clear()
+        self.tokens, self.positions, self.global_tokens, self.rows = 0, 0, 0, 0
+        self.start = time.perf_counter()
+
+    def add(self, done: StepResult) -> None:
+        if not done.agreed.nonfinite:
+            for name, values in done.stats.items():
+                self.stats[name] += values
+        self.tokens += done.data.tokens
+        self.positions += done.data.positions
+        self.global_tokens += done.tokens
+        self.rows += done.data.rows
+
+
+def due(step: int, every: int, last: int) -> bool:
+    """Whether periodic work of period `every` runs after `step`: at its multiples and at the last step."""
+    return step % every == 0 or step == last
+
+
+def log_interval(run: Run, meters: Meters, flops: FlopCounter, progress) -> dict[str, float]:
+    """The log line's train/ metrics over the interval since the last one (statistics averaged over ranks,
+    throughput, padding, MFU, peak memory); starts the next interval."""
+    cfg, accelerator = run.cfg, run.accelerator
+    elapsed = time.perf_counter() - meters.start
+    metrics = reduce_means(accelerator, meters.stats)
+    metrics["lr"] = run.scheduler.get_last_lr()[0]
+    metrics["tokens_per_s"] = meters.global_tokens / max(elapsed, 1e-9)
+    metrics["padding_fraction"] = 1 - meters.tokens / max(meters.positions, 1)  # this rank's
+    metrics["skipped_steps"] = run.state.skipped_steps
+    per_token = flops.per_token(meters.positions / max(meters.rows, 1))["total"]
+    metrics["model_tflops_per_s"] = per_token * metrics["tokens_per_s"] / 1e12  # all ranks together
+    if cfg.train.peak_tflops:
+        metrics["mfu"] = mfu(per_token, metrics["tokens_per_s"], cfg.train.peak_tflops, accelerator.num_processes)
+    metrics["peak_memory_mb"] = peak_memory_mb(accelerator.device)  # this rank's
+    if "loss" in metrics:
+        progress.set_postfix(loss=f"{metrics['loss']:.3f}")
+    meters.reset()
+    return {f"train/{k}": v for k, v in metrics.items()}
+
+
+def evaluate_if_due(run: Run, output_dir: Path) -> dict[str, float]:
+    """Every train.eval_every steps and at the last: the held-out evaluation (trainer/heldout.py), its
+    curve row and the best drafter so far; returns the log line's heldout/ metrics (none when not due)."""
+    cfg, accelerator, state = run.cfg, run.accelerator, run.state
+    if run.heldout is None or cfg.train.eval_every == 0 or not due(state.step, cfg.train.eval_every, run.max_steps):
+        return {}
+    measured = evaluate_heldout(accelerator, run.drafter, run.heldout, run.collate, run.target_features, cfg)
+    samples_per_step = accelerator.num_processes * cfg.train.micro_batch_size * cfg.train.grad_accum
+    state.curve.append(curve_row(state, measured, cfg.eval.num_speculative_tokens, samples_per_step))
+    if keep_best(accelerator, run.drafter, state, output_dir, measured):
+        best = output_dir / BEST_DIR
+        log.info("step %d: heldout tau_est %.4f, the best so far: %s", state.step, measured["tau_est"], best)
+    if accelerator.is_main_process:
+        write_curve(output_dir, state.curve, state.best, png=False)
+    return {f"heldout/{k}": v for k, v in measured.items()}
+
+
+def checkpoint_on_sigterm(run: Run, output_dir: Path) -> Preempted:
+    """The checkpoint of a run stopped by SIGTERM, and the error (exit 75) that says how to continue."""
+    cfg, state = run.cfg, run.state
+    path = save_checkpoint(run.accelerator, run.drafter, state, output_dir, cfg.train.keep_checkpoints)
+    return Preempted(
+        f"stopped on SIGTERM after step {state.step} of {run.max_steps}; checkpoint {path}; "
+        "run the same command with train.resume=true to continue"
+    )
+
+
+def save_if_due(run: Run, output_dir: Path) -> None:
+    """Every train.save_every steps but the last (whose checkpoint `finish` writes): a checkpoint."""
+    cfg, state = run.cfg, run.state
+    if cfg.train.save_every > 0 and state.step % cfg.train.save_every == 0 and state.step < run.max_steps:
+        save_checkpoint(run.accelerator, run.drafter, state, output_dir, cfg.train.keep_checkpoints)
+
+
+def finish(run: Run, output_dir: Path, data_checksum: int, parameters: dict[str, int]) -> Path:
+    """The end of a run that was not stopped: why it ended, the final checkpoint, the trained drafter in
+    `final/` (returned), curve.json and run_summary.json."""
+    cfg, accelerator, state = run.cfg, run.accelerator, run.state
+    ended = "max_steps" if state.step >= run.max_steps else "patience"
     if ended == "patience":
         log.info(
             "stopped at step %d of %d: %d held-out evaluations in a row without beating step %s's tau_est %.4f "
             "(train.patience); the best drafter is %s",
             state.step,
-            max_steps,
+            run.max_steps,
             cfg.train.patience,
             state.best["step"] if state.best else None,
             state.best["tau_est"] if state.best else float("nan"),
             output_dir / BEST_DIR,
         )
-
-    # -- the end: final checkpoint ----------------------------------------------------------------
-    save_checkpoint(accelerator, drafter, state, output_dir, cfg.train.keep_checkpoints)
+    save_checkpoint(accelerator, run.drafter, state, output_dir, cfg.train.keep_checkpoints)
     final_dir = output_dir / "final"
-    save_final(accelerator, drafter, final_dir)
+    save_final(accelerator, run.drafter, final_dir)
     if accelerator.is_main_process and state.curve:
         write_curve(output_dir, state.curve, state.best)
-    write_run_summary(accelerator, output_dir, drafter, state, data_checksum, run.target, parameters, ended)
+    write_run_summary(accelerator, output_dir, run.drafter, state, data_checksum, run.target, parameters, ended)
     accelerator.wait_for_everyone()
-    del drafter, run  # see end_run
-    end_run(accelerator)
     return final_dir
 
 
@@ -253,7 +316,39 @@ def end_run(accelerator: Accelerator) -> None:
 def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     """Accelerator, data, target, drafter, optimizer, schedule and the resumed state, every input
     checked before anything is written; the loop reads them from the returned `Run`."""
-    accelerator = Accelerator(
+    accelerator = make_accelerator(cfg, output_dir)
+    set_seed(cfg.train.seed)
+    # train.resume: the checkpoint, verified against its checksums before anything is loaded or written
+    resume_from = resume_checkpoint(output_dir, cfg.train.resume, accelerator)
+    tokenizer = load_tokenizer(cfg.target)
+    train_data, vocab_data, heldout = load_data(cfg, accelerator, tokenizer)
+    # target.shard=fsdp: each rank holds pieces of the decoder layers (draftsmith/sharding.py); the
+    # loop needs nothing else, since every rank runs every step's target forward together.
+    target = load_target(cfg.target, accelerator.device, shard=cfg.target.shard)
+    drafter = build_drafter(cfg, target, accelerator.device)
+    train_data, collate, target_features = training_inputs(cfg, tokenizer, target, drafter, train_data)
+    # what the drafter fits to the data (EAGLE-3's draft vocabulary), on every rank
+    drafter.prepare(train_data if vocab_data is None else vocab_data)
+    if cfg.checkpoint:  # warm start: its weights and data-fitted state (the draft vocabulary is kept, not re-fitted)
+        start = warm_start(cfg.checkpoint, drafter, target)  # a checkpoint, an export's folder or speculators'
+        drafter.load_state_dict(start.state_dict())
+        drafter.learned = dict(start.learned)
+        log.info("warm start from %s", cfg.checkpoint)
+    run = prepare_run(cfg, accelerator, target, drafter, train_data, collate, target_features, heldout)
+    if accelerator.is_main_process:
+        save_recipe(cfg, output_dir)
+    if resume_from is not None:
+        run.state = load_checkpoint(accelerator, resume_from)
+        log.info("resumed from %s at step %d", resume_from, run.state.step)
+        check_best_on_resume(output_dir, run.state)
+    accelerator.wait_for_everyone()
+    accelerator.init_trackers("tb")
+    return run
+
+
+def make_accelerator(cfg: DictConfig, output_dir: Path) -> Accelerator:
+    """The run's Accelerator: train.grad_accum, train.mixed_precision, TensorBoard under the output directory."""
+    return Accelerator(
         gradient_accumulation_steps=cfg.train.grad_accum,
         mixed_precision=mixed_precision(cfg.train.mixed_precision),
         log_with="tensorboard",
@@ -264,17 +359,12 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
         # this makes `torchrun`/`accelerate launch --multi_gpu` with N processes real DDP on CPU.
         cpu=not torch.cuda.is_available(),
     )
-    set_seed(cfg.train.seed)
-    # train.resume: the checkpoint, verified against its checksums before anything is loaded or written
-    resume_from = resume_checkpoint(output_dir, cfg.train.resume, accelerator)
 
-    # -- data, target, drafter (inputs are checked before anything is written) -----------------
-    tokenizer = load_tokenizer(cfg.target)
+
+def load_data(cfg: DictConfig, accelerator: Accelerator, tokenizer):
+    """(data.train tokenized, or None when training from captured features; data.draft_vocab tokenized, or
+    None; the train.heldout conversations, or None). data.eval is read too, so that a bad file fails now."""
     offline = cfg.data.features is not None  # train from captured shards instead of running the target
-    if offline and cfg.train.heldout > 0:
-        raise UserError(
-            f"train.heldout={cfg.train.heldout} is not supported with data.features yet (it holds out tokenized data.train); set train.heldout=0"
-        )
     with accelerator.main_process_first():  # rank 0 tokenizes and caches, the others read the cache
         train_data = None if offline else load_tokenized(cfg, cfg.data.train, tokenizer, "data.train")
         vocab_data = (
@@ -287,73 +377,80 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
         train_data, heldout = split_heldout(
             train_data, cfg.train.heldout, accelerator.num_processes * cfg.train.micro_batch_size
         )
-    # target.shard=fsdp: each rank holds pieces of the decoder layers (draftsmith/sharding.py); the
-    # loop needs nothing else, since every rank runs every step's target forward together.
-    target = load_target(cfg.target, accelerator.device, shard=cfg.target.shard)
+    return train_data, vocab_data, heldout
+
+
+def build_drafter(cfg: DictConfig, target, device: torch.device):
+    """The recipe's drafter for `target`, freshly initialised on `device`."""
     with built_whole():  # whole under ZeRO-3 too: accelerator.prepare() partitions the drafter itself
         drafter = drafter_class(cfg.drafter.type).from_target(
             OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path
         )
-    drafter = drafter.to(accelerator.device)
-    require_draft_vocab_use(
-        cfg, drafter.config, drafter.target
-    )  # again with the loaded target's shape (a Hub or GGUF target's is known only now)
+    drafter = drafter.to(device)
+    drafter.loss_chunk_bytes = cfg.train.vocab_chunk_mb << 20
+    # again with the loaded target's shape (a Hub or GGUF target's is known only now)
+    require_draft_vocab_use(cfg, drafter.config, drafter.target)
+    return drafter
+
+
+def training_inputs(cfg: DictConfig, tokenizer, target, drafter, train_data):
+    """(what the loop draws micro-batches from, the collator, a batch -> the target's features): the
+    tokenized conversations and the target run on each batch, or with data.features the captured store."""
     request = drafter.request
     pack = packing_collator(cfg, tokenizer, target)
-    if offline:
-        store = open_features(cfg.data.features, expect=expected_features(drafter.target, request))
-        longest = max(store.lengths())  # captured under the capture's data.max_length, which may be longer
-        if pack is not None and longest > pack.pack_length:
-            raise UserError(
-                f"{cfg.data.features} holds a conversation of {longest} tokens, more than data.pack_length={pack.pack_length}; raise it"
-            )
-        train_data, collate, target_features = (
-            store,
-            pack or FeatureCollator(tokenizer.pad_token_id),
-            store.to_target_output,
+    if cfg.data.features is None:
+        return train_data, pack or Collator(tokenizer.pad_token_id), online_features(target, request)
+    store = open_features(cfg.data.features, expect=expected_features(drafter.target, request))
+    longest = max(store.lengths())  # captured under the capture's data.max_length, which may be longer
+    if pack is not None and longest > pack.pack_length:
+        raise UserError(
+            f"{cfg.data.features} holds a conversation of {longest} tokens, "
+            f"more than data.pack_length={pack.pack_length}; raise it"
         )
-    else:
-        collate = pack or Collator(tokenizer.pad_token_id)
+    return store, pack or FeatureCollator(tokenizer.pad_token_id), store.to_target_output
 
-        def target_features(batch: dict) -> TargetOutput:
-            return run_target(target, batch["input_ids"], request=request, **causal_lm_inputs(batch))
 
-    drafter.prepare(
-        train_data if vocab_data is None else vocab_data
-    )  # what the drafter fits to the data (EAGLE-3's draft vocabulary), on every rank
-    if cfg.checkpoint:  # warm start: its weights and data-fitted state (the draft vocabulary is kept, not re-fitted)
-        start = warm_start(cfg.checkpoint, drafter, target)  # a checkpoint, an export's folder or speculators'
-        drafter.load_state_dict(start.state_dict())
-        drafter.learned = dict(start.learned)
-        log.info("warm start from %s", cfg.checkpoint)
+def online_features(target, request) -> Callable[[dict], TargetOutput]:
+    """A batch -> the frozen target's features the drafter's `request` names, from its forward on the batch."""
+
+    def target_features(batch: dict) -> TargetOutput:
+        return run_target(target, batch["input_ids"], request=request, **causal_lm_inputs(batch))
+
+    return target_features
+
+
+def optimization(cfg: DictConfig, accelerator: Accelerator, drafter, conversations: int):
+    """(optimizer, learning-rate schedule, optimizer steps of the run) for `conversations` training
+    conversations: train.max_steps, or train.epochs epochs of full steps."""
     optimizer = build_optimizer(cfg.train, drafter, deepspeed=accelerator.state.deepspeed_plugin is not None)
-
     world, micro = accelerator.num_processes, cfg.train.micro_batch_size
-    batches_per_epoch = len(train_data) // (world * micro)
+    batches_per_epoch = conversations // (world * micro)
     if batches_per_epoch == 0:
         raise UserError(
-            f"{len(train_data)} training conversations cannot fill one step of {world} process(es) x micro_batch_size {micro}"
+            f"{conversations} training conversations cannot fill one step of {world} process(es) "
+            f"x micro_batch_size {micro}"
         )
     max_steps = cfg.train.max_steps
     if max_steps < 0:
         max_steps = max(1, cfg.train.epochs * batches_per_epoch // cfg.train.grad_accum)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.train.warmup_steps, max_steps)
+    return optimizer, get_cosine_schedule_with_warmup(optimizer, cfg.train.warmup_steps, max_steps), max_steps
+
+
+def prepare_run(
+    cfg: DictConfig, accelerator: Accelerator, target, drafter, train_data, collate, target_features, heldout=None
+) -> Run:
+    """The Run of `drafter` at step 0: its optimizer and schedule over `train_data` (`optimization`), and
+    the three wrapped by `accelerator.prepare` for the run's backend."""
+    optimizer, scheduler, max_steps = optimization(cfg, accelerator, drafter, len(train_data))
     if accelerator.state.deepspeed_plugin is not None:
         # DeepSpeed wants its micro-batch size up front; accelerate reads it off a prepared DataLoader,
         # and ours is not prepared (each rank streams its own micro-batches): without this, prepare() fails
-        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro
+        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = (
+            cfg.train.micro_batch_size
+        )
     drafter, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
-    if accelerator.is_main_process:
-        save_recipe(cfg, output_dir)
-
-    state = TrainerState()
-    if resume_from is not None:
-        state = load_checkpoint(accelerator, resume_from)
-        log.info("resumed from %s at step %d", resume_from, state.step)
-        check_best_on_resume(output_dir, state)
-    accelerator.wait_for_everyone()
-    accelerator.init_trackers("tb")
     return Run(
+        cfg,
         accelerator,
         target,
         drafter,
@@ -364,7 +461,7 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
         target_features,
         heldout,
         max_steps,
-        state,
+        TrainerState(),
     )
 
 
@@ -447,12 +544,14 @@ def forward_backward(accelerator, drafter, batch: dict, target_features, scale: 
     """One micro-batch, inside `accelerator.accumulate`: the batch to the device, the target's
     features, the drafter's (loss_sum, count, stats), and the backward of loss_sum x `scale`
     (`loss_scale`). Returns (the batch on the device, the target's features, the drafter's output)."""
-    batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
-    with torch.no_grad():
-        target_out = target_features(batch)
-    with accelerator.autocast():
-        out = drafter(batch, target_out)
-    accelerator.backward(out[0] * scale)
+    with record_function("target_forward"):  # ranges a profiler trace names (benchmarks/train_throughput.py)
+        batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        with torch.no_grad():
+            target_out = target_features(batch)
+    with record_function("drafter_forward_backward"):
+        with accelerator.autocast():
+            out = drafter(batch, target_out)
+        accelerator.backward(out[0] * scale)
     return batch, target_out, out
 
 
