@@ -1,52 +1,54 @@
 """Training throughput of a drafter against its real target (default: EAGLE-3 for SmolLM2-135M-Instruct),
-full training steps as the trainer runs them, as JSON.
+the trainer's own step timed, as JSON.
 
     python benchmarks/train_throughput.py [--recipe eagle3_smollm2] [--data FILE] [--steps 8]
-                                          [--warmup 2] [--threads 2] [KEY=VALUE ...]
+                                          [--warmup 2] [--profile-steps 3] [--threads 2] [KEY=VALUE ...]
 
 KEY=VALUE are recipe overrides, as `train.py` takes them (e.g. drafter.ttt_steps=7
 data.max_length=256 train.micro_batch_size=4 data.pack=true). The data is `--data` (default the
-bundled demo conversations whose answers SmolLM2 regenerated, demo/data/train.regenerated.jsonl.gz),
-tokenized and drawn into micro-batches exactly as trainer/loop.py does (`load_tokenized`, the seeded
-`micro_batches`, `Collator` or with data.pack `PackingCollator`); the drafter is built and prepared as
-there (seed, `from_target`, `prepare` on the training data, AdamW over `param_groups`).
-
-A timed step is the trainer's step on one micro-batch, in four parts, each timed on its own:
-`target` the frozen target's forward under no_grad (`run_target` with the drafter's request),
-`drafter` the drafter's forward and loss, `backward`, and `optimizer` (gradient clipping, AdamW step,
-zero_grad). After `--warmup` untimed steps, `--steps` steps are timed; the report gives real tokens
-(padding not counted, as the trainer's train/tokens_per_s) per second over the timed steps, per
-core (torch thread), the median step and each part's median, the losses of every step (same data and
-seed give the same losses on any code that learns the same thing, up to float rounding), the peak RSS
-of the process, and the machine (CPU model, torch version and threads). The machine may be shared:
-compare two versions by alternating runs of both and taking medians, not by one run each; and with
-other jobs on the cores, more torch threads than free cores make every parallel op wait for a
-descheduled thread (on a 2-core machine running another job, --threads 1 was 4x faster than 2).
+bundled demo conversations whose answers SmolLM2 regenerated, demo/data/train.regenerated.jsonl.gz).
+The run is built by the trainer's own set-up (trainer/loop.py `set_up`: data, target, drafter, optimizer
+and schedule under accelerate) and each step is the trainer's `train_step`: every micro-batch's target
+forward, drafter forward and backward, gradient clipping, the next step's micro-batches collated, the
+step's all-reduce, the optimizer and the schedule. After `--warmup` untimed steps, `--steps` steps are
+timed (wall clock); the report gives real tokens (padding not counted, as the trainer's
+train/tokens_per_s) per second over the timed steps, per core (torch thread), the median step, the
+per-token loss of every step (same data and seed give the same losses on any code that learns the same
+thing, up to float rounding), the peak RSS of the process, and the machine (CPU model, torch version and
+threads). Then `--profile-steps` more steps run under the trainer's profiler (`train.profile_steps`,
+trainer/observe.py StepProfiler) and the step's parts come from its trace (`trace_parts`): the target's
+forward, the drafter's forward and backward, the optimizer (clipping and step), the rest, and the time
+spent in the vocabulary. The machine may be shared: compare two versions by alternating runs of both and
+taking medians, not by one run each; and with other jobs on the cores, more torch threads than free
+cores make every parallel op wait for a descheduled thread (on a 2-core machine running another job,
+--threads 1 was 4x faster than 2).
 
 Real shapes without downloads (issue #37):
 
     python benchmarks/train_throughput.py --shape NAME [--kinds eagle3,peagle,dflash] [--seq 2048]
-        [--batch 1] [--layers N] [--device cuda] [--dtype bfloat16] [--peak-tflops 989] [--draft-chunk-mb MB]
+        [--batch 1] [--layers N] [--device cuda] [--dtype bfloat16] [--peak-tflops 989] [KEY=VALUE ...]
 
 builds a random-weight target of a named real model's shape (SHAPES below: llama-3.1-8b, qwen3-8b,
 qwen3-0.6b, qwen3-30b-a3b, smollm2-135m, tiny) with draftsmith.random_target, directly on the device in
 the given dtype (an 8B shape never exists on the CPU), and measures online training of each kind on
-synthetic rows of `--seq` random tokens, every position supervised, `--batch` rows per step: one JSON
-object per kind with tokens/s, MFU (with --peak-tflops; FLOP count: draftsmith.trainer.observe), peak
-memory, the step's parts (target forward, drafter forward + backward, optimizer) and, for the EAGLE-3
-kinds, the share of the step spent in the vocabulary projections and softmaxes. The drafter trains as the
-trainer trains it: float32 weights, under bf16 autocast when --dtype is bfloat16. Throughput does not
-depend on the weights' values, with one exception handled here: EAGLE-3 sends only positions whose
-target argmax is in its draft vocabulary through its lm_head, so the target's lm_head rows of the draft
-vocabulary (the ids the synthetic data draws from) are scaled up and its argmax falls there, as on real
-data (the reported `vocab_coverage` says how often). `--layers N` cuts the decoder to N layers (CPU
-runs of big shapes); `--draft-chunk-mb` sets EAGLE-3's draft-loss tile (heads/eagle3.py
-DRAFT_CHUNK_BYTES; 0 = never tiled), to compare the tiled loss with the untiled one.
+synthetic rows of `--seq` random tokens, every position supervised, `--batch` rows per step, with the
+trainer's pieces (its accelerator, optimizer, schedule and `train_step`; the train section from
+recipes/eagle3.yaml with the settings below and the KEY=VALUE overrides, e.g. a chunk size of the
+vocabulary loss): one JSON object per kind with tokens/s, MFU (with --peak-tflops; FLOP count:
+draftsmith.trainer.observe), peak memory, the step's parts and the share of the step spent in the
+vocabulary, from the profiler's trace. The drafter trains as the trainer trains it: float32 weights,
+under bf16 autocast (train.mixed_precision=bf16) when --dtype is bfloat16. Throughput does not depend on
+the weights' values, with one exception handled here: EAGLE-3 sends only positions whose target argmax
+is in its draft vocabulary through its lm_head, so the target's lm_head rows of the draft vocabulary (the
+ids the synthetic data draws from) are scaled up and its argmax falls there, as on real data (the
+reported `vocab_coverage` says how often). `--layers N` cuts the decoder to N layers (CPU runs of big
+shapes).
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import platform
@@ -75,70 +77,196 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def bench(recipe: str, data: str, overrides: list[str], steps: int, warmup: int) -> dict:
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
+
+
+def time_steps(run, warmup: int, steps: int, profiled: int, scratch: Path) -> dict:
+    """The trainer's `train_step` on `run` as the loop calls it: `warmup` untimed steps, `steps` timed
+    (wall clock, the device synchronised around each), then `profiled` steps under the trainer's
+    profiler. Returns the timed steps' seconds, tokens and positions, every step's per-token loss, the
+    drafter's vocabulary coverage where it reports one, and the profiler's trace."""
+    from draftsmith.trainer.loop import StopRequest, agree, micro_batches, next_step, train_step
+    from draftsmith.trainer.observe import StepProfiler
+
+    accelerator, cfg = run.accelerator, run.cfg
+    stream = micro_batches(run.train_data, run.collate, cfg, 1, 0, run.state)
+    upcoming = next_step(stream, accelerator.unwrap_model(run.drafter), cfg.train.grad_accum)
+    agreed = agree(accelerator, upcoming=upcoming)
+    first = warmup + steps + 1
+    profiler, stop = StepProfiler([first, first + profiled - 1], scratch, 0), StopRequest()
+    measured = {"seconds": [], "tokens": 0, "positions": 0, "losses": [], "coverage": [], "trace": None}
+    run.drafter.train()
+    for number in range(1, warmup + steps + profiled + 1):
+        profiler.before_step(number)
+        sync(accelerator.device)
+        start = time.perf_counter()
+        done = train_step(run, upcoming, agreed, stream, stop)
+        sync(accelerator.device)
+        seconds = time.perf_counter() - start
+        measured["trace"] = profiler.after_step(number) or measured["trace"]
+        upcoming, agreed = done.upcoming, done.agreed
+        loss, count = done.stats["loss"].tolist()
+        measured["losses"].append(loss / max(count, 1))
+        if "vocab_coverage" in done.stats:
+            covered, scored = done.stats["vocab_coverage"].tolist()
+            measured["coverage"].append(covered / max(scored, 1))
+        if warmup < number <= warmup + steps:
+            measured["seconds"].append(seconds)
+            measured["tokens"] += done.data.tokens
+            measured["positions"] += done.data.positions
+    return measured
+
+
+# The trainer step's profiler ranges (trainer/loop.py) -> the part of the step reported
+RANGES = {
+    "target_forward": "target_forward",
+    "drafter_forward_backward": "drafter_forward_backward",
+    "clip_grad_norm": "optimizer",
+    "optimizer_step": "optimizer",
+}
+PARTS = ("target_forward", "drafter_forward_backward", "optimizer", "other")
+PARTS_NOTE = (
+    "from the profiler's trace of --profile-steps further steps (trace_parts): on a GPU the kernel time "
+    "each part launched, on a CPU its wall time; other = the next step's micro-batches, the all-reduce, bookkeeping"
+)
+VOCABULARY_NOTE = (
+    "operators with an input dimension of the target's or the draft vocabulary (lm_heads forward and "
+    "backward, softmaxes, the losses over the vocabulary) in the target's forward and the drafter's forward "
+    "and backward, as a share of the step's profiled time"
+)
+LAUNCHES = ("cuda_runtime", "cuda_driver")  # the trace's categories of kernel launches (a kernel's start on the host)
+
+
+def dimensions(dims) -> list[int]:
+    """The sizes in a trace operator's "Input Dims" (nested lists: tensors, tensor lists)."""
+    if isinstance(dims, int):
+        return [dims]
+    return [size for item in dims or [] for size in dimensions(item)]
+
+
+def self_times(ops: list[dict]) -> dict[int, float]:
+    """Each operator's own time (its duration less its nested operators'), by id(); `ops` of one thread."""
+    own, open_ops = {}, []
+    for op in sorted(ops, key=lambda e: (e["ts"], -e["dur"])):
+        while open_ops and open_ops[-1]["ts"] + open_ops[-1]["dur"] <= op["ts"]:
+            open_ops.pop()
+        if open_ops:
+            own[id(open_ops[-1])] -= op["dur"]
+        own[id(op)] = op["dur"]
+        open_ops.append(op)
+    return own
+
+
+def trace_parts(path: Path, vocab_sizes: set[int]) -> list[dict[str, float]]:
+    """Seconds per part of each profiled step, and `vocabulary`, from the trainer's profiler trace (a
+    Chrome trace). A step ends with its `optimizer_step` range; work belongs to the range it started in
+    (the backward, which autograd may run on a thread of its own, starts while the step waits in
+    `drafter_forward_backward`). On a GPU a part is the time of the kernels it launched and `total` all
+    the step's kernel time; on a CPU a part is its ranges' wall time and `total` the step's.
+    `vocabulary`: VOCABULARY_NOTE, their kernels on a GPU, their own time on a CPU."""
+    events = [e for e in json.loads(Path(path).read_text())["traceEvents"] if e.get("ph") == "X"]
+    ranges = sorted(
+        (e for e in events if e.get("cat") == "user_annotation" and e["name"] in RANGES), key=lambda e: e["ts"]
+    )
+    ends = [e["ts"] + e["dur"] for e in ranges if e["name"] == "optimizer_step"]
+    windows = [(e["ts"], e["ts"] + e["dur"], RANGES[e["name"]]) for e in ranges]
+    ops = [e for e in events if e.get("cat") == "cpu_op"]
+    steps = [dict.fromkeys((*PARTS, "vocabulary", "total"), 0.0) for _ in ends]
+
+    def place(ts: float) -> tuple[dict, str]:
+        """(the step, the part) that work started at `ts` belongs to."""
+        at = bisect.bisect_right(windows, (ts, float("inf"), "")) - 1
+        part = windows[at][2] if at >= 0 and ts <= windows[at][1] else "other"
+        return steps[min(bisect.bisect_left(ends, ts), len(ends) - 1)], part
+
+    def in_vocabulary(op: dict | None, part: str) -> bool:
+        dims = dimensions(op["args"].get("Input Dims")) if op else []
+        return part in ("target_forward", "drafter_forward_backward") and not vocab_sizes.isdisjoint(dims)
+
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if kernels:
+        by_id = {op["args"].get("External id"): op for op in ops}
+        launches = {e["args"].get("correlation"): e["ts"] for e in events if e.get("cat") in LAUNCHES}
+        for kernel in kernels:
+            op = by_id.get(kernel["args"].get("External id"))
+            step, part = place(launches.get(kernel["args"].get("correlation"), op["ts"] if op else kernel["ts"]))
+            step[part] += kernel["dur"]
+            step["total"] += kernel["dur"]
+            step["vocabulary"] += kernel["dur"] if in_vocabulary(op, part) else 0.0
+    else:
+        for start, end, part in windows:
+            place(start)[0][part] += end - start
+        for step, start, end in zip(steps, [min(e["ts"] for e in events), *ends], ends):
+            step["total"] = end - start
+            step["other"] = step["total"] - sum(step[part] for part in PARTS if part != "other")
+        threads: dict[tuple, list[dict]] = {}
+        for op in ops:
+            threads.setdefault((op["pid"], op["tid"]), []).append(op)
+        for thread in threads.values():
+            own = self_times(thread)
+            for op in thread:
+                step, part = place(op["ts"])
+                step["vocabulary"] += own[id(op)] if in_vocabulary(op, part) and op["ts"] <= ends[-1] else 0.0
+    return [{name: value / 1e6 for name, value in step.items()} for step in steps]
+
+
+def report(measured: dict, vocab_sizes: set[int]) -> dict:
+    """The JSON fields both modes share: the timed steps' throughput and median, the profiled parts."""
+    seconds, tokens = measured["seconds"], measured["tokens"]
+    profiled = trace_parts(measured["trace"], vocab_sizes)
+    median = statistics.median(seconds)
+    return {
+        "timed_steps": len(seconds),
+        "tokens_per_s": round(tokens / sum(seconds), 1),
+        "tokens_per_step": round(tokens / len(seconds), 1),
+        "padding_fraction": round(1 - tokens / max(measured["positions"], 1), 4),
+        "step_s_mean": round(sum(seconds) / len(seconds), 4),
+        "step_s_median": round(median, 4),
+        "profiled_steps": len(profiled),
+        "part_s_median": {part: round(statistics.median(s[part] for s in profiled), 4) for part in PARTS},
+        "parts_note": PARTS_NOTE,
+        "vocabulary_s_median": round(statistics.median(s["vocabulary"] for s in profiled), 4),
+        "vocabulary_share": round(statistics.median(s["vocabulary"] / max(s["total"], 1e-12) for s in profiled), 4),
+        "vocabulary_note": VOCABULARY_NOTE,
+        "vocab_coverage": round(statistics.mean(measured["coverage"]), 4) if measured["coverage"] else None,
+        "losses": [round(value, 4) for value in measured["losses"]],
+    }
+
+
+def vocabularies(target, drafter) -> set[int]:
+    """The target's vocabulary size and the drafter's draft vocabulary's, where it has one."""
+    sizes = {target.config.vocab_size, getattr(drafter.config, "draft_vocab_size", None)}
+    return {size for size in sizes if size}
+
+
+def bench(recipe: str, data: str, overrides: list[str], steps: int, warmup: int, profiled: int) -> dict:
     from omegaconf import OmegaConf
 
-    from draftsmith.data_prep import Collator, PackingCollator, load_tokenized
-    from draftsmith.heads import drafter_class
-    from draftsmith.heads.packing import causal_lm_inputs
     from draftsmith.recipe import load_recipe
-    from draftsmith.target import load_target, load_tokenizer, run_target
-    from draftsmith.trainer.checkpoint import TrainerState
-    from draftsmith.trainer.loop import micro_batches
+    from draftsmith.trainer.loop import end_run, set_up
 
     with tempfile.TemporaryDirectory() as scratch:
         cfg = load_recipe(
-            [f"recipe={recipe}", f"data.train=[{json.dumps(str(data))}]", *overrides, f"output_dir={scratch}/run"]
+            [
+                f"recipe={recipe}",
+                f"data.train=[{json.dumps(str(data))}]",
+                *overrides,
+                f"train.max_steps={warmup + steps + profiled}",
+                f"output_dir={scratch}/run",
+            ]
         )
-    tokenizer = load_tokenizer(cfg.target)
-    train_data = load_tokenized(cfg, cfg.data.train, tokenizer, "data.train")
-    target = load_target(cfg.target)
-    torch.manual_seed(cfg.train.seed)
-    drafter = drafter_class(cfg.drafter.type).from_target(
-        OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path
-    )
-    drafter.prepare(train_data)
-    groups = [{"params": params, "lr": cfg.train.lr * scale} for params, scale in drafter.param_groups()]
-    optimizer = torch.optim.AdamW(
-        groups, lr=cfg.train.lr, betas=tuple(cfg.train.adam_betas), weight_decay=cfg.train.weight_decay
-    )
-    request = drafter.request
-    collate = (
-        PackingCollator(tokenizer.pad_token_id, cfg.data.pack_length or cfg.data.max_length)
-        if cfg.data.pack
-        else Collator(tokenizer.pad_token_id)
-    )
-    drafter.train()
-
-    parts = ("target", "drafter", "backward", "optimizer")
-    seconds: dict[str, list[float]] = {part: [] for part in (*parts, "step")}
-    losses, tokens, positions = [], 0, 0
-    stream = micro_batches(train_data, collate, cfg, 1, 0, TrainerState())
-    for index in range(warmup + steps):
-        _, _, batch = next(stream)
-        clock = [time.perf_counter()]
-        with torch.no_grad():
-            target_out = run_target(target, batch["input_ids"], request=request, **causal_lm_inputs(batch))
-        clock.append(time.perf_counter())
-        loss, count, _ = drafter(batch, target_out)
-        clock.append(time.perf_counter())
-        (loss / count.clamp(min=1)).backward()  # the per-token loss (heads/base.py)
-        clock.append(time.perf_counter())
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.train.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        clock.append(time.perf_counter())
-        del target_out
-        losses.append(float(loss.detach()))
-        if index < warmup:
-            continue
-        for part, start, stop in zip(parts, clock, clock[1:]):
-            seconds[part].append(stop - start)
-        seconds["step"].append(clock[-1] - clock[0])
-        tokens += int(batch["attention_mask"].sum())
-        positions += batch["input_ids"].numel()
-
-    total = sum(seconds["step"])
+        run = set_up(cfg, Path(cfg.output_dir))
+        measured = time_steps(run, warmup, steps, profiled, Path(scratch))
+        result = report(measured, vocabularies(run.target, run.accelerator.unwrap_model(run.drafter)))
+        accelerator = run.accelerator
+        del run  # see end_run
+        end_run(accelerator)
     threads = torch.get_num_threads()
     return {
         "recipe": recipe,
@@ -147,20 +275,14 @@ def bench(recipe: str, data: str, overrides: list[str], steps: int, warmup: int)
         "data": str(data),
         "max_length": cfg.data.max_length,
         "micro_batch_size": cfg.train.micro_batch_size,
+        "grad_accum": cfg.train.grad_accum,
         "pack": bool(cfg.data.pack),
         "ttt_steps": OmegaConf.select(cfg, "drafter.ttt_steps"),
         "draft_vocab_size": OmegaConf.select(cfg, "drafter.draft_vocab_size"),
         "warmup_steps": warmup,
-        "timed_steps": steps,
-        "tokens_per_s": round(tokens / total, 1),
-        "tokens_per_s_per_core": round(tokens / total / threads, 1),  # per torch thread (torch.get_num_threads())
-        "tokens_per_step": round(tokens / steps, 1),
-        "padding_fraction": round(1 - tokens / max(positions, 1), 4),
-        "step_s_mean": round(total / steps, 4),
-        "step_s_median": round(statistics.median(seconds["step"]), 4),
-        "part_s_median": {part: round(statistics.median(seconds[part]), 4) for part in parts},
-        "part_s_mean": {part: round(sum(seconds[part]) / steps, 4) for part in parts},
-        "losses": [round(value, 6) for value in losses],
+        **result,
+        # per torch thread (torch.get_num_threads())
+        "tokens_per_s_per_core": round(result["tokens_per_s"] / threads, 1),
     }
 
 
@@ -243,15 +365,8 @@ SHAPES: dict[str, tuple[str, dict]] = {
 KINDS = ("eagle3", "peagle", "dflash")
 WEIGHTS_NOTE = "throughput does not depend on the weights' values (random weights)"
 PAD, MASK = 0, 3  # the synthetic data's padding id and the mask token of P-EAGLE and DFlash
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
+# The train section of the shapes' runs: recipes/eagle3.yaml's with these (then the user's overrides)
+SHAPE_TRAIN = ["train.grad_accum=1", "train.lr=1e-4", "train.warmup_steps=0", "train.max_grad_norm=1.0"]
 
 
 def shape_target(name: str, layers: int | None, device: torch.device, dtype: torch.dtype):
@@ -269,7 +384,7 @@ def shape_target(name: str, layers: int | None, device: torch.device, dtype: tor
     return model, {"model_type": model_type, "vocab_size": vocab, **fields}
 
 
-def shape_drafter(kind: str, target, vocab: int, draft_vocab: int):
+def shape_drafter(kind: str, target, draft_vocab: int):
     from draftsmith.heads import drafter_class
 
     layers = target.config.num_hidden_layers
@@ -288,25 +403,33 @@ def shape_drafter(kind: str, target, vocab: int, draft_vocab: int):
     return cls.from_target(config, target, f"random:{kind}")
 
 
-def bench_shape(args, kind: str) -> dict:
-    """One kind's online training at a named shape: `--warmup` untimed then `--steps` timed steps."""
-    from dataclasses import asdict
+def shape_run(args, kind: str, scratch: Path):
+    """The trainer's Run for `kind` at shape `args.shape`: its accelerator, optimizer, schedule and
+    collator over synthetic rows (`--warmup` + `--steps` + `--profile-steps` steps of `--batch` rows)."""
+    from accelerate.utils import set_seed
 
     from draftsmith.data_prep import Collator
-    from draftsmith.heads.eagle3 import Eagle3
-    from draftsmith.heads.packing import causal_lm_inputs
-    from draftsmith.target import run_target
-    from draftsmith.trainer.observe import FlopCounter, mfu, parameter_counts
+    from draftsmith.recipe import load_recipe
+    from draftsmith.trainer.loop import make_accelerator, online_features, prepare_run
 
-    device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype)
-    if args.draft_chunk_mb is not None:
-        Eagle3.DRAFT_CHUNK_BYTES = int(args.draft_chunk_mb * 2**20) if args.draft_chunk_mb > 0 else 1 << 62
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    torch.manual_seed(0)
-    target, fields = shape_target(args.shape, args.layers, device, dtype)
+    total = args.warmup + args.steps + args.profile_steps
+    precision = "bf16" if args.dtype == "bfloat16" else "no"
+    cfg = load_recipe(
+        [
+            "recipe=eagle3",
+            *SHAPE_TRAIN,
+            f"train.micro_batch_size={args.batch}",
+            f"train.mixed_precision={precision}",
+            *args.overrides,
+            f"train.max_steps={total}",
+            f"output_dir={scratch / 'run'}",
+        ]
+    )
+    accelerator = make_accelerator(cfg, scratch / "run")
+    if args.device and torch.device(args.device).type != accelerator.device.type:
+        sys.exit(f"--device {args.device}: the trainer runs on {accelerator.device} here")
+    set_seed(cfg.train.seed)
+    target, fields = shape_target(args.shape, args.layers, accelerator.device, getattr(torch, args.dtype))
     vocab = fields["vocab_size"]
     draft_vocab = min(args.draft_vocab or 32000, vocab // 2)  # pruned, as EAGLE-3 trains
     with torch.no_grad():  # the target's argmax in the draft vocabulary, as on real data (see the module doc)
@@ -317,127 +440,66 @@ def bench_shape(args, kind: str) -> dict:
             "input_ids": torch.randint(MASK + 1, draft_vocab, (args.seq,), generator=generator).tolist(),
             "loss_mask": [1] * args.seq,
         }
-        for _ in range(args.batch * (args.warmup + args.steps))
+        for _ in range(args.batch * total)
     ]
-    drafter = shape_drafter(kind, target, vocab, draft_vocab)
+    drafter = shape_drafter(kind, target, draft_vocab).to(accelerator.device)
     drafter.prepare(rows)
-    drafter.to(device).train()
     if args.compile:  # automatic dynamic shapes: the positions scored per draft step vary, the rows do not
         drafter.compile()
-    optimizer = torch.optim.AdamW([{"params": params, "lr": 1e-4 * scale} for params, scale in drafter.param_groups()])
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
-    collate, request = Collator(PAD), drafter.request
+    features = online_features(target, drafter.request)
+    return prepare_run(cfg, accelerator, target, drafter, rows, Collator(PAD), features), fields
 
-    # The vocabulary's share (EAGLE-3 kinds): the target's distribution is timed where it runs (no grad);
-    # the draft side's forward + backward is replayed on the step's own inputs after the step.
-    vocab_seconds, draft_calls = [0.0], []
-    timed_vocabulary = isinstance(drafter, Eagle3) and not args.compile  # its timers would break the compiled graph
-    if timed_vocabulary:
-        target_distribution, draft_loss = drafter.target_distribution, drafter.draft_loss
 
-        def timed_distribution(*a, **k):
-            sync(device)
-            start = time.perf_counter()
-            out = target_distribution(*a, **k)
-            sync(device)
-            vocab_seconds[0] += time.perf_counter() - start
-            return out
+def bench_shape(args, kind: str) -> dict:
+    """One kind's online training at a named shape: `--warmup` untimed, `--steps` timed and
+    `--profile-steps` profiled steps of the trainer's `train_step`."""
+    from dataclasses import asdict
 
-        def recorded_loss(outputs, p, slot):
-            draft_calls.append((outputs.detach(), p, slot))
-            return draft_loss(outputs, p, slot)
+    from draftsmith.trainer.loop import end_run
+    from draftsmith.trainer.observe import FlopCounter, mfu, parameter_counts
 
-        drafter.target_distribution, drafter.draft_loss = timed_distribution, recorded_loss
-
-    parts = ("target_forward", "drafter_forward_backward", "optimizer")
-    seconds: dict[str, list[float]] = {part: [] for part in (*parts, "step", "vocabulary")}
-    stats_coverage, losses = [], []
-    for index in range(args.warmup + args.steps):
-        batch = collate(rows[index * args.batch : (index + 1) * args.batch])
-        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-        count = int(drafter.loss_tokens(batch))  # on the host before the step, as the trainer counts
-        vocab_seconds[0], draft_calls[:] = 0.0, []
-        sync(device)
-        clock = [time.perf_counter()]
-        with torch.no_grad():
-            target_out = run_target(target, batch["input_ids"], request=request, **causal_lm_inputs(batch))
-        sync(device)
-        clock.append(time.perf_counter())
-        with autocast:
-            loss, _, stats = drafter(batch, target_out)
-        (loss / max(count, 1)).backward()
-        sync(device)
-        clock.append(time.perf_counter())
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        sync(device)
-        clock.append(time.perf_counter())
-        del target_out
-        losses.append(float(loss.detach()) / max(count, 1))
-        if "vocab_coverage" in stats:
-            coverage = stats["vocab_coverage"].sum(0)
-            stats_coverage.append(float(coverage[0] / coverage[1].clamp(min=1)))
-        vocab = vocab_seconds[0]
-        for outputs, p, slot in draft_calls:  # the draft side's forward + backward, replayed
-            features = outputs.clone().requires_grad_(True)
-            sync(device)
-            start = time.perf_counter()
-            with autocast:
-                token_loss, _ = Eagle3.draft_loss(drafter, features, p, slot)  # not the recording wrapper
-            token_loss.sum().backward()
-            sync(device)
-            vocab += time.perf_counter() - start
-        drafter.zero_grad(set_to_none=True)
-        if index < args.warmup:
-            continue
-        for part, start, stop in zip(parts, clock, clock[1:]):
-            seconds[part].append(stop - start)
-        seconds["step"].append(clock[-1] - clock[0])
-        seconds["vocabulary"].append(vocab)
-
-    tokens = args.batch * args.seq  # every position is a real token (no padding)
-    step = statistics.median(seconds["step"])
-    tokens_per_s = tokens / step
-    flops = FlopCounter(target, drafter).per_token(args.seq)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    with tempfile.TemporaryDirectory() as scratch:
+        run, fields = shape_run(args, kind, Path(scratch))
+        accelerator, drafter = run.accelerator, run.accelerator.unwrap_model(run.drafter)
+        vocab_sizes = vocabularies(run.target, drafter)
+        if vocab_sizes & {args.seq, args.seq * args.batch}:  # trace_parts would count every row-sized operator
+            sys.exit(f"--seq {args.seq} x --batch {args.batch}: a row dimension equals a vocabulary size {vocab_sizes}")
+        measured = time_steps(run, args.warmup, args.steps, args.profile_steps, Path(scratch))
+        result = report(measured, vocab_sizes)
+        flops = FlopCounter(run.target, drafter).per_token(args.seq)
+        counts = parameter_counts(run.target, drafter)
+        layers, config = run.target.config.num_hidden_layers, asdict(drafter.config)
+        del run  # see end_run
+        end_run(accelerator)
+    device = accelerator.device
+    tokens_per_s = result["tokens_per_s"]
     result = {
         "kind": kind,
         "shape": args.shape,
         "target": fields,
-        "layers": target.config.num_hidden_layers,
-        "drafter": {k: v for k, v in asdict(drafter.config).items() if k != "decoder"},
+        "layers": layers,
+        "drafter": {k: v for k, v in config.items() if k != "decoder"},
         "seq": args.seq,
         "batch": args.batch,
-        "tokens_per_step": tokens,
+        "overrides": args.overrides,
         "warmup_steps": args.warmup,
-        "timed_steps": args.steps,
-        "tokens_per_s": round(tokens_per_s, 1),
-        "step_s_median": round(step, 4),
-        "part_s_median": {part: round(statistics.median(seconds[part]), 4) for part in parts},
+        **result,
         "flops_per_token": {k: round(v) for k, v in flops.items()},
         "model_tflops_per_s": round(flops["total"] * tokens_per_s / 1e12, 4),
         "mfu": round(mfu(flops["total"], tokens_per_s, args.peak_tflops), 4) if args.peak_tflops else None,
         "peak_tflops": args.peak_tflops,
-        "parameters": parameter_counts(target, drafter),
-        "losses": [round(value, 4) for value in losses],
+        "parameters": counts,
         "device": device_name(device),
         "dtype": args.dtype,
-        "autocast": "bfloat16" if dtype == torch.bfloat16 else None,
+        "autocast": "bfloat16" if args.dtype == "bfloat16" else None,
         "compiled": args.compile,
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "note": WEIGHTS_NOTE,
     }
-    if timed_vocabulary:
-        share = statistics.median(seconds["vocabulary"])
-        result |= {
-            "vocabulary_s_median": round(share, 4),
-            "vocabulary_share": round(share / step, 4),
-            "vocabulary_note": "target's distribution (full-vocabulary lm_head, softmax) as timed in the step, "
-            "plus the draft lm_head + log-softmax + loss forward and backward replayed on the step's inputs",
-            "vocab_coverage": round(statistics.mean(stats_coverage), 4) if stats_coverage else None,
-            "draft_chunk_bytes": Eagle3.DRAFT_CHUNK_BYTES,
-        }
     if device.type == "cuda":
         result["peak_memory_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
     else:
@@ -445,7 +507,16 @@ def bench_shape(args, kind: str) -> dict:
     return result
 
 
-def main_shape(args) -> None:
+def json_output():
+    """Where the JSON goes: this process's stdout, while everything else written to stdout (DeepSpeed's
+    logger, which accelerate starts, prints there) goes to stderr from now on."""
+    sys.stdout.flush()
+    output = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    return output
+
+
+def main_shape(args, output) -> None:
     torch.set_num_threads(args.threads)
     for kind in args.kinds.split(","):
         if kind not in KINDS:
@@ -454,7 +525,7 @@ def main_shape(args) -> None:
         result = bench_shape(args, kind)
         result["wall_s"] = round(time.perf_counter() - start, 1)
         result["command"] = " ".join([os.path.basename(sys.executable), *sys.argv])
-        print(json.dumps(result), flush=True)
+        print(json.dumps(result), file=output, flush=True)
 
 
 def main() -> None:
@@ -468,10 +539,13 @@ def main() -> None:
     parser.add_argument(
         "--draft-vocab", type=int, help="with --shape: EAGLE-3's draft vocabulary (default min(32000, vocab / 2))"
     )
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        help="with --shape: where the trainer runs (a check: cuda when there is one)",
+    )
     parser.add_argument("--dtype", help="with --shape: the target's dtype (default bfloat16 on cuda, else float32)")
     parser.add_argument("--peak-tflops", type=float, help="the device's peak TFLOP/s for MFU (989: H100 dense bf16)")
-    parser.add_argument("--draft-chunk-mb", type=float, help="EAGLE-3's draft-loss tile in MiB; 0 = untiled")
     parser.add_argument(
         "--compile",
         action="store_true",
@@ -485,14 +559,18 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=8, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps last, for the step's parts")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     args = parser.parse_args()
+    output = json_output()
+    if min(args.steps, args.profile_steps) < 1 or args.warmup < 0:
+        parser.error("--steps and --profile-steps must be >= 1, --warmup >= 0")
     if args.shape:
-        args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-        return main_shape(args)
+        args.dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
+        return main_shape(args, output)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    result = bench(args.recipe, args.data, args.overrides, args.steps, args.warmup)
+    result = bench(args.recipe, args.data, args.overrides, args.steps, args.warmup, args.profile_steps)
     result |= {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
@@ -506,7 +584,7 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "wall_s": round(time.perf_counter() - start, 1),
     }
-    print(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2), file=output, flush=True)
 
 
 if __name__ == "__main__":

@@ -27,9 +27,10 @@ measure() {  # FILE_NAME [extra arguments]: one shape's kinds under their own ti
   [ -n "$DEADLINE" ] && seconds=$(( DEADLINE - $(date +%s) < limit ? DEADLINE - $(date +%s) : limit ))
   [ "$seconds" -lt 20 ] && { echo "== $name skipped: ${seconds}s left"; status=124; return; }
   echo "== $name (timeout ${seconds}s) $(date +%T)"
-  timeout -s TERM "$seconds" python3 benchmarks/train_throughput.py --peak-tflops "$peak" "${args[@]}" "$@" \
-    > "$OUT/throughput_$name.jsonl" 2> "$OUT/throughput_$name.err" || { status=$?; tail -5 "$OUT/throughput_$name.err"; }
-  [ -s "$OUT/throughput_$name.err" ] || rm "$OUT/throughput_$name.err"  # the device tool returns 8 files at most
+  # stderr (the libraries' and the profiler's lines) is kept only when the shape failed: the device tool returns 8 files
+  if timeout -s TERM "$seconds" python3 benchmarks/train_throughput.py --peak-tflops "$peak" "${args[@]}" "$@" \
+    > "$OUT/throughput_$name.jsonl" 2> "$OUT/throughput_$name.err"; then rm "$OUT/throughput_$name.err"
+  else status=$?; tail -5 "$OUT/throughput_$name.err"; fi
   python3 -c "import json,sys
 for line in open(sys.argv[1]):
     r = json.loads(line); print(r['kind'], r['tokens_per_s'], 'tok/s', 'mfu', r['mfu'], 'peak MiB', r.get('peak_memory_mb', r.get('peak_rss_mb')), 'vocab share', r.get('vocabulary_share'), 'parts', r['part_s_median'], 'compiled', r['compiled'])" "$OUT/throughput_$name.jsonl"
