@@ -1,4 +1,6 @@
-"""Speed-up across load in the real engine, and the γ per batch size it calls for, as JSON.
+"""The load sweep of several drafters side by side, as docs/serving-load.md measured it: `draftsmith sweep`'s
+measurement (export/sweep.py: the rows, their format, the summary) on MT-bench, plus what only this
+comparison needs: several drafters, the schedules served and repeated rounds.
 
     python benchmarks/load_sweep.py --vllm-python <venv>/bin/python --drafter eagle3.1=runs/load/eagle3
         [--drafter NAME=RUN_DIR ...] [--out docs/results/load_sweep] [--concurrency 1,2,4,8,16,32]
@@ -6,45 +8,34 @@
         [--repeats 3] [--stages sweep,schedule,repeat,report]
 
 The target is the drafters' (each RUN_DIR holds the recipe.yaml train.py saved and a checkpoint in
-best/ or final/); the prompts are MT-bench's 80 first turns in order, reused round-robin. Each engine
-process (draftsmith/engine_scripts/vllm_worker.py, vLLM alone on the machine, OMP threads --threads)
-serves one method at one γ at every concurrency c in turn, as a closed loop: c requests in flight,
-a new one entering as one finishes, until max(--min-requests, --requests-per-slot x c) requests are
-done; each token's arrival is timed. Methods: plain decoding, vLLM's n-gram proposer (lookup 2-4) and
-each drafter (its export, written to RUN_DIR/export_load first) at every γ, and at γ 0: loaded with a
-schedule that drafts at no batch size, which in vLLM 0.32 is not free (export/schedule.py).
+best/ or final/); the prompts are MT-bench's 80 first turns in order, reused round-robin; float32.
+Unlike `draftsmith sweep`, each method at one γ is served by an engine process of its own (vLLM alone
+on the machine, OMP threads --threads). Methods: plain decoding, vLLM's n-gram proposer and each
+drafter (its export, written to RUN_DIR/export_load first) at every γ, and at γ 0 (loaded with a
+schedule that drafts at no batch size).
 
 Stages, each resumable (a row already in <out>/sweep.jsonl is not measured again):
-1. sweep: the rows for every (method, γ, concurrency), then plain once more (`plain-rerun`): how far
-   two runs of one setting differ on this machine, which the schedule's margin never goes below;
+1. sweep: the rows for every (method, γ, concurrency), then plain once more (`plain-rerun`);
 2. schedule: per drafter, `python -m export ... export.batch_sweep=<out>/sweep.jsonl` into
    RUN_DIR/export_scheduled (export/schedule.py chooses K per batch-size range), then that export served
    with its schedule at every concurrency (method `<name>+schedule`); the same rule applied to the
    n-gram rows, served as `ngram+schedule`; a schedule refused because speculation pays nowhere is
    noted in <out>/schedule_notes.json;
 3. repeat: --repeats rounds, each serving in turn plain, then per drafter the drafter at γ 0 and the
-   drafter with its schedule, every concurrency, into <out>/repeats.jsonl (rows as below plus `round`;
-   speedup over the same round's plain). A shared machine's speed drifts by more than the few percent
-   at stake between γ 0, the schedule and plain; measured side by side and repeated, their ratios
-   can be told from that drift;
-4. report: <out>/summary.json (per method and concurrency the best γ; the crossover where speculation
-   stops paying; the schedule against every fixed γ; plain's second run over its first: the
-   run-to-run noise of this machine; `repeated`: per method and
-   concurrency the median, lowest and highest ratio over the same round's plain) and <out>/speedup.png.
+   drafter with its schedule, every concurrency, into <out>/repeats.jsonl (rows as in sweep.jsonl plus
+   `round`; speedup over the same round's plain). A shared machine's speed drifts by more than the few
+   percent at stake between γ 0, the schedule and plain; measured side by side and repeated, their
+   ratios can be told from that drift;
+4. report: <out>/summary.json (export/sweep.py's summary; the schedule against every fixed γ; `repeated`:
+   per method and concurrency the median, lowest and highest ratio over the same round's plain) and
+   <out>/speedup.png.
 
-A row: method, gamma, concurrency, requests, tokens, seconds, steps, mean_batch (requests served per
-engine step), tok_s, tpot_ms_p50, tpot_ms_p90 (per request: time between its first and last token over
-its tokens - 1), speedup (tok_s over plain's at the same concurrency), tau (vLLM: 1 + accepted /
-drafts), acceptance_per_position (P(accepted >= k) per draft), drafts, accepted_per_position,
-tokens_per_step (a request's tokens per engine step it took part in), lossless (every output equal to
-plain's for the same prompt at the same concurrency; outputs_sha256 per request), source_sha256 (the drafter checkpoint's), engine
-(vLLM version and what it resolved: runner, draft and rejection sampling, the schedule), threads.
+A row is export/sweep.py's (its docstring lists the fields).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -55,11 +46,21 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from draftsmith.engines import VllmWorker
-from draftsmith.export.repo import VLLM_PINNED
+from draftsmith.export.sweep import (
+    NGRAM,
+    PLAIN,
+    PLAIN_AGAIN,
+    Load,
+    ngram_config,
+    plot,
+    read_rows,
+    round_robin,
+    served_at,
+    summarize,
+)
+from draftsmith.export.verify import EngineSession
 
 REPO = Path(__file__).resolve().parent.parent
-NGRAM = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4, **VLLM_PINNED}
 STAGES = ("sweep", "schedule", "repeat", "report")
 
 
@@ -90,7 +91,17 @@ def main() -> None:
     stages = args.stages.split(",")
     sweep, repeats = out / "sweep.jsonl", out / "repeats.jsonl"
     target = recipe_of(next(iter(drafters.values())))["target"]
-    prompts = mt_bench_prompts(target)
+    load = Load(
+        python=args.vllm_python,
+        target=target,
+        prompts=mt_bench_prompts(target),
+        new_tokens=args.new_tokens,
+        requests_per_slot=args.requests_per_slot,
+        min_requests=args.min_requests,
+        threads=args.threads,
+        dtype="float32",
+        max_model_len=2048,
+    )
     began = time.perf_counter()
 
     def measure(method: str, gamma: int, speculative_config, source: str | None = None, round_: int | None = None):
@@ -101,32 +112,27 @@ def main() -> None:
         missing = [c for c in levels if (method, gamma, c, round_) not in done]
         if not missing:
             return
-        print(f"{method} γ={gamma}{'' if round_ is None else f' round {round_}'}: concurrency {missing}", file=sys.stderr, flush=True)  # fmt: skip
-        load = [
-            {"concurrency": c, "prompts": take(prompts, max(args.min_requests, args.requests_per_slot * c))}
-            for c in missing
-        ]
-        result = serve(args.vllm_python, target, load, args.new_tokens, speculative_config, args.threads)
-        plain = {r["concurrency"]: r for r in read_rows(sweep) if r["method"] == "plain"}
-        same_round = {} if round_ is None else {r["concurrency"]: r["tok_s"] for r in read_rows(repeats) if r["method"] == "plain" and r["round"] == round_}  # fmt: skip
-        with path.open("a") as rows:
-            for level in result["levels"]:
-                c = level["concurrency"]
-                row = summarize(method, gamma, level, plain.get(c), result, args.threads, source)
-                if round_ is not None:  # speed-up over this round's plain (1 for plain), outputs against the sweep's
-                    row |= {"round": round_, "speedup": round(row["tok_s"] / same_round.get(c, row["tok_s"]), 4)}
-                rows.write(json.dumps(row) + "\n")
+        print(f"{method} γ={gamma}{f' round {round_}' if round_ else ''}: concurrency {missing}", file=sys.stderr)
+        plain = {r["concurrency"]: r for r in read_rows(sweep) if r["method"] == PLAIN}
+        with EngineSession({"OMP_NUM_THREADS": str(args.threads)}) as session:  # an engine process per method
+            rows = load.rows(session, method, gamma, speculative_config, source, missing, plain)
+        if round_ is not None:  # speed-up over this round's plain (1 for plain), outputs against the sweep's
+            same_round = {r["concurrency"]: r["tok_s"] for r in read_rows(repeats) if (r["method"], r["round"]) == (PLAIN, round_)}  # fmt: skip
+            for row in rows:
+                row |= {"round": round_, "speedup": round(row["tok_s"] / same_round.get(row["concurrency"], row["tok_s"]), 4)}  # fmt: skip
+        with path.open("a") as out_rows:
+            out_rows.writelines(json.dumps(row) + "\n" for row in rows)
 
     if "sweep" in stages:
-        measure("plain", 0, None)
+        measure(PLAIN, 0, None)
         for gamma in gammas:
-            measure("ngram", gamma, {**NGRAM, "num_speculative_tokens": gamma})
+            measure(NGRAM, gamma, ngram_config(gamma))
         for name, run_dir in drafters.items():
             at_gamma, source = fixed_configs(run_dir, levels)
             measure(name, 0, at_gamma(0), source)
             for gamma in gammas:
                 measure(name, gamma, at_gamma(gamma), source)
-        measure("plain-rerun", 0, None)  # plain once more, last: the schedule's margin is at least this noise
+        measure(PLAIN_AGAIN, 0, None)  # plain once more, last: the schedule's margin is at least this noise
     notes_path = out / "schedule_notes.json"
     if "schedule" in stages:
         from draftsmith.errors import ExportCheckFailed
@@ -134,13 +140,13 @@ def main() -> None:
 
         notes = {}
         try:  # vLLM's n-gram proposer takes a schedule too: the same rule, applied to its rows
-            ngram = batch_schedule(read_rows(sweep), "ngram")
-            notes["ngram"] = {"schedule": ngram["num_speculative_tokens_per_batch_size"]}
-            config = {**NGRAM, "num_speculative_tokens": ngram["num_speculative_tokens"],
+            ngram = batch_schedule(read_rows(sweep), NGRAM)
+            notes[NGRAM] = {"schedule": ngram["num_speculative_tokens_per_batch_size"]}
+            config = {**ngram_config(ngram["num_speculative_tokens"]),
                       "num_speculative_tokens_per_batch_size": ngram["num_speculative_tokens_per_batch_size"]}  # fmt: skip
             measure("ngram+schedule", ngram["num_speculative_tokens"], config)
         except ExportCheckFailed as refused:
-            notes["ngram"] = {"refused": str(refused)}
+            notes[NGRAM] = {"refused": str(refused)}
         for name, run_dir in drafters.items():
             folder, refused = export(run_dir, "export_scheduled", [f"export.batch_sweep={sweep}"], refusable=True)
             if folder is None:
@@ -160,11 +166,16 @@ def main() -> None:
                 gamma, config, source = scheduled_config(folder)
                 served.append((f"{name}+schedule", gamma, config, source))
         for round_ in range(1, args.repeats + 1):
-            measure("plain", 0, None, round_=round_)
+            measure(PLAIN, 0, None, round_=round_)
             for method, gamma, config, source in served:
                 measure(method, gamma, config, source, round_)
     if "report" in stages:
-        summary = report(read_rows(sweep), ["ngram", *drafters], out)
+        rows = read_rows(sweep)
+        summary = summarize(rows, [NGRAM, *drafters])
+        summary["schedules"] = schedules_against_fixed(rows, [NGRAM, *drafters])
+        dashed = {f"{name} with its γ schedule": {c: v["vs_plain"] for c, v in schedule["per_concurrency"].items()}
+                  for name, schedule in summary["schedules"].items()}  # fmt: skip
+        plot(summary["best_per_concurrency"], dashed, out / "speedup.png")
         if repeats.is_file():
             summary["repeated"] = repeated(read_rows(repeats))
         summary["schedule_notes"] = json.loads(notes_path.read_text()) if notes_path.is_file() else {}
@@ -182,20 +193,11 @@ def main() -> None:
 
 
 def fixed_configs(run_dir: Path, levels: list[int]) -> tuple[Callable[[int], dict], str]:
-    """The drafter's export (RUN_DIR/export_load) as a served config at a given γ, and its checkpoint's
-    sha256. At γ 0 it is loaded with a schedule that drafts nowhere: what a schedule's K = 0 costs
-    (vLLM 0.32 still runs an EAGLE-style drafter's forward there; export/schedule.py uses it)."""
+    """The drafter's export (RUN_DIR/export_load) as a served config at a given γ (export/sweep.py's
+    served_at: γ 0 loaded with a schedule that drafts nowhere), and its checkpoint's sha256."""
     folder, _ = export(run_dir, "export_load", [])
     info = json.loads((folder / "draftsmith_export.json").read_text())
-    fixed = {k: v for k, v in info["speculative_config"].items() if k != "num_speculative_tokens_per_batch_size"}
-
-    def at_gamma(gamma: int) -> dict:
-        if gamma == 0:
-            return {**fixed, "model": str(folder), "num_speculative_tokens": 1,
-                    "num_speculative_tokens_per_batch_size": [[1, max(levels), 0]]}  # fmt: skip
-        return {**fixed, "model": str(folder), "num_speculative_tokens": gamma}
-
-    return at_gamma, info["source"]["sha256"]
+    return (lambda gamma: served_at(folder, gamma, levels)), info["source"]["sha256"]
 
 
 def scheduled_config(folder: Path) -> tuple[int, dict, str]:
@@ -242,100 +244,13 @@ def mt_bench_prompts(target: str) -> list[list[int]]:
     from draftsmith.eval.prompts import load_prompts
     from draftsmith.target import load_tokenizer
 
-    by_category = load_prompts(["named:mt_bench"], load_tokenizer(target), 10, 1024)
-    return [
-        prompt
-        for index in range(10)
-        for prompts in by_category.values()
-        if index < len(prompts)
-        for prompt in prompts[index : index + 1]
-    ]
+    return round_robin(load_prompts(["named:mt_bench"], load_tokenizer(target), 10, 1024))
 
 
-def take(prompts: list[list[int]], count: int) -> list[list[int]]:
-    return [prompts[i % len(prompts)] for i in range(count)]
-
-
-def serve(python: str, target: str, load: list[dict], new_tokens: int, speculative_config, threads: int) -> dict:
-    request = {
-        "target": target,
-        "load": load,
-        "max_tokens": new_tokens,
-        "dtype": "float32",
-        "max_model_len": 2048,
-        "gpu_memory_utilization": 0.3,
-        "warmup": 1,
-        "runs": [{"name": "run", "speculative_config": speculative_config}],
-    }
-    began = time.perf_counter()
-    with VllmWorker(python, "--vllm-python", {"OMP_NUM_THREADS": str(threads)}, show_log=False) as worker:
-        result = worker.ask({"runs": request}, "serve the sweep")
-    return {"vllm_version": result["vllm_version"], "process_s": time.perf_counter() - began, **result["runs"]["run"]}
-
-
-def summarize(method, gamma, level, plain, result, threads, source) -> dict:
-    metrics = level["metrics"]
-    drafts = metrics["num_drafts"]
-    tpot = sorted(level["tpot_s"])
-    tok_s = level["tokens"] / level["seconds"]
-    request_steps = level["steps"] * level["mean_batch"]
-    return {
-        "method": method,
-        "gamma": gamma,
-        "concurrency": level["concurrency"],
-        "requests": len(level["outputs"]),
-        "tokens": level["tokens"],
-        "seconds": round(level["seconds"], 3),
-        "steps": level["steps"],
-        "mean_batch": round(level["mean_batch"], 3),
-        "tok_s": round(tok_s, 2),
-        "tpot_ms_p50": round(1000 * statistics.median(tpot), 2) if tpot else None,
-        "tpot_ms_p90": round(1000 * tpot[min(len(tpot) - 1, int(0.9 * len(tpot)))], 2) if tpot else None,
-        "speedup": round(tok_s / plain["tok_s"], 4) if plain else (1.0 if method == "plain" else None),
-        "tau": round(1 + metrics["num_accepted_tokens"] / drafts, 4) if drafts else None,
-        "acceptance_per_position": [round(n / drafts, 4) for n in metrics["accepted_per_position"]] if drafts else [],
-        "drafts": drafts,
-        "accepted_per_position": metrics["accepted_per_position"]
-        + [0] * (gamma - len(metrics["accepted_per_position"])),
-        "tokens_per_step": round(level["tokens"] / request_steps, 4) if request_steps else None,
-        "lossless": None if plain is None else digests(level["outputs"]) == plain["outputs_sha256"],
-        "outputs_sha256": digests(level["outputs"]),
-        "source_sha256": source,
-        "engine": {"vllm_version": result["vllm_version"], **result["engine_settings"]},
-        "threads": threads,
-        "process_s": round(result["process_s"], 1),
-    }
-
-
-def digests(outputs: list[list[int]]) -> list[str]:
-    """Per request, a short digest of its output token ids: enough to tell two outputs apart."""
-    return [hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16] for ids in outputs]
-
-
-def read_rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-
-
-def report(rows: list[dict], methods: list[str], out: Path) -> dict:
-    """Per method the best γ at each concurrency, the crossover, and the schedule against fixed γ."""
+def schedules_against_fixed(rows: list[dict], methods: list[str]) -> dict:
+    """Per method served with its schedule (`<name>+schedule` rows): against every fixed γ and plain, per
+    concurrency and summed over them."""
     levels = sorted({r["concurrency"] for r in rows})
-    best: dict[str, dict[int, dict]] = {}
-    for method in methods:
-        best[method] = {}
-        for c in levels:
-            candidates = [r for r in rows if r["method"] == method and r["concurrency"] == c]
-            if candidates:
-                top = max(candidates, key=lambda r: r["tok_s"])
-                best[method][c] = {
-                    "gamma": top["gamma"],
-                    "speedup": top["speedup"],
-                    "tok_s": top["tok_s"],
-                    "tau": top["tau"],
-                }
-    crossover = {
-        method: next((c for c in levels if c in best[method] and best[method][c]["speedup"] < 1.0), None)
-        for method in methods
-    }
     schedules = {}
     for name in methods:
         scheduled = {r["concurrency"]: r for r in rows if r["method"] == f"{name}+schedule"}
@@ -345,7 +260,7 @@ def report(rows: list[dict], methods: list[str], out: Path) -> dict:
             gamma: {r["concurrency"]: r["tok_s"] for r in rows if r["method"] == name and r["gamma"] == gamma}
             for gamma in sorted({r["gamma"] for r in rows if r["method"] == name and r["gamma"] > 0})
         }
-        fixed[0] = {r["concurrency"]: r["tok_s"] for r in rows if r["method"] == "plain"}
+        fixed[0] = {r["concurrency"]: r["tok_s"] for r in rows if r["method"] == PLAIN}
         loaded_off = {r["concurrency"]: r["tok_s"] for r in rows if r["method"] == name and r["gamma"] == 0}
         per_level = {}
         for c in levels:
@@ -375,24 +290,14 @@ def report(rows: list[dict], methods: list[str], out: Path) -> dict:
             "within_3pct_of_best_fixed_everywhere": all(v["vs_best_fixed"] >= 0.97 for v in per_level.values()),
             "never_3pct_below_plain": all(v["vs_plain"] >= 0.97 for v in per_level.values()),
         }
-    first = {r["concurrency"]: r["tok_s"] for r in rows if r["method"] == "plain"}
-    again = {r["concurrency"]: r["tok_s"] for r in rows if r["method"] == "plain-rerun"}
-    noise = {c: round(again[c] / first[c], 4) for c in levels if c in again and c in first}
-    lossless = {
-        m: all(r["lossless"] for r in rows if r["method"] == m and r["lossless"] is not None)
-        for m in {r["method"] for r in rows}
-    }
-    plot(rows, best, schedules, levels, out / "speedup.png")
-    return {"best_per_concurrency": best, "crossover": crossover, "schedules": schedules, "lossless": lossless,
-            "plain_rerun_over_plain": noise,
-            "engine": rows[0]["engine"]["vllm_version"] if rows else None}  # fmt: skip
+    return schedules
 
 
 def repeated(rows: list[dict]) -> dict:
     """The repeat stage's rounds: per method (and γ) and concurrency, the ratio of its tok/s over the
     same round's plain, as median, lowest and highest over the rounds; plain's own spread is its rounds
     over their median. `never_3pct_below_plain` reads the medians."""
-    plain = {(r["round"], r["concurrency"]): r["tok_s"] for r in rows if r["method"] == "plain"}
+    plain = {(r["round"], r["concurrency"]): r["tok_s"] for r in rows if r["method"] == PLAIN}
     levels = sorted({c for _, c in plain})
     speeds = {c: [v for (_, level), v in plain.items() if level == c] for c in levels}
     result: dict = {
@@ -400,7 +305,7 @@ def repeated(rows: list[dict]) -> dict:
         "plain_spread": {c: [round(min(v) / statistics.median(v), 4), round(max(v) / statistics.median(v), 4)]
                          for c, v in speeds.items()},
     }  # fmt: skip
-    for method, gamma in sorted({(r["method"], r["gamma"]) for r in rows if r["method"] != "plain"}):
+    for method, gamma in sorted({(r["method"], r["gamma"]) for r in rows if r["method"] != PLAIN}):
         name = method if method.endswith("+schedule") else f"{method} at gamma {gamma}"
         per_level = {}
         for c in levels:
@@ -413,31 +318,6 @@ def repeated(rows: list[dict]) -> dict:
         result[name] = {"over_plain": per_level, "lossless": lossless,
                         "never_3pct_below_plain": all(v["median"] >= 0.97 for v in per_level.values())}  # fmt: skip
     return result
-
-
-def plot(rows, best, schedules, levels, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(7, 4.2))
-    for method, per_level in best.items():
-        xs = [c for c in levels if c in per_level]
-        axes.plot(xs, [per_level[c]["speedup"] for c in xs], marker="o", label=f"{method} (best fixed γ)")
-    for name in schedules:
-        xs = sorted(schedules[name]["per_concurrency"])
-        axes.plot(xs, [schedules[name]["per_concurrency"][c]["vs_plain"] for c in xs], marker="s", linestyle="--",
-                  label=f"{name} with its γ schedule")  # fmt: skip
-    axes.axhline(1.0, color="grey", linewidth=1)
-    axes.set_xscale("log", base=2)
-    axes.set_xticks(levels, [str(c) for c in levels])
-    axes.set_xlabel("concurrency (requests in flight)")
-    axes.set_ylabel("output tokens/s over plain decoding")
-    axes.set_title("Speed-up against load, vLLM-CPU")
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
 
 
 def cpu_name() -> str:

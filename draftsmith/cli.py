@@ -7,6 +7,7 @@ processes: `accelerate launch -m draftsmith train ...` (or `accelerate launch tr
     capture     capture the target's features over data.train to shards
     regenerate  rewrite data.train's assistant turns with the target itself
     export      write engine-ready repos (vLLM, SGLang) from a checkpoint, optionally push them
+    sweep       serve a checkpoint's export in vLLM under load: the rows export.batch_sweep reads
     monitor     check a serving engine's acceptance for drift, retrain when it drops
 
 Every command takes `--help` (with recipe=NAME: that recipe's keys and values) and `--cfg` (print
@@ -38,6 +39,7 @@ COMMANDS = {
     "regenerate": ("draftsmith.data_prep.regenerate", "main"),
     "export": ("draftsmith.export.__main__", "main"),
     "monitor": ("draftsmith.monitor.__main__", "main"),
+    "sweep": ("draftsmith.export.sweep", "main"),
 }
 
 
@@ -49,6 +51,7 @@ COMMAND_SECTIONS = {
     "regenerate": ("data", "target"),
     "export": ("export", "target", "eval"),
     "monitor": ("monitor", "target", "export"),
+    "sweep": ("export", "eval", "target"),
 }
 
 TRAIN_USAGE = """`draftsmith train recipe=NAME [key=value ...]`, `python train.py ...`, or on several processes

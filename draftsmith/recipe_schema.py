@@ -201,6 +201,21 @@ class PushSection:
 
 
 @dataclass
+class SweepSection:
+    """`draftsmith sweep`: the export served in vLLM (export.vllm_python) at each concurrency, plain and at each γ,
+    on the eval prompts (export/sweep.py); export.batch_sweep reads the sweep.jsonl it writes."""
+
+    output: Optional[str] = None  # default <output_dir>/sweep: sweep.jsonl, summary.json, speedup.png, export/
+    concurrency: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])  # requests in flight, a level each
+    gammas: List[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])  # the drafter's γ served at every level
+    ngram: bool = True  # vLLM's n-gram proposer (prompt lookup of 2-4 tokens) at every γ too, for comparison
+    requests_per_slot: int = 2  # a level serves max(min_requests, requests_per_slot x concurrency) requests
+    min_requests: int = 8  # the fewest requests a level serves
+    # the engine's OpenMP threads when vLLM runs on CPU; default OMP_NUM_THREADS, else every core
+    cpu_threads: Optional[int] = None
+
+
+@dataclass
 class ExportSection:
     """`python -m export`: engine-ready repos from a checkpoint (export/)."""
 
@@ -218,11 +233,12 @@ class ExportSection:
     vllm_python: Optional[str] = None
     # largest relative difference between the engine's tau and draftsmith's (same prompts and schedule)
     tolerance: float = 0.02
-    # a load sweep of this checkpoint's export (benchmarks/load_sweep.py, JSONL): write vLLM's γ per batch
+    # a load sweep of this checkpoint (the sweep.jsonl `draftsmith sweep` writes): write vLLM's γ per batch
     # size (num_speculative_tokens_per_batch_size) from it; the served γ becomes its largest K
     batch_sweep: Optional[str] = None
     overwrite: bool = False  # replace an export made from another checkpoint (moved aside, not deleted)
     push: PushSection = field(default_factory=PushSection)
+    sweep: SweepSection = field(default_factory=SweepSection)
 
 
 @dataclass
@@ -277,6 +293,6 @@ CHOICES = {
     "data.capture.logits": ("auto", "none", "topk", "full"),
     "data.capture.dtype": ("bfloat16", "float16", "float8"),
     "data.regenerate.engine": ("transformers", "vllm"),
+    "data.regenerate.vllm.dtype": ("auto", "float32", "bfloat16", "float16"),
     "train.mixed_precision": ("auto", "no", "bf16", "fp16"),
 }
-    "data.regenerate.vllm.dtype": ("auto", "float32", "bfloat16", "float16"),

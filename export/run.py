@@ -110,7 +110,8 @@ def batch_schedule_of(cfg: DictConfig, digest: str) -> Optional[dict[str, Any]]:
     (export/schedule.py), with what it rests on; None without a sweep."""
     if not cfg.export.batch_sweep:
         return None
-    from draftsmith.export.schedule import PLAIN, PLAIN_AGAIN, batch_schedule, read_sweep
+    from draftsmith.export.schedule import batch_schedule
+    from draftsmith.export.sweep import PLAIN, PLAIN_AGAIN, read_sweep
 
     path = Path(cfg.export.batch_sweep).resolve()
     rows = read_sweep(path)
@@ -119,7 +120,7 @@ def batch_schedule_of(cfg: DictConfig, digest: str) -> Optional[dict[str, Any]]:
         found = f"measures it as {', '.join(methods)}" if methods else "measured no export of it"
         raise UserError(
             f"export.batch_sweep={cfg.export.batch_sweep}: the sweep {found} (checkpoint sha256 {digest[:12]}); "
-            "sweep one export of this checkpoint (benchmarks/load_sweep.py)"
+            "sweep this checkpoint (draftsmith sweep)"
         )
     measured = [row for row in rows if row["method"] in (PLAIN, PLAIN_AGAIN) or row.get("source_sha256") == digest]
     schedule = batch_schedule(measured, methods[0])
@@ -133,9 +134,7 @@ def batch_schedule_of(cfg: DictConfig, digest: str) -> Optional[dict[str, Any]]:
             "at concurrency %s even the schedule's best γ is predicted below plain decoding (the drafter's cost at γ 0%s): "
             "at that load, serve the target without the drafter",
             ", ".join(map(str, schedule["below_plain_at"])),
-            " was measured"
-            if schedule["gamma_0_measured"]
-            else " was not measured: sweep it, benchmarks/load_sweep.py",
+            " was measured" if schedule["gamma_0_measured"] else " was not measured: sweep it, draftsmith sweep",
         )
     return {**schedule, "sweep": str(path), "method": methods[0], "engine": [json.loads(e) for e in sorted(engines)]}
 

@@ -2,9 +2,9 @@
 
 Speculation pays while the target's step is memory-bound: at batch size 1 a verify forward of γ + 1
 tokens costs about what a plain step does, at large batch sizes it costs up to γ + 1 times as much.
-A load sweep (benchmarks/load_sweep.py) serves the target in vLLM at several concurrencies, plain
-and with this drafter at each γ, and writes a JSONL row per (method, γ, concurrency) with the wall
-time, engine steps, decoded tokens and the engine's acceptance counters. From it, per concurrency c:
+A load sweep (`draftsmith sweep`, export/sweep.py) serves the target in vLLM at several concurrencies,
+plain and with this drafter at each γ, and writes a JSONL row per (method, γ, concurrency) with the
+wall time, engine steps, decoded tokens and the engine's acceptance counters. From it, per concurrency c:
 
 - the step cost s(c, γ): the run's wall time per request and engine step (steps x the mean requests
   per step), which does not depend on how much that run's drafts happened to be accepted;
@@ -17,12 +17,12 @@ time, engine steps, decoded tokens and the engine's acceptance counters. From it
 
 K(c) is the γ with the highest prediction, or 0 (no speculation) unless it beats K = 0 by the margin:
 `min_gain`, or the sweep's own noise where that is larger. A sweep that measured plain twice (rows
-`plain-rerun`, benchmarks/load_sweep.py) shows how far two runs of one setting differ on its machine;
-a predicted gain smaller than that is not a gain, and a schedule built on it would chase the noise.
+`plain-rerun`) shows how far two runs of one setting differ on its machine; a predicted gain smaller
+than that is not a gain, and a schedule built on it would chase the noise.
 K = 0 in a schedule is not plain decoding: vLLM 0.32 keeps an EAGLE-style drafter's forward running at
 K = 0 (to keep its KV cache in step) and only returns no drafts. Where the sweep measured this drafter
-with a schedule of K = 0 everywhere (rows of γ 0, benchmarks/load_sweep.py), that cost is K = 0's
-prediction; otherwise plain's. Served at all, the drafter must beat plain decoding (without it) by
+with a schedule of K = 0 everywhere (its rows of γ 0), that cost is K = 0's prediction; otherwise
+plain's. Served at all, the drafter must beat plain decoding (without it) by
 the margin somewhere, or the export is refused; the concurrencies where even the best K is predicted
 more than the margin below plain are named (`below_plain_at`): at that load, serve the target alone.
 Against thrash at a range edge (vLLM keys the lookup on the requests scheduled in a step, prefills
@@ -35,46 +35,11 @@ vLLM ignores the schedule under data parallelism (it warns and drafts the full �
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 from typing import Any
 
-from draftsmith.errors import ExportCheckFailed, UserError, one_line
-
-PLAIN = "plain"
-PLAIN_AGAIN = "plain-rerun"  # plain measured a second time in the same sweep: its noise
-FIELDS = (
-    "method",
-    "gamma",
-    "concurrency",
-    "seconds",
-    "tokens",
-    "steps",
-    "mean_batch",
-    "drafts",
-    "accepted_per_position",
-)
-
-
-def read_sweep(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a load sweep's JSONL; UserError naming the first bad line."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"export.batch_sweep={str(path)!r} does not exist")
-    rows = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise UserError(f"{path}:{number}: not JSON ({one_line(err)})") from None
-        missing = [key for key in FIELDS if key not in row]
-        if missing:
-            raise UserError(f"{path}:{number}: not a load-sweep row (missing {', '.join(missing)})")
-        rows.append(row)
-    return rows
+from draftsmith.errors import ExportCheckFailed, UserError
+from draftsmith.export.sweep import PLAIN, PLAIN_AGAIN
 
 
 def pooled_acceptance(runs: list[dict[str, Any]]) -> list[float]:

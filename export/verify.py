@@ -38,9 +38,11 @@ class EngineSession:
     the target alone once in each).
     `export_checkpoint` opens one per export unless its caller passes one in to share (a benchmark or a
     test session exporting many drafters); nothing is kept between sessions. A context manager:
-    leaving it ends the workers."""
+    leaving it ends the workers. `env` goes over the workers' environment (the load sweep's OpenMP threads)."""
 
-    def __init__(self):
+    def __init__(self, env: Optional[dict[str, str]] = None):
+        # One OpenMP thread unless the job sets its own: on a small CPU machine two spin against each other.
+        self.env = env or {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         self.workers: dict[str, VllmWorker] = {}
         self.plain_runs: dict[str, dict[str, Any]] = {}
         self.draftsmith_plain: dict[str, list[list[int]]] = {}
@@ -54,8 +56,7 @@ class EngineSession:
             worker = self.workers[python] = VllmWorker(
                 python,
                 "export.vllm_python",
-                # One OpenMP thread unless the job sets its own: on a small CPU machine two spin against each other.
-                env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+                env=self.env,
                 show_log=False,
                 refusal=ExportCheckFailed,
                 timeout_s=ENGINE_TIMEOUT_S,
@@ -183,8 +184,8 @@ def check_schedule(engine: dict[str, Any], schedule: list[list[int]]) -> dict[st
         raise ExportCheckFailed(f"vLLM {engine['vllm_version']} resolved the γ per batch size {schedule} as {taken}")
     if not result["lossless"]:
         raise ExportCheckFailed(
-            f"export check in vLLM {engine['vllm_version']} failed: with the γ per batch size {schedule}, vLLM's greedy "
-            "output differs from its output without the drafter"
+            f"export check in vLLM {engine['vllm_version']} failed: with the γ per batch size {schedule}, vLLM's "
+            "greedy output differs from its output without the drafter"
         )
     return result
 
@@ -233,7 +234,8 @@ def compare(
         problems.append(f"vLLM accepted no draft token in {drafts} drafts")
     elif abs(summary["relative_difference"]) > tolerance:
         problems.append(
-            f"vLLM's τ {tau:.3f} differs from draftsmith's {ours['tau']:.3f} by {summary['relative_difference']:+.1%} (tolerance ±{tolerance:.0%})"
+            f"vLLM's τ {tau:.3f} differs from draftsmith's {ours['tau']:.3f} by {summary['relative_difference']:+.1%} "
+            f"(tolerance ±{tolerance:.0%})"
         )
     if problems:
         raise ExportCheckFailed(f"export check in vLLM {engine['vllm_version']} failed: {'; '.join(problems)}")

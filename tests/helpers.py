@@ -508,7 +508,7 @@ def assert_tree_forward_equals_path_forwards(model, prefix: list[int], tokens: t
         torch.testing.assert_close(tree_logits[node + 1], expected, atol=1e-4, rtol=1e-4)
 
 
-# -- load sweeps (benchmarks/load_sweep.py's rows) to schedule γ per batch size from ------------------
+# -- load sweeps (export/sweep.py's rows) to schedule γ per batch size from ------------------------
 def sweep_row(
     method: str, gamma: int, concurrency: int, request_step_s: float, accepted=(), drafts=0, source=None
 ) -> dict:

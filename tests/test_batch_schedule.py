@@ -2,17 +2,20 @@
 costs and pooled acceptance, K = 0 where speculation loses, no edge that gains less than the margin,
 written into the export's served config (and its serving command) with the pinned sampling settings;
 a sweep that is not of this checkpoint, a malformed one, or one where speculation never pays is refused
-in one line before the target loads. The engine side is tests/test_engine_vllm.py."""
+in one line before the target loads; the rows `draftsmith sweep` writes are the rows it reads. The engine
+side, the sweep measured in vLLM included, is tests/test_engine_vllm.py."""
 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
 from draftsmith.errors import ExportCheckFailed, UserError
 from draftsmith.export.repo import EXPORT_INFO, VLLM_PINNED
-from draftsmith.export.schedule import batch_schedule, pooled_acceptance, read_sweep
+from draftsmith.export.schedule import batch_schedule, pooled_acceptance
+from draftsmith.export.sweep import measured_row, read_sweep
 from draftsmith.files import checkpoint_digest
 from tests.helpers import (
     KINDS,
@@ -113,6 +116,24 @@ def test_a_malformed_sweep_is_named_by_its_line(tmp_path):
         read_sweep(path)
 
 
+def test_the_rows_the_sweep_writes_are_what_the_export_reads(tmp_path):
+    """export/sweep.py's row from a level as the vLLM worker answers it: read back and scheduled."""
+
+    def level(seconds: float, tokens: int, accepted: list[int], outputs: list[list[int]]) -> dict:
+        metrics = {"num_drafts": 100 if accepted else 0, "num_accepted_tokens": sum(accepted)}
+        return {"concurrency": 1, "outputs": outputs, "seconds": seconds, "tokens": tokens, "steps": 100,
+                "mean_batch": 1.0, "tpot_s": [0.01], "metrics": {**metrics, "accepted_per_position": accepted}}  # fmt: skip
+
+    served = {"vllm_version": "0.32.0", "engine_settings": {"runner": "cpu"}, "process_s": 1.0}
+    plain = measured_row("plain", 0, level(100.0, 100, [], [[1, 2]]), None, served, 2, None)
+    drafted = measured_row("d", 1, level(110.0, 160, [60], [[1, 2]]), plain, served, 2, "abc")
+    path = tmp_path / "sweep.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in (plain, drafted)))
+    rows = read_sweep(path)
+    assert rows[1]["lossless"] and rows[1]["tau"] == 1.6 and rows[1]["speedup"] == round(1.6 / 1.1, 4)
+    assert batch_schedule(rows, "d")["num_speculative_tokens_per_batch_size"] == [[1, 1, 1]]
+
+
 @pytest.fixture(scope="module")
 def target():
     from draftsmith.target import load_target
@@ -182,3 +203,13 @@ def test_a_sweep_that_does_not_fit_is_refused_in_one_line(setting, fragment, tar
                                    f"export.output={tmp_path / 'export'}", f"export.batch_sweep={measured}", *extra], capsys)  # fmt: skip
     assert_one_line_error(result, 2, fragment)
     assert not (tmp_path / "export" / "vllm").exists()
+
+
+def test_the_sweep_of_another_checkpoint_is_not_resumed(target, tmp_path, capsys):
+    """`draftsmith sweep` into a folder holding another checkpoint's rows: one line, before any engine."""
+    checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt")
+    (tmp_path / "sweep").mkdir()
+    write_sweep(tmp_path / "sweep" / "sweep.jsonl", "0" * 64)
+    result = run_entry_in_process(["-m", "export.sweep", f"recipe={KINDS['eagle3']}", f"checkpoint={checkpoint}",
+                                   f"output_dir={tmp_path}", f"export.vllm_python={sys.executable}"], capsys)  # fmt: skip
+    assert_one_line_error(result, 2, "holds a sweep of another checkpoint (sha256 000000000000)")

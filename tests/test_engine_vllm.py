@@ -6,8 +6,9 @@ demo target: (a) greedy outputs equal vLLM's without speculation and draftsmith'
 vLLM's counters show accepted tokens, (c) vLLM's τ is within export.tolerance (2%) of draftsmith's on the
 same prompts and schedule. And (c) fails for the silent mistakes the field has shipped: an EAGLE-3
 folder without `norm_before_residual`, with draftsmith's layer ids written unshifted, or without its
-draft layer's sliding window. An export with a γ per batch size (export.batch_sweep) is served with it:
-the engine takes it as written, drafts less once the batch is past it, and stays lossless.
+draft layer's sliding window. A load sweep (`draftsmith sweep`) measures the export in vLLM, and an export
+with a γ per batch size (export.batch_sweep) is served with it: the engine takes it as written, drafts
+less once the batch is past it, and stays lossless.
 
 Every kind (Medusa-1/2, EAGLE-1, EAGLE-3.1, P-EAGLE, the draft model, PARD, DFlash) is served in
 tests/test_kinds_vllm.py, on Qwen3 and Qwen3-MoE targets; EAGLE-3 on every family in
@@ -26,6 +27,7 @@ from draftsmith.errors import ExportCheckFailed
 from draftsmith.export import export_checkpoint, exporter_for
 from draftsmith.export.repo import EXPORT_INFO, VLLM_PINNED
 from draftsmith.export.run import load_source, served_config
+from draftsmith.export.sweep import read_sweep, run_sweep
 from draftsmith.export.verify import verify_in_vllm
 from draftsmith.files import checkpoint_digest
 from draftsmith.recipe import load_recipe
@@ -111,10 +113,21 @@ def test_a_silently_misread_eagle3_folder_fails_the_check(exported, engine_sessi
 
 
 def test_an_export_with_a_gamma_per_batch_size_is_served_with_it(exported, engine_session, target, tmp_path):
-    """The EAGLE-3 case's checkpoint exported with a schedule that speculates at batch sizes 1-2 only;
-    the check sends every eval prompt at once, so the engine runs past the schedule's edge: the same
-    output, no drafts."""
+    """The EAGLE-3 case's checkpoint swept under load (`draftsmith sweep`, a small one): lossless rows the
+    export reads. Then exported with a schedule that speculates at batch sizes 1-2 only; the check sends
+    every eval prompt at once, so the engine runs past the schedule's edge: the same output, no drafts."""
     cfg, checkpoint, _ = exported("eagle3")
+    small = {"concurrency": [1, 2], "gammas": [1], "ngram": False, "min_requests": 2, "requests_per_slot": 1}
+    swept = OmegaConf.merge(
+        cfg, {"output_dir": str(tmp_path), "eval": {"max_new_tokens": 16}, "export": {"sweep": small}}
+    )
+    rows = read_sweep(run_sweep(swept, checkpoint, engine_session, target))
+    methods = (("eagle3", 0), ("eagle3", 1), ("plain", 0), ("plain-rerun", 0))
+    assert sorted((r["method"], r["gamma"], r["concurrency"]) for r in rows) == [
+        (method, gamma, c) for method, gamma in methods for c in (1, 2)
+    ]
+    assert all(r["lossless"] for r in rows if r["method"] != "plain") and any(r["drafts"] for r in rows)
+    assert "schedule" in json.loads((tmp_path / "sweep" / "summary.json").read_text())
     sweep = write_sweep(tmp_path / "sweep.jsonl", checkpoint_digest(checkpoint))
     scheduled = OmegaConf.merge(cfg, {"export": {"output": str(tmp_path / "export"), "batch_sweep": str(sweep)}})
     folder = export_checkpoint(scheduled, checkpoint, target=target, engines=engine_session)["vllm"]

@@ -19,12 +19,13 @@ A request is an object with one key, the name of what it asks for, whose value h
 - {"runs": {"target": DIR, "prompts": [[token ids], ...], "max_tokens": N, "dtype": "float32",
   "max_model_len": N, "gpu_memory_utilization": 0.3, "runs": [{"name": ..., "speculative_config": null
   | {...}}, ...]}} greedy generation with and without a drafter, each run in an engine of its own that
-  is shut down after it, with vLLM's spec-decode counters (the export check, the benchmarks). Optional:
-  "sequential": true (batch size 1: one prompt at a time, each timed and counted, as "per_prompt":
-  [{"seconds", "tokens", "metrics"}]), "warmup": N (untimed generations first) and "load":
-  [{"concurrency": C, "prompts": [[ids], ...]}, ...] (instead of "prompts": a closed loop per level, C
-  requests in flight until the level's prompts are done, as "levels": [{"concurrency", "outputs",
-  "seconds", "tokens", "steps", "mean_batch", "tpot_s": [per request], "metrics"}]). Reply: {"ok": true,
+  is shut down after it, with vLLM's spec-decode counters (the export check, export/verify.py).
+  Optional: "warmup": N (untimed generations first) and "load": [{"concurrency": C, "prompts": [[ids],
+  ...]}, ...] (instead of "prompts": a closed loop per level, C requests in flight until the level's
+  prompts are done, as "levels": [{"concurrency", "outputs", "seconds", "tokens", "steps", "mean_batch",
+  "tpot_s": [per request], "metrics"}]), the load sweep (export/sweep.py); "sequential": true (batch
+  size 1: one prompt at a time, each timed and counted, as "per_prompt": [{"seconds", "tokens",
+  "metrics"}]), which only the benchmarks' per-prompt timings send. Reply: {"ok": true,
   "vllm_version": ..., "runs": {name: {"outputs": [[ids]], "finish_reasons": [...], "metrics":
   {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position"}, "seconds": {...},
   "engine_settings": {what the engine resolved: runner, max_num_seqs and, when speculating, method,

@@ -1,0 +1,433 @@
+"""The load sweep: a drafter's export served in vLLM at several concurrencies, plain and at each γ, one
+JSONL row per (method, γ, concurrency); `export.batch_sweep` reads these rows to write vLLM's γ per batch
+size (export/schedule.py).
+
+    draftsmith sweep recipe=NAME [checkpoint=DIR] export.vllm_python=PYTHON [export.sweep.KEY=...]
+    python -m export.sweep ...                                  (from a checkout)
+
+Without `checkpoint` it is `<output_dir>/final`. The drafter is exported for vLLM into
+`<export.sweep.output>/export` (no engine check: the sweep compares every output with plain's itself),
+then served in the engine of `export.vllm_python`, one method at one γ at every concurrency c in turn:
+a closed loop, c requests in flight and a new one entering as one finishes, until
+max(`min_requests`, `requests_per_slot` x c) requests are done, every token's arrival timed. The
+prompts are the eval prompts (eval.data, else data.eval; eval.max_prompts a domain), domains taken in
+turn and reused round-robin; each answers eval.max_new_tokens tokens, greedy. The methods, in order:
+plain decoding; vLLM's n-gram proposer at every γ (`export.sweep.ngram`); the drafter loaded with a
+schedule that drafts at no batch size (γ 0: in vLLM 0.32 that is not free, and the schedule prices K = 0
+at it); the drafter at every γ; plain once more (`plain-rerun`: how far two runs of one setting differ
+on this machine, which the schedule's margin never goes below).
+
+Written into `export.sweep.output` (default `<output_dir>/sweep`), resumable (a row already in
+sweep.jsonl is not measured again):
+- `sweep.jsonl`: the rows. A row: method, gamma, concurrency, requests, tokens, seconds, steps,
+  mean_batch (requests served per engine step), tok_s, tpot_ms_p50, tpot_ms_p90 (per request: time
+  between its first and last token over its tokens - 1), speedup (tok_s over plain's at the same
+  concurrency), tau (vLLM: 1 + accepted / drafts), acceptance_per_position (P(accepted >= k)), drafts,
+  accepted_per_position, tokens_per_step, lossless (every output equal to plain's for the same prompt at
+  the same concurrency), outputs_sha256 (per request), source_sha256 (the drafter checkpoint's), engine
+  (vLLM's version and what it resolved), threads, process_s;
+- `summary.json`: per method and concurrency the best γ, the crossover where speculation stops paying,
+  plain's second run over its first, the γ per batch size the export would write (or why it refuses),
+  the settings; `speedup.png`: each method at its best γ against plain, and the schedule's prediction.
+
+Prints the path of sweep.jsonl; `draftsmith export ... export.batch_sweep=<that path>` then writes the
+schedule into the served config.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig
+
+from draftsmith.errors import ExportCheckFailed, UserError, one_line
+from draftsmith.export.repo import EXPORT_INFO, VLLM_PINNED
+
+PLAIN = "plain"
+PLAIN_AGAIN = "plain-rerun"  # plain measured a second time in the same sweep: its noise
+NGRAM = "ngram"
+# What export/schedule.py reads from a row; the rest is for the reader of the sweep.
+FIELDS = (
+    "method",
+    "gamma",
+    "concurrency",
+    "seconds",
+    "tokens",
+    "steps",
+    "mean_batch",
+    "drafts",
+    "accepted_per_position",
+)
+ROWS, SUMMARY, PLOT = "sweep.jsonl", "summary.json", "speedup.png"
+log = logging.getLogger("draftsmith.export")
+
+
+def read_sweep(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a load sweep's JSONL; UserError naming the first bad line."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"export.batch_sweep={str(path)!r} does not exist")
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UserError(f"{path}:{number}: not JSON ({one_line(err)})") from None
+        missing = [key for key in FIELDS if key not in row]
+        if missing:
+            raise UserError(f"{path}:{number}: not a load-sweep row (missing {', '.join(missing)})")
+        rows.append(row)
+    return rows
+
+
+def ngram_config(gamma: int) -> dict[str, Any]:
+    """vLLM's n-gram proposer (prompt lookup of 2 to 4 tokens) at γ, with the pinned sampling settings."""
+    return {
+        "method": NGRAM,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4,
+        **VLLM_PINNED,
+        "num_speculative_tokens": gamma,
+    }
+
+
+@dataclass
+class Load:
+    """How a sweep loads the engine: the same target, prompts and lengths for every method."""
+
+    python: str  # a Python with vLLM
+    target: str  # the target as vLLM loads it
+    prompts: list[list[int]]  # token ids, reused round-robin
+    new_tokens: int
+    requests_per_slot: int
+    min_requests: int
+    threads: int  # the engine's OpenMP threads
+    dtype: str
+    max_model_len: int
+
+    def request(self, levels: Sequence[int], speculative_config: Optional[dict[str, Any]]) -> dict[str, Any]:
+        """The worker's "runs" request for one method at one γ at every level (engine_scripts/vllm_worker.py)."""
+        load = []
+        for concurrency in levels:
+            count = max(self.min_requests, self.requests_per_slot * concurrency)
+            load.append(
+                {"concurrency": concurrency, "prompts": [self.prompts[i % len(self.prompts)] for i in range(count)]}
+            )
+        return {
+            "target": self.target,
+            "load": load,
+            "max_tokens": self.new_tokens,
+            "dtype": self.dtype,
+            "max_model_len": self.max_model_len,
+            "gpu_memory_utilization": 0.3,
+            "warmup": 1,
+            "runs": [{"name": "run", "speculative_config": speculative_config}],
+        }
+
+    def rows(
+        self,
+        session,
+        method: str,
+        gamma: int,
+        speculative_config: Optional[dict[str, Any]],
+        source: Optional[str],
+        levels: Sequence[int],
+        plain: dict[int, dict[str, Any]],
+    ) -> list[dict[str, Any]]:
+        """The rows of `method` at `gamma` at each of `levels`, served in `session` (an
+        export.verify.EngineSession); `plain`: plain's rows by concurrency, for speed-up and lossless."""
+        began = time.perf_counter()
+        result = session.run(self.python, self.request(levels, speculative_config))
+        served = {**result["runs"]["run"], "vllm_version": result["vllm_version"]}
+        served["process_s"] = time.perf_counter() - began
+        return [
+            measured_row(method, gamma, level, plain.get(level["concurrency"]), served, self.threads, source)
+            for level in served["levels"]
+        ]
+
+
+def measured_row(method, gamma, level, plain, served, threads, source) -> dict[str, Any]:
+    """A sweep.jsonl row (the module docstring) from one level of the worker's reply."""
+    metrics = level["metrics"]
+    drafts = metrics["num_drafts"]
+    tpot = sorted(level["tpot_s"])
+    tok_s = level["tokens"] / level["seconds"]
+    request_steps = level["steps"] * level["mean_batch"]
+    return {
+        "method": method,
+        "gamma": gamma,
+        "concurrency": level["concurrency"],
+        "requests": len(level["outputs"]),
+        "tokens": level["tokens"],
+        "seconds": round(level["seconds"], 3),
+        "steps": level["steps"],
+        "mean_batch": round(level["mean_batch"], 3),
+        "tok_s": round(tok_s, 2),
+        "tpot_ms_p50": round(1000 * statistics.median(tpot), 2) if tpot else None,
+        "tpot_ms_p90": round(1000 * tpot[min(len(tpot) - 1, int(0.9 * len(tpot)))], 2) if tpot else None,
+        "speedup": round(tok_s / plain["tok_s"], 4) if plain else (1.0 if method == PLAIN else None),
+        "tau": round(1 + metrics["num_accepted_tokens"] / drafts, 4) if drafts else None,
+        "acceptance_per_position": [round(n / drafts, 4) for n in metrics["accepted_per_position"]] if drafts else [],
+        "drafts": drafts,
+        "accepted_per_position": metrics["accepted_per_position"]
+        + [0] * (gamma - len(metrics["accepted_per_position"])),
+        "tokens_per_step": round(level["tokens"] / request_steps, 4) if request_steps else None,
+        "lossless": None if plain is None else digests(level["outputs"]) == plain["outputs_sha256"],
+        "outputs_sha256": digests(level["outputs"]),
+        "source_sha256": source,
+        "engine": {"vllm_version": served["vllm_version"], **served["engine_settings"]},
+        "threads": threads,
+        "process_s": round(served["process_s"], 1),
+    }
+
+
+def digests(outputs: list[list[int]]) -> list[str]:
+    """Per request, a short digest of its output token ids: enough to tell two outputs apart."""
+    return [hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16] for ids in outputs]
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows measured so far (none before the first)."""
+    return read_sweep(path) if path.is_file() else []
+
+
+def measure(path: Path, load: Load, session, levels: Sequence[int], method: str, gamma: int,
+            speculative_config: Optional[dict[str, Any]], source: Optional[str] = None) -> None:  # fmt: skip
+    """Append to `path` the rows of `method` at `gamma` for the levels it does not hold yet."""
+    done = {(row["method"], row["gamma"], row["concurrency"]) for row in read_rows(path)}
+    missing = [c for c in levels if (method, gamma, c) not in done]
+    if not missing:
+        return
+    log.info("load sweep: %s at γ %d, concurrency %s", method, gamma, missing)
+    plain = {row["concurrency"]: row for row in read_rows(path) if row["method"] == PLAIN}
+    rows = load.rows(session, method, gamma, speculative_config, source, missing, plain)
+    with path.open("a") as out:
+        out.writelines(json.dumps(row) + "\n" for row in rows)
+
+
+def summarize(rows: list[dict[str, Any]], methods: Sequence[str]) -> dict[str, Any]:
+    """Per method the best γ at each concurrency and the crossover (the first concurrency where even the
+    best γ is slower than plain), plain's second run over its first, and whether every row was lossless."""
+    levels = sorted({r["concurrency"] for r in rows})
+    best: dict[str, dict[int, dict[str, Any]]] = {}
+    for method in methods:
+        best[method] = {}
+        for c in levels:
+            candidates = [r for r in rows if r["method"] == method and r["concurrency"] == c]
+            if candidates:
+                top = max(candidates, key=lambda r: r["tok_s"])
+                best[method][c] = {key: top[key] for key in ("gamma", "speedup", "tok_s", "tau")}
+    crossover = {
+        method: next((c for c in levels if c in best[method] and best[method][c]["speedup"] < 1.0), None)
+        for method in methods
+    }
+    first = {r["concurrency"]: r["tok_s"] for r in rows if r["method"] == PLAIN}
+    again = {r["concurrency"]: r["tok_s"] for r in rows if r["method"] == PLAIN_AGAIN}
+    lossless = {
+        m: all(r["lossless"] for r in rows if r["method"] == m and r["lossless"] is not None)
+        for m in {r["method"] for r in rows}
+    }
+    return {
+        "best_per_concurrency": best,
+        "crossover": crossover,
+        "lossless": lossless,
+        "plain_rerun_over_plain": {c: round(again[c] / first[c], 4) for c in levels if c in again and c in first},
+        "engine": rows[0]["engine"]["vllm_version"] if rows else None,
+    }
+
+
+def plot(best: dict[str, dict[int, dict[str, Any]]], dashed: dict[str, dict[int, float]], path: Path) -> None:
+    """Speed-up over plain against concurrency: each method at its best γ, and `dashed` (label ->
+    concurrency -> speed-up) such as a schedule."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = sorted({c for per_level in [*best.values(), *dashed.values()] for c in per_level})
+    figure, axes = plt.subplots(figsize=(7, 4.2))
+    for method, per_level in best.items():
+        xs = [c for c in levels if c in per_level]
+        axes.plot(xs, [per_level[c]["speedup"] for c in xs], marker="o", label=f"{method} (best fixed γ)")
+    for label, per_level in dashed.items():
+        xs = sorted(per_level)
+        axes.plot(xs, [per_level[c] for c in xs], marker="s", linestyle="--", label=label)
+    axes.axhline(1.0, color="grey", linewidth=1)
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(levels, [str(c) for c in levels])
+    axes.set_xlabel("concurrency (requests in flight)")
+    axes.set_ylabel("output tokens/s over plain decoding")
+    axes.set_title("Speed-up against load, vLLM")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None) -> Path:
+    """Measure `checkpoint`'s export under load (the module docstring); returns sweep.jsonl's path.
+    `session`: an export.verify.EngineSession to serve in (one of its own otherwise); `target`: the
+    loaded target for the export (loaded here otherwise)."""
+    from contextlib import nullcontext
+
+    from draftsmith.engines import vllm_python
+    from draftsmith.export.verify import EngineSession
+    from draftsmith.files import checkpoint_digest, write_text_atomic
+    from draftsmith.heads.base import read_checkpoint_config
+    from draftsmith.outputs import DirectoryLock
+
+    settings = cfg.export.sweep
+    levels, gammas = sorted(set(settings.concurrency)), sorted(set(settings.gammas))
+    if not levels or min(levels) < 1 or not gammas or min(gammas) < 1:
+        raise UserError(
+            f"export.sweep.concurrency={list(settings.concurrency)} and export.sweep.gammas={list(settings.gammas)} "
+            "must each list at least one integer >= 1"
+        )
+    python = vllm_python(cfg.export.vllm_python, "export.vllm_python")
+    method = read_checkpoint_config(checkpoint)["drafter_type"]
+    digest = checkpoint_digest(checkpoint)
+    output = Path(settings.output or Path(cfg.output_dir) / "sweep")
+    path = output / ROWS
+    with DirectoryLock(output):
+        others = {row.get("source_sha256") for row in read_rows(path) if row.get("source_sha256") not in (None, digest)}
+        if others:
+            raise UserError(
+                f"{path} holds a sweep of another checkpoint (sha256 {min(others)[:12]}); "
+                "give this one another export.sweep.output"
+            )
+        folder = exported_for_sweep(cfg, checkpoint, output / "export", digest, target)
+        load = sweep_load(cfg, python, folder)
+        threads_env = {"OMP_NUM_THREADS": str(load.threads)}
+        with nullcontext(session) if session is not None else EngineSession(threads_env) as engines:
+            measure(path, load, engines, levels, PLAIN, 0, None)
+            if settings.ngram:
+                for gamma in gammas:
+                    measure(path, load, engines, levels, NGRAM, gamma, ngram_config(gamma))
+            for gamma in [0, *gammas]:
+                measure(path, load, engines, levels, method, gamma, served_at(folder, gamma, levels), digest)
+            measure(path, load, engines, levels, PLAIN_AGAIN, 0, None)
+        rows = read_rows(path)
+        methods = [NGRAM, method] if settings.ngram else [method]
+        summary = summarize(rows, methods)
+        summary["schedule"], predicted = schedule_of(rows, method)
+        summary["settings"] = {
+            "concurrency": levels,
+            "gammas": gammas,
+            "ngram": bool(settings.ngram),
+            "new_tokens": load.new_tokens,
+            "requests_per_slot": load.requests_per_slot,
+            "min_requests": load.min_requests,
+            "threads": load.threads,
+            "dtype": load.dtype,
+            "prompts": len(load.prompts),
+        }
+        write_text_atomic(output / SUMMARY, json.dumps(summary, indent=2) + "\n")
+        plot(summary["best_per_concurrency"], predicted, output / PLOT)
+    log.info("load sweep of %s: %s, %s", checkpoint, path, output / SUMMARY)
+    return path
+
+
+def served_at(folder: Path, gamma: int, levels: Sequence[int]) -> dict[str, Any]:
+    """The speculative config of the export in `folder` at a fixed γ; at γ 0, loaded with a schedule that
+    drafts at no batch size up to the largest level (what a schedule's K = 0 costs)."""
+    served = json.loads((folder / EXPORT_INFO).read_text())["speculative_config"]
+    fixed = {k: v for k, v in served.items() if k != "num_speculative_tokens_per_batch_size"} | {"model": str(folder)}
+    if gamma == 0:
+        return {**fixed, "num_speculative_tokens": 1, "num_speculative_tokens_per_batch_size": [[1, max(levels), 0]]}
+    return {**fixed, "num_speculative_tokens": gamma}
+
+
+def round_robin(by_domain: dict[str, list[list[int]]]) -> list[list[int]]:
+    """The prompts of every domain in turn: the first of each, then the second of each, ..."""
+    longest = max(map(len, by_domain.values()))
+    return [prompts[i] for i in range(longest) for prompts in by_domain.values() if i < len(prompts)]
+
+
+def exported_for_sweep(cfg: DictConfig, checkpoint: Path, output: Path, digest: str, target) -> Path:
+    """The checkpoint's vLLM folder the sweep serves: kept from an earlier run of the sweep when made from
+    the same checkpoint, else exported (vLLM only, unchecked, not pushed)."""
+    from draftsmith.export.run import export_checkpoint
+    from draftsmith.recipe import derived
+
+    info = output / "vllm" / EXPORT_INFO
+    if info.is_file() and json.loads(info.read_text())["source"]["sha256"] == digest:
+        return output / "vllm"
+    variant = derived(
+        cfg,
+        {
+            "export.output": str(output),
+            "export.engines": ["vllm"],
+            "export.vllm_python": None,
+            "export.batch_sweep": None,
+            "export.push.repo_id": None,
+        },
+    )
+    return export_checkpoint(variant, checkpoint, target=target)["vllm"]
+
+
+def sweep_load(cfg: DictConfig, python: str, folder: Path) -> Load:
+    """The sweep's prompts and settings from the recipe: the eval prompts, domains in turn."""
+    from draftsmith.eval.prompts import load_prompts
+    from draftsmith.target import load_tokenizer, resolve_device, resolve_dtype
+
+    sources = list(cfg.eval.data) or list(cfg.data.eval)
+    if not sources:
+        raise UserError("the load sweep serves the eval prompts: set eval.data or data.eval")
+    by_domain = load_prompts(
+        sources, load_tokenizer(cfg.target), int(cfg.eval.max_prompts), int(cfg.data.max_length),
+        bool(cfg.data.skip_invalid_utf8),
+    )  # fmt: skip
+    prompts = round_robin(by_domain)
+    new_tokens = int(cfg.eval.max_new_tokens)
+    threads = cfg.export.sweep.cpu_threads or int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
+    # a drafter that verifies with a target of its own (Medusa-2's adapted one) serves it from its folder
+    served_target = folder / "target" if (folder / "target").is_dir() else cfg.target.name_or_path
+    return Load(
+        python=python,
+        target=str(served_target),
+        prompts=prompts,
+        new_tokens=new_tokens,
+        requests_per_slot=int(cfg.export.sweep.requests_per_slot),
+        min_requests=int(cfg.export.sweep.min_requests),
+        threads=int(threads),
+        dtype=str(resolve_dtype(cfg.target.dtype, resolve_device(cfg.eval.device))).removeprefix("torch."),
+        max_model_len=max(map(len, prompts)) + new_tokens + 8,
+    )
+
+
+def schedule_of(rows: list[dict[str, Any]], method: str) -> tuple[dict[str, Any], dict[str, dict[int, float]]]:
+    """The γ per batch size the export would write from these rows (or why it refuses), and its predicted
+    speed-up over plain per concurrency, for the plot."""
+    from draftsmith.export.schedule import batch_schedule
+
+    try:
+        schedule = batch_schedule(rows, method)
+    except ExportCheckFailed as refused:
+        return {"refused": str(refused)}, {}
+    predicted = {int(c): v["predicted_vs_plain"] for c, v in schedule["per_concurrency"].items()}
+    return schedule, {f"{method} with its γ schedule (predicted)": predicted}
+
+
+def main(argv: Sequence[str]) -> None:
+    from draftsmith.recipe import load_recipe
+
+    cfg = load_recipe(argv)
+    print(run_sweep(cfg, Path(cfg.checkpoint or Path(cfg.output_dir) / "final")))
+
+
+if __name__ == "__main__":
+    from draftsmith.cli import configure_logging, entry_point
+
+    configure_logging()
+    entry_point(main, __doc__, command="sweep")
