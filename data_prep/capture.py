@@ -210,8 +210,8 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
         print(
             f"captured {manifest['tokens']} tokens ({manifest['conversations']} conversations, "
             f"{len(manifest['shards'])} shards) into {directory}: {manifest['bytes_per_token']:.1f} bytes/token; "
-            f"EAGLE-3's four bf16 features (8*H) would be {manifest['anchor_bytes_per_token']} bytes/token "
-            f"(ratio {manifest['anchor_ratio']:.3f}); this run captured {manifest['last_run']['tokens_per_s']:.0f} tokens/s",
+            f"EAGLE-3's four bf16 features (8*H) would be {manifest['anchor_bytes_per_token']} bytes/token (ratio "
+            f"{manifest['anchor_ratio']:.3f}); this run captured {manifest['last_run']['tokens_per_s']:.0f} tokens/s",
             flush=True,
         )
     return CaptureResult(directory=directory, computed=computed, reused=reused, manifest=manifest)
@@ -259,7 +259,8 @@ def refuse_other_capture(directory: Path, settings: dict[str, Any]) -> None:
         if differ:
             changes = "; ".join(f"{key}: {found.get(key)!r} -> {settings[key]!r}" for key in differ)
             raise UserError(
-                f"{directory} already holds a capture with other settings ({changes[:400]}); remove it or set data.capture.output to another directory"
+                f"{directory} already holds a capture with other settings ({changes[:400]}); remove it or set "
+                "data.capture.output to another directory"
             )
 
 
@@ -354,7 +355,8 @@ def refuse_nonfinite(stored: dict[str, torch.Tensor], rows: dict[str, list], ind
         if bad.any():
             position = int(bad.reshape(len(values), -1).any(-1).nonzero()[0])
             raise UserError(
-                f"the target's {name} is not finite at token {position} of {rows['sample'][index]}; refusing to write a shard with it"
+                f"the target's {name} is not finite at token {position} of {rows['sample'][index]}; refusing to write "
+                "a shard with it"
             )
 
 

@@ -110,7 +110,8 @@ def tokenize_conversations(
         _log_stats(stats, len(conversations), max_length)
         if len(tokenized) == 0:
             raise UserError(
-                f"no conversation is left after tokenization with data.max_length={max_length} and data.overlong={overlong}"
+                f"no conversation is left after tokenization with data.max_length={max_length} and "
+                f"data.overlong={overlong}"
             )
         staged = os.path.join(scratch, "dataset")
         tokenized.save_to_disk(staged)
@@ -141,7 +142,8 @@ def _tokenize_batch(
         if len(ids) > max_length:
             if overlong == "error":
                 raise UserError(
-                    f"{where}: {len(ids)} tokens is more than data.max_length={max_length} (raise it, or set data.overlong=truncate or drop)"
+                    f"{where}: {len(ids)} tokens is more than data.max_length={max_length} (raise it, or set "
+                    "data.overlong=truncate or drop)"
                 )
             if overlong == "drop":
                 stats["dropped_overlong"] += 1
@@ -291,7 +293,8 @@ class PackingCollator:
         for row, length in zip(rows, lengths):
             if length > self.pack_length:
                 raise UserError(
-                    f"{row.get('sample') or 'a conversation'} has {length} tokens, more than data.pack_length={self.pack_length} (a conversation is never split); raise data.pack_length"
+                    f"{row.get('sample') or 'a conversation'} has {length} tokens, more than "
+                    f"data.pack_length={self.pack_length} (a conversation is never split); raise data.pack_length"
                 )
         packed = pack_rows(lengths, self.pack_length)
         width = max(sum(lengths[i] for i in members) for members in packed)

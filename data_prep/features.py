@@ -178,7 +178,8 @@ class FeatureStore(Dataset):
             return
         if file_sha256(shard.path) != shard.sha256:
             raise UserError(
-                f"feature shard {shard.path} is corrupt (sha256 differs from {MANIFEST_NAME}); run data_prep.capture again with the same recipe to redo it"
+                f"feature shard {shard.path} is corrupt (sha256 differs from {MANIFEST_NAME}); run data_prep.capture "
+                "again with the same recipe to redo it"
             )
         self._verified.add(shard.path)
 
@@ -249,7 +250,8 @@ def _read_manifest(directory: Path) -> dict[str, Any]:
     version = manifest.get("schema_version") if isinstance(manifest, dict) else None
     if version != SCHEMA_VERSION:
         raise UserError(
-            f"{path}: feature schema version {version!r}, but this draftsmith reads version {SCHEMA_VERSION}; capture again"
+            f"{path}: feature schema version {version!r}, but this draftsmith reads version {SCHEMA_VERSION}; capture "
+            "again"
         )
     missing = [key for key in _MANIFEST_KEYS if key not in manifest]
     if missing:
@@ -273,11 +275,13 @@ def _check_expectation(directory: Path, manifest: Mapping[str, Any], expect: Map
     needed = sorted(set(expect.get("layers") or ()))
     if not set(needed) <= set(manifest["layers"]):
         raise UserError(
-            f"features in {directory} hold layers {sorted(manifest['layers'])} but the drafter needs {needed}; capture again with data.capture.layers={needed}"
+            f"features in {directory} hold layers {sorted(manifest['layers'])} but the drafter needs {needed}; capture "
+            f"again with data.capture.layers={needed}"
         )
     if expect.get("final") and not manifest["final"]:
         raise UserError(
-            f"features in {directory} hold no final hidden state but the drafter needs it; capture again with data.capture.final=true"
+            f"features in {directory} hold no final hidden state but the drafter needs it; capture again with "
+            "data.capture.final=true"
         )
     if expect.get("logits") and manifest["logits"] == "none":
         raise UserError(

@@ -76,7 +76,8 @@ def named_file(source: str) -> Path:
     original = Path(list(found.submodule_search_locations)[0]) / spec.relative
     if not original.is_file():
         raise UserError(
-            f"{source}: {original} is missing from the installed package {spec.package!r}; reinstall it ({spec.install})"
+            f"{source}: {original} is missing from the installed package {spec.package!r}; reinstall it "
+            f"({spec.install})"
         )
     directory = cache_root() / f"{name}-{file_sha256(original)[:16]}"
     converted = directory / f"{name}.jsonl.gz"

@@ -75,7 +75,10 @@ def help_text(usage: str, argv: Sequence[str], own: Sequence[str] = ()) -> str:
     args = recipe_args(argv)
     # composed, not validated: the keys of a recipe that cannot run on this machine are listed too
     cfg = compose(*split_argv(args)) if any(arg.startswith("recipe=") for arg in args) else None
-    options = "Options:\n  --help  this text (with recipe=NAME: that recipe's keys and values)\n  --cfg   print the resolved recipe (YAML) and exit without running"
+    options = (
+        "Options:\n  --help  this text (with recipe=NAME: that recipe's keys and values)\n"
+        "  --cfg   print the resolved recipe (YAML) and exit without running"
+    )
     keys = "Recipe keys" + (
         " and the recipe's values" if cfg is not None else " (schema defaults; recipe=NAME --help shows a recipe's)"
     )

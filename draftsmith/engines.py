@@ -96,7 +96,8 @@ class VllmWorker:
         """The one-line cause of a failed reply (`error`, `error_lines`)."""
         if reply.get("error", "").startswith("ModuleNotFoundError: No module named 'vllm"):
             raise UserError(
-                f"{self.python} cannot import vllm ({reply['error']}): point {self.key} at the python of an environment that has it"
+                f"{self.python} cannot import vllm ({reply['error']}): point {self.key} at the python of an "
+                "environment that has it"
             )
         return one_line("; ".join(reply.get("error_lines") or []) or reply.get("error", "unknown error"), 600)
 

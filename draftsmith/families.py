@@ -168,7 +168,8 @@ DRAFT_LAYER_FAMILIES = {
 def layer_family(name: str) -> LayerFamily:
     if name not in DRAFT_LAYER_FAMILIES:
         raise UserError(
-            f"drafter.layer_family={name!r} is not one of {', '.join(DRAFT_LAYER_FAMILIES)} (the families engines build draft layers from)"
+            f"drafter.layer_family={name!r} is not one of {', '.join(DRAFT_LAYER_FAMILIES)} (the families engines "
+            "build draft layers from)"
         )
     return DRAFT_LAYER_FAMILIES[name]
 

@@ -64,7 +64,8 @@ class DirectoryLock:
                 os.close(fd)
                 self._undo_created_directory()
                 raise UserError(
-                    f"{self.directory} is in use by another job ({holder}); wait for it to finish or use another directory"
+                    f"{self.directory} is in use by another job ({holder}); wait for it to finish or use another "
+                    "directory"
                 ) from None
             # The file we locked must still be the one at the path: a releasing holder unlinks it, and
             # a lock on an unlinked file excludes nobody.

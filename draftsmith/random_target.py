@@ -95,10 +95,11 @@ def build_model(
     seed_from: Optional[str | Path] = None,
 ):
     """The causal LM of `config` with random weights (every >= 2-D weight from N(0, std²); norms and
-    biases as the family initialises them), in eval mode. `seed_from`: a checkpoint directory (model.safetensors) whose tensors replace the random ones
-    wherever name and shape match, by name only, whatever the families: a trained model's weights
-    make the target's text predictable, so a drafter learns something within seconds, while every
-    part the family does differently (its norms, fused projections, experts, biases) stays its own."""
+    biases as the family initialises them), in eval mode. `seed_from`: a checkpoint directory
+    (model.safetensors) whose tensors replace the random ones wherever name and shape match, by name
+    only, whatever the families: a trained model's weights make the target's text predictable, so a
+    drafter learns something within seconds, while every part the family does differently (its norms,
+    fused projections, experts, biases) stays its own."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)

@@ -170,7 +170,8 @@ def render_text(cfg: Optional[DictConfig] = None, own: Sequence[str] = ()) -> st
                 out += [f"      {line}" for line in textwrap.wrap(key.help, 100)]
     if cfg is None:
         out.append(
-            f"\ndrafter.*: the keys of drafter.type ({', '.join(sorted(REGISTRY))}); give recipe=NAME --help to list them"
+            f"\ndrafter.*: the keys of drafter.type ({', '.join(sorted(REGISTRY))}); give recipe=NAME --help to list "
+            "them"
         )
     return "\n".join(out).lstrip("\n")
 
@@ -182,7 +183,8 @@ def render_markdown() -> str:
     out = [
         "# Recipe reference",
         "",
-        "Generated from the schema (`python -m draftsmith.recipe_keys > docs/recipe.md`; a test fails when it is stale).",
+        "Generated from the schema (`python -m draftsmith.recipe_keys > docs/recipe.md`; a test fails when it is "
+        "stale).",
         "A recipe is YAML with these sections; any key can be overridden on the command line as `key=value`",
         "(lists as `key=[a,b]`, null as `key=null`). `COMMAND recipe=NAME --help` lists them with the recipe's values;",
         "`COMMAND recipe=NAME --cfg` prints the resolved recipe without running.",

@@ -169,7 +169,8 @@ def shard_target(model: nn.Module, mesh) -> nn.Module:
         fully_shard = None
     if fully_shard is None or "ignored_params" not in inspect.signature(fully_shard).parameters:
         raise UserError(
-            f"target.shard=fsdp needs torch 2.7 or later (FSDP2's fully_shard with ignored_params); this is torch {torch.__version__}"
+            "target.shard=fsdp needs torch 2.7 or later (FSDP2's fully_shard with ignored_params); this is torch "
+            f"{torch.__version__}"
         )
     decoder = model.get_decoder()
     layers = getattr(decoder, "layers", None)

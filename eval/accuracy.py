@@ -6,7 +6,8 @@ from there explicitly (`measured_accuracy`: the speculative-decoding eval, which
 in its report; the export takes it from the report it is given).
 
 The untrained drafter is the drafter type's fresh initialisation for the same target, prepared on the
-same training data or data.draft_vocab (EAGLE-3 picks the same draft vocabulary), so the comparison is about the weights.
+same training data or data.draft_vocab (EAGLE-3 picks the same draft vocabulary), so the comparison is
+about the weights.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ def accuracy_table(table: dict) -> str:
         return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
     names = sorted((n for n in trained["all"] if n.endswith("/top1")), key=natural)
-    header = "| domain | " + " | ".join(f"{n.removesuffix('/top1')} top-1 (untrained → trained)" for n in names) + " |"
+    columns = [f"{n.removesuffix('/top1')} top-1 (untrained → trained)" for n in names]
+    header = "| domain | " + " | ".join(columns) + " |"
     lines = [header, "|" + "---|" * (len(names) + 1)]
     for domain in trained:
         cells = [f"{untrained[domain][n]:.3f} → {trained[domain][n]:.3f}" for n in names]

@@ -122,13 +122,14 @@ def check_target(model) -> None:
     implementation = getattr(model.config, "_attn_implementation", "eager")
     if implementation not in ("eager", "sdpa"):
         raise UserError(
-            f"the eval loop needs attn_implementation 'sdpa' or 'eager' (custom tree masks); the target uses {implementation!r}"
+            "the eval loop needs attn_implementation 'sdpa' or 'eager' (custom tree masks); the target uses "
+            f"{implementation!r}"
         )
     other = sorted(set(layer_types(model.config)) - set(ATTENTION_KINDS))
     if other:
         raise UserError(
-            f"the eval loop verifies drafts on attention layers only (full or sliding-window, whose keys it can roll back); "
-            f"this target also has {other} layers"
+            "the eval loop verifies drafts on attention layers only (full or sliding-window, whose keys it can roll "
+            f"back); this target also has {other} layers"
         )
 
 

@@ -63,7 +63,8 @@ def write_card(
         "",
         *[f"- **{key}**: {describe(value)}" for key, value in info["conventions"].items()],
         "",
-        "`draftsmith_export.json` records the source checkpoint (path and sha256), the drafter's settings and these conversions.",
+        "`draftsmith_export.json` records the source checkpoint (path and sha256), the drafter's settings and these "
+        "conversions.",
         "",
     ]
     ModelCard("\n".join(lines)).save(folder / "README.md")
@@ -75,8 +76,9 @@ def gamma_note(engine: str, gamma: int, recommended: Optional[dict[str, Any]]) -
         return []
     tokens = ", ".join(f"γ={g}: {t}" for g, t in recommended["tokens_per_cycle"].items())
     return [
-        f"Recommended `num_speculative_tokens`: **{recommended[engine]}** (the command above uses {gamma}), from the eval report: "
-        f"expected tokens per cycle {tokens}; one draft forward costs {recommended['draft_forward_cost']} target forwards there.",
+        f"Recommended `num_speculative_tokens`: **{recommended[engine]}** (the command above uses {gamma}), from the "
+        f"eval report: expected tokens per cycle {tokens}; one draft forward costs "
+        f"{recommended['draft_forward_cost']} target forwards there.",
         "",
     ]
 
@@ -84,13 +86,20 @@ def gamma_note(engine: str, gamma: int, recommended: Optional[dict[str, Any]]) -
 def served_note(engine: str, verified: Optional[dict[str, Any]]) -> str:
     if verified:
         return (
-            f"Tested: this folder was loaded in vLLM {verified['engine_version']} as the speculative model for the target on "
-            f"{verified['prompts']} eval prompts (greedy, {verified['max_new_tokens']} new tokens, γ={verified['num_speculative_tokens']}): "
-            "outputs identical to vLLM without speculation and to draftsmith's plain decoding."
+            f"Tested: this folder was loaded in vLLM {verified['engine_version']} as the speculative model for the "
+            f"target on {verified['prompts']} eval prompts (greedy, {verified['max_new_tokens']} new tokens, "
+            f"γ={verified['num_speculative_tokens']}): outputs identical to vLLM without speculation and to "
+            "draftsmith's plain decoding."
         )
     if engine == "sglang":
-        return "Checked against SGLang's loader source (names, shapes, layer-id convention); not run in SGLang by draftsmith."
-    return "Checked against vLLM's loader (names, shapes, conventions); not loaded in the engine at export (set export.vllm_python to do so)."
+        return (
+            "Checked against SGLang's loader source (names, shapes, layer-id convention); not run in SGLang by "
+            "draftsmith."
+        )
+    return (
+        "Checked against vLLM's loader (names, shapes, conventions); not loaded in the engine at export (set "
+        "export.vllm_python to do so)."
+    )
 
 
 def acceptance_section(report: Optional[dict[str, Any]]) -> list[str]:
@@ -105,12 +114,12 @@ def acceptance_section(report: Optional[dict[str, Any]]) -> list[str]:
     lines = [
         "## Acceptance (draftsmith eval)",
         "",
-        f"Temperature {report['temperature']}, {report['max_new_tokens']} new tokens, {report['device']} ({report['dtype']}); "
-        f"chain γ={methods['chain']['gamma']}"
+        f"Temperature {report['temperature']}, {report['max_new_tokens']} new tokens, {report['device']} "
+        f"({report['dtype']}); chain γ={methods['chain']['gamma']}"
         + (f", tree {methods['tree']['nodes']} nodes" if "tree" in methods else "")
         + ". "
-        "τ: new tokens per target forward (bonus included); α: accepted / drafted; per position: acceptance at draft position k given "
-        "the earlier ones were accepted; lossless: token-identical to plain greedy decoding.",
+        "τ: new tokens per target forward (bonus included); α: accepted / drafted; per position: acceptance at draft "
+        "position k given the earlier ones were accepted; lossless: token-identical to plain greedy decoding.",
         "",
         "| domain | method | served by | τ | α | per position | lossless |",
         "|---|---|---|---:|---:|---|:---:|",
@@ -140,9 +149,10 @@ def engine_section(verified: Optional[dict[str, Any]]) -> list[str]:
         f"| vLLM | {verified['tau_engine']:.3f} | {at_least} | {'yes' if verified['lossless'] else '**no**'} |",
         f"| draftsmith | {verified['tau_draftsmith']:.3f} | {ours} | yes |",
         "",
-        f"Same prompts, greedy, chain γ={verified['num_speculative_tokens']}; τ differs by {verified['relative_difference']:+.1%} "
-        f"(the check allows ±{verified['tolerance']:.0%}). vLLM counters: {verified['counters']['num_drafts']} drafts, "
-        f"{verified['counters']['num_draft_tokens']} draft tokens, {verified['counters']['num_accepted_tokens']} accepted.",
+        f"Same prompts, greedy, chain γ={verified['num_speculative_tokens']}; τ differs by "
+        f"{verified['relative_difference']:+.1%} (the check allows ±{verified['tolerance']:.0%}). vLLM counters: "
+        f"{verified['counters']['num_drafts']} drafts, {verified['counters']['num_draft_tokens']} draft tokens, "
+        f"{verified['counters']['num_accepted_tokens']} accepted.",
         "",
     ]
 
@@ -155,16 +165,17 @@ def batch_section(schedule: Optional[dict[str, Any]]) -> list[str]:
         "## Speed-up by batch size",
         "",
         f"Measured in vLLM {', '.join(str(e.get('vllm_version')) for e in schedule['engine'] if e)} by a load sweep "
-        f"(`{schedule['sweep']}`, this drafter as `{schedule['method']}`): at each concurrency, requests in flight, the γ the "
-        "schedule serves and what that γ measured. At γ 0 the drafter drafts nothing, but vLLM 0.32 still runs it: "
+        f"(`{schedule['sweep']}`, this drafter as `{schedule['method']}`): at each concurrency, requests in flight, "
+        "the γ the schedule serves and what that γ measured. At γ 0 the drafter drafts nothing, but vLLM 0.32 still "
+        "runs it: "
         + (
             "the sweep measured that cost (its speed-up below 1)."
             if schedule.get("gamma_0_measured")
             else "the sweep did not measure that cost, so the row shows plain decoding's."
         )
         + (
-            f" The sweep's two runs of plain decoding differed by up to {schedule['noise']:.0%}: the schedule changes γ "
-            f"only for a predicted gain of {schedule['margin']:.0%}."
+            f" The sweep's two runs of plain decoding differed by up to {schedule['noise']:.0%}: the schedule changes "
+            f"γ only for a predicted gain of {schedule['margin']:.0%}."
             if schedule.get("noise") is not None
             else ""
         ),
@@ -178,14 +189,14 @@ def batch_section(schedule: Optional[dict[str, Any]]) -> list[str]:
     if schedule.get("below_plain_at"):
         lines += [
             "",
-            f"**At concurrency {', '.join(map(str, schedule['below_plain_at']))} this drafter is predicted slower than plain decoding "
-            "at any γ: at that load, serve the target without it.**",
+            f"**At concurrency {', '.join(map(str, schedule['below_plain_at']))} this drafter is predicted slower "
+            "than plain decoding at any γ: at that load, serve the target without it.**",
         ]
     lines += [
         "",
-        f"`num_speculative_tokens_per_batch_size` {schedule['num_speculative_tokens_per_batch_size']}: vLLM looks the γ up by "
-        "the requests scheduled in a step (prefills included) and carries the last range's γ past its end. It ignores the "
-        "schedule under data parallelism (`--data-parallel-size` > 1) and drafts the full γ on every rank.",
+        f"`num_speculative_tokens_per_batch_size` {schedule['num_speculative_tokens_per_batch_size']}: vLLM looks the "
+        "γ up by the requests scheduled in a step (prefills included) and carries the last range's γ past its end. It "
+        "ignores the schedule under data parallelism (`--data-parallel-size` > 1) and drafts the full γ on every rank.",
         "",
     ]
     return lines
@@ -197,8 +208,10 @@ def training_section(info: dict[str, Any], report: Optional[dict[str, Any]]) -> 
     if recipe:
         data, train = recipe.get("data", {}), recipe.get("train", {})
         lines += [
-            f"- data: {', '.join(f'`{Path(s).name}`' for s in data.get('train', []))} (max_length {data.get('max_length')})",
-            f"- optimisation: lr {train.get('lr')}, {train.get('max_steps')} steps, micro-batch {train.get('micro_batch_size')}, seed {train.get('seed')}",
+            f"- data: {', '.join(f'`{Path(s).name}`' for s in data.get('train', []))} (max_length "
+            f"{data.get('max_length')})",
+            f"- optimisation: lr {train.get('lr')}, {train.get('max_steps')} steps, micro-batch "
+            f"{train.get('micro_batch_size')}, seed {train.get('seed')}",
         ]
     learned = info.get("learned") or {}
     if "draft_vocab_coverage" in learned:

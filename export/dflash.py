@@ -48,19 +48,22 @@ class DFlashExporter(Exporter):
         layer = draft_layer_config(drafter, FAMILIES, "vLLM", "DFlash")
         if settings.mask_token_id is None:
             raise UserError(
-                "this DFlash drafter learned its own mask vector, which vLLM's DFlash layout has no place for (it embeds "
-                "dflash_config.mask_token_id with the target's embedding); retrain with drafter.mask_token_id=<a token id>"
+                "this DFlash drafter learned its own mask vector, which vLLM's DFlash layout has no place for (it "
+                "embeds dflash_config.mask_token_id with the target's embedding); retrain with "
+                "drafter.mask_token_id=<a token id>"
             )
         attention = drafter.layers[0].self_attn
         if getattr(attention, "q_norm", None) is None or getattr(attention, "k_norm", None) is None:
             raise UserError(
-                "this DFlash drafter has no q_norm/k_norm, which every vLLM DFlash layer applies; retrain with drafter.qk_norm=true"
+                "this DFlash drafter has no q_norm/k_norm, which every vLLM DFlash layer applies; retrain with "
+                "drafter.qk_norm=true"
             )
         ours = list(settings.target_layers)
         last = target.shape.num_hidden_layers - 1
         if max(ours) >= last:
             raise UserError(
-                f"target layer {max(ours)} is the target's post-norm last state, which vLLM cannot capture; retrain with target_layers below {last}"
+                f"target layer {max(ours)} is the target's post-norm last state, which vLLM cannot capture; retrain "
+                f"with target_layers below {last}"
             )
         config = {
             **layer,

@@ -23,8 +23,9 @@ from draftsmith.export.repo import VLLM_SERVE, EngineRepo, check_vllm_path
 from draftsmith.heads import drafter_class
 
 SGLANG_SERVE = (
-    "python -m sglang.launch_server --model-path {target} --speculative-algorithm STANDALONE --speculative-draft-model-path {path} "
-    "--speculative-num-steps {gamma} --speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma_plus_one}"
+    "python -m sglang.launch_server --model-path {target} --speculative-algorithm STANDALONE "
+    "--speculative-draft-model-path {path} --speculative-num-steps {gamma} --speculative-eagle-topk 1 "
+    "--speculative-num-draft-tokens {gamma_plus_one}"
 )
 PREFIX = "model."  # the DraftModel drafter holds the causal LM as `model`
 
@@ -37,13 +38,14 @@ def model_config(source: Source) -> dict[str, Any]:
     ]
     if config.get("vocab_size") != target.shape.vocab_size:
         raise UserError(
-            f"the draft model's vocab_size {config.get('vocab_size')} differs from the target's {target.shape.vocab_size}; engines refuse it"
+            f"the draft model's vocab_size {config.get('vocab_size')} differs from the target's "
+            f"{target.shape.vocab_size}; engines refuse it"
         )
     theirs = target.config.get("max_position_embeddings")
     if theirs and config.get("max_position_embeddings", 0) < theirs:
         raise UserError(
-            f"the draft model's max_position_embeddings {config.get('max_position_embeddings')} is below the target's {theirs}: "
-            "vLLM would clamp the served context to it"
+            f"the draft model's max_position_embeddings {config.get('max_position_embeddings')} is below the target's "
+            f"{theirs}: vLLM would clamp the served context to it"
         )
     config.pop("_name_or_path", None)
     config.pop("transformers_version", None)
@@ -90,8 +92,8 @@ class DraftModelExporter(Exporter):
         if source.drafter.config.parallel_drafting:
             options = {"parallel_drafting": True}
             conventions["parallel_drafting"] = (
-                f"PARD: pard_token {config['pard_token']} in config.json; serve with parallel_drafting: true; trained for chains "
-                f"of up to {source.drafter.config.parallel_tokens} tokens"
+                f"PARD: pard_token {config['pard_token']} in config.json; serve with parallel_drafting: true; trained "
+                f"for chains of up to {source.drafter.config.parallel_tokens} tokens"
             )
         return EngineRepo(
             engine,

@@ -24,8 +24,8 @@ from draftsmith.export.repo import VLLM_SERVE, EngineRepo, draft_layer_config
 from draftsmith.heads import drafter_class
 
 SGLANG_SERVE = (
-    "python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE --speculative-draft-model-path {path} "
-    "--speculative-num-steps {gamma} --speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma_plus_one}"
+    "python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE --speculative-draft-model-path "
+    "{path} --speculative-num-steps {gamma} --speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma_plus_one}"
 )
 
 
@@ -61,8 +61,8 @@ class EagleExporter(Exporter):
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         if source.drafter.config.fc_bias:
             raise UserError(
-                "this EAGLE-1 checkpoint has an fc bias, which vLLM's EAGLE-1 skips without an error (its fc has none); "
-                "retrain with drafter.fc_bias=false to serve it in vLLM"
+                "this EAGLE-1 checkpoint has an fc bias, which vLLM's EAGLE-1 skips without an error (its fc has "
+                "none); retrain with drafter.fc_bias=false to serve it in vLLM"
             )
         config = self.config(source, "EagleLlamaForCausalLM", "vLLM")
         expected = {
@@ -70,8 +70,14 @@ class EagleExporter(Exporter):
             **llama_layers_expected(config, skip_first_input_norm=True),
         }
         conventions = {
-            "fc": "input cat(embed(x_{t+1}), f_t), embedding first; f_t the target's final (post-norm) hidden state; no bias",
-            "layers": "layer 0 has no input_layernorm (vLLM: disable_input_layernorm); no final norm; the target's lm_head reads the output",
+            "fc": (
+                "input cat(embed(x_{t+1}), f_t), embedding first; f_t the target's final (post-norm) hidden state; no "
+                "bias"
+            ),
+            "layers": (
+                "layer 0 has no input_layernorm (vLLM: disable_input_layernorm); no final norm; the target's lm_head "
+                "reads the output"
+            ),
             "shared": "embed_tokens and lm_head are the target's (not in the folder)",
         }
         return EngineRepo(
@@ -89,7 +95,10 @@ class EagleExporter(Exporter):
             **llama_layers_expected(config, skip_first_input_norm=True),
         }
         conventions = {
-            "fc": "input cat(embed(x_{t+1}), f_t), embedding first; SGLang's fc always has a bias (zeros when draftsmith trained none)",
+            "fc": (
+                "input cat(embed(x_{t+1}), f_t), embedding first; SGLang's fc always has a bias (zeros when draftsmith "
+                "trained none)"
+            ),
             "layers": "layer 0 has no input_layernorm; no final norm; the target's lm_head reads the output",
             "shared": "embed_tokens and lm_head are the target's (not in the folder)",
             "checked_against": "sglang python/sglang/srt/models/llama_eagle.py (source read, not run)",

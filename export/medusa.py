@@ -72,15 +72,21 @@ class MedusaExporter(Exporter):
             name: tensor for name, tensor in drafter.state_dict().items() if name.startswith(("blocks.", "lm_heads."))
         }
         conventions = {
-            "medusa_fc_bias": "written true: draftsmith's residual blocks have biases, which vLLM's default (false) would drop",
-            "heads": "head h reads the target's final (post-norm) hidden state at t and guesses token t+2+h, in draftsmith and in vLLM",
+            "medusa_fc_bias": (
+                "written true: draftsmith's residual blocks have biases, which vLLM's default (false) would drop"
+            ),
+            "heads": (
+                "head h reads the target's final (post-norm) hidden state at t and guesses token t+2+h, in draftsmith "
+                "and in vLLM"
+            ),
         }
         if drafter.type == "medusa":
             return EngineRepo(
                 "vllm", config, tensors, medusa_expected(config), VLLM_SERVE, conventions, method="medusa"
             )
         conventions["verifier"] = (
-            f"{TARGET_DIR}/ is the target with the drafter's LoRA adapters merged; the heads read its hidden states, so it is the model to serve"
+            f"{TARGET_DIR}/ is the target with the drafter's LoRA adapters merged; the heads read its hidden states, "
+            "so it is the model to serve"
         )
         serve = VLLM_SERVE.replace("{target}", "{path}/" + TARGET_DIR)  # the model: {path}/HEADS_DIR (weights_dir)
         return EngineRepo(

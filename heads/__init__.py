@@ -32,7 +32,8 @@ def drafter_class(name: str) -> type[Drafter]:
     return REGISTRY[name]
 
 
-from draftsmith.heads import dflash, draft_model, eagle, eagle3, medusa, medusa2  # noqa: E402,F401,I001  (each registers itself)
+# each module registers its kinds
+from draftsmith.heads import dflash, draft_model, eagle, eagle3, medusa, medusa2  # noqa: E402,F401,I001
 
 __all__ = [
     "REGISTRY",

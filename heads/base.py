@@ -361,7 +361,8 @@ def check_layer_ids(layers: list[int], num_layers: int, key: str, default: Optio
     bad = [layer for layer in layers if not -1 <= layer < num_layers]
     if bad:
         raise UserError(
-            f"{where}: layer id(s) {bad} out of range for a target with {num_layers} layers (valid: -1..{num_layers - 1}){hint}"
+            f"{where}: layer id(s) {bad} out of range for a target with {num_layers} layers (valid: "
+            f"-1..{num_layers - 1}){hint}"
         )
     if any(b <= a for a, b in zip(layers, layers[1:])):
         raise UserError(f"{where}: ids must be distinct and increasing (engines concatenate the layers in order){hint}")
@@ -395,7 +396,8 @@ def read_checkpoint_config(directory: Path) -> dict[str, Any]:
         raise UserError(f"{config_path} is not a draftsmith checkpoint config (no draftsmith_format)")
     if saved["draftsmith_format"] != FORMAT_VERSION:
         raise UserError(
-            f"{config_path}: checkpoint format {saved['draftsmith_format']!r}, this draftsmith reads {FORMAT_VERSION}; retrain it"
+            f"{config_path}: checkpoint format {saved['draftsmith_format']!r}, this draftsmith reads {FORMAT_VERSION}; "
+            "retrain it"
         )
     return saved
 
@@ -426,7 +428,8 @@ def load_drafter(directory: str | os.PathLike, target: Optional[TargetShape] = N
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise UserError(
-            f"{weights_path}: weights do not match a {cls.type} drafter (missing {missing[:3]}, unexpected {unexpected[:3]})"
+            f"{weights_path}: weights do not match a {cls.type} drafter (missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]})"
         )
     drafter.learned = dict(saved.get("learned") or {})
     return drafter
@@ -438,5 +441,6 @@ def check_same_target(made_for: TargetShape, target: TargetShape, what: str) -> 
         mine, theirs = getattr(made_for, key), getattr(target, key)
         if mine != theirs:
             raise UserError(
-                f"drafter {what} was made for target {made_for.name_or_path!r} with {key}={mine}, but the target {target.name_or_path!r} has {key}={theirs}"
+                f"drafter {what} was made for target {made_for.name_or_path!r} with {key}={mine}, but the target "
+                f"{target.name_or_path!r} has {key}={theirs}"
             )

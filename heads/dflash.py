@@ -4,8 +4,9 @@ The block is `[x_a, m, m, ..., m]` (block_size positions, at RoPE positions a ..
 last committed token x_a (the anchor) followed by block_size-1 copies of the mask input m: the target's
 embedding of `mask_token_id` (a token of its vocabulary, frozen: what the engines feed, so the export is
 exact) or, with mask_token_id null, a vector the drafter learns (draftsmith's eval only: the engines'
-layout has no slot for it). A small stack of the target family's decoder layers denoises it in one pass; the target's own (frozen, shared, not saved) lm_head turns
-block position k's output into a guess of x_{a+k}. Every layer's attention reads
+layout has no slot for it). A small stack of the target family's decoder layers denoises it in one
+pass; the target's own (frozen, shared, not saved) lm_head turns block position k's output into a
+guess of x_{a+k}. Every layer's attention reads
 
     queries: the block;   keys/values: [projected context ; the block]   non-causal within the block
 
@@ -106,7 +107,8 @@ class DFlashConfig(DrafterConfig):
             )
         if self.anchors < 1 or self.tree_topk < 1 or self.loss_decay <= 0:
             raise UserError(
-                f"drafter.anchors and tree_topk must be >= 1 and loss_decay > 0 (got {self.anchors}, {self.tree_topk}, {self.loss_decay})"
+                f"drafter.anchors and tree_topk must be >= 1 and loss_decay > 0 (got {self.anchors}, {self.tree_topk}, "
+                f"{self.loss_decay})"
             )
         if self.loss not in LOSSES:
             raise UserError(f"drafter.loss={self.loss!r} is not one of {', '.join(LOSSES)}")
@@ -191,7 +193,8 @@ class DFlashLayer(nn.Module):
         parts = [getattr(layer, name, None) for name in ("input_layernorm", "post_attention_layernorm", "mlp")]
         if not all(isinstance(p, nn.Linear) for p in needed) or any(p is None for p in parts):
             raise UserError(
-                f"DFlash needs a decoder layer with input_layernorm, self_attn.q/k/v/o_proj, post_attention_layernorm and mlp; {type(layer).__name__} differs"
+                "DFlash needs a decoder layer with input_layernorm, self_attn.q/k/v/o_proj, post_attention_layernorm "
+                f"and mlp; {type(layer).__name__} differs"
             )
         self.self_attn = attention
         self.mlp = layer.mlp
@@ -532,7 +535,8 @@ class DFlashProposer(Proposer):
     def propose(self, state: DraftState, num_tokens: int, tree: Optional[Tree] = None) -> DraftTree:
         if tree is not None and not isinstance(tree, DynamicTree):
             raise UserError(
-                "the dflash drafter builds its tree (DDTree) from its block: pass eval.tree=<node budget>, not a static tree"
+                "the dflash drafter builds its tree (DDTree) from its block: pass eval.tree=<node budget>, not a "
+                "static tree"
             )
         if tree is not None:
             logits = self.block_logits(state)

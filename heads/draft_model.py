@@ -93,8 +93,8 @@ class DraftModelConfig(DrafterConfig):
         weights = list(self.mix_weights)
         if len(weights) != 3 or min(weights) < 0 or sum(weights) <= 0 or self.temperature <= 0 or self.ce_weight < 0:
             raise UserError(
-                f"need 3 drafter.mix_weights >= 0 (fkl, rkl, tvd; not all 0), drafter.temperature > 0 and ce_weight >= 0 "
-                f"(got {weights}, {self.temperature}, {self.ce_weight})"
+                "need 3 drafter.mix_weights >= 0 (fkl, rkl, tvd; not all 0), drafter.temperature > 0 and ce_weight >= "
+                f"0 (got {weights}, {self.temperature}, {self.ce_weight})"
             )
         if self.name_or_path is None and self.model_config is None:
             if self.init != "layers":
@@ -123,7 +123,10 @@ class DraftModel(Drafter):
     @classmethod
     def unshardable(cls, config) -> Optional[str]:
         if config.name_or_path is None:
-            return "it copies the target's first decoder layers, of which each rank holds only pieces; set drafter.name_or_path to a separate draft model"
+            return (
+                "it copies the target's first decoder layers, of which each rank holds only pieces; set "
+                "drafter.name_or_path to a separate draft model"
+            )
         return None
 
     Config = DraftModelConfig  # max_chain stays None: an autoregressive draft proposes chains of any length
@@ -352,8 +355,8 @@ def load_draft(name_or_path: str, target: TargetShape):
     vocab = int(model.get_output_embeddings().weight.shape[0])
     if vocab != target.vocab_size:
         raise UserError(
-            f"draft model {name_or_path!r} has vocab_size {vocab} but the target {target.name_or_path!r} has {target.vocab_size}; "
-            "a draft model must share the target's tokenizer"
+            f"draft model {name_or_path!r} has vocab_size {vocab} but the target {target.name_or_path!r} has "
+            f"{target.vocab_size}; a draft model must share the target's tokenizer"
         )
     return model
 

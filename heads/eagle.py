@@ -184,7 +184,8 @@ class EagleBase(Drafter):
     def target_modules(self) -> tuple[nn.Module, nn.Module]:
         if self.shared is None:
             raise RuntimeError(
-                f"the {self.type} drafter has no target embedding/lm_head: load it with load_drafter(..., target_model=target)"
+                f"the {self.type} drafter has no target embedding/lm_head: load it with load_drafter(..., "
+                "target_model=target)"
             )
         return self.shared
 
@@ -238,7 +239,8 @@ class EagleProposer(Proposer):
     def propose(self, state: DraftState, num_tokens: int, tree: Optional[Tree] = None) -> DraftTree:
         if tree is not None and not isinstance(tree, DynamicTree):
             raise UserError(
-                f"the {self.drafter.type} drafter grows its tree itself: pass eval.tree=<node budget>, not a static tree"
+                f"the {self.drafter.type} drafter grows its tree itself: pass eval.tree=<node budget>, not a static "
+                "tree"
             )
         root_feature = self.catch_up(state)
         if tree is None:
@@ -267,7 +269,8 @@ class EagleProposer(Proposer):
         features = drafter.committed_features(state)
         if features is None or len(features) == 0:
             raise ValueError(
-                f"{drafter.type} needs the target's hidden states at the newly committed positions (DraftState.new_final / new_layers)"
+                f"{drafter.type} needs the target's hidden states at the newly committed positions "
+                "(DraftState.new_final / new_layers)"
             )
         tokens = state.tokens
         committed = len(tokens) - 1  # positions with the target's feature known
@@ -276,7 +279,8 @@ class EagleProposer(Proposer):
             self.cache = DynamicCache(config=drafter.layer_config)
         if self.cache.get_seq_length() < start:
             raise RuntimeError(
-                f"{drafter.type} cache holds {self.cache.get_seq_length()} positions, the committed sequence needs {start}"
+                f"{drafter.type} cache holds {self.cache.get_seq_length()} positions, the committed sequence needs "
+                f"{start}"
             )
         self.cache.crop(start - self.cache.get_seq_length())  # crop takes minus the count to drop
         inputs, extra = tokens[start + 1 :], 0

@@ -78,7 +78,10 @@ class Medusa2(Medusa):
 
     @classmethod
     def unshardable(cls, config) -> Optional[str]:
-        return "it trains LoRA adapters inside the target's layers (trainable weights inside FSDP units are not supported here)"
+        return (
+            "it trains LoRA adapters inside the target's layers (trainable weights inside FSDP units are not supported "
+            "here)"
+        )
 
     Config = Medusa2Config
 

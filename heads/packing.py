@@ -137,6 +137,6 @@ def require_packed_attention(model, what: str) -> None:
     error, leak = float((packed - alone).abs().max()), float((leaking - alone).abs().max())
     if error > 0.1 * leak:  # rounding differs by far less than attending to another document changes
         raise UserError(
-            f"data.pack=true: {what} ({type(model).__name__}) does not keep packed documents apart "
-            f"(its code ignores packed position_ids: logits differ by {error:.3g}, a leak by {leak:.3g}); set data.pack=false"
+            f"data.pack=true: {what} ({type(model).__name__}) does not keep packed documents apart (its code ignores "
+            f"packed position_ids: logits differ by {error:.3g}, a leak by {leak:.3g}); set data.pack=false"
         )

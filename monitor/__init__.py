@@ -1,6 +1,7 @@
 """Acceptance drift of a deployed drafter, and the retraining that answers it.
 
-    python -m monitor check recipe=NAME checkpoint=EXPORT/vllm monitor.metrics=[http://host:8000/metrics] monitor.traffic=LOGS
+    python -m monitor check recipe=NAME checkpoint=EXPORT/vllm monitor.metrics=[http://host:8000/metrics] \\
+        monitor.traffic=LOGS
     python -m monitor watch recipe=NAME ...          (checks every monitor.interval_s seconds)
 
 A check reads the engine's speculative-decoding counters (monitor/metrics.py) and evaluates the

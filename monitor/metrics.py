@@ -82,7 +82,8 @@ def engine_version(metrics_url: str, timeout: float = 10.0) -> str:
         version = None
     if not isinstance(version, str):
         raise UserError(
-            f"{url} did not answer with vLLM's version (it begins {one_line(text, limit=80)!r}): monitor.metrics must name vLLM's own server"
+            f"{url} did not answer with vLLM's version (it begins {one_line(text, limit=80)!r}): monitor.metrics must "
+            "name vLLM's own server"
         )
     return version
 
@@ -96,7 +97,8 @@ def series(text: str, url: str) -> dict[str, float]:
     except (ValueError, KeyError, IndexError) as err:  # an HTML page, a body cut off mid-line
         first = one_line(text, limit=80)
         raise UserError(
-            f"{url} did not answer with Prometheus text ({one_line(err, limit=120)}; it begins {first!r}): check monitor.metrics_urls"
+            f"{url} did not answer with Prometheus text ({one_line(err, limit=120)}; it begins {first!r}): check "
+            "monitor.metrics_urls"
         ) from None
     for sample in samples:
         labels = {k: v for k, v in sample.labels.items() if k != "position"}

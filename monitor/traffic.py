@@ -128,9 +128,13 @@ def sample(
         by_domain[request["domain"]].append(request)
     picked = {domain: rows[-per_domain:] for domain, rows in sorted(by_domain.items())}
     summary = {
-        "requests_read": len(requests), "malformed_lines": malformed, "in_window": len(recent), "per_domain": {d: len(r) for d, r in picked.items()},
-        "per_request_acceptance": per_request_acceptance(recent),  # every recent request the engine reported on, not only the sample
-    }  # fmt: skip
+        "requests_read": len(requests),
+        "malformed_lines": malformed,
+        "in_window": len(recent),
+        "per_domain": {d: len(r) for d, r in picked.items()},
+        # every recent request the engine reported on, not only the sample
+        "per_request_acceptance": per_request_acceptance(recent),
+    }
     return [row for rows in picked.values() for row in rows], summary
 
 

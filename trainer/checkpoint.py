@@ -283,7 +283,8 @@ def load_checkpoint(accelerator, path: Path) -> TrainerState:
             accelerator.load_state(str(path))
         except (SafetensorError, EOFError, pickle.UnpicklingError, RuntimeError) as err:
             raise UserError(
-                f"checkpoint {path} (saved without checksums) cannot be loaded, a file of it may be damaged: {one_line(err)}"
+                f"checkpoint {path} (saved without checksums) cannot be loaded, a file of it may be damaged: "
+                f"{one_line(err)}"
             ) from None
     try:
         return TrainerState(**json.loads((path / STATE_NAME).read_text()))

@@ -27,7 +27,8 @@ def report_nonfinite(
     state: TrainerState,
 ) -> None:
     """Log where a non-finite loss or gradient first appeared, with the batch's samples; raise a
-    TrainingDiverged (exit 4) once more than `train.max_nonfinite` steps have been skipped. Collective: every rank calls it."""
+    TrainingDiverged (exit 4) once more than `train.max_nonfinite` steps have been skipped. Collective:
+    every rank calls it."""
     where = locate_nonfinite(accelerator.unwrap_model(drafter), batch, target_out, loss)
     found = accelerator.gather_for_metrics(
         [{"rank": accelerator.process_index, "where": where, "samples": batch.get("sample", [])}],
@@ -35,10 +36,12 @@ def report_nonfinite(
     )
     bad = [item for item in found if item["where"]] or found
     description = "; ".join(
-        f"rank {item['rank']}: {item['where'] or 'non-finite gradient after reduction'} (samples {', '.join(map(str, item['samples'][:8]))})"
+        f"rank {item['rank']}: {item['where'] or 'non-finite gradient after reduction'} (samples "
+        f"{', '.join(map(str, item['samples'][:8]))})"
         for item in bad
     )
-    message = f"non-finite loss or gradient at step {state.step + 1}, step skipped ({state.skipped_steps} so far): {description}"
+    skipped = f"step skipped ({state.skipped_steps} so far)"
+    message = f"non-finite loss or gradient at step {state.step + 1}, {skipped}: {description}"
     if state.skipped_steps > cfg.train.max_nonfinite:
         raise TrainingDiverged(
             f"stopping: more than train.max_nonfinite={cfg.train.max_nonfinite} steps skipped; last {message}"
