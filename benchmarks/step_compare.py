@@ -1,8 +1,10 @@
 """Training throughput of this tree against an earlier commit's, side by side in one run, as JSON.
 
-    python benchmarks/step_compare.py [--baseline 624d976 | --baseline-dir DIR] [--rounds 2] -- ARGS...
+    python benchmarks/step_compare.py [--baseline 624d976 | --baseline-dir DIR] [--rounds 2]
+                                      [--current-extra "ARGS"] -- ARGS...
 
-ARGS go to `benchmarks/train_throughput.py` of both trees unchanged (e.g. `--shape smollm2-135m --seq 256
+ARGS go to `benchmarks/train_throughput.py` of both trees unchanged, `--current-extra` (one string) to this
+tree's alone (options the baseline's script lacks, e.g. "--profile-steps 2") (e.g. `--shape smollm2-135m --seq 256
 --batch 2 --kinds eagle3 --threads 1`). The baseline is the commit's package laid out as a wheel installs it
 (`draftsmith/` with `heads/`, `trainer/`, ... inside) in a temporary folder that goes first on PYTHONPATH,
 with that commit's own benchmark script: each tree times its own step with its own harness. `--baseline-dir`
@@ -10,9 +12,11 @@ takes such a folder made earlier (`--make-baseline DIR` writes one and exits: a 
 
 The trees run alternately, `--rounds` times each (baseline first), each in its own process; every run's JSON
 lines are printed as they come, tagged `"tree": "baseline"` or `"current"`, then one summary line per kind:
-the median tokens/s of each tree, the speed-up (current / baseline), the peak memory of each, and whether
-the losses of the two trees agree (same data and seed: the same losses up to float rounding). Alternating
-and taking medians is what makes a shared machine's figures comparable; say the machine's load beside them.
+the median tokens/s of each tree, the speed-up (current / baseline), the peak memory of each and each tree's
+losses. The losses are not compared: the two harnesses may draw the synthetic rows in different orders (the
+trainer's seeded shuffle, the earlier copy's file order); equal numerics are the tests' to prove
+(tests/test_eagle3.py against the straightforward reference). Alternating and taking medians is what makes
+a shared machine's figures comparable; say the machine's load beside them.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -28,9 +33,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-# The installed package's layout (pyproject.toml [tool.setuptools.package-dir]): folder -> subpackage
-STAGES = ("data_prep", "heads", "trainer", "eval", "export", "monitor", "recipes", "demo")
-LOSS_TOLERANCE = 1e-4  # relative: float rounding of a different but equivalent computation
+# The installed package's layout (pyproject.toml [tool.setuptools.package-dir]): folder -> subpackage. The
+# demo bundle (12 MiB) stays out: a --shape run builds its own target, and a device call carries 64 MiB.
+STAGES = ("data_prep", "heads", "trainer", "eval", "export", "monitor", "recipes")
 
 
 def make_baseline(commit: str, destination: Path) -> Path:
@@ -66,12 +71,6 @@ def run_tree(tree: str, script: Path, pythonpath: str | None, args: list[str]) -
     return rows
 
 
-def losses_agree(first: list[float], second: list[float]) -> bool:
-    return len(first) == len(second) and all(
-        abs(a - b) <= LOSS_TOLERANCE * max(abs(a), abs(b), 1.0) for a, b in zip(first, second)
-    )
-
-
 def peak(row: dict):
     return row.get("peak_memory_mb", row.get("peak_rss_mb"))
 
@@ -86,7 +85,6 @@ def summary(kind: str, baseline: list[dict], current: list[dict], commit: str) -
         "speedup": round(rates["current"] / rates["baseline"], 3),
         "peak_memory_mb": {tree: max(peak(row) or 0 for row in rows) for tree, rows in trees.items()},
         "losses": {"baseline": baseline[0].get("losses"), "current": current[0].get("losses")},
-        "losses_agree": losses_agree(baseline[0].get("losses", []), current[0].get("losses", [])),
         "runs_each": len(current),
         "device": current[0].get("device"),
         "torch_threads": current[0].get("torch_threads"),
@@ -99,6 +97,7 @@ def main() -> None:
     parser.add_argument("--baseline-dir", type=Path, help="a folder --make-baseline wrote")
     parser.add_argument("--make-baseline", type=Path, metavar="DIR", help="write the baseline folder and exit")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each tree, alternating")
+    parser.add_argument("--current-extra", default="", help="arguments for this tree's script only, one string")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="-- then train_throughput.py's arguments")
     options = parser.parse_args()
     if options.make_baseline:
@@ -111,7 +110,8 @@ def main() -> None:
         runs = {"baseline": [], "current": []}
         for _ in range(options.rounds):
             runs["baseline"] += run_tree("baseline", folder / "benchmarks" / "train_throughput.py", str(folder), args)
-            runs["current"] += run_tree("current", REPO / "benchmarks" / "train_throughput.py", None, args)
+            current = [*args, *shlex.split(options.current_extra)]
+            runs["current"] += run_tree("current", REPO / "benchmarks" / "train_throughput.py", None, current)
     for kind in dict.fromkeys(row["kind"] for row in runs["current"]):
         pick = {tree: [r for r in rows if r["kind"] == kind] for tree, rows in runs.items()}
         if pick["baseline"]:
