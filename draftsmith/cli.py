@@ -11,8 +11,9 @@ processes: `accelerate launch -m draftsmith train ...` (or `accelerate launch tr
     monitor     check a serving engine's acceptance for drift, retrain when it drops
 
 Every command takes `--help` (with recipe=NAME: that recipe's keys and values) and `--cfg` (print
-the resolved recipe and exit without running). `checkpoint=DIR` names the drafter a command reads:
-eval and export read it (without it, `<output_dir>/final`), train starts from it, monitor watches it.
+the resolved recipe and exit without running). `checkpoint=DIR` names the drafter a read-only command
+reads: eval and export read it (without it, `<output_dir>/final`), monitor watches it; train refuses it
+and starts from `train.init_from=DIR` (a warm start).
 
 Exit codes (one line on stderr; docs/faults.md): 0 done, 2 bad input, 3 a lossless or export check
 failed, 4 training diverged, 69 an engine the job needs is down (retry), 70 a draftsmith bug (the
@@ -121,9 +122,9 @@ def train_main(argv: Sequence[str]) -> None:
     import torch
     from accelerate import PartialState
 
-    from draftsmith.recipe import load_recipe
+    from draftsmith.recipe import load_train_recipe
 
-    cfg = load_recipe(argv)  # validate before any model or data is touched
+    cfg = load_train_recipe(argv)  # validate before any model or data is touched
     from draftsmith.threads import set_cpu_threads
     from draftsmith.trainer import claim_output_dir, train
 
@@ -131,11 +132,11 @@ def train_main(argv: Sequence[str]) -> None:
 
     state = PartialState(cpu=not torch.cuda.is_available())
     with claim_output_dir(cfg, state):
-        final = train(cfg)
+        train(cfg)
         if state.is_main_process:
             from draftsmith.eval.report import evaluate_trained_run
 
-            evaluate_trained_run(cfg, final)
+            evaluate_trained_run(cfg)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

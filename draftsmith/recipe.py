@@ -134,7 +134,7 @@ def compose(recipe: str, overrides: Sequence[str]) -> DictConfig:
 _ABSENT = object()
 
 # Keys an earlier draftsmith read, and the key that means the same now: one line instead of "unknown key".
-RENAMED = {"drafter.path": "checkpoint", "train.init_from": "checkpoint", "monitor.deployed": "checkpoint"}
+RENAMED = {"drafter.path": "checkpoint", "monitor.deployed": "checkpoint"}
 
 
 def register_resolvers() -> None:
@@ -446,9 +446,31 @@ def validated(argv: Sequence[str]) -> DictConfig:
 
 def load_recipe(argv: Sequence[str]) -> DictConfig:
     """Parse `recipe=NAME key=value ...` into a validated, read-only config whose target is a local
-    directory or a Hub id: a GGUF target is dequantized once (draftsmith.gguf), after validation, and
-    the recipe names the converted directory from then on (a run's saved recipe loads it, not the file)."""
+    directory or a Hub id (`with_local_target`)."""
+    return with_local_target(validated(argv))
+
+
+def load_train_recipe(argv: Sequence[str]) -> DictConfig:
+    """`load_recipe` for a training run, which reads no `checkpoint` (`check_train_start`, before the target
+    is touched)."""
     cfg = validated(argv)
+    check_train_start(cfg)
+    return with_local_target(cfg)
+
+
+def check_train_start(cfg: DictConfig) -> None:
+    """A training run starts from train.init_from. `checkpoint` names the drafter the read-only commands
+    read: were it a run's start, the run's saved recipe would point eval and export at the start."""
+    require(
+        cfg.checkpoint is None,
+        f"checkpoint={cfg.checkpoint} names the drafter eval, export and monitor read, not a training run's start: "
+        f"to warm-start from it, pass train.init_from={cfg.checkpoint}",
+    )
+
+
+def with_local_target(cfg: DictConfig) -> DictConfig:
+    """A GGUF target dequantized once (draftsmith.gguf), after validation: the recipe names the converted
+    directory from then on (a run's saved recipe loads it, not the file)."""
     if cfg.target.gguf_file is None:
         return cfg
     from draftsmith.gguf import materialize

@@ -143,6 +143,10 @@ class TrainSection:
     # recorded when it was saved (a damaged one is refused otherwise) | a checkpoint path
     resume: Optional[str] = None
     overwrite: bool = False  # start over in an output_dir that holds another run: the earlier run is moved aside
+    # warm start: the drafter whose weights and draft vocabulary training starts from (a draftsmith checkpoint,
+    # an export's engine folder or one speculators saved; its architecture must be the recipe's drafter section's).
+    # train.resume continues this run's own state instead.
+    init_from: Optional[str] = None
     max_nonfinite: int = 10  # optimizer steps skipped for a non-finite loss/gradient before the run stops
     mixed_precision: str = "auto"  # auto (bf16 where the GPU supports it, else none) | no | bf16 | fp16
     num_workers: int = 0  # DataLoader worker processes
@@ -278,10 +282,10 @@ class RecipeSchema:
     export: ExportSection = field(default_factory=ExportSection)
     monitor: MonitorSection = field(default_factory=MonitorSection)
     output_dir: str = MISSING  # the run's directory: checkpoints, logs, eval report, export
-    # The drafter a command reads: eval evaluates it and export exports it (a draftsmith checkpoint or an
-    # export's engine folder; default <output_dir>/final, where train writes); train starts from its weights
-    # and draft vocabulary (warm start; train.resume continues this run's own state instead); monitor watches
-    # it (the deployed export's vllm/ or sglang/ folder, whose eval report is the baseline).
+    # The drafter a read-only command reads: eval evaluates it and export exports it (a draftsmith checkpoint or
+    # an export's engine folder; default <output_dir>/final, where train writes, so a run's saved recipe reads
+    # the weights the run trained); monitor watches it (the deployed export's vllm/ or sglang/ folder, whose eval
+    # report is the baseline). Train refuses it: a training run starts from train.init_from.
     checkpoint: Optional[str] = None
 
 

@@ -1,9 +1,10 @@
 """`python -m eval recipe=NAME [checkpoint=DIR] [key=value ...]`
 
 `checkpoint` is a draftsmith checkpoint or a folder an export wrote; without it the eval reads
-`<output_dir>/final`, where train.py writes it. The report goes to `<output_dir>/eval/`; its
-markdown table is printed to stdout. Exit code 3 when a greedy row failed the lossless check (its
-tokens differ from plain greedy decoding's): the report is still written, with the row marked.
+`<output_dir>/final`, where train.py writes it (a run's saved recipe evaluates the weights the run
+trained). The report goes to `<output_dir>/eval/`; its markdown table is printed to stdout. Exit code
+3 when a greedy row failed the lossless check (its tokens differ from plain greedy decoding's): the
+report is still written, with the row marked.
 """
 
 from __future__ import annotations
@@ -21,13 +22,12 @@ def main(argv: Sequence[str]) -> None:
 
     from draftsmith.eval.render import render_markdown
     from draftsmith.eval.report import failed_lossless, run_eval
-    from draftsmith.export import open_drafter  # checkpoint may also be a folder an export wrote
 
     # The eval's own progress bar is the one worth watching; weight loading and data set
     # preparation would otherwise print theirs on stderr too.
     transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()
-    report = run_eval(load_recipe(argv), open_drafter=open_drafter)
+    report = run_eval(load_recipe(argv))
     print(render_markdown(report))
     if failed := failed_lossless(report):
         raise NotLossless(

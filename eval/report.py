@@ -38,6 +38,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from draftsmith.drafter_folder import checkpoint_to_read, open_drafter
 from draftsmith.errors import UserError
 from draftsmith.eval.loop import Counts, Generation, generate, generate_batch
 from draftsmith.eval.ngram import NGramDrafter
@@ -45,7 +46,6 @@ from draftsmith.eval.prompts import ALL, eos_ids_of, load_prompts
 from draftsmith.eval.render import render_markdown, write_report
 from draftsmith.eval.sampling import Sampling
 from draftsmith.eval.trees import tree_depth
-from draftsmith.heads import load_drafter
 from draftsmith.heads.base import DynamicTree, Proposer, Tree
 from draftsmith.outputs import DirectoryLock
 from draftsmith.recipe import save_recipe
@@ -192,10 +192,10 @@ def tree_info(tree: Tree) -> dict:
     return {"nodes": len(tree), "paths": [list(p) for p in tree]}
 
 
-def evaluate_trained_run(cfg: DictConfig, final_dir: Path) -> None:
-    """What train.py does after training: eval-split accuracy (trained vs untrained, written to
-    <output_dir>/eval_accuracy.json, where decoding reads it) when data.eval is set, then the speculative-decoding report when
-    eval.enabled; both printed."""
+def evaluate_trained_run(cfg: DictConfig) -> None:
+    """What train.py does after training: eval-split accuracy of the run's final/ (trained vs untrained,
+    written to <output_dir>/eval_accuracy.json, where decoding reads it) when data.eval is set, then the
+    speculative-decoding report when eval.enabled; both printed."""
     from draftsmith.eval.accuracy import accuracy_table, split_accuracy
 
     if not (cfg.data.eval or cfg.eval.enabled):
@@ -203,41 +203,30 @@ def evaluate_trained_run(cfg: DictConfig, final_dir: Path) -> None:
     target = load_target(cfg.target, resolve_device(cfg.eval.device))
     tokenizer = load_tokenizer(cfg.target)
     if cfg.data.eval:
-        print(accuracy_table(split_accuracy(cfg, final_dir, target, tokenizer)))
+        print(accuracy_table(split_accuracy(cfg, checkpoint_to_read(cfg), target, tokenizer)))
     if cfg.eval.enabled:
-        print(render_markdown(run_eval(cfg, final_dir, target, tokenizer)))
+        print(render_markdown(run_eval(cfg, target=target, tokenizer=tokenizer)))
 
 
-def run_eval(
-    cfg: DictConfig,
-    checkpoint: Optional[str | Path] = None,
-    target=None,
-    tokenizer=None,
-    open_drafter: Callable = load_drafter,
-) -> dict[str, Any]:
-    """Evaluate a drafter checkpoint per domain and write the report; returns report.json's content.
+def run_eval(cfg: DictConfig, checkpoint: Optional[str | Path] = None, target=None, tokenizer=None) -> dict[str, Any]:
+    """Evaluate a drafter per domain and write the report; returns report.json's content.
 
-    `checkpoint` defaults to the recipe's `checkpoint`, else `<output_dir>/final` (what train.py
-    writes); train's own eval passes its final checkpoint (its recipe's `checkpoint` is where it
-    started from). A caller that has the
-    target and tokenizer loaded passes them; otherwise they are loaded from the recipe. The report
-    directory is held (locked) while the eval runs. `open_drafter(path, target_shape, target)` makes
-    the drafter: a draftsmith checkpoint by default; export.open_drafter also reads the engine folders
-    an export wrote (the entry points pass it: eval itself does not depend on export).
+    `checkpoint`, a draftsmith checkpoint or a folder an export wrote, defaults to the recipe's
+    (`checkpoint=`, else `<output_dir>/final`, what train.py writes). A caller that has the target and
+    tokenizer loaded passes them; otherwise they are loaded from the recipe. The report directory is
+    held (locked) while the eval runs.
     """
     out_dir = Path(cfg.output_dir) / "eval"
     with DirectoryLock(out_dir):
-        return _run_eval(cfg, out_dir, checkpoint, target, tokenizer, open_drafter)
+        return _run_eval(cfg, out_dir, checkpoint, target, tokenizer)
 
 
-def _run_eval(
-    cfg: DictConfig, out_dir: Path, checkpoint: Optional[str | Path], target, tokenizer, open_drafter: Callable
-) -> dict[str, Any]:
+def _run_eval(cfg: DictConfig, out_dir: Path, checkpoint: Optional[str | Path], target, tokenizer) -> dict[str, Any]:
     sampling = sampling_of(cfg)
     sources = list(cfg.eval.data) or list(cfg.data.eval)
     if not sources:
         raise UserError("no eval data: set eval.data=[files] or data.eval in the recipe")
-    checkpoint = Path(checkpoint or cfg.checkpoint or Path(cfg.output_dir) / "final")
+    checkpoint = Path(checkpoint) if checkpoint else checkpoint_to_read(cfg)
     if not checkpoint.exists():  # checked before the (slow) target load
         raise UserError(f"no drafter checkpoint at {checkpoint}: pass checkpoint=<checkpoint dir>")
     name = cfg.target.name_or_path

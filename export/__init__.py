@@ -8,8 +8,8 @@ against the target and the engine's loader before it lands, optionally loaded in
 
 One exporter per drafter kind (export/<kind>.py), found through this registry; each builds the
 folder for an engine (`vllm`, `sglang`) or says why that engine cannot serve the kind, and reads an
-engine folder back into a draftsmith drafter (so `python -m eval checkpoint=<export>` evaluates
-exactly what the engine serves).
+engine folder back into a draftsmith drafter (draftsmith/drafter_folder.py reads every folder through
+them, so `python -m eval checkpoint=<export>` evaluates exactly what the engine serves).
 """
 
 from __future__ import annotations
@@ -96,6 +96,6 @@ def exporter_for(kind: str) -> Exporter:
 
 
 from draftsmith.export import dflash, draft_model, eagle, eagle3, medusa  # noqa: E402,F401,I001  (each registers itself)
-from draftsmith.export.run import export_checkpoint, open_drafter  # noqa: E402
+from draftsmith.export.run import export_checkpoint  # noqa: E402
 
-__all__ = ["EXPORTERS", "Exporter", "Source", "export_checkpoint", "exporter_for", "open_drafter", "register"]
+__all__ = ["EXPORTERS", "Exporter", "Source", "export_checkpoint", "exporter_for", "register"]

@@ -1,24 +1,23 @@
 """`python -m export recipe=NAME checkpoint=DIR [export.engines=[vllm,sglang]] [export.output=DIR] ...`
 
-Without `checkpoint` it is `<output_dir>/final` (what train.py writes). Prints one line
-per engine folder written (and pushed).
+Without `checkpoint` it is `<output_dir>/final`, what train.py writes (a run's saved recipe exports
+the weights the run trained). Prints one line per engine folder written (and pushed).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 from draftsmith.cli import entry_point
 from draftsmith.recipe import load_recipe
 
 
 def main(argv: Sequence[str]) -> None:
+    from draftsmith.drafter_folder import checkpoint_to_read
     from draftsmith.export import export_checkpoint
 
     cfg = load_recipe(argv)
-    checkpoint = Path(cfg.checkpoint or Path(cfg.output_dir) / "final")
-    for engine, folder in export_checkpoint(cfg, checkpoint).items():
+    for engine, folder in export_checkpoint(cfg, checkpoint_to_read(cfg)).items():
         print(f"{engine}: {folder}")
 
 

@@ -18,15 +18,13 @@ from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig
-from safetensors.torch import load_file
 
 from draftsmith.errors import InternalError, UserError, one_line
-from draftsmith.export import EXPORTERS, Source, exporter_for
+from draftsmith.export import Source, exporter_for
 from draftsmith.export.gamma import recommended_gamma
 from draftsmith.export.repo import (
     EXPORT_INFO,
     VLLM_PINNED,
-    WEIGHTS,
     EngineRepo,
     TargetInfo,
     check_tensors,
@@ -36,7 +34,7 @@ from draftsmith.export.repo import (
 )
 from draftsmith.files import checkpoint_digest
 from draftsmith.heads import load_drafter
-from draftsmith.heads.base import CONFIG_NAME, EVAL_SPLIT, architecture, check_same_target, read_checkpoint_config
+from draftsmith.heads.base import EVAL_SPLIT, read_checkpoint_config
 from draftsmith.outputs import DirectoryLock, move_aside
 from draftsmith.target import TargetShape, load_target, resolve_device
 
@@ -273,6 +271,8 @@ def serving_name(cfg: DictConfig, engine: str, folder: Path) -> str:
 def check_round_trip(exporter, source: Source, repo: EngineRepo, staged: Path, target, gamma: int, final: Path) -> None:
     """Read the staged folder back into a drafter and export that again: the same tensors must come
     out, or the folder's config does not describe its weights."""
+    from draftsmith.drafter_folder import read_folder  # on use: it imports this package (the formats' registry)
+
     drafter = read_folder(staged / repo.weights_dir, target)
     again = exporter.build(
         repo.engine,
@@ -289,61 +289,3 @@ def check_round_trip(exporter, source: Source, repo: EngineRepo, staged: Path, t
         raise InternalError(
             f"the {repo.engine} folder does not read back into the same drafter (tensors {differ[:4]} differ); this is a draftsmith bug"
         )
-
-
-def read_folder(folder: Path, target):
-    """The draftsmith drafter an engine folder holds, attached to `target`."""
-    config = json.loads((folder / CONFIG_NAME).read_text())
-    tensors = load_file(str(folder / WEIGHTS))
-    info_path = next((p for p in (folder / EXPORT_INFO, folder.parent / EXPORT_INFO) if p.is_file()), None)
-    info = json.loads(info_path.read_text()) if info_path else {}
-    matches = [exporter for exporter in dict.fromkeys(EXPORTERS.values()) if exporter.recognises(config, tensors)]
-    if len(matches) != 1:
-        raise UserError(
-            f"{folder} is not a drafter folder draftsmith can read (config.json architectures {config.get('architectures')})"
-        )
-    drafter = matches[0].read(folder, config, tensors, target, info)
-    return drafter.eval()
-
-
-def open_drafter(path: str | Path, target_shape: TargetShape, target):
-    """A draftsmith checkpoint, or an engine folder an export wrote (its `vllm/` or `sglang/`, or the
-    export directory holding one), as a drafter attached to `target` for the eval."""
-    path = Path(path)
-    saved = path / CONFIG_NAME
-    if saved.is_file() and "draftsmith_format" in json.loads(saved.read_text()):
-        return load_drafter(path, target_shape, target)
-    inner = sorted({name for exporter in EXPORTERS.values() for name in exporter.weights_dirs})
-    engines = [path, *(path / name for name in inner), path / "vllm", *(path / "vllm" / name for name in inner)]
-    for folder in (*engines, path / "sglang"):
-        if (folder / CONFIG_NAME).is_file() and (folder / WEIGHTS).is_file():
-            drafter = read_folder(folder, target)
-            check_same_target(drafter.target, target_shape, str(folder))
-            return drafter
-    raise UserError(
-        f"{path} holds neither a drafter checkpoint nor an exported drafter folder (config.json + {WEIGHTS})"
-    )
-
-
-def warm_start(path: str | Path, drafter, target_model):
-    """The drafter a training run starts from (`checkpoint=`): a draftsmith checkpoint, or an engine
-    folder, its export's or one speculators saved (`open_drafter`), for `drafter`'s target. Its
-    architecture must be the recipe's (`drafter`, built from the recipe's drafter section), or the
-    starting weights would train, save and export as another function: a difference is one UserError
-    naming the keys to set, never adopted silently (training settings, DrafterConfig.SETTINGS, may differ)."""
-    start = open_drafter(path, drafter.target, target_model)
-    if start.type != drafter.type:
-        raise UserError(
-            f"checkpoint={path} holds a {start.type} drafter, the recipe trains {drafter.type}: set drafter.type={start.type}"
-        )
-    theirs, ours = architecture(start.config), architecture(drafter.config)
-    differ = [
-        f"drafter.{key}={json.dumps(ours[key], default=str)} ({path} has {json.dumps(theirs.get(key), default=str)})"
-        for key in ours
-        if theirs.get(key) != ours[key]
-    ]
-    if differ:
-        raise UserError(
-            f"checkpoint={path} is another architecture than the recipe's: {'; '.join(differ)}; set those to the checkpoint's"
-        )
-    return start

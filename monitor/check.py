@@ -268,7 +268,6 @@ def measure_traffic(
     requests carry them (monitor/traffic.py), else by replay, draftsmith's eval of the deployed
     drafter on the latest requests of the domain."""
     from draftsmith.eval.report import run_eval
-    from draftsmith.export import open_drafter
 
     requests, summary = sample(
         Path(cfg.monitor.traffic), cfg.monitor.sample_per_domain, cfg.monitor.traffic_window_s, now
@@ -288,7 +287,7 @@ def measure_traffic(
             "output_dir": str(check_dir),
         },
     )
-    report = run_eval(variant, deployed["export"], open_drafter=open_drafter)
+    report = run_eval(variant, deployed["export"])
     tests |= domain_tests(report, baseline, cfg.monitor)
     return {
         **summary,

@@ -3,7 +3,7 @@
     sample      recent traffic of the drifted and new domains, split 80/20 (by a hash of each request)
                 into data to retrain on and held-out prompts to judge on
     regenerate  the target's own answers to those requests (data_prep.regenerate: resumable by parts)
-    train       warm start from the deployed drafter (checkpoint: its weights and draft vocabulary),
+    train       warm start from the deployed drafter (train.init_from: its weights and draft vocabulary),
                 on the regenerated traffic, listed monitor.new_data_weight times, mixed with data.train
                 (train.resume=true: a killed run continues from its last checkpoint)
     evaluate    the deployed and the new drafter on the old domains (the recipe's eval data) and the
@@ -90,8 +90,8 @@ def step_regenerate(cfg: DictConfig, directory: Path, state: State, run_dir: Pat
 
 def warm_start_of(state: State) -> str:
     """What the retraining starts from: the draftsmith checkpoint the deployed export came from (its
-    sha256 checked), or, when that is gone or changed, the export folder itself (train's `checkpoint=`
-    reads both)."""
+    sha256 checked), or, when that is gone or changed, the export folder itself (train.init_from reads
+    both)."""
     deployed = state.pipeline["deployed"]
     checkpoint = Path(deployed["checkpoint"])
     if (checkpoint / "model.safetensors").is_file() and checkpoint_digest(checkpoint) == deployed["sha256"]:
@@ -110,7 +110,8 @@ def step_train(cfg: DictConfig, directory: Path, state: State, run_dir: Path) ->
         "data.train": [regenerated] * cfg.monitor.new_data_weight + list(cfg.data.train),
         "data.features": None,
         "data.eval": [],
-        "checkpoint": start,
+        "checkpoint": None,  # the monitor's, the deployed export, is no training input: the run's recipe reads final/
+        "train.init_from": start,
         "train.resume": "true",
         "train.overwrite": False,
         "eval.enabled": False,
@@ -124,7 +125,6 @@ def step_train(cfg: DictConfig, directory: Path, state: State, run_dir: Path) ->
 
 def step_evaluate(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -> dict[str, Any]:
     from draftsmith.eval.report import run_eval
-    from draftsmith.export import open_drafter
 
     prompts = [*(list(cfg.eval.data) or list(cfg.data.eval)), state.pipeline["done"]["sample"]["eval"]]
     reports = {}
@@ -133,7 +133,7 @@ def step_evaluate(cfg: DictConfig, directory: Path, state: State, run_dir: Path)
         ("candidate", state.pipeline["done"]["train"]["checkpoint"]),
     ):
         variant = derived(cfg, {"eval.data": prompts, "eval.tree": 0, "output_dir": str(run_dir / f"eval_{name}")})
-        run_eval(variant, drafter, open_drafter=open_drafter)  # the deployed one is an export folder
+        run_eval(variant, drafter)  # the deployed one is an export folder
         reports[name] = str(run_dir / f"eval_{name}" / "eval" / "report.json")
     return reports
 

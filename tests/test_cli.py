@@ -72,9 +72,9 @@ def test_cfg_prints_the_resolved_recipe_and_a_bad_one_is_one_line(capsys, tmp_pa
     assert line == "error: unknown recipe key 'train.nope' (override train.nope=1)"
 
 
-@pytest.mark.parametrize("old", ["drafter.path", "train.init_from", "monitor.deployed"])
+@pytest.mark.parametrize("old", ["drafter.path", "monitor.deployed"])
 def test_the_keys_that_became_checkpoint_say_so(old, capsys, tmp_path):
-    """Four names meant "a checkpoint to read"; the old ones are one line naming the new key, and a
+    """Three names meant "a checkpoint to read"; the old ones are one line naming the new key, and a
     run's recipe saved by an earlier draftsmith (which wrote them as null) still loads."""
     code, out, err = run("eval", ["recipe=medusa", f"{old}=/a/checkpoint", "--cfg"], capsys)
     line = assert_one_line_error(subprocess.CompletedProcess([], code, out, err), 2, alone=True)
@@ -86,6 +86,16 @@ def test_the_keys_that_became_checkpoint_say_so(old, capsys, tmp_path):
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(saved))
     code, out, _ = run("eval", [f"recipe={tmp_path / 'recipe.yaml'}", "--cfg"], capsys)
     assert code == 0 and yaml.safe_load(out)["checkpoint"] is None
+
+
+def test_train_refuses_checkpoint_and_names_its_start_key(capsys, tmp_path):
+    """`checkpoint` is what eval, export and monitor read; a training run starts from train.init_from.
+    train with checkpoint= is one line naming that key, before anything is loaded or written."""
+    args = ["recipe=medusa", f"output_dir={tmp_path / 'run'}", "checkpoint=/a/drafter"]
+    code, out, err = run("train", args, capsys)
+    line = assert_one_line_error(subprocess.CompletedProcess([], code, out, err), 2, alone=True)
+    assert line.startswith("error: checkpoint=/a/drafter names the drafter eval, export and monitor read")
+    assert line.endswith("pass train.init_from=/a/drafter") and not (tmp_path / "run").exists()
 
 
 def test_every_key_is_described_and_the_reference_is_current():

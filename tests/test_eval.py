@@ -419,7 +419,7 @@ def test_the_eval_leaves_the_checkpoint_byte_identical_and_the_export_reads_what
     before = hashes()
     overrides = [f"recipe={recipe}", f"output_dir={final.parent}", f"data.train=[{small_data['eval']}]"]
     overrides += ["data.max_length=96", "data.max_conversations=8", "eval.max_new_tokens=8"]
-    evaluate_trained_run(load_recipe([*overrides, "eval.enabled=true"]), final)
+    evaluate_trained_run(load_recipe([*overrides, "eval.enabled=true"]))  # the run's final/
     assert hashes() == before
 
     accuracy = json.loads((final.parent / "eval_accuracy.json").read_text())

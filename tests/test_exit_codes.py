@@ -124,16 +124,16 @@ def test_a_draftsmith_bug_exits_70_with_its_traceback_in_a_log_file(checkpoint, 
 
 
 def test_a_readback_that_differs_is_a_draftsmith_bug_not_bad_input(checkpoint, tmp_path, monkeypatch, capsys):
-    import draftsmith.export.run as run
+    import draftsmith.drafter_folder as drafter_folder
 
-    real = run.read_folder
+    real = drafter_folder.read_folder
 
     def changed(folder, target):
         drafter = real(folder, target)
         next(drafter.parameters()).data.add_(1.0)
         return drafter
 
-    monkeypatch.setattr(run, "read_folder", changed)
+    monkeypatch.setattr(drafter_folder, "read_folder", changed)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     result = export(checkpoint, tmp_path, capsys)
     assert result.returncode == errors.EXIT_INTERNAL

@@ -165,7 +165,7 @@ def test_each_eagle3_layout_reads_back_what_it_writes(name, target, tmp_path):
 
 
 def test_eagle31_is_written_in_vllms_native_form_and_reads_back(target, tmp_path):
-    from draftsmith.export import open_drafter
+    from draftsmith.drafter_folder import open_drafter
     from draftsmith.heads.base import TargetShape
 
     checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt", fc_norm="true", norm_output="true")
@@ -246,8 +246,7 @@ def write_speculators_folder(folder: Path, tensors: dict, layer: Optional[dict] 
 def test_a_folder_speculators_saved_is_read_and_warm_starts(target, speculators_tensors, tmp_path):
     from omegaconf import OmegaConf
 
-    from draftsmith.export import open_drafter
-    from draftsmith.export.run import warm_start
+    from draftsmith.drafter_folder import open_drafter, warm_start
     from draftsmith.heads import drafter_class
     from draftsmith.heads.base import TargetShape
 
@@ -289,8 +288,7 @@ def test_a_speculators_folder_s_sliding_window_is_read_as_vllm_reads_it(
     attends within it (tests/test_eagle3.py proves the window), and a window-less recipe is told to set it."""
     from omegaconf import OmegaConf
 
-    from draftsmith.export import open_drafter
-    from draftsmith.export.run import warm_start
+    from draftsmith.drafter_folder import open_drafter, warm_start
     from draftsmith.heads import drafter_class
     from draftsmith.heads.base import TargetShape
 
@@ -310,7 +308,7 @@ def test_a_speculators_folder_s_sliding_window_is_read_as_vllm_reads_it(
 
 
 def test_a_windowed_eagle3_is_written_with_its_window_in_both_vllm_forms(target, tmp_path):
-    from draftsmith.export import open_drafter
+    from draftsmith.drafter_folder import open_drafter
     from draftsmith.heads.base import TargetShape
 
     checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt", sliding_window=16)
@@ -338,7 +336,7 @@ def test_a_windowed_eagle3_is_written_with_its_window_in_both_vllm_forms(target,
 def test_what_draftsmith_cannot_compute_from_a_speculators_folder_is_refused(
     layer, top, fragment, target, speculators_tensors, tmp_path
 ):
-    from draftsmith.export import open_drafter
+    from draftsmith.drafter_folder import open_drafter
     from draftsmith.heads.base import TargetShape
 
     tensors = dict(speculators_tensors)
@@ -514,7 +512,6 @@ EAGLE31 = {"fc_norm": "true", "norm_output": "true"}
 )  # fmt: skip
 def test_an_exported_folder_evaluates_like_its_checkpoint(kind, engine, config, target, one_prompt, tmp_path):
     from draftsmith.eval.report import run_eval
-    from draftsmith.export import open_drafter
 
     checkpoint = save_drafter(kind, target, tmp_path / "ckpt", seed=3, **config)
     folders = run_export(kind, checkpoint, tmp_path / "export", f"export.engines=[{engine}]", target=target)
@@ -531,7 +528,7 @@ def test_an_exported_folder_evaluates_like_its_checkpoint(kind, engine, config, 
     rows = {}
     for name, path in (("checkpoint", checkpoint), ("export", folders[engine])):
         cfg = load_recipe([f"recipe={KINDS[kind]}", f"output_dir={tmp_path / name}", *quick])
-        report = run_eval(cfg, str(path), target=target, open_drafter=open_drafter)
+        report = run_eval(cfg, str(path), target=target)
         rows[name] = {
             (d, m): (row["new_tokens"], row["target_forwards"], row["accepted"], row["lossless"])
             for d in report["domains"]

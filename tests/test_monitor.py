@@ -454,6 +454,8 @@ def test_a_shift_is_detected_located_retrained_and_promoted(deployed, tmp_path, 
     assert state["pipeline"] is None and state["deployed"]["revision"] == 1 and gate["promote"]
     assert gate["tau"]["candidate"]["new"] > gate["tau"]["deployed"]["new"] * 1.02
     assert Path(state["deployed"]["export"], "model.safetensors").is_file() and state["cooldown_until"] > time.time()
+    retrained = yaml.safe_load((Path(state["deployed"]["checkpoint"]).parent / "recipe.yaml").read_text())
+    assert retrained["checkpoint"] is None and retrained["train"]["init_from"]  # its recipe reads its own final/
     assert list((tmp_path / "run" / "monitor" / "tb").glob("events.out.tfevents.*"))
     engine.server.shutdown()
 

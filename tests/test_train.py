@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import REFERENCE_TARGET, read_log, train_args, train_in_process
+from tests.helpers import REFERENCE_TARGET, read_log, run_entry_in_process, train_args, train_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -67,19 +67,35 @@ def test_checkpoint_files_and_logs(trained_run):
     assert (output_dir / "recipe.yaml").is_file()
 
 
-def test_a_warm_start_begins_at_the_checkpoint(trained_run, tmp_path, small_data, token_cache):
-    """`checkpoint=` on train: the run starts from that drafter's weights (one step at a learning rate
-    of 1e-9 moves none of them by more than 1e-6), and the run's own eval reads its own final/."""
+def test_a_warm_start_begins_at_its_start_and_its_saved_recipe_reads_what_it_trained(
+    trained_run, tmp_path, small_data, token_cache, capsys
+):
+    """`train.init_from=` starts the run from that drafter's weights: one step at a learning rate of 1e-5
+    moves each by at most about 1e-5 (AdamW's first step), where a cold run's differ by more than 1e-2.
+    The run's saved recipe alone (no checkpoint=) then points eval and export at the weights the run
+    trained, its final/, never at its start."""
     output_dir, _ = trained_run
     start = load_file(str(output_dir / "final" / "model.safetensors"))
     warm = tmp_path / "warm"
-    args = train_args(warm, small_data, token_cache, f"checkpoint={output_dir / 'final'}", "train.max_steps=1",
-                      "train.lr=1e-9", "train.warmup_steps=0", "data.eval=[]")  # fmt: skip
+    args = train_args(warm, small_data, token_cache, f"train.init_from={output_dir / 'final'}", "train.max_steps=1",
+                      "train.lr=1e-5", "train.warmup_steps=0", "data.eval=[]")  # fmt: skip
     final, _ = train_in_process(args)
     weights = load_file(str(final / "model.safetensors"))
     assert weights.keys() == start.keys()
-    assert max(float((weights[k] - start[k]).abs().max()) for k in start) < 1e-6
+    assert 0 < max(float((weights[k] - start[k]).abs().max()) for k in start) < 1e-4
     cold, _ = train_in_process(
-        [a for a in args if not a.startswith(("checkpoint=", "output_dir="))] + [f"output_dir={tmp_path / 'cold'}"]
+        [a for a in args if not a.startswith(("train.init_from=", "output_dir="))] + [f"output_dir={tmp_path / 'cold'}"]
     )
     assert max(float((load_file(str(cold / "model.safetensors"))[k] - start[k]).abs().max()) for k in start) > 1e-2
+
+    saved = f"recipe={warm / 'recipe.yaml'}"
+    quick = [f"eval.data=[{small_data['eval']}]", "eval.max_prompts=1", "eval.max_new_tokens=8"]
+    assert run_entry_in_process(["-m", "eval", saved, *quick], capsys).returncode == 0
+    report = json.loads((warm / "eval" / "report.json").read_text())
+    assert report["drafter"]["path"] == str(final.resolve())
+    assert run_entry_in_process(["-m", "export", saved], capsys).returncode == 0
+    info = json.loads((warm / "export" / "vllm" / "draftsmith_export.json").read_text())
+    assert info["source"]["checkpoint"] == str(final.resolve())
+    exported = load_file(str(warm / "export" / "vllm" / "model.safetensors"))
+    assert exported and all(torch.equal(tensor, weights[name]) for name, tensor in exported.items())
+    assert any(not torch.equal(tensor, start[name]) for name, tensor in exported.items())

@@ -37,8 +37,8 @@ from transformers import get_cosine_schedule_with_warmup
 
 from draftsmith.data_prep import Collator, PackingCollator, load_tokenized
 from draftsmith.data_prep.features import FeatureCollator, expected_features, open_features
+from draftsmith.drafter_folder import warm_start
 from draftsmith.errors import Preempted, UserError
-from draftsmith.export.run import warm_start
 from draftsmith.heads import drafter_class
 from draftsmith.heads.packing import causal_lm_inputs, require_packed_attention
 from draftsmith.recipe import require_draft_vocab_use, save_recipe
@@ -329,11 +329,11 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     train_data, collate, target_features = training_inputs(cfg, tokenizer, target, drafter, train_data)
     # what the drafter fits to the data (EAGLE-3's draft vocabulary), on every rank
     drafter.prepare(train_data if vocab_data is None else vocab_data)
-    if cfg.checkpoint:  # warm start: its weights and data-fitted state (the draft vocabulary is kept, not re-fitted)
-        start = warm_start(cfg.checkpoint, drafter, target)  # a checkpoint, an export's folder or speculators'
+    if cfg.train.init_from:  # warm start: its weights and data-fitted state (draft vocabulary kept, not re-fitted)
+        start = warm_start(cfg.train.init_from, drafter, target)  # a checkpoint, an export's folder or speculators'
         drafter.load_state_dict(start.state_dict())
         drafter.learned = dict(start.learned)
-        log.info("warm start from %s", cfg.checkpoint)
+        log.info("warm start from %s", cfg.train.init_from)
     run = prepare_run(cfg, accelerator, target, drafter, train_data, collate, target_features, heldout)
     if accelerator.is_main_process:
         save_recipe(cfg, output_dir)
