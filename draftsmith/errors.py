@@ -4,14 +4,16 @@ into one line on stderr. Bad input, and only bad input, exits 2. docs/faults.md 
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import logging
 import os
 import signal
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NoReturn
 
 
@@ -105,11 +107,34 @@ def close_progress_bars() -> None:
 
 
 def stop_on_sigterm(signum, frame) -> None:
-    """SIGTERM outside a training loop (which installs its own, to checkpoint first): stop where the
+    """SIGTERM outside a loop that finishes its unit of work first (`StopRequest`): stop where the
     job is. Every stage publishes by rename, so what it finished is kept and the same command
     continues (regeneration and capture after their last finished part, export from its checks)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM during the unwinding kills
     raise Preempted("stopped on SIGTERM; what was finished is kept: run the same command again to continue")
+
+
+class StopRequest:
+    """SIGTERM for a loop that must finish what it is doing first (a training step and its checkpoint, a
+    monitor check): while `on_sigterm()` is entered, SIGTERM only sets `requested` (and logs `note`), and
+    the loop stops at its next boundary; elsewhere `stop_on_sigterm` stops the job where it is."""
+
+    def __init__(self, note: str = ""):
+        self.note = note
+        self.requested = False
+
+    @contextlib.contextmanager
+    def on_sigterm(self) -> Iterator[StopRequest]:
+        def handler(signum, frame) -> None:
+            if self.note:
+                logging.getLogger("draftsmith").warning(self.note)
+            self.requested = True
+
+        previous = signal.signal(signal.SIGTERM, handler)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def run_cli(main: Callable[[Sequence[str]], object], argv: Sequence[str] | None = None) -> NoReturn:
@@ -148,11 +173,13 @@ def outcome(err: BaseException) -> tuple[int, str]:
         where = f" ({err.filename})" if err.filename else ""
         return (
             EXIT_IO_ERROR,
-            f"I/O error: {os.strerror(err.errno).lower()}{where}; free space (or fix the disk) and run the same command again",
+            f"I/O error: {os.strerror(err.errno).lower()}{where}; free space (or fix the disk) and run the same "
+            "command again",
         )
     return (
         EXIT_INTERNAL,
-        f"internal error (a draftsmith bug, please report it): {type(err).__name__}: {one_line(err)}; {traceback_kept(err)}",
+        f"internal error (a draftsmith bug, please report it): {type(err).__name__}: {one_line(err)}; "
+        f"{traceback_kept(err)}",
     )
 
 

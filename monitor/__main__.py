@@ -13,12 +13,11 @@ the next check tries again.
 
 from __future__ import annotations
 
-import signal
 import sys
 import time
 from collections.abc import Sequence
 
-from draftsmith.errors import EngineUnavailable, UserError, one_line
+from draftsmith.errors import EngineUnavailable, StopRequest, UserError, one_line
 from draftsmith.recipe import load_recipe
 
 USAGE = "usage: python -m monitor check|watch recipe=NAME [key=value ...]"
@@ -34,16 +33,15 @@ def main(argv: Sequence[str]) -> None:
         outcome = check(cfg)
         print(summary(cfg, outcome))
         sys.exit(int(outcome))
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
-    while not stop:
-        try:
-            print(summary(cfg, check(cfg)), flush=True)
-        except EngineUnavailable as err:  # temporary: the next check tries again
-            print(f"engine unavailable: {one_line(err, limit=2000)}", file=sys.stderr, flush=True)
-        deadline = time.monotonic() + cfg.monitor.interval_s
-        while not stop and time.monotonic() < deadline:
-            time.sleep(min(1.0, cfg.monitor.interval_s))
+    with StopRequest().on_sigterm() as stop:
+        while not stop.requested:
+            try:
+                print(summary(cfg, check(cfg)), flush=True)
+            except EngineUnavailable as err:  # temporary: the next check tries again
+                print(f"engine unavailable: {one_line(err, limit=2000)}", file=sys.stderr, flush=True)
+            deadline = time.monotonic() + cfg.monitor.interval_s
+            while not stop.requested and time.monotonic() < deadline:
+                time.sleep(min(1.0, cfg.monitor.interval_s))
 
 
 if __name__ == "__main__":

@@ -82,7 +82,8 @@ def deployed_of(cfg: DictConfig, state: State) -> dict[str, Any]:
     report = cfg.monitor.baseline or (info.get("eval_report") or {}).get("path")
     if not report:
         raise UserError(
-            f"{folder} was exported without an eval report: set monitor.baseline=<report.json> (evaluate the checkpoint and export again)"
+            f"{folder} was exported without an eval report: set monitor.baseline=<report.json> (evaluate the "
+            "checkpoint and export again)"
         )
     return {
         "export": str(Path(folder).resolve()),
@@ -109,17 +110,19 @@ def load_baseline(path: str) -> Baseline:
 
 
 def measure_and_decide(cfg: DictConfig, directory: Path, state: State, now: float) -> Outcome:
+    """One check of the deployed drafter: measure (the engine's counters, the traffic sample), decide,
+    record, and run the retraining when that is the decision."""
     settings = cfg.monitor
     if not settings.metrics and not settings.traffic:
         raise UserError(
-            "nothing to monitor: set monitor.metrics=[<engine /metrics URLs>] and/or monitor.traffic=<request log directory>"
+            "nothing to monitor: set monitor.metrics=[<engine /metrics URLs>] and/or monitor.traffic=<request log "
+            "directory>"
         )
     deployed = deployed_of(cfg, state)
     baseline = load_baseline(deployed["baseline"])
     state.checks += 1
-    number = state.checks
     record: dict[str, Any] = {
-        "check": number,
+        "check": state.checks,
         "time": datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(),
         "deployed": deployed,
         "baseline": asdict(baseline),
@@ -129,47 +132,81 @@ def measure_and_decide(cfg: DictConfig, directory: Path, state: State, now: floa
     }
     verdicts, change = [], None
     if settings.metrics:
-        urls = list(settings.metrics)
-        current = collect(urls)
-        if state.counters is None:
-            record["engine"] = {"verdict": TOO_FEW, "note": "first scrape of this deployment: the window starts now"}
-        else:
-            measured = window(state.counters, current)
-            tests = engine_tests(measured, baseline, settings) if settings.engine == "vllm" else {}
-            record["engine"] = {
-                **measured.as_dict(),
-                "tests": tests,
-                "verdict": verdict_of(tests) if tests else TOO_FEW,
-            }
-            verdicts.append(record["engine"]["verdict"])
-        if settings.engine == "vllm":
-            versions = {url: engine_version(url) for url in urls}
-            record["engine"]["versions"] = versions
-            change = engine_change(deployed, versions)
+        record["engine"], judged, change = measure_engine(cfg, state, deployed, baseline)
+        verdicts += judged
         if change is not None:
             record["engine"]["verdict"] = REVERIFY  # its tests stay recorded, as measured
             record["engine_change"] = change
-        state.counters = current
     if settings.traffic:
-        record["traffic"] = measure_traffic(cfg, directory, deployed, baseline, number, now)
+        record["traffic"] = measure_traffic(cfg, directory, deployed, baseline, state.checks, now)
         verdicts.append(record["traffic"]["verdict"])
+    drift = count_drift(state, verdicts, change)
+    outcome, action = decide(cfg, state, drift, change, now)
+    record_check(directory, state, record, drift, outcome, action, now)
+    if action == "retrain":
+        from draftsmith.monitor.pipeline import run_pipeline
 
-    # In an engine the export was not checked in, a drop is not drift (nor a healthy window a
-    # recovery): the streak stays where it was until the export is checked in that engine. The
-    # per-request counts of the traffic come from the same engine, and a retraining's export would be
-    # checked in export.vllm_python, not in it, so the whole check waits for the re-verification.
+        return run_pipeline(cfg, directory, state)
+    return outcome
+
+
+def measure_engine(
+    cfg: DictConfig, state: State, deployed: dict[str, Any], baseline: Baseline
+) -> tuple[dict[str, Any], list[str], Optional[dict[str, Any]]]:
+    """The engine's side of a check: its record, its verdict on the counters over the window since the
+    previous check (none on the first scrape of a deployment, which only starts the window), and the
+    version it reports against the one the export was checked in (`engine_change`). Keeps this scrape as
+    the next window's start."""
+    settings = cfg.monitor
+    urls = list(settings.metrics)
+    current = collect(urls)
+    judged = []
+    if state.counters is None:
+        engine = {"verdict": TOO_FEW, "note": "first scrape of this deployment: the window starts now"}
+    else:
+        measured = window(state.counters, current)
+        tests = engine_tests(measured, baseline, settings) if settings.engine == "vllm" else {}
+        engine = {
+            **measured.as_dict(),
+            "tests": tests,
+            "verdict": verdict_of(tests) if tests else TOO_FEW,
+        }
+        judged.append(engine["verdict"])
+    change = None
+    if settings.engine == "vllm":
+        engine["versions"] = {url: engine_version(url) for url in urls}
+        change = engine_change(deployed, engine["versions"])
+    state.counters = current
+    return engine, judged, change
+
+
+def count_drift(state: State, verdicts: list[str], change: Optional[dict[str, Any]]) -> bool:
+    """Whether this check found drift, counted into the streak of checks in a row that did; a check
+    that found everything healthy ends the streak.
+
+    In an engine the export was not checked in, a drop is not drift (nor a healthy window a
+    recovery): the streak stays where it was until the export is checked in that engine. The
+    per-request counts of the traffic come from the same engine, and a retraining's export would be
+    checked in export.vllm_python, not in it, so the whole check waits for the re-verification."""
     drift = change is None and DRIFT in verdicts
     if drift:
         state.consecutive_drift += 1
     elif change is None and verdicts and all(verdict == HEALTHY for verdict in verdicts):
         state.consecutive_drift = 0
-    outcome, action = decide(cfg, state, drift, change, now)
+    return drift
+
+
+def record_check(
+    directory: Path, state: State, record: dict[str, Any], drift: bool, outcome: Outcome, action: str, now: float
+) -> None:
+    """The check's decision into its record (`checks/<n>.json`, TensorBoard) and the state file, with
+    the retraining to run when that is the action."""
     if action == "retrain":
         state.pipeline = {
-            "id": f"retrain_{number:05d}",
+            "id": f"retrain_{state.checks:05d}",
             "started": record["time"],
             "domains": drifted_domains(record),
-            "deployed": deployed,
+            "deployed": record["deployed"],
             "done": {},
         }
     record["decision"] = {
@@ -178,14 +215,9 @@ def measure_and_decide(cfg: DictConfig, directory: Path, state: State, now: floa
         "action": action,
         "outcome": outcome.name,
     }
-    path = write_record(directory, number, record, now)
+    path = write_record(directory, state.checks, record, now)
     state.last_check = {"time": record["time"], "record": str(path), "outcome": outcome.name, "action": action}
     state.save(directory)
-    if action == "retrain":
-        from draftsmith.monitor.pipeline import run_pipeline
-
-        return run_pipeline(cfg, directory, state)
-    return outcome
 
 
 def decide(
@@ -194,7 +226,8 @@ def decide(
     if change is not None:
         return (
             Outcome.REVERIFY,
-            f"reverify: {change['reason']}. Check the export in that engine before its acceptance is judged again: {change['command']}",
+            f"reverify: {change['reason']}. Check the export in that engine before its acceptance is judged again: "
+            f"{change['command']}",
         )
     if not drift:
         return Outcome.HEALTHY, "none"
@@ -203,7 +236,8 @@ def decide(
     if now < state.cooldown_until:
         return (
             Outcome.DRIFT,
-            f"wait: cooldown until {datetime.datetime.fromtimestamp(state.cooldown_until, datetime.timezone.utc).isoformat()}",
+            "wait: cooldown until "
+            f"{datetime.datetime.fromtimestamp(state.cooldown_until, datetime.timezone.utc).isoformat()}",
         )
     if not cfg.monitor.retrain:
         return Outcome.DRIFT, "report only (monitor.retrain=false)"
@@ -244,7 +278,9 @@ def engine_change(deployed: dict[str, Any], versions: dict[str, str]) -> Optiona
         "reported": reported,
         "sampling": sampling,
         "reason": reason,
-        "command": f"{reverify_command(deployed, info)} (RECIPE: this monitor's recipe; PYTHON: a Python with {engines})",
+        "command": (
+            f"{reverify_command(deployed, info)} (RECIPE: this monitor's recipe; PYTHON: a Python with {engines})"
+        ),
     }
 
 

@@ -469,6 +469,26 @@ def test_two_checks_never_overlap(tmp_path):
             check(cfg)
 
 
+def test_watch_stops_on_sigterm_once_the_check_in_progress_is_done(tmp_path, monkeypatch):
+    import os
+    import signal
+
+    from draftsmith.monitor import __main__ as monitor_command
+    from draftsmith.monitor import check as monitor_check
+
+    checks = []
+
+    def terminated_during_a_check(cfg):
+        os.kill(os.getpid(), signal.SIGTERM)
+        checks.append(cfg)
+        return Outcome.HEALTHY
+
+    monkeypatch.setattr(monitor_check, "check", terminated_during_a_check)
+    before = signal.getsignal(signal.SIGTERM)
+    monitor_command.main(["watch", "recipe=medusa", f"output_dir={tmp_path}"])  # returns instead of waiting 300 s
+    assert len(checks) == 1 and signal.getsignal(signal.SIGTERM) == before
+
+
 # -- the deploy examples, as written -----------------------------------------------------------------
 @pytest.fixture
 def healthy_setup(deployed, tmp_path):
