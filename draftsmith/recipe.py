@@ -176,7 +176,7 @@ def check_train(t, d) -> None:
         t.cpu_threads is None or t.cpu_threads >= 1,
         f"train.cpu_threads={t.cpu_threads} must be >= 1, or null to let draftsmith choose",
     )
-    for key in ("micro_batch_size", "grad_accum", "log_every"):
+    for key in ("micro_batch_size", "grad_accum", "log_every", "vocab_chunk_mb"):
         require(t[key] >= 1, f"train.{key}={t[key]} must be >= 1")
     for key in (
         "warmup_steps",

@@ -156,6 +156,9 @@ class TrainSection:
     # [first, last]: torch.profiler over optimizer steps first..last (1-based), a Chrome trace written to
     # output_dir/profile/ (trainer/observe.py); null = no profiling
     profile_steps: Optional[List[int]] = None
+    # MiB of [rows, vocabulary] float32 logits a vocabulary loss holds at once (heads/vocab_loss.py: EAGLE-3's
+    # draft and target vocabularies); larger chunks mean fewer, bigger GEMMs
+    vocab_chunk_mb: int = 256
     # threads torch computes with on a CPU run; null = draftsmith chooses (draftsmith/threads.py): OMP_NUM_THREADS
     # where it is the user's, else the available cores / the processes on this machine. `accelerate launch`
     # sets OMP_NUM_THREADS=1 for its processes, which cannot be told from a user's 1: under a launcher set this.
