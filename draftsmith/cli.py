@@ -39,8 +39,8 @@ COMMANDS = {
     "capture": ("draftsmith.data_prep.capture", "main"),
     "regenerate": ("draftsmith.data_prep.regenerate", "main"),
     "export": ("draftsmith.export.__main__", "main"),
-    "monitor": ("draftsmith.monitor.__main__", "main"),
     "sweep": ("draftsmith.export.sweep", "main"),
+    "monitor": ("draftsmith.monitor.__main__", "main"),
 }
 
 
@@ -51,8 +51,8 @@ COMMAND_SECTIONS = {
     "capture": ("data", "target"),
     "regenerate": ("data", "target"),
     "export": ("export", "target", "eval"),
-    "monitor": ("monitor", "target", "export"),
     "sweep": ("export", "eval", "target"),
+    "monitor": ("monitor", "target", "export"),
 }
 
 TRAIN_USAGE = """`draftsmith train recipe=NAME [key=value ...]`, `python train.py ...`, or on several processes

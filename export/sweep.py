@@ -420,10 +420,11 @@ def schedule_of(rows: list[dict[str, Any]], method: str) -> tuple[dict[str, Any]
 
 
 def main(argv: Sequence[str]) -> None:
+    from draftsmith.drafter_folder import checkpoint_to_read
     from draftsmith.recipe import load_recipe
 
     cfg = load_recipe(argv)
-    print(run_sweep(cfg, Path(cfg.checkpoint or Path(cfg.output_dir) / "final")))
+    print(run_sweep(cfg, checkpoint_to_read(cfg)))
 
 
 if __name__ == "__main__":
