@@ -385,7 +385,11 @@ class Eagle3(EagleBase):
     def draft_logits(self, outputs: torch.Tensor) -> torch.Tensor:
         """Output features [..., H] -> logits over the draft vocabulary [..., draft_vocab_size]
         (with norm_output the features are already normed)."""
-        return self.lm_head(outputs if self.config.norm_output else self.norm(outputs)).float()
+        return self.lm_head(self.lm_input(outputs)).float()
+
+    def lm_input(self, outputs: torch.Tensor) -> torch.Tensor:
+        """What the lm_head reads of output features: norm(o), or o itself with norm_output (already normed)."""
+        return outputs if self.config.norm_output else self.norm(outputs)
 
     def top_tokens(self, feature: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         # Clamped so that rounding never lets a child outscore its parent (see `grow`).
@@ -480,7 +484,7 @@ class Eagle3(EagleBase):
             supervised = shifted(loss_mask, 2 + step, width, fill=False) & same_document(docs, 2 + step, width)
             counted = supervised & shifted(teacher.in_vocab, 1 + step, width, fill=False)
             scored = self.config.ttt_decay**step * counted.flatten().float()
-            features = (output if self.config.norm_output else self.norm(output)).flatten(0, 1)
+            features = self.lm_input(output).flatten(0, 1)
             result = soft_cross_entropy(features, self.lm_head.weight, teacher.rows_for(step), scored, chunk)
             total = total + result.loss
             with torch.no_grad():
@@ -511,7 +515,7 @@ class Eagle3(EagleBase):
         best = torch.cat(best)
         in_vocab = self.t2d[best] if self.pruned else torch.ones_like(best, dtype=torch.bool)
         probs = torch.cat(probs).masked_fill_(~in_vocab[:, None], 0.0)
-        return Teacher(best.view(shape), in_vocab.view(shape), probs, shape[1])
+        return Teacher(best.view(shape), in_vocab.view(shape), probs)
 
 
 @dataclass
@@ -521,17 +525,17 @@ class Teacher:
     best: torch.Tensor  # [B, T] long: the target's argmax over its whole vocabulary
     in_vocab: torch.Tensor  # [B, T] bool: whether that argmax is a draft token
     probs: torch.Tensor  # [B * T, draft vocab] float32: its distribution over the draft vocabulary (0: not in it)
-    length: int  # T
 
     def rows_for(self, step: int):
         """The teacher of TTT step `step` for the fused loss: rows of the step's flattened [B, T-2]
         positions -> the distributions they are scored against, those at position t + 1 + step (clamped to
         the row: a position past it is never scored)."""
-        width = self.length - 2
+        length = self.best.shape[1]
+        width = length - 2
 
         def rows(index: torch.Tensor) -> torch.Tensor:
-            places = (index % width + 1 + step).clamp(max=self.length - 1)
-            return self.probs.index_select(0, index // width * self.length + places)
+            places = (index % width + 1 + step).clamp(max=length - 1)
+            return self.probs.index_select(0, index // width * length + places)
 
         return rows
 
