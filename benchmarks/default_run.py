@@ -29,7 +29,8 @@ def main() -> None:
     output_dir = Path(args.output_dir).resolve()
     shutil.rmtree(output_dir, ignore_errors=True)
 
-    launch = ["accelerate", "launch", "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
+    launch = ["accelerate", "launch", "--num_processes", "1", "--num_machines", "1",
+              "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
     command = [*launch, "train.py", "recipe=medusa", f"output_dir={output_dir}", *args.overrides]
     start = time.perf_counter()
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)

@@ -92,7 +92,8 @@ def main() -> None:
             "tau_T1": taus(sampled),
             "draft_forwards_per_cycle_T0": draft_forwards(greedy),
             "lossless_T0": f"{sum(map(bool, lossless))}/{len(lossless)}",
-            # adapted verifiers (Medusa-2): share of prompts where plain greedy decoding still gives the original target's tokens
+            # adapted verifiers (Medusa-2): share of prompts where plain greedy decoding still gives the original
+            # target's tokens
             "original_same_output_T0": greedy["baselines"]["all"].get("original", {}).get("same_output"),
         }
     print(json.dumps({"steps": args.steps, "train_data": args.train_data, "drafters": results}, indent=2))

@@ -8,9 +8,9 @@ them; a missing one is trained with the kind's recipe first), exports it for vLL
 `export.vllm_python` under the recipe that trained it (`<runs>/<kind>/recipe.yaml`, so runs of another
 benchmark export as they were trained: `--runs runs/bench_smollm2 --prompts 4` checks the SmolLM2
 drafters of benchmarks/real_target.py against vLLM serving SmolLM2), and reports what the export
-check measured on the eval prompts (4 domains x --prompts, greedy, γ of the recipe): vLLM's τ and P(accepted >= k) next to draftsmith's on the same
-prompts and schedule, whether vLLM's output with the drafter equals its output without it and
-draftsmith's, and the wall time of the check.
+check measured on the eval prompts (4 domains x --prompts, greedy, γ of the recipe): vLLM's τ and
+P(accepted >= k) next to draftsmith's on the same prompts and schedule, whether vLLM's output with the
+drafter equals its output without it and draftsmith's, and the wall time of the check.
 """
 
 from __future__ import annotations
@@ -65,8 +65,10 @@ def main() -> None:
             ]
         )
         verified = json.loads((output / "vllm" / "draftsmith_export.json").read_text())["verified"]
-        results[name] = {key: verified[key] for key in ("engine_version", "prompts", "max_new_tokens", "num_speculative_tokens", "tau_engine", "tau_draftsmith",
-                                                          "relative_difference", "at_least_engine", "at_least_draftsmith", "lossless", "equals_draftsmith_plain", "counters")}  # fmt: skip
+        results[name] = {key: verified[key] for key in ("engine_version", "prompts", "max_new_tokens",
+                                                        "num_speculative_tokens", "tau_engine", "tau_draftsmith",
+                                                        "relative_difference", "at_least_engine", "at_least_draftsmith",
+                                                        "lossless", "equals_draftsmith_plain", "counters")}  # fmt: skip
         results[name]["export_and_check_wall_s"] = round(wall, 1)
     print(json.dumps(results, indent=2))
 

@@ -117,9 +117,13 @@ def main() -> None:
         with EngineSession({"OMP_NUM_THREADS": str(args.threads)}) as session:  # an engine process per method
             rows = load.rows(session, method, gamma, speculative_config, source, missing, plain)
         if round_ is not None:  # speed-up over this round's plain (1 for plain), outputs against the sweep's
-            same_round = {r["concurrency"]: r["tok_s"] for r in read_rows(repeats) if (r["method"], r["round"]) == (PLAIN, round_)}  # fmt: skip
+            same_round = {r["concurrency"]: r["tok_s"] for r in read_rows(repeats)
+                          if (r["method"], r["round"]) == (PLAIN, round_)}  # fmt: skip
             for row in rows:
-                row |= {"round": round_, "speedup": round(row["tok_s"] / same_round.get(row["concurrency"], row["tok_s"]), 4)}  # fmt: skip
+                row |= {
+                    "round": round_,
+                    "speedup": round(row["tok_s"] / same_round.get(row["concurrency"], row["tok_s"]), 4),
+                }
         with path.open("a") as out_rows:
             out_rows.writelines(json.dumps(row) + "\n" for row in rows)
 
@@ -142,8 +146,10 @@ def main() -> None:
         try:  # vLLM's n-gram proposer takes a schedule too: the same rule, applied to its rows
             ngram = batch_schedule(read_rows(sweep), NGRAM)
             notes[NGRAM] = {"schedule": ngram["num_speculative_tokens_per_batch_size"]}
-            config = {**ngram_config(ngram["num_speculative_tokens"]),
-                      "num_speculative_tokens_per_batch_size": ngram["num_speculative_tokens_per_batch_size"]}  # fmt: skip
+            config = {
+                **ngram_config(ngram["num_speculative_tokens"]),
+                "num_speculative_tokens_per_batch_size": ngram["num_speculative_tokens_per_batch_size"],
+            }
             measure("ngram+schedule", ngram["num_speculative_tokens"], config)
         except ExportCheckFailed as refused:
             notes[NGRAM] = {"refused": str(refused)}
@@ -230,8 +236,9 @@ def export(run_dir: Path, folder: str, overrides: list[str], refusable: bool = F
     as (None, its message) instead of ending the benchmark."""
     output = run_dir / folder
     if not (output / "vllm" / "draftsmith_export.json").is_file():
-        command = [sys.executable, "-m", "export", f"recipe={run_dir / 'recipe.yaml'}", f"checkpoint={checkpoint_of(run_dir)}",
-                   f"export.output={output}", f"output_dir={run_dir}", *overrides]  # fmt: skip
+        command = [sys.executable, "-m", "export", f"recipe={run_dir / 'recipe.yaml'}",
+                   f"checkpoint={checkpoint_of(run_dir)}", f"export.output={output}", f"output_dir={run_dir}",
+                   *overrides]  # fmt: skip
         done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
         if refusable and done.returncode == 3:
             return None, done.stderr.strip().splitlines()[-1]
@@ -310,7 +317,8 @@ def repeated(rows: list[dict]) -> dict:
         per_level = {}
         for c in levels:
             ratios = [r["tok_s"] / plain[r["round"], c] for r in rows
-                      if (r["method"], r["gamma"], r["concurrency"]) == (method, gamma, c) and (r["round"], c) in plain]  # fmt: skip
+                      if (r["method"], r["gamma"], r["concurrency"]) == (method, gamma, c)
+                      and (r["round"], c) in plain]  # fmt: skip
             if ratios:
                 per_level[c] = {"median": round(statistics.median(ratios), 4), "min": round(min(ratios), 4),
                                 "max": round(max(ratios), 4)}  # fmt: skip

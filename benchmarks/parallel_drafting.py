@@ -57,7 +57,8 @@ ENGINES = None  # the benchmark's one EngineSession: vLLM imported once for ever
 
 
 def vllm(python: str, target: str, prompts: list[list[int]], new_tokens: int, speculative_config) -> dict:
-    """One engine (draftsmith/engine_scripts/vllm_worker.py, one worker process for the benchmark), one prompt at a time."""
+    """One engine (draftsmith/engine_scripts/vllm_worker.py, one worker process for the benchmark), one prompt
+    at a time."""
     global ENGINES
     if ENGINES is None:
         from draftsmith.export.verify import EngineSession
@@ -121,7 +122,8 @@ def main() -> None:
         row = result["variants"][name] = {}
         if not (out / "final").is_dir():
             row["train_and_eval_wall_s"] = round(
-                run(["train.py", f"recipe={recipe}", *overrides, *common, f"train.max_steps={args.steps}", f"output_dir={out}"]), 1
+                run(["train.py", f"recipe={recipe}", *overrides, *common, f"train.max_steps={args.steps}",
+                     f"output_dir={out}"]), 1
             )  # fmt: skip
         chain = json.loads((out / "eval" / "report.json").read_text())["domains"]["all"]["chain"]
         row["draftsmith"] = {

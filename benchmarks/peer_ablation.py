@@ -139,7 +139,8 @@ def main() -> None:
         own_eval(args, out / "recipe.yaml", out / "final", out / "mtbench", log)
         tau = own_eval_taus(out / "mtbench")
         rows.append({"variant": name, "seed": args.seed, "overrides": overrides, "copies": why, "steps": last["step"],
-                     "train_tokens": last["train/tokens"], **json.loads(train.read_text()), "own_eval_tau": tau})  # fmt: skip
+                     "train_tokens": last["train/tokens"], **json.loads(train.read_text()),
+                     "own_eval_tau": tau})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     speculators = (REPO / args.speculators).resolve()
     if speculators.is_dir():

@@ -166,7 +166,8 @@ def stage_train_draftsmith(args, runs: Path, log: Path) -> dict:
         save_json(out / "train.json", {"train_s": round(seconds, 1), "load_avg": [before, load_avg()]})
     if not (out / "export" / "vllm").is_dir():
         run([sys.executable, "-m", "export", f"recipe={out / 'recipe.yaml'}", f"checkpoint={out / 'final'}",
-             f"export.output={out / 'export'}", f"export.num_speculative_tokens={args.depth}", f"output_dir={out}"], log)  # fmt: skip
+             f"export.output={out / 'export'}", f"export.num_speculative_tokens={args.depth}",
+             f"output_dir={out}"], log)  # fmt: skip
     from draftsmith.data_prep.dataset import load_tokenized
     from draftsmith.recipe import load_recipe
     from draftsmith.target import load_tokenizer
@@ -392,7 +393,8 @@ def main() -> None:
     args = parser.parse_args()
     if not Path(args.data).is_file():  # data.max_conversations counts per file: a folder of parts gives more
         sys.exit(
-            f"--data {args.data}: give one file (concatenate the parts), so both trainers take the same first conversations"
+            f"--data {args.data}: give one file (concatenate the parts), "
+            "so both trainers take the same first conversations"
         )
     runs, out = (REPO / args.runs).resolve(), (REPO / args.out).resolve()
     runs.mkdir(parents=True, exist_ok=True)

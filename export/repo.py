@@ -88,7 +88,8 @@ def check_tensors(repo: EngineRepo, what: str) -> None:
     extra = sorted(set(repo.tensors) - set(repo.expected))
     if missing or extra:
         raise UserError(
-            f"{what}: the {repo.engine} folder would miss {missing[:4]} and carry {extra[:4]} that {repo.engine} does not load"
+            f"{what}: the {repo.engine} folder would miss {missing[:4]} and carry {extra[:4]} "
+            f"that {repo.engine} does not load"
         )
     wrong = [
         (name, tuple(tensor.shape), repo.expected[name])
@@ -97,7 +98,8 @@ def check_tensors(repo: EngineRepo, what: str) -> None:
     ]
     if wrong:
         raise UserError(
-            f"{what}: {repo.engine} expects other shapes: {', '.join(f'{n} {got} vs {want}' for n, got, want in wrong[:3])}"
+            f"{what}: {repo.engine} expects other shapes: "
+            f"{', '.join(f'{n} {got} vs {want}' for n, got, want in wrong[:3])}"
         )
 
 
@@ -132,12 +134,14 @@ def publish(tmp: Path, directory: Path) -> None:
 def copy_tokenizer(target: TargetInfo, destination: Path) -> None:
     if target.directory is None:
         raise UserError(
-            f"the export needs the target's tokenizer files, but the target {target.verifier!r} is not a local directory"
+            f"the export needs the target's tokenizer files, but the target {target.verifier!r} "
+            "is not a local directory"
         )
     copied = [name for name in TOKENIZER_FILES if (target.directory / name).is_file()]
     if "tokenizer.json" not in copied and "tokenizer.model" not in copied:
         raise UserError(
-            f"the target directory {target.directory} holds no tokenizer.json or tokenizer.model to copy into the export"
+            f"the target directory {target.directory} holds no tokenizer.json or tokenizer.model "
+            "to copy into the export"
         )
     for name in copied:
         shutil.copyfile(target.directory / name, destination / name)
@@ -155,8 +159,8 @@ def check_vllm_path(directory: Path, kind: str) -> None:
     if found:
         words = ", ".join(map(repr, VLLM_PATH_TRIGGERS[:-1])) + f" or {VLLM_PATH_TRIGGERS[-1]!r}"
         raise UserError(
-            f"export.output {directory} contains {found[0]!r}: vLLM would serve a {kind} drafter found there as another "
-            f"method (it picks the method from the path); export to a path without {words}"
+            f"export.output {directory} contains {found[0]!r}: vLLM would serve a {kind} drafter found there "
+            f"as another method (it picks the method from the path); export to a path without {words}"
         )
 
 
@@ -200,13 +204,14 @@ def draft_layer_config(drafter, families: tuple[str, ...], engine: str, kind: st
     family = str(layers["model_type"])
     if family not in families:
         raise UserError(
-            f"{engine} builds {kind} draft layers of the {' or '.join(families)} family; this drafter has {family} layers "
-            f"(drafter.layer_family): retrain with drafter.layer_family={families[0]}"
+            f"{engine} builds {kind} draft layers of the {' or '.join(families)} family; "
+            f"this drafter has {family} layers (drafter.layer_family): retrain with drafter.layer_family={families[0]}"
         )
     biased = [key for key in ("attention_bias", "mlp_bias") if layers.get(key)]
     if biased:
         raise UserError(
-            f"this drafter's layers set {', '.join(biased)}: {kind} layers with biases have not been verified against {engine}'s loader"
+            f"this drafter's layers set {', '.join(biased)}: {kind} layers with biases "
+            f"have not been verified against {engine}'s loader"
         )
     config = {key: layers[key] for key in LAYER_KEYS if layers.get(key) is not None}
     config["head_dim"] = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]

@@ -129,8 +129,8 @@ def batch_schedule_of(cfg: DictConfig, digest: str) -> Optional[dict[str, Any]]:
     )  # fmt: skip
     if schedule["below_plain_at"]:
         log.warning(
-            "at concurrency %s even the schedule's best γ is predicted below plain decoding (the drafter's cost at γ 0%s): "
-            "at that load, serve the target without the drafter",
+            "at concurrency %s even the schedule's best γ is predicted below plain decoding "
+            "(the drafter's cost at γ 0%s): at that load, serve the target without the drafter",
             ", ".join(map(str, schedule["below_plain_at"])),
             " was measured" if schedule["gamma_0_measured"] else " was not measured: sweep it, draftsmith sweep",
         )
@@ -154,7 +154,8 @@ def serving_gamma(cfg: DictConfig, source: Source, schedule: Optional[dict[str, 
     longest = type(source.drafter).max_chain(source.drafter.config)
     if longest is not None and gamma > longest:
         raise UserError(
-            f"num_speculative_tokens={gamma} but this {source.drafter.type} drafter proposes at most {longest}; set export.num_speculative_tokens"
+            f"num_speculative_tokens={gamma} but this {source.drafter.type} drafter proposes at most {longest}; "
+            "set export.num_speculative_tokens"
         )
     return gamma
 
@@ -195,7 +196,8 @@ def find_report(cfg: DictConfig, checkpoint: Path) -> Optional[dict[str, Any]]:
         raise UserError(f"{path}: not an eval report ({one_line(err)})") from None
     if report.get("drafter", {}).get("path") != str(checkpoint.resolve()):
         raise UserError(
-            f"{path} evaluates {report.get('drafter', {}).get('path')}, not {checkpoint.resolve()}; pass export.report for this checkpoint"
+            f"{path} evaluates {report.get('drafter', {}).get('path')}, not {checkpoint.resolve()}; "
+            "pass export.report for this checkpoint"
         )
     return {**report, "_path": str(path)}
 
@@ -287,5 +289,6 @@ def check_round_trip(exporter, source: Source, repo: EngineRepo, staged: Path, t
     ]
     if differ or set(again.tensors) != set(repo.tensors):
         raise InternalError(
-            f"the {repo.engine} folder does not read back into the same drafter (tensors {differ[:4]} differ); this is a draftsmith bug"
+            f"the {repo.engine} folder does not read back into the same drafter (tensors {differ[:4]} differ); "
+            "this is a draftsmith bug"
         )

@@ -183,7 +183,8 @@ class Eagle3Layer(nn.Module):
         parts = [getattr(layer, name, None) for name in ("input_layernorm", "post_attention_layernorm", "mlp")]
         if not all(isinstance(p, nn.Linear) for p in projections) or any(p is None for p in parts):
             raise UserError(
-                f"EAGLE-3 needs a decoder layer with input_layernorm, self_attn.q/k/v_proj, post_attention_layernorm and mlp; {type(layer).__name__} differs"
+                "EAGLE-3 needs a decoder layer with input_layernorm, self_attn.q/k/v_proj, post_attention_layernorm "
+                f"and mlp; {type(layer).__name__} differs"
             )
         for name, proj in zip(("q_proj", "k_proj", "v_proj"), projections):
             setattr(attention, name, nn.Linear(2 * hidden, proj.out_features, bias=proj.bias is not None))
@@ -247,7 +248,8 @@ class Eagle3(EagleBase):
             )
         if config.draft_vocab_size > target.vocab_size:
             raise UserError(
-                f"drafter.draft_vocab_size={config.draft_vocab_size} exceeds the target's vocabulary of {target.vocab_size}"
+                f"drafter.draft_vocab_size={config.draft_vocab_size} exceeds the target's vocabulary "
+                f"of {target.vocab_size}"
             )
         hidden = target.hidden_size
         register_ttt_attention()
@@ -331,8 +333,8 @@ class Eagle3(EagleBase):
 
     def prepare(self, dataset) -> None:
         """Pick the draft vocabulary: the draft_vocab_size tokens that most often are a loss-bearing
-        (assistant) token of the training data (or of data.draft_vocab), ties to the lower id, kept in id order (as EAGLE-3's
-        scandata). Deterministic, so every rank picks the same. A no-op without pruning."""
+        (assistant) token of the training data (or of data.draft_vocab), ties to the lower id, kept in id order
+        (as EAGLE-3's scandata). Deterministic, so every rank picks the same. A no-op without pruning."""
         if not self.pruned:
             return
         counts = torch.zeros(self.target.vocab_size, dtype=torch.long)

@@ -214,7 +214,8 @@ def finish(state: State, promoted: bool, cooldown_s: float) -> None:
     redeployed server, or the unchanged one, is measured from here on)."""
     now = time.time()
     pipeline = state.pipeline
-    state.last_retrain = {"id": pipeline["id"], "promoted": promoted, "finished": datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(),
+    state.last_retrain = {"id": pipeline["id"], "promoted": promoted,
+                          "finished": datetime.datetime.fromtimestamp(now, datetime.timezone.utc).isoformat(),
                           "domains": pipeline["domains"], "gate": pipeline["done"].get("gate")}  # fmt: skip
     state.cooldown_until = now + cooldown_s
     state.consecutive_drift = 0

@@ -125,8 +125,9 @@ def token_cache(tmp_path_factory) -> Path:
 def deployed(tmp_path_factory, token_cache):
     """A Medusa drafter trained on two domains (math, packages) with its eval report, exported for vLLM."""
     with built_once(tmp_path_factory, "monitor") as (root, build):
-        args = ["recipe=medusa", f"data.train=[{root / 'old_train.jsonl'}]", f"data.eval=[{root / 'old_eval.jsonl'}]", f"data.cache_dir={token_cache}",
-                "data.max_length=160", "data.max_conversations=200", "eval.max_prompts=4", "eval.max_new_tokens=32", "eval.tree=0"]  # fmt: skip
+        args = ["recipe=medusa", f"data.train=[{root / 'old_train.jsonl'}]", f"data.eval=[{root / 'old_eval.jsonl'}]",
+                f"data.cache_dir={token_cache}", "data.max_length=160", "data.max_conversations=200",
+                "eval.max_prompts=4", "eval.max_new_tokens=32", "eval.tree=0"]  # fmt: skip
         if build:
             rows = [json.loads(line) for line in gzip.open(DEMO / "data" / "train.jsonl.gz", "rt")]
             evals = [json.loads(line) for line in gzip.open(DEMO / "data" / "eval.jsonl.gz", "rt")]

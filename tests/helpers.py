@@ -514,8 +514,9 @@ def sweep_row(
 ) -> dict:
     """A sweep row of 100 request-steps at `request_step_s` seconds each (one request, so steps = 100)."""
     gained = 1 + (sum(accepted) / drafts if drafts else 0)
-    return {"method": method, "gamma": gamma, "concurrency": concurrency, "seconds": 100 * request_step_s, "tokens": round(100 * gained),
-            "steps": 100, "mean_batch": 1.0, "drafts": drafts, "accepted_per_position": list(accepted), "source_sha256": source}  # fmt: skip
+    return {"method": method, "gamma": gamma, "concurrency": concurrency, "seconds": 100 * request_step_s,
+            "tokens": round(100 * gained), "steps": 100, "mean_batch": 1.0, "drafts": drafts,
+            "accepted_per_position": list(accepted), "source_sha256": source}  # fmt: skip
 
 
 def sweep(plain_step: dict[int, float], draft_step: dict[tuple[int, int], float], accepted=(60, 30, 10)) -> list[dict]:
@@ -572,7 +573,8 @@ def family_recipe(
     """The arguments of `train.py` for a drafter of `recipe` against a `family_target`, trained on its answers."""
     model, answers = target
     return [f"recipe={recipe}", f"target.name_or_path={model}", f"data.train=[{answers}]", *FAMILY_TRAINING,
-            f"eval.data=[{small_data['eval']}]", f"data.cache_dir={token_cache}", f"output_dir={run}", *overrides]  # fmt: skip
+            f"eval.data=[{small_data['eval']}]", f"data.cache_dir={token_cache}", f"output_dir={run}",
+            *overrides]  # fmt: skip
 
 
 def train_and_export_for_vllm(args: list[str], vllm_python: str, export_dir: Path, session) -> dict:

@@ -19,9 +19,11 @@ Endpoints, the ones draftsmith's push (export/push.py: create_repo, create_branc
 reaches (``{t}`` = models|datasets|spaces|kernels, ``{repo}`` = namespace/name, ``{rev}`` = URL-quoted,
 ``{prefix}`` = "" for models, "datasets/" etc. otherwise):
 
-  POST   /api/repos/create                        {"name","organization","visibility"?,"type"?} -> {"url"} (409 + {"url"} if exists)
+  POST   /api/repos/create                        {"name","organization","visibility"?,"type"?} -> {"url"}
+                                                  (409 + {"url"} if exists)
   POST   /api/validate-yaml                       -> {"errors": [], "warnings": []}
-  GET    /api/{t}/{repo}[/revision/{rev}]         repo_info / model_info (sha = head of rev, siblings; ?blobs=true for sizes/lfs)
+  GET    /api/{t}/{repo}[/revision/{rev}]         repo_info / model_info (sha = head of rev, siblings;
+                                                  ?blobs=true for sizes/lfs)
   POST   /api/{t}/{repo}/branch/{branch}          {"startingPoint"?} (409 if exists)
   POST   /api/{t}/{repo}/preupload/{rev}          {"files":[{"path","sample","size"}],"gitIgnore"?}
                                                   -> {"files":[{"path","uploadMode","shouldIgnore","oid"?}],"commitOid"}

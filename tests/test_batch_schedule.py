@@ -122,7 +122,8 @@ def test_the_rows_the_sweep_writes_are_what_the_export_reads(tmp_path):
     def level(seconds: float, tokens: int, accepted: list[int], outputs: list[list[int]]) -> dict:
         metrics = {"num_drafts": 100 if accepted else 0, "num_accepted_tokens": sum(accepted)}
         return {"concurrency": 1, "outputs": outputs, "seconds": seconds, "tokens": tokens, "steps": 100,
-                "mean_batch": 1.0, "tpot_s": [0.01], "metrics": {**metrics, "accepted_per_position": accepted}}  # fmt: skip
+                "mean_batch": 1.0, "tpot_s": [0.01],
+                "metrics": {**metrics, "accepted_per_position": accepted}}  # fmt: skip
 
     served = {"vllm_version": "0.32.0", "engine_settings": {"runner": "cpu"}, "process_s": 1.0}
     plain = measured_row("plain", 0, level(100.0, 100, [], [[1, 2]]), None, served, 2, None)
@@ -148,8 +149,8 @@ def test_the_export_serves_the_schedule_with_the_pinned_sampling_settings(target
 
     checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt")
     measured = write_sweep(tmp_path / "sweep.jsonl", checkpoint_digest(checkpoint))
-    cfg = load_recipe([f"recipe={KINDS['eagle3']}", f"output_dir={tmp_path / 'run'}", f"export.output={tmp_path / 'export'}",
-                       f"export.batch_sweep={measured}"])  # fmt: skip
+    cfg = load_recipe([f"recipe={KINDS['eagle3']}", f"output_dir={tmp_path / 'run'}",
+                       f"export.output={tmp_path / 'export'}", f"export.batch_sweep={measured}"])  # fmt: skip
     folder = export_checkpoint(cfg, checkpoint, target=target)["vllm"]
     info = json.loads((folder / EXPORT_INFO).read_text())
     served = {
@@ -175,8 +176,8 @@ def test_the_export_serves_the_schedule_with_the_pinned_sampling_settings(target
     with measured.open("a") as rows:
         for concurrency in (1, 4):
             rows.write(json.dumps(sweep_row("d", 0, concurrency, 1.1, (), 0, checkpoint_digest(checkpoint))) + "\n")
-    cfg = load_recipe([f"recipe={KINDS['eagle3']}", f"output_dir={tmp_path / 'run'}", f"export.output={tmp_path / 'again'}",
-                       f"export.batch_sweep={measured}"])  # fmt: skip
+    cfg = load_recipe([f"recipe={KINDS['eagle3']}", f"output_dir={tmp_path / 'run'}",
+                       f"export.output={tmp_path / 'again'}", f"export.batch_sweep={measured}"])  # fmt: skip
     folder = export_checkpoint(cfg, checkpoint, target=target)["vllm"]
     schedule = json.loads((folder / EXPORT_INFO).read_text())["batch_schedule"]
     assert schedule["below_plain_at"] == [4] and schedule["num_speculative_tokens_per_batch_size"] == [
@@ -199,8 +200,9 @@ def test_a_sweep_that_does_not_fit_is_refused_in_one_line(setting, fragment, tar
     digest = "0" * 64 if setting == "other" else checkpoint_digest(checkpoint)
     measured = write_sweep(tmp_path / "sweep.jsonl", digest) if setting != "missing" else tmp_path / "none.jsonl"
     extra = ["export.num_speculative_tokens=3"] if setting == "gamma" else []
-    result = run_entry_in_process(["-m", "export", f"recipe={KINDS['eagle3']}", f"checkpoint={checkpoint}", f"output_dir={tmp_path / 'run'}",
-                                   f"export.output={tmp_path / 'export'}", f"export.batch_sweep={measured}", *extra], capsys)  # fmt: skip
+    result = run_entry_in_process(["-m", "export", f"recipe={KINDS['eagle3']}", f"checkpoint={checkpoint}",
+                                   f"output_dir={tmp_path / 'run'}", f"export.output={tmp_path / 'export'}",
+                                   f"export.batch_sweep={measured}", *extra], capsys)  # fmt: skip
     assert_one_line_error(result, 2, fragment)
     assert not (tmp_path / "export" / "vllm").exists()
 
@@ -211,5 +213,6 @@ def test_the_sweep_of_another_checkpoint_is_not_resumed(target, tmp_path, capsys
     (tmp_path / "sweep").mkdir()
     write_sweep(tmp_path / "sweep" / "sweep.jsonl", "0" * 64)
     result = run_entry_in_process(["-m", "export.sweep", f"recipe={KINDS['eagle3']}", f"checkpoint={checkpoint}",
-                                   f"output_dir={tmp_path}", f"export.vllm_python={sys.executable}"], capsys)  # fmt: skip
+                                   f"output_dir={tmp_path}",
+                                   f"export.vllm_python={sys.executable}"], capsys)  # fmt: skip
     assert_one_line_error(result, 2, "holds a sweep of another checkpoint (sha256 000000000000)")

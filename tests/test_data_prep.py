@@ -34,7 +34,8 @@ MATH_EVAL = REPO.parent / "shared" / "data" / "corpus" / "math.eval.jsonl.gz"
 # Meta-Llama-3-8B-Instruct's template, verbatim.
 LLAMA3_TEMPLATE = (
     r"{% set loop_messages = messages %}{% for message in loop_messages %}"
-    r"{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}"
+    r"{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    r"+ message['content'] | trim + '<|eot_id|>' %}"
     r"{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
     r"{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
@@ -63,7 +64,7 @@ QWEN25_TEMPLATE = r"""{%- if messages[0]['role'] == 'system' %}
 {%- if add_generation_prompt %}
     {{- '<|im_start|>assistant\n' }}
 {%- endif %}
-"""
+"""  # noqa: E501
 
 ANSWER_1 = "Paris is the capital of France.\n"  # the trailing newline is content, Llama-3's trim drops it
 ANSWER_2 = "About 2.1 million people live in Paris."
@@ -184,7 +185,8 @@ def test_chatml_template_masks_exactly_the_answers(eos, with_system):
 # ends with <end_of_turn> (eos is <eos>, which a turn never holds).
 GEMMA_TEMPLATE = (
     "{{ bos_token }}{% set system = '' %}{% for m in messages %}{% if m['role'] == 'system' %}"
-    "{% set system = m['content'] + '\n\n' %}{% else %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
+    "{% set system = m['content'] + '\n\n' %}{% else %}"
+    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
     "{% if loop.index0 == 1 and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
     "{{ m['content'] | trim }}<end_of_turn>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
@@ -232,7 +234,8 @@ def test_harmony_masks_the_analysis_channel_and_the_final_answer():
 
 # Qwen3's way: the reasoning as `reasoning_content`, rendered between <think> tags before the answer.
 THINK_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and m.reasoning_content is string %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' and m.reasoning_content is string %}"
     "<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -244,7 +247,9 @@ def test_thinking_is_trained_on_or_masked_by_a_setting(family):
     """data.thinking=mask leaves the reasoning itself out of the loss, wherever the template puts it;
     the markup around it, which the model generates too, stays in."""
     if family == "harmony":
-        tokenizer = family_tokenizer(HARMONY_TEMPLATE, ["<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>"], "<|return|>", None)  # fmt: skip
+        tokenizer = family_tokenizer(
+            HARMONY_TEMPLATE, ["<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>"], "<|return|>", None
+        )
         turn, before, after = (
             {"thinking": REASONING},
             "<|channel|>analysis<|message|>",
@@ -257,7 +262,8 @@ def test_thinking_is_trained_on_or_masked_by_a_setting(family):
         )
         turn, before, after, end = {"reasoning_content": REASONING}, "<think>\n", "\n</think>\n\n", "<|im_end|>"
     conversation = [{"role": "user", "content": "What is the capital of France?"},
-                    {"role": "assistant", "content": ANSWER_1, "thinking": None, "reasoning_content": None, **turn}]  # fmt: skip
+                    {"role": "assistant", "content": ANSWER_1, "thinking": None, "reasoning_content": None,
+                     **turn}]  # fmt: skip
     ids, trained = render_with_masks(tokenizer, conversation)
     assert masked_runs(tokenizer, ids, trained) == [before + REASONING + after + ANSWER_1 + end]
     same, masked = render_with_masks(tokenizer, conversation, thinking="mask")

@@ -138,8 +138,9 @@ def test_lora_training_moves_only_adapters_and_the_merged_model_matches(tmp_path
         f"output_dir: '{tmp_path / 'run'}'\n"
     )
     final, _ = train_in_process([
-        f"recipe={recipe}", f"data.train=[{small_data['train']}]", f"data.cache_dir={token_cache}", "data.max_length=64",
-        "data.max_conversations=8", "train.micro_batch_size=4", "train.max_steps=2", "train.lr=1e-2", "eval.enabled=false",
+        f"recipe={recipe}", f"data.train=[{small_data['train']}]", f"data.cache_dir={token_cache}",
+        "data.max_length=64", "data.max_conversations=8", "train.micro_batch_size=4", "train.max_steps=2",
+        "train.lr=1e-2", "eval.enabled=false",
     ])  # fmt: skip
 
     target = load_target(str(REFERENCE_TARGET))
@@ -278,9 +279,9 @@ def test_pard_settings_are_checked_before_anything_loads():
 def test_train_then_eval_a_draft_recipe_is_lossless(tmp_path, small_data, token_cache):
     train_in_process([
         "recipe=draft", f"target.name_or_path={REFERENCE_TARGET}", f"data.train=[{small_data['train']}]",
-        f"data.eval=[{small_data['eval']}]", f"data.cache_dir={token_cache}", "data.max_length=64", "data.max_conversations=8",
-        "train.micro_batch_size=4", "train.max_steps=2", "train.save_every=0", "eval.max_prompts=1", "eval.max_new_tokens=8",
-        f"output_dir={tmp_path}",
+        f"data.eval=[{small_data['eval']}]", f"data.cache_dir={token_cache}", "data.max_length=64",
+        "data.max_conversations=8", "train.micro_batch_size=4", "train.max_steps=2", "train.save_every=0",
+        "eval.max_prompts=1", "eval.max_new_tokens=8", f"output_dir={tmp_path}",
     ])  # fmt: skip
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert report["drafter"]["type"] == "draft_model"
@@ -289,7 +290,8 @@ def test_train_then_eval_a_draft_recipe_is_lossless(tmp_path, small_data, token_
     assert accuracy["step1/accept"] == pytest.approx(1 - accuracy["step1/tvd"])
 
 
-@pytest.mark.slow  # the rejection rule is proven in the fast tier by tests/test_eval.py; here the draft model's own q (11 s)
+# the rejection rule is proven in the fast tier by tests/test_eval.py; here the draft model's own q (11 s)
+@pytest.mark.slow
 def test_sampling_with_the_drafts_own_q_matches_the_target_distribution():
     target = tiny_llama(vocab=VOCAB, hidden=16, layers=2, seed=5, logit_scale=8.0)
     drafter = perturbed_draft(target, noise=0.3).proposer(1.0)  # what the eval builds for a sampled run
@@ -452,12 +454,13 @@ def test_later_turns_reuse_the_first_answers_resume_and_keep_held_out_prompts_ou
 
     def recipe(output, *extra):
         return load_recipe([
-            "recipe=draft", f"target.name_or_path={REFERENCE_TARGET}", f"data.train=[{train}]", f"output_dir={tmp_path}",
-            f"data.regenerate.output={tmp_path / output}", "data.regenerate.batch_size=2", "data.regenerate.max_new_tokens=3",
-            *extra,
+            "recipe=draft", f"target.name_or_path={REFERENCE_TARGET}", f"data.train=[{train}]",
+            f"output_dir={tmp_path}", f"data.regenerate.output={tmp_path / output}", "data.regenerate.batch_size=2",
+            "data.regenerate.max_new_tokens=3", *extra,
         ])  # fmt: skip
 
-    later = [f"data.regenerate.reuse=[{tmp_path / 'first'}]", f"data.regenerate.exclude=[{held_out}]", "data.regenerate.min_turns=2"]  # fmt: skip
+    later = [f"data.regenerate.reuse=[{tmp_path / 'first'}]", f"data.regenerate.exclude=[{held_out}]",
+             "data.regenerate.min_turns=2"]  # fmt: skip
     model, tokenizer = load_target(str(REFERENCE_TARGET)), load_tokenizer(str(REFERENCE_TARGET))
     assert regenerate(recipe("first", "data.regenerate.max_turns=1"), model, tokenizer).generated == 6
     with pytest.raises(KeyboardInterrupt):  # one generate call a part (the second turns): dies in the second part

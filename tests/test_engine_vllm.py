@@ -39,21 +39,24 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine]
 CASES = {
     # trained long enough (τ ≈ 1.47) for the misread folders of the last test to show in the acceptance (-16%, -7%),
     # on more prompts and tokens than the others so that the right folder stays well inside the 2% (0.2% measured);
-    # its draft layer sees a sliding window of 2 positions (speculators' default layer type), far shorter than the prompts
-    "eagle3": ("eagle3", ["train.max_steps=40", "drafter.ttt_steps=2", "train.lr=3e-3", "train.warmup_steps=5", "eval.max_prompts=3",
-                          "eval.max_new_tokens=48", "drafter.sliding_window=2"]),
+    # its draft layer sees a sliding window of 2 positions (speculators' default layer type), far shorter than the
+    # prompts
+    "eagle3": ("eagle3", ["train.max_steps=40", "drafter.ttt_steps=2", "train.lr=3e-3", "train.warmup_steps=5",
+                          "eval.max_prompts=3", "eval.max_new_tokens=48", "drafter.sliding_window=2"]),
     # vLLM's native form (LlamaForCausalLMEagle3) instead of the speculators one, with speculators' norms: one
     # over the concatenated taps (vLLM's input_norm), the output normed (EAGLE-3.1's), the residual after hidden_norm
     "eagle3-native-speculators-norms": ("eagle3", ["drafter.norm_before_fc=true", "drafter.norm_output=true",
-                                                   "drafter.norm_before_residual=true", "drafter.ttt_steps=2", "export.vllm_format=native"]),
+                                                   "drafter.norm_before_residual=true", "drafter.ttt_steps=2",
+                                                   "export.vllm_format=native"]),
 }  # fmt: skip
 SELF_DISTILLED = DEMO / "data" / "train.regenerated.jsonl.gz"  # the target's own answers: acceptance comes fast
 
 
 def common(output_dir: Path, small_data, token_cache) -> list[str]:
-    return [f"data.train=[{SELF_DISTILLED}]", "data.eval=[]", f"eval.data=[{small_data['eval']}]", f"data.cache_dir={token_cache}",
-            "data.max_length=192", "train.save_every=0", "train.log_every=5", "eval.enabled=false", "eval.max_prompts=2",
-            "eval.max_new_tokens=32", f"output_dir={output_dir}"]  # fmt: skip
+    return [f"data.train=[{SELF_DISTILLED}]", "data.eval=[]", f"eval.data=[{small_data['eval']}]",
+            f"data.cache_dir={token_cache}", "data.max_length=192", "train.save_every=0", "train.log_every=5",
+            "eval.enabled=false", "eval.max_prompts=2", "eval.max_new_tokens=32",
+            f"output_dir={output_dir}"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +104,8 @@ def test_a_silently_misread_eagle3_folder_fails_the_check(exported, engine_sessi
     window = ("layer_types", "sliding_window", "use_sliding_window")
     for name, change in (("norm_before_residual missing", lambda c: c.pop("norm_before_residual")),
                          ("layer ids unshifted", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 1, 2])),
-                         ("sliding window dropped", lambda c: [c["transformer_layer_config"].pop(k) for k in window])):  # fmt: skip
+                         ("sliding window dropped",
+                          lambda c: [c["transformer_layer_config"].pop(k) for k in window])):  # fmt: skip
         broken = tmp_path / name.replace(" ", "_")
         shutil.copytree(folder, broken)
         config = json.loads((broken / "config.json").read_text())

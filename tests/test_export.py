@@ -48,8 +48,8 @@ def run_export(kind: str, checkpoint: Path, output: Path, *extra: str, target=No
 # -- formats --------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "kind, engines",
-    [("medusa", ["vllm"]), ("medusa2", ["vllm"]), ("eagle", ["vllm", "sglang"]), ("eagle3", ["vllm", "sglang"]), ("draft_model", ["vllm", "sglang"]),
-     ("dflash", ["vllm"])],
+    [("medusa", ["vllm"]), ("medusa2", ["vllm"]), ("eagle", ["vllm", "sglang"]), ("eagle3", ["vllm", "sglang"]),
+     ("draft_model", ["vllm", "sglang"]), ("dflash", ["vllm"])],
 )  # fmt: skip
 def test_every_kind_exports_a_complete_folder_per_engine(kind, engines, target, tmp_path):
     checkpoint = save_drafter(kind, target, tmp_path / "ckpt")
@@ -195,17 +195,21 @@ SPECULATORS_CONFIG = {
     "norm_before_fc": True, "norm_before_residual": True, "norm_output": True,
     "speculators_config": {
         "algorithm": "eagle3", "default_proposal_method": "greedy",
-        "proposal_methods": [{"accept_tolerance": 0.0, "proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1}],
+        "proposal_methods": [
+            {"accept_tolerance": 0.0, "proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1}
+        ],
         "verifier": {"architectures": ["LlamaForCausalLM"], "name_or_path": str(REFERENCE_TARGET)},
     },
-    "speculators_model_type": "eagle3", "speculators_version": "0.9.0", "target_hidden_size": None, "tie_word_embeddings": False,
+    "speculators_model_type": "eagle3", "speculators_version": "0.9.0", "target_hidden_size": None,
+    "tie_word_embeddings": False,
     "transformer_layer_config": {
-        "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2, "head_dim": 64, "hidden_act": "silu",
-        "hidden_size": 256, "initializer_range": 0.02, "intermediate_size": 768, "layer_types": ["sliding_attention"],
-        "max_position_embeddings": 2048, "mlp_bias": False, "model_type": "llama", "num_attention_heads": 4, "num_hidden_layers": 1,
-        "num_key_value_heads": 2, "pad_token_id": None, "pretraining_tp": 1, "rms_norm_eps": 1e-06,
-        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "sliding_window": 2048, "tie_word_embeddings": False,
-        "use_cache": True, "use_sliding_window": True, "vocab_size": 4096,
+        "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2, "head_dim": 64,
+        "hidden_act": "silu", "hidden_size": 256, "initializer_range": 0.02, "intermediate_size": 768,
+        "layer_types": ["sliding_attention"], "max_position_embeddings": 2048, "mlp_bias": False, "model_type": "llama",
+        "num_attention_heads": 4, "num_hidden_layers": 1, "num_key_value_heads": 2, "pad_token_id": None,
+        "pretraining_tp": 1, "rms_norm_eps": 1e-06, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "sliding_window": 2048, "tie_word_embeddings": False, "use_cache": True, "use_sliding_window": True,
+        "vocab_size": 4096,
     },
     "transformers_version": "5.19.0",
 }  # fmt: skip
@@ -504,11 +508,12 @@ EAGLE31 = {"fc_norm": "true", "norm_output": "true"}
 
 @pytest.mark.parametrize(
     "kind, engine, config",
-    [("medusa", "vllm", {}), ("medusa2", "vllm", {}), ("eagle", "vllm", {}), ("eagle", "sglang", {}), ("eagle3", "vllm", {}), ("eagle3", "sglang", {}),
-     ("eagle3", "vllm", EAGLE31), ("eagle3", "vllm", PEAGLE | EAGLE31), ("draft_model", "vllm", {}), ("draft_model", "vllm", PARD),
+    [("medusa", "vllm", {}), ("medusa2", "vllm", {}), ("eagle", "vllm", {}), ("eagle", "sglang", {}),
+     ("eagle3", "vllm", {}), ("eagle3", "sglang", {}), ("eagle3", "vllm", EAGLE31),
+     ("eagle3", "vllm", PEAGLE | EAGLE31), ("draft_model", "vllm", {}), ("draft_model", "vllm", PARD),
      ("dflash", "vllm", {})],
-    ids=["medusa-vllm", "medusa2-vllm", "eagle-vllm", "eagle-sglang", "eagle3-vllm", "eagle3-sglang", "eagle3.1-vllm", "peagle-vllm",
-         "draft_model-vllm", "pard-vllm", "dflash-vllm"],
+    ids=["medusa-vllm", "medusa2-vllm", "eagle-vllm", "eagle-sglang", "eagle3-vllm", "eagle3-sglang", "eagle3.1-vllm",
+         "peagle-vllm", "draft_model-vllm", "pard-vllm", "dflash-vllm"],
 )  # fmt: skip
 def test_an_exported_folder_evaluates_like_its_checkpoint(kind, engine, config, target, one_prompt, tmp_path):
     from draftsmith.eval.report import run_eval
@@ -592,8 +597,9 @@ def test_push_lands_every_file_and_an_unchanged_rerun_makes_no_commit(target, tm
 
     checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt")
     token = "hf_draftsmith_test_token_123"
-    args = ["-m", "export", "recipe=eagle3", f"checkpoint={checkpoint}", f"output_dir={tmp_path / 'run'}", f"export.output={tmp_path / 'export'}",
-            "export.engines=[vllm,sglang]", "export.push.repo_id=acme/demo-eagle3", "export.push.revision=draftsmith-v1"]  # fmt: skip
+    args = ["-m", "export", "recipe=eagle3", f"checkpoint={checkpoint}", f"output_dir={tmp_path / 'run'}",
+            f"export.output={tmp_path / 'export'}", "export.engines=[vllm,sglang]",
+            "export.push.repo_id=acme/demo-eagle3", "export.push.revision=draftsmith-v1"]  # fmt: skip
     with FakeHub(token=token) as hub:
         env = {
             "HF_ENDPOINT": hub.url,
@@ -638,7 +644,8 @@ def test_the_recommended_gamma_weighs_expected_tokens_against_measured_draft_cos
         }
         return {
             "temperature": 0.0, "device": "cpu", "methods": {"chain": {"gamma": 3}},
-            "domains": {"all": {"chain": chain}}, "baselines": {"all": {"plain": {"target_forwards": 100, "wall_s": 1.0}}},
+            "domains": {"all": {"chain": chain}},
+            "baselines": {"all": {"plain": {"target_forwards": 100, "wall_s": 1.0}}},
         }  # fmt: skip
 
     # E(γ) = 1, 1.8, 2.2, 2.28. Sequential, a draft forward at half a target forward: 1.8/1.5 > 2.2/2 > 2.28/2.5.

@@ -1,8 +1,8 @@
 """Fault injection with real processes: each job (training, capture, regeneration, export) is killed
 with SIGKILL at seeded random moments while it writes (between its first write and its end, as a
-reference run measured; each test checks a kill landed mid-run), run again until it finishes, and must then hold exactly what
-an uninterrupted run holds (training: the same per-step losses and final weights; the others: the
-same bytes). Meanwhile a reader opens every published file over and over: none may ever be partial."""
+reference run measured; each test checks a kill landed mid-run), run again until it finishes, and must
+then hold exactly what an uninterrupted run holds (training: the same per-step losses and final weights;
+the others: the same bytes). Meanwhile a reader opens every published file over and over: none may ever be partial."""
 
 from __future__ import annotations
 

@@ -150,7 +150,8 @@ def test_validation_reads_the_header_and_converts_nothing(demo_gguf, cache, tmp_
     """Validating a GGUF recipe (what `--cfg` prints, what every bad setting is caught by) parses the
     file's header alone: the drafter is checked against the shape written there, and nothing is
     dequantized or cached."""
-    args = ["recipe=eagle3", f"target.name_or_path={demo_gguf.parent}", f"target.gguf_file={demo_gguf.name}", f"output_dir={tmp_path / 'run'}"]  # fmt: skip
+    args = ["recipe=eagle3", f"target.name_or_path={demo_gguf.parent}", f"target.gguf_file={demo_gguf.name}",
+            f"output_dir={tmp_path / 'run'}"]  # fmt: skip
     assert header_shape(str(demo_gguf.parent), demo_gguf.name) == TargetShape.from_config(
         json.loads((DEMO / "config.json").read_text()), str(demo_gguf)
     )

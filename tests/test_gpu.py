@@ -32,9 +32,10 @@ pytestmark = [
 
 def quick(kind: str, output_dir, small_data, token_cache, *extra: str) -> list[str]:
     return [
-        f"recipe={demo_recipe(kind)}", f"data.train=[{small_data['train']}]", f"data.eval=[{small_data['eval']}]", f"data.cache_dir={token_cache}",
-        "data.max_conversations=16", "data.max_length=128", "data.draft_vocab=null", "train.micro_batch_size=2", "train.warmup_steps=0",
-        "train.log_every=1", "eval.max_prompts=1", "eval.max_new_tokens=16", f"output_dir={output_dir}", *extra,
+        f"recipe={demo_recipe(kind)}", f"data.train=[{small_data['train']}]", f"data.eval=[{small_data['eval']}]",
+        f"data.cache_dir={token_cache}", "data.max_conversations=16", "data.max_length=128", "data.draft_vocab=null",
+        "train.micro_batch_size=2", "train.warmup_steps=0", "train.log_every=1", "eval.max_prompts=1",
+        "eval.max_new_tokens=16", f"output_dir={output_dir}", *extra,
     ]  # fmt: skip
 
 

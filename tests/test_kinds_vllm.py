@@ -27,12 +27,14 @@ KINDS = {  # case -> (recipe, overrides at the family's training budget)
     "eagle3-qwen3-layers": ("eagle3", [*EAGLE3, "drafter.layer_family=qwen3"]),
     "eagle3.1": ("eagle3", [*EAGLE3, "drafter.fc_norm=true", "drafter.norm_output=true"]),
     # the parallel drafters' later guesses (their mask queries') must be accepted too: trained faster and longer
-    "peagle": ("eagle3", ["drafter.ttt_steps=2", "train.lr=6e-3", "drafter.fc_norm=true", *PARALLEL, "train.max_steps=40"]),
+    "peagle": ("eagle3", ["drafter.ttt_steps=2", "train.lr=6e-3", "drafter.fc_norm=true", *PARALLEL,
+                          "train.max_steps=40"]),
     "eagle": ("eagle", ["train.lr=3e-3"]),
     "medusa": ("medusa", []),
     "medusa2": ("medusa2", ["drafter.heads_warmup=4"]),
     "draft_model": ("draft", []),
-    "pard": ("draft", ["train.lr=6e-3", "drafter.parallel_tokens=2", *PARALLEL, "data.max_length=128", "train.max_steps=40"]),
+    "pard": ("draft", ["train.lr=6e-3", "drafter.parallel_tokens=2", *PARALLEL, "data.max_length=128",
+                       "train.max_steps=40"]),
     "dflash": ("dflash", ["drafter.anchors=16"]),
 }  # fmt: skip
 FAMILIES = ("qwen3", "qwen3_moe")

@@ -198,8 +198,9 @@ def test_the_traffic_reader_skips_a_line_being_written_and_counts_malformed_ones
 def vllm_metrics(histogram: list[int], gamma: int = 3) -> dict:
     """A response's `metrics` as vLLM 0.32 returns it with --per-request-spec-decode-metrics summary."""
     steps, accepted = sum(histogram), sum(j * n for j, n in enumerate(histogram))
-    spec = {"mean_acceptance_length": 1 + accepted / steps, "draft_acceptance_rate": accepted / (gamma * steps), "acceptance_histogram": histogram,
-            "num_spec_steps": steps, "num_accepted_draft_tokens": accepted, "num_draft_tokens": gamma * steps, "num_spec_tokens": gamma}  # fmt: skip
+    spec = {"mean_acceptance_length": 1 + accepted / steps, "draft_acceptance_rate": accepted / (gamma * steps),
+            "acceptance_histogram": histogram, "num_spec_steps": steps, "num_accepted_draft_tokens": accepted,
+            "num_draft_tokens": gamma * steps, "num_spec_tokens": gamma}  # fmt: skip
     return {"time_to_first_token_ms": 12.0, "speculative_decoding": spec}
 
 
@@ -287,7 +288,8 @@ def test_the_engine_the_export_was_checked_in_is_judged_as_before(tmp_path, reco
 
     engine = FakeEngine(served)
     folder = served_export(tmp_path / "export" / "vllm", **recorded)
-    cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}", f"monitor.metrics=[{engine.url}]"])  # fmt: skip
+    cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}",
+                       f"monitor.metrics=[{engine.url}]"])  # fmt: skip
     try:
         assert check(cfg) == Outcome.HEALTHY  # the window starts
         engine.serve(2000, AT_LEAST)
@@ -309,7 +311,8 @@ def test_a_new_engine_version_is_a_reverify_not_a_drift(tmp_path, capsys):
 
     engine = FakeEngine()
     folder = served_export(tmp_path / "export" / "vllm", engine_settings=checked_in(SERVED))
-    args = ["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}", f"monitor.metrics=[{engine.url}]"]  # fmt: skip
+    args = ["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}",
+            f"monitor.metrics=[{engine.url}]"]  # fmt: skip
     cfg = load_recipe(args)
     try:
         check(cfg)
@@ -336,7 +339,8 @@ def test_a_new_engine_version_is_a_reverify_not_a_drift(tmp_path, capsys):
             change["sampling"]
             == "pinned in the served config: draft_sample_method=greedy, rejection_sample_method=standard"
         )
-        assert record["decision"] == {"drift": False, "consecutive": 1, "action": line.removeprefix("monitor: "), "outcome": "REVERIFY"}  # fmt: skip
+        assert record["decision"] == {"drift": False, "consecutive": 1, "action": line.removeprefix("monitor: "),
+                                      "outcome": "REVERIFY"}  # fmt: skip
 
         # the export command checked the export in vLLM 0.33.0 and recorded it: the streak goes on
         info = json.loads((folder / EXPORT_INFO).read_text())
@@ -361,7 +365,8 @@ def test_an_older_export_that_pins_nothing_says_the_engines_defaults_decide(tmp_
     never = served_export(tmp_path / "never" / "vllm", speculative_config=unpinned)
     try:
         for name, folder, outcome in (("older", older, Outcome.REVERIFY), ("never", never, Outcome.HEALTHY)):
-            cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path / name}", f"checkpoint={folder}", f"monitor.metrics=[{engine.url}]"])  # fmt: skip
+            cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path / name}", f"checkpoint={folder}",
+                               f"monitor.metrics=[{engine.url}]"])  # fmt: skip
             assert check(cfg) == outcome, name
     finally:
         engine.server.shutdown()
@@ -402,8 +407,10 @@ def test_a_shift_is_detected_located_retrained_and_promoted(deployed, tmp_path, 
     engine, logs = FakeEngine(), tmp_path / "logs"
     logs.mkdir()
     cfg = load_recipe([
-        *args, f"output_dir={tmp_path / 'run'}", f"checkpoint={recorded_as_checked(root / 'export' / 'vllm', tmp_path)}", f"monitor.metrics=[{engine.url}]",
-        f"monitor.traffic={logs}", "monitor.min_drafts=100", "monitor.sample_per_domain=4", "monitor.retrain_samples=32", "train.max_steps=30", "data.regenerate.max_new_tokens=64",
+        *args, f"output_dir={tmp_path / 'run'}",
+        f"checkpoint={recorded_as_checked(root / 'export' / 'vllm', tmp_path)}", f"monitor.metrics=[{engine.url}]",
+        f"monitor.traffic={logs}", "monitor.min_drafts=100", "monitor.sample_per_domain=4",
+        "monitor.retrain_samples=32", "train.max_steps=30", "data.regenerate.max_new_tokens=64",
     ])  # fmt: skip
     baseline = Baseline.from_report(json.loads((root / "deployed" / "eval" / "report.json").read_text()), "report")
     source = root / "traffic_source.jsonl"
@@ -495,8 +502,10 @@ def healthy_setup(deployed, tmp_path):
     """A recipe file for a monitor that finds the (loopback) engine healthy, and the commands' paths."""
     root, args = deployed
     engine = FakeEngine()
-    settings = {"drafter": {"type": "medusa"}, "target": {"name_or_path": str(DEMO / "target")}, "output_dir": str(tmp_path / "run"),
-                "checkpoint": str(recorded_as_checked(root / "export" / "vllm", tmp_path)), "monitor": {"metrics": [engine.url], "min_drafts": 100}}  # fmt: skip
+    settings = {"drafter": {"type": "medusa"}, "target": {"name_or_path": str(DEMO / "target")},
+                "output_dir": str(tmp_path / "run"),
+                "checkpoint": str(recorded_as_checked(root / "export" / "vllm", tmp_path)),
+                "monitor": {"metrics": [engine.url], "min_drafts": 100}}  # fmt: skip
     recipe = tmp_path / "monitor.yaml"
     recipe.write_text(yaml.safe_dump(settings))
     yield recipe, engine

@@ -44,8 +44,10 @@ class VllmServer:
         self.port = free_port()
         speculative = json.dumps({"method": "medusa", "model": str(drafter), "num_speculative_tokens": 3})
         self.process = subprocess.Popen(
-            [vllm_python, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(REFERENCE_TARGET), "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
-             "--gpu-memory-utilization", "0.3", "--max-model-len", "1024", "--speculative-config", speculative, *extra],  # fmt: skip
+            [vllm_python, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(REFERENCE_TARGET),
+             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
+             "--gpu-memory-utilization", "0.3", "--max-model-len", "1024", "--speculative-config", speculative,
+             *extra],  # fmt: skip
             stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"},
         )  # fmt: skip
         self.url = f"http://127.0.0.1:{self.port}"
@@ -133,9 +135,10 @@ def test_serve_monitor_retrain_redeploy(deployed, vllm_python, tmp_path):
     server = VllmServer(vllm_python, root / "export" / "vllm", tmp_path / "serve_1.log", *per_request)
     try:
         cfg = load_recipe([
-            *args, f"output_dir={tmp_path / 'run'}", f"checkpoint={root / 'export' / 'vllm'}", f"monitor.metrics=[{server.url}/metrics]",
-            f"monitor.traffic={logs}", "monitor.min_drafts=100", "monitor.consecutive=1", "monitor.sample_per_domain=6",
-            "monitor.retrain_samples=32", "monitor.traffic_window_s=600", "train.max_steps=30", "data.regenerate.max_new_tokens=64",
+            *args, f"output_dir={tmp_path / 'run'}", f"checkpoint={root / 'export' / 'vllm'}",
+            f"monitor.metrics=[{server.url}/metrics]", f"monitor.traffic={logs}", "monitor.min_drafts=100",
+            "monitor.consecutive=1", "monitor.sample_per_domain=6", "monitor.retrain_samples=32",
+            "monitor.traffic_window_s=600", "train.max_steps=30", "data.regenerate.max_new_tokens=64",
         ])  # fmt: skip
         state_dir = tmp_path / "run" / "monitor"
         assert check(cfg) == Outcome.HEALTHY  # the window starts
@@ -158,8 +161,9 @@ def test_serve_monitor_retrain_redeploy(deployed, vllm_python, tmp_path):
         vllm_python, Path(state["deployed"]["export"]), tmp_path / "serve_2.log", *per_request
     )  # redeploy
     try:
-        cfg = load_recipe([*args, f"output_dir={tmp_path / 'run'}", f"monitor.metrics=[{server.url}/metrics]", f"monitor.traffic={logs}",
-                           "monitor.min_drafts=100", "monitor.consecutive=1", "monitor.sample_per_domain=6", "monitor.traffic_window_s=600"])  # fmt: skip
+        cfg = load_recipe([*args, f"output_dir={tmp_path / 'run'}", f"monitor.metrics=[{server.url}/metrics]",
+                           f"monitor.traffic={logs}", "monitor.min_drafts=100", "monitor.consecutive=1",
+                           "monitor.sample_per_domain=6", "monitor.traffic_window_s=600"])  # fmt: skip
         check(cfg)  # the new server's window starts
         send(server, source, logs, ("code", "docs"), skip=REQUESTS_PER_DOMAIN)  # requests not seen in retraining
         check(cfg)

@@ -95,7 +95,8 @@ def test_the_wheel_runs_from_outside_the_checkout(installed, tmp_path):
         [
             "python",
             "-c",
-            "import draftsmith.heads, draftsmith.resources as r; print(draftsmith.heads.__file__); print(r.bundled('demo/target'))",
+            "import draftsmith.heads, draftsmith.resources as r; print(draftsmith.heads.__file__); "
+            "print(r.bundled('demo/target'))",
         ],
         tmp_path,
     )
@@ -117,13 +118,15 @@ def test_the_wheel_runs_from_outside_the_checkout(installed, tmp_path):
 def test_the_wheel_trains_on_two_processes_then_evaluates(installed, tmp_path):
     """Multi-process training needs no checkout (`accelerate launch -m draftsmith train ...`), and its
     eval stage and `draftsmith eval` of the checkpoint run from the wheel too."""
-    launch = ["python", "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-              "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517"]  # fmt: skip
+    launch = ["python", "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "--main_process_port", "29517"]  # fmt: skip
     quick = ["train.micro_batch_size=2", "data.max_conversations=8", "data.max_length=128", "eval.max_prompts=1",
              "eval.max_new_tokens=8", f"data.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
     trained = run_in(
         installed,
-        [*launch, "-m", "draftsmith", "train", "recipe=medusa", "train.max_steps=3", *quick, f"output_dir={tmp_path / 'ddp'}"],
+        [*launch, "-m", "draftsmith", "train", "recipe=medusa", "train.max_steps=3", *quick,
+         f"output_dir={tmp_path / 'ddp'}"],
         tmp_path,
     )  # fmt: skip
     assert trained.returncode == 0, trained.stderr[-3000:]
@@ -134,7 +137,8 @@ def test_the_wheel_trains_on_two_processes_then_evaluates(installed, tmp_path):
 
     evaluated = run_in(
         installed,
-        ["draftsmith", "eval", "recipe=medusa", f"checkpoint={tmp_path / 'ddp' / 'final'}", *quick, f"output_dir={tmp_path / 'eval'}"],
+        ["draftsmith", "eval", "recipe=medusa", f"checkpoint={tmp_path / 'ddp' / 'final'}", *quick,
+         f"output_dir={tmp_path / 'eval'}"],
         tmp_path,
     )  # fmt: skip
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]

@@ -31,9 +31,9 @@ NEAR_TIE = 0.05  # largest gap between the two best logits at which two float32 
 
 def regenerate_args(output: Path, small_data, *extra: str) -> list[str]:
     return [
-        "-m", "data_prep.regenerate", "recipe=draft", f"target.name_or_path={REFERENCE_TARGET}", f"data.train=[{small_data['train']}]",
-        "data.max_conversations=8", "data.regenerate.batch_size=4", "data.regenerate.max_new_tokens=24", f"data.regenerate.output={output}",
-        f"output_dir={output.parent}", *extra,
+        "-m", "data_prep.regenerate", "recipe=draft", f"target.name_or_path={REFERENCE_TARGET}",
+        f"data.train=[{small_data['train']}]", "data.max_conversations=8", "data.regenerate.batch_size=4",
+        "data.regenerate.max_new_tokens=24", f"data.regenerate.output={output}", f"output_dir={output.parent}", *extra,
     ]  # fmt: skip
 
 
@@ -72,7 +72,8 @@ def test_vllm_regeneration_survives_its_engine_dying_and_matches_transformers(
     # The worker is killed while it starts (it needs seconds to load the engine), so the moment is
     # deterministic: no part can be finished by then.
     job = subprocess.Popen(
-        [sys.executable, *regenerate_args(out, small_data, *engine)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, *regenerate_args(out, small_data, *engine)], cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True
     )  # fmt: skip
     deadline, worker = time.monotonic() + 300, []
     while not worker and time.monotonic() < deadline and job.poll() is None:

@@ -39,8 +39,8 @@ def test_every_kind_trains_decodes_losslessly_and_exports_or_is_refused(kind, tm
     args = [
         f"recipe={demo_recipe(kind)}", f"data.train=[{small_data['train']}]", f"data.eval=[{small_data['eval']}]",
         f"data.cache_dir={token_cache}", "data.max_conversations=8", "data.max_length=128", "data.draft_vocab=null",
-        "train.max_steps=2", "train.micro_batch_size=2", "train.warmup_steps=0", "eval.max_prompts=1", "eval.max_new_tokens=16",
-        f"output_dir={tmp_path / 'run'}",
+        "train.max_steps=2", "train.micro_batch_size=2", "train.warmup_steps=0", "eval.max_prompts=1",
+        "eval.max_new_tokens=16", f"output_dir={tmp_path / 'run'}",
     ]  # fmt: skip
     final, _ = train_in_process(args)
     report = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())

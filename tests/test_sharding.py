@@ -49,11 +49,13 @@ def replicated_bytes(config: dict, element_size: int = 4) -> int:
     [
         (
             ["recipe=medusa2"],
-            "target.shard=fsdp does not work with drafter.type=medusa2: it trains LoRA adapters inside the target's layers",
+            "target.shard=fsdp does not work with drafter.type=medusa2: "
+            "it trains LoRA adapters inside the target's layers",
         ),
         (
             ["recipe=draft"],
-            "target.shard=fsdp does not work with drafter.type=draft_model: it copies the target's first decoder layers",
+            "target.shard=fsdp does not work with drafter.type=draft_model: "
+            "it copies the target's first decoder layers",
         ),
     ],
     ids=["medusa2", "draft_model"],
@@ -88,7 +90,8 @@ def test_train_refuses_an_unshardable_drafter_in_one_line(tmp_path, capsys):
 
 @pytest.fixture
 def one_process_group(one_thread):
-    """A sharded load (`load_target(..., shard="fsdp")`) forms a one-process group when none exists; it is ended afterwards."""
+    """A sharded load (`load_target(..., shard="fsdp")`) forms a one-process group when none exists; it is ended
+    afterwards."""
     import torch.distributed as dist
 
     ours = not dist.is_initialized()
@@ -162,7 +165,8 @@ def launch_train(output_dir: Path, data: dict[str, Path], cache: Path, port: int
     recipe = [
         "recipe=eagle3", f"target.name_or_path={REFERENCE_TARGET}", f"data.train=[{data['train']}]", "data.eval=[]",
         f"data.cache_dir={cache}", "data.max_length=128", "drafter.ttt_steps=3", "train.micro_batch_size=4",
-        "train.max_steps=6", "train.warmup_steps=2", "train.log_every=1", "eval.enabled=false", f"output_dir={output_dir}",
+        "train.max_steps=6", "train.warmup_steps=2", "train.log_every=1", "eval.enabled=false",
+        f"output_dir={output_dir}",
     ]  # fmt: skip
     return run_entry([*launch, "train.py", *recipe, *extra], timeout=300, env={"OMP_NUM_THREADS": "1"})
 
@@ -223,9 +227,9 @@ def test_two_rank_capture_with_a_sharded_target_writes_the_same_shards(tmp_path,
     manifests = {}
     for shard in ("none", "fsdp"):
         recipe = [
-            "recipe=eagle3", f"target.name_or_path={REFERENCE_TARGET}", f"data.train=[{seven}]", f"data.cache_dir={tmp_path / 'cache'}",
-            "data.max_length=96", "train.micro_batch_size=1", "data.capture.shard_tokens=150", f"target.shard={shard}",
-            f"output_dir={tmp_path / shard}",
+            "recipe=eagle3", f"target.name_or_path={REFERENCE_TARGET}", f"data.train=[{seven}]",
+            f"data.cache_dir={tmp_path / 'cache'}", "data.max_length=96", "train.micro_batch_size=1",
+            "data.capture.shard_tokens=150", f"target.shard={shard}", f"output_dir={tmp_path / shard}",
         ]  # fmt: skip
         done = torchrun("-m", "data_prep.capture", *recipe)
         assert done.returncode == 0, done.stderr[-3000:]

@@ -77,7 +77,9 @@ import json, sys, torch
 from speculators.train.data import ArrowDataset
 data = ArrowDataset(max_len=4096, datapath=sys.argv[1], on_missing="raise", hidden_states_dtype=torch.float32)
 rows = [data[i] for i in range(len(data))]
-print(json.dumps({"rows": len(rows), "shapes": [[list(r["hidden_states"].shape), list(r["verifier_last_hidden_states"].shape)] for r in rows],
+print(json.dumps({"rows": len(rows),
+                  "shapes": [[list(r["hidden_states"].shape), list(r["verifier_last_hidden_states"].shape)]
+                             for r in rows],
                   "masked": [int(r["loss_mask"].sum()) for r in rows]}))
 """
 

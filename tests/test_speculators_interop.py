@@ -12,9 +12,9 @@ target's states picked by the folder's `eagle_aux_hidden_state_layer_ids` (the t
 `output_hidden_states`, vLLM's convention: id i is the input of layer i), proposes the same greedy
 chain of 7 tokens (mapped to target ids with the folder's `d2t`) as draftsmith's proposer, its logits
 within 1e-4 of ours, at every step. This checks the layer ids, the norms (EAGLE-3.1's `fc_norm`,
-`norm_output`, speculators' `norm_before_fc`), the vocabulary map and P-EAGLE's mask token and `mask_hidden` as speculators reads
-them (the drafters train 2 steps, so their chains repeat tokens: the logits, over the whole draft
-vocabulary, are the sharp check; a layer id off by one moved them by 5, a dropped `d2t` by 0.5).
+`norm_output`, speculators' `norm_before_fc`), the vocabulary map and P-EAGLE's mask token and `mask_hidden`
+as speculators reads them (the drafters train 2 steps, so their chains repeat tokens: the logits, over the
+whole draft vocabulary, are the sharp check; a layer id off by one moved them by 5, a dropped `d2t` by 0.5).
 speculators 0.9.0 has no inference entry point: EAGLE-3's chain comes from its training forward (the
 training-time test), whose teacher forcing feeds the last prompt slot the chain drafted so far, one
 forward per token; P-EAGLE's from its training forward with the sampled depths fixed to one chain
@@ -125,8 +125,8 @@ print(json.dumps({
 
 # Run by the speculators venv's Python before CHECK (argv: the target, the window, then CHECK's): an EAGLE-3
 # draft model as speculators' trainer builds one by default for this target (one Llama layer with a sliding
-# window, 2048 by default, norm_before_residual, norm_before_fc and norm_output, a pruned vocabulary), in its own random init, embedding and
-# lm_head from the verifier, saved as its checkpointer saves every checkpoint (bfloat16).
+# window, 2048 by default, norm_before_residual, norm_before_fc and norm_output, a pruned vocabulary), in its own
+# random init, embedding and lm_head from the verifier, saved as its checkpointer saves every checkpoint (bfloat16).
 BUILD = """
 import sys, torch
 from pathlib import Path
@@ -143,7 +143,8 @@ kept = torch.randperm(layer.vocab_size)[:2048].sort().values
 t2d = torch.zeros(layer.vocab_size, dtype=torch.bool).index_fill_(0, kept, True)
 draft = Eagle3DraftModel.from_training_args(
     verifier_config=layer, t2d=t2d, d2t=kept - torch.arange(len(kept)), draft_vocab_size=len(kept),
-    norm_before_residual=True, norm_before_fc=True, norm_output=True, ttt_steps=3, verifier_name_or_path=target, target_layer_ids=[1, 2, 3],
+    norm_before_residual=True, norm_before_fc=True, norm_output=True, ttt_steps=3, verifier_name_or_path=target,
+    target_layer_ids=[1, 2, 3],
     draft_attn_impl="sdpa",
 )
 draft.save_pretrained(sys.argv[1], state_dict=convert_float_dtype(draft.state_dict(), torch.bfloat16))
