@@ -26,8 +26,11 @@ Stages, each resumable and skipped when its output exists (`--stages regenerate,
    the test set is not tuned on) -> <runs>/<kind>/gamma.json; the served export at that γ ->
    <runs>/<kind>/export_served (= export when the γ is the recipe's);
 6. time: vLLM alone on the machine, batch size 1, greedy, each MT-bench first turn on its own: plain,
-   vLLM's n-gram (γ 3, lookup 2-4, as in the reference measurement) and each drafter at its γ, one
-   engine process per method -> <runs>/timing.json and timing.png (speed-up per category).
+   vLLM's n-gram (γ 3, lookup 2-4, as in the reference measurement) and each drafter at its γ (and at each
+   of --time-gammas), one engine process per method -> <runs>/timing.json and timing.png (speed-up per category).
+
+A drafter trained elsewhere (on a lent GPU) enters at stage 3: `bash benchmarks/device/import.sh KIND SOURCE`
+puts it in runs/gpu_protocol/KIND, and the result names it (`drafters`).
 
 The result (<runs>/result.json, printed): a row per method and MT-bench category with `method`,
 `category`, `tok_s`, `speedup` over plain in the same run, `tau` (vLLM: 1 + accepted / drafts, over
@@ -234,9 +237,12 @@ def stage_train(args, runs: Path, kind: str, log: Path) -> None:
     resume = ["train.resume=true"] if any(kind_dir.glob("checkpoints/step_*")) else []
     run(
         [
-            "train.py", f"recipe={RECIPES[kind].recipe}", *RECIPES[kind].overrides, f"output_dir={kind_dir}", f"data.train=[{runs / 'data' / 'regenerated'}]",
-            f"train.epochs={args.epochs}", f"train.max_steps={args.max_steps}", f"train.heldout={args.heldout}", f"train.eval_every={args.eval_every}", f"train.patience={args.patience}",
-            "eval.enabled=false", "data.eval=[]", *resume,  # MT-bench is prompts only: the eval stage reads it, not training
+            "train.py", f"recipe={RECIPES[kind].recipe}", *RECIPES[kind].overrides, f"output_dir={kind_dir}",
+            f"data.train=[{runs / 'data' / 'regenerated'}]", f"train.epochs={args.epochs}",
+            f"train.max_steps={args.max_steps}", f"train.heldout={args.heldout}", f"train.eval_every={args.eval_every}",
+            f"train.patience={args.patience}",
+            # MT-bench is prompts only: the eval stage reads it, not training
+            "eval.enabled=false", "data.eval=[]", *resume,
         ],
         log,
     )  # fmt: skip
@@ -248,9 +254,10 @@ def stage_eval(args, runs: Path, kind: str, log: Path) -> dict:
     if not report.is_file():
         run(
             [
-                "-m", "eval", f"recipe={kind_dir / 'recipe.yaml'}", f"output_dir={kind_dir / 'mtbench'}", f"checkpoint={kind_dir / 'best'}",
-                "eval.data=[named:mt_bench]", f"eval.max_prompts={args.eval_prompts or args.prompts}", f"eval.max_new_tokens={args.new_tokens}", "eval.num_speculative_tokens=3",
-                "eval.tree=0", "eval.temperature=0",
+                "-m", "eval", f"recipe={kind_dir / 'recipe.yaml'}", f"output_dir={kind_dir / 'mtbench'}",
+                f"checkpoint={kind_dir / 'best'}", "eval.data=[named:mt_bench]",
+                f"eval.max_prompts={args.eval_prompts or args.prompts}", f"eval.max_new_tokens={args.new_tokens}",
+                "eval.num_speculative_tokens=3", "eval.tree=0", "eval.temperature=0",
             ],
             log,
         )  # fmt: skip
@@ -271,8 +278,8 @@ def stage_export(runs: Path, kind: str, log: Path, gamma: int, folder: str) -> N
         return
     run(
         [
-            "-m", "export", f"recipe={kind_dir / 'recipe.yaml'}", f"checkpoint={kind_dir / 'best'}", f"export.output={kind_dir / folder}",
-            f"export.num_speculative_tokens={gamma}", f"output_dir={kind_dir}",
+            "-m", "export", f"recipe={kind_dir / 'recipe.yaml'}", f"checkpoint={kind_dir / 'best'}",
+            f"export.output={kind_dir / folder}", f"export.num_speculative_tokens={gamma}", f"output_dir={kind_dir}",
         ],
         log,
     )  # fmt: skip
@@ -299,7 +306,8 @@ def stage_gamma(args, runs: Path, kind: str, log: Path) -> dict:
     choice |= {
         "gamma": int(best),
         "prompts": len(prompts),
-        "chosen_on": f"first turns of named:sharegpt records {args.conversations + 1}-{args.conversations + len(prompts)} (never trained on)",
+        "chosen_on": f"first turns of named:sharegpt records {args.conversations + 1}-"
+        f"{args.conversations + len(prompts)} (never trained on)",
         "rule": "highest vLLM tokens/s at batch size 1",
     }
     save_json(path, choice)
@@ -315,6 +323,13 @@ def stage_time(args, runs: Path, kinds: list[str], gammas: dict[str, int], log: 
     methods = {"plain": None, "vllm_ngram": NGRAM}
     methods |= {
         f"{kind}_gamma{gammas[kind]}": drafter_config(runs / kind, gammas[kind], "export_served") for kind in kinds
+    }
+    # --time-gammas: each drafter also at these γ (from its export), beside the one chosen on held-out prompts
+    methods |= {
+        f"{kind}_gamma{gamma}": drafter_config(runs / kind, gamma)
+        for kind in kinds
+        for gamma in args.time_gammas
+        if gamma != gammas[kind]
     }
     for name, config in methods.items():
         if name not in timing:
@@ -384,7 +399,8 @@ def main() -> None:
     parser.add_argument(
         "--regenerated",
         help="a regeneration to start from (benchmarks/data/sharegpt_smollm2 is this protocol's, 2,400 first turns): "
-        "copied into <runs>/data/regenerated, where the regenerate stage checks its settings and finishes what is missing",
+        "copied into <runs>/data/regenerated, where the regenerate stage checks its settings "
+        "and finishes what is missing",
     )
     parser.add_argument("--kinds", default="eagle3")
     parser.add_argument("--stages", default=",".join(STAGES))
@@ -408,6 +424,12 @@ def main() -> None:
     )
     parser.add_argument("--gammas", type=lambda text: [int(g) for g in text.split(",")], default=[1, 2, 3, 4, 5])
     parser.add_argument(
+        "--time-gammas",
+        type=lambda text: [int(g) for g in text.split(",") if g],
+        default=[],
+        help="the time stage also serves each drafter at these γ, beside the chosen one",
+    )
+    parser.add_argument(
         "--threads", type=int, default=os.cpu_count(), help="OMP threads of the vLLM engine (default: every core)"
     )
     args = parser.parse_args()
@@ -424,6 +446,8 @@ def main() -> None:
     for kind in kinds:
         if "train" in stages:
             timed(f"train_{kind}", stage_train, args, runs, kind, log)
+        if (runs / kind / "imported_from").is_file():  # a drafter trained elsewhere (benchmarks/device/import.sh)
+            result.setdefault("drafters", {})[kind] = (runs / kind / "imported_from").read_text().strip()
         curve = load_json(runs / kind / "curve.json")  # also of a training stopped early (best/ is then the last best)
         if curve:
             result.setdefault("curves", {})[kind] = curve | {"extrapolation": log_linear_fit(curve.get("rows", []))}

@@ -91,7 +91,8 @@ def time_steps(run, warmup: int, steps: int, profiled: int, scratch: Path) -> di
     (wall clock, the device synchronised around each), then `profiled` steps under the trainer's
     profiler. Returns the timed steps' seconds, tokens and positions, every step's per-token loss, the
     drafter's vocabulary coverage where it reports one, and the profiler's trace."""
-    from draftsmith.trainer.loop import StopRequest, agree, micro_batches, next_step, train_step
+    from draftsmith.errors import StopRequest
+    from draftsmith.trainer.loop import agree, micro_batches, next_step, train_step
     from draftsmith.trainer.observe import StepProfiler
 
     accelerator, cfg = run.accelerator, run.cfg

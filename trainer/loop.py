@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import signal
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -38,7 +37,7 @@ from transformers import get_cosine_schedule_with_warmup
 from draftsmith.data_prep import Collator, PackingCollator, load_tokenized
 from draftsmith.data_prep.features import FeatureCollator, expected_features, open_features
 from draftsmith.drafter_folder import warm_start
-from draftsmith.errors import Preempted, UserError
+from draftsmith.errors import Preempted, StopRequest, UserError
 from draftsmith.heads import drafter_class
 from draftsmith.heads.packing import causal_lm_inputs, require_packed_attention
 from draftsmith.recipe import require_draft_vocab_use, save_recipe
@@ -99,7 +98,8 @@ def train(cfg: DictConfig) -> Path:
     flops, meters = FlopCounter(run.target, module), Meters(accelerator.device)
     profiler = StepProfiler(cfg.train.profile_steps, output_dir, rank)
     progress = tqdm(total=max_steps, initial=state.step, desc="train", disable=not accelerator.is_main_process)
-    stop, data_checksum = StopRequest(), 0  # data_checksum: the token ids this rank trained on (distributed checks)
+    stop = StopRequest("SIGTERM: saving a checkpoint at the end of this step, then stopping")
+    data_checksum = 0  # the token ids this rank trained on (distributed checks)
     upcoming = next_step(stream, module, cfg.train.grad_accum)
     agreed = agree(accelerator, upcoming=upcoming)  # the first step's counts; later ones come with each step's
     run.drafter.train()
@@ -463,31 +463,6 @@ def prepare_run(
         max_steps,
         TrainerState(),
     )
-
-
-class StopRequest:
-    """Set by SIGTERM (what SLURM, Kubernetes and spot instances send before killing a job); the loop
-    checks it at each step boundary, on every rank, and stops with a checkpoint."""
-
-    def __init__(self):
-        self.requested = False
-
-    def on_sigterm(self):
-        import contextlib
-
-        @contextlib.contextmanager
-        def installed():
-            def handler(signum, frame):
-                log.warning("SIGTERM: saving a checkpoint at the end of this step, then stopping")
-                self.requested = True
-
-            previous = signal.signal(signal.SIGTERM, handler)
-            try:
-                yield
-            finally:
-                signal.signal(signal.SIGTERM, previous)
-
-        return installed()
 
 
 def mixed_precision(setting: str):
