@@ -341,9 +341,16 @@ class NearTargetDrafter(Proposer):
     features = FeatureRequest(final=True)
 
     def __init__(
-        self, conditionals: list[torch.Tensor], prompt_len: int, stochastic: bool, mix: float = 0.5, seed: int = 0
+        self,
+        conditionals: list[torch.Tensor],
+        prompt_len: int,
+        stochastic: bool,
+        mix: float = 0.5,
+        seed: int = 0,
+        q_seed: int | None = None,
     ):
-        generator = torch.Generator().manual_seed(seed)
+        # q_seed (default: seed) fixes q; seed the draws from it, so rows of a batch can share one q
+        generator = torch.Generator().manual_seed(seed if q_seed is None else q_seed)
         noise = [(2.0 * torch.randn(p.shape, generator=generator)).softmax(-1) for p in conditionals]
         self.q = [(1 - mix) * p + mix * r for p, r in zip(conditionals, noise)]
         self.prompt_len, self.stochastic = prompt_len, stochastic

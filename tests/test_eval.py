@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from draftsmith.errors import UserError
-from draftsmith.eval.loop import generate, prefill, propose, verify_step
+from draftsmith.eval.loop import generate, generate_batch, prefill, propose, verify_step
 from draftsmith.eval.ngram import NGramDrafter
 from draftsmith.eval.report import run_eval
 from draftsmith.eval.sampling import Sampling, exact_rule
@@ -173,24 +173,27 @@ def small_model():
     ids=lambda case: case["name"],
 )
 def test_speculative_sampling_matches_target_distribution(small_model, case):
-    prompt = [1, 5, 2, 7]
+    """SAMPLES draws of one drafter's q, decoded as rows of a batch (each row with its own seeds: rows
+    sample what they would alone, tests/test_batched_eval.py), against the exact joint distribution."""
+    prompt, batch = [1, 5, 2, 7], 200
     conditionals = exact_conditionals(small_model, prompt, case["sampling"])
-    drafter = NearTargetDrafter(conditionals, len(prompt), case["stochastic"])
     counts, accepted = torch.zeros(VOCAB, VOCAB, VOCAB), 0
-    for seed in range(SAMPLES):
-        out = generate(
+    for first_seed in range(0, SAMPLES, batch):
+        seeds = list(range(first_seed, first_seed + batch))
+        rows = generate_batch(
             small_model,
-            prompt,
+            [prompt] * batch,
             NEW,
-            drafter,
+            [NearTargetDrafter(conditionals, len(prompt), case["stochastic"], seed=seed, q_seed=0) for seed in seeds],
             gamma=2,
             tree=case["tree"],
             sampling=case["sampling"],
-            seed=seed,
+            seeds=seeds,
             rule=case["rule"],
         )
-        counts[tuple(out.tokens)] += 1
-        accepted += out.counts.accepted
+        for row in rows:
+            counts[tuple(row.tokens)] += 1
+            accepted += row.counts.accepted
     assert 0.1 * SAMPLES < accepted < 1.9 * SAMPLES  # both acceptances and rejections were exercised
     pvalue = chi_square_pvalue(counts, exact_joint(conditionals))
     if case["exact"]:
@@ -311,7 +314,7 @@ def test_report_batch_size_and_sweep(eval_setup, tmp_path):
     root, recipe, target = eval_setup
     overrides = [
         f"recipe={recipe}",
-        "eval.max_prompts=3",
+        "eval.max_prompts=2",
         "eval.batch_size=2",
         "eval.batch_sizes=[1,3]",
         f"output_dir={tmp_path}",
@@ -326,7 +329,7 @@ def test_report_batch_size_and_sweep(eval_setup, tmp_path):
             assert set(rows) == {"plain", "chain", "tree", "ngram"}
             assert rows["plain"]["speedup"] == 1.0 and rows["plain"]["tau"] == 1.0
             assert all(set(row) == ROW_KEYS and row["lossless"] is True for row in rows.values())
-            assert rows["chain"]["prompts"] == (3 * len(DOMAINS) if domain == "all" else 3)
+            assert rows["chain"]["prompts"] == (2 * len(DOMAINS) if domain == "all" else 2)
     # the same prompts and tokens at every batch size: the same acceptance counts
     for name in ("chain", "tree", "ngram"):
         counts = [sweep["rows"][size]["all"][name]["per_position_counts"] for size in ("1", "3")]
