@@ -366,8 +366,9 @@ def stage_time(args, runs: Path, kinds: list[str], gammas: dict[str, int], log: 
     }
 
 
-def plot_timing(rows: list[dict], path: Path) -> None:
-    """Speed-up over plain decoding per MT-bench category, one bar per method (timing.png)."""
+def plot_timing(rows: list[dict], path: Path, drafters: dict[str, str]) -> None:
+    """Speed-up over plain decoding per MT-bench category, one bar per method (timing.png); an imported
+    drafter's name in the title."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -384,7 +385,8 @@ def plot_timing(rows: list[dict], path: Path) -> None:
     axes.axhline(1.0, color="black", linewidth=0.8)
     axes.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(categories))], categories)
     axes.set_ylabel("tokens/s over plain (same run)")
-    axes.set_title("vLLM-CPU, SmolLM2-135M, MT-bench first turns, batch size 1, greedy")
+    named = "".join(f", {kind} = {name}" for kind, name in drafters.items())
+    axes.set_title(f"vLLM-CPU, SmolLM2-135M, MT-bench first turns, batch size 1, greedy{named}")
     axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=100)
@@ -463,7 +465,7 @@ def main() -> None:
     if "time" in stages:
         gammas = {kind: result["gamma"][kind]["gamma"] for kind in kinds}
         result["vllm_timing"] = timed("time", stage_time, args, runs, kinds, gammas, log)
-        plot_timing(result["vllm_timing"]["rows"], runs / "timing.png")
+        plot_timing(result["vllm_timing"]["rows"], runs / "timing.png", result.get("drafters", {}))
     result["walls_s"] = load_json(runs / "walls.json")
     save_json(runs / "result.json", result)
     print(json.dumps(result, indent=2))
