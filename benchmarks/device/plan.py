@@ -10,9 +10,9 @@ the tree in one call, so they are spread over several:
 
 The plan (.gpu/plan.json): call 1 carries the wheels, the probe target and the GGUF's first part and times the
 training (call1.sh); each next call carries one more part, which `setup.sh` puts aside; the last carries the
-last part and trains (call2.sh), which joins the parts. `check` measures the tree again, since what travels
-changes between preparing and the loan (a new data folder, committed or not yet), and refuses in one line a
-plan that a call would exceed.
+last part and the regeneration's input (REGEN_INPUT, first_turns.py), joins the parts, regenerates and trains
+(call2.sh). `check` measures the tree again, since what travels changes between preparing and the loan (a new
+data folder, committed or not yet), and refuses in one line a plan that a call would exceed.
 """
 
 from __future__ import annotations
@@ -32,11 +32,17 @@ MIB = 1024 * 1024
 LIMIT = 64 * MIB  # what one call may carry, the working tree included
 RESERVE = 2 * MIB  # room left in each call for the tree to grow a little between prepare and the loan
 MAX_CARRY = 8  # paths one call's carry may name
-# The training call's settings (call2.sh): EAGLE-3.1 alone, 300 s of steps, 12 held-out evaluations, stopped after
-# 3 without a new best; SIGTERM at 390 s keeps best/ whatever happens.
+# The last call (call2.sh) within CALL_S=550 s of its 600: the target made (about 40 s, an estimate), SmolLM2's
+# sampled answers regenerated on the GPU for at most REGEN_S=240 s (regenerate.sh), then EAGLE-3.1 alone trained
+# for what is left, at most 300 s of steps with SIGTERM at 390 s (best/ kept whatever happens; about 160 s of steps
+# when the regeneration takes all its 240 s), 8 held-out evaluations, stopped after 3 without a new best. With a
+# machine start of 1-2 minutes and call 1's probe, the loan takes about 14 of its 15 minutes.
 PROBE = "KINDS=eagle3 bash benchmarks/device/call1.sh"
 STASH = "source benchmarks/device/setup.sh"
-TRAIN = "KINDS=eagle3 TRAIN_S=300 DEADLINE_S=390 EVALS=12 PATIENCE=3 bash benchmarks/device/call2.sh"
+TRAIN = (
+    "KINDS=eagle3 REGEN_S=240 CALL_S=550 TRAIN_S=300 DEADLINE_S=390 EVALS=8 PATIENCE=3 bash benchmarks/device/call2.sh"
+)
+REGEN_INPUT = ".gpu/sharegpt_first_turns_0_16800.jsonl.gz"  # regenerate.sh's input, carried by the last call
 
 
 def travelling_files(root: Path = ROOT) -> list[Path]:
@@ -72,7 +78,8 @@ def carried_bytes(carry: list[str], root: Path = ROOT) -> int:
 
 def prepare(root: Path = ROOT) -> None:
     """Cut .gpu/gguf.xz into .gpu/part_a, part_b, ... so that each call stays under LIMIT - RESERVE beside the
-    tree as it is now (call 1 beside the wheels and the probe target too), and write the plan."""
+    tree as it is now (call 1 beside the wheels and the probe target too, the last beside REGEN_INPUT), and
+    write the plan."""
     gpu = root / ".gpu"
     tree = size(travelling_files(root))
     room = LIMIT - RESERVE - tree
@@ -83,8 +90,16 @@ def prepare(root: Path = ROOT) -> None:
             f"the working tree ({tree / MIB:.1f} MiB) with the wheels and the probe target "
             f"({(room - first) / MIB:.1f} MiB) exceeds the {(LIMIT - RESERVE) // MIB} MiB a call may carry here"
         )
+    last = carried_bytes([REGEN_INPUT], root)
+    if last > room:
+        raise UserError(
+            f"the working tree ({tree / MIB:.1f} MiB) with {REGEN_INPUT} ({last / MIB:.1f} MiB) exceeds the "
+            f"{(LIMIT - RESERVE) // MIB} MiB a call may carry here"
+        )
     data = (gpu / "gguf.xz").read_bytes()
     chunks = [data[:first], *(data[start : start + room] for start in range(first, len(data), room))]
+    if len(chunks) == 1 or len(chunks[-1]) + last > room:
+        chunks.append(b"")  # the last call carries the regeneration's input alone
     if len(chunks) > len(string.ascii_lowercase):
         raise UserError(f"the GGUF would take {len(chunks)} calls beside a {tree / MIB:.1f} MiB working tree")
     for old in gpu.glob("part_*"):
@@ -94,10 +109,9 @@ def prepare(root: Path = ROOT) -> None:
         if chunk:  # call 1's is empty when the wheels and the probe target fill it
             (root / f".gpu/part_{letter}").write_bytes(chunk)
         names.append([f".gpu/part_{letter}"] if chunk else [])
-    names += [[]] * (len(names) == 1)  # the GGUF in call 1 alone: the training call carries nothing more
     calls = [{"command": PROBE, "carry": probe_carry + names[0], "timeout_s": 300}]
     calls += [{"command": STASH, "carry": carry, "timeout_s": 120} for carry in names[1:-1]]
-    calls.append({"command": TRAIN, "carry": names[-1], "timeout_s": 600})
+    calls.append({"command": TRAIN, "carry": names[-1] + [REGEN_INPUT], "timeout_s": 600})
     (gpu / "plan.json").write_text(json.dumps({"tree_bytes": tree, "calls": calls}, indent=2) + "\n")
     (gpu / "gguf.xz").unlink()
 

