@@ -431,7 +431,8 @@ def generate(model, tokenizer, prompts: list[list[int]], section, max_new_tokens
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     sampling = (
-        {"do_sample": True, "temperature": section.temperature, "top_p": section.top_p}
+        # top_k 0: the whole distribution, as vLLM samples (transformers' generate would add its default top-k 50)
+        {"do_sample": True, "temperature": section.temperature, "top_p": section.top_p, "top_k": 0}
         if section.temperature > 0
         else {"do_sample": False}
     )

@@ -186,6 +186,21 @@ def batch_section(schedule: Optional[dict[str, Any]]) -> list[str]:
     for concurrency, level in schedule["per_concurrency"].items():
         tau = "–" if level["tau"] is None else f"{level['tau']:.2f}"
         lines.append(f"| {concurrency} | {level['chosen']} | {tau} | {level['speedup']:.2f}× |")
+    slower = schedule.get("predicted_below_plain_at", [])
+    if slower:
+        ratios = ", ".join(f"{schedule['per_concurrency'][str(c)]['predicted_vs_plain']:.2f}×" for c in slower)
+        upto = schedule.get("pays_up_to")
+        lines += [
+            "",
+            f"**Predicted below plain decoding at concurrency {', '.join(map(str, slower))} ({ratios}, the γ served "
+            "there, the drafter's cost at γ 0 included): "
+            + (
+                f"it pays at every measured concurrency up to {upto}; with more requests in flight, serve the "
+                "target without it.**"
+                if upto is not None
+                else "it does not pay at the lowest measured concurrency; serve the target without it.**"
+            ),
+        ]
     if schedule.get("below_plain_at"):
         lines += [
             "",

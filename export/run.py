@@ -134,6 +134,14 @@ def batch_schedule_of(cfg: DictConfig, digest: str) -> Optional[dict[str, Any]]:
             ", ".join(map(str, schedule["below_plain_at"])),
             " was measured" if schedule["gamma_0_measured"] else " was not measured: sweep it, draftsmith sweep",
         )
+    if schedule["predicted_below_plain_at"]:
+        log.warning(
+            "predicted below plain decoding at concurrency %s (within the margin or not): %s",
+            ", ".join(map(str, schedule["predicted_below_plain_at"])),
+            "serve the target without the drafter at any load"
+            if schedule["pays_up_to"] is None
+            else f"it pays up to concurrency {schedule['pays_up_to']}; above that, serve the target alone",
+        )
     return {**schedule, "sweep": str(path), "method": methods[0], "engine": [json.loads(e) for e in sorted(engines)]}
 
 

@@ -24,7 +24,10 @@ K = 0 (to keep its KV cache in step) and only returns no drafts. Where the sweep
 with a schedule of K = 0 everywhere (its rows of γ 0), that cost is K = 0's prediction; otherwise
 plain's. Served at all, the drafter must beat plain decoding (without it) by
 the margin somewhere, or the export is refused; the concurrencies where even the best K is predicted
-more than the margin below plain are named (`below_plain_at`): at that load, serve the target alone.
+more than the margin below plain are named (`below_plain_at`): at that load, serve the target alone; and since
+a loaded drafter's cost at γ 0 can keep the schedule below plain by less than a noisy margin, the concurrencies
+predicted below plain at all (`predicted_below_plain_at`) and the load up to which it is predicted at least
+plain at every measured concurrency (`pays_up_to`) are named too: above that, serve the target without it.
 Against thrash at a range edge (vLLM keys the lookup on the requests scheduled in a step, prefills
 included, so a batch near an edge alternates between two K; vLLM issue #49548), K changes between
 neighbouring measured concurrencies only where the new K gains the margin over keeping the previous
@@ -125,6 +128,7 @@ def batch_schedule(rows: list[dict[str, Any]], method: str, min_gain: float = 0.
         else:
             ranges.append([start, end, chosen[concurrency]])
     measured = {(r["method"], int(r["gamma"]), int(r["concurrency"])): r for r in rows}
+    over_plain = {c: rates[c][chosen[c]] / plain_rate[c] for c in levels}
     return {
         "num_speculative_tokens": max(chosen.values()),
         "num_speculative_tokens_per_batch_size": ranges,
@@ -138,7 +142,11 @@ def batch_schedule(rows: list[dict[str, Any]], method: str, min_gain: float = 0.
             for c in levels
         },
         "gamma_0_measured": sorted(c for (m, g, c) in measured if m == method and g == 0),
-        "below_plain_at": [c for c in levels if rates[c][chosen[c]] < plain_rate[c] * (1 - margin)],
+        "below_plain_at": [c for c in levels if over_plain[c] < 1 - margin],
+        # Without the margin: where the prediction is below plain at all, and the load up to which it is
+        # at least plain everywhere (None: not even at the lowest); above it, serve the target alone.
+        "predicted_below_plain_at": [c for c in levels if over_plain[c] < 1],
+        "pays_up_to": max((c for c in levels if all(over_plain[d] >= 1 for d in levels if d <= c)), default=None),
         "min_gain": min_gain,
         "noise": None if noise is None else round(noise, 4),
         "margin": round(margin, 4),

@@ -69,6 +69,7 @@ def test_k_0_costs_what_the_drafter_measured_at_gamma_0_and_a_load_below_plain_i
     level = schedule["per_concurrency"]["2"]
     assert level["chosen"] == 1 and level["predicted_tok_s"]["0"] == round(1 / 1.1, 2)  # 0.94 beats 0.91 by > 2%
     assert schedule["below_plain_at"] == [2] and schedule["gamma_0_measured"] == [1, 2]
+    assert schedule["predicted_below_plain_at"] == [2] and schedule["pays_up_to"] == 1
     assert schedule["acceptance"] == [0.6]  # the γ-0 rows add no drafts and dilute nothing
     # served at K = 0 where that is the choice, the measured speed-up is the γ-0 row's
     busy = sweep({1: 1.0, 2: 1.0}, {(1, 1): 1.1, (2, 1): 2.0}) + [
@@ -101,6 +102,13 @@ def test_the_margin_is_the_sweeps_own_noise_where_that_is_larger():
     schedule = batch_schedule(noisy, "d")
     assert schedule["num_speculative_tokens_per_batch_size"] == [[1, 1, 0], [2, 2, 1]]  # 7% < the 10% noise
     assert schedule["margin"] == schedule["noise"] == 0.1
+    # c=1 drafts nothing and costs nothing (plain's rate: no γ-0 rows), c=2 gains: at least plain everywhere
+    assert schedule["predicted_below_plain_at"] == [] and schedule["pays_up_to"] == 2
+    loaded = noisy + [sweep_row("d", 0, c, 1.02, (), 0, "abc") for c in (1, 2)]  # the drafter costs 2% at γ 0
+    schedule = batch_schedule(loaded, "d")
+    # within the 10% noise, so not below_plain_at; still named, and so is the load up to which it pays: none
+    assert schedule["below_plain_at"] == [] and schedule["predicted_below_plain_at"] == [1]
+    assert schedule["pays_up_to"] is None
     swamped = sweep({1: 1.0}, {(1, 1): 1.1}) + [sweep_row("plain-rerun", 0, 1, 1 / 1.6)]  # 45% gain, 60% noise
     with pytest.raises(ExportCheckFailed, match="by 60%, how far the sweep's two plain runs differ.*quieter machine"):
         batch_schedule(swamped, "d")
@@ -184,7 +192,10 @@ def test_the_export_serves_the_schedule_with_the_pinned_sampling_settings(target
         [1, 2, 2],
         [3, 4, 1],
     ]
-    assert "At concurrency 4 this drafter is predicted slower than plain decoding" in (folder / "README.md").read_text()
+    card = (folder / "README.md").read_text()
+    assert "At concurrency 4 this drafter is predicted slower than plain decoding" in card
+    assert "Predicted below plain decoding at concurrency 4 (0.94×, the γ served there" in card
+    assert "it pays at every measured concurrency up to 1; with more requests in flight, serve the target" in card
 
 
 @pytest.mark.parametrize(
