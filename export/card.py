@@ -164,7 +164,8 @@ def batch_section(schedule: Optional[dict[str, Any]]) -> list[str]:
     lines = [
         "## Speed-up by batch size",
         "",
-        f"Measured in vLLM {', '.join(str(e.get('vllm_version')) for e in schedule['engine'] if e)} by a load sweep "
+        f"Measured in vLLM {', '.join(sorted({str(e.get('vllm_version')) for e in schedule['engine'] if e}))} "
+        "by a load sweep "
         f"(`{schedule['sweep']}`, this drafter as `{schedule['method']}`): at each concurrency, requests in flight, "
         "the γ the schedule serves and what that γ measured. At γ 0 the drafter drafts nothing, but vLLM 0.32 still "
         "runs it: "
