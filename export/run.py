@@ -127,17 +127,13 @@ def batch_schedule_of(cfg: DictConfig, digest: str) -> Optional[dict[str, Any]]:
         "γ per batch size from %s (%s): %s; vLLM ignores it under data parallelism (--data-parallel-size > 1)",
         path, methods[0], schedule["num_speculative_tokens_per_batch_size"],
     )  # fmt: skip
-    if schedule["below_plain_at"]:
+    if schedule["predicted_below_plain_at"]:  # below_plain_at (beyond the margin) is a subset of it
         log.warning(
-            "at concurrency %s even the schedule's best γ is predicted below plain decoding "
-            "(the drafter's cost at γ 0%s): at that load, serve the target without the drafter",
-            ", ".join(map(str, schedule["below_plain_at"])),
-            " was measured" if schedule["gamma_0_measured"] else " was not measured: sweep it, draftsmith sweep",
-        )
-    if schedule["predicted_below_plain_at"]:
-        log.warning(
-            "predicted below plain decoding at concurrency %s (within the margin or not): %s",
+            "predicted below plain decoding at concurrency %s "
+            "(beyond the margin at %s; the drafter's cost at γ 0%s): %s",
             ", ".join(map(str, schedule["predicted_below_plain_at"])),
+            ", ".join(map(str, schedule["below_plain_at"])) or "none",
+            " was measured" if schedule["gamma_0_measured"] else " was not measured: sweep it, draftsmith sweep",
             "serve the target without the drafter at any load"
             if schedule["pays_up_to"] is None
             else f"it pays up to concurrency {schedule['pays_up_to']}; above that, serve the target alone",
