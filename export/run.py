@@ -109,10 +109,10 @@ def batch_schedule_of(cfg: DictConfig, digest: str) -> Optional[dict[str, Any]]:
     if not cfg.export.batch_sweep:
         return None
     from draftsmith.export.schedule import batch_schedule
-    from draftsmith.export.sweep import PLAIN, PLAIN_AGAIN, read_sweep
+    from draftsmith.export.sweep import PLAIN, PLAIN_AGAIN, at_one_gamma, read_sweep
 
     path = Path(cfg.export.batch_sweep).resolve()
-    rows = read_sweep(path)
+    rows = [row for row in read_sweep(path) if at_one_gamma(row)]  # a served schedule's rows are left out
     methods = sorted({row["method"] for row in rows if row.get("source_sha256") == digest})
     if len(methods) != 1:
         found = f"measures it as {', '.join(methods)}" if methods else "measured no export of it"

@@ -91,6 +91,14 @@ def read_sweep(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+def at_one_gamma(row: dict[str, Any]) -> bool:
+    """Whether a sweep row measured one γ at every batch size: served without a schedule, or at γ 0 with
+    one that drafts nowhere (`served_at`: how vLLM 0.32 takes γ 0). A row served with any other schedule
+    (benchmarks/load_sweep.py's `<name>+schedule`) measured that schedule, not a γ a schedule is chosen from."""
+    schedule = (row.get("engine") or {}).get("num_speculative_tokens_per_batch_size")
+    return not schedule or all(k == 0 for _, _, k in schedule)
+
+
 def ngram_config(gamma: int) -> dict[str, Any]:
     """vLLM's n-gram proposer (prompt lookup of 2 to 4 tokens) at γ, with the pinned sampling settings."""
     return {

@@ -157,6 +157,10 @@ def test_the_export_serves_the_schedule_with_the_pinned_sampling_settings(target
 
     checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt")
     measured = write_sweep(tmp_path / "sweep.jsonl", checkpoint_digest(checkpoint))
+    with measured.open("a") as rows:  # the same export served with a schedule (load_sweep.py's row): not a γ's
+        served_with_schedule = {"num_speculative_tokens_per_batch_size": [[1, 4, 1]]}
+        scheduled = sweep_row("d+schedule", 1, 1, 0.5, [90], 100, checkpoint_digest(checkpoint))
+        rows.write(json.dumps({**scheduled, "engine": served_with_schedule}) + "\n")
     cfg = load_recipe([f"recipe={KINDS['eagle3']}", f"output_dir={tmp_path / 'run'}",
                        f"export.output={tmp_path / 'export'}", f"export.batch_sweep={measured}"])  # fmt: skip
     folder = export_checkpoint(cfg, checkpoint, target=target)["vllm"]
@@ -180,10 +184,12 @@ def test_the_export_serves_the_schedule_with_the_pinned_sampling_settings(target
         in card
     )
 
-    # the same sweep with the drafter's γ-0 rows (10% below plain): at 4 requests even its best γ loses to plain
+    # the same sweep with the drafter's γ-0 rows (10% below plain), served as the sweep serves γ 0 (a schedule
+    # drafting nowhere): at 4 requests even its best γ loses to plain
     with measured.open("a") as rows:
         for concurrency in (1, 4):
-            rows.write(json.dumps(sweep_row("d", 0, concurrency, 1.1, (), 0, checkpoint_digest(checkpoint))) + "\n")
+            at_zero = sweep_row("d", 0, concurrency, 1.1, (), 0, checkpoint_digest(checkpoint))
+            rows.write(json.dumps({**at_zero, "engine": {"num_speculative_tokens_per_batch_size": [[1, 4, 0]]}}) + "\n")
     cfg = load_recipe([f"recipe={KINDS['eagle3']}", f"output_dir={tmp_path / 'run'}",
                        f"export.output={tmp_path / 'again'}", f"export.batch_sweep={measured}"])  # fmt: skip
     folder = export_checkpoint(cfg, checkpoint, target=target)["vllm"]
