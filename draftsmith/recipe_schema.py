@@ -187,6 +187,7 @@ class EvalSection:
     top_k: int = 0  # top-k sampling when temperature > 0; 0 = off
     num_speculative_tokens: int = 3  # chain length gamma
     tree: int = 0  # nodes in the static draft tree (0 = chain only)
+    ngram_baseline: bool = True  # decode with prompt lookup too (the drafter-free baseline vLLM serves)
     ngram_max: int = 3  # prompt-lookup baseline: longest n-gram to match
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 0  # sampling seed (temperature > 0)

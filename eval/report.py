@@ -170,9 +170,10 @@ def build_methods(cfg: DictConfig, drafter, target, verifier, temperature: float
                 {**tree_info(tree), "served_by": served_by.get("tree", "draftsmith eval only")},
             )
         )
-    ngram_max = int(cfg.eval.ngram_max)
-    info = {"gamma": gamma, "ngram_max": ngram_max, "served_by": "vLLM (method ngram: prompt lookup)"}
-    methods.append(Method("ngram", "baseline", partial(NGramDrafter, ngram_max), gamma, info=info))
+    if cfg.eval.ngram_baseline:
+        ngram_max = int(cfg.eval.ngram_max)
+        info = {"gamma": gamma, "ngram_max": ngram_max, "served_by": "vLLM (method ngram: prompt lookup)"}
+        methods.append(Method("ngram", "baseline", partial(NGramDrafter, ngram_max), gamma, info=info))
     if verifier is not target:
         methods.append(
             Method(

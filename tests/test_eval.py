@@ -307,6 +307,20 @@ def test_report_has_every_field(eval_setup):
     assert ("wins in wall-clock" in last) == (best["speedup"] > max(1.0, ngram))
 
 
+def test_without_the_ngram_baseline_the_drafter_rows_are_the_same(eval_setup, tmp_path):
+    """eval.ngram_baseline=false (the monitor's replays and gate read only the chain) leaves the n-gram
+    rows out and changes nothing else."""
+    root, recipe, target = eval_setup
+    reports = []
+    for name, extra in (("with", []), ("without", ["eval.ngram_baseline=false"])):
+        cfg = load_recipe([f"recipe={recipe}", "eval.tree=0", f"output_dir={tmp_path / name}", *extra])
+        reports.append(run_eval(cfg, str(root / "run" / "final"), target=target))
+    assert set(reports[0]["baselines"]["all"]) == {"plain", "ngram"}
+    assert set(reports[1]["baselines"]["all"]) == {"plain"}
+    counts = [{d: rows["chain"]["per_position_counts"] for d, rows in r["domains"].items()} for r in reports]
+    assert counts[0] == counts[1]
+
+
 def test_report_batch_size_and_sweep(eval_setup, tmp_path):
     """eval.batch_size decodes prompts together and still checks each against plain decoding alone;
     eval.batch_sizes adds a sweep (report.json, report.md, batch_sweep.png) with speedups over plain

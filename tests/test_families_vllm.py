@@ -7,26 +7,29 @@ there), and the one-line refusal for every family vLLM cannot capture the drafte
 The targets are tiny random-weight models of each family (draftsmith.random_target), their tensors
 seeded from the demo target's trained weights where name and shape match; each drafter trains 24 steps
 on the target's own answers (tests/helpers.py, `family_target`), enough to be accepted. Llama is the
-demo target's family (tests/test_engine_vllm.py); Qwen3 and Qwen3-MoE serve every kind, EAGLE-3 with
-Qwen3 draft layers included (tests/test_kinds_vllm.py). Every family and kind at more steps and prompts
-is benchmarks/target_matrix.py (docs/targets.md).
+demo target's family (tests/test_engine_vllm.py); Qwen3 serves every kind, EAGLE-3 with Qwen3 draft
+layers included, and Qwen3-MoE the kinds that meet its experts (tests/test_kinds_vllm.py). Every family
+and kind at more steps and prompts is benchmarks/target_matrix.py (docs/targets.md).
 """
 
 from __future__ import annotations
 
 import pytest
+from omegaconf import OmegaConf
 
 from draftsmith.errors import UserError
 from draftsmith.export import export_checkpoint
+from draftsmith.heads import drafter_class
 from draftsmith.random_target import demo_tokenizer_dir, write_random_target
 from draftsmith.recipe import load_recipe
-from tests.helpers import DEMO, family_recipe, family_target, train_and_export_for_vllm, train_in_process
+from draftsmith.target import load_target
+from tests.helpers import DEMO, family_recipe, family_target, train_and_export_for_vllm
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 EAGLE3 = ["drafter.ttt_steps=2", "train.lr=3e-3"]
 # the other families vLLM 0.32 serves EAGLE-3 drafters for (measured): Llama is the demo target
-# (tests/test_engine_vllm.py), Qwen3 and Qwen3-MoE serve every kind (tests/test_kinds_vllm.py)
+# (tests/test_engine_vllm.py), Qwen3 and Qwen3-MoE are tests/test_kinds_vllm.py's
 SERVED = ("qwen2", "mistral", "phi3", "granite", "gpt_oss")
 # families whose vLLM 0.32 model class has no EAGLE-3 hidden-state capture (measured: the engine refuses to start)
 NOT_CAPTURED = {
@@ -54,10 +57,14 @@ def test_a_target_vllm_cannot_capture_for_eagle3_is_refused_in_one_line(tmp_path
     for family, architecture in NOT_CAPTURED.items():
         run = tmp_path / family
         target = write_random_target(family, run / "target", seed_from=demo_tokenizer_dir())
-        demo_answers = DEMO / "data" / "train.regenerated.jsonl.gz"  # one step: a checkpoint, not a drafter, is refused
-        args = family_recipe((target, demo_answers), "eagle3", ["train.max_steps=1"], run, small_data, token_cache)
-        final, _ = train_in_process(args)
+        args = family_recipe((target, DEMO / "data" / "train.regenerated.jsonl.gz"), "eagle3", [], run, small_data,
+                             token_cache)  # fmt: skip
         cfg = load_recipe([*args, f"export.output={run / 'export'}"])
+        final = run / "final"  # an untrained drafter: what is refused is the target, before any weight is read
+        untrained = drafter_class("eagle3").from_target(
+            OmegaConf.to_object(cfg.drafter), load_target(str(target)), str(target)
+        )
+        untrained.save_pretrained(final)
         with pytest.raises(
             UserError, match=f"cannot capture the hidden states EAGLE-3 drafters read from a {architecture}"
         ) as info:

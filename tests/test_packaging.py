@@ -117,7 +117,7 @@ def test_the_wheel_runs_from_outside_the_checkout(installed, tmp_path):
 @pytest.mark.slow
 def test_the_wheel_trains_on_two_processes_then_evaluates(installed, tmp_path):
     """Multi-process training needs no checkout (`accelerate launch -m draftsmith train ...`), and its
-    eval stage and `draftsmith eval` of the checkpoint run from the wheel too."""
+    eval stage runs from the wheel too (the `draftsmith` command itself: the test above)."""
     launch = ["python", "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
               "--main_process_port", "29517"]  # fmt: skip
@@ -133,13 +133,4 @@ def test_the_wheel_trains_on_two_processes_then_evaluates(installed, tmp_path):
     summary = json.loads((tmp_path / "ddp" / "run_summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 3
     report = json.loads((tmp_path / "ddp" / "eval" / "report.json").read_text())
-    assert report["domains"]["all"]["chain"]["lossless"] is True
-
-    evaluated = run_in(
-        installed,
-        ["draftsmith", "eval", "recipe=medusa", f"checkpoint={tmp_path / 'ddp' / 'final'}", *quick,
-         f"output_dir={tmp_path / 'eval'}"],
-        tmp_path,
-    )  # fmt: skip
-    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
-    assert json.loads((tmp_path / "eval" / "eval" / "report.json").read_text())["drafter"]["type"] == "medusa"
+    assert report["domains"]["all"]["chain"]["lossless"] is True and report["drafter"]["type"] == "medusa"
