@@ -329,12 +329,12 @@ def test_report_batch_size_and_sweep(eval_setup, tmp_path):
     overrides = [
         f"recipe={recipe}",
         "eval.max_prompts=2",
-        "eval.batch_size=2",
+        "eval.batch_size=3",  # the sweep's size 3 is this run's: two passes, not three
         "eval.batch_sizes=[1,3]",
         f"output_dir={tmp_path}",
     ]
     report = run_eval(load_recipe(overrides), str(root / "run" / "final"), target=target)
-    assert report["batch_size"] == 2
+    assert report["batch_size"] == 3
     sweep = report["batch_sweep"]
     assert sweep["batch_sizes"] == [1, 3] and set(sweep["rows"]) == {"1", "3"}
     for size in ("1", "3"):

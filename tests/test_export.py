@@ -507,31 +507,30 @@ EAGLE31 = {"fc_norm": "true", "norm_output": "true"}
 
 
 @pytest.mark.parametrize(
-    "kind, engine, config",
-    [("medusa", "vllm", {}), ("medusa2", "vllm", {}), ("eagle", "vllm", {}), ("eagle", "sglang", {}),
-     ("eagle3", "vllm", {}), ("eagle3", "sglang", {}), ("eagle3", "vllm", EAGLE31),
-     ("eagle3", "vllm", PEAGLE | EAGLE31), ("draft_model", "vllm", {}), ("draft_model", "vllm", PARD),
-     ("dflash", "vllm", {})],
-    ids=["medusa-vllm", "medusa2-vllm", "eagle-vllm", "eagle-sglang", "eagle3-vllm", "eagle3-sglang", "eagle3.1-vllm",
-         "peagle-vllm", "draft_model-vllm", "pard-vllm", "dflash-vllm"],
+    "kind, engines, config",
+    [("medusa", ["vllm"], {}), ("medusa2", ["vllm"], {}), ("eagle", ["vllm", "sglang"], {}),
+     ("eagle3", ["vllm", "sglang"], {}), ("eagle3", ["vllm"], EAGLE31), ("eagle3", ["vllm"], PEAGLE | EAGLE31),
+     ("draft_model", ["vllm"], {}), ("draft_model", ["vllm"], PARD), ("dflash", ["vllm"], {})],
+    ids=["medusa", "medusa2", "eagle", "eagle3", "eagle3.1", "peagle", "draft_model", "pard", "dflash"],
 )  # fmt: skip
-def test_an_exported_folder_evaluates_like_its_checkpoint(kind, engine, config, target, one_prompt, tmp_path):
+def test_an_exported_folder_evaluates_like_its_checkpoint(kind, engines, config, target, one_prompt, tmp_path):
+    """Each engine's folder, read back by draftsmith's eval, decodes exactly like the checkpoint it came from."""
     from draftsmith.eval.report import run_eval
 
     checkpoint = save_drafter(kind, target, tmp_path / "ckpt", seed=3, **config)
-    folders = run_export(kind, checkpoint, tmp_path / "export", f"export.engines=[{engine}]", target=target)
+    folders = run_export(kind, checkpoint, tmp_path / "export", f"export.engines=[{','.join(engines)}]", target=target)
     if "fc_norm" in config:  # EAGLE-3.1: both keys written, one norm per aux layer shipped under vLLM's names
-        written = json.loads((folders[engine] / "config.json").read_text())
+        written = json.loads((folders["vllm"] / "config.json").read_text())
         holder = written["transformer_layer_config"] if "parallel_drafting" in config else written
         assert holder["fc_norm"] is True and holder["norm_output"] is True
         assert {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"} <= set(
-            load_file(str(folders[engine] / "model.safetensors"))
+            load_file(str(folders["vllm"] / "model.safetensors"))
         )
     quick = [f"eval.data=[{one_prompt}]", "eval.max_new_tokens=16", "eval.tree=6"]
     if kind == "draft_model" or "parallel_drafting" in config:  # chains only
         quick[-1] = "eval.tree=0"
     rows = {}
-    for name, path in (("checkpoint", checkpoint), ("export", folders[engine])):
+    for name, path in (("checkpoint", checkpoint), *folders.items()):
         cfg = load_recipe([f"recipe={KINDS[kind]}", f"output_dir={tmp_path / name}", *quick])
         report = run_eval(cfg, str(path), target=target)
         rows[name] = {
@@ -539,7 +538,7 @@ def test_an_exported_folder_evaluates_like_its_checkpoint(kind, engine, config, 
             for d in report["domains"]
             for m, row in report["domains"][d].items()
         }
-    assert rows["export"] == rows["checkpoint"]
+    assert all(rows[engine] == rows["checkpoint"] for engine in engines), rows
 
 
 # -- the output directory ----------------------------------------------------------------------------
