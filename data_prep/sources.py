@@ -181,7 +181,8 @@ def prompts_converter(key: str, domain: Callable[[dict[str, Any]], str]) -> Call
 
     def convert(path: Path) -> tuple[list[dict[str, Any]], dict[str, int]]:
         records = []
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        # lines end at "\n" only: Arena-Hard's prompts hold raw U+2028, which str.splitlines would split at
+        for number, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
             if not line.strip():
                 continue
             try:

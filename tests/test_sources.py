@@ -76,11 +76,11 @@ def packages(tmp_path, monkeypatch):
         path.parent.mkdir(parents=True)
     (root / "eval_framework" / "__init__.py").write_text("")
     hard = [
-        {"uid": "a1", "category": "hard_prompt", "subcategory": "coding", "prompt": "Write a zig program."},
+        {"uid": "a1", "category": "hard_prompt", "subcategory": "coding", "prompt": "Write a zig\u2028program."},
         {"uid": "a2", "category": "hard_prompt", "subcategory": "math", "prompt": "Prove that 7 is prime."},
         {"uid": "a3", "category": "creative_writing", "subcategory": "creative_writing", "prompt": "A poem on rain."},
     ]
-    arena_hard.write_text("".join(json.dumps(q) + "\n" for q in hard))
+    arena_hard.write_text("".join(json.dumps(q, ensure_ascii=False) + "\n" for q in hard))  # a raw U+2028, as shipped
     instructions = [
         {"key": 1000, "prompt": "Describe tea without commas.", "instruction_id_list": ["punctuation:no_comma"]},
         {"key": 1001, "prompt": "Name three rivers in capitals.", "instruction_id_list": ["change_case:capital"]},
