@@ -108,9 +108,12 @@ def regenerate(cfg: DictConfig, target=None, tokenizer=None) -> RegenerateResult
     if not cfg.data.train:
         raise UserError("data.train is empty: give at least one conversation file or Hub data set id to regenerate")
 
-    train, utf8 = list(cfg.data.train), cfg.data.skip_invalid_utf8
-    conversations = load_conversations(train, cfg.data.max_conversations, prompts_only=True, skip_invalid_utf8=utf8)
-    conversations = conversations.map(with_a_turn_to_answer, desc="prompts get a turn to answer")
+    conversations = load_conversations(
+        list(cfg.data.train),
+        cfg.data.max_conversations,
+        prompts_only=True,
+        skip_invalid_utf8=cfg.data.skip_invalid_utf8,
+    ).map(with_a_turn_to_answer, desc="prompts get a turn to answer")
     if section.engine == "vllm" and cfg.target.shard != "none":
         raise UserError(
             "data.regenerate.engine=vllm with target.shard=fsdp: vLLM shards the target itself; "

@@ -129,6 +129,7 @@ def batch_schedule(rows: list[dict[str, Any]], method: str, min_gain: float = 0.
             ranges.append([start, end, chosen[concurrency]])
     measured = {(r["method"], int(r["gamma"]), int(r["concurrency"])): r for r in rows}
     over_plain = {c: rates[c][chosen[c]] / plain_rate[c] for c in levels}
+    below_plain = [c for c in levels if over_plain[c] < 1]
     return {
         "num_speculative_tokens": max(chosen.values()),
         "num_speculative_tokens_per_batch_size": ranges,
@@ -136,7 +137,7 @@ def batch_schedule(rows: list[dict[str, Any]], method: str, min_gain: float = 0.
             str(c): {
                 "chosen": chosen[c],
                 "predicted_tok_s": {str(g): round(v, 2) for g, v in sorted(rates[c].items())},
-                "predicted_vs_plain": round(rates[c][chosen[c]] / plain_rate[c], 4),
+                "predicted_vs_plain": round(over_plain[c], 4),
                 **measured_pair(measured.get((method, chosen[c], c)), measured[PLAIN, 0, c]),
             }
             for c in levels
@@ -145,8 +146,8 @@ def batch_schedule(rows: list[dict[str, Any]], method: str, min_gain: float = 0.
         "below_plain_at": [c for c in levels if over_plain[c] < 1 - margin],
         # Without the margin: where the prediction is below plain at all, and the load up to which it is
         # at least plain everywhere (None: not even at the lowest); above it, serve the target alone.
-        "predicted_below_plain_at": [c for c in levels if over_plain[c] < 1],
-        "pays_up_to": max((c for c in levels if all(over_plain[d] >= 1 for d in levels if d <= c)), default=None),
+        "predicted_below_plain_at": below_plain,
+        "pays_up_to": max((c for c in levels if not below_plain or c < below_plain[0]), default=None),
         "min_gain": min_gain,
         "noise": None if noise is None else round(noise, 4),
         "margin": round(margin, 4),

@@ -478,15 +478,18 @@ def demo_recipe(kind: str) -> str:
 KINDS = {kind: demo_recipe(kind) for kind in sorted(REGISTRY)}  # kind -> its demo recipe, from the registry
 
 
-def save_drafter(kind: str, target, directory: Path, seed: int = 0, **config) -> Path:
-    """A fresh drafter of `kind` for the demo target with its weights perturbed (so a lost or
-    renamed tensor shows), saved as a draftsmith checkpoint. `config`: drafter keys, or dotted recipe keys."""
+def save_drafter(
+    kind: str, target, directory: Path, seed: int = 0, target_name: str = str(REFERENCE_TARGET), **config
+) -> Path:
+    """A fresh drafter of `kind` for `target` (the demo target unless `target_name` says otherwise) with its
+    weights perturbed (so a lost or renamed tensor shows), saved as a draftsmith checkpoint. `config`: drafter
+    keys, or dotted recipe keys."""
     overrides = [f"{k}={v}" if "." in k else f"drafter.{k}={v}" for k, v in config.items()]
     recipe = load_recipe([f"recipe={KINDS[kind]}", *overrides])
     from omegaconf import OmegaConf
 
     cls = drafter_class(kind)
-    drafter = cls.from_target(OmegaConf.to_object(recipe.drafter), target, str(REFERENCE_TARGET))
+    drafter = cls.from_target(OmegaConf.to_object(recipe.drafter), target, target_name)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for parameter in drafter.parameters():

@@ -15,15 +15,13 @@ and kind at more steps and prompts is benchmarks/target_matrix.py (docs/targets.
 from __future__ import annotations
 
 import pytest
-from omegaconf import OmegaConf
 
 from draftsmith.errors import UserError
 from draftsmith.export import export_checkpoint
-from draftsmith.heads import drafter_class
 from draftsmith.random_target import demo_tokenizer_dir, write_random_target
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target
-from tests.helpers import DEMO, family_recipe, family_target, train_and_export_for_vllm
+from tests.helpers import DEMO, family_recipe, family_target, save_drafter, train_and_export_for_vllm
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -60,11 +58,8 @@ def test_a_target_vllm_cannot_capture_for_eagle3_is_refused_in_one_line(tmp_path
         args = family_recipe((target, DEMO / "data" / "train.regenerated.jsonl.gz"), "eagle3", [], run, small_data,
                              token_cache)  # fmt: skip
         cfg = load_recipe([*args, f"export.output={run / 'export'}"])
-        final = run / "final"  # an untrained drafter: what is refused is the target, before any weight is read
-        untrained = drafter_class("eagle3").from_target(
-            OmegaConf.to_object(cfg.drafter), load_target(str(target)), str(target)
-        )
-        untrained.save_pretrained(final)
+        # an untrained drafter: what is refused is the target, before any weight is read
+        final = save_drafter("eagle3", load_target(str(target)), run / "final", target_name=str(target))
         with pytest.raises(
             UserError, match=f"cannot capture the hidden states EAGLE-3 drafters read from a {architecture}"
         ) as info:
