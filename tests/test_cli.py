@@ -15,7 +15,7 @@ from draftsmith.cli import COMMAND_SECTIONS, COMMANDS, TRAIN_USAGE, entry_point
 from draftsmith.heads import REGISTRY
 from draftsmith.recipe import load_recipe
 from draftsmith.recipe_keys import drafter_section, recipe_sections, render_markdown
-from tests.helpers import REPO, assert_one_line_error, run_entry
+from tests.helpers import REPO, assert_one_line_error, run_entry_in_process
 
 ENTRIES = {name: (importlib.import_module(module), function) for name, (module, function) in COMMANDS.items()}
 
@@ -107,14 +107,15 @@ def test_every_key_is_described_and_the_reference_is_current():
     )
 
 
-@pytest.mark.slow
-def test_the_scripts_answer_help_as_processes():
+def test_the_scripts_answer_help(capsys):
+    """The scripts' own `__main__` wiring; what real processes print besides (nothing on import) is
+    tests/test_recipes.py's, one process per entry point."""
     for args in (
         ["train.py", "--help"],
         ["-m", "draftsmith", "monitor", "--help"],
         ["-m", "data_prep.regenerate", "recipe=medusa", "--help"],
     ):
-        done = run_entry(args, timeout=120)
+        done = run_entry_in_process(args, capsys)
         assert done.returncode == 0 and "Recipe keys" in done.stdout and not done.stderr.strip(), (
             args,
             done.stderr[-500:],
