@@ -60,6 +60,17 @@ def pytest_collection_modifyitems(items) -> None:
     items.sort(key=lambda item: -weight[item.module.__name__])
 
 
+def pytest_collection_finish(session) -> None:
+    """The test process's heap as collected (torch, transformers, the test modules: about 480,000
+    objects) frozen out of the garbage collector's reach: every full collection after this (accelerate's
+    `free_memory` twice a training run, pytest's five at the end) walks only what the tests made since,
+    instead of 0.25-0.5 s each (4.7 s of a 106 s run of three training modules)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(scope="session")
 def vllm_python() -> str:
     """A Python with the real vLLM (CPU build) in an environment of its own, as users serve it.

@@ -117,19 +117,21 @@ def run_entry(
     )
 
 
-def run_entry_in_process(args: list[str], capsys) -> subprocess.CompletedProcess:
+def run_entry_in_process(args: list[str], capsys=None) -> subprocess.CompletedProcess:
     """What `run_entry(args)` gives, for a command that needs no process of its own (one that is not
     killed or signalled): the same script (`train.py ...`) or module (`-m eval ...`) run as `__main__`
     in this process, its exit code and output. No interpreter start and no imports to pay for (about
     5 s a run); the output of a real process (nothing printed on import) is checked by
     tests/test_recipes.py, once per entry point. The log lines go to stdout as in a process of its own:
     there draftsmith's logging.basicConfig does it, here pytest's handlers on the root logger make
-    basicConfig a no-op."""
+    basicConfig a no-op. Without `capsys` (in a fixture wider than a test) the output stays in pytest's
+    capture, shown with a failure, and the result holds none."""
     import logging
     import runpy
 
     argv, code = sys.argv, 0
-    capsys.readouterr()
+    if capsys:
+        capsys.readouterr()
     root, to_stdout = logging.getLogger(), logging.StreamHandler(sys.stdout)
     level = root.level
     root.setLevel(logging.INFO)
@@ -147,7 +149,7 @@ def run_entry_in_process(args: list[str], capsys) -> subprocess.CompletedProcess
         sys.argv = argv
         root.removeHandler(to_stdout)
         root.setLevel(level)
-    out, err = capsys.readouterr()
+    out, err = capsys.readouterr() if capsys else ("", "")
     return subprocess.CompletedProcess(args, code, out, err)
 
 

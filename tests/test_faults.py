@@ -25,7 +25,7 @@ import yaml
 from safetensors.torch import load_file
 
 from draftsmith.outputs import LOCK_NAME
-from tests.helpers import REFERENCE_TARGET, REPO, assert_one_line_error, read_log, train_args
+from tests.helpers import REFERENCE_TARGET, REPO, assert_one_line_error, read_log, run_entry_in_process, train_args
 
 pytestmark = pytest.mark.slow
 TRIALS = 1  # each trial is a kill at a seeded random moment in the writing window, and a resume
@@ -88,12 +88,11 @@ def wait_for_first_write(process: subprocess.Popen, directory: Path) -> None:
         time.sleep(0.02)
 
 
-def run_killed_then_resumed(
-    args: list[str], watched: Path, kill_after: float, resume: list[str], timeout: float = 600
-) -> bool:
+def run_killed_then_resumed(args: list[str], watched: Path, kill_after: float, resume: list[str], capsys) -> bool:
     """Start `python args`, wait until it has written into `watched` (its lock file at least: it has
     claimed the directory), SIGKILL it `kill_after` seconds later unless it finished, then run
-    `args + resume` until it exits 0, with a reader watching `watched` throughout. A job that finished
+    `args + resume` until it exits 0 (in this process: nothing kills it), with a reader watching
+    `watched` throughout. A job that finished
     before its kill ran faster than the reference run the moment was drawn from: it starts over in an
     emptied `watched`, killed sooner (up to three times). Returns whether the kill landed mid-run."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -115,9 +114,7 @@ def run_killed_then_resumed(
             kill_after = min(kill_after, 0.5 * (time.perf_counter() - first_write))
             shutil.rmtree(watched)
         for _ in range(3):
-            again = subprocess.run(
-                [sys.executable, *args, *resume], cwd=REPO, capture_output=True, text=True, env=env, timeout=timeout
-            )
+            again = run_entry_in_process([*args, *resume], capsys)
             if again.returncode == 0:
                 break
         assert again.returncode == 0, again.stderr[-3000:]
@@ -130,29 +127,36 @@ def run_killed_then_resumed(
     return process.returncode == -signal.SIGKILL
 
 
-def writing_window(args: list[str], watched: Path) -> float:
-    """Run `python args` to completion; the seconds from its first write into `watched` to its exit:
-    the window in which a kill lands mid-run (before it, a job has done nothing to resume)."""
-    process = subprocess.Popen(
-        [sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    wait_for_first_write(process, watched)
-    first_write = time.perf_counter()
-    _, stderr = process.communicate(timeout=600)
-    assert process.returncode == 0, stderr[-3000:]
-    return time.perf_counter() - first_write
+def writing_window(args: list[str], watched: Path, capsys=None) -> float:
+    """Run `args` to completion in this process (the reference run: nothing kills it); the seconds from
+    its first write into `watched` to its end: the window in which a kill lands mid-run (before it, a job
+    has done nothing to resume)."""
+    first_write, finished = [], threading.Event()
+
+    def watch() -> None:
+        while not finished.is_set() and not (watched.is_dir() and any(p.is_file() for p in watched.rglob("*"))):
+            time.sleep(0.02)
+        first_write.append(time.perf_counter())
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    done = run_entry_in_process(args, capsys)
+    finished.set()
+    watcher.join()
+    assert done.returncode == 0, done.stderr[-3000:]
+    return time.perf_counter() - first_write[0]
 
 
 def digests(directory: Path, pattern: str) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.glob(pattern))}
 
 
-def test_training_killed_anywhere_resumes_into_the_same_run(tmp_path, small_data, token_cache):
+def test_training_killed_anywhere_resumes_into_the_same_run(tmp_path, small_data, token_cache, capsys):
     # Muon with AdamW: two optimizers' states saved and restored as one (trainer/optim.py); AdamW's
     # resume is the rest of the suite's (tests/test_heldout.py, tests/test_packing.py)
     quick = ("train.max_steps=10", "train.save_every=2", "train.keep_checkpoints=2", "train.optimizer=muon")
     reference = tmp_path / "reference"
-    window = writing_window(["train.py", *train_args(reference, small_data, token_cache, *quick)], reference)
+    window = writing_window(["train.py", *train_args(reference, small_data, token_cache, *quick)], reference, capsys)
     losses = {step: row["train/loss"] for step, row in read_log(reference).items()}
     weights = load_file(str(reference / "final" / "model.safetensors"))
     rng, landed = random.Random(14), []
@@ -164,6 +168,7 @@ def test_training_killed_anywhere_resumes_into_the_same_run(tmp_path, small_data
                 out,
                 rng.uniform(0.0, 0.9 * window),
                 ["train.resume=true"],
+                capsys,
             )
         )
         assert {step: row["train/loss"] for step, row in read_log(out).items()} == losses, trial
@@ -172,7 +177,7 @@ def test_training_killed_anywhere_resumes_into_the_same_run(tmp_path, small_data
     assert any(landed), "no kill landed mid-run: every trial finished first or was killed before writing"
 
 
-def test_capture_killed_anywhere_resumes_into_the_same_bytes(tmp_path, small_data, token_cache):
+def test_capture_killed_anywhere_resumes_into_the_same_bytes(tmp_path, small_data, token_cache, capsys):
     def args(out: Path) -> list[str]:
         return [
             "-m",
@@ -188,7 +193,7 @@ def test_capture_killed_anywhere_resumes_into_the_same_bytes(tmp_path, small_dat
         ]
 
     reference = tmp_path / "reference"
-    window = writing_window(args(reference), reference)
+    window = writing_window(args(reference), reference, capsys)
     shards = digests(reference, "shard_*.safetensors")
     manifest = {
         key: value for key, value in json.loads((reference / "manifest.json").read_text()).items() if key != "last_run"
@@ -197,7 +202,7 @@ def test_capture_killed_anywhere_resumes_into_the_same_bytes(tmp_path, small_dat
     rng, landed = random.Random(15), []
     for trial in range(TRIALS):
         out = tmp_path / f"trial{trial}"
-        landed.append(run_killed_then_resumed(args(out), out, rng.uniform(0.0, 0.9 * window), []))
+        landed.append(run_killed_then_resumed(args(out), out, rng.uniform(0.0, 0.9 * window), [], capsys))
         assert digests(out, "shard_*.safetensors") == shards, trial
         assert {
             key: value for key, value in json.loads((out / "manifest.json").read_text()).items() if key != "last_run"
@@ -225,13 +230,15 @@ def regenerated(tmp_path_factory, small_data, token_cache) -> tuple[dict[str, st
     return parts, window
 
 
-def test_regeneration_killed_anywhere_resumes_into_the_same_bytes(tmp_path, small_data, token_cache, regenerated):
+def test_regeneration_killed_anywhere_resumes_into_the_same_bytes(
+    tmp_path, small_data, token_cache, regenerated, capsys
+):
     parts, window = regenerated
     rng, landed = random.Random(16), []
     for trial in range(TRIALS):
         out = tmp_path / f"trial{trial}"
         args = regenerate_args(tmp_path / "run", small_data, token_cache, out)
-        landed.append(run_killed_then_resumed(args, out, rng.uniform(0.0, 0.9 * window), []))
+        landed.append(run_killed_then_resumed(args, out, rng.uniform(0.0, 0.9 * window), [], capsys))
         assert digests(out, "part-*.jsonl.gz") == parts, trial
     assert any(landed), "no kill landed mid-run"
 
@@ -267,7 +274,9 @@ def assert_preempted(done: subprocess.CompletedProcess) -> None:
     assert_one_line_error(done, 75, prefix="preempted: stopped on SIGTERM")
 
 
-def test_sigterm_stops_regeneration_and_eval_mid_run_with_exit_75(tmp_path, small_data, token_cache, regenerated):
+def test_sigterm_stops_regeneration_and_eval_mid_run_with_exit_75(
+    tmp_path, small_data, token_cache, regenerated, capsys
+):
     """Outside training (which checkpoints first), SIGTERM stops a job where it is: exit 75, one line,
     the finished part files kept, and the same command finishes the same bytes."""
     out = tmp_path / "interrupted"
@@ -275,7 +284,7 @@ def test_sigterm_stops_regeneration_and_eval_mid_run_with_exit_75(tmp_path, smal
     done = sigterm_mid_run(args, lambda _: any(out.glob("part-*.jsonl.gz")))
     assert_preempted(done)
     assert 1 <= len(digests(out, "part-*.jsonl.gz")) < 8  # the signal landed mid-run
-    again = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=600)
+    again = run_entry_in_process(args, capsys)
     assert again.returncode == 0, again.stderr[-2000:]
     assert digests(out, "part-*.jsonl.gz") == regenerated[0]
     assert not (out / LOCK_NAME).exists()
@@ -300,7 +309,7 @@ def test_sigterm_stops_regeneration_and_eval_mid_run_with_exit_75(tmp_path, smal
     )
 
 
-def test_export_killed_anywhere_resumes_into_the_same_bytes(tmp_path):
+def test_export_killed_anywhere_resumes_into_the_same_bytes(tmp_path, capsys):
     from draftsmith.target import load_target
     from tests.helpers import save_drafter
 
@@ -327,7 +336,7 @@ def test_export_killed_anywhere_resumes_into_the_same_bytes(tmp_path):
         return {name: hashlib.sha256(data).hexdigest() for name, data in masked.items()}
 
     reference = tmp_path / "reference"
-    window = writing_window(args(reference), reference)
+    window = writing_window(args(reference), reference, capsys)
     expected = contents(reference)
     assert {
         "vllm/model.safetensors",
@@ -338,6 +347,6 @@ def test_export_killed_anywhere_resumes_into_the_same_bytes(tmp_path):
     rng, landed = random.Random(17), []
     for trial in range(TRIALS):
         out = tmp_path / f"trial{trial}"
-        landed.append(run_killed_then_resumed(args(out), out, rng.uniform(0.0, 0.9 * window), []))
+        landed.append(run_killed_then_resumed(args(out), out, rng.uniform(0.0, 0.9 * window), [], capsys))
         assert contents(out) == expected, trial
     assert any(landed), "no kill landed mid-run"

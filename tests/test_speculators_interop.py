@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,94 +63,110 @@ from safetensors.torch import load_file, save_file
 from speculators import SpeculatorModel, SpeculatorModelConfig
 import speculators.models.peagle.core as peagle_core
 from speculators.losses import resolve_loss_config
-folder, states, out, gamma = sys.argv[1:5]
-config = SpeculatorModelConfig.from_pretrained(folder)
-# speculators' default attention is flex attention with block masks (compiled, for CUDA); its trainer's
-# --draft-attn-impl sdpa is the dense-mask path, which runs on CPU.
-config.transformer_layer_config._attn_implementation = "sdpa"
-# float32, as draftsmith drafts on CPU (a checkpoint of speculators' trainer is saved in bfloat16)
-model = SpeculatorModel.from_pretrained(folder, config=config, dtype=torch.float32).eval()
-loaded, shipped = model.state_dict(), load_file(folder + "/model.safetensors")
-saved, gamma = load_file(states), int(gamma)
-# The target's states by speculators' layer ids (vLLM's: id i is layer i's input), concatenated as its
-# data holds them, one slot per prompt position but the last; slot i holds the token after it (the
-# shifted layout of speculators/models/eagle3/data.py).
-aux = torch.cat([saved["layer_inputs"][i] for i in model.config.eagle_aux_hidden_state_layer_ids], -1)[None]
-aux, n, prompt = aux.to(model.dtype), aux.shape[1], saved["input_ids"]
-logits = []
-model.lm_head.register_forward_hook(lambda module, args, output: logits.append(output[0].float()))
-to_target = lambda draft: draft + model.d2t[draft] if model.d2t is not None else draft
-with torch.no_grad():
-    if model.config.speculators_model_type == "peagle":
-        # One rollout: every slot at depth 0, then depths 1..gamma-1 (mask queries) after the last slot.
-        anchor = torch.cat([torch.arange(n), torch.full((gamma - 1,), n - 1)])
-        depth = torch.cat([torch.zeros(n, dtype=torch.long), torch.arange(1, gamma)])
-        peagle_core.generate_cod_sample_indices = lambda *args, **kwargs: (anchor, depth)
-        ids = torch.cat([prompt[1:], torch.zeros(gamma - 1, dtype=torch.long)])[None]  # past the prompt: never read
-        hidden = torch.cat([aux, aux.new_zeros(1, gamma - 1, aux.shape[-1])], 1)
-        zeros = hidden.new_zeros(1, n + gamma - 1, model.hidden_size)  # its loss's targets: unused here
-        # Its forward always computes its loss: the eager one, as its trainer's --loss-implementation
-        # eager (the default fused loss needs Triton).
-        loss = resolve_loss_config("kl_div", "eager")
-        model(
-            hidden_states=hidden, input_ids=ids, document_ids=torch.zeros_like(ids),
-            verifier_last_hidden_states=zeros, loss_config=loss,
-        )
-        steps = logits[0][n - 1 :]
-        proposed = to_target(steps.argmax(-1)).tolist()
-    else:
-        # The training-time test: at step s the last slot reads its own earlier output and, by teacher
-        # forcing, the input token s places on: the chain drafted so far, appended (the slots past the
-        # prompt are never seen by the prompt's). One forward per drafted token.
-        proposed = []
-        for step in range(gamma):
-            logits.clear()
-            ids = torch.cat([prompt[1:], torch.tensor(proposed, dtype=torch.long)])[None]
-            hidden = torch.cat([aux, aux.new_zeros(1, step, aux.shape[-1])], 1)
-            model(hidden_states=hidden, input_ids=ids, document_ids=torch.zeros_like(ids), ttt_steps=step + 1)
-            proposed.append(int(to_target(logits[-1][n - 1].argmax())))
-        steps = torch.stack([step_logits[n - 1] for step_logits in logits])
-save_file({"logits": steps.contiguous()}, out)
-print(json.dumps({
-    "config": type(config).__name__,
-    "model": type(model).__name__,
-    "attention": model._attn_impl,
-    "not_loaded": sorted(set(shipped) - set(loaded)),
-    "not_shipped": sorted(set(loaded) - set(shipped)),
-    "differ": sorted(k for k in shipped if k in loaded and not torch.equal(loaded[k].to(shipped[k].dtype), shipped[k])),
-    "embedding_sum": float(loaded["embed_tokens.weight"].float().abs().sum()),
-    "proposed": proposed,
-}))
+
+
+def check(folder, states, out, gamma):
+    config = SpeculatorModelConfig.from_pretrained(folder)
+    # speculators' default attention is flex attention with block masks (compiled, for CUDA); its trainer's
+    # --draft-attn-impl sdpa is the dense-mask path, which runs on CPU.
+    config.transformer_layer_config._attn_implementation = "sdpa"
+    # float32, as draftsmith drafts on CPU (a checkpoint of speculators' trainer is saved in bfloat16)
+    model = SpeculatorModel.from_pretrained(folder, config=config, dtype=torch.float32).eval()
+    loaded, shipped = model.state_dict(), load_file(folder + "/model.safetensors")
+    saved, gamma = load_file(states), int(gamma)
+    # The target's states by speculators' layer ids (vLLM's: id i is layer i's input), concatenated as its
+    # data holds them, one slot per prompt position but the last; slot i holds the token after it (the
+    # shifted layout of speculators/models/eagle3/data.py).
+    aux = torch.cat([saved["layer_inputs"][i] for i in model.config.eagle_aux_hidden_state_layer_ids], -1)[None]
+    aux, n, prompt = aux.to(model.dtype), aux.shape[1], saved["input_ids"]
+    logits = []
+    model.lm_head.register_forward_hook(lambda module, args, output: logits.append(output[0].float()))
+    to_target = lambda draft: draft + model.d2t[draft] if model.d2t is not None else draft
+    with torch.no_grad():
+        if model.config.speculators_model_type == "peagle":
+            # One rollout: every slot at depth 0, then depths 1..gamma-1 (mask queries) after the last slot.
+            anchor = torch.cat([torch.arange(n), torch.full((gamma - 1,), n - 1)])
+            depth = torch.cat([torch.zeros(n, dtype=torch.long), torch.arange(1, gamma)])
+            peagle_core.generate_cod_sample_indices = lambda *args, **kwargs: (anchor, depth)
+            ids = torch.cat([prompt[1:], torch.zeros(gamma - 1, dtype=torch.long)])[None]  # past the prompt: never read
+            hidden = torch.cat([aux, aux.new_zeros(1, gamma - 1, aux.shape[-1])], 1)
+            zeros = hidden.new_zeros(1, n + gamma - 1, model.hidden_size)  # its loss's targets: unused here
+            # Its forward always computes its loss: the eager one, as its trainer's --loss-implementation
+            # eager (the default fused loss needs Triton).
+            loss = resolve_loss_config("kl_div", "eager")
+            model(
+                hidden_states=hidden, input_ids=ids, document_ids=torch.zeros_like(ids),
+                verifier_last_hidden_states=zeros, loss_config=loss,
+            )
+            steps = logits[0][n - 1 :]
+            proposed = to_target(steps.argmax(-1)).tolist()
+        else:
+            # The training-time test: at step s the last slot reads its own earlier output and, by teacher
+            # forcing, the input token s places on: the chain drafted so far, appended (the slots past the
+            # prompt are never seen by the prompt's). One forward per drafted token.
+            proposed = []
+            for step in range(gamma):
+                logits.clear()
+                ids = torch.cat([prompt[1:], torch.tensor(proposed, dtype=torch.long)])[None]
+                hidden = torch.cat([aux, aux.new_zeros(1, step, aux.shape[-1])], 1)
+                model(hidden_states=hidden, input_ids=ids, document_ids=torch.zeros_like(ids), ttt_steps=step + 1)
+                proposed.append(int(to_target(logits[-1][n - 1].argmax())))
+            steps = torch.stack([step_logits[n - 1] for step_logits in logits])
+    save_file({"logits": steps.contiguous()}, out)
+    return {
+        "config": type(config).__name__,
+        "model": type(model).__name__,
+        "attention": model._attn_impl,
+        "not_loaded": sorted(set(shipped) - set(loaded)),
+        "not_shipped": sorted(set(loaded) - set(shipped)),
+        "differ": sorted(
+            k for k in shipped if k in loaded and not torch.equal(loaded[k].to(shipped[k].dtype), shipped[k])
+        ),
+        "embedding_sum": float(loaded["embed_tokens.weight"].float().abs().sum()),
+        "proposed": proposed,
+    }
 """
 
 
-# Run by the speculators venv's Python before CHECK (argv: the target, the window, then CHECK's): an EAGLE-3
+# Run by the speculators venv's Python with CHECK, for a job that gives `build` (the target, the window): an EAGLE-3
 # draft model as speculators' trainer builds one by default for this target (one Llama layer with a sliding
 # window, 2048 by default, norm_before_residual, norm_before_fc and norm_output, a pruned vocabulary), in its own
 # random init, embedding and lm_head from the verifier, saved as its checkpointer saves every checkpoint (bfloat16).
 BUILD = """
-import sys, torch
 from pathlib import Path
 from speculators.models.eagle3 import Eagle3DraftModel
 from speculators.train.checkpointer import convert_float_dtype, patch_config_dtype
 from speculators.train.cli import create_transformer_layer_config
-target, window = sys.argv.pop(1), int(sys.argv.pop(1))
-torch.manual_seed(0)
-layer = create_transformer_layer_config(
-    verifier_name_or_path=target, num_layers=1, draft_arch="llama", hidden_act=None, sliding_window=window,
-    full_attention_indices=[],
-)
-kept = torch.randperm(layer.vocab_size)[:2048].sort().values
-t2d = torch.zeros(layer.vocab_size, dtype=torch.bool).index_fill_(0, kept, True)
-draft = Eagle3DraftModel.from_training_args(
-    verifier_config=layer, t2d=t2d, d2t=kept - torch.arange(len(kept)), draft_vocab_size=len(kept),
-    norm_before_residual=True, norm_before_fc=True, norm_output=True, ttt_steps=3, verifier_name_or_path=target,
-    target_layer_ids=[1, 2, 3],
-    draft_attn_impl="sdpa",
-)
-draft.save_pretrained(sys.argv[1], state_dict=convert_float_dtype(draft.state_dict(), torch.bfloat16))
-patch_config_dtype(Path(sys.argv[1]) / "config.json", torch.bfloat16)
+
+
+def build(folder, target, window):
+    torch.manual_seed(0)
+    layer = create_transformer_layer_config(
+        verifier_name_or_path=target, num_layers=1, draft_arch="llama", hidden_act=None, sliding_window=window,
+        full_attention_indices=[],
+    )
+    kept = torch.randperm(layer.vocab_size)[:2048].sort().values
+    t2d = torch.zeros(layer.vocab_size, dtype=torch.bool).index_fill_(0, kept, True)
+    draft = Eagle3DraftModel.from_training_args(
+        verifier_config=layer, t2d=t2d, d2t=kept - torch.arange(len(kept)), draft_vocab_size=len(kept),
+        norm_before_residual=True, norm_before_fc=True, norm_output=True, ttt_steps=3, verifier_name_or_path=target,
+        target_layer_ids=[1, 2, 3],
+        draft_attn_impl="sdpa",
+    )
+    draft.save_pretrained(folder, state_dict=convert_float_dtype(draft.state_dict(), torch.bfloat16))
+    patch_config_dtype(Path(folder) / "config.json", torch.bfloat16)
 """
+# The jobs (argv[1], JSON) in one process: speculators' imports take about 5 s.
+RUN_JOBS = """
+findings = {}
+for job in json.loads(sys.argv[1]):
+    if job["build"]:
+        build(job["folder"], *job["build"])
+    findings[job["name"]] = check(job["folder"], job["states"], job["out"], job["gamma"])
+print(json.dumps(findings))
+"""
+SPECULATORS_DEFAULTS = ["norm_before_residual", "norm_before_fc", "norm_output"]  # its trainer's, for EAGLE-3
+WINDOWS = {"default-window": 2048, "window-inside-the-prompt": 8}
 
 
 def target_states(target, recipe, path) -> list[int]:
@@ -174,13 +191,43 @@ def draftsmith_proposal(drafter, target, prompt) -> tuple[list[int], torch.Tenso
     return proposed.tolist(), torch.cat(logits)[-DRAFT_TOKENS:].float()
 
 
-def speculators_drafts(python, folder, states, out, *build) -> dict:
-    """CHECK's findings on `folder` (after BUILD, given its argument `build`, made the folder)."""
-    script = (BUILD if build else "") + CHECK
-    args = [python, "-c", script, *build, str(folder), str(states), str(out), str(DRAFT_TOKENS)]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=600)
+@pytest.fixture(scope="module")
+def speculators_read(speculators_python, small_data, token_cache, tmp_path_factory) -> dict[str, dict]:
+    """Every case of this module, read by speculators in one process: for each export case (CASES) a
+    drafter trained 2 steps and exported, for each window (WINDOWS) a checkpoint speculators builds (BUILD);
+    then CHECK on each. name -> the case's recipe, target, prompt, speculators' findings and logits file
+    (and for an export case its checkpoint)."""
+    cases, jobs = {}, []
+    for case, overrides in CASES.items():
+        tmp = tmp_path_factory.mktemp(case)
+        args = [
+            "recipe=eagle3", "train.max_steps=2", "drafter.ttt_steps=2", f"data.train=[{small_data['train']}]",
+            "data.eval=[]", f"data.cache_dir={token_cache}", "data.max_length=128", "train.save_every=0",
+            "eval.enabled=false", f"output_dir={tmp / 'run'}", *overrides,
+        ]  # fmt: skip
+        final, target = train_in_process(args)
+        recipe = load_recipe([*args, f"export.output={tmp / 'export'}"])
+        cases[case] = {"recipe": recipe, "target": target, "final": final}
+        jobs.append({"name": case, "folder": str(export_checkpoint(recipe, final)["vllm"]), "build": None})
+    for name, window in WINDOWS.items():
+        tmp = tmp_path_factory.mktemp(name)
+        defaults = [f"drafter.{key}=true" for key in SPECULATORS_DEFAULTS]
+        recipe = load_recipe(["recipe=eagle3", *defaults, f"drafter.sliding_window={window}"])
+        cases[name] = {"recipe": recipe, "target": load_target(recipe.target)}
+        jobs.append({"name": name, "folder": str(tmp / "speculators"), "build": [str(REFERENCE_TARGET), window]})
+    for job in jobs:
+        case, tmp = cases[job["name"]], Path(job["folder"]).parent
+        case["prompt"] = target_states(case["target"], case["recipe"], tmp / "states.safetensors")
+        case["folder"], case["out"] = Path(job["folder"]), tmp / "speculators.safetensors"
+        job.update(states=str(tmp / "states.safetensors"), out=str(case["out"]), gamma=DRAFT_TOKENS)
+    script = CHECK + BUILD + RUN_JOBS
+    done = subprocess.run(
+        [speculators_python, "-c", script, json.dumps(jobs)], capture_output=True, text=True, timeout=900
+    )
     assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    for name, findings in json.loads(done.stdout.strip().splitlines()[-1]).items():
+        cases[name]["result"] = findings
+    return cases
 
 
 def assert_same_drafts(result: dict, ours: list[int], logits: torch.Tensor, out, case: str) -> None:
@@ -193,31 +240,20 @@ def assert_same_drafts(result: dict, ours: list[int], logits: torch.Tensor, out,
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_speculators_loads_and_drafts_like_a_draftsmith_export(
-    case, speculators_python, small_data, token_cache, tmp_path
-):
-    args = [
-        "recipe=eagle3", "train.max_steps=2", "drafter.ttt_steps=2", f"data.train=[{small_data['train']}]",
-        "data.eval=[]", f"data.cache_dir={token_cache}", "data.max_length=128", "train.save_every=0",
-        "eval.enabled=false", f"output_dir={tmp_path / 'run'}", *CASES[case],
-    ]  # fmt: skip
-    final, target = train_in_process(args)
-    recipe = load_recipe([*args, f"export.output={tmp_path / 'export'}"])
-    folder = export_checkpoint(recipe, final)["vllm"]
-    states, out = tmp_path / "states.safetensors", tmp_path / "speculators.safetensors"
-    prompt = target_states(target, recipe, states)
-    drafter = load_drafter(final, TargetShape.of(target, recipe.target.name_or_path), target).eval()
-    ours, logits = draftsmith_proposal(drafter, target, prompt)
-    result = speculators_drafts(speculators_python, folder, states, out)
+def test_speculators_loads_and_drafts_like_a_draftsmith_export(case, speculators_read):
+    read = speculators_read[case]
+    target, result = read["target"], read["result"]
+    drafter = load_drafter(read["final"], TargetShape.of(target, read["recipe"].target.name_or_path), target).eval()
+    ours, logits = draftsmith_proposal(drafter, target, read["prompt"])
     assert result["model"] == ("PEagleDraftModel" if case == "peagle" else "Eagle3DraftModel"), result
     assert result["not_loaded"] == [] and result["differ"] == [], result
     assert set(result["not_shipped"]) <= {"verifier_lm_head.weight", "verifier_norm.weight"}, result
     assert result["embedding_sum"] > 0
-    assert_same_drafts(result, ours, logits, out, case)
+    assert_same_drafts(result, ours, logits, read["out"], case)
 
 
-@pytest.mark.parametrize("window", [2048, 8], ids=["default-window", "window-inside-the-prompt"])
-def test_draftsmith_evaluates_and_warm_starts_from_a_speculators_checkpoint(window, speculators_python, tmp_path):
+@pytest.mark.parametrize("name", list(WINDOWS))
+def test_draftsmith_evaluates_and_warm_starts_from_a_speculators_checkpoint(name, speculators_read):
     """The other direction: a checkpoint speculators itself saved (BUILD) is, through `open_drafter`
     (the eval's `checkpoint=`), a drafter proposing what speculators' own forward proposes on the same
     target states, and `warm_start` returns it with every tensor of the folder, to the bit.
@@ -226,25 +262,19 @@ def test_draftsmith_evaluates_and_warm_starts_from_a_speculators_checkpoint(wind
     positions on both sides, logits within 1e-4. Later steps differ by design: at depth i+1 speculators'
     training forward keeps the window of the root's position, vLLM's draft layer (and draftsmith's, in
     training and decoding) moves it with the draft's own position, so it drops i more of the oldest keys."""
-    speculators_defaults = ["norm_before_residual", "norm_before_fc", "norm_output"]  # its trainer's, for EAGLE-3
-    recipe = load_recipe(
-        ["recipe=eagle3", *(f"drafter.{key}=true" for key in speculators_defaults), f"drafter.sliding_window={window}"]
-    )
-    target = load_target(recipe.target)
-    folder, states, out = tmp_path / "speculators", tmp_path / "states.safetensors", tmp_path / "drafts.safetensors"
-    prompt = target_states(target, recipe, states)
-    result = speculators_drafts(speculators_python, folder, states, out, str(REFERENCE_TARGET), str(window))
+    read, window = speculators_read[name], WINDOWS[name]
+    recipe, target, folder, prompt, out = read["recipe"], read["target"], read["folder"], read["prompt"], read["out"]
     shape = TargetShape.of(target, recipe.target.name_or_path)
     drafter = open_drafter(folder, shape, target)
     assert drafter.config.aux_layers == [0, 1, 2] and drafter.pruned and drafter.config.sliding_window == window
-    assert all(getattr(drafter.config, key) for key in speculators_defaults)
+    assert all(getattr(drafter.config, key) for key in SPECULATORS_DEFAULTS)
     ours, logits = draftsmith_proposal(drafter, target, prompt)
     if window >= len(prompt):
-        assert_same_drafts(result, ours, logits, out, "speculators checkpoint")
+        assert_same_drafts(read["result"], ours, logits, out, "speculators checkpoint")
     else:
         first = (load_file(out)["logits"][0] - logits[0]).abs().max().item()
         print(f"window {window} of a {len(prompt)}-token prompt: first step's logits max |diff| {first:.2e}")
-        assert result["proposed"][0] == ours[0] and first < 1e-4
+        assert read["result"]["proposed"][0] == ours[0] and first < 1e-4
         drafter.config.sliding_window = None  # the window is what makes them agree: without it they do not
         assert (draftsmith_proposal(drafter, target, prompt)[1][0] - logits[0]).abs().max().item() > 1e-3
         drafter.config.sliding_window = window
