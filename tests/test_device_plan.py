@@ -2,7 +2,7 @@
 (git's tracked and untracked-not-ignored files, not the ignored ones), joined back whole, and a plan that a
 grown working tree would push over the limit refused in one line before the loan starts. At a scale of bytes:
 the limit is patched down from 64 MiB. The last call carries the regeneration's input beside the last part, or
-alone when they do not fit together."""
+alone when they do not fit together, or none (`prepare --no-regeneration`: that call trains only)."""
 
 from __future__ import annotations
 
@@ -73,3 +73,15 @@ def test_a_regeneration_input_that_does_not_fit_beside_the_last_part_travels_alo
         [".gpu/regen.jsonl.gz"],
     ]
     assert plan.check(tmp_path) == [10_000, 10_000, 9_480, 2_600]
+
+
+def test_without_the_regeneration_the_last_call_carries_the_last_part_alone_and_trains_only(
+    tmp_path, plan, monkeypatch
+):
+    monkeypatch.setattr(plan, "REGEN_INPUT", ".gpu/regen.jsonl.gz")
+    repository(tmp_path, 600)  # the input that took a call of its own above
+
+    plan.prepare(tmp_path, regenerate=False)
+    calls = [(call["carry"], call["command"]) for call in plan.read_plan(tmp_path)["calls"]]
+    assert calls[2:] == [([".gpu/part_c"], plan.TRAIN_ONLY)]
+    assert "REGEN_S=0" in plan.TRAIN_ONLY and plan.check(tmp_path) == [10_000, 10_000, 9_480]

@@ -6,13 +6,15 @@ The xz-compressed SmolLM2 GGUF (87 MiB) and the wheels the device image lacks (a
 the tree in one call, so they are spread over several:
 
     python benchmarks/device/plan.py prepare   # prepare.sh: cut .gpu/gguf.xz into parts for the tree as it is
+    python benchmarks/device/plan.py prepare --no-regeneration   # the same, the last call training only
     python benchmarks/device/plan.py check     # right before the loan: every call's total, and the calls to make
 
 The plan (.gpu/plan.json): call 1 carries the wheels, the probe target and the GGUF's first part and times the
 training (call1.sh); each next call carries one more part, which `setup.sh` puts aside; the last carries the
 last part and the regeneration's input (REGEN_INPUT, first_turns.py), joins the parts, regenerates and trains
-(call2.sh). `check` measures the tree again, since what travels changes between preparing and the loan (a new
-data folder, committed or not yet), and refuses in one line a plan that a call would exceed.
+(call2.sh); with --no-regeneration it carries the last part alone and trains for the whole call. `check` measures
+the tree again, since what travels changes between preparing and the loan (a new data folder, committed or not
+yet), and refuses in one line a plan that a call would exceed.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ TRAIN = (
     "KINDS=eagle3 REGEN_S=240 CALL_S=550 TRAIN_S=300 DEADLINE_S=390 EVALS=8 PATIENCE=3 bash benchmarks/device/call2.sh"
 )
 REGEN_INPUT = ".gpu/sharegpt_first_turns_0_16800.jsonl.gz"  # regenerate.sh's input, carried by the last call
+# `prepare --no-regeneration`: the last call trains for the whole of it (no input to carry, no GPU regeneration):
+# the target made (about 40 s), at most 380 s of steps with SIGTERM at 470 s, within CALL_S=550 s.
+TRAIN_ONLY = (
+    "KINDS=eagle3 REGEN_S=0 CALL_S=550 TRAIN_S=380 DEADLINE_S=470 EVALS=8 PATIENCE=3 bash benchmarks/device/call2.sh"
+)
 
 
 def travelling_files(root: Path = ROOT) -> list[Path]:
@@ -76,10 +83,10 @@ def carried_bytes(carry: list[str], root: Path = ROOT) -> int:
     return sum(size(files_under(root / path)) for path in carry)
 
 
-def prepare(root: Path = ROOT) -> None:
+def prepare(root: Path = ROOT, regenerate: bool = True) -> None:
     """Cut .gpu/gguf.xz into .gpu/part_a, part_b, ... so that each call stays under LIMIT - RESERVE beside the
-    tree as it is now (call 1 beside the wheels and the probe target too, the last beside REGEN_INPUT), and
-    write the plan."""
+    tree as it is now (call 1 beside the wheels and the probe target too, the last beside REGEN_INPUT unless
+    `regenerate` is off: then the last call trains only), and write the plan."""
     gpu = root / ".gpu"
     tree = size(travelling_files(root))
     room = LIMIT - RESERVE - tree
@@ -90,7 +97,8 @@ def prepare(root: Path = ROOT) -> None:
             f"the working tree ({tree / MIB:.1f} MiB) with the wheels and the probe target "
             f"({(room - first) / MIB:.1f} MiB) exceeds the {(LIMIT - RESERVE) // MIB} MiB a call may carry here"
         )
-    last = carried_bytes([REGEN_INPUT], root)
+    last_carry = [REGEN_INPUT] if regenerate else []
+    last = carried_bytes(last_carry, root)
     if last > room:
         raise UserError(
             f"the working tree ({tree / MIB:.1f} MiB) with {REGEN_INPUT} ({last / MIB:.1f} MiB) exceeds the "
@@ -111,7 +119,7 @@ def prepare(root: Path = ROOT) -> None:
         names.append([f".gpu/part_{letter}"] if chunk else [])
     calls = [{"command": PROBE, "carry": probe_carry + names[0], "timeout_s": 300}]
     calls += [{"command": STASH, "carry": carry, "timeout_s": 120} for carry in names[1:-1]]
-    calls.append({"command": TRAIN, "carry": names[-1] + [REGEN_INPUT], "timeout_s": 600})
+    calls.append({"command": TRAIN if regenerate else TRAIN_ONLY, "carry": names[-1] + last_carry, "timeout_s": 600})
     (gpu / "plan.json").write_text(json.dumps({"tree_bytes": tree, "calls": calls}, indent=2) + "\n")
     (gpu / "gguf.xz").unlink()
 
@@ -153,9 +161,16 @@ def show(root: Path = ROOT) -> None:
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("action", choices=("prepare", "check"))
+    parser.add_argument(
+        "--no-regeneration",
+        action="store_true",
+        help="prepare: the last call trains for all of its time and carries no regeneration input",
+    )
     args = parser.parse_args(argv)
     if args.action == "prepare":
-        prepare()
+        prepare(regenerate=not args.no_regeneration)
+    elif args.no_regeneration:
+        raise UserError("--no-regeneration is an option of prepare: run prepare.sh --no-regeneration")
     show()
 
 

@@ -1,4 +1,4 @@
-# bash benchmarks/device/prepare.sh: everything the device calls carry, built on this machine (which reaches
+# bash benchmarks/device/prepare.sh [--no-regeneration]: everything the device calls carry, built on this machine (which reaches
 # the package registries; the device reaches nothing), so that a lent GPU's minutes go to the GPU work:
 #   .whl/                 the wheels the GPU image lacks (its python3 is 3.12, x86-64), at the versions this
 #                         environment tests with: transformers, datasets (+ dill, multiprocess), omegaconf,
@@ -41,5 +41,5 @@ mkdir -p .gpu/probe_target
 find "$target" -maxdepth 1 -type f ! -name "*.safetensors" ! -name gguf_source.json -exec cp {} .gpu/probe_target/ \;  # config, tokenizer, chat template
 
 python benchmarks/device/first_turns.py .gpu/sharegpt_first_turns_0_16800.jsonl.gz  # plan.py's REGEN_INPUT
-python benchmarks/device/plan.py prepare  # the parts, sized from what travels with each call
+python benchmarks/device/plan.py prepare "$@"  # the parts, sized from what travels with each call (--no-regeneration)
 du -sh .whl .gpu/*; ls .whl
