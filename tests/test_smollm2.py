@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers import REPO, corpus_slice, first_records
+from tests.helpers import corpus_slice, first_records, run_entry_in_process
 
 pytestmark = [
     pytest.mark.slow,
@@ -23,7 +21,7 @@ pytestmark = [
 ]
 
 
-def test_eagle3_on_smollm2_trains_and_decodes_losslessly(tmp_path):
+def test_eagle3_on_smollm2_trains_and_decodes_losslessly(tmp_path, capsys):
     out = tmp_path / "run"
     # one conversation: 30 layers and a 49k vocabulary are slow on CPU
     held_out = first_records(corpus_slice(tmp_path / "eval.jsonl", "eval", 1), tmp_path / "held_out.jsonl", 1)
@@ -31,7 +29,7 @@ def test_eagle3_on_smollm2_trains_and_decodes_losslessly(tmp_path):
             f"data.eval=[{held_out}]", f"eval.data=[{held_out}]", "data.max_length=128", "train.micro_batch_size=2",
             "drafter.ttt_steps=2", "train.max_steps=3", "train.log_every=1", "train.save_every=0", "eval.max_prompts=1",
             "eval.max_new_tokens=12", f"output_dir={out}"]  # fmt: skip
-    result = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=1200)
+    result = run_entry_in_process(args, capsys)
     assert result.returncode == 0, result.stderr[-3000:]
     config = json.loads((out / "final" / "config.json").read_text())
     assert config["drafter"]["aux_layers"] == [1, 14, 26] and config["drafter"]["draft_vocab_size"] == 16384
