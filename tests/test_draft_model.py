@@ -419,14 +419,48 @@ def test_max_turns_answers_the_first_turns_and_ends_the_conversation_there():
         [turn("system", "s"), turn("user", "d"), turn("assistant", "z")],
     ]
     tokenizer, engine = load_tokenizer(str(REFERENCE_TARGET)), Answers()
-    out, cut = regenerate_batch(engine, tokenizer, batch, OmegaConf.create({"max_turns": 1}), 1024)
+    out, ended = regenerate_batch(engine, tokenizer, batch, OmegaConf.create({"max_turns": 1}), 1024)
     assert out == [
         [turn("user", "a"), turn("assistant", "answer 0")],
         [turn("system", "s"), turn("user", "d"), turn("assistant", "answer 1")],
     ]
-    assert len(engine.asked) == 2 and cut == [False, False]
+    assert len(engine.asked) == 2 and ended == [None, None]
     everything, _ = regenerate_batch(Answers(), tokenizer, batch, OmegaConf.create({"max_turns": None}), 1024)
     assert [m["role"] for m in everything[0]] == ["user", "assistant", "user", "assistant", "user"]
+
+
+def test_an_empty_answer_ends_its_conversation_at_the_turn_before_it():
+    """A sampled target may end its turn at once: an empty turn is nothing to train on, and the data loader
+    refuses one (a sampled SmolLM2 folder held one in 8,300 first turns): the conversation ends at the
+    answer before it, or is left out when fewer than min_turns answers are left."""
+    from omegaconf import OmegaConf
+
+    from draftsmith.data_prep.conversations import normalize_record
+    from draftsmith.data_prep.regenerate import regenerate_batch
+    from draftsmith.target import load_tokenizer
+
+    class Answers:  # the third conversation's first answer and the second's second are empty
+        def __init__(self):
+            self.calls = 0
+
+        def answers(self, prompts, seeds):
+            self.calls += 1
+            empty = {1: 2, 2: 0}[self.calls]  # round 1 asks all four conversations, round 2 the second and fourth
+            return ["" if i == empty else f"answer {self.calls}.{i}" for i in range(len(prompts))]
+
+    batch = [exchange("a", "x"), exchange("b", "y", "c", "z"), exchange("d", "w"), exchange("e", "v", "f", "u")]
+    tokenizer = load_tokenizer(str(REFERENCE_TARGET))
+    section = OmegaConf.create({"max_turns": None, "min_turns": 1})
+    out, ended = regenerate_batch(Answers(), tokenizer, batch, section, 1024)
+    assert out == [
+        exchange("a", "answer 1.0"),
+        exchange("b", "answer 1.1"),  # ends before its empty second answer
+        None,  # no answer left
+        exchange("e", "answer 1.3", "f", "answer 2.1"),
+    ]
+    assert ended == [None, "empty answer", "empty answer", None]
+    for number, messages in enumerate(m for m in out if m is not None):
+        normalize_record({"messages": messages}, source="test", number=number)  # the loader takes every one
 
 
 def write_conversations(path, conversations) -> str:
