@@ -9,7 +9,7 @@
 #    the step's parts from the profiler (the drafter's share is the figure without the target's forward).
 # 4. The rest of the GPU tier if time is left.
 # The baseline is carried, not built there (no git on the device): `python benchmarks/step_compare.py
-# --make-baseline .gpu/baseline` here first (prepare.sh does), then carry .gpu/baseline and .whl. Each part
+# --make-baseline .gpu/baseline` here first (after prepare.sh, which empties .gpu), then carry .gpu/baseline and .whl. Each part
 # runs under its own timeout, cut to what is left before DEADLINE (BUDGET_S, default 540 s from the start).
 # PEAK_TFLOPS (default 989: H100 SXM and H200 dense bf16) gives MFU.
 # --dry-run: the same sequence on the CPU with the tiny shape at sequence length 64, the baseline made here.
