@@ -82,9 +82,14 @@ class PartialFileReader(threading.Thread):
                 self.problems.append(f"{path}: {type(err).__name__}: {err}")
 
 
+def has_written(directory: Path) -> bool:
+    """A job has written a file into `directory`."""
+    return directory.is_dir() and any(p.is_file() for p in directory.rglob("*"))
+
+
 def wait_for_first_write(process: subprocess.Popen, directory: Path) -> None:
     """Until `process` has written a file into `directory` (or ended)."""
-    while process.poll() is None and not (directory.is_dir() and any(p.is_file() for p in directory.rglob("*"))):
+    while process.poll() is None and not has_written(directory):
         time.sleep(0.02)
 
 
@@ -92,9 +97,9 @@ def run_killed_then_resumed(args: list[str], watched: Path, kill_after: float, r
     """Start `python args`, wait until it has written into `watched` (its lock file at least: it has
     claimed the directory), SIGKILL it `kill_after` seconds later unless it finished, then run
     `args + resume` until it exits 0 (in this process: nothing kills it), with a reader watching
-    `watched` throughout. A job that finished
-    before its kill ran faster than the reference run the moment was drawn from: it starts over in an
-    emptied `watched`, killed sooner (up to three times). Returns whether the kill landed mid-run."""
+    `watched` throughout. A job that finished before its kill ran faster than the reference run the
+    moment was drawn from: it starts over in an emptied `watched`, killed sooner (up to three times).
+    Returns whether the kill landed mid-run."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     reader = PartialFileReader(watched)
     reader.start()
@@ -134,7 +139,7 @@ def writing_window(args: list[str], watched: Path, capsys=None) -> float:
     first_write, finished = [], threading.Event()
 
     def watch() -> None:
-        while not finished.is_set() and not (watched.is_dir() and any(p.is_file() for p in watched.rglob("*"))):
+        while not finished.is_set() and not has_written(watched):
             time.sleep(0.02)
         first_write.append(time.perf_counter())
 

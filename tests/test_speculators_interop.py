@@ -209,11 +209,12 @@ def speculators_read(speculators_python, small_data, token_cache, tmp_path_facto
         recipe = load_recipe([*args, f"export.output={tmp / 'export'}"])
         cases[case] = {"recipe": recipe, "target": target, "final": final}
         jobs.append({"name": case, "folder": str(export_checkpoint(recipe, final)["vllm"]), "build": None})
+    defaults = [f"drafter.{key}=true" for key in SPECULATORS_DEFAULTS]
+    reference = load_target(load_recipe(["recipe=eagle3"]).target)  # the windows' target, loaded once
     for name, window in WINDOWS.items():
         tmp = tmp_path_factory.mktemp(name)
-        defaults = [f"drafter.{key}=true" for key in SPECULATORS_DEFAULTS]
         recipe = load_recipe(["recipe=eagle3", *defaults, f"drafter.sliding_window={window}"])
-        cases[name] = {"recipe": recipe, "target": load_target(recipe.target)}
+        cases[name] = {"recipe": recipe, "target": reference}
         jobs.append({"name": name, "folder": str(tmp / "speculators"), "build": [str(REFERENCE_TARGET), window]})
     for job in jobs:
         case, tmp = cases[job["name"]], Path(job["folder"]).parent
