@@ -6,6 +6,7 @@ and exports or is refused by name."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -62,12 +63,17 @@ def test_a_kind_declares_its_title_flop_profile_depth_metric_and_whether_it_shar
     from omegaconf import OmegaConf
 
     from draftsmith.heads.base import FlopProfile
-    from draftsmith.sharding import unshardable
 
     cls = REGISTRY[kind]
     assert isinstance(cls.TITLE, str) and cls.TITLE, f"give {cls.__name__} a TITLE (the model card's name for it)"
     cfg = load_recipe([f"recipe={demo_recipe(kind)}"])
-    assert unshardable(cfg.drafter) == cls.unshardable(cfg.drafter)
+    reason = cls.unshardable(cfg.drafter)
+    assert reason is None or isinstance(reason, str) and reason
+    if reason:  # recipe validation refuses a sharded target for it, with its reason
+        with pytest.raises(UserError, match=re.escape(reason)):
+            load_recipe([f"recipe={demo_recipe(kind)}", "target.shard=fsdp"])
+    else:
+        assert load_recipe([f"recipe={demo_recipe(kind)}", "target.shard=fsdp"]).target.shard == "fsdp"
     profile = cls.flop_profile(OmegaConf.to_object(cfg.drafter))
     assert isinstance(profile, FlopProfile) and profile.passes >= 1
     assert cls.DEPTH_TOP1.format(depth=1) != cls.DEPTH_TOP1.format(depth=2), "DEPTH_TOP1 must name the {depth}"
