@@ -385,39 +385,48 @@ def shape_target(name: str, layers: int | None, device: torch.device, dtype: tor
     return model, {"model_type": model_type, "vocab_size": vocab, **fields}
 
 
-def shape_drafter(kind: str, target, draft_vocab: int):
-    from draftsmith.heads import drafter_class
+def shape_size(name: str, layers: int | None) -> tuple[int, int]:
+    """(vocabulary, decoder layers) of shape `name` (cut to `layers`), without building it."""
+    from draftsmith.random_target import build_config
 
-    layers = target.config.num_hidden_layers
+    model_type, fields = SHAPES[name]
+    fields = dict(fields)
+    vocab = fields.pop("vocab_size")
+    return vocab, layers or build_config(model_type, vocab, {}, **fields).num_hidden_layers
+
+
+def shape_recipe(kind: str, layers: int, draft_vocab: int) -> list[str]:
+    """The recipe of `kind` at a shape of `layers` layers, before the user's overrides: its kind's recipe
+    with the settings the random target needs (tap layers, draft vocabulary, mask token). The target's
+    name is a label (the target is built here, never loaded), so the recipe is not checked against the demo's."""
+    taps = "null" if layers >= 8 else f"[0,{layers // 2},{layers - 1}]"  # the kinds' defaults need 8 layers
+    label = f"target.name_or_path=random/{kind}"
     if kind == "dflash":
-        cls = drafter_class("dflash")
-        config = cls.Config(mask_token_id=MASK, target_layers=None if layers >= 8 else [0, layers // 2, layers - 1])
-    else:
-        cls = drafter_class("eagle3")
-        aux = None if layers >= 8 else [0, layers // 2, layers - 1]  # EAGLE-3's default needs 8 layers
-        config = cls.Config(
-            aux_layers=aux,
-            draft_vocab_size=draft_vocab,
-            parallel_drafting=kind == "peagle",
-            mask_token_id=MASK if kind == "peagle" else None,
-        )
-    return cls.from_target(config, target, f"random:{kind}")
+        return ["recipe=dflash", label, f"drafter.mask_token_id={MASK}", f"drafter.target_layers={taps}"]
+    recipe = ["recipe=eagle3", label, f"drafter.aux_layers={taps}", f"drafter.draft_vocab_size={draft_vocab}"]
+    if kind == "peagle":
+        recipe += ["drafter.parallel_drafting=true", f"drafter.mask_token_id={MASK}", "eval.tree=0"]
+    return [*recipe, "data.draft_vocab=null"]
 
 
 def shape_run(args, kind: str, scratch: Path):
     """The trainer's Run for `kind` at shape `args.shape`: its accelerator, optimizer, schedule and
-    collator over synthetic rows (`--warmup` + `--steps` + `--profile-steps` steps of `--batch` rows)."""
+    collator over synthetic rows (`--warmup` + `--steps` + `--profile-steps` steps of `--batch` rows), the
+    drafter built from the recipe by the trainer's `build_drafter` (every drafter.* and train.* override
+    honoured, train.vocab_chunk_mb included)."""
     from accelerate.utils import set_seed
 
     from draftsmith.data_prep import Collator
     from draftsmith.recipe import load_recipe
-    from draftsmith.trainer.loop import make_accelerator, online_features, prepare_run
+    from draftsmith.trainer.loop import build_drafter, make_accelerator, online_features, prepare_run
 
     total = args.warmup + args.steps + args.profile_steps
     precision = "bf16" if args.dtype == "bfloat16" else "no"
+    vocab, layers = shape_size(args.shape, args.layers)
+    draft_vocab = min(args.draft_vocab or 32000, vocab // 2)  # pruned, as EAGLE-3 trains
     cfg = load_recipe(
         [
-            "recipe=eagle3",
+            *shape_recipe(kind, layers, draft_vocab),
             *SHAPE_TRAIN,
             f"train.micro_batch_size={args.batch}",
             f"train.mixed_precision={precision}",
@@ -431,8 +440,6 @@ def shape_run(args, kind: str, scratch: Path):
         sys.exit(f"--device {args.device}: the trainer runs on {accelerator.device} here")
     set_seed(cfg.train.seed)
     target, fields = shape_target(args.shape, args.layers, accelerator.device, getattr(torch, args.dtype))
-    vocab = fields["vocab_size"]
-    draft_vocab = min(args.draft_vocab or 32000, vocab // 2)  # pruned, as EAGLE-3 trains
     with torch.no_grad():  # the target's argmax in the draft vocabulary, as on real data (see the module doc)
         target.get_output_embeddings().weight[:draft_vocab].mul_(4.0)
     generator = torch.Generator().manual_seed(0)
@@ -443,7 +450,7 @@ def shape_run(args, kind: str, scratch: Path):
         }
         for _ in range(args.batch * total)
     ]
-    drafter = shape_drafter(kind, target, draft_vocab).to(accelerator.device)
+    drafter = build_drafter(cfg, target, accelerator.device)
     drafter.prepare(rows)
     if args.compile:  # automatic dynamic shapes: the positions scored per draft step vary, the rows do not
         drafter.compile()
@@ -473,6 +480,7 @@ def bench_shape(args, kind: str) -> dict:
         flops = FlopCounter(run.target, drafter).per_token(args.seq)
         counts = parameter_counts(run.target, drafter)
         layers, config = run.target.config.num_hidden_layers, asdict(drafter.config)
+        vocab_chunk_mb = run.cfg.train.vocab_chunk_mb
         del run  # see end_run
         end_run(accelerator)
     device = accelerator.device
@@ -483,6 +491,7 @@ def bench_shape(args, kind: str) -> dict:
         "target": fields,
         "layers": layers,
         "drafter": {k: v for k, v in config.items() if k != "decoder"},
+        "vocab_chunk_mb": vocab_chunk_mb,
         "seq": args.seq,
         "batch": args.batch,
         "overrides": args.overrides,
@@ -518,12 +527,18 @@ def json_output():
 
 
 def main_shape(args, output) -> None:
+    from draftsmith.errors import UserError
+
     torch.set_num_threads(args.threads)
     for kind in args.kinds.split(","):
         if kind not in KINDS:
             sys.exit(f"--kinds: {kind!r} is not one of {', '.join(KINDS)}")
         start = time.perf_counter()
-        result = bench_shape(args, kind)
+        try:
+            result = bench_shape(args, kind)
+        except UserError as err:  # an override the kind's recipe does not take, say: bad input, exit 2
+            print(f"error: {kind}: {err}", file=sys.stderr)
+            sys.exit(2)
         result["wall_s"] = round(time.perf_counter() - start, 1)
         result["command"] = " ".join([os.path.basename(sys.executable), *sys.argv])
         print(json.dumps(result), file=output, flush=True)

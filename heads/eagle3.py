@@ -77,6 +77,7 @@ from draftsmith.heads.packing import documents, draft_attention_mask, num_docume
 from draftsmith.heads.ttt_attention import (
     ATTENTION,
     BACKENDS,
+    FlexLayout,
     StepKeys,
     TTTStep,
     register_ttt_attention,
@@ -435,7 +436,10 @@ class Eagle3(EagleBase):
         rows, width = input_ids.shape[0], input_ids.shape[1] - 2
         window = self.config.sliding_window
         start, mask = positions(batch)[:, :width], draft_attention_mask(batch, width, window)
-        backend = resolved_backend(self.config.ttt_attention, input_ids.device)
+        backend = resolved_backend(self.config.ttt_attention, input_ids.device, self.layers[0].self_attn.head_dim)
+        if backend == "flex":  # segments: the rows, or with a mask its documents (padding one per row)
+            segments = documents(batch)[:, :width] if mask is not None else start.new_zeros(start.shape)
+            layout = FlexLayout(segments, start, window, self.config.ttt_steps)
         cache = StepKeys()  # step i's attention reads the keys of step 0 and of each position's steps 1..i
         outputs = [self.draft(shifted(input_ids, 1, width), self.fuse(layers)[:, :width], start, mask, cache=cache)]
         for step in range(1, self.config.ttt_steps):
@@ -444,8 +448,11 @@ class Eagle3(EagleBase):
                 tokens, features = tokens.view(rows, width), features.reshape(rows, width, -1)
             else:
                 tokens, features = shifted(input_ids, 1 + step, width), outputs[-1]
-            visible = step_visibility(start, step, mask, window)
-            outputs.append(self.draft(tokens, features, start + step, cache=cache, ttt_step=TTTStep(visible, backend)))
+            if backend == "flex":
+                ttt_step = TTTStep(backend, layout=layout, step=step)
+            else:
+                ttt_step = TTTStep(backend, visible=step_visibility(start, step, mask, window))
+            outputs.append(self.draft(tokens, features, start + step, cache=cache, ttt_step=ttt_step))
         return outputs
 
     def loss(self, batch: dict, target_out: TargetOutput):
@@ -480,24 +487,26 @@ class Eagle3(EagleBase):
         teacher = self.teacher(target_out, input_ids.shape)
         draft_ids = self.draft_ids()
         chunk = chunk_rows_for(self.loss_chunk_bytes, self.config.draft_vocab_size)
-        total = torch.zeros((), device=input_ids.device)
-        stats: dict[str, torch.Tensor] = {}
-        for step, output in enumerate(self.unroll(input_ids, target_out.layers, batch)):
+        outputs = self.unroll(input_ids, target_out.layers, batch)
+        counted, weights = [], []
+        for step in range(len(outputs)):
             supervised = shifted(loss_mask, 2 + step, width, fill=False) & same_document(docs, 2 + step, width)
-            counted = supervised & shifted(teacher.in_vocab, 1 + step, width, fill=False)
-            scored = self.config.ttt_decay**step * counted.flatten().float()
-            features = self.lm_input(output).flatten(0, 1)
-            result = soft_cross_entropy(features, self.lm_head.weight, teacher.rows_for(step), scored, chunk)
-            total = total + result.loss
-            with torch.no_grad():
-                best = draft_ids[result.best.clamp(min=0)].view(rows, width)  # -1: not scored
-                hits = counted & (best == shifted(teacher.best, 1 + step, width))
+            counted.append((supervised, supervised & shifted(teacher.in_vocab, 1 + step, width, fill=False)))
+            weights.append(self.config.ttt_decay**step * counted[-1][1].flatten().float())
+        # Every step's rows in one fused call: one float32 lm_head gradient for the whole unroll
+        features = torch.cat([self.lm_input(output).flatten(0, 1) for output in outputs])
+        result = soft_cross_entropy(features, self.lm_head.weight, teacher.rows(width), torch.cat(weights), chunk)
+        stats: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            steps = zip(result.best.view(-1, rows, width), result.token_loss.view(-1, rows, width), counted)
+            for step, (best, token_loss, (supervised, scored)) in enumerate(steps):
+                best = draft_ids[best.clamp(min=0)]  # -1: not scored
+                hits = scored & (best == shifted(teacher.best, 1 + step, width))
                 stats |= per_sample_stats({f"step{step + 1}/top1": hits}, samples, num_docs, where=supervised)
-                token_loss = result.token_loss.view(rows, width)
-                stats |= per_sample_stats({f"step{step + 1}/loss": token_loss}, samples, num_docs, where=counted)
+                stats |= per_sample_stats({f"step{step + 1}/loss": token_loss}, samples, num_docs, where=scored)
                 if step == 0 and self.pruned:
-                    stats |= per_sample_stats({"vocab_coverage": counted}, samples, num_docs, where=supervised)
-        return total, self.loss_tokens(batch), stats
+                    stats |= per_sample_stats({"vocab_coverage": scored}, samples, num_docs, where=supervised)
+        return result.loss, self.loss_tokens(batch), stats
 
     @torch.no_grad()
     def teacher(self, target_out: TargetOutput, shape: torch.Size) -> Teacher:
@@ -508,15 +517,18 @@ class Eagle3(EagleBase):
         are read `loss_chunk_bytes` of full-vocabulary rows at a time (`TargetOutput.logits_at`, from the
         final hidden state when the target runs live)."""
         draft_ids = self.draft_ids()
-        index = torch.arange(shape[0] * shape[1], device=draft_ids.device)
-        best, probs = [], []
-        for chunk in index.split(chunk_rows_for(self.loss_chunk_bytes, self.target.vocab_size)):
-            logits = target_out.logits_at(chunk)
-            best.append(logits.max(-1).indices)  # argmax (the first maximum)
-            probs.append((logits[:, draft_ids] if self.pruned else logits).float().softmax(-1))
-        best = torch.cat(best)
+        device = draft_ids.device
+        positions = shape[0] * shape[1]
+        index = torch.arange(positions, device=device)
+        best = torch.empty(positions, dtype=torch.long, device=device)
+        probs = torch.empty(positions, len(draft_ids), dtype=torch.float32, device=device)  # filled in place
+        step = chunk_rows_for(self.loss_chunk_bytes, self.target.vocab_size)
+        for start in range(0, positions, step):
+            logits = target_out.logits_at(index[start : start + step])
+            best[start : start + step] = logits.max(-1).indices  # argmax (the first maximum)
+            probs[start : start + step] = (logits[:, draft_ids] if self.pruned else logits).float().softmax(-1)
         in_vocab = self.t2d[best] if self.pruned else torch.ones_like(best, dtype=torch.bool)
-        probs = torch.cat(probs).masked_fill_(~in_vocab[:, None], 0.0)
+        probs.masked_fill_(~in_vocab[:, None], 0.0)
         return Teacher(best.view(shape), in_vocab.view(shape), probs)
 
 
@@ -528,16 +540,17 @@ class Teacher:
     in_vocab: torch.Tensor  # [B, T] bool: whether that argmax is a draft token
     probs: torch.Tensor  # [B * T, draft vocab] float32: its distribution over the draft vocabulary (0: not in it)
 
-    def rows_for(self, step: int):
-        """The teacher of TTT step `step` for the fused loss: rows of the step's flattened [B, T-2]
-        positions -> the distributions they are scored against, those at position t + 1 + step (clamped to
-        the row: a position past it is never scored)."""
+    def rows(self, width: int):
+        """The teacher of the whole unroll for the fused loss: rows of the steps' flattened [S, B, W]
+        positions (W = T - 2) -> the distributions they are scored against, step i's position t against
+        the one at t + 1 + i (clamped to the row: a position past it is never scored)."""
         length = self.best.shape[1]
-        width = length - 2
+        per_step = self.best.shape[0] * width
 
         def rows(index: torch.Tensor) -> torch.Tensor:
-            places = (index % width + 1 + step).clamp(max=length - 1)
-            return self.probs.index_select(0, index // width * length + places)
+            step, place = index // per_step, index % per_step
+            places = (place % width + 1 + step).clamp(max=length - 1)
+            return self.probs.index_select(0, place // width * length + places)
 
         return rows
 

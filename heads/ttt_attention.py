@@ -12,10 +12,16 @@ Two ways to compute a step i > 0 (`Eagle3Config.ttt_attention`):
 - `dense`: the scores against step 0's keys [B, heads, W, W] (masked) and the i diagonal scores side
   by side, one float32 softmax, then the two weighted sums. The reference, and the CPU path: on a CPU
   a fused kernel would do the same arithmetic.
-- `flex`: `torch.nn.attention.flex_attention` over the keys of steps 0..i laid end to end
-  ([B, kv heads, (i+1)W, d]) with a BlockMask that keeps the causal (document, window) blocks of step 0
-  and one diagonal block per later step, so a step costs what its visible blocks cost, not (i+1)W^2.
-  Compiled, it is a fused kernel; CUDA only (flex attention has no backward on the CPU).
+- `flex`: `torch.nn.attention.flex_attention`, compiled, over one flat row: the micro-batch's rows laid
+  end to end and padded to a power of two (at least 128, flex's block), the queries [1, heads, L, d] and
+  the keys of every TTT step in regions of L ([1, kv heads, S·L, d], S = ttt_steps; regions past step i
+  are zeros). A BlockMask keeps step 0's visible blocks (causal, within a segment: the row, or with
+  packing or a window the document, padding a segment of its own per row; within the window) and one
+  diagonal block per later step, so a step costs what its visible blocks cost. Every shape is the
+  bucket's: one compiled graph per (length bucket, grad mode, dtype), whatever the rows, widths and
+  step; `FLEX_RECOMPILE_LIMIT` bounds them, and reaching it is an error, never torch's silent unfused
+  fallback. The BlockMasks of all steps are built once per unroll from block arithmetic on per-block
+  minima and maxima (`FlexLayout`): [L/128, S·L/128] integers, never an [L, L] mask.
 
 `auto` picks `flex` on CUDA and `dense` elsewhere.
 
@@ -40,23 +46,40 @@ ATTENTION = "eagle3_ttt"
 BACKENDS = ("auto", "dense", "flex")
 
 
+BLOCK = 128  # flex attention's block: the flat layout's length is a multiple of it
+# Compiled flex graphs a process may build: one per (length bucket, grad mode, dtype, head shape). Buckets are
+# powers of two from 128 up to rows x width (8 up to 16,384 positions), so a training run with its held-out
+# evaluation needs at most 16; tests and benchmarks that build several drafters in one process need more.
+FLEX_RECOMPILE_LIMIT = 64
+
+
 @dataclass
 class TTTStep:
-    """What a step i > 0's attention needs beyond q, k, v: `visible` [B, 1, W, W] bool, step 0's keys a
-    query at t may read (causal, within its document and its sliding window at position t + i), and
-    the backend (`dense` or `flex`)."""
+    """What a step i > 0's attention needs beyond q, k, v: the backend's view of it. `dense`: `visible`
+    [B, 1, W, W] bool, step 0's keys a query at t may read (causal, within its document and its sliding
+    window at position t + i). `flex`: the micro-batch's `FlexLayout` and the step."""
 
-    visible: torch.Tensor
     backend: str
+    visible: Optional[torch.Tensor] = None
+    layout: Optional[FlexLayout] = None
+    step: int = 0
 
 
-def resolved_backend(backend: str, device: torch.device) -> str:
-    """`auto` -> `flex` on CUDA, `dense` elsewhere; `flex` with gradients off CUDA is an error (flex
-    attention has no backward there)."""
+FLEX_MIN_HEAD_DIM = 16  # flex attention's CUDA kernels refuse a smaller head (torch 2.11-2.13: "NYI")
+
+
+def resolved_backend(backend: str, device: torch.device, head_dim: int) -> str:
+    """`auto` -> `flex` on CUDA (for heads of at least FLEX_MIN_HEAD_DIM), `dense` elsewhere; `flex` with
+    gradients off CUDA, or on a head flex cannot run, is an error (no backward elsewhere; no kernel)."""
     if backend == "auto":
-        return "flex" if device.type == "cuda" else "dense"
+        return "flex" if device.type == "cuda" and head_dim >= FLEX_MIN_HEAD_DIM else "dense"
     if backend == "flex" and device.type != "cuda" and torch.is_grad_enabled():
         raise UserError("drafter.ttt_attention=flex trains on CUDA only (no backward elsewhere): use auto or dense")
+    if backend == "flex" and head_dim < FLEX_MIN_HEAD_DIM:
+        raise UserError(
+            f"drafter.ttt_attention=flex needs a head dimension of at least {FLEX_MIN_HEAD_DIM} (the draft layer's "
+            f"is {head_dim}): use auto or dense"
+        )
     return backend
 
 
@@ -89,7 +112,7 @@ def ttt_attention(module, query, key, value, attention_mask, scaling=None, dropo
     if ttt_step.backend == "flex":
         if dropout:
             raise ValueError("flex attention in the training-time test takes no attention dropout")
-        out = flex_step(query, keys, values, own_keys, own_values, ttt_step.visible, scaling)
+        out = flex_step(query, keys, values, own_keys, own_values, ttt_step.layout, ttt_step.step, scaling)
     else:
         out = dense_step(query, keys, values, own_keys, own_values, ttt_step.visible, scaling, dropout)
     return out.transpose(1, 2), None
@@ -111,36 +134,133 @@ def dense_step(query, keys, values, own_keys, own_values, visible, scaling, drop
     return out.reshape(batch, heads, width, dim)
 
 
-def flex_step(query, keys, values, own_keys, own_values, visible, scaling) -> torch.Tensor:
-    """Step i > 0 through flex attention: step 0's keys, then each later step's keys at every position,
-    end to end along the key axis; the BlockMask keeps step 0's visible blocks and one diagonal block
-    per later step. [B, heads, W, d]."""
-    from torch.nn.attention.flex_attention import create_block_mask
+def flat_length(positions: int) -> int:
+    """The flat layout's length for `positions` positions: the next power of two, at least BLOCK."""
+    return max(BLOCK, 1 << (positions - 1).bit_length())
 
-    batch, heads, width, _ = query.shape
-    steps = own_keys.shape[3]
-    laid = [
-        torch.cat([first, own.permute(0, 1, 3, 2, 4).flatten(2, 3)], dim=2)
-        for first, own in ((keys, own_keys), (values, own_values))
-    ]
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        first = kv_idx < width
-        return torch.where(first, visible[b, 0, q_idx, kv_idx.clamp(max=width - 1)], kv_idx % width == q_idx)
+class FlexLayout:
+    """A micro-batch's rows laid end to end for flex attention, and the BlockMasks of steps 1..S-1.
 
-    block_mask = create_block_mask(mask_mod, batch, None, width, (steps + 1) * width, device=query.device)
-    return flex_attention_for(query.device.type)(
-        query, laid[0], laid[1], block_mask=block_mask, scale=scaling, enable_gqa=heads != keys.shape[1]
+    `segments` [B, W] long: the segment of every position (positions attend within theirs only; a
+    segment is contiguous within its row); `start` [B, W] step 0's RoPE positions; `window` the sliding
+    window or None. In the flat row, position p = r·W + t; past B·W every position is a segment of its
+    own (it sees itself). A step-0 key k is visible to a step-i query q when they share a segment, k <= q
+    and (with a window) start[k] > start[q] + i - window; step j's key at q itself (j = 1..i) always."""
+
+    def __init__(self, segments: torch.Tensor, start: torch.Tensor, window: Optional[int], steps: int):
+        rows, width = segments.shape
+        device = segments.device
+        self.rows, self.width, self.steps, self.window = rows, width, steps, window
+        self.length = length = flat_length(rows * width)
+        tail = torch.arange(length - rows * width, device=device)
+        flat = segments.flatten()
+        new = torch.ones_like(flat, dtype=torch.bool)
+        new[1:] = flat[1:] != flat[:-1]
+        new[::width] = True  # a row starts a segment
+        # ids increasing along the flat row, so a block's segments are a range [first, last]
+        self.segment = torch.cat([new.long().cumsum(0), rows * width + 1 + tail])
+        self.position = torch.cat([start.flatten(), torch.zeros_like(tail)])
+        self.masks = self.block_masks()
+
+    def block_masks(self) -> list:
+        """The BlockMask of each step 1..S-1 over [L queries, S·L keys], from per-block minima and maxima."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        blocks, regions = self.length // BLOCK, self.steps
+        device = self.segment.device
+        segment, position = self.segment.view(blocks, BLOCK), self.position.view(blocks, BLOCK)
+        first_seg, last_seg = segment[:, 0], segment[:, -1]
+        low, high = position.amin(1), position.amax(1)
+        q, k = torch.arange(blocks, device=device)[:, None], torch.arange(blocks, device=device)[None, :]
+        some = (k <= q) & (last_seg[None, :] >= first_seg[:, None])  # kb <= qb: k's ids <= q's
+        every = (k < q) & (first_seg[None, :] == last_seg[:, None])  # one segment across both blocks
+        diagonal = torch.eye(blocks, dtype=torch.bool, device=device)
+        masks = []
+        for step in range(1, regions):
+            partial_first, full = some, every
+            if self.window is not None:  # start[k] > start[q] + step - window, for some / every pair
+                partial_first = some & (high[None, :] > low[:, None] + step - self.window)
+                full = every & (low[None, :] > high[:, None] + step - self.window)
+            later = [diagonal if j <= step else torch.zeros_like(diagonal) for j in range(1, regions)]
+            partial = torch.cat([partial_first & ~full, *later], dim=1)
+            full = torch.cat([full, *[torch.zeros_like(diagonal)] * (regions - 1)], dim=1)
+            masks.append(
+                BlockMask.from_kv_blocks(
+                    *block_indices(partial),
+                    *block_indices(full),
+                    BLOCK_SIZE=BLOCK,
+                    mask_mod=self.mask_mod(step),
+                    seq_lengths=(self.length, regions * self.length),
+                )
+            )
+        return masks
+
+    def mask_mod(self, step: int):
+        segment, position, length, window = self.segment, self.position, self.length, self.window
+        query_position = position + step  # the window moves with the query's draft depth
+
+        def visible(b, h, q_idx, kv_idx):
+            key = kv_idx % length
+            first = (segment[key] == segment[q_idx]) & (key <= q_idx)
+            if window is not None:
+                first = first & (position[key] > query_position[q_idx] - window)
+            return torch.where(kv_idx < length, first, key == q_idx)
+
+        return visible
+
+    def flat(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, heads, W, d] -> [1, heads, L, d]: the rows end to end, zeros past them."""
+        batch, heads, width, dim = x.shape
+        laid = x.transpose(0, 1).reshape(1, heads, batch * width, dim)
+        return nn.functional.pad(laid, (0, 0, 0, self.length - batch * width))
+
+    def unflat(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, heads, L, d] -> [B, heads, W, d]."""
+        heads, dim = x.shape[1], x.shape[3]
+        return x[0, :, : self.rows * self.width].view(heads, self.rows, self.width, dim).transpose(0, 1)
+
+    def regions(self, first: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+        """Step 0's [B, kv, W, d] and steps 1..i's [B, kv, W, i, d] -> [1, kv, S·L, d], zeros past step i."""
+        laid = [self.flat(first)] + [self.flat(own[:, :, :, j]) for j in range(own.shape[3])]
+        missing = self.steps - len(laid)
+        if missing:
+            laid.append(first.new_zeros(1, first.shape[1], missing * self.length, first.shape[3]))
+        return torch.cat(laid, dim=2)
+
+
+def block_indices(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[Q blocks, KV blocks] bool -> (kv_num_blocks [1, 1, Q], kv_indices [1, 1, Q, KV]) int32, each
+    query block's flagged key blocks first, in increasing order."""
+    order = torch.sort(flags.to(torch.int8), dim=1, descending=True, stable=True).indices
+    return flags.sum(1, dtype=torch.int32)[None, None], order.to(torch.int32)[None, None]
+
+
+def flex_step(query, keys, values, own_keys, own_values, layout: FlexLayout, step: int, scaling) -> torch.Tensor:
+    """Step `step` > 0 through compiled flex attention on the micro-batch's flat layout: [B, heads, W, d]."""
+    out = compiled_flex(
+        layout.flat(query),
+        layout.regions(keys, own_keys),
+        layout.regions(values, own_values),
+        block_mask=layout.masks[step - 1],
+        scale=scaling,
+        enable_gqa=query.shape[1] != keys.shape[1],
     )
+    return layout.unflat(out)
 
 
-@lru_cache(maxsize=2)
-def flex_attention_for(device_type: str):
-    """flex_attention, compiled once per process on CUDA (uncompiled it materialises every score); as
-    it is elsewhere, where only its forward runs (an equivalence check on the CPU)."""
+def compiled_flex(*args, **kwargs) -> torch.Tensor:
+    """flex_attention compiled (uncompiled it materialises every score), at most FLEX_RECOMPILE_LIMIT
+    graphs: past them torch would fall back to that unfused path without a word; here it raises."""
+    with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+        return _compiled_flex()(*args, **kwargs)
+
+
+@lru_cache(maxsize=1)
+def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False) if device_type == "cuda" else flex_attention
+    return torch.compile(flex_attention, dynamic=False)
 
 
 class StepKeys:

@@ -121,7 +121,7 @@ class _SoftCrossEntropy(torch.autograd.Function):
             if features_grad:
                 grad_features.index_copy_(0, index, (torch.mm(g, weight) * scale).to(features.dtype))
             if weight_grad:
-                weighted = chunk * scale
+                weighted = (chunk * scale).to(g.dtype)  # bf16 weights without autocast (DeepSpeed): a bf16 GEMM
                 if g.dtype == grad_weight.dtype:
                     grad_weight.addmm_(g.T, weighted)
                 else:  # a low-precision GEMM, accumulated in float32

@@ -116,7 +116,7 @@ def test_eagle3_loss_on_cuda_equals_the_straightforward_reference(variant, packe
     from tests.helpers import TINY_VOCAB, tiny_llama
     from tests.test_eagle3 import loss_rows, reference_loss
 
-    model = tiny_llama(vocab=TINY_VOCAB, logit_scale=4.0).cuda()
+    model = tiny_llama(vocab=TINY_VOCAB, hidden=64, logit_scale=4.0).cuda()  # heads of 16: flex's least
     cls = drafter_class("eagle3")
     torch.manual_seed(0)
     config = cls.Config(aux_layers=[-1, 0, 1], draft_vocab_size=24, ttt_steps=4, **EAGLE3_VARIANTS[variant])
@@ -152,7 +152,7 @@ def test_eagle3_step_never_waits_for_the_host():
     from tests.helpers import TINY_VOCAB, tiny_llama
     from tests.test_eagle3 import loss_rows
 
-    model = tiny_llama(vocab=TINY_VOCAB, logit_scale=4.0).cuda()
+    model = tiny_llama(vocab=TINY_VOCAB, hidden=64, logit_scale=4.0).cuda()  # heads of 16: flex's least
     cls = drafter_class("eagle3")
     drafter = cls.from_target(cls.Config(aux_layers=[-1, 0, 1], draft_vocab_size=24, ttt_steps=4), model, "tiny")
     drafter = drafter.cuda()
@@ -172,3 +172,43 @@ def test_eagle3_step_never_waits_for_the_host():
             optimizer.zero_grad(set_to_none=True)
         finally:
             torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
+def test_eagle3_flex_training_on_real_batches_compiles_once_per_bucket(pack):
+    """The demo recipe's real micro-batches (tests/test_ttt_flex.py's cases: padded EAGLE-3, packed P-EAGLE with
+    a sliding window), trained through compiled flex attention on CUDA: the loss, statistics and gradients equal
+    the dense path's on every batch, at most one compiled forward-and-backward graph per length bucket, and no
+    call runs flex uncompiled (torch's silent fallback; here an error past FLEX_RECOMPILE_LIMIT)."""
+    import warnings
+
+    from draftsmith.heads.packing import causal_lm_inputs
+    from draftsmith.heads.ttt_attention import flat_length
+    from draftsmith.target import run_target
+    from tests.test_ttt_flex import CASES, compiled_graphs, real_micro_batches
+
+    target, drafter, batches = real_micro_batches(["recipe=eagle3", *CASES[pack]], 8, pack)
+    target, drafter = target.cuda(), drafter.cuda()
+    before, buckets = compiled_graphs(), set()
+    for batch in batches:
+        batch = {key: value.cuda() if torch.is_tensor(value) else value for key, value in batch.items()}
+        buckets.add(flat_length(batch["input_ids"].shape[0] * (batch["input_ids"].shape[1] - 2)))
+        with torch.no_grad():
+            target_out = run_target(target, batch["input_ids"], request=drafter.request, **causal_lm_inputs(batch))
+        results = {}
+        for backend in ("dense", "flex"):
+            drafter.config.ttt_attention = backend
+            drafter.zero_grad()
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message="flex_attention called without torch.compile")
+                loss, count, stats = drafter(batch, target_out)
+                (loss / count).backward()
+            grads = {name: p.grad.clone() for name, p in drafter.named_parameters() if p.grad is not None}
+            results[backend] = (loss.detach(), stats, grads)
+        (loss, stats, grads), (expected_loss, expected_stats, expected_grads) = results["flex"], results["dense"]
+        torch.testing.assert_close(loss, expected_loss, rtol=1e-4, atol=1e-5)
+        for name, values in expected_stats.items():
+            torch.testing.assert_close(stats[name], values, rtol=1e-4, atol=1e-4, msg=name)
+        for name, grad in expected_grads.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-3, atol=1e-5, msg=name)
+    assert 1 <= compiled_graphs() - before <= len(buckets), (compiled_graphs() - before, sorted(buckets))

@@ -126,6 +126,21 @@ def test_under_a_bf16_autocast_the_lm_head_runs_in_bf16():
         torch.testing.assert_close(got_grad, expected_grad, rtol=1e-2, atol=1e-2)
 
 
+def test_bf16_weights_without_autocast_train_in_bf16():
+    """DeepSpeed's bf16 keeps the drafter's weights in bf16 and runs no autocast: the lm_head's weight gradient
+    is a bf16 GEMM of the logits' gradient and the row-weighted features (a float32 row weight does not make
+    it a float32 one: the GPU tier's ZeRO-2/3 runs failed on that), equal to the float32 one to bf16 rounding."""
+    features, weight, teacher_probs = problem(seed=5)
+    row_weight = torch.rand(ROWS)
+    low = [tensor.bfloat16().requires_grad_() for tensor in (features, weight)]
+    fused = soft_cross_entropy(low[0], low[1], rows_of(teacher_probs), row_weight, 5)
+    loss = reference(features.requires_grad_(), weight.requires_grad_(), teacher_probs, row_weight)[0]
+    torch.testing.assert_close(fused.loss, loss, rtol=2e-2, atol=2e-2)
+    for got, expected in zip(grads(fused.loss, *low), grads(loss, features, weight)):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), expected, rtol=5e-2, atol=5e-2)
+
+
 def test_chunk_rows_for():
     assert chunk_rows_for(1 << 27, 32000) == 1048
     assert chunk_rows_for(16, 32000) == 1

@@ -509,6 +509,7 @@ def micro_batches(dataset, collate, cfg: DictConfig, world: int, rank: int, stat
             collate_fn=collate,
             num_workers=cfg.train.num_workers,
             generator=torch.Generator().manual_seed(cfg.train.seed + epoch),
+            pin_memory=torch.cuda.is_available(),  # the trainer runs on CUDA where there is one (make_accelerator)
         )
         for offset, batch in enumerate(loader):
             yield epoch, skip + offset, batch
@@ -520,7 +521,8 @@ def forward_backward(accelerator, drafter, batch: dict, target_features, scale: 
     features, the drafter's (loss_sum, count, stats), and the backward of loss_sum x `scale`
     (`loss_scale`). Returns (the batch on the device, the target's features, the drafter's output)."""
     with record_function("target_forward"):  # ranges a profiler trace names (benchmarks/train_throughput.py)
-        batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        # pinned by the loader on CUDA (micro_batches), so the copy does not block the host
+        batch = {k: v.to(accelerator.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
         with torch.no_grad():
             target_out = target_features(batch)
     with record_function("drafter_forward_backward"):

