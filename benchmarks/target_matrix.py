@@ -84,11 +84,11 @@ def run(args: list[str], env: dict) -> tuple[int, str, float]:
     return result.returncode, tail[:400], round(time.perf_counter() - start, 1)
 
 
-def measure(family: str, kind: str, target: Path, work: Path, vllm_python: str, env: dict) -> dict:
+def measure(family: str, kind: str, target: Path, work: Path, vllm_python: str, env: dict, extra: list[str]) -> dict:
     recipe, overrides = KINDS[kind]
     out = work / f"{family}-{kind}"
-    args = [f"recipe={recipe}", f"target.name_or_path={target}", *COMMON, *overrides, f"output_dir={out}"]
-    row: dict = {"family": family, "kind": kind}
+    args = [f"recipe={recipe}", f"target.name_or_path={target}", *COMMON, *overrides, *extra, f"output_dir={out}"]
+    row: dict = {"family": family, "kind": kind} | ({"overrides": extra} if extra else {})
     code, error, seconds = run(["train.py", *args], env)
     row |= {"train": code == 0, "train_s": seconds}
     if code != 0:
@@ -157,6 +157,11 @@ def main() -> None:
     parser.add_argument("--kinds", default="eagle3")
     parser.add_argument("--out", default="docs/results/target_matrix.jsonl")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="a recipe override for every run, recorded in the rows (target.dtype=bfloat16: vLLM's CPU "
+        "Gated-DeltaNet layers take bfloat16 only)",
+    )  # fmt: skip
     parser.add_argument("--markdown", action="store_true", help="print --out as docs/targets.md's table and stop")
     options = parser.parse_args()
     out = REPO / options.out
@@ -183,7 +188,7 @@ def main() -> None:
                 if target is None:
                     target = write_random_target(family, work / family, seed_from=demo_tokenizer_dir())
                 start = time.perf_counter()
-                row = measure(family, kind, target, work, options.vllm_python, env)
+                row = measure(family, kind, target, work, options.vllm_python, env, options.set)
                 row |= machine | {"wall_s": round(time.perf_counter() - start, 1)}
                 print(json.dumps(row), flush=True)
                 with out.open("a") as stream:

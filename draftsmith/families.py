@@ -29,12 +29,18 @@ from draftsmith.errors import UserError
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 ATTENTION_KINDS = (FULL, SLIDING)  # the kinds whose keys the eval loop can crop and gather
+LINEAR = "linear_attention"  # a recurrent state (Gated DeltaNet): the eval loop copies it and puts it back
 
 
 def _get(config: Any, key: str, default=None):
     if isinstance(config, dict):
         return config.get(key, default)
-    return getattr(config, key, default)
+    try:
+        return getattr(config, key, default)
+    except RuntimeError as err:  # a field set per layer (Gemma-4's head_dim): the config's global value
+        if type(err).__name__ != "AmbiguousGlobalPerLayerAttributeError":
+            raise
+        return config.to_dict().get(key, default)
 
 
 def text_config(config: Any) -> Any:
@@ -55,6 +61,31 @@ def layer_types(config: Any) -> list[str]:
     window = _get(config, "sliding_window")
     uses_window = window is not None and _get(config, "use_sliding_window", True) is not False
     return [SLIDING if uses_window else FULL] * int(_get(config, "num_hidden_layers"))
+
+
+def recurrent(config: Any) -> bool:
+    """Whether some layer folds its tokens into a recurrent state (linear attention) instead of keys."""
+    return LINEAR in layer_types(config)
+
+
+def check_eval_settings(config: Any, eval_section: Any) -> None:
+    """What draftsmith's eval loop can decode on this target, checked before a run or an eval starts:
+    a recurrent state reads a draft's tokens in order (chains only), and no padding may pass through it
+    (the loop decodes its rows one at a time, so a batch's speed cannot be measured)."""
+    if not recurrent(config):
+        return
+    if int(_get(eval_section, "tree", 0)) > 0:
+        raise UserError(
+            "eval.tree: a target with linear-attention layers verifies chains only (its state reads a draft's "
+            "tokens in order, so a tree's branches would see each other): set eval.tree=0"
+        )
+    sizes = [int(_get(eval_section, "batch_size", 1)), *map(int, _get(eval_section, "batch_sizes", None) or [])]
+    if max(sizes) > 1:
+        raise UserError(
+            "eval.batch_size / eval.batch_sizes: the eval loop decodes a target with linear-attention layers one "
+            "prompt at a time (no padding may pass through its state), so it cannot measure a batch: set "
+            "eval.batch_size=1 eval.batch_sizes=[]"
+        )
 
 
 def sliding_window(config: Any) -> Optional[int]:

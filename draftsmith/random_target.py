@@ -7,7 +7,10 @@ a GPU (throughput does not depend on the weights' values).
 
 `build_config(model_type, ...)` goes through `transformers.AutoConfig.for_model`, so any decoder-only
 model type of the installed transformers works with no code here; the only per-family knowledge is
-the generic spelling of mixture-of-experts sizes, set where the config class has the field.
+the generic spelling of mixture-of-experts sizes, set where the config class has the field, and the
+sizes some families keep apart from the usual ones (latent attention's ranks, linear attention's and
+sparse indexers' heads, expert groups, per-layer overrides), derived from TINY's where the class has
+the field, so that the model is consistent and small.
 Every weight of two or more dimensions is drawn from N(0, std²) (std 0.08 makes greedy decoding
 decisive on a tiny model: the top logit wins by a clear margin, so engines agree token for token).
 
@@ -46,7 +49,15 @@ EXPERTS = {
     "n_routed_experts": 4,
     "num_experts_per_tok": 2,
     "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128,
 }
+EXPERT_COUNTS = ("n_routed_experts", "num_local_experts", "num_experts")  # EXPERTS' names of the expert count
+# The sparse indexers' keys per query: short enough that a test's sequences go past it (the selection
+# is exercised), a multiple of 64 as engines' sparse-attention kernels tile the selected keys.
+INDEX_TOPK = 64
+# Multi-head latent attention's key-value latent and rotary sizes (DeepSeek-V3's, GLM-4.5-Air's, Kimi's):
+# vLLM's CPU MLA kernel serves a 576-wide latent head only (mla/cpu_mla.py), so tiny targets keep them.
+MLA_LATENT, MLA_ROPE = 512, 64
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
@@ -65,24 +76,113 @@ def build_config(
 ):
     """A transformers config of `model_type` at the TINY shape (`shape` overrides any field): the
     vocabulary and special token ids given, sliding-window layers (where the family has them)
-    limited to `sliding_window` positions so that short tests cross the window."""
+    limited to `sliding_window` positions so that short tests cross the window.
+
+    The config is built by its class with every field at once, so that what the class derives in its
+    own initialisation (per-layer kinds, MLA's query head size, rotary sizes) follows the tiny shape;
+    the fields a family sizes apart from TINY's (latent ranks, linear-attention heads, indexer heads,
+    expert groups, per-layer overrides) are derived from TINY's, by field name (`scaled_fields`)."""
     from transformers import AutoConfig
 
-    fields = {**TINY, **shape, "vocab_size": vocab_size, **(special or {})}
     try:
-        config = AutoConfig.for_model(model_type, **fields)
+        default = AutoConfig.for_model(model_type)
     except ValueError as err:
         raise UserError(f"transformers has no model type {model_type!r}: {one_line(err)}") from None
-    config = getattr(config, "text_config", None) or config  # a multimodal family: its language model
-    for key, value in EXPERTS.items():
-        if hasattr(config, key) and key not in shape:
-            setattr(config, key, value)
-    for key in EXPERTS.keys() & shape.keys():  # again: a field may be an alias of another (num_experts)
-        setattr(config, key, shape[key])
+    # A multimodal family: its language model's config, built with the fields (the outer config's
+    # constructor would leave its text config at the full size).
+    default = getattr(default, "text_config", None) or default
+    aliases = type(default).attribute_map
+    canonical = {key: aliases.get(key, key) for key in (*TINY, *EXPERTS, *shape)}
+    experts = {key: value for key, value in EXPERTS.items() if hasattr(default, key)}
+    fields: dict[str, Any] = {}
+    # Later sources win over a field's aliases too (an expert size that is another name of a TINY one).
+    for source in (TINY, experts, shape):
+        fields.update({canonical[key]: value for key, value in source.items()})
+    fields.update(vocab_size=vocab_size, **(special or {}))
+    defaults = default.to_dict()
+    sizes = {key: fields[canonical[key]] for key in TINY} | {"vocab_size": vocab_size}
+    sizes.update({key: fields[canonical[key]] for key in EXPERTS if canonical[key] in fields})
+    given = shape.keys() - TINY.keys()  # a derived size given is kept; TINY's given are what sizes derive from
+    fields.update({key: value for key, value in scaled_fields(defaults, sizes).items() if key not in given})
+    cls = type(default)
+    config = cls(**fields)
+    overrides = getattr(config, "is_heterogeneous", False) and config.to_dict().get("per_layer_config")
+    if overrides and "per_layer_config" not in shape:
+        # Per-layer overrides (wider heads on some layers) at the tiny shape: each overridden size scaled
+        # as its global field was, so that those layers keep their proportion to the others.
+        scaled = {layer: scaled_overrides(values, defaults, fields) for layer, values in overrides.items()}
+        config = cls(**fields, per_layer_config=scaled)
     if sliding_window is not None and getattr(config, "sliding_window", None) is not None:
         config.sliding_window = sliding_window
     config.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
     return config
+
+
+def scaled_fields(defaults: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """The sizes a family keeps apart from TINY's fields, at sizes derived from them so that the tiny
+    model is consistent and small (`defaults`: the class's own config, whose fields say which apply;
+    `fields`: the tiny sizes under TINY's and EXPERTS' names, and the vocabulary's)."""
+    head, heads = fields["head_dim"], fields["num_attention_heads"]
+    kv_heads, layers = fields["num_key_value_heads"], fields["num_hidden_layers"]
+    out: dict[str, Any] = {}
+    if defaults.get("num_key_value_heads") == 1:  # multi-query attention: one key-value head, shared by all
+        out["num_key_value_heads"] = 1
+    if "kv_lora_rank" in defaults:
+        # Multi-head latent attention: keys and values are expanded from one latent per token into every
+        # query head, so the heads are not grouped (a group would repeat already expanded heads). Its
+        # head_dim is the rotary part's (what the rotary embedding reads): a head_dim given as a field
+        # would replace the one the class derives, so it is given as that part. The latent and rotary
+        # sizes stay the released models' (512 + 64): vLLM's CPU MLA kernel takes that latent only.
+        out.update(num_key_value_heads=heads, qk_nope_head_dim=head, qk_rope_head_dim=MLA_ROPE, v_head_dim=head)
+        out.update(head_dim=MLA_ROPE, kv_lora_rank=MLA_LATENT)
+    if defaults.get("q_lora_rank"):  # a query latent (None where queries are projected at full rank: kept)
+        out["q_lora_rank"] = 3 * head  # not the key-value latent's 2 * head: a mix-up of the two fails on shape
+    if defaults.get("o_lora_rank"):  # grouped low-rank output projection: groups of two query heads
+        out.update(o_lora_rank=head, o_groups=largest_divisor(heads, defaults.get("o_groups") or 1, per_part=2))
+    if "index_n_heads" in defaults:  # a sparse-attention indexer: its own heads, as the attention's
+        out.update(index_n_heads=heads, index_head_dim=head)
+        out["index_topk"] = min(defaults.get("index_topk") or INDEX_TOPK, INDEX_TOPK)
+    if defaults.get("n_group"):
+        # Grouped routing: the experts split in groups (each scored by its top two experts), the tokens
+        # routed within the best `topk_group` of them; as many groups as divide the experts in pairs, the
+        # family's share of them kept (at least enough groups for the experts a token takes).
+        experts = next(fields[key] for key in EXPERT_COUNTS if fields.get(key))
+        groups = largest_divisor(experts, defaults["n_group"], per_part=2)
+        share = round(groups * (defaults.get("topk_group") or 1) / defaults["n_group"])
+        needed = -(-fields.get("num_experts_per_tok", 1) // (experts // groups))
+        out.update(n_group=groups, topk_group=min(groups, max(1, share, needed)))
+    if defaults.get("first_k_dense_replace"):  # dense layers first: one, so that 2 layers still meet both kinds
+        out["first_k_dense_replace"] = 1
+    if isinstance(defaults.get("mlp_layer_types"), list) and defaults["mlp_layer_types"]:
+        # The family's first layer's kind, then its last layer's (dense or hash-routed first, then routed).
+        kinds = defaults["mlp_layer_types"]
+        out["mlp_layer_types"] = [kinds[0]] + [kinds[-1]] * (layers - 1)
+    if "linear_key_head_dim" in defaults:  # linear attention (Gated DeltaNet): heads as the attention's
+        out.update(linear_key_head_dim=head, linear_value_head_dim=head)
+        out.update(linear_num_key_heads=kv_heads, linear_num_value_heads=heads)
+    if defaults.get("vocab_size_per_layer_input"):  # per-layer input embeddings: of the vocabulary used
+        out["vocab_size_per_layer_input"] = fields["vocab_size"]
+    if defaults.get("hidden_size_per_layer_input"):
+        out["hidden_size_per_layer_input"] = head
+    if "num_kv_shared_layers" in defaults:  # layers reusing another's cache: none, each layer its own
+        out["num_kv_shared_layers"] = 0
+    return {key: value for key, value in out.items() if key in defaults}
+
+
+def scaled_overrides(values: dict[str, Any], defaults: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """A layer's overrides of global sizes, each scaled by its field's tiny/default ratio."""
+
+    def scaled(key: str, value: Any) -> Any:
+        if not (isinstance(value, int) and isinstance(defaults.get(key), int) and key in fields):
+            return value
+        return max(1, value * fields[key] // defaults[key])
+
+    return {key: scaled(key, value) for key, value in values.items()}
+
+
+def largest_divisor(n: int, cap: int, per_part: int = 1) -> int:
+    """The largest divisor of `n` that is at most `cap` and leaves at least `per_part` in each part."""
+    return max(d for d in range(1, n + 1) if n % d == 0 and d <= max(cap, 1) and (n // d >= per_part or d == 1))
 
 
 @torch.no_grad()
@@ -128,6 +228,24 @@ def seed_weights(model, directory: Path) -> float:
     return copied / sum(p.numel() for p in model.parameters())
 
 
+def declare_as_released(config, model) -> None:
+    """Add the config fields released checkpoints carry for what transformers' class always computes,
+    which engines read instead (vLLM routes with a softmax and no bias, or fails on a missing field,
+    without them): a router with a score-correction bias scores experts by a sigmoid and picks them
+    with the bias (`noaux_tc` where the experts are grouped); the rotary embedding's width (`rotary_dim`,
+    which the engines that read it take as transformers' head_dim × partial factor)."""
+    if any(name.endswith("e_score_correction_bias") for name, _ in model.named_buffers()) or any(
+        name.endswith("e_score_correction_bias") for name, _ in model.named_parameters()
+    ):
+        config.scoring_func, config.use_routing_bias = "sigmoid", True
+        if getattr(config, "n_group", None):
+            config.topk_method = "noaux_tc"
+    factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+    head_dim = getattr(config, "head_dim", None)
+    if isinstance(head_dim, int) and getattr(config, "rotary_dim", None) is None:
+        config.rotary_dim = int(head_dim * factor)
+
+
 def write_random_target(
     model_type: str,
     directory: str | Path,
@@ -143,6 +261,7 @@ def write_random_target(
     special = {key: demo[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
     config = build_config(model_type, demo["vocab_size"], special, sliding_window=sliding_window, **shape)
     model = build_model(config, seed=seed, seed_from=seed_from)
+    declare_as_released(model.config, model)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)

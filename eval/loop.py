@@ -21,6 +21,14 @@ keeps each row right-aligned (left padding that no query sees) and positions are
 every row is attended and positioned exactly as if it were decoded alone; a finished row (EOS or its
 token budget) leaves the batch. Each row has its own proposer (its own drafting state) and its own
 random stream, seeded as it would be alone, so a batch changes nothing but the arithmetic's grouping.
+
+Recurrent layers (the linear attention of hybrid targets such as Qwen3.5 and Qwen3-Next) fold every
+token fed into one state that cannot be cut back to a prefix the way keys can. Before a verify forward
+the loop keeps a copy of those states; when a draft is rejected it puts the copies back, cuts the keys
+to the same point, and feeds the accepted tokens again at the head of the next cycle's forward (the
+row's `pending` tokens: still one target forward a cycle, only a wider one). A recurrent state sees its
+tokens in sequence, so such a target verifies chains only, and decodes a batch's rows one at a time (no
+padding may pass through a state).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from typing import Optional
 import torch
 from transformers import DynamicCache
 
+from draftsmith.caches import RecurrentCheckpoint, cut_keys, key_layers, new_cache
 from draftsmith.errors import UserError
 from draftsmith.eval.sampling import AcceptRule, Sampling, Verdict, exact_rule, verify
 from draftsmith.eval.trees import (
@@ -44,7 +53,16 @@ from draftsmith.eval.trees import (
     tree_depths,
     verify_visibility,
 )
-from draftsmith.families import ATTENTION_KINDS, FULL, SLIDING, layer_types, sliding_window, within_window
+from draftsmith.families import (
+    ATTENTION_KINDS,
+    FULL,
+    LINEAR,
+    SLIDING,
+    layer_types,
+    recurrent,
+    sliding_window,
+    within_window,
+)
 from draftsmith.heads.base import DraftState, DraftTree, Proposer, Tree
 from draftsmith.heads.packing import causal_document_mask
 from draftsmith.target import FeatureRequest, run_target
@@ -54,9 +72,12 @@ from draftsmith.target import FeatureRequest, run_target
 class RowState:
     """One sequence: everything committed so far. `final`/`layers` are the target's hidden states at
     the position before the root; `new_final` / `new_layers` are those at the positions committed since
-    the drafter last proposed (see DraftState), `fresh` is True until it first has."""
+    the drafter last proposed (see DraftState), `fresh` is True until it first has. The cache holds the
+    first `cached` tokens; the rest (`pending`: the root, and on a recurrent target the tokens accepted
+    by a cycle whose draft was cut short) go into the next forward."""
 
     tokens: list[int]
+    cached: int
     final: torch.Tensor  # [H]
     layers: dict[int, torch.Tensor]
     new_final: torch.Tensor  # [m, H]
@@ -87,9 +108,8 @@ class RowState:
         self.fresh = False
 
     @property
-    def cached(self) -> int:
-        """Positions of this row in the cache: every committed token but the root."""
-        return len(self.tokens) - 1
+    def pending(self) -> list[int]:
+        return self.tokens[self.cached :]
 
 
 @dataclass
@@ -109,27 +129,34 @@ class DecodeState:
         """Drop the other rows (finished sequences), and the left padding nobody needs any more."""
         self.rows = [self.rows[b] for b in keep]
         width = max(row.cached for row in self.rows)
-        index = torch.tensor(list(keep), device=self.cache.layers[0].keys.device)
-        for layer in self.cache.layers:
+        layers = key_layers(self.cache)
+        index = torch.tensor(list(keep), device=layers[0].keys.device)
+        for layer in layers:
             layer.keys = layer.keys[index, :, -width:]
             layer.values = layer.values[index, :, -width:]
 
 
-def check_target(model) -> None:
-    """Tree verification needs a backend that takes a custom 4D mask, and attention layers whose keys
-    can be cropped and gathered: full or sliding-window attention (a sliding-window layer keeps every
-    key in the loop's cache, and its mask hides those out of the window), not linear attention."""
+def check_target(model, tree: Optional[Tree] = None) -> None:
+    """Tree verification needs a backend that takes a custom 4D mask; rolling a rejected draft back
+    needs layers whose keys can be cut and gathered (full or sliding-window attention: a sliding-window
+    layer keeps every key in the loop's cache, and its mask hides those out of the window) or whose
+    state can be copied and put back (linear attention, for chains: its state reads tokens in order)."""
     implementation = getattr(model.config, "_attn_implementation", "eager")
     if implementation not in ("eager", "sdpa"):
         raise UserError(
             "the eval loop needs attn_implementation 'sdpa' or 'eager' (custom tree masks); the target uses "
             f"{implementation!r}"
         )
-    other = sorted(set(layer_types(model.config)) - set(ATTENTION_KINDS))
+    other = sorted(set(layer_types(model.config)) - {*ATTENTION_KINDS, LINEAR})
     if other:
         raise UserError(
-            "the eval loop verifies drafts on attention layers only (full or sliding-window, whose keys it can roll "
-            f"back); this target also has {other} layers"
+            "the eval loop verifies drafts on attention and linear-attention layers only (whose keys or states it can "
+            f"roll back); this target also has {other} layers"
+        )
+    if tree is not None and recurrent(model.config):
+        raise UserError(
+            "a target with linear-attention layers verifies chains only (its state reads a draft's tokens in order, "
+            "so a tree's branches would see each other): set eval.tree=0"
         )
 
 
@@ -154,9 +181,10 @@ def prefill(model, prompts: Sequence[Sequence[int]], request: FeatureRequest = F
     are left-padded; a prompt token sees its own row's causal prefix, padding only padding."""
     if any(len(prompt) < 2 for prompt in prompts):
         raise UserError("a prompt needs at least 2 tokens (the chat template alone gives more)")
+    if len(prompts) > 1 and recurrent(model.config):
+        raise ValueError("a target with linear-attention layers decodes its rows one at a time (generate_batch)")
     device = model.get_output_embeddings().weight.device
-    check_target(model)
-    cache = DynamicCache()  # a full-length layer for every kind: sliding-window layers are masked, not truncated
+    cache = new_cache(model)
     lengths = [len(prompt) - 1 for prompt in prompts]
     width = max(lengths)
     ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
@@ -177,6 +205,7 @@ def prefill(model, prompts: Sequence[Sequence[int]], request: FeatureRequest = F
         rows.append(
             RowState(
                 tokens=list(prompt),
+                cached=n,
                 final=out.final[b, -1],
                 layers={layer: hidden[-1] for layer, hidden in layers.items()},
                 new_final=out.final[b, width - n :],  # every cached position is new to the drafter
@@ -187,16 +216,16 @@ def prefill(model, prompts: Sequence[Sequence[int]], request: FeatureRequest = F
 
 
 def keep_in_cache(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
-    """One row: the cache holds [prefix | root | nodes] with the prefix `start` long; keep the new
+    """One row: the cache holds [prefix | new positions] with the prefix `start` long; keep the new
     positions `keep` (relative to `start`, in order) packed right after the prefix and drop the rest."""
     kept = len(keep)
-    if not torch.equal(keep, torch.arange(kept, device=keep.device)):  # a chain's path is already in place
-        index = keep + start
-        for layer in cache.layers:
+    moved = not torch.equal(keep, torch.arange(kept, device=keep.device))  # a chain's path is already in place
+    for layer in key_layers(cache):
+        if moved:
             # The right-hand side is gathered into a new tensor before the write, so overlap is safe.
-            layer.keys[..., start : start + kept, :] = layer.keys[..., index, :]
-            layer.values[..., start : start + kept, :] = layer.values[..., index, :]
-    cache.crop(-(cache.get_seq_length() - start - kept))
+            layer.keys[..., start : start + kept, :] = layer.keys[..., keep + start, :]
+            layer.values[..., start : start + kept, :] = layer.values[..., keep + start, :]
+    cut_keys(cache, start + kept)
 
 
 def gather_cache(cache: DynamicCache, width: int, cached: Sequence[int], keeps: Sequence[torch.Tensor]) -> None:
@@ -209,11 +238,12 @@ def gather_cache(cache: DynamicCache, width: int, cached: Sequence[int], keeps: 
     index = torch.zeros(len(keeps), new_width, dtype=torch.long, device=device)
     for b, (n, keep) in enumerate(zip(cached, keeps)):
         index[b, new_width - lengths[b] :] = torch.cat([torch.arange(width - n, width, device=device), keep + width])
-    for layer in cache.layers:
-        heads, dim = layer.keys.shape[1], layer.keys.shape[-1]
-        gather = index[:, None, :, None].expand(-1, heads, -1, dim)
-        layer.keys = layer.keys.gather(2, gather)
-        layer.values = layer.values.gather(2, gather)
+    for layer in key_layers(cache):
+        # gathered one by one: keys and values may differ in heads and width (multi-head latent attention)
+        layer.keys, layer.values = (
+            tensor.gather(2, index[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[-1]))
+            for tensor in (layer.keys, layer.values)
+        )
 
 
 def empty_draft(device: torch.device) -> DraftTree:
@@ -250,38 +280,53 @@ def verify_step(
     request: FeatureRequest = FeatureRequest(),
     rule: AcceptRule = exact_rule,
 ) -> list[Verdict]:
-    """One target forward over [root] + draft of every row, then per row verification and cache
-    rollback; updates `state`."""
+    """One target forward over [pending] + draft of every row (the pending tokens end with the root),
+    then per row verification and cache rollback; updates `state`."""
     width, rows = state.width, state.rows
     cached = [row.cached for row in rows]
-    queries = 1 + max(len(draft) for draft in drafts)
+    pending = [len(row.pending) for row in rows]
+    queries = max(p + len(draft) for p, draft in zip(pending, drafts))
     device = drafts[0].tokens.device
     ids = torch.zeros(len(rows), queries, dtype=torch.long, device=device)
     positions = torch.zeros(len(rows), queries, dtype=torch.long, device=device)
-    for b, (row, draft) in enumerate(zip(rows, drafts)):
-        size = len(draft) + 1
-        ids[b, :size] = torch.cat([torch.tensor([row.tokens[-1]], device=device), draft.tokens])
-        positions[b] = row.cached
-        positions[b, :size] += tree_depths(draft.parents)
+    for b, (row, draft, p) in enumerate(zip(rows, drafts, pending)):
+        ids[b, : p + len(draft)] = torch.cat([torch.tensor(row.pending, device=device), draft.tokens])
+        positions[b] = row.cached + p - 1
+        positions[b, : p - 1] = row.cached + torch.arange(p - 1, device=device)
+        positions[b, p - 1 : p + len(draft)] += tree_depths(draft.parents)
     # One row with a chain: the tree mask is the causal mask, so let the model build it, which keeps
     # SDPA on the same kernels as plain decoding (an explicit mask would make plain decoding slower,
-    # inflating speedups). A batch always needs the explicit mask (padding), plain decoding included.
+    # inflating speedups). A batch always needs the explicit mask (padding), plain decoding included;
+    # its rows have one pending token each (only a recurrent target has more, and it decodes rows alone).
     single_chain = len(rows) == 1 and is_chain(drafts[0].parents)
     mask = None
     if not single_chain:
         keys = torch.cat([cache_positions(cached, width, device), positions], dim=1)
         mask = attention_masks(model, verify_visibility(drafts, cached, width), positions, keys)
+    checkpoint = RecurrentCheckpoint(state.cache) if any(len(draft) for draft in drafts) else None
     out = run_target(model, ids, mask, request, positions, state.cache, use_cache=True)
 
     verdicts, keeps = [], []
-    for b, (row, draft) in enumerate(zip(rows, drafts)):
-        verdict = verify(draft, sampling.probs(out.logits[b, : len(draft) + 1]), generators[b], eos_ids, rule)
-        keep = torch.tensor([0] + [1 + node for node in verdict.path], device=device)
+    for b, (row, draft, p) in enumerate(zip(rows, drafts, pending)):
+        verdict = verify(draft, sampling.probs(out.logits[b, p - 1 : p + len(draft)]), generators[b], eos_ids, rule)
+        path = torch.tensor(verdict.path, dtype=torch.long, device=device)
+        keep = torch.cat([torch.arange(p, device=device), p + path])
+        # Committed now: the root and the path (the tokens pending before the root were committed
+        # earlier); the last of them produced the bonus.
+        hidden = keep[p - 1 :]
+        row.commit_hidden(
+            out.final[b, hidden], {layer: hidden_states[b, hidden] for layer, hidden_states in out.layers.items()}
+        )
         row.tokens.extend(int(draft.tokens[node]) for node in verdict.path)
         if verdict.bonus is not None:
             row.tokens.append(verdict.bonus)
-        # Committed now: the root and the path; the last of them produced the bonus.
-        row.commit_hidden(out.final[b, keep], {layer: hidden[b, keep] for layer, hidden in out.layers.items()})
+        if checkpoint and len(verdict.path) < len(draft):
+            # The states have read the rejected tokens: back to before the forward, and the accepted ones
+            # go into the next forward (one row: a recurrent target decodes rows alone).
+            checkpoint.restore()
+            keep = keep[:0]
+        else:
+            row.cached = len(row.tokens) - 1
         verdicts.append(verdict)
         keeps.append(keep)
     if len(rows) == 1:
@@ -391,16 +436,25 @@ def generate_batch(
     chain of `gamma` draft tokens, a `tree` (static paths or a DynamicTree), or no drafter at all
     (plain decoding). `drafters[b]` is row b's own proposer (None for all: plain); `seeds[b]` seeds its
     random stream (default 0 for every row). Each row's counters are charged an equal share of the
-    batch's wall time, so summed counters give the batch's tokens/s. `rule` is replaceable for tests only."""
-    start = time.perf_counter()
-    device = model.get_output_embeddings().weight.device
+    batch's wall time, so summed counters give the batch's tokens/s. A target with recurrent layers
+    decodes the rows one at a time (the same tokens and counters, without a batch's speed).
+    `rule` is replaceable for tests only."""
     size = len(prompts)
     drafters = list(drafters) if drafters is not None else [None] * size
     if len(drafters) != size or (drafters[0] is not None and len({id(d) for d in drafters}) != size):
         raise ValueError(
             "generate_batch needs one proposer of its own per prompt (a proposer holds one sequence's state)"
         )
-    generators = [torch.Generator(device=device).manual_seed(seed) for seed in (seeds or [0] * size)]
+    check_target(model, tree)
+    seeds = list(seeds or [0] * size)
+    if size > 1 and recurrent(model.config):
+        return [
+            generate_batch(model, [prompt], max_new_tokens, [drafter], gamma, tree, sampling, eos_ids, [seed], rule)[0]
+            for prompt, drafter, seed in zip(prompts, drafters, seeds)
+        ]
+    start = time.perf_counter()
+    device = model.get_output_embeddings().weight.device
+    generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
     request = drafters[0].features if drafters[0] is not None else FeatureRequest()
     forwards_before = [d.draft_forwards if d is not None else 0 for d in drafters]
     results = [Generation() for _ in range(size)]

@@ -46,6 +46,7 @@ from draftsmith.eval.prompts import ALL, eos_ids_of, load_prompts
 from draftsmith.eval.render import render_markdown, write_report
 from draftsmith.eval.sampling import Sampling
 from draftsmith.eval.trees import tree_depth
+from draftsmith.families import check_eval_settings
 from draftsmith.heads.base import DynamicTree, Proposer, Tree
 from draftsmith.outputs import DirectoryLock
 from draftsmith.recipe import save_recipe
@@ -233,6 +234,7 @@ def _run_eval(cfg: DictConfig, out_dir: Path, checkpoint: Optional[str | Path], 
     name = cfg.target.name_or_path
     if target is None:
         target = load_target(cfg.target, resolve_device(cfg.eval.device))
+    check_eval_settings(target.config, cfg.eval)
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.target)
     device = target.get_output_embeddings().weight.device

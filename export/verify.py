@@ -141,11 +141,14 @@ def verify_in_vllm(
         "prompts": prompts,
         "max_tokens": max_new,
         "max_model_len": min(limit, max(map(len, prompts)) + max_new + 8),
+        # both loops run the target in the dtype it was loaded in (target.dtype): vLLM's CPU kernels for
+        # some layers (Gated DeltaNet) take bfloat16 only
+        "dtype": str(source.target_model.dtype).removeprefix("torch."),
     }
     # the served target's files and the request: what both loops' plain runs depend on (a drafter that
     # verifies with a target of its own, Medusa-2's adapted one, serves that target from its folder)
     plain_key = json.dumps([cfg.export.vllm_python, stamp(Path(served_target_dir)), request])
-    own_key = json.dumps([plain_key, str(source.target_model.dtype)])  # draftsmith's loop runs the target as loaded
+    own_key = plain_key  # the request names the dtype draftsmith's loop runs the target in, as loaded
     eos_ids = eos_ids_of(source.target_model, tokenizer)
     ours = draftsmith_side(source, prompts, max_new, gamma, eos_ids, session.draftsmith_plain.get(own_key))
     session.draftsmith_plain.setdefault(own_key, ours["plain"])

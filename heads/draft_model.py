@@ -40,7 +40,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
+from draftsmith.caches import RecurrentCheckpoint, cut_keys, new_cache
 from draftsmith.errors import UserError, one_line
+from draftsmith.families import ATTENTION_KINDS, layer_types, recurrent
 from draftsmith.heads import register
 from draftsmith.heads.base import (
     Drafter,
@@ -279,6 +281,8 @@ class DraftModelProposer(Proposer):
         self._generator: Optional[torch.Generator] = None  # one stream for all proposals, see _sample_generator
         self._cache: Optional[DynamicCache] = None
         self._cached: list[int] = []  # the tokens whose keys/values `_cache` holds
+        self._checkpoint: Optional[RecurrentCheckpoint] = None  # recurrent states after `_checkpointed` tokens
+        self._checkpointed = 0
 
     @torch.no_grad()
     def propose(self, state: DraftState, num_tokens: int, tree=None) -> DraftTree:
@@ -287,13 +291,21 @@ class DraftModelProposer(Proposer):
         device = self.model.get_output_embeddings().weight.device
         committed = state.tokens.tolist()
         if self.mask_token_id is not None:  # PARD: the committed tokens, then masks; one forward, every draft
-            parallel = self._advance(committed + [self.mask_token_id] * (num_tokens - 1), device, num_tokens)
+            masks = [self.mask_token_id] * (num_tokens - 1)
+            if recurrent(self.model.config):  # a checkpoint between them: two forwards
+                parallel = self._commit(committed, device)
+                if masks:
+                    parallel = torch.cat([parallel, self._advance(committed + masks, device, len(masks))])
+            else:
+                parallel = self._advance(committed + masks, device, num_tokens)
         tokens, probs = [], []
         for step in range(num_tokens):
             if self.mask_token_id is not None:
                 logits = parallel[step]
+            elif step == 0:
+                logits = self._commit(committed, device)[-1]
             else:
-                logits = self._advance(committed if step == 0 else self._cached + [tokens[-1]], device)[-1]
+                logits = self._advance(self._cached + [tokens[-1]], device)[-1]
             if self.temperature > 0:
                 q = (logits.float() / self.temperature).softmax(-1)
                 tokens.append(int(torch.multinomial(q, 1, generator=self._sample_generator(device))))
@@ -307,25 +319,38 @@ class DraftModelProposer(Proposer):
         """The draft's next-token logits [outputs, V] at the last `outputs` of `tokens`, feeding only
         what the cache lacks.
 
-        The cache is cropped to the longest common prefix of what it holds and `tokens` (this rolls
+        The cache goes back to the longest common prefix of what it holds and `tokens` (this rolls
         back rejected draft tokens and PARD's masks; a new prompt shares little or nothing), keeping at
-        least the last `outputs` tokens to feed, whose logits are the answer."""
+        least the last `outputs` tokens to feed, whose logits are the answer. Recurrent layers cannot be
+        cut: they go back to the checkpoint taken when the committed tokens were last fed
+        (`_commit`), or start over without one."""
         common = 0
         for cached, new in zip(self._cached, tokens[:-outputs]):
             if cached != new:
                 break
             common += 1
+        if self._checkpoint and common < len(self._cached):
+            if self._checkpointed <= common:
+                self._checkpoint.restore()
+                common = self._checkpointed
+            else:
+                common = 0
         if self._cache is None or common == 0:
-            self._cache = DynamicCache()  # full-length layers: a sliding-window layer's keys must crop like any other
-            common = 0
-        elif self._cache.get_seq_length() > common:
-            self._cache.crop(common - self._cache.get_seq_length())  # v5: a negative count removes positions
+            self._cache = new_cache(self.model)  # full-length layers: a sliding-window layer's keys must cut too
+            self._checkpoint, common = None, 0
+        cut_keys(self._cache, common)
         ids = torch.tensor([tokens[common:]], device=device)
         positions = torch.arange(common, len(tokens), device=device)[None]
         out = self.model(input_ids=ids, position_ids=positions, cache=self._cache, use_cache=True)
         self.draft_forwards += 1
         self._cached = list(tokens)
         return out.logits[0, -outputs:]
+
+    def _commit(self, committed: list[int], device: torch.device) -> torch.Tensor:
+        """`_advance` over the committed tokens, then a checkpoint of the recurrent states (if any)."""
+        logits = self._advance(committed, device)
+        self._checkpoint, self._checkpointed = RecurrentCheckpoint(self._cache), len(committed)
+        return logits
 
     def _sample_generator(self, device: torch.device) -> torch.Generator:
         # Seeded once and never reset: re-seeding per prompt would repeat the same draws across
@@ -369,6 +394,18 @@ def layers_of(target_model, config: DraftModelConfig):
     draft_config.num_hidden_layers = config.num_layers
     if getattr(draft_config, "layer_types", None):  # per-layer attention kinds (Qwen3, Gemma): keep the first N
         draft_config.layer_types = draft_config.layer_types[: config.num_layers]
+    kinds = layer_types(draft_config)
+    if not set(kinds) & set(ATTENTION_KINDS):
+        # transformers' cache measures its length on an attention layer; a model of recurrent layers only has none
+        first = next((i for i, kind in enumerate(layer_types(target_model.config)) if kind in ATTENTION_KINDS), None)
+        raise UserError(
+            f"a draft of the target's first {config.num_layers} layers has no attention layer ({kinds}), which "
+            + (
+                f"transformers cannot decode with a cache: set drafter.num_layers={first + 1} or drafter.name_or_path"
+                if first is not None
+                else "transformers cannot decode with a cache: set drafter.name_or_path"
+            )
+        )
     model = AutoModelForCausalLM.from_config(draft_config, dtype=torch.float32)
     wanted = model.state_dict()
     # Decoder layers 0..N-1 have the same names in both models; layers >= N exist only in the target.

@@ -14,8 +14,10 @@ from draftsmith.eval.loop import generate, generate_batch, prefill, propose, ver
 from draftsmith.eval.ngram import NGramDrafter
 from draftsmith.eval.report import run_eval
 from draftsmith.eval.sampling import Sampling, exact_rule
+from draftsmith.families import FULL, LINEAR
 from draftsmith.heads import drafter_class
 from draftsmith.heads.base import DraftState
+from draftsmith.random_target import build_config, build_model
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target
 from tests.helpers import (
@@ -200,6 +202,39 @@ def test_speculative_sampling_matches_target_distribution(small_model, case):
         assert pvalue > 1e-3, f"{case['name']}: p={pvalue:.2e}"
     else:
         assert pvalue < 1e-6, f"the wrong rule went undetected: p={pvalue:.2e}"
+
+
+@pytest.mark.slow  # ~30 s: the 1,200 rows of a linear-attention target decode one at a time
+def test_speculative_sampling_on_a_linear_attention_target_matches_its_distribution():
+    """A hybrid target (Qwen3-Next: a Gated-DeltaNet layer, then attention): every rejection puts the
+    recurrent state back and feeds the accepted tokens again; the samples still follow the target's
+    exact distribution."""
+    config = build_config(
+        "qwen3_next", VOCAB, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}, hidden_size=16,
+        intermediate_size=32, num_hidden_layers=2, head_dim=4, linear_key_head_dim=4, linear_value_head_dim=4,
+        linear_num_key_heads=2, linear_num_value_heads=4,
+    )  # fmt: skip
+    config.layer_types = [LINEAR, FULL]
+    model = build_model(config, std=0.3).requires_grad_(False)
+    model.lm_head.weight.data *= 2  # sharper, still spread: tokens are neither certain nor uniform
+    prompt, sampling = [1, 5, 2, 7], Sampling(1.0)
+    conditionals = exact_conditionals(model, prompt, sampling)
+    seeds = list(range(SAMPLES))
+    rows = generate_batch(
+        model,
+        [prompt] * SAMPLES,
+        NEW,
+        [NearTargetDrafter(conditionals, len(prompt), True, seed=seed, q_seed=0) for seed in seeds],
+        gamma=2,
+        sampling=sampling,
+        seeds=seeds,
+    )
+    counts = torch.zeros(VOCAB, VOCAB, VOCAB)
+    for row in rows:
+        counts[tuple(row.tokens)] += 1
+    accepted = sum(row.counts.accepted for row in rows)
+    assert 0.1 * SAMPLES < accepted < 1.9 * SAMPLES  # both acceptances and rejections (rollbacks) were exercised
+    assert chi_square_pvalue(counts, exact_joint(conditionals)) > 1e-3
 
 
 def test_plain_sampling_is_seeded(small_model):

@@ -24,37 +24,46 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from draftsmith.errors import UserError
 from draftsmith.eval.loop import generate, generate_batch
-from draftsmith.families import SLIDING, layer_types
+from draftsmith.families import FULL, LINEAR, SLIDING, layer_types, recurrent
 from draftsmith.heads import REGISTRY, drafter_class
 from draftsmith.heads.base import load_drafter
 from draftsmith.random_target import build_config, build_model
 from draftsmith.recipe import load_recipe
 from draftsmith.target import FeatureRequest, run_target
 from tests.helpers import (
+    OracleDrafter,
     assert_one_line_error,
     assert_tree_forward_equals_path_forwards,
     demo_recipe,
     product_strings,
+    run_entry_in_process,
+    train_args,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FAMILIES = (
     "llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2", "gemma3_text", "phi3", "gpt_oss",
-    "glm4", "cohere", "granite",
+    "glm4", "cohere", "granite", "qwen3_next", "qwen3_5_text", "deepseek_v3", "glm4_moe", "glm4_moe_lite",
+    "minimax_m2", "gemma4_text",
 )  # fmt: skip
 VOCAB, WINDOW = 256, 12  # a window far shorter than the sequences below
 
 
 def tiny(model_type: str, attn: str | None = None):
-    """A 2-layer model of the family at a small width (fast), its sliding-window layers WINDOW wide."""
+    """A 2-layer model of the family at a small width (fast), its sliding-window layers WINDOW wide; with
+    linear attention 3 layers, so that a draft of its first 2 layers holds both kinds too."""
     config = build_config(
         model_type, VOCAB, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}, sliding_window=WINDOW,
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16,
     )  # fmt: skip
-    if SLIDING in (getattr(config, "layer_types", None) or ()):
-        config.layer_types = ["sliding_attention", "full_attention"]  # hybrid: both kinds in 2 layers
+    kinds = set(getattr(config, "layer_types", None) or ())
+    if LINEAR in kinds:
+        config.num_hidden_layers, config.layer_types = 3, [LINEAR, FULL, LINEAR]
+    elif SLIDING in kinds:
+        config.layer_types = [SLIDING, FULL]  # hybrid: both kinds in 2 layers
     if attn is not None:
         config._attn_implementation = attn
     return build_model(config, std=0.2).requires_grad_(False)
@@ -99,7 +108,12 @@ def test_batch_decodes_as_each_prompt_alone(family):
 
 
 def test_tree_forward_equals_path_forwards_past_the_window(family):
+    """On attention layers; a linear-attention state reads a draft in order, so a tree is one line."""
     name, model = family
+    if recurrent(model.config):
+        with pytest.raises(UserError, match="verifies chains only"):
+            generate(model, random_prompt(8, 2), 4, drafter=OracleDrafter([3] * 4, 8, VOCAB, 1.0), tree=[(0,), (1,)])
+        return
     prefix = random_prompt(2 * WINDOW, 2)
     parents = torch.tensor([-1, -1, 0, 0, 1, 2, 2, 4, -1])
     tokens = torch.tensor(random_prompt(len(parents), 3))
@@ -150,8 +164,8 @@ def test_eagle3_trains_resumes_and_decodes_losslessly(family, layer_family, tmp_
         assert generate(model, prompt, 2 * WINDOW, drafter=proposer, gamma=3).tokens == plain
 
 
-QUIRKS = ("qwen3_moe", "gemma3_text", "phi3", "gpt_oss", "cohere")  # experts; scaled embedding and (1+w) norms; fused
-# projections; sinks, a hybrid window and experts; LayerNorm with a parallel block
+QUIRKS = ("qwen3_moe", "gemma3_text", "phi3", "gpt_oss", "cohere", "qwen3_next")  # experts; scaled embedding and
+# (1+w) norms; fused projections; sinks, a hybrid window and experts; LayerNorm with a parallel block; linear attention
 
 
 @pytest.mark.parametrize("kind", sorted(REGISTRY))
@@ -165,6 +179,8 @@ def test_every_kind_trains_and_decodes_losslessly_on_family_quirks(kind, model_t
         config.aux_layers = [-1, 0]
     if hasattr(config, "target_layers"):
         config.target_layers = [0]
+    if hasattr(config, "init") and recurrent(model.config):
+        config.num_layers = 2  # a draft of the target's layers: linear attention, then the attention it needs
     drafter = REGISTRY[kind].from_target(config, model, model_type)
     ids = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(6))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
@@ -181,6 +197,15 @@ def test_every_kind_trains_and_decodes_losslessly_on_family_quirks(kind, model_t
     plain = generate(verifier, prompt, 2 * WINDOW).tokens
     gamma = min(3, REGISTRY[kind].max_chain(drafter.config) or 3)
     assert generate(verifier, prompt, 2 * WINDOW, drafter=proposer, gamma=gamma).tokens == plain
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "deepseek_v4"])
+def test_sparse_and_compressed_attention_are_refused_by_the_eval_loop_in_one_line(model_type):
+    """DeepSeek-V3.2's indexed (sparse) attention and DeepSeek-V4's compressed attention keep more per
+    position than keys and values: the loop cannot yet roll them back, and says so before decoding."""
+    model = tiny(model_type)
+    with pytest.raises(UserError, match=r"attention and linear-attention layers only .* also has \['\w+_attention"):
+        generate(model, random_prompt(8, 0), 4)
 
 
 def test_default_taps_of_a_hybrid_linear_attention_target_are_attention_layers():
@@ -205,6 +230,24 @@ def test_random_target_command_writes_a_target_or_one_line(tmp_path, capsys):
     done = subprocess.CompletedProcess([], main(["no_such_family", str(tmp_path / "x")]), "", capsys.readouterr().err)
     assert assert_one_line_error(done, 2).startswith("error: transformers has no model type 'no_such_family'")
     assert not (tmp_path / "x").exists()
+
+
+def test_a_linear_attention_target_refuses_an_eval_it_cannot_run_before_training(
+    tmp_path, small_data, token_cache, capsys
+):
+    """Qwen3-Next trains and decodes chains; the eval stage's tree and batch settings are refused in one
+    line when the run starts (the target's config read), not after the training."""
+    from draftsmith.random_target import main
+
+    assert main(["qwen3_next", str(tmp_path / "target")]) == 0
+    refusals = {("eval.tree=16",): "set eval.tree=0", ("eval.tree=0", "eval.batch_size=4"): "set eval.batch_size=1"}
+    for settings, fragment in refusals.items():
+        key = settings[-1].split("=")[0]
+        out = tmp_path / key
+        args = train_args(out, small_data, token_cache, f"target.name_or_path={tmp_path / 'target'}")
+        done = run_entry_in_process(["train.py", *args, "eval.enabled=true", *settings], capsys)
+        assert assert_one_line_error(done, 2, fragment).startswith(f"error: {key}")
+        assert not (out / "final").exists() and not list(out.glob("checkpoint-*"))
 
 
 def test_no_target_family_is_named_in_product_code():

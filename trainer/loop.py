@@ -38,11 +38,12 @@ from draftsmith.data_prep import Collator, PackingCollator, load_tokenized
 from draftsmith.data_prep.features import FeatureCollator, expected_features, open_features
 from draftsmith.drafter_folder import warm_start
 from draftsmith.errors import Preempted, StopRequest, UserError
+from draftsmith.families import check_eval_settings
 from draftsmith.heads import drafter_class
 from draftsmith.heads.packing import causal_lm_inputs, require_packed_attention
 from draftsmith.recipe import require_draft_vocab_use, save_recipe
 from draftsmith.sharding import built_whole, local_bytes
-from draftsmith.target import TargetOutput, load_target, load_tokenizer, run_target
+from draftsmith.target import TargetOutput, load_config, load_target, load_tokenizer, run_target
 from draftsmith.trainer.checkpoint import TrainerState, load_checkpoint, resume_checkpoint, save_checkpoint, save_final
 from draftsmith.trainer.curve import write_curve
 from draftsmith.trainer.heldout import (
@@ -316,6 +317,8 @@ def end_run(accelerator: Accelerator) -> None:
 def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     """Accelerator, data, target, drafter, optimizer, schedule and the resumed state, every input
     checked before anything is written; the loop reads them from the returned `Run`."""
+    if cfg.eval.enabled:  # the eval stage after training: settings it cannot run refused now, not after the run
+        check_eval_settings(load_config(cfg.target), cfg.eval)
     accelerator = make_accelerator(cfg, output_dir)
     set_seed(cfg.train.seed)
     # train.resume: the checkpoint, verified against its checksums before anything is loaded or written
