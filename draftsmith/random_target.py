@@ -93,7 +93,10 @@ def build_config(
     default = getattr(default, "text_config", None) or default
     aliases = type(default).attribute_map
     canonical = {key: aliases.get(key, key) for key in (*TINY, *EXPERTS, *shape)}
-    experts = {key: value for key, value in EXPERTS.items() if hasattr(default, key)}
+    # Expert sizes only for a family whose default has experts: a dense default with the fields (Gemma-4's
+    # optional MoE block) stays dense, as engines read an expert count as "build the experts"
+    has_experts = any(getattr(default, key, None) for key in EXPERT_COUNTS)
+    experts = {key: value for key, value in EXPERTS.items() if has_experts and hasattr(default, key)}
     fields: dict[str, Any] = {}
     # Later sources win over a field's aliases too (an expert size that is another name of a TINY one).
     for source in (TINY, experts, shape):
@@ -240,9 +243,10 @@ def declare_as_released(config, model) -> None:
         config.scoring_func, config.use_routing_bias = "sigmoid", True
         if getattr(config, "n_group", None):
             config.topk_method = "noaux_tc"
-    factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
-    head_dim = getattr(config, "head_dim", None)
-    if isinstance(head_dim, int) and getattr(config, "rotary_dim", None) is None:
+    fields = config.to_dict()  # global values: a field set per layer (Gemma-4's head_dim) raises as an attribute
+    factor = (fields.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
+    head_dim = fields.get("head_dim")
+    if isinstance(head_dim, int) and fields.get("rotary_dim") is None:
         config.rotary_dim = int(head_dim * factor)
 
 

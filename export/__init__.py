@@ -22,6 +22,7 @@ import torch
 
 from draftsmith.errors import UserError
 from draftsmith.export.repo import EngineRepo, TargetInfo
+from draftsmith.export.versions import Releases, served_by
 from draftsmith.heads import Drafter
 
 
@@ -44,6 +45,8 @@ class Exporter:
     sglang_reason: ClassVar[str] = ""  # why SGLang cannot serve these kinds ("" = it can)
     vllm_formats: ClassVar[tuple[str, ...]] = ("speculators",)  # export.vllm_format values it writes
     weights_dirs: ClassVar[tuple[str, ...]] = ()  # subfolders of an engine folder that hold its drafter
+    vllm_method: ClassVar[str]  # vLLM's speculative method for these kinds' folders
+    vllm_releases: ClassVar[Releases] = Releases()  # the vLLM releases that serve it (export/versions.py)
 
     def check_engines(self, kind: str, engines: list[str], vllm_format: str) -> None:
         """Whether these engines (and vLLM layout) can serve the kind at all: known before any model loads."""
@@ -89,6 +92,11 @@ def register(cls: type[Exporter]) -> type[Exporter]:
     return cls
 
 
+def release_table() -> dict[str, str]:
+    """vLLM method -> the releases that serve it, over every registered exporter (docs, tests)."""
+    return {e.vllm_method: served_by(e.vllm_method, e.vllm_releases) for e in EXPORTERS.values()}
+
+
 def exporter_for(kind: str) -> Exporter:
     if kind not in EXPORTERS:
         raise UserError(f"drafter type {kind!r} has no export format yet; exportable: {', '.join(sorted(EXPORTERS))}")
@@ -99,4 +107,4 @@ def exporter_for(kind: str) -> Exporter:
 from draftsmith.export import dflash, draft_model, eagle, eagle3, medusa  # noqa: E402,F401,I001
 from draftsmith.export.run import export_checkpoint  # noqa: E402
 
-__all__ = ["EXPORTERS", "Exporter", "Source", "export_checkpoint", "exporter_for", "register"]
+__all__ = ["EXPORTERS", "Exporter", "Source", "export_checkpoint", "exporter_for", "register", "release_table"]

@@ -54,6 +54,7 @@ def write_card(
         "",
         served_note(engine, info.get("verified")),
         "",
+        *([f"Engine releases: {info['vllm_releases']}.", ""] if info.get("vllm_releases") else []),
         *gamma_note(engine, gamma, info.get("recommended_num_speculative_tokens")),
         *acceptance_section(report),
         *engine_section(info.get("verified")),
@@ -85,11 +86,16 @@ def gamma_note(engine: str, gamma: int, recommended: Optional[dict[str, Any]]) -
 
 def served_note(engine: str, verified: Optional[dict[str, Any]]) -> str:
     if verified:
+        ours = (
+            "and to draftsmith's plain decoding"
+            if verified["equals_draftsmith_plain"]
+            else "(draftsmith's plain decoding in bfloat16 differed from vLLM's at near-ties of the two engines' "
+            "rounding; the acceptance was compared instead)"
+        )
         return (
             f"Tested: this folder was loaded in vLLM {verified['engine_version']} as the speculative model for the "
             f"target on {verified['prompts']} eval prompts (greedy, {verified['max_new_tokens']} new tokens, "
-            f"γ={verified['num_speculative_tokens']}): outputs identical to vLLM without speculation and to "
-            "draftsmith's plain decoding."
+            f"γ={verified['num_speculative_tokens']}): outputs identical to vLLM without speculation {ours}."
         )
     if engine == "sglang":
         return (

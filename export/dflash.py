@@ -39,6 +39,7 @@ FAMILIES = ("llama", "qwen3")  # draft layers vLLM's Qwen3 DFlash layer reproduc
 @register
 class DFlashExporter(Exporter):
     kinds = ("dflash",)
+    vllm_method = "dflash"
     sglang_reason = "draftsmith's DFlash export has been checked against vLLM's loader only; export it for vllm"
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:

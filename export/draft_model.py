@@ -81,6 +81,7 @@ def engine_tensors(source: Source, config: dict[str, Any]) -> dict[str, torch.Te
 @register
 class DraftModelExporter(Exporter):
     kinds = ("draft_model",)
+    vllm_method = "draft_model"
 
     def repo(self, source: Source, engine: str, serve: str, method: str) -> EngineRepo:
         config = model_config(source)

@@ -54,6 +54,7 @@ def llama_layers_expected(config: dict[str, Any], skip_first_input_norm: bool) -
 @register
 class EagleExporter(Exporter):
     kinds = ("eagle",)
+    vllm_method = "eagle"
 
     def config(self, source: Source, architecture: str, engine: str) -> dict[str, Any]:
         return {**draft_layer_config(source.drafter, ("llama",), engine, "EAGLE-1"), "architectures": [architecture]}

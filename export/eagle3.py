@@ -562,6 +562,7 @@ LAYOUTS = (SPECULATORS, PEAGLE, NATIVE, SGLANG)
 @register
 class Eagle3Exporter(Exporter):
     kinds = ("eagle3",)
+    vllm_method = "eagle3"
     vllm_formats = ("speculators", "native")
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:

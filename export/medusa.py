@@ -23,6 +23,7 @@ import torch
 from draftsmith.errors import UserError
 from draftsmith.export import Exporter, Source, register
 from draftsmith.export.repo import VLLM_SERVE, EngineRepo, check_vllm_path, copy_tokenizer
+from draftsmith.export.versions import Releases
 from draftsmith.heads import drafter_class
 from draftsmith.heads.lora import ADAPTER_DIR
 from draftsmith.target import TargetShape, load_target
@@ -61,6 +62,12 @@ def medusa_expected(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 @register
 class MedusaExporter(Exporter):
     kinds = ("medusa", "medusa2")
+    vllm_method = "medusa"
+    vllm_releases = Releases(
+        removed_in="0.33.0",  # its SpeculativeMethod has no "medusa", its wheel no Medusa model
+        instead="vLLM 0.32 or earlier, or draftsmith's eval; for a newer vLLM train an EAGLE-3 drafter "
+        "(recipe=eagle3) or a draft model (recipe=draft)",
+    )
     weights_dirs = (HEADS_DIR,)  # a Medusa-2 folder: the heads beside the adapted target
     sglang_reason = "SGLang serves no Medusa drafter (it has neither a Medusa model nor a Medusa speculative algorithm)"
 

@@ -170,7 +170,7 @@ def check_vllm_path(directory: Path, kind: str) -> None:
 # not listed is tried: the export's engine check (export.vllm_python) proves or refuses it.
 VLLM_NO_STATE_CAPTURE = (
     "MixtralForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
-    "Glm4ForCausalLM", "CohereForCausalLM",
+    "Glm4ForCausalLM", "CohereForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM",
 )  # fmt: skip
 
 

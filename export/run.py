@@ -32,6 +32,7 @@ from draftsmith.export.repo import (
     stage_repo,
     write_json,
 )
+from draftsmith.export.versions import require_vllm_serves, served_by
 from draftsmith.files import checkpoint_digest
 from draftsmith.heads import load_drafter
 from draftsmith.heads.base import EVAL_SPLIT, read_checkpoint_config
@@ -51,6 +52,9 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
         exporter_for(kind).check_engines(
             kind, list(cfg.export.engines), cfg.export.vllm_format
         )  # before the target loads
+        if "vllm" in cfg.export.engines and cfg.export.vllm_python:  # a release without the method: refused now
+            exporter = exporter_for(kind)
+            require_vllm_serves(exporter.vllm_method, exporter.vllm_releases, cfg.export.vllm_python)
         source_digest = checkpoint_digest(checkpoint)  # its config.json as well as its weights
         schedule = batch_schedule_of(cfg, source_digest)  # before the target loads: a bad sweep stops here
         claim_export_dir(output, list(cfg.export.engines), source_digest, cfg.export.overwrite)
@@ -253,6 +257,9 @@ def export_info(
         "conventions": repo.conventions,
         "serve": repo.serve,
         "speculative_config": served_config(repo, gamma, schedule),
+        "vllm_releases": served_by(repo.method, exporter_for(drafter.type).vllm_releases)
+        if repo.engine == "vllm"
+        else None,
         "batch_schedule": schedule,
         "engine_settings": None,  # what the engine resolved, when the export was checked in it
         "recommended_num_speculative_tokens": recommended_gamma(report),

@@ -2,7 +2,9 @@
 on the eval prompts, and compare with draftsmith's own decoding of the same prompts.
 
 Passes when (a) vLLM's greedy output with the drafter equals its output without it and draftsmith's
-plain greedy output, token for token; (b) vLLM's counters show accepted draft tokens; (c) vLLM's τ
+plain greedy output, token for token (draftsmith's only in float32: in bfloat16 the two engines round
+differently and a near-tie flips, so there each engine's own losslessness and (c) are what is checked,
+at the tolerance set for it); (b) vLLM's counters show accepted draft tokens; (c) vLLM's τ
 (1 + accepted / drafts) is within `export.tolerance` (relative) of draftsmith's chain τ at the same γ.
 A drafter the engine reads differently from how it was trained (a missing `norm_before_residual`,
 layer ids off by one, dropped biases) stays lossless but accepts less, and fails (c).
@@ -18,6 +20,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 from omegaconf import DictConfig
 
 from draftsmith.engines import VllmWorker
@@ -26,6 +29,7 @@ from draftsmith.eval.loop import Counts, generate_batch
 from draftsmith.eval.prompts import eos_ids_of, load_prompts
 from draftsmith.export import Source
 from draftsmith.export.repo import EngineRepo
+from draftsmith.families import recurrent
 from draftsmith.target import load_tokenizer
 
 ENGINE_TIMEOUT_S = 1800
@@ -145,6 +149,11 @@ def verify_in_vllm(
         # some layers (Gated DeltaNet) take bfloat16 only
         "dtype": str(source.target_model.dtype).removeprefix("torch."),
     }
+    if recurrent(source.target_model.config):
+        # vLLM 0.32's prefix caching of recurrent states ("align" mode) runs a Triton kernel when it
+        # speculates, which a CPU build lacks ('function' object is not subscriptable, mamba_utils.py);
+        # the check measures outputs and acceptance, which caching does not change
+        request["enable_prefix_caching"] = False
     # the served target's files and the request: what both loops' plain runs depend on (a drafter that
     # verifies with a target of its own, Medusa-2's adapted one, serves that target from its folder)
     plain_key = json.dumps([cfg.export.vllm_python, stamp(Path(served_target_dir)), request])
@@ -166,7 +175,8 @@ def verify_in_vllm(
         request["runs"].insert(0, {"name": "plain", "speculative_config": None})
     engine = session.run(cfg.export.vllm_python, request)
     engine["runs"]["plain"] = session.plain_runs.setdefault(plain_key, engine["runs"].get("plain"))
-    summary = compare(engine, ours, gamma, float(cfg.export.tolerance), len(prompts), max_new)
+    exact = source.target_model.dtype == torch.float32
+    summary = compare(engine, ours, gamma, float(cfg.export.tolerance), len(prompts), max_new, exact)
     resolved = engine["runs"]["scheduled" if schedule is not None else "speculative"]
     summary["engine_settings"] = {"vllm_version": engine["vllm_version"], **resolved["engine_settings"]}
     if schedule is not None:
@@ -206,8 +216,15 @@ def served_target(cfg: DictConfig) -> str:
 
 
 def compare(
-    engine: dict[str, Any], ours: dict[str, Any], gamma: int, tolerance: float, prompts: int, max_new: int
+    engine: dict[str, Any],
+    ours: dict[str, Any],
+    gamma: int,
+    tolerance: float,
+    prompts: int,
+    max_new: int,
+    exact: bool = True,
 ) -> dict[str, Any]:
+    """The check's verdict; `exact`: both loops run in float32, so their plain outputs must agree."""
     plain, speculative = engine["runs"]["plain"], engine["runs"]["speculative"]
     counters = speculative["metrics"]
     drafts, accepted = counters["num_drafts"], counters["num_accepted_tokens"]
@@ -231,7 +248,7 @@ def compare(
     problems = []
     if not summary["lossless"]:
         problems.append("vLLM's greedy output with the drafter differs from its output without it")
-    if not summary["equals_draftsmith_plain"]:
+    if exact and not summary["equals_draftsmith_plain"]:
         problems.append("vLLM's plain greedy output differs from draftsmith's")
     if not accepted:
         problems.append(f"vLLM accepted no draft token in {drafts} drafts")

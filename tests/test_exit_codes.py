@@ -32,10 +32,12 @@ def checkpoint(tmp_path_factory) -> Path:
 def fake_vllm(directory: Path, body: str) -> str:
     """A stand-in for export.vllm_python: an executable that speaks the engine worker's protocol
     (draftsmith/engine_scripts/vllm_worker.py: one JSON request per line on stdin, one reply per line)
-    the way a failing engine does. The real engine cannot be made to die or refuse on cue cheaply
-    (the real one, killed, is tests/test_regenerate_vllm.py's)."""
+    the way a failing engine does, after answering the export's version query as vLLM 0.32 (export/versions.py).
+    The real engine cannot be made to die or refuse on cue cheaply (the real one, killed, is
+    tests/test_regenerate_vllm.py's)."""
     path = directory / "fake-vllm-python"
-    path.write_text(f"#!{sys.executable}\nimport json, sys\nrequest = sys.stdin.readline()\n{body}\n")
+    version = "if sys.argv[1:2] == ['-c']:\n    print('0.32.0')\n    sys.exit(0)\n"
+    path.write_text(f"#!{sys.executable}\nimport json, sys\n{version}request = sys.stdin.readline()\n{body}\n")
     path.chmod(0o755)
     return str(path)
 

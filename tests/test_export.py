@@ -590,6 +590,29 @@ def test_export_cli_refuses_in_one_line(kind, args, fragment, target, tmp_path, 
     assert_one_line_error(result, 2, fragment)
 
 
+def test_medusa_states_the_vllm_releases_that_serve_it_and_a_newer_vllm_is_refused(target, tmp_path, capsys):
+    """vLLM 0.33 removed the medusa method: a Medusa folder says so (draftsmith_export.json, the card),
+    and an export checked with a vLLM 0.33 (a stub interpreter reporting that version) is refused in
+    one line before anything is written."""
+    checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
+    folder = run_export("medusa", checkpoint, tmp_path / "export", target=target)["vllm"]
+    releases = json.loads((folder / EXPORT_INFO).read_text())["vllm_releases"]
+    assert releases.startswith("vLLM 0.33.0 and later cannot serve it") and "recipe=eagle3" in releases
+    assert releases in (folder / "README.md").read_text()
+    stub = tmp_path / "vllm-0.33" / "python"
+    stub.parent.mkdir()
+    stub.write_text("#!/bin/sh\necho 0.33.0\n")
+    stub.chmod(0o755)
+    output = tmp_path / "refused"
+    result = run_entry_in_process(
+        ["-m", "export", *export_args("medusa", checkpoint, output, f"checkpoint={checkpoint}"),
+         f"export.vllm_python={stub}"],
+        capsys,
+    )  # fmt: skip
+    assert_one_line_error(result, 2, "export.vllm_python is vLLM 0.33.0, which cannot serve this drafter")
+    assert not output.exists()
+
+
 # -- push ----------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_push_lands_every_file_and_an_unchanged_rerun_makes_no_commit(target, tmp_path):

@@ -32,7 +32,8 @@ SERVED = ("qwen2", "mistral", "phi3", "granite", "gpt_oss")
 # families whose vLLM 0.32 model class has no EAGLE-3 hidden-state capture (measured: the engine refuses to start)
 NOT_CAPTURED = {
     "mixtral": "MixtralForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-    "glm4": "Glm4ForCausalLM", "cohere": "CohereForCausalLM",
+    "glm4": "Glm4ForCausalLM", "cohere": "CohereForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+    "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
 }  # fmt: skip
 
 

@@ -20,7 +20,9 @@ A request is an object with one key, the name of what it asks for, whose value h
   "max_model_len": N, "gpu_memory_utilization": 0.3, "runs": [{"name": ..., "speculative_config": null
   | {...}}, ...]}} greedy generation with and without a drafter, each run in an engine of its own that
   is shut down after it, with vLLM's spec-decode counters (the export check, export/verify.py).
-  Optional: "warmup": N (untimed generations first) and "load": [{"concurrency": C, "prompts": [[ids],
+  Optional: "enable_prefix_caching": false (a target with recurrent layers on a CPU build, whose
+  prefix-caching "align" path for speculative decoding is a Triton kernel), "warmup": N (untimed
+  generations first) and "load": [{"concurrency": C, "prompts": [[ids],
   ...]}, ...] (instead of "prompts": a closed loop per level, C requests in flight until the level's
   prompts are done, as "levels": [{"concurrency", "outputs", "seconds", "tokens", "steps", "mean_batch",
   "tpot_s": [per request], "metrics"}]), the load sweep (export/sweep.py); "sequential": true (batch
@@ -151,6 +153,8 @@ def measured_run(request, speculative_config):
         "seed": 0,
         "disable_log_stats": False,  # LLM.get_metrics() needs the stat loggers
     }
+    if "enable_prefix_caching" in request:
+        kwargs["enable_prefix_caching"] = bool(request["enable_prefix_caching"])
     if speculative_config is not None:
         kwargs["speculative_config"] = dict(speculative_config)
     load = request.get("load")
