@@ -21,6 +21,7 @@ from draftsmith.export import EXPORTERS
 from draftsmith.export.repo import EXPORT_INFO, WEIGHTS
 from draftsmith.heads import load_drafter
 from draftsmith.heads.base import CONFIG_NAME, architecture, check_same_target
+from draftsmith.recipe import recipe_advice
 from draftsmith.target import TargetShape
 
 
@@ -74,7 +75,7 @@ def warm_start(path: str | Path, drafter, target_model):
     if start.type != drafter.type:
         raise UserError(
             f"train.init_from={path} holds a {start.type} drafter, the recipe trains {drafter.type}: "
-            f"set drafter.type={start.type}"
+            f"{recipe_advice(start.type)}"
         )
     theirs, ours = architecture(start.config), architecture(drafter.config)
     differ = [

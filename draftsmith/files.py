@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 
@@ -30,3 +31,15 @@ def write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def publish_folder(staged: Path, directory: Path) -> None:
+    """Replace `directory` by the `staged` folder with renames only: a job killed anywhere leaves the
+    earlier folder or the new one in place, never a mix. The earlier one is moved to `<name>.old` and
+    removed after; a `.old` a killed job left behind is removed first, or the next rename would fail."""
+    old = directory.with_name(directory.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if directory.exists():
+        directory.rename(old)
+    staged.rename(directory)
+    shutil.rmtree(old, ignore_errors=True)

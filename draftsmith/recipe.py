@@ -48,6 +48,19 @@ def recipe_path(name: str) -> Path:
     return path.resolve()
 
 
+def recipe_advice(kind: str) -> str:
+    """How to run a command for a drafter of `kind`: the shipped recipe that trains it (the one named
+    after the kind first), as an override. Setting drafter.type alone keeps the other kind's keys."""
+    names = []
+    for path in recipes_dir().glob("*.yaml"):
+        drafter = (OmegaConf.load(path).get("drafter") or {}).get("type")
+        if drafter == kind:
+            names.append(path.stem)
+    if not names:
+        return f"pass a recipe whose drafter.type is {kind}"
+    return f"pass recipe={min(names, key=lambda name: (name != kind, len(name), name))}"
+
+
 def split_argv(argv: Sequence[str]) -> tuple[str, list[str]]:
     recipe, overrides = None, []
     for arg in argv:
@@ -334,6 +347,8 @@ def check_export(x) -> None:
     require(
         repo is None or bool(re.fullmatch(r"[\w.-]+/[\w.-]+", repo)), f"export.push.repo_id={repo!r} is not ORG/NAME"
     )
+    if x.output:
+        check_output_dir(x.output, "export.output")
 
 
 def check_monitor(m) -> None:
@@ -352,22 +367,20 @@ def check_monitor(m) -> None:
     )
 
 
-def check_output_dir(path: str) -> None:
-    """The output directory must be creatable: its nearest existing ancestor is a directory we can
-    create entries in (probed with a temporary directory, removed at once)."""
+def check_output_dir(path: str, key: str = "output_dir") -> None:
+    """An output directory (the recipe key `key`) must be creatable: its nearest existing ancestor is a
+    directory we can create entries in (probed with a temporary directory, removed at once)."""
     target = Path(path).expanduser().absolute()
     if target.exists():
-        require(target.is_dir(), f"output_dir={path!r} exists and is not a directory")
+        require(target.is_dir(), f"{key}={path!r} exists and is not a directory")
     ancestor = target
     while not ancestor.exists():
         ancestor = ancestor.parent
-    require(ancestor.is_dir(), f"output_dir={path!r} cannot be created: {ancestor} is not a directory")
+    require(ancestor.is_dir(), f"{key}={path!r} cannot be created: {ancestor} is not a directory")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".draftsmith-probe-", dir=ancestor))
     except OSError as err:
-        raise UserError(
-            f"output_dir={path!r} cannot be created under {ancestor}: {err.strerror or one_line(err)}"
-        ) from None
+        raise UserError(f"{key}={path!r} cannot be created under {ancestor}: {err.strerror or one_line(err)}") from None
 
 
 def require_draft_vocab_use(cfg: DictConfig, config, target: Optional[TargetShape]) -> None:
@@ -467,12 +480,18 @@ def load_train_recipe(argv: Sequence[str]) -> DictConfig:
 
 
 def check_train_start(cfg: DictConfig) -> None:
-    """A training run starts from train.init_from. `checkpoint` names the drafter the read-only commands
-    read: were it a run's start, the run's saved recipe would point eval and export at the start."""
+    """A training run starts from train.init_from, a local folder (checked before any data or model
+    loads). `checkpoint` names the drafter the read-only commands read: were it a run's start, the run's
+    saved recipe would point eval and export at the start."""
     require(
         cfg.checkpoint is None,
         f"checkpoint={cfg.checkpoint} names the drafter eval, export and monitor read, not a training run's start: "
         f"to warm-start from it, pass train.init_from={cfg.checkpoint}",
+    )
+    start = cfg.train.init_from
+    require(
+        start is None or Path(start).expanduser().exists(),
+        f"train.init_from={start} does not exist: give a drafter checkpoint or an exported drafter folder",
     )
 
 

@@ -120,17 +120,6 @@ def stage_repo(repo: EngineRepo, directory: Path, target: TargetInfo) -> Path:
     return tmp
 
 
-def publish(tmp: Path, directory: Path) -> None:
-    """Replace `directory` by the staged folder with renames only: a killed export leaves either the
-    earlier folder or the new one in place, never a mix."""
-    old = directory.with_name(directory.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if directory.exists():
-        directory.rename(old)
-    tmp.rename(directory)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def copy_tokenizer(target: TargetInfo, destination: Path) -> None:
     if target.directory is None:
         raise UserError(

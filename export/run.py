@@ -28,15 +28,15 @@ from draftsmith.export.repo import (
     EngineRepo,
     TargetInfo,
     check_tensors,
-    publish,
     stage_repo,
     write_json,
 )
 from draftsmith.export.versions import require_vllm_serves, served_by
-from draftsmith.files import checkpoint_digest
+from draftsmith.files import checkpoint_digest, publish_folder
 from draftsmith.heads import load_drafter
 from draftsmith.heads.base import EVAL_SPLIT, read_checkpoint_config
 from draftsmith.outputs import DirectoryLock, move_aside
+from draftsmith.recipe import recipe_advice
 from draftsmith.target import TargetShape, load_target, resolve_device
 
 EXPORT_FORMAT = 1
@@ -49,6 +49,11 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
     output = Path(cfg.export.output or Path(cfg.output_dir) / "export")
     with DirectoryLock(output):
         kind = read_checkpoint_config(checkpoint)["drafter_type"]
+        if kind != cfg.drafter.type:  # the rule a warm start follows: the recipe is for the drafter it reads
+            raise UserError(
+                f"checkpoint={checkpoint} holds a {kind} drafter, the recipe is for {cfg.drafter.type}: "
+                f"{recipe_advice(kind)}"
+            )
         exporter_for(kind).check_engines(
             kind, list(cfg.export.engines), cfg.export.vllm_format
         )  # before the target loads
@@ -85,7 +90,7 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
             from draftsmith.export.card import write_card
 
             write_card(staged, repo, info, report, serving_name(cfg, engine, output / engine))
-            publish(staged, output / engine)
+            publish_folder(staged, output / engine)
             folders[engine] = output / engine
     if cfg.export.push.repo_id:
         from draftsmith.export.push import push_folders

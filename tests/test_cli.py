@@ -120,3 +120,11 @@ def test_the_scripts_answer_help(capsys):
             args,
             done.stderr[-500:],
         )
+
+
+def test_a_missing_warm_start_is_refused_before_anything_loads(capsys, tmp_path):
+    args = ["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"train.init_from={tmp_path / 'no_such_run'}"]
+    code, out, err = run("train", args, capsys)
+    line = assert_one_line_error(subprocess.CompletedProcess([], code, out, err), 2, alone=True)
+    assert line.startswith(f"error: train.init_from={tmp_path / 'no_such_run'} does not exist: give a drafter")
+    assert not (tmp_path / "run").exists()

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from draftsmith.errors import UserError
 from draftsmith.export import export_checkpoint
 from draftsmith.export.repo import EXPORT_INFO, VLLM_PINNED
+from draftsmith.heads import REGISTRY
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target
 from tests.helpers import (
@@ -588,6 +589,35 @@ def test_export_cli_refuses_in_one_line(kind, args, fragment, target, tmp_path, 
         capsys,
     )
     assert_one_line_error(result, 2, fragment)
+
+
+def test_a_checkpoint_of_another_kind_than_the_recipe_s_is_refused_as_a_warm_start_is(target, tmp_path, capsys):
+    """One rule for export and warm start: the recipe is for the drafter it reads; the advice names the
+    recipe that trains the checkpoint's kind (drafter.type alone would keep the other kind's keys)."""
+    from draftsmith.drafter_folder import warm_start
+
+    checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
+    output = tmp_path / "export"
+    result = run_entry_in_process(
+        ["-m", "export", *export_args("eagle3", checkpoint, output, f"checkpoint={checkpoint}")], capsys
+    )
+    assert_one_line_error(result, 2, "holds a medusa drafter, the recipe is for eagle3: pass recipe=medusa")
+    assert not output.exists()
+    eagle3 = REGISTRY["eagle3"]
+    drafter = eagle3.from_target(eagle3.Config(aux_layers=[0, 1, 2]), target, str(REFERENCE_TARGET))
+    with pytest.raises(UserError, match="holds a medusa drafter, the recipe trains eagle3: pass recipe=medusa$"):
+        warm_start(checkpoint, drafter, target)
+
+
+def test_an_export_output_that_is_a_file_is_refused_in_one_line_and_kept(target, tmp_path, capsys):
+    checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
+    mine = tmp_path / "notes.txt"
+    mine.write_text("mine")
+    result = run_entry_in_process(
+        ["-m", "export", *export_args("medusa", checkpoint, mine, f"checkpoint={checkpoint}")], capsys
+    )
+    assert_one_line_error(result, 2, f"export.output={str(mine)!r} exists and is not a directory")
+    assert mine.read_text() == "mine"
 
 
 def test_medusa_states_the_vllm_releases_that_serve_it_and_a_newer_vllm_is_refused(target, tmp_path, capsys):

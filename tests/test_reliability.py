@@ -315,3 +315,43 @@ def test_a_full_disk_during_a_checkpoint_leaves_the_previous_one_intact(
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_0000001"]  # no partial step_0000002.tmp
     weights = load_file(str(out / "checkpoints" / "step_0000001" / "drafter" / "model.safetensors"))
     assert weights and all(torch.isfinite(t).all() for t in weights.values())
+
+
+@pytest.mark.slow  # a process killed on cue
+def test_a_publish_killed_before_its_cleanup_is_followed_by_a_publish_that_lands(tmp_path):
+    """final/, best/ and an export folder are replaced by one function (draftsmith.files.publish_folder).
+    A job SIGKILLed between its last rename and removing the earlier folder (`<name>.old`) leaves the
+    new folder in place and the old one beside it; the next publish of the same folder (best/ again,
+    mid-training) still lands, and cleans up."""
+    import draftsmith.export.run as export_run
+    import draftsmith.trainer.checkpoint as checkpoint
+    from draftsmith.files import publish_folder
+
+    assert checkpoint.publish_folder is publish_folder is export_run.publish_folder
+    directory, marker = tmp_path / "best", tmp_path / "renamed"
+    for name, text in (("best", "first"), ("best.tmp", "second"), ("again", "third")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "weights").write_text(text)
+    stall = (  # the first rmtree (of a stale .old) runs; at the second, both renames are done: stall there
+        "import shutil, sys, time\n"
+        "from pathlib import Path\n"
+        "from draftsmith.files import publish_folder\n"
+        "real, calls = shutil.rmtree, []\n"
+        "def rmtree(path, **kwargs):\n"
+        "    calls.append(path)\n"
+        "    if len(calls) == 2:\n"
+        f"        Path({str(marker)!r}).touch()\n"
+        "        time.sleep(60)\n"
+        "    real(path, **kwargs)\n"
+        "shutil.rmtree = rmtree\n"
+        f"publish_folder(Path({str(tmp_path / 'best.tmp')!r}), Path({str(directory)!r}))\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", stall])
+    deadline = time.time() + 60
+    while not marker.exists() and child.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert (directory / "weights").read_text() == "second" and (tmp_path / "best.old" / "weights").is_file()
+    publish_folder(tmp_path / "again", directory)
+    assert (directory / "weights").read_text() == "third" and not (tmp_path / "best.old").exists()

@@ -37,7 +37,7 @@ from omegaconf import DictConfig
 from safetensors import SafetensorError
 
 from draftsmith.errors import StorageError, UserError, one_line
-from draftsmith.files import file_sha256
+from draftsmith.files import file_sha256, publish_folder
 from draftsmith.outputs import held_by_main_process, move_aside
 from draftsmith.recipe import resolve_bool_or_path
 
@@ -115,11 +115,7 @@ def save_final(accelerator, drafter, directory: Path, files: Optional[dict[str, 
             for name, text in (files or {}).items():
                 (tmp / name).write_text(text)
     if accelerator.is_main_process:
-        old = directory.with_name(directory.name + ".old")
-        if directory.exists():
-            directory.rename(old)
-        tmp.rename(directory)
-        shutil.rmtree(old, ignore_errors=True)
+        publish_folder(tmp, directory)
 
 
 @contextlib.contextmanager
