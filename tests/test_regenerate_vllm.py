@@ -150,7 +150,8 @@ def test_a_python_without_vllm_is_bad_input(tmp_path, small_data, capsys):
     engine = ["data.regenerate.engine=vllm", f"data.regenerate.vllm.python={sys.executable}"]
     done = run_entry_in_process(regenerate_args(tmp_path / "out", small_data, *engine), capsys)
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1].startswith(f"error: {sys.executable} cannot import vllm")
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: data.regenerate.vllm.python={sys.executable!r} is not the Python of an")
     # recorded before the engine starts: the dtype it is given, the demo target's as the trainer loads it on CPU
     # (vLLM's own auto would run this float32 target in bfloat16)
     assert json.loads((tmp_path / "out" / SETTINGS_NAME).read_text())["vllm_dtype"] == "float32"
