@@ -481,16 +481,16 @@ def load_train_recipe(argv: Sequence[str]) -> DictConfig:
 
 def check_train_start(cfg: DictConfig) -> None:
     """A training run starts from train.init_from, a local folder (checked before any data or model
-    loads). `checkpoint` names the drafter the read-only commands read: were it a run's start, the run's
-    saved recipe would point eval and export at the start."""
+    loads, unless the run resumes). `checkpoint` names the drafter the read-only commands read: were it
+    a run's start, the run's saved recipe would point eval and export at the start."""
     require(
         cfg.checkpoint is None,
         f"checkpoint={cfg.checkpoint} names the drafter eval, export and monitor read, not a training run's start: "
         f"to warm-start from it, pass train.init_from={cfg.checkpoint}",
     )
     start = cfg.train.init_from
-    require(
-        start is None or Path(start).expanduser().exists(),
+    require(  # a resumed run does not read its start again (trainer/loop.py resumed_start)
+        start is None or resolve_bool_or_path(cfg.train.resume) is not None or Path(start).expanduser().exists(),
         f"train.init_from={start} does not exist: give a drafter checkpoint or an exported drafter folder",
     )
 

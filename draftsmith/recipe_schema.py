@@ -145,7 +145,8 @@ class TrainSection:
     overwrite: bool = False  # start over in an output_dir that holds another run: the earlier run is moved aside
     # warm start: the drafter whose weights and draft vocabulary training starts from (a draftsmith checkpoint,
     # an export's engine folder or one speculators saved; its architecture must be the recipe's drafter section's).
-    # train.resume continues this run's own state instead.
+    # A resumed run continues from its checkpoint and keeps the start it began from (its recipe.yaml's): another
+    # train.init_from with train.resume is not read (a warning says so).
     init_from: Optional[str] = None
     max_nonfinite: int = 10  # optimizer steps skipped for a non-finite loss/gradient before the run stops
     mixed_precision: str = "auto"  # auto (bf16 where the GPU supports it, else none) | no | bf16 | fp16

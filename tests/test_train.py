@@ -9,9 +9,16 @@ import json
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
-from tests.helpers import REFERENCE_TARGET, read_log, run_entry_in_process, train_args, train_in_process
+from tests.helpers import (
+    REFERENCE_TARGET,
+    read_log,
+    run_entry_in_process,
+    train_args,
+    train_in_process,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -78,7 +85,7 @@ def test_a_warm_start_begins_at_its_start_and_its_saved_recipe_reads_what_it_tra
     start = load_file(str(output_dir / "final" / "model.safetensors"))
     warm = tmp_path / "warm"
     args = train_args(warm, small_data, token_cache, f"train.init_from={output_dir / 'final'}", "train.max_steps=1",
-                      "train.lr=1e-5", "train.warmup_steps=0", "data.eval=[]")  # fmt: skip
+                      "train.lr=1e-5", "train.warmup_steps=0", "data.eval=[]", "train.save_every=1")  # fmt: skip
     final, _ = train_in_process(args)
     weights = load_file(str(final / "model.safetensors"))
     assert weights.keys() == start.keys()
@@ -99,3 +106,11 @@ def test_a_warm_start_begins_at_its_start_and_its_saved_recipe_reads_what_it_tra
     exported = load_file(str(warm / "export" / "vllm" / "model.safetensors"))
     assert exported and all(torch.equal(tensor, weights[name]) for name, tensor in exported.items())
     assert any(not torch.equal(tensor, start[name]) for name, tensor in exported.items())
+
+    # Resumed, the run keeps the start it began from (the checkpoint holds the weights): another start is not
+    # read, and its recipe.yaml still names the first
+    resume = [a for a in args if not a.startswith(("train.init_from=", "train.max_steps="))]
+    resume += ["train.max_steps=2", "train.resume=true", f"train.init_from={tmp_path / 'cold'}"]
+    done = run_entry_in_process(["train.py", *resume], capsys)
+    assert done.returncode == 0 and f"this run began from {output_dir / 'final'} (its recipe.yaml)" in done.stdout
+    assert yaml.safe_load((warm / "recipe.yaml").read_text())["train"]["init_from"] == str(output_dir / "final")

@@ -41,7 +41,7 @@ from draftsmith.errors import Preempted, StopRequest, UserError
 from draftsmith.families import check_eval_settings
 from draftsmith.heads import drafter_class
 from draftsmith.heads.packing import causal_lm_inputs, require_packed_attention
-from draftsmith.recipe import require_draft_vocab_use, save_recipe
+from draftsmith.recipe import derived, require_draft_vocab_use, save_recipe
 from draftsmith.sharding import built_whole, local_bytes
 from draftsmith.target import TargetOutput, load_config, load_target, load_tokenizer, run_target
 from draftsmith.trainer.checkpoint import TrainerState, load_checkpoint, resume_checkpoint, save_checkpoint, save_final
@@ -261,6 +261,21 @@ def evaluate_if_due(run: Run, output_dir: Path) -> dict[str, float]:
     return {f"heldout/{k}": v for k, v in measured.items()}
 
 
+def resumed_start(cfg: DictConfig, output_dir: Path) -> DictConfig:
+    """A resumed run keeps the start it began from (its recipe.yaml's train.init_from), and the
+    recipe.yaml it writes again names that start: the resumed weights are the checkpoint's, so another
+    train.init_from is not read, and says so (the monitor's retraining may name its start anew)."""
+    saved = output_dir / "recipe.yaml"
+    began = OmegaConf.load(saved).train.get("init_from") if saved.is_file() else None
+    if cfg.train.init_from and str(cfg.train.init_from) != str(began):
+        log.warning(
+            "train.init_from=%s is not read: this run began from %s (its recipe.yaml) and resumes from its checkpoint",
+            cfg.train.init_from,
+            began or "scratch",
+        )
+    return derived(cfg, {"train.init_from": began}) if str(cfg.train.init_from) != str(began) else cfg
+
+
 def checkpoint_on_sigterm(run: Run, output_dir: Path) -> Preempted:
     """The checkpoint of a run stopped by SIGTERM, and the error (exit 75) that says how to continue."""
     cfg, state = run.cfg, run.state
@@ -332,7 +347,9 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     train_data, collate, target_features = training_inputs(cfg, tokenizer, target, drafter, train_data)
     # what the drafter fits to the data (EAGLE-3's draft vocabulary), on every rank
     drafter.prepare(train_data if vocab_data is None else vocab_data)
-    if cfg.train.init_from:  # warm start: its weights and data-fitted state (draft vocabulary kept, not re-fitted)
+    if resume_from is not None:  # the checkpoint holds the weights: the run's start is not loaded again
+        cfg = resumed_start(cfg, output_dir)
+    elif cfg.train.init_from:  # warm start: its weights and data-fitted state (draft vocabulary kept, not re-fitted)
         start = warm_start(cfg.train.init_from, drafter, target)  # a checkpoint, an export's folder or speculators'
         drafter.load_state_dict(start.state_dict())
         drafter.learned = dict(start.learned)
