@@ -21,6 +21,11 @@ random), in a temporary directory: nothing downloads. Per kind, one row:
   (draftsmith's chain τ on the prompts vLLM served), `relative_difference`; or `refused` with the
   export's one-line error (a combination vLLM 0.32 cannot serve).
 
+For `mtp` the target gets a random first MTP layer in its family's checkpoint layout, as a released one
+ships it (`heads.mtp.write_random_layer`; a family without an MTP layout keeps none, and the row records
+the trainer's refusal), and the row adds `tau_shipped`: that layer's own τ, before fine-tuning, through
+`python -m eval` on the same prompts.
+
 Resumable: rows already in --out are kept and their (family, kind) skipped. Timings are of this
 machine with whatever else runs on it; they are not the point.
 """
@@ -71,6 +76,7 @@ KINDS = {
                        "drafter.mask_token_id=5", "drafter.parallel_tokens=2", "eval.num_speculative_tokens=2",
                        "train.micro_batch_size=4", "data.max_length=128"]),
     "dflash": ("dflash", ["train.max_steps=40", "drafter.anchors=16"]),
+    "mtp": ("mtp", ["train.max_steps=40", "train.lr=3e-3"]),
 }  # fmt: skip
 RESUME_STEPS = 4  # the resumed run's extra steps
 
@@ -103,6 +109,8 @@ def measure(
     row |= {"train": code == 0, "train_s": seconds}
     if code != 0:
         return row | {"error": error}
+    if kind == "mtp":
+        row["tau_shipped"] = shipped_tau(target, args, work / f"{family}-{kind}-shipped", env)
     report = json.loads((out / "eval" / "report.json").read_text())
     every = report["domains"]["all"]
     row["lossless"] = all(method.get("lossless", True) for method in every.values())
@@ -130,6 +138,31 @@ def measure(
         "relative_difference": verified["relative_difference"],
         "vllm_version": verified.get("engine_version"),
     }
+
+
+def shipped_tau(target: Path, args: list[str], out: Path, env: dict) -> float:
+    """The chain τ of the MTP layer the target ships, unchanged, on the eval prompts of `args`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.heads import drafter_class
+
+    mtp = drafter_class("mtp")
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    mtp.from_target(mtp.Config(), model, str(target)).save_pretrained(out / "shipped")
+    code, error, _ = run(["-m", "eval", *args, f"checkpoint={out / 'shipped'}", f"output_dir={out}"], env)
+    if code != 0:
+        raise RuntimeError(f"the shipped layer's eval failed: {error}")
+    return round(json.loads((out / "eval" / "report.json").read_text())["domains"]["all"]["chain"]["tau"], 4)
+
+
+def with_mtp_layer(target: Path) -> Path:
+    """The target, given a random MTP layer where vLLM serves one for its architecture."""
+    from draftsmith.heads.mtp import LAYOUTS, write_random_layer
+
+    if json.loads((target / "config.json").read_text())["architectures"][0] in LAYOUTS:
+        write_random_layer(target)
+    return target
 
 
 def markdown(rows: list[dict]) -> str:
@@ -195,12 +228,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="target-matrix-") as tmp:
         work = Path(tmp)
         for family in options.families.split(","):
-            target = None
+            targets: dict[bool, Path] = {}  # with an MTP layer or not -> the family's target
             for kind in options.kinds.split(","):
                 if (family, kind) in done:
                     continue
-                if target is None:
-                    target = write_random_target(family, work / family, seed_from=demo_tokenizer_dir())
+                mtp = kind == "mtp"
+                if mtp not in targets:
+                    folder = work / (f"{family}-with-mtp" if mtp else family)
+                    seeded = write_random_target(family, folder, seed_from=demo_tokenizer_dir())
+                    targets[mtp] = with_mtp_layer(seeded) if mtp else seeded
+                target = targets[mtp]
                 start = time.perf_counter()
                 row = measure(family, kind, target, work, options.vllm_python, env, options.set, options.export_set)
                 row |= machine | {"wall_s": round(time.perf_counter() - start, 1)}

@@ -6,12 +6,21 @@ demo/target/ is a copy of shared/models/reference-target (a 5.2M-parameter Llama
 corpus, bf16 weights, its own BPE tokenizer and chat template). demo/data/ holds, per domain, the
 first TRAIN_PER_DOMAIN records of `<domain>.train.jsonl.gz` and the first EVAL_PER_DOMAIN records
 of `<domain>.eval.jsonl.gz` from shared/data/corpus, unchanged.
+
+demo/mtp-target/ is a target with its own MTP layer, for `recipe=mtp`: a GLM-4.5-style model
+(`Glm4MoeForCausalLM`, partial rotary) of the demo target's shape whose 4 decoder layers are dense and
+hold the demo target's tensors wherever name and shape match, and a random MTP layer (a mixture of
+experts, as GLM-4.5's is) in the checkpoint's `model.layers.4.*`, bf16.
 """
 
 import gzip
+import json
 import shutil
 import sys
 from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
 
 TRAIN_PER_DOMAIN = 600
 EVAL_PER_DOMAIN = 24
@@ -44,6 +53,23 @@ def main(shared: Path) -> None:
         # mtime=0 keeps the gzip bytes identical from one rebuild to the next.
         with gzip.GzipFile(here / "data" / f"{split}.jsonl.gz", "wb", mtime=0) as f:
             f.writelines(lines)
+    make_mtp_target(here / "target", here / "mtp-target")
+
+
+def make_mtp_target(demo_target: Path, directory: Path) -> None:
+    from draftsmith.heads.mtp import write_random_layer
+    from draftsmith.random_target import write_random_target
+
+    shutil.rmtree(directory, ignore_errors=True)
+    layers = json.loads((demo_target / "config.json").read_text())["num_hidden_layers"]
+    write_random_target("glm4_moe", directory, seed_from=demo_target, first_k_dense_replace=layers)
+    write_random_layer(directory)
+    weights = directory / "model.safetensors"
+    tensors = {name: tensor.to(torch.bfloat16) for name, tensor in load_file(str(weights)).items()}
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 if __name__ == "__main__":

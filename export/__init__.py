@@ -104,7 +104,7 @@ def exporter_for(kind: str) -> Exporter:
 
 
 # each registers itself
-from draftsmith.export import dflash, draft_model, eagle, eagle3, medusa  # noqa: E402,F401,I001
+from draftsmith.export import dflash, draft_model, eagle, eagle3, medusa, mtp  # noqa: E402,F401,I001
 from draftsmith.export.run import export_checkpoint  # noqa: E402
 
 __all__ = ["EXPORTERS", "Exporter", "Source", "export_checkpoint", "exporter_for", "register", "release_table"]

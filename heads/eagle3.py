@@ -73,7 +73,14 @@ from draftsmith.heads.base import (
     per_sample_stats,
 )
 from draftsmith.heads.eagle import EagleBase, EagleProposer, check_tree_settings, import_qualified, start_from_norm
-from draftsmith.heads.packing import documents, draft_attention_mask, num_documents, positions, same_document
+from draftsmith.heads.packing import (
+    documents,
+    draft_attention_mask,
+    num_documents,
+    positions,
+    same_document,
+    shifted,
+)
 from draftsmith.heads.ttt_attention import (
     ATTENTION,
     BACKENDS,
@@ -214,15 +221,6 @@ class Eagle3Layer(nn.Module):
         )
         hidden = residual + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
-
-
-def shifted(x: torch.Tensor, offset: int, length: int, fill=0) -> torch.Tensor:
-    """x[:, offset : offset + length], padded with `fill` at the end to `length` columns."""
-    part = x[:, offset : offset + length]
-    missing = length - part.shape[1]
-    if missing <= 0:
-        return part
-    return torch.cat([part, part.new_full((x.shape[0], missing), fill)], dim=1)
 
 
 def token_rows(dataset) -> Iterable[tuple]:

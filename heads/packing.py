@@ -62,6 +62,15 @@ def positions(batch: dict) -> torch.Tensor:
     return torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
 
 
+def shifted(x: torch.Tensor, offset: int, length: int, fill=0) -> torch.Tensor:
+    """x[:, offset : offset + length], padded with `fill` at the end to `length` columns."""
+    part = x[:, offset : offset + length]
+    missing = length - part.shape[1]
+    if missing <= 0:
+        return part
+    return torch.cat([part, part.new_full((x.shape[0], missing), fill)], dim=1)
+
+
 def same_document(docs: torch.Tensor, shift: int, width: Optional[int] = None) -> torch.Tensor:
     """[B, width] bool: position t and t+shift are in the same (real) document; False where t+shift
     is past the row. `width` defaults to T - shift (every t whose t+shift exists)."""

@@ -184,6 +184,8 @@ QUIRKS = ("qwen3_moe", "gemma3_text", "phi3", "gpt_oss", "cohere", "qwen3_next",
 def test_every_kind_trains_and_decodes_losslessly_on_family_quirks(kind, model_type):
     """Each registered kind, as its demo recipe configures it, on targets whose families differ from
     Llama in every way the stages meet: one training step moves it, and it decodes plain greedy's tokens."""
+    if kind == "mtp":
+        pytest.skip("reads the MTP layer a target's checkpoint ships: tests/test_mtp.py, on the families that have one")
     model = tiny(model_type)
     config = OmegaConf.to_object(load_recipe([f"recipe={demo_recipe(kind)}"]).drafter)
     if hasattr(config, "aux_layers"):

@@ -6,6 +6,7 @@ resumes into the same weights: tests/test_faults.py."""
 from __future__ import annotations
 
 import copy
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -23,19 +24,21 @@ from tests.helpers import KINDS
 MUON = SimpleNamespace(optimizer="muon", lr=1e-2, adam_betas=[0.9, 0.95], weight_decay=0.01)
 
 
-@pytest.fixture(scope="module")
-def target():
-    return load_target(load_recipe(["recipe=medusa"]).target)
+@functools.cache
+def target_named(name: str):
+    return load_target(name)
 
 
-def drafter_for(kind: str, target):
+def drafter_for(kind: str):
+    """A fresh `kind` drafter for its demo recipe's target (loaded once per target)."""
     recipe = load_recipe([f"recipe={KINDS[kind]}"])
-    return drafter_class(kind).from_target(OmegaConf.to_object(recipe.drafter), target, "target")
+    name = recipe.target.name_or_path
+    return drafter_class(kind).from_target(OmegaConf.to_object(recipe.drafter), target_named(name), name)
 
 
 @pytest.mark.parametrize("kind", sorted(REGISTRY))
-def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(kind, target):
-    drafter = drafter_for(kind, target)
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(kind):
+    drafter = drafter_for(kind)
     optimizer = build_optimizer(MUON, drafter, deepspeed=False)
     muon = {id(p) for group in optimizer.muon.param_groups for p in group["params"]}
     adamw = {id(p) for group in optimizer.adamw.param_groups for p in group["params"]}
@@ -47,7 +50,7 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(kind, target):
         assert not is_hidden_matrix(name, dict(drafter.named_parameters())[name]), name
 
 
-def test_both_follow_the_schedule_and_a_restored_state_continues_exactly(target):
+def test_both_follow_the_schedule_and_a_restored_state_continues_exactly():
     def steps(drafter, optimizer, count):
         for _ in range(count):
             loss = sum((p * p).sum() for p in drafter.parameters() if p.requires_grad)
@@ -56,7 +59,7 @@ def test_both_follow_the_schedule_and_a_restored_state_continues_exactly(target)
             optimizer.zero_grad()
 
     torch.manual_seed(0)
-    drafter = drafter_for("eagle3", target)
+    drafter = drafter_for("eagle3")
     start = {k: v.clone() for k, v in drafter.state_dict().items()}
     optimizer = build_optimizer(MUON, drafter, deepspeed=False)
     schedule = get_cosine_schedule_with_warmup(optimizer, 2, 10)
@@ -73,7 +76,7 @@ def test_both_follow_the_schedule_and_a_restored_state_continues_exactly(target)
     steps(drafter, optimizer, 2)
     uninterrupted = drafter.state_dict()
 
-    restored_drafter = drafter_for("eagle3", target)
+    restored_drafter = drafter_for("eagle3")
     restored_drafter.load_state_dict(middle)
     restored = build_optimizer(MUON, restored_drafter, deepspeed=False)
     restored.load_state_dict(saved)
@@ -83,7 +86,7 @@ def test_both_follow_the_schedule_and_a_restored_state_continues_exactly(target)
     assert isinstance(optimizer, MuonWithAdamW)
 
 
-def test_muon_under_deepspeed_is_refused_in_one_line(target):
+def test_muon_under_deepspeed_is_refused_in_one_line():
     with pytest.raises(UserError, match="DeepSpeed builds its own optimizer") as info:
-        build_optimizer(MUON, drafter_for("medusa", target), deepspeed=True)
+        build_optimizer(MUON, drafter_for("medusa"), deepspeed=True)
     assert "\n" not in str(info.value)

@@ -156,13 +156,13 @@ def code_words(path: Path) -> list[tuple[int, str, str, bool]]:
 def test_the_trainer_and_the_export_writer_know_no_kind():
     """trainer/ and export/repo.py serve every kind alike: what they need of a kind it declares
     (`Drafter.flop_profile`, `Drafter.DEPTH_TOP1`), so no identifier or string in their code is a
-    kind's name, a setting of one kind (`ttt_steps`) or a parameter its FLOP profile names (`fc.`), and
+    kind's name, a setting of one kind (`draft_vocab_size`) or a parameter its FLOP profile names (`fc.`), and
     no string names a kind's per-depth metric. vLLM's path triggers (export/repo.py) are vLLM's words
     that equal kind names by coincidence."""
     from draftsmith.export.repo import VLLM_PATH_TRIGGERS
 
     names, metrics = kind_specific_names()
-    assert {"ttt_steps", "fc"} <= names and "head" in metrics
+    assert {"draft_vocab_size", "fc"} <= names and "head" in metrics
     files = [*sorted((REPO / "trainer").glob("*.py")), REPO / "export" / "repo.py"]
     found = [
         f"{path.relative_to(REPO)}:{line}: {word!r} in {text!r}"

@@ -75,13 +75,13 @@ def conversations() -> list[dict]:
 
 
 def fresh(kind: str):
-    """(the demo target, a fresh `kind` drafter for it fitted to the conversations, its initial
+    """(its demo recipe's target, a fresh `kind` drafter for it fitted to the conversations, its initial
     weights): the same every call. A target per drafter: Medusa-2 puts its LoRA adapters into it."""
-    target = load_target(str(bundled("demo/target")))
     recipe = load_recipe([f"recipe={demo_recipe(kind)}"])
+    target = load_target(recipe.target.name_or_path)
     config = replace(OmegaConf.to_object(recipe.drafter), **SETTINGS.get(kind, {}))
     torch.manual_seed(0)
-    drafter = drafter_class(kind).from_target(config, target, str(bundled("demo/target")))
+    drafter = drafter_class(kind).from_target(config, target, recipe.target.name_or_path)
     drafter.prepare(conversations())
     return target, drafter.train(), {k: v.clone() for k, v in drafter.state_dict().items()}
 

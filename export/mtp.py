@@ -1,0 +1,70 @@
+"""The target's own MTP layer for vLLM (`method: mtp`), fine-tuned by draftsmith (heads/mtp.py).
+
+vLLM builds an MTP drafter from a folder holding the *target's* config.json (its architecture, which vLLM
+maps to its `<family>_mtp` model: DeepSeek-V3 to deepseek_mtp, GLM-4.5 to glm4_moe_mtp, Qwen3-Next to
+qwen3_next_mtp, Qwen3.5 to qwen3_5_mtp) and the MTP layer's tensors under the names the target's
+checkpoint gives them (`model.layers.{N}.*` or `mtp.*`). So the folder is the target's config with an
+MTP layer count of 1 (vLLM 0.32's proposer runs the first layer for every draft step) and the trained
+layer under exactly the names and shapes of the layer the target shipped; vLLM shares the target's
+embedding and lm_head with it, so neither is in the folder. Served with
+`--speculative-config '{"method": "mtp", "model": <folder>, ...}'`; without `model` vLLM would read the
+layer the target shipped, not this one.
+
+SGLang serves DeepSeek's MTP layer as its NEXTN algorithm; draftsmith has not verified that loader.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith.export import Exporter, Source, register
+from draftsmith.export.repo import VLLM_SERVE, EngineRepo, check_vllm_path
+from draftsmith.heads import drafter_class
+from draftsmith.heads.mtp import LAYOUTS, layout_of, shipped_shapes
+
+
+@register
+class MtpExporter(Exporter):
+    kinds = ("mtp",)
+    vllm_method = "mtp"
+    sglang_reason = "draftsmith has not verified SGLang's MTP (NEXTN) loader; export for vllm"
+
+    def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
+        check_vllm_path(output, "MTP")
+        drafter = source.drafter
+        config = dict(source.target.config)
+        layout = layout_of(config)
+        config[layout.count_key] = 1
+        prefix = layout.prefix(int(config["num_hidden_layers"]))
+        tensors = {prefix + name: tensor for name, tensor in drafter.checkpoint_tensors().items()}
+        expected = shipped_shapes(source.target.shape.name_or_path, source.target.config, layout)
+        conventions = {
+            "config": f"the target's config.json, {layout.count_key}=1: vLLM builds its {layout.vllm_model} model",
+            "weights": f"the fine-tuned MTP layer under the target checkpoint's names and shapes ({prefix}*)",
+            "shared": "embed_tokens and lm_head are the target's (vLLM shares them; not in the folder)",
+            "hidden": "the target's final (post-norm) hidden state, as vLLM hands it to its MTP proposer",
+        }
+        return EngineRepo("vllm", config, tensors, expected, VLLM_SERVE, conventions, method="mtp", tokenizer=True)
+
+    def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
+        layout = LAYOUTS.get((config.get("architectures") or [""])[0])
+        if layout is None or "num_hidden_layers" not in config:
+            return False
+        prefix = layout.prefix(int(config["num_hidden_layers"]))
+        return bool(tensors) and all(name.startswith(prefix) for name in tensors)
+
+    def read(
+        self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]
+    ):
+        mtp = drafter_class("mtp")
+        prefix = layout_of(config).prefix(int(config["num_hidden_layers"]))
+        settings = {
+            key: value
+            for key, value in info.get("drafter_config", {}).items()
+            if key in ("ttt_steps", "ttt_decay", "tree_depth", "tree_topk")
+        }  # training and decoding settings the engine does not carry
+        layer = {name.removeprefix(prefix): tensor for name, tensor in tensors.items()}
+        return mtp.from_layer(mtp.Config(**settings), target_model, info.get("verifier", "target"), layer)

@@ -1,0 +1,514 @@
+"""MTP: the target's own multi-token-prediction layer, shipped in its checkpoint, fine-tuned as the drafter.
+
+DeepSeek-V3, GLM-4.5, Qwen3-Next and Qwen3.5 ship, next to their decoder layers, a layer trained to
+predict the token after next. transformers drops it at load (the families' `_keys_to_ignore_on_load_
+unexpected`); vLLM serves it as the `mtp` method. This kind reads it from the target's safetensors, builds
+it as vLLM 0.32's `*_mtp.py` model for that architecture computes it, trains it on the target's own
+distribution several steps ahead, each step fed its previous step's output (EAGLE's training-time test),
+and exports it back under the checkpoint's own names (export/mtp.py).
+
+Draft position p reads the target's final (post-norm) hidden state f_p, the hidden state vLLM hands its
+MTP proposer, and the embedding of the next token x_{p+1}:
+
+    pre = block(proj(cat(embed_norm(e(x_{p+1})), hidden_norm(f_p))))     block: one decoder layer of the
+    logits = lm_head(final_norm(pre))                                    target's family, MoE/MLA as its own
+
+where e is the target's embedding, zeroed at position 0 in the DeepSeek and GLM models, and lm_head the
+target's (vLLM shares both with the target; the checkpoint's copies are not read). A later draft step
+reads the previous step's `final_norm(pre)` (DeepSeek, Qwen) or `pre` itself (GLM), as vLLM's proposer
+feeds them back (docs/results/vllm-0.32-source-2026-families.md, section 2). Decoding is EAGLE's: the
+layer's own KV cache over the committed sequence, a chain or a dynamic tree grown from it (EagleProposer);
+vLLM verifies chains.
+
+Only the first MTP layer is used: vLLM 0.32's proposer runs layer 0 for every draft step whatever the
+checkpoint's count. The block's tensors are converted between the checkpoint's names and transformers'
+modules (fused experts) by transformers' own loading and saving code, through a one-layer model of the
+target's class (`carrier`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import DynamicCache
+
+from draftsmith.errors import UserError, one_line
+from draftsmith.heads import register
+from draftsmith.heads.base import DrafterConfig, DraftState, FlopProfile, per_sample_stats
+from draftsmith.heads.eagle import EagleBase, check_tree_settings, import_qualified
+from draftsmith.heads.packing import (
+    causal_document_mask,
+    documents,
+    num_documents,
+    positions,
+    same_document,
+    shifted,
+)
+from draftsmith.heads.vocab_loss import chunk_rows_for, soft_cross_entropy
+from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
+
+# The drafter's modules around the block, by role; a layout names them as its checkpoint does.
+WRAPPER = ("embed_norm", "hidden_norm", "proj", "final_norm")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a target architecture's checkpoint stores its MTP layers and how vLLM 0.32 computes them."""
+
+    vllm_model: str  # vLLM's module for it (model_executor/models/<name>.py)
+    count_key: str  # the config key holding the number of MTP layers
+    names: tuple[str, str, str, str]  # WRAPPER's modules under the checkpoint's names
+    after_layers: bool  # stored as layer N (N = num_hidden_layers) of the model, else under `mtp.`
+    masks_first_position: bool  # the embedding at position 0 is zeroed
+    feeds_back_normed: bool  # a later step reads final_norm(pre), else pre
+
+    def prefix(self, num_hidden_layers: int) -> str:
+        """The first MTP layer's tensor names start with this."""
+        return f"model.layers.{num_hidden_layers}." if self.after_layers else "mtp."
+
+    def block(self) -> str:
+        """Where the decoder layer's own tensors sit under `prefix`."""
+        return "" if self.after_layers else "layers.0."
+
+    def shared(self) -> tuple[str, ...]:
+        """Tensors under the prefix that vLLM replaces by the target's (its embedding and lm_head)."""
+        return ("embed_tokens.", "shared_head.head.") if self.after_layers else ()
+
+
+DEEPSEEK_NAMES = ("enorm", "hnorm", "eh_proj", "shared_head.norm")
+QWEN_NAMES = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm")
+# Target architecture -> its MTP layout, as vLLM 0.32's models read and compute it (read from its source).
+LAYOUTS = {
+    "DeepseekV3ForCausalLM": Layout("deepseek_mtp", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, True),
+    "Glm4MoeForCausalLM": Layout("glm4_moe_mtp", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, False),
+    "Qwen3NextForCausalLM": Layout("qwen3_next_mtp", "num_nextn_predict_layers", QWEN_NAMES, False, False, True),
+    "Qwen3_5ForCausalLM": Layout("qwen3_5_mtp", "mtp_num_hidden_layers", QWEN_NAMES, False, False, True),
+}
+# Architectures with MTP layers that vLLM 0.32 does not serve as trained, and why.
+UNSERVED = {
+    "Glm4MoeLiteForCausalLM": (
+        "vLLM 0.32's glm4_moe_lite_mtp sets num_hidden_layers to 0 and so loads the target's layer 0 as the MTP "
+        "layer, never the shipped one"
+    ),
+    "DeepseekV32ForCausalLM": "its sparse (indexed) attention is not served by vLLM on a CPU, nor rolled back here",
+    "DeepseekV4ForCausalLM": "its compressed attention is not served by vLLM on a CPU, nor rolled back here",
+}
+
+
+@dataclass
+class MtpConfig(DrafterConfig):
+    type: str = "mtp"  # the drafter kind (registry key)
+    SETTINGS = ("ttt_steps", "ttt_decay", "tree_depth", "tree_topk")  # see DrafterConfig
+    ttt_steps: int = 3  # training-time test: draft steps unrolled, each fed the previous step's output
+    ttt_decay: float = 0.8  # step i's loss weighs ttt_decay**i
+    tree_depth: int = 5  # dynamic tree (EAGLE-2) in draftsmith's eval: draft steps ...
+    tree_topk: int = 4  # ... children per expanded node and nodes expanded per step
+    decoder: Optional[dict] = None  # the MTP layer's classes, config and layout, resolved by from_target
+
+    def check(self, target: Optional[TargetShape] = None) -> None:
+        check_tree_settings(self)
+        if self.ttt_steps < 1:
+            raise UserError(f"drafter.ttt_steps must be >= 1 (got {self.ttt_steps})")
+        if not 0 < self.ttt_decay <= 1:
+            raise UserError(f"drafter.ttt_decay={self.ttt_decay} must be in (0, 1]")
+        if target is not None:
+            check_target_folder(target.name_or_path)
+
+
+def layout_of(config: dict) -> Layout:
+    """The MTP layout of a target config (dict form), or a one-line UserError: no MTP layers, or an
+    architecture vLLM does not serve them for."""
+    architecture = (config.get("architectures") or ["?"])[0]
+    if architecture in UNSERVED:
+        raise UserError(
+            f"drafter.type=mtp: a {architecture} target's MTP layer is not served: {UNSERVED[architecture]}"
+        )
+    if architecture not in LAYOUTS:
+        known = ", ".join(sorted(LAYOUTS))
+        raise UserError(
+            f"drafter.type=mtp: no MTP layer layout is known for a {architecture} target (vLLM 0.32 serves the MTP "
+            f"layers of {known}); train another kind"
+        )
+    layout = LAYOUTS[architecture]
+    text = config.get("text_config") or {}
+    if not int(config.get(layout.count_key) or text.get(layout.count_key) or 0):
+        raise UserError(
+            f"drafter.type=mtp: the target ships no MTP layer ({layout.count_key} is unset or 0 in its config.json); "
+            "train another kind"
+        )
+    return layout
+
+
+def check_target_folder(name_or_path: str) -> None:
+    """For a local target: its config names an MTP layout and its weights hold the first MTP layer (the
+    safetensors headers only); a Hub id is checked when the target loads."""
+    folder = Path(name_or_path)
+    if not (folder / "config.json").is_file():
+        return
+    config = json.loads((folder / "config.json").read_text())
+    layout = layout_of(config)
+    prefix = layout.prefix(int(config["num_hidden_layers"]))
+    if not any(name.startswith(prefix) for name in tensor_names(folder)):
+        raise UserError(
+            f"drafter.type=mtp: {folder}'s weights hold no MTP layer (no tensor named {prefix}*; transformers drops "
+            "it when it saves a model): point target.name_or_path at the released checkpoint"
+        )
+
+
+def tensor_names(folder: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file of a checkpoint folder that holds it (headers only)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return {name: folder / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    names: dict[str, Path] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            names.update(dict.fromkeys(f.keys(), path))
+    return names
+
+
+def checkpoint_folder(name_or_path: str) -> Path:
+    """The target's checkpoint folder: a local one, or a Hub id's snapshot in the cache (its weights were
+    fetched when the target loaded)."""
+    if Path(name_or_path).is_dir():
+        return Path(name_or_path)
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(name_or_path, allow_patterns=["*.safetensors", "*.json"]))
+    except (HfHubHTTPError, LocalEntryNotFoundError, ValueError, OSError) as err:
+        raise UserError(
+            f"drafter.type=mtp: cannot read target {name_or_path!r}'s checkpoint ({one_line(err)})"
+        ) from None
+
+
+def layer_files(name_or_path: str, config: dict, layout: Layout) -> dict[Path, list[str]]:
+    """The safetensors files of the target's checkpoint holding its first MTP layer, with those tensors' names,
+    without the copies of the embedding and lm_head vLLM does not read."""
+    folder = checkpoint_folder(name_or_path)
+    prefix = layout.prefix(int(config["num_hidden_layers"]))
+    files: dict[Path, list[str]] = {}
+    for name, path in tensor_names(folder).items():
+        rest = name.removeprefix(prefix)
+        if name.startswith(prefix) and not rest.startswith(layout.shared()) and first_layer(rest, layout):
+            files.setdefault(path, []).append(name)
+    if not files:
+        raise UserError(f"drafter.type=mtp: {folder}'s weights hold no MTP layer (no tensor named {prefix}*)")
+    return files
+
+
+def read_layer(name_or_path: str, config: dict, layout: Layout) -> dict[str, torch.Tensor]:
+    """The target's first MTP layer, its tensors named as in the checkpoint minus the prefix."""
+    prefix = layout.prefix(int(config["num_hidden_layers"]))
+    tensors = {}
+    for path, names in layer_files(name_or_path, config, layout).items():
+        with safe_open(str(path), "pt") as f:
+            tensors.update({name.removeprefix(prefix): f.get_tensor(name) for name in names})
+    return tensors
+
+
+def shipped_shapes(name_or_path: str, config: dict, layout: Layout) -> dict[str, tuple[int, ...]]:
+    """Name (with the prefix) -> shape of each tensor of the target's first MTP layer (headers only): what
+    vLLM loads for the layer, which an export must match."""
+    shapes = {}
+    for path, names in layer_files(name_or_path, config, layout).items():
+        with safe_open(str(path), "pt") as f:
+            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in names})
+    return shapes
+
+
+def first_layer(name: str, layout: Layout) -> bool:
+    """Whether a tensor (named under the prefix) belongs to the first MTP layer: under `mtp.` the wrapper
+    is shared and the blocks are `layers.{j}`."""
+    return layout.after_layers or not name.startswith("layers.") or name.startswith(layout.block())
+
+
+def layer_config(target_config, layout: Layout) -> dict:
+    """The target's config for the one decoder layer the engine builds as the MTP block: of the kind of the
+    layers after the dense ones (experts where the family has them: vLLM builds layer N, past
+    `first_k_dense_replace`), with full attention (vLLM's `layer_type="full_attention"`)."""
+    values = target_config.to_dict()
+    values = values.get("text_config") or values
+    values["num_hidden_layers"] = 1
+    if "first_k_dense_replace" in values:
+        values["first_k_dense_replace"] = 0
+    if isinstance(values.get("mlp_layer_types"), list):
+        values["mlp_layer_types"] = values["mlp_layer_types"][-1:]
+    if isinstance(values.get("layer_types"), list):
+        values["layer_types"] = ["full_attention"]
+    return values
+
+
+def carrier(spec: dict):
+    """A one-layer model of the target's class (vocabulary of one token), whose transformers loading and
+    saving code converts the block's tensors between checkpoint names and module parameters."""
+    from transformers import AutoModelForCausalLM
+
+    config = import_qualified(spec["config_class"]).from_dict(
+        {**spec["config"], "vocab_size": 1, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
+    )
+    config.tie_word_embeddings = False
+    return config, AutoModelForCausalLM
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """No load report or progress bar from the carrier's loading and saving: its embedding, norm and lm_head
+    are missing by design, and the user sees no model load of theirs."""
+    from transformers.utils import logging
+
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
+
+
+def block_from_checkpoint(tensors: dict[str, torch.Tensor], spec: dict) -> dict[str, torch.Tensor]:
+    """The block's checkpoint tensors (names under the block) -> its parameters, by transformers' loader."""
+    config, auto = carrier(spec)
+    with tempfile.TemporaryDirectory() as tmp:
+        config.save_pretrained(tmp)
+        named = {f"model.layers.0.{name}": tensor.contiguous() for name, tensor in tensors.items()}
+        save_file(named, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
+        with quiet_transformers():
+            model, info = auto.from_pretrained(tmp, dtype=torch.float32, output_loading_info=True)
+    missing = [name for name in info["missing_keys"] if name.startswith("model.layers.0.")]
+    unexpected = [name.removeprefix("model.layers.0.") for name in info["unexpected_keys"]]
+    if missing or unexpected:
+        raise UserError(
+            f"drafter.type=mtp: the checkpoint's MTP layer does not match the target's decoder layer (missing "
+            f"{[name.removeprefix('model.layers.0.') for name in missing][:3]}, unexpected {unexpected[:3]})"
+        )
+    return model.model.layers[0].state_dict()
+
+
+def block_to_checkpoint(block: nn.Module, spec: dict) -> dict[str, torch.Tensor]:
+    """The block's parameters -> its checkpoint tensors (names under the block), by transformers' saver."""
+    config, auto = carrier(spec)
+    model = auto.from_config(config, dtype=torch.float32)
+    model.model.layers[0].load_state_dict({k: v.float() for k, v in block.state_dict().items()})
+    with tempfile.TemporaryDirectory() as tmp, quiet_transformers():
+        model.save_pretrained(tmp)
+        saved = load_file(str(Path(tmp) / "model.safetensors"))
+    dtype = next(block.parameters()).dtype
+    return {
+        name.removeprefix("model.layers.0."): tensor.to(dtype)
+        for name, tensor in saved.items()
+        if name.startswith("model.layers.0.")
+    }
+
+
+@register
+class Mtp(EagleBase):
+    type = "mtp"
+    TITLE = "MTP"
+    Config = MtpConfig
+    SERVED_BY = {"chain": "vLLM", "tree": "draftsmith eval only"}
+
+    def __init__(self, config: MtpConfig, target: TargetShape):
+        super().__init__(config, target)
+        spec = config.decoder
+        # transformers' loop over the experts (a block of a family with experts): runs forward and backward
+        # on any device; from_pretrained would pick a kernel, a layer built alone gets none
+        self.layer_config._experts_implementation = "eager"
+        self.layout = LAYOUTS[spec["architecture"]]
+        hidden, eps = target.hidden_size, self.layer_config.rms_norm_eps
+        norm = import_qualified(spec["norm"])  # the target's RMSNorm (Qwen's computes x * (1 + w))
+        self.embed_norm, self.hidden_norm, self.final_norm = (norm(hidden, eps=eps) for _ in range(3))
+        self.proj = nn.Linear(2 * hidden, hidden, bias=False)
+        self.block = import_qualified(spec["layer"])(self.layer_config, layer_idx=0)
+
+    @classmethod
+    def features(cls, config: MtpConfig, target: TargetShape) -> FeatureRequest:
+        return FeatureRequest(final=True, logits=True)
+
+    @classmethod
+    def flop_profile(cls, config: MtpConfig) -> FlopProfile:
+        return FlopProfile(passes=config.ttt_steps)
+
+    # -- building -------------------------------------------------------------------------------
+    @classmethod
+    def from_target(cls, config: MtpConfig, target_model, name_or_path: str) -> Mtp:
+        layout = layout_of(target_model.config.to_dict())
+        tensors = read_layer(name_or_path, target_model.config.to_dict(), layout)
+        return cls.from_layer(config, target_model, name_or_path, tensors)
+
+    @classmethod
+    def from_layer(cls, config: MtpConfig, target_model, name_or_path: str, tensors: dict[str, torch.Tensor]) -> Mtp:
+        """The drafter holding an MTP layer given as its checkpoint tensors (names under the layer's prefix)."""
+        drafter = cls.unloaded(config, target_model, name_or_path)
+        drafter.load_layer(tensors)
+        return drafter
+
+    @classmethod
+    def unloaded(cls, config: MtpConfig, target_model, name_or_path: str) -> Mtp:
+        """The drafter for this target with the layer's weights as its classes initialise them."""
+        target_config = target_model.config
+        layout = layout_of(target_config.to_dict())
+        text = getattr(target_config, "text_config", None) or target_config
+        inner = target_model.model
+        spec = {
+            "architecture": target_config.architectures[0],
+            "layer": qualified(type(inner.layers[0])),
+            "rotary": qualified(type(inner.rotary_emb)),
+            "norm": qualified(type(inner.norm)),
+            "config_class": qualified(type(text)),
+            "config": layer_config(target_config, layout),
+        }
+        drafter = cls(replace(config, decoder=spec), TargetShape.of(target_model, name_or_path))
+        drafter.attach_target(target_model)
+        return drafter
+
+    def load_layer(self, tensors: dict[str, torch.Tensor]) -> None:
+        block = self.layout.block()
+        wrapper = {f"{own}.weight": f"{theirs}.weight" for own, theirs in zip(WRAPPER, self.layout.names)}
+        missing = [name for name in wrapper.values() if name not in tensors]
+        if missing:
+            raise UserError(f"drafter.type=mtp: the checkpoint's MTP layer lacks {missing}")
+        state = {own: tensors[theirs] for own, theirs in wrapper.items()}
+        block_tensors = {name.removeprefix(block): t for name, t in tensors.items() if name.startswith(block)}
+        block_tensors = {k: v for k, v in block_tensors.items() if k not in wrapper.values()}
+        state |= {f"block.{name}": t for name, t in block_from_checkpoint(block_tensors, self.config.decoder).items()}
+        dtype = self.proj.weight.dtype
+        self.load_state_dict({name: t.to(dtype) for name, t in state.items()})
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """The layer under its checkpoint names (without the prefix): what export/mtp.py writes."""
+        out = {
+            f"{theirs}.weight": getattr(self, own).weight.detach() for own, theirs in zip(WRAPPER, self.layout.names)
+        }
+        block = self.layout.block()
+        out |= {block + name: t for name, t in block_to_checkpoint(self.block, self.config.decoder).items()}
+        return out
+
+    # -- the draft model ------------------------------------------------------------------------
+    def draft(
+        self,
+        tokens: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        mask: Optional[torch.Tensor] = None,
+        cache: Optional[DynamicCache] = None,
+    ) -> torch.Tensor:
+        """pre = block(proj(cat(embed_norm(e), hidden_norm(f)))); returns what a later step reads (see the
+        module docstring), which `top_tokens` turns into logits."""
+        embedded = self.embed(tokens).to(features.dtype)
+        if self.layout.masks_first_position:
+            embedded = torch.where(positions[..., None] == 0, 0.0, embedded)
+        hidden = self.proj(torch.cat([self.embed_norm(embedded), self.hidden_norm(features)], dim=-1))
+        rope = self.rotary_emb(hidden, positions)
+        pre = self.block(hidden, attention_mask=mask, position_ids=positions, cache=cache, position_embeddings=rope)
+        return self.final_norm(pre) if self.layout.feeds_back_normed else pre
+
+    def head_input(self, fed_back: torch.Tensor) -> torch.Tensor:
+        return fed_back if self.layout.feeds_back_normed else self.final_norm(fed_back)
+
+    def top_tokens(self, feature: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        _, lm_head = self.target_modules()
+        logits = lm_head(self.head_input(feature).to(lm_head.weight.dtype)).float()
+        # Clamped so that rounding never lets a child outscore its parent (EagleProposer.grow).
+        best = logits.log_softmax(-1).clamp(max=0).topk(k)
+        return best.values, best.indices
+
+    def committed_features(self, state: DraftState) -> Optional[torch.Tensor]:
+        return None if state.new_final is None else state.new_final.to(self.proj.weight.dtype)
+
+    # -- training -------------------------------------------------------------------------------
+    def loss(self, batch: dict, target_out: TargetOutput):
+        """The training-time test over `ttt_steps` draft steps, teacher-forced on the data's tokens.
+
+        With x_t = input_ids[:, t] and f_t the target's final hidden state at t, step i (0 first) at
+        position t reads x_{t+i+1} and, for i = 0, f_t, else step i-1's output at t, sits at position t+i,
+        and guesses x_{t+i+2}: its soft label is the target's distribution there (its logits at t+i+1). It
+        attends to step 0's entries at positions <= t of its document and to its own earlier steps at t,
+        as the decode loop's cache holds them when it drafts its (i+1)-th token. Counted where x_{t+i+2}
+        is supervised and in t's document; summed over positions and steps (step i weighs ttt_decay**i).
+        """
+        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
+        rows, length = input_ids.shape
+        width, device, steps = length - 1, input_ids.device, self.config.ttt_steps
+        docs, places = documents(batch), positions(batch)
+        committed = causal_document_mask(docs[:, :width])  # step 0's entries, [B, 1, W, W]
+        own = torch.eye(width, dtype=torch.bool, device=device).expand(rows, 1, width, width)
+        row_starts = torch.arange(rows, device=device)[:, None] * length
+        cache = DynamicCache(config=self.layer_config)
+        fed = target_out.final[:, :width].to(self.proj.weight.dtype)
+        heads, weights, scored, teacher_rows = [], [], [], []
+        for step in range(steps):
+            mask = torch.cat([committed] + [own] * step, dim=-1)
+            fed = self.draft(shifted(input_ids, step + 1, width), fed, places[:, :width] + step, mask, cache)
+            heads.append(self.head_input(fed).flatten(0, 1))
+            counted = same_document(docs, step + 2, width) & shifted(loss_mask, step + 2, width, fill=False)
+            scored.append(counted)
+            weights.append(counted.flatten() * self.config.ttt_decay**step)
+            ahead = (torch.arange(width, device=device) + step + 1).clamp(max=length - 1)
+            teacher_rows.append((row_starts + ahead).flatten())
+        at = torch.cat(teacher_rows)
+        target_best = torch.full_like(at, -1)  # the target's argmax at the scored rows, filled by `teacher`
+
+        def teacher(chunk: torch.Tensor) -> torch.Tensor:
+            logits = target_out.logits_at(at[chunk]).float()
+            target_best[chunk] = logits.argmax(-1)
+            return logits.softmax(-1)
+
+        _, lm_head = self.target_modules()
+        chunk_rows = chunk_rows_for(self.loss_chunk_bytes, self.target.vocab_size)
+        features = torch.cat(heads).to(lm_head.weight.dtype)
+        result = soft_cross_entropy(features, lm_head.weight, teacher, torch.cat(weights).float(), chunk_rows)
+        hits = (result.best == target_best).float().view(steps, rows, width)
+        token_loss = result.token_loss.view(steps, rows, width)
+        stats: dict[str, torch.Tensor] = {}
+        owner = docs[:, :width].clamp(min=0)  # padding is never counted
+        for step, counted in enumerate(scored):
+            values = {f"step{step + 1}/top1": hits[step], f"step{step + 1}/token_loss": token_loss[step]}
+            stats |= per_sample_stats(values, owner, num_documents(batch), where=counted)
+        return result.loss, self.loss_tokens(batch), stats
+
+
+def qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@torch.no_grad()
+def write_random_layer(directory: str | Path, std: float = 0.08, seed: int = 0) -> None:
+    """Give a target folder written by draftsmith.random_target a random first MTP layer, in its
+    architecture's checkpoint layout, and the config key counting it: a tiny stand-in for a released
+    checkpoint's (tests and benchmarks; every >= 2-D weight from N(0, std²), norms as the family builds them)."""
+    from transformers import AutoModelForCausalLM
+
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    values = json.loads(config_path.read_text())
+    architecture = (values.get("architectures") or ["?"])[0]
+    if architecture not in LAYOUTS:
+        raise UserError(f"no MTP layer layout is known for a {architecture} target")
+    layout = LAYOUTS[architecture]
+    values[layout.count_key] = 1
+    config_path.write_text(json.dumps(values, indent=2) + "\n")
+    target = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    torch.manual_seed(seed)
+    # named apart from the folder, whose weights do not hold the layer yet (MtpConfig.check reads them)
+    drafter = Mtp.unloaded(MtpConfig(), target, "random MTP layer")
+    for parameter in drafter.parameters():
+        if parameter.dim() >= 2:
+            parameter.normal_(0.0, std)
+    weights = directory / "model.safetensors"
+    tensors = load_file(str(weights))
+    prefix = layout.prefix(int(values["num_hidden_layers"]))
+    tensors |= {prefix + name: t.contiguous() for name, t in drafter.checkpoint_tensors().items()}
+    save_file(tensors, str(weights), metadata={"format": "pt"})

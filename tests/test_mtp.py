@@ -1,0 +1,179 @@
+"""The `mtp` kind: a target's own multi-token-prediction layer, read from its checkpoint, fine-tuned and
+written back under the checkpoint's names (heads/mtp.py, export/mtp.py).
+
+On tiny random targets of each family vLLM 0.32 serves an MTP layer for (GLM-4.5's and DeepSeek-V3's
+layout, `model.layers.{N}.*`; Qwen3-Next's and Qwen3.5's, `mtp.*`), each given a random first MTP layer
+in its family's layout (`heads.mtp.write_random_layer`, as a released checkpoint ships one): the layer
+reads back exactly, is the block vLLM builds (the family's attention and experts), computes vLLM's
+formula, trains and decodes losslessly; targets without one are refused in one line before anything
+loads. The real engine serving the export: tests/test_mtp_vllm.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from draftsmith.errors import UserError
+from draftsmith.eval.loop import generate
+from draftsmith.heads import drafter_class
+from draftsmith.heads.mtp import LAYOUTS, read_layer, shipped_shapes, write_random_layer
+from draftsmith.random_target import write_random_target
+from draftsmith.recipe import load_recipe
+from draftsmith.target import load_target, local_target_shape, run_target
+from tests.helpers import REFERENCE_TARGET, assert_one_line_error, first_records, run_entry_in_process, save_drafter
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FAMILIES = ("glm4_moe", "deepseek_v3", "qwen3_next", "qwen3_5_text")
+SHAPE = {"hidden_size": 64, "intermediate_size": 128, "head_dim": 16}  # 4 layers: Qwen's 4th is full attention
+MTP = drafter_class("mtp")
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    """family -> (folder, model) of a tiny target with a random MTP layer, built once."""
+    built = {}
+
+    def build(family: str):
+        if family not in built:
+            folder = write_random_target(family, tmp_path_factory.mktemp(family), **SHAPE)
+            write_random_layer(folder)
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().requires_grad_(False)
+            built[family] = folder, model
+        return built[family]
+
+    return build
+
+
+def layout(folder):
+    config = json.loads((folder / "config.json").read_text())
+    return config, LAYOUTS[config["architectures"][0]]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_layer_reads_back_under_the_checkpoints_names_as_the_block_vllm_builds(family, targets):
+    folder, model = targets(family)
+    drafter = MTP.from_target(MTP.Config(), model, str(folder))
+    config, chosen = layout(folder)
+    shipped = read_layer(str(folder), config, chosen)
+    written = drafter.checkpoint_tensors()
+    assert written.keys() == shipped.keys() and all(torch.equal(written[n], shipped[n]) for n in shipped)
+    # the block is the family's layer past the dense ones, with full attention: its experts and attention kind
+    block = {name for name, _ in drafter.block.named_parameters()}
+    last = {name for name, _ in model.model.layers[-1].named_parameters()}
+    assert any("experts" in name for name in block) == any("experts" in name for name in last)
+    assert {n for n in block if n.startswith("self_attn.")} == {n for n in last if n.startswith("self_attn.")}
+
+
+def rms(x: torch.Tensor, weight: torch.Tensor, eps: float, one_plus: bool) -> torch.Tensor:
+    x = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return x * ((1 + weight.float()) if one_plus else weight.float())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_draft_step_computes_vllms_formula_from_the_checkpoint(family, targets):
+    """Written from vLLM 0.32's `*_mtp.py` (docs/results/vllm-0.32-source-2026-families.md), reading the
+    checkpoint's wrapper tensors by name: DeepSeek's and GLM's plain RMSNorms and masked first embedding,
+    Qwen's (1 + w) norms; the block is the drafter's own (its equality with the shipped layer is above)."""
+    folder, model = targets(family)
+    drafter = MTP.from_target(MTP.Config(), model, str(folder)).eval()
+    config, chosen = layout(folder)
+    shipped = read_layer(str(folder), config, chosen)
+    embed_norm, hidden_norm, proj, final_norm = (shipped[f"{name}.weight"] for name in chosen.names)
+    qwen, eps = not chosen.after_layers, config["rms_norm_eps"]
+    ids = torch.randint(3, 200, (1, 6), generator=torch.Generator().manual_seed(0))
+    features = run_target(model, ids).final
+    positions = torch.arange(6)[None]
+    embedded = model.get_input_embeddings().weight[ids]
+    if chosen.masks_first_position:
+        embedded[:, 0] = 0
+    hidden = torch.cat([rms(embedded, embed_norm, eps, qwen), rms(features, hidden_norm, eps, qwen)], -1) @ proj.T
+    rope = drafter.rotary_emb(hidden, positions)
+    with torch.no_grad():
+        pre = drafter.block(hidden, position_ids=positions, position_embeddings=rope)
+        expected = model.lm_head(rms(pre, final_norm, eps, qwen))[0, -1].argmax()
+        fed = drafter.draft(ids, features, positions)
+    assert drafter.top_tokens(fed[0, -1], 1)[1].item() == expected.item()
+    # what a later step reads: the normed output (DeepSeek, Qwen) or the block's output itself (GLM)
+    assert torch.allclose(fed, rms(pre, final_norm, eps, qwen) if chosen.feeds_back_normed else pre, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_it_trains_several_steps_ahead_and_decodes_losslessly(family, targets):
+    folder, model = targets(family)
+    drafter = MTP.from_target(MTP.Config(ttt_steps=3), model, str(folder))
+    ids = torch.randint(3, 4000, (2, 40), generator=torch.Generator().manual_seed(6))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    target_out = run_target(model, ids, request=MTP.features(drafter.config, drafter.target))
+    optimizer = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for _ in range(8):
+        loss_sum, count, stats = drafter.loss(batch, target_out)
+        (loss_sum / count).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss_sum.detach() / count))
+    assert losses[-1] < losses[0]
+    assert {f"step{i}/top1" for i in (1, 2, 3)} <= stats.keys()
+    prompt = torch.randint(3, 4000, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    plain = generate(model, prompt, 24).tokens
+    assert generate(model, prompt, 24, drafter=drafter.eval().proposer(), gamma=3).tokens == plain
+
+
+def test_targets_without_a_served_mtp_layer_are_refused_in_one_line(tmp_path):
+    """Before any model or data loads (the target's config.json and safetensors headers only)."""
+    shape = local_target_shape(str(REFERENCE_TARGET))
+    with pytest.raises(UserError, match="no MTP layer layout is known for a LlamaForCausalLM target"):
+        MTP.Config().check(shape)
+    bare = write_random_target("qwen3_next", tmp_path / "bare", **SHAPE)  # no MTP layer count in its config
+    with pytest.raises(UserError, match=r"ships no MTP layer \(num_nextn_predict_layers is unset or 0"):
+        MTP.Config().check(local_target_shape(str(bare)))
+    saved = write_random_target("glm4_moe", tmp_path / "saved", **SHAPE)  # a count, but saved by transformers
+    with pytest.raises(UserError, match=r"weights hold no MTP layer \(no tensor named model.layers.4.\*"):
+        MTP.Config().check(local_target_shape(str(saved)))
+    lite = write_random_target("glm4_moe_lite", tmp_path / "lite", **SHAPE)
+    with pytest.raises(UserError, match="glm4_moe_lite_mtp sets num_hidden_layers to 0"):
+        MTP.Config().check(local_target_shape(str(lite)))
+
+
+def test_train_refuses_a_target_without_one_before_loading_it(capsys):
+    result = run_entry_in_process(["train.py", "recipe=mtp", f"target.name_or_path={REFERENCE_TARGET}"], capsys)
+    assert_one_line_error(result, 2, "drafter.type=mtp: no MTP layer layout is known for a LlamaForCausalLM target")
+
+
+def test_the_export_is_the_shipped_layers_form_and_evaluates_like_the_checkpoint(small_data, tmp_path, capsys):
+    """On the demo MTP target (recipes/mtp.yaml): the vLLM folder is the target's config with one MTP layer
+    and the layer under exactly the shipped names and shapes; read back by draftsmith's eval, it decodes as
+    the checkpoint does (chain and tree)."""
+    from draftsmith.eval.report import run_eval
+
+    name = load_recipe(["recipe=mtp"]).target.name_or_path
+    target = load_target(name)
+    checkpoint = save_drafter("mtp", target, tmp_path / "ckpt", seed=3, target_name=name)
+    export = ["-m", "export", "recipe=mtp", f"checkpoint={checkpoint}", f"export.output={tmp_path / 'export'}"]
+    assert run_entry_in_process([*export, f"output_dir={tmp_path / 'run'}"], capsys).returncode == 0
+    folder = tmp_path / "export" / "vllm"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["Glm4MoeForCausalLM"] and config["num_nextn_predict_layers"] == 1
+    written = {n: tuple(t.shape) for n, t in load_file(str(folder / "model.safetensors")).items()}
+    assert written == shipped_shapes(name, config, LAYOUTS["Glm4MoeForCausalLM"])
+    info = json.loads((folder / "draftsmith_export.json").read_text())
+    assert info["speculative_config"]["method"] == "mtp"
+    prompt = first_records(small_data["eval"], tmp_path / "eval.jsonl", 1)
+    quick = [f"eval.data=[{prompt}]", "eval.max_new_tokens=16", "eval.tree=6", "eval.ngram_baseline=false"]
+    rows = {}
+    for label, path in (("checkpoint", checkpoint), ("vllm", folder)):
+        report = run_eval(
+            load_recipe(["recipe=mtp", f"output_dir={tmp_path / label}", *quick]), str(path), target=target
+        )
+        rows[label] = {
+            (d, m): (row["new_tokens"], row["target_forwards"], row["accepted"], row["lossless"])
+            for d in report["domains"]
+            for m, row in report["domains"][d].items()
+        }
+    assert rows["vllm"] == rows["checkpoint"]
