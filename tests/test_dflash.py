@@ -126,6 +126,39 @@ def test_loss_scores_block_position_k_against_x_a_plus_k(model, drafter):
     assert stats["accepted"][:, 1].tolist() == real.sum(1).tolist()  # one value per real anchor
 
 
+def test_dpace_weighs_each_position_by_the_accepted_length_riding_on_it(model, drafter):
+    """D-PACE (loss_weighting=dpace): the same loss with each block's weights from the draft's own
+    confidence, recomputed by hand for one block: c_k = exp(-CE_k), s_k = (1-α)c_k + α, w_k ∝
+    sum_{j>=k} prod_{i<=j} s_i over the positions the block scores, summing to 1; and with the decay
+    weights it was trained on, a block's loss differs. Refused with the soft cross-entropy (no label)."""
+    dpace = DFlash(replace(drafter.config, loss_weighting="dpace", dpace_alpha=0.3), drafter.target)
+    dpace.load_state_dict(drafter.state_dict())
+    dpace.attach_target(model)
+    ids = greedy_text(model, rows=1, length=30, seed=4)
+    loss_mask = torch.ones_like(ids, dtype=torch.bool)
+    batch = {"input_ids": ids, "loss_mask": loss_mask}
+    out = run_target(model, ids, request=dpace.request)
+    torch.manual_seed(7)
+    loss, count, _ = dpace(batch, out)
+    torch.manual_seed(7)
+    anchors, real = dpace.sample_anchors(loss_mask)
+    with torch.no_grad():
+        logits = dpace.logits(dpace.blocks(ids, out.layers, anchors))
+    total = 0.0
+    for column in range(anchors.shape[1]):
+        a = int(anchors[0, column])
+        ks = [k for k in range(1, dpace.config.block_size) if real[0, column] and a + k < ids.shape[1]]
+        ce = [float(-logits[0, column, k].log_softmax(-1)[ids[0, a + k]]) for k in ks]
+        reach = list(itertools.accumulate((0.7 * math.exp(-c) + 0.3 for c in ce), lambda x, y: x * y))
+        weights = [sum(reach[i:]) for i in range(len(reach))]
+        total += sum(w * c for w, c in zip(weights, ce)) / sum(weights) if weights else 0.0
+    assert loss.item() == pytest.approx(total, rel=1e-4) and int(count) == int(real.sum())
+    torch.manual_seed(7)
+    assert drafter(batch, out)[0].item() != pytest.approx(loss.item(), rel=1e-3)
+    with pytest.raises(UserError, match="loss_weighting=dpace reads each position's confidence .* set drafter.loss=ce"):
+        replace(drafter.config, loss_weighting="dpace", loss="soft_ce").check()
+
+
 def test_soft_loss_reads_the_targets_distribution(model):
     soft = fitted_dflash(model, steps=0, loss="soft_ce")
     assert soft.request.logits and not DFlash.features(DFlash.Config(**TINY), soft.target).logits
