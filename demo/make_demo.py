@@ -8,9 +8,10 @@ first TRAIN_PER_DOMAIN records of `<domain>.train.jsonl.gz` and the first EVAL_P
 of `<domain>.eval.jsonl.gz` from shared/data/corpus, unchanged.
 
 demo/mtp-target/ is a target with its own MTP layer, for `recipe=mtp`: a GLM-4.5-style model
-(`Glm4MoeForCausalLM`, partial rotary) of the demo target's shape whose 4 decoder layers are dense and
-hold the demo target's tensors wherever name and shape match, and a random MTP layer (a mixture of
-experts, as GLM-4.5's is) in the checkpoint's `model.layers.4.*`, bf16.
+(`Glm4MoeForCausalLM`, partial rotary) of the demo target's shape holding the demo target's tensors
+wherever name and shape match, its first 3 decoder layers dense, the last a mixture of experts (random
+experts; vLLM builds a GLM-4.5 model only with one), and a random MTP layer (a mixture of experts, as
+GLM-4.5's is) in the checkpoint's `model.layers.4.*`, bf16.
 """
 
 import gzip
@@ -62,7 +63,7 @@ def make_mtp_target(demo_target: Path, directory: Path) -> None:
 
     shutil.rmtree(directory, ignore_errors=True)
     layers = json.loads((demo_target / "config.json").read_text())["num_hidden_layers"]
-    write_random_target("glm4_moe", directory, seed_from=demo_target, first_k_dense_replace=layers)
+    write_random_target("glm4_moe", directory, seed_from=demo_target, first_k_dense_replace=layers - 1)
     write_random_layer(directory)
     weights = directory / "model.safetensors"
     tensors = {name: tensor.to(torch.bfloat16) for name, tensor in load_file(str(weights)).items()}

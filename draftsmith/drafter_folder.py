@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from draftsmith.errors import UserError
 from draftsmith.export import EXPORTERS
 from draftsmith.export.repo import EXPORT_INFO, WEIGHTS
+from draftsmith.files import checkpoint_digest
 from draftsmith.heads import load_drafter
 from draftsmith.heads.base import CONFIG_NAME, architecture, check_same_target
 from draftsmith.recipe import recipe_advice
@@ -28,6 +29,18 @@ from draftsmith.target import TargetShape
 def checkpoint_to_read(cfg: DictConfig) -> Path:
     """The drafter eval and export read: `checkpoint=`, else `<output_dir>/final`, where train writes."""
     return Path(cfg.checkpoint or Path(cfg.output_dir) / "final")
+
+
+def weights_digest(path: str | Path) -> str:
+    """What identifies the weights a drafter folder holds, for the eval report and the monitor's baseline:
+    a checkpoint's sha256 (draftsmith.files.checkpoint_digest), and for an export folder the sha256 of the
+    checkpoint it was made from (its draftsmith_export.json), so that a report on either names the same
+    drafter."""
+    path = Path(path)
+    info_path = next((p for p in (path / EXPORT_INFO, path.parent / EXPORT_INFO) if p.is_file()), None)
+    if info_path is not None:
+        return json.loads(info_path.read_text())["source"]["sha256"]
+    return checkpoint_digest(path)
 
 
 def read_folder(folder: Path, target):

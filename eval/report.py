@@ -38,7 +38,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from draftsmith.drafter_folder import checkpoint_to_read, open_drafter
+from draftsmith.drafter_folder import checkpoint_to_read, open_drafter, weights_digest
 from draftsmith.errors import UserError
 from draftsmith.eval.loop import Counts, Generation, generate, generate_batch
 from draftsmith.eval.ngram import NGramDrafter
@@ -401,7 +401,12 @@ def assemble(
             "id": target_id(cfg.target.name_or_path),
             "revision": cfg.target.revision,
         },
-        "drafter": {"path": str(checkpoint.resolve()), "type": drafter.type, "config": asdict(drafter.config)},
+        "drafter": {
+            "path": str(checkpoint.resolve()),
+            "sha256": weights_digest(checkpoint),  # which weights: the monitor refuses a baseline of others
+            "type": drafter.type,
+            "config": asdict(drafter.config),
+        },
         "verifier": "target"
         if verifier is target
         else f"target with the {drafter.type} drafter's LoRA adapters (from its checkpoint)",

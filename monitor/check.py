@@ -102,11 +102,19 @@ def export_info(folder: str) -> dict[str, Any]:
         raise UserError(f"cannot read the deployed export's {path}: {err}") from None
 
 
-def load_baseline(path: str) -> Baseline:
+def load_baseline(path: str, weights: str) -> Baseline:
+    """The baseline report at `path`, which must have measured the deployed weights (sha256 `weights`)."""
     try:
-        return Baseline.from_report(json.loads(Path(path).read_text()), path)
+        baseline = Baseline.from_report(json.loads(Path(path).read_text()), path)
     except (OSError, json.JSONDecodeError) as err:
         raise UserError(f"cannot read the baseline report {path}: {err}") from None
+    if baseline.weights != weights:
+        measured = f"weights of sha256 {baseline.weights[:12]}" if baseline.weights else "weights it names no sha256 of"
+        raise UserError(
+            f"the baseline report {path} measured {measured}, not the deployed drafter's ({weights[:12]}): evaluate "
+            "the deployed checkpoint (python -m eval) and set monitor.baseline to its report"
+        )
+    return baseline
 
 
 def measure_and_decide(cfg: DictConfig, directory: Path, state: State, now: float) -> Outcome:
@@ -119,7 +127,7 @@ def measure_and_decide(cfg: DictConfig, directory: Path, state: State, now: floa
             "directory>"
         )
     deployed = deployed_of(cfg, state)
-    baseline = load_baseline(deployed["baseline"])
+    baseline = load_baseline(deployed["baseline"], deployed["sha256"])
     state.checks += 1
     record: dict[str, Any] = {
         "check": state.checks,

@@ -66,6 +66,7 @@ class Baseline:
     domains: dict[str, float]  # domain -> α
     temperature: float
     source: str
+    weights: Optional[str] = None  # the sha256 of the weights the report measured (draftsmith.drafter_folder)
 
     @classmethod
     def from_report(cls, report: dict[str, Any], source: str) -> Baseline:
@@ -91,6 +92,7 @@ class Baseline:
             domains=domains,
             temperature=report.get("temperature", 0.0),
             source=source,
+            weights=(report.get("drafter") or {}).get("sha256"),
         )
 
 

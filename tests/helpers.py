@@ -572,19 +572,15 @@ FAMILY_TRAINING = [
 ]  # fmt: skip
 
 
-def family_target(family: str, directory: Path, token_cache: Path, mtp_layer: bool = False) -> tuple[Path, Path]:
+def family_target(family: str, directory: Path, token_cache: Path) -> tuple[Path, Path]:
     """A tiny random target of `family` (seeded from the demo's weights where name and shape match) and
     its own greedy answers to 128 of the demo's training prompts (`data_prep.regenerate`, the product's
     self-distillation step): what parts of the family the demo's weights do not cover stay random, so the
-    target's text is its own and a drafter learns it from its answers, as a user's would. `mtp_layer`: with
-    a random MTP layer in its checkpoint, as a released one ships it (heads.mtp.write_random_layer)."""
+    target's text is its own and a drafter learns it from its answers, as a user's would."""
     from draftsmith.data_prep.regenerate import regenerate
-    from draftsmith.heads.mtp import write_random_layer
     from draftsmith.random_target import demo_tokenizer_dir, write_random_target
 
     target = write_random_target(family, directory / "target", seed_from=demo_tokenizer_dir())
-    if mtp_layer:
-        write_random_layer(target)
     regenerate(load_recipe([
         "recipe=medusa", f"target.name_or_path={target}", f"data.train=[{DEMO / 'data' / 'train.jsonl.gz'}]",
         "data.max_conversations=128", "data.max_length=192", f"data.cache_dir={token_cache}",

@@ -257,12 +257,27 @@ def served_export(folder: Path, **info) -> Path:
         "per_position_counts": {"reached": [1000, 700, 500], "accepted": [700, 500, 300]},
     }
     report = folder.parent / "report.json"
-    report.write_text(json.dumps({"temperature": 0.0, "domains": {"all": {"chain": chain}}}))
+    report.write_text(
+        json.dumps({"temperature": 0.0, "drafter": {"sha256": "0" * 64}, "domains": {"all": {"chain": chain}}})
+    )
     record = {"source": {"checkpoint": str(folder.parent / "final"), "sha256": "0" * 64}, "num_speculative_tokens": 3,
               "speculative_config": {"method": "medusa", "num_speculative_tokens": 3, **VLLM_PINNED},
               "engine_settings": None, "eval_report": {"path": str(report)}, **info}  # fmt: skip
     (folder / EXPORT_INFO).write_text(json.dumps(record))
     return folder
+
+
+def test_a_baseline_report_of_other_weights_is_refused_in_one_line(tmp_path, capsys):
+    """The baseline report must have measured the deployed drafter: its drafter.sha256 is the checkpoint's
+    the export was made from (#62's fault 3: another drafter's report was accepted)."""
+    folder = served_export(tmp_path / "export" / "vllm", source={"checkpoint": "final", "sha256": "1" * 64})
+    result = run_entry_in_process(
+        ["-m", "monitor", "check", "recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}",
+         "monitor.metrics=[http://127.0.0.1:9/metrics]"], capsys,
+    )  # fmt: skip
+    assert_one_line_error(
+        result, 2, "measured weights of sha256 000000000000, not the deployed drafter's (111111111111)"
+    )
 
 
 def checked_in(version: str) -> dict:

@@ -103,6 +103,7 @@ def test_a_warm_start_begins_at_its_start_and_its_saved_recipe_reads_what_it_tra
     assert run_entry_in_process(["-m", "export", saved], capsys).returncode == 0
     info = json.loads((warm / "export" / "vllm" / "draftsmith_export.json").read_text())
     assert info["source"]["checkpoint"] == str(final.resolve())
+    assert report["drafter"]["sha256"] == info["source"]["sha256"]  # the report names the weights it measured
     exported = load_file(str(warm / "export" / "vllm" / "model.safetensors"))
     assert exported and all(torch.equal(tensor, weights[name]) for name, tensor in exported.items())
     assert any(not torch.equal(tensor, start[name]) for name, tensor in exported.items())
