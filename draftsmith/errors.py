@@ -154,6 +154,11 @@ def _run(main: Callable[[Sequence[str]], object], argv: list[str]) -> NoReturn:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
+    except BrokenPipeError:
+        # stdout's reader stopped reading (`--help | head`): nothing failed here, and nothing more can be
+        # said on stdout; pointed at /dev/null so that the interpreter's last flush does not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
     except Exception as err:  # noqa: BLE001 - every failure ends as one line and its exit code
         close_progress_bars()
         code, line = outcome(err)

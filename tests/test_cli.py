@@ -122,6 +122,24 @@ def test_the_scripts_answer_help(capsys):
         )
 
 
+@pytest.mark.slow
+def test_help_into_a_reader_that_stops_reading_is_not_an_error(tmp_path):
+    """`train.py --help | head -1`: stdout's reader gone before the help is written (a broken pipe) ends
+    the command quietly, exit 0, without the internal-error line and its log file (#62, fault 7)."""
+    import os
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the child writes
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # where an internal error would write its log
+    done = subprocess.run(
+        [sys.executable, "train.py", "--help"], cwd=REPO, stdout=write, stderr=subprocess.PIPE, text=True, env=env
+    )
+    os.close(write)
+    assert done.returncode == 0 and "internal error" not in done.stderr, done.stderr[-500:]
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_missing_warm_start_is_refused_before_anything_loads(capsys, tmp_path):
     args = ["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"train.init_from={tmp_path / 'no_such_run'}"]
     code, out, err = run("train", args, capsys)
