@@ -56,7 +56,7 @@ DRAFTERS = {
     "eagle3_8k": ("eagle3_smollm2", ["drafter.draft_vocab_size=8192"]),
     "eagle3_32k": ("eagle3_smollm2", ["drafter.draft_vocab_size=32768"]),
     "dflash": ("dflash_smollm2", []),
-    "dflash_dpace": ("dflash_smollm2", ["drafter.loss_weighting=dpace"]),  # D-PACE's weights, same budget
+    "dflash_decay": ("dflash_smollm2", ["drafter.loss_weighting=decay"]),  # the fixed decay D-PACE replaced
 }
 DOMAINS = ("code", "docs", "math", "packages")
 VOCAB_SIZES = (8192, 16384, 32768)

@@ -89,9 +89,13 @@ def test_training_blocks_equal_decoding_blocks(model, drafter):
 
 
 def test_loss_scores_block_position_k_against_x_a_plus_k(model, drafter):
-    """The loss, recomputed by hand from the same anchors: CE of block position k to x_{a+k} with
-    weight exp(-(k-1)/decay), only where x_{a+k} exists and bears loss, anchors only where x_a and
-    x_{a+1} bear loss."""
+    """The loss (loss_weighting=decay), recomputed by hand from the same anchors: CE of block position k to
+    x_{a+k} with weight exp(-(k-1)/decay), only where x_{a+k} exists and bears loss, anchors only where x_a
+    and x_{a+1} bear loss."""
+    decay = DFlash(replace(drafter.config, loss_weighting="decay"), drafter.target)
+    decay.load_state_dict(drafter.state_dict())
+    decay.attach_target(model)
+    drafter = decay
     ids = greedy_text(model, rows=3, length=30, seed=4)
     loss_mask = torch.zeros_like(ids, dtype=torch.bool)
     loss_mask[0, 10:] = True
@@ -127,10 +131,10 @@ def test_loss_scores_block_position_k_against_x_a_plus_k(model, drafter):
 
 
 def test_dpace_weighs_each_position_by_the_accepted_length_riding_on_it(model, drafter):
-    """D-PACE (loss_weighting=dpace): the same loss with each block's weights from the draft's own
-    confidence, recomputed by hand for one block: c_k = exp(-CE_k), s_k = (1-α)c_k + α, w_k ∝
-    sum_{j>=k} prod_{i<=j} s_i over the positions the block scores, summing to 1; and with the decay
-    weights it was trained on, a block's loss differs. Refused with the soft cross-entropy (no label)."""
+    """D-PACE (loss_weighting=dpace, the default): each block's weights from the draft's own confidence,
+    recomputed by hand: c_k = exp(-CE_k), s_k = (1-α)c_k + α, w_k ∝ sum_{j>=k} prod_{i<=j} s_i over the
+    positions the block scores, summing to 1; with the decay weights a block's loss differs. Refused with
+    the soft cross-entropy (no label)."""
     dpace = DFlash(replace(drafter.config, loss_weighting="dpace", dpace_alpha=0.3), drafter.target)
     dpace.load_state_dict(drafter.state_dict())
     dpace.attach_target(model)
@@ -153,14 +157,17 @@ def test_dpace_weighs_each_position_by_the_accepted_length_riding_on_it(model, d
         weights = [sum(reach[i:]) for i in range(len(reach))]
         total += sum(w * c for w, c in zip(weights, ce)) / sum(weights) if weights else 0.0
     assert loss.item() == pytest.approx(total, rel=1e-4) and int(count) == int(real.sum())
+    decay = DFlash(replace(drafter.config, loss_weighting="decay"), drafter.target)
+    decay.load_state_dict(drafter.state_dict())
+    decay.attach_target(model)
     torch.manual_seed(7)
-    assert drafter(batch, out)[0].item() != pytest.approx(loss.item(), rel=1e-3)
+    assert decay(batch, out)[0].item() != pytest.approx(loss.item(), rel=1e-3)
     with pytest.raises(UserError, match="loss_weighting=dpace reads each position's confidence .* set drafter.loss=ce"):
         replace(drafter.config, loss_weighting="dpace", loss="soft_ce").check()
 
 
 def test_soft_loss_reads_the_targets_distribution(model):
-    soft = fitted_dflash(model, steps=0, loss="soft_ce")
+    soft = fitted_dflash(model, steps=0, loss="soft_ce", loss_weighting="decay")
     assert soft.request.logits and not DFlash.features(DFlash.Config(**TINY), soft.target).logits
     ids = greedy_text(model, rows=2, length=20, seed=5)
     batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids)}
@@ -212,7 +219,8 @@ def test_ddtree_keeps_exactly_the_best_prefixes():
 def test_greedy_speculative_equals_plain_with_one_draft_forward_per_cycle(model, drafter, prompts, tree):
     assert_greedy_equals_plain(model, drafter, prompts, tree)
     out = generate(model, prompts[0], 30, drafter.proposer(), gamma=4, tree=tree)
-    assert out.counts.draft_forwards == out.counts.target_forwards
+    # one draft forward per cycle, but for a last cycle left with one token of the budget (a plain step)
+    assert out.counts.target_forwards - 1 <= out.counts.draft_forwards <= out.counts.target_forwards
 
 
 def test_context_cache_rollback_matches_a_drafter_rebuilt_from_scratch(model, drafter, prompts, tmp_path):

@@ -205,6 +205,7 @@ DRAFTERS = {
         "block_size": 3,
         "anchors": 64,
         "loss": "soft_ce",
+        "loss_weighting": "decay",  # D-PACE needs the data's token
         # without q/k norms (the dflash case has them): normalised queries and keys flatten this tiny
         # drafter's attention until a leak across conversations moves the soft loss by < 1e-4
         "qk_norm": False,
