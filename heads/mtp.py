@@ -344,8 +344,8 @@ class Mtp(EagleBase):
     # -- building -------------------------------------------------------------------------------
     @classmethod
     def from_target(cls, config: MtpConfig, target_model, name_or_path: str) -> Mtp:
-        layout = layout_of(target_model.config.to_dict())
-        tensors = read_layer(name_or_path, target_model.config.to_dict(), layout)
+        values = target_model.config.to_dict()
+        tensors = read_layer(name_or_path, values, layout_of(values))
         return cls.from_layer(config, target_model, name_or_path, tensors)
 
     @classmethod

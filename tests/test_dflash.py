@@ -54,6 +54,14 @@ def fitted_dflash(model, steps: int, **config):
     return fitted_eagle(model, steps, drafter_type="dflash", **{**TINY, **config})
 
 
+def reweighted(drafter, model, **settings):
+    """The same drafter's weights under other loss settings (training-only keys)."""
+    other = DFlash(replace(drafter.config, **settings), drafter.target)
+    other.load_state_dict(drafter.state_dict())
+    other.attach_target(model)
+    return other
+
+
 @pytest.fixture(scope="module")
 def model():
     return tiny_llama(vocab=TINY_VOCAB, logit_scale=4.0)
@@ -92,10 +100,7 @@ def test_loss_scores_block_position_k_against_x_a_plus_k(model, drafter):
     """The loss (loss_weighting=decay), recomputed by hand from the same anchors: CE of block position k to
     x_{a+k} with weight exp(-(k-1)/decay), only where x_{a+k} exists and bears loss, anchors only where x_a
     and x_{a+1} bear loss."""
-    decay = DFlash(replace(drafter.config, loss_weighting="decay"), drafter.target)
-    decay.load_state_dict(drafter.state_dict())
-    decay.attach_target(model)
-    drafter = decay
+    drafter = reweighted(drafter, model, loss_weighting="decay")
     ids = greedy_text(model, rows=3, length=30, seed=4)
     loss_mask = torch.zeros_like(ids, dtype=torch.bool)
     loss_mask[0, 10:] = True
@@ -135,9 +140,7 @@ def test_dpace_weighs_each_position_by_the_accepted_length_riding_on_it(model, d
     recomputed by hand: c_k = exp(-CE_k), s_k = (1-α)c_k + α, w_k ∝ sum_{j>=k} prod_{i<=j} s_i over the
     positions the block scores, summing to 1; with the decay weights a block's loss differs. Refused with
     the soft cross-entropy (no label)."""
-    dpace = DFlash(replace(drafter.config, loss_weighting="dpace", dpace_alpha=0.3), drafter.target)
-    dpace.load_state_dict(drafter.state_dict())
-    dpace.attach_target(model)
+    dpace = reweighted(drafter, model, loss_weighting="dpace", dpace_alpha=0.3)
     ids = greedy_text(model, rows=1, length=30, seed=4)
     loss_mask = torch.ones_like(ids, dtype=torch.bool)
     batch = {"input_ids": ids, "loss_mask": loss_mask}
@@ -157,9 +160,7 @@ def test_dpace_weighs_each_position_by_the_accepted_length_riding_on_it(model, d
         weights = [sum(reach[i:]) for i in range(len(reach))]
         total += sum(w * c for w, c in zip(weights, ce)) / sum(weights) if weights else 0.0
     assert loss.item() == pytest.approx(total, rel=1e-4) and int(count) == int(real.sum())
-    decay = DFlash(replace(drafter.config, loss_weighting="decay"), drafter.target)
-    decay.load_state_dict(drafter.state_dict())
-    decay.attach_target(model)
+    decay = reweighted(drafter, model, loss_weighting="decay")
     torch.manual_seed(7)
     assert decay(batch, out)[0].item() != pytest.approx(loss.item(), rel=1e-3)
     with pytest.raises(UserError, match="loss_weighting=dpace reads each position's confidence .* set drafter.loss=ce"):
