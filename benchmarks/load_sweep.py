@@ -10,9 +10,11 @@ comparison needs: several drafters, the schedules served and repeated rounds.
 The target is the drafters' (each RUN_DIR holds the recipe.yaml train.py saved and a checkpoint in
 best/ or final/); the prompts are MT-bench's 80 first turns in order, reused round-robin; float32.
 Unlike `draftsmith sweep`, each method at one γ is served by an engine process of its own (vLLM alone
-on the machine, OMP threads --threads). Methods: plain decoding, vLLM's n-gram proposer and each
-drafter (its export, written to RUN_DIR/export_load first) at every γ, and at γ 0 (loaded with a
-schedule that drafts at no batch size).
+on the machine, OMP threads --threads). Methods: plain decoding, vLLM's n-gram proposer at every γ,
+vLLM's suffix decoding once (its own length per step, up to 24; the prompt's tree only, as in
+`draftsmith sweep`: the prompts repeat; the --vllm-python must have arctic-inference) and each drafter
+(its export, written to RUN_DIR/export_load first) at every γ, and at γ 0 (loaded with a schedule that
+drafts at no batch size).
 
 Stages, each resumable (a row already in <out>/sweep.jsonl is not measured again):
 1. sweep: the rows for every (method, γ, concurrency), then plain once more (`plain-rerun`);
@@ -46,16 +48,21 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from draftsmith.engines import require_suffix_decoding
+from draftsmith.errors import UserError
 from draftsmith.export.sweep import (
     NGRAM,
     PLAIN,
     PLAIN_AGAIN,
+    SUFFIX,
+    SUFFIX_DEPTH,
     Load,
     ngram_config,
     plot,
     read_rows,
     round_robin,
     served_at,
+    suffix_config,
     summarize,
 )
 from draftsmith.export.verify import EngineSession
@@ -78,6 +85,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--stages", default=",".join(STAGES))
     args = parser.parse_args()
+    stages = args.stages.split(",")
+    if "sweep" in stages:  # before anything is written: the sweep serves suffix decoding
+        try:
+            require_suffix_decoding(args.vllm_python, "--vllm-python")
+        except UserError as err:
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(2)
     out = (REPO / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     drafters = {}
@@ -88,7 +102,6 @@ def main() -> None:
         sys.exit("give at least one --drafter NAME=RUN_DIR")
     levels = [int(c) for c in args.concurrency.split(",")]
     gammas = [int(g) for g in args.gammas.split(",")]
-    stages = args.stages.split(",")
     sweep, repeats = out / "sweep.jsonl", out / "repeats.jsonl"
     target = recipe_of(next(iter(drafters.values())))["target"]
     load = Load(
@@ -131,6 +144,7 @@ def main() -> None:
         measure(PLAIN, 0, None)
         for gamma in gammas:
             measure(NGRAM, gamma, ngram_config(gamma))
+        measure(SUFFIX, SUFFIX_DEPTH, suffix_config(cached_answers=0))
         for name, run_dir in drafters.items():
             at_gamma, source = fixed_configs(run_dir, levels)
             measure(name, 0, at_gamma(0), source)
@@ -177,7 +191,7 @@ def main() -> None:
                 measure(method, gamma, config, source, round_)
     if "report" in stages:
         rows = read_rows(sweep)
-        summary = summarize(rows, [NGRAM, *drafters])
+        summary = summarize(rows, [NGRAM, SUFFIX, *drafters])
         summary["schedules"] = schedules_against_fixed(rows, [NGRAM, *drafters])
         dashed = {f"{name} with its γ schedule": {c: v["vs_plain"] for c, v in schedule["per_concurrency"].items()}
                   for name, schedule in summary["schedules"].items()}  # fmt: skip

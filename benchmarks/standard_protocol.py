@@ -26,8 +26,11 @@ Stages, each resumable and skipped when its output exists (`--stages regenerate,
    the test set is not tuned on) -> <runs>/<kind>/gamma.json; the served export at that γ ->
    <runs>/<kind>/export_served (= export when the γ is the recipe's);
 6. time: vLLM alone on the machine, batch size 1, greedy, each MT-bench first turn on its own: plain,
-   vLLM's n-gram (γ 3, lookup 2-4, as in the reference measurement) and each drafter at its γ (and at each
-   of --time-gammas), one engine process per method -> <runs>/timing.json and timing.png (speed-up per category).
+   vLLM's n-gram (γ 3, lookup 2-4, as in the reference measurement), vLLM's suffix decoding
+   (`export.sweep.suffix_config`: vLLM's defaults; its tree caches the run's earlier answers, as a served
+   engine's does; the --vllm-python must have arctic-inference, `draftsmith.engines.arctic_build`) and
+   each drafter at its γ (and at each of --time-gammas), one engine process per method -> <runs>/timing.json
+   and timing.png (speed-up per category).
 
 A drafter trained elsewhere (on a lent GPU) enters at stage 3: `bash benchmarks/device/import.sh KIND SOURCE`
 puts it in runs/gpu_protocol/KIND, and the result names it (`drafters`).
@@ -54,8 +57,10 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from draftsmith.engines import VllmWorker
+from draftsmith.engines import VllmWorker, require_suffix_decoding
+from draftsmith.errors import UserError
 from draftsmith.export.repo import VLLM_PINNED
+from draftsmith.export.sweep import suffix_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -320,7 +325,7 @@ def stage_time(args, runs: Path, kinds: list[str], gammas: dict[str, int], log: 
     timing = load_json(path)
     by_category = prompts_of("named:mt_bench", args.prompts, 1024)
     prompts = [p for rows in by_category.values() for p in rows]
-    methods = {"plain": None, "vllm_ngram": NGRAM}
+    methods = {"plain": None, "vllm_ngram": NGRAM, "vllm_suffix": suffix_config()}
     methods |= {
         f"{kind}_gamma{gammas[kind]}": drafter_config(runs / kind, gammas[kind], "export_served") for kind in kinds
     }
@@ -435,10 +440,16 @@ def main() -> None:
         "--threads", type=int, default=os.cpu_count(), help="OMP threads of the vLLM engine (default: every core)"
     )
     args = parser.parse_args()
+    kinds, stages = args.kinds.split(","), args.stages.split(",")
+    if "time" in stages:  # before anything is written: the time stage serves suffix decoding
+        try:
+            require_suffix_decoding(args.vllm_python, "--vllm-python")
+        except UserError as err:
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(2)
     runs = (REPO / args.runs).resolve()
     runs.mkdir(parents=True, exist_ok=True)
     log, timed = runs / "protocol.log", stage_timer(runs / "walls.json")
-    kinds, stages = args.kinds.split(","), args.stages.split(",")
     result = load_json(runs / "result.json") | {
         "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "engine_threads": args.threads}
     }

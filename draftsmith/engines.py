@@ -58,6 +58,42 @@ def installed_vllm(python: str, key: str) -> str:
     return version
 
 
+# vLLM's suffix decoding (`{"method": "suffix"}`) and draftsmith's suffix baseline run arctic-inference's
+# suffix trees, a package that ships as a source distribution only: built in the environment that imports
+# it, without build isolation (with it, pip pulls a CUDA torch to build against), with that environment's
+# bin/ first on PATH (its CMake looks for the Python there).
+ARCTIC_INFERENCE = "arctic-inference==0.3.0"
+
+
+def arctic_build(bin_dir: str = "") -> str:
+    """The commands that build arctic-inference into the environment of `bin_dir` (default: the active one)."""
+    pip = f"PATH={bin_dir}:$PATH {bin_dir}/pip" if bin_dir else "pip"
+    return (
+        f"{pip} install nanobind cmake ninja setuptools wheel grpcio-tools && "
+        f"{pip} install --no-deps --no-build-isolation '{ARCTIC_INFERENCE}'"
+    )
+
+
+def has_suffix_decoding(python: str, key: str) -> bool:
+    """Whether `python` (a vLLM Python, named by the recipe key `key`) can import arctic-inference, which
+    vLLM's suffix decoding needs."""
+    query = "import importlib.util as u; print(u.find_spec('arctic_inference.suffix_decoding') is not None)"
+    try:
+        done = subprocess.run([python, "-c", query], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise UserError(f"{key}={python!r}: could not run it as a Python ({one_line(err)})") from None
+    return done.stdout.strip() == "True"
+
+
+def require_suffix_decoding(python: str, key: str) -> None:
+    """One line naming `key` unless `python` can run vLLM's suffix decoding (`has_suffix_decoding`)."""
+    if not has_suffix_decoding(python, key):
+        raise UserError(
+            f"{key}={python!r} cannot run vLLM's suffix decoding: arctic-inference is not installed there "
+            f"(build it into that environment: {arctic_build(str(Path(python).parent))})"
+        )
+
+
 class VllmWorker:
     """draftsmith/engine_scripts/vllm_worker.py under one vLLM Python: a request in, its reply out, one
     line each (the protocol is the script's docstring). A worker that cannot be reached, dies or gives

@@ -9,6 +9,7 @@ and `torchrun`, and any key of the schema must be overridable, not only those th
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import tempfile
@@ -19,6 +20,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from draftsmith.engines import arctic_build
 from draftsmith.errors import UserError, one_line
 from draftsmith.files import write_text_atomic
 from draftsmith.recipe_schema import CHOICES, RecipeSchema
@@ -313,6 +315,11 @@ def check_eval(e) -> None:
         f"need eval.temperature >= 0, 0 < eval.top_p <= 1, eval.top_k >= 0 (got {e.temperature}, {e.top_p}, {e.top_k})",
     )
     require(e.ngram_max >= 1, f"eval.ngram_max={e.ngram_max} must be >= 1")
+    require(
+        e.suffix_baseline is not True or importlib.util.find_spec("arctic_inference") is not None,
+        f"eval.suffix_baseline=true needs arctic-inference, which is not installed here (build it: {arctic_build()}; "
+        "or set eval.suffix_baseline=false)",
+    )
     require(e.batch_size >= 1, f"eval.batch_size={e.batch_size} must be >= 1")
     sizes = list(e.batch_sizes)
     require(

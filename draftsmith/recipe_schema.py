@@ -190,6 +190,9 @@ class EvalSection:
     tree: int = 0  # nodes in the static draft tree (0 = chain only)
     ngram_baseline: bool = True  # decode with prompt lookup too (the drafter-free baseline vLLM serves)
     ngram_max: int = 3  # prompt-lookup baseline: longest n-gram to match
+    # decode with vLLM's suffix decoding too (arctic-inference's trees, the strongest free baseline): unset =
+    # where arctic-inference is installed (the report says when it was not), true = required, false = never
+    suffix_baseline: Optional[bool] = None
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 0  # sampling seed (temperature > 0)
     # Prompts decoded together (one target forward per cycle for the batch); each row is still checked
@@ -218,6 +221,9 @@ class SweepSection:
     concurrency: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])  # requests in flight, a level each
     gammas: List[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])  # the drafter's γ served at every level
     ngram: bool = True  # vLLM's n-gram proposer (prompt lookup of 2-4 tokens) at every γ too, for comparison
+    # vLLM's suffix decoding too (its own length per step; answers not cached across requests, as the sweep
+    # repeats prompts): unset = where export.vllm_python has arctic-inference, true = required, false = never
+    suffix: Optional[bool] = None
     requests_per_slot: int = 2  # a level serves max(min_requests, requests_per_slot x concurrency) requests
     min_requests: int = 8  # the fewest requests a level serves
     # the engine's OpenMP threads when vLLM runs on CPU; default OMP_NUM_THREADS, else every core

@@ -1,12 +1,12 @@
 """The per-domain eval: run plain decoding, the drafter (chain, and tree when eval.tree > 0) and the
-n-gram baseline through the same loop on the same prompts, and write report.json, report.md and
-acceptance.png to `<output_dir>/eval/`.
+free baselines (n-gram lookup; suffix decoding where arctic-inference is installed) through the same
+loop on the same prompts, and write report.json, report.md and acceptance.png to `<output_dir>/eval/`.
 
 Definitions (the README's "Evaluating a drafter" section says the same for users):
 - tau = new_tokens / target_forwards: tokens emitted per decode forward, bonus included. The prefill
   (prompt minus its last token) is not a forward here; every new token comes from a decode forward.
 - draft_forwards_per_cycle = the drafter's forward passes / target forwards: what a cycle costs on the
-  draft side (an EAGLE chain of γ costs γ, a Medusa or DFlash proposal 1; the n-gram baseline 0).
+  draft side (an EAGLE chain of γ costs γ, a Medusa or DFlash proposal 1; the free baselines 0).
 - drafted = draft positions proposed per forward summed (a chain's length, a tree's depth);
   alpha = accepted / drafted.
 - per_position[d] = accepted at draft position d+1 / cycles that tested position d+1, i.e. the
@@ -45,6 +45,7 @@ from draftsmith.eval.ngram import NGramDrafter
 from draftsmith.eval.prompts import ALL, eos_ids_of, load_prompts
 from draftsmith.eval.render import render_markdown, write_report
 from draftsmith.eval.sampling import Sampling
+from draftsmith.eval.suffix import INSTALL, SuffixDrafter, SuffixSettings, SuffixTrees, suffix_decoding_installed
 from draftsmith.eval.trees import tree_depth
 from draftsmith.families import check_eval_settings
 from draftsmith.heads.base import DynamicTree, Proposer, Tree
@@ -69,6 +70,9 @@ class Method:
     tree: Optional[Tree] = None
     info: dict = field(default_factory=dict)
     model: Any = None  # decode with this model instead of the verifier (the original target, for Medusa-2)
+    # what a method that drafts from earlier answers drops before each pass over the prompts (suffix
+    # decoding's trees): a pass must not draft from the answers another pass wrote for the same prompts
+    forget: Optional[Callable[[], None]] = None
     proposers: list[Proposer] = field(default_factory=list)
 
     @property
@@ -129,11 +133,11 @@ def _ratio(num: float, den: float) -> Optional[float]:
 
 def versions() -> dict[str, str]:
     found = {"python": platform.python_version()}
-    for package in ("torch", "transformers", "draftsmith"):
+    for package in ("torch", "transformers", "draftsmith", "arctic-inference"):
         try:
             found[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
-            found[package] = "unknown"
+            found[package] = "not installed" if package == "arctic-inference" else "unknown"
     return found
 
 
@@ -175,6 +179,24 @@ def build_methods(cfg: DictConfig, drafter, target, verifier, temperature: float
         ngram_max = int(cfg.eval.ngram_max)
         info = {"gamma": gamma, "ngram_max": ngram_max, "served_by": "vLLM (method ngram: prompt lookup)"}
         methods.append(Method("ngram", "baseline", partial(NGramDrafter, ngram_max), gamma, info=info))
+    if suffix_baseline_runs(cfg.eval.suffix_baseline):
+        settings = SuffixSettings()
+        trees = SuffixTrees(settings)
+        info = {
+            "gamma": settings.max_tree_depth,
+            **{f"suffix_decoding_{key}": value for key, value in asdict(settings).items()},
+            "served_by": "vLLM with arctic-inference (method suffix)",
+        }
+        methods.append(
+            Method(
+                "suffix",
+                "baseline",
+                partial(SuffixDrafter, trees),
+                settings.max_tree_depth,
+                info=info,
+                forget=trees.forget,
+            )
+        )
     if verifier is not target:
         methods.append(
             Method(
@@ -185,6 +207,12 @@ def build_methods(cfg: DictConfig, drafter, target, verifier, temperature: float
             )
         )
     return methods
+
+
+def suffix_baseline_runs(setting: Optional[bool]) -> bool:
+    """eval.suffix_baseline: true needs arctic-inference (checked with the recipe), unset runs suffix
+    decoding where it is installed (the report says when it was not), false never."""
+    return setting is True or (setting is None and suffix_decoding_installed())
 
 
 def tree_info(tree: Tree) -> dict:
@@ -308,6 +336,9 @@ def decode_all(
     per domain and method. Greedy (`references` given): each prompt's tokens are compared with plain
     decoding of that prompt alone, run here when no earlier pass left it in `references`."""
     tallies: dict[str, dict[str, Counts]] = {domain: {m.name: Counts() for m in methods} for domain in prompts}
+    for method in methods:
+        if method.forget is not None:
+            method.forget()
     progress = tqdm(
         total=sum(map(len, prompts.values())), desc=f"eval (batch size {batch_size})", unit="prompt", file=sys.stderr
     )
@@ -380,7 +411,7 @@ def assemble(
     cfg, checkpoint: Path, drafter, target, verifier, methods: list[Method], tallies, sampling: Sampling, greedy: bool
 ) -> dict[str, Any]:
     """report.json: `domains[domain][method]` for the drafter, `baselines[domain][method]` for plain
-    and n-gram, both with an `all` domain that sums the counters over the domains. A method that
+    and the free baselines, both with an `all` domain that sums the counters over the domains. A method that
     decodes with another model than the verifier (`original`) has no lossless verdict; at T=0 its
     `same_output` is the fraction of prompts on which it produced plain decoding's exact tokens."""
     tallies = {**tallies, ALL: summed(tallies)}
@@ -421,6 +452,10 @@ def assemble(
         "cpu_threads": torch.get_num_threads(),
         "versions": versions(),
         "methods": {m.name: {"group": m.group, "depth": m.depth, **m.info} for m in methods},
+        # a free baseline the recipe left to the environment, and why this one did not run it
+        "not_measured": {}
+        if suffix_baseline_runs(cfg.eval.suffix_baseline) or cfg.eval.suffix_baseline is False
+        else {"suffix": f"arctic-inference is not installed ({INSTALL})"},
         "lossless_check": (
             "greedy: each method's token ids compared with plain greedy decoding of the prompt alone, prompt by prompt"
             if greedy

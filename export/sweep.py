@@ -12,7 +12,9 @@ a closed loop, c requests in flight and a new one entering as one finishes, unti
 max(`min_requests`, `requests_per_slot` x c) requests are done, every token's arrival timed. The
 prompts are the eval prompts (eval.data, else data.eval; eval.max_prompts a domain), domains taken in
 turn and reused round-robin; each answers eval.max_new_tokens tokens, greedy. The methods, in order:
-plain decoding; vLLM's n-gram proposer at every γ (`export.sweep.ngram`); the drafter loaded with a
+plain decoding; vLLM's n-gram proposer at every γ (`export.sweep.ngram`); vLLM's suffix decoding once (its
+own length per step, up to 24; `export.sweep.suffix`, where the vLLM has arctic-inference; from the prompt's
+tree only, since the sweep serves each prompt more than once); the drafter loaded with a
 schedule that drafts at no batch size (γ 0: in vLLM 0.32 that is not free, and the schedule prices K = 0
 at it); the drafter at every γ; plain once more (`plain-rerun`: how far two runs of one setting differ
 on this machine, which the schedule's margin never goes below).
@@ -55,6 +57,7 @@ from draftsmith.export.repo import EXPORT_INFO, VLLM_PINNED
 PLAIN = "plain"
 PLAIN_AGAIN = "plain-rerun"  # plain measured a second time in the same sweep: its noise
 NGRAM = "ngram"
+SUFFIX = "suffix"
 # What export/schedule.py reads from a row; the rest is for the reader of the sweep.
 FIELDS = (
     "method",
@@ -107,6 +110,26 @@ def ngram_config(gamma: int) -> dict[str, Any]:
         "prompt_lookup_max": 4,
         **VLLM_PINNED,
         "num_speculative_tokens": gamma,
+    }
+
+
+SUFFIX_DEPTH = 24  # vLLM 0.32's suffix_decoding_max_tree_depth, and the most it drafts a step
+
+
+def suffix_config(cached_answers: int = 10000) -> dict[str, Any]:
+    """vLLM's suffix decoding (arXiv 2411.04975: suffix trees over the prompt and the engine's earlier
+    answers, arctic-inference's) at vLLM 0.32's own defaults, written out so a row records them: up to 24
+    tokens a step, as many as the match is long (factor 1), tokens the tree has seen follow at least 10% of
+    the time, the last `cached_answers` answers kept (0: the prompt's tree only). It chooses its own length
+    per step, so it has no γ to sweep."""
+    return {
+        "method": SUFFIX,
+        "num_speculative_tokens": SUFFIX_DEPTH,
+        "suffix_decoding_max_tree_depth": SUFFIX_DEPTH,
+        "suffix_decoding_max_spec_factor": 1.0,
+        "suffix_decoding_min_token_prob": 0.1,
+        "suffix_decoding_max_cached_requests": cached_answers,
+        **VLLM_PINNED,
     }
 
 
@@ -289,7 +312,7 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None) -> P
     loaded target for the export (loaded here otherwise)."""
     from contextlib import nullcontext
 
-    from draftsmith.engines import vllm_python
+    from draftsmith.engines import has_suffix_decoding, require_suffix_decoding, vllm_python
     from draftsmith.export.verify import EngineSession
     from draftsmith.files import checkpoint_digest, write_text_atomic
     from draftsmith.heads.base import read_checkpoint_config
@@ -303,6 +326,9 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None) -> P
             "must each list at least one integer >= 1"
         )
     python = vllm_python(cfg.export.vllm_python, "export.vllm_python")
+    if settings.suffix:
+        require_suffix_decoding(python, "export.vllm_python")
+    suffix = settings.suffix is not False and has_suffix_decoding(python, "export.vllm_python")
     method = read_checkpoint_config(checkpoint)["drafter_type"]
     digest = checkpoint_digest(checkpoint)
     output = Path(settings.output or Path(cfg.output_dir) / "sweep")
@@ -322,17 +348,23 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None) -> P
             if settings.ngram:
                 for gamma in gammas:
                     measure(path, load, engines, levels, NGRAM, gamma, ngram_config(gamma))
+            if suffix:  # each level serves the prompts again: an answer cached from an earlier request would
+                # be the very text asked for, which real traffic rarely repeats; the prompt's own tree only
+                measure(path, load, engines, levels, SUFFIX, SUFFIX_DEPTH, suffix_config(cached_answers=0))
             for gamma in [0, *gammas]:
                 measure(path, load, engines, levels, method, gamma, served_at(folder, gamma, levels), digest)
             measure(path, load, engines, levels, PLAIN_AGAIN, 0, None)
         rows = read_rows(path)
-        methods = [NGRAM, method] if settings.ngram else [method]
+        methods = [NGRAM] * bool(settings.ngram) + [SUFFIX] * suffix + [method]
         summary = summarize(rows, methods)
         summary["schedule"], predicted = schedule_of(rows, method)
         summary["settings"] = {
             "concurrency": levels,
             "gammas": gammas,
             "ngram": bool(settings.ngram),
+            "suffix": "prompt trees only (no answers cached across requests)"
+            if suffix
+            else ("off" if settings.suffix is False else "not measured: export.vllm_python has no arctic-inference"),
             "new_tokens": load.new_tokens,
             "requests_per_slot": load.requests_per_slot,
             "min_requests": load.min_requests,

@@ -63,9 +63,10 @@ def check(cfg: DictConfig, now: Optional[float] = None) -> Outcome:
 
 def summary(cfg: DictConfig, outcome: Outcome) -> str:
     """The one line `python -m monitor` prints for a check: its outcome, and for a re-verify what to run."""
+    last = State.load(state_dir_of(cfg)).last_check or {}
     if outcome == Outcome.REVERIFY:
-        return f"monitor: {State.load(state_dir_of(cfg)).last_check['action']}"
-    return f"monitor: {outcome.name.lower()}"
+        return f"monitor: {last['action']}"
+    return f"monitor: {outcome.name.lower()}" + (f" ({last['note']})" if last.get("note") else "")
 
 
 def deployed_of(cfg: DictConfig, state: State) -> dict[str, Any]:
@@ -225,6 +226,9 @@ def record_check(
     }
     path = write_record(directory, state.checks, record, now)
     state.last_check = {"time": record["time"], "record": str(path), "outcome": outcome.name, "action": action}
+    note = (record.get("traffic") or {}).get("free_baselines", {}).get("note")
+    if note:
+        state.last_check["note"] = note
     state.save(directory)
 
 
@@ -327,8 +331,7 @@ def measure_traffic(
         {
             "eval.data": [str(conversations)],
             "eval.max_prompts": cfg.monitor.sample_per_domain,
-            "eval.tree": 0,
-            "eval.ngram_baseline": False,  # the chain's acceptance is what a check reads
+            "eval.tree": 0,  # the chain's acceptance is what a check reads; the free baselines beside it
             "output_dir": str(check_dir),
         },
     )
@@ -340,6 +343,31 @@ def measure_traffic(
         "report": str(check_dir / "eval" / "report.json"),
         "domains": tests,
         "verdict": verdict_of(tests),
+        "free_baselines": free_against_drafter(report),
+    }
+
+
+def free_against_drafter(report: dict[str, Any]) -> dict[str, Any]:
+    """Over the replayed sample, τ (tokens per target forward) of the deployed drafter's chain and of each
+    free baseline the replay ran (n-gram lookup, suffix decoding); `faster` names the strongest free one
+    where its τ reaches the drafter's: it drafts with no forward of its own, so it is then the faster
+    method on any engine, and retraining the drafter on this traffic is not what would pay."""
+    from draftsmith.eval.render import FREE_BASELINES
+
+    rows = report["baselines"]["all"]
+    free = {name: rows[name]["tau"] for name in FREE_BASELINES if name in rows and rows[name]["tau"] is not None}
+    drafter = report["domains"]["all"]["chain"]["tau"]
+    strongest = max(free, key=free.get, default=None)
+    faster = strongest if strongest is not None and drafter is not None and free[strongest] >= drafter else None
+    return {
+        "drafter_tau": drafter,
+        "tau": free,
+        "faster": faster,
+        "not_measured": report.get("not_measured", {}),
+        "note": f"on this traffic a free method is faster: {FREE_BASELINES[faster]}'s τ {free[faster]:.2f} "
+        f"against the drafter's {drafter:.2f}"
+        if faster
+        else None,
     }
 
 

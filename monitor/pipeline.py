@@ -132,7 +132,7 @@ def step_evaluate(cfg: DictConfig, directory: Path, state: State, run_dir: Path)
         ("deployed", state.pipeline["deployed"]["export"]),
         ("candidate", state.pipeline["done"]["train"]["checkpoint"]),
     ):
-        chain_only = {"eval.tree": 0, "eval.ngram_baseline": False}  # the gate compares the chains' τ
+        chain_only = {"eval.tree": 0, "eval.ngram_baseline": False, "eval.suffix_baseline": False}  # the chains' τ
         variant = derived(cfg, {"eval.data": prompts, **chain_only, "output_dir": str(run_dir / f"eval_{name}")})
         run_eval(variant, drafter)  # the deployed one is an export folder
         reports[name] = str(run_dir / f"eval_{name}" / "eval" / "report.json")

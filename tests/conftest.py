@@ -85,6 +85,15 @@ def vllm_python() -> str:
 
 
 @pytest.fixture(scope="session")
+def arctic_path(vllm_python) -> str:
+    """arctic-inference (vLLM's suffix decoding), built once into the vLLM environment; the folder that
+    makes it importable in a test process (tests.helpers.arctic_inference)."""
+    from tests.helpers import arctic_inference
+
+    return str(arctic_inference(vllm_python))
+
+
+@pytest.fixture(scope="session")
 def speculators_python() -> str:
     """A Python with vLLM's `speculators` 0.9.0 (the peer trainer) in an environment of its own, built
     like vLLM's (DRAFTSMITH_SPECULATORS_PYTHON names an existing one)."""

@@ -240,6 +240,43 @@ def engine_venv(name: str, packages: list[str], check: str) -> str:
     return str(venv / "bin" / "python")
 
 
+def arctic_inference(vllm_python: str) -> Path:
+    """arctic-inference (vLLM's suffix decoding) built from its source into the vLLM venv of `vllm_python`
+    once (draftsmith.engines.arctic_build's commands, about a minute), installed there, and its wheel
+    unpacked beside the venv: the returned folder, put on a test process's path, lets draftsmith's own
+    suffix baseline import it without installing it into the environment the tests run in. Skips with the
+    build's last line where it cannot build (no compiler, no network)."""
+    import zipfile
+
+    import pytest
+
+    from draftsmith.engines import ARCTIC_INFERENCE
+
+    bin_dir = Path(vllm_python).parent
+    unpacked = bin_dir.parent.parent / ARCTIC_INFERENCE.replace("==", "-")
+    with open(bin_dir.parent.parent / ".lock", "w") as lock:  # one build, whatever runs in parallel
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (unpacked / "ready").exists():
+            shutil.rmtree(unpacked, ignore_errors=True)
+            wheels = unpacked.with_name(unpacked.name + "-wheel")
+            env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}  # its CMake finds the venv's Python
+
+            def pip(*args: str) -> None:
+                done = subprocess.run([str(bin_dir / "pip"), *args], capture_output=True, text=True, env=env)
+                if done.returncode != 0:
+                    pytest.skip(
+                        f"arctic-inference could not be built: {(done.stderr.strip().splitlines() or ['?'])[-1]}"
+                    )
+
+            pip("install", "-q", "nanobind", "cmake", "ninja", "setuptools", "wheel", "grpcio-tools")
+            pip("wheel", "-q", "--no-deps", "--no-build-isolation", ARCTIC_INFERENCE, "-w", str(wheels))
+            pip("install", "-q", "--no-deps", *map(str, wheels.glob("arctic_inference-*.whl")))
+            with zipfile.ZipFile(next(wheels.glob("arctic_inference-*.whl"))) as wheel:
+                wheel.extractall(unpacked)
+            (unpacked / "ready").touch()
+    return unpacked
+
+
 @contextmanager
 def built_once(tmp_path_factory, name: str):
     """A directory that one test session builds once, whichever xdist workers ask for it: yields

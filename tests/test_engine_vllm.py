@@ -116,22 +116,30 @@ def test_a_silently_misread_eagle3_folder_fails_the_check(exported, engine_sessi
         assert "greedy output" not in str(info.value), name  # still lossless: only the acceptance shows it
 
 
-def test_an_export_with_a_gamma_per_batch_size_is_served_with_it(exported, engine_session, target, tmp_path):
-    """The EAGLE-3 case's checkpoint swept under load (`draftsmith sweep`, a small one): lossless rows the
-    export reads. Then exported with a schedule that speculates at batch sizes 1-2 only; the check sends
-    every eval prompt at once, so the engine runs past the schedule's edge: the same output, no drafts."""
+def test_an_export_with_a_gamma_per_batch_size_is_served_with_it(exported, engine_session, target, arctic_path,
+                                                                 tmp_path):  # fmt: skip
+    """The EAGLE-3 case's checkpoint swept under load (`draftsmith sweep`, a small one, with vLLM's suffix
+    decoding beside it): lossless rows the export reads. Then exported with a schedule that speculates at
+    batch sizes 1-2 only; the check sends every eval prompt at once, so the engine runs past the schedule's
+    edge: the same output, no drafts."""
     cfg, checkpoint, _ = exported("eagle3")
-    small = {"concurrency": [1, 2], "gammas": [1], "ngram": False, "min_requests": 2, "requests_per_slot": 1}
+    small = {"concurrency": [1, 2], "gammas": [1], "ngram": False, "suffix": True, "min_requests": 2,
+             "requests_per_slot": 1}  # fmt: skip
     swept = OmegaConf.merge(
         cfg, {"output_dir": str(tmp_path), "eval": {"max_new_tokens": 16}, "export": {"sweep": small}}
     )
     rows = read_sweep(run_sweep(swept, checkpoint, engine_session, target))
-    methods = (("eagle3", 0), ("eagle3", 1), ("plain", 0), ("plain-rerun", 0))
+    methods = (("eagle3", 0), ("eagle3", 1), ("plain", 0), ("plain-rerun", 0), ("suffix", 24))
     assert sorted((r["method"], r["gamma"], r["concurrency"]) for r in rows) == [
         (method, gamma, c) for method, gamma in methods for c in (1, 2)
     ]
     assert all(r["lossless"] for r in rows if r["method"] != "plain") and any(r["drafts"] for r in rows)
-    assert "schedule" in json.loads((tmp_path / "sweep" / "summary.json").read_text())
+    summary = json.loads((tmp_path / "sweep" / "summary.json").read_text())
+    assert "schedule" in summary and summary["settings"]["suffix"].startswith("prompt trees only")
+    assert summary["lossless"]["suffix"] and [r["engine"]["method"] for r in rows if r["method"] == "suffix"] == [
+        "suffix",
+        "suffix",
+    ]
     sweep = write_sweep(tmp_path / "sweep.jsonl", checkpoint_digest(checkpoint))
     scheduled = OmegaConf.merge(cfg, {"export": {"output": str(tmp_path / "export"), "batch_sweep": str(sweep)}})
     folder = export_checkpoint(scheduled, checkpoint, target=target, engines=engine_session)["vllm"]

@@ -305,7 +305,9 @@ def test_report_has_every_field(eval_setup):
     assert (out / "recipe.yaml").is_file()
     for key in ("target", "drafter", "recipe", "temperature", "device", "dtype", "versions", "domains", "baselines"):
         assert key in report
-    assert {"torch", "transformers", "draftsmith"} <= set(report["versions"])
+    assert {"torch", "transformers", "draftsmith", "arctic-inference"} <= set(report["versions"])
+    if report["versions"]["arctic-inference"] == "not installed":  # the suffix baseline: where it is
+        assert report["not_measured"]["suffix"].startswith("arctic-inference is not installed (build it")
     assert report["drafter"]["type"] == "medusa"
     assert set(report["domains"]) == set(report["baselines"]) == {*DOMAINS, "all"}
     for domain in (*DOMAINS, "all"):

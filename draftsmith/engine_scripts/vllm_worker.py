@@ -173,8 +173,8 @@ def measured_run(request, speculative_config):
                     {"concurrency": level["concurrency"], "prompts": level["prompts"][: int(level["concurrency"])]},
                     short,
                 )
-        else:
-            llm.generate([TokensPrompt(prompt_token_ids=request["prompts"][0])], short, use_tqdm=False)
+        else:  # the first prompt's first token: suffix decoding's trees keep its answer, no measured prompt's
+            llm.generate([TokensPrompt(prompt_token_ids=request["prompts"][0][:1])], short, use_tqdm=False)
     if load:
         result = {
             "levels": [closed_loop(llm, level, sampling) for level in load],

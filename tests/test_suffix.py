@@ -1,0 +1,158 @@
+"""Suffix decoding, the strongest free baseline (issue #63): arctic-inference's own suffix trees drive
+draftsmith's eval baseline (lossless, drafting from earlier answers as vLLM's engine does, forgetting
+them between passes), `python -m eval` reports it beside n-gram lookup and names the stronger, and every
+command that serves it in vLLM refuses in one line, before writing anything, a vLLM without
+arctic-inference. The suffix arm of `draftsmith sweep` in the real vLLM is in tests/test_engine_vllm.py.
+
+arctic-inference ships as a source distribution only; the tests build it once into the vLLM venv
+(`arctic_path`, slow: it needs that venv) and import it from its unpacked wheel, so the environment the
+tests run in never has it installed and the tests of its absence hold in the same run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from draftsmith.eval.loop import generate
+from draftsmith.heads import drafter_class
+from draftsmith.target import load_target
+from tests.helpers import (
+    KINDS,
+    REFERENCE_TARGET,
+    assert_one_line_error,
+    run_entry,
+    run_entry_in_process,
+    stand_in_vllm,
+    tiny_llama,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+INSTALLED_HERE = importlib.util.find_spec("arctic_inference") is not None
+
+
+@pytest.fixture
+def arctic(arctic_path, monkeypatch):
+    """arctic-inference importable in this test only: its modules are dropped after, so that every other
+    test of this process sees the environment as it is (without it)."""
+    monkeypatch.syspath_prepend(arctic_path)
+    yield
+    for name in [name for name in sys.modules if name.startswith("arctic_inference")]:
+        del sys.modules[name]
+
+
+@pytest.mark.slow
+def test_suffix_decoding_is_lossless_and_drafts_from_earlier_answers_until_it_forgets_them(arctic):
+    from draftsmith.eval.suffix import SuffixDrafter, SuffixTrees
+
+    model = tiny_llama(seed=3)
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]
+    plain = generate(model, prompt, 40)
+    trees = SuffixTrees()
+    runs = []
+    for forget in (False, False, True):
+        if forget:
+            trees.forget()
+        run = generate(model, prompt, 40, SuffixDrafter(trees), gamma=24)
+        assert run.tokens == plain.tokens  # greedy: token for token
+        runs.append(run.counts)
+    first, again, forgotten = runs
+    assert first.accepted > 0  # the prompt's own repeats
+    # the second time the answer itself is in the trees: fewer target forwards for the same tokens
+    assert again.target_forwards < first.target_forwards and again.accepted > first.accepted
+    assert (forgotten.target_forwards, forgotten.accepted) == (first.target_forwards, first.accepted)
+
+
+@pytest.mark.slow
+def test_the_eval_reports_suffix_decoding_beside_ngram(arctic_path, small_data, tmp_path):
+    """`python -m eval` with arctic-inference importable (eval.suffix_baseline=true): a suffix row in every
+    domain, lossless, with its settings and arctic-inference's version; the conclusion weighs the drafter
+    against both free baselines."""
+    target = load_target(str(REFERENCE_TARGET))
+    medusa = drafter_class("medusa")
+    medusa.from_target(medusa.Config(num_heads=3), target, str(REFERENCE_TARGET)).save_pretrained(tmp_path / "final")
+    result = run_entry(
+        ["-m", "eval", f"recipe={KINDS['medusa']}", f"checkpoint={tmp_path / 'final'}", f"output_dir={tmp_path}",
+         f"data.eval=[{small_data['eval']}]", "eval.max_prompts=1", "eval.max_new_tokens=24", "eval.tree=0",
+         "eval.suffix_baseline=true"],
+        env={"PYTHONPATH": arctic_path, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert report["versions"]["arctic-inference"] == "0.3.0" and report["not_measured"] == {}
+    assert report["methods"]["suffix"]["suffix_decoding_max_tree_depth"] == 24
+    for domain, rows in report["baselines"].items():
+        assert set(rows) == {"plain", "ngram", "suffix"}, domain
+        assert rows["suffix"]["lossless"] is True and rows["suffix"]["draft_forwards_per_cycle"] == 0
+    last = (tmp_path / "eval" / "report.md").read_text().strip().splitlines()[-1]
+    assert "n-gram lookup's" in last and "suffix decoding's" in last
+
+
+@pytest.mark.skipif(INSTALLED_HERE, reason="arctic-inference is installed in this environment")
+def test_without_arctic_inference_the_report_says_suffix_was_not_measured_and_true_is_refused(tmp_path, capsys):
+    result = run_entry_in_process(
+        ["-m", "eval", f"recipe={KINDS['medusa']}", f"output_dir={tmp_path}", "eval.suffix_baseline=true"], capsys
+    )
+    assert_one_line_error(result, 2, "eval.suffix_baseline=true needs arctic-inference, which is not installed here")
+    assert not (tmp_path / "eval").exists()
+
+
+def test_a_vllm_without_arctic_inference_is_refused_before_anything_is_written(tmp_path, capsys):
+    """Every command that serves suffix decoding: the standard protocol's time stage, the load sweep's
+    sweep stage and `draftsmith sweep export.sweep.suffix=true` (a stand-in interpreter: a vLLM 0.32.0
+    that cannot import arctic-inference)."""
+    stub = str(stand_in_vllm(tmp_path))
+    fragment = f"--vllm-python='{stub}' cannot run vLLM's suffix decoding: arctic-inference is not installed there"
+    protocol = run_entry(["benchmarks/standard_protocol.py", "--vllm-python", stub, "--runs", str(tmp_path / "runs"),
+                          "--stages", "time"])  # fmt: skip
+    assert_one_line_error(protocol, 2, fragment, alone=True)
+    sweep = run_entry(["benchmarks/load_sweep.py", "--vllm-python", stub, "--out", str(tmp_path / "load"),
+                       "--drafter", f"d={tmp_path}"])  # fmt: skip
+    assert_one_line_error(sweep, 2, fragment, alone=True)
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "load").exists()
+
+    from tests.helpers import save_drafter
+
+    checkpoint = save_drafter("eagle3", load_target(str(REFERENCE_TARGET)), tmp_path / "ckpt")
+    result = run_entry_in_process(["-m", "export.sweep", f"recipe={KINDS['eagle3']}", f"checkpoint={checkpoint}",
+                                   f"output_dir={tmp_path}", f"export.vllm_python={stub}",
+                                   "export.sweep.suffix=true"], capsys)  # fmt: skip
+    assert_one_line_error(result, 2, fragment.replace("--vllm-python", "export.vllm_python"))
+    assert not (tmp_path / "sweep").exists()
+
+
+def report_rows(chain: tuple[float, float], ngram: tuple[float, float], suffix: tuple[float, float]) -> dict:
+    """The parts of a report.json the conclusion and the monitor read: (τ, speed-up) per method, over all
+    domains."""
+
+    def row(tau: float, speedup: float) -> dict:
+        return {"tau": tau, "speedup": speedup, "draft_forwards_per_cycle": 0.0}
+
+    return {
+        "device": "cpu",
+        "methods": {"chain": {"group": "drafter"}, "ngram": {"group": "baseline"}, "suffix": {"group": "baseline"}},
+        "domains": {"all": {"chain": row(*chain)}},
+        "baselines": {"all": {"plain": row(1.0, 1.0), "ngram": row(*ngram), "suffix": row(*suffix)}},
+    }
+
+
+@pytest.mark.parametrize(
+    "chain, suffix, says",
+    [((2.3, 1.8), (2.0, 1.5), "the trained drafter wins"), ((1.9, 1.3), (2.4, 1.6), "a free method is faster")],
+)
+def test_the_report_and_the_monitor_weigh_the_drafter_against_the_stronger_free_baseline(chain, suffix, says):
+    from draftsmith.eval.render import conclusion
+    from draftsmith.monitor.check import free_against_drafter
+
+    report = report_rows(chain, (1.4, 1.2), suffix)
+    line = conclusion(report)[0]
+    assert says in line and "n-gram lookup's 1.20×" in line and f"suffix decoding's {suffix[1]:.2f}×" in line
+    free = free_against_drafter(report)
+    assert free["tau"] == {"ngram": 1.4, "suffix": suffix[0]} and free["drafter_tau"] == chain[0]
+    if says == "a free method is faster":
+        assert "on this traffic a free method is faster: suffix decoding" in line
+        assert free["faster"] == "suffix" and free["note"].startswith("on this traffic a free method is faster")
+    else:
+        assert free["faster"] is None and free["note"] is None
