@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,35 @@ def test_bad_values_are_refused_before_anything_runs(override, fragment):
     with pytest.raises(UserError) as info:
         load_recipe(["recipe=medusa", override])
     assert fragment in str(info.value)
+
+
+@pytest.fixture
+def read_only_folder(tmp_path):
+    """A folder on a read-only file system: a tmpfs mounted read-only (root with the right to mount, as on
+    the project's machines; skipped elsewhere), with an earlier run's folder inside."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a file system here: {mounted.stderr.decode().strip()}")
+    try:
+        (folder / "run").mkdir()
+        subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_an_output_on_a_read_only_file_system_is_bad_input_for_every_command(read_only_folder, tmp_path, capsys):
+    """Issue #62 fault 5: train, export and eval name the key whose folder cannot be written, exit 2, before
+    anything loads (not exit 74, which says to free space)."""
+    for key, command in (("output_dir", "train.py"), ("export.output", "-m export"), ("output_dir", "-m eval")):
+        for where in ("new", "run"):  # a folder to create there, and one that exists
+            path = read_only_folder / where
+            extra = [f"output_dir={tmp_path}"] if key != "output_dir" else []
+            result = run_entry_in_process([*command.split(), "recipe=medusa", f"{key}={path}", *extra], capsys)
+            assert_one_line_error(result, 2, f"{key}='{path}' cannot be created under")
+            assert "Read-only file system" in result.stderr
 
 
 @pytest.mark.parametrize(
