@@ -79,6 +79,7 @@ class RegenerateResult:
     cut: int = 0  # of those, conversations that end early: a later turn's prompt reached data.max_length
     empty: int = 0  # of those, conversations that end early: the target's answer to a turn was empty
     left_out: int = 0  # of those, not written: either of the two came before min_turns answers
+    reused: int = 0  # answers taken from an earlier regeneration (data.regenerate.reuse), not asked of the engine
     excluded: int = 0  # data.train conversations not regenerated: a held-out first prompt (data.regenerate.exclude)
     short: int = 0  # data.train conversations not regenerated: fewer than data.regenerate.min_turns assistant turns
 
@@ -93,8 +94,8 @@ def main(argv: Sequence[str]) -> None:
             f"{result.conversations} conversations in {result.directory} ({result.generated} generated now, "
             f"{result.cut} of them cut short at a prompt of data.max_length={max_length} tokens or more, "
             f"{result.empty} at an empty answer, {result.left_out} left out with fewer than min_turns={min_turns} "
-            f"answers by then; not regenerated: {result.excluded} held out, {result.short} with fewer than "
-            f"min_turns={min_turns} turns)"
+            f"answers by then, {result.reused} answers taken from data.regenerate.reuse; not regenerated: "
+            f"{result.excluded} held out, {result.short} with fewer than min_turns={min_turns} turns)"
         )
     end_process_group()
 
@@ -230,13 +231,13 @@ def regenerate_into(
         unit="conversation",
         disable=not state.is_main_process,
     )
-    generated, cut, empty, left_out = 0, 0, 0, 0
+    generated, cut, empty, left_out, reused = 0, 0, 0, 0, 0
     with answer_engine(cfg, target, tokenizer, state, bool(mine)) as engine:
         for index in mine:
             rows = [conversations[k // section.samples] for k in chunks[index]]
             seeds = chunks[index] if section.engine == "vllm" else None
             torch.manual_seed(section.seed + index)
-            messages, ended = regenerate_batch(
+            messages, ended, taken = regenerate_batch(
                 engine, tokenizer, [row["messages"] for row in rows], section, cfg.data.max_length, seeds, known
             )
             records = [
@@ -249,6 +250,7 @@ def regenerate_into(
             cut += ended.count("max_length")
             empty += ended.count("empty answer")
             left_out += len(rows) - len(records)
+            reused += taken
             # The others go at about the same pace; the estimate stops at the total.
             progress.update(min(len(rows) * state.num_processes, progress.total - progress.n))
     progress.close()
@@ -256,9 +258,11 @@ def regenerate_into(
         from accelerate.utils import gather_object
 
         # a collective: past it, every rank's parts are written
-        generated, cut, empty, left_out = (sum(gather_object([value])) for value in (generated, cut, empty, left_out))
+        generated, cut, empty, left_out, reused = (
+            sum(gather_object([value])) for value in (generated, cut, empty, left_out, reused)
+        )
     written = sum(1 for part in directory.glob("part-*.jsonl.gz") for _ in gzip.open(part, "rt"))
-    return RegenerateResult(directory, written, generated, cut, empty, left_out)
+    return RegenerateResult(directory, written, generated, cut, empty, left_out, reused)
 
 
 class TransformersAnswers:
@@ -393,7 +397,7 @@ def regenerate_batch(
     max_length: int,
     seeds: Optional[list[int]] = None,
     known: Optional[dict[str, str]] = None,
-) -> tuple[list[Optional[list[dict]]], list[Optional[str]]]:
+) -> tuple[list[Optional[list[dict]]], list[Optional[str]], int]:
     """Every assistant turn of each conversation replaced by the target's answer to the turns before
     it (its own earlier answers included); round k answers the k-th assistant turn of every
     conversation that has one, in one call of `engine` (TransformersAnswers or VllmAnswers), except the
@@ -402,7 +406,8 @@ def regenerate_batch(
     there is nothing to train on, and the data loader refuses an empty turn), ends its conversation at
     the assistant turn before it (None: left out, when fewer than `section.min_turns` are answered by
     then). With `section.max_turns` a conversation ends after its max_turns-th assistant turn. Returns
-    the conversations and, for each, why it ended early ("max_length", "empty answer") or None."""
+    the conversations, for each why it ended early ("max_length", "empty answer") or None, and how many
+    answers `known` gave."""
     known = known or {}
     conversations = [[dict(message) for message in messages] for messages in batch]
     turns = [
@@ -412,6 +417,7 @@ def regenerate_batch(
     if section.max_turns is not None:
         conversations = [messages[: kept[-1] + 1] for messages, kept in zip(conversations, turns)]
     ended: list[Optional[str]] = [None] * len(conversations)
+    taken = 0
 
     def end_before(row: int, round_: int, reason: str) -> None:
         """Conversation `row` ends at its assistant turn before round `round_`, or is left out."""
@@ -432,6 +438,7 @@ def regenerate_batch(
             prompts.append(prompt)
         answers = [known.get(prompt_key(conversations[row][:turn])) for row, turn in active]
         asked = [i for i, answer in enumerate(answers) if answer is None]
+        taken += len(answers) - len(asked)
         if asked:
             fresh = engine.answers(
                 [prompts[i] for i in asked], [seeds[active[i][0]] for i in asked] if seeds is not None else None
@@ -447,7 +454,7 @@ def regenerate_batch(
             message["content"] = answer
             for key in REASONING_KEYS:
                 message.pop(key, None)
-    return conversations, ended
+    return conversations, ended, taken
 
 
 def generate(model, tokenizer, prompts: list[list[int]], section, max_new_tokens: Optional[int] = None) -> list[str]:

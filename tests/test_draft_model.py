@@ -419,13 +419,13 @@ def test_max_turns_answers_the_first_turns_and_ends_the_conversation_there():
         [turn("system", "s"), turn("user", "d"), turn("assistant", "z")],
     ]
     tokenizer, engine = load_tokenizer(str(REFERENCE_TARGET)), Answers()
-    out, ended = regenerate_batch(engine, tokenizer, batch, OmegaConf.create({"max_turns": 1}), 1024)
+    out, ended, _ = regenerate_batch(engine, tokenizer, batch, OmegaConf.create({"max_turns": 1}), 1024)
     assert out == [
         [turn("user", "a"), turn("assistant", "answer 0")],
         [turn("system", "s"), turn("user", "d"), turn("assistant", "answer 1")],
     ]
     assert len(engine.asked) == 2 and ended == [None, None]
-    everything, _ = regenerate_batch(Answers(), tokenizer, batch, OmegaConf.create({"max_turns": None}), 1024)
+    everything, _, _ = regenerate_batch(Answers(), tokenizer, batch, OmegaConf.create({"max_turns": None}), 1024)
     assert [m["role"] for m in everything[0]] == ["user", "assistant", "user", "assistant", "user"]
 
 
@@ -451,7 +451,7 @@ def test_an_empty_answer_ends_its_conversation_at_the_turn_before_it():
     batch = [exchange("a", "x"), exchange("b", "y", "c", "z"), exchange("d", "w"), exchange("e", "v", "f", "u")]
     tokenizer = load_tokenizer(str(REFERENCE_TARGET))
     section = OmegaConf.create({"max_turns": None, "min_turns": 1})
-    out, ended = regenerate_batch(Answers(), tokenizer, batch, section, 1024)
+    out, ended, _ = regenerate_batch(Answers(), tokenizer, batch, section, 1024)
     assert out == [
         exchange("a", "answer 1.0"),
         exchange("b", "answer 1.1"),  # ends before its empty second answer
@@ -501,7 +501,9 @@ def test_later_turns_reuse_the_first_answers_resume_and_keep_held_out_prompts_ou
         regenerate(recipe("later", *later), CountingTarget(model, die_at=2), tokenizer)
     resumed = CountingTarget(model)
     result = regenerate(recipe("later", *later), resumed, tokenizer)
-    assert (result.conversations, result.generated, result.excluded, result.short, resumed.calls) == (4, 2, 1, 1, 1)
+    # the resumed part's two conversations: their first answers taken from `first`, their second ones asked
+    assert (result.conversations, result.generated, result.reused, result.excluded, result.short) == (4, 2, 2, 1, 1)
+    assert resumed.calls == 1
 
     first = {
         r["messages"][0]["content"]: r["messages"][1]["content"] for r in load_conversations([str(tmp_path / "first")])
