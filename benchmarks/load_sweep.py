@@ -55,7 +55,6 @@ from draftsmith.export.sweep import (
     PLAIN,
     PLAIN_AGAIN,
     SUFFIX,
-    SUFFIX_DEPTH,
     Load,
     ngram_config,
     plot,
@@ -144,7 +143,8 @@ def main() -> None:
         measure(PLAIN, 0, None)
         for gamma in gammas:
             measure(NGRAM, gamma, ngram_config(gamma))
-        measure(SUFFIX, SUFFIX_DEPTH, suffix_config(cached_answers=0))
+        prompt_trees = suffix_config(cached_answers=0)
+        measure(SUFFIX, prompt_trees["num_speculative_tokens"], prompt_trees)
         for name, run_dir in drafters.items():
             at_gamma, source = fixed_configs(run_dir, levels)
             measure(name, 0, at_gamma(0), source)

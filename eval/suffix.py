@@ -9,31 +9,15 @@ arctic-inference ships as a source distribution only (`draftsmith.engines.arctic
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-from dataclasses import dataclass
 from typing import Optional
 
-from draftsmith.engines import arctic_build
+from draftsmith.engines import SuffixSettings, arctic_build, suffix_decoding_installed
 from draftsmith.errors import UserError
 from draftsmith.heads.base import DraftState, DraftTree, Proposer, Tree
 from draftsmith.target import FeatureRequest
 
 INSTALL = f"build it into this environment: {arctic_build()}"
-
-
-def suffix_decoding_installed() -> bool:
-    return importlib.util.find_spec("arctic_inference") is not None
-
-
-@dataclass(frozen=True)
-class SuffixSettings:
-    """vLLM 0.32's `suffix_decoding_*` defaults (export.sweep.suffix_config writes the same for the engine)."""
-
-    max_tree_depth: int = 24  # the match and the proposal together
-    max_spec_factor: float = 1.0  # propose at most this many tokens per matched token
-    min_token_prob: float = 0.1  # only tokens that followed the match at least this often
-    max_cached_requests: int = 10000  # earlier answers kept, oldest evicted first
 
 
 class SuffixTrees:

@@ -45,12 +45,13 @@ import os
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig
 
+from draftsmith.engines import SuffixSettings
 from draftsmith.errors import ExportCheckFailed, UserError, one_line
 from draftsmith.export.repo import EXPORT_INFO, VLLM_PINNED
 
@@ -113,22 +114,16 @@ def ngram_config(gamma: int) -> dict[str, Any]:
     }
 
 
-SUFFIX_DEPTH = 24  # vLLM 0.32's suffix_decoding_max_tree_depth, and the most it drafts a step
-
-
-def suffix_config(cached_answers: int = 10000) -> dict[str, Any]:
+def suffix_config(cached_answers: int = SuffixSettings.max_cached_requests) -> dict[str, Any]:
     """vLLM's suffix decoding (arXiv 2411.04975: suffix trees over the prompt and the engine's earlier
-    answers, arctic-inference's) at vLLM 0.32's own defaults, written out so a row records them: up to 24
-    tokens a step, as many as the match is long (factor 1), tokens the tree has seen follow at least 10% of
-    the time, the last `cached_answers` answers kept (0: the prompt's tree only). It chooses its own length
-    per step, so it has no γ to sweep."""
+    answers, arctic-inference's) at vLLM 0.32's own defaults (SuffixSettings), written out so a row records
+    them, with the last `cached_answers` answers kept (0: the prompt's tree only). It chooses its own length
+    per step, up to the tree's depth, so it has no γ to sweep."""
+    settings = replace(SuffixSettings(), max_cached_requests=cached_answers)
     return {
         "method": SUFFIX,
-        "num_speculative_tokens": SUFFIX_DEPTH,
-        "suffix_decoding_max_tree_depth": SUFFIX_DEPTH,
-        "suffix_decoding_max_spec_factor": 1.0,
-        "suffix_decoding_min_token_prob": 0.1,
-        "suffix_decoding_max_cached_requests": cached_answers,
+        "num_speculative_tokens": settings.max_tree_depth,
+        **{f"suffix_decoding_{key}": value for key, value in asdict(settings).items()},
         **VLLM_PINNED,
     }
 
@@ -312,7 +307,7 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None) -> P
     loaded target for the export (loaded here otherwise)."""
     from contextlib import nullcontext
 
-    from draftsmith.engines import has_suffix_decoding, require_suffix_decoding, vllm_python
+    from draftsmith.engines import missing_suffix_decoding, vllm_python
     from draftsmith.export.verify import EngineSession
     from draftsmith.files import checkpoint_digest, write_text_atomic
     from draftsmith.heads.base import read_checkpoint_config
@@ -326,9 +321,10 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None) -> P
             "must each list at least one integer >= 1"
         )
     python = vllm_python(cfg.export.vllm_python, "export.vllm_python")
-    if settings.suffix:
-        require_suffix_decoding(python, "export.vllm_python")
-    suffix = settings.suffix is not False and has_suffix_decoding(python, "export.vllm_python")
+    missing = None if settings.suffix is False else missing_suffix_decoding(python, "export.vllm_python")
+    if settings.suffix and missing:
+        raise UserError(missing)
+    suffix = settings.suffix is not False and missing is None
     method = read_checkpoint_config(checkpoint)["drafter_type"]
     digest = checkpoint_digest(checkpoint)
     output = Path(settings.output or Path(cfg.output_dir) / "sweep")
@@ -350,7 +346,8 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None) -> P
                     measure(path, load, engines, levels, NGRAM, gamma, ngram_config(gamma))
             if suffix:  # each level serves the prompts again: an answer cached from an earlier request would
                 # be the very text asked for, which real traffic rarely repeats; the prompt's own tree only
-                measure(path, load, engines, levels, SUFFIX, SUFFIX_DEPTH, suffix_config(cached_answers=0))
+                config = suffix_config(cached_answers=0)
+                measure(path, load, engines, levels, SUFFIX, config["num_speculative_tokens"], config)
             for gamma in [0, *gammas]:
                 measure(path, load, engines, levels, method, gamma, served_at(folder, gamma, levels), digest)
             measure(path, load, engines, levels, PLAIN_AGAIN, 0, None)

@@ -10,12 +10,12 @@ tests run in never has it installed and the tests of its absence hold in the sam
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 
 import pytest
 
+from draftsmith.engines import suffix_decoding_installed
 from draftsmith.eval.loop import generate
 from draftsmith.heads import drafter_class
 from draftsmith.target import load_target
@@ -30,7 +30,7 @@ from tests.helpers import (
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-INSTALLED_HERE = importlib.util.find_spec("arctic_inference") is not None
+INSTALLED_HERE = suffix_decoding_installed()
 
 
 @pytest.fixture
