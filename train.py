@@ -4,8 +4,9 @@ Also runs as `python train.py ...`, `torchrun --nproc-per-node N train.py ...` a
 `draftsmith train ...` (see draftsmith/cli.py).
 """
 
-from draftsmith.cli import TRAIN_USAGE, configure_logging, entry_point, train_main
+from draftsmith.cli import configure_logging, entry_point
+from draftsmith.trainer import main as train_command
 
 if __name__ == "__main__":
     configure_logging()
-    entry_point(train_main, TRAIN_USAGE, command="train")
+    entry_point(train_command.main, train_command.__doc__, command="train")

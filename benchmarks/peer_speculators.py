@@ -55,7 +55,7 @@ from pathlib import Path
 
 from standard_protocol import cpu_name, load_json, save_json, stage_timer, summarize  # benchmarks/, first on sys.path
 
-from draftsmith.export.repo import VLLM_PINNED
+from draftsmith.formats.repo import VLLM_PINNED
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ("prepare", "train-speculators", "train-draftsmith", "measure", "own-eval", "report")

@@ -59,8 +59,8 @@ from typing import NamedTuple
 
 from draftsmith.engines import VllmWorker, require_suffix_decoding
 from draftsmith.errors import UserError
-from draftsmith.export.repo import VLLM_PINNED
 from draftsmith.export.sweep import suffix_config
+from draftsmith.formats.repo import VLLM_PINNED
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -98,6 +98,7 @@ def load_conversations(
                 dataset = dataset.select(range(max_conversations))
             parts.append(_normalize_utf8(dataset, name, prompts_only, skip_invalid_utf8))
             logger.info("loaded %d conversations from %s", len(parts[-1]), name)
+            _count_user_turns_in_a_row(parts[-1], name)
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
@@ -364,6 +365,30 @@ def normalize_record(record: dict[str, Any], source: str, number: int, prompts_o
         "source": source,
         "record": number,
     }
+
+
+def _count_user_turns_in_a_row(dataset: datasets.Dataset, source: str) -> None:
+    """Warn, with a count and the first record numbers, about conversations where a user turn follows a
+    user turn: kept (the chat template renders both as the user's, and only assistant turns are trained
+    on), but it is often a file joined or cut wrongly. Read from the Arrow columns, not row by row."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    messages = dataset.data.column("messages").combine_chunks()
+    roles = pc.list_flatten(messages).field("role").to_numpy(zero_copy_only=False)
+    owners = pc.list_parent_indices(messages).to_numpy()
+    repeated = (roles[1:] == "user") & (roles[:-1] == "user") & (owners[1:] == owners[:-1])
+    rows = np.unique(owners[1:][repeated])
+    if len(rows):
+        records = dataset.select(rows[:10].tolist())["record"]
+        logger.warning(
+            "%s: %d conversation(s) have two user turns in a row (records %s%s): kept, both rendered as the "
+            "user's; check how the file was joined",
+            source,
+            len(rows),
+            ", ".join(map(str, records)),
+            ", ..." if len(rows) > 10 else "",
+        )
 
 
 def _one_line(err: BaseException) -> str:

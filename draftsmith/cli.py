@@ -34,7 +34,7 @@ from draftsmith.errors import EXIT_USER_ERROR, run_cli
 
 # command -> (module, function taking the arguments after the command)
 COMMANDS = {
-    "train": ("draftsmith.cli", "train_main"),
+    "train": ("draftsmith.trainer.main", "main"),
     "eval": ("draftsmith.eval.__main__", "main"),
     "capture": ("draftsmith.data_prep.capture", "main"),
     "regenerate": ("draftsmith.data_prep.regenerate", "main"),
@@ -54,11 +54,6 @@ COMMAND_SECTIONS = {
     "sweep": ("export", "eval", "target"),
     "monitor": ("monitor", "target", "export"),
 }
-
-TRAIN_USAGE = """`draftsmith train recipe=NAME [key=value ...]`, `python train.py ...`, or on several processes
-`accelerate launch [-m draftsmith] train[.py] recipe=NAME ...` (torchrun works too): train the recipe's
-drafter into <output_dir> (checkpoints, final/, log.jsonl, TensorBoard), then evaluate it (eval.enabled).
-SIGTERM saves a checkpoint and exits 75; train.resume=true continues bit-identically."""
 
 
 def recipe_args(argv: Sequence[str]) -> list[str]:
@@ -116,29 +111,6 @@ def configure_logging() -> None:
     )
 
 
-def train_main(argv: Sequence[str]) -> None:
-    """Train, then (main process) evaluate: eval-split accuracy when data.eval is set, the
-    speculative-decoding report when eval.enabled. The output directory is held throughout."""
-    import torch
-    from accelerate import PartialState
-
-    from draftsmith.recipe import load_train_recipe
-
-    cfg = load_train_recipe(argv)  # validate before any model or data is touched
-    from draftsmith.threads import set_cpu_threads
-    from draftsmith.trainer import claim_output_dir, train
-
-    set_cpu_threads(cfg.train.cpu_threads)  # accelerate launch's OMP_NUM_THREADS=1 is not a choice (threads.py)
-
-    state = PartialState(cpu=not torch.cuda.is_available())
-    with claim_output_dir(cfg, state):
-        train(cfg)
-        if state.is_main_process:
-            from draftsmith.eval.report import evaluate_trained_run
-
-            evaluate_trained_run(cfg)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     """The `draftsmith` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -152,4 +124,4 @@ def main(argv: Sequence[str] | None = None) -> None:
     module, function = COMMANDS[command]
     configure_logging()
     loaded = importlib.import_module(module)
-    entry_point(getattr(loaded, function), TRAIN_USAGE if command == "train" else loaded.__doc__, rest, command)
+    entry_point(getattr(loaded, function), loaded.__doc__, rest, command)

@@ -38,7 +38,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from draftsmith.drafter_folder import checkpoint_to_read, open_drafter, weights_digest
 from draftsmith.engines import SuffixSettings, suffix_decoding_installed
 from draftsmith.errors import UserError
 from draftsmith.eval.loop import Counts, Generation, generate, generate_batch
@@ -49,6 +48,7 @@ from draftsmith.eval.sampling import Sampling
 from draftsmith.eval.suffix import INSTALL, SuffixDrafter, SuffixTrees
 from draftsmith.eval.trees import tree_depth
 from draftsmith.families import check_eval_settings
+from draftsmith.formats.folder import checkpoint_to_read, open_drafter, weights_digest
 from draftsmith.heads.base import DynamicTree, Proposer, Tree
 from draftsmith.outputs import DirectoryLock
 from draftsmith.recipe import save_recipe

@@ -13,8 +13,8 @@ from draftsmith.recipe import load_recipe
 
 
 def main(argv: Sequence[str]) -> None:
-    from draftsmith.drafter_folder import checkpoint_to_read
     from draftsmith.export import export_checkpoint
+    from draftsmith.formats.folder import checkpoint_to_read
 
     cfg = load_recipe(argv)
     for engine, folder in export_checkpoint(cfg, checkpoint_to_read(cfg)).items():

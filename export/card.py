@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from draftsmith.export.repo import EngineRepo
+from draftsmith.formats.repo import EngineRepo
 from draftsmith.heads import drafter_class
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
@@ -18,21 +19,22 @@ from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig
+from safetensors.torch import save_file
 
 from draftsmith.errors import InternalError, UserError, one_line
-from draftsmith.export import Source, exporter_for
 from draftsmith.export.gamma import recommended_gamma
-from draftsmith.export.repo import (
+from draftsmith.files import checkpoint_digest, publish_folder, write_text_atomic
+from draftsmith.formats import Source, exporter_for
+from draftsmith.formats.repo import (
     EXPORT_INFO,
     VLLM_PINNED,
+    WEIGHTS,
     EngineRepo,
     TargetInfo,
     check_tensors,
-    stage_repo,
-    write_json,
+    copy_tokenizer,
 )
-from draftsmith.export.versions import require_vllm_serves, served_by
-from draftsmith.files import checkpoint_digest, publish_folder
+from draftsmith.formats.versions import require_vllm_serves, served_by
 from draftsmith.heads import load_drafter
 from draftsmith.heads.base import EVAL_SPLIT, read_checkpoint_config
 from draftsmith.outputs import DirectoryLock, move_aside
@@ -253,7 +255,7 @@ def export_info(
         "draftsmith_version": metadata.version("draftsmith"),
         "engine": repo.engine,
         "drafter_type": drafter.type,
-        "drafter_config": {k: v for k, v in asdict(drafter.config).items() if k not in ("decoder", "model_config")},
+        "drafter_config": {k: v for k, v in asdict(drafter.config).items() if k not in drafter.config.RESOLVED},
         "learned": drafter.learned,
         "source": {"checkpoint": str(source.checkpoint.resolve()), "sha256": digest},
         "target": {**source.target.shape.__dict__, "id": source.target.shape.id},
@@ -289,7 +291,7 @@ def serving_name(cfg: DictConfig, engine: str, folder: Path) -> str:
 def check_round_trip(exporter, source: Source, repo: EngineRepo, staged: Path, target, gamma: int, final: Path) -> None:
     """Read the staged folder back into a drafter and export that again: the same tensors must come
     out, or the folder's config does not describe its weights."""
-    from draftsmith.drafter_folder import read_folder  # on use: it imports this package (the formats' registry)
+    from draftsmith.formats.folder import read_folder  # on use: it imports this package (the formats' registry)
 
     drafter = read_folder(staged / repo.weights_dir, target)
     again = exporter.build(
@@ -308,3 +310,24 @@ def check_round_trip(exporter, source: Source, repo: EngineRepo, staged: Path, t
             f"the {repo.engine} folder does not read back into the same drafter (tensors {differ[:4]} differ); "
             "this is a draftsmith bug"
         )
+
+
+def write_json(path: Path, value: dict[str, Any]) -> None:
+    write_text_atomic(path, json.dumps(value, indent=2, sort_keys=True) + "\n")
+
+
+def stage_repo(repo: EngineRepo, directory: Path, target: TargetInfo) -> Path:
+    """Write the folder's config and weights under `<directory>.tmp` (the card and
+    draftsmith_export.json follow once the folder has been checked); returns the staging path."""
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    weights_dir = tmp / repo.weights_dir
+    weights_dir.mkdir(parents=True)
+    tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in sorted(repo.tensors.items())}
+    save_file(tensors, str(weights_dir / WEIGHTS), metadata={"format": "pt"})  # one metadata key: reproducible bytes
+    write_json(weights_dir / "config.json", repo.config)
+    if repo.tokenizer:
+        copy_tokenizer(target, weights_dir)
+    if repo.extra is not None:
+        repo.extra(tmp)
+    return tmp

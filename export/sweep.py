@@ -53,7 +53,7 @@ from omegaconf import DictConfig
 
 from draftsmith.engines import SuffixSettings
 from draftsmith.errors import ExportCheckFailed, UserError, one_line
-from draftsmith.export.repo import EXPORT_INFO, VLLM_PINNED
+from draftsmith.formats.repo import EXPORT_INFO, VLLM_PINNED
 
 PLAIN = "plain"
 PLAIN_AGAIN = "plain-rerun"  # plain measured a second time in the same sweep: its noise
@@ -457,7 +457,7 @@ def schedule_of(rows: list[dict[str, Any]], method: str) -> tuple[dict[str, Any]
 
 
 def main(argv: Sequence[str]) -> None:
-    from draftsmith.drafter_folder import checkpoint_to_read
+    from draftsmith.formats.folder import checkpoint_to_read
     from draftsmith.recipe import load_recipe
 
     cfg = load_recipe(argv)

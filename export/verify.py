@@ -27,9 +27,9 @@ from draftsmith.engines import VllmWorker
 from draftsmith.errors import ExportCheckFailed, UserError
 from draftsmith.eval.loop import Counts, generate_batch
 from draftsmith.eval.prompts import eos_ids_of, load_prompts
-from draftsmith.export import Source
-from draftsmith.export.repo import EngineRepo
 from draftsmith.families import recurrent
+from draftsmith.formats import Source
+from draftsmith.formats.repo import EngineRepo
 from draftsmith.target import load_tokenizer
 
 ENGINE_TIMEOUT_S = 1800

@@ -170,6 +170,9 @@ class DrafterConfig:
     # Keys that set how it trains or decodes, not what its weights compute: a warm start may change
     # them (`architecture`); every other key must be the starting drafter's.
     SETTINGS: ClassVar[tuple[str, ...]] = ()
+    # Keys from_target fills from the target (a layer's or a whole model's HF config, to rebuild it on
+    # load): neither a setting nor a choice of the recipe's, and recorded in full by the checkpoint only.
+    RESOLVED: ClassVar[tuple[str, ...]] = ("decoder",)
 
     def check(self, target: Optional[TargetShape] = None) -> None:
         """Raise a one-line UserError for a bad setting. `target`: the target's shape when known."""
@@ -370,8 +373,8 @@ def check_layer_ids(layers: list[int], num_layers: int, key: str, default: Optio
 
 def architecture(config: DrafterConfig) -> dict[str, Any]:
     """What a drafter config fixes about its weights' function: every key but its SETTINGS and what
-    from_target resolves from the target (the decoder spec, the draft model's HF config)."""
-    skipped = {*config.SETTINGS, "decoder", "model_config"}
+    from_target resolves from the target (RESOLVED)."""
+    skipped = {*config.SETTINGS, *config.RESOLVED}
     return {key: value for key, value in asdict(config).items() if key not in skipped}
 
 

@@ -44,7 +44,7 @@ Checkpoint names follow the public DFlash layout: `fc.weight [H, n*H]`, `hidden_
 `layers.{i}.self_attn.{q,k,v,o}_proj.*` (and `q_norm`/`k_norm` for families that have them),
 `layers.{i}.mlp.*`, `layers.{i}.{input,post_attention}_layernorm.weight`, `norm.weight`, and with a
 learned mask `mask_embedding [H]`, the one tensor the public layout lacks (it names the mask by
-`mask_token_id`): export/dflash.py refuses such a drafter.
+`mask_token_id`): formats/dflash.py refuses such a drafter.
 """
 
 from __future__ import annotations

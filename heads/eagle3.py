@@ -305,7 +305,7 @@ class Eagle3(EagleBase):
     @classmethod
     def flop_profile(cls, config: Eagle3Config) -> FlopProfile:
         # fc fuses the target's states once per token; the training-time test runs the layer and the
-        # lm_head once a step (an upper bound: steps after the first run only where a later one is scored)
+        # lm_head once a step at every position (the step is fixed-shape: `unroll`), so this is exact
         return FlopProfile(passes=config.ttt_steps, once=("fc.",))
 
     # -- the draft vocabulary -------------------------------------------------------------------
@@ -378,7 +378,8 @@ class Eagle3(EagleBase):
 
     def draft(self, tokens, features, positions, mask=None, cache=None, **attention) -> torch.Tensor:
         """o = layer(embed(x), g) for input features g (fused target features or earlier outputs);
-        see EagleBase.draft. `attention` goes to the attention function (`ttt_at`, see `unroll_at`)."""
+        see EagleBase.draft. `attention` goes to the attention function (a later training-time-test step's
+        `ttt_step`: heads/ttt_attention.py's `ttt_attention`, see `unroll`)."""
         rope = self.rotary_emb(features, positions)
         out = self.layers[0](self.embed(tokens).to(features.dtype), features, rope, positions, mask, cache, **attention)
         return self.norm(out) if self.config.norm_output else out

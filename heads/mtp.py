@@ -5,7 +5,7 @@ predict the token after next. transformers drops it at load (the families' `_key
 unexpected`); vLLM serves it as the `mtp` method. This kind reads it from the target's safetensors, builds
 it as vLLM 0.32's `*_mtp.py` model for that architecture computes it, trains it on the target's own
 distribution several steps ahead, each step fed its previous step's output (EAGLE's training-time test),
-and exports it back under the checkpoint's own names (export/mtp.py).
+and exports it back under the checkpoint's own names (formats/mtp.py).
 
 Draft position p reads the target's final (post-norm) hidden state f_p, the hidden state vLLM hands its
 MTP proposer, and the embedding of the next token x_{p+1}:
@@ -388,7 +388,7 @@ class Mtp(EagleBase):
         self.load_state_dict({name: t.to(dtype) for name, t in state.items()})
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """The layer under its checkpoint names (without the prefix): what export/mtp.py writes."""
+        """The layer under its checkpoint names (without the prefix): what formats/mtp.py writes."""
         out = {
             f"{theirs}.weight": getattr(self, own).weight.detach() for own, theirs in zip(WRAPPER, self.layout.names)
         }

@@ -25,8 +25,8 @@ from typing import Any, Optional
 from omegaconf import DictConfig
 
 from draftsmith.errors import UserError
-from draftsmith.export.repo import EXPORT_INFO, VLLM_PINNED
 from draftsmith.files import write_text_atomic
+from draftsmith.formats.repo import EXPORT_INFO, VLLM_PINNED
 from draftsmith.monitor import Outcome
 from draftsmith.monitor.drift import (
     DRIFT,

@@ -66,7 +66,7 @@ class Baseline:
     domains: dict[str, float]  # domain -> α
     temperature: float
     source: str
-    weights: Optional[str] = None  # the sha256 of the weights the report measured (draftsmith.drafter_folder)
+    weights: Optional[str] = None  # the sha256 of the weights the report measured (draftsmith.formats.folder)
 
     @classmethod
     def from_report(cls, report: dict[str, Any], source: str) -> Baseline:

@@ -102,7 +102,8 @@ def warm_start_of(state: State) -> str:
 def step_train(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -> dict[str, Any]:
     from accelerate import PartialState
 
-    from draftsmith.trainer import claim_output_dir, train
+    from draftsmith.trainer.checkpoint import claim_output_dir
+    from draftsmith.trainer.loop import train
 
     regenerated = state.pipeline["done"]["regenerate"]["output"]
     start = warm_start_of(state)

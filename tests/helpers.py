@@ -89,8 +89,8 @@ def train_in_process(args: list[str]) -> tuple[Path, object]:
     """Run what `train.py args` runs (training, then the eval stage) in this process; return the final
     checkpoint directory and the target the drafter trained against (to check it stays frozen)."""
     import draftsmith.trainer.loop as loop
-    from draftsmith.cli import train_main
     from draftsmith.recipe import load_recipe
+    from draftsmith.trainer.main import main as train_main
 
     captured = {}
     real_load_target = loop.load_target
@@ -641,7 +641,7 @@ def train_and_export_for_vllm(args: list[str], vllm_python: str, export_dir: Pat
     """Train `train.py args` in this process, export the final checkpoint for vLLM with the engine check
     (in `session`, an EngineSession), and return what the check verified and the served layers' family."""
     from draftsmith.export import export_checkpoint
-    from draftsmith.export.repo import EXPORT_INFO
+    from draftsmith.formats.repo import EXPORT_INFO
 
     final, _ = train_in_process(args)
     cfg = load_recipe([*args, f"export.vllm_python={vllm_python}", f"export.output={export_dir}"])

@@ -12,10 +12,10 @@ import json
 import pytest
 
 from draftsmith.errors import ExportCheckFailed, UserError
-from draftsmith.export.repo import EXPORT_INFO, VLLM_PINNED
 from draftsmith.export.schedule import batch_schedule, pooled_acceptance
 from draftsmith.export.sweep import measured_row, read_sweep
 from draftsmith.files import checkpoint_digest
+from draftsmith.formats.repo import EXPORT_INFO, VLLM_PINNED
 from tests.helpers import (
     KINDS,
     assert_one_line_error,

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from draftsmith.cli import COMMAND_SECTIONS, COMMANDS, TRAIN_USAGE, entry_point
+from draftsmith.cli import COMMAND_SECTIONS, COMMANDS, entry_point
 from draftsmith.heads import REGISTRY
 from draftsmith.recipe import load_recipe
 from draftsmith.recipe_keys import drafter_section, recipe_sections, render_markdown
@@ -23,7 +23,7 @@ ENTRIES = {name: (importlib.import_module(module), function) for name, (module, 
 def run(command: str, argv: list[str], capsys) -> tuple[int, str, str]:
     module, function = ENTRIES[command]
     with pytest.raises(SystemExit) as exited:
-        entry_point(getattr(module, function), TRAIN_USAGE if command == "train" else module.__doc__, argv, command)
+        entry_point(getattr(module, function), module.__doc__, argv, command)
     out, err = capsys.readouterr()
     return exited.value.code, out, err
 

@@ -473,6 +473,20 @@ def test_invalid_utf8_names_the_line_or_is_skipped_and_counted(tmp_path, name, c
     assert len(load_conversations([str(path)], max_conversations=1)) == 1
 
 
+def test_two_user_turns_in_a_row_are_kept_and_counted(tmp_path, caplog):
+    doubled = {"messages": [USER, {"role": "user", "content": "and another thing"}, ASSISTANT]}
+    apart = {"messages": [USER, ASSISTANT, USER, ASSISTANT]}
+    path = write_jsonl(tmp_path / "chats.jsonl", [GOOD, doubled, apart, doubled])
+    with caplog.at_level("WARNING", logger="draftsmith.data"):
+        loaded = load_conversations([str(path)])
+    assert len(loaded) == 4
+    assert "chats.jsonl: 2 conversation(s) have two user turns in a row (records 2, 4)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="draftsmith.data"):
+        load_conversations([str(write_jsonl(tmp_path / "clean.jsonl", [GOOD, apart]))])
+    assert "in a row" not in caplog.text
+
+
 def test_invalid_utf8_in_a_json_document_names_the_line(tmp_path):
     path = write_lines(tmp_path / "chats.json", [b"[", json.dumps(GOOD).encode() + b",", INVALID_UTF8_LINE, b"]"])
     for skip in (False, True):

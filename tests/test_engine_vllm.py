@@ -24,12 +24,13 @@ import pytest
 from omegaconf import OmegaConf
 
 from draftsmith.errors import ExportCheckFailed
-from draftsmith.export import export_checkpoint, exporter_for
-from draftsmith.export.repo import EXPORT_INFO, VLLM_PINNED
+from draftsmith.export import export_checkpoint
 from draftsmith.export.run import load_source, served_config
 from draftsmith.export.sweep import read_sweep, run_sweep
 from draftsmith.export.verify import verify_in_vllm
 from draftsmith.files import checkpoint_digest
+from draftsmith.formats import exporter_for
+from draftsmith.formats.repo import EXPORT_INFO, VLLM_PINNED
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target
 from tests.helpers import DEMO, REFERENCE_TARGET, train_in_process, write_sweep

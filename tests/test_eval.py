@@ -458,8 +458,8 @@ def test_the_eval_leaves_the_checkpoint_byte_identical_and_the_export_reads_what
 
     from draftsmith.eval.report import evaluate_trained_run
     from draftsmith.export import export_checkpoint
-    from draftsmith.export.repo import EXPORT_INFO
     from draftsmith.files import checkpoint_digest
+    from draftsmith.formats.repo import EXPORT_INFO
     from draftsmith.heads import load_drafter
     from draftsmith.heads.base import EVAL_SPLIT
 

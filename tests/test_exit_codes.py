@@ -32,7 +32,7 @@ def checkpoint(tmp_path_factory) -> Path:
 def fake_vllm(directory: Path, body: str) -> str:
     """A stand-in for export.vllm_python: an executable that speaks the engine worker's protocol
     (draftsmith/engine_scripts/vllm_worker.py: one JSON request per line on stdin, one reply per line)
-    the way a failing engine does, after answering the export's version query as vLLM 0.32 (export/versions.py).
+    the way a failing engine does, after answering the export's version query as vLLM 0.32 (formats/versions.py).
     The real engine cannot be made to die or refuse on cue cheaply (the real one, killed, is
     tests/test_regenerate_vllm.py's)."""
     path = directory / "fake-vllm-python"
@@ -90,7 +90,11 @@ def test_a_full_disk_exits_74_wherever_it_is_met(checkpoint, tmp_path, monkeypat
     checkpoint, on a tmpfs: tests/test_reliability.py)."""
     import draftsmith.export.run as run
 
+    write_json = run.write_json
+
     def full_disk(path, value):
+        if path.name != "draftsmith_export.json":
+            return write_json(path, value)
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
     monkeypatch.setattr(run, "write_json", full_disk)
@@ -126,7 +130,7 @@ def test_a_draftsmith_bug_exits_70_with_its_traceback_in_a_log_file(checkpoint, 
 
 
 def test_a_readback_that_differs_is_a_draftsmith_bug_not_bad_input(checkpoint, tmp_path, monkeypatch, capsys):
-    import draftsmith.drafter_folder as drafter_folder
+    import draftsmith.formats.folder as drafter_folder
 
     real = drafter_folder.read_folder
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from draftsmith.errors import UserError
 from draftsmith.export import export_checkpoint
-from draftsmith.export.repo import EXPORT_INFO, VLLM_PINNED
+from draftsmith.formats.repo import EXPORT_INFO, VLLM_PINNED
 from draftsmith.heads import REGISTRY
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target
@@ -146,10 +146,10 @@ LAYOUT_DRAFTERS = {
 
 @pytest.mark.parametrize("name", list(LAYOUT_DRAFTERS))
 def test_each_eagle3_layout_reads_back_what_it_writes(name, target, tmp_path):
-    from draftsmith.export import EXPORTERS
-    from draftsmith.export.eagle3 import LAYOUTS, NATIVE, PEAGLE, SGLANG, SPECULATORS
-    from draftsmith.export.repo import WEIGHTS, stage_repo
-    from draftsmith.export.run import load_source
+    from draftsmith.export.run import load_source, stage_repo
+    from draftsmith.formats import EXPORTERS
+    from draftsmith.formats.eagle3 import LAYOUTS, NATIVE, PEAGLE, SGLANG, SPECULATORS
+    from draftsmith.formats.repo import WEIGHTS
     from draftsmith.heads.base import architecture
 
     layout = {"speculators": SPECULATORS, "peagle": PEAGLE, "native": NATIVE, "sglang": SGLANG}[name]
@@ -167,7 +167,7 @@ def test_each_eagle3_layout_reads_back_what_it_writes(name, target, tmp_path):
 
 
 def test_eagle31_is_written_in_vllms_native_form_and_reads_back(target, tmp_path):
-    from draftsmith.drafter_folder import open_drafter
+    from draftsmith.formats.folder import open_drafter
     from draftsmith.heads.base import TargetShape
 
     checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt", fc_norm="true", norm_output="true")
@@ -252,7 +252,7 @@ def write_speculators_folder(folder: Path, tensors: dict, layer: Optional[dict] 
 def test_a_folder_speculators_saved_is_read_and_warm_starts(target, speculators_tensors, tmp_path):
     from omegaconf import OmegaConf
 
-    from draftsmith.drafter_folder import open_drafter, warm_start
+    from draftsmith.formats.folder import open_drafter, warm_start
     from draftsmith.heads import drafter_class
     from draftsmith.heads.base import TargetShape
 
@@ -294,7 +294,7 @@ def test_a_speculators_folder_s_sliding_window_is_read_as_vllm_reads_it(
     attends within it (tests/test_eagle3.py proves the window), and a window-less recipe is told to set it."""
     from omegaconf import OmegaConf
 
-    from draftsmith.drafter_folder import open_drafter, warm_start
+    from draftsmith.formats.folder import open_drafter, warm_start
     from draftsmith.heads import drafter_class
     from draftsmith.heads.base import TargetShape
 
@@ -314,7 +314,7 @@ def test_a_speculators_folder_s_sliding_window_is_read_as_vllm_reads_it(
 
 
 def test_a_windowed_eagle3_is_written_with_its_window_in_both_vllm_forms(target, tmp_path):
-    from draftsmith.drafter_folder import open_drafter
+    from draftsmith.formats.folder import open_drafter
     from draftsmith.heads.base import TargetShape
 
     checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt", sliding_window=16)
@@ -342,7 +342,7 @@ def test_a_windowed_eagle3_is_written_with_its_window_in_both_vllm_forms(target,
 def test_what_draftsmith_cannot_compute_from_a_speculators_folder_is_refused(
     layer, top, fragment, target, speculators_tensors, tmp_path
 ):
-    from draftsmith.drafter_folder import open_drafter
+    from draftsmith.formats.folder import open_drafter
     from draftsmith.heads.base import TargetShape
 
     tensors = dict(speculators_tensors)
@@ -475,9 +475,9 @@ def test_eagle1_fc_bias_ships_to_sglang_where_it_is_read(target, tmp_path):
 
 
 def test_medusa_biases_are_declared_and_a_folder_that_would_drop_them_is_refused(target, tmp_path):
-    from draftsmith.export import Source, exporter_for
-    from draftsmith.export.repo import check_tensors
     from draftsmith.export.run import load_source
+    from draftsmith.formats import Source, exporter_for
+    from draftsmith.formats.repo import check_tensors
 
     checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
     folders = run_export("medusa", checkpoint, tmp_path / "export", target=target)
@@ -491,7 +491,7 @@ def test_medusa_biases_are_declared_and_a_folder_that_would_drop_them_is_refused
     cfg = load_recipe(export_args("medusa", checkpoint, tmp_path / "x"))
     source: Source = load_source(cfg, checkpoint, target)
     repo = exporter_for("medusa").build("vllm", source, 3, tmp_path / "x" / "vllm")
-    from draftsmith.export.medusa import medusa_expected
+    from draftsmith.formats.medusa import medusa_expected
 
     repo.expected = medusa_expected({**repo.config, "medusa_fc_bias": False})
     with pytest.raises(UserError, match=r"carry \['blocks.0.layers.0.bias'"):
@@ -595,7 +595,7 @@ def test_export_cli_refuses_in_one_line(kind, args, fragment, target, tmp_path, 
 def test_a_checkpoint_of_another_kind_than_the_recipe_s_is_refused_as_a_warm_start_is(target, tmp_path, capsys):
     """One rule for export and warm start: the recipe is for the drafter it reads; the advice names the
     recipe that trains the checkpoint's kind (drafter.type alone would keep the other kind's keys)."""
-    from draftsmith.drafter_folder import warm_start
+    from draftsmith.formats.folder import warm_start
 
     checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
     output = tmp_path / "export"

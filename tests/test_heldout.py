@@ -52,10 +52,14 @@ def test_depth_top1_and_chain_tau():
         "backbone/top1": 0.99,
         "loss": 3.0,
     }
-    assert depth_top1(metrics, 2) == [("head1/top1", 0.8), ("head2/top1", 0.5)]
-    assert [name for name, _ in depth_top1(metrics, 9)] == ["head1/top1", "head2/top1", "head3/top1"]
-    assert depth_top1({"step1/top1": 0.7, "step3/top1": 0.1}, 3) == [("step1/top1", 0.7)]  # consecutive from depth 1
-    assert depth_top1({"block1/top1": 0.6, "block2/top1": 0.3}, 3) == [("block1/top1", 0.6), ("block2/top1", 0.3)]
+    head = "head{depth}/top1"
+    assert depth_top1(metrics, 2, head) == [("head1/top1", 0.8), ("head2/top1", 0.5)]
+    assert [name for name, _ in depth_top1(metrics, 9, head)] == ["head1/top1", "head2/top1", "head3/top1"]
+    assert depth_top1(metrics, 2, "step{depth}/top1") == []  # only the run's kind's metrics
+    step = "step{depth}/top1"
+    assert depth_top1({"step1/top1": 0.7, "step3/top1": 0.1}, 3, step) == [("step1/top1", 0.7)]  # consecutive from 1
+    blocks = {"block1/top1": 0.6, "block2/top1": 0.3}
+    assert depth_top1(blocks, 3, "block{depth}/top1") == [("block1/top1", 0.6), ("block2/top1", 0.3)]
     assert chain_tau([0.8, 0.5, 0.2]) == pytest.approx(1 + 0.8 + 0.4 + 0.08)
     assert chain_tau([]) == 1.0
 

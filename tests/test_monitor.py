@@ -23,7 +23,7 @@ import yaml
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from draftsmith.errors import EngineUnavailable, UserError
-from draftsmith.export.repo import EXPORT_INFO, VLLM_PINNED
+from draftsmith.formats.repo import EXPORT_INFO, VLLM_PINNED
 from draftsmith.monitor import Outcome
 from draftsmith.monitor.drift import DRIFT, HEALTHY, REVERIFY, TOO_FEW, UNDECIDED, Baseline, judge, request_tests
 from draftsmith.monitor.metrics import UNKNOWN, collect, engine_version, window

@@ -1,5 +1,5 @@
 """The `mtp` kind: a target's own multi-token-prediction layer, read from its checkpoint, fine-tuned and
-written back under the checkpoint's names (heads/mtp.py, export/mtp.py).
+written back under the checkpoint's names (heads/mtp.py, formats/mtp.py).
 
 On tiny random targets of each family vLLM 0.32 serves an MTP layer for (GLM-4.5's and DeepSeek-V3's
 layout, `model.layers.{N}.*`; Qwen3-Next's and Qwen3.5's, `mtp.*`), each given a random first MTP layer

@@ -64,7 +64,7 @@ def test_both_follow_the_schedule_and_a_restored_state_continues_exactly():
     optimizer = build_optimizer(MUON, drafter, deepspeed=False)
     schedule = get_cosine_schedule_with_warmup(optimizer, 2, 10)
     optimizer.load_state_dict(optimizer.state_dict())  # as accelerate's prepare does, after the schedule
-    steps(drafter, optimizer, 2)
+    steps(drafter, optimizer, 1)  # a Muon step costs ~4 s here (bfloat16 Newton-Schulz on a CPU without bf16 units)
     schedule.step()
     assert (
         {group["lr"] for group in optimizer.muon.param_groups + optimizer.adamw.param_groups}
@@ -73,14 +73,14 @@ def test_both_follow_the_schedule_and_a_restored_state_continues_exactly():
     )
     # (state_dict holds the live state tensors: a checkpoint is a copy of them)
     saved, middle = copy.deepcopy(optimizer.state_dict()), {k: v.clone() for k, v in drafter.state_dict().items()}
-    steps(drafter, optimizer, 2)
+    steps(drafter, optimizer, 1)
     uninterrupted = drafter.state_dict()
 
     restored_drafter = drafter_for("eagle3")
     restored_drafter.load_state_dict(middle)
     restored = build_optimizer(MUON, restored_drafter, deepspeed=False)
     restored.load_state_dict(saved)
-    steps(restored_drafter, restored, 2)
+    steps(restored_drafter, restored, 1)
     assert all(torch.equal(restored_drafter.state_dict()[k], uninterrupted[k]) for k in uninterrupted)
     assert any(not torch.equal(start[k], uninterrupted[k]) for k in start)
     assert isinstance(optimizer, MuonWithAdamW)

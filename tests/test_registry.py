@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from draftsmith.errors import UserError
-from draftsmith.export import EXPORTERS
+from draftsmith.formats import EXPORTERS
 from draftsmith.heads import REGISTRY, Drafter
 from draftsmith.recipe import load_recipe
 from tests.helpers import REPO, demo_recipe, product_strings, train_in_process
@@ -80,19 +82,19 @@ def test_a_kind_declares_its_title_flop_profile_depth_metric_and_whether_it_shar
 
 
 # Strings that equal a kind's name by coincidence: vLLM picks a speculative method from a model path that
-# contains one of these (export/repo.py refuses such export paths); they name vLLM's behaviour, not a kind.
-NOT_KIND_NAMES = {("export/repo.py", "eagle3"), ("export/repo.py", "dflash")}
+# contains one of these (formats/repo.py refuses such export paths); they name vLLM's behaviour, not a kind.
+NOT_KIND_NAMES = {("formats/repo.py", "eagle3"), ("formats/repo.py", "dflash")}
 
 
 def test_no_kind_is_named_outside_its_own_files_and_the_registry():
-    """Product code knows a kind only through the registry (heads.REGISTRY, export.EXPORTERS): a string
-    equal to a kind's name appears only in heads/<kind>.py, the exporter module that declares it, and
+    """Product code knows a kind only through the registry (heads.REGISTRY, formats.EXPORTERS): a string
+    equal to a kind's name appears only in heads/<kind>.py, the format module that declares it, and
     its recipes (docs and tests may name kinds)."""
     import inspect
 
     own = {kind: {f"heads/{inspect.getmodule(cls).__name__.rsplit('.', 1)[-1]}.py"} for kind, cls in REGISTRY.items()}
     for kind, exporter in EXPORTERS.items():
-        own[kind].add(f"export/{inspect.getmodule(type(exporter)).__name__.rsplit('.', 1)[-1]}.py")
+        own[kind].add(f"formats/{inspect.getmodule(type(exporter)).__name__.rsplit('.', 1)[-1]}.py")
     found = [
         f"{name}:{line}: {value!r}"
         for name, line, value in product_strings(set(REGISTRY))
@@ -153,17 +155,21 @@ def code_words(path: Path) -> list[tuple[int, str, str, bool]]:
     return words
 
 
-def test_the_trainer_and_the_export_writer_know_no_kind():
-    """trainer/ and export/repo.py serve every kind alike: what they need of a kind it declares
+def test_the_trainer_and_the_export_command_know_no_kind():
+    """trainer/, export/ (the command) and formats/repo.py serve every kind alike: what they need of a kind it declares
     (`Drafter.flop_profile`, `Drafter.DEPTH_TOP1`), so no identifier or string in their code is a
     kind's name, a setting of one kind (`draft_vocab_size`) or a parameter its FLOP profile names (`fc.`), and
-    no string names a kind's per-depth metric. vLLM's path triggers (export/repo.py) are vLLM's words
+    no string names a kind's per-depth metric. vLLM's path triggers (formats/repo.py) are vLLM's words
     that equal kind names by coincidence."""
-    from draftsmith.export.repo import VLLM_PATH_TRIGGERS
+    from draftsmith.formats.repo import VLLM_PATH_TRIGGERS
 
     names, metrics = kind_specific_names()
     assert {"draft_vocab_size", "fc"} <= names and "head" in metrics
-    files = [*sorted((REPO / "trainer").glob("*.py")), REPO / "export" / "repo.py"]
+    files = [
+        *sorted((REPO / "trainer").glob("*.py")),
+        *sorted((REPO / "export").glob("*.py")),
+        REPO / "formats" / "repo.py",
+    ]
     found = [
         f"{path.relative_to(REPO)}:{line}: {word!r} in {text!r}"
         for path in files
@@ -171,3 +177,62 @@ def test_the_trainer_and_the_export_writer_know_no_kind():
         if (word in names or (string and word in metrics)) and text not in VLLM_PATH_TRIGGERS
     ]
     assert not found, "kind knowledge outside the kinds' files (declare it on the Drafter class): " + "; ".join(found)
+
+
+# The layers, lowest first: each module imports only its own layer and those below it. Stages talk to each
+# other through files, and use another stage's library modules (data_prep's datasets, eval's loop) but
+# never its command.
+LAYERS = {"draftsmith": 0, "heads": 1, "formats": 2, "data_prep": 3, "trainer": 3, "eval": 3, "export": 3, "monitor": 3}
+# The core's one upward reach: validating a recipe's drafter section reads the drafter registry.
+CORE_READS_THE_REGISTRY = {"draftsmith/recipe.py", "draftsmith/recipe_keys.py", "draftsmith/sharding.py"}
+# The scheduled retraining runs the other stages in order (regenerate, train, eval, export): its job.
+RUNS_THE_STAGES = {"monitor/pipeline.py"}
+
+
+def draftsmith_imports(path: Path) -> set[str]:
+    """Every draftsmith module a file imports, at its top or inside a function (`draftsmith.` dropped)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("draftsmith."):
+            found |= {f"{node.module}.{alias.name}" for alias in node.names} | {node.module}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("draftsmith.")}
+    return {name.split(".", 1)[1] for name in found}
+
+
+def test_the_layers_import_downwards_and_no_stage_imports_another_stages_command():
+    """core <- heads <- formats <- the stages (data_prep, trainer, eval, export, monitor), checked on
+    every import in product code, lazy ones included; a stage's command is the module `draftsmith COMMAND`
+    runs (draftsmith.cli.COMMANDS) and, for the export, the whole package (formats/ is what others read)."""
+    from draftsmith.cli import COMMANDS
+
+    commands = {module.split(".", 1)[1] for module, _ in COMMANDS.values()}
+    found = []
+    for layer, level in LAYERS.items():
+        for path in sorted((REPO / layer).glob("*.py")):
+            name = str(path.relative_to(REPO))
+            for imported in draftsmith_imports(path):
+                other = imported.split(".")[0]
+                if other not in LAYERS or other == layer:
+                    continue
+                if LAYERS[other] > level and not (
+                    layer == "draftsmith" and other == "heads" and name in CORE_READS_THE_REGISTRY
+                ):
+                    found.append(f"{name} imports {imported}, a layer above its own")
+                command = other == "export" or any(imported == c or imported.startswith(c + ".") for c in commands)
+                if LAYERS[other] == level == 3 and command and name not in RUNS_THE_STAGES:
+                    found.append(f"{name} imports {imported}, another stage's command")
+    assert not found, "; ".join(found)
+
+
+def test_the_trainer_loads_no_export_command():
+    """What `python train.py` imports to train: the formats layer, never the export command (whose sweep
+    imports the CLI, which would close a loop back to the trainer)."""
+    code = (
+        "import sys, draftsmith.trainer.loop, draftsmith.trainer.main; "
+        "print(sorted(m for m in sys.modules if m.startswith(('draftsmith.export', 'draftsmith.monitor'))))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]", loaded

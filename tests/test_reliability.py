@@ -295,7 +295,7 @@ def test_a_full_disk_during_a_checkpoint_leaves_the_previous_one_intact(
         result = run_entry_in_process(["train.py", *train_args(out, small_data, token_cache, *quick)], capsys)
         line = assert_one_line_error(result, EXIT_IO_ERROR, prefix="I/O error: ")
     else:  # no tmpfs here: the same failure injected where the checkpoint's weights are written
-        from draftsmith.cli import train_main
+        from draftsmith.trainer.main import main as train_main
 
         out = tmp_path / "run"
         real_save, calls = torch.save, []

@@ -99,6 +99,7 @@ def test_without_arctic_inference_the_report_says_suffix_was_not_measured_and_tr
     assert not (tmp_path / "eval").exists()
 
 
+@pytest.mark.slow
 def test_a_vllm_without_arctic_inference_is_refused_before_anything_is_written(tmp_path, capsys):
     """Every command that serves suffix decoding: the standard protocol's time stage, the load sweep's
     sweep stage and `draftsmith sweep export.sweep.suffix=true` (a stand-in interpreter: a vLLM 0.32.0

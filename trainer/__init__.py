@@ -1,6 +1,3 @@
-"""The training loop on accelerate (trainer/loop.py), its checkpoints and output directory (trainer/checkpoint.py)."""
-
-from draftsmith.trainer.checkpoint import claim_output_dir
-from draftsmith.trainer.loop import train
-
-__all__ = ["claim_output_dir", "train"]
+"""The training stage: the `train` command (trainer/main.py), the loop on accelerate (trainer/loop.py),
+its checkpoints and output directory (trainer/checkpoint.py). Nothing is imported here, so that
+`train.py --help` loads no model code."""

@@ -16,23 +16,21 @@ from pathlib import Path
 from typing import Any, Optional
 
 from draftsmith.files import write_text_atomic
-from draftsmith.heads import REGISTRY
 
 CURVE_JSON = "curve.json"
 CURVE_PNG = "curve.png"
 
 
-def depth_top1(metrics: Mapping[str, float], max_depth: int) -> list[tuple[str, float]]:
-    """(name, value) of the per-depth top-1 metrics in `metrics`, named as a kind's loss reports them
-    (its `Drafter.DEPTH_TOP1`), depth 1 first: consecutive depths from 1, at most `max_depth` (the
-    chain length evaluated), fewer when the drafter reports fewer."""
-    templates = sorted({cls.DEPTH_TOP1 for cls in REGISTRY.values()})
+def depth_top1(metrics: Mapping[str, float], max_depth: int, template: str) -> list[tuple[str, float]]:
+    """(name, value) of the per-depth top-1 metrics in `metrics`, named by `template` as the run's kind
+    reports them (its `Drafter.DEPTH_TOP1`), depth 1 first: consecutive depths from 1, at most `max_depth`
+    (the chain length evaluated), fewer when the drafter reports fewer."""
     found = []
     for depth in range(1, max_depth + 1):
-        reported = [name for name in (template.format(depth=depth) for template in templates) if name in metrics]
-        if not reported:
+        name = template.format(depth=depth)
+        if name not in metrics:
             break
-        found.append((reported[0], float(metrics[reported[0]])))
+        found.append((name, float(metrics[name])))
     return found
 
 

@@ -5,9 +5,10 @@ Runs unchanged under `python train.py`, `accelerate launch train.py` (DDP, FSDP,
 position is two integers and resume is exact.
 
 Nothing is lost: the output directory is locked and checked for an earlier run before anything is
-written (draftsmith/outputs.py, `claim_output_dir`); SIGTERM (a scheduler's preemption) stops the loop
-at the next step boundary with a checkpoint and exit code 75; a non-finite loss or gradient skips the
-step, names where it first appeared, and stops the run after `train.max_nonfinite` such steps.
+written (trainer/checkpoint.py's `claim_output_dir`, on draftsmith/outputs.py's lock); SIGTERM (a
+scheduler's preemption) stops the loop at the next step boundary with a checkpoint and exit code 75; a
+non-finite loss or gradient skips the step, names where it first appeared, and stops the run after
+`train.max_nonfinite` such steps.
 
 Held-out evaluation and the best checkpoint: trainer/heldout.py. Locating a non-finite value:
 trainer/nonfinite.py.
@@ -36,9 +37,9 @@ from transformers import get_cosine_schedule_with_warmup
 
 from draftsmith.data_prep import Collator, PackingCollator, load_tokenized
 from draftsmith.data_prep.features import FeatureCollator, expected_features, open_features
-from draftsmith.drafter_folder import warm_start
 from draftsmith.errors import Preempted, StopRequest, UserError
 from draftsmith.families import check_eval_settings
+from draftsmith.formats.folder import warm_start
 from draftsmith.heads import drafter_class
 from draftsmith.heads.packing import causal_lm_inputs, require_packed_attention
 from draftsmith.recipe import derived, require_draft_vocab_use, save_recipe
@@ -252,7 +253,7 @@ def evaluate_if_due(run: Run, output_dir: Path) -> dict[str, float]:
         return {}
     measured = evaluate_heldout(accelerator, run.drafter, run.heldout, run.collate, run.target_features, cfg)
     samples_per_step = accelerator.num_processes * cfg.train.micro_batch_size * cfg.train.grad_accum
-    state.curve.append(curve_row(state, measured, cfg.eval.num_speculative_tokens, samples_per_step))
+    state.curve.append(curve_row(state, measured, cfg, samples_per_step))
     if keep_best(accelerator, run.drafter, state, output_dir, measured):
         best = output_dir / BEST_DIR
         log.info("step %d: heldout tau_est %.4f, the best so far: %s", state.step, measured["tau_est"], best)

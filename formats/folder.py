@@ -17,9 +17,9 @@ from omegaconf import DictConfig
 from safetensors.torch import load_file
 
 from draftsmith.errors import UserError
-from draftsmith.export import EXPORTERS
-from draftsmith.export.repo import EXPORT_INFO, WEIGHTS
 from draftsmith.files import checkpoint_digest
+from draftsmith.formats import EXPORTERS
+from draftsmith.formats.repo import EXPORT_INFO, WEIGHTS
 from draftsmith.heads import load_drafter
 from draftsmith.heads.base import CONFIG_NAME, architecture, check_same_target
 from draftsmith.recipe import recipe_advice

@@ -37,9 +37,9 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from draftsmith.errors import UserError
-from draftsmith.export import Exporter, Source, register
-from draftsmith.export.repo import VLLM_SERVE, EngineRepo, draft_layer_config, require_vllm_state_capture
 from draftsmith.families import SLIDING
+from draftsmith.formats import Exporter, Source, register
+from draftsmith.formats.repo import VLLM_SERVE, EngineRepo, draft_layer_config, require_vllm_state_capture
 from draftsmith.heads import drafter_class
 from draftsmith.heads.base import check_same_target
 from draftsmith.target import TargetShape

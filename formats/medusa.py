@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from draftsmith.errors import UserError
-from draftsmith.export import Exporter, Source, register
-from draftsmith.export.repo import VLLM_SERVE, EngineRepo, check_vllm_path, copy_tokenizer
-from draftsmith.export.versions import Releases
+from draftsmith.formats import Exporter, Source, register
+from draftsmith.formats.repo import VLLM_SERVE, EngineRepo, check_vllm_path, copy_tokenizer
+from draftsmith.formats.versions import Releases
 from draftsmith.heads import drafter_class
 from draftsmith.heads.lora import ADAPTER_DIR
 from draftsmith.target import TargetShape, load_target

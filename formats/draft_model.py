@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from draftsmith.errors import UserError
-from draftsmith.export import Exporter, Source, register
-from draftsmith.export.repo import VLLM_SERVE, EngineRepo, check_vllm_path
+from draftsmith.formats import Exporter, Source, register
+from draftsmith.formats.repo import VLLM_SERVE, EngineRepo, check_vllm_path
 from draftsmith.heads import drafter_class
 
 SGLANG_SERVE = (

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from draftsmith.export import Exporter, Source, register
-from draftsmith.export.repo import VLLM_SERVE, EngineRepo, check_vllm_path
+from draftsmith.formats import Exporter, Source, register
+from draftsmith.formats.repo import VLLM_SERVE, EngineRepo, check_vllm_path
 from draftsmith.heads import drafter_class
 from draftsmith.heads.mtp import LAYOUTS, layout_of, shipped_shapes
 

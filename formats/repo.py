@@ -1,15 +1,14 @@
-"""What an exporter works from (`TargetInfo`) and produces (`EngineRepo`), and the writer that checks
-an engine folder before it lands.
+"""What a format works from (`TargetInfo`) and produces (`EngineRepo`): an engine folder as it will be
+written, and the names, settings and checks every format shares.
 
 Serving engines skip what they do not expect and leave unloaded what is missing, without an error
 (vLLM's EAGLE loaders check nothing; a Medusa head bias without `medusa_fc_bias` is dropped). So an
 exporter states exactly which tensors, with which shapes, the engine will read for the config it
-writes (`EngineRepo.expected`), and `write_repo` refuses a folder that differs in any name or shape.
+writes (`EngineRepo.expected`), and `check_tensors` refuses a folder that differs in any name or shape.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,10 +16,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from safetensors.torch import save_file
 
 from draftsmith.errors import UserError
-from draftsmith.files import write_text_atomic
 from draftsmith.target import TargetShape
 
 EXPORT_INFO = "draftsmith_export.json"
@@ -77,10 +74,6 @@ class EngineRepo:
     weights_dir: str = ""  # subfolder holding config.json + weights ("" = the folder itself)
 
 
-def write_json(path: Path, value: dict[str, Any]) -> None:
-    write_text_atomic(path, json.dumps(value, indent=2, sort_keys=True) + "\n")
-
-
 def check_tensors(repo: EngineRepo, what: str) -> None:
     """The weights are exactly what the engine loads for this config: no missing name (left
     uninitialised), no extra name (skipped), no other shape."""
@@ -101,23 +94,6 @@ def check_tensors(repo: EngineRepo, what: str) -> None:
             f"{what}: {repo.engine} expects other shapes: "
             f"{', '.join(f'{n} {got} vs {want}' for n, got, want in wrong[:3])}"
         )
-
-
-def stage_repo(repo: EngineRepo, directory: Path, target: TargetInfo) -> Path:
-    """Write the folder's config and weights under `<directory>.tmp` (the card and
-    draftsmith_export.json follow once the folder has been checked); returns the staging path."""
-    tmp = directory.with_name(directory.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    weights_dir = tmp / repo.weights_dir
-    weights_dir.mkdir(parents=True)
-    tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in sorted(repo.tensors.items())}
-    save_file(tensors, str(weights_dir / WEIGHTS), metadata={"format": "pt"})  # one metadata key: reproducible bytes
-    write_json(weights_dir / "config.json", repo.config)
-    if repo.tokenizer:
-        copy_tokenizer(target, weights_dir)
-    if repo.extra is not None:
-        repo.extra(tmp)
-    return tmp
 
 
 def copy_tokenizer(target: TargetInfo, destination: Path) -> None:

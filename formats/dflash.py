@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from draftsmith.errors import UserError
-from draftsmith.export import Exporter, Source, register
-from draftsmith.export.eagle import llama_layers_expected
-from draftsmith.export.repo import VLLM_SERVE, EngineRepo, draft_layer_config, require_vllm_state_capture
+from draftsmith.formats import Exporter, Source, register
+from draftsmith.formats.eagle import llama_layers_expected
+from draftsmith.formats.repo import VLLM_SERVE, EngineRepo, draft_layer_config, require_vllm_state_capture
 from draftsmith.heads import drafter_class
 
 FAMILIES = ("llama", "qwen3")  # draft layers vLLM's Qwen3 DFlash layer reproduces (with q/k norms)

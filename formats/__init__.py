@@ -1,0 +1,108 @@
+"""The engine formats of trained drafters: how each kind's drafter is laid out in the folders serving
+engines load (vLLM, SGLang, speculators' layout), written and read back. Every stage reads drafters
+through this layer: the export writes the folders (export/), eval and the monitor evaluate them, and
+training warm-starts from them (formats/folder.py reads any drafter folder).
+
+One format module per drafter kind (formats/<kind>.py), found through this registry; each builds the
+folder for an engine (`vllm`, `sglang`) or says why that engine cannot serve the kind, and reads an
+engine folder back into a draftsmith drafter, so `python -m eval checkpoint=<export>` evaluates exactly
+what the engine serves. formats/repo.py holds what every format shares (the folder as written, its file
+names, the serving command, the settings pinned in every served config); formats/versions.py the engine
+releases that serve each method. The layers: draftsmith (core) <- heads <- formats <- the stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from draftsmith.errors import UserError
+from draftsmith.formats.repo import EngineRepo, TargetInfo
+from draftsmith.formats.versions import Releases, served_by
+from draftsmith.heads import Drafter
+
+
+@dataclass
+class Source:
+    """What an export starts from: the trained drafter (attached to the loaded target), its checkpoint
+    directory, the target model itself, and what the exporters need to know about the target."""
+
+    drafter: Drafter
+    checkpoint: Path
+    target_model: torch.nn.Module
+    target: TargetInfo
+    vllm_format: str = "speculators"  # export.vllm_format
+
+
+class Exporter:
+    """The engine formats of one or more drafter kinds."""
+
+    kinds: ClassVar[tuple[str, ...]]
+    sglang_reason: ClassVar[str] = ""  # why SGLang cannot serve these kinds ("" = it can)
+    vllm_formats: ClassVar[tuple[str, ...]] = ("speculators",)  # export.vllm_format values it writes
+    weights_dirs: ClassVar[tuple[str, ...]] = ()  # subfolders of an engine folder that hold its drafter
+    vllm_method: ClassVar[str]  # vLLM's speculative method for these kinds' folders
+    vllm_releases: ClassVar[Releases] = Releases()  # the vLLM releases that serve it (formats/versions.py)
+
+    def check_engines(self, kind: str, engines: list[str], vllm_format: str) -> None:
+        """Whether these engines (and vLLM layout) can serve the kind at all: known before any model loads."""
+        if "sglang" in engines and self.sglang_reason:
+            raise UserError(f"{kind} cannot be exported for sglang: {self.sglang_reason}")
+        if "vllm" in engines and vllm_format not in self.vllm_formats:
+            raise UserError(
+                f"export.vllm_format={vllm_format}: {kind} has one vLLM layout; leave export.vllm_format unset"
+            )
+
+    def build(self, engine: str, source: Source, gamma: int, output: Path) -> EngineRepo:
+        self.check_engines(source.drafter.type, [engine], source.vllm_format)
+        return getattr(self, engine)(source, gamma, output)
+
+    def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
+        raise NotImplementedError
+
+    def sglang(self, source: Source, gamma: int, output: Path) -> EngineRepo:
+        raise NotImplementedError
+
+    def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
+        """Whether an engine folder (its config.json and weights) is in one of this exporter's formats."""
+        raise NotImplementedError
+
+    def read(
+        self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]
+    ) -> Drafter:
+        """The draftsmith drafter an engine folder holds. `info` is draftsmith_export.json when the
+        folder has one (settings the engine does not carry, such as tree sizes); the engine's config
+        decides everything the engine uses."""
+        raise NotImplementedError
+
+
+EXPORTERS: dict[str, Exporter] = {}
+
+
+def register(cls: type[Exporter]) -> type[Exporter]:
+    exporter = cls()
+    for kind in cls.kinds:
+        if kind in EXPORTERS:
+            raise ValueError(f"exporter for {kind!r} registered twice")
+        EXPORTERS[kind] = exporter
+    return cls
+
+
+def release_table() -> dict[str, str]:
+    """vLLM method -> the releases that serve it, over every registered exporter (docs, tests)."""
+    return {e.vllm_method: served_by(e.vllm_method, e.vllm_releases) for e in EXPORTERS.values()}
+
+
+def exporter_for(kind: str) -> Exporter:
+    if kind not in EXPORTERS:
+        raise UserError(f"drafter type {kind!r} has no export format yet; exportable: {', '.join(sorted(EXPORTERS))}")
+    return EXPORTERS[kind]
+
+
+# each registers itself
+from draftsmith.formats import dflash, draft_model, eagle, eagle3, medusa, mtp  # noqa: E402,F401,I001
+
+__all__ = ["EXPORTERS", "Exporter", "Source", "exporter_for", "register", "release_table"]

@@ -1,0 +1,33 @@
+"""`draftsmith train recipe=NAME [key=value ...]`, `python train.py ...`, or on several processes
+`accelerate launch [-m draftsmith] train[.py] recipe=NAME ...` (torchrun works too): train the recipe's
+drafter into <output_dir> (checkpoints, final/, log.jsonl, TensorBoard), then evaluate it (eval.enabled).
+SIGTERM saves a checkpoint and exits 75; train.resume=true continues bit-identically.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def main(argv: Sequence[str]) -> None:
+    """Train, then (main process) evaluate: eval-split accuracy when data.eval is set, the
+    speculative-decoding report when eval.enabled. The output directory is held throughout."""
+    import torch
+    from accelerate import PartialState
+
+    from draftsmith.recipe import load_train_recipe
+
+    cfg = load_train_recipe(argv)  # validate before any model or data is touched
+    from draftsmith.threads import set_cpu_threads
+    from draftsmith.trainer.checkpoint import claim_output_dir
+    from draftsmith.trainer.loop import train
+
+    set_cpu_threads(cfg.train.cpu_threads)  # accelerate launch's OMP_NUM_THREADS=1 is not a choice (threads.py)
+
+    state = PartialState(cpu=not torch.cuda.is_available())
+    with claim_output_dir(cfg, state):
+        train(cfg)
+        if state.is_main_process:
+            from draftsmith.eval.report import evaluate_trained_run
+
+            evaluate_trained_run(cfg)
