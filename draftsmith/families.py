@@ -28,7 +28,8 @@ from draftsmith.errors import UserError
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
-ATTENTION_KINDS = (FULL, SLIDING)  # the kinds whose keys the eval loop can crop and gather
+INDEXED = "indexed_attention"  # sparse attention over keys an indexer picks (DeepSeek-V3.2): its keys too
+ATTENTION_KINDS = (FULL, SLIDING, INDEXED)  # the kinds whose keys the eval loop can crop and gather
 LINEAR = "linear_attention"  # a recurrent state (Gated DeltaNet): the eval loop copies it and puts it back
 
 
@@ -102,7 +103,7 @@ def within_window(query_positions, key_positions, window: int):
 
 
 def attention_layers(config: Any) -> list[int]:
-    """The layers whose kind is (full or sliding-window) attention: where a drafter may tap features
+    """The layers whose kind is (full, sliding-window or indexed) attention: where a drafter may tap features
     by default. Linear-attention layers of a hybrid target (Qwen3-Next) are left out."""
     return [index for index, kind in enumerate(layer_types(config)) if kind in ATTENTION_KINDS]
 

@@ -55,6 +55,7 @@ EXPERT_COUNTS = ("n_routed_experts", "num_local_experts", "num_experts")  # EXPE
 # The sparse indexers' keys per query: short enough that a test's sequences go past it (the selection
 # is exercised), a multiple of 64 as engines' sparse-attention kernels tile the selected keys.
 INDEX_TOPK = 64
+INDEX_HEADS = 16  # the sparse indexers' heads, at least (scaled_fields)
 # Multi-head latent attention's key-value latent and rotary sizes (DeepSeek-V3's, GLM-4.5-Air's, Kimi's):
 # vLLM's CPU MLA kernel serves a 576-wide latent head only (mla/cpu_mla.py), so tiny targets keep them.
 MLA_LATENT, MLA_ROPE = 512, 64
@@ -142,8 +143,13 @@ def scaled_fields(defaults: dict[str, Any], fields: dict[str, Any]) -> dict[str,
         out["q_lora_rank"] = 3 * head  # not the key-value latent's 2 * head: a mix-up of the two fails on shape
     if defaults.get("o_lora_rank"):  # grouped low-rank output projection: groups of two query heads
         out.update(o_lora_rank=head, o_groups=largest_divisor(heads, defaults.get("o_groups") or 1, per_part=2))
-    if "index_n_heads" in defaults:  # a sparse-attention indexer: its own heads, as the attention's
-        out.update(index_n_heads=heads, index_head_dim=head)
+    if "index_n_heads" in defaults:
+        # A sparse-attention indexer: each head a rotary part as wide as the attention's (the latent's 64)
+        # beside a plain part of `head`. At least INDEX_HEADS heads: a key's score sums the heads' ReLU'd
+        # products, exactly 0 when every head's is negative, and top-k breaks such ties by position, not
+        # alike in a one-token step and a many-token forward; with the released 64 heads (here 16) that
+        # never happens, with 4 it did within 20 tokens.
+        out.update(index_n_heads=max(heads, INDEX_HEADS), index_head_dim=head + out.get("qk_rope_head_dim", 0))
         out["index_topk"] = min(defaults.get("index_topk") or INDEX_TOPK, INDEX_TOPK)
     if defaults.get("n_group"):
         # Grouped routing: the experts split in groups (each scored by its top two experts), the tokens

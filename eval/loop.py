@@ -41,7 +41,15 @@ from typing import Optional
 import torch
 from transformers import DynamicCache
 
-from draftsmith.caches import RecurrentCheckpoint, cut_keys, key_layers, new_cache
+from draftsmith.caches import (
+    RecurrentCheckpoint,
+    cut_keys,
+    gather_positions,
+    key_layers,
+    move_positions,
+    new_cache,
+    select_rows,
+)
 from draftsmith.errors import UserError
 from draftsmith.eval.sampling import AcceptRule, Sampling, Verdict, exact_rule, verify
 from draftsmith.eval.trees import (
@@ -129,11 +137,7 @@ class DecodeState:
         """Drop the other rows (finished sequences), and the left padding nobody needs any more."""
         self.rows = [self.rows[b] for b in keep]
         width = max(row.cached for row in self.rows)
-        layers = key_layers(self.cache)
-        index = torch.tensor(list(keep), device=layers[0].keys.device)
-        for layer in layers:
-            layer.keys = layer.keys[index, :, -width:]
-            layer.values = layer.values[index, :, -width:]
+        select_rows(self.cache, torch.tensor(list(keep), device=key_layers(self.cache)[0].keys.device), width)
 
 
 def check_target(model, tree: Optional[Tree] = None) -> None:
@@ -219,12 +223,8 @@ def keep_in_cache(cache: DynamicCache, start: int, keep: torch.Tensor) -> None:
     """One row: the cache holds [prefix | new positions] with the prefix `start` long; keep the new
     positions `keep` (relative to `start`, in order) packed right after the prefix and drop the rest."""
     kept = len(keep)
-    moved = not torch.equal(keep, torch.arange(kept, device=keep.device))  # a chain's path is already in place
-    for layer in key_layers(cache):
-        if moved:
-            # The right-hand side is gathered into a new tensor before the write, so overlap is safe.
-            layer.keys[..., start : start + kept, :] = layer.keys[..., keep + start, :]
-            layer.values[..., start : start + kept, :] = layer.values[..., keep + start, :]
+    if not torch.equal(keep, torch.arange(kept, device=keep.device)):  # a chain's path is already in place
+        move_positions(cache, start, keep)
     cut_keys(cache, start + kept)
 
 
@@ -238,12 +238,7 @@ def gather_cache(cache: DynamicCache, width: int, cached: Sequence[int], keeps: 
     index = torch.zeros(len(keeps), new_width, dtype=torch.long, device=device)
     for b, (n, keep) in enumerate(zip(cached, keeps)):
         index[b, new_width - lengths[b] :] = torch.cat([torch.arange(width - n, width, device=device), keep + width])
-    for layer in key_layers(cache):
-        # gathered one by one: keys and values may differ in heads and width (multi-head latent attention)
-        layer.keys, layer.values = (
-            tensor.gather(2, index[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[-1]))
-            for tensor in (layer.keys, layer.values)
-        )
+    gather_positions(cache, index)
 
 
 def empty_draft(device: torch.device) -> DraftTree:

@@ -416,5 +416,22 @@ def layers_of(target_model, config: DraftModelConfig):
         raise UserError(
             f"cannot build the draft from {type(target_model).__name__}: no target weights for {missing[:3]}"
         )
-    model.load_state_dict(copied)
+    layers = (target_model.config.num_hidden_layers, config.num_layers)
+    model.load_state_dict({name: first_layers_of(name, t, wanted[name].shape, *layers) for name, t in copied.items()})
     return model
+
+
+def first_layers_of(name: str, tensor: torch.Tensor, shape: torch.Size, layers: int, kept: int) -> torch.Tensor:
+    """A target tensor as a model of its first `kept` of `layers` layers holds it: a dimension that is
+    layers x k in the target and kept x k in the draft stacks one slice per layer, layer 0 first (Gemma-4's
+    per-layer input embeddings and their projection), and keeps its first kept x k entries; another
+    difference is one line."""
+    for dim, (theirs, ours) in enumerate(zip(tensor.shape, shape)):
+        if theirs != ours and theirs % layers == 0 and ours == kept * (theirs // layers):
+            tensor = tensor.narrow(dim, 0, ours)
+    if tensor.shape != shape:
+        raise UserError(
+            f"cannot build a draft of the target's first {kept} layers: {name} is {tuple(tensor.shape)} in the "
+            f"target, {tuple(shape)} in a model of {kept} layers; set drafter.name_or_path"
+        )
+    return tensor

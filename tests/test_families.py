@@ -47,7 +47,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 FAMILIES = (
     "llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2", "gemma3_text", "phi3", "gpt_oss",
     "glm4", "cohere", "granite", "qwen3_next", "qwen3_5_text", "deepseek_v3", "glm4_moe", "glm4_moe_lite",
-    "minimax_m2", "gemma4_text",
+    "minimax_m2", "gemma4_text", "deepseek_v32",
 )  # fmt: skip
 VOCAB, WINDOW = 256, 12  # a window far shorter than the sequences below
 
@@ -212,13 +212,61 @@ def test_every_kind_trains_and_decodes_losslessly_on_family_quirks(kind, model_t
     assert generate(verifier, prompt, 2 * WINDOW, drafter=proposer, gamma=gamma).tokens == plain
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v32", "deepseek_v4"])
-def test_sparse_and_compressed_attention_are_refused_by_the_eval_loop_in_one_line(model_type):
-    """DeepSeek-V3.2's indexed (sparse) attention and DeepSeek-V4's compressed attention keep more per
-    position than keys and values: the loop cannot yet roll them back, and says so before decoding."""
-    model = tiny(model_type)
+def test_a_draft_of_the_first_layers_keeps_their_slice_of_per_layer_inputs():
+    """Gemma-4 feeds each layer an input of its own, from embeddings and a projection stacked layer after
+    layer ([vocabulary, layers x width]): a draft model of the target's first layer keeps the first
+    layer's slice of them (a target tensor of any other shape is one line), and decodes losslessly."""
+    model = tiny("gemma4_text")
+    width = model.config.hidden_size_per_layer_input
+    drafter = drafter_class("draft_model").from_target(drafter_class("draft_model").Config(num_layers=1), model, "")
+    ours, theirs = drafter.state_dict(), model.state_dict()
+    assert torch.equal(
+        ours["model.model.embed_tokens_per_layer.weight"], theirs["model.embed_tokens_per_layer.weight"][:, :width]
+    )
+    assert torch.equal(
+        ours["model.model.per_layer_model_projection.weight"], theirs["model.per_layer_model_projection.weight"][:width]
+    )
+    prompt = random_prompt(WINDOW + 5, 7)
+    proposer = drafter.eval().proposer()
+    assert (
+        generate(model, prompt, 2 * WINDOW, drafter=proposer, gamma=3).tokens
+        == generate(model, prompt, 2 * WINDOW).tokens
+    )
+
+
+def test_compressed_attention_is_refused_by_the_eval_loop_in_one_line():
+    """DeepSeek-V4's compressed attention keeps pooled entries over several positions, not one per
+    position: the loop cannot yet roll them back, and says so before decoding."""
+    model = tiny("deepseek_v4")
     with pytest.raises(UserError, match=r"attention and linear-attention layers only .* also has \['\w+_attention"):
         generate(model, random_prompt(8, 0), 4)
+
+
+@pytest.mark.parametrize("tree", [None, [(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]], ids=["chain", "tree"])
+def test_sparse_attention_rolls_its_indexer_keys_back_past_the_selection(tree):
+    """DeepSeek-V3.2: each query attends to the `index_topk` keys its indexer scores highest, from the
+    indexer keys the cache keeps beside the attention's; the loop cuts, moves and gathers those with the
+    keys, so speculative decoding far past index_topk equals plain decoding, prompt by prompt and in a
+    batch whose rows accept differently."""
+    config = build_config(
+        "deepseek_v32", VOCAB, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0},
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16, index_topk=8,
+    )  # fmt: skip
+    model = build_model(config, std=0.2).requires_grad_(False)
+    prompts = [random_prompt(length, seed) for seed, length in enumerate((12, 5, 20))]
+    plain = [generate(model, prompt, 24).tokens for prompt in prompts]
+    assert len(prompts[2]) + 24 > 5 * config.index_topk  # the selection leaves most keys out
+    oracles = [
+        OracleDrafter(tokens, len(prompt), VOCAB, hit_rate=rate, seed=i)
+        for i, (tokens, prompt, rate) in enumerate(zip(plain, prompts, (0.9, 0.5, 0.7)))
+    ]
+    alone = [generate(model, p, 24, drafter=o, gamma=3, tree=tree) for p, o in zip(prompts, oracles)]
+    assert [row.tokens for row in alone] == plain
+    counts = [row.counts for row in alone]
+    assert sum(c.accepted for c in counts) > 0 and any(c.accepted < c.drafted for c in counts)  # both outcomes
+    oracles = [OracleDrafter(t, len(p), VOCAB, hit_rate=r, seed=9) for t, p, r in zip(plain, prompts, (0.9, 0.2, 0.6))]
+    together = generate_batch(model, prompts, 24, oracles, gamma=3, tree=tree)
+    assert [row.tokens for row in together] == plain
 
 
 def test_default_taps_of_a_hybrid_linear_attention_target_are_attention_layers():

@@ -59,12 +59,12 @@ def test_both_follow_the_schedule_and_a_restored_state_continues_exactly():
             optimizer.zero_grad()
 
     torch.manual_seed(0)
-    drafter = drafter_for("eagle3")
+    drafter = drafter_for("medusa")
     start = {k: v.clone() for k, v in drafter.state_dict().items()}
     optimizer = build_optimizer(MUON, drafter, deepspeed=False)
     schedule = get_cosine_schedule_with_warmup(optimizer, 2, 10)
     optimizer.load_state_dict(optimizer.state_dict())  # as accelerate's prepare does, after the schedule
-    steps(drafter, optimizer, 1)  # a Muon step costs ~4 s here (bfloat16 Newton-Schulz on a CPU without bf16 units)
+    steps(drafter, optimizer, 1)  # Medusa's small matrices: Muon's bfloat16 Newton-Schulz is slow on a CPU
     schedule.step()
     assert (
         {group["lr"] for group in optimizer.muon.param_groups + optimizer.adamw.param_groups}
@@ -76,7 +76,7 @@ def test_both_follow_the_schedule_and_a_restored_state_continues_exactly():
     steps(drafter, optimizer, 1)
     uninterrupted = drafter.state_dict()
 
-    restored_drafter = drafter_for("eagle3")
+    restored_drafter = drafter_for("medusa")
     restored_drafter.load_state_dict(middle)
     restored = build_optimizer(MUON, restored_drafter, deepspeed=False)
     restored.load_state_dict(saved)

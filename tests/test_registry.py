@@ -227,6 +227,7 @@ def test_the_layers_import_downwards_and_no_stage_imports_another_stages_command
     assert not found, "; ".join(found)
 
 
+@pytest.mark.slow
 def test_the_trainer_loads_no_export_command():
     """What `python train.py` imports to train: the formats layer, never the export command (whose sweep
     imports the CLI, which would close a loop back to the trainer)."""
