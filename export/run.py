@@ -34,7 +34,7 @@ from draftsmith.formats.repo import (
     check_tensors,
     copy_tokenizer,
 )
-from draftsmith.formats.versions import require_vllm_serves, served_by
+from draftsmith.formats.versions import require_build_serves, require_vllm_serves, served_builds, served_by
 from draftsmith.heads import load_drafter
 from draftsmith.heads.base import EVAL_SPLIT, read_checkpoint_config
 from draftsmith.outputs import DirectoryLock, move_aside
@@ -70,6 +70,8 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
         gamma = serving_gamma(cfg, source, schedule)
         exporter = exporter_for(source.drafter.type)
         repos = {engine: exporter.build(engine, source, gamma, output / engine) for engine in cfg.export.engines}
+        if "vllm" in cfg.export.engines and cfg.export.vllm_python:  # a build that cannot serve the target
+            require_build_serves(source.target.config, cfg.export.vllm_python)
         for repo in repos.values():
             check_tensors(repo, f"{source.drafter.type} checkpoint {checkpoint}")
         report = find_report(cfg, checkpoint)
@@ -267,6 +269,7 @@ def export_info(
         "vllm_releases": served_by(repo.method, exporter_for(drafter.type).vllm_releases)
         if repo.engine == "vllm"
         else None,
+        "vllm_builds": served_builds(source.target.config) if repo.engine == "vllm" else None,
         "batch_schedule": schedule,
         "engine_settings": None,  # what the engine resolved, when the export was checked in it
         "recommended_num_speculative_tokens": recommended_gamma(report),

