@@ -55,13 +55,20 @@ def corpus_slice(path: Path, split: str, per_domain: int) -> Path:
     return path
 
 
+def code_folders() -> list[str]:
+    """The checkout's folders of product code: every package folder pyproject.toml maps, but the data ones."""
+    import tomllib
+
+    folders = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()
+    return sorted(set(folders) - {"recipes", "demo"})
+
+
 def product_strings(among: set[str]) -> list[tuple[str, int, str]]:
     """(file relative to the checkout, line, value) of every string constant in product code (train.py
     and the package's folders) whose value is in `among`: what the naming-contract tests check."""
     import ast
 
-    roots = ("draftsmith", "eval", "export", "monitor", "trainer", "data_prep", "heads")
-    files = [REPO / "train.py", *(path for root in roots for path in sorted((REPO / root).rglob("*.py")))]
+    files = [REPO / "train.py", *(path for root in code_folders() for path in sorted((REPO / root).rglob("*.py")))]
     found = []
     for path in files:
         for node in ast.walk(ast.parse(path.read_text())):

@@ -315,7 +315,8 @@ def test_no_target_family_is_named_in_product_code():
     """Adding a target family costs nothing: product code names a family (a transformers model type or
     its causal-LM class) only as a family draft layers are built from (draftsmith.families'
     DRAFT_LAYER_FAMILIES), in the table of targets vLLM cannot capture features from
-    (formats/repo.py's VLLM_NO_STATE_CAPTURE) or in the tables of how vLLM serves each architecture's own
+    (formats/repo.py's VLLM_NO_STATE_CAPTURE), of the architectures vLLM's CPU build cannot import
+    (formats/versions.py's VLLM_CPU_NO_IMPORT) or in the tables of how vLLM serves each architecture's own
     MTP layer (heads/mtp.py's LAYOUTS and UNSERVED: the checkpoint layout no config field names), never in
     a branch of its own."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
@@ -323,9 +324,14 @@ def test_no_target_family_is_named_in_product_code():
 
     from draftsmith.families import DRAFT_LAYER_FAMILIES
     from draftsmith.formats.repo import VLLM_NO_STATE_CAPTURE
+    from draftsmith.formats.versions import VLLM_CPU_NO_IMPORT
     from draftsmith.heads.mtp import LAYOUTS, UNSERVED
 
-    tables = {"formats/repo.py": set(VLLM_NO_STATE_CAPTURE), "heads/mtp.py": {*LAYOUTS, *UNSERVED}}
+    tables = {
+        "formats/repo.py": set(VLLM_NO_STATE_CAPTURE),
+        "formats/versions.py": set(VLLM_CPU_NO_IMPORT),
+        "heads/mtp.py": {*LAYOUTS, *UNSERVED},
+    }
 
     families = set(CONFIG_MAPPING_NAMES) | set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
     draft_layers = {*DRAFT_LAYER_FAMILIES, *(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[f] for f in DRAFT_LAYER_FAMILIES)}
