@@ -395,6 +395,10 @@ def layers_of(target_model, config: DraftModelConfig):
     draft_config.num_hidden_layers = config.num_layers
     if getattr(draft_config, "layer_types", None):  # per-layer attention kinds (Qwen3, Gemma): keep the first N
         draft_config.layer_types = draft_config.layer_types[: config.num_layers]
+    overrides = target_model.config.to_dict().get("per_layer_config")
+    if overrides:  # per-layer overrides of global sizes (Gemma-4's wider heads on some layers): the first N's
+        kept = {int(layer): values for layer, values in overrides.items() if int(layer) < config.num_layers}
+        draft_config.per_layer_config = kept or None
     kinds = layer_types(draft_config)
     if not set(kinds) & set(ATTENTION_KINDS):
         # transformers' cache measures its length on an attention layer; a model of recurrent layers only has none

@@ -212,13 +212,21 @@ def test_every_kind_trains_and_decodes_losslessly_on_family_quirks(kind, model_t
     assert generate(verifier, prompt, 2 * WINDOW, drafter=proposer, gamma=gamma).tokens == plain
 
 
-def test_a_draft_of_the_first_layers_keeps_their_slice_of_per_layer_inputs():
+def test_a_draft_of_the_first_layers_keeps_their_slice_of_per_layer_inputs_and_overrides():
     """Gemma-4 feeds each layer an input of its own, from embeddings and a projection stacked layer after
-    layer ([vocabulary, layers x width]): a draft model of the target's first layer keeps the first
-    layer's slice of them (a target tensor of any other shape is one line), and decodes losslessly."""
-    model = tiny("gemma4_text")
+    layer ([vocabulary, layers x width]), and sizes some layers apart (`per_layer_config`: a wider head on
+    its last): a draft model of the target's first layer keeps the first layer's slice of the inputs and
+    the overrides of its own layers only (a target tensor of any other shape is one line), and decodes
+    losslessly."""
+    config = build_config(
+        "gemma4_text", VOCAB, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}, sliding_window=WINDOW,
+        hidden_size=64, intermediate_size=128, head_dim=16,
+    )  # fmt: skip
+    assert config.num_hidden_layers == 4 and config.to_dict()["per_layer_config"]  # the quirks are there
+    model = build_model(config, std=0.2).requires_grad_(False)
     width = model.config.hidden_size_per_layer_input
     drafter = drafter_class("draft_model").from_target(drafter_class("draft_model").Config(num_layers=1), model, "")
+    assert not drafter.model.config.to_dict().get("per_layer_config")
     ours, theirs = drafter.state_dict(), model.state_dict()
     assert torch.equal(
         ours["model.model.embed_tokens_per_layer.weight"], theirs["model.embed_tokens_per_layer.weight"][:, :width]
