@@ -391,15 +391,22 @@ def layers_of(target_model, config: DraftModelConfig):
     """The target's first `num_layers` decoder layers with its embedding, final norm and lm_head,
     as a standalone float32 model of the target's architecture."""
     config.check(TargetShape.from_config(target_model.config, ""))
-    draft_config = copy.deepcopy(target_model.config)
-    draft_config.num_hidden_layers = config.num_layers
-    if getattr(draft_config, "layer_types", None):  # per-layer attention kinds (Qwen3, Gemma): keep the first N
-        draft_config.layer_types = draft_config.layer_types[: config.num_layers]
-    overrides = target_model.config.to_dict().get("per_layer_config")
-    if overrides:  # per-layer overrides of global sizes (Gemma-4's wider heads on some layers): the first N's
-        kept = {int(layer): values for layer, values in overrides.items() if int(layer) < config.num_layers}
-        draft_config.per_layer_config = kept or None
+    draft_config = first_layers_config(target_model.config, config.num_layers)
+    wanted_kinds = layer_types(target_model.config)[: config.num_layers]
     kinds = layer_types(draft_config)
+    if kinds != wanted_kinds:
+        # the class changes the kinds it is given (Gemma-4 makes its last layer full attention): such a draft would
+        # not compute the target's layers; the next layer count whose kinds the class keeps is the advice
+        kept = next(
+            (n for n in range(config.num_layers + 1, len(layer_types(target_model.config)) + 1)
+             if layer_types(first_layers_config(target_model.config, n)) == layer_types(target_model.config)[:n]),
+            None,
+        )  # fmt: skip
+        raise UserError(
+            f"transformers' {type(draft_config).__name__} turns a draft of the target's first {config.num_layers} "
+            f"layers ({wanted_kinds}) into {kinds}, which would not compute the target's layers: "
+            + (f"set drafter.num_layers={kept}" if kept else "set drafter.name_or_path")
+        )
     if not set(kinds) & set(ATTENTION_KINDS):
         # transformers' cache measures its length on an attention layer; a model of recurrent layers only has none
         first = next((i for i, kind in enumerate(layer_types(target_model.config)) if kind in ATTENTION_KINDS), None)
@@ -423,6 +430,19 @@ def layers_of(target_model, config: DraftModelConfig):
     layers = (target_model.config.num_hidden_layers, config.num_layers)
     model.load_state_dict({name: first_layers_of(name, t, wanted[name].shape, *layers) for name, t in copied.items()})
     return model
+
+
+def first_layers_config(target_config, num_layers: int):
+    """The target's config for a model of its first `num_layers` layers, built by the config's class (as a
+    saved draft is rebuilt when it loads): the first layers' kinds (`layer_types`) and per-layer overrides
+    of global sizes (`per_layer_config`, Gemma-4's wider heads on some layers)."""
+    values = {**target_config.to_dict(), "num_hidden_layers": num_layers}
+    if values.get("layer_types"):
+        values["layer_types"] = values["layer_types"][:num_layers]
+    if values.get("per_layer_config"):
+        kept = {layer: sizes for layer, sizes in values["per_layer_config"].items() if int(layer) < num_layers}
+        values["per_layer_config"] = kept or None
+    return type(target_config).from_dict(values)
 
 
 def first_layers_of(name: str, tensor: torch.Tensor, shape: torch.Size, layers: int, kept: int) -> torch.Tensor:

@@ -212,21 +212,28 @@ def test_every_kind_trains_and_decodes_losslessly_on_family_quirks(kind, model_t
     assert generate(verifier, prompt, 2 * WINDOW, drafter=proposer, gamma=gamma).tokens == plain
 
 
-def test_a_draft_of_the_first_layers_keeps_their_slice_of_per_layer_inputs_and_overrides():
+def test_a_draft_of_the_first_layers_keeps_their_slice_of_per_layer_inputs_and_overrides(tmp_path):
     """Gemma-4 feeds each layer an input of its own, from embeddings and a projection stacked layer after
-    layer ([vocabulary, layers x width]), and sizes some layers apart (`per_layer_config`: a wider head on
-    its last): a draft model of the target's first layer keeps the first layer's slice of the inputs and
-    the overrides of its own layers only (a target tensor of any other shape is one line), and decodes
-    losslessly."""
+    layer ([vocabulary, layers x width]), sizes some layers apart (`per_layer_config`: a wider head on its
+    last) and makes its last layer full attention whatever it is given: a draft model of the target's first
+    two layers (sliding, full) keeps their slice of the inputs and the overrides of its own layers only,
+    rebuilds as it was saved, and decodes losslessly; a draft ending on a sliding layer, which the class
+    would turn into full attention, is one line naming the layer count that works."""
     config = build_config(
         "gemma4_text", VOCAB, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}, sliding_window=WINDOW,
-        hidden_size=64, intermediate_size=128, head_dim=16,
+        hidden_size=64, intermediate_size=128, head_dim=16, layer_types=[SLIDING, FULL, SLIDING, FULL],
     )  # fmt: skip
     assert config.num_hidden_layers == 4 and config.to_dict()["per_layer_config"]  # the quirks are there
     model = build_model(config, std=0.2).requires_grad_(False)
-    width = model.config.hidden_size_per_layer_input
-    drafter = drafter_class("draft_model").from_target(drafter_class("draft_model").Config(num_layers=1), model, "")
-    assert not drafter.model.config.to_dict().get("per_layer_config")
+    draft = drafter_class("draft_model")
+    with pytest.raises(UserError, match=r"turns a draft of the target's first 1 layers .* set drafter.num_layers=2$"):
+        draft.from_target(draft.Config(num_layers=1), model, "")
+    drafter = draft.from_target(draft.Config(num_layers=2), model, "")
+    assert layer_types(drafter.model.config) == [SLIDING, FULL]
+    overrides = {layer: sizes for layer, sizes in config.to_dict()["per_layer_config"].items() if int(layer) < 2}
+    assert len(overrides) < len(config.to_dict()["per_layer_config"])  # the target has overrides past the draft
+    assert drafter.model.config.to_dict()["per_layer_config"] == overrides
+    width = 2 * model.config.hidden_size_per_layer_input
     ours, theirs = drafter.state_dict(), model.state_dict()
     assert torch.equal(
         ours["model.model.embed_tokens_per_layer.weight"], theirs["model.embed_tokens_per_layer.weight"][:, :width]
@@ -234,8 +241,11 @@ def test_a_draft_of_the_first_layers_keeps_their_slice_of_per_layer_inputs_and_o
     assert torch.equal(
         ours["model.model.per_layer_model_projection.weight"], theirs["model.per_layer_model_projection.weight"][:width]
     )
+    drafter.save_pretrained(tmp_path / "draft")  # rebuilt from its saved config as it was made
+    reloaded = load_drafter(tmp_path / "draft", drafter.target, model)
+    assert all(torch.equal(tensor, reloaded.state_dict()[name]) for name, tensor in drafter.state_dict().items())
     prompt = random_prompt(WINDOW + 5, 7)
-    proposer = drafter.eval().proposer()
+    proposer = reloaded.eval().proposer()
     assert (
         generate(model, prompt, 2 * WINDOW, drafter=proposer, gamma=3).tokens
         == generate(model, prompt, 2 * WINDOW).tokens
