@@ -26,7 +26,7 @@ from draftsmith.data_prep import Collator, load_tokenized
 from draftsmith.data_prep.features import open_features
 from draftsmith.files import write_text_atomic
 from draftsmith.heads import drafter_class, load_drafter
-from draftsmith.heads.base import EVAL_SPLIT, Drafter
+from draftsmith.heads.base import EVAL_SPLIT, Drafter, pair_means
 from draftsmith.target import TargetShape, run_target
 
 ACCURACY_NAME = "eval_accuracy.json"
@@ -97,7 +97,7 @@ def metric_means(drafter: Drafter, target, dataset, collate, batch_size: int) ->
             for row, domain in enumerate(batch["domain"]):
                 sums[domain][name] += values[row].float().cpu()
                 sums["all"][name] += values[row].float().cpu()
-    return {d: {n: float(p[0] / p[1].clamp(min=1)) for n, p in sorted(s.items())} for d, s in sorted(sums.items())}
+    return {domain: pair_means(pairs) for domain, pairs in sorted(sums.items())}
 
 
 def accuracy_table(table: dict) -> str:

@@ -313,6 +313,13 @@ class Drafter(nn.Module):
         }
 
 
+def pair_means(pairs: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Token-weighted means of (sum, count) pairs summed over samples, as `per_sample_stats` makes them:
+    name -> sum / count (0 where nothing was counted). The held-out evaluation and the eval split's
+    accuracy both read a drafter's statistics through it."""
+    return {name: float(pair[0] / pair[1].clamp(min=1)) for name, pair in sorted(pairs.items())}
+
+
 def per_sample_stats(
     values: dict[str, torch.Tensor], rows: torch.Tensor, batch_size: int, where: Optional[torch.Tensor] = None
 ) -> dict[str, torch.Tensor]:

@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 
 from draftsmith.errors import UserError
 from draftsmith.heads import drafter_class
+from draftsmith.heads.base import pair_means
 from draftsmith.trainer.checkpoint import TrainerState, save_final
 from draftsmith.trainer.curve import chain_tau, depth_top1
 
@@ -41,7 +42,7 @@ def reduce_means(accelerator, stats: dict[str, torch.Tensor]) -> dict[str, float
         return {}
     names = sorted(stats)
     totals = accelerator.reduce(torch.stack([stats[n] for n in names]), reduction="sum")
-    return {n: float(t[0] / t[1].clamp(min=1)) for n, t in zip(names, totals)}
+    return pair_means(dict(zip(names, totals)))
 
 
 def split_heldout(dataset, count: int, step_size: int):
