@@ -392,14 +392,15 @@ def layers_of(target_model, config: DraftModelConfig):
     as a standalone float32 model of the target's architecture."""
     config.check(TargetShape.from_config(target_model.config, ""))
     draft_config = first_layers_config(target_model.config, config.num_layers)
-    wanted_kinds = layer_types(target_model.config)[: config.num_layers]
+    target_kinds = layer_types(target_model.config)
+    wanted_kinds = target_kinds[: config.num_layers]
     kinds = layer_types(draft_config)
     if kinds != wanted_kinds:
         # the class changes the kinds it is given (Gemma-4 makes its last layer full attention): such a draft would
         # not compute the target's layers; the next layer count whose kinds the class keeps is the advice
         kept = next(
-            (n for n in range(config.num_layers + 1, len(layer_types(target_model.config)) + 1)
-             if layer_types(first_layers_config(target_model.config, n)) == layer_types(target_model.config)[:n]),
+            (n for n in range(config.num_layers + 1, len(target_kinds) + 1)
+             if layer_types(first_layers_config(target_model.config, n)) == target_kinds[:n]),
             None,
         )  # fmt: skip
         raise UserError(
@@ -409,7 +410,7 @@ def layers_of(target_model, config: DraftModelConfig):
         )
     if not set(kinds) & set(ATTENTION_KINDS):
         # transformers' cache measures its length on an attention layer; a model of recurrent layers only has none
-        first = next((i for i, kind in enumerate(layer_types(target_model.config)) if kind in ATTENTION_KINDS), None)
+        first = next((i for i, kind in enumerate(target_kinds) if kind in ATTENTION_KINDS), None)
         raise UserError(
             f"a draft of the target's first {config.num_layers} layers has no attention layer ({kinds}), which "
             + (

@@ -94,17 +94,20 @@ def evaluate_heldout(accelerator, drafter, heldout, collate, target_features, cf
     # Teacher-forced estimate of tokens per target forward of a greedy chain: depth i's top-1 (scored
     # with the true earlier tokens as context) stands in for the conditional acceptance of depth i
     # given depths < i were accepted. DFlash's block{i}/top1 is not even conditioned that way.
-    top1 = depth_top1(metrics, cfg.eval.num_speculative_tokens, drafter_class(cfg.drafter.type).DEPTH_TOP1)
-    metrics["tau_est"] = chain_tau([value for _, value in top1])
+    metrics["tau_est"] = chain_tau([value for _, value in run_top1(metrics, cfg)])
     return metrics
+
+
+def run_top1(metrics: dict[str, float], cfg: DictConfig) -> list[tuple[str, float]]:
+    """The run's kind's per-depth top-1 in `metrics`, depth 1 first, as far as eval.num_speculative_tokens."""
+    return depth_top1(metrics, cfg.eval.num_speculative_tokens, drafter_class(cfg.drafter.type).DEPTH_TOP1)
 
 
 def curve_row(state: TrainerState, measured: dict[str, float], cfg: DictConfig, samples_per_step: int) -> dict:
     """One row of curve.json: step, tokens, samples (conversations trained on, all ranks: every
     micro-batch holds train.micro_batch_size of them), tau_est and the run's kind's per-depth top-1
     (name -> value, depth 1 first, as far as eval.num_speculative_tokens)."""
-    template = drafter_class(cfg.drafter.type).DEPTH_TOP1
-    top1 = dict(depth_top1(measured, cfg.eval.num_speculative_tokens, template))
+    top1 = dict(run_top1(measured, cfg))
     samples = state.step * samples_per_step
     return {
         "step": state.step,
