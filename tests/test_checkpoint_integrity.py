@@ -26,6 +26,9 @@ def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
     }
 
 
+pytestmark = pytest.mark.slow  # its fixture trains two checkpoints
+
+
 @pytest.fixture(scope="module")
 def two_checkpoints(tmp_path_factory, small_data, token_cache):
     """A two-step run with a checkpoint after each step."""

@@ -502,6 +502,7 @@ def test_train_on_invalid_utf8_is_one_line_and_exit_2(tmp_path, token_cache, cap
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.slow  # processes of their own
 def test_fingerprint_is_stable_across_processes_and_follows_the_file(tmp_path, isolated_datasets_cache):
     path = write_jsonl(tmp_path / "chats.jsonl", RECORDS)
     fingerprint = load_conversations([str(path)])._fingerprint

@@ -358,6 +358,7 @@ def test_without_the_ngram_baseline_the_drafter_rows_are_the_same(eval_setup, tm
     assert counts[0] == counts[1]
 
 
+@pytest.mark.slow
 def test_report_batch_size_and_sweep(eval_setup, tmp_path):
     """eval.batch_size decodes prompts together and still checks each against plain decoding alone;
     eval.batch_sizes adds a sweep (report.json, report.md, batch_sweep.png) with speedups over plain

@@ -49,6 +49,11 @@ FAMILIES = (
     "glm4", "cohere", "granite", "qwen3_next", "qwen3_5_text", "deepseek_v3", "glm4_moe", "glm4_moe_lite",
     "minimax_m2", "gemma4_text", "deepseek_v32",
 )  # fmt: skip
+# experts; scaled embedding and (1+w) norms; fused projections; sinks, a hybrid window and experts; LayerNorm with a
+# parallel block; linear attention; latent attention with grouped, bias-corrected routing
+QUIRKS = ("qwen3_moe", "gemma3_text", "phi3", "gpt_oss", "cohere", "qwen3_next", "deepseek_v3")
+# the fast tier runs the per-family tests on Llama and the quirks' families; the others in the slow tier
+TIERED = [f if f == "llama" or f in QUIRKS else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES]
 VOCAB, WINDOW = 256, 12  # a window far shorter than the sequences below
 
 
@@ -69,7 +74,7 @@ def tiny(model_type: str, attn: str | None = None):
     return build_model(config, std=0.2).requires_grad_(False)
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=TIERED)
 def family(request):
     return request.param, tiny(request.param)
 
@@ -172,11 +177,6 @@ def assert_eagle3_trains_resumes_and_decodes(name: str, model, layer_family: str
     plain = generate(model, prompt, 2 * WINDOW).tokens
     for proposer in (drafter.eval().proposer(), reloaded.eval().proposer()):
         assert generate(model, prompt, 2 * WINDOW, drafter=proposer, gamma=3).tokens == plain
-
-
-# experts; scaled embedding and (1+w) norms; fused projections; sinks, a hybrid window and experts; LayerNorm with a
-# parallel block; linear attention; latent attention with grouped, bias-corrected routing
-QUIRKS = ("qwen3_moe", "gemma3_text", "phi3", "gpt_oss", "cohere", "qwen3_next", "deepseek_v3")
 
 
 @pytest.mark.parametrize("kind", sorted(REGISTRY))

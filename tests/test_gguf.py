@@ -109,6 +109,7 @@ def cache(tmp_path, monkeypatch) -> Path:
     return tmp_path / "cache"
 
 
+@pytest.mark.slow  # dequantizes the 135M-parameter GGUF
 def test_gguf_target_dequantizes_to_the_same_model_and_tokenizer(demo_gguf, cache):
     directory = materialize(str(demo_gguf.parent), demo_gguf.name)
     assert directory.parent == cache / "targets" and directory.name.startswith("demo-target.F32-")
@@ -133,6 +134,7 @@ def test_gguf_target_dequantizes_to_the_same_model_and_tokenizer(demo_gguf, cach
     assert (directory / "model.safetensors").stat().st_mtime_ns == stamp
 
 
+@pytest.mark.slow
 def test_recipe_with_gguf_file_points_every_stage_at_the_cached_directory(demo_gguf, cache, tmp_path):
     cfg = load_recipe(
         [

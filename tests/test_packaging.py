@@ -41,6 +41,7 @@ def wheel(tmp_path_factory) -> Path:
     return built
 
 
+@pytest.mark.slow  # builds the wheel
 def test_the_wheel_holds_every_package_its_data_and_the_console_script(wheel):
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     names = set(zipfile.ZipFile(wheel).namelist())

@@ -13,7 +13,7 @@ import torch
 
 pytestmark = pytest.mark.slow
 
-MICRO_BATCHES = 16  # of each collator: padded rows of the longest conversation, packed rows of varying count
+MICRO_BATCHES = 12  # of each collator: padded rows of the longest conversation, packed rows of varying count
 # The padded batches through EAGLE-3 with full attention, the packed ones through P-EAGLE with a sliding window
 # (segments per document, a window that moves with the step, masked queries).
 CASES = {
