@@ -18,8 +18,10 @@ random), in a temporary directory: nothing downloads. Per kind, one row:
 - `export`: `python -m export ... export.vllm_python=<venv>` exited 0, which means vLLM loaded the
   folder and served the eval prompts with the drafter: `vllm_lossless` (vLLM's tokens with the
   drafter equal its tokens without it and draftsmith's), `tau_vllm` and `tau_draftsmith_same_prompts`
-  (draftsmith's chain τ on the prompts vLLM served), `relative_difference`; or `refused` with the
-  export's one-line error (a combination vLLM 0.32 cannot serve).
+  (draftsmith's chain τ on the prompts vLLM served), `relative_difference`, and for a target checked
+  in bfloat16 `vllm_partings` (where its outputs with and without the drafter parted, each at a near
+  tie of the target's logits, which the check passes); or `refused` with the export's one-line error
+  (a combination vLLM 0.32 cannot serve).
 
 For `mtp` the target gets a random first MTP layer in its family's checkpoint layout, as a released one
 ships it (`heads.mtp.write_random_layer`; a family without an MTP layout keeps none, and the row records
@@ -133,6 +135,8 @@ def measure(
     return row | {
         "export": True,
         "vllm_lossless": bool(verified["lossless"] and verified["equals_draftsmith_plain"]),
+        # bfloat16: where vLLM's outputs with and without the drafter parted, each at a near tie (export/verify.py)
+        **({"vllm_partings": verified["partings"]} if "partings" in verified else {}),
         "tau_vllm": verified["tau_engine"],
         "tau_draftsmith_same_prompts": verified["tau_draftsmith"],
         "relative_difference": verified["relative_difference"],
