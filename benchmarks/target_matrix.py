@@ -189,10 +189,14 @@ def markdown(rows: list[dict]) -> str:
             served = "refused: " + row["refused"].removeprefix("error: ").split(" (")[0]
         pair = f"{row['tau_vllm']:.3f} / {row['tau_draftsmith_same_prompts']:.3f}" if row.get("export") else "–"
         delta = f"{100 * row['relative_difference']:+.1f}%" if row.get("export") else "–"
+        lossless = mark(row.get("vllm_lossless"))
+        if row.get("vllm_partings"):  # bfloat16: passed with partings at near ties only
+            units = max(parting["bf16_units"] for parting in row["vllm_partings"])
+            lossless = f"up to {len(row['vllm_partings'])} near ties (≤ {units} units)"
         lines.append(
             f"| {row['family']} | {row['kind']} | {mark(row.get('train'))} | {mark(row.get('resume'))} | "
             f"{mark(row.get('lossless'))} | {row.get('tau_draftsmith') or '–'} | {served} | "
-            f"{mark(row.get('vllm_lossless'))} | {pair} | {delta} |"
+            f"{lossless} | {pair} | {delta} |"
         )
     return "\n".join(lines)
 

@@ -25,7 +25,7 @@ from draftsmith.recipe import load_recipe
 from tests.helpers import REFERENCE_TARGET
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
-REQUESTS_PER_DOMAIN = 8
+REQUESTS_PER_DOMAIN = 6
 NEW_TOKENS = 32
 
 
