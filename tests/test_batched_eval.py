@@ -70,7 +70,10 @@ def build(kind: str, model):
     return drafter.proposer, tree, first.verifier or model
 
 
-@pytest.mark.parametrize("kind", KINDS)
+SLOW_KINDS = ("eagle", "dflash")  # the fast tier batches the other kinds' proposers
+
+
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k in SLOW_KINDS else k for k in KINDS])
 def test_greedy_rows_equal_each_prompt_decoded_alone(model, prompts, kind):
     new_proposer, tree, verifier = build(kind, model)
     alone = [generate(verifier, prompt, NEW_TOKENS).tokens for prompt in prompts]

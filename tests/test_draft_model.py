@@ -276,6 +276,7 @@ def test_pard_settings_are_checked_before_anything_loads():
             load_recipe(["recipe=draft", *overrides])
 
 
+@pytest.mark.slow
 def test_train_then_eval_a_draft_recipe_is_lossless(tmp_path, small_data, token_cache):
     train_in_process([
         "recipe=draft", f"target.name_or_path={REFERENCE_TARGET}", f"data.train=[{small_data['train']}]",

@@ -344,6 +344,7 @@ def test_report_has_every_field(eval_setup):
     assert ("wins in wall-clock" in last) == (best["speedup"] > max(1.0, ngram))
 
 
+@pytest.mark.slow
 def test_without_the_ngram_baseline_the_drafter_rows_are_the_same(eval_setup, tmp_path):
     """eval.ngram_baseline=false (the monitor's replays and gate read only the chain) leaves the n-gram
     rows out and changes nothing else."""
@@ -447,6 +448,7 @@ def test_a_failed_lossless_check_writes_the_report_and_exits_3(eval_setup, tmp_p
     assert last.startswith("lossless check failed: ") and "differ from plain greedy decoding" in last
 
 
+@pytest.mark.slow
 def test_the_eval_leaves_the_checkpoint_byte_identical_and_the_export_reads_what_it_measured(
     eval_setup, small_data, tmp_path
 ):

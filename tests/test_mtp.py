@@ -146,6 +146,7 @@ def test_train_refuses_a_target_without_one_before_loading_it(capsys):
     assert_one_line_error(result, 2, "drafter.type=mtp: no MTP layer layout is known for a LlamaForCausalLM target")
 
 
+@pytest.mark.slow
 def test_the_export_is_the_shipped_layers_form_and_evaluates_like_the_checkpoint(small_data, tmp_path, capsys):
     """On the demo MTP target (recipes/mtp.yaml): the vLLM folder is the target's config with one MTP layer
     and the layer under exactly the shipped names and shapes; read back by draftsmith's eval, it decodes as

@@ -49,6 +49,7 @@ def test_tied_lm_head_counts_once():
     assert matmul_parameters(target) == 46080  # the shared tensor, once, as the lm_head
 
 
+@pytest.mark.slow
 def test_a_short_run_logs_throughput_memory_parameters_and_writes_a_trace(tmp_path, small_data, token_cache):
     output_dir = tmp_path / "run"
     train_in_process(
