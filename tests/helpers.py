@@ -623,19 +623,19 @@ FAMILY_TRAINING = [
 ]  # fmt: skip
 
 
-def family_target(family: str, directory: Path, token_cache: Path) -> tuple[Path, Path]:
+def family_target(family: str, directory: Path, token_cache: Path, answers: int = 96) -> tuple[Path, Path]:
     """A tiny random target of `family` (seeded from the demo's weights where name and shape match) and
-    its own greedy answers to 96 of the demo's training prompts (`data_prep.regenerate`, the product's
-    self-distillation step; one epoch of FAMILY_TRAINING's 24 steps of 4): what parts of the family the demo's
-    weights do not cover stay random, so the target's text is its own and a drafter learns it from its
-    answers, as a user's would."""
+    its own greedy answers to `answers` of the demo's training prompts (`data_prep.regenerate`, the product's
+    self-distillation step; 96: one epoch of FAMILY_TRAINING's 24 steps of 4): what parts of the family the
+    demo's weights do not cover stay random, so the target's text is its own and a drafter learns it from
+    its answers, as a user's would."""
     from draftsmith.data_prep.regenerate import regenerate
     from draftsmith.random_target import demo_tokenizer_dir, write_random_target
 
     target = write_random_target(family, directory / "target", seed_from=demo_tokenizer_dir())
     regenerate(load_recipe([
         "recipe=medusa", f"target.name_or_path={target}", f"data.train=[{DEMO / 'data' / 'train.jsonl.gz'}]",
-        "data.max_conversations=96", "data.max_length=192", f"data.cache_dir={token_cache}",
+        f"data.max_conversations={answers}", "data.max_length=192", f"data.cache_dir={token_cache}",
         "data.regenerate.max_new_tokens=64", "data.regenerate.max_turns=1", "data.regenerate.batch_size=32",
         f"data.regenerate.output={directory / 'answers'}",
     ]))  # fmt: skip

@@ -52,7 +52,8 @@ def targets(tmp_path_factory, token_cache):
 
     def build(family: str):
         if family not in built:
-            built[family] = family_target(family, tmp_path_factory.mktemp(family), token_cache)
+            # 128 answers: the parallel drafters' later guesses need more distinct text than 24 steps read
+            built[family] = family_target(family, tmp_path_factory.mktemp(family), token_cache, answers=128)
         return built[family]
 
     return build
