@@ -811,6 +811,9 @@ def test_a_bfloat16_parting_passes_the_check_only_at_a_near_tie():
     summary = check(parted(closest))
     assert not summary["lossless"] and [p["near_tie"] for p in summary["partings"]] == [True]
     assert summary["partings"][0]["position"] == closest[2]
+    from draftsmith.export.card import engine_section
+
+    assert "| yes but 1 bfloat16 near-tie flip(s) |" in "\n".join(engine_section(summary))
     assert check(plain)["partings"] == []
     with pytest.raises(ExportCheckFailed, match=r"on 1 prompt\(s\) not at a bfloat16 near tie"):
         check(parted(farthest))
