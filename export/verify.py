@@ -205,14 +205,13 @@ def parting_gaps(
     and their gap in `model`'s logits at the common prefix, absolute and in units of bfloat16 at the largest
     logit's magnitude (`near_tie`: within NEAR_TIE_UNITS). Outputs of different lengths that agree where
     both run part at the shorter one's end, which no rounding of one choice explains: not a near tie."""
-    found = []
+    found, device = [], next(model.parameters()).device
     for index, (prompt, drafted, alone) in enumerate(zip(prompts, speculative, plain)):
         if drafted == alone:
             continue
         position = next((k for k, (a, b) in enumerate(zip(drafted, alone)) if a != b), min(len(drafted), len(alone)))
         row: dict[str, Any] = {"prompt": index, "position": position, "near_tie": False}
         if position < min(len(drafted), len(alone)):
-            device = next(model.parameters()).device
             with torch.no_grad():
                 logits = model(torch.tensor([prompt + alone[:position]], device=device)).logits[0, -1].float()
             gap = abs(logits[drafted[position]] - logits[alone[position]]).item()
@@ -289,15 +288,14 @@ def compare(
     problems = []
     if partings is not None:
         summary["partings"] = partings
-    ties_only = partings is not None and all(parting["near_tie"] for parting in partings)
-    if not summary["lossless"] and not ties_only:
+    far = [parting for parting in partings or [] if not parting["near_tie"]]
+    if not summary["lossless"] and (partings is None or far):
         problem = "vLLM's greedy output with the drafter differs from its output without it"
-        parted = [parting for parting in partings or [] if not parting["near_tie"]]
-        if parted:
-            first = parted[0]
+        if far:
+            where = f"{far[0]['bf16_units']} units" if "bf16_units" in far[0] else "one output ends there"
             problem += (
-                f" on {len(parted)} prompt(s) not at a bfloat16 near tie (prompt {first['prompt']}, token "
-                f"{first['position']}: {first.get('bf16_units', 'a length')} units)"
+                f" on {len(far)} prompt(s) not at a bfloat16 near tie (prompt {far[0]['prompt']}, token "
+                f"{far[0]['position']}: {where})"
             )
         problems.append(problem)
     if exact and not summary["equals_draftsmith_plain"]:

