@@ -1,9 +1,10 @@
 """The drift monitor against an engine's exposition served by prometheus_client on loopback (the real
 vLLM server is tests/test_monitor_vllm.py): counters summed over replicas and surviving restarts, the
 statistical decision, the traffic reader, a new engine version as a re-verify and not a drift, and
-the whole loop — a shift to unseen domains is detected by the counters, located by the traffic
-sample, waits out the hysteresis, is retrained (interrupted once and resumed), passes the gate and is
-exported as the new deployed revision. The deploy examples under deploy/ run as written."""
+a shift to unseen domains detected by the counters, located by replaying a sample of the logged
+requests (for servers that return no per-request acceptance) and waiting out the hysteresis. Its
+retraining (interrupted once and resumed), gate and export as the new deployed revision run against the
+real server in tests/test_monitor_vllm.py. The deploy examples under deploy/ run as written."""
 
 from __future__ import annotations
 
@@ -414,8 +415,7 @@ def log_requests(logs: Path, source: Path, domain: str, count: int) -> None:
 
 
 @pytest.mark.slow
-def test_a_shift_is_detected_located_retrained_and_promoted(deployed, tmp_path, monkeypatch):
-    import draftsmith.monitor.pipeline as pipeline
+def test_a_shift_is_detected_and_located_by_replaying_the_logged_requests(deployed, tmp_path):
     from draftsmith.monitor.check import check
 
     root, args = deployed
@@ -425,60 +425,31 @@ def test_a_shift_is_detected_located_retrained_and_promoted(deployed, tmp_path, 
         *args, f"output_dir={tmp_path / 'run'}",
         f"checkpoint={recorded_as_checked(root / 'export' / 'vllm', tmp_path)}", f"monitor.metrics=[{engine.url}]",
         f"monitor.traffic={logs}", "monitor.min_drafts=100", "monitor.sample_per_domain=4",
-        "monitor.retrain_samples=32", "train.max_steps=30", "data.regenerate.max_new_tokens=64",
     ])  # fmt: skip
     baseline = Baseline.from_report(json.loads((root / "deployed" / "eval" / "report.json").read_text()), "report")
     source = root / "traffic_source.jsonl"
+    assert check(cfg) == Outcome.HEALTHY  # the first scrape starts the window
     for domain in ("math", "packages"):
         log_requests(logs, source, domain, 6)
-    assert check(cfg) == Outcome.HEALTHY  # the first scrape starts the window
     engine.serve(2000, baseline.at_least)
     assert check(cfg) == Outcome.HEALTHY  # in-domain traffic accepts as in the eval
 
     for domain in ("code", "docs"):  # the shift: domains the drafter never saw
-        log_requests(logs, source, domain, 48)
+        log_requests(logs, source, domain, 6)
     engine.serve(2000, [rate / 3 for rate in baseline.at_least])
-    assert check(cfg) == Outcome.DRIFT  # hysteresis: 1 of 2 checks
+    assert check(cfg) == Outcome.DRIFT  # hysteresis: 1 of 2 checks, nothing retrained yet
     record = json.loads((tmp_path / "run" / "monitor" / "checks" / "00003.json").read_text())
     assert (
         record["engine"]["verdict"] == DRIFT
         and record["engine"]["tests"]["alpha"]["upper"] < record["engine"]["tests"]["alpha"]["threshold"]
     )
-    located = {d for d, test in record["traffic"]["domains"].items() if test["verdict"] == DRIFT}
+    domains = record["traffic"]["domains"]
+    assert {test["source"] for test in domains.values()} == {"replay"}
+    located = {d for d, test in domains.items() if test["verdict"] == DRIFT}
     assert located and located <= {"code", "docs"}  # where: the unseen domains, not the trained ones
-    assert {d for d, test in record["traffic"]["domains"].items() if test["new_domain"]} == {"code", "docs"}
-
-    real_train, calls = pipeline.STEPS["train"], []
-
-    def killed_train(*a, **k):  # the retraining dies in its train step the first time
-        calls.append(1)
-        raise KeyboardInterrupt
-
-    engine.serve(2000, [rate / 3 for rate in baseline.at_least])
-    monkeypatch.setitem(pipeline.STEPS, "train", killed_train)
-    with pytest.raises(KeyboardInterrupt):
-        check(cfg)
+    assert {d for d, test in domains.items() if test["new_domain"]} == {"code", "docs"}
     state = json.loads((tmp_path / "run" / "monitor" / "state.json").read_text())
-    assert set(state["pipeline"]["done"]) == {"sample", "regenerate"} and state["pipeline"]["domains"] == [
-        "code",
-        "docs",
-    ]
-
-    def must_not_run(*a, **k):
-        raise AssertionError("a finished step ran again")
-
-    monkeypatch.setitem(pipeline.STEPS, "train", real_train)
-    monkeypatch.setitem(pipeline.STEPS, "sample", must_not_run)
-    monkeypatch.setitem(pipeline.STEPS, "regenerate", must_not_run)
-    assert check(cfg) == Outcome.PROMOTED  # resumed at train
-    state = json.loads((tmp_path / "run" / "monitor" / "state.json").read_text())
-    gate = state["last_retrain"]["gate"]
-    assert state["pipeline"] is None and state["deployed"]["revision"] == 1 and gate["promote"]
-    assert gate["tau"]["candidate"]["new"] > gate["tau"]["deployed"]["new"] * 1.02
-    assert Path(state["deployed"]["export"], "model.safetensors").is_file() and state["cooldown_until"] > time.time()
-    retrained = yaml.safe_load((Path(state["deployed"]["checkpoint"]).parent / "recipe.yaml").read_text())
-    assert retrained["checkpoint"] is None and retrained["train"]["init_from"]  # its recipe reads its own final/
-    assert list((tmp_path / "run" / "monitor" / "tb").glob("events.out.tfevents.*"))
+    assert state["consecutive_drift"] == 1 and state["pipeline"] is None
     engine.server.shutdown()
 
 

@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
 from draftsmith.monitor import Outcome
 from draftsmith.monitor.check import check
@@ -126,10 +127,21 @@ def per_request_test(record: dict) -> None:
     assert sum(d["accepted"] for d in counted.values()) == engine["accepted"]
 
 
-def test_serve_monitor_retrain_redeploy(deployed, vllm_python, tmp_path):
+def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt  # as a kill would stop the retraining in its train step
+
+
+def finished(*args, **kwargs):
+    raise AssertionError("a step the interrupted retraining finished ran again")
+
+
+def test_serve_monitor_retrain_redeploy(deployed, vllm_python, tmp_path, monkeypatch):
     """Both servers return each request's acceptance (`--per-request-spec-decode-metrics summary`),
     logged with the requests: the monitor judges each domain from them (the replay of logged requests,
-    for servers that do not return them, is tested on a loopback exposition in tests/test_monitor.py)."""
+    for servers that do not return them, is tested on a loopback exposition in tests/test_monitor.py).
+    The retraining is killed in its train step once and resumed there by the next check."""
+    import draftsmith.monitor.pipeline as pipeline
+
     root, args = deployed
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -150,16 +162,31 @@ def test_serve_monitor_retrain_redeploy(deployed, vllm_python, tmp_path):
         per_request_test(json.loads((state_dir / "checks" / "00002.json").read_text()))
         before = window_of(state_dir, 2)
         send(server, source, logs, ("code", "docs"))
-        outcome = check(cfg)  # 3: the shift is measured by the server's counters, located, retrained
+        real_train = pipeline.STEPS["train"]
+        monkeypatch.setitem(pipeline.STEPS, "train", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            check(cfg)  # 3: the shift is measured by the server's counters, located, retrained: killed in train
         drifted = window_of(state_dir, 3)
         assert drifted["verdict"] == "drift" and drifted["alpha"] < before["alpha"], (before, drifted)
         located = json.loads((state_dir / "checks" / "00003.json").read_text())["traffic"]["domains"]
         assert located["code"]["measured"] < located["math"]["measured"]  # the drafter never saw code
         assert {d for d, test in located.items() if test["verdict"] == "drift"} <= {"code", "docs"}
-        assert outcome == Outcome.PROMOTED
+        pending = json.loads((state_dir / "state.json").read_text())["pipeline"]
+        assert set(pending["done"]) == {"sample", "regenerate"} and pending["domains"] == ["code", "docs"]
+        monkeypatch.setitem(pipeline.STEPS, "train", real_train)
+        monkeypatch.setitem(pipeline.STEPS, "sample", finished)
+        monkeypatch.setitem(pipeline.STEPS, "regenerate", finished)
+        assert check(cfg) == Outcome.PROMOTED  # resumed at train, no new window
     finally:
         server.stop()
     state = json.loads((state_dir / "state.json").read_text())
+    gate = state["last_retrain"]["gate"]
+    assert state["pipeline"] is None and state["deployed"]["revision"] == 1 and gate["promote"]
+    assert gate["tau"]["candidate"]["new"] > gate["tau"]["deployed"]["new"] * 1.02
+    assert Path(state["deployed"]["export"], "model.safetensors").is_file() and state["cooldown_until"] > time.time()
+    retrained = yaml.safe_load((Path(state["deployed"]["checkpoint"]).parent / "recipe.yaml").read_text())
+    assert retrained["checkpoint"] is None and retrained["train"]["init_from"]  # its recipe reads its own final/
+    assert list((state_dir / "tb").glob("events.out.tfevents.*"))
     server = VllmServer(
         vllm_python, Path(state["deployed"]["export"]), tmp_path / "serve_2.log", *per_request
     )  # redeploy

@@ -67,7 +67,6 @@ def test_flex_unroll_compiles_once_per_bucket_and_equals_dense_on_real_batches()
     from draftsmith.heads.ttt_attention import flat_length
     from draftsmith.target import run_target
 
-    torch.set_num_threads(2)
     buckets, shapes = set(), set()
     before = compiled_graphs()
     for pack, settings in CASES.items():
