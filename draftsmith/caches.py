@@ -10,9 +10,12 @@ may be rejected (`RecurrentCheckpoint`) and put back after, and the accepted tok
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
+
+if TYPE_CHECKING:  # transformers is imported where a cache is made: a recipe's check needs none of it
+    from transformers import DynamicCache
 
 
 def new_cache(model) -> DynamicCache:
@@ -20,6 +23,9 @@ def new_cache(model) -> DynamicCache:
     attention, a state for linear attention), except that a sliding-window layer keeps every key as a
     full-length layer: the caller's mask hides the keys out of the window, and rejected tokens can be
     cut off like any other layer's."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
     cache = DynamicCache(config=model.config)
     cache.layers = [DynamicLayer() if getattr(layer, "is_sliding", False) else layer for layer in cache.layers]
     return cache
@@ -85,6 +91,8 @@ def select_rows(cache: DynamicCache, rows: torch.Tensor, width: int) -> None:
 
 def recurrent_states(cache: DynamicCache) -> list[torch.Tensor]:
     """Every recurrent (linear-attention) state of the cache: convolution windows and recurrent states."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
     states = []
     for layer in cache.layers:
         if isinstance(layer, LinearAttentionCacheLayerMixin):

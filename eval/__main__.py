@@ -17,6 +17,7 @@ from draftsmith.recipe import load_recipe
 
 
 def main(argv: Sequence[str]) -> None:
+    cfg = load_recipe(argv)  # checked before the loop's and the libraries' modules load
     import datasets
     import transformers
 
@@ -27,7 +28,7 @@ def main(argv: Sequence[str]) -> None:
     # preparation would otherwise print theirs on stderr too.
     transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()
-    report = run_eval(load_recipe(argv))
+    report = run_eval(cfg)
     print(render_markdown(report))
     if failed := failed_lossless(report):
         raise NotLossless(

@@ -34,11 +34,10 @@ import copy
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from draftsmith.caches import RecurrentCheckpoint, cut_keys, new_cache
 from draftsmith.errors import UserError, one_line
@@ -65,6 +64,9 @@ from draftsmith.heads.packing import (
     same_document,
 )
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 
 @dataclass
@@ -142,6 +144,8 @@ class DraftModel(Drafter):
                 raise UserError(
                     "draft_model checkpoint has no drafter.model_config; was it written by save_pretrained?"
                 )
+            from transformers import AutoConfig, AutoModelForCausalLM
+
             settings = dict(config.model_config)
             model = AutoModelForCausalLM.from_config(
                 AutoConfig.for_model(settings.pop("model_type"), **settings), dtype=torch.float32
@@ -374,6 +378,8 @@ def untied(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def load_draft(name_or_path: str, target: TargetShape):
     """An existing HF causal LM as the draft; it must score the target's vocabulary."""
+    from transformers import AutoModelForCausalLM
+
     try:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
     except (OSError, ValueError) as err:
@@ -390,6 +396,8 @@ def load_draft(name_or_path: str, target: TargetShape):
 def layers_of(target_model, config: DraftModelConfig):
     """The target's first `num_layers` decoder layers with its embedding, final norm and lm_head,
     as a standalone float32 model of the target's architecture."""
+    from transformers import AutoModelForCausalLM
+
     config.check(TargetShape.from_config(target_model.config, ""))
     draft_config = first_layers_config(target_model.config, config.num_layers)
     target_kinds = layer_types(target_model.config)

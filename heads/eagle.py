@@ -26,12 +26,11 @@ from __future__ import annotations
 import copy
 import importlib
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import DynamicCache
 
 from draftsmith.errors import UserError
 from draftsmith.families import layer_family, within_window
@@ -48,6 +47,9 @@ from draftsmith.heads.base import (
 )
 from draftsmith.heads.packing import documents, draft_attention_mask, num_documents, positions, same_document
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 
 @dataclass
@@ -276,6 +278,8 @@ class EagleProposer(Proposer):
         committed = len(tokens) - 1  # positions with the target's feature known
         start = committed - len(features)
         if state.fresh or self.cache is None:
+            from transformers import DynamicCache
+
             self.cache = DynamicCache(config=drafter.layer_config)
         if self.cache.get_seq_length() < start:
             raise RuntimeError(

@@ -33,13 +33,12 @@ import json
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import DynamicCache
 
 from draftsmith.errors import UserError, one_line
 from draftsmith.heads import register
@@ -55,6 +54,9 @@ from draftsmith.heads.packing import (
 )
 from draftsmith.heads.vocab_loss import chunk_rows_for, soft_cross_entropy
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 # The drafter's modules around the block, by role; a layout names them as its checkpoint does.
 WRAPPER = ("embed_norm", "hidden_norm", "proj", "final_norm")
@@ -439,6 +441,8 @@ class Mtp(EagleBase):
         as the decode loop's cache holds them when it drafts its (i+1)-th token. Counted where x_{t+i+2}
         is supervised and in t's document; summed over positions and steps (step i weighs ttt_decay**i).
         """
+        from transformers import DynamicCache
+
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
         rows, length = input_ids.shape
         width, device, steps = length - 1, input_ids.device, self.config.ttt_steps

@@ -36,8 +36,6 @@ from typing import Optional
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from draftsmith.errors import UserError
 from draftsmith.families import within_window
@@ -103,6 +101,8 @@ def ttt_attention(module, query, key, value, attention_mask, scaling=None, dropo
     `StepKeys`: step 0's [B, kv heads, W, d] and steps 1..i's [B, kv heads, W, i, d]; `query` is
     [B, heads, W, d]; the output is [B, W, heads, d] as transformers' attention functions return it."""
     if ttt_step is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -285,5 +285,7 @@ class StepKeys:
 
 def register_ttt_attention() -> None:
     """Make `ttt_attention` selectable as the draft layer's attn_implementation (idempotent)."""
+    from transformers import AttentionInterface
+
     if ATTENTION not in AttentionInterface._global_mapping:
         AttentionInterface.register(ATTENTION, ttt_attention)

@@ -12,12 +12,12 @@ from collections.abc import Sequence
 def main(argv: Sequence[str]) -> None:
     """Train, then (main process) evaluate: eval-split accuracy when data.eval is set, the
     speculative-decoding report when eval.enabled. The output directory is held throughout."""
-    import torch
-    from accelerate import PartialState
-
     from draftsmith.recipe import load_train_recipe
 
     cfg = load_train_recipe(argv)  # validate before any model or data is touched
+    import torch
+    from accelerate import PartialState
+
     from draftsmith.threads import set_cpu_threads
     from draftsmith.trainer.checkpoint import claim_output_dir
     from draftsmith.trainer.loop import train
