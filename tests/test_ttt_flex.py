@@ -14,6 +14,7 @@ import torch
 pytestmark = pytest.mark.slow
 
 MICRO_BATCHES = 12  # of each collator: padded rows of the longest conversation, packed rows of varying count
+ROWS = 4  # a micro-batch's rows: the widths vary as much as at 8, at half the unroll's cost
 # The padded batches through EAGLE-3 with full attention, the packed ones through P-EAGLE with a sliding window
 # (segments per document, a window that moves with the step, masked queries).
 CASES = {
@@ -40,7 +41,7 @@ def real_micro_batches(recipe: list[str], count: int, pack: bool):
     from draftsmith.trainer.checkpoint import TrainerState
     from draftsmith.trainer.loop import build_drafter, micro_batches
 
-    cfg = load_recipe(recipe)
+    cfg = load_recipe([*recipe, f"train.micro_batch_size={ROWS}"])
     tokenizer = load_tokenizer(cfg.target)
     data = load_tokenized(cfg, cfg.data.train, tokenizer, "data.train")
     target = load_target(cfg.target, "cpu")
@@ -59,9 +60,9 @@ def compiled_graphs() -> int:
 
 
 def test_flex_unroll_compiles_once_per_bucket_and_equals_dense_on_real_batches():
-    """Dozens of the demo recipe's micro-batches, padded (8 rows, the longest row's width) and packed
-    (1-8 rows of up to 384 positions), through the unroll with drafter.ttt_attention=flex: the compiled
-    graphs are at most one per length bucket and case (powers of two from 128 to 8 x 384 -> 4096), the
+    """Dozens of the demo recipe's micro-batches, padded (4 rows, the longest row's width) and packed
+    (1-4 rows of up to 384 positions), through the unroll with drafter.ttt_attention=flex: the compiled
+    graphs are at most one per length bucket and case (powers of two from 128 to 4 x 384 -> 2048), the
     same widths never compile again, no call runs flex uncompiled, and every step equals the dense path."""
     from draftsmith.heads.packing import causal_lm_inputs
     from draftsmith.heads.ttt_attention import flat_length
