@@ -5,7 +5,9 @@ a draft model's own) must put its cache back to the accepted prefix. What a laye
 (keys and values; a sparse-attention layer's indexer keys too, DeepSeek-V3.2) is cut, moved or gathered
 position by position. A recurrent state (the linear attention of hybrid targets: Qwen3.5,
 Qwen3-Next) folds all its tokens into one tensor that cannot be cut, so it is copied before tokens that
-may be rejected (`RecurrentCheckpoint`) and put back after, and the accepted tokens are fed again.
+may be rejected (`RecurrentCheckpoint`) and put back after, and the accepted tokens are fed again. So is a
+cache whose attention pools several positions into one entry (DeepSeek-V4's compressed attention): there
+every layer is put back whole, as the family's own cache layers keep them.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+
+from draftsmith.families import COMPRESSED
 
 if TYPE_CHECKING:  # transformers is imported where a cache is made: a recipe's check needs none of it
     from transformers import DynamicCache
@@ -22,13 +26,23 @@ def new_cache(model) -> DynamicCache:
     """The family's own cache layers (transformers' mapping of `layer_types`: keys and values for
     attention, a state for linear attention), except that a sliding-window layer keeps every key as a
     full-length layer: the caller's mask hides the keys out of the window, and rejected tokens can be
-    cut off like any other layer's."""
+    cut off like any other layer's. A cache that pools positions keeps the family's layers as they are: its
+    sliding-window layers keep their window only, as the family's mask expects, and are put back whole."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
     cache = DynamicCache(config=model.config)
-    cache.layers = [DynamicLayer() if getattr(layer, "is_sliding", False) else layer for layer in cache.layers]
+    if not pooled_layers(cache):
+        cache.layers = [DynamicLayer() if getattr(layer, "is_sliding", False) else layer for layer in cache.layers]
     return cache
+
+
+def pooled_layers(cache: DynamicCache) -> list:
+    """Every layer of a cache with compressed attention (DeepSeek-V4), none otherwise: these are put back
+    whole after a rejected draft, never cut per position."""
+    if any(getattr(layer, "_layer_type", None) in COMPRESSED for layer in cache.layers):
+        return list(cache.layers)
+    return []
 
 
 # What a cache layer may keep per position: (attribute, batch dimension, position dimension). Keys and
@@ -38,7 +52,10 @@ PER_POSITION = (("keys", 0, 2), ("values", 0, 2), ("indexer_keys", 0, 1), ("inde
 
 
 def key_layers(cache: DynamicCache) -> list:
-    """The cache layers holding keys and values (a linear-attention layer holds a state instead)."""
+    """The cache layers holding keys and values that can be cut per position (a linear-attention layer holds a
+    state instead; a cache that pools positions is put back whole)."""
+    if pooled_layers(cache):
+        return []
     return [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
 
 
@@ -103,17 +120,39 @@ def recurrent_states(cache: DynamicCache) -> list[torch.Tensor]:
 
 
 class RecurrentCheckpoint:
-    """A copy of a cache's recurrent states, taken before tokens that may be rejected; `restore` writes
-    it back in place (the layers keep their tensors, as transformers' in-place updates expect). Empty,
-    and free, for a cache without recurrent layers."""
+    """What a cache's in-order layers hold, taken before tokens that may be rejected; `restore` puts it back.
+    Linear attention updates its states in place: they are copied, and written back in place (the layers
+    keep their tensors, as transformers' in-place updates expect). Compressed attention's layers rebind
+    their tensors (concatenations, slices), never write them: their attributes are kept by reference and
+    rebound, once torch's version counters show nothing wrote to them in place. Empty, and free, for a
+    cache without such layers."""
 
     def __init__(self, cache: DynamicCache):
         self.states = recurrent_states(cache)
         self.copies = [state.clone() for state in self.states]
+        self.pooled = [(layer, layer_attributes(layer)) for layer in pooled_layers(cache)]
+        self.versions = [tensor._version for _, attributes in self.pooled for tensor in tensors_of(attributes)]
 
     def __bool__(self) -> bool:
-        return bool(self.states)
+        return bool(self.states or self.pooled)
 
     def restore(self) -> None:
         for state, copy in zip(self.states, self.copies):
             state.copy_(copy)
+        kept = [tensor for _, attributes in self.pooled for tensor in tensors_of(attributes)]
+        if [tensor._version for tensor in kept] != self.versions:
+            raise RuntimeError("a compressed-attention cache layer wrote a kept tensor in place: it cannot be put back")
+        for layer, attributes in self.pooled:
+            vars(layer).update(layer_attributes(attributes))
+
+
+def layer_attributes(holder) -> dict:
+    """A cache layer's attributes (or a kept copy of them), dictionaries copied one level down: the layer
+    rebinds their entries."""
+    attributes = holder if isinstance(holder, dict) else vars(holder)
+    return {name: dict(value) if isinstance(value, dict) else value for name, value in attributes.items()}
+
+
+def tensors_of(attributes: dict) -> list[torch.Tensor]:
+    values = [v for value in attributes.values() for v in (value.values() if isinstance(value, dict) else [value])]
+    return [value for value in values if isinstance(value, torch.Tensor)]

@@ -31,6 +31,9 @@ SLIDING = "sliding_attention"
 INDEXED = "indexed_attention"  # sparse attention over keys an indexer picks (DeepSeek-V3.2): its keys too
 ATTENTION_KINDS = (FULL, SLIDING, INDEXED)  # the kinds whose keys the eval loop can crop and gather
 LINEAR = "linear_attention"  # a recurrent state (Gated DeltaNet): the eval loop copies it and puts it back
+# attention over entries pooled from several positions (DeepSeek-V4's compressed sparse and heavily compressed
+# attention): no entry can be cut back to a position, so the eval loop keeps the cache's state and puts it back
+COMPRESSED = ("compressed_sparse_attention", "heavily_compressed_attention")
 
 
 def _get(config: Any, key: str, default=None):
@@ -65,26 +68,28 @@ def layer_types(config: Any) -> list[str]:
 
 
 def recurrent(config: Any) -> bool:
-    """Whether some layer folds its tokens into a recurrent state (linear attention) instead of keys."""
-    return LINEAR in layer_types(config)
+    """Whether some layer folds its tokens into a state read in order, instead of keys one per position: a
+    recurrent state (linear attention) or pooled entries (compressed attention). A rejected draft is undone by
+    putting the state back and feeding the accepted tokens again."""
+    return bool({LINEAR, *COMPRESSED} & set(layer_types(config)))
 
 
 def check_eval_settings(config: Any, eval_section: Any) -> None:
     """What draftsmith's eval loop can decode on this target, checked before a run or an eval starts:
-    a recurrent state reads a draft's tokens in order (chains only), and no padding may pass through it
-    (the loop decodes its rows one at a time, so a batch's speed cannot be measured)."""
+    a recurrent state or pooled entries read a draft's tokens in order (chains only), and no padding may pass
+    through them (the loop decodes its rows one at a time, so a batch's speed cannot be measured)."""
     if not recurrent(config):
         return
     if int(_get(eval_section, "tree", 0)) > 0:
         raise UserError(
-            "eval.tree: a target with linear-attention layers verifies chains only (its state reads a draft's "
-            "tokens in order, so a tree's branches would see each other): set eval.tree=0"
+            "eval.tree: a target with linear- or compressed-attention layers verifies chains only (their state reads "
+            "a draft's tokens in order, so a tree's branches would see each other): set eval.tree=0"
         )
     sizes = [int(_get(eval_section, "batch_size", 1)), *map(int, _get(eval_section, "batch_sizes", None) or [])]
     if max(sizes) > 1:
         raise UserError(
-            "eval.batch_size / eval.batch_sizes: the eval loop decodes a target with linear-attention layers one "
-            "prompt at a time (no padding may pass through its state), so it cannot measure a batch: set "
+            "eval.batch_size / eval.batch_sizes: the eval loop decodes a target with linear- or compressed-attention "
+            "layers one prompt at a time (no padding may pass through its state), so it cannot measure a batch: set "
             "eval.batch_size=1 eval.batch_sizes=[]"
         )
 

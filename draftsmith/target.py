@@ -322,6 +322,13 @@ def run_target(
                 outputs.logits, model.get_output_embeddings()(final)
             )
     layers = {layer: hidden_states[layer + 1] for layer in request.layers} if want_layers else {}
+    if any(hidden.shape != final.shape for hidden in layers.values()):
+        streams = next(hidden.shape for hidden in layers.values() if hidden.shape != final.shape)[-2]
+        raise UserError(
+            f"the target's decoder layers pass {streams} residual streams a position (hyper-connections: hc_mult in "
+            "its config), not one hidden state: a drafter that reads layer outputs cannot read them; choose a "
+            "drafter.type that reads the last hidden state only"
+        )
     return TargetOutput(
         logits=None if defer else outputs.logits,
         final=final,

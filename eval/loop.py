@@ -63,6 +63,7 @@ from draftsmith.eval.trees import (
 )
 from draftsmith.families import (
     ATTENTION_KINDS,
+    COMPRESSED,
     FULL,
     LINEAR,
     SLIDING,
@@ -144,23 +145,23 @@ def check_target(model, tree: Optional[Tree] = None) -> None:
     """Tree verification needs a backend that takes a custom 4D mask; rolling a rejected draft back
     needs layers whose keys can be cut and gathered (full or sliding-window attention: a sliding-window
     layer keeps every key in the loop's cache, and its mask hides those out of the window) or whose
-    state can be copied and put back (linear attention, for chains: its state reads tokens in order)."""
+    state can be kept and put back (linear and compressed attention, for chains: they read tokens in order)."""
     implementation = getattr(model.config, "_attn_implementation", "eager")
     if implementation not in ("eager", "sdpa"):
         raise UserError(
             "the eval loop needs attn_implementation 'sdpa' or 'eager' (custom tree masks); the target uses "
             f"{implementation!r}"
         )
-    other = sorted(set(layer_types(model.config)) - {*ATTENTION_KINDS, LINEAR})
+    other = sorted(set(layer_types(model.config)) - {*ATTENTION_KINDS, LINEAR, *COMPRESSED})
     if other:
         raise UserError(
-            "the eval loop verifies drafts on attention and linear-attention layers only (whose keys or states it can "
-            f"roll back); this target also has {other} layers"
+            "the eval loop verifies drafts on attention, linear-attention and compressed-attention layers only "
+            f"(whose keys or states it can roll back); this target also has {other} layers"
         )
     if tree is not None and recurrent(model.config):
         raise UserError(
-            "a target with linear-attention layers verifies chains only (its state reads a draft's tokens in order, "
-            "so a tree's branches would see each other): set eval.tree=0"
+            "a target with linear- or compressed-attention layers verifies chains only (their state reads a draft's "
+            "tokens in order, so a tree's branches would see each other): set eval.tree=0"
         )
 
 
@@ -186,7 +187,7 @@ def prefill(model, prompts: Sequence[Sequence[int]], request: FeatureRequest = F
     if any(len(prompt) < 2 for prompt in prompts):
         raise UserError("a prompt needs at least 2 tokens (the chat template alone gives more)")
     if len(prompts) > 1 and recurrent(model.config):
-        raise ValueError("a target with linear-attention layers decodes its rows one at a time (generate_batch)")
+        raise ValueError("a target with linear or compressed attention decodes rows one at a time (generate_batch)")
     device = model.get_output_embeddings().weight.device
     cache = new_cache(model)
     lengths = [len(prompt) - 1 for prompt in prompts]

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from draftsmith.caches import RecurrentCheckpoint, cut_keys, new_cache
 from draftsmith.errors import UserError, one_line
-from draftsmith.families import ATTENTION_KINDS, layer_types, recurrent
+from draftsmith.families import ATTENTION_KINDS, COMPRESSED, layer_types, recurrent
 from draftsmith.heads import register
 from draftsmith.heads.base import (
     Drafter,
@@ -416,9 +416,10 @@ def layers_of(target_model, config: DraftModelConfig):
             f"layers ({wanted_kinds}) into {kinds}, which would not compute the target's layers: "
             + (f"set drafter.num_layers={kept}" if kept else "set drafter.name_or_path")
         )
-    if not set(kinds) & set(ATTENTION_KINDS):
-        # transformers' cache measures its length on an attention layer; a model of recurrent layers only has none
-        first = next((i for i, kind in enumerate(target_kinds) if kind in ATTENTION_KINDS), None)
+    counting = {*ATTENTION_KINDS, *COMPRESSED}
+    if not set(kinds) & counting:
+        # transformers' cache measures its length on a layer of keys; a model of recurrent layers only has none
+        first = next((i for i, kind in enumerate(target_kinds) if kind in counting), None)
         raise UserError(
             f"a draft of the target's first {config.num_layers} layers has no attention layer ({kinds}), which "
             + (

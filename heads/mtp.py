@@ -101,8 +101,8 @@ UNSERVED = {
         "vLLM 0.32's glm4_moe_lite_mtp sets num_hidden_layers to 0 and so loads the target's layer 0 as the MTP "
         "layer, never the shipped one"
     ),
-    "DeepseekV32ForCausalLM": "its sparse (indexed) attention is not served by vLLM on a CPU, nor rolled back here",
-    "DeepseekV4ForCausalLM": "its compressed attention is not served by vLLM on a CPU, nor rolled back here",
+    "DeepseekV32ForCausalLM": "its sparse (indexed) attention is not served by vLLM on a CPU",
+    "DeepseekV4ForCausalLM": "its compressed attention is not served by vLLM on a CPU",
 }
 
 

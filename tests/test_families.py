@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 
 from draftsmith.errors import UserError
 from draftsmith.eval.loop import generate, generate_batch
-from draftsmith.families import FULL, LINEAR, SLIDING, layer_types, recurrent
+from draftsmith.families import COMPRESSED, FULL, LINEAR, SLIDING, layer_types, recurrent
 from draftsmith.heads import REGISTRY, drafter_class
 from draftsmith.heads.base import load_drafter
 from draftsmith.random_target import build_config, build_model
@@ -48,7 +48,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 FAMILIES = (
     "llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2", "gemma3_text", "phi3", "gpt_oss",
     "glm4", "cohere", "granite", "qwen3_next", "qwen3_5_text", "deepseek_v3", "glm4_moe", "glm4_moe_lite",
-    "minimax_m2", "gemma4_text", "deepseek_v32",
+    "minimax_m2", "gemma4_text", "deepseek_v32", "deepseek_v4",
 )  # fmt: skip
 # experts; scaled embedding and (1+w) norms; fused projections; sinks, a hybrid window and experts; LayerNorm with a
 # parallel block; linear attention; latent attention with grouped, bias-corrected routing
@@ -60,7 +60,9 @@ VOCAB, WINDOW = 256, 12  # a window far shorter than the sequences below
 
 def tiny(model_type: str, attn: str | None = None):
     """A 2-layer model of the family at a small width (fast), its sliding-window layers WINDOW wide; with
-    linear attention 3 layers, so that a draft of its first 2 layers holds both kinds too."""
+    linear attention 3 layers, so that a draft of its first 2 layers holds both kinds too; with compressed
+    attention 3 layers, both compressed kinds first, pooling every 2 and 4 positions, the indexer picking 3
+    of the pooled entries (the sequences below are several times longer)."""
     config = build_config(
         model_type, VOCAB, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}, sliding_window=WINDOW,
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16,
@@ -68,6 +70,10 @@ def tiny(model_type: str, attn: str | None = None):
     kinds = set(getattr(config, "layer_types", None) or ())
     if LINEAR in kinds:
         config.num_hidden_layers, config.layer_types = 3, [LINEAR, FULL, LINEAR]
+    elif kinds & set(COMPRESSED):
+        config.num_hidden_layers, config.layer_types = 3, [*COMPRESSED, SLIDING]
+        config.compress_rates, config.index_topk = dict(zip(COMPRESSED, (2, 4))), 3
+        config.mlp_layer_types = [*config.mlp_layer_types, config.mlp_layer_types[-1]]  # one per layer
     elif SLIDING in kinds:
         config.layer_types = [SLIDING, FULL]  # hybrid: both kinds in 2 layers
     if attn is not None:
@@ -84,8 +90,22 @@ def random_prompt(length: int, seed: int) -> list[int]:
     return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def streams(model) -> int:
+    """Residual streams a decoder layer passes on (DeepSeek-V4's hyper-connections: several, none of them the
+    hidden state a drafter reads)."""
+    return getattr(model.config, "hc_mult", 1)
+
+
+def assert_layer_outputs_are_refused(model, layers) -> None:
+    ids = torch.tensor([random_prompt(20, 0)])
+    with pytest.raises(UserError, match=rf"pass {streams(model)} residual streams .* reads the last hidden state"):
+        run_target(model, ids, request=FeatureRequest(layers=tuple(layers)))
+
+
 def test_captured_layer_i_is_hidden_states_i_plus_1(family):
     _, model = family
+    if streams(model) > 1:
+        return assert_layer_outputs_are_refused(model, (-1, 0, 1))
     ids = torch.tensor([random_prompt(20, 0)])
     out = run_target(model, ids, request=FeatureRequest(layers=(-1, 0, 1)))
     reference = model(ids, output_hidden_states=True).hidden_states
@@ -144,6 +164,8 @@ def assert_eagle3_trains_resumes_and_decodes(name: str, model, layer_family: str
     the drafter's weights from its checkpoint, the optimizer's state by parameter order) two more steps
     land exactly where the uninterrupted run's do; its chain decodes exactly plain greedy's tokens."""
     eagle3 = drafter_class("eagle3")
+    if streams(model) > 1:
+        return assert_layer_outputs_are_refused(model, (-1, 0))
     config = eagle3.Config(aux_layers=[-1, 0], draft_vocab_size=VOCAB, ttt_steps=2, layer_family=layer_family)
     drafter = eagle3.from_target(config, model, name)
     assert drafter.config.decoder["config"]["model_type"] == layer_family
@@ -183,7 +205,7 @@ def assert_eagle3_trains_resumes_and_decodes(name: str, model, layer_family: str
 @pytest.mark.parametrize("kind", sorted(REGISTRY))
 @pytest.mark.parametrize(  # the fast tier: experts, linear attention, latent attention, sinks with a hybrid window
     "model_type",
-    fast_tier(list(QUIRKS), lambda family: family in ("qwen3_moe", "qwen3_next", "deepseek_v3", "gpt_oss")),
+    fast_tier([*QUIRKS, "deepseek_v4"], lambda family: family in ("qwen3_moe", "qwen3_next", "deepseek_v3", "gpt_oss")),
 )
 def test_every_kind_trains_and_decodes_losslessly_on_family_quirks(kind, model_type):
     """Each registered kind, as its demo recipe configures it, on targets whose families differ from
@@ -199,6 +221,9 @@ def test_every_kind_trains_and_decodes_losslessly_on_family_quirks(kind, model_t
     if hasattr(config, "init") and recurrent(model.config):
         config.num_layers = 2  # a draft of the target's layers: linear attention, then the attention it needs
     drafter = REGISTRY[kind].from_target(config, model, model_type)
+    requested = REGISTRY[kind].features(drafter.config, drafter.target).layers
+    if streams(model) > 1 and requested:
+        return assert_layer_outputs_are_refused(model, requested)
     ids = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(6))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
     target_out = run_target(model, ids, request=REGISTRY[kind].features(drafter.config, drafter.target))
@@ -256,12 +281,28 @@ def test_a_draft_of_the_first_layers_keeps_their_slice_of_per_layer_inputs_and_o
     )
 
 
-def test_compressed_attention_is_refused_by_the_eval_loop_in_one_line():
-    """DeepSeek-V4's compressed attention keeps pooled entries over several positions, not one per
-    position: the loop cannot yet roll them back, and says so before decoding."""
+def test_compressed_attention_is_put_back_after_every_rejected_draft():
+    """DeepSeek-V4's compressed attention pools several positions into one entry (and its window layers keep
+    only their window), so no entry can be cut back to a position: the loop keeps the cache's state before
+    each verify forward, puts it back after a rejection and feeds the accepted tokens again. Speculative
+    decoding far past the window and many pooled entries equals plain decoding, prompt by prompt and in a
+    batch (decoded a row at a time), with drafts accepted and rejected; a tree is refused in one line."""
     model = tiny("deepseek_v4")
-    with pytest.raises(UserError, match=r"attention and linear-attention layers only .* also has \['\w+_attention"):
-        generate(model, random_prompt(8, 0), 4)
+    prompts = [random_prompt(length, seed) for seed, length in enumerate((12, 5, 20))]
+    plain = [generate(model, prompt, 2 * WINDOW).tokens for prompt in prompts]
+    oracles = [
+        OracleDrafter(tokens, len(prompt), VOCAB, hit_rate=rate, seed=i)
+        for i, (tokens, prompt, rate) in enumerate(zip(plain, prompts, (0.9, 0.5, 0.7)))
+    ]
+    alone = [generate(model, p, 2 * WINDOW, drafter=o, gamma=3) for p, o in zip(prompts, oracles)]
+    assert [row.tokens for row in alone] == plain
+    counts = [row.counts for row in alone]
+    assert sum(c.accepted for c in counts) > 0 and any(c.accepted < c.drafted for c in counts)  # both outcomes
+    oracles = [OracleDrafter(t, len(p), VOCAB, hit_rate=r, seed=9) for t, p, r in zip(plain, prompts, (0.9, 0.2, 0.6))]
+    together = generate_batch(model, prompts, 2 * WINDOW, oracles, gamma=3)
+    assert [row.tokens for row in together] == plain
+    with pytest.raises(UserError, match="verifies chains only"):
+        generate(model, prompts[0], 4, drafter=OracleDrafter([3] * 4, 12, VOCAB, 1.0), tree=[(0,), (1,)])
 
 
 @pytest.mark.parametrize("tree", [None, [(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]], ids=["chain", "tree"])
