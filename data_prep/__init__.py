@@ -1,13 +1,13 @@
 """Conversations in, training-ready token ids and assistant-only loss masks out.
 
-`load_conversations` reads and validates files or Hub data sets, `render_with_masks` /
+`load_conversations` reads and validates files or Hub data sets, `render_with_masks` (`render_rows`) /
 `render_prompt` apply the target's chat template, `tokenize_conversations` builds the cached
 tokenized data set, `Collator` pads it into batches and `PackingCollator` packs it into rows.
 """
 
 from draftsmith.data_prep.conversations import load_conversations
 from draftsmith.data_prep.dataset import Collator, PackingCollator, domain_names, load_tokenized, tokenize_conversations
-from draftsmith.data_prep.template import render_prompt, render_with_masks
+from draftsmith.data_prep.template import render_prompt, render_rows, render_with_masks
 
 __all__ = [
     "Collator",
@@ -16,6 +16,7 @@ __all__ = [
     "load_conversations",
     "load_tokenized",
     "render_prompt",
+    "render_rows",
     "render_with_masks",
     "tokenize_conversations",
 ]

@@ -17,7 +17,7 @@ import datasets
 import torch
 
 from draftsmith.data_prep.conversations import DEFAULT_DOMAIN
-from draftsmith.data_prep.template import render_with_masks, require_chat_template
+from draftsmith.data_prep.template import render_rows, require_chat_template
 from draftsmith.errors import UserError
 
 logger = logging.getLogger("draftsmith.data")
@@ -67,8 +67,9 @@ def tokenize_conversations(
 ) -> datasets.Dataset:
     """Render, tokenize and mask every conversation, handling those over `max_length` tokens as
     `overlong` says (truncate: keep the first max_length tokens; drop; error); an assistant turn's
-    reasoning is trained on or left out of the mask as `thinking` says (data.thinking). Conversations left
-    with no masked token are dropped. The result is cached under
+    reasoning is trained on or left out of the mask as `thinking` says (data.thinking); a chat template that
+    rewrites earlier turns gives a row per assistant turn (render_rows). Rows left with no masked token are
+    dropped. The result is cached under
     `<cache_dir or ~/.cache/draftsmith>/tokenized/<key>` and reused while the conversations, the
     tokenizer, the settings and this code are unchanged."""
     if overlong not in OVERLONG:
@@ -91,7 +92,7 @@ def tokenize_conversations(
         stats: Counter[str] = Counter()
         tokenized = conversations.map(
             _tokenize_batch,
-            batched=True,  # a batch may shrink: dropped conversations produce no row
+            batched=True,  # a batch may shrink (dropped conversations) or grow (one row per turn: render_rows)
             with_indices=True,
             fn_kwargs={
                 "tokenizer": tokenizer,
@@ -136,32 +137,33 @@ def _tokenize_batch(
     for row in range(count):
         where = _where(batch, row, indices[row])
         try:
-            ids, mask = render_with_masks(tokenizer, batch["messages"][row], thinking)
+            rendered = render_rows(tokenizer, batch["messages"][row], thinking)
         except UserError as err:
             raise UserError(f"{where}: {err}") from None
-        if len(ids) > max_length:
-            if overlong == "error":
-                raise UserError(
-                    f"{where}: {len(ids)} tokens is more than data.max_length={max_length} (raise it, or set "
-                    "data.overlong=truncate or drop)"
-                )
-            if overlong == "drop":
-                stats["dropped_overlong"] += 1
+        stats["split_into_turns"] += len(rendered) > 1
+        sample = f"conversation {indices[row] + 1}"
+        if "source" in batch:
+            sample = f"{batch['source'][row]}:{batch['record'][row]}"
+        for turn, (ids, mask) in enumerate(rendered, 1):
+            if len(ids) > max_length:
+                if overlong == "error":
+                    raise UserError(
+                        f"{where}: {len(ids)} tokens is more than data.max_length={max_length} (raise it, or set "
+                        "data.overlong=truncate or drop)"
+                    )
+                if overlong == "drop":
+                    stats["dropped_overlong"] += 1
+                    continue
+                ids, mask = ids[:max_length], mask[:max_length]
+                stats["truncated"] += 1
+            if not any(mask):
+                stats["dropped_no_assistant_token"] += 1
                 continue
-            ids, mask = ids[:max_length], mask[:max_length]
-            stats["truncated"] += 1
-        if not any(mask):
-            stats["dropped_no_assistant_token"] += 1
-            continue
-        out["input_ids"].append(ids)
-        out["loss_mask"].append(mask)
-        out["domain"].append(domains[row])
-        out["length"].append(len(ids))
-        out["sample"].append(
-            f"{batch['source'][row]}:{batch['record'][row]}"
-            if "source" in batch
-            else f"conversation {indices[row] + 1}"
-        )
+            out["input_ids"].append(ids)
+            out["loss_mask"].append(mask)
+            out["domain"].append(domains[row])
+            out["length"].append(len(ids))
+            out["sample"].append(sample if len(rendered) == 1 else f"{sample} turn {turn}")
     return out
 
 
@@ -173,6 +175,12 @@ def _where(batch: dict[str, list], row: int, index: int) -> str:
 
 
 def _log_stats(stats: Counter, total: int, max_length: int) -> None:
+    if stats["split_into_turns"]:
+        logger.info(
+            "rendered %d of %d conversations one row per assistant turn: the chat template rewrites earlier turns",
+            stats["split_into_turns"],
+            total,
+        )
     if stats["truncated"]:
         logger.info(
             "truncated %d of %d conversations to data.max_length=%d tokens", stats["truncated"], total, max_length

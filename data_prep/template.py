@@ -5,6 +5,11 @@ Method: the assistant's span of turn i starts where `messages[:i]` rendered with
 prompt ends, and ends where `messages[:i+1]` rendered ends; both must be prefixes of the whole
 rendered conversation. The whole text is tokenized once, and a token is in the mask when its
 first character lies inside a span.
+
+A template that renders an earlier turn differently once a later one follows (Qwen3's and Qwen3.5's
+drop an earlier turn's reasoning and its `<think></think>`) has no such prefixes: its conversation
+becomes one row per assistant turn, the turns before it rendered as the template renders them when the
+model is asked for that turn (`render_rows`), which is the text a serving engine shows the model then.
 """
 
 from __future__ import annotations
@@ -17,41 +22,90 @@ from draftsmith.data_prep.conversations import REASONING_KEYS
 from draftsmith.errors import UserError
 
 Message = dict[str, Any]
+Row = tuple[list[int], list[int]]  # token ids and the 0/1 loss mask
 THINKING = ("train", "mask")
 
 
-def render_with_masks(tokenizer, messages: Sequence[Message], thinking: str = "train") -> tuple[list[int], list[int]]:
+class NotPrefixStable(Exception):
+    """The rendering of the conversation up to an assistant turn is not a prefix of the text rendered."""
+
+
+def render_with_masks(tokenizer, messages: Sequence[Message], thinking: str = "train") -> Row:
     """Token ids of the whole conversation and a 0/1 mask that is 1 exactly on the tokens the
     assistant generates: its contents and the end-of-turn token(s) right after each. With `thinking`
     = "mask" (data.thinking), a turn's reasoning (its `thinking` or `reasoning_content`) is left out of
     the mask where the template renders it, found verbatim inside the turn's span; the markup around
-    it (a channel header, `<think>`) stays, since the model generates that too."""
+    it (a channel header, `<think>`) stays, since the model generates that too. A template that rewrites
+    earlier turns is refused in one line (`render_rows` renders such a conversation a turn at a time)."""
+    messages = checked(messages, thinking)
+    try:
+        return _whole(tokenizer, messages, thinking)
+    except NotPrefixStable as err:
+        raise UserError(
+            f"chat template of {_name(tokenizer)} is not prefix-stable for assistant turn {err.args[0] + 1}: "
+            "rendering the conversation up to that turn is not a prefix of rendering all of it (the template "
+            "rewrites earlier turns)"
+        ) from None
+
+
+def render_rows(tokenizer, messages: Sequence[Message], thinking: str = "train") -> list[Row]:
+    """The conversation as training rows: one (`render_with_masks`) where the template is prefix-stable;
+    else one row per assistant turn, the conversation up to that turn as the template renders it last
+    (what the model is shown when it generates the turn), only that turn in the mask."""
+    messages = checked(messages, thinking)
+    try:
+        return [_whole(tokenizer, messages, thinking)]
+    except NotPrefixStable:
+        pass
+    rows = []
+    for index in assistant_turns(messages):
+        text = _render(tokenizer, messages[: index + 1], add_generation_prompt=False)
+        try:
+            rows.append(_masked(tokenizer, text, _turn_spans(tokenizer, messages, index, text, thinking)))
+        except NotPrefixStable:
+            raise UserError(
+                f"chat template of {_name(tokenizer)} does not render assistant turn {index + 1} after its own "
+                "generation prompt: no text shows what the model generates"
+            ) from None
+    return rows
+
+
+def checked(messages: Sequence[Message], thinking: str) -> list[Message]:
     if thinking not in THINKING:
         raise UserError(f"data.thinking={thinking!r} is not one of {', '.join(THINKING)}")
-    messages = list(messages)
+    return list(messages)
+
+
+def assistant_turns(messages: list[Message]) -> list[int]:
+    return [index for index, message in enumerate(messages) if message["role"] == "assistant"]
+
+
+def _whole(tokenizer, messages: list[Message], thinking: str) -> Row:
+    """The conversation rendered once, every assistant turn in the mask; NotPrefixStable where it cannot be."""
     full = _render(tokenizer, messages, add_generation_prompt=False)
-    spans = []
-    for index, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prompt = _render(tokenizer, messages[:index], add_generation_prompt=True)
-        turn = _render(tokenizer, messages[: index + 1], add_generation_prompt=False)
-        if not (full.startswith(prompt) and full.startswith(turn) and len(turn) > len(prompt)):
-            raise UserError(
-                f"chat template of {_name(tokenizer)} is not prefix-stable for assistant turn {index + 1}: "
-                "rendering the conversation up to that turn is not a prefix of rendering all of it "
-                "(templates that rewrite earlier turns, e.g. drop their reasoning, are not supported)"
-            )
-        span = (len(prompt), len(prompt) + _generated_length(full[len(prompt) : len(turn)], tokenizer.eos_token))
-        reasoning = next((message[key] for key in REASONING_KEYS if message.get(key)), None)
-        if thinking == "mask" and reasoning and reasoning.strip():
-            spans += _without(span, full, reasoning.strip(), index)
-        else:
-            spans.append(span)
-    ids, offsets = _encode(tokenizer, full)
+    turns = assistant_turns(messages)
+    return _masked(tokenizer, full, [s for i in turns for s in _turn_spans(tokenizer, messages, i, full, thinking)])
+
+
+def _turn_spans(tokenizer, messages: list[Message], index: int, text: str, thinking: str) -> list[tuple[int, int]]:
+    """The characters of `text` the model generates for assistant turn `index` (less its reasoning with
+    data.thinking=mask); NotPrefixStable where `text` does not hold that turn as the template renders it
+    after the generation prompt."""
+    prompt = _render(tokenizer, messages[:index], add_generation_prompt=True)
+    turn = _render(tokenizer, messages[: index + 1], add_generation_prompt=False)
+    if not (text.startswith(prompt) and text.startswith(turn) and len(turn) > len(prompt)):
+        raise NotPrefixStable(index)
+    span = (len(prompt), len(prompt) + _generated_length(text[len(prompt) : len(turn)], tokenizer.eos_token))
+    reasoning = next((messages[index][key] for key in REASONING_KEYS if messages[index].get(key)), None)
+    if thinking == "mask" and reasoning and reasoning.strip():
+        return _without(span, text, reasoning.strip(), index)
+    return [span]
+
+
+def _masked(tokenizer, text: str, spans: list[tuple[int, int]]) -> Row:
+    ids, offsets = _encode(tokenizer, text)
     # Offsets (0, 0) belong to tokens the tokenizer added itself (BOS), never to the rendered text.
-    mask = [int(end > start and any(lo <= start < hi for lo, hi in spans)) for start, end in offsets]
-    return ids, mask
+    return ids, [int(end > start and any(lo <= start < hi for lo, hi in spans)) for start, end in offsets]
 
 
 def _without(span: tuple[int, int], full: str, reasoning: str, index: int) -> list[tuple[int, int]]:

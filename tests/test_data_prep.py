@@ -19,6 +19,7 @@ from draftsmith.data_prep import (
     domain_names,
     load_conversations,
     render_prompt,
+    render_rows,
     render_with_masks,
     tokenize_conversations,
 )
@@ -240,6 +241,44 @@ THINK_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 REASONING = "The user asks for a capital."
+# As Qwen3's and Qwen3.5's templates do (written for this test): an assistant turn after the last user message
+# carries a <think> block, empty without reasoning; an earlier turn is rendered without one
+REWRITING_TEMPLATE = (
+    "{% set last = namespace(user=-1) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+    "{% set last.user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' and loop.index0 > last.user %}"
+    "<think>\n{{ m.reasoning_content or '' }}\n</think>\n\n{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_rewrites_earlier_turns_gives_a_row_per_assistant_turn(tmp_path, reference_tokenizer):
+    """No rendering up to a turn is a prefix of the whole conversation's, so each assistant turn is a row of
+    its own: the conversation up to it as the template renders it when the model is asked for that turn, only
+    that turn (its <think> block included, its reasoning out with data.thinking=mask) in the mask. A
+    prefix-stable template keeps one row; the tokenized data set names each turn's row."""
+    tokenizer = family_tokenizer(
+        REWRITING_TEMPLATE, ["<|im_start|>", "<|im_end|>", "<think>", "</think>"], "<|im_end|>", None
+    )
+    with pytest.raises(UserError, match="is not prefix-stable for assistant turn 3"):
+        render_with_masks(tokenizer, CONVERSATION)
+    rows = render_rows(tokenizer, CONVERSATION)
+    assert [decode(tokenizer, ids) for ids, _ in rows] == [
+        tokenizer.apply_chat_template(CONVERSATION[:end], tokenize=False) for end in (3, 5)
+    ]
+    assert "<think>" not in decode(tokenizer, rows[1][0]).split(ANSWER_2)[0].split("How many")[0]  # rewritten
+    assert [masked_runs(tokenizer, *row) for row in rows] == [
+        [f"<think>\n\n</think>\n\n{answer}<|im_end|>"] for answer in (ANSWER_1, ANSWER_2)
+    ]
+    reasoned = [*CONVERSATION[:4], {**CONVERSATION[4], "reasoning_content": REASONING}]
+    _, (ids, mask) = render_rows(tokenizer, reasoned, thinking="mask")
+    assert masked_runs(tokenizer, ids, mask) == ["<think>\n", f"\n</think>\n\n{ANSWER_2}<|im_end|>"]
+    assert render_rows(reference_tokenizer, CONVERSATION) == [render_with_masks(reference_tokenizer, CONVERSATION)]
+    path = write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATION}, {"messages": CONVERSATION[:3]}])
+    tokenized = tokenize_conversations(load_conversations([str(path)]), tokenizer, 512, cache_dir=str(tmp_path))
+    assert list(tokenized["input_ids"]) == [rows[0][0], rows[1][0], rows[0][0]]
+    assert [sample.split(":")[-1] for sample in tokenized["sample"]] == ["1 turn 1", "1 turn 2", "2"]
 
 
 @pytest.mark.parametrize("family", ["harmony", "qwen3"])
@@ -325,6 +364,8 @@ def test_template_errors():
     )
     with pytest.raises(UserError, match="is not prefix-stable for assistant turn 3"):
         render_with_masks(tokenizer, CONVERSATION)
+    with pytest.raises(UserError, match="does not render assistant turn 3 after its own generation prompt"):
+        render_rows(tokenizer, CONVERSATION)  # not even a turn alone: its prompt is no prefix of it
     tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
     with pytest.raises(UserError, match="rejected the conversation: roles must alternate"):
         render_with_masks(tokenizer, CONVERSATION)
