@@ -25,7 +25,7 @@ from draftsmith.files import write_text_atomic
 from draftsmith.recipe_schema import CHOICES, RecipeSchema
 from draftsmith.resources import bundled, recipes_dir
 from draftsmith.sharding import check_shard
-from draftsmith.target import TargetShape, local_target_shape
+from draftsmith.target import TargetShape, local_target_config, local_target_shape, residual_streams, unreadable_layers
 
 
 def _one_line(err: Exception) -> str:
@@ -419,6 +419,9 @@ def check_drafter(cfg: DictConfig) -> None:
     else:
         shape = local_target_shape(cfg.target.name_or_path)
     config.check(shape)
+    local = local_target_config(cfg.target.name_or_path) if cfg.target.gguf_file is None else None
+    streams = residual_streams(local) if local is not None else 1
+    require(streams == 1 or not drafter_cls.features(config, shape).layers, unreadable_layers(streams))
     require_draft_vocab_use(cfg, config, shape)
     require(
         cfg.eval.tree == 0 or drafter_cls.proposes_trees(config),

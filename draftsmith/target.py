@@ -169,16 +169,44 @@ class TargetShape:
         return target_id(self.name_or_path)
 
 
-def local_target_shape(name_or_path: str) -> Optional[TargetShape]:
-    """The shape of a target in a local directory, read from its config.json alone (no weights, no
-    network); None for a Hub id or a directory without a readable config."""
+def local_target_config(name_or_path: str) -> Optional[dict]:
+    """A local target's config.json (no weights, no network); None for a Hub id or a directory without a
+    readable config."""
     path = Path(name_or_path) / "config.json"
-    if not path.is_file():
-        return None
     try:
-        return TargetShape.from_config(json.loads(path.read_text()), name_or_path)
+        config = json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def local_target_shape(name_or_path: str) -> Optional[TargetShape]:
+    """The shape of a target in a local directory, read from its config.json alone; None where
+    `local_target_config` finds none or it lacks a field."""
+    config = local_target_config(name_or_path)
+    try:
+        return TargetShape.from_config(config, name_or_path) if config is not None else None
     except (ValueError, TypeError, KeyError):
         return None
+
+
+def residual_streams(config: Any) -> int:
+    """How many residual streams a decoder layer passes on: DeepSeek-V4's hyper-connections (`hc_mult`),
+    1 for a family without them."""
+    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    text = get("text_config")
+    if text is not None and get("hidden_size") is None:
+        return residual_streams(text)
+    return int(get("hc_mult") or 1)
+
+
+def unreadable_layers(streams: int) -> str:
+    """Why a drafter that reads decoder layers' outputs cannot train on a target with several streams."""
+    return (
+        f"the target's decoder layers pass {streams} residual streams a position (hyper-connections: hc_mult in "
+        "its config), not one hidden state: a drafter that reads layer outputs cannot read them; choose a "
+        "drafter.type that reads the last hidden state only"
+    )
 
 
 @dataclass
@@ -323,12 +351,7 @@ def run_target(
             )
     layers = {layer: hidden_states[layer + 1] for layer in request.layers} if want_layers else {}
     if any(hidden.shape != final.shape for hidden in layers.values()):
-        streams = next(hidden.shape for hidden in layers.values() if hidden.shape != final.shape)[-2]
-        raise UserError(
-            f"the target's decoder layers pass {streams} residual streams a position (hyper-connections: hc_mult in "
-            "its config), not one hidden state: a drafter that reads layer outputs cannot read them; choose a "
-            "drafter.type that reads the last hidden state only"
-        )
+        raise UserError(unreadable_layers(residual_streams(model.config)))
     return TargetOutput(
         logits=None if defer else outputs.logits,
         final=final,

@@ -31,7 +31,7 @@ from draftsmith.heads import REGISTRY, drafter_class
 from draftsmith.heads.base import load_drafter
 from draftsmith.random_target import build_config, build_model
 from draftsmith.recipe import load_recipe
-from draftsmith.target import FeatureRequest, run_target
+from draftsmith.target import FeatureRequest, TargetShape, run_target
 from tests.helpers import (
     OracleDrafter,
     assert_one_line_error,
@@ -354,6 +354,24 @@ def test_random_target_command_writes_a_target_or_one_line(tmp_path, capsys):
     done = subprocess.CompletedProcess([], main(["no_such_family", str(tmp_path / "x")]), "", capsys.readouterr().err)
     assert assert_one_line_error(done, 2).startswith("error: transformers has no model type 'no_such_family'")
     assert not (tmp_path / "x").exists()
+
+
+def test_a_multi_stream_target_refuses_a_drafter_that_reads_layer_outputs_from_its_config(tmp_path):
+    """DeepSeek-V4's hyper-connections (hc_mult in its config.json): a recipe whose drafter reads decoder
+    layers' outputs is refused before any model loads; one that reads the last hidden state is accepted."""
+    model = tiny("deepseek_v4")
+    model.config.save_pretrained(tmp_path / "target")
+    shape = TargetShape.from_config(model.config, str(tmp_path / "target"))
+    for kind in sorted(REGISTRY):
+        if kind == "mtp":  # reads the MTP layer a target ships: tests/test_mtp.py
+            continue
+        args = [f"recipe={demo_recipe(kind)}", f"target.name_or_path={tmp_path / 'target'}", f"output_dir={tmp_path}"]
+        config = OmegaConf.to_object(load_recipe(args[:1]).drafter)
+        if drafter_class(kind).features(config, shape).layers:
+            with pytest.raises(UserError, match=r"pass 4 residual streams .* reads the last hidden state only"):
+                load_recipe(args)
+        else:
+            assert load_recipe(args).drafter.type == kind
 
 
 def test_a_linear_attention_target_refuses_an_eval_it_cannot_run_before_training(
