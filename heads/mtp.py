@@ -142,6 +142,15 @@ def layout_of(config: dict) -> Layout:
         )
     layout = LAYOUTS[architecture]
     text = config.get("text_config") or {}
+    quantized = config.get("quantization_config") or text.get("quantization_config")
+    if quantized:
+        # the layer's weights are stored quantized beside their scales (FP8 releases: `weight_scale_inv` per
+        # 128x128 block): read as plain weights they would train and export wrong
+        raise UserError(
+            f"drafter.type=mtp: the target's checkpoint is quantized ({quantized.get('quant_method', '?')} in its "
+            "config.json's quantization_config), and draftsmith fine-tunes an MTP layer stored unquantized: point "
+            "target.name_or_path at the model's BF16 release"
+        )
     if not int(config.get(layout.count_key) or text.get(layout.count_key) or 0):
         raise UserError(
             f"drafter.type=mtp: the target ships no MTP layer ({layout.count_key} is unset or 0 in its config.json); "

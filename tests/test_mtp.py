@@ -139,6 +139,11 @@ def test_targets_without_a_served_mtp_layer_are_refused_in_one_line(tmp_path):
     lite = write_random_target("glm4_moe_lite", tmp_path / "lite", **SHAPE)
     with pytest.raises(UserError, match="glm4_moe_lite_mtp sets num_hidden_layers to 0"):
         MTP.Config().check(local_target_shape(str(lite)))
+    config = json.loads((saved / "config.json").read_text())  # an FP8 release: weights beside block scales
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (saved / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=r"checkpoint is quantized \(fp8 .* at the model's BF16 release"):
+        MTP.Config().check(local_target_shape(str(saved)))
 
 
 def test_train_refuses_a_target_without_one_before_loading_it(capsys):
