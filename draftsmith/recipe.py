@@ -10,8 +10,6 @@ and `torchrun`, and any key of the schema must be overridable, not only those th
 from __future__ import annotations
 
 import os
-import re
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -19,9 +17,18 @@ from typing import Any, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from draftsmith.engines import arctic_build, suffix_decoding_installed
 from draftsmith.errors import UserError, one_line
 from draftsmith.files import write_text_atomic
+from draftsmith.recipe_checks import (
+    check_data,
+    check_eval,
+    check_export,
+    check_monitor,
+    check_output_dir,
+    check_train,
+    require,
+    resolve_bool_or_path,
+)
 from draftsmith.recipe_schema import CHOICES, RecipeSchema
 from draftsmith.resources import bundled, recipes_dir
 from draftsmith.sharding import check_shard
@@ -173,222 +180,6 @@ def package_dir(name: str) -> str:
     return str(Path(list(spec.submodule_search_locations)[0]))
 
 
-def require(condition: bool, message: str) -> None:
-    if not condition:
-        raise UserError(message)
-
-
-def check_train(t, d) -> None:
-    """The train section `t`, and its settings that depend on the data section `d`."""
-    require(t.lr > 0, f"train.lr={t.lr} must be > 0")
-    require(t.optimizer in ("adamw", "muon"), f"train.optimizer={t.optimizer!r} must be adamw or muon")
-    require(
-        t.max_steps == -1 or t.max_steps >= 1,
-        f"train.max_steps={t.max_steps} must be >= 1, or -1 to run train.epochs epochs",
-    )
-    require(t.epochs >= 1, f"train.epochs={t.epochs} must be >= 1")
-    require(
-        t.cpu_threads is None or t.cpu_threads >= 1,
-        f"train.cpu_threads={t.cpu_threads} must be >= 1, or null to let draftsmith choose",
-    )
-    for key in ("micro_batch_size", "grad_accum", "log_every", "vocab_chunk_mb"):
-        require(t[key] >= 1, f"train.{key}={t[key]} must be >= 1")
-    for key in (
-        "warmup_steps",
-        "save_every",
-        "keep_checkpoints",
-        "num_workers",
-        "max_nonfinite",
-        "weight_decay",
-        "heldout",
-        "eval_every",
-        "patience",
-    ):
-        require(t[key] >= 0, f"train.{key}={t[key]} must be >= 0")
-    require(t.max_grad_norm > 0, f"train.max_grad_norm={t.max_grad_norm} must be > 0")
-    require(
-        t.peak_tflops is None or t.peak_tflops > 0,
-        f"train.peak_tflops={t.peak_tflops} must be > 0 (the device's peak TFLOP/s), or null to report no MFU",
-    )
-    steps = None if t.profile_steps is None else list(t.profile_steps)
-    require(
-        steps is None or (len(steps) == 2 and 1 <= steps[0] <= steps[1]),
-        f"train.profile_steps={steps} must be [first, last] optimizer steps with 1 <= first <= last, or null",
-    )
-    require(
-        t.eval_every == 0 or t.heldout > 0,
-        f"train.eval_every={t.eval_every} needs train.heldout > 0 "
-        "(conversations of data.train to evaluate on, never trained on)",
-    )
-    require(
-        t.heldout == 0 or d.features is None,
-        f"train.heldout={t.heldout} is not supported with data.features yet (it holds out tokenized data.train); "
-        "set train.heldout=0",
-    )
-    require(
-        t.patience == 0 or t.eval_every > 0,
-        f"train.patience={t.patience} needs train.eval_every > 0 (it counts held-out evaluations without a new best)",
-    )
-    betas = list(t.adam_betas)
-    require(
-        len(betas) == 2 and all(0 <= b < 1 for b in betas), f"train.adam_betas={betas} must be two values in [0, 1)"
-    )
-    require(
-        not (t.overwrite and resolve_bool_or_path(t.resume)),
-        "train.overwrite=true and train.resume are both set: continue the earlier run or start over, not both",
-    )
-
-
-def check_data(d) -> None:
-    # A prompt needs 2 tokens (the last one is the first decode root), a training row 3 (predict 2 ahead).
-    require(d.max_length >= 3, f"data.max_length={d.max_length} must be >= 3")
-    require(
-        d.max_conversations is None or d.max_conversations >= 1,
-        f"data.max_conversations={d.max_conversations} must be >= 1 (or null for all)",
-    )
-    require(
-        d.pack_length is None or d.pack_length >= d.max_length,
-        f"data.pack_length={d.pack_length} must be >= data.max_length={d.max_length}: "
-        "a conversation is packed whole into one row",
-    )
-    c = d.capture
-    require(
-        c.topk >= 1 and c.shard_tokens >= 1,
-        f"data.capture.topk={c.topk} and data.capture.shard_tokens={c.shard_tokens} must be >= 1",
-    )
-    require(
-        c.layers is None or all(layer >= -1 for layer in c.layers),
-        f"data.capture.layers={list(c.layers or [])}: ids are >= -1 (-1 = embeddings)",
-    )
-    r = d.regenerate
-    require(
-        r.batch_size >= 1 and r.max_new_tokens >= 1,
-        f"data.regenerate.batch_size={r.batch_size} and max_new_tokens={r.max_new_tokens} must be >= 1",
-    )
-    require(
-        r.max_turns is None or r.max_turns >= 1,
-        f"data.regenerate.max_turns={r.max_turns} must be >= 1 (or null: every assistant turn)",
-    )
-    require(
-        r.temperature >= 0 and 0 < r.top_p <= 1,
-        f"need data.regenerate.temperature >= 0 and 0 < top_p <= 1 (got {r.temperature}, {r.top_p})",
-    )
-    require(
-        r.samples >= 1 and r.min_turns >= 1,
-        f"data.regenerate.samples={r.samples} and min_turns={r.min_turns} must be >= 1",
-    )
-    require(
-        r.max_turns is None or r.max_turns >= r.min_turns,
-        f"data.regenerate.max_turns={r.max_turns} is below min_turns={r.min_turns}: no conversation would be written",
-    )
-    require(
-        r.samples == 1 or r.temperature > 0,
-        f"data.regenerate.samples={r.samples} needs temperature > 0: greedy answers to one prompt are all the same",
-    )
-    require(
-        not r.reuse or r.temperature == 0,
-        "data.regenerate.reuse needs greedy answers (temperature 0): "
-        "a sampled answer is one draw, not the target's answer",
-    )
-    v = r.vllm
-    require(
-        v.tensor_parallel_size >= 1 and v.max_num_seqs >= 1,
-        "data.regenerate.vllm.tensor_parallel_size and max_num_seqs must be >= 1 "
-        f"(got {v.tensor_parallel_size}, {v.max_num_seqs})",
-    )
-    require(
-        v.gpu_memory_utilization is None or 0 < v.gpu_memory_utilization <= 1,
-        f"data.regenerate.vllm.gpu_memory_utilization={v.gpu_memory_utilization} must be in (0, 1]",
-    )
-
-
-def check_eval(e) -> None:
-    require(
-        e.max_new_tokens >= 1 and e.max_prompts >= 1,
-        f"eval.max_new_tokens={e.max_new_tokens} and eval.max_prompts={e.max_prompts} must be >= 1",
-    )
-    require(e.num_speculative_tokens >= 1, f"eval.num_speculative_tokens={e.num_speculative_tokens} must be >= 1")
-    require(e.tree >= 0, f"eval.tree={e.tree} must be >= 0 (0 = chain only)")
-    require(
-        e.temperature >= 0 and 0 < e.top_p <= 1 and e.top_k >= 0,
-        f"need eval.temperature >= 0, 0 < eval.top_p <= 1, eval.top_k >= 0 (got {e.temperature}, {e.top_p}, {e.top_k})",
-    )
-    require(e.ngram_max >= 1, f"eval.ngram_max={e.ngram_max} must be >= 1")
-    require(
-        e.suffix_baseline is not True or suffix_decoding_installed(),
-        f"eval.suffix_baseline=true needs arctic-inference, which is not installed here (build it: {arctic_build()}; "
-        "or set eval.suffix_baseline=false)",
-    )
-    require(e.batch_size >= 1, f"eval.batch_size={e.batch_size} must be >= 1")
-    sizes = list(e.batch_sizes)
-    require(
-        all(size >= 1 for size in sizes) and len(set(sizes)) == len(sizes),
-        f"eval.batch_sizes={sizes} must be distinct sizes >= 1",
-    )
-    require(
-        bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?", e.device)),
-        f"eval.device={e.device!r} is not auto, cpu, cuda or cuda:N",
-    )
-
-
-ENGINES = ("vllm", "sglang")
-VLLM_FORMATS = ("speculators", "native")
-
-
-def check_export(x) -> None:
-    engines = list(x.engines)
-    require(
-        bool(engines) and all(engine in ENGINES for engine in engines) and len(set(engines)) == len(engines),
-        f"export.engines={engines}: give one or more of {', '.join(ENGINES)}, each once",
-    )
-    require(
-        x.num_speculative_tokens is None or x.num_speculative_tokens >= 1,
-        f"export.num_speculative_tokens={x.num_speculative_tokens} must be >= 1",
-    )
-    require(0 < x.tolerance < 1, f"export.tolerance={x.tolerance} must be in (0, 1)")
-    require(
-        x.vllm_format in VLLM_FORMATS, f"export.vllm_format={x.vllm_format!r} is not one of {', '.join(VLLM_FORMATS)}"
-    )
-    repo = x.push.repo_id
-    require(
-        repo is None or bool(re.fullmatch(r"[\w.-]+/[\w.-]+", repo)), f"export.push.repo_id={repo!r} is not ORG/NAME"
-    )
-    if x.output:
-        check_output_dir(x.output, "export.output")
-
-
-def check_monitor(m) -> None:
-    require(m.engine in ENGINES, f"monitor.engine={m.engine!r} is not one of {', '.join(ENGINES)}")
-    require(
-        0 < m.max_drop < 1 and 0.5 < m.confidence < 1,
-        f"need 0 < monitor.max_drop < 1 and 0.5 < monitor.confidence < 1 (got {m.max_drop}, {m.confidence})",
-    )
-    for key in ("min_drafts", "consecutive", "sample_per_domain", "retrain_samples", "new_data_weight"):
-        require(m[key] >= 1, f"monitor.{key}={m[key]} must be >= 1")
-    for key in ("cooldown_s", "interval_s", "traffic_window_s", "gate_min_gain", "gate_max_loss"):
-        require(m[key] >= 0, f"monitor.{key}={m[key]} must be >= 0")
-    require(
-        all(str(url).startswith(("http://", "https://")) for url in m.metrics),
-        f"monitor.metrics={list(m.metrics)}: give http(s) URLs of /metrics",
-    )
-
-
-def check_output_dir(path: str, key: str = "output_dir") -> None:
-    """An output directory (the recipe key `key`) must be creatable: its nearest existing ancestor is a
-    directory we can create entries in (probed with a temporary directory, removed at once)."""
-    target = Path(path).expanduser().absolute()
-    if target.exists():
-        require(target.is_dir(), f"{key}={path!r} exists and is not a directory")
-    ancestor = target
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    require(ancestor.is_dir(), f"{key}={path!r} cannot be created: {ancestor} is not a directory")
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".draftsmith-probe-", dir=ancestor))
-    except OSError as err:
-        raise UserError(f"{key}={path!r} cannot be created under {ancestor}: {err.strerror or one_line(err)}") from None
-
-
 def require_draft_vocab_use(cfg: DictConfig, config, target: Optional[TargetShape]) -> None:
     """data.draft_vocab only for a drafter that picks a pruned draft vocabulary: anywhere else it
     would be ignored."""
@@ -537,13 +328,3 @@ def save_recipe(cfg: DictConfig, directory: str | os.PathLike) -> Path:
     path = directory / "recipe.yaml"
     write_text_atomic(path, OmegaConf.to_yaml(cfg, resolve=True))
     return path
-
-
-def resolve_bool_or_path(value: Optional[str]) -> Optional[str]:
-    """`train.resume`: None/false -> None, true -> 'latest', anything else is a path (or `latest_intact`,
-    which trainer/checkpoint.py reads)."""
-    if value is None or str(value).lower() in ("false", "none", ""):
-        return None
-    if str(value).lower() == "true":
-        return "latest"
-    return str(value)

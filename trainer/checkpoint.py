@@ -39,7 +39,7 @@ from safetensors import SafetensorError
 from draftsmith.errors import StorageError, UserError, one_line
 from draftsmith.files import file_sha256, publish_folder
 from draftsmith.outputs import held_by_main_process, move_aside
-from draftsmith.recipe import resolve_bool_or_path
+from draftsmith.recipe_checks import resolve_bool_or_path
 
 log = logging.getLogger("draftsmith.train")
 
