@@ -228,28 +228,19 @@ def test_the_layers_import_downwards_and_no_stage_imports_another_stages_command
 
 
 @pytest.mark.slow
-def test_the_trainer_loads_no_export_command():
-    """What `python train.py` imports to train: the formats layer, never the export command (whose sweep
-    imports the CLI, which would close a loop back to the trainer)."""
-    code = (
-        "import sys, draftsmith.trainer.loop, draftsmith.trainer.main; "
-        "print(sorted(m for m in sys.modules if m.startswith(('draftsmith.export', 'draftsmith.monitor'))))"
-    )
-    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert loaded.strip() == "[]", loaded
-
-
-@pytest.mark.slow
-def test_every_shipped_recipe_is_checked_without_transformers(tmp_path):
-    """A recipe is checked (its keys, the drafter section against the target's config.json) before any model
-    code loads: each kind's module imports transformers where it builds a model, so a bad key is refused in
-    the time torch takes to import, not transformers' modeling code (about 4 s more a process)."""
+def test_a_recipe_is_checked_without_model_code_and_the_trainer_loads_no_export_command(tmp_path):
+    """Every shipped recipe is checked (its keys, the drafter section against the target's config.json)
+    before any model code loads: each kind's module imports transformers where it builds a model, so a bad
+    key is refused in the time torch takes to import, not transformers' modeling code (about 4 s more a
+    process). Then what `python train.py` imports to train: the formats layer, never the export command
+    (whose sweep imports the CLI, which would close a loop back to the trainer). One process, both in turn."""
     code = (
         "import sys; from draftsmith.recipe import load_train_recipe; from draftsmith.resources import recipes_dir; "
         "[load_train_recipe([f'recipe={p.stem}', f'output_dir={sys.argv[1]}/{p.stem}']) "
         "for p in sorted(recipes_dir().glob('*.yaml'))]; "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'accelerate')))"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'accelerate'))); "
+        "import draftsmith.trainer.loop, draftsmith.trainer.main; "
+        "print(sorted(m for m in sys.modules if m.startswith(('draftsmith.export', 'draftsmith.monitor'))))"
     )
     run = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
-    loaded = run.stdout
-    assert loaded.strip() == "[]", loaded
+    assert run.stdout.splitlines() == ["[]", "[]"], run.stdout
