@@ -305,6 +305,25 @@ def test_compressed_attention_is_put_back_after_every_rejected_draft():
         generate(model, prompts[0], 4, drafter=OracleDrafter([3] * 4, 12, VOCAB, 1.0), tree=[(0,), (1,)])
 
 
+def test_a_pooled_cache_written_in_place_is_not_put_back_silently():
+    """The compressed layers' state is kept by reference (they rebind their tensors); a write in place, which a
+    later transformers could make, would change the kept state too: torch's version counters catch it."""
+    from draftsmith.caches import RecurrentCheckpoint, new_cache
+
+    model = tiny("deepseek_v4")
+    cache = new_cache(model)
+    model(torch.tensor([random_prompt(20, 0)]), cache=cache, use_cache=True)
+    checkpoint = RecurrentCheckpoint(cache)
+    assert checkpoint
+    model(torch.tensor([random_prompt(3, 1)]), cache=cache, use_cache=True)
+    checkpoint.restore()  # rebound only: put back
+    assert cache.get_seq_length() == 20
+    checkpoint = RecurrentCheckpoint(cache)
+    cache.layers[0].keys.add_(1.0)
+    with pytest.raises(RuntimeError, match="wrote a kept tensor in place"):
+        checkpoint.restore()
+
+
 @pytest.mark.parametrize("tree", [None, [(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]], ids=["chain", "tree"])
 def test_sparse_attention_rolls_its_indexer_keys_back_past_the_selection(tree):
     """DeepSeek-V3.2: each query attends to the `index_topk` keys its indexer scores highest, from the
