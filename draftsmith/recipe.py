@@ -18,6 +18,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from draftsmith.errors import UserError, one_line
+from draftsmith.families import residual_streams
 from draftsmith.files import write_text_atomic
 from draftsmith.recipe_checks import (
     check_data,
@@ -32,7 +33,7 @@ from draftsmith.recipe_checks import (
 from draftsmith.recipe_schema import CHOICES, RecipeSchema
 from draftsmith.resources import bundled, recipes_dir
 from draftsmith.sharding import check_shard
-from draftsmith.target import TargetShape, local_target_config, local_target_shape, residual_streams, unreadable_layers
+from draftsmith.target import TargetShape, local_target_config, local_target_shape, unreadable_layers
 
 
 def _one_line(err: Exception) -> str:
@@ -203,15 +204,15 @@ def check_drafter(cfg: DictConfig) -> None:
         config = OmegaConf.to_object(cfg.drafter)
     except OmegaConfBaseException as err:
         raise UserError(f"invalid drafter section: {_one_line(err)}") from None
+    streams = 1  # a GGUF file or a Hub id: the target's first forward checks its layers' outputs
     if cfg.target.gguf_file is not None:
         from draftsmith.gguf import header_shape
 
         shape = header_shape(cfg.target.name_or_path, cfg.target.gguf_file)
     else:
         shape = local_target_shape(cfg.target.name_or_path)
+        streams = residual_streams(local_target_config(cfg.target.name_or_path) or {})
     config.check(shape)
-    local = local_target_config(cfg.target.name_or_path) if cfg.target.gguf_file is None else None
-    streams = residual_streams(local) if local is not None else 1
     require(streams == 1 or not drafter_cls.features(config, shape).layers, unreadable_layers(streams))
     require_draft_vocab_use(cfg, config, shape)
     require(

@@ -24,6 +24,7 @@ from typing import Any, Optional
 import torch
 
 from draftsmith.errors import UserError, one_line
+from draftsmith.families import residual_streams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -188,16 +189,6 @@ def local_target_shape(name_or_path: str) -> Optional[TargetShape]:
         return TargetShape.from_config(config, name_or_path) if config is not None else None
     except (ValueError, TypeError, KeyError):
         return None
-
-
-def residual_streams(config: Any) -> int:
-    """How many residual streams a decoder layer passes on: DeepSeek-V4's hyper-connections (`hc_mult`),
-    1 for a family without them."""
-    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
-    text = get("text_config")
-    if text is not None and get("hidden_size") is None:
-        return residual_streams(text)
-    return int(get("hc_mult") or 1)
 
 
 def unreadable_layers(streams: int) -> str:
