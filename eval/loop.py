@@ -451,6 +451,9 @@ def generate_batch(
     start = time.perf_counter()
     device = model.get_output_embeddings().weight.device
     generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+    for drafter, seed in zip(drafters, seeds):
+        if drafter is not None:
+            drafter.start(seed)
     request = drafters[0].features if drafters[0] is not None else FeatureRequest()
     forwards_before = [d.draft_forwards if d is not None else 0 for d in drafters]
     results = [Generation() for _ in range(size)]

@@ -143,6 +143,10 @@ class Proposer:
     # Medusa's heads and DFlash's block cost 1 per proposal): what a proposal costs besides tau.
     draft_forwards: int = 0
 
+    def start(self, seed: int) -> None:
+        """A new sequence begins, its row seeded with `seed`: a proposer that samples its drafts seeds its
+        own stream from it (`draft_stream`), so a prompt draws the same whatever batch it decodes in."""
+
     def propose(self, state: DraftState, num_tokens: int, tree: Optional[Tree] = None) -> DraftTree:
         """A chain of `num_tokens` tokens, or (if the drafter supports it) a tree: the `tree` that
         `default_tree` returned, possibly cut to a smaller depth by the decode loop. A proposer may
@@ -152,6 +156,16 @@ class Proposer:
     def default_tree(self, size: int) -> Tree:
         """The drafter's tree of about `size` nodes (eval.tree): static paths or a DynamicTree."""
         raise UserError("this drafter proposes chains only; set eval.tree=0")
+
+
+def draft_stream(seed: int, device: torch.device) -> torch.Generator:
+    """A sampling proposer's own random stream for the sequence seeded `seed` (`Proposer.start`). The loop
+    draws that row's acceptance tests from a stream seeded `seed` too (eval/loop.py): a proposer seeded
+    alike would draw the same numbers, its proposals tied to the draws that test them, and the output would
+    stop following the target (tests/test_dflash.py's chi-square failed at p = 6e-25 so). So the seed is
+    mixed into another 32-bit value (torch's CPU generator keeps 32 bits of a seed), far from the loop's
+    seeds, which count up from eval.seed."""
+    return torch.Generator(device=device).manual_seed((seed * 0x9E3779B1 + 0x632BE5AB) % 2**32)
 
 
 @dataclass(frozen=True)

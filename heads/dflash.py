@@ -70,6 +70,7 @@ from draftsmith.heads.base import (
     Tree,
     check_layer_ids,
     check_mask_token,
+    draft_stream,
     per_sample_stats,
 )
 from draftsmith.heads.eagle import EagleBase, import_qualified, start_from_norm
@@ -319,8 +320,8 @@ class DFlash(EagleBase):
     def max_chain(cls, config: DFlashConfig) -> int:
         return config.block_size - 1
 
-    def proposer(self, temperature: float = 0.0, seed: int = 0) -> DFlashProposer:
-        return DFlashProposer(self, temperature, seed)
+    def proposer(self, temperature: float = 0.0) -> DFlashProposer:
+        return DFlashProposer(self, temperature)
 
     # -- the draft model ------------------------------------------------------------------------
     def context(self, layers: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -499,15 +500,16 @@ class DFlashProposer(Proposer):
     """DFlash decoding for one sequence at a time: the context keys/values of the committed sequence
     per layer (`catch_up`), one block forward per cycle, a chain or DDTree from its distributions."""
 
-    def __init__(self, drafter: DFlash, temperature: float, seed: int):
+    def __init__(self, drafter: DFlash, temperature: float):
         self.drafter = drafter
         self.features = drafter.request
         self.temperature = float(temperature)
-        self.seed = seed
-        self.generator: Optional[torch.Generator] = (
-            None  # one stream for all proposals (independent draws across prompts)
-        )
+        self.seed = 0  # the sequence's (`start`)
+        self.generator: Optional[torch.Generator] = None  # its draws: `draft_stream`
         self.cache: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None  # per layer [1, kv, committed-1, d]
+
+    def start(self, seed: int) -> None:
+        self.seed, self.generator = seed, None
 
     def default_tree(self, size: int) -> DynamicTree:
         return DynamicTree(nodes=size, depth=self.drafter.config.block_size - 1, topk=self.drafter.config.tree_topk)
@@ -580,7 +582,7 @@ class DFlashProposer(Proposer):
             return DraftTree.chain(logits.argmax(-1))
         q = (logits / self.temperature).softmax(-1)
         if self.generator is None or self.generator.device != device:
-            self.generator = torch.Generator(device=device).manual_seed(self.seed)
+            self.generator = draft_stream(self.seed, device)
         # Each position is sampled from its own q, independently: the exact rule's proposal.
         return DraftTree.chain(torch.multinomial(q, 1, generator=self.generator)[:, 0], q)
 

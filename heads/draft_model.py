@@ -50,6 +50,7 @@ from draftsmith.heads.base import (
     DraftTree,
     Proposer,
     check_mask_token,
+    draft_stream,
     per_sample_stats,
 )
 from draftsmith.heads.distill import LOSSES, distill_loss, divergences
@@ -219,8 +220,8 @@ class DraftModel(Drafter):
                 )
         return loss, self.loss_tokens(batch), stats
 
-    def proposer(self, temperature: float = 0.0, seed: int = 0) -> DraftModelProposer:
-        return DraftModelProposer(self, temperature, seed)
+    def proposer(self, temperature: float = 0.0) -> DraftModelProposer:
+        return DraftModelProposer(self, temperature)
 
     # -- files ----------------------------------------------------------------------------------
     def save_pretrained(self, directory: str | os.PathLike, state_dict: Optional[dict] = None) -> None:
@@ -278,16 +279,19 @@ class DraftModelProposer(Proposer):
 
     features = FeatureRequest(final=False)
 
-    def __init__(self, drafter: DraftModel, temperature: float, seed: int):
+    def __init__(self, drafter: DraftModel, temperature: float):
         self.model = drafter.model
         self.mask_token_id = drafter.config.mask_token_id if drafter.config.parallel_drafting else None
         self.temperature = float(temperature)
-        self.seed = seed
-        self._generator: Optional[torch.Generator] = None  # one stream for all proposals, see _sample_generator
+        self.seed = 0  # the sequence's (`start`)
+        self._generator: Optional[torch.Generator] = None  # its draws: `draft_stream`
         self._cache: Optional[DynamicCache] = None
         self._cached: list[int] = []  # the tokens whose keys/values `_cache` holds
         self._checkpoint: Optional[RecurrentCheckpoint] = None  # recurrent states after `_checkpointed` tokens
         self._checkpointed = 0
+
+    def start(self, seed: int) -> None:
+        self.seed, self._generator = seed, None
 
     @torch.no_grad()
     def propose(self, state: DraftState, num_tokens: int, tree=None) -> DraftTree:
@@ -358,10 +362,8 @@ class DraftModelProposer(Proposer):
         return logits
 
     def _sample_generator(self, device: torch.device) -> torch.Generator:
-        # Seeded once and never reset: re-seeding per prompt would repeat the same draws across
-        # prompts, so the proposals would no longer be independent samples of q.
         if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device=device).manual_seed(self.seed)
+            self._generator = draft_stream(self.seed, device)
         return self._generator
 
 

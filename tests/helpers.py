@@ -24,7 +24,7 @@ import yaml
 from scipy import stats
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draftsmith.eval.loop import attention_masks, generate, prefill, propose, verify_step
+from draftsmith.eval.loop import attention_masks, generate, generate_batch, prefill, propose, verify_step
 from draftsmith.eval.sampling import Sampling
 from draftsmith.eval.trees import cache_positions, tree_depths, verify_visibility
 from draftsmith.heads import REGISTRY, drafter_class, load_drafter
@@ -462,6 +462,33 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     expected = torch.cat([expected[~small], expected[small].sum()[None]])
     keep = expected > 0
     return float(stats.chisquare(observed[keep].numpy(), expected[keep].numpy()).pvalue)
+
+
+def perturbed_draft(target, num_layers: int = 1, noise: float = 0.05, seed: int = 0):
+    """The target's first layers plus noise: right often, wrong often enough."""
+    drafter = drafter_class("draft_model").from_target(
+        drafter_class("draft_model").Config(num_layers=num_layers), target, "tiny"
+    )
+    generator = torch.Generator().manual_seed(seed)
+    for parameter in drafter.parameters():
+        parameter.data += noise * torch.randn(parameter.shape, generator=generator)
+    return drafter.eval()
+
+
+def speculative_samples(model, prompt, new_proposer, gamma=0, tree=None, sampling=Sampling(1.0), rows=60):
+    """SAMPLES speculative decodings of NEW tokens after `prompt`, seeds 0..SAMPLES-1, `rows` of them a
+    batch (a batch's rows decode exactly as alone: tests/test_batched_eval.py), each row with a proposer
+    of its own from `new_proposer()`. Returns the count of each token sequence [VOCAB]*NEW and the number
+    of accepted drafts."""
+    counts, accepted = torch.zeros((VOCAB,) * NEW), 0
+    for first in range(0, SAMPLES, rows):
+        seeds = list(range(first, min(first + rows, SAMPLES)))
+        proposers = [new_proposer() for _ in seeds]
+        out = generate_batch(model, [prompt] * len(seeds), NEW, proposers, gamma, tree, sampling, seeds=seeds)
+        for row in out:
+            counts[tuple(row.tokens)] += 1
+            accepted += row.counts.accepted
+    return counts, accepted
 
 
 TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)]  # rank 2 duplicates rank 1 (NearTargetDrafter)

@@ -26,6 +26,7 @@ from tests.helpers import (
     exact_joint,
     fast_tier,
     fitted_eagle,
+    perturbed_draft,
     perturbed_medusa,
     tiny_llama,
 )
@@ -134,6 +135,26 @@ def test_plain_batch_charges_the_batch_wall_time_once(model, prompts):
     with pytest.raises(ValueError, match="one proposer of its own"):
         shared = NGramDrafter(3)
         generate_batch(model, prompts[:2], 6, [shared, shared], gamma=3)
+
+
+def test_a_drafter_that_samples_draws_the_same_for_a_prompt_in_any_batch(model, prompts):
+    """The draft model samples its drafts from its own q (DFlash alike): each row's draws are seeded from
+    the row's seed (`Proposer.start`), so a prompt samples the same tokens alone and in a batch, with
+    proposers reused across batches as the eval reuses them."""
+    drafter = perturbed_draft(model, noise=0.3)
+    sampling, seeds = Sampling(1.0), [40 + i for i in range(len(prompts))]
+    reused = drafter.proposer(1.0)
+    alone = [
+        generate(model, prompt, 12, reused, gamma=3, sampling=sampling, seed=seed).tokens
+        for prompt, seed in zip(prompts, seeds)
+    ]
+    proposers = [drafter.proposer(1.0) for _ in range(3)]
+    rows = [
+        *generate_batch(model, prompts[:3], 12, proposers, gamma=3, sampling=sampling, seeds=seeds[:3]),
+        *generate_batch(model, prompts[3:], 12, proposers[:2], gamma=3, sampling=sampling, seeds=seeds[3:]),
+    ]
+    assert [row.tokens for row in rows] == alone
+    assert 0 < sum(row.counts.accepted for row in rows) < sum(row.counts.drafted for row in rows)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from draftsmith.data_prep.capture import capture
 from draftsmith.errors import UserError
 from draftsmith.eval.loop import generate, prefill, propose, verify_step
-from draftsmith.eval.sampling import Sampling, exact_rule
+from draftsmith.eval.sampling import Sampling
 from draftsmith.heads import drafter_class, load_drafter
 from draftsmith.heads.base import DynamicTree, TargetShape
 from draftsmith.heads.dflash import best_first_tree, default_target_layers
@@ -27,7 +27,6 @@ from draftsmith.recipe import load_recipe
 from draftsmith.target import run_target
 from tests.helpers import DFLASH_TINY as TINY
 from tests.helpers import (
-    NEW,
     SAMPLES,
     TINY_VOCAB,
     VOCAB,
@@ -40,6 +39,7 @@ from tests.helpers import (
     greedy_text,
     read_log,
     run_entry_in_process,
+    speculative_samples,
     tiny_llama,
     train_args,
     train_in_process,
@@ -280,7 +280,7 @@ def test_a_chain_of_gamma_runs_a_block_of_gamma_plus_one_queries(model, drafter,
     assert not torch.allclose(full[:2], short)  # fewer masks attend differently
 
 
-# slow tier: the rejection rule is proven in the fast tier by tests/test_eval.py; here DFlash's own q, at 12 s each
+# slow tier: the rejection rule is proven in the fast tier by tests/test_eval.py; here DFlash's own q, 7-10 s each (its proposals, row by row)
 @pytest.mark.slow
 @pytest.mark.parametrize("tree", [None, DynamicTree(nodes=4, depth=2, topk=2)], ids=["sampled-chain", "ddtree"])
 def test_sampling_matches_target_distribution(tree):
@@ -290,15 +290,15 @@ def test_sampling_matches_target_distribution(tree):
     sampling = Sampling(1.0)
     prompt = [1, 5, 2, 7]
     drafter = fitted_dflash(small_model, steps=30, target_layers=[-1, 0], block_size=3)
-    proposer = drafter.proposer(temperature=1.0)  # one random stream across all samples
     conditionals = exact_conditionals(small_model, prompt, sampling)
-    counts, accepted = torch.zeros(VOCAB, VOCAB, VOCAB), 0
-    for seed in range(SAMPLES):
-        out = generate(
-            small_model, prompt, NEW, proposer, gamma=2, tree=tree, sampling=sampling, seed=seed, rule=exact_rule
-        )
-        counts[tuple(out.tokens)] += 1
-        accepted += out.counts.accepted
+    counts, accepted = speculative_samples(  # each row's draws seeded from its seed (`Proposer.start`)
+        small_model,
+        prompt,
+        lambda: drafter.proposer(temperature=1.0),
+        gamma=2,
+        tree=tree,
+        sampling=sampling,
+    )
     assert 0.1 * SAMPLES < accepted < 1.9 * SAMPLES
     assert chi_square_pvalue(counts, exact_joint(conditionals)) > 1e-3
 

@@ -21,7 +21,6 @@ from draftsmith.heads.distill import distill_loss, divergences, forward_kl, reve
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target
 from tests.helpers import (
-    NEW,
     REFERENCE_TARGET,
     SAMPLES,
     VOCAB,
@@ -29,6 +28,8 @@ from tests.helpers import (
     chi_square_pvalue,
     exact_conditionals,
     exact_joint,
+    perturbed_draft,
+    speculative_samples,
     tiny_llama,
     train_in_process,
 )
@@ -36,15 +37,6 @@ from tests.helpers import (
 DraftModel = drafter_class("draft_model")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def perturbed_draft(target, num_layers: int = 1, noise: float = 0.05, seed: int = 0):
-    """The target's first layers plus noise: right often, wrong often enough."""
-    drafter = DraftModel.from_target(DraftModel.Config(num_layers=num_layers), target, "tiny")
-    generator = torch.Generator().manual_seed(seed)
-    for parameter in drafter.parameters():
-        parameter.data += noise * torch.randn(parameter.shape, generator=generator)
-    return drafter.eval()
 
 
 # -- building -------------------------------------------------------------------------------------
@@ -291,17 +283,14 @@ def test_train_then_eval_a_draft_recipe_is_lossless(tmp_path, small_data, token_
     assert accuracy["step1/accept"] == pytest.approx(1 - accuracy["step1/tvd"])
 
 
-# the rejection rule is proven in the fast tier by tests/test_eval.py; here the draft model's own q (11 s)
+# the rejection rule is proven in the fast tier by tests/test_eval.py; here the draft model's own q (9 s: its proposals, row by row)
 @pytest.mark.slow
 def test_sampling_with_the_drafts_own_q_matches_the_target_distribution():
     target = tiny_llama(vocab=VOCAB, hidden=16, layers=2, seed=5, logit_scale=8.0)
-    drafter = perturbed_draft(target, noise=0.3).proposer(1.0)  # what the eval builds for a sampled run
+    drafter = perturbed_draft(target, noise=0.3)
     prompt, sampling = [1, 5, 2, 7], Sampling(1.0)
-    counts, accepted = torch.zeros(VOCAB, VOCAB, VOCAB), 0
-    for seed in range(SAMPLES):
-        out = generate(target, prompt, NEW, drafter, gamma=2, sampling=sampling, seed=seed)
-        counts[tuple(out.tokens)] += 1
-        accepted += out.counts.accepted
+    # what the eval builds for a sampled run; each row's draws seeded from its seed (`Proposer.start`)
+    counts, accepted = speculative_samples(target, prompt, lambda: drafter.proposer(1.0), gamma=2, sampling=sampling)
     assert 0.1 * SAMPLES < accepted < 1.9 * SAMPLES  # both acceptances and rejections were exercised
     pvalue = chi_square_pvalue(counts, exact_joint(exact_conditionals(target, prompt, sampling)))
     assert pvalue > 1e-3, f"p={pvalue:.2e}"

@@ -13,14 +13,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from draftsmith.errors import UserError
-from draftsmith.eval.loop import generate, prefill
-from draftsmith.eval.sampling import Sampling, exact_rule
+from draftsmith.eval.loop import prefill
+from draftsmith.eval.sampling import Sampling
 from draftsmith.heads import load_drafter
 from draftsmith.heads.base import DynamicTree, TargetShape
 from draftsmith.target import run_target
 from tests.helpers import EAGLE_TREE as TREE
 from tests.helpers import (
-    NEW,
     REFERENCE_TARGET,
     SAMPLES,
     TINY_VOCAB,
@@ -31,6 +30,7 @@ from tests.helpers import (
     exact_conditionals,
     exact_joint,
     fitted_eagle,
+    speculative_samples,
     tiny_llama,
     train_args,
     train_in_process,
@@ -196,7 +196,7 @@ def test_cache_rollback_matches_a_drafter_rebuilt_from_scratch(model, drafter, p
     assert_cache_rollback(model, drafter, prompts[2], tmp_path)
 
 
-@pytest.mark.slow  # the rejection rule is proven in the fast tier by tests/test_eval.py; here EAGLE's own q (11 s)
+@pytest.mark.slow  # the rejection rule is proven in the fast tier by tests/test_eval.py; here EAGLE's own q (7 s)
 def test_sampling_matches_target_distribution():
     """Exact speculative sampling with EAGLE's deterministic drafts, chi-square against the target's
     exact distribution (the helpers in tests/helpers.py). A dynamic tree with siblings: the chain
@@ -206,20 +206,13 @@ def test_sampling_matches_target_distribution():
     prompt = [1, 5, 2, 7]
     drafter = fitted_eagle(small_model, steps=40)
     conditionals = exact_conditionals(small_model, prompt, sampling)
-    counts, accepted = torch.zeros(VOCAB, VOCAB, VOCAB), 0
-    for seed in range(SAMPLES):
-        out = generate(
-            small_model,
-            prompt,
-            NEW,
-            drafter.proposer(),
-            tree=DynamicTree(nodes=4, depth=2, topk=2),
-            sampling=sampling,
-            seed=seed,
-            rule=exact_rule,
-        )
-        counts[tuple(out.tokens)] += 1
-        accepted += out.counts.accepted
+    counts, accepted = speculative_samples(
+        small_model,
+        prompt,
+        drafter.proposer,
+        tree=DynamicTree(nodes=4, depth=2, topk=2),
+        sampling=sampling,
+    )
     assert 0.1 * SAMPLES < accepted < 1.9 * SAMPLES
     assert chi_square_pvalue(counts, exact_joint(conditionals)) > 1e-3
 
