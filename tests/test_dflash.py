@@ -280,7 +280,7 @@ def test_a_chain_of_gamma_runs_a_block_of_gamma_plus_one_queries(model, drafter,
     assert not torch.allclose(full[:2], short)  # fewer masks attend differently
 
 
-# slow tier: the rejection rule is proven in the fast tier by tests/test_eval.py; here DFlash's own q, 7-10 s each (its proposals, row by row)
+# slow tier: the rejection rule is proven in the fast tier by tests/test_eval.py; here DFlash's own q (7-10 s each)
 @pytest.mark.slow
 @pytest.mark.parametrize("tree", [None, DynamicTree(nodes=4, depth=2, topk=2)], ids=["sampled-chain", "ddtree"])
 def test_sampling_matches_target_distribution(tree):

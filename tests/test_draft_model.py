@@ -283,7 +283,7 @@ def test_train_then_eval_a_draft_recipe_is_lossless(tmp_path, small_data, token_
     assert accuracy["step1/accept"] == pytest.approx(1 - accuracy["step1/tvd"])
 
 
-# the rejection rule is proven in the fast tier by tests/test_eval.py; here the draft model's own q (9 s: its proposals, row by row)
+# the rejection rule is proven in the fast tier by tests/test_eval.py; here the draft model's own q (9 s)
 @pytest.mark.slow
 def test_sampling_with_the_drafts_own_q_matches_the_target_distribution():
     target = tiny_llama(vocab=VOCAB, hidden=16, layers=2, seed=5, logit_scale=8.0)
