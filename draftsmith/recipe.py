@@ -33,7 +33,13 @@ from draftsmith.recipe_checks import (
 from draftsmith.recipe_schema import CHOICES, RecipeSchema
 from draftsmith.resources import bundled, recipes_dir
 from draftsmith.sharding import check_shard
-from draftsmith.target import TargetShape, local_target_config, local_target_shape, unreadable_layers
+from draftsmith.target import (
+    TargetShape,
+    local_target_config,
+    local_target_shape,
+    names_a_missing_folder,
+    unreadable_layers,
+)
 
 
 def _one_line(err: Exception) -> str:
@@ -204,6 +210,10 @@ def check_drafter(cfg: DictConfig) -> None:
         config = OmegaConf.to_object(cfg.drafter)
     except OmegaConfBaseException as err:
         raise UserError(f"invalid drafter section: {_one_line(err)}") from None
+    require(
+        not names_a_missing_folder(cfg.target.name_or_path),
+        f"target.name_or_path={cfg.target.name_or_path}: no such folder (a Hub id reads owner/name)",
+    )
     streams = 1  # a GGUF file or a Hub id: the target's first forward checks its layers' outputs
     if cfg.target.gguf_file is not None:
         from draftsmith.gguf import header_shape

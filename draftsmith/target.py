@@ -181,6 +181,13 @@ def local_target_config(name_or_path: str) -> Optional[dict]:
     return config if isinstance(config, dict) else None
 
 
+def names_a_missing_folder(name_or_path: str) -> bool:
+    """A name written as a path (absolute, `./`, `../`, `~`) that is no folder: a Hub id reads `owner/name`,
+    so the Hub would only answer with a complaint about the id's form."""
+    written_as_path = name_or_path.startswith(("/", ".", "~")) or "\\" in name_or_path
+    return written_as_path and not Path(name_or_path).expanduser().is_dir()
+
+
 def local_target_shape(name_or_path: str) -> Optional[TargetShape]:
     """The shape of a target in a local directory, read from its config.json alone; None where
     `local_target_config` finds none or it lacks a field."""

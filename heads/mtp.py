@@ -104,6 +104,11 @@ UNSERVED = {
     "DeepseekV32ForCausalLM": "its sparse (indexed) attention is not served by vLLM on a CPU",
     "DeepseekV4ForCausalLM": "its compressed attention is not served by vLLM on a CPU",
 }
+# Architectures whose multi-token prediction is a model released beside the target, not a layer in its
+# checkpoint: Gemma-4's assistant (transformers' gemma4_assistant, vLLM 0.32's gemma4_mtp) is a small
+# decoder whose layers hold queries only and attend to the target's own KV cache.
+GEMMA4_ASSISTANT = "an assistant model: transformers' gemma4_assistant, vLLM's gemma4_mtp"
+SEPARATE_MODEL = {"Gemma4ForCausalLM": GEMMA4_ASSISTANT, "Gemma4ForConditionalGeneration": GEMMA4_ASSISTANT}
 
 
 @dataclass
@@ -133,6 +138,12 @@ def layout_of(config: dict) -> Layout:
     if architecture in UNSERVED:
         raise UserError(
             f"drafter.type=mtp: a {architecture} target's MTP layer is not served: {UNSERVED[architecture]}"
+        )
+    if architecture in SEPARATE_MODEL:
+        raise UserError(
+            f"drafter.type=mtp: a {architecture} target ships no MTP layer: its multi-token prediction is a model "
+            f"of its own ({SEPARATE_MODEL[architecture]}; it reads the target's KV cache), which draftsmith does "
+            "not train; train another kind (vLLM serves eagle3 and eagle drafters for this family)"
         )
     if architecture not in LAYOUTS:
         known = ", ".join(sorted(LAYOUTS))

@@ -417,20 +417,20 @@ def test_no_target_family_is_named_in_product_code():
     DRAFT_LAYER_FAMILIES), in the table of targets vLLM cannot capture features from
     (formats/repo.py's VLLM_NO_STATE_CAPTURE), of the architectures whose vLLM module imports torchvision
     (formats/versions.py's VLLM_IMPORTS_TORCHVISION) or in the tables of how vLLM serves each architecture's own
-    MTP layer (heads/mtp.py's LAYOUTS and UNSERVED: the checkpoint layout no config field names), never in
-    a branch of its own."""
+    MTP layer (heads/mtp.py's LAYOUTS and UNSERVED: the checkpoint layout no config field names, and
+    SEPARATE_MODEL: an architecture whose MTP is a model of its own), never in a branch of its own."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from draftsmith.families import DRAFT_LAYER_FAMILIES
     from draftsmith.formats.repo import VLLM_NO_STATE_CAPTURE
     from draftsmith.formats.versions import VLLM_IMPORTS_TORCHVISION
-    from draftsmith.heads.mtp import LAYOUTS, UNSERVED
+    from draftsmith.heads.mtp import LAYOUTS, SEPARATE_MODEL, UNSERVED
 
     tables = {
         "formats/repo.py": set(VLLM_NO_STATE_CAPTURE),
         "formats/versions.py": set(VLLM_IMPORTS_TORCHVISION),
-        "heads/mtp.py": {*LAYOUTS, *UNSERVED},
+        "heads/mtp.py": {*LAYOUTS, *UNSERVED, *SEPARATE_MODEL},
     }
 
     families = set(CONFIG_MAPPING_NAMES) | set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())

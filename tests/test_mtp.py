@@ -130,6 +130,9 @@ def test_targets_without_a_served_mtp_layer_are_refused_in_one_line(tmp_path):
     shape = local_target_shape(str(REFERENCE_TARGET))
     with pytest.raises(UserError, match="no MTP layer layout is known for a LlamaForCausalLM target"):
         MTP.Config().check(shape)
+    gemma = write_random_target("gemma4_text", tmp_path / "gemma")  # its MTP is a model of its own
+    with pytest.raises(UserError, match=r"Gemma4ForCausalLM target ships no MTP layer: .* \(an assistant model: "):
+        MTP.Config().check(local_target_shape(str(gemma)))
     bare = write_random_target("qwen3_next", tmp_path / "bare", **SHAPE)  # no MTP layer count in its config
     with pytest.raises(UserError, match=r"ships no MTP layer \(num_nextn_predict_layers is unset or 0"):
         MTP.Config().check(local_target_shape(str(bare)))

@@ -103,6 +103,9 @@ def test_bad_overrides_are_user_errors(override, fragment):
         # the drafter type's own check
         ("drafter.num_heads=0", "drafter.num_heads must be >= 1"),
         ("drafter.loss_weights=[1.0]", "drafter.loss_weights has 1 values for 3 heads"),
+        # a path that is no folder, before the Hub is asked (it would only object to the id's form)
+        ("target.name_or_path=/nonexistent/target", "target.name_or_path=/nonexistent/target: no such folder"),
+        ("target.name_or_path=./missing", "target.name_or_path=./missing: no such folder"),
     ],
 )
 def test_bad_values_are_refused_before_anything_runs(override, fragment):
