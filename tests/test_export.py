@@ -673,6 +673,7 @@ def test_the_folder_names_the_builds_that_serve_it_and_the_cpu_build_is_refused_
     assert "softmax" in cpu_build_limit({"scoring_func": "sigmoid"})  # MiniMax-M2's router
     assert cpu_build_limit({"scoring_func": "sigmoid", "n_group": 8}) is None  # grouped: DeepSeek-V3's path, served
     assert cpu_build_limit({"architectures": ["Qwen3_5ForCausalLM"]}) is None  # given a torchvision that loads
+    assert "Sparse Attention" in cpu_build_limit({"kv_lora_rank": 512, "index_topk": 2048})  # DeepSeek-V3.2
 
 
 def test_a_vllm_that_cannot_import_the_targets_model_is_refused_before_it_starts(tmp_path, capsys):
