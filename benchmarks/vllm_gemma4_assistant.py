@@ -1,0 +1,155 @@
+"""How vLLM 0.32 drafts with Gemma-4's assistant model (`gemma4_assistant`, served as `"method": "mtp"`):
+which query position and which of the target's keys its draft steps use, measured against transformers.
+
+    python benchmarks/vllm_gemma4_assistant.py --vllm-python /path/to/vllm-venv/bin/python
+        [--out docs/results/vllm_gemma4_assistant.json]
+
+A tiny random-weight Gemma-4 target (draftsmith.random_target, seeded from the demo's weights) and a
+random two-layer assistant (a sliding and a full-attention layer, transformers' own class and init) are
+written to a temporary directory. vLLM decodes a prompt greedily with the assistant drafting 3 tokens a
+step, and every proposal its proposer returns is recorded. transformers then computes the first two
+proposals from the same weights: the target's forward over the committed tokens gives the last hidden
+state, the next token and the keys and values it shares (`return_shared_kv_states`); the assistant
+drafts from them with its query at the position of that hidden state (p - 1) or of the token it is fed
+(p), over the same keys. Each row: vLLM's proposal and the two readings'. Nothing downloads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+PROMPT = [1, 15, 200, 33, 7, 91, 404, 5]
+GAMMA = 3
+
+# Run by the vLLM Python: the decoded tokens and every proposal of the assistant, one JSON line.
+VLLM_PROPOSALS = """
+import json, sys
+import vllm.v1.spec_decode.gemma4 as gemma4
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+proposals, propose = [], gemma4.Gemma4Proposer.propose
+def recorded(self, *args, **kwargs):
+    drafts = propose(self, *args, **kwargs)
+    proposals.append(drafts[0].tolist())
+    return drafts
+gemma4.Gemma4Proposer.propose = recorded
+speculative = {"method": "mtp", "model": sys.argv[2], "num_speculative_tokens": int(sys.argv[4])}
+llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=256, enforce_eager=True, speculative_config=speculative)
+out = llm.generate([TokensPrompt(prompt_token_ids=json.loads(sys.argv[3]))], SamplingParams(temperature=0.0,
+                   max_tokens=4), use_tqdm=False)[0].outputs[0]
+print("PROPOSALS", json.dumps({"tokens": list(out.token_ids), "proposals": proposals}))
+"""
+
+
+def write_assistant(target: Path, directory: Path) -> None:
+    """A random assistant for `target`: the target's text config with two layers (sliding, full) and no
+    per-layer inputs (the assistant's config class refuses them)."""
+    import torch
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
+
+    values = json.loads((target / "config.json").read_text())
+    own = ("architectures", "model_type", "transformers_version", "dtype")
+    text = {key: value for key, value in values.items() if key not in own}
+    full = max(i for i, kind in enumerate(values["layer_types"]) if kind == "full_attention")
+    text.update(
+        num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0, per_layer_config={"1": values.get("per_layer_config", {}).get(str(full), {})},
+    )  # fmt: skip
+    config = Gemma4AssistantConfig(text_config=Gemma4TextConfig(**text), backbone_hidden_size=values["hidden_size"])
+    config.architectures = ["Gemma4AssistantForCausalLM"]
+    torch.manual_seed(0)
+    Gemma4AssistantForCausalLM(config).save_pretrained(directory)
+
+
+def transformers_proposals(target: Path, assistant: Path, committed: list[list[int]]) -> dict[str, list]:
+    """The assistant's greedy proposal after each committed sequence, its query at the hidden state's
+    position and at the fed token's."""
+    import torch
+    from transformers import AutoModelForCausalLM, Gemma4AssistantForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    drafter = Gemma4AssistantForCausalLM.from_pretrained(assistant, dtype=torch.float32).eval()
+    embed = model.get_input_embeddings()  # scales by sqrt(hidden), as vLLM's `normalizer` does
+    readings: dict[str, list] = {"query_at_hidden_position": [], "query_at_token_position": []}
+    with torch.no_grad():
+        for tokens in committed:
+            out = model(input_ids=torch.tensor([tokens]), output_hidden_states=True, return_shared_kv_states=True)
+            shared = dict(out.shared_kv_states.items())
+            fed = out.logits[:, -1:].argmax(-1)
+            for key, position in (("query_at_hidden_position", len(tokens) - 1),
+                                  ("query_at_token_position", len(tokens))):  # fmt: skip
+                token, hidden, proposal = fed, out.hidden_states[-1][:, -1:], []
+                for _ in range(GAMMA):
+                    step = drafter(inputs_embeds=torch.cat([embed(token), hidden], -1), shared_kv_states=shared,
+                                   position_ids=torch.tensor([[position]]))  # fmt: skip
+                    token, hidden = step.logits.argmax(-1), step.last_hidden_state
+                    proposal.append(int(token))
+                readings[key].append(proposal)
+    return readings
+
+
+def vllm_proposals(python: str, target: Path, assistant: Path) -> dict:
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # fmt: skip
+    done = subprocess.run([python, "-c", VLLM_PROPOSALS, str(target), str(assistant), json.dumps(PROMPT), str(GAMMA)],
+                          capture_output=True, text=True, env=env, timeout=900)  # fmt: skip
+    lines = [line for line in done.stdout.splitlines() if line.startswith("PROPOSALS ")]
+    if done.returncode != 0 or not lines:
+        sys.exit(f"error: vLLM did not answer: {(done.stderr.strip().splitlines() or ['no output'])[-1]}")
+    return json.loads(lines[-1][len("PROPOSALS ") :])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vllm-python", required=True)
+    parser.add_argument("--out", type=Path, default=REPO / "docs/results/vllm_gemma4_assistant.json")
+    args = parser.parse_args()
+
+    from draftsmith.engines import installed_vllm
+    from draftsmith.errors import EXIT_USER_ERROR, UserError
+    from draftsmith.random_target import demo_tokenizer_dir, write_random_target
+
+    try:
+        version = installed_vllm(args.vllm_python, "--vllm-python")
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+    with tempfile.TemporaryDirectory() as tmp:
+        target = write_random_target("gemma4_text", Path(tmp) / "target", seed_from=demo_tokenizer_dir())
+        write_assistant(target, Path(tmp) / "assistant")
+        served = vllm_proposals(args.vllm_python, target, Path(tmp) / "assistant")
+        # the first proposal follows the prompt; the second the prompt and the first decoded token, where the
+        # first proposal's first draft was rejected (a random assistant's usually is)
+        rejected = served["proposals"][0][0] != served["tokens"][1]
+        committed = [PROMPT, PROMPT + served["tokens"][:1]] if rejected else [PROMPT]
+        readings = transformers_proposals(target, Path(tmp) / "assistant", committed)
+    rows = [
+        {"committed": tokens, "vllm": served["proposals"][i],
+         **{key: values[i] for key, values in readings.items()}}
+        for i, tokens in enumerate(committed)
+    ]  # fmt: skip
+    result = {
+        "vllm": version,
+        "gamma": GAMMA,
+        "decoded": served["tokens"],
+        "machine": f"{platform.machine()} {platform.processor() or ''} ({os.cpu_count()} cores)".strip(),
+        "rows": rows,
+        "vllm_equals": {key: all(row["vllm"] == row[key] for row in rows) for key in readings},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result["vllm_equals"]))
+
+
+if __name__ == "__main__":
+    main()
