@@ -8,10 +8,11 @@ A tiny random-weight Gemma-4 target (draftsmith.random_target, seeded from the d
 random two-layer assistant (a sliding and a full-attention layer, transformers' own class and init) are
 written to a temporary directory. vLLM decodes a prompt greedily with the assistant drafting 3 tokens a
 step, and every proposal its proposer returns is recorded. transformers then computes the first two
-proposals from the same weights: the target's forward over the committed tokens gives the last hidden
-state, the next token and the keys and values it shares (`return_shared_kv_states`); the assistant
-drafts from them with its query at the position of that hidden state (p - 1) or of the token it is fed
-(p), over the same keys. Each row: vLLM's proposal and the two readings'. Nothing downloads.
+proposals after each prompt from the same weights: the target's forward over the committed tokens gives
+the last hidden state, the next token and the keys and values it shares (`return_shared_kv_states`); the
+assistant drafts from them with its query at the position of that hidden state (p - 1) or of the token it
+is fed (p), over the same keys, and at p - 1 with its sliding layer over the last `sliding_window` keys
+only. Each row: vLLM's proposal and the three readings'. Nothing downloads.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-PROMPT = [1, 15, 200, 33, 7, 91, 404, 5]
+# a short prompt, and one longer than the tiny target's sliding window (48 positions): which keys the
+# assistant's sliding layer reads shows there
+PROMPTS = [[1, 15, 200, 33, 7, 91, 404, 5], [1, *range(300, 360)]]
 GAMMA = 3
 
 # Run by the vLLM Python: the decoded tokens and every proposal of the assistant, one JSON line.
@@ -45,9 +48,13 @@ def recorded(self, *args, **kwargs):
 gemma4.Gemma4Proposer.propose = recorded
 speculative = {"method": "mtp", "model": sys.argv[2], "num_speculative_tokens": int(sys.argv[4])}
 llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=256, enforce_eager=True, speculative_config=speculative)
-out = llm.generate([TokensPrompt(prompt_token_ids=json.loads(sys.argv[3]))], SamplingParams(temperature=0.0,
-                   max_tokens=4), use_tqdm=False)[0].outputs[0]
-print("PROPOSALS", json.dumps({"tokens": list(out.token_ids), "proposals": proposals}))
+rows = []
+for prompt in json.loads(sys.argv[3]):  # one at a time: a proposal is one request's
+    proposals.clear()
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], SamplingParams(temperature=0.0, max_tokens=4),
+                       use_tqdm=False)[0].outputs[0]
+    rows.append({"tokens": list(out.token_ids), "proposals": list(proposals)})
+print("PROPOSALS", json.dumps(rows))
 """
 
 
@@ -73,24 +80,30 @@ def write_assistant(target: Path, directory: Path) -> None:
 
 def transformers_proposals(target: Path, assistant: Path, committed: list[list[int]]) -> dict[str, list]:
     """The assistant's greedy proposal after each committed sequence, its query at the hidden state's
-    position and at the fed token's."""
+    position over every key the target shares, at that position over the sliding layer's last `window`
+    keys only, and at the fed token's position."""
     import torch
     from transformers import AutoModelForCausalLM, Gemma4AssistantForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     drafter = Gemma4AssistantForCausalLM.from_pretrained(assistant, dtype=torch.float32).eval()
     embed = model.get_input_embeddings()  # scales by sqrt(hidden), as vLLM's `normalizer` does
-    readings: dict[str, list] = {"query_at_hidden_position": [], "query_at_token_position": []}
+    window = model.config.sliding_window
+    readings: dict[str, list] = {"query_at_hidden_position": [], "query_at_hidden_position_sliding_window": [],
+                                 "query_at_token_position": []}  # fmt: skip
     with torch.no_grad():
         for tokens in committed:
             out = model(input_ids=torch.tensor([tokens]), output_hidden_states=True, return_shared_kv_states=True)
             shared = dict(out.shared_kv_states.items())
+            keys, values = shared["sliding_attention"]
+            windowed = {**shared, "sliding_attention": (keys[:, :, -window:], values[:, :, -window:])}
             fed = out.logits[:, -1:].argmax(-1)
-            for key, position in (("query_at_hidden_position", len(tokens) - 1),
-                                  ("query_at_token_position", len(tokens))):  # fmt: skip
+            for key, position, kv in (("query_at_hidden_position", len(tokens) - 1, shared),
+                                      ("query_at_hidden_position_sliding_window", len(tokens) - 1, windowed),
+                                      ("query_at_token_position", len(tokens), shared)):  # fmt: skip
                 token, hidden, proposal = fed, out.hidden_states[-1][:, -1:], []
                 for _ in range(GAMMA):
-                    step = drafter(inputs_embeds=torch.cat([embed(token), hidden], -1), shared_kv_states=shared,
+                    step = drafter(inputs_embeds=torch.cat([embed(token), hidden], -1), shared_kv_states=kv,
                                    position_ids=torch.tensor([[position]]))  # fmt: skip
                     token, hidden = step.logits.argmax(-1), step.last_hidden_state
                     proposal.append(int(token))
@@ -98,10 +111,10 @@ def transformers_proposals(target: Path, assistant: Path, committed: list[list[i
     return readings
 
 
-def vllm_proposals(python: str, target: Path, assistant: Path) -> dict:
+def vllm_proposals(python: str, target: Path, assistant: Path) -> list[dict]:
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # fmt: skip
-    done = subprocess.run([python, "-c", VLLM_PROPOSALS, str(target), str(assistant), json.dumps(PROMPT), str(GAMMA)],
+    done = subprocess.run([python, "-c", VLLM_PROPOSALS, str(target), str(assistant), json.dumps(PROMPTS), str(GAMMA)],
                           capture_output=True, text=True, env=env, timeout=900)  # fmt: skip
     lines = [line for line in done.stdout.splitlines() if line.startswith("PROPOSALS ")]
     if done.returncode != 0 or not lines:
@@ -128,20 +141,24 @@ def main() -> None:
         target = write_random_target("gemma4_text", Path(tmp) / "target", seed_from=demo_tokenizer_dir())
         write_assistant(target, Path(tmp) / "assistant")
         served = vllm_proposals(args.vllm_python, target, Path(tmp) / "assistant")
-        # the first proposal follows the prompt; the second the prompt and the first decoded token, where the
-        # first proposal's first draft was rejected (a random assistant's usually is)
-        rejected = served["proposals"][0][0] != served["tokens"][1]
-        committed = [PROMPT, PROMPT + served["tokens"][:1]] if rejected else [PROMPT]
+        # each prompt's first proposal, and its second where the first one's first draft was rejected (a random
+        # assistant's usually is): the prompt and the first decoded token committed then
+        committed, proposed = [], []
+        for prompt, run in zip(PROMPTS, served):
+            committed.append(prompt)
+            proposed.append(run["proposals"][0])
+            if run["proposals"][0][0] != run["tokens"][1]:
+                committed.append(prompt + run["tokens"][:1])
+                proposed.append(run["proposals"][1])
         readings = transformers_proposals(target, Path(tmp) / "assistant", committed)
     rows = [
-        {"committed": tokens, "vllm": served["proposals"][i],
-         **{key: values[i] for key, values in readings.items()}}
-        for i, tokens in enumerate(committed)
-    ]  # fmt: skip
+        {"committed_length": len(tokens), "vllm": proposal, **{key: values[i] for key, values in readings.items()}}
+        for i, (tokens, proposal) in enumerate(zip(committed, proposed))
+    ]
     result = {
         "vllm": version,
         "gamma": GAMMA,
-        "decoded": served["tokens"],
+        "decoded": [run["tokens"] for run in served],
         "machine": f"{platform.machine()} {platform.processor() or ''} ({os.cpu_count()} cores)".strip(),
         "rows": rows,
         "vllm_equals": {key: all(row["vllm"] == row[key] for row in rows) for key in readings},
