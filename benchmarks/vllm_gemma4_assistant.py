@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -111,36 +110,22 @@ def transformers_proposals(target: Path, assistant: Path, committed: list[list[i
     return readings
 
 
-def vllm_proposals(python: str, target: Path, assistant: Path) -> list[dict]:
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # fmt: skip
-    done = subprocess.run([python, "-c", VLLM_PROPOSALS, str(target), str(assistant), json.dumps(PROMPTS), str(GAMMA)],
-                          capture_output=True, text=True, env=env, timeout=900)  # fmt: skip
-    lines = [line for line in done.stdout.splitlines() if line.startswith("PROPOSALS ")]
-    if done.returncode != 0 or not lines:
-        sys.exit(f"error: vLLM did not answer: {(done.stderr.strip().splitlines() or ['no output'])[-1]}")
-    return json.loads(lines[-1][len("PROPOSALS ") :])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vllm-python", required=True)
     parser.add_argument("--out", type=Path, default=REPO / "docs/results/vllm_gemma4_assistant.json")
     args = parser.parse_args()
 
-    from draftsmith.engines import installed_vllm
-    from draftsmith.errors import EXIT_USER_ERROR, UserError
+    from benchmarks.vllm_probe import ask_vllm, vllm_version_or_exit
     from draftsmith.random_target import demo_tokenizer_dir, write_random_target
 
-    try:
-        version = installed_vllm(args.vllm_python, "--vllm-python")
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR)
+    version = vllm_version_or_exit(args.vllm_python)
     with tempfile.TemporaryDirectory() as tmp:
         target = write_random_target("gemma4_text", Path(tmp) / "target", seed_from=demo_tokenizer_dir())
         write_assistant(target, Path(tmp) / "assistant")
-        served = vllm_proposals(args.vllm_python, target, Path(tmp) / "assistant")
+        assistant = Path(tmp) / "assistant"
+        served = ask_vllm(args.vllm_python, VLLM_PROPOSALS, "PROPOSALS", str(target), str(assistant),
+                          json.dumps(PROMPTS), str(GAMMA))  # fmt: skip
         # each prompt's first proposal, and its second where the first one's first draft was rejected (a random
         # assistant's usually is): the prompt and the first decoded token committed then
         committed, proposed = [], []
@@ -150,7 +135,7 @@ def main() -> None:
             if run["proposals"][0][0] != run["tokens"][1]:
                 committed.append(prompt + run["tokens"][:1])
                 proposed.append(run["proposals"][1])
-        readings = transformers_proposals(target, Path(tmp) / "assistant", committed)
+        readings = transformers_proposals(target, assistant, committed)
     rows = [
         {"committed_length": len(tokens), "vllm": proposal, **{key: values[i] for key, values in readings.items()}}
         for i, (tokens, proposal) in enumerate(zip(committed, proposed))

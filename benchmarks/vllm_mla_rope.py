@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -70,18 +69,6 @@ def transformers_top5(directory: Path, rotary: bool) -> tuple[list[list[list[flo
             setattr(module, name, function)
 
 
-def vllm_top5(python: str, directory: Path) -> list[list[list[float]]]:
-    """vLLM's top-5 of every prompt (a child process of the vLLM Python, no V1 multiprocessing)."""
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # fmt: skip
-    done = subprocess.run([python, "-c", VLLM_TOP5, str(directory), json.dumps(PROMPTS)], capture_output=True,
-                          text=True, env=env, timeout=900)  # fmt: skip
-    lines = [line for line in done.stdout.splitlines() if line.startswith("TOP5 ")]
-    if done.returncode != 0 or not lines:
-        sys.exit(f"error: vLLM did not answer: {(done.stderr.strip().splitlines() or ['no output'])[-1]}")
-    return json.loads(lines[-1][5:])
-
-
 def largest_difference(vllm: list[list[float]], logprobs: list[list[float]]) -> float | None:
     """Over vLLM's top 5: |vLLM's log-probability - the other's|, where the other lists the token too."""
     other = dict((int(t), p) for t, p in logprobs)
@@ -96,20 +83,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "docs/results/vllm_mla_rope.json")
     args = parser.parse_args()
 
-    from draftsmith.engines import installed_vllm
-    from draftsmith.errors import EXIT_USER_ERROR, UserError
+    from benchmarks.vllm_probe import ask_vllm, vllm_version_or_exit
     from draftsmith.random_target import demo_tokenizer_dir, write_random_target
 
-    try:
-        version = installed_vllm(args.vllm_python, "--vllm-python")
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR)
+    version = vllm_version_or_exit(args.vllm_python)
     with tempfile.TemporaryDirectory() as tmp:
         directory = write_random_target(args.family, Path(tmp) / "target", seed_from=demo_tokenizer_dir())
         rotated, functions = transformers_top5(directory, rotary=True)
         unrotated, _ = transformers_top5(directory, rotary=False)
-        served = vllm_top5(args.vllm_python, directory)
+        served = ask_vllm(args.vllm_python, VLLM_TOP5, "TOP5", str(directory), json.dumps(PROMPTS))
     rows = [
         {
             "prompt": prompt,

@@ -1,0 +1,35 @@
+"""What the scripts that read vLLM's own computation share (benchmarks/vllm_mla_rope.py,
+benchmarks/vllm_gemma4_assistant.py): the vLLM of an environment of its own, and a script run there that
+answers with one tagged JSON line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+
+def vllm_version_or_exit(python: str) -> str:
+    """The vLLM version installed for `python`, or one line and the bad-input exit code."""
+    from draftsmith.engines import installed_vllm
+    from draftsmith.errors import EXIT_USER_ERROR, UserError
+
+    try:
+        return installed_vllm(python, "--vllm-python")
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+
+
+def ask_vllm(python: str, script: str, tag: str, *args: str) -> Any:
+    """`script` run by the vLLM Python (no V1 multiprocessing: the model in this child process) with `args`;
+    the JSON its last line starting with `tag` and a space carries. Exits with one line when vLLM did not answer."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # fmt: skip
+    done = subprocess.run([python, "-c", script, *args], capture_output=True, text=True, env=env, timeout=900)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(f"{tag} ")]
+    if done.returncode != 0 or not lines:
+        sys.exit(f"error: vLLM did not answer: {(done.stderr.strip().splitlines() or ['no output'])[-1]}")
+    return json.loads(lines[-1][len(tag) + 1 :])
