@@ -79,6 +79,7 @@ KINDS = {
                        "train.micro_batch_size=4", "data.max_length=128"]),
     "dflash": ("dflash", ["train.max_steps=40", "drafter.anchors=16"]),
     "mtp": ("mtp", ["train.max_steps=40", "train.lr=3e-3"]),
+    "gemma4_assistant": ("gemma4_assistant", ["train.max_steps=40", "train.lr=3e-3"]),
 }  # fmt: skip
 RESUME_STEPS = 4  # the resumed run's extra steps
 

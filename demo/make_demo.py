@@ -12,6 +12,14 @@ demo/mtp-target/ is a target with its own MTP layer, for `recipe=mtp`: a GLM-4.5
 wherever name and shape match, its first 3 decoder layers dense, the last a mixture of experts (random
 experts; vLLM builds a GLM-4.5 model only with one), and a random MTP layer (a mixture of experts, as
 GLM-4.5's is) in the checkpoint's `model.layers.4.*`, bf16.
+
+demo/gemma4-target/ is a Gemma-4 target for `recipe=gemma4_assistant`, whose assistant reads a target's KV
+cache: a two-layer `Gemma4ForCausalLM` (a sliding-window layer, then a full-attention one) of the demo target's
+shape, without per-layer inputs, started from the demo target's tensors wherever name and shape match (the
+first two layers' projections and MLPs, the embedding) and then trained for GEMMA4_STEPS steps on data/train.jsonl.gz
+(next-token loss on every token, about 2 minutes on 2 CPU threads): Gemma-4's layers compute another function of
+those tensors (normed queries, keys and values, a scaled embedding), and untrained it answers every prompt with
+line breaks, which any drafter predicts. bf16 (5 MiB: the working tree travels to a lent GPU whole).
 """
 
 import gzip
@@ -25,6 +33,9 @@ from safetensors.torch import load_file, save_file
 
 TRAIN_PER_DOMAIN = 600
 EVAL_PER_DOMAIN = 24
+GEMMA4_STEPS = 300  # demo/gemma4-target's training: steps of GEMMA4_ROWS conversations' first GEMMA4_TOKENS tokens
+GEMMA4_ROWS = 16
+GEMMA4_TOKENS = 256
 DOMAINS = ("code", "docs", "math", "packages")
 TARGET_FILES = (
     "config.json",
@@ -55,6 +66,7 @@ def main(shared: Path) -> None:
         with gzip.GzipFile(here / "data" / f"{split}.jsonl.gz", "wb", mtime=0) as f:
             f.writelines(lines)
     make_mtp_target(here / "target", here / "mtp-target")
+    make_gemma4_target(here / "target", here / "gemma4-target", here / "data" / "train.jsonl.gz")
 
 
 def make_mtp_target(demo_target: Path, directory: Path) -> None:
@@ -65,6 +77,48 @@ def make_mtp_target(demo_target: Path, directory: Path) -> None:
     layers = json.loads((demo_target / "config.json").read_text())["num_hidden_layers"]
     write_random_target("glm4_moe", directory, seed_from=demo_target, first_k_dense_replace=layers - 1)
     write_random_layer(directory)
+    to_bfloat16(directory)
+
+
+def make_gemma4_target(demo_target: Path, directory: Path, data: Path) -> None:
+    from draftsmith.random_target import write_random_target
+
+    shutil.rmtree(directory, ignore_errors=True)
+    kinds = ["sliding_attention", "full_attention"]
+    shape = {"num_hidden_layers": len(kinds), "layer_types": kinds, "per_layer_config": {}}
+    no_per_layer_inputs = {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}
+    write_random_target("gemma4_text", directory, seed_from=demo_target, **shape, **no_per_layer_inputs)
+    train_briefly(directory, data)
+    to_bfloat16(directory)
+
+
+def train_briefly(directory: Path, data: Path) -> None:
+    """The target in `directory` trained on the conversations of `data` (chat template applied, next-token
+    loss on every token; AdamW, linear warm-up and decay, deterministic on one machine and thread count)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    with gzip.open(data, "rt") as f:
+        texts = [tokenizer.apply_chat_template(json.loads(line)["messages"], tokenize=False) for line in f]
+    rows = [tokenizer(text, add_special_tokens=False)["input_ids"][:GEMMA4_TOKENS] for text in texts]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    for step in range(GEMMA4_STEPS):
+        batch = [rows[(step * GEMMA4_ROWS + i) % len(rows)] for i in range(GEMMA4_ROWS)]
+        width = max(map(len, batch))
+        ids = torch.tensor([row + [tokenizer.pad_token_id] * (width - len(row)) for row in batch])
+        mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in batch])
+        for group in optimizer.param_groups:
+            group["lr"] = 3e-3 * min(1.0, (step + 1) / 20) * (1 - step / GEMMA4_STEPS)
+        model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(directory)
+
+
+def to_bfloat16(directory: Path) -> None:
     weights = directory / "model.safetensors"
     tensors = {name: tensor.to(torch.bfloat16) for name, tensor in load_file(str(weights)).items()}
     save_file(tensors, str(weights), metadata={"format": "pt"})

@@ -103,6 +103,6 @@ def exporter_for(kind: str) -> Exporter:
 
 
 # each registers itself
-from draftsmith.formats import dflash, draft_model, eagle, eagle3, medusa, mtp  # noqa: E402,F401,I001
+from draftsmith.formats import dflash, draft_model, eagle, eagle3, gemma4_assistant, medusa, mtp  # noqa: E402,F401,I001
 
 __all__ = ["EXPORTERS", "Exporter", "Source", "exporter_for", "register", "release_table"]

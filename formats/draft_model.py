@@ -121,7 +121,12 @@ class DraftModelExporter(Exporter):
         return self.repo(source, "sglang", SGLANG_SERVE, "STANDALONE")
 
     def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
-        return any(name.endswith("embed_tokens.weight") for name in tensors) and "fc.weight" not in tensors
+        # a model of its own that reads tokens alone: no EAGLE fc, no width of another model it reads states of
+        return (
+            any(name.endswith("embed_tokens.weight") for name in tensors)
+            and "fc.weight" not in tensors
+            and "backbone_hidden_size" not in config
+        )
 
     def read(
         self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]

@@ -33,7 +33,7 @@ def drafter_class(name: str) -> type[Drafter]:
 
 
 # each module registers its kinds
-from draftsmith.heads import dflash, draft_model, eagle, eagle3, medusa, medusa2, mtp  # noqa: E402,F401,I001
+from draftsmith.heads import dflash, draft_model, eagle, eagle3, gemma4_assistant, medusa, medusa2, mtp  # noqa: E402,F401,I001
 
 __all__ = [
     "REGISTRY",

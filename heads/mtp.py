@@ -42,17 +42,15 @@ from torch import nn
 
 from draftsmith.errors import UserError, one_line
 from draftsmith.heads import register
-from draftsmith.heads.base import DrafterConfig, DraftState, FlopProfile, per_sample_stats
+from draftsmith.heads.base import DrafterConfig, DraftState, FlopProfile
 from draftsmith.heads.eagle import EagleBase, check_tree_settings, import_qualified
 from draftsmith.heads.packing import (
     causal_document_mask,
     documents,
-    num_documents,
     positions,
-    same_document,
     shifted,
 )
-from draftsmith.heads.vocab_loss import chunk_rows_for, soft_cross_entropy
+from draftsmith.heads.vocab_loss import chunk_rows_for, steps_ahead_loss
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 if TYPE_CHECKING:
@@ -145,8 +143,8 @@ def layout_of(config: dict) -> Layout:
     if architecture in SEPARATE_MODEL:
         raise UserError(
             f"drafter.type=mtp: a {architecture} target ships no MTP layer: its multi-token prediction is a model "
-            f"of its own ({SEPARATE_MODEL[architecture]}; it reads the target's KV cache), which draftsmith does "
-            "not train; train another kind (vLLM serves eagle3 and eagle drafters for this family)"
+            f"of its own ({SEPARATE_MODEL[architecture]}; it reads the target's KV cache): train it with "
+            "recipe=gemma4_assistant (drafter.type=gemma4_assistant), or another kind"
         )
     if architecture not in LAYOUTS:
         known = ", ".join(sorted(LAYOUTS))
@@ -466,45 +464,23 @@ class Mtp(EagleBase):
         """
         from transformers import DynamicCache
 
-        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
+        input_ids = batch["input_ids"]
         rows, length = input_ids.shape
         width, device, steps = length - 1, input_ids.device, self.config.ttt_steps
         docs, places = documents(batch), positions(batch)
         committed = causal_document_mask(docs[:, :width])  # step 0's entries, [B, 1, W, W]
         own = torch.eye(width, dtype=torch.bool, device=device).expand(rows, 1, width, width)
-        row_starts = torch.arange(rows, device=device)[:, None] * length
         cache = DynamicCache(config=self.layer_config)
         fed = target_out.final[:, :width].to(self.proj.weight.dtype)
-        heads, weights, scored, teacher_rows = [], [], [], []
+        outputs = []
         for step in range(steps):
             mask = torch.cat([committed] + [own] * step, dim=-1)
             fed = self.draft(shifted(input_ids, step + 1, width), fed, places[:, :width] + step, mask, cache)
-            heads.append(self.head_input(fed).flatten(0, 1))
-            counted = same_document(docs, step + 2, width) & shifted(loss_mask, step + 2, width, fill=False)
-            scored.append(counted)
-            weights.append(counted.flatten() * self.config.ttt_decay**step)
-            ahead = (torch.arange(width, device=device) + step + 1).clamp(max=length - 1)
-            teacher_rows.append((row_starts + ahead).flatten())
-        at = torch.cat(teacher_rows)
-        target_best = torch.full_like(at, -1)  # the target's argmax at the scored rows, filled by `teacher`
-
-        def teacher(chunk: torch.Tensor) -> torch.Tensor:
-            logits = target_out.logits_at(at[chunk]).float()
-            target_best[chunk] = logits.argmax(-1)
-            return logits.softmax(-1)
-
+            outputs.append(self.head_input(fed))
         _, lm_head = self.target_modules()
         chunk_rows = chunk_rows_for(self.loss_chunk_bytes, self.target.vocab_size)
-        features = torch.cat(heads).to(lm_head.weight.dtype)
-        result = soft_cross_entropy(features, lm_head.weight, teacher, torch.cat(weights).float(), chunk_rows)
-        hits = (result.best == target_best).float().view(steps, rows, width)
-        token_loss = result.token_loss.view(steps, rows, width)
-        stats: dict[str, torch.Tensor] = {}
-        owner = docs[:, :width].clamp(min=0)  # padding is never counted
-        for step, counted in enumerate(scored):
-            values = {f"step{step + 1}/top1": hits[step], f"step{step + 1}/token_loss": token_loss[step]}
-            stats |= per_sample_stats(values, owner, num_documents(batch), where=counted)
-        return result.loss, self.loss_tokens(batch), stats
+        loss, stats = steps_ahead_loss(outputs, batch, target_out, lm_head.weight, self.config.ttt_decay, chunk_rows)
+        return loss, self.loss_tokens(batch), stats
 
 
 def qualified(cls: type) -> str:

@@ -139,3 +139,46 @@ class _SoftCrossEntropy(torch.autograd.Function):
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
         return grad_features, grad_weight, None, None, None, None, None, None
+
+
+def steps_ahead_loss(
+    outputs: list[torch.Tensor], batch: dict, target_out, weight: torch.Tensor, decay: float, chunk_rows: int
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss of a training-time test whose draft step k (0 first) outputs, at every position t < T - 1 of
+    the batch, the feature `outputs[k][:, t]` ([B, T - 1, H]) that guesses x_{t+k+2} through the lm_head
+    `weight`: its soft label is the target's distribution there (its logits at t+k+1). A position counts
+    where x_{t+k+2} is supervised and in t's document; the loss is summed over positions and steps, step k
+    weighing decay**k. Returns (loss_sum, per-document `step{k+1}/top1` and `step{k+1}/token_loss`)."""
+    from draftsmith.heads.base import per_sample_stats
+    from draftsmith.heads.packing import documents, num_documents, same_document, shifted
+
+    loss_mask = batch["loss_mask"].bool()
+    rows, length = loss_mask.shape
+    width, device = length - 1, loss_mask.device
+    docs = documents(batch)
+    row_starts = torch.arange(rows, device=device)[:, None] * length
+    scored, weights, teacher_rows = [], [], []
+    for step in range(len(outputs)):
+        counted = same_document(docs, step + 2, width) & shifted(loss_mask, step + 2, width, fill=False)
+        scored.append(counted)
+        weights.append(counted.flatten() * decay**step)
+        ahead = (torch.arange(width, device=device) + step + 1).clamp(max=length - 1)
+        teacher_rows.append((row_starts + ahead).flatten())
+    at = torch.cat(teacher_rows)
+    target_best = torch.full_like(at, -1)  # the target's argmax at the scored rows, filled by `teacher`
+
+    def teacher(chunk: torch.Tensor) -> torch.Tensor:
+        logits = target_out.logits_at(at[chunk]).float()
+        target_best[chunk] = logits.argmax(-1)
+        return logits.softmax(-1)
+
+    features = torch.cat([output.flatten(0, 1) for output in outputs]).to(weight.dtype)
+    result = soft_cross_entropy(features, weight, teacher, torch.cat(weights).float(), chunk_rows)
+    hits = (result.best == target_best).float().view(len(outputs), rows, width)
+    token_loss = result.token_loss.view(len(outputs), rows, width)
+    stats: dict[str, torch.Tensor] = {}
+    owner = docs[:, :width].clamp(min=0)  # padding is never counted
+    for step, counted in enumerate(scored):
+        values = {f"step{step + 1}/top1": hits[step], f"step{step + 1}/token_loss": token_loss[step]}
+        stats |= per_sample_stats(values, owner, num_documents(batch), where=counted)
+    return result.loss, stats

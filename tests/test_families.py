@@ -212,6 +212,8 @@ def test_every_kind_trains_and_decodes_losslessly_on_family_quirks(kind, model_t
     Llama in every way the stages meet: one training step moves it, and it decodes plain greedy's tokens."""
     if kind == "mtp":
         pytest.skip("reads the MTP layer a target's checkpoint ships: tests/test_mtp.py, on the families that have one")
+    if kind == "gemma4_assistant":
+        pytest.skip("reads a Gemma-4 target's KV cache: tests/test_gemma4_assistant.py")
     model = tiny(model_type)
     config = OmegaConf.to_object(load_recipe([f"recipe={demo_recipe(kind)}"]).drafter)
     if hasattr(config, "aux_layers"):
@@ -382,7 +384,7 @@ def test_a_multi_stream_target_refuses_a_drafter_that_reads_layer_outputs_from_i
     model.config.save_pretrained(tmp_path / "target")
     shape = TargetShape.from_config(model.config, str(tmp_path / "target"))
     for kind in sorted(REGISTRY):
-        if kind == "mtp":  # reads the MTP layer a target ships: tests/test_mtp.py
+        if kind in ("mtp", "gemma4_assistant"):  # a layer a target ships, a Gemma-4's cache: their own tests
             continue
         args = [f"recipe={demo_recipe(kind)}", f"target.name_or_path={tmp_path / 'target'}", f"output_dir={tmp_path}"]
         config = OmegaConf.to_object(load_recipe(args[:1]).drafter)
@@ -418,16 +420,19 @@ def test_no_target_family_is_named_in_product_code():
     (formats/repo.py's VLLM_NO_STATE_CAPTURE), of the architectures whose vLLM module imports torchvision
     (formats/versions.py's VLLM_IMPORTS_TORCHVISION) or in the tables of how vLLM serves each architecture's own
     MTP layer (heads/mtp.py's LAYOUTS and UNSERVED: the checkpoint layout no config field names, and
-    SEPARATE_MODEL: an architecture whose MTP is a model of its own), never in a branch of its own."""
+    SEPARATE_MODEL: an architecture whose MTP is a model of its own), or as the targets whose cache Gemma-4's
+    assistant reads and the assistant's own model type (heads/gemma4_assistant.py), never in a branch of its own."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from draftsmith.families import DRAFT_LAYER_FAMILIES
     from draftsmith.formats.repo import VLLM_NO_STATE_CAPTURE
     from draftsmith.formats.versions import VLLM_IMPORTS_TORCHVISION
+    from draftsmith.heads.gemma4_assistant import ASSISTANT_MODEL_TYPE, TARGET_MODEL_TYPES
     from draftsmith.heads.mtp import LAYOUTS, SEPARATE_MODEL, UNSERVED
 
     tables = {
+        "heads/gemma4_assistant.py": {*TARGET_MODEL_TYPES, ASSISTANT_MODEL_TYPE},
         "formats/repo.py": set(VLLM_NO_STATE_CAPTURE),
         "formats/versions.py": set(VLLM_IMPORTS_TORCHVISION),
         "heads/mtp.py": {*LAYOUTS, *UNSERVED, *SEPARATE_MODEL},

