@@ -33,7 +33,8 @@ does (all ranks step together); a job whose ranks have different amounts of work
 regenerate) runs its forwards through `Lockstep`.
 
 Not supported (a one-line error at recipe validation, `unshardable`): Medusa-2, which trains LoRA
-inside the target's layers, and a draft model built from copies of the target's first layers.
+inside the target's layers, a draft model built from copies of the target's first layers, and Gemma-4's
+assistant, which runs two target layers' norms and key and value projections outside the target's forward.
 Loading a target has one home, `draftsmith.target.load_target`: the stages that train, capture or
 regenerate pass it the recipe's `target.shard`, and for `fsdp` it calls `load_sharded` here with the
 target's config and a reader of its weights; this module imports nothing from it. The eval stage and

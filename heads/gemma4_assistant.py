@@ -169,6 +169,13 @@ class Gemma4Assistant(Drafter):
         self.shared: Optional[tuple[nn.Module]] = None  # the target (attach_target)
 
     @classmethod
+    def unshardable(cls, config) -> Optional[str]:
+        return (
+            "it recomputes the keys and values of two target layers with those layers' own norm and projections, "
+            "outside the target's forward, where a sharded target's pieces are not gathered"
+        )
+
+    @classmethod
     def features(cls, config: AssistantConfig, target: TargetShape) -> FeatureRequest:
         stores = (config.decoder or {}).get("stores")
         if stores is None:  # before from_target: the target's config says (a Hub id's config: from the Hub)
