@@ -3,6 +3,7 @@ which query position and which of the target's keys its draft steps use, measure
 
     python benchmarks/vllm_gemma4_assistant.py --vllm-python /path/to/vllm-venv/bin/python
         [--out docs/results/vllm_gemma4_assistant.json]
+        [--target demo/gemma4-target --assistant <an exported assistant's vllm/ folder>]
 
 A tiny random-weight Gemma-4 target (draftsmith.random_target, seeded from the demo's weights) and a
 random two-layer assistant (a sliding and a full-attention layer, transformers' own class and init) are
@@ -13,6 +14,10 @@ the last hidden state, the next token and the keys and values it shares (`return
 assistant drafts from them with its query at the position of that hidden state (p - 1) or of the token it
 is fed (p), over the same keys, and at p - 1 with its sliding layer over the last `sliding_window` keys
 only. Each row: vLLM's proposal and the three readings'. Nothing downloads.
+
+With `--target` and `--assistant`, that pair instead (a trained assistant, whose sliding layer tells the two
+window readings apart where a random one drafts the same tokens either way), on the prompts below and more
+that cross the window.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ sys.path.insert(0, str(REPO))
 # a short prompt, and one longer than the tiny target's sliding window (48 positions): which keys the
 # assistant's sliding layer reads shows there
 PROMPTS = [[1, 15, 200, 33, 7, 91, 404, 5], [1, *range(300, 360)]]
+LONGER = [[1, *range(600, 700)], [1, *range(1000, 1130, 2)], [1, *range(2000, 2150, 3)]]  # with --assistant
 GAMMA = 3
 
 # Run by the vLLM Python: the decoded tokens and every proposal of the assistant, one JSON line.
@@ -114,22 +120,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vllm-python", required=True)
     parser.add_argument("--out", type=Path, default=REPO / "docs/results/vllm_gemma4_assistant.json")
+    parser.add_argument("--target", type=Path, help="a Gemma-4 target folder (with --assistant)")
+    parser.add_argument("--assistant", type=Path, help="an assistant folder for --target (a trained one)")
     args = parser.parse_args()
+    if (args.target is None) != (args.assistant is None):
+        parser.error("--target and --assistant go together")
 
     from benchmarks.vllm_probe import ask_vllm, vllm_version_or_exit
     from draftsmith.random_target import demo_tokenizer_dir, write_random_target
 
     version = vllm_version_or_exit(args.vllm_python)
+    prompts = PROMPTS if args.assistant is None else PROMPTS + LONGER
     with tempfile.TemporaryDirectory() as tmp:
-        target = write_random_target("gemma4_text", Path(tmp) / "target", seed_from=demo_tokenizer_dir())
-        write_assistant(target, Path(tmp) / "assistant")
-        assistant = Path(tmp) / "assistant"
+        if args.assistant is None:
+            target = write_random_target("gemma4_text", Path(tmp) / "target", seed_from=demo_tokenizer_dir())
+            write_assistant(target, Path(tmp) / "assistant")
+            assistant = Path(tmp) / "assistant"
+        else:
+            target, assistant = args.target.resolve(), args.assistant.resolve()
         served = ask_vllm(args.vllm_python, VLLM_PROPOSALS, "PROPOSALS", str(target), str(assistant),
-                          json.dumps(PROMPTS), str(GAMMA))  # fmt: skip
+                          json.dumps(prompts), str(GAMMA))  # fmt: skip
         # each prompt's first proposal, and its second where the first one's first draft was rejected (a random
         # assistant's usually is): the prompt and the first decoded token committed then
         committed, proposed = [], []
-        for prompt, run in zip(PROMPTS, served):
+        for prompt, run in zip(prompts, served):
             committed.append(prompt)
             proposed.append(run["proposals"][0])
             if run["proposals"][0][0] != run["tokens"][1]:
@@ -142,6 +156,7 @@ def main() -> None:
     ]
     result = {
         "vllm": version,
+        "pair": "random target and assistant" if args.assistant is None else f"{args.target} + {args.assistant}",
         "gamma": GAMMA,
         "decoded": [run["tokens"] for run in served],
         "machine": f"{platform.machine()} {platform.processor() or ''} ({os.cpu_count()} cores)".strip(),

@@ -446,11 +446,13 @@ def layers_of(target_model, config: DraftModelConfig):
 
 def first_layers_config(target_config, num_layers: int):
     """The target's config for a model of its first `num_layers` layers, built by the config's class (as a
-    saved draft is rebuilt when it loads): the first layers' kinds (`layer_types`) and per-layer overrides
-    of global sizes (`per_layer_config`, Gemma-4's wider heads on some layers)."""
-    values = {**target_config.to_dict(), "num_hidden_layers": num_layers}
-    if values.get("layer_types"):
-        values["layer_types"] = values["layer_types"][:num_layers]
+    saved draft is rebuilt when it loads): the first entries of every per-layer list (`layer_types`, the MLP kinds)
+    and per-layer overrides of global sizes (`per_layer_config`, Gemma-4's wider heads on some layers)."""
+    values = target_config.to_dict()
+    # every per-layer list (a value per layer: layer_types, DeepSeek-V3.2's mlp_layer_types, ...): its first entries
+    per_layer = [key for key, value in values.items() if isinstance(value, list) and not key.endswith("token_id")
+                 and len(value) == values["num_hidden_layers"]]  # fmt: skip
+    values.update({key: values[key][:num_layers] for key in per_layer}, num_hidden_layers=num_layers)
     if values.get("per_layer_config"):
         kept = {layer: sizes for layer, sizes in values["per_layer_config"].items() if int(layer) < num_layers}
         values["per_layer_config"] = kept or None

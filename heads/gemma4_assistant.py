@@ -156,7 +156,8 @@ class Gemma4Assistant(Drafter):
         hf_config = Gemma4AssistantConfig.from_dict(config.decoder["assistant"])
         if not hf_config.tie_word_embeddings:
             raise UserError(
-                "this assistant unties its lm_head from its embedding table, which vLLM 0.32's gemma4_mtp does not load"
+                "drafter.type=gemma4_assistant: this assistant's lm_head is untied from its embedding table "
+                "(tie_word_embeddings false), which draftsmith does not read"
             )
         hf_config._attn_implementation = "sdpa"
         hf_config.text_config._attn_implementation = "sdpa"

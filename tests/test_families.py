@@ -283,6 +283,19 @@ def test_a_draft_of_the_first_layers_keeps_their_slice_of_per_layer_inputs_and_o
     )
 
 
+def test_a_draft_of_the_first_layers_takes_the_first_entries_of_every_per_layer_list():
+    """DeepSeek-V3.2 lists each layer's MLP kind (`mlp_layer_types`, dense then experts), which its config class
+    checks against the layer count: a one-layer draft of it keeps the first entry (it failed with an internal
+    error, found by benchmarks/target_matrix.py) and decodes losslessly."""
+    model = tiny("deepseek_v32")
+    assert isinstance(model.config.to_dict().get("mlp_layer_types"), list)
+    draft = drafter_class("draft_model")
+    drafter = draft.from_target(draft.Config(num_layers=1), model, "").eval()
+    assert drafter.model.config.mlp_layer_types == model.config.mlp_layer_types[:1]
+    prompt = random_prompt(20, 5)
+    assert generate(model, prompt, 20, drafter=drafter.proposer(), gamma=3).tokens == generate(model, prompt, 20).tokens
+
+
 def test_compressed_attention_is_put_back_after_every_rejected_draft():
     """DeepSeek-V4's compressed attention pools several positions into one entry (and its window layers keep
     only their window), so no entry can be cut back to a position: the loop keeps the cache's state before
