@@ -164,6 +164,8 @@ class Gemma4Assistant(Drafter):
         self.assistant = Gemma4AssistantForCausalLM(hf_config)
         # Its embedding table is its lm_head (tied); the input embedding is the target's (module docstring).
         self.assistant.model.embed_tokens = None
+        if self.assistant.masked_embedding is not None:  # the centroids stay as released (module docstring)
+            self.assistant.masked_embedding.requires_grad_(False)
         self.kinds = list(hf_config.text_config.layer_types)
         self.stores = {kind: int(layer) for kind, layer in config.decoder["stores"].items()}
         self.window = hf_config.text_config.sliding_window

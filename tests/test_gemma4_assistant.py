@@ -122,6 +122,52 @@ def test_its_chains_are_transformers_assistants_as_vllm_drafts_them_as_the_seque
     assert len({tuple(reference_chain(model, reference, sequence[:n], 3)) for n in (9, 13, 62)}) == 3
 
 
+def test_a_released_assistant_restricted_by_centroids_is_read_drafts_as_released_and_exports_its_own_layout(
+    target, tmp_path
+):
+    """A folder as Google releases an assistant (transformers' saver; here with `use_ordered_embeddings`: its
+    logits restricted to the tokens of its best centroids) is read as a drafter (what `train.init_from` and
+    `python -m eval checkpoint=` do), drafts what transformers' module drafts from it, trains with the
+    centroids kept as released, and exports exactly the tensors it was read from."""
+    from safetensors.torch import load_file
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
+
+    from draftsmith.formats import Source, exporter_for
+    from draftsmith.formats.folder import open_drafter
+    from draftsmith.formats.repo import TargetInfo
+    from draftsmith.heads.gemma4_assistant import assistant_config
+    from draftsmith.target import TargetShape
+
+    model, name = target
+    values = assistant_config(model.config, KIND.Config())
+    config = Gemma4AssistantConfig.from_dict({**values, "use_ordered_embeddings": True, "num_centroids": 64,
+                                              "centroid_intermediate_top_k": 8})  # fmt: skip
+    torch.manual_seed(1)
+    released = Gemma4AssistantForCausalLM(config).eval()
+    with torch.no_grad():
+        for parameter in released.parameters():
+            if parameter.dim() >= 2:
+                parameter.normal_(0.0, 0.1)
+        released.masked_embedding.token_ordering.copy_(torch.randperm(config.text_config.vocab_size))
+    released.save_pretrained(tmp_path / "released")
+    shape = TargetShape.of(model, name)
+    drafter = open_drafter(tmp_path / "released", shape, model)
+    assert drafter.type == "gemma4_assistant" and drafter.config.num_layers == 2
+    sequence = [1, *range(300, 362)]
+    states = run_target(model, torch.tensor([sequence]), request=drafter.request)
+    committed = {layer: h[0, :-1] for layer, h in states.layers.items()}  # every position but the last token's
+    state = DraftState(torch.tensor(sequence), states.final[0, -2], {}, states.final[0, :-1], committed)
+    assert drafter.proposer().propose(state, 3).tokens.tolist() == reference_chain(model, released, sequence, 3)
+    trainable = {n for n, p in drafter.named_parameters() if p.requires_grad}
+    assert trainable and not any("masked_embedding" in n for n in trainable)
+    repo = exporter_for(drafter.type).vllm(
+        Source(drafter, tmp_path, model, TargetInfo(shape, model.config.to_dict(), name)), 3, tmp_path / "export"
+    )
+    written = load_file(str(tmp_path / "released" / "model.safetensors"))
+    assert repo.tensors.keys() == written.keys() == repo.expected.keys()
+    assert all(torch.equal(repo.tensors[k], written[k]) for k in written)
+
+
 def test_one_step_trains_it_and_it_decodes_losslessly_alone_and_in_a_batch(target):
     model, _ = target
     drafter = sharpened(target).train()
