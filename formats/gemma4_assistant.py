@@ -7,8 +7,8 @@ to its gemma4_mtp model) and the tensors transformers' saver writes for it (`pre
 vLLM ties its lm_head; the centroids where the assistant has them). Served with
 `--speculative-config '{"method": "mtp", "model": <folder>, ...}'`: vLLM wires each assistant layer to the
 target's last cached layer of its kind and feeds it the target's embedding (measured:
-benchmarks/vllm_gemma4_assistant.py). The folder is also what `train.init_from` reads, so a released
-assistant downloaded from the Hub starts fine-tuning as it is.
+benchmarks/vllm_gemma4_assistant.py). Read back, such a folder is what `drafter.released_assistant` starts from, so the
+export and a released assistant downloaded from the Hub are one format.
 
 SGLang: draftsmith has not verified its loader for the assistant.
 """
@@ -22,14 +22,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.errors import UserError
 from draftsmith.formats import Exporter, Source, register
 from draftsmith.formats.repo import VLLM_SERVE, EngineRepo, check_vllm_path
-from draftsmith.heads.gemma4_assistant import ASSISTANT_MODEL_TYPE, Gemma4Assistant, store_layers
-from draftsmith.target import TargetShape
+from draftsmith.heads.gemma4_assistant import ASSISTANT_MODEL_TYPE, OWN_TABLE, RELEASED_TABLE, Gemma4Assistant
 
-# The names of the assistant's vocabulary table: the drafter's lm_head, the released folder's embedding.
-OWN_TABLE, RELEASED_TABLE = "lm_head.weight", "model.embed_tokens.weight"
 SETTINGS = ("ttt_steps", "ttt_decay")  # training settings the engine does not carry
 
 
@@ -77,29 +73,7 @@ class AssistantExporter(Exporter):
     def read(
         self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]
     ):
-        from transformers import Gemma4AssistantConfig
-
-        kind = Gemma4Assistant
-        text_target = getattr(target_model.config, "text_config", None) or target_model.config
-        hf_config = Gemma4AssistantConfig.from_dict(config)
-        if hf_config.backbone_hidden_size != text_target.hidden_size:
-            raise UserError(
-                f"{folder} is an assistant for a target of width {hf_config.backbone_hidden_size}; this target's is "
-                f"{text_target.hidden_size}"
-            )
-        text = hf_config.text_config
+        # the folder is a released assistant's (this export's, or Google's): the kind starts from it as from one
         settings = {key: value for key, value in info.get("drafter_config", {}).items() if key in SETTINGS}
-        drafter_config = kind.Config(
-            num_layers=text.num_hidden_layers, hidden_width=text.hidden_size, mlp_width=text.intermediate_size,
-            decoder={"assistant": hf_config.to_dict(), "stores": store_layers(text_target.to_dict())}, **settings,
-        )  # fmt: skip
-        drafter = kind(drafter_config, TargetShape.of(target_model, info.get("verifier", "target")))
-        drafter.attach_target(target_model)
-        state = {name: tensor for name, tensor in tensors.items() if name != RELEASED_TABLE}
-        state[OWN_TABLE] = tensors[RELEASED_TABLE]
-        missing, unexpected = drafter.assistant.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise UserError(
-                f"{folder}: not an assistant of its config (missing {missing[:3]}, unexpected {unexpected[:3]})"
-            )
-        return drafter
+        config = Gemma4Assistant.Config(released_assistant=str(folder), **settings)
+        return Gemma4Assistant.from_target(config, target_model, info.get("verifier", "target"))

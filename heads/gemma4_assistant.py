@@ -26,9 +26,11 @@ exactly (tests/test_gemma4_assistant.py compares them with transformers' `shared
 
 The assistant's `model.embed_tokens` is its vocabulary table only: vLLM feeds it the target's embedding
 and ties its lm_head to that table, so the drafter holds it as `lm_head` (formats/gemma4_assistant.py
-writes it back under the released name). A released assistant (`train.init_from=<its folder>`) starts
-fine-tuning; otherwise it starts from random weights at the target's shape, its vocabulary table the
-target's embedding where the widths agree. A released assistant whose lm_head is restricted by token
+writes it back under the released name). With `drafter.released_assistant` (a released assistant's folder or Hub id,
+or this kind's export) it starts from that assistant, its configuration and weights as released; otherwise from
+random weights at the target's shape, its vocabulary table the target's embedding where the widths agree. Its
+configuration is resolved once, into the checkpoint, so a warm start (`train.init_from`) or a resumed run
+continues the same function. A released assistant whose lm_head is restricted by token
 centroids (`use_ordered_embeddings`) drafts through them; training scores the full vocabulary and leaves
 the centroids as released.
 """
@@ -42,7 +44,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from draftsmith.errors import UserError
+from draftsmith.errors import UserError, one_line
 from draftsmith.families import within_window
 from draftsmith.heads import register
 from draftsmith.heads.base import (
@@ -62,6 +64,9 @@ from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, local_t
 TARGET_MODEL_TYPES = ("gemma4_text",)
 ASSISTANT_MODEL_TYPE = "gemma4_assistant"
 SLIDING, FULL = "sliding_attention", "full_attention"
+FRESH_LAYERS = 2  # a fresh assistant's layers (drafter.num_layers null): a sliding-window one, a full-attention one
+# The released names of the assistant's vocabulary table and the drafter's (module docstring).
+OWN_TABLE, RELEASED_TABLE = "lm_head.weight", "model.embed_tokens.weight"
 # Keys of the target's text config an assistant does not take over (the assistant's config class refuses
 # per-layer inputs, experts and double-wide MLPs; its layers share every key and value).
 NOT_INHERITED = ("architectures", "model_type", "transformers_version", "dtype", "num_kv_shared_layers")
@@ -71,7 +76,10 @@ NOT_INHERITED = ("architectures", "model_type", "transformers_version", "dtype",
 class AssistantConfig(DrafterConfig):
     type: str = "gemma4_assistant"  # the drafter kind (registry key)
     SETTINGS = ("ttt_steps", "ttt_decay")  # see DrafterConfig
-    num_layers: int = 2  # decoder layers: sliding-window attention, the last one full attention
+    # A released assistant to start from (its folder, or a Hub id with a network): its configuration and weights;
+    # null: a fresh assistant at the target's shape, shaped by the three keys below (null where it is released).
+    released_assistant: Optional[str] = None
+    num_layers: Optional[int] = None  # decoder layers (null: 2): sliding-window attention, the last full attention
     hidden_width: Optional[int] = None  # the assistant's hidden size; null: the target's
     mlp_width: Optional[int] = None  # its MLP's intermediate size; null: the target's
     ttt_steps: int = 3  # training-time test: draft steps unrolled, each fed the previous step's output
@@ -79,9 +87,7 @@ class AssistantConfig(DrafterConfig):
     decoder: Optional[dict] = None  # the assistant's transformers config and the target's store layers
 
     def check(self, target: Optional[TargetShape] = None) -> None:
-        if self.num_layers < 1:
-            raise UserError(f"drafter.num_layers must be >= 1 (got {self.num_layers})")
-        for key in ("hidden_width", "mlp_width"):
+        for key in ("num_layers", "hidden_width", "mlp_width"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise UserError(f"drafter.{key} must be >= 1 or null (got {getattr(self, key)})")
         if self.ttt_steps < 1:
@@ -122,12 +128,13 @@ def assistant_config(text_config, config: AssistantConfig) -> dict[str, Any]:
 
     target = text_config.to_dict()
     stores = store_layers(target)
-    kinds = [SLIDING] * (config.num_layers - 1) + [FULL]
+    layers = config.num_layers or FRESH_LAYERS
+    kinds = [SLIDING] * (layers - 1) + [FULL]
     per_layer = target.get("per_layer_config") or {}  # a layer's own head shape (Gemma-4's wider full layers)
     read = {str(i): str(stores[kind]) for i, kind in enumerate(kinds)}  # assistant layer -> the target layer it reads
     text = {key: value for key, value in target.items() if key not in NOT_INHERITED}
     text.update(
-        num_hidden_layers=config.num_layers, layer_types=kinds, num_kv_shared_layers=config.num_layers,
+        num_hidden_layers=layers, layer_types=kinds, num_kv_shared_layers=layers,
         hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, enable_moe_block=False, use_double_wide_mlp=False,
         per_layer_config={mine: per_layer[theirs] for mine, theirs in read.items() if theirs in per_layer},
         hidden_size=config.hidden_width or target["hidden_size"],
@@ -136,6 +143,25 @@ def assistant_config(text_config, config: AssistantConfig) -> dict[str, Any]:
     made = Gemma4AssistantConfig(text_config=Gemma4TextConfig(**text), backbone_hidden_size=target["hidden_size"])
     made.architectures = [type(made).__name__.replace("Config", "ForCausalLM")]
     return made.to_dict()
+
+
+def load_released(name_or_path: str, target_width: int):
+    """A released assistant (a folder, or a Hub id), loaded by transformers; one line where it is not one for a
+    target of this width."""
+    from transformers import AutoConfig, Gemma4AssistantForCausalLM
+
+    key = f"drafter.released_assistant={name_or_path!r}"
+    try:
+        config = AutoConfig.from_pretrained(name_or_path)
+    except (OSError, ValueError) as err:
+        raise UserError(f"{key} is not an assistant's folder ({one_line(err)})") from None
+    if config.model_type != ASSISTANT_MODEL_TYPE:
+        raise UserError(f"{key} is a {config.model_type} model, not Gemma-4's assistant")
+    if config.backbone_hidden_size != target_width:
+        raise UserError(
+            f"{key} drafts for a target of width {config.backbone_hidden_size}; this target's is {target_width}"
+        )
+    return Gemma4AssistantForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
 
 
 @register
@@ -200,19 +226,25 @@ class Gemma4Assistant(Drafter):
         text = getattr(target_model.config, "text_config", None) or target_model.config
         shape = TargetShape.of(target_model, name_or_path)
         config.check(shape)
-        decoder = {"assistant": assistant_config(text, config), "stores": store_layers(text.to_dict())}
-        config = replace(
-            config,
-            hidden_width=decoder["assistant"]["text_config"]["hidden_size"],
-            mlp_width=decoder["assistant"]["text_config"]["intermediate_size"],
-            decoder=decoder,
-        )
-        drafter = cls(config, shape)
+        start = config.released_assistant
+        released = None if start is None else load_released(start, text.hidden_size)
+        values = assistant_config(text, config) if released is None else released.config.to_dict()
+        own = values["text_config"]
+        sizes = {"num_layers": own["num_hidden_layers"], "hidden_width": own["hidden_size"],
+                 "mlp_width": own["intermediate_size"]}  # fmt: skip
+        differ = [f"drafter.{key}={getattr(config, key)} ({start} has {value})"
+                  for key, value in sizes.items() if getattr(config, key) not in (None, value)]  # fmt: skip
+        if differ:
+            raise UserError(f"{'; '.join(differ)}: leave those null, the released assistant's are its own")
+        decoder = {"assistant": values, "stores": store_layers(text.to_dict())}
+        drafter = cls(replace(config, **sizes, decoder=decoder), shape)
         drafter.attach_target(target_model)
-        table = target_model.get_input_embeddings().weight
         with torch.no_grad():
-            if table.shape == drafter.assistant.lm_head.weight.shape:
-                drafter.assistant.lm_head.weight.copy_(table)
+            if released is not None:
+                state = {name: t for name, t in released.state_dict().items() if name != RELEASED_TABLE}
+                drafter.assistant.load_state_dict(state)
+            elif target_model.get_input_embeddings().weight.shape == drafter.assistant.lm_head.weight.shape:
+                drafter.assistant.lm_head.weight.copy_(target_model.get_input_embeddings().weight)
         return drafter
 
     def attach_target(self, target_model) -> None:

