@@ -57,7 +57,7 @@ from draftsmith.heads.base import (
     Tree,
 )
 from draftsmith.heads.packing import documents, positions, shifted
-from draftsmith.heads.vocab_loss import chunk_rows_for, steps_ahead_loss
+from draftsmith.heads.vocab_loss import check_steps_ahead, chunk_rows_for, steps_ahead_loss
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, local_target_config
 
 # The target text models whose KV cache an assistant reads (transformers' model_type), and the assistant's.
@@ -90,10 +90,7 @@ class AssistantConfig(DrafterConfig):
         for key in ("num_layers", "hidden_width", "mlp_width"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise UserError(f"drafter.{key} must be >= 1 or null (got {getattr(self, key)})")
-        if self.ttt_steps < 1:
-            raise UserError(f"drafter.ttt_steps must be >= 1 (got {self.ttt_steps})")
-        if not 0 < self.ttt_decay <= 1:
-            raise UserError(f"drafter.ttt_decay={self.ttt_decay} must be in (0, 1]")
+        check_steps_ahead(self)
         if target is not None and target.model_type not in TARGET_MODEL_TYPES:
             raise UserError(
                 f"drafter.type={self.type}: the assistant reads a Gemma-4 target's KV cache; this target is "

@@ -50,7 +50,7 @@ from draftsmith.heads.packing import (
     positions,
     shifted,
 )
-from draftsmith.heads.vocab_loss import chunk_rows_for, steps_ahead_loss
+from draftsmith.heads.vocab_loss import check_steps_ahead, chunk_rows_for, steps_ahead_loss
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 if TYPE_CHECKING:
@@ -124,10 +124,7 @@ class MtpConfig(DrafterConfig):
 
     def check(self, target: Optional[TargetShape] = None) -> None:
         check_tree_settings(self)
-        if self.ttt_steps < 1:
-            raise UserError(f"drafter.ttt_steps must be >= 1 (got {self.ttt_steps})")
-        if not 0 < self.ttt_decay <= 1:
-            raise UserError(f"drafter.ttt_decay={self.ttt_decay} must be in (0, 1]")
+        check_steps_ahead(self)
         if target is not None:
             check_target_folder(target.name_or_path)
 

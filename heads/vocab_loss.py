@@ -33,6 +33,10 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from draftsmith.errors import UserError
+from draftsmith.heads.base import per_sample_stats
+from draftsmith.heads.packing import documents, num_documents, same_document, shifted
+
 
 class VocabLoss(NamedTuple):
     loss: torch.Tensor  # scalar float32: sum_i row_weight[i] * CE_i, differentiable w.r.t. features and weight
@@ -141,6 +145,14 @@ class _SoftCrossEntropy(torch.autograd.Function):
         return grad_features, grad_weight, None, None, None, None, None, None
 
 
+def check_steps_ahead(config) -> None:
+    """One-line errors for the settings `steps_ahead_loss` reads: `ttt_steps` and `ttt_decay`."""
+    if config.ttt_steps < 1:
+        raise UserError(f"drafter.ttt_steps must be >= 1 (got {config.ttt_steps})")
+    if not 0 < config.ttt_decay <= 1:
+        raise UserError(f"drafter.ttt_decay={config.ttt_decay} must be in (0, 1]")
+
+
 def steps_ahead_loss(
     outputs: list[torch.Tensor], batch: dict, target_out, weight: torch.Tensor, decay: float, chunk_rows: int
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -149,9 +161,6 @@ def steps_ahead_loss(
     `weight`: its soft label is the target's distribution there (its logits at t+k+1). A position counts
     where x_{t+k+2} is supervised and in t's document; the loss is summed over positions and steps, step k
     weighing decay**k. Returns (loss_sum, per-document `step{k+1}/top1` and `step{k+1}/token_loss`)."""
-    from draftsmith.heads.base import per_sample_stats
-    from draftsmith.heads.packing import documents, num_documents, same_document, shifted
-
     loss_mask = batch["loss_mask"].bool()
     rows, length = loss_mask.shape
     width, device = length - 1, loss_mask.device
