@@ -1,6 +1,6 @@
 """The load sweep of several drafters side by side, as docs/serving-load.md measured it: `draftsmith sweep`'s
-measurement (export/sweep.py: the rows, their format, the summary) on MT-bench, plus what only this
-comparison needs: several drafters, the schedules served and repeated rounds.
+measurement (export/sweep.py: the rows, their format; export/sweep_results.py: the summary) on MT-bench,
+plus what only this comparison needs: several drafters, the schedules served and repeated rounds.
 
     python benchmarks/load_sweep.py --vllm-python <venv>/bin/python --drafter eagle3.1=runs/load/eagle3
         [--drafter NAME=RUN_DIR ...] [--out docs/results/load_sweep] [--concurrency 1,2,4,8,16,32]
@@ -28,7 +28,7 @@ Stages, each resumable (a row already in <out>/sweep.jsonl is not measured again
    `round`; speedup over the same round's plain). A shared machine's speed drifts by more than the few
    percent at stake between γ 0, the schedule and plain; measured side by side and repeated, their
    ratios can be told from that drift;
-4. report: <out>/summary.json (export/sweep.py's summary; the schedule against every fixed γ; `repeated`:
+4. report: <out>/summary.json (export/sweep_results.py's summary; the schedule against every fixed γ; `repeated`:
    per method and concurrency the median, lowest and highest ratio over the same round's plain) and
    <out>/speedup.png.
 
@@ -50,20 +50,8 @@ from pathlib import Path
 
 from draftsmith.engines import require_suffix_decoding
 from draftsmith.errors import UserError
-from draftsmith.export.sweep import (
-    NGRAM,
-    PLAIN,
-    PLAIN_AGAIN,
-    SUFFIX,
-    Load,
-    ngram_config,
-    plot,
-    read_rows,
-    round_robin,
-    served_at,
-    suffix_config,
-    summarize,
-)
+from draftsmith.export.sweep import NGRAM, SUFFIX, Load, ngram_config, read_rows, round_robin, served_at, suffix_config
+from draftsmith.export.sweep_results import PLAIN, PLAIN_AGAIN, plot, summarize
 from draftsmith.export.verify import EngineSession
 
 REPO = Path(__file__).resolve().parent.parent

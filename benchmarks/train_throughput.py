@@ -7,7 +7,7 @@ the trainer's own step timed, as JSON.
 KEY=VALUE are recipe overrides, as `train.py` takes them (e.g. drafter.ttt_steps=7
 data.max_length=256 train.micro_batch_size=4 data.pack=true). The data is `--data` (default the
 bundled demo conversations whose answers SmolLM2 regenerated, demo/data/train.regenerated.jsonl.gz).
-The run is built by the trainer's own set-up (trainer/loop.py `set_up`: data, target, drafter, optimizer
+The run is built by the trainer's own set-up (trainer/setup.py `set_up`: data, target, drafter, optimizer
 and schedule under accelerate) and each step is the trainer's `train_step`: every micro-batch's target
 forward, drafter forward and backward, gradient clipping, the next step's micro-batches collated, the
 step's all-reduce, the optimizer and the schedule. After `--warmup` untimed steps, `--steps` steps are
@@ -250,7 +250,8 @@ def bench(recipe: str, data: str, overrides: list[str], steps: int, warmup: int,
     from omegaconf import OmegaConf
 
     from draftsmith.recipe import load_recipe
-    from draftsmith.trainer.loop import end_run, set_up
+    from draftsmith.trainer.loop import end_run
+    from draftsmith.trainer.setup import set_up
 
     with tempfile.TemporaryDirectory() as scratch:
         cfg = load_recipe(
@@ -418,7 +419,7 @@ def shape_run(args, kind: str, scratch: Path):
 
     from draftsmith.data_prep import Collator
     from draftsmith.recipe import load_recipe
-    from draftsmith.trainer.loop import build_drafter, make_accelerator, online_features, prepare_run
+    from draftsmith.trainer.setup import build_drafter, make_accelerator, online_features, prepare_run
 
     total = args.warmup + args.steps + args.profile_steps
     precision = "bf16" if args.dtype == "bfloat16" else "no"

@@ -300,7 +300,7 @@ def check_train_start(cfg: DictConfig) -> None:
         f"to warm-start from it, pass train.init_from={cfg.checkpoint}",
     )
     start = cfg.train.init_from
-    require(  # a resumed run does not read its start again (trainer/loop.py resumed_start)
+    require(  # a resumed run does not read its start again (trainer/setup.py resumed_start)
         start is None or resolve_bool_or_path(cfg.train.resume) is not None or Path(start).expanduser().exists(),
         f"train.init_from={start} does not exist: give a drafter checkpoint or an exported drafter folder",
     )

@@ -41,7 +41,7 @@ def split_accuracy(cfg: DictConfig, checkpoint: Path, target, tokenizer) -> dict
     untrained = drafter_class(trained.type).from_target(
         OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path
     )
-    if cfg.data.draft_vocab:  # the rows the trainer prepared on (trainer/loop.py)
+    if cfg.data.draft_vocab:  # the rows the trainer prepared on (trainer/setup.py)
         untrained.prepare(load_tokenized(cfg, cfg.data.draft_vocab, tokenizer, "data.draft_vocab"))
     else:
         untrained.prepare(

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -51,6 +51,7 @@ from draftsmith.caches import (
     select_rows,
 )
 from draftsmith.errors import UserError
+from draftsmith.eval.counts import Generation
 from draftsmith.eval.sampling import AcceptRule, Sampling, Verdict, exact_rule, verify
 from draftsmith.eval.trees import (
     additive_mask,
@@ -72,8 +73,8 @@ from draftsmith.families import (
     sliding_window,
     within_window,
 )
-from draftsmith.heads.base import DraftState, DraftTree, Proposer, Tree
 from draftsmith.heads.packing import causal_document_mask
+from draftsmith.heads.proposer import DraftState, DraftTree, Proposer, Tree
 from draftsmith.target import FeatureRequest, run_target
 
 
@@ -330,72 +331,6 @@ def verify_step(
     else:
         gather_cache(state.cache, width, cached, keeps)
     return verdicts
-
-
-def _add_lists(a: list[int], b: list[int]) -> list[int]:
-    longer, shorter = (a, b) if len(a) >= len(b) else (b, a)
-    return [x + (shorter[i] if i < len(shorter) else 0) for i, x in enumerate(longer)]
-
-
-@dataclass
-class Counts:
-    """Decoding counters, of one prompt or summed over many.
-
-    `drafted` counts draft positions (the proposal's depth: a chain's length, a tree's longest path),
-    not tree nodes, so alpha = accepted/drafted compares chains and trees. `reached[d]` /
-    `accepted_at[d]` count the cycles that tested / accepted a node at draft position d+1.
-    `mismatched` counts prompts whose greedy output differed from plain decoding's (set by the report).
-    """
-
-    prompts: int = 0
-    new_tokens: int = 0
-    target_forwards: int = 0  # decode forwards; the prefill is not counted
-    draft_forwards: int = 0  # the drafter's forward passes (Proposer.draft_forwards)
-    drafted: int = 0
-    accepted: int = 0
-    reached: list[int] = field(default_factory=list)
-    accepted_at: list[int] = field(default_factory=list)
-    wall_s: float = 0.0  # prefill included
-    mismatched: int = 0
-
-    def count_cycle(self, depth: int, new_tokens: int, verdict: Verdict) -> None:
-        self.target_forwards += 1
-        self.new_tokens += new_tokens
-        self.drafted += depth
-        self.accepted += len(verdict.path)
-        grow = max(0, verdict.depth_reached - len(self.reached))
-        self.reached += [0] * grow
-        self.accepted_at += [0] * grow
-        for d in range(verdict.depth_reached):
-            self.reached[d] += 1
-            self.accepted_at[d] += int(d < len(verdict.path))
-
-    def add(self, other: Counts) -> None:
-        for name in (
-            "prompts",
-            "new_tokens",
-            "target_forwards",
-            "draft_forwards",
-            "drafted",
-            "accepted",
-            "wall_s",
-            "mismatched",
-        ):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.reached = _add_lists(self.reached, other.reached)
-        self.accepted_at = _add_lists(self.accepted_at, other.accepted_at)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-
-@dataclass
-class Generation:
-    """One prompt's new tokens and its counters."""
-
-    tokens: list[int] = field(default_factory=list)
-    counts: Counts = field(default_factory=lambda: Counts(prompts=1))
 
 
 @torch.no_grad()

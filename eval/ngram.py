@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 from draftsmith.errors import UserError
-from draftsmith.heads.base import DraftState, DraftTree, Proposer, Tree
+from draftsmith.heads.proposer import DraftState, DraftTree, Proposer, Tree
 from draftsmith.target import FeatureRequest
 
 

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from draftsmith.heads.base import DraftTree
+from draftsmith.heads.proposer import DraftTree
 
 
 @dataclass(frozen=True)

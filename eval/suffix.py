@@ -14,7 +14,7 @@ from typing import Optional
 
 from draftsmith.engines import SuffixSettings, arctic_build, suffix_decoding_installed
 from draftsmith.errors import UserError
-from draftsmith.heads.base import DraftState, DraftTree, Proposer, Tree
+from draftsmith.heads.proposer import DraftState, DraftTree, Proposer, Tree
 from draftsmith.target import FeatureRequest
 
 INSTALL = f"build it into this environment: {arctic_build()}"

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from draftsmith.heads.base import DraftTree, DynamicTree, Tree
+from draftsmith.heads.proposer import DraftTree, DynamicTree, Tree
 
 
 def tree_depths(parents: torch.Tensor) -> torch.Tensor:

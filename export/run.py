@@ -77,7 +77,9 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
         exporter = exporter_for(source.drafter.type)
         repos = {engine: exporter.build(engine, source, gamma, output / engine) for engine in cfg.export.engines}
         if "vllm" in cfg.export.engines and cfg.export.vllm_python:  # a build that cannot serve the target
-            require_build_serves(source.target.config, cfg.export.vllm_python)
+            require_build_serves(
+                source.target.config, cfg.export.vllm_python, drafter_limit=repos["vllm"].cpu_build_limit
+            )
             require_engine_imports(source.target.config, cfg.export.vllm_python)
         for repo in repos.values():
             check_tensors(repo, f"{source.drafter.type} checkpoint {checkpoint}")
@@ -129,7 +131,7 @@ def batch_schedule_of(cfg: DictConfig, digest: str) -> Optional[dict[str, Any]]:
     if not cfg.export.batch_sweep:
         return None
     from draftsmith.export.schedule import batch_schedule
-    from draftsmith.export.sweep import PLAIN, PLAIN_AGAIN, at_one_gamma, read_sweep
+    from draftsmith.export.sweep_results import PLAIN, PLAIN_AGAIN, at_one_gamma, read_sweep
 
     path = Path(cfg.export.batch_sweep).resolve()
     rows = [row for row in read_sweep(path) if at_one_gamma(row)]  # a served schedule's rows are left out
@@ -276,7 +278,7 @@ def export_info(
         "vllm_releases": served_by(repo.method, exporter_for(drafter.type).vllm_releases)
         if repo.engine == "vllm"
         else None,
-        "vllm_builds": served_builds(source.target.config) if repo.engine == "vllm" else None,
+        "vllm_builds": served_builds(source.target.config, repo.cpu_build_limit) if repo.engine == "vllm" else None,
         "batch_schedule": schedule,
         "engine_settings": None,  # what the engine resolved, when the export was checked in it
         "recommended_num_speculative_tokens": recommended_gamma(report),

@@ -42,7 +42,7 @@ import math
 from typing import Any
 
 from draftsmith.errors import ExportCheckFailed, UserError
-from draftsmith.export.sweep import PLAIN, PLAIN_AGAIN
+from draftsmith.export.sweep_results import PLAIN, PLAIN_AGAIN
 
 
 def pooled_acceptance(runs: list[dict[str, Any]]) -> list[float]:

@@ -28,7 +28,8 @@ from omegaconf import DictConfig
 
 from draftsmith.engines import VllmWorker
 from draftsmith.errors import ExportCheckFailed, UserError
-from draftsmith.eval.loop import Counts, generate_batch
+from draftsmith.eval.counts import Counts
+from draftsmith.eval.loop import generate_batch
 from draftsmith.eval.prompts import eos_ids_of, load_prompts
 from draftsmith.families import recurrent
 from draftsmith.formats import Source

@@ -23,7 +23,8 @@ import torch
 from draftsmith.formats import Exporter, Source, register
 from draftsmith.formats.repo import VLLM_SERVE, EngineRepo, check_vllm_path
 from draftsmith.heads import drafter_class
-from draftsmith.heads.mtp import LAYOUTS, layout_of, shipped_shapes
+from draftsmith.heads.mtp import LAYOUTS, layout_of
+from draftsmith.heads.mtp_layer import shipped_shapes
 
 
 @register

@@ -72,6 +72,8 @@ class EngineRepo:
     tokenizer: bool = False  # copy the target's tokenizer files in
     extra: Optional[Callable[[Path], None]] = None  # writes more into the folder (Medusa-2's merged target)
     weights_dir: str = ""  # subfolder holding config.json + weights ("" = the folder itself)
+    # why vLLM's CPU build cannot serve this folder whatever the target (measured); None: the target decides
+    cpu_build_limit: Optional[str] = None
 
 
 def check_tensors(repo: EngineRepo, what: str) -> None:

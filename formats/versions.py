@@ -76,20 +76,25 @@ def cpu_build_limit(config: dict) -> Optional[str]:
     return None
 
 
-def served_builds(config: dict) -> str:
-    """One line for the folder: which builds of vLLM serve a drafter of this target."""
-    limit = cpu_build_limit(config)
+def served_builds(config: dict, drafter_limit: Optional[str] = None) -> str:
+    """One line for the folder: which builds of vLLM serve a drafter of this target (`drafter_limit`: why the
+    CPU build cannot serve this drafter whatever the target, its EngineRepo's `cpu_build_limit`)."""
+    limit = drafter_limit or cpu_build_limit(config)
     if limit is None:
         return "vLLM's GPU and CPU builds"
     return f"vLLM's GPU builds; not its CPU build ({CPU_BUILD} {CPU_CHECKED}: {limit})"
 
 
-def require_build_serves(config: dict, python: str, key: str = "export.vllm_python") -> None:
-    """The one-line refusal of checking, on vLLM's CPU build, a drafter of a target it cannot serve."""
-    limit = cpu_build_limit(config)
+def require_build_serves(
+    config: dict, python: str, key: str = "export.vllm_python", drafter_limit: Optional[str] = None
+) -> None:
+    """The one-line refusal of checking, on vLLM's CPU build, a drafter of a target it cannot serve, or a
+    drafter it cannot serve whatever the target (`drafter_limit`, as for `served_builds`)."""
+    limit = drafter_limit or cpu_build_limit(config)
     if limit is not None and vllm_distribution(python, key) == CPU_BUILD:
+        what = "this drafter" if drafter_limit else "a drafter of this target"
         raise UserError(
-            f"{key} is vLLM's CPU build ({CPU_BUILD}), which cannot serve a drafter of this target: {limit}; "
+            f"{key} is vLLM's CPU build ({CPU_BUILD}), which cannot serve {what}: {limit}; "
             f"check the export with a GPU build of vLLM, or leave {key} unset"
         )
 

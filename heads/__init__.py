@@ -4,16 +4,8 @@ Adding a kind touches its own file and the import line below, nothing else."""
 from __future__ import annotations
 
 from draftsmith.errors import UserError
-from draftsmith.heads.base import (
-    Drafter,
-    DrafterConfig,
-    DraftState,
-    DraftTree,
-    DynamicTree,
-    Proposer,
-    Tree,
-    load_drafter,
-)
+from draftsmith.heads.base import Drafter, DrafterConfig, load_drafter
+from draftsmith.heads.proposer import DraftState, DraftTree, DynamicTree, Proposer, Tree
 from draftsmith.target import TargetShape
 
 REGISTRY: dict[str, type[Drafter]] = {}

@@ -16,8 +16,9 @@ each layer's own k_proj/v_proj (no input_layernorm on it). The context does not 
 With `qk_norm` (the default) every layer normalises queries and keys per head (Qwen3's q_norm/k_norm,
 added where the target's family has none): vLLM's DFlash layers always apply them.
 
-Decoding: the context keys and values of committed positions are cached per layer and cropped on
-rejection (they change only when the committed sequence does); the block is recomputed per cycle.
+Decoding (`DFlashProposer`, heads/dflash_proposer.py): the context keys and values of committed
+positions are cached per layer and cropped on rejection (they change only when the committed sequence
+does); the block is recomputed per cycle.
 A chain of γ tokens runs a block of 1 + γ queries, as vLLM runs DFlash with num_speculative_tokens γ
 (so γ = block_size - 1 is the block trained on), and is the per-position argmax (T=0) or a sample from
 each position's q (T>0, q returned for the exact rule); DDTree runs the whole block and is a
@@ -33,7 +34,8 @@ detached, confidence c_k = exp(-CE_k) smoothed to s_k = (1-α)c_k + α, position
 sum_{j>=k} prod_{i<=j} s_i, how much of the block's expected accepted length rides on it. Either way a
 block's weights are normalised to sum 1 (its loss a weighted mean). Attention cost per layer
 and sequence: anchors × block_size queries against T context keys plus block_size block keys, i.e.
-O(A·B·(T+B)) scores, never the O((A·B)²) of a dense mask over all blocks (see `block_attention`).
+O(A·B·(T+B)) scores, never the O((A·B)²) of a dense mask over all blocks (see `block_attention`,
+heads/dflash_layer.py).
 
 Layer ids: `target_layers` use draftsmith's convention (draftsmith.target: id i is the output of
 decoder layer i, transformers' hidden_states[i + 1]), which is also DFlash's own `target_layer_ids`;
@@ -50,8 +52,6 @@ learned mask `mask_embedding [H]`, the one tensor the public layout lacks (it na
 from __future__ import annotations
 
 import copy
-import heapq
-import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -61,19 +61,10 @@ from torch import nn
 from draftsmith.errors import UserError
 from draftsmith.families import layer_family, tap_layers
 from draftsmith.heads import register
-from draftsmith.heads.base import (
-    DrafterConfig,
-    DraftState,
-    DraftTree,
-    DynamicTree,
-    Proposer,
-    Tree,
-    check_layer_ids,
-    check_mask_token,
-    draft_stream,
-    per_sample_stats,
-)
-from draftsmith.heads.eagle import EagleBase, import_qualified, start_from_norm
+from draftsmith.heads.base import DrafterConfig, check_layer_ids, check_mask_token, per_sample_stats
+from draftsmith.heads.dflash_layer import DFlashLayer, add_qk_norm
+from draftsmith.heads.dflash_proposer import DFlashProposer
+from draftsmith.heads.eagle_base import EagleBase, import_qualified, start_from_norm
 from draftsmith.heads.packing import documents, num_documents, positions, same_document
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
@@ -157,104 +148,6 @@ def default_target_layers(num_target_layers: int, count: int) -> list[int]:
         return [num_target_layers // 2]
     low, high = 1, num_target_layers - 3
     return [round(low + index * (high - low) / (count - 1)) for index in range(count)]
-
-
-def add_qk_norm(layer: nn.Module, config) -> None:
-    """Give a family decoder layer without them Qwen3's per-head q_norm/k_norm (RMSNorm over head_dim,
-    of the family's RMSNorm class, weights 1: a fresh layer's norms)."""
-    attention = layer.self_attn
-    head_dim = getattr(attention, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    for name in ("q_norm", "k_norm"):
-        if getattr(attention, name, None) is None:
-            setattr(attention, name, type(layer.input_layernorm)(head_dim, eps=getattr(config, "rms_norm_eps", 1e-6)))
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE (rotate-half form, as the Llama/Qwen/Mistral families) on [B, heads, n, d] with cos/sin [B, n, d]."""
-    first, second = x.chunk(2, dim=-1)
-    return x * cos[:, None] + torch.cat([-second, first], dim=-1) * sin[:, None]
-
-
-def block_attention(query, context_key, context_value, block_key, block_value, visible, scaling: float) -> torch.Tensor:
-    """Attention of A blocks of S queries each: [B, h, A, S, d] queries against the shared context
-    ([B, kv, C, d] keys/values, `visible` [B, A, C] says which context positions block a may see) and
-    its own block's S keys/values ([B, kv, A, S, d], all visible: non-causal). Scores are computed in
-    two parts, [A, S, C] and [A, S, S] per head, so memory is A·S·(C+S) per head rather than the
-    (A·S)·(C + A·S) of one mask over every block. Grouped-query attention reads kv head h // group
-    without copying keys. Returns [B, h, A, S, d]."""
-    batch, heads, blocks, size, dim = query.shape
-    kv_heads = context_key.shape[1]
-    grouped = query.reshape(batch, kv_heads, heads // kv_heads, blocks * size, dim)
-    context_scores = (grouped @ context_key[:, :, None].transpose(-1, -2)).view(
-        batch, kv_heads, -1, blocks, size, context_key.shape[2]
-    )
-    context_scores = context_scores.masked_fill(~visible[:, None, None, :, None, :], float("-inf"))
-    grouped = grouped.view(batch, kv_heads, -1, blocks, size, dim)
-    block_scores = grouped @ block_key[:, :, None].transpose(-1, -2)  # [B, kv, g, A, S, S]
-    weights = (
-        (torch.cat([context_scores, block_scores], dim=-1) * scaling).softmax(-1, dtype=torch.float32).to(query.dtype)
-    )
-    context_weights, block_weights = weights.split([context_key.shape[2], size], dim=-1)
-    out = (context_weights.flatten(3, 4) @ context_value[:, :, None]).view(batch, kv_heads, -1, blocks, size, dim)
-    out = out + block_weights @ block_value[:, :, None]
-    return out.reshape(batch, heads, blocks, size, dim)
-
-
-class DFlashLayer(nn.Module):
-    """One decoder layer of the target's family, with DFlash's attention (see the module docstring):
-    its q/k/v/o projections (and q_norm/k_norm where the family has them), norms and MLP are the
-    family's modules under the family's names; only the attention's wiring is DFlash's."""
-
-    def __init__(self, layer: nn.Module, config):
-        super().__init__()
-        attention = getattr(layer, "self_attn", None)
-        needed = [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        parts = [getattr(layer, name, None) for name in ("input_layernorm", "post_attention_layernorm", "mlp")]
-        if not all(isinstance(p, nn.Linear) for p in needed) or any(p is None for p in parts):
-            raise UserError(
-                "DFlash needs a decoder layer with input_layernorm, self_attn.q/k/v/o_proj, post_attention_layernorm "
-                f"and mlp; {type(layer).__name__} differs"
-            )
-        self.self_attn = attention
-        self.mlp = layer.mlp
-        self.input_layernorm = layer.input_layernorm
-        self.post_attention_layernorm = layer.post_attention_layernorm
-        self.heads = config.num_attention_heads
-        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
-        self.head_dim = getattr(attention, "head_dim", None) or config.hidden_size // self.heads
-        self.scaling = float(getattr(attention, "scaling", self.head_dim**-0.5))
-
-    def _heads(self, projection: str, norm: str, x: torch.Tensor, count: int) -> torch.Tensor:
-        """[B, n, H] -> [B, count, n, d] through self_attn.<projection> (and .<norm> if the family has one)."""
-        out = getattr(self.self_attn, projection)(x).view(*x.shape[:-1], count, self.head_dim)
-        norm_module = getattr(self.self_attn, norm, None)
-        return (norm_module(out) if norm_module is not None else out).transpose(1, 2)
-
-    def keys_values(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (rotated) and values [B, kv, n, d] of inputs [B, n, H] at the positions `rope` encodes."""
-        return rotate(self._heads("k_proj", "k_norm", x, self.kv_heads), *rope), self._heads(
-            "v_proj", "v_norm", x, self.kv_heads
-        )
-
-    def forward(self, hidden, rope, context_kv, visible) -> torch.Tensor:
-        """hidden [B, A, S, H] (A blocks of S) at the positions `rope` encodes ([B, A*S, d] cos/sin);
-        context_kv: this layer's context keys/values [B, kv, C, d]; visible [B, A, C]."""
-        batch, blocks, size, width = hidden.shape
-        x = self.input_layernorm(hidden).view(batch, blocks * size, width)
-        query = rotate(self._heads("q_proj", "q_norm", x, self.heads), *rope)
-        block_key, block_value = self.keys_values(x, rope)
-
-        def per_block(t):
-            return t.view(batch, t.shape[1], blocks, size, self.head_dim)
-
-        attended = block_attention(
-            per_block(query), *context_kv, per_block(block_key), per_block(block_value), visible, self.scaling
-        )
-        attended = attended.permute(0, 2, 3, 1, 4).reshape(batch, blocks, size, self.heads * self.head_dim)
-        hidden = hidden + self.self_attn.o_proj(attended)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
 @register
@@ -494,131 +387,3 @@ class DFlash(EagleBase):
         reach = smoothed.cumprod(-1) * supervised  # the chance the block's drafts are accepted up to k
         weights = reach.flip(-1).cumsum(-1).flip(-1) * supervised
         return weights / weights.sum(-1, keepdim=True).clamp(min=torch.finfo(weights.dtype).tiny)
-
-
-class DFlashProposer(Proposer):
-    """DFlash decoding for one sequence at a time: the context keys/values of the committed sequence
-    per layer (`catch_up`), one block forward per cycle, a chain or DDTree from its distributions."""
-
-    def __init__(self, drafter: DFlash, temperature: float):
-        self.drafter = drafter
-        self.features = drafter.request
-        self.temperature = float(temperature)
-        self.seed = 0  # the sequence's (`start`)
-        self.generator: Optional[torch.Generator] = None  # its draws: `draft_stream`
-        self.cache: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None  # per layer [1, kv, committed-1, d]
-
-    def start(self, seed: int) -> None:
-        self.seed, self.generator = seed, None
-
-    def default_tree(self, size: int) -> DynamicTree:
-        return DynamicTree(nodes=size, depth=self.drafter.config.block_size - 1, topk=self.drafter.config.tree_topk)
-
-    def cached(self) -> int:
-        return 0 if self.cache is None else int(self.cache[0][0].shape[2])
-
-    def catch_up(self, state: DraftState) -> None:
-        """Bring the per-layer context keys/values to positions 0 .. n-2 of the n committed tokens
-        (everything before the root, which is the next block's anchor). The state carries the
-        target's layers for the last m of them; entries from position n-1-m on are cropped (they were
-        never there, or a previous sequence's) and rebuilt."""
-        missing = [layer for layer in self.drafter.config.target_layers if layer not in state.new_layers]
-        if missing:
-            raise ValueError(
-                f"dflash needs the target's layers {missing} at the newly committed positions (DraftState.new_layers)"
-            )
-        count = len(next(iter(state.new_layers.values())))
-        committed = len(state.tokens) - 1
-        start = committed - count
-        if state.fresh or self.cache is None:
-            self.cache = None
-        if self.cached() < start:
-            raise RuntimeError(
-                f"dflash context cache holds {self.cached()} positions, the committed sequence needs {start}"
-            )
-        if count == 0:
-            return
-        device = state.tokens.device
-        context = self.drafter.context({layer: state.new_layers[layer] for layer in self.drafter.config.target_layers})[
-            None
-        ]
-        fresh = self.drafter.context_keys(context, torch.arange(start, committed, device=device)[None])
-        if self.cache is None:
-            self.cache = fresh
-        else:
-            self.cache = [
-                (torch.cat([k[:, :, :start], nk], dim=2), torch.cat([v[:, :, :start], nv], dim=2))
-                for (k, v), (nk, nv) in zip(self.cache, fresh)
-            ]
-
-    @torch.no_grad()
-    def block_logits(self, state: DraftState, size: Optional[int] = None) -> torch.Tensor:
-        """The draft's logits [size-1, V] for the tokens after the root, from one forward of a block
-        of `size` queries (the root and size-1 masks; default the trained block_size)."""
-        self.catch_up(state)
-        self.draft_forwards += 1
-        drafter = self.drafter
-        committed = len(state.tokens) - 1
-        device = state.tokens.device
-        positions = (committed + torch.arange(size or drafter.config.block_size, device=device))[None, None]
-        visible = torch.ones(1, 1, self.cached(), dtype=torch.bool, device=device)
-        outputs = drafter.denoise(state.tokens[-1:][None], positions, self.cache, visible)
-        return drafter.logits(outputs[0, 0, 1:])
-
-    @torch.no_grad()
-    def propose(self, state: DraftState, num_tokens: int, tree: Optional[Tree] = None) -> DraftTree:
-        if tree is not None and not isinstance(tree, DynamicTree):
-            raise UserError(
-                "the dflash drafter builds its tree (DDTree) from its block: pass eval.tree=<node budget>, not a "
-                "static tree"
-            )
-        if tree is not None:
-            logits = self.block_logits(state)
-            log_q = (logits / self.temperature if self.temperature > 0 else logits).log_softmax(-1)
-            return best_first_tree(log_q[: tree.depth], tree.nodes, tree.topk)
-        logits = self.block_logits(state, num_tokens + 1)  # the block vLLM runs for a chain of num_tokens
-        device = logits.device
-        if self.temperature <= 0:
-            return DraftTree.chain(logits.argmax(-1))
-        q = (logits / self.temperature).softmax(-1)
-        if self.generator is None or self.generator.device != device:
-            self.generator = draft_stream(self.seed, device)
-        # Each position is sampled from its own q, independently: the exact rule's proposal.
-        return DraftTree.chain(torch.multinomial(q, 1, generator=self.generator)[:, 0], q)
-
-
-def best_first_tree(log_q: torch.Tensor, nodes: int, topk: int) -> DraftTree:
-    """DDTree: the `nodes` most likely prefixes under the block's per-position distributions, where a
-    prefix (t_1..t_d) scores sum_k log q_k(t_k) and position k offers its `topk` best tokens.
-
-    Best-first with a heap: popping a node adds it to the tree and offers its best child (the next
-    position's top token) and its next sibling (same parent, the next-ranked token), so candidates
-    enter the heap in score order and the kept set is exactly the best `nodes` prefixes; every
-    node's parent is kept before it. Deterministic (ties by insertion order): q one-hot for the loop."""
-    values, ids = log_q.topk(min(topk, log_q.shape[-1]), dim=-1)
-    values, ids = values.tolist(), ids.tolist()
-    depth, width = len(values), len(values[0]) if values else 0
-    tokens: list[int] = []
-    parents: list[int] = []
-    heap = [(-values[0][0], 0, 0, 0, -1)] if depth and nodes > 0 else []  # (-score, order, position, rank, parent)
-    order = 1
-    while heap and len(tokens) < nodes:
-        negative, _, position, rank, parent = heapq.heappop(heap)
-        node = len(tokens)
-        tokens.append(ids[position][rank])
-        parents.append(parent)
-        score = -negative
-        if position + 1 < depth:
-            heapq.heappush(heap, (-(score + values[position + 1][0]), order, position + 1, 0, node))
-            order += 1
-        if rank + 1 < width and not math.isinf(values[position][rank + 1]):
-            heapq.heappush(
-                heap,
-                (-(score - values[position][rank] + values[position][rank + 1]), order, position, rank + 1, parent),
-            )
-            order += 1
-    device = log_q.device
-    return DraftTree(
-        tokens=torch.tensor(tokens, dtype=torch.long, device=device),
-        parents=torch.tensor(parents, dtype=torch.long, device=device),
-    )

@@ -21,11 +21,11 @@ groups of mask tokens, one per anchor t: group k's mask for anchor t sits at pos
 real tokens up to t and anchor t's masks of groups 1..k (a 4-D attention mask), and learns the target's
 distribution for token t + k + 1; group 0 (the real tokens) trains as the plain draft model does.
 
-Decoding (`DraftModelProposer`): the draft model runs autoregressively with its own KV cache, which
-survives across calls and is cropped to the longest common prefix with the committed tokens. At
-temperature 0 it proposes the argmax (`probs=None`); at T > 0 (the eval's sampling temperature) it
-samples each token from q = softmax(logits / T) with its own generator and returns q as `probs`,
-which the exact acceptance rule min(1, p/q) needs.
+Decoding (`DraftModelProposer`, heads/draft_model_proposer.py): the draft model runs autoregressively
+with its own KV cache, which survives across calls and is cropped to the longest common prefix with the
+committed tokens. At temperature 0 it proposes the argmax (`probs=None`); at T > 0 (the eval's sampling
+temperature) it samples each token from q = softmax(logits / T) with its own generator and returns q as
+`probs`, which the exact acceptance rule min(1, p/q) needs.
 """
 
 from __future__ import annotations
@@ -34,26 +34,17 @@ import copy
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 
-from draftsmith.caches import RecurrentCheckpoint, cut_keys, new_cache
 from draftsmith.errors import UserError, one_line
-from draftsmith.families import ATTENTION_KINDS, COMPRESSED, layer_types, recurrent
+from draftsmith.families import ATTENTION_KINDS, COMPRESSED, layer_types
 from draftsmith.heads import register
-from draftsmith.heads.base import (
-    Drafter,
-    DrafterConfig,
-    DraftState,
-    DraftTree,
-    Proposer,
-    check_mask_token,
-    draft_stream,
-    per_sample_stats,
-)
+from draftsmith.heads.base import Drafter, DrafterConfig, check_mask_token, per_sample_stats
 from draftsmith.heads.distill import LOSSES, distill_loss, divergences
+from draftsmith.heads.draft_model_proposer import DraftModelProposer
 from draftsmith.heads.lora import ADAPTER_DIR, LoraSection
 from draftsmith.heads.packing import (
     causal_document_mask,
@@ -65,9 +56,6 @@ from draftsmith.heads.packing import (
     same_document,
 )
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
-
-if TYPE_CHECKING:
-    from transformers import DynamicCache
 
 
 @dataclass
@@ -271,100 +259,6 @@ def parallel_inputs(model, batch: dict, depths: int, mask_token_id: int) -> dict
         "position_ids": torch.cat([positions + depth for depth in range(depths)], dim=1),
         "attention_mask": mask,
     }
-
-
-class DraftModelProposer(Proposer):
-    """Autoregressive drafting with the draft model's own KV cache, or PARD's one forward per chain
-    (see the module docstring)."""
-
-    features = FeatureRequest(final=False)
-
-    def __init__(self, drafter: DraftModel, temperature: float):
-        self.model = drafter.model
-        self.mask_token_id = drafter.config.mask_token_id if drafter.config.parallel_drafting else None
-        self.temperature = float(temperature)
-        self.seed = 0  # the sequence's (`start`)
-        self._generator: Optional[torch.Generator] = None  # its draws: `draft_stream`
-        self._cache: Optional[DynamicCache] = None
-        self._cached: list[int] = []  # the tokens whose keys/values `_cache` holds
-        self._checkpoint: Optional[RecurrentCheckpoint] = None  # recurrent states after `_checkpointed` tokens
-        self._checkpointed = 0
-
-    def start(self, seed: int) -> None:
-        self.seed, self._generator = seed, None
-
-    @torch.no_grad()
-    def propose(self, state: DraftState, num_tokens: int, tree=None) -> DraftTree:
-        if tree is not None:
-            raise UserError("a draft_model drafter proposes chains only; set eval.tree=0")
-        device = self.model.get_output_embeddings().weight.device
-        committed = state.tokens.tolist()
-        if self.mask_token_id is not None:  # PARD: the committed tokens, then masks; one forward, every draft
-            masks = [self.mask_token_id] * (num_tokens - 1)
-            if recurrent(self.model.config):  # a checkpoint between them: two forwards
-                parallel = self._commit(committed, device)
-                if masks:
-                    parallel = torch.cat([parallel, self._advance(committed + masks, device, len(masks))])
-            else:
-                parallel = self._advance(committed + masks, device, num_tokens)
-        tokens, probs = [], []
-        for step in range(num_tokens):
-            if self.mask_token_id is not None:
-                logits = parallel[step]
-            elif step == 0:
-                logits = self._commit(committed, device)[-1]
-            else:
-                logits = self._advance(self._cached + [tokens[-1]], device)[-1]
-            if self.temperature > 0:
-                q = (logits.float() / self.temperature).softmax(-1)
-                tokens.append(int(torch.multinomial(q, 1, generator=self._sample_generator(device))))
-                probs.append(q)
-            else:
-                tokens.append(int(logits.argmax()))
-        token_tensor = torch.tensor(tokens, device=device)
-        return DraftTree.chain(token_tensor, torch.stack(probs) if probs else None)
-
-    def _advance(self, tokens: list[int], device: torch.device, outputs: int = 1) -> torch.Tensor:
-        """The draft's next-token logits [outputs, V] at the last `outputs` of `tokens`, feeding only
-        what the cache lacks.
-
-        The cache goes back to the longest common prefix of what it holds and `tokens` (this rolls
-        back rejected draft tokens and PARD's masks; a new prompt shares little or nothing), keeping at
-        least the last `outputs` tokens to feed, whose logits are the answer. Recurrent layers cannot be
-        cut: they go back to the checkpoint taken when the committed tokens were last fed
-        (`_commit`), or start over without one."""
-        common = 0
-        for cached, new in zip(self._cached, tokens[:-outputs]):
-            if cached != new:
-                break
-            common += 1
-        if self._checkpoint and common < len(self._cached):
-            if self._checkpointed <= common:
-                self._checkpoint.restore()
-                common = self._checkpointed
-            else:
-                common = 0
-        if self._cache is None or common == 0:
-            self._cache = new_cache(self.model)  # full-length layers: a sliding-window layer's keys must cut too
-            self._checkpoint, common = None, 0
-        cut_keys(self._cache, common)
-        ids = torch.tensor([tokens[common:]], device=device)
-        positions = torch.arange(common, len(tokens), device=device)[None]
-        out = self.model(input_ids=ids, position_ids=positions, cache=self._cache, use_cache=True)
-        self.draft_forwards += 1
-        self._cached = list(tokens)
-        return out.logits[0, -outputs:]
-
-    def _commit(self, committed: list[int], device: torch.device) -> torch.Tensor:
-        """`_advance` over the committed tokens, then a checkpoint of the recurrent states (if any)."""
-        logits = self._advance(committed, device)
-        self._checkpoint, self._checkpointed = RecurrentCheckpoint(self._cache), len(committed)
-        return logits
-
-    def _sample_generator(self, device: torch.device) -> torch.Generator:
-        if self._generator is None or self._generator.device != device:
-            self._generator = draft_stream(self.seed, device)
-        return self._generator
 
 
 def untied(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

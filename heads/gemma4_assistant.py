@@ -47,16 +47,9 @@ from torch import nn
 from draftsmith.errors import UserError, one_line
 from draftsmith.families import within_window
 from draftsmith.heads import register
-from draftsmith.heads.base import (
-    Drafter,
-    DrafterConfig,
-    DraftState,
-    DraftTree,
-    FlopProfile,
-    Proposer,
-    Tree,
-)
+from draftsmith.heads.base import Drafter, DrafterConfig, FlopProfile
 from draftsmith.heads.packing import documents, positions, shifted
+from draftsmith.heads.proposer import DraftState, DraftTree, Proposer, Tree
 from draftsmith.heads.vocab_loss import check_steps_ahead, chunk_rows_for, steps_ahead_loss
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, local_target_config
 

@@ -19,8 +19,9 @@ from torch import nn
 
 from draftsmith.errors import UserError
 from draftsmith.heads import register
-from draftsmith.heads.base import EVAL_SPLIT, Drafter, DrafterConfig, DraftState, DraftTree, Proposer, per_sample_stats
+from draftsmith.heads.base import EVAL_SPLIT, Drafter, DrafterConfig, per_sample_stats
 from draftsmith.heads.packing import documents, num_documents, same_document
+from draftsmith.heads.proposer import DraftState, DraftTree, Proposer
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 

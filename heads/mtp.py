@@ -23,33 +23,39 @@ vLLM verifies chains.
 Only the first MTP layer is used: vLLM 0.32's proposer runs layer 0 for every draft step whatever the
 checkpoint's count. The block's tensors are converted between the checkpoint's names and transformers'
 modules (fused experts) by transformers' own loading and saving code, through a one-layer model of the
-target's class (`carrier`).
+target's class (`carrier`, heads/mtp_layer.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from draftsmith.errors import UserError, one_line
+from draftsmith.errors import UserError
 from draftsmith.heads import register
-from draftsmith.heads.base import DrafterConfig, DraftState, FlopProfile
-from draftsmith.heads.eagle import EagleBase, check_tree_settings, import_qualified
+from draftsmith.heads.base import DrafterConfig, FlopProfile
+from draftsmith.heads.eagle_base import EagleBase, check_tree_settings, import_qualified
+from draftsmith.heads.mtp_layer import (
+    Layout,
+    block_from_checkpoint,
+    block_to_checkpoint,
+    layer_config,
+    read_layer,
+    tensor_names,
+)
 from draftsmith.heads.packing import (
     causal_document_mask,
     documents,
     positions,
     shifted,
 )
+from draftsmith.heads.proposer import DraftState
 from draftsmith.heads.vocab_loss import check_steps_ahead, chunk_rows_for, steps_ahead_loss
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
@@ -58,30 +64,6 @@ if TYPE_CHECKING:
 
 # The drafter's modules around the block, by role; a layout names them as its checkpoint does.
 WRAPPER = ("embed_norm", "hidden_norm", "proj", "final_norm")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How a target architecture's checkpoint stores its MTP layers and how vLLM 0.32 computes them."""
-
-    vllm_model: str  # vLLM's module for it (model_executor/models/<name>.py)
-    count_key: str  # the config key holding the number of MTP layers
-    names: tuple[str, str, str, str]  # WRAPPER's modules under the checkpoint's names
-    after_layers: bool  # stored as layer N (N = num_hidden_layers) of the model, else under `mtp.`
-    masks_first_position: bool  # the embedding at position 0 is zeroed
-    feeds_back_normed: bool  # a later step reads final_norm(pre), else pre
-
-    def prefix(self, num_hidden_layers: int) -> str:
-        """The first MTP layer's tensor names start with this."""
-        return f"model.layers.{num_hidden_layers}." if self.after_layers else "mtp."
-
-    def block(self) -> str:
-        """Where the decoder layer's own tensors sit under `prefix`."""
-        return "" if self.after_layers else "layers.0."
-
-    def shared(self) -> tuple[str, ...]:
-        """Tensors under the prefix that vLLM replaces by the target's (its embedding and lm_head)."""
-        return ("embed_tokens.", "shared_head.head.") if self.after_layers else ()
 
 
 DEEPSEEK_NAMES = ("enorm", "hnorm", "eh_proj", "shared_head.norm")
@@ -182,155 +164,6 @@ def check_target_folder(name_or_path: str) -> None:
             f"drafter.type=mtp: {folder}'s weights hold no MTP layer (no tensor named {prefix}*; transformers drops "
             "it when it saves a model): point target.name_or_path at the released checkpoint"
         )
-
-
-def tensor_names(folder: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file of a checkpoint folder that holds it (headers only)."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return {name: folder / file for name, file in json.loads(index.read_text())["weight_map"].items()}
-    names: dict[str, Path] = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            names.update(dict.fromkeys(f.keys(), path))
-    return names
-
-
-def checkpoint_folder(name_or_path: str) -> Path:
-    """The target's checkpoint folder: a local one, or a Hub id's snapshot in the cache (its weights were
-    fetched when the target loaded)."""
-    if Path(name_or_path).is_dir():
-        return Path(name_or_path)
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    try:
-        return Path(snapshot_download(name_or_path, allow_patterns=["*.safetensors", "*.json"]))
-    except (HfHubHTTPError, LocalEntryNotFoundError, ValueError, OSError) as err:
-        raise UserError(
-            f"drafter.type=mtp: cannot read target {name_or_path!r}'s checkpoint ({one_line(err)})"
-        ) from None
-
-
-def layer_files(name_or_path: str, config: dict, layout: Layout) -> dict[Path, list[str]]:
-    """The safetensors files of the target's checkpoint holding its first MTP layer, with those tensors' names,
-    without the copies of the embedding and lm_head vLLM does not read."""
-    folder = checkpoint_folder(name_or_path)
-    prefix = layout.prefix(int(config["num_hidden_layers"]))
-    files: dict[Path, list[str]] = {}
-    for name, path in tensor_names(folder).items():
-        rest = name.removeprefix(prefix)
-        if name.startswith(prefix) and not rest.startswith(layout.shared()) and first_layer(rest, layout):
-            files.setdefault(path, []).append(name)
-    if not files:
-        raise UserError(f"drafter.type=mtp: {folder}'s weights hold no MTP layer (no tensor named {prefix}*)")
-    return files
-
-
-def read_layer(name_or_path: str, config: dict, layout: Layout) -> dict[str, torch.Tensor]:
-    """The target's first MTP layer, its tensors named as in the checkpoint minus the prefix."""
-    prefix = layout.prefix(int(config["num_hidden_layers"]))
-    tensors = {}
-    for path, names in layer_files(name_or_path, config, layout).items():
-        with safe_open(str(path), "pt") as f:
-            tensors.update({name.removeprefix(prefix): f.get_tensor(name) for name in names})
-    return tensors
-
-
-def shipped_shapes(name_or_path: str, config: dict, layout: Layout) -> dict[str, tuple[int, ...]]:
-    """Name (with the prefix) -> shape of each tensor of the target's first MTP layer (headers only): what
-    vLLM loads for the layer, which an export must match."""
-    shapes = {}
-    for path, names in layer_files(name_or_path, config, layout).items():
-        with safe_open(str(path), "pt") as f:
-            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in names})
-    return shapes
-
-
-def first_layer(name: str, layout: Layout) -> bool:
-    """Whether a tensor (named under the prefix) belongs to the first MTP layer: under `mtp.` the wrapper
-    is shared and the blocks are `layers.{j}`."""
-    return layout.after_layers or not name.startswith("layers.") or name.startswith(layout.block())
-
-
-def layer_config(target_config, layout: Layout) -> dict:
-    """The target's config for the one decoder layer the engine builds as the MTP block: of the kind of the
-    layers after the dense ones (experts where the family has them: vLLM builds layer N, past
-    `first_k_dense_replace`), with full attention (vLLM's `layer_type="full_attention"`)."""
-    values = target_config.to_dict()
-    values = values.get("text_config") or values
-    values["num_hidden_layers"] = 1
-    if "first_k_dense_replace" in values:
-        values["first_k_dense_replace"] = 0
-    if isinstance(values.get("mlp_layer_types"), list):
-        values["mlp_layer_types"] = values["mlp_layer_types"][-1:]
-    if isinstance(values.get("layer_types"), list):
-        values["layer_types"] = ["full_attention"]
-    return values
-
-
-def carrier(spec: dict):
-    """A one-layer model of the target's class (vocabulary of one token), whose transformers loading and
-    saving code converts the block's tensors between checkpoint names and module parameters."""
-    from transformers import AutoModelForCausalLM
-
-    config = import_qualified(spec["config_class"]).from_dict(
-        {**spec["config"], "vocab_size": 1, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
-    )
-    config.tie_word_embeddings = False
-    return config, AutoModelForCausalLM
-
-
-@contextlib.contextmanager
-def quiet_transformers():
-    """No load report or progress bar from the carrier's loading and saving: its embedding, norm and lm_head
-    are missing by design, and the user sees no model load of theirs."""
-    from transformers.utils import logging
-
-    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        logging.set_verbosity(verbosity)
-        if bars:
-            logging.enable_progress_bar()
-
-
-def block_from_checkpoint(tensors: dict[str, torch.Tensor], spec: dict) -> dict[str, torch.Tensor]:
-    """The block's checkpoint tensors (names under the block) -> its parameters, by transformers' loader."""
-    config, auto = carrier(spec)
-    with tempfile.TemporaryDirectory() as tmp:
-        config.save_pretrained(tmp)
-        named = {f"model.layers.0.{name}": tensor.contiguous() for name, tensor in tensors.items()}
-        save_file(named, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
-        with quiet_transformers():
-            model, info = auto.from_pretrained(tmp, dtype=torch.float32, output_loading_info=True)
-    missing = [name for name in info["missing_keys"] if name.startswith("model.layers.0.")]
-    unexpected = [name.removeprefix("model.layers.0.") for name in info["unexpected_keys"]]
-    if missing or unexpected:
-        raise UserError(
-            f"drafter.type=mtp: the checkpoint's MTP layer does not match the target's decoder layer (missing "
-            f"{[name.removeprefix('model.layers.0.') for name in missing][:3]}, unexpected {unexpected[:3]})"
-        )
-    return model.model.layers[0].state_dict()
-
-
-def block_to_checkpoint(block: nn.Module, spec: dict) -> dict[str, torch.Tensor]:
-    """The block's parameters -> its checkpoint tensors (names under the block), by transformers' saver."""
-    config, auto = carrier(spec)
-    model = auto.from_config(config, dtype=torch.float32)
-    model.model.layers[0].load_state_dict({k: v.float() for k, v in block.state_dict().items()})
-    with tempfile.TemporaryDirectory() as tmp, quiet_transformers():
-        model.save_pretrained(tmp)
-        saved = load_file(str(Path(tmp) / "model.safetensors"))
-    dtype = next(block.parameters()).dtype
-    return {
-        name.removeprefix("model.layers.0."): tensor.to(dtype)
-        for name, tensor in saved.items()
-        if name.startswith("model.layers.0.")
-    }
 
 
 @register

@@ -28,7 +28,8 @@ from draftsmith.eval.loop import attention_masks, generate, generate_batch, pref
 from draftsmith.eval.sampling import Sampling
 from draftsmith.eval.trees import cache_positions, tree_depths, verify_visibility
 from draftsmith.heads import REGISTRY, drafter_class, load_drafter
-from draftsmith.heads.base import DraftState, DraftTree, DynamicTree, Proposer, TargetShape
+from draftsmith.heads.base import TargetShape
+from draftsmith.heads.proposer import DraftState, DraftTree, DynamicTree, Proposer
 from draftsmith.recipe import load_recipe
 from draftsmith.resources import recipes_dir
 from draftsmith.target import FeatureRequest, run_target
@@ -96,22 +97,22 @@ def read_log(output_dir: Path) -> dict[int, dict]:
 def train_in_process(args: list[str]) -> tuple[Path, object]:
     """Run what `train.py args` runs (training, then the eval stage) in this process; return the final
     checkpoint directory and the target the drafter trained against (to check it stays frozen)."""
-    import draftsmith.trainer.loop as loop
+    import draftsmith.trainer.setup as setup
     from draftsmith.recipe import load_recipe
     from draftsmith.trainer.main import main as train_main
 
     captured = {}
-    real_load_target = loop.load_target
+    real_load_target = setup.load_target
 
     def capture(*a, **k):
         captured["target"] = real_load_target(*a, **k)
         return captured["target"]
 
-    loop.load_target = capture
+    setup.load_target = capture
     try:
         train_main(args)
     finally:
-        loop.load_target = real_load_target
+        setup.load_target = real_load_target
     return Path(load_recipe(args).output_dir) / "final", captured["target"]
 
 

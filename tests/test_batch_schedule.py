@@ -13,7 +13,8 @@ import pytest
 
 from draftsmith.errors import ExportCheckFailed, UserError
 from draftsmith.export.schedule import batch_schedule, pooled_acceptance
-from draftsmith.export.sweep import measured_row, read_sweep
+from draftsmith.export.sweep import measured_row
+from draftsmith.export.sweep_results import read_sweep
 from draftsmith.files import checkpoint_digest
 from draftsmith.formats.repo import EXPORT_INFO, VLLM_PINNED
 from tests.helpers import (

@@ -14,8 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.data_prep import capture as capture_module
-from draftsmith.data_prep import load_conversations, tokenize_conversations
+from draftsmith.data_prep import capture_files, load_conversations, tokenize_conversations
 from draftsmith.data_prep.capture import CaptureResult, capture, main
 from draftsmith.data_prep.features import SCHEMA_VERSION, FeatureCollator, expected_features, open_features
 from draftsmith.errors import UserError, run_cli
@@ -182,7 +181,7 @@ def test_killed_capture_resumes_without_redoing_finished_shards(tmp_path, conver
     planned = len(uninterrupted.manifest["shards"])
     assert planned >= 4 and uninterrupted.computed == planned
 
-    real_save, written = capture_module.save_file, []
+    real_save, written = capture_files.save_file, []
 
     def dies_on_third_shard(tensors, filename, metadata=None):
         if len(written) == 2:
@@ -191,7 +190,7 @@ def test_killed_capture_resumes_without_redoing_finished_shards(tmp_path, conver
         real_save(tensors, filename, metadata=metadata)
         written.append(filename)
 
-    monkeypatch.setattr(capture_module, "save_file", dies_on_third_shard)
+    monkeypatch.setattr(capture_files, "save_file", dies_on_third_shard)
     with pytest.raises(Killed):
         run_capture(tmp_path / "run", conversations, *settings)
     monkeypatch.undo()

@@ -21,8 +21,10 @@ from draftsmith.errors import UserError
 from draftsmith.eval.loop import generate, prefill, propose, verify_step
 from draftsmith.eval.sampling import Sampling
 from draftsmith.heads import drafter_class, load_drafter
-from draftsmith.heads.base import DynamicTree, TargetShape
-from draftsmith.heads.dflash import best_first_tree, default_target_layers
+from draftsmith.heads.base import TargetShape
+from draftsmith.heads.dflash import default_target_layers
+from draftsmith.heads.dflash_proposer import best_first_tree
+from draftsmith.heads.proposer import DynamicTree
 from draftsmith.recipe import load_recipe
 from draftsmith.target import run_target
 from tests.helpers import DFLASH_TINY as TINY

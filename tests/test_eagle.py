@@ -16,7 +16,8 @@ from draftsmith.errors import UserError
 from draftsmith.eval.loop import prefill
 from draftsmith.eval.sampling import Sampling
 from draftsmith.heads import load_drafter
-from draftsmith.heads.base import DynamicTree, TargetShape
+from draftsmith.heads.base import TargetShape
+from draftsmith.heads.proposer import DynamicTree
 from draftsmith.target import run_target
 from tests.helpers import EAGLE_TREE as TREE
 from tests.helpers import (
@@ -219,7 +220,7 @@ def test_sampling_matches_target_distribution():
 
 def test_checkpoint_cannot_name_code_outside_transformers():
     from draftsmith.errors import UserError
-    from draftsmith.heads.eagle import import_qualified
+    from draftsmith.heads.eagle_base import import_qualified
 
     with pytest.raises(UserError, match="only classes from transformers"):
         import_qualified("os.system")

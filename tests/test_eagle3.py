@@ -17,8 +17,8 @@ from draftsmith.data_prep import Collator, PackingCollator
 from draftsmith.errors import UserError
 from draftsmith.eval.loop import generate, prefill
 from draftsmith.heads import drafter_class, load_drafter
-from draftsmith.heads.base import DynamicTree, TargetShape, per_sample_stats
-from draftsmith.heads.eagle3 import Eagle3Config, shifted
+from draftsmith.heads.base import TargetShape, per_sample_stats
+from draftsmith.heads.eagle3 import Eagle3Config
 from draftsmith.heads.packing import (
     causal_lm_inputs,
     documents,
@@ -26,7 +26,9 @@ from draftsmith.heads.packing import (
     num_documents,
     positions,
     same_document,
+    shifted,
 )
+from draftsmith.heads.proposer import DynamicTree
 from draftsmith.recipe import load_recipe
 from draftsmith.target import TargetOutput, run_target
 from tests.helpers import (

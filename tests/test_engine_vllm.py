@@ -26,7 +26,8 @@ from omegaconf import OmegaConf
 from draftsmith.errors import ExportCheckFailed
 from draftsmith.export import export_checkpoint
 from draftsmith.export.run import load_source, served_config
-from draftsmith.export.sweep import read_sweep, run_sweep
+from draftsmith.export.sweep import run_sweep
+from draftsmith.export.sweep_results import read_sweep
 from draftsmith.export.verify import verify_in_vllm
 from draftsmith.files import checkpoint_digest
 from draftsmith.formats import exporter_for

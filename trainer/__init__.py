@@ -1,3 +1,3 @@
-"""The training stage: the `train` command (trainer/main.py), the loop on accelerate (trainer/loop.py),
-its checkpoints and output directory (trainer/checkpoint.py). Nothing is imported here, so that
-`train.py --help` loads no model code."""
+"""The training stage: the `train` command (trainer/main.py), the loop on accelerate (trainer/loop.py)
+and its set-up (trainer/setup.py), its checkpoints and output directory (trainer/checkpoint.py). Nothing
+is imported here, so that `train.py --help` loads no model code."""

@@ -10,7 +10,8 @@ scheduler's preemption) stops the loop at the next step boundary with a checkpoi
 non-finite loss or gradient skips the step, names where it first appeared, and stops the run after
 `train.max_nonfinite` such steps.
 
-Held-out evaluation and the best checkpoint: trainer/heldout.py. Locating a non-finite value:
+The set-up the loop starts from (data, target, drafter, optimizer, resume): trainer/setup.py. Held-out
+evaluation and the best checkpoint: trainer/heldout.py. Locating a non-finite value:
 trainer/nonfinite.py.
 """
 
@@ -21,66 +22,26 @@ import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch.profiler import record_function
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import get_cosine_schedule_with_warmup
 
-from draftsmith.data_prep import Collator, PackingCollator, load_tokenized
-from draftsmith.data_prep.features import FeatureCollator, expected_features, open_features
-from draftsmith.errors import Preempted, StopRequest, UserError
-from draftsmith.families import check_eval_settings
-from draftsmith.formats.folder import warm_start
-from draftsmith.heads import drafter_class
-from draftsmith.heads.packing import causal_lm_inputs, require_packed_attention
-from draftsmith.recipe import derived, require_draft_vocab_use, save_recipe
-from draftsmith.sharding import built_whole, local_bytes
-from draftsmith.target import TargetOutput, load_config, load_target, load_tokenizer, run_target
-from draftsmith.trainer.checkpoint import TrainerState, load_checkpoint, resume_checkpoint, save_checkpoint, save_final
+from draftsmith.errors import Preempted, StopRequest
+from draftsmith.sharding import local_bytes
+from draftsmith.trainer.checkpoint import TrainerState, save_checkpoint, save_final
 from draftsmith.trainer.curve import write_curve
-from draftsmith.trainer.heldout import (
-    BEST_DIR,
-    check_best_on_resume,
-    curve_row,
-    evaluate_heldout,
-    keep_best,
-    patience_spent,
-    reduce_means,
-    split_heldout,
-)
+from draftsmith.trainer.heldout import BEST_DIR, curve_row, evaluate_heldout, keep_best, patience_spent, reduce_means
 from draftsmith.trainer.nonfinite import report_nonfinite
 from draftsmith.trainer.observe import FlopCounter, StepProfiler, mfu, parameter_counts, peak_memory_mb
-from draftsmith.trainer.optim import build_optimizer
+from draftsmith.trainer.setup import Run, set_up
 
 log = logging.getLogger("draftsmith.train")
-
-
-@dataclass
-class Run:
-    """What the loop works with, built and checked by `set_up` before the first step (`prepare_run`
-    assembles it from its parts)."""
-
-    cfg: DictConfig
-    accelerator: Accelerator
-    target: torch.nn.Module
-    drafter: torch.nn.Module  # the Drafter, wrapped by accelerate (DDP, FSDP, DeepSpeed)
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    train_data: Any  # tokenized conversations, or a store of captured features
-    collate: Callable[[list], dict]
-    target_features: Callable[[dict], TargetOutput]  # a batch -> the target's features the loss reads
-    heldout: Any  # train.heldout conversations never trained on, or None
-    max_steps: int
-    state: TrainerState  # fresh, or the resumed checkpoint's
 
 
 def train(cfg: DictConfig) -> Path:
@@ -262,21 +223,6 @@ def evaluate_if_due(run: Run, output_dir: Path) -> dict[str, float]:
     return {f"heldout/{k}": v for k, v in measured.items()}
 
 
-def resumed_start(cfg: DictConfig, output_dir: Path) -> DictConfig:
-    """A resumed run keeps the start it began from (its recipe.yaml's train.init_from), and the
-    recipe.yaml it writes again names that start: the resumed weights are the checkpoint's, so another
-    train.init_from is not read, and says so (the monitor's retraining may name its start anew)."""
-    saved = output_dir / "recipe.yaml"
-    began = OmegaConf.load(saved).train.get("init_from") if saved.is_file() else None
-    if cfg.train.init_from and str(cfg.train.init_from) != str(began):
-        log.warning(
-            "train.init_from=%s is not read: this run began from %s (its recipe.yaml) and resumes from its checkpoint",
-            cfg.train.init_from,
-            began or "scratch",
-        )
-    return derived(cfg, {"train.init_from": began}) if str(cfg.train.init_from) != str(began) else cfg
-
-
 def checkpoint_on_sigterm(run: Run, output_dir: Path) -> Preempted:
     """The checkpoint of a run stopped by SIGTERM, and the error (exit 75) that says how to continue."""
     cfg, state = run.cfg, run.state
@@ -330,184 +276,6 @@ def end_run(accelerator: Accelerator) -> None:
     accelerator.end_training()
 
 
-def set_up(cfg: DictConfig, output_dir: Path) -> Run:
-    """Accelerator, data, target, drafter, optimizer, schedule and the resumed state, every input
-    checked before anything is written; the loop reads them from the returned `Run`."""
-    if cfg.eval.enabled:  # the eval stage after training: settings it cannot run refused now, not after the run
-        check_eval_settings(load_config(cfg.target), cfg.eval)
-    accelerator = make_accelerator(cfg, output_dir)
-    set_seed(cfg.train.seed)
-    # train.resume: the checkpoint, verified against its checksums before anything is loaded or written
-    resume_from = resume_checkpoint(output_dir, cfg.train.resume, accelerator)
-    tokenizer = load_tokenizer(cfg.target)
-    train_data, vocab_data, heldout = load_data(cfg, accelerator, tokenizer)
-    # target.shard=fsdp: each rank holds pieces of the decoder layers (draftsmith/sharding.py); the
-    # loop needs nothing else, since every rank runs every step's target forward together.
-    target = load_target(cfg.target, accelerator.device, shard=cfg.target.shard)
-    drafter = build_drafter(cfg, target, accelerator.device)
-    train_data, collate, target_features = training_inputs(cfg, tokenizer, target, drafter, train_data)
-    # what the drafter fits to the data (EAGLE-3's draft vocabulary), on every rank
-    drafter.prepare(train_data if vocab_data is None else vocab_data)
-    if resume_from is not None:  # the checkpoint holds the weights: the run's start is not loaded again
-        cfg = resumed_start(cfg, output_dir)
-    elif cfg.train.init_from:  # warm start: its weights and data-fitted state (draft vocabulary kept, not re-fitted)
-        start = warm_start(cfg.train.init_from, drafter, target)  # a checkpoint, an export's folder or speculators'
-        drafter.load_state_dict(start.state_dict())
-        drafter.learned = dict(start.learned)
-        log.info("warm start from %s", cfg.train.init_from)
-    run = prepare_run(cfg, accelerator, target, drafter, train_data, collate, target_features, heldout)
-    if accelerator.is_main_process:
-        save_recipe(cfg, output_dir)
-    if resume_from is not None:
-        run.state = load_checkpoint(accelerator, resume_from)
-        log.info("resumed from %s at step %d", resume_from, run.state.step)
-        check_best_on_resume(output_dir, run.state)
-    accelerator.wait_for_everyone()
-    accelerator.init_trackers("tb")
-    return run
-
-
-def make_accelerator(cfg: DictConfig, output_dir: Path) -> Accelerator:
-    """The run's Accelerator: train.grad_accum, train.mixed_precision, TensorBoard under the output directory."""
-    return Accelerator(
-        gradient_accumulation_steps=cfg.train.grad_accum,
-        mixed_precision=mixed_precision(cfg.train.mixed_precision),
-        log_with="tensorboard",
-        project_dir=str(output_dir),
-        # The schedule counts optimizer steps; we step it ourselves once per optimizer step.
-        step_scheduler_with_optimizer=False,
-        # Without a GPU, accelerate only forms a process group (gloo) when told the run is on CPU;
-        # this makes `torchrun`/`accelerate launch --multi_gpu` with N processes real DDP on CPU.
-        cpu=not torch.cuda.is_available(),
-    )
-
-
-def load_data(cfg: DictConfig, accelerator: Accelerator, tokenizer):
-    """(data.train tokenized, or None when training from captured features; data.draft_vocab tokenized, or
-    None; the train.heldout conversations, or None). data.eval is read too, so that a bad file fails now."""
-    offline = cfg.data.features is not None  # train from captured shards instead of running the target
-    with accelerator.main_process_first():  # rank 0 tokenizes and caches, the others read the cache
-        train_data = None if offline else load_tokenized(cfg, cfg.data.train, tokenizer, "data.train")
-        vocab_data = (
-            load_tokenized(cfg, cfg.data.draft_vocab, tokenizer, "data.draft_vocab") if cfg.data.draft_vocab else None
-        )
-        if cfg.data.eval:  # the eval stage reads it after training: a bad file must fail now, not then
-            load_tokenized(cfg, cfg.data.eval, tokenizer, "data.eval")
-    heldout = None  # train.heldout: the last conversations of data.train, in file order, never trained on
-    if cfg.train.heldout > 0:
-        train_data, heldout = split_heldout(
-            train_data, cfg.train.heldout, accelerator.num_processes * cfg.train.micro_batch_size
-        )
-    return train_data, vocab_data, heldout
-
-
-def build_drafter(cfg: DictConfig, target, device: torch.device):
-    """The recipe's drafter for `target`, freshly initialised on `device`."""
-    with built_whole():  # whole under ZeRO-3 too: accelerator.prepare() partitions the drafter itself
-        drafter = drafter_class(cfg.drafter.type).from_target(
-            OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path
-        )
-    drafter = drafter.to(device)
-    drafter.loss_chunk_bytes = cfg.train.vocab_chunk_mb << 20
-    # again with the loaded target's shape (a Hub or GGUF target's is known only now)
-    require_draft_vocab_use(cfg, drafter.config, drafter.target)
-    return drafter
-
-
-def training_inputs(cfg: DictConfig, tokenizer, target, drafter, train_data):
-    """(what the loop draws micro-batches from, the collator, a batch -> the target's features): the
-    tokenized conversations and the target run on each batch, or with data.features the captured store."""
-    request = drafter.request
-    pack = packing_collator(cfg, tokenizer, target)
-    if cfg.data.features is None:
-        return train_data, pack or Collator(tokenizer.pad_token_id), online_features(target, request)
-    store = open_features(cfg.data.features, expect=expected_features(drafter.target, request))
-    longest = max(store.lengths())  # captured under the capture's data.max_length, which may be longer
-    if pack is not None and longest > pack.pack_length:
-        raise UserError(
-            f"{cfg.data.features} holds a conversation of {longest} tokens, "
-            f"more than data.pack_length={pack.pack_length}; raise it"
-        )
-    return store, pack or FeatureCollator(tokenizer.pad_token_id), store.to_target_output
-
-
-def online_features(target, request) -> Callable[[dict], TargetOutput]:
-    """A batch -> the frozen target's features the drafter's `request` names, from its forward on the batch."""
-
-    def target_features(batch: dict) -> TargetOutput:
-        return run_target(target, batch["input_ids"], request=request, **causal_lm_inputs(batch))
-
-    return target_features
-
-
-def optimization(cfg: DictConfig, accelerator: Accelerator, drafter, conversations: int):
-    """(optimizer, learning-rate schedule, optimizer steps of the run) for `conversations` training
-    conversations: train.max_steps, or train.epochs epochs of full steps."""
-    optimizer = build_optimizer(cfg.train, drafter, deepspeed=accelerator.state.deepspeed_plugin is not None)
-    world, micro = accelerator.num_processes, cfg.train.micro_batch_size
-    batches_per_epoch = conversations // (world * micro)
-    if batches_per_epoch == 0:
-        raise UserError(
-            f"{conversations} training conversations cannot fill one step of {world} process(es) "
-            f"x micro_batch_size {micro}"
-        )
-    max_steps = cfg.train.max_steps
-    if max_steps < 0:
-        max_steps = max(1, cfg.train.epochs * batches_per_epoch // cfg.train.grad_accum)
-    return optimizer, get_cosine_schedule_with_warmup(optimizer, cfg.train.warmup_steps, max_steps), max_steps
-
-
-def prepare_run(
-    cfg: DictConfig, accelerator: Accelerator, target, drafter, train_data, collate, target_features, heldout=None
-) -> Run:
-    """The Run of `drafter` at step 0: its optimizer and schedule over `train_data` (`optimization`), and
-    the three wrapped by `accelerator.prepare` for the run's backend."""
-    optimizer, scheduler, max_steps = optimization(cfg, accelerator, drafter, len(train_data))
-    if accelerator.state.deepspeed_plugin is not None:
-        # DeepSpeed wants its micro-batch size up front; accelerate reads it off a prepared DataLoader,
-        # and ours is not prepared (each rank streams its own micro-batches): without this, prepare() fails
-        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = (
-            cfg.train.micro_batch_size
-        )
-    drafter, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
-    return Run(
-        cfg,
-        accelerator,
-        target,
-        drafter,
-        optimizer,
-        scheduler,
-        train_data,
-        collate,
-        target_features,
-        heldout,
-        max_steps,
-        TrainerState(),
-    )
-
-
-def mixed_precision(setting: str):
-    """`auto`: whatever `accelerate launch` was told, else bf16 on a GPU that has it, else none."""
-    import os
-
-    if setting != "auto":
-        return setting
-    if os.environ.get("ACCELERATE_MIXED_PRECISION"):
-        return None
-    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
-        return "bf16"
-    return "no"
-
-
-def packing_collator(cfg: DictConfig, tokenizer, target) -> PackingCollator | None:
-    """`data.pack`: the collator that packs each micro-batch's conversations into rows, once the
-    target is known to keep packed documents apart (heads/packing.py); None when off."""
-    if not cfg.data.pack:
-        return None
-    require_packed_attention(target, f"the target {cfg.target.name_or_path}")
-    return PackingCollator(tokenizer.pad_token_id, cfg.data.pack_length or cfg.data.max_length)
-
-
 def micro_batches(dataset, collate, cfg: DictConfig, world: int, rank: int, state: TrainerState):
     """Yield (epoch, index in epoch, batch) forever, starting at the state's data position.
 
@@ -530,7 +298,7 @@ def micro_batches(dataset, collate, cfg: DictConfig, world: int, rank: int, stat
             collate_fn=collate,
             num_workers=cfg.train.num_workers,
             generator=torch.Generator().manual_seed(cfg.train.seed + epoch),
-            pin_memory=torch.cuda.is_available(),  # the trainer runs on CUDA where there is one (make_accelerator)
+            pin_memory=torch.cuda.is_available(),  # the run is on CUDA where there is one (setup.py make_accelerator)
         )
         for offset, batch in enumerate(loader):
             yield epoch, skip + offset, batch

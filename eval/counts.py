@@ -1,0 +1,75 @@
+"""What decoding counts: a prompt's (or many prompts') tokens, forwards, drafted and accepted positions and
+wall time, and one prompt's result. Apart from eval/loop.py, which fills them, because the reports and the
+export's check sum and read them without running the loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from draftsmith.eval.sampling import Verdict
+
+
+def _add_lists(a: list[int], b: list[int]) -> list[int]:
+    longer, shorter = (a, b) if len(a) >= len(b) else (b, a)
+    return [x + (shorter[i] if i < len(shorter) else 0) for i, x in enumerate(longer)]
+
+
+@dataclass
+class Counts:
+    """Decoding counters, of one prompt or summed over many.
+
+    `drafted` counts draft positions (the proposal's depth: a chain's length, a tree's longest path),
+    not tree nodes, so alpha = accepted/drafted compares chains and trees. `reached[d]` /
+    `accepted_at[d]` count the cycles that tested / accepted a node at draft position d+1.
+    `mismatched` counts prompts whose greedy output differed from plain decoding's (set by the report).
+    """
+
+    prompts: int = 0
+    new_tokens: int = 0
+    target_forwards: int = 0  # decode forwards; the prefill is not counted
+    draft_forwards: int = 0  # the drafter's forward passes (Proposer.draft_forwards)
+    drafted: int = 0
+    accepted: int = 0
+    reached: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+    wall_s: float = 0.0  # prefill included
+    mismatched: int = 0
+
+    def count_cycle(self, depth: int, new_tokens: int, verdict: Verdict) -> None:
+        self.target_forwards += 1
+        self.new_tokens += new_tokens
+        self.drafted += depth
+        self.accepted += len(verdict.path)
+        grow = max(0, verdict.depth_reached - len(self.reached))
+        self.reached += [0] * grow
+        self.accepted_at += [0] * grow
+        for d in range(verdict.depth_reached):
+            self.reached[d] += 1
+            self.accepted_at[d] += int(d < len(verdict.path))
+
+    def add(self, other: Counts) -> None:
+        for name in (
+            "prompts",
+            "new_tokens",
+            "target_forwards",
+            "draft_forwards",
+            "drafted",
+            "accepted",
+            "wall_s",
+            "mismatched",
+        ):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.reached = _add_lists(self.reached, other.reached)
+        self.accepted_at = _add_lists(self.accepted_at, other.accepted_at)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass
+class Generation:
+    """One prompt's new tokens and its counters."""
+
+    tokens: list[int] = field(default_factory=list)
+    counts: Counts = field(default_factory=lambda: Counts(prompts=1))

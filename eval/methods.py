@@ -1,0 +1,146 @@
+"""The ways the eval decodes (plain, the drafter's chain and tree, the free baselines, the target as it was
+for a drafter that adapts it), each a `Method` built from the recipe; eval/report.py runs them over the same
+prompts and turns their counters into the report."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import Any, Optional
+
+from omegaconf import DictConfig
+
+from draftsmith.engines import SuffixSettings, suffix_decoding_installed
+from draftsmith.errors import UserError
+from draftsmith.eval.counts import Generation
+from draftsmith.eval.loop import generate_batch
+from draftsmith.eval.ngram import NGramDrafter
+from draftsmith.eval.sampling import Sampling
+from draftsmith.eval.suffix import SuffixDrafter, SuffixTrees
+from draftsmith.eval.trees import tree_depth
+from draftsmith.heads.proposer import DynamicTree, Proposer, Tree
+
+
+@dataclass
+class Method:
+    """One way of decoding: `group` is "drafter" (rows under `domains`) or "baseline" (`baselines`).
+    `new_proposer` makes one sequence's proposer (None: plain decoding); a batch of n prompts decodes
+    with n of them, made once and reused (each resets itself on a new sequence)."""
+
+    name: str
+    group: str
+    new_proposer: Optional[Callable[[], Proposer]] = None
+    gamma: int = 0
+    tree: Optional[Tree] = None
+    info: dict = field(default_factory=dict)
+    model: Any = None  # decode with this model instead of the verifier (the original target, for Medusa-2)
+    # what a method that drafts from earlier answers drops before each pass over the prompts (suffix
+    # decoding's trees): a pass must not draft from the answers another pass wrote for the same prompts
+    forget: Optional[Callable[[], None]] = None
+    proposers: list[Proposer] = field(default_factory=list)
+
+    @property
+    def checks_lossless(self) -> bool:
+        """Only methods decoding with the verifier must reproduce plain decoding's tokens."""
+        return self.model is None
+
+    @property
+    def depth(self) -> int:
+        """Draft positions per forward at most: γ for a chain, the longest path for a tree."""
+        if self.new_proposer is None:
+            return 0
+        return tree_depth(self.tree) if self.tree is not None else self.gamma
+
+    def run(
+        self,
+        model,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        sampling: Sampling,
+        eos_ids: frozenset[int],
+        seeds: list[int],
+    ) -> list[Generation]:
+        """Decode `prompts` as one batch, row b seeded with seeds[b]."""
+        drafters = None
+        if self.new_proposer is not None:
+            self.proposers += [self.new_proposer() for _ in range(len(prompts) - len(self.proposers))]
+            drafters = self.proposers[: len(prompts)]
+        model = self.model if self.model is not None else model
+        return generate_batch(model, prompts, max_new_tokens, drafters, self.gamma, self.tree, sampling, eos_ids, seeds)
+
+
+def build_methods(cfg: DictConfig, drafter, target, verifier, temperature: float) -> list[Method]:
+    """Plain first: the others' speedup and lossless check are measured against it. Each drafting
+    method gets its own proposer (its own decoding state). A drafter that verifies with an adapted
+    target (Medusa-2) also gets `original`: plain decoding with the target as it was, to show how
+    far the adapters moved the output."""
+    gamma, nodes = int(cfg.eval.num_speculative_tokens), int(cfg.eval.tree)
+    longest = type(drafter).max_chain(drafter.config)
+    if longest is not None and gamma > longest:
+        raise UserError(
+            f"eval.num_speculative_tokens={gamma} but this {drafter.type} checkpoint proposes at most {longest} tokens"
+        )
+    new_proposer = partial(drafter.proposer, temperature)
+    served_by = type(drafter).SERVED_BY
+    methods = [
+        Method("plain", "baseline", info={"served_by": "any engine"}),
+        Method("chain", "drafter", new_proposer, gamma, info={"gamma": gamma, "served_by": served_by["chain"]}),
+    ]
+    if nodes > 0:
+        tree = new_proposer().default_tree(nodes)
+        methods.append(
+            Method(
+                "tree",
+                "drafter",
+                new_proposer,
+                gamma,
+                tree,
+                {**tree_info(tree), "served_by": served_by.get("tree", "draftsmith eval only")},
+            )
+        )
+    if cfg.eval.ngram_baseline:
+        ngram_max = int(cfg.eval.ngram_max)
+        info = {"gamma": gamma, "ngram_max": ngram_max, "served_by": "vLLM (method ngram: prompt lookup)"}
+        methods.append(Method("ngram", "baseline", partial(NGramDrafter, ngram_max), gamma, info=info))
+    if suffix_baseline_runs(cfg.eval.suffix_baseline):
+        settings = SuffixSettings()
+        trees = SuffixTrees(settings)
+        info = {
+            "gamma": settings.max_tree_depth,
+            **{f"suffix_decoding_{key}": value for key, value in asdict(settings).items()},
+            "served_by": "vLLM with arctic-inference (method suffix)",
+        }
+        methods.append(
+            Method(
+                "suffix",
+                "baseline",
+                partial(SuffixDrafter, trees),
+                settings.max_tree_depth,
+                info=info,
+                forget=trees.forget,
+            )
+        )
+    if verifier is not target:
+        methods.append(
+            Method(
+                "original",
+                "baseline",
+                model=target,
+                info={"model": "the target without the drafter's adapters", "served_by": "any engine"},
+            )
+        )
+    return methods
+
+
+def suffix_baseline_runs(setting: Optional[bool]) -> bool:
+    """eval.suffix_baseline: true needs arctic-inference (checked with the recipe), unset runs suffix
+    decoding where it is installed (the report says when it was not), false never."""
+    return setting is True or (setting is None and suffix_decoding_installed())
+
+
+def tree_info(tree: Tree) -> dict:
+    """The report's description of the drafter's tree: its paths if static, its budget if dynamic."""
+    if isinstance(tree, DynamicTree):
+        return {"nodes": tree.nodes, "dynamic": {"depth": tree.depth, "topk": tree.topk}}
+    return {"nodes": len(tree), "paths": [list(p) for p in tree]}

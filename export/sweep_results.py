@@ -1,0 +1,115 @@
+"""The load sweep's rows once measured: the fields export/schedule.py reads, reading sweep.jsonl back
+(export.batch_sweep), and the summary and plot over the rows. Apart from the measurement (export/sweep.py,
+which serves the export in vLLM to take them): the export and the benchmarks read rows without serving."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from draftsmith.errors import UserError, one_line
+
+PLAIN = "plain"
+PLAIN_AGAIN = "plain-rerun"  # plain measured a second time in the same sweep: its noise
+# What export/schedule.py reads from a row; the rest is for the reader of the sweep.
+FIELDS = (
+    "method",
+    "gamma",
+    "concurrency",
+    "seconds",
+    "tokens",
+    "steps",
+    "mean_batch",
+    "drafts",
+    "accepted_per_position",
+)
+
+
+def read_sweep(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a load sweep's JSONL; UserError naming the first bad line."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"export.batch_sweep={str(path)!r} does not exist")
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UserError(f"{path}:{number}: not JSON ({one_line(err)})") from None
+        missing = [key for key in FIELDS if key not in row]
+        if missing:
+            raise UserError(f"{path}:{number}: not a load-sweep row (missing {', '.join(missing)})")
+        rows.append(row)
+    return rows
+
+
+def at_one_gamma(row: dict[str, Any]) -> bool:
+    """Whether a sweep row measured one γ at every batch size: served without a schedule, or at γ 0 with
+    one that drafts nowhere (export/sweep.py's `served_at`: how vLLM 0.32 takes γ 0). A row served with
+    any other schedule (benchmarks/load_sweep.py's `<name>+schedule`) measured that schedule, not a γ a
+    schedule is chosen from."""
+    schedule = (row.get("engine") or {}).get("num_speculative_tokens_per_batch_size")
+    return not schedule or all(k == 0 for _, _, k in schedule)
+
+
+def summarize(rows: list[dict[str, Any]], methods: Sequence[str]) -> dict[str, Any]:
+    """Per method the best γ at each concurrency and the crossover (the first concurrency where even the
+    best γ is slower than plain), plain's second run over its first, and whether every row was lossless."""
+    levels = sorted({r["concurrency"] for r in rows})
+    best: dict[str, dict[int, dict[str, Any]]] = {}
+    for method in methods:
+        best[method] = {}
+        for c in levels:
+            candidates = [r for r in rows if r["method"] == method and r["concurrency"] == c]
+            if candidates:
+                top = max(candidates, key=lambda r: r["tok_s"])
+                best[method][c] = {key: top[key] for key in ("gamma", "speedup", "tok_s", "tau")}
+    crossover = {
+        method: next((c for c in levels if c in best[method] and best[method][c]["speedup"] < 1.0), None)
+        for method in methods
+    }
+    first = {r["concurrency"]: r["tok_s"] for r in rows if r["method"] == PLAIN}
+    again = {r["concurrency"]: r["tok_s"] for r in rows if r["method"] == PLAIN_AGAIN}
+    lossless = {
+        m: all(r["lossless"] for r in rows if r["method"] == m and r["lossless"] is not None)
+        for m in {r["method"] for r in rows}
+    }
+    return {
+        "best_per_concurrency": best,
+        "crossover": crossover,
+        "lossless": lossless,
+        "plain_rerun_over_plain": {c: round(again[c] / first[c], 4) for c in levels if c in again and c in first},
+        "engine": rows[0]["engine"]["vllm_version"] if rows else None,
+    }
+
+
+def plot(best: dict[str, dict[int, dict[str, Any]]], dashed: dict[str, dict[int, float]], path: Path) -> None:
+    """Speed-up over plain against concurrency: each method at its best γ, and `dashed` (label ->
+    concurrency -> speed-up) such as a schedule."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = sorted({c for per_level in [*best.values(), *dashed.values()] for c in per_level})
+    figure, axes = plt.subplots(figsize=(7, 4.2))
+    for method, per_level in best.items():
+        xs = [c for c in levels if c in per_level]
+        axes.plot(xs, [per_level[c]["speedup"] for c in xs], marker="o", label=f"{method} (best fixed γ)")
+    for label, per_level in dashed.items():
+        xs = sorted(per_level)
+        axes.plot(xs, [per_level[c] for c in xs], marker="s", linestyle="--", label=label)
+    axes.axhline(1.0, color="grey", linewidth=1)
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(levels, [str(c) for c in levels])
+    axes.set_xlabel("concurrency (requests in flight)")
+    axes.set_ylabel("output tokens/s over plain decoding")
+    axes.set_title("Speed-up against load, vLLM")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

@@ -1,0 +1,165 @@
+"""EAGLE-3's training: the training-time test (`unroll`, every draft step at every position, fixed-shape)
+and its loss against the target's distribution over the draft vocabulary (`Teacher`). Apart from the draft
+model these steps run (heads/eagle3.py's `Eagle3`, which takes them in as `Eagle3Training`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from draftsmith.heads.base import per_sample_stats
+from draftsmith.heads.packing import documents, draft_attention_mask, num_documents, positions, same_document, shifted
+from draftsmith.heads.ttt_attention import FlexLayout, StepKeys, TTTStep, resolved_backend, step_visibility
+from draftsmith.heads.vocab_loss import chunk_rows_for, soft_cross_entropy
+from draftsmith.target import TargetOutput
+
+
+class Eagle3Training:
+    """The training side of `Eagle3` (heads/eagle3.py), on the draft model it defines (`draft`, `fuse`,
+    `mask_inputs`, `lm_input`, `draft_ids`)."""
+
+    def unroll(
+        self, input_ids: torch.Tensor, layers: dict[int, torch.Tensor], batch: Optional[dict] = None
+    ) -> list[torch.Tensor]:
+        """Training-time test: the output features [B, T-2, H] of draft steps 0..ttt_steps-1.
+
+        Alignment, with x_t = input_ids[:, t] and h_t the target's states at t (what it reads to
+        predict x_{t+1}): at step 0, draft position t reads (x_{t+1}, fuse(h_t)), exactly the cache
+        entry t of decoding, and its output guesses x_{t+2}. Step i > 0 at position t reads
+        (x_{t+1+i}, step i-1's output at t) at RoPE position t+i and guesses x_{t+2+i}: it is the
+        draft at depth i+1 after committing x_0..x_{t+1}, with the earlier drafts teacher-forced to
+        the data. Its attention sees step 0's keys at positions <= t (the committed entries; with a
+        sliding window only those > t+i - window, vLLM's window at depth i+1) and steps 1..i's keys at
+        t (its ancestors and itself), the decode-time tree mask (heads/ttt_attention.py). Every step
+        runs at every position, so no shape depends on the data; positions past the sequence's end
+        read a pad token and the loss does not score them.
+
+        `batch` (optional, the training batch) makes it packing-aware: RoPE positions restart per
+        document and step 0's keys are seen only within a document. A position near a document's
+        end reads the next document's tokens at later steps, exactly as one near a row's end reads
+        padding: it is never scored (`loss`), and only its own later steps read it.
+        """
+        batch = {"input_ids": input_ids} if batch is None else batch
+        rows, width = input_ids.shape[0], input_ids.shape[1] - 2
+        window = self.config.sliding_window
+        start, mask = positions(batch)[:, :width], draft_attention_mask(batch, width, window)
+        backend = resolved_backend(self.config.ttt_attention, input_ids.device, self.layers[0].self_attn.head_dim)
+        if backend == "flex":  # segments: the rows, or with a mask its documents (padding one per row)
+            segments = documents(batch)[:, :width] if mask is not None else start.new_zeros(start.shape)
+            layout = FlexLayout(segments, start, window, self.config.ttt_steps)
+        cache = StepKeys()  # step i's attention reads the keys of step 0 and of each position's steps 1..i
+        outputs = [self.draft(shifted(input_ids, 1, width), self.fuse(layers)[:, :width], start, mask, cache=cache)]
+        for step in range(1, self.config.ttt_steps):
+            if self.config.parallel_drafting:  # every later query reads the mask, never an earlier guess
+                tokens, features = self.mask_inputs(rows * width, input_ids.device)
+                tokens, features = tokens.view(rows, width), features.reshape(rows, width, -1)
+            else:
+                tokens, features = shifted(input_ids, 1 + step, width), outputs[-1]
+            if backend == "flex":
+                ttt_step = TTTStep(backend, layout=layout, step=step)
+            else:
+                ttt_step = TTTStep(backend, visible=step_visibility(start, step, mask, window))
+            outputs.append(self.draft(tokens, features, start + step, cache=cache, ttt_step=ttt_step))
+        return outputs
+
+    def loss(self, batch: dict, target_out: TargetOutput):
+        """Soft cross-entropy to the target's distribution, summed over the TTT steps with weights
+        ttt_decay**i (see `unroll` for the alignment).
+
+        Step i at position t is scored against the target's distribution of x_{t+2+i} (its logits at
+        t+1+i) where x_{t+2+i} bears loss (loss_mask[:, t+2+i]) and is in t's document. The target's
+        distribution is restricted to the draft vocabulary and renormalised there (EAGLE-3's
+        softmax(logits[t2d])), and positions whose target argmax lies outside the draft vocabulary are
+        left out of the loss (EAGLE-3's position mask: no draft token can be accepted there at T=0).
+        The loss is the sum over steps i of ttt_decay**i x step i's token losses summed over the
+        positions it scores, normalised by the trainer with `loss_tokens` (the batch's supervised
+        tokens, heads/base.py "The loss contract"): a left-out position adds nothing to the sum and
+        still counts in the normaliser, so a pruned vocabulary's uncovered positions weigh as tokens
+        the draft cannot win.
+
+        Every step scores all positions with a weight (0 where it does not score), through the fused
+        vocabulary loss (heads/vocab_loss.py), in chunks of `loss_chunk_bytes`: no shape depends on
+        the data, so nothing here waits for the host.
+
+        Metrics: `step{i+1}/top1`, the draft's argmax (in target ids) equal to the target's argmax at
+        every supervised position, an out-of-vocabulary argmax counting as a miss; teacher-forced,
+        i.e. acceptance at depth i+1 given depths 1..i were the data's tokens. `step{i+1}/loss` per
+        step, and `vocab_coverage` (share of supervised positions whose target argmax is in the draft
+        vocabulary: the ceiling of step1/top1) when the vocabulary is pruned.
+        """
+        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
+        rows, width = input_ids.shape[0], input_ids.shape[1] - 2
+        docs, num_docs = documents(batch), num_documents(batch)
+        samples = docs[:, :width].clamp(min=0)  # position t's document (padding is never scored)
+        teacher = self.teacher(target_out, input_ids.shape)
+        draft_ids = self.draft_ids()
+        chunk = chunk_rows_for(self.loss_chunk_bytes, self.config.draft_vocab_size)
+        outputs = self.unroll(input_ids, target_out.layers, batch)
+        counted, weights = [], []
+        for step in range(len(outputs)):
+            supervised = shifted(loss_mask, 2 + step, width, fill=False) & same_document(docs, 2 + step, width)
+            counted.append((supervised, supervised & shifted(teacher.in_vocab, 1 + step, width, fill=False)))
+            weights.append(self.config.ttt_decay**step * counted[-1][1].flatten().float())
+        # Every step's rows in one fused call: one float32 lm_head gradient for the whole unroll
+        features = torch.cat([self.lm_input(output).flatten(0, 1) for output in outputs])
+        result = soft_cross_entropy(features, self.lm_head.weight, teacher.rows(width), torch.cat(weights), chunk)
+        stats: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            steps = zip(result.best.view(-1, rows, width), result.token_loss.view(-1, rows, width), counted)
+            for step, (best, token_loss, (supervised, scored)) in enumerate(steps):
+                best = draft_ids[best.clamp(min=0)]  # -1: not scored
+                hits = scored & (best == shifted(teacher.best, 1 + step, width))
+                stats |= per_sample_stats({f"step{step + 1}/top1": hits}, samples, num_docs, where=supervised)
+                stats |= per_sample_stats({f"step{step + 1}/loss": token_loss}, samples, num_docs, where=scored)
+                if step == 0 and self.pruned:
+                    stats |= per_sample_stats({"vocab_coverage": scored}, samples, num_docs, where=supervised)
+        return result.loss, self.loss_tokens(batch), stats
+
+    @torch.no_grad()
+    def teacher(self, target_out: TargetOutput, shape: torch.Size) -> Teacher:
+        """The target's side of the loss, once for every step: at every position of the [B, T] batch
+        its argmax over its whole vocabulary, whether that is a draft token, and its distribution
+        restricted to the draft vocabulary and renormalised there (EAGLE-3's softmax(logits[t2d])), zero
+        where the argmax is not a draft token (a captured top-k row may be all -inf there). The logits
+        are read `loss_chunk_bytes` of full-vocabulary rows at a time (`TargetOutput.logits_at`, from the
+        final hidden state when the target runs live)."""
+        draft_ids = self.draft_ids()
+        device = draft_ids.device
+        positions = shape[0] * shape[1]
+        index = torch.arange(positions, device=device)
+        best = torch.empty(positions, dtype=torch.long, device=device)
+        probs = torch.empty(positions, len(draft_ids), dtype=torch.float32, device=device)  # filled in place
+        step = chunk_rows_for(self.loss_chunk_bytes, self.target.vocab_size)
+        for start in range(0, positions, step):
+            logits = target_out.logits_at(index[start : start + step])
+            best[start : start + step] = logits.max(-1).indices  # argmax (the first maximum)
+            probs[start : start + step] = (logits[:, draft_ids] if self.pruned else logits).float().softmax(-1)
+        in_vocab = self.t2d[best] if self.pruned else torch.ones_like(best, dtype=torch.bool)
+        probs.masked_fill_(~in_vocab[:, None], 0.0)
+        return Teacher(best.view(shape), in_vocab.view(shape), probs)
+
+
+@dataclass
+class Teacher:
+    """The target's side of EAGLE-3's loss over a [B, T] batch (`Eagle3Training.teacher`)."""
+
+    best: torch.Tensor  # [B, T] long: the target's argmax over its whole vocabulary
+    in_vocab: torch.Tensor  # [B, T] bool: whether that argmax is a draft token
+    probs: torch.Tensor  # [B * T, draft vocab] float32: its distribution over the draft vocabulary (0: not in it)
+
+    def rows(self, width: int):
+        """The teacher of the whole unroll for the fused loss: rows of the steps' flattened [S, B, W]
+        positions (W = T - 2) -> the distributions they are scored against, step i's position t against
+        the one at t + 1 + i (clamped to the row: a position past it is never scored)."""
+        length = self.best.shape[1]
+        per_step = self.best.shape[0] * width
+
+        def rows(index: torch.Tensor) -> torch.Tensor:
+            step, place = index // per_step, index % per_step
+            places = (place % width + 1 + step).clamp(max=length - 1)
+            return self.probs.index_select(0, place // width * length + places)
+
+        return rows
