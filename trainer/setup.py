@@ -1,6 +1,7 @@
-"""The training run's set-up (trainer/loop.py's `set_up`): accelerator, data, target, drafter, optimizer,
-schedule and the resumed state, each input checked before anything is written. Apart from the loop so the
-loop reads top to bottom; benchmarks/train_throughput.py builds its runs from these same pieces.
+"""What the training loop (trainer/loop.py's `train`) starts from, built by `set_up`: accelerator, data,
+target, drafter, optimizer, schedule and the resumed state, each input checked before anything is written.
+Apart from the loop so the loop reads top to bottom; benchmarks/train_throughput.py builds its runs from
+these same pieces.
 """
 
 from __future__ import annotations
