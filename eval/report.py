@@ -49,7 +49,7 @@ from draftsmith.eval.suffix import INSTALL
 from draftsmith.families import check_eval_settings
 from draftsmith.formats.folder import checkpoint_to_read, open_drafter, weights_digest
 from draftsmith.outputs import DirectoryLock
-from draftsmith.recipe import save_recipe
+from draftsmith.recipe import recipe_advice, save_recipe
 from draftsmith.target import TargetShape, load_target, load_tokenizer, resolve_device, target_id
 
 REPORT_VERSION = 1
@@ -122,7 +122,7 @@ def run_eval(cfg: DictConfig, checkpoint: Optional[str | Path] = None, target=No
     held (locked) while the eval runs.
     """
     out_dir = Path(cfg.output_dir) / "eval"
-    with DirectoryLock(out_dir):
+    with DirectoryLock(out_dir, key="output_dir/eval: the eval report"):
         return _run_eval(cfg, out_dir, checkpoint, target, tokenizer)
 
 
@@ -142,6 +142,11 @@ def _run_eval(cfg: DictConfig, out_dir: Path, checkpoint: Optional[str | Path], 
         tokenizer = load_tokenizer(cfg.target)
     device = target.get_output_embeddings().weight.device
     drafter = open_drafter(checkpoint, TargetShape.of(target, name), target).to(device).eval()
+    if drafter.type != cfg.drafter.type:  # the rule of export and warm start: the recipe is for the drafter it reads
+        raise UserError(
+            f"checkpoint={checkpoint} holds a {drafter.type} drafter, the recipe is for {cfg.drafter.type}: "
+            f"{recipe_advice(drafter.type)}"
+        )
     from draftsmith.eval.accuracy import measured_accuracy, with_measured_accuracy
 
     # What the eval split measured (Medusa's tree is built from it): the eval stage's own file, read

@@ -14,14 +14,15 @@ import json
 from pathlib import Path
 
 from omegaconf import DictConfig
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from draftsmith.errors import UserError
+from draftsmith.errors import UserError, one_line
 from draftsmith.files import checkpoint_digest
 from draftsmith.formats import EXPORTERS
 from draftsmith.formats.repo import EXPORT_INFO, WEIGHTS
 from draftsmith.heads import load_drafter
-from draftsmith.heads.base import CONFIG_NAME, architecture, check_same_target
+from draftsmith.heads.base import CONFIG_NAME, DrafterConfig, architecture, check_same_target
 from draftsmith.recipe import recipe_advice
 from draftsmith.target import TargetShape
 
@@ -39,16 +40,27 @@ def weights_digest(path: str | Path) -> str:
     path = Path(path)
     info_path = next((p for p in (path / EXPORT_INFO, path.parent / EXPORT_INFO) if p.is_file()), None)
     if info_path is not None:
-        return json.loads(info_path.read_text())["source"]["sha256"]
+        return read_json(info_path)["source"]["sha256"]
     return checkpoint_digest(path)
+
+
+def read_json(path: Path):
+    """A drafter folder's JSON file; one line saying so when it is not JSON (cut short, edited by hand)."""
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"{path}: corrupt JSON ({one_line(err)})") from None
 
 
 def read_folder(folder: Path, target):
     """The draftsmith drafter an engine folder holds, attached to `target`."""
-    config = json.loads((folder / CONFIG_NAME).read_text())
-    tensors = load_file(str(folder / WEIGHTS))
+    config = read_json(folder / CONFIG_NAME)
+    try:
+        tensors = load_file(str(folder / WEIGHTS))
+    except (SafetensorError, OSError) as err:
+        raise UserError(f"{folder / WEIGHTS}: corrupt weights file ({one_line(err)})") from None
     info_path = next((p for p in (folder / EXPORT_INFO, folder.parent / EXPORT_INFO) if p.is_file()), None)
-    info = json.loads(info_path.read_text()) if info_path else {}
+    info = read_json(info_path) if info_path else {}
     matches = [exporter for exporter in dict.fromkeys(EXPORTERS.values()) if exporter.recognises(config, tensors)]
     if len(matches) != 1:
         raise UserError(
@@ -64,7 +76,7 @@ def open_drafter(path: str | Path, target_shape: TargetShape, target):
     export directory holding one), as a drafter attached to `target`."""
     path = Path(path)
     saved = path / CONFIG_NAME
-    if saved.is_file() and "draftsmith_format" in json.loads(saved.read_text()):
+    if saved.is_file() and "draftsmith_format" in read_json(saved):
         return load_drafter(path, target_shape, target)
     inner = sorted({name for exporter in EXPORTERS.values() for name in exporter.weights_dirs})
     engines = [path, *(path / name for name in inner), path / "vllm", *(path / "vllm" / name for name in inner)]
@@ -80,25 +92,27 @@ def open_drafter(path: str | Path, target_shape: TargetShape, target):
 
 def warm_start(path: str | Path, drafter, target_model):
     """The drafter a training run starts from (`train.init_from`): a draftsmith checkpoint, or an engine
-    folder, its export's or one speculators saved (`open_drafter`), for `drafter`'s target. Its
-    architecture must be the recipe's (`drafter`, built from the recipe's drafter section), or the
-    starting weights would train, save and export as another function: a difference is one UserError
-    naming the keys to set, never adopted silently (training settings, DrafterConfig.SETTINGS, may differ)."""
+    folder, its export's or one speculators saved (`open_drafter`), for `drafter`'s target, of the recipe's
+    architecture (`drafter`, built from the recipe's drafter section; `require_recipes_drafter`)."""
     start = open_drafter(path, drafter.target, target_model)
-    if start.type != drafter.type:
-        raise UserError(
-            f"train.init_from={path} holds a {start.type} drafter, the recipe trains {drafter.type}: "
-            f"{recipe_advice(start.type)}"
-        )
-    theirs, ours = architecture(start.config), architecture(drafter.config)
+    require_recipes_drafter(start.type, start.config, drafter.type, drafter.config, f"train.init_from={path}")
+    return start
+
+
+def require_recipes_drafter(kind: str, config: DrafterConfig, recipe_kind: str, recipe: DrafterConfig, what: str):
+    """The drafter `what` holds (`kind`, `config`) is the recipe's (`recipe_kind`, `recipe`), or its weights would
+    train, save and export as another function: a difference is one UserError naming the keys to set, never
+    adopted silently (training settings, DrafterConfig.SETTINGS, and what a kind resolves from the target may
+    differ)."""
+    if kind != recipe_kind:
+        raise UserError(f"{what} holds a {kind} drafter, the recipe trains {recipe_kind}: {recipe_advice(kind)}")
+    theirs, ours = architecture(config), architecture(recipe)
     differ = [
-        f"drafter.{key}={json.dumps(ours[key], default=str)} ({path} has {json.dumps(theirs.get(key), default=str)})"
+        f"drafter.{key}={json.dumps(ours[key], default=str)} ({what} has {json.dumps(theirs.get(key), default=str)})"
         for key in ours
         if theirs.get(key) != ours[key]
     ]
     if differ:
         raise UserError(
-            f"train.init_from={path} is another architecture than the recipe's: {'; '.join(differ)}; "
-            "set those to the checkpoint's"
+            f"{what} is another architecture than the recipe's: {'; '.join(differ)}; set those to the checkpoint's"
         )
-    return start

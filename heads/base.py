@@ -325,19 +325,28 @@ def read_checkpoint_config(directory: Path) -> dict[str, Any]:
     return saved
 
 
-def load_drafter(directory: str | os.PathLike, target: Optional[TargetShape] = None, target_model=None) -> Drafter:
-    """Load a checkpoint written by `save_pretrained`; refuse one made for a different target.
-    With `target_model` the drafter gets the target modules it shares re-attached (`attach_target`)."""
+def saved_drafter(directory: Path) -> tuple[type, DrafterConfig, TargetShape, dict[str, Any]]:
+    """A draftsmith checkpoint's drafter class, its config (checked, as the recipe's is) and the target shape it
+    was made for, with the whole saved config.json, read without its weights; a one-line UserError for a config
+    that is not one (hand-edited values of the wrong type included)."""
     from draftsmith.heads import drafter_class
 
-    directory = Path(directory)
     saved = read_checkpoint_config(directory)
     try:
         cls = drafter_class(saved["drafter_type"])
         config = config_from_dict(cls.Config, saved["drafter"])
         saved_target = TargetShape(**saved["target"])
-    except (KeyError, TypeError) as err:
+        config.check(saved_target)
+    except (KeyError, TypeError, ValueError) as err:
         raise UserError(f"{directory / CONFIG_NAME}: corrupt drafter config ({type(err).__name__}: {err})") from None
+    return cls, config, saved_target, saved
+
+
+def load_drafter(directory: str | os.PathLike, target: Optional[TargetShape] = None, target_model=None) -> Drafter:
+    """Load a checkpoint written by `save_pretrained`; refuse one made for a different target.
+    With `target_model` the drafter gets the target modules it shares re-attached (`attach_target`)."""
+    directory = Path(directory)
+    cls, config, saved_target, saved = saved_drafter(directory)
     if target is not None:
         check_same_target(saved_target, target, str(directory))
     drafter = cls(config, saved_target)

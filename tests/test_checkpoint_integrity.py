@@ -103,3 +103,24 @@ def test_a_checkpoint_saved_before_checksums_resumes_unverified(two_checkpoints,
     assert f"checkpoint {found} has no {CHECKSUMS_NAME} (saved before checkpoints recorded checksums)" in caplog.text
     assert "resuming from it unverified" in caplog.text
     assert resume_checkpoint(tmp_path / "fresh", "latest_intact") is None  # nothing to resume yet: a fresh run
+
+
+def test_a_resume_with_another_drafter_is_refused_in_one_line_and_the_runs_recipe_is_kept(
+    two_checkpoints, tmp_path, capsys
+):
+    """Resuming with drafter settings the checkpoint was not trained with, or another kind's recipe, is one
+    line naming what to set, exit 2, before the checkpoint loads (it was an internal error from the state
+    dict's loader); the run's recipe.yaml still names what it trained, nothing else is touched."""
+    source, args = two_checkpoints
+    output_dir = tmp_path / "run"
+    shutil.copytree(source, output_dir)
+    args = [arg.replace(str(source), str(output_dir)) for arg in args]
+    before = snapshot(output_dir)
+    resume = ["train.py", *args, "train.max_steps=3", "train.resume=true"]
+    wider = run_entry_in_process([*resume, "drafter.num_heads=4"], capsys)
+    assert_one_line_error(wider, 2, "train.resume's")
+    assert "is another architecture than the recipe's: drafter.num_heads=4 (" in wider.stderr
+    other = run_entry_in_process([*[a for a in resume if a != "recipe=medusa"], "recipe=eagle3"], capsys)
+    assert_one_line_error(other, 2, "train.resume's")
+    assert "holds a medusa drafter, the recipe trains eagle3: " in other.stderr and "recipe=medusa" in other.stderr
+    assert snapshot(output_dir) == before

@@ -412,6 +412,41 @@ def test_bad_settings_are_user_errors(eval_setup, tmp_path):
         run_eval(load_recipe([f"recipe={recipe}"]), str(corrupt), target=target)
 
 
+def test_a_damaged_folder_or_one_of_another_kind_is_one_line_naming_it(eval_setup, small_data, tmp_path):
+    """A drafter folder cut short or edited by hand (a checkpoint's config.json; an export's config.json,
+    draftsmith_export.json or weights) is a UserError naming the file (exit 2; they were internal errors), and
+    a checkpoint of another kind than the recipe's is refused as export and a warm start refuse it."""
+    import shutil
+
+    from draftsmith.export.run import export_checkpoint
+    from draftsmith.formats.repo import EXPORT_INFO, WEIGHTS
+
+    root, recipe, target = eval_setup
+    checkpoint = root / "run" / "final"
+    cfg = load_recipe([f"recipe={recipe}", f"output_dir={tmp_path / 'run'}"])
+
+    def refused(folder, match: str, recipe_cfg=cfg) -> None:
+        with pytest.raises(UserError, match=match):
+            run_eval(recipe_cfg, str(folder), target=target)
+
+    bad_json = shutil.copytree(checkpoint, tmp_path / "bad-json")
+    (bad_json / "config.json").write_text('{"draftsmith_format": 2, ')
+    refused(bad_json, r"bad-json/config.json: corrupt JSON")
+    edited = shutil.copytree(checkpoint, tmp_path / "edited")
+    values = json.loads((edited / "config.json").read_text())
+    values["drafter"]["num_heads"] = "x"
+    (edited / "config.json").write_text(json.dumps(values))
+    refused(edited, r"edited/config.json: corrupt drafter config")
+    exported = load_recipe([f"recipe={recipe}", f"output_dir={tmp_path / 'run'}", f"export.output={tmp_path / 'x'}"])
+    folder = export_checkpoint(exported, checkpoint, target=target)["vllm"]
+    for name, damage in {"config.json": b"{oops", EXPORT_INFO: b"{oops", WEIGHTS: b"\x08\x00\x00"}.items():
+        damaged = shutil.copytree(folder, tmp_path / f"export-{name}")
+        (damaged / name).write_bytes(damage)
+        refused(damaged, rf"{name}: corrupt")
+    eagle3 = ["recipe=eagle3", f"target.name_or_path={REFERENCE_TARGET}", f"data.eval=[{small_data['eval']}]"]
+    refused(checkpoint, r"holds a medusa drafter, the recipe is for eagle3: .*recipe=medusa", load_recipe(eagle3))
+
+
 def test_cli_rejects_a_missing_and_a_foreign_checkpoint(eval_setup, tmp_path, capsys):
     _, recipe, _ = eval_setup
     missing = run_entry_in_process(["-m", "eval", f"recipe={recipe}", f"checkpoint={tmp_path / 'nothing'}"], capsys)

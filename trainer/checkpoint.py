@@ -44,6 +44,7 @@ from draftsmith.recipe_checks import resolve_bool_or_path
 log = logging.getLogger("draftsmith.train")
 
 STATE_NAME = "trainer_state.json"
+DRAFTER_DIR = "drafter"  # a checkpoint's drafter, as save_pretrained writes it (a folder init_from or eval reads)
 CHECKSUMS_NAME = "checksums.json"  # every other file of a checkpoint: {"files": {path: {"bytes", "sha256"}}}
 # train.resume's value for "the newest checkpoint whose files match their checksums" (true: the newest, verified)
 LATEST_INTACT = "latest_intact"
@@ -88,7 +89,7 @@ def save_checkpoint(accelerator, drafter, state: TrainerState, output_dir: Path,
     accelerator.wait_for_everyone()
     with _writing(tmp, f"checkpoint for step {state.step}", output_dir):
         accelerator.save_state(str(tmp))
-        save_drafter(accelerator, drafter, tmp / "drafter")
+        save_drafter(accelerator, drafter, tmp / DRAFTER_DIR)
         accelerator.wait_for_everyone()  # every rank's files are complete before they are summed
         if accelerator.is_main_process:
             text = json.dumps(asdict(state), indent=2) + "\n"
@@ -314,4 +315,4 @@ def check_earlier_run(cfg: DictConfig) -> None:
 def claim_output_dir(cfg: DictConfig, state):
     """Hold the output directory for this job (`state`: accelerate's PartialState): locked, and
     checked for an earlier run, before any rank writes."""
-    return held_by_main_process(cfg.output_dir, state, check=lambda: check_earlier_run(cfg))
+    return held_by_main_process(cfg.output_dir, state, check=lambda: check_earlier_run(cfg), key="output_dir")

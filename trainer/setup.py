@@ -22,13 +22,14 @@ from draftsmith.data_prep import Collator, PackingCollator, load_tokenized
 from draftsmith.data_prep.features import FeatureCollator, expected_features, open_features
 from draftsmith.errors import UserError
 from draftsmith.families import check_eval_settings
-from draftsmith.formats.folder import warm_start
+from draftsmith.formats.folder import require_recipes_drafter, warm_start
 from draftsmith.heads import drafter_class
+from draftsmith.heads.base import saved_drafter
 from draftsmith.heads.packing import causal_lm_inputs, require_packed_attention
 from draftsmith.recipe import derived, require_draft_vocab_use, save_recipe
 from draftsmith.sharding import built_whole
 from draftsmith.target import TargetOutput, load_config, load_target, load_tokenizer, run_target
-from draftsmith.trainer.checkpoint import TrainerState, load_checkpoint, resume_checkpoint
+from draftsmith.trainer.checkpoint import DRAFTER_DIR, TrainerState, load_checkpoint, resume_checkpoint
 from draftsmith.trainer.heldout import check_best_on_resume, split_heldout
 from draftsmith.trainer.optim import build_optimizer
 
@@ -88,6 +89,8 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     # what the drafter fits to the data (EAGLE-3's draft vocabulary), on every rank
     drafter.prepare(train_data if vocab_data is None else vocab_data)
     if resume_from is not None:  # the checkpoint holds the weights: the run's start is not loaded again
+        saved, config = saved_drafter(resume_from / DRAFTER_DIR)[:2]
+        require_recipes_drafter(saved.type, config, drafter.type, drafter.config, f"train.resume's {resume_from}")
         cfg = resumed_start(cfg, output_dir)
     elif cfg.train.init_from:  # warm start: its weights and data-fitted state (draft vocabulary kept, not re-fitted)
         start = warm_start(cfg.train.init_from, drafter, target)  # a checkpoint, an export's folder or speculators'
@@ -95,12 +98,12 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
         drafter.learned = dict(start.learned)
         log.info("warm start from %s", cfg.train.init_from)
     run = prepare_run(cfg, accelerator, target, drafter, train_data, collate, target_features, heldout)
-    if accelerator.is_main_process:
-        save_recipe(cfg, output_dir)
     if resume_from is not None:
         run.state = load_checkpoint(accelerator, resume_from)
         log.info("resumed from %s at step %d", resume_from, run.state.step)
         check_best_on_resume(output_dir, run.state)
+    if accelerator.is_main_process:  # after the checkpoint loaded: a refused resume leaves the run's recipe as it was
+        save_recipe(cfg, output_dir)
     accelerator.wait_for_everyone()
     accelerator.init_trackers("tb")
     return run
