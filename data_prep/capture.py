@@ -88,7 +88,7 @@ def capture(cfg: DictConfig) -> CaptureResult:
     # Without a GPU, accelerate forms a (gloo) process group only when told the run is on CPU.
     state = PartialState(cpu=not torch.cuda.is_available())
     directory = Path(cfg.data.capture.output or Path(cfg.output_dir) / "features")
-    with held_by_main_process(directory, state):
+    with held_by_main_process(directory, state, key="data.capture.output"):
         return capture_into(cfg, directory, state)
 
 

@@ -104,6 +104,8 @@ def load_conversations(
 
 def _expand(source: str, skip_invalid_utf8: bool = False) -> list[tuple[str, Any]]:
     """Resolve one source string into (name, loader) pairs: one per local file, or one Hub split."""
+    if not source.strip():  # `data.train=` on a command line: not the Hub's data set '', which fails obscurely
+        raise UserError("a data source is empty: give a file, a folder, a glob or a Hub data set id")
     if is_named(source):
         path = str(named_file(source))
         return [(source, lambda: _load_file(path, skip_invalid_utf8))]

@@ -139,7 +139,9 @@ def regenerate(cfg: DictConfig, target=None, tokenizer=None) -> RegenerateResult
     settings["reuse"] = None if reused is None else content_digest(reused)  # the answers by their content
     # Without a GPU, accelerate forms a (gloo) process group only when told the run is on CPU.
     state = PartialState(cpu=not torch.cuda.is_available())
-    with held_by_main_process(directory, state, check=lambda: claim_directory(directory, settings)):
+    with held_by_main_process(
+        directory, state, check=lambda: claim_directory(directory, settings), key="data.regenerate.output"
+    ):
         result = regenerate_into(cfg, directory, conversations, known_answers(reused), target, tokenizer, state)
     result.excluded, result.short = excluded, short
     return result

@@ -19,7 +19,7 @@ Exit codes (one line on stderr; docs/faults.md): 0 done, 2 bad input, 3 a lossle
 failed, 4 training diverged, 69 an engine the job needs is down (retry), 70 a draftsmith bug (the
 traceback in a log file, or on stderr with DRAFTSMITH_DEBUG=1), 74 a full disk or I/O error, 75
 stopped on SIGTERM after saving a checkpoint (requeue with train.resume=true), 130 interrupted;
-`monitor check` adds its outcomes 10, 11, 12.
+`monitor check` adds its outcomes 10, 11, 12, 13.
 """
 
 from __future__ import annotations
@@ -116,7 +116,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(__doc__)
-        sys.exit(0 if argv else EXIT_USER_ERROR)
+        if not argv:  # a usage error: said on stderr too, as every refusal is
+            print(f"error: no command given; commands: {', '.join(COMMANDS)} (draftsmith --help)", file=sys.stderr)
+            sys.exit(EXIT_USER_ERROR)
+        sys.exit(0)
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
         print(f"error: unknown command {command!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)

@@ -39,7 +39,8 @@ class ExportCheckFailed(CheckFailed):
 
 class TrainingDiverged(Exception):
     """Training stopped because more than `train.max_nonfinite` steps had a non-finite loss or
-    gradient: lower train.lr or remove the batches named, then resume or start over; exit EXIT_DIVERGED."""
+    gradient, or its weights were not finite at its end (its final checkpoint and final/ not written):
+    lower train.lr or remove the batches named, then resume or start over; exit EXIT_DIVERGED."""
 
 
 class EngineUnavailable(Exception):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
+import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -33,10 +36,35 @@ def write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def readable_as_created(folder: Path) -> None:
+    """Give every file under `folder` at least the mode a file created now gets (0644 under umask 022):
+    safetensors writes its files through a private temporary file, mode 0600, which a job or an engine
+    running as another user could not read. os.umask reads the umask only by setting it."""
+    umask = os.umask(0o077)
+    os.umask(umask)
+    for path in folder.rglob("*"):
+        if path.is_file():
+            path.chmod(stat.S_IMODE(path.stat().st_mode) | (0o666 & ~umask))
+
+
+@contextlib.contextmanager
+def staging(directory: Path) -> Iterator[Path]:
+    """`<directory>.tmp`, empty, to write a folder into and check before `publish_folder` renames it into
+    place; removed if the block ends without publishing it (a refusal, a failed check, a stop)."""
+    staged = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(staged, ignore_errors=True)
+    try:
+        yield staged
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+
+
 def publish_folder(staged: Path, directory: Path) -> None:
     """Replace `directory` by the `staged` folder with renames only: a job killed anywhere leaves the
     earlier folder or the new one in place, never a mix. The earlier one is moved to `<name>.old` and
-    removed after; a `.old` a killed job left behind is removed first, or the next rename would fail."""
+    removed after; a `.old` a killed job left behind is removed first, or the next rename would fail.
+    Its files get the umask's mode first (`readable_as_created`)."""
+    readable_as_created(staged)
     old = directory.with_name(directory.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
     if directory.exists():

@@ -6,12 +6,16 @@ Every job that writes (train, capture, regenerate, eval, export, the monitor's p
 it: the kernel drops the flock when the holder dies, even by `kill -9`, so a lock whose holder is gone
 is recognised and taken over (with a warning), and a live holder is never overridden. flock is local
 to a host's kernel; on a network file system that does not forward it, two hosts are not excluded.
+A directory that cannot be created (a file in its path, a read-only or special file system) is bad
+input (`check_output_dir`): checked by the recipe check for each output key given, and by the lock for
+the directory it takes, a key's default included.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import fcntl
 import json
 import logging
@@ -19,11 +23,12 @@ import os
 import shutil
 import socket
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Optional
 
-from draftsmith.errors import UserError
+from draftsmith.errors import STORAGE_ERRNOS, UserError, one_line
 
 LOCK_NAME = ".draftsmith.lock"
 REPLACED_DIR = "replaced"  # where train.overwrite=true moves an earlier run
@@ -35,21 +40,47 @@ def utc_stamp() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
 
 
+def check_output_dir(path: str | os.PathLike, key: str = "output_dir", named: Optional[str] = None) -> None:
+    """An output directory (the recipe key `key`; `named`: how the message names it, default `key='path'`)
+    must be creatable: its nearest existing ancestor is a directory we can create entries in (probed with
+    a temporary directory, removed at once)."""
+    named = named or f"{key}={str(path)!r}"
+    target = Path(path).expanduser().absolute()
+    if target.exists():
+        if not target.is_dir():
+            raise UserError(f"{named} exists and is not a directory")
+    ancestor = target
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise UserError(f"{named} cannot be created: {ancestor} is not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".draftsmith-probe-", dir=ancestor))
+    except OSError as err:
+        if err.errno in STORAGE_ERRNOS and err.errno != errno.EROFS:  # a full or failing disk: exit 74, not 2
+            raise
+        raise UserError(f"{named} cannot be created under {ancestor}: {err.strerror or one_line(err)}") from None
+
+
 class DirectoryLock:
     """Exclusive use of `directory` by this process (see the module docstring). Use as a context
     manager or with acquire()/release(). A failed start (an exception while held) leaves no trace:
-    the lock file goes, and the directory too if acquiring created it and it is still empty."""
+    the lock file goes, and the directory too if acquiring created it and it is still empty. `key`: the
+    recipe key the directory is the value or the default of, named when it cannot be created."""
 
-    def __init__(self, directory: str | os.PathLike, command: Optional[str] = None):
+    def __init__(self, directory: str | os.PathLike, command: Optional[str] = None, key: Optional[str] = None):
         self.directory = Path(directory)
         self.path = self.directory / LOCK_NAME
         self.command = command if command is not None else " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
+        self.key = key
         self._fd: Optional[int] = None
         self._created: list[Path] = []  # directories acquire() created, innermost first
 
     def acquire(self) -> DirectoryLock:
         if self._fd is not None:  # already held by this object
             return self
+        # bad input, not a bug: the recipe check saw the keys given, not their defaults under output_dir
+        check_output_dir(self.directory, named=f"{self.directory} ({self.key})" if self.key else str(self.directory))
         missing = self.directory
         while not missing.exists():
             self._created.append(missing)
@@ -116,14 +147,14 @@ class DirectoryLock:
 
 @contextlib.contextmanager
 def held_by_main_process(
-    directory: str | os.PathLike, state, check: Optional[Callable[[], None]] = None
+    directory: str | os.PathLike, state, check: Optional[Callable[[], None]] = None, key: Optional[str] = None
 ) -> Iterator[None]:
-    """A multi-process job's hold on `directory` (`state`: accelerate's PartialState): the main
-    process locks it and runs `check` (which may refuse with a UserError); every rank learns the
-    outcome before any rank writes, and all of them raise the same one-line error on failure."""
+    """A multi-process job's hold on `directory` (`state`: accelerate's PartialState; `key` as for
+    DirectoryLock): the main process locks it and runs `check` (which may refuse with a UserError); every
+    rank learns the outcome before any rank writes, and all of them raise the same one-line error on failure."""
     lock, error = None, None
     if state.is_main_process:
-        lock = DirectoryLock(directory)
+        lock = DirectoryLock(directory, key=key)
         try:
             lock.acquire()
             if check is not None:

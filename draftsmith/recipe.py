@@ -24,8 +24,9 @@ from draftsmith.recipe_checks import (
     check_data,
     check_eval,
     check_export,
+    check_finite,
     check_monitor,
-    check_output_dir,
+    check_outputs,
     check_train,
     require,
     resolve_bool_or_path,
@@ -241,7 +242,7 @@ def check_drafter(cfg: DictConfig) -> None:
 
 def validate(cfg: DictConfig) -> DictConfig:
     """Check every value before any model or data is touched: required values set, choices known,
-    interpolations resolved, each section's ranges, the drafter's own settings, the output directory."""
+    interpolations resolved, each section's ranges, the drafter's own settings, the output directories."""
     try:
         missing = sorted(OmegaConf.missing_keys(cfg))  # resolves interpolations on the way
         if not missing:
@@ -259,12 +260,13 @@ def validate(cfg: DictConfig) -> DictConfig:
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
             raise UserError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+    check_finite(OmegaConf.to_container(cfg))
     check_train(cfg.train, cfg.data)
     check_data(cfg.data)
     check_eval(cfg.eval)
     check_export(cfg.export)
     check_monitor(cfg.monitor)
-    check_output_dir(cfg.output_dir)
+    check_outputs(cfg)
     check_drafter(cfg)
     check_shard(cfg)
     OmegaConf.set_readonly(cfg, True)

@@ -4,19 +4,36 @@ every key; the drafter section is its kind's own check (`draftsmith.recipe.check
 
 from __future__ import annotations
 
-import os
+import math
 import re
-import tempfile
-from pathlib import Path
 from typing import Optional
 
+from omegaconf import OmegaConf
+
 from draftsmith.engines import arctic_build, suffix_decoding_installed
-from draftsmith.errors import UserError, one_line
+from draftsmith.errors import UserError
+from draftsmith.outputs import check_output_dir
 
 
 def require(condition: bool, message: str) -> None:
     if not condition:
         raise UserError(message)
+
+
+def check_finite(settings: dict, prefix: str = "") -> None:
+    """Every number of the recipe (`settings`: it as a plain dict) is finite: inf passes the range checks
+    (train.lr=inf > 0) and reaches the arithmetic (a run trained to non-finite weights), and nan passes a key
+    that no range check compares."""
+    for key, value in settings.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            check_finite(value, f"{name}.")
+            continue
+        numbers = value if isinstance(value, list) else [value]
+        require(
+            all(math.isfinite(number) for number in numbers if isinstance(number, float)),
+            f"{name}={value} must be finite (a number, not inf or nan)",
+        )
 
 
 def check_train(t, d) -> None:
@@ -194,8 +211,6 @@ def check_export(x) -> None:
     require(
         repo is None or bool(re.fullmatch(r"[\w.-]+/[\w.-]+", repo)), f"export.push.repo_id={repo!r} is not ORG/NAME"
     )
-    if x.output:
-        check_output_dir(x.output, "export.output")
 
 
 def check_monitor(m) -> None:
@@ -214,20 +229,27 @@ def check_monitor(m) -> None:
     )
 
 
-def check_output_dir(path: str, key: str = "output_dir") -> None:
-    """An output directory (the recipe key `key`) must be creatable: its nearest existing ancestor is a
-    directory we can create entries in (probed with a temporary directory, removed at once)."""
-    target = Path(path).expanduser().absolute()
-    if target.exists():
-        require(target.is_dir(), f"{key}={path!r} exists and is not a directory")
-    ancestor = target
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    require(ancestor.is_dir(), f"{key}={path!r} cannot be created: {ancestor} is not a directory")
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".draftsmith-probe-", dir=ancestor))
-    except OSError as err:
-        raise UserError(f"{key}={path!r} cannot be created under {ancestor}: {err.strerror or one_line(err)}") from None
+# The recipe keys that name a directory a job writes; unset, each but output_dir is a folder under output_dir.
+OUTPUT_KEYS = (
+    "output_dir",
+    "data.capture.output",
+    "data.regenerate.output",
+    "export.output",
+    "export.sweep.output",
+    "monitor.state_dir",
+)
+
+
+def check_outputs(cfg) -> None:
+    """Every output directory the recipe names is creatable, and none is empty (which a path would take
+    as the current folder); each job's lock checks the defaults under output_dir it takes."""
+    for key in OUTPUT_KEYS:
+        path = OmegaConf.select(cfg, key)
+        if path is None:
+            continue
+        unset = "" if key == "output_dir" else ", or null for its default under output_dir"
+        require(str(path) != "", f"{key} is empty: give a directory{unset}")
+        check_output_dir(path, key)
 
 
 def resolve_bool_or_path(value: Optional[str]) -> Optional[str]:

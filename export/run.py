@@ -4,14 +4,14 @@ Order, so that a bad combination never leaves a folder behind: every engine's fo
 checked (names and shapes the engine loads, conventions converted) before anything is written; each
 is staged under `<engine>.tmp`, read back into a drafter whose re-export must give the same tensors,
 loaded in vLLM when `export.vllm_python` names a Python that has it, given its model card and
-`draftsmith_export.json`, and only then renamed into place. Pushing comes last.
+`draftsmith_export.json`, and only then renamed into place (a failure on the way removes the staged
+folder). Pushing comes last.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import shutil
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from draftsmith.errors import InternalError, UserError, one_line
 from draftsmith.export.gamma import recommended_gamma
-from draftsmith.files import checkpoint_digest, publish_folder, write_text_atomic
+from draftsmith.files import checkpoint_digest, publish_folder, staging, write_text_atomic
 from draftsmith.formats import Source, exporter_for
 from draftsmith.formats.repo import (
     EXPORT_INFO,
@@ -55,7 +55,7 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
     """Export `checkpoint` for every engine in export.engines; returns engine -> folder. `engines`: an
     export.verify.EngineSession to run the vLLM check in (one of its own, closed at the end, if None)."""
     output = Path(cfg.export.output or Path(cfg.output_dir) / "export")
-    with DirectoryLock(output):
+    with DirectoryLock(output, key="export.output"):
         kind = read_checkpoint_config(checkpoint)["drafter_type"]
         if kind != cfg.drafter.type:  # the rule a warm start follows: the recipe is for the drafter it reads
             raise UserError(
@@ -87,23 +87,24 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
         with_reported_accuracy(source, report)
         folders = {}
         for engine, repo in repos.items():
-            staged = stage_repo(repo, output / engine, source.target)
-            info = export_info(cfg, source, repo, gamma, source_digest, report, schedule)
-            write_json(staged / EXPORT_INFO, info)
-            check_round_trip(exporter, source, repo, staged, target, gamma, output / engine)
-            if engine == "vllm" and cfg.export.vllm_python:
-                from draftsmith.export.verify import EngineSession, verify_in_vllm
-
-                with nullcontext(engines) if engines is not None else EngineSession() as session:
-                    info["verified"] = verify_in_vllm(
-                        cfg, source, repo, staged, info["speculative_config"], session, tokenizer
-                    )
-                info["engine_settings"] = info["verified"].pop("engine_settings")  # recorded once, at the top
+            with staging(output / engine) as staged:  # removed unless published: a failed check leaves nothing
+                stage_repo(repo, staged, source.target)
+                info = export_info(cfg, source, repo, gamma, source_digest, report, schedule)
                 write_json(staged / EXPORT_INFO, info)
-            from draftsmith.export.card import write_card
+                check_round_trip(exporter, source, repo, staged, target, gamma, output / engine)
+                if engine == "vllm" and cfg.export.vllm_python:
+                    from draftsmith.export.verify import EngineSession, verify_in_vllm
 
-            write_card(staged, repo, info, report, serving_name(cfg, engine, output / engine))
-            publish_folder(staged, output / engine)
+                    with nullcontext(engines) if engines is not None else EngineSession() as session:
+                        info["verified"] = verify_in_vllm(
+                            cfg, source, repo, staged, info["speculative_config"], session, tokenizer
+                        )
+                    info["engine_settings"] = info["verified"].pop("engine_settings")  # recorded once, at the top
+                    write_json(staged / EXPORT_INFO, info)
+                from draftsmith.export.card import write_card
+
+                write_card(staged, repo, info, report, serving_name(cfg, engine, output / engine))
+                publish_folder(staged, output / engine)
             folders[engine] = output / engine
     if cfg.export.push.repo_id:
         from draftsmith.export.push import push_folders
@@ -214,12 +215,15 @@ def find_report(cfg: DictConfig, checkpoint: Path) -> Optional[dict[str, Any]]:
     path = Path(cfg.export.report) if cfg.export.report else checkpoint.resolve().parent / "eval" / "report.json"
     if not path.is_file():
         if cfg.export.report:
-            raise UserError(f"export.report={cfg.export.report!r} does not exist")
+            found = "is a folder, not an eval's report.json" if path.is_dir() else "does not exist"
+            raise UserError(f"export.report={cfg.export.report!r} {found}")
         return None
     try:
         report = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise UserError(f"{path}: not an eval report ({one_line(err)})") from None
+    if not isinstance(report, dict) or not isinstance(report.get("drafter"), dict):
+        raise UserError(f"{path}: not an eval report (no drafter section)")
     if report.get("drafter", {}).get("path") != str(checkpoint.resolve()):
         raise UserError(
             f"{path} evaluates {report.get('drafter', {}).get('path')}, not {checkpoint.resolve()}; "
@@ -328,12 +332,10 @@ def write_json(path: Path, value: dict[str, Any]) -> None:
     write_text_atomic(path, json.dumps(value, indent=2, sort_keys=True) + "\n")
 
 
-def stage_repo(repo: EngineRepo, directory: Path, target: TargetInfo) -> Path:
-    """Write the folder's config and weights under `<directory>.tmp` (the card and
-    draftsmith_export.json follow once the folder has been checked); returns the staging path."""
-    tmp = directory.with_name(directory.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    weights_dir = tmp / repo.weights_dir
+def stage_repo(repo: EngineRepo, staged: Path, target: TargetInfo) -> Path:
+    """Write the folder's config and weights into `staged` (`staging`'s folder; the card and
+    draftsmith_export.json follow once the folder has been checked); returns it."""
+    weights_dir = staged / repo.weights_dir
     weights_dir.mkdir(parents=True)
     tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in sorted(repo.tensors.items())}
     save_file(tensors, str(weights_dir / WEIGHTS), metadata={"format": "pt"})  # one metadata key: reproducible bytes
@@ -341,5 +343,5 @@ def stage_repo(repo: EngineRepo, directory: Path, target: TargetInfo) -> Path:
     if repo.tokenizer:
         copy_tokenizer(target, weights_dir)
     if repo.extra is not None:
-        repo.extra(tmp)
-    return tmp
+        repo.extra(staged)
+    return staged

@@ -229,7 +229,7 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None) -> P
     digest = checkpoint_digest(checkpoint)
     output = Path(settings.output or Path(cfg.output_dir) / "sweep")
     path = output / ROWS
-    with DirectoryLock(output):
+    with DirectoryLock(output, key="export.sweep.output"):
         others = {row.get("source_sha256") for row in read_rows(path) if row.get("source_sha256") not in (None, digest)}
         if others:
             raise UserError(

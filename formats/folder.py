@@ -85,8 +85,10 @@ def open_drafter(path: str | Path, target_shape: TargetShape, target):
             drafter = read_folder(folder, target)
             check_same_target(drafter.target, target_shape, str(folder))
             return drafter
+    inside = sorted(p.parent.name for p in path.glob(f"*/{CONFIG_NAME}") if (p.parent / WEIGHTS).is_file())
+    where = f"; its {inside[0]}/ does (pass that)" if inside else ""  # a run's final/, a training checkpoint's drafter/
     raise UserError(
-        f"{path} holds neither a drafter checkpoint nor an exported drafter folder (config.json + {WEIGHTS})"
+        f"{path} holds neither a drafter checkpoint nor an exported drafter folder (config.json + {WEIGHTS}){where}"
     )
 
 
@@ -95,20 +97,22 @@ def warm_start(path: str | Path, drafter, target_model):
     folder, its export's or one speculators saved (`open_drafter`), for `drafter`'s target, of the recipe's
     architecture (`drafter`, built from the recipe's drafter section; `require_recipes_drafter`)."""
     start = open_drafter(path, drafter.target, target_model)
-    require_recipes_drafter(start.type, start.config, drafter.type, drafter.config, f"train.init_from={path}")
+    require_recipes_drafter(start.type, start.config, drafter.type, drafter.config, f"train.init_from={path}", path)
     return start
 
 
-def require_recipes_drafter(kind: str, config: DrafterConfig, recipe_kind: str, recipe: DrafterConfig, what: str):
-    """The drafter `what` holds (`kind`, `config`) is the recipe's (`recipe_kind`, `recipe`), or its weights would
-    train, save and export as another function: a difference is one UserError naming the keys to set, never
-    adopted silently (training settings, DrafterConfig.SETTINGS, and what a kind resolves from the target may
-    differ)."""
+def require_recipes_drafter(
+    kind: str, config: DrafterConfig, recipe_kind: str, recipe: DrafterConfig, what: str, path: str | Path
+):
+    """The drafter `what` (the folder `path`) holds (`kind`, `config`) is the recipe's (`recipe_kind`, `recipe`),
+    or its weights would train, save and export as another function: a difference is one UserError naming the
+    keys to set, never adopted silently (training settings, DrafterConfig.SETTINGS, and what a kind resolves
+    from the target may differ)."""
     if kind != recipe_kind:
         raise UserError(f"{what} holds a {kind} drafter, the recipe trains {recipe_kind}: {recipe_advice(kind)}")
     theirs, ours = architecture(config), architecture(recipe)
     differ = [
-        f"drafter.{key}={json.dumps(ours[key], default=str)} ({what} has {json.dumps(theirs.get(key), default=str)})"
+        f"drafter.{key}={json.dumps(ours[key], default=str)} ({path} has {json.dumps(theirs.get(key), default=str)})"
         for key in ours
         if theirs.get(key) != ours[key]
     ]

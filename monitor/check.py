@@ -34,6 +34,7 @@ from draftsmith.monitor.drift import (
     REVERIFY,
     TOO_FEW,
     Baseline,
+    combined,
     domain_tests,
     engine_tests,
     request_tests,
@@ -52,7 +53,7 @@ def state_dir_of(cfg: DictConfig) -> Path:
 
 def check(cfg: DictConfig, now: Optional[float] = None) -> Outcome:
     directory = state_dir_of(cfg)
-    with DirectoryLock(directory):
+    with DirectoryLock(directory, key="monitor.state_dir"):
         state = State.load(directory)
         if state.pipeline is not None:  # a retraining was interrupted: finish it first
             from draftsmith.monitor.pipeline import run_pipeline
@@ -66,7 +67,9 @@ def summary(cfg: DictConfig, outcome: Outcome) -> str:
     last = State.load(state_dir_of(cfg)).last_check or {}
     if outcome == Outcome.REVERIFY:
         return f"monitor: {last['action']}"
-    return f"monitor: {outcome.name.lower()}" + (f" ({last['note']})" if last.get("note") else "")
+    # exit 0 is "no drift found": healthy only when everything measured was judged so, else the verdict
+    said = last.get("verdict", HEALTHY) if outcome == Outcome.HEALTHY else outcome.name.lower()
+    return f"monitor: {said}" + (f" ({last['note']})" if last.get("note") else "")
 
 
 def deployed_of(cfg: DictConfig, state: State) -> dict[str, Any]:
@@ -151,6 +154,7 @@ def measure_and_decide(cfg: DictConfig, directory: Path, state: State, now: floa
         verdicts.append(record["traffic"]["verdict"])
     drift = count_drift(state, verdicts, change)
     outcome, action = decide(cfg, state, drift, change, now)
+    record["verdict"] = combined(verdicts)
     record_check(directory, state, record, drift, outcome, action, now)
     if action == "retrain":
         from draftsmith.monitor.pipeline import run_pipeline
@@ -225,7 +229,13 @@ def record_check(
         "outcome": outcome.name,
     }
     path = write_record(directory, state.checks, record, now)
-    state.last_check = {"time": record["time"], "record": str(path), "outcome": outcome.name, "action": action}
+    state.last_check = {
+        "time": record["time"],
+        "record": str(path),
+        "outcome": outcome.name,
+        "action": action,
+        "verdict": record["verdict"],
+    }
     note = (record.get("traffic") or {}).get("free_baselines", {}).get("note")
     if note:
         state.last_check["note"] = note

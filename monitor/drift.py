@@ -16,6 +16,7 @@ sample and the confidence absorb that, and the hysteresis (a drift must persist 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from statistics import NormalDist
 from typing import Any, Optional
@@ -148,7 +149,13 @@ def request_tests(per_domain: dict[str, dict[str, Any]], baseline: Baseline, set
 
 
 def verdict_of(tests: dict[str, dict[str, Any]]) -> str:
-    verdicts = {test["verdict"] for test in tests.values()}
+    return combined(test["verdict"] for test in tests.values())
+
+
+def combined(verdicts: Iterable[str]) -> str:
+    """Several verdicts as one: drift if any drifted, healthy if all were, too few samples if none
+    had enough, else undecided."""
+    verdicts = set(verdicts)
     if DRIFT in verdicts:
         return DRIFT
     if verdicts and verdicts <= {HEALTHY}:

@@ -98,7 +98,7 @@ def series(text: str, url: str) -> dict[str, float]:
         first = one_line(text, limit=80)
         raise UserError(
             f"{url} did not answer with Prometheus text ({one_line(err, limit=120)}; it begins {first!r}): check "
-            "monitor.metrics_urls"
+            "monitor.metrics"
         ) from None
     for sample in samples:
         labels = {k: v for k, v in sample.labels.items() if k != "position"}

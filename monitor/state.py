@@ -24,7 +24,7 @@ class State:
     checks: int = 0
     consecutive_drift: int = 0
     cooldown_until: float = 0.0
-    last_check: Optional[dict[str, Any]] = None  # {"time", "record", "outcome", "action"}
+    last_check: Optional[dict[str, Any]] = None  # {"time", "record", "outcome", "action", "verdict"}
     last_retrain: Optional[dict[str, Any]] = None
     pipeline: Optional[dict[str, Any]] = None  # the retraining in progress: {"id", "domains", "done": {step: result}}
     revisions: list[dict[str, Any]] = field(default_factory=list)

@@ -13,7 +13,7 @@ The sample is the latest `monitor.sample_per_domain` requests of each domain wit
 each request's messages, ending with the logged answer, or with a placeholder answer when none was
 logged (the eval reads only what precedes it, regeneration replaces it). Logs being written are read
 safely: a last line without its newline is skipped as incomplete, and malformed lines are counted,
-not fatal.
+not fatal, unless no line is a request (logs in another format: refused, naming the first line).
 """
 
 from __future__ import annotations
@@ -46,14 +46,15 @@ def timestamp_of(value: Any) -> Optional[float]:
 
 
 def read_requests(directory: Path) -> tuple[list[dict[str, Any]], int]:
-    """Every complete, well-formed request in the logs (oldest file first), and the malformed count."""
+    """Every complete, well-formed request in the logs (oldest file first), and the malformed count.
+    Logs of which no line is a request are refused: a format other than this one, not a bad line."""
     if not directory.is_dir():
         raise UserError(f"monitor.traffic={str(directory)!r} is not a directory of JSONL request logs")
-    requests, malformed = [], 0
+    requests, malformed, first_malformed = [], 0, None
     for path in sorted([*directory.rglob("*.jsonl"), *directory.rglob("*.jsonl.gz")]):
         raw = gzip.decompress(path.read_bytes()) if path.name.endswith(".gz") else path.read_bytes()
         lines = raw.decode("utf-8", "replace").split("\n")
-        for line in lines[:-1]:  # the text after the last newline is a line still being written
+        for number, line in enumerate(lines[:-1], 1):  # the text after the last newline is still being written
             if not line.strip():
                 continue
             try:
@@ -62,10 +63,10 @@ def read_requests(directory: Path) -> tuple[list[dict[str, Any]], int]:
                     {"role": ROLES[m["role"].lower()], "content": str(m["content"])} for m in record["messages"]
                 ]
             except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-                malformed += 1
-                continue
+                messages = []
             if not messages or not any(m["role"] == "user" for m in messages):
                 malformed += 1
+                first_malformed = first_malformed or f"{path}:{number}"
                 continue
             request = {
                 "messages": messages,
@@ -74,6 +75,12 @@ def read_requests(directory: Path) -> tuple[list[dict[str, Any]], int]:
             }
             request["spec_decode"] = spec_decode_counts(record.get("metrics"))
             requests.append(request)
+    if malformed and not requests:
+        raise UserError(
+            f"monitor.traffic={str(directory)!r}: none of its {malformed} logged line(s) is a request (the first: "
+            f'{first_malformed}); each line is a JSON object with "messages" (a list of {{"role", "content"}}, '
+            'a user turn among them), and optionally "domain" and "timestamp"'
+        )
     return requests, malformed
 
 

@@ -124,3 +124,17 @@ def test_a_resume_with_another_drafter_is_refused_in_one_line_and_the_runs_recip
     assert_one_line_error(other, 2, "train.resume's")
     assert "holds a medusa drafter, the recipe trains eagle3: " in other.stderr and "recipe=medusa" in other.stderr
     assert snapshot(output_dir) == before
+
+
+def test_a_resume_whose_saved_recipe_is_damaged_is_one_line_before_any_work(two_checkpoints, tmp_path, capsys):
+    """The run's recipe.yaml (where a resumed run reads the start it began from) cut short or edited into
+    something else: one line naming it, exit 2, before data or target load (it was an internal error)."""
+    source, args = two_checkpoints
+    output_dir = tmp_path / "run"
+    shutil.copytree(source, output_dir)
+    args = [arg.replace(str(source), str(output_dir)) for arg in args]
+    (output_dir / "recipe.yaml").write_text("train: [unclosed\n")
+    before = snapshot(output_dir)
+    done = run_entry_in_process(["train.py", *args, "train.max_steps=3", "train.resume=true"], capsys)
+    assert_one_line_error(done, 2, f"{output_dir / 'recipe.yaml'} is not the run's recipe")
+    assert "train.overwrite=true" in done.stderr and snapshot(output_dir) == before

@@ -481,6 +481,8 @@ def test_bad_sources(tmp_path):
         load_conversations([str(tmp_path / "missing.jsonl")])
     with pytest.raises(UserError, match="matches no"):
         load_conversations([str(tmp_path / "*.parquet")])
+    with pytest.raises(UserError, match="a data source is empty"):  # `data.train=`: was the Hub's IndexError
+        load_conversations([""])
     with pytest.raises(UserError, match="max_conversations"):
         load_conversations([str(write_jsonl(tmp_path / "ok.jsonl", [GOOD]))], max_conversations=0)
 

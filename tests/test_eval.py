@@ -445,6 +445,7 @@ def test_a_damaged_folder_or_one_of_another_kind_is_one_line_naming_it(eval_setu
         refused(damaged, rf"{name}: corrupt")
     eagle3 = ["recipe=eagle3", f"target.name_or_path={REFERENCE_TARGET}", f"data.eval=[{small_data['eval']}]"]
     refused(checkpoint, r"holds a medusa drafter, the recipe is for eagle3: .*recipe=medusa", load_recipe(eagle3))
+    refused(checkpoint.parent, r"holds neither a drafter checkpoint .*; its final/ does \(pass that\)")  # the run
 
 
 def test_cli_rejects_a_missing_and_a_foreign_checkpoint(eval_setup, tmp_path, capsys):

@@ -29,6 +29,7 @@ from tests.helpers import (
     run_entry_in_process,
     save_drafter,
     stand_in_vllm,
+    train_args,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -627,6 +628,45 @@ def test_an_export_output_that_is_a_file_is_refused_in_one_line_and_kept(target,
     assert mine.read_text() == "mine"
 
 
+def test_a_check_that_fails_after_staging_leaves_no_folder_behind(target, tmp_path, monkeypatch, capsys):
+    """The vLLM check refusing the staged folder (a stand-in interpreter gets the export past what is decided
+    before the engine starts; the check itself stubbed): exit 3, and neither `vllm.tmp` nor the export.output
+    the run created is left."""
+    import draftsmith.export.verify as verify
+    from draftsmith.errors import ExportCheckFailed
+
+    def refused(*args, **kwargs):
+        raise ExportCheckFailed("vLLM refused the folder")
+
+    monkeypatch.setattr(verify, "verify_in_vllm", refused)
+    checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
+    output = tmp_path / "export"
+    args = export_args("medusa", checkpoint, output, f"checkpoint={checkpoint}")
+    result = run_entry_in_process(["-m", "export", *args, f"export.vllm_python={stand_in_vllm(tmp_path)}"], capsys)
+    assert_one_line_error(result, 3, "vLLM refused the folder", prefix="check failed: ")
+    assert not output.exists()
+
+
+def test_published_files_have_the_umasks_mode(small_data, token_cache, target, tmp_path, capsys):
+    """safetensors writes through a private temporary file (mode 0600): a checkpoint's, final/'s and an
+    export's files get the umask's mode when published (0644 under umask 022), so that a job or an engine
+    running as another user can read them."""
+    run = tmp_path / "run"
+    args = train_args(run, small_data, token_cache, "data.max_conversations=4", "train.max_steps=1", "data.eval=[]")
+    umask = os.umask(0o022)
+    try:
+        assert run_entry_in_process(["train.py", *args], capsys).returncode == 0
+        export = run_export("medusa", run / "final", tmp_path / "export", target=target)["vllm"]
+    finally:
+        os.umask(umask)
+    files = [path for folder in (run / "checkpoints", run / "final", export) for path in folder.rglob("*")]
+    files = [path for path in files if path.is_file()]
+    weights = [path for path in files if path.name == "model.safetensors"]
+    assert len(weights) == 4  # the checkpoint's (accelerate's and the drafter's), final/'s and the export's
+    modes = {path.relative_to(tmp_path).as_posix(): oct(path.stat().st_mode & 0o777) for path in files}
+    assert {path: mode for path, mode in modes.items() if mode != oct(0o644)} == {}
+
+
 def test_medusa_states_the_vllm_releases_that_serve_it_and_a_newer_vllm_is_refused(target, tmp_path, capsys):
     """vLLM 0.33 removed the medusa method: a Medusa folder says so (draftsmith_export.json, the card),
     and an export checked with a vLLM 0.33 (a stub interpreter reporting that version) is refused in
@@ -818,3 +858,15 @@ def test_a_bfloat16_parting_passes_the_check_only_at_a_near_tie():
     assert check(plain)["partings"] == []
     with pytest.raises(ExportCheckFailed, match=r"on 1 prompt\(s\) not at a bfloat16 near tie"):
         check(parted(farthest))
+
+
+def test_an_export_report_that_is_no_report_is_one_line(target, tmp_path):
+    """export.report naming a folder, or a JSON file that is no eval report (a list), is a UserError saying
+    so (a folder was called missing; a list was an internal error)."""
+    checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(UserError, match=r"list.json: not an eval report \(no drafter section\)"):
+        run_export("medusa", checkpoint, tmp_path / "a", f"export.report={tmp_path / 'list.json'}", target=target)
+    with pytest.raises(UserError, match=r"is a folder, not an eval's report.json"):
+        run_export("medusa", checkpoint, tmp_path / "b", f"export.report={tmp_path}", target=target)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

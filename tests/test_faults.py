@@ -2,7 +2,11 @@
 with SIGKILL at seeded random moments while it writes (between its first write and its end, as a
 reference run measured; each test checks a kill landed mid-run), run again until it finishes, and must
 then hold exactly what an uninterrupted run holds (training: the same per-step losses and final weights;
-the others: the same bytes). Meanwhile a reader opens every published file over and over: none may ever be partial."""
+the others: the same bytes). Meanwhile a reader opens every published file over and over: none may ever be partial.
+
+Then the faults a new user's probe found, each through a real entry point in this process (fast): output
+directories that cannot be created or are empty, request logs of which no line is a request, a message naming
+a key that does not exist, and `draftsmith` without a command."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -25,9 +30,16 @@ import yaml
 from safetensors.torch import load_file
 
 from draftsmith.outputs import LOCK_NAME
-from tests.helpers import REFERENCE_TARGET, REPO, assert_one_line_error, read_log, run_entry_in_process, train_args
+from tests.helpers import (
+    REFERENCE_TARGET,
+    REPO,
+    assert_one_line_error,
+    code_folders,
+    read_log,
+    run_entry_in_process,
+    train_args,
+)
 
-pytestmark = pytest.mark.slow
 TRIALS = 1  # each trial is a kill at a seeded random moment in the writing window, and a resume
 
 
@@ -156,6 +168,7 @@ def digests(directory: Path, pattern: str) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.glob(pattern))}
 
 
+@pytest.mark.slow
 def test_training_killed_anywhere_resumes_into_the_same_run(tmp_path, small_data, token_cache, capsys):
     # Muon with AdamW: two optimizers' states saved and restored as one (trainer/optim.py); AdamW's
     # resume is the rest of the suite's (tests/test_heldout.py, tests/test_packing.py)
@@ -182,6 +195,7 @@ def test_training_killed_anywhere_resumes_into_the_same_run(tmp_path, small_data
     assert any(landed), "no kill landed mid-run: every trial finished first or was killed before writing"
 
 
+@pytest.mark.slow
 def test_capture_killed_anywhere_resumes_into_the_same_bytes(tmp_path, small_data, token_cache, capsys):
     def args(out: Path) -> list[str]:
         return [
@@ -235,6 +249,7 @@ def regenerated(tmp_path_factory, small_data, token_cache) -> tuple[dict[str, st
     return parts, window
 
 
+@pytest.mark.slow
 def test_regeneration_killed_anywhere_resumes_into_the_same_bytes(
     tmp_path, small_data, token_cache, regenerated, capsys
 ):
@@ -279,6 +294,7 @@ def assert_preempted(done: subprocess.CompletedProcess) -> None:
     assert_one_line_error(done, 75, prefix="preempted: stopped on SIGTERM")
 
 
+@pytest.mark.slow
 def test_sigterm_stops_regeneration_and_eval_mid_run_with_exit_75(
     tmp_path, small_data, token_cache, regenerated, capsys
 ):
@@ -314,6 +330,7 @@ def test_sigterm_stops_regeneration_and_eval_mid_run_with_exit_75(
     )
 
 
+@pytest.mark.slow
 def test_export_killed_anywhere_resumes_into_the_same_bytes(tmp_path, capsys):
     from draftsmith.target import load_target
     from tests.helpers import save_drafter
@@ -355,3 +372,137 @@ def test_export_killed_anywhere_resumes_into_the_same_bytes(tmp_path, capsys):
         landed.append(run_killed_then_resumed(args(out), out, rng.uniform(0.0, 0.9 * window), [], capsys))
         assert contents(out) == expected, trial
     assert any(landed), "no kill landed mid-run"
+
+
+# -- the probe's faults: bad input is one line and exit 2, never a traceback (exit 70) ---------------------
+
+
+@pytest.mark.parametrize(
+    "command, key, where, fragment",
+    [
+        (["-m", "data_prep.capture"], "data.capture.output", "{file}", "{value} exists and is not a directory"),
+        (["-m", "data_prep.capture"], None, "features", "{run}/features (data.capture.output) exists and is not"),
+        (["-m", "data_prep.regenerate"], "data.regenerate.output", "{file}/sub", "cannot be created: {file} is not a"),
+        (["-m", "monitor", "check"], "monitor.state_dir", "{file}", "{value} exists and is not a directory"),
+        (["-m", "draftsmith", "sweep"], "export.sweep.output", "{file}", "{value} exists and is not a directory"),
+        (["-m", "eval"], None, "eval", "{run}/eval (output_dir/eval: the eval report) exists and is not a directory"),
+    ],
+    ids=["capture", "capture_default", "regenerate", "monitor", "sweep", "eval_default"],
+)
+def test_an_output_directory_that_cannot_be_created_is_bad_input_for_every_key(
+    tmp_path, capsys, command, key, where, fragment
+):
+    """Every output key, given (the recipe check, before anything loads) or left to its default under
+    output_dir (the job's lock, before it writes), names the key and the file system's reason in one
+    line, exit 2, as output_dir and export.output do; nothing is created."""
+    file, run = tmp_path / "afile", tmp_path / "run"
+    file.write_text("not a directory\n")
+    if key is None:  # a file where the job's default folder under output_dir goes
+        run.mkdir()
+        (run / where).write_text("not a directory\n")
+    value = where.format(file=file)
+    given = [] if key is None else [f"{key}={value}"]
+    result = run_entry_in_process([*command, "recipe=medusa", f"output_dir={run}", *given], capsys)
+    assert_one_line_error(result, 2, fragment.format(file=file, run=run, value=f"{key}='{value}'"))
+    assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(["afile", *(["run", where] if key is None else [])])
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["output_dir", "data.capture.output", "data.regenerate.output", "export.output", "export.sweep.output",
+     "monitor.state_dir"],
+)  # fmt: skip
+def test_an_empty_output_key_is_refused_not_taken_as_the_current_folder(tmp_path, monkeypatch, capsys, key):
+    """`output_dir=` (an unset shell variable) was the current folder: a folder holding the user's eval/
+    was "an earlier run", moved aside with train.overwrite=true and trained into. Every output key refuses
+    an empty value; the current folder is left as it was."""
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "mine.txt").write_text("the user's\n")
+    monkeypatch.chdir(tmp_path)
+    others = [] if key == "output_dir" else [f"output_dir={tmp_path / 'run'}"]
+    quick = ["train.overwrite=true", "train.max_steps=1", "eval.enabled=false", "data.eval=[]"]  # were it run
+    args = ["train.py", "recipe=medusa", *others, f"{key}=", *quick]
+    assert_one_line_error(run_entry_in_process(args, capsys), 2, f"error: {key} is empty: give a directory")
+    assert [p.relative_to(tmp_path).as_posix() for p in sorted(tmp_path.rglob("*"))] == ["eval", "eval/mine.txt"]
+
+
+def served_medusa_export(folder: Path) -> Path:
+    """What a check of the traffic reads of a deployed export: its draftsmith_export.json (no weights)
+    and the eval report it names, of the same weights (α 0.5 over 3000 drafted tokens)."""
+    from draftsmith.formats.repo import EXPORT_INFO
+
+    weights = "0" * 64
+    report = folder.parent / "report.json"
+    counts = {"reached": [1000, 700, 500], "accepted": [700, 500, 300]}
+    chain = {"drafted": 3000, "accepted": 1500, "per_position_counts": counts}
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.write_text(json.dumps({"drafter": {"sha256": weights}, "domains": {"all": {"chain": chain}}}))
+    folder.mkdir()
+    source = {"checkpoint": str(folder.parent / "final"), "sha256": weights}
+    (folder / EXPORT_INFO).write_text(json.dumps({"source": source, "eval_report": {"path": str(report)}}))
+    return folder
+
+
+def test_a_monitor_check_that_reads_no_request_is_refused_and_one_that_judges_nothing_is_not_healthy(tmp_path, capsys):
+    """Request logs of which no line is a request (another log format) were "monitor: healthy", exit 0,
+    having judged nothing: now one line naming the first line and the fields a request has, exit 2,
+    nothing written. Once a line is a request the malformed ones are counted, not fatal, and a check
+    with too few samples to judge exits 0 (no drift) without saying healthy."""
+    traffic, run = tmp_path / "traffic", tmp_path / "run"
+    traffic.mkdir()
+    log = traffic / "gateway.jsonl"
+    log.write_text("".join(json.dumps({"prompt": f"p{i}", "response": "r", "ts": i}) + "\n" for i in range(50)))
+    args = ["-m", "monitor", "check", "recipe=medusa", f"output_dir={run}", f"monitor.traffic={traffic}",
+            f"checkpoint={served_medusa_export(tmp_path / 'export' / 'vllm')}"]  # fmt: skip
+    line = assert_one_line_error(run_entry_in_process(args, capsys), 2, "none of its 50 logged line(s) is a request")
+    assert f"(the first: {log}:1)" in line and '"messages"' in line and not run.exists()
+
+    spec = {"speculative_decoding": {"acceptance_histogram": [3, 2, 1], "num_draft_tokens": 18}}
+    request = {"messages": [{"role": "user", "content": "hi"}], "domain": "code", "metrics": spec}
+    (traffic / "served.jsonl").write_text(json.dumps(request) + "\n")
+    result = run_entry_in_process(args, capsys)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [line for line in result.stdout.splitlines() if line.startswith("monitor: ")] == ["monitor: too few samples"]
+    record = json.loads((run / "monitor" / "checks" / "00001.json").read_text())
+    assert record["traffic"]["malformed_lines"] == 50 and record["verdict"] == "too few samples"
+
+
+# a dotted recipe key in product code's strings; a module path (`export.verify.EngineSession`) or a file
+# (`train.py`) has a capital or ends in .py, and the drafter section is each kind's own (not checked here)
+NAMED_KEY = re.compile(r"(?<![\w./-])(?:target|data|train|eval|export|monitor)(?:\.\w+)+")
+
+
+def test_every_recipe_key_a_message_names_exists():
+    """A message told users to "check monitor.metrics_urls", a key that does not exist (it is
+    monitor.metrics): every key product code names is one of the schema's, or an old name the recipe
+    answers for (draftsmith.recipe.RENAMED)."""
+    import ast
+
+    from omegaconf import OmegaConf
+
+    from draftsmith.recipe import RENAMED, compose, split_argv
+
+    cfg, absent = compose(*split_argv(["recipe=medusa"])), object()
+    files = [REPO / "train.py", *(path for root in code_folders() for path in sorted((REPO / root).rglob("*.py")))]
+    unknown = [
+        f"{path.relative_to(REPO)}:{node.lineno} {key}"
+        for path in files
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+        for key in NAMED_KEY.findall(node.value)
+        if key.islower() and not key.endswith(".py") and key not in RENAMED
+        if OmegaConf.select(cfg, key, default=absent) is absent
+    ]
+    assert not unknown, unknown
+
+
+def test_draftsmith_without_a_command_says_so_on_stderr_and_lists_every_monitor_outcome(capsys):
+    """No command: the usage on stdout and one line on stderr, exit 2 (stderr was empty). The usage lists
+    every exit code a monitor check adds (13 was missing), as docs/faults.md does."""
+    from draftsmith.monitor import Outcome
+
+    result = run_entry_in_process(["-m", "draftsmith"], capsys)
+    assert_one_line_error(result, 2, "error: no command given; commands: train, eval, capture", alone=True)
+    codes = ", ".join(str(int(outcome)) for outcome in Outcome if outcome)
+    assert f"`monitor check` adds its outcomes {codes}." in " ".join(result.stdout.split())
+    assert f"| {codes} | `monitor check`'s outcomes" in (REPO / "docs" / "faults.md").read_text()

@@ -7,13 +7,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from omegaconf import OmegaConf
 
 from draftsmith.errors import UserError
 from draftsmith.recipe import load_recipe, save_recipe
 from draftsmith.resources import recipes_dir
-from tests.helpers import REPO, assert_one_line_error, run_entry, run_entry_in_process
+from tests.helpers import REPO, assert_one_line_error, run_entry, run_entry_in_process, train_args
 
 SHIPPED = sorted(p.stem for p in recipes_dir().glob("*.yaml"))
 LAUNCH_CONFIGS = sorted((recipes_dir() / "accelerate").glob("*.yaml"))
@@ -100,6 +101,12 @@ def test_bad_overrides_are_user_errors(override, fragment):
         ("eval.ngram_max=0", "eval.ngram_max=0 must be >= 1"),
         ("eval.device=tpu", "eval.device='tpu' is not auto, cpu, cuda or cuda:N"),
         ("export.vllm_format=eagle", "export.vllm_format='eagle' is not one of speculators, native"),
+        # a number that is not finite, wherever it is set: inf passes the range checks (train.lr=inf > 0)
+        ("train.lr=inf", "train.lr=inf must be finite (a number, not inf or nan)"),
+        ("train.weight_decay=inf", "train.weight_decay=inf must be finite"),
+        ("train.adam_betas=[0.9,-inf]", "train.adam_betas=[0.9, -inf] must be finite"),
+        ("monitor.cooldown_s=inf", "monitor.cooldown_s=inf must be finite"),
+        ("drafter.loss_decay=nan", "drafter.loss_decay=nan must be finite"),
         # the drafter type's own check
         ("drafter.num_heads=0", "drafter.num_heads must be >= 1"),
         ("drafter.loss_weights=[1.0]", "drafter.loss_weights has 1 values for 3 heads"),
@@ -193,14 +200,54 @@ def test_resolved_recipe_is_saved_and_reloads(tmp_path):
         ["recipe=medusa", "data.train=[/nonexistent/file.jsonl]"],
         ["recipe=medusa", "eval.num_speculative_tokens=9"],
         ["recipe=medusa", "train.micro_batch_size=0"],
+        ["recipe=medusa", "train.lr=inf"],
     ],
-    ids=["unknown-key", "unknown-recipe", "no-recipe", "missing-data", "gamma-above-heads", "zero-batch"],
+    ids=["unknown-key", "unknown-recipe", "no-recipe", "missing-data", "gamma-above-heads", "zero-batch", "inf-lr"],
 )
 def test_train_py_bad_input_is_one_line_exit_2(tmp_path, args, capsys):
     out = tmp_path / "run"
     result = run_entry_in_process(["train.py", *args, f"output_dir={out}"], capsys)
     assert_one_line_error(result, 2, alone=True)
     assert not out.exists(), "a failed start must not leave a half-written output_dir"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 is refused only without a CUDA GPU")
+def test_fp16_without_a_gpu_is_refused_before_the_run_starts(tmp_path, small_data, token_cache, capsys):
+    """accelerate runs train.mixed_precision=fp16 on a CPU as float32 without a word: refused, nothing written."""
+    out = tmp_path / "run"
+    args = train_args(out, small_data, token_cache, "train.max_steps=1", "train.mixed_precision=fp16")
+    result = run_entry_in_process(["train.py", *args], capsys)
+    assert_one_line_error(result, 2, "train.mixed_precision=fp16 needs a CUDA GPU; use bf16 or no on a CPU")
+    assert not out.exists()
+
+
+def test_weights_an_update_made_non_finite_end_the_run_as_diverged_with_nothing_published(
+    tmp_path, small_data, token_cache, monkeypatch, capsys
+):
+    """What train.lr=inf did before the recipe refused it: a finite loss and gradient, an update that makes the
+    weights non-finite (here an optimizer whose step does), the step after it skipped. The run ends as
+    diverged, exit 4, with neither its final checkpoint nor final/ written (not exit 70 after publishing them)."""
+    import draftsmith.trainer.setup as setup
+
+    real_build = setup.build_optimizer
+
+    def overflowing(*args, **kwargs):
+        optimizer = real_build(*args, **kwargs)
+
+        def to_inf(optimizer, args, kwargs):
+            for group in optimizer.param_groups:
+                for parameter in group["params"]:
+                    parameter.data.fill_(float("inf"))
+
+        optimizer.register_step_post_hook(to_inf)
+        return optimizer
+
+    monkeypatch.setattr(setup, "build_optimizer", overflowing)
+    out = tmp_path / "run"
+    args = train_args(out, small_data, token_cache, "data.max_conversations=4", "train.max_steps=1", "data.eval=[]")
+    result = run_entry_in_process(["train.py", *args], capsys)
+    assert_one_line_error(result, 4, "the drafter's weights are not finite after step 1", prefix="training diverged: ")
+    assert not (out / "final").exists() and not list((out / "checkpoints").glob("step_*"))
 
 
 @pytest.mark.slow

@@ -37,7 +37,7 @@ from omegaconf import DictConfig
 from safetensors import SafetensorError
 
 from draftsmith.errors import StorageError, UserError, one_line
-from draftsmith.files import file_sha256, publish_folder
+from draftsmith.files import file_sha256, publish_folder, readable_as_created
 from draftsmith.outputs import held_by_main_process, move_aside
 from draftsmith.recipe_checks import resolve_bool_or_path
 
@@ -96,6 +96,7 @@ def save_checkpoint(accelerator, drafter, state: TrainerState, output_dir: Path,
             write_checksums(tmp, {STATE_NAME: text.encode()})
             (tmp / STATE_NAME).write_text(text)
     if accelerator.is_main_process:
+        readable_as_created(tmp)  # as publish_folder does for final/
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)

@@ -32,7 +32,7 @@ from torch.profiler import record_function
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from draftsmith.errors import Preempted, StopRequest
+from draftsmith.errors import Preempted, StopRequest, TrainingDiverged
 from draftsmith.sharding import local_bytes
 from draftsmith.trainer.checkpoint import TrainerState, save_checkpoint, save_final
 from draftsmith.trainer.curve import write_curve
@@ -244,6 +244,7 @@ def finish(run: Run, output_dir: Path, data_checksum: int, parameters: dict[str,
     """The end of a run that was not stopped: why it ended, the final checkpoint, the trained drafter in
     `final/` (returned), curve.json and run_summary.json."""
     cfg, accelerator, state = run.cfg, run.accelerator, run.state
+    checksum = finite_weights_checksum(accelerator, run.drafter, state)  # before anything of the run's end is saved
     ended = "max_steps" if state.step >= run.max_steps else "patience"
     if ended == "patience":
         log.info(
@@ -261,7 +262,7 @@ def finish(run: Run, output_dir: Path, data_checksum: int, parameters: dict[str,
     save_final(accelerator, run.drafter, final_dir)
     if accelerator.is_main_process and state.curve:
         write_curve(output_dir, state.curve, state.best)
-    write_run_summary(accelerator, output_dir, run.drafter, state, data_checksum, run.target, parameters, ended)
+    write_run_summary(accelerator, output_dir, checksum, state, data_checksum, run.target, parameters, ended)
     accelerator.wait_for_everyone()
     return final_dir
 
@@ -397,22 +398,36 @@ def log_step(accelerator, output_dir: Path, step: int, metrics: dict[str, float]
             f.write(json.dumps({"step": step, **{k: round(v, 6) for k, v in metrics.items()}}) + "\n")
 
 
+def finite_weights_checksum(accelerator, drafter, state: TrainerState) -> float:
+    """This rank's sum of the drafter's weights (run_summary.json's `param_checksum`). Weights an update made
+    non-finite (an update too large for float32 passes the step's finite loss and gradient, and every later step
+    is skipped) stop the run as diverged on every rank, before its checkpoint and final/ are written."""
+    module = accelerator.unwrap_model(drafter)
+    checksum = float(sum(p.detach().double().sum() for p in module.parameters()))
+    if agree(accelerator, torch.tensor(not math.isfinite(checksum), device=accelerator.device)).nonfinite:
+        raise TrainingDiverged(
+            f"the drafter's weights are not finite after step {state.step} ({state.skipped_steps} step(s) skipped "
+            "for a non-finite loss or gradient): neither its checkpoint nor final/ was written; lower train.lr and "
+            "run again"
+        )
+    return checksum
+
+
 def write_run_summary(
     accelerator,
     output_dir: Path,
-    drafter,
+    checksum: float,
     state: TrainerState,
     data_checksum: int,
     target,
     parameters: dict[str, int],
     ended: str,
 ) -> None:
-    """Per-rank facts for checking a distributed run: identical weights, different data, and the
-    bytes of target parameters each rank holds (all of them, or its pieces under target.shard=fsdp);
-    `parameters`: the run's trainable and frozen parameter counts (trainer/observe.py); `ended`: why
-    training ended (max_steps: every step it was given; patience: train.patience stopped it)."""
-    module = accelerator.unwrap_model(drafter)
-    checksum = float(sum(p.detach().double().sum() for p in module.parameters()))
+    """Per-rank facts for checking a distributed run: identical weights (`checksum`: this rank's
+    `finite_weights_checksum`), different data, and the bytes of target parameters each rank holds (all of
+    them, or its pieces under target.shard=fsdp); `parameters`: the run's trainable and frozen parameter
+    counts (trainer/observe.py); `ended`: why training ended (max_steps: every step it was given; patience:
+    train.patience stopped it)."""
     mine = {
         "rank": accelerator.process_index,
         "param_checksum": checksum,
@@ -429,5 +444,3 @@ def write_run_summary(
             "parameters": parameters,
         }
         (output_dir / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        if not math.isfinite(checksum):
-            raise RuntimeError("drafter weights are not finite after training")

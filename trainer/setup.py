@@ -20,7 +20,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from draftsmith.data_prep import Collator, PackingCollator, load_tokenized
 from draftsmith.data_prep.features import FeatureCollator, expected_features, open_features
-from draftsmith.errors import UserError
+from draftsmith.errors import UserError, one_line
 from draftsmith.families import check_eval_settings
 from draftsmith.formats.folder import require_recipes_drafter, warm_start
 from draftsmith.heads import drafter_class
@@ -60,7 +60,13 @@ def resumed_start(cfg: DictConfig, output_dir: Path) -> DictConfig:
     recipe.yaml it writes again names that start: the resumed weights are the checkpoint's, so another
     train.init_from is not read, and says so (the monitor's retraining may name its start anew)."""
     saved = output_dir / "recipe.yaml"
-    began = OmegaConf.load(saved).train.get("init_from") if saved.is_file() else None
+    try:
+        began = OmegaConf.load(saved).train.get("init_from") if saved.is_file() else None
+    except Exception as err:  # the yaml parser's errors, or a file that is not a recipe
+        raise UserError(
+            f"{saved} is not the run's recipe ({one_line(err, 200)}): restore it, or start over with "
+            "train.overwrite=true"
+        ) from None
     if cfg.train.init_from and str(cfg.train.init_from) != str(began):
         log.warning(
             "train.init_from=%s is not read: this run began from %s (its recipe.yaml) and resumes from its checkpoint",
@@ -79,6 +85,8 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     set_seed(cfg.train.seed)
     # train.resume: the checkpoint, verified against its checksums before anything is loaded or written
     resume_from = resume_checkpoint(output_dir, cfg.train.resume, accelerator)
+    if resume_from is not None:  # the checkpoint holds the weights: the run's start is not loaded again
+        cfg = resumed_start(cfg, output_dir)
     tokenizer = load_tokenizer(cfg.target)
     train_data, vocab_data, heldout = load_data(cfg, accelerator, tokenizer)
     # target.shard=fsdp: each rank holds pieces of the decoder layers (draftsmith/sharding.py); the
@@ -88,10 +96,10 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     train_data, collate, target_features = training_inputs(cfg, tokenizer, target, drafter, train_data)
     # what the drafter fits to the data (EAGLE-3's draft vocabulary), on every rank
     drafter.prepare(train_data if vocab_data is None else vocab_data)
-    if resume_from is not None:  # the checkpoint holds the weights: the run's start is not loaded again
+    if resume_from is not None:  # its weights must be of the drafter the recipe builds
         saved, config = saved_drafter(resume_from / DRAFTER_DIR)[:2]
-        require_recipes_drafter(saved.type, config, drafter.type, drafter.config, f"train.resume's {resume_from}")
-        cfg = resumed_start(cfg, output_dir)
+        what = f"train.resume's {resume_from}"
+        require_recipes_drafter(saved.type, config, drafter.type, drafter.config, what, resume_from)
     elif cfg.train.init_from:  # warm start: its weights and data-fitted state (draft vocabulary kept, not re-fitted)
         start = warm_start(cfg.train.init_from, drafter, target)  # a checkpoint, an export's folder or speculators'
         drafter.load_state_dict(start.state_dict())
@@ -229,9 +237,12 @@ def prepare_run(
 
 
 def mixed_precision(setting: str):
-    """`auto`: whatever `accelerate launch` was told, else bf16 on a GPU that has it, else none."""
+    """`auto`: whatever `accelerate launch` was told, else bf16 on a GPU that has it, else none. fp16 needs a
+    CUDA GPU: on a CPU accelerate runs it as float32 without a word."""
     import os
 
+    if setting == "fp16" and not torch.cuda.is_available():
+        raise UserError("train.mixed_precision=fp16 needs a CUDA GPU; use bf16 or no on a CPU")
     if setting != "auto":
         return setting
     if os.environ.get("ACCELERATE_MIXED_PRECISION"):
