@@ -47,7 +47,7 @@ from draftsmith.eval.render import render_markdown, write_report
 from draftsmith.eval.sampling import Sampling
 from draftsmith.eval.suffix import INSTALL
 from draftsmith.families import check_eval_settings
-from draftsmith.formats.folder import checkpoint_to_read, open_drafter, weights_digest
+from draftsmith.formats.folder import checkpoint_kind, checkpoint_to_read, open_drafter, weights_digest
 from draftsmith.outputs import DirectoryLock
 from draftsmith.recipe import recipe_advice, save_recipe
 from draftsmith.target import TargetShape, load_target, load_tokenizer, resolve_device, target_id
@@ -134,6 +134,12 @@ def _run_eval(cfg: DictConfig, out_dir: Path, checkpoint: Optional[str | Path], 
     checkpoint = Path(checkpoint) if checkpoint else checkpoint_to_read(cfg)
     if not checkpoint.exists():  # checked before the (slow) target load
         raise UserError(f"no drafter checkpoint at {checkpoint}: pass checkpoint=<checkpoint dir>")
+    kind = checkpoint_kind(checkpoint)
+    if kind not in (None, cfg.drafter.type):  # the rule of export and warm start: the recipe is for what it reads
+        raise UserError(
+            f"checkpoint={checkpoint} holds a {kind} drafter, the recipe is for {cfg.drafter.type}: "
+            f"{recipe_advice(kind)}"
+        )
     name = cfg.target.name_or_path
     if target is None:
         target = load_target(cfg.target, resolve_device(cfg.eval.device))
@@ -142,11 +148,6 @@ def _run_eval(cfg: DictConfig, out_dir: Path, checkpoint: Optional[str | Path], 
         tokenizer = load_tokenizer(cfg.target)
     device = target.get_output_embeddings().weight.device
     drafter = open_drafter(checkpoint, TargetShape.of(target, name), target).to(device).eval()
-    if drafter.type != cfg.drafter.type:  # the rule of export and warm start: the recipe is for the drafter it reads
-        raise UserError(
-            f"checkpoint={checkpoint} holds a {drafter.type} drafter, the recipe is for {cfg.drafter.type}: "
-            f"{recipe_advice(drafter.type)}"
-        )
     from draftsmith.eval.accuracy import measured_accuracy, with_measured_accuracy
 
     # What the eval split measured (Medusa's tree is built from it): the eval stage's own file, read

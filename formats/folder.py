@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 from omegaconf import DictConfig
 from safetensors import SafetensorError
@@ -22,7 +23,7 @@ from draftsmith.files import checkpoint_digest
 from draftsmith.formats import EXPORTERS
 from draftsmith.formats.repo import EXPORT_INFO, WEIGHTS
 from draftsmith.heads import load_drafter
-from draftsmith.heads.base import CONFIG_NAME, DrafterConfig, architecture, check_same_target
+from draftsmith.heads.base import CONFIG_NAME, DrafterConfig, architecture, check_same_target, saved_drafter
 from draftsmith.recipe import recipe_advice
 from draftsmith.target import TargetShape
 
@@ -69,6 +70,15 @@ def read_folder(folder: Path, target):
         )
     drafter = matches[0].read(folder, config, tensors, target, info)
     return drafter.eval()
+
+
+def checkpoint_kind(path: Path) -> Optional[str]:
+    """The kind of the draftsmith checkpoint at `path`, read without a target; None for an engine folder,
+    which an export may have written as another kind's format (Medusa-2's is vLLM's Medusa)."""
+    saved = path / CONFIG_NAME
+    if saved.is_file() and "draftsmith_format" in read_json(saved):
+        return saved_drafter(path)[0].type
+    return None
 
 
 def open_drafter(path: str | Path, target_shape: TargetShape, target):
