@@ -111,6 +111,12 @@ def warm_start(path: str | Path, drafter, target_model):
     return start
 
 
+def require_recipes_kind(kind: Optional[str], recipe_kind: str, what: str) -> None:
+    """The drafter `what` holds is of the kind the recipe trains (None: not known yet, an engine folder)."""
+    if kind not in (None, recipe_kind):
+        raise UserError(f"{what} holds a {kind} drafter, the recipe trains {recipe_kind}: {recipe_advice(kind)}")
+
+
 def require_recipes_drafter(
     kind: str, config: DrafterConfig, recipe_kind: str, recipe: DrafterConfig, what: str, path: str | Path
 ):
@@ -118,8 +124,7 @@ def require_recipes_drafter(
     or its weights would train, save and export as another function: a difference is one UserError naming the
     keys to set, never adopted silently (training settings, DrafterConfig.SETTINGS, and what a kind resolves
     from the target may differ)."""
-    if kind != recipe_kind:
-        raise UserError(f"{what} holds a {kind} drafter, the recipe trains {recipe_kind}: {recipe_advice(kind)}")
+    require_recipes_kind(kind, recipe_kind, what)
     theirs, ours = architecture(config), architecture(recipe)
     differ = [
         f"drafter.{key}={json.dumps(ours[key], default=str)} ({path} has {json.dumps(theirs.get(key), default=str)})"

@@ -615,6 +615,13 @@ def test_a_checkpoint_of_another_kind_than_the_recipe_s_is_refused_as_a_warm_sta
     drafter = eagle3.from_target(eagle3.Config(aux_layers=[0, 1, 2]), target, str(REFERENCE_TARGET))
     with pytest.raises(UserError, match="holds a medusa drafter, the recipe trains eagle3: pass recipe=medusa$"):
         warm_start(checkpoint, drafter, target)
+    unreadable = tmp_path / "train.jsonl"  # read only when the data loads: the kind is refused before that
+    unreadable.write_text("not json\n")
+    run = tmp_path / "run"
+    train = ["train.py", "recipe=eagle3", f"data.train=[{unreadable}]", f"train.init_from={checkpoint}"]
+    started = run_entry_in_process([*train, f"output_dir={run}"], capsys)
+    assert_one_line_error(started, 2, f"train.init_from={checkpoint} holds a medusa drafter, the recipe trains eagle3")
+    assert not run.exists() or not any(run.iterdir())
 
 
 def test_an_export_output_that_is_a_file_is_refused_in_one_line_and_kept(target, tmp_path, capsys):
