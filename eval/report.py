@@ -47,9 +47,15 @@ from draftsmith.eval.render import render_markdown, write_report
 from draftsmith.eval.sampling import Sampling
 from draftsmith.eval.suffix import INSTALL
 from draftsmith.families import check_eval_settings
-from draftsmith.formats.folder import checkpoint_kind, checkpoint_to_read, open_drafter, weights_digest
+from draftsmith.formats.folder import (
+    checkpoint_kind,
+    checkpoint_to_read,
+    open_drafter,
+    require_recipes_kind,
+    weights_digest,
+)
 from draftsmith.outputs import DirectoryLock
-from draftsmith.recipe import recipe_advice, save_recipe
+from draftsmith.recipe import save_recipe
 from draftsmith.target import TargetShape, load_target, load_tokenizer, resolve_device, target_id
 
 REPORT_VERSION = 1
@@ -134,12 +140,8 @@ def _run_eval(cfg: DictConfig, out_dir: Path, checkpoint: Optional[str | Path], 
     checkpoint = Path(checkpoint) if checkpoint else checkpoint_to_read(cfg)
     if not checkpoint.exists():  # checked before the (slow) target load
         raise UserError(f"no drafter checkpoint at {checkpoint}: pass checkpoint=<checkpoint dir>")
-    kind = checkpoint_kind(checkpoint)
-    if kind not in (None, cfg.drafter.type):  # the rule of export and warm start: the recipe is for what it reads
-        raise UserError(
-            f"checkpoint={checkpoint} holds a {kind} drafter, the recipe is for {cfg.drafter.type}: "
-            f"{recipe_advice(kind)}"
-        )
+    # the rule of export and warm start: the recipe is for the drafter it reads
+    require_recipes_kind(checkpoint_kind(checkpoint), cfg.drafter.type, f"checkpoint={checkpoint}", role="is for")
     name = cfg.target.name_or_path
     if target is None:
         target = load_target(cfg.target, resolve_device(cfg.eval.device))

@@ -25,6 +25,7 @@ from draftsmith.errors import InternalError, UserError, one_line
 from draftsmith.export.gamma import recommended_gamma
 from draftsmith.files import checkpoint_digest, publish_folder, staging, write_text_atomic
 from draftsmith.formats import Source, exporter_for
+from draftsmith.formats.folder import require_recipes_kind
 from draftsmith.formats.repo import (
     EXPORT_INFO,
     VLLM_PINNED,
@@ -44,7 +45,6 @@ from draftsmith.formats.versions import (
 from draftsmith.heads import load_drafter
 from draftsmith.heads.base import EVAL_SPLIT, read_checkpoint_config
 from draftsmith.outputs import DirectoryLock, move_aside
-from draftsmith.recipe import recipe_advice
 from draftsmith.target import TargetShape, load_target, resolve_device
 
 EXPORT_FORMAT = 1
@@ -57,11 +57,8 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
     output = Path(cfg.export.output or Path(cfg.output_dir) / "export")
     with DirectoryLock(output, key="export.output"):
         kind = read_checkpoint_config(checkpoint)["drafter_type"]
-        if kind != cfg.drafter.type:  # the rule a warm start follows: the recipe is for the drafter it reads
-            raise UserError(
-                f"checkpoint={checkpoint} holds a {kind} drafter, the recipe is for {cfg.drafter.type}: "
-                f"{recipe_advice(kind)}"
-            )
+        # the rule a warm start follows: the recipe is for the drafter it reads
+        require_recipes_kind(kind, cfg.drafter.type, f"checkpoint={checkpoint}", role="is for")
         exporter_for(kind).check_engines(
             kind, list(cfg.export.engines), cfg.export.vllm_format
         )  # before the target loads

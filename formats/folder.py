@@ -111,10 +111,11 @@ def warm_start(path: str | Path, drafter, target_model):
     return start
 
 
-def require_recipes_kind(kind: Optional[str], recipe_kind: str, what: str) -> None:
-    """The drafter `what` holds is of the kind the recipe trains (None: not known yet, an engine folder)."""
+def require_recipes_kind(kind: Optional[str], recipe_kind: str, what: str, role: str = "trains") -> None:
+    """The drafter `what` holds is of the kind the recipe trains (`role` "is for": the kind a read-only
+    command's recipe names); None: not known yet (an engine folder, read as its format's kind)."""
     if kind not in (None, recipe_kind):
-        raise UserError(f"{what} holds a {kind} drafter, the recipe trains {recipe_kind}: {recipe_advice(kind)}")
+        raise UserError(f"{what} holds a {kind} drafter, the recipe {role} {recipe_kind}: {recipe_advice(kind)}")
 
 
 def require_recipes_drafter(

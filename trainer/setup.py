@@ -100,9 +100,9 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     # what the drafter fits to the data (EAGLE-3's draft vocabulary), on every rank
     drafter.prepare(train_data if vocab_data is None else vocab_data)
     if resume_from is not None:  # its weights must be of the drafter the recipe builds
-        saved, config = saved_drafter(resume_from / DRAFTER_DIR)[:2]
+        kind, config = saved_drafter(resume_from / DRAFTER_DIR)[:2]
         what = f"train.resume's {resume_from}"
-        require_recipes_drafter(saved.type, config, drafter.type, drafter.config, what, resume_from)
+        require_recipes_drafter(kind.type, config, drafter.type, drafter.config, what, resume_from)
     elif cfg.train.init_from:  # warm start: its weights and data-fitted state (draft vocabulary kept, not re-fitted)
         start = warm_start(cfg.train.init_from, drafter, target)  # a checkpoint, an export's folder or speculators'
         drafter.load_state_dict(start.state_dict())
