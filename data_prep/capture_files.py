@@ -32,15 +32,7 @@ from draftsmith.data_prep.features import (
     shard_name,
 )
 from draftsmith.errors import StorageError, UserError, one_line
-from draftsmith.files import write_text_atomic
-
-
-def shard_mode() -> int:
-    """safetensors writes through a private temporary file (mode 0600); shards get the mode any other
-    new file gets, so that a training job run by another user can read them."""
-    mask = os.umask(0)  # the only way to read the umask is to set it; put it straight back
-    os.umask(mask)
-    return 0o666 & ~mask
+from draftsmith.files import created_file_mode, write_text_atomic
 
 
 @dataclass(frozen=True)
@@ -102,7 +94,7 @@ def write_shard(
     except SafetensorError as err:  # how safetensors reports a full disk; an OSError is one already
         tmp.unlink(missing_ok=True)
         raise StorageError(f"could not write {tmp}: {one_line(err)}; the shards before it are intact") from None
-    os.chmod(tmp, shard_mode())
+    os.chmod(tmp, created_file_mode())  # a training job run by another user reads the shards
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())  # the rename must never publish bytes still only in the page cache
     digest = file_sha256(tmp)

@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 
 from draftsmith.data_prep.dataset import load_tokenized
 from draftsmith.errors import UserError
-from draftsmith.files import write_text_atomic
+from draftsmith.files import created_file_mode, write_text_atomic
 from draftsmith.heads.eagle3 import default_aux_layers
 from draftsmith.recipe import load_recipe
 from draftsmith.target import DTYPES, load_target, load_tokenizer, num_layers
@@ -95,6 +95,7 @@ def write_speculators_data(cfg, output: Path, dtype: str = "bfloat16") -> dict:
         states = speculators_states(model, ids, layer_ids).to(DTYPES[dtype]).contiguous()
         tmp = path.with_name(path.name + ".tmp")
         save_file({"token_ids": ids, HIDDEN_STATES: states}, str(tmp))
+        os.chmod(tmp, created_file_mode())  # speculators run by another user reads them
         os.replace(tmp, path)
     table = datasets.Dataset.from_dict(
         {"input_ids": rows["input_ids"], "loss_mask": rows["loss_mask"], "seq_len": rows["length"]}

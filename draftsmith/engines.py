@@ -198,10 +198,13 @@ class VllmWorker:
         return one_line("; ".join(reply.get("error_lines") or []) or reply.get("error", "unknown error"), 600)
 
     def log_tail(self) -> str:
+        """What ends the line of a worker that stopped unanswered: where its log is, or the log's tail, or
+        that it wrote none (a program that answers the version query but runs no worker), never a bare colon."""
         if self.log is None:
             return "; its log is above"
         self.log.seek(0)
-        return f": {one_line(self.log.read()[-600:])}"
+        tail = one_line(self.log.read()[-600:])
+        return f": {tail}" if tail else " and wrote nothing to stderr"
 
     def close(self, grace_s: float = 60) -> None:
         """End of input: the worker exits by itself, or is killed if it has not within `grace_s`."""

@@ -45,7 +45,7 @@ class TrainingDiverged(Exception):
 
 class EngineUnavailable(Exception):
     """A serving engine the job needs could not be started or stopped answering: a temporary fault,
-    not bad input. What was finished is kept; exit EXIT_ENGINE_UNAVAILABLE, retry the same command."""
+    not bad input. What was finished is kept; exit EXIT_UNAVAILABLE, retry the same command."""
 
 
 class StorageError(Exception):
@@ -64,7 +64,8 @@ class Preempted(Exception):
 
 # The exit codes (docs/faults.md): 2 = fix the input; 3 = a correctness check failed (the eval's lossless
 # check, the export's engine check: a bug to report); 4 = training diverged; 10/11/12/13 = monitor outcomes
-# (monitor/check.py); 69 (EX_UNAVAILABLE) = an engine the job needs is down, retry later; 70
+# (monitor/check.py); 69 (EX_UNAVAILABLE) = an engine or the Hugging Face Hub the job needs is down, retry
+# later; 70
 # (EX_SOFTWARE) = a draftsmith bug, traceback in a log file; 74 (EX_IOERR) = an output could not be
 # written (disk full), free space and rerun; 75 (EX_TEMPFAIL) = stopped on request after saving,
 # requeue the same command (train.resume=true for training); 130 = Ctrl-C.
@@ -72,7 +73,7 @@ EXIT_USER_ERROR = 2
 EXIT_CHECK_FAILED = 3
 EXIT_NOT_LOSSLESS = EXIT_CHECK_FAILED
 EXIT_DIVERGED = 4
-EXIT_ENGINE_UNAVAILABLE = 69
+EXIT_UNAVAILABLE = 69
 EXIT_INTERNAL = 70
 EXIT_IO_ERROR = 74
 EXIT_PREEMPTED = 75
@@ -88,7 +89,7 @@ OUTCOMES: tuple[tuple[type[BaseException], int, str], ...] = (
     (NotLossless, EXIT_CHECK_FAILED, "lossless check failed"),
     (CheckFailed, EXIT_CHECK_FAILED, "check failed"),
     (TrainingDiverged, EXIT_DIVERGED, "training diverged"),
-    (EngineUnavailable, EXIT_ENGINE_UNAVAILABLE, "engine unavailable"),
+    (EngineUnavailable, EXIT_UNAVAILABLE, "engine unavailable"),
     (StorageError, EXIT_IO_ERROR, "I/O error"),
     (Preempted, EXIT_PREEMPTED, "preempted"),
 )
@@ -172,6 +173,12 @@ def outcome(err: BaseException) -> tuple[int, str]:
     """The exit code of an exception that ended a command and the one line that says so. An OSError
     of the storage (STORAGE_ERRNOS) is an I/O error wherever it was raised; anything unexpected is a
     draftsmith bug, its traceback written to a log file (or to stderr with DRAFTSMITH_DEBUG=1)."""
+    if hub_unreachable(err):  # wherever a model or file was asked of the Hub: a network fault, not the input
+        return (
+            EXIT_UNAVAILABLE,
+            f"Hub unavailable: {one_line(err, limit=2000).rstrip('.')}; run the same command again when the Hub can "
+            "be reached, or give a local folder (or set HF_HUB_OFFLINE=1 to read the Hub cache only)",
+        )
     for cls, code, prefix in OUTCOMES:
         if isinstance(err, cls):
             return code, f"{prefix}: {one_line(err, limit=2000)}"
@@ -187,6 +194,20 @@ def outcome(err: BaseException) -> tuple[int, str]:
         f"internal error (a draftsmith bug, please report it): {type(err).__name__}: {one_line(err)}; "
         f"{traceback_kept(err)}",
     )
+
+
+def hub_unreachable(err: BaseException) -> bool:
+    """Whether `err` (or an error it was raised from, as transformers and draftsmith's own lines wrap it) is
+    huggingface_hub's "not in the cache" after a request that failed (no network, a timeout). With
+    HF_HUB_OFFLINE=1 no request is made, and a file not cached is bad input."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    link: BaseException | None = err
+    while link is not None:
+        if isinstance(link, LocalEntryNotFoundError) and (link.__cause__ or link.__context__) is not None:
+            return True
+        link = link.__cause__ or link.__context__
+    return False
 
 
 def traceback_kept(err: BaseException) -> str:

@@ -36,15 +36,21 @@ def write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def readable_as_created(folder: Path) -> None:
-    """Give every file under `folder` at least the mode a file created now gets (0644 under umask 022):
-    safetensors writes its files through a private temporary file, mode 0600, which a job or an engine
-    running as another user could not read. os.umask reads the umask only by setting it."""
+def created_file_mode() -> int:
+    """The mode a file created now gets (0644 under umask 022), for a file safetensors wrote: it writes
+    through a private temporary file, mode 0600, which a job or an engine running as another user could
+    not read. os.umask reads the umask only by setting it."""
     umask = os.umask(0o077)
     os.umask(umask)
+    return 0o666 & ~umask
+
+
+def readable_as_created(folder: Path) -> None:
+    """Give every file under `folder` at least `created_file_mode()`."""
+    mode = created_file_mode()
     for path in folder.rglob("*"):
         if path.is_file():
-            path.chmod(stat.S_IMODE(path.stat().st_mode) | (0o666 & ~umask))
+            path.chmod(stat.S_IMODE(path.stat().st_mode) | mode)
 
 
 @contextlib.contextmanager

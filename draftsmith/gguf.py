@@ -20,7 +20,7 @@ import struct
 from pathlib import Path
 
 from draftsmith.errors import UserError, one_line
-from draftsmith.files import file_sha256
+from draftsmith.files import file_sha256, readable_as_created
 from draftsmith.target import TargetShape
 
 SOURCE_FILE = "gguf_source.json"  # provenance: which GGUF file (and hash) a cached directory came from
@@ -148,6 +148,7 @@ def materialize(name_or_path: str, gguf_file: str, revision: str | None = None) 
         (staging / SOURCE_FILE).write_text(
             json.dumps({"gguf_file": str(source.resolve()), "sha256": digest}, indent=2) + "\n"
         )
+        readable_as_created(staging)  # a job run by another user sharing the cache loads the target
         os.replace(staging, directory)
     return directory
 

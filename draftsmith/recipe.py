@@ -1,5 +1,6 @@
-"""Recipes: `recipe=NAME` picks recipes/NAME.yaml, Hydra's `key=value` overrides change it, and a
-typed schema checks every key and value before any work starts.
+"""Recipes: `recipe=NAME` picks recipes/NAME.yaml, Hydra's `key=value` overrides change it (in order: a key
+given twice takes its last value, as in Hydra, so that a script's defaults come before the user's), and a typed
+schema checks every key and value before any work starts.
 
 The same parser serves every entry point (train.py, python -m eval, data_prep jobs). Overrides use
 Hydra's grammar (its override parser), applied to the YAML merged into a typed OmegaConf schema.
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -111,6 +113,27 @@ def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:
     return parsed
 
 
+def repeated_key(node, path: str = "") -> Optional[str]:
+    """Where a mapping of the YAML `node` (yaml.compose's) names a key twice, as `a.b is given twice (lines
+    4 and 6)`; None if none does. OmegaConf's loader refuses it, naming neither the section nor the line of
+    the first."""
+    if isinstance(node, yaml.SequenceNode):
+        return next(filter(None, (repeated_key(item, f"{path}[{i}]") for i, item in enumerate(node.value))), None)
+    if not isinstance(node, yaml.MappingNode):
+        return None
+    lines: dict[str, int] = {}
+    for key_node, value_node in node.value:
+        key = f"{path}.{key_node.value}" if path else f"{key_node.value}"
+        line = key_node.start_mark.line + 1
+        if key in lines:
+            return f"{key} is given twice (lines {lines[key]} and {line})"
+        lines[key] = line
+        found = repeated_key(value_node, key)
+        if found:
+            return found
+    return None
+
+
 def compose(recipe: str, overrides: Sequence[str]) -> DictConfig:
     """Read a recipe, merge it into the typed schema, apply overrides; raise UserError on any misfit.
 
@@ -123,9 +146,12 @@ def compose(recipe: str, overrides: Sequence[str]) -> DictConfig:
     path = recipe_path(recipe)
     parsed = parse_overrides(overrides)
     try:
-        raw = OmegaConf.load(path)
+        repeated = repeated_key(yaml.compose(path.read_text(encoding="utf-8"), Loader=yaml.SafeLoader))
+        raw = None if repeated else OmegaConf.load(path)
     except Exception as err:  # YAML syntax errors come from the yaml parser
         raise UserError(f"recipe {path}: not valid YAML ({one_line(err, 200)})") from None
+    if repeated:
+        raise UserError(f"recipe {path}: {repeated}: give it once")
     if not isinstance(raw, DictConfig):
         raise UserError(f"recipe {path}: top level must be a mapping of sections")
     for old, now in RENAMED.items():

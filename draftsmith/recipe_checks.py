@@ -8,11 +8,14 @@ import math
 import re
 from typing import Optional
 
+import numpy
 from omegaconf import OmegaConf
 
 from draftsmith.engines import arctic_build, suffix_decoding_installed
 from draftsmith.errors import UserError
 from draftsmith.outputs import check_output_dir
+
+FLOAT32_MAX = float(numpy.finfo(numpy.float32).max)
 
 
 def require(condition: bool, message: str) -> None:
@@ -90,6 +93,14 @@ def check_train(t, d) -> None:
     betas = list(t.adam_betas)
     require(
         len(betas) == 2 and all(0 <= b < 1 for b in betas), f"train.adam_betas={betas} must be two values in [0, 1)"
+    )
+    # AdamW's first step moves each weight by up to lr / (1 - beta1), a float32 number: beyond float32's range
+    # the optimizer fails in that step (a finite weight update past it ends the run as diverged instead).
+    first_step = t.lr / (1 - betas[0])
+    require(
+        first_step <= FLOAT32_MAX,
+        f"train.lr={t.lr} is beyond float32: AdamW's first step, lr / (1 - adam_betas[0]) = {first_step:.3g}, "
+        f"exceeds {FLOAT32_MAX:.3g}",
     )
     require(
         not (t.overwrite and resolve_bool_or_path(t.resume)),

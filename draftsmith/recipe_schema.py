@@ -219,7 +219,8 @@ class SweepSection:
 
     output: Optional[str] = None  # default <output_dir>/sweep: sweep.jsonl, summary.json, speedup.png, export/
     concurrency: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])  # requests in flight, a level each
-    gammas: List[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])  # the drafter's γ served at every level
+    # the drafter's γ served at every level; null: 1 up to the longest chain it proposes, at most 5
+    gammas: Optional[List[int]] = None
     ngram: bool = True  # vLLM's n-gram proposer (prompt lookup of 2-4 tokens) at every γ too, for comparison
     # vLLM's suffix decoding too (its own length per step; answers not cached across requests, as the sweep
     # repeats prompts): unset = where export.vllm_python has arctic-inference, true = required, false = never

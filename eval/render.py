@@ -11,14 +11,17 @@ from typing import Any, Optional
 from draftsmith.eval.prompts import ALL
 from draftsmith.files import write_text_atomic
 
+REPORT_FILES = ("report.json", "report.md", "acceptance.png", "batch_sweep.png")  # what write_report writes
+
 
 def write_report(report: dict[str, Any], out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out_dir / "report.json", json.dumps(report, indent=2) + "\n")
-    write_text_atomic(out_dir / "report.md", render_markdown(report))
-    plot_acceptance(report, out_dir / "acceptance.png")
+    json_name, markdown_name, acceptance_name, sweep_name = REPORT_FILES
+    write_text_atomic(out_dir / json_name, json.dumps(report, indent=2) + "\n")
+    write_text_atomic(out_dir / markdown_name, render_markdown(report))
+    plot_acceptance(report, out_dir / acceptance_name)
     if "batch_sweep" in report:
-        plot_batch_sweep(report, out_dir / "batch_sweep.png")
+        plot_batch_sweep(report, out_dir / sweep_name)
 
 
 def _fmt(value: Optional[float], digits: int = 2) -> str:

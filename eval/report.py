@@ -26,6 +26,7 @@ tokens_per_s is the batch's throughput. eval.batch_sizes runs every method at ea
 
 from __future__ import annotations
 
+import json
 import platform
 import sys
 from dataclasses import asdict
@@ -43,7 +44,7 @@ from draftsmith.eval.counts import Counts
 from draftsmith.eval.loop import generate
 from draftsmith.eval.methods import Method, build_methods
 from draftsmith.eval.prompts import ALL, eos_ids_of, load_prompts
-from draftsmith.eval.render import render_markdown, write_report
+from draftsmith.eval.render import REPORT_FILES, render_markdown, write_report
 from draftsmith.eval.sampling import Sampling
 from draftsmith.eval.suffix import INSTALL
 from draftsmith.families import check_eval_settings
@@ -54,7 +55,7 @@ from draftsmith.formats.folder import (
     require_recipes_kind,
     weights_digest,
 )
-from draftsmith.outputs import DirectoryLock
+from draftsmith.outputs import DirectoryLock, move_aside
 from draftsmith.recipe import save_recipe
 from draftsmith.target import TargetShape, load_target, load_tokenizer, resolve_device, target_id
 
@@ -194,6 +195,7 @@ def _run_eval(cfg: DictConfig, out_dir: Path, checkpoint: Optional[str | Path], 
     report["drafter"]["eval_split_metrics_from"] = None if measured_from is None else str(measured_from)
     if sweep:
         report["batch_sweep"] = sweep_rows(sweep, methods, greedy)
+    keep_another_checkpoints_report(out_dir, checkpoint)
     write_report(report, out_dir)
     save_recipe(cfg, out_dir)
     print(
@@ -202,6 +204,27 @@ def _run_eval(cfg: DictConfig, out_dir: Path, checkpoint: Optional[str | Path], 
         file=sys.stderr,
     )
     return report
+
+
+def keep_another_checkpoints_report(out_dir: Path, checkpoint: Path) -> None:
+    """A report in `out_dir` of another checkpoint (a run's `final/`, when this eval reads its `best/`) is moved
+    to `out_dir/replaced/<time>/`, not overwritten: the export of that checkpoint reads it (`export.report`).
+    One of the same checkpoint is an eval run again, and replaced."""
+    earlier = out_dir / "report.json"
+    if not earlier.is_file():
+        return
+    try:
+        evaluated = json.loads(earlier.read_text())["drafter"]["path"]
+    except (ValueError, KeyError, TypeError):  # cut short or edited: kept aside too, nothing is deleted
+        evaluated = None
+    if evaluated == str(checkpoint.resolve()):
+        return
+    moved = move_aside(out_dir, [*REPORT_FILES, "recipe.yaml"])  # save_recipe's
+    print(
+        f"{out_dir} held the report of {evaluated or 'an unreadable report'}: moved to {moved}/ "
+        f"(export that checkpoint with export.report={moved / 'report.json'})",
+        file=sys.stderr,
+    )
 
 
 def decode_all(

@@ -58,6 +58,7 @@ from draftsmith.formats.repo import EXPORT_INFO, VLLM_PINNED
 
 NGRAM = "ngram"
 SUFFIX = "suffix"
+DEFAULT_LONGEST = 5  # export.sweep.gammas unset: 1 up to the drafter's longest chain, at most this
 ROWS, SUMMARY, PLOT = "sweep.jsonl", "summary.json", "speedup.png"
 log = logging.getLogger("draftsmith.export")
 
@@ -210,22 +211,27 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None) -> P
     from draftsmith.engines import missing_suffix_decoding, vllm_python
     from draftsmith.export.verify import EngineSession
     from draftsmith.files import checkpoint_digest, write_text_atomic
-    from draftsmith.heads.base import read_checkpoint_config
+    from draftsmith.heads.base import saved_drafter
     from draftsmith.outputs import DirectoryLock
 
     settings = cfg.export.sweep
-    levels, gammas = sorted(set(settings.concurrency)), sorted(set(settings.gammas))
+    drafter_cls, drafter_config = saved_drafter(checkpoint)[:2]
+    method, longest = drafter_cls.type, drafter_cls.max_chain(drafter_config)
+    given = None if settings.gammas is None else list(settings.gammas)
+    levels = sorted(set(settings.concurrency))
+    default = range(1, min(DEFAULT_LONGEST, longest or DEFAULT_LONGEST) + 1)
+    gammas = sorted(set(given)) if given is not None else list(default)
     if not levels or min(levels) < 1 or not gammas or min(gammas) < 1:
         raise UserError(
-            f"export.sweep.concurrency={list(settings.concurrency)} and export.sweep.gammas={list(settings.gammas)} "
+            f"export.sweep.concurrency={list(settings.concurrency)} and export.sweep.gammas={given} "
             "must each list at least one integer >= 1"
         )
+    require_proposes(gammas, longest, method, checkpoint)
     python = vllm_python(cfg.export.vllm_python, "export.vllm_python")
     missing = None if settings.suffix is False else missing_suffix_decoding(python, "export.vllm_python")
     if settings.suffix and missing:
         raise UserError(missing)
     suffix = settings.suffix is not False and missing is None
-    method = read_checkpoint_config(checkpoint)["drafter_type"]
     digest = checkpoint_digest(checkpoint)
     output = Path(settings.output or Path(cfg.output_dir) / "sweep")
     path = output / ROWS
@@ -273,6 +279,18 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None) -> P
         plot(summary["best_per_concurrency"], predicted, output / PLOT)
     log.info("load sweep of %s: %s, %s", checkpoint, path, output / SUMMARY)
     return path
+
+
+def require_proposes(gammas: Sequence[int], longest: Optional[int], method: str, checkpoint: Path) -> None:
+    """Every γ of the sweep within the checkpoint's longest chain (its own config: a read-only command does not
+    hold the recipe's drafter section to the checkpoint's), or the first γ beyond it fails in vLLM only after
+    the plain and n-gram levels have run, minutes in."""
+    if longest is not None and max(gammas) > longest:
+        within = ",".join(map(str, range(1, longest + 1)))
+        raise UserError(
+            f"export.sweep.gammas={list(gammas)} but the {method} drafter in {checkpoint} proposes at most {longest} "
+            f"tokens a step: give γs up to {longest} (export.sweep.gammas=[{within}])"
+        )
 
 
 def served_at(folder: Path, gamma: int, levels: Sequence[int]) -> dict[str, Any]:

@@ -40,7 +40,7 @@ class Source:
 class Exporter:
     """The engine formats of one or more drafter kinds."""
 
-    kinds: ClassVar[tuple[str, ...]]
+    kinds: ClassVar[tuple[str, ...]]  # the kinds it writes; `read` makes the first (formats/folder.py start_kind)
     sglang_reason: ClassVar[str] = ""  # why SGLang cannot serve these kinds ("" = it can)
     vllm_formats: ClassVar[tuple[str, ...]] = ("speculators",)  # export.vllm_format values it writes
     weights_dirs: ClassVar[tuple[str, ...]] = ()  # subfolders of an engine folder that hold its drafter

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from draftsmith.errors import UserError, one_line
 from draftsmith.files import checkpoint_digest
-from draftsmith.formats import EXPORTERS
+from draftsmith.formats import EXPORTERS, Exporter
 from draftsmith.formats.repo import EXPORT_INFO, WEIGHTS
 from draftsmith.heads import load_drafter
 from draftsmith.heads.base import CONFIG_NAME, DrafterConfig, architecture, check_same_target, saved_drafter
@@ -55,21 +55,27 @@ def read_json(path: Path):
 
 def read_folder(folder: Path, target):
     """The draftsmith drafter an engine folder holds, attached to `target`."""
+    exporter, config, tensors = engine_format(folder)
+    info_path = next((p for p in (folder / EXPORT_INFO, folder.parent / EXPORT_INFO) if p.is_file()), None)
+    info = read_json(info_path) if info_path else {}
+    drafter = exporter.read(folder, config, tensors, target, info)
+    return drafter.eval()
+
+
+def engine_format(folder: Path) -> tuple[Exporter, dict, dict]:
+    """The format registry's entry that reads an engine folder, with its config.json and weights."""
     config = read_json(folder / CONFIG_NAME)
     try:
         tensors = load_file(str(folder / WEIGHTS))
     except (SafetensorError, OSError) as err:
         raise UserError(f"{folder / WEIGHTS}: corrupt weights file ({one_line(err)})") from None
-    info_path = next((p for p in (folder / EXPORT_INFO, folder.parent / EXPORT_INFO) if p.is_file()), None)
-    info = read_json(info_path) if info_path else {}
     matches = [exporter for exporter in dict.fromkeys(EXPORTERS.values()) if exporter.recognises(config, tensors)]
     if len(matches) != 1:
         raise UserError(
             f"{folder} is not a drafter folder draftsmith can read "
             f"(config.json architectures {config.get('architectures')})"
         )
-    drafter = matches[0].read(folder, config, tensors, target, info)
-    return drafter.eval()
+    return matches[0], config, tensors
 
 
 def checkpoint_kind(path: Path) -> Optional[str]:
@@ -81,6 +87,27 @@ def checkpoint_kind(path: Path) -> Optional[str]:
     return None
 
 
+def start_kind(path: Path) -> Optional[str]:
+    """The kind a training start (`train.init_from`) is read as, known without a target: a checkpoint's own, an
+    engine folder's format's (`Exporter.kinds[0]`: Medusa-2's vLLM folder reads as Medusa); None when `path`
+    holds neither (open_drafter says so once the target is loaded)."""
+    folder = engine_folder(path)
+    return checkpoint_kind(path) if folder is None else engine_format(folder)[0].kinds[0]
+
+
+def engine_folder(path: Path) -> Optional[Path]:
+    """The engine folder a path holds (an export's `vllm/` or `sglang/`, the export directory holding one, or
+    the folder itself); None for a draftsmith checkpoint or a path that holds none."""
+    saved = path / CONFIG_NAME
+    if saved.is_file() and "draftsmith_format" in read_json(saved):
+        return None
+    inner = sorted({name for exporter in EXPORTERS.values() for name in exporter.weights_dirs})
+    engines = [path, *(path / name for name in inner), path / "vllm", *(path / "vllm" / name for name in inner)]
+    return next(
+        (f for f in (*engines, path / "sglang") if (f / CONFIG_NAME).is_file() and (f / WEIGHTS).is_file()), None
+    )
+
+
 def open_drafter(path: str | Path, target_shape: TargetShape, target):
     """A draftsmith checkpoint, or an engine folder an export wrote (its `vllm/` or `sglang/`, or the
     export directory holding one), as a drafter attached to `target`."""
@@ -88,13 +115,11 @@ def open_drafter(path: str | Path, target_shape: TargetShape, target):
     saved = path / CONFIG_NAME
     if saved.is_file() and "draftsmith_format" in read_json(saved):
         return load_drafter(path, target_shape, target)
-    inner = sorted({name for exporter in EXPORTERS.values() for name in exporter.weights_dirs})
-    engines = [path, *(path / name for name in inner), path / "vllm", *(path / "vllm" / name for name in inner)]
-    for folder in (*engines, path / "sglang"):
-        if (folder / CONFIG_NAME).is_file() and (folder / WEIGHTS).is_file():
-            drafter = read_folder(folder, target)
-            check_same_target(drafter.target, target_shape, str(folder))
-            return drafter
+    folder = engine_folder(path)
+    if folder is not None:
+        drafter = read_folder(folder, target)
+        check_same_target(drafter.target, target_shape, str(folder))
+        return drafter
     inside = sorted(p.parent.name for p in path.glob(f"*/{CONFIG_NAME}") if (p.parent / WEIGHTS).is_file())
     where = f"; its {inside[0]}/ does (pass that)" if inside else ""  # a run's final/, a training checkpoint's drafter/
     raise UserError(

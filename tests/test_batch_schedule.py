@@ -242,3 +242,22 @@ def test_a_sweep_with_a_program_that_is_not_a_vllm_python_is_refused_before_it_e
                                    f"output_dir={tmp_path}", "export.vllm_python=/bin/true"], capsys)  # fmt: skip
     assert_one_line_error(result, 2, "export.vllm_python='/bin/true' is not the Python of an environment with vllm")
     assert not (tmp_path / "sweep").exists()
+
+
+def test_a_sweep_gamma_beyond_what_the_checkpoint_proposes_is_refused_before_anything_runs(target, tmp_path, capsys):
+    """Medusa with 3 heads proposes at most 3 tokens: γ 4 would fail in vLLM only after the plain levels ran.
+    Refused from the checkpoint's own config, before the vLLM Python is even asked (this one is no vLLM); unset,
+    the γs fit the drafter."""
+    checkpoint = save_drafter("medusa", target, tmp_path / "ckpt", num_heads=3)
+    result = run_entry_in_process(["-m", "export.sweep", f"recipe={KINDS['medusa']}", f"checkpoint={checkpoint}",
+                                   f"output_dir={tmp_path}", "export.vllm_python=/bin/true",
+                                   "export.sweep.gammas=[1,2,4]"], capsys)  # fmt: skip
+    assert_one_line_error(
+        result, 2, f"export.sweep.gammas=[1, 2, 4] but the medusa drafter in {checkpoint} proposes at most 3 tokens a "
+        "step: give γs up to 3 (export.sweep.gammas=[1,2,3])",
+    )  # fmt: skip
+    assert not (tmp_path / "sweep").exists()
+    # unset, the γs are 1 up to the drafter's chain (they were [1..5]): past that check to the Python's
+    result = run_entry_in_process(["-m", "export.sweep", f"recipe={KINDS['medusa']}", f"checkpoint={checkpoint}",
+                                   f"output_dir={tmp_path}", "export.vllm_python=/bin/true"], capsys)  # fmt: skip
+    assert_one_line_error(result, 2, "export.vllm_python='/bin/true' is not the Python of an environment with vllm")

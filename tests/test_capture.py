@@ -64,12 +64,16 @@ FULL = (
 def captures(tmp_path_factory, conversations) -> dict[str, CaptureResult]:
     """The same conversations captured in each storage dtype, with layers, final and top-k."""
     root = tmp_path_factory.mktemp("captures")
-    return {
-        dtype: run_capture(
-            root / dtype, conversations, *FULL, f"data.capture.dtype={dtype}", "data.capture.shard_tokens=250"
-        )
-        for dtype in ("bfloat16", "float16", "float8")
-    }
+    umask = os.umask(0o022)  # test_shards_have_the_umasks_mode's
+    try:
+        return {
+            dtype: run_capture(
+                root / dtype, conversations, *FULL, f"data.capture.dtype={dtype}", "data.capture.shard_tokens=250"
+            )
+            for dtype in ("bfloat16", "float16", "float8")
+        }
+    finally:
+        os.umask(umask)
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +144,15 @@ def test_manifest_records_the_capture_and_fp8_is_smallest(captures):
         assert manifest["bytes_per_token"] == pytest.approx(manifest["bytes"] / manifest["tokens"])
     assert manifests["float8"]["bytes_per_token"] < 0.6 * bf16["bytes_per_token"]
     assert manifests["float16"]["bytes_per_token"] == pytest.approx(bf16["bytes_per_token"], rel=0.01)
+
+
+def test_shards_have_the_umasks_mode(captures):
+    """safetensors writes through a private temporary file (mode 0600): shards and manifests get the umask's
+    mode (0644 under umask 022), so that a training job run by another user can read them."""
+    files = [path for result in captures.values() for path in result.directory.iterdir() if path.is_file()]
+    modes = {path.as_posix(): oct(path.stat().st_mode & 0o777) for path in files}
+    assert {path: mode for path, mode in modes.items() if mode != oct(0o644)} == {}
+    assert len([path for path in files if path.suffix == ".safetensors"]) >= 9  # three shards or more a dtype
 
 
 def test_collate_pads_features_and_rebuilds_the_target_output(captures):

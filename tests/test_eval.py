@@ -448,6 +448,37 @@ def test_a_damaged_folder_or_one_of_another_kind_is_one_line_naming_it(eval_setu
     refused(checkpoint.parent, r"holds neither a drafter checkpoint .*; its final/ does \(pass that\)")  # the run
 
 
+def test_an_eval_of_another_checkpoint_moves_the_earlier_report_aside(eval_setup, tmp_path, capsys):
+    """The eval of a run's best/ into its output_dir kept no trace of final/'s report (which final/'s export
+    reads): the earlier report moves to eval/replaced/<time>/, said in a line naming the export.report that reads
+    it; an eval of the same checkpoint again replaces its report."""
+    import shutil
+
+    from draftsmith.export.run import export_checkpoint
+
+    root, recipe, target = eval_setup
+    final = root / "run" / "final"
+    best = shutil.copytree(final, tmp_path / "run" / "best")
+    cfg = load_recipe([f"recipe={recipe}", f"output_dir={tmp_path / 'run'}"])
+    eval_dir = tmp_path / "run" / "eval"
+    for checkpoint in (final, final):
+        run_eval(cfg, str(checkpoint), target=target)
+    assert not (eval_dir / "replaced").exists(), "an eval of the same checkpoint again replaces its report"
+    capsys.readouterr()
+    run_eval(cfg, str(best), target=target)
+    [moved] = list((eval_dir / "replaced").iterdir())
+    assert {p.name for p in moved.iterdir()} == {"report.json", "report.md", "acceptance.png", "recipe.yaml"}
+    assert json.loads((moved / "report.json").read_text())["drafter"]["path"] == str(final.resolve())
+    assert json.loads((eval_dir / "report.json").read_text())["drafter"]["path"] == str(best.resolve())
+    said = capsys.readouterr().err
+    assert f"held the report of {final.resolve()}: moved to {moved}/" in said
+    assert f"export.report={moved / 'report.json'}" in said
+    exported = load_recipe(
+        [f"recipe={recipe}", f"export.output={tmp_path / 'x'}", f"export.report={moved / 'report.json'}"]
+    )
+    assert export_checkpoint(exported, final, target=target)["vllm"].is_dir()
+
+
 def test_cli_rejects_a_missing_and_a_foreign_checkpoint(eval_setup, tmp_path, capsys):
     _, recipe, _ = eval_setup
     missing = run_entry_in_process(["-m", "eval", f"recipe={recipe}", f"checkpoint={tmp_path / 'nothing'}"], capsys)

@@ -1,8 +1,8 @@
 """Exit codes a scheduler can act on (docs/faults.md): one code per kind of failure, the same in every
 stage, each provoked here through a real entry point run in this process. 2 is bad input only; 3 a
-failed correctness check; 4 a diverged training run; 69 an engine that died; 70 a draftsmith bug (its
-traceback kept in a log file); 74 a full disk; 75 SIGTERM; 130 Ctrl-C. Also proved elsewhere, in real
-processes or with real faults: 3 by the eval (tests/test_eval.py), 69 by a killed vLLM regeneration
+failed correctness check; 4 a diverged training run; 69 an engine that died or a Hub out of reach; 70 a
+draftsmith bug (its traceback kept in a log file); 74 a full disk; 75 SIGTERM; 130 Ctrl-C. Also proved
+elsewhere, in real processes or with real faults: 3 by the eval (tests/test_eval.py), 69 by a killed vLLM regeneration
 (tests/test_regenerate_vllm.py), 74 by a real tmpfs filling during a checkpoint and 75 by a real
 SIGTERM during training (tests/test_reliability.py), 10/11/12/13 by the monitor (tests/test_monitor.py)."""
 
@@ -67,10 +67,39 @@ def test_an_engine_that_dies_during_the_export_check_exits_69(checkpoint, tmp_pa
     """The same code as a vLLM regeneration whose engine dies: retry the same command."""
     python = fake_vllm(tmp_path, "sys.stderr.write('engine core died\\n'); sys.exit(1)")
     result = export(checkpoint, tmp_path, capsys, f"export.vllm_python={python}")
-    assert result.returncode == errors.EXIT_ENGINE_UNAVAILABLE == 69
+    assert result.returncode == errors.EXIT_UNAVAILABLE == 69
     line = assert_one_line_error(result, 69, prefix="engine unavailable: ")
     assert "gave no answer (exit code 1)" in line and "engine core died" in line
     assert not (tmp_path / "export" / "vllm").exists()  # nothing published
+
+
+def test_an_engine_that_exits_silently_during_the_export_check_says_so(checkpoint, tmp_path, capsys):
+    """A program that answers the version query but starts no engine (exit 0, nothing on stderr): still
+    69, and the line says it wrote nothing rather than ending on an empty cause."""
+    python = fake_vllm(tmp_path, "sys.exit(0)")
+    result = export(checkpoint, tmp_path, capsys, f"export.vllm_python={python}")
+    line = assert_one_line_error(result, 69, prefix="engine unavailable: ")
+    assert line.endswith("gave no answer (exit code 0) and wrote nothing to stderr")
+    assert not (tmp_path / "export" / "vllm").exists()
+
+
+def test_a_hub_that_cannot_be_reached_exits_69_and_an_uncached_id_offline_exits_2(tmp_path, monkeypatch, capsys):
+    """A Hub id with no network is a temporary fault (69: run it again), not bad input; with HF_HUB_OFFLINE=1
+    (the tests' setting) an id not in the cache is (2). The Hub here is an address nothing listens on, and
+    huggingface_hub's retries (about 25 s of sleeping) are skipped."""
+    import huggingface_hub.constants as constants
+
+    train = ["train.py", "recipe=medusa", "target.name_or_path=acme/not-cached", f"output_dir={tmp_path / 'run'}"]
+    offline = run_entry_in_process(train, capsys)
+    assert_one_line_error(offline, 2, "'acme/not-cached': We couldn't connect to 'https://huggingface.co'", alone=True)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    monkeypatch.setattr("time.sleep", lambda seconds: None)
+    unreachable = run_entry_in_process(train, capsys)
+    assert_one_line_error(unreachable, 69, "We couldn't connect to 'http://127.0.0.1:9'", prefix="Hub unavailable: ")
+    assert unreachable.stderr.rstrip().endswith("or set HF_HUB_OFFLINE=1 to read the Hub cache only)")
+    assert not (tmp_path / "run").exists()
 
 
 def test_an_engine_that_refuses_the_export_exits_3(checkpoint, tmp_path, capsys):

@@ -536,9 +536,9 @@ def test_an_exported_folder_evaluates_like_its_checkpoint(kind, engines, config,
             load_file(str(folders["vllm"] / "model.safetensors"))
         )
     # without the n-gram baseline, which reads no drafter: a third of the test's time
-    quick = [f"eval.data=[{one_prompt}]", "eval.max_new_tokens=16", "eval.tree=6", "eval.ngram_baseline=false"]
-    if kind == "draft_model" or "parallel_drafting" in config:  # chains only
-        quick[-1] = "eval.tree=0"
+    chains_only = kind == "draft_model" or "parallel_drafting" in config
+    quick = [f"eval.data=[{one_prompt}]", "eval.max_new_tokens=16", "eval.ngram_baseline=false"]
+    quick.append("eval.tree=0" if chains_only else "eval.tree=6")
     rows = {}
     for name, path in (("checkpoint", checkpoint), *folders.items()):
         cfg = load_recipe([f"recipe={KINDS[kind]}", f"output_dir={tmp_path / name}", *quick])
@@ -621,6 +621,12 @@ def test_a_checkpoint_of_another_kind_than_the_recipe_s_is_refused_as_a_warm_sta
     train = ["train.py", "recipe=eagle3", f"data.train=[{unreadable}]", f"train.init_from={checkpoint}"]
     started = run_entry_in_process([*train, f"output_dir={run}"], capsys)
     assert_one_line_error(started, 2, f"train.init_from={checkpoint} holds a medusa drafter, the recipe trains eagle3")
+    assert not run.exists() or not any(run.iterdir())
+    # an engine folder is read as its format's kind, also before any data or model loads (it was found after both)
+    engine_folder = run_export("medusa", checkpoint, tmp_path / "exported", target=target)["vllm"]
+    train[-1] = f"train.init_from={engine_folder}"
+    started = run_entry_in_process([*train, f"output_dir={run}"], capsys)
+    assert_one_line_error(started, 2, f"{engine_folder} holds a medusa drafter, the recipe trains eagle3")
     assert not run.exists() or not any(run.iterdir())
 
 

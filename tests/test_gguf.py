@@ -6,6 +6,7 @@ logits and whose tokenizer encodes and renders the same; the recipe then trains 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -111,8 +112,16 @@ def cache(tmp_path, monkeypatch) -> Path:
 
 @pytest.mark.slow  # dequantizes the 135M-parameter GGUF
 def test_gguf_target_dequantizes_to_the_same_model_and_tokenizer(demo_gguf, cache):
-    directory = materialize(str(demo_gguf.parent), demo_gguf.name)
+    umask = os.umask(0o022)
+    try:
+        directory = materialize(str(demo_gguf.parent), demo_gguf.name)
+    finally:
+        os.umask(umask)
     assert directory.parent == cache / "targets" and directory.name.startswith("demo-target.F32-")
+    # safetensors writes through a private temporary file (mode 0600): the cache's files get the umask's mode
+    # (0644 under umask 022), so that a job run by another user sharing DRAFTSMITH_CACHE can load the target
+    modes = {path.name: oct(path.stat().st_mode & 0o777) for path in directory.iterdir() if path.is_file()}
+    assert "model.safetensors" in modes and {name: mode for name, mode in modes.items() if mode != oct(0o644)} == {}
     assert json.loads((directory / SOURCE_FILE).read_text())["gguf_file"] == str(demo_gguf.resolve())
     assert "quantization_config" not in json.loads((directory / "config.json").read_text())
 

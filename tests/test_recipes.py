@@ -107,6 +107,8 @@ def test_bad_overrides_are_user_errors(override, fragment):
         ("train.adam_betas=[0.9,-inf]", "train.adam_betas=[0.9, -inf] must be finite"),
         ("monitor.cooldown_s=inf", "monitor.cooldown_s=inf must be finite"),
         ("drafter.loss_decay=nan", "drafter.loss_decay=nan must be finite"),
+        # finite, but AdamW's first step (lr / (1 - beta1)) is beyond float32: it failed in that step (exit 70)
+        ("train.lr=1e38", "train.lr=1e+38 is beyond float32: AdamW's first step"),
         # the drafter type's own check
         ("drafter.num_heads=0", "drafter.num_heads must be >= 1"),
         ("drafter.loss_weights=[1.0]", "drafter.loss_weights has 1 values for 3 heads"),
@@ -225,19 +227,24 @@ def test_weights_an_update_made_non_finite_end_the_run_as_diverged_with_nothing_
     tmp_path, small_data, token_cache, monkeypatch, capsys
 ):
     """What train.lr=inf did before the recipe refused it: a finite loss and gradient, an update that makes the
-    weights non-finite (here an optimizer whose step does), the step after it skipped. The run ends as
-    diverged, exit 4, with neither its final checkpoint nor final/ written (not exit 70 after publishing them)."""
+    weights non-finite (here an optimizer whose step does, from step `poisoned` on), the steps after it skipped.
+    The run stops as diverged at its next checkpoint, exit 4, writing none of those weights: at the end neither its
+    final checkpoint nor final/ (not exit 70 after publishing them), and between periodic checkpoints the finite
+    ones are kept (train.keep_checkpoints would have rotated them out)."""
     import draftsmith.trainer.setup as setup
 
     real_build = setup.build_optimizer
+    poisoned = 1
 
     def overflowing(*args, **kwargs):
         optimizer = real_build(*args, **kwargs)
+        steps = iter(range(1, 100))
 
         def to_inf(optimizer, args, kwargs):
-            for group in optimizer.param_groups:
-                for parameter in group["params"]:
-                    parameter.data.fill_(float("inf"))
+            if next(steps) >= poisoned:
+                for group in optimizer.param_groups:
+                    for parameter in group["params"]:
+                        parameter.data.fill_(float("inf"))
 
         optimizer.register_step_post_hook(to_inf)
         return optimizer
@@ -248,6 +255,19 @@ def test_weights_an_update_made_non_finite_end_the_run_as_diverged_with_nothing_
     result = run_entry_in_process(["train.py", *args], capsys)
     assert_one_line_error(result, 4, "the drafter's weights are not finite after step 1", prefix="training diverged: ")
     assert not (out / "final").exists() and not list((out / "checkpoints").glob("step_*"))
+
+    poisoned, out = 3, tmp_path / "periodic"
+    periodic = [
+        "data.max_conversations=4",
+        "train.max_steps=6",
+        "train.save_every=1",
+        "train.keep_checkpoints=2",
+        "data.eval=[]",
+    ]
+    result = run_entry_in_process(["train.py", *train_args(out, small_data, token_cache, *periodic)], capsys)
+    assert_one_line_error(result, 4, "the drafter's weights are not finite after step 3", prefix="training diverged: ")
+    kept = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
+    assert kept == ["step_0000001", "step_0000002"] and not (out / "final").exists()
 
 
 @pytest.mark.slow

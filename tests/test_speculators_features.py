@@ -6,6 +6,7 @@ speculators 0.9.0's own offline dataset class reads them (slow tier, in its venv
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -34,7 +35,11 @@ def written(tmp_path_factory, token_cache):
             f"output_dir={output.parent / 'run'}",
         ]  # fmt: skip
     )
-    return output, write_speculators_data(cfg, output, dtype="float32")
+    umask = os.umask(0o022)  # test_files_have_the_umasks_mode's
+    try:
+        return output, write_speculators_data(cfg, output, dtype="float32")
+    finally:
+        os.umask(umask)
 
 
 def test_states_follow_vllm_layer_ids(written):
@@ -63,6 +68,16 @@ def test_states_follow_vllm_layer_ids(written):
     assert not torch.allclose(states[:, -1], reference[-1][0])  # and not transformers' normed last state
     frequency = torch.load(output / TOKEN_FREQ)
     assert sum(frequency.values()) == info["masked_tokens"] == int(sum(r.sum() for r in rows["loss_mask"]))
+
+
+def test_files_have_the_umasks_mode(written):
+    """safetensors writes through a private temporary file (mode 0600): every file of the folder gets the
+    umask's mode (0644 under umask 022), so that speculators run by another user can read it."""
+    output, _ = written
+    files = [path for path in output.rglob("*") if path.is_file()]
+    modes = {path.relative_to(output).as_posix(): oct(path.stat().st_mode & 0o777) for path in files}
+    assert {path: mode for path, mode in modes.items() if mode != oct(0o644)} == {}
+    assert len([path for path in modes if path.startswith("hidden_states/")]) == ROWS
 
 
 def test_speculators_states_refuses_ids_past_the_layers():

@@ -33,12 +33,18 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from draftsmith.errors import Preempted, StopRequest, TrainingDiverged
-from draftsmith.sharding import local_bytes
 from draftsmith.trainer.checkpoint import TrainerState, save_checkpoint, save_final
 from draftsmith.trainer.curve import write_curve
 from draftsmith.trainer.heldout import BEST_DIR, curve_row, evaluate_heldout, keep_best, patience_spent, reduce_means
 from draftsmith.trainer.nonfinite import report_nonfinite
-from draftsmith.trainer.observe import FlopCounter, StepProfiler, mfu, parameter_counts, peak_memory_mb
+from draftsmith.trainer.observe import (
+    FlopCounter,
+    StepProfiler,
+    mfu,
+    parameter_counts,
+    peak_memory_mb,
+    write_run_summary,
+)
 from draftsmith.trainer.setup import Run, set_up
 
 log = logging.getLogger("draftsmith.train")
@@ -226,6 +232,7 @@ def evaluate_if_due(run: Run, output_dir: Path) -> dict[str, float]:
 def checkpoint_on_sigterm(run: Run, output_dir: Path) -> Preempted:
     """The checkpoint of a run stopped by SIGTERM, and the error (exit 75) that says how to continue."""
     cfg, state = run.cfg, run.state
+    finite_weights_checksum(run.accelerator, run.drafter, state)
     path = save_checkpoint(run.accelerator, run.drafter, state, output_dir, cfg.train.keep_checkpoints)
     return Preempted(
         f"stopped on SIGTERM after step {state.step} of {run.max_steps}; checkpoint {path}; "
@@ -234,9 +241,11 @@ def checkpoint_on_sigterm(run: Run, output_dir: Path) -> Preempted:
 
 
 def save_if_due(run: Run, output_dir: Path) -> None:
-    """Every train.save_every steps but the last (whose checkpoint `finish` writes): a checkpoint."""
+    """Every train.save_every steps but the last (whose checkpoint `finish` writes): a checkpoint, of finite
+    weights only, so that train.keep_checkpoints never rotates the last finite one out."""
     cfg, state = run.cfg, run.state
     if cfg.train.save_every > 0 and state.step % cfg.train.save_every == 0 and state.step < run.max_steps:
+        finite_weights_checksum(run.accelerator, run.drafter, state)
         save_checkpoint(run.accelerator, run.drafter, state, output_dir, cfg.train.keep_checkpoints)
 
 
@@ -399,48 +408,16 @@ def log_step(accelerator, output_dir: Path, step: int, metrics: dict[str, float]
 
 
 def finite_weights_checksum(accelerator, drafter, state: TrainerState) -> float:
-    """This rank's sum of the drafter's weights (run_summary.json's `param_checksum`). Weights an update made
-    non-finite (an update too large for float32 passes the step's finite loss and gradient, and every later step
-    is skipped) stop the run as diverged on every rank, before its checkpoint and final/ are written."""
+    """This rank's sum of the drafter's weights (run_summary.json's `param_checksum`), taken before every
+    checkpoint. Weights an update made non-finite (an update too large for float32 passes the step's finite loss
+    and gradient, and every later step is skipped) stop the run as diverged on every rank, before a checkpoint
+    (or final/) of them is written: the checkpoints kept hold finite weights."""
     module = accelerator.unwrap_model(drafter)
     checksum = float(sum(p.detach().double().sum() for p in module.parameters()))
     if agree(accelerator, torch.tensor(not math.isfinite(checksum), device=accelerator.device)).nonfinite:
         raise TrainingDiverged(
             f"the drafter's weights are not finite after step {state.step} ({state.skipped_steps} step(s) skipped "
-            "for a non-finite loss or gradient): neither its checkpoint nor final/ was written; lower train.lr and "
-            "run again"
+            "for a non-finite loss or gradient): no checkpoint of them was written; lower train.lr and run again "
+            "(train.resume=true continues from the last checkpoint)"
         )
     return checksum
-
-
-def write_run_summary(
-    accelerator,
-    output_dir: Path,
-    checksum: float,
-    state: TrainerState,
-    data_checksum: int,
-    target,
-    parameters: dict[str, int],
-    ended: str,
-) -> None:
-    """Per-rank facts for checking a distributed run: identical weights (`checksum`: this rank's
-    `finite_weights_checksum`), different data, and the bytes of target parameters each rank holds (all of
-    them, or its pieces under target.shard=fsdp); `parameters`: the run's trainable and frozen parameter
-    counts (trainer/observe.py); `ended`: why training ended (max_steps: every step it was given; patience:
-    train.patience stopped it)."""
-    mine = {
-        "rank": accelerator.process_index,
-        "param_checksum": checksum,
-        "data_checksum": data_checksum,
-        "target_param_bytes": local_bytes(target),
-    }
-    ranks = accelerator.gather_for_metrics([mine], use_gather_object=True)
-    if accelerator.is_main_process:
-        summary = {
-            "world_size": accelerator.num_processes,
-            "steps": state.step,
-            "ended": ended,
-            "ranks": ranks,
-            "parameters": parameters,
-        }
-        (output_dir / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -1,5 +1,6 @@
 """What the training loop reports about its own speed and size (issue #37): parameter counts, the model
-FLOP count per token behind MFU, peak memory, and the torch profiler over `train.profile_steps`.
+FLOP count per token behind MFU, peak memory, the torch profiler over `train.profile_steps`, and
+run_summary.json (per-rank checksums for checking a distributed run).
 
 One place for the FLOP count: `flops_per_token` (its docstring states the formula), fed by
 `matmul_parameters` and `attention_width` of the target and the drafter. trainer/loop.py logs
@@ -9,6 +10,7 @@ benchmarks/train_throughput.py reports the same figure.
 
 from __future__ import annotations
 
+import json
 import logging
 import resource
 from pathlib import Path
@@ -18,6 +20,8 @@ import torch
 from torch import nn
 
 from draftsmith.heads import Drafter
+from draftsmith.sharding import local_bytes
+from draftsmith.trainer.checkpoint import TrainerState
 
 log = logging.getLogger("draftsmith.train")
 
@@ -195,3 +199,36 @@ class StepProfiler:
         self.profiler, self.done = None, True
         log.info("profiler trace of steps %d-%d: %s", self.started, step, path)
         return path
+
+
+def write_run_summary(
+    accelerator,
+    output_dir: Path,
+    checksum: float,
+    state: TrainerState,
+    data_checksum: int,
+    target,
+    parameters: dict[str, int],
+    ended: str,
+) -> None:
+    """Per-rank facts for checking a distributed run: identical weights (`checksum`: this rank's
+    trainer/loop.py `finite_weights_checksum`), different data, and the bytes of target parameters each rank holds
+    (all of them, or its pieces under target.shard=fsdp); `parameters`: the run's trainable and frozen parameter
+    counts (`parameter_counts`); `ended`: why training ended (max_steps: every step it was given; patience:
+    train.patience stopped it)."""
+    mine = {
+        "rank": accelerator.process_index,
+        "param_checksum": checksum,
+        "data_checksum": data_checksum,
+        "target_param_bytes": local_bytes(target),
+    }
+    ranks = accelerator.gather_for_metrics([mine], use_gather_object=True)
+    if accelerator.is_main_process:
+        summary = {
+            "world_size": accelerator.num_processes,
+            "steps": state.step,
+            "ended": ended,
+            "ranks": ranks,
+            "parameters": parameters,
+        }
+        (output_dir / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -22,7 +22,7 @@ from draftsmith.data_prep import Collator, PackingCollator, load_tokenized
 from draftsmith.data_prep.features import FeatureCollator, expected_features, open_features
 from draftsmith.errors import UserError, one_line
 from draftsmith.families import check_eval_settings
-from draftsmith.formats.folder import checkpoint_kind, require_recipes_drafter, require_recipes_kind, warm_start
+from draftsmith.formats.folder import require_recipes_drafter, require_recipes_kind, start_kind, warm_start
 from draftsmith.heads import drafter_class
 from draftsmith.heads.base import saved_drafter
 from draftsmith.heads.packing import causal_lm_inputs, require_packed_attention
@@ -87,9 +87,9 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     resume_from = resume_checkpoint(output_dir, cfg.train.resume, accelerator)
     if resume_from is not None:  # the checkpoint holds the weights: the run's start is not loaded again
         cfg = resumed_start(cfg, output_dir)
-    elif cfg.train.init_from:  # a draftsmith checkpoint's kind is known before any data or model loads
+    elif cfg.train.init_from:  # its kind is known before any data or model loads
         start = Path(cfg.train.init_from)
-        require_recipes_kind(checkpoint_kind(start), cfg.drafter.type, f"train.init_from={start}")
+        require_recipes_kind(start_kind(start), cfg.drafter.type, f"train.init_from={start}")
     tokenizer = load_tokenizer(cfg.target)
     train_data, vocab_data, heldout = load_data(cfg, accelerator, tokenizer)
     # target.shard=fsdp: each rank holds pieces of the decoder layers (draftsmith/sharding.py); the
