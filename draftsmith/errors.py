@@ -199,15 +199,20 @@ def outcome(err: BaseException) -> tuple[int, str]:
 def hub_unreachable(err: BaseException) -> bool:
     """Whether `err` (or an error it was raised from, as transformers and draftsmith's own lines wrap it) is
     huggingface_hub's "not in the cache" after a request that failed (no network, a timeout). With
-    HF_HUB_OFFLINE=1 no request is made, and a file not cached is bad input."""
+    HF_HUB_OFFLINE=1 no request is made, and a file not cached is bad input (`hub_cache_miss`)."""
+    miss = hub_cache_miss(err)
+    return miss is not None and (miss.__cause__ or miss.__context__) is not None
+
+
+def hub_cache_miss(err: BaseException) -> BaseException | None:
+    """huggingface_hub's "not in the cache" in `err`'s chain, if it is there: raised from the request that
+    failed, or from nothing when HF_HUB_OFFLINE=1 made none."""
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     link: BaseException | None = err
-    while link is not None:
-        if isinstance(link, LocalEntryNotFoundError) and (link.__cause__ or link.__context__) is not None:
-            return True
+    while link is not None and not isinstance(link, LocalEntryNotFoundError):
         link = link.__cause__ or link.__context__
-    return False
+    return link
 
 
 def traceback_kept(err: BaseException) -> str:

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import torch
 
-from draftsmith.errors import UserError, one_line
+from draftsmith.errors import UserError, hub_cache_miss, one_line
 from draftsmith.families import residual_streams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,7 +64,7 @@ def load_tokenizer(section):
             section.name_or_path, revision=section.revision, trust_remote_code=section.trust_remote_code
         )
     except (OSError, ValueError) as err:
-        raise UserError(f"cannot load the tokenizer of {section.name_or_path!r}: {one_line(err)}") from None
+        raise not_loadable(f"cannot load the tokenizer of {section.name_or_path!r}", err) from err
     if tokenizer.pad_token_id is None:
         # Padding positions are masked out everywhere; any id works, EOS is the usual choice.
         tokenizer.pad_token = tokenizer.eos_token
@@ -101,7 +101,7 @@ def load_config(section):
             section.name_or_path, revision=section.revision, trust_remote_code=section.trust_remote_code
         )
     except (OSError, ValueError) as err:
-        raise UserError(f"cannot load target {section.name_or_path!r}: {one_line(err)}") from None
+        raise not_loadable(f"cannot load target {section.name_or_path!r}", err) from err
 
 
 def read_model(section, dtype: torch.dtype, device: torch.device | str):
@@ -116,8 +116,23 @@ def read_model(section, dtype: torch.dtype, device: torch.device | str):
             trust_remote_code=section.trust_remote_code,
         )
     except (OSError, ValueError) as err:
-        raise UserError(f"cannot load target {section.name_or_path!r}: {one_line(err)}") from None
+        raise not_loadable(f"cannot load target {section.name_or_path!r}", err) from err
     return model.to(device)
+
+
+def not_loadable(what: str, err: BaseException) -> UserError:
+    """The line for a model that did not load: transformers' reason, or, for a Hub id not in the cache with
+    HF_HUB_OFFLINE=1, that (transformers' own line then says it could not connect, which it never tried).
+    Raised from `err`, whose chain says whether the Hub was out of reach instead (errors.hub_unreachable)."""
+    from huggingface_hub import constants
+
+    miss = hub_cache_miss(err)
+    if constants.HF_HUB_OFFLINE and miss is not None and (miss.__cause__ or miss.__context__) is None:
+        return UserError(
+            f"{what}: not in the Hub cache ({constants.HF_HUB_CACHE}), and HF_HUB_OFFLINE=1 forbids downloading "
+            "it: download it once with a network, or give a local folder"
+        )
+    return UserError(f"{what}: {one_line(err)}")
 
 
 def freeze(model: torch.nn.Module) -> torch.nn.Module:
