@@ -39,7 +39,7 @@ from draftsmith.data_prep.capture_files import (
     write_shard,
 )
 from draftsmith.data_prep.conversations import load_conversations
-from draftsmith.data_prep.dataset import Collator, cache_key, tokenize_conversations
+from draftsmith.data_prep.dataset import Collator, cache_key, require_context, tokenize_conversations
 from draftsmith.data_prep.features import DISTRIBUTION_DTYPE, encode, hidden_names, part_name
 from draftsmith.errors import UserError
 from draftsmith.outputs import held_by_main_process
@@ -97,6 +97,7 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
     if not cfg.data.train:
         raise UserError("data.train is empty: give at least one conversation file or Hub data set id to capture")
 
+    require_context(cfg.target, cfg.data.max_length)
     tokenizer = load_tokenizer(cfg.target)
     with state.main_process_first():  # rank 0 tokenizes and caches, the others read the cache
         # Exactly as training tokenizes (data_prep.load_tokenized), so a capture lines up with the

@@ -139,6 +139,7 @@ def merge_manifest(directory: Path, settings: dict[str, Any], cfg: DictConfig, t
             "max_length": cfg.data.max_length,
             "overlong": cfg.data.overlong,
             "max_conversations": cfg.data.max_conversations,
+            "thinking": cfg.data.thinking,
         },
         "conversations": sum(entry["conversations"] for entry in shards),
         "tokens": tokens,

@@ -98,7 +98,7 @@ def load_conversations(
                 dataset = dataset.select(range(max_conversations))
             parts.append(_normalize_utf8(dataset, name, prompts_only, skip_invalid_utf8))
             logger.info("loaded %d conversations from %s", len(parts[-1]), name)
-            _count_user_turns_in_a_row(parts[-1], name)
+            _count_turn_order_oddities(parts[-1], name)
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
@@ -353,11 +353,12 @@ def normalize_record(record: dict[str, Any], source: str, number: int, prompts_o
                     f"{where}: turn {turn_number} has a {key} of type {type(value).__name__}, expected a string"
                 )
         messages.append({"role": ROLES[role.lower()], "content": content, **reasoning})
-    if not any(message["role"] == "assistant" for message in messages) and not (
-        prompts_only and messages[-1]["role"] == "user"
-    ):
+    if not answered_turns(messages) and not (prompts_only and messages[-1]["role"] == "user"):
+        opening = messages[0]["role"] == "assistant"
         raise UserError(
-            f"{where}: no assistant turn, so nothing to train on"
+            f"{where}: no assistant turn"
+            + (" after the opening one (which nothing before it asks for: kept as context only)" if opening else "")
+            + ", so nothing to train on"
             + (" (nor a last user turn to answer)" if prompts_only else "")
         )
     domain = record.get("domain")
@@ -369,10 +370,18 @@ def normalize_record(record: dict[str, Any], source: str, number: int, prompts_o
     }
 
 
-def _count_user_turns_in_a_row(dataset: datasets.Dataset, source: str) -> None:
-    """Warn, with a count and the first record numbers, about conversations where a user turn follows a
-    user turn: kept (the chat template renders both as the user's, and only assistant turns are trained
-    on), but it is often a file joined or cut wrongly. Read from the Arrow columns, not row by row."""
+def answered_turns(messages: list[dict[str, Any]]) -> list[int]:
+    """The positions of the assistant turns that answer the turns before them: what training masks in and
+    regeneration rewrites. An opening assistant turn (a chat log's greeting) answers nothing, and no chat
+    template renders an empty conversation to show what the model was asked: it stays, as context."""
+    return [index for index, message in enumerate(messages) if message["role"] == "assistant" and index > 0]
+
+
+def _count_turn_order_oddities(dataset: datasets.Dataset, source: str) -> None:
+    """Warn, with a count and the first record numbers, about conversations kept as they are though often a
+    file joined or cut wrongly: a user turn that follows a user turn (the chat template renders both as the
+    user's, and only assistant turns are trained on), and an opening assistant turn (context only, see
+    `answered_turns`). Read from the Arrow columns, not row by row."""
     import numpy as np
     import pyarrow.compute as pc
 
@@ -380,17 +389,24 @@ def _count_user_turns_in_a_row(dataset: datasets.Dataset, source: str) -> None:
     roles = pc.list_flatten(messages).field("role").to_numpy(zero_copy_only=False)
     owners = pc.list_parent_indices(messages).to_numpy()
     repeated = (roles[1:] == "user") & (roles[:-1] == "user") & (owners[1:] == owners[:-1])
-    rows = np.unique(owners[1:][repeated])
-    if len(rows):
-        records = dataset.select(rows[:10].tolist())["record"]
-        logger.warning(
-            "%s: %d conversation(s) have two user turns in a row (records %s%s): kept, both rendered as the "
-            "user's; check how the file was joined",
-            source,
-            len(rows),
-            ", ".join(map(str, records)),
-            ", ..." if len(rows) > 10 else "",
-        )
+    first = np.flatnonzero(np.diff(owners, prepend=-1) != 0)  # every conversation's first turn
+    opening = owners[first][roles[first] == "assistant"]
+    kept = {
+        "have two user turns in a row (records {}): kept, both rendered as the user's; check how the file was joined": (
+            np.unique(owners[1:][repeated])
+        ),
+        "open with an assistant turn (records {}): kept as context, neither trained on nor regenerated, since no "
+        "turn before it asks for it": opening,
+    }
+    for what, rows in kept.items():
+        if len(rows):
+            records = ", ".join(map(str, dataset.select(rows[:10].tolist())["record"]))
+            logger.warning(
+                "%s: %d conversation(s) %s",
+                source,
+                len(rows),
+                what.format(records + (", ..." if len(rows) > 10 else "")),
+            )
 
 
 def _one_line(err: BaseException) -> str:

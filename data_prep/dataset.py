@@ -49,12 +49,57 @@ def load_tokenized(cfg, sources: Sequence[str], tokenizer, key: str) -> datasets
 
     if not sources:
         raise UserError(f"{key} is empty: give at least one conversation file or Hub data set id")
+    require_context(cfg.target, cfg.data.max_length)
     conversations = load_conversations(
         list(sources), cfg.data.max_conversations, skip_invalid_utf8=cfg.data.skip_invalid_utf8
     )
     return tokenize_conversations(
         conversations, tokenizer, cfg.data.max_length, cfg.data.overlong, cfg.data.cache_dir, cfg.data.thinking
     )
+
+
+def require_context(target, max_length: int, config=None) -> None:
+    """data.max_length within the context the target's config states (`target`: the recipe's target section,
+    or a path; `config`: its loaded config, else read from config.json alone, no weights): a longer row would run the
+    target past the positions it was trained on. A config that states none is taken at its word."""
+    from draftsmith.target import load_config, target_section
+
+    context, stated = target_context(load_config(target_section(target)) if config is None else config)
+    if context is not None and max_length > context:
+        raise UserError(
+            f"data.max_length={max_length} is more than the target's context of {context} tokens ({stated} in its "
+            f"config); set data.max_length={context} or less"
+        )
+
+
+def target_context(config) -> tuple[Optional[int], str]:
+    """(the most tokens the target's config says it attends over, the settings that say so), or (None, "")
+    where it states no max_position_embeddings. A RoPE scaling factor (YaRN, linear, dynamic) is counted in:
+    configs differ on whether max_position_embeddings is the context before scaling or after (Llama-3.1's),
+    and a bound too loose refuses less, never a setting the target serves."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        return None, ""
+    factor = max((float(f) for f in _rope_factors(text)), default=1.0)
+    if factor <= 1:
+        return limit, f"max_position_embeddings={limit}"
+    return int(limit * factor), f"max_position_embeddings={limit} x RoPE scaling factor {factor:g}"
+
+
+def _rope_factors(text_config) -> list:
+    """Every RoPE scaling `factor` the config sets (`rope_parameters`, or `rope_scaling` in older configs;
+    one setting, or one per attention type)."""
+    factors = []
+    for name in ("rope_parameters", "rope_scaling"):
+        settings = getattr(text_config, name, None)
+        if not isinstance(settings, Mapping):
+            continue
+        for setting in [settings, *(value for value in settings.values() if isinstance(value, Mapping))]:
+            factor = setting.get("factor")
+            if isinstance(factor, (int, float)) and not isinstance(factor, bool):
+                factors.append(factor)
+    return factors
 
 
 def tokenize_conversations(

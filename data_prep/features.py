@@ -234,6 +234,34 @@ def open_features(directory: str | os.PathLike, expect: Optional[Mapping[str, An
 
 
 _MANIFEST_KEYS = ("target", "final", "layers", "logits", "dtype", "shards", "tokens")
+# The data settings a capture's rows were made with (its manifest's `data`; `thinking` since it is recorded).
+CAPTURED_DATA_KEYS = ("max_length", "overlong", "max_conversations", "thinking")
+
+
+def require_captured_settings(cfg) -> None:
+    """Training from `data.features` trains on the capture's rows, made by its target: a recipe whose
+    data.max_length, overlong, max_conversations or thinking, or whose target.dtype (unless auto), differs from
+    the capture's (its manifest.json) would be silently overruled, and its run's recipe.yaml would record
+    settings the run did not use. Refused in one line naming each such key with both values, before any
+    data is read or a model loads; a damaged or unfinished capture is the manifest's own one line."""
+    directory = Path(cfg.data.features)
+    manifest = _read_manifest(directory)
+    captured = manifest.get("data") if isinstance(manifest.get("data"), dict) else {}
+    differ = [
+        (f"data.{key}", cfg.data[key], captured[key])
+        for key in CAPTURED_DATA_KEYS
+        if key in captured and captured[key] != cfg.data[key]
+    ]
+    dtype = manifest["target"].get("dtype") if isinstance(manifest["target"], dict) else None
+    if cfg.target.dtype != "auto" and dtype is not None and cfg.target.dtype != dtype:
+        differ.append(("target.dtype", cfg.target.dtype, dtype))
+    if differ:
+        ours = ", ".join(f"{key}={value}" for key, value, _ in differ)
+        theirs = ", ".join(f"{key}={value}" for key, _, value in differ)
+        raise UserError(
+            f"the recipe sets {ours}, but the features in {directory} were captured with {theirs}: set the "
+            "capture's values, or capture again with the recipe's"
+        )
 
 
 def _read_manifest(directory: Path) -> dict[str, Any]:

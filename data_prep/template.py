@@ -4,7 +4,8 @@ assistant generates (the loss mask), without any per-template knowledge.
 Method: the assistant's span of turn i starts where `messages[:i]` rendered with the generation
 prompt ends, and ends where `messages[:i+1]` rendered ends; both must be prefixes of the whole
 rendered conversation. The whole text is tokenized once, and a token is in the mask when its
-first character lies inside a span.
+first character lies inside a span. An opening assistant turn (i = 0, a chat log's greeting) answers
+nothing and has no `messages[:0]` to render: it is rendered as context, out of the mask.
 
 A template that renders an earlier turn differently once a later one follows (Qwen3's and Qwen3.5's
 drop an earlier turn's reasoning and its `<think></think>`) has no such prefixes: its conversation
@@ -18,7 +19,7 @@ from typing import Any, Optional, Sequence
 
 from jinja2 import TemplateError
 
-from draftsmith.data_prep.conversations import REASONING_KEYS
+from draftsmith.data_prep.conversations import REASONING_KEYS, answered_turns
 from draftsmith.errors import UserError
 
 Message = dict[str, Any]
@@ -58,7 +59,7 @@ def render_rows(tokenizer, messages: Sequence[Message], thinking: str = "train")
     except NotPrefixStable:
         pass
     rows = []
-    for index in assistant_turns(messages):
+    for index in answered_turns(messages):
         text = _render(tokenizer, messages[: index + 1], add_generation_prompt=False)
         try:
             rows.append(_masked(tokenizer, text, _turn_spans(tokenizer, messages, index, text, thinking)))
@@ -76,14 +77,11 @@ def checked(messages: Sequence[Message], thinking: str) -> list[Message]:
     return list(messages)
 
 
-def assistant_turns(messages: list[Message]) -> list[int]:
-    return [index for index, message in enumerate(messages) if message["role"] == "assistant"]
-
-
 def _whole(tokenizer, messages: list[Message], thinking: str) -> Row:
-    """The conversation rendered once, every assistant turn in the mask; NotPrefixStable where it cannot be."""
+    """The conversation rendered once, every assistant turn that answers one before it in the mask (an opening
+    one is context: `answered_turns`); NotPrefixStable where it cannot be."""
     full = _render(tokenizer, messages, add_generation_prompt=False)
-    turns = assistant_turns(messages)
+    turns = answered_turns(messages)
     return _masked(tokenizer, full, [s for i in turns for s in _turn_spans(tokenizer, messages, i, full, thinking)])
 
 
@@ -141,14 +139,15 @@ def _generated_length(span: str, eos_token: str | None) -> int:
 def render_prompt(tokenizer, messages: Sequence[Message]) -> tuple[list[int], Optional[str]]:
     """Token ids of the conversation up to its last assistant turn, ending with the generation
     prompt, and that assistant turn's content (the reference answer); a conversation that ends with a
-    user turn (a prompt with no answer yet, as MT-bench's) is rendered whole, with no reference."""
+    user turn (a prompt with no answer yet, as MT-bench's) is rendered whole, with no reference. An
+    opening assistant turn is context, never the answer (`answered_turns`)."""
     messages = list(messages)
     if messages and messages[-1]["role"] == "user":
         last, answer = len(messages), None
     else:
-        last = max((i for i, message in enumerate(messages) if message["role"] == "assistant"), default=None)
+        last = max(answered_turns(messages), default=None)
         if last is None:
-            raise UserError("conversation has no assistant turn to use as the reference answer")
+            raise UserError("conversation has no assistant turn after a prompt to use as the reference answer")
         answer = messages[last]["content"]
     ids, _ = _encode(tokenizer, _render(tokenizer, messages[:last], add_generation_prompt=True))
     return ids, answer

@@ -44,6 +44,8 @@ COMMANDS = {
 }
 
 
+SUBCOMMANDS = (["check"], ["watch"])  # monitor's, before its recipe arguments
+
 # command -> its own recipe sections, shown first by --help (the others follow)
 COMMAND_SECTIONS = {
     "train": ("drafter", "target", "data", "train"),
@@ -97,9 +99,11 @@ def entry_point(
             lambda args: print(help_text(usage, args, COMMAND_SECTIONS.get(command, ()))),
             [arg for arg in argv if arg not in ("--help", "-h")],
         )
-    if "--cfg" in argv:
+    if "--cfg" in argv:  # the arguments the command itself would take, refused as it refuses them
         run_cli(
-            lambda args: print(OmegaConf.to_yaml(validated(recipe_args(args)), resolve=True), end=""),
+            lambda args: print(
+                OmegaConf.to_yaml(validated(args[1:] if args[:1] in SUBCOMMANDS else args), resolve=True), end=""
+            ),
             [arg for arg in argv if arg != "--cfg"],
         )
     run_cli(main, argv)

@@ -154,6 +154,7 @@ def _run(main: Callable[[Sequence[str]], object], argv: list[str]) -> NoReturn:
     try:
         main(argv)
     except KeyboardInterrupt:
+        close_progress_bars()  # the line of its own, not the tail of a progress bar's
         print("interrupted", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
     except BrokenPipeError:

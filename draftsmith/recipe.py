@@ -10,7 +10,9 @@ and `torchrun`, and any key of the schema must be overridable, not only those th
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -27,6 +29,7 @@ from draftsmith.recipe_checks import (
     check_eval,
     check_export,
     check_finite,
+    check_inputs,
     check_monitor,
     check_outputs,
     check_train,
@@ -154,6 +157,10 @@ def compose(recipe: str, overrides: Sequence[str]) -> DictConfig:
         raise UserError(f"recipe {path}: {repeated}: give it once")
     if not isinstance(raw, DictConfig):
         raise UserError(f"recipe {path}: top level must be a mapping of sections")
+    for name in RECIPE_SECTIONS:  # a list or a number where a section belongs: one line, not OmegaConf's
+        if raw.get(name) is not None and not isinstance(raw[name], DictConfig):
+            given = OmegaConf.to_container(raw[name]) if OmegaConf.is_config(raw[name]) else raw[name]
+            raise UserError(f"recipe {path}: {name} must be a mapping of keys, not {given!r}")
     for old, now in RENAMED.items():
         section, key = old.split(".")
         if old in dict(parsed) or OmegaConf.select(raw, old, default=None) is not None:
@@ -187,6 +194,11 @@ def compose(recipe: str, overrides: Sequence[str]) -> DictConfig:
 
 
 _ABSENT = object()
+# the recipe's sections: its drafter (a kind's own schema) and each typed section of the schema
+RECIPE_SECTIONS = (
+    "drafter",
+    *(n for n, t in typing.get_type_hints(RecipeSchema).items() if dataclasses.is_dataclass(t)),
+)
 
 # Keys an earlier draftsmith read, and the key that means the same now: one line instead of "unknown key".
 RENAMED = {"drafter.path": "checkpoint", "monitor.deployed": "checkpoint"}
@@ -293,6 +305,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     check_export(cfg.export)
     check_monitor(cfg.monitor)
     check_outputs(cfg)
+    check_inputs(cfg)
     check_drafter(cfg)
     check_shard(cfg)
     OmegaConf.set_readonly(cfg, True)

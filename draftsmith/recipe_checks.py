@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+import urllib.parse
 from typing import Optional
 
 import numpy
@@ -21,6 +22,12 @@ FLOAT32_MAX = float(numpy.finfo(numpy.float32).max)
 def require(condition: bool, message: str) -> None:
     if not condition:
         raise UserError(message)
+
+
+def require_at_least_one(section, prefix: str, *keys: str) -> None:
+    """Counts that must be >= 1, each named alone when it is not."""
+    for key in keys:
+        require(section[key] >= 1, f"{prefix}.{key}={section[key]} must be >= 1")
 
 
 def check_finite(settings: dict, prefix: str = "") -> None:
@@ -52,8 +59,7 @@ def check_train(t, d) -> None:
         t.cpu_threads is None or t.cpu_threads >= 1,
         f"train.cpu_threads={t.cpu_threads} must be >= 1, or null to let draftsmith choose",
     )
-    for key in ("micro_batch_size", "grad_accum", "log_every", "vocab_chunk_mb"):
-        require(t[key] >= 1, f"train.{key}={t[key]} must be >= 1")
+    require_at_least_one(t, "train", "micro_batch_size", "grad_accum", "log_every", "vocab_chunk_mb")
     for key in (
         "warmup_steps",
         "save_every",
@@ -121,19 +127,13 @@ def check_data(d) -> None:
         "a conversation is packed whole into one row",
     )
     c = d.capture
-    require(
-        c.topk >= 1 and c.shard_tokens >= 1,
-        f"data.capture.topk={c.topk} and data.capture.shard_tokens={c.shard_tokens} must be >= 1",
-    )
+    require_at_least_one(c, "data.capture", "topk", "shard_tokens")
     require(
         c.layers is None or all(layer >= -1 for layer in c.layers),
         f"data.capture.layers={list(c.layers or [])}: ids are >= -1 (-1 = embeddings)",
     )
     r = d.regenerate
-    require(
-        r.batch_size >= 1 and r.max_new_tokens >= 1,
-        f"data.regenerate.batch_size={r.batch_size} and max_new_tokens={r.max_new_tokens} must be >= 1",
-    )
+    require_at_least_one(r, "data.regenerate", "batch_size", "max_new_tokens", "samples", "min_turns")
     require(
         r.max_turns is None or r.max_turns >= 1,
         f"data.regenerate.max_turns={r.max_turns} must be >= 1 (or null: every assistant turn)",
@@ -141,10 +141,6 @@ def check_data(d) -> None:
     require(
         r.temperature >= 0 and 0 < r.top_p <= 1,
         f"need data.regenerate.temperature >= 0 and 0 < top_p <= 1 (got {r.temperature}, {r.top_p})",
-    )
-    require(
-        r.samples >= 1 and r.min_turns >= 1,
-        f"data.regenerate.samples={r.samples} and min_turns={r.min_turns} must be >= 1",
     )
     require(
         r.max_turns is None or r.max_turns >= r.min_turns,
@@ -160,11 +156,7 @@ def check_data(d) -> None:
         "a sampled answer is one draw, not the target's answer",
     )
     v = r.vllm
-    require(
-        v.tensor_parallel_size >= 1 and v.max_num_seqs >= 1,
-        "data.regenerate.vllm.tensor_parallel_size and max_num_seqs must be >= 1 "
-        f"(got {v.tensor_parallel_size}, {v.max_num_seqs})",
-    )
+    require_at_least_one(v, "data.regenerate.vllm", "tensor_parallel_size", "max_num_seqs")
     require(
         v.gpu_memory_utilization is None or 0 < v.gpu_memory_utilization <= 1,
         f"data.regenerate.vllm.gpu_memory_utilization={v.gpu_memory_utilization} must be in (0, 1]",
@@ -172,10 +164,7 @@ def check_data(d) -> None:
 
 
 def check_eval(e) -> None:
-    require(
-        e.max_new_tokens >= 1 and e.max_prompts >= 1,
-        f"eval.max_new_tokens={e.max_new_tokens} and eval.max_prompts={e.max_prompts} must be >= 1",
-    )
+    require_at_least_one(e, "eval", "max_new_tokens", "max_prompts")
     require(e.num_speculative_tokens >= 1, f"eval.num_speculative_tokens={e.num_speculative_tokens} must be >= 1")
     require(e.tree >= 0, f"eval.tree={e.tree} must be >= 0 (0 = chain only)")
     require(
@@ -232,12 +221,21 @@ def check_monitor(m) -> None:
     )
     for key in ("min_drafts", "consecutive", "sample_per_domain", "retrain_samples", "new_data_weight"):
         require(m[key] >= 1, f"monitor.{key}={m[key]} must be >= 1")
-    for key in ("cooldown_s", "interval_s", "traffic_window_s", "gate_min_gain", "gate_max_loss"):
+    for key in ("cooldown_s", "traffic_window_s", "gate_min_gain", "gate_max_loss"):
         require(m[key] >= 0, f"monitor.{key}={m[key]} must be >= 0")
-    require(
-        all(str(url).startswith(("http://", "https://")) for url in m.metrics),
-        f"monitor.metrics={list(m.metrics)}: give http(s) URLs of /metrics",
-    )
+    # each check scrapes every replica (and may start a retraining): more often than each second is no interval
+    require(m.interval_s >= 1, f"monitor.interval_s={m.interval_s} must be >= 1 (seconds between checks)")
+    for url in m.metrics:
+        try:
+            parts = urllib.parse.urlsplit(str(url))
+            reachable = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+        except ValueError:  # a port out of range or not a number, an unclosed [IPv6 address]
+            reachable = False
+        require(
+            reachable,
+            f"monitor.metrics: {str(url)!r} is not an http(s) URL of a host (and a port 1-65535): give the URLs of "
+            "the engines' /metrics",
+        )
 
 
 # The recipe keys that name a directory a job writes; unset, each but output_dir is a folder under output_dir.
@@ -261,6 +259,17 @@ def check_outputs(cfg) -> None:
         unset = "" if key == "output_dir" else ", or null for its default under output_dir"
         require(str(path) != "", f"{key} is empty: give a directory{unset}")
         check_output_dir(path, key)
+
+
+# paths a command reads, each with a default when null: given empty, it was read as unset, without a word
+INPUT_KEYS = ("checkpoint", "train.init_from", "export.report")
+
+
+def check_inputs(cfg) -> None:
+    for key in INPUT_KEYS:
+        require(
+            OmegaConf.select(cfg, key) != "", f"{key} is empty: give a path, or leave it out (null) for its default"
+        )
 
 
 def resolve_bool_or_path(value: Optional[str]) -> Optional[str]:

@@ -13,11 +13,13 @@ from typing import Sequence
 
 from draftsmith.cli import entry_point
 from draftsmith.errors import NotLossless
+from draftsmith.formats.folder import require_read_drafter_settings
 from draftsmith.recipe import load_recipe
 
 
 def main(argv: Sequence[str]) -> None:
     cfg = load_recipe(argv)  # checked before the loop's and the libraries' modules load
+    require_read_drafter_settings(argv, cfg)
     import datasets
     import transformers
 

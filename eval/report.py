@@ -38,6 +38,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from draftsmith.data_prep.dataset import require_context
 from draftsmith.engines import suffix_decoding_installed
 from draftsmith.errors import UserError
 from draftsmith.eval.counts import Counts
@@ -143,6 +144,7 @@ def _run_eval(cfg: DictConfig, out_dir: Path, checkpoint: Optional[str | Path], 
         raise UserError(f"no drafter checkpoint at {checkpoint}: pass checkpoint=<checkpoint dir>")
     # the rule of export and warm start: the recipe is for the drafter it reads
     require_recipes_kind(checkpoint_kind(checkpoint), cfg.drafter.type, f"checkpoint={checkpoint}", role="is for")
+    require_context(cfg.target, int(cfg.data.max_length))  # prompts are cut to data.max_length
     name = cfg.target.name_or_path
     if target is None:
         target = load_target(cfg.target, resolve_device(cfg.eval.device))

@@ -14,9 +14,10 @@ from draftsmith.recipe import load_recipe
 
 def main(argv: Sequence[str]) -> None:
     from draftsmith.export import export_checkpoint
-    from draftsmith.formats.folder import checkpoint_to_read
+    from draftsmith.formats.folder import checkpoint_to_read, require_read_drafter_settings
 
     cfg = load_recipe(argv)
+    require_read_drafter_settings(argv, cfg)
     for engine, folder in export_checkpoint(cfg, checkpoint_to_read(cfg)).items():
         print(f"{engine}: {folder}")
 

@@ -9,9 +9,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from huggingface_hub import ModelCard, ModelCardData
+from omegaconf import OmegaConf
 
 from draftsmith.formats.repo import EngineRepo
 from draftsmith.heads import drafter_class
+from draftsmith.trainer.checkpoint import DRAFTER_DIR, STATE_NAME
+from draftsmith.trainer.heldout import BEST_DIR, BEST_JSON
 
 
 def write_card(
@@ -60,7 +63,7 @@ def write_card(
         *acceptance_section(report),
         *engine_section(info.get("verified")),
         *batch_section(info.get("batch_schedule")),
-        *training_section(info, report),
+        *training_section(info),
         "## Conventions converted on export",
         "",
         *[f"- **{key}**: {describe(value)}" for key, value in info["conventions"].items()],
@@ -227,16 +230,24 @@ def batch_section(schedule: Optional[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def training_section(info: dict[str, Any], report: Optional[dict[str, Any]]) -> list[str]:
+def training_section(info: dict[str, Any]) -> list[str]:
+    """What the drafter was trained on and how, from the run that saved the checkpoint (its recipe.yaml and the
+    step the checkpoint holds), never from the eval's recipe, which names what the eval read."""
     lines = ["## Training", "", f"- drafter: `{info['drafter_type']}` with {compact(info['drafter_config'])}"]
-    recipe = (report or {}).get("recipe")
-    if recipe:
+    checkpoint = Path(info["source"]["checkpoint"])
+    run = next((folder for folder in checkpoint.parents[:3] if (folder / "recipe.yaml").is_file()), None)
+    if run is None:
+        lines.append("- data and optimisation: not known (the checkpoint is not inside the run folder that trained it)")
+    else:
+        recipe = OmegaConf.to_container(OmegaConf.load(run / "recipe.yaml"))
         data, train = recipe.get("data", {}), recipe.get("train", {})
+        steps = trained_steps(checkpoint, run)
         lines += [
-            f"- data: {', '.join(f'`{Path(s).name}`' for s in data.get('train', []))} (max_length "
+            f"- data: {', '.join(f'`{Path(s).name}`' for s in data.get('train') or [])} (max_length "
             f"{data.get('max_length')})",
-            f"- optimisation: lr {train.get('lr')}, {train.get('max_steps')} steps, micro-batch "
-            f"{train.get('micro_batch_size')}, seed {train.get('seed')}",
+            f"- optimisation: lr {train.get('lr')}, "
+            + (f"{steps} steps" if steps is not None else f"up to {train.get('max_steps')} steps")
+            + f", micro-batch {train.get('micro_batch_size')}, seed {train.get('seed')}",
         ]
     learned = info.get("learned") or {}
     if "draft_vocab_coverage" in learned:
@@ -244,6 +255,18 @@ def training_section(info: dict[str, Any], report: Optional[dict[str, Any]]) -> 
             f"- draft vocabulary covers {learned['draft_vocab_coverage']:.1%} of the training data's assistant tokens"
         )
     return [*lines, ""]
+
+
+def trained_steps(checkpoint: Path, run: Path) -> Optional[int]:
+    """The optimizer steps behind a checkpoint of `run`: final/'s from run_summary.json, best/'s from its
+    best.json, a step checkpoint's drafter/ from its trainer_state.json; None for another folder."""
+    records = {
+        run / "final": (run / "run_summary.json", "steps"),
+        run / BEST_DIR: (run / BEST_DIR / BEST_JSON, "step"),
+        checkpoint.parent / DRAFTER_DIR: (checkpoint.parent / STATE_NAME, "step"),
+    }
+    path, key = records.get(checkpoint, (None, None))
+    return json.loads(path.read_text()).get(key) if path is not None and path.is_file() else None
 
 
 def describe(value: Any) -> str:
@@ -259,8 +282,8 @@ def compact(config: dict[str, Any]) -> str:
 def target_license(info: dict[str, Any]) -> Optional[str]:
     """The target's license, from the front matter of its local README; None when unknown."""
     readme = Path(info["target"]["name_or_path"]) / "README.md"
-    if not readme.is_file():
-        return None
+    if not readme.is_file() or not readme.read_text(errors="replace").startswith("---"):
+        return None  # no front matter (huggingface_hub would log that it found none, once per engine folder)
     try:
         return ModelCard.load(readme).data.license
     except Exception:  # noqa: BLE001 - a README without front matter has no license to read

@@ -375,10 +375,11 @@ def schedule_of(rows: list[dict[str, Any]], method: str) -> tuple[dict[str, Any]
 
 
 def main(argv: Sequence[str]) -> None:
-    from draftsmith.formats.folder import checkpoint_to_read
+    from draftsmith.formats.folder import checkpoint_to_read, require_read_drafter_settings
     from draftsmith.recipe import load_recipe
 
     cfg = load_recipe(argv)
+    require_read_drafter_settings(argv, cfg)
     print(run_sweep(cfg, checkpoint_to_read(cfg)))
 
 

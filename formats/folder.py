@@ -11,10 +11,12 @@ so a run's saved recipe never points a later command at other weights than the r
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
@@ -24,7 +26,7 @@ from draftsmith.formats import EXPORTERS, Exporter
 from draftsmith.formats.repo import EXPORT_INFO, WEIGHTS
 from draftsmith.heads import load_drafter
 from draftsmith.heads.base import CONFIG_NAME, DrafterConfig, architecture, check_same_target, saved_drafter
-from draftsmith.recipe import recipe_advice
+from draftsmith.recipe import parse_overrides, recipe_advice, split_argv
 from draftsmith.target import TargetShape
 
 
@@ -141,6 +143,37 @@ def require_recipes_kind(kind: Optional[str], recipe_kind: str, what: str, role:
     command's recipe names); None: not known yet (an engine folder, read as its format's kind)."""
     if kind not in (None, recipe_kind):
         raise UserError(f"{what} holds a {kind} drafter, the recipe {role} {recipe_kind}: {recipe_advice(kind)}")
+
+
+def require_read_drafter_settings(argv: Sequence[str], cfg: DictConfig) -> None:
+    """eval, export and sweep read the drafter folder's own settings, never the recipe's drafter section: a
+    `drafter.*` the command line sets would be ignored without a word, so one that differs from the checkpoint's
+    (and any, for an engine folder, whose settings are its format's) is refused, naming it. The recipe file's
+    own drafter section may differ: it names the kind only."""
+    given = [
+        key for key, _ in parse_overrides(split_argv(argv)[1]) if key.startswith("drafter.") and key != "drafter.type"
+    ]
+    path = checkpoint_to_read(cfg)
+    if not given or checkpoint_kind(path) is None and engine_folder(path) is None:
+        return  # no such override, or no folder to read (the command says so)
+    if checkpoint_kind(path) is None:
+        raise UserError(
+            f"{', '.join(given)} is not read: {path} is an engine folder, read with the settings its format records"
+        )
+    saved, ours = asdict(saved_drafter(path)[1]), OmegaConf.to_object(cfg.drafter)
+    for key in given:
+        name = key.split(".", 1)[1]
+        if name in saved and not same_setting(saved[name], getattr(ours, name, None)):
+            raise UserError(
+                f"{key}={json.dumps(getattr(ours, name), default=str)} is not read: {path} holds a drafter with "
+                f"{name}={json.dumps(saved[name], default=str)}, and eval and export read the checkpoint's settings "
+                "(train.init_from trains a new one from it)"
+            )
+
+
+def same_setting(a, b) -> bool:
+    """Two values of a drafter setting, a list and a tuple of the same items alike."""
+    return (list(a) if isinstance(a, (list, tuple)) else a) == (list(b) if isinstance(b, (list, tuple)) else b)
 
 
 def require_recipes_drafter(

@@ -9,6 +9,7 @@ deployed drafter on a sample of recent traffic (monitor/traffic.py), tests both 
 recorded with the deployed export (monitor/drift.py), and on a persistent drift runs the retraining
 pipeline (monitor/pipeline.py); an engine other than the one the export was checked in is no drift
 but a reason to check the export in it (REVERIFY). monitor/check.py ties them together,
+monitor/deployed.py says which drafter a check watches (the state directory is that drafter's alone),
 monitor/state.py keeps the one state file.
 """
 

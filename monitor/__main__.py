@@ -1,14 +1,14 @@
 """`python -m monitor check recipe=NAME [key=value ...]` runs one check (for cron, a systemd timer or a
 Kubernetes CronJob); `python -m monitor watch ...` checks every monitor.interval_s seconds until
-stopped (SIGTERM or Ctrl-C ends it between checks).
+stopped (SIGTERM ends it between checks, exit 75; Ctrl-C, exit 130).
 
 Exit codes (monitor.Outcome): 0 healthy, 10 drift (waiting), 11 retrained but not promoted,
 12 retrained and promoted (redeploy), 13 re-verify: the engine is not the one the export was checked
 in (nothing was judged; the line says what to run), 2 bad input, 69 an engine that does not answer
-or answers with a server error (temporary: retry), 75 stopped on SIGTERM during a retraining (the
-next check resumes it), and as every command 3, 4, 70, 74 (docs/faults.md). `watch` exits only on
-bad input or a signal; an engine that does not answer is one line (`engine unavailable: ...`) and
-the next check tries again.
+or answers with a server error (temporary: retry), 75 stopped on SIGTERM (during a retraining: the
+next check resumes it; `watch`: once the check in progress is done), and as every command 3, 4, 70,
+74 (docs/faults.md). `watch` exits only on bad input or a signal; an engine that does not answer is one
+line (`engine unavailable: ...`) and the next check tries again.
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ import sys
 import time
 from collections.abc import Sequence
 
-from draftsmith.errors import EngineUnavailable, StopRequest, UserError, one_line
+from draftsmith.errors import EngineUnavailable, Preempted, StopRequest, UserError, one_line
 from draftsmith.recipe import load_recipe
-
-USAGE = "usage: python -m monitor check|watch recipe=NAME [key=value ...]"
 
 
 def main(argv: Sequence[str]) -> None:
     if not argv or argv[0] not in ("check", "watch"):
-        raise UserError(USAGE)
+        # `draftsmith monitor ...` (the console script, or python -m draftsmith) has the command in argv[1]
+        program = "draftsmith monitor" if sys.argv[1:2] == ["monitor"] else "python -m monitor"
+        raise UserError(f"usage: {program} check|watch recipe=NAME [key=value ...]")
     cfg = load_recipe(argv[1:])
     from draftsmith.monitor.check import check, summary
 
@@ -41,7 +41,8 @@ def main(argv: Sequence[str]) -> None:
                 print(f"engine unavailable: {one_line(err, limit=2000)}", file=sys.stderr, flush=True)
             deadline = time.monotonic() + cfg.monitor.interval_s
             while not stop.requested and time.monotonic() < deadline:
-                time.sleep(min(1.0, cfg.monitor.interval_s))
+                time.sleep(1.0)
+    raise Preempted("stopped on SIGTERM between checks; run the same command again to go on watching")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import shlex
 import time
 from dataclasses import asdict
@@ -26,8 +27,9 @@ from omegaconf import DictConfig
 
 from draftsmith.errors import UserError
 from draftsmith.files import write_text_atomic
-from draftsmith.formats.repo import EXPORT_INFO, VLLM_PINNED
+from draftsmith.formats.repo import VLLM_PINNED
 from draftsmith.monitor import Outcome
+from draftsmith.monitor.deployed import deployed_of, export_info, load_baseline
 from draftsmith.monitor.drift import (
     DRIFT,
     HEALTHY,
@@ -46,20 +48,46 @@ from draftsmith.monitor.traffic import sample, write_conversations
 from draftsmith.outputs import DirectoryLock
 from draftsmith.recipe import derived
 
+log = logging.getLogger("draftsmith.monitor")
+
 
 def state_dir_of(cfg: DictConfig) -> Path:
     return Path(cfg.monitor.state_dir or Path(cfg.output_dir) / "monitor")
 
 
 def check(cfg: DictConfig, now: Optional[float] = None) -> Outcome:
+    require_inputs(cfg.monitor)
     directory = state_dir_of(cfg)
     with DirectoryLock(directory, key="monitor.state_dir"):
         state = State.load(directory)
+        deployed = deployed_of(cfg, state, directory)
         if state.pipeline is not None:  # a retraining was interrupted: finish it first
-            from draftsmith.monitor.pipeline import run_pipeline
+            if cfg.monitor.retrain:
+                from draftsmith.monitor.pipeline import run_pipeline
 
-            return run_pipeline(cfg, directory, state)
-        return measure_and_decide(cfg, directory, state, time.time() if now is None else now)
+                return run_pipeline(cfg, directory, state)
+            log.info(
+                "the retraining %s in %s is left unfinished (monitor.retrain=false): the next check with "
+                "monitor.retrain=true resumes it",
+                state.pipeline["id"],
+                directory,
+            )
+        return measure_and_decide(cfg, directory, state, deployed, time.time() if now is None else now)
+
+
+def require_inputs(settings: DictConfig) -> None:
+    """What a check reads, refused before the state directory is touched: something to measure, and the
+    prompts a retraining regenerates and trains on (monitor.traffic), unless it only reports."""
+    if not settings.metrics and not settings.traffic:
+        raise UserError(
+            "nothing to monitor: set monitor.metrics=[<engine /metrics URLs>] and/or monitor.traffic=<request log "
+            "directory>"
+        )
+    if settings.retrain and not settings.traffic:
+        raise UserError(
+            "monitor.retrain=true needs monitor.traffic: the retraining reads its prompts from the request logs; set "
+            "monitor.traffic=<request log directory>, or monitor.retrain=false to only report drift"
+        )
 
 
 def summary(cfg: DictConfig, outcome: Outcome) -> str:
@@ -72,65 +100,10 @@ def summary(cfg: DictConfig, outcome: Outcome) -> str:
     return f"monitor: {said}" + (f" ({last['note']})" if last.get("note") else "")
 
 
-def deployed_of(cfg: DictConfig, state: State) -> dict[str, Any]:
-    """The deployed export (the state's, once the monitor has promoted one; else the recipe's checkpoint)
-    and the report its baseline comes from."""
-    if state.deployed is not None:
-        return state.deployed
-    folder = cfg.checkpoint
-    if not folder or not (Path(folder) / EXPORT_INFO).is_file():
-        raise UserError(
-            f"checkpoint={folder!r} is not an export folder (an export's vllm/ or sglang/ holding {EXPORT_INFO})"
-        )
-    info = export_info(folder)
-    report = cfg.monitor.baseline or (info.get("eval_report") or {}).get("path")
-    if not report:
-        raise UserError(
-            f"{folder} was exported without an eval report: set monitor.baseline=<report.json> (evaluate the "
-            "checkpoint and export again)"
-        )
-    return {
-        "export": str(Path(folder).resolve()),
-        "revision": 0,
-        "baseline": str(report),
-        "checkpoint": info["source"]["checkpoint"],
-        "sha256": info["source"]["sha256"],
-    }
-
-
-def export_info(folder: str) -> dict[str, Any]:
-    path = Path(folder) / EXPORT_INFO
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise UserError(f"cannot read the deployed export's {path}: {err}") from None
-
-
-def load_baseline(path: str, weights: str) -> Baseline:
-    """The baseline report at `path`, which must have measured the deployed weights (sha256 `weights`)."""
-    try:
-        baseline = Baseline.from_report(json.loads(Path(path).read_text()), path)
-    except (OSError, json.JSONDecodeError) as err:
-        raise UserError(f"cannot read the baseline report {path}: {err}") from None
-    if baseline.weights != weights:
-        measured = f"weights of sha256 {baseline.weights[:12]}" if baseline.weights else "weights it names no sha256 of"
-        raise UserError(
-            f"the baseline report {path} measured {measured}, not the deployed drafter's ({weights[:12]}): evaluate "
-            "the deployed checkpoint (python -m eval) and set monitor.baseline to its report"
-        )
-    return baseline
-
-
-def measure_and_decide(cfg: DictConfig, directory: Path, state: State, now: float) -> Outcome:
-    """One check of the deployed drafter: measure (the engine's counters, the traffic sample), decide,
+def measure_and_decide(cfg: DictConfig, directory: Path, state: State, deployed: dict[str, Any], now: float) -> Outcome:
+    """One check of the `deployed` drafter: measure (the engine's counters, the traffic sample), decide,
     record, and run the retraining when that is the decision."""
     settings = cfg.monitor
-    if not settings.metrics and not settings.traffic:
-        raise UserError(
-            "nothing to monitor: set monitor.metrics=[<engine /metrics URLs>] and/or monitor.traffic=<request log "
-            "directory>"
-        )
-    deployed = deployed_of(cfg, state)
     baseline = load_baseline(deployed["baseline"], deployed["sha256"])
     state.checks += 1
     record: dict[str, Any] = {
@@ -153,7 +126,7 @@ def measure_and_decide(cfg: DictConfig, directory: Path, state: State, now: floa
         record["traffic"] = measure_traffic(cfg, directory, deployed, baseline, state.checks, now)
         verdicts.append(record["traffic"]["verdict"])
     drift = count_drift(state, verdicts, change)
-    outcome, action = decide(cfg, state, drift, change, now)
+    outcome, action = decide(cfg, state, drift, change, now, (record.get("traffic") or {}).get("in_window", 0))
     record["verdict"] = combined(verdicts)
     record_check(directory, state, record, drift, outcome, action, now)
     if action == "retrain":
@@ -172,7 +145,7 @@ def measure_engine(
     the next window's start."""
     settings = cfg.monitor
     urls = list(settings.metrics)
-    current = collect(urls)
+    current = collect(urls, settings.engine)
     judged = []
     if state.counters is None:
         engine = {"verdict": TOO_FEW, "note": "first scrape of this deployment: the window starts now"}
@@ -222,17 +195,20 @@ def record_check(
             "deployed": record["deployed"],
             "done": {},
         }
+    # exit 0 is "no drift found": named healthy only when everything measured was judged so
+    unjudged = outcome == Outcome.HEALTHY and record["verdict"] != HEALTHY
+    named = record["verdict"].upper().replace(" ", "_") if unjudged else outcome.name
     record["decision"] = {
         "drift": drift,
         "consecutive": state.consecutive_drift,
         "action": action,
-        "outcome": outcome.name,
+        "outcome": named,
     }
     path = write_record(directory, state.checks, record, now)
     state.last_check = {
         "time": record["time"],
         "record": str(path),
-        "outcome": outcome.name,
+        "outcome": named,
         "action": action,
         "verdict": record["verdict"],
     }
@@ -243,8 +219,10 @@ def record_check(
 
 
 def decide(
-    cfg: DictConfig, state: State, drift: bool, change: Optional[dict[str, Any]], now: float
+    cfg: DictConfig, state: State, drift: bool, change: Optional[dict[str, Any]], now: float, recent: int
 ) -> tuple[Outcome, str]:
+    """The check's outcome and what it does; `recent`: the logged requests in monitor.traffic_window_s,
+    which a retraining samples its prompts from (none: it would have nothing to train on)."""
     if change is not None:
         return (
             Outcome.REVERIFY,
@@ -263,6 +241,8 @@ def decide(
         )
     if not cfg.monitor.retrain:
         return Outcome.DRIFT, "report only (monitor.retrain=false)"
+    if not recent:
+        return Outcome.DRIFT, "wait: no request in monitor.traffic within monitor.traffic_window_s to retrain on"
     return Outcome.DRIFT, "retrain"
 
 
@@ -346,29 +326,31 @@ def measure_traffic(
         },
     )
     report = run_eval(variant, deployed["export"])
-    tests |= domain_tests(report, baseline, cfg.monitor)
+    replayed_tests = domain_tests(report, baseline, cfg.monitor)
+    tests |= replayed_tests
     return {
         **summary,
         "sample": str(conversations),
         "report": str(check_dir / "eval" / "report.json"),
         "domains": tests,
         "verdict": verdict_of(tests),
-        "free_baselines": free_against_drafter(report),
+        "free_baselines": free_against_drafter(report, judged=verdict_of(replayed_tests) != TOO_FEW),
     }
 
 
-def free_against_drafter(report: dict[str, Any]) -> dict[str, Any]:
+def free_against_drafter(report: dict[str, Any], judged: bool = True) -> dict[str, Any]:
     """Over the replayed sample, τ (tokens per target forward) of the deployed drafter's chain and of each
     free baseline the replay ran (n-gram lookup, suffix decoding); `faster` names the strongest free one
-    where its τ reaches the drafter's: it drafts with no forward of its own, so it is then the faster
-    method on any engine, and retraining the drafter on this traffic is not what would pay."""
+    where its τ is above the drafter's: it drafts with no forward of its own, so it is then the faster
+    method on any engine, and retraining the drafter on this traffic is not what would pay. The note
+    says so only where the sample was large enough to judge (`judged`): on a few drafts τ is noise."""
     from draftsmith.eval.render import FREE_BASELINES
 
     rows = report["baselines"]["all"]
     free = {name: rows[name]["tau"] for name in FREE_BASELINES if name in rows and rows[name]["tau"] is not None}
     drafter = report["domains"]["all"]["chain"]["tau"]
     strongest = max(free, key=free.get, default=None)
-    faster = strongest if strongest is not None and drafter is not None and free[strongest] >= drafter else None
+    faster = strongest if strongest is not None and drafter is not None and free[strongest] > drafter else None
     return {
         "drafter_tau": drafter,
         "tau": free,
@@ -376,7 +358,7 @@ def free_against_drafter(report: dict[str, Any]) -> dict[str, Any]:
         "not_measured": report.get("not_measured", {}),
         "note": f"on this traffic a free method is faster: {FREE_BASELINES[faster]}'s τ {free[faster]:.2f} "
         f"against the drafter's {drafter:.2f}"
-        if faster
+        if faster and judged
         else None,
     }
 

@@ -18,6 +18,7 @@ of the engine serving, which a check compares with the one the export was checke
 from __future__ import annotations
 
 import json
+import math
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -35,6 +36,7 @@ VLLM_COUNTERS = {
 }
 VLLM_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 SGLANG_GAUGES = ("sglang:spec_accept_length", "sglang:spec_accept_rate")
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}  # monitor.engine -> the name in messages
 UNKNOWN = "unknown"  # a replica's version when its server has no /version
 
 
@@ -103,6 +105,12 @@ def series(text: str, url: str) -> dict[str, float]:
     for sample in samples:
         labels = {k: v for k, v in sample.labels.items() if k != "position"}
         suffix = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+        counted = sample.name in VLLM_COUNTERS or sample.name == VLLM_PER_POSITION
+        if counted and not (math.isfinite(sample.value) and sample.value >= 0):  # NaN would poison state.json
+            raise UserError(
+                f"{url} reports {sample.name}{{{suffix}}} = {sample.value}: a counter is a finite count, 0 or more; "
+                "check monitor.metrics"
+            )
         if sample.name in VLLM_COUNTERS:
             found[f"{VLLM_COUNTERS[sample.name]}|{url}|{suffix}"] = sample.value
         elif sample.name == VLLM_PER_POSITION:
@@ -112,12 +120,42 @@ def series(text: str, url: str) -> dict[str, float]:
     return found
 
 
-def collect(urls: list[str]) -> dict[str, float]:
-    """One scrape of every replica."""
+def collect(urls: list[str], engine: str = "vllm") -> dict[str, float]:
+    """One scrape of every replica, each of which must report `engine`'s speculative-decoding metrics."""
     values: dict[str, float] = {}
     for url in urls:
-        values |= series(scrape(url), url)
+        text = scrape(url)
+        found = series(text, url)
+        require_spec_decode(found, text, url, engine)
+        values |= found
     return values
+
+
+def require_spec_decode(found: dict[str, float], text: str, url: str, engine: str) -> None:
+    """An answer without the engine's speculative-decoding metrics (an empty one, another server's, a
+    vLLM started without a speculative config) could never show a drift: bad input, not a quiet window.
+    vLLM creates its counters at 0 when it starts, so they are there before the first request. Accepted
+    draft tokens beyond the drafted ones (α > 1) are no engine's counts either."""
+    kinds = {key.split("|", 1)[0] for key in found}
+    if engine == "vllm":
+        missing = [name for name, kind in VLLM_COUNTERS.items() if kind not in kinds]
+    else:  # SGLang's gauges: either one is a level to record
+        missing = [] if kinds & set(SGLANG_GAUGES) else list(SGLANG_GAUGES)
+    if missing:
+        answer = "an empty answer" if not text.strip() else f"no {', '.join(missing)}"
+        raise UserError(
+            f"{url} is not the /metrics of {ENGINE_NAMES[engine]} serving with speculative decoding ({answer}): "
+            "check monitor.metrics and the engine's speculative config"
+        )
+    for key, accepted in found.items():
+        if key.startswith("accepted|"):
+            drafted = found.get("draft_tokens|" + key.split("|", 1)[1], 0.0)
+            if accepted > drafted:
+                labels = key.rsplit("|", 1)[1]
+                raise UserError(
+                    f"{url} reports more accepted draft tokens ({accepted:g}) than draft tokens ({drafted:g}) for "
+                    f"{{{labels}}}: these are not vLLM's counters; check monitor.metrics"
+                )
 
 
 @dataclass

@@ -57,7 +57,9 @@ def run_pipeline(cfg: DictConfig, directory: Path, state: State) -> Outcome:
 
 def step_sample(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -> dict[str, Any]:
     requests, summary = sample(Path(cfg.monitor.traffic), cfg.monitor.retrain_samples, cfg.monitor.traffic_window_s)
-    wanted = set(state.pipeline["domains"])
+    # no domain: a retraining recorded by a check that read no traffic (before the retraining needed
+    # monitor.traffic), which the engine's counters alone started: every domain of the recent traffic
+    wanted = set(state.pipeline["domains"]) or {r["domain"] for r in requests}
     requests = [r for r in requests if r["domain"] in wanted]
     if not requests:
         raise UserError(

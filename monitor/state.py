@@ -1,7 +1,7 @@
-"""The monitor's one state file, `<state_dir>/state.json` (written atomically): the deployed export and
-its baseline, the last scrape's counters (where the next window starts), the drift streak, the
-cooldown, the retraining in progress (its completed steps, so a killed run resumes), and every
-revision promoted so far."""
+"""The monitor's one state file, `<state_dir>/state.json` (written atomically): the drafter it monitors,
+the deployed export and its baseline, the last scrape's counters (where the next window starts), the
+drift streak, the cooldown, the retraining in progress (its completed steps, so a killed run resumes),
+and every revision promoted so far."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ STATE_VERSION = 1
 @dataclass
 class State:
     deployed: Optional[dict[str, Any]] = None  # {"export": folder, "revision": n, "baseline": report path}
+    # the drafter the monitoring started with, {"export", "sha256"}: the state is its and its revisions' only
+    first_deployed: Optional[dict[str, Any]] = None
     counters: Optional[dict[str, float]] = None  # the last scrape, by series
     checks: int = 0
     consecutive_drift: int = 0

@@ -13,7 +13,8 @@ The sample is the latest `monitor.sample_per_domain` requests of each domain wit
 each request's messages, ending with the logged answer, or with a placeholder answer when none was
 logged (the eval reads only what precedes it, regeneration replaces it). Logs being written are read
 safely: a last line without its newline is skipped as incomplete, and malformed lines are counted,
-not fatal, unless no line is a request (logs in another format: refused, naming the first line).
+not fatal, unless no line is a request (logs in another format: refused, naming the first line); a
+request timed more than a day ahead of the monitor's clock counts as malformed.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from draftsmith.errors import UserError
 from draftsmith.files import write_text_atomic
 
 UNLOGGED_ANSWER = "[the response was not logged]"
+FUTURE_TOLERANCE_S = 86400.0  # a request's time may be this far ahead of the monitor's clock
 
 
 def timestamp_of(value: Any) -> Optional[float]:
@@ -127,8 +129,12 @@ def sample(
     directory: Path, per_domain: int, window_s: float, now: Optional[float] = None
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The latest `per_domain` requests per domain within the window; and what was read."""
-    requests, malformed = read_requests(directory)
+    logged, malformed = read_requests(directory)
     now = time.time() if now is None else now
+    # a time further ahead than a clock's skew or a naive time's zone explains (or NaN) is no request's time:
+    # taken as the newest traffic it would stay in every window, so it is counted as malformed instead
+    requests = [r for r in logged if r["time"] is None or r["time"] <= now + FUTURE_TOLERANCE_S]
+    malformed += len(logged) - len(requests)
     recent = [r for r in requests if r["time"] is None or now - r["time"] <= window_s]
     by_domain: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for request in recent:

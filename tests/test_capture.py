@@ -16,7 +16,13 @@ from safetensors.torch import load_file
 
 from draftsmith.data_prep import capture_files, load_conversations, tokenize_conversations
 from draftsmith.data_prep.capture import CaptureResult, capture, main
-from draftsmith.data_prep.features import SCHEMA_VERSION, FeatureCollator, expected_features, open_features
+from draftsmith.data_prep.features import (
+    SCHEMA_VERSION,
+    FeatureCollator,
+    expected_features,
+    open_features,
+    require_captured_settings,
+)
 from draftsmith.errors import UserError, run_cli
 from draftsmith.recipe import load_recipe
 from draftsmith.target import FeatureRequest, TargetShape, load_target, load_tokenizer, run_target
@@ -284,6 +290,28 @@ def test_features_from_another_target_or_layer_set_are_refused(tmp_path, capture
     final_only = run_capture(tmp_path, conversations)  # the medusa recipe's default: final only
     with pytest.raises(UserError, match="hold no target distribution"):
         open_features(final_only.directory, expect={"logits": True})
+
+
+def test_training_from_a_capture_refuses_data_settings_it_was_not_made_with(captures, conversations):
+    """The capture's manifest records its data settings and the dtype its target ran in; a training recipe
+    that sets another value is refused in one line naming both (the run would train on the capture's rows
+    and record values it did not use); target.dtype=auto is whatever this machine loads."""
+    directory = captures["bfloat16"].directory
+    manifest = json.loads((directory / "manifest.json").read_text())
+    assert manifest["data"]["thinking"] == "train" and manifest["target"]["dtype"] == "float32"
+
+    def recipe(*extra: str):
+        return load_recipe(capture_args(directory.parent, conversations, f"data.features={directory}", *extra))
+
+    require_captured_settings(recipe())
+    require_captured_settings(recipe("target.dtype=float32"))
+    with pytest.raises(UserError) as refused:
+        require_captured_settings(recipe("data.max_length=64", "data.thinking=mask", "target.dtype=bfloat16"))
+    assert str(refused.value) == (
+        "the recipe sets data.max_length=64, data.thinking=mask, target.dtype=bfloat16, but the features in "
+        f"{directory} were captured with data.max_length=96, data.thinking=train, target.dtype=float32: set the "
+        "capture's values, or capture again with the recipe's"
+    )
 
 
 def test_truncated_shard_or_missing_manifest_is_a_user_error(tmp_path, captures):

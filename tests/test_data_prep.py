@@ -530,6 +530,140 @@ def test_two_user_turns_in_a_row_are_kept_and_counted(tmp_path, caplog):
     assert "in a row" not in caplog.text
 
 
+GREETING = {"role": "assistant", "content": "Hello! How can I help?"}
+
+
+def test_an_opening_assistant_turn_is_context_not_trained_on(tmp_path, reference_tokenizer, caplog):
+    """A chat log that opens with the assistant's greeting: the greeting is rendered, out of the mask (no
+    turn before it asks for it, and no template renders the empty conversation before it), in one row or a
+    row per turn; a record whose only assistant turn is the opening one has nothing to train on: one line
+    naming its file and record, as a record with no assistant turn."""
+    greeted = [GREETING, USER, ASSISTANT]
+    ids, mask = render_with_masks(reference_tokenizer, greeted)
+    assert GREETING["content"] in decode(reference_tokenizer, ids)
+    assert masked_runs(reference_tokenizer, ids, mask) == [ASSISTANT["content"] + "<|end|>"]
+    rewriting = family_tokenizer(
+        REWRITING_TEMPLATE, ["<|im_start|>", "<|im_end|>", "<think>", "</think>"], "<|im_end|>", None
+    )
+    ((ids, mask),) = render_rows(rewriting, [GREETING, *CONVERSATION[1:3]])  # one row: the greeting's is none
+    assert masked_runs(rewriting, ids, mask) == [f"<think>\n\n</think>\n\n{ANSWER_1}<|im_end|>"]
+    assert render_prompt(reference_tokenizer, greeted)[1] == ASSISTANT["content"]
+    ids, answer = render_prompt(reference_tokenizer, [GREETING, USER])  # a prompt: rendered whole
+    assert answer is None and decode(reference_tokenizer, ids) == "<|bos|>" + reference_tokenizer.apply_chat_template(
+        [GREETING, USER], tokenize=False, add_generation_prompt=True
+    )
+
+    path = write_jsonl(tmp_path / "log.jsonl", [GOOD, {"messages": greeted}, {"messages": greeted}])
+    with caplog.at_level("WARNING", logger="draftsmith.data"):
+        conversations = load_conversations([str(path)])
+    assert "log.jsonl: 2 conversation(s) open with an assistant turn (records 2, 3): kept as context" in caplog.text
+    tokenized = tokenize_conversations(conversations, reference_tokenizer, 128, cache_dir=str(tmp_path / "cache"))
+    assert [masked_runs(reference_tokenizer, row["input_ids"], row["loss_mask"]) for row in tokenized] == [
+        [ASSISTANT["content"] + "<|end|>"]
+    ] * 3
+    only_greeting = write_jsonl(tmp_path / "asstfirst.jsonl", [GOOD, {"messages": [GREETING, USER]}])
+    with pytest.raises(UserError, match=r"asstfirst\.jsonl record 2: no assistant turn after the opening one"):
+        load_conversations([str(only_greeting)])
+    assert len(load_conversations([str(only_greeting)], prompts_only=True)) == 2  # a prompt, for eval or regenerate
+
+
+def test_regeneration_keeps_an_opening_assistant_turn_and_answers_the_prompt_after_it():
+    """The opening greeting is kept as written, every later assistant turn is the target's; a greeting
+    followed by a user turn alone gets an answer after it."""
+    from omegaconf import OmegaConf
+
+    from draftsmith.data_prep.regenerate import regenerate_batch, with_a_turn_to_answer
+
+    class Answers:
+        def __init__(self):
+            self.asked = []
+
+        def answers(self, prompts, seeds):
+            self.asked += prompts
+            return [f"answer {i}" for i in range(len(prompts))]
+
+    tokenizer, engine = load_tokenizer(str(REFERENCE)), Answers()
+    prompt = with_a_turn_to_answer({"messages": [GREETING, USER]})["messages"]
+    assert [m["role"] for m in prompt] == ["assistant", "user", "assistant"]
+    section = OmegaConf.create({"max_turns": None, "min_turns": 1})
+    out, ended, _ = regenerate_batch(engine, tokenizer, [[GREETING, USER, ASSISTANT], prompt], section, 1024)
+    assert out == [
+        [GREETING, USER, {**ASSISTANT, "content": "answer 0"}],
+        [GREETING, USER, {**prompt[2], "content": "answer 1"}],
+    ]
+    assert ended == [None, None] and engine.asked == [render_prompt(tokenizer, [GREETING, USER, ASSISTANT])[0]] * 2
+
+
+def test_opening_assistant_turns_through_regenerate_and_train(tmp_path, token_cache, capsys):
+    """The real commands on a chat log with greetings: regenerate keeps each greeting, answers the rest,
+    writes no null keys and counts what it wrote (a conversation whose first prompt is over data.max_length
+    is left out, not generated); train refuses a record with nothing after its greeting in one line. A
+    regeneration the chat template refuses leaves no output directory behind."""
+    from draftsmith.data_prep.regenerate import regenerate
+    from draftsmith.recipe import load_recipe
+    from draftsmith.target import load_target
+
+    data = write_jsonl(
+        tmp_path / "log.jsonl", [{"messages": [GREETING, USER, ASSISTANT]}, {"messages": [GREETING, USER]}, LONG_PROMPT]
+    )
+    args = ["recipe=draft", f"target.name_or_path={REFERENCE}", f"data.train=[{data}]", "data.max_length=64",
+            "data.regenerate.max_new_tokens=2", f"data.regenerate.output={tmp_path / 'out'}",
+            f"output_dir={tmp_path / 'run'}"]  # fmt: skip
+    done = run_entry_in_process(["-m", "data_prep.regenerate", *args], capsys)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (
+        f"2 conversations in {tmp_path / 'out'} (2 generated now, 0 of them cut short at a prompt of "
+        "data.max_length=64 tokens or more, 0 at an empty answer; 1 left out" in done.stdout
+    )
+    written = [json.loads(line) for line in gzip.open(tmp_path / "out" / "part-00000.jsonl.gz", "rt")]
+    assert [record["messages"][:2] for record in written] == [[GREETING, USER]] * 2  # no `"thinking": null`
+    assert all(m["role"] == "assistant" and m["content"] for m in (r["messages"][2] for r in written))
+
+    refusing = load_tokenizer(str(REFERENCE))
+    refusing.chat_template = (
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversation must start with a user turn') }}"
+        "{% endif %}" + refusing.chat_template
+    )
+    with pytest.raises(UserError, match=r"log\.jsonl record 1: chat template .* must start with a user turn"):
+        regenerate(load_recipe([*args[:-2], f"data.regenerate.output={tmp_path / 'refused'}", args[-1]]),
+                   load_target(str(REFERENCE)), refusing)  # fmt: skip
+    assert not (tmp_path / "refused").exists()
+
+    only_greeting = write_jsonl(tmp_path / "asstfirst.jsonl", [{"messages": [GREETING, USER]}])
+    result = run_entry_in_process(
+        ["train.py", *train_args(tmp_path / "train", {"train": only_greeting, "eval": only_greeting}, token_cache)],
+        capsys,
+    )
+    assert "record 1: no assistant turn after the opening one" in assert_one_line_error(result, 2)
+
+
+def test_max_length_beyond_the_targets_context_is_refused_by_every_command(tmp_path, token_cache, capsys):
+    """data.max_length over the max_position_embeddings the target's config.json states (2048 for the reference
+    target; times a RoPE scaling factor) is one line naming both, exit 2, from train, capture and regenerate
+    before their data is read; a config that states no context is taken at its word."""
+    from transformers import LlamaConfig, PretrainedConfig
+
+    from draftsmith.data_prep.dataset import require_context, target_context
+
+    assert target_context(LlamaConfig(max_position_embeddings=4096)) == (4096, "max_position_embeddings=4096")
+    yarn = LlamaConfig(max_position_embeddings=4096, rope_parameters={"rope_type": "yarn", "factor": 4.0})
+    assert target_context(yarn)[0] == 16384
+    assert target_context(PretrainedConfig()) == (None, "")  # states no context
+    require_context(str(REFERENCE), 2048)
+    with pytest.raises(UserError, match=r"data.max_length=2049 is more than the target's context of 2048 tokens"):
+        require_context(str(REFERENCE), 2049)
+
+    missing = tmp_path / "not-read.jsonl"  # the check comes first: the data file is never opened
+    data = {"train": missing, "eval": missing}
+    for command in (["train.py"], ["-m", "data_prep.capture"], ["-m", "data_prep.regenerate"]):
+        args = train_args(tmp_path / "run", data, token_cache, "data.max_length=100000")
+        line = assert_one_line_error(run_entry_in_process([*command, *args], capsys), 2)
+        assert line == (
+            "error: data.max_length=100000 is more than the target's context of 2048 tokens "
+            "(max_position_embeddings=2048 in its config); set data.max_length=2048 or less"
+        ), command
+
+
 def test_invalid_utf8_in_a_json_document_names_the_line(tmp_path):
     path = write_lines(tmp_path / "chats.json", [b"[", json.dumps(GOOD).encode() + b",", INVALID_UTF8_LINE, b"]"])
     for skip in (False, True):

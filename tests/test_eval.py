@@ -404,6 +404,8 @@ def test_bad_settings_are_user_errors(eval_setup, tmp_path):
         run_eval(load_recipe([f"recipe={recipe}", "eval.num_speculative_tokens=4"]), str(checkpoint), target=target)
     with pytest.raises(UserError, match="no eval data"):
         run_eval(load_recipe([f"recipe={recipe}", "data.eval=[]"]), str(checkpoint), target=target)
+    with pytest.raises(UserError, match="data.max_length=4096 is more than the target's context of 2048 tokens"):
+        run_eval(load_recipe([f"recipe={recipe}", "data.max_length=4096"]), str(checkpoint), target=target)
     corrupt = tmp_path / "corrupt"
     corrupt.mkdir()
     (corrupt / "config.json").write_text((checkpoint / "config.json").read_text())

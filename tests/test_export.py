@@ -630,6 +630,59 @@ def test_a_checkpoint_of_another_kind_than_the_recipe_s_is_refused_as_a_warm_sta
     assert not run.exists() or not any(run.iterdir())
 
 
+def test_the_card_states_the_training_of_the_run_that_saved_the_checkpoint(target, tmp_path):
+    """The card's training lines come from the run folder the checkpoint is in (its recipe.yaml, and the steps
+    behind final/ from run_summary.json), not from the eval report's recipe (which names what the eval read: a
+    recipe's default 250 steps for a run of 5); a checkpoint outside any run says they are not known."""
+    from draftsmith.recipe import save_recipe
+
+    run = tmp_path / "run"
+    checkpoint = save_drafter("medusa", target, run / "final")
+    save_recipe(load_recipe(["recipe=medusa", "train.lr=5e-4", "train.max_steps=9", "data.max_length=64"]), run)
+    (run / "run_summary.json").write_text(json.dumps({"steps": 5, "ended": "patience"}))
+    card = (run_export("medusa", checkpoint, tmp_path / "x", target=target)["vllm"] / "README.md").read_text()
+    assert "- optimisation: lr 0.0005, 5 steps, micro-batch" in card and "(max_length 64)" in card
+    alone = save_drafter("medusa", target, tmp_path / "alone" / "drafter")
+    card = (run_export("medusa", alone, tmp_path / "y", target=target)["vllm"] / "README.md").read_text()
+    assert "- data and optimisation: not known" in card
+
+
+def test_a_drafter_setting_the_command_line_gives_a_read_only_command_is_refused_unless_it_is_the_checkpoints(
+    target, tmp_path, capsys
+):
+    """eval, export and sweep read the folder's own drafter settings: `drafter.heads=...` on their command line was
+    ignored without a word (the folder exported as saved). Refused when it differs from the checkpoint's, and for an
+    engine folder at all; the same value, or the recipe file's own drafter section, is not refused."""
+    checkpoint = save_drafter("medusa", target, tmp_path / "run" / "final", num_layers=1)
+    output = tmp_path / "export"
+    for entry in (["-m", "export"], ["-m", "eval"], ["-m", "export.sweep"]):
+        refused = run_entry_in_process(
+            [*entry, *export_args("medusa", checkpoint, output, f"checkpoint={checkpoint}", "drafter.num_layers=2")],
+            capsys,
+        )
+        assert_one_line_error(
+            refused, 2, f"drafter.num_layers=2 is not read: {checkpoint} holds a drafter with num_layers=1"
+        )
+        assert not output.exists()
+    same = [
+        "-m",
+        "export",
+        *export_args("medusa", checkpoint, output, f"checkpoint={checkpoint}", "drafter.num_layers=1"),
+    ]
+    assert run_entry_in_process(same, capsys).returncode == 0
+    folder = output / "vllm"
+    on_engine_folder = [
+        "-m",
+        "eval",
+        *export_args("medusa", folder, tmp_path / "e", f"checkpoint={folder}", "drafter.num_layers=1"),
+    ]
+    assert_one_line_error(
+        run_entry_in_process(on_engine_folder, capsys),
+        2,
+        f"drafter.num_layers is not read: {folder} is an engine folder",
+    )
+
+
 def test_an_export_output_that_is_a_file_is_refused_in_one_line_and_kept(target, tmp_path, capsys):
     checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
     mine = tmp_path / "notes.txt"

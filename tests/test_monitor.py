@@ -54,6 +54,8 @@ class FakeEngine:
         self.per_position = Counter(
             "vllm:spec_decode_num_accepted_tokens_per_pos", "per position", [*LABELS, "position"], registry=registry
         )
+        for counter in (self.drafts, self.tokens, self.accepted):  # at 0 from the start, as vLLM creates them
+            counter.labels("demo", "0")
         engine = self
 
         class Endpoints(http.server.BaseHTTPRequestHandler):
@@ -108,6 +110,15 @@ def test_counters_are_summed_over_replicas_and_a_restart_is_not_a_negative_windo
     one.server.shutdown(), two.server.shutdown()
 
 
+def vllm_counters(drafts, draft_tokens, accepted) -> str:
+    """vLLM's three spec-decode counters as its /metrics writes them, with these values."""
+    labels = '{model_name="demo",engine="0"}'
+    return "".join(
+        f"vllm:spec_decode_num_{name}_total{labels} {value}\n"
+        for name, value in (("drafts", drafts), ("draft_tokens", draft_tokens), ("accepted_tokens", accepted))
+    )
+
+
 class Answers(http.server.BaseHTTPRequestHandler):
     """A loopback server answering /<status>/<body name>[/anything] with that status and body."""
 
@@ -116,6 +127,12 @@ class Answers(http.server.BaseHTTPRequestHandler):
         "cut": 'vllm:spec_decode_num_drafts_total{model_name="demo",engine="0"} 10.0\nvllm:spec_decode_num_dr',
         "version": '{"version": "0.33.0"}',
         "other": '{"status": "ok"}',
+        "empty": "",
+        "no_spec_decode": "# TYPE process_cpu_seconds counter\nprocess_cpu_seconds_total 1.5\n",
+        "nan": vllm_counters("NaN", 300, 100),
+        "negative": vllm_counters(100, 300, -5),
+        "infinite": vllm_counters(100, "+Inf", 100),
+        "alpha_above_1": vllm_counters(100, 300, 301),
     }
 
     def do_GET(self):
@@ -148,6 +165,48 @@ def test_a_bad_scrape_is_one_line_and_a_failing_engine_is_temporary():
         server.server_close()
     with pytest.raises(EngineUnavailable, match="cannot scrape"):
         collect([base + "/200/html"])  # nothing listens there now
+
+
+@pytest.fixture
+def answers():
+    """The base URL of a loopback server of Answers."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answers)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        ("empty", "is not the /metrics of vLLM serving with speculative decoding (an empty answer)"),
+        ("no_spec_decode", "(no vllm:spec_decode_num_drafts_total, vllm:spec_decode_num_draft_tokens_total, "
+                           "vllm:spec_decode_num_accepted_tokens_total)"),
+        ("nan", "reports vllm:spec_decode_num_drafts_total{engine=0,model_name=demo} = nan: a counter is a finite"),
+        ("negative", "reports vllm:spec_decode_num_accepted_tokens_total{engine=0,model_name=demo} = -5:"),
+        ("infinite", "reports vllm:spec_decode_num_draft_tokens_total{engine=0,model_name=demo} = inf"),
+        ("alpha_above_1", "more accepted draft tokens (301) than draft tokens (300) for {engine=0,model_name=demo}"),
+    ],
+)  # fmt: skip
+def test_an_answer_that_is_not_vllm_s_spec_decode_counters_is_refused(answers, body, fragment):
+    """An empty answer, another server's metrics or a vLLM without speculative decoding was "too few
+    samples", exit 0, on every check (a drift could never show); a counter that is NaN, infinite or
+    negative went into state.json as NaN or Infinity (not JSON); accepted > drafted was judged healthy.
+    Each is bad input in one line naming the URL and what is wrong."""
+    url = f"{answers}/200/{body}/metrics"
+    with pytest.raises(UserError) as err:
+        collect([url])
+    assert fragment in str(err.value) and str(err.value).startswith(url) and "\n" not in str(err.value)
+
+
+def test_a_check_of_an_engine_without_spec_decode_writes_nothing(answers, tmp_path, capsys):
+    folder = served_export(tmp_path / "export" / "vllm")
+    args = ["-m", "monitor", "check", "recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}",
+            f"monitor.metrics=[{answers}/200/no_spec_decode/metrics]", "monitor.retrain=false"]  # fmt: skip
+    assert_one_line_error(run_entry_in_process(args, capsys), 2, "is not the /metrics of vLLM serving with")
+    assert not (tmp_path / "run" / "monitor" / "state.json").exists()
+    assert not (tmp_path / "run" / "monitor" / "checks").exists()
 
 
 def test_the_engine_version_is_read_beside_metrics_and_a_server_without_one_is_unknown():
@@ -248,9 +307,10 @@ AT_LEAST = [0.7, 0.5, 0.3]  # the baseline of served_export: P(accepted >= k) pe
 DROPPED = [rate / 3 for rate in AT_LEAST]  # a window that is drift against it
 
 
-def served_export(folder: Path, **info) -> Path:
-    """A deployed export as a check of the counters reads it: its draftsmith_export.json (no weights)
-    and the eval report it names (α 0.5, P(accepted >= k) AT_LEAST); `info` replaces keys of the record."""
+def served_export(folder: Path, weights: str = "0" * 64, **info) -> Path:
+    """A deployed export as a check of the counters reads it: its draftsmith_export.json (no weights:
+    `weights` is the sha256 it records of its checkpoint's) and the eval report it names, of those
+    weights (α 0.5, P(accepted >= k) AT_LEAST); `info` replaces keys of the record."""
     folder.mkdir(parents=True)
     chain = {
         "drafted": 3000,
@@ -259,9 +319,9 @@ def served_export(folder: Path, **info) -> Path:
     }
     report = folder.parent / "report.json"
     report.write_text(
-        json.dumps({"temperature": 0.0, "drafter": {"sha256": "0" * 64}, "domains": {"all": {"chain": chain}}})
+        json.dumps({"temperature": 0.0, "drafter": {"sha256": weights}, "domains": {"all": {"chain": chain}}})
     )
-    record = {"source": {"checkpoint": str(folder.parent / "final"), "sha256": "0" * 64}, "num_speculative_tokens": 3,
+    record = {"source": {"checkpoint": str(folder.parent / "final"), "sha256": weights}, "num_speculative_tokens": 3,
               "speculative_config": {"method": "medusa", "num_speculative_tokens": 3, **VLLM_PINNED},
               "engine_settings": None, "eval_report": {"path": str(report)}, **info}  # fmt: skip
     (folder / EXPORT_INFO).write_text(json.dumps(record))
@@ -274,7 +334,7 @@ def test_a_baseline_report_of_other_weights_is_refused_in_one_line(tmp_path, cap
     folder = served_export(tmp_path / "export" / "vllm", source={"checkpoint": "final", "sha256": "1" * 64})
     result = run_entry_in_process(
         ["-m", "monitor", "check", "recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}",
-         "monitor.metrics=[http://127.0.0.1:9/metrics]"], capsys,
+         "monitor.metrics=[http://127.0.0.1:9/metrics]", "monitor.retrain=false"], capsys,
     )  # fmt: skip
     assert_one_line_error(
         result, 2, "measured weights of sha256 000000000000, not the deployed drafter's (111111111111)"
@@ -305,7 +365,7 @@ def test_the_engine_the_export_was_checked_in_is_judged_as_before(tmp_path, reco
     engine = FakeEngine(served)
     folder = served_export(tmp_path / "export" / "vllm", **recorded)
     cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}",
-                       f"monitor.metrics=[{engine.url}]"])  # fmt: skip
+                       f"monitor.metrics=[{engine.url}]", "monitor.retrain=false"])  # fmt: skip
     try:
         assert check(cfg) == Outcome.HEALTHY  # the window starts
         engine.serve(2000, AT_LEAST)
@@ -325,10 +385,11 @@ def test_a_new_engine_version_is_a_reverify_not_a_drift(tmp_path, capsys):
     retraining, the streak kept; once the export records the new engine, checks judge drift again."""
     from draftsmith.monitor.check import check
 
-    engine = FakeEngine()
+    engine, logs = FakeEngine(), tmp_path / "logs"
+    logs.mkdir()  # no request logged yet: a drift waits for traffic to retrain on
     folder = served_export(tmp_path / "export" / "vllm", engine_settings=checked_in(SERVED))
     args = ["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}",
-            f"monitor.metrics=[{engine.url}]"]  # fmt: skip
+            f"monitor.metrics=[{engine.url}]", f"monitor.traffic={logs}"]  # fmt: skip
     cfg = load_recipe(args)
     try:
         check(cfg)
@@ -362,8 +423,9 @@ def test_a_new_engine_version_is_a_reverify_not_a_drift(tmp_path, capsys):
         info = json.loads((folder / EXPORT_INFO).read_text())
         (folder / EXPORT_INFO).write_text(json.dumps({**info, "engine_settings": checked_in("0.33.0")}))
         engine.serve(2000, DROPPED)
-        assert check(load_recipe([*args, "monitor.retrain=false"])) == Outcome.DRIFT
-        assert check_record(tmp_path, 4)["decision"]["consecutive"] == 2
+        assert check(cfg) == Outcome.DRIFT
+        decision = check_record(tmp_path, 4)["decision"]
+        assert decision["consecutive"] == 2 and decision["action"].startswith("wait: no request in monitor.traffic")
     finally:
         engine.server.shutdown()
 
@@ -382,7 +444,7 @@ def test_an_older_export_that_pins_nothing_says_the_engines_defaults_decide(tmp_
     try:
         for name, folder, outcome in (("older", older, Outcome.REVERIFY), ("never", never, Outcome.HEALTHY)):
             cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path / name}", f"checkpoint={folder}",
-                               f"monitor.metrics=[{engine.url}]"])  # fmt: skip
+                               f"monitor.metrics=[{engine.url}]", "monitor.retrain=false"])  # fmt: skip
             assert check(cfg) == outcome, name
     finally:
         engine.server.shutdown()
@@ -393,6 +455,137 @@ def test_an_older_export_that_pins_nothing_says_the_engines_defaults_decide(tmp_
         in change["reason"]
     )
     assert "engine_change" not in json.loads((tmp_path / "never" / "monitor" / "checks" / "00001.json").read_text())
+
+
+# -- what the state directory holds and what a check reads first -------------------------------------
+def test_a_retraining_needs_traffic_and_a_state_left_without_any_recovers(tmp_path, capsys, caplog):
+    """With monitor.metrics alone and monitor.retrain on (the default), the check that started the
+    retraining crashed (exit 70: no monitor.traffic to sample prompts from) after state.json recorded the
+    retraining in progress, and so did every later check, monitor.retrain=false too. Such a recipe is now
+    refused before anything is read or written; a state an earlier version left so is checked on with
+    monitor.retrain=false (the retraining kept), and with monitor.traffic the retraining samples every
+    recent domain."""
+    from draftsmith.monitor.check import check
+    from draftsmith.monitor.pipeline import step_sample
+    from draftsmith.monitor.state import State
+
+    folder, engine = served_export(tmp_path / "export" / "vllm"), FakeEngine()
+    run, directory = tmp_path / "run", tmp_path / "run" / "monitor"
+    args = ["recipe=medusa", f"output_dir={run}", f"checkpoint={folder}", f"monitor.metrics=[{engine.url}]"]
+    try:
+        result = run_entry_in_process(["-m", "monitor", "check", *args], capsys)
+        assert_one_line_error(
+            result, 2, "monitor.retrain=true needs monitor.traffic: the retraining reads its prompts from the request "
+            "logs; set monitor.traffic=<request log directory>, or monitor.retrain=false to only report drift",
+        )  # fmt: skip
+        assert not run.exists()
+
+        left = {"id": "retrain_00002", "started": "2026-11-30T10:00:00+00:00", "domains": [], "done": {},
+                "deployed": {"export": str(folder), "revision": 0, "sha256": "0" * 64}}  # fmt: skip
+        State(checks=2, consecutive_drift=2, pipeline=left).save(directory)
+        with caplog.at_level("INFO", logger="draftsmith.monitor"):
+            assert check(load_recipe([*args, "monitor.retrain=false"])) == Outcome.HEALTHY  # the window starts
+        assert "the retraining retrain_00002 in" in caplog.text and "is left unfinished" in caplog.text
+    finally:
+        engine.server.shutdown()
+    state = State.load(directory)
+    assert state.checks == 3 and state.pipeline == left
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    ask = {"messages": [{"role": "user", "content": "hi"}], "timestamp": time.time()}
+    (logs / "requests.jsonl").write_text("".join(json.dumps({**ask, "domain": d}) + "\n" for d in ("math", "code")))
+    sampled = step_sample(load_recipe([*args, f"monitor.traffic={logs}"]), directory, state, run / "retrain")
+    assert sampled["domains"] == ["code", "math"]
+
+
+def test_a_state_dir_of_another_drafter_is_refused_and_a_promoted_revision_is_said(tmp_path, capsys, caplog):
+    """A check of one drafter in the state directory of another carried on with the other's streak and
+    counter window (nothing in state.json named the drafter). The state records the drafter it was started
+    with: another is refused in one line; the revision the monitor promoted is its own, and while the
+    recipe's checkpoint still names the drafter it replaced, each check says which one it watches."""
+    from draftsmith.monitor.check import check
+    from draftsmith.monitor.state import State
+
+    engine, directory = FakeEngine(), tmp_path / "run" / "monitor"
+    first = served_export(tmp_path / "eagle3" / "vllm")
+    other = served_export(tmp_path / "medusa" / "vllm", weights="2" * 64)
+    common = ["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"monitor.metrics=[{engine.url}]",
+              "monitor.retrain=false"]  # fmt: skip
+    try:
+        assert check(load_recipe([*common, f"checkpoint={first}"])) == Outcome.HEALTHY
+        assert State.load(directory).first_deployed == {"export": str(first), "sha256": "0" * 64}
+        refused = run_entry_in_process(["-m", "monitor", "check", *common, f"checkpoint={other}"], capsys)
+        line = assert_one_line_error(refused, 2, f"monitor.state_dir='{directory}' holds the monitoring of another")
+        assert f"(the export {first}, weights sha256 000000000000)" in line and "(sha256 222222222222)" in line
+        assert State.load(directory).checks == 1
+
+        # as the retraining records a promoted drafter (monitor/pipeline.py step_record)
+        promoted = served_export(directory / "exports" / "rev_0001" / "vllm", weights="3" * 64)
+        state = State.load(directory)
+        state.deployed = {"export": str(promoted), "revision": 1, "baseline": str(promoted.parent / "report.json"),
+                          "checkpoint": "retrained", "sha256": "3" * 64}  # fmt: skip
+        state.revisions.append({**state.deployed, "folders": {"vllm": str(promoted)}, "gate": {}})
+        state.save(directory)
+        with caplog.at_level("INFO", logger="draftsmith.monitor"):
+            check(load_recipe([*common, f"checkpoint={first}"]))
+            assert f"checkpoint={first} was deployed before revision 1, which this monitor promoted" in caplog.text
+            caplog.clear()
+            check(load_recipe([*common, f"checkpoint={promoted}"]))
+            check(load_recipe(common))  # no checkpoint=: the deployed one is the state's
+            assert "promoted" not in caplog.text
+        refused = run_entry_in_process(["-m", "monitor", "check", *common, f"checkpoint={other}"], capsys)
+        assert_one_line_error(refused, 2, "holds the monitoring of another drafter")
+    finally:
+        engine.server.shutdown()
+    assert [check_record(tmp_path, n)["deployed"]["export"] for n in (2, 3, 4)] == [str(promoted)] * 3
+
+
+def test_an_outcome_or_note_a_check_did_not_measure_is_not_recorded(tmp_path):
+    """A check with too few samples was recorded as outcome HEALTHY (the line never says healthy then);
+    "a free method is faster" was said at equal τ, and on a sample too small to judge."""
+    from draftsmith.monitor.check import check, free_against_drafter
+
+    engine = FakeEngine()
+    folder = served_export(tmp_path / "export" / "vllm")
+    try:
+        check(load_recipe(["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}",
+                           f"monitor.metrics=[{engine.url}]", "monitor.retrain=false"]))  # fmt: skip
+    finally:
+        engine.server.shutdown()
+    assert check_record(tmp_path, 1)["decision"]["outcome"] == "TOO_FEW_SAMPLES"
+    state = json.loads((tmp_path / "run" / "monitor" / "state.json").read_text())
+    assert state["last_check"]["outcome"] == "TOO_FEW_SAMPLES" and state["last_check"]["verdict"] == TOO_FEW
+
+    def report(drafter: float, suffix: float) -> dict:
+        return {"domains": {"all": {"chain": {"tau": drafter}}}, "baselines": {"all": {"suffix": {"tau": suffix}}}}
+
+    assert free_against_drafter(report(1.0, 1.0))["faster"] is None
+    faster = free_against_drafter(report(1.0, 1.5), judged=False)
+    assert faster["faster"] == "suffix" and faster["note"] is None
+    assert free_against_drafter(report(1.0, 1.5))["note"].startswith("on this traffic a free method is faster")
+
+
+def test_a_request_timed_far_ahead_is_malformed_not_the_newest(tmp_path):
+    """A timestamp of 1e30 stayed in every window as the newest traffic; within a day ahead (a clock's
+    skew, a naive time read in another zone) a request counts as recent."""
+    logs, now = tmp_path / "logs", time.time()
+    logs.mkdir()
+    ask = {"messages": [{"role": "user", "content": "hi"}], "domain": "chat"}
+    times = [now - 60, now + 3600, 1e30, float("inf"), float("nan")]
+    (logs / "requests.jsonl").write_text("".join(json.dumps({**ask, "timestamp": t}) + "\n" for t in times))
+    picked, summary = sample(logs, per_domain=10, window_s=3600, now=now)
+    assert [r["time"] for r in picked] == [now - 60, now + 3600]
+    assert summary["malformed_lines"] == 3 and summary["in_window"] == 2
+
+
+def test_the_usage_line_names_the_command_as_it_was_run(capsys):
+    for args, program in (
+        (["-m", "draftsmith", "monitor"], "draftsmith monitor"),
+        (["-m", "monitor"], "python -m monitor"),
+    ):
+        result = run_entry_in_process(args, capsys)
+        assert_one_line_error(result, 2, f"error: usage: {program} check|watch recipe=NAME", alone=True)
 
 
 # -- the loop, end to end with the loopback exposition ------------------------------------------------
@@ -462,11 +655,12 @@ def test_two_checks_never_overlap(tmp_path):
             check(cfg)
 
 
-def test_watch_stops_on_sigterm_once_the_check_in_progress_is_done(tmp_path, monkeypatch):
+def test_watch_stops_on_sigterm_once_the_check_in_progress_is_done(tmp_path, monkeypatch, capsys):
+    """SIGTERM during a check of `watch` lets that check finish, then ends the watch as every stopped job
+    ends: the preempted line, exit 75 (it was exit 0 with no line)."""
     import os
     import signal
 
-    from draftsmith.monitor import __main__ as monitor_command
     from draftsmith.monitor import check as monitor_check
 
     checks = []
@@ -478,8 +672,19 @@ def test_watch_stops_on_sigterm_once_the_check_in_progress_is_done(tmp_path, mon
 
     monkeypatch.setattr(monitor_check, "check", terminated_during_a_check)
     before = signal.getsignal(signal.SIGTERM)
-    monitor_command.main(["watch", "recipe=medusa", f"output_dir={tmp_path}"])  # returns instead of waiting 300 s
+    # returns instead of waiting 300 s
+    result = run_entry_in_process(["-m", "monitor", "watch", "recipe=medusa", f"output_dir={tmp_path}"], capsys)
+    assert_one_line_error(result, 75, "stopped on SIGTERM between checks", prefix="preempted: ")
     assert len(checks) == 1 and signal.getsignal(signal.SIGTERM) == before
+
+
+def test_watch_refuses_an_interval_under_a_second(tmp_path, capsys):
+    """monitor.interval_s=0 ran thousands of checks a second."""
+    result = run_entry_in_process(
+        ["-m", "monitor", "watch", "recipe=medusa", f"output_dir={tmp_path}", "monitor.interval_s=0"], capsys
+    )
+    assert_one_line_error(result, 2, "monitor.interval_s=0.0 must be >= 1", alone=True)
+    assert not tmp_path.joinpath("monitor").exists()
 
 
 # -- the deploy examples, as written -----------------------------------------------------------------
@@ -491,7 +696,7 @@ def healthy_setup(deployed, tmp_path):
     settings = {"drafter": {"type": "medusa"}, "target": {"name_or_path": str(DEMO / "target")},
                 "output_dir": str(tmp_path / "run"),
                 "checkpoint": str(recorded_as_checked(root / "export" / "vllm", tmp_path)),
-                "monitor": {"metrics": [engine.url], "min_drafts": 100}}  # fmt: skip
+                "monitor": {"metrics": [engine.url], "min_drafts": 100, "retrain": False}}  # fmt: skip
     recipe = tmp_path / "monitor.yaml"
     recipe.write_text(yaml.safe_dump(settings))
     yield recipe, engine
@@ -558,6 +763,10 @@ def test_monitor_cli_bad_input_is_one_line_exit_2(tmp_path, capsys):
     for args in (
         ["-m", "monitor"],
         ["-m", "monitor", "check", "recipe=medusa", f"output_dir={tmp_path}"],
-        ["-m", "monitor", "check", "recipe=medusa", "monitor.metrics=[localhost:9]"],
     ):
         assert_one_line_error(run_entry_in_process(args, capsys), 2, alone=True)
+    # a port out of range was exit 69 (retried forever), as an engine down is: refused by the recipe check
+    for url in ("localhost:9", "http://localhost:99999/metrics", "'http://[::1/metrics'", "http://localhost:port/"):
+        args = ["-m", "monitor", "check", "recipe=medusa", f"output_dir={tmp_path}", f"monitor.metrics=[{url}]"]
+        line = assert_one_line_error(run_entry_in_process(args, capsys), 2, alone=True)
+        assert f"error: monitor.metrics: '{url.strip(chr(39))}' is not an http(s) URL of a host" in line

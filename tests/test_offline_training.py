@@ -14,7 +14,7 @@ from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target, load_tokenizer, run_target
 from draftsmith.trainer.checkpoint import TrainerState
 from draftsmith.trainer.loop import micro_batches
-from tests.helpers import REFERENCE_TARGET, run_entry_in_process, train_args
+from tests.helpers import REFERENCE_TARGET, assert_one_line_error, run_entry_in_process, train_args
 
 pytestmark = pytest.mark.slow
 
@@ -78,3 +78,17 @@ def test_train_py_from_features(captured, small_data, token_cache, tmp_path, cap
         if '"train/loss"' in line
     ]
     assert offline_loss == pytest.approx(online_loss, rel=1e-3)  # same batches, features within float16
+
+
+def test_train_py_refuses_data_settings_the_capture_was_not_made_with(
+    captured, small_data, token_cache, tmp_path, capsys
+):
+    """data.max_length=64 against a capture made at 128: one line naming both, before any model loads or
+    anything of the run is written (its recipe.yaml would name 64 for rows of up to 128 tokens)."""
+    out = tmp_path / "refused"
+    args = train_args(out, small_data, token_cache, "data.max_length=64", f"data.features={captured}")
+    line = assert_one_line_error(run_entry_in_process(["train.py", *args], capsys), 2)
+    assert line.startswith("error: the recipe sets data.max_length=64, but the features in") and line.endswith(
+        "were captured with data.max_length=128: set the capture's values, or capture again with the recipe's"
+    )
+    assert not (out / "recipe.yaml").exists() and not (out / "checkpoints").exists()

@@ -109,6 +109,10 @@ def test_bad_overrides_are_user_errors(override, fragment):
         ("drafter.loss_decay=nan", "drafter.loss_decay=nan must be finite"),
         # finite, but AdamW's first step (lr / (1 - beta1)) is beyond float32: it failed in that step (exit 70)
         ("train.lr=1e38", "train.lr=1e+38 is beyond float32: AdamW's first step"),
+        # an input path given empty was read as unset (eval read <output_dir>/final)
+        ("checkpoint=", "checkpoint is empty: give a path, or leave it out (null) for its default"),
+        ("train.init_from=", "train.init_from is empty"),
+        ("export.report=", "export.report is empty"),
         # the drafter type's own check
         ("drafter.num_heads=0", "drafter.num_heads must be >= 1"),
         ("drafter.loss_weights=[1.0]", "drafter.loss_weights has 1 values for 3 heads"),

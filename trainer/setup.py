@@ -19,7 +19,12 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import get_cosine_schedule_with_warmup
 
 from draftsmith.data_prep import Collator, PackingCollator, load_tokenized
-from draftsmith.data_prep.features import FeatureCollator, expected_features, open_features
+from draftsmith.data_prep.features import (
+    FeatureCollator,
+    expected_features,
+    open_features,
+    require_captured_settings,
+)
 from draftsmith.errors import UserError, one_line
 from draftsmith.families import check_eval_settings
 from draftsmith.formats.folder import require_recipes_drafter, require_recipes_kind, start_kind, warm_start
@@ -139,6 +144,8 @@ def load_data(cfg: DictConfig, accelerator: Accelerator, tokenizer):
     """(data.train tokenized, or None when training from captured features; data.draft_vocab tokenized, or
     None; the train.heldout conversations, or None). data.eval is read too, so that a bad file fails now."""
     offline = cfg.data.features is not None  # train from captured shards instead of running the target
+    if offline:  # the capture's rows are what trains: a recipe whose data settings differ is refused now
+        require_captured_settings(cfg)
     with accelerator.main_process_first():  # rank 0 tokenizes and caches, the others read the cache
         train_data = None if offline else load_tokenized(cfg, cfg.data.train, tokenizer, "data.train")
         vocab_data = (

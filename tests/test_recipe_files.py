@@ -1,6 +1,7 @@
-"""A key given twice: in one mapping of a recipe file it is refused in one line naming the key and both lines,
-before anything loads; on the command line overrides apply in order and the last wins, as in Hydra, so that a
-script's defaults can come before what its user appends."""
+"""A user's own recipe file of the wrong shape is one line naming the file and what is wrong, before anything loads
+(a section given as a list was an internal error). A key given twice: in one mapping of a recipe file it is refused
+naming the key and both lines; on the command line overrides apply in order and the last wins, as in Hydra, so that
+a script's defaults can come before what its user appends."""
 
 from __future__ import annotations
 
@@ -31,3 +32,23 @@ def test_a_recipe_file_giving_a_key_twice_in_one_mapping_is_refused_naming_it_an
     sections.write_text(shipped + "\ntrain:\n  max_steps: 5\n")
     with pytest.raises(UserError, match=r"sections.yaml: train is given twice \(lines \d+ and \d+\): give it once$"):
         load_recipe([f"recipe={sections}"])
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("drafter: [1, 2]\n", "drafter must be a mapping of keys, not [1, 2]"),
+        ("drafter: 5\n", "drafter must be a mapping of keys, not 5"),
+        ("drafter: {type: medusa}\ntrain: [1]\n", "train must be a mapping of keys, not [1]"),
+        ("drafter: {type: medusa}\nmonitor: off\n", "monitor must be a mapping of keys, not False"),
+        ("- drafter\n", "top level must be a mapping of sections"),
+        ("drafter: {type: medusa\n", "not valid YAML"),
+        ("train: {lr: 1.0e-3}\n", "no drafter.type"),
+    ],
+)
+def test_a_recipe_file_of_the_wrong_shape_is_one_line_naming_it(tmp_path, text, message):
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(text)
+    with pytest.raises(UserError) as refused:
+        load_recipe([f"recipe={mine}"])
+    assert str(refused.value).startswith(f"recipe {mine}: {message}")

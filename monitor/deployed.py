@@ -1,0 +1,102 @@
+"""Which drafter a check watches, and the baseline it is judged against.
+
+The recipe's `checkpoint=` names the deployed export until the monitor promotes a retrained drafter,
+which is then the deployed one (state.json's `deployed`). The state directory belongs to the drafter
+its first check watched and the revisions the monitor promoted from it (`first_deployed`,
+`revisions`): a check of another drafter there would carry on with that one's streak, counter window
+and cooldown, and is refused. The baseline report must have measured the deployed weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from draftsmith.errors import UserError
+from draftsmith.formats.repo import EXPORT_INFO
+from draftsmith.monitor.drift import Baseline
+from draftsmith.monitor.state import State
+
+log = logging.getLogger("draftsmith.monitor")
+
+
+def deployed_of(cfg: DictConfig, state: State, directory: Path) -> dict[str, Any]:
+    """The deployed export and the report its baseline comes from: once the monitor has promoted a
+    retrained drafter, that one (state.json's `deployed`: the recipe's checkpoint is what was deployed
+    before it); else the recipe's checkpoint. The state belongs to the drafter it was started with and
+    the revisions it promoted (by the sha256 of the checkpoint each was exported from): a checkpoint of
+    another drafter is refused, as its streak, window and cooldown are not this one's."""
+    if state.deployed is not None and not cfg.checkpoint:  # after a promotion the state names what is deployed
+        return state.deployed
+    named = recipe_drafter(cfg)
+    if state.first_deployed is None:
+        state.first_deployed = {"export": named["export"], "sha256": named["sha256"]}
+    own = [state.first_deployed, *state.revisions]
+    if named["sha256"] not in {drafter["sha256"] for drafter in own}:
+        raise UserError(
+            f"monitor.state_dir={str(directory)!r} holds the monitoring of another drafter (the export "
+            f"{state.first_deployed['export']}, weights sha256 {state.first_deployed['sha256'][:12]}), not of "
+            f"checkpoint={cfg.checkpoint} (sha256 {named['sha256'][:12]}): give each deployed drafter its own "
+            "monitor.state_dir"
+        )
+    if state.deployed is None:
+        return named
+    if named["sha256"] != state.deployed["sha256"]:
+        log.info(
+            "checkpoint=%s was deployed before revision %d, which this monitor promoted: the check watches %s "
+            "(state.json's deployed.export)",
+            cfg.checkpoint,
+            state.deployed["revision"],
+            state.deployed["export"],
+        )
+    return state.deployed
+
+
+def recipe_drafter(cfg: DictConfig) -> dict[str, Any]:
+    """The export the recipe's checkpoint names and the report its baseline comes from."""
+    folder = cfg.checkpoint
+    if not folder or not (Path(folder) / EXPORT_INFO).is_file():
+        raise UserError(
+            f"checkpoint={folder!r} is not an export folder (an export's vllm/ or sglang/ holding {EXPORT_INFO})"
+        )
+    info = export_info(folder)
+    report = cfg.monitor.baseline or (info.get("eval_report") or {}).get("path")
+    if not report:
+        raise UserError(
+            f"{folder} was exported without an eval report: set monitor.baseline=<report.json> (evaluate the "
+            "checkpoint and export again)"
+        )
+    return {
+        "export": str(Path(folder).resolve()),
+        "revision": 0,
+        "baseline": str(report),
+        "checkpoint": info["source"]["checkpoint"],
+        "sha256": info["source"]["sha256"],
+    }
+
+
+def export_info(folder: str) -> dict[str, Any]:
+    path = Path(folder) / EXPORT_INFO
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise UserError(f"cannot read the deployed export's {path}: {err}") from None
+
+
+def load_baseline(path: str, weights: str) -> Baseline:
+    """The baseline report at `path`, which must have measured the deployed weights (sha256 `weights`)."""
+    try:
+        baseline = Baseline.from_report(json.loads(Path(path).read_text()), path)
+    except (OSError, json.JSONDecodeError) as err:
+        raise UserError(f"cannot read the baseline report {path}: {err}") from None
+    if baseline.weights != weights:
+        measured = f"weights of sha256 {baseline.weights[:12]}" if baseline.weights else "weights it names no sha256 of"
+        raise UserError(
+            f"the baseline report {path} measured {measured}, not the deployed drafter's ({weights[:12]}): evaluate "
+            "the deployed checkpoint (python -m eval) and set monitor.baseline to its report"
+        )
+    return baseline
