@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -14,6 +14,14 @@ from omegaconf import DictConfig
 from draftsmith.engines import VllmGenerator, vllm_python
 from draftsmith.sharding import Lockstep, is_sharded
 from draftsmith.target import load_target, resolve_device, resolve_dtype
+
+
+class Answer(NamedTuple):
+    """One answer of the target: its text, and whether it was cut off at data.regenerate.max_new_tokens
+    (the target had not ended its turn, so training must not teach a drafter that it ends there)."""
+
+    text: str
+    cut: bool
 
 
 def vllm_dtype(cfg: DictConfig) -> str:
@@ -33,7 +41,7 @@ class TransformersAnswers:
         # A sharded target's `generate` calls are collectives, and ranks have different numbers of them.
         self.lockstep = Lockstep(model)
 
-    def answers(self, prompts: list[list[int]], seeds: Optional[list[int]]) -> list[str]:
+    def answers(self, prompts: list[list[int]], seeds: Optional[list[int]]) -> list[Answer]:
         return self.lockstep.run(generate, self.model, self.tokenizer, prompts, self.section)
 
     def finish(self) -> None:
@@ -48,12 +56,14 @@ class VllmAnswers:
     def __init__(self, engine: VllmGenerator, tokenizer, section):
         self.engine, self.tokenizer, self.section = engine, tokenizer, section
 
-    def answers(self, prompts: list[list[int]], seeds: Optional[list[int]]) -> list[str]:
+    def answers(self, prompts: list[list[int]], seeds: Optional[list[int]]) -> list[Answer]:
         s = self.section
-        tokens = self.engine.generate(
+        tokens, finish_reasons = self.engine.generate(
             prompts, s.max_new_tokens, s.temperature, s.top_p, [s.seed + seed for seed in seeds]
         )
-        return [text.strip() for text in self.tokenizer.batch_decode(tokens, skip_special_tokens=True)]
+        texts = self.tokenizer.batch_decode(tokens, skip_special_tokens=True)
+        # "length": stopped at max_tokens; "stop": the target's own stop token (vLLM's finish_reason)
+        return [Answer(text.strip(), reason == "length") for text, reason in zip(texts, finish_reasons)]
 
     def finish(self) -> None:
         pass
@@ -105,10 +115,12 @@ def answer_engine(cfg: DictConfig, target, tokenizer, state, needed: bool):
         yield VllmAnswers(engine, tokenizer, section)
 
 
-def generate(model, tokenizer, prompts: list[list[int]], section, max_new_tokens: Optional[int] = None) -> list[str]:
+def generate(model, tokenizer, prompts: list[list[int]], section, max_new_tokens: Optional[int] = None) -> list[Answer]:
     """Left-pad the prompts (so every row's next token is at the same position) and decode the
-    new tokens of each; EOS and padding are special tokens and are dropped. A sharded target
-    generates with `synced_gpus`: a rank whose rows are done keeps running forwards until all are."""
+    new tokens of each; EOS and padding are special tokens and are dropped. A row without any of the
+    stop ids `generate` stops on (generation_config.eos_token_id) ran out of tokens: a cut answer. A
+    sharded target generates with `synced_gpus`: a rank whose rows are done keeps running forwards until
+    all are."""
     device = model.get_output_embeddings().weight.device
     width = max(map(len, prompts))
     pad = tokenizer.pad_token_id
@@ -128,4 +140,10 @@ def generate(model, tokenizer, prompts: list[list[int]], section, max_new_tokens
         synced_gpus=is_sharded(model),
         **sampling,
     )
-    return [text.strip() for text in tokenizer.batch_decode(output[:, width:], skip_special_tokens=True)]
+    new = output[:, width:]
+    stops = model.generation_config.eos_token_id
+    stops = [] if stops is None else [stops] if isinstance(stops, int) else list(stops)
+    # Padding may be a stop id, but comes only after a row's stop.
+    ended = torch.isin(new, torch.tensor(stops, dtype=new.dtype, device=device)).any(dim=1).tolist()
+    texts = tokenizer.batch_decode(new, skip_special_tokens=True)
+    return [Answer(text.strip(), not stopped) for text, stopped in zip(texts, ended)]

@@ -46,6 +46,10 @@ ROLES = {
 # and transformers' convention), `reasoning_content` (Qwen3's). Kept as given; data.thinking decides
 # whether the tokens the template renders it as are trained on.
 REASONING_KEYS = ("thinking", "reasoning_content")
+# An assistant turn marked `"cut": true` was cut off before the model ended it (data_prep.regenerate writes it
+# where the target reached data.regenerate.max_new_tokens): its content is trained on, the end-of-turn the
+# chat template renders after it is not, since the model did not generate one there.
+CUT_KEY = "cut"
 FEATURES = datasets.Features(
     {
         "messages": datasets.List(
@@ -53,6 +57,7 @@ FEATURES = datasets.Features(
                 "role": datasets.Value("string"),
                 "content": datasets.Value("string"),
                 **{key: datasets.Value("string") for key in REASONING_KEYS},
+                CUT_KEY: datasets.Value("bool"),
             }
         ),
         "domain": datasets.Value("string"),
@@ -352,7 +357,16 @@ def normalize_record(record: dict[str, Any], source: str, number: int, prompts_o
                 raise UserError(
                     f"{where}: turn {turn_number} has a {key} of type {type(value).__name__}, expected a string"
                 )
-        messages.append({"role": ROLES[role.lower()], "content": content, **reasoning})
+        cut = turn.get(CUT_KEY)
+        if cut is not None and not isinstance(cut, bool):
+            raise UserError(f"{where}: turn {turn_number} has a {CUT_KEY} of {cut!r}, expected true or false")
+        if cut and ROLES[role.lower()] != "assistant":
+            raise UserError(
+                f"{where}: turn {turn_number} is a {ROLES[role.lower()]} turn marked {CUT_KEY}: only an assistant "
+                "turn can be cut off"
+            )
+        # only a cut turn holds the key: a finished one reads (and is written) as every other record
+        messages.append({"role": ROLES[role.lower()], "content": content, **reasoning, CUT_KEY: cut or None})
     if not answered_turns(messages) and not (prompts_only and messages[-1]["role"] == "user"):
         opening = messages[0]["role"] == "assistant"
         raise UserError(

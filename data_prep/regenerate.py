@@ -9,7 +9,9 @@ turn, as in a prompt-only set) is answered after its last turn. A turn whose
 prompt already holds `data.max_length` tokens is not generated (training would cut it off), and an
 empty answer (the target ended its turn at once) is not kept: the conversation ends at the assistant
 turn before it, or is left out when fewer than `data.regenerate.min_turns` turns are answered by then;
-all are counted. Conversations are generated
+all are counted. An answer cut off at `data.regenerate.max_new_tokens` (the target had not ended its turn)
+is kept marked `"cut": true`, so that training leaves the end-of-turn after it out of the loss
+(data_prep/template.py), and counted. Conversations are generated
 `data.regenerate.batch_size` at a time, greedy or sampled (`temperature`, `top_p`; `samples` answers
 each), by one of two engines (`data.regenerate.engine`; data_prep/answer_engines.py):
 
@@ -56,8 +58,8 @@ from accelerate import PartialState
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from draftsmith.data_prep.answer_engines import answer_engine, vllm_dtype
-from draftsmith.data_prep.conversations import REASONING_KEYS, answered_turns, load_conversations
+from draftsmith.data_prep.answer_engines import Answer, answer_engine, vllm_dtype
+from draftsmith.data_prep.conversations import CUT_KEY, REASONING_KEYS, answered_turns, load_conversations
 from draftsmith.data_prep.dataset import require_context
 from draftsmith.data_prep.template import render_prompt
 from draftsmith.errors import UserError
@@ -83,6 +85,7 @@ class RegenerateResult:
     reused: int = 0  # answers taken from an earlier regeneration (data.regenerate.reuse), not asked of the engine
     excluded: int = 0  # data.train conversations not regenerated: a held-out first prompt (data.regenerate.exclude)
     short: int = 0  # data.train conversations not regenerated: fewer than data.regenerate.min_turns assistant turns
+    cut_answers: int = 0  # answers in the conversations written now that the target had not ended at max_new_tokens
 
 
 def main(argv: Sequence[str]) -> None:
@@ -98,6 +101,12 @@ def main(argv: Sequence[str]) -> None:
             f"min_turns={min_turns} answers; {result.reused} answers taken from data.regenerate.reuse; not "
             f"regenerated: {result.excluded} held out, {result.short} with fewer than min_turns={min_turns} turns)"
         )
+        if result.cut_answers:
+            print(
+                f"{result.cut_answers} answers cut at data.regenerate.max_new_tokens="
+                f"{cfg.data.regenerate.max_new_tokens} (kept and marked cut: their end-of-turn is not trained on); "
+                "raise data.regenerate.max_new_tokens for the target's whole answers"
+            )
     end_process_group()
 
 
@@ -204,12 +213,13 @@ def check_reusable(directories, settings: dict[str, Any]) -> None:
             )
 
 
-def known_answers(reused) -> dict[str, str]:
+def known_answers(reused) -> dict[str, Answer]:
     """Every assistant turn of the reused regenerations, by the conversation before it."""
     known = {}
     for row in reused.select_columns(["messages"]) if reused is not None else []:
         for turn in answered_turns(row["messages"]):
-            known[prompt_key(row["messages"][:turn])] = row["messages"][turn]["content"]
+            message = row["messages"][turn]
+            known[prompt_key(row["messages"][:turn])] = Answer(message["content"], bool(message[CUT_KEY]))
     return known
 
 
@@ -218,7 +228,7 @@ def prompt_key(messages: list[dict]) -> str:
 
 
 def regenerate_into(
-    cfg: DictConfig, directory: Path, conversations, known: dict[str, str], target, tokenizer, state
+    cfg: DictConfig, directory: Path, conversations, known: dict[str, Answer], target, tokenizer, state
 ) -> RegenerateResult:
     """Conversation k // samples written as row k of the output, in parts of data.regenerate.batch_size rows."""
     section, name = cfg.data.regenerate, cfg.target.name_or_path
@@ -235,7 +245,7 @@ def regenerate_into(
         unit="conversation",
         disable=not state.is_main_process,
     )
-    generated, cut, empty, left_out, reused = 0, 0, 0, 0, 0
+    generated, cut, empty, left_out, reused, cut_answers = 0, 0, 0, 0, 0, 0
     with answer_engine(cfg, target, tokenizer, state, bool(mine)) as engine:
         for index in mine:
             rows = [conversations[k // section.samples] for k in chunks[index]]
@@ -263,6 +273,7 @@ def regenerate_into(
             empty += why_kept_ended.count("empty answer")
             left_out += len(rows) - len(records)
             reused += taken
+            cut_answers += sum(bool(m[t].get(CUT_KEY)) for m in messages if m is not None for t in answered_turns(m))
             # The others go at about the same pace; the estimate stops at the total.
             progress.update(min(len(rows) * state.num_processes, progress.total - progress.n))
     progress.close()
@@ -270,11 +281,11 @@ def regenerate_into(
         from accelerate.utils import gather_object
 
         # a collective: past it, every rank's parts are written
-        generated, cut, empty, left_out, reused = (
-            sum(gather_object([value])) for value in (generated, cut, empty, left_out, reused)
+        generated, cut, empty, left_out, reused, cut_answers = (
+            sum(gather_object([value])) for value in (generated, cut, empty, left_out, reused, cut_answers)
         )
     written = sum(1 for part in directory.glob("part-*.jsonl.gz") for _ in gzip.open(part, "rt"))
-    return RegenerateResult(directory, written, generated, cut, empty, left_out, reused)
+    return RegenerateResult(directory, written, generated, cut, empty, left_out, reused, cut_answers=cut_answers)
 
 
 def without_nulls(messages: list[dict]) -> list[dict]:
@@ -333,7 +344,7 @@ def regenerate_batch(
     section,
     max_length: int,
     seeds: Optional[list[int]] = None,
-    known: Optional[dict[str, str]] = None,
+    known: Optional[dict[str, Answer]] = None,
     names: Optional[list[str]] = None,
 ) -> tuple[list[Optional[list[dict]]], list[Optional[str]], int]:
     """Every assistant turn of each conversation replaced by the target's answer to the turns before
@@ -345,8 +356,9 @@ def regenerate_batch(
     the assistant turn before it (None: left out, when fewer than `section.min_turns` are answered by
     then). With `section.max_turns` a conversation ends after its max_turns-th assistant turn. Returns
     the conversations, for each why it ended early ("max_length", "empty answer") or None, and how many
-    answers `known` gave. An opening assistant turn is kept as it is (`answered_turns`). `names` (a file and
-    record each) name a conversation the chat template rejects."""
+    answers `known` gave. An answer cut at max_new_tokens is kept, its turn marked `"cut": true`. An
+    opening assistant turn is kept as it is (`answered_turns`). `names` (a file and record each) name a
+    conversation the chat template rejects."""
     known = known or {}
     conversations = [[dict(message) for message in messages] for messages in batch]
     turns = [answered_turns(messages)[: section.max_turns] for messages in conversations]
@@ -385,14 +397,18 @@ def regenerate_batch(
             for i, answer in zip(asked, fresh):
                 answers[i] = answer
         for (row, turn), answer in zip(active, answers):
-            if not answer:
+            if not answer.text:
                 end_before(row, round_, "empty answer")
                 continue
             # the target's answer replaces the turn, and the reasoning that led to the old one goes with it
             message = conversations[row][turn]
-            message["content"] = answer
+            message["content"] = answer.text
             for key in REASONING_KEYS:
                 message.pop(key, None)
+            if answer.cut:
+                message[CUT_KEY] = True
+            else:
+                message.pop(CUT_KEY, None)
     return conversations, ended, taken
 
 

@@ -4,7 +4,9 @@ assistant generates (the loss mask), without any per-template knowledge.
 Method: the assistant's span of turn i starts where `messages[:i]` rendered with the generation
 prompt ends, and ends where `messages[:i+1]` rendered ends; both must be prefixes of the whole
 rendered conversation. The whole text is tokenized once, and a token is in the mask when its
-first character lies inside a span. An opening assistant turn (i = 0, a chat log's greeting) answers
+first character lies inside a span. A turn marked cut (`"cut": true`: the model was stopped before it ended
+the turn) spans its content only, up to the end of the content as rendered: the end-of-turn after it is the
+template's, not the model's. An opening assistant turn (i = 0, a chat log's greeting) answers
 nothing and has no `messages[:0]` to render: it is rendered as context, out of the mask.
 
 A template that renders an earlier turn differently once a later one follows (Qwen3's and Qwen3.5's
@@ -19,7 +21,7 @@ from typing import Any, Optional, Sequence
 
 from jinja2 import TemplateError
 
-from draftsmith.data_prep.conversations import REASONING_KEYS, answered_turns
+from draftsmith.data_prep.conversations import CUT_KEY, REASONING_KEYS, answered_turns
 from draftsmith.errors import UserError
 
 Message = dict[str, Any]
@@ -33,7 +35,8 @@ class NotPrefixStable(Exception):
 
 def render_with_masks(tokenizer, messages: Sequence[Message], thinking: str = "train") -> Row:
     """Token ids of the whole conversation and a 0/1 mask that is 1 exactly on the tokens the
-    assistant generates: its contents and the end-of-turn token(s) right after each. With `thinking`
+    assistant generates: its contents and the end-of-turn token(s) right after each (not after a turn
+    marked cut: the model did not end that one). With `thinking`
     = "mask" (data.thinking), a turn's reasoning (its `thinking` or `reasoning_content`) is left out of
     the mask where the template renders it, found verbatim inside the turn's span; the markup around
     it (a channel header, `<think>`) stays, since the model generates that too. A template that rewrites
@@ -93,11 +96,28 @@ def _turn_spans(tokenizer, messages: list[Message], index: int, text: str, think
     turn = _render(tokenizer, messages[: index + 1], add_generation_prompt=False)
     if not (text.startswith(prompt) and text.startswith(turn) and len(turn) > len(prompt)):
         raise NotPrefixStable(index)
-    span = (len(prompt), len(prompt) + _generated_length(text[len(prompt) : len(turn)], tokenizer.eos_token))
+    if messages[index].get(CUT_KEY):
+        span = (len(prompt), _content_end(text, len(prompt), len(turn), messages[index]["content"], index))
+    else:
+        span = (len(prompt), len(prompt) + _generated_length(text[len(prompt) : len(turn)], tokenizer.eos_token))
     reasoning = next((messages[index][key] for key in REASONING_KEYS if messages[index].get(key)), None)
     if thinking == "mask" and reasoning and reasoning.strip():
         return _without(span, text, reasoning.strip(), index)
     return [span]
+
+
+def _content_end(text: str, start: int, end: int, content: str, index: int) -> int:
+    """Where the content of the cut assistant turn rendered in `text[start:end]` ends: its last verbatim
+    occurrence there (after any reasoning the template renders before it), or that of the content without
+    its surrounding whitespace, which some templates trim (Llama-3's, Gemma's)."""
+    for rendered in (content, content.strip()):
+        found = text.rfind(rendered, start, end)
+        if found >= 0:
+            return found + len(rendered)
+    raise UserError(
+        f"assistant turn {index + 1} is marked {CUT_KEY}, but the chat template does not render its content "
+        "verbatim, so where the end-of-turn after it begins is unknown (drop the key to train on it as finished)"
+    )
 
 
 def _masked(tokenizer, text: str, spans: list[tuple[int, int]]) -> Row:
@@ -164,8 +184,11 @@ def require_chat_template(tokenizer) -> None:
 def _render(tokenizer, messages: list[Message], add_generation_prompt: bool) -> str:
     require_chat_template(tokenizer)
     # A turn without reasoning has None under those keys (one Arrow schema for all rows): leave them
-    # out, as a template tests whether the key is there, not what it holds.
-    messages = [{key: value for key, value in message.items() if value is not None} for message in messages]
+    # out, as a template tests whether the key is there, not what it holds. The cut mark is draftsmith's,
+    # not the template's: a cut turn renders as any other.
+    messages = [
+        {key: value for key, value in message.items() if value is not None and key != CUT_KEY} for message in messages
+    ]
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except TemplateError as err:  # raise_exception() in templates, e.g. "roles must alternate"

@@ -234,7 +234,8 @@ class VllmGenerator:
 
     def generate(
         self, prompts: Sequence[Sequence[int]], max_tokens: int, temperature: float, top_p: float, seeds: Sequence[int]
-    ) -> list[list[int]]:
+    ) -> tuple[list[list[int]], list[str]]:
+        """Each prompt's new token ids, and vLLM's finish_reason for each ("length": cut at max_tokens)."""
         batch = {
             "prompts": [list(p) for p in prompts],
             "max_tokens": max_tokens,
@@ -242,7 +243,8 @@ class VllmGenerator:
             "top_p": top_p,
             "seeds": list(seeds),
         }
-        return self.worker.ask({"generate": batch}, "generate")["outputs"]
+        reply = self.worker.ask({"generate": batch}, "generate")
+        return reply["outputs"], reply["finish_reasons"]
 
     def close(self) -> None:
         self.worker.close()

@@ -314,6 +314,57 @@ def test_thinking_is_trained_on_or_masked_by_a_setting(family):
         render_with_masks(silent, conversation, thinking="mask")
 
 
+def test_a_cut_answer_is_trained_on_but_not_the_end_of_turn_after_it(tmp_path, reference_tokenizer):
+    """An answer marked cut (data_prep.regenerate's `"cut": true`: the target reached max_new_tokens before it
+    ended its turn) keeps its content in the mask and leaves out the end-of-turn the template renders after it,
+    which the target did not generate there; the rendered ids stay the same. In every family, with reasoning
+    masked, in a row per turn, and read from a user's file."""
+    cut = [*CONVERSATION[:2], {**CONVERSATION[2], "cut": True}, *CONVERSATION[3:]]
+    ids, mask = render_with_masks(reference_tokenizer, cut)
+    assert ids == render_with_masks(reference_tokenizer, CONVERSATION)[0]
+    assert masked_runs(reference_tokenizer, ids, mask) == [ANSWER_1, ANSWER_2 + "<|end|>"]
+    ids, mask = render_with_masks(llama3_tokenizer("<|eot_id|>"), cut)  # trims the content it renders
+    assert masked_runs(llama3_tokenizer("<|eot_id|>"), ids, mask) == [ANSWER_1.strip(), ANSWER_2 + "<|eot_id|>"]
+    chatml = qwen_tokenizer("<|im_end|>")
+    assert masked_runs(chatml, *render_with_masks(chatml, cut)) == [ANSWER_1, ANSWER_2 + "<|im_end|>"]
+
+    think = family_tokenizer(THINK_TEMPLATE, ["<|im_start|>", "<|im_end|>", "<think>", "</think>"], "<|im_end|>", None)
+    reasoned = [CONVERSATION[1], {**CONVERSATION[2], "reasoning_content": REASONING, "cut": True}]
+    assert masked_runs(think, *render_with_masks(think, reasoned, thinking="mask")) == [
+        "<think>\n",
+        "\n</think>\n\n" + ANSWER_1,
+    ]
+    rewriting = family_tokenizer(
+        REWRITING_TEMPLATE, ["<|im_start|>", "<|im_end|>", "<think>", "</think>"], "<|im_end|>", None
+    )
+    rows = render_rows(rewriting, [*CONVERSATION[:4], {**CONVERSATION[4], "cut": True}])
+    assert [masked_runs(rewriting, *row) for row in rows] == [
+        [f"<think>\n\n</think>\n\n{ANSWER_1}<|im_end|>"],
+        [f"<think>\n\n</think>\n\n{ANSWER_2}"],
+    ]
+
+    path = write_jsonl(tmp_path / "cut.jsonl", [{"messages": cut}, {"messages": CONVERSATION}])
+    conversations = load_conversations([str(path)])
+    assert [[m["cut"] for m in row["messages"]] for row in conversations] == [
+        [None, None, True, None, None],
+        [None] * 5,
+    ]
+    tokenized = tokenize_conversations(conversations, reference_tokenizer, 512, cache_dir=str(tmp_path / "cache"))
+    assert [masked_runs(reference_tokenizer, row["input_ids"], row["loss_mask"]) for row in tokenized] == [
+        [ANSWER_1, ANSWER_2 + "<|end|>"],
+        [ANSWER_1 + "<|end|>", ANSWER_2 + "<|end|>"],
+    ]
+    for turn, value, error in [
+        (2, "yes", r"turn 3 has a cut of 'yes', expected true or false"),
+        (1, True, "turn 2 is a user turn marked cut: only an assistant turn can be cut off"),
+    ]:
+        messages = [dict(m) for m in CONVERSATION]
+        messages[turn]["cut"] = value
+        bad = write_jsonl(tmp_path / f"bad{turn}.jsonl", [{"messages": messages}])
+        with pytest.raises(UserError, match=rf"bad{turn}\.jsonl record 1: {error}"):
+            load_conversations([str(bad)])
+
+
 def test_the_loader_keeps_a_turns_reasoning_and_the_setting_keys_the_cache(tmp_path):
     path = tmp_path / "reasoning.jsonl"
     record = {"messages": [{"role": "user", "content": "What is the capital of France?"},
@@ -397,7 +448,7 @@ def test_all_formats_give_identical_conversations(tmp_path):
     ]
     paths[3].write_text(json.dumps(RECORDS))
     datasets.Dataset.from_list(RECORDS).to_parquet(str(paths[4]))
-    no_reasoning = {"thinking": None, "reasoning_content": None}  # one Arrow schema: absent reads as None
+    no_reasoning = {"thinking": None, "reasoning_content": None, "cut": None}  # one Arrow schema: absent reads as None
     expected = [[{**message, **no_reasoning} for message in record["messages"]] for record in RECORDS]
     for path in paths:
         loaded = load_conversations([str(path)])
@@ -572,6 +623,7 @@ def test_regeneration_keeps_an_opening_assistant_turn_and_answers_the_prompt_aft
     followed by a user turn alone gets an answer after it."""
     from omegaconf import OmegaConf
 
+    from draftsmith.data_prep.answer_engines import Answer
     from draftsmith.data_prep.regenerate import regenerate_batch, with_a_turn_to_answer
 
     class Answers:
@@ -580,7 +632,7 @@ def test_regeneration_keeps_an_opening_assistant_turn_and_answers_the_prompt_aft
 
         def answers(self, prompts, seeds):
             self.asked += prompts
-            return [f"answer {i}" for i in range(len(prompts))]
+            return [Answer(f"answer {i}", cut=False) for i in range(len(prompts))]
 
     tokenizer, engine = load_tokenizer(str(REFERENCE)), Answers()
     prompt = with_a_turn_to_answer({"messages": [GREETING, USER]})["messages"]
@@ -618,6 +670,9 @@ def test_opening_assistant_turns_through_regenerate_and_train(tmp_path, token_ca
     written = [json.loads(line) for line in gzip.open(tmp_path / "out" / "part-00000.jsonl.gz", "rt")]
     assert [record["messages"][:2] for record in written] == [[GREETING, USER]] * 2  # no `"thinking": null`
     assert all(m["role"] == "assistant" and m["content"] for m in (r["messages"][2] for r in written))
+    # two tokens are not a whole answer: each is kept marked cut, and the summary says so
+    assert all(r["messages"][2]["cut"] is True for r in written)
+    assert "2 answers cut at data.regenerate.max_new_tokens=2" in done.stdout
 
     refusing = load_tokenizer(str(REFERENCE))
     refusing.chat_template = (

