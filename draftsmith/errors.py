@@ -48,6 +48,11 @@ class EngineUnavailable(Exception):
     not bad input. What was finished is kept; exit EXIT_UNAVAILABLE, retry the same command."""
 
 
+class HubUnavailable(Exception):
+    """The Hugging Face Hub could not be reached (no network, a timeout, a server error): a temporary fault,
+    not bad input; exit EXIT_UNAVAILABLE, retry the same command."""
+
+
 class StorageError(Exception):
     """An output could not be written (a full disk, a quota, an I/O error, permissions): what was
     finished before is intact; free space and run the same command again; exit EXIT_IO_ERROR."""
@@ -90,6 +95,7 @@ OUTCOMES: tuple[tuple[type[BaseException], int, str], ...] = (
     (CheckFailed, EXIT_CHECK_FAILED, "check failed"),
     (TrainingDiverged, EXIT_DIVERGED, "training diverged"),
     (EngineUnavailable, EXIT_UNAVAILABLE, "engine unavailable"),
+    (HubUnavailable, EXIT_UNAVAILABLE, "Hub unavailable"),
     (StorageError, EXIT_IO_ERROR, "I/O error"),
     (Preempted, EXIT_PREEMPTED, "preempted"),
 )

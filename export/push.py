@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig
 
-from draftsmith.errors import UserError, one_line
+from draftsmith.errors import HubUnavailable, UserError, one_line
 
 
 def repo_id_for(cfg: DictConfig, engine: str) -> str:
@@ -40,6 +40,7 @@ def commit_message(cfg: DictConfig, engine: str, report: Optional[dict[str, Any]
 
 def push_folders(cfg: DictConfig, folders: dict[str, Path], report: Optional[dict[str, Any]]) -> dict[str, str]:
     """Push every engine folder; returns engine -> the commit its branch now points at."""
+    import httpx2  # huggingface_hub's HTTP client
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -57,7 +58,15 @@ def push_folders(cfg: DictConfig, folders: dict[str, Path], report: Optional[dic
                 revision=push.revision,
                 commit_message=commit_message(cfg, engine, report, folder),
             )
-        except (HfHubHTTPError, OSError, ValueError) as err:
+        except (httpx2.TransportError, HfHubHTTPError) as err:  # the network, or the Hub's own fault: retry
+            status = getattr(getattr(err, "response", None), "status_code", None)
+            if isinstance(err, HfHubHTTPError) and (status is None or status < 500):
+                raise UserError(f"could not push {folder} to {repo_id}@{push.revision}: {one_line(err)}") from None
+            raise HubUnavailable(
+                f"could not push {folder} to {repo_id}@{push.revision}: {one_line(err)}; the folders are exported: "
+                "run the same command again to push them"
+            ) from None
+        except (OSError, ValueError) as err:
             raise UserError(f"could not push {folder} to {repo_id}@{push.revision}: {one_line(err)}") from None
         heads[engine] = commit.oid
         print(f"pushed {folder} to {repo_id}@{push.revision} ({commit.oid[:12]})")

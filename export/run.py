@@ -55,6 +55,11 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
     """Export `checkpoint` for every engine in export.engines; returns engine -> folder. `engines`: an
     export.verify.EngineSession to run the vLLM check in (one of its own, closed at the end, if None)."""
     output = Path(cfg.export.output or Path(cfg.output_dir) / "export")
+    if output.resolve().is_relative_to(checkpoint.resolve()):
+        raise UserError(
+            f"export.output={str(output)!r} is inside the checkpoint {checkpoint}: its files would count in the "
+            "checkpoint's sha256 (which the eval report and the monitor identify it by); give a folder outside it"
+        )
     with DirectoryLock(output, key="export.output"):
         kind = read_checkpoint_config(checkpoint)["drafter_type"]
         # the rule a warm start follows: the recipe is for the drafter it reads
@@ -67,6 +72,7 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
             require_vllm_serves(exporter.vllm_method, exporter.vllm_releases, cfg.export.vllm_python)
         source_digest = checkpoint_digest(checkpoint)  # its config.json as well as its weights
         schedule = batch_schedule_of(cfg, source_digest)  # before the target loads: a bad sweep stops here
+        report = find_report(cfg, checkpoint, source_digest)  # and a report of other weights
         claim_export_dir(output, list(cfg.export.engines), source_digest, cfg.export.overwrite)
         target = target if target is not None else load_target(cfg.target, resolve_device(cfg.eval.device))
         source = load_source(cfg, checkpoint, target)
@@ -80,7 +86,6 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
             require_engine_imports(source.target.config, cfg.export.vllm_python)
         for repo in repos.values():
             check_tensors(repo, f"{source.drafter.type} checkpoint {checkpoint}")
-        report = find_report(cfg, checkpoint)
         with_reported_accuracy(source, report)
         folders = {}
         for engine, repo in repos.items():
@@ -206,9 +211,11 @@ def claim_export_dir(output: Path, engines: list[str], digest: str, overwrite: b
     move_aside(output, others)
 
 
-def find_report(cfg: DictConfig, checkpoint: Path) -> Optional[dict[str, Any]]:
+def find_report(cfg: DictConfig, checkpoint: Path, digest: str) -> Optional[dict[str, Any]]:
     """The eval report the model card shows: export.report, else the one train.py wrote beside the
-    checkpoint (<output_dir>/eval/report.json), else none."""
+    checkpoint (<output_dir>/eval/report.json), else none. It must have measured these weights (`digest`,
+    the checkpoint's sha256: a run moved or copied elsewhere keeps its report; a report without one, from an
+    earlier draftsmith, is matched by the checkpoint's path)."""
     path = Path(cfg.export.report) if cfg.export.report else checkpoint.resolve().parent / "eval" / "report.json"
     if not path.is_file():
         if cfg.export.report:
@@ -221,10 +228,15 @@ def find_report(cfg: DictConfig, checkpoint: Path) -> Optional[dict[str, Any]]:
         raise UserError(f"{path}: not an eval report ({one_line(err)})") from None
     if not isinstance(report, dict) or not isinstance(report.get("drafter"), dict):
         raise UserError(f"{path}: not an eval report (no drafter section)")
-    if report.get("drafter", {}).get("path") != str(checkpoint.resolve()):
+    evaluated = report["drafter"]
+    same = (
+        evaluated["sha256"] == digest if "sha256" in evaluated else evaluated.get("path") == str(checkpoint.resolve())
+    )
+    if not same:
         raise UserError(
-            f"{path} evaluates {report.get('drafter', {}).get('path')}, not {checkpoint.resolve()}; "
-            "pass export.report for this checkpoint"
+            f"{path} evaluates other weights ({evaluated.get('path')}, sha256 {str(evaluated.get('sha256'))[:12]}) "
+            f"than {checkpoint.resolve()} (sha256 {digest[:12]}); pass export.report for this checkpoint's eval, or "
+            "evaluate it"
         )
     return {**report, "_path": str(path)}
 

@@ -296,7 +296,7 @@ def reverify_command(deployed: dict[str, Any], info: dict[str, Any]) -> str:
         args.append(f"export.report={info['eval_report']['path']}")
     if info.get("batch_schedule"):
         args.append(f"export.batch_sweep={info['batch_schedule']['sweep']}")
-    return f"python -m export recipe=RECIPE {shlex.join(args)} export.vllm_python=PYTHON"
+    return f"draftsmith export recipe=RECIPE {shlex.join(args)} export.vllm_python=PYTHON"
 
 
 def measure_traffic(

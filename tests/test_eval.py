@@ -481,6 +481,36 @@ def test_an_eval_of_another_checkpoint_moves_the_earlier_report_aside(eval_setup
     assert export_checkpoint(exported, final, target=target)["vllm"].is_dir()
 
 
+def test_an_export_reads_the_report_of_its_weights_wherever_the_run_moved(eval_setup, tmp_path):
+    """The export matches the eval report to the checkpoint by its sha256, not its path: a run copied elsewhere
+    exports with its report (it was refused, export.report included); a report of other weights is refused; and
+    an export.output inside the checkpoint is refused (its files changed the checkpoint's sha256)."""
+    import shutil
+
+    from draftsmith.export.run import export_checkpoint
+    from tests.helpers import save_drafter
+
+    root, recipe, target = eval_setup
+    run = tmp_path / "run"
+    shutil.copytree(root / "run" / "final", run / "final")
+    run_eval(load_recipe([f"recipe={recipe}", f"output_dir={run}"]), str(run / "final"), target=target)
+    moved = shutil.copytree(run, tmp_path / "moved")
+
+    def export(checkpoint, output):
+        cfg = load_recipe([f"recipe={recipe}", f"output_dir={checkpoint.parent}", f"export.output={output}"])
+        return export_checkpoint(cfg, checkpoint, target=target)
+
+    folder = export(moved / "final", tmp_path / "x")["vllm"]
+    assert json.loads((folder / "draftsmith_export.json").read_text())["eval_report"]["path"].startswith(str(moved))
+    other = save_drafter("medusa", target, tmp_path / "other" / "final", seed=1, num_heads=3)
+    shutil.copytree(run / "eval", other.parent / "eval")
+    with pytest.raises(UserError, match=r"report.json evaluates other weights .* than .*other/final"):
+        export(other, tmp_path / "y")
+    with pytest.raises(UserError, match=r"export.output=.* is inside the checkpoint"):
+        export(moved / "final", moved / "final" / "served")
+    assert not (moved / "final" / "served").exists()
+
+
 def test_cli_rejects_a_missing_and_a_foreign_checkpoint(eval_setup, tmp_path, capsys):
     _, recipe, _ = eval_setup
     missing = run_entry_in_process(["-m", "eval", f"recipe={recipe}", f"checkpoint={tmp_path / 'nothing'}"], capsys)

@@ -103,6 +103,23 @@ def test_a_hub_that_cannot_be_reached_exits_69_and_an_uncached_id_offline_exits_
     assert not (tmp_path / "run").exists()
 
 
+def test_a_push_to_a_hub_out_of_reach_exits_69_with_the_folders_exported(checkpoint, tmp_path, monkeypatch, capsys):
+    """A push with no network was an internal error (exit 70: httpx's ConnectError); it is a Hub out of reach
+    (69: run the same command again), the folders exported before it are kept."""
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr("time.sleep", lambda seconds: None)
+    output = tmp_path / "export"
+    args = ["recipe=medusa", f"checkpoint={checkpoint}", f"output_dir={tmp_path}", f"export.output={output}",
+            "export.push.repo_id=acme/demo"]  # fmt: skip
+    result = run_entry_in_process(["-m", "export", *args], capsys)
+    assert_one_line_error(result, 69, "could not push", prefix="Hub unavailable: ")
+    assert result.stderr.rstrip().endswith("the folders are exported: run the same command again to push them")
+    assert (output / "vllm" / "draftsmith_export.json").is_file()
+
+
 def test_an_engine_that_refuses_the_export_exits_3(checkpoint, tmp_path, capsys):
     """An engine that answers but cannot serve the folder: the export failed its check (as a τ or
     lossless mismatch in the engine would), not bad input and not worth a retry."""
@@ -222,8 +239,10 @@ def test_a_diverged_training_run_exits_4(tmp_path, small_data, token_cache, caps
 
 
 def test_every_outcome_has_its_own_code():
-    codes = [code for _, code, _ in errors.OUTCOMES if code != errors.EXIT_CHECK_FAILED]
-    codes += [errors.EXIT_CHECK_FAILED, errors.EXIT_INTERNAL, errors.EXIT_INTERRUPTED]
+    # one meaning per code: 3 a failed check (the eval's, the export's), 69 a service out of reach (an engine, the Hub)
+    shared = (errors.EXIT_CHECK_FAILED, errors.EXIT_UNAVAILABLE)
+    codes = [code for _, code, _ in errors.OUTCOMES if code not in shared]
+    codes += [*shared, errors.EXIT_INTERNAL, errors.EXIT_INTERRUPTED]
     assert len(codes) == len(set(codes))
     from draftsmith.monitor import Outcome
 

@@ -13,7 +13,9 @@ import gzip
 import http.server
 import json
 import shutil
+import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -402,7 +404,7 @@ def test_a_new_engine_version_is_a_reverify_not_a_drift(tmp_path, capsys):
         [line] = [line for line in result.stdout.splitlines() if line.startswith("monitor: ")]
         assert line.startswith("monitor: reverify: ") and "checked in vLLM 0.32.0" in line and "vLLM 0.33.0 at" in line
         assert (
-            f"python -m export recipe=RECIPE checkpoint={folder.parent / 'final'} export.output={folder.parent} "
+            f"draftsmith export recipe=RECIPE checkpoint={folder.parent / 'final'} export.output={folder.parent} "
             in line
         )
         assert "export.vllm_python=PYTHON (RECIPE: this monitor's recipe; PYTHON: a Python with vLLM 0.33.0)" in line
@@ -705,10 +707,12 @@ def healthy_setup(deployed, tmp_path):
 
 def run_as_written(command: str, recipe: Path) -> subprocess.CompletedProcess:
     """A deploy example's command with this test's recipe and the installed `draftsmith`."""
-    command = command.replace("/etc/draftsmith/monitor.yaml", str(recipe)).replace(
-        "/opt/draftsmith/bin/draftsmith", "draftsmith"
+    command = (
+        command.replace("/etc/draftsmith/monitor.yaml", str(recipe))
+        .replace("/opt/draftsmith/bin/draftsmith", "draftsmith")
+        .replace("/var/lib/draftsmith", str(recipe.parent))
     )
-    return subprocess.run(["/bin/sh", "-c", command], capture_output=True, text=True, timeout=300, cwd=recipe.parent)
+    return subprocess.run(["/bin/sh", "-c", command], capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.slow
@@ -725,7 +729,8 @@ def test_the_deploy_examples_run_as_written(healthy_setup):
     command = (
         fields[6].replace(">> /var/log/draftsmith-monitor.log 2>&1", "").replace("/etc/draftsmith/redeploy.sh", "true")
     )
-    assert run_as_written(command, recipe).returncode == 0
+    done = run_as_written(command, recipe)
+    assert done.returncode == 0 and "monitor: " in done.stdout, done.stderr[-2000:]
     # systemd: a oneshot service whose outcomes are not failures, started by the timer
     service = configparser.ConfigParser(strict=False, interpolation=None)
     service.read(REPO / "deploy" / "systemd" / "draftsmith-monitor.service")
@@ -747,10 +752,19 @@ def test_the_deploy_examples_run_as_written(healthy_setup):
         rule["action"]: rule["onExitCodes"]["values"]
         for rule in job["spec"]["jobTemplate"]["spec"]["podFailurePolicy"]["rules"]
     }
-    assert rules == {"Ignore": [69, 75], "FailJob": [2]}
+    assert rules == {"Ignore": [75], "FailJob": [2]}
     container = job["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]
     assert container["command"][:2] == ["/bin/sh", "-c"]
     assert run_as_written(container["command"][2], recipe).returncode == 0
+    # the shell forwards SIGTERM (as PID 1 it would get none): a stand-in check that exits 75 on it, as a
+    # retraining does after its checkpoint
+    on_sigterm = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(75)); time.sleep(60)"
+    stand_in = f"{sys.executable} -c '{on_sigterm}'"
+    drained = container["command"][2].replace("draftsmith monitor check recipe=/etc/draftsmith/monitor.yaml", stand_in)
+    shell = subprocess.Popen(["/bin/sh", "-c", drained])
+    time.sleep(2)
+    shell.send_signal(signal.SIGTERM)
+    assert shell.wait(timeout=30) == 75
     bad = run_as_written(container["command"][2], recipe.parent / "missing.yaml")
     assert bad.returncode == 2  # bad input fails the Job
     engine.server.shutdown()
