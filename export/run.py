@@ -45,6 +45,7 @@ from draftsmith.formats.versions import (
 from draftsmith.heads import load_drafter
 from draftsmith.heads.base import EVAL_SPLIT, read_checkpoint_config
 from draftsmith.outputs import DirectoryLock, move_aside
+from draftsmith.recipe_checks import ENGINES
 from draftsmith.target import TargetShape, load_target, resolve_device
 
 EXPORT_FORMAT = 1
@@ -73,7 +74,7 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
         source_digest = checkpoint_digest(checkpoint)  # its config.json as well as its weights
         schedule = batch_schedule_of(cfg, source_digest)  # before the target loads: a bad sweep stops here
         report = find_report(cfg, checkpoint, source_digest)  # and a report of other weights
-        claim_export_dir(output, list(cfg.export.engines), source_digest, cfg.export.overwrite)
+        claim_export_dir(output, source_digest, cfg.export.overwrite)
         target = target if target is not None else load_target(cfg.target, resolve_device(cfg.eval.device))
         source = load_source(cfg, checkpoint, target)
         gamma = serving_gamma(cfg, source, schedule)
@@ -189,11 +190,12 @@ def serving_gamma(cfg: DictConfig, source: Source, schedule: Optional[dict[str, 
     return gamma
 
 
-def claim_export_dir(output: Path, engines: list[str], digest: str, overwrite: bool) -> None:
+def claim_export_dir(output: Path, digest: str, overwrite: bool) -> None:
     """An engine folder made from another checkpoint is never replaced implicitly; one made from this
-    checkpoint is re-exported in place (the same inputs give the same bytes)."""
+    checkpoint is re-exported in place (the same inputs give the same bytes). Every engine's folder counts, not
+    only those exported now: another checkpoint's left beside this one's would read as one export of two drafters."""
     others = []
-    for engine in engines:
+    for engine in ENGINES:
         info_path = output / engine / EXPORT_INFO
         if (output / engine).exists():
             made_from = (

@@ -553,17 +553,21 @@ def test_an_exported_folder_evaluates_like_its_checkpoint(kind, engines, config,
 
 # -- the output directory ----------------------------------------------------------------------------
 def test_a_reexport_is_byte_identical_and_another_checkpoint_is_not_mixed_in(target, tmp_path):
+    """Another checkpoint's engine folders are refused, or moved aside with export.overwrite=true: all of them,
+    not only those exported now (its sglang/ was left beside the new vllm/, one export of two drafters)."""
+    both = "export.engines=[vllm,sglang]"
     one = save_drafter("eagle3", target, tmp_path / "one", seed=1)
-    first = run_export("eagle3", one, tmp_path / "export", target=target)["vllm"]
+    first = run_export("eagle3", one, tmp_path / "export", both, target=target)["vllm"]
     before = {p.name: p.read_bytes() for p in first.iterdir()}
-    run_export("eagle3", one, tmp_path / "export", target=target)
+    run_export("eagle3", one, tmp_path / "export", both, target=target)
     assert {p.name: p.read_bytes() for p in first.iterdir()} == before
     two = save_drafter("eagle3", target, tmp_path / "two", seed=2)
-    with pytest.raises(UserError, match="holds vllm export\\(s\\) of another checkpoint.*export.overwrite=true"):
+    with pytest.raises(UserError, match="holds vllm, sglang export\\(s\\) of another checkpoint.*overwrite=true"):
         run_export("eagle3", two, tmp_path / "export", target=target)
     run_export("eagle3", two, tmp_path / "export", "export.overwrite=true", target=target)
     (moved,) = (tmp_path / "export" / "replaced").iterdir()
     assert {p.name: p.read_bytes() for p in (moved / "vllm").iterdir()} == before
+    assert (moved / "sglang").is_dir() and not (tmp_path / "export" / "sglang").exists()
 
 
 @pytest.mark.parametrize(
