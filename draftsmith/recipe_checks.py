@@ -207,6 +207,16 @@ def check_export(x) -> None:
     require(
         x.vllm_format in VLLM_FORMATS, f"export.vllm_format={x.vllm_format!r} is not one of {', '.join(VLLM_FORMATS)}"
     )
+    # the vLLM folder's settings, with no vLLM folder to apply them to: ignored without a word otherwise
+    require(
+        x.vllm_python is None or "vllm" in engines,
+        f"export.vllm_python checks the vLLM folder, and export.engines={engines} makes none: add vllm, or leave "
+        "export.vllm_python out",
+    )
+    require(
+        x.vllm_format == VLLM_FORMATS[0] or "vllm" in engines,
+        f"export.vllm_format={x.vllm_format} is the vLLM folder's layout, and export.engines={engines} makes none",
+    )
     repo = x.push.repo_id
     require(
         repo is None or bool(re.fullmatch(r"[\w.-]+/[\w.-]+", repo)), f"export.push.repo_id={repo!r} is not ORG/NAME"

@@ -113,6 +113,9 @@ def test_bad_overrides_are_user_errors(override, fragment):
         ("checkpoint=", "checkpoint is empty: give a path, or leave it out (null) for its default"),
         ("train.init_from=", "train.init_from is empty"),
         ("export.report=", "export.report is empty"),
+        # a vLLM folder's setting with no vLLM folder made: ignored without a word
+        ("export.engines=[sglang] export.vllm_python=/bin/true", "export.vllm_python checks the vLLM folder"),
+        ("export.engines=[sglang] export.vllm_format=native", "export.vllm_format=native is the vLLM folder's layout"),
         # the drafter type's own check
         ("drafter.num_heads=0", "drafter.num_heads must be >= 1"),
         ("drafter.loss_weights=[1.0]", "drafter.loss_weights has 1 values for 3 heads"),
@@ -123,7 +126,7 @@ def test_bad_overrides_are_user_errors(override, fragment):
 )
 def test_bad_values_are_refused_before_anything_runs(override, fragment):
     with pytest.raises(UserError) as info:
-        load_recipe(["recipe=medusa", override])
+        load_recipe(["recipe=medusa", *override.split(" ")])
     assert fragment in str(info.value)
 
 
