@@ -51,6 +51,7 @@ class ShardPlan:
 def refuse_other_capture(directory: Path, settings: dict[str, Any]) -> None:
     """A directory holding a capture with other settings is never mixed into: resuming it would
     join shards of two different captures under one manifest."""
+    settings = json.loads(json.dumps(settings))  # as the files hold them (a tuple is a list there)
     for path in [directory / MANIFEST_NAME, *sorted(directory.glob("manifest_part_*.json"))]:
         if not path.is_file():
             continue

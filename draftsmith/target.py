@@ -147,6 +147,9 @@ def target_id(name_or_path: str) -> str:
     return path.resolve().name if path.exists() else name_or_path
 
 
+EMBEDDING_ROWS = 8  # TargetShape.embedding_norms: the rows read
+
+
 @dataclass(frozen=True)
 class TargetShape:
     """What a drafter must agree on with its target; stored in every checkpoint, feature capture
@@ -157,13 +160,26 @@ class TargetShape:
     hidden_size: int
     vocab_size: int
     num_hidden_layers: int
+    # which weights, wherever they are and in whatever dtype they load: the norms of the input embedding's first
+    # rows (None where only a config was read, and in what an earlier draftsmith saved)
+    embedding_norms: Optional[tuple[float, ...]] = None
 
     @classmethod
     def of(cls, model, name_or_path: str) -> TargetShape:
         """A loaded target's shape (the vocabulary is the lm_head's rows, which may be padded)."""
         shape = cls.from_config(model.config, name_or_path)
         vocab = int(model.get_output_embeddings().weight.shape[0])
-        return cls(**{**shape.__dict__, "vocab_size": vocab})
+        rows = model.get_input_embeddings().weight[:EMBEDDING_ROWS].detach().float()
+        norms = tuple(round(float(norm), 6) for norm in rows.norm(dim=1))
+        return cls(**{**shape.__dict__, "vocab_size": vocab, "embedding_norms": norms})
+
+    def same_weights(self, other: TargetShape) -> bool:
+        """Whether two shapes are of the same target's weights, as far as both know: bfloat16 rounds a row's
+        norm by under 0.5%, two different models' first rows differ by far more."""
+        mine, theirs = self.embedding_norms, other.embedding_norms
+        if mine is None or theirs is None or len(mine) != len(theirs):
+            return True
+        return all(abs(a - b) <= 1e-2 * max(abs(a), abs(b), 1e-6) for a, b in zip(mine, theirs))
 
     @classmethod
     def from_config(cls, config: Any, name_or_path: str) -> TargetShape:

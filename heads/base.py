@@ -368,7 +368,9 @@ def load_drafter(directory: str | os.PathLike, target: Optional[TargetShape] = N
 
 
 def check_same_target(made_for: TargetShape, target: TargetShape, what: str) -> None:
-    """A drafter reads the target's hidden states and scores its vocabulary: both sizes must agree."""
+    """A drafter reads the target's hidden states and scores its vocabulary: both sizes must agree, and the
+    weights, where both shapes know them (a drafter of one target served on another of the same shape proposes
+    what that one would not)."""
     for key in ("hidden_size", "vocab_size"):
         mine, theirs = getattr(made_for, key), getattr(target, key)
         if mine != theirs:
@@ -376,3 +378,8 @@ def check_same_target(made_for: TargetShape, target: TargetShape, what: str) -> 
                 f"drafter {what} was made for target {made_for.name_or_path!r} with {key}={mine}, but the target "
                 f"{target.name_or_path!r} has {key}={theirs}"
             )
+    if not made_for.same_weights(target):
+        raise UserError(
+            f"drafter {what} was made for target {made_for.name_or_path!r}, and the target {target.name_or_path!r} "
+            "has the same shape but other weights (its input embedding differs): give the target it was trained for"
+        )

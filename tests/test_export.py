@@ -5,6 +5,7 @@ every file on a Hub server (a local fake of the Hub's HTTP API, driven by the re
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -685,6 +686,24 @@ def test_a_drafter_setting_the_command_line_gives_a_read_only_command_is_refused
         2,
         f"drafter.num_layers is not read: {folder} is an engine folder",
     )
+
+
+def test_an_export_for_a_target_of_the_same_shape_but_other_weights_is_refused(target, tmp_path):
+    """A drafter exported for another target of the same shape wrote a whole folder, exit 0, its card naming the
+    other target: each shape now carries its target's first embedding rows' norms (the same in bfloat16 and float32)
+    and a drafter is refused with another target's weights, in one line."""
+    from draftsmith.target import TargetShape
+
+    checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
+    same = TargetShape.of(target, "a")
+    assert same.same_weights(TargetShape.of(copy.deepcopy(target).to(torch.bfloat16), "b"))
+    other = copy.deepcopy(target)
+    with torch.no_grad():
+        other.get_input_embeddings().weight.mul_(1.5)
+    other.save_pretrained(tmp_path / "other")
+    with pytest.raises(UserError, match="has the same shape but other weights .*: give the target it was trained for"):
+        run_export("medusa", checkpoint, tmp_path / "x", f"target.name_or_path={tmp_path / 'other'}", target=other)
+    assert not (tmp_path / "x" / "vllm").exists()
 
 
 def test_an_export_output_that_is_a_file_is_refused_in_one_line_and_kept(target, tmp_path, capsys):
