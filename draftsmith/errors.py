@@ -181,10 +181,9 @@ def outcome(err: BaseException) -> tuple[int, str]:
     of the storage (STORAGE_ERRNOS) is an I/O error wherever it was raised; anything unexpected is a
     draftsmith bug, its traceback written to a log file (or to stderr with DRAFTSMITH_DEBUG=1)."""
     if hub_unreachable(err):  # wherever a model or file was asked of the Hub: a network fault, not the input
-        return (
-            EXIT_UNAVAILABLE,
-            f"Hub unavailable: {one_line(err, limit=2000).rstrip('.')}; run the same command again when the Hub can "
-            "be reached, or give a local folder (or set HF_HUB_OFFLINE=1 to read the Hub cache only)",
+        err = HubUnavailable(
+            f"{one_line(err, limit=2000).rstrip('.')}; run the same command again when the Hub can be reached, or "
+            "give a local folder (or set HF_HUB_OFFLINE=1 to read the Hub cache only)"
         )
     for cls, code, prefix in OUTCOMES:
         if isinstance(err, cls):

@@ -229,8 +229,9 @@ def check_monitor(m) -> None:
         0 < m.max_drop < 1 and 0.5 < m.confidence < 1,
         f"need 0 < monitor.max_drop < 1 and 0.5 < monitor.confidence < 1 (got {m.max_drop}, {m.confidence})",
     )
-    for key in ("min_drafts", "consecutive", "sample_per_domain", "retrain_samples", "new_data_weight"):
-        require(m[key] >= 1, f"monitor.{key}={m[key]} must be >= 1")
+    require_at_least_one(
+        m, "monitor", "min_drafts", "consecutive", "sample_per_domain", "retrain_samples", "new_data_weight"
+    )
     for key in ("cooldown_s", "traffic_window_s", "gate_min_gain", "gate_max_loss"):
         require(m[key] >= 0, f"monitor.{key}={m[key]} must be >= 0")
     # each check scrapes every replica (and may start a retraining): more often than each second is no interval

@@ -126,8 +126,7 @@ def not_loadable(what: str, err: BaseException) -> UserError:
     Raised from `err`, whose chain says whether the Hub was out of reach instead (errors.hub_unreachable)."""
     from huggingface_hub import constants
 
-    miss = hub_cache_miss(err)
-    if constants.HF_HUB_OFFLINE and miss is not None and (miss.__cause__ or miss.__context__) is None:
+    if constants.HF_HUB_OFFLINE and hub_cache_miss(err) is not None:  # offline, no request was made
         return UserError(
             f"{what}: not in the Hub cache ({constants.HF_HUB_CACHE}), and HF_HUB_OFFLINE=1 forbids downloading "
             "it: download it once with a network, or give a local folder"
@@ -170,7 +169,7 @@ class TargetShape:
         shape = cls.from_config(model.config, name_or_path)
         vocab = int(model.get_output_embeddings().weight.shape[0])
         rows = model.get_input_embeddings().weight[:EMBEDDING_ROWS].detach().float()
-        norms = tuple(round(float(norm), 6) for norm in rows.norm(dim=1))
+        norms = tuple(round(norm, 6) for norm in rows.norm(dim=1).tolist())  # one copy to the host
         return cls(**{**shape.__dict__, "vocab_size": vocab, "embedding_norms": norms})
 
     def same_weights(self, other: TargetShape) -> bool:

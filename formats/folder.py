@@ -93,16 +93,16 @@ def start_kind(path: Path) -> Optional[str]:
     """The kind a training start (`train.init_from`) is read as, known without a target: a checkpoint's own, an
     engine folder's format's (`Exporter.kinds[0]`: Medusa-2's vLLM folder reads as Medusa); None when `path`
     holds neither (open_drafter says so once the target is loaded)."""
+    kind = checkpoint_kind(path)
+    if kind is not None:
+        return kind
     folder = engine_folder(path)
-    return checkpoint_kind(path) if folder is None else engine_format(folder)[0].kinds[0]
+    return None if folder is None else engine_format(folder)[0].kinds[0]
 
 
 def engine_folder(path: Path) -> Optional[Path]:
-    """The engine folder a path holds (an export's `vllm/` or `sglang/`, the export directory holding one, or
-    the folder itself); None for a draftsmith checkpoint or a path that holds none."""
-    saved = path / CONFIG_NAME
-    if saved.is_file() and "draftsmith_format" in read_json(saved):
-        return None
+    """The engine folder a path that is no draftsmith checkpoint holds (an export's `vllm/` or `sglang/`, the
+    export directory holding one, or the folder itself); None where it holds none."""
     inner = sorted({name for exporter in EXPORTERS.values() for name in exporter.weights_dirs})
     engines = [path, *(path / name for name in inner), path / "vllm", *(path / "vllm" / name for name in inner)]
     return next(
@@ -154,9 +154,11 @@ def require_read_drafter_settings(argv: Sequence[str], cfg: DictConfig) -> None:
         key for key, _ in parse_overrides(split_argv(argv)[1]) if key.startswith("drafter.") and key != "drafter.type"
     ]
     path = checkpoint_to_read(cfg)
-    if not given or checkpoint_kind(path) is None and engine_folder(path) is None:
-        return  # no such override, or no folder to read (the command says so)
+    if not given:
+        return
     if checkpoint_kind(path) is None:
+        if engine_folder(path) is None:
+            return  # no folder to read: the command says so
         raise UserError(
             f"{', '.join(given)} is not read: {path} is an engine folder, read with the settings its format records"
         )
