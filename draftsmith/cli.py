@@ -102,7 +102,10 @@ def entry_point(
     if "--cfg" in argv:  # the arguments the command itself would take, refused as it refuses them
         run_cli(
             lambda args: print(
-                OmegaConf.to_yaml(validated(args[1:] if args[:1] in SUBCOMMANDS else args), resolve=True), end=""
+                OmegaConf.to_yaml(
+                    validated(args[1:] if args[:1] in SUBCOMMANDS else args, command or "train"), resolve=True
+                ),
+                end="",
             ),
             [arg for arg in argv if arg != "--cfg"],
         )
@@ -131,4 +134,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     module, function = COMMANDS[command]
     configure_logging()
     loaded = importlib.import_module(module)
-    entry_point(getattr(loaded, function), loaded.__doc__, rest, command)
+    entry_point(getattr(loaded, function), installed_usage(loaded.__doc__, module, command), rest, command)
+
+
+def installed_usage(usage: str, module: str, command: str) -> str:
+    """A command's usage as the `draftsmith` script runs it: the module's docstring names the checkout's
+    form (`python -m export ...`), which an installed package cannot run; one naming both forms is kept."""
+    if f"draftsmith {command} " in usage:
+        return usage
+    checkout = "python -m " + module.removeprefix("draftsmith.").removesuffix(".__main__")
+    return usage.replace(f"{checkout} ", f"draftsmith {command} ")

@@ -176,9 +176,10 @@ def compose(recipe: str, overrides: Sequence[str]) -> DictConfig:
         schema.drafter = OmegaConf.structured(drafter_class(str(drafter_type)).Config)
         cfg = OmegaConf.merge(schema, raw)
         for key, value in parsed:
-            try:
-                current = OmegaConf.select(cfg, key, default=_ABSENT, throw_on_missing=False)
-            except OmegaConfBaseException:  # `${package:...}` not installed here: the override replaces it
+            try:  # a required key the recipe file leaves out (output_dir) is there, unset: select's default is
+                # for a key that is not
+                current = OmegaConf.select(cfg, key, default=_ABSENT, throw_on_missing=True)
+            except OmegaConfBaseException:  # unset, or `${package:...}` not installed here: the override sets it
                 current = None
             if isinstance(current, ListConfig) and isinstance(value, str):
                 value = [value]  # `data.train=file.jsonl` means a list of one file
@@ -238,17 +239,42 @@ def require_draft_vocab_use(cfg: DictConfig, config, target: Optional[TargetShap
     )
 
 
-def check_drafter(cfg: DictConfig) -> None:
+def checkpoint_to_read(cfg: DictConfig) -> Path:
+    """The drafter eval and export read: `checkpoint=`, else `<output_dir>/final`, where train writes."""
+    return Path(cfg.checkpoint or Path(cfg.output_dir) / "final")
+
+
+# the commands that read their drafter from `checkpoint` and never build one from the recipe's drafter section
+# (which names the kind only there); the monitor does too unless it retrains (its run trains the section)
+READS_CHECKPOINT = ("eval", "export", "sweep")
+
+
+def builds_drafter(command: str, cfg: DictConfig) -> bool:
+    """Whether `command` builds a drafter from the recipe's drafter section, which is then checked against the
+    target; a command that reads `checkpoint` checks the eval's chain against the checkpoint's settings."""
+    return command not in READS_CHECKPOINT and not (command == "monitor" and not cfg.monitor.retrain)
+
+
+def check_drafter(cfg: DictConfig, command: str = "train") -> None:
     """The drafter type's own check of its section, against the target's shape when the target is a
     local directory (its config.json, not its weights); and the eval's chain length against what the
-    drafter can propose."""
+    drafter can propose. For a command that reads `checkpoint` (`builds_drafter`), the chain against the
+    checkpoint's own settings (an engine folder's, or a missing one's, its reader checks)."""
     from draftsmith.heads import drafter_class
+    from draftsmith.heads.base import saved_drafter
 
     drafter_cls = drafter_class(cfg.drafter.type)
     try:
         config = OmegaConf.to_object(cfg.drafter)
     except OmegaConfBaseException as err:
         raise UserError(f"invalid drafter section: {_one_line(err)}") from None
+    if not builds_drafter(command, cfg):
+        try:
+            saved = saved_drafter(checkpoint_to_read(cfg))[:2]
+        except UserError:  # an engine folder, or none yet: the command reads it, and says what it is not
+            return
+        check_chain(cfg, *saved)
+        return
     require(
         not names_a_missing_folder(cfg.target.name_or_path),
         f"target.name_or_path={cfg.target.name_or_path}: no such folder (a Hub id reads owner/name)",
@@ -264,6 +290,11 @@ def check_drafter(cfg: DictConfig) -> None:
     config.check(shape)
     require(streams == 1 or not drafter_cls.features(config, shape).layers, unreadable_layers(streams))
     require_draft_vocab_use(cfg, config, shape)
+    check_chain(cfg, drafter_cls, config)
+
+
+def check_chain(cfg: DictConfig, drafter_cls, config) -> None:
+    """The eval's tree and chain length against what a drafter of `config` can propose."""
     require(
         cfg.eval.tree == 0 or drafter_cls.proposes_trees(config),
         f"eval.tree={cfg.eval.tree} but this {cfg.drafter.type} drafter, as configured, "
@@ -278,9 +309,10 @@ def check_drafter(cfg: DictConfig) -> None:
     )
 
 
-def validate(cfg: DictConfig) -> DictConfig:
+def validate(cfg: DictConfig, command: str = "train") -> DictConfig:
     """Check every value before any model or data is touched: required values set, choices known,
-    interpolations resolved, each section's ranges, the drafter's own settings, the output directories."""
+    interpolations resolved, each section's ranges, the drafter's own settings (as `command` uses them), the
+    output directories."""
     try:
         missing = sorted(OmegaConf.missing_keys(cfg))  # resolves interpolations on the way
         if not missing:
@@ -306,21 +338,22 @@ def validate(cfg: DictConfig) -> DictConfig:
     check_monitor(cfg.monitor)
     check_outputs(cfg)
     check_inputs(cfg)
-    check_drafter(cfg)
+    check_drafter(cfg, command)
     check_shard(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg
 
 
-def validated(argv: Sequence[str]) -> DictConfig:
-    """`recipe=NAME key=value ...` composed and validated, nothing loaded or converted (what `--cfg` prints)."""
-    return validate(compose(*split_argv(argv)))
+def validated(argv: Sequence[str], command: str = "train") -> DictConfig:
+    """`recipe=NAME key=value ...` composed and validated for `command`, nothing loaded or converted (what
+    `--cfg` prints)."""
+    return validate(compose(*split_argv(argv)), command)
 
 
-def load_recipe(argv: Sequence[str]) -> DictConfig:
-    """Parse `recipe=NAME key=value ...` into a validated, read-only config whose target is a local
-    directory or a Hub id (`with_local_target`)."""
-    return with_local_target(validated(argv))
+def load_recipe(argv: Sequence[str], command: str = "train") -> DictConfig:
+    """Parse `recipe=NAME key=value ...` into a config validated for `command` (`check_drafter`), read-only,
+    whose target is a local directory or a Hub id (`with_local_target`)."""
+    return with_local_target(validated(argv, command))
 
 
 def load_train_recipe(argv: Sequence[str]) -> DictConfig:

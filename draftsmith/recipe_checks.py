@@ -223,6 +223,28 @@ def check_export(x) -> None:
     )
 
 
+def require_export_settings_read(x) -> None:
+    """For the commands that export (export, monitor): a setting only a part of the export reads, changed from its
+    default where that part does not run, was ignored without a word. A value equal to the default cannot be told
+    from an unset one here, and changes nothing."""
+    from draftsmith.recipe_schema import ExportSection, PushSection
+
+    require(
+        x.vllm_python is not None or x.tolerance == ExportSection.tolerance,
+        f"export.tolerance={x.tolerance} is the vLLM check's, and export.vllm_python is unset, so no check runs: give "
+        "export.vllm_python=PYTHON, or leave export.tolerance out",
+    )
+    if x.push.repo_id is None:
+        for key in ("revision", "private", "commit_message"):
+            value = x.push[key]
+            given = str(value).lower() if isinstance(value, bool) else value  # as the command line writes it
+            require(
+                value == getattr(PushSection, key),
+                f"export.push.{key}={given} is for a push, and export.push.repo_id is unset, so nothing is pushed: "
+                "give export.push.repo_id=ORG/NAME, or leave it out",
+            )
+
+
 def check_monitor(m) -> None:
     require(m.engine in ENGINES, f"monitor.engine={m.engine!r} is not one of {', '.join(ENGINES)}")
     require(

@@ -18,7 +18,7 @@ from draftsmith.recipe import load_recipe
 
 
 def main(argv: Sequence[str]) -> None:
-    cfg = load_recipe(argv)  # checked before the loop's and the libraries' modules load
+    cfg = load_recipe(argv, "eval")  # checked before the loop's and the libraries' modules load
     require_read_drafter_settings(argv, cfg)
     import datasets
     import transformers

@@ -49,15 +49,9 @@ from draftsmith.eval.render import REPORT_FILES, render_markdown, write_report
 from draftsmith.eval.sampling import Sampling
 from draftsmith.eval.suffix import INSTALL
 from draftsmith.families import check_eval_settings
-from draftsmith.formats.folder import (
-    checkpoint_kind,
-    checkpoint_to_read,
-    open_drafter,
-    require_recipes_kind,
-    weights_digest,
-)
+from draftsmith.formats.folder import checkpoint_kind, open_drafter, require_recipes_kind, weights_digest
 from draftsmith.outputs import DirectoryLock, move_aside
-from draftsmith.recipe import save_recipe
+from draftsmith.recipe import checkpoint_to_read, save_recipe
 from draftsmith.target import TargetShape, load_target, load_tokenizer, resolve_device, target_id
 
 REPORT_VERSION = 1

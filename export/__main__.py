@@ -14,10 +14,13 @@ from draftsmith.recipe import load_recipe
 
 def main(argv: Sequence[str]) -> None:
     from draftsmith.export import export_checkpoint
-    from draftsmith.formats.folder import checkpoint_to_read, require_read_drafter_settings
+    from draftsmith.formats.folder import require_read_drafter_settings
+    from draftsmith.recipe import checkpoint_to_read
+    from draftsmith.recipe_checks import require_export_settings_read
 
-    cfg = load_recipe(argv)
+    cfg = load_recipe(argv, "export")
     require_read_drafter_settings(argv, cfg)
+    require_export_settings_read(cfg.export)
     for engine, folder in export_checkpoint(cfg, checkpoint_to_read(cfg)).items():
         print(f"{engine}: {folder}")
 

@@ -30,7 +30,8 @@ sweep.jsonl is not measured again):
   (vLLM's version and what it resolved), threads, process_s;
 - `summary.json`: per method and concurrency the best γ, the crossover where speculation stops paying,
   plain's second run over its first, the γ per batch size the export would write (or why it refuses),
-  the settings; `speedup.png`: each method at its best γ against plain, and the schedule's prediction.
+  the settings (`not_measured`: a free method at a γ the engine failed to serve, and its line; the sweep goes
+  on without its rows); `speedup.png`: each method at its best γ against plain, and the schedule's prediction.
 
 Prints the path of sweep.jsonl; `draftsmith export ... export.batch_sweep=<that path>` then writes the
 schedule into the served config.
@@ -52,7 +53,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig
 
 from draftsmith.engines import SuffixSettings
-from draftsmith.errors import ExportCheckFailed, UserError
+from draftsmith.errors import EngineUnavailable, ExportCheckFailed, UserError
 from draftsmith.export.sweep_results import PLAIN, PLAIN_AGAIN, plot, read_sweep, summarize
 from draftsmith.formats.repo import EXPORT_INFO, VLLM_PINNED
 
@@ -134,7 +135,8 @@ class Load:
         """The rows of `method` at `gamma` at each of `levels`, served in `session` (an
         export.verify.EngineSession); `plain`: plain's rows by concurrency, for speed-up and lossless."""
         began = time.perf_counter()
-        result = session.run(self.python, self.request(levels, speculative_config))
+        doing = "serve plain decoding" if speculative_config is None else f"serve {method} at γ {gamma}"
+        result = session.run(self.python, self.request(levels, speculative_config), doing)
         served = {**result["runs"]["run"], "vllm_version": result["vllm_version"]}
         served["process_s"] = time.perf_counter() - began
         return [
@@ -247,13 +249,19 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None) -> P
         threads_env = {"OMP_NUM_THREADS": str(load.threads)}
         with nullcontext(session) if session is not None else EngineSession(threads_env) as engines:
             measure(path, load, engines, levels, PLAIN, 0, None)
-            if settings.ngram:
-                for gamma in gammas:
-                    measure(path, load, engines, levels, NGRAM, gamma, ngram_config(gamma))
+            baselines = [(NGRAM, gamma, ngram_config(gamma)) for gamma in gammas] if settings.ngram else []
             if suffix:  # each level serves the prompts again: an answer cached from an earlier request would
                 # be the very text asked for, which real traffic rarely repeats; the prompt's own tree only
                 config = suffix_config(cached_answers=0)
-                measure(path, load, engines, levels, SUFFIX, config["num_speculative_tokens"], config)
+                baselines.append((SUFFIX, config["num_speculative_tokens"], config))
+            not_measured = {}
+            for baseline, gamma, config in baselines:
+                try:
+                    measure(path, load, engines, levels, baseline, gamma, config)
+                except (ExportCheckFailed, EngineUnavailable) as failed:  # the engine's failure in a free method,
+                    # not the drafter's: the drafter's rows are still what the sweep is for
+                    not_measured[f"{baseline} at γ {gamma}"] = str(failed)
+                    log.warning("load sweep: %s at γ %d not measured: %s", baseline, gamma, failed)
             for gamma in [0, *gammas]:
                 measure(path, load, engines, levels, method, gamma, served_at(folder, gamma, levels), digest)
             measure(path, load, engines, levels, PLAIN_AGAIN, 0, None)
@@ -274,6 +282,7 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None) -> P
             "threads": load.threads,
             "dtype": load.dtype,
             "prompts": len(load.prompts),
+            "not_measured": not_measured,
         }
         write_text_atomic(output / SUMMARY, json.dumps(summary, indent=2) + "\n")
         plot(summary["best_per_concurrency"], predicted, output / PLOT)
@@ -375,10 +384,10 @@ def schedule_of(rows: list[dict[str, Any]], method: str) -> tuple[dict[str, Any]
 
 
 def main(argv: Sequence[str]) -> None:
-    from draftsmith.formats.folder import checkpoint_to_read, require_read_drafter_settings
-    from draftsmith.recipe import load_recipe
+    from draftsmith.formats.folder import require_read_drafter_settings
+    from draftsmith.recipe import checkpoint_to_read, load_recipe
 
-    cfg = load_recipe(argv)
+    cfg = load_recipe(argv, "sweep")
     require_read_drafter_settings(argv, cfg)
     print(run_sweep(cfg, checkpoint_to_read(cfg)))
 

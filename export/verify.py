@@ -61,10 +61,10 @@ class EngineSession:
         self.plain_runs: dict[str, dict[str, Any]] = {}
         self.draftsmith_plain: dict[str, list[list[int]]] = {}
 
-    def run(self, python: str, request: dict[str, Any]) -> dict[str, Any]:
+    def run(self, python: str, request: dict[str, Any], doing: str = "serve the export") -> dict[str, Any]:
         """The reply to the "runs" request `request` (see draftsmith/engine_scripts/vllm_worker.py) under
         `python`: ExportCheckFailed when vLLM answers that it failed, EngineUnavailable when it gives no
-        answer."""
+        answer; `doing` says what the request is for in either's line."""
         worker = self.workers.get(python)
         if worker is None or not worker.running:
             worker = self.workers[python] = VllmWorker(
@@ -75,7 +75,7 @@ class EngineSession:
                 refusal=ExportCheckFailed,
                 timeout_s=ENGINE_TIMEOUT_S,
             )
-        return worker.ask({"runs": request}, "serve the export")
+        return worker.ask({"runs": request}, doing)
 
     def close(self) -> None:
         for worker in self.workers.values():

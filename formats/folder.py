@@ -26,13 +26,8 @@ from draftsmith.formats import EXPORTERS, Exporter
 from draftsmith.formats.repo import EXPORT_INFO, WEIGHTS
 from draftsmith.heads import load_drafter
 from draftsmith.heads.base import CONFIG_NAME, DrafterConfig, architecture, check_same_target, saved_drafter
-from draftsmith.recipe import parse_overrides, recipe_advice, split_argv
+from draftsmith.recipe import checkpoint_to_read, parse_overrides, recipe_advice, split_argv
 from draftsmith.target import TargetShape
-
-
-def checkpoint_to_read(cfg: DictConfig) -> Path:
-    """The drafter eval and export read: `checkpoint=`, else `<output_dir>/final`, where train writes."""
-    return Path(cfg.checkpoint or Path(cfg.output_dir) / "final")
 
 
 def weights_digest(path: str | Path) -> str:

@@ -26,8 +26,11 @@ def main(argv: Sequence[str]) -> None:
         # `draftsmith monitor ...` (the console script, or python -m draftsmith) has the command in argv[1]
         program = "draftsmith monitor" if sys.argv[1:2] == ["monitor"] else "python -m monitor"
         raise UserError(f"usage: {program} check|watch recipe=NAME [key=value ...]")
-    cfg = load_recipe(argv[1:])
+    cfg = load_recipe(argv[1:], "monitor")
     from draftsmith.monitor.check import check, summary
+    from draftsmith.recipe_checks import require_export_settings_read
+
+    require_export_settings_read(cfg.export)
 
     if argv[0] == "check":
         outcome = check(cfg)

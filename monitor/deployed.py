@@ -59,7 +59,11 @@ def deployed_of(cfg: DictConfig, state: State, directory: Path) -> dict[str, Any
 def recipe_drafter(cfg: DictConfig) -> dict[str, Any]:
     """The export the recipe's checkpoint names and the report its baseline comes from."""
     folder = cfg.checkpoint
-    if not folder or not (Path(folder) / EXPORT_INFO).is_file():
+    if folder is None:
+        raise UserError(
+            "the monitor watches a deployed export: give checkpoint=DIR, the export's vllm/ or sglang/ folder"
+        )
+    if not (Path(folder) / EXPORT_INFO).is_file():
         raise UserError(
             f"checkpoint={folder!r} is not an export folder (an export's vllm/ or sglang/ holding {EXPORT_INFO})"
         )

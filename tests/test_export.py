@@ -959,3 +959,19 @@ def test_an_export_report_that_is_no_report_is_one_line(target, tmp_path):
     with pytest.raises(UserError, match=r"is a folder, not an eval's report.json"):
         run_export("medusa", checkpoint, tmp_path / "b", f"export.report={tmp_path}", target=target)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize(
+    "command, setting, fragment",
+    [
+        (["-m", "export"], "export.tolerance=0.05", "export.tolerance=0.05 is the vLLM check's, and export"),
+        (["-m", "export"], "export.push.private=false", "export.push.private=false is for a push, and export.push"),
+        (["-m", "monitor", "check"], "export.push.revision=v2", "export.push.revision=v2 is for a push"),
+    ],
+)
+def test_an_export_setting_no_part_of_the_export_reads_is_refused(command, setting, fragment, tmp_path, capsys):
+    """export.tolerance without export.vllm_python (no engine check runs) and export.push.* without a repo_id
+    (nothing is pushed) were ignored without a word, by export and by the monitor's retraining export."""
+    result = run_entry_in_process([*command, "recipe=medusa", f"output_dir={tmp_path}", setting], capsys)
+    assert_one_line_error(result, 2, fragment)
+    assert not any(tmp_path.iterdir())

@@ -33,7 +33,7 @@ from draftsmith.monitor.metrics import UNKNOWN, collect, engine_version, window
 from draftsmith.monitor.traffic import read_requests, sample
 from draftsmith.outputs import DirectoryLock
 from draftsmith.recipe import load_recipe
-from tests.helpers import DEMO, REPO, assert_one_line_error, run_entry_in_process
+from tests.helpers import REPO, assert_one_line_error, run_entry_in_process
 
 LABELS = ["model_name", "engine"]
 SERVED = "0.32.0"  # the vLLM version FakeEngine reports unless told otherwise
@@ -692,13 +692,14 @@ def test_watch_refuses_an_interval_under_a_second(tmp_path, capsys):
 # -- the deploy examples, as written -----------------------------------------------------------------
 @pytest.fixture
 def healthy_setup(deployed, tmp_path):
-    """A recipe file for a monitor that finds the (loopback) engine healthy, and the commands' paths."""
+    """deploy/monitor.yaml, the example recipe, for a monitor that finds the (loopback) engine healthy: its
+    deployed export, engine URL and output folder this test's, no traffic, no retraining."""
     root, args = deployed
     engine = FakeEngine()
-    settings = {"drafter": {"type": "medusa"}, "target": {"name_or_path": str(DEMO / "target")},
-                "output_dir": str(tmp_path / "run"),
-                "checkpoint": str(recorded_as_checked(root / "export" / "vllm", tmp_path)),
-                "monitor": {"metrics": [engine.url], "min_drafts": 100, "retrain": False}}  # fmt: skip
+    settings = yaml.safe_load((REPO / "deploy" / "monitor.yaml").read_text())
+    settings["output_dir"] = str(tmp_path / "run")
+    settings["checkpoint"] = str(recorded_as_checked(root / "export" / "vllm", tmp_path))
+    settings["monitor"] = {"metrics": [engine.url], "min_drafts": 100, "retrain": False}
     recipe = tmp_path / "monitor.yaml"
     recipe.write_text(yaml.safe_dump(settings))
     yield recipe, engine
