@@ -72,6 +72,9 @@ from draftsmith.target import load_tokenizer
 SETTINGS_NAME = "regenerate.settings"  # not a data suffix: a directory source skips it
 # The settings that decide a turn's answer: a reused regeneration must have made its answers with these.
 ANSWER_SETTINGS = ("target", "revision", "engine", "max_new_tokens", "temperature", "top_p", "vllm_dtype")
+# What the parts' turns mark: an answer cut at max_new_tokens carries "cut": true. A regeneration made before
+# the mark has none in its settings, and its cut answers read as finished turns.
+MARKS = ["cut"]
 
 
 @dataclass
@@ -146,6 +149,7 @@ def regenerate(cfg: DictConfig, target=None, tokenizer=None) -> RegenerateResult
         settings.pop(key)
     if section.engine == "vllm":
         settings["vllm_dtype"] = vllm_dtype(cfg)
+    settings["marks"] = MARKS
     check_reusable(section.reuse, settings)
     reused = load_conversations(list(section.reuse)) if section.reuse else None
     settings["reuse"] = None if reused is None else content_digest(reused)  # the answers by their content
@@ -205,6 +209,7 @@ def check_reusable(directories, settings: dict[str, Any]) -> None:
         if not path.is_file():
             raise UserError(f"data.regenerate.reuse: {directory} holds no {SETTINGS_NAME}, so no regeneration to reuse")
         saved = json.loads(path.read_text())
+        require_marks(saved, directory, "leave it out of data.regenerate.reuse")
         changed = [key for key in ANSWER_SETTINGS if saved.get(key) != settings.get(key)]
         if changed:
             raise UserError(
@@ -305,11 +310,22 @@ def content_digest(conversations) -> str:
     return digest.hexdigest()[:16]
 
 
+def require_marks(saved: dict[str, Any], directory: Path, advice: str) -> None:
+    """A regeneration's settings record the marks its turns carry (MARKS): one made before them is not resumed
+    or reused, since its answers cut at max_new_tokens would count as finished."""
+    if saved.get("marks") != MARKS:
+        raise UserError(
+            f"{directory} was regenerated before draftsmith marked answers cut at data.regenerate.max_new_tokens "
+            f"(`cut`), so its cut answers would read as finished turns: {advice}, and regenerate"
+        )
+
+
 def claim_directory(directory: Path, settings: dict[str, Any]) -> None:
     """Start a new output directory, or resume one made with the same settings; drop partial parts."""
     path = directory / SETTINGS_NAME
     if path.is_file():
         saved = json.loads(path.read_text())
+        require_marks(saved, directory, "use another data.regenerate.output or delete it")
         if saved != settings:
             changed = sorted(key for key in settings.keys() | saved.keys() if settings.get(key) != saved.get(key))
             raise UserError(

@@ -1,6 +1,6 @@
 """`python -m monitor check recipe=NAME [key=value ...]` runs one check (for cron, a systemd timer or a
 Kubernetes CronJob); `python -m monitor watch ...` checks every monitor.interval_s seconds until
-stopped (SIGTERM ends it between checks, exit 75; Ctrl-C, exit 130).
+stopped (SIGTERM ends it, exit 75: a check in progress as it ends `check`; Ctrl-C, exit 130).
 
 Exit codes (monitor.Outcome): 0 healthy, 10 drift (waiting), 11 retrained but not promoted,
 12 retrained and promoted (redeploy), 13 re-verify: the engine is not the one the export was checked
@@ -36,12 +36,13 @@ def main(argv: Sequence[str]) -> None:
         outcome = check(cfg)
         print(summary(cfg, outcome))
         sys.exit(int(outcome))
-    with StopRequest().on_sigterm() as stop:
-        while not stop.requested:
-            try:
-                print(summary(cfg, check(cfg)), flush=True)
-            except EngineUnavailable as err:  # temporary: the next check tries again
-                print(f"engine unavailable: {one_line(err, limit=2000)}", file=sys.stderr, flush=True)
+    stop = StopRequest()
+    while not stop.requested:
+        try:  # SIGTERM during a check stops it as it stops `check` (a retraining resumes at the next check)
+            print(summary(cfg, check(cfg)), flush=True)
+        except EngineUnavailable as err:  # temporary: the next check tries again
+            print(f"engine unavailable: {one_line(err, limit=2000)}", file=sys.stderr, flush=True)
+        with stop.on_sigterm():
             deadline = time.monotonic() + cfg.monitor.interval_s
             while not stop.requested and time.monotonic() < deadline:
                 time.sleep(1.0)

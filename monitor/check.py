@@ -149,8 +149,16 @@ def measure_engine(
     judged = []
     if state.counters is None:
         engine = {"verdict": TOO_FEW, "note": "first scrape of this deployment: the window starts now"}
+    elif (measured := window(state.counters, current)).accepted > measured.draft_tokens:
+        # each scrape had accepted <= drafted, so the previous one was of other counters under the same URLs and
+        # labels (a replica replaced by another that had counted further): no window to judge; it starts now
+        note = (
+            f"the window's counts are not one engine's ({measured.accepted:g} accepted of {measured.draft_tokens:g} "
+            "draft tokens since the previous scrape): the window starts now"
+        )
+        log.warning("monitor: %s", note)
+        engine = {**measured.as_dict(), "verdict": TOO_FEW, "note": note}
     else:
-        measured = window(state.counters, current)
         tests = engine_tests(measured, baseline, settings) if settings.engine == "vllm" else {}
         engine = {
             **measured.as_dict(),

@@ -116,6 +116,11 @@ def series(text: str, url: str) -> dict[str, float]:
         elif sample.name == VLLM_PER_POSITION:
             found[f"pos{int(sample.labels['position'])}|{url}|{suffix}"] = sample.value
         elif sample.name in SGLANG_GAUGES:
+            if math.isinf(sample.value) or sample.value < 0:  # NaN is a level not measured yet (no draft so far)
+                raise UserError(
+                    f"{url} reports {sample.name}{{{suffix}}} = {sample.value}: an acceptance level is finite, 0 or "
+                    "more; check monitor.metrics"
+                )
             found[f"{sample.name}|{url}|{suffix}"] = sample.value
     return found
 
@@ -198,7 +203,8 @@ def window(before: dict[str, float], after: dict[str, float]) -> Window:
     for key, value in after.items():
         kind = key.split("|", 1)[0]
         if kind in SGLANG_GAUGES:
-            gauges.setdefault(kind, []).append(value)
+            if not math.isnan(value):  # a replica that has not drafted yet has no level to average in
+                gauges.setdefault(kind, []).append(value)
             continue
         previous = before.get(key, 0.0)
         delta = value - previous

@@ -15,7 +15,8 @@
     record      the new export becomes the deployed one, with its eval as the baseline; cooldown starts
 
 A step that finished is never run again; a killed pipeline resumes at the first unfinished step the
-next time `check` runs.
+next time `check` runs. One whose sample finds no request of the drifted domains in the traffic window (they
+aged out before it resumed) is abandoned: exit 10, no cooldown, the drift streak starting again.
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
-from draftsmith.errors import UserError
 from draftsmith.files import checkpoint_digest
 from draftsmith.monitor import Outcome
 from draftsmith.monitor.state import State
@@ -37,6 +38,7 @@ from draftsmith.monitor.traffic import sample, write_conversations
 from draftsmith.recipe import derived
 
 HELD_OUT = 0.2
+log = logging.getLogger("draftsmith.monitor")
 
 
 def run_pipeline(cfg: DictConfig, directory: Path, state: State) -> Outcome:
@@ -48,6 +50,9 @@ def run_pipeline(cfg: DictConfig, directory: Path, state: State) -> Outcome:
         if step == "export" and not pipeline["done"]["gate"]["promote"]:
             return reject(directory, state, cfg.monitor.cooldown_s)
         result = run_step(cfg, directory, state, run_dir)
+        if result is None:  # the sample found nothing of the drifted domains: the retraining cannot start
+            return abandon(directory, state, f"no traffic of the drifted domains {sorted(pipeline['domains'])} in "
+                           f"{cfg.monitor.traffic} within monitor.traffic_window_s to retrain on")  # fmt: skip
         if step == "record":
             return Outcome.PROMOTED
         pipeline["done"][step] = result
@@ -55,16 +60,17 @@ def run_pipeline(cfg: DictConfig, directory: Path, state: State) -> Outcome:
     raise AssertionError("the record step ends every pipeline")
 
 
-def step_sample(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -> dict[str, Any]:
+def step_sample(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -> dict[str, Any] | None:
+    """The requests to retrain and judge on; None when the window holds none of the drifted domains (a retraining
+    resumed after they left it: resuming it again would fail the same way on every check)."""
     requests, summary = sample(Path(cfg.monitor.traffic), cfg.monitor.retrain_samples, cfg.monitor.traffic_window_s)
     # no domain: a retraining recorded by a check that read no traffic (before the retraining needed
     # monitor.traffic), which the engine's counters alone started: every domain of the recent traffic
     wanted = set(state.pipeline["domains"]) or {r["domain"] for r in requests}
     requests = [r for r in requests if r["domain"] in wanted]
     if not requests:
-        raise UserError(
-            f"no recent traffic of the drifted domains {sorted(wanted)} in {cfg.monitor.traffic} to retrain on"
-        )
+        state.pipeline["domains"] = sorted(wanted)
+        return None
 
     def held_out(request: dict[str, Any]) -> bool:
         digest = hashlib.sha256(json.dumps(request["messages"], sort_keys=True).encode()).digest()
@@ -211,6 +217,22 @@ def reject(directory: Path, state: State, cooldown_s: float) -> Outcome:
     finish(state, promoted=False, cooldown_s=cooldown_s)
     state.save(directory)
     return Outcome.REJECTED
+
+
+def abandon(directory: Path, state: State, reason: str) -> Outcome:
+    """End a retraining that cannot start (`reason`): no cooldown, since nothing was retrained; the drift streak
+    starts again, and the check's line says why (exit 10: drift, no retraining now)."""
+    pipeline = state.pipeline
+    log.warning("monitor: the retraining %s is abandoned: %s", pipeline["id"], reason)
+    state.last_retrain = {"id": pipeline["id"], "promoted": False, "abandoned": reason,
+                          "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                          "domains": pipeline["domains"]}  # fmt: skip
+    state.consecutive_drift = 0
+    state.pipeline = None
+    if state.last_check is not None:
+        state.last_check["note"] = f"retraining {pipeline['id']} abandoned: {reason}"
+    state.save(directory)
+    return Outcome.DRIFT
 
 
 def finish(state: State, promoted: bool, cooldown_s: float) -> None:

@@ -516,6 +516,13 @@ def test_later_turns_reuse_the_first_answers_resume_and_keep_held_out_prompts_ou
         regenerate(recipe("later", *later[:1], "data.regenerate.min_turns=2"), model, tokenizer)
     with pytest.raises(UserError, match=r"reuse: .*first was answered with other settings \(max_new_tokens\)"):
         check_reusable([tmp_path / "first"], {**settings, "max_new_tokens": 4})
+    # a regeneration made before answers cut at max_new_tokens were marked: its cut answers would read as finished
+    made_before = {key: value for key, value in settings.items() if key != "marks"}
+    (tmp_path / "later" / SETTINGS_NAME).write_text(json.dumps(made_before))
+    with pytest.raises(UserError, match="later was regenerated before draftsmith marked answers cut at"):
+        regenerate(recipe("later", *later), model, tokenizer)
+    with pytest.raises(UserError, match="leave it out of data.regenerate.reuse, and regenerate"):
+        check_reusable([tmp_path / "later"], settings)
 
 
 def test_sampled_answers_are_seeded_draws_that_resume_into_the_same_bytes(tmp_path, small_data):

@@ -121,6 +121,10 @@ def vllm_counters(drafts, draft_tokens, accepted) -> str:
     )
 
 
+def sglang_gauge(name: str, value) -> str:
+    return f'# TYPE {name} gauge\n{name}{{model_name="demo"}} {value}\n'
+
+
 class Answers(http.server.BaseHTTPRequestHandler):
     """A loopback server answering /<status>/<body name>[/anything] with that status and body."""
 
@@ -135,6 +139,10 @@ class Answers(http.server.BaseHTTPRequestHandler):
         "negative": vllm_counters(100, 300, -5),
         "infinite": vllm_counters(100, "+Inf", 100),
         "alpha_above_1": vllm_counters(100, 300, 301),
+        "sglang_fresh": sglang_gauge("sglang:spec_accept_length", "NaN"),
+        "sglang_levels": sglang_gauge("sglang:spec_accept_length", 2.5),
+        "sglang_negative": sglang_gauge("sglang:spec_accept_rate", -1),
+        "sglang_infinite": sglang_gauge("sglang:spec_accept_length", "+Inf"),
     }
 
     def do_GET(self):
@@ -200,6 +208,19 @@ def test_an_answer_that_is_not_vllm_s_spec_decode_counters_is_refused(answers, b
     with pytest.raises(UserError) as err:
         collect([url])
     assert fragment in str(err.value) and str(err.value).startswith(url) and "\n" not in str(err.value)
+
+
+def test_sglang_acceptance_gauges_not_measured_yet_are_left_out_and_impossible_ones_refused(answers):
+    """SGLang's gauges were recorded as read: a NaN one (no draft yet) went into state.json as NaN (not JSON), a
+    negative or infinite one as a level. A NaN is left out of the replicas' average; the others are refused."""
+    fresh, levels = f"{answers}/200/sglang_fresh/metrics", f"{answers}/200/sglang_levels/metrics"
+    assert window({}, collect([fresh], "sglang")).gauges == {}
+    assert window({}, collect([fresh, levels], "sglang")).gauges == {"sglang:spec_accept_length": 2.5}
+    for body, value in (("sglang_negative", "sglang:spec_accept_rate{model_name=demo} = -1:"),
+                        ("sglang_infinite", "sglang:spec_accept_length{model_name=demo} = inf")):  # fmt: skip
+        with pytest.raises(UserError, match="an acceptance level is finite") as err:
+            collect([f"{answers}/200/{body}/metrics"], "sglang")
+        assert value in str(err.value)
 
 
 def test_a_check_of_an_engine_without_spec_decode_writes_nothing(answers, tmp_path, capsys):
@@ -346,6 +367,31 @@ def test_a_baseline_report_of_other_weights_is_refused_in_one_line(tmp_path, cap
 def checked_in(version: str) -> dict:
     """engine_settings as an export checked in vLLM `version` records them."""
     return {"vllm_version": version, "runner": "cpu", "method": "medusa", "num_speculative_tokens": 3, **VLLM_PINNED}
+
+
+def test_a_window_with_more_accepted_than_drafted_tokens_is_not_judged_and_restarts(tmp_path):
+    """Each scrape had accepted <= drafted, but the window between two did not (the URL's counters were another
+    engine's at the previous scrape): it was judged as an α above 1, healthy. Now it is not judged, the record says
+    why, and the next window starts from this scrape."""
+    from draftsmith.monitor.check import check
+
+    engine = FakeEngine()
+    folder = served_export(tmp_path / "export" / "vllm", engine_settings=checked_in(SERVED))
+    cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}",
+                       f"monitor.metrics=[{engine.url}]", "monitor.retrain=false"])  # fmt: skip
+    try:
+        engine.serve(1000, [0.1, 0.0, 0.0])  # 3000 draft tokens, 100 accepted
+        assert check(cfg) == Outcome.HEALTHY  # the window starts
+        engine.drafts.labels("demo", "0").inc(100)
+        engine.tokens.labels("demo", "0").inc(300)
+        engine.accepted.labels("demo", "0").inc(2000)  # 2100 of 3300: each scrape passes; the window's 2000 of 300
+        assert check(cfg) == Outcome.HEALTHY
+        record = check_record(tmp_path, 2)
+        assert record["engine"]["verdict"] == "too few samples" and "not one engine's" in record["engine"]["note"]
+        engine.serve(2000, DROPPED)
+        assert check(cfg) == Outcome.DRIFT  # the next window is judged from the previous scrape
+    finally:
+        engine.server.shutdown()
 
 
 def check_record(tmp_path: Path, number: int) -> dict:
@@ -499,6 +545,35 @@ def test_a_retraining_needs_traffic_and_a_state_left_without_any_recovers(tmp_pa
     (logs / "requests.jsonl").write_text("".join(json.dumps({**ask, "domain": d}) + "\n" for d in ("math", "code")))
     sampled = step_sample(load_recipe([*args, f"monitor.traffic={logs}"]), directory, state, run / "retrain")
     assert sampled["domains"] == ["code", "math"]
+
+
+def test_a_retraining_whose_drifted_domains_left_the_traffic_window_is_abandoned_once(tmp_path):
+    """A retraining resumed after its drifted domains' requests aged out of monitor.traffic_window_s failed its
+    sample step with exit 2, and so did every later check. Now it is abandoned (exit 10, the line says why, no
+    cooldown: nothing was retrained) and the next check measures as usual."""
+    from draftsmith.monitor.check import check, summary
+    from draftsmith.monitor.state import State
+
+    folder, engine = served_export(tmp_path / "export" / "vllm"), FakeEngine()
+    directory, logs = tmp_path / "run" / "monitor", tmp_path / "logs"
+    logs.mkdir()
+    ask = {"messages": [{"role": "user", "content": "hi"}], "domain": "math", "timestamp": time.time() - 7200}
+    (logs / "requests.jsonl").write_text(json.dumps(ask) + "\n")  # math's only request: two hours old
+    cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}",
+                       f"monitor.metrics=[{engine.url}]", f"monitor.traffic={logs}",
+                       "monitor.traffic_window_s=3600"])  # fmt: skip
+    left = {"id": "retrain_00002", "started": "2026-11-30T10:00:00+00:00", "domains": ["math"], "done": {},
+            "deployed": {"export": str(folder), "revision": 0, "sha256": "0" * 64}}  # fmt: skip
+    State(checks=2, consecutive_drift=2, pipeline=left, last_check={"verdict": "drift"}).save(directory)
+    try:
+        assert check(cfg) == Outcome.DRIFT
+        state = State.load(directory)
+        assert state.pipeline is None and state.consecutive_drift == 0 and state.cooldown_until == 0.0
+        assert "no traffic of the drifted domains ['math']" in state.last_retrain["abandoned"]
+        assert summary(cfg, Outcome.DRIFT).startswith("monitor: drift (retraining retrain_00002 abandoned: no traffic")
+        assert check(cfg) == Outcome.HEALTHY  # a check as any other: the counters' window starts
+    finally:
+        engine.server.shutdown()
 
 
 def test_a_state_dir_of_another_drafter_is_refused_and_a_promoted_revision_is_said(tmp_path, capsys, caplog):
@@ -657,27 +732,36 @@ def test_two_checks_never_overlap(tmp_path):
             check(cfg)
 
 
-def test_watch_stops_on_sigterm_once_the_check_in_progress_is_done(tmp_path, monkeypatch, capsys):
-    """SIGTERM during a check of `watch` lets that check finish, then ends the watch as every stopped job
-    ends: the preempted line, exit 75 (it was exit 0 with no line)."""
+def test_watch_stops_on_sigterm_during_a_check_as_check_does_and_between_checks_at_once(tmp_path, monkeypatch, capsys):
+    """SIGTERM to `watch` ends it as every stopped job ends, the preempted line and exit 75 (it was exit 0 with no
+    line): during a check, where the check is, as `check` stops (a retraining in it resumes at the next check; it
+    waited for a whole retraining to end); between checks, at once."""
     import os
     import signal
+    import threading
 
     from draftsmith.monitor import check as monitor_check
 
     checks = []
 
     def terminated_during_a_check(cfg):
-        os.kill(os.getpid(), signal.SIGTERM)
         checks.append(cfg)
+        os.kill(os.getpid(), signal.SIGTERM)
+        checks.append("went on")
         return Outcome.HEALTHY
 
     monkeypatch.setattr(monitor_check, "check", terminated_during_a_check)
     before = signal.getsignal(signal.SIGTERM)
-    # returns instead of waiting 300 s
-    result = run_entry_in_process(["-m", "monitor", "watch", "recipe=medusa", f"output_dir={tmp_path}"], capsys)
-    assert_one_line_error(result, 75, "stopped on SIGTERM between checks", prefix="preempted: ")
+    args = ["-m", "monitor", "watch", "recipe=medusa", f"output_dir={tmp_path}"]
+    result = run_entry_in_process(args, capsys)
+    assert_one_line_error(result, 75, "stopped on SIGTERM; what was finished is kept", prefix="preempted: ")
     assert len(checks) == 1 and signal.getsignal(signal.SIGTERM) == before
+
+    monkeypatch.setattr(monitor_check, "check", lambda cfg: checks.append(cfg) or Outcome.HEALTHY)
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()  # in the 300 s wait after the check
+    result = run_entry_in_process(args, capsys)
+    assert_one_line_error(result, 75, "stopped on SIGTERM between checks", prefix="preempted: ")
+    assert len(checks) == 2 and signal.getsignal(signal.SIGTERM) == before
 
 
 def test_watch_refuses_an_interval_under_a_second(tmp_path, capsys):
