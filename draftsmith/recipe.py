@@ -268,12 +268,19 @@ def check_drafter(cfg: DictConfig, command: str = "train") -> None:
         config = OmegaConf.to_object(cfg.drafter)
     except OmegaConfBaseException as err:
         raise UserError(f"invalid drafter section: {_one_line(err)}") from None
+    for key in drafter_cls.Config.RESOLVED:  # a value here was replaced (train) or compared with the folder's
+        require(
+            getattr(config, key, None) is None,
+            f"drafter.{key} is filled from the target when a drafter is built, and read from the checkpoint "
+            "otherwise, never from the recipe: leave it out",
+        )
     if not builds_drafter(command, cfg):
         try:
             saved = saved_drafter(checkpoint_to_read(cfg))[:2]
         except UserError:  # an engine folder, or none yet: the command reads it, and says what it is not
             return
-        check_chain(cfg, *saved)
+        if saved[0].type == cfg.drafter.type:  # of another kind, the command refuses it, naming both
+            check_chain(cfg, *saved)
         return
     require(
         not names_a_missing_folder(cfg.target.name_or_path),
@@ -297,14 +304,14 @@ def check_chain(cfg: DictConfig, drafter_cls, config) -> None:
     """The eval's tree and chain length against what a drafter of `config` can propose."""
     require(
         cfg.eval.tree == 0 or drafter_cls.proposes_trees(config),
-        f"eval.tree={cfg.eval.tree} but this {cfg.drafter.type} drafter, as configured, "
+        f"eval.tree={cfg.eval.tree} but this {drafter_cls.type} drafter, as configured, "
         "proposes chains only: set eval.tree=0",
     )
     longest = drafter_cls.max_chain(config)
     gamma = cfg.eval.num_speculative_tokens
     require(
         longest is None or gamma <= longest,
-        f"eval.num_speculative_tokens={gamma} but a {cfg.drafter.type} drafter with this config "
+        f"eval.num_speculative_tokens={gamma} but a {drafter_cls.type} drafter with this config "
         f"proposes at most {longest} tokens",
     )
 

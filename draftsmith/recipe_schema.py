@@ -242,7 +242,8 @@ class ExportSection:
     output: Optional[str] = None  # default <output_dir>/export; one folder per engine inside
     # γ written into configs and serving commands; default eval.num_speculative_tokens
     num_speculative_tokens: Optional[int] = None
-    verifier: Optional[str] = None  # the target as the engine names it (Hub id or path); default target.name_or_path
+    # the target as the engine names it (Hub id or path); default target.name_or_path (a folder: its absolute path)
+    verifier: Optional[str] = None
     # eval report.json for the model card; default <checkpoint>/../eval/report.json if present
     report: Optional[str] = None
     # a Python with vLLM installed: load the vllm folder in the engine and compare it with draftsmith's eval

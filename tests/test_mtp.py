@@ -150,6 +150,20 @@ def test_targets_without_a_served_mtp_layer_are_refused_in_one_line(tmp_path):
         MTP.Config().check(local_target_shape(str(saved)))
 
 
+@pytest.mark.parametrize("family", ["glm4_moe"])
+def test_a_shipped_layer_of_another_shape_is_one_line(family, targets):
+    """A wrapper tensor (eh_proj) or a block tensor of another shape than the target's layer was exit 70 (torch's
+    size-mismatch or transformers' ignore_mismatched_sizes error)."""
+    folder, model = targets(family)
+    config, chosen = layout(folder)
+    shipped = read_layer(str(folder), config, chosen)
+    for name in ("eh_proj.weight", next(n for n in shipped if n.endswith("self_attn.q_proj.weight"))):
+        cut = {**shipped, name: shipped[name][:-1]}
+        with pytest.raises(UserError, match=r"MTP layer does not match the target.* is \[\d+, \d+\]") as err:
+            MTP.from_layer(MTP.Config(), model, str(folder), cut)
+        assert name.rsplit(".", 2)[-2] in str(err.value) and "\n" not in str(err.value)
+
+
 def test_train_refuses_a_target_without_one_before_loading_it(capsys):
     result = run_entry_in_process(["train.py", "recipe=mtp", f"target.name_or_path={REFERENCE_TARGET}"], capsys)
     assert_one_line_error(result, 2, "drafter.type=mtp: no MTP layer layout is known for a LlamaForCausalLM target")

@@ -296,3 +296,13 @@ def test_every_entry_point_refuses_bad_settings_in_one_line(tmp_path, entry, ove
         run_entry([*entry, "recipe=medusa", f"output_dir={out}", override], timeout=120), 2, alone=True
     )
     assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_a_drafter_key_filled_from_the_target_is_refused_in_a_recipe(command):
+    """drafter.decoder (filled by from_target) given to train was replaced without a word, while the run's
+    recipe.yaml kept the given value; given to eval, refused in a line of the whole dict."""
+    from draftsmith.recipe import validated
+
+    with pytest.raises(UserError, match="^drafter.decoder is filled from the target when a drafter is built"):
+        validated(["recipe=eagle3", "drafter.decoder={architecture: DeepseekV3ForCausalLM}"], command)
