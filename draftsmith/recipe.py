@@ -274,6 +274,10 @@ def check_drafter(cfg: DictConfig, command: str = "train") -> None:
             f"drafter.{key} is filled from the target when a drafter is built, and read from the checkpoint "
             "otherwise, never from the recipe: leave it out",
         )
+    require(
+        not names_a_missing_folder(cfg.target.name_or_path),
+        f"target.name_or_path={cfg.target.name_or_path}: no such folder (a Hub id reads owner/name)",
+    )
     if not builds_drafter(command, cfg):
         try:
             saved = saved_drafter(checkpoint_to_read(cfg))[:2]
@@ -282,10 +286,6 @@ def check_drafter(cfg: DictConfig, command: str = "train") -> None:
         if saved[0].type == cfg.drafter.type:  # of another kind, the command refuses it, naming both
             check_chain(cfg, *saved)
         return
-    require(
-        not names_a_missing_folder(cfg.target.name_or_path),
-        f"target.name_or_path={cfg.target.name_or_path}: no such folder (a Hub id reads owner/name)",
-    )
     streams = 1  # a GGUF file or a Hub id: the target's first forward checks its layers' outputs
     if cfg.target.gguf_file is not None:
         from draftsmith.gguf import header_shape

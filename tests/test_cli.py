@@ -182,6 +182,8 @@ def test_a_command_that_reads_a_checkpoint_does_not_check_the_recipes_drafter_ag
     for command, extra in (("train", []), ("monitor", ["check"])):
         code, _, err = run(command, [*extra, *args], capsys)
         assert code == 2 and "EAGLE-3's default aux layers" in err, command
+    code, _, err = run("eval", [*args, f"target.name_or_path={tmp_path / 'nope'}"], capsys)  # still checked
+    assert code == 2 and "no such folder" in err
     assert not (tmp_path / "run").exists()
 
 
