@@ -243,8 +243,10 @@ def stage_train(args, runs: Path, kind: str, log: Path) -> None:
     run(
         [
             "train.py", f"recipe={RECIPES[kind].recipe}", *RECIPES[kind].overrides, f"output_dir={kind_dir}",
-            f"data.train=[{runs / 'data' / 'regenerated'}]", f"train.epochs={args.epochs}",
-            f"train.max_steps={args.max_steps}", f"train.heldout={args.heldout}", f"train.eval_every={args.eval_every}",
+            f"data.train=[{runs / 'data' / 'regenerated'}]", f"train.heldout={args.heldout}",
+            # the run's length, one way: draftsmith refuses epochs beside a max_steps, which it would not read
+            f"train.max_steps={args.max_steps}" if args.max_steps > 0 else f"train.epochs={args.epochs}",
+            f"train.eval_every={args.eval_every}",
             f"train.patience={args.patience}",
             # MT-bench is prompts only: the eval stage reads it, not training
             "eval.enabled=false", "data.eval=[]", *resume,
@@ -440,6 +442,8 @@ def main() -> None:
         "--threads", type=int, default=os.cpu_count(), help="OMP threads of the vLLM engine (default: every core)"
     )
     args = parser.parse_args()
+    if args.max_steps > 0 and args.epochs != 1:
+        parser.error(f"--epochs {args.epochs} is not read with --max-steps {args.max_steps}: give one of them")
     kinds, stages = args.kinds.split(","), args.stages.split(",")
     if "time" in stages:  # before anything is written: the time stage serves suffix decoding
         try:

@@ -55,7 +55,8 @@ class HubUnavailable(Exception):
 
 class StorageError(Exception):
     """An output could not be written (a full disk, a quota, an I/O error, permissions): what was
-    finished before is intact; free space and run the same command again; exit EXIT_IO_ERROR."""
+    finished before is intact; free space and run the same command again (training: with train.resume=true);
+    exit EXIT_IO_ERROR."""
 
 
 class InternalError(Exception):
@@ -86,6 +87,9 @@ EXIT_INTERRUPTED = 130
 
 # OSError numbers that mean the storage failed, not draftsmith: exit EXIT_IO_ERROR wherever they surface.
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG})
+# The advice of a line that does not know which command ran: training refuses its own command again (an earlier
+# run in output_dir) unless it resumes.
+RUN_AGAIN = "run the same command again to continue (a training run: with train.resume=true)"
 DEBUG_ENV = "DRAFTSMITH_DEBUG"  # set (to anything but 0): an internal error prints its traceback on stderr
 
 # exception class -> (exit code, what the line starts with); the first match in order wins
@@ -119,7 +123,7 @@ def stop_on_sigterm(signum, frame) -> None:
     job is. Every stage publishes by rename, so what it finished is kept and the same command
     continues (regeneration and capture after their last finished part, export from its checks)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM during the unwinding kills
-    raise Preempted("stopped on SIGTERM; what was finished is kept: run the same command again to continue")
+    raise Preempted(f"stopped on SIGTERM; what was finished is kept: {RUN_AGAIN}")
 
 
 class StopRequest:
@@ -192,8 +196,7 @@ def outcome(err: BaseException) -> tuple[int, str]:
         where = f" ({err.filename})" if err.filename else ""
         return (
             EXIT_IO_ERROR,
-            f"I/O error: {os.strerror(err.errno).lower()}{where}; free space (or fix the disk) and run the same "
-            "command again",
+            f"I/O error: {os.strerror(err.errno).lower()}{where}; free space (or fix the disk) and {RUN_AGAIN}",
         )
     return (
         EXIT_INTERNAL,

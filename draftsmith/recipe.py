@@ -36,7 +36,7 @@ from draftsmith.recipe_checks import (
     require,
     resolve_bool_or_path,
 )
-from draftsmith.recipe_schema import CHOICES, RecipeSchema
+from draftsmith.recipe_schema import CHOICES, RecipeSchema, TrainSection
 from draftsmith.resources import bundled, recipes_dir
 from draftsmith.sharding import check_shard
 from draftsmith.target import (
@@ -189,6 +189,10 @@ def compose(recipe: str, overrides: Sequence[str]) -> DictConfig:
                 OmegaConf.update(cfg, key, value, merge=False)
             except OmegaConfBaseException as err:
                 raise UserError(f"override {key}={value!r}: {_one_line(err)}") from None
+        if "train.max_steps" in dict(parsed) and "train.epochs" not in dict(parsed):
+            # the command line sets the run's length: the recipe file's epochs is not read, and the saved recipe
+            # says so (a recipe's or a command line's epochs beside a max_steps is refused: recipe_checks)
+            cfg.train.epochs = TrainSection.epochs
     except OmegaConfBaseException as err:
         raise UserError(f"invalid recipe {path.name}: {_one_line(err)}") from None
     return cfg

@@ -5,8 +5,10 @@ every key; the drafter section is its kind's own check (`draftsmith.recipe.check
 from __future__ import annotations
 
 import math
+import os
 import re
 import urllib.parse
+from pathlib import Path
 from typing import Optional
 
 import numpy
@@ -48,6 +50,8 @@ def check_finite(settings: dict, prefix: str = "") -> None:
 
 def check_train(t, d) -> None:
     """The train section `t`, and its settings that depend on the data section `d`."""
+    from draftsmith.recipe_schema import TrainSection
+
     require(t.lr > 0, f"train.lr={t.lr} must be > 0")
     require(t.optimizer in ("adamw", "muon"), f"train.optimizer={t.optimizer!r} must be adamw or muon")
     require(
@@ -55,6 +59,20 @@ def check_train(t, d) -> None:
         f"train.max_steps={t.max_steps} must be >= 1, or -1 to run train.epochs epochs",
     )
     require(t.epochs >= 1, f"train.epochs={t.epochs} must be >= 1")
+    # the run's length is max_steps when set (trainer/setup.py): other epochs were ignored without a word. A value
+    # equal to the default cannot be told from an unset one here, and changes nothing.
+    require(
+        t.max_steps == -1 or t.epochs == TrainSection.epochs,
+        f"train.epochs={t.epochs} is not read while train.max_steps={t.max_steps} sets the run's length: give "
+        f"train.max_steps=-1 with it, or train.epochs={TrainSection.epochs}",
+    )
+    # a value that is no keyword was read as a checkpoint's path (`yes`: "not a complete checkpoint"); one that names
+    # a folder, or is written as a path, is left to the resume, which says what is wrong with it
+    resume = resolve_bool_or_path(t.resume)
+    require(
+        resume in (None, "latest", LATEST_INTACT) or os.sep in resume or Path(resume).expanduser().exists(),
+        f"train.resume={t.resume} is none of true, false, {LATEST_INTACT} or a checkpoint's path (no such path here)",
+    )
     require(
         t.cpu_threads is None or t.cpu_threads >= 1,
         f"train.cpu_threads={t.cpu_threads} must be >= 1, or null to let draftsmith choose",
@@ -282,9 +300,15 @@ OUTPUT_KEYS = (
 )
 
 
+# data.cache_dir's default, where train and capture cache tokenized data (data_prep/dataset.py DEFAULT_CACHE_ROOT)
+DEFAULT_CACHE_DIR = "~/.cache/draftsmith"
+
+
 def check_outputs(cfg) -> None:
     """Every output directory the recipe names is creatable, and none is empty (which a path would take
-    as the current folder); each job's lock checks the defaults under output_dir it takes."""
+    as the current folder); each job's lock checks the defaults under output_dir it takes. The tokenized-data
+    cache, given or its default, is creatable too: a file there, or a read-only file system, failed once the
+    data had been read (exit 70, or 74 as if the disk had failed)."""
     for key in OUTPUT_KEYS:
         path = OmegaConf.select(cfg, key)
         if path is None:
@@ -292,6 +316,9 @@ def check_outputs(cfg) -> None:
         unset = "" if key == "output_dir" else ", or null for its default under output_dir"
         require(str(path) != "", f"{key} is empty: give a directory{unset}")
         check_output_dir(path, key)
+    cache = cfg.data.cache_dir
+    unset = f"data.cache_dir=null (its default, {DEFAULT_CACHE_DIR})"
+    check_output_dir(cache or DEFAULT_CACHE_DIR, "data.cache_dir", named=None if cache else unset)
 
 
 # paths a command reads, each with a default when null: given empty, it was read as unset, without a word
@@ -303,6 +330,10 @@ def check_inputs(cfg) -> None:
         require(
             OmegaConf.select(cfg, key) != "", f"{key} is empty: give a path, or leave it out (null) for its default"
         )
+
+
+# train.resume's value for "the newest checkpoint whose files match their checksums" (true: the newest, verified)
+LATEST_INTACT = "latest_intact"
 
 
 def resolve_bool_or_path(value: Optional[str]) -> Optional[str]:

@@ -128,7 +128,7 @@ class TrainSection:
     # output heads, one lr for both (trainer/optim.py); not under DeepSpeed
     optimizer: str = "adamw"
     max_steps: int = -1  # optimizer steps; -1 means run `epochs` epochs
-    epochs: int = 1  # passes over data.train (when max_steps is -1)
+    epochs: int = 1  # passes over data.train, read when max_steps is -1 (another value with max_steps is refused)
     micro_batch_size: int = 8  # conversations per process per forward
     grad_accum: int = 1  # micro-batches per optimizer step
     warmup_steps: int = 0  # optimizer steps of linear learning-rate warm-up
@@ -138,9 +138,10 @@ class TrainSection:
     seed: int = 0  # initialisation and data order
     log_every: int = 10  # optimizer steps between log lines (stdout, log.jsonl, TensorBoard)
     save_every: int = 0  # steps between checkpoints; 0 = only the final one
-    keep_checkpoints: int = 2  # older step checkpoints are deleted
+    keep_checkpoints: int = 2  # the newest step checkpoints kept, older ones deleted; 0 = keep every one
     # true = the newest checkpoint in output_dir | latest_intact = the newest whose files match the checksums
-    # recorded when it was saved (a damaged one is refused otherwise) | a checkpoint path
+    # recorded when it was saved (a damaged one is refused otherwise) | a checkpoint path | false (or null) = a new
+    # run; any other value is refused
     resume: Optional[str] = None
     overwrite: bool = False  # start over in an output_dir that holds another run: the earlier run is moved aside
     # warm start: the drafter whose weights and draft vocabulary training starts from (a draftsmith checkpoint,

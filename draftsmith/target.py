@@ -120,6 +120,13 @@ def read_model(section, dtype: torch.dtype, device: torch.device | str):
     return model.to(device)
 
 
+def loaded_config(target_model) -> dict:
+    """A loaded target's config (dict form), naming its architecture: transformers loads a vision-language
+    wrapper's language model alone, configured by the wrapper's text_config, which names none."""
+    values = target_model.config.to_dict()
+    return {**values, "architectures": values.get("architectures") or [type(target_model).__name__]}
+
+
 def not_loadable(what: str, err: BaseException) -> UserError:
     """The line for a model that did not load: transformers' reason, or, for a Hub id not in the cache with
     HF_HUB_OFFLINE=1, that (transformers' own line then says it could not connect, which it never tried).

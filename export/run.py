@@ -46,7 +46,7 @@ from draftsmith.heads import load_drafter
 from draftsmith.heads.base import EVAL_SPLIT, read_checkpoint_config
 from draftsmith.outputs import DirectoryLock, move_aside
 from draftsmith.recipe_checks import ENGINES
-from draftsmith.target import TargetShape, load_target, resolve_device
+from draftsmith.target import TargetShape, load_target, loaded_config, resolve_device
 
 EXPORT_FORMAT = 1
 log = logging.getLogger("draftsmith.export")
@@ -126,7 +126,7 @@ def load_source(cfg: DictConfig, checkpoint: Path, target) -> Source:
     directory = Path(name) if Path(name).is_dir() else None
     # a local folder by its absolute path: a relative one names the target only where the export ran
     verifier = cfg.export.verifier or (str(directory.resolve()) if directory is not None else name)
-    info = TargetInfo(shape=shape, config=target.config.to_dict(), verifier=verifier, directory=directory)
+    info = TargetInfo(shape=shape, config=loaded_config(target), verifier=verifier, directory=directory)
     return Source(
         drafter=drafter, checkpoint=checkpoint, target_model=target, target=info, vllm_format=cfg.export.vllm_format
     )

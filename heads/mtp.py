@@ -57,7 +57,7 @@ from draftsmith.heads.packing import (
 )
 from draftsmith.heads.proposer import DraftState
 from draftsmith.heads.vocab_loss import check_steps_ahead, chunk_rows_for, steps_ahead_loss
-from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
+from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, loaded_config
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -68,12 +68,22 @@ WRAPPER = ("embed_norm", "hidden_norm", "proj", "final_norm")
 
 DEEPSEEK_NAMES = ("enorm", "hnorm", "eh_proj", "shared_head.norm")
 QWEN_NAMES = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm")
+QWEN3_5 = Layout("qwen3_5_mtp", "mtp_num_hidden_layers", QWEN_NAMES, False, False, True)
+# vLLM's Qwen3_5MoeMTP: Qwen3.5's layer with Qwen3-Next's experts (a sigmoid-gated shared expert beside them),
+# stored fused as the releases ship them (vLLM reads either form)
+QWEN3_5_MOE = replace(QWEN3_5, fused_experts=True)
 # Target architecture -> its MTP layout, as vLLM 0.32's models read and compute it (read from its source).
 LAYOUTS = {
     "DeepseekV3ForCausalLM": Layout("deepseek_mtp", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, True),
     "Glm4MoeForCausalLM": Layout("glm4_moe_mtp", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, False),
     "Qwen3NextForCausalLM": Layout("qwen3_next_mtp", "num_nextn_predict_layers", QWEN_NAMES, False, False, True),
-    "Qwen3_5ForCausalLM": Layout("qwen3_5_mtp", "mtp_num_hidden_layers", QWEN_NAMES, False, False, True),
+    "Qwen3_5ForCausalLM": QWEN3_5,
+    "Qwen3_5MoeForCausalLM": QWEN3_5_MOE,
+    # Qwen3.5's releases are vision-language wrappers: the MTP layer at the top of the checkpoint (`mtp.*`, beside
+    # `model.language_model.*`), its count in text_config. transformers' AutoModelForCausalLM loads their language
+    # model alone (the class above, `loaded_config`), and vLLM serves the layer as for a text-only checkpoint.
+    "Qwen3_5ForConditionalGeneration": QWEN3_5,
+    "Qwen3_5MoeForConditionalGeneration": QWEN3_5_MOE,
 }
 # Architectures with MTP layers that vLLM 0.32 does not serve as trained, and why.
 UNSERVED = {
@@ -112,8 +122,8 @@ class MtpConfig(DrafterConfig):
 
 
 def layout_of(config: dict) -> Layout:
-    """The MTP layout of a target config (dict form), or a one-line UserError: no MTP layers, or an
-    architecture vLLM does not serve them for."""
+    """The MTP layout of a target config (dict form), or a one-line UserError: no MTP layers, an architecture
+    whose layout draftsmith does not read, or one vLLM does not serve them for."""
     architecture = (config.get("architectures") or ["?"])[0]
     if architecture in UNSERVED:
         raise UserError(
@@ -128,8 +138,9 @@ def layout_of(config: dict) -> Layout:
     if architecture not in LAYOUTS:
         known = ", ".join(sorted(LAYOUTS))
         raise UserError(
-            f"drafter.type=mtp: no MTP layer layout is known for a {architecture} target (vLLM 0.32 serves the MTP "
-            f"layers of {known}); train another kind"
+            f"drafter.type=mtp: no MTP layer layout is known for a {architecture} target: draftsmith reads the MTP "
+            f"layers of {known} targets only, each checked against vLLM 0.32's model of it (this target may ship "
+            "none, or in a layout not checked here); train another kind"
         )
     layout = LAYOUTS[architecture]
     text = config.get("text_config") or {}
@@ -150,6 +161,11 @@ def layout_of(config: dict) -> Layout:
     return layout
 
 
+def text_fields(config: dict) -> dict:
+    """A target config's (dict form) language-model fields: a vision-language wrapper's text_config."""
+    return config.get("text_config") or config
+
+
 def check_target_folder(name_or_path: str) -> None:
     """For a local target: its config names an MTP layout and its weights hold the first MTP layer (the
     safetensors headers only); a Hub id is checked when the target loads."""
@@ -158,7 +174,7 @@ def check_target_folder(name_or_path: str) -> None:
         return
     config = json.loads((folder / "config.json").read_text())
     layout = layout_of(config)
-    prefix = layout.prefix(int(config["num_hidden_layers"]))
+    prefix = layout.prefix(int(text_fields(config)["num_hidden_layers"]))
     if not any(name.startswith(prefix) for name in tensor_names(folder)):
         raise UserError(
             f"drafter.type=mtp: {folder}'s weights hold no MTP layer (no tensor named {prefix}*; transformers drops "
@@ -197,7 +213,7 @@ class Mtp(EagleBase):
     # -- building -------------------------------------------------------------------------------
     @classmethod
     def from_target(cls, config: MtpConfig, target_model, name_or_path: str) -> Mtp:
-        values = target_model.config.to_dict()
+        values = loaded_config(target_model)
         tensors = read_layer(name_or_path, values, layout_of(values))
         return cls.from_layer(config, target_model, name_or_path, tensors)
 
@@ -211,12 +227,12 @@ class Mtp(EagleBase):
     @classmethod
     def unloaded(cls, config: MtpConfig, target_model, name_or_path: str) -> Mtp:
         """The drafter for this target with the layer's weights as its classes initialise them."""
-        target_config = target_model.config
-        layout = layout_of(target_config.to_dict())
+        target_config, values = target_model.config, loaded_config(target_model)
+        layout = layout_of(values)
         text = getattr(target_config, "text_config", None) or target_config
         inner = target_model.model
         spec = {
-            "architecture": target_config.architectures[0],
+            "architecture": values["architectures"][0],
             "layer": qualified(type(inner.layers[0])),
             "rotary": qualified(type(inner.rotary_emb)),
             "norm": qualified(type(inner.norm)),
@@ -253,7 +269,8 @@ class Mtp(EagleBase):
             f"{theirs}.weight": getattr(self, own).weight.detach() for own, theirs in zip(WRAPPER, self.layout.names)
         }
         block = self.layout.block()
-        out |= {block + name: t for name, t in block_to_checkpoint(self.block, self.config.decoder).items()}
+        saved = block_to_checkpoint(self.block, self.config.decoder, self.layout.fused_experts)
+        out |= {block + name: t for name, t in saved.items()}
         return out
 
     # -- the draft model ------------------------------------------------------------------------
@@ -338,7 +355,8 @@ def write_random_layer(directory: str | Path, std: float = 0.08, seed: int = 0) 
     if architecture not in LAYOUTS:
         raise UserError(f"no MTP layer layout is known for a {architecture} target")
     layout = LAYOUTS[architecture]
-    values[layout.count_key] = 1
+    text = text_fields(values)  # a wrapper's count sits in its text_config, as its releases keep it
+    text[layout.count_key] = 1
     config_path.write_text(json.dumps(values, indent=2) + "\n")
     target = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     torch.manual_seed(seed)
@@ -349,6 +367,6 @@ def write_random_layer(directory: str | Path, std: float = 0.08, seed: int = 0) 
             parameter.normal_(0.0, std)
     weights = directory / "model.safetensors"
     tensors = load_file(str(weights))
-    prefix = layout.prefix(int(values["num_hidden_layers"]))
+    prefix = layout.prefix(int(text["num_hidden_layers"]))
     tensors |= {prefix + name: t.contiguous() for name, t in drafter.checkpoint_tensors().items()}
     save_file(tensors, str(weights), metadata={"format": "pt"})

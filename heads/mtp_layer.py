@@ -31,6 +31,9 @@ class Layout:
     after_layers: bool  # stored as layer N (N = num_hidden_layers) of the model, else under `mtp.`
     masks_first_position: bool  # the embedding at position 0 is zeroed
     feeds_back_normed: bool  # a later step reads final_norm(pre), else pre
+    # the release stores the block as transformers' modules hold it (each projection's experts fused in one 3-D
+    # tensor), not in the per-expert form transformers saves by default; the export writes the release's form
+    fused_experts: bool = False
 
     def prefix(self, num_hidden_layers: int) -> str:
         """The first MTP layer's tensor names start with this."""
@@ -186,13 +189,14 @@ def block_from_checkpoint(tensors: dict[str, torch.Tensor], spec: dict) -> dict[
     return model.model.layers[0].state_dict()
 
 
-def block_to_checkpoint(block: nn.Module, spec: dict) -> dict[str, torch.Tensor]:
-    """The block's parameters -> its checkpoint tensors (names under the block), by transformers' saver."""
+def block_to_checkpoint(block: nn.Module, spec: dict, fused_experts: bool) -> dict[str, torch.Tensor]:
+    """The block's parameters -> its checkpoint tensors (names under the block), by transformers' saver: in
+    the release's form (`Layout.fused_experts`)."""
     config, auto = carrier(spec)
     model = auto.from_config(config, dtype=torch.float32)
     model.model.layers[0].load_state_dict({k: v.float() for k, v in block.state_dict().items()})
     with tempfile.TemporaryDirectory() as tmp, quiet_transformers():
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, save_original_format=not fused_experts)
         saved = load_file(str(Path(tmp) / "model.safetensors"))
     dtype = next(block.parameters()).dtype
     return {

@@ -2,11 +2,12 @@
 written back under the checkpoint's names (heads/mtp.py, formats/mtp.py).
 
 On tiny random targets of each family vLLM 0.32 serves an MTP layer for (GLM-4.5's and DeepSeek-V3's
-layout, `model.layers.{N}.*`; Qwen3-Next's and Qwen3.5's, `mtp.*`), each given a random first MTP layer
-in its family's layout (`heads.mtp.write_random_layer`, as a released checkpoint ships one): the layer
+layout, `model.layers.{N}.*`; Qwen3-Next's, Qwen3.5's and Qwen3.5-MoE's, `mtp.*`), each given a random first
+MTP layer in its family's layout (`heads.mtp.write_random_layer`, as a released checkpoint ships one): the layer
 reads back exactly, is the block vLLM builds (the family's attention and experts), computes vLLM's
-formula, trains and decodes losslessly; targets without one are refused in one line before anything
-loads. The real engine serving the export: tests/test_mtp_vllm.py.
+formula, trains and decodes losslessly; Qwen3.5's vision-language wrappers, as released, train and export as
+their language models; targets without one are refused in one line before anything loads. The real engine
+serving the export: tests/test_mtp_vllm.py.
 """
 
 from __future__ import annotations
@@ -15,22 +16,24 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from draftsmith.errors import UserError
 from draftsmith.eval.loop import generate
+from draftsmith.formats import Source, exporter_for
+from draftsmith.formats.repo import TargetInfo, check_tensors
 from draftsmith.heads import drafter_class
 from draftsmith.heads.mtp import LAYOUTS, write_random_layer
 from draftsmith.heads.mtp_layer import read_layer, shipped_shapes
 from draftsmith.random_target import write_random_target
 from draftsmith.recipe import load_recipe
-from draftsmith.target import load_target, local_target_shape, run_target
+from draftsmith.target import TargetShape, load_target, local_target_shape, run_target
 from tests.helpers import REFERENCE_TARGET, assert_one_line_error, first_records, run_entry_in_process, save_drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FAMILIES = ("glm4_moe", "deepseek_v3", "qwen3_next", "qwen3_5_text")
+FAMILIES = ("glm4_moe", "deepseek_v3", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 SHAPE = {"hidden_size": 64, "intermediate_size": 128, "head_dim": 16}  # 4 layers: Qwen's 4th is full attention
 MTP = drafter_class("mtp")
 
@@ -129,7 +132,9 @@ def test_it_trains_several_steps_ahead_and_decodes_losslessly(family, targets):
 def test_targets_without_a_served_mtp_layer_are_refused_in_one_line(tmp_path):
     """Before any model or data loads (the target's config.json and safetensors headers only)."""
     shape = local_target_shape(str(REFERENCE_TARGET))
-    with pytest.raises(UserError, match="no MTP layer layout is known for a LlamaForCausalLM target"):
+    # what draftsmith reads, not a claim about what vLLM serves (vLLM 0.32 serves more MTP families)
+    known = r"draftsmith reads the MTP layers of .*Qwen3_5MoeForConditionalGeneration targets only, each checked"
+    with pytest.raises(UserError, match=f"no MTP layer layout is known for a LlamaForCausalLM target: {known}"):
         MTP.Config().check(shape)
     gemma = write_random_target("gemma4_text", tmp_path / "gemma")  # its MTP is a model of its own
     with pytest.raises(UserError, match=r"Gemma4ForCausalLM target ships no MTP layer: .* \(an assistant model: "):
@@ -148,6 +153,64 @@ def test_targets_without_a_served_mtp_layer_are_refused_in_one_line(tmp_path):
     (saved / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match=r"checkpoint is quantized \(fp8 .* at the model's BF16 release"):
         MTP.Config().check(local_target_shape(str(saved)))
+
+
+# Qwen3.5's releases: vision-language wrapper -> its language model's family (random_target builds that alone)
+WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "num_position_embeddings": 16}
+
+
+def write_random_wrapper(model_type: str, directory):
+    """A tiny vision-language wrapper laid out as Qwen3.5's releases are: a random vision tower beside the language
+    model under `model.language_model.*` (a tiny text target's weights), then a random MTP layer (`mtp.*`, its
+    count in text_config)."""
+    text = write_random_target(WRAPPERS[model_type], directory / "text", **SHAPE)
+    text_config = json.loads((text / "config.json").read_text())
+    del text_config["architectures"]  # the wrapper's config names its own only
+    config = AutoConfig.for_model(model_type, text_config=text_config, vision_config={**VISION, "out_hidden_size": 64})
+    AutoModelForImageTextToText.from_config(config).save_pretrained(directory / "wrapper")
+    weights = directory / "wrapper" / "model.safetensors"
+    tensors = load_file(str(weights))
+    for name, tensor in load_file(str(text / "model.safetensors")).items():
+        tensors[name.replace("model.", "model.language_model.", 1)] = tensor
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (directory / "wrapper" / name).write_bytes((text / name).read_bytes())
+    write_random_layer(directory / "wrapper")
+    return directory / "wrapper"
+
+
+@pytest.mark.parametrize("model_type", WRAPPERS)
+def test_a_released_vision_language_wrappers_layer_trains_and_exports_as_its_language_models(model_type, tmp_path):
+    """transformers' AutoModelForCausalLM loads the wrapper's language model alone (its ForCausalLM class, the
+    wrapper's text_config, which names no architecture); the layer is read from the top of the checkpoint
+    (`mtp.*`), trains, decodes losslessly, and exports as for a text-only target: the language model's config
+    with one MTP layer, which vLLM 0.32 serves as Qwen3_5MTP / Qwen3_5MoeMTP, and the layer under the shipped
+    names and shapes (the experts fused as the MoE releases ship them)."""
+    folder = write_random_wrapper(model_type, tmp_path)
+    MTP.Config().check(local_target_shape(str(folder)))  # the wrapper's config.json and safetensors headers
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().requires_grad_(False)
+    architecture = type(model).__name__
+    assert model.config.architectures is None and architecture.endswith("ForCausalLM")
+    drafter = MTP.from_target(MTP.Config(ttt_steps=2), model, str(folder))
+    shipped = read_layer(str(folder), model.config.to_dict(), LAYOUTS[architecture])
+    written = drafter.checkpoint_tensors()
+    assert written.keys() == shipped.keys() and all(torch.equal(written[n], shipped[n]) for n in shipped)
+    ids = torch.randint(3, 4000, (2, 24), generator=torch.Generator().manual_seed(6))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    loss_sum, count, _ = drafter.loss(
+        batch, run_target(model, ids, request=MTP.features(drafter.config, drafter.target))
+    )
+    (loss_sum / count).backward()
+    prompt = torch.randint(3, 4000, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    plain = generate(model, prompt, 12).tokens
+    assert generate(model, prompt, 12, drafter=drafter.eval().proposer(), gamma=3).tokens == plain
+    shape = TargetShape.of(model, str(folder))
+    source = Source(drafter, tmp_path, model, TargetInfo(shape, model.config.to_dict(), str(folder)))
+    repo = exporter_for("mtp").vllm(source, 3, tmp_path / "export")
+    check_tensors(repo, "export")  # exactly the shipped layer's names and shapes
+    assert repo.config["architectures"] == [architecture] and repo.config["mtp_num_hidden_layers"] == 1
+    assert repo.config["model_type"] == WRAPPERS[model_type] and "vision_config" not in repo.config
 
 
 @pytest.mark.parametrize("family", ["glm4_moe"])

@@ -149,8 +149,15 @@ def read_only_folder(tmp_path):
 
 def test_an_output_on_a_read_only_file_system_is_bad_input_for_every_command(read_only_folder, tmp_path, capsys):
     """Issue #62 fault 5: train, export and eval name the key whose folder cannot be written, exit 2, before
-    anything loads (not exit 74, which says to free space)."""
-    for key, command in (("output_dir", "train.py"), ("export.output", "-m export"), ("output_dir", "-m eval")):
+    anything loads (not exit 74, which says to free space). So do train and capture for the tokenized-data
+    cache, data.cache_dir (it was exit 74 after the data had been read)."""
+    for key, command in (
+        ("output_dir", "train.py"),
+        ("export.output", "-m export"),
+        ("output_dir", "-m eval"),
+        ("data.cache_dir", "train.py"),
+        ("data.cache_dir", "-m data_prep.capture"),
+    ):
         for where in ("new", "run"):  # a folder to create there, and one that exists
             path = read_only_folder / where
             extra = [f"output_dir={tmp_path}"] if key != "output_dir" else []
@@ -221,12 +228,17 @@ def test_train_py_bad_input_is_one_line_exit_2(tmp_path, args, capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 is refused only without a CUDA GPU")
-def test_fp16_without_a_gpu_is_refused_before_the_run_starts(tmp_path, small_data, token_cache, capsys):
+def test_fp16_without_a_gpu_is_refused_before_the_run_starts(tmp_path, small_data, token_cache, capsys, monkeypatch):
     """accelerate runs train.mixed_precision=fp16 on a CPU as float32 without a word: refused, nothing written."""
     out = tmp_path / "run"
     args = train_args(out, small_data, token_cache, "train.max_steps=1", "train.mixed_precision=fp16")
     result = run_entry_in_process(["train.py", *args], capsys)
     assert_one_line_error(result, 2, "train.mixed_precision=fp16 needs a CUDA GPU; use bf16 or no on a CPU")
+    assert not out.exists()
+    # `accelerate launch --mixed_precision fp16` (its environment variable) under train.mixed_precision=auto too
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    result = run_entry_in_process(["train.py", *args[:-1]], capsys)
+    assert_one_line_error(result, 2, "accelerate launch --mixed_precision fp16 needs a CUDA GPU")
     assert not out.exists()
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -80,6 +81,53 @@ def test_a_rerun_is_refused_resumed_or_started_over_and_nothing_is_deleted(tmp_p
     assert sorted(read_log(out)) == [1]
     (replaced,) = (out / "replaced").iterdir()
     assert sorted(p.name for p in (replaced / "checkpoints").iterdir()) == ["step_0000001", "step_0000002"]
+
+
+def test_a_resume_continues_as_the_run_began_or_is_refused_in_one_line(tmp_path, small_data, token_cache, capsys):
+    """A resume on another split of the run's step (micro_batch_size 2 x grad_accum 4 for 4 x 2) trains the
+    conversations the uninterrupted run trains (its data position was counted in micro-batches of the old split:
+    it trained some twice); another step size, an optimizer setting or the data order changed (the saved
+    optimizer kept the old lr while recipe.yaml said the new), or max_steps below the resumed step (ignored), is
+    one line naming it, the run as it was."""
+    args = lambda out, *extra: train_args(out, small_data, token_cache, "train.grad_accum=2", *extra)  # noqa: E731
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert run_entry_in_process(["train.py", *args(straight, "train.max_steps=4")], capsys).returncode == 0
+    first = args(split, "train.max_steps=2", "train.save_every=2")
+    assert run_entry_in_process(["train.py", *first], capsys).returncode == 0
+    resplit = ["train.micro_batch_size=2", "train.grad_accum=4", "train.max_steps=4", "train.resume=true"]
+    resumed = run_entry_in_process(["train.py", *args(split, *resplit)], capsys)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed on another split of the run's 8 conversations a step" in resumed.stdout
+    ours, theirs = read_log(split), read_log(straight)
+    assert [ours[s]["train/tokens"] for s in (3, 4)] == [theirs[s]["train/tokens"] for s in (3, 4)]
+    assert ours[4]["train/loss"] == pytest.approx(theirs[4]["train/loss"], rel=1e-4)
+
+    before = sorted(p.name for p in (split / "checkpoints").iterdir()), (split / "recipe.yaml").read_text()
+    for extra, fragment in (
+        (["train.grad_accum=1"], "this run's steps are of 8 conversations (processes 1, micro_batch_size 2, grad_"),
+        (["train.lr=0.01"], "this recipe changes train.lr=0.01 (the run began with 0.002)"),
+        (["train.seed=3"], "train.seed=3 (the run began with 0)"),
+        (["train.max_steps=3"], "train.max_steps=3 is below the step 4 the run resumes at"),
+    ):
+        base = [a for a in resplit if not a.startswith("train.max_steps")]
+        if not any(e.startswith("train.max_steps") for e in extra):
+            base.append("train.max_steps=6")
+        refused = run_entry_in_process(["train.py", *args(split, *base, *extra)], capsys)
+        assert_one_line_error(refused, 2, fragment)
+    assert (sorted(p.name for p in (split / "checkpoints").iterdir()), (split / "recipe.yaml").read_text()) == before
+
+    # resumed from an older checkpoint of its own: the newer one, another branch a later train.resume=true jumped
+    # back to, moves aside; log.jsonl loses the rows logged past it (it was [.., 3, 4, 3])
+    older = split / "checkpoints" / "step_0000002"
+    branch = [*resplit[:2], "train.max_steps=3", f"train.resume={older}"]
+    assert run_entry_in_process(["train.py", *args(split, *branch)], capsys).returncode == 0
+    assert [json.loads(line)["step"] for line in (split / "log.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert sorted(p.name for p in (split / "checkpoints").iterdir()) == ["step_0000002", "step_0000003"]
+    assert [p.name for p in (split / "replaced").glob("*/checkpoints/*")] == ["step_0000004"]
+    # a finished run whose checkpoints are gone: train.resume=true started over and replaced its final/
+    shutil.rmtree(split / "checkpoints")
+    refused = run_entry_in_process(["train.py", *args(split, *resplit)], capsys)
+    assert_one_line_error(refused, 2, "holds a finished run (final/) and no checkpoint to resume from")
 
 
 # -- 2. one writer per directory --------------------------------------------------------------------

@@ -26,10 +26,11 @@ import errno
 import hashlib
 import json
 import logging
+import math
 import pickle
 import shutil
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -37,17 +38,15 @@ from omegaconf import DictConfig
 from safetensors import SafetensorError
 
 from draftsmith.errors import StorageError, UserError, one_line
-from draftsmith.files import file_sha256, publish_folder, readable_as_created
-from draftsmith.outputs import held_by_main_process, move_aside
-from draftsmith.recipe_checks import resolve_bool_or_path
+from draftsmith.files import file_sha256, publish_folder, readable_as_created, write_text_atomic
+from draftsmith.outputs import REPLACED_DIR, held_by_main_process, move_aside, utc_stamp
+from draftsmith.recipe_checks import LATEST_INTACT, resolve_bool_or_path
 
 log = logging.getLogger("draftsmith.train")
 
 STATE_NAME = "trainer_state.json"
 DRAFTER_DIR = "drafter"  # a checkpoint's drafter, as save_pretrained writes it (a folder init_from or eval reads)
 CHECKSUMS_NAME = "checksums.json"  # every other file of a checkpoint: {"files": {path: {"bytes", "sha256"}}}
-# train.resume's value for "the newest checkpoint whose files match their checksums" (true: the newest, verified)
-LATEST_INTACT = "latest_intact"
 # What a training run writes into its output directory: an earlier run is recognised by these.
 RUN_OUTPUTS = [
     "checkpoints",
@@ -75,6 +74,30 @@ class TrainerState:
     tokens: int = 0
     best: Optional[dict] = None  # the best held-out evaluation so far, as <output_dir>/best/best.json holds it
     curve: list = field(default_factory=list)  # one row per held-out evaluation (curve.json's rows)
+    # how a step is split: {"processes", "micro_batch_size", "grad_accum"} (None in what an earlier draftsmith
+    # saved: taken as the resuming run's); batch_in_epoch counts micro-batches of this split
+    split: Optional[dict] = None
+
+
+def resplit(state: TrainerState, split: dict) -> TrainerState:
+    """`state` of a checkpoint, resumed with `split`: its data position in micro-batches of that split. A step
+    trains the same conversations however its G = processes x micro_batch_size x grad_accum are split
+    (trainer/loop.py micro_batches), so another split of the same G continues where the run stopped; another G
+    would train other steps from the same position, and its schedule, and is refused."""
+    saved = state.split or split
+    if saved == split:
+        return replace(state, split=split)
+    began, now = (math.prod(s.values()) for s in (saved, split))
+    if began != now:
+        described = ", ".join(f"{key} {value}" for key, value in saved.items())
+        raise UserError(
+            f"train.resume: this run's steps are of {began} conversations ({described}), and this launch makes steps "
+            f"of {now}: resume with processes x train.micro_batch_size x train.grad_accum = {began}, or start a new "
+            "run from its checkpoint with train.init_from"
+        )
+    conversations = state.batch_in_epoch * saved["micro_batch_size"] * saved["processes"]
+    log.info("resumed on another split of the run's %d conversations a step: %s (it began with %s)", now, split, saved)
+    return replace(state, split=split, batch_in_epoch=conversations // (split["micro_batch_size"] * split["processes"]))
 
 
 def checkpoint_dir(output_dir: Path, step: int) -> Path:
@@ -249,7 +272,14 @@ def _resume_checkpoint(output_dir: Path, resume: Optional[str]) -> Optional[Path
         return None
     if resume in ("latest", LATEST_INTACT):
         found = completed_checkpoints(output_dir)
+        if not found and (output_dir / "final").exists():  # starting over would replace its final/
+            raise UserError(
+                f"train.resume=true: {output_dir} holds a finished run (final/) and no checkpoint to resume from; "
+                "start over with train.overwrite=true (the run is moved aside), or train a new run from it with "
+                f"train.init_from={output_dir / 'final'}"
+            )
         if not found:
+            log.info("train.resume: no checkpoint in %s yet: the run starts at step 0", output_dir)
             return None
         if resume == "latest":
             earlier = "train.resume=latest_intact resumes from the newest intact one, " if len(found) > 1 else ""
@@ -271,6 +301,35 @@ def _resume_checkpoint(output_dir: Path, resume: Optional[str]) -> Optional[Path
     return verified(
         path, f"give another checkpoint, or train.resume={LATEST_INTACT} for the newest intact one in output_dir"
     )
+
+
+def set_newer_checkpoints_aside(output_dir: Path, resumed: Path) -> None:
+    """A run resumed from one of its own checkpoints older than its newest branches off there: the newer ones
+    (another branch, which a later train.resume=true would jump back to) move to replaced/<time>/checkpoints/."""
+    newer = [p for p in completed_checkpoints(output_dir) if p.name > resumed.name and p.parent == resumed.parent]
+    if not newer:
+        return
+    destination = output_dir / REPLACED_DIR / utc_stamp() / "checkpoints"
+    destination.mkdir(parents=True)
+    for path in newer:
+        shutil.move(str(path), str(destination / path.name))
+    log.warning(
+        "resumed from %s, older than the run's newest checkpoint: the newer %s moved to %s",
+        resumed.name, ", ".join(p.name for p in newer), destination,
+    )  # fmt: skip
+
+
+def keep_log_to(output_dir: Path, step: int) -> None:
+    """log.jsonl as an uninterrupted run's: the rows past `step`, the step a run resumes at (0: it starts over),
+    were logged by the attempt that stopped after its last checkpoint, and are dropped."""
+    path = output_dir / "log.jsonl"
+    if not path.is_file():
+        return
+    rows = path.read_text().splitlines(keepends=True)
+    kept = [row for row in rows if row.endswith("\n") and json.loads(row)["step"] <= step]
+    if len(kept) != len(rows):
+        write_text_atomic(path, "".join(kept))
+        log.info("log.jsonl: %d rows past step %d, of the attempt that stopped, dropped", len(rows) - len(kept), step)
 
 
 def load_checkpoint(accelerator, path: Path) -> TrainerState:

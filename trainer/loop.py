@@ -289,12 +289,14 @@ def end_run(accelerator: Accelerator) -> None:
 def micro_batches(dataset, collate, cfg: DictConfig, world: int, rank: int, state: TrainerState):
     """Yield (epoch, index in epoch, batch) forever, starting at the state's data position.
 
-    Every rank draws the same seeded permutation and takes every world-th example, cut so all
-    ranks have the same number of batches (DDP needs them in lockstep). A batch is always
-    `micro_batch_size` conversations; with `data.pack` the collator lays them into fewer rows.
+    Every rank draws the same seeded permutation and takes every world-th example, the epoch cut to whole
+    optimizer steps of micro_batch_size x world x grad_accum conversations: step s trains conversations
+    s·G .. (s+1)·G - 1 of the permutation however a step of G is split over ranks and accumulation, so a run
+    resumes on another equal split where it stopped (trainer/setup.py). A batch is always `micro_batch_size`
+    conversations; with `data.pack` the collator lays them into fewer rows.
     """
     micro = cfg.train.micro_batch_size
-    per_rank = len(dataset) // (world * micro) * micro
+    per_rank = len(dataset) // (world * micro * cfg.train.grad_accum) * micro * cfg.train.grad_accum
     epoch, skip = state.epoch, state.batch_in_epoch
     while True:
         order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(cfg.train.seed + epoch)).tolist()

@@ -212,10 +212,11 @@ def write_run_summary(
     ended: str,
 ) -> None:
     """Per-rank facts for checking a distributed run: identical weights (`checksum`: this rank's
-    trainer/loop.py `finite_weights_checksum`), different data, and the bytes of target parameters each rank holds
-    (all of them, or its pieces under target.shard=fsdp); `parameters`: the run's trainable and frozen parameter
-    counts (`parameter_counts`); `ended`: why training ended (max_steps: every step it was given; patience:
-    train.patience stopped it)."""
+    trainer/loop.py `finite_weights_checksum`), different data (`data_checksum`: the token ids this rank trained
+    on since this process started, so a resumed run's covers the steps after its checkpoint only), and the bytes
+    of target parameters each rank holds (all of them, or its pieces under target.shard=fsdp); `parameters`: the
+    run's trainable and frozen parameter counts (`parameter_counts`); `ended`: why training ended (max_steps: every
+    step it was given; patience: train.patience stopped it)."""
     mine = {
         "rank": accelerator.process_index,
         "param_checksum": checksum,

@@ -6,6 +6,7 @@ these same pieces.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,9 +33,18 @@ from draftsmith.heads import drafter_class
 from draftsmith.heads.base import saved_drafter
 from draftsmith.heads.packing import causal_lm_inputs, require_packed_attention
 from draftsmith.recipe import derived, require_draft_vocab_use, save_recipe
+from draftsmith.recipe_checks import resolve_bool_or_path
 from draftsmith.sharding import built_whole
 from draftsmith.target import TargetOutput, load_config, load_target, load_tokenizer, run_target
-from draftsmith.trainer.checkpoint import DRAFTER_DIR, TrainerState, load_checkpoint, resume_checkpoint
+from draftsmith.trainer.checkpoint import (
+    DRAFTER_DIR,
+    TrainerState,
+    keep_log_to,
+    load_checkpoint,
+    resplit,
+    resume_checkpoint,
+    set_newer_checkpoints_aside,
+)
 from draftsmith.trainer.heldout import check_best_on_resume, split_heldout
 from draftsmith.trainer.optim import build_optimizer
 
@@ -81,6 +91,34 @@ def resumed_start(cfg: DictConfig, output_dir: Path) -> DictConfig:
     return derived(cfg, {"train.init_from": began}) if str(cfg.train.init_from) != str(began) else cfg
 
 
+# What a resumed run must keep as it began: the optimizer's settings, which its saved state restores over the
+# recipe's, and what decides the conversations and their order, which the saved data position counts in.
+RESUMED_AS_BEGUN = (
+    "train.lr", "train.optimizer", "train.weight_decay", "train.adam_betas", "train.seed", "train.heldout",
+    "data.train", "data.max_length", "data.overlong", "data.max_conversations", "data.skip_invalid_utf8",
+    "data.thinking", "data.features", "data.draft_vocab",
+)  # fmt: skip
+
+
+def require_resumed_as_begun(cfg: DictConfig, output_dir: Path) -> None:
+    """One line naming each RESUMED_AS_BEGUN key the resuming recipe changes from the run's recipe.yaml (a value
+    given anew was ignored, or trained other conversations from the saved position, without a word)."""
+    if not (output_dir / "recipe.yaml").is_file():  # a checkpoint given by path, of a run elsewhere
+        return
+    saved = OmegaConf.load(output_dir / "recipe.yaml")  # read by resumed_start just before
+    changed = []
+    for key in RESUMED_AS_BEGUN:
+        began, now = (OmegaConf.select(c, key, default=None) for c in (saved, cfg))
+        began, now = (OmegaConf.to_container(v) if OmegaConf.is_config(v) else v for v in (began, now))
+        if began != now:
+            changed.append(f"{key}={json.dumps(now)} (the run began with {json.dumps(began)})")
+    if changed:
+        raise UserError(
+            f"train.resume continues the run in {output_dir} as it began, and this recipe changes {'; '.join(changed)}"
+            ": resume with the run's values, or start a new run from its checkpoint with train.init_from"
+        )
+
+
 def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     """Accelerator, data, target, drafter, optimizer, schedule and the resumed state, every input
     checked before anything is written; the loop reads them from the returned `Run`."""
@@ -92,6 +130,9 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     resume_from = resume_checkpoint(output_dir, cfg.train.resume, accelerator)
     if resume_from is not None:  # the checkpoint holds the weights: the run's start is not loaded again
         cfg = resumed_start(cfg, output_dir)
+        kind = saved_drafter(resume_from / DRAFTER_DIR)[0].type  # another kind's recipe: said as such, first
+        require_recipes_kind(kind, cfg.drafter.type, f"train.resume's {resume_from}")
+        require_resumed_as_begun(cfg, output_dir)
     elif cfg.train.init_from:  # its kind is known before any data or model loads
         start = Path(cfg.train.init_from)
         require_recipes_kind(start_kind(start), cfg.drafter.type, f"train.init_from={start}")
@@ -115,13 +156,24 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
         log.info("warm start from %s", cfg.train.init_from)
     run = prepare_run(cfg, accelerator, target, drafter, train_data, collate, target_features, heldout)
     if resume_from is not None:
-        run.state = load_checkpoint(accelerator, resume_from)
+        run.state = resplit(load_checkpoint(accelerator, resume_from), run.state.split)
         log.info("resumed from %s at step %d", resume_from, run.state.step)
+        if run.state.step > run.max_steps:
+            raise UserError(
+                f"train.max_steps={run.max_steps} is below the step {run.state.step} the run resumes at: give a larger "
+                f"train.max_steps to train on, or read {resume_from}'s drafter (eval, export: checkpoint=)"
+            )
         check_best_on_resume(output_dir, run.state)
+    resuming = resolve_bool_or_path(cfg.train.resume) is not None
     if accelerator.is_main_process:  # after the checkpoint loaded: a refused resume leaves the run's recipe as it was
         save_recipe(cfg, output_dir)
+        if resume_from is not None:
+            set_newer_checkpoints_aside(output_dir, resume_from)
+        if resuming:
+            keep_log_to(output_dir, run.state.step)
     accelerator.wait_for_everyone()
-    accelerator.init_trackers("tb")
+    # TensorBoard drops what an earlier attempt logged past the step the run resumes at (SummaryWriter's purge_step)
+    accelerator.init_trackers("tb", init_kwargs={"tensorboard": {"purge_step": run.state.step + 1}} if resuming else {})
     return run
 
 
@@ -204,16 +256,16 @@ def optimization(cfg: DictConfig, accelerator: Accelerator, drafter, conversatio
     """(optimizer, learning-rate schedule, optimizer steps of the run) for `conversations` training
     conversations: train.max_steps, or train.epochs epochs of full steps."""
     optimizer = build_optimizer(cfg.train, drafter, deepspeed=accelerator.state.deepspeed_plugin is not None)
-    world, micro = accelerator.num_processes, cfg.train.micro_batch_size
-    batches_per_epoch = conversations // (world * micro)
-    if batches_per_epoch == 0:
+    world, micro, accumulated = accelerator.num_processes, cfg.train.micro_batch_size, cfg.train.grad_accum
+    steps_per_epoch = conversations // (world * micro * accumulated)  # an epoch is whole steps (micro_batches)
+    if steps_per_epoch == 0:
         raise UserError(
             f"{conversations} training conversations cannot fill one step of {world} process(es) "
-            f"x micro_batch_size {micro}"
+            f"x micro_batch_size {micro} x grad_accum {accumulated}"
         )
     max_steps = cfg.train.max_steps
     if max_steps < 0:
-        max_steps = max(1, cfg.train.epochs * batches_per_epoch // cfg.train.grad_accum)
+        max_steps = cfg.train.epochs * steps_per_epoch
     return optimizer, get_cosine_schedule_with_warmup(optimizer, cfg.train.warmup_steps, max_steps), max_steps
 
 
@@ -242,8 +294,17 @@ def prepare_run(
         target_features,
         heldout,
         max_steps,
-        TrainerState(),
+        TrainerState(split=split_of(cfg, accelerator)),
     )
+
+
+def split_of(cfg: DictConfig, accelerator: Accelerator) -> dict[str, int]:
+    """How this launch splits a step (TrainerState.split)."""
+    return {
+        "processes": accelerator.num_processes,
+        "micro_batch_size": int(cfg.train.micro_batch_size),
+        "grad_accum": int(cfg.train.grad_accum),
+    }
 
 
 def mixed_precision(setting: str):
@@ -251,11 +312,13 @@ def mixed_precision(setting: str):
     CUDA GPU: on a CPU accelerate runs it as float32 without a word."""
     import os
 
-    if setting == "fp16" and not torch.cuda.is_available():
-        raise UserError("train.mixed_precision=fp16 needs a CUDA GPU; use bf16 or no on a CPU")
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION") if setting == "auto" else None
+    if "fp16" in (setting, launched) and not torch.cuda.is_available():
+        given = "train.mixed_precision=fp16" if setting == "fp16" else "accelerate launch --mixed_precision fp16"
+        raise UserError(f"{given} needs a CUDA GPU; use bf16 or no on a CPU")
     if setting != "auto":
         return setting
-    if os.environ.get("ACCELERATE_MIXED_PRECISION"):
+    if launched:
         return None
     if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
         return "bf16"

@@ -1,0 +1,107 @@
+"""Faults a probe of training runs found, each through a real entry point in this process: a tokenized-data cache
+that cannot be used, train.epochs that a set train.max_steps leaves unread, a train.resume that is no keyword
+and no path, and the advice of the lines that end a run (exit 74, 75), which must hold for a training run."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+
+import pytest
+
+from draftsmith.errors import UserError
+from draftsmith.recipe import load_recipe
+from tests.helpers import assert_one_line_error, run_entry_in_process, train_args
+
+RESUME_ADVICE = "run the same command again to continue (a training run: with train.resume=true)"
+
+
+@pytest.mark.parametrize("command", [["train.py"], ["-m", "data_prep.capture"]], ids=["train", "capture"])
+def test_a_tokenized_data_cache_that_cannot_be_created_is_bad_input_before_the_data_is_read(
+    tmp_path, monkeypatch, capsys, command
+):
+    """data.cache_dir a file (or under one) was exit 70 (`NotADirectoryError`) once the data had been read; its
+    default, ~/.cache/draftsmith, is checked the same way. Nothing is created."""
+    file, run = tmp_path / "afile", tmp_path / "run"
+    file.write_text("not a directory\n")
+    for given, fragment in (
+        (f"data.cache_dir={file}", f"data.cache_dir='{file}' exists and is not a directory"),
+        (f"data.cache_dir={file}/sub", f"data.cache_dir='{file}/sub' cannot be created: {file} is not a directory"),
+    ):
+        result = run_entry_in_process([*command, "recipe=medusa", f"output_dir={run}", given], capsys)
+        assert_one_line_error(result, 2, fragment)
+    monkeypatch.setenv("HOME", str(file))  # the default's folder under a file
+    result = run_entry_in_process([*command, "recipe=medusa", f"output_dir={run}", "data.cache_dir=null"], capsys)
+    fragment = f"data.cache_dir=null (its default, ~/.cache/draftsmith) cannot be created: {file} is not a directory"
+    assert_one_line_error(result, 2, fragment)
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"]
+
+
+def test_epochs_that_max_steps_leaves_unread_are_refused():
+    """recipe=medusa sets train.max_steps=200: train.epochs=2 was ignored without a word. With max_steps=-1, or
+    at its default, it passes; so does a max_steps the command line gives over a recipe file's own epochs (the
+    command line sets the run's length, and the resolved recipe says epochs 1), not both on the command line."""
+    with pytest.raises(UserError) as info:
+        load_recipe(["recipe=medusa", "train.epochs=2"])
+    assert str(info.value) == (
+        "train.epochs=2 is not read while train.max_steps=200 sets the run's length: give train.max_steps=-1 with "
+        "it, or train.epochs=1"
+    )
+    assert load_recipe(["recipe=medusa", "train.epochs=2", "train.max_steps=-1"]).train.epochs == 2
+    assert load_recipe(["recipe=medusa", "train.epochs=1"]).train.max_steps == 200
+    given = load_recipe(["recipe=medusa_llama3_8b", "train.max_steps=10"]).train  # its recipe file says epochs: 2
+    assert (given.max_steps, given.epochs) == (10, 1)
+    with pytest.raises(UserError, match=r"^train.epochs=2 is not read while train.max_steps=10 "):
+        load_recipe(["recipe=medusa_llama3_8b", "train.max_steps=10", "train.epochs=2"])
+
+
+@pytest.mark.parametrize("value", ["yes", "1", "on", "Latest_Intact"])
+def test_a_resume_that_is_no_keyword_and_no_path_is_refused_naming_the_accepted_values(value):
+    """`train.resume=yes` was read as a checkpoint's path: "is not a complete checkpoint (no trainer_state.json)"."""
+    with pytest.raises(UserError) as info:
+        load_recipe(["recipe=medusa", f"train.resume={value}"])
+    assert str(info.value) == (
+        f"train.resume={value} is none of true, false, latest_intact or a checkpoint's path (no such path here)"
+    )
+
+
+def test_a_resume_keyword_or_path_passes_the_recipe_check_and_a_missing_path_is_named_by_the_resume(tmp_path, capsys):
+    for value in ("true", "false", "latest_intact", "latest", "null", str(tmp_path), str(tmp_path / "missing")):
+        load_recipe(["recipe=medusa", f"train.resume={value}"])
+    missing = tmp_path / "run" / "checkpoints" / "step_0000002"
+    result = run_entry_in_process(
+        ["train.py", "recipe=medusa", f"output_dir={tmp_path / 'run'}", f"train.resume={missing}"], capsys
+    )
+    assert_one_line_error(result, 2, f"train.resume='{missing}' is not a complete checkpoint (no trainer_state.json)")
+
+
+def test_the_advice_to_run_again_holds_for_a_training_run(tmp_path, small_data, token_cache, monkeypatch, capsys):
+    """Exit 74's line said "run the same command again", which a training run refuses (its output_dir holds an
+    earlier run, exit 2): it names train.resume=true, with which the same command continues. So does the line of
+    SIGTERM outside the training loop (exit 75), which does not know which command it stops either."""
+    import draftsmith.trainer.loop as loop
+
+    out = tmp_path / "run"
+    args = ["train.py", *train_args(out, small_data, token_cache, "train.max_steps=2", "data.eval=[]")]
+
+    def full_disk(accelerator, output_dir, *rest):
+        raise OSError(errno.ENOSPC, "No space left on device", str(output_dir / "run_summary.json"))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(loop, "write_run_summary", full_disk)
+        line = assert_one_line_error(run_entry_in_process(args, capsys), 74, prefix="I/O error: ")
+    assert line.endswith(f"; free space (or fix the disk) and {RESUME_ADVICE}")
+    assert_one_line_error(run_entry_in_process(args, capsys), 2, f"output_dir {out} holds an earlier run")
+    assert run_entry_in_process([*args, "train.resume=true"], capsys).returncode == 0
+    assert (out / "final").is_dir() and (out / "run_summary.json").is_file()
+
+    def sigterm(*args, **kwargs):  # a scheduler's SIGTERM while the run sets up, before its loop
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+
+    monkeypatch.setattr(loop, "set_up", sigterm)
+    stopped = ["train.py", *train_args(tmp_path / "stopped", small_data, token_cache, "train.max_steps=2")]
+    line = assert_one_line_error(run_entry_in_process(stopped, capsys), 75, prefix="preempted: ")
+    assert line == f"preempted: stopped on SIGTERM; what was finished is kept: {RESUME_ADVICE}"
