@@ -558,7 +558,7 @@ def test_sampled_answers_are_seeded_draws_that_resume_into_the_same_bytes(tmp_pa
         recipe("greedy", "data.regenerate.temperature=0")
 
 
-def test_an_answer_cut_at_max_new_tokens_is_marked_and_its_end_of_turn_is_not_trained_on(tmp_path):
+def test_an_answer_cut_at_max_new_tokens_is_marked_and_its_end_of_turn_is_not_trained_on(tmp_path, capsys):
     """The target's answer to one prompt ends within max_new_tokens, to the other it is cut there (given more
     tokens it goes on): the cut one is written marked `"cut": true` and counted, the finished one as before;
     training on the output keeps both answers in the loss mask, and the end-of-turn after the finished one
@@ -593,6 +593,23 @@ def test_an_answer_cut_at_max_new_tokens_is_marked_and_its_end_of_turn_is_not_tr
         for row in tokenized
     ]
     assert trained == [cut["content"], finished["content"] + tokenizer.eos_token]
+
+    # the same folder as a regeneration made before the marks: benchmarks/mark_cut_answers.py infers them from the
+    # answers' lengths (at least max_new_tokens - 2 tokens), and regenerate then resumes it (nothing left to answer)
+    from draftsmith.data_prep.regenerate import SETTINGS_NAME, write_part
+    from tests.helpers import run_entry_in_process
+
+    settings = json.loads((tmp_path / "out" / SETTINGS_NAME).read_text())
+    (tmp_path / "out" / SETTINGS_NAME).write_text(json.dumps({k: v for k, v in settings.items() if k != "marks"}))
+    unmarked = [{**r, "messages": [{k: v for k, v in m.items() if k != "cut"} for m in r["messages"]]} for r in written]
+    write_part(tmp_path / "out" / "part-00000.jsonl.gz", unmarked)
+    with pytest.raises(UserError, match="was regenerated before draftsmith marked answers cut"):
+        regenerate(cfg, model, tokenizer)
+    done = run_entry_in_process(["benchmarks/mark_cut_answers.py", str(tmp_path / "out")], capsys)
+    assert done.returncode == 0 and json.loads(done.stdout)["marked"] == 1, done.stderr[-2000:]
+    assert [json.loads(line) for line in gzip.open(tmp_path / "out" / "part-00000.jsonl.gz", "rt")] == written
+    assert json.loads((tmp_path / "out" / SETTINGS_NAME).read_text()) == settings
+    assert regenerate(cfg, model, tokenizer).generated == 0
 
 
 def test_regenerate_cli_reports_bad_input_in_one_line(tmp_path, capsys):
