@@ -44,6 +44,7 @@ from draftsmith.data_prep.features import DISTRIBUTION_DTYPE, encode, hidden_nam
 from draftsmith.errors import UserError
 from draftsmith.outputs import held_by_main_process
 from draftsmith.recipe import load_recipe
+from draftsmith.recipe_schema import CaptureSection
 from draftsmith.sharding import Lockstep, end_process_group
 from draftsmith.target import (
     FeatureRequest,
@@ -198,6 +199,11 @@ def resolve_selection(cfg: DictConfig, target) -> Selection:
     check_layers(target, layers)
     final = wanted.final if section.final is None else bool(section.final)
     logits = ("topk" if wanted.logits else "none") if section.logits == "auto" else section.logits
+    if logits != "topk" and section.topk != CaptureSection.topk:  # it would change nothing, without a word
+        raise UserError(
+            f"data.capture.topk={section.topk} is read when the capture keeps the top-k distribution, and this one "
+            f"keeps {logits} (data.capture.logits={section.logits}): set data.capture.logits=topk, or leave topk out"
+        )
     vocab = target.get_output_embeddings().weight.shape[0]
     if logits == "topk" and section.topk > vocab:
         raise UserError(f"data.capture.topk={section.topk} is more than the target's vocabulary of {vocab}")

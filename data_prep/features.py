@@ -240,7 +240,8 @@ CAPTURED_DATA_KEYS = ("max_length", "overlong", "max_conversations", "thinking")
 
 def require_captured_settings(cfg) -> None:
     """Training from `data.features` trains on the capture's rows, made by its target: a recipe whose
-    data.max_length, overlong, max_conversations or thinking, or whose target.dtype (unless auto), differs from
+    data.train (unless empty), max_length, overlong, max_conversations or thinking, or whose target.dtype (unless
+    auto), differs from
     the capture's (its manifest.json) would be silently overruled, and its run's recipe.yaml would record
     settings the run did not use. Refused in one line naming each such key with both values, before any
     data is read or a model loads; a damaged or unfinished capture is the manifest's own one line."""
@@ -252,6 +253,13 @@ def require_captured_settings(cfg) -> None:
         for key in CAPTURED_DATA_KEYS
         if key in captured and captured[key] != cfg.data[key]
     ]
+    # data.train is not read either: the capture's sources are (an empty one names nothing to overrule)
+    train, sources = (
+        [os.path.abspath(s) if Path(s).exists() else s for s in map(str, given)]
+        for given in (cfg.data.train, captured.get("sources") or [])
+    )
+    if train and "sources" in captured and train != sources:
+        differ.append(("data.train", train, sources))
     dtype = manifest["target"].get("dtype") if isinstance(manifest["target"], dict) else None
     if cfg.target.dtype != "auto" and dtype is not None and cfg.target.dtype != dtype:
         differ.append(("target.dtype", cfg.target.dtype, dtype))

@@ -182,6 +182,8 @@ def check_data(d) -> None:
 
 
 def check_eval(e) -> None:
+    from draftsmith.recipe_schema import EvalSection
+
     require_at_least_one(e, "eval", "max_new_tokens", "max_prompts")
     require(e.num_speculative_tokens >= 1, f"eval.num_speculative_tokens={e.num_speculative_tokens} must be >= 1")
     require(e.tree >= 0, f"eval.tree={e.tree} must be >= 0 (0 = chain only)")
@@ -190,6 +192,17 @@ def check_eval(e) -> None:
         f"need eval.temperature >= 0, 0 < eval.top_p <= 1, eval.top_k >= 0 (got {e.temperature}, {e.top_p}, {e.top_k})",
     )
     require(e.ngram_max >= 1, f"eval.ngram_max={e.ngram_max} must be >= 1")
+    # settings of a part of the eval that does not run, changed from their defaults: they changed nothing, and the
+    # report recorded them as applied
+    require(
+        e.temperature > 0 or (e.top_p == 1.0 and e.top_k == 0),
+        f"eval.top_p={e.top_p} and eval.top_k={e.top_k} sample, and eval.temperature=0 decodes greedily: set an "
+        "eval.temperature > 0, or leave them out",
+    )
+    require(
+        e.ngram_baseline or e.ngram_max == EvalSection.ngram_max,
+        f"eval.ngram_max={e.ngram_max} is the n-gram baseline's, and eval.ngram_baseline=false: leave it out",
+    )
     require(
         e.suffix_baseline is not True or suffix_decoding_installed(),
         f"eval.suffix_baseline=true needs arctic-inference, which is not installed here (build it: {arctic_build()}; "

@@ -119,6 +119,8 @@ def conclusion(report: dict[str, Any]) -> list[str]:
             f"{_fmt(best['draft_forwards_per_cycle'])} of the drafter's forwards, which with the loop's bookkeeping "
             'cost more here than the target forwards they saved (docs/eval.md, "τ and speed-up")'
         )
+        if strongest and free[strongest]["speedup"] > 1.0:  # a free method wins where the drafter does not
+            why += f"; on this traffic a free method is faster: {FREE_BASELINES[strongest]}"
     return [f"**Result:** {measured}: no wall-clock win on {report['device']}: {why}{unmeasured}.", ""]
 
 

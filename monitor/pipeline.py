@@ -134,6 +134,7 @@ def step_train(cfg: DictConfig, directory: Path, state: State, run_dir: Path) ->
 
 def step_evaluate(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -> dict[str, Any]:
     from draftsmith.eval.report import run_eval
+    from draftsmith.recipe_schema import EvalSection
 
     prompts = [*(list(cfg.eval.data) or list(cfg.data.eval)), state.pipeline["done"]["sample"]["eval"]]
     reports = {}
@@ -141,7 +142,10 @@ def step_evaluate(cfg: DictConfig, directory: Path, state: State, run_dir: Path)
         ("deployed", state.pipeline["deployed"]["export"]),
         ("candidate", state.pipeline["done"]["train"]["checkpoint"]),
     ):
-        chain_only = {"eval.tree": 0, "eval.ngram_baseline": False, "eval.suffix_baseline": False}  # the chains' τ
+        chain_only = {  # the chains' τ (the n-gram baseline off, its settings unused)
+            "eval.tree": 0, "eval.ngram_baseline": False, "eval.ngram_max": EvalSection.ngram_max,
+            "eval.suffix_baseline": False,
+        }  # fmt: skip
         variant = derived(cfg, {"eval.data": prompts, **chain_only, "output_dir": str(run_dir / f"eval_{name}")})
         run_eval(variant, drafter)  # the deployed one is an export folder
         reports[name] = str(run_dir / f"eval_{name}" / "eval" / "report.json")

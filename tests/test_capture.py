@@ -312,6 +312,11 @@ def test_training_from_a_capture_refuses_data_settings_it_was_not_made_with(capt
         f"{directory} were captured with data.max_length=96, data.thinking=train, target.dtype=float32: set the "
         "capture's values, or capture again with the recipe's"
     )
+    # data.train is not read either: another file was trained on the capture's rows without a word
+    other = directory.parent / "other.jsonl"
+    with pytest.raises(UserError, match=r"^the recipe sets data.train=\[.*other.jsonl'\], but the features in "):
+        require_captured_settings(recipe(f"data.train=[{other}]"))
+    require_captured_settings(recipe("data.train=[]"))  # nothing named: nothing overruled
 
 
 def test_truncated_shard_or_missing_manifest_is_a_user_error(tmp_path, captures):
@@ -332,6 +337,8 @@ def test_truncated_shard_or_missing_manifest_is_a_user_error(tmp_path, captures)
         ("data.capture.layers=[4]", "layer id 4 is out of range for a target with 4 layers"),
         ("data.capture.dtype=int4", "data.capture.dtype='int4' is not one of"),
         ("data.capture.dtype=float16", "already holds a capture with other settings (dtype: 'bfloat16' -> 'float16'"),
+        # topk with a capture that keeps no top-k distribution: it changed nothing (the manifest said topk None)
+        ("data.capture.logits=none", "data.capture.topk=8 is read when the capture keeps the top-k distribution"),
     ],
 )
 def test_bad_capture_settings_exit_2_with_one_line(captures, conversations, capsys, override, message):

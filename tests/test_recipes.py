@@ -99,6 +99,10 @@ def test_bad_overrides_are_user_errors(override, fragment):
         ("eval.tree=-1", "eval.tree=-1 must be >= 0"),
         ("eval.top_p=0", "0 < eval.top_p <= 1"),
         ("eval.ngram_max=0", "eval.ngram_max=0 must be >= 1"),
+        # a setting of a part of the eval that does not run: it changed nothing, and the report recorded it
+        ("eval.top_p=0.5", "eval.top_p=0.5 and eval.top_k=0 sample, and eval.temperature=0 decodes greedily"),
+        ("eval.top_k=5", "eval.top_k=5 sample, and eval.temperature=0 decodes greedily"),
+        ("eval.ngram_baseline=false eval.ngram_max=7", "eval.ngram_max=7 is the n-gram baseline's"),
         ("eval.device=tpu", "eval.device='tpu' is not auto, cpu, cuda or cuda:N"),
         ("export.vllm_format=eagle", "export.vllm_format='eagle' is not one of speculators, native"),
         # a number that is not finite, wherever it is set: inf passes the range checks (train.lr=inf > 0)

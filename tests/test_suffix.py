@@ -141,8 +141,9 @@ def report_rows(chain: tuple[float, float], ngram: tuple[float, float], suffix: 
 
 @pytest.mark.parametrize(
     "chain, suffix, says",
-    [((2.3, 1.8), (2.0, 1.5), "the trained drafter wins"), ((1.9, 1.3), (2.4, 1.6), "a free method is faster")],
-)
+    [((2.3, 1.8), (2.0, 1.5), "the trained drafter wins"), ((1.9, 1.3), (2.4, 1.6), "a free method is faster"),
+     ((1.2, 0.5), (1.6, 1.3), "a free method is faster")],  # the drafter below plain: said as well (it was not)
+)  # fmt: skip
 def test_the_report_and_the_monitor_weigh_the_drafter_against_the_stronger_free_baseline(chain, suffix, says):
     from draftsmith.eval.render import conclusion
     from draftsmith.monitor.check import free_against_drafter
