@@ -15,19 +15,26 @@ OUTPUT is a folder `speculators train --data-path OUTPUT` reads without a vLLM s
   last state);
 - `token_freq.pt`: the count of every token under the loss mask, as `speculators prepare-data` writes
   it, from which `--draft-vocab-size` picks the draft vocabulary;
-- `draftsmith_features.json`: the target, the layer ids in both conventions, the rows.
+- `draftsmith_features.json`: the target, the layer ids in both conventions, the rows (their count and a
+  sha256 of their tokens and masks); written last, when the folder is complete (until then the same
+  record is `draftsmith_features.unfinished.json`, written before the first state).
 
 Layer ids: the taps are the recipe drafter's `aux_layers` (EAGLE-3's default when unset). draftsmith's
 id i is the output of decoder layer i; vLLM's (speculators' `--target-layer-ids`) id j is the input of
 layer j, transformers' `hidden_states[j]`: j = i + 1. vLLM's id L, the last slot, is not transformers'
-`hidden_states[L]` (that one is after the final norm), so it is read at the final norm's input.
+`hidden_states[L]` (that one is after the final norm), so it is read at the final norm's input. The ids
+are checked as `draftsmith train` checks an EAGLE-3 drafter's, and the last layer (every row's last
+slot already) is refused, before the data is read.
 
 A row's file is written to `.tmp` and renamed when complete: a run killed and started again skips the
-finished rows.
+finished rows; a complete folder is left as it is. Only a run with the same record continues a folder:
+one made with other settings, or holding files but no record, is refused before anything is written, as
+its states would be mixed with rows they do not belong to.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections import Counter
@@ -40,13 +47,15 @@ from safetensors.torch import save_file
 from draftsmith.data_prep.dataset import load_tokenized
 from draftsmith.errors import UserError
 from draftsmith.files import created_file_mode, write_text_atomic
-from draftsmith.heads.eagle3 import default_aux_layers
+from draftsmith.heads.eagle3 import Eagle3Config
+from draftsmith.outputs import check_output_dir
 from draftsmith.recipe import load_recipe
-from draftsmith.target import DTYPES, load_target, load_tokenizer, num_layers
+from draftsmith.target import DTYPES, TargetShape, load_config, load_target, load_tokenizer, num_layers, resolve_dtype
 
 HIDDEN_STATES = "hidden_states"
 TOKEN_FREQ = "token_freq.pt"
 INFO = "draftsmith_features.json"
+UNFINISHED = "draftsmith_features.unfinished.json"  # INFO while the folder is being written
 
 
 def speculators_states(model, input_ids: torch.Tensor, layer_ids: Sequence[int]) -> torch.Tensor:
@@ -72,26 +81,94 @@ def speculators_states(model, input_ids: torch.Tensor, layer_ids: Sequence[int])
     return torch.stack([*(states[j][0] for j in layer_ids), captured[-1][0]], dim=1)
 
 
+def tap_layer_ids(cfg, target: TargetShape) -> list[int]:
+    """draftsmith's ids of the taps: the recipe drafter's `aux_layers`, EAGLE-3's default when unset, refused
+    as `draftsmith train` refuses an EAGLE-3 drafter's, and the target's last layer refused too: its output
+    (vLLM id L) is every row's last slot already, which speculators' reader splits off."""
+    aux = cfg.drafter.get("aux_layers")
+    drafter = Eagle3Config(aux_layers=[int(i) for i in aux] if aux is not None else None)
+    drafter.check(target)
+    ours = drafter.layers_for(target.num_hidden_layers)
+    last = target.num_hidden_layers - 1
+    if last in ours:
+        raise UserError(
+            f"drafter.aux_layers={ours}: layer {last} is the target's last, whose output every speculators row "
+            f"holds already as its last slot (vLLM id {last + 1}): tap layers in -1..{last - 1}"
+        )
+    return ours
+
+
+def claim_folder(output: Path, info: dict) -> bool:
+    """Whether `output` is complete already with these features (`info`); otherwise it is new or an unfinished
+    run's with the same `info`, recorded (UNFINISHED) before anything else is written. Any other folder is
+    refused: resuming it would mix its states with rows they do not belong to."""
+    record = next((output / name for name in (INFO, UNFINISHED) if (output / name).is_file()), None)
+    if record is not None and record.name == UNFINISHED and not any((output / HIDDEN_STATES).glob("hs_*.safetensors")):
+        record = None  # a run that stopped before its first state (a target that did not load) left nothing to mix
+    elif record is None and output.is_dir() and any(entry.is_file() for entry in output.rglob("*")):
+        raise UserError(f"{output} holds files but no {INFO}: give another OUTPUT folder, or delete it")
+    if record is None:
+        output.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(output / UNFINISHED, json.dumps(info, indent=2) + "\n")
+        return False
+    try:
+        found = json.loads(record.read_text())
+    except ValueError:
+        found = {}
+    found = found if isinstance(found, dict) else {}
+    differ = [key for key in [*info, *(key for key in found if key not in info)] if found.get(key) != info.get(key)]
+    if differ:
+        changes = "; ".join(f"{key}: {found.get(key)} -> {info.get(key)}" for key in differ)
+        raise UserError(
+            f"{output} holds speculators features made with other settings ({changes[:400]}): give another "
+            "OUTPUT folder, or delete it"
+        )
+    return record.name == INFO
+
+
 def write_speculators_data(cfg, output: Path, dtype: str = "bfloat16") -> dict:
     """Write `output` (the module docstring's layout) for recipe `cfg`; returns its info."""
     import datasets
 
     output = Path(output)
-    hidden_dir = output / HIDDEN_STATES
-    hidden_dir.mkdir(parents=True, exist_ok=True)
+    check_output_dir(output, named=f"OUTPUT {str(output)!r}")
+    target = TargetShape.from_config(load_config(cfg.target), cfg.target.name_or_path)
+    ours = tap_layer_ids(cfg, target)
+    layer_ids = [i + 1 for i in ours]
     tokenizer = load_tokenizer(cfg.target)
     rows = load_tokenized(cfg, cfg.data.train, tokenizer, "data.train")
-    model = load_target(cfg.target, "cpu")
-    aux = cfg.drafter.get("aux_layers")
-    ours = [int(i) for i in aux] if aux is not None else default_aux_layers(num_layers(model))
-    layer_ids = [i + 1 for i in ours]
     frequency: Counter[int] = Counter()
-    for index, row in enumerate(rows):
+    digest = hashlib.sha256()
+    for row in rows:
         ids = torch.tensor(row["input_ids"], dtype=torch.long)
-        frequency.update(ids[torch.tensor(row["loss_mask"], dtype=torch.bool)].tolist())
+        mask = torch.tensor(row["loss_mask"], dtype=torch.bool)
+        frequency.update(ids[mask].tolist())
+        digest.update(len(ids).to_bytes(8, "little") + ids.numpy().tobytes() + mask.numpy().tobytes())
+    info = {
+        "target": str(cfg.target.name_or_path),  # speculators reads the verifier from it
+        "target_revision": cfg.target.revision,
+        "target_dtype": str(resolve_dtype(cfg.target.dtype, "cpu")).removeprefix("torch."),
+        "draftsmith_layer_ids": ours,
+        "speculators_layer_ids": layer_ids,
+        "last_slot": f"vLLM id {target.num_hidden_layers}: the last decoder layer's output before the final norm",
+        "dtype": dtype,
+        "data": list(cfg.data.train),
+        "max_length": int(cfg.data.max_length),
+        "rows": len(rows),
+        "tokens": int(sum(rows["length"])),
+        "masked_tokens": int(sum(frequency.values())),
+        "rows_sha256": digest.hexdigest()[:16],  # what the states were computed from, whatever made the rows
+    }
+    if claim_folder(output, info):
+        return info
+    hidden_dir = output / HIDDEN_STATES
+    hidden_dir.mkdir(exist_ok=True)
+    model = load_target(cfg.target, "cpu")
+    for index, row in enumerate(rows):
         path = hidden_dir / f"hs_{index}.safetensors"
         if path.is_file():
             continue
+        ids = torch.tensor(row["input_ids"], dtype=torch.long)
         states = speculators_states(model, ids, layer_ids).to(DTYPES[dtype]).contiguous()
         tmp = path.with_name(path.name + ".tmp")
         save_file({"token_ids": ids, HIDDEN_STATES: states}, str(tmp))
@@ -103,19 +180,7 @@ def write_speculators_data(cfg, output: Path, dtype: str = "bfloat16") -> dict:
     # speculators' reader compares token ids as tensors: the torch format is saved with the rows
     table.with_format("torch").save_to_disk(str(output))
     torch.save(dict(frequency), output / TOKEN_FREQ)
-    info = {
-        "target": str(cfg.target.name_or_path),  # speculators reads the verifier from it
-        "rows": len(rows),
-        "tokens": int(sum(rows["length"])),
-        "masked_tokens": int(sum(frequency.values())),
-        "draftsmith_layer_ids": ours,
-        "speculators_layer_ids": layer_ids,
-        "last_slot": f"vLLM id {num_layers(model)}: the last decoder layer's output before the final norm",
-        "dtype": dtype,
-        "data": list(cfg.data.train),
-        "max_length": int(cfg.data.max_length),
-    }
-    write_text_atomic(output / INFO, json.dumps(info, indent=2) + "\n")
+    os.replace(output / UNFINISHED, output / INFO)
     return info
 
 

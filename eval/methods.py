@@ -19,7 +19,12 @@ from draftsmith.eval.ngram import NGramDrafter
 from draftsmith.eval.sampling import Sampling
 from draftsmith.eval.suffix import SuffixDrafter, SuffixTrees
 from draftsmith.eval.trees import tree_depth
+from draftsmith.formats import exporter_for
+from draftsmith.formats.repo import ENGINE_NAMES, TargetInfo
 from draftsmith.heads.proposer import DynamicTree, Proposer, Tree
+from draftsmith.target import loaded_config
+
+EVAL_ONLY = "draftsmith eval only"  # a method no engine serves for this drafter and target
 
 
 @dataclass
@@ -82,10 +87,10 @@ def build_methods(cfg: DictConfig, drafter, target, verifier, temperature: float
             f"eval.num_speculative_tokens={gamma} but this {drafter.type} checkpoint proposes at most {longest} tokens"
         )
     new_proposer = partial(drafter.proposer, temperature)
-    served_by = type(drafter).SERVED_BY
+    served = serving(drafter, target)
     methods = [
         Method("plain", "baseline", info={"served_by": "any engine"}),
-        Method("chain", "drafter", new_proposer, gamma, info={"gamma": gamma, "served_by": served_by["chain"]}),
+        Method("chain", "drafter", new_proposer, gamma, info={"gamma": gamma, **served["chain"]}),
     ]
     if nodes > 0:
         tree = new_proposer().default_tree(nodes)
@@ -96,7 +101,7 @@ def build_methods(cfg: DictConfig, drafter, target, verifier, temperature: float
                 new_proposer,
                 gamma,
                 tree,
-                {**tree_info(tree), "served_by": served_by.get("tree", "draftsmith eval only")},
+                {**tree_info(tree), **served.get("tree", {"served_by": EVAL_ONLY})},
             )
         )
     if cfg.eval.ngram_baseline:
@@ -131,6 +136,25 @@ def build_methods(cfg: DictConfig, drafter, target, verifier, temperature: float
             )
         )
     return methods
+
+
+def serving(drafter, target) -> dict[str, dict[str, Any]]:
+    """Eval method (chain, tree) -> what the report says serves it: `served_by`, the engines the kind
+    names for it (SERVED_BY) whose export does not refuse this drafter for this target (the export's own
+    check, formats.Exporter.refuse: the report never names an engine whose export draftsmith refuses),
+    else draftsmith's eval only; and `not_served_by`, each refused engine's line, where one is."""
+    served = type(drafter).SERVED_BY
+    shape = drafter.target
+    info = TargetInfo(shape=shape, config=loaded_config(target), verifier=shape.name_or_path)
+    engines = dict.fromkeys(engine for named in served.values() for engine in named)
+    refused = {engine: exporter_for(drafter.type).refusal(engine, drafter, info) for engine in engines}
+    said = {}
+    for method, named in served.items():
+        said[method] = {"served_by": ", ".join(ENGINE_NAMES[e] for e in named if refused[e] is None) or EVAL_ONLY}
+        reasons = {ENGINE_NAMES[e]: refused[e] for e in named if refused[e] is not None}
+        if reasons:
+            said[method]["not_served_by"] = reasons
+    return said
 
 
 def suffix_baseline_runs(setting: Optional[bool]) -> bool:

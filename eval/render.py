@@ -72,7 +72,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "Per position: acceptance at draft position k given positions < k were accepted. "
         "Draft fwd/cycle: the drafter's forward passes per target forward. "
         "Speedup: tokens/s over plain decoding in the same run. "
-        "Served by: the engines that can serve the method as measured (vLLM 0.32 verifies chains only). "
+        "Served by: the engines that can serve the method as measured, for this drafter and target (vLLM 0.32 "
+        "verifies chains only; report.json's not_served_by says why the export refuses an engine). "
         f"Lossless: {report['lossless_check']}.",
         "",
     ]

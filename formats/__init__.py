@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 import torch
 
@@ -56,8 +56,22 @@ class Exporter:
                 f"export.vllm_format={vllm_format}: {kind} has one vLLM layout; leave export.vllm_format unset"
             )
 
+    def refuse(self, engine: str, drafter: Drafter, target: TargetInfo, vllm_format: str = "speculators") -> None:
+        """Raise the export's one-line UserError for why `engine` cannot serve this drafter for this target,
+        read from their configs alone (no tensor is built): `build` asks it before it builds anything, and
+        the eval's report names only the engines it passes (`refusal`). An exporter adds its kinds' checks."""
+        self.check_engines(drafter.type, [engine], vllm_format)
+
+    def refusal(self, engine: str, drafter: Drafter, target: TargetInfo) -> Optional[str]:
+        """`refuse`'s line for the export's default vLLM layout, or None where `engine` serves the drafter."""
+        try:
+            self.refuse(engine, drafter, target)
+        except UserError as err:
+            return str(err)
+        return None
+
     def build(self, engine: str, source: Source, gamma: int, output: Path) -> EngineRepo:
-        self.check_engines(source.drafter.type, [engine], source.vllm_format)
+        self.refuse(engine, source.drafter, source.target, source.vllm_format)
         return getattr(self, engine)(source, gamma, output)
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:

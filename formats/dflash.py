@@ -30,7 +30,13 @@ import torch
 from draftsmith.errors import UserError
 from draftsmith.formats import Exporter, Source, register
 from draftsmith.formats.eagle import llama_layers_expected
-from draftsmith.formats.repo import VLLM_SERVE, EngineRepo, draft_layer_config, require_vllm_state_capture
+from draftsmith.formats.repo import (
+    VLLM_SERVE,
+    EngineRepo,
+    TargetInfo,
+    draft_layer_config,
+    require_vllm_state_capture,
+)
 from draftsmith.heads import drafter_class
 
 FAMILIES = ("llama", "qwen3")  # draft layers vLLM's Qwen3 DFlash layer reproduces (with q/k norms)
@@ -42,12 +48,11 @@ class DFlashExporter(Exporter):
     vllm_method = "dflash"
     sglang_reason = "draftsmith's DFlash export has been checked against vLLM's loader only; export it for vllm"
 
-    def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
-        drafter, target = source.drafter, source.target
-        settings = drafter.config
+    def refuse(self, engine: str, drafter, target: TargetInfo, vllm_format: str = "speculators") -> None:
+        super().refuse(engine, drafter, target, vllm_format)  # SGLang: refused there
         require_vllm_state_capture(target, "DFlash")
-        layer = draft_layer_config(drafter, FAMILIES, "vLLM", "DFlash")
-        if settings.mask_token_id is None:
+        draft_layer_config(drafter, FAMILIES, "vLLM", "DFlash")
+        if drafter.config.mask_token_id is None:
             raise UserError(
                 "this DFlash drafter learned its own mask vector, which vLLM's DFlash layout has no place for (it "
                 "embeds dflash_config.mask_token_id with the target's embedding); retrain with "
@@ -59,13 +64,18 @@ class DFlashExporter(Exporter):
                 "this DFlash drafter has no q_norm/k_norm, which every vLLM DFlash layer applies; retrain with "
                 "drafter.qk_norm=true"
             )
-        ours = list(settings.target_layers)
         last = target.shape.num_hidden_layers - 1
-        if max(ours) >= last:
+        if max(drafter.config.target_layers) >= last:
             raise UserError(
-                f"target layer {max(ours)} is the target's post-norm last state, which vLLM cannot capture; retrain "
-                f"with target_layers below {last}"
+                f"target layer {max(drafter.config.target_layers)} is the target's post-norm last state, which vLLM "
+                f"cannot capture; retrain with target_layers below {last}"
             )
+
+    def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
+        drafter = source.drafter
+        settings = drafter.config
+        layer = draft_layer_config(drafter, FAMILIES, "vLLM", "DFlash")
+        ours = list(settings.target_layers)
         config = {
             **layer,
             "architectures": ["DFlashDraftModel"],

@@ -19,7 +19,7 @@ import torch
 
 from draftsmith.errors import UserError
 from draftsmith.formats import Exporter, Source, register
-from draftsmith.formats.repo import VLLM_SERVE, EngineRepo, check_vllm_path
+from draftsmith.formats.repo import VLLM_SERVE, EngineRepo, TargetInfo, check_vllm_path
 from draftsmith.heads import drafter_class
 
 SGLANG_SERVE = (
@@ -31,22 +31,11 @@ PREFIX = "model."  # the DraftModel drafter holds the causal LM as `model`
 
 
 def model_config(source: Source) -> dict[str, Any]:
-    drafter, target = source.drafter, source.target
+    drafter = source.drafter
     config = dict(drafter.config.model_config)
     config["architectures"] = [
         type(drafter.model.get_base_model() if hasattr(drafter.model, "get_base_model") else drafter.model).__name__
     ]
-    if config.get("vocab_size") != target.shape.vocab_size:
-        raise UserError(
-            f"the draft model's vocab_size {config.get('vocab_size')} differs from the target's "
-            f"{target.shape.vocab_size}; engines refuse it"
-        )
-    theirs = target.config.get("max_position_embeddings")
-    if theirs and config.get("max_position_embeddings", 0) < theirs:
-        raise UserError(
-            f"the draft model's max_position_embeddings {config.get('max_position_embeddings')} is below the target's "
-            f"{theirs}: vLLM would clamp the served context to it"
-        )
     config.pop("_name_or_path", None)
     config.pop("transformers_version", None)
     if drafter.config.parallel_drafting:
@@ -83,6 +72,26 @@ class DraftModelExporter(Exporter):
     kinds = ("draft_model",)
     vllm_method = "draft_model"
 
+    def refuse(self, engine: str, drafter, target: TargetInfo, vllm_format: str = "speculators") -> None:
+        super().refuse(engine, drafter, target, vllm_format)
+        if engine == "sglang" and drafter.config.parallel_drafting:
+            raise UserError(
+                "this draft model drafts in parallel (PARD), which SGLang does not serve: it would draft sequentially "
+                "and never read the mask token it was trained for; export it for vllm"
+            )
+        config = drafter.config.model_config
+        if config.get("vocab_size") != target.shape.vocab_size:
+            raise UserError(
+                f"the draft model's vocab_size {config.get('vocab_size')} differs from the target's "
+                f"{target.shape.vocab_size}; engines refuse it"
+            )
+        theirs = target.config.get("max_position_embeddings")
+        if theirs and config.get("max_position_embeddings", 0) < theirs:
+            raise UserError(
+                f"the draft model's max_position_embeddings {config.get('max_position_embeddings')} is below the "
+                f"target's {theirs}: vLLM would clamp the served context to it"
+            )
+
     def repo(self, source: Source, engine: str, serve: str, method: str) -> EngineRepo:
         config = model_config(source)
         conventions = {
@@ -113,11 +122,6 @@ class DraftModelExporter(Exporter):
         return self.repo(source, "vllm", VLLM_SERVE, "draft_model")
 
     def sglang(self, source: Source, gamma: int, output: Path) -> EngineRepo:
-        if source.drafter.config.parallel_drafting:
-            raise UserError(
-                "this draft model drafts in parallel (PARD), which SGLang does not serve: it would draft sequentially "
-                "and never read the mask token it was trained for; export it for vllm"
-            )
         return self.repo(source, "sglang", SGLANG_SERVE, "STANDALONE")
 
     def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:

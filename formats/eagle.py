@@ -20,13 +20,15 @@ import torch
 
 from draftsmith.errors import UserError
 from draftsmith.formats import Exporter, Source, register
-from draftsmith.formats.repo import VLLM_SERVE, EngineRepo, draft_layer_config
+from draftsmith.formats.repo import ENGINE_NAMES, VLLM_SERVE, EngineRepo, TargetInfo, draft_layer_config
 from draftsmith.heads import drafter_class
 
 SGLANG_SERVE = (
     "python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE --speculative-draft-model-path "
     "{path} --speculative-num-steps {gamma} --speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma_plus_one}"
 )
+
+LAYER_FAMILIES = ("llama",)  # the draft layers both engines' EAGLE-1 builds
 
 
 def llama_layers_expected(config: dict[str, Any], skip_first_input_norm: bool) -> dict[str, tuple[int, ...]]:
@@ -56,15 +58,20 @@ class EagleExporter(Exporter):
     kinds = ("eagle",)
     vllm_method = "eagle"
 
-    def config(self, source: Source, architecture: str, engine: str) -> dict[str, Any]:
-        return {**draft_layer_config(source.drafter, ("llama",), engine, "EAGLE-1"), "architectures": [architecture]}
-
-    def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
-        if source.drafter.config.fc_bias:
+    def refuse(self, engine: str, drafter, target: TargetInfo, vllm_format: str = "speculators") -> None:
+        super().refuse(engine, drafter, target, vllm_format)
+        if engine == "vllm" and drafter.config.fc_bias:
             raise UserError(
                 "this EAGLE-1 checkpoint has an fc bias, which vLLM's EAGLE-1 skips without an error (its fc has "
                 "none); retrain with drafter.fc_bias=false to serve it in vLLM"
             )
+        draft_layer_config(drafter, LAYER_FAMILIES, ENGINE_NAMES[engine], "EAGLE-1")
+
+    def config(self, source: Source, architecture: str, engine: str) -> dict[str, Any]:
+        layers = draft_layer_config(source.drafter, LAYER_FAMILIES, engine, "EAGLE-1")
+        return {**layers, "architectures": [architecture]}
+
+    def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         config = self.config(source, "EagleLlamaForCausalLM", "vLLM")
         expected = {
             "fc.weight": (config["hidden_size"], 2 * config["hidden_size"]),

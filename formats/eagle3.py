@@ -60,7 +60,13 @@ from draftsmith.formats.eagle3_layout import (
     window_keys,
 )
 from draftsmith.formats.eagle3_sglang import SGLang
-from draftsmith.formats.repo import VLLM_SERVE, EngineRepo, draft_layer_config, require_vllm_state_capture
+from draftsmith.formats.repo import (
+    VLLM_SERVE,
+    EngineRepo,
+    TargetInfo,
+    draft_layer_config,
+    require_vllm_state_capture,
+)
 from draftsmith.heads import drafter_class
 from draftsmith.heads.base import check_same_target
 from draftsmith.target import TargetShape
@@ -87,6 +93,10 @@ class Speculators(Layout):
     extensions_in_layer: bool  # that reader takes EAGLE-3.1's keys from transformer_layer_config, not the top
     engine: ClassVar[str] = "vllm"
     families: ClassVar[tuple[str, ...]] = SPECULATORS_FAMILIES
+
+    def refuse(self, drafter, target: TargetInfo) -> None:
+        draft_layer_config(drafter, self.families, "vLLM", "EAGLE-3")
+        vllm_ids(list(drafter.config.aux_layers), target.shape.num_hidden_layers)
 
     def write(self, source: Source, gamma: int) -> EngineRepo:
         drafter, target = source.drafter, source.target
@@ -203,13 +213,17 @@ class Native(Layout):
     families = LLAMA_ONLY
     norm_before_residual = False
 
-    def write(self, source: Source, gamma: int) -> EngineRepo:
-        drafter, target = source.drafter, source.target
+    def refuse(self, drafter, target: TargetInfo) -> None:
         if drafter.config.parallel_drafting:
             raise UserError(
                 "export.vllm_format=native: P-EAGLE is written in vLLM's speculators format only (peagle); "
                 "leave export.vllm_format unset"
             )
+        vllm_ids(list(drafter.config.aux_layers), target.shape.num_hidden_layers)
+        draft_layer_config(drafter, self.families, "vLLM's native EAGLE-3 form", "EAGLE-3")
+
+    def write(self, source: Source, gamma: int) -> EngineRepo:
+        drafter, target = source.drafter, source.target
         ids = vllm_ids(list(drafter.config.aux_layers), target.shape.num_hidden_layers)
         config = (
             draft_layer_config(drafter, self.families, "vLLM's native EAGLE-3 form", "EAGLE-3")
@@ -283,11 +297,23 @@ class Eagle3Exporter(Exporter):
     vllm_method = "eagle3"
     vllm_formats = ("speculators", "native")
 
+    def refuse(self, engine: str, drafter, target: TargetInfo, vllm_format: str = "speculators") -> None:
+        super().refuse(engine, drafter, target, vllm_format)
+        if engine == "vllm":
+            require_vllm_state_capture(target, "P-EAGLE" if drafter.config.parallel_drafting else "EAGLE-3")
+        self.layout(engine, drafter, vllm_format).refuse(drafter, target)
+
+    @staticmethod
+    def layout(engine: str, drafter, vllm_format: str) -> Layout:
+        """The layout `engine` serves this drafter in (export.vllm_format's for vLLM)."""
+        if engine == "sglang":
+            return SGLANG
+        if vllm_format == "native":
+            return NATIVE
+        return PEAGLE if drafter.config.parallel_drafting else SPECULATORS
+
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
-        require_vllm_state_capture(source.target, "P-EAGLE" if source.drafter.config.parallel_drafting else "EAGLE-3")
-        if source.vllm_format == "native":
-            return NATIVE.write(source, gamma)
-        return (PEAGLE if source.drafter.config.parallel_drafting else SPECULATORS).write(source, gamma)
+        return self.layout("vllm", source.drafter, source.vllm_format).write(source, gamma)
 
     def sglang(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         return SGLANG.write(source, gamma)

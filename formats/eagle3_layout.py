@@ -13,7 +13,7 @@ import torch
 from draftsmith.errors import UserError
 from draftsmith.families import SLIDING
 from draftsmith.formats import Source
-from draftsmith.formats.repo import EngineRepo
+from draftsmith.formats.repo import EngineRepo, TargetInfo
 from draftsmith.target import TargetShape
 
 VLLM_ID_SHIFT = 1  # vLLM's id names the layer whose input it captures, draftsmith's the layer whose output it is
@@ -200,6 +200,11 @@ class Layout:
     families: ClassVar[tuple[str, ...]]  # the draft-layer families the engine builds in this format
     # what the engine's layer does when the folder does not say (draftsmith's default is false)
     norm_before_residual: ClassVar[bool]
+
+    def refuse(self, drafter, target: TargetInfo) -> None:
+        """Raise the one-line UserError for a drafter this layout's engine would not serve for this target, from
+        their configs alone (formats.Exporter.refuse asks it before `write`, which assumes it passed)."""
+        raise NotImplementedError
 
     def write(self, source: Source, gamma: int) -> EngineRepo:
         raise NotImplementedError

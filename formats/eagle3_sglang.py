@@ -18,7 +18,7 @@ from draftsmith.formats.eagle3_layout import (
     layer_expected,
     vllm_ids,
 )
-from draftsmith.formats.repo import EngineRepo, draft_layer_config
+from draftsmith.formats.repo import EngineRepo, TargetInfo, draft_layer_config
 
 SGLANG_SERVE = (
     "python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
@@ -41,9 +41,8 @@ class SGLang(Layout):
     families = LLAMA_ONLY
     norm_before_residual = False
 
-    def write(self, source: Source, gamma: int) -> EngineRepo:
-        drafter, target = source.drafter, source.target
-        layer = draft_layer_config(drafter, self.families, "SGLang", "EAGLE-3")
+    def refuse(self, drafter, target: TargetInfo) -> None:
+        draft_layer_config(drafter, self.families, "SGLang", "EAGLE-3")
         if drafter.config.parallel_drafting:
             raise UserError(
                 "this EAGLE-3 drafter drafts in parallel (P-EAGLE), which SGLang does not serve: it would draft "
@@ -67,8 +66,13 @@ class SGLang(Layout):
                 "keeps the un-normalised feature as its residual and would serve another function (export it for "
                 "vllm, or retrain with false)"
             )
+        vllm_ids(list(drafter.config.aux_layers), target.shape.num_hidden_layers)  # SGLang never captures our last id
+
+    def write(self, source: Source, gamma: int) -> EngineRepo:
+        drafter, target = source.drafter, source.target
+        layer = draft_layer_config(drafter, self.families, "SGLang", "EAGLE-3")
         ours = list(drafter.config.aux_layers)
-        ids = vllm_ids(ours, target.shape.num_hidden_layers)  # also refuses our last id, which SGLang never captures
+        ids = vllm_ids(ours, target.shape.num_hidden_layers)
         config = layer | {
             "architectures": ["LlamaForCausalLMEagle3"],
             "draft_vocab_size": drafter.config.draft_vocab_size,

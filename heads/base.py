@@ -96,9 +96,11 @@ class Drafter(nn.Module):
 
     type: ClassVar[str]  # registry key, the recipe's drafter.type
     Config: ClassVar[type]  # a DrafterConfig dataclass: the schema of the recipe's drafter section
-    # Which serving engine can serve what the eval measures, per eval method (chain, tree): reports and
-    # the README's matrix say it beside every figure. vLLM 0.32 verifies chains only; SGLang EAGLE trees.
-    SERVED_BY: ClassVar[dict[str, str]] = {"chain": "vLLM", "tree": "draftsmith eval only"}
+    # The engines (export.engines values) that verify what the eval measures, per eval method (chain, tree;
+    # none: draftsmith's eval only), where the export serves the drafter: the eval's report names those whose
+    # export does not refuse its config and target (eval/methods.py), as the README's matrix says per kind.
+    # vLLM 0.32 verifies chains only; SGLang EAGLE trees.
+    SERVED_BY: ClassVar[dict[str, tuple[str, ...]]] = {"chain": ("vllm",), "tree": ()}
     TITLE: ClassVar[str]  # how people name the kind (the model card's title: "EAGLE-3")
     # The name of its loss's statistic for the teacher-forced top-1 at draft depth `depth` (1 first),
     # which the held-out evaluation chains into tau_est and curve.json plots (trainer/curve.py).

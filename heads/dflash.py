@@ -159,7 +159,7 @@ class DFlash(EagleBase):
     TITLE = "DFlash"
     DEPTH_TOP1 = "block{depth}/top1"  # block position k is depth k
     Config = DFlashConfig
-    SERVED_BY = {"chain": "vLLM (drafter.mask_token_id set)", "tree": "draftsmith eval only (DDTree)"}
+    SERVED_BY = {"chain": ("vllm",), "tree": ()}  # vLLM: with drafter.mask_token_id set; DDTree: the eval only
 
     def __init__(self, config: DFlashConfig, target: TargetShape):
         super().__init__(config, target)

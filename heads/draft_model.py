@@ -124,7 +124,7 @@ class DraftModel(Drafter):
         return None
 
     Config = DraftModelConfig  # max_chain stays None: an autoregressive draft proposes chains of any length
-    SERVED_BY = {"chain": "vLLM, SGLang (not PARD)"}  # SGLang: STANDALONE, sequential drafting only
+    SERVED_BY = {"chain": ("vllm", "sglang")}  # SGLang: STANDALONE, sequential drafting only (not PARD)
 
     def __init__(self, config: DraftModelConfig, target: TargetShape, model=None):
         super().__init__(config, target)

@@ -84,7 +84,7 @@ class EagleBase(Drafter):
     positions, from the target's hidden states in a DraftState), and sets `fc`.
     """
 
-    SERVED_BY = {"chain": "vLLM, SGLang", "tree": "SGLang"}  # SGLang verifies EAGLE trees (topk > 1)
+    SERVED_BY = {"chain": ("vllm", "sglang"), "tree": ("sglang",)}  # SGLang verifies EAGLE trees (topk > 1)
 
     def __init__(self, config, target: TargetShape):
         super().__init__(config, target)

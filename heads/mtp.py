@@ -187,7 +187,7 @@ class Mtp(EagleBase):
     type = "mtp"
     TITLE = "MTP"
     Config = MtpConfig
-    SERVED_BY = {"chain": "vLLM", "tree": "draftsmith eval only"}
+    SERVED_BY = {"chain": ("vllm",), "tree": ()}
 
     def __init__(self, config: MtpConfig, target: TargetShape):
         super().__init__(config, target)

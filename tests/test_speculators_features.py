@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -14,10 +15,16 @@ import torch
 from datasets import load_from_disk
 from safetensors.torch import load_file
 
-from draftsmith.data_prep.speculators_features import INFO, TOKEN_FREQ, speculators_states, write_speculators_data
+from draftsmith.data_prep.speculators_features import (
+    INFO,
+    TOKEN_FREQ,
+    UNFINISHED,
+    speculators_states,
+    write_speculators_data,
+)
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target
-from tests.helpers import DEMO, REFERENCE_TARGET
+from tests.helpers import DEMO, REFERENCE_TARGET, assert_one_line_error, run_entry_in_process
 
 ROWS = 3
 
@@ -84,6 +91,78 @@ def test_speculators_states_refuses_ids_past_the_layers():
     model = load_target(load_recipe(["recipe=eagle3", f"target.name_or_path={REFERENCE_TARGET}"]).target)
     with pytest.raises(Exception, match="layer ids"):
         speculators_states(model, torch.tensor([1, 2, 3]), [1, 4])
+
+
+def write_features(output, capsys, token_cache, *settings):
+    """The entry point (`python -m data_prep.speculators_features`) in-process on 4 short rows."""
+    tiny = ["data.max_conversations=4", "data.max_length=64", f"data.cache_dir={token_cache}"]
+    return run_entry_in_process(["-m", "data_prep.speculators_features", str(output), *tiny, *settings], capsys)
+
+
+def test_a_folder_made_with_other_settings_is_refused_and_the_same_settings_resume(tmp_path, capsys, token_cache):
+    """Resuming skips the finished rows' files: with other rows or layers they would hold the old states."""
+    output = tmp_path / "features"
+    assert write_features(output, capsys, token_cache, "recipe=eagle3").returncode == 0
+    first = sorted((output / "hidden_states").iterdir())
+    stamps = [path.stat().st_mtime_ns for path in first]
+    info = (output / INFO).read_text()
+    for setting, named in [
+        ("data.max_length=32", "max_length: 64 -> 32"),
+        ("drafter.aux_layers=[-1,0,2]", "draftsmith_layer_ids: [0, 1, 2] -> [-1, 0, 2]"),
+        ("data.max_conversations=3", "rows: 4 -> 3"),
+    ]:
+        refused = write_features(output, capsys, token_cache, "recipe=eagle3", setting)
+        line = assert_one_line_error(refused, 2, named)
+        assert "other settings" in line and "another OUTPUT folder" in line
+        assert (output / INFO).read_text() == info and sorted((output / "hidden_states").iterdir()) == first
+    assert write_features(output, capsys, token_cache, "recipe=eagle3").returncode == 0  # complete: left as it is
+    assert [path.stat().st_mtime_ns for path in first] == stamps
+    # a run killed before its last row (its record not yet renamed): the same settings finish it, keeping the others
+    (output / INFO).rename(output / UNFINISHED)
+    first[-1].unlink()
+    refused = write_features(output, capsys, token_cache, "recipe=eagle3", "data.max_length=32")
+    assert_one_line_error(refused, 2, "max_length: 64 -> 32")
+    assert write_features(output, capsys, token_cache, "recipe=eagle3").returncode == 0
+    assert [path.stat().st_mtime_ns for path in first[:-1]] == stamps[:-1] and first[-1].is_file()
+    assert (output / INFO).read_text() == info and not (output / UNFINISHED).exists()
+
+
+def test_a_folder_holding_files_but_no_info_is_refused(tmp_path, capsys, token_cache):
+    output = tmp_path / "features"
+    (output / "hidden_states").mkdir(parents=True)
+    (output / "hidden_states" / "hs_0.safetensors").write_bytes(b"from some other run")
+    refused = write_features(output, capsys, token_cache, "recipe=eagle3")
+    assert_one_line_error(refused, 2, f"holds files but no {INFO}")
+    assert not (output / INFO).exists() and not (output / UNFINISHED).exists()
+
+
+def test_a_run_stopped_before_its_first_state_is_no_folder_to_keep(tmp_path, capsys, token_cache):
+    """A target that did not load leaves the record and no state: the fixed command starts the folder afresh."""
+    output = tmp_path / "features"
+    broken = tmp_path / "target"
+    shutil.copytree(REFERENCE_TARGET, broken, ignore=shutil.ignore_patterns("*.safetensors"))  # weights missing
+    stopped = write_features(output, capsys, token_cache, "recipe=eagle3", f"target.name_or_path={broken}")
+    assert_one_line_error(stopped, 2, "cannot load target")
+    assert (output / UNFINISHED).is_file()
+    assert write_features(output, capsys, token_cache, "recipe=eagle3").returncode == 0
+    assert json.loads((output / INFO).read_text())["target"] == str(REFERENCE_TARGET)
+
+
+@pytest.mark.parametrize(
+    "settings, named",
+    [
+        (["recipe=medusa"], "EAGLE-3's default aux layers [1, L//2-1, L-4] = [1, 1, 0] for this 4-layer target"),
+        (["recipe=eagle3", "drafter.aux_layers=null"], "= [1, 1, 0] for this 4-layer target: ids must be distinct"),
+        (["recipe=eagle3", "drafter.aux_layers=[0,1,3]"], "drafter.aux_layers=[0, 1, 3]: layer 3 is the target's last"),
+        (["recipe=eagle3", "drafter.aux_layers=[0,4]"], "drafter.aux_layers=[0, 4]: layer id(s) [4] out of range"),
+    ],
+)
+def test_unusable_tap_layers_are_refused_as_train_refuses_them_and_nothing_is_created(
+    tmp_path, capsys, token_cache, settings, named
+):
+    output = tmp_path / "features"
+    assert_one_line_error(write_features(output, capsys, token_cache, *settings), 2, named)
+    assert not output.exists()
 
 
 # speculators' offline reader over the folder: every row read back, split as its trainer splits it
