@@ -28,12 +28,19 @@ def _fmt(value: Optional[float], digits: int = 2) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
 
+def fewer_prompts(report: dict[str, Any]) -> str:
+    """Where no domain held batch_size prompts, the most decoded together (a domain's prompts form its batches)."""
+    counts = [row["prompts"] for domain, rows in report["domains"].items() if domain != "all" for row in rows.values()]
+    largest = min(report["batch_size"], max(counts, default=report["batch_size"]))
+    return f" (at most {largest} decoded together: the prompts a domain has)" if largest < report["batch_size"] else ""
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     methods = report["methods"]
     settings = [
         f"temperature {report['temperature']}",
         f"max_new_tokens {report['max_new_tokens']}",
-        f"batch size {report['batch_size']}",
+        f"batch size {report['batch_size']}" + fewer_prompts(report),
         f"device {report['device']} ({report['dtype']}, {report['cpu_threads']} CPU threads)",
     ]
     settings.append(f"chain γ={methods['chain']['gamma']}")

@@ -391,7 +391,9 @@ def test_report_batch_size_and_sweep(eval_setup, tmp_path):
             == counts[1]
             == report["domains" if name != "ngram" else "baselines"]["all"][name]["per_position_counts"]
         )
-    assert "## Batch sizes" in (tmp_path / "eval" / "report.md").read_text()
+    markdown = (tmp_path / "eval" / "report.md").read_text()
+    assert "## Batch sizes" in markdown
+    assert "batch size 3 (at most 2 decoded together: the prompts a domain has)" in markdown  # it said 3 alone
     assert (tmp_path / "eval" / "batch_sweep.png").stat().st_size > 1000
     with pytest.raises(UserError, match="eval.batch_sizes"):
         load_recipe([f"recipe={recipe}", "eval.batch_sizes=[2,2]"])
