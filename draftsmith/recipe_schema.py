@@ -98,7 +98,8 @@ class DataSection:
     eval: List[str] = field(default_factory=list)  # held-out conversations: eval-split accuracy, and the eval's prompts
     max_length: int = 1024  # tokens per conversation after the chat template
     overlong: str = "truncate"  # truncate | drop | error
-    max_conversations: Optional[int] = None  # cap per source file, for quick runs
+    # cap per source file (data.train's and data.eval's: the first N of a file, whatever their domains), for quick runs
+    max_conversations: Optional[int] = None
     # a record of a JSON-lines file whose line is not valid UTF-8 (traffic logs hold such bytes): false = stop
     # with one line naming the file and line; true = leave it out and log how many were left out, per file
     skip_invalid_utf8: bool = False
@@ -180,7 +181,9 @@ class TrainSection:
 class EvalSection:
     """`python -m eval`: speculative decoding with the drafter against plain decoding and n-gram lookup."""
 
-    enabled: bool = True  # train.py runs the eval when training ends
+    # train.py runs the speculative-decoding eval (eval/report.json) when training ends; the eval-split accuracy
+    # table (eval_accuracy.json) runs either way
+    enabled: bool = True
     data: List[str] = field(default_factory=list)  # conversations; empty = data.eval
     max_prompts: int = 8  # per domain
     max_new_tokens: int = 64  # per prompt

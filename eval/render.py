@@ -41,7 +41,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"temperature {report['temperature']}",
         f"max_new_tokens {report['max_new_tokens']}",
         f"batch size {report['batch_size']}" + fewer_prompts(report),
-        f"device {report['device']} ({report['dtype']}, {report['cpu_threads']} CPU threads)",
+        f"device {report['device']} ({report['dtype']}, {report['cpu_threads']} CPU thread"
+        + ("s)" if report["cpu_threads"] != 1 else ")"),
     ]
     settings.append(f"chain γ={methods['chain']['gamma']}")
     if "tree" in methods:

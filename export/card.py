@@ -81,9 +81,14 @@ def gamma_note(engine: str, gamma: int, recommended: Optional[dict[str, Any]]) -
         return []
     tokens = ", ".join(f"γ={g}: {t}" for g, t in recommended["tokens_per_cycle"].items())
     return [
-        f"Recommended `num_speculative_tokens`: **{recommended[engine]}** (the command above uses {gamma}), from the "
-        f"eval report: expected tokens per cycle {tokens}; one draft forward costs "
-        f"{recommended['draft_forward_cost']} target forwards there.",
+        f"Recommended `num_speculative_tokens`: **{recommended[engine]}**, from the eval report: expected tokens "
+        f"per cycle {tokens}; one draft forward costs {recommended['draft_forward_cost']} target forwards there. "
+        + (
+            f"The command above serves the γ this folder was exported with, {gamma}: export with "
+            f"`export.num_speculative_tokens={recommended[engine]}` to serve the recommended one."
+            if recommended[engine] != gamma
+            else "The command above serves it."
+        ),
         "",
     ]
 

@@ -447,7 +447,9 @@ def test_a_damaged_folder_or_one_of_another_kind_is_one_line_naming_it(eval_setu
         damaged = shutil.copytree(folder, tmp_path / f"export-{name}")
         (damaged / name).write_bytes(damage)
         refused(damaged, rf"{name}: corrupt")
-    eagle3 = ["recipe=eagle3", f"target.name_or_path={REFERENCE_TARGET}", f"data.eval=[{small_data['eval']}]"]
+    # its own output_dir: not the checkout's runs/eagle3, where a user's run may be
+    eagle3 = ["recipe=eagle3", f"target.name_or_path={REFERENCE_TARGET}", f"data.eval=[{small_data['eval']}]",
+              f"output_dir={tmp_path / 'eagle3'}"]  # fmt: skip
     refused(checkpoint, r"holds a medusa drafter, the recipe is for eagle3: .*recipe=medusa", load_recipe(eagle3))
     refused(checkpoint.parent, r"holds neither a drafter checkpoint .*; its final/ does \(pass that\)")  # the run
 

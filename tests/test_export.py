@@ -906,6 +906,12 @@ def test_the_recommended_gamma_weighs_expected_tokens_against_measured_draft_cos
     assert (
         recommended_gamma({**report(3.0, 2.5), "temperature": 1.0}) is None
     )  # sampled rows: no greedy acceptance to read
+    # the card's note: the serving command's γ is the folder's; it said "the command above uses 3" and no more
+    from draftsmith.export.card import gamma_note
+
+    note = gamma_note("vllm", 3, costly)[0]
+    assert "**1**" in note and "export with `export.num_speculative_tokens=1` to serve the recommended one" in note
+    assert gamma_note("vllm", 1, costly)[0].endswith("The command above serves it.")
 
 
 def test_a_bfloat16_parting_passes_the_check_only_at_a_near_tie():
