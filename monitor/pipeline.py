@@ -50,7 +50,7 @@ def run_pipeline(cfg: DictConfig, directory: Path, state: State) -> Outcome:
         if step == "export" and not pipeline["done"]["gate"]["promote"]:
             return reject(directory, state, cfg.monitor.cooldown_s)
         result = run_step(cfg, directory, state, run_dir)
-        if result is None:  # the sample found nothing of the drifted domains: the retraining cannot start
+        if step == "sample" and result is None:  # nothing of the drifted domains: the retraining cannot start
             return abandon(directory, state, f"no traffic of the drifted domains {sorted(pipeline['domains'])} in "
                            f"{cfg.monitor.traffic} within monitor.traffic_window_s to retrain on")  # fmt: skip
         if step == "record":
