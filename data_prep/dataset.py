@@ -19,13 +19,13 @@ import torch
 from draftsmith.data_prep.conversations import DEFAULT_DOMAIN
 from draftsmith.data_prep.template import render_rows, require_chat_template
 from draftsmith.errors import UserError
+from draftsmith.files import cache_root
 
 logger = logging.getLogger("draftsmith.data")
 
 # Bump when the layout of a cached data set changes. Code edits are covered by _CODE_HASH.
 CACHE_VERSION = 2
 OVERLONG = ("truncate", "drop", "error")
-DEFAULT_CACHE_ROOT = Path("~/.cache/draftsmith")
 FEATURES = datasets.Features(
     {
         "input_ids": datasets.List(datasets.Value("int32")),
@@ -123,7 +123,7 @@ def tokenize_conversations(
         raise UserError(f"data.max_length={max_length} must be at least 1")
     require_chat_template(tokenizer)  # fail before any cache lookup or work
     key = cache_key(conversations, tokenizer, max_length, overlong, thinking)
-    root = Path(cache_dir or DEFAULT_CACHE_ROOT).expanduser() / "tokenized"
+    root = (Path(cache_dir).expanduser() if cache_dir else cache_root()) / "tokenized"
     final = root / key
     if final.is_dir():
         dataset = datasets.load_from_disk(str(final))

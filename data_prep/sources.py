@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from draftsmith import files
 from draftsmith.errors import UserError
 from draftsmith.files import file_sha256, write_text_atomic
 
@@ -62,7 +63,7 @@ class NamedSource:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("DRAFTSMITH_CACHE", "~/.cache/draftsmith")).expanduser() / "sources"
+    return files.cache_root() / "sources"
 
 
 def is_named(source: str) -> bool:

@@ -11,6 +11,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+def cache_root() -> Path:
+    """Where draftsmith caches what it derives (tokenized data, converted sources, dequantized targets):
+    DRAFTSMITH_CACHE, else ~/.cache/draftsmith."""
+    return Path(os.environ.get("DRAFTSMITH_CACHE") or "~/.cache/draftsmith").expanduser()
+
+
 def file_sha256(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()

@@ -19,6 +19,7 @@ import shutil
 import struct
 from pathlib import Path
 
+from draftsmith import files
 from draftsmith.errors import UserError, one_line
 from draftsmith.files import file_sha256, readable_as_created
 from draftsmith.target import TargetShape
@@ -27,8 +28,8 @@ SOURCE_FILE = "gguf_source.json"  # provenance: which GGUF file (and hash) a cac
 
 
 def cache_root() -> Path:
-    """DRAFTSMITH_CACHE, else ~/.cache/draftsmith; dequantized targets live under targets/."""
-    return Path(os.environ.get("DRAFTSMITH_CACHE") or "~/.cache/draftsmith").expanduser() / "targets"
+    """Dequantized targets live under the cache's targets/ (draftsmith.files.cache_root)."""
+    return files.cache_root() / "targets"
 
 
 def local_file(name_or_path: str, gguf_file: str) -> Path | None:

@@ -189,7 +189,8 @@ def compose(recipe: str, overrides: Sequence[str]) -> DictConfig:
                 OmegaConf.update(cfg, key, value, merge=False)
             except OmegaConfBaseException as err:
                 raise UserError(f"override {key}={value!r}: {_one_line(err)}") from None
-        if "train.max_steps" in dict(parsed) and "train.epochs" not in dict(parsed):
+        given = dict(parsed)
+        if "train.max_steps" in given and "train.epochs" not in given and str(given["train.max_steps"]) != "-1":
             # the command line sets the run's length: the recipe file's epochs is not read, and the saved recipe
             # says so (a recipe's or a command line's epochs beside a max_steps is refused: recipe_checks)
             cfg.train.epochs = TrainSection.epochs
@@ -342,12 +343,12 @@ def validate(cfg: DictConfig, command: str = "train") -> DictConfig:
         if value not in allowed:
             raise UserError(f"{key}={value!r} is not one of {', '.join(allowed)}")
     check_finite(OmegaConf.to_container(cfg))
-    check_train(cfg.train, cfg.data)
+    check_train(cfg.train, cfg.data, trains=builds_drafter(command, cfg))
     check_data(cfg.data)
     check_eval(cfg.eval)
     check_export(cfg.export)
     check_monitor(cfg.monitor)
-    check_outputs(cfg)
+    check_outputs(cfg, tokenizes=builds_drafter(command, cfg))  # the commands that read a checkpoint tokenize none
     check_inputs(cfg)
     check_drafter(cfg, command)
     check_shard(cfg)
@@ -364,7 +365,7 @@ def validated(argv: Sequence[str], command: str = "train") -> DictConfig:
 def load_recipe(argv: Sequence[str], command: str = "train") -> DictConfig:
     """Parse `recipe=NAME key=value ...` into a config validated for `command` (`check_drafter`), read-only,
     whose target is a local directory or a Hub id (`with_local_target`)."""
-    return with_local_target(validated(argv, command))
+    return with_local_target(validated(argv, command), command)
 
 
 def load_train_recipe(argv: Sequence[str]) -> DictConfig:
@@ -391,7 +392,7 @@ def check_train_start(cfg: DictConfig) -> None:
     )
 
 
-def with_local_target(cfg: DictConfig) -> DictConfig:
+def with_local_target(cfg: DictConfig, command: str = "train") -> DictConfig:
     """A GGUF target dequantized once (draftsmith.gguf), after validation: the recipe names the converted
     directory from then on (a run's saved recipe loads it, not the file)."""
     if cfg.target.gguf_file is None:
@@ -399,12 +400,12 @@ def with_local_target(cfg: DictConfig) -> DictConfig:
     from draftsmith.gguf import materialize
 
     directory = materialize(cfg.target.name_or_path, cfg.target.gguf_file, cfg.target.revision)
-    return derived(cfg, {"target.name_or_path": str(directory), "target.gguf_file": None})
+    return derived(cfg, {"target.name_or_path": str(directory), "target.gguf_file": None}, command)
 
 
-def derived(cfg: DictConfig, changes: dict[str, Any]) -> DictConfig:
-    """A copy of a validated recipe with the dotted keys in `changes` set, validated again (a job that
-    runs another job, like the monitor's retraining, runs a variant of the user's recipe)."""
+def derived(cfg: DictConfig, changes: dict[str, Any], command: str = "train") -> DictConfig:
+    """A copy of a validated recipe with the dotted keys in `changes` set, validated again for `command` (a job
+    that runs another job, like the monitor's retraining, runs a variant of the user's recipe)."""
     import copy
 
     variant = copy.deepcopy(cfg)
@@ -414,7 +415,7 @@ def derived(cfg: DictConfig, changes: dict[str, Any]) -> DictConfig:
             OmegaConf.update(variant, key, value, merge=False)
         except OmegaConfBaseException as err:
             raise UserError(f"{key}={value!r}: {_one_line(err)}") from None
-    return validate(variant)
+    return validate(variant, command)
 
 
 def save_recipe(cfg: DictConfig, directory: str | os.PathLike) -> Path:

@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 
 from draftsmith.engines import arctic_build, suffix_decoding_installed
 from draftsmith.errors import UserError
+from draftsmith.files import cache_root
 from draftsmith.outputs import check_output_dir
 
 FLOAT32_MAX = float(numpy.finfo(numpy.float32).max)
@@ -48,8 +49,9 @@ def check_finite(settings: dict, prefix: str = "") -> None:
         )
 
 
-def check_train(t, d) -> None:
-    """The train section `t`, and its settings that depend on the data section `d`."""
+def check_train(t, d, trains: bool = True) -> None:
+    """The train section `t`, and its settings that depend on the data section `d`; what only a command that
+    `trains` reads is checked for such a command (a run's saved recipe.yaml, read by eval, is not refused over it)."""
     from draftsmith.recipe_schema import TrainSection
 
     require(t.lr > 0, f"train.lr={t.lr} must be > 0")
@@ -62,7 +64,7 @@ def check_train(t, d) -> None:
     # the run's length is max_steps when set (trainer/setup.py): other epochs were ignored without a word. A value
     # equal to the default cannot be told from an unset one here, and changes nothing.
     require(
-        t.max_steps == -1 or t.epochs == TrainSection.epochs,
+        not trains or t.max_steps == -1 or t.epochs == TrainSection.epochs,
         f"train.epochs={t.epochs} is not read while train.max_steps={t.max_steps} sets the run's length: give "
         f"train.max_steps=-1 with it, or train.epochs={TrainSection.epochs}",
     )
@@ -313,15 +315,12 @@ OUTPUT_KEYS = (
 )
 
 
-# data.cache_dir's default, where train and capture cache tokenized data (data_prep/dataset.py DEFAULT_CACHE_ROOT)
-DEFAULT_CACHE_DIR = "~/.cache/draftsmith"
-
-
-def check_outputs(cfg) -> None:
+def check_outputs(cfg, tokenizes: bool = True) -> None:
     """Every output directory the recipe names is creatable, and none is empty (which a path would take
     as the current folder); each job's lock checks the defaults under output_dir it takes. The tokenized-data
-    cache, given or its default, is creatable too: a file there, or a read-only file system, failed once the
-    data had been read (exit 70, or 74 as if the disk had failed)."""
+    cache, given or, for a command that `tokenizes` its data (train, capture), its default, is creatable too: a
+    file there, or a read-only file system, failed once the data had been read (exit 70, or 74 as if the disk had
+    failed)."""
     for key in OUTPUT_KEYS:
         path = OmegaConf.select(cfg, key)
         if path is None:
@@ -330,8 +329,9 @@ def check_outputs(cfg) -> None:
         require(str(path) != "", f"{key} is empty: give a directory{unset}")
         check_output_dir(path, key)
     cache = cfg.data.cache_dir
-    unset = f"data.cache_dir=null (its default, {DEFAULT_CACHE_DIR})"
-    check_output_dir(cache or DEFAULT_CACHE_DIR, "data.cache_dir", named=None if cache else unset)
+    if cache or tokenizes:
+        unset = f"data.cache_dir=null (its default, {cache_root()})"
+        check_output_dir(cache or cache_root(), "data.cache_dir", named=None if cache else unset)
 
 
 # paths a command reads, each with a default when null: given empty, it was read as unset, without a word

@@ -106,7 +106,7 @@ class DataSection:
     # an assistant turn's reasoning (its `thinking` or `reasoning_content`, as the target's chat template renders
     # it): train | mask (left out of the loss, found verbatim in the turn; the markup around it is still trained)
     thinking: str = "train"
-    cache_dir: Optional[str] = None  # tokenized-data cache; default ~/.cache/draftsmith
+    cache_dir: Optional[str] = None  # tokenized-data cache; default $DRAFTSMITH_CACHE, else ~/.cache/draftsmith
     # Conversations whose assistant tokens pick a pruned draft vocabulary (EAGLE-3) instead of data.train's:
     # raw text of the same traffic counts tokens as well as expensive regenerated answers do, and more of it
     # ranks more of a large vocabulary (tokens never seen tie, and fall to the lowest ids).

@@ -336,6 +336,7 @@ def exported_for_sweep(cfg: DictConfig, checkpoint: Path, output: Path, digest: 
             "export.batch_sweep": None,
             "export.push.repo_id": None,
         },
+        "export",
     )
     return export_checkpoint(variant, checkpoint, target=target)["vllm"]
 

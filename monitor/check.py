@@ -332,6 +332,7 @@ def measure_traffic(
             "eval.tree": 0,  # the chain's acceptance is what a check reads; the free baselines beside it
             "output_dir": str(check_dir),
         },
+        "eval",
     )
     report = run_eval(variant, deployed["export"])
     replayed_tests = domain_tests(report, baseline, cfg.monitor)

@@ -146,7 +146,8 @@ def step_evaluate(cfg: DictConfig, directory: Path, state: State, run_dir: Path)
             "eval.tree": 0, "eval.ngram_baseline": False, "eval.ngram_max": EvalSection.ngram_max,
             "eval.suffix_baseline": False,
         }  # fmt: skip
-        variant = derived(cfg, {"eval.data": prompts, **chain_only, "output_dir": str(run_dir / f"eval_{name}")})
+        changes = {"eval.data": prompts, **chain_only, "output_dir": str(run_dir / f"eval_{name}")}
+        variant = derived(cfg, changes, "eval")
         run_eval(variant, drafter)  # the deployed one is an export folder
         reports[name] = str(run_dir / f"eval_{name}" / "eval" / "report.json")
     return reports
@@ -195,6 +196,7 @@ def step_export(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -
             "export.overwrite": True,
             "output_dir": str(run_dir / "train"),
         },
+        "export",
     )
     folders = export_checkpoint(variant, Path(state.pipeline["done"]["train"]["checkpoint"]))
     return {

@@ -33,10 +33,35 @@ def test_a_tokenized_data_cache_that_cannot_be_created_is_bad_input_before_the_d
         result = run_entry_in_process([*command, "recipe=medusa", f"output_dir={run}", given], capsys)
         assert_one_line_error(result, 2, fragment)
     monkeypatch.setenv("HOME", str(file))  # the default's folder under a file
+    monkeypatch.delenv("DRAFTSMITH_CACHE", raising=False)
     result = run_entry_in_process([*command, "recipe=medusa", f"output_dir={run}", "data.cache_dir=null"], capsys)
-    fragment = f"data.cache_dir=null (its default, ~/.cache/draftsmith) cannot be created: {file} is not a directory"
+    fragment = (
+        f"data.cache_dir=null (its default, {file}/.cache/draftsmith) cannot be created: {file} is not a directory"
+    )
     assert_one_line_error(result, 2, fragment)
     assert [p.name for p in tmp_path.iterdir()] == ["afile"]
+    # a command that reads a checkpoint tokenizes nothing: its default cache is not asked of (a read-only HOME)
+    result = run_entry_in_process(["-m", "eval", "recipe=medusa", f"output_dir={run}", "--cfg"], capsys)
+    assert result.returncode == 0, result.stderr
+
+
+def test_what_a_command_does_not_read_is_not_refused_and_a_variant_is_checked_for_its_command(tmp_path):
+    """A run's saved recipe may hold train.epochs beside max_steps (a command-line max_steps once kept the file's
+    epochs): eval never reads them. A variant of a read-only command's recipe (the sweep's export, the monitor's
+    replay) is checked for that command: its chain against the checkpoint's, not the recipe's drafter section."""
+    from draftsmith.recipe import derived, validated
+    from draftsmith.target import load_target
+    from tests.helpers import REFERENCE_TARGET, save_drafter
+
+    assert validated(["recipe=medusa", "train.epochs=2"], "eval").train.epochs == 2
+    with pytest.raises(UserError, match="train.epochs=2 is not read while train.max_steps=200"):
+        validated(["recipe=medusa", "train.epochs=2"], "train")
+    assert load_recipe(["recipe=medusa_llama3_8b", "train.max_steps=-1"]).train.epochs == 2  # -1: by epochs
+    target = load_target(str(REFERENCE_TARGET))
+    checkpoint = save_drafter("medusa", target, tmp_path / "ckpt", num_heads=5, **{"eval.num_speculative_tokens": 5})
+    args = ["recipe=medusa", f"checkpoint={checkpoint}", f"output_dir={tmp_path}", "eval.num_speculative_tokens=5"]
+    cfg = validated([*args, "eval.tree=0"], "export")  # the recipe's 3 heads would propose 3
+    assert derived(cfg, {"export.output": str(tmp_path / "x")}, "export").eval.num_speculative_tokens == 5
 
 
 def test_epochs_that_max_steps_leaves_unread_are_refused():
@@ -105,3 +130,23 @@ def test_the_advice_to_run_again_holds_for_a_training_run(tmp_path, small_data, 
     stopped = ["train.py", *train_args(tmp_path / "stopped", small_data, token_cache, "train.max_steps=2")]
     line = assert_one_line_error(run_entry_in_process(stopped, capsys), 75, prefix="preempted: ")
     assert line == f"preempted: stopped on SIGTERM; what was finished is kept: {RESUME_ADVICE}"
+
+
+def test_a_resume_of_a_run_saved_before_a_key_existed_reads_it_as_its_default(tmp_path):
+    """recipe.yaml of a run saved before data.thinking, data.skip_invalid_utf8 and train.optimizer existed: a
+    resume with the same command was refused ("the run began with null"), a monitor's resumed retraining on
+    every check. A key the saved recipe lacks is its default; a changed one is still refused."""
+    from omegaconf import OmegaConf
+
+    from draftsmith.recipe import save_recipe
+    from draftsmith.trainer.setup import require_resumed_as_begun
+
+    cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path}"])
+    save_recipe(cfg, tmp_path)
+    saved = OmegaConf.load(tmp_path / "recipe.yaml")
+    for section, key in (("data", "thinking"), ("data", "skip_invalid_utf8"), ("train", "optimizer")):
+        del saved[section][key]
+    (tmp_path / "recipe.yaml").write_text(OmegaConf.to_yaml(saved))
+    require_resumed_as_begun(cfg, tmp_path)
+    with pytest.raises(UserError, match=r"train.lr=0.01 \(the run began with 0.002\)"):
+        require_resumed_as_begun(load_recipe(["recipe=medusa", f"output_dir={tmp_path}", "train.lr=0.01"]), tmp_path)

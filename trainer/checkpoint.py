@@ -306,7 +306,11 @@ def _resume_checkpoint(output_dir: Path, resume: Optional[str]) -> Optional[Path
 def set_newer_checkpoints_aside(output_dir: Path, resumed: Path) -> None:
     """A run resumed from one of its own checkpoints older than its newest branches off there: the newer ones
     (another branch, which a later train.resume=true would jump back to) move to replaced/<time>/checkpoints/."""
-    newer = [p for p in completed_checkpoints(output_dir) if p.name > resumed.name and p.parent == resumed.parent]
+    newer = [
+        p
+        for p in completed_checkpoints(output_dir)
+        if p.name > resumed.name and p.parent.resolve() == resumed.parent.resolve()
+    ]
     if not newer:
         return
     destination = output_dir / REPLACED_DIR / utc_stamp() / "checkpoints"
@@ -343,6 +347,11 @@ def load_checkpoint(accelerator, path: Path) -> TrainerState:
                 f"checkpoint {path} (saved without checksums) cannot be loaded, a file of it may be damaged: "
                 f"{one_line(err)}"
             ) from None
+    return saved_state(path)
+
+
+def saved_state(path: Path) -> TrainerState:
+    """A checkpoint's trainer state (step, data position, split ...), read alone."""
     try:
         return TrainerState(**json.loads((path / STATE_NAME).read_text()))
     except (json.JSONDecodeError, TypeError) as err:

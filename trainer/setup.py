@@ -34,6 +34,7 @@ from draftsmith.heads.base import saved_drafter
 from draftsmith.heads.packing import causal_lm_inputs, require_packed_attention
 from draftsmith.recipe import derived, require_draft_vocab_use, save_recipe
 from draftsmith.recipe_checks import resolve_bool_or_path
+from draftsmith.recipe_schema import RecipeSchema
 from draftsmith.sharding import built_whole
 from draftsmith.target import TargetOutput, load_config, load_target, load_tokenizer, run_target
 from draftsmith.trainer.checkpoint import (
@@ -43,6 +44,7 @@ from draftsmith.trainer.checkpoint import (
     load_checkpoint,
     resplit,
     resume_checkpoint,
+    saved_state,
     set_newer_checkpoints_aside,
 )
 from draftsmith.trainer.heldout import check_best_on_resume, split_heldout
@@ -106,9 +108,12 @@ def require_resumed_as_begun(cfg: DictConfig, output_dir: Path) -> None:
     if not (output_dir / "recipe.yaml").is_file():  # a checkpoint given by path, of a run elsewhere
         return
     saved = OmegaConf.load(output_dir / "recipe.yaml")  # read by resumed_start just before
+    # a key an earlier draftsmith did not write (data.thinking, train.optimizer) was its default
+    defaults = OmegaConf.structured(RecipeSchema)
     changed = []
     for key in RESUMED_AS_BEGUN:
-        began, now = (OmegaConf.select(c, key, default=None) for c in (saved, cfg))
+        began = OmegaConf.select(saved, key, default=OmegaConf.select(defaults, key))
+        now = OmegaConf.select(cfg, key, default=None)
         began, now = (OmegaConf.to_container(v) if OmegaConf.is_config(v) else v for v in (began, now))
         if began != now:
             changed.append(f"{key}={json.dumps(now)} (the run began with {json.dumps(began)})")
@@ -133,6 +138,7 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
         kind = saved_drafter(resume_from / DRAFTER_DIR)[0].type  # another kind's recipe: said as such, first
         require_recipes_kind(kind, cfg.drafter.type, f"train.resume's {resume_from}")
         require_resumed_as_begun(cfg, output_dir)
+        resplit(saved_state(resume_from), split_of(cfg, accelerator))  # another step size: refused before any load
     elif cfg.train.init_from:  # its kind is known before any data or model loads
         start = Path(cfg.train.init_from)
         require_recipes_kind(start_kind(start), cfg.drafter.type, f"train.init_from={start}")
