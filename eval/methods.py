@@ -87,7 +87,7 @@ def build_methods(cfg: DictConfig, drafter, target, verifier, temperature: float
             f"eval.num_speculative_tokens={gamma} but this {drafter.type} checkpoint proposes at most {longest} tokens"
         )
     new_proposer = partial(drafter.proposer, temperature)
-    served = serving(drafter, target)
+    served = serving(drafter, target, cfg.export.vllm_format)
     methods = [
         Method("plain", "baseline", info={"served_by": "any engine"}),
         Method("chain", "drafter", new_proposer, gamma, info={"gamma": gamma, **served["chain"]}),
@@ -138,16 +138,17 @@ def build_methods(cfg: DictConfig, drafter, target, verifier, temperature: float
     return methods
 
 
-def serving(drafter, target) -> dict[str, dict[str, Any]]:
+def serving(drafter, target, vllm_format: str = "speculators") -> dict[str, dict[str, Any]]:
     """Eval method (chain, tree) -> what the report says serves it: `served_by`, the engines the kind
     names for it (SERVED_BY) whose export does not refuse this drafter for this target (the export's own
     check, formats.Exporter.refuse: the report never names an engine whose export draftsmith refuses),
-    else draftsmith's eval only; and `not_served_by`, each refused engine's line, where one is."""
+    else draftsmith's eval only; and `not_served_by`, each refused engine's line, where one is. `vllm_format`: the
+    vLLM layout the recipe exports (export.vllm_format)."""
     served = type(drafter).SERVED_BY
     shape = drafter.target
     info = TargetInfo(shape=shape, config=loaded_config(target), verifier=shape.name_or_path)
     engines = dict.fromkeys(engine for named in served.values() for engine in named)
-    refused = {engine: exporter_for(drafter.type).refusal(engine, drafter, info) for engine in engines}
+    refused = {engine: exporter_for(drafter.type).refusal(engine, drafter, info, vllm_format) for engine in engines}
     said = {}
     for method, named in served.items():
         said[method] = {"served_by": ", ".join(ENGINE_NAMES[e] for e in named if refused[e] is None) or EVAL_ONLY}

@@ -62,10 +62,12 @@ class Exporter:
         the eval's report names only the engines it passes (`refusal`). An exporter adds its kinds' checks."""
         self.check_engines(drafter.type, [engine], vllm_format)
 
-    def refusal(self, engine: str, drafter: Drafter, target: TargetInfo) -> Optional[str]:
-        """`refuse`'s line for the export's default vLLM layout, or None where `engine` serves the drafter."""
+    def refusal(
+        self, engine: str, drafter: Drafter, target: TargetInfo, vllm_format: str = "speculators"
+    ) -> Optional[str]:
+        """`refuse`'s line for the vLLM layout `vllm_format`, or None where `engine` serves the drafter."""
         try:
-            self.refuse(engine, drafter, target)
+            self.refuse(engine, drafter, target, vllm_format)
         except UserError as err:
             return str(err)
         return None

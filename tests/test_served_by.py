@@ -98,3 +98,22 @@ def test_the_report_says_what_the_export_refuses(target, small_data, tmp_path):
             load_recipe([*args, "export.engines=[sglang]", f"export.output={tmp_path / 'export'}"]), checkpoint, target
         )
     assert report["methods"]["chain"]["not_served_by"]["SGLang"] == str(refused.value)
+
+
+def test_the_vllm_layout_the_recipe_exports_is_the_one_asked(target):
+    """A P-EAGLE drafter is written in vLLM's speculators layout only: with export.vllm_format=native its vLLM
+    export is refused, and the report said vLLM served it (the default layout was asked)."""
+    peagle = drafter_class("eagle3").from_target(
+        OmegaConf.to_object(
+            recipe("eagle3", "eval.tree=0", "drafter.parallel_drafting=true", "drafter.mask_token_id=5").drafter
+        ),
+        target,
+        str(REFERENCE_TARGET),
+    )
+    assert serving(peagle, target)["chain"]["served_by"].startswith("vLLM")
+    native = build_methods(recipe("eagle3", "eval.tree=0", "export.vllm_format=native"), peagle, target, target, 0.0)
+    chain = info_of(native, "chain")
+    assert (
+        "vLLM" not in chain["served_by"]
+        and "P-EAGLE is written in vLLM's speculators" in chain["not_served_by"]["vLLM"]
+    )
