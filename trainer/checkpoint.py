@@ -336,7 +336,9 @@ def keep_log_to(output_dir: Path, step: int) -> None:
         log.info("log.jsonl: %d rows past step %d, of the attempt that stopped, dropped", len(rows) - len(kept), step)
 
 
-def load_checkpoint(accelerator, path: Path) -> TrainerState:
+def load_checkpoint(accelerator, path: Path) -> None:
+    """Restore accelerate's state (weights, optimizer, scheduler, RNG) from the checkpoint `path`; its trainer
+    state is `saved_state`'s."""
     if (path / CHECKSUMS_NAME).is_file():  # verified: any failure here is not the files' (a bug, or another recipe)
         accelerator.load_state(str(path))
     else:  # unverified (saved before checksums): a damaged file is still the user's to fix, in one line
@@ -347,7 +349,6 @@ def load_checkpoint(accelerator, path: Path) -> TrainerState:
                 f"checkpoint {path} (saved without checksums) cannot be loaded, a file of it may be damaged: "
                 f"{one_line(err)}"
             ) from None
-    return saved_state(path)
 
 
 def saved_state(path: Path) -> TrainerState:

@@ -135,10 +135,10 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     resume_from = resume_checkpoint(output_dir, cfg.train.resume, accelerator)
     if resume_from is not None:  # the checkpoint holds the weights: the run's start is not loaded again
         cfg = resumed_start(cfg, output_dir)
-        kind = saved_drafter(resume_from / DRAFTER_DIR)[0].type  # another kind's recipe: said as such, first
-        require_recipes_kind(kind, cfg.drafter.type, f"train.resume's {resume_from}")
+        saved_kind, saved_config = saved_drafter(resume_from / DRAFTER_DIR)[:2]
+        require_recipes_kind(saved_kind.type, cfg.drafter.type, f"train.resume's {resume_from}")  # said first
         require_resumed_as_begun(cfg, output_dir)
-        resplit(saved_state(resume_from), split_of(cfg, accelerator))  # another step size: refused before any load
+        resumed = resplit(saved_state(resume_from), split_of(cfg, accelerator))  # another step size: before any load
     elif cfg.train.init_from:  # its kind is known before any data or model loads
         start = Path(cfg.train.init_from)
         require_recipes_kind(start_kind(start), cfg.drafter.type, f"train.init_from={start}")
@@ -152,9 +152,8 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     # what the drafter fits to the data (EAGLE-3's draft vocabulary), on every rank
     drafter.prepare(train_data if vocab_data is None else vocab_data)
     if resume_from is not None:  # its weights must be of the drafter the recipe builds
-        kind, config = saved_drafter(resume_from / DRAFTER_DIR)[:2]
         what = f"train.resume's {resume_from}"
-        require_recipes_drafter(kind.type, config, drafter.type, drafter.config, what, resume_from)
+        require_recipes_drafter(saved_kind.type, saved_config, drafter.type, drafter.config, what, resume_from)
     elif cfg.train.init_from:  # warm start: its weights and data-fitted state (draft vocabulary kept, not re-fitted)
         start = warm_start(cfg.train.init_from, drafter, target)  # a checkpoint, an export's folder or speculators'
         drafter.load_state_dict(start.state_dict())
@@ -162,7 +161,8 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
         log.info("warm start from %s", cfg.train.init_from)
     run = prepare_run(cfg, accelerator, target, drafter, train_data, collate, target_features, heldout)
     if resume_from is not None:
-        run.state = resplit(load_checkpoint(accelerator, resume_from), run.state.split)
+        load_checkpoint(accelerator, resume_from)
+        run.state = resumed
         log.info("resumed from %s at step %d", resume_from, run.state.step)
         if run.state.step > run.max_steps:
             raise UserError(
