@@ -86,6 +86,9 @@ class DrafterConfig:
     # Keys from_target fills from the target (a layer's or a whole model's HF config, to rebuild it on
     # load): neither a setting nor a choice of the recipe's, and recorded in full by the checkpoint only.
     RESOLVED: ClassVar[tuple[str, ...]] = ("decoder",)
+    # Keys naming released weights a fresh drafter starts from (a Hub id or folder): a warm start or a resume
+    # starts from its own folder instead, so they fix nothing about the weights it loads.
+    STARTS: ClassVar[tuple[str, ...]] = ()
 
     def check(self, target: Optional[TargetShape] = None) -> None:
         """Raise a one-line UserError for a bad setting. `target`: the target's shape when known."""
@@ -294,9 +297,9 @@ def check_layer_ids(layers: list[int], num_layers: int, key: str, default: Optio
 
 
 def architecture(config: DrafterConfig) -> dict[str, Any]:
-    """What a drafter config fixes about its weights' function: every key but its SETTINGS and what
-    from_target resolves from the target (RESOLVED)."""
-    skipped = {*config.SETTINGS, *config.RESOLVED}
+    """What a drafter config fixes about its weights' function: every key but its SETTINGS, what
+    from_target resolves from the target (RESOLVED) and the released weights a fresh one starts from (STARTS)."""
+    skipped = {*config.SETTINGS, *config.RESOLVED, *config.STARTS}
     return {key: value for key, value in asdict(config).items() if key not in skipped}
 
 

@@ -63,6 +63,7 @@ class DraftModelConfig(DrafterConfig):
     type: str = "draft_model"  # the drafter kind (registry key)
     SETTINGS = ("init", "loss", "mix_weights", "ce_weight", "temperature", "parallel_tokens")  # see DrafterConfig
     RESOLVED = ("model_config",)
+    STARTS = ("name_or_path",)
     name_or_path: Optional[str] = None  # an HF causal LM with the target's vocab; None = build from the target
     init: str = "layers"  # with name_or_path unset: the target's first `num_layers` layers
     num_layers: int = 1  # decoder layers of a draft built from the target

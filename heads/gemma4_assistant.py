@@ -69,6 +69,7 @@ NOT_INHERITED = ("architectures", "model_type", "transformers_version", "dtype",
 class AssistantConfig(DrafterConfig):
     type: str = "gemma4_assistant"  # the drafter kind (registry key)
     SETTINGS = ("ttt_steps", "ttt_decay")  # see DrafterConfig
+    STARTS = ("released_assistant",)
     # A released assistant to start from (its folder, or a Hub id with a network): its configuration and weights;
     # null: a fresh assistant at the target's shape, shaped by the three keys below (null where it is released).
     released_assistant: Optional[str] = None

@@ -128,15 +128,16 @@ def test_a_released_assistant_restricted_by_centroids_is_read_drafts_as_released
     target, tmp_path, capsys
 ):
     """A folder as Google releases an assistant (transformers' saver; here with `use_ordered_embeddings`: its
-    logits restricted to the tokens of its best centroids) is read as a drafter (what `drafter.released_assistant` and
-    `python -m eval checkpoint=` do), drafts what transformers' module drafts from it, trains with the
+    logits restricted to the tokens of its best centroids) is read as a drafter (what `drafter.released_assistant`,
+    `train.init_from` and `python -m eval checkpoint=` do; a recipe's null released_assistant is not another
+    architecture), drafts what transformers' module drafts from it, trains with the
     centroids kept as released, and exports exactly the tensors it was read from; vLLM's CPU build, which
     builds no such assistant (measured), is refused for it in one line before anything is written."""
     from safetensors.torch import load_file
     from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
 
     from draftsmith.formats import Source, exporter_for
-    from draftsmith.formats.folder import open_drafter
+    from draftsmith.formats.folder import open_drafter, require_recipes_drafter
     from draftsmith.formats.repo import TargetInfo
     from draftsmith.formats.versions import served_builds
     from draftsmith.heads.gemma4_assistant import assistant_config
@@ -157,6 +158,8 @@ def test_a_released_assistant_restricted_by_centroids_is_read_drafts_as_released
     shape = TargetShape.of(model, name)
     drafter = open_drafter(tmp_path / "released", shape, model)
     assert drafter.type == "gemma4_assistant" and drafter.config.num_layers == 2
+    fresh = KIND.from_target(KIND.Config(), model, name)  # a recipe without released_assistant warm-starts from it
+    require_recipes_drafter(drafter.type, drafter.config, fresh.type, fresh.config, "train.init_from", "released")
     with pytest.raises(UserError, match=r"^drafter.num_layers=3 \(.* has 2\): leave those null"):
         KIND.from_target(KIND.Config(released_assistant=str(tmp_path / "released"), num_layers=3), model, name)
     sequence = [1, *range(300, 362)]

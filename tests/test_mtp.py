@@ -13,6 +13,7 @@ serving the export: tests/test_mtp_vllm.py.
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -264,3 +265,33 @@ def test_the_export_is_the_shipped_layers_form_and_evaluates_like_the_checkpoint
             for m, row in report["domains"][d].items()
         }
     assert rows["vllm"] == rows["checkpoint"]
+
+
+def test_loading_a_target_names_its_mtp_layers_in_one_line_and_keeps_transformers_report_for_anything_else(
+    targets, tmp_path, caplog
+):
+    """A checkpoint's MTP layer stored past num_hidden_layers (transformers leaves out only the released sizes'
+    indices) is one info line at load, not transformers' table of its tensors; any other tensor the model does not
+    read keeps transformers' report."""
+    folder, _ = targets("glm4_moe")
+    reports = []
+    handler = logging.Handler()
+    handler.emit = lambda record: reports.append(record.getMessage())
+    transformers_logger = logging.getLogger("transformers.modeling_utils")
+    transformers_logger.addHandler(handler)
+    try:
+        with caplog.at_level("INFO", logger="draftsmith.target"):
+            load_target(str(folder))
+        assert not any("LOAD REPORT" in report for report in reports), reports
+        assert any("multi-token-prediction layers, which its forward does not run" in r.message for r in caplog.records)
+        stray = tmp_path / "stray"
+        stray.mkdir()
+        for path in folder.iterdir():
+            if path.name != "model.safetensors":
+                (stray / path.name).symlink_to(path)
+        weights = load_file(str(folder / "model.safetensors"))
+        save_file({**weights, "model.stray.weight": torch.zeros(2)}, str(stray / "model.safetensors"))
+        load_target(str(stray))
+    finally:
+        transformers_logger.removeHandler(handler)
+    assert any("LOAD REPORT" in report and "model.stray.weight" in report for report in reports), reports

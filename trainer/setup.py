@@ -156,6 +156,9 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
         require_recipes_drafter(saved_kind.type, saved_config, drafter.type, drafter.config, what, resume_from)
     elif cfg.train.init_from:  # warm start: its weights and data-fitted state (draft vocabulary kept, not re-fitted)
         start = warm_start(cfg.train.init_from, drafter, target)  # a checkpoint, an export's folder or speculators'
+        for key in drafter.config.STARTS:
+            if getattr(drafter.config, key) is not None:
+                log.warning("drafter.%s is not read: train.init_from's weights are the start", key)
         drafter.load_state_dict(start.state_dict())
         drafter.learned = dict(start.learned)
         log.info("warm start from %s", cfg.train.init_from)
