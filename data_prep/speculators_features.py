@@ -19,7 +19,8 @@ OUTPUT is a folder `speculators train --data-path OUTPUT` reads without a vLLM s
   sha256 of their tokens and masks); written last, when the folder is complete (until then the same
   record is `draftsmith_features.unfinished.json`, written before the first state).
 
-Layer ids: the taps are the recipe drafter's `aux_layers` (EAGLE-3's default when unset). draftsmith's
+Layer ids: the taps are the recipe drafter's `aux_layers` (EAGLE-3's default when unset, moved onto
+attention layers on a hybrid target as `draftsmith train` moves them). draftsmith's
 id i is the output of decoder layer i; vLLM's (speculators' `--target-layer-ids`) id j is the input of
 layer j, transformers' `hidden_states[j]`: j = i + 1. vLLM's id L, the last slot, is not transformers'
 `hidden_states[L]` (that one is after the final norm), so it is read at the final norm's input. The ids
@@ -29,7 +30,7 @@ slot already) is refused, before the data is read.
 A row's file is written to `.tmp` and renamed when complete: a run killed and started again skips the
 finished rows; a complete folder is left as it is. Only a run with the same record continues a folder:
 one made with other settings, or holding files but no record, is refused before anything is written, as
-its states would be mixed with rows they do not belong to.
+its states would be mixed with rows they do not belong to. One run at a time writes a folder (its lock).
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ from safetensors.torch import save_file
 
 from draftsmith.data_prep.dataset import load_tokenized
 from draftsmith.errors import UserError
+from draftsmith.families import tap_layers
 from draftsmith.files import created_file_mode, write_text_atomic
 from draftsmith.heads.eagle3 import Eagle3Config
-from draftsmith.outputs import check_output_dir
+from draftsmith.outputs import LOCK_NAME, DirectoryLock, check_output_dir
 from draftsmith.recipe import load_recipe
 from draftsmith.target import DTYPES, TargetShape, load_config, load_target, load_tokenizer, num_layers, resolve_dtype
 
@@ -81,14 +83,16 @@ def speculators_states(model, input_ids: torch.Tensor, layer_ids: Sequence[int])
     return torch.stack([*(states[j][0] for j in layer_ids), captured[-1][0]], dim=1)
 
 
-def tap_layer_ids(cfg, target: TargetShape) -> list[int]:
-    """draftsmith's ids of the taps: the recipe drafter's `aux_layers`, EAGLE-3's default when unset, refused
-    as `draftsmith train` refuses an EAGLE-3 drafter's, and the target's last layer refused too: its output
-    (vLLM id L) is every row's last slot already, which speculators' reader splits off."""
+def tap_layer_ids(cfg, config, target: TargetShape) -> list[int]:
+    """draftsmith's ids of the taps: the recipe drafter's `aux_layers`, else EAGLE-3's default as
+    `draftsmith train` resolves it for this target (`config`: its HF config), refused as train refuses an
+    EAGLE-3 drafter's, and the target's last layer refused too: its output (vLLM id L) is every row's last
+    slot already, which speculators' reader splits off."""
     aux = cfg.drafter.get("aux_layers")
     drafter = Eagle3Config(aux_layers=[int(i) for i in aux] if aux is not None else None)
     drafter.check(target)
     ours = drafter.layers_for(target.num_hidden_layers)
+    ours = ours if aux is not None else tap_layers(config, ours)
     last = target.num_hidden_layers - 1
     if last in ours:
         raise UserError(
@@ -105,7 +109,7 @@ def claim_folder(output: Path, info: dict) -> bool:
     record = next((output / name for name in (INFO, UNFINISHED) if (output / name).is_file()), None)
     if record is not None and record.name == UNFINISHED and not any((output / HIDDEN_STATES).glob("hs_*.safetensors")):
         record = None  # a run that stopped before its first state (a target that did not load) left nothing to mix
-    elif record is None and output.is_dir() and any(entry.is_file() for entry in output.rglob("*")):
+    elif record is None and any(entry.is_file() and entry.name != LOCK_NAME for entry in output.rglob("*")):
         raise UserError(f"{output} holds files but no {INFO}: give another OUTPUT folder, or delete it")
     if record is None:
         output.mkdir(parents=True, exist_ok=True)
@@ -128,12 +132,12 @@ def claim_folder(output: Path, info: dict) -> bool:
 
 def write_speculators_data(cfg, output: Path, dtype: str = "bfloat16") -> dict:
     """Write `output` (the module docstring's layout) for recipe `cfg`; returns its info."""
-    import datasets
 
     output = Path(output)
     check_output_dir(output, named=f"OUTPUT {str(output)!r}")
-    target = TargetShape.from_config(load_config(cfg.target), cfg.target.name_or_path)
-    ours = tap_layer_ids(cfg, target)
+    config = load_config(cfg.target)
+    target = TargetShape.from_config(config, cfg.target.name_or_path)
+    ours = tap_layer_ids(cfg, config, target)
     layer_ids = [i + 1 for i in ours]
     tokenizer = load_tokenizer(cfg.target)
     rows = load_tokenized(cfg, cfg.data.train, tokenizer, "data.train")
@@ -159,8 +163,16 @@ def write_speculators_data(cfg, output: Path, dtype: str = "bfloat16") -> dict:
         "masked_tokens": int(sum(frequency.values())),
         "rows_sha256": digest.hexdigest()[:16],  # what the states were computed from, whatever made the rows
     }
-    if claim_folder(output, info):
-        return info
+    with DirectoryLock(output, key="OUTPUT"):
+        if not claim_folder(output, info):
+            write_features(cfg, output, info, rows, layer_ids, frequency, dtype)
+    return info
+
+
+def write_features(cfg, output: Path, info: dict, rows, layer_ids: list[int], frequency: Counter, dtype: str) -> None:
+    """The states of every row not written yet, then the rows, the token counts and the record."""
+    import datasets
+
     hidden_dir = output / HIDDEN_STATES
     hidden_dir.mkdir(exist_ok=True)
     model = load_target(cfg.target, "cpu")
@@ -181,7 +193,6 @@ def write_speculators_data(cfg, output: Path, dtype: str = "bfloat16") -> dict:
     table.with_format("torch").save_to_disk(str(output))
     torch.save(dict(frequency), output / TOKEN_FREQ)
     os.replace(output / UNFINISHED, output / INFO)
-    return info
 
 
 def main(argv: Sequence[str]) -> None:

@@ -20,8 +20,10 @@ from draftsmith.data_prep.speculators_features import (
     TOKEN_FREQ,
     UNFINISHED,
     speculators_states,
+    tap_layer_ids,
     write_speculators_data,
 )
+from draftsmith.outputs import DirectoryLock
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target
 from tests.helpers import DEMO, REFERENCE_TARGET, assert_one_line_error, run_entry_in_process
@@ -163,6 +165,31 @@ def test_unusable_tap_layers_are_refused_as_train_refuses_them_and_nothing_is_cr
     output = tmp_path / "features"
     assert_one_line_error(write_features(output, capsys, token_cache, *settings), 2, named)
     assert not output.exists()
+
+
+def test_a_folder_in_use_by_another_run_is_refused_and_left_as_it_is(tmp_path, capsys, token_cache):
+    output = tmp_path / "features"
+    with DirectoryLock(output, "another speculators_features run"):
+        refused = write_features(output, capsys, token_cache, "recipe=eagle3")
+        assert_one_line_error(refused, 2, "is in use by another job (pid")
+        assert [path.name for path in output.iterdir()] == [".draftsmith.lock"]
+
+
+def test_a_hybrid_targets_default_taps_are_the_attention_layers_train_taps(tmp_path):
+    """With drafter.aux_layers unset, the states are those `draftsmith train` reads on this target: on a hybrid
+    linear-attention one, EAGLE-3's default moved onto attention layers (draftsmith.families.tap_layers)."""
+    from transformers import AutoConfig
+
+    from draftsmith.heads import drafter_class
+    from draftsmith.random_target import write_random_target
+    from draftsmith.target import TargetShape
+
+    folder = write_random_target("qwen3_next", tmp_path / "hybrid", num_hidden_layers=8)
+    cfg = load_recipe(["recipe=eagle3", f"target.name_or_path={folder}", "drafter.aux_layers=null"])
+    config = AutoConfig.from_pretrained(folder)
+    trained = drafter_class("eagle3").from_target(drafter_class("eagle3").Config(), load_target(str(folder)), "t")
+    taps = tap_layer_ids(cfg, config, TargetShape.from_config(config, str(folder)))
+    assert taps == trained.config.aux_layers != [1, 3, 4]
 
 
 # speculators' offline reader over the folder: every row read back, split as its trainer splits it
