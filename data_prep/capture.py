@@ -29,10 +29,10 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from draftsmith.data_prep.capture_files import (
+    CAPTURE_AGAIN,
     ShardPlan,
     is_intact,
     merge_manifest,
-    read_json,
     refuse_other_capture,
     remove_leftovers,
     write_json,
@@ -42,6 +42,7 @@ from draftsmith.data_prep.conversations import load_conversations
 from draftsmith.data_prep.dataset import Collator, cache_key, require_context, tokenize_conversations
 from draftsmith.data_prep.features import DISTRIBUTION_DTYPE, encode, hidden_names, part_name
 from draftsmith.errors import UserError
+from draftsmith.files import read_json
 from draftsmith.outputs import held_by_main_process
 from draftsmith.recipe import load_recipe
 from draftsmith.recipe_schema import CaptureSection
@@ -136,7 +137,8 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
 
     plan = plan_shards(list(data["length"]), state.num_processes, section.shard_tokens)[state.process_index]
     part_path = directory / part_name(state.process_index)
-    done = {entry["file"]: entry for entry in read_json(part_path)["shards"]} if part_path.is_file() else {}
+    part = read_json(part_path, advice=CAPTURE_AGAIN) if part_path.is_file() else {"shards": []}
+    done = {entry["file"]: entry for entry in part["shards"]}
 
     run = {"tokens_computed": 0, "seconds": 0.0}  # this run's work on this rank (a resumed run reuses shards)
 

@@ -32,7 +32,9 @@ from draftsmith.data_prep.features import (
     shard_name,
 )
 from draftsmith.errors import StorageError, UserError, one_line
-from draftsmith.files import created_file_mode, write_text_atomic
+from draftsmith.files import created_file_mode, read_json, write_text_atomic
+
+CAPTURE_AGAIN = "remove it to capture again"  # the advice for a capture's own file that is not JSON
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ def refuse_other_capture(directory: Path, settings: dict[str, Any]) -> None:
     for path in [directory / MANIFEST_NAME, *sorted(directory.glob("manifest_part_*.json"))]:
         if not path.is_file():
             continue
-        found = read_json(path)
+        found = read_json(path, advice=CAPTURE_AGAIN)
         found = found.get("settings", found)  # parts keep settings apart; the manifest at top level
         differ = [key for key in settings if found.get(key) != settings[key]]
         if differ:
@@ -115,7 +117,7 @@ def write_shard(
 
 def merge_manifest(directory: Path, settings: dict[str, Any], cfg: DictConfig, tokenizer) -> dict[str, Any]:
     """Join every rank's part into manifest.json, with totals and the bytes/token comparison."""
-    parts = [read_json(directory / part_name(rank)) for rank in range(settings["world_size"])]
+    parts = [read_json(directory / part_name(rank), advice=CAPTURE_AGAIN) for rank in range(settings["world_size"])]
     shards = sorted(
         (entry for part in parts for entry in part["shards"]), key=lambda entry: entry["first_conversation"]
     )
@@ -179,13 +181,6 @@ def field_layout(settings: dict[str, Any], hidden_size: int) -> dict[str, str]:
     }
     fields |= {name: shapes[name] for name in DISTRIBUTION_FIELDS[settings["logits"]]}
     return fields
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UserError(f"{path}: not valid JSON ({err}); remove it to capture again") from None
 
 
 def write_json(path: Path, value: dict[str, Any]) -> None:

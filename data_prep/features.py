@@ -40,7 +40,7 @@ from torch.utils.data import Dataset
 
 from draftsmith.data_prep.dataset import Collator
 from draftsmith.errors import UserError, one_line
-from draftsmith.files import file_sha256
+from draftsmith.files import file_sha256, read_json
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, target_id
 
 SCHEMA_VERSION = 2  # 2: shard metadata in one key (reproducible bytes)
@@ -279,10 +279,7 @@ def _read_manifest(directory: Path) -> dict[str, Any]:
             "the capture has not finished" if any(directory.glob("manifest_part_*.json")) else "not a feature capture"
         )
         raise UserError(f"{directory} holds no {MANIFEST_NAME} ({hint}); run python -m data_prep.capture to write it")
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UserError(f"{path}: not valid JSON ({err})") from None
+    manifest = read_json(path, "feature manifest")
     version = manifest.get("schema_version") if isinstance(manifest, dict) else None
     if version != SCHEMA_VERSION:
         raise UserError(

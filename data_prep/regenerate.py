@@ -63,7 +63,7 @@ from draftsmith.data_prep.conversations import CUT_KEY, REASONING_KEYS, answered
 from draftsmith.data_prep.dataset import require_context
 from draftsmith.data_prep.template import render_prompt
 from draftsmith.errors import UserError
-from draftsmith.files import write_text_atomic
+from draftsmith.files import read_json, write_text_atomic
 from draftsmith.outputs import held_by_main_process
 from draftsmith.recipe import load_recipe
 from draftsmith.sharding import end_process_group
@@ -208,7 +208,7 @@ def check_reusable(directories, settings: dict[str, Any]) -> None:
         path = directory / SETTINGS_NAME
         if not path.is_file():
             raise UserError(f"data.regenerate.reuse: {directory} holds no {SETTINGS_NAME}, so no regeneration to reuse")
-        saved = json.loads(path.read_text())
+        saved = read_json(path, "regeneration record", "leave it out of data.regenerate.reuse")
         require_marks(saved, directory, "leave it out of data.regenerate.reuse")
         changed = [key for key in ANSWER_SETTINGS if saved.get(key) != settings.get(key)]
         if changed:
@@ -324,7 +324,7 @@ def claim_directory(directory: Path, settings: dict[str, Any]) -> None:
     """Start a new output directory, or resume one made with the same settings; drop partial parts."""
     path = directory / SETTINGS_NAME
     if path.is_file():
-        saved = json.loads(path.read_text())
+        saved = read_json(path, "regeneration record", "use another data.regenerate.output or delete it")
         require_marks(saved, directory, "use another data.regenerate.output or delete it")
         if saved != settings:
             changed = sorted(key for key in settings.keys() | saved.keys() if settings.get(key) != saved.get(key))

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 import stat
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+from draftsmith.errors import UserError, one_line
 
 
 def cache_root() -> Path:
@@ -33,6 +37,15 @@ def checkpoint_digest(directory: Path) -> str:
         if path.is_file() and not any(part.startswith(".") for part in path.relative_to(directory).parts)
     )
     return hashlib.sha256(listing.encode()).hexdigest()
+
+
+def read_json(path: Path, what: str = "JSON", advice: str = "") -> Any:
+    """A JSON file a stage wrote; one line naming it as `what` when it is not JSON (cut short, edited by hand),
+    with `advice`, what to do about it, after."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"{path}: corrupt {what} ({one_line(err)})" + (f"; {advice}" if advice else "")) from None
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -15,6 +15,8 @@ from typing import Any, Optional
 from omegaconf import DictConfig
 
 from draftsmith.errors import HubUnavailable, UserError, one_line
+from draftsmith.files import read_json
+from draftsmith.formats.repo import EXPORT_INFO
 
 
 def repo_id_for(cfg: DictConfig, engine: str) -> str:
@@ -25,9 +27,7 @@ def repo_id_for(cfg: DictConfig, engine: str) -> str:
 def commit_message(cfg: DictConfig, engine: str, report: Optional[dict[str, Any]], folder: Path) -> str:
     if cfg.export.push.commit_message:
         return cfg.export.push.commit_message
-    import json
-
-    info = json.loads((folder / "draftsmith_export.json").read_text())
+    info = read_json(folder / EXPORT_INFO, "export record")
     summary = f"draftsmith: {info['drafter_type']} drafter for {info['target']['id']} ({engine})"
     if report is not None:
         rows = report["domains"]["all"]

@@ -21,9 +21,9 @@ import torch
 from omegaconf import DictConfig
 from safetensors.torch import save_file
 
-from draftsmith.errors import InternalError, UserError, one_line
+from draftsmith.errors import InternalError, UserError
 from draftsmith.export.gamma import recommended_gamma
-from draftsmith.files import checkpoint_digest, publish_folder, staging, write_text_atomic
+from draftsmith.files import checkpoint_digest, publish_folder, read_json, staging, write_text_atomic
 from draftsmith.formats import Source, exporter_for
 from draftsmith.formats.folder import require_recipes_kind
 from draftsmith.formats.repo import (
@@ -227,10 +227,7 @@ def find_report(cfg: DictConfig, checkpoint: Path, digest: str) -> Optional[dict
             found = "is a folder, not an eval's report.json" if path.is_dir() else "does not exist"
             raise UserError(f"export.report={cfg.export.report!r} {found}")
         return None
-    try:
-        report = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UserError(f"{path}: not an eval report ({one_line(err)})") from None
+    report = read_json(path, "eval report")
     if not isinstance(report, dict) or not isinstance(report.get("drafter"), dict):
         raise UserError(f"{path}: not an eval report (no drafter section)")
     evaluated = report["drafter"]

@@ -55,6 +55,7 @@ from omegaconf import DictConfig
 from draftsmith.engines import SuffixSettings
 from draftsmith.errors import EngineUnavailable, ExportCheckFailed, UserError
 from draftsmith.export.sweep_results import PLAIN, PLAIN_AGAIN, plot, read_sweep, summarize
+from draftsmith.files import read_json
 from draftsmith.formats.repo import EXPORT_INFO, VLLM_PINNED
 
 NGRAM = "ngram"
@@ -305,7 +306,7 @@ def require_proposes(gammas: Sequence[int], longest: Optional[int], method: str,
 def served_at(folder: Path, gamma: int, levels: Sequence[int]) -> dict[str, Any]:
     """The speculative config of the export in `folder` at a fixed γ; at γ 0, loaded with a schedule that
     drafts at no batch size up to the largest level (what a schedule's K = 0 costs)."""
-    served = json.loads((folder / EXPORT_INFO).read_text())["speculative_config"]
+    served = read_json(folder / EXPORT_INFO, "export record")["speculative_config"]
     fixed = {k: v for k, v in served.items() if k != "num_speculative_tokens_per_batch_size"} | {"model": str(folder)}
     if gamma == 0:
         return {**fixed, "num_speculative_tokens": 1, "num_speculative_tokens_per_batch_size": [[1, max(levels), 0]]}
@@ -325,7 +326,7 @@ def exported_for_sweep(cfg: DictConfig, checkpoint: Path, output: Path, digest: 
     from draftsmith.recipe import derived
 
     info = output / "vllm" / EXPORT_INFO
-    if info.is_file() and json.loads(info.read_text())["source"]["sha256"] == digest:
+    if info.is_file() and read_json(info, "export record")["source"]["sha256"] == digest:
         return output / "vllm"
     variant = derived(
         cfg,

@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from draftsmith.errors import UserError, one_line
-from draftsmith.files import checkpoint_digest
+from draftsmith.files import checkpoint_digest, read_json
 from draftsmith.formats import EXPORTERS, Exporter
 from draftsmith.formats.repo import EXPORT_INFO, WEIGHTS
 from draftsmith.heads import load_drafter
@@ -40,14 +40,6 @@ def weights_digest(path: str | Path) -> str:
     if info_path is not None:
         return read_json(info_path)["source"]["sha256"]
     return checkpoint_digest(path)
-
-
-def read_json(path: Path):
-    """A drafter folder's JSON file; one line saying so when it is not JSON (cut short, edited by hand)."""
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UserError(f"{path}: corrupt JSON ({one_line(err)})") from None
 
 
 def read_folder(folder: Path, target):

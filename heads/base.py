@@ -55,7 +55,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from draftsmith.errors import UserError, one_line
-from draftsmith.files import write_text_atomic
+from draftsmith.files import read_json, write_text_atomic
 from draftsmith.heads.proposer import Proposer
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
@@ -316,10 +316,7 @@ def read_checkpoint_config(directory: Path) -> dict[str, Any]:
     config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
     if not config_path.is_file() or not weights_path.is_file():
         raise UserError(f"{directory} is not a drafter checkpoint (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
-    try:
-        saved = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UserError(f"{config_path}: corrupt drafter config ({one_line(err)})") from None
+    saved = read_json(config_path, "drafter config")
     if not isinstance(saved, dict) or "draftsmith_format" not in saved:
         raise UserError(f"{config_path} is not a draftsmith checkpoint config (no draftsmith_format)")
     if saved["draftsmith_format"] != FORMAT_VERSION:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from draftsmith.errors import UserError
-from draftsmith.files import write_text_atomic
+from draftsmith.files import read_json, write_text_atomic
 
 STATE_NAME = "state.json"
 STATE_VERSION = 1
@@ -36,10 +36,7 @@ class State:
         path = directory / STATE_NAME
         if not path.is_file():
             return cls()
-        try:
-            saved = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise UserError(f"{path}: corrupt monitor state ({err}); move it aside to start over") from None
+        saved = read_json(path, "monitor state", "move it aside to start over")
         if saved.pop("state_version", None) != STATE_VERSION:
             raise UserError(
                 f"{path}: written by another draftsmith version (state_version); move it aside to start over"

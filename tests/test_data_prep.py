@@ -872,3 +872,20 @@ def test_real_corpus_slice(tmp_path, reference_tokenizer):
     first = tokenized[0]
     answer = conversations[0]["messages"][-1]["content"]
     assert masked_runs(reference_tokenizer, first["input_ids"], first["loss_mask"]) == [answer + "<|end|>"]
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_a_regeneration_record_cut_short_is_one_line_naming_it(tmp_path, token_cache, capsys, reuse):
+    """A stage's own JSON record edited by hand or cut short (here `regenerate.settings`, as an output to
+    resume and as a regeneration to reuse) is one line naming the file, exit 2, as every such record is
+    (draftsmith.files.read_json); it was exit 70 (JSONDecodeError)."""
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "regenerate.settings").write_text("{not json")
+    output = tmp_path / "regenerated"
+    args = ["-m", "data_prep.regenerate", "recipe=draft", "data.max_conversations=2", f"output_dir={tmp_path}/run",
+            f"data.cache_dir={token_cache}", f"data.regenerate.output={earlier if not reuse else output}"]  # fmt: skip
+    if reuse:
+        args.append(f"data.regenerate.reuse=[{earlier}]")
+    line = assert_one_line_error(run_entry_in_process(args, capsys), 2, "regenerate.settings: corrupt regeneration")
+    assert line.endswith("leave it out of data.regenerate.reuse" if reuse else "or delete it")

@@ -38,7 +38,7 @@ from omegaconf import DictConfig
 from safetensors import SafetensorError
 
 from draftsmith.errors import StorageError, UserError, one_line
-from draftsmith.files import file_sha256, publish_folder, readable_as_created, write_text_atomic
+from draftsmith.files import file_sha256, publish_folder, read_json, readable_as_created, write_text_atomic
 from draftsmith.outputs import REPLACED_DIR, held_by_main_process, move_aside, utc_stamp
 from draftsmith.recipe_checks import LATEST_INTACT, resolve_bool_or_path
 
@@ -354,8 +354,8 @@ def load_checkpoint(accelerator, path: Path) -> None:
 def saved_state(path: Path) -> TrainerState:
     """A checkpoint's trainer state (step, data position, split ...), read alone."""
     try:
-        return TrainerState(**json.loads((path / STATE_NAME).read_text()))
-    except (json.JSONDecodeError, TypeError) as err:
+        return TrainerState(**read_json(path / STATE_NAME, "trainer state"))
+    except TypeError as err:
         raise UserError(f"{path / STATE_NAME}: corrupt trainer state ({err})") from None
 
 

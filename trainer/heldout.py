@@ -26,6 +26,7 @@ import torch
 from omegaconf import DictConfig
 
 from draftsmith.errors import UserError
+from draftsmith.files import read_json
 from draftsmith.heads import drafter_class
 from draftsmith.heads.base import pair_means
 from draftsmith.trainer.checkpoint import TrainerState, save_final
@@ -156,7 +157,7 @@ def check_best_on_resume(output_dir: Path, state: TrainerState) -> None:
     path = output_dir / BEST_DIR / BEST_JSON
     if not path.is_file():
         return
-    on_disk, kept = json.loads(path.read_text()).get("step"), (state.best or {}).get("step")
+    on_disk, kept = read_json(path, "best checkpoint record").get("step"), (state.best or {}).get("step")
     if on_disk != kept:
         log.warning(
             "%s is from step %s, after this checkpoint (whose best is step %s); replaced when the run evaluates better",
