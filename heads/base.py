@@ -124,6 +124,10 @@ class Drafter(nn.Module):
         self.config = config
         self.target = target
         self.learned: dict[str, Any] = {}  # facts learned from data or training that decoding uses
+        # The optimizer step being trained, set by the trainer before each step: a schedule inside a loss
+        # (Medusa-2's heads ramp) reads it, so it is the same however the step is split (micro-batches,
+        # accumulation, ranks), and a resume continues it from the run's own step.
+        self.optimizer_step = 0
 
     # -- what it needs and can do, from the config alone ---------------------------------------
     @classmethod

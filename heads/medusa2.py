@@ -4,7 +4,8 @@ The heads read the *adapted* target's last hidden state, so the backbone can mov
 towards what the heads find predictable; the backbone keeps its behaviour through a forward KL to
 the original (adapter-free) target's next-token distribution on the training data, which should be
 the target's own answers (`python -m data_prep.regenerate`, Medusa's "self-distillation"). The heads'
-loss weight ramps up on a sine over `heads_warmup` training forward passes, so the adapters first
+loss weight ramps up on a sine over the first `heads_warmup` optimizer steps (the trainer's step, so the
+weight is the same however a step is split over micro-batches, accumulation and ranks), so the adapters first
 see a small heads loss (the Medusa maintainers: train the heads first, then together).
 
 Decoding verifies with the adapted target (`verifier`), so "lossless" means identical to the adapted
@@ -13,7 +14,7 @@ target's plain output still equals the original's.
 
 The adapted target is a copy of the target's module tree that *shares* every frozen weight with the
 target (only the LoRA matrices are new memory), built by `attach_target`. The checkpoint holds the
-heads (vLLM's Medusa names), the LoRA weights and the ramp counter, never the target's weights; the
+heads (vLLM's Medusa names) and the LoRA weights, never the target's weights; the
 adapters are also written in peft's format to `adapter/`, for serving the adapted target. Sharing
 weights rules out FSDP and ZeRO-3 (they re-shard parameters): train Medusa-2 with DDP or ZeRO-2.
 """
@@ -56,7 +57,7 @@ class Medusa2Config(MedusaConfig):
     lora: LoraSection = field(default_factory=_all_projections)
     backbone_loss_weight: float = 1.0  # KL(original target || adapted target) on the supervised tokens
     heads_weight: float = 0.01  # the heads' loss weight once ramped up (Medusa-2 recipes' heads_coefficient)
-    heads_warmup: int = 100  # training forward passes (micro-batches) over which that weight ramps up (sine)
+    heads_warmup: int = 100  # optimizer steps over which that weight ramps up (sine)
     heads_lr_scale: float = 4.0  # heads learn at train.lr x this, the adapters at train.lr (Medusa-2 recipes: x4)
 
     def __post_init__(self):
@@ -88,9 +89,6 @@ class Medusa2(Medusa):
     def __init__(self, config: Medusa2Config, target: TargetShape):
         super().__init__(config, target)
         self.backbone: Optional[torch.nn.Module] = None  # the adapted target: see attach_target
-        self.register_buffer(
-            "forward_calls", torch.zeros((), dtype=torch.long)
-        )  # drives the heads' ramp; resumes with the run
         self._register_state_dict_hook(_without_target_weights)
         self.register_load_state_dict_post_hook(_target_weights_not_missing)
 
@@ -133,9 +131,9 @@ class Medusa2(Medusa):
         return [(heads, self.config.heads_lr_scale), (adapters, 1.0)]
 
     def heads_weight_now(self) -> float:
-        """heads_weight x sin(pi/2 x progress), progress = (calls + 1) / heads_warmup capped at 1."""
+        """heads_weight x sin(pi/2 x progress), progress = (optimizer_step + 1) / heads_warmup capped at 1."""
         warmup = self.config.heads_warmup
-        progress = 1.0 if warmup == 0 else min(1.0, (int(self.forward_calls) + 1) / warmup)
+        progress = 1.0 if warmup == 0 else min(1.0, (self.optimizer_step + 1) / warmup)
         return self.config.heads_weight * math.sin(math.pi / 2 * progress)
 
     def loss(self, batch: dict, target_out: TargetOutput):
@@ -153,8 +151,6 @@ class Medusa2(Medusa):
         student, teacher = out.logits[:, :-1][mask].float(), target_out.logits[:, :-1][mask].float()
         kl = forward_kl(student, teacher)
         heads_weight = self.heads_weight_now()
-        if self.training:
-            self.forward_calls += 1
         total = self.config.backbone_loss_weight * kl.sum() + heads_weight * heads_loss  # sums (heads/base.py)
         with torch.no_grad():
             values = {"backbone/kl": kl.detach(), "backbone/top1": (student.argmax(-1) == teacher.argmax(-1)).float()}
@@ -182,6 +178,9 @@ def _without_target_weights(module, state_dict, prefix, local_metadata):
 
 
 def _target_weights_not_missing(module, incompatible_keys) -> None:
-    """The target's weights are never in a checkpoint: not missing, whether loading is strict or not."""
+    """The target's weights are never in a checkpoint: not missing, whether loading is strict or not; the
+    micro-batch counter an earlier draftsmith saved for the heads' ramp (now the trainer's step) is not read."""
     missing = incompatible_keys.missing_keys
     missing[:] = [key for key in missing if not (BACKBONE in key and ".lora_" not in key)]
+    unexpected = incompatible_keys.unexpected_keys
+    unexpected[:] = [key for key in unexpected if key != "forward_calls"]

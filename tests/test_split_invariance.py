@@ -37,9 +37,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 KINDS = sorted(REGISTRY)
 # Drafter keys that make a kind's training loss a function of the data alone, so that only the split
 # differs between the runs compared: EAGLE's feature noise and DFlash's anchor draw are random per
-# batch shape (with anchors above any conversation's candidates, DFlash takes every one); Medusa-2's
-# heads ramp counts forward calls, i.e. micro-batches.
-SETTINGS = {"eagle": {"noise_std": 0.0}, "dflash": {"anchors": 1000, "block_size": 4}, "medusa2": {"heads_warmup": 0}}
+# batch shape (with anchors above any conversation's candidates, DFlash takes every one). Medusa-2's
+# heads ramp stays on, the step taken mid-ramp: it follows the optimizer step, not the micro-batches.
+SETTINGS = {"eagle": {"noise_std": 0.0}, "dflash": {"anchors": 1000, "block_size": 4}, "medusa2": {"heads_warmup": 4}}
+OPTIMIZER_STEP = 2  # the step being trained, as the trainer sets it (Drafter.optimizer_step)
 SPLITS = {  # name -> (micro-batch size, grad_accum, packed)
     "1x8": (8, 1, False),
     "2x4-accum": (2, 4, False),
@@ -95,6 +96,7 @@ def step(drafter, target, rows: list[dict], micro: int, accum: int, packed: bool
     collate = PackingCollator(0, PACK) if packed else Collator(0)
     stream = ((0, i, collate(rows[start : start + micro])) for i, start in enumerate(range(0, len(rows), micro)))
     module = accelerator.unwrap_model(drafter)
+    module.optimizer_step = OPTIMIZER_STEP
     upcoming = next_step(stream, module, accum)
     scale = loss_scale(accelerator, agree(accelerator, upcoming=upcoming).loss_tokens)
 

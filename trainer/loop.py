@@ -131,6 +131,7 @@ def train_step(run: Run, step: StepData, agreed: Agreed, stream, stop: StopReque
     all-reduce (`agree`), with the decisions every rank must share (non-finite, SIGTERM)."""
     cfg, accelerator, drafter, state = run.cfg, run.accelerator, run.drafter, run.state
     scale = loss_scale(accelerator, agreed.loss_tokens)
+    accelerator.unwrap_model(drafter).optimizer_step = state.step
     step_loss = torch.zeros((), device=accelerator.device)
     stats: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(2, device=accelerator.device))
     for epoch, batch_index, batch in step.batches:
