@@ -165,11 +165,11 @@ def write_speculators_data(cfg, output: Path, dtype: str = "bfloat16") -> dict:
     }
     with DirectoryLock(output, key="OUTPUT"):
         if not claim_folder(output, info):
-            write_features(cfg, output, info, rows, layer_ids, frequency, dtype)
+            write_features(cfg, output, rows, layer_ids, frequency, dtype)
     return info
 
 
-def write_features(cfg, output: Path, info: dict, rows, layer_ids: list[int], frequency: Counter, dtype: str) -> None:
+def write_features(cfg, output: Path, rows, layer_ids: list[int], frequency: Counter, dtype: str) -> None:
     """The states of every row not written yet, then the rows, the token counts and the record."""
     import datasets
 

@@ -71,13 +71,11 @@ class Preempted(Exception):
 # The exit codes (docs/faults.md): 2 = fix the input; 3 = a correctness check failed (the eval's lossless
 # check, the export's engine check: a bug to report); 4 = training diverged; 10/11/12/13 = monitor outcomes
 # (monitor/check.py); 69 (EX_UNAVAILABLE) = an engine or the Hugging Face Hub the job needs is down, retry
-# later; 70
-# (EX_SOFTWARE) = a draftsmith bug, traceback in a log file; 74 (EX_IOERR) = an output could not be
-# written (disk full), free space and rerun; 75 (EX_TEMPFAIL) = stopped on request after saving,
+# later; 70 (EX_SOFTWARE) = a draftsmith bug, traceback in a log file; 74 (EX_IOERR) = an output could
+# not be written (disk full), free space and rerun; 75 (EX_TEMPFAIL) = stopped on request after saving,
 # requeue the same command (train.resume=true for training); 130 = Ctrl-C.
 EXIT_USER_ERROR = 2
 EXIT_CHECK_FAILED = 3
-EXIT_NOT_LOSSLESS = EXIT_CHECK_FAILED
 EXIT_DIVERGED = 4
 EXIT_UNAVAILABLE = 69
 EXIT_INTERNAL = 70

@@ -32,6 +32,14 @@ from draftsmith.errors import STORAGE_ERRNOS, UserError, one_line
 
 LOCK_NAME = ".draftsmith.lock"
 REPLACED_DIR = "replaced"  # where train.overwrite=true moves an earlier run
+# What a run publishes in its output_dir that other stages read (docs/outputs.md), by these names only.
+RECIPE_NAME = "recipe.yaml"  # the resolved recipe of the run (and of an eval, beside its report)
+FINAL_DIR = "final"  # the trained drafter
+LOG_NAME = "log.jsonl"  # a row per logged step
+RUN_SUMMARY_NAME = "run_summary.json"
+EVAL_DIR = "eval"  # the eval report's folder
+ACCURACY_NAME = "eval_accuracy.json"  # the eval split's teacher-forced accuracy, trained against untrained
+REPORT_NAME = "report.json"  # the eval report, in EVAL_DIR
 
 log = logging.getLogger("draftsmith.outputs")
 

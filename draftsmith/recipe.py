@@ -24,6 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 from draftsmith.errors import UserError, one_line
 from draftsmith.families import residual_streams
 from draftsmith.files import write_text_atomic
+from draftsmith.outputs import FINAL_DIR, RECIPE_NAME
 from draftsmith.recipe_checks import (
     check_data,
     check_eval,
@@ -246,7 +247,7 @@ def require_draft_vocab_use(cfg: DictConfig, config, target: Optional[TargetShap
 
 def checkpoint_to_read(cfg: DictConfig) -> Path:
     """The drafter eval and export read: `checkpoint=`, else `<output_dir>/final`, where train writes."""
-    return Path(cfg.checkpoint or Path(cfg.output_dir) / "final")
+    return Path(cfg.checkpoint or Path(cfg.output_dir) / FINAL_DIR)
 
 
 # the commands that read their drafter from `checkpoint` and never build one from the recipe's drafter section
@@ -422,6 +423,6 @@ def save_recipe(cfg: DictConfig, directory: str | os.PathLike) -> Path:
     """Write the resolved recipe as recipe.yaml in `directory` (atomically)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / "recipe.yaml"
+    path = directory / RECIPE_NAME
     write_text_atomic(path, OmegaConf.to_yaml(cfg, resolve=True))
     return path

@@ -27,9 +27,8 @@ from draftsmith.data_prep.features import open_features
 from draftsmith.files import write_text_atomic
 from draftsmith.heads import drafter_class, load_drafter
 from draftsmith.heads.base import EVAL_SPLIT, Drafter, pair_means
+from draftsmith.outputs import ACCURACY_NAME
 from draftsmith.target import TargetShape, run_target
-
-ACCURACY_NAME = "eval_accuracy.json"
 
 
 def split_accuracy(cfg: DictConfig, checkpoint: Path, target, tokenizer) -> dict:

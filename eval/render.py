@@ -10,8 +10,9 @@ from typing import Any, Optional
 
 from draftsmith.eval.prompts import ALL
 from draftsmith.files import write_text_atomic
+from draftsmith.outputs import REPORT_NAME
 
-REPORT_FILES = ("report.json", "report.md", "acceptance.png", "batch_sweep.png")  # what write_report writes
+REPORT_FILES = (REPORT_NAME, "report.md", "acceptance.png", "batch_sweep.png")  # what write_report writes
 
 
 def write_report(report: dict[str, Any], out_dir: Path) -> None:

@@ -50,7 +50,7 @@ from draftsmith.eval.sampling import Sampling
 from draftsmith.eval.suffix import INSTALL
 from draftsmith.families import check_eval_settings
 from draftsmith.formats.folder import checkpoint_kind, open_drafter, require_recipes_kind, weights_digest
-from draftsmith.outputs import DirectoryLock, move_aside
+from draftsmith.outputs import EVAL_DIR, RECIPE_NAME, REPORT_NAME, DirectoryLock, move_aside
 from draftsmith.recipe import checkpoint_to_read, save_recipe
 from draftsmith.target import TargetShape, load_target, load_tokenizer, resolve_device, target_id
 
@@ -123,7 +123,7 @@ def run_eval(cfg: DictConfig, checkpoint: Optional[str | Path] = None, target=No
     tokenizer loaded passes them; otherwise they are loaded from the recipe. The report directory is
     held (locked) while the eval runs.
     """
-    out_dir = Path(cfg.output_dir) / "eval"
+    out_dir = Path(cfg.output_dir) / EVAL_DIR
     with DirectoryLock(out_dir, key="output_dir/eval: the eval report"):
         return _run_eval(cfg, out_dir, checkpoint, target, tokenizer)
 
@@ -206,7 +206,7 @@ def keep_another_checkpoints_report(out_dir: Path, checkpoint: Path) -> None:
     """A report in `out_dir` of another checkpoint (a run's `final/`, when this eval reads its `best/`) is moved
     to `out_dir/replaced/<time>/`, not overwritten: the export of that checkpoint reads it (`export.report`).
     One of the same checkpoint is an eval run again, and replaced."""
-    earlier = out_dir / "report.json"
+    earlier = out_dir / REPORT_NAME
     if not earlier.is_file():
         return
     try:
@@ -215,7 +215,7 @@ def keep_another_checkpoints_report(out_dir: Path, checkpoint: Path) -> None:
         evaluated = None
     if evaluated == str(checkpoint.resolve()):
         return
-    moved = move_aside(out_dir, [*REPORT_FILES, "recipe.yaml"])  # save_recipe's
+    moved = move_aside(out_dir, [*REPORT_FILES, RECIPE_NAME])  # save_recipe's
     print(
         f"{out_dir} held the report of {evaluated or 'an unreadable report'}: moved to {moved}/ "
         f"(export that checkpoint with export.report={moved / 'report.json'})",

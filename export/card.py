@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from draftsmith.formats.repo import EngineRepo
 from draftsmith.heads import drafter_class
+from draftsmith.outputs import FINAL_DIR, RECIPE_NAME, RUN_SUMMARY_NAME
 from draftsmith.trainer.checkpoint import DRAFTER_DIR, STATE_NAME
 from draftsmith.trainer.heldout import BEST_DIR, BEST_JSON
 
@@ -240,11 +241,11 @@ def training_section(info: dict[str, Any]) -> list[str]:
     step the checkpoint holds), never from the eval's recipe, which names what the eval read."""
     lines = ["## Training", "", f"- drafter: `{info['drafter_type']}` with {compact(info['drafter_config'])}"]
     checkpoint = Path(info["source"]["checkpoint"])
-    run = next((folder for folder in checkpoint.parents[:3] if (folder / "recipe.yaml").is_file()), None)
+    run = next((folder for folder in checkpoint.parents[:3] if (folder / RECIPE_NAME).is_file()), None)
     if run is None:
         lines.append("- data and optimisation: not known (the checkpoint is not inside the run folder that trained it)")
     else:
-        recipe = OmegaConf.to_container(OmegaConf.load(run / "recipe.yaml"))
+        recipe = OmegaConf.to_container(OmegaConf.load(run / RECIPE_NAME))
         data, train = recipe.get("data", {}), recipe.get("train", {})
         steps = trained_steps(checkpoint, run)
         lines += [
@@ -266,7 +267,7 @@ def trained_steps(checkpoint: Path, run: Path) -> Optional[int]:
     """The optimizer steps behind a checkpoint of `run`: final/'s from run_summary.json, best/'s from its
     best.json, a step checkpoint's drafter/ from its trainer_state.json; None for another folder."""
     records = {
-        run / "final": (run / "run_summary.json", "steps"),
+        run / FINAL_DIR: (run / RUN_SUMMARY_NAME, "steps"),
         run / BEST_DIR: (run / BEST_DIR / BEST_JSON, "step"),
         checkpoint.parent / DRAFTER_DIR: (checkpoint.parent / STATE_NAME, "step"),
     }

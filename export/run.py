@@ -29,7 +29,6 @@ from draftsmith.formats.folder import require_recipes_kind
 from draftsmith.formats.repo import (
     EXPORT_INFO,
     VLLM_PINNED,
-    WEIGHTS,
     EngineRepo,
     TargetInfo,
     check_tensors,
@@ -43,8 +42,8 @@ from draftsmith.formats.versions import (
     served_by,
 )
 from draftsmith.heads import load_drafter
-from draftsmith.heads.base import EVAL_SPLIT, read_checkpoint_config
-from draftsmith.outputs import DirectoryLock, move_aside
+from draftsmith.heads.base import EVAL_SPLIT, WEIGHTS_NAME, read_checkpoint_config
+from draftsmith.outputs import EVAL_DIR, REPORT_NAME, DirectoryLock, move_aside
 from draftsmith.recipe_checks import ENGINES
 from draftsmith.target import TargetShape, load_target, loaded_config, resolve_device
 
@@ -95,7 +94,7 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
         for engine, repo in repos.items():
             with staging(output / engine) as staged:  # removed unless published: a failed check leaves nothing
                 stage_repo(repo, staged, source.target)
-                info = export_info(cfg, source, repo, gamma, source_digest, report, schedule)
+                info = export_info(source, repo, gamma, source_digest, report, schedule)
                 write_json(staged / EXPORT_INFO, info)
                 check_round_trip(exporter, source, repo, staged, target, gamma, output / engine)
                 if engine == "vllm" and cfg.export.vllm_python:
@@ -221,7 +220,7 @@ def find_report(cfg: DictConfig, checkpoint: Path, digest: str) -> Optional[dict
     checkpoint (<output_dir>/eval/report.json), else none. It must have measured these weights (`digest`,
     the checkpoint's sha256: a run moved or copied elsewhere keeps its report; a report without one, from an
     earlier draftsmith, is matched by the checkpoint's path)."""
-    path = Path(cfg.export.report) if cfg.export.report else checkpoint.resolve().parent / "eval" / "report.json"
+    path = Path(cfg.export.report) if cfg.export.report else checkpoint.resolve().parent / EVAL_DIR / REPORT_NAME
     if not path.is_file():
         if cfg.export.report:
             found = "is a folder, not an eval's report.json" if path.is_dir() else "does not exist"
@@ -264,7 +263,6 @@ def served_config(repo: EngineRepo, gamma: int, schedule: Optional[dict[str, Any
 
 
 def export_info(
-    cfg: DictConfig,
     source: Source,
     repo: EngineRepo,
     gamma: int,
@@ -349,7 +347,8 @@ def stage_repo(repo: EngineRepo, staged: Path, target: TargetInfo) -> Path:
     weights_dir = staged / repo.weights_dir
     weights_dir.mkdir(parents=True)
     tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in sorted(repo.tensors.items())}
-    save_file(tensors, str(weights_dir / WEIGHTS), metadata={"format": "pt"})  # one metadata key: reproducible bytes
+    # one metadata key: reproducible bytes
+    save_file(tensors, str(weights_dir / WEIGHTS_NAME), metadata={"format": "pt"})
     write_json(weights_dir / "config.json", repo.config)
     if repo.tokenizer:
         copy_tokenizer(target, weights_dir)

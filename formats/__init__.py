@@ -21,7 +21,7 @@ import torch
 
 from draftsmith.errors import UserError
 from draftsmith.formats.repo import EngineRepo, TargetInfo
-from draftsmith.formats.versions import Releases, served_by
+from draftsmith.formats.versions import Releases
 from draftsmith.heads import Drafter
 
 
@@ -107,11 +107,6 @@ def register(cls: type[Exporter]) -> type[Exporter]:
     return cls
 
 
-def release_table() -> dict[str, str]:
-    """vLLM method -> the releases that serve it, over every registered exporter (docs, tests)."""
-    return {e.vllm_method: served_by(e.vllm_method, e.vllm_releases) for e in EXPORTERS.values()}
-
-
 def exporter_for(kind: str) -> Exporter:
     if kind not in EXPORTERS:
         raise UserError(f"drafter type {kind!r} has no export format yet; exportable: {', '.join(sorted(EXPORTERS))}")
@@ -121,4 +116,4 @@ def exporter_for(kind: str) -> Exporter:
 # each registers itself
 from draftsmith.formats import dflash, draft_model, eagle, eagle3, gemma4_assistant, medusa, mtp  # noqa: E402,F401,I001
 
-__all__ = ["EXPORTERS", "Exporter", "Source", "exporter_for", "register", "release_table"]
+__all__ = ["EXPORTERS", "Exporter", "Source", "exporter_for", "register"]

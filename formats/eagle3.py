@@ -330,7 +330,7 @@ class Eagle3Exporter(Exporter):
         num_layers = target.num_hidden_layers
         check_same_target(folder_target(config, layer_config, tensors, info, target), target, str(folder))
         settings = layout.read(folder, config, num_layers)
-        refuse_unhonoured(folder, config, layer_config, settings["aux_layers"], num_layers)
+        refuse_unhonoured(folder, layer_config, settings["aux_layers"], num_layers)
         # vLLM reads norm_before_fc from eagle_config first, then the top level, in every layout
         norm_before_fc = config.get("eagle_config", {}).get("norm_before_fc", config.get("norm_before_fc", False))
         settings |= {

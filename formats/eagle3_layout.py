@@ -109,9 +109,7 @@ def folder_target(
     )
 
 
-def refuse_unhonoured(
-    folder: Path, config: dict[str, Any], layer: dict[str, Any], ours: list[int], num_layers: int
-) -> None:
+def refuse_unhonoured(folder: Path, layer: dict[str, Any], ours: list[int], num_layers: int) -> None:
     """One-line errors for what an EAGLE-3 folder (speculators' own checkpoints included) sets that
     draftsmith's EAGLE-3 cannot compute: it would draft with another function."""
     if ours and ours[-1] >= num_layers - 1:  # vLLM/speculators id L: the last layer's output before the final norm

@@ -23,9 +23,16 @@ from safetensors.torch import load_file
 from draftsmith.errors import UserError, one_line
 from draftsmith.files import checkpoint_digest, read_json
 from draftsmith.formats import EXPORTERS, Exporter
-from draftsmith.formats.repo import EXPORT_INFO, WEIGHTS
+from draftsmith.formats.repo import EXPORT_INFO
 from draftsmith.heads import load_drafter
-from draftsmith.heads.base import CONFIG_NAME, DrafterConfig, architecture, check_same_target, saved_drafter
+from draftsmith.heads.base import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    DrafterConfig,
+    architecture,
+    check_same_target,
+    saved_drafter,
+)
 from draftsmith.recipe import checkpoint_to_read, parse_overrides, recipe_advice, split_argv
 from draftsmith.target import TargetShape
 
@@ -55,9 +62,9 @@ def engine_format(folder: Path) -> tuple[Exporter, dict, dict]:
     """The format registry's entry that reads an engine folder, with its config.json and weights."""
     config = read_json(folder / CONFIG_NAME)
     try:
-        tensors = load_file(str(folder / WEIGHTS))
+        tensors = load_file(str(folder / WEIGHTS_NAME))
     except (SafetensorError, OSError) as err:
-        raise UserError(f"{folder / WEIGHTS}: corrupt weights file ({one_line(err)})") from None
+        raise UserError(f"{folder / WEIGHTS_NAME}: corrupt weights file ({one_line(err)})") from None
     matches = [exporter for exporter in dict.fromkeys(EXPORTERS.values()) if exporter.recognises(config, tensors)]
     if len(matches) != 1:
         raise UserError(
@@ -93,7 +100,7 @@ def engine_folder(path: Path) -> Optional[Path]:
     inner = sorted({name for exporter in EXPORTERS.values() for name in exporter.weights_dirs})
     engines = [path, *(path / name for name in inner), path / "vllm", *(path / "vllm" / name for name in inner)]
     return next(
-        (f for f in (*engines, path / "sglang") if (f / CONFIG_NAME).is_file() and (f / WEIGHTS).is_file()), None
+        (f for f in (*engines, path / "sglang") if (f / CONFIG_NAME).is_file() and (f / WEIGHTS_NAME).is_file()), None
     )
 
 
@@ -109,10 +116,11 @@ def open_drafter(path: str | Path, target_shape: TargetShape, target):
         drafter = read_folder(folder, target)
         check_same_target(drafter.target, target_shape, str(folder))
         return drafter
-    inside = sorted(p.parent.name for p in path.glob(f"*/{CONFIG_NAME}") if (p.parent / WEIGHTS).is_file())
+    inside = sorted(p.parent.name for p in path.glob(f"*/{CONFIG_NAME}") if (p.parent / WEIGHTS_NAME).is_file())
     where = f"; its {inside[0]}/ does (pass that)" if inside else ""  # a run's final/, a training checkpoint's drafter/
     raise UserError(
-        f"{path} holds neither a drafter checkpoint nor an exported drafter folder (config.json + {WEIGHTS}){where}"
+        f"{path} holds neither a drafter checkpoint nor an exported drafter folder "
+        f"(config.json + {WEIGHTS_NAME}){where}"
     )
 
 

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from draftsmith.formats import Exporter, Source, register
 from draftsmith.formats.repo import VLLM_SERVE, EngineRepo, check_vllm_path
+from draftsmith.heads.base import WEIGHTS_NAME
 from draftsmith.heads.gemma4_assistant import ASSISTANT_MODEL_TYPE, OWN_TABLE, RELEASED_TABLE, Gemma4Assistant
 
 SETTINGS = ("ttt_steps", "ttt_decay")  # training settings the engine does not carry
@@ -37,7 +38,7 @@ def released_tensors(assistant) -> dict[str, torch.Tensor]:
     """An assistant module's tensors as transformers' saver writes them for its config (a released folder's)."""
     with tempfile.TemporaryDirectory() as tmp:
         assistant.save_pretrained(tmp)
-        return load_file(str(Path(tmp) / "model.safetensors"))
+        return load_file(str(Path(tmp) / WEIGHTS_NAME))
 
 
 @register

@@ -22,7 +22,6 @@ from draftsmith.target import TargetShape
 
 EXPORT_INFO = "draftsmith_export.json"
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}  # export.engines values -> how people name the engines
-WEIGHTS = "model.safetensors"
 # The target's tokenizer files, copied where an engine reads a tokenizer from the drafter's folder.
 TOKENIZER_FILES = (
     "tokenizer.json",

@@ -1,7 +1,7 @@
 """Which engine releases serve each speculative method draftsmith exports, in one table.
 
 Each exporter declares the releases of the method its folders are served as (`Exporter.vllm_method`,
-`Exporter.vllm_releases`; `release_table()` gathers them); the facts are read from the engines' own
+`Exporter.vllm_releases`); the facts are read from the engines' own
 released code: vLLM's `SpeculativeMethod` (the methods its `SpeculativeConfig` accepts,
 vllm/config/speculative.py) and its model registry, in the wheels of the releases named. vLLM 0.33.0
 removed `medusa` (and `mlp_speculator`): its wheel has no Medusa model left, so a Medusa or Medusa-2

@@ -39,7 +39,7 @@ from torch import nn
 
 from draftsmith.errors import UserError
 from draftsmith.heads import register
-from draftsmith.heads.base import DrafterConfig, FlopProfile
+from draftsmith.heads.base import WEIGHTS_NAME, DrafterConfig, FlopProfile
 from draftsmith.heads.eagle_base import EagleBase, check_tree_settings, import_qualified
 from draftsmith.heads.mtp_layer import (
     Layout,
@@ -228,7 +228,7 @@ class Mtp(EagleBase):
     def unloaded(cls, config: MtpConfig, target_model, name_or_path: str) -> Mtp:
         """The drafter for this target with the layer's weights as its classes initialise them."""
         target_config, values = target_model.config, loaded_config(target_model)
-        layout = layout_of(values)
+        layout_of(values)  # a target without a served MTP layout: its one line, before anything is built
         text = getattr(target_config, "text_config", None) or target_config
         inner = target_model.model
         spec = {
@@ -237,7 +237,7 @@ class Mtp(EagleBase):
             "rotary": qualified(type(inner.rotary_emb)),
             "norm": qualified(type(inner.norm)),
             "config_class": qualified(type(text)),
-            "config": layer_config(target_config, layout),
+            "config": layer_config(target_config),
         }
         drafter = cls(replace(config, decoder=spec), TargetShape.of(target_model, name_or_path))
         drafter.attach_target(target_model)
@@ -365,7 +365,7 @@ def write_random_layer(directory: str | Path, std: float = 0.08, seed: int = 0) 
     for parameter in drafter.parameters():
         if parameter.dim() >= 2:
             parameter.normal_(0.0, std)
-    weights = directory / "model.safetensors"
+    weights = directory / WEIGHTS_NAME
     tensors = load_file(str(weights))
     prefix = layout.prefix(int(text["num_hidden_layers"]))
     tensors |= {prefix + name: t.contiguous() for name, t in drafter.checkpoint_tensors().items()}

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from draftsmith.errors import UserError, one_line
+from draftsmith.heads.base import WEIGHTS_NAME
 from draftsmith.heads.eagle_base import import_qualified
 
 
@@ -117,7 +118,7 @@ def first_layer(name: str, layout: Layout) -> bool:
     return layout.after_layers or not name.startswith("layers.") or name.startswith(layout.block())
 
 
-def layer_config(target_config, layout: Layout) -> dict:
+def layer_config(target_config) -> dict:
     """The target's config for the one decoder layer the engine builds as the MTP block: of the kind of the
     layers after the dense ones (experts where the family has them: vLLM builds layer N, past
     `first_k_dense_replace`), with full attention (vLLM's `layer_type="full_attention"`)."""
@@ -168,7 +169,7 @@ def block_from_checkpoint(tensors: dict[str, torch.Tensor], spec: dict) -> dict[
     with tempfile.TemporaryDirectory() as tmp:
         config.save_pretrained(tmp)
         named = {f"model.layers.0.{name}": tensor.contiguous() for name, tensor in tensors.items()}
-        save_file(named, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
+        save_file(named, str(Path(tmp) / WEIGHTS_NAME), metadata={"format": "pt"})
         with quiet_transformers():
             model, info = auto.from_pretrained(
                 tmp, dtype=torch.float32, output_loading_info=True, ignore_mismatched_sizes=True
@@ -197,7 +198,7 @@ def block_to_checkpoint(block: nn.Module, spec: dict, fused_experts: bool) -> di
     model.model.layers[0].load_state_dict({k: v.float() for k, v in block.state_dict().items()})
     with tempfile.TemporaryDirectory() as tmp, quiet_transformers():
         model.save_pretrained(tmp, save_original_format=not fused_experts)
-        saved = load_file(str(Path(tmp) / "model.safetensors"))
+        saved = load_file(str(Path(tmp) / WEIGHTS_NAME))
     dtype = next(block.parameters()).dtype
     return {
         name.removeprefix("model.layers.0."): tensor.to(dtype)

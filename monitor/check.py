@@ -45,7 +45,7 @@ from draftsmith.monitor.drift import (
 from draftsmith.monitor.metrics import UNKNOWN, collect, engine_version, window
 from draftsmith.monitor.state import State
 from draftsmith.monitor.traffic import sample, write_conversations
-from draftsmith.outputs import DirectoryLock
+from draftsmith.outputs import EVAL_DIR, REPORT_NAME, DirectoryLock
 from draftsmith.recipe import derived
 
 log = logging.getLogger("draftsmith.monitor")
@@ -340,7 +340,7 @@ def measure_traffic(
     return {
         **summary,
         "sample": str(conversations),
-        "report": str(check_dir / "eval" / "report.json"),
+        "report": str(check_dir / EVAL_DIR / REPORT_NAME),
         "domains": tests,
         "verdict": verdict_of(tests),
         "free_baselines": free_against_drafter(report, judged=verdict_of(replayed_tests) != TOO_FEW),

@@ -32,9 +32,11 @@ from typing import Any
 from omegaconf import DictConfig
 
 from draftsmith.files import checkpoint_digest
+from draftsmith.heads.base import WEIGHTS_NAME
 from draftsmith.monitor import Outcome
 from draftsmith.monitor.state import State
 from draftsmith.monitor.traffic import sample, write_conversations
+from draftsmith.outputs import EVAL_DIR, REPORT_NAME
 from draftsmith.recipe import derived
 
 HELD_OUT = 0.2
@@ -102,7 +104,7 @@ def warm_start_of(state: State) -> str:
     both)."""
     deployed = state.pipeline["deployed"]
     checkpoint = Path(deployed["checkpoint"])
-    if (checkpoint / "model.safetensors").is_file() and checkpoint_digest(checkpoint) == deployed["sha256"]:
+    if (checkpoint / WEIGHTS_NAME).is_file() and checkpoint_digest(checkpoint) == deployed["sha256"]:
         return str(checkpoint)
     return deployed["export"]
 
@@ -149,7 +151,7 @@ def step_evaluate(cfg: DictConfig, directory: Path, state: State, run_dir: Path)
         changes = {"eval.data": prompts, **chain_only, "output_dir": str(run_dir / f"eval_{name}")}
         variant = derived(cfg, changes, "eval")
         run_eval(variant, drafter)  # the deployed one is an export folder
-        reports[name] = str(run_dir / f"eval_{name}" / "eval" / "report.json")
+        reports[name] = str(run_dir / f"eval_{name}" / EVAL_DIR / REPORT_NAME)
     return reports
 
 

@@ -423,7 +423,8 @@ def test_a_damaged_folder_or_one_of_another_kind_is_one_line_naming_it(eval_setu
     import shutil
 
     from draftsmith.export.run import export_checkpoint
-    from draftsmith.formats.repo import EXPORT_INFO, WEIGHTS
+    from draftsmith.formats.repo import EXPORT_INFO
+    from draftsmith.heads.base import WEIGHTS_NAME
 
     root, recipe, target = eval_setup
     checkpoint = root / "run" / "final"
@@ -443,7 +444,7 @@ def test_a_damaged_folder_or_one_of_another_kind_is_one_line_naming_it(eval_setu
     refused(edited, r"edited/config.json: corrupt drafter config")
     exported = load_recipe([f"recipe={recipe}", f"output_dir={tmp_path / 'run'}", f"export.output={tmp_path / 'x'}"])
     folder = export_checkpoint(exported, checkpoint, target=target)["vllm"]
-    for name, damage in {"config.json": b"{oops", EXPORT_INFO: b"{oops", WEIGHTS: b"\x08\x00\x00"}.items():
+    for name, damage in {"config.json": b"{oops", EXPORT_INFO: b"{oops", WEIGHTS_NAME: b"\x08\x00\x00"}.items():
         damaged = shutil.copytree(folder, tmp_path / f"export-{name}")
         (damaged / name).write_bytes(damage)
         refused(damaged, rf"{name}: corrupt")
@@ -532,7 +533,7 @@ def test_a_failed_lossless_check_writes_the_report_and_exits_3(eval_setup, tmp_p
     differ from plain greedy decoding: the eval writes its report with the rows marked, then exits 3
     with one line naming them (run_cli, as `python -m eval` runs it)."""
     import draftsmith.eval.loop as loop
-    from draftsmith.errors import EXIT_NOT_LOSSLESS, run_cli
+    from draftsmith.errors import EXIT_CHECK_FAILED, run_cli
     from draftsmith.eval.__main__ import main
 
     root, recipe, _ = eval_setup
@@ -544,7 +545,7 @@ def test_a_failed_lossless_check_writes_the_report_and_exits_3(eval_setup, tmp_p
     monkeypatch.setattr(loop, "verify", accept_everything)
     with pytest.raises(SystemExit) as exited:
         run_cli(main, [f"recipe={recipe}", f"output_dir={tmp_path}", f"checkpoint={root / 'run' / 'final'}"])
-    assert exited.value.code == EXIT_NOT_LOSSLESS == 3
+    assert exited.value.code == EXIT_CHECK_FAILED == 3
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert report["domains"]["all"]["chain"]["lossless"] is False
     last = capsys.readouterr().err.strip().splitlines()[-1]

@@ -151,15 +151,14 @@ def test_each_eagle3_layout_reads_back_what_it_writes(name, target, tmp_path):
     from draftsmith.export.run import load_source, stage_repo
     from draftsmith.formats import EXPORTERS
     from draftsmith.formats.eagle3 import LAYOUTS, NATIVE, PEAGLE, SGLANG, SPECULATORS
-    from draftsmith.formats.repo import WEIGHTS
-    from draftsmith.heads.base import architecture
+    from draftsmith.heads.base import WEIGHTS_NAME, architecture
 
     layout = {"speculators": SPECULATORS, "peagle": PEAGLE, "native": NATIVE, "sglang": SGLANG}[name]
     checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt", **LAYOUT_DRAFTERS[name])
     source = load_source(load_recipe(export_args("eagle3", checkpoint, tmp_path / "export")), checkpoint, target)
     repo = layout.write(source, gamma=3)
     folder = stage_repo(repo, tmp_path / name, source.target)
-    config, tensors = json.loads((folder / "config.json").read_text()), load_file(str(folder / WEIGHTS))
+    config, tensors = json.loads((folder / "config.json").read_text()), load_file(str(folder / WEIGHTS_NAME))
     assert [other for other in LAYOUTS if other.recognises(config)] == [layout]
     drafter = EXPORTERS["eagle3"].read(folder, config, tensors, target, {})
     assert architecture(drafter.config) == architecture(source.drafter.config)

@@ -39,7 +39,18 @@ from safetensors import SafetensorError
 
 from draftsmith.errors import StorageError, UserError, one_line
 from draftsmith.files import file_sha256, publish_folder, read_json, readable_as_created, write_text_atomic
-from draftsmith.outputs import REPLACED_DIR, held_by_main_process, move_aside, utc_stamp
+from draftsmith.outputs import (
+    ACCURACY_NAME,
+    EVAL_DIR,
+    FINAL_DIR,
+    LOG_NAME,
+    RECIPE_NAME,
+    REPLACED_DIR,
+    RUN_SUMMARY_NAME,
+    held_by_main_process,
+    move_aside,
+    utc_stamp,
+)
 from draftsmith.recipe_checks import LATEST_INTACT, resolve_bool_or_path
 
 log = logging.getLogger("draftsmith.train")
@@ -50,16 +61,16 @@ CHECKSUMS_NAME = "checksums.json"  # every other file of a checkpoint: {"files":
 # What a training run writes into its output directory: an earlier run is recognised by these.
 RUN_OUTPUTS = [
     "checkpoints",
-    "final",
+    FINAL_DIR,
     "best",
     "curve.json",
     "curve.png",
-    "log.jsonl",
+    LOG_NAME,
     "tb",
-    "eval",
-    "eval_accuracy.json",
-    "run_summary.json",
-    "recipe.yaml",
+    EVAL_DIR,
+    ACCURACY_NAME,
+    RUN_SUMMARY_NAME,
+    RECIPE_NAME,
 ]
 
 
@@ -272,7 +283,7 @@ def _resume_checkpoint(output_dir: Path, resume: Optional[str]) -> Optional[Path
         return None
     if resume in ("latest", LATEST_INTACT):
         found = completed_checkpoints(output_dir)
-        if not found and (output_dir / "final").exists():  # starting over would replace its final/
+        if not found and (output_dir / FINAL_DIR).exists():  # starting over would replace its final/
             raise UserError(
                 f"train.resume=true: {output_dir} holds a finished run (final/) and no checkpoint to resume from; "
                 "start over with train.overwrite=true (the run is moved aside), or train a new run from it with "
@@ -326,7 +337,7 @@ def set_newer_checkpoints_aside(output_dir: Path, resumed: Path) -> None:
 def keep_log_to(output_dir: Path, step: int) -> None:
     """log.jsonl as an uninterrupted run's: the rows past `step`, the step a run resumes at (0: it starts over),
     were logged by the attempt that stopped after its last checkpoint, and are dropped."""
-    path = output_dir / "log.jsonl"
+    path = output_dir / LOG_NAME
     if not path.is_file():
         return
     rows = path.read_text().splitlines(keepends=True)

@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from draftsmith.errors import Preempted, StopRequest, TrainingDiverged
+from draftsmith.outputs import FINAL_DIR, LOG_NAME
 from draftsmith.trainer.checkpoint import TrainerState, save_checkpoint, save_final
 from draftsmith.trainer.curve import write_curve
 from draftsmith.trainer.heldout import BEST_DIR, curve_row, evaluate_heldout, keep_best, patience_spent, reduce_means
@@ -268,7 +269,7 @@ def finish(run: Run, output_dir: Path, data_checksum: int, parameters: dict[str,
             output_dir / BEST_DIR,
         )
     save_checkpoint(accelerator, run.drafter, state, output_dir, cfg.train.keep_checkpoints)
-    final_dir = output_dir / "final"
+    final_dir = output_dir / FINAL_DIR
     save_final(accelerator, run.drafter, final_dir)
     if accelerator.is_main_process and state.curve:
         write_curve(output_dir, state.curve, state.best)
@@ -406,7 +407,7 @@ def log_step(accelerator, output_dir: Path, step: int, metrics: dict[str, float]
     """TensorBoard scalars plus one JSON line per logged step (log.jsonl), from the main process."""
     accelerator.log(metrics, step=step)
     if accelerator.is_main_process:
-        with open(output_dir / "log.jsonl", "a") as f:
+        with open(output_dir / LOG_NAME, "a") as f:
             f.write(json.dumps({"step": step, **{k: round(v, 6) for k, v in metrics.items()}}) + "\n")
 
 

@@ -19,7 +19,9 @@ from typing import Optional
 import torch
 from torch import nn
 
+from draftsmith.files import write_text_atomic
 from draftsmith.heads import Drafter
+from draftsmith.outputs import RUN_SUMMARY_NAME
 from draftsmith.sharding import local_bytes
 from draftsmith.trainer.checkpoint import TrainerState
 
@@ -232,4 +234,4 @@ def write_run_summary(
             "ranks": ranks,
             "parameters": parameters,
         }
-        (output_dir / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_text_atomic(output_dir / RUN_SUMMARY_NAME, json.dumps(summary, indent=2) + "\n")

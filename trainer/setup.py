@@ -32,6 +32,7 @@ from draftsmith.formats.folder import require_recipes_drafter, require_recipes_k
 from draftsmith.heads import drafter_class
 from draftsmith.heads.base import saved_drafter
 from draftsmith.heads.packing import causal_lm_inputs, require_packed_attention
+from draftsmith.outputs import RECIPE_NAME
 from draftsmith.recipe import derived, require_draft_vocab_use, save_recipe
 from draftsmith.recipe_checks import resolve_bool_or_path
 from draftsmith.recipe_schema import RecipeSchema
@@ -76,7 +77,7 @@ def resumed_start(cfg: DictConfig, output_dir: Path) -> DictConfig:
     """A resumed run keeps the start it began from (its recipe.yaml's train.init_from), and the
     recipe.yaml it writes again names that start: the resumed weights are the checkpoint's, so another
     train.init_from is not read, and says so (the monitor's retraining may name its start anew)."""
-    saved = output_dir / "recipe.yaml"
+    saved = output_dir / RECIPE_NAME
     try:
         began = OmegaConf.load(saved).train.get("init_from") if saved.is_file() else None
     except Exception as err:  # the yaml parser's errors, or a file that is not a recipe
@@ -105,9 +106,9 @@ RESUMED_AS_BEGUN = (
 def require_resumed_as_begun(cfg: DictConfig, output_dir: Path) -> None:
     """One line naming each RESUMED_AS_BEGUN key the resuming recipe changes from the run's recipe.yaml (a value
     given anew was ignored, or trained other conversations from the saved position, without a word)."""
-    if not (output_dir / "recipe.yaml").is_file():  # a checkpoint given by path, of a run elsewhere
+    if not (output_dir / RECIPE_NAME).is_file():  # a checkpoint given by path, of a run elsewhere
         return
-    saved = OmegaConf.load(output_dir / "recipe.yaml")  # read by resumed_start just before
+    saved = OmegaConf.load(output_dir / RECIPE_NAME)  # read by resumed_start just before
     # a key an earlier draftsmith did not write (data.thinking, train.optimizer) was its default
     defaults = OmegaConf.structured(RecipeSchema)
     changed = []
