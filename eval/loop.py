@@ -52,7 +52,7 @@ from draftsmith.caches import (
 )
 from draftsmith.errors import UserError
 from draftsmith.eval.counts import Generation
-from draftsmith.eval.sampling import AcceptRule, Sampling, Verdict, exact_rule, verify
+from draftsmith.eval.sampling import Sampling, Verdict, verify
 from draftsmith.eval.trees import (
     additive_mask,
     cache_positions,
@@ -275,7 +275,6 @@ def verify_step(
     generators: Sequence[torch.Generator],
     eos_ids: frozenset[int] = frozenset(),
     request: FeatureRequest = FeatureRequest(),
-    rule: AcceptRule = exact_rule,
 ) -> list[Verdict]:
     """One target forward over [pending] + draft of every row (the pending tokens end with the root),
     then per row verification and cache rollback; updates `state`."""
@@ -305,7 +304,7 @@ def verify_step(
 
     verdicts, keeps = [], []
     for b, (row, draft, p) in enumerate(zip(rows, drafts, pending)):
-        verdict = verify(draft, sampling.probs(out.logits[b, p - 1 : p + len(draft)]), generators[b], eos_ids, rule)
+        verdict = verify(draft, sampling.probs(out.logits[b, p - 1 : p + len(draft)]), generators[b], eos_ids)
         path = torch.tensor(verdict.path, dtype=torch.long, device=device)
         keep = torch.cat([torch.arange(p, device=device), p + path])
         # Committed now: the root and the path (the tokens pending before the root were committed
@@ -344,10 +343,9 @@ def generate(
     sampling: Sampling = Sampling(),
     eos_ids: frozenset[int] = frozenset(),
     seed: int = 0,
-    rule: AcceptRule = exact_rule,
 ) -> Generation:
     """Decode one prompt: `generate_batch` with a batch of one."""
-    return generate_batch(model, [prompt], max_new_tokens, [drafter], gamma, tree, sampling, eos_ids, [seed], rule)[0]
+    return generate_batch(model, [prompt], max_new_tokens, [drafter], gamma, tree, sampling, eos_ids, [seed])[0]
 
 
 @torch.no_grad()
@@ -361,15 +359,13 @@ def generate_batch(
     sampling: Sampling = Sampling(),
     eos_ids: frozenset[int] = frozenset(),
     seeds: Optional[Sequence[int]] = None,
-    rule: AcceptRule = exact_rule,
 ) -> list[Generation]:
     """Decode the prompts together, up to `max_new_tokens` each (a row stops after an EOS), with a
     chain of `gamma` draft tokens, a `tree` (static paths or a DynamicTree), or no drafter at all
     (plain decoding). `drafters[b]` is row b's own proposer (None for all: plain); `seeds[b]` seeds its
     random stream (default 0 for every row). Each row's counters are charged an equal share of the
     batch's wall time, so summed counters give the batch's tokens/s. A target with recurrent layers
-    decodes the rows one at a time (the same tokens and counters, without a batch's speed).
-    `rule` is replaceable for tests only."""
+    decodes the rows one at a time (the same tokens and counters, without a batch's speed)."""
     size = len(prompts)
     drafters = list(drafters) if drafters is not None else [None] * size
     if len(drafters) != size or (drafters[0] is not None and len({id(d) for d in drafters}) != size):
@@ -380,7 +376,7 @@ def generate_batch(
     seeds = list(seeds or [0] * size)
     if size > 1 and recurrent(model.config):
         return [
-            generate_batch(model, [prompt], max_new_tokens, [drafter], gamma, tree, sampling, eos_ids, [seed], rule)[0]
+            generate_batch(model, [prompt], max_new_tokens, [drafter], gamma, tree, sampling, eos_ids, [seed])[0]
             for prompt, drafter, seed in zip(prompts, drafters, seeds)
         ]
     start = time.perf_counter()
@@ -400,7 +396,7 @@ def generate_batch(
             for i, row in zip(active, state.rows)
         ]
         before = [len(row.tokens) for row in state.rows]
-        verdicts = verify_step(model, state, drafts, sampling, [generators[i] for i in active], eos_ids, request, rule)
+        verdicts = verify_step(model, state, drafts, sampling, [generators[i] for i in active], eos_ids, request)
         going = []
         for b, i in enumerate(active):
             new = state.rows[b].tokens[before[b] :]

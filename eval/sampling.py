@@ -5,7 +5,6 @@ emitted tokens follow the target's distribution exactly; greedy is the one-hot c
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
@@ -42,13 +41,10 @@ class Sampling:
         return logits.softmax(-1)
 
 
-# An acceptance rule sees the target's current distribution p at a node, the draft distribution q of
-# one child, the child's token and a uniform draw u; it returns (accepted, the p to use next if not).
-AcceptRule = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], tuple[bool, torch.Tensor]]
-
-
 def exact_rule(p: torch.Tensor, q: torch.Tensor, token: int, u: torch.Tensor) -> tuple[bool, torch.Tensor]:
-    """Speculative sampling: accept with min(1, p/q), else continue with norm(max(0, p - q)).
+    """Speculative sampling: accept with min(1, p/q), else continue with norm(max(0, p - q)). It sees the
+    target's current distribution p at a node, the draft distribution q of one child, the child's token and
+    a uniform draw u, and returns (accepted, the p to use next if not).
 
     With a deterministic draft q is one-hot, so this accepts with probability p(token) and the
     residual is p with p(token) set to 0, renormalised.
@@ -82,13 +78,12 @@ def verify(
     target_probs: torch.Tensor,
     generator: torch.Generator,
     eos_ids: frozenset[int] = frozenset(),
-    rule: AcceptRule = exact_rule,
 ) -> Verdict:
     """Choose the accepted path and the bonus token.
 
     `target_probs[0]` is the target's distribution after the root, `target_probs[1 + i]` after node i.
     From the root, try the children in order: accepting one moves down to it, rejecting one replaces
-    p by the rule's residual before the next sibling; when no child is left the bonus is drawn from
+    p by `exact_rule`'s residual before the next sibling; when no child is left the bonus is drawn from
     the current p. This is recursive rejection sampling (SpecInfer; EAGLE's tree sampling): each try
     is a standard speculative-sampling step w.r.t. the current p, whose output is distributed exactly
     as p, so by induction over the siblings the emitted token at every depth follows the target.
@@ -106,7 +101,7 @@ def verify(
         for child in children[node + 1]:
             q = draft.probs[child].to(p) if draft.probs is not None else F.one_hot(draft.tokens[child], vocab).to(p)
             u = torch.rand((), generator=generator, device=generator.device)
-            accepted, p = rule(p, q, int(draft.tokens[child]), u.to(p.device))
+            accepted, p = exact_rule(p, q, int(draft.tokens[child]), u.to(p.device))
             if accepted:
                 break
         else:  # every child rejected, or a leaf: the bonus comes from what is left of p

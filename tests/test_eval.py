@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+import draftsmith.eval.sampling as sampling_module
 from draftsmith.errors import UserError
 from draftsmith.eval.loop import generate, generate_batch, prefill, propose, verify_step
 from draftsmith.eval.ngram import NGramDrafter
@@ -174,9 +175,11 @@ def small_model():
     ],
     ids=lambda case: case["name"],
 )
-def test_speculative_sampling_matches_target_distribution(small_model, case):
+def test_speculative_sampling_matches_target_distribution(small_model, case, monkeypatch):
     """SAMPLES draws of one drafter's q, decoded as rows of a batch (each row with its own seeds: rows
-    sample what they would alone, tests/test_batched_eval.py), against the exact joint distribution."""
+    sample what they would alone, tests/test_batched_eval.py), against the exact joint distribution; the
+    same with a wrong acceptance rule put in exact_rule's place must fail it."""
+    monkeypatch.setattr(sampling_module, "exact_rule", case["rule"])
     prompt, batch = [1, 5, 2, 7], 200
     conditionals = exact_conditionals(small_model, prompt, case["sampling"])
     counts, accepted = torch.zeros(VOCAB, VOCAB, VOCAB), 0
@@ -191,7 +194,6 @@ def test_speculative_sampling_matches_target_distribution(small_model, case):
             tree=case["tree"],
             sampling=case["sampling"],
             seeds=seeds,
-            rule=case["rule"],
         )
         for row in rows:
             counts[tuple(row.tokens)] += 1
@@ -532,17 +534,11 @@ def test_a_failed_lossless_check_writes_the_report_and_exits_3(eval_setup, tmp_p
     """A verifier that accepts every drafted token (a broken rule) makes the untrained Medusa's output
     differ from plain greedy decoding: the eval writes its report with the rows marked, then exits 3
     with one line naming them (run_cli, as `python -m eval` runs it)."""
-    import draftsmith.eval.loop as loop
     from draftsmith.errors import EXIT_CHECK_FAILED, run_cli
     from draftsmith.eval.__main__ import main
 
     root, recipe, _ = eval_setup
-    honest = loop.verify
-
-    def accept_everything(draft, target_probs, generator, eos_ids=frozenset(), rule=None):
-        return honest(draft, target_probs, generator, eos_ids, lambda p, q, token, u: (True, p))
-
-    monkeypatch.setattr(loop, "verify", accept_everything)
+    monkeypatch.setattr(sampling_module, "exact_rule", lambda p, q, token, u: (True, p))  # accepts everything
     with pytest.raises(SystemExit) as exited:
         run_cli(main, [f"recipe={recipe}", f"output_dir={tmp_path}", f"checkpoint={root / 'run' / 'final'}"])
     assert exited.value.code == EXIT_CHECK_FAILED == 3
