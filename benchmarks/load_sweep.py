@@ -8,15 +8,18 @@ plus what only this comparison needs: several drafters, the schedules served and
         [--repeats 3] [--stages sweep,schedule,repeat,report]
 
 The target is the drafters' (each RUN_DIR holds the recipe.yaml train.py saved and a checkpoint in
-best/ or final/); the prompts are MT-bench's 80 first turns in order, reused round-robin; float32.
-Unlike `draftsmith sweep`, each method at one γ is served by an engine process of its own (vLLM alone
-on the machine, OMP threads --threads). Methods: plain decoding, vLLM's n-gram proposer at every γ,
-vLLM's suffix decoding once (its own length per step, up to 24; the prompt's tree only, as in
-`draftsmith sweep`: the prompts repeat; the --vllm-python must have arctic-inference) and each drafter
-(its export, written to RUN_DIR/export_load first) at every γ, and at γ 0 (loaded with a schedule that
-drafts at no batch size).
+best/ or final/; relative paths are read from the current directory); the prompts are MT-bench's 80
+first turns in order, reused round-robin; float32. Unlike `draftsmith sweep`, each method at one γ is
+served by an engine process of its own (vLLM alone on the machine, OMP threads --threads). Methods:
+plain decoding, vLLM's n-gram proposer at every γ, vLLM's suffix decoding once (its own length per
+step, up to 24; the prompt's tree only, as in `draftsmith sweep`: the prompts repeat; the --vllm-python
+must have arctic-inference) and each drafter (its export, written to RUN_DIR/export_load first, and
+again when the checkpoint there changed) at every γ, and at γ 0 (loaded with a schedule that drafts at
+no batch size).
 
-Stages, each resumable (a row already in <out>/sweep.jsonl is not measured again):
+Stages, each resumable (a row already in <out>/sweep.jsonl is not measured again; a drafter's rows only for
+the checkpoint its RUN_DIR holds now, their source_sha256: rows of another are refused in one line, exit 2,
+before anything is measured, as `draftsmith sweep` refuses them; give such a drafter another --out or NAME):
 1. sweep: the rows for every (method, γ, concurrency), then plain once more (`plain-rerun`);
 2. schedule: per drafter, `python -m export ... export.batch_sweep=<out>/sweep.jsonl` into
    RUN_DIR/export_scheduled (export/schedule.py chooses K per batch-size range), then that export served
@@ -53,6 +56,7 @@ from draftsmith.errors import UserError
 from draftsmith.export.sweep import NGRAM, SUFFIX, Load, ngram_config, read_rows, round_robin, served_at, suffix_config
 from draftsmith.export.sweep_results import PLAIN, PLAIN_AGAIN, plot, summarize
 from draftsmith.export.verify import EngineSession
+from draftsmith.files import checkpoint_digest
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ("sweep", "schedule", "repeat", "report")
@@ -72,24 +76,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--stages", default=",".join(STAGES))
     args = parser.parse_args()
-    stages = args.stages.split(",")
-    if "sweep" in stages:  # before anything is written: the sweep serves suffix decoding
-        try:
+    try:  # before anything is written
+        out, drafters = paths(args.out, args.drafter)
+        digests = {name: checkpoint_digest(checkpoint_of(run_dir)) for name, run_dir in drafters.items()}
+        sweep, repeats = out / "sweep.jsonl", out / "repeats.jsonl"
+        require_same_checkpoints([sweep, repeats], digests)
+        stages = args.stages.split(",")
+        if "sweep" in stages:  # the sweep serves suffix decoding
             require_suffix_decoding(args.vllm_python, "--vllm-python")
-        except UserError as err:
-            print(f"error: {err}", file=sys.stderr)
-            sys.exit(2)
-    out = (REPO / args.out).resolve()
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     out.mkdir(parents=True, exist_ok=True)
-    drafters = {}
-    for spec in args.drafter:
-        name, _, run_dir = spec.partition("=")
-        drafters[name] = (REPO / run_dir).resolve()
-    if not drafters:
-        sys.exit("give at least one --drafter NAME=RUN_DIR")
     levels = [int(c) for c in args.concurrency.split(",")]
     gammas = [int(g) for g in args.gammas.split(",")]
-    sweep, repeats = out / "sweep.jsonl", out / "repeats.jsonl"
     target = recipe_of(next(iter(drafters.values())))["target"]
     load = Load(
         python=args.vllm_python,
@@ -134,7 +134,7 @@ def main() -> None:
         prompt_trees = suffix_config(cached_answers=0)
         measure(SUFFIX, prompt_trees["num_speculative_tokens"], prompt_trees)
         for name, run_dir in drafters.items():
-            at_gamma, source = fixed_configs(run_dir, levels)
+            at_gamma, source = fixed_configs(run_dir, digests[name], levels)
             measure(name, 0, at_gamma(0), source)
             for gamma in gammas:
                 measure(name, gamma, at_gamma(gamma), source)
@@ -156,7 +156,7 @@ def main() -> None:
         except ExportCheckFailed as refused:
             notes[NGRAM] = {"refused": str(refused)}
         for name, run_dir in drafters.items():
-            folder, refused = export(run_dir, "export_scheduled", [f"export.batch_sweep={sweep}"], refusable=True)
+            folder, refused = export(run_dir, digests[name], "export_scheduled", sweep, refusable=True)
             if folder is None:
                 notes[name] = {"refused": refused}
                 continue
@@ -167,10 +167,10 @@ def main() -> None:
     if "repeat" in stages:  # side by side, in rounds: what a drafter loaded at γ 0 and its schedule cost against plain
         served = []  # (method, γ, config, source), each drafter at γ 0, then with its schedule where one was exported
         for name, run_dir in drafters.items():
-            at_gamma, source = fixed_configs(run_dir, levels)
+            at_gamma, source = fixed_configs(run_dir, digests[name], levels)
             served.append((name, 0, at_gamma(0), source))
             folder = run_dir / "export_scheduled" / "vllm"
-            if (folder / "draftsmith_export.json").is_file():  # none where the schedule was refused
+            if made_from(folder, digests[name], sweep):  # none where the schedule was refused
                 gamma, config, source = scheduled_config(folder)
                 served.append((f"{name}+schedule", gamma, config, source))
         for round_ in range(1, args.repeats + 1):
@@ -200,10 +200,48 @@ def main() -> None:
         print(json.dumps(summary, indent=2))
 
 
-def fixed_configs(run_dir: Path, levels: list[int]) -> tuple[Callable[[int], dict], str]:
+def paths(out: str, specs: list[str]) -> tuple[Path, dict[str, Path]]:
+    """--out and each --drafter's RUN_DIR by NAME, relative ones read from the current directory."""
+    drafters = {}
+    for spec in specs:
+        name, _, run_dir = spec.partition("=")
+        if not name or not run_dir:
+            raise UserError(f"--drafter {spec!r}: give NAME=RUN_DIR")
+        drafters[name] = Path(run_dir).resolve()
+    if not drafters:
+        raise UserError("give at least one --drafter NAME=RUN_DIR")
+    return Path(out).resolve(), drafters
+
+
+def require_same_checkpoints(files: list[Path], digests: dict[str, str]) -> None:
+    """Rows resume only for the checkpoint they measured: a drafter's rows (NAME and NAME+schedule) in
+    `files` recorded under another sha256 than its RUN_DIR's checkpoint has now are refused, as `draftsmith
+    sweep` refuses a sweep of another checkpoint; they would be kept as this checkpoint's otherwise."""
+    for path in files:
+        for row in read_rows(path):
+            name = row["method"].removesuffix("+schedule")
+            if name in digests and row.get("source_sha256") != digests[name]:
+                raise UserError(
+                    f"{path} holds rows of {name} from another checkpoint (sha256 {str(row.get('source_sha256'))[:12]}"
+                    f", its RUN_DIR's is {digests[name][:12]} now); give another --out, or another NAME"
+                )
+
+
+def made_from(folder: Path, digest: str, sweep: Path | None = None) -> bool:
+    """Whether `folder` holds an export of the checkpoint `digest` (with `sweep`: scheduled from its rows)."""
+    record = folder / "draftsmith_export.json"
+    if not record.is_file():
+        return False
+    info = json.loads(record.read_text())
+    return info["source"]["sha256"] == digest and (
+        sweep is None or (info.get("batch_schedule") or {}).get("sweep") == str(sweep)
+    )
+
+
+def fixed_configs(run_dir: Path, digest: str, levels: list[int]) -> tuple[Callable[[int], dict], str]:
     """The drafter's export (RUN_DIR/export_load) as a served config at a given γ (export/sweep.py's
     served_at: γ 0 loaded with a schedule that drafts nowhere), and its checkpoint's sha256."""
-    folder, _ = export(run_dir, "export_load", [])
+    folder, _ = export(run_dir, digest, "export_load")
     info = json.loads((folder / "draftsmith_export.json").read_text())
     return (lambda gamma: served_at(folder, gamma, levels)), info["source"]["sha256"]
 
@@ -229,18 +267,22 @@ def checkpoint_of(run_dir: Path) -> Path:
     for name in ("best", "final"):
         if (run_dir / name / "model.safetensors").is_file():
             return run_dir / name
-    sys.exit(f"{run_dir} holds no checkpoint (best/ or final/)")
+    raise UserError(f"{run_dir} holds no checkpoint (best/ or final/)")
 
 
-def export(run_dir: Path, folder: str, overrides: list[str], refusable: bool = False) -> tuple[Path | None, str]:
-    """RUN_DIR/<folder>/vllm, exported once (`python -m export` under the run's own recipe); with
-    `refusable`, a failed check (exit 3: the schedule found speculation paying nowhere) is returned
-    as (None, its message) instead of ending the benchmark."""
+def export(
+    run_dir: Path, digest: str, folder: str, sweep: Path | None = None, refusable: bool = False
+) -> tuple[Path | None, str]:
+    """RUN_DIR/<folder>/vllm, exported (`python -m export` under the run's own recipe; with `sweep`, its
+    γ per batch size from those rows) unless it holds this checkpoint's export already (of those rows):
+    one of another is moved aside by the export (export.overwrite) and written again. With `refusable`,
+    a failed check (exit 3: the schedule found speculation paying nowhere) is returned as (None, its
+    message) instead of ending the benchmark."""
     output = run_dir / folder
-    if not (output / "vllm" / "draftsmith_export.json").is_file():
+    if not made_from(output / "vllm", digest, sweep):
         command = [sys.executable, "-m", "export", f"recipe={run_dir / 'recipe.yaml'}",
                    f"checkpoint={checkpoint_of(run_dir)}", f"export.output={output}", f"output_dir={run_dir}",
-                   *overrides]  # fmt: skip
+                   "export.overwrite=true", *([f"export.batch_sweep={sweep}"] if sweep else [])]  # fmt: skip
         done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
         if refusable and done.returncode == 3:
             return None, done.stderr.strip().splitlines()[-1]

@@ -7,8 +7,13 @@ variant whose eval report exists is not run again); the committed result and wha
 docs/comparing.md.
 
     python benchmarks/peer_ablation.py [--variants base,steps,...] [--speculators-variants speculators-adamw] [--seed N]
-        [--runs runs/peer_ablation] [--speculators runs/peer_speculators_demo/speculators/1]
+        [--runs runs/peer_ablation] [--speculators runs/peer_speculators/speculators/1]
         [--out docs/results/peer_speculators/ablation.jsonl]
+
+--speculators is the checkpoint benchmarks/peer_speculators.py's speculators run wrote (<its --runs>/speculators/
+<epochs - 1>; the default is where docs/comparing.md's command writes it) beside its train_command.txt, which the
+speculators variants run again; it is scored with the recipe of this ablation's `base` run. A checkpoint that is
+not there is one line, exit 2, before anything trains; --speculators "" scores draftsmith's variants only.
 
 The shared settings are benchmarks/peer_speculators.py's demo pair: recipe eagle3 with EAGLE-3.1's
 norms, the demo target's own answers (1,000 conversations, 2 epochs), taps [0, 1, 2] (vLLM 1, 2, 3),
@@ -106,12 +111,39 @@ SPECULATORS_VARIANTS = {
 }
 
 
+def speculators_missing(speculators: Path | None, args, runs: Path) -> str | None:
+    """Why the speculators rows asked for cannot be scored (None when they can, or none were asked for)."""
+    if speculators is None:
+        return None
+    if not (speculators / "model.safetensors").is_file():
+        return (
+            f"--speculators {args.speculators}: no speculators checkpoint there (model.safetensors); run "
+            "benchmarks/peer_speculators.py first (it writes <its --runs>/speculators/<epochs - 1>), pass the "
+            "checkpoint it wrote, or --speculators '' to score draftsmith's variants only"
+        )
+    if args.speculators_variants and not (speculators.parent / "train_command.txt").is_file():
+        return (
+            f"--speculators {args.speculators}: no train_command.txt beside it to run speculators' variants "
+            f"({args.speculators_variants}) again; pass --speculators-variants ''"
+        )
+    trains_base = "base" in args.variants.split(",") and not args.seed  # into runs/base
+    if not trains_base and not (runs / "base" / "recipe.yaml").is_file():
+        return (
+            f"--speculators is scored with the recipe of the base variant, and {runs / 'base'} holds none: add base "
+            "to --variants (at --seed 0)"
+        )
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--runs", default="runs/peer_ablation")
-    parser.add_argument("--speculators", default="runs/peer_speculators_demo/speculators/1",
-                        help="speculators' checkpoint of the head-to-head, scored by the same eval")  # fmt: skip
+    parser.add_argument(
+        "--speculators",
+        default="runs/peer_speculators/speculators/1",
+        help="speculators' checkpoint of the head-to-head, scored by the same eval ('': none)",
+    )
     parser.add_argument("--speculators-variants", default=",".join(SPECULATORS_VARIANTS))
     parser.add_argument("--out", default="docs/results/peer_speculators/ablation.jsonl")
     parser.add_argument("--depth", type=int, default=3)
@@ -123,6 +155,11 @@ def main() -> None:
     )
     args = parser.parse_args()
     runs = (REPO / args.runs).resolve()
+    speculators = (REPO / args.speculators).resolve() if args.speculators else None
+    missing = speculators_missing(speculators, args, runs)
+    if missing:
+        print(f"error: {missing}", file=sys.stderr)
+        sys.exit(2)
     runs.mkdir(parents=True, exist_ok=True)
     log, rows, threads = runs / "ablation.log", [], {"OMP_NUM_THREADS": str(args.threads)}
     for name in args.variants.split(","):
@@ -142,8 +179,7 @@ def main() -> None:
                      "train_tokens": last["train/tokens"], **json.loads(train.read_text()),
                      "own_eval_tau": tau})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
-    speculators = (REPO / args.speculators).resolve()
-    if speculators.is_dir():
+    if speculators is not None:
         own_eval(args, runs / "base" / "recipe.yaml", speculators, runs / "speculators" / "mtbench", log)
         tau = own_eval_taus(runs / "speculators" / "mtbench")
         rows.append({"variant": "speculators", "checkpoint": str(speculators), "own_eval_tau": tau})

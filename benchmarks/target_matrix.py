@@ -12,9 +12,11 @@ predictable and a drafter learns within seconds; every part the family does diff
 random), in a temporary directory: nothing downloads. Per kind, one row:
 
 - `train`: `python train.py recipe=<kind> target.name_or_path=<target> ...` (a few dozen steps on the
-  demo's regenerated data) exited 0; its eval stage decoded the eval prompts (greedy, γ of the
-  recipe): `lossless` (every method's tokens equal plain greedy decoding's) and `tau_draftsmith`;
-- `resume`: the same command with train.max_steps raised and train.resume=true continued the run;
+  demo's regenerated data) exited 0, its eval stage included;
+- `resume`: the same command with train.max_steps raised and train.resume=true continued the run, and
+  its eval stage decoded the eval prompts (greedy, γ of the recipe) with the weights the export then
+  serves: `lossless` (every method's tokens equal plain greedy decoding's) and `tau_draftsmith` are that
+  report's (the first run's where the resume failed, and then nothing is exported);
 - `export`: `python -m export ... export.vllm_python=<venv>` exited 0, which means vLLM loaded the
   folder and served the eval prompts with the drafter: `vllm_lossless` (vLLM's tokens with the
   drafter equal its tokens without it and draftsmith's), `tau_vllm` and `tau_draftsmith_same_prompts`
@@ -114,15 +116,15 @@ def measure(
         return row | {"error": error}
     if kind == "mtp":
         row["tau_shipped"] = shipped_tau(target, args, work / f"{family}-{kind}-shipped", env)
-    report = json.loads((out / "eval" / "report.json").read_text())
-    every = report["domains"]["all"]
-    row["lossless"] = all(method.get("lossless", True) for method in every.values())
-    row["tau_draftsmith"] = round(every["chain"]["tau"], 4) if "chain" in every else None
+    row |= eval_row(out)
     steps = next(int(o.split("=")[1]) for o in overrides if o.startswith("train.max_steps="))
-    code, error, _ = run(
-        ["train.py", *args, f"train.max_steps={steps + RESUME_STEPS}", "train.resume=true", "eval.enabled=false"], env
-    )
+    # the resumed run evaluates its final/ as the first did: the export reads that report (it refuses one of other
+    # weights), and the row's draftsmith τ is then of the weights the engine serves
+    code, error, _ = run(["train.py", *args, f"train.max_steps={steps + RESUME_STEPS}", "train.resume=true"], env)
     row["resume"] = code == 0
+    if code != 0:
+        return row | {"error": error}
+    row |= eval_row(out)
     code, error, seconds = run(
         ["-m", "export", *args, f"checkpoint={out / 'final'}", f"export.output={work / f'served-{family}-{kind}'}",
          f"export.vllm_python={vllm_python}", *export_extra],
@@ -142,6 +144,15 @@ def measure(
         "tau_draftsmith_same_prompts": verified["tau_draftsmith"],
         "relative_difference": verified["relative_difference"],
         "vllm_version": verified.get("engine_version"),
+    }
+
+
+def eval_row(run_dir: Path) -> dict:
+    """`lossless` and `tau_draftsmith` from the eval report train.py wrote beside the run's final/."""
+    every = json.loads((run_dir / "eval" / "report.json").read_text())["domains"]["all"]
+    return {
+        "lossless": all(method.get("lossless", True) for method in every.values()),
+        "tau_draftsmith": round(every["chain"]["tau"], 4) if "chain" in every else None,
     }
 
 
@@ -192,7 +203,7 @@ def markdown(rows: list[dict]) -> str:
         delta = f"{100 * row['relative_difference']:+.1f}%" if row.get("export") else "–"
         lossless = mark(row.get("vllm_lossless"))
         if row.get("vllm_partings"):  # bfloat16: passed with partings at near ties only
-            units = max(parting["bf16_units"] for parting in row["vllm_partings"])
+            units = max(parting["units"] for parting in row["vllm_partings"])
             lossless = f"up to {len(row['vllm_partings'])} near ties (≤ {units} units)"
         lines.append(
             f"| {row['family']} | {row['kind']} | {mark(row.get('train'))} | {mark(row.get('resume'))} | "

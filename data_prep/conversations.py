@@ -1,7 +1,8 @@
 """Read chat conversations from local files, globs, directories or Hub data sets into one
 normalized `datasets.Dataset`.
 
-Every record becomes `{"messages": [{"role", "content"}, ...], "domain", "source", "record"}`:
+Every record becomes `{"messages": [{"role", "content", ...}, ...], "domain", "source", "record"}` (a turn also
+holds its reasoning, cut mark and tool calls, None where it has none: data_prep/turns.py):
 `source` is the file path (or Hub id) it came from and `record` its 1-based position there, so
 that any later stage (tokenization, the eval) can point the user at the offending record.
 """
@@ -12,6 +13,7 @@ import contextlib
 import glob
 import gzip
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -21,54 +23,31 @@ from typing import Any, Iterator, Optional
 import datasets
 
 from draftsmith.data_prep.sources import is_named, named_file
-from draftsmith.errors import UserError, one_line
+from draftsmith.data_prep.turns import CUT_KEY as CUT_KEY  # re-exported: regenerate, monitor, benchmarks read them
+from draftsmith.data_prep.turns import REASONING_KEYS as REASONING_KEYS
+from draftsmith.data_prep.turns import ROLES as ROLES
+from draftsmith.data_prep.turns import TURN_FEATURES, normalize_turn
+from draftsmith.errors import HubUnavailable, UserError, one_line
 
 logger = logging.getLogger("draftsmith.data")
 
 DEFAULT_DOMAIN = "default"
 # Suffix -> `datasets` builder. Checked with endswith so that `.jsonl.gz` is recognized.
 FILE_BUILDERS = {".jsonl": "json", ".jsonl.gz": "json", ".json": "json", ".json.gz": "json", ".parquet": "parquet"}
-# ShareGPT speakers and the roles chat templates expect. Roles already in the target vocabulary
-# map to themselves so that both shapes go through the same table.
-ROLES = {
-    "user": "user",
-    "human": "user",
-    "assistant": "assistant",
-    "gpt": "assistant",
-    "chatgpt": "assistant",
-    "bard": "assistant",
-    "model": "assistant",
-    "system": "system",
-    "tool": "tool",
-    "function": "tool",
-}
-# A turn's reasoning, under the name its chat template reads: `thinking` (gpt-oss's harmony template
-# and transformers' convention), `reasoning_content` (Qwen3's). Kept as given; data.thinking decides
-# whether the tokens the template renders it as are trained on.
-REASONING_KEYS = ("thinking", "reasoning_content")
-# An assistant turn marked `"cut": true` was cut off before the model ended it (data_prep.regenerate writes it
-# where the target reached data.regenerate.max_new_tokens): its content is trained on, the end-of-turn the
-# chat template renders after it is not, since the model did not generate one there.
-CUT_KEY = "cut"
 FEATURES = datasets.Features(
     {
-        "messages": datasets.List(
-            {
-                "role": datasets.Value("string"),
-                "content": datasets.Value("string"),
-                **{key: datasets.Value("string") for key in REASONING_KEYS},
-                CUT_KEY: datasets.Value("bool"),
-            }
-        ),
+        "messages": datasets.List(TURN_FEATURES),
         "domain": datasets.Value("string"),
         "source": datasets.Value("string"),
         "record": datasets.Value("int64"),
     }
 )
 # datasets fingerprints a module-level map function by reference, not by its code, so an edit to
-# the normalization below would otherwise reuse stale map caches (and stale tokenized caches,
-# whose key builds on this fingerprint). Hashing this file's bytes ties the fingerprint to the code.
-_CODE_HASH = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+# the normalization below (or a turn's, data_prep/turns.py) would otherwise reuse stale map caches (and stale
+# tokenized caches, whose key builds on this fingerprint). Hashing both files' bytes ties the fingerprint to the code.
+_CODE_HASH = hashlib.sha256(
+    b"".join(Path(path).read_bytes() for path in (__file__, inspect.getfile(normalize_turn)))
+).hexdigest()
 
 
 def load_conversations(
@@ -151,8 +130,19 @@ def _load_hub(source: str) -> datasets.Dataset:
     split = split or "train"
     try:
         dataset = datasets.load_dataset(repo, split=split)
-    except Exception as err:  # network, auth, unknown repo or split: all the user's to fix
-        raise UserError(f"cannot load data set {repo!r} (split {split!r}): {_one_line(err)}") from None
+    except ConnectionError as err:  # datasets' line for a Hub it could not reach, the request's error dropped
+        if datasets.config.HF_HUB_OFFLINE:  # no request was made: a data set not in the cache is the input's fault
+            raise UserError(
+                f"data set {repo!r} is not in the datasets cache, and HF_HUB_OFFLINE=1 forbids downloading it: "
+                "download it once with a network, or give local files"
+            ) from None
+        raise HubUnavailable(
+            f"cannot load data set {repo!r} (split {split!r}): {_one_line(err)}; run the same command again when "
+            "the Hub can be reached, or give local files"
+        ) from None
+    except Exception as err:  # auth, unknown repo or split: the user's to fix (a Hub out of reach further on
+        # leaves huggingface_hub's error in the chain, which errors.hub_unreachable finds)
+        raise UserError(f"cannot load data set {repo!r} (split {split!r}): {_one_line(err)}") from err
     if len(dataset) == 0:
         raise UserError(f"data set {source!r} has no records")
     return dataset
@@ -166,10 +156,22 @@ def _load_file(path: str, skip_invalid_utf8: bool = False) -> datasets.Dataset:
     except Exception as err:  # the builders raise assorted types (ArrowInvalid, StopIteration on empty files, ...)
         if builder == "json":
             _diagnose_json(path, skip_invalid_utf8)  # raises the precise, line-numbered error when it finds one
+        elif _parquet_rows(path) == 0:  # the parquet builder fails on a file of no rows ("BatchSize must be > 0")
+            raise UserError(f"{path} has no records") from None
         raise UserError(f"cannot read {path}: {_one_line(err)}") from None
     if len(dataset) == 0:
         raise UserError(f"{path} has no records")
     return dataset
+
+
+def _parquet_rows(path: str) -> Optional[int]:
+    """The rows a parquet file's footer counts; None for a file that is not parquet."""
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_metadata(path).num_rows
+    except Exception:  # noqa: BLE001 - not parquet, or unreadable: the builder's own error says which
+        return None
 
 
 @contextlib.contextmanager
@@ -333,40 +335,7 @@ def normalize_record(record: dict[str, Any], source: str, number: int, prompts_o
         raise UserError(f"{where}: no 'messages' field (nor a ShareGPT 'conversations' field)")
     if not isinstance(turns, list) or not turns:
         raise UserError(f"{where}: 'messages' must be a non-empty list of turns")
-    messages = []
-    for turn_number, turn in enumerate(turns, 1):
-        if not isinstance(turn, dict):
-            raise UserError(f"{where}: turn {turn_number} is not an object with a role and a content")
-        role = turn.get("role") if turn.get("role") is not None else turn.get("from")
-        content = turn.get("content") if turn.get("content") is not None else turn.get("value")
-        if role is None:
-            raise UserError(f"{where}: turn {turn_number} has no role ('role', or ShareGPT 'from')")
-        if not isinstance(role, str) or role.lower() not in ROLES:
-            raise UserError(f"{where}: turn {turn_number} has an unknown role {role!r} (known: {', '.join(ROLES)})")
-        if content is None:
-            raise UserError(f"{where}: turn {turn_number} has no content ('content', or ShareGPT 'value')")
-        if not isinstance(content, str):
-            raise UserError(
-                f"{where}: turn {turn_number} has a content of type {type(content).__name__}, expected a string"
-            )
-        if not content.strip():
-            raise UserError(f"{where}: turn {turn_number} has an empty content")
-        reasoning = {key: turn.get(key) for key in REASONING_KEYS}
-        for key, value in reasoning.items():
-            if value is not None and not isinstance(value, str):
-                raise UserError(
-                    f"{where}: turn {turn_number} has a {key} of type {type(value).__name__}, expected a string"
-                )
-        cut = turn.get(CUT_KEY)
-        if cut is not None and not isinstance(cut, bool):
-            raise UserError(f"{where}: turn {turn_number} has a {CUT_KEY} of {cut!r}, expected true or false")
-        if cut and ROLES[role.lower()] != "assistant":
-            raise UserError(
-                f"{where}: turn {turn_number} is a {ROLES[role.lower()]} turn marked {CUT_KEY}: only an assistant "
-                "turn can be cut off"
-            )
-        # only a cut turn holds the key: a finished one reads (and is written) as every other record
-        messages.append({"role": ROLES[role.lower()], "content": content, **reasoning, CUT_KEY: cut or None})
+    messages = [normalize_turn(turn, f"{where}: turn {turn_number}") for turn_number, turn in enumerate(turns, 1)]
     if not answered_turns(messages) and not (prompts_only and messages[-1]["role"] == "user"):
         opening = messages[0]["role"] == "assistant"
         raise UserError(

@@ -19,13 +19,20 @@ import torch
 from draftsmith.data_prep.conversations import DEFAULT_DOMAIN
 from draftsmith.data_prep.template import render_rows, require_chat_template
 from draftsmith.errors import UserError
-from draftsmith.files import cache_root
+from draftsmith.files import cache_root, read_json
 
 logger = logging.getLogger("draftsmith.data")
 
 # Bump when the layout of a cached data set changes. Code edits are covered by _CODE_HASH.
 CACHE_VERSION = 2
 OVERLONG = ("truncate", "drop", "error")
+EVAL_SPLIT = "data.eval"  # the recipe key of the held-out conversations eval_accuracy.json measures
+STATS_NAME = "draftsmith_stats.json"  # beside a cached data set: its tokenization's counts, logged on every load
+_ROW_COUNTS = {  # a tokenization's counts of rows (each row in one at most) and their log lines
+    "truncated": "truncated %d of %s to data.max_length=%d tokens",
+    "dropped_overlong": "dropped %d of %s longer than data.max_length=%d tokens",
+    "dropped_no_assistant_token": "dropped %d of %s with no assistant token within data.max_length=%d",
+}
 FEATURES = datasets.Features(
     {
         "input_ids": datasets.List(datasets.Value("int32")),
@@ -45,17 +52,42 @@ def load_tokenized(cfg, sources: Sequence[str], tokenizer, key: str) -> datasets
     """The recipe's conversations from `sources` (the value of recipe key `key`, for errors), read,
     validated and tokenized exactly as every stage needs them (training, capture, the eval split):
     one definition, so a capture lines up with the online data row by row."""
-    from draftsmith.data_prep.conversations import load_conversations
+    from draftsmith.eval.prompts import require_no_aggregate_domain
 
     if not sources:
         raise UserError(f"{key} is empty: give at least one conversation file or Hub data set id")
     require_context(cfg.target, cfg.data.max_length)
-    conversations = load_conversations(
-        list(sources), cfg.data.max_conversations, skip_invalid_utf8=cfg.data.skip_invalid_utf8
-    )
+    conversations = _read_conversations(cfg, sources, key)
+    if key == EVAL_SPLIT:  # its domains are rows of eval_accuracy.json, beside the aggregate one
+        require_no_aggregate_domain(conversations, key)
     return tokenize_conversations(
         conversations, tokenizer, cfg.data.max_length, cfg.data.overlong, cfg.data.cache_dir, cfg.data.thinking
     )
+
+
+def _read_conversations(cfg, sources: Sequence[str], key: str) -> datasets.Dataset:
+    """load_conversations under the recipe's data settings. data.eval is measured on its answers: a file of
+    prompts alone, which eval.data takes, is refused in one line that says so."""
+    from draftsmith.data_prep.conversations import load_conversations
+
+    def read(prompts_only: bool = False) -> datasets.Dataset:
+        return load_conversations(
+            list(sources), cfg.data.max_conversations, prompts_only, skip_invalid_utf8=cfg.data.skip_invalid_utf8
+        )
+
+    try:
+        return read()
+    except UserError as err:
+        if key != EVAL_SPLIT:
+            raise
+        try:  # only a refusal reads the files again: were they refused for prompts that have no answer?
+            read(prompts_only=True)
+        except UserError:
+            raise err from None
+        raise UserError(
+            f"{key}: {err}: {key} is the eval split, measured on its answers; prompts without answers "
+            "(the speculative-decoding eval's) go in eval.data"
+        ) from None
 
 
 def require_context(target, max_length: int, config=None) -> None:
@@ -116,7 +148,8 @@ def tokenize_conversations(
     rewrites earlier turns gives a row per assistant turn (render_rows). Rows left with no masked token are
     dropped. The result is cached under
     `<cache_dir or ~/.cache/draftsmith>/tokenized/<key>` and reused while the conversations, the
-    tokenizer, the settings and this code are unchanged."""
+    tokenizer, the settings and this code are unchanged; its counts (rows, truncated, dropped) are kept
+    with it, so a run that reads the cache logs what the run that wrote it did."""
     if overlong not in OVERLONG:
         raise UserError(f"data.overlong={overlong!r} is not one of {', '.join(OVERLONG)}")
     if max_length < 1:
@@ -127,7 +160,10 @@ def tokenize_conversations(
     final = root / key
     if final.is_dir():
         dataset = datasets.load_from_disk(str(final))
-        logger.info("loaded %d tokenized conversations from the cache %s", len(dataset), final)
+        counts = final / STATS_NAME  # none where the cache was written before they were kept
+        stats = read_json(counts, "tokenized-data counts", f"delete {final} to redo it") if counts.is_file() else {}
+        _log_stats(stats, max_length)
+        logger.info("loaded %s from the tokenized cache %s", _counted(stats, dataset), final)
         return dataset
 
     root.mkdir(parents=True, exist_ok=True)
@@ -153,7 +189,8 @@ def tokenize_conversations(
             new_fingerprint=key[:16],  # our key already identifies the result; skips hashing the tokenizer
             desc="tokenizing conversations",
         )
-        _log_stats(stats, len(conversations), max_length)
+        stats["conversations"] = len(conversations)
+        _log_stats(stats, max_length)
         if len(tokenized) == 0:
             raise UserError(
                 f"no conversation is left after tokenization with data.max_length={max_length} and "
@@ -161,6 +198,8 @@ def tokenize_conversations(
             )
         staged = os.path.join(scratch, "dataset")
         tokenized.save_to_disk(staged)
+        # inside the folder the rename publishes: a cached data set is never without its counts
+        (Path(staged) / STATS_NAME).write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n")
         try:
             os.replace(staged, final)
         except OSError:
@@ -168,7 +207,7 @@ def tokenize_conversations(
                 raise
             # Another process finished the same key first; its copy is identical, keep it.
     dataset = datasets.load_from_disk(str(final))
-    logger.info("tokenized %d conversations into %d tokens, cached at %s", len(dataset), sum(dataset["length"]), final)
+    logger.info("tokenized %s into %d tokens, cached at %s", _counted(stats, dataset), sum(dataset["length"]), final)
     return dataset
 
 
@@ -186,11 +225,14 @@ def _tokenize_batch(
         except UserError as err:
             raise UserError(f"{where}: {err}") from None
         stats["split_into_turns"] += len(rendered) > 1
+        stats["rows"] += len(rendered)
+        kept = len(out["input_ids"])
         sample = f"conversation {indices[row] + 1}"
         if "source" in batch:
             sample = f"{batch['source'][row]}:{batch['record'][row]}"
         for turn, (ids, mask) in enumerate(rendered, 1):
-            if len(ids) > max_length:
+            cut = len(ids) > max_length
+            if cut:
                 if overlong == "error":
                     raise UserError(
                         f"{where}: {len(ids)} tokens is more than data.max_length={max_length} (raise it, or set "
@@ -200,15 +242,16 @@ def _tokenize_batch(
                     stats["dropped_overlong"] += 1
                     continue
                 ids, mask = ids[:max_length], mask[:max_length]
-                stats["truncated"] += 1
             if not any(mask):
                 stats["dropped_no_assistant_token"] += 1
                 continue
+            stats["truncated"] += cut  # kept: a row cut and then dropped is counted as dropped alone
             out["input_ids"].append(ids)
             out["loss_mask"].append(mask)
             out["domain"].append(domains[row])
             out["length"].append(len(ids))
             out["sample"].append(sample if len(rendered) == 1 else f"{sample} turn {turn}")
+        stats["kept_conversations"] += len(out["input_ids"]) > kept
     return out
 
 
@@ -219,31 +262,29 @@ def _where(batch: dict[str, list], row: int, index: int) -> str:
     return f"conversation {index + 1}"
 
 
-def _log_stats(stats: Counter, total: int, max_length: int) -> None:
-    if stats["split_into_turns"]:
+def _log_stats(stats: Mapping[str, int], max_length: int) -> None:
+    """What tokenizing did, each row counted once. A template that rewrites earlier turns makes more rows
+    than conversations: the counts after that line are of rows."""
+    total, rows = stats.get("conversations", 0), stats.get("rows", 0)
+    if stats.get("split_into_turns"):
         logger.info(
-            "rendered %d of %d conversations one row per assistant turn: the chat template rewrites earlier turns",
+            "rendered %d of %d conversations one row per assistant turn (%d rows in all): the chat template "
+            "rewrites earlier turns",
             stats["split_into_turns"],
             total,
+            rows,
         )
-    if stats["truncated"]:
-        logger.info(
-            "truncated %d of %d conversations to data.max_length=%d tokens", stats["truncated"], total, max_length
-        )
-    if stats["dropped_overlong"]:
-        logger.info(
-            "dropped %d of %d conversations longer than data.max_length=%d tokens",
-            stats["dropped_overlong"],
-            total,
-            max_length,
-        )
-    if stats["dropped_no_assistant_token"]:
-        logger.info(
-            "dropped %d of %d conversations with no assistant token within data.max_length=%d",
-            stats["dropped_no_assistant_token"],
-            total,
-            max_length,
-        )
+    of = f"{rows} rows" if rows != total else f"{total} conversations"
+    for name, line in _ROW_COUNTS.items():
+        if stats.get(name):
+            logger.info(line, stats[name], of, max_length)
+
+
+def _counted(stats: Mapping[str, int], dataset: datasets.Dataset) -> str:
+    """`N conversations`, with `(R rows)` where a template that rewrites earlier turns made more rows than
+    conversations; a cache written without counts: its rows, as conversations."""
+    conversations = stats.get("kept_conversations", len(dataset))
+    return f"{conversations} conversations" + ("" if conversations == len(dataset) else f" ({len(dataset)} rows)")
 
 
 def cache_key(

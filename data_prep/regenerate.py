@@ -2,17 +2,17 @@
 `data.train` with the target itself, so a drafter learns the target's own distribution (not the
 data's authors').
 
-Turn by turn: each assistant turn is generated from the conversation so far, in which the earlier
-assistant turns are already the target's own; user (and system/tool) turns are kept, so is an opening
-assistant turn (a greeting: nothing before it asks for it), and a prompt (no assistant turn after a user
-turn, as in a prompt-only set) is answered after its last turn. A turn whose
-prompt already holds `data.max_length` tokens is not generated (training would cut it off), and an
-empty answer (the target ended its turn at once) is not kept: the conversation ends at the assistant
-turn before it, or is left out when fewer than `data.regenerate.min_turns` turns are answered by then;
-all are counted. An answer cut off at `data.regenerate.max_new_tokens` (the target had not ended its turn)
-is kept marked `"cut": true`, so that training leaves the end-of-turn after it out of the loss
-(data_prep/template.py), and counted. Conversations are generated
-`data.regenerate.batch_size` at a time, greedy or sampled (`temperature`, `top_p`; `samples` answers
+Turn by turn: each assistant turn is generated from the conversation so far, in which the earlier assistant turns
+are already the target's own; user (and system/tool) turns are kept, so is an opening assistant turn (a greeting:
+nothing before it asks for it), and a prompt (no assistant turn after a user turn, as in a prompt-only set) is
+answered after its last turn. A turn whose prompt already holds `data.max_length` tokens is not generated (training
+would cut it off), and an empty answer (the target ended its turn at once) is not kept: the conversation ends at the
+assistant turn before it, or is left out when fewer than `data.regenerate.min_turns` turns are answered by then; all
+are counted. An assistant turn that called tools (`tool_calls`) is answered like any other, its calls dropped: the
+tool results after it answered the old calls, so the conversation ends at that answer (counted). An answer cut off
+at `data.regenerate.max_new_tokens` (the target had not ended its turn) is kept marked `"cut": true`, so that
+training leaves the end-of-turn after it out of the loss (data_prep/template.py), and counted. Conversations are
+generated `data.regenerate.batch_size` at a time, greedy or sampled (`temperature`, `top_p`; `samples` answers
 each), by one of two engines (`data.regenerate.engine`; data_prep/answer_engines.py):
 
 - `transformers`: `model.generate` over left-padded batches; chunk i is seeded with `seed + i`, so a
@@ -62,6 +62,7 @@ from draftsmith.data_prep.answer_engines import Answer, answer_engine, vllm_dtyp
 from draftsmith.data_prep.conversations import CUT_KEY, REASONING_KEYS, answered_turns, load_conversations
 from draftsmith.data_prep.dataset import require_context
 from draftsmith.data_prep.template import render_prompt
+from draftsmith.data_prep.turns import TOOL_CALLS_KEY, TOOL_KEYS
 from draftsmith.errors import UserError
 from draftsmith.files import read_json, write_text_atomic
 from draftsmith.outputs import held_by_main_process
@@ -84,11 +85,12 @@ class RegenerateResult:
     generated: int  # conversations this run generated and wrote
     cut: int = 0  # of those, conversations that end early: a later turn's prompt reached data.max_length
     empty: int = 0  # of those, conversations that end early: the target's answer to a turn was empty
-    left_out: int = 0  # conversations this run took up and left out: either of the two came before min_turns answers
+    tool_calls: int = 0  # of those, conversations that end early: at the answer to a turn that had called tools
+    left_out: int = 0  # conversations this run took up and left out: one of the three came before min_turns answers
     reused: int = 0  # answers taken from an earlier regeneration (data.regenerate.reuse), not asked of the engine
+    cut_answers: int = 0  # answers in the conversations written now that the target had not ended at max_new_tokens
     excluded: int = 0  # data.train conversations not regenerated: a held-out first prompt (data.regenerate.exclude)
     short: int = 0  # data.train conversations not regenerated: fewer than data.regenerate.min_turns assistant turns
-    cut_answers: int = 0  # answers in the conversations written now that the target had not ended at max_new_tokens
 
 
 def main(argv: Sequence[str]) -> None:
@@ -104,6 +106,8 @@ def main(argv: Sequence[str]) -> None:
             f"min_turns={min_turns} answers; {result.reused} answers taken from data.regenerate.reuse; not "
             f"regenerated: {result.excluded} held out, {result.short} with fewer than min_turns={min_turns} turns)"
         )
+        if result.tool_calls:  # the tool results after such a turn answered its old calls, not the target's answer
+            print(f"{result.tool_calls} conversations end at an answer to a turn that called tools (its calls dropped)")
         if result.cut_answers:
             print(
                 f"{result.cut_answers} answers cut at data.regenerate.max_new_tokens="
@@ -177,7 +181,7 @@ def with_a_turn_to_answer(row: dict) -> dict:
     every other."""
     messages = row["messages"]
     if not answered_turns(messages):  # an opening assistant turn is context, not an answer
-        messages = [*messages, {**messages[-1], "role": "assistant", "content": ""}]
+        messages = [*messages, {**dict.fromkeys(messages[-1]), "role": "assistant", "content": ""}]  # no user's name
     return {"messages": messages}
 
 
@@ -229,7 +233,10 @@ def known_answers(reused) -> dict[str, Answer]:
 
 
 def prompt_key(messages: list[dict]) -> str:
-    return json.dumps([[message["role"], message["content"]] for message in messages], ensure_ascii=False)
+    """The conversation before an answer by what the chat template renders of each turn: a turn that only calls
+    a tool has an empty content, its calls tell it apart."""
+    keys = ("role", "content", TOOL_CALLS_KEY, *TOOL_KEYS)
+    return json.dumps([without_nulls({key: m.get(key) for key in keys}) for m in messages], ensure_ascii=False)
 
 
 def regenerate_into(
@@ -250,7 +257,7 @@ def regenerate_into(
         unit="conversation",
         disable=not state.is_main_process,
     )
-    generated, cut, empty, left_out, reused, cut_answers = 0, 0, 0, 0, 0, 0
+    generated, cut, empty, tool_calls, left_out, reused, cut_answers = 0, 0, 0, 0, 0, 0, 0
     with answer_engine(cfg, target, tokenizer, state, bool(mine)) as engine:
         for index in mine:
             rows = [conversations[k // section.samples] for k in chunks[index]]
@@ -276,6 +283,7 @@ def regenerate_into(
             generated += len(records)
             cut += why_kept_ended.count("max_length")
             empty += why_kept_ended.count("empty answer")
+            tool_calls += why_kept_ended.count("tool calls")
             left_out += len(rows) - len(records)
             reused += taken
             cut_answers += sum(bool(m[t].get(CUT_KEY)) for m in messages if m is not None for t in answered_turns(m))
@@ -286,27 +294,32 @@ def regenerate_into(
         from accelerate.utils import gather_object
 
         # a collective: past it, every rank's parts are written
-        generated, cut, empty, left_out, reused, cut_answers = (
-            sum(gather_object([value])) for value in (generated, cut, empty, left_out, reused, cut_answers)
+        generated, cut, empty, tool_calls, left_out, reused, cut_answers = (
+            sum(gather_object([value])) for value in (generated, cut, empty, tool_calls, left_out, reused, cut_answers)
         )
     written = sum(1 for part in directory.glob("part-*.jsonl.gz") for _ in gzip.open(part, "rt"))
-    return RegenerateResult(directory, written, generated, cut, empty, left_out, reused, cut_answers=cut_answers)
+    return RegenerateResult(directory, written, generated, cut, empty, tool_calls, left_out, reused, cut_answers)
 
 
-def without_nulls(messages: list[dict]) -> list[dict]:
-    """The turns without the keys they hold None under (a turn without reasoning has `thinking` and
-    `reasoning_content` None: one Arrow schema for all rows); the loader reads an absent key as None."""
-    return [{key: value for key, value in message.items() if value is not None} for message in messages]
+def without_nulls(value: Any) -> Any:
+    """`value` without the keys its dicts hold None under, at any depth (one Arrow schema for all rows: a turn
+    without reasoning has `thinking` None, a call without an id `id`); the loader reads an absent key as None."""
+    if isinstance(value, dict):
+        return {key: without_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [without_nulls(item) for item in value]
+    return value
 
 
 def content_digest(conversations) -> str:
-    """What a regeneration reads, by content: sha256 over every conversation's messages and domain, in
-    order. Not the data set's fingerprint: that changes with the file's path, the library's version and
-    draftsmith's own loading code, and a finished regeneration must stay resumable across those (moved
-    to another machine, committed beside a benchmark)."""
+    """What a regeneration reads, by content: sha256 over every conversation's messages and domain, in order,
+    the keys holding None left out, so that a field the loader adds to every turn (`cut`, `tool_calls`) moves no
+    digest. Not the data set's fingerprint: that changes with the file's path, the library's version and
+    draftsmith's own loading code, and a finished regeneration must stay resumable across those (moved to
+    another machine, committed beside a benchmark: benchmarks/redigest_regenerations.py)."""
     digest = hashlib.sha256()
     for row in conversations.select_columns(["messages", "domain"]):
-        digest.update(json.dumps(row, sort_keys=True, ensure_ascii=False).encode() + b"\n")
+        digest.update(json.dumps(without_nulls(row), sort_keys=True, ensure_ascii=False).encode() + b"\n")
     return digest.hexdigest()[:16]
 
 
@@ -363,18 +376,18 @@ def regenerate_batch(
     known: Optional[dict[str, Answer]] = None,
     names: Optional[list[str]] = None,
 ) -> tuple[list[Optional[list[dict]]], list[Optional[str]], int]:
-    """Every assistant turn of each conversation replaced by the target's answer to the turns before
-    it (its own earlier answers included); round k answers the k-th assistant turn of every
-    conversation that has one, in one call of `engine` (TransformersAnswers or VllmAnswers), except the
-    turns whose prompt `known` answers already (prompt_key). A turn whose prompt holds `max_length`
-    tokens or more, or whose answer is empty (the target ended its turn at once: sampled, that happens;
-    there is nothing to train on, and the data loader refuses an empty turn), ends its conversation at
-    the assistant turn before it (None: left out, when fewer than `section.min_turns` are answered by
-    then). With `section.max_turns` a conversation ends after its max_turns-th assistant turn. Returns
-    the conversations, for each why it ended early ("max_length", "empty answer") or None, and how many
-    answers `known` gave. An answer cut at max_new_tokens is kept, its turn marked `"cut": true`. An
-    opening assistant turn is kept as it is (`answered_turns`). `names` (a file and record each) name a
-    conversation the chat template rejects."""
+    """Every assistant turn of each conversation replaced by the target's answer to the turns before it (its own
+    earlier answers included); round k answers the k-th assistant turn of every conversation that has one, in one
+    call of `engine` (TransformersAnswers or VllmAnswers), except the turns whose prompt `known` answers already
+    (prompt_key). A turn whose prompt holds `max_length` tokens or more, or whose answer is empty (the target ended
+    its turn at once: sampled, that happens; there is nothing to train on, and the data loader refuses an empty
+    turn), ends its conversation at the assistant turn before it (None: left out, when fewer than
+    `section.min_turns` are answered by then). With `section.max_turns` a conversation ends after its max_turns-th
+    assistant turn, and at the answer to a turn that had called tools (its `tool_calls` dropped: the turns after it
+    answered those calls). Returns the conversations, for each why it ended early ("max_length", "empty answer",
+    "tool calls") or None, and how many answers `known` gave. An answer cut at max_new_tokens is kept, its turn
+    marked `"cut": true`. An opening assistant turn is kept as it is (`answered_turns`). `names` (a file and record
+    each) name a conversation the chat template rejects."""
     known = known or {}
     conversations = [[dict(message) for message in messages] for messages in batch]
     turns = [answered_turns(messages)[: section.max_turns] for messages in conversations]
@@ -383,11 +396,11 @@ def regenerate_batch(
     ended: list[Optional[str]] = [None] * len(conversations)
     taken = 0
 
-    def end_before(row: int, round_: int, reason: str) -> None:
-        """Conversation `row` ends at its assistant turn before round `round_`, or is left out."""
+    def end_after(row: int, answered: int, reason: str) -> None:
+        """Conversation `row` ends at its `answered`-th assistant turn, or is left out (fewer than min_turns)."""
         ended[row] = reason
-        answered = round_ >= section.min_turns
-        conversations[row] = conversations[row][: turns[row][round_ - 1] + 1] if answered else None
+        kept = answered >= section.min_turns
+        conversations[row] = conversations[row][: turns[row][answered - 1] + 1] if kept else None
 
     for round_ in range(max(map(len, turns))):
         active, prompts = [], []
@@ -399,7 +412,7 @@ def regenerate_batch(
             except UserError as err:
                 raise UserError(f"{names[row]}: {err}" if names else str(err)) from None
             if len(prompt) >= max_length:
-                end_before(row, round_, "max_length")
+                end_after(row, round_, "max_length")
                 continue
             active.append((row, turns[row][round_]))
             prompts.append(prompt)
@@ -414,7 +427,7 @@ def regenerate_batch(
                 answers[i] = answer
         for (row, turn), answer in zip(active, answers):
             if not answer.text:
-                end_before(row, round_, "empty answer")
+                end_after(row, round_, "empty answer")
                 continue
             # the target's answer replaces the turn, and the reasoning that led to the old one goes with it
             message = conversations[row][turn]
@@ -425,6 +438,8 @@ def regenerate_batch(
                 message[CUT_KEY] = True
             else:
                 message.pop(CUT_KEY, None)
+            if message.pop(TOOL_CALLS_KEY, None) and turn + 1 < len(conversations[row]):
+                end_after(row, round_ + 1, "tool calls")
     return conversations, ended, taken
 
 

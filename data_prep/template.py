@@ -17,11 +17,13 @@ model is asked for that turn (`render_rows`), which is the text a serving engine
 
 from __future__ import annotations
 
+import json
 from typing import Any, Optional, Sequence
 
 from jinja2 import TemplateError
 
-from draftsmith.data_prep.conversations import CUT_KEY, REASONING_KEYS, answered_turns
+from draftsmith.data_prep.conversations import answered_turns
+from draftsmith.data_prep.turns import CUT_KEY, REASONING_KEYS, TOOL_CALLS_KEY
 from draftsmith.errors import UserError
 
 Message = dict[str, Any]
@@ -37,7 +39,7 @@ def render_with_masks(tokenizer, messages: Sequence[Message], thinking: str = "t
     """Token ids of the whole conversation and a 0/1 mask that is 1 exactly on the tokens the
     assistant generates: its contents and the end-of-turn token(s) right after each (not after a turn
     marked cut: the model did not end that one). With `thinking`
-    = "mask" (data.thinking), a turn's reasoning (its `thinking` or `reasoning_content`) is left out of
+    = "mask" (data.thinking), a turn's reasoning (its `thinking`, `reasoning_content` or `reasoning`) is left out of
     the mask where the template renders it, found verbatim inside the turn's span; the markup around
     it (a channel header, `<think>`) stays, since the model generates that too. A template that rewrites
     earlier turns is refused in one line (`render_rows` renders such a conversation a turn at a time)."""
@@ -100,10 +102,34 @@ def _turn_spans(tokenizer, messages: list[Message], index: int, text: str, think
         span = (len(prompt), _content_end(text, len(prompt), len(turn), messages[index]["content"], index))
     else:
         span = (len(prompt), len(prompt) + _generated_length(text[len(prompt) : len(turn)], tokenizer.eos_token))
-    reasoning = next((messages[index][key] for key in REASONING_KEYS if messages[index].get(key)), None)
-    if thinking == "mask" and reasoning and reasoning.strip():
+    if messages[index].get(TOOL_CALLS_KEY) and not _renders(tokenizer, messages, index, (TOOL_CALLS_KEY,), turn):
+        raise UserError(
+            f"chat template of {_name(tokenizer)} does not render assistant turn {index + 1}'s {TOOL_CALLS_KEY} (the "
+            "turn renders the same without them), so the drafter would learn an end of turn where the target calls "
+            "a tool: use the target's tool-calling chat template, or leave conversations with tool calls out"
+        )
+    key = next((key for key in REASONING_KEYS if messages[index].get(key)), None)
+    reasoning = messages[index][key] if key else ""
+    if not reasoning.strip():
+        return [span]
+    # a template that renders no reasoning would drop it without a word, and the drafter learn a turn without it
+    if text.find(reasoning.strip(), *span) < 0 and not _renders(tokenizer, messages, index, REASONING_KEYS, turn):
+        raise UserError(
+            f"data.thinking={thinking}: the chat template of {_name(tokenizer)} does not render assistant turn "
+            f"{index + 1}'s reasoning (its {key}), so it would be left out without a word: use the target's reasoning "
+            "chat template, or remove the reasoning from the data (data.thinking trains on it or masks it, no setting "
+            "leaves it out)"
+        )
+    if thinking == "mask":
         return _without(span, text, reasoning.strip(), index)
     return [span]
+
+
+def _renders(tokenizer, messages: list[Message], index: int, keys: Sequence[str], turn: str) -> bool:
+    """Whether the template renders turn `index`'s `keys`: `turn` (`messages[: index + 1]` rendered) changes
+    without them."""
+    without = {key: value for key, value in messages[index].items() if key not in keys}
+    return _render(tokenizer, [*messages[:index], without], add_generation_prompt=False) != turn
 
 
 def _content_end(text: str, start: int, end: int, content: str, index: int) -> int:
@@ -183,16 +209,29 @@ def require_chat_template(tokenizer) -> None:
 
 def _render(tokenizer, messages: list[Message], add_generation_prompt: bool) -> str:
     require_chat_template(tokenizer)
-    # A turn without reasoning has None under those keys (one Arrow schema for all rows): leave them
-    # out, as a template tests whether the key is there, not what it holds. The cut mark is draftsmith's,
-    # not the template's: a cut turn renders as any other.
-    messages = [
-        {key: value for key, value in message.items() if value is not None and key != CUT_KEY} for message in messages
-    ]
+    messages = [_for_template(message) for message in messages]
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except TemplateError as err:  # raise_exception() in templates, e.g. "roles must alternate"
         raise UserError(f"chat template of {_name(tokenizer)} rejected the conversation: {err}") from None
+
+
+def _for_template(message: Message) -> Message:
+    """A turn as a serving engine hands it to the template. A turn without reasoning (or tool calls) has None
+    under those keys (one Arrow schema for all rows): they are left out, as a template tests whether a key is
+    there, not what it holds. The cut mark is draftsmith's, not the template's: a cut turn renders as any other.
+    Each tool call's arguments are an object, as vLLM parses OpenAI's JSON text before rendering (what templates
+    expect: most write them with `tojson`)."""
+    message = {key: value for key, value in message.items() if value is not None and key != CUT_KEY}
+    if TOOL_CALLS_KEY in message:
+        message[TOOL_CALLS_KEY] = [
+            {
+                **{key: value for key, value in call.items() if value is not None},
+                "function": {**call["function"], "arguments": json.loads(call["function"]["arguments"])},
+            }
+            for call in message[TOOL_CALLS_KEY]
+        ]
+    return message
 
 
 def _encode(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:

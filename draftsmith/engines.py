@@ -136,7 +136,9 @@ class VllmWorker:
     line each (the protocol is the script's docstring). A worker that cannot be reached, dies or gives
     no reply within `timeout_s` (None: no limit) is EngineUnavailable, a temporary fault. A request it
     answers with a failure has ended it, and is raised as `refusal` with the one-line cause (UserError
-    when `python` cannot import vllm at all).
+    when `python` cannot import vllm at all). A reply that says "ended" (an engine that left the worker
+    unable to start another) is returned once the worker has exited. Either way `running` is then false:
+    the next request needs a new worker.
 
     `key` is the recipe key that named `python`, for errors; `env` goes over this process's environment.
     With `show_log` the worker's log (vLLM's) goes to this process's stderr, where a long job's
@@ -186,6 +188,8 @@ class VllmWorker:
         if not reply.get("ok"):
             self.close()
             raise self.refusal(f"vLLM could not {doing}: {self.cause(reply)}")
+        if reply.get("ended"):
+            self.close()
         return reply
 
     def cause(self, reply: dict[str, Any]) -> str:

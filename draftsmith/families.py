@@ -140,13 +140,18 @@ def rope_theta(config: Any) -> float:
 # other kinds (yarn with per-family extras, per-layer-kind dicts) give the draft layers plain RoPE
 # with the target's base: a drafter's positions are its own, and the export writes what it was trained with.
 PORTABLE_ROPE = ("default", "linear", "llama3")
+# The keys of those kinds. Nothing else is carried over: a target's `partial_rotary_factor` (Qwen3.5, GLM-4.5)
+# is ignored by transformers' Llama and Qwen3 rotary embeddings, which rotate every dimension, and read by
+# vLLM's, which would rotate a quarter of them: the draft layers rotate every dimension, in both.
+PORTABLE_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def draft_rope(config: Any) -> dict[str, Any]:
     params = _get(config, "rope_parameters") or _get(config, "rope_scaling")
-    if isinstance(params, dict) and params.get("rope_type", params.get("type")) in PORTABLE_ROPE:
-        return {key: value for key, value in params.items() if key != "type"} | {
-            "rope_type": params.get("rope_type", params.get("type")),
+    kind = params.get("rope_type", params.get("type")) if isinstance(params, dict) else None
+    if kind in PORTABLE_ROPE:
+        return {key: params[key] for key in PORTABLE_ROPE_KEYS if key in params} | {
+            "rope_type": kind,
             "rope_theta": rope_theta(config),
         }
     return {"rope_type": "default", "rope_theta": rope_theta(config)}

@@ -103,8 +103,9 @@ class DataSection:
     # a record of a JSON-lines file whose line is not valid UTF-8 (traffic logs hold such bytes): false = stop
     # with one line naming the file and line; true = leave it out and log how many were left out, per file
     skip_invalid_utf8: bool = False
-    # an assistant turn's reasoning (its `thinking` or `reasoning_content`, as the target's chat template renders
-    # it): train | mask (left out of the loss, found verbatim in the turn; the markup around it is still trained)
+    # an assistant turn's reasoning (its `thinking`, `reasoning_content` or `reasoning`, as the target's chat
+    # template renders it): train | mask (left out of the loss, found verbatim in the turn; the markup around it is
+    # still trained); either way a template that renders no reasoning is refused
     thinking: str = "train"
     cache_dir: Optional[str] = None  # tokenized-data cache; default $DRAFTSMITH_CACHE, else ~/.cache/draftsmith
     # Conversations whose assistant tokens pick a pruned draft vocabulary (EAGLE-3) instead of data.train's:

@@ -21,7 +21,9 @@ class Counts:
     `drafted` counts draft positions (the proposal's depth: a chain's length, a tree's longest path),
     not tree nodes, so alpha = accepted/drafted compares chains and trees. `reached[d]` /
     `accepted_at[d]` count the cycles that tested / accepted a node at draft position d+1.
-    `mismatched` counts prompts whose greedy output differed from plain decoding's (set by the report).
+    `mismatched` counts prompts whose greedy output differed from plain decoding's (set by the report);
+    `near_ties`, those of a target computing in fewer bits than float32 whose output parted from plain
+    decoding's where the two tokens' logits were within its rounding (eval/partings.py): not mismatched.
     """
 
     prompts: int = 0
@@ -34,6 +36,7 @@ class Counts:
     accepted_at: list[int] = field(default_factory=list)
     wall_s: float = 0.0  # prefill included
     mismatched: int = 0
+    near_ties: int = 0
 
     def count_cycle(self, depth: int, new_tokens: int, verdict: Verdict) -> None:
         self.target_forwards += 1
@@ -57,6 +60,7 @@ class Counts:
             "accepted",
             "wall_s",
             "mismatched",
+            "near_ties",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.reached = _add_lists(self.reached, other.reached)

@@ -153,7 +153,19 @@ def check_target(model, tree: Optional[Tree] = None) -> None:
             "the eval loop needs attn_implementation 'sdpa' or 'eager' (custom tree masks); the target uses "
             f"{implementation!r}"
         )
-    other = sorted(set(layer_types(model.config)) - {*ATTENTION_KINDS, LINEAR, *COMPRESSED})
+    own_cache = getattr(model, "_supports_default_dynamic_cache", None)  # what transformers' generate asks
+    if own_cache is not None and not own_cache():
+        raise UserError(
+            f"the eval loop holds the target's keys and states in transformers' DynamicCache, which "
+            f"{type(model).__name__} does not take (it keeps a cache of its own)"
+        )
+    kinds = set(layer_types(model.config))
+    if kinds == {LINEAR}:
+        raise UserError(
+            "this target's layers are all linear attention: transformers' cache counts the positions it holds on "
+            "attention layers, which the eval loop reads"
+        )
+    other = sorted(kinds - {*ATTENTION_KINDS, LINEAR, *COMPRESSED})
     if other:
         raise UserError(
             "the eval loop verifies drafts on attention, linear-attention and compressed-attention layers only "

@@ -3,27 +3,46 @@ and the token ids that end a generation: what draftsmith's eval and the engine c
 
 from __future__ import annotations
 
+from typing import Optional
+
 from draftsmith.errors import UserError
 
 ALL = "all"  # the aggregate "domain" of a report: counters summed over every domain
 
 
+def prompt_sources(cfg) -> tuple[list[str], Optional[int]]:
+    """The eval's prompts as the recipe names them: (eval.data, else data.eval; the cap per file they are read
+    under). data.eval's files are read under data.max_conversations, as the eval split reads them, so the report
+    and eval_accuracy.json start from the same conversations; eval.data's (its own prompts, a monitor's traffic
+    sample) under none. eval.max_prompts then takes the first of each domain of what was read."""
+    if cfg.eval.data:
+        return list(cfg.eval.data), None
+    return list(cfg.data.eval), cfg.data.max_conversations
+
+
 def load_prompts(
-    sources: list[str], tokenizer, max_prompts: int, max_length: int, skip_invalid_utf8: bool = False
+    sources: list[str],
+    tokenizer,
+    max_prompts: int,
+    max_length: int,
+    skip_invalid_utf8: bool = False,
+    max_conversations: Optional[int] = None,
 ) -> dict[str, list[list[int]]]:
     """The first `max_prompts` conversations of each domain, rendered up to their last assistant turn
     with the generation prompt; prompts longer than `max_length` keep their last tokens.
-    `skip_invalid_utf8`: data.skip_invalid_utf8 (load_conversations)."""
+    `skip_invalid_utf8`, `max_conversations`: data.skip_invalid_utf8 and the cap per file (load_conversations;
+    `prompt_sources` says which cap), applied before `max_prompts`."""
     from draftsmith.data_prep import load_conversations, render_prompt
 
-    conversations = load_conversations(sources, prompts_only=True, skip_invalid_utf8=skip_invalid_utf8)
+    conversations = load_conversations(
+        sources, max_conversations, prompts_only=True, skip_invalid_utf8=skip_invalid_utf8
+    )
+    require_no_aggregate_domain(conversations, "the eval data")
     picked: dict[str, list[int]] = {}
     for index, domain in enumerate(conversations["domain"]):
         rows = picked.setdefault(domain, [])
         if len(rows) < max_prompts:
             rows.append(index)
-    if ALL in picked:
-        raise UserError(f"domain name {ALL!r} is reserved for the report's aggregate row; rename it in the eval data")
     prompts: dict[str, list[list[int]]] = {}
     for domain in sorted(picked):
         for row in conversations.select(picked[domain]):
@@ -32,6 +51,20 @@ def load_prompts(
     if not prompts:
         raise UserError(f"no conversations in the eval data {sources}")
     return prompts
+
+
+def require_no_aggregate_domain(conversations, key: str) -> None:
+    """`conversations` (load_conversations') hold no domain named `all`: the eval's tables (the report's,
+    eval_accuracy.json's) name their row of every domain together so, and would merge that domain into it.
+    `key`: where the conversations came from, for the error."""
+    domains = list(conversations["domain"])
+    if ALL not in domains:
+        return
+    first = conversations[domains.index(ALL)]
+    raise UserError(
+        f"{key}: {first['source']} record {first['record']} has the domain {ALL!r}, the name the eval's tables give "
+        "the row of every domain together; rename that domain"
+    )
 
 
 def eos_ids_of(model, tokenizer) -> frozenset[int]:

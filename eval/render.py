@@ -64,6 +64,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         for name in methods:
             row = rows[name]
             lossless = {True: "yes", False: "**NO**", None: "n/a"}[row["lossless"]]
+            if row.get("near_ties"):  # partings the target's rounding decides (eval/partings.py)
+                lossless += f" ({row['near_ties']} near tie{'s' if row['near_ties'] > 1 else ''})"
             if row.get("same_output") is not None:  # another model than the verifier: how often it agrees
                 lossless = f"{row['same_output']:.0%} same"
             shown = row["per_position"][:8]  # suffix decoding's 24 positions would crowd the table
@@ -113,6 +115,12 @@ def conclusion(report: dict[str, Any]) -> list[str]:
         f"against plain's 1.00×{versus}"
     )
     unmeasured = "".join(f" ({key} not measured: {why})" for key, why in report.get("not_measured", {}).items())
+    if best["speedup"] > 1.0 and best["tau"] is not None and best["tau"] <= 1.0:  # no target forward saved
+        return [
+            f"**Result:** {measured}: no wall-clock win on {report['device']}: at τ ≤ 1 it saved no target forward, "
+            f"so its speed-up is the timing's noise (decode more: eval.max_prompts, eval.max_new_tokens){unmeasured}.",
+            "",
+        ]
     if best["speedup"] > max(1.0, free[strongest]["speedup"] if strongest else 0.0):
         return [
             f"**Result:** {measured}: the trained drafter wins in wall-clock time on {report['device']}{unmeasured}.",

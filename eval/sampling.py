@@ -28,7 +28,8 @@ class Sampling:
         logits = logits.float()
         if self.temperature <= 0:
             return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-        logits = logits / self.temperature
+        # the largest logit at 0 first: a tiny temperature then scales the rest towards -inf, never to inf - inf
+        logits = (logits - logits.amax(-1, keepdim=True)) / self.temperature
         if 0 < self.top_k < logits.shape[-1]:
             kth = logits.topk(self.top_k, dim=-1).values[..., -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -8,18 +8,31 @@ one token per forward (EAGLE, a draft model), one for a drafter that proposes th
 forward comes from the same report: the chain's extra wall time per cycle over plain decoding's, per
 draft forward (so it also carries the wider verify forward). The recommendation is the γ in 1..(the
 report's γ) with the most tokens per unit of cost, E(γ) / (1 + c·d(γ)); longer chains were not
-measured, so they are not recommended. vLLM and SGLang verify the same chain, so the choice is the same
-for both; the costs are draftsmith's loop's on the eval's device, which an engine changes
+measured, so they are not recommended. Every engine verifies the same chain, so the choice is the same
+for each engine that serves the drafter's chains (`chain_engines`: an MTP drafter's is vLLM alone); the
+costs are draftsmith's loop's on the eval's device, which an engine changes
 (benchmarks/standard_protocol.py chooses γ by tokens/s inside vLLM instead).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Optional
 
+from draftsmith.formats import Source, exporter_for
 
-def recommended_gamma(report: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """The recommendation and what it rests on, or None without a greedy chain row to read."""
+
+def chain_engines(source: Source) -> list[str]:
+    """The engines that serve this drafter's chains for this target: those its kind names for chains
+    (Drafter.SERVED_BY) whose export does not refuse it (formats.Exporter.refuse), as the eval's report says."""
+    drafter = source.drafter
+    exporter = exporter_for(drafter.type)
+    named = type(drafter).SERVED_BY.get("chain", ())
+    return [e for e in named if exporter.refusal(e, drafter, source.target, source.vllm_format) is None]
+
+
+def recommended_gamma(report: Optional[dict[str, Any]], engines: Sequence[str]) -> Optional[dict[str, Any]]:
+    """The recommendation for each of `engines` and what it rests on, or None without a greedy chain row to read."""
     if not report or report.get("temperature", 1) > 0 or "chain" not in report.get("domains", {}).get("all", {}):
         return None
     chain, plain = report["domains"]["all"]["chain"], report["baselines"]["all"]["plain"]
@@ -43,8 +56,7 @@ def recommended_gamma(report: Optional[dict[str, Any]]) -> Optional[dict[str, An
     value = {gamma: expected[gamma] / (1 + cost * draft_forwards(gamma)) for gamma in range(1, len(expected))}
     best = max(value, key=value.get)
     return {
-        "vllm": best,
-        "sglang": best,
+        **dict.fromkeys(engines, best),
         "tokens_per_cycle": {str(g): round(expected[g], 4) for g in value},
         "draft_forward_cost": round(cost, 4),
         "draft_forwards_per_cycle": "γ" if sequential else round(per_cycle_forwards, 4),

@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from safetensors.torch import save_file
 
 from draftsmith.errors import InternalError, UserError
-from draftsmith.export.gamma import recommended_gamma
+from draftsmith.export.gamma import chain_engines, recommended_gamma
 from draftsmith.files import checkpoint_digest, publish_folder, read_json, staging, write_text_atomic
 from draftsmith.formats import Source, exporter_for
 from draftsmith.formats.folder import require_recipes_kind
@@ -294,7 +294,7 @@ def export_info(
         "vllm_builds": served_builds(source.target.config, repo.cpu_build_limit) if repo.engine == "vllm" else None,
         "batch_schedule": schedule,
         "engine_settings": None,  # what the engine resolved, when the export was checked in it
-        "recommended_num_speculative_tokens": recommended_gamma(report),
+        "recommended_num_speculative_tokens": recommended_gamma(report, chain_engines(source)),
         "eval_report": None
         if report is None
         else {

@@ -28,10 +28,12 @@ sweep.jsonl is not measured again):
   accepted_per_position, tokens_per_step, lossless (every output equal to plain's for the same prompt at
   the same concurrency), outputs_sha256 (per request), source_sha256 (the drafter checkpoint's), engine
   (vLLM's version and what it resolved), threads, process_s;
-- `summary.json`: per method and concurrency the best γ, the crossover where speculation stops paying,
-  plain's second run over its first, the γ per batch size the export would write (or why it refuses),
-  the settings (`not_measured`: a free method at a γ the engine failed to serve, and its line; the sweep goes
-  on without its rows); `speedup.png`: each method at its best γ against plain, and the schedule's prediction.
+- `summary.json`: per method the γs it was measured at and those it was not (`gammas`), per method and
+  concurrency the best γ (of those measured), the crossover where speculation stops paying, plain's second
+  run over its first, the γ per batch size the export would write (or why it refuses), the settings
+  (`not_measured`: a free method at a γ the engine failed to serve, and its line; the sweep goes on without
+  its rows); `speedup.png`: each method at its best γ against plain (a method measured at only some of its
+  γs named with those it was measured at), and the schedule's prediction.
 
 Prints the path of sweep.jsonl; `draftsmith export ... export.batch_sweep=<that path>` then writes the
 schedule into the served config.
@@ -267,8 +269,8 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None) -> P
                 measure(path, load, engines, levels, method, gamma, served_at(folder, gamma, levels), digest)
             measure(path, load, engines, levels, PLAIN_AGAIN, 0, None)
         rows = read_rows(path)
-        methods = [NGRAM] * bool(settings.ngram) + [SUFFIX] * suffix + [method]
-        summary = summarize(rows, methods)
+        swept = {name: [gamma for other, gamma, _ in baselines if other == name] for name, _, _ in baselines}
+        summary = summarize(rows, [*swept, method], swept)
         summary["schedule"], predicted = schedule_of(rows, method)
         summary["settings"] = {
             "concurrency": levels,
@@ -286,7 +288,7 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None) -> P
             "not_measured": not_measured,
         }
         write_text_atomic(output / SUMMARY, json.dumps(summary, indent=2) + "\n")
-        plot(summary["best_per_concurrency"], predicted, output / PLOT)
+        plot(summary["best_per_concurrency"], predicted, output / PLOT, summary["gammas"])
     log.info("load sweep of %s: %s, %s", checkpoint, path, output / SUMMARY)
     return path
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from draftsmith.errors import UserError, one_line
 
@@ -56,10 +56,19 @@ def at_one_gamma(row: dict[str, Any]) -> bool:
     return not schedule or all(k == 0 for _, _, k in schedule)
 
 
-def summarize(rows: list[dict[str, Any]], methods: Sequence[str]) -> dict[str, Any]:
-    """Per method the best γ at each concurrency and the crossover (the first concurrency where even the
-    best γ is slower than plain), plain's second run over its first, and whether every row was lossless."""
+def summarize(
+    rows: list[dict[str, Any]], methods: Sequence[str], swept: Optional[dict[str, Sequence[int]]] = None
+) -> dict[str, Any]:
+    """Per method the γs it has rows at and, of those `swept` (method -> γs) says it was served at, those it has
+    none at (a free baseline the engine failed to serve); the best γ at each concurrency and the crossover (the
+    first concurrency where even the best γ is slower than plain), plain's second run over its first, and
+    whether every row was lossless."""
     levels = sorted({r["concurrency"] for r in rows})
+    gammas = {}
+    for method in methods:
+        measured = sorted({r["gamma"] for r in rows if r["method"] == method})
+        missing = sorted(set((swept or {}).get(method, ())) - set(measured))
+        gammas[method] = {"measured": measured, "not_measured": missing}
     best: dict[str, dict[int, dict[str, Any]]] = {}
     for method in methods:
         best[method] = {}
@@ -79,6 +88,7 @@ def summarize(rows: list[dict[str, Any]], methods: Sequence[str]) -> dict[str, A
         for m in {r["method"] for r in rows}
     }
     return {
+        "gammas": gammas,
         "best_per_concurrency": best,
         "crossover": crossover,
         "lossless": lossless,
@@ -87,9 +97,26 @@ def summarize(rows: list[dict[str, Any]], methods: Sequence[str]) -> dict[str, A
     }
 
 
-def plot(best: dict[str, dict[int, dict[str, Any]]], dashed: dict[str, dict[int, float]], path: Path) -> None:
-    """Speed-up over plain against concurrency: each method at its best γ, and `dashed` (label ->
-    concurrency -> speed-up) such as a schedule."""
+def best_label(method: str, gammas: Optional[dict[str, list[int]]]) -> str:
+    """The legend's name for `method` at its best γ, saying which γs that best is of when some were not measured
+    (`gammas`: the method's entry of `summarize`'s "gammas")."""
+    if not gammas or not gammas["not_measured"]:
+        return f"{method} (best fixed γ)"
+    if not gammas["measured"]:
+        return f"{method} (not measured)"
+    ran, missing = (", ".join(map(str, gammas[key])) for key in ("measured", "not_measured"))
+    return f"{method} (best of γ {ran}; γ {missing} not measured)"
+
+
+def plot(
+    best: dict[str, dict[int, dict[str, Any]]],
+    dashed: dict[str, dict[int, float]],
+    path: Path,
+    gammas: Optional[dict[str, dict[str, list[int]]]] = None,
+) -> None:
+    """Speed-up over plain against concurrency: each method at its best γ (named with the γs it was measured
+    at where `gammas`, `summarize`'s, says some were not), and `dashed` (label -> concurrency -> speed-up)
+    such as a schedule."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -99,7 +126,9 @@ def plot(best: dict[str, dict[int, dict[str, Any]]], dashed: dict[str, dict[int,
     figure, axes = plt.subplots(figsize=(7, 4.2))
     for method, per_level in best.items():
         xs = [c for c in levels if c in per_level]
-        axes.plot(xs, [per_level[c]["speedup"] for c in xs], marker="o", label=f"{method} (best fixed γ)")
+        axes.plot(
+            xs, [per_level[c]["speedup"] for c in xs], marker="o", label=best_label(method, (gammas or {}).get(method))
+        )
     for label, per_level in dashed.items():
         xs = sorted(per_level)
         axes.plot(xs, [per_level[c] for c in xs], marker="s", linestyle="--", label=label)

@@ -6,7 +6,7 @@ plain greedy output, token for token (draftsmith's only in float32: in bfloat16 
 differently and a near-tie flips, so there each engine's own losslessness and (c) are what is checked,
 at the tolerance set for it; and in bfloat16 a prompt whose output with the drafter parts from its output
 without it passes only where the parting is such a flip: the target's own logits at the common prefix put
-the two tokens within NEAR_TIE_UNITS units of bfloat16 at the logits' magnitude, `partings` in the
+the two tokens within NEAR_TIE_UNITS (eval/partings.py) units of bfloat16 at the logits' magnitude, `partings` in the
 summary; the rest of such a prompt is not compared); (b) vLLM's counters show accepted draft tokens; (c) vLLM's τ
 (1 + accepted / drafts) is within `export.tolerance` (relative) of draftsmith's chain τ at the same γ.
 A drafter the engine reads differently from how it was trained (a missing `norm_before_residual`,
@@ -30,6 +30,7 @@ from draftsmith.engines import VllmWorker
 from draftsmith.errors import ExportCheckFailed, UserError
 from draftsmith.eval.counts import Counts
 from draftsmith.eval.loop import generate_batch
+from draftsmith.eval.partings import BF16_UNIT, parting
 from draftsmith.eval.prompts import eos_ids_of, load_prompts
 from draftsmith.families import recurrent
 from draftsmith.formats import Source
@@ -37,17 +38,12 @@ from draftsmith.formats.repo import EngineRepo
 from draftsmith.target import load_tokenizer
 
 ENGINE_TIMEOUT_S = 1800
-# bfloat16 keeps 8 significant bits: two computations of the same logits in it (a verify forward over several
-# tokens, a decode step over one) differ by a few of its units at the logits' magnitude, and a greedy choice
-# between two tokens that close can go either way. A rollback or misread state parts the outputs wherever
-# it lands, mostly far from such ties (the tiny hybrid targets' partings in bfloat16: docs/targets.md).
-BF16_UNIT = 2.0**-8
-NEAR_TIE_UNITS = 8
 
 
 class EngineSession:
     """The vLLM work of one caller, explicitly: one VllmWorker per vLLM Python (vLLM is imported once
-    for every check of the session; a worker that failed is replaced) and the target's plain greedy
+    for every check of the session; a worker that failed, or ended after an engine that left it unable to start
+    another (vLLM's n-gram proposer), is replaced by a new one at the next request) and the target's plain greedy
     runs already made, in vLLM and in draftsmith's loop (checking several drafters of one target runs
     the target alone once in each).
     `export_checkpoint` opens one per export unless its caller passes one in to share (a benchmark or a
@@ -202,25 +198,13 @@ def verify_in_vllm(
 def parting_gaps(
     model, prompts: list[list[int]], speculative: list[list[int]], plain: list[list[int]]
 ) -> list[dict[str, Any]]:
-    """Each prompt whose output with the drafter parts from its output without it: where, the two tokens,
-    and their gap in `model`'s logits at the common prefix, absolute and in units of bfloat16 at the largest
-    logit's magnitude (`near_tie`: within NEAR_TIE_UNITS). Outputs of different lengths that agree where
-    both run part at the shorter one's end, which no rounding of one choice explains: not a near tie."""
-    found, device = [], next(model.parameters()).device
-    for index, (prompt, drafted, alone) in enumerate(zip(prompts, speculative, plain)):
-        if drafted == alone:
-            continue
-        position = next((k for k, (a, b) in enumerate(zip(drafted, alone)) if a != b), min(len(drafted), len(alone)))
-        row: dict[str, Any] = {"prompt": index, "position": position, "near_tie": False}
-        if position < min(len(drafted), len(alone)):
-            with torch.no_grad():
-                logits = model(torch.tensor([prompt + alone[:position]], device=device)).logits[0, -1].float()
-            gap = abs(logits[drafted[position]] - logits[alone[position]]).item()
-            units = gap / (BF16_UNIT * logits.abs().max().item())
-            row |= {"tokens": [drafted[position], alone[position]], "gap": round(gap, 5), "bf16_units": round(units, 2),
-                    "near_tie": units <= NEAR_TIE_UNITS}  # fmt: skip
-        found.append(row)
-    return found
+    """Each prompt whose output with the drafter parts from its output without it (eval/partings.py, in
+    bfloat16's units: the engine computes in it)."""
+    return [
+        {"prompt": index, **parting(model, prompt, alone, drafted, BF16_UNIT)}
+        for index, (prompt, drafted, alone) in enumerate(zip(prompts, speculative, plain))
+        if drafted != alone
+    ]
 
 
 def check_schedule(engine: dict[str, Any], schedule: list[list[int]]) -> dict[str, Any]:
@@ -293,7 +277,7 @@ def compare(
     if not summary["lossless"] and (partings is None or far):
         problem = "vLLM's greedy output with the drafter differs from its output without it"
         if far:
-            where = f"{far[0]['bf16_units']} units" if "bf16_units" in far[0] else "one output ends there"
+            where = f"{far[0]['units']} units" if "units" in far[0] else "one output ends there"
             problem += (
                 f" on {len(far)} prompt(s) not at a bfloat16 near tie (prompt {far[0]['prompt']}, token "
                 f"{far[0]['position']}: {where})"

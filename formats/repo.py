@@ -181,5 +181,9 @@ def draft_layer_config(drafter, families: tuple[str, ...], engine: str, kind: st
             f"have not been verified against {engine}'s loader"
         )
     config = {key: layers[key] for key in LAYER_KEYS if layers.get(key) is not None}
+    if isinstance(config.get("rope_parameters"), dict):  # what the layers computed (families.PORTABLE_ROPE_KEYS):
+        # transformers' rotary rotates every dimension whatever a partial_rotary_factor in the config of a
+        # drafter trained before draftsmith left it out says; the engine would rotate a part
+        config["rope_parameters"] = {k: v for k, v in config["rope_parameters"].items() if k != "partial_rotary_factor"}
     config["head_dim"] = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     return {**config, "num_hidden_layers": int(layers["num_hidden_layers"]), "torch_dtype": "float32"}

@@ -278,6 +278,8 @@ class DFlash(EagleBase):
             1, order, index - (index * run_start).cummax(dim=1).values
         )
         picked = valid & (rank < self.config.anchors)
+        # One host sync a micro-batch, on purpose: the blocks are computed for `count` anchors a row, and the
+        # static bound (anchors x the documents a packed row holds, or its length) would run many empty ones.
         count = max(1, int(picked.sum(1).max()))
         anchors = index.masked_fill(~picked, length).sort(dim=1).values[:, :count]  # picked positions first, in order
         real = anchors < length

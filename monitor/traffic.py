@@ -1,6 +1,7 @@
 """A sample of real traffic: a directory of JSONL request logs (`*.jsonl`, `*.jsonl.gz`), one request a
 line, `{"messages": [...], "domain": "...", "timestamp": ...}` (domain optional; timestamp as Unix
-seconds or ISO 8601; the assistant's logged answer may end the messages or be absent).
+seconds or ISO 8601; the assistant's logged answer may end the messages or be absent). A turn keeps OpenAI's
+`tool_calls` (its content null when it only calls tools) and a tool result's `tool_call_id` and `name`.
 
 A record may also carry the engine's own acceptance for that request, as vLLM 0.32 returns it with
 `--per-request-spec-decode-metrics summary|detailed`: the response's `metrics` object copied into the
@@ -28,7 +29,8 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import Any, Optional
 
-from draftsmith.data_prep.conversations import DEFAULT_DOMAIN, ROLES
+from draftsmith.data_prep.conversations import DEFAULT_DOMAIN
+from draftsmith.data_prep.turns import TOOL_CALLS_KEY, TOOL_KEYS, normalize_turn
 from draftsmith.errors import UserError
 from draftsmith.files import write_text_atomic
 
@@ -61,10 +63,8 @@ def read_requests(directory: Path) -> tuple[list[dict[str, Any]], int]:
                 continue
             try:
                 record = json.loads(line)
-                messages = [
-                    {"role": ROLES[m["role"].lower()], "content": str(m["content"])} for m in record["messages"]
-                ]
-            except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+                messages = [logged_turn(turn) for turn in record["messages"]]
+            except (json.JSONDecodeError, KeyError, TypeError, UserError):
                 messages = []
             if not messages or not any(m["role"] == "user" for m in messages):
                 malformed += 1
@@ -84,6 +84,18 @@ def read_requests(directory: Path) -> tuple[list[dict[str, Any]], int]:
             'a user turn among them), and optionally "domain" and "timestamp"'
         )
     return requests, malformed
+
+
+def logged_turn(turn: Any) -> dict[str, Any]:
+    """One logged turn as the sample holds it: its role by the data loader's table, its content (null where
+    the turn only calls tools, as OpenAI logs it), its `tool_calls` and the `tool_call_id` and `name` a tool's
+    result carries. A turn the loader would refuse (data_prep/turns.py: an unknown role, no content and no
+    call, a malformed call) raises UserError: its line is malformed, not a sample the eval then refuses."""
+    checked = normalize_turn(turn, "a logged turn")
+    kept = {key: checked[key] for key in ("role", "content", TOOL_CALLS_KEY, *TOOL_KEYS) if checked[key] is not None}
+    if checked[TOOL_CALLS_KEY] and turn.get("content") is None:
+        kept["content"] = None
+    return kept
 
 
 def spec_decode_counts(metrics: Any) -> Optional[dict[str, Any]]:

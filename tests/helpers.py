@@ -342,6 +342,38 @@ def tiny_llama(
     return model.requires_grad_(False)
 
 
+def bfloat16_partings():
+    """A tiny bfloat16 target, two prompts, its plain greedy outputs, the positions along them where the best
+    other token is closest to (a near tie) and farthest from the chosen one in the target's logits, each as
+    (gap in rounding units, prompt, position, that token), and `parted(where)`: the outputs with that token
+    put in at that position, as a decode whose computation rounded otherwise (or went wrong) would part."""
+    from draftsmith.eval.loop import generate_batch
+    from draftsmith.eval.partings import BF16_UNIT, NEAR_TIE_UNITS
+
+    model = tiny_llama(vocab=96, hidden=48, seed=3).to(torch.bfloat16)
+    prompts = [[5, 9, 17, 33], [7, 8, 40, 2, 61]]
+    plain = [generation.tokens for generation in generate_batch(model, prompts, 24)]
+    gaps = []
+    with torch.no_grad():
+        for index, (prompt, tokens) in enumerate(zip(prompts, plain)):
+            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+            for k, token in enumerate(tokens):
+                other = logits[k].clone()
+                other[token] = -float("inf")
+                units = (logits[k, token] - other.max()).abs() / (BF16_UNIT * logits[k].abs().max())
+                gaps.append((units.item(), index, k, other.argmax().item()))
+    closest, farthest = min(gaps), max(gaps)
+    assert closest[0] <= NEAR_TIE_UNITS < farthest[0], (closest, farthest)
+
+    def parted(where) -> list[list[int]]:
+        _, index, position, runner_up = where
+        outputs = [list(tokens) for tokens in plain]
+        outputs[index] = outputs[index][:position] + [runner_up] + outputs[index][position + 1 :]
+        return outputs
+
+    return model, prompts, plain, closest, farthest, parted
+
+
 def perturbed_medusa(model, num_heads: int = 3, noise: float = 0.05, seed: int = 0):
     """Medusa heads initialised from the lm_head plus noise: wrong most of the time."""
     medusa = drafter_class("medusa")

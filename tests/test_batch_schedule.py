@@ -265,16 +265,17 @@ def test_a_sweep_gamma_beyond_what_the_checkpoint_proposes_is_refused_before_any
 
 class EngineFailingSuffix:
     """Stands in for export.verify.EngineSession, answering every "runs" request with equal outputs, but failing
-    vLLM's suffix decoding as the real engine once did (an llvmlite AttributeError inside arctic-inference; not
-    something a test can make the real vLLM do)."""
+    vLLM's suffix decoding (or `failing`: what the request is for) as the real engine once did, started in the
+    process of an n-gram engine (an llvmlite AttributeError; tests/test_engine_vllm.py serves them in turn)."""
 
-    def __init__(self):
+    def __init__(self, failing: str = "serve suffix at γ 24"):
         self.asked: list[str] = []
+        self.failing = failing
 
     def run(self, python: str, request: dict, doing: str) -> dict:
         config = request["runs"][0]["speculative_config"]
         self.asked.append(doing)
-        if config and config["method"] == "suffix":
+        if doing == self.failing:
             raise ExportCheckFailed(f"vLLM could not {doing}: AttributeError: 'NoneType' object has no attribute 'x'")
         gamma = config["num_speculative_tokens"] if config else 0
         levels = [
@@ -309,3 +310,24 @@ def test_a_free_baseline_the_engine_fails_is_left_unmeasured_not_blamed_on_the_e
         "suffix at γ 24": "vLLM could not serve suffix at γ 24: AttributeError: 'NoneType' object has no attribute 'x'"
     }
     assert summary["best_per_concurrency"]["suffix"] == {} and summary["best_per_concurrency"]["eagle3"]
+
+
+def test_a_free_baseline_measured_at_some_of_its_gammas_is_summarized_as_the_best_of_those(target, tmp_path):
+    """n-gram served at γ 1 and 2 and failing at 2: the summary and the plot's legend named it the best fixed γ, as
+    if every γ had been measured; now they say which γs it was measured at."""
+    from draftsmith.export.sweep import run_sweep
+    from draftsmith.export.sweep_results import best_label
+    from draftsmith.recipe import load_recipe
+
+    checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt")
+    python = stand_in_vllm(tmp_path)
+    cfg = load_recipe([f"recipe={KINDS['eagle3']}", f"output_dir={tmp_path}", f"export.vllm_python={python}",
+                       "export.sweep.concurrency=[1]", "export.sweep.gammas=[1,2]", "eval.max_prompts=1"])  # fmt: skip
+    run_sweep(cfg, checkpoint, EngineFailingSuffix(failing="serve ngram at γ 2"), target)
+    summary = json.loads((tmp_path / "sweep" / "summary.json").read_text())
+    assert list(summary["settings"]["not_measured"]) == ["ngram at γ 2"]
+    assert summary["gammas"]["ngram"] == {"measured": [1], "not_measured": [2]}
+    assert summary["gammas"]["eagle3"] == {"measured": [0, 1, 2], "not_measured": []}
+    assert best_label("ngram", summary["gammas"]["ngram"]) == "ngram (best of γ 1; γ 2 not measured)"
+    assert best_label("eagle3", summary["gammas"]["eagle3"]) == "eagle3 (best fixed γ)"
+    assert (tmp_path / "sweep" / "speedup.png").stat().st_size > 0

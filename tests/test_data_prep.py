@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import datasets
+import pyarrow.parquet
 import pytest
 import torch
 from tokenizers import processors
@@ -309,9 +310,28 @@ def test_thinking_is_trained_on_or_masked_by_a_setting(family):
     assert same == ids and masked_runs(tokenizer, ids, masked) == [before, after + ANSWER_1 + end]
     silent = family_tokenizer(
         GEMMA_TEMPLATE, ["<start_of_turn>", "<end_of_turn>", "<eos>"], "<eos>", "<|bos|>"
-    )  # renders none
-    with pytest.raises(UserError, match="does not render assistant turn 2's reasoning verbatim"):
-        render_with_masks(silent, conversation, thinking="mask")
+    )  # renders none: the reasoning was left out without a word with data.thinking=train (the default)
+    key = next(iter(turn))
+    for thinking in ("train", "mask"):
+        with pytest.raises(UserError) as caught:
+            render_with_masks(silent, conversation, thinking=thinking)
+        assert str(caught.value) == (
+            f"data.thinking={thinking}: the chat template of {silent.name_or_path} does not render assistant turn 2's "
+            f"reasoning (its {key}), so it would be left out without a word: use the target's reasoning chat "
+            "template, or remove the reasoning from the data (data.thinking trains on it or masks it, no setting "
+            "leaves it out)"
+        )
+    if family == "qwen3":  # rendered, but not as given: trained on, not masked
+        shouting = family_tokenizer(
+            THINK_TEMPLATE.replace("m.reasoning_content }}", "m.reasoning_content | upper }}"),
+            ["<|im_start|>", "<|im_end|>", "<think>", "</think>"],
+            "<|im_end|>",
+            None,
+        )
+        ids, trained = render_with_masks(shouting, conversation)
+        assert masked_runs(shouting, ids, trained) == [before + REASONING.upper() + after + ANSWER_1 + end]
+        with pytest.raises(UserError, match="does not render assistant turn 2's reasoning verbatim"):
+            render_with_masks(shouting, conversation, thinking="mask")
 
 
 def test_a_cut_answer_is_trained_on_but_not_the_end_of_turn_after_it(tmp_path, reference_tokenizer):
@@ -394,6 +414,75 @@ def test_the_loader_keeps_a_turns_reasoning_and_the_setting_keys_the_cache(tmp_p
         load_conversations([str(path)])
 
 
+# Qwen2.5-Instruct's own branch for an assistant turn that calls tools, verbatim (QWEN25_TEMPLATE leaves it out).
+QWEN25_TOOL_CALLS = r"""    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\n<tool_call>\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+"""
+TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+
+def tool_conversation(content, call=TOOL_CALL, role="assistant") -> dict:
+    """OpenAI's shape: the assistant calls a tool (its content null, empty or text), the tool answers."""
+    return {"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Paris?"},
+                         {"role": role, "content": content, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 12}'},
+                         {"role": "assistant", "content": "12 degrees."}]}  # fmt: skip
+
+
+def test_tool_calls_are_trained_on_or_refused_where_the_template_renders_none(tmp_path, reference_tokenizer):
+    """An assistant turn's OpenAI tool calls are what the target generates there: kept, handed to the template
+    with their arguments an object as vLLM does (given as JSON text or as an object alike), and in the loss mask.
+    A turn with a null content was refused, one with text lost its calls, and the drafter learned an end of turn
+    where the target calls a tool; a template that renders no tool calls is refused in one line."""
+    tokenizer = qwen_tokenizer("<|im_end|>")
+    tool_branch = '    {%- elif message.role == "tool" %}'
+    tokenizer.chat_template = QWEN25_TEMPLATE.replace(tool_branch, QWEN25_TOOL_CALLS + tool_branch)
+    as_object = {**TOOL_CALL, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    records = [tool_conversation(None), tool_conversation("", as_object), tool_conversation("Let me check.")]
+    path = write_jsonl(tmp_path / "tools.jsonl", records)
+    conversations = load_conversations([str(path)])
+    assert [row["messages"][2]["tool_calls"] for row in conversations] == [[TOOL_CALL]] * 3  # arguments as JSON text
+    assert conversations[0]["messages"][3]["tool_call_id"] == "call_1"
+    tokenized = tokenize_conversations(conversations, tokenizer, 512, cache_dir=str(tmp_path / "cache"))
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+    assert [masked_runs(tokenizer, row["input_ids"], row["loss_mask"]) for row in tokenized] == [
+        [call, "12 degrees.<|im_end|>"],
+        [call, "12 degrees.<|im_end|>"],
+        ["Let me check.\n" + call, "12 degrees.<|im_end|>"],
+    ]
+    with pytest.raises(UserError) as caught:  # the reference target's template renders content alone
+        tokenize_conversations(conversations, reference_tokenizer, 512, cache_dir=str(tmp_path / "cache"))
+    assert str(caught.value) == (
+        f"{path} record 1: chat template of {reference_tokenizer.name_or_path} does not render assistant turn 3's "
+        "tool_calls (the turn renders the same without them), so the drafter would learn an end of turn where the "
+        "target calls a tool: use the target's tool-calling chat template, or leave conversations with tool calls out"
+    )
+    for record, error in [
+        (tool_conversation("Hi", role="user"), "turn 3 is a user turn with tool_calls: only an assistant turn calls"),
+        (tool_conversation(None, {"function": {"arguments": "{}"}}), "turn 3: tool call 1 has no function name"),
+        (
+            tool_conversation(None, {"function": {"name": "f", "arguments": "{oops"}}),
+            r"turn 3: tool call 1 \(f\) has arguments that are not a JSON object",
+        ),
+    ]:
+        with pytest.raises(UserError, match=rf"bad\.jsonl record 1: {error}"):
+            load_conversations([str(write_jsonl(tmp_path / "bad.jsonl", [record]))])
+
+
 def test_render_prompt_stops_at_the_last_assistant_turn(reference_tokenizer):
     ids, answer = render_prompt(reference_tokenizer, CONVERSATION)
     assert answer == ANSWER_2
@@ -448,7 +537,9 @@ def test_all_formats_give_identical_conversations(tmp_path):
     ]
     paths[3].write_text(json.dumps(RECORDS))
     datasets.Dataset.from_list(RECORDS).to_parquet(str(paths[4]))
-    no_reasoning = {"thinking": None, "reasoning_content": None, "cut": None}  # one Arrow schema: absent reads as None
+    no_reasoning = dict.fromkeys(  # one Arrow schema: absent reads as None
+        ["thinking", "reasoning_content", "reasoning", "cut", "tool_calls", "tool_call_id", "name"]
+    )
     expected = [[{**message, **no_reasoning} for message in record["messages"]] for record in RECORDS]
     for path in paths:
         loaded = load_conversations([str(path)])
@@ -536,6 +627,20 @@ def test_bad_sources(tmp_path):
         load_conversations([""])
     with pytest.raises(UserError, match="max_conversations"):
         load_conversations([str(write_jsonl(tmp_path / "ok.jsonl", [GOOD]))], max_conversations=0)
+    empty = tmp_path / "empty.parquet"  # the columns, no rows: was `DatasetGenerationError: An error occurred ...`
+    pyarrow.parquet.write_table(datasets.Dataset.from_list([GOOD]).data.table.slice(0, 0), empty)
+    with pytest.raises(UserError, match=r"^\S+empty\.parquet has no records$"):
+        load_conversations([str(empty)])
+
+
+def test_openai_developer_and_llama_ipython_roles_read_as_system_and_tool(tmp_path):
+    """OpenAI's current name for the system prompt and Llama-3.1's for a tool's result map to the roles every
+    template knows, as ShareGPT's speakers do; both were refused as unknown roles."""
+    record = {"messages": [{"role": "developer", "content": "Be terse."}, USER, ASSISTANT,
+                           {"role": "ipython", "content": "42"}, ASSISTANT]}  # fmt: skip
+    loaded = load_conversations([str(write_jsonl(tmp_path / "roles.jsonl", [record]))])
+    roles = [message["role"] for message in loaded[0]["messages"]]
+    assert roles == ["system", "user", "assistant", "tool", "assistant"]
 
 
 # A traffic log's line with bytes that are not UTF-8, as the probe of issue #40 wrote it.
@@ -889,3 +994,169 @@ def test_a_regeneration_record_cut_short_is_one_line_naming_it(tmp_path, token_c
         args.append(f"data.regenerate.reuse=[{earlier}]")
     line = assert_one_line_error(run_entry_in_process(args, capsys), 2, "regenerate.settings: corrupt regeneration")
     assert line.endswith("leave it out of data.regenerate.reuse" if reuse else "or delete it")
+
+
+# ---- the eval split's refusals at load, and tokenization's counts (cache hit or not) -----------------------------
+
+
+def test_tokenization_counts_each_row_once_and_a_cache_hit_logs_them_again(tmp_path, reference_tokenizer, caplog):
+    """The log counts rows where a template that rewrites earlier turns makes more rows than conversations, a row
+    cut and then left with no assistant token as dropped alone (it was counted truncated too), and a run that
+    reads the cache logs the same counts (they were logged only when tokenizing)."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="draftsmith.data")
+
+    def logged(conversations, tokenizer, max_length: int) -> list[str]:
+        caplog.clear()
+        tokenize_conversations(conversations, tokenizer, max_length, cache_dir=str(tmp_path / "cache"))
+        return [record.getMessage().split(", cached at")[0].split(" from the tokenized cache")[0]
+                for record in caplog.records]  # fmt: skip
+
+    rewriting = family_tokenizer(
+        REWRITING_TEMPLATE, ["<|im_start|>", "<|im_end|>", "<think>", "</think>"], "<|im_end|>", None
+    )
+    split = load_conversations([str(write_jsonl(tmp_path / "split.jsonl", [{"messages": CONVERSATION}, GOOD]))])
+    first = logged(split, rewriting, 512)
+    assert first[0] == (
+        "rendered 1 of 2 conversations one row per assistant turn (3 rows in all): the chat template rewrites "
+        "earlier turns"
+    )
+    assert first[1].startswith("tokenized 2 conversations (3 rows) into ")
+    assert logged(split, rewriting, 512) == [first[0], "loaded 2 conversations (3 rows)"]
+
+    long = load_conversations([str(write_jsonl(tmp_path / "long.jsonl", [GOOD, LONG, LONG_PROMPT]))])
+    counts = [
+        "truncated 1 of 3 conversations to data.max_length=60 tokens",  # LONG; LONG_PROMPT is dropped alone
+        "dropped 1 of 3 conversations with no assistant token within data.max_length=60",
+    ]
+    tokenized = logged(long, reference_tokenizer, 60)
+    assert tokenized[:2] == counts and tokenized[2].startswith("tokenized 2 conversations into ")
+    assert logged(long, reference_tokenizer, 60) == [*counts, "loaded 2 conversations"]
+    cached = tmp_path / "cache" / "tokenized" / cache_key(long, reference_tokenizer, 60, "truncate")
+    assert json.loads((cached / "draftsmith_stats.json").read_text())["truncated"] == 1
+
+    (cached / "draftsmith_stats.json").unlink()  # a cache written before the counts were kept: none logged
+    assert logged(long, reference_tokenizer, 60) == ["loaded 2 conversations"]
+
+
+def refused_training(run: Path, data: dict, cache: Path, capsys, *extra: str) -> str:
+    """The one error line `train.py` on `data` ends with (exit 2), having trained no step."""
+    line = assert_one_line_error(run_entry_in_process(["train.py", *train_args(run, data, cache, *extra)], capsys), 2)
+    assert not (run / "checkpoints").exists()
+    return line
+
+
+def test_an_eval_split_domain_named_all_is_refused_before_training(tmp_path, small_data, token_cache, capsys):
+    """A domain named `all` in data.eval would merge into eval_accuracy.json's row of every domain (and the
+    report's): one line naming the record, exit 2, where the data loads, before the target loads or a step
+    trains; it was refused only by the report, after training, the accuracy table already merged."""
+    path = write_jsonl(tmp_path / "eval.jsonl", [{**GOOD, "domain": "code"}, {**GOOD, "domain": "all"}])
+    data = {"train": small_data["train"], "eval": path}
+    assert refused_training(tmp_path / "run", data, token_cache, capsys) == (
+        f"error: data.eval: {path} record 2 has the domain 'all', the name the eval's tables give the row of "
+        "every domain together; rename that domain"
+    )
+    # the report's own prompts (eval.data) are read before training too
+    line = refused_training(
+        tmp_path / "run2", small_data, token_cache, capsys, "eval.enabled=true", f"eval.data=[{path}]"
+    )
+    assert "record 2 has the domain 'all'" in line
+
+
+def test_a_prompt_only_data_eval_is_one_line_pointing_to_eval_data(tmp_path, small_data, token_cache, capsys):
+    """data.eval is measured on its answers (eval_accuracy.json): a file of prompts alone is refused in one line
+    naming data.eval and eval.data, which takes prompts; it named the record only. A file refused for another
+    reason keeps its own line, and data.train's line is as it was."""
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"messages": [USER]}, GOOD])
+    assert refused_training(tmp_path / "run", {"train": small_data["train"], "eval": prompts}, token_cache, capsys) == (
+        f"error: data.eval: {prompts} record 1: no assistant turn, so nothing to train on: data.eval is the eval "
+        "split, measured on its answers; prompts without answers (the speculative-decoding eval's) go in eval.data"
+    )
+    broken = write_jsonl(tmp_path / "broken.jsonl", [{"messages": [USER]}, {"messages": [ASSISTANT]}])
+    data = {"train": small_data["train"], "eval": broken}
+    assert refused_training(tmp_path / "run", data, token_cache, capsys).startswith(f"error: {broken} record ")
+    data = {"train": prompts, "eval": small_data["eval"]}
+    line = refused_training(tmp_path / "run", data, token_cache, capsys)
+    assert f"{prompts} record 1: no assistant turn" in line and "eval.data" not in line
+
+
+def test_a_regeneration_knows_its_conversations_by_content_whatever_fields_a_turn_may_hold(tmp_path):
+    """regenerate.settings records its input and reused answers by content_digest, and a resume or a reuse
+    compares them: a field the loader adds to every turn (None where a turn has none) must move no digest, or
+    every finished regeneration is refused after it, as the committed benchmarks/data folders were after `cut`
+    and `tool_calls`. The keys holding None are left out at any depth (a tool call without an id); a value
+    counts. Pinned: the digest of the same conversations never moves."""
+    from draftsmith.data_prep.regenerate import content_digest, without_nulls
+
+    plain = datasets.Dataset.from_list([{"messages": [USER, ASSISTANT], "domain": "chat"}])
+    assert content_digest(plain) == "a413355ae87996fb"
+    later = [{**turn, "a_later_field": None} for turn in (USER, ASSISTANT)]
+    assert content_digest(datasets.Dataset.from_list([{"messages": later, "domain": "chat"}])) == "a413355ae87996fb"
+    loaded = load_conversations(
+        [str(write_jsonl(tmp_path / "plain.jsonl", [{"messages": [USER, ASSISTANT], "domain": "chat"}]))]
+    )
+    assert loaded[0]["messages"][0]["tool_calls"] is None and content_digest(loaded) == "a413355ae87996fb"
+    cut = [USER, {**ASSISTANT, "cut": True}]
+    assert content_digest(datasets.Dataset.from_list([{"messages": cut, "domain": "chat"}])) != "a413355ae87996fb"
+
+    no_id = {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    tools = load_conversations([str(write_jsonl(tmp_path / "tools.jsonl", [tool_conversation(None, no_id)]))])
+    assert tools[0]["messages"][2]["tool_calls"][0]["id"] is None  # Arrow's None beside the type
+    rows = [{"messages": without_nulls(row["messages"]), "domain": row["domain"]} for row in tools]
+    assert "id" not in rows[0]["messages"][2]["tool_calls"][0]
+    assert content_digest(tools) == content_digest(datasets.Dataset.from_list(rows))
+
+
+class NumberedAnswers:
+    """A stand-in engine: answer i of each call is `answer i`; counts the prompts it is asked."""
+
+    def __init__(self):
+        self.asked = 0
+
+    def answers(self, prompts, seeds):
+        from draftsmith.data_prep.answer_engines import Answer
+
+        self.asked += len(prompts)
+        return [Answer(f"answer {i}", cut=False) for i in range(len(prompts))]
+
+
+def test_a_regenerated_turn_that_called_tools_ends_its_conversation_without_the_old_calls(tmp_path, capsys):
+    """The target's answer replaces a turn that called a tool: the old calls go with the old content (the answer
+    did not make them), and so do the turns after it, whose tool result answered those calls: the conversation
+    ends at that answer, counted, or is left out below min_turns; a call in the last turn ends nothing early. It
+    kept the old calls beside the new text, the tool's result after them. The conversation before an answer is
+    known by its tool calls too (a turn that only calls a tool has an empty content)."""
+    from omegaconf import OmegaConf
+
+    from draftsmith.data_prep.regenerate import prompt_key, regenerate_batch, without_nulls
+
+    path = write_jsonl(tmp_path / "tools.jsonl", [tool_conversation(None)])
+    messages = load_conversations([str(path)])[0]["messages"]
+    section = OmegaConf.create({"max_turns": None, "min_turns": 1})
+    engine = NumberedAnswers()
+    out, ended, _ = regenerate_batch(engine, load_tokenizer(str(REFERENCE)), [messages, messages[:3]], section, 1024)
+    system, user = without_nulls(messages[:2])
+    assert [without_nulls(m) for m in out] == [
+        [system, user, {"role": "assistant", "content": f"answer {i}"}] for i in (0, 1)
+    ]
+    assert ended == ["tool calls", None] and engine.asked == 2  # the final answer after the tool's result is not asked
+    section.min_turns = 2
+    assert regenerate_batch(NumberedAnswers(), load_tokenizer(str(REFERENCE)), [messages], section, 1024)[:2] == (
+        [None],
+        ["tool calls"],
+    )
+
+    other = {**TOOL_CALL, "function": {"name": "get_time", "arguments": "{}"}}
+    assert prompt_key(messages[:3]) != prompt_key([*messages[:2], {**messages[2], "tool_calls": [other]}])
+    assert prompt_key(messages[:2]) == prompt_key(without_nulls(messages[:2]))  # None is no field
+
+    args = ["recipe=draft", f"target.name_or_path={REFERENCE}", f"data.train=[{path}]", "data.max_length=64",
+            "data.regenerate.max_new_tokens=2", f"data.regenerate.output={tmp_path / 'out'}",
+            f"output_dir={tmp_path / 'run'}"]  # fmt: skip
+    done = run_entry_in_process(["-m", "data_prep.regenerate", *args], capsys)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "1 conversations end at an answer to a turn that called tools (its calls dropped)" in done.stdout
+    written = [json.loads(line) for line in gzip.open(tmp_path / "out" / "part-00000.jsonl.gz", "rt")]
+    assert [[m["role"] for m in record["messages"]] for record in written] == [["system", "user", "assistant"]]
+    assert "tool_calls" not in written[0]["messages"][2] and written[0]["messages"][2]["content"]

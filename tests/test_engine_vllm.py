@@ -34,7 +34,7 @@ from draftsmith.formats import exporter_for
 from draftsmith.formats.repo import EXPORT_INFO, VLLM_PINNED
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target
-from tests.helpers import DEMO, REFERENCE_TARGET, train_in_process, write_sweep
+from tests.helpers import DEMO, KINDS, REFERENCE_TARGET, save_drafter, train_in_process, write_sweep
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 # case -> (recipe, overrides): EAGLE-3 in the speculators layout and in vLLM's native one
@@ -155,3 +155,27 @@ def test_an_export_with_a_gamma_per_batch_size_is_served_with_it(exported, engin
         verified["prompts"] >= 3
         and verified["schedule"]["counters"]["num_drafts"] == 0 < verified["counters"]["num_drafts"]
     )
+
+
+def test_the_sweep_measures_ngram_at_every_gamma_and_suffix_after_it(
+    vllm_python, engine_session, target, arctic_path, small_data, tmp_path
+):
+    """vLLM's n-gram proposer leaves its worker process unable to start another engine (llvmlite's handle
+    breaks vLLM's CPU kernel overrides): the sweep measured n-gram at γ 1 only, γ 2 and suffix decoding after it
+    failing in the same process. Now each engine after an n-gram one starts in a fresh worker: every γ and
+    suffix are measured, and the summary names no γ as unmeasured."""
+    checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt")
+    cfg = load_recipe([f"recipe={KINDS['eagle3']}", f"output_dir={tmp_path}", f"export.vllm_python={vllm_python}",
+                       f"eval.data=[{small_data['eval']}]", "eval.max_prompts=1", "eval.max_new_tokens=8",
+                       "export.sweep.concurrency=[1]", "export.sweep.gammas=[1,2]", "export.sweep.suffix=true",
+                       "export.sweep.min_requests=1", "export.sweep.requests_per_slot=1"])  # fmt: skip
+    rows = read_sweep(run_sweep(cfg, checkpoint, engine_session, target))
+    served = [(r["method"], r["gamma"], r["engine"].get("method"), r["lossless"]) for r in rows]
+    assert served == [("plain", 0, None, None), ("ngram", 1, "ngram", True), ("ngram", 2, "ngram", True),
+                      ("suffix", 24, "suffix", True), ("eagle3", 0, "eagle3", True), ("eagle3", 1, "eagle3", True),
+                      ("eagle3", 2, "eagle3", True), ("plain-rerun", 0, None, True)]  # fmt: skip
+    summary = json.loads((tmp_path / "sweep" / "summary.json").read_text())
+    assert summary["settings"]["not_measured"] == {}
+    assert summary["gammas"] == {"ngram": {"measured": [1, 2], "not_measured": []},
+                                 "suffix": {"measured": [24], "not_measured": []},
+                                 "eagle3": {"measured": [0, 1, 2], "not_measured": []}}  # fmt: skip

@@ -895,15 +895,16 @@ def test_the_recommended_gamma_weighs_expected_tokens_against_measured_draft_cos
         }  # fmt: skip
 
     # E(γ) = 1, 1.8, 2.2, 2.28. Sequential, a draft forward at half a target forward: 1.8/1.5 > 2.2/2 > 2.28/2.5.
-    costly = recommended_gamma(report(3.0, 2.5))
+    both = ["vllm", "sglang"]
+    costly = recommended_gamma(report(3.0, 2.5), both)
     assert costly["vllm"] == costly["sglang"] == 1 and costly["draft_forward_cost"] == pytest.approx(0.5)
     assert costly["tokens_per_cycle"] == {"1": 1.8, "2": 2.2, "3": 2.28}
-    assert recommended_gamma(report(3.0, 1.0))["vllm"] == 3  # free drafting: the longest measured chain
+    assert recommended_gamma(report(3.0, 1.0), both)["vllm"] == 3  # free drafting: the longest measured chain
     assert (
-        recommended_gamma(report(1.0, 1.5))["vllm"] == 3
+        recommended_gamma(report(1.0, 1.5), both)["vllm"] == 3
     )  # one forward for the whole chain: its cost does not grow with γ
     assert (
-        recommended_gamma({**report(3.0, 2.5), "temperature": 1.0}) is None
+        recommended_gamma({**report(3.0, 2.5), "temperature": 1.0}, both) is None
     )  # sampled rows: no greedy acceptance to read
     # the card's note: the serving command's γ is the folder's; it said "the command above uses 3" and no more
     from draftsmith.export.card import gamma_note
@@ -919,30 +920,10 @@ def test_a_bfloat16_parting_passes_the_check_only_at_a_near_tie():
     parting, records it, and fails one where the target's logits are far apart, which is how a state rolled
     back wrong or a misread drafter shows."""
     from draftsmith.errors import ExportCheckFailed
-    from draftsmith.eval.loop import generate_batch
-    from draftsmith.export.verify import BF16_UNIT, NEAR_TIE_UNITS, compare, parting_gaps
-    from tests.helpers import tiny_llama
+    from draftsmith.export.verify import compare, parting_gaps
+    from tests.helpers import bfloat16_partings
 
-    model = tiny_llama(vocab=96, hidden=48, seed=3).to(torch.bfloat16)
-    prompts = [[5, 9, 17, 33], [7, 8, 40, 2, 61]]
-    plain = [generation.tokens for generation in generate_batch(model, prompts, 24)]
-    gaps = []  # (gap in bf16 units, prompt, position, the best other token) along the plain outputs
-    with torch.no_grad():
-        for index, (prompt, tokens) in enumerate(zip(prompts, plain)):
-            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
-            for k, token in enumerate(tokens):
-                other = logits[k].clone()
-                other[token] = -float("inf")
-                units = (logits[k, token] - other.max()).abs() / (BF16_UNIT * logits[k].abs().max())
-                gaps.append((units.item(), index, k, other.argmax().item()))
-    closest, farthest = min(gaps), max(gaps)
-    assert closest[0] <= NEAR_TIE_UNITS < farthest[0], (closest, farthest)
-
-    def parted(where) -> list[list[int]]:
-        _, index, position, runner_up = where
-        outputs = [list(tokens) for tokens in plain]
-        outputs[index] = outputs[index][:position] + [runner_up] + outputs[index][position + 1 :]
-        return outputs
+    model, prompts, plain, closest, farthest, parted = bfloat16_partings()
 
     def check(speculative):
         engine = {"vllm_version": "0.32.0", "runs": {"plain": {"outputs": plain}, "speculative": {

@@ -459,3 +459,36 @@ def test_no_target_family_is_named_in_product_code():
         if value not in draft_layers and value not in tables.get(name, ())
     ]
     assert not found, "target families named in product code: " + "; ".join(found)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "glm4_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_draft_layers_of_a_partial_rotary_target_rotate_every_dimension_in_transformers_and_as_engines_read_them(
+    model_type, family
+):
+    """A target whose RoPE rotates part of each head (Qwen3.5: a quarter, GLM-4.5: half) gives its draft
+    layers no `partial_rotary_factor`: transformers' Llama and Qwen3 rotary embeddings ignore it and rotate
+    every dimension, while vLLM's get_rope reads it from rope_parameters and would rotate a part (the draft
+    trained on one position encoding, served with another); the export leaves it out of an older drafter's."""
+    from draftsmith.families import layer_family
+    from draftsmith.heads.eagle_base import import_qualified
+    from draftsmith.random_target import build_config
+
+    target = build_config(model_type, 512, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
+    assert target.rope_parameters["partial_rotary_factor"] < 1
+    layers = layer_family(family)
+    values = layers.config(target, 1)
+    rotary = import_qualified(layers.rotary)(import_qualified(layers.config_class).from_dict(values))
+    head_dim = values["head_dim"]
+    assert 2 * rotary.inv_freq.numel() == head_dim  # transformers: every dimension
+    engine_factor = values["rope_parameters"].get("partial_rotary_factor", values.get("partial_rotary_factor", 1.0))
+    assert engine_factor == 1.0  # vLLM: rotary_dim = head_dim x partial_rotary_factor
+    # a drafter trained before the factor was left out still names it in its config: its export does not
+    from types import SimpleNamespace
+
+    from draftsmith.formats.repo import draft_layer_config
+
+    named = {**values, "rope_parameters": {**values["rope_parameters"], "partial_rotary_factor": 0.25}}
+    older = SimpleNamespace(config=SimpleNamespace(decoder={"config": named}))
+    exported = draft_layer_config(older, ("llama", "qwen3"), "vLLM", "EAGLE-3")["rope_parameters"]
+    assert exported == values["rope_parameters"]

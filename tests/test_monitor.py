@@ -869,3 +869,36 @@ def test_monitor_cli_bad_input_is_one_line_exit_2(tmp_path, capsys):
         args = ["-m", "monitor", "check", "recipe=medusa", f"output_dir={tmp_path}", f"monitor.metrics=[{url}]"]
         line = assert_one_line_error(run_entry_in_process(args, capsys), 2, alone=True)
         assert f"error: monitor.metrics: '{url.strip(chr(39))}' is not an http(s) URL of a host" in line
+
+
+def test_a_logged_tool_call_is_kept_as_the_data_loader_reads_it(tmp_path):
+    """OpenAI's tool calling in a request log: the assistant turn that only calls a tool keeps its calls and its
+    null content (it became the text "None" and lost its calls), the tool's result its call id and name, and the
+    roles OpenAI and Llama-3.1 name otherwise (developer, ipython) are the shared table's; the sample written is
+    one the data loader reads. A turn with no content and no call is a malformed line, as is one the loader would
+    refuse, not a sample the eval then refuses; a plain request's turns hold role and content alone, as before."""
+    from draftsmith.data_prep import load_conversations
+    from draftsmith.monitor.traffic import write_conversations
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    result = {"content": '{"temp": 12}', "tool_call_id": "call_1", "name": "get_weather"}
+    tools = [{"role": "developer", "content": "Be terse."}, {"role": "user", "content": "Paris?"},
+             {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "ipython", **result}]  # fmt: skip
+    plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", "thinking": "greet"}]
+    broken = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]
+    calls_from_user = [{"role": "user", "content": "hi", "tool_calls": [call]}]
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    lines = [{"messages": messages, "domain": "chat"} for messages in (tools, plain, broken, calls_from_user)]
+    (logs / "requests.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    requests, malformed = read_requests(logs)
+    assert malformed == 2 and [request["messages"] for request in requests] == [
+        [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Paris?"},
+         {"role": "assistant", "content": None, "tool_calls": [call]},
+         {"role": "tool", **result}],
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+    ]  # fmt: skip
+    written = write_conversations(requests, tmp_path / "sample.jsonl")
+    loaded = load_conversations([str(written)])
+    assert [turn["role"] for turn in loaded[0]["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
+    assert loaded[0]["messages"][2]["tool_calls"] == [call] and loaded[0]["messages"][3]["tool_call_id"] == "call_1"

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import datasets
+import huggingface_hub.constants
 import pytest
 
 from draftsmith.data_prep import load_conversations
@@ -14,7 +16,7 @@ from draftsmith.data_prep.sources import named_file
 from draftsmith.errors import UserError
 from draftsmith.eval.prompts import load_prompts
 from draftsmith.target import load_tokenizer
-from tests.helpers import REFERENCE_TARGET
+from tests.helpers import REFERENCE_TARGET, assert_one_line_error, run_entry_in_process, train_args
 
 
 def turn(speaker: str, text: str) -> dict:
@@ -174,3 +176,30 @@ def test_a_missing_package_or_unknown_name_is_one_line(tmp_path, monkeypatch):
         load_conversations(["named:sharegpt"])
     with pytest.raises(UserError, match="unknown named data set 'named:alpaca'; known: named:sharegpt, named:mt_bench"):
         load_conversations(["named:alpaca"])
+
+
+def test_a_hub_data_set_out_of_reach_exits_69_and_one_not_cached_offline_exits_2(
+    tmp_path, small_data, token_cache, monkeypatch, capsys
+):
+    """A Hub data set id with no network is a temporary fault (69: run it again), as a Hub model id is
+    (tests/test_exit_codes.py); it was exit 2, `cannot load data set ...: ConnectionError`, datasets having
+    dropped the request's error that names it. With HF_HUB_OFFLINE=1 (the tests' setting) an id not in the
+    cache is bad input (2). The Hub is an address nothing listens on; huggingface_hub's retries are skipped."""
+    constants = huggingface_hub.constants
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    args = ["train.py", *train_args(tmp_path / "run", {**small_data, "train": "acme/chats"}, token_cache)]
+    offline = run_entry_in_process(args, capsys)
+    assert assert_one_line_error(offline, 2) == (
+        "error: data set 'acme/chats' is not in the datasets cache, and HF_HUB_OFFLINE=1 forbids downloading it: "
+        "download it once with a network, or give local files"
+    )
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr("time.sleep", lambda seconds: None)
+    unreachable = run_entry_in_process(args, capsys)
+    line = assert_one_line_error(unreachable, 69, "Couldn't reach 'acme/chats' on the Hub", prefix="Hub unavailable: ")
+    assert line.startswith("Hub unavailable: cannot load data set 'acme/chats' (split 'train'): ConnectionError")
+    assert line.endswith("run the same command again when the Hub can be reached, or give local files")
+    assert not (tmp_path / "run" / "checkpoints").exists()

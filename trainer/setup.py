@@ -27,6 +27,7 @@ from draftsmith.data_prep.features import (
     require_captured_settings,
 )
 from draftsmith.errors import UserError, one_line
+from draftsmith.eval.prompts import load_prompts
 from draftsmith.families import check_eval_settings
 from draftsmith.formats.folder import require_recipes_drafter, require_recipes_kind, start_kind, warm_start
 from draftsmith.heads import drafter_class
@@ -215,6 +216,9 @@ def load_data(cfg: DictConfig, accelerator: Accelerator, tokenizer):
         )
         if cfg.data.eval:  # the eval stage reads it after training: a bad file must fail now, not then
             load_tokenized(cfg, cfg.data.eval, tokenizer, "data.eval")
+        if cfg.eval.enabled and cfg.eval.data:  # the report's own prompts, read after training too
+            length = int(cfg.data.max_length)
+            load_prompts(list(cfg.eval.data), tokenizer, int(cfg.eval.max_prompts), length, cfg.data.skip_invalid_utf8)
     heldout = None  # train.heldout: the last conversations of data.train, in file order, never trained on
     if cfg.train.heldout > 0:
         train_data, heldout = split_heldout(

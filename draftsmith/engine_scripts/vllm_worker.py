@@ -35,7 +35,10 @@ A request is an object with one key, the name of what it asks for, whose value h
 
 A failed request is answered {"ok": false, "error": ..., "traceback": ..., "error_lines": [...]} and
 ends the worker with exit code 1: an engine that failed may hold half-freed state, so the next request
-gets a fresh process. The end of stdin ends the worker (exit code 0), and so does the end of the
+gets a fresh process. A "runs" request whose engine left this process unable to start another (vLLM's
+n-gram proposer: `SPENT_BY`) is answered with "ended": true, and the worker then ends (exit code 0): the
+next request needs a fresh process too (and a later run of the same request fails: the load sweep sends one
+run a request). The end of stdin ends the worker (exit code 0), and so does the end of the
 process that started it. The worker stays up between requests, so a program that checks several
 exports (a test session, a benchmark) imports vLLM once.
 
@@ -60,6 +63,11 @@ COUNTERS = {
     "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
 }
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+# A module whose import leaves this process unable to start another engine: vLLM's n-gram proposer imports numba,
+# and with it llvmlite's library handle, which answers every attribute (`__dict__` too) with a wrapped C function;
+# vLLM 0.32's CPU build, starting an engine, scans every loaded module's objects for Triton kernels to override, and
+# fails on it ("AttributeError: '_lib_fn_wrapper' object has no attribute 'get'").
+SPENT_BY = "llvmlite.binding.ffi"
 ERROR_LINE = re.compile(r"\b([A-Za-z_][\w.]*(?:Error|Exception)): (.+)$")
 
 
@@ -304,6 +312,8 @@ def runs(request):
     result = {"vllm_version": vllm.__version__, "runs": {}}
     for run in request["runs"]:
         result["runs"][run["name"]] = measured_run(request, run.get("speculative_config"))
+    if SPENT_BY in sys.modules:  # no later engine starts in this process: `main` ends it after the reply
+        result["ended"] = True
     return result
 
 
@@ -375,12 +385,15 @@ def main():
             if len(request) != 1 or next(iter(request)) not in handlers:
                 raise ValueError(f"a request names one of {sorted(handlers)}; this one has the keys {sorted(request)}")
             ((name, arguments),) = request.items()
-            reply({"ok": True, **handlers[name](arguments)})
+            answer = handlers[name](arguments)
+            reply({"ok": True, **answer})
         except BaseException as err:  # noqa: BLE001 - everything is reported as JSON
             logs.close()
             reply({"ok": False, "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc(),
                    "error_lines": logs.error_lines[-8:]})  # fmt: skip
             os._exit(1)  # an engine that failed may hold half-freed state: the next request gets a fresh process
+        if answer.get("ended"):
+            break
     logs.close()
     os._exit(0)  # engine threads can hang interpreter teardown
 

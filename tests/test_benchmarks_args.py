@@ -1,0 +1,164 @@
+"""The benchmark scripts' arguments and resumed files, before any engine or training runs: load_sweep.py
+reads relative paths from the current directory and resumes a drafter's rows only for the checkpoint its
+RUN_DIR holds now (rows of another are one line, exit 2); peer_ablation.py stops in one line when the
+speculators checkpoint it was asked to score is not there. And export/gamma.py's recommended γ names only the
+engines that serve the drafter's chains (an MTP drafter's: vLLM alone; SGLang's export refuses it), and the
+model card lists draftsmith's P(accepted >= k) up to γ as vLLM's."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from draftsmith.errors import UserError
+from draftsmith.export.gamma import chain_engines, recommended_gamma
+from draftsmith.files import checkpoint_digest
+from draftsmith.formats import Source
+from draftsmith.formats.repo import TargetInfo
+from draftsmith.heads import drafter_class
+from draftsmith.target import TargetShape
+from tests.helpers import DEMO, REFERENCE_TARGET, REPO, assert_one_line_error, save_drafter, sweep_row
+
+
+def benchmark(name: str, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # as `python benchmarks/<name>.py` has it
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def exits(main, argv: list[str], monkeypatch, capsys) -> SimpleNamespace:
+    """`main` run as its script with `argv`, as a finished process for assert_one_line_error."""
+    monkeypatch.setattr(sys, "argv", ["script", *argv])
+    with pytest.raises(SystemExit) as ended:
+        main()
+    return SimpleNamespace(returncode=ended.value.code, stderr=capsys.readouterr().err)
+
+
+@pytest.fixture
+def load_sweep(monkeypatch):
+    return benchmark("load_sweep", monkeypatch)
+
+
+def test_load_sweep_reads_relative_paths_from_the_current_directory(load_sweep, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out, drafters = load_sweep.paths("results/sweep", ["a=runs/a", f"b={tmp_path / 'elsewhere'}"])
+    assert out == tmp_path / "results/sweep"
+    assert drafters == {"a": tmp_path / "runs/a", "b": tmp_path / "elsewhere"}
+    for specs, fragment in (([], "give at least one --drafter"), (["runs/a"], "give NAME=RUN_DIR")):
+        with pytest.raises(UserError, match=fragment):
+            load_sweep.paths("out", specs)
+
+
+def test_load_sweep_resumes_a_drafters_rows_only_for_the_checkpoint_its_run_dir_holds(load_sweep, tmp_path):
+    ours, other = "a" * 64, "b" * 64
+    rows = [
+        sweep_row("plain", 0, 1, 1.0),
+        sweep_row("ngram", 2, 1, 1.0, [50, 20], 100),
+        sweep_row("eagle3.1", 2, 1, 1.0, [50, 20], 100, source=ours),
+        sweep_row("eagle3.1+schedule", 2, 1, 1.0, [50, 20], 100, source=ours),
+        sweep_row("another", 2, 1, 1.0, [50, 20], 100, source=other),  # a drafter not swept now
+    ]
+    path = tmp_path / "sweep.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    load_sweep.require_same_checkpoints([path, tmp_path / "repeats.jsonl"], {"eagle3.1": ours})
+    for name in ("eagle3.1", "eagle3.1+schedule"):  # a drafter retrained into the same RUN_DIR, or another's rows
+        with path.open("a") as stream:
+            stream.write(json.dumps(sweep_row(name, 3, 1, 1.0, [50, 20, 5], 100, source=other)) + "\n")
+        with pytest.raises(UserError, match=rf"holds rows of eagle3.1 from another checkpoint \(sha256 {other[:12]}"):
+            load_sweep.require_same_checkpoints([path], {"eagle3.1": ours})
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def test_load_sweep_refuses_before_it_writes_anything(load_sweep, tmp_path, monkeypatch, capsys):
+    """Run from another directory than the repository's: RUN_DIR and --out are that directory's."""
+    target = AutoModelForCausalLM.from_pretrained(REFERENCE_TARGET, dtype=torch.float32)
+    save_drafter("medusa", target, tmp_path / "run" / "final")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    row = sweep_row("medusa", 2, 1, 1.0, [50, 20], 100, source="c" * 64)
+    (tmp_path / "out" / "sweep.jsonl").write_text(json.dumps(row) + "\n")
+    argv = ["--vllm-python", "/no/python", "--drafter", "medusa=run", "--out", "out", "--stages", "report"]
+    result = exits(load_sweep.main, argv, monkeypatch, capsys)
+    digest = checkpoint_digest(tmp_path / "run" / "final")
+    assert_one_line_error(result, 2, f"from another checkpoint (sha256 cccccccccccc, its RUN_DIR's is {digest[:12]}")
+    argv = ["--vllm-python", "/no/python", "--drafter", "medusa=empty", "--out", "new", "--stages", "report"]
+    assert_one_line_error(exits(load_sweep.main, argv, monkeypatch, capsys), 2, "empty holds no checkpoint")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]  # no new --out, no export
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["sweep.jsonl"]
+
+
+def test_load_sweep_reuses_an_export_only_of_this_checkpoint_and_sweep(load_sweep, tmp_path):
+    folder, sweep = tmp_path / "export_scheduled" / "vllm", tmp_path / "out" / "sweep.jsonl"
+    assert not load_sweep.made_from(folder, "a" * 64)
+    folder.mkdir(parents=True)
+    info = {"source": {"sha256": "a" * 64}, "batch_schedule": {"sweep": str(sweep)}}
+    (folder / "draftsmith_export.json").write_text(json.dumps(info))
+    assert load_sweep.made_from(folder, "a" * 64) and load_sweep.made_from(folder, "a" * 64, sweep)
+    assert not load_sweep.made_from(folder, "b" * 64)
+    assert not load_sweep.made_from(folder, "a" * 64, tmp_path / "another" / "sweep.jsonl")
+
+
+def test_peer_ablation_stops_in_one_line_without_the_speculators_checkpoint(tmp_path, monkeypatch, capsys):
+    peer_ablation = benchmark("peer_ablation", monkeypatch)
+    runs = tmp_path / "runs"
+    checkpoint = tmp_path / "peer" / "speculators" / "1"
+    argv = ["--runs", str(runs), "--speculators", str(checkpoint), "--variants", "base"]
+    result = exits(peer_ablation.main, argv, monkeypatch, capsys)
+    assert_one_line_error(result, 2, f"--speculators {checkpoint}: no speculators checkpoint there")
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "model.safetensors").write_bytes(b"")
+    result = exits(peer_ablation.main, argv, monkeypatch, capsys)
+    assert_one_line_error(result, 2, "no train_command.txt beside it to run speculators' variants")
+    argv = [*argv[:-1], "steps", "--speculators-variants", ""]
+    result = exits(peer_ablation.main, argv, monkeypatch, capsys)
+    assert_one_line_error(result, 2, "scored with the recipe of the base variant")
+    assert not runs.exists()  # nothing trained, nothing written
+
+
+def source_of(kind: str, target_dir, **config) -> Source:
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    cls = drafter_class(kind)
+    drafter = cls.from_target(cls.Config(**config), model, str(target_dir))
+    shape = TargetShape.of(model, str(target_dir))
+    return Source(drafter, target_dir, model, TargetInfo(shape, model.config.to_dict(), str(target_dir)))
+
+
+def test_the_recommended_gamma_names_only_the_engines_that_serve_the_drafters_chains():
+    report = {
+        "temperature": 0.0, "device": "cpu", "methods": {"chain": {"gamma": 3}},
+        "domains": {"all": {"chain": {"per_position": [0.8, 0.5, 0.2], "target_forwards": 100,
+                                      "draft_forwards_per_cycle": 3.0, "wall_s": 2.5}}},
+        "baselines": {"all": {"plain": {"target_forwards": 100, "wall_s": 1.0}}},
+    }  # fmt: skip
+    mtp = chain_engines(source_of("mtp", DEMO / "mtp-target"))
+    assert mtp == ["vllm"]  # SGLang's export of MTP is refused: no recommendation for it
+    recommended = recommended_gamma(report, mtp)
+    assert recommended["vllm"] == 1 and "sglang" not in recommended
+    taps = [0, 1, 2]  # the demo recipe's: the default's are not distinct on a 4-layer target
+    assert chain_engines(source_of("eagle3", REFERENCE_TARGET, aux_layers=taps)) == ["vllm", "sglang"]
+    # SGLang's EAGLE-3 layer has no norm_before_residual: its export refuses the drafter
+    assert chain_engines(source_of("eagle3", REFERENCE_TARGET, aux_layers=taps, norm_before_residual=True)) == ["vllm"]
+
+
+def test_the_cards_engine_table_lists_draftsmiths_acceptance_at_every_position_up_to_gamma():
+    """draftsmith counts the positions its chains reached: none past the second here (no second draft was
+    accepted), where vLLM's counters list all 3, the third 0 (an MTP export of the probe, γ 3)."""
+    from draftsmith.export.card import engine_section
+
+    verified = {
+        "at_least_engine": [0.3459, 0.0, 0.0], "at_least_draftsmith": [0.3481, 0.0], "num_speculative_tokens": 3,
+        "tau_engine": 1.3459, "tau_draftsmith": 1.3481, "lossless": True, "engine_version": "0.32.0",
+        "relative_difference": -0.0016, "tolerance": 0.08,
+        "counters": {"num_drafts": 185, "num_draft_tokens": 555, "num_accepted_tokens": 64},
+    }  # fmt: skip
+    rows = engine_section(verified)
+    assert "| vLLM | 1.346 | 0.35 / 0.00 / 0.00 | yes |" in rows
+    assert "| draftsmith | 1.348 | 0.35 / 0.00 / 0.00 | yes |" in rows
