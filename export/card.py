@@ -156,10 +156,7 @@ def engine_section(verified: Optional[dict[str, Any]]) -> list[str]:
     if not verified:
         return []
     at_least = " / ".join(f"{p:.2f}" for p in verified["at_least_engine"])
-    # draftsmith's list ends at the deepest draft position a cycle reached (a chain stops at its first rejection):
-    # none was accepted beyond it, where vLLM's counters, kept for every position up to γ, say 0 too
-    reached = verified["at_least_draftsmith"]
-    ours = " / ".join(f"{p:.2f}" for p in [*reached, *[0.0] * (verified["num_speculative_tokens"] - len(reached))])
+    ours = " / ".join(f"{p:.2f}" for p in verified["at_least_draftsmith"])
     ties = len(verified.get("partings") or [])
     lossless = "yes" if verified["lossless"] else f"yes but {ties} bfloat16 near-tie flip(s)" if ties else "**no**"
     return [

@@ -346,15 +346,15 @@ def exported_for_sweep(cfg: DictConfig, checkpoint: Path, output: Path, digest: 
 
 def sweep_load(cfg: DictConfig, python: str, folder: Path) -> Load:
     """The sweep's prompts and settings from the recipe: the eval prompts, domains in turn."""
-    from draftsmith.eval.prompts import load_prompts
+    from draftsmith.eval.prompts import load_prompts, prompt_sources
     from draftsmith.target import load_tokenizer, resolve_device, resolve_dtype
 
-    sources = list(cfg.eval.data) or list(cfg.data.eval)
+    sources, per_file = prompt_sources(cfg)  # the eval report's prompts
     if not sources:
         raise UserError("the load sweep serves the eval prompts: set eval.data or data.eval")
     by_domain = load_prompts(
         sources, load_tokenizer(cfg.target), int(cfg.eval.max_prompts), int(cfg.data.max_length),
-        bool(cfg.data.skip_invalid_utf8),
+        cfg.data.skip_invalid_utf8, per_file,
     )  # fmt: skip
     prompts = round_robin(by_domain)
     new_tokens = int(cfg.eval.max_new_tokens)

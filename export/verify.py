@@ -31,7 +31,7 @@ from draftsmith.errors import ExportCheckFailed, UserError
 from draftsmith.eval.counts import Counts
 from draftsmith.eval.loop import generate_batch
 from draftsmith.eval.partings import BF16_UNIT, parting
-from draftsmith.eval.prompts import eos_ids_of, load_prompts
+from draftsmith.eval.prompts import eos_ids_of, load_prompts, prompt_sources
 from draftsmith.families import recurrent
 from draftsmith.formats import Source
 from draftsmith.formats.repo import EngineRepo
@@ -113,9 +113,9 @@ def draftsmith_side(
     return {
         "plain": plain,
         "tau": 1 + counts.accepted / drafts,  # vLLM's mean acceptance length
-        "at_least": [
-            accepted / drafts for accepted in counts.accepted_at
-        ],  # P(accepted >= k), vLLM's per-position rate
+        # P(accepted >= k), vLLM's per-position rate, for k = 1..γ as vLLM counts it: the loop's counters end
+        # at the deepest position a cycle reached (a chain stops at its first rejection), none accepted beyond
+        "at_least": [accepted / drafts for accepted in counts.accepted_at] + [0.0] * (gamma - len(counts.accepted_at)),
     }
 
 
@@ -135,11 +135,11 @@ def verify_in_vllm(
     the same prompts, all at once: the engine must take it as written and stay lossless; τ is compared
     at the fixed γ, since the schedule changes γ with the batch."""
     tokenizer = tokenizer or load_tokenizer(cfg.target)
-    sources = list(cfg.eval.data) or list(cfg.data.eval)
+    sources, per_file = prompt_sources(cfg)  # the eval report's prompts
     if not sources:
         raise UserError("export.vllm_python checks the export on the eval prompts: set eval.data or data.eval")
     by_domain = load_prompts(
-        sources, tokenizer, int(cfg.eval.max_prompts), int(cfg.data.max_length), bool(cfg.data.skip_invalid_utf8)
+        sources, tokenizer, int(cfg.eval.max_prompts), int(cfg.data.max_length), cfg.data.skip_invalid_utf8, per_file
     )
     prompts = [prompt for domain in by_domain.values() for prompt in domain]
     max_new = int(cfg.eval.max_new_tokens)

@@ -148,17 +148,12 @@ def test_the_recommended_gamma_names_only_the_engines_that_serve_the_drafters_ch
     assert chain_engines(source_of("eagle3", REFERENCE_TARGET, aux_layers=taps, norm_before_residual=True)) == ["vllm"]
 
 
-def test_the_cards_engine_table_lists_draftsmiths_acceptance_at_every_position_up_to_gamma():
-    """draftsmith counts the positions its chains reached: none past the second here (no second draft was
-    accepted), where vLLM's counters list all 3, the third 0 (an MTP export of the probe, γ 3)."""
-    from draftsmith.export.card import engine_section
+def test_draftsmiths_acceptance_is_listed_at_every_position_up_to_gamma_as_vllm_counts_it():
+    """draftsmith's chains stop at their first rejection, so its counters end at the deepest position a cycle
+    reached; vLLM's count every position up to γ. An untrained drafter accepts next to nothing: its list
+    still has γ entries, the unreached ones 0 (the card's table showed 2 where vLLM's showed 3)."""
+    from draftsmith.export.verify import draftsmith_side
 
-    verified = {
-        "at_least_engine": [0.3459, 0.0, 0.0], "at_least_draftsmith": [0.3481, 0.0], "num_speculative_tokens": 3,
-        "tau_engine": 1.3459, "tau_draftsmith": 1.3481, "lossless": True, "engine_version": "0.32.0",
-        "relative_difference": -0.0016, "tolerance": 0.08,
-        "counters": {"num_drafts": 185, "num_draft_tokens": 555, "num_accepted_tokens": 64},
-    }  # fmt: skip
-    rows = engine_section(verified)
-    assert "| vLLM | 1.346 | 0.35 / 0.00 / 0.00 | yes |" in rows
-    assert "| draftsmith | 1.348 | 0.35 / 0.00 / 0.00 | yes |" in rows
+    source = source_of("medusa", REFERENCE_TARGET, num_heads=4)
+    ours = draftsmith_side(source, [[1, 5, 9, 17], [1, 8, 40, 2]], 12, 4, frozenset())
+    assert len(ours["at_least"]) == 4 and ours["at_least"][-1] == 0.0
