@@ -77,13 +77,13 @@ def main() -> None:
     parser.add_argument("--stages", default=",".join(STAGES))
     args = parser.parse_args()
     try:  # before anything is written
+        stages = args.stages.split(",")
+        if "sweep" in stages:  # the sweep serves suffix decoding
+            require_suffix_decoding(args.vllm_python, "--vllm-python")
         out, drafters = paths(args.out, args.drafter)
         digests = {name: checkpoint_digest(checkpoint_of(run_dir)) for name, run_dir in drafters.items()}
         sweep, repeats = out / "sweep.jsonl", out / "repeats.jsonl"
         require_same_checkpoints([sweep, repeats], digests)
-        stages = args.stages.split(",")
-        if "sweep" in stages:  # the sweep serves suffix decoding
-            require_suffix_decoding(args.vllm_python, "--vllm-python")
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

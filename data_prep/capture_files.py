@@ -31,8 +31,8 @@ from draftsmith.data_prep.features import (
     part_name,
     shard_name,
 )
-from draftsmith.errors import StorageError, UserError, one_line
-from draftsmith.files import created_file_mode, read_json, write_text_atomic
+from draftsmith.errors import StorageError, one_line
+from draftsmith.files import created_file_mode, read_json, require_same_settings, write_text_atomic
 
 CAPTURE_AGAIN = "remove it to capture again"  # the advice for a capture's own file that is not JSON
 
@@ -59,13 +59,12 @@ def refuse_other_capture(directory: Path, settings: dict[str, Any]) -> None:
             continue
         found = read_json(path, advice=CAPTURE_AGAIN)
         found = found.get("settings", found)  # parts keep settings apart; the manifest at top level
-        differ = [key for key in settings if found.get(key) != settings[key]]
-        if differ:
-            changes = "; ".join(f"{key}: {found.get(key)!r} -> {settings[key]!r}" for key in differ)
-            raise UserError(
-                f"{directory} already holds a capture with other settings ({changes[:400]}); remove it or set "
-                "data.capture.output to another directory"
-            )
+        require_same_settings(
+            {key: found.get(key) for key in settings},  # the manifest holds its shards and counts beside them
+            settings,
+            f"{directory} already holds a capture",
+            "remove it or set data.capture.output to another directory",
+        )
 
 
 def remove_leftovers(directory: Path) -> None:

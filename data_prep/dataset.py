@@ -16,6 +16,7 @@ from typing import Any, Mapping, Optional, Sequence
 import datasets
 import torch
 
+from draftsmith.data_prep.bin_packing import pack_rows
 from draftsmith.data_prep.conversations import DEFAULT_DOMAIN
 from draftsmith.data_prep.template import render_rows, require_chat_template
 from draftsmith.errors import UserError
@@ -330,7 +331,8 @@ def domain_names(dataset: datasets.Dataset) -> list[str]:
 class Collator:
     """Pad rows of a tokenized data set into a batch: right padding with `pad_token_id`, and
     attention_mask/loss_mask zero on padding. `domain` stays a list of strings for per-domain metrics,
-    `sample` one of where each row came from (for error messages)."""
+    `sample` one of where each row came from (for error messages). Any other per-token tensor of a row
+    (captured features, data_prep.features) is padded with zeros to the same width."""
 
     pad_token_id: int
 
@@ -341,22 +343,37 @@ class Collator:
         input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
         loss_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        extra = _per_token_extras(rows, (len(rows), width))
         for b, row in enumerate(rows):
             n = len(row["input_ids"])
             input_ids[b, :n] = torch.as_tensor(row["input_ids"], dtype=torch.long)
             attention_mask[b, :n] = 1
             loss_mask[b, :n] = torch.as_tensor(row["loss_mask"], dtype=torch.long)
+            for name, tensor in extra.items():
+                tensor[b, :n] = row[name]
         return {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "loss_mask": loss_mask,
             "domain": [row.get("domain", DEFAULT_DOMAIN) for row in rows],
             "sample": [row.get("sample", "") for row in rows],
+            **extra,
         }
 
 
 # Fields of a tokenized row that are not per-token tensors to lay out in rows.
 _NOT_PER_TOKEN = ("input_ids", "loss_mask", "domain", "sample", "length")
+
+
+def _per_token_extras(rows: Sequence[Mapping[str, Any]], shape: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """Zeros of `shape` (plus each field's own trailing dimensions) for every per-token tensor of a
+    row beyond its tokens and loss mask, for a collator to lay the rows' values into."""
+    tokens = len(rows[0]["input_ids"])
+    return {
+        name: torch.zeros((*shape, *value.shape[1:]), dtype=value.dtype)
+        for name, value in rows[0].items()
+        if name not in _NOT_PER_TOKEN and torch.is_tensor(value) and value.shape[:1] == (tokens,)
+    }
 
 
 @dataclass
@@ -398,11 +415,7 @@ class PackingCollator:
         loss_mask = torch.zeros(shape, dtype=torch.long)
         position_ids = torch.zeros(shape, dtype=torch.long)
         document_ids = torch.full(shape, -1, dtype=torch.long)
-        extra = {
-            name: torch.zeros((*shape, *value.shape[1:]), dtype=value.dtype)
-            for name, value in rows[0].items()
-            if name not in _NOT_PER_TOKEN and torch.is_tensor(value) and value.shape[:1] == (lengths[0],)
-        }
+        extra = _per_token_extras(rows, shape)
         for r, members in enumerate(packed):
             start = 0
             for i in members:
@@ -426,20 +439,3 @@ class PackingCollator:
             "sample": [row.get("sample", "") for row in rows],
             **extra,
         }
-
-
-def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """First-fit decreasing: indices of `lengths` grouped into as few rows of `capacity` as the
-    heuristic finds (longest first, each into the first row with room; ties in index order), each
-    row's indices sorted. Deterministic."""
-    rows: list[list[int]] = []
-    free: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        row = next((r for r, room in enumerate(free) if room >= lengths[i]), None)
-        if row is None:
-            rows.append([])
-            free.append(capacity)
-            row = len(rows) - 1
-        rows[row].append(i)
-        free[row] -= lengths[i]
-    return [sorted(row) for row in rows]

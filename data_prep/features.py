@@ -35,10 +35,8 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 from safetensors import SafetensorError, safe_open
-from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
 
-from draftsmith.data_prep.dataset import Collator
 from draftsmith.errors import UserError, one_line
 from draftsmith.files import file_sha256, read_json
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, target_id
@@ -203,21 +201,6 @@ class FeatureStore(Dataset):
             final=batch.get("final"),
             layers={layer: batch[f"layer_{layer}"] for layer in self.layers},
         )
-
-
-@dataclass
-class FeatureCollator:
-    """Pads like `data_prep.Collator` (input_ids, attention_mask, loss_mask, domain) and pads every
-    feature tensor with zeros to the same width; padding positions have attention/loss mask 0."""
-
-    pad_token_id: int
-
-    def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        batch = Collator(self.pad_token_id)(rows)
-        for name in rows[0]:
-            if name not in batch:
-                batch[name] = pad_sequence([row[name] for row in rows], batch_first=True)
-        return batch
 
 
 def open_features(directory: str | os.PathLike, expect: Optional[Mapping[str, Any]] = None) -> FeatureStore:

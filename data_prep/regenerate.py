@@ -64,7 +64,7 @@ from draftsmith.data_prep.dataset import require_context
 from draftsmith.data_prep.template import render_prompt
 from draftsmith.data_prep.turns import TOOL_CALLS_KEY, TOOL_KEYS
 from draftsmith.errors import UserError
-from draftsmith.files import read_json, write_text_atomic
+from draftsmith.files import read_json, require_same_settings, write_text_atomic
 from draftsmith.outputs import held_by_main_process
 from draftsmith.recipe import load_recipe
 from draftsmith.sharding import end_process_group
@@ -214,12 +214,12 @@ def check_reusable(directories, settings: dict[str, Any]) -> None:
             raise UserError(f"data.regenerate.reuse: {directory} holds no {SETTINGS_NAME}, so no regeneration to reuse")
         saved = read_json(path, "regeneration record", "leave it out of data.regenerate.reuse")
         require_marks(saved, directory, "leave it out of data.regenerate.reuse")
-        changed = [key for key in ANSWER_SETTINGS if saved.get(key) != settings.get(key)]
-        if changed:
-            raise UserError(
-                f"data.regenerate.reuse: {directory} was answered with other settings ({', '.join(changed)}), "
-                "so its answers are not this run's"
-            )
+        require_same_settings(
+            {key: saved.get(key) for key in ANSWER_SETTINGS},
+            {key: settings.get(key) for key in ANSWER_SETTINGS},
+            f"data.regenerate.reuse: {directory} was answered",
+            "its answers are not this run's; leave it out of data.regenerate.reuse",
+        )
 
 
 def known_answers(reused) -> dict[str, Answer]:
@@ -339,12 +339,9 @@ def claim_directory(directory: Path, settings: dict[str, Any]) -> None:
     if path.is_file():
         saved = read_json(path, "regeneration record", "use another data.regenerate.output or delete it")
         require_marks(saved, directory, "use another data.regenerate.output or delete it")
-        if saved != settings:
-            changed = sorted(key for key in settings.keys() | saved.keys() if settings.get(key) != saved.get(key))
-            raise UserError(
-                f"{directory} holds a regeneration with other settings ({', '.join(changed)}); "
-                "use another data.regenerate.output or delete it"
-            )
+        require_same_settings(
+            saved, settings, f"{directory} holds a regeneration", "use another data.regenerate.output or delete it"
+        )
     elif any(directory.glob("part-*")):
         raise UserError(
             f"{directory} holds part files but no {SETTINGS_NAME}; use another data.regenerate.output or delete it"

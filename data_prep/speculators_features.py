@@ -48,7 +48,7 @@ from safetensors.torch import save_file
 from draftsmith.data_prep.dataset import load_tokenized
 from draftsmith.errors import UserError
 from draftsmith.families import tap_layers
-from draftsmith.files import created_file_mode, write_text_atomic
+from draftsmith.files import created_file_mode, require_same_settings, write_text_atomic
 from draftsmith.heads.eagle3 import Eagle3Config
 from draftsmith.outputs import LOCK_NAME, DirectoryLock, check_output_dir
 from draftsmith.recipe import load_recipe
@@ -120,13 +120,9 @@ def claim_folder(output: Path, info: dict) -> bool:
     except ValueError:
         found = {}
     found = found if isinstance(found, dict) else {}
-    differ = [key for key in [*info, *(key for key in found if key not in info)] if found.get(key) != info.get(key)]
-    if differ:
-        changes = "; ".join(f"{key}: {found.get(key)} -> {info.get(key)}" for key in differ)
-        raise UserError(
-            f"{output} holds speculators features made with other settings ({changes[:400]}): give another "
-            "OUTPUT folder, or delete it"
-        )
+    require_same_settings(
+        found, info, f"{output} holds speculators features made", "give another OUTPUT folder, or delete it"
+    )
     return record.name == INFO
 
 

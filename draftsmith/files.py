@@ -48,10 +48,34 @@ def read_json(path: Path, what: str = "JSON", advice: str = "") -> Any:
         raise UserError(f"{path}: corrupt {what} ({one_line(err)})" + (f"; {advice}" if advice else "")) from None
 
 
+def require_same_settings(found: dict[str, Any], wanted: dict[str, Any], what: str, advice: str) -> None:
+    """Refuse in one line, naming each key whose value differs with both values, when the settings `found`
+    recorded with earlier work (`what`: where it is and what it holds) are not the `wanted` ones: going on
+    would mix work made two ways. A key one side does not hold reads as None there; `advice` says what to do
+    instead."""
+    differ = [
+        key for key in [*wanted, *(key for key in found if key not in wanted)] if found.get(key) != wanted.get(key)
+    ]
+    if differ:
+        changes = "; ".join(f"{key}: {found.get(key)!r} -> {wanted.get(key)!r}" for key in differ)
+        raise UserError(f"{what} with other settings ({changes[:400]}): {advice}")
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Write to `<name>.tmp` and rename into place, so a reader never sees a half-written file."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_figure_atomic(figure, path: Path) -> None:
+    """Save a matplotlib figure as PNG through `<name>.tmp.png` renamed into place (a reader never sees a
+    half-drawn image; the suffix tells matplotlib the format), then close it to free its memory."""
+    import matplotlib.pyplot as plt  # only the stages that draw need matplotlib
+
+    tmp = path.with_name(path.name + ".tmp.png")
+    figure.savefig(tmp, dpi=100)
+    plt.close(figure)
     os.replace(tmp, path)
 
 

@@ -214,13 +214,15 @@ def _only_lock_inside(directory: Path) -> bool:
 
 
 def move_aside(directory: Path, names: list[str]) -> Optional[Path]:
-    """Move the entries `names` of `directory` (those that exist) into `directory/replaced/<UTC time>/`
-    and return that folder; None if none existed. Nothing is deleted."""
+    """Move the entries `names` of `directory` (paths relative to it; those that exist) into
+    `directory/replaced/<UTC time>/`, each at the same relative path, and return that folder; None if none
+    existed. Nothing is deleted."""
     present = [name for name in names if (directory / name).exists()]
     if not present:
         return None
     destination = directory / REPLACED_DIR / utc_stamp()
     destination.mkdir(parents=True, exist_ok=False)
     for name in present:
+        (destination / name).parent.mkdir(parents=True, exist_ok=True)  # a nested entry keeps its folders
         shutil.move(str(directory / name), str(destination / name))
     return destination

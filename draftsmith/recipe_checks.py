@@ -49,37 +49,38 @@ def check_finite(settings: dict, prefix: str = "") -> None:
         )
 
 
-def check_train(t, d, trains: bool = True) -> None:
-    """The train section `t`, and its settings that depend on the data section `d`; what only a command that
+def check_train(train, data, trains: bool = True) -> None:
+    """The `train` section, and its settings that depend on the `data` section; what only a command that
     `trains` reads is checked for such a command (a run's saved recipe.yaml, read by eval, is not refused over it)."""
     from draftsmith.recipe_schema import TrainSection
 
-    require(t.lr > 0, f"train.lr={t.lr} must be > 0")
-    require(t.optimizer in ("adamw", "muon"), f"train.optimizer={t.optimizer!r} must be adamw or muon")
+    require(train.lr > 0, f"train.lr={train.lr} must be > 0")
+    require(train.optimizer in ("adamw", "muon"), f"train.optimizer={train.optimizer!r} must be adamw or muon")
     require(
-        t.max_steps == -1 or t.max_steps >= 1,
-        f"train.max_steps={t.max_steps} must be >= 1, or -1 to run train.epochs epochs",
+        train.max_steps == -1 or train.max_steps >= 1,
+        f"train.max_steps={train.max_steps} must be >= 1, or -1 to run train.epochs epochs",
     )
-    require(t.epochs >= 1, f"train.epochs={t.epochs} must be >= 1")
+    require(train.epochs >= 1, f"train.epochs={train.epochs} must be >= 1")
     # the run's length is max_steps when set (trainer/setup.py): other epochs were ignored without a word. A value
     # equal to the default cannot be told from an unset one here, and changes nothing.
     require(
-        not trains or t.max_steps == -1 or t.epochs == TrainSection.epochs,
-        f"train.epochs={t.epochs} is not read while train.max_steps={t.max_steps} sets the run's length: give "
+        not trains or train.max_steps == -1 or train.epochs == TrainSection.epochs,
+        f"train.epochs={train.epochs} is not read while train.max_steps={train.max_steps} sets the run's length: give "
         f"train.max_steps=-1 with it, or train.epochs={TrainSection.epochs}",
     )
     # a value that is no keyword was read as a checkpoint's path (`yes`: "not a complete checkpoint"); one that names
     # a folder, or is written as a path, is left to the resume, which says what is wrong with it
-    resume = resolve_bool_or_path(t.resume)
+    resume = resolve_bool_or_path(train.resume)
     require(
         resume in (None, "latest", LATEST_INTACT) or os.sep in resume or Path(resume).expanduser().exists(),
-        f"train.resume={t.resume} is none of true, false, {LATEST_INTACT} or a checkpoint's path (no such path here)",
+        f"train.resume={train.resume} is none of true, false, {LATEST_INTACT} or a checkpoint's path (no such "
+        "path here)",
     )
     require(
-        t.cpu_threads is None or t.cpu_threads >= 1,
-        f"train.cpu_threads={t.cpu_threads} must be >= 1, or null to let draftsmith choose",
+        train.cpu_threads is None or train.cpu_threads >= 1,
+        f"train.cpu_threads={train.cpu_threads} must be >= 1, or null to let draftsmith choose",
     )
-    require_at_least_one(t, "train", "micro_batch_size", "grad_accum", "log_every", "vocab_chunk_mb")
+    require_at_least_one(train, "train", "micro_batch_size", "grad_accum", "log_every", "vocab_chunk_mb")
     for key in (
         "warmup_steps",
         "save_every",
@@ -91,134 +92,143 @@ def check_train(t, d, trains: bool = True) -> None:
         "eval_every",
         "patience",
     ):
-        require(t[key] >= 0, f"train.{key}={t[key]} must be >= 0")
-    require(t.max_grad_norm > 0, f"train.max_grad_norm={t.max_grad_norm} must be > 0")
+        require(train[key] >= 0, f"train.{key}={train[key]} must be >= 0")
+    require(train.max_grad_norm > 0, f"train.max_grad_norm={train.max_grad_norm} must be > 0")
     require(
-        t.peak_tflops is None or t.peak_tflops > 0,
-        f"train.peak_tflops={t.peak_tflops} must be > 0 (the device's peak TFLOP/s), or null to report no MFU",
+        train.peak_tflops is None or train.peak_tflops > 0,
+        f"train.peak_tflops={train.peak_tflops} must be > 0 (the device's peak TFLOP/s), or null to report no MFU",
     )
-    steps = None if t.profile_steps is None else list(t.profile_steps)
+    steps = None if train.profile_steps is None else list(train.profile_steps)
     require(
         steps is None or (len(steps) == 2 and 1 <= steps[0] <= steps[1]),
         f"train.profile_steps={steps} must be [first, last] optimizer steps with 1 <= first <= last, or null",
     )
     require(
-        t.eval_every == 0 or t.heldout > 0,
-        f"train.eval_every={t.eval_every} needs train.heldout > 0 "
+        train.eval_every == 0 or train.heldout > 0,
+        f"train.eval_every={train.eval_every} needs train.heldout > 0 "
         "(conversations of data.train to evaluate on, never trained on)",
     )
     require(
-        t.heldout == 0 or d.features is None,
-        f"train.heldout={t.heldout} is not supported with data.features yet (it holds out tokenized data.train); "
+        train.heldout == 0 or data.features is None,
+        f"train.heldout={train.heldout} is not supported with data.features yet (it holds out tokenized data.train); "
         "set train.heldout=0",
     )
     require(
-        t.patience == 0 or t.eval_every > 0,
-        f"train.patience={t.patience} needs train.eval_every > 0 (it counts held-out evaluations without a new best)",
+        train.patience == 0 or train.eval_every > 0,
+        f"train.patience={train.patience} needs train.eval_every > 0 (it counts held-out evaluations without a "
+        "new best)",
     )
-    betas = list(t.adam_betas)
+    betas = list(train.adam_betas)
     require(
         len(betas) == 2 and all(0 <= b < 1 for b in betas), f"train.adam_betas={betas} must be two values in [0, 1)"
     )
     # AdamW's first step moves each weight by up to lr / (1 - beta1), a float32 number: beyond float32's range
     # the optimizer fails in that step (a finite weight update past it ends the run as diverged instead).
-    first_step = t.lr / (1 - betas[0])
+    first_step = train.lr / (1 - betas[0])
     require(
         first_step <= FLOAT32_MAX,
-        f"train.lr={t.lr} is beyond float32: AdamW's first step, lr / (1 - adam_betas[0]) = {first_step:.3g}, "
+        f"train.lr={train.lr} is beyond float32: AdamW's first step, lr / (1 - adam_betas[0]) = {first_step:.3g}, "
         f"exceeds {FLOAT32_MAX:.3g}",
     )
     require(
-        not (t.overwrite and resolve_bool_or_path(t.resume)),
+        not (train.overwrite and resolve_bool_or_path(train.resume)),
         "train.overwrite=true and train.resume are both set: continue the earlier run or start over, not both",
     )
 
 
-def check_data(d) -> None:
+def check_data(data) -> None:
     # A prompt needs 2 tokens (the last one is the first decode root), a training row 3 (predict 2 ahead).
-    require(d.max_length >= 3, f"data.max_length={d.max_length} must be >= 3")
+    require(data.max_length >= 3, f"data.max_length={data.max_length} must be >= 3")
     require(
-        d.max_conversations is None or d.max_conversations >= 1,
-        f"data.max_conversations={d.max_conversations} must be >= 1 (or null for all)",
+        data.max_conversations is None or data.max_conversations >= 1,
+        f"data.max_conversations={data.max_conversations} must be >= 1 (or null for all)",
     )
     require(
-        d.pack_length is None or d.pack_length >= d.max_length,
-        f"data.pack_length={d.pack_length} must be >= data.max_length={d.max_length}: "
+        data.pack_length is None or data.pack_length >= data.max_length,
+        f"data.pack_length={data.pack_length} must be >= data.max_length={data.max_length}: "
         "a conversation is packed whole into one row",
     )
-    c = d.capture
-    require_at_least_one(c, "data.capture", "topk", "shard_tokens")
+    capture = data.capture
+    require_at_least_one(capture, "data.capture", "topk", "shard_tokens")
     require(
-        c.layers is None or all(layer >= -1 for layer in c.layers),
-        f"data.capture.layers={list(c.layers or [])}: ids are >= -1 (-1 = embeddings)",
+        capture.layers is None or all(layer >= -1 for layer in capture.layers),
+        f"data.capture.layers={list(capture.layers or [])}: ids are >= -1 (-1 = embeddings)",
     )
-    r = d.regenerate
-    require_at_least_one(r, "data.regenerate", "batch_size", "max_new_tokens", "samples", "min_turns")
+    regenerate = data.regenerate
+    require_at_least_one(regenerate, "data.regenerate", "batch_size", "max_new_tokens", "samples", "min_turns")
     require(
-        r.max_turns is None or r.max_turns >= 1,
-        f"data.regenerate.max_turns={r.max_turns} must be >= 1 (or null: every assistant turn)",
-    )
-    require(
-        r.temperature >= 0 and 0 < r.top_p <= 1,
-        f"need data.regenerate.temperature >= 0 and 0 < top_p <= 1 (got {r.temperature}, {r.top_p})",
+        regenerate.max_turns is None or regenerate.max_turns >= 1,
+        f"data.regenerate.max_turns={regenerate.max_turns} must be >= 1 (or null: every assistant turn)",
     )
     require(
-        r.max_turns is None or r.max_turns >= r.min_turns,
-        f"data.regenerate.max_turns={r.max_turns} is below min_turns={r.min_turns}: no conversation would be written",
+        regenerate.temperature >= 0 and 0 < regenerate.top_p <= 1,
+        f"need data.regenerate.temperature >= 0 and 0 < top_p <= 1 (got {regenerate.temperature}, {regenerate.top_p})",
     )
     require(
-        r.samples == 1 or r.temperature > 0,
-        f"data.regenerate.samples={r.samples} needs temperature > 0: greedy answers to one prompt are all the same",
+        regenerate.max_turns is None or regenerate.max_turns >= regenerate.min_turns,
+        f"data.regenerate.max_turns={regenerate.max_turns} is below min_turns={regenerate.min_turns}: no "
+        "conversation would be written",
     )
     require(
-        not r.reuse or r.temperature == 0,
+        regenerate.samples == 1 or regenerate.temperature > 0,
+        f"data.regenerate.samples={regenerate.samples} needs temperature > 0: greedy answers to one prompt are "
+        "all the same",
+    )
+    require(
+        not regenerate.reuse or regenerate.temperature == 0,
         "data.regenerate.reuse needs greedy answers (temperature 0): "
         "a sampled answer is one draw, not the target's answer",
     )
-    v = r.vllm
-    require_at_least_one(v, "data.regenerate.vllm", "tensor_parallel_size", "max_num_seqs")
+    vllm = regenerate.vllm
+    require_at_least_one(vllm, "data.regenerate.vllm", "tensor_parallel_size", "max_num_seqs")
     require(
-        v.gpu_memory_utilization is None or 0 < v.gpu_memory_utilization <= 1,
-        f"data.regenerate.vllm.gpu_memory_utilization={v.gpu_memory_utilization} must be in (0, 1]",
+        vllm.gpu_memory_utilization is None or 0 < vllm.gpu_memory_utilization <= 1,
+        f"data.regenerate.vllm.gpu_memory_utilization={vllm.gpu_memory_utilization} must be in (0, 1]",
     )
 
 
-def check_eval(e) -> None:
+def check_eval(eval_section) -> None:
     from draftsmith.recipe_schema import EvalSection
 
-    require_at_least_one(e, "eval", "max_new_tokens", "max_prompts")
-    require(e.num_speculative_tokens >= 1, f"eval.num_speculative_tokens={e.num_speculative_tokens} must be >= 1")
-    require(e.tree >= 0, f"eval.tree={e.tree} must be >= 0 (0 = chain only)")
+    require_at_least_one(eval_section, "eval", "max_new_tokens", "max_prompts")
     require(
-        e.temperature >= 0 and 0 < e.top_p <= 1 and e.top_k >= 0,
-        f"need eval.temperature >= 0, 0 < eval.top_p <= 1, eval.top_k >= 0 (got {e.temperature}, {e.top_p}, {e.top_k})",
+        eval_section.num_speculative_tokens >= 1,
+        f"eval.num_speculative_tokens={eval_section.num_speculative_tokens} must be >= 1",
     )
-    require(e.ngram_max >= 1, f"eval.ngram_max={e.ngram_max} must be >= 1")
+    require(eval_section.tree >= 0, f"eval.tree={eval_section.tree} must be >= 0 (0 = chain only)")
+    require(
+        eval_section.temperature >= 0 and 0 < eval_section.top_p <= 1 and eval_section.top_k >= 0,
+        f"need eval.temperature >= 0, 0 < eval.top_p <= 1, eval.top_k >= 0 (got {eval_section.temperature}, "
+        f"{eval_section.top_p}, {eval_section.top_k})",
+    )
+    require(eval_section.ngram_max >= 1, f"eval.ngram_max={eval_section.ngram_max} must be >= 1")
     # settings of a part of the eval that does not run, changed from their defaults: they changed nothing, and the
     # report recorded them as applied
     require(
-        e.temperature > 0 or (e.top_p == 1.0 and e.top_k == 0),
-        f"eval.top_p={e.top_p} and eval.top_k={e.top_k} sample, and eval.temperature=0 decodes greedily: set an "
+        eval_section.temperature > 0 or (eval_section.top_p == 1.0 and eval_section.top_k == 0),
+        f"eval.top_p={eval_section.top_p} and eval.top_k={eval_section.top_k} sample, and eval.temperature=0 "
+        "decodes greedily: set an "
         "eval.temperature > 0, or leave them out",
     )
     require(
-        e.ngram_baseline or e.ngram_max == EvalSection.ngram_max,
-        f"eval.ngram_max={e.ngram_max} is the n-gram baseline's, and eval.ngram_baseline=false: leave it out",
+        eval_section.ngram_baseline or eval_section.ngram_max == EvalSection.ngram_max,
+        f"eval.ngram_max={eval_section.ngram_max} is the n-gram baseline's, and eval.ngram_baseline=false: "
+        "leave it out",
     )
     require(
-        e.suffix_baseline is not True or suffix_decoding_installed(),
+        eval_section.suffix_baseline is not True or suffix_decoding_installed(),
         f"eval.suffix_baseline=true needs arctic-inference, which is not installed here (build it: {arctic_build()}; "
         "or set eval.suffix_baseline=false)",
     )
-    require(e.batch_size >= 1, f"eval.batch_size={e.batch_size} must be >= 1")
-    sizes = list(e.batch_sizes)
+    require(eval_section.batch_size >= 1, f"eval.batch_size={eval_section.batch_size} must be >= 1")
+    sizes = list(eval_section.batch_sizes)
     require(
         all(size >= 1 for size in sizes) and len(set(sizes)) == len(sizes),
         f"eval.batch_sizes={sizes} must be distinct sizes >= 1",
     )
     require(
-        bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?", e.device)),
-        f"eval.device={e.device!r} is not auto, cpu, cuda or cuda:N",
+        bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?", eval_section.device)),
+        f"eval.device={eval_section.device!r} is not auto, cpu, cuda or cuda:N",
     )
 
 
@@ -226,50 +236,52 @@ ENGINES = ("vllm", "sglang")
 VLLM_FORMATS = ("speculators", "native")
 
 
-def check_export(x) -> None:
-    engines = list(x.engines)
+def check_export(export) -> None:
+    engines = list(export.engines)
     require(
         bool(engines) and all(engine in ENGINES for engine in engines) and len(set(engines)) == len(engines),
         f"export.engines={engines}: give one or more of {', '.join(ENGINES)}, each once",
     )
     require(
-        x.num_speculative_tokens is None or x.num_speculative_tokens >= 1,
-        f"export.num_speculative_tokens={x.num_speculative_tokens} must be >= 1",
+        export.num_speculative_tokens is None or export.num_speculative_tokens >= 1,
+        f"export.num_speculative_tokens={export.num_speculative_tokens} must be >= 1",
     )
-    require(0 < x.tolerance < 1, f"export.tolerance={x.tolerance} must be in (0, 1)")
+    require(0 < export.tolerance < 1, f"export.tolerance={export.tolerance} must be in (0, 1)")
     require(
-        x.vllm_format in VLLM_FORMATS, f"export.vllm_format={x.vllm_format!r} is not one of {', '.join(VLLM_FORMATS)}"
+        export.vllm_format in VLLM_FORMATS,
+        f"export.vllm_format={export.vllm_format!r} is not one of {', '.join(VLLM_FORMATS)}",
     )
     # the vLLM folder's settings, with no vLLM folder to apply them to: ignored without a word otherwise
     require(
-        x.vllm_python is None or "vllm" in engines,
+        export.vllm_python is None or "vllm" in engines,
         f"export.vllm_python checks the vLLM folder, and export.engines={engines} makes none: add vllm, or leave "
         "export.vllm_python out",
     )
     require(
-        x.vllm_format == VLLM_FORMATS[0] or "vllm" in engines,
-        f"export.vllm_format={x.vllm_format} is the vLLM folder's layout, and export.engines={engines} makes none",
+        export.vllm_format == VLLM_FORMATS[0] or "vllm" in engines,
+        f"export.vllm_format={export.vllm_format} is the vLLM folder's layout, and export.engines={engines} makes none",
     )
-    repo = x.push.repo_id
+    repo = export.push.repo_id
     require(
         repo is None or bool(re.fullmatch(r"[\w.-]+/[\w.-]+", repo)), f"export.push.repo_id={repo!r} is not ORG/NAME"
     )
 
 
-def require_export_settings_read(x) -> None:
+def require_export_settings_read(export) -> None:
     """For the commands that export (export, monitor): a setting only a part of the export reads, changed from its
     default where that part does not run, was ignored without a word. A value equal to the default cannot be told
     from an unset one here, and changes nothing."""
     from draftsmith.recipe_schema import ExportSection, PushSection
 
     require(
-        x.vllm_python is not None or x.tolerance == ExportSection.tolerance,
-        f"export.tolerance={x.tolerance} is the vLLM check's, and export.vllm_python is unset, so no check runs: give "
+        export.vllm_python is not None or export.tolerance == ExportSection.tolerance,
+        f"export.tolerance={export.tolerance} is the vLLM check's, and export.vllm_python is unset, so no check "
+        "runs: give "
         "export.vllm_python=PYTHON, or leave export.tolerance out",
     )
-    if x.push.repo_id is None:
+    if export.push.repo_id is None:
         for key in ("revision", "private", "commit_message"):
-            value = x.push[key]
+            value = export.push[key]
             given = str(value).lower() if isinstance(value, bool) else value  # as the command line writes it
             require(
                 value == getattr(PushSection, key),
@@ -278,20 +290,21 @@ def require_export_settings_read(x) -> None:
             )
 
 
-def check_monitor(m) -> None:
-    require(m.engine in ENGINES, f"monitor.engine={m.engine!r} is not one of {', '.join(ENGINES)}")
+def check_monitor(monitor) -> None:
+    require(monitor.engine in ENGINES, f"monitor.engine={monitor.engine!r} is not one of {', '.join(ENGINES)}")
     require(
-        0 < m.max_drop < 1 and 0.5 < m.confidence < 1,
-        f"need 0 < monitor.max_drop < 1 and 0.5 < monitor.confidence < 1 (got {m.max_drop}, {m.confidence})",
+        0 < monitor.max_drop < 1 and 0.5 < monitor.confidence < 1,
+        f"need 0 < monitor.max_drop < 1 and 0.5 < monitor.confidence < 1 (got {monitor.max_drop}, "
+        f"{monitor.confidence})",
     )
     require_at_least_one(
-        m, "monitor", "min_drafts", "consecutive", "sample_per_domain", "retrain_samples", "new_data_weight"
+        monitor, "monitor", "min_drafts", "consecutive", "sample_per_domain", "retrain_samples", "new_data_weight"
     )
     for key in ("cooldown_s", "traffic_window_s", "gate_min_gain", "gate_max_loss"):
-        require(m[key] >= 0, f"monitor.{key}={m[key]} must be >= 0")
+        require(monitor[key] >= 0, f"monitor.{key}={monitor[key]} must be >= 0")
     # each check scrapes every replica (and may start a retraining): more often than each second is no interval
-    require(m.interval_s >= 1, f"monitor.interval_s={m.interval_s} must be >= 1 (seconds between checks)")
-    for url in m.metrics:
+    require(monitor.interval_s >= 1, f"monitor.interval_s={monitor.interval_s} must be >= 1 (seconds between checks)")
+    for url in monitor.metrics:
         try:
             parts = urllib.parse.urlsplit(str(url))
             reachable = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0

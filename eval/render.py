@@ -4,12 +4,11 @@ batch_sweep.png, written beside report.json."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any, Optional
 
 from draftsmith.eval.prompts import ALL
-from draftsmith.files import write_text_atomic
+from draftsmith.files import save_figure_atomic, write_text_atomic
 from draftsmith.outputs import REPORT_NAME
 
 REPORT_FILES = (REPORT_NAME, "report.md", "acceptance.png", "batch_sweep.png")  # what write_report writes
@@ -202,10 +201,7 @@ def plot_acceptance(report: dict[str, Any], path: Path) -> None:
     right.set_title("per-position acceptance")
     right.legend(fontsize="small")
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure_atomic(fig, path)
 
 
 def plot_batch_sweep(report: dict[str, Any], path: Path) -> None:
@@ -234,7 +230,4 @@ def plot_batch_sweep(report: dict[str, Any], path: Path) -> None:
     axes[0][0].set_ylabel("speedup vs plain, same batch size")
     axes[0][0].legend(fontsize="small")
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure_atomic(fig, path)

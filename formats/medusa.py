@@ -15,6 +15,7 @@ merged, in the dtype draftsmith evaluated it in), and the serving command serves
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -61,14 +62,15 @@ def medusa_expected(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 @register
 class MedusaExporter(Exporter):
-    kinds = ("medusa", "medusa2")
+    """Medusa-1's heads, and the reader of every vLLM Medusa folder (a Medusa-2 export's heads included)."""
+
+    kinds = ("medusa",)
     vllm_method = "medusa"
     vllm_releases = Releases(
         removed_in="0.33.0",  # its SpeculativeMethod has no "medusa", its wheel no Medusa model
         instead="vLLM 0.32 or earlier, or draftsmith's eval; for a newer vLLM train an EAGLE-3 drafter "
         "(recipe=eagle3) or a draft model (recipe=draft)",
     )
-    weights_dirs = (HEADS_DIR,)  # a Medusa-2 folder: the heads beside the adapted target
     sglang_reason = "SGLang serves no Medusa drafter (it has neither a Medusa model nor a Medusa speculative algorithm)"
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
@@ -87,19 +89,7 @@ class MedusaExporter(Exporter):
                 "and in vLLM"
             ),
         }
-        if drafter.type == "medusa":
-            return EngineRepo(
-                "vllm", config, tensors, medusa_expected(config), VLLM_SERVE, conventions, method="medusa"
-            )
-        conventions["verifier"] = (
-            f"{TARGET_DIR}/ is the target with the drafter's LoRA adapters merged; the heads read its hidden states, "
-            "so it is the model to serve"
-        )
-        serve = VLLM_SERVE.replace("{target}", "{path}/" + TARGET_DIR)  # the model: {path}/HEADS_DIR (weights_dir)
-        return EngineRepo(
-            "vllm", config, tensors, medusa_expected(config), serve, conventions, method="medusa",
-            extra=lambda folder: write_merged_target(source, folder / TARGET_DIR), weights_dir=HEADS_DIR,
-        )  # fmt: skip
+        return EngineRepo("vllm", config, tensors, medusa_expected(config), VLLM_SERVE, conventions, method="medusa")
 
     def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
         return config.get("model_type") == "medusa" or "MedusaModel" in config.get("architectures", [])
@@ -128,6 +118,33 @@ class MedusaExporter(Exporter):
             device = target_model.get_output_embeddings().weight.device
             drafter.verify_with(load_target(str(merged), device).to(target_model.dtype))
         return drafter
+
+
+@register
+class Medusa2Exporter(MedusaExporter):
+    """Medusa-2: Medusa's heads in `medusa/`, beside the target with the drafter's adapters merged (`target/`),
+    which is the model served. Its folder is read back by `MedusaExporter`, as Medusa heads verified by that
+    merged target."""
+
+    kinds = ("medusa2",)
+    weights_dirs = (HEADS_DIR,)  # the heads beside the adapted target
+
+    def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
+        heads = super().vllm(source, gamma, output)
+        verifier = (
+            f"{TARGET_DIR}/ is the target with the drafter's LoRA adapters merged; the heads read its hidden states, "
+            "so it is the model to serve"
+        )
+        return dataclasses.replace(
+            heads,
+            serve=VLLM_SERVE.replace("{target}", "{path}/" + TARGET_DIR),  # the model: {path}/HEADS_DIR (weights_dir)
+            conventions={**heads.conventions, "verifier": verifier},
+            extra=lambda folder: write_merged_target(source, folder / TARGET_DIR),
+            weights_dir=HEADS_DIR,
+        )
+
+    def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
+        return False  # a vLLM Medusa folder is MedusaExporter's to read, whichever kind wrote it
 
 
 def write_merged_target(source: Source, directory: Path) -> None:

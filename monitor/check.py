@@ -29,7 +29,7 @@ from draftsmith.errors import UserError
 from draftsmith.files import write_text_atomic
 from draftsmith.formats.repo import VLLM_PINNED
 from draftsmith.monitor import Outcome
-from draftsmith.monitor.deployed import deployed_of, export_info, load_baseline
+from draftsmith.monitor.deployed import deployed_of, load_baseline, read_export_info
 from draftsmith.monitor.drift import (
     DRIFT,
     HEALTHY,
@@ -264,7 +264,7 @@ def engine_change(deployed: dict[str, Any], versions: dict[str, str]) -> Optiona
     cannot be read from a running engine: the version stands for them. An export pins the sampling
     settings in its served config (VLLM_PINNED), so a new engine cannot move them; for an older export
     that does not, the change says that the engine's defaults decide them."""
-    info = export_info(deployed["export"])
+    info = read_export_info(deployed["export"])
     checked = info.get("engine_settings") or {}
     recorded = checked.get("vllm_version") or (info.get("verified") or {}).get("engine_version")
     reported = {url: version for url, version in versions.items() if version not in (recorded, UNKNOWN)}

@@ -67,7 +67,7 @@ def recipe_drafter(cfg: DictConfig) -> dict[str, Any]:
         raise UserError(
             f"checkpoint={folder!r} is not an export folder (an export's vllm/ or sglang/ holding {EXPORT_INFO})"
         )
-    info = export_info(folder)
+    info = read_export_info(folder)
     report = cfg.monitor.baseline or (info.get("eval_report") or {}).get("path")
     if not report:
         raise UserError(
@@ -83,7 +83,7 @@ def recipe_drafter(cfg: DictConfig) -> dict[str, Any]:
     }
 
 
-def export_info(folder: str) -> dict[str, Any]:
+def read_export_info(folder: str) -> dict[str, Any]:
     path = Path(folder) / EXPORT_INFO
     try:
         return json.loads(path.read_text())

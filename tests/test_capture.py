@@ -14,11 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.data_prep import capture_files, load_conversations, tokenize_conversations
+from draftsmith.data_prep import Collator, capture_files, load_conversations, tokenize_conversations
 from draftsmith.data_prep.capture import CaptureResult, capture, main
 from draftsmith.data_prep.features import (
     SCHEMA_VERSION,
-    FeatureCollator,
     expected_features,
     open_features,
     require_captured_settings,
@@ -164,7 +163,7 @@ def test_shards_have_the_umasks_mode(captures):
 def test_collate_pads_features_and_rebuilds_the_target_output(captures):
     store = open_features(captures["bfloat16"].directory)
     rows = [store[i] for i in range(3)]
-    batch = FeatureCollator(pad_token_id=0)(rows)
+    batch = Collator(pad_token_id=0)(rows)
     width = max(len(row["input_ids"]) for row in rows)
     assert batch["final"].shape == (3, width, 256) and batch["topk_ids"].shape == (3, width, TOPK)
     out = store.to_target_output(batch)

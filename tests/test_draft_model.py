@@ -383,7 +383,7 @@ def test_a_finished_regeneration_is_known_by_its_conversations_not_their_path(tm
     elsewhere.parent.mkdir()
     elsewhere.write_bytes(small_data["train"].read_bytes())
     assert regenerate(recipe(elsewhere), model, tokenizer).generated == 0
-    with pytest.raises(UserError, match=r"other settings \(data\)"):
+    with pytest.raises(UserError, match=r"other settings \(data: '\w+' -> '\w+'\)"):
         regenerate(recipe(elsewhere, count=4), model, tokenizer)
 
 
@@ -512,9 +512,9 @@ def test_later_turns_reuse_the_first_answers_resume_and_keep_held_out_prompts_ou
 
     settings = json.loads((tmp_path / "later" / SETTINGS_NAME).read_text())
     assert settings["min_turns"] == 2 and settings["reuse"] not in (None, [str(tmp_path / "first")])
-    with pytest.raises(UserError, match=r"other settings \(data\)"):  # the held-out conversation would mix in
+    with pytest.raises(UserError, match=r"other settings \(data: '\w+' -> '\w+'\)"):  # the held-out one would mix in
         regenerate(recipe("later", *later[:1], "data.regenerate.min_turns=2"), model, tokenizer)
-    with pytest.raises(UserError, match=r"reuse: .*first was answered with other settings \(max_new_tokens\)"):
+    with pytest.raises(UserError, match=r"reuse: .*first was answered with other settings \(max_new_tokens: 3 -> 4\)"):
         check_reusable([tmp_path / "first"], {**settings, "max_new_tokens": 4})
     # a regeneration made before answers cut at max_new_tokens were marked: its cut answers would read as finished
     made_before = {key: value for key, value in settings.items() if key != "marks"}

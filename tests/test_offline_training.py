@@ -9,7 +9,7 @@ import torch
 
 from draftsmith.data_prep import Collator, load_tokenized
 from draftsmith.data_prep.capture import capture
-from draftsmith.data_prep.features import FeatureCollator, open_features
+from draftsmith.data_prep.features import open_features
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target, load_tokenizer, run_target
 from draftsmith.trainer.checkpoint import TrainerState
@@ -43,7 +43,7 @@ def test_offline_and_online_batches_match(captured, small_data, token_cache, tmp
         TrainerState(),
     )
     store = open_features(captured)
-    offline = micro_batches(store, FeatureCollator(tokenizer.pad_token_id), cfg, 1, 0, TrainerState())
+    offline = micro_batches(store, Collator(tokenizer.pad_token_id), cfg, 1, 0, TrainerState())
     for _ in range(3):
         (_, index_a, a), (_, index_b, b) = next(online), next(offline)
         assert index_a == index_b and a["domain"] == b["domain"]

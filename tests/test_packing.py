@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from draftsmith.data_prep import Collator, PackingCollator
-from draftsmith.data_prep.dataset import pack_rows
+from draftsmith.data_prep.bin_packing import pack_rows
 from draftsmith.errors import UserError
 from draftsmith.heads import drafter_class
 from draftsmith.heads.packing import causal_lm_inputs, documents, require_packed_attention, same_document
@@ -330,7 +330,7 @@ def test_training_from_captured_features_packs_them_into_the_padded_losses(tmp_p
     by the same collator; the losses equal the padded ones, train.py runs packed from the shards,
     and a capture holding conversations longer than data.pack_length is refused in one line."""
     from draftsmith.data_prep.capture import capture
-    from draftsmith.data_prep.features import FeatureCollator, open_features
+    from draftsmith.data_prep.features import open_features
     from draftsmith.recipe import load_recipe
     from draftsmith.target import load_target
     from draftsmith.trainer.checkpoint import TrainerState
@@ -354,7 +354,7 @@ def test_training_from_captured_features_packs_them_into_the_padded_losses(tmp_p
     )
     store, target = open_features(features), load_target(str(REFERENCE_TARGET))
     drafter = drafter_class("medusa").from_target(drafter_class("medusa").Config(), target, "demo").eval()
-    padded = micro_batches(store, FeatureCollator(0), cfg, 1, 0, TrainerState())
+    padded = micro_batches(store, Collator(0), cfg, 1, 0, TrainerState())
     packed = micro_batches(store, PackingCollator(0, cfg.data.max_length), cfg, 1, 0, TrainerState())
     for _ in range(2):
         (_, _, a), (_, _, b) = next(padded), next(packed)

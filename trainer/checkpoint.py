@@ -45,11 +45,9 @@ from draftsmith.outputs import (
     FINAL_DIR,
     LOG_NAME,
     RECIPE_NAME,
-    REPLACED_DIR,
     RUN_SUMMARY_NAME,
     held_by_main_process,
     move_aside,
-    utc_stamp,
 )
 from draftsmith.recipe_checks import LATEST_INTACT, resolve_bool_or_path
 
@@ -322,15 +320,12 @@ def set_newer_checkpoints_aside(output_dir: Path, resumed: Path) -> None:
         for p in completed_checkpoints(output_dir)
         if p.name > resumed.name and p.parent.resolve() == resumed.parent.resolve()
     ]
-    if not newer:
+    moved = move_aside(output_dir, [str(p.relative_to(output_dir)) for p in newer])
+    if moved is None:
         return
-    destination = output_dir / REPLACED_DIR / utc_stamp() / "checkpoints"
-    destination.mkdir(parents=True)
-    for path in newer:
-        shutil.move(str(path), str(destination / path.name))
     log.warning(
         "resumed from %s, older than the run's newest checkpoint: the newer %s moved to %s",
-        resumed.name, ", ".join(p.name for p in newer), destination,
+        resumed.name, ", ".join(p.name for p in newer), moved / "checkpoints",
     )  # fmt: skip
 
 

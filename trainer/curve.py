@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
-from draftsmith.files import write_text_atomic
+from draftsmith.files import save_figure_atomic, write_text_atomic
 
 CURVE_JSON = "curve.json"
 CURVE_PNG = "curve.png"
@@ -103,7 +103,4 @@ def plot_curves(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: Path, tit
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure_atomic(fig, path)

@@ -20,12 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import get_cosine_schedule_with_warmup
 
 from draftsmith.data_prep import Collator, PackingCollator, load_tokenized
-from draftsmith.data_prep.features import (
-    FeatureCollator,
-    expected_features,
-    open_features,
-    require_captured_settings,
-)
+from draftsmith.data_prep.features import expected_features, open_features, require_captured_settings
 from draftsmith.errors import UserError, one_line
 from draftsmith.eval.prompts import load_prompts
 from draftsmith.families import check_eval_settings
@@ -254,7 +249,7 @@ def training_inputs(cfg: DictConfig, tokenizer, target, drafter, train_data):
             f"{cfg.data.features} holds a conversation of {longest} tokens, "
             f"more than data.pack_length={pack.pack_length}; raise it"
         )
-    return store, pack or FeatureCollator(tokenizer.pad_token_id), store.to_target_output
+    return store, pack or Collator(tokenizer.pad_token_id), store.to_target_output
 
 
 def online_features(target, request) -> Callable[[dict], TargetOutput]:
