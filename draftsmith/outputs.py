@@ -70,6 +70,10 @@ def check_output_dir(path: str | os.PathLike, key: str = "output_dir", named: Op
         raise UserError(f"{named} cannot be created under {ancestor}: {err.strerror or one_line(err)}") from None
 
 
+class DirectoryInUse(UserError):
+    """Another job holds the directory's lock: bad input to a one-off command; a loop (`monitor watch`) waits."""
+
+
 class DirectoryLock:
     """Exclusive use of `directory` by this process (see the module docstring). Use as a context
     manager or with acquire()/release(). A failed start (an exception while held) leaves no trace:
@@ -102,7 +106,7 @@ class DirectoryLock:
                 holder = _describe(_read_holder(fd))
                 os.close(fd)
                 self._undo_created_directory()
-                raise UserError(
+                raise DirectoryInUse(
                     f"{self.directory} is in use by another job ({holder}); wait for it to finish or use another "
                     "directory"
                 ) from None

@@ -114,7 +114,8 @@ class DataSection:
     draft_vocab: Optional[List[str]] = None
     features: Optional[str] = None  # a data_prep.capture directory to train from instead of running the target
     # Sequence packing: each micro-batch's conversations laid end to end in rows of pack_length tokens
-    # (default max_length), attention and positions per conversation; same losses, less padding.
+    # (default max_length), attention and positions per conversation; same losses, fewer rows. Not always less
+    # padding: every packed row is padded to the micro-batch's fullest one.
     pack: bool = False
     pack_length: Optional[int] = None  # tokens per packed row; default data.max_length
     capture: CaptureSection = field(default_factory=CaptureSection)
@@ -152,7 +153,10 @@ class TrainSection:
     # train.init_from with train.resume is not read (a warning says so).
     init_from: Optional[str] = None
     max_nonfinite: int = 10  # optimizer steps skipped for a non-finite loss/gradient before the run stops
-    mixed_precision: str = "auto"  # auto (bf16 where the GPU supports it, else none) | no | bf16 | fp16
+    # auto: what accelerate launch was told (the bundled configs say bf16, applied on a CPU too), else bf16 where
+    # the GPU supports it, else none | no | bf16 | fp16. The run logs the one used, its recipe.yaml records it
+    # and a resume in another is refused.
+    mixed_precision: str = "auto"
     num_workers: int = 0  # DataLoader worker processes
     # the device's peak FLOP/s in TFLOP/s, per process, for train/mfu in the log (trainer/observe.py): e.g. 989 for
     # an H100 SXM's dense bf16 tensor cores; null = MFU not reported (draftsmith never guesses a device's peak)

@@ -8,7 +8,8 @@ in (nothing was judged; the line says what to run), 2 bad input, 69 an engine th
 or answers with a server error (temporary: retry), 75 stopped on SIGTERM (during a retraining: the
 next check resumes it; `watch`: once the check in progress is done), and as every command 3, 4, 70,
 74 (docs/faults.md). `watch` exits only on bad input or a signal; an engine that does not answer is one
-line (`engine unavailable: ...`) and the next check tries again.
+line (`engine unavailable: ...`) and the next check tries again, and so is a state directory another check
+holds (`monitor: check skipped: ... is in use by another job ...`: a one-off `check` there exits 2).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from collections.abc import Sequence
 
 from draftsmith.errors import EngineUnavailable, Preempted, StopRequest, UserError, one_line
+from draftsmith.outputs import DirectoryInUse
 from draftsmith.recipe import load_recipe
 
 
@@ -42,6 +44,12 @@ def main(argv: Sequence[str]) -> None:
             print(summary(cfg, check(cfg)), flush=True)
         except EngineUnavailable as err:  # temporary: the next check tries again
             print(f"engine unavailable: {one_line(err, limit=2000)}", file=sys.stderr, flush=True)
+        except DirectoryInUse as err:  # another check (a cron `check`) is running: this interval's is skipped
+            print(
+                f"monitor: check skipped: {one_line(err, limit=2000)}; the next one is in {cfg.monitor.interval_s:g} s",
+                file=sys.stderr,
+                flush=True,
+            )
         with stop.on_sigterm():
             deadline = time.monotonic() + cfg.monitor.interval_s
             while not stop.requested and time.monotonic() < deadline:

@@ -52,7 +52,8 @@ log = logging.getLogger("draftsmith.monitor")
 
 
 def state_dir_of(cfg: DictConfig) -> Path:
-    return Path(cfg.monitor.state_dir or Path(cfg.output_dir) / "monitor")
+    """Absolute: every path the state records is under it, and a later check may run from another directory."""
+    return Path(cfg.monitor.state_dir or Path(cfg.output_dir) / "monitor").absolute()
 
 
 def check(cfg: DictConfig, now: Optional[float] = None) -> Outcome:
@@ -63,9 +64,7 @@ def check(cfg: DictConfig, now: Optional[float] = None) -> Outcome:
         deployed = deployed_of(cfg, state, directory)
         if state.pipeline is not None:  # a retraining was interrupted: finish it first
             if cfg.monitor.retrain:
-                from draftsmith.monitor.pipeline import run_pipeline
-
-                return run_pipeline(cfg, directory, state)
+                return retrain(cfg, directory, state)
             log.info(
                 "the retraining %s in %s is left unfinished (monitor.retrain=false): the next check with "
                 "monitor.retrain=true resumes it",
@@ -130,9 +129,24 @@ def measure_and_decide(cfg: DictConfig, directory: Path, state: State, deployed:
     record["verdict"] = combined(verdicts)
     record_check(directory, state, record, drift, outcome, action, now)
     if action == "retrain":
-        from draftsmith.monitor.pipeline import run_pipeline
+        return retrain(cfg, directory, state)
+    return outcome
 
-        return run_pipeline(cfg, directory, state)
+
+def retrain(cfg: DictConfig, directory: Path, state: State) -> Outcome:
+    """The retraining in state.pipeline, run or resumed; its outcome (the exit code) written back as the outcome
+    of the check that started it, which recorded DRIFT before the retraining ran."""
+    from draftsmith.monitor.pipeline import run_pipeline
+
+    started_by = directory / "checks" / f"{int(state.pipeline['id'].rsplit('_', 1)[1]):05d}.json"
+    outcome = run_pipeline(cfg, directory, state)
+    if started_by.is_file():  # else a state from before the check records (nothing to write back to)
+        record = json.loads(started_by.read_text())
+        record["decision"]["outcome"] = outcome.name
+        write_text_atomic(started_by, json.dumps(record, indent=2, default=str) + "\n")
+    if state.last_check is not None and state.last_check.get("record") == str(started_by):
+        state.last_check["outcome"] = outcome.name
+        state.save(directory)
     return outcome
 
 

@@ -1,7 +1,7 @@
 """The retraining pipeline a drift starts, each step resumable and recorded in the state file:
 
-    sample      recent traffic of the drifted and new domains, split 80/20 (by a hash of each request)
-                into data to retrain on and held-out prompts to judge on
+    sample      recent traffic of the drifted and new domains, split 80/20 (by a hash of each request, at
+                least one each way) into data to retrain on and held-out prompts to judge on
     regenerate  the target's own answers to those requests (data_prep.regenerate: resumable by parts)
     train       warm start from the deployed drafter (train.init_from: its weights and draft vocabulary),
                 on the regenerated traffic, listed monitor.new_data_weight times, mixed with data.train
@@ -15,8 +15,9 @@
     record      the new export becomes the deployed one, with its eval as the baseline; cooldown starts
 
 A step that finished is never run again; a killed pipeline resumes at the first unfinished step the
-next time `check` runs. One whose sample finds no request of the drifted domains in the traffic window (they
-aged out before it resumed) is abandoned: exit 10, no cooldown, the drift streak starting again.
+next time `check` runs. One whose sample finds fewer than two requests of the drifted domains in the traffic
+window (they aged out before it resumed, or only a trickle was logged) is abandoned: exit 10, no cooldown, the
+drift streak starting again.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from draftsmith.errors import Preempted
 from draftsmith.files import checkpoint_digest
 from draftsmith.heads.base import WEIGHTS_NAME
 from draftsmith.monitor import Outcome
@@ -52,9 +54,8 @@ def run_pipeline(cfg: DictConfig, directory: Path, state: State) -> Outcome:
         if step == "export" and not pipeline["done"]["gate"]["promote"]:
             return reject(directory, state, cfg.monitor.cooldown_s)
         result = run_step(cfg, directory, state, run_dir)
-        if step == "sample" and result is None:  # nothing of the drifted domains: the retraining cannot start
-            return abandon(directory, state, f"no traffic of the drifted domains {sorted(pipeline['domains'])} in "
-                           f"{cfg.monitor.traffic} within monitor.traffic_window_s to retrain on")  # fmt: skip
+        if step == "sample" and isinstance(result, str):  # too little traffic: the retraining cannot start
+            return abandon(directory, state, result)
         if step == "record":
             return Outcome.PROMOTED
         pipeline["done"][step] = result
@@ -62,25 +63,42 @@ def run_pipeline(cfg: DictConfig, directory: Path, state: State) -> Outcome:
     raise AssertionError("the record step ends every pipeline")
 
 
-def step_sample(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -> dict[str, Any] | None:
-    """The requests to retrain and judge on; None when the window holds none of the drifted domains (a retraining
-    resumed after they left it: resuming it again would fail the same way on every check)."""
+def step_sample(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -> dict[str, Any] | str:
+    """The requests to retrain and judge on; or why the retraining cannot start, when the window holds fewer than
+    two requests of the drifted domains (one to train on, one to judge on: a retraining resumed after they left
+    it, or started on a trickle, would fail the same way on every check)."""
     requests, summary = sample(Path(cfg.monitor.traffic), cfg.monitor.retrain_samples, cfg.monitor.traffic_window_s)
     # no domain: a retraining recorded by a check that read no traffic (before the retraining needed
     # monitor.traffic), which the engine's counters alone started: every domain of the recent traffic
     wanted = set(state.pipeline["domains"]) or {r["domain"] for r in requests}
     requests = [r for r in requests if r["domain"] in wanted]
-    if not requests:
+    if len(requests) < 2:
         state.pipeline["domains"] = sorted(wanted)
-        return None
-
-    def held_out(request: dict[str, Any]) -> bool:
-        digest = hashlib.sha256(json.dumps(request["messages"], sort_keys=True).encode()).digest()
-        return digest[0] < 256 * HELD_OUT
-
-    train = write_conversations([r for r in requests if not held_out(r)], run_dir / "traffic_train.jsonl")
-    judge = write_conversations([r for r in requests if held_out(r)], run_dir / "traffic_eval.jsonl")
+        found = "no traffic" if not requests else "a single request"
+        return (
+            f"{found} of the drifted domains {sorted(wanted)} in {cfg.monitor.traffic} within "
+            "monitor.traffic_window_s to retrain on (it takes two: one to train on, one to judge on)"
+        )
+    kept, held = split_held_out(requests)
+    train = write_conversations(kept, run_dir / "traffic_train.jsonl")
+    judge = write_conversations(held, run_dir / "traffic_eval.jsonl")
     return {"train": str(train), "eval": str(judge), "domains": sorted(wanted), "read": summary}
+
+
+def split_held_out(requests: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Two or more requests as (to train on, held out to judge on): the HELD_OUT share with the lowest hashes of
+    their messages, at least one and never all (a share of a few requests by hash alone may hold none out, and
+    the evaluate step would then fail on every check); the same requests give the same split."""
+
+    def digest(request: dict[str, Any]) -> bytes:
+        return hashlib.sha256(json.dumps(request["messages"], sort_keys=True).encode()).digest()
+
+    by_hash = sorted(range(len(requests)), key=lambda index: digest(requests[index]))
+    held = set(by_hash[: min(max(1, round(len(requests) * HELD_OUT)), len(requests) - 1)])
+    return (
+        [r for index, r in enumerate(requests) if index not in held],
+        [r for index, r in enumerate(requests) if index in held],
+    )
 
 
 def step_regenerate(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -> dict[str, Any]:
@@ -130,7 +148,13 @@ def step_train(cfg: DictConfig, directory: Path, state: State, run_dir: Path) ->
     }
     variant = derived(cfg, changes)
     with claim_output_dir(variant, PartialState()):
-        final = train(variant)
+        try:
+            final = train(variant)
+        except Preempted:  # the trainer's line says to resume it by hand: the monitor's next check does
+            raise Preempted(
+                f"stopped on SIGTERM in the training of the retraining {state.pipeline['id']} (its checkpoint is "
+                f"in {run_dir / 'train'}); run the same monitor command again: it resumes the retraining"
+            ) from None
     return {"checkpoint": str(final), "warm_start": start, "steps": variant.train.max_steps}
 
 

@@ -1,7 +1,8 @@
 """A sample of real traffic: a directory of JSONL request logs (`*.jsonl`, `*.jsonl.gz`), one request a
 line, `{"messages": [...], "domain": "...", "timestamp": ...}` (domain optional; timestamp as Unix
-seconds or ISO 8601; the assistant's logged answer may end the messages or be absent). A turn keeps OpenAI's
-`tool_calls` (its content null when it only calls tools) and a tool result's `tool_call_id` and `name`.
+seconds or ISO 8601, a line without one malformed; the assistant's logged answer may end the messages or be
+absent). A turn keeps OpenAI's `tool_calls` (its content null when it only calls tools) and a tool result's
+`tool_call_id` and `name`.
 
 A record may also carry the engine's own acceptance for that request, as vLLM 0.32 returns it with
 `--per-request-spec-decode-metrics summary|detailed`: the response's `metrics` object copied into the
@@ -13,17 +14,20 @@ The sample is the latest `monitor.sample_per_domain` requests of each domain wit
 `monitor.traffic_window_s` seconds, written as a conversation file the eval and regeneration read:
 each request's messages, ending with the logged answer, or with a placeholder answer when none was
 logged (the eval reads only what precedes it, regeneration replaces it). Logs being written are read
-safely: a last line without its newline is skipped as incomplete, and malformed lines are counted,
-not fatal, unless no line is a request (logs in another format: refused, naming the first line); a
-request timed more than a day ahead of the monitor's clock counts as malformed.
+safely: a last line without its newline is skipped as incomplete, as is a gzip log's cut-off end (or a
+`.jsonl.gz` that is not gzip: a warning names it, its rest counted as one malformed line), and malformed lines
+are counted, not fatal, unless no line is a request (logs in another format: refused, naming the first line); a
+request timed more than a day ahead of the monitor's clock counts as malformed, and when every request is
+(timestamps in milliseconds), the logs are refused.
 """
 
 from __future__ import annotations
 
 import datetime
-import gzip
 import json
+import logging
 import time
+import zlib
 from collections import defaultdict
 from itertools import zip_longest
 from pathlib import Path
@@ -35,11 +39,13 @@ from draftsmith.errors import UserError
 from draftsmith.files import write_text_atomic
 
 UNLOGGED_ANSWER = "[the response was not logged]"
+log = logging.getLogger("draftsmith.monitor")
 FUTURE_TOLERANCE_S = 86400.0  # a request's time may be this far ahead of the monitor's clock
 
 
 def timestamp_of(value: Any) -> Optional[float]:
-    if isinstance(value, (int, float)):
+    """Unix seconds or ISO 8601; None for anything else (a bool is no time, though Python counts it an int)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     if isinstance(value, str):
         try:
@@ -56,7 +62,11 @@ def read_requests(directory: Path) -> tuple[list[dict[str, Any]], int]:
         raise UserError(f"monitor.traffic={str(directory)!r} is not a directory of JSONL request logs")
     requests, malformed, first_malformed = [], 0, None
     for path in sorted([*directory.rglob("*.jsonl"), *directory.rglob("*.jsonl.gz")]):
-        raw = gzip.decompress(path.read_bytes()) if path.name.endswith(".gz") else path.read_bytes()
+        raw, whole = decompressed(path.read_bytes()) if path.name.endswith(".gz") else (path.read_bytes(), True)
+        if not whole:  # the rest, cut off or not gzip, is one malformed part of the file
+            log.warning("monitor: %s is not whole gzip: only its first %d decompressed bytes are read", path, len(raw))
+            malformed += 1
+            first_malformed = first_malformed or f"{path} (not whole gzip)"
         lines = raw.decode("utf-8", "replace").split("\n")
         for number, line in enumerate(lines[:-1], 1):  # the text after the last newline is still being written
             if not line.strip():
@@ -64,26 +74,40 @@ def read_requests(directory: Path) -> tuple[list[dict[str, Any]], int]:
             try:
                 record = json.loads(line)
                 messages = [logged_turn(turn) for turn in record["messages"]]
+                logged_at = timestamp_of(record["timestamp"])
             except (json.JSONDecodeError, KeyError, TypeError, UserError):
-                messages = []
-            if not messages or not any(m["role"] == "user" for m in messages):
+                messages, logged_at = [], None
+            # no time: it would stay in every window, as the newest traffic
+            if not messages or not any(m["role"] == "user" for m in messages) or logged_at is None:
                 malformed += 1
                 first_malformed = first_malformed or f"{path}:{number}"
                 continue
-            request = {
-                "messages": messages,
-                "domain": str(record.get("domain") or DEFAULT_DOMAIN),
-                "time": timestamp_of(record.get("timestamp")),
-            }
+            request = {"messages": messages, "domain": str(record.get("domain") or DEFAULT_DOMAIN), "time": logged_at}
             request["spec_decode"] = spec_decode_counts(record.get("metrics"))
             requests.append(request)
     if malformed and not requests:
         raise UserError(
             f"monitor.traffic={str(directory)!r}: none of its {malformed} logged line(s) is a request (the first: "
             f'{first_malformed}); each line is a JSON object with "messages" (a list of {{"role", "content"}}, '
-            'a user turn among them), and optionally "domain" and "timestamp"'
+            'a user turn among them), "timestamp" (Unix seconds or ISO 8601), and optionally "domain"'
         )
     return requests, malformed
+
+
+def decompressed(raw: bytes) -> tuple[bytes, bool]:
+    """A gzip log's text (every member, as appending writers leave it), and whether it was whole: a log still being
+    written ends mid-member, and a file that is not gzip gives no text."""
+    text = []
+    while raw:
+        member = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+        try:
+            text.append(member.decompress(raw))
+        except zlib.error:
+            return b"".join(text), False
+        if not member.eof:
+            return b"".join(text), False
+        raw = member.unused_data
+    return b"".join(text), True
 
 
 def logged_turn(turn: Any) -> dict[str, Any]:
@@ -145,9 +169,15 @@ def sample(
     now = time.time() if now is None else now
     # a time further ahead than a clock's skew or a naive time's zone explains (or NaN) is no request's time:
     # taken as the newest traffic it would stay in every window, so it is counted as malformed instead
-    requests = [r for r in logged if r["time"] is None or r["time"] <= now + FUTURE_TOLERANCE_S]
+    requests = [r for r in logged if r["time"] <= now + FUTURE_TOLERANCE_S]
+    if logged and not requests:  # not a few bad clocks: the logs' unit (each check would find too few samples)
+        raise UserError(
+            f"monitor.traffic={str(directory)!r}: every one of its {len(logged)} request(s) is timed more than a day "
+            f"ahead of this machine's clock (the first: timestamp {logged[0]['time']:g}; milliseconds?): a "
+            '"timestamp" is Unix seconds or ISO 8601'
+        )
     malformed += len(logged) - len(requests)
-    recent = [r for r in requests if r["time"] is None or now - r["time"] <= window_s]
+    recent = [r for r in requests if now - r["time"] <= window_s]
     by_domain: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for request in recent:
         by_domain[request["domain"]].append(request)

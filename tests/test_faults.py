@@ -458,7 +458,8 @@ def test_a_monitor_check_that_reads_no_request_is_refused_and_one_that_judges_no
     assert f"(the first: {log}:1)" in line and '"messages"' in line and not run.exists()
 
     spec = {"speculative_decoding": {"acceptance_histogram": [3, 2, 1], "num_draft_tokens": 18}}
-    request = {"messages": [{"role": "user", "content": "hi"}], "domain": "code", "metrics": spec}
+    request = {"messages": [{"role": "user", "content": "hi"}], "domain": "code", "metrics": spec,
+               "timestamp": time.time()}  # fmt: skip
     (traffic / "served.jsonl").write_text(json.dumps(request) + "\n")
     result = run_entry_in_process(args, capsys)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -889,7 +889,8 @@ def test_a_logged_tool_call_is_kept_as_the_data_loader_reads_it(tmp_path):
     calls_from_user = [{"role": "user", "content": "hi", "tool_calls": [call]}]
     logs = tmp_path / "logs"
     logs.mkdir()
-    lines = [{"messages": messages, "domain": "chat"} for messages in (tools, plain, broken, calls_from_user)]
+    lines = [{"messages": messages, "domain": "chat", "timestamp": time.time()}
+             for messages in (tools, plain, broken, calls_from_user)]  # fmt: skip
     (logs / "requests.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     requests, malformed = read_requests(logs)
     assert malformed == 2 and [request["messages"] for request in requests] == [
@@ -902,3 +903,160 @@ def test_a_logged_tool_call_is_kept_as_the_data_loader_reads_it(tmp_path):
     loaded = load_conversations([str(written)])
     assert [turn["role"] for turn in loaded[0]["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
     assert loaded[0]["messages"][2]["tool_calls"] == [call] and loaded[0]["messages"][3]["tool_call_id"] == "call_1"
+
+
+# -- probe 12: a retraining stuck on an empty held-out split, relative paths, logs the reader crashed on ---------
+def test_the_held_out_split_holds_one_out_and_keeps_one_and_a_single_request_abandons(tmp_path):
+    """8 requests split by a hash alone held none out: traffic_eval.jsonl was empty and the evaluate step failed
+    (exit 2) on every later check. Now at least one is held out and one kept, the same each time; a retraining
+    with one request of its domains is abandoned (exit 10), the line saying why."""
+    from draftsmith.monitor.check import check
+    from draftsmith.monitor.pipeline import split_held_out
+    from draftsmith.monitor.state import State
+
+    requests = [{"messages": [{"role": "user", "content": f"q{i}"}], "domain": "math"} for i in range(8)]
+    for count in (2, 3, 8):
+        train, held = split_held_out(requests[:count])
+        assert held and train and len(train) + len(held) == count
+        assert split_held_out(requests[:count]) == (train, held)
+
+    folder, engine = served_export(tmp_path / "export" / "vllm"), FakeEngine()
+    directory, logs = tmp_path / "run" / "monitor", tmp_path / "logs"
+    logs.mkdir()
+    ask = {"messages": [{"role": "user", "content": "hi"}], "domain": "math", "timestamp": time.time()}
+    (logs / "requests.jsonl").write_text(json.dumps(ask) + "\n")
+    cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}",
+                       f"monitor.metrics=[{engine.url}]", f"monitor.traffic={logs}"])  # fmt: skip
+    left = {"id": "retrain_00002", "started": "2026-11-30T10:00:00+00:00", "domains": ["math"], "done": {},
+            "deployed": {"export": str(folder), "revision": 0, "sha256": "0" * 64}}  # fmt: skip
+    State(checks=2, consecutive_drift=2, pipeline=left).save(directory)
+    try:
+        assert check(cfg) == Outcome.DRIFT
+    finally:
+        engine.server.shutdown()
+    state = State.load(directory)
+    assert (
+        state.pipeline is None
+        and "a single request of the drifted domains ['math']" in state.last_retrain["abandoned"]
+        and "one to train on, one to judge on" in state.last_retrain["abandoned"]
+    )
+
+
+def test_the_state_records_absolute_paths_under_a_relative_state_dir(tmp_path, monkeypatch):
+    """monitor.state_dir=st from one directory recorded `st/...` paths (the promoted export among them), which a
+    check from another directory could not find."""
+    from draftsmith.monitor.check import check, state_dir_of
+    from draftsmith.monitor.state import State
+
+    monkeypatch.chdir(tmp_path)
+    folder, engine = served_export(tmp_path / "export" / "vllm"), FakeEngine()
+    cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}",
+                       "monitor.state_dir=st", f"monitor.metrics=[{engine.url}]", "monitor.retrain=false"])  # fmt: skip
+    try:
+        check(cfg)
+    finally:
+        engine.server.shutdown()
+    assert state_dir_of(cfg) == tmp_path / "st"  # the retraining's folders, its exports among them, are under it
+    assert State.load(tmp_path / "st").last_check["record"] == str(tmp_path / "st" / "checks" / "00001.json")
+
+
+def test_a_cut_off_or_non_gzip_log_is_read_as_far_as_it_decompresses(tmp_path, caplog):
+    """A .jsonl.gz still being written (cut off) or not gzip at all crashed the check (exit 70: EOFError,
+    BadGzipFile). Now what decompresses is read, the rest counted as one malformed line, a warning names the file;
+    gzip members appended one after another are all read."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    line = json.dumps({"messages": [{"role": "user", "content": "hi"}], "domain": "chat", "timestamp": time.time()})
+    whole = gzip.compress(("\n".join([line] * 2000) + "\n").encode())
+    (logs / "a.jsonl.gz").write_bytes(whole[: len(whole) // 2])
+    (logs / "b.jsonl.gz").write_bytes(b"not gzip at all\n")
+    (logs / "c.jsonl.gz").write_bytes(gzip.compress((line + "\n").encode()) * 2)
+    with caplog.at_level("WARNING", logger="draftsmith.monitor"):
+        requests, malformed = read_requests(logs)
+    assert 0 < len(requests) - 2 < 2000 and malformed == 2
+    assert f"{logs / 'a.jsonl.gz'} is not whole gzip" in caplog.text and f"{logs / 'b.jsonl.gz'} is not" in caplog.text
+
+
+def test_a_request_without_a_time_is_malformed_and_millisecond_logs_are_refused(tmp_path):
+    """A missing or unparseable timestamp, or `true` (read as 1.0), kept the request in every window: now each is
+    malformed. Timestamps in milliseconds made every request "more than a day ahead", malformed: `too few
+    samples`, exit 0, on every check; now the logs are refused in one line."""
+    logs, now = tmp_path / "logs", time.time()
+    logs.mkdir()
+    ask = {"messages": [{"role": "user", "content": "hi"}], "domain": "chat"}
+    stamps = [{}, {"timestamp": "yesterday"}, {"timestamp": True}, {"timestamp": None}, {"timestamp": now - 60}]
+    (logs / "requests.jsonl").write_text("".join(json.dumps({**ask, **stamp}) + "\n" for stamp in stamps))
+    picked, summary = sample(logs, per_domain=10, window_s=3600, now=now)
+    assert [r["time"] for r in picked] == [now - 60] and summary["malformed_lines"] == 4
+
+    (logs / "requests.jsonl").write_text("".join(json.dumps({**ask, "timestamp": now * 1000}) + "\n" for _ in "ab"))
+    with pytest.raises(UserError, match=r"every one of its 2 request\(s\) is timed more than a day ahead") as err:
+        sample(logs, per_domain=10, window_s=3600, now=now)
+    assert "milliseconds?" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_watch_skips_a_check_while_another_holds_the_state_dir(tmp_path, monkeypatch, capsys):
+    """A cron `check` holding the state directory ended a running `watch` (exit 2). Now `watch` says in a line that
+    it skipped this interval's check and checks again at the next; a `check` alone is still refused (exit 2)."""
+    import os
+    import threading
+
+    from draftsmith.monitor import check as monitor_check
+
+    def locked_out(cfg):
+        with DirectoryLock(tmp_path / "monitor"):
+            pass
+        return Outcome.HEALTHY
+
+    monkeypatch.setattr(monitor_check, "check", locked_out)
+    args = ["-m", "monitor", "watch", "recipe=medusa", f"output_dir={tmp_path}", "monitor.interval_s=1"]
+    with DirectoryLock(tmp_path / "monitor", "a cron check"):
+        threading.Timer(2.5, os.kill, (os.getpid(), signal.SIGTERM)).start()  # after two skipped checks
+        result = run_entry_in_process(args, capsys)
+    assert result.returncode == 75, result.stderr[-2000:]
+    skipped = [line for line in result.stderr.splitlines() if line.startswith("monitor: check skipped: ")]
+    assert len(skipped) >= 2 and "in use by another job (" in skipped[0] and "a cron check" in skipped[0]
+    assert skipped[0].endswith("; the next one is in 1 s")
+
+
+def test_a_retraining_s_outcome_is_its_check_s_and_a_stopped_training_says_the_monitor_resumes_it(
+    tmp_path, monkeypatch
+):
+    """The check record's decision.outcome and state.json's last_check.outcome said DRIFT after the retraining
+    the check started exited 11 or 12; a training stopped by SIGTERM said to rerun with train.resume=true, which
+    the monitor does by itself."""
+    from draftsmith.errors import Preempted
+    from draftsmith.monitor import pipeline
+    from draftsmith.monitor.check import check
+    from draftsmith.monitor.state import State
+
+    folder, directory, logs = served_export(tmp_path / "export" / "vllm"), tmp_path / "run" / "monitor", tmp_path
+    record_path = directory / "checks" / "00002.json"
+    record_path.parent.mkdir(parents=True)
+    record_path.write_text(json.dumps({"check": 2, "decision": {"action": "retrain", "outcome": "DRIFT"}}))
+    left = {"id": "retrain_00002", "started": "2026-11-30T10:00:00+00:00", "domains": ["math"],
+            "done": {"regenerate": {"output": str(tmp_path / "regenerated")}},
+            "deployed": {"export": str(folder), "revision": 0, "sha256": "0" * 64,
+                         "checkpoint": str(tmp_path)}}  # fmt: skip
+    last = {"record": str(record_path), "outcome": "DRIFT", "action": "retrain", "verdict": "drift"}
+    State(checks=2, pipeline=left, last_check=last).save(directory)
+    cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}",
+                       "monitor.metrics=[http://127.0.0.1:9/metrics]", f"monitor.traffic={logs}"])  # fmt: skip
+
+    def trainer_stopped(variant):
+        raise Preempted("stopped on SIGTERM after step 3 of 20; run the same command with train.resume=true")
+
+    monkeypatch.setattr("draftsmith.trainer.loop.train", trainer_stopped)
+    with pytest.raises(Preempted, match="run the same monitor command again: it resumes the retraining") as err:
+        pipeline.step_train(cfg, directory, State.load(directory), directory / "retrain" / "retrain_00002")
+    assert "train.resume" not in str(err.value)
+
+    def promoted(cfg, directory, state):
+        state.pipeline = None
+        state.save(directory)
+        return Outcome.PROMOTED
+
+    monkeypatch.setattr(pipeline, "run_pipeline", promoted)
+    assert check(cfg) == Outcome.PROMOTED
+    assert json.loads(record_path.read_text())["decision"]["outcome"] == "PROMOTED"
+    assert State.load(directory).last_check["outcome"] == "PROMOTED"

@@ -150,3 +150,23 @@ def test_a_resume_of_a_run_saved_before_a_key_existed_reads_it_as_its_default(tm
     require_resumed_as_begun(cfg, tmp_path)
     with pytest.raises(UserError, match=r"train.lr=0.01 \(the run began with 0.002\)"):
         require_resumed_as_begun(load_recipe(["recipe=medusa", f"output_dir={tmp_path}", "train.lr=0.01"]), tmp_path)
+
+
+def test_a_resume_in_another_precision_is_refused_unless_the_run_did_not_record_one(tmp_path):
+    """recipe.yaml records the precision the run computed in; a resume computing in another (a bundled accelerate
+    config's bf16 after a plain float32 run) is refused in one line. A run saved by an earlier draftsmith recorded
+    `auto`, which does not say what ran: not refused."""
+    from omegaconf import OmegaConf
+
+    from draftsmith.recipe import derived, save_recipe
+    from draftsmith.trainer.setup import require_precision_as_begun
+
+    cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path}"])
+    save_recipe(derived(cfg, {"train.mixed_precision": "no"}), tmp_path)
+    require_precision_as_begun("no", "auto", tmp_path)
+    with pytest.raises(UserError, match=r"in mixed precision no, and this launch runs bf16 \(train.mixed_precision"):
+        require_precision_as_begun("bf16", "auto", tmp_path)
+    saved = OmegaConf.load(tmp_path / "recipe.yaml")
+    saved.train.mixed_precision = "auto"
+    (tmp_path / "recipe.yaml").write_text(OmegaConf.to_yaml(saved))
+    require_precision_as_begun("bf16", "auto", tmp_path)

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from tests.helpers import (
     REFERENCE_TARGET,
+    assert_one_line_error,
     read_log,
     run_entry_in_process,
     train_args,
@@ -115,3 +116,50 @@ def test_a_warm_start_begins_at_its_start_and_its_saved_recipe_reads_what_it_tra
     done = run_entry_in_process(["train.py", *resume], capsys)
     assert done.returncode == 0 and f"this run began from {output_dir / 'final'} (its recipe.yaml)" in done.stdout
     assert yaml.safe_load((warm / "recipe.yaml").read_text())["train"]["init_from"] == str(output_dir / "final")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="DeepSpeed is refused only without a CUDA GPU")
+def test_a_deepspeed_launch_without_a_gpu_is_refused_before_the_run_starts(
+    tmp_path, small_data, token_cache, capsys, monkeypatch
+):
+    """accelerate launch's DeepSpeed configs (ACCELERATE_USE_DEEPSPEED) on a CPU ran plain DDP without a word:
+    refused in one line, nothing written."""
+    out = tmp_path / "run"
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    result = run_entry_in_process(["train.py", *train_args(out, small_data, token_cache, "train.max_steps=1")], capsys)
+    assert_one_line_error(result, 2, "accelerate launch with a DeepSpeed config needs a CUDA GPU")
+    assert "multi_gpu.yaml" in result.stderr
+    assert not out.exists()
+
+
+def test_the_precision_a_run_computes_in_is_logged_recorded_and_kept_by_its_resume(
+    tmp_path, small_data, token_cache, capsys, monkeypatch
+):
+    """The bundled accelerate configs' bf16 under train.mixed_precision=auto is applied on a CPU too: the run says
+    so, its recipe.yaml records bf16 (not auto), and a resume that would compute in float32 is refused in one line;
+    resumed with the run's precision it goes on."""
+    from accelerate.state import AcceleratorState
+
+    out = tmp_path / "run"
+    args = ["train.py", *train_args(out, small_data, token_cache, "train.max_steps=1")]
+    try:
+        AcceleratorState._reset_state(reset_partial_state=True)  # in-process: an earlier run's precision is kept
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # what accelerate launch's config sets
+        began = run_entry_in_process(args, capsys)
+        assert began.returncode == 0, began.stderr[-2000:]
+        assert "mixed precision: bf16 (accelerate launch's mixed_precision, under train.mixed_precision=auto)" in (
+            began.stdout
+        )
+        assert yaml.safe_load((out / "recipe.yaml").read_text())["train"]["mixed_precision"] == "bf16"
+        monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")
+        AcceleratorState._reset_state(reset_partial_state=True)
+        resume = [a for a in args if not a.startswith("train.max_steps=")] + ["train.max_steps=2", "train.resume=true"]
+        refused = run_entry_in_process(resume, capsys)
+        assert_one_line_error(refused, 2, "in mixed precision bf16, and this launch runs no")
+        assert yaml.safe_load((out / "recipe.yaml").read_text())["train"]["mixed_precision"] == "bf16"
+        AcceleratorState._reset_state(reset_partial_state=True)
+        resumed = run_entry_in_process([*resume, "train.mixed_precision=bf16"], capsys)
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        assert "mixed precision: bf16 (train.mixed_precision=bf16)" in resumed.stdout
+    finally:  # later in-process runs start from a fresh state, as a process does
+        AcceleratorState._reset_state(reset_partial_state=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import parse_flag_from_env, set_seed
 from omegaconf import DictConfig, OmegaConf
 from transformers import get_cosine_schedule_with_warmup
 
@@ -127,6 +128,8 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     if cfg.eval.enabled:  # the eval stage after training: settings it cannot run refused now, not after the run
         check_eval_settings(load_config(cfg.target), cfg.eval)
     accelerator = make_accelerator(cfg, output_dir)
+    given_precision = cfg.train.mixed_precision
+    cfg = with_precision_used(cfg, accelerator)
     set_seed(cfg.train.seed)
     # train.resume: the checkpoint, verified against its checksums before anything is loaded or written
     resume_from = resume_checkpoint(output_dir, cfg.train.resume, accelerator)
@@ -135,6 +138,7 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
         saved_kind, saved_config = saved_drafter(resume_from / DRAFTER_DIR)[:2]
         require_recipes_kind(saved_kind.type, cfg.drafter.type, f"train.resume's {resume_from}")  # said first
         require_resumed_as_begun(cfg, output_dir)
+        require_precision_as_begun(cfg.train.mixed_precision, given_precision, output_dir)
         resumed = resplit(saved_state(resume_from), split_of(cfg, accelerator))  # another step size: before any load
     elif cfg.train.init_from:  # its kind is known before any data or model loads
         start = Path(cfg.train.init_from)
@@ -185,6 +189,13 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
 
 def make_accelerator(cfg: DictConfig, output_dir: Path) -> Accelerator:
     """The run's Accelerator: train.grad_accum, train.mixed_precision, TensorBoard under the output directory."""
+    # accelerate launch's DeepSpeed configs (its environment variable): without CUDA, cpu=True below drops the
+    # DeepSpeed plugin and the run is plain DDP without a word
+    if parse_flag_from_env("ACCELERATE_USE_DEEPSPEED") and not torch.cuda.is_available():
+        raise UserError(
+            "accelerate launch with a DeepSpeed config needs a CUDA GPU (on a CPU accelerate would run plain DDP): "
+            "launch with recipes/accelerate/multi_gpu.yaml on a CPU"
+        )
     return Accelerator(
         gradient_accumulation_steps=cfg.train.grad_accum,
         mixed_precision=mixed_precision(cfg.train.mixed_precision),
@@ -319,8 +330,6 @@ def split_of(cfg: DictConfig, accelerator: Accelerator) -> dict[str, int]:
 def mixed_precision(setting: str):
     """`auto`: whatever `accelerate launch` was told, else bf16 on a GPU that has it, else none. fp16 needs a
     CUDA GPU: on a CPU accelerate runs it as float32 without a word."""
-    import os
-
     launched = os.environ.get("ACCELERATE_MIXED_PRECISION") if setting == "auto" else None
     if "fp16" in (setting, launched) and not torch.cuda.is_available():
         given = "train.mixed_precision=fp16" if setting == "fp16" else "accelerate launch --mixed_precision fp16"
@@ -332,6 +341,38 @@ def mixed_precision(setting: str):
     if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
         return "bf16"
     return "no"
+
+
+def precision_source(given: str) -> str:
+    """Where the run's precision came from, for its log line and a refused resume: the recipe's
+    train.mixed_precision, or under `auto` accelerate launch's setting or the device."""
+    if given != "auto":
+        return f"train.mixed_precision={given}"
+    if os.environ.get("ACCELERATE_MIXED_PRECISION"):
+        return "accelerate launch's mixed_precision, under train.mixed_precision=auto"
+    return "train.mixed_precision=auto on this device"
+
+
+def with_precision_used(cfg: DictConfig, accelerator: Accelerator) -> DictConfig:
+    """The recipe with train.mixed_precision the precision the run computes in (`auto` resolved: accelerate launch's
+    bundled configs say bf16, applied on a CPU too), logged: the recipe.yaml the run saves says what ran, and a
+    resume under another precision is refused (require_precision_as_begun)."""
+    used, given = accelerator.mixed_precision, cfg.train.mixed_precision
+    log.info("mixed precision: %s (%s)", used, precision_source(given))
+    return derived(cfg, {"train.mixed_precision": used}) if used != given else cfg
+
+
+def require_precision_as_begun(used: str, given: str, output_dir: Path) -> None:
+    """One line when a resume computes in another precision than the run began in (its recipe.yaml's resolved
+    train.mixed_precision): its losses would differ from the run's without a word."""
+    if not (output_dir / RECIPE_NAME).is_file():  # a checkpoint given by path, of a run elsewhere
+        return
+    began = OmegaConf.load(output_dir / RECIPE_NAME).train.get("mixed_precision", "auto")
+    if began not in ("auto", used):  # auto: saved by an earlier draftsmith, which did not record what ran
+        raise UserError(
+            f"train.resume continues the run in {output_dir} as it began, in mixed precision {began}, and this launch "
+            f"runs {used} ({precision_source(given)}): resume with train.mixed_precision={began}"
+        )
 
 
 def packing_collator(cfg: DictConfig, tokenizer, target) -> PackingCollator | None:
