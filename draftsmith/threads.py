@@ -94,4 +94,10 @@ def set_cpu_threads(setting: Optional[int]) -> int:
         torch.set_num_threads(choice.threads)
     threads = torch.get_num_threads()
     log.info("CPU threads: %d (%s)", threads, choice.reason)
+    cores, local = available_cores(), local_processes(os.environ)
+    if not torch.cuda.is_available() and threads * local > cores:  # they take turns on the cores: slower, not faster
+        log.warning(
+            "%d threads x %d process%s on this machine's %d available core%s: oversubscribed, each step slower",
+            threads, local, "es" if local > 1 else "", cores, "s" if cores > 1 else "",
+        )  # fmt: skip
     return threads

@@ -87,6 +87,8 @@ def require_inputs(settings: DictConfig) -> None:
             "monitor.retrain=true needs monitor.traffic: the retraining reads its prompts from the request logs; set "
             "monitor.traffic=<request log directory>, or monitor.retrain=false to only report drift"
         )
+    if settings.traffic and not Path(settings.traffic).is_dir():  # a setting to fix: not hidden by a scrape's 69
+        raise UserError(f"monitor.traffic={str(settings.traffic)!r} is not a directory of JSONL request logs")
 
 
 def summary(cfg: DictConfig, outcome: Outcome) -> str:

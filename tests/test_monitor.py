@@ -527,6 +527,11 @@ def test_a_retraining_needs_traffic_and_a_state_left_without_any_recovers(tmp_pa
             "logs; set monitor.traffic=<request log directory>, or monitor.retrain=false to only report drift",
         )  # fmt: skip
         assert not run.exists()
+        # a traffic directory that is not there is the setting to fix, before the engine is scraped (its 69)
+        missing = ["-m", "monitor", "check", *args[:-1], "monitor.metrics=[http://127.0.0.1:9/metrics]"]
+        result = run_entry_in_process([*missing, f"monitor.traffic={tmp_path / 'no-logs'}"], capsys)
+        assert_one_line_error(result, 2, "is not a directory of JSONL request logs")
+        assert not run.exists()
 
         left = {"id": "retrain_00002", "started": "2026-11-30T10:00:00+00:00", "domains": [], "done": {},
                 "deployed": {"export": str(folder), "revision": 0, "sha256": "0" * 64}}  # fmt: skip

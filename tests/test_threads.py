@@ -61,8 +61,11 @@ def test_the_choice_is_applied_and_logged(monkeypatch, caplog):
         with caplog.at_level(logging.INFO, logger="draftsmith.train"):
             assert set_cpu_threads(None) == torch.get_num_threads() == 1
             assert "CPU threads: 1 (1 core available / 1 process on this machine; OMP_NUM_THREADS=1" in caplog.text
+            assert "oversubscribed" not in caplog.text
             assert set_cpu_threads(2) == torch.get_num_threads() == 2
             assert "CPU threads: 2 (train.cpu_threads=2)" in caplog.text
+            # more threads than the cores the run's processes share: said, since each step gets slower
+            assert "2 threads x 1 process on this machine's 1 available core: oversubscribed" in caplog.text
     finally:
         torch.set_num_threads(before)
 
