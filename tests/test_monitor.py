@@ -729,7 +729,8 @@ def test_a_shift_is_detected_and_located_by_replaying_the_logged_requests(deploy
 
 
 def test_two_checks_never_overlap(tmp_path):
-    cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path}", "monitor.traffic=/nonexistent"])
+    (tmp_path / "logs").mkdir()
+    cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path}", f"monitor.traffic={tmp_path / 'logs'}"])
     from draftsmith.monitor.check import check
 
     with DirectoryLock(tmp_path / "monitor", "a running check"):
