@@ -19,7 +19,7 @@ from draftsmith.eval.ngram import NGramDrafter
 from draftsmith.eval.sampling import Sampling
 from draftsmith.eval.suffix import SuffixDrafter, SuffixTrees
 from draftsmith.eval.trees import tree_depth
-from draftsmith.formats import exporter_for
+from draftsmith.formats import refusals
 from draftsmith.formats.repo import ENGINE_NAMES, TargetInfo
 from draftsmith.heads.proposer import DynamicTree, Proposer, Tree
 from draftsmith.target import loaded_config
@@ -144,15 +144,13 @@ def serving(drafter, target, vllm_format: str = "speculators") -> dict[str, dict
     check, formats.Exporter.refuse: the report never names an engine whose export draftsmith refuses),
     else draftsmith's eval only; and `not_served_by`, each refused engine's line, where one is. `vllm_format`: the
     vLLM layout the recipe exports (export.vllm_format)."""
-    served = type(drafter).SERVED_BY
     shape = drafter.target
     info = TargetInfo(shape=shape, config=loaded_config(target), verifier=shape.name_or_path)
-    engines = dict.fromkeys(engine for named in served.values() for engine in named)
-    refused = {engine: exporter_for(drafter.type).refusal(engine, drafter, info, vllm_format) for engine in engines}
     said = {}
-    for method, named in served.items():
-        said[method] = {"served_by": ", ".join(ENGINE_NAMES[e] for e in named if refused[e] is None) or EVAL_ONLY}
-        reasons = {ENGINE_NAMES[e]: refused[e] for e in named if refused[e] is not None}
+    for method, refused in refusals(drafter, info, vllm_format).items():
+        serving_engines = [ENGINE_NAMES[e] for e, why in refused.items() if why is None]
+        said[method] = {"served_by": ", ".join(serving_engines) or EVAL_ONLY}
+        reasons = {ENGINE_NAMES[e]: why for e, why in refused.items() if why is not None}
         if reasons:
             said[method]["not_served_by"] = reasons
     return said

@@ -19,16 +19,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from draftsmith.formats import Source, exporter_for
+from draftsmith.formats import Source, refusals
 
 
 def chain_engines(source: Source) -> list[str]:
     """The engines that serve this drafter's chains for this target: those its kind names for chains
     (Drafter.SERVED_BY) whose export does not refuse it (formats.Exporter.refuse), as the eval's report says."""
-    drafter = source.drafter
-    exporter = exporter_for(drafter.type)
-    named = type(drafter).SERVED_BY.get("chain", ())
-    return [e for e in named if exporter.refusal(e, drafter, source.target, source.vllm_format) is None]
+    chains = refusals(source.drafter, source.target, source.vllm_format).get("chain", {})
+    return [engine for engine, why in chains.items() if why is None]
 
 
 def recommended_gamma(report: Optional[dict[str, Any]], engines: Sequence[str]) -> Optional[dict[str, Any]]:

@@ -107,6 +107,17 @@ def register(cls: type[Exporter]) -> type[Exporter]:
     return cls
 
 
+def refusals(
+    drafter: Drafter, target: TargetInfo, vllm_format: str = "speculators"
+) -> dict[str, dict[str, Optional[str]]]:
+    """Eval method (chain, tree) -> each engine the drafter's kind names for it (Drafter.SERVED_BY) -> the line its
+    export refuses this drafter for this target with (Exporter.refuse), or None where it serves it."""
+    exporter = exporter_for(drafter.type)
+    engines = dict.fromkeys(engine for named in type(drafter).SERVED_BY.values() for engine in named)
+    refused = {engine: exporter.refusal(engine, drafter, target, vllm_format) for engine in engines}
+    return {method: {engine: refused[engine] for engine in named} for method, named in type(drafter).SERVED_BY.items()}
+
+
 def exporter_for(kind: str) -> Exporter:
     if kind not in EXPORTERS:
         raise UserError(f"drafter type {kind!r} has no export format yet; exportable: {', '.join(sorted(EXPORTERS))}")
@@ -116,4 +127,4 @@ def exporter_for(kind: str) -> Exporter:
 # each registers itself
 from draftsmith.formats import dflash, draft_model, eagle, eagle3, gemma4_assistant, medusa, mtp  # noqa: E402,F401,I001
 
-__all__ = ["EXPORTERS", "Exporter", "Source", "exporter_for", "register"]
+__all__ = ["EXPORTERS", "Exporter", "Source", "exporter_for", "refusals", "register"]
