@@ -5,6 +5,9 @@ export's check sum and read them without running the loop."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy
 
 from draftsmith.eval.sampling import Verdict
 
@@ -24,6 +27,9 @@ class Counts:
     `mismatched` counts prompts whose greedy output differed from plain decoding's (set by the report);
     `near_ties`, those of a target computing in fewer bits than float32 whose output parted from plain
     decoding's where the two tokens' logits were within its rounding (eval/partings.py): not mismatched.
+    `per_prompt` keeps each summed prompt's (new tokens, wall seconds), in the order added: every method
+    decodes the same prompts in the same order, so two methods' lists pair prompt by prompt
+    (`speedup_interval`).
     """
 
     prompts: int = 0
@@ -37,6 +43,7 @@ class Counts:
     wall_s: float = 0.0  # prefill included
     mismatched: int = 0
     near_ties: int = 0
+    per_prompt: list[tuple[int, float]] = field(default_factory=list)
 
     def count_cycle(self, depth: int, new_tokens: int, verdict: Verdict) -> None:
         self.target_forwards += 1
@@ -65,10 +72,35 @@ class Counts:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.reached = _add_lists(self.reached, other.reached)
         self.accepted_at = _add_lists(self.accepted_at, other.accepted_at)
+        if other.per_prompt:
+            self.per_prompt += other.per_prompt
+        elif other.prompts == 1:
+            self.per_prompt.append((other.new_tokens, other.wall_s))
 
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def speedup_interval(counts: Counts, plain: Counts, resamples: int = 2000) -> Optional[list[float]]:
+    """A 95% interval of `counts`' speed-up over `plain`: a paired bootstrap over the prompts (each resample
+    draws prompts with replacement and takes both methods' tokens/s over the same draw), so a speed-up that
+    a few prompts' timings carry shows a wide interval. Seeded: the same counts give the same interval.
+    None with fewer than two prompts or unpaired lists. The spread is the prompts'; what a whole run shares
+    (another job on the cores, a cold cache) moves both methods and is not in it."""
+    mine, theirs = numpy.array(counts.per_prompt), numpy.array(plain.per_prompt)
+    if len(mine) < 2 or mine.shape != theirs.shape:
+        return None
+    draws = numpy.random.default_rng(0).integers(0, len(mine), size=(resamples, len(mine)))
+    with numpy.errstate(divide="ignore", invalid="ignore"):
+        rate = mine[draws, 0].sum(1) / mine[draws, 1].sum(1)
+        plain_rate = theirs[draws, 0].sum(1) / theirs[draws, 1].sum(1)
+        ratios = rate / plain_rate
+    ratios = ratios[numpy.isfinite(ratios)]
+    if len(ratios) < resamples // 2:  # walls of zero: no timing to speak of
+        return None
+    low, high = numpy.percentile(ratios, [2.5, 97.5])
+    return [round(float(low), 4), round(float(high), 4)]
 
 
 @dataclass

@@ -74,14 +74,14 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines.append(
                 f"| {domain} | {name} | {served_by} | {row['prompts']} | {_fmt(row['tau'])} | {_fmt(row['alpha'])} "
                 f"| {per_position} | {_fmt(row['draft_forwards_per_cycle'])} | {row['tokens_per_s']:.1f} "
-                f"| {_fmt(row['speedup'])}× | {lossless} |"
+                f"| {_fmt(row['speedup'])}×{_spread(row, name)} | {lossless} |"
             )
     lines += [
         "",
         "τ: new tokens per target forward (bonus included, prefill not counted). α: accepted / drafted positions. "
         "Per position: acceptance at draft position k given positions < k were accepted. "
         "Draft fwd/cycle: the drafter's forward passes per target forward. "
-        "Speedup: tokens/s over plain decoding in the same run. "
+        "Speedup: tokens/s over plain decoding in the same run (in brackets its 95% interval over the prompts). "
         "Served by: the engines that can serve the method as measured, for this drafter and target (vLLM 0.32 "
         "verifies chains only; report.json's not_served_by says why the export refuses an engine). "
         f"Lossless: {report['lossless_check']}.",
@@ -120,7 +120,17 @@ def conclusion(report: dict[str, Any]) -> list[str]:
             f"so its speed-up is the timing's noise (decode more: eval.max_prompts, eval.max_new_tokens){unmeasured}.",
             "",
         ]
-    if best["speedup"] > max(1.0, free[strongest]["speedup"] if strongest else 0.0):
+    to_beat = max(1.0, free[strongest]["speedup"] if strongest else 0.0)
+    interval = best.get("speedup_interval")  # absent from an older report
+    if best["speedup"] > to_beat and interval and interval[0] <= to_beat:  # a few prompts' timings carry it
+        beaten = "plain's 1.00×" if to_beat == 1.0 else f"{FREE_BASELINES[strongest]}'s {to_beat:.2f}×"
+        return [
+            f"**Result:** {measured}: no clear wall-clock win on {report['device']}: its 95% interval over the "
+            f"prompts, {interval[0]:.2f}–{interval[1]:.2f}×, reaches {beaten} (decode more: eval.max_prompts, "
+            f"eval.max_new_tokens){unmeasured}.",
+            "",
+        ]
+    if best["speedup"] > to_beat:
         return [
             f"**Result:** {measured}: the trained drafter wins in wall-clock time on {report['device']}{unmeasured}.",
             "",
@@ -139,6 +149,11 @@ def conclusion(report: dict[str, Any]) -> list[str]:
         if strongest and free[strongest]["speedup"] > 1.0:  # a free method wins where the drafter does not
             why += f"; on this traffic a free method is faster: {FREE_BASELINES[strongest]}"
     return [f"**Result:** {measured}: no wall-clock win on {report['device']}: {why}{unmeasured}.", ""]
+
+
+def _spread(row: dict[str, Any], name: str) -> str:
+    interval = row.get("speedup_interval")
+    return "" if name == "plain" or not interval else f" ({interval[0]:.2f}–{interval[1]:.2f})"
 
 
 def render_batch_sweep(sweep: dict[str, Any]) -> list[str]:

@@ -14,7 +14,8 @@ Definitions (the README's "Evaluating a drafter" section says the same for users
   acceptance of position d+1 given that positions 1..d were accepted (EAGLE's n-alpha). With a
   greedy target this is what a Medusa head's top-1 accuracy on the target's own text estimates.
 - tokens_per_s = all new tokens / all wall time (prefill included); speedup = tokens_per_s / plain's
-  tokens_per_s in the same domain and the same run.
+  tokens_per_s in the same domain and the same run; speedup_interval = its 95% interval over the prompts
+  (a paired bootstrap, eval/counts.py).
 - lossless (greedy only): every prompt's token ids equal plain greedy decoding's of that prompt alone
   (batch size 1), whatever batch the prompt was decoded in.
 
@@ -41,7 +42,7 @@ from tqdm.auto import tqdm
 from draftsmith.data_prep.dataset import require_context, target_context
 from draftsmith.engines import suffix_decoding_installed
 from draftsmith.errors import UserError
-from draftsmith.eval.counts import Counts
+from draftsmith.eval.counts import Counts, speedup_interval
 from draftsmith.eval.loop import generate
 from draftsmith.eval.methods import Method, build_methods
 from draftsmith.eval.partings import parting, rounding_unit
@@ -77,6 +78,7 @@ def report_row(counts: Counts, plain: Counts, greedy: bool, positions: int) -> d
         "tokens_per_s": round(counts.tokens_per_s, 3),
         "wall_s": round(counts.wall_s, 4),
         "speedup": _ratio(counts.tokens_per_s, plain.tokens_per_s),
+        "speedup_interval": speedup_interval(counts, plain),
         "lossless": (counts.mismatched == 0) if greedy else None,
         "near_ties": counts.near_ties if greedy else None,
     }

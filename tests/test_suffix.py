@@ -140,6 +140,44 @@ def report_rows(chain: tuple[float, float], ngram: tuple[float, float], suffix: 
 
 
 @pytest.mark.parametrize(
+    "tau, speedup, interval, suffix, says",
+    [(2.0, 1.3, [1.1, 1.5], 0.8, "the trained drafter wins"),
+     (2.0, 1.3, [0.9, 1.7], 0.8, "no clear wall-clock win on cpu: its 95% interval over the prompts, 0.90–1.70×, "
+                                 "reaches plain's 1.00×"),
+     (2.0, 1.3, [1.1, 1.5], 1.2, "its 95% interval over the prompts, 1.10–1.50×, reaches suffix decoding's 1.20×"),
+     (2.0, 1.3, None, 0.8, "the trained drafter wins"),  # a report from before the interval
+     (1.0, 1.3, [1.2, 1.4], 0.8, "at τ ≤ 1 it saved no target forward")],
+)  # fmt: skip
+def test_a_speed_up_the_prompts_timings_do_not_carry_is_no_win(tau, speedup, interval, suffix, says):
+    from draftsmith.eval.render import conclusion
+
+    report = report_rows((tau, speedup), (1.0, 0.9), (1.0, suffix))
+    report["domains"]["all"]["chain"]["speedup_interval"] = interval
+    line = conclusion(report)[0]
+    assert says in line
+
+
+def test_the_speed_up_interval_pairs_the_prompts_and_widens_where_one_prompt_carries_it():
+    from draftsmith.eval.counts import Counts, speedup_interval
+
+    def tally(per_prompt):
+        total = Counts()
+        for tokens, wall in per_prompt:
+            total.add(Counts(prompts=1, new_tokens=tokens, wall_s=wall))
+        return total
+
+    plain = tally([(32, 1.0 + 0.1 * i) for i in range(12)])  # prompts of differing cost
+    steady = tally([(32, (1.0 + 0.1 * i) / 2) for i in range(12)])  # twice as fast on every prompt
+    assert speedup_interval(steady, plain) == [2.0, 2.0]  # paired: the prompts' own spread cancels
+    lucky = tally([(32, 0.05)] + [(32, 1.0 + 0.1 * i) for i in range(1, 12)])  # one prompt fast, the rest as plain
+    low, high = speedup_interval(lucky, plain)
+    total = sum(w for _, w in lucky.per_prompt)
+    assert low <= 1.0 < (32 * 12 / total) / plain.tokens_per_s <= high  # the point estimate wins; its interval not
+    assert speedup_interval(tally([(32, 1.0)]), tally([(32, 2.0)])) is None  # one prompt: no spread to speak of
+    assert speedup_interval(steady, tally([(32, 1.0)] * 11)) is None  # unpaired
+
+
+@pytest.mark.parametrize(
     "chain, suffix, says",
     [((2.3, 1.8), (2.0, 1.5), "the trained drafter wins"), ((1.9, 1.3), (2.4, 1.6), "a free method is faster"),
      ((1.2, 0.5), (1.6, 1.3), "a free method is faster")],  # the drafter below plain: said as well (it was not)
