@@ -218,7 +218,10 @@ def main() -> None:
     parser.add_argument("--vllm-python")
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--kinds", default="eagle3")
-    parser.add_argument("--out", default="docs/results/target_matrix.jsonl")
+    parser.add_argument(
+        "--out", type=Path, default=REPO / "docs/results/target_matrix.jsonl",
+        help="the rows' JSON lines file, relative to the current directory (default: the repository's)",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
@@ -231,7 +234,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--markdown", action="store_true", help="print --out as docs/targets.md's table and stop")
     options = parser.parse_args()
-    out = REPO / options.out
+    out = options.out.resolve()
     if options.markdown:
         print(markdown([json.loads(line) for line in out.read_text().splitlines() if line]))
         return

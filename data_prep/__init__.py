@@ -5,8 +5,9 @@
 tokenized data set, `Collator` pads it into batches and `PackingCollator` packs it into rows.
 """
 
+from draftsmith.data_prep.collate import Collator, PackingCollator
 from draftsmith.data_prep.conversations import load_conversations
-from draftsmith.data_prep.dataset import Collator, PackingCollator, domain_names, load_tokenized, tokenize_conversations
+from draftsmith.data_prep.dataset import domain_names, load_tokenized, tokenize_conversations
 from draftsmith.data_prep.template import render_prompt, render_rows, render_with_masks
 
 __all__ = [

@@ -38,8 +38,9 @@ from draftsmith.data_prep.capture_files import (
     write_json,
     write_shard,
 )
+from draftsmith.data_prep.collate import Collator
 from draftsmith.data_prep.conversations import load_conversations
-from draftsmith.data_prep.dataset import Collator, cache_key, require_context, tokenize_conversations
+from draftsmith.data_prep.dataset import cache_key, require_context, tokenize_conversations
 from draftsmith.data_prep.features import DISTRIBUTION_DTYPE, encode, hidden_names, part_name
 from draftsmith.errors import UserError
 from draftsmith.files import read_json

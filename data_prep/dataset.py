@@ -1,5 +1,5 @@
-"""Tokenized training data: conversations -> (input_ids, loss_mask, domain, length), cached on disk,
-and the collator that pads them into batches."""
+"""Tokenized training data: conversations -> (input_ids, loss_mask, domain, length, sample, digest), cached on
+disk; the collators that lay them into batches are data_prep/collate.py's."""
 
 from __future__ import annotations
 
@@ -9,14 +9,11 @@ import logging
 import os
 import tempfile
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 import datasets
-import torch
 
-from draftsmith.data_prep.bin_packing import pack_rows
 from draftsmith.data_prep.conversations import DEFAULT_DOMAIN
 from draftsmith.data_prep.template import render_rows, require_chat_template
 from draftsmith.errors import UserError
@@ -25,7 +22,7 @@ from draftsmith.files import cache_root, read_json
 logger = logging.getLogger("draftsmith.data")
 
 # Bump when the layout of a cached data set changes. Code edits are covered by _CODE_HASH.
-CACHE_VERSION = 2
+CACHE_VERSION = 3  # 3: a row carries its conversation's digest
 OVERLONG = ("truncate", "drop", "error")
 EVAL_SPLIT = "data.eval"  # the recipe key of the held-out conversations eval_accuracy.json measures
 STATS_NAME = "draftsmith_stats.json"  # beside a cached data set: its tokenization's counts, logged on every load
@@ -41,6 +38,7 @@ FEATURES = datasets.Features(
         "domain": datasets.Value("string"),
         "length": datasets.Value("int32"),
         "sample": datasets.Value("string"),  # where the conversation came from: `source:record`
+        "digest": datasets.Value("string"),  # the conversation's turns by content (conversation_digest)
     }
 )
 # A fix to the masking must not be hidden behind a cache written by the old code.
@@ -182,6 +180,7 @@ def tokenize_conversations(
                 "overlong": overlong,
                 "thinking": thinking,
                 "stats": stats,
+                "seen": set(),
             },
             remove_columns=conversations.column_names,
             features=FEATURES,
@@ -213,14 +212,25 @@ def tokenize_conversations(
 
 
 def _tokenize_batch(
-    batch: dict[str, list], indices: list[int], tokenizer, max_length: int, overlong: str, thinking: str, stats: Counter
+    batch: dict[str, list],
+    indices: list[int],
+    tokenizer,
+    max_length: int,
+    overlong: str,
+    thinking: str,
+    stats: Counter,
+    seen: set[str],
 ) -> dict[str, list]:
-    # stats is mutated in place: this runs in the calling process (map's default num_proc=1).
-    out: dict[str, list] = {"input_ids": [], "loss_mask": [], "domain": [], "length": [], "sample": []}
+    # stats and seen (the digests of the conversations before this batch) are mutated in place: this runs in the
+    # calling process (map's default num_proc=1), over the batches in order.
+    out: dict[str, list] = {"input_ids": [], "loss_mask": [], "domain": [], "length": [], "sample": [], "digest": []}
     count = len(batch["messages"])
     domains = batch.get("domain") or [DEFAULT_DOMAIN] * count
     for row in range(count):
         where = _where(batch, row, indices[row])
+        digest = conversation_digest(batch["messages"][row])
+        stats["duplicate_conversations"] += digest in seen
+        seen.add(digest)
         try:
             rendered = render_rows(tokenizer, batch["messages"][row], thinking)
         except UserError as err:
@@ -252,8 +262,38 @@ def _tokenize_batch(
             out["domain"].append(domains[row])
             out["length"].append(len(ids))
             out["sample"].append(sample if len(rendered) == 1 else f"{sample} turn {turn}")
+            out["digest"].append(digest)
         stats["kept_conversations"] += len(out["input_ids"]) > kept
     return out
+
+
+def conversation_digest(messages: list[dict[str, Any]]) -> str:
+    """A conversation's turns by content: sha256 over their canonical JSON (every turn holds the same keys,
+    data_prep/turns.py), so two conversations that render the same have the same digest, wherever they came
+    from and whatever their domain."""
+    text = json.dumps(messages, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def eval_in_train(train: datasets.Dataset, eval_split: datasets.Dataset, cfg, warn: bool = True) -> dict[str, int]:
+    """How many of data.eval's tokenized conversations data.train's hold too, turn for turn (by their digests:
+    the rows of a conversation rendered one row per turn share one), of how many distinct ones: a warning names
+    the count and both keys' files where any is (`warn`: the run's start says it; the accuracy table after
+    training counts again and shows it in its own line), since the eval split's figures on conversations trained
+    on are higher than on new ones."""
+    trained, measured = set(train["digest"]), set(eval_split["digest"])
+    shared = len(measured & trained)
+    if shared and warn:
+        logger.warning(
+            "%d of the %d data.eval conversations (%s) are in data.train (%s) too, turn for turn: the eval split's "
+            "accuracy on them is of conversations trained on, higher than on new ones; take them out of one of the "
+            "two",
+            shared,
+            len(measured),
+            ", ".join(map(str, cfg.data.eval)),
+            ", ".join(map(str, cfg.data.train)),
+        )
+    return {"conversations": shared, "of": len(measured)}
 
 
 def _where(batch: dict[str, list], row: int, index: int) -> str:
@@ -274,6 +314,13 @@ def _log_stats(stats: Mapping[str, int], max_length: int) -> None:
             stats["split_into_turns"],
             total,
             rows,
+        )
+    if stats.get("duplicate_conversations"):
+        logger.info(
+            "%d of %d conversations repeat an earlier one turn for turn: kept, each trained on as often as it "
+            "occurs (repeated traffic is traffic, and weights the drafter toward it)",
+            stats["duplicate_conversations"],
+            total,
         )
     of = f"{rows} rows" if rows != total else f"{total} conversations"
     for name, line in _ROW_COUNTS.items():
@@ -325,117 +372,3 @@ def _sha256(text: str) -> str:
 def domain_names(dataset: datasets.Dataset) -> list[str]:
     """The sorted distinct domains of a (tokenized or conversations) data set."""
     return sorted(dataset.unique("domain"))
-
-
-@dataclass
-class Collator:
-    """Pad rows of a tokenized data set into a batch: right padding with `pad_token_id`, and
-    attention_mask/loss_mask zero on padding. `domain` stays a list of strings for per-domain metrics,
-    `sample` one of where each row came from (for error messages). Any other per-token tensor of a row
-    (captured features, data_prep.features) is padded with zeros to the same width."""
-
-    pad_token_id: int
-
-    def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        if not rows:
-            raise ValueError("cannot collate an empty batch")
-        width = max(len(row["input_ids"]) for row in rows)
-        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        loss_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        extra = _per_token_extras(rows, (len(rows), width))
-        for b, row in enumerate(rows):
-            n = len(row["input_ids"])
-            input_ids[b, :n] = torch.as_tensor(row["input_ids"], dtype=torch.long)
-            attention_mask[b, :n] = 1
-            loss_mask[b, :n] = torch.as_tensor(row["loss_mask"], dtype=torch.long)
-            for name, tensor in extra.items():
-                tensor[b, :n] = row[name]
-        return {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "loss_mask": loss_mask,
-            "domain": [row.get("domain", DEFAULT_DOMAIN) for row in rows],
-            "sample": [row.get("sample", "") for row in rows],
-            **extra,
-        }
-
-
-# Fields of a tokenized row that are not per-token tensors to lay out in rows.
-_NOT_PER_TOKEN = ("input_ids", "loss_mask", "domain", "sample", "length")
-
-
-def _per_token_extras(rows: Sequence[Mapping[str, Any]], shape: tuple[int, int]) -> dict[str, torch.Tensor]:
-    """Zeros of `shape` (plus each field's own trailing dimensions) for every per-token tensor of a
-    row beyond its tokens and loss mask, for a collator to lay the rows' values into."""
-    tokens = len(rows[0]["input_ids"])
-    return {
-        name: torch.zeros((*shape, *value.shape[1:]), dtype=value.dtype)
-        for name, value in rows[0].items()
-        if name not in _NOT_PER_TOKEN and torch.is_tensor(value) and value.shape[:1] == (tokens,)
-    }
-
-
-@dataclass
-class PackingCollator:
-    """Pack a micro-batch's conversations into rows of at most `pack_length` tokens (`data.pack`).
-
-    A micro-batch is still `train.micro_batch_size` conversations, drawn exactly as unpacked (so the
-    data order, the data position and an exact resume are unchanged); they are laid first-fit
-    decreasing into as few rows as hold them, each conversation whole in one row (a conversation cut
-    in two would lose its context), a row's conversations in micro-batch order. Rows are padded to
-    the fullest row (at most `pack_length`). The batch is `Collator`'s plus
-
-    - `position_ids` [R, L]: 0, 1, ... restarting at every conversation (and for the padding);
-    - `document_ids` [R, L]: the conversation's index in the micro-batch, -1 on padding;
-
-    and `domain`/`sample` list the conversations in micro-batch order, so a drafter's per-sample
-    statistics have one row per conversation, as unpacked (heads/packing.py). `loss_mask` is each
-    conversation's own. Any other per-token tensor of a row (captured features, data_prep.features)
-    is laid out the same way, zeros on padding."""
-
-    pad_token_id: int
-    pack_length: int
-
-    def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        if not rows:
-            raise ValueError("cannot collate an empty batch")
-        lengths = [len(row["input_ids"]) for row in rows]
-        for row, length in zip(rows, lengths):
-            if length > self.pack_length:
-                raise UserError(
-                    f"{row.get('sample') or 'a conversation'} has {length} tokens, more than "
-                    f"data.pack_length={self.pack_length} (a conversation is never split); raise data.pack_length"
-                )
-        packed = pack_rows(lengths, self.pack_length)
-        width = max(sum(lengths[i] for i in members) for members in packed)
-        shape = (len(packed), width)
-        input_ids = torch.full(shape, self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros(shape, dtype=torch.long)
-        loss_mask = torch.zeros(shape, dtype=torch.long)
-        position_ids = torch.zeros(shape, dtype=torch.long)
-        document_ids = torch.full(shape, -1, dtype=torch.long)
-        extra = _per_token_extras(rows, shape)
-        for r, members in enumerate(packed):
-            start = 0
-            for i in members:
-                span = slice(start, start + lengths[i])
-                input_ids[r, span] = torch.as_tensor(rows[i]["input_ids"], dtype=torch.long)
-                loss_mask[r, span] = torch.as_tensor(rows[i]["loss_mask"], dtype=torch.long)
-                attention_mask[r, span] = 1
-                position_ids[r, span] = torch.arange(lengths[i])
-                document_ids[r, span] = i
-                for name, tensor in extra.items():
-                    tensor[r, span] = rows[i][name]
-                start += lengths[i]
-            position_ids[r, start:] = torch.arange(width - start)  # padding: a sequence of its own (heads/packing.py)
-        return {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "loss_mask": loss_mask,
-            "position_ids": position_ids,
-            "document_ids": document_ids,
-            "domain": [row.get("domain", DEFAULT_DOMAIN) for row in rows],
-            "sample": [row.get("sample", "") for row in rows],
-            **extra,
-        }

@@ -49,7 +49,8 @@ import gzip
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -59,10 +60,9 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from draftsmith.data_prep.answer_engines import Answer, answer_engine, vllm_dtype
-from draftsmith.data_prep.conversations import CUT_KEY, REASONING_KEYS, answered_turns, load_conversations
+from draftsmith.data_prep.conversations import CUT_KEY, answered_turns, load_conversations
 from draftsmith.data_prep.dataset import require_context
-from draftsmith.data_prep.template import render_prompt
-from draftsmith.data_prep.turns import TOOL_CALLS_KEY, TOOL_KEYS
+from draftsmith.data_prep.regenerate_turns import left_out_line, prompt_key, regenerate_batch, without_nulls
 from draftsmith.errors import UserError
 from draftsmith.files import read_json, require_same_settings, write_text_atomic
 from draftsmith.outputs import held_by_main_process
@@ -86,7 +86,9 @@ class RegenerateResult:
     cut: int = 0  # of those, conversations that end early: a later turn's prompt reached data.max_length
     empty: int = 0  # of those, conversations that end early: the target's answer to a turn was empty
     tool_calls: int = 0  # of those, conversations that end early: at the answer to a turn that had called tools
-    left_out: int = 0  # conversations this run took up and left out: one of the three came before min_turns answers
+    # conversations this run took up and left out, by why they ended before min_turns answers: "max_length",
+    # "empty answer" or "tool calls" (regenerate_batch)
+    left_out: Counter = field(default_factory=Counter)
     reused: int = 0  # answers taken from an earlier regeneration (data.regenerate.reuse), not asked of the engine
     cut_answers: int = 0  # answers in the conversations written now that the target had not ended at max_new_tokens
     excluded: int = 0  # data.train conversations not regenerated: a held-out first prompt (data.regenerate.exclude)
@@ -102,8 +104,8 @@ def main(argv: Sequence[str]) -> None:
         print(
             f"{result.conversations} conversations in {result.directory} ({result.generated} generated now, "
             f"{result.cut} of them cut short at a prompt of data.max_length={max_length} tokens or more, "
-            f"{result.empty} at an empty answer; {result.left_out} left out, cut short or at an empty answer before "
-            f"min_turns={min_turns} answers; {result.reused} answers taken from data.regenerate.reuse; not "
+            f"{result.empty} at an empty answer; {left_out_line(result.left_out, max_length, min_turns)}; "
+            f"{result.reused} answers taken from data.regenerate.reuse; not "
             f"regenerated: {result.excluded} held out, {result.short} with fewer than min_turns={min_turns} turns)"
         )
         if result.tool_calls:  # the tool results after such a turn answered its old calls, not the target's answer
@@ -232,13 +234,6 @@ def known_answers(reused) -> dict[str, Answer]:
     return known
 
 
-def prompt_key(messages: list[dict]) -> str:
-    """The conversation before an answer by what the chat template renders of each turn: a turn that only calls
-    a tool has an empty content, its calls tell it apart."""
-    keys = ("role", "content", TOOL_CALLS_KEY, *TOOL_KEYS)
-    return json.dumps([without_nulls({key: m.get(key) for key in keys}) for m in messages], ensure_ascii=False)
-
-
 def regenerate_into(
     cfg: DictConfig, directory: Path, conversations, known: dict[str, Answer], target, tokenizer, state
 ) -> RegenerateResult:
@@ -257,7 +252,8 @@ def regenerate_into(
         unit="conversation",
         disable=not state.is_main_process,
     )
-    generated, cut, empty, tool_calls, left_out, reused, cut_answers = 0, 0, 0, 0, 0, 0, 0
+    generated, cut, empty, tool_calls, reused, cut_answers = 0, 0, 0, 0, 0, 0
+    left_out: Counter = Counter()
     with answer_engine(cfg, target, tokenizer, state, bool(mine)) as engine:
         for index in mine:
             rows = [conversations[k // section.samples] for k in chunks[index]]
@@ -284,7 +280,7 @@ def regenerate_into(
             cut += why_kept_ended.count("max_length")
             empty += why_kept_ended.count("empty answer")
             tool_calls += why_kept_ended.count("tool calls")
-            left_out += len(rows) - len(records)
+            left_out.update(why for m, why in zip(messages, ended) if m is None)
             reused += taken
             cut_answers += sum(bool(m[t].get(CUT_KEY)) for m in messages if m is not None for t in answered_turns(m))
             # The others go at about the same pace; the estimate stops at the total.
@@ -294,21 +290,12 @@ def regenerate_into(
         from accelerate.utils import gather_object
 
         # a collective: past it, every rank's parts are written
-        generated, cut, empty, tool_calls, left_out, reused, cut_answers = (
-            sum(gather_object([value])) for value in (generated, cut, empty, tool_calls, left_out, reused, cut_answers)
+        generated, cut, empty, tool_calls, reused, cut_answers = (
+            sum(gather_object([value])) for value in (generated, cut, empty, tool_calls, reused, cut_answers)
         )
+        left_out = sum(gather_object([left_out]), Counter())
     written = sum(1 for part in directory.glob("part-*.jsonl.gz") for _ in gzip.open(part, "rt"))
     return RegenerateResult(directory, written, generated, cut, empty, tool_calls, left_out, reused, cut_answers)
-
-
-def without_nulls(value: Any) -> Any:
-    """`value` without the keys its dicts hold None under, at any depth (one Arrow schema for all rows: a turn
-    without reasoning has `thinking` None, a call without an id `id`); the loader reads an absent key as None."""
-    if isinstance(value, dict):
-        return {key: without_nulls(item) for key, item in value.items() if item is not None}
-    if isinstance(value, list):
-        return [without_nulls(item) for item in value]
-    return value
 
 
 def content_digest(conversations) -> str:
@@ -360,84 +347,6 @@ def write_part(path: Path, records: list[dict[str, Any]]) -> None:
     with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f:
         f.write(text.encode())
     os.replace(tmp, path)
-
-
-@torch.no_grad()
-def regenerate_batch(
-    engine,
-    tokenizer,
-    batch: list[list[dict]],
-    section,
-    max_length: int,
-    seeds: Optional[list[int]] = None,
-    known: Optional[dict[str, Answer]] = None,
-    names: Optional[list[str]] = None,
-) -> tuple[list[Optional[list[dict]]], list[Optional[str]], int]:
-    """Every assistant turn of each conversation replaced by the target's answer to the turns before it (its own
-    earlier answers included); round k answers the k-th assistant turn of every conversation that has one, in one
-    call of `engine` (TransformersAnswers or VllmAnswers), except the turns whose prompt `known` answers already
-    (prompt_key). A turn whose prompt holds `max_length` tokens or more, or whose answer is empty (the target ended
-    its turn at once: sampled, that happens; there is nothing to train on, and the data loader refuses an empty
-    turn), ends its conversation at the assistant turn before it (None: left out, when fewer than
-    `section.min_turns` are answered by then). With `section.max_turns` a conversation ends after its max_turns-th
-    assistant turn, and at the answer to a turn that had called tools (its `tool_calls` dropped: the turns after it
-    answered those calls). Returns the conversations, for each why it ended early ("max_length", "empty answer",
-    "tool calls") or None, and how many answers `known` gave. An answer cut at max_new_tokens is kept, its turn
-    marked `"cut": true`. An opening assistant turn is kept as it is (`answered_turns`). `names` (a file and record
-    each) name a conversation the chat template rejects."""
-    known = known or {}
-    conversations = [[dict(message) for message in messages] for messages in batch]
-    turns = [answered_turns(messages)[: section.max_turns] for messages in conversations]
-    if section.max_turns is not None:
-        conversations = [messages[: kept[-1] + 1] for messages, kept in zip(conversations, turns)]
-    ended: list[Optional[str]] = [None] * len(conversations)
-    taken = 0
-
-    def end_after(row: int, answered: int, reason: str) -> None:
-        """Conversation `row` ends at its `answered`-th assistant turn, or is left out (fewer than min_turns)."""
-        ended[row] = reason
-        kept = answered >= section.min_turns
-        conversations[row] = conversations[row][: turns[row][answered - 1] + 1] if kept else None
-
-    for round_ in range(max(map(len, turns))):
-        active, prompts = [], []
-        for row in range(len(conversations)):
-            if round_ >= len(turns[row]) or ended[row]:
-                continue
-            try:
-                prompt = render_prompt(tokenizer, conversations[row][: turns[row][round_] + 1])[0]
-            except UserError as err:
-                raise UserError(f"{names[row]}: {err}" if names else str(err)) from None
-            if len(prompt) >= max_length:
-                end_after(row, round_, "max_length")
-                continue
-            active.append((row, turns[row][round_]))
-            prompts.append(prompt)
-        answers = [known.get(prompt_key(conversations[row][:turn])) for row, turn in active]
-        asked = [i for i, answer in enumerate(answers) if answer is None]
-        taken += len(answers) - len(asked)
-        if asked:
-            fresh = engine.answers(
-                [prompts[i] for i in asked], [seeds[active[i][0]] for i in asked] if seeds is not None else None
-            )
-            for i, answer in zip(asked, fresh):
-                answers[i] = answer
-        for (row, turn), answer in zip(active, answers):
-            if not answer.text:
-                end_after(row, round_, "empty answer")
-                continue
-            # the target's answer replaces the turn, and the reasoning that led to the old one goes with it
-            message = conversations[row][turn]
-            message["content"] = answer.text
-            for key in REASONING_KEYS:
-                message.pop(key, None)
-            if answer.cut:
-                message[CUT_KEY] = True
-            else:
-                message.pop(CUT_KEY, None)
-            if message.pop(TOOL_CALLS_KEY, None) and turn + 1 < len(conversations[row]):
-                end_after(row, round_ + 1, "tool calls")
-    return conversations, ended, taken
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
 from draftsmith.data_prep import Collator, load_tokenized
+from draftsmith.data_prep.dataset import eval_in_train
 from draftsmith.data_prep.features import open_features
 from draftsmith.files import write_text_atomic
 from draftsmith.heads import drafter_class, load_drafter
@@ -35,6 +36,11 @@ def split_accuracy(cfg: DictConfig, checkpoint: Path, target, tokenizer) -> dict
     """Measure and write `<output_dir>/eval_accuracy.json` (the checkpoint is only read); returns
     {"checkpoint": path, "trained": {domain: {metric: mean}}, "untrained": ...}."""
     data = load_tokenized(cfg, cfg.data.eval, tokenizer, "data.eval")
+    # data.train's rows, where the run trained on them (not a capture's): the untrained drafter prepares on them,
+    # and the eval split's conversations among them are counted, for the table to say
+    train = None
+    if cfg.data.train and not cfg.data.features:
+        train = load_tokenized(cfg, cfg.data.train, tokenizer, "data.train")
     device = target.get_output_embeddings().weight.device
     trained = load_drafter(checkpoint, TargetShape.of(target, cfg.target.name_or_path), target).to(device)
     untrained = drafter_class(trained.type).from_target(
@@ -42,18 +48,18 @@ def split_accuracy(cfg: DictConfig, checkpoint: Path, target, tokenizer) -> dict
     )
     if cfg.data.draft_vocab:  # the rows the trainer prepared on (trainer/setup.py)
         untrained.prepare(load_tokenized(cfg, cfg.data.draft_vocab, tokenizer, "data.draft_vocab"))
-    else:
-        untrained.prepare(
-            open_features(cfg.data.features)
-            if cfg.data.features
-            else load_tokenized(cfg, cfg.data.train, tokenizer, "data.train")
-        )
+    elif cfg.data.features:
+        untrained.prepare(open_features(cfg.data.features))
+    else:  # data.train empty: load_tokenized refuses it in one line
+        untrained.prepare(train if train is not None else load_tokenized(cfg, cfg.data.train, tokenizer, "data.train"))
     untrained.to(device)
     collate = Collator(tokenizer.pad_token_id)
     table = {
         "checkpoint": str(checkpoint.resolve()),
         "trained": metric_means(trained, target, data, collate, cfg.train.micro_batch_size),
         "untrained": metric_means(untrained, target, data, collate, cfg.train.micro_batch_size),
+        # {"conversations": in data.train too, "of": distinct ones measured}; null where not counted (data.features)
+        "eval_in_train": None if train is None else eval_in_train(train, data, cfg, warn=False),
     }
     write_text_atomic(Path(cfg.output_dir) / ACCURACY_NAME, json.dumps(table, indent=2) + "\n")
     return table
@@ -114,4 +120,11 @@ def accuracy_table(table: dict) -> str:
     for domain in trained:
         cells = [f"{untrained[domain][n]:.3f} → {trained[domain][n]:.3f}" for n in names]
         lines.append(f"| {domain} | " + " | ".join(cells) + " |")
+    shared = table.get("eval_in_train") or {}
+    if shared.get("conversations"):  # the warning at the run's start said which files
+        lines += [
+            "",
+            f"{shared['conversations']} of these {shared['of']} conversations are in data.train too: on them the "
+            "trained drafter's figures are of text it trained on",
+        ]
     return "\n".join(lines)

@@ -10,7 +10,8 @@ recorded with the deployed export (monitor/drift.py), and on a persistent drift 
 pipeline (monitor/pipeline.py); an engine other than the one the export was checked in is no drift
 but a reason to check the export in it (REVERIFY). monitor/check.py ties them together,
 monitor/deployed.py says which drafter a check watches (the state directory is that drafter's alone),
-monitor/state.py keeps the one state file.
+monitor/reverify.py compares the engine's version with the export's and says what to run, monitor/state.py
+keeps the one state file.
 """
 
 from __future__ import annotations

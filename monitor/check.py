@@ -5,7 +5,7 @@ draftsmith's eval of the deployed drafter on a sample of recent traffic, per dom
 (monitor/traffic.py). Decided (monitor/drift.py): drift when either is significantly below the
 baseline; the streak must reach `monitor.consecutive` and the cooldown must be over before the
 retraining pipeline starts (monitor/pipeline.py). Unless the engine is not the one the export was
-checked in (`engine_change`): then the check judges nothing and says how to check the export in the
+checked in (monitor/reverify.py): then the check judges nothing and says how to check the export in the
 new engine (Outcome.REVERIFY). Recorded: `<state_dir>/checks/<n>.json` with
 everything measured and decided, TensorBoard scalars in `<state_dir>/tb`, and the state file.
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import shlex
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -27,9 +26,8 @@ from omegaconf import DictConfig
 
 from draftsmith.errors import UserError
 from draftsmith.files import write_text_atomic
-from draftsmith.formats.repo import VLLM_PINNED
 from draftsmith.monitor import Outcome
-from draftsmith.monitor.deployed import deployed_of, load_baseline, read_export_info
+from draftsmith.monitor.deployed import deployed_of, load_baseline
 from draftsmith.monitor.drift import (
     DRIFT,
     HEALTHY,
@@ -38,11 +36,13 @@ from draftsmith.monitor.drift import (
     Baseline,
     combined,
     domain_tests,
+    drift_reason,
     engine_tests,
     request_tests,
     verdict_of,
 )
-from draftsmith.monitor.metrics import UNKNOWN, collect, engine_version, window
+from draftsmith.monitor.metrics import collect, engine_version, window
+from draftsmith.monitor.reverify import engine_change, reverify_action
 from draftsmith.monitor.state import State
 from draftsmith.monitor.traffic import sample, write_conversations
 from draftsmith.outputs import EVAL_DIR, REPORT_NAME, DirectoryLock
@@ -92,12 +92,23 @@ def require_inputs(settings: DictConfig) -> None:
 
 
 def summary(cfg: DictConfig, outcome: Outcome) -> str:
-    """The one line `python -m monitor` prints for a check: its outcome, and for a re-verify what to run."""
-    last = State.load(state_dir_of(cfg)).last_check or {}
+    """The one line `python -m monitor` prints for a check: its outcome and why; for a drift (exit 10) the
+    figures that drifted and what the check waits for, for a rejected retraining (exit 11) the gate's τ, and for
+    a re-verify what to run."""
+    state = State.load(state_dir_of(cfg))
+    last = state.last_check or {}
     if outcome == Outcome.REVERIFY:
         return f"monitor: {last['action']}"
     # exit 0 is "no drift found": healthy only when everything measured was judged so, else the verdict
     said = last.get("verdict", HEALTHY) if outcome == Outcome.HEALTHY else outcome.name.lower()
+    why = []
+    if outcome == Outcome.DRIFT:
+        why.append(last.get("reason"))
+        if last.get("action") != "retrain":  # a drift that started a retraining ended with it (the note says how)
+            why.append(last.get("action"))
+    elif outcome == Outcome.REJECTED:
+        why.append(state.last_retrain["reason"])
+    said += f": {'; '.join(part for part in why if part)}" if any(why) else ""
     return f"monitor: {said}" + (f" ({last['note']})" if last.get("note") else "")
 
 
@@ -113,7 +124,8 @@ def measure_and_decide(cfg: DictConfig, directory: Path, state: State, deployed:
         "deployed": deployed,
         "baseline": asdict(baseline),
         "settings": {
-            key: settings[key] for key in ("min_drafts", "max_drop", "confidence", "consecutive", "cooldown_s")
+            key: settings[key]
+            for key in ("min_drafts", "max_drop", "confidence", "consecutive", "cooldown_s", "traffic_window_s")
         },
     }
     verdicts, change = [], None
@@ -128,7 +140,9 @@ def measure_and_decide(cfg: DictConfig, directory: Path, state: State, deployed:
         verdicts.append(record["traffic"]["verdict"])
     drift = count_drift(state, verdicts, change)
     outcome, action = decide(cfg, state, drift, change, now, (record.get("traffic") or {}).get("in_window", 0))
-    record["verdict"] = combined(verdicts)
+    # in an engine the export was not checked in nothing is judged (count_drift): the check's verdict says so, what
+    # was measured staying in the engine's and the traffic's tests
+    record["verdict"] = REVERIFY if change is not None else combined(verdicts)
     record_check(directory, state, record, drift, outcome, action, now)
     if action == "retrain":
         return retrain(cfg, directory, state)
@@ -178,6 +192,7 @@ def measure_engine(
         tests = engine_tests(measured, baseline, settings) if settings.engine == "vllm" else {}
         engine = {
             **measured.as_dict(),
+            "since": state.last_check["time"],  # the check that saved the counters this window starts from
             "tests": tests,
             "verdict": verdict_of(tests) if tests else TOO_FEW,
         }
@@ -228,6 +243,8 @@ def record_check(
         "action": action,
         "outcome": named,
     }
+    if drift:
+        record["decision"]["reason"] = drift_reason(record)
     path = write_record(directory, state.checks, record, now)
     state.last_check = {
         "time": record["time"],
@@ -236,6 +253,8 @@ def record_check(
         "action": action,
         "verdict": record["verdict"],
     }
+    if drift:
+        state.last_check["reason"] = record["decision"]["reason"]
     note = (record.get("traffic") or {}).get("free_baselines", {}).get("note")
     if note:
         state.last_check["note"] = note
@@ -248,11 +267,7 @@ def decide(
     """The check's outcome and what it does; `recent`: the logged requests in monitor.traffic_window_s,
     which a retraining samples its prompts from (none: it would have nothing to train on)."""
     if change is not None:
-        return (
-            Outcome.REVERIFY,
-            f"reverify: {change['reason']}. Check the export in that engine before its acceptance is judged again: "
-            f"{change['command']}",
-        )
+        return Outcome.REVERIFY, reverify_action(change)
     if not drift:
         return Outcome.HEALTHY, "none"
     if state.consecutive_drift < cfg.monitor.consecutive:
@@ -268,59 +283,6 @@ def decide(
     if not recent:
         return Outcome.DRIFT, "wait: no request in monitor.traffic within monitor.traffic_window_s to retrain on"
     return Outcome.DRIFT, "retrain"
-
-
-def engine_change(deployed: dict[str, Any], versions: dict[str, str]) -> Optional[dict[str, Any]]:
-    """What the deployed export records of the engine it was checked in against what the replicas
-    report, when one reports another version; None when they agree, and when there is nothing to
-    compare: a replica without /version (UNKNOWN), or an export never checked in an engine (exported
-    without export.vllm_python: its baseline is draftsmith's eval alone, judged as before).
-
-    vLLM's /metrics and /version do not report the speculative config, so the settings that move τ
-    cannot be read from a running engine: the version stands for them. An export pins the sampling
-    settings in its served config (VLLM_PINNED), so a new engine cannot move them; for an older export
-    that does not, the change says that the engine's defaults decide them."""
-    info = read_export_info(deployed["export"])
-    checked = info.get("engine_settings") or {}
-    recorded = checked.get("vllm_version") or (info.get("verified") or {}).get("engine_version")
-    reported = {url: version for url, version in versions.items() if version not in (recorded, UNKNOWN)}
-    if recorded is None or not reported:
-        return None
-    by_version: dict[str, list[str]] = {}
-    for url, version in reported.items():
-        by_version.setdefault(version, []).append(url)
-    served = "; ".join(f"vLLM {version} at {', '.join(urls)}" for version, urls in by_version.items())
-    reason = f"the export {deployed['export']} was checked in vLLM {recorded} and is served by {served}"
-    pinned = info.get("speculative_config") or {}
-    unpinned = [key for key in VLLM_PINNED if key not in pinned]
-    if unpinned:
-        sampling = f"the export does not pin {', '.join(unpinned)}: the engine's defaults decide them"
-        reason += f"; {sampling}"
-    else:
-        sampling = f"pinned in the served config: {', '.join(f'{key}={pinned[key]}' for key in VLLM_PINNED)}"
-    engines = " / ".join(f"vLLM {version}" for version in by_version)
-    return {
-        "recorded": recorded,
-        "reported": reported,
-        "sampling": sampling,
-        "reason": reason,
-        "command": (
-            f"{reverify_command(deployed, info)} (RECIPE: this monitor's recipe; PYTHON: a Python with {engines})"
-        ),
-    }
-
-
-def reverify_command(deployed: dict[str, Any], info: dict[str, Any]) -> str:
-    """The export of the deployed checkpoint again, into the deployed folder (an export of the same
-    checkpoint is redone in place), as it was made and checked in the engine PYTHON runs."""
-    args = [f"checkpoint={deployed['checkpoint']}", f"export.output={Path(deployed['export']).parent}"]
-    if info.get("num_speculative_tokens"):
-        args.append(f"export.num_speculative_tokens={info['num_speculative_tokens']}")
-    if info.get("eval_report"):  # else the re-export would look for the report beside the checkpoint
-        args.append(f"export.report={info['eval_report']['path']}")
-    if info.get("batch_schedule"):
-        args.append(f"export.batch_sweep={info['batch_schedule']['sweep']}")
-    return f"draftsmith export recipe=RECIPE {shlex.join(args)} export.vllm_python=PYTHON"
 
 
 def measure_traffic(

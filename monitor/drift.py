@@ -161,3 +161,41 @@ def combined(verdicts: Iterable[str]) -> str:
     if verdicts and verdicts <= {HEALTHY}:
         return HEALTHY
     return TOO_FEW if verdicts <= {TOO_FEW} else UNDECIDED
+
+
+def drift_reason(record: dict[str, Any]) -> str:
+    """Why a check found drift, for its line and its record: each figure that drifted, the baseline it fell below,
+    over how many drafts (verify steps: the test's trials) and since when. A figure drifts when even its one-sided
+    upper bound at monitor.confidence is more than monitor.max_drop below the baseline (monitor/drift.py)."""
+    settings = record["settings"]
+    drop, confidence = f"{settings['max_drop'] * 100:g}%", f"{settings['confidence'] * 100:g}%"
+
+    def figure(name: str, test: dict[str, Any], baseline: str = "baseline") -> str:
+        return (
+            f"{name} {test['measured']:.3f} (its {confidence} upper bound {test['upper']:.3f}) < {baseline} "
+            f"{test['baseline']:.3f} - {drop}"
+        )
+
+    parts = []
+    engine = record.get("engine") or {}
+    if engine.get("verdict") == DRIFT:
+        figures = ", ".join(
+            figure("α" if name == "alpha" else f"P(accepted ≥ {name.rsplit('_', 1)[1]})", test)
+            for name, test in engine["tests"].items()
+            if test["verdict"] == DRIFT
+        )
+        parts.append(f"{figures} in the engine's counters over {engine['drafts']:.0f} drafts since {engine['since']}")
+    for domain, test in (record.get("traffic") or {}).get("domains", {}).items():
+        if test["verdict"] != DRIFT:
+            continue
+        requests = (
+            f"{test['prompts']} replayed requests"
+            if test["source"] == "replay"
+            else f"{test['requests']} logged requests (the engine's own counts)"
+        )
+        new = " (a domain new to the drafter)" if test["new_domain"] else ""
+        parts.append(
+            f"{figure(f'α of {domain}', test, 'the overall baseline' if new else 'its baseline')}{new} over "
+            f"{test['trials']:.0f} drafts of {requests} in the last {settings['traffic_window_s']:g} s"
+        )
+    return "; ".join(parts)

@@ -6,7 +6,8 @@ vLLM exposes Counters (labels `model_name`, `engine`; the per-position one also 
 (accepted at position k, counted only when positions < k were accepted too). A check scrapes every
 replica, keeps each series (target URL + labels) apart, and turns two scrapes into the counts of the
 window between them: a series that went down restarted from zero (a server restart), so its window
-count is its new value. SGLang exposes gauges (`sglang:spec_accept_length`, `sglang:spec_accept_rate`):
+count is its new value. A restart is counted once per replica whose counters went down, however many
+series it has. SGLang exposes gauges (`sglang:spec_accept_length`, `sglang:spec_accept_rate`):
 levels with no counts behind them, recorded as they are.
 
 Parsing is prometheus_client's own parser, not regexes.
@@ -171,8 +172,13 @@ class Window:
     draft_tokens: float = 0.0
     accepted: float = 0.0
     accepted_per_position: list[float] = field(default_factory=list)
-    resets: int = 0  # series that went down (a restarted server): counted from zero
+    restarted: list[str] = field(default_factory=list)  # replicas (URLs) whose counters went down: counted from zero
     gauges: dict[str, float] = field(default_factory=dict)  # SGLang: the latest level, averaged over replicas
+
+    @property
+    def resets(self) -> int:
+        """Server restarts in the window: one per replica whose counters went down, not one per series."""
+        return len(self.restarted)
 
     @property
     def alpha(self) -> float | None:
@@ -192,7 +198,8 @@ class Window:
         return {
             "drafts": self.drafts, "draft_tokens": self.draft_tokens, "accepted": self.accepted,
             "accepted_per_position": self.accepted_per_position, "alpha": self.alpha, "tau": self.tau,
-            "at_least": self.at_least, "counter_resets": self.resets, "gauges": self.gauges,
+            "at_least": self.at_least, "counter_resets": self.resets, "restarted": self.restarted,
+            "gauges": self.gauges,
         }  # fmt: skip
 
 
@@ -210,7 +217,9 @@ def window(before: dict[str, float], after: dict[str, float]) -> Window:
         delta = value - previous
         if delta < 0:  # the series restarted: everything it counts is new
             delta = value
-            result.resets += 1
+            url = key.split("|", 2)[1]  # a URL has no unencoded "|"; a label value may
+            if url not in result.restarted:
+                result.restarted.append(url)
         if kind.startswith("pos"):
             position = int(kind[3:])
             result.accepted_per_position += [0.0] * (position + 1 - len(result.accepted_per_position))

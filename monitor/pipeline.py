@@ -52,7 +52,7 @@ def run_pipeline(cfg: DictConfig, directory: Path, state: State) -> Outcome:
         if step in pipeline["done"]:
             continue
         if step == "export" and not pipeline["done"]["gate"]["promote"]:
-            return reject(directory, state, cfg.monitor.cooldown_s)
+            return reject(directory, state, cfg.monitor)
         result = run_step(cfg, directory, state, run_dir)
         if step == "sample" and isinstance(result, str):  # too little traffic: the retraining cannot start
             return abandon(directory, state, result)
@@ -245,10 +245,32 @@ def step_record(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -
     state.save(directory)
 
 
-def reject(directory: Path, state: State, cooldown_s: float) -> Outcome:
-    finish(state, promoted=False, cooldown_s=cooldown_s)
+def reject(directory: Path, state: State, settings: DictConfig) -> Outcome:
+    """End a retraining whose drafter failed the gate (exit 11), `last_retrain.reason` saying by how much."""
+    gate = state.pipeline["done"]["gate"]
+    finish(state, promoted=False, cooldown_s=settings.cooldown_s)
+    state.last_retrain["reason"] = gate_reason(gate, settings, state.cooldown_until)
     state.save(directory)
     return Outcome.REJECTED
+
+
+def gate_reason(gate: dict[str, Any], settings: DictConfig, cooldown_until: float) -> str:
+    """The gate's measure of a rejected retraining, for the check's line: τ (tokens per target forward) of the
+    deployed and the retrained drafter on the drifted and new domains and on the old ones, against what it needs."""
+    tau = gate["tau"]
+    said = (
+        f"the retrained drafter's τ on the drifted and new domains ({', '.join(gate['new_domains'])}) "
+        f"{tau['deployed']['new']:.3f} → {tau['candidate']['new']:.3f} ({gate['gain_new']:+.1%}; the gate needs "
+        f"{settings.gate_min_gain:+.1%} or more)"
+    )
+    if gate["old_domains"]:
+        said += (
+            f", on the old domains ({', '.join(gate['old_domains'])}) {tau['deployed']['old']:.3f} → "
+            f"{tau['candidate']['old']:.3f} ({gate['change_old']:+.1%}; the gate needs {-settings.gate_max_loss:+.1%} "
+            "or more)"
+        )
+    until = datetime.datetime.fromtimestamp(cooldown_until, datetime.timezone.utc).isoformat(timespec="seconds")
+    return f"{said}: the deployed drafter stays, and no retraining starts before {until} (monitor.cooldown_s)"
 
 
 def abandon(directory: Path, state: State, reason: str) -> Outcome:

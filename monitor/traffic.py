@@ -1,8 +1,8 @@
 """A sample of real traffic: a directory of JSONL request logs (`*.jsonl`, `*.jsonl.gz`), one request a
-line, `{"messages": [...], "domain": "...", "timestamp": ...}` (domain optional; timestamp as Unix
-seconds or ISO 8601, a line without one malformed; the assistant's logged answer may end the messages or be
-absent). A turn keeps OpenAI's `tool_calls` (its content null when it only calls tools) and a tool result's
-`tool_call_id` and `name`.
+line, `{"messages": [...], "domain": "...", "timestamp": ...}` (domain optional, a string: a line whose domain is
+a list, a number or an object is malformed; timestamp as Unix seconds or ISO 8601, a line without one malformed;
+the assistant's logged answer may end the messages or be absent). A turn keeps OpenAI's `tool_calls` (its
+content null when it only calls tools) and a tool result's `tool_call_id` and `name`.
 
 A record may also carry the engine's own acceptance for that request, as vLLM 0.32 returns it with
 `--per-request-spec-decode-metrics summary|detailed`: the response's `metrics` object copied into the
@@ -75,21 +75,28 @@ def read_requests(directory: Path) -> tuple[list[dict[str, Any]], int]:
                 record = json.loads(line)
                 messages = [logged_turn(turn) for turn in record["messages"]]
                 logged_at = timestamp_of(record["timestamp"])
+                domain = record.get("domain") or DEFAULT_DOMAIN
             except (json.JSONDecodeError, KeyError, TypeError, UserError):
-                messages, logged_at = [], None
-            # no time: it would stay in every window, as the newest traffic
-            if not messages or not any(m["role"] == "user" for m in messages) or logged_at is None:
+                messages, logged_at, domain = [], None, None
+            # no time: it would stay in every window, as the newest traffic; a domain that is not a name (a list, a
+            # number) would become a domain of its own (`['a']`), judged and retrained apart from the named ones
+            if (
+                not messages
+                or not any(m["role"] == "user" for m in messages)
+                or logged_at is None
+                or not isinstance(domain, str)
+            ):
                 malformed += 1
                 first_malformed = first_malformed or f"{path}:{number}"
                 continue
-            request = {"messages": messages, "domain": str(record.get("domain") or DEFAULT_DOMAIN), "time": logged_at}
+            request = {"messages": messages, "domain": domain, "time": logged_at}
             request["spec_decode"] = spec_decode_counts(record.get("metrics"))
             requests.append(request)
     if malformed and not requests:
         raise UserError(
             f"monitor.traffic={str(directory)!r}: none of its {malformed} logged line(s) is a request (the first: "
             f'{first_malformed}); each line is a JSON object with "messages" (a list of {{"role", "content"}}, '
-            'a user turn among them), "timestamp" (Unix seconds or ISO 8601), and optionally "domain"'
+            'a user turn among them), "timestamp" (Unix seconds or ISO 8601), and optionally "domain" (a string)'
         )
     return requests, malformed
 

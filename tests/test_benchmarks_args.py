@@ -157,3 +157,18 @@ def test_draftsmiths_acceptance_is_listed_at_every_position_up_to_gamma_as_vllm_
     source = source_of("medusa", REFERENCE_TARGET, num_heads=4)
     ours = draftsmith_side(source, [[1, 5, 9, 17], [1, 8, 40, 2]], 12, 4, frozenset())
     assert len(ours["at_least"]) == 4 and ours["at_least"][-1] == 0.0
+
+
+def test_target_matrix_out_is_relative_to_the_current_directory(tmp_path, monkeypatch, capsys):
+    """target_matrix.py reads and writes --out from the current directory, as every command does; without --out it
+    keeps the repository's docs/results/target_matrix.jsonl."""
+    matrix = benchmark("target_matrix", monkeypatch)
+    rows = (REPO / "docs/results/target_matrix.jsonl").read_text().splitlines()
+    (tmp_path / "rows.jsonl").write_text(rows[0] + "\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["target_matrix.py", "--markdown", "--out", "rows.jsonl"])
+    matrix.main()
+    assert capsys.readouterr().out.count("\n| ") == 1  # the one row in this directory's file, under the header
+    monkeypatch.setattr(sys, "argv", ["target_matrix.py", "--markdown"])
+    matrix.main()
+    assert capsys.readouterr().out.count("\n| ") == len([row for row in rows if row])  # the repository's rows

@@ -770,7 +770,8 @@ def test_opening_assistant_turns_through_regenerate_and_train(tmp_path, token_ca
     assert done.returncode == 0, done.stderr[-2000:]
     assert (
         f"2 conversations in {tmp_path / 'out'} (2 generated now, 0 of them cut short at a prompt of "
-        "data.max_length=64 tokens or more, 0 at an empty answer; 1 left out" in done.stdout
+        "data.max_length=64 tokens or more, 0 at an empty answer; 1 left out, ended before min_turns=1 answers: 1 at "
+        "a prompt of data.max_length=64 tokens or more; 0 answers taken" in done.stdout
     )
     written = [json.loads(line) for line in gzip.open(tmp_path / "out" / "part-00000.jsonl.gz", "rt")]
     assert [record["messages"][:2] for record in written] == [[GREETING, USER]] * 2  # no `"thinking": null`
@@ -865,7 +866,7 @@ def test_tokenized_dataset_carries_domains(tmp_path, reference_tokenizer):
     tokenized = tokenize_conversations(
         conversations, reference_tokenizer, max_length=512, cache_dir=str(tmp_path / "cache")
     )
-    assert tokenized.column_names == ["input_ids", "loss_mask", "domain", "length", "sample"]
+    assert tokenized.column_names == ["input_ids", "loss_mask", "domain", "length", "sample", "digest"]
     assert list(tokenized["domain"]) == ["geo", "default"]
     assert domain_names(tokenized) == ["default", "geo"]
     ids, mask = render_with_masks(reference_tokenizer, CONVERSATION)

@@ -9,6 +9,7 @@ real server in tests/test_monitor_vllm.py. The deploy examples under deploy/ run
 from __future__ import annotations
 
 import configparser
+import datetime
 import gzip
 import http.server
 import json
@@ -108,7 +109,17 @@ def test_counters_are_summed_over_replicas_and_a_restart_is_not_a_negative_windo
     one.serve(50, [0.4, 0.2])
     after = {key.replace(one.url, url): value for key, value in collect([one.url, two.url]).items()}
     measured = window(before, after)
-    assert measured.drafts == 50 and measured.resets > 0 and measured.at_least == pytest.approx([0.4, 0.2])
+    assert measured.drafts == 50 and measured.at_least == pytest.approx([0.4, 0.2])
+    # one restart, however many series it has (5 here: it was counted as 5 resets), named by its replica
+    assert measured.as_dict()["counter_resets"] == 1 and measured.restarted == [url]
+    before = after
+    two_url = two.url
+    one.restart(), two.restart()
+    one.serve(10, [0.5]), two.serve(10, [0.5])
+    after = {
+        key.replace(one.url, url).replace(two.url, two_url): value for key, value in collect([one.url, two.url]).items()
+    }
+    assert window(before, after).resets == 2  # both replicas restarted
     one.server.shutdown(), two.server.shutdown()
 
 
@@ -344,7 +355,8 @@ def served_export(folder: Path, weights: str = "0" * 64, **info) -> Path:
     report.write_text(
         json.dumps({"temperature": 0.0, "drafter": {"sha256": weights}, "domains": {"all": {"chain": chain}}})
     )
-    record = {"source": {"checkpoint": str(folder.parent / "final"), "sha256": weights}, "num_speculative_tokens": 3,
+    record = {"drafter_type": "medusa", "source": {"checkpoint": str(folder.parent / "final"), "sha256": weights},
+              "num_speculative_tokens": 3,
               "speculative_config": {"method": "medusa", "num_speculative_tokens": 3, **VLLM_PINNED},
               "engine_settings": None, "eval_report": {"path": str(report)}, **info}  # fmt: skip
     (folder / EXPORT_INFO).write_text(json.dumps(record))
@@ -430,12 +442,14 @@ def test_the_engine_the_export_was_checked_in_is_judged_as_before(tmp_path, reco
 def test_a_new_engine_version_is_a_reverify_not_a_drift(tmp_path, capsys):
     """Counters that look like drift, in a vLLM other than the one the export was checked in: exit 13
     with one line naming both versions and the export command to check it in the new engine, no
-    retraining, the streak kept; once the export records the new engine, checks judge drift again."""
+    retraining, the streak kept; once the export records the new engine, checks judge drift again. The
+    check's verdict is `reverify`, as its engine's (it was `drift`: nothing was judged)."""
     from draftsmith.monitor.check import check
 
     engine, logs = FakeEngine(), tmp_path / "logs"
     logs.mkdir()  # no request logged yet: a drift waits for traffic to retrain on
-    folder = served_export(tmp_path / "export" / "vllm", engine_settings=checked_in(SERVED))
+    # an EAGLE-3 drafter, which vLLM 0.33 serves (a Medusa one it does not: test_a_medusa_drafter_served_by_...)
+    folder = served_export(tmp_path / "export" / "vllm", drafter_type="eagle3", engine_settings=checked_in(SERVED))
     args = ["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}",
             f"monitor.metrics=[{engine.url}]", f"monitor.traffic={logs}"]  # fmt: skip
     cfg = load_recipe(args)
@@ -458,6 +472,7 @@ def test_a_new_engine_version_is_a_reverify_not_a_drift(tmp_path, capsys):
         assert state["pipeline"] is None and state["last_retrain"] is None and state["consecutive_drift"] == 1
         record = check_record(tmp_path, 3)
         assert record["engine"]["verdict"] == REVERIFY and record["engine"]["tests"]["alpha"]["verdict"] == DRIFT
+        assert record["verdict"] == REVERIFY and state["last_check"]["verdict"] == REVERIFY
         change = record["engine_change"]
         assert change["recorded"] == "0.32.0" and change["reported"] == {engine.url: "0.33.0"}
         assert (
@@ -476,6 +491,112 @@ def test_a_new_engine_version_is_a_reverify_not_a_drift(tmp_path, capsys):
         assert decision["consecutive"] == 2 and decision["action"].startswith("wait: no request in monitor.traffic")
     finally:
         engine.server.shutdown()
+
+
+def test_a_drift_line_says_which_figure_fell_below_which_baseline_over_how_many_drafts(tmp_path):
+    """Exit 10's line was `monitor: drift` and nothing more: now it names each figure that drifted (the engine's
+    α and P(accepted >= k), a domain's α from its logged requests), the baseline it fell below, the drafts it was
+    measured over and since when, and what the check waits for; the check's record holds the same reason."""
+    from draftsmith.monitor.check import check, summary
+
+    engine, logs = FakeEngine(), tmp_path / "logs"
+    logs.mkdir()
+    ask = {"messages": [{"role": "user", "content": "hi"}], "domain": "code", "timestamp": time.time()}
+    (logs / "requests.jsonl").write_text(
+        "".join(json.dumps({**ask, "metrics": vllm_metrics([30, 5, 3, 2])}) + "\n" for _ in range(10))
+    )  # α 17 / 120 over 400 drafts, against the overall baseline 0.5 (code is new to the drafter)
+    folder = served_export(tmp_path / "export" / "vllm")
+    cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}",
+                       f"monitor.metrics=[{engine.url}]", f"monitor.traffic={logs}", "monitor.retrain=false",
+                       "monitor.traffic_window_s=3600"])  # fmt: skip
+    try:
+        assert check(cfg) == Outcome.DRIFT  # the traffic drifts; the counters' window starts
+        code = check_record(tmp_path, 1)["traffic"]["domains"]["code"]
+        assert summary(cfg, Outcome.DRIFT) == (
+            f"monitor: drift: α of code 0.142 (its 99% upper bound {code['upper']:.3f}) < the overall baseline 0.500 "
+            "- 10% (a domain new to the drafter) over 400 drafts of 10 logged requests (the engine's own counts) in "
+            "the last 3600 s; wait: drift in 1 of 2 checks in a row"
+        )
+        engine.serve(2000, DROPPED)
+        assert check(cfg) == Outcome.DRIFT
+    finally:
+        engine.server.shutdown()
+    first, record = check_record(tmp_path, 1), check_record(tmp_path, 2)
+    tests = record["engine"]["tests"]
+    line = summary(cfg, Outcome.DRIFT)
+    assert line.startswith(
+        f"monitor: drift: α 0.167 (its 99% upper bound {tests['alpha']['upper']:.3f}) < baseline 0.500 - 10%, "
+        f"P(accepted ≥ 1) 0.233 (its 99% upper bound {tests['at_least_1']['upper']:.3f}) < baseline 0.700 - 10%, "
+    )
+    assert f"in the engine's counters over 2000 drafts since {first['time']}; α of code 0.142 " in line
+    assert line.endswith("; report only (monitor.retrain=false)")
+    assert record["decision"]["reason"] == line.removeprefix("monitor: drift: ").removesuffix(
+        "; report only (monitor.retrain=false)"
+    )
+
+
+def test_a_rejected_retraining_s_line_says_the_gate_s_tau(tmp_path):
+    """Exit 11's line was `monitor: rejected`: now it says τ of the deployed and the retrained drafter on the
+    retrained domains and the old ones, what the gate needs, and until when no retraining starts."""
+    from draftsmith.monitor.check import check, summary
+    from draftsmith.monitor.state import State
+
+    folder, logs, directory = (
+        served_export(tmp_path / "export" / "vllm"),
+        tmp_path / "logs",
+        tmp_path / "run" / "monitor",
+    )
+    logs.mkdir()
+    tau = {"deployed": {"new": 1.02, "old": 1.21}, "candidate": {"new": 1.03, "old": 1.1}}
+    gate = {"promote": False, "new_domains": ["code"], "old_domains": ["math"], "gain_new": 0.0098,
+            "change_old": -0.0909, "tau": tau, "per_domain": {}}  # fmt: skip
+    done = {"sample": {}, "regenerate": {}, "train": {}, "evaluate": {}, "gate": gate}
+    pipeline = {"id": "retrain_00002", "started": "2026-11-30T10:00:00+00:00", "domains": ["code"], "done": done,
+                "deployed": {"export": str(folder), "revision": 0, "sha256": "0" * 64}}  # fmt: skip
+    State(checks=2, consecutive_drift=2, pipeline=pipeline).save(directory)
+    cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}",
+                       f"monitor.traffic={logs}"])  # fmt: skip
+    assert check(cfg) == Outcome.REJECTED
+    until = datetime.datetime.fromtimestamp(State.load(directory).cooldown_until, datetime.timezone.utc)
+    assert summary(cfg, Outcome.REJECTED) == (
+        "monitor: rejected: the retrained drafter's τ on the drifted and new domains (code) 1.020 → 1.030 (+1.0%; "
+        "the gate needs +2.0% or more), on the old domains (math) 1.210 → 1.100 (-9.1%; the gate needs -2.0% or "
+        f"more): the deployed drafter stays, and no retraining starts before {until.isoformat(timespec='seconds')} "
+        "(monitor.cooldown_s)"
+    )
+
+
+def test_a_medusa_drafter_served_by_vllm_0_33_is_told_what_serves_it_not_an_export_vllm_refuses(tmp_path):
+    """vLLM 0.33 removed Medusa, and the export refuses to check a Medusa drafter there: the re-verify line
+    advised that export all the same. It now names no command for the versions that cannot serve the kind
+    (formats/versions.py, the export's own table), says what serves it, and keeps the command for the others."""
+    from draftsmith.monitor.check import check, summary
+
+    one, two = FakeEngine("0.33.0"), FakeEngine("0.32.1")
+    folder = served_export(tmp_path / "export" / "vllm", engine_settings=checked_in(SERVED))
+    args = ["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}", "monitor.retrain=false"]
+    try:
+        cfg = load_recipe([*args, f"monitor.metrics=[{one.url}]"])
+        assert check(cfg) == Outcome.REVERIFY
+        line = summary(cfg, Outcome.REVERIFY)
+        assert "draftsmith export" not in line and "PYTHON" not in line
+        assert (
+            f"is served by vLLM 0.33.0 at {one.url}. No export of this medusa drafter can be checked in vLLM 0.33.0: "
+            "vLLM 0.33.0 and later cannot serve it (they removed method 'medusa'); served by vLLM 0.32 or earlier"
+        ) in line
+        assert line.endswith(
+            "Serve it with vLLM 0.32.0, the version it was checked in, for its acceptance to be judged again"
+        )
+        # a rolling upgrade to a patch release that serves it beside one that does not: its command, for it alone
+        cfg = load_recipe([*args, f"output_dir={tmp_path / 'rolling'}", f"monitor.metrics=[{one.url},{two.url}]"])
+        assert check(cfg) == Outcome.REVERIFY
+        line = summary(cfg, Outcome.REVERIFY)
+        assert "No export of this medusa drafter can be checked in vLLM 0.33.0: " in line
+        assert line.endswith(
+            "export.vllm_python=PYTHON (RECIPE: this monitor's recipe; PYTHON: a Python with vLLM 0.32.1)"
+        )
+    finally:
+        one.server.shutdown(), two.server.shutdown()
 
 
 def test_an_older_export_that_pins_nothing_says_the_engines_defaults_decide(tmp_path):
@@ -646,6 +767,18 @@ def test_an_outcome_or_note_a_check_did_not_measure_is_not_recorded(tmp_path):
     faster = free_against_drafter(report(1.0, 1.5), judged=False)
     assert faster["faster"] == "suffix" and faster["note"] is None
     assert free_against_drafter(report(1.0, 1.5))["note"].startswith("on this traffic a free method is faster")
+
+
+def test_a_request_whose_domain_is_not_a_string_is_malformed(tmp_path):
+    """`"domain": ["a"]` became the domain `['a']`, judged and retrained apart; now a domain that is not a string
+    (a list, a number, an object) makes its line malformed, counted as other malformed lines are."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    ask = {"messages": [{"role": "user", "content": "hi"}], "timestamp": time.time()}
+    domains = [["a"], 3, {"name": "a"}, True, "a", None, ""]
+    (logs / "requests.jsonl").write_text("".join(json.dumps({**ask, "domain": d}) + "\n" for d in domains))
+    requests, malformed = read_requests(logs)
+    assert [r["domain"] for r in requests] == ["a", "default", "default"] and malformed == 4
 
 
 def test_a_request_timed_far_ahead_is_malformed_not_the_newest(tmp_path):

@@ -243,6 +243,25 @@ def test_fp16_without_a_gpu_is_refused_before_the_run_starts(tmp_path, small_dat
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
     result = run_entry_in_process(["train.py", *args[:-1]], capsys)
     assert_one_line_error(result, 2, "accelerate launch --mixed_precision fp16 needs a CUDA GPU")
+
+
+def test_accelerate_launch_fp8_is_refused_in_one_line(tmp_path, small_data, token_cache, capsys, monkeypatch):
+    """`accelerate launch --mixed_precision fp8` (its environment variable) under train.mixed_precision=auto: the
+    recipe cannot record fp8 (accelerate raised, exit 70, on a CPU): one line, exit 2, before the target loads."""
+    from draftsmith.trainer import setup
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(setup, "load_target", lambda *a, **k: pytest.fail("the target loaded before the refusal"))
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    args = train_args(out, small_data, token_cache, "train.max_steps=1", "train.mixed_precision=auto")
+    result = run_entry_in_process(["train.py", *args], capsys)
+    assert_one_line_error(
+        result,
+        2,
+        "mixed precision fp8 is not supported: train.mixed_precision takes auto, no, bf16, fp16 "
+        "(accelerate launch --mixed_precision fp8 gave it)",
+    )
+    assert not out.exists()
     assert not out.exists()
 
 

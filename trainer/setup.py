@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import get_cosine_schedule_with_warmup
 
 from draftsmith.data_prep import Collator, PackingCollator, load_tokenized
+from draftsmith.data_prep.dataset import eval_in_train
 from draftsmith.data_prep.features import expected_features, open_features, require_captured_settings
 from draftsmith.errors import UserError, one_line
 from draftsmith.eval.prompts import load_prompts
@@ -32,7 +33,7 @@ from draftsmith.heads.packing import causal_lm_inputs, require_packed_attention
 from draftsmith.outputs import RECIPE_NAME
 from draftsmith.recipe import derived, require_draft_vocab_use, save_recipe
 from draftsmith.recipe_checks import resolve_bool_or_path
-from draftsmith.recipe_schema import RecipeSchema
+from draftsmith.recipe_schema import CHOICES, RecipeSchema
 from draftsmith.sharding import built_whole
 from draftsmith.target import TargetOutput, load_config, load_target, load_tokenizer, run_target
 from draftsmith.trainer.checkpoint import (
@@ -221,7 +222,9 @@ def load_data(cfg: DictConfig, accelerator: Accelerator, tokenizer):
             load_tokenized(cfg, cfg.data.draft_vocab, tokenizer, "data.draft_vocab") if cfg.data.draft_vocab else None
         )
         if cfg.data.eval:  # the eval stage reads it after training: a bad file must fail now, not then
-            load_tokenized(cfg, cfg.data.eval, tokenizer, "data.eval")
+            eval_split = load_tokenized(cfg, cfg.data.eval, tokenizer, "data.eval")
+            if train_data is not None:  # a capture's rows (data.features) carry no conversation digests
+                eval_in_train(train_data, eval_split, cfg)
         if cfg.eval.enabled and cfg.eval.data:  # the report's own prompts, read after training too
             length = int(cfg.data.max_length)
             load_prompts(list(cfg.eval.data), tokenizer, int(cfg.eval.max_prompts), length, cfg.data.skip_invalid_utf8)
@@ -331,6 +334,12 @@ def mixed_precision(setting: str):
     """`auto`: whatever `accelerate launch` was told, else bf16 on a GPU that has it, else none. fp16 needs a
     CUDA GPU: on a CPU accelerate runs it as float32 without a word."""
     launched = os.environ.get("ACCELERATE_MIXED_PRECISION") if setting == "auto" else None
+    # accelerate also takes fp8, which the recipe cannot record (and needs TransformerEngine or MS-AMP on a GPU)
+    if launched and launched not in CHOICES["train.mixed_precision"]:
+        raise UserError(
+            f"mixed precision {launched} is not supported: train.mixed_precision takes "
+            f"{', '.join(CHOICES['train.mixed_precision'])} (accelerate launch --mixed_precision {launched} gave it)"
+        )
     if "fp16" in (setting, launched) and not torch.cuda.is_available():
         given = "train.mixed_precision=fp16" if setting == "fp16" else "accelerate launch --mixed_precision fp16"
         raise UserError(f"{given} needs a CUDA GPU; use bf16 or no on a CPU")

@@ -1,0 +1,99 @@
+"""Duplicate conversations in data.train (counted, kept) and data.eval conversations that data.train holds too
+(a warning, and the count in eval_accuracy.json); regenerate's count of what it left out, by reason."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+
+from draftsmith.data_prep.dataset import eval_in_train, load_tokenized
+from draftsmith.data_prep.regenerate_turns import left_out_line
+from draftsmith.recipe import load_recipe
+from draftsmith.target import load_tokenizer
+from tests.helpers import REFERENCE_TARGET, run_entry_in_process, train_args
+
+
+def conversation(question: str, answer: str, domain: str = "chat") -> dict:
+    return {
+        "messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}],
+        "domain": domain,
+    }
+
+
+# the third repeats the first turn for turn (its domain aside); the eval split shares the second with data.train
+TRAIN = [conversation("2+2?", "4"), conversation("Capital of France?", "Paris."), conversation("2+2?", "4", "math")]
+TRAIN += [conversation(f"Say {word}.", word) for word in ("one", "two", "three", "four", "five")]
+EVAL = [conversation("Capital of France?", "Paris."), conversation("Capital of Spain?", "Madrid.")]
+
+
+def write(path, records) -> str:
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return str(path)
+
+
+def test_duplicates_are_counted_and_kept_and_eval_in_train_is_warned_of(tmp_path, caplog):
+    """A conversation that repeats an earlier one turn for turn is counted in one line and trained on as often
+    as it occurs (on a cache hit the line comes again); a data.eval conversation that data.train holds too is
+    counted in one warning naming both keys' files."""
+    train, held = write(tmp_path / "train.jsonl", TRAIN), write(tmp_path / "eval.jsonl", EVAL)
+    cfg = load_recipe(
+        [
+            "recipe=medusa",
+            f"target.name_or_path={REFERENCE_TARGET}",
+            f"data.train=[{train}]",
+            f"data.eval=[{held}]",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            f"output_dir={tmp_path / 'run'}",
+        ]  # fmt: skip
+    )
+    tokenizer = load_tokenizer(str(REFERENCE_TARGET))
+    caplog.set_level(logging.INFO, logger="draftsmith.data")
+    duplicates = (
+        "1 of 8 conversations repeat an earlier one turn for turn: kept, each trained on as often as it occurs "
+        "(repeated traffic is traffic, and weights the drafter toward it)"
+    )
+    for _ in ("tokenized", "read from the cache"):
+        caplog.clear()
+        rows = load_tokenized(cfg, cfg.data.train, tokenizer, "data.train")
+        assert [record.getMessage() for record in caplog.records].count(duplicates) == 1
+        assert len(rows) == 8  # none dropped
+    eval_rows = load_tokenized(cfg, cfg.data.eval, tokenizer, "data.eval")
+    caplog.clear()
+    assert eval_in_train(rows, eval_rows, cfg) == {"conversations": 1, "of": 2}
+    [warning] = [record for record in caplog.records if record.levelno == logging.WARNING]
+    assert warning.getMessage().startswith(
+        f"1 of the 2 data.eval conversations ({held}) are in data.train ({train}) too, turn for turn: "
+    )
+    caplog.clear()
+    assert eval_in_train(rows, eval_rows.select([1]), cfg) == {"conversations": 0, "of": 1}
+    assert not caplog.records  # nothing shared: nothing said
+
+
+def test_a_run_warns_at_start_and_records_the_count_in_eval_accuracy(tmp_path, token_cache, capsys):
+    """train.py says so before training and the eval split's table records how many of its conversations
+    data.train holds (eval_accuracy.json's `eval_in_train`)."""
+    data = {"train": tmp_path / "train.jsonl", "eval": tmp_path / "eval.jsonl"}
+    write(data["train"], TRAIN), write(data["eval"], EVAL)
+    args = train_args(tmp_path / "run", data, token_cache, "train.max_steps=1")
+    done = run_entry_in_process(["train.py", *args], capsys)
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = "1 of the 2 data.eval conversations"
+    assert (done.stdout + done.stderr).count(said) == 1  # at the start; the table says it in its own words
+    assert "1 of these 2 conversations are in data.train too" in done.stdout
+    accuracy = json.loads((tmp_path / "run" / "eval_accuracy.json").read_text())
+    assert accuracy["eval_in_train"] == {"conversations": 1, "of": 2}
+
+
+def test_regenerates_left_out_line_says_why_with_counts():
+    """The final line's `N left out` names each reason with its count, so that a user knows which setting to
+    change; none left out says just that."""
+    left_out = Counter({"max_length": 9, "empty answer": 2, "tool calls": 1})
+    assert left_out_line(left_out, 2048, 1) == (
+        "12 left out, ended before min_turns=1 answers: 9 at a prompt of data.max_length=2048 tokens or more, "
+        "2 at an empty answer, 1 at the answer to a turn that called tools"
+    )
+    assert left_out_line(Counter({"empty answer": 3}), 2048, 2) == (
+        "3 left out, ended before min_turns=2 answers: 3 at an empty answer"
+    )
+    assert left_out_line(Counter(), 2048, 1) == "0 left out"
