@@ -111,9 +111,10 @@ def refusals(
     drafter: Drafter, target: TargetInfo, vllm_format: str = "speculators"
 ) -> dict[str, dict[str, Optional[str]]]:
     """Eval method (chain, tree) -> each engine the drafter's kind names for it (Drafter.SERVED_BY) -> the line its
-    export refuses this drafter for this target with (Exporter.refuse), or None where it serves it."""
-    exporter = exporter_for(drafter.type)
+    export refuses this drafter for this target with (Exporter.refuse), or None where it serves it. A kind that
+    names no engine (draftsmith's eval only) needs no export format: its eval runs, only its export is refused."""
     engines = dict.fromkeys(engine for named in type(drafter).SERVED_BY.values() for engine in named)
+    exporter = exporter_for(drafter.type) if engines else None
     refused = {engine: exporter.refusal(engine, drafter, target, vllm_format) for engine in engines}
     return {method: {engine: refused[engine] for engine in named} for method, named in type(drafter).SERVED_BY.items()}
 

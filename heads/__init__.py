@@ -1,5 +1,6 @@
 """Drafter architectures, one file each, found by the recipe's `drafter.type` through this registry.
-Adding a kind touches its own file and the import line below, nothing else."""
+Adding a kind's code touches its own files and the import line below, no other module; the kind also adds its
+demo recipe, its tests, a README row and its section of the generated recipe reference (docs/adding-a-kind.md)."""
 
 from __future__ import annotations
 

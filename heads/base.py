@@ -102,8 +102,10 @@ class Drafter(nn.Module):
     # The engines (export.engines values) that verify what the eval measures, per eval method (chain, tree;
     # none: draftsmith's eval only), where the export serves the drafter: the eval's report names those whose
     # export does not refuse its config and target (eval/methods.py), as the README's matrix says per kind.
-    # vLLM 0.32 verifies chains only; SGLang EAGLE trees.
-    SERVED_BY: ClassVar[dict[str, tuple[str, ...]]] = {"chain": ("vllm",), "tree": ()}
+    # vLLM 0.32 verifies chains only; SGLang EAGLE trees. A "tree" key says the kind proposes trees
+    # (proposes_trees), with () where no engine verifies them. An engine named needs the kind's export format
+    # (formats/<kind>.py), so a new kind starts as what it is until it has one: chains, draftsmith's eval only.
+    SERVED_BY: ClassVar[dict[str, tuple[str, ...]]] = {"chain": ()}
     TITLE: ClassVar[str]  # how people name the kind (the model card's title: "EAGLE-3")
     # The name of its loss's statistic for the teacher-forced top-1 at draft depth `depth` (1 first),
     # which the held-out evaluation chains into tau_est and curve.json plots (trainer/curve.py).
@@ -141,7 +143,9 @@ class Drafter(nn.Module):
 
     @classmethod
     def proposes_trees(cls, config) -> bool:
-        """Whether its proposer grows trees (eval.tree > 0), or proposes chains only."""
+        """Whether its proposer grows trees (eval.tree > 0), or proposes chains only: by default whether SERVED_BY
+        has a "tree" key; a kind whose trees depend on its config overrides it. The recipe check refuses
+        eval.tree > 0 for a drafter that proposes chains only, before any model loads (draftsmith/recipe.py)."""
         return "tree" in cls.SERVED_BY
 
     @classmethod
@@ -374,9 +378,10 @@ def load_drafter(directory: str | os.PathLike, target: Optional[TargetShape] = N
 
 
 def check_same_target(made_for: TargetShape, target: TargetShape, what: str) -> None:
-    """A drafter reads the target's hidden states and scores its vocabulary: both sizes must agree, and the
-    weights, where both shapes know them (a drafter of one target served on another of the same shape proposes
-    what that one would not)."""
+    """A drafter reads the target's hidden states and scores its vocabulary: both sizes must agree, the family
+    (model_type) where both shapes know it, and the weights, where both shapes know them (a drafter of one target
+    served on another of the same shape proposes what that one would not: tiny random targets of two families,
+    seeded alike, have the same sizes and input embedding)."""
     for key in ("hidden_size", "vocab_size"):
         mine, theirs = getattr(made_for, key), getattr(target, key)
         if mine != theirs:
@@ -384,6 +389,11 @@ def check_same_target(made_for: TargetShape, target: TargetShape, what: str) -> 
                 f"drafter {what} was made for target {made_for.name_or_path!r} with {key}={mine}, but the target "
                 f"{target.name_or_path!r} has {key}={theirs}"
             )
+    if made_for.model_type and target.model_type and made_for.model_type != target.model_type:
+        raise UserError(
+            f"drafter {what} was made for target {made_for.name_or_path!r}, a {made_for.model_type} model, but the "
+            f"target {target.name_or_path!r} is a {target.model_type} model: give the target it was trained for"
+        )
     if not made_for.same_weights(target):
         raise UserError(
             f"drafter {what} was made for target {made_for.name_or_path!r}, and the target {target.name_or_path!r} "

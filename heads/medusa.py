@@ -81,6 +81,7 @@ class Medusa(Drafter):
     TITLE = "Medusa-1"
     DEPTH_TOP1 = "head{depth}/top1"  # head h guesses depth h
     Config = MedusaConfig
+    SERVED_BY = {"chain": ("vllm",), "tree": ()}  # vLLM's medusa method verifies chains; its trees: the eval only
 
     def __init__(self, config: MedusaConfig, target: TargetShape):
         super().__init__(config, target)

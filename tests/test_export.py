@@ -705,6 +705,38 @@ def test_an_export_for_a_target_of_the_same_shape_but_other_weights_is_refused(t
     assert not (tmp_path / "x" / "vllm").exists()
 
 
+def test_a_drafter_for_one_family_is_refused_on_a_target_of_another_of_the_same_shape(tmp_path):
+    """check_same_target: a drafter made for a target of one family is refused on a target of another, even where
+    both have its sizes and input embedding (tiny random targets seeded alike), in eval, export and a warm start
+    alike (load_drafter)."""
+    from dataclasses import replace
+
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.heads.base import check_same_target, load_drafter
+    from draftsmith.random_target import demo_tokenizer_dir, write_random_target
+    from draftsmith.target import TargetShape
+
+    shapes, models = {}, {}
+    for family in ("llama", "qwen3"):
+        folder = write_random_target(family, tmp_path / family, seed_from=demo_tokenizer_dir())
+        models[family] = AutoModelForCausalLM.from_pretrained(folder)
+        shapes[family] = TargetShape.of(models[family], str(folder))
+    llama, qwen3 = shapes["llama"], shapes["qwen3"]
+    # what the sizes and the weights check cannot tell apart
+    assert (llama.hidden_size, llama.vocab_size) == (qwen3.hidden_size, qwen3.vocab_size)
+    assert llama.same_weights(qwen3)
+    fragment = r"a llama model, but the target '.*qwen3' is a qwen3 model: give the target it was trained for"
+    with pytest.raises(UserError, match=fragment):
+        check_same_target(llama, qwen3, "d")
+    checkpoint = save_drafter("medusa", models["llama"], tmp_path / "drafter", target_name=llama.name_or_path)
+    with pytest.raises(UserError, match=r"drafter .*drafter was made for target .*llama', a llama model"):
+        load_drafter(checkpoint, qwen3)
+    load_drafter(checkpoint, llama)
+    # a shape that does not know its family (a config without model_type) is checked by its sizes and weights only
+    check_same_target(replace(llama, model_type=""), qwen3, "d")
+
+
 def test_an_export_output_that_is_a_file_is_refused_in_one_line_and_kept(target, tmp_path, capsys):
     checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
     mine = tmp_path / "notes.txt"

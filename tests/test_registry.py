@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import pytest
 from draftsmith.errors import UserError
 from draftsmith.formats import EXPORTERS
 from draftsmith.formats.repo import ENGINE_NAMES
-from draftsmith.heads import REGISTRY, Drafter
+from draftsmith.heads import REGISTRY, Drafter, DrafterConfig
 from draftsmith.recipe import load_recipe
 from tests.helpers import REPO, demo_recipe, product_strings, train_in_process
 
@@ -26,9 +27,19 @@ KINDS = sorted(REGISTRY)
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_kind_is_documented_and_says_where_it_is_served(kind):
     cls = REGISTRY[kind]
-    assert cls.type == kind and "chain" in cls.SERVED_BY
-    assert all(set(engines) <= set(ENGINE_NAMES) for engines in cls.SERVED_BY.values())
-    assert ("vllm" in cls.SERVED_BY["chain"]) == (kind in EXPORTERS)  # an engine serves only what is exported
+    named = {engine for engines in cls.SERVED_BY.values() for engine in engines}
+    assert cls.type == kind and "chain" in cls.SERVED_BY, f"{cls.__name__}.SERVED_BY needs a 'chain' key"
+    assert named <= set(ENGINE_NAMES), f"{cls.__name__}.SERVED_BY: engines are {sorted(ENGINE_NAMES)}"
+    if kind in EXPORTERS:  # an engine serves only what is exported
+        assert "vllm" in cls.SERVED_BY["chain"], (
+            f"{kind} has an export format: name the engines that serve it in {cls.__name__}.SERVED_BY "
+            "(heads/base.py; {'chain': ('vllm',)}, and 'tree' where it proposes trees)"
+        )
+    else:
+        assert not named, (
+            f"{cls.__name__}.SERVED_BY names {sorted(named)}, but {kind} has no export format (formats/<kind>.py): "
+            "name no engine until it has one (Drafter's default: chains, draftsmith's eval only)"
+        )
     assert f"| `{kind}` |" in (REPO / "README.md").read_text(), "add the kind to the README's drafter x engine matrix"
     demo_recipe(kind)
 
@@ -80,6 +91,83 @@ def test_a_kind_declares_its_title_flop_profile_depth_metric_and_whether_it_shar
     assert cls.DEPTH_TOP1.format(depth=1) != cls.DEPTH_TOP1.format(depth=2), "DEPTH_TOP1 must name the {depth}"
 
 
+@dataclass
+class UnexportedConfig(DrafterConfig):
+    type: str = "unexported"
+
+
+class Unexported(Drafter):
+    """A kind as a new one starts, before it has an export format (formats/<kind>.py): Drafter's SERVED_BY, which
+    names no engine and no tree. Registered only by the tests that need it, for their duration."""
+
+    type = "unexported"
+    TITLE = "Unexported"
+    Config = UnexportedConfig
+
+
+@pytest.mark.parametrize("served_by", [None, {"chain": (), "tree": ()}], ids=["default", "chains-and-trees"])
+def test_a_kind_without_an_export_format_is_evaluated_by_draftsmith_alone(served_by, monkeypatch):
+    """The eval's served-by of a kind no engine serves asks no export format, which it does not have: each method
+    reads "draftsmith eval only", and only its export is refused (e8e191f asked the exporter first, so such a
+    kind's eval failed after training, exit 2)."""
+    from draftsmith.eval.methods import EVAL_ONLY, serving
+    from draftsmith.formats import exporter_for
+    from draftsmith.random_target import build_config, build_model
+    from draftsmith.target import TargetShape
+
+    if served_by is not None:
+        monkeypatch.setattr(Unexported, "SERVED_BY", served_by)
+    assert Unexported.type not in EXPORTERS
+    target = build_model(build_config("llama", 96))
+    drafter = Unexported(UnexportedConfig(), TargetShape.of(target, "tiny"))
+    said = serving(drafter, target)
+    assert said == {method: {"served_by": EVAL_ONLY} for method in Unexported.SERVED_BY}
+    with pytest.raises(UserError, match="'unexported' has no export format"):
+        exporter_for(drafter.type)
+
+
+def test_a_new_kind_proposes_chains_and_the_recipe_check_refuses_a_tree_before_any_model_loads(tmp_path, monkeypatch):
+    """Drafter's SERVED_BY has no "tree" key, so a new kind proposes chains only until it declares trees, and
+    the recipe check (what train.py runs before anything) refuses eval.tree > 0 for it, not its proposer after
+    the target loaded."""
+    import yaml
+
+    from draftsmith.resources import recipes_dir
+
+    monkeypatch.setitem(REGISTRY, Unexported.type, Unexported)
+    raw = yaml.safe_load((recipes_dir() / f"{demo_recipe(KINDS[0])}.yaml").read_text())
+    recipe = tmp_path / "unexported.yaml"
+    recipe.write_text(yaml.safe_dump({**raw, "drafter": {"type": Unexported.type}}))
+    args = [f"recipe={recipe}", f"output_dir={tmp_path / 'run'}"]
+    assert not Unexported.proposes_trees(UnexportedConfig())
+    with pytest.raises(
+        UserError, match="eval.tree=16 but this unexported drafter, as configured, proposes chains only"
+    ):
+        load_recipe([*args, "eval.tree=16"])
+    assert load_recipe([*args, "eval.tree=0"]).drafter.type == Unexported.type
+
+
+def own_tests(kind: str) -> list[str]:
+    """The tests of a kind's own: tests/test_<kind>.py, or test functions named after it (test_medusa_...)."""
+    import ast
+
+    if (REPO / "tests" / f"test_{kind}.py").is_file():
+        return [f"tests/test_{kind}.py"]
+    return [
+        f"{path.name}::{node.name}"
+        for path in sorted((REPO / "tests").glob("test_*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef) and re.search(rf"^test_(\w+_)?{kind}(_|$)", node.name)
+    ]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kind_has_tests_of_its_own(kind):
+    """What every kind is held to is here; what only this kind does (its settings' checks, its proposer, its
+    format) is tested in a file of its own."""
+    assert own_tests(kind), f"add tests/test_{kind}.py: the tests of what only {kind} does (docs/adding-a-kind.md)"
+
+
 # Strings that equal a kind's name by coincidence: vLLM picks a speculative method from a model path that
 # contains one of these (formats/repo.py refuses such export paths), and serves Gemma-4's assistant as its
 # method "mtp"; they name vLLM's behaviour, not a kind.
@@ -101,7 +189,8 @@ def test_no_kind_is_named_outside_its_own_files_and_the_registry():
         if name not in own[value] and (name, value) not in NOT_KIND_NAMES
     ]
     assert not found, (
-        "kind names outside their kinds' files (declare it on the Drafter or Exporter class): " + "; ".join(found)
+        f"kind names outside their kinds' files (declare it on the Drafter or Exporter class, {RENAME}): "
+        + "; ".join(found)
     )
 
 
@@ -155,28 +244,103 @@ def code_words(path: Path) -> list[tuple[int, str, str, bool]]:
     return words
 
 
-def test_the_trainer_and_the_export_command_know_no_kind():
-    """trainer/, export/ (the command) and formats/repo.py serve every kind alike: what they need of a kind it declares
-    (`Drafter.flop_profile`, `Drafter.DEPTH_TOP1`), so no identifier or string in their code is a
-    kind's name, a setting of one kind (`draft_vocab_size`) or a parameter its FLOP profile names (`fc.`), and
-    no string names a kind's per-depth metric. vLLM's path triggers (formats/repo.py) are vLLM's words
-    that equal kind names by coincidence."""
+# The folders of code every kind shares (formats/ but each kind's own format modules), and train.py.
+SHARED = ("draftsmith", "data_prep", "trainer", "eval", "export", "monitor", "formats")
+# Words of shared code that equal a kind's name or setting by coincidence: a target's config key that EAGLE-3's
+# drafter.sliding_window mirrors, and the target loader's note naming the kind that reads the MTP layers it leaves
+# out of the target's forward.
+NOT_KIND_WORDS = {
+    ("draftsmith/families.py", "sliding_window"),
+    ("draftsmith/random_target.py", "sliding_window"),
+    ("eval/loop.py", "sliding_window"),
+    ("draftsmith/target.py", "mtp"),
+}
+# Kind knowledge in shared code, left until it moves to the kind: speculators' feature files are EAGLE-3's
+# training data, whose tap layers data_prep resolves as EAGLE-3's Config does.
+KNOWN_LEAKS = {("data_prep/speculators_features.py", "eagle3"), ("data_prep/speculators_features.py", "aux_layers")}
+RENAME = "or rename your kind or setting: the name is already used by shared code"
+
+
+def own_modules() -> dict[str, set[str]]:
+    """Folder (heads, formats) -> the stems of its modules that are a kind's own: the module that declares a kind
+    (its Drafter, its Exporter) and those named after it (heads/eagle3_training.py, formats/eagle3_layout.py)."""
+    import inspect
+
+    def stems(classes) -> set[str]:
+        declaring = {inspect.getmodule(cls).__name__.rsplit(".", 1)[-1] for cls in classes}
+        folder = inspect.getmodule(next(iter(classes))).__name__.split(".")[1]
+        named = {p.stem for p in (REPO / folder).glob("*.py") if any(p.stem.startswith(f"{d}_") for d in declaring)}
+        return declaring | named
+
+    return {"heads": stems(REGISTRY.values()), "formats": stems({type(e) for e in EXPORTERS.values()})}
+
+
+def shared_files() -> list[Path]:
+    own = own_modules()["formats"]
+    files = [REPO / "train.py", *(path for folder in SHARED for path in sorted((REPO / folder).rglob("*.py")))]
+    return [path for path in files if not (path.parent.name == "formats" and path.stem in own)]
+
+
+def registry_lines(path: Path) -> set[int]:
+    """The lines of a package's __init__.py that import its own modules: the registry's import line."""
+    import ast
+
+    package = f"draftsmith.{path.parent.name}"
+    return {
+        node.lineno
+        for node in ast.walk(ast.parse(path.read_text()))
+        if path.name == "__init__.py" and isinstance(node, ast.ImportFrom) and node.module == package
+    }
+
+
+def imports_by_line(path: Path) -> list[tuple[int, str]]:
+    """(line, module) for every draftsmith module a file imports, `draftsmith.` dropped (as draftsmith_imports)."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("draftsmith."):
+            found += [(node.lineno, name) for name in (node.module, *(f"{node.module}.{a.name}" for a in node.names))]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.startswith("draftsmith.")]
+    return [(line, name.split(".", 1)[1]) for line, name in found]
+
+
+def test_shared_code_knows_no_kind():
+    """Every module every kind shares (train.py, draftsmith/, data_prep/, trainer/, eval/, export/, monitor/,
+    formats/ but each kind's format modules) serves every kind alike: what it needs of a kind the kind declares
+    (`Drafter.SERVED_BY`, `flop_profile`, `DEPTH_TOP1`), so no identifier or string in its code is a kind's name,
+    a setting of one kind (`draft_vocab_size`) or a parameter its FLOP profile names (`fc.`), no string names a
+    kind's per-depth metric (`head{depth}/top1`), and it imports no kind's own module (heads/<kind>*.py,
+    formats/<kind>*.py) but through the registry's import line. vLLM's path triggers (formats/repo.py) are
+    vLLM's words that equal kind names by coincidence."""
     from draftsmith.formats.repo import VLLM_PATH_TRIGGERS
 
     names, metrics = kind_specific_names()
     assert {"draft_vocab_size", "fc"} <= names and "head" in metrics
-    files = [
-        *sorted((REPO / "trainer").glob("*.py")),
-        *sorted((REPO / "export").glob("*.py")),
-        REPO / "formats" / "repo.py",
-    ]
-    found = [
-        f"{path.relative_to(REPO)}:{line}: {word!r} in {text!r}"
-        for path in files
-        for line, text, word, string in code_words(path)
-        if (word in names or (string and word in metrics)) and text not in VLLM_PATH_TRIGGERS
-    ]
-    assert not found, "kind knowledge outside the kinds' files (declare it on the Drafter class): " + "; ".join(found)
+    metric = re.compile(rf"(?:{'|'.join(map(re.escape, metrics))})(?:\d+|\{{\w*\}})?(?:/|$)")
+    own = own_modules()
+    found, imported = [], []
+    for path in shared_files():
+        name, registry = path.relative_to(REPO).as_posix(), registry_lines(path)
+        found += [
+            f"{name}:{line}: {word!r} in {text!r}"
+            for line, text, word, string in code_words(path)
+            if (word in names or (string and metric.match(text)))
+            and text not in VLLM_PATH_TRIGGERS
+            and (name, word) not in NOT_KIND_WORDS | KNOWN_LEAKS
+            and line not in registry
+        ]
+        for line, module in imports_by_line(path):
+            folder, stem = (module.split(".") + [""])[:2]
+            if stem in own.get(folder, ()) and (name, stem) not in KNOWN_LEAKS and line not in registry:
+                imported.append(f"{name}:{line} imports draftsmith.{module}")
+    assert not imported, "a kind's own module imported by shared code (read it through the registry): " + "; ".join(
+        imported
+    )
+    assert not found, (
+        f"kind knowledge in shared code (declare it on the Drafter or Exporter class, {RENAME}): " + "; ".join(found)
+    )
 
 
 # The layers, lowest first: each module imports only its own layer and those below it. Stages talk to each
