@@ -17,7 +17,7 @@ from draftsmith.eval.report import run_eval
 from draftsmith.eval.sampling import Sampling, exact_rule
 from draftsmith.families import FULL, LINEAR
 from draftsmith.heads import drafter_class
-from draftsmith.heads.proposer import DraftState
+from draftsmith.heads.proposer import DraftState, DraftTree
 from draftsmith.random_target import build_config, build_model
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target
@@ -36,6 +36,7 @@ from tests.helpers import (
     chi_square_pvalue,
     exact_conditionals,
     exact_joint,
+    exactness_pvalues,
     perturbed_medusa,
     run_entry_in_process,
     tiny_llama,
@@ -129,67 +130,144 @@ def no_residual_rule(p, q, token, u):
     return accepted, p
 
 
+def unnormalised_residual_rule(p, q, token, u):
+    """WRONG on purpose: max(0, p - q) not renormalised. The bonus draw renormalises it anyway, so only
+    the next sibling, tested against a p summing to less than 1, is accepted too rarely."""
+    accepted, _ = exact_rule(p, q, token, u)
+    residual = (p - q).clamp_min(0)
+    return accepted, p if accepted or residual.sum() <= 0 else residual
+
+
+def one_hot_residual_rule(p, q, token, u):
+    """WRONG on purpose: after a rejection p with the drafted token removed, the one-hot case's residual,
+    even where q was sampled and spreads over other tokens."""
+    accepted, _ = exact_rule(p, q, token, u)
+    residual = p.clone()
+    residual[token] = 0
+    return accepted, p if accepted or residual.sum() <= 0 else residual / residual.sum()
+
+
+def sqrt_ratio_rule(p, q, token, u):
+    """WRONG on purpose: accepts with min(1, sqrt(p/q)), more often than p/q; the residual is right."""
+    return exact_rule(p, q, token, u.square())
+
+
+# -- the rule alone: many draws of one node's children against a fixed p, cheap enough for power -------
+RULE_P = torch.tensor([0.30, 0.40, 0.10, 0.15, 0.05, 0.00])  # token 5 excluded, as top-k leaves it
+RULE_Q = torch.tensor([0.00, 0.10, 0.40, 0.20, 0.10, 0.20])  # mass on p's excluded token, none on p's token 0
+RULE_DRAFTS = {  # the root's children as each kind of drafter proposes them
+    "sampled chain": lambda generator: DraftTree.chain(torch.multinomial(RULE_Q, 1, generator=generator), RULE_Q[None]),
+    "one-hot siblings": lambda generator: DraftTree(tokens=torch.tensor([1, 0]), parents=torch.tensor([-1, -1])),
+    "sampled siblings": lambda generator: DraftTree(
+        tokens=torch.multinomial(RULE_Q, 3, replacement=True, generator=generator),
+        parents=torch.tensor([-1, -1, -1]),
+        probs=RULE_Q.expand(3, -1),
+    ),
+}
+
+
+def first_token_pvalue(draft_name: str, draws: int = 2000) -> float:
+    """Chi-square p-value of the first token `verify` emits after RULE_DRAFTS[draft_name]'s children
+    (an accepted child's token, else the bonus), over `draws` seeded draws, against RULE_P."""
+    draft_generator, verify_generator = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    counts = torch.zeros(len(RULE_P))
+    for _ in range(draws):
+        draft = RULE_DRAFTS[draft_name](draft_generator)
+        after_children = torch.full((len(draft.tokens), len(RULE_P)), 1 / len(RULE_P))  # only later tokens
+        verdict = sampling_module.verify(draft, torch.cat([RULE_P[None], after_children]), verify_generator)
+        counts[int(draft.tokens[verdict.path[0]]) if verdict.path else verdict.bonus] += 1
+    return chi_square_pvalue(counts, RULE_P)
+
+
+@pytest.mark.parametrize("draft_name", RULE_DRAFTS)
+def test_verify_emits_the_targets_distribution_whatever_the_children(draft_name):
+    assert first_token_pvalue(draft_name) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "rule, draft_name",
+    [
+        (no_residual_rule, "sampled chain"),
+        (no_residual_rule, "one-hot siblings"),
+        (unnormalised_residual_rule, "one-hot siblings"),
+        (one_hot_residual_rule, "sampled chain"),
+        (one_hot_residual_rule, "sampled siblings"),
+        (sqrt_ratio_rule, "sampled chain"),
+        (sqrt_ratio_rule, "one-hot siblings"),
+    ],
+    ids=lambda value: value if isinstance(value, str) else value.__name__,
+)
+def test_a_wrong_rule_fails_the_first_token_check(rule, draft_name, monkeypatch):
+    """The check above fails each wrong rule on children where it is wrong (p below 1e-30, 1e-7 for an
+    unnormalised residual after sampled siblings, left out). Where it is right it passes: with one-hot q
+    the one-hot residual is the exact one, and a lone child's bonus draw renormalises any residual."""
+    monkeypatch.setattr(sampling_module, "exact_rule", rule)
+    pvalue = first_token_pvalue(draft_name)
+    assert pvalue < 1e-6, f"the wrong rule went undetected: p={pvalue:.2e}"
+
+
 @pytest.fixture(scope="module")
 def small_model():
     return tiny_llama(vocab=VOCAB, hidden=16, layers=1, seed=5, logit_scale=8.0)
 
 
+# q half the target's conditional, half a fixed random one (NearTargetDrafter's mix 0.5), or 0.8 for a sampled
+# chain: further from p, more rejections, so that the one-hot residual fails in SAMPLES rows (p about 1e-13; at
+# mix 0.5, 2e-4). An unnormalised residual in a tree shows only through the next sibling's acceptance, a TV of
+# 0.06 on the first token: 3 * SAMPLES rows (p about 1e-13; at SAMPLES, 4e-5).
+SAMPLED_CHAIN = dict(stochastic=True, tree=None, sampling=Sampling(1.0), mix=0.8, samples=SAMPLES)
+ONE_HOT_CHAIN = dict(stochastic=False, tree=None, sampling=Sampling(1.0), mix=0.5, samples=SAMPLES)
+ONE_HOT_TREE = dict(stochastic=False, tree=TREE, sampling=Sampling(0.8, top_k=6), mix=0.5, samples=3 * SAMPLES)
+
+
 @pytest.mark.parametrize(
     "case",
     [
+        dict(SAMPLED_CHAIN, name="chain, stochastic q", rule=exact_rule, exact=True),
         dict(
-            name="chain, stochastic q", stochastic=True, tree=None, sampling=Sampling(1.0), rule=exact_rule, exact=True
-        ),
-        dict(
+            ONE_HOT_CHAIN,
             name="chain, one-hot q, top-p",
-            stochastic=False,
-            tree=None,
             sampling=Sampling(1.0, top_p=0.9),
             rule=exact_rule,
             exact=True,
         ),
+        dict(ONE_HOT_TREE, name="tree, one-hot q, top-k", rule=exact_rule, exact=True),
+        dict(ONE_HOT_CHAIN, name="WRONG chain, one-hot q, no residual", rule=no_residual_rule, exact=False),
         dict(
-            name="tree, one-hot q, top-k",
-            stochastic=False,
-            tree=TREE,
-            sampling=Sampling(0.8, top_k=6),
-            rule=exact_rule,
-            exact=True,
+            ONE_HOT_TREE, name="WRONG tree, one-hot q, no residual", samples=SAMPLES, rule=no_residual_rule, exact=False
         ),
         dict(
-            name="WRONG chain, one-hot q, no residual",
-            stochastic=False,
-            tree=None,
-            sampling=Sampling(1.0),
-            rule=no_residual_rule,
-            exact=False,
+            SAMPLED_CHAIN, name="WRONG chain, stochastic q, one-hot residual", rule=one_hot_residual_rule, exact=False
         ),
+        dict(SAMPLED_CHAIN, name="WRONG chain, stochastic q, sqrt(p/q) acceptance", rule=sqrt_ratio_rule, exact=False),
         dict(
-            name="WRONG tree, one-hot q, no residual",
-            stochastic=False,
-            tree=TREE,
-            sampling=Sampling(0.8, top_k=6),
-            rule=no_residual_rule,
+            ONE_HOT_TREE,
+            name="WRONG tree, one-hot q, unnormalised residual",
+            rule=unnormalised_residual_rule,
             exact=False,
         ),
     ],
     ids=lambda case: case["name"],
 )
 def test_speculative_sampling_matches_target_distribution(small_model, case, monkeypatch):
-    """SAMPLES draws of one drafter's q, decoded as rows of a batch (each row with its own seeds: rows
-    sample what they would alone, tests/test_batched_eval.py), against the exact joint distribution; the
-    same with a wrong acceptance rule put in exact_rule's place must fail it."""
+    """Draws of one drafter's q, decoded as rows of a batch (each row with its own seeds: rows sample what
+    they would alone, tests/test_batched_eval.py), against the exact distribution of the first token, the
+    first two and all three; the same with a wrong acceptance rule put in exact_rule's place must fail it."""
     monkeypatch.setattr(sampling_module, "exact_rule", case["rule"])
-    prompt, batch = [1, 5, 2, 7], 200
+    prompt, batch, samples = [1, 5, 2, 7], 200, case["samples"]
     conditionals = exact_conditionals(small_model, prompt, case["sampling"])
     counts, accepted = torch.zeros(VOCAB, VOCAB, VOCAB), 0
-    for first_seed in range(0, SAMPLES, batch):
+    for first_seed in range(0, samples, batch):
         seeds = list(range(first_seed, first_seed + batch))
+        proposers = [
+            NearTargetDrafter(conditionals, len(prompt), case["stochastic"], mix=case["mix"], seed=seed, q_seed=0)
+            for seed in seeds
+        ]
         rows = generate_batch(
             small_model,
             [prompt] * batch,
             NEW,
-            [NearTargetDrafter(conditionals, len(prompt), case["stochastic"], seed=seed, q_seed=0) for seed in seeds],
+            proposers,
             gamma=2,
             tree=case["tree"],
             sampling=case["sampling"],
@@ -198,12 +276,12 @@ def test_speculative_sampling_matches_target_distribution(small_model, case, mon
         for row in rows:
             counts[tuple(row.tokens)] += 1
             accepted += row.counts.accepted
-    assert 0.1 * SAMPLES < accepted < 1.9 * SAMPLES  # both acceptances and rejections were exercised
-    pvalue = chi_square_pvalue(counts, exact_joint(conditionals))
+    assert 0.1 * samples < accepted < 1.9 * samples  # both acceptances and rejections were exercised
+    pvalues = exactness_pvalues(counts, exact_joint(conditionals))
     if case["exact"]:
-        assert pvalue > 1e-3, f"{case['name']}: p={pvalue:.2e}"
+        assert min(pvalues.values()) > 1e-3, f"{case['name']}: {pvalues}"
     else:
-        assert pvalue < 1e-6, f"the wrong rule went undetected: p={pvalue:.2e}"
+        assert min(pvalues.values()) < 1e-6, f"the wrong rule went undetected: {pvalues}"
 
 
 @pytest.mark.slow  # ~30 s: the 1,200 rows of a linear-attention target decode one at a time
@@ -236,7 +314,8 @@ def test_speculative_sampling_on_a_linear_attention_target_matches_its_distribut
         counts[tuple(row.tokens)] += 1
     accepted = sum(row.counts.accepted for row in rows)
     assert 0.1 * SAMPLES < accepted < 1.9 * SAMPLES  # both acceptances and rejections (rollbacks) were exercised
-    assert chi_square_pvalue(counts, exact_joint(conditionals)) > 1e-3
+    pvalues = exactness_pvalues(counts, exact_joint(conditionals))
+    assert min(pvalues.values()) > 1e-3, pvalues
 
 
 def test_plain_sampling_is_seeded(small_model):
