@@ -25,6 +25,10 @@ from draftsmith.heads.proposer import DynamicTree, Proposer, Tree
 from draftsmith.target import loaded_config
 
 EVAL_ONLY = "draftsmith eval only"  # a method no engine serves for this drafter and target
+# Engines that draft their argmax at any temperature and verify as if q were one-hot: SGLang's EAGLE worker, and
+# STANDALONE's built on it, take the top-k of the draft's probabilities. At temperature > 0 they accept the drafts
+# of a drafter that samples its own (Drafter.SAMPLES_DRAFTS) otherwise than the eval measured.
+GREEDY_DRAFTING = {"sglang": "SGLang drafts greedily at temperature > 0: its acceptance is not this row's"}
 
 
 @dataclass
@@ -87,7 +91,7 @@ def build_methods(cfg: DictConfig, drafter, target, verifier, temperature: float
             f"eval.num_speculative_tokens={gamma} but this {drafter.type} checkpoint proposes at most {longest} tokens"
         )
     new_proposer = partial(drafter.proposer, temperature)
-    served = serving(drafter, target, cfg.export.vllm_format)
+    served = serving(drafter, target, cfg.export.vllm_format, temperature)
     methods = [
         Method("plain", "baseline", info={"served_by": "any engine"}),
         Method("chain", "drafter", new_proposer, gamma, info={"gamma": gamma, **served["chain"]}),
@@ -138,16 +142,19 @@ def build_methods(cfg: DictConfig, drafter, target, verifier, temperature: float
     return methods
 
 
-def serving(drafter, target, vllm_format: str = "speculators") -> dict[str, dict[str, Any]]:
+def serving(drafter, target, vllm_format: str = "speculators", temperature: float = 0.0) -> dict[str, dict[str, Any]]:
     """Eval method (chain, tree) -> what the report says serves it: `served_by`, the engines the kind
     names for it (SERVED_BY) whose export does not refuse this drafter for this target (the export's own
     check, formats.Exporter.refuse: the report never names an engine whose export draftsmith refuses),
     else draftsmith's eval only; and `not_served_by`, each refused engine's line, where one is. `vllm_format`: the
-    vLLM layout the recipe exports (export.vllm_format)."""
+    vLLM layout the recipe exports (export.vllm_format). At `temperature` > 0 a drafter that samples its drafts is
+    not served by an engine that drafts greedily (GREEDY_DRAFTING): its rows' acceptance is not that engine's."""
     shape = drafter.target
     info = TargetInfo(shape=shape, config=loaded_config(target), verifier=shape.name_or_path)
+    greedy_engines = GREEDY_DRAFTING if temperature > 0 and drafter.SAMPLES_DRAFTS else {}
     said = {}
     for method, refused in refusals(drafter, info, vllm_format).items():
+        refused = {engine: why or greedy_engines.get(engine) for engine, why in refused.items()}
         serving_engines = [ENGINE_NAMES[e] for e, why in refused.items() if why is None]
         said[method] = {"served_by": ", ".join(serving_engines) or EVAL_ONLY}
         reasons = {ENGINE_NAMES[e]: why for e, why in refused.items() if why is not None}

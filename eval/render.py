@@ -83,7 +83,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "Draft fwd/cycle: the drafter's forward passes per target forward. "
         "Speedup: tokens/s over plain decoding in the same run (in brackets its 95% interval over the prompts). "
         "Served by: the engines that can serve the method as measured, for this drafter and target (vLLM 0.32 "
-        "verifies chains only; report.json's not_served_by says why the export refuses an engine). "
+        "verifies chains only; report.json's not_served_by says why an engine does not: its export refuses the "
+        "drafter, or at temperature > 0 it drafts greedily where the drafter samples its drafts). "
         f"Lossless: {report['lossless_check']}.",
         "",
     ]

@@ -28,11 +28,11 @@ from draftsmith.formats import Source, exporter_for
 from draftsmith.formats.folder import require_recipes_kind
 from draftsmith.formats.repo import (
     EXPORT_INFO,
-    VLLM_PINNED,
     EngineRepo,
     TargetInfo,
     check_tensors,
     copy_tokenizer,
+    vllm_pinned,
 )
 from draftsmith.formats.versions import (
     require_build_serves,
@@ -251,12 +251,13 @@ def with_reported_accuracy(source: Source, report: Optional[dict[str, Any]]) -> 
         source.drafter.learned = {**source.drafter.learned, EVAL_SPLIT: dict(measured)}
 
 
-def served_config(repo: EngineRepo, gamma: int, schedule: Optional[dict[str, Any]]) -> dict[str, Any]:
+def served_config(repo: EngineRepo, gamma: int, schedule: Optional[dict[str, Any]], drafter) -> dict[str, Any]:
     """The engine's speculative config for this folder, less `model`: for vLLM the method, γ, what the
-    folder needs (P-EAGLE's parallel_drafting), the pinned sampling settings and the γ per batch size."""
+    folder needs (P-EAGLE's parallel_drafting), the sampling settings pinned for this drafter (vllm_pinned:
+    probabilistic drafting for a drafter that samples its drafts) and the γ per batch size."""
     if repo.engine != "vllm":
         return {"method": repo.method, **repo.options}
-    config = {"method": repo.method, "num_speculative_tokens": gamma, **repo.options, **VLLM_PINNED}
+    config = {"method": repo.method, "num_speculative_tokens": gamma, **repo.options, **vllm_pinned(drafter)}
     if schedule is not None:
         config["num_speculative_tokens_per_batch_size"] = schedule["num_speculative_tokens_per_batch_size"]
     return config
@@ -287,7 +288,7 @@ def export_info(
         "num_speculative_tokens": gamma,
         "conventions": repo.conventions,
         "serve": repo.serve,
-        "speculative_config": served_config(repo, gamma, schedule),
+        "speculative_config": served_config(repo, gamma, schedule, drafter),
         "vllm_releases": served_by(repo.method, exporter_for(drafter.type).vllm_releases)
         if repo.engine == "vllm"
         else None,

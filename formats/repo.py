@@ -50,7 +50,18 @@ class TargetInfo:
 VLLM_SERVE = "vllm serve {target} --speculative-config '{speculative_config}'"
 # vLLM 0.32's defaults for the settings that move τ, written into every served config so that an engine
 # version with other defaults cannot change acceptance silently (vLLM 0.28 changed draft_sample_method's).
+# greedy: vLLM drafts the argmax and reads q as one-hot in the ratio test, as draftsmith's proposers that draft
+# their argmax at any temperature do; a kind that samples its drafts is served otherwise (`vllm_pinned`).
 VLLM_PINNED = {"draft_sample_method": "greedy", "rejection_sample_method": "standard"}
+
+
+def vllm_pinned(drafter) -> dict[str, str]:
+    """The pinned settings of this drafter's vLLM served config: for a drafter that samples its drafts, vLLM's
+    `probabilistic` drafting (a draw from softmax(logits / T), the full q in the ratio test: vLLM 0.32's
+    config/speculative.py), so that at temperature > 0 vLLM accepts as the eval measured; greedy for the others."""
+    if drafter.SAMPLES_DRAFTS:
+        return {**VLLM_PINNED, "draft_sample_method": "probabilistic"}
+    return dict(VLLM_PINNED)
 
 
 @dataclass

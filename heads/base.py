@@ -107,6 +107,9 @@ class Drafter(nn.Module):
     # (formats/<kind>.py), so a new kind starts as what it is until it has one: chains, draftsmith's eval only.
     SERVED_BY: ClassVar[dict[str, tuple[str, ...]]] = {"chain": ()}
     TITLE: ClassVar[str]  # how people name the kind (the model card's title: "EAGLE-3")
+    # Whether its proposer samples each draft from q = softmax(logits / T) at temperature > 0 and the ratio test
+    # reads that q (else it drafts its argmax, q one-hot): the export serves the same drafting (formats/repo.py).
+    SAMPLES_DRAFTS: ClassVar[bool] = False
     # The name of its loss's statistic for the teacher-forced top-1 at draft depth `depth` (1 first),
     # which the held-out evaluation chains into tau_est and curve.json plots (trainer/curve.py).
     DEPTH_TOP1: ClassVar[str] = "step{depth}/top1"

@@ -160,6 +160,9 @@ class DFlash(EagleBase):
     DEPTH_TOP1 = "block{depth}/top1"  # block position k is depth k
     Config = DFlashConfig
     SERVED_BY = {"chain": ("vllm",), "tree": ()}  # vLLM: with drafter.mask_token_id set; DDTree: the eval only
+    # At temperature > 0 its chain's block positions are each sampled from their own q = softmax(logits / T), which
+    # the ratio test reads: its vLLM export pins draft_sample_method probabilistic (formats/repo.py vllm_pinned).
+    SAMPLES_DRAFTS = True
 
     def __init__(self, config: DFlashConfig, target: TargetShape):
         super().__init__(config, target)

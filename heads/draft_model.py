@@ -126,6 +126,9 @@ class DraftModel(Drafter):
 
     Config = DraftModelConfig  # max_chain stays None: an autoregressive draft proposes chains of any length
     SERVED_BY = {"chain": ("vllm", "sglang")}  # SGLang: STANDALONE, sequential drafting only (not PARD)
+    # At temperature > 0 its proposer samples each draft from q = softmax(logits / T) and the ratio test reads q:
+    # its vLLM export pins draft_sample_method probabilistic, vLLM's same rule (formats/repo.py vllm_pinned).
+    SAMPLES_DRAFTS = True
 
     def __init__(self, config: DraftModelConfig, target: TargetShape, model=None):
         super().__init__(config, target)

@@ -114,7 +114,7 @@ def test_a_silently_misread_eagle3_folder_fails_the_check(exported, engine_sessi
         change(config)
         (broken / "config.json").write_text(json.dumps(config))
         with pytest.raises(ExportCheckFailed, match="vLLM's τ .* differs from draftsmith's") as info:
-            verify_in_vllm(cfg, source, repo, broken, served_config(repo, 3, None), engine_session)
+            verify_in_vllm(cfg, source, repo, broken, served_config(repo, 3, None, source.drafter), engine_session)
         assert "greedy output" not in str(info.value), name  # still lossless: only the acceptance shows it
 
 

