@@ -36,7 +36,7 @@ from batch_sweep import cpu_name  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", default="runs/bench_batch")
+    parser.add_argument("--runs", type=Path, default=REPO / "runs/bench_batch")
     parser.add_argument("--prompts", type=int, default=8, help="per domain")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--gamma", type=int, default=3)
@@ -49,7 +49,7 @@ def main() -> None:
     from draftsmith.recipe import load_recipe
     from draftsmith.target import TargetShape, load_target, load_tokenizer
 
-    output_dir = (REPO / args.runs / "draft").resolve()
+    output_dir = (args.runs / "draft").resolve()
     trained_s = None
     if not (output_dir / "final" / "model.safetensors").is_file():
         began = time.perf_counter()

@@ -29,7 +29,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="medusa,eagle3", help="drafter recipes, comma-separated")
     parser.add_argument("--batch-sizes", default="1,2,4,8")
-    parser.add_argument("--runs", default="runs/bench_batch", help="where the trained runs live (reused when present)")
+    parser.add_argument(
+        "--runs", type=Path, default=REPO / "runs/bench_batch", help="where the trained runs live (reused when present)"
+    )
     parser.add_argument("--max-prompts", type=int, default=8, help="per domain")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
@@ -42,7 +44,7 @@ def main() -> None:
     summary: dict = {"cpu": cpu_name(), "torch_threads": args.threads, "batch_sizes": sizes, "drafters": {}}
     start = time.perf_counter()
     for name in args.only.split(","):
-        output_dir = (REPO / args.runs / name).resolve()
+        output_dir = (args.runs / name).resolve()
         trained_s = None
         if not (output_dir / "final" / "model.safetensors").is_file():
             began = time.perf_counter()

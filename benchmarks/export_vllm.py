@@ -35,15 +35,20 @@ TRAIN_DATA = "demo/data/train.regenerated.jsonl.gz"  # what benchmarks/drafters.
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vllm-python", required=True)
-    parser.add_argument("--runs", default="runs/bench_drafters")
+    parser.add_argument(
+        "--vllm-python",
+        required=True,
+        type=lambda text: str(Path(text).expanduser().absolute()),  # not resolved: a venv's python is a link
+        help="the Python of a vLLM environment, relative to the current directory",
+    )
+    parser.add_argument("--runs", type=Path, default=REPO / "runs/bench_drafters")
     parser.add_argument("--only", default=",".join(RECIPES))
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
     results = {}
     for name in args.only.split(","):
-        run_dir = (REPO / args.runs / name).resolve()
+        run_dir = (args.runs / name).resolve()
         eval_settings = [
             f"output_dir={run_dir}",
             f"eval.max_prompts={args.prompts}",

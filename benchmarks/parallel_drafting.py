@@ -97,9 +97,14 @@ def engine_row(result: dict, plain: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vllm-python", required=True)
+    parser.add_argument(
+        "--vllm-python",
+        required=True,
+        type=lambda text: str(Path(text).expanduser().absolute()),  # not resolved: a venv's python is a link
+        help="the Python of a vLLM environment, relative to the current directory",
+    )
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--runs", default="runs/bench_parallel")
+    parser.add_argument("--runs", type=Path, default=REPO / "runs/bench_parallel")
     parser.add_argument("--prompts", type=int, default=4, help="eval prompts per demo domain")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--gamma", type=int, default=3)
@@ -109,7 +114,7 @@ def main() -> None:
     names = args.variants.split(",")
     if unknown := set(names) - set(VARIANTS):
         parser.error(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
-    runs = (REPO / args.runs).resolve()
+    runs = args.runs.resolve()
     common = [
         f"data.train=[{DATA}]", f"eval.max_prompts={args.prompts}", f"eval.max_new_tokens={args.new_tokens}",
         f"eval.num_speculative_tokens={args.gamma}", "eval.tree=0", "eval.temperature=0", "train.seed=0",

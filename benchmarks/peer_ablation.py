@@ -138,14 +138,14 @@ def speculators_missing(speculators: Path | None, args, runs: Path) -> str | Non
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--runs", default="runs/peer_ablation")
+    parser.add_argument("--runs", type=Path, default=REPO / "runs/peer_ablation")
     parser.add_argument(
         "--speculators",
-        default="runs/peer_speculators/speculators/1",
+        default=REPO / "runs/peer_speculators/speculators/1",
         help="speculators' checkpoint of the head-to-head, scored by the same eval ('': none)",
     )
     parser.add_argument("--speculators-variants", default=",".join(SPECULATORS_VARIANTS))
-    parser.add_argument("--out", default="docs/results/peer_speculators/ablation.jsonl")
+    parser.add_argument("--out", type=Path, default=REPO / "docs/results/peer_speculators/ablation.jsonl")
     parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=10, help="MT-bench first turns per category (10 = all 80)")
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -154,8 +154,8 @@ def main() -> None:
         "--seed", type=int, default=0, help="train.seed of draftsmith's runs (not 0: runs/<variant>@seed<N>)"
     )
     args = parser.parse_args()
-    runs = (REPO / args.runs).resolve()
-    speculators = (REPO / args.speculators).resolve() if args.speculators else None
+    runs = args.runs.resolve()
+    speculators = Path(args.speculators).resolve() if args.speculators else None  # not type=Path: '' would be '.'
     missing = speculators_missing(speculators, args, runs)
     if missing:
         print(f"error: {missing}", file=sys.stderr)
@@ -202,7 +202,7 @@ def main() -> None:
             rows.append({"variant": name, "flags": flags, "copies": why, **json.loads((out / "train.json").read_text()),
                          "own_eval_tau": tau})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
-    out = REPO / args.out
+    out = args.out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     machine = {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": args.threads}
     out.write_text("".join(json.dumps(row | {"machine": machine}) + "\n" for row in rows))

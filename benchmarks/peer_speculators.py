@@ -92,7 +92,7 @@ def matched_overrides(args) -> list[str]:
 def draftsmith_args(args, runs: Path) -> list[str]:
     """The recipe and overrides of draftsmith's run (also what the features are captured for)."""
     return [
-        f"recipe={args.recipe}", *matched_overrides(args), f"data.train=[{REPO / args.data}]",
+        f"recipe={args.recipe}", *matched_overrides(args), f"data.train=[{args.data.resolve()}]",
         f"output_dir={runs / 'draftsmith'}", *args.draftsmith_set,
     ]  # fmt: skip
 
@@ -363,18 +363,31 @@ def defaults_as_run(trained: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vllm-python", required=True)
-    parser.add_argument("--speculators-python", default=str(SPECULATORS_PYTHON))
+    parser.add_argument(
+        "--vllm-python",
+        required=True,
+        type=lambda text: str(Path(text).expanduser().absolute()),  # not resolved: a venv's python is a link
+        help="the Python of a vLLM environment, relative to the current directory",
+    )
+    parser.add_argument(
+        "--speculators-python",
+        default=str(SPECULATORS_PYTHON),
+        type=lambda text: str(Path(text).expanduser().absolute()),  # not resolved: a venv's python is a link
+        help="the Python of a speculators environment, relative to the current directory",
+    )
     parser.add_argument("--recipe", default="eagle3", help="draftsmith's EAGLE-3 recipe (its target, taps, max_length)")
     parser.add_argument(
-        "--data", default="demo/data/train.regenerated.jsonl.gz", help="conversations (the target's own answers)"
+        "--data",
+        type=Path,
+        default=REPO / "demo/data/train.regenerated.jsonl.gz",
+        help="conversations (the target's own answers)",
     )
     parser.add_argument("--conversations", type=int, default=400, help="training conversations, the same for both")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--depth", type=int, default=3, help="training-time-test steps of both, and the served γ")
     parser.add_argument("--draft-vocab-size", type=int, default=2048)
-    parser.add_argument("--runs", default="runs/peer_speculators")
-    parser.add_argument("--out", default="docs/results/peer_speculators")
+    parser.add_argument("--runs", type=Path, default=REPO / "runs/peer_speculators")
+    parser.add_argument("--out", type=Path, default=REPO / "docs/results/peer_speculators")
     parser.add_argument("--prompts", type=int, default=3, help="MT-bench first turns per category (10 = all 80)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="OMP threads of training and the engine")
@@ -391,12 +404,14 @@ def main() -> None:
         "from an earlier run, only draftsmith's side is trained again",
     )  # fmt: skip
     args = parser.parse_args()
-    if not Path(args.data).is_file():  # data.max_conversations counts per file: a folder of parts gives more
-        sys.exit(
-            f"--data {args.data}: give one file (concatenate the parts), "
-            "so both trainers take the same first conversations"
+    if not args.data.is_file():  # data.max_conversations counts per file: a folder of parts gives more
+        print(
+            f"error: --data {args.data}: give one file (concatenate the parts), "
+            "so both trainers take the same first conversations",
+            file=sys.stderr,
         )
-    runs, out = (REPO / args.runs).resolve(), (REPO / args.out).resolve()
+        sys.exit(2)
+    runs, out = args.runs.resolve(), args.out.resolve()
     runs.mkdir(parents=True, exist_ok=True)
     stages, log, timed = args.stages.split(","), runs / "peer.log", stage_timer(runs / "walls.json")
     began = time.perf_counter()

@@ -229,7 +229,7 @@ def drafter_rows(report: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", default="runs/bench_smollm2")
+    parser.add_argument("--runs", type=Path, default=REPO / "runs/bench_smollm2")
     parser.add_argument(
         "--per-domain", type=int, default=48, help="conversations per domain regenerated and trained on"
     )
@@ -240,7 +240,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--no-sampled", action="store_true", help="skip the T=1 evals (the slowest stage on a CPU)")
     args = parser.parse_args()
-    runs = (REPO / args.runs).resolve()
+    runs = args.runs.resolve()
     started, walls = time.perf_counter(), StageWalls(runs / "walls.json")
 
     train_files = split_by_domain(REPO / "demo/data/train.jsonl.gz", runs / "data", "train")

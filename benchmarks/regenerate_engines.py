@@ -51,13 +51,18 @@ def main() -> None:
     from draftsmith.target import load_target, load_tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vllm-python", required=True)
+    parser.add_argument(
+        "--vllm-python",
+        required=True,
+        type=lambda text: str(Path(text).expanduser().absolute()),  # not resolved: a venv's python is a link
+        help="the Python of a vLLM environment, relative to the current directory",
+    )
     parser.add_argument("--recipe", default="eagle3_sharegpt_smollm2")
     parser.add_argument("--conversations", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--runs", default="runs/regenerate_engines")
+    parser.add_argument("--runs", type=Path, default=REPO / "runs/regenerate_engines")
     args = parser.parse_args()
-    runs = (REPO / args.runs).resolve()
+    runs = args.runs.resolve()
     engines = {
         "vllm": [
             "data.regenerate.engine=vllm",

@@ -225,7 +225,7 @@ def log_linear_fit(rows: list[dict], goals: tuple[float, ...] = (2.30, 2.8)) -> 
 def stage_regenerate(args, runs: Path, log: Path) -> None:
     output = runs / "data" / "regenerated"
     if args.regenerated and not output.exists():  # a finished regeneration; the command below checks its settings
-        shutil.copytree(REPO / args.regenerated, output)
+        shutil.copytree(args.regenerated, output)
     run(
         [
             "-m", "data_prep.regenerate", f"recipe={RECIPES['eagle3'].recipe}", f"output_dir={runs / 'data'}",
@@ -402,11 +402,17 @@ def plot_timing(rows: list[dict], path: Path, drafters: dict[str, str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vllm-python", required=True)
-    parser.add_argument("--runs", default="runs/standard_protocol")
+    parser.add_argument(
+        "--vllm-python",
+        required=True,
+        type=lambda text: str(Path(text).expanduser().absolute()),  # not resolved: a venv's python is a link
+        help="the Python of a vLLM environment, relative to the current directory",
+    )
+    parser.add_argument("--runs", type=Path, default=REPO / "runs/standard_protocol")
     parser.add_argument("--conversations", type=int, default=2400)
     parser.add_argument(
         "--regenerated",
+        type=Path,
         help="a regeneration to start from (benchmarks/data/sharegpt_smollm2 is this protocol's, 2,400 first turns): "
         "copied into <runs>/data/regenerated, where the regenerate stage checks its settings "
         "and finishes what is missing",
@@ -445,13 +451,16 @@ def main() -> None:
     if args.max_steps > 0 and args.epochs != 1:
         parser.error(f"--epochs {args.epochs} is not read with --max-steps {args.max_steps}: give one of them")
     kinds, stages = args.kinds.split(","), args.stages.split(",")
+    if "regenerate" in stages and args.regenerated and not args.regenerated.is_dir():
+        print(f"error: --regenerated {args.regenerated}: no such folder (a finished regeneration)", file=sys.stderr)
+        sys.exit(2)
     if "time" in stages:  # before anything is written: the time stage serves suffix decoding
         try:
             require_suffix_decoding(args.vllm_python, "--vllm-python")
         except UserError as err:
             print(f"error: {err}", file=sys.stderr)
             sys.exit(2)
-    runs = (REPO / args.runs).resolve()
+    runs = args.runs.resolve()
     runs.mkdir(parents=True, exist_ok=True)
     log, timed = runs / "protocol.log", stage_timer(runs / "walls.json")
     result = load_json(runs / "result.json") | {

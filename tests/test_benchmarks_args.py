@@ -1,6 +1,7 @@
-"""The benchmark scripts' arguments and resumed files, before any engine or training runs: load_sweep.py
-reads relative paths from the current directory and resumes a drafter's rows only for the checkpoint its
-RUN_DIR holds now (rows of another are one line, exit 2); peer_ablation.py stops in one line when the
+"""The benchmark scripts' arguments and resumed files, before any engine or training runs: load_sweep.py,
+target_matrix.py, peer_ablation.py and standard_protocol.py read relative paths from the current directory;
+load_sweep.py resumes a drafter's rows only for the checkpoint its RUN_DIR holds now (rows of another are
+one line, exit 2); peer_ablation.py stops in one line when the
 speculators checkpoint it was asked to score is not there. And export/gamma.py's recommended γ names only the
 engines that serve the drafter's chains (an MTP drafter's: vLLM alone; SGLang's export refuses it), and the
 model card lists draftsmith's P(accepted >= k) up to γ as vLLM's."""
@@ -10,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -172,3 +174,35 @@ def test_target_matrix_out_is_relative_to_the_current_directory(tmp_path, monkey
     monkeypatch.setattr(sys, "argv", ["target_matrix.py", "--markdown"])
     matrix.main()
     assert capsys.readouterr().out.count("\n| ") == len([row for row in rows if row])  # the repository's rows
+
+
+def test_peer_ablation_reads_runs_and_speculators_from_the_current_directory(tmp_path, monkeypatch, capsys):
+    peer_ablation = benchmark("peer_ablation", monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    checkpoint = tmp_path / "peer" / "speculators" / "1"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "model.safetensors").write_bytes(b"")
+    argv = ["--runs", "runs", "--speculators", "peer/speculators/1", "--variants", "steps"]
+    # the checkpoint is found here, then this directory's runs/base is looked for
+    result = exits(peer_ablation.main, [*argv, "--speculators-variants", ""], monkeypatch, capsys)
+    assert_one_line_error(result, 2, f"and {Path.cwd() / 'runs' / 'base'} holds none")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["peer"]
+
+
+def test_standard_protocol_reads_its_paths_from_the_current_directory(tmp_path, monkeypatch, capsys):
+    """--vllm-python is made absolute, not resolved: a venv's python is a link to the base interpreter, and only
+    under the link's path is it the venv's."""
+    protocol = benchmark("standard_protocol", monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "python").write_text("#!/bin/sh\necho False\n")  # a Python without arctic-inference
+    (tmp_path / "base" / "python").chmod(0o755)
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "python").symlink_to(tmp_path / "base" / "python")
+    argv = ["--vllm-python", "venv/bin/python", "--runs", "runs"]
+    result = exits(protocol.main, [*argv, "--stages", "time"], monkeypatch, capsys)
+    assert_one_line_error(result, 2, f"--vllm-python='{Path.cwd() / 'venv/bin/python'}' cannot run vLLM's suffix")
+    argv = [*argv, "--stages", "regenerate", "--regenerated", "regenerated"]
+    result = exits(protocol.main, argv, monkeypatch, capsys)
+    assert_one_line_error(result, 2, "--regenerated regenerated: no such folder")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "venv"]  # no runs/
