@@ -197,7 +197,9 @@ def resolve_selection(cfg: DictConfig, target) -> Selection:
 
     section = cfg.data.capture
     shape = TargetShape.of(target, cfg.target.name_or_path)
-    wanted = drafter_class(cfg.drafter.type).features(OmegaConf.to_object(cfg.drafter), shape)
+    kind = drafter_class(cfg.drafter.type)
+    # the layers the drafter train builds reads: a default tap moved onto a hybrid target's attention layers too
+    wanted = kind.features(kind.for_target(OmegaConf.to_object(cfg.drafter), shape, target.config), shape)
     layers = tuple(sorted(set(wanted.layers if section.layers is None else section.layers)))
     check_layers(target, layers)
     final = wanted.final if section.final is None else bool(section.final)

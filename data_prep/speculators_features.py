@@ -19,12 +19,13 @@ OUTPUT is a folder `speculators train --data-path OUTPUT` reads without a vLLM s
   sha256 of their tokens and masks); written last, when the folder is complete (until then the same
   record is `draftsmith_features.unfinished.json`, written before the first state).
 
-Layer ids: the taps are the recipe drafter's `aux_layers` (EAGLE-3's default when unset, moved onto
-attention layers on a hybrid target as `draftsmith train` moves them). draftsmith's
+Layer ids: the taps are the target layers the recipe's drafter reads, asked of its kind through the registry
+(EAGLE-3's `aux_layers`, its default when unset, moved onto attention layers on a hybrid target as `draftsmith
+train` moves them); a kind that reads no inner layer is refused. draftsmith's
 id i is the output of decoder layer i; vLLM's (speculators' `--target-layer-ids`) id j is the input of
 layer j, transformers' `hidden_states[j]`: j = i + 1. vLLM's id L, the last slot, is not transformers'
 `hidden_states[L]` (that one is after the final norm), so it is read at the final norm's input. The ids
-are checked as `draftsmith train` checks an EAGLE-3 drafter's, and the last layer (every row's last
+are checked as `draftsmith train` checks the drafter's, and the last layer (every row's last
 slot already) is refused, before the data is read.
 
 A row's file is written to `.tmp` and renamed when complete: a run killed and started again skips the
@@ -43,13 +44,13 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 from draftsmith.data_prep.dataset import load_tokenized
 from draftsmith.errors import UserError
-from draftsmith.families import tap_layers
 from draftsmith.files import created_file_mode, require_same_settings, write_text_atomic
-from draftsmith.heads.eagle3 import Eagle3Config
+from draftsmith.heads import drafter_class
 from draftsmith.outputs import LOCK_NAME, DirectoryLock, check_output_dir
 from draftsmith.recipe import load_recipe
 from draftsmith.target import DTYPES, TargetShape, load_config, load_target, load_tokenizer, num_layers, resolve_dtype
@@ -84,20 +85,25 @@ def speculators_states(model, input_ids: torch.Tensor, layer_ids: Sequence[int])
 
 
 def tap_layer_ids(cfg, config, target: TargetShape) -> list[int]:
-    """draftsmith's ids of the taps: the recipe drafter's `aux_layers`, else EAGLE-3's default as
-    `draftsmith train` resolves it for this target (`config`: its HF config), refused as train refuses an
-    EAGLE-3 drafter's, and the target's last layer refused too: its output (vLLM id L) is every row's last
-    slot already, which speculators' reader splits off."""
-    aux = cfg.drafter.get("aux_layers")
-    drafter = Eagle3Config(aux_layers=[int(i) for i in aux] if aux is not None else None)
+    """draftsmith's ids of the taps: the target layers the recipe's drafter reads (its kind's `features`), resolved
+    for this target (`config`: its HF config) as `draftsmith train` resolves them (`for_target`) and refused as
+    train refuses them. Refused too: a kind that reads no inner layer (speculators' features are inner-layer taps),
+    and the target's last layer, whose output (vLLM id L) is every row's last slot already, which speculators'
+    reader splits off."""
+    kind = drafter_class(cfg.drafter.type)
+    drafter = OmegaConf.to_object(cfg.drafter)
     drafter.check(target)
-    ours = drafter.layers_for(target.num_hidden_layers)
-    ours = ours if aux is not None else tap_layers(config, ours)
+    ours = list(kind.features(kind.for_target(drafter, target, config), target).layers)
+    if not ours:
+        raise UserError(
+            f"speculators' features are a drafter kind's taps of the target's inner layers, and drafter.type="
+            f"{cfg.drafter.type} reads none: give a recipe whose drafter taps inner layers"
+        )
     last = target.num_hidden_layers - 1
     if last in ours:
         raise UserError(
-            f"drafter.aux_layers={ours}: layer {last} is the target's last, whose output every speculators row "
-            f"holds already as its last slot (vLLM id {last + 1}): tap layers in -1..{last - 1}"
+            f"drafter.type={cfg.drafter.type} taps layers {ours}: layer {last} is the target's last, whose output "
+            f"every speculators row holds already as its last slot (vLLM id {last + 1}): tap layers in -1..{last - 1}"
         )
     return ours
 

@@ -5,6 +5,8 @@ Training side, `Drafter` (an nn.Module) and its `Config` (a dataclass: the recip
   (`target` is the target's shape when it is known from its config.json alone, else None);
 - `features(config, target)`: which target outputs it trains and drafts from (a FeatureRequest),
   answered from the config and the target's shape alone (capture asks it without building a model);
+- `for_target(config, target, target_config)`: the config with what it leaves to the target's layer kinds
+  resolved as `from_target` resolves it (a hybrid target's default taps), for a stage that builds no drafter;
 - `max_chain(config)`: the longest chain it can propose (None: any), checked against eval settings;
 - `from_target`: a fresh drafter for a loaded target; `attach_target`: re-attach frozen target
   modules it uses but does not own or save (EAGLE's embedding and lm_head);
@@ -138,6 +140,14 @@ class Drafter(nn.Module):
     @classmethod
     def features(cls, config, target: TargetShape) -> FeatureRequest:
         raise NotImplementedError
+
+    @classmethod
+    def for_target(cls, config, target: TargetShape, target_config: Any):
+        """`config` with what it leaves to the target's layer kinds resolved for this target (`target_config`: its
+        HF config) as `from_target` resolves it (a default tap moved onto a hybrid target's attention layers), so
+        `features` answers what a built drafter reads for a stage that builds none
+        (data_prep/speculators_features.py). By default `config` itself: nothing depends on the layer kinds."""
+        return config
 
     @classmethod
     def max_chain(cls, config) -> Optional[int]:

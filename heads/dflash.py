@@ -187,11 +187,7 @@ class DFlash(EagleBase):
     def from_target(cls, config: DFlashConfig, target_model, name_or_path: str) -> DFlash:
         shape = TargetShape.of(target_model, name_or_path)
         config.check(shape)
-        layers = config.layers_for(shape.num_hidden_layers)
-        config = replace(
-            config,
-            target_layers=layers if config.target_layers is not None else tap_layers(target_model.config, layers),
-        )
+        config = cls.for_target(config, shape, target_model.config)
         drafter = super().from_target(config, target_model, name_or_path)
         final_norm = getattr(target_model.get_decoder(), "norm", None)
         with torch.no_grad():
@@ -205,6 +201,13 @@ class DFlash(EagleBase):
     @classmethod
     def decoder_layers(cls, config) -> int:
         return config.num_layers
+
+    @classmethod
+    def for_target(cls, config: DFlashConfig, target: TargetShape, target_config) -> DFlashConfig:
+        layers = config.layers_for(target.num_hidden_layers)
+        return replace(
+            config, target_layers=layers if config.target_layers is not None else tap_layers(target_config, layers)
+        )
 
     @classmethod
     def features(cls, config: DFlashConfig, target: TargetShape) -> FeatureRequest:

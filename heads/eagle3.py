@@ -254,10 +254,8 @@ class Eagle3(Eagle3Training, EagleBase):
     def from_target(cls, config: Eagle3Config, target_model, name_or_path: str) -> Eagle3:
         shape = TargetShape.of(target_model, name_or_path)
         config.check(shape)
-        layers = config.layers_for(shape.num_hidden_layers)
         config = replace(
-            config,
-            aux_layers=layers if config.aux_layers is not None else tap_layers(target_model.config, layers),
+            cls.for_target(config, shape, target_model.config),
             draft_vocab_size=min(config.draft_vocab_size, shape.vocab_size),
         )
         drafter = super().from_target(config, target_model, name_or_path)
@@ -268,6 +266,13 @@ class Eagle3(Eagle3Training, EagleBase):
             start_from_norm(drafter.norm, final_norm)
         drafter.set_draft_vocab(torch.arange(config.draft_vocab_size))
         return drafter
+
+    @classmethod
+    def for_target(cls, config: Eagle3Config, target: TargetShape, target_config) -> Eagle3Config:
+        layers = config.layers_for(target.num_hidden_layers)
+        return replace(
+            config, aux_layers=layers if config.aux_layers is not None else tap_layers(target_config, layers)
+        )
 
     @classmethod
     def proposes_trees(cls, config: Eagle3Config) -> bool:

@@ -347,3 +347,23 @@ def test_bad_capture_settings_exit_2_with_one_line(captures, conversations, caps
         run_cli(main, args)
     done = subprocess.CompletedProcess(args, exit_info.value.code, "", capsys.readouterr().err)
     assert_one_line_error(done, 2, message)
+
+
+@pytest.mark.parametrize("recipe, taps", [("eagle3", "aux_layers"), ("dflash", "target_layers")])
+def test_a_capture_keeps_the_layers_the_drafter_train_builds_reads_on_a_hybrid_target(tmp_path, recipe, taps):
+    """On a hybrid target a kind's default taps move onto attention layers when the drafter is built
+    (`from_target`): the capture's default selection asks the same (`for_target`), not the unmoved default."""
+    from omegaconf import OmegaConf
+
+    from draftsmith.data_prep.capture import resolve_selection
+    from draftsmith.heads import drafter_class
+    from draftsmith.random_target import write_random_target
+
+    folder = write_random_target("qwen3_next", tmp_path / "hybrid", num_hidden_layers=8)
+    cfg = load_recipe([f"recipe={recipe}", f"target.name_or_path={folder}", f"drafter.{taps}=null"])  # the default
+    target = load_target(str(folder))
+    built = drafter_class(cfg.drafter.type).from_target(OmegaConf.to_object(cfg.drafter), target, "t")
+    shape = TargetShape.of(target, str(folder))
+    read = built.features(built.config, shape).layers
+    unmoved = built.features(OmegaConf.to_object(cfg.drafter), shape).layers
+    assert resolve_selection(cfg, target).layers == tuple(sorted(set(read))) != tuple(sorted(set(unmoved)))

@@ -255,9 +255,6 @@ NOT_KIND_WORDS = {
     ("eval/loop.py", "sliding_window"),
     ("draftsmith/target.py", "mtp"),
 }
-# Kind knowledge in shared code, left until it moves to the kind: speculators' feature files are EAGLE-3's
-# training data, whose tap layers data_prep resolves as EAGLE-3's Config does.
-KNOWN_LEAKS = {("data_prep/speculators_features.py", "eagle3"), ("data_prep/speculators_features.py", "aux_layers")}
 RENAME = "or rename your kind or setting: the name is already used by shared code"
 
 
@@ -328,12 +325,12 @@ def test_shared_code_knows_no_kind():
             for line, text, word, string in code_words(path)
             if (word in names or (string and metric.match(text)))
             and text not in VLLM_PATH_TRIGGERS
-            and (name, word) not in NOT_KIND_WORDS | KNOWN_LEAKS
+            and (name, word) not in NOT_KIND_WORDS
             and line not in registry
         ]
         for line, module in imports_by_line(path):
             folder, stem = (module.split(".") + [""])[:2]
-            if stem in own.get(folder, ()) and (name, stem) not in KNOWN_LEAKS and line not in registry:
+            if stem in own.get(folder, ()) and line not in registry:
                 imported.append(f"{name}:{line} imports draftsmith.{module}")
     assert not imported, "a kind's own module imported by shared code (read it through the registry): " + "; ".join(
         imported

@@ -153,9 +153,9 @@ def test_a_run_stopped_before_its_first_state_is_no_folder_to_keep(tmp_path, cap
 @pytest.mark.parametrize(
     "settings, named",
     [
-        (["recipe=medusa"], "EAGLE-3's default aux layers [1, L//2-1, L-4] = [1, 1, 0] for this 4-layer target"),
+        (["recipe=medusa"], "features are a drafter kind's taps of the target's inner layers, and drafter.type=medusa"),
         (["recipe=eagle3", "drafter.aux_layers=null"], "= [1, 1, 0] for this 4-layer target: ids must be distinct"),
-        (["recipe=eagle3", "drafter.aux_layers=[0,1,3]"], "drafter.aux_layers=[0, 1, 3]: layer 3 is the target's last"),
+        (["recipe=eagle3", "drafter.aux_layers=[0,1,3]"], "drafter.type=eagle3 taps layers [0, 1, 3]: layer 3 is the"),
         (["recipe=eagle3", "drafter.aux_layers=[0,4]"], "drafter.aux_layers=[0, 4]: layer id(s) [4] out of range"),
     ],
 )
@@ -190,6 +190,27 @@ def test_a_hybrid_targets_default_taps_are_the_attention_layers_train_taps(tmp_p
     trained = drafter_class("eagle3").from_target(drafter_class("eagle3").Config(), load_target(str(folder)), "t")
     taps = tap_layer_ids(cfg, config, TargetShape.from_config(config, str(folder)))
     assert taps == trained.config.aux_layers != [1, 3, 4]
+
+
+def test_the_taps_are_the_recipe_kinds_own_as_train_resolves_them(tmp_path):
+    """The layers are asked of the recipe's drafter kind through the registry: DFlash's own drafter.target_layers,
+    and its default when unset, moved onto a hybrid target's attention layers as `draftsmith train` moves them."""
+    from omegaconf import OmegaConf
+    from transformers import AutoConfig
+
+    from draftsmith.heads import drafter_class
+    from draftsmith.random_target import write_random_target
+    from draftsmith.target import TargetShape
+
+    folder = write_random_target("qwen3_next", tmp_path / "hybrid", num_hidden_layers=8)
+    cfg = load_recipe(["recipe=dflash", f"target.name_or_path={folder}", "drafter.target_layers=null"])
+    config, kind = AutoConfig.from_pretrained(folder), drafter_class("dflash")
+    trained = kind.from_target(OmegaConf.to_object(cfg.drafter), load_target(str(folder)), "t")  # as train builds it
+    unmoved = kind.features(OmegaConf.to_object(cfg.drafter), TargetShape.from_config(config, str(folder))).layers
+    assert tap_layer_ids(cfg, config, TargetShape.from_config(config, str(folder))) == trained.config.target_layers
+    assert trained.config.target_layers != list(unmoved)
+    chosen = load_recipe(["recipe=dflash", f"target.name_or_path={folder}", "drafter.target_layers=[0,2]"])
+    assert tap_layer_ids(chosen, config, TargetShape.from_config(config, str(folder))) == [0, 2]
 
 
 # speculators' offline reader over the folder: every row read back, split as its trainer splits it
