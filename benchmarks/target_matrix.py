@@ -9,7 +9,9 @@ Per family, a random-weight target of that family is built from transformers' co
 routed for mixtures of experts, sliding windows of 48 positions where the family has them), its
 tensors seeded from the demo target's trained weights wherever name and shape match (so its text is
 predictable and a drafter learns within seconds; every part the family does differently stays
-random), in a temporary directory: nothing downloads. Per kind, one row:
+random), in a temporary directory: nothing downloads. A vision-language wrapper's model type (`qwen3_5`,
+`qwen3_5_moe`: Qwen3.5's release form) gets that text target inside the wrapper (write_random_wrapper). Per kind,
+one row:
 
 - `train`: `python train.py recipe=<kind> target.name_or_path=<target> ...` (a few dozen steps on the
   demo's regenerated data) exited 0, its eval stage included;
@@ -40,21 +42,26 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from draftsmith.random_target import demo_tokenizer_dir, write_random_target  # noqa: E402
+from draftsmith.random_target import TOKENIZER_FILES, demo_tokenizer_dir, write_random_target  # noqa: E402
 
 FAMILIES = (
     "llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2", "gemma3_text", "phi3", "gpt_oss",
     "glm4", "cohere", "granite",
 )  # fmt: skip
+# Vision-language wrappers whose releases are the family's only checkpoints (Qwen3.5's): --families names the
+# wrapper's model type, its target is the seeded text target laid out as the releases are (write_random_wrapper;
+# tests/test_mtp.py's wrappers are built by it too)
 TRAIN_DATA = "demo/data/train.regenerated.jsonl.gz"
 EVAL_DATA = "demo/data/eval.jsonl.gz"
 COMMON = [
@@ -172,6 +179,49 @@ def shipped_tau(target: Path, args: list[str], out: Path, env: dict) -> float:
     return round(json.loads((out / "eval" / "report.json").read_text())["domains"]["all"]["chain"]["tau"], 4)
 
 
+WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+TINY_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "num_position_embeddings": 16}
+
+
+def write_random_wrapper(model_type: str, directory: str | Path, **text: Any) -> Path:
+    """A tiny vision-language wrapper of `model_type` (WRAPPERS) in `directory`/wrapper, laid out as Qwen3.5's
+    releases are: a random vision tower beside the language model under `model.language_model.*` (a random text
+    target written by write_random_target(**text) in `directory`/text), the tokenizer and the image and video
+    processors' configs beside (vLLM sizes its multimodal budget from them at start, text prompts or not)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    directory = Path(directory)
+    text_folder = write_random_target(WRAPPERS[model_type], directory / "text", **text)
+    text_config = json.loads((text_folder / "config.json").read_text())
+    del text_config["architectures"]  # the wrapper's config names its own only
+    vision = {**TINY_VISION, "out_hidden_size": text_config["hidden_size"]}
+    config = AutoConfig.for_model(model_type, text_config=text_config, vision_config=vision)
+    wrapper = directory / "wrapper"
+    AutoModelForImageTextToText.from_config(config).save_pretrained(wrapper)
+    weights = wrapper / "model.safetensors"
+    tensors = load_file(str(weights))
+    for name, tensor in load_file(str(text_folder / "model.safetensors")).items():
+        tensors[name.replace("model.", "model.language_model.", 1)] = tensor
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    for name in TOKENIZER_FILES:
+        if (text_folder / name).is_file():
+            shutil.copyfile(text_folder / name, wrapper / name)
+    vision_config = config.vision_config
+    common = {
+        "patch_size": vision_config.patch_size, "temporal_patch_size": vision_config.temporal_patch_size,
+        "merge_size": vision_config.spatial_merge_size, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+        "size": {"shortest_edge": 1024, "longest_edge": 16384}, "processor_class": "Qwen3VLProcessor",
+    }  # fmt: skip
+    processors = {
+        "preprocessor_config.json": {"image_processor_type": "Qwen2VLImageProcessorFast", **common},
+        "video_preprocessor_config.json": {"video_processor_type": "Qwen3VLVideoProcessor", **common},
+    }
+    for name, values in processors.items():
+        (wrapper / name).write_text(json.dumps(values, indent=2) + "\n")
+    return wrapper
+
+
 def with_mtp_layer(target: Path) -> Path:
     """The target, given a random MTP layer where vLLM serves one for its architecture."""
     from draftsmith.heads.mtp import LAYOUTS, write_random_layer
@@ -258,7 +308,10 @@ def main() -> None:
                 mtp = kind == "mtp"
                 if mtp not in targets:
                     folder = work / (f"{family}-with-mtp" if mtp else family)
-                    seeded = write_random_target(family, folder, seed_from=demo_tokenizer_dir())
+                    if family in WRAPPERS:
+                        seeded = write_random_wrapper(family, folder, seed_from=demo_tokenizer_dir())
+                    else:
+                        seeded = write_random_target(family, folder, seed_from=demo_tokenizer_dir())
                     targets[mtp] = with_mtp_layer(seeded) if mtp else seeded
                 target = targets[mtp]
                 start = time.perf_counter()

@@ -99,6 +99,10 @@ def _expand(source: str, skip_invalid_utf8: bool = False) -> list[tuple[str, Any
         if not files:
             raise UserError(f"data source {source!r} matches no {_suffixes()} file")
     elif os.path.isdir(local):
+        try:  # a folder it may not list: rglob would find nothing in it and say it holds no data file
+            os.scandir(local).close()
+        except PermissionError:
+            raise UserError(f"cannot read data directory {source!r}: permission denied") from None
         files = [str(path) for path in sorted(Path(local).rglob("*")) if _is_data_file(str(path))]
         if not files:
             raise UserError(f"data directory {source!r} holds no {_suffixes()} file")

@@ -48,7 +48,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,7 +63,7 @@ from draftsmith.data_prep.conversations import CUT_KEY, answered_turns, load_con
 from draftsmith.data_prep.dataset import require_context
 from draftsmith.data_prep.regenerate_turns import left_out_line, prompt_key, regenerate_batch, without_nulls
 from draftsmith.errors import UserError
-from draftsmith.files import read_json, require_same_settings, write_text_atomic
+from draftsmith.files import read_json, replacing, require_same_settings, write_text_atomic
 from draftsmith.outputs import held_by_main_process
 from draftsmith.recipe import load_recipe
 from draftsmith.sharding import end_process_group
@@ -340,13 +339,12 @@ def claim_directory(directory: Path, settings: dict[str, Any]) -> None:
 
 
 def write_part(path: Path, records: list[dict[str, Any]]) -> None:
-    """Write to `<name>.tmp`, rename into place. The gzip header's time is fixed (mtime 0), so the same
-    records always give the same bytes, whether or not the run was interrupted."""
-    tmp = path.with_name(path.name + ".tmp")
+    """Write to `<name>.tmp`, rename into place (`replacing`). The gzip header's time is fixed (mtime 0), so the
+    same records always give the same bytes, whether or not the run was interrupted."""
     text = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
-    with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f:
-        f.write(text.encode())
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f:
+            f.write(text.encode())
 
 
 if __name__ == "__main__":

@@ -45,11 +45,10 @@ from typing import Sequence
 
 import torch
 from omegaconf import OmegaConf
-from safetensors.torch import save_file
 
 from draftsmith.data_prep.dataset import load_tokenized
 from draftsmith.errors import UserError
-from draftsmith.files import created_file_mode, require_same_settings, write_text_atomic
+from draftsmith.files import created_file_mode, replacing, require_same_settings, save_safetensors, write_text_atomic
 from draftsmith.heads import drafter_class
 from draftsmith.outputs import LOCK_NAME, DirectoryLock, check_output_dir
 from draftsmith.recipe import load_recipe
@@ -184,10 +183,9 @@ def write_features(cfg, output: Path, rows, layer_ids: list[int], frequency: Cou
             continue
         ids = torch.tensor(row["input_ids"], dtype=torch.long)
         states = speculators_states(model, ids, layer_ids).to(DTYPES[dtype]).contiguous()
-        tmp = path.with_name(path.name + ".tmp")
-        save_file({"token_ids": ids, HIDDEN_STATES: states}, str(tmp))
-        os.chmod(tmp, created_file_mode())  # speculators run by another user reads them
-        os.replace(tmp, path)
+        with replacing(path) as tmp:  # a full disk leaves no partial row behind
+            save_safetensors({"token_ids": ids, HIDDEN_STATES: states}, tmp)
+            os.chmod(tmp, created_file_mode())  # speculators run by another user reads them
     table = datasets.Dataset.from_dict(
         {"input_ids": rows["input_ids"], "loss_mask": rows["loss_mask"], "seq_len": rows["length"]}
     )
@@ -199,7 +197,11 @@ def write_features(cfg, output: Path, rows, layer_ids: list[int], frequency: Cou
 
 def main(argv: Sequence[str]) -> None:
     if not argv or "=" in argv[0]:
-        raise UserError("usage: python -m data_prep.speculators_features OUTPUT recipe=NAME [key=value ...]")
+        from draftsmith.cli import invoked_usage
+
+        raise UserError(
+            f"usage: {invoked_usage('python -m data_prep.speculators_features OUTPUT recipe=NAME [key=value ...]')}"
+        )
     print(json.dumps(write_speculators_data(load_recipe(list(argv[1:])), Path(argv[0])), indent=2))
 
 
@@ -207,4 +209,4 @@ if __name__ == "__main__":
     from draftsmith.cli import configure_logging, entry_point
 
     configure_logging()
-    entry_point(main, __doc__)
+    entry_point(main, __doc__, positional=1)

@@ -11,26 +11,30 @@ processes: `accelerate launch -m draftsmith train ...` (or `accelerate launch tr
     monitor     check a serving engine's acceptance for drift, retrain when it drops
 
 Every command takes `--help` (with recipe=NAME: that recipe's keys and values) and `--cfg` (print
-the resolved recipe and exit without running). `checkpoint=DIR` names the drafter a read-only command
-reads: eval and export read it (without it, `<output_dir>/final`), monitor watches it; train refuses it
-and starts from `train.init_from=DIR` (a warm start).
+the resolved recipe and exit without running); `draftsmith --version` prints the installed version.
+`checkpoint=DIR` names the drafter a read-only command reads: eval and export read it (without it,
+`<output_dir>/final`), monitor watches it; train refuses it and starts from `train.init_from=DIR` (a
+warm start).
 
 Exit codes (one line on stderr; docs/faults.md): 0 done, 2 bad input, 3 a lossless or export check
-failed, 4 training diverged, 69 an engine the job needs is down (retry), 70 a draftsmith bug (the
-traceback in a log file, or on stderr with DRAFTSMITH_DEBUG=1), 74 a full disk or I/O error, 75
-stopped on SIGTERM after saving a checkpoint (requeue with train.resume=true), 130 interrupted;
-`monitor check` adds its outcomes 10, 11, 12, 13.
+failed, 4 training diverged, 69 an engine or the Hugging Face Hub the job needs is down (retry), 70 a
+draftsmith bug (the traceback in a log file, or on stderr with DRAFTSMITH_DEBUG=1), 74 a full disk or
+I/O error, 75 stopped on SIGTERM (requeue; training saves a checkpoint first: train.resume=true), 130
+interrupted with Ctrl-C; `monitor check` adds its outcomes 10, 11, 12, 13.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from importlib.metadata import version
 from typing import NoReturn
 
-from draftsmith.errors import EXIT_USER_ERROR, run_cli
+from draftsmith.errors import EXIT_USER_ERROR, Preempted, run_cli
 
 # command -> (module, function taking the arguments after the command)
 COMMANDS = {
@@ -43,6 +47,8 @@ COMMANDS = {
     "monitor": ("draftsmith.monitor.__main__", "main"),
 }
 
+
+STOPS = (signal.SIGINT, signal.SIGTERM)  # the signals that stop a command (draftsmith.errors.run_cli)
 
 SUBCOMMANDS = (["check"], ["watch"])  # monitor's, before its recipe arguments
 
@@ -84,16 +90,22 @@ def help_text(usage: str, argv: Sequence[str], own: Sequence[str] = ()) -> str:
 
 
 def entry_point(
-    main: Callable[[Sequence[str]], object], usage: str, argv: Sequence[str] | None = None, command: str = ""
+    main: Callable[[Sequence[str]], object],
+    usage: str,
+    argv: Sequence[str] | None = None,
+    command: str = "",
+    positional: int = 0,
 ) -> NoReturn:
     """Run a command the way every entry point does: `--help`/`-h` prints `help_text` (the `command`'s
     own sections first), `--cfg` the resolved recipe, both with exit 0; otherwise `main(argv)` under
-    run_cli (errors -> exit codes)."""
+    run_cli (errors -> exit codes). `positional`: how many arguments before the recipe's the command
+    takes (data_prep.speculators_features' OUTPUT), left out of the recipe `--cfg` resolves."""
     from omegaconf import OmegaConf
 
     from draftsmith.recipe import validated
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    usage = invoked_usage(usage)
     if "--help" in argv or "-h" in argv:
         run_cli(
             lambda args: print(help_text(usage, args, COMMAND_SECTIONS.get(command, ()))),
@@ -102,14 +114,33 @@ def entry_point(
     if "--cfg" in argv:  # the arguments the command itself would take, refused as it refuses them
         run_cli(
             lambda args: print(
-                OmegaConf.to_yaml(
-                    validated(args[1:] if args[:1] in SUBCOMMANDS else args, command or "train"), resolve=True
-                ),
-                end="",
+                OmegaConf.to_yaml(validated(recipe_part(args, positional), command or "train"), resolve=True), end=""
             ),
             [arg for arg in argv if arg != "--cfg"],
         )
     run_cli(main, argv)
+
+
+def recipe_part(argv: Sequence[str], positional: int = 0) -> list[str]:
+    """A command's arguments without those before the recipe's: monitor's sub-command, and the first
+    `positional` arguments that are not key=value (a missing one is the command's to refuse)."""
+    args = list(argv[1:] if argv[:1] in SUBCOMMANDS else argv)
+    leading = 0
+    while leading < min(positional, len(args)) and "=" not in args[leading] and not args[leading].startswith("-"):
+        leading += 1
+    return args[leading:]
+
+
+def invoked_usage(usage: str) -> str:
+    """A module's usage as it was run: its docstring names the checkout's form (`python -m
+    data_prep.capture ...`), which a module run by its installed name (`python -m draftsmith.data_prep.capture`)
+    replaces; a script or the `draftsmith` command leaves it as it is (`installed_usage`)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    invoked = spec.name.removesuffix(".__main__") if spec is not None else ""
+    checkout = invoked.removeprefix("draftsmith.")
+    if not invoked or checkout == invoked:
+        return usage
+    return usage.replace(f"python -m {checkout} ", f"python -m {invoked} ")
 
 
 def configure_logging() -> None:
@@ -118,23 +149,51 @@ def configure_logging() -> None:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> NoReturn:
     """The `draftsmith` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
+    if argv[:1] in (["-h"], ["--help"], ["help"]):  # run_cli: a reader that stops reading (`| head -1`) ends it quietly
+        run_cli(lambda args: print(__doc__), [])
+    if argv[:1] == ["--version"]:
+        run_cli(lambda args: print(f"draftsmith {version('draftsmith')}"), [])
+    if not argv:  # a usage error: said on stderr too, as every refusal is
         print(__doc__)
-        if not argv:  # a usage error: said on stderr too, as every refusal is
-            print(f"error: no command given; commands: {', '.join(COMMANDS)} (draftsmith --help)", file=sys.stderr)
-            sys.exit(EXIT_USER_ERROR)
-        sys.exit(0)
+        print(f"error: no command given; commands: {', '.join(COMMANDS)} (draftsmith --help)", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
         print(f"error: unknown command {command!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
-    module, function = COMMANDS[command]
     configure_logging()
-    loaded = importlib.import_module(module)
-    entry_point(getattr(loaded, function), installed_usage(loaded.__doc__, module, command), rest, command)
+    # The command's module imports torch, which takes seconds: under run_cli, so that Ctrl-C or SIGTERM meanwhile
+    # ends the command as it would later (one line, 130 or 75), not with a traceback or a kill.
+    run_cli(lambda args: run_command(command, args), rest)
+
+
+def run_command(command: str, argv: Sequence[str]) -> NoReturn:
+    """Import the `command`'s module and run it through `entry_point`."""
+    module, function = COMMANDS[command]
+    with signals_held() as held:
+        loaded = importlib.import_module(module)
+    if signal.SIGINT in held:
+        raise KeyboardInterrupt
+    if signal.SIGTERM in held:
+        raise Preempted(f"stopped on SIGTERM before {command} started; nothing was written: run the same command again")
+    entry_point(getattr(loaded, function), installed_usage(loaded.__doc__, module, command), argv, command)
+
+
+@contextmanager
+def signals_held() -> Iterator[list[int]]:
+    """Ctrl-C and SIGTERM while inside: noted in the list yielded, for the caller to act on after. Raised inside
+    an import (torch's: seconds), the stop could be swallowed by a library's `except Exception` around an
+    optional import, or leave a module half-initialised for the next import to fail on."""
+    held: list[int] = []
+    previous = {signum: signal.signal(signum, lambda signum, frame: held.append(signum)) for signum in STOPS}
+    try:
+        yield held
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def installed_usage(usage: str, module: str, command: str) -> str:

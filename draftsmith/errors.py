@@ -161,9 +161,9 @@ def run_cli(main: Callable[[Sequence[str]], object], argv: Sequence[str] | None 
 def _run(main: Callable[[Sequence[str]], object], argv: list[str]) -> NoReturn:
     try:
         main(argv)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         close_progress_bars()  # the line of its own, not the tail of a progress bar's
-        print("interrupted", file=sys.stderr)
+        print(f"interrupted: {err}" if str(err) else "interrupted", file=sys.stderr)  # with a command's advice
         sys.exit(EXIT_INTERRUPTED)
     except BrokenPipeError:
         # stdout's reader stopped reading (`--help | head`): nothing failed here, and nothing more can be
@@ -179,9 +179,10 @@ def _run(main: Callable[[Sequence[str]], object], argv: list[str]) -> NoReturn:
 
 
 def outcome(err: BaseException) -> tuple[int, str]:
-    """The exit code of an exception that ended a command and the one line that says so. An OSError
-    of the storage (STORAGE_ERRNOS) is an I/O error wherever it was raised; anything unexpected is a
-    draftsmith bug, its traceback written to a log file (or to stderr with DRAFTSMITH_DEBUG=1)."""
+    """The exit code of an exception that ended a command and the one line that says so. A PermissionError
+    is bad input (a file or folder the user gave) and an OSError of the storage (STORAGE_ERRNOS) an I/O error
+    wherever it was raised; anything unexpected is a draftsmith bug, its traceback written to a log file (or to
+    stderr with DRAFTSMITH_DEBUG=1)."""
     if hub_unreachable(err):  # wherever a model or file was asked of the Hub: a network fault, not the input
         err = HubUnavailable(
             f"{one_line(err, limit=2000).rstrip('.')}; run the same command again when the Hub can be reached, or "
@@ -190,6 +191,9 @@ def outcome(err: BaseException) -> tuple[int, str]:
     for cls, code, prefix in OUTCOMES:
         if isinstance(err, cls):
             return code, f"{prefix}: {one_line(err, limit=2000)}"
+    if isinstance(err, PermissionError):  # a path the user gave that this user may not use: fix it, no retry helps
+        where = f"cannot access {err.filename}" if err.filename else "cannot access a file"
+        return EXIT_USER_ERROR, f"error: {where}: permission denied; fix its permissions or give another path"
     if isinstance(err, OSError) and err.errno in STORAGE_ERRNOS:
         where = f" ({err.filename})" if err.filename else ""
         return (

@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 from collections.abc import Iterator
@@ -22,8 +23,27 @@ def cache_root() -> Path:
 
 
 def file_sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except PermissionError:
+        raise cannot_read(path) from None
+
+
+def cannot_read(path: Path) -> UserError:
+    """The line for an input the user gave that exists but that its permissions forbid reading: bad input
+    (exit 2, fix the permissions or give another path), not an I/O fault of the disk."""
+    return UserError(f"cannot read {path}: permission denied")
+
+
+def require_readable(path: Path) -> None:
+    """Refuse a file its permissions forbid reading before a reader that misreports it opens it (safetensors says
+    "No such file or directory" of a file it may not read)."""
+    try:
+        with open(path, "rb"):
+            pass
+    except PermissionError:
+        raise cannot_read(path) from None
 
 
 def checkpoint_digest(directory: Path) -> str:
@@ -44,6 +64,8 @@ def read_json(path: Path, what: str = "JSON", advice: str = "") -> Any:
     with `advice`, what to do about it, after."""
     try:
         return json.loads(Path(path).read_text())
+    except PermissionError:
+        raise cannot_read(path) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise UserError(f"{path}: corrupt {what} ({one_line(err)})" + (f"; {advice}" if advice else "")) from None
 
@@ -61,22 +83,56 @@ def require_same_settings(found: dict[str, Any], wanted: dict[str, Any], what: s
         raise UserError(f"{what} with other settings ({changes[:400]}): {advice}")
 
 
+@contextlib.contextmanager
+def replacing(path: Path, suffix: str = ".tmp") -> Iterator[Path]:
+    """`<name><suffix>` to write `path`'s content into, renamed over `path` when the block ends, so a reader never
+    sees a half-written file. When the block fails the temporary file is removed (a full disk leaves nothing
+    half-written behind), and an OSError that names no file (a write's or a flush's) is given `path`, so that
+    exit 74's line says where."""
+    tmp = path.with_name(path.name + suffix)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException as err:
+        tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.filename is None:
+            err.filename = str(path)
+        raise
+
+
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write to `<name>.tmp` and rename into place, so a reader never sees a half-written file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    """Write to `<name>.tmp` and rename into place (`replacing`)."""
+    with replacing(path) as tmp:
+        tmp.write_text(text)
 
 
 def save_figure_atomic(figure, path: Path) -> None:
-    """Save a matplotlib figure as PNG through `<name>.tmp.png` renamed into place (a reader never sees a
-    half-drawn image; the suffix tells matplotlib the format), then close it to free its memory."""
+    """Save a matplotlib figure as PNG through `<name>.tmp.png` renamed into place (`replacing`; the suffix
+    tells matplotlib the format), then close it to free its memory."""
     import matplotlib.pyplot as plt  # only the stages that draw need matplotlib
 
-    tmp = path.with_name(path.name + ".tmp.png")
-    figure.savefig(tmp, dpi=100)
-    plt.close(figure)
-    os.replace(tmp, path)
+    with replacing(path, suffix=".tmp.png") as tmp:
+        try:
+            figure.savefig(tmp, dpi=100)
+        finally:
+            plt.close(figure)
+
+
+def save_safetensors(tensors: dict[str, Any], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' `save_file`, a failure of the file system it reports (a full disk: SafetensorError "... No space
+    left on device (os error 28)", naming no file) raised as the OSError it is, naming `path`: exit 74's line, as
+    Python's own writes give, not an internal error."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file  # imports torch: only the stages that write tensors need it
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as err:
+        code = re.search(r"\(os error (\d+)\)", str(err))
+        if code is None:
+            raise
+        number = int(code.group(1))
+        raise OSError(number, os.strerror(number), str(path)) from err
 
 
 def created_file_mode() -> int:

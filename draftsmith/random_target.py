@@ -22,14 +22,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import shutil
-import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import torch
+from safetensors import SafetensorError
 
-from draftsmith.errors import UserError, one_line
+from draftsmith.errors import UserError, one_line, run_cli
+from draftsmith.files import publish_folder, staging
+from draftsmith.outputs import check_output_dir
 
 # The tiny shape every family is proven at (the target-families matrix): hidden 256, 4 layers,
 # 4 heads over 2 KV heads of 64, and for mixtures of experts 4 experts of which 2 are routed.
@@ -60,6 +64,7 @@ INDEX_HEADS = 16  # the sparse indexers' heads, at least (scaled_fields)
 # vLLM's CPU MLA kernel serves a 576-wide latent head only (mla/cpu_mla.py), so tiny targets keep them.
 MLA_LATENT, MLA_ROPE = 512, 64
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+TARGET_FILES = frozenset({"config.json", "model.safetensors", *TOKENIZER_FILES})  # what write_random_target writes
 
 
 def demo_tokenizer_dir() -> Path:
@@ -281,8 +286,15 @@ def write_random_target(
     return directory
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: Optional[list[str]] = None) -> NoReturn:
+    """`python -m draftsmith.random_target ...`, under run_cli as every command: a refusal, a full disk or a
+    stop is one line and its exit code (docs/faults.md)."""
+    run_cli(write_command, argv)
+
+
+def write_command(argv: list[str]) -> None:
+    """Write the target the arguments name into DIRECTORY, whole or not at all."""
+    parser = argparse.ArgumentParser(prog="python -m draftsmith.random_target", description=__doc__.split("\n\n")[0])
     parser.add_argument("model_type", help="a transformers model type: qwen3, gemma3_text, gpt_oss, ...")
     parser.add_argument("directory")
     parser.add_argument("--sliding-window", type=int, default=48)
@@ -293,20 +305,43 @@ def main(argv: Optional[list[str]] = None) -> int:
         help="copy the demo target's trained tensors wherever name and shape match (a predictable target)",
     )
     args = parser.parse_args(argv)
-    try:
-        path = write_random_target(
-            args.model_type,
-            args.directory,
-            args.sliding_window,
-            args.seed,
-            seed_from=demo_tokenizer_dir() if args.seed_from_demo else None,
+    directory = Path(args.directory)
+    check_target_directory(directory)
+    # Written beside it and renamed into place: a full disk or a stop leaves no half-written target (a config.json
+    # without its weights would load as a target and fail later, far from the cause).
+    with staging(directory) as staged:
+        try:
+            write_random_target(
+                args.model_type,
+                staged,
+                args.sliding_window,
+                args.seed,
+                seed_from=demo_tokenizer_dir() if args.seed_from_demo else None,
+            )
+        except SafetensorError as err:  # a full disk under save_pretrained: the OSError it is (files.save_safetensors)
+            number = re.search(r"\(os error (\d+)\)", str(err))
+            if number is None:
+                raise
+            raise OSError(int(number[1]), os.strerror(int(number[1])), str(staged / "model.safetensors")) from err
+        publish_folder(staged, directory)
+    print(directory)
+
+
+def check_target_directory(directory: Path) -> None:
+    """Before the model is built: `directory` a folder that can be created, with a folder beside it (the target
+    is written to `<directory>.tmp` first), and, if it exists, holding no file but a target's (it is replaced)."""
+    named = f"DIRECTORY {str(directory)!r}"
+    check_output_dir(directory, named=named)
+    check_output_dir(directory.absolute().parent, named=f"the folder of {named}")
+    others = (
+        sorted(path.name for path in directory.iterdir() if path.name not in TARGET_FILES) if directory.is_dir() else []
+    )
+    if others:
+        raise UserError(
+            f"{named} holds files a target written here does not ({', '.join(others[:5])}): it would be replaced; "
+            "give a new folder, or one that is empty"
         )
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(path)
-    return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

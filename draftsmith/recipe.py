@@ -23,7 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from draftsmith.errors import UserError, one_line
 from draftsmith.families import residual_streams
-from draftsmith.files import write_text_atomic
+from draftsmith.files import cannot_read, write_text_atomic
 from draftsmith.outputs import FINAL_DIR, RECIPE_NAME
 from draftsmith.recipe_checks import (
     check_data,
@@ -152,6 +152,8 @@ def compose(recipe: str, overrides: Sequence[str]) -> DictConfig:
     try:
         repeated = repeated_key(yaml.compose(path.read_text(encoding="utf-8"), Loader=yaml.SafeLoader))
         raw = None if repeated else OmegaConf.load(path)
+    except PermissionError:
+        raise cannot_read(path) from None
     except Exception as err:  # YAML syntax errors come from the yaml parser
         raise UserError(f"recipe {path}: not valid YAML ({one_line(err, 200)})") from None
     if repeated:
@@ -378,7 +380,7 @@ def load_train_recipe(argv: Sequence[str]) -> DictConfig:
 
 
 def check_train_start(cfg: DictConfig) -> None:
-    """A training run starts from train.init_from, a local folder (checked before any data or model
+    """A training run starts from train.init_from, a local folder that exists (checked before any data or model
     loads, unless the run resumes). `checkpoint` names the drafter the read-only commands read: were it
     a run's start, the run's saved recipe would point eval and export at the start."""
     require(
@@ -387,10 +389,14 @@ def check_train_start(cfg: DictConfig) -> None:
         f"to warm-start from it, pass train.init_from={cfg.checkpoint}",
     )
     start = cfg.train.init_from
-    require(  # a resumed run does not read its start again (trainer/setup.py resumed_start)
-        start is None or resolve_bool_or_path(cfg.train.resume) is not None or Path(start).expanduser().exists(),
+    if start is None or resolve_bool_or_path(cfg.train.resume) is not None:
+        return  # a resumed run does not read its start again (trainer/setup.py resumed_start)
+    folder = Path(start).expanduser()
+    require(
+        folder.exists(),
         f"train.init_from={start} does not exist: give a drafter checkpoint or an exported drafter folder",
     )
+    # what the folder holds is the trainer's to check (formats.folder.require_drafter_folder), before any load
 
 
 def with_local_target(cfg: DictConfig, command: str = "train") -> DictConfig:

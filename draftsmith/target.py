@@ -24,8 +24,9 @@ from typing import Any, Optional
 
 import torch
 
-from draftsmith.errors import UserError, hub_cache_miss, one_line
+from draftsmith.errors import UserError
 from draftsmith.families import residual_streams
+from draftsmith.model_files import read_pretrained
 
 log = logging.getLogger("draftsmith.target")
 
@@ -62,12 +63,13 @@ def load_tokenizer(section):
     from transformers import AutoTokenizer
 
     section = target_section(section)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            section.name_or_path, revision=section.revision, trust_remote_code=section.trust_remote_code
-        )
-    except (OSError, ValueError) as err:
-        raise not_loadable(f"cannot load the tokenizer of {section.name_or_path!r}", err) from err
+    tokenizer = read_pretrained(
+        AutoTokenizer.from_pretrained,
+        section.name_or_path,
+        f"cannot load the tokenizer of {section.name_or_path!r}",
+        revision=section.revision,
+        trust_remote_code=section.trust_remote_code,
+    )
     if tokenizer.pad_token_id is None:
         # Padding positions are masked out everywhere; any id works, EOS is the usual choice.
         tokenizer.pad_token = tokenizer.eos_token
@@ -99,12 +101,13 @@ def load_target(section, device: torch.device | str = "cpu", shard: str = "none"
 def load_config(section):
     from transformers import AutoConfig
 
-    try:
-        return AutoConfig.from_pretrained(
-            section.name_or_path, revision=section.revision, trust_remote_code=section.trust_remote_code
-        )
-    except (OSError, ValueError) as err:
-        raise not_loadable(f"cannot load target {section.name_or_path!r}", err) from err
+    return read_pretrained(
+        AutoConfig.from_pretrained,
+        section.name_or_path,
+        f"cannot load target {section.name_or_path!r}",
+        revision=section.revision,
+        trust_remote_code=section.trust_remote_code,
+    )
 
 
 def read_model(section, dtype: torch.dtype, device: torch.device | str):
@@ -113,15 +116,16 @@ def read_model(section, dtype: torch.dtype, device: torch.device | str):
 
     report = HeldLoadReport()
     try:
-        model, loading = AutoModelForCausalLM.from_pretrained(
+        model, loading = read_pretrained(
+            AutoModelForCausalLM.from_pretrained,
             section.name_or_path,
+            f"cannot load target {section.name_or_path!r}",
             revision=section.revision,
             dtype=dtype,
             trust_remote_code=section.trust_remote_code,
             output_loading_info=True,
+            adapter_kwargs={},
         )
-    except (OSError, ValueError) as err:
-        raise not_loadable(f"cannot load target {section.name_or_path!r}", err) from err
     finally:
         report.stop()
     report.release(loading, model.config, section.name_or_path)
@@ -176,20 +180,6 @@ def loaded_config(target_model) -> dict:
     wrapper's language model alone, configured by the wrapper's text_config, which names none."""
     values = target_model.config.to_dict()
     return {**values, "architectures": values.get("architectures") or [type(target_model).__name__]}
-
-
-def not_loadable(what: str, err: BaseException) -> UserError:
-    """The line for a model that did not load: transformers' reason, or, for a Hub id not in the cache with
-    HF_HUB_OFFLINE=1, that (transformers' own line then says it could not connect, which it never tried).
-    Raised from `err`, whose chain says whether the Hub was out of reach instead (errors.hub_unreachable)."""
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE and hub_cache_miss(err) is not None:  # offline, no request was made
-        return UserError(
-            f"{what}: not in the Hub cache ({constants.HF_HUB_CACHE}), and HF_HUB_OFFLINE=1 forbids downloading "
-            "it: download it once with a network, or give a local folder"
-        )
-    return UserError(f"{what}: {one_line(err)}")
 
 
 def freeze(model: torch.nn.Module) -> torch.nn.Module:

@@ -137,9 +137,11 @@ def _run_eval(cfg: DictConfig, out_dir: Path, checkpoint: Optional[str | Path], 
     sources, per_file = prompt_sources(cfg)
     if not sources:
         raise UserError("no eval data: set eval.data=[files] or data.eval in the recipe")
+    given = bool(checkpoint or cfg.checkpoint)  # else <output_dir>/final, where train writes
     checkpoint = Path(checkpoint) if checkpoint else checkpoint_to_read(cfg)
     if not checkpoint.exists():  # checked before the (slow) target load
-        raise UserError(f"no drafter checkpoint at {checkpoint}: pass checkpoint=<checkpoint dir>")
+        advice = "" if given else ": train first, or pass checkpoint=<checkpoint dir>"
+        raise UserError(f"no drafter checkpoint at {checkpoint}{advice}")
     # the rule of export and warm start: the recipe is for the drafter it reads
     require_recipes_kind(checkpoint_kind(checkpoint), cfg.drafter.type, f"checkpoint={checkpoint}", role="is for")
     require_context(cfg.target, int(cfg.data.max_length))  # prompts are cut to data.max_length

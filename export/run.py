@@ -19,11 +19,10 @@ from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig
-from safetensors.torch import save_file
 
 from draftsmith.errors import InternalError, UserError
 from draftsmith.export.gamma import chain_engines, recommended_gamma
-from draftsmith.files import checkpoint_digest, publish_folder, read_json, staging, write_text_atomic
+from draftsmith.files import checkpoint_digest, publish_folder, read_json, save_safetensors, staging, write_text_atomic
 from draftsmith.formats import Source, exporter_for
 from draftsmith.formats.folder import require_recipes_kind
 from draftsmith.formats.repo import (
@@ -55,6 +54,7 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
     """Export `checkpoint` for every engine in export.engines; returns engine -> folder. `engines`: an
     export.verify.EngineSession to run the vLLM check in (one of its own, closed at the end, if None)."""
     output = Path(cfg.export.output or Path(cfg.output_dir) / "export")
+    require_push_allowed(cfg)
     if output.resolve().is_relative_to(checkpoint.resolve()):
         raise UserError(
             f"export.output={str(output)!r} is inside the checkpoint {checkpoint}: its files would count in the "
@@ -118,6 +118,17 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
     return folders
 
 
+def require_push_allowed(cfg: DictConfig) -> None:
+    """A push with HF_HUB_OFFLINE=1 set cannot happen: refused before any folder is written, not after."""
+    from huggingface_hub import constants
+
+    if cfg.export.push.repo_id and constants.HF_HUB_OFFLINE:
+        raise UserError(
+            f"export.push.repo_id={cfg.export.push.repo_id} pushes to the Hub, which HF_HUB_OFFLINE=1 forbids: "
+            "unset HF_HUB_OFFLINE, or leave export.push.repo_id out to export without pushing"
+        )
+
+
 def load_source(cfg: DictConfig, checkpoint: Path, target) -> Source:
     name = cfg.target.name_or_path
     shape = TargetShape.of(target, name)
@@ -140,6 +151,10 @@ def batch_schedule_of(cfg: DictConfig, digest: str) -> Optional[dict[str, Any]]:
     from draftsmith.export.sweep_results import PLAIN, PLAIN_AGAIN, at_one_gamma, read_sweep
 
     path = Path(cfg.export.batch_sweep).resolve()
+    if path.is_dir():
+        raise UserError(
+            f"export.batch_sweep={cfg.export.batch_sweep} is a directory: give the sweep's JSONL file in it"
+        )
     rows = [row for row in read_sweep(path) if at_one_gamma(row)]  # a served schedule's rows are left out
     methods = sorted({row["method"] for row in rows if row.get("source_sha256") == digest})
     if len(methods) != 1:
@@ -349,7 +364,7 @@ def stage_repo(repo: EngineRepo, staged: Path, target: TargetInfo) -> Path:
     weights_dir.mkdir(parents=True)
     tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in sorted(repo.tensors.items())}
     # one metadata key: reproducible bytes
-    save_file(tensors, str(weights_dir / WEIGHTS_NAME), metadata={"format": "pt"})
+    save_safetensors(tensors, weights_dir / WEIGHTS_NAME, metadata={"format": "pt"})
     write_json(weights_dir / "config.json", repo.config)
     if repo.tokenizer:
         copy_tokenizer(target, weights_dir)

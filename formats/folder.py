@@ -116,12 +116,29 @@ def open_drafter(path: str | Path, target_shape: TargetShape, target):
         drafter = read_folder(folder, target)
         check_same_target(drafter.target, target_shape, str(folder))
         return drafter
+    raise not_a_drafter(path)
+
+
+def not_a_drafter(path: Path) -> UserError:
+    """The line for a path `open_drafter` cannot read, naming the folder inside it that it could."""
     inside = sorted(p.parent.name for p in path.glob(f"*/{CONFIG_NAME}") if (p.parent / WEIGHTS_NAME).is_file())
     where = f"; its {inside[0]}/ does (pass that)" if inside else ""  # a run's final/, a training checkpoint's drafter/
-    raise UserError(
+    return UserError(
         f"{path} holds neither a drafter checkpoint nor an exported drafter folder "
         f"(config.json + {WEIGHTS_NAME}){where}"
     )
+
+
+def require_drafter_folder(cfg) -> None:
+    """train.init_from holds what `warm_start` reads, checked before any data or model loads (unless the run
+    resumes: it does not read its start again): one line naming the folder inside it that it could read."""
+    from draftsmith.recipe_checks import resolve_bool_or_path
+
+    if cfg.train.init_from is None or resolve_bool_or_path(cfg.train.resume) is not None:
+        return
+    folder = Path(cfg.train.init_from).expanduser()
+    if engine_folder(folder) is None:
+        raise not_a_drafter(folder)
 
 
 def warm_start(path: str | Path, drafter, target_model):

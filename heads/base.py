@@ -57,7 +57,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from draftsmith.errors import UserError, one_line
-from draftsmith.files import read_json, write_text_atomic
+from draftsmith.files import read_json, require_readable, write_text_atomic
 from draftsmith.heads.proposer import Proposer
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
@@ -376,6 +376,7 @@ def load_drafter(directory: str | os.PathLike, target: Optional[TargetShape] = N
     if target_model is not None:  # before loading: a drafter may hold weights inside the target (Medusa-2's LoRA)
         drafter.attach_target(target_model)
     weights_path = directory / WEIGHTS_NAME
+    require_readable(weights_path)  # safetensors calls a file it may not read missing
     try:
         state = load_file(str(weights_path))
     except (SafetensorError, OSError) as err:

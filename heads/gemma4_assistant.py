@@ -44,13 +44,14 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from draftsmith.errors import UserError, one_line
+from draftsmith.errors import UserError
 from draftsmith.families import within_window
 from draftsmith.heads import register
 from draftsmith.heads.base import Drafter, DrafterConfig, FlopProfile
 from draftsmith.heads.packing import documents, positions, shifted
 from draftsmith.heads.proposer import DraftState, DraftTree, Proposer, Tree
 from draftsmith.heads.vocab_loss import check_steps_ahead, chunk_rows_for, steps_ahead_loss
+from draftsmith.model_files import read_pretrained
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, local_target_config
 
 # The target text models whose KV cache an assistant reads (transformers' model_type), and the assistant's.
@@ -142,10 +143,7 @@ def load_released(name_or_path: str, target_width: int):
     from transformers import AutoConfig, Gemma4AssistantForCausalLM
 
     key = f"drafter.released_assistant={name_or_path!r}"
-    try:
-        config = AutoConfig.from_pretrained(name_or_path)
-    except (OSError, ValueError) as err:
-        raise UserError(f"{key} is not an assistant's folder ({one_line(err)})") from None
+    config = read_pretrained(AutoConfig.from_pretrained, name_or_path, f"cannot load {key}")
     if config.model_type != ASSISTANT_MODEL_TYPE:
         raise UserError(f"{key} is a {config.model_type} model, not Gemma-4's assistant")
     if config.backbone_hidden_size != target_width:

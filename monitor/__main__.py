@@ -8,8 +8,9 @@ in (nothing was judged; the line says what to run), 2 bad input, 69 an engine th
 or answers with a server error (temporary: retry), 75 stopped on SIGTERM (during a retraining: the
 next check resumes it; `watch`: once the check in progress is done), and as every command 3, 4, 70,
 74 (docs/faults.md). `watch` exits only on bad input or a signal; an engine that does not answer is one
-line (`engine unavailable: ...`) and the next check tries again, and so is a state directory another check
-holds (`monitor: check skipped: ... is in use by another job ...`: a one-off `check` there exits 2).
+line (`engine unavailable: ...`) and the next check tries again, and so is a Hugging Face Hub out of reach
+(`Hub unavailable: ...`: a one-off `check` exits 69) and a state directory another check holds
+(`monitor: check skipped: ... is in use by another job ...`: a one-off `check` there exits 2).
 """
 
 from __future__ import annotations
@@ -18,7 +19,15 @@ import sys
 import time
 from collections.abc import Sequence
 
-from draftsmith.errors import EngineUnavailable, Preempted, StopRequest, UserError, one_line
+from draftsmith.errors import (
+    EngineUnavailable,
+    HubUnavailable,
+    Preempted,
+    StopRequest,
+    UserError,
+    hub_unreachable,
+    one_line,
+)
 from draftsmith.outputs import DirectoryInUse
 from draftsmith.recipe import load_recipe
 
@@ -47,6 +56,16 @@ def main(argv: Sequence[str]) -> None:
         except DirectoryInUse as err:  # another check (a cron `check`) is running: this interval's is skipped
             print(
                 f"monitor: check skipped: {one_line(err, limit=2000)}; the next one is in {cfg.monitor.interval_s:g} s",
+                file=sys.stderr,
+                flush=True,
+            )
+        except Exception as err:
+            # the Hub out of reach (for the target, or the data of a retraining) is temporary as an engine is; it is
+            # found as `check`'s exit code finds it (errors.outcome), in the error's chain
+            if not (isinstance(err, HubUnavailable) or hub_unreachable(err)):
+                raise
+            print(
+                f"Hub unavailable: {one_line(err, limit=2000)}; the next check is in {cfg.monitor.interval_s:g} s",
                 file=sys.stderr,
                 flush=True,
             )

@@ -14,9 +14,11 @@ The whole check holds `<state_dir>` (DirectoryLock): two checks, or two retraini
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
+import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -128,22 +130,34 @@ def measure_and_decide(cfg: DictConfig, directory: Path, state: State, deployed:
             for key in ("min_drafts", "max_drop", "confidence", "consecutive", "cooldown_s", "traffic_window_s")
         },
     }
-    verdicts, change = [], None
-    if settings.metrics:
-        record["engine"], judged, change = measure_engine(cfg, state, deployed, baseline)
-        verdicts += judged
-        if change is not None:
-            record["engine"]["verdict"] = REVERIFY  # its tests stay recorded, as measured
-            record["engine_change"] = change
-    if settings.traffic:
-        record["traffic"] = measure_traffic(cfg, directory, deployed, baseline, state.checks, now)
-        verdicts.append(record["traffic"]["verdict"])
-    drift = count_drift(state, verdicts, change)
-    outcome, action = decide(cfg, state, drift, change, now, (record.get("traffic") or {}).get("in_window", 0))
-    # in an engine the export was not checked in nothing is judged (count_drift): the check's verdict says so, what
-    # was measured staying in the engine's and the traffic's tests
-    record["verdict"] = REVERIFY if change is not None else combined(verdicts)
-    record_check(directory, state, record, drift, outcome, action, now)
+    folder, record_path = check_paths(directory, state.checks)
+    # a check killed before its record was saved left its folder under the number this one takes; nothing reads it
+    shutil.rmtree(folder, ignore_errors=True)
+    try:
+        verdicts, change = [], None
+        if settings.metrics:
+            record["engine"], judged, change = measure_engine(cfg, state, deployed, baseline)
+            verdicts += judged
+            if change is not None:
+                record["engine"]["verdict"] = REVERIFY  # its tests stay recorded, as measured
+                record["engine_change"] = change
+        if settings.traffic:
+            record["traffic"] = measure_traffic(cfg, folder, deployed, baseline, now)
+            verdicts.append(record["traffic"]["verdict"])
+        drift = count_drift(state, verdicts, change)
+        outcome, action = decide(cfg, state, drift, change, now, (record.get("traffic") or {}).get("in_window", 0))
+        # in an engine the export was not checked in nothing is judged (count_drift): the check's verdict says so,
+        # what was measured staying in the engine's and the traffic's tests
+        record["verdict"] = REVERIFY if change is not None else combined(verdicts)
+        record_check(directory, state, record, drift, outcome, action, now)
+    except BaseException:
+        # a check that did not finish (a Hub or an engine out of reach, bad input, Ctrl-C, a full disk) leaves nothing:
+        # the state file does not count it, and the next check takes its number
+        shutil.rmtree(folder, ignore_errors=True)
+        record_path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # `checks/` made for this check alone; one with earlier checks stays
+            folder.parent.rmdir()
+        raise
     if action == "retrain":
         return retrain(cfg, directory, state)
     return outcome
@@ -154,7 +168,7 @@ def retrain(cfg: DictConfig, directory: Path, state: State) -> Outcome:
     of the check that started it, which recorded DRIFT before the retraining ran."""
     from draftsmith.monitor.pipeline import run_pipeline
 
-    started_by = directory / "checks" / f"{int(state.pipeline['id'].rsplit('_', 1)[1]):05d}.json"
+    started_by = check_paths(directory, int(state.pipeline["id"].rsplit("_", 1)[1]))[1]
     outcome = run_pipeline(cfg, directory, state)
     if started_by.is_file():  # else a state from before the check records (nothing to write back to)
         record = json.loads(started_by.read_text())
@@ -285,12 +299,17 @@ def decide(
     return Outcome.DRIFT, "retrain"
 
 
+def check_paths(directory: Path, number: int) -> tuple[Path, Path]:
+    """Check `number`'s folder (its traffic sample and the replay's eval) and its record."""
+    return directory / "checks" / f"{number:05d}", directory / "checks" / f"{number:05d}.json"
+
+
 def measure_traffic(
-    cfg: DictConfig, directory: Path, deployed: dict[str, Any], baseline: Baseline, number: int, now: float
+    cfg: DictConfig, check_dir: Path, deployed: dict[str, Any], baseline: Baseline, now: float
 ) -> dict[str, Any]:
     """Acceptance per domain of recent traffic: from the engine's per-request counts where the logged
     requests carry them (monitor/traffic.py), else by replay, draftsmith's eval of the deployed
-    drafter on the latest requests of the domain."""
+    drafter on the latest requests of the domain (its files in `check_dir`)."""
     from draftsmith.eval.report import run_eval
 
     requests, summary = sample(
@@ -300,7 +319,6 @@ def measure_traffic(
     replayed = [request for request in requests if request["domain"] not in tests]
     if not replayed:
         return {**summary, "domains": tests, "verdict": verdict_of(tests) if tests else TOO_FEW}
-    check_dir = directory / "checks" / f"{number:05d}"
     conversations = write_conversations(replayed, check_dir / "traffic_sample.jsonl")
     variant = derived(
         cfg,
@@ -359,7 +377,7 @@ def drifted_domains(record: dict[str, Any]) -> list[str]:
 
 
 def write_record(directory: Path, number: int, record: dict[str, Any], now: float) -> Path:
-    path = directory / "checks" / f"{number:05d}.json"
+    path = check_paths(directory, number)[1]
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(record, indent=2, default=str) + "\n")
     from torch.utils.tensorboard import SummaryWriter

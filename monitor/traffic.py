@@ -18,7 +18,8 @@ safely: a last line without its newline is skipped as incomplete, as is a gzip l
 `.jsonl.gz` that is not gzip: a warning names it, its rest counted as one malformed line), and malformed lines
 are counted, not fatal, unless no line is a request (logs in another format: refused, naming the first line); a
 request timed more than a day ahead of the monitor's clock counts as malformed, and when every request is
-(timestamps in milliseconds), the logs are refused.
+(timestamps in milliseconds), the logs are refused. A log or a folder of logs that cannot be read is refused,
+naming it (its requests would be missing from every check).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import time
 import zlib
 from collections import defaultdict
@@ -61,8 +63,12 @@ def read_requests(directory: Path) -> tuple[list[dict[str, Any]], int]:
     if not directory.is_dir():
         raise UserError(f"monitor.traffic={str(directory)!r} is not a directory of JSONL request logs")
     requests, malformed, first_malformed = [], 0, None
-    for path in sorted([*directory.rglob("*.jsonl"), *directory.rglob("*.jsonl.gz")]):
-        raw, whole = decompressed(path.read_bytes()) if path.name.endswith(".gz") else (path.read_bytes(), True)
+    for path in log_files(directory):
+        try:
+            raw = path.read_bytes()
+        except PermissionError:
+            raise UserError(f"monitor.traffic: cannot read {path}: permission denied") from None
+        raw, whole = decompressed(raw) if path.name.endswith(".gz") else (raw, True)
         if not whole:  # the rest, cut off or not gzip, is one malformed part of the file
             log.warning("monitor: %s is not whole gzip: only its first %d decompressed bytes are read", path, len(raw))
             malformed += 1
@@ -99,6 +105,23 @@ def read_requests(directory: Path) -> tuple[list[dict[str, Any]], int]:
             'a user turn among them), "timestamp" (Unix seconds or ISO 8601), and optionally "domain" (a string)'
         )
     return requests, malformed
+
+
+def log_files(directory: Path) -> list[Path]:
+    """The request logs under `directory`, by path; a folder in it that cannot be listed is refused, not skipped
+    (its requests would be missing from every check)."""
+
+    def unlisted(err: OSError) -> None:
+        if isinstance(err, PermissionError):
+            raise UserError(f"monitor.traffic: cannot read {err.filename}: permission denied") from None
+        raise err
+
+    return sorted(
+        Path(parent, name)
+        for parent, _, names in os.walk(directory, onerror=unlisted)
+        for name in names
+        if name.endswith((".jsonl", ".jsonl.gz"))
+    )
 
 
 def decompressed(raw: bytes) -> tuple[bytes, bool]:

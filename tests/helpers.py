@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import gzip
+import importlib.util
 import json
 import os
 import shutil
@@ -36,6 +37,16 @@ from draftsmith.target import FeatureRequest, run_target
 
 # -- the checkout, the demo data and the real entry points (conftest's fixtures use them too) ---------
 REPO = Path(__file__).resolve().parent.parent
+
+
+def benchmark_module(name: str):
+    """benchmarks/<name>.py as a module, for the tests that build what a benchmark builds (its targets)."""
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 DEMO = REPO / "demo"
 REFERENCE_TARGET = DEMO / "target"  # a copy of shared/models/reference-target (demo/README.md)
 DOMAINS = ("code", "docs", "math", "packages")

@@ -5,7 +5,11 @@ recipe reference in docs/ is generated from the schema and cannot go stale; ever
 from __future__ import annotations
 
 import importlib
+import signal
 import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -129,18 +133,17 @@ def test_the_scripts_answer_help(capsys):
 
 
 @pytest.mark.slow
-def test_help_into_a_reader_that_stops_reading_is_not_an_error(tmp_path):
+@pytest.mark.parametrize("args", [["train.py", "--help"], ["-m", "draftsmith", "--help"]])
+def test_help_into_a_reader_that_stops_reading_is_not_an_error(tmp_path, args):
     """`train.py --help | head -1`: stdout's reader gone before the help is written (a broken pipe) ends
-    the command quietly, exit 0, without the internal-error line and its log file (#62, fault 7)."""
+    the command quietly, exit 0, without the internal-error line and its log file (#62, fault 7); `draftsmith
+    --help | head -1` too (it was a BrokenPipeError traceback, exit 1)."""
     import os
-    import sys
 
     read, write = os.pipe()
     os.close(read)  # the reader is gone before the child writes
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # where an internal error would write its log
-    done = subprocess.run(
-        [sys.executable, "train.py", "--help"], cwd=REPO, stdout=write, stderr=subprocess.PIPE, text=True, env=env
-    )
+    done = subprocess.run([sys.executable, *args], cwd=REPO, stdout=write, stderr=subprocess.PIPE, text=True, env=env)
     os.close(write)
     assert done.returncode == 0 and "internal error" not in done.stderr, done.stderr[-500:]
     assert not list(tmp_path.iterdir())
@@ -210,3 +213,66 @@ def test_a_recipe_file_without_output_dir_takes_it_from_the_command_line(tmp_pat
     )
     code, out, err = run("train", [f"recipe={recipe}", f"output_dir={tmp_path / 'run'}", "--cfg"], capsys)
     assert code == 0 and f"output_dir: {tmp_path / 'run'}" in out, err
+
+
+def stops_handled(pid: int) -> bool:
+    """Whether process `pid` handles SIGTERM itself (its SigCgt mask in /proc): a draftsmith command from the
+    moment it can stop with its line."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:  # it has ended
+        return False
+    mask = next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(int(mask, 16) >> (signal.SIGTERM - 1) & 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "signum, code, line",
+    [(signal.SIGTERM, 75, "preempted: stopped on SIGTERM before eval started"), (signal.SIGINT, 130, "interrupted")],
+)
+def test_a_stop_while_the_command_loads_is_its_one_line(tmp_path, signum, code, line):
+    """`draftsmith eval` stopped while it imports its module (torch: seconds), as soon as it handles SIGTERM: a
+    SIGTERM killed it (-15, 143 in a shell) and a Ctrl-C printed a KeyboardInterrupt traceback; now each is its
+    line and exit code, as later in the run. The import finishes first (a stop raised inside it was swallowed by
+    a library's `except Exception`, or left numpy half-imported)."""
+    output_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "draftsmith", "eval", "recipe=medusa", f"output_dir={output_dir}"]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not stops_handled(process.pid) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signum)
+    out, err = process.communicate(timeout=120)
+    assert_one_line_error(
+        subprocess.CompletedProcess(command, process.returncode, out, err), code, prefix=line, alone=True
+    )
+    assert not output_dir.exists()
+
+
+def test_version_prints_the_installed_version(capsys):
+    """`draftsmith --version` was `unknown command '--version'`, exit 2."""
+    from importlib.metadata import version
+
+    from draftsmith.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out == f"draftsmith {version('draftsmith')}\n"
+
+
+def test_a_command_with_an_output_argument_prints_its_recipe_and_names_itself_as_run(tmp_path, capsys):
+    """`python -m data_prep.speculators_features OUTPUT recipe=eagle3 --cfg` refused OUTPUT (`is not key=value`);
+    run by its installed name, its usage line named the checkout's form, which an installed package cannot run."""
+    output = tmp_path / "features"
+    done = run_entry_in_process(["-m", "data_prep.speculators_features", str(output), "recipe=eagle3", "--cfg"], capsys)
+    assert done.returncode == 0 and yaml.safe_load(done.stdout)["drafter"]["type"] == "eagle3", done.stderr[-500:]
+    assert not output.exists()
+    done = run_entry_in_process(
+        ["-m", "data_prep.speculators_features", str(output), "recipe=eagle3", "bogus", "--cfg"], capsys
+    )
+    assert_one_line_error(done, 2, "argument 'bogus' is not key=value")
+    done = run_entry_in_process(["-m", "draftsmith.data_prep.speculators_features", "recipe=eagle3"], capsys)
+    assert_one_line_error(done, 2, "usage: python -m draftsmith.data_prep.speculators_features OUTPUT recipe=NAME")
+    done = run_entry_in_process(["-m", "draftsmith.data_prep.speculators_features", "--help"], capsys)
+    assert done.returncode == 0 and "    python -m draftsmith.data_prep.speculators_features OUTPUT" in done.stdout

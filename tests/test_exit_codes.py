@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -247,3 +248,90 @@ def test_every_outcome_has_its_own_code():
     from draftsmith.monitor import Outcome
 
     assert not {int(outcome) for outcome in Outcome} & set(codes)  # the monitor's 0, 10, 11, 12, 13
+
+
+RESUME = "run the same command with train.resume=true to continue from it"
+
+
+def test_ctrl_c_during_training_says_how_to_continue(tmp_path, small_data, token_cache, monkeypatch, capsys):
+    """Ctrl-C said `interrupted` only, and the same command was then refused (`holds an earlier run`): the line
+    names the checkpoint kept and train.resume=true, as SIGTERM's does, or says that none was saved yet."""
+    import draftsmith.trainer.loop as loop
+
+    real = loop.save_if_due
+
+    def interrupted_at(step: int):
+        def save_then_interrupt(run, output_dir):
+            real(run, output_dir)
+            if run.state.step == step:
+                raise KeyboardInterrupt
+
+        return save_then_interrupt
+
+    args = train_args(tmp_path / "run", small_data, token_cache, "data.max_conversations=8", "train.max_steps=4")
+    monkeypatch.setattr(loop, "save_if_due", interrupted_at(1))
+    result = run_entry_in_process(["train.py", *args, "train.save_every=2"], capsys)
+    assert_one_line_error(result, 130, "run the same command with train.resume=true to start again", "interrupted: ")
+    monkeypatch.setattr(loop, "save_if_due", interrupted_at(2))
+    result = run_entry_in_process(["train.py", *args, "train.save_every=2", "train.resume=true"], capsys)
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_0000002"
+    line = assert_one_line_error(result, 130, prefix="interrupted: ")
+    assert line == f"interrupted: checkpoint {checkpoint} is kept: {RESUME}"
+
+
+@pytest.fixture
+def write_target(capsys):
+    """`python -m draftsmith.random_target ARGS` in this process: its exit code, stdout and stderr."""
+    from draftsmith.random_target import main
+
+    def run(*args: str):
+        with pytest.raises(SystemExit) as exited:
+            main(list(args))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, exited.value.code, out, err)
+
+    return run
+
+
+def test_random_target_refuses_a_folder_it_cannot_write_before_building(tmp_path, write_target):
+    """A file given as DIRECTORY, a DIRECTORY under a file: a traceback and exit 1; a folder of other files, which
+    it wrote into: refused, as it is replaced. The target written twice to one folder replaces it."""
+    (tmp_path / "file").write_text("")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("")
+    refusals = {
+        "file": "DIRECTORY '{}' exists and is not a directory",
+        "file/sub": "cannot be created: {} is not a directory",
+        "notes": "holds files a target written here does not (todo.txt)",
+    }
+    for name, fragment in refusals.items():
+        path = tmp_path / name
+        shown = path if name != "file/sub" else tmp_path / "file"
+        assert_one_line_error(write_target("qwen3", str(path)), 2, fragment.format(shown), alone=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "notes"]
+    for _ in range(2):
+        done = write_target("qwen3", str(tmp_path / "target"))
+        assert done.returncode == 0 and done.stdout == f"{tmp_path / 'target'}\n", done.stderr[-500:]
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (tmp_path / "target").iterdir()}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "notes", "target"]
+
+
+@pytest.mark.parametrize("fault, code", [("full disk", 74), ("SIGTERM", 75), ("Ctrl-C", 130)])
+def test_random_target_stopped_while_writing_leaves_no_target(tmp_path, monkeypatch, write_target, fault, code):
+    """Stopped after the config and weights are written, before the tokenizer's files: a full disk left a
+    target without its tokenizer (a traceback, exit 1), SIGTERM killed it (143) and Ctrl-C printed a traceback;
+    now each is its one line and exit code, with nothing at DIRECTORY and no staging folder beside it."""
+    import draftsmith.random_target as random_target
+
+    def copy_fails(source, destination):
+        if fault == "full disk":
+            raise OSError(errno.ENOSPC, "No space left on device", str(destination))
+        if fault == "SIGTERM":
+            os.kill(os.getpid(), signal.SIGTERM)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(random_target.shutil, "copyfile", copy_fails)
+    done = write_target("qwen3", str(tmp_path / "target"))
+    prefix = {74: "I/O error: ", 75: "preempted: ", 130: "interrupted"}[code]
+    assert_one_line_error(done, code, prefix=prefix)  # after the weights' progress bar
+    assert list(tmp_path.iterdir()) == []

@@ -382,11 +382,15 @@ def test_default_taps_of_a_hybrid_linear_attention_target_are_attention_layers()
 def test_random_target_command_writes_a_target_or_one_line(tmp_path, capsys):
     from draftsmith.random_target import main
 
-    assert main(["qwen3", str(tmp_path / "qwen3"), "--seed-from-demo"]) == 0
+    with pytest.raises(SystemExit) as done:
+        main(["qwen3", str(tmp_path / "qwen3"), "--seed-from-demo"])
+    assert done.value.code == 0
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (tmp_path / "qwen3").iterdir()}
     capsys.readouterr()
-    done = subprocess.CompletedProcess([], main(["no_such_family", str(tmp_path / "x")]), "", capsys.readouterr().err)
-    assert assert_one_line_error(done, 2).startswith("error: transformers has no model type 'no_such_family'")
+    with pytest.raises(SystemExit) as done:
+        main(["no_such_family", str(tmp_path / "x")])
+    refused = subprocess.CompletedProcess([], done.value.code, "", capsys.readouterr().err)
+    assert assert_one_line_error(refused, 2).startswith("error: transformers has no model type 'no_such_family'")
     assert not (tmp_path / "x").exists()
 
 
@@ -413,9 +417,9 @@ def test_a_linear_attention_target_refuses_an_eval_it_cannot_run_before_training
 ):
     """Qwen3-Next trains and decodes chains; the eval stage's tree and batch settings are refused in one
     line when the run starts (the target's config read), not after the training."""
-    from draftsmith.random_target import main
+    from draftsmith.random_target import write_random_target
 
-    assert main(["qwen3_next", str(tmp_path / "target")]) == 0
+    write_random_target("qwen3_next", tmp_path / "target")
     refusals = {("eval.tree=16",): "set eval.tree=0", ("eval.tree=0", "eval.batch_size=4"): "set eval.batch_size=1"}
     for settings, fragment in refusals.items():
         key = settings[-1].split("=")[0]

@@ -1199,3 +1199,137 @@ def test_a_retraining_s_outcome_is_its_check_s_and_a_stopped_training_says_the_m
     assert check(cfg) == Outcome.PROMOTED
     assert json.loads(record_path.read_text())["decision"]["outcome"] == "PROMOTED"
     assert State.load(directory).last_check["outcome"] == "PROMOTED"
+
+
+def test_watch_retries_a_hub_out_of_reach_as_an_engine_and_check_exits_69(tmp_path, monkeypatch, capsys):
+    """A Hub out of reach (the target of a replay, with no network) ended `watch` with exit 69, though the module
+    says it exits only on bad input or a signal and an engine that does not answer is retried. Now it is one line
+    and the next check tries again; a one-off `check` still exits 69."""
+    import os
+    import threading
+
+    import huggingface_hub.constants as constants
+
+    from draftsmith import model_files, target
+    from draftsmith.monitor import check as monitor_check
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    monkeypatch.setattr(model_files, "_hub_probes", {})
+    checks = []
+
+    def replaying(cfg):  # a check whose replay loads its target from the Hub, as run_eval does
+        checks.append(cfg)
+        target.load_config(target.target_section("acme/not-cached"))
+
+    monkeypatch.setattr(monitor_check, "check", replaying)
+    args = ["-m", "monitor", "watch", "recipe=medusa", f"output_dir={tmp_path}", "monitor.interval_s=1"]
+    threading.Timer(2.5, os.kill, (os.getpid(), signal.SIGTERM)).start()  # after two checks
+    result = run_entry_in_process(args, capsys)
+    assert result.returncode == 75, result.stderr[-2000:]
+    said = [line for line in result.stderr.splitlines() if line.startswith("Hub unavailable: ")]
+    assert len(checks) >= 2 and len(said) == len(checks) and "Traceback" not in result.stderr
+    assert "cannot load target 'acme/not-cached': We couldn't connect to 'http://127.0.0.1:9'" in said[0]
+    assert said[0].endswith("; the next check is in 1 s")
+
+    result = run_entry_in_process(["-m", "monitor", "check", *args[3:]], capsys)
+    assert_one_line_error(result, 69, "'acme/not-cached': We couldn't connect", prefix="Hub unavailable: ")
+
+
+class DiskFull(OSError):
+    def __init__(self):
+        super().__init__(28, "No space left on device")
+
+
+def full_disk_writing(requests, path):
+    """write_conversations on a full disk: its temporary file left, ENOSPC."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_name(path.name + ".tmp").write_text("{")
+    raise DiskFull()
+
+
+@pytest.mark.parametrize(
+    "failing, raised",
+    [
+        ("run_eval", UserError("cannot load target 'acme/model': not in the Hub cache, and HF_HUB_OFFLINE=1 ...")),
+        ("run_eval", KeyboardInterrupt()),
+        ("write_conversations", DiskFull()),
+    ],
+    ids=["bad_input", "ctrl_c", "disk_full"],
+)
+def test_a_check_that_does_not_finish_leaves_no_folder_and_the_next_takes_its_number(
+    tmp_path, monkeypatch, failing, raised
+):
+    """A check stopped by the Hub (exit 69), bad input (exit 2), Ctrl-C or a full disk left
+    `checks/00001/traffic_sample.jsonl` (or its `.tmp`) with no record beside it. Now it leaves nothing, the next
+    check takes its number, and a folder a killed check left under that number is removed first."""
+    from draftsmith.eval import report
+    from draftsmith.monitor import check as monitor_check
+    from draftsmith.monitor.check import check
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    ask = {"messages": [{"role": "user", "content": "hi"}], "domain": "chat", "timestamp": time.time()}
+    (logs / "requests.jsonl").write_text(json.dumps(ask) + "\n")
+    folder = served_export(tmp_path / "export" / "vllm", engine_settings=checked_in(SERVED))
+    common = ["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}", "monitor.retrain=false"]
+
+    def fails(*args, **kwargs):
+        raise raised
+
+    if failing == "run_eval":
+        monkeypatch.setattr(report, "run_eval", fails)
+    else:
+        monkeypatch.setattr(monitor_check, "write_conversations", full_disk_writing)
+    with pytest.raises(type(raised)):
+        check(load_recipe([*common, f"monitor.traffic={logs}"]))
+    state_dir = tmp_path / "run" / "monitor"
+    assert not (state_dir / "checks").exists() and not (state_dir / "state.json").exists()
+
+    killed = state_dir / "checks" / "00001"  # as a check killed (SIGKILL) during its replay leaves it
+    killed.mkdir(parents=True)
+    (killed / "traffic_sample.jsonl").write_text("{}\n")
+    engine = FakeEngine()
+    try:
+        assert check(load_recipe([*common, f"monitor.metrics=[{engine.url}]"])) == Outcome.HEALTHY
+    finally:
+        engine.server.shutdown()
+    assert sorted(path.name for path in (state_dir / "checks").iterdir()) == ["00001.json"]
+    assert check_record(tmp_path, 1)["check"] == 1
+
+
+def test_a_request_log_that_cannot_be_read_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    """An unreadable log was exit 70 (PermissionError); a folder of logs that cannot be listed was skipped, its
+    requests missing from every check. Each is one line naming it, exit 2, nothing written."""
+    import os
+
+    logs = tmp_path / "logs"
+    (logs / "older").mkdir(parents=True)
+    ask = {"messages": [{"role": "user", "content": "hi"}], "domain": "chat", "timestamp": time.time()}
+    for path in (logs / "a.jsonl", logs / "older" / "b.jsonl"):
+        path.write_text(json.dumps(ask) + "\n")
+    folder = served_export(tmp_path / "export" / "vllm")
+    args = ["-m", "monitor", "check", "recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}",
+            f"monitor.traffic={logs}", "monitor.retrain=false"]  # fmt: skip
+    real_read, real_scandir = Path.read_bytes, os.scandir
+
+    def read_bytes(path):
+        if path == logs / "a.jsonl":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_read(path)
+
+    def scandir(path="."):
+        if Path(path) == logs / "older":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Path, "read_bytes", read_bytes)
+        result = run_entry_in_process(args, capsys)
+    assert_one_line_error(result, 2, f"monitor.traffic: cannot read {logs / 'a.jsonl'}: permission denied")
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "scandir", scandir)
+        result = run_entry_in_process(args, capsys)
+    assert_one_line_error(result, 2, f"monitor.traffic: cannot read {logs / 'older'}: permission denied")
+    assert not (tmp_path / "run" / "monitor" / "state.json").exists()

@@ -18,7 +18,7 @@ import logging
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers import AutoModelForCausalLM
 
 from draftsmith.errors import UserError
 from draftsmith.eval.loop import generate
@@ -30,7 +30,14 @@ from draftsmith.heads.mtp_layer import read_layer, shipped_shapes
 from draftsmith.random_target import write_random_target
 from draftsmith.recipe import load_recipe
 from draftsmith.target import TargetShape, load_target, local_target_shape, run_target
-from tests.helpers import REFERENCE_TARGET, assert_one_line_error, first_records, run_entry_in_process, save_drafter
+from tests.helpers import (
+    REFERENCE_TARGET,
+    assert_one_line_error,
+    benchmark_module,
+    first_records,
+    run_entry_in_process,
+    save_drafter,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -157,28 +164,8 @@ def test_targets_without_a_served_mtp_layer_are_refused_in_one_line(tmp_path):
 
 
 # Qwen3.5's releases: vision-language wrapper -> its language model's family (random_target builds that alone)
-WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
-VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "num_position_embeddings": 16}
-
-
-def write_random_wrapper(model_type: str, directory):
-    """A tiny vision-language wrapper laid out as Qwen3.5's releases are: a random vision tower beside the language
-    model under `model.language_model.*` (a tiny text target's weights), then a random MTP layer (`mtp.*`, its
-    count in text_config)."""
-    text = write_random_target(WRAPPERS[model_type], directory / "text", **SHAPE)
-    text_config = json.loads((text / "config.json").read_text())
-    del text_config["architectures"]  # the wrapper's config names its own only
-    config = AutoConfig.for_model(model_type, text_config=text_config, vision_config={**VISION, "out_hidden_size": 64})
-    AutoModelForImageTextToText.from_config(config).save_pretrained(directory / "wrapper")
-    weights = directory / "wrapper" / "model.safetensors"
-    tensors = load_file(str(weights))
-    for name, tensor in load_file(str(text / "model.safetensors")).items():
-        tensors[name.replace("model.", "model.language_model.", 1)] = tensor
-    save_file(tensors, str(weights), metadata={"format": "pt"})
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        (directory / "wrapper" / name).write_bytes((text / name).read_bytes())
-    write_random_layer(directory / "wrapper")
-    return directory / "wrapper"
+MATRIX = benchmark_module("target_matrix")  # its wrappers, as the benchmark's rows serve them
+WRAPPERS = MATRIX.WRAPPERS
 
 
 @pytest.mark.parametrize("model_type", WRAPPERS)
@@ -188,7 +175,8 @@ def test_a_released_vision_language_wrappers_layer_trains_and_exports_as_its_lan
     (`mtp.*`), trains, decodes losslessly, and exports as for a text-only target: the language model's config
     with one MTP layer, which vLLM 0.32 serves as Qwen3_5MTP / Qwen3_5MoeMTP, and the layer under the shipped
     names and shapes (the experts fused as the MoE releases ship them)."""
-    folder = write_random_wrapper(model_type, tmp_path)
+    folder = MATRIX.write_random_wrapper(model_type, tmp_path, **SHAPE)
+    write_random_layer(folder)  # the MTP layer at the top of the checkpoint, as the releases ship it
     MTP.Config().check(local_target_shape(str(folder)))  # the wrapper's config.json and safetensors headers
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().requires_grad_(False)
     architecture = type(model).__name__

@@ -388,6 +388,20 @@ def check_earlier_run(cfg: DictConfig) -> None:
     )
 
 
+def after_interrupt(output_dir: Path) -> str:
+    """What to do after Ctrl-C stopped a run, for its `interrupted` line: once the run has written anything, the
+    same command alone is refused (`check_earlier_run`), as after SIGTERM."""
+    steps = completed_checkpoints(output_dir)
+    if steps:
+        return f"checkpoint {steps[-1]} is kept: run the same command with train.resume=true to continue from it"
+    if (output_dir / FINAL_DIR).exists():  # train.resume=true refuses a finished run without a checkpoint
+        final = output_dir / FINAL_DIR
+        return f"the trained drafter is in {final}: evaluate it with the eval command and checkpoint={final}"
+    if earlier_run(output_dir):
+        return "no checkpoint was saved yet: run the same command with train.resume=true to start again from step 0"
+    return "nothing was written: run the same command again"
+
+
 def claim_output_dir(cfg: DictConfig, state):
     """Hold the output directory for this job (`state`: accelerate's PartialState): locked, and
     checked for an earlier run, before any rank writes."""

@@ -7,6 +7,7 @@ SIGTERM saves a checkpoint and exits 75; train.resume=true continues bit-identic
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def main(argv: Sequence[str]) -> None:
@@ -15,19 +16,25 @@ def main(argv: Sequence[str]) -> None:
     from draftsmith.recipe import load_train_recipe
 
     cfg = load_train_recipe(argv)  # validate before any model or data is touched
+    from draftsmith.formats.folder import require_drafter_folder
+
+    require_drafter_folder(cfg)
     import torch
     from accelerate import PartialState
 
     from draftsmith.threads import set_cpu_threads
-    from draftsmith.trainer.checkpoint import claim_output_dir
+    from draftsmith.trainer.checkpoint import after_interrupt, claim_output_dir
     from draftsmith.trainer.loop import train
 
     set_cpu_threads(cfg.train.cpu_threads)  # accelerate launch's OMP_NUM_THREADS=1 is not a choice (threads.py)
 
     state = PartialState(cpu=not torch.cuda.is_available())
-    with claim_output_dir(cfg, state):
-        train(cfg)
-        if state.is_main_process:
-            from draftsmith.eval.report import evaluate_trained_run
+    try:
+        with claim_output_dir(cfg, state):
+            train(cfg)
+            if state.is_main_process:
+                from draftsmith.eval.report import evaluate_trained_run
 
-            evaluate_trained_run(cfg)
+                evaluate_trained_run(cfg)
+    except KeyboardInterrupt:  # Ctrl-C: the line says how to continue (run_cli prints it), as SIGTERM's does
+        raise KeyboardInterrupt(after_interrupt(Path(cfg.output_dir))) from None

@@ -1,0 +1,163 @@
+"""Loading the target (draftsmith/target.py): a Hub id out of reach fails at once, in its one line, and a model in
+the Hub cache still loads; a local folder that cannot be read is named as such, not as what transformers makes of
+it ("No such file or directory", "Should have a `model_type` key")."""
+
+from __future__ import annotations
+
+import builtins
+import os
+from pathlib import Path
+
+import pytest
+
+from draftsmith import model_files
+from draftsmith.errors import UserError, outcome
+from draftsmith.model_files import not_loadable
+from draftsmith.target import load_config, load_target, load_tokenizer, target_section
+from tests.helpers import tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def hub_out_of_reach(tmp_path, monkeypatch):
+    """The Hub at an address nothing listens on, with an empty cache and network access allowed (the tests run
+    with HF_HUB_OFFLINE=1); counts the probes, and fails any retry's sleep (huggingface_hub's 25 s of them)."""
+    import huggingface_hub
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    monkeypatch.setattr(model_files, "_hub_probes", {})
+
+    def no_retry(seconds):
+        raise AssertionError(f"a request was retried (a {seconds} s sleep)")
+
+    monkeypatch.setattr("time.sleep", no_retry)
+    probes = []
+    session = huggingface_hub.get_session
+
+    def counted():
+        probes.append(1)
+        return session()
+
+    monkeypatch.setattr(huggingface_hub, "get_session", counted)
+    return probes
+
+
+def test_a_hub_out_of_reach_is_asked_once_and_every_load_fails_at_once_in_its_line(hub_out_of_reach, caplog):
+    """A Hub id with no network printed 11 lines of huggingface_hub's retries over about 25 s before the line,
+    and export and sweep, which load the target twice, twice that. One probe now finds the Hub out of reach, every
+    load of the command reads the Hub cache alone, and each ends in the line it ended in (exit 69)."""
+    section = target_section("acme/not-cached")
+    with caplog.at_level("WARNING"):
+        for load in (load_config, load_tokenizer, load_target):
+            with pytest.raises(UserError) as err:
+                load(section)
+            code, line = outcome(err.value)
+            assert code == 69 and line.startswith("Hub unavailable: cannot load ")
+            assert "We couldn't connect to 'http://127.0.0.1:9'" in line
+            assert line.endswith("or set HF_HUB_OFFLINE=1 to read the Hub cache only)")
+    assert len(hub_out_of_reach) == 1  # the answer is remembered for the loads that follow
+    assert "Retrying" not in caplog.text and "thrown while requesting" not in caplog.text
+
+
+def test_a_target_in_the_hub_cache_loads_while_the_hub_is_out_of_reach(hub_out_of_reach, tmp_path):
+    """huggingface_hub falls back to its cache after its retries; the cache alone is read at once instead."""
+    import huggingface_hub.constants as constants
+
+    commit = "0" * 40
+    repo = Path(constants.HF_HUB_CACHE) / "models--acme--tiny"
+    tiny_llama(vocab=40).save_pretrained(repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    model = load_target("acme/tiny")
+    assert model.config.vocab_size == 40 and not model.training
+    assert len(hub_out_of_reach) == 1
+
+
+@pytest.fixture
+def saved_target(tmp_path) -> Path:
+    folder = tmp_path / "target"
+    tiny_llama(vocab=40).save_pretrained(folder)
+    return folder
+
+
+def denied_to_open(monkeypatch, path: Path) -> None:
+    """open(path) raises PermissionError, as for a file of another user's with mode 600."""
+    real_open = builtins.open
+
+    def guarded(file, *args, **kwargs):
+        if os.fspath(file) == str(path):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", guarded)
+
+
+def test_a_target_file_that_cannot_be_read_is_named(saved_target, monkeypatch):
+    """Unreadable weights said "No such file or directory: .../model.safetensors" (safetensors' line for EACCES);
+    an unreadable config.json transformers' own reason. Both say the file cannot be read, exit 2."""
+    weights = saved_target / "model.safetensors"
+    denied_to_open(monkeypatch, weights)
+    import transformers.modeling_utils
+
+    def safetensors_open(file, *args, **kwargs):  # what safetensors raises for a file it may not open
+        raise FileNotFoundError(f"No such file or directory: {file}")
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_open", safetensors_open)
+    with pytest.raises(UserError) as err:
+        load_target(str(saved_target))
+    assert outcome(err.value) == (
+        2,
+        f"error: cannot load target '{saved_target}': cannot read {weights}: permission denied",
+    )
+    load_config(target_section(str(saved_target)))  # the config alone is read as before
+
+    config = saved_target / "config.json"
+    denied_to_open(monkeypatch, config)
+    with pytest.raises(UserError, match=f"cannot read {config}: permission denied$"):
+        load_config(target_section(str(saved_target)))
+
+
+def test_a_target_folder_that_cannot_be_read_is_named_and_another_failure_is_not_blamed_on_it(
+    saved_target, monkeypatch
+):
+    """An unreadable folder said "Unrecognized model in ... Should have a `model_type` key". A failure that does not
+    name the unreadable file (a tokenizer missing beside weights that cannot be read) keeps transformers' reason."""
+    unrecognized = ValueError(
+        f"Unrecognized model in {saved_target}. Should have a `model_type` key in its config.json."
+    )
+    real_scandir = os.scandir
+
+    def listing(path="."):
+        if os.fspath(path) == str(saved_target):
+            raise PermissionError(13, "Permission denied", str(saved_target))
+        return real_scandir(path)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "scandir", listing)
+        line = str(not_loadable(f"cannot load target '{saved_target}'", unrecognized, str(saved_target)))
+    assert line == f"cannot load target '{saved_target}': cannot read {saved_target}: permission denied"
+
+    denied_to_open(monkeypatch, saved_target / "model.safetensors")
+    no_tokenizer = OSError("Couldn't instantiate the backend tokenizer")
+    line = str(not_loadable("cannot load the tokenizer", no_tokenizer, str(saved_target)))
+    assert line == "cannot load the tokenizer: Couldn't instantiate the backend tokenizer"
+
+
+def test_a_released_assistant_not_in_the_cache_offline_says_so(monkeypatch, tmp_path):
+    """`drafter.released_assistant=org/assistant` with HF_HUB_OFFLINE=1 said "We couldn't connect to
+    'https://huggingface.co'", which it never tried."""
+    import huggingface_hub.constants as constants
+
+    from draftsmith.heads.gemma4_assistant import load_released
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    with pytest.raises(UserError) as err:
+        load_released("acme/assistant", 64)
+    code, line = outcome(err.value)
+    assert code == 2 and line.startswith("error: cannot load drafter.released_assistant='acme/assistant': not in")
+    assert "HF_HUB_OFFLINE=1 forbids downloading it: download it once with a network, or give a local folder" in line
