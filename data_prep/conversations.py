@@ -28,6 +28,7 @@ from draftsmith.data_prep.turns import REASONING_KEYS as REASONING_KEYS
 from draftsmith.data_prep.turns import ROLES as ROLES
 from draftsmith.data_prep.turns import TURN_FEATURES, normalize_turn
 from draftsmith.errors import HubUnavailable, UserError, one_line
+from draftsmith.model_files import endpoint_out_of_reach
 
 logger = logging.getLogger("draftsmith.data")
 
@@ -132,9 +133,19 @@ def _suffixes() -> str:
 def _load_hub(source: str) -> datasets.Dataset:
     repo, _, split = source.partition(":")
     split = split or "train"
+    # one quick request first: datasets would retry its own for about 25 s, logging every try, before reading its
+    # cache all the same
+    out_of_reach = None if datasets.config.HF_HUB_OFFLINE else endpoint_out_of_reach(datasets.config.HF_ENDPOINT)
     try:
-        dataset = datasets.load_dataset(repo, split=split)
+        with _datasets_offline(out_of_reach is not None):
+            dataset = datasets.load_dataset(repo, split=split)
     except ConnectionError as err:  # datasets' line for a Hub it could not reach, the request's error dropped
+        if out_of_reach is not None:  # not in the cache, which alone was read
+            raise HubUnavailable(
+                f"cannot load data set {repo!r} (split {split!r}): ConnectionError: Couldn't reach {repo!r} on the "
+                f"Hub ({_one_line(out_of_reach)}); run the same command again when the Hub can be reached, or give "
+                "local files"
+            ) from None
         if datasets.config.HF_HUB_OFFLINE:  # no request was made: a data set not in the cache is the input's fault
             raise UserError(
                 f"data set {repo!r} is not in the datasets cache, and HF_HUB_OFFLINE=1 forbids downloading it: "
@@ -150,6 +161,18 @@ def _load_hub(source: str) -> datasets.Dataset:
     if len(dataset) == 0:
         raise UserError(f"data set {source!r} has no records")
     return dataset
+
+
+@contextlib.contextmanager
+def _datasets_offline(offline: bool) -> Iterator[None]:
+    """With `offline`, datasets reads its cache alone, as with HF_HUB_OFFLINE=1: it has no per-call way to (its
+    DownloadConfig.local_files_only is not consulted where it looks a data set up on the Hub)."""
+    kept = datasets.config.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = kept or offline
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE = kept
 
 
 def _load_file(path: str, skip_invalid_utf8: bool = False) -> datasets.Dataset:

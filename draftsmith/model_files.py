@@ -25,18 +25,27 @@ def hub_out_of_reach(name_or_path: str) -> Optional[Exception]:
     (no request is made) or when the Hub answers. Where it is out of reach a load reads the Hub cache alone
     (`local_files_only`): huggingface_hub would retry each file's request for about 25 s, logging every try, and then
     read the cache all the same."""
-    from huggingface_hub import constants, get_session
+    from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE or Path(name_or_path).expanduser().is_dir():
         return None
-    asked, failure = _hub_probes.get(constants.ENDPOINT, (-HUB_PROBE_TTL_S, None))
+    return endpoint_out_of_reach(constants.ENDPOINT)
+
+
+def endpoint_out_of_reach(endpoint: str) -> Optional[Exception]:
+    """The failure of one request to the Hub at `endpoint` (no answer within HF_HUB_ETAG_TIMEOUT), remembered for
+    HUB_PROBE_TTL_S; None when it answers. A Hub data set's load (data_prep/conversations.py) asks it of datasets'
+    endpoint, a model's (`hub_out_of_reach`) of huggingface_hub's."""
+    from huggingface_hub import constants, get_session
+
+    asked, failure = _hub_probes.get(endpoint, (-HUB_PROBE_TTL_S, None))
     if time.monotonic() - asked >= HUB_PROBE_TTL_S:
         try:  # any answer, an error status too, is the Hub's: only no answer is out of reach
-            get_session().head(constants.ENDPOINT, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+            get_session().head(endpoint, timeout=constants.HF_HUB_ETAG_TIMEOUT)
             failure = None
         except Exception as err:  # noqa: BLE001 - the HTTP client's transport error, whose class differs by version
             failure = err
-        _hub_probes[constants.ENDPOINT] = (time.monotonic(), failure)
+        _hub_probes[endpoint] = (time.monotonic(), failure)
     return failure
 
 

@@ -95,8 +95,9 @@ def require_inputs(settings: DictConfig) -> None:
 
 def summary(cfg: DictConfig, outcome: Outcome) -> str:
     """The one line `python -m monitor` prints for a check: its outcome and why; for a drift (exit 10) the
-    figures that drifted and what the check waits for, for a rejected retraining (exit 11) the gate's τ, and for
-    a re-verify what to run."""
+    figures that drifted and what the check waits for (for an abandoned retraining, the figures of the check that
+    started it), for a retraining (exit 11, 12) the gate's τ and, when promoted, what to serve, and for a
+    re-verify what to run."""
     state = State.load(state_dir_of(cfg))
     last = state.last_check or {}
     if outcome == Outcome.REVERIFY:
@@ -104,12 +105,16 @@ def summary(cfg: DictConfig, outcome: Outcome) -> str:
     # exit 0 is "no drift found": healthy only when everything measured was judged so, else the verdict
     said = last.get("verdict", HEALTHY) if outcome == Outcome.HEALTHY else outcome.name.lower()
     why = []
-    if outcome == Outcome.DRIFT:
+    if outcome == Outcome.DRIFT and last.get("abandoned"):
+        # a check with monitor.retrain=false may have run since the one that started the retraining: its figures
+        # and action are not what the retraining answered (none recorded: a retraining from an older draftsmith)
+        why.append(state.last_retrain.get("drift"))
+    elif outcome == Outcome.DRIFT:
         why.append(last.get("reason"))
         if last.get("action") != "retrain":  # a drift that started a retraining ended with it (the note says how)
             why.append(last.get("action"))
-    elif outcome == Outcome.REJECTED:
-        why.append(state.last_retrain["reason"])
+    elif outcome in (Outcome.REJECTED, Outcome.PROMOTED):
+        why.append(state.last_retrain.get("reason"))
     said += f": {'; '.join(part for part in why if part)}" if any(why) else ""
     return f"monitor: {said}" + (f" ({last['note']})" if last.get("note") else "")
 
@@ -239,11 +244,13 @@ def record_check(
     directory: Path, state: State, record: dict[str, Any], drift: bool, outcome: Outcome, action: str, now: float
 ) -> None:
     """The check's decision into its record (`checks/<n>.json`, TensorBoard) and the state file, with
-    the retraining to run when that is the action."""
+    the retraining to run when that is the action, with the figures that started it."""
+    reason = drift_reason(record) if drift else None
     if action == "retrain":
         state.pipeline = {
             "id": f"retrain_{state.checks:05d}",
             "started": record["time"],
+            "drift": reason,
             "domains": drifted_domains(record),
             "deployed": record["deployed"],
             "done": {},
@@ -258,7 +265,7 @@ def record_check(
         "outcome": named,
     }
     if drift:
-        record["decision"]["reason"] = drift_reason(record)
+        record["decision"]["reason"] = reason
     path = write_record(directory, state.checks, record, now)
     state.last_check = {
         "time": record["time"],

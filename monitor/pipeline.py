@@ -240,9 +240,22 @@ def step_record(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -
         "export": exported["folders"][engine], "revision": exported["revision"], "baseline": exported["report"],
         "checkpoint": str(checkpoint), "sha256": checkpoint_digest(checkpoint),
     }  # fmt: skip
+    replaced = state.pipeline["deployed"]
     finish(state, promoted=True, cooldown_s=cfg.monitor.cooldown_s)
+    state.last_retrain["reason"] = promotion_reason(state, replaced, cfg.monitor)
     state.revisions.append({**state.deployed, "folders": exported["folders"], "gate": state.last_retrain["gate"]})
     state.save(directory)
+
+
+def promotion_reason(state: State, replaced: dict[str, Any], settings: DictConfig) -> str:
+    """The check's line for a promoted retraining (exit 12): the revision and where it is, the gate's τ that
+    promoted it, and what to serve in place of the drafter it replaced."""
+    deployed, gate = state.deployed, state.last_retrain["gate"]
+    return (
+        f"revision {deployed['revision']} in {Path(deployed['export']).parent}: {gate_taus(gate, settings)}: serve "
+        f"{deployed['export']} in place of {replaced['export']} (state.json's deployed.export, which a redeploy hook "
+        f"on exit 12 rolls out); no retraining starts before {iso_seconds(state.cooldown_until)} (monitor.cooldown_s)"
+    )
 
 
 def reject(directory: Path, state: State, settings: DictConfig) -> Outcome:
@@ -255,8 +268,16 @@ def reject(directory: Path, state: State, settings: DictConfig) -> Outcome:
 
 
 def gate_reason(gate: dict[str, Any], settings: DictConfig, cooldown_until: float) -> str:
-    """The gate's measure of a rejected retraining, for the check's line: τ (tokens per target forward) of the
-    deployed and the retrained drafter on the drifted and new domains and on the old ones, against what it needs."""
+    """The check's line for a rejected retraining (exit 11): the gate's τ, and until when no retraining starts."""
+    return (
+        f"{gate_taus(gate, settings)}: the deployed drafter stays, and no retraining starts before "
+        f"{iso_seconds(cooldown_until)} (monitor.cooldown_s)"
+    )
+
+
+def gate_taus(gate: dict[str, Any], settings: DictConfig) -> str:
+    """The gate's measure: τ (tokens per target forward) of the deployed and the retrained drafter on the drifted
+    and new domains and on the old ones, against what it needs."""
     tau = gate["tau"]
     said = (
         f"the retrained drafter's τ on the drifted and new domains ({', '.join(gate['new_domains'])}) "
@@ -269,8 +290,11 @@ def gate_reason(gate: dict[str, Any], settings: DictConfig, cooldown_until: floa
             f"{tau['candidate']['old']:.3f} ({gate['change_old']:+.1%}; the gate needs {-settings.gate_max_loss:+.1%} "
             "or more)"
         )
-    until = datetime.datetime.fromtimestamp(cooldown_until, datetime.timezone.utc).isoformat(timespec="seconds")
-    return f"{said}: the deployed drafter stays, and no retraining starts before {until} (monitor.cooldown_s)"
+    return said
+
+
+def iso_seconds(timestamp: float) -> str:
+    return datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def abandon(directory: Path, state: State, reason: str) -> Outcome:
@@ -280,10 +304,11 @@ def abandon(directory: Path, state: State, reason: str) -> Outcome:
     log.warning("monitor: the retraining %s is abandoned: %s", pipeline["id"], reason)
     state.last_retrain = {"id": pipeline["id"], "promoted": False, "abandoned": reason,
                           "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                          "domains": pipeline["domains"]}  # fmt: skip
+                          "domains": pipeline["domains"], "drift": pipeline.get("drift")}  # fmt: skip
     state.consecutive_drift = 0
     state.pipeline = None
-    if state.last_check is not None:
+    if state.last_check is not None:  # the check's line: the drift that started the retraining, and why it ended
+        state.last_check["abandoned"] = pipeline["id"]
         state.last_check["note"] = f"retraining {pipeline['id']} abandoned: {reason}"
     state.save(directory)
     return Outcome.DRIFT

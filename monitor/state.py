@@ -28,7 +28,8 @@ class State:
     cooldown_until: float = 0.0
     last_check: Optional[dict[str, Any]] = None  # {"time", "record", "outcome", "action", "verdict"}
     last_retrain: Optional[dict[str, Any]] = None
-    pipeline: Optional[dict[str, Any]] = None  # the retraining in progress: {"id", "domains", "done": {step: result}}
+    # the retraining in progress: {"id", "drift" (the figures that started it), "domains", "done": {step: result}}
+    pipeline: Optional[dict[str, Any]] = None
     revisions: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod

@@ -759,3 +759,27 @@ def train_and_export_for_vllm(args: list[str], vllm_python: str, export_dir: Pat
         "verified": json.loads((folder / EXPORT_INFO).read_text())["verified"],
         "layer_family": config.get("transformer_layer_config", {}).get("model_type"),
     }
+
+
+def counted_hub_probes(monkeypatch) -> list[int]:
+    """draftsmith's Hub reachability check made afresh (none remembered), its requests counted (the list grows by
+    one a request), and any retry's sleep a failure (huggingface_hub's retries take about 25 s)."""
+    import huggingface_hub
+
+    from draftsmith import model_files
+
+    monkeypatch.setattr(model_files, "_hub_probes", {})
+
+    def no_retry(seconds):
+        raise AssertionError(f"a request was retried (a {seconds} s sleep)")
+
+    monkeypatch.setattr("time.sleep", no_retry)
+    probes = []
+    session = huggingface_hub.get_session
+
+    def counted():
+        probes.append(1)
+        return session()
+
+    monkeypatch.setattr(huggingface_hub, "get_session", counted)
+    return probes

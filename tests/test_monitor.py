@@ -566,6 +566,45 @@ def test_a_rejected_retraining_s_line_says_the_gate_s_tau(tmp_path):
     )
 
 
+def test_a_promoted_retraining_s_line_says_the_gate_s_tau_and_what_to_serve(tmp_path):
+    """Exit 12's line was `monitor: promoted`: now it names the revision and its folder, τ of the deployed and the
+    retrained drafter on the retrained domains and the old ones, the export to serve in place of the deployed one,
+    and until when no retraining starts."""
+    from draftsmith.monitor.check import check, summary
+    from draftsmith.monitor.state import State
+
+    folder, logs, directory = (
+        served_export(tmp_path / "export" / "vllm"),
+        tmp_path / "logs",
+        tmp_path / "run" / "monitor",
+    )
+    logs.mkdir()
+    checkpoint = tmp_path / "retrain" / "final"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "config.json").write_text("{}")
+    revision = directory / "exports" / "rev_0001"
+    tau = {"deployed": {"new": 1.02, "old": 1.21}, "candidate": {"new": 1.1, "old": 1.2}}
+    gate = {"promote": True, "new_domains": ["code"], "old_domains": ["math"], "gain_new": 0.0784,
+            "change_old": -0.0083, "tau": tau, "per_domain": {}}  # fmt: skip
+    exported = {"revision": 1, "folders": {"vllm": str(revision / "vllm")}, "report": str(tmp_path / "report.json")}
+    done = {"sample": {}, "regenerate": {}, "train": {"checkpoint": str(checkpoint)}, "evaluate": {}, "gate": gate,
+            "export": exported}  # fmt: skip
+    pipeline = {"id": "retrain_00002", "started": "2026-11-30T10:00:00+00:00", "domains": ["code"], "done": done,
+                "deployed": {"export": str(folder), "revision": 0, "sha256": "0" * 64}}  # fmt: skip
+    State(checks=2, consecutive_drift=2, pipeline=pipeline).save(directory)
+    cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}",
+                       f"monitor.traffic={logs}"])  # fmt: skip
+    assert check(cfg) == Outcome.PROMOTED
+    until = datetime.datetime.fromtimestamp(State.load(directory).cooldown_until, datetime.timezone.utc)
+    assert summary(cfg, Outcome.PROMOTED) == (
+        f"monitor: promoted: revision 1 in {revision}: the retrained drafter's τ on the drifted and new domains "
+        "(code) 1.020 → 1.100 (+7.8%; the gate needs +2.0% or more), on the old domains (math) 1.210 → 1.200 (-0.8%; "
+        f"the gate needs -2.0% or more): serve {revision / 'vllm'} in place of {folder} (state.json's "
+        "deployed.export, which a redeploy hook on exit 12 rolls out); no retraining starts before "
+        f"{until.isoformat(timespec='seconds')} (monitor.cooldown_s)"
+    )
+
+
 def test_a_medusa_drafter_served_by_vllm_0_33_is_told_what_serves_it_not_an_export_vllm_refuses(tmp_path):
     """vLLM 0.33 removed Medusa, and the export refuses to check a Medusa drafter there: the re-verify line
     advised that export all the same. It now names no command for the versions that cannot serve the kind
@@ -700,6 +739,46 @@ def test_a_retraining_whose_drifted_domains_left_the_traffic_window_is_abandoned
         assert check(cfg) == Outcome.HEALTHY  # a check as any other: the counters' window starts
     finally:
         engine.server.shutdown()
+
+
+def test_an_abandoned_retraining_s_line_has_the_figures_of_the_check_that_started_it(tmp_path, monkeypatch):
+    """A check with monitor.retrain=false between the check that started a retraining and the one that abandoned
+    it put its own figures and `report only` before the abandonment: the line now has the starting check's."""
+    from draftsmith.errors import Preempted
+    from draftsmith.monitor import pipeline
+    from draftsmith.monitor.check import check, summary
+    from draftsmith.monitor.state import State
+
+    folder, logs = served_export(tmp_path / "export" / "vllm"), tmp_path / "logs"
+    logs.mkdir()
+    ask = {"messages": [{"role": "user", "content": "hi"}], "domain": "code", "timestamp": time.time()}
+
+    def log_one_request(histogram):  # a single request: the retraining will have too little to start on
+        (logs / "requests.jsonl").write_text(json.dumps({**ask, "metrics": vllm_metrics(histogram)}) + "\n")
+
+    args = ["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}", f"monitor.traffic={logs}",
+            "monitor.consecutive=1"]  # fmt: skip
+
+    def stopped(cfg, directory, state):  # SIGTERM as the retraining starts: the next check resumes it
+        raise Preempted("stopped on SIGTERM")
+
+    log_one_request([300, 50, 30, 20])
+    with monkeypatch.context() as patched:
+        patched.setattr(pipeline, "run_pipeline", stopped)
+        with pytest.raises(Preempted):
+            check(load_recipe(args))
+    started = check_record(tmp_path, 1)["decision"]["reason"]
+    log_one_request([380, 10, 6, 4])
+    assert check(load_recipe([*args, "monitor.retrain=false"])) == Outcome.DRIFT
+    assert check_record(tmp_path, 2)["decision"]["reason"] != started
+    cfg = load_recipe(args)
+    assert check(cfg) == Outcome.DRIFT
+    assert State.load(tmp_path / "run" / "monitor").last_retrain["drift"] == started
+    assert summary(cfg, Outcome.DRIFT) == (
+        f"monitor: drift: {started} (retraining retrain_00001 abandoned: a single request of the drifted domains "
+        f"['code'] in {logs} within monitor.traffic_window_s to retrain on (it takes two: one to train on, one to "
+        "judge on))"
+    )
 
 
 def test_a_state_dir_of_another_drafter_is_refused_and_a_promoted_revision_is_said(tmp_path, capsys, caplog):

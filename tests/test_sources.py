@@ -6,17 +6,25 @@ eval's prompt reader."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import datasets
 import huggingface_hub.constants
 import pytest
 
+from draftsmith import model_files
 from draftsmith.data_prep import load_conversations
 from draftsmith.data_prep.sources import named_file
-from draftsmith.errors import UserError
+from draftsmith.errors import HubUnavailable, UserError, outcome
 from draftsmith.eval.prompts import load_prompts
 from draftsmith.target import load_tokenizer
-from tests.helpers import REFERENCE_TARGET, assert_one_line_error, run_entry_in_process, train_args
+from tests.helpers import (
+    REFERENCE_TARGET,
+    assert_one_line_error,
+    counted_hub_probes,
+    run_entry_in_process,
+    train_args,
+)
 
 
 def turn(speaker: str, text: str) -> dict:
@@ -197,9 +205,65 @@ def test_a_hub_data_set_out_of_reach_exits_69_and_one_not_cached_offline_exits_2
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(datasets.config, "HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(model_files, "_hub_probes", {})
     monkeypatch.setattr("time.sleep", lambda seconds: None)
     unreachable = run_entry_in_process(args, capsys)
     line = assert_one_line_error(unreachable, 69, "Couldn't reach 'acme/chats' on the Hub", prefix="Hub unavailable: ")
     assert line.startswith("Hub unavailable: cannot load data set 'acme/chats' (split 'train'): ConnectionError")
     assert line.endswith("run the same command again when the Hub can be reached, or give local files")
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.fixture
+def data_hub_out_of_reach(tmp_path, monkeypatch):
+    """datasets' Hub at an address nothing listens on, with empty caches and network access allowed (the tests run
+    with HF_HUB_OFFLINE=1); counts the probes, and fails any retry's sleep (huggingface_hub's 25 s of them)."""
+    import huggingface_hub
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    return counted_hub_probes(monkeypatch)
+
+
+def cache_as_hub_data_set(tmp_path, repo: str, records: list[dict]) -> None:
+    """Lay `records` out in datasets' cache as a load of the Hub data set `repo` leaves them."""
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    builder = datasets.load_dataset_builder(
+        "json", data_files=str(tmp_path / "chats.jsonl"), cache_dir=str(tmp_path / "json-cache")
+    )
+    builder.download_and_prepare()
+    owner, name = repo.split("/")
+    cached = tmp_path / "datasets-cache" / f"{owner}___{name}" / "default" / "0.0.0" / "0123abcd"
+    shutil.copytree(builder.cache_dir, cached, ignore=shutil.ignore_patterns("*.lock"))
+    (cached / "json-train.arrow").rename(cached / f"{name}-train.arrow")
+    info = json.loads((cached / "dataset_info.json").read_text())
+    (cached / "dataset_info.json").write_text(json.dumps({**info, "config_name": "default", "dataset_name": name}))
+
+
+def test_a_hub_data_set_out_of_reach_fails_at_once_and_one_in_the_cache_loads(data_hub_out_of_reach, tmp_path, caplog):
+    """A Hub data set id with no network printed 11 lines of huggingface_hub's retries over about 25 s before its
+    line (exit 69), or before reading datasets' cache. One probe (the one a Hub model id's load makes) now finds the
+    Hub out of reach and datasets reads its cache alone: a data set not in it is the same line at once, one in it
+    loads."""
+    with caplog.at_level("WARNING"):
+        with pytest.raises(HubUnavailable) as err:
+            load_conversations(["acme/chats"])
+        code, line = outcome(err.value)
+        assert code == 69 and line.startswith(
+            "Hub unavailable: cannot load data set 'acme/chats' (split 'train'): ConnectionError: "
+            "Couldn't reach 'acme/chats' on the Hub ("
+        )
+        assert line.endswith("run the same command again when the Hub can be reached, or give local files")
+        assert not datasets.config.HF_HUB_OFFLINE  # datasets' own setting is left as it was
+        cache_as_hub_data_set(
+            tmp_path,
+            "acme/chats",
+            [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}],
+        )
+        loaded = load_conversations(["acme/chats"])
+    assert loaded[0]["source"] == "acme/chats" and [turn["content"] for turn in loaded[0]["messages"]] == ["Hi", "Yo"]
+    assert len(data_hub_out_of_reach) == 1  # the answer is remembered for the loads that follow
+    assert "Retrying" not in caplog.text and "thrown while requesting" not in caplog.text

@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith import model_files
 from draftsmith.errors import UserError, outcome
 from draftsmith.model_files import not_loadable
 from draftsmith.target import load_config, load_target, load_tokenizer, target_section
-from tests.helpers import tiny_llama
+from tests.helpers import counted_hub_probes, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -23,27 +22,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def hub_out_of_reach(tmp_path, monkeypatch):
     """The Hub at an address nothing listens on, with an empty cache and network access allowed (the tests run
     with HF_HUB_OFFLINE=1); counts the probes, and fails any retry's sleep (huggingface_hub's 25 s of them)."""
-    import huggingface_hub
     import huggingface_hub.constants as constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
-    monkeypatch.setattr(model_files, "_hub_probes", {})
-
-    def no_retry(seconds):
-        raise AssertionError(f"a request was retried (a {seconds} s sleep)")
-
-    monkeypatch.setattr("time.sleep", no_retry)
-    probes = []
-    session = huggingface_hub.get_session
-
-    def counted():
-        probes.append(1)
-        return session()
-
-    monkeypatch.setattr(huggingface_hub, "get_session", counted)
-    return probes
+    return counted_hub_probes(monkeypatch)
 
 
 def test_a_hub_out_of_reach_is_asked_once_and_every_load_fails_at_once_in_its_line(hub_out_of_reach, caplog):
