@@ -100,11 +100,7 @@ def _expand(source: str, skip_invalid_utf8: bool = False) -> list[tuple[str, Any
         if not files:
             raise UserError(f"data source {source!r} matches no {_suffixes()} file")
     elif os.path.isdir(local):
-        try:  # a folder it may not list: rglob would find nothing in it and say it holds no data file
-            os.scandir(local).close()
-        except PermissionError:
-            raise UserError(f"cannot read data directory {source!r}: permission denied") from None
-        files = [str(path) for path in sorted(Path(local).rglob("*")) if _is_data_file(str(path))]
+        files = _data_files_under(local, source)
         if not files:
             raise UserError(f"data directory {source!r} holds no {_suffixes()} file")
     elif os.path.isfile(local):
@@ -116,6 +112,24 @@ def _expand(source: str, skip_invalid_utf8: bool = False) -> list[tuple[str, Any
     else:  # not a local path: a Hub data set id, `owner/name[:split]`
         return [(source, lambda: _load_hub(source))]
     return [(path, lambda path=path: _load_file(path, skip_invalid_utf8)) for path in files]
+
+
+def _data_files_under(local: str, source: str) -> list[str]:
+    """The data files anywhere under the folder, sorted. A folder in it that this process may not list is refused:
+    a walk that skipped it would leave its files out of the data without a word (the folder itself: it would say
+    the source holds no data file)."""
+
+    def refuse(err: OSError) -> None:
+        if not isinstance(err, PermissionError):
+            raise err
+        named = source if os.path.samefile(err.filename, local) else err.filename
+        raise UserError(f"cannot read data directory {named!r}: permission denied")
+
+    files = []
+    for root, folders, names in os.walk(local, onerror=refuse):
+        folders.sort()
+        files += [os.path.join(root, name) for name in names if _is_data_file(os.path.join(root, name))]
+    return sorted(files)
 
 
 def _builder(path: str) -> Optional[str]:

@@ -107,6 +107,15 @@ def test_an_unreadable_recipe_file_or_data_folder_says_it_cannot_be_read(tmp_pat
 
     with pytest.raises(UserError, match=f"^cannot read data directory '{folder}': permission denied$"):
         load_conversations([str(folder)])
+    # a folder inside a readable one: its files were left out of the data without a word
+    outer = tmp_path / "outer"
+    (outer / "later").mkdir(parents=True)
+    (outer / "eval.jsonl").write_text(small_data["eval"].read_text())
+    (outer / "later" / "more.jsonl").write_text(small_data["eval"].read_text())
+    assert len(load_conversations([str(outer)])) == 2 * len(load_conversations([str(outer / "eval.jsonl")]))
+    folder = outer / "later"  # what guarded_scandir refuses now
+    with pytest.raises(UserError, match=f"^cannot read data directory '{folder}': permission denied$"):
+        load_conversations([str(outer)])
 
 
 def test_a_full_disk_while_writing_a_file_removes_its_temporary_file_and_names_it(tmp_path, monkeypatch):
