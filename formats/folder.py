@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from draftsmith.errors import UserError, one_line
-from draftsmith.files import checkpoint_digest, read_json
+from draftsmith.files import checkpoint_digest, read_json, require_readable
 from draftsmith.formats import EXPORTERS, Exporter
 from draftsmith.formats.repo import EXPORT_INFO
 from draftsmith.heads import load_drafter
@@ -61,6 +61,7 @@ def read_folder(folder: Path, target):
 def engine_format(folder: Path) -> tuple[Exporter, dict, dict]:
     """The format registry's entry that reads an engine folder, with its config.json and weights."""
     config = read_json(folder / CONFIG_NAME)
+    require_readable(folder / WEIGHTS_NAME)  # safetensors calls a file it may not read missing
     try:
         tensors = load_file(str(folder / WEIGHTS_NAME))
     except (SafetensorError, OSError) as err:

@@ -76,6 +76,18 @@ def test_an_unreadable_checkpoint_file_is_bad_input_naming_it(checkpoint, tmp_pa
         load_drafter(checkpoint)  # the warm start's read too (train.init_from)
 
 
+def test_an_engine_folders_unreadable_weights_are_named_as_such(tmp_path, monkeypatch):
+    """An engine folder (an export's vllm/, read by train.init_from and eval): safetensors called its weights
+    missing, and the line said `corrupt weights file (No such file or directory ...)`."""
+    from draftsmith.formats.folder import engine_format
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    unreadable(monkeypatch, tmp_path / "model.safetensors")
+    with pytest.raises(UserError, match=f"^cannot read {tmp_path / 'model.safetensors'}: permission denied$"):
+        engine_format(tmp_path)
+
+
 def test_a_permission_error_anywhere_else_is_bad_input_and_a_full_disk_names_its_file():
     """run_cli's mapping: a PermissionError no reader turned into its line is still exit 2, naming the path."""
     code, line = errors.outcome(PermissionError(errno.EACCES, "Permission denied", "/data/x.jsonl"))
