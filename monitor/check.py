@@ -29,7 +29,7 @@ from omegaconf import DictConfig
 from draftsmith.errors import UserError
 from draftsmith.files import write_text_atomic
 from draftsmith.monitor import Outcome
-from draftsmith.monitor.deployed import deployed_of, load_baseline
+from draftsmith.monitor.deployed import deployed_of, load_baseline, require_baseline_drafting
 from draftsmith.monitor.drift import (
     DRIFT,
     HEALTHY,
@@ -124,6 +124,7 @@ def measure_and_decide(cfg: DictConfig, directory: Path, state: State, deployed:
     record, and run the retraining when that is the decision."""
     settings = cfg.monitor
     baseline = load_baseline(deployed["baseline"], deployed["sha256"])
+    require_baseline_drafting(deployed["export"], baseline)
     state.checks += 1
     record: dict[str, Any] = {
         "check": state.checks,

@@ -104,3 +104,25 @@ def load_baseline(path: str, weights: str) -> Baseline:
             "the deployed checkpoint (python -m eval) and set monitor.baseline to its report"
         )
     return baseline
+
+
+def require_baseline_drafting(export: str, baseline: Baseline) -> None:
+    """A baseline measured at temperature > 0 of a kind that samples its drafts (Drafter.SAMPLES_DRAFTS: the eval
+    drew each draft from q) is what the engine serves only under vLLM's probabilistic drafting, which exports pin
+    since 86d1c1d; an export that drafts the argmax (an older one pinning greedy, or SGLang's) accepts less with
+    no drift at all, and every check would say drift."""
+    from draftsmith.heads import drafter_class
+
+    if baseline.temperature <= 0:
+        return
+    info = read_export_info(export)
+    if not drafter_class(info["drafter_type"]).SAMPLES_DRAFTS:
+        return
+    drafting = (info.get("speculative_config") or {}).get("draft_sample_method", "greedy")
+    if drafting != "probabilistic":
+        raise UserError(
+            f"the baseline report {baseline.source} measured drafts sampled at temperature {baseline.temperature}, "
+            f"and the export {export} drafts the argmax (draft_sample_method {drafting}): it accepts less with no "
+            "drift; export the checkpoint again (vLLM's export pins probabilistic drafting for this kind) or set "
+            "monitor.baseline to a report at eval.temperature=0"
+        )

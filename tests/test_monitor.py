@@ -1412,3 +1412,28 @@ def test_a_request_log_that_cannot_be_read_is_one_line_naming_it(tmp_path, monke
         result = run_entry_in_process(args, capsys)
     assert_one_line_error(result, 2, f"monitor.traffic: cannot read {logs / 'older'}: permission denied")
     assert not (tmp_path / "run" / "monitor" / "state.json").exists()
+
+
+@pytest.mark.parametrize(
+    "kind, drafting, temperature, refused",
+    [("draft_model", "greedy", 0.8, True), ("draft_model", None, 0.8, True),
+     ("draft_model", "probabilistic", 0.8, False), ("dflash", "greedy", 0.0, False), ("eagle3", "greedy", 0.8, False)],
+)  # fmt: skip
+def test_a_sampled_draft_baseline_against_an_export_drafting_the_argmax_is_refused(
+    tmp_path, kind, drafting, temperature, refused
+):
+    """A draft model's or DFlash's eval at temperature > 0 drew its drafts from q; an export that drafts the argmax
+    (one from before probabilistic drafting was pinned, or SGLang's) accepts less with no drift: every check would
+    have said drift. One line instead, before the check counts."""
+    from draftsmith.formats.repo import EXPORT_INFO
+    from draftsmith.monitor.deployed import require_baseline_drafting
+    from draftsmith.monitor.drift import Baseline
+
+    served = {} if drafting is None else {"draft_sample_method": drafting}
+    (tmp_path / EXPORT_INFO).write_text(json.dumps({"drafter_type": kind, "speculative_config": served}))
+    baseline = Baseline(alpha=0.5, at_least=[0.5], domains={}, temperature=temperature, source="report.json")
+    if not refused:
+        require_baseline_drafting(str(tmp_path), baseline)
+        return
+    with pytest.raises(UserError, match=r"drafts the argmax \(draft_sample_method greedy\).*export the checkpoint"):
+        require_baseline_drafting(str(tmp_path), baseline)
