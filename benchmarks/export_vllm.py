@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 
 from drafters import run  # benchmarks/ is the script's directory, first on sys.path
+from vllm_probe import engine_python
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = {
@@ -38,7 +39,7 @@ def main() -> None:
     parser.add_argument(
         "--vllm-python",
         required=True,
-        type=lambda text: str(Path(text).expanduser().absolute()),  # not resolved: a venv's python is a link
+        type=engine_python,
         help="the Python of a vLLM environment, relative to the current directory",
     )
     parser.add_argument("--runs", type=Path, default=REPO / "runs/bench_drafters")

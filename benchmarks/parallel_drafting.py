@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from vllm_probe import engine_python  # benchmarks/ is the script's directory, first on sys.path
+
 REPO = Path(__file__).resolve().parent.parent
 EAGLE31 = ["drafter.fc_norm=true", "drafter.norm_output=true"]
 PARALLEL = ["drafter.parallel_drafting=true", "drafter.mask_token_id=5"]
@@ -100,7 +102,7 @@ def main() -> None:
     parser.add_argument(
         "--vllm-python",
         required=True,
-        type=lambda text: str(Path(text).expanduser().absolute()),  # not resolved: a venv's python is a link
+        type=engine_python,
         help="the Python of a vLLM environment, relative to the current directory",
     )
     parser.add_argument("--steps", type=int, default=300)

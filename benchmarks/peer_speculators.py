@@ -54,6 +54,7 @@ import time
 from pathlib import Path
 
 from standard_protocol import cpu_name, load_json, save_json, stage_timer, summarize  # benchmarks/, first on sys.path
+from vllm_probe import engine_python
 
 from draftsmith.formats.repo import VLLM_PINNED
 
@@ -366,13 +367,13 @@ def main() -> None:
     parser.add_argument(
         "--vllm-python",
         required=True,
-        type=lambda text: str(Path(text).expanduser().absolute()),  # not resolved: a venv's python is a link
+        type=engine_python,
         help="the Python of a vLLM environment, relative to the current directory",
     )
     parser.add_argument(
         "--speculators-python",
         default=str(SPECULATORS_PYTHON),
-        type=lambda text: str(Path(text).expanduser().absolute()),  # not resolved: a venv's python is a link
+        type=engine_python,
         help="the Python of a speculators environment, relative to the current directory",
     )
     parser.add_argument("--recipe", default="eagle3", help="draftsmith's EAGLE-3 recipe (its target, taps, max_length)")

@@ -57,6 +57,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from vllm_probe import engine_python  # benchmarks/ is the script's directory, first on sys.path
+
 from draftsmith.engines import VllmWorker, require_suffix_decoding
 from draftsmith.errors import UserError
 from draftsmith.export.sweep import suffix_config
@@ -405,7 +407,7 @@ def main() -> None:
     parser.add_argument(
         "--vllm-python",
         required=True,
-        type=lambda text: str(Path(text).expanduser().absolute()),  # not resolved: a venv's python is a link
+        type=engine_python,
         help="the Python of a vLLM environment, relative to the current directory",
     )
     parser.add_argument("--runs", type=Path, default=REPO / "runs/standard_protocol")

@@ -1,6 +1,7 @@
 """What the scripts that read vLLM's own computation share (benchmarks/vllm_mla_rope.py,
 benchmarks/vllm_gemma4_assistant.py): the vLLM of an environment of its own, and a script run there that
-answers with one tagged JSON line."""
+answers with one tagged JSON line; and how every benchmark reads an engine environment's Python argument
+(`engine_python`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
+
+
+def engine_python(text: str) -> str:
+    """An argparse type for an engine environment's Python (--vllm-python, --speculators-python): relative to the
+    current directory, made absolute but not resolved (a venv's python is a link that works only under its own
+    path), since the scripts run their children from the repository."""
+    return str(Path(text).expanduser().absolute())
 
 
 def vllm_version_or_exit(python: str) -> str:
