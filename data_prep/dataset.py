@@ -275,27 +275,6 @@ def conversation_digest(messages: list[dict[str, Any]]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def eval_in_train(train: datasets.Dataset, eval_split: datasets.Dataset, cfg, warn: bool = True) -> dict[str, int]:
-    """How many of data.eval's tokenized conversations data.train's hold too, turn for turn (by their digests:
-    the rows of a conversation rendered one row per turn share one), of how many distinct ones: a warning names
-    the count and both keys' files where any is (`warn`: the run's start says it; the accuracy table after
-    training counts again and shows it in its own line), since the eval split's figures on conversations trained
-    on are higher than on new ones."""
-    trained, measured = set(train["digest"]), set(eval_split["digest"])
-    shared = len(measured & trained)
-    if shared and warn:
-        logger.warning(
-            "%d of the %d data.eval conversations (%s) are in data.train (%s) too, turn for turn: the eval split's "
-            "accuracy on them is of conversations trained on, higher than on new ones; take them out of one of the "
-            "two",
-            shared,
-            len(measured),
-            ", ".join(map(str, cfg.data.eval)),
-            ", ".join(map(str, cfg.data.train)),
-        )
-    return {"conversations": shared, "of": len(measured)}
-
-
 def _where(batch: dict[str, list], row: int, index: int) -> str:
     """Name a conversation for an error: its file and record when it came from load_conversations."""
     if "source" in batch and "record" in batch:

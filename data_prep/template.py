@@ -188,15 +188,21 @@ def render_prompt(tokenizer, messages: Sequence[Message]) -> tuple[list[int], Op
     user turn (a prompt with no answer yet, as MT-bench's) is rendered whole, with no reference. An
     opening assistant turn is context, never the answer (`answered_turns`)."""
     messages = list(messages)
-    if messages and messages[-1]["role"] == "user":
-        last, answer = len(messages), None
-    else:
-        last = max(answered_turns(messages), default=None)
-        if last is None:
-            raise UserError("conversation has no assistant turn after a prompt to use as the reference answer")
-        answer = messages[last]["content"]
+    last = prompt_end(messages)
+    answer = messages[last]["content"] if last < len(messages) else None
     ids, _ = _encode(tokenizer, _render(tokenizer, messages[:last], add_generation_prompt=True))
     return ids, answer
+
+
+def prompt_end(messages: Sequence[Message]) -> int:
+    """Where a conversation's prompt ends (`render_prompt`): the whole of one that ends with a user turn, else
+    before its last assistant turn that answers one."""
+    if messages and messages[-1]["role"] == "user":
+        return len(messages)
+    last = max(answered_turns(list(messages)), default=None)
+    if last is None:
+        raise UserError("conversation has no assistant turn after a prompt to use as the reference answer")
+    return last
 
 
 def require_chat_template(tokenizer) -> None:

@@ -23,8 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
 from draftsmith.data_prep import Collator, load_tokenized
-from draftsmith.data_prep.dataset import eval_in_train
 from draftsmith.data_prep.features import open_features
+from draftsmith.data_prep.overlap import eval_in_train
 from draftsmith.files import write_text_atomic
 from draftsmith.heads import drafter_class, load_drafter
 from draftsmith.heads.base import EVAL_SPLIT, Drafter, pair_means

@@ -3,7 +3,7 @@ and the token ids that end a generation: what draftsmith's eval and the engine c
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from draftsmith.errors import UserError
 
@@ -28,11 +28,18 @@ def load_prompts(
     skip_invalid_utf8: bool = False,
     max_conversations: Optional[int] = None,
 ) -> dict[str, list[list[int]]]:
-    """The first `max_prompts` conversations of each domain, rendered up to their last assistant turn
-    with the generation prompt; prompts longer than `max_length` keep their last tokens.
+    """The token ids of `prompt_conversations`' prompts (`render_prompts`)."""
+    chosen = prompt_conversations(sources, max_prompts, skip_invalid_utf8, max_conversations)
+    return render_prompts(chosen, tokenizer, max_length)
+
+
+def prompt_conversations(
+    sources: list[str], max_prompts: int, skip_invalid_utf8: bool = False, max_conversations: Optional[int] = None
+) -> dict[str, list[list[dict[str, Any]]]]:
+    """The messages of the first `max_prompts` conversations of each domain, domains in order.
     `skip_invalid_utf8`, `max_conversations`: data.skip_invalid_utf8 and the cap per file (load_conversations;
     `prompt_sources` says which cap), applied before `max_prompts`."""
-    from draftsmith.data_prep import load_conversations, render_prompt
+    from draftsmith.data_prep import load_conversations
 
     conversations = load_conversations(
         sources, max_conversations, prompts_only=True, skip_invalid_utf8=skip_invalid_utf8
@@ -43,14 +50,22 @@ def load_prompts(
         rows = picked.setdefault(domain, [])
         if len(rows) < max_prompts:
             rows.append(index)
-    prompts: dict[str, list[list[int]]] = {}
-    for domain in sorted(picked):
-        for row in conversations.select(picked[domain]):
-            ids, _ = render_prompt(tokenizer, row["messages"])
-            prompts.setdefault(domain, []).append(ids[-max_length:])
-    if not prompts:
+    if not picked:
         raise UserError(f"no conversations in the eval data {sources}")
-    return prompts
+    return {domain: conversations.select(picked[domain])["messages"] for domain in sorted(picked)}
+
+
+def render_prompts(
+    chosen: dict[str, list[list[dict[str, Any]]]], tokenizer, max_length: int
+) -> dict[str, list[list[int]]]:
+    """Each conversation rendered up to its last assistant turn with the generation prompt (render_prompt);
+    prompts longer than `max_length` keep their last tokens."""
+    from draftsmith.data_prep import render_prompt
+
+    return {
+        domain: [render_prompt(tokenizer, messages)[0][-max_length:] for messages in conversations]
+        for domain, conversations in chosen.items()
+    }
 
 
 def require_no_aggregate_domain(conversations, key: str) -> None:

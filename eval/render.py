@@ -88,9 +88,25 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"Lossless: {report['lossless_check']}.",
         "",
     ]
+    lines += prompts_in_train_lines(report.get("prompts_in_train"))  # absent from an older report
     if "batch_sweep" in report:
         lines += render_batch_sweep(report["batch_sweep"])
     return "\n".join([*lines, *conclusion(report)])
+
+
+def prompts_in_train_lines(counted: Optional[dict[str, Any]]) -> list[str]:
+    """Where the report's prompts are prompts data.train answers (data_prep/overlap.py), or that nothing could
+    count them: its τ on those prompts is of answers the drafter trained on."""
+    if not counted or counted["prompts"] == 0:
+        return []
+    if counted["prompts"] is None:
+        return [f"Prompts in data.train: not counted ({counted['not_counted']}).", ""]
+    domains = ", ".join(f"{domain} {n}" for domain, n in counted["per_domain"].items() if n)
+    return [
+        f"**{counted['prompts']} of these {counted['of']} prompts are prompts data.train answers** ({domains}): the "
+        "drafter trained on an answer to each, so τ on them is higher than on prompts it has not seen.",
+        "",
+    ]
 
 
 FREE_BASELINES = {"ngram": "n-gram lookup", "suffix": "suffix decoding"}

@@ -40,13 +40,14 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from draftsmith.data_prep.dataset import require_context, target_context
+from draftsmith.data_prep.overlap import prompts_in_train
 from draftsmith.engines import suffix_decoding_installed
 from draftsmith.errors import UserError
 from draftsmith.eval.counts import Counts, speedup_interval
 from draftsmith.eval.loop import generate
 from draftsmith.eval.methods import Method, build_methods
 from draftsmith.eval.partings import parting, rounding_unit
-from draftsmith.eval.prompts import ALL, eos_ids_of, load_prompts, prompt_sources
+from draftsmith.eval.prompts import ALL, eos_ids_of, prompt_conversations, prompt_sources, render_prompts
 from draftsmith.eval.render import REPORT_FILES, render_markdown, write_report
 from draftsmith.eval.sampling import Sampling
 from draftsmith.eval.suffix import INSTALL
@@ -163,9 +164,9 @@ def _run_eval(cfg: DictConfig, out_dir: Path, checkpoint: Optional[str | Path], 
     # The target, or the target with the drafter's adapters (Medusa-2): the model that verifies.
     verifier = drafter.proposer(sampling.temperature).verifier or target
     methods = build_methods(cfg, drafter, target, verifier, sampling.temperature)
-    prompts = load_prompts(
-        sources, tokenizer, int(cfg.eval.max_prompts), prompt_length, cfg.data.skip_invalid_utf8, per_file
-    )
+    chosen = prompt_conversations(sources, int(cfg.eval.max_prompts), cfg.data.skip_invalid_utf8, per_file)
+    prompts = render_prompts(chosen, tokenizer, prompt_length)
+    in_train = prompts_in_train(chosen, cfg)  # τ on prompts the drafter trained on an answer to is no forecast
     eos_ids = eos_ids_of(target, tokenizer)
     max_new_tokens, greedy = int(cfg.eval.max_new_tokens), sampling.temperature <= 0
 
@@ -196,6 +197,7 @@ def _run_eval(cfg: DictConfig, out_dir: Path, checkpoint: Optional[str | Path], 
     report = assemble(cfg, checkpoint, drafter, target, verifier, methods, tallies, sampling, greedy)
     report["drafter"]["learned"] = dict(drafter.learned)  # what decoding read: the export reads it from here
     report["drafter"]["eval_split_metrics_from"] = None if measured_from is None else str(measured_from)
+    report["prompts_in_train"] = in_train
     if sweep:
         report["batch_sweep"] = sweep_rows(sweep, methods, greedy)
     keep_another_checkpoints_report(out_dir, checkpoint)

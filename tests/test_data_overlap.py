@@ -1,5 +1,6 @@
-"""Duplicate conversations in data.train (counted, kept) and data.eval conversations that data.train holds too
-(a warning, and the count in eval_accuracy.json); regenerate's count of what it left out, by reason."""
+"""Duplicate conversations in data.train (counted, kept), data.eval conversations that data.train holds too
+(a warning, and the count in eval_accuracy.json), eval report prompts that data.train answers (a warning, and
+the count in report.json and report.md); regenerate's count of what it left out, by reason."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import json
 import logging
 from collections import Counter
 
-from draftsmith.data_prep.dataset import eval_in_train, load_tokenized
+from draftsmith.data_prep.dataset import load_tokenized
+from draftsmith.data_prep.overlap import answered_prompt_digests, eval_in_train, prompt_digest
 from draftsmith.data_prep.regenerate_turns import left_out_line
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_tokenizer
@@ -70,19 +72,62 @@ def test_duplicates_are_counted_and_kept_and_eval_in_train_is_warned_of(tmp_path
     assert not caplog.records  # nothing shared: nothing said
 
 
-def test_a_run_warns_at_start_and_records_the_count_in_eval_accuracy(tmp_path, token_cache, capsys):
-    """train.py says so before training and the eval split's table records how many of its conversations
-    data.train holds (eval_accuracy.json's `eval_in_train`)."""
+def test_a_prompt_is_in_train_where_an_answered_turn_answers_it_turn_for_turn():
+    """A prompt (its turns up to its last answer, or all of them where it ends with a user turn) is in data.train
+    where a training conversation answers those very turns, whatever answer either gives; not where one turn
+    differs or the training conversation only goes on from it (the turns after a prompt are not its answer)."""
+    system = {"role": "system", "content": "Be brief."}
+    user = {"role": "user", "content": "2+2?"}
+    answered = [system, user, {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"}]
+    answered.append({"role": "assistant", "content": "6"})
+    trained = set(answered_prompt_digests(answered))
+    assert len(trained) == 2  # the prompt of each of its two answers
+    assert prompt_digest([system, user]) in trained  # a prompt with no answer yet
+    assert prompt_digest([system, user, {"role": "assistant", "content": "Four."}]) in trained  # another answer
+    assert prompt_digest(answered) in trained  # the second answer's prompt: every turn before it
+    assert prompt_digest([user]) not in trained  # without the system turn: another prompt
+    assert prompt_digest([system, {"role": "user", "content": "2+2 ?"}]) not in trained
+    assert prompt_digest([system, user, answered[2], answered[3], answered[4], user]) not in trained
+
+
+def test_a_run_warns_at_start_and_records_the_counts_in_eval_accuracy_and_the_report(tmp_path, token_cache, capsys):
+    """train.py says so before training; the eval split's table records how many of its conversations data.train
+    holds (eval_accuracy.json's `eval_in_train`), and the report how many of its prompts data.train answers
+    (report.json's `prompts_in_train`, a line in report.md)."""
     data = {"train": tmp_path / "train.jsonl", "eval": tmp_path / "eval.jsonl"}
     write(data["train"], TRAIN), write(data["eval"], EVAL)
-    args = train_args(tmp_path / "run", data, token_cache, "train.max_steps=1")
+    prompts = write(tmp_path / "prompts.jsonl", [
+        {"messages": [{"role": "user", "content": "2+2?"}], "domain": "chat"},  # data.train answers it twice
+        {"messages": [{"role": "user", "content": "Capital of Italy?"}], "domain": "chat"},
+    ])  # fmt: skip
+    report_settings = ["eval.enabled=true", f"eval.data=[{prompts}]", "eval.max_new_tokens=4", "eval.tree=0"]
+    args = train_args(tmp_path / "run", data, token_cache, "train.max_steps=1", *report_settings)
     done = run_entry_in_process(["train.py", *args], capsys)
     assert done.returncode == 0, done.stderr[-2000:]
-    said = "1 of the 2 data.eval conversations"
-    assert (done.stdout + done.stderr).count(said) == 1  # at the start; the table says it in its own words
+    said = done.stdout + done.stderr
+    assert said.count("1 of the 2 data.eval conversations") == 1  # at the start; the table says it in its own words
     assert "1 of these 2 conversations are in data.train too" in done.stdout
     accuracy = json.loads((tmp_path / "run" / "eval_accuracy.json").read_text())
     assert accuracy["eval_in_train"] == {"conversations": 1, "of": 2}
+    assert said.count(f"1 of the 2 prompts of the eval report ({prompts}) are prompts data.train") == 1
+    report = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())
+    assert report["prompts_in_train"] == {"prompts": 1, "of": 2, "per_domain": {"chat": 1}}
+    assert (
+        "**1 of these 2 prompts are prompts data.train answers** (chat 1)"
+        in (tmp_path / "run" / "eval" / "report.md").read_text()
+    )
+
+
+def test_an_eval_away_from_the_training_data_says_its_prompts_were_not_counted(tmp_path):
+    """A standalone eval whose recipe's data.train this machine cannot read still evaluates: the report says the
+    prompts were not counted, and why."""
+    from draftsmith.data_prep.overlap import prompts_in_train
+
+    cfg = load_recipe(["recipe=medusa", f"data.train=[{tmp_path / 'elsewhere.jsonl'}]"])
+    counted = prompts_in_train({"chat": [[{"role": "user", "content": "2+2?"}]]}, cfg)
+    assert counted["prompts"] is None and counted["of"] == 1
+    assert counted["not_counted"].startswith("data.train could not be read: ")
+    assert "elsewhere.jsonl" in counted["not_counted"]
 
 
 def test_regenerates_left_out_line_says_why_with_counts():

@@ -21,10 +21,10 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import get_cosine_schedule_with_warmup
 
 from draftsmith.data_prep import Collator, PackingCollator, load_tokenized
-from draftsmith.data_prep.dataset import eval_in_train
 from draftsmith.data_prep.features import expected_features, open_features, require_captured_settings
+from draftsmith.data_prep.overlap import eval_in_train, prompts_in_train, warn_of_prompts_in_train
 from draftsmith.errors import UserError, one_line
-from draftsmith.eval.prompts import load_prompts
+from draftsmith.eval.prompts import prompt_conversations, prompt_sources, render_prompts
 from draftsmith.families import check_eval_settings
 from draftsmith.formats.folder import require_recipes_drafter, require_recipes_kind, start_kind, warm_start
 from draftsmith.heads import drafter_class
@@ -225,9 +225,12 @@ def load_data(cfg: DictConfig, accelerator: Accelerator, tokenizer):
             eval_split = load_tokenized(cfg, cfg.data.eval, tokenizer, "data.eval")
             if train_data is not None:  # a capture's rows (data.features) carry no conversation digests
                 eval_in_train(train_data, eval_split, cfg)
-        if cfg.eval.enabled and cfg.eval.data:  # the report's own prompts, read after training too
-            length = int(cfg.data.max_length)
-            load_prompts(list(cfg.eval.data), tokenizer, int(cfg.eval.max_prompts), length, cfg.data.skip_invalid_utf8)
+        sources, per_file = prompt_sources(cfg)
+        if cfg.eval.enabled and sources:  # the report's prompts: a bad file must fail now; trained-on ones are said
+            chosen = prompt_conversations(sources, int(cfg.eval.max_prompts), cfg.data.skip_invalid_utf8, per_file)
+            render_prompts(chosen, tokenizer, int(cfg.data.max_length))
+            if accelerator.is_main_process and not offline:
+                warn_of_prompts_in_train(prompts_in_train(chosen, cfg), sources, cfg)
     heldout = None  # train.heldout: the last conversations of data.train, in file order, never trained on
     if cfg.train.heldout > 0:
         train_data, heldout = split_heldout(
