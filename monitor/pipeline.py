@@ -1,7 +1,7 @@
 """The retraining pipeline a drift starts, each step resumable and recorded in the state file:
 
-    sample      recent traffic of the drifted and new domains, split 80/20 (by a hash of each request, at
-                least one each way) into data to retrain on and held-out prompts to judge on
+    sample      recent traffic of the drifted and new domains, split 80/20 (whole conversations, by a hash of
+                how they open; at least one each way) into data to retrain on and held-out prompts to judge on
     regenerate  the target's own answers to those requests (data_prep.regenerate: resumable by parts)
     train       warm start from the deployed drafter (train.init_from: its weights and draft vocabulary),
                 on the regenerated traffic, listed monitor.new_data_weight times, mixed with data.train
@@ -27,8 +27,9 @@ import hashlib
 import json
 import logging
 import time
+from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import DictConfig
 
@@ -79,22 +80,44 @@ def step_sample(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -
             f"{found} of the drifted domains {sorted(wanted)} in {cfg.monitor.traffic} within "
             "monitor.traffic_window_s to retrain on (it takes two: one to train on, one to judge on)"
         )
-    kept, held = split_held_out(requests)
+    split = split_held_out(requests)
+    if split is None:
+        state.pipeline["domains"] = sorted(wanted)
+        return (
+            f"the {len(requests)} requests of the drifted domains {sorted(wanted)} in {cfg.monitor.traffic} within "
+            "monitor.traffic_window_s open alike (one prompt asked again, or one chat's turns): none can be held out "
+            "to judge on without training on its prompt"
+        )
+    kept, held = split
     train = write_conversations(kept, run_dir / "traffic_train.jsonl")
     judge = write_conversations(held, run_dir / "traffic_eval.jsonl")
     return {"train": str(train), "eval": str(judge), "domains": sorted(wanted), "read": summary}
 
 
-def split_held_out(requests: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Two or more requests as (to train on, held out to judge on): the HELD_OUT share with the lowest hashes of
-    their messages, at least one and never all (a share of a few requests by hash alone may hold none out, and
-    the evaluate step would then fail on every check); the same requests give the same split."""
+def split_held_out(requests: list[dict[str, Any]]) -> Optional[tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
+    """Requests as (to train on, held out to judge on), whole conversations to one side: requests that open alike
+    (their turns up to the first user turn: a prompt asked again, or a chat's later turns, which hold its earlier
+    prompts) are kept or held out together, else the regenerated answers trained on would hold the held-out
+    prompts' own and the gate would judge on what the drafter trained on. The HELD_OUT share of the requests, in
+    the conversations with the lowest hashes of their openings; at least one conversation each way (a share of a
+    few requests by hash alone may hold none out, and the evaluate step would then fail on every check); the same
+    requests give the same split. None where all open alike: nothing can be held out."""
 
-    def digest(request: dict[str, Any]) -> bytes:
-        return hashlib.sha256(json.dumps(request["messages"], sort_keys=True).encode()).digest()
+    def opening(request: dict[str, Any]) -> bytes:
+        messages = request["messages"]
+        first_user = next((i for i, turn in enumerate(messages) if turn["role"] == "user"), len(messages) - 1)
+        return hashlib.sha256(json.dumps(messages[: first_user + 1], sort_keys=True).encode()).digest()
 
-    by_hash = sorted(range(len(requests)), key=lambda index: digest(requests[index]))
-    held = set(by_hash[: min(max(1, round(len(requests) * HELD_OUT)), len(requests) - 1)])
+    conversations: dict[bytes, list[int]] = defaultdict(list)
+    for index, request in enumerate(requests):
+        conversations[opening(request)].append(index)
+    if len(conversations) < 2:
+        return None
+    share, held = max(1, round(len(requests) * HELD_OUT)), set()
+    for key in sorted(conversations)[:-1]:  # never every conversation
+        if len(held) >= share:
+            break
+        held.update(conversations[key])
     return (
         [r for index, r in enumerate(requests) if index not in held],
         [r for index, r in enumerate(requests) if index in held],

@@ -706,8 +706,11 @@ def test_a_retraining_needs_traffic_and_a_state_left_without_any_recovers(tmp_pa
 
     logs = tmp_path / "logs"
     logs.mkdir()
-    ask = {"messages": [{"role": "user", "content": "hi"}], "timestamp": time.time()}
-    (logs / "requests.jsonl").write_text("".join(json.dumps({**ask, "domain": d}) + "\n" for d in ("math", "code")))
+    asks = [
+        {"messages": [{"role": "user", "content": f"{d}?"}], "timestamp": time.time(), "domain": d}
+        for d in ("math", "code")
+    ]
+    (logs / "requests.jsonl").write_text("".join(json.dumps(ask) + "\n" for ask in asks))
     sampled = step_sample(load_recipe([*args, f"monitor.traffic={logs}"]), directory, state, run / "retrain")
     assert sampled["domains"] == ["code", "math"]
 
@@ -1127,7 +1130,8 @@ def test_a_logged_tool_call_is_kept_as_the_data_loader_reads_it(tmp_path):
 def test_the_held_out_split_holds_one_out_and_keeps_one_and_a_single_request_abandons(tmp_path):
     """8 requests split by a hash alone held none out: traffic_eval.jsonl was empty and the evaluate step failed
     (exit 2) on every later check. Now at least one is held out and one kept, the same each time; a retraining
-    with one request of its domains is abandoned (exit 10), the line saying why."""
+    with one request of its domains, or with requests that all open alike, is abandoned (exit 10), the line saying
+    why."""
     from draftsmith.monitor.check import check
     from draftsmith.monitor.pipeline import split_held_out
     from draftsmith.monitor.state import State
@@ -1138,26 +1142,53 @@ def test_the_held_out_split_holds_one_out_and_keeps_one_and_a_single_request_aba
         assert held and train and len(train) + len(held) == count
         assert split_held_out(requests[:count]) == (train, held)
 
-    folder, engine = served_export(tmp_path / "export" / "vllm"), FakeEngine()
-    directory, logs = tmp_path / "run" / "monitor", tmp_path / "logs"
-    logs.mkdir()
+    folder = served_export(tmp_path / "export" / "vllm")
     ask = {"messages": [{"role": "user", "content": "hi"}], "domain": "math", "timestamp": time.time()}
-    (logs / "requests.jsonl").write_text(json.dumps(ask) + "\n")
-    cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}",
-                       f"monitor.metrics=[{engine.url}]", f"monitor.traffic={logs}"])  # fmt: skip
-    left = {"id": "retrain_00002", "started": "2026-11-30T10:00:00+00:00", "domains": ["math"], "done": {},
-            "deployed": {"export": str(folder), "revision": 0, "sha256": "0" * 64}}  # fmt: skip
-    State(checks=2, consecutive_drift=2, pipeline=left).save(directory)
-    try:
-        assert check(cfg) == Outcome.DRIFT
-    finally:
-        engine.server.shutdown()
-    state = State.load(directory)
-    assert (
-        state.pipeline is None
-        and "a single request of the drifted domains ['math']" in state.last_retrain["abandoned"]
-        and "one to train on, one to judge on" in state.last_retrain["abandoned"]
-    )
+    reasons = {1: "a single request of the drifted domains ['math']", 2: "the 2 requests of the drifted domains"}
+    for count, reason in reasons.items():
+        engine, directory, logs = FakeEngine(), tmp_path / f"run{count}" / "monitor", tmp_path / f"logs{count}"
+        logs.mkdir()
+        (logs / "requests.jsonl").write_text((json.dumps(ask) + "\n") * count)
+        cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path / f'run{count}'}", f"checkpoint={folder}",
+                           f"monitor.metrics=[{engine.url}]", f"monitor.traffic={logs}"])  # fmt: skip
+        left = {"id": "retrain_00002", "started": "2026-11-30T10:00:00+00:00", "domains": ["math"], "done": {},
+                "deployed": {"export": str(folder), "revision": 0, "sha256": "0" * 64}}  # fmt: skip
+        State(checks=2, consecutive_drift=2, pipeline=left).save(directory)
+        try:
+            assert check(cfg) == Outcome.DRIFT
+        finally:
+            engine.server.shutdown()
+        state = State.load(directory)
+        assert state.pipeline is None and reason in state.last_retrain["abandoned"]
+    assert "one to train on, one to judge on" in State.load(tmp_path / "run1" / "monitor").last_retrain["abandoned"]
+    assert "open alike" in state.last_retrain["abandoned"]
+
+
+def test_a_conversation_is_kept_or_held_out_whole_so_the_gate_never_judges_on_what_it_trained_on():
+    """A prompt asked again and a chat's later turns (which hold its earlier prompts, each answered) went to
+    either side by their own hashes: the retraining trained on the target's answers to held-out prompts, and the
+    gate judged the new drafter on them. Requests that open alike (up to the first user turn) now go together,
+    and no held-out prompt is one a kept request answers."""
+    from draftsmith.data_prep.overlap import answered_prompt_digests, prompt_digest
+    from draftsmith.monitor.pipeline import split_held_out
+
+    def chat(opening: str, turns: int) -> list[dict]:  # the requests a chat of `turns` user turns sends
+        messages, sent = [{"role": "system", "content": "Be brief."}], []
+        for turn in range(turns):
+            messages = [*messages, {"role": "user", "content": f"{opening} {turn}"}]
+            sent.append({"messages": messages, "domain": "chat"})
+            messages = [*messages, {"role": "assistant", "content": f"answer {turn}"}]
+        return sent
+
+    requests = [request for index in range(6) for request in chat(f"topic {index}", 4)]
+    requests += [{"messages": [{"role": "user", "content": "same question"}], "domain": "chat"}] * 5
+    train, held = split_held_out(requests)
+    assert train and held and len(train) + len(held) == len(requests)
+    answered = {digest for request in train for digest in answered_prompt_digests(request["messages"])}
+    kept_prompts = {prompt_digest(request["messages"]) for request in train}
+    for request in held:
+        assert prompt_digest(request["messages"]) not in answered | kept_prompts
+    assert split_held_out(chat("one topic", 5)) is None  # one chat's turns alone: nothing to hold out
 
 
 def test_the_state_records_absolute_paths_under_a_relative_state_dir(tmp_path, monkeypatch):
