@@ -149,33 +149,41 @@ class StopRequest:
 
 def run_cli(main: Callable[[Sequence[str]], object], argv: Sequence[str] | None = None) -> NoReturn:
     """Run an entry point; each exception above becomes one line on stderr and its exit code (`outcome`),
-    and SIGTERM becomes Preempted (exit 75) wherever the job is (`stop_on_sigterm`)."""
+    and SIGTERM becomes Preempted (exit 75) wherever the job is (`stop_on_sigterm`). Once the command is over
+    and its code decided, SIGTERM is ignored, and no handler is put back: the process ends here, and its
+    interpreter's shutdown (thread joins, atexit) takes up to a second, in which a SIGTERM would end it as
+    143 and lose what the command decided (a scheduler acts on `monitor check`'s 12)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    previous = signal.signal(signal.SIGTERM, stop_on_sigterm)
-    try:
-        _run(main, argv)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
+    sys.exit(_run(main, argv))
 
 
-def _run(main: Callable[[Sequence[str]], object], argv: list[str]) -> NoReturn:
+def _run(main: Callable[[Sequence[str]], object], argv: list[str]) -> int:
     try:
         main(argv)
+        _command_over()
     except KeyboardInterrupt as err:
+        _command_over()
         close_progress_bars()  # the line of its own, not the tail of a progress bar's
         print(f"interrupted: {err}" if str(err) else "interrupted", file=sys.stderr)  # with a command's advice
-        sys.exit(EXIT_INTERRUPTED)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
+        _command_over()
         # stdout's reader stopped reading (`--help | head`): nothing failed here, and nothing more can be
         # said on stdout; pointed at /dev/null so that the interpreter's last flush does not fail again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(0)
+        return 0
     except Exception as err:  # noqa: BLE001 - every failure ends as one line and its exit code
+        _command_over()
         close_progress_bars()
         code, line = outcome(err)
         print(line, file=sys.stderr)
-        sys.exit(code)
-    sys.exit(0)
+        return code
+    return 0
+
+
+def _command_over() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the exit code is decided (run_cli)
 
 
 def outcome(err: BaseException) -> tuple[int, str]:

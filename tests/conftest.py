@@ -45,6 +45,17 @@ def worker_threads():
     torch.set_num_threads(WORKER_THREADS)
 
 
+@pytest.fixture(autouse=True)
+def sigterm_handler_put_back():
+    """An entry point run in this process (run_entry_in_process) leaves SIGTERM ignored, as its process ends
+    with it (draftsmith.errors.run_cli); the test process keeps its own."""
+    import signal
+
+    handler = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, handler)
+
+
 def pytest_xdist_auto_num_workers(config) -> int:
     return min(CORES, MAX_WORKERS)
 
