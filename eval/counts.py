@@ -4,6 +4,7 @@ export's check sum and read them without running the loop."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -27,9 +28,11 @@ class Counts:
     `mismatched` counts prompts whose greedy output differed from plain decoding's (set by the report);
     `near_ties`, those of a target computing in fewer bits than float32 whose output parted from plain
     decoding's where the two tokens' logits were within its rounding (eval/partings.py): not mismatched.
-    `per_prompt` keeps each summed prompt's (new tokens, wall seconds), in the order added: every method
-    decodes the same prompts in the same order, so two methods' lists pair prompt by prompt
-    (`speedup_interval`).
+    `per_batch` keeps each summed batch's (new tokens, wall seconds), in the order added: the prompts timed
+    together (`of_batch`; a prompt decoded alone is a batch of one), since a batch's rows share one wall
+    clock (generate_batch charges each an equal share) and so no row's timing is its own. Every method
+    decodes the same batches in the same order (eval/report.py, decode_all), so two methods' lists pair
+    batch by batch (`speedup_interval`).
     """
 
     prompts: int = 0
@@ -43,7 +46,7 @@ class Counts:
     wall_s: float = 0.0  # prefill included
     mismatched: int = 0
     near_ties: int = 0
-    per_prompt: list[tuple[int, float]] = field(default_factory=list)
+    per_batch: list[tuple[int, float]] = field(default_factory=list)
 
     def count_cycle(self, depth: int, new_tokens: int, verdict: Verdict) -> None:
         self.target_forwards += 1
@@ -72,24 +75,40 @@ class Counts:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.reached = _add_lists(self.reached, other.reached)
         self.accepted_at = _add_lists(self.accepted_at, other.accepted_at)
-        if other.per_prompt:
-            self.per_prompt += other.per_prompt
-        elif other.prompts == 1:
-            self.per_prompt.append((other.new_tokens, other.wall_s))
+        if other.per_batch:
+            self.per_batch += other.per_batch
+        elif other.prompts == 1:  # one prompt's counts: a batch of one
+            self.per_batch.append((other.new_tokens, other.wall_s))
+
+    @classmethod
+    def of_batch(cls, rows: Sequence[Counts]) -> Counts:
+        """The rows of one batch (generate_batch's, decoded and timed together) summed, as one timed batch."""
+        total = cls()
+        for row in rows:
+            total.add(row)
+        total.per_batch = [(total.new_tokens, total.wall_s)]
+        return total
 
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
 
+# The fewest timed batches an interval is given for. The bootstrap's draws are the multisets of the batches:
+# 3 distinct ones from 2 batches, 10 from 3, 35 from 4, so its percentiles are a few speed-ups that read as a
+# precise interval (2 batches gave "2.54× (2.27–3.60)" to a chain that drafted nothing); 5 give 126.
+MIN_TIMED_BATCHES = 5
+
+
 def speedup_interval(counts: Counts, plain: Counts, resamples: int = 2000) -> Optional[list[float]]:
-    """A 95% interval of `counts`' speed-up over `plain`: a paired bootstrap over the prompts (each resample
-    draws prompts with replacement and takes both methods' tokens/s over the same draw), so a speed-up that
-    a few prompts' timings carry shows a wide interval. Seeded: the same counts give the same interval.
-    None with fewer than two prompts or unpaired lists. The spread is the prompts'; what a whole run shares
-    (another job on the cores, a cold cache) moves both methods and is not in it."""
-    mine, theirs = numpy.array(counts.per_prompt), numpy.array(plain.per_prompt)
-    if len(mine) < 2 or mine.shape != theirs.shape:
+    """A 95% interval of `counts`' speed-up over `plain`: a paired bootstrap over the timed batches (the
+    prompts, at batch size 1; each resample draws batches with replacement and takes both methods' tokens/s
+    over the same draw), so a speed-up that a few batches' timings carry shows a wide interval. Seeded: the
+    same counts give the same interval. None with fewer than MIN_TIMED_BATCHES batches or unpaired lists.
+    The spread is the batches'; what a whole run shares (another job on the cores, a cold cache) moves both
+    methods and is not in it."""
+    mine, theirs = numpy.array(counts.per_batch), numpy.array(plain.per_batch)
+    if len(mine) < MIN_TIMED_BATCHES or mine.shape != theirs.shape:
         return None
     draws = numpy.random.default_rng(0).integers(0, len(mine), size=(resamples, len(mine)))
     with numpy.errstate(divide="ignore", invalid="ignore"):

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from draftsmith.eval.counts import MIN_TIMED_BATCHES
 from draftsmith.eval.prompts import ALL
 from draftsmith.files import save_figure_atomic, write_text_atomic
 from draftsmith.outputs import REPORT_NAME
@@ -81,7 +82,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "τ: new tokens per target forward (bonus included, prefill not counted). α: accepted / drafted positions. "
         "Per position: acceptance at draft position k given positions < k were accepted. "
         "Draft fwd/cycle: the drafter's forward passes per target forward. "
-        "Speedup: tokens/s over plain decoding in the same run (in brackets its 95% interval over the prompts). "
+        "Speedup: tokens/s over plain decoding in the same run (in brackets its 95% interval over the prompts, or "
+        f"the batches at batch size > 1; none from fewer than {MIN_TIMED_BATCHES}). "
         "Served by: the engines that can serve the method as measured, for this drafter and target (vLLM 0.32 "
         "verifies chains only; report.json's not_served_by says why an engine does not: its export refuses the "
         "drafter, or at temperature > 0 it drafts greedily where the drafter samples its drafts). "
@@ -139,11 +141,20 @@ def conclusion(report: dict[str, Any]) -> list[str]:
         ]
     to_beat = max(1.0, free[strongest]["speedup"] if strongest else 0.0)
     interval = best.get("speedup_interval")  # absent from an older report
+    if best["speedup"] > to_beat and "speedup_interval" in best and interval is None:  # too few batches timed
+        fewer = ", or fewer together: eval.batch_size" if report["batch_size"] > 1 else ""
+        return [
+            f"**Result:** {measured}: no clear wall-clock win on {report['device']}: {timed(report, best)}, too few "
+            f"(under {MIN_TIMED_BATCHES}) to tell a win from the timing's noise (decode more: eval.max_prompts"
+            f"{fewer}){unmeasured}.",
+            "",
+        ]
     if best["speedup"] > to_beat and interval and interval[0] <= to_beat:  # a few prompts' timings carry it
         beaten = "plain's 1.00×" if to_beat == 1.0 else f"{FREE_BASELINES[strongest]}'s {to_beat:.2f}×"
+        resampled = "batches" if report["batch_size"] > 1 else "prompts"
         return [
             f"**Result:** {measured}: no clear wall-clock win on {report['device']}: its 95% interval over the "
-            f"prompts, {interval[0]:.2f}–{interval[1]:.2f}×, reaches {beaten} (decode more: eval.max_prompts, "
+            f"{resampled}, {interval[0]:.2f}–{interval[1]:.2f}×, reaches {beaten} (decode more: eval.max_prompts, "
             f"eval.max_new_tokens){unmeasured}.",
             "",
         ]
@@ -166,6 +177,16 @@ def conclusion(report: dict[str, Any]) -> list[str]:
         if strongest and free[strongest]["speedup"] > 1.0:  # a free method wins where the drafter does not
             why += f"; on this traffic a free method is faster: {FREE_BASELINES[strongest]}"
     return [f"**Result:** {measured}: no wall-clock win on {report['device']}: {why}{unmeasured}.", ""]
+
+
+def timed(report: dict[str, Any], row: dict[str, Any]) -> str:
+    """What the row's interval resamples: its prompts, or at batch size > 1 the batches they were timed in (a
+    domain's prompts form its batches)."""
+    size = report["batch_size"]
+    if size == 1:
+        return f"{row['prompts']} prompts timed"
+    batches = sum(-(-rows["plain"]["prompts"] // size) for domain, rows in report["baselines"].items() if domain != ALL)
+    return f"{row['prompts']} prompts timed in {batches} batches"
 
 
 def _spread(row: dict[str, Any], name: str) -> str:

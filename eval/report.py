@@ -14,8 +14,8 @@ Definitions (the README's "Evaluating a drafter" section says the same for users
   acceptance of position d+1 given that positions 1..d were accepted (EAGLE's n-alpha). With a
   greedy target this is what a Medusa head's top-1 accuracy on the target's own text estimates.
 - tokens_per_s = all new tokens / all wall time (prefill included); speedup = tokens_per_s / plain's
-  tokens_per_s in the same domain and the same run; speedup_interval = its 95% interval over the prompts
-  (a paired bootstrap, eval/counts.py).
+  tokens_per_s in the same domain and the same run; speedup_interval = its 95% interval over the timed
+  batches (the prompts at batch size 1; a paired bootstrap, eval/counts.py), null under MIN_TIMED_BATCHES.
 - lossless (greedy only): every prompt's token ids equal plain greedy decoding's of that prompt alone
   (batch size 1), whatever batch the prompt was decoded in.
 
@@ -170,20 +170,27 @@ def _run_eval(cfg: DictConfig, out_dir: Path, checkpoint: Optional[str | Path], 
     eos_ids = eos_ids_of(target, tokenizer)
     max_new_tokens, greedy = int(cfg.eval.max_new_tokens), sampling.temperature <= 0
 
-    first = next(iter(prompts.values()))[0]
-    for method in methods:  # warm-up, so lazy initialisation does not land in the first prompt's timing
-        method.run(verifier, [first], min(WARMUP_TOKENS, max_new_tokens), sampling, eos_ids, [cfg.eval.seed])
+    batch_size = int(cfg.eval.batch_size)
+    swept = [m for m in methods if m.model is None]  # the drafting methods and their baselines
+    # Warm-up, so lazy initialisation does not land in the first batch's timing: each batch size's path (a
+    # batch pads, masks and gathers its cache as one prompt does not), on the first domain's first batch.
+    first_domain = next(iter(prompts.values()))
+    # batch size (no more than the first domain's prompts) -> the methods decoded at it: the sweep's, the report's
+    warm_ups = {min(int(size), len(first_domain)): swept for size in cfg.eval.batch_sizes}
+    warm_ups.update({1: methods, min(batch_size, len(first_domain)): methods})
+    warm_up_tokens = min(WARMUP_TOKENS, max_new_tokens)
+    for size, warmed in warm_ups.items():
+        for method in warmed:
+            method.run(verifier, first_domain[:size], warm_up_tokens, sampling, eos_ids, [cfg.eval.seed] * size)
 
     # Prompt i of the run (domains in order) is seeded eval.seed + i, at every batch size.
     numbered = [(domain, number) for domain, domain_prompts in prompts.items() for number in range(len(domain_prompts))]
     seeds = {key: int(cfg.eval.seed) + i for i, key in enumerate(numbered)}
     references: dict[tuple[str, int], list[int]] = {}  # greedy: plain decoding of each prompt alone
-    batch_size = int(cfg.eval.batch_size)
     tallies = decode_all(
         methods, verifier, prompts, batch_size, max_new_tokens, sampling, eos_ids, seeds, references if greedy else None
     )
     sweep = {}
-    swept = [m for m in methods if m.model is None]  # the drafting methods and their baselines
     for size in cfg.eval.batch_sizes:
         per_domain = (
             tallies
@@ -300,7 +307,8 @@ def decode_all(
                             mismatched = not near_tie
                             _warn_mismatch(method.name, domain, key[1], reference, run.tokens, batch_size, parted)
                     run.counts.mismatched, run.counts.near_ties = int(mismatched), int(near_tie)
-                    tallies[domain][method.name].add(run.counts)
+                # one timed batch: its rows share its wall time, so the interval resamples batches, not rows
+                tallies[domain][method.name].add(Counts.of_batch([run.counts for run in runs]))
             progress.update(len(group))
     progress.close()
     return tallies

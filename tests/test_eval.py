@@ -11,8 +11,11 @@ import torch
 
 import draftsmith.eval.sampling as sampling_module
 from draftsmith.errors import UserError
+from draftsmith.eval.counts import MIN_TIMED_BATCHES, Counts, speedup_interval
 from draftsmith.eval.loop import generate, generate_batch, prefill, propose, verify_step
+from draftsmith.eval.methods import Method
 from draftsmith.eval.ngram import NGramDrafter
+from draftsmith.eval.render import conclusion
 from draftsmith.eval.report import run_eval
 from draftsmith.eval.sampling import Sampling, exact_rule
 from draftsmith.families import FULL, LINEAR
@@ -424,10 +427,10 @@ def test_report_has_every_field(eval_setup):
         and f"{best['speedup']:.2f}× plain" in last
         and f"n-gram lookup's {ngram:.2f}×" in last
     )
-    low, high = best["speedup_interval"]  # the prompts' spread: a win only where it clears the bar
-    assert low <= best["speedup"] <= high
-    assert ("wins in wall-clock" in last) == (best["speedup"] > max(1.0, ngram) and low > max(1.0, ngram))
-    assert ("no clear wall-clock win" in last) == (best["speedup"] > max(1.0, ngram) >= low and best["tau"] > 1)
+    # four prompts timed, under MIN_TIMED_BATCHES: no interval, and no win claimed on a point estimate alone
+    assert best["speedup_interval"] is None and "wins in wall-clock" not in last
+    too_few = "4 prompts timed, too few (under 5) to tell a win from the timing's noise (decode more: eval.max_prompts)"
+    assert (too_few in last) == (best["speedup"] > max(1.0, ngram) and best["tau"] > 1)
 
 
 @pytest.mark.slow
@@ -446,7 +449,7 @@ def test_without_the_ngram_baseline_the_drafter_rows_are_the_same(eval_setup, tm
 
 
 @pytest.mark.slow
-def test_report_batch_size_and_sweep(eval_setup, tmp_path):
+def test_report_batch_size_and_sweep(eval_setup, tmp_path, monkeypatch):
     """eval.batch_size decodes prompts together and still checks each against plain decoding alone;
     eval.batch_sizes adds a sweep (report.json, report.md, batch_sweep.png) with speedups over plain
     decoding at the same batch size."""
@@ -458,7 +461,13 @@ def test_report_batch_size_and_sweep(eval_setup, tmp_path):
         "eval.batch_sizes=[1,3]",
         f"output_dir={tmp_path}",
     ]
+    calls = []  # (rows, max_new_tokens) of every decode, in order
+    decode = Method.run
+    monkeypatch.setattr(Method, "run", lambda self, *args: calls.append((len(args[1]), args[2])) or decode(self, *args))
     report = run_eval(load_recipe(overrides), str(root / "run" / "final"), target=target)
+    # each batch size's path is warmed (WARMUP_TOKENS) before any is timed: size 1, and 3 (a domain's 2 prompts)
+    timed_from = next(i for i, (_, tokens) in enumerate(calls) if tokens == 12)
+    assert {rows for rows, tokens in calls[:timed_from]} == {1, 2} and {t for _, t in calls[:timed_from]} == {8}
     assert report["batch_size"] == 3
     sweep = report["batch_sweep"]
     assert sweep["batch_sizes"] == [1, 3] and set(sweep["rows"]) == {"1", "3"}
@@ -469,6 +478,11 @@ def test_report_batch_size_and_sweep(eval_setup, tmp_path):
             assert rows["plain"]["speedup"] == 1.0 and rows["plain"]["tau"] == 1.0
             assert all(set(row) == ROW_KEYS and row["lossless"] is True for row in rows.values())
             assert rows["chain"]["prompts"] == (2 * len(DOMAINS) if domain == "all" else 2)
+            assert rows["chain"]["speedup_interval"] is None or (size, domain) == ("1", "all")
+    # the interval resamples what was timed together: eight prompts alone, but at size 3 four batches (a
+    # domain's two prompts each), under MIN_TIMED_BATCHES
+    low, high = sweep["rows"]["1"]["all"]["chain"]["speedup_interval"]
+    assert low <= sweep["rows"]["1"]["all"]["chain"]["speedup"] <= high
     # the same prompts and tokens at every batch size: the same acceptance counts
     for name in ("chain", "tree", "ngram"):
         counts = [sweep["rows"][size]["all"][name]["per_position_counts"] for size in ("1", "3")]
@@ -807,3 +821,73 @@ def test_a_target_whose_cache_the_loop_cannot_hold_is_one_line_before_decoding(m
     config = build_config(model_type, 96, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
     with pytest.raises(UserError, match=named):
         generate(build_model(config).eval(), [1, 5, 6], 4)
+
+
+# -- the speed-up's interval: over what was timed together, and none from too few ------------------------------
+def batched(walls: list[float], size: int, tokens: int = 32) -> Counts:
+    """Counters of batches of `size` rows of `tokens` each, batch k timed at walls[k]: each row charged an
+    equal share, as generate_batch charges it, and summed batch by batch, as the report sums them."""
+    total = Counts()
+    for wall in walls:
+        rows = [Counts(prompts=1, new_tokens=tokens, wall_s=wall / size) for _ in range(size)]
+        total.add(Counts.of_batch(rows))
+    return total
+
+
+def test_the_interval_resamples_batches_not_the_rows_that_shared_a_wall_clock():
+    plain_walls = [1.0 + 0.1 * k for k in range(6)]
+    drafted_walls = [0.5, 0.9, 0.4, 1.1, 0.3, 0.8]  # batch to batch, the drafter's gain varies
+    plain, drafted = batched(plain_walls, 2), batched(drafted_walls, 2)
+    assert drafted.prompts == 12 and drafted.per_batch == [(64, wall) for wall in drafted_walls]
+    # the same interval as six prompts timed alone with those batches' timings: the unit is the batch
+    alone = speedup_interval(batched(drafted_walls, 1, 64), batched(plain_walls, 1, 64))
+    low, high = speedup_interval(drafted, plain)
+    assert [low, high] == alone and low < drafted.tokens_per_s / plain.tokens_per_s < high
+    # a domain of one batch of two: its rows carried one timing, which read as a zero-width interval; now none
+    assert speedup_interval(batched([0.5], 2), batched([1.0], 2)) is None
+
+
+def test_no_interval_from_fewer_timed_batches_than_the_minimum():
+    walls = [1.0, 0.7, 1.3, 0.9, 1.1, 0.6]
+    for count in range(1, len(walls) + 1):
+        interval = speedup_interval(batched(walls[:count], 1), batched([1.0] * count, 1))
+        assert (interval is None) == (count < MIN_TIMED_BATCHES)
+
+
+def conclusion_report(chain_speedup: float, batch_size: int = 1, per_domain: int = 1, **chain) -> dict:
+    """The parts of report.json `conclusion` reads: four domains of `per_domain` prompts each, the chain at
+    `chain_speedup` with τ 2 and `chain`'s further fields (its speedup_interval or none)."""
+    prompts = {domain: per_domain for domain in DOMAINS}
+
+    def row(speedup: float, count: int, **more) -> dict:
+        return {"prompts": count, "tau": 2.0, "speedup": speedup, "draft_forwards_per_cycle": 1.0, **more}
+
+    return {
+        "device": "cpu",
+        "batch_size": batch_size,
+        "methods": {"plain": {"group": "baseline"}, "chain": {"group": "drafter"}},
+        "domains": {"all": {"chain": row(chain_speedup, 4 * per_domain, **chain)}},
+        "baselines": {
+            "all": {"plain": row(1.0, 4 * per_domain)},
+            **{d: {"plain": row(1.0, n)} for d, n in prompts.items()},
+        },
+    }
+
+
+@pytest.mark.parametrize(
+    "report, says",
+    [(conclusion_report(1.6, speedup_interval=None),
+      "no clear wall-clock win on cpu: 4 prompts timed, too few (under 5) to tell a win from the timing's noise "
+      "(decode more: eval.max_prompts)."),
+     (conclusion_report(1.6, batch_size=2, per_domain=2, speedup_interval=None),
+      "8 prompts timed in 4 batches, too few (under 5) to tell a win from the timing's noise (decode more: "
+      "eval.max_prompts, or fewer together: eval.batch_size)."),
+     (conclusion_report(1.6, batch_size=2, per_domain=4, speedup_interval=[0.9, 2.1]),
+      "its 95% interval over the batches, 0.90–2.10×, reaches plain's 1.00×"),
+     (conclusion_report(1.6), "the trained drafter wins in wall-clock time on cpu"),  # older: no interval key
+     (conclusion_report(0.8, speedup_interval=None), "no wall-clock win on cpu: each target forward gave 2.00")],
+)  # fmt: skip
+def test_a_null_interval_from_too_few_batches_claims_no_win_and_an_older_report_reads_as_before(report, says):
+    line = conclusion(report)[0]
+    assert says in line
+    assert ("wins in wall-clock" in line) == ("speedup_interval" not in report["domains"]["all"]["chain"])
