@@ -40,12 +40,14 @@ from draftsmith.monitor.drift import (
     domain_tests,
     drift_reason,
     engine_tests,
+    new_evidence,
     request_tests,
     verdict_of,
 )
 from draftsmith.monitor.metrics import collect, engine_version, window
+from draftsmith.monitor.redeploy import AWAITING, awaiting_action, note_restarts
 from draftsmith.monitor.reverify import engine_change, reverify_action
-from draftsmith.monitor.state import State
+from draftsmith.monitor.state import State, iso_seconds
 from draftsmith.monitor.traffic import sample, write_conversations
 from draftsmith.outputs import EVAL_DIR, REPORT_NAME, DirectoryLock
 from draftsmith.recipe import derived
@@ -113,6 +115,8 @@ def summary(cfg: DictConfig, outcome: Outcome) -> str:
         why.append(last.get("reason"))
         if last.get("action") != "retrain":  # a drift that started a retraining ended with it (the note says how)
             why.append(last.get("action"))
+    elif last.get("verdict") == AWAITING:  # a check since the promotion, before the engine serves its drafter
+        why.append(last.get("action"))
     elif outcome in (Outcome.REJECTED, Outcome.PROMOTED):
         why.append(state.last_retrain.get("reason"))
     said += f": {'; '.join(part for part in why if part)}" if any(why) else ""
@@ -140,21 +144,28 @@ def measure_and_decide(cfg: DictConfig, directory: Path, state: State, deployed:
     # a check killed before its record was saved left its folder under the number this one takes; nothing reads it
     shutil.rmtree(folder, ignore_errors=True)
     try:
-        verdicts, change = [], None
+        verdicts, change, waiting = [], None, []
         if settings.metrics:
-            record["engine"], judged, change = measure_engine(cfg, state, deployed, baseline)
+            record["engine"], judged, change = measure_engine(cfg, state, deployed, baseline, now)
             verdicts += judged
-            if change is not None:
+            waiting = record["engine"].get("waiting_for", [])
+            if change is not None and not waiting:
                 record["engine"]["verdict"] = REVERIFY  # its tests stay recorded, as measured
                 record["engine_change"] = change
-        if settings.traffic:
-            record["traffic"] = measure_traffic(cfg, folder, deployed, baseline, now)
-            verdicts.append(record["traffic"]["verdict"])
-        drift = count_drift(state, verdicts, change)
-        outcome, action = decide(cfg, state, drift, change, now, (record.get("traffic") or {}).get("in_window", 0))
-        # in an engine the export was not checked in nothing is judged (count_drift): the check's verdict says so,
-        # what was measured staying in the engine's and the traffic's tests
-        record["verdict"] = REVERIFY if change is not None else combined(verdicts)
+        if waiting:  # the engine serves the replaced drafter: nothing it served is the deployed one's
+            outcome, action, drift = Outcome.PROMOTED, awaiting_action(state, waiting), False
+            record["verdict"] = AWAITING
+        else:
+            if settings.traffic:
+                record["traffic"] = measure_traffic(cfg, folder, deployed, baseline, now, state.judged_since)
+                verdicts.append(record["traffic"]["verdict"])
+            fresh = new_evidence(record, state.last_check)
+            drift = count_drift(state, verdicts, change, fresh)
+            recent = (record.get("traffic") or {}).get("in_window", 0)
+            outcome, action = decide(cfg, state, drift, change, now, recent, fresh)
+            # in an engine the export was not checked in nothing is judged (count_drift): the check's verdict says
+            # so, what was measured staying in the engine's and the traffic's tests
+            record["verdict"] = REVERIFY if change is not None else combined(verdicts)
         record_check(directory, state, record, drift, outcome, action, now)
     except BaseException:
         # a check that did not finish (a Hub or an engine out of reach, bad input, Ctrl-C, a full disk) leaves nothing:
@@ -187,17 +198,23 @@ def retrain(cfg: DictConfig, directory: Path, state: State) -> Outcome:
 
 
 def measure_engine(
-    cfg: DictConfig, state: State, deployed: dict[str, Any], baseline: Baseline
+    cfg: DictConfig, state: State, deployed: dict[str, Any], baseline: Baseline, now: float
 ) -> tuple[dict[str, Any], list[str], Optional[dict[str, Any]]]:
     """The engine's side of a check: its record, its verdict on the counters over the window since the
-    previous check (none on the first scrape of a deployment, which only starts the window), and the
-    version it reports against the one the export was checked in (`engine_change`). Keeps this scrape as
-    the next window's start."""
+    previous check (none on the first scrape of a deployment, which only starts the window, nor while the
+    engine serves a drafter the monitor replaced: monitor/redeploy.py), and the version it reports against the
+    one the export was checked in (`engine_change`). Keeps this scrape as the next window's start."""
     settings = cfg.monitor
     urls = list(settings.metrics)
     current = collect(urls, settings.engine)
     judged = []
-    if state.counters is None:
+    awaited = state.awaiting_redeploy is not None
+    waiting = note_restarts(state, current, urls, now) if awaited else []
+    if waiting:
+        engine = {"verdict": AWAITING, "waiting_for": waiting, "note": "the engine serves the replaced drafter"}
+    elif awaited:  # the redeploy showed in this scrape: the promoted drafter's window starts
+        engine = {"verdict": TOO_FEW, "note": "redeployed with the promoted drafter: the window starts now"}
+    elif state.counters is None:
         engine = {"verdict": TOO_FEW, "note": "first scrape of this deployment: the window starts now"}
     elif (measured := window(state.counters, current)).accepted > measured.draft_tokens:
         # each scrape had accepted <= drafted, so the previous one was of other counters under the same URLs and
@@ -225,16 +242,16 @@ def measure_engine(
     return engine, judged, change
 
 
-def count_drift(state: State, verdicts: list[str], change: Optional[dict[str, Any]]) -> bool:
-    """Whether this check found drift, counted into the streak of checks in a row that did; a check
-    that found everything healthy ends the streak.
+def count_drift(state: State, verdicts: list[str], change: Optional[dict[str, Any]], fresh: bool = True) -> bool:
+    """Whether this check found drift, counted into the streak of checks in a row that did (only where it rests
+    on new evidence: `fresh`, new_evidence); a check that found everything healthy ends the streak.
 
     In an engine the export was not checked in, a drop is not drift (nor a healthy window a
     recovery): the streak stays where it was until the export is checked in that engine. The
     per-request counts of the traffic come from the same engine, and a retraining's export would be
     checked in export.vllm_python, not in it, so the whole check waits for the re-verification."""
     drift = change is None and DRIFT in verdicts
-    if drift:
+    if drift and fresh:
         state.consecutive_drift += 1
     elif change is None and verdicts and all(verdict == HEALTHY for verdict in verdicts):
         state.consecutive_drift = 0
@@ -284,21 +301,33 @@ def record_check(
 
 
 def decide(
-    cfg: DictConfig, state: State, drift: bool, change: Optional[dict[str, Any]], now: float, recent: int
+    cfg: DictConfig,
+    state: State,
+    drift: bool,
+    change: Optional[dict[str, Any]],
+    now: float,
+    recent: int,
+    fresh: bool = True,
 ) -> tuple[Outcome, str]:
     """The check's outcome and what it does; `recent`: the logged requests in monitor.traffic_window_s,
-    which a retraining samples its prompts from (none: it would have nothing to train on)."""
+    which a retraining samples its prompts from (none: it would have nothing to train on); `fresh`: the drift
+    rests on something no earlier check judged (new_evidence)."""
     if change is not None:
         return Outcome.REVERIFY, reverify_action(change)
     if not drift:
         return Outcome.HEALTHY, "none"
+    if not fresh:
+        return (
+            Outcome.DRIFT,
+            "wait: no request of the drifted domains logged since the previous check, which judged the same ones "
+            f"(drift in {state.consecutive_drift} of {cfg.monitor.consecutive} checks in a row)",
+        )
     if state.consecutive_drift < cfg.monitor.consecutive:
         return Outcome.DRIFT, f"wait: drift in {state.consecutive_drift} of {cfg.monitor.consecutive} checks in a row"
     if now < state.cooldown_until:
         return (
             Outcome.DRIFT,
-            "wait: cooldown until "
-            f"{datetime.datetime.fromtimestamp(state.cooldown_until, datetime.timezone.utc).isoformat()}",
+            f"wait: cooldown until {iso_seconds(state.cooldown_until)}",
         )
     if not cfg.monitor.retrain:
         return Outcome.DRIFT, "report only (monitor.retrain=false)"
@@ -313,16 +342,22 @@ def check_paths(directory: Path, number: int) -> tuple[Path, Path]:
 
 
 def measure_traffic(
-    cfg: DictConfig, check_dir: Path, deployed: dict[str, Any], baseline: Baseline, now: float
+    cfg: DictConfig, check_dir: Path, deployed: dict[str, Any], baseline: Baseline, now: float, since: float
 ) -> dict[str, Any]:
     """Acceptance per domain of recent traffic: from the engine's per-request counts where the logged
     requests carry them (monitor/traffic.py), else by replay, draftsmith's eval of the deployed
-    drafter on the latest requests of the domain (its files in `check_dir`)."""
+    drafter on the latest requests of the domain (its files in `check_dir`). The requests logged before
+    `since` (a replaced drafter served them: monitor/redeploy.py) are left out. `newest_request`: each
+    domain's latest request time (new_evidence)."""
     from draftsmith.eval.report import run_eval
 
     requests, summary = sample(
-        Path(cfg.monitor.traffic), cfg.monitor.sample_per_domain, cfg.monitor.traffic_window_s, now
+        Path(cfg.monitor.traffic), cfg.monitor.sample_per_domain, cfg.monitor.traffic_window_s, now, since
     )
+    summary["newest_request"] = {}
+    for request in requests:
+        newest = summary["newest_request"]
+        newest[request["domain"]] = max(newest.get(request["domain"], 0.0), request["time"])
     tests = request_tests(summary["per_request_acceptance"], baseline, cfg.monitor)
     replayed = [request for request in requests if request["domain"] not in tests]
     if not replayed:

@@ -15,6 +15,7 @@ sample and the confidence absorb that, and the hysteresis (a drift must persist 
 
 from __future__ import annotations
 
+import datetime
 import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -161,6 +162,20 @@ def combined(verdicts: Iterable[str]) -> str:
     if verdicts and verdicts <= {HEALTHY}:
         return HEALTHY
     return TOO_FEW if verdicts <= {TOO_FEW} else UNDECIDED
+
+
+def new_evidence(record: dict[str, Any], previous_check: Optional[dict[str, Any]]) -> bool:
+    """Whether a drift a check found (its `record`) rests on something no earlier check judged: the engine's
+    counters (their window starts at the previous scrape) or requests of a drifted domain logged since the previous
+    check. The traffic's figures are over monitor.traffic_window_s, so a check soon after another, with no request,
+    judges the same requests again: that is not a second check in a row that found drift."""
+    if previous_check is None or (record.get("engine") or {}).get("verdict") == DRIFT:
+        return True
+    previous = datetime.datetime.fromisoformat(previous_check["time"]).timestamp()
+    traffic = record.get("traffic") or {}
+    newest = traffic.get("newest_request", {})
+    drifted = [domain for domain, test in traffic.get("domains", {}).items() if test["verdict"] == DRIFT]
+    return any(newest.get(domain, 0.0) > previous for domain in drifted)
 
 
 def drift_reason(record: dict[str, Any]) -> str:

@@ -37,7 +37,8 @@ from draftsmith.errors import Preempted
 from draftsmith.files import checkpoint_digest
 from draftsmith.heads.base import WEIGHTS_NAME
 from draftsmith.monitor import Outcome
-from draftsmith.monitor.state import State
+from draftsmith.monitor.redeploy import after_promotion
+from draftsmith.monitor.state import State, iso_seconds
 from draftsmith.monitor.traffic import sample, write_conversations
 from draftsmith.outputs import EVAL_DIR, REPORT_NAME
 from draftsmith.recipe import derived
@@ -265,6 +266,7 @@ def step_record(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -
     }  # fmt: skip
     replaced = state.pipeline["deployed"]
     finish(state, promoted=True, cooldown_s=cfg.monitor.cooldown_s)
+    after_promotion(state, cfg.monitor, time.time())
     state.last_retrain["reason"] = promotion_reason(state, replaced, cfg.monitor)
     state.revisions.append({**state.deployed, "folders": exported["folders"], "gate": state.last_retrain["gate"]})
     state.save(directory)
@@ -316,15 +318,11 @@ def gate_taus(gate: dict[str, Any], settings: DictConfig) -> str:
     return said
 
 
-def iso_seconds(timestamp: float) -> str:
-    return datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc).isoformat(timespec="seconds")
-
-
 def abandon(directory: Path, state: State, reason: str) -> Outcome:
     """End a retraining that cannot start (`reason`): no cooldown, since nothing was retrained; the drift streak
     starts again, and the check's line says why (exit 10: drift, no retraining now)."""
     pipeline = state.pipeline
-    log.warning("monitor: the retraining %s is abandoned: %s", pipeline["id"], reason)
+    log.warning("the retraining %s is abandoned: %s", pipeline["id"], reason)
     state.last_retrain = {"id": pipeline["id"], "promoted": False, "abandoned": reason,
                           "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                           "domains": pipeline["domains"], "drift": pipeline.get("drift")}  # fmt: skip
@@ -338,8 +336,9 @@ def abandon(directory: Path, state: State, reason: str) -> Outcome:
 
 
 def finish(state: State, promoted: bool, cooldown_s: float) -> None:
-    """End the pipeline: keep its summary, start the cooldown, and start a fresh counter window (the
-    redeployed server, or the unchanged one, is measured from here on)."""
+    """End the pipeline: keep its summary, start the cooldown, and, but for a promotion, start a fresh counter
+    window (the unchanged server is measured from here on). After a promotion the last scrape is kept: the
+    redeploy shows as the counters' restart since it (monitor/redeploy.py)."""
     now = time.time()
     pipeline = state.pipeline
     state.last_retrain = {"id": pipeline["id"], "promoted": promoted,
@@ -347,7 +346,8 @@ def finish(state: State, promoted: bool, cooldown_s: float) -> None:
                           "domains": pipeline["domains"], "gate": pipeline["done"].get("gate")}  # fmt: skip
     state.cooldown_until = now + cooldown_s
     state.consecutive_drift = 0
-    state.counters = None
+    if not promoted:
+        state.counters = None
     state.pipeline = None
 
 

@@ -5,6 +5,7 @@ and every revision promoted so far."""
 
 from __future__ import annotations
 
+import datetime
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,6 +32,11 @@ class State:
     # the retraining in progress: {"id", "drift" (the figures that started it), "domains", "done": {step: result}}
     pipeline: Optional[dict[str, Any]] = None
     revisions: list[dict[str, Any]] = field(default_factory=list)
+    # after a promotion, until vLLM's counters show the redeploy (monitor/redeploy.py): {"revision", "export",
+    # "promoted", "restarted": the URLs that serve it}; nothing is judged meanwhile
+    awaiting_redeploy: Optional[dict[str, Any]] = None
+    # Unix time: the requests logged before it were served by a replaced drafter and are not judged
+    judged_since: float = 0.0
 
     @classmethod
     def load(cls, directory: Path) -> State:
@@ -50,3 +56,8 @@ class State:
             directory / STATE_NAME,
             json.dumps({"state_version": STATE_VERSION, **asdict(self)}, indent=2, sort_keys=True) + "\n",
         )
+
+
+def iso_seconds(timestamp: float) -> str:
+    """A time the state or a check's line gives, in UTC to the second."""
+    return datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc).isoformat(timespec="seconds")

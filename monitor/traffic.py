@@ -1,8 +1,11 @@
-"""A sample of real traffic: a directory of JSONL request logs (`*.jsonl`, `*.jsonl.gz`), one request a
-line, `{"messages": [...], "domain": "...", "timestamp": ...}` (domain optional, a string: a line whose domain is
-a list, a number or an object is malformed; timestamp as Unix seconds or ISO 8601, a line without one malformed;
-the assistant's logged answer may end the messages or be absent). A turn keeps OpenAI's `tool_calls` (its
-content null when it only calls tools) and a tool result's `tool_call_id` and `name`.
+"""A sample of real traffic: a directory of JSONL request logs, one request a line, `{"messages": [...],
+"domain": "...", "timestamp": ...}` (domain optional, a string: a line whose domain is a list, a number or an
+object is malformed; timestamp as Unix seconds or ISO 8601, a line without one malformed; the assistant's logged
+answer may end the messages or be absent). A turn keeps OpenAI's `tool_calls` (its content null when it only calls
+tools) and a tool result's `tool_call_id` and `name`. A log is a file, in the directory or a folder under it, named
+`NAME.jsonl` or as logrotate renames it: `NAME.jsonl.N` (N digits) or, with `dateext`, `NAME.jsonl-YYYYMMDD`; each
+also gzip-compressed, `.gz` after it. A file that is none of these but has `.jsonl` in its name
+(`requests.jsonl.bak`, `requests.jsonl.1.xz`) is not read, and a warning names it.
 
 A record may also carry the engine's own acceptance for that request, as vLLM 0.32 returns it with
 `--per-request-spec-decode-metrics summary|detailed`: the response's `metrics` object copied into the
@@ -11,9 +14,10 @@ record (`"metrics": {"speculative_decoding": {"acceptance_histogram": [...], "nu
 requests carry them is judged from them (`per_request_acceptance`) and needs no replay.
 
 The sample is the latest `monitor.sample_per_domain` requests of each domain within the last
-`monitor.traffic_window_s` seconds, written as a conversation file the eval and regeneration read:
-each request's messages, ending with the logged answer, or with a placeholder answer when none was
-logged (the eval reads only what precedes it, regeneration replaces it). Logs being written are read
+`monitor.traffic_window_s` seconds, latest by each request's timestamp (not by its file: names do not sort by
+age, the rotated `requests.jsonl.1` after the live `requests.jsonl`), written as a conversation file the eval
+and regeneration read: each request's messages, ending with the logged answer, or with a placeholder answer when
+none was logged (the eval reads only what precedes it, regeneration replaces it). Logs being written are read
 safely: a last line without its newline is skipped as incomplete, as is a gzip log's cut-off end (or a
 `.jsonl.gz` that is not gzip: a warning names it, its rest counted as one malformed line), and malformed lines
 are counted, not fatal, unless no line is a request (logs in another format: refused, naming the first line); a
@@ -28,6 +32,7 @@ import datetime
 import json
 import logging
 import os
+import re
 import time
 import zlib
 from collections import defaultdict
@@ -43,6 +48,11 @@ from draftsmith.files import write_text_atomic
 UNLOGGED_ANSWER = "[the response was not logged]"
 log = logging.getLogger("draftsmith.monitor")
 FUTURE_TOLERANCE_S = 86400.0  # a request's time may be this far ahead of the monitor's clock
+# NAME.jsonl, and logrotate's renamings of it: NAME.jsonl.1 (its default), NAME.jsonl-20260101 (dateext), each
+# optionally .gz (compress)
+LOG_NAME = re.compile(r".*\.jsonl(\.\d+|-\d{8,})?(\.gz)?")
+LOG_NAMES = "NAME.jsonl, NAME.jsonl.N, NAME.jsonl-YYYYMMDD, each optionally .gz"
+LOOK_ALIKES_NAMED = 5  # look-alike logs named in the warning; the rest counted
 
 
 def timestamp_of(value: Any) -> Optional[float]:
@@ -58,7 +68,7 @@ def timestamp_of(value: Any) -> Optional[float]:
 
 
 def read_requests(directory: Path) -> tuple[list[dict[str, Any]], int]:
-    """Every complete, well-formed request in the logs (oldest file first), and the malformed count.
+    """Every complete, well-formed request in the logs (in the order of their paths), and the malformed count.
     Logs of which no line is a request are refused: a format other than this one, not a bad line."""
     if not directory.is_dir():
         raise UserError(f"monitor.traffic={str(directory)!r} is not a directory of JSONL request logs")
@@ -108,20 +118,29 @@ def read_requests(directory: Path) -> tuple[list[dict[str, Any]], int]:
 
 
 def log_files(directory: Path) -> list[Path]:
-    """The request logs under `directory`, by path; a folder in it that cannot be listed is refused, not skipped
-    (its requests would be missing from every check)."""
+    """The request logs under `directory` (LOG_NAME), by path; a folder in it that cannot be listed is refused, not
+    skipped (its requests would be missing from every check). Files named like a log but not one (`.jsonl` in the
+    name: a backup, another compression) are named in a warning: skipped silently, their requests would be missing
+    without a word."""
 
     def unlisted(err: OSError) -> None:
         if isinstance(err, PermissionError):
             raise UserError(f"monitor.traffic: cannot read {err.filename}: permission denied") from None
         raise err
 
-    return sorted(
-        Path(parent, name)
-        for parent, _, names in os.walk(directory, onerror=unlisted)
-        for name in names
-        if name.endswith((".jsonl", ".jsonl.gz"))
-    )
+    files = sorted(Path(parent, name) for parent, _, names in os.walk(directory, onerror=unlisted) for name in names)
+    logs = [path for path in files if LOG_NAME.fullmatch(path.name)]
+    look_alikes = [path for path in files if ".jsonl" in path.name and not LOG_NAME.fullmatch(path.name)]
+    if look_alikes:
+        named = ", ".join(str(path) for path in look_alikes[:LOOK_ALIKES_NAMED])
+        more = len(look_alikes) - LOOK_ALIKES_NAMED
+        log.warning(
+            "monitor: not read as request logs (the names read: %s): %s%s",
+            LOG_NAMES,
+            named,
+            f" and {more} more" if more > 0 else "",
+        )
+    return logs
 
 
 def decompressed(raw: bytes) -> tuple[bytes, bool]:
@@ -192,9 +211,10 @@ def per_request_acceptance(requests: list[dict[str, Any]]) -> dict[str, dict[str
 
 
 def sample(
-    directory: Path, per_domain: int, window_s: float, now: Optional[float] = None
+    directory: Path, per_domain: int, window_s: float, now: Optional[float] = None, since: float = 0.0
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The latest `per_domain` requests per domain within the window; and what was read."""
+    """The latest `per_domain` requests per domain within the window and logged after `since` (before it, a
+    drafter the monitor replaced served them: monitor/redeploy.py); and what was read."""
     logged, malformed = read_requests(directory)
     now = time.time() if now is None else now
     # a time further ahead than a clock's skew or a naive time's zone explains (or NaN) is no request's time:
@@ -207,11 +227,13 @@ def sample(
             '"timestamp" is Unix seconds or ISO 8601'
         )
     malformed += len(logged) - len(requests)
-    recent = [r for r in requests if now - r["time"] <= window_s]
+    recent = [r for r in requests if now - r["time"] <= window_s and r["time"] > since]
     by_domain: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for request in recent:
         by_domain[request["domain"]].append(request)
-    picked = {domain: rows[-per_domain:] for domain, rows in sorted(by_domain.items())}
+    # latest by time, not by place in the logs: their files are read by path, which is no order of time (a rotated
+    # requests.jsonl.1 after the live requests.jsonl); a stable sort keeps equal times in the logs' order
+    picked = {domain: sorted(rows, key=lambda r: r["time"])[-per_domain:] for domain, rows in sorted(by_domain.items())}
     summary = {
         "requests_read": len(requests),
         "malformed_lines": malformed,

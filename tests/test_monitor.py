@@ -605,6 +605,107 @@ def test_a_promoted_retraining_s_line_says_the_gate_s_tau_and_what_to_serve(tmp_
     )
 
 
+def test_after_a_promotion_nothing_is_judged_until_the_engine_serves_the_promoted_drafter(tmp_path):
+    """The check after a promotion judged the counters and requests of the replaced drafter, which the engine
+    serves until it is redeployed, against the promoted one's baseline: drift (exit 10) on every check until the
+    redeploy, and after it on the requests logged before. Now each check until the engine's counters show the
+    redeploy (a restart, or a server no earlier scrape held) exits 12 again naming the export to serve, judging
+    nothing; the redeploy starts the window, and the requests logged before it are never judged."""
+    from draftsmith.files import checkpoint_digest
+    from draftsmith.monitor.check import check, summary
+    from draftsmith.monitor.metrics import collect
+    from draftsmith.monitor.state import State
+
+    folder, logs, directory = served_export(tmp_path / "export" / "vllm"), tmp_path / "logs", tmp_path / "monitor"
+    logs.mkdir()
+    checkpoint = tmp_path / "retrain" / "final"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "config.json").write_text("{}")
+    revision = served_export(directory / "exports" / "rev_0001" / "vllm", weights=checkpoint_digest(checkpoint))
+    tau = {"deployed": {"new": 1.02, "old": 1.21}, "candidate": {"new": 1.1, "old": 1.2}}
+    gate = {"promote": True, "new_domains": ["code"], "old_domains": ["math"], "gain_new": 0.0784,
+            "change_old": -0.0083, "tau": tau, "per_domain": {}}  # fmt: skip
+    exported = {"revision": 1, "folders": {"vllm": str(revision)}, "report": str(revision.parent / "report.json")}
+    done = {"sample": {}, "regenerate": {}, "train": {"checkpoint": str(checkpoint)}, "evaluate": {}, "gate": gate,
+            "export": exported}  # fmt: skip
+    pipeline = {"id": "retrain_00002", "started": "2026-11-30T10:00:00+00:00", "domains": ["code"], "done": done,
+                "deployed": {"export": str(folder), "revision": 0, "sha256": "0" * 64}}  # fmt: skip
+    engine = FakeEngine()
+    engine.serve(1000, DROPPED)  # the drift that started the retraining
+    State(checks=2, consecutive_drift=2, pipeline=pipeline, counters=collect([engine.url])).save(directory)
+    before = {"messages": [{"role": "user", "content": "hi"}], "domain": "code", "timestamp": time.time() - 1,
+              "metrics": vllm_metrics([30, 5, 3, 2])}  # fmt: skip
+    (logs / "requests.jsonl").write_text("".join(json.dumps(before) + "\n" for _ in range(50)))
+    args = ["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}", f"monitor.traffic={logs}",
+            f"monitor.state_dir={directory}", "monitor.min_drafts=100", "monitor.consecutive=1"]  # fmt: skip
+    try:
+        cfg = load_recipe([*args, f"monitor.metrics=[{engine.url}]"])
+        assert check(cfg) == Outcome.PROMOTED  # the retraining's record step
+        engine.serve(1000, DROPPED)  # the replaced drafter, still served
+        for _ in range(2):  # every check until the redeploy: 12 again, nothing judged
+            assert check(cfg) == Outcome.PROMOTED
+            line = summary(cfg, Outcome.PROMOTED)
+            assert line.startswith(f"monitor: promoted: revision 1 awaits its redeploy: serve {revision} (the engine ")
+            assert engine.url in line
+        state = State.load(directory)
+        assert state.consecutive_drift == 0 and state.last_check["verdict"] == "awaiting redeploy"
+        engine.restart()  # the redeploy: a new server (a new port here, as a new pod)
+        engine.serve(1000, DROPPED)
+        cfg = load_recipe([*args, f"monitor.metrics=[{engine.url}]"])
+        assert check(cfg) == Outcome.HEALTHY  # the promoted drafter's window starts; no request since: none judged
+        record = json.loads(Path(State.load(directory).last_check["record"]).read_text())
+        assert record["engine"]["note"].startswith("redeployed with the promoted drafter")
+        assert record["traffic"]["in_window"] == 0 and record["traffic"]["requests_read"] == 50
+        engine.serve(1000, DROPPED)
+        assert check(cfg) == Outcome.DRIFT  # judged again, against revision 1's baseline
+    finally:
+        engine.server.shutdown()
+    assert State.load(directory).awaiting_redeploy is None
+
+
+def test_a_restart_of_every_replica_is_the_redeploy_and_of_some_is_not_yet():
+    """With two replicas, the wait ends when both restarted (their counters went down since the previous scrape),
+    whichever check saw each."""
+    from draftsmith.monitor.redeploy import note_restarts
+    from draftsmith.monitor.state import State
+
+    one, two = "http://one/metrics", "http://two/metrics"
+    scrape = {f"draft_tokens|{url}|": 900.0 for url in (one, two)}
+    state = State(
+        counters=dict(scrape), awaiting_redeploy={"revision": 1, "export": "e", "promoted": "t", "restarted": []}
+    )
+    restarted_one = {**scrape, f"draft_tokens|{one}|": 30.0}
+    assert note_restarts(state, restarted_one, [one, two], now=10.0) == [two]
+    state.counters = restarted_one
+    assert note_restarts(state, {**restarted_one, f"draft_tokens|{two}|": 12.0}, [one, two], now=20.0) == []
+    assert state.awaiting_redeploy is None and state.judged_since == 20.0
+
+
+def test_a_drift_on_requests_an_earlier_check_judged_does_not_extend_the_streak(tmp_path):
+    """A check seconds after another, with no request logged since, judged the same requests again and counted a
+    second check in a row that found drift: monitor.consecutive=2 was met by one burst and a retraining started.
+    Now it says drift and waits, the streak where it was, until a request of the drifted domain comes."""
+    from draftsmith.monitor.check import check, summary
+    from draftsmith.monitor.state import State
+
+    folder, logs = served_export(tmp_path / "export" / "vllm"), tmp_path / "logs"
+    logs.mkdir()
+    ask = {"messages": [{"role": "user", "content": "hi"}], "domain": "code", "metrics": vllm_metrics([30, 5, 3, 2])}
+    log = logs / "requests.jsonl"
+    log.write_text("".join(json.dumps({**ask, "timestamp": time.time() - 5}) + "\n" for _ in range(20)))
+    cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}",
+                       f"monitor.traffic={logs}", "monitor.retrain=false", "monitor.min_drafts=100",
+                       "monitor.consecutive=2"])  # fmt: skip
+    directory = tmp_path / "run" / "monitor"
+    assert check(cfg) == Outcome.DRIFT and State.load(directory).consecutive_drift == 1
+    assert check(cfg) == Outcome.DRIFT and State.load(directory).consecutive_drift == 1
+    assert "no request of the drifted domains logged since the previous check" in summary(cfg, Outcome.DRIFT)
+    with log.open("a") as out:
+        out.write(json.dumps({**ask, "timestamp": time.time()}) + "\n")
+    assert check(cfg) == Outcome.DRIFT and State.load(directory).consecutive_drift == 2
+    assert "report only (monitor.retrain=false)" in summary(cfg, Outcome.DRIFT)
+
+
 def test_a_medusa_drafter_served_by_vllm_0_33_is_told_what_serves_it_not_an_export_vllm_refuses(tmp_path):
     """vLLM 0.33 removed Medusa, and the export refuses to check a Medusa drafter there: the re-verify line
     advised that export all the same. It now names no command for the versions that cannot serve the kind
@@ -732,7 +833,12 @@ def test_a_retraining_whose_drifted_domains_left_the_traffic_window_is_abandoned
                        "monitor.traffic_window_s=3600"])  # fmt: skip
     left = {"id": "retrain_00002", "started": "2026-11-30T10:00:00+00:00", "domains": ["math"], "done": {},
             "deployed": {"export": str(folder), "revision": 0, "sha256": "0" * 64}}  # fmt: skip
-    State(checks=2, consecutive_drift=2, pipeline=left, last_check={"verdict": "drift"}).save(directory)
+    State(
+        checks=2,
+        consecutive_drift=2,
+        pipeline=left,
+        last_check={"verdict": "drift", "time": "2026-11-30T10:00:00+00:00"},
+    ).save(directory)
     try:
         assert check(cfg) == Outcome.DRIFT
         state = State.load(directory)
@@ -972,17 +1078,17 @@ def test_watch_stops_on_sigterm_during_a_check_as_check_does_and_between_checks_
         return Outcome.HEALTHY
 
     monkeypatch.setattr(monitor_check, "check", terminated_during_a_check)
-    before = signal.getsignal(signal.SIGTERM)
     args = ["-m", "monitor", "watch", "recipe=medusa", f"output_dir={tmp_path}"]
     result = run_entry_in_process(args, capsys)
     assert_one_line_error(result, 75, "stopped on SIGTERM; what was finished is kept", prefix="preempted: ")
-    assert len(checks) == 1 and signal.getsignal(signal.SIGTERM) == before
+    # no handler of watch's is left: once a command is over, SIGTERM is ignored until its process ends (run_cli)
+    assert len(checks) == 1 and signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
 
     monkeypatch.setattr(monitor_check, "check", lambda cfg: checks.append(cfg) or Outcome.HEALTHY)
     threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()  # in the 300 s wait after the check
     result = run_entry_in_process(args, capsys)
     assert_one_line_error(result, 75, "stopped on SIGTERM between checks", prefix="preempted: ")
-    assert len(checks) == 2 and signal.getsignal(signal.SIGTERM) == before
+    assert len(checks) == 2 and signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
 
 
 def test_watch_refuses_an_interval_under_a_second(tmp_path, capsys):
@@ -1468,3 +1574,46 @@ def test_a_sampled_draft_baseline_against_an_export_drafting_the_argmax_is_refus
         return
     with pytest.raises(UserError, match=r"drafts the argmax \(draft_sample_method greedy\).*export the checkpoint"):
         require_baseline_drafting(str(tmp_path), baseline)
+
+
+def asked(domain: str, at: float, content: str = "hi") -> str:
+    """One logged request's line."""
+    return json.dumps({"messages": [{"role": "user", "content": content}], "domain": domain, "timestamp": at}) + "\n"
+
+
+def test_logrotate_s_rotated_logs_are_read_and_a_look_alike_is_named(tmp_path, caplog):
+    """requests.jsonl renamed requests.jsonl.1 (logrotate's default) and a new one started: only the new one was
+    read, the rotated requests skipped without a word. Now NAME.jsonl.N and NAME.jsonl-YYYYMMDD are read, each
+    plain or .gz; a file with .jsonl in its name that is none of these is named in one warning, not read."""
+    logs, now = tmp_path / "logs", 1_800_000_000.0
+    logs.mkdir()
+    (logs / "requests.jsonl").write_text(asked("chat", now - 10))
+    (logs / "requests.jsonl.1").write_text(asked("chat", now - 20))
+    (logs / "requests.jsonl.2.gz").write_bytes(gzip.compress(asked("chat", now - 30).encode()))
+    (logs / "requests.jsonl-20260101").write_text(asked("chat", now - 40))
+    (logs / "requests.jsonl-20251231.gz").write_bytes(gzip.compress(asked("chat", now - 50).encode()))
+    (logs / "requests.jsonl.bak").write_text(asked("chat", now - 60))
+    (logs / "requests.jsonl.3.xz").write_bytes(b"\xfd7zXZ\x00")
+    (logs / "notes.txt").write_text(asked("chat", now - 70))
+    with caplog.at_level("WARNING", logger="draftsmith.monitor"):
+        requests, malformed = read_requests(logs)
+    assert sorted(now - r["time"] for r in requests) == [10, 20, 30, 40, 50] and malformed == 0
+    warnings = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert len(warnings) == 1 and "not read as request logs" in warnings[0]
+    assert str(logs / "requests.jsonl.bak") in warnings[0] and str(logs / "requests.jsonl.3.xz") in warnings[0]
+    assert "notes.txt" not in warnings[0]
+
+
+def test_the_latest_requests_are_the_newest_by_time_whichever_file_holds_them(tmp_path):
+    """sample() took each domain's last requests in file-name order: the older requests.old.jsonl sorts after the
+    live requests.jsonl, so the old ones were sampled. Latest is by each request's time; equal times keep the
+    logs' order."""
+    logs, now = tmp_path / "logs", 1_800_000_000.0
+    logs.mkdir()
+    (logs / "requests.jsonl").write_text(asked("chat", now - 2, "new") + asked("chat", now - 1, "newest"))
+    (logs / "requests.old.jsonl").write_text(asked("chat", now - 400, "old") + asked("chat", now - 300, "older"))
+    picked, _ = sample(logs, per_domain=2, window_s=600, now=now)
+    assert [r["messages"][0]["content"] for r in picked] == ["new", "newest"]
+    (logs / "requests.jsonl").write_text(asked("chat", now - 5, "first") + asked("chat", now - 5, "second"))
+    picked, _ = sample(logs, per_domain=1, window_s=600, now=now)
+    assert [r["messages"][0]["content"] for r in picked] == ["second"]

@@ -1,0 +1,55 @@
+"""From a promotion until the engine serves the promoted drafter.
+
+A promotion (exit 12) names the export to serve, and the engine serves the replaced drafter until it is
+redeployed with it: what it serves meanwhile is not the promoted drafter's, to be judged against that one's
+baseline. With vLLM's counters (monitor.metrics, monitor.engine=vllm) the redeploy shows: every replica's
+counters went down since the last scrape before the promotion (a restart), or its URL is one no earlier scrape
+held (a new server). Until then each check judges nothing and exits 12 again, its line naming the export to
+serve, so that a redeploy hook that missed the first 12 acts on the next. The requests logged before the
+redeploy was seen are never judged (`State.judged_since`). Without counters (SGLang's gauges, or traffic alone)
+nothing shows the redeploy: the requests logged after the promotion are judged.
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from draftsmith.monitor.metrics import window
+from draftsmith.monitor.state import State, iso_seconds
+
+AWAITING = "awaiting redeploy"  # a check's verdict while the engine serves the replaced drafter
+
+
+def after_promotion(state: State, settings: DictConfig, now: float) -> None:
+    """A promotion of `state.deployed`: nothing served before it is judged against its baseline; with vLLM's
+    counters, nothing until the redeploy shows in them."""
+    state.judged_since = now
+    if settings.metrics and settings.engine == "vllm":
+        deployed = state.deployed
+        state.awaiting_redeploy = {"revision": deployed["revision"], "export": deployed["export"],
+                                   "promoted": iso_seconds(now), "restarted": []}  # fmt: skip
+
+
+def note_restarts(state: State, current: dict[str, float], urls: list[str], now: float) -> list[str]:
+    """The URLs of `urls` still serving the replaced drafter after this scrape (`current`), the others added to
+    `awaiting_redeploy["restarted"]`; none left ends the wait, and the requests logged from now on are judged."""
+    before = state.counters or {}
+    known = {key.split("|", 2)[1] for key in before}  # a URL has no unencoded "|"
+    new = [url for url in urls if url not in known]  # a server no earlier scrape held
+    awaiting = state.awaiting_redeploy
+    awaiting["restarted"] = sorted({*awaiting["restarted"], *window(before, current).restarted, *new})
+    waiting = [url for url in urls if url not in awaiting["restarted"]]
+    if not waiting:
+        state.awaiting_redeploy = None
+        state.judged_since = now
+    return waiting
+
+
+def awaiting_action(state: State, waiting: list[str]) -> str:
+    """The line of a check while the engine serves the replaced drafter (exit 12, as the promotion's)."""
+    awaiting = state.awaiting_redeploy
+    return (
+        f"revision {awaiting['revision']} awaits its redeploy: serve {awaiting['export']} (the engine at "
+        f"{', '.join(waiting)} has not restarted since the promotion, {awaiting['promoted']}: it serves the replaced "
+        "drafter, and nothing is judged until it serves this one)"
+    )
