@@ -40,6 +40,7 @@ from draftsmith.monitor.drift import (
     domain_tests,
     drift_reason,
     engine_tests,
+    free_against_drafter,
     new_evidence,
     request_tests,
     verdict_of,
@@ -140,6 +141,13 @@ def measure_and_decide(cfg: DictConfig, directory: Path, state: State, deployed:
             for key in ("min_drafts", "max_drop", "confidence", "consecutive", "cooldown_s", "traffic_window_s")
         },
     }
+    if state.last_check and datetime.datetime.fromisoformat(state.last_check["time"]).timestamp() > now:
+        log.warning(
+            "the previous check is dated %s, after this machine's clock (%s): a clock moved back, or the state was "
+            "written on a machine whose clock ran ahead; the engine's window and the streak read it as given",
+            state.last_check["time"],
+            record["time"],
+        )
     folder, record_path = check_paths(directory, state.checks)
     # a check killed before its record was saved left its folder under the number this one takes; nothing reads it
     shutil.rmtree(folder, ignore_errors=True)
@@ -383,31 +391,6 @@ def measure_traffic(
         "domains": tests,
         "verdict": verdict_of(tests),
         "free_baselines": free_against_drafter(report, judged=verdict_of(replayed_tests) != TOO_FEW),
-    }
-
-
-def free_against_drafter(report: dict[str, Any], judged: bool = True) -> dict[str, Any]:
-    """Over the replayed sample, τ (tokens per target forward) of the deployed drafter's chain and of each
-    free baseline the replay ran (n-gram lookup, suffix decoding); `faster` names the strongest free one
-    where its τ is above the drafter's: it drafts with no forward of its own, so it is then the faster
-    method on any engine, and retraining the drafter on this traffic is not what would pay. The note
-    says so only where the sample was large enough to judge (`judged`): on a few drafts τ is noise."""
-    from draftsmith.eval.render import FREE_BASELINES
-
-    rows = report["baselines"]["all"]
-    free = {name: rows[name]["tau"] for name in FREE_BASELINES if name in rows and rows[name]["tau"] is not None}
-    drafter = report["domains"]["all"]["chain"]["tau"]
-    strongest = max(free, key=free.get, default=None)
-    faster = strongest if strongest is not None and drafter is not None and free[strongest] > drafter else None
-    return {
-        "drafter_tau": drafter,
-        "tau": free,
-        "faster": faster,
-        "not_measured": report.get("not_measured", {}),
-        "note": f"on this traffic a free method is faster: {FREE_BASELINES[faster]}'s τ {free[faster]:.2f} "
-        f"against the drafter's {drafter:.2f}"
-        if faster and judged
-        else None,
     }
 
 

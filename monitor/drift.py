@@ -172,6 +172,8 @@ def new_evidence(record: dict[str, Any], previous_check: Optional[dict[str, Any]
     if previous_check is None or (record.get("engine") or {}).get("verdict") == DRIFT:
         return True
     previous = datetime.datetime.fromisoformat(previous_check["time"]).timestamp()
+    if previous > datetime.datetime.fromisoformat(record["time"]).timestamp():  # a clock moved back: nothing to tell
+        return True
     traffic = record.get("traffic") or {}
     newest = traffic.get("newest_request", {})
     drifted = [domain for domain, test in traffic.get("domains", {}).items() if test["verdict"] == DRIFT]
@@ -214,3 +216,28 @@ def drift_reason(record: dict[str, Any]) -> str:
             f"{test['trials']:.0f} drafts of {requests} in the last {settings['traffic_window_s']:g} s"
         )
     return "; ".join(parts)
+
+
+def free_against_drafter(report: dict[str, Any], judged: bool = True) -> dict[str, Any]:
+    """Over the replayed sample, τ (tokens per target forward) of the deployed drafter's chain and of each
+    free baseline the replay ran (n-gram lookup, suffix decoding); `faster` names the strongest free one
+    where its τ is above the drafter's: it drafts with no forward of its own, so it is then the faster
+    method on any engine, and retraining the drafter on this traffic is not what would pay. The note
+    says so only where the sample was large enough to judge (`judged`): on a few drafts τ is noise."""
+    from draftsmith.eval.render import FREE_BASELINES
+
+    rows = report["baselines"]["all"]
+    free = {name: rows[name]["tau"] for name in FREE_BASELINES if name in rows and rows[name]["tau"] is not None}
+    drafter = report["domains"]["all"]["chain"]["tau"]
+    strongest = max(free, key=free.get, default=None)
+    faster = strongest if strongest is not None and drafter is not None and free[strongest] > drafter else None
+    return {
+        "drafter_tau": drafter,
+        "tau": free,
+        "faster": faster,
+        "not_measured": report.get("not_measured", {}),
+        "note": f"on this traffic a free method is faster: {FREE_BASELINES[faster]}'s τ {free[faster]:.2f} "
+        f"against the drafter's {drafter:.2f}"
+        if faster and judged
+        else None,
+    }

@@ -706,6 +706,17 @@ def test_a_drift_on_requests_an_earlier_check_judged_does_not_extend_the_streak(
     assert "report only (monitor.retrain=false)" in summary(cfg, Outcome.DRIFT)
 
 
+def test_a_previous_check_dated_after_this_clock_is_warned_of_and_counts_the_drift():
+    """A state written with a clock ahead (or a clock moved back) made every request older than the previous check:
+    no drift could count toward the streak again. It is said in a warning, and such a drift counts."""
+    from draftsmith.monitor.drift import new_evidence
+
+    record = {"time": "2026-11-30T10:00:00+00:00", "traffic": {"domains": {"code": {"verdict": DRIFT}},
+              "newest_request": {"code": 1796032700.0}}}  # fmt: skip
+    assert new_evidence(record, {"time": "2027-03-01T00:00:00+00:00"})
+    assert not new_evidence(record, {"time": "2026-11-30T09:59:00+00:00"})  # the request is older than that check
+
+
 def test_a_medusa_drafter_served_by_vllm_0_33_is_told_what_serves_it_not_an_export_vllm_refuses(tmp_path):
     """vLLM 0.33 removed Medusa, and the export refuses to check a Medusa drafter there: the re-verify line
     advised that export all the same. It now names no command for the versions that cannot serve the kind
@@ -935,7 +946,8 @@ def test_a_state_dir_of_another_drafter_is_refused_and_a_promoted_revision_is_sa
 def test_an_outcome_or_note_a_check_did_not_measure_is_not_recorded(tmp_path):
     """A check with too few samples was recorded as outcome HEALTHY (the line never says healthy then);
     "a free method is faster" was said at equal τ, and on a sample too small to judge."""
-    from draftsmith.monitor.check import check, free_against_drafter
+    from draftsmith.monitor.check import check
+    from draftsmith.monitor.drift import free_against_drafter
 
     engine = FakeEngine()
     folder = served_export(tmp_path / "export" / "vllm")

@@ -186,7 +186,7 @@ def test_the_speed_up_interval_pairs_the_prompts_and_widens_where_one_prompt_car
 )  # fmt: skip
 def test_the_report_and_the_monitor_weigh_the_drafter_against_the_stronger_free_baseline(chain, suffix, says):
     from draftsmith.eval.render import conclusion
-    from draftsmith.monitor.check import free_against_drafter
+    from draftsmith.monitor.drift import free_against_drafter
 
     report = report_rows(chain, (1.4, 1.2), suffix)
     line = conclusion(report)[0]
