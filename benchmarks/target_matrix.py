@@ -15,7 +15,8 @@ one row:
 
 - `train`: `python train.py recipe=<kind> target.name_or_path=<target> ...` (a few dozen steps on the
   demo's regenerated data) exited 0, its eval stage included;
-- `resume`: the same command with train.max_steps raised and train.resume=true continued the run, and
+- `resume`: the same command with train.resume=<its checkpoint RESUME_STEPS before the end> trained those steps
+  again (a resume keeps the run's schedule, so the first run trains past that checkpoint), and
   its eval stage decoded the eval prompts (greedy, γ of the recipe) with the weights the export then
   serves: `lossless` (every method's tokens equal plain greedy decoding's) and `tau_draftsmith` are that
   report's (the first run's where the resume failed, and then nothing is exported);
@@ -90,7 +91,7 @@ KINDS = {
     "mtp": ("mtp", ["train.max_steps=40", "train.lr=3e-3"]),
     "gemma4_assistant": ("gemma4_assistant", ["train.max_steps=40", "train.lr=3e-3"]),
 }  # fmt: skip
-RESUME_STEPS = 4  # the resumed run's extra steps
+RESUME_STEPS = 4  # the steps past the checkpoint the resume goes back to
 
 
 def run(args: list[str], env: dict) -> tuple[int, str, float]:
@@ -117,6 +118,9 @@ def measure(
     args = [f"recipe={recipe}", f"target.name_or_path={target}", *COMMON, *overrides, *extra, f"output_dir={out}"]
     row: dict = {"family": family, "kind": kind} | ({"overrides": extra} if extra else {})
     row |= {"export_overrides": export_extra} if export_extra else {}
+    steps = next(int(o.split("=")[1]) for o in overrides if o.startswith("train.max_steps="))
+    # a checkpoint RESUME_STEPS before the end for the resume to go back to: a resume keeps the run's schedule
+    args += [f"train.max_steps={steps + RESUME_STEPS}", f"train.save_every={steps}"]
     code, error, seconds = run(["train.py", *args], env)
     row |= {"train": code == 0, "train_s": seconds}
     if code != 0:
@@ -124,10 +128,9 @@ def measure(
     if kind == "mtp":
         row["tau_shipped"] = shipped_tau(target, args, work / f"{family}-{kind}-shipped", env)
     row |= eval_row(out)
-    steps = next(int(o.split("=")[1]) for o in overrides if o.startswith("train.max_steps="))
     # the resumed run evaluates its final/ as the first did: the export reads that report (it refuses one of other
     # weights), and the row's draftsmith τ is then of the weights the engine serves
-    code, error, _ = run(["train.py", *args, f"train.max_steps={steps + RESUME_STEPS}", "train.resume=true"], env)
+    code, error, _ = run(["train.py", *args, f"train.resume={out / 'checkpoints' / f'step_{steps:07d}'}"], env)
     row["resume"] = code == 0
     if code != 0:
         return row | {"error": error}

@@ -134,7 +134,9 @@ class TrainSection:
     epochs: int = 1  # passes over data.train, read when max_steps is -1 (another value with max_steps is refused)
     micro_batch_size: int = 8  # conversations per process per forward
     grad_accum: int = 1  # micro-batches per optimizer step
-    warmup_steps: int = 0  # optimizer steps of linear learning-rate warm-up
+    # optimizer steps of linear learning-rate warm-up from 0: step 1 trains at lr 0 (as in transformers' schedule
+    # and HF Trainer), step warmup_steps + 1 at train.lr; the log's train/lr is the rate the logged step trained at
+    warmup_steps: int = 0
     weight_decay: float = 0.0  # weight decay (AdamW's, and Muon's with train.optimizer=muon)
     adam_betas: List[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
     max_grad_norm: float = 1.0  # gradient clipping (global norm)

@@ -60,7 +60,7 @@ def test_damaged_weights_are_named_in_one_line_and_latest_intact_resumes_from_th
     weights.write_bytes(weights.read_bytes()[: size // 2])  # a copy cut short between machines
     before = snapshot(output_dir)
 
-    refused = run_entry_in_process(["train.py", *args, "train.max_steps=3", "train.resume=true"], capsys)
+    refused = run_entry_in_process(["train.py", *args, "train.resume=true"], capsys)
     line = assert_one_line_error(refused, 2)
     assert line.startswith(
         f"error: checkpoint {newest} is damaged: model.safetensors is {size // 2} bytes, {size} were written"
@@ -68,11 +68,11 @@ def test_damaged_weights_are_named_in_one_line_and_latest_intact_resumes_from_th
     assert "train.resume=latest_intact" in line
     assert snapshot(output_dir) == before  # nothing loaded, nothing written
 
-    resumed = run_entry_in_process(["train.py", *args, "train.max_steps=3", "train.resume=latest_intact"], capsys)
+    resumed = run_entry_in_process(["train.py", *args, "train.resume=latest_intact"], capsys)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"checkpoint {newest} is damaged (model.safetensors is {size // 2} bytes" in resumed.stdout
     assert "resumed from" in resumed.stdout and "step_0000001 at step 1" in resumed.stdout
-    assert checkpoint_damage(output_dir / "checkpoints" / "step_0000003") is None
+    assert checkpoint_damage(output_dir / "checkpoints" / "step_0000002") is None  # trained again
 
 
 def test_changed_bytes_of_the_same_size_are_found(two_checkpoints, tmp_path):
@@ -116,7 +116,7 @@ def test_a_resume_with_another_drafter_is_refused_in_one_line_and_the_runs_recip
     shutil.copytree(source, output_dir)
     args = [arg.replace(str(source), str(output_dir)) for arg in args]
     before = snapshot(output_dir)
-    resume = ["train.py", *args, "train.max_steps=3", "train.resume=true"]
+    resume = ["train.py", *args, "train.resume=true"]
     wider = run_entry_in_process([*resume, "drafter.num_heads=4"], capsys)
     assert_one_line_error(wider, 2, "train.resume's")
     assert "is another architecture than the recipe's: drafter.num_heads=4 (" in wider.stderr
@@ -135,6 +135,6 @@ def test_a_resume_whose_saved_recipe_is_damaged_is_one_line_before_any_work(two_
     args = [arg.replace(str(source), str(output_dir)) for arg in args]
     (output_dir / "recipe.yaml").write_text("train: [unclosed\n")
     before = snapshot(output_dir)
-    done = run_entry_in_process(["train.py", *args, "train.max_steps=3", "train.resume=true"], capsys)
+    done = run_entry_in_process(["train.py", *args, "train.resume=true"], capsys)
     assert_one_line_error(done, 2, f"{output_dir / 'recipe.yaml'} is not the run's recipe")
     assert "train.overwrite=true" in done.stderr and snapshot(output_dir) == before

@@ -84,49 +84,63 @@ def test_a_rerun_is_refused_resumed_or_started_over_and_nothing_is_deleted(tmp_p
 
 
 def test_a_resume_continues_as_the_run_began_or_is_refused_in_one_line(tmp_path, small_data, token_cache, capsys):
-    """A resume on another split of the run's step (micro_batch_size 2 x grad_accum 4 for 4 x 2) trains the
-    conversations the uninterrupted run trains (its data position was counted in micro-batches of the old split:
-    it trained some twice); another step size, an optimizer setting or the data order changed (the saved
-    optimizer kept the old lr while recipe.yaml said the new), or max_steps below the resumed step (ignored), is
-    one line naming it, the run as it was."""
+    """A resume on another split of the run's step (micro_batch_size 2 x grad_accum 4 for 4 x 2) trains what the
+    uninterrupted run trains: its conversations (the data position was counted in micro-batches of the old split: it
+    trained some twice) and its steps (accelerate's saved count of micro-batches, 6 at step 3, fell mid-step under
+    grad_accum 4: every later optimizer step spanned two of the run's, losses off by 1e-2). Each step logs the
+    learning rate it trained at (0 at the first of a warm-up; it logged the next step's). Another step size, an
+    optimizer setting, the schedule or the data order changed (the saved optimizer kept the old lr while recipe.yaml
+    said the new; the first step resumed under a longer schedule trained at the old one's last rate, 0), is one line
+    naming it, the run as it was; so is max_steps below the step another run's checkpoint resumes at (ignored)."""
     args = lambda out, *extra: train_args(out, small_data, token_cache, "train.grad_accum=2", *extra)  # noqa: E731
     straight, split = tmp_path / "straight", tmp_path / "split"
-    assert run_entry_in_process(["train.py", *args(straight, "train.max_steps=4")], capsys).returncode == 0
-    first = args(split, "train.max_steps=2", "train.save_every=2")
-    assert run_entry_in_process(["train.py", *first], capsys).returncode == 0
-    resplit = ["train.micro_batch_size=2", "train.grad_accum=4", "train.max_steps=4", "train.resume=true"]
-    resumed = run_entry_in_process(["train.py", *args(split, *resplit)], capsys)
+    done = run_entry_in_process(["train.py", *args(straight, "train.max_steps=4", "train.save_every=3")], capsys)
+    assert done.returncode == 0, done.stderr[-2000:]
+    theirs = read_log(straight)
+    # warm-up 2 to train.lr 0.002, then cosine to 0 at step 4: step 1 trains at 0, step 4 halfway down
+    assert [theirs[step]["train/lr"] for step in range(1, 5)] == [0.0, 0.001, 0.002, 0.001]
+
+    # its copy resumed from step 3 as 2 x 4: an older checkpoint than its newest, so a branch there
+    shutil.copytree(straight, split)
+    resplit = ["train.micro_batch_size=2", "train.grad_accum=4", "train.max_steps=4", "train.save_every=3"]
+    checkpoint = split / "checkpoints" / "step_0000003"
+    resumed = run_entry_in_process(["train.py", *args(split, *resplit, f"train.resume={checkpoint}")], capsys)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed on another split of the run's 8 conversations a step" in resumed.stdout
-    ours, theirs = read_log(split), read_log(straight)
-    assert [ours[s]["train/tokens"] for s in (3, 4)] == [theirs[s]["train/tokens"] for s in (3, 4)]
-    assert ours[4]["train/loss"] == pytest.approx(theirs[4]["train/loss"], rel=1e-4)
+    ours = read_log(split)
+    assert ours[4]["train/tokens"] == theirs[4]["train/tokens"] and ours[4]["train/lr"] == theirs[4]["train/lr"]
+    assert ours[4]["train/loss"] == pytest.approx(theirs[4]["train/loss"], rel=1e-6)
+    weights, straight_weights = (load_file(str(out / "final" / "model.safetensors")) for out in (split, straight))
+    for name, tensor in straight_weights.items():
+        torch.testing.assert_close(weights[name], tensor, rtol=1e-6, atol=1e-6)
+    # the newer checkpoint, another branch a later train.resume=true would jump back to, moved aside; log.jsonl
+    # lost the row logged past step 3 before the resumed run logged step 4 again (it was [.., 3, 4, 4])
+    assert [json.loads(line)["step"] for line in (split / "log.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert sorted(p.name for p in (split / "checkpoints").iterdir()) == ["step_0000003", "step_0000004"]
+    assert [p.name for p in (split / "replaced").glob("*/checkpoints/*")] == ["step_0000004"]
 
     before = sorted(p.name for p in (split / "checkpoints").iterdir()), (split / "recipe.yaml").read_text()
     for extra, fragment in (
         (["train.grad_accum=1"], "this run's steps are of 8 conversations (processes 1, micro_batch_size 2, grad_"),
         (["train.lr=0.01"], "this recipe changes train.lr=0.01 (the run began with 0.002)"),
         (["train.seed=3"], "train.seed=3 (the run began with 0)"),
-        (["train.max_steps=3"], "train.max_steps=3 is below the step 4 the run resumes at"),
+        (["train.max_steps=6"], "train.max_steps=6 (the run began with 4)"),
+        (["train.warmup_steps=0"], "train.warmup_steps=0 (the run began with 2)"),
     ):
-        base = [a for a in resplit if not a.startswith("train.max_steps")]
-        if not any(e.startswith("train.max_steps") for e in extra):
-            base.append("train.max_steps=6")
-        refused = run_entry_in_process(["train.py", *args(split, *base, *extra)], capsys)
-        assert_one_line_error(refused, 2, fragment)
+        refused = run_entry_in_process(["train.py", *args(split, *resplit, "train.resume=true", *extra)], capsys)
+        line = assert_one_line_error(refused, 2, fragment)
+        assert "start a new run from its checkpoint with train.init_from" in line
     assert (sorted(p.name for p in (split / "checkpoints").iterdir()), (split / "recipe.yaml").read_text()) == before
+    # a checkpoint of another run (no recipe.yaml to keep to): a max_steps below its step is refused
+    newest = split / "checkpoints" / "step_0000004"
+    elsewhere = args(tmp_path / "elsewhere", *resplit[:2], "train.max_steps=3", f"train.resume={newest}")
+    assert_one_line_error(
+        run_entry_in_process(["train.py", *elsewhere], capsys), 2, "train.max_steps=3 is below the step 4"
+    )
 
-    # resumed from an older checkpoint of its own: the newer one, another branch a later train.resume=true jumped
-    # back to, moves aside; log.jsonl loses the rows logged past it (it was [.., 3, 4, 3])
-    older = split / "checkpoints" / "step_0000002"
-    branch = [*resplit[:2], "train.max_steps=3", f"train.resume={older}"]
-    assert run_entry_in_process(["train.py", *args(split, *branch)], capsys).returncode == 0
-    assert [json.loads(line)["step"] for line in (split / "log.jsonl").read_text().splitlines()] == [1, 2, 3]
-    assert sorted(p.name for p in (split / "checkpoints").iterdir()) == ["step_0000002", "step_0000003"]
-    assert [p.name for p in (split / "replaced").glob("*/checkpoints/*")] == ["step_0000004"]
     # a finished run whose checkpoints are gone: train.resume=true started over and replaced its final/
     shutil.rmtree(split / "checkpoints")
-    refused = run_entry_in_process(["train.py", *args(split, *resplit)], capsys)
+    refused = run_entry_in_process(["train.py", *args(split, *resplit, "train.resume=true")], capsys)
     assert_one_line_error(refused, 2, "holds a finished run (final/) and no checkpoint to resume from")
 
 

@@ -112,6 +112,7 @@ class StepResult:
     data: StepData
     tokens: int
     stats: dict[str, torch.Tensor]
+    lr: float  # the learning rate the step trained at (the schedule's, read before it stepped: a host float)
     upcoming: StepData | None
     agreed: Agreed  # this step's non-finite flag and SIGTERM, the upcoming step's counts
 
@@ -158,19 +159,21 @@ def train_step(run: Run, step: StepData, agreed: Agreed, stream, stop: StopReque
                         run.optimizer.step()
             run.optimizer.zero_grad(set_to_none=True)
         state.epoch, state.batch_in_epoch = epoch, batch_index + 1
+    lr = run.scheduler.get_last_lr()[0]  # after the step, the schedule says the next step's
     run.scheduler.step()
     state.step += 1
     state.tokens += agreed.tokens
-    return StepResult(step, agreed.tokens, stats, upcoming, agreement)
+    return StepResult(step, agreed.tokens, stats, lr, upcoming, agreement)
 
 
 class Meters:
     """What the loop sums between two log lines: the drafter's (sum, count) statistics of the steps that
     were not skipped, this rank's tokens, positions (tokens plus padding) and rows, all ranks' tokens, and
-    when the interval began."""
+    when the interval began; and the learning rate of its last step."""
 
     def __init__(self, device: torch.device):
         self.stats: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(2, device=device))
+        self.lr = math.nan  # the last step's, kept across intervals
         self.reset()
 
     def reset(self) -> None:
@@ -186,6 +189,7 @@ class Meters:
         self.positions += done.data.positions
         self.global_tokens += done.tokens
         self.rows += done.data.rows
+        self.lr = done.lr
 
 
 def due(step: int, every: int, last: int) -> bool:
@@ -199,7 +203,7 @@ def log_interval(run: Run, meters: Meters, flops: FlopCounter, progress) -> dict
     cfg, accelerator = run.cfg, run.accelerator
     elapsed = time.perf_counter() - meters.start
     metrics = reduce_means(accelerator, meters.stats)
-    metrics["lr"] = run.scheduler.get_last_lr()[0]
+    metrics["lr"] = meters.lr  # the logged step's
     metrics["tokens_per_s"] = meters.global_tokens / max(elapsed, 1e-9)
     metrics["padding_fraction"] = 1 - meters.tokens / max(meters.positions, 1)  # this rank's
     metrics["skipped_steps"] = run.state.skipped_steps

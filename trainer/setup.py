@@ -93,11 +93,13 @@ def resumed_start(cfg: DictConfig, output_dir: Path) -> DictConfig:
 
 
 # What a resumed run must keep as it began: the optimizer's settings, which its saved state restores over the
-# recipe's, and what decides the conversations and their order, which the saved data position counts in.
+# recipe's, the schedule's length and warm-up (the saved optimizer holds the rate the old schedule set for the next
+# step, then the new schedule's takes over mid-run), and what decides the conversations and their order, which the
+# saved data position counts in.
 RESUMED_AS_BEGUN = (
-    "train.lr", "train.optimizer", "train.weight_decay", "train.adam_betas", "train.seed", "train.heldout",
-    "data.train", "data.max_length", "data.overlong", "data.max_conversations", "data.skip_invalid_utf8",
-    "data.thinking", "data.features", "data.draft_vocab",
+    "train.lr", "train.optimizer", "train.weight_decay", "train.adam_betas", "train.max_steps", "train.epochs",
+    "train.warmup_steps", "train.seed", "train.heldout", "data.train", "data.max_length", "data.overlong",
+    "data.max_conversations", "data.skip_invalid_utf8", "data.thinking", "data.features", "data.draft_vocab",
 )  # fmt: skip
 
 
@@ -167,6 +169,10 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     run = prepare_run(cfg, accelerator, target, drafter, train_data, collate, target_features, heldout)
     if resume_from is not None:
         load_checkpoint(accelerator, resume_from)
+        # accelerate restores its count of micro-batches and steps the optimizer at each multiple of grad_accum: a
+        # count saved under another grad_accum (3 after 3 steps of grad_accum 1) can fall mid-step in this split
+        # (grad_accum 2), and every later optimizer step would span two of the run's. This split's count at the step:
+        accelerator.step = resumed.step * cfg.train.grad_accum
         run.state = resumed
         log.info("resumed from %s at step %d", resume_from, run.state.step)
         if run.state.step > run.max_steps:
