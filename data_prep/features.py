@@ -250,7 +250,7 @@ def require_captured_settings(cfg) -> None:
         ours = ", ".join(f"{key}={value}" for key, value, _ in differ)
         theirs = ", ".join(f"{key}={value}" for key, _, value in differ)
         raise UserError(
-            f"the recipe sets {ours}, but the features in {directory} were captured with {theirs}: set the "
+            f"the recipe resolves to {ours}, but the features in {directory} were captured with {theirs}: set the "
             "capture's values, or capture again with the recipe's"
         )
 

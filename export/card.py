@@ -39,6 +39,7 @@ def write_card(
         gamma=gamma,
         gamma_plus_one=gamma + 1,
         speculative_config=speculative_config,
+        dtype=info["target_dtype"],
     )
     lines = [
         "---",
@@ -56,7 +57,7 @@ def write_card(
         command,
         "```",
         "",
-        served_note(engine, info.get("verified")),
+        served_note(engine, info.get("verified"), info["target_dtype"]),
         "",
         *([f"Engine releases: {info['vllm_releases']}.", ""] if info.get("vllm_releases") else []),
         *([f"Engine builds: {info['vllm_builds']}.", ""] if info.get("vllm_builds") else []),
@@ -94,7 +95,9 @@ def gamma_note(engine: str, gamma: int, recommended: Optional[dict[str, Any]]) -
     ]
 
 
-def served_note(engine: str, verified: Optional[dict[str, Any]]) -> str:
+def served_note(engine: str, verified: Optional[dict[str, Any]], dtype: str) -> str:
+    """What was checked, and under which engine settings: the command's `--dtype` is the dtype draftsmith ran the
+    target in (vLLM's default serves a float32 checkpoint in bfloat16, whose acceptance was not measured)."""
     if verified:
         ours = (
             "and to draftsmith's plain decoding"
@@ -102,10 +105,14 @@ def served_note(engine: str, verified: Optional[dict[str, Any]]) -> str:
             else "(draftsmith's plain decoding in bfloat16 differed from vLLM's at near-ties of the two engines' "
             "rounding; the acceptance was compared instead)"
         )
+        arguments = verified["engine_arguments"]
+        caching = " and prefix caching off" if arguments.get("enable_prefix_caching") is False else ""
         return (
             f"Tested: this folder was loaded in vLLM {verified['engine_version']} as the speculative model for the "
-            f"target on {verified['prompts']} eval prompts (greedy, {verified['max_new_tokens']} new tokens, "
-            f"γ={verified['num_speculative_tokens']}): outputs identical to vLLM without speculation {ours}."
+            f"target in {arguments['dtype']} (the command's `--dtype`) on {verified['prompts']} eval prompts (greedy, "
+            f"{verified['max_new_tokens']} new tokens, γ={verified['num_speculative_tokens']}): outputs identical to "
+            f"vLLM without speculation {ours}. The check ran vLLM eager (`enforce_eager`), with max_model_len "
+            f"{arguments['max_model_len']}{caching}: settings that change memory and speed, not the tokens."
         )
     if engine == "sglang":
         return (
@@ -114,7 +121,8 @@ def served_note(engine: str, verified: Optional[dict[str, Any]]) -> str:
         )
     return (
         "Checked against vLLM's loader (names, shapes, conventions); not loaded in the engine at export (set "
-        "export.vllm_python to do so)."
+        f"export.vllm_python to do so). The command serves the target in {dtype}, the dtype draftsmith loaded it "
+        "in (`target.dtype`), as its eval does."
     )
 
 

@@ -31,6 +31,7 @@ from draftsmith.formats.repo import (
     TargetInfo,
     check_tensors,
     copy_tokenizer,
+    served_dtype,
     vllm_pinned,
 )
 from draftsmith.formats.versions import (
@@ -84,7 +85,7 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
                 source.target.config,
                 cfg.export.vllm_python,
                 drafter_limit=repos["vllm"].cpu_build_limit,
-                dtype=str(source.target_model.dtype).removeprefix("torch."),  # the check serves it as loaded
+                dtype=served_dtype(source.target_model),  # the check serves it as loaded
             )
             require_engine_imports(source.target.config, cfg.export.vllm_python)
         for repo in repos.values():
@@ -303,6 +304,7 @@ def export_info(
         "num_speculative_tokens": gamma,
         "conventions": repo.conventions,
         "serve": repo.serve,
+        "target_dtype": served_dtype(source.target_model),  # the dtype the serving command serves the target in
         "speculative_config": served_config(repo, gamma, schedule, drafter),
         "vllm_releases": served_by(repo.method, exporter_for(drafter.type).vllm_releases)
         if repo.engine == "vllm"

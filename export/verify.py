@@ -34,7 +34,7 @@ from draftsmith.eval.partings import BF16_UNIT, parting
 from draftsmith.eval.prompts import eos_ids_of, load_prompts, prompt_sources
 from draftsmith.families import recurrent
 from draftsmith.formats import Source
-from draftsmith.formats.repo import EngineRepo
+from draftsmith.formats.repo import EngineRepo, served_dtype
 from draftsmith.target import load_tokenizer
 
 ENGINE_TIMEOUT_S = 1800
@@ -151,9 +151,9 @@ def verify_in_vllm(
         "prompts": prompts,
         "max_tokens": max_new,
         "max_model_len": min(limit, max(map(len, prompts)) + max_new + 8),
-        # both loops run the target in the dtype it was loaded in (target.dtype): vLLM's CPU kernels for
-        # some layers (Gated DeltaNet) take bfloat16 only
-        "dtype": str(source.target_model.dtype).removeprefix("torch."),
+        # both loops run the target in the dtype it was loaded in (target.dtype), the one the folder's serving
+        # command names: vLLM's CPU kernels for some layers (Gated DeltaNet) take bfloat16 only
+        "dtype": served_dtype(source.target_model),
     }
     if recurrent(source.target_model.config):
         # vLLM 0.32's prefix caching of recurrent states ("align" mode) runs a Triton kernel when it
@@ -190,6 +190,10 @@ def verify_in_vllm(
     summary = compare(engine, ours, gamma, float(cfg.export.tolerance), len(prompts), max_new, exact, partings)
     resolved = engine["runs"]["scheduled" if schedule is not None else "speculative"]
     summary["engine_settings"] = {"vllm_version": engine["vllm_version"], **resolved["engine_settings"]}
+    # what the check ran vLLM with besides the speculative config, for the model card to state
+    summary["engine_arguments"] = {
+        key: request[key] for key in ("dtype", "max_model_len", "enable_prefix_caching") if key in request
+    }
     if schedule is not None:
         summary["schedule"] = check_schedule(engine, schedule)
     return summary

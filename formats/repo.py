@@ -45,14 +45,21 @@ class TargetInfo:
     directory: Optional[Path] = None
 
 
-# vLLM's serving command: the export's whole speculative config (export/run.py::served_config) as one
-# JSON argument, the folder as its model.
-VLLM_SERVE = "vllm serve {target} --speculative-config '{speculative_config}'"
+# vLLM's serving command: the target in the dtype draftsmith ran it in (`served_dtype`), the export's whole
+# speculative config (export/run.py::served_config) as one JSON argument, the folder as its model.
+VLLM_SERVE = "vllm serve {target} --dtype {dtype} --speculative-config '{speculative_config}'"
 # vLLM 0.32's defaults for the settings that move τ, written into every served config so that an engine
 # version with other defaults cannot change acceptance silently (vLLM 0.28 changed draft_sample_method's).
 # greedy: vLLM drafts the argmax and reads q as one-hot in the ratio test, as draftsmith's proposers that draft
 # their argmax at any temperature do; a kind that samples its drafts is served otherwise (`vllm_pinned`).
 VLLM_PINNED = {"draft_sample_method": "greedy", "rejection_sample_method": "standard"}
+
+
+def served_dtype(target_model) -> str:
+    """The dtype vLLM serves the target in, as vLLM names it (`float32`, `bfloat16`, `float16`): the one draftsmith
+    loaded it in (target.dtype), which the eval measured and the export's check runs vLLM with. vLLM's own default
+    (`auto`) serves a float32 checkpoint in bfloat16, whose acceptance is not the one measured."""
+    return str(target_model.dtype).removeprefix("torch.")
 
 
 def vllm_pinned(drafter) -> dict[str, str]:

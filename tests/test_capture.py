@@ -307,13 +307,13 @@ def test_training_from_a_capture_refuses_data_settings_it_was_not_made_with(capt
     with pytest.raises(UserError) as refused:
         require_captured_settings(recipe("data.max_length=64", "data.thinking=mask", "target.dtype=bfloat16"))
     assert str(refused.value) == (
-        "the recipe sets data.max_length=64, data.thinking=mask, target.dtype=bfloat16, but the features in "
+        "the recipe resolves to data.max_length=64, data.thinking=mask, target.dtype=bfloat16, but the features in "
         f"{directory} were captured with data.max_length=96, data.thinking=train, target.dtype=float32: set the "
         "capture's values, or capture again with the recipe's"
     )
     # data.train is not read either: another file was trained on the capture's rows without a word
     other = directory.parent / "other.jsonl"
-    with pytest.raises(UserError, match=r"^the recipe sets data.train=\[.*other.jsonl'\], but the features in "):
+    with pytest.raises(UserError, match=r"^the recipe resolves to data.train=\[.*other.jsonl'\], but the features in "):
         require_captured_settings(recipe(f"data.train=[{other}]"))
     require_captured_settings(recipe("data.train=[]"))  # nothing named: nothing overruled
 

@@ -44,3 +44,13 @@ def test_the_readme_commands_resolve(tmp_path):
     assert [command[1] for command in commands] == ["train", "eval", "export", "monitor"]
     for command in commands:
         load_recipe([*recipe_args(command[1:]), f"output_dir={tmp_path}"])
+
+
+def test_the_eval_pages_first_command_reads_files_that_exist(tmp_path):
+    """docs/eval.md's first command named eval.data=[code.jsonl,math.jsonl], files nothing makes: its recipe and
+    overrides resolve, and every eval.data file it names is in the checkout."""
+    block = re.search(r"```bash\n(.*?)```", (REPO / "docs" / "eval.md").read_text(), flags=re.S).group(1)
+    command = shlex.split(block.splitlines()[0])
+    assert command[:3] == ["python", "-m", "eval"]
+    cfg = load_recipe([*command[3:], f"output_dir={tmp_path}"])
+    assert cfg.eval.data and all((REPO / path).is_file() for path in cfg.eval.data), cfg.eval.data

@@ -767,6 +767,61 @@ def test_a_check_that_fails_after_staging_leaves_no_folder_behind(target, tmp_pa
     assert not output.exists()
 
 
+class AnsweringEngine:
+    """An EngineSession that keeps the request the check sends vLLM and answers it with empty runs (the check's
+    verdict, `compare`, is stubbed by the test): what the card says about the check comes from the request."""
+
+    def __init__(self):
+        self.requests: list[dict] = []
+        self.plain_runs: dict = {}
+        self.draftsmith_plain: dict = {}
+
+    def run(self, python, request, doing="serve the export"):
+        self.requests.append(request)
+        return {"vllm_version": "0.32.0", "runs": {"plain": {"outputs": []},
+                                                   "speculative": {"outputs": [], "engine_settings": {}}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_cards_serve_command_runs_the_target_in_the_dtype_the_check_ran(dtype, target, tmp_path, monkeypatch):
+    """The card said "Tested: ... outputs identical" of a vLLM run in the dtype draftsmith loaded the target in
+    (float32 on CPU), but its `vllm serve` line had no --dtype, so vLLM served the float32 target in bfloat16 (its
+    default) and the monitor compared bfloat16 acceptance with the float32 baseline: the line names the check's
+    dtype, and the card states the other settings the check ran vLLM with."""
+    import draftsmith.export.verify as verify
+
+    verdict = {"engine": "vllm", "engine_version": "0.32.0", "prompts": 1, "max_new_tokens": 4,
+               "num_speculative_tokens": 3, "lossless": True, "equals_draftsmith_plain": True,
+               "tau_engine": 1.5, "tau_draftsmith": 1.5, "relative_difference": 0.0, "tolerance": 0.02,
+               "at_least_engine": [0.5], "at_least_draftsmith": [0.5],
+               "counters": {"num_drafts": 2, "num_draft_tokens": 6, "num_accepted_tokens": 1}}  # fmt: skip
+    monkeypatch.setattr(verify, "compare", lambda *args, **kwargs: dict(verdict))
+    checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
+    engine = AnsweringEngine()
+    cfg = load_recipe(export_args("medusa", checkpoint, tmp_path / "export", f"target.dtype={dtype}",
+                                  f"export.vllm_python={stand_in_vllm(tmp_path)}", "eval.max_prompts=1",
+                                  "eval.max_new_tokens=4"))  # fmt: skip
+    folder = export_checkpoint(cfg, checkpoint, engines=engine)["vllm"]  # the target loaded as the recipe says
+    (request,) = engine.requests
+    assert request["dtype"] == dtype
+    card = (folder / "README.md").read_text()
+    assert f"vllm serve {REFERENCE_TARGET.resolve()} --dtype {dtype} --speculative-config" in card
+    assert f"for the target in {dtype} (the command's `--dtype`)" in card
+    assert f"max_model_len {request['max_model_len']}" in card
+    assert json.loads((folder / EXPORT_INFO).read_text())["target_dtype"] == dtype
+
+
+def test_an_unchecked_cards_serve_command_names_the_dtype_draftsmith_loaded_the_target_in(target, tmp_path):
+    """Without the vLLM check the line serves the target as draftsmith loaded it (target.dtype), not in vLLM's
+    default dtype; the SGLang line is unchanged."""
+    checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt")
+    folders = run_export("eagle3", checkpoint, tmp_path / "export", "export.engines=[vllm,sglang]", target=target)
+    card = (folders["vllm"] / "README.md").read_text()
+    assert "--dtype float32 --speculative-config" in card
+    assert "The command serves the target in float32, the dtype draftsmith loaded it in" in card
+    assert "--dtype" not in (folders["sglang"] / "README.md").read_text()
+
+
 def test_published_files_have_the_umasks_mode(small_data, token_cache, target, tmp_path, capsys):
     """safetensors writes through a private temporary file (mode 0600): a checkpoint's, final/'s and an
     export's files get the umask's mode when published (0644 under umask 022), so that a job or an engine

@@ -88,7 +88,7 @@ def test_train_py_refuses_data_settings_the_capture_was_not_made_with(
     out = tmp_path / "refused"
     args = train_args(out, small_data, token_cache, "data.max_length=64", f"data.features={captured}")
     line = assert_one_line_error(run_entry_in_process(["train.py", *args], capsys), 2)
-    assert line.startswith("error: the recipe sets data.max_length=64, but the features in") and line.endswith(
+    assert line.startswith("error: the recipe resolves to data.max_length=64, but the features in") and line.endswith(
         "were captured with data.max_length=128: set the capture's values, or capture again with the recipe's"
     )
     assert not (out / "recipe.yaml").exists() and not (out / "checkpoints").exists()

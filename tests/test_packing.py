@@ -396,4 +396,6 @@ def test_training_from_captured_features_packs_them_into_the_padded_losses(tmp_p
         ],
         capsys,
     )
-    assert_one_line_error(too_short, 2, "the recipe sets data.max_length=64, but the features in", prefix="error")
+    assert_one_line_error(
+        too_short, 2, "the recipe resolves to data.max_length=64, but the features in", prefix="error"
+    )
