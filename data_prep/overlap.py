@@ -48,11 +48,11 @@ def eval_in_train(train: datasets.Dataset, eval_split: datasets.Dataset, cfg, wa
 
 
 def prompts_in_train(chosen: dict[str, list[Messages]], cfg) -> dict[str, Any]:
-    """How many of the eval report's prompts (`chosen`: eval.prompts.prompt_conversations' per domain) are prompts
-    one of data.train's assistant turns answers, turn for turn: {"prompts": n, "of": all, "per_domain": {domain:
-    n}}. data.train is read as training reads it (under data.max_conversations), train.heldout's conversations
-    included. Where nothing is counted (no data.train in the recipe, or files this machine cannot read: an eval
-    away from the training data), {"prompts": None, "of": all, "not_counted": why}."""
+    """How many of the eval report's prompts (`chosen`: per domain, as eval/prompts.py's prompt_conversations
+    gives them) are prompts one of data.train's assistant turns answers, turn for turn: {"prompts": n, "of": all,
+    "per_domain": {domain: n}}. data.train is read as training reads it (under data.max_conversations),
+    train.heldout's conversations included. Where nothing is counted (no data.train in the recipe, or files this
+    machine cannot read: an eval away from the training data), {"prompts": None, "of": all, "not_counted": why}."""
     total = sum(len(prompts) for prompts in chosen.values())
     if not cfg.data.train:
         return {"prompts": None, "of": total, "not_counted": "the recipe names no data.train"}
