@@ -100,7 +100,8 @@ def split_held_out(requests: list[dict[str, Any]]) -> Optional[tuple[list[dict[s
     (their turns up to the first user turn: a prompt asked again, or a chat's later turns, which hold its earlier
     prompts) are kept or held out together, else the regenerated answers trained on would hold the held-out
     prompts' own and the gate would judge on what the drafter trained on. The HELD_OUT share of the requests, in
-    the conversations with the lowest hashes of their openings; at least one conversation each way (a share of a
+    each domain's conversations with the lowest hashes of their openings, the others kept; at least one
+    conversation each way (a share of a
     few requests by hash alone may hold none out, and the evaluate step would then fail on every check); the same
     requests give the same split. None where all open alike: nothing can be held out."""
 
@@ -114,11 +115,19 @@ def split_held_out(requests: list[dict[str, Any]]) -> Optional[tuple[list[dict[s
         conversations[opening(request)].append(index)
     if len(conversations) < 2:
         return None
-    share, held = max(1, round(len(requests) * HELD_OUT)), set()
-    for key in sorted(conversations)[:-1]:  # never every conversation
-        if len(held) >= share:
-            break
-        held.update(conversations[key])
+    by_domain: dict[str, list[bytes]] = defaultdict(list)  # a conversation's domain: its first request's
+    for key, members in conversations.items():
+        by_domain[requests[members[0]]["domain"]].append(key)
+    held: set[int] = set()
+    for keys in by_domain.values():  # each domain's share, so that the gate judges every domain it can
+        share, taken = max(1, round(sum(len(conversations[key]) for key in keys) * HELD_OUT)), 0
+        for key in sorted(keys)[:-1]:  # never a domain's every conversation: it would not be retrained on
+            if taken >= share:
+                break
+            held.update(conversations[key])
+            taken += len(conversations[key])
+    if not held:  # every domain one conversation: one held out all the same, the gate's judge
+        held.update(conversations[min(conversations)])
     return (
         [r for index, r in enumerate(requests) if index not in held],
         [r for index, r in enumerate(requests) if index in held],
@@ -213,6 +222,7 @@ def step_gate(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -> 
     reports = {name: json.loads(Path(path).read_text()) for name, path in state.pipeline["done"]["evaluate"].items()}
     new = list(state.pipeline["domains"])
     old = [d for d in reports["deployed"]["domains"] if d != "all" and d not in new]
+    judged = [d for d in new if d in reports["deployed"]["domains"]]  # a domain of one conversation is not held out
     tau = {name: {"new": group_tau(report, new), "old": group_tau(report, old)} for name, report in reports.items()}
     gain = tau["candidate"]["new"] / tau["deployed"]["new"] - 1 if tau["deployed"]["new"] else 0.0
     change_old = tau["candidate"]["old"] / tau["deployed"]["old"] - 1 if old and tau["deployed"]["old"] else 0.0
@@ -223,8 +233,13 @@ def step_gate(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -> 
     }
     return {
         "promote": promote,
-        "new_domains": new,
+        "new_domains": judged,
+        "not_held_out": [d for d in new if d not in judged],
         "old_domains": old,
+        "prompts": {
+            group: sum(reports["deployed"]["domains"][d]["chain"]["prompts"] for d in domains)
+            for group, domains in (("new", judged), ("old", old))
+        },  # fmt: skip
         "tau": tau,
         "gain_new": round(gain, 4),
         "change_old": round(change_old, 4),
@@ -304,9 +319,14 @@ def gate_taus(gate: dict[str, Any], settings: DictConfig) -> str:
     """The gate's measure: τ (tokens per target forward) of the deployed and the retrained drafter on the drifted
     and new domains and on the old ones, against what it needs."""
     tau = gate["tau"]
+    prompts = gate.get("prompts", {})  # absent from a gate recorded before it was counted
+    missing = gate.get("not_held_out")
     said = (
-        f"the retrained drafter's τ on the drifted and new domains ({', '.join(gate['new_domains'])}) "
-        f"{tau['deployed']['new']:.3f} → {tau['candidate']['new']:.3f} ({gate['gain_new']:+.1%}; the gate needs "
+        f"the retrained drafter's τ on the drifted and new domains ({', '.join(gate['new_domains'])}"
+        + (f"; {', '.join(missing)}: one conversation, none held out" if missing else "")
+        + ")"
+        + (f" over {prompts['new']} held-out prompts" if "new" in prompts else "")
+        + f" {tau['deployed']['new']:.3f} → {tau['candidate']['new']:.3f} ({gate['gain_new']:+.1%}; the gate needs "
         f"{settings.gate_min_gain:+.1%} or more)"
     )
     if gate["old_domains"]:

@@ -1307,6 +1307,24 @@ def test_a_conversation_is_kept_or_held_out_whole_so_the_gate_never_judges_on_wh
     for request in held:
         assert prompt_digest(request["messages"]) not in answered | kept_prompts
     assert split_held_out(chat("one topic", 5)) is None  # one chat's turns alone: nothing to hold out
+    # each domain's share is held out, a domain of one conversation kept whole to retrain on
+    code = [{"messages": [{"role": "user", "content": f"def f{i}():"}], "domain": "code"} for i in range(2)]
+    docs = [{"messages": [{"role": "user", "content": "Document this."}], "domain": "docs"}]
+    train, held = split_held_out(requests + code + docs)
+    assert {r["domain"] for r in held} == {"chat", "code"} and docs[0] in train
+
+
+def test_the_gate_s_line_says_over_how_many_held_out_prompts_and_which_drifted_domain_it_could_not_judge():
+    from draftsmith.monitor.pipeline import gate_taus
+
+    settings = load_recipe(["recipe=medusa", "output_dir=/tmp/unused"]).monitor
+    tau = {"deployed": {"new": 1.02, "old": 1.21}, "candidate": {"new": 1.23, "old": 1.34}}
+    gate = {"new_domains": ["code"], "not_held_out": ["docs"], "old_domains": ["math"], "tau": tau,
+            "gain_new": 0.2059, "change_old": 0.1074, "prompts": {"new": 2, "old": 6}}  # fmt: skip
+    assert gate_taus(gate, settings).startswith(
+        "the retrained drafter's τ on the drifted and new domains (code; docs: one conversation, none held out) over "
+        "2 held-out prompts 1.020 → 1.230 (+20.6%; the gate needs +2.0% or more)"
+    )
 
 
 def test_the_state_records_absolute_paths_under_a_relative_state_dir(tmp_path, monkeypatch):
