@@ -306,10 +306,11 @@ class RecipeSchema:
     export: ExportSection = field(default_factory=ExportSection)
     monitor: MonitorSection = field(default_factory=MonitorSection)
     output_dir: str = MISSING  # the run's directory: checkpoints, logs, eval report, export
-    # The drafter a read-only command reads: eval evaluates it and export exports it (a draftsmith checkpoint or
-    # an export's engine folder; default <output_dir>/final, where train writes, so a run's saved recipe reads
-    # the weights the run trained); monitor watches it (the deployed export's vllm/ or sglang/ folder, whose eval
-    # report is the baseline). Train refuses it: a training run starts from train.init_from.
+    # The drafter a read-only command reads: eval evaluates it (a draftsmith checkpoint or an export's engine
+    # folder) and export exports it (a draftsmith checkpoint only: an engine folder is an export already); default
+    # <output_dir>/final, where train writes, so a run's saved recipe reads the weights the run trained; monitor
+    # watches it (the deployed export's vllm/ or sglang/ folder, whose eval report is the baseline). Train refuses
+    # it: a training run starts from train.init_from.
     checkpoint: Optional[str] = None
 
 

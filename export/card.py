@@ -17,10 +17,20 @@ from draftsmith.outputs import FINAL_DIR, RECIPE_NAME, RUN_SUMMARY_NAME
 from draftsmith.trainer.checkpoint import DRAFTER_DIR, STATE_NAME
 from draftsmith.trainer.heldout import BEST_DIR, BEST_JSON
 
+# SGLang's flag for the draft model's branch (ServerArgs.speculative_draft_model_revision, server_args.py).
+SGLANG_REVISION_FLAG = "--speculative-draft-model-revision"
+
 
 def write_card(
-    folder: Path, repo: EngineRepo, info: dict[str, Any], report: Optional[dict[str, Any]], served_as: str
+    folder: Path,
+    repo: EngineRepo,
+    info: dict[str, Any],
+    report: Optional[dict[str, Any]],
+    served_as: str,
+    revision: Optional[str] = None,
 ) -> None:
+    """`served_as`: the drafter's path or Hub repo; `revision`: the branch it is on when not main, which the
+    command names (engines load main otherwise, which does not hold it)."""
     kind, engine = info["drafter_type"], repo.engine
     data = ModelCardData(
         base_model=info["verifier"],
@@ -32,7 +42,8 @@ def write_card(
     gamma = info["num_speculative_tokens"]
     model = f"{served_as}/{repo.weights_dir}" if repo.weights_dir else served_as
     method, *rest = info["speculative_config"].items()
-    speculative_config = json.dumps(dict([method, ("model", model), *rest]))
+    branch = [("revision", revision)] if revision else []  # vLLM's SpeculativeConfig.revision
+    speculative_config = json.dumps(dict([method, ("model", model), *branch, *rest]))
     command = repo.serve.format(
         target=info["verifier"],
         path=served_as,
@@ -40,7 +51,7 @@ def write_card(
         gamma_plus_one=gamma + 1,
         speculative_config=speculative_config,
         dtype=info["target_dtype"],
-    )
+    ) + (f" {SGLANG_REVISION_FLAG} {revision}" if revision and engine == "sglang" else "")
     lines = [
         "---",
         data.to_yaml(),

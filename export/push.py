@@ -4,7 +4,10 @@ The vllm folder goes to `export.push.repo_id`, another engine's to `<repo_id>-<e
 branch `export.push.revision` (created when missing), the repo private unless
 `export.push.private=false`. The token is HF_TOKEN or the local `hf auth login`, read by the client
 itself: draftsmith never prints or writes it. The client uploads only files whose content changed,
-so pushing an unchanged export again makes no new commit.
+so pushing an unchanged export again makes no new commit; a file the branch holds that the folder does not
+is deleted in the same commit, so the branch serves exactly the folder. Before anything is exported,
+`claim_hub_repos` refuses a branch holding another checkpoint's export (or files no export wrote) as
+export/run.py's claim_export_dir refuses such a local folder.
 """
 
 from __future__ import annotations
@@ -16,12 +19,91 @@ from omegaconf import DictConfig
 
 from draftsmith.errors import HubUnavailable, UserError, one_line
 from draftsmith.files import read_json
-from draftsmith.formats.repo import EXPORT_INFO
+from draftsmith.formats import exporter_for
+from draftsmith.formats.repo import EXPORT_INFO, check_vllm_repo_id
+from draftsmith.heads import drafter_class
+
+# A refusal of the token (none, expired, without write access) is fixed where the token comes from.
+TOKEN_HINT = "set HF_TOKEN or run `hf auth login` with a token that can write to"
 
 
 def repo_id_for(cfg: DictConfig, engine: str) -> str:
     base = cfg.export.push.repo_id
     return base if engine == "vllm" else f"{base}-{engine}"
+
+
+def served_revision(cfg: DictConfig) -> Optional[str]:
+    """The branch the serving commands must name: the pushed one, unless it is main, which engines load without."""
+    push = cfg.export.push
+    return push.revision if push.repo_id and push.revision != "main" else None
+
+
+def require_served_names(cfg: DictConfig, kind: str) -> None:
+    """The vllm folder pushed is served by its repo id, from which vLLM may read another method (as from a path)."""
+    if cfg.export.push.repo_id and "vllm" in cfg.export.engines:
+        check_vllm_repo_id(repo_id_for(cfg, "vllm"), exporter_for(kind).vllm_method, drafter_class(kind).TITLE)
+
+
+def claim_hub_repos(cfg: DictConfig, digest: str) -> None:
+    """Before anything is exported: every branch the push would replace is new, empty (`.gitattributes` only) or
+    holds this checkpoint's export (`digest`, its draftsmith_export.json's source sha256), and not one checked in
+    vLLM that this run, which does not check, would replace; else refused unless export.overwrite=true (the
+    repo's history keeps what the push replaces)."""
+    import httpx2  # huggingface_hub's HTTP client
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+    api, push = HfApi(), cfg.export.push
+    for engine in cfg.export.engines:
+        repo_id = repo_id_for(cfg, engine)
+        where = f"{repo_id}@{push.revision}"
+        try:
+            files = sorted(
+                {sibling.rfilename for sibling in api.model_info(repo_id, revision=push.revision).siblings or []}
+                - {".gitattributes"}  # what the Hub writes into a new repo
+            )
+            held = (
+                read_json(Path(api.hf_hub_download(repo_id, EXPORT_INFO, revision=push.revision)), "export record")
+                if EXPORT_INFO in files
+                else None
+            )
+        except (RepositoryNotFoundError, RevisionNotFoundError):
+            continue  # the push creates it (a private repo the token cannot see: the push says so)
+        except (httpx2.TransportError, HfHubHTTPError) as err:
+            again = "run the same command again"
+            raise hub_failure(err, f"could not read {where}", repo_id, "nothing was exported", again) from None
+        if not files or cfg.export.overwrite:
+            continue
+        source = held.get("source") if isinstance(held, dict) else None
+        made_from = source.get("sha256") if isinstance(source, dict) else None
+        if made_from != digest:
+            what = (
+                f"the export of another checkpoint (sha256 {str(made_from)[:12]})"
+                if held is not None
+                else f"files no draftsmith export wrote ({', '.join(files[:3])})"
+            )
+            raise UserError(
+                f"{where} holds {what}; push to another export.push.repo_id or export.push.revision, or "
+                "export.overwrite=true to replace it (the repo's history keeps it)"
+            )
+        if held.get("verified") and not (engine == "vllm" and cfg.export.vllm_python):
+            raise UserError(
+                f"{where} holds this checkpoint's export checked in vLLM, and this run does not check "
+                "(export.vllm_python is unset): set export.vllm_python, or export.overwrite=true to replace it "
+                "unchecked"
+            )
+
+
+def hub_failure(err: Exception, what: str, repo_id: str, kept: str, retry: str) -> Exception:
+    """The Hub refusing (bad input, exit 2; a refused token says where tokens come from) or out of reach, or
+    failing on its side (HubUnavailable, exit 69: `retry`); `kept`: what the command leaves, for the user to know."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    status = getattr(getattr(err, "response", None), "status_code", None)
+    if isinstance(err, HfHubHTTPError) and (status is None or status < 500):
+        token = f": {TOKEN_HINT} {repo_id}, then {retry}" if status in (401, 403) else ""
+        return UserError(f"{what}: {one_line(err)}; {kept}{token}")
+    return HubUnavailable(f"{what}: {one_line(err)}; {kept}: {retry}")
 
 
 def commit_message(cfg: DictConfig, engine: str, report: Optional[dict[str, Any]], folder: Path) -> str:
@@ -57,14 +139,12 @@ def push_folders(cfg: DictConfig, folders: dict[str, Path], report: Optional[dic
                 folder_path=str(folder),
                 revision=push.revision,
                 commit_message=commit_message(cfg, engine, report, folder),
+                delete_patterns="*",  # what an earlier export left and this one has not (.gitattributes is kept)
             )
-        except (httpx2.TransportError, HfHubHTTPError) as err:  # the network, or the Hub's own fault: retry
-            status = getattr(getattr(err, "response", None), "status_code", None)
-            if isinstance(err, HfHubHTTPError) and (status is None or status < 500):
-                raise UserError(f"could not push {folder} to {repo_id}@{push.revision}: {one_line(err)}") from None
-            raise HubUnavailable(
-                f"could not push {folder} to {repo_id}@{push.revision}: {one_line(err)}; the folders are exported: "
-                "run the same command again to push them"
+        except (httpx2.TransportError, HfHubHTTPError) as err:
+            where, again = f"{repo_id}@{push.revision}", "run the same command again to push them"
+            raise hub_failure(
+                err, f"could not push {folder} to {where}", repo_id, "the folders are exported", again
             ) from None
         except (OSError, ValueError) as err:
             raise UserError(f"could not push {folder} to {repo_id}@{push.revision}: {one_line(err)}") from None

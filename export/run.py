@@ -45,7 +45,7 @@ from draftsmith.heads import load_drafter
 from draftsmith.heads.base import EVAL_SPLIT, WEIGHTS_NAME, read_checkpoint_config
 from draftsmith.outputs import EVAL_DIR, REPORT_NAME, DirectoryLock, move_aside
 from draftsmith.recipe_checks import ENGINES
-from draftsmith.target import TargetShape, load_target, loaded_config, resolve_device
+from draftsmith.target import TargetShape, load_target, loaded_config, resolve_device, resolve_dtype
 
 EXPORT_FORMAT = 1
 log = logging.getLogger("draftsmith.export")
@@ -68,12 +68,21 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
         exporter_for(kind).check_engines(
             kind, list(cfg.export.engines), cfg.export.vllm_format
         )  # before the target loads
+        if cfg.export.push.repo_id:
+            from draftsmith.export.push import require_served_names
+
+            require_served_names(cfg, kind)
         if "vllm" in cfg.export.engines and cfg.export.vllm_python:  # a release without the method: refused now
             exporter = exporter_for(kind)
             require_vllm_serves(exporter.vllm_method, exporter.vllm_releases, cfg.export.vllm_python)
         source_digest = checkpoint_digest(checkpoint)  # its config.json as well as its weights
         schedule = batch_schedule_of(cfg, source_digest)  # before the target loads: a bad sweep stops here
         report = find_report(cfg, checkpoint, source_digest)  # and a report of other weights
+        keep_checked_export(cfg, output, source_digest)
+        if cfg.export.push.repo_id:  # before claim_export_dir moves anything aside
+            from draftsmith.export.push import claim_hub_repos
+
+            claim_hub_repos(cfg, source_digest)
         claim_export_dir(output, source_digest, cfg.export.overwrite)
         target = target if target is not None else load_target(cfg.target, resolve_device(cfg.eval.device))
         source = load_source(cfg, checkpoint, target)
@@ -108,8 +117,9 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
                     info["engine_settings"] = info["verified"].pop("engine_settings")  # recorded once, at the top
                     write_json(staged / EXPORT_INFO, info)
                 from draftsmith.export.card import write_card
+                from draftsmith.export.push import served_revision
 
-                write_card(staged, repo, info, report, serving_name(cfg, engine, output / engine))
+                write_card(staged, repo, info, report, serving_name(cfg, engine, output / engine), served_revision(cfg))
                 publish_folder(staged, output / engine)
             folders[engine] = output / engine
     if cfg.export.push.repo_id:
@@ -231,11 +241,27 @@ def claim_export_dir(output: Path, digest: str, overwrite: bool) -> None:
     move_aside(output, others)
 
 
+def keep_checked_export(cfg: DictConfig, output: Path, digest: str) -> None:
+    """A vllm folder of this checkpoint that was checked in vLLM is not replaced by one this run, which does not
+    check (no export.vllm_python), writes unchecked, unless export.overwrite=true says so."""
+    info_path = output / "vllm" / EXPORT_INFO
+    if "vllm" not in cfg.export.engines or cfg.export.vllm_python or cfg.export.overwrite or not info_path.is_file():
+        return
+    info = read_json(info_path, "export record")
+    if isinstance(info, dict) and info.get("verified") and info.get("source", {}).get("sha256") == digest:
+        raise UserError(
+            f"{output / 'vllm'} holds this checkpoint's export checked in vLLM {info['verified'].get('engine_version')}"
+            ", and this run does not check (export.vllm_python is unset): set export.vllm_python, or "
+            "export.overwrite=true to replace it unchecked"
+        )
+
+
 def find_report(cfg: DictConfig, checkpoint: Path, digest: str) -> Optional[dict[str, Any]]:
     """The eval report the model card shows: export.report, else the one train.py wrote beside the
     checkpoint (<output_dir>/eval/report.json), else none. It must have measured these weights (`digest`,
     the checkpoint's sha256: a run moved or copied elsewhere keeps its report; a report without one, from an
-    earlier draftsmith, is matched by the checkpoint's path)."""
+    earlier draftsmith, is matched by the checkpoint's path), with the target in the dtype the export loads it in:
+    the card shows its acceptance under a serving command in that dtype."""
     path = Path(cfg.export.report) if cfg.export.report else checkpoint.resolve().parent / EVAL_DIR / REPORT_NAME
     if not path.is_file():
         if cfg.export.report:
@@ -254,6 +280,15 @@ def find_report(cfg: DictConfig, checkpoint: Path, digest: str) -> Optional[dict
             f"{path} evaluates other weights ({evaluated.get('path')}, sha256 {str(evaluated.get('sha256'))[:12]}) "
             f"than {checkpoint.resolve()} (sha256 {digest[:12]}); pass export.report for this checkpoint's eval, or "
             "evaluate it"
+        )
+    exported = str(resolve_dtype(cfg.target.dtype, resolve_device(cfg.eval.device))).removeprefix("torch.")
+    measured = report.get("dtype")  # absent from a report of an earlier draftsmith
+    if measured is not None and measured != exported:
+        raise UserError(
+            f"{path} measured the drafter with the target in {measured}, but this export loads it in {exported} "
+            f"(target.dtype={cfg.target.dtype}), the dtype its card's serving command names: evaluate the "
+            f"checkpoint with target.dtype={exported} and pass that report as export.report, or export with "
+            f"target.dtype={measured}"
         )
     return {**report, "_path": str(path)}
 

@@ -7,7 +7,8 @@ differently and a near-tie flips, so there each engine's own losslessness and (c
 at the tolerance set for it; and in bfloat16 a prompt whose output with the drafter parts from its output
 without it passes only where the parting is such a flip: the target's own logits at the common prefix put
 the two tokens within NEAR_TIE_UNITS (eval/partings.py) units of bfloat16 at the logits' magnitude, `partings` in the
-summary; the rest of such a prompt is not compared); (b) vLLM's counters show accepted draft tokens; (c) vLLM's τ
+summary; the rest of such a prompt is not compared); (b) vLLM's counters show accepted draft tokens (where
+draftsmith's own decoding accepted none either, the line says the drafter is undertrained); (c) vLLM's τ
 (1 + accepted / drafts) is within `export.tolerance` (relative) of draftsmith's chain τ at the same γ.
 A drafter the engine reads differently from how it was trained (a missing `norm_before_residual`,
 layer ids off by one, dropped biases) stays lossless but accepts less, and fails (c).
@@ -289,7 +290,12 @@ def compare(
         problems.append(problem)
     if exact and not summary["equals_draftsmith_plain"]:
         problems.append("vLLM's plain greedy output differs from draftsmith's")
-    if not accepted:
+    if not accepted and ours["tau"] == 1:  # nothing to compare: the drafter, not its conversion, accepts nothing
+        problems.append(
+            f"vLLM accepted no draft token in {drafts} drafts, nor did draftsmith's own decoding of the same prompts "
+            "(τ 1.00 in both): the drafter is undertrained, not misread; train it longer (train.max_steps, more data)"
+        )
+    elif not accepted:
         problems.append(f"vLLM accepted no draft token in {drafts} drafts")
     elif abs(summary["relative_difference"]) > tolerance:
         problems.append(

@@ -174,7 +174,9 @@ class Speculators(Layout):
         conventions["embedding"] = (
             "the target's embedding table shipped as embed_tokens.weight (vLLM shares the target's when equal)"
         )
-        tensors = {**drafter.state_dict(), "embed_tokens.weight": embedding.weight}
+        # in the drafter's float32 (the layer config's torch_dtype), whatever dtype the target was loaded in: exact
+        # from bfloat16 or float16, and the engine casts it back to the served dtype, equal to the target's again
+        tensors = {**drafter.state_dict(), "embed_tokens.weight": embedding.weight.float()}
         if self.parallel:
             tensors["mask_hidden"] = tensors["mask_hidden"].view(1, 1, -1)
         options = {"parallel_drafting": True} if self.parallel else {}

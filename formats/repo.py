@@ -134,18 +134,33 @@ def copy_tokenizer(target: TargetInfo, destination: Path) -> None:
 
 # vLLM 0.32 picks the speculative method from the draft's path when the path contains one of these
 # (config/speculative.py), even if another method was asked for: a folder of another method under
-# such a path would be served as the path's.
+# such a path would be served as the path's. It keeps the methods of VLLM_NAMED_METHODS whatever the path.
 VLLM_PATH_TRIGGERS = ("eagle-", "eagle3", "dflash", "dspark")
+VLLM_NAMED_METHODS = ("eagle", "eagle3", "dflash", "dspark")
+TRIGGER_WORDS = ", ".join(map(repr, VLLM_PATH_TRIGGERS[:-1])) + f" or {VLLM_PATH_TRIGGERS[-1]!r}"
+
+
+def vllm_path_trigger(name: str) -> Optional[str]:
+    """The word of `name` (a path or a Hub repo id) vLLM would read a method from; None when there is none."""
+    return next((word for word in VLLM_PATH_TRIGGERS if word in name.lower()), None)
 
 
 def check_vllm_path(directory: Path, kind: str) -> None:
-    lowered = str(directory.resolve()).lower()
-    found = [word for word in VLLM_PATH_TRIGGERS if word in lowered]
+    found = vllm_path_trigger(str(directory.resolve()))
     if found:
-        words = ", ".join(map(repr, VLLM_PATH_TRIGGERS[:-1])) + f" or {VLLM_PATH_TRIGGERS[-1]!r}"
         raise UserError(
-            f"export.output {directory} contains {found[0]!r}: vLLM would serve a {kind} drafter found there "
-            f"as another method (it picks the method from the path); export to a path without {words}"
+            f"export.output {directory} contains {found!r}: vLLM would serve a {kind} drafter found there "
+            f"as another method (it picks the method from the path); export to a path without {TRIGGER_WORDS}"
+        )
+
+
+def check_vllm_repo_id(repo_id: str, method: str, kind: str) -> None:
+    """A pushed folder is served by its repo id, from which vLLM picks the method as from a local path."""
+    found = vllm_path_trigger(repo_id) if method not in VLLM_NAMED_METHODS else None
+    if found:
+        raise UserError(
+            f"export.push.repo_id={repo_id} contains {found!r}: vLLM would serve the {kind} drafter pushed there "
+            f"as another method (it picks the method from the repo id); push to a repo id without {TRIGGER_WORDS}"
         )
 
 

@@ -26,7 +26,8 @@ proposes the whole chain. The first query is the usual (x_{t+1}, g_t); the k-th 
 reads the embedding of `mask_token_id` (a token of the target's vocabulary) and the fused learned
 `mask_hidden` (the aux layers' states side by side, [n_aux * H], through fc_norm and fc like a
 captured state), at position t+k, attending to the committed entries and the mask queries before it.
-Training is the training-time test with those inputs at every step after the first.
+Training is the training-time test with those inputs at every step after the first, so the chain is at
+most `ttt_steps` long: a deeper mask query was never trained (`max_chain`).
 
 Layer ids: `aux_layers` use draftsmith's convention (draftsmith.target): id i is the *output* of
 decoder layer i (transformers' hidden_states[i + 1]), -1 the embeddings. vLLM's
@@ -100,8 +101,9 @@ class Eagle3Config(DrafterConfig):
     # ... and the post-norm output o' = norm(o) as the feature the next draft step reads (and the lm_head's
     # input), where EAGLE-3 passes the pre-norm o on.
     norm_output: bool = False
-    # P-EAGLE: one draft forward proposes the whole chain, the later queries reading mask_token_id's
-    # embedding and a learned `mask_hidden` (vLLM: speculative_config parallel_drafting=true) ...
+    # P-EAGLE: one draft forward proposes the whole chain (at most ttt_steps tokens: the depths trained), the
+    # later queries reading mask_token_id's embedding and a learned `mask_hidden` (vLLM: speculative_config
+    # parallel_drafting=true) ...
     parallel_drafting: bool = False
     mask_token_id: Optional[int] = None  # ... a token of the target's vocabulary (required with parallel_drafting)
     tree_depth: int = 5  # dynamic tree (EAGLE-2): draft steps ...
@@ -277,6 +279,12 @@ class Eagle3(Eagle3Training, EagleBase):
     @classmethod
     def proposes_trees(cls, config: Eagle3Config) -> bool:
         return not config.parallel_drafting  # one forward proposes one chain
+
+    @classmethod
+    def max_chain(cls, config: Eagle3Config) -> Optional[int]:
+        # P-EAGLE's chain position k is training-time-test step k (its mask query at offset k): the steps past
+        # ttt_steps were never trained. A sequential chain feeds each step its own output, at any depth.
+        return config.ttt_steps if config.parallel_drafting else None
 
     @classmethod
     def features(cls, config: Eagle3Config, target: TargetShape) -> FeatureRequest:

@@ -160,6 +160,8 @@ class Router(UploadRoutes):
                 if seg.endswith(".git") and s[i + 1 : i + 4] == ["info", "lfs", "objects"]:
                     repo_type, rid = self._repo_from_prefix(s[:i] + [seg[: -len(".git")]])
                     return self.lfs_api(m, repo_type, rid, s[i + 4 :])
+            if len(s) >= 5 and s[2] == "resolve" and m in ("GET", "HEAD"):  # a model repo's file: /{repo}/resolve/..
+                return self.resolve(f"{unquote(s[0])}/{unquote(s[1])}", unquote(s[3]), "/".join(map(unquote, s[4:])))
         raise HubError(404, f"fake hub: no route for {m} {self.raw_path}")
 
     @staticmethod
@@ -185,6 +187,8 @@ class Router(UploadRoutes):
                 return self.repo_info(repo_type, rid, "/".join(args))
             if action == "branch" and m == "POST":
                 return self.branch(repo_type, rid, "/".join(args))
+            if action == "tree" and m == "GET":
+                return self.tree(repo_type, rid, args[0] if args else "main", "/".join(args[1:]))
             if action == "preupload" and m == "POST":
                 return self.preupload(repo_type, rid, "/".join(args))
             if action == "commit" and m == "POST":
@@ -251,6 +255,32 @@ class Router(UploadRoutes):
         if repo_type == "model":
             info["modelId"] = rid
         self.h._send(200, info)
+
+    def tree(self, repo_type: str, rid: str, revision: str, under: str) -> None:
+        """list_repo_tree: every file of `revision` (under the folder `under`), in one page; no folder entries."""
+        repo = self.get_repo(repo_type, rid)
+        _, tree = self.hub._tree(repo, revision)
+        prefix = f"{under.strip('/')}/" if under else ""
+        entries = []
+        for f in sorted(tree.values(), key=lambda f: f.path):
+            if f.path.startswith(prefix) and (truthy(self.query.get("recursive")) or "/" not in f.path[len(prefix) :]):
+                entry: dict[str, Any] = {"type": "file", "oid": f.git_oid, "size": f.size, "path": f.path}
+                if f.lfs:
+                    entry["lfs"] = {"oid": f.sha256, "size": f.size, "pointerSize": len(lfs_pointer(f.sha256, f.size))}
+                entries.append(entry)
+        self.h._send(200, entries)
+
+    def resolve(self, rid: str, revision: str, path: str) -> None:
+        """hf_hub_download of a model repo's file (HEAD for its metadata, then GET), without redirects."""
+        repo = self.get_repo("model", rid)
+        head, tree = self.hub._tree(repo, revision)
+        if path not in tree:
+            raise HubError(404, "Entry not found", "EntryNotFound")
+        f = tree[path]
+        headers = {"X-Repo-Commit": head, "ETag": f'"{f.git_oid}"'}
+        if f.lfs:
+            headers.update({"X-Linked-Etag": f'"{f.sha256}"', "X-Linked-Size": str(f.size)})
+        self.h._send(200, self.hub._blobs[f.sha256], headers)
 
     # -- refs ------------------------------------------------------------------
 

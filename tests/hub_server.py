@@ -25,6 +25,8 @@ reaches (``{t}`` = models|datasets|spaces|kernels, ``{repo}`` = namespace/name, 
   GET    /api/{t}/{repo}[/revision/{rev}]         repo_info / model_info (sha = head of rev, siblings;
                                                   ?blobs=true for sizes/lfs)
   POST   /api/{t}/{repo}/branch/{branch}          {"startingPoint"?} (409 if exists)
+  GET    /api/{t}/{repo}/tree/{rev}[/{path}]      list_repo_tree (files only, one page; ?recursive=true)
+  GET    /{repo}/resolve/{rev}/{path}             hf_hub_download of a model repo's file (HEAD too)
   POST   /api/{t}/{repo}/preupload/{rev}          {"files":[{"path","sample","size"}],"gitIgnore"?}
                                                   -> {"files":[{"path","uploadMode","shouldIgnore","oid"?}],"commitOid"}
   POST   /api/{t}/{repo}/commit/{rev}             NDJSON header/file/lfsFile/deletedFile/deletedFolder (?create_pr=1)

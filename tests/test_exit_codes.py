@@ -104,9 +104,10 @@ def test_a_hub_that_cannot_be_reached_exits_69_and_an_uncached_id_offline_exits_
     assert not (tmp_path / "run").exists()
 
 
-def test_a_push_to_a_hub_out_of_reach_exits_69_with_the_folders_exported(checkpoint, tmp_path, monkeypatch, capsys):
+def test_a_push_to_a_hub_out_of_reach_exits_69_before_anything_is_exported(checkpoint, tmp_path, monkeypatch, capsys):
     """A push with no network was an internal error (exit 70: httpx's ConnectError); it is a Hub out of reach
-    (69: run the same command again), the folders exported before it are kept."""
+    (69: run the same command again), found when the export reads what the repo holds, before it writes anything
+    (a Hub failing during the push itself: tests/test_export.py::test_a_hub_failing_during_the_push_exits_69_...)."""
     import huggingface_hub.constants as constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
@@ -116,9 +117,9 @@ def test_a_push_to_a_hub_out_of_reach_exits_69_with_the_folders_exported(checkpo
     args = ["recipe=medusa", f"checkpoint={checkpoint}", f"output_dir={tmp_path}", f"export.output={output}",
             "export.push.repo_id=acme/demo"]  # fmt: skip
     result = run_entry_in_process(["-m", "export", *args], capsys)
-    assert_one_line_error(result, 69, "could not push", prefix="Hub unavailable: ")
-    assert result.stderr.rstrip().endswith("the folders are exported: run the same command again to push them")
-    assert (output / "vllm" / "draftsmith_export.json").is_file()
+    assert_one_line_error(result, 69, "could not read acme/demo@main", prefix="Hub unavailable: ")
+    assert result.stderr.rstrip().endswith("nothing was exported: run the same command again")
+    assert not output.exists()
 
 
 def test_an_engine_that_refuses_the_export_exits_3(checkpoint, tmp_path, capsys):

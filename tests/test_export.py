@@ -1068,3 +1068,154 @@ def test_a_target_given_as_a_relative_folder_is_named_by_its_absolute_path(targe
                         target=target)["vllm"]  # fmt: skip
     assert json.loads((folder / EXPORT_INFO).read_text())["verifier"] == str(REFERENCE_TARGET.resolve())
     assert f"vllm serve {REFERENCE_TARGET.resolve()}" in (folder / "README.md").read_text()
+
+
+# -- what a push serves ----------------------------------------------------------------------------------
+HUB_TOKEN = "hf_draftsmith_in_process_token"
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """A loopback Hub (tests/hub_server.py) the real huggingface_hub client in this process talks to."""
+    import huggingface_hub.constants as constants
+
+    from tests.hub_server import FakeHub
+
+    with FakeHub(token=HUB_TOKEN) as server:
+        monkeypatch.setattr(constants, "ENDPOINT", server.url)
+        resolve = server.url + "/{repo_id}/resolve/{revision}/{filename}"  # hf_hub_download's URL
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", resolve)
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)  # the fake Hub has no Xet storage
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub_cache"))
+        monkeypatch.setenv("HF_TOKEN", HUB_TOKEN)
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+        yield server
+        assert not server.errors
+
+
+def hub_files(hub, repo_id: str, revision: str) -> dict[str, bytes]:
+    return {path: data for path, data in hub.files(repo_id, revision).items() if path != ".gitattributes"}
+
+
+def folder_files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_a_push_to_a_branch_serves_it_and_the_branch_holds_exactly_the_new_export(target, hub, tmp_path):
+    """The pushed cards named the repo without the branch (engines load main, which holds no drafter); a push kept
+    the files of an earlier export the new one does not have (a draft model's tokenizer beside EAGLE-3's); and a
+    repo holding another checkpoint's export was replaced without export.overwrite=true, as a local folder is not."""
+    push = ["export.engines=[vllm,sglang]", "export.push.repo_id=acme/demo", "export.push.revision=v1"]
+    draft = save_drafter("draft_model", target, tmp_path / "draft")
+    run_export("draft_model", draft, tmp_path / "out", *push, target=target)
+    assert "tokenizer.json" in hub_files(hub, "acme/demo", "v1")
+    eagle3 = save_drafter("eagle3", target, tmp_path / "eagle3")
+    with pytest.raises(UserError, match=r"acme/demo@v1 holds the export of another checkpoint \(sha256 [0-9a-f]{12}\); "
+                       r"push to another export.push.repo_id .* or export.overwrite=true"):  # fmt: skip
+        run_export("eagle3", eagle3, tmp_path / "other", *push, target=target)
+    assert not (tmp_path / "other").exists()  # refused before anything was written
+    folders = run_export("eagle3", eagle3, tmp_path / "out", *push, "export.overwrite=true", target=target)
+    for engine, repo_id in (("vllm", "acme/demo"), ("sglang", "acme/demo-sglang")):
+        assert hub_files(hub, repo_id, "v1") == folder_files(folders[engine])  # the draft model's files deleted
+    vllm_card = (folders["vllm"] / "README.md").read_text()
+    assert '"model": "acme/demo", "revision": "v1", "num_speculative_tokens"' in vllm_card
+    sglang_card = (folders["sglang"] / "README.md").read_text()
+    assert "--speculative-draft-model-path acme/demo-sglang " in sglang_card
+    assert "--speculative-draft-model-revision v1\n```" in sglang_card
+
+
+def test_a_push_to_main_names_no_revision(target, hub, tmp_path):
+    checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt")
+    folders = run_export("eagle3", checkpoint, tmp_path / "out", "export.engines=[vllm,sglang]",
+                         "export.push.repo_id=acme/main-only", target=target)  # fmt: skip
+    assert '"model": "acme/main-only", "num_speculative_tokens"' in (folders["vllm"] / "README.md").read_text()
+    assert "--speculative-draft-model-revision" not in (folders["sglang"] / "README.md").read_text()
+    assert hub_files(hub, "acme/main-only", "main") == folder_files(folders["vllm"])
+
+
+def test_a_repo_id_vllm_would_read_another_method_from_is_refused_before_anything_is_written(
+    target, tmp_path, monkeypatch
+):
+    """vLLM picks the method from the served name: a Medusa folder pushed to a repo id holding 'eagle3' was read
+    as EAGLE-3 (`Eagle3MedusaModel`, unsupported); only the local export.output was checked."""
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
+    with pytest.raises(UserError, match=r"export.push.repo_id=acme/medusa-vs-eagle3 contains 'eagle3': vLLM would "
+                       r"serve the Medusa-1 drafter pushed there as another method"):  # fmt: skip
+        run_export("medusa", checkpoint, tmp_path / "out", "export.push.repo_id=acme/medusa-vs-eagle3", target=target)
+    assert not (tmp_path / "out").exists()
+
+
+def checked(folder: Path) -> None:
+    """Mark an exported vllm folder as checked in vLLM (what export.vllm_python records), as a real check would."""
+    info = json.loads((folder / EXPORT_INFO).read_text())
+    (folder / EXPORT_INFO).write_text(json.dumps({**info, "verified": {"engine_version": "0.32.0"}}))
+
+
+def test_a_checked_export_is_not_replaced_unchecked_here_or_on_the_hub_unless_overwrite(target, hub, tmp_path):
+    """Re-running an export without export.vllm_python (to add a push) replaced a folder checked in vLLM with an
+    unchecked one, and pushed that, without a word."""
+    checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
+    folder = run_export("medusa", checkpoint, tmp_path / "out", target=target)["vllm"]
+    checked(folder)
+    before = folder_files(folder)
+    with pytest.raises(UserError, match=r"holds this checkpoint's export checked in vLLM 0.32.0, and this run does "
+                       r"not check \(export.vllm_python is unset\): set export.vllm_python, or export.overwrite=true "
+                       r"to replace it unchecked"):  # fmt: skip
+        run_export("medusa", checkpoint, tmp_path / "out", "export.push.repo_id=acme/medusa", target=target)
+    assert folder_files(folder) == before and not hub.repos  # nothing written, nothing pushed
+    from huggingface_hub import HfApi
+
+    HfApi().create_repo("acme/medusa")
+    HfApi().upload_folder(repo_id="acme/medusa", folder_path=str(folder))  # the checked folder, pushed earlier
+    with pytest.raises(UserError, match=r"acme/medusa@main holds this checkpoint's export checked in vLLM, and this "
+                       r"run does not check"):  # fmt: skip
+        run_export("medusa", checkpoint, tmp_path / "fresh", "export.push.repo_id=acme/medusa", target=target)
+    assert not (tmp_path / "fresh").exists()
+    run_export("medusa", checkpoint, tmp_path / "out", "export.push.repo_id=acme/medusa", "export.overwrite=true",
+               target=target)  # fmt: skip
+    assert "verified" not in json.loads(hub.files("acme/medusa")[EXPORT_INFO])
+
+
+def test_a_repo_holding_files_no_export_wrote_is_refused(target, hub, tmp_path):
+    from huggingface_hub import HfApi
+
+    HfApi().create_repo("acme/someone-elses")
+    HfApi().upload_file(path_or_fileobj=b"weights", path_in_repo="model.bin", repo_id="acme/someone-elses")
+    checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
+    with pytest.raises(UserError, match=r"acme/someone-elses@main holds files no draftsmith export wrote \(model.bi"):
+        run_export("medusa", checkpoint, tmp_path / "out", "export.push.repo_id=acme/someone-elses", target=target)
+    assert not (tmp_path / "out").exists() and set(hub.files("acme/someone-elses")) == {".gitattributes", "model.bin"}
+
+
+def test_a_push_the_hub_refuses_the_token_of_says_the_folders_are_exported_and_where_tokens_come_from(
+    target, hub, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("HF_TOKEN", "hf_not_the_token")
+    checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
+    result = run_entry_in_process(["-m", "export", *export_args("medusa", checkpoint, tmp_path / "out"),
+                                   f"checkpoint={checkpoint}", "export.push.repo_id=acme/denied"], capsys)  # fmt: skip
+    assert_one_line_error(result, 2, "could not push")
+    assert "; the folders are exported: set HF_TOKEN or run `hf auth login` with a token that can write to " \
+        "acme/denied, then run the same command again to push them" in result.stderr  # fmt: skip
+    assert (tmp_path / "out" / "vllm" / EXPORT_INFO).is_file() and not hub.repos
+
+
+def test_a_hub_failing_during_the_push_exits_69_with_the_folders_exported(target, hub, tmp_path, monkeypatch, capsys):
+    from tests.hub_http import Router
+    from tests.hub_server import HubError
+
+    def fails(self, *args):
+        raise HubError(503, "Service Unavailable")
+
+    monkeypatch.setattr(Router, "commit", fails)
+    monkeypatch.setattr("time.sleep", lambda seconds: None)  # huggingface_hub's retries
+    checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
+    result = run_entry_in_process(["-m", "export", *export_args("medusa", checkpoint, tmp_path / "out"),
+                                   f"checkpoint={checkpoint}", "export.push.repo_id=acme/down"], capsys)  # fmt: skip
+    assert_one_line_error(result, 69, "could not push", prefix="Hub unavailable: ")
+    assert result.stderr.rstrip().endswith("the folders are exported: run the same command again to push them")
+    assert (tmp_path / "out" / "vllm" / EXPORT_INFO).is_file()

@@ -51,7 +51,14 @@ pytestmark = pytest.mark.slow
 CASES = {
     "eagle3": ["drafter.norm_before_fc=true"],  # speculators' own norm over the concatenated taps
     "eagle3.1": ["drafter.fc_norm=true", "drafter.norm_output=true"],
-    "peagle": ["drafter.parallel_drafting=true", "drafter.mask_token_id=5", "drafter.fc_norm=true", "eval.tree=0"],
+    # ttt_steps 3: a P-EAGLE chain is at most as deep as it trained, and the export serves the eval's γ 3
+    "peagle": [
+        "drafter.parallel_drafting=true",
+        "drafter.mask_token_id=5",
+        "drafter.fc_norm=true",
+        "eval.tree=0",
+        "drafter.ttt_steps=3",
+    ],
 }
 DRAFT_TOKENS = 7
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return"

@@ -1,0 +1,173 @@
+"""What an export refuses to vouch for, and the lines its checks give: a report measured in another dtype than
+the export loads the target in, a P-EAGLE chain longer than the depths it trained, an engine check that found
+no acceptance where draftsmith's own decoding found none either; and the folder's weights in the one dtype its
+config names whatever dtype the target was loaded in."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import draftsmith.export.run as export_run
+from draftsmith.errors import ExportCheckFailed, UserError
+from draftsmith.export.verify import compare
+from draftsmith.files import checkpoint_digest
+from draftsmith.heads import drafter_class
+from draftsmith.recipe import load_recipe
+from draftsmith.target import load_target
+from tests.helpers import KINDS, REFERENCE_TARGET, assert_one_line_error, run_entry_in_process, save_drafter
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ROOT = Path(__file__).resolve().parents[1]
+PEAGLE = {"parallel_drafting": "true", "mask_token_id": "5", "eval.tree": "0"}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target(str(REFERENCE_TARGET))
+
+
+def recipe_args(kind: str, output: Path, *extra: str) -> list[str]:
+    return [f"recipe={KINDS[kind]}", f"output_dir={output.parent / 'run'}", f"export.output={output}", *extra]
+
+
+def write_report(checkpoint: Path, dtype: str) -> Path:
+    """The eval report train writes beside the checkpoint (<run>/eval/report.json), as much of it as the
+    export reads before the target loads: which weights it measured, and in which dtype."""
+    path = checkpoint.parent / "eval" / "report.json"
+    path.parent.mkdir(parents=True)
+    drafter = {"path": str(checkpoint.resolve()), "sha256": checkpoint_digest(checkpoint)}
+    path.write_text(json.dumps({"drafter": drafter, "dtype": dtype}))
+    return path
+
+
+# -- the report's dtype ------------------------------------------------------------------------------------------
+def test_an_export_in_another_dtype_than_its_report_measured_is_refused_before_the_target_loads(
+    target, tmp_path, capsys, monkeypatch
+):
+    """The probe exported a float32 report's checkpoint with target.dtype=bfloat16: exit 0, a card whose
+    serving command says bfloat16 over an acceptance table measured in float32. One line naming both dtypes
+    and what to do, before the target loads, nothing written."""
+    checkpoint = save_drafter("eagle3", target, tmp_path / "run" / "final")
+    write_report(checkpoint, "float32")
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr(export_run, "load_target", no_target)
+    output = tmp_path / "export"
+    args = ["-m", "export", *recipe_args("eagle3", output, f"checkpoint={checkpoint}", "target.dtype=bfloat16")]
+    line = assert_one_line_error(
+        run_entry_in_process(args, capsys), 2, "measured the drafter with the target in float32"
+    )
+    assert "loads it in bfloat16 (target.dtype=bfloat16)" in line
+    assert "evaluate the checkpoint with target.dtype=bfloat16 and pass that report as export.report" in line
+    assert "or export with target.dtype=float32" in line
+    assert not output.exists()
+
+
+def test_a_report_in_the_dtype_the_export_loads_the_target_in_is_taken(target, tmp_path):
+    """target.dtype=auto is float32 on a CPU, the dtype of a CPU eval's report; a report of an earlier draftsmith
+    (no dtype) is taken as before."""
+    checkpoint = save_drafter("medusa", target, tmp_path / "run" / "final")
+    report = write_report(checkpoint, "float32")
+    digest = checkpoint_digest(checkpoint)
+    for dtype in ("auto", "float32"):
+        cfg = load_recipe(recipe_args("medusa", tmp_path / "export", f"target.dtype={dtype}"))
+        assert export_run.find_report(cfg, checkpoint, digest)["_path"] == str(report)
+    report.write_text(json.dumps({"drafter": json.loads(report.read_text())["drafter"]}))
+    cfg = load_recipe(recipe_args("medusa", tmp_path / "export", "target.dtype=bfloat16"))
+    assert export_run.find_report(cfg, checkpoint, digest)["_path"] == str(report)
+
+
+def test_an_eagle3_folder_from_a_bfloat16_target_is_float32_throughout(target, tmp_path):
+    """The embedding table EAGLE-3's folder ships was the target's as loaded (bfloat16) among float32 tensors,
+    under a layer config saying float32: it is written in float32 too, the values unchanged."""
+    bf16 = copy.deepcopy(target).to(torch.bfloat16)
+    checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt")
+    cfg = load_recipe(recipe_args("eagle3", tmp_path / "export", "target.dtype=bfloat16", "export.engines=[vllm]"))
+    folder = export_run.export_checkpoint(cfg, checkpoint, target=bf16)["vllm"]
+    config = json.loads((folder / "config.json").read_text())
+    with safe_open(str(folder / "model.safetensors"), "pt") as weights:
+        floats = {name: weights.get_slice(name).get_dtype() for name in weights.keys()}
+        floats = {name: dtype for name, dtype in floats.items() if dtype.startswith(("F", "BF"))}
+        embedding = weights.get_tensor("embed_tokens.weight")
+    assert config["transformer_layer_config"]["torch_dtype"] == "float32"
+    assert set(floats.values()) == {"F32"}, floats
+    assert torch.equal(embedding, bf16.get_input_embeddings().weight.float())
+
+
+# -- P-EAGLE's chain -------------------------------------------------------------------------------------------
+def test_a_peagle_chain_is_at_most_the_depths_it_trained(target, tmp_path, capsys):
+    """Chain position k of P-EAGLE's one forward is its training-time test's step k: ttt_steps is as deep as
+    it trained, as PARD's parallel_tokens is; a sequential EAGLE-3 chain feeds each step its own output, at
+    any depth. The recipe check, the eval of a checkpoint and the export refuse a longer chain."""
+    eagle3 = drafter_class("eagle3")
+    assert eagle3.max_chain(eagle3.Config(parallel_drafting=True, mask_token_id=5, ttt_steps=4)) == 4
+    assert eagle3.max_chain(eagle3.Config(ttt_steps=4)) is None
+    parallel = [f"drafter.{key}={value}" if "." not in key else f"{key}={value}" for key, value in PEAGLE.items()]
+    with pytest.raises(UserError, match="eval.num_speculative_tokens=3 but a eagle3 drafter with this config"):
+        load_recipe(["recipe=eagle3", *parallel, "drafter.ttt_steps=2", "eval.num_speculative_tokens=3"])
+    load_recipe(["recipe=eagle3", *parallel, "drafter.ttt_steps=3", "eval.num_speculative_tokens=3"])
+    load_recipe(["recipe=eagle3", "drafter.ttt_steps=2", "eval.num_speculative_tokens=5"])
+
+    checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt", **PEAGLE, ttt_steps=7)
+    output = tmp_path / "export"
+    args = ["-m", "export", *recipe_args("eagle3", output, f"checkpoint={checkpoint}", "eval.tree=0")]
+    result = run_entry_in_process([*args, "export.num_speculative_tokens=12"], capsys)
+    assert_one_line_error(result, 2, "num_speculative_tokens=12 but this eagle3 drafter proposes at most 7")
+    result = run_entry_in_process([*args, "eval.num_speculative_tokens=8"], capsys)
+    assert_one_line_error(result, 2, "proposes at most 7 tokens")
+    assert not output.exists()
+
+
+# -- the engine check's line -------------------------------------------------------------------------------------
+def engine_reply(accepted: int, drafts: int = 248) -> dict:
+    outputs = [[1, 2, 3]]
+    metrics = {"num_drafts": drafts, "num_draft_tokens": 3 * drafts, "num_accepted_tokens": accepted,
+               "accepted_per_position": [accepted, 0, 0]}  # fmt: skip
+    return {"vllm_version": "0.32.0", "runs": {"plain": {"outputs": outputs},
+                                                "speculative": {"outputs": outputs, "metrics": metrics}}}  # fmt: skip
+
+
+def draftsmith_run(tau: float) -> dict:
+    return {"plain": [[1, 2, 3]], "tau": tau, "at_least": [tau - 1, 0.0, 0.0]}
+
+
+def test_a_check_where_neither_engine_accepted_a_draft_says_the_drafter_is_undertrained():
+    """The probe's DFlash check failed with `vLLM accepted no draft token in 248 drafts`, which blames the export,
+    while draftsmith's own decoding of the same prompts accepted none either: the line says both found none and
+    to train longer; still a failed check (exit 3: nothing is published). Where draftsmith's decoding accepted
+    drafts, the line is as before: the engine reads the drafter otherwise."""
+    with pytest.raises(ExportCheckFailed) as failed:
+        compare(engine_reply(0), draftsmith_run(1.0), gamma=3, tolerance=0.02, prompts=1, max_new=3)
+    line = str(failed.value)
+    assert "vLLM accepted no draft token in 248 drafts, nor did draftsmith's own decoding" in line
+    assert "the drafter is undertrained, not misread; train it longer" in line and "\n" not in line
+    with pytest.raises(ExportCheckFailed) as failed:
+        compare(engine_reply(0), draftsmith_run(1.5), gamma=3, tolerance=0.02, prompts=1, max_new=3)
+    assert str(failed.value).endswith("failed: vLLM accepted no draft token in 248 drafts")
+    summary = compare(engine_reply(124), draftsmith_run(1.5), gamma=3, tolerance=0.02, prompts=1, max_new=3)
+    assert summary["tau_engine"] == 1.5
+
+
+# -- what `checkpoint` export reads ------------------------------------------------------------------------------
+def test_export_reads_a_checkpoint_not_an_engine_folder_as_the_keys_help_says(target, tmp_path):
+    """docs/recipe.md said export reads "a draftsmith checkpoint or an export's engine folder"; export refuses an
+    engine folder (it is an export already): the help says so, and the refusal is one line."""
+    checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
+    cfg = load_recipe(recipe_args("medusa", tmp_path / "export", "export.engines=[vllm]"))
+    folder = export_run.export_checkpoint(cfg, checkpoint, target=target)["vllm"]
+    again = load_recipe(recipe_args("medusa", tmp_path / "again", "export.engines=[vllm]"))
+    with pytest.raises(UserError, match="is not a draftsmith checkpoint config"):
+        export_run.export_checkpoint(again, folder, target=target)
+    row = next(
+        line for line in (ROOT / "docs" / "recipe.md").read_text().splitlines() if line.startswith("| `checkpoint`")
+    )
+    assert "export exports it (a draftsmith checkpoint only: an engine folder is an export already)" in row
