@@ -39,8 +39,20 @@ def served_revision(cfg: DictConfig) -> Optional[str]:
 
 
 def require_served_names(cfg: DictConfig, kind: str) -> None:
-    """The vllm folder pushed is served by its repo id, from which vLLM may read another method (as from a path)."""
-    if cfg.export.push.repo_id and "vllm" in cfg.export.engines:
+    """The vllm folder pushed is served by its repo id, from which vLLM may read another method (as from a path);
+    an export whose drafter is in a subfolder beside the model it serves (Medusa-2: `medusa/` and the merged
+    `target/`) is served from two folders, and an engine loads a Hub repo's root only."""
+    if not cfg.export.push.repo_id:
+        return
+    subfolders = exporter_for(kind).weights_dirs
+    if subfolders:
+        raise UserError(
+            f"export.push.repo_id={cfg.export.push.repo_id}: a {drafter_class(kind).TITLE} export is served from "
+            f"subfolders ({', '.join(f'{name}/' for name in subfolders)} and the model beside them), and engines "
+            "load a Hub repo's root only: export without export.push, then push each subfolder to a repo of its "
+            "own (`hf upload ORG/NAME FOLDER`) and serve those ids"
+        )
+    if "vllm" in cfg.export.engines:
         check_vllm_repo_id(repo_id_for(cfg, "vllm"), exporter_for(kind).vllm_method, drafter_class(kind).TITLE)
 
 

@@ -171,3 +171,19 @@ def test_export_reads_a_checkpoint_not_an_engine_folder_as_the_keys_help_says(ta
         line for line in (ROOT / "docs" / "recipe.md").read_text().splitlines() if line.startswith("| `checkpoint`")
     )
     assert "export exports it (a draftsmith checkpoint only: an engine folder is an export already)" in row
+
+
+# -- a push of an export served from subfolders ----------------------------------------------------------------
+def test_a_medusa_2_push_is_refused_before_anything_is_exported(target, tmp_path, capsys, monkeypatch):
+    """A Medusa-2 export serves its heads (`medusa/`) beside the merged target (`target/`): its card named
+    `ORG/NAME/medusa` and `vllm serve ORG/NAME/target` after a push, which no engine loads (a Hub repo's root
+    only). One line before the target loads, nothing exported."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # a push is asked for; refused before any Hub is asked
+    checkpoint = save_drafter("medusa2", target, tmp_path / "run" / "final")
+    output = tmp_path / "served"
+    args = recipe_args("medusa2", output, f"checkpoint={checkpoint}", "export.push.repo_id=acme/medusa2-demo")
+    result = run_entry_in_process(["-m", "draftsmith", "export", *args], capsys)
+    assert_one_line_error(result, 2, "a Medusa-2 export is served from subfolders (medusa/ and the model beside them)")
+    assert not output.exists()
