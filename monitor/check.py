@@ -41,6 +41,7 @@ from draftsmith.monitor.drift import (
     drift_reason,
     engine_tests,
     free_against_drafter,
+    measured_summary,
     new_evidence,
     request_tests,
     verdict_of,
@@ -120,6 +121,8 @@ def summary(cfg: DictConfig, outcome: Outcome) -> str:
         why.append(last.get("action"))
     elif outcome in (Outcome.REJECTED, Outcome.PROMOTED):
         why.append(state.last_retrain.get("reason"))
+    elif outcome == Outcome.HEALTHY and last.get("record") and Path(last["record"]).is_file():
+        why.append(measured_summary(json.loads(Path(last["record"]).read_text())))
     said += f": {'; '.join(part for part in why if part)}" if any(why) else ""
     return f"monitor: {said}" + (f" ({last['note']})" if last.get("note") else "")
 

@@ -218,6 +218,30 @@ def drift_reason(record: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def measured_summary(record: dict[str, Any]) -> str:
+    """What a check that found no drift measured, for its line (exit 0): the engine's α over its window's drafts
+    against the baseline, and each traffic domain's verdict over the requests in the window; where too few drafts
+    were judged, the minimum they fell short of."""
+    settings, parts = record["settings"], []
+    engine = record.get("engine") or {}
+    if engine.get("alpha") is not None:
+        parts.append(
+            f"the engine's α {engine['alpha']:.3f} (baseline {record['baseline']['alpha']:.3f}) over "
+            f"{engine['drafts']:.0f} drafts"
+            + (f", fewer than monitor.min_drafts={settings['min_drafts']}" if engine["verdict"] == TOO_FEW else "")
+        )
+    elif engine.get("note"):
+        parts.append(f"the engine: {engine['note']}")
+    traffic = record.get("traffic")
+    if traffic is not None:
+        verdicts = ", ".join(f"{domain} {test['verdict']}" for domain, test in traffic.get("domains", {}).items())
+        parts.append(
+            f"{traffic.get('in_window', 0)} logged requests in the last {settings['traffic_window_s']:g} s"
+            + (f" ({verdicts})" if verdicts else "")
+        )
+    return "; ".join(parts)
+
+
 def free_against_drafter(report: dict[str, Any], judged: bool = True) -> dict[str, Any]:
     """Over the replayed sample, τ (tokens per target forward) of the deployed drafter's chain and of each
     free baseline the replay ran (n-gram lookup, suffix decoding); `faster` names the strongest free one

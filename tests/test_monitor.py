@@ -420,7 +420,8 @@ def check_record(tmp_path: Path, number: int) -> dict:
     ids=["engine_settings", "verified", "no_version_endpoint"],
 )
 def test_the_engine_the_export_was_checked_in_is_judged_as_before(tmp_path, recorded, served):
-    from draftsmith.monitor.check import check
+    """... and an exit-0 line says what it measured (it was `monitor: healthy` alone, or `monitor: undecided`)."""
+    from draftsmith.monitor.check import check, summary
 
     engine = FakeEngine(served)
     folder = served_export(tmp_path / "export" / "vllm", **recorded)
@@ -428,8 +429,14 @@ def test_the_engine_the_export_was_checked_in_is_judged_as_before(tmp_path, reco
                        f"monitor.metrics=[{engine.url}]", "monitor.retrain=false"])  # fmt: skip
     try:
         assert check(cfg) == Outcome.HEALTHY  # the window starts
+        assert summary(cfg, Outcome.HEALTHY) == (
+            "monitor: too few samples: the engine: first scrape of this deployment: the window starts now"
+        )
         engine.serve(2000, AT_LEAST)
         assert check(cfg) == Outcome.HEALTHY
+        assert (
+            summary(cfg, Outcome.HEALTHY) == "monitor: healthy: the engine's α 0.500 (baseline 0.500) over 2000 drafts"
+        )
         engine.serve(2000, DROPPED)
         assert check(cfg) == Outcome.DRIFT  # 1 of 2
     finally:
