@@ -11,7 +11,8 @@ from typing import Any, Optional
 from huggingface_hub import ModelCard, ModelCardData
 from omegaconf import OmegaConf
 
-from draftsmith.formats.repo import EngineRepo
+from draftsmith.eval.partings import NEAR_TIE_UNITS
+from draftsmith.formats.repo import EngineRepo, vllm_serve_flags
 from draftsmith.heads import drafter_class
 from draftsmith.outputs import FINAL_DIR, RECIPE_NAME, RUN_SUMMARY_NAME
 from draftsmith.trainer.checkpoint import DRAFTER_DIR, STATE_NAME
@@ -51,6 +52,7 @@ def write_card(
         gamma_plus_one=gamma + 1,
         speculative_config=speculative_config,
         dtype=info["target_dtype"],
+        engine_flags=vllm_serve_flags((info.get("verified") or {}).get("engine_arguments", {})),
     ) + (f" {SGLANG_REVISION_FLAG} {revision}" if revision and engine == "sglang" else "")
     lines = [
         "---",
@@ -107,23 +109,25 @@ def gamma_note(engine: str, gamma: int, recommended: Optional[dict[str, Any]]) -
 
 
 def served_note(engine: str, verified: Optional[dict[str, Any]], dtype: str) -> str:
-    """What was checked, and under which engine settings: the command's `--dtype` is the dtype draftsmith ran the
-    target in (vLLM's default serves a float32 checkpoint in bfloat16, whose acceptance was not measured)."""
+    """What was checked, what the check found, and under which engine settings: the command's `--dtype` is the dtype
+    draftsmith ran the target in (vLLM's default serves a float32 checkpoint in bfloat16, whose acceptance was not
+    measured), and the command carries the check's settings that serving needs (`vllm_serve_flags`)."""
     if verified:
-        ours = (
-            "and to draftsmith's plain decoding"
-            if verified["equals_draftsmith_plain"]
-            else "(draftsmith's plain decoding in bfloat16 differed from vLLM's at near-ties of the two engines' "
-            "rounding; the acceptance was compared instead)"
-        )
         arguments = verified["engine_arguments"]
-        caching = " and prefix caching off" if arguments.get("enable_prefix_caching") is False else ""
+        ours = (
+            "vLLM's plain output equals draftsmith's plain decoding."
+            if verified["equals_draftsmith_plain"]
+            else f"draftsmith's plain decoding in {arguments['dtype']} differed from vLLM's (the two engines round "
+            "differently): the acceptance was compared instead."
+        )
+        flags = vllm_serve_flags(arguments)
+        caching = f", and with prefix caching off, as the command serves it (`{flags.strip()}`)" if flags else ""
         return (
             f"Tested: this folder was loaded in vLLM {verified['engine_version']} as the speculative model for the "
             f"target in {arguments['dtype']} (the command's `--dtype`) on {verified['prompts']} eval prompts (greedy, "
-            f"{verified['max_new_tokens']} new tokens, γ={verified['num_speculative_tokens']}): outputs identical to "
-            f"vLLM without speculation {ours}. The check ran vLLM eager (`enforce_eager`), with max_model_len "
-            f"{arguments['max_model_len']}{caching}: settings that change memory and speed, not the tokens."
+            f"{verified['max_new_tokens']} new tokens, γ={verified['num_speculative_tokens']}): "
+            f"{found_identical(verified)} {ours} The check ran vLLM eager (`enforce_eager`) with max_model_len "
+            f"{arguments['max_model_len']}, settings that change memory and speed, not the tokens{caching}."
         )
     if engine == "sglang":
         return (
@@ -134,6 +138,21 @@ def served_note(engine: str, verified: Optional[dict[str, Any]], dtype: str) -> 
         "Checked against vLLM's loader (names, shapes, conventions); not loaded in the engine at export (set "
         f"export.vllm_python to do so). The command serves the target in {dtype}, the dtype draftsmith loaded it "
         "in (`target.dtype`), as its eval does."
+    )
+
+
+def found_identical(verified: dict[str, Any]) -> str:
+    """What the check found of vLLM's outputs with the drafter against its outputs without it: identical, or
+    identical but for prompts where they part at a near tie (the check fails any other parting: export/verify.py)."""
+    if verified["lossless"]:
+        return "outputs identical to vLLM without speculation."
+    partings = verified.get("partings") or []
+    largest = max(parting["units"] for parting in partings)
+    return (
+        f"outputs identical to vLLM without speculation on {verified['prompts'] - len(partings)} of them; on the "
+        f"other {len(partings)} the outputs part at a near tie, two tokens the target's own logits put within its "
+        f"rounding (up to {largest} units of bfloat16 at the logits' magnitude; the check allows {NEAR_TIE_UNITS}), "
+        "which vLLM's verify and decode forwards can round either way."
     )
 
 

@@ -45,9 +45,20 @@ class TargetInfo:
     directory: Optional[Path] = None
 
 
-# vLLM's serving command: the target in the dtype draftsmith ran it in (`served_dtype`), the export's whole
-# speculative config (export/run.py::served_config) as one JSON argument, the folder as its model.
-VLLM_SERVE = "vllm serve {target} --dtype {dtype} --speculative-config '{speculative_config}'"
+# vLLM's serving command: the target in the dtype draftsmith ran it in (`served_dtype`), the engine arguments the
+# export's check ran with that serving needs (`vllm_serve_flags`), the export's whole speculative config
+# (export/run.py::served_config) as one JSON argument, the folder as its model.
+VLLM_SERVE = "vllm serve {target} --dtype {dtype}{engine_flags} --speculative-config '{speculative_config}'"
+
+
+def vllm_serve_flags(engine_arguments: dict[str, Any]) -> str:
+    """The `vllm serve` flags for the engine arguments the export's check ran vLLM with (export/verify.py) that an
+    engine needs to run as checked: prefix caching off where the check turned it off (a hybrid target: with it on,
+    vLLM 0.32 speculates through a Triton kernel its CPU build lacks). The check's dtype is the command's `--dtype`;
+    its others (eager, max_model_len) change memory and speed, not the tokens."""
+    return " --no-enable-prefix-caching" if engine_arguments.get("enable_prefix_caching") is False else ""
+
+
 # vLLM 0.32's defaults for the settings that move τ, written into every served config so that an engine
 # version with other defaults cannot change acceptance silently (vLLM 0.28 changed draft_sample_method's).
 # greedy: vLLM drafts the argmax and reads q as one-hot in the ratio test, as draftsmith's proposers that draft

@@ -85,13 +85,19 @@ LAYOUTS = {
     "Qwen3_5ForConditionalGeneration": QWEN3_5,
     "Qwen3_5MoeForConditionalGeneration": QWEN3_5_MOE,
 }
-# Architectures with MTP layers that vLLM 0.32 does not serve as trained, and why.
+# Architectures with MTP layers that draftsmith does not train, and why: vLLM 0.32 would not serve the layer as
+# trained, or draftsmith's drafter cannot run it.
 UNSERVED = {
     "Glm4MoeLiteForCausalLM": (
         "vLLM 0.32's glm4_moe_lite_mtp sets num_hidden_layers to 0 and so loads the target's layer 0 as the MTP "
         "layer, never the shipped one"
     ),
-    "DeepseekV32ForCausalLM": "vLLM 0.32's CPU build runs no sparse (indexed) attention (measured: docs/targets.md)",
+    # not vLLM's limit: its GPU builds serve the layer (models/deepseek_v32/nvidia/mtp.py, DeepSeek-V3's names); its
+    # CPU build runs no sparse attention, which the export refuses for every kind (formats/versions.py)
+    "DeepseekV32ForCausalLM": (
+        "its block is V3.2's sparse-attention decoder layer, whose indexer keys the MTP drafter's own KV cache does "
+        "not hold, so draftsmith cannot train or decode it (vLLM 0.32's GPU builds serve the layer as DeepseekV32MTP)"
+    ),
     "DeepseekV4ForCausalLM": (
         "its MTP layer passes hyper-connection streams, a layout draftsmith does not read, and no V4 target has "
         "run in vLLM here (docs/targets.md)"
@@ -123,11 +129,11 @@ class MtpConfig(DrafterConfig):
 
 def layout_of(config: dict) -> Layout:
     """The MTP layout of a target config (dict form), or a one-line UserError: no MTP layers, an architecture
-    whose layout draftsmith does not read, or one vLLM does not serve them for."""
+    whose layout draftsmith does not read, or one whose layer it does not train (UNSERVED)."""
     architecture = (config.get("architectures") or ["?"])[0]
     if architecture in UNSERVED:
         raise UserError(
-            f"drafter.type=mtp: a {architecture} target's MTP layer is not served: {UNSERVED[architecture]}"
+            f"drafter.type=mtp: draftsmith does not train a {architecture} target's MTP layer: {UNSERVED[architecture]}"
         )
     if architecture in SEPARATE_MODEL:
         raise UserError(

@@ -1219,3 +1219,58 @@ def test_a_hub_failing_during_the_push_exits_69_with_the_folders_exported(target
     assert_one_line_error(result, 69, "could not push", prefix="Hub unavailable: ")
     assert result.stderr.rstrip().endswith("the folders are exported: run the same command again to push them")
     assert (tmp_path / "out" / "vllm" / EXPORT_INFO).is_file()
+
+
+CHECKED = {"engine": "vllm", "engine_version": "0.32.0", "prompts": 32, "max_new_tokens": 64,
+           "num_speculative_tokens": 3, "lossless": True, "equals_draftsmith_plain": True,
+           "tau_engine": 1.2, "tau_draftsmith": 1.19, "relative_difference": 0.005, "tolerance": 0.08,
+           "at_least_engine": [0.15], "at_least_draftsmith": [0.15],
+           "counters": {"num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": 2},
+           "engine_arguments": {"dtype": "bfloat16", "max_model_len": 119}}  # fmt: skip
+
+
+def test_the_cards_tested_line_says_what_the_check_found_near_tie_partings_included():
+    """A bfloat16 check passed with 23 of 32 prompts parting at near ties, and the card's Tested line said
+    "outputs identical to vLLM without speculation" (only its table said otherwise): the line says identical
+    where they were, and names the partings and the largest gap in units as the record has it."""
+    from draftsmith.export.card import served_note
+
+    partings = [{"prompt": p, "position": 5, "near_tie": True, "units": u} for p, u in enumerate([0.0, 6.94, 2.36] * 7)]
+    parted = {**CHECKED, "lossless": False, "equals_draftsmith_plain": False, "partings": partings}
+    note = served_note("vllm", parted, "bfloat16")
+    found = (
+        "outputs identical to vLLM without speculation on 11 of them; on the other 21 the outputs part at a near tie, "
+        "two tokens the target's own logits put within its rounding (up to 6.94 units of bfloat16"
+    )
+    assert found in note
+    assert "outputs identical to vLLM without speculation." not in note
+    assert "draftsmith's plain decoding in bfloat16 differed from vLLM's" in note
+    identical = served_note("vllm", CHECKED, "bfloat16")
+    assert "outputs identical to vLLM without speculation. vLLM's plain output equals draftsmith's" in identical
+    assert "near tie" not in identical
+
+
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_the_cards_serve_command_turns_prefix_caching_off_where_the_check_did(hybrid, target, tmp_path, monkeypatch):
+    """The check of a hybrid (linear-attention) target runs vLLM with prefix caching off (with it on, vLLM-CPU
+    speculates through a Triton kernel it lacks: TypeError), but the card's `vllm serve` line left it on and its
+    Tested line called it a setting that does not change the tokens: the line turns it off as the check did."""
+    import draftsmith.export.verify as verify
+
+    monkeypatch.setattr(
+        verify, "compare", lambda *args, **kwargs: {k: v for k, v in CHECKED.items() if k != "engine_arguments"}
+    )
+    monkeypatch.setattr(verify, "recurrent", lambda config: hybrid)  # the reference target is a Llama
+    checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
+    engine = AnsweringEngine()
+    checked_by = f"export.vllm_python={stand_in_vllm(tmp_path)}"
+    cfg = load_recipe(export_args("medusa", checkpoint, tmp_path / "export", checked_by, "eval.max_prompts=1",
+                                  "eval.max_new_tokens=4"))  # fmt: skip
+    folder = export_checkpoint(cfg, checkpoint, engines=engine)["vllm"]
+    (request,) = engine.requests
+    card = (folder / "README.md").read_text()
+    assert ("enable_prefix_caching" in request) is hybrid
+    assert ("--dtype float32 --no-enable-prefix-caching --speculative-config" in card) is hybrid
+    assert ("and with prefix caching off, as the command serves it (`--no-enable-prefix-caching`)" in card) is hybrid
+    assert "--dtype float32 --speculative-config" in card or hybrid
+    assert "settings that change memory and speed, not the tokens" in card and "prefix caching off:" not in card

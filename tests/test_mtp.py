@@ -283,3 +283,16 @@ def test_loading_a_target_names_its_mtp_layers_in_one_line_and_keeps_transformer
     finally:
         transformers_logger.removeHandler(handler)
     assert any("LOAD REPORT" in report and "model.stray.weight" in report for report in reports), reports
+
+
+def test_a_deepseek_v32_target_is_refused_for_what_draftsmith_cannot_run_not_for_the_cpu_build(tmp_path):
+    """The line said "vLLM 0.32's CPU build runs no sparse (indexed) attention" on every machine, though vLLM's GPU
+    builds serve V3.2's layer (DeepseekV32MTP) and the export alone refuses the CPU build: what stops it is
+    draftsmith's drafter, whose own KV cache holds no indexer keys for V3.2's sparse-attention block."""
+    folder = write_random_target("deepseek_v32", tmp_path / "v32", **SHAPE)
+    with pytest.raises(UserError) as refused:
+        MTP.Config().check(local_target_shape(str(folder)))
+    line = str(refused.value)
+    assert line.startswith("drafter.type=mtp: draftsmith does not train a DeepseekV32ForCausalLM target's MTP layer: ")
+    assert "indexer keys the MTP drafter's own KV cache does not hold" in line
+    assert "GPU builds serve the layer as DeepseekV32MTP" in line and "CPU build" not in line
