@@ -33,6 +33,7 @@ from draftsmith.data_prep.capture_files import (
     ShardPlan,
     is_intact,
     merge_manifest,
+    recorded_data,
     refuse_other_capture,
     remove_leftovers,
     write_json,
@@ -131,7 +132,7 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
         "world_size": state.num_processes,
     }
     # Every rank checks before any rank writes, so all of them see the same files and agree.
-    refuse_other_capture(directory, settings)
+    refuse_other_capture(directory, settings, recorded_data(cfg))
     if state.is_main_process:
         remove_leftovers(directory)
     state.wait_for_everyone()

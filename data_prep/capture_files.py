@@ -29,6 +29,7 @@ from draftsmith.data_prep.features import (
     file_sha256,
     hidden_names,
     part_name,
+    resolved_sources,
     shard_name,
 )
 from draftsmith.errors import StorageError, one_line
@@ -50,21 +51,57 @@ class ShardPlan:
         return shard_name(self.rank, self.index)
 
 
-def refuse_other_capture(directory: Path, settings: dict[str, Any]) -> None:
+def recorded_data(cfg: DictConfig) -> dict[str, Any]:
+    """The data settings a capture's rows are made with, as manifest.json records them (its `data`); data.train's
+    files as resolved absolute paths, so that training reads the capture from any directory."""
+    return {
+        "sources": resolved_sources(cfg.data.train),
+        "max_length": cfg.data.max_length,
+        "overlong": cfg.data.overlong,
+        "max_conversations": cfg.data.max_conversations,
+        "thinking": cfg.data.thinking,
+    }
+
+
+def refuse_other_capture(directory: Path, settings: dict[str, Any], data: dict[str, Any]) -> None:
     """A directory holding a capture with other settings is never mixed into: resuming it would
-    join shards of two different captures under one manifest."""
+    join shards of two different captures under one manifest. `data`: the recipe's `recorded_data`; where
+    the conversations' fingerprint differs and the manifest records the data settings, the refusal names
+    those that changed rather than two hashes."""
     settings = json.loads(json.dumps(settings))  # as the files hold them (a tuple is a list there)
     for path in [directory / MANIFEST_NAME, *sorted(directory.glob("manifest_part_*.json"))]:
         if not path.is_file():
             continue
-        found = read_json(path, advice=CAPTURE_AGAIN)
-        found = found.get("settings", found)  # parts keep settings apart; the manifest at top level
+        file = read_json(path, advice=CAPTURE_AGAIN)
+        found = file.get("settings", file)  # parts keep settings apart; the manifest at top level
+        found = {key: found.get(key) for key in settings}  # the manifest holds its shards and counts beside them
+        wanted = settings
+        changed = changed_data(file.get("data"), data)
+        if changed and found["data_fingerprint"] != wanted["data_fingerprint"]:
+            found = {key: value for key, value in found.items() if key != "data_fingerprint"}
+            wanted = {key: value for key, value in wanted.items() if key != "data_fingerprint"}
+            found |= {key: before for key, (before, _) in changed.items()}
+            wanted |= {key: now for key, (_, now) in changed.items()}
         require_same_settings(
-            {key: found.get(key) for key in settings},  # the manifest holds its shards and counts beside them
-            settings,
+            found,
+            wanted,
             f"{directory} already holds a capture",
             "remove it or set data.capture.output to another directory",
         )
+
+
+def changed_data(recorded: Any, data: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """{recipe key: (the manifest's value, the recipe's)} for each data setting a manifest's `data` records
+    otherwise (sources compared as resolved paths); empty for a manifest part, which records none."""
+    if not isinstance(recorded, dict):
+        return {}
+    if "sources" in recorded:
+        recorded = {**recorded, "sources": resolved_sources(recorded["sources"] or [])}
+    return {
+        "data.train" if key == "sources" else f"data.{key}": (recorded[key], now)
+        for key, now in data.items()
+        if key in recorded and recorded[key] != now
+    }
 
 
 def remove_leftovers(directory: Path) -> None:
@@ -136,13 +173,7 @@ def merge_manifest(directory: Path, settings: dict[str, Any], cfg: DictConfig, t
         "layer_convention": LAYER_CONVENTION,
         "fields": field_layout(settings, hidden_size),
         "tokenizer": tokenizer_identity(tokenizer),
-        "data": {
-            "sources": list(cfg.data.train),
-            "max_length": cfg.data.max_length,
-            "overlong": cfg.data.overlong,
-            "max_conversations": cfg.data.max_conversations,
-            "thinking": cfg.data.thinking,
-        },
+        "data": recorded_data(cfg),
         "conversations": sum(entry["conversations"] for entry in shards),
         "tokens": tokens,
         "bytes": total_bytes,

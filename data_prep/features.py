@@ -221,6 +221,14 @@ _MANIFEST_KEYS = ("target", "final", "layers", "logits", "dtype", "shards", "tok
 CAPTURED_DATA_KEYS = ("max_length", "overlong", "max_conversations", "thinking")
 
 
+def resolved_sources(sources) -> list[str]:
+    """Data sources as a capture's manifest records and compares them: a file or folder as its resolved absolute
+    path, so that the same files given from another directory are the same sources; a Hub id or `named:` source
+    as given. A manifest written before recorded paths as typed: a relative one resolves against the current
+    directory."""
+    return [str(Path(source).resolve()) if Path(source).exists() else source for source in map(str, sources)]
+
+
 def require_captured_settings(cfg) -> None:
     """Training from `data.features` trains on the capture's rows, made by its target: a recipe whose
     data.train (unless empty), max_length, overlong, max_conversations or thinking, or whose target.dtype (unless
@@ -237,10 +245,7 @@ def require_captured_settings(cfg) -> None:
         if key in captured and captured[key] != cfg.data[key]
     ]
     # data.train is not read either: the capture's sources are (an empty one names nothing to overrule)
-    train, sources = (
-        [os.path.abspath(s) if Path(s).exists() else s for s in map(str, given)]
-        for given in (cfg.data.train, captured.get("sources") or [])
-    )
+    train, sources = (resolved_sources(given) for given in (cfg.data.train, captured.get("sources") or []))
     if train and "sources" in captured and train != sources:
         differ.append(("data.train", train, sources))
     dtype = manifest["target"].get("dtype") if isinstance(manifest["target"], dict) else None

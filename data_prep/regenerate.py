@@ -90,6 +90,9 @@ class RegenerateResult:
     left_out: Counter = field(default_factory=Counter)
     reused: int = 0  # answers taken from an earlier regeneration (data.regenerate.reuse), not asked of the engine
     cut_answers: int = 0  # answers in the conversations written now that the target had not ended at max_new_tokens
+    # the output's totals over every run's parts (a resumed run's own counts are only what it did):
+    left_out_in_all: int = 0  # conversations of the finished parts' batches that no part holds
+    cut_answers_in_all: int = 0  # answers in the written conversations cut at max_new_tokens
     excluded: int = 0  # data.train conversations not regenerated: a held-out first prompt (data.regenerate.exclude)
     short: int = 0  # data.train conversations not regenerated: fewer than data.regenerate.min_turns assistant turns
 
@@ -101,19 +104,22 @@ def main(argv: Sequence[str]) -> None:
     if state.is_main_process:
         max_length, min_turns = cfg.data.max_length, cfg.data.regenerate.min_turns
         print(
-            f"{result.conversations} conversations in {result.directory} ({result.generated} generated now, "
+            f"{result.conversations} conversations in {result.directory} and {result.left_out_in_all} left out, "
+            f"every run's parts counted ({result.generated} generated now, "
             f"{result.cut} of them cut short at a prompt of data.max_length={max_length} tokens or more, "
-            f"{result.empty} at an empty answer; {left_out_line(result.left_out, max_length, min_turns)}; "
+            f"{result.empty} at an empty answer; of those taken up now, "
+            f"{left_out_line(result.left_out, max_length, min_turns)}; "
             f"{result.reused} answers taken from data.regenerate.reuse; not "
             f"regenerated: {result.excluded} held out, {result.short} with fewer than min_turns={min_turns} turns)"
         )
         if result.tool_calls:  # the tool results after such a turn answered its old calls, not the target's answer
             print(f"{result.tool_calls} conversations end at an answer to a turn that called tools (its calls dropped)")
-        if result.cut_answers:
+        if result.cut_answers_in_all:
             print(
-                f"{result.cut_answers} answers cut at data.regenerate.max_new_tokens="
-                f"{cfg.data.regenerate.max_new_tokens} (kept and marked cut: their end-of-turn is not trained on); "
-                "raise data.regenerate.max_new_tokens for the target's whole answers"
+                f"{result.cut_answers_in_all} answers cut at data.regenerate.max_new_tokens="
+                f"{cfg.data.regenerate.max_new_tokens} in {result.directory} ({result.cut_answers} of them generated "
+                "now; kept and marked cut: their end-of-turn is not trained on); raise "
+                "data.regenerate.max_new_tokens for the target's whole answers"
             )
     end_process_group()
 
@@ -293,8 +299,27 @@ def regenerate_into(
             sum(gather_object([value])) for value in (generated, cut, empty, tool_calls, reused, cut_answers)
         )
         left_out = sum(gather_object([left_out]), Counter())
-    written = sum(1 for part in directory.glob("part-*.jsonl.gz") for _ in gzip.open(part, "rt"))
-    return RegenerateResult(directory, written, generated, cut, empty, tool_calls, left_out, reused, cut_answers)
+    # the output's totals, read from every part (earlier runs' too): what a part does not hold of its batch was left out
+    written = cut_in_all = left_out_in_all = 0
+    for index, chunk in enumerate(chunks):
+        with gzip.open(directory / part_name(index), "rt") as part:
+            records = [json.loads(line) for line in part]
+        written += len(records)
+        left_out_in_all += len(chunk) - len(records)
+        cut_in_all += sum(bool(r["messages"][t].get(CUT_KEY)) for r in records for t in answered_turns(r["messages"]))
+    return RegenerateResult(
+        directory,
+        written,
+        generated,
+        cut,
+        empty,
+        tool_calls,
+        left_out,
+        reused,
+        cut_answers,
+        left_out_in_all,
+        cut_in_all,
+    )
 
 
 def content_digest(conversations) -> str:

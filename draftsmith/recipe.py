@@ -381,12 +381,19 @@ def load_train_recipe(argv: Sequence[str]) -> DictConfig:
 
 def check_train_start(cfg: DictConfig) -> None:
     """A training run starts from train.init_from, a local folder that exists (checked before any data or model
-    loads, unless the run resumes). `checkpoint` names the drafter the read-only commands read: were it
-    a run's start, the run's saved recipe would point eval and export at the start."""
+    loads, unless the run resumes), and has the eval stage's prompts when eval.enabled. `checkpoint` names the
+    drafter the read-only commands read: were it a run's start, the run's saved recipe would point eval and export
+    at the start."""
     require(
         cfg.checkpoint is None,
         f"checkpoint={cfg.checkpoint} names the drafter eval, export and monitor read, not a training run's start: "
         f"to warm-start from it, pass train.init_from={cfg.checkpoint}",
+    )
+    # the eval stage after training reads its prompts there: refused now, not once the run has trained
+    require(
+        not cfg.eval.enabled or bool(cfg.eval.data or cfg.data.eval),
+        "no eval data: eval.enabled=true reports on eval.data or data.eval after training, and both are empty: "
+        "set eval.data=[files] or data.eval in the recipe, or eval.enabled=false",
     )
     start = cfg.train.init_from
     if start is None or resolve_bool_or_path(cfg.train.resume) is not None:

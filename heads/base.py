@@ -182,10 +182,10 @@ class Drafter(nn.Module):
         and `load_drafter(..., target_model=)` call it."""
 
     # -- training -------------------------------------------------------------------------------
-    def prepare(self, dataset) -> None:
+    def prepare(self, dataset, vocab_from=None) -> None:
         """Called once on every rank before training with the training set (rows holding at least
-        `input_ids` and `loss_mask`): fit what depends on the data rather than on the target
-        (EAGLE-3's draft vocabulary). What it fits must live in the state dict (so a checkpoint and a
+        `input_ids` and `loss_mask`) and data.draft_vocab's rows or None: fit what depends on the data rather
+        than on the target (EAGLE-3's draft vocabulary). What it fits must live in the state dict (so a checkpoint and a
         resumed run carry it); what decoding reports about it goes to `learned`."""
 
     @classmethod

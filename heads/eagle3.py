@@ -200,6 +200,15 @@ class Eagle3Layer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+def loss_token_counts(dataset, vocab_size: int) -> torch.Tensor:
+    """How often each token id is a loss-bearing token of `dataset`, [vocab_size]."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for input_ids, loss_mask in token_rows(dataset):
+        ids = torch.as_tensor(input_ids, dtype=torch.long)[torch.as_tensor(loss_mask).bool()]
+        counts += torch.bincount(ids, minlength=vocab_size)
+    return counts
+
+
 def token_rows(dataset) -> Iterable[tuple]:
     """(input_ids, loss_mask) per conversation: a FeatureStore's light accessor (no features are
     read), else the rows of a tokenized data set."""
@@ -318,26 +327,27 @@ class Eagle3(Eagle3Training, EagleBase):
     def picks_draft_vocab(cls, config: Eagle3Config, target: Optional[TargetShape]) -> bool:
         return target is None or config.draft_vocab_size < target.vocab_size
 
-    def prepare(self, dataset) -> None:
+    def prepare(self, dataset, vocab_from=None) -> None:
         """Pick the draft vocabulary: the draft_vocab_size tokens that most often are a loss-bearing
-        (assistant) token of the training data (or of data.draft_vocab), ties to the lower id, kept in id order
-        (as EAGLE-3's scandata). Deterministic, so every rank picks the same. A no-op without pruning."""
+        (assistant) token of the training data `dataset` (or of `vocab_from`, data.draft_vocab), ties to the
+        lower id, kept in id order (as EAGLE-3's scandata). Deterministic, so every rank picks the same. Its
+        coverage is counted on the training data either way: what the drafter is trained and measured on.
+        A no-op without pruning."""
         if not self.pruned:
             return
-        counts = torch.zeros(self.target.vocab_size, dtype=torch.long)
-        for input_ids, loss_mask in token_rows(dataset):
-            ids = torch.as_tensor(input_ids, dtype=torch.long)[torch.as_tensor(loss_mask).bool()]
-            counts += torch.bincount(ids, minlength=len(counts))
-        order = torch.argsort(-counts, stable=True)  # stable: equal counts stay in id order
+        counts = loss_token_counts(dataset, self.target.vocab_size)
+        picked_on = counts if vocab_from is None else loss_token_counts(vocab_from, self.target.vocab_size)
+        order = torch.argsort(-picked_on, stable=True)  # stable: equal counts stay in id order
         kept = order[: self.config.draft_vocab_size].sort().values
         self.set_draft_vocab(kept)
         total = int(counts.sum())
         if total:
             self.learned[COVERAGE] = float(counts[kept].sum()) / total
         log.info(
-            "draft vocabulary: %d of %d tokens, covering %s of %d loss tokens",
+            "draft vocabulary: %d of %d tokens, picked on %s, covering %s of the training data's %d loss tokens",
             len(kept),
             len(counts),
+            "the training data" if vocab_from is None else f"data.draft_vocab's {int(picked_on.sum())} loss tokens",
             f"{self.learned[COVERAGE]:.4f}" if total else "n/a",
             total,
         )

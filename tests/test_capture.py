@@ -318,6 +318,40 @@ def test_training_from_a_capture_refuses_data_settings_it_was_not_made_with(capt
     require_captured_settings(recipe("data.train=[]"))  # nothing named: nothing overruled
 
 
+def test_a_capture_records_its_files_as_absolute_paths_and_trains_from_any_directory(
+    tmp_path, conversations, monkeypatch
+):
+    """data.train given relative to the capture's directory is recorded resolved: training from another
+    directory, naming the same files its own way, reads the capture; a manifest written before (paths as typed)
+    resolves them against the current directory."""
+    train = conversations["train"]
+    monkeypatch.chdir(train.parent)
+    relative = {**conversations, "train": Path(train.name)}
+    directory = run_capture(tmp_path, relative).directory  # medusa's default: the final state only
+    manifest_path = directory / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["data"]["sources"] == [str(train.resolve())]
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+
+    def recipe(given):
+        return load_recipe(capture_args(tmp_path, {**conversations, "train": given}, f"data.features={directory}"))
+
+    require_captured_settings(recipe(Path(os.path.relpath(train, elsewhere))))
+    require_captured_settings(recipe(train))
+    with pytest.raises(UserError, match=r"^the recipe resolves to data.train=\[.*other.jsonl'\], but"):
+        require_captured_settings(recipe(train.parent / "other.jsonl"))
+
+    manifest["data"]["sources"] = [train.name]  # as a capture before absolute paths recorded it
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match=r"were captured with data.train=\['train.jsonl'\]"):
+        require_captured_settings(recipe(train))  # train.jsonl names no file here
+    monkeypatch.chdir(train.parent)
+    require_captured_settings(recipe(train))  # where it resolves to the same file, it is the same
+
+
 def test_truncated_shard_or_missing_manifest_is_a_user_error(tmp_path, captures):
     copy = tmp_path / "copy"
     shutil.copytree(captures["float16"].directory, copy)
@@ -336,6 +370,8 @@ def test_truncated_shard_or_missing_manifest_is_a_user_error(tmp_path, captures)
         ("data.capture.layers=[4]", "layer id 4 is out of range for a target with 4 layers"),
         ("data.capture.dtype=int4", "data.capture.dtype='int4' is not one of"),
         ("data.capture.dtype=float16", "already holds a capture with other settings (dtype: 'bfloat16' -> 'float16'"),
+        # a data setting the manifest records is named, not the conversations' two fingerprints
+        ("data.max_length=64", "already holds a capture with other settings (data.max_length: 96 -> 64):"),
         # topk with a capture that keeps no top-k distribution: it changed nothing (the manifest said topk None)
         ("data.capture.logits=none", "data.capture.topk=8 is read when the capture keeps the top-k distribution"),
     ],

@@ -360,6 +360,18 @@ def test_prepare_keeps_the_most_frequent_loss_tokens_ties_by_id(model):
     assert drafter.draft_ids().tolist() == [4, 5, 6, 9]
 
 
+def test_data_draft_vocab_picks_the_vocabulary_and_coverage_is_counted_on_the_training_data(model, caplog):
+    drafter = Eagle3.from_target(Eagle3.Config(aux_layers=[0, 1], draft_vocab_size=2), model, "tiny")
+    train = [{"input_ids": [4, 4, 5, 6, 7, 3], "loss_mask": [1, 1, 1, 1, 1, 0]}]  # 5 loss tokens
+    vocab = [{"input_ids": [5, 5, 9, 9, 4], "loss_mask": [1, 1, 1, 1, 1]}]
+    with caplog.at_level("INFO", logger="draftsmith.eagle3"):
+        drafter.prepare(train, vocab_from=vocab)
+    assert drafter.draft_ids().tolist() == [5, 9]  # data.draft_vocab's most frequent
+    # 1 of the training data's 5 loss tokens (a 5), not 1.0 as counted on data.draft_vocab
+    assert drafter.learned["draft_vocab_coverage"] == pytest.approx(1 / 5)
+    assert "picked on data.draft_vocab's 5 loss tokens, covering 0.2000 of the training data's 5" in caplog.text
+
+
 def test_checkpoint_round_trips_the_draft_vocabulary(model, drafter, tmp_path):
     drafter.save_pretrained(tmp_path / "eagle3")
     saved = load_file(str(tmp_path / "eagle3" / "model.safetensors"))
@@ -655,7 +667,9 @@ def test_training_from_captured_shards(tmp_path, small_data, token_cache, capsys
         ]
     )
     config = json.loads((tmp_path / "vocab" / "final" / "config.json").read_text())
-    assert config["learned"]["draft_vocab_coverage"] == 1.0  # every token of that one answer is kept
+    ranked_on_shards_coverage = json.loads((tmp_path / "run" / "final" / "config.json").read_text())["learned"]
+    # counted on the shards' training tokens either way (not 1.0, as on the one answer that picked it)
+    assert config["learned"]["draft_vocab_coverage"] < ranked_on_shards_coverage["draft_vocab_coverage"]
     ranked_on_answer = load_file(str(tmp_path / "vocab" / "final" / "model.safetensors"))["t2d"]
     ranked_on_shards = load_file(str(tmp_path / "run" / "final" / "model.safetensors"))["t2d"]
     # A dozen distinct answer tokens; the rest of the 512 are unseen, tied, so the lowest ids.

@@ -154,7 +154,7 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     drafter = build_drafter(cfg, target, accelerator.device)
     train_data, collate, target_features = training_inputs(cfg, tokenizer, target, drafter, train_data)
     # what the drafter fits to the data (EAGLE-3's draft vocabulary), on every rank
-    drafter.prepare(train_data if vocab_data is None else vocab_data)
+    drafter.prepare(train_data, vocab_from=vocab_data)
     if resume_from is not None:  # its weights must be of the drafter the recipe builds
         what = f"train.resume's {resume_from}"
         require_recipes_drafter(saved_kind.type, saved_config, drafter.type, drafter.config, what, resume_from)

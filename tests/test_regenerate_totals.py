@@ -1,0 +1,53 @@
+"""regenerate's final lines count the output folder's totals, every run's parts read, beside what the run
+itself did: a resumed run that finishes the last part says how many conversations were left out and how many
+answers cut in all, not only its own."""
+
+from __future__ import annotations
+
+import json
+
+from tests.helpers import REFERENCE_TARGET, run_entry_in_process
+
+QUESTIONS = ["Say hi.", "Name a number above 3.", "Count to five."]
+
+
+def conversation(question: str) -> dict:
+    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": "?"}]}
+
+
+def test_a_resumed_regeneration_counts_the_folders_totals(tmp_path, capsys):
+    from draftsmith.data_prep.regenerate import regenerate
+    from draftsmith.recipe import load_recipe
+    from draftsmith.target import load_target, load_tokenizer
+
+    overlong = {"messages": [{"role": "user", "content": "Listen. " * 80}, {"role": "assistant", "content": "?"}]}
+    rows = [conversation(QUESTIONS[0]), overlong, *map(conversation, QUESTIONS[1:])]
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "out"
+    args = [
+        "recipe=draft",
+        f"target.name_or_path={REFERENCE_TARGET}",
+        f"data.train=[{train}]",
+        "data.max_length=64",  # the overlong prompt is left out
+        "data.regenerate.batch_size=1",
+        "data.regenerate.max_new_tokens=2",  # every answer is cut
+        f"data.regenerate.output={out}",
+        f"output_dir={tmp_path / 'run'}",
+    ]
+    first = regenerate(load_recipe(args), load_target(str(REFERENCE_TARGET)), load_tokenizer(str(REFERENCE_TARGET)))
+    assert (first.conversations, first.generated, first.left_out_in_all, first.cut_answers_in_all) == (3, 3, 1, 3)
+    (out / "part-00003.jsonl.gz").unlink()  # as a run killed before its last part
+
+    done = run_entry_in_process(["-m", "data_prep.regenerate", *args], capsys)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (
+        f"3 conversations in {out} and 1 left out, every run's parts counted (1 generated now, 0 of them cut short "
+        "at a prompt of data.max_length=64 tokens or more, 0 at an empty answer; of those taken up now, 0 left out;"
+    ) in done.stdout
+    assert f"3 answers cut at data.regenerate.max_new_tokens=2 in {out} (1 of them generated now;" in done.stdout
+
+    done = run_entry_in_process(["-m", "data_prep.regenerate", *args], capsys)  # finished: nothing to do
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"3 conversations in {out} and 1 left out, every run's parts counted (0 generated now" in done.stdout
+    assert f"3 answers cut at data.regenerate.max_new_tokens=2 in {out} (0 of them generated now;" in done.stdout
