@@ -9,7 +9,8 @@ backward with A anchors (the median of 3) and reads the process's peak resident 
 after: `step_peak_mib` is how far the step raised it. Next to the measurements, the attention score
 elements per layer and sequence: DFlash's two-part attention computes heads·A·S·(T+S) of them
 (each block's queries against the context and against its own block), where one mask over every
-block would need heads·(A·S)·(T+A·S); and the logits the loss computes, A·(S−1)·V at most.
+block would need heads·(A·S)·(T+A·S); and the logits the loss computes, A·(S−1)·V at most. With the rows:
+the machine, threads, versions and wall time (benchmarks/provenance.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from provenance import provenance
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -86,7 +89,7 @@ def main() -> None:
     if args.one:
         print(json.dumps(one(*args.one, args.block_size, args.threads)))
         return
-    rows = []
+    began, rows = time.perf_counter(), []
     for length in map(int, args.lengths.split(",")):
         for anchors in map(int, args.anchors.split(",")):
             command = [
@@ -105,11 +108,8 @@ def main() -> None:
                 sys.exit(f"T={length} A={anchors} failed:\n{result.stderr[-2000:]}")
             rows.append(json.loads(result.stdout.strip().splitlines()[-1]))
             print(json.dumps(rows[-1]), file=sys.stderr)
-    print(
-        json.dumps(
-            {"target": "demo (4 heads, hidden 256, vocab 4096)", "threads": args.threads, "rows": rows}, indent=2
-        )
-    )
+    report = {"target": "demo (4 heads, hidden 256, vocab 4096)", "rows": rows}
+    print(json.dumps(report | provenance(args.threads, began), indent=2))
 
 
 if __name__ == "__main__":

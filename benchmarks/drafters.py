@@ -11,17 +11,21 @@ and every drafter benefits from; `medusa_corpus` trains Medusa-1 on the original
 show what that is worth. Prints tau per domain for every drafter and method (chain, tree) plus the
 n-gram baseline, the drafter's forward passes per target forward (a DFlash block or Medusa's heads:
 one; an EAGLE chain of γ: γ), the share of lossless rows at T=0, and the wall time of training plus its
-greedy eval.
+greedy eval; then the machine, the threads the runs train with, the versions and the whole wall time
+(benchmarks/provenance.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from provenance import provenance
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -58,6 +62,16 @@ def draft_forwards(report: dict) -> dict:
     return {m: row["draft_forwards_per_cycle"] for m, row in report["domains"]["all"].items()}
 
 
+def training_threads() -> int:
+    """The CPU threads `python train.py` runs with here (draftsmith/threads.py's rule, train.cpu_threads unset)."""
+    import torch
+
+    from draftsmith.threads import available_cores, choose_cpu_threads
+
+    choice = choose_cpu_threads(None, os.environ, available_cores(), torch.cuda.is_available())
+    return choice.threads or torch.get_num_threads()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
@@ -65,10 +79,15 @@ def main() -> None:
     parser.add_argument("--only", default=",".join(DRAFTERS))
     parser.add_argument("--train-data", default="demo/data/train.regenerated.jsonl.gz")
     args = parser.parse_args()
+    names = args.only.split(",")
+    unknown = [name for name in names if name not in DRAFTERS]
+    if unknown:
+        parser.error(f"--only: unknown drafters {', '.join(unknown)}; known: {', '.join(DRAFTERS)}")
     runs = Path(args.runs).resolve()
+    began = time.perf_counter()
 
     results = {}
-    for name in args.only.split(","):
+    for name in names:
         out = runs / name
         overrides = [DRAFTERS[name][0], f"data.train=[{args.train_data}]", *DRAFTERS[name][1:]]
         train_s = run(["train.py", *overrides, f"train.max_steps={args.steps}", f"output_dir={out}"])
@@ -96,7 +115,8 @@ def main() -> None:
             # target's tokens
             "original_same_output_T0": greedy["baselines"]["all"].get("original", {}).get("same_output"),
         }
-    print(json.dumps({"steps": args.steps, "train_data": args.train_data, "drafters": results}, indent=2))
+    report = {"steps": args.steps, "train_data": args.train_data, "drafters": results}
+    print(json.dumps(report | provenance(training_threads(), began), indent=2))
     print(markdown(results), file=sys.stderr)
 
 

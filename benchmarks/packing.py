@@ -16,7 +16,8 @@ clipping, AdamW.
 Per way it reports real tokens/s (padding not counted), the padding fraction (padding positions /
 all positions of the rows), rows and positions per step and the mean step time, after `--warmup`
 untimed steps; then the speed-up and the largest relative difference between the two losses at any
-step (the same data and initial weights: only float rounding, compounding over the steps).
+step (the same data and initial weights: only float rounding, compounding over the steps); with them the
+machine, threads, versions and wall time (benchmarks/provenance.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import tempfile
 import time
 
 import torch
+from provenance import provenance
 
 
 def bench(recipe: str, steps: int, warmup: int, pack_length: int | None) -> dict:
@@ -141,11 +143,8 @@ def main() -> None:
     results = [bench(recipe, count, args.warmup, args.pack_length) for recipe, count in zip(recipes, steps)]
     summary = {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": args.threads,
-        "torch": torch.__version__,
-        "wall_s": round(time.perf_counter() - start, 1),
         "recipes": results,
+        **provenance(args.threads, start),
     }
     print(json.dumps(summary, indent=2))
 

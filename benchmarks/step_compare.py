@@ -36,13 +36,21 @@ REPO = Path(__file__).resolve().parent.parent
 # The installed package's layout (pyproject.toml [tool.setuptools.package-dir]): folder -> subpackage. The
 # demo bundle (12 MiB) stays out: a --shape run builds its own target, and a device call carries 64 MiB.
 STAGES = ("data_prep", "heads", "trainer", "eval", "export", "monitor", "recipes")
+# The benchmark and the module it imports (commits before the shared provenance fields have no provenance.py)
+SCRIPTS = ("benchmarks/train_throughput.py", "benchmarks/provenance.py")
+
+
+def has_file(commit: str, path: str) -> bool:
+    found = subprocess.run(["git", "-C", str(REPO), "cat-file", "-e", f"{commit}:{path}"], capture_output=True)
+    return found.returncode == 0
 
 
 def make_baseline(commit: str, destination: Path) -> Path:
     """`commit`'s package and throughput benchmark under `destination`, laid out as installed."""
+    scripts = [script for script in SCRIPTS if has_file(commit, script)]
     with tempfile.TemporaryDirectory() as tmp:
         archive = subprocess.run(
-            ["git", "-C", str(REPO), "archive", commit, "draftsmith", *STAGES, "benchmarks/train_throughput.py"],
+            ["git", "-C", str(REPO), "archive", commit, "draftsmith", *STAGES, *scripts],
             capture_output=True,
             check=True,
         ).stdout
@@ -51,7 +59,8 @@ def make_baseline(commit: str, destination: Path) -> Path:
         for stage in STAGES:
             shutil.copytree(Path(tmp) / stage, destination / "draftsmith" / stage)
         (destination / "benchmarks").mkdir()
-        shutil.copy(Path(tmp) / "benchmarks" / "train_throughput.py", destination / "benchmarks")
+        for script in scripts:
+            shutil.copy(Path(tmp) / script, destination / "benchmarks")
     (destination / "COMMIT").write_text(commit + "\n")
     return destination
 
@@ -87,7 +96,7 @@ def summary(kind: str, baseline: list[dict], current: list[dict], commit: str) -
         "losses": {"baseline": baseline[0].get("losses"), "current": current[0].get("losses")},
         "runs_each": len(current),
         "device": current[0].get("device"),
-        "torch_threads": current[0].get("torch_threads"),
+        "threads": current[0].get("threads"),
     }
 
 
@@ -100,6 +109,14 @@ def main() -> None:
     parser.add_argument("--current-extra", default="", help="arguments for this tree's script only, one string")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="-- then train_throughput.py's arguments")
     options = parser.parse_args()
+    if options.rounds < 1:
+        parser.error(f"--rounds {options.rounds}: at least 1 run of each tree")
+    script = options.baseline_dir / "benchmarks" / "train_throughput.py" if options.baseline_dir else None
+    if script and not script.is_file():
+        parser.error(
+            f"--baseline-dir {options.baseline_dir}: no {script.relative_to(options.baseline_dir)} there "
+            "(--make-baseline DIR writes one)"
+        )
     if options.make_baseline:
         print(make_baseline(options.baseline, options.make_baseline))
         return

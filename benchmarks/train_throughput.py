@@ -14,14 +14,14 @@ step's all-reduce, the optimizer and the schedule. After `--warmup` untimed step
 timed (wall clock); the report gives real tokens (padding not counted, as the trainer's
 train/tokens_per_s) per second over the timed steps, per core (torch thread), the median step, the
 per-token loss of every step (same data and seed give the same losses on any code that learns the same
-thing, up to float rounding), the peak RSS of the process, and the machine (CPU model, torch version and
-threads). Then `--profile-steps` more steps run under the trainer's profiler (`train.profile_steps`,
-trainer/observe.py StepProfiler) and the step's parts come from its trace (`trace_parts`): the target's
-forward, the drafter's forward and backward, the optimizer (clipping and step), the rest, and the time
-spent in the vocabulary. The machine may be shared: compare two versions by alternating runs of both and
-taking medians, not by one run each; and with other jobs on the cores, more torch threads than free
-cores make every parallel op wait for a descheduled thread (on a 2-core machine running another job,
---threads 1 was 4x faster than 2).
+thing, up to float rounding), the peak RSS of the process, and where the numbers came from (machine,
+threads, versions, wall time: benchmarks/provenance.py). Then `--profile-steps` more steps run under the
+trainer's profiler (`train.profile_steps`, trainer/observe.py StepProfiler) and the step's parts come from
+its trace (`trace_parts`): the target's forward, the drafter's forward and backward, the optimizer
+(clipping and step), the rest, and the time spent in the vocabulary. The machine may be shared: compare
+two versions by alternating runs of both and taking medians, not by one run each; and with other jobs on
+the cores, more torch threads than free cores make every parallel op wait for a descheduled thread (on a
+2-core machine running another job, --threads 1 was 4x faster than 2).
 
 Real shapes without downloads (issue #37):
 
@@ -42,7 +42,8 @@ the weights' values, with one exception handled here: EAGLE-3 sends only positio
 is in its draft vocabulary through its lm_head, so the target's lm_head rows of the draft vocabulary (the
 ids the synthetic data draws from) are scaled up and its argmax falls there, as on real data (the
 reported `vocab_coverage` says how often). `--layers N` cuts the decoder to N layers (CPU runs of big
-shapes).
+shapes). An option of one mode given to the other (--compile without --shape, --data with it) is refused,
+exit 2: that mode would ignore it.
 """
 
 from __future__ import annotations
@@ -51,30 +52,18 @@ import argparse
 import bisect
 import json
 import os
-import platform
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from provenance import cpu_model, provenance
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = REPO / "demo" / "data" / "train.regenerated.jsonl.gz"
-
-
-def cpu_model() -> str:
-    """The CPU's model name (lscpu), else what platform knows."""
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return platform.processor() or platform.machine()
 
 
 def sync(device: torch.device) -> None:
@@ -507,8 +496,6 @@ def bench_shape(args, kind: str) -> dict:
         "dtype": args.dtype,
         "autocast": "bfloat16" if args.dtype == "bfloat16" else None,
         "compiled": args.compile,
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
         "note": WEIGHTS_NOTE,
     }
     if device.type == "cuda":
@@ -532,26 +519,45 @@ def main_shape(args, output) -> None:
 
     torch.set_num_threads(args.threads)
     for kind in args.kinds.split(","):
-        if kind not in KINDS:
-            sys.exit(f"--kinds: {kind!r} is not one of {', '.join(KINDS)}")
         start = time.perf_counter()
         try:
             result = bench_shape(args, kind)
         except UserError as err:  # an override the kind's recipe does not take, say: bad input, exit 2
             print(f"error: {kind}: {err}", file=sys.stderr)
             sys.exit(2)
-        result["wall_s"] = round(time.perf_counter() - start, 1)
         result["command"] = " ".join([os.path.basename(sys.executable), *sys.argv])
+        result |= provenance(torch.get_num_threads(), start)
         print(json.dumps(result), file=output, flush=True)
+
+
+# Options of one mode -> their defaults (None: the mode decides); given to the other mode, which would ignore them,
+# they are refused.
+SHAPE_ONLY = {
+    "kinds": ",".join(KINDS),
+    "seq": 2048,
+    "batch": 1,
+    "layers": None,
+    "draft_vocab": None,
+    "device": None,
+    "dtype": None,
+    "peak_tflops": None,
+    "compile": False,
+}
+RECIPE_ONLY = {"recipe": "eagle3_smollm2", "data": str(DEFAULT_DATA)}
+MODES = (("shape", SHAPE_ONLY), ("recipe", RECIPE_ONLY))
+
+
+def flags(dests: list[str]) -> str:
+    return ", ".join(f"--{dest.replace('_', '-')}" for dest in dests)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="recipe overrides, KEY=VALUE")
     parser.add_argument("--shape", choices=sorted(SHAPES), help="a named real model's shape, random weights")
-    parser.add_argument("--kinds", default=",".join(KINDS), help="with --shape: eagle3, peagle, dflash")
-    parser.add_argument("--seq", type=int, default=2048, help="with --shape: tokens per row")
-    parser.add_argument("--batch", type=int, default=1, help="with --shape: rows per step")
+    parser.add_argument("--kinds", help="with --shape: eagle3, peagle, dflash (default all three)")
+    parser.add_argument("--seq", type=int, help="with --shape: tokens per row (default 2048)")
+    parser.add_argument("--batch", type=int, help="with --shape: rows per step (default 1)")
     parser.add_argument("--layers", type=int, help="with --shape: decoder layers instead of the shape's")
     parser.add_argument(
         "--draft-vocab", type=int, help="with --shape: EAGLE-3's draft vocabulary (default min(32000, vocab / 2))"
@@ -562,26 +568,36 @@ def main() -> None:
         help="with --shape: where the trainer runs (a check: cuda when there is one)",
     )
     parser.add_argument("--dtype", help="with --shape: the target's dtype (default bfloat16 on cuda, else float32)")
-    parser.add_argument("--peak-tflops", type=float, help="the device's peak TFLOP/s for MFU (989: H100 dense bf16)")
+    parser.add_argument(
+        "--peak-tflops", type=float, help="with --shape: the device's peak TFLOP/s for MFU (989: H100 dense bf16)"
+    )
     parser.add_argument(
         "--compile",
         action="store_true",
         help="with --shape: torch.compile the drafter (nn.Module.compile) before the steps",
     )
-    parser.add_argument("--recipe", default="eagle3_smollm2")
+    parser.add_argument("--recipe", help="without --shape: the recipe trained (default eagle3_smollm2)")
     parser.add_argument(
-        "--data",
-        default=str(DEFAULT_DATA),
-        help="conversations file (data.train); default the bundled regenerated demo data",
+        "--data", help="without --shape: conversations file (data.train); default the bundled regenerated demo data"
     )
     parser.add_argument("--steps", type=int, default=8, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps last, for the step's parts")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     args = parser.parse_args()
-    output = json_output()
     if min(args.steps, args.profile_steps) < 1 or args.warmup < 0:
         parser.error("--steps and --profile-steps must be >= 1, --warmup >= 0")
+    given = {mode: [dest for dest in options if getattr(args, dest) not in (None, False)] for mode, options in MODES}
+    if args.shape and given["recipe"]:
+        parser.error(f"{flags(given['recipe'])}: without --shape only (a shape builds its own target and rows)")
+    if not args.shape and given["shape"]:
+        parser.error(f"{flags(given['shape'])}: with --shape only (without it the recipe's own target trains)")
+    for dest, default in (SHAPE_ONLY if args.shape else RECIPE_ONLY).items():
+        setattr(args, dest, default if getattr(args, dest) is None else getattr(args, dest))
+    unknown = [kind for kind in args.kinds.split(",") if kind not in KINDS] if args.shape else []
+    if unknown:
+        parser.error(f"--kinds: {', '.join(unknown)} not among {', '.join(KINDS)}")
+    output = json_output()
     if args.shape:
         args.dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
         return main_shape(args, output)
@@ -591,15 +607,7 @@ def main() -> None:
     result |= {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "machine": {
-            "cpu": cpu_model(),
-            "processor": platform.processor(),
-            "cpu_count": os.cpu_count(),
-            "platform": platform.platform(),
-        },
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "wall_s": round(time.perf_counter() - start, 1),
+        **provenance(torch.get_num_threads(), start),
     }
     print(json.dumps(result, indent=2), file=output, flush=True)
 

@@ -4,13 +4,19 @@ load_sweep.py resumes a drafter's rows only for the checkpoint its RUN_DIR holds
 one line, exit 2); peer_ablation.py stops in one line when the
 speculators checkpoint it was asked to score is not there. And export/gamma.py's recommended γ names only the
 engines that serve the drafter's chains (an MTP drafter's: vLLM alone; SGLang's export refuses it), and the
-model card lists draftsmith's P(accepted >= k) up to γ as vLLM's."""
+model card lists draftsmith's P(accepted >= k) up to γ as vLLM's. Options a benchmark would ignore or could not
+run are refused before any work (train_throughput.py's of the other mode, drafters.py's unknown names,
+step_compare.py's zero rounds and missing baseline, speculators_cpu.py outside its venv), and every benchmark's
+JSON says where it came from (benchmarks/provenance.py)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import runpy
+import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -206,3 +212,61 @@ def test_standard_protocol_reads_its_paths_from_the_current_directory(tmp_path, 
     result = exits(protocol.main, argv, monkeypatch, capsys)
     assert_one_line_error(result, 2, "--regenerated regenerated: no such folder")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "venv"]  # no runs/
+
+
+def test_train_throughput_refuses_the_options_its_mode_would_ignore(monkeypatch, capsys):
+    """--compile, --seq, ... without --shape were ignored (the JSON said uncompiled); --data with it too."""
+    main = benchmark("train_throughput", monkeypatch).main
+    argv = ["--recipe", "eagle3", "--compile", "--seq", "64", "--kinds", "dflash", "--device", "cuda"]
+    result = exits(main, [*argv, "--peak-tflops", "989"], monkeypatch, capsys)
+    line = "--kinds, --seq, --device, --peak-tflops, --compile: with --shape only"
+    assert_one_line_error(result, 2, line, prefix="script: error: ")
+    result = exits(main, ["--shape", "tiny", "--data", "x.jsonl"], monkeypatch, capsys)
+    assert_one_line_error(result, 2, "--data: without --shape only", prefix="script: error: ")
+    result = exits(main, ["--shape", "tiny", "--kinds", "eagle3,medusa"], monkeypatch, capsys)
+    assert_one_line_error(result, 2, "--kinds: medusa not among eagle3, peagle, dflash", prefix="script: error: ")
+
+
+def test_drafters_refuses_an_unknown_name_before_any_drafter_trains(tmp_path, monkeypatch, capsys):
+    drafters = benchmark("drafters", monkeypatch)
+    argv = ["--only", "medusa,foo", "--runs", str(tmp_path / "runs")]
+    result = exits(drafters.main, argv, monkeypatch, capsys)
+    assert_one_line_error(result, 2, "--only: unknown drafters foo; known: medusa,", prefix="script: error: ")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_step_compare_refuses_zero_rounds_and_a_missing_baseline_before_it_runs(tmp_path, monkeypatch, capsys):
+    main = benchmark("step_compare", monkeypatch).main
+    result = exits(main, ["--rounds", "0", "--", "--shape", "tiny"], monkeypatch, capsys)
+    assert_one_line_error(result, 2, "--rounds 0: at least 1 run of each tree", prefix="script: error: ")
+    missing = tmp_path / "baseline"
+    result = exits(main, ["--baseline-dir", str(missing), "--", "--shape", "tiny"], monkeypatch, capsys)
+    fragment = f"--baseline-dir {missing}: no benchmarks/train_throughput.py there"
+    assert_one_line_error(result, 2, fragment, prefix="script: error: ")
+
+
+def test_speculators_cpu_helps_anywhere_and_names_the_python_to_run_it_with(monkeypatch, capsys):
+    """Outside the speculators venv (this one has no speculators): --help is the script's doc, a run one line."""
+    if importlib.util.find_spec("speculators") is not None:
+        pytest.skip("speculators is installed here")
+    script = str(REPO / "benchmarks" / "speculators_cpu.py")
+    for argv, code in ((["--help"], 0), (["--verifier-name-or-path", "x"], 2)):
+        monkeypatch.setattr(sys, "argv", [script, *argv])
+        with pytest.raises(SystemExit) as ended:
+            runpy.run_path(script, run_name="__main__")
+        assert ended.value.code == code
+    out, err = capsys.readouterr()
+    assert "speculators 0.9.0's trainer on a CPU" in out
+    result = SimpleNamespace(returncode=2, stderr=err)
+    assert_one_line_error(result, 2, "has no speculators: run this with the speculators venv's Python", alone=True)
+
+
+def test_every_benchmarks_json_says_where_its_numbers_came_from(monkeypatch):
+    provenance = benchmark("provenance", monkeypatch).provenance
+    fields = provenance(3, time.perf_counter())
+    assert fields["threads"] == 3 and fields["wall_s"] >= 0
+    assert fields["machine"]["cores"] >= 1 and fields["machine"]["cpu"] and fields["machine"]["platform"]
+    assert fields["versions"]["torch"] == torch.__version__ and fields["versions"]["transformers"]
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0 and Path(importlib.util.find_spec("draftsmith").origin).is_relative_to(REPO):
+        assert fields["versions"]["draftsmith_checkout"]["commit"] == head.stdout.strip()  # an editable install

@@ -9,13 +9,15 @@
 # 4. SmolLM2-135M's shape with 8 rows; 5. Qwen3-0.6B at speculators' workload (3 TTT steps, PR #1111);
 # 6. with BASELINE_DIR carried (`python benchmarks/step_compare.py --make-baseline .gpu/baseline` here), the
 #    SmolLM2 shape against that commit's step, alternating; 7. the rest of the GPU tier, if time is left.
-# Every part's stdout and stderr are kept (/tmp/step_logs, packed into $OUT/step_logs.tar.gz after each part: a
-# call brings back at most 8 files); its summary lines are printed. BUDGET_S (default 540 s from the start) is the
-# whole call's; PART_S the most one part may take. PEAK_TFLOPS (default 989: H100 SXM and H200 dense bf16) gives MFU.
+# Every part's stdout and stderr are kept (a fresh /tmp/step_logs.XXXXXX per run, outside $OUT, packed into
+# $OUT/step_logs.tar.gz after each part: a call brings back at most 8 files); its summary lines are printed.
+# BUDGET_S (default 540 s from the start) is the whole call's; PART_S the most one part may take. PEAK_TFLOPS
+# (default 989: H100 SXM and H200 dense bf16) gives MFU.
 # --dry-run: the same sequence on the CPU, the tiny shape at sequence length 64, the checks only collected.
 cd "$(dirname "$0")/../.." || exit 2
 export DEADLINE=${DEADLINE:-$(( $(date +%s) + ${BUDGET_S:-540} ))}
-OUT=${OUT:-/tmp/step_out} logs=/tmp/step_logs; mkdir -p "$OUT" "$logs"
+OUT=${OUT:-/tmp/step_out}; mkdir -p "$OUT" || exit 2
+logs=$(mktemp -d /tmp/step_logs.XXXXXX) || exit 2  # this run's alone: no earlier run's logs in the tarball
 peak=${PEAK_TFLOPS:-989} baseline=${BASELINE_DIR:-.gpu/baseline}
 if [ "$1" = --dry-run ]; then
   big=tiny:1 small=tiny:2 speculators=tiny:1

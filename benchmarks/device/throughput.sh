@@ -9,12 +9,15 @@
 # COMPILE=1 (default) then runs the first shape once more with the drafter under torch.compile (--compile),
 # EAGLE-3 and DFlash, into ..._compiled.jsonl: whether compiling pays on the GPU (on the CPU it did not:
 # docs/performance.md); COMPILE=only runs just that. Carry the wheels the image lacks (.whl/, setup.sh).
-# --dry-run: the same loop on the CPU with the tiny shape at sequence length 64, to know the script starts.
+# --dry-run: the same loop on the CPU with the tiny shape at sequence length 64, to know the script starts; the
+# compiled row is left out (compiling on the CPU takes minutes, and its few timed steps would be recompiles).
 cd "$(dirname "$0")/../.." || exit 2
 OUT=${OUT:-/tmp/throughput_out}; mkdir -p "$OUT"
 peak=${PEAK_TFLOPS:-989} limit=${SHAPE_S:-150} compile=${COMPILE:-1}
 if [ "$1" = --dry-run ]; then
   shapes=(tiny:1) args=(--device cpu --dtype float32 --seq 64 --steps 2 --warmup 1 --threads 1)
+  [ "$compile" != 0 ] && echo "== compiled row skipped in the dry run (COMPILE=$compile counts on the GPU only)"
+  compile=0
 else
   date; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   [ -d .whl ] && { source benchmarks/device/setup.sh || exit $?; }
