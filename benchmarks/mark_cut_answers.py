@@ -26,7 +26,8 @@ import sys
 from pathlib import Path
 
 from draftsmith.data_prep.conversations import CUT_KEY
-from draftsmith.data_prep.regenerate import MARKS, SETTINGS_NAME, write_part
+from draftsmith.data_prep.local_files import REGENERATE_SETTINGS
+from draftsmith.data_prep.regenerate import MARKS, write_part
 from draftsmith.files import write_text_atomic
 
 MARGIN = 2  # tokens below max_new_tokens that still mark an answer cut (the module docstring)
@@ -35,7 +36,7 @@ MARGIN = 2  # tokens below max_new_tokens that still mark an answer cut (the mod
 def mark_folder(folder: Path) -> dict:
     from transformers import AutoTokenizer
 
-    settings_path = folder / SETTINGS_NAME
+    settings_path = folder / REGENERATE_SETTINGS
     settings = json.loads(settings_path.read_text())
     if settings.get("marks") == MARKS:
         return {"folder": str(folder), "already": True}
@@ -74,8 +75,8 @@ def main() -> None:
     parser.add_argument("folders", nargs="+", type=Path)
     args = parser.parse_args()
     for folder in args.folders:
-        if not (folder / SETTINGS_NAME).is_file():
-            sys.exit(f"error: {folder} holds no {SETTINGS_NAME}: not a regeneration")
+        if not (folder / REGENERATE_SETTINGS).is_file():
+            sys.exit(f"error: {folder} holds no {REGENERATE_SETTINGS}: not a regeneration")
     for folder in args.folders:
         print(json.dumps(mark_folder(folder)), flush=True)
 

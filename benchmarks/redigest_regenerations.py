@@ -35,7 +35,8 @@ from typing import Optional, Union
 from omegaconf import OmegaConf
 
 from draftsmith.data_prep.conversations import load_conversations
-from draftsmith.data_prep.regenerate import SETTINGS_NAME, content_digest, kept_conversations, with_a_turn_to_answer
+from draftsmith.data_prep.local_files import REGENERATE_SETTINGS
+from draftsmith.data_prep.regenerate import content_digest, kept_conversations, with_a_turn_to_answer
 from draftsmith.data_prep.sources import named_file
 from draftsmith.files import write_text_atomic
 
@@ -102,7 +103,7 @@ def read_input(spec: Input, scratch: Path):
 
 
 def redigest(folder: str, scratch: Path) -> dict:
-    spec, path = FOLDERS[folder], DATA / folder / SETTINGS_NAME
+    spec, path = FOLDERS[folder], DATA / folder / REGENERATE_SETTINGS
     settings = json.loads(path.read_text())
     conversations = read_input(spec, scratch)
     reused = load_conversations([str(REPO / source) for source in spec.reuse]) if spec.reuse else None

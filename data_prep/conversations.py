@@ -10,7 +10,6 @@ that any later stage (tokenization, the eval) can point the user at the offendin
 from __future__ import annotations
 
 import contextlib
-import glob
 import gzip
 import hashlib
 import inspect
@@ -22,19 +21,19 @@ from typing import Any, Iterator, Optional
 
 import datasets
 
+from draftsmith.data_prep.local_files import builder, files_matching, files_under, gzipped, suffixes
 from draftsmith.data_prep.sources import is_named, named_file
 from draftsmith.data_prep.turns import CUT_KEY as CUT_KEY  # re-exported: regenerate, monitor, benchmarks read them
 from draftsmith.data_prep.turns import REASONING_KEYS as REASONING_KEYS
 from draftsmith.data_prep.turns import ROLES as ROLES
 from draftsmith.data_prep.turns import TURN_FEATURES, normalize_turn
 from draftsmith.errors import HubUnavailable, UserError, one_line
+from draftsmith.files import file_sha256
 from draftsmith.model_files import endpoint_out_of_reach
 
 logger = logging.getLogger("draftsmith.data")
 
 DEFAULT_DOMAIN = "default"
-# Suffix -> `datasets` builder. Checked with endswith so that `.jsonl.gz` is recognized.
-FILE_BUILDERS = {".jsonl": "json", ".jsonl.gz": "json", ".json": "json", ".json.gz": "json", ".parquet": "parquet"}
 FEATURES = datasets.Features(
     {
         "messages": datasets.List(TURN_FEATURES),
@@ -59,11 +58,11 @@ def load_conversations(
 ) -> datasets.Dataset:
     """Load and validate conversations from every source, in order.
 
-    A source is a local `.jsonl`, `.jsonl.gz`, `.json`, `.json.gz` or `.parquet` file, a glob, a
-    directory (searched recursively for such files), a named standard data set (`named:sharegpt`,
-    `named:mt_bench`: data_prep/sources.py), or a Hub data set id, optionally `id:split` (default
-    split `train`). Each file of a glob or directory counts as its own source: `max_conversations`
-    keeps the first N records of each. Any invalid record raises a UserError naming the source and
+    A source is a local `.jsonl`, `.ndjson`, `.json` (each optionally `.gz`) or `.parquet` file (any case), a
+    glob, a directory (searched recursively for such files; the others are named in a warning), a named
+    standard data set (`named:sharegpt`, `named:mt_bench`: data_prep/sources.py), or a Hub data set id,
+    optionally `id:split` (default split `train`). Each file of a glob or directory counts as its own source:
+    `max_conversations` keeps the first N records of each. Any invalid record raises a UserError naming the source and
     the 1-based record number. `prompts_only` (the eval's prompts) also accepts conversations that end
     with a user turn and have no answer yet. A line that is not valid UTF-8 is a UserError naming the
     file and line, or, with `skip_invalid_utf8` (recipe key data.skip_invalid_utf8), a record skipped
@@ -96,52 +95,18 @@ def _expand(source: str, skip_invalid_utf8: bool = False) -> list[tuple[str, Any
         return [(source, lambda: _load_file(path, skip_invalid_utf8))]
     local = os.path.expanduser(source)
     if any(char in source for char in "*?["):
-        files = [path for path in sorted(glob.glob(local, recursive=True)) if _is_data_file(path)]
-        if not files:
-            raise UserError(f"data source {source!r} matches no {_suffixes()} file")
+        files = files_matching(local, source)
     elif os.path.isdir(local):
-        files = _data_files_under(local, source)
-        if not files:
-            raise UserError(f"data directory {source!r} holds no {_suffixes()} file")
+        files = files_under(local, source)
     elif os.path.isfile(local):
-        if _builder(local) is None:
-            raise UserError(f"data file {source!r} has an unsupported format (expected {_suffixes()})")
+        if builder(local) is None:
+            raise UserError(f"data file {source!r} has an unsupported format (expected {suffixes()})")
         files = [local]
-    elif _builder(source) is not None or source.startswith((".", "/", "~")):
+    elif builder(source) is not None or source.startswith((".", "/", "~")):
         raise UserError(f"data file {source!r} does not exist")
     else:  # not a local path: a Hub data set id, `owner/name[:split]`
         return [(source, lambda: _load_hub(source))]
     return [(path, lambda path=path: _load_file(path, skip_invalid_utf8)) for path in files]
-
-
-def _data_files_under(local: str, source: str) -> list[str]:
-    """The data files anywhere under the folder, sorted. A folder in it that this process may not list is refused:
-    a walk that skipped it would leave its files out of the data without a word (the folder itself: it would say
-    the source holds no data file)."""
-
-    def refuse(err: OSError) -> None:
-        if not isinstance(err, PermissionError):
-            raise err
-        named = source if os.path.samefile(err.filename, local) else err.filename
-        raise UserError(f"cannot read data directory {named!r}: permission denied")
-
-    files = []
-    for root, folders, names in os.walk(local, onerror=refuse):
-        folders.sort()
-        files += [os.path.join(root, name) for name in names if _is_data_file(os.path.join(root, name))]
-    return sorted(files)
-
-
-def _builder(path: str) -> Optional[str]:
-    return next((builder for suffix, builder in FILE_BUILDERS.items() if path.endswith(suffix)), None)
-
-
-def _is_data_file(path: str) -> bool:
-    return _builder(path) is not None and os.path.isfile(path)
-
-
-def _suffixes() -> str:
-    return "/".join(FILE_BUILDERS)
 
 
 def _load_hub(source: str) -> datasets.Dataset:
@@ -190,12 +155,19 @@ def _datasets_offline(offline: bool) -> Iterator[None]:
 
 
 def _load_file(path: str, skip_invalid_utf8: bool = False) -> datasets.Dataset:
-    builder = _builder(path)
+    """The file's records as its builder reads them, known by the file's content. datasets knows a local file by
+    its path and modification time alone (data_files.py, _get_single_origin_metadata), so a file edited with its
+    time kept (cp -p, rsync -a, tar x) would load its old parse, and the normalization and tokenized caches keyed
+    on that fingerprint would follow. Naming the builder config after the bytes' sha256 puts each content in its
+    own cache folder and fingerprint. Cost: the file read once more, 0.65 s per GB on a 2-core AMD EPYC (SHA-NI,
+    page-cached)."""
+    reader = builder(path)
+    content = file_sha256(Path(path))
     try:
         with _quiet_json_builder():
-            dataset = datasets.load_dataset(builder, data_files=path, split="train")
+            dataset = datasets.load_dataset(reader, name=f"sha256-{content}", data_files=path, split="train")
     except Exception as err:  # the builders raise assorted types (ArrowInvalid, StopIteration on empty files, ...)
-        if builder == "json":
+        if reader == "json":
             _diagnose_json(path, skip_invalid_utf8)  # raises the precise, line-numbered error when it finds one
         elif _parquet_rows(path) == 0:  # the parquet builder fails on a file of no rows ("BatchSize must be > 0")
             raise UserError(f"{path} has no records") from None
@@ -232,7 +204,7 @@ def _diagnose_json(path: str, skip_invalid_utf8: bool = False) -> None:
     a line that is not valid UTF-8 (`path:LINE: invalid UTF-8`; skipped with `skip_invalid_utf8` in
     JSON lines), a malformed line (`path:LINE: malformed JSON`), a non-object record, an invalid record
     (e.g. a content of the wrong type, which breaks Arrow's type inference), or no records."""
-    opener = gzip.open if path.endswith(".gz") else open
+    opener = gzip.open if gzipped(path) else open
     try:
         with opener(path, "rb") as handle:
             raw = handle.read()
@@ -288,7 +260,7 @@ def _utf8_problem(err: UnicodeDecodeError, line_start: int = 0) -> str:
 def _invalid_utf8_lines(path: str) -> Iterator[tuple[int, int, UnicodeDecodeError]]:
     """(line number, record number, error) of every line of a JSON-lines file that is not valid UTF-8;
     records are counted over the non-blank lines, as the JSON builder numbers its rows."""
-    opener = gzip.open if path.endswith(".gz") else open
+    opener = gzip.open if gzipped(path) else open
     record = 0
     with opener(path, "rb") as handle:
         for lineno, line in enumerate(handle, 1):
@@ -312,7 +284,7 @@ def _normalize_utf8(
     try:
         return _normalize(dataset, source, prompts_only)
     except UnicodeDecodeError as err:
-        if _builder(source) != "json" or not os.path.isfile(source):
+        if builder(source) != "json" or not os.path.isfile(source):
             raise UserError(f"{source}: a record holds text that is not valid UTF-8 ({_one_line(err)})") from None
         found = _invalid_utf8_lines(source)
         bad = {record: (lineno, error) for lineno, record, error in found if record <= len(dataset)}

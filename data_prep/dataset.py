@@ -317,7 +317,8 @@ def _counted(stats: Mapping[str, int], dataset: datasets.Dataset) -> str:
 def cache_key(
     conversations: datasets.Dataset, tokenizer, max_length: int, overlong: str, thinking: str = "train"
 ) -> str:
-    """sha256 over everything the tokenized data depends on."""
+    """sha256 over everything the tokenized data depends on. The conversations by their fingerprint, which follows
+    a local file's bytes (not its modification time: conversations._load_file) and a Hub data set's revision."""
     parts = {
         "conversations": conversations._fingerprint,
         "tokenizer": tokenizer_identity(tokenizer),

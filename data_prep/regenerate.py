@@ -61,6 +61,7 @@ from tqdm.auto import tqdm
 from draftsmith.data_prep.answer_engines import Answer, answer_engine, vllm_dtype
 from draftsmith.data_prep.conversations import CUT_KEY, answered_turns, load_conversations
 from draftsmith.data_prep.dataset import require_context
+from draftsmith.data_prep.local_files import REGENERATE_SETTINGS
 from draftsmith.data_prep.regenerate_turns import left_out_line, prompt_key, regenerate_batch, without_nulls
 from draftsmith.errors import UserError
 from draftsmith.files import read_json, replacing, require_same_settings, write_text_atomic
@@ -69,7 +70,6 @@ from draftsmith.recipe import load_recipe
 from draftsmith.sharding import end_process_group
 from draftsmith.target import load_tokenizer
 
-SETTINGS_NAME = "regenerate.settings"  # not a data suffix: a directory source skips it
 # The settings that decide a turn's answer: a reused regeneration must have made its answers with these.
 ANSWER_SETTINGS = ("target", "revision", "engine", "max_new_tokens", "temperature", "top_p", "vllm_dtype")
 # What the parts' turns mark: an answer cut at max_new_tokens carries "cut": true. A regeneration made before
@@ -166,7 +166,7 @@ def regenerate(cfg: DictConfig, target=None, tokenizer=None) -> RegenerateResult
     settings["reuse"] = None if reused is None else content_digest(reused)  # the answers by their content
     # Without a GPU, accelerate forms a (gloo) process group only when told the run is on CPU.
     state = PartialState(cpu=not torch.cuda.is_available())
-    started = not (directory / SETTINGS_NAME).is_file()
+    started = not (directory / REGENERATE_SETTINGS).is_file()
     with held_by_main_process(
         directory, state, check=lambda: claim_directory(directory, settings), key="data.regenerate.output"
     ):
@@ -176,7 +176,7 @@ def regenerate(cfg: DictConfig, target=None, tokenizer=None) -> RegenerateResult
             # Refused before any part was written: no settings left behind either, which would name data the
             # user is about to fix and refuse the next run over it
             if started and state.is_main_process and not any(directory.glob("part-*.jsonl.gz")):
-                (directory / SETTINGS_NAME).unlink(missing_ok=True)
+                (directory / REGENERATE_SETTINGS).unlink(missing_ok=True)
             raise
     result.excluded, result.short = excluded, short
     return result
@@ -216,9 +216,11 @@ def first_user_turn(messages: list[dict]) -> Optional[str]:
 def check_reusable(directories, settings: dict[str, Any]) -> None:
     """Each reused directory is a regeneration whose answers were made as this run's would be."""
     for directory in map(Path, directories):
-        path = directory / SETTINGS_NAME
+        path = directory / REGENERATE_SETTINGS
         if not path.is_file():
-            raise UserError(f"data.regenerate.reuse: {directory} holds no {SETTINGS_NAME}, so no regeneration to reuse")
+            raise UserError(
+                f"data.regenerate.reuse: {directory} holds no {REGENERATE_SETTINGS}, so no regeneration to reuse"
+            )
         saved = read_json(path, "regeneration record", "leave it out of data.regenerate.reuse")
         require_marks(saved, directory, "leave it out of data.regenerate.reuse")
         require_same_settings(
@@ -346,7 +348,7 @@ def require_marks(saved: dict[str, Any], directory: Path, advice: str) -> None:
 
 def claim_directory(directory: Path, settings: dict[str, Any]) -> None:
     """Start a new output directory, or resume one made with the same settings; drop partial parts."""
-    path = directory / SETTINGS_NAME
+    path = directory / REGENERATE_SETTINGS
     if path.is_file():
         saved = read_json(path, "regeneration record", "use another data.regenerate.output or delete it")
         require_marks(saved, directory, "use another data.regenerate.output or delete it")
@@ -355,7 +357,8 @@ def claim_directory(directory: Path, settings: dict[str, Any]) -> None:
         )
     elif any(directory.glob("part-*")):
         raise UserError(
-            f"{directory} holds part files but no {SETTINGS_NAME}; use another data.regenerate.output or delete it"
+            f"{directory} holds part files but no {REGENERATE_SETTINGS}; use another data.regenerate.output or "
+            "delete it"
         )
     else:
         write_text_atomic(path, json.dumps(settings, indent=2) + "\n")

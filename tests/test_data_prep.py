@@ -769,9 +769,10 @@ def test_opening_assistant_turns_through_regenerate_and_train(tmp_path, token_ca
     done = run_entry_in_process(["-m", "data_prep.regenerate", *args], capsys)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (
-        f"2 conversations in {tmp_path / 'out'} (2 generated now, 0 of them cut short at a prompt of "
-        "data.max_length=64 tokens or more, 0 at an empty answer; 1 left out, ended before min_turns=1 answers: 1 at "
-        "a prompt of data.max_length=64 tokens or more; 0 answers taken" in done.stdout
+        f"2 conversations in {tmp_path / 'out'} and 1 left out, every run's parts counted (2 generated now, 0 of "
+        "them cut short at a prompt of data.max_length=64 tokens or more, 0 at an empty answer; of those taken up now, "
+        "1 left out, ended before min_turns=1 answers: 1 at a prompt of data.max_length=64 tokens or more; 0 answers "
+        "taken" in done.stdout
     )
     written = [json.loads(line) for line in gzip.open(tmp_path / "out" / "part-00000.jsonl.gz", "rt")]
     assert [record["messages"][:2] for record in written] == [[GREETING, USER]] * 2  # no `"thinking": null`
@@ -1161,3 +1162,52 @@ def test_a_regenerated_turn_that_called_tools_ends_its_conversation_without_the_
     written = [json.loads(line) for line in gzip.open(tmp_path / "out" / "part-00000.jsonl.gz", "rt")]
     assert [[m["role"] for m in record["messages"]] for record in written] == [["system", "user", "assistant"]]
     assert "tool_calls" not in written[0]["messages"][2] and written[0]["messages"][2]["content"]
+
+
+def test_a_file_edited_with_its_time_kept_is_read_and_tokenized_again(tmp_path, reference_tokenizer, caplog):
+    """datasets knew a local file by its path and modification time: a file edited with its time put back (cp -p,
+    rsync -a, tar x) loaded its old parse, and train read the old tokenized data ("loaded 2 conversations from the
+    tokenized cache"). A file is known by its bytes."""
+    path = write_jsonl(tmp_path / "chats.jsonl", [GOOD, GOOD])
+    times = (path.stat().st_atime_ns, path.stat().st_mtime_ns)
+    cache = str(tmp_path / "cache")
+    caplog.set_level("INFO", logger="draftsmith.data")
+    first = tokenize_conversations(load_conversations([str(path)]), reference_tokenizer, 64, cache_dir=cache)
+    path.write_text(path.read_text().replace("Hello!", "Howdy!"))  # the same size, as sed -i makes it
+    os.utime(path, ns=times)
+    caplog.clear()
+    edited = load_conversations([str(path)])
+    assert [messages[1]["content"] for messages in edited["messages"]] == ["Howdy!", "Howdy!"]
+    again = tokenize_conversations(edited, reference_tokenizer, 64, cache_dir=cache)
+    assert any(record.getMessage().startswith("tokenized 2 conversations") for record in caplog.records)
+    assert not any("from the tokenized cache" in record.getMessage() for record in caplog.records)
+    assert again["input_ids"] != first["input_ids"]
+    assert again["input_ids"][0] == render_with_masks(reference_tokenizer, edited[0]["messages"])[0]
+
+
+def test_a_folders_files_not_read_are_named_and_suffixes_match_in_any_case(tmp_path, caplog):
+    """A folder's files of other suffixes were left out without a word (`UPPER.JSONL`, `more.ndjson` among them,
+    which datasets reads); they are read now, and the files not read are named in one warning, as a file named
+    directly with their suffix is refused. A regeneration's settings file is draftsmith's own, not named."""
+    folder = tmp_path / "folder"
+    (folder / "sub").mkdir(parents=True)
+    write_jsonl(folder / "a.jsonl.gz", [GOOD], gzip.open)
+    write_jsonl(folder / "Y.JSON.GZ", [GOOD], gzip.open)
+    write_jsonl(folder / "more.ndjson", [GOOD])
+    write_jsonl(folder / "UPPER.JSONL", [GOOD])
+    (folder / "sub" / "x.jsonl.bz2").write_bytes(b"BZh9")
+    (folder / "README.txt").write_text("not data")
+    (folder / "regenerate.settings").write_text("{}")
+    with caplog.at_level("WARNING", logger="draftsmith.data"):
+        loaded = load_conversations([str(folder)])
+    assert sorted(set(loaded["source"])) == sorted(
+        str(folder / name) for name in ("a.jsonl.gz", "Y.JSON.GZ", "more.ndjson", "UPPER.JSONL")
+    )
+    warnings = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert warnings == [
+        f"data directory {str(folder)!r}: 2 file(s) not read, their suffix not "
+        ".jsonl/.jsonl.gz/.ndjson/.ndjson.gz/.json/.json.gz/.parquet: README.txt, sub/x.jsonl.bz2"
+    ]
+    with pytest.raises(UserError, match=r"x\.jsonl\.bz2' has an unsupported format \(expected \.jsonl/"):
+        load_conversations([str(folder / "sub" / "x.jsonl.bz2")])
+    assert len(load_conversations([str(folder / "UPPER.JSONL")])) == 1

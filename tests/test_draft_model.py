@@ -316,7 +316,8 @@ class CountingTarget:
 
 def test_regeneration_resumes_without_redoing_finished_conversations(tmp_path, small_data):
     from draftsmith.data_prep import load_conversations
-    from draftsmith.data_prep.regenerate import SETTINGS_NAME, regenerate
+    from draftsmith.data_prep.local_files import REGENERATE_SETTINGS
+    from draftsmith.data_prep.regenerate import regenerate
     from draftsmith.target import load_tokenizer
 
     def recipe(output, *extra):
@@ -358,7 +359,7 @@ def test_regeneration_resumes_without_redoing_finished_conversations(tmp_path, s
         m["content"] != o["content"] for r, row in zip(out, original) for m, o in zip(r["messages"], row["messages"])
     )
 
-    assert (tmp_path / "resumed" / SETTINGS_NAME).is_file()
+    assert (tmp_path / "resumed" / REGENERATE_SETTINGS).is_file()
     with pytest.raises(UserError, match="other settings.*max_new_tokens"):
         regenerate(recipe(tmp_path / "resumed", "data.regenerate.max_new_tokens=4"), model, tokenizer)
 
@@ -471,7 +472,8 @@ def test_later_turns_reuse_the_first_answers_resume_and_keep_held_out_prompts_ou
     and the one-turn one are not regenerated; a killed run resumes; the settings know the data and the reused
     answers by content."""
     from draftsmith.data_prep import load_conversations, render_prompt
-    from draftsmith.data_prep.regenerate import SETTINGS_NAME, check_reusable, regenerate
+    from draftsmith.data_prep.local_files import REGENERATE_SETTINGS
+    from draftsmith.data_prep.regenerate import check_reusable, regenerate
     from draftsmith.target import load_tokenizer
 
     two_turns = [exchange(f"Name a number above {i}.", "5", "And one below it?", "4") for i in range(5)]
@@ -510,7 +512,7 @@ def test_later_turns_reuse_the_first_answers_resume_and_keep_held_out_prompts_ou
         for question in ("Name a number above 2.", "Name a number above 3.")
     ]
 
-    settings = json.loads((tmp_path / "later" / SETTINGS_NAME).read_text())
+    settings = json.loads((tmp_path / "later" / REGENERATE_SETTINGS).read_text())
     assert settings["min_turns"] == 2 and settings["reuse"] not in (None, [str(tmp_path / "first")])
     with pytest.raises(UserError, match=r"other settings \(data: '\w+' -> '\w+'\)"):  # the held-out one would mix in
         regenerate(recipe("later", *later[:1], "data.regenerate.min_turns=2"), model, tokenizer)
@@ -518,7 +520,7 @@ def test_later_turns_reuse_the_first_answers_resume_and_keep_held_out_prompts_ou
         check_reusable([tmp_path / "first"], {**settings, "max_new_tokens": 4})
     # a regeneration made before answers cut at max_new_tokens were marked: its cut answers would read as finished
     made_before = {key: value for key, value in settings.items() if key != "marks"}
-    (tmp_path / "later" / SETTINGS_NAME).write_text(json.dumps(made_before))
+    (tmp_path / "later" / REGENERATE_SETTINGS).write_text(json.dumps(made_before))
     with pytest.raises(UserError, match="later was regenerated before draftsmith marked answers cut at"):
         regenerate(recipe("later", *later), model, tokenizer)
     with pytest.raises(UserError, match="leave it out of data.regenerate.reuse, and regenerate"):
@@ -596,11 +598,12 @@ def test_an_answer_cut_at_max_new_tokens_is_marked_and_its_end_of_turn_is_not_tr
 
     # the same folder as a regeneration made before the marks: benchmarks/mark_cut_answers.py infers them from the
     # answers' lengths (at least max_new_tokens - 2 tokens), and regenerate then resumes it (nothing left to answer)
-    from draftsmith.data_prep.regenerate import SETTINGS_NAME, write_part
+    from draftsmith.data_prep.local_files import REGENERATE_SETTINGS
+    from draftsmith.data_prep.regenerate import write_part
     from tests.helpers import run_entry_in_process
 
-    settings = json.loads((tmp_path / "out" / SETTINGS_NAME).read_text())
-    (tmp_path / "out" / SETTINGS_NAME).write_text(json.dumps({k: v for k, v in settings.items() if k != "marks"}))
+    settings = json.loads((tmp_path / "out" / REGENERATE_SETTINGS).read_text())
+    (tmp_path / "out" / REGENERATE_SETTINGS).write_text(json.dumps({k: v for k, v in settings.items() if k != "marks"}))
     unmarked = [{**r, "messages": [{k: v for k, v in m.items() if k != "cut"} for m in r["messages"]]} for r in written]
     write_part(tmp_path / "out" / "part-00000.jsonl.gz", unmarked)
     with pytest.raises(UserError, match="was regenerated before draftsmith marked answers cut"):
@@ -608,7 +611,7 @@ def test_an_answer_cut_at_max_new_tokens_is_marked_and_its_end_of_turn_is_not_tr
     done = run_entry_in_process(["benchmarks/mark_cut_answers.py", str(tmp_path / "out")], capsys)
     assert done.returncode == 0 and json.loads(done.stdout)["marked"] == 1, done.stderr[-2000:]
     assert [json.loads(line) for line in gzip.open(tmp_path / "out" / "part-00000.jsonl.gz", "rt")] == written
-    assert json.loads((tmp_path / "out" / SETTINGS_NAME).read_text()) == settings
+    assert json.loads((tmp_path / "out" / REGENERATE_SETTINGS).read_text()) == settings
     assert regenerate(cfg, model, tokenizer).generated == 0
 
 

@@ -146,7 +146,8 @@ def test_mt_bench_is_an_eval_set_of_first_turns_by_category(packages):
 def test_prompt_sets_are_eval_sets_and_the_target_answers_them_into_training_data(packages, tmp_path):
     """Arena-Hard's prompts by subcategory and IFEval's: prompts only, nothing to train on as they are;
     data_prep.regenerate answers each with the target (a turn appended after the prompt), content-addressed."""
-    from draftsmith.data_prep.regenerate import SETTINGS_NAME, regenerate
+    from draftsmith.data_prep.local_files import REGENERATE_SETTINGS
+    from draftsmith.data_prep.regenerate import regenerate
     from draftsmith.recipe import load_recipe
     from draftsmith.target import load_target
 
@@ -168,7 +169,7 @@ def test_prompt_sets_are_eval_sets_and_the_target_answers_them_into_training_dat
         "Name three rivers in capitals.",
     ]
     assert all(row["messages"][1]["content"].strip() and row["domain"] == "ifeval" for row in answered)
-    assert json.loads((tmp_path / "regenerated" / SETTINGS_NAME).read_text())["data"]  # known by content
+    assert json.loads((tmp_path / "regenerated" / REGENERATE_SETTINGS).read_text())["data"]  # known by content
 
 
 def test_a_missing_package_or_unknown_name_is_one_line(tmp_path, monkeypatch):

@@ -1,0 +1,90 @@
+"""The local files a data source names, and the `datasets` builder that reads each: a file, a glob, or a folder
+searched recursively. The files a glob or folder holds that are not read are named in one warning, as a file
+named directly with their suffix is refused (data_prep/conversations.py)."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from typing import Optional
+
+from draftsmith.errors import UserError
+
+logger = logging.getLogger("draftsmith.data")
+
+# Suffix -> `datasets` builder. Checked with endswith so that `.jsonl.gz` is recognized, and on the lower-cased
+# name: the builders read `UPPER.JSONL`, `.ndjson` (JSON lines by another name) and `X.JSON.GZ` alike (the JSON
+# builder takes JSON lines or one array whatever the name, and finds gzip by its bytes).
+FILE_BUILDERS = {
+    ".jsonl": "json",
+    ".jsonl.gz": "json",
+    ".ndjson": "json",
+    ".ndjson.gz": "json",
+    ".json": "json",
+    ".json.gz": "json",
+    ".parquet": "parquet",
+}
+# What a regeneration records beside its part files (data_prep/regenerate.py): not a data suffix, and a folder
+# source skips it without naming it
+REGENERATE_SETTINGS = "regenerate.settings"
+OWN_RECORD_NAMES = frozenset({REGENERATE_SETTINGS})
+
+
+def builder(path: str) -> Optional[str]:
+    """The `datasets` builder that reads the file, by its suffix; None for a suffix draftsmith does not read."""
+    name = path.lower()
+    return next((reader for suffix, reader in FILE_BUILDERS.items() if name.endswith(suffix)), None)
+
+
+def gzipped(path: str) -> bool:
+    return path.lower().endswith(".gz")
+
+
+def suffixes() -> str:
+    return "/".join(FILE_BUILDERS)
+
+
+def files_matching(pattern: str, source: str) -> list[str]:
+    """The data files the glob matches, sorted (recursive `**`); refused where it matches none."""
+    matched = [path for path in sorted(glob.glob(pattern, recursive=True)) if os.path.isfile(path)]
+    files = [path for path in matched if builder(path) is not None]
+    _warn_not_read(f"data source {source!r}", [path for path in matched if path not in files])
+    if not files:
+        raise UserError(f"data source {source!r} matches no {suffixes()} file")
+    return files
+
+
+def files_under(local: str, source: str) -> list[str]:
+    """The data files anywhere under the folder, sorted; refused where it holds none. A folder in it that this
+    process may not list is refused: a walk that skipped it would leave its files out of the data without a word
+    (the folder itself: it would say the source holds no data file)."""
+
+    def refuse(err: OSError) -> None:
+        if not isinstance(err, PermissionError):
+            raise err
+        named = source if os.path.samefile(err.filename, local) else err.filename
+        raise UserError(f"cannot read data directory {named!r}: permission denied")
+
+    files, others = [], []
+    for root, folders, names in os.walk(local, onerror=refuse):
+        folders.sort()
+        for path in (os.path.join(root, name) for name in names if os.path.isfile(os.path.join(root, name))):
+            (files if builder(path) is not None else others).append(path)
+    _warn_not_read(f"data directory {source!r}", others, local)
+    if not files:
+        raise UserError(f"data directory {source!r} holds no {suffixes()} file")
+    return sorted(files)
+
+
+def _warn_not_read(what: str, paths: list[str], folder: Optional[str] = None) -> None:
+    """One warning naming the files a folder or glob holds that are not read (the first ten; relative to the
+    folder), so that data under a suffix draftsmith does not read is not left out without a word."""
+    names = [
+        os.path.relpath(path, folder) if folder else path
+        for path in sorted(paths)
+        if os.path.basename(path) not in OWN_RECORD_NAMES
+    ]
+    if names:
+        shown = ", ".join(names[:10]) + (", ..." if len(names) > 10 else "")
+        logger.warning("%s: %d file(s) not read, their suffix not %s: %s", what, len(names), suffixes(), shown)
