@@ -52,8 +52,8 @@ def require_served_names(cfg: DictConfig, kind: str) -> None:
             "load a Hub repo's root only: export without export.push, then push each subfolder to a repo of its "
             "own (`hf upload ORG/NAME FOLDER`) and serve those ids"
         )
-    if "vllm" in cfg.export.engines:
-        check_vllm_repo_id(repo_id_for(cfg, "vllm"), exporter_for(kind).vllm_method, drafter_class(kind).TITLE)
+    if "vllm" in cfg.export.engines and exporter_for(kind).vllm_method_from_name:
+        check_vllm_repo_id(repo_id_for(cfg, "vllm"), drafter_class(kind).TITLE)
 
 
 def claim_hub_repos(cfg: DictConfig, digest: str) -> None:

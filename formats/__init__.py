@@ -45,6 +45,9 @@ class Exporter:
     vllm_formats: ClassVar[tuple[str, ...]] = ("speculators",)  # export.vllm_format values it writes
     weights_dirs: ClassVar[tuple[str, ...]] = ()  # subfolders of an engine folder that hold its drafter
     vllm_method: ClassVar[str]  # vLLM's speculative method for these kinds' folders
+    # whether vLLM 0.32 may read another method than vllm_method from the served path or repo id (it picks the method
+    # from a name holding another's keyword, formats/repo.py VLLM_PATH_TRIGGERS, but for the methods it keeps)
+    vllm_method_from_name: ClassVar[bool] = False
     vllm_releases: ClassVar[Releases] = Releases()  # the vLLM releases that serve it (formats/versions.py)
 
     def check_engines(self, kind: str, engines: list[str], vllm_format: str) -> None:

@@ -71,6 +71,7 @@ def engine_tensors(source: Source, config: dict[str, Any]) -> dict[str, torch.Te
 class DraftModelExporter(Exporter):
     kinds = ("draft_model",)
     vllm_method = "draft_model"
+    vllm_method_from_name = True
 
     def refuse(self, engine: str, drafter, target: TargetInfo, vllm_format: str = "speculators") -> None:
         super().refuse(engine, drafter, target, vllm_format)

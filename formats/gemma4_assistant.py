@@ -45,6 +45,7 @@ def released_tensors(assistant) -> dict[str, torch.Tensor]:
 class AssistantExporter(Exporter):
     kinds = (Gemma4Assistant.type,)
     vllm_method = "mtp"
+    vllm_method_from_name = True
     sglang_reason = "draftsmith has not verified SGLang's loader for Gemma-4's assistant; export for vllm"
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:

@@ -33,6 +33,7 @@ from draftsmith.target import loaded_config
 class MtpExporter(Exporter):
     kinds = ("mtp",)
     vllm_method = "mtp"
+    vllm_method_from_name = True
     sglang_reason = "draftsmith has not verified SGLang's MTP (NEXTN) loader; export for vllm"
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:

@@ -145,9 +145,9 @@ def copy_tokenizer(target: TargetInfo, destination: Path) -> None:
 
 # vLLM 0.32 picks the speculative method from the draft's path when the path contains one of these
 # (config/speculative.py), even if another method was asked for: a folder of another method under
-# such a path would be served as the path's. It keeps the methods of VLLM_NAMED_METHODS whatever the path.
+# such a path would be served as the path's (the exporters whose method it may so replace say
+# Exporter.vllm_method_from_name).
 VLLM_PATH_TRIGGERS = ("eagle-", "eagle3", "dflash", "dspark")
-VLLM_NAMED_METHODS = ("eagle", "eagle3", "dflash", "dspark")
 TRIGGER_WORDS = ", ".join(map(repr, VLLM_PATH_TRIGGERS[:-1])) + f" or {VLLM_PATH_TRIGGERS[-1]!r}"
 
 
@@ -165,9 +165,9 @@ def check_vllm_path(directory: Path, kind: str) -> None:
         )
 
 
-def check_vllm_repo_id(repo_id: str, method: str, kind: str) -> None:
+def check_vllm_repo_id(repo_id: str, kind: str) -> None:
     """A pushed folder is served by its repo id, from which vLLM picks the method as from a local path."""
-    found = vllm_path_trigger(repo_id) if method not in VLLM_NAMED_METHODS else None
+    found = vllm_path_trigger(repo_id)
     if found:
         raise UserError(
             f"export.push.repo_id={repo_id} contains {found!r}: vLLM would serve the {kind} drafter pushed there "
