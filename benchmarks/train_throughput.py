@@ -587,7 +587,10 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.steps, args.profile_steps) < 1 or args.warmup < 0:
         parser.error("--steps and --profile-steps must be >= 1, --warmup >= 0")
-    given = {mode: [dest for dest in options if getattr(args, dest) not in (None, False)] for mode, options in MODES}
+    given = {  # a flag's value given (0 too, which `not in (None, False)` would take for unset: 0 == False)
+        mode: [dest for dest in options if getattr(args, dest) is not None and getattr(args, dest) is not False]
+        for mode, options in MODES
+    }
     if args.shape and given["recipe"]:
         parser.error(f"{flags(given['recipe'])}: without --shape only (a shape builds its own target and rows)")
     if not args.shape and given["shape"]:

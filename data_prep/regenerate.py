@@ -91,7 +91,8 @@ class RegenerateResult:
     reused: int = 0  # answers taken from an earlier regeneration (data.regenerate.reuse), not asked of the engine
     cut_answers: int = 0  # answers in the conversations written now that the target had not ended at max_new_tokens
     # the output's totals over every run's parts (a resumed run's own counts are only what it did):
-    left_out_in_all: int = 0  # conversations of the finished parts' batches that no part holds
+    # rows (a conversation per data.regenerate.samples) of the finished parts' batches that no part holds
+    left_out_in_all: int = 0
     cut_answers_in_all: int = 0  # answers in the written conversations cut at max_new_tokens
     excluded: int = 0  # data.train conversations not regenerated: a held-out first prompt (data.regenerate.exclude)
     short: int = 0  # data.train conversations not regenerated: fewer than data.regenerate.min_turns assistant turns

@@ -158,10 +158,13 @@ def run_cli(main: Callable[[Sequence[str]], object], argv: Sequence[str] | None 
     sys.exit(_run(main, argv))
 
 
-def _run(main: Callable[[Sequence[str]], object], argv: list[str]) -> int:
+def _run(main: Callable[[Sequence[str]], object], argv: list[str]) -> int | str | None:
     try:
         main(argv)
         _command_over()
+    except SystemExit as stop:  # a command that states its own code (`monitor check`'s 10-13)
+        _command_over()
+        return stop.code
     except KeyboardInterrupt as err:
         _command_over()
         close_progress_bars()  # the line of its own, not the tail of a progress bar's

@@ -204,6 +204,9 @@ class EvalSection:
     # decode with vLLM's suffix decoding too (arctic-inference's trees, the strongest free baseline): unset =
     # where arctic-inference is installed (the report says when it was not), true = required, false = never
     suffix_baseline: Optional[bool] = None
+    # count the prompts data.train answers (report.json's prompts_in_train): reads data.train, which a monitor's
+    # replay of its traffic sample, every check, leaves out
+    prompts_in_train: bool = True
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 0  # sampling seed (temperature > 0)
     # Prompts decoded together (one target forward per cycle for the batch); each row is still checked

@@ -166,7 +166,8 @@ def _run_eval(cfg: DictConfig, out_dir: Path, checkpoint: Optional[str | Path], 
     methods = build_methods(cfg, drafter, target, verifier, sampling.temperature)
     chosen = prompt_conversations(sources, int(cfg.eval.max_prompts), cfg.data.skip_invalid_utf8, per_file)
     prompts = render_prompts(chosen, tokenizer, prompt_length)
-    in_train = prompts_in_train(chosen, cfg)  # τ on prompts the drafter trained on an answer to is no forecast
+    # τ on prompts the drafter trained on an answer to is no forecast
+    in_train = prompts_in_train(chosen, cfg) if cfg.eval.prompts_in_train else None
     eos_ids = eos_ids_of(target, tokenizer)
     max_new_tokens, greedy = int(cfg.eval.max_new_tokens), sampling.temperature <= 0
 

@@ -68,10 +68,9 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
         exporter_for(kind).check_engines(
             kind, list(cfg.export.engines), cfg.export.vllm_format
         )  # before the target loads
-        if cfg.export.push.repo_id:
-            from draftsmith.export.push import require_served_names
+        from draftsmith.export.push import require_served_names
 
-            require_served_names(cfg, kind)
+        require_served_names(cfg, kind)
         if "vllm" in cfg.export.engines and cfg.export.vllm_python:  # a release without the method: refused now
             exporter = exporter_for(kind)
             require_vllm_serves(exporter.vllm_method, exporter.vllm_releases, cfg.export.vllm_python)
@@ -248,7 +247,8 @@ def keep_checked_export(cfg: DictConfig, output: Path, digest: str) -> None:
     if "vllm" not in cfg.export.engines or cfg.export.vllm_python or cfg.export.overwrite or not info_path.is_file():
         return
     info = read_json(info_path, "export record")
-    if isinstance(info, dict) and info.get("verified") and info.get("source", {}).get("sha256") == digest:
+    source = info.get("source") if isinstance(info, dict) else None
+    if info.get("verified") and isinstance(source, dict) and source.get("sha256") == digest:
         raise UserError(
             f"{output / 'vllm'} holds this checkpoint's export checked in vLLM {info['verified'].get('engine_version')}"
             ", and this run does not check (export.vllm_python is unset): set export.vllm_python, or "

@@ -380,6 +380,7 @@ def measure_traffic(
             "eval.data": [str(conversations)],
             "eval.max_prompts": cfg.monitor.sample_per_domain,
             "eval.tree": 0,  # the chain's acceptance is what a check reads; the free baselines beside it
+            "eval.prompts_in_train": False,  # data.train is not read again on every check
             "output_dir": str(check_dir),
         },
         "eval",

@@ -101,9 +101,9 @@ def split_held_out(requests: list[dict[str, Any]]) -> Optional[tuple[list[dict[s
     prompts) are kept or held out together, else the regenerated answers trained on would hold the held-out
     prompts' own and the gate would judge on what the drafter trained on. The HELD_OUT share of the requests, in
     each domain's conversations with the lowest hashes of their openings, the others kept; at least one
-    conversation each way (a share of a
-    few requests by hash alone may hold none out, and the evaluate step would then fail on every check); the same
-    requests give the same split. None where all open alike: nothing can be held out."""
+    conversation each way (a share of a few requests by hash alone may hold none out, and the evaluate step would
+    then fail on every check); the same requests give the same split. None where all open alike: nothing can be
+    held out."""
 
     def opening(request: dict[str, Any]) -> bytes:
         messages = request["messages"]

@@ -225,21 +225,25 @@ def test_a_sigterm_after_the_command_decided_its_code_keeps_that_code():
     """The interpreter's shutdown after a command (thread joins, atexit: up to a second after `monitor check`'s
     line) ran with SIGTERM's default action put back: a SIGTERM then ended the process as 143, and a scheduler
     lost the command's code (a promotion's 12). A real process whose shutdown waits for the signal."""
-    program = (
-        "import atexit, sys, time\n"
-        "from draftsmith.errors import UserError, run_cli\n"
-        "atexit.register(lambda: (print('shutting down', flush=True), time.sleep(5)))\n"
-        "def main(argv):\n"
-        "    raise UserError('the decided line')\n"
-        "run_cli(main, [])\n"
-    )
-    process = subprocess.Popen(
-        [sys.executable, "-c", program], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    assert process.stdout.readline() == "shutting down\n"
-    process.send_signal(signal.SIGTERM)
-    out, err = process.communicate(timeout=60)
-    assert process.returncode == errors.EXIT_USER_ERROR and err.strip() == "error: the decided line"
+    for ending, code, said in (
+        ("raise UserError('the decided line')", errors.EXIT_USER_ERROR, "error: the decided line"),
+        ("sys.exit(12)", 12, ""),  # a command that states its own code, as `monitor check` does
+    ):
+        program = (
+            "import atexit, sys, time\n"
+            "from draftsmith.errors import UserError, run_cli\n"
+            "atexit.register(lambda: (print('shutting down', flush=True), time.sleep(5)))\n"
+            "def main(argv):\n"
+            f"    {ending}\n"
+            "run_cli(main, [])\n"
+        )
+        process = subprocess.Popen(
+            [sys.executable, "-c", program], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        assert process.stdout.readline() == "shutting down\n"
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=60)
+        assert process.returncode == code and err.strip() == said, err
 
 
 def test_a_diverged_training_run_exits_4(tmp_path, small_data, token_cache, capsys):
