@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from draftsmith.errors import UserError
-from draftsmith.formats.repo import EngineRepo, TargetInfo
+from draftsmith.formats.repo import EngineRepo, TargetInfo, check_vllm_path
 from draftsmith.formats.versions import Releases
 from draftsmith.heads import Drafter
 
@@ -46,7 +46,8 @@ class Exporter:
     weights_dirs: ClassVar[tuple[str, ...]] = ()  # subfolders of an engine folder that hold its drafter
     vllm_method: ClassVar[str]  # vLLM's speculative method for these kinds' folders
     # whether vLLM 0.32 may read another method than vllm_method from the served path or repo id (it picks the method
-    # from a name holding another's keyword, formats/repo.py VLLM_PATH_TRIGGERS, but for the methods it keeps)
+    # from a name holding another's keyword, formats/repo.py VLLM_PATH_TRIGGERS, but for the methods it keeps): the
+    # export then refuses such an export.output (build) and export.push.repo_id (export/push.py)
     vllm_method_from_name: ClassVar[bool] = False
     vllm_releases: ClassVar[Releases] = Releases()  # the vLLM releases that serve it (formats/versions.py)
 
@@ -77,6 +78,8 @@ class Exporter:
 
     def build(self, engine: str, source: Source, gamma: int, output: Path) -> EngineRepo:
         self.refuse(engine, source.drafter, source.target, source.vllm_format)
+        if engine == "vllm" and self.vllm_method_from_name:
+            check_vllm_path(output, source.drafter.TITLE)
         return getattr(self, engine)(source, gamma, output)
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:

@@ -19,7 +19,7 @@ import torch
 
 from draftsmith.errors import UserError
 from draftsmith.formats import Exporter, Source, register
-from draftsmith.formats.repo import VLLM_SERVE, EngineRepo, TargetInfo, check_vllm_path
+from draftsmith.formats.repo import VLLM_SERVE, EngineRepo, TargetInfo
 from draftsmith.heads import drafter_class
 
 SGLANG_SERVE = (
@@ -119,7 +119,6 @@ class DraftModelExporter(Exporter):
         )
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
-        check_vllm_path(output, "draft-model")
         return self.repo(source, "vllm", VLLM_SERVE, "draft_model")
 
     def sglang(self, source: Source, gamma: int, output: Path) -> EngineRepo:

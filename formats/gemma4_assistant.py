@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.formats import Exporter, Source, register
-from draftsmith.formats.repo import VLLM_SERVE, EngineRepo, check_vllm_path
+from draftsmith.formats.repo import VLLM_SERVE, EngineRepo
 from draftsmith.heads.base import WEIGHTS_NAME
 from draftsmith.heads.gemma4_assistant import ASSISTANT_MODEL_TYPE, OWN_TABLE, RELEASED_TABLE, Gemma4Assistant
 
@@ -49,7 +49,6 @@ class AssistantExporter(Exporter):
     sglang_reason = "draftsmith has not verified SGLang's loader for Gemma-4's assistant; export for vllm"
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
-        check_vllm_path(output, "Gemma-4 assistant")
         from transformers import Gemma4AssistantForCausalLM
 
         drafter = source.drafter

@@ -23,7 +23,7 @@ import torch
 
 from draftsmith.errors import UserError
 from draftsmith.formats import Exporter, Source, register
-from draftsmith.formats.repo import VLLM_SERVE, EngineRepo, check_vllm_path, copy_tokenizer
+from draftsmith.formats.repo import VLLM_SERVE, EngineRepo, copy_tokenizer
 from draftsmith.formats.versions import Releases
 from draftsmith.heads import drafter_class
 from draftsmith.heads.lora import ADAPTER_DIR
@@ -76,7 +76,6 @@ class MedusaExporter(Exporter):
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         drafter = source.drafter
-        check_vllm_path(output, "Medusa")  # (γ <= heads is checked for every kind by max_chain)
         config = medusa_config(drafter)
         tensors = {
             name: tensor for name, tensor in drafter.state_dict().items() if name.startswith(("blocks.", "lm_heads."))

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from draftsmith.formats import Exporter, Source, register
-from draftsmith.formats.repo import VLLM_SERVE, EngineRepo, check_vllm_path
+from draftsmith.formats.repo import VLLM_SERVE, EngineRepo
 from draftsmith.heads import drafter_class
 from draftsmith.heads.mtp import LAYOUTS, layout_of
 from draftsmith.heads.mtp_layer import shipped_shapes
@@ -37,7 +37,6 @@ class MtpExporter(Exporter):
     sglang_reason = "draftsmith has not verified SGLang's MTP (NEXTN) loader; export for vllm"
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
-        check_vllm_path(output, "MTP")
         drafter = source.drafter
         config = loaded_config(source.target_model)
         layout = layout_of(config)

@@ -157,6 +157,7 @@ def vllm_path_trigger(name: str) -> Optional[str]:
 
 
 def check_vllm_path(directory: Path, kind: str) -> None:
+    """The folder is served by its path, from which vLLM may pick another method (Exporter.vllm_method_from_name)."""
     found = vllm_path_trigger(str(directory.resolve()))
     if found:
         raise UserError(

@@ -582,7 +582,7 @@ def test_a_reexport_is_byte_identical_and_another_checkpoint_is_not_mixed_in(tar
         (
             "draft_model",
             ["export.output={tmp}/my_eagle3_run"],
-            "vLLM would serve a draft-model drafter found there as another method",
+            "vLLM would serve a Draft model drafter found there as another method",
         ),
     ],
 )
