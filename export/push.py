@@ -65,6 +65,8 @@ def claim_hub_repos(cfg: DictConfig, digest: str) -> None:
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
+    from draftsmith.export.run import made_from, refuse_unchecked_replacement
+
     api, push = HfApi(), cfg.export.push
     for engine in cfg.export.engines:
         repo_id = repo_id_for(cfg, engine)
@@ -86,11 +88,9 @@ def claim_hub_repos(cfg: DictConfig, digest: str) -> None:
             raise hub_failure(err, f"could not read {where}", repo_id, "nothing was exported", again) from None
         if not files or cfg.export.overwrite:
             continue
-        source = held.get("source") if isinstance(held, dict) else None
-        made_from = source.get("sha256") if isinstance(source, dict) else None
-        if made_from != digest:
+        if made_from(held) != digest:
             what = (
-                f"the export of another checkpoint (sha256 {str(made_from)[:12]})"
+                f"the export of another checkpoint (sha256 {str(made_from(held))[:12]})"
                 if held is not None
                 else f"files no draftsmith export wrote ({', '.join(files[:3])})"
             )
@@ -98,12 +98,7 @@ def claim_hub_repos(cfg: DictConfig, digest: str) -> None:
                 f"{where} holds {what}; push to another export.push.repo_id or export.push.revision, or "
                 "export.overwrite=true to replace it (the repo's history keeps it)"
             )
-        if held.get("verified") and not (engine == "vllm" and cfg.export.vllm_python):
-            raise UserError(
-                f"{where} holds this checkpoint's export checked in vLLM, and this run does not check "
-                "(export.vllm_python is unset): set export.vllm_python, or export.overwrite=true to replace it "
-                "unchecked"
-            )
+        refuse_unchecked_replacement(cfg, held, digest, where, engine)
 
 
 def hub_failure(err: Exception, what: str, repo_id: str, kept: str, retry: str) -> Exception:

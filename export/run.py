@@ -241,17 +241,29 @@ def claim_export_dir(output: Path, digest: str, overwrite: bool) -> None:
 
 
 def keep_checked_export(cfg: DictConfig, output: Path, digest: str) -> None:
-    """A vllm folder of this checkpoint that was checked in vLLM is not replaced by one this run, which does not
-    check (no export.vllm_python), writes unchecked, unless export.overwrite=true says so."""
+    """A vllm folder of this checkpoint that was checked in vLLM is not replaced by one this run writes unchecked."""
     info_path = output / "vllm" / EXPORT_INFO
-    if "vllm" not in cfg.export.engines or cfg.export.vllm_python or cfg.export.overwrite or not info_path.is_file():
-        return
-    info = read_json(info_path, "export record")
+    if "vllm" in cfg.export.engines and info_path.is_file():
+        refuse_unchecked_replacement(cfg, read_json(info_path, "export record"), digest, str(output / "vllm"), "vllm")
+
+
+def made_from(info: Any) -> Optional[str]:
+    """The sha256 of the checkpoint an export record (draftsmith_export.json) was made from; None where it names
+    none."""
     source = info.get("source") if isinstance(info, dict) else None
-    if info.get("verified") and isinstance(source, dict) and source.get("sha256") == digest:
+    return source.get("sha256") if isinstance(source, dict) else None
+
+
+def refuse_unchecked_replacement(cfg: DictConfig, info: Any, digest: str, where: str, engine: str) -> None:
+    """`where` (a folder or a Hub branch) holds `info`, this checkpoint's (`digest`) `engine` export checked in vLLM:
+    this run, which does not check it (no export.vllm_python), does not replace it unless export.overwrite=true."""
+    checks = engine == "vllm" and cfg.export.vllm_python
+    if checks or cfg.export.overwrite or not isinstance(info, dict) or not info.get("verified"):
+        return
+    if made_from(info) == digest:
         raise UserError(
-            f"{output / 'vllm'} holds this checkpoint's export checked in vLLM {info['verified'].get('engine_version')}"
-            ", and this run does not check (export.vllm_python is unset): set export.vllm_python, or "
+            f"{where} holds this checkpoint's export checked in vLLM {info['verified'].get('engine_version')}, and "
+            "this run does not check (export.vllm_python is unset): set export.vllm_python, or "
             "export.overwrite=true to replace it unchecked"
         )
 
