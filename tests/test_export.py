@@ -1171,8 +1171,8 @@ def test_a_checked_export_is_not_replaced_unchecked_here_or_on_the_hub_unless_ov
 
     HfApi().create_repo("acme/medusa")
     HfApi().upload_folder(repo_id="acme/medusa", folder_path=str(folder))  # the checked folder, pushed earlier
-    with pytest.raises(UserError, match=r"acme/medusa@main holds this checkpoint's export checked in vLLM 0.32.0, and this "
-                       r"run does not check"):  # fmt: skip
+    with pytest.raises(UserError, match=r"acme/medusa@main holds this checkpoint's export checked in vLLM 0.32.0, "
+                       r"and this run does not check"):  # fmt: skip
         run_export("medusa", checkpoint, tmp_path / "fresh", "export.push.repo_id=acme/medusa", target=target)
     assert not (tmp_path / "fresh").exists()
     run_export("medusa", checkpoint, tmp_path / "out", "export.push.repo_id=acme/medusa", "export.overwrite=true",
