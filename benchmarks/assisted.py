@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -31,7 +32,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-from batch_sweep import cpu_name  # noqa: E402
+from provenance import cpu_model  # noqa: E402
 
 
 def main() -> None:
@@ -127,7 +128,7 @@ def main() -> None:
                 same[name] += int(out == reference)
     rates = {name: tokens[name] / seconds[name] for name in ways}
     summary = {
-        "cpu": cpu_name(),
+        "cpu": f"{cpu_model()} ({os.cpu_count()} cores)",
         "torch_threads": args.threads,
         "prompts": len(prompts),
         "new_tokens_per_prompt": args.new_tokens,

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from provenance import cpu_model
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -41,7 +42,12 @@ def main() -> None:
     from draftsmith.recipe import load_recipe
 
     sizes = [int(size) for size in args.batch_sizes.split(",")]
-    summary: dict = {"cpu": cpu_name(), "torch_threads": args.threads, "batch_sizes": sizes, "drafters": {}}
+    summary: dict = {
+        "cpu": f"{cpu_model()} ({os.cpu_count()} cores)",
+        "torch_threads": args.threads,
+        "batch_sizes": sizes,
+        "drafters": {},
+    }
     start = time.perf_counter()
     for name in args.only.split(","):
         output_dir = (args.runs / name).resolve()
@@ -92,16 +98,6 @@ def main() -> None:
         }
     summary["wall_s"] = round(time.perf_counter() - start, 1)
     print(json.dumps(summary, indent=2))
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
-    except OSError:
-        pass
-    return f"{os.cpu_count()} cores"
 
 
 if __name__ == "__main__":

@@ -43,13 +43,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from provenance import cpu_model  # benchmarks/, first on sys.path
 
 from draftsmith.engines import require_suffix_decoding
 from draftsmith.errors import UserError
@@ -188,7 +189,7 @@ def main() -> None:
             summary["repeated"] = repeated(read_rows(repeats))
         summary["schedule_notes"] = json.loads(notes_path.read_text()) if notes_path.is_file() else {}
         summary |= {
-            "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "engine_threads": args.threads},
+            "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "engine_threads": args.threads},
             "settings": {
                 k: getattr(args, k)
                 for k in ("concurrency", "gammas", "new_tokens", "requests_per_slot", "min_requests")
@@ -370,13 +371,6 @@ def repeated(rows: list[dict]) -> dict:
         result[name] = {"over_plain": per_level, "lossless": lossless,
                         "never_3pct_below_plain": all(v["median"] >= 0.97 for v in per_level.values())}  # fmt: skip
     return result
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

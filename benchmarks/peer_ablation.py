@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 from peer_speculators import SPECULATORS_PYTHON, own_eval, own_eval_taus, run  # benchmarks/, first on sys.path
-from standard_protocol import cpu_name
+from provenance import cpu_model
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = [
@@ -204,7 +204,7 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     out = args.out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    machine = {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": args.threads}
+    machine = {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": args.threads}
     out.write_text("".join(json.dumps(row | {"machine": machine}) + "\n" for row in rows))
 
 

@@ -53,7 +53,8 @@ import sys
 import time
 from pathlib import Path
 
-from standard_protocol import cpu_name, load_json, save_json, stage_timer, summarize  # benchmarks/, first on sys.path
+from provenance import cpu_model
+from standard_protocol import load_json, save_json, stage_timer, summarize  # benchmarks/, first on sys.path
 from vllm_probe import engine_python
 
 from draftsmith.formats.repo import VLLM_PINNED
@@ -480,7 +481,7 @@ def main() -> None:
             "draftsmith": metadata.version("draftsmith"),
             "torch": metadata.version("torch"),
         },  # fmt: skip
-        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": args.threads},
+        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": args.threads},
         "walls_s": load_json(runs / "walls.json") | {"this_invocation": round(time.perf_counter() - began, 1)},
     }
     save_json(out / "summary.json", summary)

@@ -35,13 +35,13 @@ import argparse
 import gzip
 import json
 import os
-import platform
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 from drafters import run  # benchmarks/ is the script's directory, first on sys.path
+from provenance import cpu_model
 
 REPO = Path(__file__).resolve().parent.parent
 # name -> (recipe, overrides). EAGLE-3 runs with three draft vocabularies side by side (the recipe's 16k,
@@ -76,16 +76,6 @@ def split_by_domain(source: Path, directory: Path, split: str) -> list[str]:
                 handle.writelines(lines)
         paths.append(str(path))
     return paths
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def vocabulary_coverage(target_dir: str, sources: list[str]) -> dict[str, float]:
@@ -311,7 +301,7 @@ def main() -> None:
 
     result = {
         "target": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32)",
-        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads()},
+        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads()},
         "settings": vars(args),
         "capture": {
             "dtype": "float8",

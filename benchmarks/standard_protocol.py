@@ -48,7 +48,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -57,6 +56,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from provenance import cpu_model
 from vllm_probe import engine_python  # benchmarks/ is the script's directory, first on sys.path
 
 from draftsmith.engines import VllmWorker, require_suffix_decoding
@@ -92,13 +92,6 @@ def run(args: list[str], log: Path) -> float:
     if done.returncode != 0:
         sys.exit(f"`python {' '.join(args)}` failed (exit {done.returncode}); see {log}")
     return time.perf_counter() - start
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def load_json(path: Path) -> dict:
@@ -466,7 +459,7 @@ def main() -> None:
     runs.mkdir(parents=True, exist_ok=True)
     log, timed = runs / "protocol.log", stage_timer(runs / "walls.json")
     result = load_json(runs / "result.json") | {
-        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "engine_threads": args.threads}
+        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "engine_threads": args.threads}
     }
 
     if "regenerate" in stages:
