@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from draftsmith.engines import VllmGenerator, vllm_python
 from draftsmith.sharding import Lockstep, is_sharded
-from draftsmith.target import load_target, resolve_device, resolve_dtype
+from draftsmith.target import dtype_name, load_target, resolve_device, resolve_dtype
 
 
 class Answer(NamedTuple):
@@ -29,7 +29,7 @@ def vllm_dtype(cfg: DictConfig) -> str:
     loads the target in on this machine (target.dtype), so that the answers are that target's."""
     name = cfg.data.regenerate.vllm.dtype
     dtype = resolve_dtype(cfg.target.dtype if name == "auto" else name, resolve_device())
-    return str(dtype).removeprefix("torch.")
+    return dtype_name(dtype)
 
 
 class TransformersAnswers:

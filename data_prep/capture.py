@@ -54,6 +54,7 @@ from draftsmith.target import (
     TargetOutput,
     TargetShape,
     check_layers,
+    dtype_name,
     load_target,
     load_tokenizer,
     run_target,
@@ -225,7 +226,7 @@ def target_description(target, cfg: DictConfig) -> dict[str, Any]:
         **asdict(shape),
         "id": shape.id,
         "revision": cfg.target.revision,
-        "dtype": str(target.dtype).removeprefix("torch."),
+        "dtype": dtype_name(target.dtype),
     }
 
 

@@ -34,6 +34,7 @@ from draftsmith.data_prep.features import (
 )
 from draftsmith.errors import StorageError, one_line
 from draftsmith.files import created_file_mode, read_json, require_same_settings, write_text_atomic
+from draftsmith.target import dtype_name
 
 CAPTURE_AGAIN = "remove it to capture again"  # the advice for a capture's own file that is not JSON
 
@@ -195,7 +196,7 @@ def merge_manifest(directory: Path, settings: dict[str, Any], cfg: DictConfig, t
 
 def field_layout(settings: dict[str, Any], hidden_size: int) -> dict[str, str]:
     """Every tensor a shard holds, with its dtype and shape (T = the shard's tokens)."""
-    storage = str(STORAGE_DTYPES[settings["dtype"]]).removeprefix("torch.")
+    storage = dtype_name(STORAGE_DTYPES[settings["dtype"]])
     fields = {"input_ids": "int32 [T]", "loss_mask": "uint8 [T]", "offsets": "int64 [conversations + 1]"}
     for name in hidden_names(settings["final"], settings["layers"]):
         fields[name] = f"{storage} [T, {hidden_size}]"
@@ -203,7 +204,7 @@ def field_layout(settings: dict[str, Any], hidden_size: int) -> dict[str, str]:
             fields[f"{name}.scale"] = (
                 f"float32 [T]: {name} = {name}.float() * scale[:, None], scale = absmax / {FP8_MAX:g}"
             )
-    distribution = str(DISTRIBUTION_DTYPE).removeprefix("torch.")
+    distribution = dtype_name(DISTRIBUTION_DTYPE)
     shapes = {
         "topk_ids": f"int32 [T, {settings['topk']}]",
         "topk_logprobs": f"{distribution} [T, {settings['topk']}]",

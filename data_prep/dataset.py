@@ -15,6 +15,7 @@ from typing import Any, Mapping, Optional, Sequence
 import datasets
 
 from draftsmith.data_prep.conversations import DEFAULT_DOMAIN
+from draftsmith.data_prep.overlap import turns_digest
 from draftsmith.data_prep.template import render_rows, require_chat_template
 from draftsmith.errors import UserError
 from draftsmith.files import cache_root, read_json
@@ -38,7 +39,7 @@ FEATURES = datasets.Features(
         "domain": datasets.Value("string"),
         "length": datasets.Value("int32"),
         "sample": datasets.Value("string"),  # where the conversation came from: `source:record`
-        "digest": datasets.Value("string"),  # the conversation's turns by content (conversation_digest)
+        "digest": datasets.Value("string"),  # the conversation's turns by content (turns_digest)
     }
 )
 # A fix to the masking must not be hidden behind a cache written by the old code.
@@ -228,7 +229,7 @@ def _tokenize_batch(
     domains = batch.get("domain") or [DEFAULT_DOMAIN] * count
     for row in range(count):
         where = _where(batch, row, indices[row])
-        digest = conversation_digest(batch["messages"][row])
+        digest = turns_digest(batch["messages"][row])
         stats["duplicate_conversations"] += digest in seen
         seen.add(digest)
         try:
@@ -265,14 +266,6 @@ def _tokenize_batch(
             out["digest"].append(digest)
         stats["kept_conversations"] += len(out["input_ids"]) > kept
     return out
-
-
-def conversation_digest(messages: list[dict[str, Any]]) -> str:
-    """A conversation's turns by content: sha256 over their canonical JSON (every turn holds the same keys,
-    data_prep/turns.py), so two conversations that render the same have the same digest, wherever they came
-    from and whatever their domain."""
-    text = json.dumps(messages, sort_keys=True, ensure_ascii=False)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _where(batch: dict[str, list], row: int, index: int) -> str:

@@ -90,10 +90,7 @@ def warn_of_prompts_in_train(counted: dict[str, Any], sources: Sequence[str], cf
 def prompt_digest(messages: Messages) -> str:
     """The digest of a conversation's prompt (its turns up to `prompt_end`), as `answered_prompt_digests` gives
     the prompt of each answered turn of a training conversation."""
-    digest = hashlib.sha256()
-    for turn in list(messages)[: prompt_end(messages)]:
-        digest.update(_turn_bytes(turn))
-    return digest.hexdigest()[:16]
+    return turns_digest(list(messages)[: prompt_end(messages)])
 
 
 def answered_prompt_digests(messages: Messages) -> Iterator[str]:
@@ -104,6 +101,16 @@ def answered_prompt_digests(messages: Messages) -> Iterator[str]:
         if index in answered:
             yield digest.copy().hexdigest()[:16]
         digest.update(_turn_bytes(turn))
+
+
+def turns_digest(turns: Messages) -> str:
+    """Turns by content: two lists of the same turns (every turn holds the same keys, data_prep/turns.py) have one
+    digest, wherever they came from and whatever their domain; extended turn by turn as answered_prompt_digests
+    does."""
+    digest = hashlib.sha256()
+    for turn in turns:
+        digest.update(_turn_bytes(turn))
+    return digest.hexdigest()[:16]
 
 
 def _turn_bytes(turn: dict[str, Any]) -> bytes:

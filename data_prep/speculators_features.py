@@ -52,7 +52,16 @@ from draftsmith.files import created_file_mode, replacing, require_same_settings
 from draftsmith.heads import drafter_class
 from draftsmith.outputs import LOCK_NAME, DirectoryLock, check_output_dir
 from draftsmith.recipe import load_recipe
-from draftsmith.target import DTYPES, TargetShape, load_config, load_target, load_tokenizer, num_layers, resolve_dtype
+from draftsmith.target import (
+    DTYPES,
+    TargetShape,
+    dtype_name,
+    load_config,
+    load_target,
+    load_tokenizer,
+    num_layers,
+    resolve_dtype,
+)
 
 HIDDEN_STATES = "hidden_states"
 TOKEN_FREQ = "token_freq.pt"
@@ -152,7 +161,7 @@ def write_speculators_data(cfg, output: Path, dtype: str = "bfloat16") -> dict:
     info = {
         "target": str(cfg.target.name_or_path),  # speculators reads the verifier from it
         "target_revision": cfg.target.revision,
-        "target_dtype": str(resolve_dtype(cfg.target.dtype, "cpu")).removeprefix("torch."),
+        "target_dtype": dtype_name(resolve_dtype(cfg.target.dtype, "cpu")),
         "draftsmith_layer_ids": ours,
         "speculators_layer_ids": layer_ids,
         "last_slot": f"vLLM id {target.num_hidden_layers}: the last decoder layer's output before the final norm",

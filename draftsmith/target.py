@@ -42,6 +42,11 @@ def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
     return DTYPES[name]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as configs, reports and vLLM name it (`bfloat16`, not `torch.bfloat16`)."""
+    return str(dtype).removeprefix("torch.")
+
+
 def resolve_device(name: str = "auto") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

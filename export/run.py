@@ -45,7 +45,7 @@ from draftsmith.heads import load_drafter
 from draftsmith.heads.base import EVAL_SPLIT, WEIGHTS_NAME, read_checkpoint_config
 from draftsmith.outputs import EVAL_DIR, REPORT_NAME, DirectoryLock, move_aside
 from draftsmith.recipe_checks import ENGINES
-from draftsmith.target import TargetShape, load_target, loaded_config, resolve_device, resolve_dtype
+from draftsmith.target import TargetShape, dtype_name, load_target, loaded_config, resolve_device, resolve_dtype
 
 EXPORT_FORMAT = 1
 log = logging.getLogger("draftsmith.export")
@@ -293,7 +293,7 @@ def find_report(cfg: DictConfig, checkpoint: Path, digest: str) -> Optional[dict
             f"than {checkpoint.resolve()} (sha256 {digest[:12]}); pass export.report for this checkpoint's eval, or "
             "evaluate it"
         )
-    exported = str(resolve_dtype(cfg.target.dtype, resolve_device(cfg.eval.device))).removeprefix("torch.")
+    exported = dtype_name(resolve_dtype(cfg.target.dtype, resolve_device(cfg.eval.device)))
     measured = report.get("dtype")  # absent from a report of an earlier draftsmith
     if measured is not None and measured != exported:
         raise UserError(

@@ -347,7 +347,7 @@ def exported_for_sweep(cfg: DictConfig, checkpoint: Path, output: Path, digest: 
 def sweep_load(cfg: DictConfig, python: str, folder: Path) -> Load:
     """The sweep's prompts and settings from the recipe: the eval prompts, domains in turn."""
     from draftsmith.eval.prompts import load_prompts, prompt_sources
-    from draftsmith.target import load_tokenizer, resolve_device, resolve_dtype
+    from draftsmith.target import dtype_name, load_tokenizer, resolve_device, resolve_dtype
 
     sources, per_file = prompt_sources(cfg)  # the eval report's prompts
     if not sources:
@@ -369,7 +369,7 @@ def sweep_load(cfg: DictConfig, python: str, folder: Path) -> Load:
         requests_per_slot=int(cfg.export.sweep.requests_per_slot),
         min_requests=int(cfg.export.sweep.min_requests),
         threads=int(threads),
-        dtype=str(resolve_dtype(cfg.target.dtype, resolve_device(cfg.eval.device))).removeprefix("torch."),
+        dtype=dtype_name(resolve_dtype(cfg.target.dtype, resolve_device(cfg.eval.device))),
         max_model_len=max(map(len, prompts)) + new_tokens + 8,
     )
 

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 
 from draftsmith.errors import UserError
-from draftsmith.target import TargetShape
+from draftsmith.target import TargetShape, dtype_name
 
 EXPORT_INFO = "draftsmith_export.json"
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}  # export.engines values -> how people name the engines
@@ -70,7 +70,7 @@ def served_dtype(target_model) -> str:
     """The dtype vLLM serves the target in, as vLLM names it (`float32`, `bfloat16`, `float16`): the one draftsmith
     loaded it in (target.dtype), which the eval measured and the export's check runs vLLM with. vLLM's own default
     (`auto`) serves a float32 checkpoint in bfloat16, whose acceptance is not the one measured."""
-    return str(target_model.dtype).removeprefix("torch.")
+    return dtype_name(target_model.dtype)
 
 
 def vllm_pinned(drafter) -> dict[str, str]:

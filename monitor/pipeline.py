@@ -23,7 +23,6 @@ drift streak starting again.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import logging
 import time
@@ -33,6 +32,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig
 
+from draftsmith.data_prep.overlap import turns_digest
 from draftsmith.errors import Preempted
 from draftsmith.files import checkpoint_digest
 from draftsmith.heads.base import WEIGHTS_NAME
@@ -105,17 +105,17 @@ def split_held_out(requests: list[dict[str, Any]]) -> Optional[tuple[list[dict[s
     then fail on every check); the same requests give the same split. None where all open alike: nothing can be
     held out."""
 
-    def opening(request: dict[str, Any]) -> bytes:
+    def opening(request: dict[str, Any]) -> str:
         messages = request["messages"]
         first_user = next((i for i, turn in enumerate(messages) if turn["role"] == "user"), len(messages) - 1)
-        return hashlib.sha256(json.dumps(messages[: first_user + 1], sort_keys=True).encode()).digest()
+        return turns_digest(messages[: first_user + 1])
 
-    conversations: dict[bytes, list[int]] = defaultdict(list)
+    conversations: dict[str, list[int]] = defaultdict(list)
     for index, request in enumerate(requests):
         conversations[opening(request)].append(index)
     if len(conversations) < 2:
         return None
-    by_domain: dict[str, list[bytes]] = defaultdict(list)  # a conversation's domain: its first request's
+    by_domain: dict[str, list[str]] = defaultdict(list)  # a conversation's domain: its first request's
     for key, members in conversations.items():
         by_domain[requests[members[0]]["domain"]].append(key)
     held: set[int] = set()
