@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -29,6 +28,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from provenance import provenance  # benchmarks/, first on sys.path
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO / "demo" / "data" / "train.regenerated.jsonl.gz"
@@ -159,17 +159,8 @@ def main(argv: list[str]) -> None:
         "flex": flex,
         "flex_over_dense_time": round(flex["seconds_per_batch_median"] / dense["seconds_per_batch_median"], 3),
         "flex_over_dense_peak": round(flex["peak_added_mb_max"] / max(dense["peak_added_mb_max"], 1e-9), 3),
-        "machine": {
-            "cpu": next(
-                (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                platform.processor(),
-            ),
-            "threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-        },
         "engine": "none: draftsmith's trainer forward on a CPU (no engine serves training)",
-        "wall_s": round(time.perf_counter() - began, 1),
+        **provenance(torch.get_num_threads(), began),
     }
     text = json.dumps(report, indent=2)
     print(text)

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -50,7 +49,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from provenance import cpu_model  # benchmarks/, first on sys.path
+from provenance import provenance  # benchmarks/, first on sys.path
 
 from draftsmith.engines import require_suffix_decoding
 from draftsmith.errors import UserError
@@ -77,6 +76,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--stages", default=",".join(STAGES))
     args = parser.parse_args()
+    began = time.perf_counter()
     try:  # before anything is written
         stages = args.stages.split(",")
         if "sweep" in stages:  # the sweep serves suffix decoding
@@ -103,7 +103,6 @@ def main() -> None:
         dtype="float32",
         max_model_len=2048,
     )
-    began = time.perf_counter()
 
     def measure(method: str, gamma: int, speculative_config, source: str | None = None, round_: int | None = None):
         """Rows of one method at one γ at every concurrency not yet measured: in sweep.jsonl, or with
@@ -189,13 +188,12 @@ def main() -> None:
             summary["repeated"] = repeated(read_rows(repeats))
         summary["schedule_notes"] = json.loads(notes_path.read_text()) if notes_path.is_file() else {}
         summary |= {
-            "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "engine_threads": args.threads},
             "settings": {
                 k: getattr(args, k)
                 for k in ("concurrency", "gammas", "new_tokens", "requests_per_slot", "min_requests")
             },
             "prompts": "MT-bench first turns (80), in order, reused round-robin",
-            "wall_s_this_invocation": round(time.perf_counter() - began, 1),
+            **provenance(args.threads, began),  # threads: the engine's (OMP_NUM_THREADS); wall_s: this invocation's
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         print(json.dumps(summary, indent=2))

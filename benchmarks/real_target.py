@@ -25,8 +25,8 @@ tree, EAGLE-2's dynamic tree, DFlash's DDTree) and of
 draftsmith's n-gram baseline at T=0 and T=1, transformers' prompt lookup at T=0, whether every T=0 row
 is lossless, train wall time, teacher-forced top-1 and held-out draft-vocabulary coverage on the eval
 split (eval_accuracy.json), capture bytes per token, and the share of the answers' tokens that the
-8k/16k/32k most frequent cover. The CPU, torch's thread count and the wall time of
-each stage are recorded with the figures.
+8k/16k/32k most frequent cover. Where the figures came from (benchmarks/provenance.py: the machine, the
+training runs' threads, the versions) and the wall time of each stage are recorded with them.
 """
 
 from __future__ import annotations
@@ -34,14 +34,13 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
-from drafters import run  # benchmarks/ is the script's directory, first on sys.path
-from provenance import cpu_model
+from drafters import run, training_threads  # benchmarks/ is the script's directory, first on sys.path
+from provenance import provenance
 
 REPO = Path(__file__).resolve().parent.parent
 # name -> (recipe, overrides). EAGLE-3 runs with three draft vocabularies side by side (the recipe's 16k,
@@ -301,8 +300,7 @@ def main() -> None:
 
     result = {
         "target": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32)",
-        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads()},
-        "settings": vars(args),
+        "settings": vars(args) | {"runs": str(args.runs)},  # a Path, which json cannot write
         "capture": {
             "dtype": "float8",
             "bytes_per_token": manifest.get("bytes_per_token"),
@@ -314,8 +312,9 @@ def main() -> None:
         },
         "drafters": drafters,
         "transformers_prompt_lookup_T0": lookup,
-        "wall_s": walls.seconds,
-        "this_invocation_wall_s": round(time.perf_counter() - started, 1),
+        "walls_s": walls.seconds,  # per stage, over every invocation; wall_s below: this one's
+        **provenance(training_threads(), started),
+        "prompt_lookup_threads": torch.get_num_threads(),  # timed in this process, with torch's default
     }
     (runs / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     for temperature in ("T0", "T1"):

@@ -29,8 +29,9 @@ Stages, each resumable and skipped when its output exists (`--stages regenerate,
    vLLM's n-gram (γ 3, lookup 2-4, as in the reference measurement), vLLM's suffix decoding
    (`export.sweep.suffix_config`: vLLM's defaults; its tree caches the run's earlier answers, as a served
    engine's does; the --vllm-python must have arctic-inference, `draftsmith.engines.arctic_build`) and
-   each drafter at its γ (and at each of --time-gammas), one engine process per method -> <runs>/timing.json
-   and timing.png (speed-up per category).
+   each drafter at its γ (and at each of --time-gammas), then plain once more (`plain_rerun`, last: how far two
+   runs of one setting differ on this machine, the noise a speed-up must clear), one engine process per method
+   -> <runs>/timing.json and timing.png (speed-up per category).
 
 A drafter trained elsewhere (on a lent GPU) enters at stage 3: `bash benchmarks/device/import.sh KIND SOURCE`
 puts it in runs/gpu_protocol/KIND, and the result names it (`drafters`).
@@ -38,8 +39,9 @@ puts it in runs/gpu_protocol/KIND, and the result names it (`drafters`).
 The result (<runs>/result.json, printed): a row per method and MT-bench category with `method`,
 `category`, `tok_s`, `speedup` over plain in the same run, `tau` (vLLM: 1 + accepted / drafts, over
 the steps that drafted), `tokens_per_forward` (decoded tokens per target forward, over every step),
-`acceptance_per_position`, `lossless` (outputs equal plain's token for token), plus draftsmith's own
-MT-bench τ, the γ choice, the curve, the machine, threads, engine version and each stage's wall time.
+`acceptance_per_position`, `lossless` (outputs equal plain's token for token), `plain_rerun_over_plain` per
+category (the timing's noise), plus draftsmith's own MT-bench τ, the γ choice, the curve, each stage's wall time,
+the engine version and benchmarks/provenance.py's fields (`threads`: the engine's).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from provenance import cpu_model
+from provenance import provenance
 from vllm_probe import engine_python  # benchmarks/ is the script's directory, first on sys.path
 
 from draftsmith.engines import VllmWorker, require_suffix_decoding
@@ -333,6 +335,7 @@ def stage_time(args, runs: Path, kinds: list[str], gammas: dict[str, int], log: 
         for gamma in args.time_gammas
         if gamma != gammas[kind]
     }
+    methods["plain_rerun"] = None  # last, as load_sweep.py's plain-rerun: the machine's drift over the stage
     for name, config in methods.items():
         if name not in timing:
             start = time.perf_counter()
@@ -361,6 +364,7 @@ def stage_time(args, runs: Path, kinds: list[str], gammas: dict[str, int], log: 
             )
     return {
         "rows": rows,
+        "plain_rerun_over_plain": {row["category"]: row["speedup"] for row in rows if row["method"] == "plain_rerun"},
         "vllm_version": timing["plain"]["vllm_version"],
         "wall_s": {name: timing[name]["wall_s"] for name in methods},
         # what the engine resolved (runner, draft and rejection sampling): the settings that move τ
@@ -443,6 +447,7 @@ def main() -> None:
         "--threads", type=int, default=os.cpu_count(), help="OMP threads of the vLLM engine (default: every core)"
     )
     args = parser.parse_args()
+    began = time.perf_counter()
     if args.max_steps > 0 and args.epochs != 1:
         parser.error(f"--epochs {args.epochs} is not read with --max-steps {args.max_steps}: give one of them")
     kinds, stages = args.kinds.split(","), args.stages.split(",")
@@ -458,9 +463,7 @@ def main() -> None:
     runs = args.runs.resolve()
     runs.mkdir(parents=True, exist_ok=True)
     log, timed = runs / "protocol.log", stage_timer(runs / "walls.json")
-    result = load_json(runs / "result.json") | {
-        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "engine_threads": args.threads}
-    }
+    result = load_json(runs / "result.json")
 
     if "regenerate" in stages:
         timed("regenerate", stage_regenerate, args, runs, log)
@@ -486,6 +489,7 @@ def main() -> None:
         result["vllm_timing"] = timed("time", stage_time, args, runs, kinds, gammas, log)
         plot_timing(result["vllm_timing"]["rows"], runs / "timing.png", result.get("drafters", {}))
     result["walls_s"] = load_json(runs / "walls.json")
+    result |= provenance(args.threads, began)  # threads: the engine's (OMP_NUM_THREADS); wall_s: this invocation's
     save_json(runs / "result.json", result)
     print(json.dumps(result, indent=2))
 

@@ -31,9 +31,9 @@ from tqdm.auto import tqdm
 from draftsmith.data_prep.capture_files import (
     CAPTURE_AGAIN,
     ShardPlan,
+    data_record,
     is_intact,
     merge_manifest,
-    recorded_data,
     refuse_other_capture,
     remove_leftovers,
     write_json,
@@ -133,7 +133,8 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
         "world_size": state.num_processes,
     }
     # Every rank checks before any rank writes, so all of them see the same files and agree.
-    refuse_other_capture(directory, settings, recorded_data(cfg))
+    made_from = data_record(cfg, tokenizer, data)
+    refuse_other_capture(directory, settings, made_from)
     if state.is_main_process:
         remove_leftovers(directory)
     state.wait_for_everyone()
@@ -147,7 +148,8 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
 
     def record() -> None:
         shards = sorted(done.values(), key=lambda entry: entry["index"])
-        write_json(part_path, {"settings": settings, "rank": state.process_index, "shards": shards, "last_run": run})
+        rank = state.process_index
+        write_json(part_path, {"settings": settings, **made_from, "rank": rank, "shards": shards, "last_run": run})
 
     record()  # from the start, so the merge finds a part for every rank, even one with no conversations
     computed = reused = 0
@@ -182,7 +184,7 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
     state.wait_for_everyone()
     manifest = None
     if state.is_main_process:
-        manifest = merge_manifest(directory, settings, cfg, tokenizer)
+        manifest = merge_manifest(directory, settings, made_from)
         print(
             f"captured {manifest['tokens']} tokens ({manifest['conversations']} conversations, "
             f"{len(manifest['shards'])} shards) into {directory}: {manifest['bytes_per_token']:.1f} bytes/token; "

@@ -4,6 +4,7 @@ what lands on disk (and how a resumed run trusts it) reads in one place."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections import Counter
@@ -32,8 +33,8 @@ from draftsmith.data_prep.features import (
     resolved_sources,
     shard_name,
 )
-from draftsmith.errors import StorageError, one_line
-from draftsmith.files import created_file_mode, read_json, require_same_settings, write_text_atomic
+from draftsmith.errors import StorageError, UserError, one_line
+from draftsmith.files import created_file_mode, read_json, write_text_atomic
 from draftsmith.target import dtype_name
 
 CAPTURE_AGAIN = "remove it to capture again"  # the advice for a capture's own file that is not JSON
@@ -64,31 +65,68 @@ def recorded_data(cfg: DictConfig) -> dict[str, Any]:
     }
 
 
-def refuse_other_capture(directory: Path, settings: dict[str, Any], data: dict[str, Any]) -> None:
-    """A directory holding a capture with other settings is never mixed into: resuming it would
-    join shards of two different captures under one manifest. `data`: the recipe's `recorded_data`; where
-    the conversations' fingerprint differs and the manifest records the data settings, the refusal names
-    those that changed rather than two hashes."""
+def data_record(cfg: DictConfig, tokenizer, data) -> dict[str, Any]:
+    """What a capture's `data_fingerprint` is made of, recorded beside its settings in each part and the
+    manifest, so that a refusal over another fingerprint says which input changed: the data settings (`data`,
+    `recorded_data`), the tokenizer and `data.train`'s conversations by their content (`data_content`: sha256 over
+    the tokenized rows' conversation digests, whatever path or library version read them)."""
+    content = hashlib.sha256()
+    for batch in data.select_columns(["digest"]).iter(batch_size=100_000):  # a column of millions, a batch at a time
+        content.update("".join(f"{digest}\n" for digest in batch["digest"]).encode())
+    return {
+        "data": recorded_data(cfg),
+        "tokenizer": tokenizer_identity(tokenizer),
+        "data_content": content.hexdigest()[:16],
+    }
+
+
+def refuse_other_capture(directory: Path, settings: dict[str, Any], record: dict[str, Any]) -> None:
+    """A directory holding a capture with other settings is never mixed into: resuming it would join shards of
+    two different captures under one manifest. One line names each setting that differs with both values and,
+    where the data's fingerprint differs, which of its inputs changed in words (`data_changes`; `record`: this
+    run's `data_record`), never the two hashes."""
     settings = json.loads(json.dumps(settings))  # as the files hold them (a tuple is a list there)
     for path in [directory / MANIFEST_NAME, *sorted(directory.glob("manifest_part_*.json"))]:
         if not path.is_file():
             continue
         file = read_json(path, advice=CAPTURE_AGAIN)
         found = file.get("settings", file)  # parts keep settings apart; the manifest at top level
-        found = {key: found.get(key) for key in settings}  # the manifest holds its shards and counts beside them
-        wanted = settings
-        changed = changed_data(file.get("data"), data)
-        if changed and found["data_fingerprint"] != wanted["data_fingerprint"]:
-            found = {key: value for key, value in found.items() if key != "data_fingerprint"}
-            wanted = {key: value for key, value in wanted.items() if key != "data_fingerprint"}
-            found |= {key: before for key, (before, _) in changed.items()}
-            wanted |= {key: now for key, (_, now) in changed.items()}
-        require_same_settings(
-            found,
-            wanted,
-            f"{directory} already holds a capture",
-            "remove it or set data.capture.output to another directory",
-        )
+        differ = [
+            f"{key}: {found.get(key)!r} -> {value!r}"
+            for key, value in settings.items()
+            if key != "data_fingerprint" and found.get(key) != value
+        ]
+        if found.get("data_fingerprint") != settings["data_fingerprint"]:
+            differ += data_changes(file, record)
+        if differ:
+            raise UserError(
+                f"{directory} already holds a capture with other settings ({'; '.join(differ)[:600]}): put back "
+                "what it was made with, or remove it or set data.capture.output to another directory"
+            )
+
+
+def data_changes(file: dict[str, Any], record: dict[str, Any]) -> list[str]:
+    """In words, what changed in the data a capture's file (a part or the manifest) was made from, against this
+    run's `data_record`: the data settings it records, else its tokenizer, else data.train's content, else how the
+    same data was read. A capture begun before draftsmith recorded these says so."""
+    changed = changed_data(file.get("data"), record["data"])
+    if changed:
+        return [f"{key}: {before!r} -> {now!r}" for key, (before, now) in changed.items()]
+    tokenizer = file.get("tokenizer")
+    if isinstance(tokenizer, dict) and tokenizer != record["tokenizer"]:
+        keys = [key for key, now in record["tokenizer"].items() if tokenizer.get(key) != now]
+        return [f"the target's tokenizer: its {', '.join(keys)} changed since the capture was made"]
+    if "data_content" not in file:
+        return [
+            "the data it was made from: data.train's content, the tokenizer, or how they were read (a path given "
+            "another way, another draftsmith or datasets version); the capture predates draftsmith recording which"
+        ]
+    if file["data_content"] != record["data_content"]:
+        return ["data.train's content: a file's conversations changed since the capture was made"]
+    return [
+        "how the data was read: the same conversations and settings, read by another draftsmith or datasets version "
+        "or from a path given another way, which may tokenize them otherwise"
+    ]
 
 
 def changed_data(recorded: Any, data: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
@@ -152,7 +190,7 @@ def write_shard(
     }
 
 
-def merge_manifest(directory: Path, settings: dict[str, Any], cfg: DictConfig, tokenizer) -> dict[str, Any]:
+def merge_manifest(directory: Path, settings: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
     """Join every rank's part into manifest.json, with totals and the bytes/token comparison."""
     parts = [read_json(directory / part_name(rank), advice=CAPTURE_AGAIN) for rank in range(settings["world_size"])]
     shards = sorted(
@@ -173,8 +211,7 @@ def merge_manifest(directory: Path, settings: dict[str, Any], cfg: DictConfig, t
         **settings,
         "layer_convention": LAYER_CONVENTION,
         "fields": field_layout(settings, hidden_size),
-        "tokenizer": tokenizer_identity(tokenizer),
-        "data": recorded_data(cfg),
+        **record,  # the data settings, tokenizer and content (data_record)
         "conversations": sum(entry["conversations"] for entry in shards),
         "tokens": tokens,
         "bytes": total_bytes,

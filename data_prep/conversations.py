@@ -159,28 +159,33 @@ def _load_file(path: str, skip_invalid_utf8: bool = False) -> datasets.Dataset:
     its path and modification time alone (data_files.py, _get_single_origin_metadata), so a file edited with its
     time kept (cp -p, rsync -a, tar x) would load its old parse, and the normalization and tokenized caches keyed
     on that fingerprint would follow. Naming the builder config after the bytes' sha256 puts each content in its
-    own cache folder and fingerprint. Cost: the file read once more, 0.65 s per GB on a 2-core AMD EPYC (SHA-NI,
+    own cache folder, and the fingerprint is the bytes' and the parser's alone: datasets' own also follows the
+    modification time, so the same bytes copied or restored read as other data (a capture refused to resume, the
+    tokenized cache missed). Cost: the file read once more, 0.65 s per GB on a 2-core AMD EPYC (SHA-NI,
     page-cached)."""
     reader = builder(path)
+    if reader == "parquet" and _parquet_rows(path) == 0:  # the builder fails on it ("BatchSize must be > 0")
+        raise UserError(f"{path} has no records")
     content = file_sha256(Path(path))
     try:
-        with _quiet_json_builder():
+        with _quiet_builders():
             dataset = datasets.load_dataset(reader, name=f"sha256-{content}", data_files=path, split="train")
     except Exception as err:  # the builders raise assorted types (ArrowInvalid, StopIteration on empty files, ...)
         if reader == "json":
             _diagnose_json(path, skip_invalid_utf8)  # raises the precise, line-numbered error when it finds one
-        elif _parquet_rows(path) == 0:  # the parquet builder fails on a file of no rows ("BatchSize must be > 0")
-            raise UserError(f"{path} has no records") from None
         raise UserError(f"cannot read {path}: {_one_line(err)}") from None
     if len(dataset) == 0:
         raise UserError(f"{path} has no records")
+    dataset._fingerprint = hashlib.sha256(f"{reader}|{content}|{datasets.__version__}".encode()).hexdigest()[:16]
     return dataset
 
 
 def _parquet_rows(path: str) -> Optional[int]:
-    """The rows a parquet file's footer counts; None for a file that is not parquet."""
+    """The rows a parquet file's footer counts (an empty file: none); None for a file that is not parquet."""
     import pyarrow.parquet as pq
 
+    if os.path.getsize(path) == 0:
+        return 0
     try:
         return pq.read_metadata(path).num_rows
     except Exception:  # noqa: BLE001 - not parquet, or unreadable: the builder's own error says which
@@ -188,15 +193,18 @@ def _parquet_rows(path: str) -> Optional[int]:
 
 
 @contextlib.contextmanager
-def _quiet_json_builder() -> Iterator[None]:
-    """The JSON builder logs its parse error before raising; we report a better one on one line."""
-    builder_logger = logging.getLogger("datasets.packaged_modules.json.json")
-    level = builder_logger.level
-    builder_logger.setLevel(logging.CRITICAL)
+def _quiet_builders() -> Iterator[None]:
+    """The JSON and parquet builders log their error before raising (`Failed to read file ...`); we report it, or
+    a better one, on one line."""
+    loggers = [logging.getLogger(f"datasets.packaged_modules.{name}.{name}") for name in ("json", "parquet")]
+    levels = [builder_logger.level for builder_logger in loggers]
+    for builder_logger in loggers:
+        builder_logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        builder_logger.setLevel(level)
+        for builder_logger, level in zip(loggers, levels):
+            builder_logger.setLevel(level)
 
 
 def _diagnose_json(path: str, skip_invalid_utf8: bool = False) -> None:

@@ -7,9 +7,12 @@ from __future__ import annotations
 import glob
 import logging
 import os
+from pathlib import Path
 from typing import Optional
 
+from draftsmith.data_prep.sources import is_named
 from draftsmith.errors import UserError
+from draftsmith.files import file_sha256
 
 logger = logging.getLogger("draftsmith.data")
 
@@ -88,3 +91,29 @@ def _warn_not_read(what: str, paths: list[str], folder: Optional[str] = None) ->
     if names:
         shown = ", ".join(names[:10]) + (", ..." if len(names) > 10 else "")
         logger.warning("%s: %d file(s) not read, their suffix not %s: %s", what, len(names), suffixes(), shown)
+
+
+def local_content(sources) -> Optional[list[str]]:
+    """The sha256 of each local file a data setting (`data.train`, `data.draft_vocab`: a source or a list of
+    them) reads, in the order data_prep/conversations.py reads them; a named data set by its name (read from its
+    package). None where a source is not local data here (a Hub data set, a path moved away, a glob or folder
+    that holds no data file now), whose content is not known."""
+    content = []
+    for source in map(str, [sources] if isinstance(sources, str) else sources):
+        local = os.path.expanduser(source)
+        if is_named(source):
+            content.append(source)
+            continue
+        try:
+            if any(char in source for char in "*?["):
+                files = files_matching(local, source)
+            elif os.path.isdir(local):
+                files = files_under(local, source)
+            elif os.path.isfile(local):
+                files = [local]
+            else:
+                return None
+        except UserError:
+            return None
+        content += [file_sha256(Path(path)) for path in files]
+    return content

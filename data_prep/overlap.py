@@ -25,6 +25,11 @@ logger = logging.getLogger("draftsmith.data")
 
 Messages = Sequence[dict[str, Any]]
 
+# prompts_in_train's last count: {(data.train's conversations by their fingerprint, which follows the files' bytes;
+# the prompt digests looked for): those found}. A training run counts at its start (trainer/setup.py) and its
+# report again at its end (eval/report.py): the second count of unchanged data goes through no conversation again.
+_last_count: dict[tuple[str, frozenset[str]], set[str]] = {}
+
 
 def eval_in_train(train: datasets.Dataset, eval_split: datasets.Dataset, cfg, warn: bool = True) -> dict[str, int]:
     """How many of data.eval's tokenized conversations data.train's hold too, turn for turn (by their digests:
@@ -51,8 +56,10 @@ def prompts_in_train(chosen: dict[str, list[Messages]], cfg) -> dict[str, Any]:
     """How many of the eval report's prompts (`chosen`: per domain, as eval/prompts.py's prompt_conversations
     gives them) are prompts one of data.train's assistant turns answers, turn for turn: {"prompts": n, "of": all,
     "per_domain": {domain: n}}. data.train is read as training reads it (under data.max_conversations),
-    train.heldout's conversations included. Where nothing is counted (no data.train in the recipe, or files this
-    machine cannot read: an eval away from the training data), {"prompts": None, "of": all, "not_counted": why}."""
+    train.heldout's conversations included; the same data counted again for the same prompts (the run's start,
+    then its report) is not gone through again. Where nothing is counted (no data.train in the recipe, or files
+    this machine cannot read: an eval away from the training data), {"prompts": None, "of": all, "not_counted":
+    why}."""
     total = sum(len(prompts) for prompts in chosen.values())
     if not cfg.data.train:
         return {"prompts": None, "of": total, "not_counted": "the recipe names no data.train"}
@@ -64,10 +71,15 @@ def prompts_in_train(chosen: dict[str, list[Messages]], cfg) -> dict[str, Any]:
         ).select_columns(["messages"])
     except (UserError, HubUnavailable) as err:  # an eval away from the training data: the report says so
         return {"prompts": None, "of": total, "not_counted": f"data.train could not be read: {err}"}
-    found: set[str] = set()
-    for batch in conversations.iter(batch_size=1000):
-        for messages in batch["messages"]:
-            found.update(digest for digest in answered_prompt_digests(messages) if digest in looked_for)
+    key = (conversations._fingerprint, frozenset(looked_for))
+    found = _last_count.get(key)
+    if found is None:
+        found = set()
+        for batch in conversations.iter(batch_size=1000):
+            for messages in batch["messages"]:
+                found.update(digest for digest in answered_prompt_digests(messages) if digest in looked_for)
+        _last_count.clear()  # one count kept: a process counts one data.train against one set of prompts
+        _last_count[key] = found
     per_domain = {domain: sum(digest in found for digest in digests) for domain, digests in wanted.items()}
     return {"prompts": sum(per_domain.values()), "of": total, "per_domain": per_domain}
 

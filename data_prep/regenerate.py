@@ -4,16 +4,17 @@ data's authors').
 
 Turn by turn: each assistant turn is generated from the conversation so far, in which the earlier assistant turns
 are already the target's own; user (and system/tool) turns are kept, so is an opening assistant turn (a greeting:
-nothing before it asks for it), and a prompt (no assistant turn after a user turn, as in a prompt-only set) is
-answered after its last turn. A turn whose prompt already holds `data.max_length` tokens is not generated (training
-would cut it off), and an empty answer (the target ended its turn at once) is not kept: the conversation ends at the
-assistant turn before it, or is left out when fewer than `data.regenerate.min_turns` turns are answered by then; all
-are counted. An assistant turn that called tools (`tool_calls`) is answered like any other, its calls dropped: the
-tool results after it answered the old calls, so the conversation ends at that answer (counted). An answer cut off
-at `data.regenerate.max_new_tokens` (the target had not ended its turn) is kept marked `"cut": true`, so that
-training leaves the end-of-turn after it out of the loss (data_prep/template.py), and counted. Conversations are
-generated `data.regenerate.batch_size` at a time, greedy or sampled (`temperature`, `top_p`; `samples` answers
-each), by one of two engines (`data.regenerate.engine`; data_prep/answer_engines.py):
+nothing before it asks for it), and a conversation that ends on a user turn (a prompt-only set's prompt, or a
+question after earlier answered turns) is answered after it. A turn whose prompt already holds `data.max_length`
+tokens is not generated (training would cut it off), and an empty answer (the target ended its turn at once) is not
+kept: the conversation ends at the assistant turn before it, or is left out when fewer than
+`data.regenerate.min_turns` turns are answered by then; all are counted. An assistant turn that called tools
+(`tool_calls`) is answered like any other, its calls dropped: the tool results after it answered the old calls, so
+the conversation ends at that answer (counted). An answer cut off at `data.regenerate.max_new_tokens` (the target
+had not ended its turn) is kept marked `"cut": true`, so that training leaves the end-of-turn after it out of the
+loss (data_prep/template.py), and counted. Conversations are generated `data.regenerate.batch_size` at a time,
+greedy or sampled (`temperature`, `top_p`; `samples` answers each), by one of two engines (`data.regenerate.engine`;
+data_prep/answer_engines.py):
 
 - `transformers`: `model.generate` over left-padded batches; chunk i is seeded with `seed + i`, so a
   resumed run draws what an uninterrupted one would;

@@ -37,10 +37,11 @@ def regenerate_batch(
     assistant turn, and at the answer to a turn that had called tools (its `tool_calls` dropped: the turns after it
     answered those calls). Returns the conversations, for each why it ended early ("max_length", "empty answer",
     "tool calls") or None, and how many answers `known` gave. An answer cut at max_new_tokens is kept, its turn
-    marked `"cut": true`. An opening assistant turn is kept as it is (`answered_turns`). `names` (a file and record
-    each) name a conversation the chat template rejects."""
+    marked `"cut": true`. An opening assistant turn is kept as it is (`answered_turns`), and a last user turn is
+    answered (`with_the_last_question_answered`). `names` (a file and record each) name a conversation the chat
+    template rejects."""
     known = known or {}
-    conversations = [[dict(message) for message in messages] for messages in batch]
+    conversations = [with_the_last_question_answered([dict(message) for message in messages]) for messages in batch]
     turns = [answered_turns(messages)[: section.max_turns] for messages in conversations]
     if section.max_turns is not None:
         conversations = [messages[: kept[-1] + 1] for messages, kept in zip(conversations, turns)]
@@ -92,6 +93,17 @@ def regenerate_batch(
             if message.pop(TOOL_CALLS_KEY, None) and turn + 1 < len(conversations[row]):
                 end_after(row, round_ + 1, "tool calls")
     return conversations, ended, taken
+
+
+def with_the_last_question_answered(messages: list[dict]) -> list[dict]:
+    """A conversation that ends on a user turn after answered ones gets an empty assistant turn after it, which the
+    target writes like every other: it was written ending on that question, which trains nothing. (A prompt, with
+    no answered turn, has its turn from data_prep/regenerate.py's `with_a_turn_to_answer` already; this one is
+    added here, not there, so that the content digest a regeneration records of its input stays as it was and
+    the finished regenerations resume.)"""
+    if messages[-1]["role"] != "user":
+        return messages
+    return [*messages, {**dict.fromkeys(messages[-1]), "role": "assistant", "content": ""}]  # no user's name
 
 
 def prompt_key(messages: list[dict]) -> str:

@@ -309,7 +309,7 @@ def check_drafter(cfg: DictConfig, command: str = "train") -> None:
 
 
 def check_chain(cfg: DictConfig, drafter_cls, config) -> None:
-    """The eval's tree and chain length against what a drafter of `config` can propose."""
+    """The eval's tree and chain length, and the export's γ, against what a drafter of `config` can propose."""
     require(
         cfg.eval.tree == 0 or drafter_cls.proposes_trees(config),
         f"eval.tree={cfg.eval.tree} but this {drafter_cls.type} drafter, as configured, "
@@ -321,6 +321,14 @@ def check_chain(cfg: DictConfig, drafter_cls, config) -> None:
         longest is None or gamma <= longest,
         f"eval.num_speculative_tokens={gamma} but a {drafter_cls.type} drafter with this config "
         f"proposes at most {longest} tokens",
+    )
+    # the export's γ, when given, is the served one (export/run.py serving_gamma): refused now, not once the
+    # target has loaded
+    served = cfg.export.num_speculative_tokens
+    require(
+        longest is None or served is None or served <= longest,
+        f"export.num_speculative_tokens={served} but this {drafter_cls.type} drafter proposes at most {longest}; "
+        f"set export.num_speculative_tokens to {longest} or less",
     )
 
 

@@ -304,6 +304,10 @@ def check_monitor(monitor) -> None:
         require(monitor[key] >= 0, f"monitor.{key}={monitor[key]} must be >= 0")
     # each check scrapes every replica (and may start a retraining): more often than each second is no interval
     require(monitor.interval_s >= 1, f"monitor.interval_s={monitor.interval_s} must be >= 1 (seconds between checks)")
+    require(
+        monitor.redeploy_command is None or bool(str(monitor.redeploy_command).strip()),
+        "monitor.redeploy_command is empty: give the command that rolls out an export, or leave it unset",
+    )
     for url in monitor.metrics:
         try:
             parts = urllib.parse.urlsplit(str(url))

@@ -295,6 +295,10 @@ class MonitorSection:
     new_data_weight: int = 4  # the regenerated traffic is listed this many times beside data.train
     gate_min_gain: float = 0.02  # promote only if tau on the new domains rises by at least this fraction ...
     gate_max_loss: float = 0.02  # ... and tau on the old domains falls by at most this fraction
+    # a shell command (/bin/sh -c) run after each check that exits 12, with DRAFTSMITH_EXPORT (the folder to serve)
+    # and DRAFTSMITH_REVISION set: `watch` has no exit code to act on; with vLLM's counters every check until the
+    # redeploy shows exits 12 again and runs it again, so it must be idempotent
+    redeploy_command: Optional[str] = None
 
 
 @dataclass

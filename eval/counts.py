@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import numpy
 
@@ -128,3 +128,40 @@ class Generation:
 
     tokens: list[int] = field(default_factory=list)
     counts: Counts = field(default_factory=lambda: Counts(prompts=1))
+
+
+def report_row(counts: Counts, plain: Counts, greedy: bool, positions: int) -> dict[str, Any]:
+    """A report row. `positions`: the method's draft depth; per-position lists always have that length."""
+    reached = (counts.reached + [0] * positions)[:positions]
+    accepted_at = (counts.accepted_at + [0] * positions)[:positions]
+    return {
+        "prompts": counts.prompts,
+        "new_tokens": counts.new_tokens,
+        "target_forwards": counts.target_forwards,
+        "drafted": counts.drafted,
+        "accepted": counts.accepted,
+        "alpha": ratio(counts.accepted, counts.drafted),
+        "tau": ratio(counts.new_tokens, counts.target_forwards),
+        "draft_forwards_per_cycle": ratio(counts.draft_forwards, counts.target_forwards),
+        "per_position": [ratio(a, r) for a, r in zip(accepted_at, reached)],
+        "per_position_counts": {"reached": reached, "accepted": accepted_at},
+        "tokens_per_s": round(counts.tokens_per_s, 3),
+        "wall_s": round(counts.wall_s, 4),
+        "speedup": ratio(counts.tokens_per_s, plain.tokens_per_s),
+        "speedup_interval": speedup_interval(counts, plain),
+        "lossless": (counts.mismatched == 0) if greedy else None,
+        "near_ties": counts.near_ties if greedy else None,
+    }
+
+
+def ratio(num: float, den: float) -> Optional[float]:
+    return round(num / den, 4) if den else None
+
+
+def summed(per_domain: dict[str, dict[str, Counts]]) -> dict[str, Counts]:
+    """Counters of every domain added up, per method: the `all` row."""
+    total: dict[str, Counts] = {}
+    for per_method in per_domain.values():
+        for name, counts in per_method.items():
+            total.setdefault(name, Counts()).add(counts)
+    return total

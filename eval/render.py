@@ -83,7 +83,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "Per position: acceptance at draft position k given positions < k were accepted. "
         "Draft fwd/cycle: the drafter's forward passes per target forward. "
         "Speedup: tokens/s over plain decoding in the same run (in brackets its 95% interval over the prompts, or "
-        f"the batches at batch size > 1; none from fewer than {MIN_TIMED_BATCHES}). "
+        f"the batches at batch size > 1; none from fewer than {MIN_TIMED_BATCHES}, or from timings that do not "
+        "pair with plain decoding's). "
         "Served by: the engines that can serve the method as measured, for this drafter and target (vLLM 0.32 "
         "verifies chains only; report.json's not_served_by says why an engine does not: its export refuses the "
         "drafter, or at temperature > 0 it drafts greedily where the drafter samples its drafts). "
@@ -141,12 +142,21 @@ def conclusion(report: dict[str, Any]) -> list[str]:
         ]
     to_beat = max(1.0, free[strongest]["speedup"] if strongest else 0.0)
     interval = best.get("speedup_interval")  # absent from an older report
-    if best["speedup"] > to_beat and "speedup_interval" in best and interval is None:  # too few batches timed
-        fewer = ", or fewer together: eval.batch_size" if report["batch_size"] > 1 else ""
+    if best["speedup"] > to_beat and "speedup_interval" in best and interval is None:
+        if timed_batches(report, best) < MIN_TIMED_BATCHES:
+            fewer = ", or fewer together: eval.batch_size" if report["batch_size"] > 1 else ""
+            why = (
+                f"too few (under {MIN_TIMED_BATCHES}) to tell a win from the timing's noise (decode more: "
+                f"eval.max_prompts{fewer})"
+            )
+        else:  # eval/counts.py's other reasons for no interval
+            why = (
+                "but their timings gave no interval to tell a win from the timing's noise: they do not pair batch "
+                "for batch with plain decoding's, or most of them took no measurable time"
+            )
         return [
-            f"**Result:** {measured}: no clear wall-clock win on {report['device']}: {timed(report, best)}, too few "
-            f"(under {MIN_TIMED_BATCHES}) to tell a win from the timing's noise (decode more: eval.max_prompts"
-            f"{fewer}){unmeasured}.",
+            f"**Result:** {measured}: no clear wall-clock win on {report['device']}: {timed(report, best)}, "
+            f"{why}{unmeasured}.",
             "",
         ]
     if best["speedup"] > to_beat and interval and interval[0] <= to_beat:  # a few prompts' timings carry it
@@ -179,14 +189,19 @@ def conclusion(report: dict[str, Any]) -> list[str]:
     return [f"**Result:** {measured}: no wall-clock win on {report['device']}: {why}{unmeasured}.", ""]
 
 
-def timed(report: dict[str, Any], row: dict[str, Any]) -> str:
-    """What the row's interval resamples: its prompts, or at batch size > 1 the batches they were timed in (a
-    domain's prompts form its batches)."""
+def timed_batches(report: dict[str, Any], row: dict[str, Any]) -> int:
+    """The batches the row's interval resamples: its prompts, or at batch size > 1 the batches they were timed in
+    (a domain's prompts form its batches)."""
     size = report["batch_size"]
     if size == 1:
+        return row["prompts"]
+    return sum(-(-rows["plain"]["prompts"] // size) for domain, rows in report["baselines"].items() if domain != ALL)
+
+
+def timed(report: dict[str, Any], row: dict[str, Any]) -> str:
+    if report["batch_size"] == 1:
         return f"{row['prompts']} prompts timed"
-    batches = sum(-(-rows["plain"]["prompts"] // size) for domain, rows in report["baselines"].items() if domain != ALL)
-    return f"{row['prompts']} prompts timed in {batches} batches"
+    return f"{row['prompts']} prompts timed in {timed_batches(report, row)} batches"
 
 
 def _spread(row: dict[str, Any], name: str) -> str:

@@ -43,7 +43,7 @@ from draftsmith.data_prep.dataset import require_context, target_context
 from draftsmith.data_prep.overlap import prompts_in_train
 from draftsmith.engines import suffix_decoding_installed
 from draftsmith.errors import UserError
-from draftsmith.eval.counts import Counts, speedup_interval
+from draftsmith.eval.counts import Counts, ratio, report_row, summed
 from draftsmith.eval.loop import generate
 from draftsmith.eval.methods import Method, build_methods
 from draftsmith.eval.partings import parting, rounding_unit
@@ -55,38 +55,18 @@ from draftsmith.families import check_eval_settings
 from draftsmith.formats.folder import checkpoint_kind, open_drafter, require_recipes_kind, weights_digest
 from draftsmith.outputs import EVAL_DIR, RECIPE_NAME, REPORT_NAME, DirectoryLock, move_aside
 from draftsmith.recipe import checkpoint_to_read, save_recipe
-from draftsmith.target import TargetShape, load_config, load_target, load_tokenizer, resolve_device, target_id
+from draftsmith.target import (
+    TargetShape,
+    dtype_name,
+    load_config,
+    load_target,
+    load_tokenizer,
+    resolve_device,
+    target_id,
+)
 
 REPORT_VERSION = 1
 WARMUP_TOKENS = 8
-
-
-def report_row(counts: Counts, plain: Counts, greedy: bool, positions: int) -> dict[str, Any]:
-    """A report row. `positions`: the method's draft depth; per-position lists always have that length."""
-    reached = (counts.reached + [0] * positions)[:positions]
-    accepted_at = (counts.accepted_at + [0] * positions)[:positions]
-    return {
-        "prompts": counts.prompts,
-        "new_tokens": counts.new_tokens,
-        "target_forwards": counts.target_forwards,
-        "drafted": counts.drafted,
-        "accepted": counts.accepted,
-        "alpha": _ratio(counts.accepted, counts.drafted),
-        "tau": _ratio(counts.new_tokens, counts.target_forwards),
-        "draft_forwards_per_cycle": _ratio(counts.draft_forwards, counts.target_forwards),
-        "per_position": [_ratio(a, r) for a, r in zip(accepted_at, reached)],
-        "per_position_counts": {"reached": reached, "accepted": accepted_at},
-        "tokens_per_s": round(counts.tokens_per_s, 3),
-        "wall_s": round(counts.wall_s, 4),
-        "speedup": _ratio(counts.tokens_per_s, plain.tokens_per_s),
-        "speedup_interval": speedup_interval(counts, plain),
-        "lossless": (counts.mismatched == 0) if greedy else None,
-        "near_ties": counts.near_ties if greedy else None,
-    }
-
-
-def _ratio(num: float, den: float) -> Optional[float]:
-    return round(num / den, 4) if den else None
 
 
 def versions() -> dict[str, str]:
@@ -332,15 +312,6 @@ def sweep_rows(sweep: dict[int, dict[str, dict[str, Counts]]], methods: list[Met
     return {"batch_sizes": sorted(sweep), "rows": rows}
 
 
-def summed(per_domain: dict[str, dict[str, Counts]]) -> dict[str, Counts]:
-    """Counters of every domain added up, per method: the `all` row."""
-    total: dict[str, Counts] = {}
-    for per_method in per_domain.values():
-        for name, counts in per_method.items():
-            total.setdefault(name, Counts()).add(counts)
-    return total
-
-
 def _warn_mismatch(
     method: str,
     domain: str,
@@ -384,7 +355,7 @@ def assemble(
             row = report_row(counts, per_method["plain"], greedy, method.depth)
             if not method.checks_lossless:
                 row["lossless"] = None
-                row["same_output"] = _ratio(counts.prompts - counts.mismatched, counts.prompts) if greedy else None
+                row["same_output"] = ratio(counts.prompts - counts.mismatched, counts.prompts) if greedy else None
             groups[key].setdefault(domain, {})[method.name] = row
     return {
         "report_version": REPORT_VERSION,
@@ -408,7 +379,7 @@ def assemble(
         "top_k": sampling.top_k,
         "max_new_tokens": int(cfg.eval.max_new_tokens),
         "device": str(target.get_output_embeddings().weight.device),
-        "dtype": str(target.dtype).removeprefix("torch."),
+        "dtype": dtype_name(target.dtype),
         "batch_size": int(cfg.eval.batch_size),
         "cpu_threads": torch.get_num_threads(),
         "versions": versions(),

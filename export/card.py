@@ -18,9 +18,6 @@ from draftsmith.outputs import FINAL_DIR, RECIPE_NAME, RUN_SUMMARY_NAME
 from draftsmith.trainer.checkpoint import DRAFTER_DIR, STATE_NAME
 from draftsmith.trainer.heldout import BEST_DIR, BEST_JSON
 
-# SGLang's flag for the draft model's branch (ServerArgs.speculative_draft_model_revision, server_args.py).
-SGLANG_REVISION_FLAG = "--speculative-draft-model-revision"
-
 
 def write_card(
     folder: Path,
@@ -33,8 +30,9 @@ def write_card(
     """`served_as`: the drafter's path or Hub repo; `revision`: the branch it is on when not main, which the
     command names (engines load main otherwise, which does not hold it)."""
     kind, engine = info["drafter_type"], repo.engine
+    base_model = hub_id(info)
     data = ModelCardData(
-        base_model=info["verifier"],
+        base_model=base_model,
         library_name=engine,
         pipeline_tag="text-generation",
         license=target_license(info),
@@ -53,7 +51,8 @@ def write_card(
         speculative_config=speculative_config,
         dtype=info["target_dtype"],
         engine_flags=vllm_serve_flags((info.get("verified") or {}).get("engine_arguments", {})),
-    ) + (f" {SGLANG_REVISION_FLAG} {revision}" if revision and engine == "sglang" else "")
+        revision_flags=f" {repo.revision_flag} {revision}" if revision and repo.revision_flag else "",
+    )
     lines = [
         "---",
         data.to_yaml(),
@@ -61,8 +60,10 @@ def write_card(
         "",
         f"# {drafter_class(kind).TITLE} drafter for `{info['target']['id']}` ({engine})",
         "",
-        f"A speculative-decoding drafter trained with draftsmith for `{info['verifier']}`: {engine} proposes "
-        "tokens with it and verifies them with the target in one forward pass, so the output is exactly the target's.",
+        f"A speculative-decoding drafter trained with draftsmith for `{info['verifier']}`"
+        + ("" if base_model else " (no Hub id: the front matter names no base_model, which the Hub reads as one)")
+        + f": {engine} proposes tokens with it and verifies them with the target in one forward pass, so the output "
+        "is exactly the target's.",
         "",
         "## Serve it",
         "",
@@ -132,7 +133,8 @@ def served_note(engine: str, verified: Optional[dict[str, Any]], dtype: str) -> 
     if engine == "sglang":
         return (
             "Checked against SGLang's loader source (names, shapes, layer-id convention); not run in SGLang by "
-            "draftsmith."
+            f"draftsmith. The command serves the target in {dtype}, the dtype draftsmith loaded it in "
+            "(`target.dtype`), as its eval does."
         )
     return (
         "Checked against vLLM's loader (names, shapes, conventions); not loaded in the engine at export (set "
@@ -321,6 +323,24 @@ def describe(value: Any) -> str:
 
 def compact(config: dict[str, Any]) -> str:
     return ", ".join(f"{key}={value}" for key, value in config.items() if key != "type" and value is not None)
+
+
+def hub_id(info: dict[str, Any]) -> Optional[str]:
+    """The target's Hub id, for the card's base_model: the verifier the commands name when it is one (export.verifier
+    may name the Hub copy of a target loaded from a folder), else the name the target was loaded by when it is one;
+    None for a target known only by a local folder, which the Hub would refuse or link to a model of that name."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    for name in (info["verifier"], info["target"]["name_or_path"]):
+        if Path(name).exists():  # a folder here, though named as an id could be ("models", "org/name")
+            continue
+        try:
+            validate_repo_id(name)
+        except HFValidationError:
+            continue
+        return name
+    return None
 
 
 def target_license(info: dict[str, Any]) -> Optional[str]:

@@ -76,7 +76,7 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
             require_vllm_serves(exporter.vllm_method, exporter.vllm_releases, cfg.export.vllm_python)
         source_digest = checkpoint_digest(checkpoint)  # its config.json as well as its weights
         schedule = batch_schedule_of(cfg, source_digest)  # before the target loads: a bad sweep stops here
-        report = find_report(cfg, checkpoint, source_digest)  # and a report of other weights
+        report = find_report(cfg, checkpoint, source_digest, target)  # and a report of other weights
         keep_checked_export(cfg, output, source_digest)
         if cfg.export.push.repo_id:  # before claim_export_dir moves anything aside
             from draftsmith.export.push import claim_hub_repos
@@ -268,12 +268,13 @@ def refuse_unchecked_replacement(cfg: DictConfig, info: Any, digest: str, where:
         )
 
 
-def find_report(cfg: DictConfig, checkpoint: Path, digest: str) -> Optional[dict[str, Any]]:
+def find_report(cfg: DictConfig, checkpoint: Path, digest: str, target=None) -> Optional[dict[str, Any]]:
     """The eval report the model card shows: export.report, else the one train.py wrote beside the
     checkpoint (<output_dir>/eval/report.json), else none. It must have measured these weights (`digest`,
     the checkpoint's sha256: a run moved or copied elsewhere keeps its report; a report without one, from an
-    earlier draftsmith, is matched by the checkpoint's path), with the target in the dtype the export loads it in:
-    the card shows its acceptance under a serving command in that dtype."""
+    earlier draftsmith, is matched by the checkpoint's path), with the target in the dtype the export serves it in:
+    the card shows its acceptance under a serving command in that dtype, which is `target`'s when the caller loaded
+    it (the sweep does), else the one target.dtype loads it in."""
     path = Path(cfg.export.report) if cfg.export.report else checkpoint.resolve().parent / EVAL_DIR / REPORT_NAME
     if not path.is_file():
         if cfg.export.report:
@@ -293,12 +294,16 @@ def find_report(cfg: DictConfig, checkpoint: Path, digest: str) -> Optional[dict
             f"than {checkpoint.resolve()} (sha256 {digest[:12]}); pass export.report for this checkpoint's eval, or "
             "evaluate it"
         )
-    exported = dtype_name(resolve_dtype(cfg.target.dtype, resolve_device(cfg.eval.device)))
+    if target is not None:
+        exported, loaded = served_dtype(target), "as it was given"
+    else:
+        exported = dtype_name(resolve_dtype(cfg.target.dtype, resolve_device(cfg.eval.device)))
+        loaded = f"target.dtype={cfg.target.dtype}"
     measured = report.get("dtype")  # absent from a report of an earlier draftsmith
     if measured is not None and measured != exported:
         raise UserError(
             f"{path} measured the drafter with the target in {measured}, but this export loads it in {exported} "
-            f"(target.dtype={cfg.target.dtype}), the dtype its card's serving command names: evaluate the "
+            f"({loaded}), the dtype its card's serving command names: evaluate the "
             f"checkpoint with target.dtype={exported} and pass that report as export.report, or export with "
             f"target.dtype={measured}"
         )

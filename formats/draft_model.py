@@ -12,6 +12,7 @@ shipped twice. LoRA-trained checkpoints already hold merged weights.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +20,13 @@ import torch
 
 from draftsmith.errors import UserError
 from draftsmith.formats import Exporter, Source, register
-from draftsmith.formats.repo import VLLM_SERVE, EngineRepo, TargetInfo
+from draftsmith.formats.repo import SGLANG_FLAGS, SGLANG_REVISION_FLAG, VLLM_SERVE, EngineRepo, TargetInfo
 from draftsmith.heads import drafter_class
 
 SGLANG_SERVE = (
     "python -m sglang.launch_server --model-path {target} --speculative-algorithm STANDALONE "
     "--speculative-draft-model-path {path} --speculative-num-steps {gamma} --speculative-eagle-topk 1 "
-    "--speculative-num-draft-tokens {gamma_plus_one}"
+    "--speculative-num-draft-tokens {gamma_plus_one}" + SGLANG_FLAGS
 )
 PREFIX = "model."  # the DraftModel drafter holds the causal LM as `model`
 
@@ -122,7 +123,7 @@ class DraftModelExporter(Exporter):
         return self.repo(source, "vllm", VLLM_SERVE, "draft_model")
 
     def sglang(self, source: Source, gamma: int, output: Path) -> EngineRepo:
-        return self.repo(source, "sglang", SGLANG_SERVE, "STANDALONE")
+        return replace(self.repo(source, "sglang", SGLANG_SERVE, "STANDALONE"), revision_flag=SGLANG_REVISION_FLAG)
 
     def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
         # a model of its own that reads tokens alone: no EAGLE fc, no width of another model it reads states of

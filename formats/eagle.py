@@ -20,12 +20,21 @@ import torch
 
 from draftsmith.errors import UserError
 from draftsmith.formats import Exporter, Source, register
-from draftsmith.formats.repo import ENGINE_NAMES, VLLM_SERVE, EngineRepo, TargetInfo, draft_layer_config
+from draftsmith.formats.repo import (
+    ENGINE_NAMES,
+    SGLANG_FLAGS,
+    SGLANG_REVISION_FLAG,
+    VLLM_SERVE,
+    EngineRepo,
+    TargetInfo,
+    draft_layer_config,
+)
 from draftsmith.heads import drafter_class
 
 SGLANG_SERVE = (
     "python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE --speculative-draft-model-path "
     "{path} --speculative-num-steps {gamma} --speculative-eagle-topk 1 --speculative-num-draft-tokens {gamma_plus_one}"
+    + SGLANG_FLAGS
 )
 
 LAYER_FAMILIES = ("llama",)  # the draft layers both engines' EAGLE-1 builds
@@ -111,7 +120,16 @@ class EagleExporter(Exporter):
             "shared": "embed_tokens and lm_head are the target's (not in the folder)",
             "checked_against": "sglang python/sglang/srt/models/llama_eagle.py (source read, not run)",
         }
-        return EngineRepo("sglang", config, tensors, expected, SGLANG_SERVE, conventions, method="EAGLE")
+        return EngineRepo(
+            "sglang",
+            config,
+            tensors,
+            expected,
+            SGLANG_SERVE,
+            conventions,
+            method="EAGLE",
+            revision_flag=SGLANG_REVISION_FLAG,
+        )
 
     def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
         return bool({"EagleLlamaForCausalLM", "LlamaForCausalLMEagle"} & set(config.get("architectures", [])))

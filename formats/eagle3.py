@@ -202,7 +202,24 @@ class Speculators(Layout):
         }
         if self.parallel:
             settings |= {"parallel_drafting": True, "mask_token_id": int(config["mask_token_id"])}
+            depths = trained_depths(config)
+            if depths is not None:  # a draftsmith export writes its γ there: its export info's ttt_steps replaces it
+                settings["ttt_steps"] = depths
         return settings
+
+
+def trained_depths(config: dict[str, Any]) -> int | None:
+    """The chain depths a speculators P-EAGLE folder trained (draftsmith's ttt_steps: its chain is at most this
+    long), None where its config names none: speculators 0.6 writes `num_depths` (earlier, `para_depths`), and its
+    trainer sets `speculators_config`'s proposal method's `speculative_tokens` to the depths it trained."""
+    for key in ("num_depths", "para_depths"):
+        if config.get(key) is not None:
+            return int(config[key])
+    speculators = config.get("speculators_config") or {}
+    methods = speculators.get("proposal_methods") or []
+    default = speculators.get("default_proposal_method")
+    method = next((m for m in methods if m.get("proposal_type") == default), methods[0] if methods else {})
+    return int(method["speculative_tokens"]) if method.get("speculative_tokens") is not None else None
 
 
 class Native(Layout):
@@ -345,6 +362,12 @@ class Eagle3Exporter(Exporter):
             for key, value in info.get("drafter_config", {}).items()
             if key in ("tree_depth", "tree_topk", "ttt_steps", "ttt_decay")
         }
+        if settings.get("parallel_drafting") and "ttt_steps" not in settings:  # the default would overstate its chain
+            raise UserError(
+                f"{folder}: a P-EAGLE folder whose config.json names no depth it trained (num_depths, or "
+                "speculators_config's proposal_methods speculative_tokens), which bounds the chain it proposes: add "
+                '"num_depths": <the depths it trained> to its config.json'
+            )
         eagle3 = drafter_class("eagle3")
         drafter = eagle3.from_target(eagle3.Config(**settings), target_model, info.get("verifier", "target"))
         check_draft_layer(folder, layer_config, drafter.config.decoder["config"])

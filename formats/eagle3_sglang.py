@@ -18,12 +18,12 @@ from draftsmith.formats.eagle3_layout import (
     layer_expected,
     vllm_ids,
 )
-from draftsmith.formats.repo import EngineRepo, TargetInfo, draft_layer_config
+from draftsmith.formats.repo import SGLANG_FLAGS, SGLANG_REVISION_FLAG, EngineRepo, TargetInfo, draft_layer_config
 
 SGLANG_SERVE = (
     "python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
     "--speculative-draft-model-path {path} --speculative-num-steps {gamma} --speculative-eagle-topk 1 "
-    "--speculative-num-draft-tokens {gamma_plus_one}"
+    "--speculative-num-draft-tokens {gamma_plus_one}" + SGLANG_FLAGS
 )
 
 
@@ -99,7 +99,16 @@ class SGLang(Layout):
             "checked_against": "sglang python/sglang/srt/models/llama_eagle3.py and models/llama.py "
             "(source read, not run)",
         }
-        return EngineRepo(self.engine, config, tensors, expected, SGLANG_SERVE, conventions, method="EAGLE3")
+        return EngineRepo(
+            self.engine,
+            config,
+            tensors,
+            expected,
+            SGLANG_SERVE,
+            conventions,
+            method="EAGLE3",
+            revision_flag=SGLANG_REVISION_FLAG,
+        )
 
     def recognises(self, config: dict[str, Any]) -> bool:
         return (

@@ -50,6 +50,13 @@ class TargetInfo:
 # (export/run.py::served_config) as one JSON argument, the folder as its model.
 VLLM_SERVE = "vllm serve {target} --dtype {dtype}{engine_flags} --speculative-config '{speculative_config}'"
 
+# What every SGLang serving command ends with: the target and drafter in the dtype draftsmith ran the target in
+# (ServerArgs.dtype, both models' ModelConfig; its `auto` serves a float32 checkpoint in float16, whose acceptance was
+# not measured: configs/model_config.py), then the drafter's Hub branch when it is on one (`{revision_flags}`: the
+# repo's `revision_flag` and the branch, or nothing).
+SGLANG_FLAGS = " --dtype {dtype}{revision_flags}"
+SGLANG_REVISION_FLAG = "--speculative-draft-model-revision"  # ServerArgs.speculative_draft_model_revision
+
 
 def vllm_serve_flags(engine_arguments: dict[str, Any]) -> str:
     """The `vllm serve` flags for the engine arguments the export's check ran vLLM with (export/verify.py) that an
@@ -103,6 +110,9 @@ class EngineRepo:
     weights_dir: str = ""  # subfolder holding config.json + weights ("" = the folder itself)
     # why vLLM's CPU build cannot serve this folder whatever the target (measured); None: the target decides
     cpu_build_limit: Optional[str] = None
+    # the serving command's flag naming the drafter's Hub branch (its `{revision_flags}`); "": the command names the
+    # branch elsewhere or not at all (vLLM's speculative config carries it as `revision`)
+    revision_flag: str = ""
 
 
 def check_tensors(repo: EngineRepo, what: str) -> None:

@@ -10,7 +10,8 @@ next check resumes it; `watch`: once the check in progress is done), and as ever
 74 (docs/faults.md). `watch` exits only on bad input or a signal; an engine that does not answer is one
 line (`engine unavailable: ...`) and the next check tries again, and so is a Hugging Face Hub out of reach
 (`Hub unavailable: ...`: a one-off `check` exits 69) and a state directory another check holds
-(`monitor: check skipped: ... is in use by another job ...`: a one-off `check` there exits 2).
+(`monitor: check skipped: ... is in use by another job ...`: a one-off `check` there exits 2). After a
+check that exits 12, both run monitor.redeploy_command where one is set (monitor/redeploy.py).
 """
 
 from __future__ import annotations
@@ -38,19 +39,26 @@ def main(argv: Sequence[str]) -> None:
         program = "draftsmith monitor" if sys.argv[1:2] == ["monitor"] else "python -m monitor"
         raise UserError(f"usage: {program} check|watch recipe=NAME [key=value ...]")
     cfg = load_recipe(argv[1:], "monitor")
-    from draftsmith.monitor.check import check, summary
+    from draftsmith.monitor import Outcome
+    from draftsmith.monitor.check import check, state_dir_of, summary
+    from draftsmith.monitor.redeploy import run_redeploy_command
     from draftsmith.recipe_checks import require_export_settings_read
 
     require_export_settings_read(cfg.export)
 
-    if argv[0] == "check":
+    def checked() -> Outcome:
         outcome = check(cfg)
-        print(summary(cfg, outcome))
-        sys.exit(int(outcome))
+        print(summary(cfg, outcome), flush=True)
+        if outcome == Outcome.PROMOTED and cfg.monitor.redeploy_command:
+            run_redeploy_command(cfg.monitor.redeploy_command, state_dir_of(cfg))
+        return outcome
+
+    if argv[0] == "check":
+        sys.exit(int(checked()))
     stop = StopRequest()
     while not stop.requested:
         try:  # SIGTERM during a check stops it as it stops `check` (a retraining resumes at the next check)
-            print(summary(cfg, check(cfg)), flush=True)
+            checked()
         except EngineUnavailable as err:  # temporary: the next check tries again
             print(f"engine unavailable: {one_line(err, limit=2000)}", file=sys.stderr, flush=True)
         except DirectoryInUse as err:  # another check (a cron `check`) is running: this interval's is skipped

@@ -8,9 +8,17 @@ held (a new server). Until then each check judges nothing and exits 12 again, it
 serve, so that a redeploy hook that missed the first 12 acts on the next. The requests logged before the
 redeploy was seen are never judged (`State.judged_since`). Without counters (SGLang's gauges, or traffic alone)
 nothing shows the redeploy: the requests logged after the promotion are judged.
+
+`monitor.redeploy_command` is that hook run by the monitor itself, after each check that exits 12 (`watch`,
+which runs on, has no exit code for a scheduler to act on).
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 from omegaconf import DictConfig
 
@@ -53,3 +61,21 @@ def awaiting_action(state: State, waiting: list[str]) -> str:
         f"{', '.join(waiting)} has not restarted since the promotion, {awaiting['promoted']}: it serves the replaced "
         "drafter, and nothing is judged until it serves this one)"
     )
+
+
+def run_redeploy_command(command: str, directory: Path) -> None:
+    """`command` (monitor.redeploy_command) through /bin/sh, told the promoted export (DRAFTSMITH_EXPORT, the
+    folder to serve, and DRAFTSMITH_REVISION) by the environment, its output the monitor's. A failure is one
+    line: the check's outcome stands (the export is promoted), and with vLLM's counters the next check, 12 again
+    until the redeploy shows, runs it again."""
+    deployed = State.load(directory).deployed
+    told = {"DRAFTSMITH_EXPORT": deployed["export"], "DRAFTSMITH_REVISION": str(deployed["revision"])}
+    sys.stdout.flush()  # the check's line before the command's output
+    code = subprocess.run(["/bin/sh", "-c", command], env={**os.environ, **told}).returncode
+    if code != 0:
+        print(
+            f"monitor: monitor.redeploy_command exited {code} for revision {deployed['revision']} "
+            f"({deployed['export']}): not rolled out by it",
+            file=sys.stderr,
+            flush=True,
+        )

@@ -6,8 +6,9 @@ speculators checkpoint it was asked to score is not there. And export/gamma.py's
 engines that serve the drafter's chains (an MTP drafter's: vLLM alone; SGLang's export refuses it), and the
 model card lists draftsmith's P(accepted >= k) up to γ as vLLM's. Options a benchmark would ignore or could not
 run are refused before any work (train_throughput.py's of the other mode, drafters.py's unknown names,
-step_compare.py's zero rounds and missing baseline, speculators_cpu.py outside its venv), and every benchmark's
-JSON says where it came from (benchmarks/provenance.py)."""
+step_compare.py's zero rounds and missing baseline, speculators_cpu.py outside its venv), every benchmark's
+JSON says where it came from (benchmarks/provenance.py), and standard_protocol.py's time stage measures its
+noise as load_sweep.py does (plain once more, last)."""
 
 from __future__ import annotations
 
@@ -270,3 +271,51 @@ def test_every_benchmarks_json_says_where_its_numbers_came_from(monkeypatch):
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
     if head.returncode == 0 and Path(importlib.util.find_spec("draftsmith").origin).is_relative_to(REPO):
         assert fields["versions"]["draftsmith_checkout"]["commit"] == head.stdout.strip()  # an editable install
+
+
+def test_load_sweeps_summary_says_where_its_numbers_came_from(load_sweep, tmp_path, monkeypatch):
+    """The report stage's summary.json carries benchmarks/provenance.py's fields (it had a machine of its own)."""
+    target = AutoModelForCausalLM.from_pretrained(REFERENCE_TARGET, dtype=torch.float32)
+    digest = checkpoint_digest(save_drafter("medusa", target, tmp_path / "run" / "final"))
+    monkeypatch.setattr(load_sweep, "recipe_of", lambda run_dir: {"target": str(REFERENCE_TARGET)})
+    monkeypatch.setattr(load_sweep, "mt_bench_prompts", lambda target: [[1, 2, 3]])
+    engine = {"vllm_version": "0.32.0"}
+    rows = [
+        sweep_row("plain", 0, 1, 1.0)
+        | {"tok_s": 10.0, "speedup": 1.0, "tau": None, "lossless": True, "engine": engine},
+        sweep_row("medusa", 2, 1, 0.8, [50, 20], 100, source=digest)
+        | {"tok_s": 12.5, "speedup": 1.25, "tau": 1.7, "lossless": True, "engine": engine},
+    ]
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "sweep.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    argv = ["--vllm-python", "/no/python", "--drafter", f"medusa={tmp_path / 'run'}", "--out", str(tmp_path / "out"),
+            "--stages", "report", "--threads", "3"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", ["load_sweep.py", *argv])
+    load_sweep.main()
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["threads"] == 3 and summary["machine"]["platform"] and summary["versions"]["torch"]
+    assert summary["wall_s"] >= 0 and "wall_s_this_invocation" not in summary
+
+
+def test_standard_protocols_time_stage_times_plain_again_last_as_its_noise(tmp_path, monkeypatch):
+    """As load_sweep.py's plain-rerun: plain served once more after every other method, and its speed over the
+    first plain run per category (`plain_rerun_over_plain`), the drift a speed-up must clear on this machine."""
+    protocol = benchmark("standard_protocol", monkeypatch)
+    by_category = {"coding": [[1, 2]], "writing": [[3, 4], [5]]}
+    served = []
+
+    def generate(python, prompts, new_tokens, config, threads):
+        served.append(config["method"] if config else "plain")
+        seconds = 1.0 if len(served) == 1 else 0.8  # the rerun of plain 25% faster than the first run
+        one = {"seconds": seconds, "tokens": 10, "metrics": {"num_drafts": 0, "num_accepted_tokens": 0,
+                                                             "accepted_per_position": []}}  # fmt: skip
+        return {"vllm_version": "0.32.0", "per_prompt": [one] * len(prompts), "outputs": [[7]] * len(prompts)}
+
+    monkeypatch.setattr(protocol, "prompts_of", lambda source, per_domain, max_length: by_category)
+    monkeypatch.setattr(protocol, "vllm_generate", generate)
+    monkeypatch.setattr(protocol, "drafter_config", lambda kind_dir, gamma, export="export": {"method": "eagle3"})
+    args = SimpleNamespace(prompts=10, vllm_python="python", new_tokens=8, threads=2, time_gammas=[])
+    timing = protocol.stage_time(args, tmp_path, ["eagle3"], {"eagle3": 3}, tmp_path / "log")
+    assert served == ["plain", "ngram", "suffix", "eagle3", "plain"]  # the rerun last
+    assert timing["plain_rerun_over_plain"] == {"coding": 1.25, "writing": 1.25, "all": 1.25}
+    assert {row["method"] for row in timing["rows"]} >= {"plain", "plain_rerun"}

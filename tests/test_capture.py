@@ -403,3 +403,47 @@ def test_a_capture_keeps_the_layers_the_drafter_train_builds_reads_on_a_hybrid_t
     read = built.features(built.config, shape).layers
     unmoved = built.features(OmegaConf.to_object(cfg.drafter), shape).layers
     assert resolve_selection(cfg, target).layers == tuple(sorted(set(read))) != tuple(sorted(set(unmoved)))
+
+
+def test_a_capture_resumed_over_other_data_says_which_input_changed_not_two_hashes(tmp_path, conversations, capsys):
+    """An unfinished capture (its parts alone: no manifest) resumed after data.train's content, a data setting or
+    the tokenizer changed, or one begun before draftsmith recorded them, is refused in one line saying in words
+    what changed and what to do; it named the conversations' two fingerprints (`data_fingerprint: 'ab36…' ->
+    '51c1…'`), whatever had changed."""
+    train = tmp_path / "train.jsonl"
+    shutil.copy(conversations["train"], train)
+    data = {**conversations, "train": train}
+    first = run_capture(tmp_path, data, "data.capture.shard_tokens=250")
+    features = first.directory
+    (features / "manifest.json").unlink()  # as a run killed before it merged its parts
+    part_path = features / "manifest_part_00.json"
+    part = json.loads(part_path.read_text())
+    assert part["data_content"] == first.manifest["data_content"] and part["data"] == first.manifest["data"]
+
+    def refusal(*extra: str) -> str:
+        with pytest.raises(SystemExit) as exit_info:
+            run_cli(main, capture_args(tmp_path, data, "data.capture.shard_tokens=250", *extra))
+        done = subprocess.CompletedProcess([], exit_info.value.code, "", capsys.readouterr().err)
+        line = assert_one_line_error(done, 2, f"{features} already holds a capture with other settings (")
+        assert "data_fingerprint" not in line and part["settings"]["data_fingerprint"] not in line
+        assert line.endswith(
+            "put back what it was made with, or remove it or set data.capture.output to another directory"
+        )
+        return line
+
+    assert "(data.max_length: 96 -> 64)" in refusal("data.max_length=64")  # a setting, named, in a part too
+    rows = train.read_text().splitlines()
+    train.write_text("\n".join([rows[1], rows[0], *rows[2:]]) + "\n")  # the same path, other content
+    assert "(data.train's content: a file's conversations changed since the capture was made)" in refusal()
+    shutil.copy(conversations["train"], train)
+    other = {**part["settings"], "data_fingerprint": "0" * 64}  # as made with another chat template
+    part_path.write_text(
+        json.dumps({**part, "settings": other, "tokenizer": {**part["tokenizer"], "chat_template": "another"}})
+    )
+    assert "(the target's tokenizer: its chat_template changed since the capture was made)" in refusal()
+    old = {key: value for key, value in part.items() if key not in ("data", "tokenizer", "data_content")}
+    part_path.write_text(json.dumps({**old, "settings": other}))  # begun before the records
+    assert "the capture predates draftsmith recording which" in refusal()
+    part_path.write_text(json.dumps(part))
+    resumed = run_capture(tmp_path, data, "data.capture.shard_tokens=250")  # the data it was made from: resumed
+    assert resumed.computed == 0 and resumed.manifest["shards"] == first.manifest["shards"]

@@ -8,6 +8,7 @@ import json
 import logging
 from collections import Counter
 
+from draftsmith.data_prep.conversations import load_conversations
 from draftsmith.data_prep.dataset import load_tokenized
 from draftsmith.data_prep.overlap import answered_prompt_digests, eval_in_train, prompt_digest
 from draftsmith.data_prep.regenerate_turns import left_out_line
@@ -142,3 +143,30 @@ def test_regenerates_left_out_line_says_why_with_counts():
         "3 left out, ended before min_turns=2 answers: 3 at an empty answer"
     )
     assert left_out_line(Counter(), 2048, 1) == "0 left out"
+
+
+QUESTIONS = ["2+2?", "Capital of Italy?"]  # data.train answers the first
+
+
+def test_the_runs_second_count_of_unchanged_data_goes_through_no_conversation_again(tmp_path, monkeypatch):
+    """A training run counts the report's prompts in data.train at its start and its report again at its end:
+    the second count of the same data and prompts reads no conversation's turns again (it went through all of
+    data.train twice); data.train edited in between, or other prompts, are counted afresh."""
+    from draftsmith.data_prep import overlap
+
+    went_through = []
+    monkeypatch.setattr(
+        overlap, "answered_prompt_digests", lambda m: went_through.append(m) or answered_prompt_digests(m)
+    )
+    train = tmp_path / "train.jsonl"
+    cfg = load_recipe(["recipe=medusa", f"data.train=[{write(train, TRAIN)}]"])
+    prompts = write(tmp_path / "prompts.jsonl", [{"messages": [{"role": "user", "content": q}]} for q in QUESTIONS])
+    chosen = {"chat": load_conversations([prompts], prompts_only=True)["messages"]}  # every turn's keys, as eval's
+    counts = [overlap.prompts_in_train(chosen, cfg) for _ in range(2)]
+    assert counts == [{"prompts": 1, "of": 2, "per_domain": {"chat": 1}}] * 2
+    assert len(went_through) == len(TRAIN)  # the first count alone
+    write(train, [*TRAIN, conversation("Capital of Italy?", "Rome.")])  # the same path, other content
+    assert overlap.prompts_in_train(chosen, cfg)["prompts"] == 2
+    assert len(went_through) == 2 * len(TRAIN) + 1
+    assert overlap.prompts_in_train({"chat": chosen["chat"][:1]}, cfg)["prompts"] == 1  # other prompts: counted
+    assert len(went_through) == 3 * len(TRAIN) + 2

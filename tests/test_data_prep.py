@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -631,6 +632,22 @@ def test_bad_sources(tmp_path):
     pyarrow.parquet.write_table(datasets.Dataset.from_list([GOOD]).data.table.slice(0, 0), empty)
     with pytest.raises(UserError, match=r"^\S+empty\.parquet has no records$"):
         load_conversations([str(empty)])
+
+
+def test_an_empty_or_broken_parquet_file_is_our_line_alone(tmp_path, caplog):
+    """A parquet file of no rows, of no bytes, or not parquet at all: our one line, and no line of datasets'
+    before it (its builder logged `Failed to read file '...' with error ArrowInvalid: BatchSize must be greater
+    than 0`, or `Failed to read schema ...`, above ours)."""
+    no_rows, no_bytes, junk = tmp_path / "rows.parquet", tmp_path / "bytes.parquet", tmp_path / "junk.parquet"
+    pyarrow.parquet.write_table(datasets.Dataset.from_list([GOOD]).data.table.slice(0, 0), no_rows)
+    no_bytes.write_bytes(b"")
+    junk.write_bytes(b"not parquet at all")
+    caplog.set_level("DEBUG", logger="datasets")
+    for path, message in [(no_rows, "has no records"), (no_bytes, "has no records"), (junk, "cannot read")]:
+        with pytest.raises(UserError, match=message):
+            load_conversations([str(path)])
+    logged = [r.getMessage() for r in caplog.records if r.name.startswith("datasets")]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("datasets")], logged
 
 
 def test_openai_developer_and_llama_ipython_roles_read_as_system_and_tool(tmp_path):

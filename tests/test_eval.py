@@ -882,12 +882,19 @@ def conclusion_report(chain_speedup: float, batch_size: int = 1, per_domain: int
      (conclusion_report(1.6, batch_size=2, per_domain=2, speedup_interval=None),
       "8 prompts timed in 4 batches, too few (under 5) to tell a win from the timing's noise (decode more: "
       "eval.max_prompts, or fewer together: eval.batch_size)."),
+     # enough batches, yet no interval (eval/counts.py: timings unpaired with plain's, or mostly zero): not "too few"
+     (conclusion_report(1.6, per_domain=2, speedup_interval=None),
+      "8 prompts timed, but their timings gave no interval to tell a win from the timing's noise: they do not pair "
+      "batch for batch with plain decoding's, or most of them took no measurable time."),
+     (conclusion_report(1.6, batch_size=2, per_domain=4, speedup_interval=None),
+      "16 prompts timed in 8 batches, but their timings gave no interval"),
      (conclusion_report(1.6, batch_size=2, per_domain=4, speedup_interval=[0.9, 2.1]),
       "its 95% interval over the batches, 0.90–2.10×, reaches plain's 1.00×"),
      (conclusion_report(1.6), "the trained drafter wins in wall-clock time on cpu"),  # older: no interval key
      (conclusion_report(0.8, speedup_interval=None), "no wall-clock win on cpu: each target forward gave 2.00")],
 )  # fmt: skip
-def test_a_null_interval_from_too_few_batches_claims_no_win_and_an_older_report_reads_as_before(report, says):
+def test_a_null_interval_claims_no_win_says_why_and_an_older_report_reads_as_before(report, says):
     line = conclusion(report)[0]
     assert says in line
+    assert ("too few" in line) == ("too few" in says)  # only where fewer batches than the minimum were timed
     assert ("wins in wall-clock" in line) == ("speedup_interval" not in report["domains"]["all"]["chain"])

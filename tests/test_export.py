@@ -63,7 +63,9 @@ def test_every_kind_exports_a_complete_folder_per_engine(kind, engines, target, 
         info = json.loads((folder / EXPORT_INFO).read_text())
         assert info["engine"] == engine and info["drafter_type"] == kind and len(info["source"]["sha256"]) == 64
         card = (folder / "README.md").read_text()
-        assert card.startswith("---\nbase_model: ") and f"- {kind}\n" in card and "library_name: " + engine in card
+        front_matter = card.split("---\n")[1]  # the target is a local folder, which base_model must not name
+        assert card.startswith("---\n") and "base_model" not in front_matter and f"- {kind}\n" in front_matter
+        assert "library_name: " + engine in front_matter
         assert ("vllm serve" if engine == "vllm" else "python -m sglang.launch_server") in card
         weights_dir = folder / ("medusa" if kind == "medusa2" else "")
         config = json.loads((weights_dir / "config.json").read_text())
@@ -811,15 +813,16 @@ def test_the_cards_serve_command_runs_the_target_in_the_dtype_the_check_ran(dtyp
     assert json.loads((folder / EXPORT_INFO).read_text())["target_dtype"] == dtype
 
 
-def test_an_unchecked_cards_serve_command_names_the_dtype_draftsmith_loaded_the_target_in(target, tmp_path):
-    """Without the vLLM check the line serves the target as draftsmith loaded it (target.dtype), not in vLLM's
-    default dtype; the SGLang line is unchanged."""
-    checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt")
-    folders = run_export("eagle3", checkpoint, tmp_path / "export", "export.engines=[vllm,sglang]", target=target)
-    card = (folders["vllm"] / "README.md").read_text()
-    assert "--dtype float32 --speculative-config" in card
-    assert "The command serves the target in float32, the dtype draftsmith loaded it in" in card
-    assert "--dtype" not in (folders["sglang"] / "README.md").read_text()
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "draft_model"])
+def test_an_unchecked_cards_serve_command_names_the_dtype_draftsmith_loaded_the_target_in(kind, target, tmp_path):
+    """Without the vLLM check the line serves the target as draftsmith loaded it (target.dtype), not in the engine's
+    default dtype: the SGLang line had no --dtype, and SGLang's `auto` serves a float32 target in float16."""
+    checkpoint = save_drafter(kind, target, tmp_path / "ckpt")
+    folders = run_export(kind, checkpoint, tmp_path / "export", "export.engines=[vllm,sglang]", target=target)
+    for engine, folder in folders.items():
+        card = (folder / "README.md").read_text()
+        assert "The command serves the target in float32, the dtype draftsmith loaded it in" in card
+        assert ("--dtype float32 --speculative-config" if engine == "vllm" else "--dtype float32\n```") in card
 
 
 def test_published_files_have_the_umasks_mode(small_data, token_cache, target, tmp_path, capsys):
@@ -1061,13 +1064,15 @@ def test_an_export_setting_no_part_of_the_export_reads_is_refused(command, setti
 
 def test_a_target_given_as_a_relative_folder_is_named_by_its_absolute_path(target, tmp_path, monkeypatch):
     """The card's `vllm serve` command and base_model kept `target.name_or_path` as given: a relative folder names
-    the target only where the export ran."""
+    the target only where the export ran. base_model, which the Hub reads as an id, names no folder at all, though
+    the relative name is spelled as an id could be."""
     checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
     monkeypatch.chdir(REFERENCE_TARGET.parent)
     folder = run_export("medusa", checkpoint, tmp_path / "export", f"target.name_or_path={REFERENCE_TARGET.name}",
                         target=target)["vllm"]  # fmt: skip
     assert json.loads((folder / EXPORT_INFO).read_text())["verifier"] == str(REFERENCE_TARGET.resolve())
-    assert f"vllm serve {REFERENCE_TARGET.resolve()}" in (folder / "README.md").read_text()
+    card = (folder / "README.md").read_text()
+    assert f"vllm serve {REFERENCE_TARGET.resolve()}" in card and "base_model" not in card.split("---\n")[1]
 
 
 # -- what a push serves ----------------------------------------------------------------------------------
@@ -1132,6 +1137,34 @@ def test_a_push_to_main_names_no_revision(target, hub, tmp_path):
     assert '"model": "acme/main-only", "num_speculative_tokens"' in (folders["vllm"] / "README.md").read_text()
     assert "--speculative-draft-model-revision" not in (folders["sglang"] / "README.md").read_text()
     assert hub_files(hub, "acme/main-only", "main") == folder_files(folders["vllm"])
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "draft_model"])
+def test_a_pushed_sglang_card_serves_the_branch_in_the_dtype_and_names_no_local_base_model(kind, target, hub, tmp_path):
+    """The SGLang line had no --dtype (SGLang's `auto` serves a float32 target in float16, whose acceptance was not
+    measured); its branch flag was appended by an engine branch in the card, now each SGLang folder's own; and the
+    pushed card's base_model was the target's local path, which the Hub refuses or links to another model."""
+    checkpoint = save_drafter(kind, target, tmp_path / "ckpt")
+    folder = run_export(kind, checkpoint, tmp_path / "out", "export.engines=[sglang]", "export.push.repo_id=acme/d",
+                        "export.push.revision=v1", target=target)["sglang"]  # fmt: skip
+    pushed = hub_files(hub, "acme/d-sglang", "v1")["README.md"].decode()
+    assert pushed == (folder / "README.md").read_text()
+    assert "--speculative-draft-model-path acme/d-sglang " in pushed
+    assert " --dtype float32 --speculative-draft-model-revision v1\n```" in pushed
+    assert "base_model" not in pushed.split("---\n")[1]
+    assert f"for `{REFERENCE_TARGET.resolve()}` (no Hub id: the front matter names no base_model" in pushed
+
+
+def test_the_cards_base_model_is_the_targets_hub_id(target, tmp_path):
+    """export.verifier names the Hub copy of a target loaded from a folder: the card's base_model is that id, and
+    the commands serve it."""
+    checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt")
+    folders = run_export("eagle3", checkpoint, tmp_path / "out", "export.engines=[vllm,sglang]",
+                         "export.verifier=acme/tiny-target", target=target)  # fmt: skip
+    for engine, folder in folders.items():
+        card = (folder / "README.md").read_text()
+        assert "base_model: acme/tiny-target\n" in card.split("---\n")[1] and "no Hub id" not in card
+        assert ("vllm serve acme/tiny-target " if engine == "vllm" else "--model-path acme/tiny-target ") in card
 
 
 def test_a_repo_id_vllm_would_read_another_method_from_is_refused_before_anything_is_written(

@@ -86,6 +86,21 @@ def test_a_report_in_the_dtype_the_export_loads_the_target_in_is_taken(target, t
     assert export_run.find_report(cfg, checkpoint, digest)["_path"] == str(report)
 
 
+def test_a_given_targets_dtype_is_the_one_its_report_is_checked_against(target, tmp_path):
+    """The sweep hands export its loaded target: the check compared the report with target.dtype's dtype (float32 on
+    a CPU) while the card served the given bfloat16 target, so a float32 report passed under a bfloat16 command and
+    a bfloat16 one was refused. The given target's dtype is the one compared."""
+    bf16 = copy.deepcopy(target).to(torch.bfloat16)
+    checkpoint = save_drafter("eagle3", target, tmp_path / "run" / "final")
+    report = write_report(checkpoint, "float32")
+    cfg = load_recipe(recipe_args("eagle3", tmp_path / "export", "export.engines=[vllm]"))
+    with pytest.raises(UserError, match=r"in float32, but this export loads it in bfloat16 \(as it was given\)"):
+        export_run.export_checkpoint(cfg, checkpoint, target=bf16)
+    assert not (tmp_path / "export" / "vllm").exists()
+    report.write_text(json.dumps(json.loads(report.read_text()) | {"dtype": "bfloat16"}))
+    assert export_run.find_report(cfg, checkpoint, checkpoint_digest(checkpoint), bf16)["_path"] == str(report)
+
+
 def test_an_eagle3_folder_from_a_bfloat16_target_is_float32_throughout(target, tmp_path):
     """The embedding table EAGLE-3's folder ships was the target's as loaded (bfloat16) among float32 tensors,
     under a layer config saying float32: it is written in float32 too, the values unchanged."""

@@ -1110,6 +1110,49 @@ def test_watch_stops_on_sigterm_during_a_check_as_check_does_and_between_checks_
     assert len(checks) == 2 and signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
 
 
+def test_the_redeploy_command_runs_after_each_promotion_in_check_and_watch_and_a_failure_is_a_line(
+    tmp_path, monkeypatch, capsys
+):
+    """`watch` runs on after a promotion, so no scheduler sees its exit 12 and nothing rolled the export out:
+    monitor.redeploy_command runs after each check that exits 12, in `check` and in `watch`, told the export by
+    the environment; a command that fails is one line and the check's outcome stands."""
+    import os
+
+    from draftsmith.monitor import check as monitor_check
+    from draftsmith.monitor.state import State
+
+    directory, told = tmp_path / "monitor", tmp_path / "told"
+    State(deployed={"export": "/srv/rev_0001/vllm", "revision": 1, "baseline": "r"}).save(directory)
+    outcomes = iter([Outcome.PROMOTED, Outcome.HEALTHY, Outcome.PROMOTED])  # `check`, then `watch` twice
+
+    def next_check(cfg):
+        outcome = next(outcomes, None)
+        if outcome is None:  # the third check of `watch`: stop it
+            os.kill(os.getpid(), signal.SIGTERM)
+            return Outcome.HEALTHY
+        return outcome
+
+    monkeypatch.setattr(monitor_check, "check", next_check)
+    monkeypatch.setattr(monitor_check, "summary", lambda cfg, outcome: f"monitor: {outcome.name.lower()}")
+    command = f'echo "$DRAFTSMITH_REVISION $DRAFTSMITH_EXPORT" >> {told}'
+    args = [f"output_dir={tmp_path}", f"monitor.state_dir={directory}", f"monitor.redeploy_command='{command}'"]
+    result = run_entry_in_process(["-m", "monitor", "check", "recipe=medusa", *args], capsys)
+    assert result.returncode == 12 and told.read_text() == "1 /srv/rev_0001/vllm\n"
+    result = run_entry_in_process(["-m", "monitor", "watch", "recipe=medusa", *args, "monitor.interval_s=1"], capsys)
+    assert result.returncode == 75 and told.read_text().splitlines() == ["1 /srv/rev_0001/vllm"] * 2
+
+    monkeypatch.setattr(monitor_check, "check", lambda cfg: Outcome.PROMOTED)
+    args[-1] = "monitor.redeploy_command='exit 3'"
+    result = run_entry_in_process(["-m", "monitor", "check", "recipe=medusa", *args], capsys)
+    assert result.returncode == 12 and result.stdout.strip() == "monitor: promoted"
+    assert result.stderr.strip() == (
+        "monitor: monitor.redeploy_command exited 3 for revision 1 (/srv/rev_0001/vllm): not rolled out by it"
+    )
+    args[-1] = "monitor.redeploy_command=' '"
+    result = run_entry_in_process(["-m", "monitor", "check", "recipe=medusa", *args], capsys)
+    assert_one_line_error(result, 2, "monitor.redeploy_command is empty", alone=True)
+
+
 def test_watch_refuses_an_interval_under_a_second(tmp_path, capsys):
     """monitor.interval_s=0 ran thousands of checks a second."""
     result = run_entry_in_process(

@@ -21,11 +21,13 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import get_cosine_schedule_with_warmup
 
 from draftsmith.data_prep import Collator, PackingCollator, load_tokenized
-from draftsmith.data_prep.features import expected_features, open_features, require_captured_settings
+from draftsmith.data_prep.features import MANIFEST_NAME, expected_features, open_features, require_captured_settings
+from draftsmith.data_prep.local_files import local_content
 from draftsmith.data_prep.overlap import eval_in_train, prompts_in_train, warn_of_prompts_in_train
 from draftsmith.errors import UserError, one_line
 from draftsmith.eval.prompts import prompt_conversations, prompt_sources, render_prompts
 from draftsmith.families import check_eval_settings
+from draftsmith.files import file_sha256
 from draftsmith.formats.folder import require_recipes_drafter, require_recipes_kind, start_kind, warm_start
 from draftsmith.heads import drafter_class
 from draftsmith.heads.base import saved_drafter
@@ -103,6 +105,24 @@ RESUMED_AS_BEGUN = (
 )  # fmt: skip
 
 
+# The RESUMED_AS_BEGUN keys that name local data by path: the same bytes under another path (a clone's copy of
+# demo/, a relative path for an absolute one) are the run's data, so these compare by content where paths differ
+DATA_PATHS = ("data.train", "data.draft_vocab", "data.features")
+
+
+def same_local_data(key: str, began, now) -> bool:
+    """Whether the DATA_PATHS `key`'s values `began` and `now` read the same bytes, file for file in order (a
+    capture by its manifest, which holds every shard's sha256); false where either cannot be read here (a Hub
+    data set, a path moved away), whose content is not known."""
+    if began is None or now is None:
+        return False
+    if key == "data.features":
+        manifests = [Path(value).expanduser() / MANIFEST_NAME for value in (began, now)]
+        return all(path.is_file() for path in manifests) and len({file_sha256(path) for path in manifests}) == 1
+    content = [local_content(value) for value in (began, now)]
+    return content[0] is not None and content[0] == content[1]
+
+
 def require_resumed_as_begun(cfg: DictConfig, output_dir: Path) -> None:
     """One line naming each RESUMED_AS_BEGUN key the resuming recipe changes from the run's recipe.yaml (a value
     given anew was ignored, or trained other conversations from the saved position, without a word)."""
@@ -116,7 +136,9 @@ def require_resumed_as_begun(cfg: DictConfig, output_dir: Path) -> None:
         began = OmegaConf.select(saved, key, default=OmegaConf.select(defaults, key))
         now = OmegaConf.select(cfg, key, default=None)
         began, now = (OmegaConf.to_container(v) if OmegaConf.is_config(v) else v for v in (began, now))
-        if began != now:
+        if began != now and key in DATA_PATHS and same_local_data(key, began, now):
+            log.info("%s=%s reads the bytes the run began with (%s)", key, json.dumps(now), json.dumps(began))
+        elif began != now:
             changed.append(f"{key}={json.dumps(now)} (the run began with {json.dumps(began)})")
     if changed:
         raise UserError(
