@@ -22,17 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
-from provenance import cpu_model  # noqa: E402
+from draftsmith_commands import REPO, train_unless_trained  # benchmarks/ is the script's directory, first on sys.path
+from provenance import provenance
 
 
 def main() -> None:
@@ -43,6 +38,7 @@ def main() -> None:
     parser.add_argument("--gamma", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    began = time.perf_counter()
     torch.set_num_threads(args.threads)
     from draftsmith.eval.loop import generate
     from draftsmith.eval.prompts import eos_ids_of, load_prompts
@@ -51,21 +47,7 @@ def main() -> None:
     from draftsmith.target import TargetShape, load_target, load_tokenizer
 
     output_dir = (args.runs / "draft").resolve()
-    trained_s = None
-    if not (output_dir / "final" / "model.safetensors").is_file():
-        began = time.perf_counter()
-        command = [
-            sys.executable,
-            "train.py",
-            "recipe=draft",
-            f"output_dir={output_dir}",
-            "eval.enabled=false",
-            "train.overwrite=true",
-        ]
-        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-        if result.returncode != 0:
-            sys.exit(f"training the draft model failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
-        trained_s = round(time.perf_counter() - began, 1)
+    trained_s = train_unless_trained(["recipe=draft"], output_dir)
 
     cfg = load_recipe(["recipe=draft", f"output_dir={output_dir}"])
     target, tokenizer = load_target(cfg.target), load_tokenizer(cfg.target)
@@ -128,8 +110,6 @@ def main() -> None:
                 same[name] += int(out == reference)
     rates = {name: tokens[name] / seconds[name] for name in ways}
     summary = {
-        "cpu": f"{cpu_model()} ({os.cpu_count()} cores)",
-        "torch_threads": args.threads,
         "prompts": len(prompts),
         "new_tokens_per_prompt": args.new_tokens,
         "gamma": args.gamma,
@@ -149,7 +129,7 @@ def main() -> None:
         },
         "equal_to_plain_greedy": {name: f"{same[name]}/{len(prompts)}" for name in ways},
     }
-    print(json.dumps(summary, indent=2))
+    print(json.dumps(summary | provenance(args.threads, began), indent=2))
 
 
 if __name__ == "__main__":

@@ -14,16 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
-from provenance import cpu_model
-
-REPO = Path(__file__).resolve().parent.parent
+from draftsmith_commands import REPO, train_unless_trained  # benchmarks/ is the script's directory, first on sys.path
+from provenance import provenance
 
 
 def main() -> None:
@@ -42,30 +38,11 @@ def main() -> None:
     from draftsmith.recipe import load_recipe
 
     sizes = [int(size) for size in args.batch_sizes.split(",")]
-    summary: dict = {
-        "cpu": f"{cpu_model()} ({os.cpu_count()} cores)",
-        "torch_threads": args.threads,
-        "batch_sizes": sizes,
-        "drafters": {},
-    }
+    summary: dict = {"batch_sizes": sizes, "drafters": {}}
     start = time.perf_counter()
     for name in args.only.split(","):
         output_dir = (args.runs / name).resolve()
-        trained_s = None
-        if not (output_dir / "final" / "model.safetensors").is_file():
-            began = time.perf_counter()
-            command = [
-                sys.executable,
-                "train.py",
-                f"recipe={name}",
-                f"output_dir={output_dir}",
-                "eval.enabled=false",
-                "train.overwrite=true",
-            ]
-            result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-            if result.returncode != 0:
-                sys.exit(f"training {name} failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
-            trained_s = round(time.perf_counter() - began, 1)
+        trained_s = train_unless_trained([f"recipe={name}"], output_dir)
         overrides = [
             f"recipe={name}",
             f"output_dir={output_dir}",
@@ -96,8 +73,7 @@ def main() -> None:
                 for size in sweep
             },
         }
-    summary["wall_s"] = round(time.perf_counter() - start, 1)
-    print(json.dumps(summary, indent=2))
+    print(json.dumps(summary | provenance(args.threads, start), indent=2))
 
 
 if __name__ == "__main__":

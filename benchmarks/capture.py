@@ -9,7 +9,8 @@ For the recipe's drafter on the bundled demo target, side by side in one run:
    tokens/s), then `python train.py data.features=<shards>` with the same steps, data and seed
    (tau, training tokens/s).
 It names the cheapest dtype whose overall tau (chain and tree) stays within 2% of bfloat16's.
-Training tokens/s is the mean of the logged intervals after the first (which holds start-up).
+Training tokens/s is the mean of the logged intervals after the first (which holds start-up). Then the machine,
+the versions and the whole wall time (benchmarks/provenance.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from provenance import provenance  # benchmarks/ is the script's directory, first on sys.path
 
 REPO = Path(__file__).resolve().parent.parent
 TOLERANCE = 0.02
@@ -54,6 +57,7 @@ def main() -> None:
     parser.add_argument("--train-data", default="demo/data/train.regenerated.jsonl.gz")
     parser.add_argument("--runs", default="runs/bench_capture")
     args = parser.parse_args()
+    began = time.perf_counter()
     runs = Path(args.runs).resolve()
     common = [f"recipe={args.recipe}", f"data.train=[{args.train_data}]", f"train.max_steps={args.steps}"]
 
@@ -94,7 +98,7 @@ def main() -> None:
             if all(abs(change) <= TOLERANCE for change in entry["tau_change_vs_bfloat16"].values()):
                 within.append((entry["bytes_per_token"], dtype))
         results["cheapest_within_2pct_of_bfloat16"] = min(within)[1] if within else None
-    print(json.dumps(results, indent=2))
+    print(json.dumps(results | provenance(None, began), indent=2))  # threads: each run's own choice
 
 
 if __name__ == "__main__":

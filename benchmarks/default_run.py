@@ -3,20 +3,22 @@
     python benchmarks/default_run.py [--output-dir runs/bench_medusa] [key=value overrides ...]
 
 Runs `accelerate launch train.py recipe=medusa` (the bundled demo target and data) in a fresh
-output directory and prints: wall time, eval-split top-1 accuracy per domain and head (trained vs
-untrained heads), and the speculative-decoding report's tau/alpha/speedup per domain and method.
+output directory and prints: eval-split top-1 accuracy per domain and head (trained vs untrained heads), the
+speculative-decoding report's tau/alpha/speedup per domain and method, and the wall time with the machine and
+versions (benchmarks/provenance.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from provenance import provenance  # benchmarks/ is the script's directory, first on sys.path
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -34,7 +36,6 @@ def main() -> None:
     command = [*launch, "train.py", "recipe=medusa", f"output_dir={output_dir}", *args.overrides]
     start = time.perf_counter()
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-    wall_s = time.perf_counter() - start
     if result.returncode != 0:
         sys.exit(f"training failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
 
@@ -43,8 +44,6 @@ def main() -> None:
     heads = sorted({k.split("/")[0] for k in accuracy["trained"]["all"] if k.endswith("/top1")})
     summary = {
         "command": " ".join(command),
-        "cpu_threads": os.cpu_count(),
-        "wall_s": round(wall_s, 1),
         "top1": {
             domain: {
                 h: {
@@ -63,7 +62,8 @@ def main() -> None:
             for domain in report["domains"]
         },
     }
-    print(json.dumps(summary, indent=2))
+    # threads: None, the run's own choice (draftsmith/threads.py); wall_s: the command's, from its start
+    print(json.dumps(summary | provenance(None, start), indent=2))
 
 
 if __name__ == "__main__":

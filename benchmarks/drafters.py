@@ -20,14 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from draftsmith_commands import run_python  # benchmarks/ is the script's directory, first on sys.path
 from provenance import provenance
-
-REPO = Path(__file__).resolve().parent.parent
 
 # name -> recipe overrides; every run also gets train.max_steps and its own output_dir.
 DRAFTERS = {
@@ -42,14 +40,6 @@ DRAFTERS = {
     "medusa_corpus": ["recipe=medusa", "data.train=[demo/data/train.jsonl.gz]"],  # after data.train=[DATA]: wins
 }
 BASELINE_ONLY = {"plain", "original"}  # not drafting: tau is 1 by construction
-
-
-def run(args: list[str]) -> float:
-    start = time.perf_counter()
-    result = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True)
-    if result.returncode != 0:
-        sys.exit(f"`python {' '.join(args)}` failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
-    return time.perf_counter() - start
 
 
 def taus(report: dict) -> dict:
@@ -90,9 +80,9 @@ def main() -> None:
     for name in names:
         out = runs / name
         overrides = [DRAFTERS[name][0], f"data.train=[{args.train_data}]", *DRAFTERS[name][1:]]
-        train_s = run(["train.py", *overrides, f"train.max_steps={args.steps}", f"output_dir={out}"])
+        train_s = run_python(["train.py", *overrides, f"train.max_steps={args.steps}", f"output_dir={out}"])
         greedy = json.loads((out / "eval" / "report.json").read_text())
-        run(
+        run_python(
             [
                 "-m",
                 "eval",

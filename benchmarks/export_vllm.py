@@ -10,19 +10,21 @@ benchmark export as they were trained: `--runs runs/bench_smollm2 --prompts 4` c
 drafters of benchmarks/real_target.py against vLLM serving SmolLM2), and reports what the export
 check measured on the eval prompts (4 domains x --prompts, greedy, γ of the recipe): vLLM's τ and
 P(accepted >= k) next to draftsmith's on the same prompts and schedule, whether vLLM's output with the
-drafter equals its output without it and draftsmith's, and the wall time of the check.
+drafter equals its output without it and draftsmith's, and the wall time of the check; then the machine, the
+versions and the whole wall time (benchmarks/provenance.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
-from drafters import run  # benchmarks/ is the script's directory, first on sys.path
-from vllm_probe import engine_python
+from draftsmith_commands import REPO, run_python  # benchmarks/ is the script's directory, first on sys.path
+from provenance import provenance
+from vllm_probe import add_vllm_python
 
-REPO = Path(__file__).resolve().parent.parent
 RECIPES = {
     "medusa": "medusa",
     "medusa2": "medusa2",
@@ -36,17 +38,13 @@ TRAIN_DATA = "demo/data/train.regenerated.jsonl.gz"  # what benchmarks/drafters.
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--vllm-python",
-        required=True,
-        type=engine_python,
-        help="the Python of a vLLM environment, relative to the current directory",
-    )
+    add_vllm_python(parser)
     parser.add_argument("--runs", type=Path, default=REPO / "runs/bench_drafters")
     parser.add_argument("--only", default=",".join(RECIPES))
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
+    began = time.perf_counter()
     results = {}
     for name in args.only.split(","):
         run_dir = (args.runs / name).resolve()
@@ -56,9 +54,9 @@ def main() -> None:
             f"eval.max_new_tokens={args.new_tokens}",
         ]
         if not (run_dir / "final" / "model.safetensors").is_file():
-            run(["train.py", f"recipe={RECIPES[name]}", f"data.train=[{TRAIN_DATA}]", *eval_settings])
+            run_python(["train.py", f"recipe={RECIPES[name]}", f"data.train=[{TRAIN_DATA}]", *eval_settings])
         output = run_dir / "export"  # no 'eagle-'/'eagle3' in the run names: vLLM picks methods from paths
-        wall = run(
+        wall = run_python(
             [
                 "-m",
                 "export",
@@ -76,7 +74,7 @@ def main() -> None:
                                                         "relative_difference", "at_least_engine", "at_least_draftsmith",
                                                         "lossless", "equals_draftsmith_plain", "counters")}  # fmt: skip
         results[name]["export_and_check_wall_s"] = round(wall, 1)
-    print(json.dumps(results, indent=2))
+    print(json.dumps({"drafters": results} | provenance(None, began), indent=2))  # threads: vLLM's own choice
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from provenance import provenance  # benchmarks/, first on sys.path
+from vllm_probe import add_vllm_python
 
 from draftsmith.engines import require_suffix_decoding
 from draftsmith.errors import UserError
@@ -64,7 +65,7 @@ STAGES = ("sweep", "schedule", "repeat", "report")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vllm-python", required=True)
+    add_vllm_python(parser)
     parser.add_argument("--drafter", action="append", default=[], help="NAME=RUN_DIR (repeatable)")
     parser.add_argument("--out", default="docs/results/load_sweep")
     parser.add_argument("--concurrency", default="1,2,4,8,16,32")

@@ -27,14 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from vllm_probe import engine_python  # benchmarks/ is the script's directory, first on sys.path
+from draftsmith_commands import REPO, run_python  # benchmarks/ is the script's directory, first on sys.path
+from provenance import provenance
+from vllm_probe import add_vllm_python
 
-REPO = Path(__file__).resolve().parent.parent
 EAGLE31 = ["drafter.fc_norm=true", "drafter.norm_output=true"]
 PARALLEL = ["drafter.parallel_drafting=true", "drafter.mask_token_id=5"]
 VARIANTS = {  # name -> (recipe, overrides)
@@ -45,14 +44,6 @@ VARIANTS = {  # name -> (recipe, overrides)
     "pard": ("draft", PARALLEL),
 }
 DATA = "demo/data/train.regenerated.jsonl.gz"
-
-
-def run(args: list[str]) -> float:
-    start = time.perf_counter()
-    done = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"`python {' '.join(args)}` failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return time.perf_counter() - start
 
 
 ENGINES = None  # the benchmark's one EngineSession: vLLM imported once for every run
@@ -99,12 +90,7 @@ def engine_row(result: dict, plain: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--vllm-python",
-        required=True,
-        type=engine_python,
-        help="the Python of a vLLM environment, relative to the current directory",
-    )
+    add_vllm_python(parser)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--runs", type=Path, default=REPO / "runs/bench_parallel")
     parser.add_argument("--prompts", type=int, default=4, help="eval prompts per demo domain")
@@ -129,8 +115,8 @@ def main() -> None:
         row = result["variants"][name] = {}
         if not (out / "final").is_dir():
             row["train_and_eval_wall_s"] = round(
-                run(["train.py", f"recipe={recipe}", *overrides, *common, f"train.max_steps={args.steps}",
-                     f"output_dir={out}"]), 1
+                run_python(["train.py", f"recipe={recipe}", *overrides, *common, f"train.max_steps={args.steps}",
+                            f"output_dir={out}"]), 1
             )  # fmt: skip
         chain = json.loads((out / "eval" / "report.json").read_text())["domains"]["all"]["chain"]
         row["draftsmith"] = {
@@ -139,8 +125,9 @@ def main() -> None:
             "lossless": chain["lossless"],
         }
         if not (out / "export" / "vllm").is_dir():
-            run(["-m", "export", f"recipe={out / 'recipe.yaml'}", f"checkpoint={out / 'final'}", f"output_dir={out}",
-                 f"export.output={out / 'export'}", f"export.num_speculative_tokens={args.gamma}"])  # fmt: skip
+            run_python(["-m", "export", f"recipe={out / 'recipe.yaml'}", f"checkpoint={out / 'final'}",
+                        f"output_dir={out}", f"export.output={out / 'export'}",
+                        f"export.num_speculative_tokens={args.gamma}"])  # fmt: skip
 
     from draftsmith.eval.prompts import load_prompts
     from draftsmith.recipe import load_recipe
@@ -161,8 +148,7 @@ def main() -> None:
         served = vllm(args.vllm_python, target, prompts, args.new_tokens, config)
         result["variants"][name]["vllm"] = engine_row(served, plain)
         result["variants"][name]["vllm"]["speculative_config"] = config
-    result["machine"] = {"cores": os.cpu_count(), "engine_threads": args.threads}
-    result["wall_s"] = round(time.perf_counter() - start, 1)
+    result |= provenance(args.threads, start)  # threads: the engine's (OMP_NUM_THREADS)
     print(json.dumps(result, indent=2))
 
 

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
+import time
 from pathlib import Path
 
 from peer_speculators import SPECULATORS_PYTHON, own_eval, own_eval_taus, run  # benchmarks/, first on sys.path
-from provenance import cpu_model
+from provenance import provenance
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = [
@@ -154,6 +154,7 @@ def main() -> None:
         "--seed", type=int, default=0, help="train.seed of draftsmith's runs (not 0: runs/<variant>@seed<N>)"
     )
     args = parser.parse_args()
+    began = time.perf_counter()
     runs = args.runs.resolve()
     speculators = Path(args.speculators).resolve() if args.speculators else None  # not type=Path: '' would be '.'
     missing = speculators_missing(speculators, args, runs)
@@ -204,8 +205,8 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     out = args.out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    machine = {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": args.threads}
-    out.write_text("".join(json.dumps(row | {"machine": machine}) + "\n" for row in rows))
+    where = provenance(args.threads, began)  # the same for every row; wall_s: this invocation's
+    out.write_text("".join(json.dumps(row | where) + "\n" for row in rows))
 
 
 if __name__ == "__main__":

@@ -53,9 +53,9 @@ import sys
 import time
 from pathlib import Path
 
-from provenance import cpu_model
+from provenance import provenance
 from standard_protocol import load_json, save_json, stage_timer, summarize  # benchmarks/, first on sys.path
-from vllm_probe import engine_python
+from vllm_probe import add_vllm_python, engine_python
 
 from draftsmith.formats.repo import VLLM_PINNED
 
@@ -365,12 +365,7 @@ def defaults_as_run(trained: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--vllm-python",
-        required=True,
-        type=engine_python,
-        help="the Python of a vLLM environment, relative to the current directory",
-    )
+    add_vllm_python(parser)
     parser.add_argument(
         "--speculators-python",
         default=str(SPECULATORS_PYTHON),
@@ -434,8 +429,6 @@ def main() -> None:
     rows, own = report(args, runs, trained, timing)
     out.mkdir(parents=True, exist_ok=True)
     (out / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    import importlib.metadata as metadata
-
     speculators_version = subprocess.run(
         [str(args.speculators_python), "-c", "import importlib.metadata as m; print(m.version('speculators'))"],
         capture_output=True, text=True,
@@ -475,15 +468,10 @@ def main() -> None:
             "cli_args": SPECULATORS_CPU_ARGS,
         },  # fmt: skip
         "own_eval": own,
-        "versions": {
-            "speculators": speculators_version,
-            "vllm": timing["plain"]["vllm_version"],
-            "draftsmith": metadata.version("draftsmith"),
-            "torch": metadata.version("torch"),
-        },  # fmt: skip
-        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": args.threads},
-        "walls_s": load_json(runs / "walls.json") | {"this_invocation": round(time.perf_counter() - began, 1)},
+        "walls_s": load_json(runs / "walls.json"),
     }
+    summary |= provenance(args.threads, began)  # threads: training's and the engine's; wall_s: this invocation's
+    summary["versions"] |= {"speculators": speculators_version, "vllm": timing["plain"]["vllm_version"]}
     save_json(out / "summary.json", summary)
     print(json.dumps(summary, indent=2))
 

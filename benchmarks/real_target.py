@@ -39,7 +39,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from drafters import run, training_threads  # benchmarks/ is the script's directory, first on sys.path
+from drafters import training_threads
+from draftsmith_commands import run_python  # benchmarks/ is the script's directory, first on sys.path
 from provenance import provenance
 
 REPO = Path(__file__).resolve().parent.parent
@@ -245,18 +246,18 @@ def main() -> None:
     draft_vocab = f"data.draft_vocab=[{','.join(vocab_sources)}]"
 
     if not (regenerated / "DONE").exists():
-        walls.record("regenerate_s", run(["-m", "data_prep.regenerate", "recipe=eagle3_smollm2",
-                                           f"data.train=[{','.join(train_files)}]",
-                                           f"data.max_conversations={args.per_domain}",
-                                           f"data.regenerate.max_new_tokens={args.answer_tokens}",
-                                           f"data.regenerate.output={regenerated}",
-                                           f"output_dir={runs / 'regenerate'}"]))  # fmt: skip
+        walls.record("regenerate_s", run_python(["-m", "data_prep.regenerate", "recipe=eagle3_smollm2",
+                                                  f"data.train=[{','.join(train_files)}]",
+                                                  f"data.max_conversations={args.per_domain}",
+                                                  f"data.regenerate.max_new_tokens={args.answer_tokens}",
+                                                  f"data.regenerate.output={regenerated}",
+                                                  f"output_dir={runs / 'regenerate'}"]))  # fmt: skip
         (regenerated / "DONE").touch()
     if not (features / "DONE").exists():
-        walls.record("capture_s", run(["-m", "data_prep.capture", "recipe=eagle3_smollm2", *data,
-                                        "data.capture.dtype=float8", "data.capture.final=true",
-                                        f"data.capture.output={features}",
-                                        f"output_dir={runs / 'capture'}"]))  # fmt: skip
+        walls.record("capture_s", run_python(["-m", "data_prep.capture", "recipe=eagle3_smollm2", *data,
+                                               "data.capture.dtype=float8", "data.capture.final=true",
+                                               f"data.capture.output={features}",
+                                               f"output_dir={runs / 'capture'}"]))  # fmt: skip
         (features / "DONE").touch()
     manifest = json.loads((features / "manifest.json").read_text())
 
@@ -265,13 +266,13 @@ def main() -> None:
         out, (recipe, overrides) = runs / name, DRAFTERS[name]
         if not (out / "eval" / "report.json").exists():
             walls.record(f"{name}_train_and_greedy_eval_s",
-                         run(["train.py", f"recipe={recipe}", *data, f"data.features={features}", *overrides,
-                              *([draft_vocab] if recipe.startswith("eagle3") else []),
-                              f"train.max_steps={args.steps}", *common, f"output_dir={out}"]))  # fmt: skip
+                         run_python(["train.py", f"recipe={recipe}", *data, f"data.features={features}", *overrides,
+                                     *([draft_vocab] if recipe.startswith("eagle3") else []),
+                                     f"train.max_steps={args.steps}", *common, f"output_dir={out}"]))  # fmt: skip
         if not args.no_sampled and not (out / "sampled" / "eval" / "report.json").exists():
             walls.record(f"{name}_sampled_eval_s",
-                         run(["-m", "eval", f"recipe={out / 'recipe.yaml'}", f"checkpoint={out / 'final'}",
-                              "eval.temperature=1.0", f"output_dir={out / 'sampled'}"]))  # fmt: skip
+                         run_python(["-m", "eval", f"recipe={out / 'recipe.yaml'}", f"checkpoint={out / 'final'}",
+                                     "eval.temperature=1.0", f"output_dir={out / 'sampled'}"]))  # fmt: skip
         greedy = json.loads((out / "eval" / "report.json").read_text())
         sampled = out / "sampled" / "eval" / "report.json"
         learned = json.loads((out / "final" / "config.json").read_text()).get("learned", {})

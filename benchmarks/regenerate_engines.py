@@ -17,15 +17,12 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from vllm_probe import engine_python  # benchmarks/ is the script's directory, first on sys.path
-
-REPO = Path(__file__).resolve().parent.parent
+from draftsmith_commands import REPO, run_python  # benchmarks/ is the script's directory, first on sys.path
+from provenance import provenance
+from vllm_probe import add_vllm_python
 
 
 def regenerate(recipe: str, output: Path, conversations: int, new_tokens: int, extra: list[str]) -> float:
@@ -34,11 +31,7 @@ def regenerate(recipe: str, output: Path, conversations: int, new_tokens: int, e
         f"data.regenerate.output={output}",
         f"data.max_conversations={conversations}", f"data.regenerate.max_new_tokens={new_tokens}", *extra,
     ]  # fmt: skip
-    start = time.perf_counter()
-    done = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"`python {' '.join(args)}` failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return time.perf_counter() - start
+    return run_python(args)
 
 
 def records(directory: Path) -> list[dict]:
@@ -53,17 +46,13 @@ def main() -> None:
     from draftsmith.target import load_target, load_tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--vllm-python",
-        required=True,
-        type=engine_python,
-        help="the Python of a vLLM environment, relative to the current directory",
-    )
+    add_vllm_python(parser)
     parser.add_argument("--recipe", default="eagle3_sharegpt_smollm2")
     parser.add_argument("--conversations", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--runs", type=Path, default=REPO / "runs/regenerate_engines")
     args = parser.parse_args()
+    began = time.perf_counter()
     runs = args.runs.resolve()
     engines = {
         "vllm": [
@@ -79,7 +68,6 @@ def main() -> None:
         "recipe": args.recipe,
         "conversations": args.conversations,
         "max_new_tokens": args.new_tokens,
-        "threads": torch.get_num_threads(),
     }
     outputs = {}
     for name, extra in engines.items():
@@ -124,8 +112,7 @@ def main() -> None:
         "median_top2_logit_gap_where_they_part": gaps[len(gaps) // 2] if gaps else None,
     }
     result["speedup_vllm_over_transformers"] = round(result["vllm"]["tok_s"] / result["transformers"]["tok_s"], 2)
-    result["machine"] = {"cpu_count": os.cpu_count()}
-    print(json.dumps(result, indent=2))
+    print(json.dumps(result | provenance(torch.get_num_threads(), began), indent=2))
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from provenance import provenance
-from vllm_probe import engine_python  # benchmarks/ is the script's directory, first on sys.path
+from vllm_probe import add_vllm_python  # benchmarks/ is the script's directory, first on sys.path
 
 from draftsmith.engines import VllmWorker, require_suffix_decoding
 from draftsmith.errors import UserError
@@ -401,12 +401,7 @@ def plot_timing(rows: list[dict], path: Path, drafters: dict[str, str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--vllm-python",
-        required=True,
-        type=engine_python,
-        help="the Python of a vLLM environment, relative to the current directory",
-    )
+    add_vllm_python(parser)
     parser.add_argument("--runs", type=Path, default=REPO / "runs/standard_protocol")
     parser.add_argument("--conversations", type=int, default=2400)
     parser.add_argument(

@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -54,7 +53,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from draftsmith.random_target import TOKENIZER_FILES, demo_tokenizer_dir, write_random_target  # noqa: E402
+from benchmarks.provenance import provenance  # noqa: E402
+from draftsmith.random_target import RANDOM_TARGET_TOKENIZER_FILES, demo_tokenizer_dir, write_random_target  # noqa: E402
 
 FAMILIES = (
     "llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2", "gemma3_text", "phi3", "gpt_oss",
@@ -207,7 +207,7 @@ def write_random_wrapper(model_type: str, directory: str | Path, **text: Any) ->
     for name, tensor in load_file(str(text_folder / "model.safetensors")).items():
         tensors[name.replace("model.", "model.language_model.", 1)] = tensor
     save_file(tensors, str(weights), metadata={"format": "pt"})
-    for name in TOKENIZER_FILES:
+    for name in RANDOM_TARGET_TOKENIZER_FILES:
         if (text_folder / name).is_file():
             shutil.copyfile(text_folder / name, wrapper / name)
     vision_config = config.vision_config
@@ -296,11 +296,6 @@ def main() -> None:
     if out.exists():
         done = {(row["family"], row["kind"]) for row in map(json.loads, out.read_text().splitlines()) if row}
     env = {**os.environ, "OMP_NUM_THREADS": str(options.threads), "TOKENIZERS_PARALLELISM": "false"}
-    machine = {
-        "machine": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(),
-        "threads": options.threads,
-    }
     with tempfile.TemporaryDirectory(prefix="target-matrix-") as tmp:
         work = Path(tmp)
         for family in options.families.split(","):
@@ -319,7 +314,7 @@ def main() -> None:
                 target = targets[mtp]
                 start = time.perf_counter()
                 row = measure(family, kind, target, work, options.vllm_python, env, options.set, options.export_set)
-                row |= machine | {"wall_s": round(time.perf_counter() - start, 1)}
+                row |= provenance(options.threads, start)  # wall_s: this row's
                 print(json.dumps(row), flush=True)
                 with out.open("a") as stream:
                     stream.write(json.dumps(row) + "\n")

@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -117,16 +116,19 @@ def transformers_proposals(target: Path, assistant: Path, committed: list[list[i
 
 
 def main() -> None:
+    from benchmarks.provenance import provenance
+    from benchmarks.vllm_probe import add_vllm_python, ask_vllm, vllm_version_or_exit
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--vllm-python", required=True)
+    add_vllm_python(parser)
     parser.add_argument("--out", type=Path, default=REPO / "docs/results/vllm_gemma4_assistant.json")
     parser.add_argument("--target", type=Path, help="a Gemma-4 target folder (with --assistant)")
     parser.add_argument("--assistant", type=Path, help="an assistant folder for --target (a trained one)")
     args = parser.parse_args()
     if (args.target is None) != (args.assistant is None):
         parser.error("--target and --assistant go together")
+    began = time.perf_counter()
 
-    from benchmarks.vllm_probe import ask_vllm, vllm_version_or_exit
     from draftsmith.random_target import demo_tokenizer_dir, write_random_target
 
     version = vllm_version_or_exit(args.vllm_python)
@@ -159,11 +161,11 @@ def main() -> None:
         "pair": "random target and assistant" if args.assistant is None else f"{args.target} + {args.assistant}",
         "gamma": GAMMA,
         "decoded": [run["tokens"] for run in served],
-        "machine": f"{platform.machine()} {platform.processor() or ''} ({os.cpu_count()} cores)".strip(),
         "rows": rows,
         "vllm_equals": {key: all(row["vllm"] == row[key] for row in rows) for key in readings},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    result |= provenance(None, began)  # vLLM's threads and transformers' as each chose them
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["vllm_equals"]))
 

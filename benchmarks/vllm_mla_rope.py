@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -77,13 +76,16 @@ def largest_difference(vllm: list[list[float]], logprobs: list[list[float]]) -> 
 
 
 def main() -> None:
+    from benchmarks.provenance import provenance
+    from benchmarks.vllm_probe import add_vllm_python, ask_vllm, vllm_version_or_exit
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--vllm-python", required=True)
+    add_vllm_python(parser)
     parser.add_argument("--family", default="deepseek_v3")
     parser.add_argument("--out", type=Path, default=REPO / "docs/results/vllm_mla_rope.json")
     args = parser.parse_args()
+    began = time.perf_counter()
 
-    from benchmarks.vllm_probe import ask_vllm, vllm_version_or_exit
     from draftsmith.random_target import demo_tokenizer_dir, write_random_target
 
     version = vllm_version_or_exit(args.vllm_python)
@@ -107,10 +109,10 @@ def main() -> None:
         "family": args.family,
         "vllm": version,
         "rotary_functions_replaced": functions,
-        "machine": f"{platform.machine()} {platform.processor() or ''} ({os.cpu_count()} cores)".strip(),
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    result |= provenance(None, began)  # vLLM's threads and transformers' as each chose them
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({row_key: [row[row_key] for row in rows] for row_key in
                       ("largest_difference", "largest_difference_without_rotary")}))  # fmt: skip

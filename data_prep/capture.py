@@ -36,7 +36,6 @@ from draftsmith.data_prep.capture_files import (
     merge_manifest,
     refuse_other_capture,
     remove_leftovers,
-    write_json,
     write_shard,
 )
 from draftsmith.data_prep.collate import Collator
@@ -44,7 +43,7 @@ from draftsmith.data_prep.conversations import load_conversations
 from draftsmith.data_prep.dataset import cache_key, require_context, tokenize_conversations
 from draftsmith.data_prep.features import DISTRIBUTION_DTYPE, encode, hidden_names, part_name
 from draftsmith.errors import UserError
-from draftsmith.files import read_json
+from draftsmith.files import read_json, write_json
 from draftsmith.outputs import held_by_main_process
 from draftsmith.recipe import load_recipe
 from draftsmith.recipe_schema import CaptureSection

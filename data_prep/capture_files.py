@@ -34,7 +34,7 @@ from draftsmith.data_prep.features import (
     shard_name,
 )
 from draftsmith.errors import StorageError, UserError, one_line
-from draftsmith.files import created_file_mode, read_json, write_text_atomic
+from draftsmith.files import created_file_mode, read_json, write_json
 from draftsmith.target import dtype_name
 
 CAPTURE_AGAIN = "remove it to capture again"  # the advice for a capture's own file that is not JSON
@@ -249,7 +249,3 @@ def field_layout(settings: dict[str, Any], hidden_size: int) -> dict[str, str]:
     }
     fields |= {name: shapes[name] for name in DISTRIBUTION_FIELDS[settings["logits"]]}
     return fields
-
-
-def write_json(path: Path, value: dict[str, Any]) -> None:
-    write_text_atomic(path, json.dumps(value, indent=2) + "\n")

@@ -11,16 +11,19 @@ import torch
 from draftsmith.data_prep.bin_packing import pack_rows
 from draftsmith.data_prep.conversations import DEFAULT_DOMAIN
 from draftsmith.errors import UserError
+from draftsmith.heads.packing import conversation_seed
 
 
 @dataclass
 class Collator:
     """Pad rows of a tokenized data set into a batch: right padding with `pad_token_id`, and
     attention_mask/loss_mask zero on padding. `domain` stays a list of strings for per-domain metrics,
-    `sample` one of where each row came from (for error messages). Any other per-token tensor of a row
-    (captured features, data_prep.features) is padded with zeros to the same width."""
+    `sample` one of where each row came from (for error messages), `draws` each row's (row, start, length,
+    seed) for a drafter's random draws (heads/packing.py conversation_rand). Any other per-token tensor of a
+    row (captured features, data_prep.features) is padded with zeros to the same width."""
 
     pad_token_id: int
+    draw_seed: int = 0  # mixed into each conversation's seed: trainer/loop.py micro_batches sets train.seed
 
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if not rows:
@@ -43,6 +46,10 @@ class Collator:
             "loss_mask": loss_mask,
             "domain": [row.get("domain", DEFAULT_DOMAIN) for row in rows],
             "sample": [row.get("sample", "") for row in rows],
+            "draws": [
+                (b, 0, len(row["input_ids"]), conversation_seed(row["input_ids"], self.draw_seed))
+                for b, row in enumerate(rows)
+            ],  # fmt: skip
             **extra,
         }
 
@@ -75,13 +82,14 @@ class PackingCollator:
     - `position_ids` [R, L]: 0, 1, ... restarting at every conversation (and for the padding);
     - `document_ids` [R, L]: the conversation's index in the micro-batch, -1 on padding;
 
-    and `domain`/`sample` list the conversations in micro-batch order, so a drafter's per-sample
+    and `domain`/`sample`/`draws` list the conversations in micro-batch order, so a drafter's per-sample
     statistics have one row per conversation, as unpacked (heads/packing.py). `loss_mask` is each
     conversation's own. Any other per-token tensor of a row (captured features, data_prep.features)
     is laid out the same way, zeros on padding."""
 
     pad_token_id: int
     pack_length: int
+    draw_seed: int = 0  # as Collator's
 
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if not rows:
@@ -102,9 +110,11 @@ class PackingCollator:
         position_ids = torch.zeros(shape, dtype=torch.long)
         document_ids = torch.full(shape, -1, dtype=torch.long)
         extra = _per_token_extras(rows, shape)
+        draws = [None] * len(rows)
         for r, members in enumerate(packed):
             start = 0
             for i in members:
+                draws[i] = (r, start, lengths[i], conversation_seed(rows[i]["input_ids"], self.draw_seed))
                 span = slice(start, start + lengths[i])
                 input_ids[r, span] = torch.as_tensor(rows[i]["input_ids"], dtype=torch.long)
                 loss_mask[r, span] = torch.as_tensor(rows[i]["loss_mask"], dtype=torch.long)
@@ -123,5 +133,6 @@ class PackingCollator:
             "document_ids": document_ids,
             "domain": [row.get("domain", DEFAULT_DOMAIN) for row in rows],
             "sample": [row.get("sample", "") for row in rows],
+            "draws": draws,
             **extra,
         }

@@ -42,12 +42,17 @@ FEATURES = datasets.Features(
         "record": datasets.Value("int64"),
     }
 )
+
+
+def code_digest(*paths: str | os.PathLike) -> str:
+    """sha256 of source files' bytes, in order: the part of a cache's key that follows the code that wrote it."""
+    return hashlib.sha256(b"".join(Path(path).read_bytes() for path in paths)).hexdigest()
+
+
 # datasets fingerprints a module-level map function by reference, not by its code, so an edit to
 # the normalization below (or a turn's, data_prep/turns.py) would otherwise reuse stale map caches (and stale
 # tokenized caches, whose key builds on this fingerprint). Hashing both files' bytes ties the fingerprint to the code.
-_CODE_HASH = hashlib.sha256(
-    b"".join(Path(path).read_bytes() for path in (__file__, inspect.getfile(normalize_turn)))
-).hexdigest()
+_CODE_HASH = code_digest(__file__, inspect.getfile(normalize_turn))
 
 
 def load_conversations(
@@ -122,8 +127,8 @@ def _load_hub(source: str) -> datasets.Dataset:
         if out_of_reach is not None:  # not in the cache, which alone was read
             raise HubUnavailable(
                 f"cannot load data set {repo!r} (split {split!r}): ConnectionError: Couldn't reach {repo!r} on the "
-                f"Hub ({_one_line(out_of_reach)}); run the same command again when the Hub can be reached, or give "
-                "local files"
+                f"Hub ({one_line(out_of_reach, with_type=True)}); run the same command again when the Hub can be "
+                "reached, or give local files"
             ) from None
         if datasets.config.HF_HUB_OFFLINE:  # no request was made: a data set not in the cache is the input's fault
             raise UserError(
@@ -131,12 +136,12 @@ def _load_hub(source: str) -> datasets.Dataset:
                 "download it once with a network, or give local files"
             ) from None
         raise HubUnavailable(
-            f"cannot load data set {repo!r} (split {split!r}): {_one_line(err)}; run the same command again when "
-            "the Hub can be reached, or give local files"
+            f"cannot load data set {repo!r} (split {split!r}): {one_line(err, with_type=True)}; run the same command "
+            "again when the Hub can be reached, or give local files"
         ) from None
     except Exception as err:  # auth, unknown repo or split: the user's to fix (a Hub out of reach further on
         # leaves huggingface_hub's error in the chain, which errors.hub_unreachable finds)
-        raise UserError(f"cannot load data set {repo!r} (split {split!r}): {_one_line(err)}") from err
+        raise UserError(f"cannot load data set {repo!r} (split {split!r}): {one_line(err, with_type=True)}") from err
     if len(dataset) == 0:
         raise UserError(f"data set {source!r} has no records")
     return dataset
@@ -173,7 +178,7 @@ def _load_file(path: str, skip_invalid_utf8: bool = False) -> datasets.Dataset:
     except Exception as err:  # the builders raise assorted types (ArrowInvalid, StopIteration on empty files, ...)
         if reader == "json":
             _diagnose_json(path, skip_invalid_utf8)  # raises the precise, line-numbered error when it finds one
-        raise UserError(f"cannot read {path}: {_one_line(err)}") from None
+        raise UserError(f"cannot read {path}: {one_line(err, with_type=True)}") from None
     if len(dataset) == 0:
         raise UserError(f"{path} has no records")
     dataset._fingerprint = hashlib.sha256(f"{reader}|{content}|{datasets.__version__}".encode()).hexdigest()[:16]
@@ -217,7 +222,7 @@ def _diagnose_json(path: str, skip_invalid_utf8: bool = False) -> None:
         with opener(path, "rb") as handle:
             raw = handle.read()
     except (OSError, EOFError) as err:
-        raise UserError(f"cannot read {path}: {_one_line(err)}") from None
+        raise UserError(f"cannot read {path}: {one_line(err, with_type=True)}") from None
     if raw.lstrip().startswith(b"["):  # one JSON document holding a list of records
         try:
             text = raw.decode("utf-8")
@@ -293,11 +298,15 @@ def _normalize_utf8(
         return _normalize(dataset, source, prompts_only)
     except UnicodeDecodeError as err:
         if builder(source) != "json" or not os.path.isfile(source):
-            raise UserError(f"{source}: a record holds text that is not valid UTF-8 ({_one_line(err)})") from None
+            raise UserError(
+                f"{source}: a record holds text that is not valid UTF-8 ({one_line(err, with_type=True)})"
+            ) from None
         found = _invalid_utf8_lines(source)
         bad = {record: (lineno, error) for lineno, record, error in found if record <= len(dataset)}
         if not bad:
-            raise UserError(f"{source}: a record holds text that is not valid UTF-8 ({_one_line(err)})") from None
+            raise UserError(
+                f"{source}: a record holds text that is not valid UTF-8 ({one_line(err, with_type=True)})"
+            ) from None
     if not skip_invalid_utf8:
         lineno, error = bad[min(bad)]
         raise UserError(f"{source}:{lineno}: {_utf8_problem(error)}; {UTF8_HINT}")
@@ -411,7 +420,3 @@ def _count_turn_order_oddities(dataset: datasets.Dataset, source: str) -> None:
                 len(rows),
                 what.format(records + (", ..." if len(rows) > 10 else "")),
             )
-
-
-def _one_line(err: BaseException) -> str:
-    return one_line(f"{type(err).__name__}: {err}")

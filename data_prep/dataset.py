@@ -14,7 +14,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import datasets
 
-from draftsmith.data_prep.conversations import DEFAULT_DOMAIN
+from draftsmith.data_prep.conversations import DEFAULT_DOMAIN, code_digest
 from draftsmith.data_prep.overlap import turns_digest
 from draftsmith.data_prep.template import render_rows, require_chat_template
 from draftsmith.errors import UserError
@@ -43,9 +43,7 @@ FEATURES = datasets.Features(
     }
 )
 # A fix to the masking must not be hidden behind a cache written by the old code.
-_CODE_HASH = hashlib.sha256(
-    b"".join((Path(__file__).parent / name).read_bytes() for name in ("template.py", "dataset.py"))
-).hexdigest()
+_CODE_HASH = code_digest(*(Path(__file__).parent / name for name in ("template.py", "dataset.py")))
 
 
 def load_tokenized(cfg, sources: Sequence[str], tokenizer, key: str) -> datasets.Dataset:

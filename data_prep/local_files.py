@@ -1,6 +1,7 @@
 """The local files a data source names, and the `datasets` builder that reads each: a file, a glob, or a folder
 searched recursively. The files a glob or folder holds that are not read are named in one warning, as a file
-named directly with their suffix is refused (data_prep/conversations.py)."""
+named directly with their suffix is refused (data_prep/conversations.py); a symbolic link among them named as data
+that leads to no file (a missing one, or a loop of links) is refused, as a missing file named directly is."""
 
 from __future__ import annotations
 
@@ -50,7 +51,9 @@ def suffixes() -> str:
 
 def files_matching(pattern: str, source: str) -> list[str]:
     """The data files the glob matches, sorted (recursive `**`); refused where it matches none."""
-    matched = [path for path in sorted(glob.glob(pattern, recursive=True)) if os.path.isfile(path)]
+    every = sorted(glob.glob(pattern, recursive=True))
+    _refuse_broken_links(f"data source {source!r}", every)
+    matched = [path for path in every if os.path.isfile(path)]
     files = [path for path in matched if builder(path) is not None]
     _warn_not_read(f"data source {source!r}", [path for path in matched if path not in files])
     if not files:
@@ -72,12 +75,24 @@ def files_under(local: str, source: str) -> list[str]:
     files, others = [], []
     for root, folders, names in os.walk(local, onerror=refuse):
         folders.sort()
+        _refuse_broken_links(f"data directory {source!r}", [os.path.join(root, name) for name in sorted(names)])
         for path in (os.path.join(root, name) for name in names if os.path.isfile(os.path.join(root, name))):
             (files if builder(path) is not None else others).append(path)
     _warn_not_read(f"data directory {source!r}", others, local)
     if not files:
         raise UserError(f"data directory {source!r} holds no {suffixes()} file")
     return sorted(files)
+
+
+def _refuse_broken_links(what: str, paths: list[str]) -> None:
+    """Refuse the first path with a data suffix that is a symbolic link to no file: read as no file at all, it was
+    left out of the data without a word."""
+    for path in paths:
+        if builder(path) is not None and os.path.islink(path) and not os.path.exists(path):
+            raise UserError(
+                f"{what}: {path} is a symbolic link that leads to no file ({os.readlink(path)}: missing, or a loop "
+                "of links): restore what it links to, or remove it"
+            )
 
 
 def _warn_not_read(what: str, paths: list[str], folder: Optional[str] = None) -> None:

@@ -59,7 +59,7 @@ from accelerate import PartialState
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from draftsmith.data_prep.answer_engines import Answer, answer_engine, vllm_dtype
+from draftsmith.data_prep.answer_engines import ANSWER_ENGINES, Answer, answer_engine
 from draftsmith.data_prep.conversations import CUT_KEY, answered_turns, load_conversations
 from draftsmith.data_prep.dataset import require_context
 from draftsmith.data_prep.local_files import REGENERATE_SETTINGS
@@ -132,7 +132,8 @@ def part_name(index: int) -> str:
 
 def regenerate(cfg: DictConfig, target=None, tokenizer=None) -> RegenerateResult:
     """Regenerate data.train into the output directory (held by the main process while every rank
-    runs); `target`/`tokenizer` skip loading them (tests). `generated` counts all ranks' conversations."""
+    runs); `target`/`tokenizer`: ones the caller has loaded already (a benchmark's, a test's), used instead of
+    loading them again. `generated` counts all ranks' conversations."""
     section = cfg.data.regenerate
     directory = Path(section.output or Path(cfg.output_dir) / "regenerated")
     if not cfg.data.train:
@@ -145,11 +146,9 @@ def regenerate(cfg: DictConfig, target=None, tokenizer=None) -> RegenerateResult
         prompts_only=True,
         skip_invalid_utf8=cfg.data.skip_invalid_utf8,
     ).map(with_a_turn_to_answer, desc="prompts get a turn to answer")
-    if section.engine == "vllm" and cfg.target.shard != "none":
-        raise UserError(
-            "data.regenerate.engine=vllm with target.shard=fsdp: vLLM shards the target itself; "
-            "set data.regenerate.vllm.tensor_parallel_size instead"
-        )
+    refused = ANSWER_ENGINES[section.engine].SHARDING_REFUSED
+    if refused and cfg.target.shard != "none":
+        raise UserError(f"data.regenerate.engine={section.engine} with target.shard={cfg.target.shard}: {refused}")
     conversations, excluded, short = kept_conversations(conversations, section)
     settings = {
         "target": cfg.target.name_or_path,
@@ -160,8 +159,7 @@ def regenerate(cfg: DictConfig, target=None, tokenizer=None) -> RegenerateResult
     }
     for key in ("output", "vllm", "exclude"):  # where things are and how the engine runs, not what is written
         settings.pop(key)
-    if section.engine == "vllm":
-        settings["vllm_dtype"] = vllm_dtype(cfg)
+    settings |= ANSWER_ENGINES[section.engine].recorded(cfg)
     settings["marks"] = MARKS
     check_reusable(section.reuse, settings)
     reused = load_conversations(list(section.reuse)) if section.reuse else None
@@ -266,7 +264,7 @@ def regenerate_into(
     with answer_engine(cfg, target, tokenizer, state, bool(mine)) as engine:
         for index in mine:
             rows = [conversations[k // section.samples] for k in chunks[index]]
-            seeds = chunks[index] if section.engine == "vllm" else None
+            seeds = chunks[index]  # each conversation's, for an engine that seeds each prompt (vLLM)
             torch.manual_seed(section.seed + index)
             messages, ended, taken = regenerate_batch(
                 engine,

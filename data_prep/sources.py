@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith import files
-from draftsmith.errors import UserError
+from draftsmith.errors import UserError, one_line
 from draftsmith.files import file_sha256, write_text_atomic
 
 log = logging.getLogger("draftsmith.data")
@@ -173,7 +173,7 @@ def convert_mt_bench(path: Path) -> tuple[list[dict[str, Any]], dict[str, int]]:
                 }
             )
         except (json.JSONDecodeError, KeyError, IndexError, TypeError) as err:
-            raise UserError(f"{path}:{number}: not an MT-bench question ({type(err).__name__}: {err})") from None
+            raise UserError(f"{path}:{number}: not an MT-bench question ({one_line(err, with_type=True)})") from None
     return records, {"questions": len(records), **Counter(record["domain"] for record in records)}
 
 
@@ -192,7 +192,7 @@ def prompts_converter(key: str, domain: Callable[[dict[str, Any]], str]) -> Call
                     {"id": str(row[key]), "messages": [{"role": USER, "content": row["prompt"]}], "domain": domain(row)}
                 )
             except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise UserError(f"{path}:{number}: not a prompt record ({type(err).__name__}: {err})") from None
+                raise UserError(f"{path}:{number}: not a prompt record ({one_line(err, with_type=True)})") from None
         return records, {"prompts": len(records), **Counter(record["domain"] for record in records)}
 
     return convert

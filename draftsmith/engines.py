@@ -1,4 +1,5 @@
-"""Serving engines as draftsmith uses them: vLLM in an environment of its own, driven through
+"""Serving engines as draftsmith uses them: what it knows of each (`SERVING_ENGINES`, which shared code asks
+instead of branching on an engine's name), and vLLM in an environment of its own, driven through
 draftsmith/engine_scripts/vllm_worker.py (which imports only vLLM and the standard library), so vLLM's
 pinned torch and transformers never meet draftsmith's."""
 
@@ -22,6 +23,55 @@ from packaging.version import InvalidVersion, Version
 from draftsmith.errors import EngineUnavailable, UserError, one_line
 
 WORKER_SCRIPT = Path(str(files("draftsmith.engine_scripts").joinpath("vllm_worker.py")))
+
+
+@dataclass(frozen=True)
+class ServingEngine:
+    """What draftsmith knows of one serving engine and does with it, by the key export.engines and monitor.engine
+    name it by (`SERVING_ENGINES`)."""
+
+    name: str  # how people name it: messages, model cards, the eval report's `served_by`
+    # draftsmith runs it (a worker under export.vllm_python): the export loads its folder in the engine and compares
+    # what it serves with draftsmith's eval, and a checked folder is not replaced by an unchecked one
+    checked_at_export: bool
+    # its serving command takes one speculative config (JSON) carrying γ, the pinned sampling settings and the γ per
+    # batch size; else the command's own flags carry γ and the config records the method alone
+    takes_speculative_config: bool
+    # formats/versions.py knows which of its releases and builds serve each method: the export records them
+    knows_releases: bool
+    # its /metrics count drafts, draft tokens and accepted tokens, from which the monitor judges a window and sees a
+    # redeploy (the counters go down); else it reports acceptance levels (gauges), recorded as they are
+    counts_drafts: bool
+    reports_version: bool  # its server answers GET /version beside /metrics, which the monitor compares
+    repo_suffix: str  # what the Hub repo id of its folder adds to export.push.repo_id
+    unchecked: str  # the model card's first words for a folder not loaded in the engine at export
+
+
+SERVING_ENGINES = {
+    "vllm": ServingEngine(
+        name="vLLM",
+        checked_at_export=True,
+        takes_speculative_config=True,
+        knows_releases=True,
+        counts_drafts=True,
+        reports_version=True,
+        repo_suffix="",
+        unchecked="Checked against vLLM's loader (names, shapes, conventions); not loaded in the engine at export "
+        "(set export.vllm_python to do so).",
+    ),
+    "sglang": ServingEngine(
+        name="SGLang",
+        checked_at_export=False,
+        takes_speculative_config=False,
+        knows_releases=False,
+        counts_drafts=False,
+        reports_version=False,
+        repo_suffix="-sglang",
+        unchecked="Checked against SGLang's loader source (names, shapes, layer-id convention); not run in SGLang by "
+        "draftsmith.",
+    ),
+}
+ENGINE_NAMES = {key: engine.name for key, engine in SERVING_ENGINES.items()}  # export.engines value -> its name
 
 
 def vllm_python(setting: Optional[str], key: str) -> str:

@@ -103,9 +103,11 @@ OUTCOMES: tuple[tuple[type[BaseException], int, str], ...] = (
 )
 
 
-def one_line(err: BaseException | str, limit: int = 300) -> str:
-    """An error's text folded onto one line and cut to `limit` characters."""
-    return " ".join(str(err).split())[:limit]
+def one_line(err: BaseException | str, limit: int = 300, with_type: bool = False) -> str:
+    """An error's text folded onto one line and cut to `limit` characters; `with_type`: led by its class name
+    (`KeyError: 'turns'`), for an error whose text alone does not say what went wrong."""
+    text = f"{type(err).__name__}: {err}" if with_type else str(err)
+    return " ".join(text.split())[:limit]
 
 
 def close_progress_bars() -> None:
@@ -213,8 +215,7 @@ def outcome(err: BaseException) -> tuple[int, str]:
         )
     return (
         EXIT_INTERNAL,
-        f"internal error (a draftsmith bug, please report it): {type(err).__name__}: {one_line(err)}; "
-        f"{traceback_kept(err)}",
+        f"internal error (a draftsmith bug, please report it): {one_line(err, with_type=True)}; {traceback_kept(err)}",
     )
 
 
@@ -222,6 +223,10 @@ def hub_unreachable(err: BaseException) -> bool:
     """Whether `err` (or an error it was raised from, as transformers and draftsmith's own lines wrap it) is
     huggingface_hub's "not in the cache" after a request that failed (no network, a timeout). With
     HF_HUB_OFFLINE=1 no request is made, and a file not cached is bad input (`hub_cache_miss`)."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:  # a miss is raised in the context of the cache's own lookups (a revision not there)
+        return False
     miss = hub_cache_miss(err)
     return miss is not None and (miss.__cause__ or miss.__context__) is not None
 

@@ -21,7 +21,8 @@ DFlash drafter). `DRAFT_LAYER_FAMILIES` lists the families a drafter can be buil
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from draftsmith.errors import UserError
@@ -160,12 +161,14 @@ def draft_rope(config: Any) -> dict[str, Any]:
 @dataclass(frozen=True)
 class LayerFamily:
     """A family a drafter's own decoder layers are built from: its transformers config class, layer
-    and rotary classes (qualified names, imported only from transformers)."""
+    and rotary classes (qualified names, imported only from transformers), and the config keys only its
+    layers read (`own_config`: what makes them the plain layers `config` promises)."""
 
     model_type: str
     config_class: str
     layer: str
     rotary: str
+    own_config: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     def config(self, target_config: Any, num_layers: int) -> dict[str, Any]:
         """The draft layers' config: the target's shape (hidden size, heads, head dimension, MLP width,
@@ -189,8 +192,7 @@ class LayerFamily:
             "num_hidden_layers": num_layers,
             "tie_word_embeddings": False,
         }
-        if self.model_type == "llama":
-            config["mlp_bias"] = False
+        config.update(self.own_config)
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if _get(target, key) is not None:
                 config[key] = _get(target, key)
@@ -203,6 +205,7 @@ DRAFT_LAYER_FAMILIES = {
         "transformers.models.llama.configuration_llama.LlamaConfig",
         "transformers.models.llama.modeling_llama.LlamaDecoderLayer",
         "transformers.models.llama.modeling_llama.LlamaRotaryEmbedding",
+        own_config={"mlp_bias": False},  # Llama's MLP can have biases; Qwen3's has none to switch off
     ),
     "qwen3": LayerFamily(
         "qwen3",

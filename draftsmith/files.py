@@ -106,6 +106,12 @@ def write_text_atomic(path: Path, text: str) -> None:
         tmp.write_text(text)
 
 
+def write_json(path: Path, value: Any, sort_keys: bool = False) -> None:
+    """`value` as indented JSON, one newline after it, through `write_text_atomic`; `sort_keys` for a file whose
+    bytes must not depend on the order its dict was built in (an export's: the same inputs give the same bytes)."""
+    write_text_atomic(path, json.dumps(value, indent=2, sort_keys=sort_keys) + "\n")
+
+
 def save_figure_atomic(figure, path: Path) -> None:
     """Save a matplotlib figure as PNG through `<name>.tmp.png` renamed into place (`replacing`; the suffix
     tells matplotlib the format), then close it to free its memory."""

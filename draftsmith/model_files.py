@@ -1,10 +1,12 @@
 """Where a model is read from, and the line when it cannot be: a local folder (a file in it this process may not
-read is named as such, not as what transformers makes of it) or a Hub id (with the Hub out of reach, read from the
-Hub cache alone at once, not after huggingface_hub's retries). The target's loads (draftsmith/target.py) and a
-released assistant's (heads/gemma4_assistant.py) go through it."""
+read, a config.json that is no JSON object, a JSON or safetensors file that does not parse, weights only as a pickle
+where safetensors are asked for: each named as such, not as what transformers makes of it) or a Hub id (with the Hub
+out of reach, read from the Hub cache alone at once, not after huggingface_hub's retries). The target's loads
+(draftsmith/target.py) and a released assistant's (heads/gemma4_assistant.py) go through it."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
@@ -51,7 +53,13 @@ def endpoint_out_of_reach(endpoint: str) -> Optional[Exception]:
 
 def read_pretrained(load: Callable[..., Any], name_or_path: str, what: str, **kwargs) -> Any:
     """`load(name_or_path, **kwargs)`, a transformers `from_pretrained`: from the Hub cache alone while the Hub is
-    out of reach (`hub_out_of_reach`); a model that does not load is one line starting with `what` (`not_loadable`)."""
+    out of reach (`hub_out_of_reach`); a local folder's files checked first (`check_local_files`); a model that does
+    not load is one line starting with `what` (`not_loadable`)."""
+    from safetensors import SafetensorError
+
+    folder = Path(name_or_path).expanduser()
+    if folder.is_dir():
+        check_local_files(folder, what, safetensors_only=kwargs.get("use_safetensors", False))
     out_of_reach = hub_out_of_reach(name_or_path)
     if out_of_reach is not None:
         kwargs["local_files_only"] = True
@@ -60,8 +68,48 @@ def read_pretrained(load: Callable[..., Any], name_or_path: str, what: str, **kw
             kwargs["adapter_kwargs"] = {**kwargs["adapter_kwargs"], "local_files_only": True}
     try:
         return load(name_or_path, **kwargs)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, SafetensorError) as err:
         raise not_loadable(what, err, name_or_path, out_of_reach) from err
+
+
+# the files a saved tokenizer holds (save_pretrained writes both; formats/repo.py TOKENIZER_FILES: all an export copies)
+SAVED_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def read_tokenizer(load: Callable[..., Any], name_or_path: str, what: str, **kwargs) -> Any:
+    """`read_pretrained` for a tokenizer: a local folder without its files is named as such (transformers then tries
+    to build one from a slow tokenizer's files, and says to install sentencepiece or tiktoken)."""
+    try:
+        return read_pretrained(load, name_or_path, what, **kwargs)
+    except UserError as err:
+        folder = Path(name_or_path).expanduser()
+        if folder.is_dir() and not any((folder / name).is_file() for name in SAVED_TOKENIZER_FILES):
+            raise UserError(f"{what}: the folder holds no {' or '.join(SAVED_TOKENIZER_FILES)}") from err
+        raise
+
+
+# transformers' names of weights stored as a pickle (a single file, or the shards an index lists)
+PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def check_local_files(folder: Path, what: str, safetensors_only: bool) -> None:
+    """Refuse, in one line naming the file, what transformers would fail on without naming it: a config.json that
+    holds no JSON object (a list read as a config is a TypeError); with `safetensors_only`, weights stored only as a
+    pickle, which draftsmith never unpickles (unpickling a file can run code it holds)."""
+    config = folder / "config.json"
+    try:
+        values = json.loads(config.read_text()) if config.is_file() else {}
+    except (OSError, ValueError):  # unreadable or not JSON: not_loadable names it
+        values = {}
+    if not isinstance(values, dict):
+        raise UserError(f"{what}: {config} holds a JSON {type(values).__name__}, not an object of settings")
+    pickled = [folder / name for name in PICKLED_WEIGHTS if (folder / name).is_file()]
+    if safetensors_only and pickled and not any(folder.glob("*.safetensors")):
+        raise UserError(
+            f"{what}: its weights are a pickle ({pickled[0]}), which draftsmith does not load (unpickling a file can "
+            "run code it holds): convert them to safetensors where you trust them (in transformers, from_pretrained "
+            "then save_pretrained writes model.safetensors)"
+        )
 
 
 def not_loadable(
@@ -69,11 +117,14 @@ def not_loadable(
 ) -> UserError:
     """The line for a model that did not load: transformers' reason; for a local folder it cannot read, the file
     (transformers names another cause: "No such file or directory" for unreadable weights, "Should have a
-    `model_type` key" for an unreadable folder); for a Hub id not in the cache with HF_HUB_OFFLINE=1, that
+    `model_type` key" for an unreadable folder), the safetensors or JSON file that does not parse (their parsers
+    name none); a folder's custom code without trust in draftsmith's words (transformers' names the folder as a Hub
+    URL, and the keyword argument, not the recipe key); for a Hub id not in the cache with HF_HUB_OFFLINE=1, that
     (transformers' own line then says it could not connect, which it never tried). Raised from `err`, whose chain
     says whether the Hub was out of reach instead (errors.hub_unreachable); `out_of_reach` is the failed probe's
     error of a load that read the cache alone (`hub_out_of_reach`)."""
     from huggingface_hub import constants
+    from safetensors import SafetensorError
 
     miss = hub_cache_miss(err)
     if constants.HF_HUB_OFFLINE and miss is not None:  # offline, no request was made
@@ -86,10 +137,53 @@ def not_loadable(
         # Hub out of reach (exit 69), not as bad input
         miss.__cause__ = out_of_reach
     folder = Path(name_or_path).expanduser()
-    unreadable = first_unreadable(folder) if folder.is_dir() else None
+    local = folder.is_dir()
+    unreadable = first_unreadable(folder) if local else None
     if unreadable is not None and failed_on(err, unreadable):
         return UserError(f"{what}: cannot read {unreadable}: permission denied")
+    if "trust_remote_code" in str(err):  # transformers' line names the argument, and the folder as a Hub URL
+        return UserError(
+            f"{what}: its config asks to run code of its own (auto_map), which draftsmith runs only with "
+            "target.trust_remote_code=true: read that code, then set it"
+        )
+    if chained(err, SafetensorError):  # safetensors' line names no file
+        corrupt = first_unparsed(folder, "*.safetensors", safetensors_header) if local else None
+        return UserError(
+            f"{what}: {corrupt[0] if corrupt else 'a weights file'}: corrupt weights file ({one_line(err)})"
+        )
+    if chained(err, json.JSONDecodeError):  # a tokenizer's or a config's JSON cut short: the line names no file
+        malformed = first_unparsed(folder, "*.json", lambda path: json.loads(path.read_text())) if local else None
+        if malformed is not None:
+            return UserError(f"{what}: {malformed[0]} is not valid JSON ({one_line(malformed[1])})")
     return UserError(f"{what}: {one_line(err)}")
+
+
+def chained(err: BaseException, kind: type) -> bool:
+    """Whether `err` or an error it was raised from or while handling is a `kind`."""
+    link: Optional[BaseException] = err
+    while link is not None:
+        if isinstance(link, kind):
+            return True
+        link = link.__cause__ or link.__context__
+    return False
+
+
+def safetensors_header(path: Path) -> None:
+    """Parse a safetensors file's header (which also checks that it covers the file); raises SafetensorError."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt"):
+        pass
+
+
+def first_unparsed(folder: Path, pattern: str, parse: Callable[[Path], Any]) -> Optional[tuple[Path, Exception]]:
+    """The first file in `folder` matching `pattern` that `parse` fails on, with the parser's error; or None."""
+    for path in sorted(folder.glob(pattern)):
+        try:
+            parse(path)
+        except Exception as err:  # noqa: BLE001 - whatever the parser raises, the file is the one that does not parse
+            return path, err
+    return None
 
 
 def failed_on(err: BaseException, unreadable: Path) -> bool:

@@ -59,6 +59,9 @@ def check_output_dir(path: str | os.PathLike, key: str = "output_dir", named: Op
             raise UserError(f"{named} exists and is not a directory")
     ancestor = target
     while not ancestor.exists():
+        if ancestor.is_symlink():  # a link to nothing: mkdir fails on it as on a file that exists
+            leads = "is a loop of symbolic links" if loops(ancestor) else f"links to {os.readlink(ancestor)}, missing"
+            raise UserError(f"{named} cannot be created: {ancestor} {leads}")
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         raise UserError(f"{named} cannot be created: {ancestor} is not a directory")
@@ -68,6 +71,15 @@ def check_output_dir(path: str | os.PathLike, key: str = "output_dir", named: Op
         if err.errno in STORAGE_ERRNOS and err.errno != errno.EROFS:  # a full or failing disk: exit 74, not 2
             raise
         raise UserError(f"{named} cannot be created under {ancestor}: {err.strerror or one_line(err)}") from None
+
+
+def loops(path: Path) -> bool:
+    """Whether following `path`'s symbolic links runs into a loop of them (which `Path.exists` reads as missing)."""
+    try:
+        path.stat()
+    except OSError as err:
+        return err.errno == errno.ELOOP
+    return False
 
 
 class DirectoryInUse(UserError):

@@ -63,8 +63,15 @@ INDEX_HEADS = 16  # the sparse indexers' heads, at least (scaled_fields)
 # Multi-head latent attention's key-value latent and rotary sizes (DeepSeek-V3's, GLM-4.5-Air's, Kimi's):
 # vLLM's CPU MLA kernel serves a 576-wide latent head only (mla/cpu_mla.py), so tiny targets keep them.
 MLA_LATENT, MLA_ROPE = 512, 64
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
-TARGET_FILES = frozenset({"config.json", "model.safetensors", *TOKENIZER_FILES})  # what write_random_target writes
+# The demo target's tokenizer files a random target is given (formats/repo.py's TOKENIZER_FILES: any target's).
+RANDOM_TARGET_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+# what write_random_target writes
+TARGET_FILES = frozenset({"config.json", "model.safetensors", *RANDOM_TARGET_TOKENIZER_FILES})
 
 
 def demo_tokenizer_dir() -> Path:
@@ -280,7 +287,7 @@ def write_random_target(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
-    for name in TOKENIZER_FILES:
+    for name in RANDOM_TARGET_TOKENIZER_FILES:
         if (source / name).is_file():
             shutil.copyfile(source / name, directory / name)
     return directory

@@ -49,9 +49,9 @@ from draftsmith.target import (
 )
 
 
-def _one_line(err: Exception) -> str:
+def _omegaconf_error_line(err: Exception) -> str:
     text = str(err).strip().splitlines()
-    # OmegaConf appends "full_key: ..., object_type=..." lines; the first line says what is wrong.
+    # OmegaConf appends "full_key: ..., object_type=..." lines; the first line says what is wrong (one_line keeps all).
     head = text[0] if text else type(err).__name__
     full_key = next((line.split(":", 1)[1].strip() for line in text if line.startswith("full_key:")), "")
     return f"{head} (key: {full_key})" if full_key and full_key not in head else head
@@ -191,14 +191,14 @@ def compose(recipe: str, overrides: Sequence[str]) -> DictConfig:
             try:
                 OmegaConf.update(cfg, key, value, merge=False)
             except OmegaConfBaseException as err:
-                raise UserError(f"override {key}={value!r}: {_one_line(err)}") from None
+                raise UserError(f"override {key}={value!r}: {_omegaconf_error_line(err)}") from None
         given = dict(parsed)
         if "train.max_steps" in given and "train.epochs" not in given and str(given["train.max_steps"]) != "-1":
             # the command line sets the run's length: the recipe file's epochs is not read, and the saved recipe
             # says so (a recipe's or a command line's epochs beside a max_steps is refused: recipe_checks)
             cfg.train.epochs = TrainSection.epochs
     except OmegaConfBaseException as err:
-        raise UserError(f"invalid recipe {path.name}: {_one_line(err)}") from None
+        raise UserError(f"invalid recipe {path.name}: {_omegaconf_error_line(err)}") from None
     return cfg
 
 
@@ -275,7 +275,7 @@ def check_drafter(cfg: DictConfig, command: str = "train") -> None:
     try:
         config = OmegaConf.to_object(cfg.drafter)
     except OmegaConfBaseException as err:
-        raise UserError(f"invalid drafter section: {_one_line(err)}") from None
+        raise UserError(f"invalid drafter section: {_omegaconf_error_line(err)}") from None
     for key in drafter_cls.Config.RESOLVED:  # a value here was replaced (train) or compared with the folder's
         require(
             getattr(config, key, None) is None,
@@ -346,7 +346,7 @@ def validate(cfg: DictConfig, command: str = "train") -> DictConfig:
             cause = cause.__context__
         if cause is not None:
             raise cause from None
-        raise UserError(f"invalid recipe: {_one_line(err)}") from None
+        raise UserError(f"invalid recipe: {_omegaconf_error_line(err)}") from None
     if missing:
         raise UserError(f"missing required value(s): {', '.join(missing)}")
     for key, allowed in CHOICES.items():
@@ -436,7 +436,7 @@ def derived(cfg: DictConfig, changes: dict[str, Any], command: str = "train") ->
         try:
             OmegaConf.update(variant, key, value, merge=False)
         except OmegaConfBaseException as err:
-            raise UserError(f"{key}={value!r}: {_one_line(err)}") from None
+            raise UserError(f"{key}={value!r}: {_omegaconf_error_line(err)}") from None
     return validate(variant, command)
 
 

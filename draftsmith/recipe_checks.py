@@ -14,10 +14,10 @@ from typing import Optional
 import numpy
 from omegaconf import OmegaConf
 
-from draftsmith.engines import arctic_build, suffix_decoding_installed
+from draftsmith.engines import SERVING_ENGINES, arctic_build, suffix_decoding_installed
 from draftsmith.errors import UserError
 from draftsmith.files import cache_root
-from draftsmith.outputs import check_output_dir
+from draftsmith.outputs import check_output_dir, loops
 
 FLOAT32_MAX = float(numpy.finfo(numpy.float32).max)
 
@@ -232,15 +232,14 @@ def check_eval(eval_section) -> None:
     )
 
 
-ENGINES = ("vllm", "sglang")
 VLLM_FORMATS = ("speculators", "native")
 
 
 def check_export(export) -> None:
     engines = list(export.engines)
     require(
-        bool(engines) and all(engine in ENGINES for engine in engines) and len(set(engines)) == len(engines),
-        f"export.engines={engines}: give one or more of {', '.join(ENGINES)}, each once",
+        bool(engines) and all(engine in SERVING_ENGINES for engine in engines) and len(set(engines)) == len(engines),
+        f"export.engines={engines}: give one or more of {', '.join(SERVING_ENGINES)}, each once",
     )
     require(
         export.num_speculative_tokens is None or export.num_speculative_tokens >= 1,
@@ -291,7 +290,10 @@ def require_export_settings_read(export) -> None:
 
 
 def check_monitor(monitor) -> None:
-    require(monitor.engine in ENGINES, f"monitor.engine={monitor.engine!r} is not one of {', '.join(ENGINES)}")
+    require(
+        monitor.engine in SERVING_ENGINES,
+        f"monitor.engine={monitor.engine!r} is not one of {', '.join(SERVING_ENGINES)}",
+    )
     require(
         0 < monitor.max_drop < 1 and 0.5 < monitor.confidence < 1,
         f"need 0 < monitor.max_drop < 1 and 0.5 < monitor.confidence < 1 (got {monitor.max_drop}, "
@@ -360,6 +362,11 @@ def check_inputs(cfg) -> None:
         require(
             OmegaConf.select(cfg, key) != "", f"{key} is empty: give a path, or leave it out (null) for its default"
         )
+    # else refused as no such folder, or read as a Hub id
+    require(
+        not loops(Path(str(cfg.target.name_or_path)).expanduser()),
+        f"target.name_or_path={cfg.target.name_or_path}: a loop of symbolic links, no folder",
+    )
 
 
 # train.resume's value for "the newest checkpoint whose files match their checksums" (true: the newest, verified)

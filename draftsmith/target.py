@@ -26,7 +26,7 @@ import torch
 
 from draftsmith.errors import UserError
 from draftsmith.families import residual_streams
-from draftsmith.model_files import read_pretrained
+from draftsmith.model_files import read_pretrained, read_tokenizer
 
 log = logging.getLogger("draftsmith.target")
 
@@ -68,7 +68,7 @@ def load_tokenizer(section):
     from transformers import AutoTokenizer
 
     section = target_section(section)
-    tokenizer = read_pretrained(
+    tokenizer = read_tokenizer(
         AutoTokenizer.from_pretrained,
         section.name_or_path,
         f"cannot load the tokenizer of {section.name_or_path!r}",
@@ -128,6 +128,7 @@ def read_model(section, dtype: torch.dtype, device: torch.device | str):
             revision=section.revision,
             dtype=dtype,
             trust_remote_code=section.trust_remote_code,
+            use_safetensors=True,  # never unpickle a target's weights: a pickle can run code it holds
             output_loading_info=True,
             adapter_kwargs={},
         )

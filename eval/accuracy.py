@@ -27,7 +27,7 @@ from draftsmith.data_prep.features import open_features
 from draftsmith.data_prep.overlap import eval_in_train
 from draftsmith.files import write_text_atomic
 from draftsmith.heads import drafter_class, load_drafter
-from draftsmith.heads.base import EVAL_SPLIT, Drafter, pair_means
+from draftsmith.heads.base import EVAL_SPLIT_METRICS, Drafter, pair_means
 from draftsmith.outputs import ACCURACY_NAME
 from draftsmith.target import TargetShape, run_target
 
@@ -67,7 +67,7 @@ def split_accuracy(cfg: DictConfig, checkpoint: Path, target, tokenizer) -> dict
 
 def measured_accuracy(checkpoint: Path) -> tuple[Optional[dict[str, float]], Optional[Path]]:
     """The eval split's overall metric means of `checkpoint` (`{"head1/top1": ..., ...}`, what
-    decoding reads as `learned[EVAL_SPLIT]`) and the file they came from: `eval_accuracy.json` beside
+    decoding reads as `learned[EVAL_SPLIT_METRICS]`) and the file they came from: `eval_accuracy.json` beside
     the checkpoint's folder (`<output_dir>/eval_accuracy.json` for `<output_dir>/final`, where
     train.py's eval writes it), when it measured this checkpoint; (None, None) otherwise."""
     path = Path(checkpoint).resolve().parent / ACCURACY_NAME
@@ -83,7 +83,7 @@ def measured_accuracy(checkpoint: Path) -> tuple[Optional[dict[str, float]], Opt
 def with_measured_accuracy(drafter: Drafter, measured: Optional[dict[str, float]]) -> Drafter:
     """`drafter` (in memory) with the eval split's measurement among what decoding reads (`learned`)."""
     if measured:
-        drafter.learned = {**drafter.learned, EVAL_SPLIT: dict(measured)}
+        drafter.learned = {**drafter.learned, EVAL_SPLIT_METRICS: dict(measured)}
     return drafter
 
 

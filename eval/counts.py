@@ -98,9 +98,10 @@ class Counts:
 # 3 distinct ones from 2 batches, 10 from 3, 35 from 4, so its percentiles are a few speed-ups that read as a
 # precise interval (2 batches gave "2.54× (2.27–3.60)" to a chain that drafted nothing); 5 give 126.
 MIN_TIMED_BATCHES = 5
+RESAMPLES = 2000  # the bootstrap's draws of the timed batches
 
 
-def speedup_interval(counts: Counts, plain: Counts, resamples: int = 2000) -> Optional[list[float]]:
+def speedup_interval(counts: Counts, plain: Counts) -> Optional[list[float]]:
     """A 95% interval of `counts`' speed-up over `plain`: a paired bootstrap over the timed batches (the
     prompts, at batch size 1; each resample draws batches with replacement and takes both methods' tokens/s
     over the same draw), so a speed-up that a few batches' timings carry shows a wide interval. Seeded: the
@@ -110,13 +111,13 @@ def speedup_interval(counts: Counts, plain: Counts, resamples: int = 2000) -> Op
     mine, theirs = numpy.array(counts.per_batch), numpy.array(plain.per_batch)
     if len(mine) < MIN_TIMED_BATCHES or mine.shape != theirs.shape:
         return None
-    draws = numpy.random.default_rng(0).integers(0, len(mine), size=(resamples, len(mine)))
+    draws = numpy.random.default_rng(0).integers(0, len(mine), size=(RESAMPLES, len(mine)))
     with numpy.errstate(divide="ignore", invalid="ignore"):
         rate = mine[draws, 0].sum(1) / mine[draws, 1].sum(1)
         plain_rate = theirs[draws, 0].sum(1) / theirs[draws, 1].sum(1)
         ratios = rate / plain_rate
     ratios = ratios[numpy.isfinite(ratios)]
-    if len(ratios) < resamples // 2:  # walls of zero: no timing to speak of
+    if len(ratios) < RESAMPLES // 2:  # walls of zero: no timing to speak of
         return None
     low, high = numpy.percentile(ratios, [2.5, 97.5])
     return [round(float(low), 4), round(float(high), 4)]

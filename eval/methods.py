@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig
 
-from draftsmith.engines import SuffixSettings, suffix_decoding_installed
+from draftsmith.engines import ENGINE_NAMES, SuffixSettings, suffix_decoding_installed
 from draftsmith.errors import UserError
 from draftsmith.eval.counts import Generation
 from draftsmith.eval.loop import generate_batch
@@ -20,7 +20,7 @@ from draftsmith.eval.sampling import Sampling
 from draftsmith.eval.suffix import SuffixDrafter, SuffixTrees
 from draftsmith.eval.trees import tree_depth
 from draftsmith.formats import refusals
-from draftsmith.formats.repo import ENGINE_NAMES, TargetInfo
+from draftsmith.formats.repo import TargetInfo
 from draftsmith.heads.proposer import DynamicTree, Proposer, Tree
 from draftsmith.target import loaded_config
 

@@ -25,8 +25,8 @@ def write_report(report: dict[str, Any], out_dir: Path) -> None:
         plot_batch_sweep(report, out_dir / sweep_name)
 
 
-def _fmt(value: Optional[float], digits: int = 2) -> str:
-    return "–" if value is None else f"{value:.{digits}f}"
+def _fmt(value: Optional[float]) -> str:
+    return "–" if value is None else f"{value:.2f}"
 
 
 def fewer_prompts(report: dict[str, Any]) -> str:

@@ -11,6 +11,7 @@ from typing import Any, Optional
 from huggingface_hub import ModelCard, ModelCardData
 from omegaconf import OmegaConf
 
+from draftsmith.engines import SERVING_ENGINES
 from draftsmith.eval.partings import NEAR_TIE_UNITS
 from draftsmith.formats.repo import EngineRepo, vllm_serve_flags
 from draftsmith.heads import drafter_class
@@ -130,16 +131,9 @@ def served_note(engine: str, verified: Optional[dict[str, Any]], dtype: str) -> 
             f"{found_identical(verified)} {ours} The check ran vLLM eager (`enforce_eager`) with max_model_len "
             f"{arguments['max_model_len']}, settings that change memory and speed, not the tokens{caching}."
         )
-    if engine == "sglang":
-        return (
-            "Checked against SGLang's loader source (names, shapes, layer-id convention); not run in SGLang by "
-            f"draftsmith. The command serves the target in {dtype}, the dtype draftsmith loaded it in "
-            "(`target.dtype`), as its eval does."
-        )
     return (
-        "Checked against vLLM's loader (names, shapes, conventions); not loaded in the engine at export (set "
-        f"export.vllm_python to do so). The command serves the target in {dtype}, the dtype draftsmith loaded it "
-        "in (`target.dtype`), as its eval does."
+        f"{SERVING_ENGINES[engine].unchecked} The command serves the target in {dtype}, the dtype draftsmith loaded "
+        "it in (`target.dtype`), as its eval does."
     )
 
 
@@ -295,11 +289,7 @@ def training_section(info: dict[str, Any]) -> list[str]:
             + (f"{steps} steps" if steps is not None else f"up to {train.get('max_steps')} steps")
             + f", micro-batch {train.get('micro_batch_size')}, seed {train.get('seed')}",
         ]
-    learned = info.get("learned") or {}
-    if "draft_vocab_coverage" in learned:
-        lines.append(
-            f"- draft vocabulary covers {learned['draft_vocab_coverage']:.1%} of the training data's assistant tokens"
-        )
+    lines += drafter_class(info["drafter_type"]).learned_card_lines(info.get("learned") or {})
     return [*lines, ""]
 
 

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig
 
+from draftsmith.engines import SERVING_ENGINES
 from draftsmith.errors import HubUnavailable, UserError, one_line
 from draftsmith.files import read_json
 from draftsmith.formats import exporter_for
@@ -28,8 +29,7 @@ TOKEN_HINT = "set HF_TOKEN or run `hf auth login` with a token that can write to
 
 
 def repo_id_for(cfg: DictConfig, engine: str) -> str:
-    base = cfg.export.push.repo_id
-    return base if engine == "vllm" else f"{base}-{engine}"
+    return cfg.export.push.repo_id + SERVING_ENGINES[engine].repo_suffix
 
 
 def served_revision(cfg: DictConfig) -> Optional[str]:

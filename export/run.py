@@ -20,9 +20,10 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig
 
+from draftsmith.engines import SERVING_ENGINES
 from draftsmith.errors import InternalError, UserError
 from draftsmith.export.gamma import chain_engines, recommended_gamma
-from draftsmith.files import checkpoint_digest, publish_folder, read_json, save_safetensors, staging, write_text_atomic
+from draftsmith.files import checkpoint_digest, publish_folder, read_json, save_safetensors, staging, write_json
 from draftsmith.formats import Source, exporter_for
 from draftsmith.formats.folder import require_recipes_kind
 from draftsmith.formats.repo import (
@@ -42,16 +43,15 @@ from draftsmith.formats.versions import (
     served_by,
 )
 from draftsmith.heads import load_drafter
-from draftsmith.heads.base import EVAL_SPLIT, WEIGHTS_NAME, read_checkpoint_config
+from draftsmith.heads.base import EVAL_SPLIT_METRICS, WEIGHTS_NAME, read_checkpoint_config
 from draftsmith.outputs import EVAL_DIR, REPORT_NAME, DirectoryLock, move_aside
-from draftsmith.recipe_checks import ENGINES
 from draftsmith.target import TargetShape, dtype_name, load_target, loaded_config, resolve_device, resolve_dtype
 
 EXPORT_FORMAT = 1
 log = logging.getLogger("draftsmith.export")
 
 
-def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=None, engines=None) -> dict[str, Path]:
+def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, engines=None) -> dict[str, Path]:
     """Export `checkpoint` for every engine in export.engines; returns engine -> folder. `engines`: an
     export.verify.EngineSession to run the vLLM check in (one of its own, closed at the end, if None)."""
     output = Path(cfg.export.output or Path(cfg.output_dir) / "export")
@@ -104,17 +104,17 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, tokenizer=
             with staging(output / engine) as staged:  # removed unless published: a failed check leaves nothing
                 stage_repo(repo, staged, source.target)
                 info = export_info(source, repo, gamma, source_digest, report, schedule)
-                write_json(staged / EXPORT_INFO, info)
+                write_json(staged / EXPORT_INFO, info, sort_keys=True)
                 check_round_trip(exporter, source, repo, staged, target, gamma, output / engine)
-                if engine == "vllm" and cfg.export.vllm_python:
+                if checked_in_engine(cfg, engine):
                     from draftsmith.export.verify import EngineSession, verify_in_vllm
 
                     with nullcontext(engines) if engines is not None else EngineSession() as session:
                         info["verified"] = verify_in_vllm(
-                            cfg, source, repo, staged, info["speculative_config"], session, tokenizer
+                            cfg, source, repo, staged, info["speculative_config"], session
                         )
                     info["engine_settings"] = info["verified"].pop("engine_settings")  # recorded once, at the top
-                    write_json(staged / EXPORT_INFO, info)
+                    write_json(staged / EXPORT_INFO, info, sort_keys=True)
                 from draftsmith.export.card import write_card
                 from draftsmith.export.push import served_revision
 
@@ -222,7 +222,7 @@ def claim_export_dir(output: Path, digest: str, overwrite: bool) -> None:
     checkpoint is re-exported in place (the same inputs give the same bytes). Every engine's folder counts, not
     only those exported now: another checkpoint's left beside this one's would read as one export of two drafters."""
     others = []
-    for engine in ENGINES:
+    for engine in SERVING_ENGINES:
         info_path = output / engine / EXPORT_INFO
         if (output / engine).exists():
             made_from = (
@@ -240,11 +240,19 @@ def claim_export_dir(output: Path, digest: str, overwrite: bool) -> None:
     move_aside(output, others)
 
 
+def checked_in_engine(cfg: DictConfig, engine: str) -> bool:
+    """Whether this run loads its `engine` folder in the engine (export.vllm_python names the Python that runs it)."""
+    return SERVING_ENGINES[engine].checked_at_export and bool(cfg.export.vllm_python)
+
+
 def keep_checked_export(cfg: DictConfig, output: Path, digest: str) -> None:
-    """A vllm folder of this checkpoint that was checked in vLLM is not replaced by one this run writes unchecked."""
-    info_path = output / "vllm" / EXPORT_INFO
-    if "vllm" in cfg.export.engines and info_path.is_file():
-        refuse_unchecked_replacement(cfg, read_json(info_path, "export record"), digest, str(output / "vllm"), "vllm")
+    """An engine folder of this checkpoint that was checked in its engine is not replaced by one this run writes
+    unchecked."""
+    for engine in cfg.export.engines:
+        info_path = output / engine / EXPORT_INFO
+        if SERVING_ENGINES[engine].checked_at_export and info_path.is_file():
+            record = read_json(info_path, "export record")
+            refuse_unchecked_replacement(cfg, record, digest, str(output / engine), engine)
 
 
 def made_from(info: Any) -> Optional[str]:
@@ -257,8 +265,7 @@ def made_from(info: Any) -> Optional[str]:
 def refuse_unchecked_replacement(cfg: DictConfig, info: Any, digest: str, where: str, engine: str) -> None:
     """`where` (a folder or a Hub branch) holds `info`, this checkpoint's (`digest`) `engine` export checked in vLLM:
     this run, which does not check it (no export.vllm_python), does not replace it unless export.overwrite=true."""
-    checks = engine == "vllm" and cfg.export.vllm_python
-    if checks or cfg.export.overwrite or not isinstance(info, dict) or not info.get("verified"):
+    if checked_in_engine(cfg, engine) or cfg.export.overwrite or not isinstance(info, dict) or not info.get("verified"):
         return
     if made_from(info) == digest:
         raise UserError(
@@ -314,16 +321,16 @@ def with_reported_accuracy(source: Source, report: Optional[dict[str, Any]]) -> 
     """What the eval report measured on the eval split and decoding read (`drafter.learned`), taken
     from the report the export was given: the checkpoint never holds it (the eval writes only its own
     files), and the export records it in draftsmith_export.json's `learned`."""
-    measured = ((report or {}).get("drafter", {}).get("learned") or {}).get(EVAL_SPLIT)
+    measured = ((report or {}).get("drafter", {}).get("learned") or {}).get(EVAL_SPLIT_METRICS)
     if measured:
-        source.drafter.learned = {**source.drafter.learned, EVAL_SPLIT: dict(measured)}
+        source.drafter.learned = {**source.drafter.learned, EVAL_SPLIT_METRICS: dict(measured)}
 
 
 def served_config(repo: EngineRepo, gamma: int, schedule: Optional[dict[str, Any]], drafter) -> dict[str, Any]:
-    """The engine's speculative config for this folder, less `model`: for vLLM the method, γ, what the
-    folder needs (P-EAGLE's parallel_drafting), the sampling settings pinned for this drafter (vllm_pinned:
-    probabilistic drafting for a drafter that samples its drafts) and the γ per batch size."""
-    if repo.engine != "vllm":
+    """The engine's speculative config for this folder, less `model`: for one that takes a whole config (vLLM) the
+    method, γ, what the folder needs (P-EAGLE's parallel_drafting), the sampling settings pinned for this drafter
+    (vllm_pinned: probabilistic drafting for a drafter that samples its drafts) and the γ per batch size."""
+    if not SERVING_ENGINES[repo.engine].takes_speculative_config:
         return {"method": repo.method, **repo.options}
     config = {"method": repo.method, "num_speculative_tokens": gamma, **repo.options, **vllm_pinned(drafter)}
     if schedule is not None:
@@ -343,6 +350,7 @@ def export_info(
     from importlib import metadata
 
     drafter = source.drafter
+    releases_known = SERVING_ENGINES[repo.engine].knows_releases
     info = {
         "draftsmith_export": EXPORT_FORMAT,
         "draftsmith_version": metadata.version("draftsmith"),
@@ -358,10 +366,8 @@ def export_info(
         "serve": repo.serve,
         "target_dtype": served_dtype(source.target_model),  # the dtype the serving command serves the target in
         "speculative_config": served_config(repo, gamma, schedule, drafter),
-        "vllm_releases": served_by(repo.method, exporter_for(drafter.type).vllm_releases)
-        if repo.engine == "vllm"
-        else None,
-        "vllm_builds": served_builds(source.target.config, repo.cpu_build_limit) if repo.engine == "vllm" else None,
+        "vllm_releases": served_by(repo.method, exporter_for(drafter.type).vllm_releases) if releases_known else None,
+        "vllm_builds": served_builds(source.target.config, repo.cpu_build_limit) if releases_known else None,
         "batch_schedule": schedule,
         "engine_settings": None,  # what the engine resolved, when the export was checked in it
         "recommended_num_speculative_tokens": recommended_gamma(report, chain_engines(source)),
@@ -407,10 +413,6 @@ def check_round_trip(exporter, source: Source, repo: EngineRepo, staged: Path, t
         )
 
 
-def write_json(path: Path, value: dict[str, Any]) -> None:
-    write_text_atomic(path, json.dumps(value, indent=2, sort_keys=True) + "\n")
-
-
 def stage_repo(repo: EngineRepo, staged: Path, target: TargetInfo) -> Path:
     """Write the folder's config and weights into `staged` (`staging`'s folder; the card and
     draftsmith_export.json follow once the folder has been checked); returns it."""
@@ -419,7 +421,7 @@ def stage_repo(repo: EngineRepo, staged: Path, target: TargetInfo) -> Path:
     tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in sorted(repo.tensors.items())}
     # one metadata key: reproducible bytes
     save_safetensors(tensors, weights_dir / WEIGHTS_NAME, metadata={"format": "pt"})
-    write_json(weights_dir / "config.json", repo.config)
+    write_json(weights_dir / "config.json", repo.config, sort_keys=True)
     if repo.tokenizer:
         copy_tokenizer(target, weights_dir)
     if repo.extra is not None:

@@ -16,7 +16,7 @@ wall time, engine steps, decoded tokens and the engine's acceptance counters. Fr
 - the predicted throughput per request, E(γ) / s(c, γ), against plain's 1 / s(c, 0).
 
 K(c) is the γ with the highest prediction, or 0 (no speculation) unless it beats K = 0 by the margin:
-`min_gain`, or the sweep's own noise where that is larger. A sweep that measured plain twice (rows
+MIN_GAIN (2%), or the sweep's own noise where that is larger. A sweep that measured plain twice (rows
 `plain-rerun`) shows how far two runs of one setting differ on its machine; a predicted gain smaller
 than that is not a gain, and a schedule built on it would chase the noise.
 K = 0 in a schedule is not plain decoding: vLLM 0.32 keeps an EAGLE-style drafter's forward running at
@@ -43,6 +43,8 @@ from typing import Any
 
 from draftsmith.errors import ExportCheckFailed, UserError
 from draftsmith.export.sweep_results import PLAIN, PLAIN_AGAIN
+
+MIN_GAIN = 0.02  # the margin a predicted gain must clear where the sweep's own noise is smaller
 
 
 def pooled_acceptance(runs: list[dict[str, Any]]) -> list[float]:
@@ -86,13 +88,13 @@ def sweep_noise(rows: list[dict[str, Any]]) -> float | None:
     return max(abs(again[c] / first[c] - 1) for c in both) if both else None
 
 
-def batch_schedule(rows: list[dict[str, Any]], method: str, min_gain: float = 0.02) -> dict[str, Any]:
+def batch_schedule(rows: list[dict[str, Any]], method: str) -> dict[str, Any]:
     """The schedule, the choice at each measured concurrency and what it rests on."""
     plain, mine = [r for r in rows if r["method"] == PLAIN], [r for r in rows if r["method"] == method]
     if not plain or not any(int(r["gamma"]) > 0 for r in mine):
         raise UserError(f"the load sweep has no {'plain' if not plain else repr(method)} rows")
     noise = sweep_noise(rows)
-    margin = max(min_gain, noise or 0.0)
+    margin = max(MIN_GAIN, noise or 0.0)
     acceptance = pooled_acceptance(mine)
     rates = predicted_rates(rows, method, acceptance)
     plain_rate = {int(r["concurrency"]): r["tokens"] / r["seconds"] for r in plain}
@@ -110,7 +112,7 @@ def batch_schedule(rows: list[dict[str, Any]], method: str, min_gain: float = 0.
         chosen[concurrency] = previous = best
     if not any(rates[c][chosen[c]] >= plain_rate[c] * (1 + margin) for c in levels if chosen[c]):
         summary = ", ".join(f"c={c}: {max(rates[c].values()) / plain_rate[c]:.2f}×" for c in levels)
-        noisy = margin > min_gain
+        noisy = margin > MIN_GAIN
         raise ExportCheckFailed(
             f"speculation with this drafter beats plain decoding by {margin:.0%}"
             + (", how far the sweep's two plain runs differ" if noisy else "")
@@ -148,7 +150,7 @@ def batch_schedule(rows: list[dict[str, Any]], method: str, min_gain: float = 0.
         # at least plain everywhere (None: not even at the lowest); above it, serve the target alone.
         "predicted_below_plain_at": below_plain,
         "pays_up_to": max((c for c in levels if not below_plain or c < below_plain[0]), default=None),
-        "min_gain": min_gain,
+        "min_gain": MIN_GAIN,
         "noise": None if noise is None else round(noise, 4),
         "margin": round(margin, 4),
         "acceptance": [round(r, 4) for r in acceptance],

@@ -127,7 +127,6 @@ def verify_in_vllm(
     folder: Path,
     served: dict[str, Any],
     session: EngineSession,
-    tokenizer=None,
 ) -> dict[str, Any]:
     """Check the staged vLLM `folder` in the engine (see the module docstring) under `served`, the
     export's speculative config less `model`; the summary that goes into draftsmith_export.json and
@@ -135,7 +134,7 @@ def verify_in_vllm(
     the engine died before it answered. A γ per batch size in `served` is checked in a second run on
     the same prompts, all at once: the engine must take it as written and stay lossless; τ is compared
     at the fixed γ, since the schedule changes γ with the batch."""
-    tokenizer = tokenizer or load_tokenizer(cfg.target)
+    tokenizer = load_tokenizer(cfg.target)
     sources, per_file = prompt_sources(cfg)  # the eval report's prompts
     if not sources:
         raise UserError("export.vllm_python checks the export on the eval prompts: set eval.data or data.eval")

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
+from draftsmith.engines import ENGINE_NAMES
 from draftsmith.errors import UserError
 from draftsmith.formats import Exporter, Source, register
 from draftsmith.formats.repo import (
-    ENGINE_NAMES,
     SGLANG_FLAGS,
     SGLANG_REVISION_FLAG,
     VLLM_SERVE,

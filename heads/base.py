@@ -66,7 +66,7 @@ WEIGHTS_NAME = "model.safetensors"
 FORMAT_VERSION = 2  # 2: learned facts under "learned" (1 kept them in the drafter config)
 # `learned` key (in memory, never in a checkpoint) for the trained drafter's eval-split metric means
 # (`head2/top1`, `step1/top1`, ...), read from the eval's eval_accuracy.json (see eval/accuracy.py).
-EVAL_SPLIT = "eval_split_metrics"
+EVAL_SPLIT_METRICS = "eval_split_metrics"
 
 
 @dataclass(frozen=True)
@@ -193,6 +193,12 @@ class Drafter(nn.Module):
         """Whether `prepare` picks a pruned draft vocabulary from the data (what data.draft_vocab is
         for); `target` None (not known yet) answers for any target."""
         return False
+
+    @classmethod
+    def learned_card_lines(cls, learned: dict[str, Any]) -> list[str]:
+        """The model card's lines (export/card.py's training section, one Markdown list item each) for what
+        `learned` records of a drafter of this kind; none by default."""
+        return []
 
     def param_groups(self) -> list[tuple[list[nn.Parameter], float]]:
         """The trainable parameters as (parameters, learning-rate scale) groups; train.lr times the
@@ -361,7 +367,9 @@ def saved_drafter(directory: Path) -> tuple[type, DrafterConfig, TargetShape, di
         saved_target = TargetShape(**saved["target"])
         config.check(saved_target)
     except (KeyError, TypeError, ValueError) as err:
-        raise UserError(f"{directory / CONFIG_NAME}: corrupt drafter config ({type(err).__name__}: {err})") from None
+        raise UserError(
+            f"{directory / CONFIG_NAME}: corrupt drafter config ({one_line(err, with_type=True)})"
+        ) from None
     return cls, config, saved_target, saved
 
 

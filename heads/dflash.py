@@ -65,7 +65,7 @@ from draftsmith.heads.base import DrafterConfig, check_layer_ids, check_mask_tok
 from draftsmith.heads.dflash_layer import DFlashLayer, add_qk_norm
 from draftsmith.heads.dflash_proposer import DFlashProposer
 from draftsmith.heads.eagle_base import EagleBase, import_qualified, start_from_norm
-from draftsmith.heads.packing import documents, num_documents, positions, same_document
+from draftsmith.heads.packing import conversation_rand, documents, num_documents, positions, same_document
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 LOSSES = ("ce", "soft_ce")
@@ -261,16 +261,17 @@ class DFlash(EagleBase):
 
     # -- training -------------------------------------------------------------------------------
     def sample_anchors(
-        self, loss_mask: torch.Tensor, docs: Optional[torch.Tensor] = None
+        self, loss_mask: torch.Tensor, draws: torch.Tensor, docs: Optional[torch.Tensor] = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Up to `anchors` random positions a per document (`docs` [B, T], heads/packing.py; default:
         one per row) with x_a and x_{a+1} loss-bearing and in a's document, sorted by position:
-        ([B, A] positions, [B, A] whether real; rows with fewer anchors are padded with 0)."""
+        ([B, A] positions, [B, A] whether real; rows with fewer anchors are padded with 0). `draws` [B, T]:
+        uniform [0, 1) per position, the highest ones picked (heads/packing.py conversation_rand)."""
         batch_size, length = loss_mask.shape
         docs = torch.arange(batch_size, device=loss_mask.device)[:, None].expand(-1, length) if docs is None else docs
         valid = loss_mask[:, :-1] & loss_mask[:, 1:] & same_document(docs, 1)
         valid = torch.cat([valid, valid.new_zeros(batch_size, 1)], dim=1)
-        scores = torch.rand(loss_mask.shape, device=loss_mask.device).masked_fill(~valid, -1.0)
+        scores = draws.masked_fill(~valid, -1.0)
         # Each position's rank by score within its document: sort by (document, score descending),
         # then count from the first position of each document's run.
         key = docs.double() * 4 + (1 - scores.double())  # 1 - score lies in (0, 2]
@@ -340,7 +341,8 @@ class DFlash(EagleBase):
         length = input_ids.shape[1]
         size = self.config.block_size
         docs, num_docs = documents(batch), num_documents(batch)
-        anchors, real = self.sample_anchors(loss_mask, docs)
+        draws = conversation_rand(batch, (), input_ids.device, self.optimizer_step if self.training else None)
+        anchors, real = self.sample_anchors(loss_mask, draws, docs)
         outputs = self.blocks(input_ids, target_out.layers, anchors, batch)[:, :, 1:]  # [B, A, S-1, H]
 
         scored = anchors[..., None] + torch.arange(1, size, device=input_ids.device)  # x_{a+k}, k = 1..S-1

@@ -39,7 +39,7 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-from draftsmith.errors import UserError, one_line
+from draftsmith.errors import UserError
 from draftsmith.families import ATTENTION_KINDS, COMPRESSED, layer_types
 from draftsmith.heads import register
 from draftsmith.heads.base import Drafter, DrafterConfig, check_mask_token, per_sample_stats
@@ -55,6 +55,7 @@ from draftsmith.heads.packing import (
     require_packed_attention,
     same_document,
 )
+from draftsmith.model_files import read_pretrained
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 
@@ -161,7 +162,7 @@ class DraftModel(Drafter):
 
     @classmethod
     def proposes_trees(cls, config: DraftModelConfig) -> bool:
-        return not config.parallel_drafting  # one forward proposes one chain
+        return False  # its proposer drafts one chain (PARD's in one forward): eval.tree refused by the recipe check
 
     @classmethod
     def max_chain(cls, config: DraftModelConfig) -> Optional[int]:
@@ -193,22 +194,29 @@ class DraftModel(Drafter):
             shift = depth + 1
             if shift >= length:
                 break
+            # Every position runs and the unscored ones are zeroed rather than left out: no shape depends on the
+            # data, so nothing waits for the host on an accelerator.
             mask = loss_mask[:, shift:] & same_document(docs, shift)
-            rows = docs[:, :-shift][mask]
-            student = logits[:, depth * length : (depth + 1) * length - shift][mask].float()
-            teacher = target_out.logits[:, depth:-1][mask].float()
+            student = logits[:, depth * length : (depth + 1) * length - shift].float()
+            teacher = target_out.logits[:, depth:-1].float()
             terms = divergences(student, teacher, self.config.temperature)
             per_token = distill_loss(terms, self.config.loss, self.config.mix_weights)
             if self.config.ce_weight > 0:
-                terms["ce"] = F.cross_entropy(student, input_ids[:, shift:][mask], reduction="none")
+                labels = input_ids[:, shift:]
+                terms["ce"] = F.cross_entropy(student.flatten(0, 1), labels.flatten(), reduction="none").view_as(mask)
                 per_token = per_token + self.config.ce_weight * terms["ce"]
-            loss = loss + per_token.sum()  # a sum over tokens (heads/base.py, "The loss contract")
+            # a sum over tokens (heads/base.py, "The loss contract"); `where`, since an unscored position's
+            # divergence may be infinite (top-k captured logits)
+            loss = loss + torch.where(mask, per_token, 0.0).sum()
             with torch.no_grad():
                 values = {name: value.detach() for name, value in terms.items()}
                 values["top1"] = (student.argmax(-1) == teacher.argmax(-1)).float()
                 values["accept"] = 1.0 - terms["tvd"].detach()  # speculative sampling's acceptance at this temperature
                 stats |= per_sample_stats(
-                    {f"step{shift}/{name}": value for name, value in values.items()}, rows, num_documents(batch)
+                    {f"step{shift}/{name}": value for name, value in values.items()},
+                    docs[:, :-shift].clamp(min=0),  # padding is never scored
+                    num_documents(batch),
+                    where=mask,
                 )
         return loss, self.loss_tokens(batch), stats
 
@@ -280,10 +288,14 @@ def load_draft(name_or_path: str, target: TargetShape):
     """An existing HF causal LM as the draft; it must score the target's vocabulary."""
     from transformers import AutoModelForCausalLM
 
-    try:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
-    except (OSError, ValueError) as err:
-        raise UserError(f"cannot load draft model {name_or_path!r}: {one_line(err)}") from None
+    # the Hub handling (cache alone while out of reach, one line) and safetensors alone, as for the target
+    model = read_pretrained(
+        AutoModelForCausalLM.from_pretrained,
+        name_or_path,
+        f"cannot load draft model {name_or_path!r}",
+        dtype=torch.float32,
+        use_safetensors=True,
+    )
     vocab = int(model.get_output_embeddings().weight.shape[0])
     if vocab != target.vocab_size:
         raise UserError(

@@ -35,8 +35,16 @@ from draftsmith.families import layer_family
 from draftsmith.heads import register
 from draftsmith.heads.base import DrafterConfig, per_sample_stats
 from draftsmith.heads.eagle_base import EagleBase, check_tree_settings, import_qualified
-from draftsmith.heads.packing import documents, draft_attention_mask, num_documents, positions, same_document
+from draftsmith.heads.packing import (
+    conversation_rand,
+    documents,
+    draft_attention_mask,
+    num_documents,
+    positions,
+    same_document,
+)
 from draftsmith.heads.proposer import DraftState
+from draftsmith.heads.vocab_loss import chunk_rows_for, soft_cross_entropy
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 if TYPE_CHECKING:
@@ -144,31 +152,43 @@ class Eagle(EagleBase):
         features = final[:, :-2]
         if self.training and self.config.noise_std > 0:
             # EAGLE's uniform noise, (rand - 0.5) * std, without its as-coded extra factor
-            # 512 / seq_len, which makes the amplitude depend on the padded batch length.
-            features = features + (torch.rand_like(features) - 0.5) * self.config.noise_std
+            # 512 / seq_len, which makes the amplitude depend on the padded batch length; each conversation's own
+            draws = conversation_rand(batch, features.shape[-1:], features.device, self.optimizer_step)[:, :-2]
+            features = features + ((draws - 0.5) * self.config.noise_std).to(features.dtype)
         predicted = self.draft(
             input_ids[:, 1:-1], features, positions(batch)[:, :-2], draft_attention_mask(batch, length - 2)
         )
 
+        # Every position runs, weighted by whether it is scored: no shape depends on the data, so nothing waits
+        # for the host on an accelerator, and the fused vocabulary loss (heads/vocab_loss.py) holds
+        # `loss_chunk_bytes` of logits at a time.
         mask = loss_mask[:, 2:] & same_document(docs, 2)
-        rows = docs[:, :-2][mask]
-        predicted = predicted[mask]  # only supervised positions reach the vocab projection (memory)
-        feature_loss = F.smooth_l1_loss(predicted.float(), final[:, 1:-1][mask].float(), reduction="none").mean(-1)
-        # The target's distribution of x_{t+2} (its logits at t+1), read at the supervised positions only.
-        at_b, at_t = mask.nonzero(as_tuple=True)
-        target_logits = target_out.logits_at(at_b * length + at_t + 1).float()
-        log_probs = self.logits(predicted).log_softmax(-1)
-        token_loss = -(target_logits.softmax(-1) * log_probs).sum(-1)
+        feature_loss = F.smooth_l1_loss(predicted.float(), final[:, 1:-1].float(), reduction="none").mean(-1) * mask
+        # The target's distribution of x_{t+2} (its logits at t+1): row i of the flattened [B, T-2] positions is
+        # b * (T-2) + t, its target row b * T + t + 1.
+        width = length - 2
+        target_best = torch.full((mask.numel(),), -1, dtype=torch.long, device=mask.device)
+
+        def teacher(rows: torch.Tensor) -> torch.Tensor:
+            logits = target_out.logits_at(rows // width * length + rows % width + 1).float()
+            target_best[rows] = logits.argmax(-1)
+            return logits.softmax(-1)
+
+        weight = self.target_modules()[1].weight  # the target's lm_head, frozen
+        chunk_rows = chunk_rows_for(self.loss_chunk_bytes, self.target.vocab_size)
+        outputs = predicted.flatten(0, 1).to(weight.dtype)
+        result = soft_cross_entropy(outputs, weight, teacher, mask.flatten().float(), chunk_rows)
         # Sums over the scored positions; the trainer divides by loss_tokens (heads/base.py, "The loss contract").
-        total = self.config.feature_loss_weight * feature_loss.sum() + self.config.token_loss_weight * token_loss.sum()
+        total = self.config.feature_loss_weight * feature_loss.sum() + self.config.token_loss_weight * result.loss
 
         with torch.no_grad():
-            guess = log_probs.argmax(-1)
+            guess = result.best.view_as(mask)
             values = {
                 "feature_loss": feature_loss.detach(),
-                "token_loss": token_loss.detach(),
+                "token_loss": result.token_loss.view_as(mask),
                 # agreement with the target's greedy token: greedy acceptance of the first draft token
-                "step1/top1": (guess == target_logits.argmax(-1)).float(),
-                "step1/top1_data": (guess == input_ids[:, 2:][mask]).float(),  # the data's next token
+                "step1/top1": (guess == target_best.view_as(mask)).float(),
+                "step1/top1_data": (guess == input_ids[:, 2:]).float(),  # the data's next token
             }
-        return total, self.loss_tokens(batch), per_sample_stats(values, rows, num_documents(batch))
+        samples = docs[:, :-2].clamp(min=0)  # padding is never scored
+        return total, self.loss_tokens(batch), per_sample_stats(values, samples, num_documents(batch), where=mask)

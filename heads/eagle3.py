@@ -55,7 +55,7 @@ import copy
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -288,6 +288,12 @@ class Eagle3(Eagle3Training, EagleBase):
     @classmethod
     def proposes_trees(cls, config: Eagle3Config) -> bool:
         return not config.parallel_drafting  # one forward proposes one chain
+
+    @classmethod
+    def learned_card_lines(cls, learned: dict[str, Any]) -> list[str]:
+        if COVERAGE not in learned:  # a drafter whose vocabulary was not pruned
+            return []
+        return [f"- draft vocabulary covers {learned[COVERAGE]:.1%} of the training data's assistant tokens"]
 
     @classmethod
     def max_chain(cls, config: Eagle3Config) -> Optional[int]:

@@ -150,7 +150,13 @@ def load_released(name_or_path: str, target_width: int):
         raise UserError(
             f"{key} drafts for a target of width {config.backbone_hidden_size}; this target's is {target_width}"
         )
-    return Gemma4AssistantForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
+    return read_pretrained(
+        Gemma4AssistantForCausalLM.from_pretrained,
+        name_or_path,
+        f"cannot load {key}",
+        dtype=torch.float32,
+        use_safetensors=True,
+    )
 
 
 @register

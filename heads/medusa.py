@@ -19,9 +19,10 @@ from torch import nn
 
 from draftsmith.errors import UserError
 from draftsmith.heads import register
-from draftsmith.heads.base import EVAL_SPLIT, Drafter, DrafterConfig, per_sample_stats
+from draftsmith.heads.base import EVAL_SPLIT_METRICS, Drafter, DrafterConfig, per_sample_stats
 from draftsmith.heads.packing import documents, num_documents, same_document
 from draftsmith.heads.proposer import DraftState, DraftTree, Proposer
+from draftsmith.heads.vocab_loss import chunk_rows_for, soft_cross_entropy
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 
@@ -125,34 +126,41 @@ class Medusa(Drafter):
         """Weighted cross-entropy of every head on the data's tokens, read from `hidden`, the
         target's post-norm last hidden state [B, T, H] (Medusa-2 passes its adapted target's): the
         sum over heads k of loss_weights[k] x head k's cross-entropy summed over the tokens it scores
-        (heads/base.py, "The loss contract"), and the per-sample statistics."""
+        (heads/base.py, "The loss contract"), and the per-sample statistics.
+
+        No shape depends on the data, so nothing waits for the host on an accelerator: every position
+        runs, weighted by whether it is scored, through the fused vocabulary loss (heads/vocab_loss.py),
+        which holds `loss_chunk_bytes` of logits at a time rather than logits for every supervised
+        position (the cross-entropy to the data's token is its soft one to a one-hot teacher)."""
         hidden = hidden.to(self.lm_heads[0].weight.dtype)
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
         docs, num_docs = documents(batch), num_documents(batch)
+        vocab = self.lm_heads[0].weight.shape[0]
+        chunk_rows = chunk_rows_for(self.loss_chunk_bytes, vocab)
         total = hidden.new_zeros(())
         stats: dict[str, torch.Tensor] = {}
         for k, weight in enumerate(self.loss_weights()):
             shift = k + 2  # hidden at t -> token t+2 for the first head
             if input_ids.shape[1] <= shift:
                 continue
-            # Project only the supervised positions: the vocab projection dominates memory. The
-            # label must be in the hidden state's own document (packed rows hold several).
-            mask = loss_mask[:, shift:] & same_document(docs, shift)
-            rows = docs[:, :-shift][mask]
-            logits = self.head_logits(k, hidden[:, :-shift][mask]).float()
-            labels = input_ids[:, shift:][mask]
-            token_loss = F.cross_entropy(logits, labels, reduction="none")
-            total = total + weight * token_loss.sum()
+            # The label must be in the hidden state's own document (packed rows hold several).
+            scored = (loss_mask[:, shift:] & same_document(docs, shift)).flatten()
+            labels = input_ids[:, shift:].flatten()
+
+            def one_hot(rows: torch.Tensor, labels=labels) -> torch.Tensor:
+                return torch.zeros(len(rows), vocab, device=rows.device).scatter_(1, labels[rows, None], 1.0)
+
+            features = self.blocks[k](hidden[:, :-shift]).flatten(0, 1)
+            head = self.lm_heads[k].weight
+            result = soft_cross_entropy(features, head, one_hot, scored.float(), chunk_rows)
+            total = total + weight * result.loss
             with torch.no_grad():
-                top5 = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
-                hit1 = (top5[:, 0] == labels).float()
-                hit5 = (top5 == labels[:, None]).any(-1).float()
                 values = {
-                    f"head{k + 1}/loss": token_loss.detach(),
-                    f"head{k + 1}/top1": hit1,
-                    f"head{k + 1}/top5": hit5,
+                    f"head{k + 1}/loss": result.token_loss,
+                    f"head{k + 1}/top1": (result.best == labels).float(),
+                    f"head{k + 1}/top5": in_top(features, head, labels, scored, 5, chunk_rows).float(),
                 }
-                stats.update(per_sample_stats(values, rows, num_docs))
+                stats |= per_sample_stats(values, docs[:, :-shift].clamp(min=0), num_docs, where=scored)
         return total, stats
 
     def verify_with(self, model: nn.Module) -> None:
@@ -221,7 +229,7 @@ class MedusaProposer(Proposer):
     def _rank_probabilities(self, head: int) -> list[float]:
         """P(the true token is the head's rank-r candidate), from the top-1/top-5 accuracy measured
         on the eval split after training (`learned`), or rough priors for a head never measured."""
-        measured = self.drafter.learned.get(EVAL_SPLIT, {})
+        measured = self.drafter.learned.get(EVAL_SPLIT_METRICS, {})
         topk = self.drafter.config.tree_topk
         top1 = float(measured.get(f"head{head + 1}/top1", 0.6 * 0.7**head))
         top5 = max(float(measured.get(f"head{head + 1}/top5", min(0.95, top1 * 1.6))), top1)
@@ -229,6 +237,23 @@ class MedusaProposer(Proposer):
         tail = max(1.0 - top5, 0.0) / max(topk - 5, 1) * 0.5
         probs = [top1] + [(top5 - top1) * s for s in spread] + [tail] * max(topk - 5, 0)
         return probs[:topk]
+
+
+@torch.no_grad()
+def in_top(
+    features: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, scored: torch.Tensor, k: int, chunk_rows: int
+) -> torch.Tensor:
+    """[N] bool: labels[i] is among the k highest of features_i @ weight.T, False where not `scored`;
+    `chunk_rows` rows at a time, over the rows soft_cross_entropy runs (every one on an accelerator, a fixed
+    shape; the scored ones on a CPU, where counting them waits for nothing)."""
+    hits = torch.zeros_like(scored)
+    every_row = features.device.type != "cpu"
+    rows = torch.arange(len(scored), device=scored.device) if every_row else scored.nonzero().squeeze(1)
+    for start in range(0, len(rows), chunk_rows):
+        index = rows[start : start + chunk_rows]
+        top = F.linear(features.index_select(0, index), weight).topk(min(k, weight.shape[0]), dim=-1).indices
+        hits.index_copy_(0, index, (top == labels[index, None]).any(-1) & scored[index])
+    return hits
 
 
 def _vllm_names(module, state_dict, prefix, local_metadata):

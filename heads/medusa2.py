@@ -144,17 +144,19 @@ class Medusa2(Medusa):
         )
         heads_loss, stats = self.heads_loss(batch, out.hidden_states[-1])
 
-        # The backbone keeps the original target's next-token distribution wherever a token is supervised.
+        # The backbone keeps the original target's next-token distribution wherever a token is supervised. Every
+        # position runs and the others are zeroed, not left out: no shape depends on the data, so nothing waits
+        # for the host on an accelerator.
         docs = documents(batch)
         mask = batch["loss_mask"].bool()[:, 1:] & same_document(docs, 1)
-        rows = docs[:, :-1][mask]
-        student, teacher = out.logits[:, :-1][mask].float(), target_out.logits[:, :-1][mask].float()
-        kl = forward_kl(student, teacher)
+        student, teacher = out.logits[:, :-1].float(), target_out.logits[:, :-1].float()
+        kl = torch.where(mask, forward_kl(student, teacher), 0.0)
         heads_weight = self.heads_weight_now()
         total = self.config.backbone_loss_weight * kl.sum() + heads_weight * heads_loss  # sums (heads/base.py)
         with torch.no_grad():
             values = {"backbone/kl": kl.detach(), "backbone/top1": (student.argmax(-1) == teacher.argmax(-1)).float()}
-            stats.update(per_sample_stats(values, rows, num_documents(batch)))
+            samples = docs[:, :-1].clamp(min=0)  # padding is never scored
+            stats.update(per_sample_stats(values, samples, num_documents(batch), where=mask))
         return total, self.loss_tokens(batch), stats
 
     def save_pretrained(self, directory: str | os.PathLike, state_dict: Optional[dict] = None) -> None:

@@ -20,13 +20,16 @@ every helper here answers for both, so each drafter has one code path:
   sliding window where the drafter's attention has one (`within_window`);
 - `causal_lm_inputs(batch)`: the keyword arguments of a transformers causal-LM forward (the target,
   Medusa-2's adapted target, the draft model), and `require_packed_attention(model)`, the probe that
-  such a model honours them.
+  such a model honours them;
+- `conversation_rand(batch, tail)`: a drafter's random training draws, each conversation's own (below).
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Optional
 
+import numpy
 import torch
 
 from draftsmith.errors import UserError
@@ -149,3 +152,46 @@ def require_packed_attention(model, what: str) -> None:
             f"data.pack=true: {what} ({type(model).__name__}) does not keep packed documents apart (its code ignores "
             f"packed position_ids: logits differ by {error:.3g}, a leak by {leak:.3g}); set data.pack=false"
         )
+
+
+# -- random draws that follow the conversation ----------------------------------------------------------------
+def conversation_seed(tokens, draw_seed: int) -> int:
+    """A conversation's own seed for a drafter's random draws: a digest of its tokens and `draw_seed` (the run's
+    train.seed: trainer/loop.py micro_batches), so the draws follow the conversation, not the row, micro-batch or
+    rank it falls in."""
+    data = numpy.asarray(tokens, dtype=numpy.int64).tobytes()
+    digest = hashlib.blake2b(data, digest_size=8, salt=draw_seed.to_bytes(8, "little", signed=True))
+    return int.from_bytes(digest.digest(), "little")
+
+
+def conversation_rand(batch: dict, tail: tuple[int, ...], device: torch.device, step: Optional[int]) -> torch.Tensor:
+    """Uniform [0, 1) draws [B, T, *tail], zeros on padding: each conversation's from a generator seeded by it
+    (`conversation_seed`) and `step` (the optimizer step being trained, Drafter.optimizer_step: a conversation
+    seen again draws anew; None in eval mode: every evaluation draws the same), laid where the conversation
+    lies. A drafter's random training draws (EAGLE's feature noise, DFlash's anchors) are then the same however
+    a step is split into rows, packed rows, micro-batches and ranks (each rank drawing the same stream for its
+    own rows correlated their noise), and a resume on another split draws what the uninterrupted run drew. The
+    collators list each conversation's (row, start, length, seed) in `draws`; a batch laid out by other code is
+    read from a host copy of its tensors, with draw seed 0."""
+    rows, width = batch["input_ids"].shape
+    out = torch.zeros((rows, width, *tail), device=device)
+    for row, start, length, seed in batch["draws"] if "draws" in batch else draws_of(batch):
+        if step is not None:  # a multiplicative hash of the step: the seeds of consecutive steps far apart
+            seed = (seed ^ ((step + 1) * 0x9E3779B97F4A7C15)) % 2**64
+        generator = torch.Generator(device=device).manual_seed(seed)
+        out[row, start : start + length] = torch.rand((length, *tail), generator=generator, device=device)
+    return out
+
+
+def draws_of(batch: dict) -> list[tuple[int, int, int, int]]:
+    """(row, start, length, seed) of each conversation in a batch, read from its tensors."""
+    docs, ids = documents(batch).cpu(), batch["input_ids"].cpu()
+    found = []
+    for row in range(ids.shape[0]):
+        for doc in docs[row].unique().tolist():
+            if doc < 0:
+                continue
+            span = (docs[row] == doc).nonzero().flatten()
+            start, length = int(span[0]), len(span)
+            found.append((row, start, length, conversation_seed(ids[row, start : start + length], 0)))
+    return found

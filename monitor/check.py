@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig
 
+from draftsmith.engines import SERVING_ENGINES
 from draftsmith.errors import UserError
 from draftsmith.files import write_text_atomic
 from draftsmith.monitor import Outcome
@@ -218,6 +219,7 @@ def measure_engine(
     settings = cfg.monitor
     urls = list(settings.metrics)
     current = collect(urls, settings.engine)
+    serving = SERVING_ENGINES[settings.engine]
     judged = []
     awaited = state.awaiting_redeploy is not None
     waiting = note_restarts(state, current, urls, now) if awaited else []
@@ -237,7 +239,7 @@ def measure_engine(
         log.warning("monitor: %s", note)
         engine = {**measured.as_dict(), "verdict": TOO_FEW, "note": note}
     else:
-        tests = engine_tests(measured, baseline, settings) if settings.engine == "vllm" else {}
+        tests = engine_tests(measured, baseline, settings) if serving.counts_drafts else {}
         engine = {
             **measured.as_dict(),
             "since": state.last_check["time"],  # the check that saved the counters this window starts from
@@ -246,7 +248,7 @@ def measure_engine(
         }
         judged.append(engine["verdict"])
     change = None
-    if settings.engine == "vllm":
+    if serving.reports_version:
         engine["versions"] = {url: engine_version(url) for url in urls}
         change = engine_change(deployed, engine["versions"])
     state.counters = current

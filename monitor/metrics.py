@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from draftsmith.engines import SERVING_ENGINES
 from draftsmith.errors import EngineUnavailable, UserError, one_line
 
 VLLM_COUNTERS = {
@@ -37,7 +38,6 @@ VLLM_COUNTERS = {
 }
 VLLM_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 SGLANG_GAUGES = ("sglang:spec_accept_length", "sglang:spec_accept_rate")
-ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}  # monitor.engine -> the name in messages
 UNKNOWN = "unknown"  # a replica's version when its server has no /version
 
 
@@ -143,15 +143,15 @@ def require_spec_decode(found: dict[str, float], text: str, url: str, engine: st
     vLLM creates its counters at 0 when it starts, so they are there before the first request. Accepted
     draft tokens beyond the drafted ones (α > 1) are no engine's counts either."""
     kinds = {key.split("|", 1)[0] for key in found}
-    if engine == "vllm":
+    if SERVING_ENGINES[engine].counts_drafts:  # vLLM's counters: all of them
         missing = [name for name, kind in VLLM_COUNTERS.items() if kind not in kinds]
     else:  # SGLang's gauges: either one is a level to record
         missing = [] if kinds & set(SGLANG_GAUGES) else list(SGLANG_GAUGES)
     if missing:
         answer = "an empty answer" if not text.strip() else f"no {', '.join(missing)}"
         raise UserError(
-            f"{url} is not the /metrics of {ENGINE_NAMES[engine]} serving with speculative decoding ({answer}): "
-            "check monitor.metrics and the engine's speculative config"
+            f"{url} is not the /metrics of {SERVING_ENGINES[engine].name} serving with speculative decoding "
+            f"({answer}): check monitor.metrics and the engine's speculative config"
         )
     for key, accepted in found.items():
         if key.startswith("accepted|"):

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from draftsmith.engines import SERVING_ENGINES
 from draftsmith.monitor.metrics import window
 from draftsmith.monitor.state import State, iso_seconds
 
@@ -32,7 +33,7 @@ def after_promotion(state: State, settings: DictConfig, now: float) -> None:
     """A promotion of `state.deployed`: nothing served before it is judged against its baseline; with vLLM's
     counters, nothing until the redeploy shows in them."""
     state.judged_since = now
-    if settings.metrics and settings.engine == "vllm":
+    if settings.metrics and SERVING_ENGINES[settings.engine].counts_drafts:
         deployed = state.deployed
         state.awaiting_redeploy = {"revision": deployed["revision"], "export": deployed["export"],
                                    "promoted": iso_seconds(now), "restarted": []}  # fmt: skip

@@ -50,8 +50,8 @@ log = logging.getLogger("draftsmith.monitor")
 FUTURE_TOLERANCE_S = 86400.0  # a request's time may be this far ahead of the monitor's clock
 # NAME.jsonl, and logrotate's renamings of it: NAME.jsonl.1 (its default), NAME.jsonl-20260101 (dateext), each
 # optionally .gz (compress)
-LOG_NAME = re.compile(r".*\.jsonl(\.\d+|-\d{8,})?(\.gz)?")
-LOG_NAMES = "NAME.jsonl, NAME.jsonl.N, NAME.jsonl-YYYYMMDD, each optionally .gz"
+REQUEST_LOG_PATTERN = re.compile(r".*\.jsonl(\.\d+|-\d{8,})?(\.gz)?")
+REQUEST_LOG_NAMES = "NAME.jsonl, NAME.jsonl.N, NAME.jsonl-YYYYMMDD, each optionally .gz"
 LOOK_ALIKES_NAMED = 5  # look-alike logs named in the warning; the rest counted
 
 
@@ -118,10 +118,10 @@ def read_requests(directory: Path) -> tuple[list[dict[str, Any]], int]:
 
 
 def log_files(directory: Path) -> list[Path]:
-    """The request logs under `directory` (LOG_NAME), by path; a folder in it that cannot be listed is refused, not
-    skipped (its requests would be missing from every check). Files named like a log but not one (`.jsonl` in the
-    name: a backup, another compression) are named in a warning: skipped silently, their requests would be missing
-    without a word."""
+    """The request logs under `directory` (REQUEST_LOG_PATTERN), by path; a folder in it that cannot be listed is
+    refused, not skipped (its requests would be missing from every check). Files named like a log but not one (`.jsonl`
+    in the name: a backup, another compression) are named in a warning: skipped silently, their requests would be
+    missing without a word."""
 
     def unlisted(err: OSError) -> None:
         if isinstance(err, PermissionError):
@@ -129,14 +129,14 @@ def log_files(directory: Path) -> list[Path]:
         raise err
 
     files = sorted(Path(parent, name) for parent, _, names in os.walk(directory, onerror=unlisted) for name in names)
-    logs = [path for path in files if LOG_NAME.fullmatch(path.name)]
-    look_alikes = [path for path in files if ".jsonl" in path.name and not LOG_NAME.fullmatch(path.name)]
+    logs = [path for path in files if REQUEST_LOG_PATTERN.fullmatch(path.name)]
+    look_alikes = [path for path in files if ".jsonl" in path.name and not REQUEST_LOG_PATTERN.fullmatch(path.name)]
     if look_alikes:
         named = ", ".join(str(path) for path in look_alikes[:LOOK_ALIKES_NAMED])
         more = len(look_alikes) - LOOK_ALIKES_NAMED
         log.warning(
             "monitor: not read as request logs (the names read: %s): %s%s",
-            LOG_NAMES,
+            REQUEST_LOG_NAMES,
             named,
             f" and {more} more" if more > 0 else "",
         )

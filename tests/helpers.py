@@ -34,6 +34,7 @@ from draftsmith.heads.proposer import DraftState, DraftTree, DynamicTree, Propos
 from draftsmith.recipe import load_recipe
 from draftsmith.resources import recipes_dir
 from draftsmith.target import FeatureRequest, run_target
+from draftsmith.trainer.curve import CURVE_JSON
 
 # -- the checkout, the demo data and the real entry points (conftest's fixtures use them too) ---------
 REPO = Path(__file__).resolve().parent.parent
@@ -103,6 +104,11 @@ def read_log(output_dir: Path) -> dict[int, dict]:
         row = json.loads(line)
         rows[row["step"]] = {**rows.get(row["step"], {}), **row}
     return rows
+
+
+def read_curve(output_dir: Path) -> dict:
+    """A run's curve.json: its held-out evaluations (`rows`) and the one best/ keeps (`best`)."""
+    return json.loads((output_dir / CURVE_JSON).read_text())
 
 
 def train_in_process(args: list[str]) -> tuple[Path, object]:
@@ -576,7 +582,8 @@ def fitted_eagle(model, steps: int, seed: int = 0, drafter_type: str = "eagle", 
     target_out = run_target(model, ids, request=drafter.request)
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
     drafter.train()
-    for _ in range(steps):
+    for step in range(steps):
+        drafter.optimizer_step = step  # as the trainer sets it: the feature noise and anchors drawn anew each step
         loss, count, _ = drafter(batch, target_out)
         optimizer.zero_grad()
         (loss / count).backward()  # the per-token loss (heads/base.py, "The loss contract")

@@ -8,10 +8,12 @@ model card lists draftsmith's P(accepted >= k) up to γ as vLLM's. Options a ben
 run are refused before any work (train_throughput.py's of the other mode, drafters.py's unknown names,
 step_compare.py's zero rounds and missing baseline, speculators_cpu.py outside its venv), every benchmark's
 JSON says where it came from (benchmarks/provenance.py), and standard_protocol.py's time stage measures its
-noise as load_sweep.py does (plain once more, last)."""
+noise as load_sweep.py does (plain once more, last). Every benchmark that runs vLLM reads --vllm-python alike
+(benchmarks/vllm_probe.py), and the ones that train a recipe first do it one way (benchmarks/draftsmith_commands.py)."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import runpy
@@ -319,3 +321,74 @@ def test_standard_protocols_time_stage_times_plain_again_last_as_its_noise(tmp_p
     assert served == ["plain", "ngram", "suffix", "eagle3", "plain"]  # the rerun last
     assert timing["plain_rerun_over_plain"] == {"coding": 1.25, "writing": 1.25, "all": 1.25}
     assert {row["method"] for row in timing["rows"]} >= {"plain", "plain_rerun"}
+
+
+VLLM_BENCHMARKS = ("export_vllm", "load_sweep", "parallel_drafting", "peer_speculators", "regenerate_engines",
+                   "standard_protocol", "vllm_gemma4_assistant", "vllm_mla_rope")  # fmt: skip
+
+
+def test_every_benchmark_that_runs_vllm_reads_its_python_alike(tmp_path, monkeypatch):
+    """One --vllm-python (benchmarks/vllm_probe.py's add_vllm_python): required, and relative to the current
+    directory, made absolute, not resolved. load_sweep.py and the two vLLM probes took the text as given."""
+    monkeypatch.chdir(tmp_path)
+    parse_args, parsed = argparse.ArgumentParser.parse_args, {}
+
+    def parse_and_stop(parser, args=None, namespace=None):
+        parsed.update(vars(parse_args(parser, args, namespace)))
+        raise SystemExit(0)  # before the benchmark does anything
+
+    for name in VLLM_BENCHMARKS:
+        main = benchmark(name, monkeypatch).main
+        parsed.clear()
+        monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_and_stop)
+        monkeypatch.setattr(sys, "argv", [f"{name}.py", "--vllm-python", "venv/bin/python"])
+        with pytest.raises(SystemExit):
+            main()
+        assert parsed["vllm_python"] == str(tmp_path / "venv/bin/python"), name
+        monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
+        monkeypatch.setattr(sys, "argv", [f"{name}.py"])
+        with pytest.raises(SystemExit) as ended:
+            main()
+        assert ended.value.code == 2, name  # argparse: the required argument missing
+
+
+def test_a_benchmark_trains_a_recipe_only_where_its_run_holds_no_checkpoint(tmp_path, monkeypatch):
+    commands = benchmark("draftsmith_commands", monkeypatch)
+    ran = []
+    monkeypatch.setattr(commands, "run_python", lambda args: ran.append(args) or 12.34)
+    assert commands.train_unless_trained(["recipe=draft"], tmp_path / "run") == 12.3
+    assert ran == [["train.py", "recipe=draft", f"output_dir={tmp_path / 'run'}", "eval.enabled=false",
+                    "train.overwrite=true"]]  # fmt: skip
+    (tmp_path / "run" / "final").mkdir(parents=True)
+    (tmp_path / "run" / "final" / "model.safetensors").write_bytes(b"")
+    assert commands.train_unless_trained(["recipe=draft"], tmp_path / "run") is None and len(ran) == 1
+
+
+@pytest.mark.slow
+def test_a_failed_draftsmith_command_stops_the_benchmark_with_its_error(monkeypatch):
+    run_python = benchmark("draftsmith_commands", monkeypatch).run_python
+    assert run_python(["-c", "pass"]) >= 0
+    with pytest.raises(SystemExit) as ended:
+        run_python(["-c", "import sys; sys.exit('no such recipe: nope')"])
+    assert str(ended.value.code).startswith("`python -c import sys; sys.exit('no such recipe: nope')` failed (exit 1)")
+    assert str(ended.value.code).endswith("no such recipe: nope\n")
+
+
+def test_batch_sweeps_json_says_where_its_numbers_came_from(tmp_path, monkeypatch, capsys):
+    """batch_sweep.py (as assisted.py, parallel_drafting.py, regenerate_engines.py and the others) carries
+    benchmarks/provenance.py's fields; it had a `cpu` line of its own, no versions."""
+    import draftsmith.eval.report
+    import draftsmith.recipe
+
+    sweep = benchmark("batch_sweep", monkeypatch)
+    rows = {"all": {"plain": {"tau": 1.0, "tokens_per_s": 10.0, "speedup": 1.0, "lossless": True}}}
+    monkeypatch.setattr(sweep, "train_unless_trained", lambda overrides, output_dir: None)
+    monkeypatch.setattr(draftsmith.recipe, "load_recipe", lambda overrides: overrides)
+    monkeypatch.setattr(draftsmith.eval.report, "run_eval", lambda cfg: {"batch_sweep": {"rows": {1: rows}}})
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(sys, "argv", ["batch_sweep.py", "--only", "medusa", "--batch-sizes", "1", "--runs",
+                                      str(tmp_path), "--threads", str(threads)])  # fmt: skip
+    sweep.main()
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["threads"] == threads and summary["machine"]["cores"] and summary["versions"]["torch"]
+    assert summary["wall_s"] >= 0 and "cpu" not in summary and summary["drafters"]["medusa"]["train_s"] is None

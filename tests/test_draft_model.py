@@ -624,3 +624,12 @@ def test_regenerate_cli_reports_bad_input_in_one_line(tmp_path, capsys):
     )
     line = assert_one_line_error(done, 2, alone=True)
     assert line == "error: data.regenerate.batch_size=0 must be >= 1"  # the bad key alone
+
+
+def test_a_tree_is_refused_by_the_recipe_check_before_any_model_loads():
+    """proposes_trees said yes for a plain draft model, whose proposer drafts chains only: eval.tree was refused
+    at the eval after a whole training run."""
+    from draftsmith.recipe import load_recipe
+
+    with pytest.raises(UserError, match="eval.tree=4 but this draft_model drafter, as configured, proposes chains"):
+        load_recipe(["recipe=draft", "eval.tree=4"])

@@ -662,7 +662,7 @@ def test_the_eval_leaves_the_checkpoint_byte_identical_and_the_export_reads_what
     from draftsmith.files import checkpoint_digest
     from draftsmith.formats.repo import EXPORT_INFO
     from draftsmith.heads import load_drafter
-    from draftsmith.heads.base import EVAL_SPLIT
+    from draftsmith.heads.base import EVAL_SPLIT_METRICS
 
     root, recipe, target = eval_setup
     final = tmp_path / "run" / "final"
@@ -680,17 +680,17 @@ def test_the_eval_leaves_the_checkpoint_byte_identical_and_the_export_reads_what
     accuracy = json.loads((final.parent / "eval_accuracy.json").read_text())
     assert accuracy["checkpoint"] == str(final.resolve())
     report = json.loads((final.parent / "eval" / "report.json").read_text())
-    assert report["drafter"]["learned"][EVAL_SPLIT] == accuracy["trained"]["all"]
+    assert report["drafter"]["learned"][EVAL_SPLIT_METRICS] == accuracy["trained"]["all"]
     assert report["drafter"]["eval_split_metrics_from"] == str(final.parent / "eval_accuracy.json")
     measured = load_drafter(final, None, target)
-    measured.learned[EVAL_SPLIT] = accuracy["trained"]["all"]
+    measured.learned[EVAL_SPLIT_METRICS] = accuracy["trained"]["all"]
     assert report["methods"]["tree"]["paths"] == [list(p) for p in measured.proposer().default_tree(6)]
 
     cfg = load_recipe([*overrides, f"export.output={tmp_path / 'export'}"])
     folder = export_checkpoint(cfg, final, target=target)["vllm"]
     assert hashes() == before
     info = json.loads((folder / EXPORT_INFO).read_text())
-    assert info["learned"][EVAL_SPLIT] == accuracy["trained"]["all"]
+    assert info["learned"][EVAL_SPLIT_METRICS] == accuracy["trained"]["all"]
     assert info["source"]["sha256"] == checkpoint_digest(final)
     config = json.loads((final / "config.json").read_text())
     (final / "config.json").write_text(json.dumps({**config, "drafter": {**config["drafter"], "tree_topk": 3}}))

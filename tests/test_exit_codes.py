@@ -104,6 +104,26 @@ def test_a_hub_that_cannot_be_reached_exits_69_and_an_uncached_id_offline_exits_
     assert not (tmp_path / "run").exists()
 
 
+def test_an_uncached_revision_of_a_cached_id_offline_is_bad_input(tmp_path, monkeypatch, capsys):
+    """With HF_HUB_OFFLINE=1 a revision the Hub cache does not hold was exit 69 ("run the same command again when
+    the Hub can be reached ... or set HF_HUB_OFFLINE=1"): huggingface_hub raises its cache miss in the context of
+    its own lookups, which read as a request that failed. Offline no request is made: bad input, exit 2."""
+    import shutil
+
+    import huggingface_hub.constants as constants
+
+    repo = tmp_path / "hub-cache" / "models--acme--tiny"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    shutil.copytree(REFERENCE_TARGET, snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    train = ["train.py", "recipe=medusa", "target.name_or_path=acme/tiny", f"output_dir={tmp_path / 'run'}"]
+    result = run_entry_in_process([*train, "target.revision=v2"], capsys)
+    assert_one_line_error(result, 2, "not in the Hub cache", alone=True)
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_push_to_a_hub_out_of_reach_exits_69_before_anything_is_exported(checkpoint, tmp_path, monkeypatch, capsys):
     """A push with no network was an internal error (exit 70: httpx's ConnectError); it is a Hub out of reach
     (69: run the same command again), found when the export reads what the repo holds, before it writes anything
@@ -141,9 +161,9 @@ def test_a_full_disk_exits_74_wherever_it_is_met(checkpoint, tmp_path, monkeypat
 
     write_json = run.write_json
 
-    def full_disk(path, value):
+    def full_disk(path, value, **options):
         if path.name != "draftsmith_export.json":
-            return write_json(path, value)
+            return write_json(path, value, **options)
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
     monkeypatch.setattr(run, "write_json", full_disk)

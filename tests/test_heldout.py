@@ -19,7 +19,7 @@ from draftsmith.heads import drafter_class
 from draftsmith.recipe import load_recipe
 from draftsmith.target import TargetShape
 from draftsmith.trainer.checkpoint import TrainerState
-from draftsmith.trainer.curve import chain_tau, depth_top1, load_curve, plot_curves, write_curve
+from draftsmith.trainer.curve import chain_tau, depth_top1, plot_curves, write_curve
 from draftsmith.trainer.heldout import (
     BEST_DIR,
     BEST_JSON,
@@ -28,7 +28,7 @@ from draftsmith.trainer.heldout import (
     patience_spent,
     split_heldout,
 )
-from tests.helpers import kill_train_after, read_log, run_entry_in_process, train_args, train_in_process
+from tests.helpers import kill_train_after, read_curve, read_log, run_entry_in_process, train_args, train_in_process
 
 HELDOUT = [
     "train.heldout=8",
@@ -138,7 +138,7 @@ def test_curve_files_and_plot_of_several_runs(tmp_path):
         for s in (2, 4)
     ]
     write_curve(tmp_path, rows, best={"step": 4})
-    assert load_curve(tmp_path) == {"best": {"step": 4}, "rows": rows}
+    assert read_curve(tmp_path) == {"best": {"step": 4}, "rows": rows}
     assert (tmp_path / "curve.png").stat().st_size > 0
     plot_curves({"a": rows, "b": rows[:1]}, tmp_path / "both.png", title="two runs")
     assert (tmp_path / "both.png").stat().st_size > 0
@@ -156,6 +156,31 @@ def test_split_heldout_takes_the_last_conversations():
         split_heldout(data, 7, step_size=4)
     assert "train.heldout=7 leaves 3 of the 10 data.train conversations" in str(info.value) and "\n" not in str(
         info.value
+    )
+
+
+def test_a_step_counts_accumulation_and_an_epoch_says_what_it_leaves_out(tmp_path, small_data, token_cache, capsys):
+    """The held-out refusal said a step was processes x micro-batch (4 here) where grad_accum makes it 8, and
+    passed a held-out share that left 7 conversations, so that the next refusal, which does not name
+    train.heldout, said they could not fill a step; an epoch cut to whole steps left conversations out without
+    a word."""
+    from tests.helpers import assert_one_line_error
+
+    def run(*extra):
+        args = train_args(tmp_path / "run", small_data, token_cache, "data.max_conversations=10", *extra)
+        return run_entry_in_process(["train.py", *args], capsys)
+
+    assert_one_line_error(
+        run("train.heldout=7", "train.grad_accum=2"),
+        2,
+        "leaves 3 of the 10 data.train conversations for training, fewer than one step of 8 (processes x "
+        "train.micro_batch_size x train.grad_accum)",
+    )
+    assert_one_line_error(run("train.heldout=3", "train.grad_accum=2"), 2, "train.heldout=3 leaves 7 of the 10")
+    result = run("train.max_steps=1")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "an epoch is 2 steps of 4 conversations: 2 of the 10 training conversations are left out of each one" in (
+        result.stdout
     )
 
 
@@ -217,7 +242,7 @@ def test_training_keeps_the_best_heldout_checkpoint(heldout_run):
         final = load_file(str(out / "final" / "model.safetensors"))
         assert any(not torch.equal(in_best[k], final[k]) for k in final)
 
-    curve = load_curve(out)
+    curve = read_curve(out)
     assert [(r["step"], r["tokens"], r["samples"]) for r in curve["rows"]] == [
         (s, log[s]["train/tokens"], 4 * s) for s in (2, 4)
     ]
@@ -251,7 +276,7 @@ def test_resume_continues_the_best_and_the_curve_exactly(heldout_run, tmp_path, 
     weights_a, weights_b = (load_file(str(out / BEST_DIR / "model.safetensors")) for out in (heldout_run, killed))
     for name in weights_a:
         torch.testing.assert_close(weights_b[name], weights_a[name], rtol=1e-5, atol=1e-6)
-    rows_a, rows_b = load_curve(heldout_run)["rows"], load_curve(killed)["rows"]
+    rows_a, rows_b = read_curve(heldout_run)["rows"], read_curve(killed)["rows"]
     assert [(r["step"], r["tokens"]) for r in rows_b] == [(r["step"], r["tokens"]) for r in rows_a]
     assert [r["tau_est"] for r in rows_b] == pytest.approx([r["tau_est"] for r in rows_a], rel=1e-5)
 
@@ -273,5 +298,5 @@ def test_patience_stops_training_on_acceptance_and_a_resume_counts_on(tmp_path, 
     resumed = run_entry_in_process(["train.py", *args, "train.patience=3", "train.resume=true"], capsys)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "stopped at step 4 of 10: 3 held-out evaluations" in resumed.stdout
-    assert [row["step"] for row in load_curve(out)["rows"]] == [1, 2, 3, 4]
+    assert [row["step"] for row in read_curve(out)["rows"]] == [1, 2, 3, 4]
     assert json.loads((out / "run_summary.json").read_text())["steps"] == 4

@@ -182,7 +182,7 @@ DRAFTERS = {
         "heads_weight": 0.5,
         "lora": {"r": 2, "alpha": 4, "target_modules": ["q_proj", "v_proj"]},
     },
-    "eagle": {"noise_std": 0.0},
+    "eagle": {},  # its feature noise (recipe default) is each conversation's own: the same packed or not
     "eagle3": {"aux_layers": [0, 1], "draft_vocab_size": 40, "ttt_steps": 4},
     # the window counts positions within a conversation, not within the packed row
     "eagle3_windowed": {
@@ -196,8 +196,8 @@ DRAFTERS = {
         "num_layers": 2,
         "target_layers": [0, 1],
         "block_size": 4,
-        "anchors": 64,
-    },  # anchors >= any conversation: every valid anchor, both ways
+        "anchors": 3,
+    },  # fewer anchors than a conversation has: the draw is each conversation's own, the same packed or not
     "dflash_soft": {
         "type": "dflash",
         "num_layers": 1,

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from draftsmith.engines import SERVING_ENGINES
 from draftsmith.errors import UserError
 from draftsmith.formats import EXPORTERS
-from draftsmith.formats.repo import ENGINE_NAMES
 from draftsmith.heads import REGISTRY, Drafter, DrafterConfig
 from draftsmith.recipe import load_recipe
 from tests.helpers import REPO, demo_recipe, product_strings, train_in_process
@@ -29,7 +29,7 @@ def test_every_kind_is_documented_and_says_where_it_is_served(kind):
     cls = REGISTRY[kind]
     named = {engine for engines in cls.SERVED_BY.values() for engine in engines}
     assert cls.type == kind and "chain" in cls.SERVED_BY, f"{cls.__name__}.SERVED_BY needs a 'chain' key"
-    assert named <= set(ENGINE_NAMES), f"{cls.__name__}.SERVED_BY: engines are {sorted(ENGINE_NAMES)}"
+    assert named <= set(SERVING_ENGINES), f"{cls.__name__}.SERVED_BY: engines are {sorted(SERVING_ENGINES)}"
     if kind in EXPORTERS:  # an engine serves only what is exported
         assert "vllm" in cls.SERVED_BY["chain"], (
             f"{kind} has an export format: name the engines that serve it in {cls.__name__}.SERVED_BY "

@@ -35,11 +35,11 @@ from tests.helpers import demo_recipe
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 KINDS = sorted(REGISTRY)
-# Drafter keys that make a kind's training loss a function of the data alone, so that only the split
-# differs between the runs compared: EAGLE's feature noise and DFlash's anchor draw are random per
-# batch shape (with anchors above any conversation's candidates, DFlash takes every one). Medusa-2's
-# heads ramp stays on, the step taken mid-ramp: it follows the optimizer step, not the micro-batches.
-SETTINGS = {"eagle": {"noise_std": 0.0}, "dflash": {"anchors": 1000, "block_size": 4}, "medusa2": {"heads_warmup": 4}}
+# Drafter keys of the runs compared. EAGLE's feature noise (its recipe's) and DFlash's anchor draw (fewer
+# anchors than a conversation has candidates) stay random: each conversation's own draw, whatever the split
+# (heads/packing.py conversation_rand). Medusa-2's heads ramp stays on, the step taken mid-ramp: it follows
+# the optimizer step, not the micro-batches.
+SETTINGS = {"eagle": {}, "dflash": {"anchors": 3, "block_size": 4}, "medusa2": {"heads_warmup": 4}}
 OPTIMIZER_STEP = 2  # the step being trained, as the trainer sets it (Drafter.optimizer_step)
 SPLITS = {  # name -> (micro-batch size, grad_accum, packed)
     "1x8": (8, 1, False),

@@ -343,18 +343,60 @@ def keep_log_to(output_dir: Path, step: int) -> None:
 
 
 def load_checkpoint(accelerator, path: Path) -> None:
-    """Restore accelerate's state (weights, optimizer, scheduler, RNG) from the checkpoint `path`; its trainer
-    state is `saved_state`'s."""
-    if (path / CHECKSUMS_NAME).is_file():  # verified: any failure here is not the files' (a bug, or another recipe)
+    """Restore accelerate's state (weights, optimizer, scheduler, RNG) from the checkpoint `path`; its trainer state
+    is `saved_state`'s. A pickle torch's safe unpickler refuses (its checksums may match a file put in its place) is
+    one line naming it (`unsafe_pickle`); this rank's random states are checked (`check_random_states`)."""
+    verified_files = (path / CHECKSUMS_NAME).is_file()
+    try:
         accelerator.load_state(str(path))
-    else:  # unverified (saved before checksums): a damaged file is still the user's to fix, in one line
+    except pickle.UnpicklingError:
+        raise unsafe_pickle(path, sorted([*path.glob("*.bin"), *path.glob("*.pkl")])) from None
+    except (SafetensorError, EOFError, RuntimeError) as err:
+        if verified_files:  # its files are as saved: the failure is not theirs (a bug, or another recipe)
+            raise
+        raise UserError(  # saved before checksums: a damaged file is still the user's to fix, in one line
+            f"checkpoint {path} (saved without checksums) cannot be loaded, a file of it may be damaged: "
+            f"{one_line(err)}"
+        ) from None
+    check_random_states(accelerator.process_index, path)
+
+
+def unsafe_pickle(path: Path, files: list[Path]) -> UserError:
+    """The line naming the first of `files` torch's safe unpickler refuses (torch names none, says to unpickle)."""
+    from accelerate.utils import load
+
+    refused = None
+    for file in files:
         try:
-            accelerator.load_state(str(path))
-        except (SafetensorError, EOFError, pickle.UnpicklingError, RuntimeError) as err:
-            raise UserError(
-                f"checkpoint {path} (saved without checksums) cannot be loaded, a file of it may be damaged: "
-                f"{one_line(err)}"
-            ) from None
+            load(file, map_location="cpu")
+        except pickle.UnpicklingError:
+            refused = refused or file
+    return UserError(
+        f"checkpoint {path}: {refused or 'a file of it'} holds more than tensors and plain values (damaged, or not a "
+        "file draftsmith saved), and draftsmith does not unpickle more (that can run code it holds): give another one"
+    )
+
+
+def check_random_states(rank: int, path: Path) -> None:
+    """This rank's random states, which accelerate skips when they do not load (an INFO line, on rank 0 alone): a
+    missing file (saved by fewer ranks) is a warning naming it; one that does not load, or was not applied, refused."""
+    import random
+
+    from accelerate.utils import load
+
+    file = path / f"random_states_{rank}.pkl"
+    if not file.is_file():
+        log.warning("checkpoint %s holds no %s: rank %d's random numbers are not restored, so its random draws "
+                    "differ from an uninterrupted run's", path, file.name, rank)  # fmt: skip
+        return
+    try:
+        restored = load(file)["random_state"] == random.getstate()
+    except pickle.UnpicklingError:
+        raise unsafe_pickle(path, [file]) from None
+    except (OSError, EOFError, RuntimeError, KeyError, TypeError) as err:
+        raise UserError(f"checkpoint {path}: {file} does not hold random states ({one_line(err)})") from None
+    if not restored:
+        raise UserError(f"checkpoint {path}: {file} does not hold random states that accelerate restores")
 
 
 def saved_state(path: Path) -> TrainerState:

@@ -4,13 +4,12 @@ train.eval_every; trainer/loop.py) as `curve.json` and `curve.png` in its output
 A row is one evaluation: `step`, `tokens` (training tokens consumed so far, all ranks), `tau_est` and
 `top1` (the drafter's teacher-forced top-1 per depth, metric name -> value, depth 1 first). curve.json
 also holds `best`, the evaluation kept in best/. `plot_curves` draws one run or several (a benchmark
-comparing drafters or data) from rows; `load_curve` reads a run's curve.json.
+comparing drafters or data) from rows.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -52,12 +51,6 @@ def write_curve(
     write_text_atomic(output_dir / CURVE_JSON, json.dumps(payload, indent=2) + "\n")
     if png and rows:
         plot_curves({output_dir.name: rows}, output_dir / CURVE_PNG)
-
-
-def load_curve(path: str | os.PathLike) -> dict[str, Any]:
-    """A run's curve.json (`path`: the file or the run's output directory)."""
-    path = Path(path)
-    return json.loads((path / CURVE_JSON if path.is_dir() else path).read_text())
 
 
 def plot_curves(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: Path, title: Optional[str] = None) -> None:

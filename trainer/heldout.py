@@ -20,6 +20,7 @@ import json
 import logging
 import math
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -48,12 +49,13 @@ def reduce_means(accelerator, stats: dict[str, torch.Tensor]) -> dict[str, float
 
 def split_heldout(dataset, count: int, step_size: int):
     """(training part, held-out part) of the tokenized data.train: its last `count` conversations, in
-    file order (train.heldout). The training part must still fill one micro-batch on every process."""
+    file order (train.heldout). The training part must still fill one step (`step_size` conversations)."""
     left = len(dataset) - count
     if left < step_size:
         raise UserError(
             f"train.heldout={count} leaves {max(left, 0)} of the {len(dataset)} data.train conversations for training, "
-            f"fewer than one step of {step_size} (processes x train.micro_batch_size); lower train.heldout"
+            f"fewer than one step of {step_size} (processes x train.micro_batch_size x train.grad_accum); lower "
+            "train.heldout"
         )
     return dataset.select(range(left)), dataset.select(range(left, len(dataset)))
 
@@ -67,12 +69,15 @@ def evaluate_heldout(accelerator, drafter, heldout, collate, target_features, cf
     Each rank takes every world-th conversation in micro-batches of train.micro_batch_size, and every
     rank runs the same number of forwards (a rank out of data runs one more batch and counts it with
     weight 0), so a collective target forward (target.shard=fsdp) or wrapper stays in step. Randomness
-    (DFlash's anchors) comes from a forked RNG seeded with train.seed: each evaluation draws the same,
-    and training's random streams are untouched, so a run trains the same with or without them."""
+    (DFlash's anchors) is each conversation's own, seeded with train.seed (heads/packing.py
+    conversation_rand): each evaluation draws the same however the conversations fall to ranks, and in a
+    forked RNG any other draw leaves training's streams untouched, so a run trains the same with or without
+    them."""
     world, rank, micro = accelerator.num_processes, accelerator.process_index, cfg.train.micro_batch_size
     mine = list(range(len(heldout)))[rank::world]
     rounds = math.ceil(math.ceil(len(heldout) / world) / micro)
     sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(2, device=accelerator.device))
+    held_out_collate = replace(collate, draw_seed=cfg.train.seed)
     was_training = drafter.training
     drafter.eval()
     try:
@@ -81,7 +86,7 @@ def evaluate_heldout(accelerator, drafter, heldout, collate, target_features, cf
             for i in range(rounds):
                 indices = mine[i * micro : (i + 1) * micro]
                 weight = 1.0 if indices else 0.0
-                batch = collate([heldout[j] for j in (indices or [0])])
+                batch = held_out_collate([heldout[j] for j in (indices or [0])])
                 batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
                 target_out = target_features(batch)
                 with accelerator.autocast():

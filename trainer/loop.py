@@ -22,7 +22,7 @@ import logging
 import math
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -159,7 +159,7 @@ def train_step(run: Run, step: StepData, agreed: Agreed, stream, stop: StopReque
                         run.optimizer.step()
             run.optimizer.zero_grad(set_to_none=True)
         state.epoch, state.batch_in_epoch = epoch, batch_index + 1
-    lr = run.scheduler.get_last_lr()[0]  # after the step, the schedule says the next step's
+    lr = run.scheduler.get_last_lr()[0]  # this step's lr: read before scheduler.step() moves on to the next's
     run.scheduler.step()
     state.step += 1
     state.tokens += agreed.tokens
@@ -313,7 +313,7 @@ def micro_batches(dataset, collate, cfg: DictConfig, world: int, rank: int, stat
         loader = DataLoader(
             dataset,
             batch_sampler=batches,
-            collate_fn=collate,
+            collate_fn=replace(collate, draw_seed=cfg.train.seed),  # a drafter's draws (heads/packing.py)
             num_workers=cfg.train.num_workers,
             generator=torch.Generator().manual_seed(cfg.train.seed + epoch),
             pin_memory=torch.cuda.is_available(),  # the run is on CUDA where there is one (setup.py make_accelerator)
@@ -380,7 +380,8 @@ class Agreed:
 
 def agree(accelerator, nonfinite=None, stop: bool = False, upcoming: StepData | None = None) -> Agreed:
     """One all-reduce (a sum over ranks) of the decisions every rank must share and the next step's
-    host counts, and the step's one host sync. `nonfinite`: this rank's flag, a device tensor (or None)."""
+    host counts: this loop's one host sync a step. A drafter's loss may add its own (DFlash's anchor count,
+    heads/dflash.py); the others keep fixed shapes. `nonfinite`: this rank's flag, a device tensor (or None)."""
     device = accelerator.device
     counts = (upcoming.loss_tokens, upcoming.tokens) if upcoming is not None else (0, 0)
     host = torch.tensor([int(stop), *counts], dtype=torch.long)

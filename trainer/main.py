@@ -6,6 +6,7 @@ SIGTERM saves a checkpoint and exits 75; train.resume=true continues bit-identic
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,6 +30,8 @@ def main(argv: Sequence[str]) -> None:
     set_cpu_threads(cfg.train.cpu_threads)  # accelerate launch's OMP_NUM_THREADS=1 is not a choice (threads.py)
 
     state = PartialState(cpu=not torch.cuda.is_available())
+    if not state.is_main_process:  # a run's information once, not once per rank; each rank's warnings stay
+        logging.getLogger("draftsmith").setLevel(logging.WARNING)
     try:
         with claim_output_dir(cfg, state):
             train(cfg)

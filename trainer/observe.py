@@ -174,6 +174,7 @@ class StepProfiler:
         self.steps = tuple(steps) if steps else None
         self.output_dir, self.rank = Path(output_dir), rank
         self.profiler = None
+        self.started: Optional[int] = None  # the step the profiler started before
         self.done = False
 
     def before_step(self, step: int) -> None:

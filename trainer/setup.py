@@ -262,7 +262,7 @@ def load_data(cfg: DictConfig, accelerator: Accelerator, tokenizer):
     heldout = None  # train.heldout: the last conversations of data.train, in file order, never trained on
     if cfg.train.heldout > 0:
         train_data, heldout = split_heldout(
-            train_data, cfg.train.heldout, accelerator.num_processes * cfg.train.micro_batch_size
+            train_data, cfg.train.heldout, accelerator.num_processes * cfg.train.micro_batch_size * cfg.train.grad_accum
         )
     return train_data, vocab_data, heldout
 
@@ -311,11 +311,20 @@ def optimization(cfg: DictConfig, accelerator: Accelerator, drafter, conversatio
     conversations: train.max_steps, or train.epochs epochs of full steps."""
     optimizer = build_optimizer(cfg.train, drafter, deepspeed=accelerator.state.deepspeed_plugin is not None)
     world, micro, accumulated = accelerator.num_processes, cfg.train.micro_batch_size, cfg.train.grad_accum
-    steps_per_epoch = conversations // (world * micro * accumulated)  # an epoch is whole steps (micro_batches)
+    step = world * micro * accumulated
+    steps_per_epoch = conversations // step  # an epoch is whole steps (micro_batches)
     if steps_per_epoch == 0:
         raise UserError(
             f"{conversations} training conversations cannot fill one step of {world} process(es) "
             f"x micro_batch_size {micro} x grad_accum {accumulated}"
+        )
+    if conversations % step:  # the reshuffled order leaves other ones out each epoch
+        log.info(
+            "an epoch is %d steps of %d conversations: %d of the %d training conversations are left out of each one",
+            steps_per_epoch,
+            step,
+            conversations % step,
+            conversations,
         )
     max_steps = cfg.train.max_steps
     if max_steps < 0:

@@ -1,0 +1,168 @@
+"""Files a user hands draftsmith that are not what they claim: a target's weights as a pickle (never unpickled), cut
+short or with a bad header, its config.json a list, its tokenizer files missing or cut short, custom code asked for
+without trust; links that lead nowhere (a loop, a missing path) as an output directory, a target or a data file; a
+checkpoint's pickle that holds more than tensors, or random states that do not load. Each is one line naming the
+file or the key, exit 2, and none says to unpickle a file unsafely."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftsmith.data_prep.local_files import files_matching, files_under
+from draftsmith.errors import UserError, outcome
+from draftsmith.outputs import check_output_dir
+from draftsmith.target import load_config, load_target, load_tokenizer, target_section
+from draftsmith.trainer.checkpoint import load_checkpoint
+from tests.helpers import REFERENCE_TARGET, assert_one_line_error, run_entry_in_process, tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class Marker:
+    """An object no safe unpickler allows (a payload's stand-in: unpickling it would run its class's code)."""
+
+
+def refused(load, *args) -> str:
+    """The line `load(*args)` is refused with (exit 2), checked for torch's advice to unpickle unsafely."""
+    with pytest.raises(UserError) as err:
+        load(*args)
+    code, line = outcome(err.value)
+    assert code == 2 and "weights_only" not in line and "\n" not in line, line
+    return line
+
+
+@pytest.fixture
+def target(tmp_path) -> Path:
+    """The reference target's tokenizer and config beside a tiny model's weights (fast to load)."""
+    folder = tmp_path / "target"
+    shutil.copytree(REFERENCE_TARGET, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    model = tiny_llama(vocab=config["vocab_size"])
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_pickled_target_weights_are_refused_without_being_unpickled(target):
+    """A pytorch_model.bin target was unpickled (transformers' weights_only unpickler); one holding a payload was
+    exit 70 with torch's advice to rerun with weights_only=False, which would run it."""
+    (target / "model.safetensors").unlink()
+    torch.save({"payload": Marker()}, target / "pytorch_model.bin")
+    line = refused(load_target, str(target))
+    assert f"its weights are a pickle ({target / 'pytorch_model.bin'})" in line
+    assert "convert them to safetensors" in line
+
+
+@pytest.mark.parametrize("damage", ["cut short", "bad header"])
+def test_a_damaged_safetensors_target_is_named(target, damage):
+    """safetensors' SafetensorError was exit 70, "internal error (a draftsmith bug ...)"."""
+    weights = target / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "cut short" else (1 << 40).to_bytes(8, "little") + data[8:])
+    line = refused(load_target, str(target))
+    assert f"{weights}: corrupt weights file (Error while deserializing header" in line
+
+
+def test_a_config_that_is_no_object_and_tokenizer_files_missing_or_cut_short_are_named(target):
+    """config.json holding [1, 2] was a TypeError (exit 70) for the tokenizer; no tokenizer files said to install
+    sentencepiece or tiktoken; a tokenizer.json cut short was a JSON error naming no file."""
+    config = target / "config.json"
+    settings = config.read_text()
+    config.write_text("[1, 2]")
+    for load in (load_tokenizer, load_target):
+        assert f"{config} holds a JSON list, not an object of settings" in refused(load, str(target))
+    config.write_text(settings)
+
+    tokenizer = target / "tokenizer.json"
+    tokenizer.write_text(tokenizer.read_text()[:3000])
+    assert f"{tokenizer} is not valid JSON (" in refused(load_tokenizer, str(target))
+
+    tokenizer.unlink()
+    (target / "tokenizer_config.json").unlink()
+    line = refused(load_tokenizer, str(target))
+    assert line.endswith("the folder holds no tokenizer.json or tokenizer_config.json"), line
+
+
+def test_custom_code_without_trust_names_the_recipe_key(target):
+    """transformers' line was cut at 300 characters, named no recipe key and held `https://hf.co//tmp/...`."""
+    config = json.loads((target / "config.json").read_text())
+    config.update(
+        model_type="evilllama",
+        auto_map={"AutoConfig": "configuration_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.EvilLM"},
+    )
+    (target / "config.json").write_text(json.dumps(config))
+    line = refused(load_config, target_section(str(target)))
+    assert "asks to run code of its own (auto_map)" in line and "target.trust_remote_code=true" in line
+    assert "hf.co" not in line
+
+
+def test_links_that_lead_nowhere_are_named(tmp_path, capsys):
+    """An output_dir that is a loop of links was exit 70 (FileExistsError from mkdir), a target that is one "no
+    such folder (a Hub id reads owner/name)", and a data file that is a link to nothing was left out without a word."""
+    (tmp_path / "loopA").symlink_to(tmp_path / "loopB")
+    (tmp_path / "loopB").symlink_to(tmp_path / "loopA")
+    (tmp_path / "gone").symlink_to(tmp_path / "missing")
+    loop = tmp_path / "loopA"
+    with pytest.raises(UserError, match=f"cannot be created: {loop} is a loop of symbolic links$"):
+        check_output_dir(loop / "run")
+    with pytest.raises(UserError, match=f"cannot be created: {tmp_path / 'gone'} links to .*missing, missing$"):
+        check_output_dir(tmp_path / "gone")
+
+    args = ["train.py", "recipe=medusa", f"output_dir={tmp_path / 'run'}", f"target.name_or_path={loop}"]
+    line = assert_one_line_error(run_entry_in_process(args, capsys), 2)
+    assert line == f"error: target.name_or_path={loop}: a loop of symbolic links, no folder"
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.jsonl").write_text("{}\n")
+    (data / "b.jsonl").symlink_to(tmp_path / "elsewhere.jsonl")
+    for read in (lambda: files_under(str(data), "data"), lambda: files_matching(str(data / "*.jsonl"), "data/*")):
+        with pytest.raises(UserError, match=f"{data / 'b.jsonl'} is a symbolic link that leads to no file"):
+            read()
+
+
+@pytest.fixture
+def saved_state(tmp_path):
+    """(accelerator, folder): accelerate's state of a tiny model, its optimizer and scheduler, saved to folder."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    accelerator.prepare(model, optimizer, scheduler)
+    folder = tmp_path / "step_0000001"
+    accelerator.save_state(str(folder))
+    return accelerator, folder
+
+
+def test_a_checkpoint_pickle_of_more_than_tensors_is_named_without_the_advice(saved_state):
+    """An optimizer.bin put in place (its checksums recomputed) was exit 70 with torch's advice to rerun with
+    weights_only=False."""
+    accelerator, folder = saved_state
+    torch.save({"payload": Marker()}, folder / "optimizer.bin")
+    line = refused(load_checkpoint, accelerator, folder)
+    assert f"{folder / 'optimizer.bin'} holds more than tensors and plain values" in line
+
+
+def test_random_states_that_do_not_load_are_named(saved_state, caplog):
+    """accelerate skipped random states it could not load with an INFO line, so a resume was quietly not an
+    uninterrupted run's: a missing file is a warning naming it, one that does not hold them is refused."""
+    accelerator, folder = saved_state
+    states = folder / "random_states_0.pkl"
+    for wrong in ({"random_state": 1}, {"step": 1}):
+        torch.save(wrong, states)
+        assert f"{states} does not hold random states" in refused(load_checkpoint, accelerator, folder)
+
+    torch.save({"payload": Marker()}, states)
+    assert f"{states} holds more than tensors and plain values" in refused(load_checkpoint, accelerator, folder)
+
+    states.unlink()
+    with caplog.at_level(logging.WARNING, "draftsmith.train"):
+        load_checkpoint(accelerator, folder)
+    assert f"checkpoint {folder} holds no random_states_0.pkl: rank 0's random numbers are not restored" in caplog.text
