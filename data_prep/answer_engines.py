@@ -105,7 +105,7 @@ class VllmAnswers:
             "max_num_seqs": v.max_num_seqs,
             "max_model_len": cfg.data.max_length + section.max_new_tokens,
             "seed": section.seed,
-            "trust_remote_code": False,
+            "trust_remote_code": bool(cfg.target.trust_remote_code),  # the target's own code, as draftsmith runs it
         }
         if section.temperature > 0 and not gpu:
             # vLLM rewinds a seeded request's generator when a prompt's prefill is split over steps (chunked

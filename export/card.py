@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from draftsmith.engines import SERVING_ENGINES
 from draftsmith.eval.partings import NEAR_TIE_UNITS
-from draftsmith.formats.repo import EngineRepo, vllm_serve_flags
+from draftsmith.formats.repo import TRUST_REMOTE_CODE_FLAG, EngineRepo, vllm_serve_flags
 from draftsmith.heads import drafter_class
 from draftsmith.outputs import FINAL_DIR, RECIPE_NAME, RUN_SUMMARY_NAME
 from draftsmith.trainer.checkpoint import DRAFTER_DIR, STATE_NAME
@@ -53,6 +53,7 @@ def write_card(
         dtype=info["target_dtype"],
         engine_flags=vllm_serve_flags((info.get("verified") or {}).get("engine_arguments", {})),
         revision_flags=f" {repo.revision_flag} {revision}" if revision and repo.revision_flag else "",
+        trust_flags=TRUST_REMOTE_CODE_FLAG if info.get("trust_remote_code") else "",
     )
     lines = [
         "---",

@@ -146,7 +146,13 @@ def load_source(cfg: DictConfig, checkpoint: Path, target) -> Source:
     directory = Path(name) if Path(name).is_dir() else None
     # a local folder by its absolute path: a relative one names the target only where the export ran
     verifier = cfg.export.verifier or (str(directory.resolve()) if directory is not None else name)
-    info = TargetInfo(shape=shape, config=loaded_config(target), verifier=verifier, directory=directory)
+    info = TargetInfo(
+        shape=shape,
+        config=loaded_config(target),
+        verifier=verifier,
+        directory=directory,
+        trust_remote_code=bool(cfg.target.trust_remote_code),
+    )
     return Source(
         drafter=drafter, checkpoint=checkpoint, target_model=target, target=info, vllm_format=cfg.export.vllm_format
     )
@@ -361,6 +367,7 @@ def export_info(
         "source": {"checkpoint": str(source.checkpoint.resolve()), "sha256": digest},
         "target": {**source.target.shape.__dict__, "id": source.target.shape.id},
         "verifier": source.target.verifier,
+        "trust_remote_code": source.target.trust_remote_code,  # the serving command runs the target's own code
         "num_speculative_tokens": gamma,
         "conventions": repo.conventions,
         "serve": repo.serve,

@@ -154,6 +154,7 @@ def verify_in_vllm(
         # both loops run the target in the dtype it was loaded in (target.dtype), the one the folder's serving
         # command names: vLLM's CPU kernels for some layers (Gated DeltaNet) take bfloat16 only
         "dtype": served_dtype(source.target_model),
+        "trust_remote_code": source.target.trust_remote_code,  # the target's own code, as draftsmith ran it
     }
     if recurrent(source.target_model.config):
         # vLLM 0.32's prefix caching of recurrent states ("align" mode) runs a Triton kernel when it

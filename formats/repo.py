@@ -42,18 +42,24 @@ class TargetInfo:
     config: dict[str, Any]
     verifier: str
     directory: Optional[Path] = None
+    trust_remote_code: bool = False  # target.trust_remote_code: the engines run the target's own code too
 
 
-# vLLM's serving command: the target in the dtype draftsmith ran it in (`served_dtype`), the engine arguments the
-# export's check ran with that serving needs (`vllm_serve_flags`), the export's whole speculative config
-# (export/run.py::served_config) as one JSON argument, the folder as its model.
-VLLM_SERVE = "vllm serve {target} --dtype {dtype}{engine_flags} --speculative-config '{speculative_config}'"
+# vLLM's serving command: the target in the dtype draftsmith ran it in (`served_dtype`), its own code where
+# draftsmith ran it (`{trust_flags}`: target.trust_remote_code), the engine arguments the export's check ran with
+# that serving needs (`vllm_serve_flags`), the export's whole speculative config (export/run.py::served_config) as
+# one JSON argument, the folder as its model.
+VLLM_SERVE = (
+    "vllm serve {target} --dtype {dtype}{trust_flags}{engine_flags} --speculative-config '{speculative_config}'"
+)
 
 # What every SGLang serving command ends with: the target and drafter in the dtype draftsmith ran the target in
 # (ServerArgs.dtype, both models' ModelConfig; its `auto` serves a float32 checkpoint in float16, whose acceptance was
-# not measured: configs/model_config.py), then the drafter's Hub branch when it is on one (`{revision_flags}`: the
-# repo's `revision_flag` and the branch, or nothing).
-SGLANG_FLAGS = " --dtype {dtype}{revision_flags}"
+# not measured: configs/model_config.py), the target's own code where draftsmith ran it (`{trust_flags}`), then the
+# drafter's Hub branch when it is on one (`{revision_flags}`: the repo's `revision_flag` and the branch, or nothing).
+SGLANG_FLAGS = " --dtype {dtype}{trust_flags}{revision_flags}"
+# Both engines' flag for a target whose code is its own (vLLM's EngineArgs, SGLang's ServerArgs trust_remote_code)
+TRUST_REMOTE_CODE_FLAG = " --trust-remote-code"
 SGLANG_REVISION_FLAG = "--speculative-draft-model-revision"  # ServerArgs.speculative_draft_model_revision
 
 

@@ -825,6 +825,19 @@ def test_an_unchecked_cards_serve_command_names_the_dtype_draftsmith_loaded_the_
         assert ("--dtype float32 --speculative-config" if engine == "vllm" else "--dtype float32\n```") in card
 
 
+def test_a_target_run_with_its_own_code_is_served_with_it(target, tmp_path):
+    """target.trust_remote_code=true was dropped at the engines: the cards' commands and the export's check served
+    the target without its code (vLLM then refuses to start)."""
+    checkpoint = save_drafter("eagle", target, tmp_path / "ckpt")
+    trusted = run_export("eagle", checkpoint, tmp_path / "trusted", "export.engines=[vllm,sglang]",
+                         "target.trust_remote_code=true", target=target)  # fmt: skip
+    for engine, folder in trusted.items():
+        assert "--dtype float32 --trust-remote-code" in (folder / "README.md").read_text(), engine
+        assert json.loads((folder / EXPORT_INFO).read_text())["trust_remote_code"] is True
+    plain = run_export("eagle", checkpoint, tmp_path / "plain", target=target)["vllm"]
+    assert "--trust-remote-code" not in (plain / "README.md").read_text()
+
+
 def test_published_files_have_the_umasks_mode(small_data, token_cache, target, tmp_path, capsys):
     """safetensors writes through a private temporary file (mode 0600): a checkpoint's, final/'s and an
     export's files get the umask's mode when published (0644 under umask 022), so that a job or an engine

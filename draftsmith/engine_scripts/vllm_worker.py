@@ -160,6 +160,7 @@ def measured_run(request, speculative_config):
         "max_model_len": int(request.get("max_model_len", 1024)),
         "seed": 0,
         "disable_log_stats": False,  # LLM.get_metrics() needs the stat loggers
+        "trust_remote_code": bool(request.get("trust_remote_code", False)),
     }
     if "enable_prefix_caching" in request:
         kwargs["enable_prefix_caching"] = bool(request["enable_prefix_caching"])
