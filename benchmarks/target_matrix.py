@@ -54,6 +54,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.provenance import provenance  # noqa: E402
+from benchmarks.vllm_probe import engine_python  # noqa: E402
 from draftsmith.random_target import RANDOM_TARGET_TOKENIZER_FILES, demo_tokenizer_dir, write_random_target  # noqa: E402
 
 FAMILIES = (
@@ -268,7 +269,8 @@ def markdown(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vllm-python")
+    # optional here (rows without vLLM's columns), read as every benchmark reads it: relative to the current directory
+    parser.add_argument("--vllm-python", type=engine_python)
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--kinds", default="eagle3")
     parser.add_argument(

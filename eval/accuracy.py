@@ -53,7 +53,7 @@ def split_accuracy(cfg: DictConfig, checkpoint: Path, target, tokenizer) -> dict
     else:  # data.train empty: load_tokenized refuses it in one line
         untrained.prepare(train if train is not None else load_tokenized(cfg, cfg.data.train, tokenizer, "data.train"))
     untrained.to(device)
-    collate = Collator(tokenizer.pad_token_id)
+    collate = Collator(tokenizer.pad_token_id, draw_seed=cfg.train.seed)  # DFlash's anchors: the held-out ones'
     table = {
         "checkpoint": str(checkpoint.resolve()),
         "trained": metric_means(trained, target, data, collate, cfg.train.micro_batch_size),
@@ -95,9 +95,9 @@ def metric_means(drafter: Drafter, target, dataset, collate, batch_size: int) ->
     sums: dict[str, dict[str, torch.Tensor]] = defaultdict(lambda: defaultdict(lambda: torch.zeros(2)))
     batches = [list(range(i, min(i + batch_size, len(dataset)))) for i in range(0, len(dataset), batch_size)]
     for batch in DataLoader(dataset, batch_sampler=batches, collate_fn=collate):
-        tensors = {k: v.to(device) for k, v in batch.items() if torch.is_tensor(v)}
-        target_out = run_target(target, tensors["input_ids"], tensors["attention_mask"], drafter.request)
-        _, _, stats = drafter(tensors, target_out)
+        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        target_out = run_target(target, batch["input_ids"], batch["attention_mask"], drafter.request)
+        _, _, stats = drafter(batch, target_out)
         for name, values in stats.items():
             for row, domain in enumerate(batch["domain"]):
                 sums[domain][name] += values[row].float().cpu()

@@ -63,7 +63,7 @@ def write_card(
         f"# {drafter_class(kind).TITLE} drafter for `{info['target']['id']}` ({engine})",
         "",
         f"A speculative-decoding drafter trained with draftsmith for `{info['verifier']}`"
-        + ("" if base_model else " (no Hub id: the front matter names no base_model, which the Hub reads as one)")
+        + ("" if base_model else " (a local folder: the card's metadata names no base_model, which must be a Hub id)")
         + f": {engine} proposes tokens with it and verifies them with the target in one forward pass, so the output "
         "is exactly the target's.",
         "",

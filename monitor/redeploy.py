@@ -66,17 +66,20 @@ def awaiting_action(state: State, waiting: list[str]) -> str:
 
 def run_redeploy_command(command: str, directory: Path) -> None:
     """`command` (monitor.redeploy_command) through /bin/sh, told the promoted export (DRAFTSMITH_EXPORT, the
-    folder to serve, and DRAFTSMITH_REVISION) by the environment, its output the monitor's. A failure is one
-    line: the check's outcome stands (the export is promoted), and with vLLM's counters the next check, 12 again
-    until the redeploy shows, runs it again."""
-    deployed = State.load(directory).deployed
+    folder to serve, and DRAFTSMITH_REVISION) by the environment, its output the monitor's; the monitor waits for it
+    (a `watch` too: its next check is due once it is done). A failure is one line: the check's outcome stands (the
+    export is promoted), and while the monitor awaits the redeploy (vLLM's counters) the next check, 12 again, runs
+    it again; otherwise no check does, and the line says to roll it out by hand."""
+    state = State.load(directory)
+    deployed = state.deployed
     told = {"DRAFTSMITH_EXPORT": deployed["export"], "DRAFTSMITH_REVISION": str(deployed["revision"])}
     sys.stdout.flush()  # the check's line before the command's output
     code = subprocess.run(["/bin/sh", "-c", command], env={**os.environ, **told}).returncode
     if code != 0:
         print(
             f"monitor: monitor.redeploy_command exited {code} for revision {deployed['revision']} "
-            f"({deployed['export']}): not rolled out by it",
+            f"({deployed['export']}): not rolled out by it"
+            + ("" if state.awaiting_redeploy else "; no later check runs it again: roll it out by hand"),
             file=sys.stderr,
             flush=True,
         )

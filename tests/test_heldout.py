@@ -166,8 +166,8 @@ def test_a_step_counts_accumulation_and_an_epoch_says_what_it_leaves_out(tmp_pat
     a word."""
     from tests.helpers import assert_one_line_error
 
-    def run(*extra):
-        args = train_args(tmp_path / "run", small_data, token_cache, "data.max_conversations=10", *extra)
+    def run(*extra, output="run"):
+        args = train_args(tmp_path / output, small_data, token_cache, "data.max_conversations=10", *extra)
         return run_entry_in_process(["train.py", *args], capsys)
 
     assert_one_line_error(
@@ -177,11 +177,13 @@ def test_a_step_counts_accumulation_and_an_epoch_says_what_it_leaves_out(tmp_pat
         "train.micro_batch_size x train.grad_accum)",
     )
     assert_one_line_error(run("train.heldout=3", "train.grad_accum=2"), 2, "train.heldout=3 leaves 7 of the 10")
-    result = run("train.max_steps=1")
+    result = run("train.max_steps=2")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "an epoch is 2 steps of 4 conversations: 2 of the 10 training conversations are left out of each one" in (
         result.stdout
     )
+    shorter = run("train.max_steps=1", output="shorter")  # no epoch ends: none is left out
+    assert shorter.returncode == 0 and "left out of each one" not in shorter.stdout
 
 
 @pytest.mark.parametrize(

@@ -1145,9 +1145,15 @@ def test_the_redeploy_command_runs_after_each_promotion_in_check_and_watch_and_a
     args[-1] = "monitor.redeploy_command='exit 3'"
     result = run_entry_in_process(["-m", "monitor", "check", "recipe=medusa", *args], capsys)
     assert result.returncode == 12 and result.stdout.strip() == "monitor: promoted"
-    assert result.stderr.strip() == (
-        "monitor: monitor.redeploy_command exited 3 for revision 1 (/srv/rev_0001/vllm): not rolled out by it"
+    failed = "monitor: monitor.redeploy_command exited 3 for revision 1 (/srv/rev_0001/vllm): not rolled out by it"
+    # no counters show the redeploy here, so no later check exits 12 and runs it again
+    assert result.stderr.strip() == failed + "; no later check runs it again: roll it out by hand"
+    awaiting = {"revision": 1, "export": "/srv/rev_0001/vllm", "promoted": "t", "restarted": []}
+    State(deployed={"export": "/srv/rev_0001/vllm", "revision": 1, "baseline": "r"}, awaiting_redeploy=awaiting).save(
+        directory
     )
+    result = run_entry_in_process(["-m", "monitor", "check", "recipe=medusa", *args], capsys)
+    assert result.returncode == 12 and result.stderr.strip() == failed  # the next check, 12 again, runs it again
     args[-1] = "monitor.redeploy_command=' '"
     result = run_entry_in_process(["-m", "monitor", "check", "recipe=medusa", *args], capsys)
     assert_one_line_error(result, 2, "monitor.redeploy_command is empty", alone=True)
