@@ -174,9 +174,13 @@ def conclusion(report: dict[str, Any]) -> list[str]:
             "",
         ]
     if best["speedup"] > 1.0:  # behind a free method, which drafts without a forward
+        row = free[strongest]
         why = (
             f"on this traffic a free method is faster: {FREE_BASELINES[strongest]}, which drafts with no forward "
             "of its own, beats it"
+            if beyond_noise(row, best["speedup"])
+            else f"{FREE_BASELINES[strongest]}'s {row['speedup']:.2f}× is within the timing's noise of it (decode "
+            "more: eval.max_prompts, eval.max_new_tokens)"
         )
     else:
         why = (
@@ -184,9 +188,22 @@ def conclusion(report: dict[str, Any]) -> list[str]:
             f"{_fmt(best['draft_forwards_per_cycle'])} of the drafter's forwards, which with the loop's bookkeeping "
             'cost more here than the target forwards they saved (docs/eval.md, "τ and speed-up")'
         )
-        if strongest and free[strongest]["speedup"] > 1.0:  # a free method wins where the drafter does not
-            why += f"; on this traffic a free method is faster: {FREE_BASELINES[strongest]}"
+        if strongest and beyond_noise(free[strongest], best["speedup"]):  # where the drafter does not win
+            why += (
+                f"; on this traffic a free method is faster: {FREE_BASELINES[strongest]}"
+                if beyond_noise(free[strongest], 1.0)
+                else f"; {FREE_BASELINES[strongest]} is faster than the drafter, though not than plain decoding"
+            )
     return [f"**Result:** {measured}: no wall-clock win on {report['device']}: {why}{unmeasured}.", ""]
+
+
+def beyond_noise(row: dict[str, Any], than: float) -> bool:
+    """Whether a free method's speed-up is above `than` beyond the timing's noise, as a drafter's win must be: the
+    low end of its 95% interval above it (no interval: not); a report from before the interval by its estimate."""
+    if "speedup_interval" not in row:
+        return row["speedup"] > than
+    interval = row["speedup_interval"]
+    return interval is not None and interval[0] > than
 
 
 def timed_batches(report: dict[str, Any], row: dict[str, Any]) -> int:

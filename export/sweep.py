@@ -216,6 +216,8 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None) -> P
     from draftsmith.engines import missing_suffix_decoding, vllm_python
     from draftsmith.export.verify import EngineSession
     from draftsmith.files import checkpoint_digest, write_text_atomic
+    from draftsmith.formats import exporter_for
+    from draftsmith.formats.versions import require_vllm_serves
     from draftsmith.heads.base import saved_drafter
     from draftsmith.outputs import DirectoryLock
 
@@ -233,6 +235,8 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None) -> P
         )
     require_proposes(gammas, longest, method, checkpoint)
     python = vllm_python(cfg.export.vllm_python, "export.vllm_python")
+    exporter = exporter_for(method)  # a release without the method: refused now, not after the free methods' levels
+    require_vllm_serves(exporter.vllm_method, exporter.vllm_releases, python)
     missing = None if settings.suffix is False else missing_suffix_decoding(python, "export.vllm_python")
     if settings.suffix and missing:
         raise UserError(missing)

@@ -122,6 +122,13 @@ class DFlashConfig(DrafterConfig):
             )
         if not 0 < self.dpace_alpha <= 1:
             raise UserError(f"drafter.dpace_alpha={self.dpace_alpha} must be in (0, 1]")
+        # a weighting's own setting given to the other one, which never reads it
+        reader, key = {"dpace": ("decay", "loss_decay"), "decay": ("dpace", "dpace_alpha")}[self.loss_weighting]
+        if getattr(self, key) != getattr(DFlashConfig, key):
+            raise UserError(
+                f"drafter.{key}={getattr(self, key)} is read only with drafter.loss_weighting={reader}, and this "
+                f"recipe's is {self.loss_weighting}: leave it at its default, or set drafter.loss_weighting={reader}"
+            )
         check_mask_token(self.mask_token_id, target)
         if target is not None:
             default = (

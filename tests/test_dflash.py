@@ -369,3 +369,19 @@ def test_real_trainer_online_and_from_shards(tmp_path, small_data, token_cache):
     assert [offline[s]["train/loss"] for s in (1, 2, 3)] == pytest.approx(
         [online[s]["train/loss"] for s in (1, 2, 3)], rel=2e-3
     )
+
+
+@pytest.mark.parametrize(
+    "settings, key",
+    [(["drafter.loss_decay=3"], "drafter.loss_decay=3.0 is read only with drafter.loss_weighting=decay"),
+     (["drafter.loss_weighting=decay", "drafter.dpace_alpha=0.3"],
+      "drafter.dpace_alpha=0.3 is read only with drafter.loss_weighting=dpace")],
+)  # fmt: skip
+def test_a_weightings_setting_given_to_the_other_weighting_is_refused(settings, key):
+    """D-PACE never reads loss_decay, nor the decay weighting dpace_alpha: either was trained on without a word."""
+    from draftsmith.recipe import load_recipe
+
+    with pytest.raises(UserError, match=key):
+        load_recipe(["recipe=dflash", *settings])
+    decay = load_recipe(["recipe=dflash", "drafter.loss_weighting=decay", "drafter.loss_decay=3"])
+    assert decay.drafter.loss_decay == 3

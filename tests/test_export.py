@@ -876,6 +876,12 @@ def test_medusa_states_the_vllm_releases_that_serve_it_and_a_newer_vllm_is_refus
     )  # fmt: skip
     assert_one_line_error(result, 2, "export.vllm_python is vLLM 0.33.0, which cannot serve this drafter")
     assert not output.exists()
+    # the load sweep too, before it serves plain decoding and the free methods for minutes (it refused at the
+    # drafter's level, after them)
+    result = run_entry_in_process(["-m", "export.sweep", "recipe=medusa", f"checkpoint={checkpoint}",
+                                   f"output_dir={output}", f"export.vllm_python={stub}"], capsys)  # fmt: skip
+    assert_one_line_error(result, 2, "export.vllm_python is vLLM 0.33.0, which cannot serve this drafter")
+    assert not output.exists()
 
 
 def test_the_folder_names_the_builds_that_serve_it_and_the_cpu_build_is_refused_for_mla(tmp_path, capsys):

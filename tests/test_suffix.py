@@ -198,3 +198,24 @@ def test_the_report_and_the_monitor_weigh_the_drafter_against_the_stronger_free_
         assert free["faster"] == "suffix" and free["note"].startswith("on this traffic a free method is faster")
     else:
         assert free["faster"] is None and free["note"] is None
+
+
+@pytest.mark.parametrize(
+    "chain, suffix, interval, says",
+    [((1.9, 1.3), (2.4, 1.6), [1.4, 1.8], "on this traffic a free method is faster: suffix decoding"),
+     ((1.9, 1.3), (2.4, 1.6), [0.7, 2.4], "suffix decoding's 1.60× is within the timing's noise of it"),
+     ((1.9, 1.3), (2.4, 1.6), None, "suffix decoding's 1.60× is within the timing's noise of it"),  # too few timed
+     ((1.2, 0.5), (1.6, 0.9), [0.8, 1.0], "suffix decoding is faster than the drafter, though not than plain"),
+     ((1.2, 0.5), (1.6, 1.3), [0.4, 2.2], "cost more here than the target forwards they saved (docs/eval.md")],
+)  # fmt: skip
+def test_a_free_method_is_said_faster_only_beyond_the_timings_noise(chain, suffix, interval, says):
+    """"A free method is faster" was said on a free method's bare point estimate (4 prompts, no interval), where a
+    drafter's win needs its 95% interval; and it was not said where the free method beat the drafter but not plain."""
+    from draftsmith.eval.render import conclusion
+
+    report = report_rows(chain, (1.0, 0.3), suffix)
+    report["baselines"]["all"]["suffix"]["speedup_interval"] = interval
+    line = conclusion(report)[0]
+    assert says in line
+    if "faster" not in says:
+        assert "a free method is faster" not in line and "is faster than the drafter" not in line
