@@ -26,7 +26,6 @@ from typing import Any, Optional, Sequence
 import torch
 from accelerate import PartialState
 from omegaconf import DictConfig, OmegaConf
-from tqdm.auto import tqdm
 
 from draftsmith.data_prep.capture_files import (
     CAPTURE_AGAIN,
@@ -45,6 +44,7 @@ from draftsmith.data_prep.features import DISTRIBUTION_DTYPE, encode, hidden_nam
 from draftsmith.errors import UserError
 from draftsmith.files import read_json, write_json
 from draftsmith.outputs import held_by_main_process
+from draftsmith.progress import progress_bar
 from draftsmith.recipe import load_recipe
 from draftsmith.recipe_schema import CaptureSection
 from draftsmith.sharding import Lockstep, end_process_group
@@ -153,7 +153,9 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
     record()  # from the start, so the merge finds a part for every rank, even one with no conversations
     computed = reused = 0
     started = time.perf_counter()
-    progress = tqdm(total=sum(s.tokens for s in plan), unit="tok", desc="capture", disable=not state.is_main_process)
+    progress = progress_bar(
+        total=sum(s.tokens for s in plan), unit="tok", desc="capture", disable=not state.is_main_process
+    )
     for shard in plan:
         entry = done.get(shard.name)
         if entry is not None and is_intact(directory / shard.name, entry):

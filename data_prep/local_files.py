@@ -110,9 +110,10 @@ def _warn_not_read(what: str, paths: list[str], folder: Optional[str] = None) ->
 
 def local_content(sources) -> Optional[list[str]]:
     """The sha256 of each local file a data setting (`data.train`, `data.draft_vocab`: a source or a list of
-    them) reads, in the order data_prep/conversations.py reads them; a named data set by its name (read from its
-    package). None where a source is not local data here (a Hub data set, a path moved away, a glob or folder
-    that holds no data file now), whose content is not known."""
+    them) reads, in the order data_prep/conversations.py reads them; a named data set or a Hub data set by its name
+    (whose bytes are read from its package or the Hub, not from a path given). None where a source names local data
+    that cannot be read here (a path moved away, a glob or folder that holds no data file now), whose content is
+    not known."""
     content = []
     for source in map(str, [sources] if isinstance(sources, str) else sources):
         local = os.path.expanduser(source)
@@ -126,8 +127,11 @@ def local_content(sources) -> Optional[list[str]]:
                 files = files_under(local, source)
             elif os.path.isfile(local):
                 files = [local]
-            else:
-                return None
+            elif builder(source) is not None or source.startswith((".", "/", "~")):
+                return None  # a path that is gone: data_prep/conversations.py reads such a name as a path, not an id
+            else:  # a Hub data set id (conversations.py's `owner/name[:split]`)
+                content.append(source)
+                continue
         except UserError:
             return None
         content += [file_sha256(Path(path)) for path in files]

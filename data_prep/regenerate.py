@@ -57,7 +57,6 @@ from typing import Any, Optional, Sequence
 import torch
 from accelerate import PartialState
 from omegaconf import DictConfig, OmegaConf
-from tqdm.auto import tqdm
 
 from draftsmith.data_prep.answer_engines import ANSWER_ENGINES, Answer, answer_engine
 from draftsmith.data_prep.conversations import CUT_KEY, answered_turns, load_conversations
@@ -67,6 +66,7 @@ from draftsmith.data_prep.regenerate_turns import left_out_line, prompt_key, reg
 from draftsmith.errors import UserError
 from draftsmith.files import read_json, replacing, require_same_settings, write_text_atomic
 from draftsmith.outputs import held_by_main_process
+from draftsmith.progress import progress_bar
 from draftsmith.recipe import load_recipe
 from draftsmith.sharding import end_process_group
 from draftsmith.target import load_tokenizer
@@ -252,7 +252,7 @@ def regenerate_into(
     todo = [index for index in range(len(chunks)) if not (directory / part_name(index)).is_file()]
     mine = todo[state.process_index :: state.num_processes]
     done = rows_total - sum(len(chunks[index]) for index in todo)
-    progress = tqdm(
+    progress = progress_bar(
         total=rows_total,
         initial=done,
         desc=f"regenerate ({section.engine})",

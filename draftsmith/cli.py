@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -144,6 +145,9 @@ def invoked_usage(usage: str) -> str:
 
 
 def configure_logging() -> None:
+    if not sys.stderr.isatty():  # a log file: datasets' and the Hub's bars redraw on one line (draftsmith/progress.py)
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     logging.basicConfig(
         stream=sys.stdout, level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )

@@ -69,7 +69,7 @@ def read_pretrained(load: Callable[..., Any], name_or_path: str, what: str, **kw
     try:
         return load(name_or_path, **kwargs)
     except (OSError, ValueError, SafetensorError) as err:
-        raise not_loadable(what, err, name_or_path, out_of_reach) from err
+        raise not_loadable(what, err, name_or_path, out_of_reach, kwargs.get("use_safetensors", False)) from err
 
 
 # the files a saved tokenizer holds (save_pretrained writes both; formats/repo.py TOKENIZER_FILES: all an export copies)
@@ -90,6 +90,14 @@ def read_tokenizer(load: Callable[..., Any], name_or_path: str, what: str, **kwa
 
 # transformers' names of weights stored as a pickle (a single file, or the shards an index lists)
 PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+# and as safetensors, what a load with use_safetensors reads: shards without their index are not read, nor another
+# *.safetensors beside them (an extra head's)
+SAFETENSORS_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+# what to do with weights draftsmith does not read
+CONVERT_PICKLE = (
+    "which draftsmith does not load (unpickling a file can run code it holds): convert them to safetensors where you "
+    "trust them (in transformers, from_pretrained then save_pretrained writes model.safetensors)"
+)
 
 
 def check_local_files(folder: Path, what: str, safetensors_only: bool) -> None:
@@ -104,25 +112,27 @@ def check_local_files(folder: Path, what: str, safetensors_only: bool) -> None:
     if not isinstance(values, dict):
         raise UserError(f"{what}: {config} holds a JSON {type(values).__name__}, not an object of settings")
     pickled = [folder / name for name in PICKLED_WEIGHTS if (folder / name).is_file()]
-    if safetensors_only and pickled and not any(folder.glob("*.safetensors")):
-        raise UserError(
-            f"{what}: its weights are a pickle ({pickled[0]}), which draftsmith does not load (unpickling a file can "
-            "run code it holds): convert them to safetensors where you trust them (in transformers, from_pretrained "
-            "then save_pretrained writes model.safetensors)"
-        )
+    if safetensors_only and pickled and not any((folder / name).is_file() for name in SAFETENSORS_WEIGHTS):
+        raise UserError(f"{what}: its weights are a pickle ({pickled[0]}), {CONVERT_PICKLE}")
 
 
 def not_loadable(
-    what: str, err: BaseException, name_or_path: str, out_of_reach: Optional[Exception] = None
+    what: str,
+    err: BaseException,
+    name_or_path: str,
+    out_of_reach: Optional[Exception] = None,
+    safetensors_only: bool = False,
 ) -> UserError:
     """The line for a model that did not load: transformers' reason; for a local folder it cannot read, the file
     (transformers names another cause: "No such file or directory" for unreadable weights, "Should have a
     `model_type` key" for an unreadable folder), the safetensors or JSON file that does not parse (their parsers
     name none); a folder's custom code without trust in draftsmith's words (transformers' names the folder as a Hub
     URL, and the keyword argument, not the recipe key); for a Hub id not in the cache with HF_HUB_OFFLINE=1, that
-    (transformers' own line then says it could not connect, which it never tried). Raised from `err`, whose chain
-    says whether the Hub was out of reach instead (errors.hub_unreachable); `out_of_reach` is the failed probe's
-    error of a load that read the cache alone (`hub_out_of_reach`)."""
+    (transformers' own line then says it could not connect, which it never tried); a Hub repo without safetensors
+    weights, read with `safetensors_only` (use_safetensors), as a local folder's pickle is (transformers' line says
+    not to set use_safetensors, which draftsmith always sets). Raised from `err`, whose chain says whether the Hub
+    was out of reach instead (errors.hub_unreachable); `out_of_reach` is the failed probe's error of a load that
+    read the cache alone (`hub_out_of_reach`)."""
     from huggingface_hub import constants
     from safetensors import SafetensorError
 
@@ -138,6 +148,12 @@ def not_loadable(
         miss.__cause__ = out_of_reach
     folder = Path(name_or_path).expanduser()
     local = folder.is_dir()
+    if safetensors_only and not local and "use_safetensors" in str(err):
+        where = " in the Hub cache" if constants.HF_HUB_OFFLINE or out_of_reach is not None else ""
+        return UserError(
+            f"{what}: its weights are not safetensors ({name_or_path} has no {' or '.join(SAFETENSORS_WEIGHTS)}"
+            f"{where}): a pickle (pytorch_model.bin), {CONVERT_PICKLE}"
+        )
     unreadable = first_unreadable(folder) if local else None
     if unreadable is not None and failed_on(err, unreadable):
         return UserError(f"{what}: cannot read {unreadable}: permission denied")

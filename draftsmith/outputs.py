@@ -33,6 +33,9 @@ from draftsmith.errors import STORAGE_ERRNOS, UserError, one_line
 LOCK_NAME = ".draftsmith.lock"
 REPLACED_DIR = "replaced"  # where train.overwrite=true moves an earlier run
 # What a run publishes in its output_dir that other stages read (docs/outputs.md), by these names only.
+# What each data setting read when the run began (trainer/resume_checks.py), beside its recipe.yaml: a resume
+# compares the bytes its recipe names now with these, not with what the run's paths hold today (a file edited since)
+DATA_CONTENT_NAME = "data_content.json"
 RECIPE_NAME = "recipe.yaml"  # the resolved recipe of the run (and of an eval, beside its report)
 FINAL_DIR = "final"  # the trained drafter
 LOG_NAME = "log.jsonl"  # a row per logged step

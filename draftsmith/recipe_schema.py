@@ -141,7 +141,7 @@ class TrainSection:
     adam_betas: List[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
     max_grad_norm: float = 1.0  # gradient clipping (global norm)
     seed: int = 0  # initialisation and data order
-    log_every: int = 10  # optimizer steps between log lines (stdout, log.jsonl, TensorBoard)
+    log_every: int = 10  # optimizer steps between logged rows (log.jsonl, TensorBoard, the progress line's loss)
     save_every: int = 0  # steps between checkpoints; 0 = only the final one
     keep_checkpoints: int = 2  # the newest step checkpoints kept, older ones deleted; 0 = keep every one
     # true = the newest checkpoint in output_dir | latest_intact = the newest whose files match the checksums
@@ -166,8 +166,8 @@ class TrainSection:
     # [first, last]: torch.profiler over optimizer steps first..last (1-based), a Chrome trace written to
     # output_dir/profile/ (trainer/observe.py); null = no profiling
     profile_steps: Optional[List[int]] = None
-    # MiB of [rows, vocabulary] float32 logits a vocabulary loss holds at once (heads/vocab_loss.py: EAGLE-3's
-    # draft and target vocabularies); larger chunks mean fewer, bigger GEMMs
+    # MiB of [rows, vocabulary] float32 logits a vocabulary loss holds at once (heads/vocab_loss.py: every kind's
+    # but DFlash's, the draft model's and Medusa-2's divergences too); larger chunks mean fewer, bigger GEMMs
     vocab_chunk_mb: int = 256
     # threads torch computes with on a CPU run; null = draftsmith chooses (draftsmith/threads.py): OMP_NUM_THREADS
     # where it is the user's, else the available cores / the processes on this machine. `accelerate launch`

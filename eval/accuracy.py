@@ -41,6 +41,8 @@ def split_accuracy(cfg: DictConfig, checkpoint: Path, target, tokenizer) -> dict
     train = None
     if cfg.data.train and not cfg.data.features:
         train = load_tokenized(cfg, cfg.data.train, tokenizer, "data.train")
+        if cfg.train.heldout:  # the run's last train.heldout conversations, never trained on (trainer/heldout.py)
+            train = train.select(range(max(len(train) - cfg.train.heldout, 0)))
     device = target.get_output_embeddings().weight.device
     trained = load_drafter(checkpoint, TargetShape.of(target, cfg.target.name_or_path), target).to(device)
     untrained = drafter_class(trained.type).from_target(

@@ -37,7 +37,6 @@ from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from tqdm.auto import tqdm
 
 from draftsmith.data_prep.dataset import require_context, target_context
 from draftsmith.data_prep.overlap import prompts_in_train
@@ -54,6 +53,7 @@ from draftsmith.eval.suffix import INSTALL
 from draftsmith.families import check_eval_settings
 from draftsmith.formats.folder import checkpoint_kind, open_drafter, require_recipes_kind, weights_digest
 from draftsmith.outputs import EVAL_DIR, RECIPE_NAME, REPORT_NAME, DirectoryLock, move_aside
+from draftsmith.progress import progress_bar
 from draftsmith.recipe import checkpoint_to_read, save_recipe
 from draftsmith.target import (
     TargetShape,
@@ -259,8 +259,8 @@ def decode_all(
     for method in methods:
         if method.forget is not None:
             method.forget()
-    progress = tqdm(
-        total=sum(map(len, prompts.values())), desc=f"eval (batch size {batch_size})", unit="prompt", file=sys.stderr
+    progress = progress_bar(
+        total=sum(map(len, prompts.values())), desc=f"eval (batch size {batch_size})", unit="prompt"
     )
     plain_alone = batch_size == 1 and methods[0].name == "plain"  # its tokens are the references
     unit = rounding_unit(verifier.dtype)

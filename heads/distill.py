@@ -58,10 +58,17 @@ TERMS = {"fkl": forward_kl, "rkl": reverse_kl, "tvd": total_variation}
 
 
 def divergences(
-    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0, names: Sequence[str] = KINDS
 ) -> dict[str, torch.Tensor]:
-    """All three terms per row: {"fkl", "rkl", "tvd"} -> [N]."""
-    return {name: term(student_logits, teacher_logits, temperature) for name, term in TERMS.items()}
+    """The terms `names` per row (all three unless told): {"fkl", "rkl", "tvd"} -> [N]."""
+    return {name: TERMS[name](student_logits, teacher_logits, temperature) for name in names}
+
+
+def loss_terms(kind: str, mix_weights: Sequence[float] = (1.0, 0.0, 0.0)) -> tuple[str, ...]:
+    """The terms `distill_loss` reads for `kind`."""
+    if kind == "mix":
+        return tuple(name for name, weight in zip(KINDS, mix_weights) if weight != 0)
+    return (kind,)
 
 
 def distill_loss(

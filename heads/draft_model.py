@@ -43,7 +43,7 @@ from draftsmith.errors import UserError
 from draftsmith.families import ATTENTION_KINDS, COMPRESSED, layer_types
 from draftsmith.heads import register
 from draftsmith.heads.base import Drafter, DrafterConfig, check_mask_token, per_sample_stats
-from draftsmith.heads.distill import LOSSES, distill_loss, divergences
+from draftsmith.heads.distill import KINDS, LOSSES, distill_loss, divergences, loss_terms
 from draftsmith.heads.draft_model_proposer import DraftModelProposer
 from draftsmith.heads.lora import ADAPTER_DIR, LoraSection
 from draftsmith.heads.packing import (
@@ -55,6 +55,7 @@ from draftsmith.heads.packing import (
     require_packed_attention,
     same_document,
 )
+from draftsmith.heads.vocab_loss import at_rows, chunk_rows_for, rows_loss
 from draftsmith.model_files import read_pretrained
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
@@ -186,6 +187,7 @@ class DraftModel(Drafter):
                 self.packing_checked = True
             logits = self.model(input_ids=input_ids, **causal_lm_inputs(batch), use_cache=False).logits
         length = input_ids.shape[1]
+        chunk_rows = chunk_rows_for(self.loss_chunk_bytes, logits.shape[-1])
         loss, stats = 0.0, {}
         for depth in range(depths):
             # Depth 0: the real token at t predicts token t + 1. Depth k: anchor t's mask at position t + k
@@ -194,31 +196,45 @@ class DraftModel(Drafter):
             shift = depth + 1
             if shift >= length:
                 break
-            # Every position runs and the unscored ones are zeroed rather than left out: no shape depends on the
-            # data, so nothing waits for the host on an accelerator.
             mask = loss_mask[:, shift:] & same_document(docs, shift)
-            student = logits[:, depth * length : (depth + 1) * length - shift].float()
-            teacher = target_out.logits[:, depth:-1].float()
-            terms = divergences(student, teacher, self.config.temperature)
-            per_token = distill_loss(terms, self.config.loss, self.config.mix_weights)
-            if self.config.ce_weight > 0:
-                labels = input_ids[:, shift:]
-                terms["ce"] = F.cross_entropy(student.flatten(0, 1), labels.flatten(), reduction="none").view_as(mask)
-                per_token = per_token + self.config.ce_weight * terms["ce"]
-            # a sum over tokens (heads/base.py, "The loss contract"); `where`, since an unscored position's
-            # divergence may be infinite (top-k captured logits)
-            loss = loss + torch.where(mask, per_token, 0.0).sum()
-            with torch.no_grad():
-                values = {name: value.detach() for name, value in terms.items()}
-                values["top1"] = (student.argmax(-1) == teacher.argmax(-1)).float()
-                values["accept"] = 1.0 - terms["tvd"].detach()  # speculative sampling's acceptance at this temperature
-                stats |= per_sample_stats(
-                    {f"step{shift}/{name}": value for name, value in values.items()},
-                    docs[:, :-shift].clamp(min=0),  # padding is never scored
-                    num_documents(batch),
-                    where=mask,
-                )
+            teacher, labels = target_out.logits[:, depth:-1], input_ids[:, shift:]
+
+            def per_row(rows, index, stats, teacher=teacher, labels=labels):
+                return self.distill_rows(rows, at_rows(teacher, index), at_rows(labels, index), stats)
+
+            # The rows run in chunks of `loss_chunk_bytes` (heads/vocab_loss.py rows_loss): no float32 copy of the
+            # logits at every position, and no shape depends on the data on an accelerator (every position
+            # runs there, the unscored ones zeroed), so nothing waits for the host. A sum over tokens
+            # (heads/base.py, "The loss contract").
+            student = logits[:, depth * length : (depth + 1) * length - shift]
+            depth_loss, values = rows_loss(student, mask, per_row, chunk_rows)
+            loss = loss + depth_loss
+            stats |= per_sample_stats(
+                {f"step{shift}/{name}": value for name, value in values.items()},
+                docs[:, :-shift].clamp(min=0),  # padding is never scored
+                num_documents(batch),
+                where=mask,
+            )
         return loss, self.loss_tokens(batch), stats
+
+    def distill_rows(
+        self, student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, stats: bool
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Each row's loss of the draft's logits `student` against the target's `teacher` ([n, V] each) and the
+        data's tokens `labels` [n], and, when `stats`, every divergence, the cross-entropy, top1 and accept."""
+        config = self.config
+        student, teacher = student.float(), teacher.float()
+        names = KINDS if stats else loss_terms(config.loss, config.mix_weights)
+        terms = divergences(student, teacher, config.temperature, names)
+        per_token = distill_loss(terms, config.loss, config.mix_weights)
+        if config.ce_weight > 0:
+            terms["ce"] = F.cross_entropy(student, labels, reduction="none")
+            per_token = per_token + config.ce_weight * terms["ce"]
+        if not stats:
+            return per_token, {}
+        terms["top1"] = student.argmax(-1) == teacher.argmax(-1)
+        terms["accept"] = 1.0 - terms["tvd"]  # speculative sampling's acceptance at this temperature
+        return per_token, terms
 
     def proposer(self, temperature: float = 0.0) -> DraftModelProposer:
         return DraftModelProposer(self, temperature)

@@ -152,15 +152,14 @@ class Medusa(Drafter):
 
             features = self.blocks[k](hidden[:, :-shift]).flatten(0, 1)
             head = self.lm_heads[k].weight
-            result = soft_cross_entropy(features, head, one_hot, scored.float(), chunk_rows)
+            result = soft_cross_entropy(features, head, one_hot, scored.float(), chunk_rows, labels=labels)
             total = total + weight * result.loss
-            with torch.no_grad():
-                values = {
-                    f"head{k + 1}/loss": result.token_loss,
-                    f"head{k + 1}/top1": (result.best == labels).float(),
-                    f"head{k + 1}/top5": in_top(features, head, labels, scored, 5, chunk_rows).float(),
-                }
-                stats |= per_sample_stats(values, docs[:, :-shift].clamp(min=0), num_docs, where=scored)
+            values = {
+                f"head{k + 1}/loss": result.token_loss,
+                f"head{k + 1}/top1": (result.best == labels).float(),
+                f"head{k + 1}/top5": (result.rank < 5).float(),  # unscored rows (rank -1) are not counted
+            }
+            stats |= per_sample_stats(values, docs[:, :-shift].clamp(min=0), num_docs, where=scored)
         return total, stats
 
     def verify_with(self, model: nn.Module) -> None:
@@ -237,23 +236,6 @@ class MedusaProposer(Proposer):
         tail = max(1.0 - top5, 0.0) / max(topk - 5, 1) * 0.5
         probs = [top1] + [(top5 - top1) * s for s in spread] + [tail] * max(topk - 5, 0)
         return probs[:topk]
-
-
-@torch.no_grad()
-def in_top(
-    features: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, scored: torch.Tensor, k: int, chunk_rows: int
-) -> torch.Tensor:
-    """[N] bool: labels[i] is among the k highest of features_i @ weight.T, False where not `scored`;
-    `chunk_rows` rows at a time, over the rows soft_cross_entropy runs (every one on an accelerator, a fixed
-    shape; the scored ones on a CPU, where counting them waits for nothing)."""
-    hits = torch.zeros_like(scored)
-    every_row = features.device.type != "cpu"
-    rows = torch.arange(len(scored), device=scored.device) if every_row else scored.nonzero().squeeze(1)
-    for start in range(0, len(rows), chunk_rows):
-        index = rows[start : start + chunk_rows]
-        top = F.linear(features.index_select(0, index), weight).topk(min(k, weight.shape[0]), dim=-1).indices
-        hits.index_copy_(0, index, (top == labels[index, None]).any(-1) & scored[index])
-    return hits
 
 
 def _vllm_names(module, state_dict, prefix, local_metadata):

@@ -38,6 +38,7 @@ from draftsmith.heads.distill import forward_kl
 from draftsmith.heads.lora import ADAPTER_DIR, LoraSection
 from draftsmith.heads.medusa import Medusa, MedusaConfig
 from draftsmith.heads.packing import causal_lm_inputs, documents, num_documents, same_document
+from draftsmith.heads.vocab_loss import at_rows, chunk_rows_for, rows_loss
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 BACKBONE = "backbone."
@@ -144,19 +145,25 @@ class Medusa2(Medusa):
         )
         heads_loss, stats = self.heads_loss(batch, out.hidden_states[-1])
 
-        # The backbone keeps the original target's next-token distribution wherever a token is supervised. Every
-        # position runs and the others are zeroed, not left out: no shape depends on the data, so nothing waits
-        # for the host on an accelerator.
+        # The backbone keeps the original target's next-token distribution wherever a token is supervised, its
+        # rows in chunks of `loss_chunk_bytes` (heads/vocab_loss.py rows_loss): no float32 copy of the logits at
+        # every position, and no shape depends on the data on an accelerator (every position runs there, the
+        # others zeroed), so nothing waits for the host.
         docs = documents(batch)
         mask = batch["loss_mask"].bool()[:, 1:] & same_document(docs, 1)
-        student, teacher = out.logits[:, :-1].float(), target_out.logits[:, :-1].float()
-        kl = torch.where(mask, forward_kl(student, teacher), 0.0)
+        teacher = target_out.logits[:, :-1]
+
+        def per_row(rows: torch.Tensor, index: torch.Tensor, stats: bool):
+            rows, theirs = rows.float(), at_rows(teacher, index).float()
+            kl = forward_kl(rows, theirs)
+            return kl, {"backbone/kl": kl, "backbone/top1": rows.argmax(-1) == theirs.argmax(-1)} if stats else {}
+
+        student = out.logits[:, :-1]
+        kl, values = rows_loss(student, mask, per_row, chunk_rows_for(self.loss_chunk_bytes, student.shape[-1]))
         heads_weight = self.heads_weight_now()
-        total = self.config.backbone_loss_weight * kl.sum() + heads_weight * heads_loss  # sums (heads/base.py)
-        with torch.no_grad():
-            values = {"backbone/kl": kl.detach(), "backbone/top1": (student.argmax(-1) == teacher.argmax(-1)).float()}
-            samples = docs[:, :-1].clamp(min=0)  # padding is never scored
-            stats.update(per_sample_stats(values, samples, num_documents(batch), where=mask))
+        total = self.config.backbone_loss_weight * kl + heads_weight * heads_loss  # sums (heads/base.py)
+        samples = docs[:, :-1].clamp(min=0)  # padding is never scored
+        stats.update(per_sample_stats(values, samples, num_documents(batch), where=mask))
         return total, self.loss_tokens(batch), stats
 
     def save_pretrained(self, directory: str | os.PathLike, state_dict: Optional[dict] = None) -> None:

@@ -13,8 +13,9 @@ contribution to the gradient w.r.t. W (g.T @ (row_weight * f)); the row weights 
 tensors, never [rows, V] ones. The backward only scales the stored gradients by the loss's incoming
 gradient: nothing is recomputed, unlike activation checkpointing, which runs the lm_head forward twice.
 
-Which rows run: on a CPU, where reading a count costs nothing, only the scored rows (row_weight != 0)
-go through the GEMMs; on an accelerator every row does, at a fixed shape, so nothing waits for the host.
+Which rows run (`row_chunks`, for every loss here): on a CPU, where reading a count costs nothing, only the
+scored rows (row_weight != 0) go through the GEMMs; on an accelerator every row does, at a fixed shape, so
+nothing waits for the host.
 
 Memory held: while a chunk runs, two [chunk_rows, V] float32 buffers (the logits, turned into their
 log-softmax and then into g; the teacher's rows); between forward and backward, the gradients w.r.t.
@@ -23,6 +24,13 @@ require grad.
 
 This is the CPU path and the numerical reference for a fused GPU kernel (the logits chunk staying in
 on-chip memory); see docs/performance.md "The vocabulary loss".
+
+`rows_loss` chunks a loss over logits a model already produced (a draft model's, Medusa-2's adapted target's):
+per-row values such as the divergences of heads/distill.py run `chunk_rows` rows at a time, so no [rows, V]
+float32 temporary covers every position; their gradient is recomputed chunk by chunk in the backward, which
+holds nothing between forward and backward but the logits themselves. While a chunk runs: its per-row
+function's few [chunk_rows, V] float32 temporaries (the divergences' softmaxes); in the backward, also the
+gradient w.r.t. the logits, in their dtype, which any backward through them allocates.
 """
 
 from __future__ import annotations
@@ -42,11 +50,24 @@ class VocabLoss(NamedTuple):
     loss: torch.Tensor  # scalar float32: sum_i row_weight[i] * CE_i, differentiable w.r.t. features and weight
     token_loss: torch.Tensor  # [N] float32, detached: CE_i, 0 where row_weight[i] == 0
     best: torch.Tensor  # [N] long, detached: the first argmax of features_i @ weight.T, -1 where row_weight[i] == 0
+    # [N] long, detached: how many logits of row i rank above labels[i] (greater, or equal at a lower index, so
+    # rank 0 is `best`); -1 where row_weight[i] == 0 or no labels were given
+    rank: torch.Tensor
 
 
 def chunk_rows_for(budget_bytes: int, vocab: int) -> int:
     """Rows whose float32 [rows, vocab] logits fit in `budget_bytes` (at least 1)."""
     return max(1, budget_bytes // (4 * vocab))
+
+
+def row_chunks(row_weight: torch.Tensor, chunk_rows: int, every_row: Optional[bool] = None) -> tuple[torch.Tensor, ...]:
+    """The row indices a chunked loss runs, `chunk_rows` at a time: every row (fixed shapes) or only the scored
+    ones (row_weight != 0); None: every row on an accelerator, the scored ones on a CPU, where counting them
+    waits for nothing."""
+    if every_row is None:
+        every_row = row_weight.device.type != "cpu"
+    rows = torch.arange(len(row_weight), device=row_weight.device) if every_row else row_weight.nonzero().squeeze(1)
+    return rows.split(chunk_rows)
 
 
 def soft_cross_entropy(
@@ -56,6 +77,7 @@ def soft_cross_entropy(
     row_weight: torch.Tensor,
     chunk_rows: int,
     every_row: Optional[bool] = None,
+    labels: Optional[torch.Tensor] = None,
 ) -> VocabLoss:
     """Soft cross-entropy of softmax(features @ weight.T) ([N, H] @ [H, V]) against the teacher's
     distribution, `chunk_rows` rows at a time (module docstring).
@@ -65,20 +87,17 @@ def soft_cross_entropy(
     everywhere. It is called once per chunk, under no_grad. `row_weight` [N] weighs each row in `loss`;
     a row of weight 0 is not scored: its token_loss and gradients are exactly 0 and its best -1. The
     lm_head GEMMs run as F.linear would (in bf16 under a bf16 autocast); everything past them runs in
-    float32. `every_row`: run every row (a fixed shape) or only the scored ones; None: every row on an
-    accelerator, the scored ones on a CPU, where counting them waits for nothing."""
+    float32. `every_row`: see `row_chunks`. `labels` [N] long: each row's token whose `rank` is wanted (a top-k
+    statistic without a second lm_head product)."""
     grad_enabled = torch.is_grad_enabled()
-    if every_row is None:
-        every_row = features.device.type != "cpu"
-    rows = None if every_row else row_weight.nonzero().squeeze(1)
     return VocabLoss(
         *_SoftCrossEntropy.apply(
             features,
             weight,
             teacher,
             row_weight,
-            rows,
-            chunk_rows,
+            row_chunks(row_weight, chunk_rows, every_row),
+            labels,
             grad_enabled and features.requires_grad,
             grad_enabled and weight.requires_grad,
         )
@@ -91,32 +110,38 @@ def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.bmm(a[:, None, :], b[:, :, None]).view(-1)
 
 
+def _label_rank(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[n] long: how many of each row's logits rank above its label's, ties going to the lower index (as
+    argmax's first maximum does), so rank 0 is the argmax; in a function, so its [n, V] masks are freed at once."""
+    at = logits.gather(1, labels[:, None])
+    vocab = torch.arange(logits.shape[1], device=logits.device)
+    return ((logits > at) | ((logits == at) & (vocab < labels[:, None]))).sum(-1)
+
+
 class _SoftCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, features, weight, teacher, row_weight, rows: Optional[torch.Tensor], chunk_rows, *wanted):
+    def forward(ctx, features, weight, teacher, row_weight, chunks: tuple[torch.Tensor, ...], labels, *wanted):
         features_grad, weight_grad = wanted
         row_weight = row_weight.float()
-        count = len(features) if rows is None else len(rows)
         token_loss = torch.zeros(len(features), dtype=torch.float32, device=features.device)
         best = torch.full((len(features),), -1, dtype=torch.long, device=features.device)
+        rank = torch.full_like(best, -1)
         grad_features = torch.zeros_like(features) if features_grad else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if weight_grad else None
-        for start in range(0, count, chunk_rows):
-            stop = min(start + chunk_rows, count)
-            if rows is None:
-                index, chunk = torch.arange(start, stop, device=features.device), features[start:stop]
-            else:
-                index = rows[start:stop]
-                chunk = features.index_select(0, index)
+        for index in chunks:
+            chunk = features.index_select(0, index)
             scale = row_weight.index_select(0, index)[:, None]
             logits = F.linear(chunk, weight)
             gemm_dtype = logits.dtype  # bf16 under a bf16 autocast
             # max(-1).indices: argmax's (the first maximum), about twice as fast on CPU
             chunk_best = logits.max(-1).indices
+            scored = scale[:, 0] != 0
+            if labels is not None:
+                chunk_rank = _label_rank(logits, labels.index_select(0, index))
+                rank.index_copy_(0, index, torch.where(scored, chunk_rank, -1))
             log_q = logits.float().log_softmax(-1)
             p = teacher(index)
             chunk_loss = -_row_dot(p, log_q)
-            scored = scale[:, 0] != 0
             token_loss.index_copy_(0, index, torch.where(scored, chunk_loss, 0.0))
             best.index_copy_(0, index, torch.where(scored, chunk_best, -1))
             if not (features_grad or weight_grad):
@@ -132,17 +157,76 @@ class _SoftCrossEntropy(torch.autograd.Function):
                     grad_weight += torch.mm(g.T, weighted)
         ctx.save_for_backward(grad_features, grad_weight)
         ctx.weight_dtype = weight.dtype
-        ctx.mark_non_differentiable(token_loss, best)
-        return (row_weight * token_loss).sum(), token_loss, best
+        ctx.mark_non_differentiable(token_loss, best, rank)
+        return (row_weight * token_loss).sum(), token_loss, best, rank
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_token_loss, grad_best):
+    def backward(ctx, grad_loss, grad_token_loss, grad_best, grad_rank):
         grad_features, grad_weight = ctx.saved_tensors
         if grad_features is not None:
             grad_features = grad_features * grad_loss
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
         return grad_features, grad_weight, None, None, None, None, None, None
+
+
+# per_row(rows, index, stats) -> (loss [n] float32, {name: [n] values} when `stats`, else {})
+PerRow = Callable[[torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def at_rows(positions: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` (flat: b * T + t) of a [B, T, ...] tensor, any view, as [len(index), ...]."""
+    return positions[index // positions.shape[1], index % positions.shape[1]]
+
+
+def rows_loss(
+    logits: torch.Tensor, scored: torch.Tensor, per_row: PerRow, chunk_rows: int, every_row: Optional[bool] = None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """sum over the scored positions of a per-row loss of logits [B, T, V] that a model produced (any view,
+    any dtype), `chunk_rows` rows at a time (module docstring), and the per-row statistics.
+
+    `per_row(rows, index, stats)` gets the logits at the flat positions `index` (b * T + t), [len(index), V]
+    in their own dtype, and gives each row's loss (float32, differentiable w.r.t. `rows`) and, when `stats`,
+    named per-row values. It runs under no_grad in the forward (with stats) and again with grad in the
+    backward (without). `scored` [B, T] bool picks the positions counted; `every_row`: see `row_chunks`.
+    Returns (the loss, differentiable w.r.t. `logits`; {name: [B, T] float32, 0 where not scored})."""
+    values: dict[str, torch.Tensor] = {}  # filled by the forward: an autograd Function returns tensors only
+    loss = _RowsLoss.apply(logits, scored, per_row, chunk_rows, every_row, values)
+    return loss, {name: value.view(scored.shape) for name, value in values.items()}
+
+
+class _RowsLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, scored, per_row: PerRow, chunk_rows, every_row, values):
+        scored = scored.flatten()
+        token_loss = torch.zeros(len(scored), dtype=torch.float32, device=logits.device)
+        with torch.no_grad():
+            for index in row_chunks(scored, chunk_rows, every_row):
+                kept = scored.index_select(0, index)
+                loss, named = per_row(at_rows(logits, index), index, True)
+                token_loss.index_copy_(0, index, torch.where(kept, loss, 0.0))
+                for name, value in named.items():
+                    if name not in values:
+                        values[name] = torch.zeros(len(scored), dtype=torch.float32, device=logits.device)
+                    values[name].index_copy_(0, index, torch.where(kept, value.float(), 0.0))
+        ctx.save_for_backward(logits, scored)
+        ctx.per_row, ctx.chunk_rows, ctx.every_row = per_row, chunk_rows, every_row
+        return token_loss.sum()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, scored = ctx.saved_tensors
+        grad = torch.zeros_like(logits)
+        for index in row_chunks(scored, ctx.chunk_rows, ctx.every_row):
+            kept = scored.index_select(0, index)
+            rows = at_rows(logits, index).detach().requires_grad_()
+            with torch.enable_grad():
+                loss = torch.where(kept, ctx.per_row(rows, index, False)[0], 0.0).sum()
+            (grad_rows,) = torch.autograd.grad(loss, rows, grad_loss)
+            # an unscored row's gradient is 0, also where its loss is not finite (0 x inf would be nan)
+            grad_rows = grad_rows.masked_fill(~kept[:, None], 0)
+            grad.index_put_((index // logits.shape[1], index % logits.shape[1]), grad_rows)
+        return grad, None, None, None, None, None
 
 
 def check_steps_ahead(config) -> None:

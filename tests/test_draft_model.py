@@ -19,7 +19,7 @@ from draftsmith.heads import drafter_class
 from draftsmith.heads.base import TargetShape, load_drafter
 from draftsmith.heads.distill import distill_loss, divergences, forward_kl, reverse_kl, total_variation
 from draftsmith.recipe import load_recipe
-from draftsmith.target import load_target
+from draftsmith.target import TargetOutput, load_target
 from tests.helpers import (
     REFERENCE_TARGET,
     SAMPLES,
@@ -115,6 +115,36 @@ def test_distillation_losses_by_hand():
     logits = student.clone().requires_grad_(True)
     distill_loss(divergences(logits, teacher), "mix", (1.0, 1.0, 1.0)).sum().backward()
     assert torch.isfinite(logits.grad).all()
+
+
+@pytest.mark.parametrize("chunk_rows", [5, 100_000], ids=["chunked", "one-chunk"])
+def test_chunked_distillation_equals_the_loss_on_every_position_at_once(chunk_rows):
+    """The draft model's loss runs its rows in chunks (heads/vocab_loss.py rows_loss): loss, statistics and
+    gradients equal the divergences computed on the whole [B, T, V] logits as the loss did before."""
+    target = tiny_llama(layers=2)
+    config = DraftModel.Config(num_layers=1, loss="mix", mix_weights=[1.0, 0.5, 2.0], ce_weight=0.3, temperature=2.0)
+    drafter = DraftModel.from_target(config, target, "tiny").train()
+    drafter.loss_chunk_bytes = 4 * 96 * chunk_rows
+    ids = torch.randint(4, 96, (2, 12), generator=torch.Generator().manual_seed(5))
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[0, 4:], loss_mask[1, 7:] = 1, 1
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask}
+    with torch.no_grad():
+        teacher = target(input_ids=ids).logits
+    loss, _, stats = drafter.loss(batch, TargetOutput(logits=teacher))
+    got = torch.autograd.grad(loss, list(drafter.parameters()))
+
+    student = drafter.model(input_ids=ids).logits[:, :-1].float()
+    mask = loss_mask[:, 1:].bool()
+    terms = divergences(student, teacher[:, :-1], 2.0)
+    terms["ce"] = torch.nn.functional.cross_entropy(student.transpose(1, 2), ids[:, 1:], reduction="none")
+    per_token = distill_loss(terms, "mix", [1.0, 0.5, 2.0]) + 0.3 * terms["ce"]
+    expected = torch.where(mask, per_token, 0.0).sum()
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+    for mine, theirs in zip(got, torch.autograd.grad(expected, list(drafter.parameters()))):
+        assert (mine - theirs).norm() <= 1e-5 * theirs.norm()
+    for name in ("fkl", "rkl", "tvd", "ce"):  # per document: the sums over its scored positions
+        torch.testing.assert_close(stats[f"step1/{name}"][:, 0], (terms[name] * mask).sum(1).detach(), msg=name)
 
 
 # -- LoRA through the real trainer ----------------------------------------------------------------

@@ -1171,7 +1171,7 @@ def test_a_pushed_sglang_card_serves_the_branch_in_the_dtype_and_names_no_local_
     assert "--speculative-draft-model-path acme/d-sglang " in pushed
     assert " --dtype float32 --speculative-draft-model-revision v1\n```" in pushed
     assert "base_model" not in pushed.split("---\n")[1]
-    assert f"for `{REFERENCE_TARGET.resolve()}` (no Hub id: the front matter names no base_model" in pushed
+    assert f"for `{REFERENCE_TARGET.resolve()}` (a local folder: the card's metadata names no base_model" in pushed
 
 
 def test_the_cards_base_model_is_the_targets_hub_id(target, tmp_path):

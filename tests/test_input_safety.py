@@ -56,6 +56,27 @@ def test_pickled_target_weights_are_refused_without_being_unpickled(target):
     line = refused(load_target, str(target))
     assert f"its weights are a pickle ({target / 'pytorch_model.bin'})" in line
     assert "convert them to safetensors" in line
+    # a stray safetensors file beside it (an extra head's) is not the model's weights: it slipped past the check
+    (target / "extra_head.safetensors").write_bytes((target / "tokenizer.json").read_bytes()[:64])
+    assert f"its weights are a pickle ({target / 'pytorch_model.bin'})" in refused(load_target, str(target))
+
+
+def test_a_hub_repo_of_pickled_weights_is_refused_as_a_local_folder_of_them_is(target, tmp_path, monkeypatch):
+    """A Hub id whose cached repo holds only pytorch_model.bin passed on transformers' line, "... Please do not set
+    `use_safetensors=True`": a setting draftsmith sets itself, and no recipe key."""
+    import huggingface_hub.constants as constants
+
+    repo = tmp_path / "hub-cache" / "models--acme--pickled"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    shutil.copytree(target, snapshot, ignore=shutil.ignore_patterns("*.safetensors"))
+    torch.save({"payload": Marker()}, snapshot / "pytorch_model.bin")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    line = refused(load_target, "acme/pickled")
+    assert "its weights are not safetensors (acme/pickled has no model.safetensors" in line
+    assert "convert them to safetensors" in line and "use_safetensors" not in line
 
 
 @pytest.mark.parametrize("damage", ["cut short", "bad header"])

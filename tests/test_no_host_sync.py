@@ -4,7 +4,8 @@ device->host sync on an accelerator, once a micro-batch. Proved on the meta devi
 raises: the loss and its backward run there on shapes alone. (DFlash draws its anchors with one sync a
 micro-batch on purpose, heads/dflash.py, and EAGLE-3's fixed-shape loss is proved on CUDA in tests/test_gpu.py.
 Medusa-2 and the draft model run a transformers model inside their loss, whose mask creation reads values, so
-they are not run here; what follows that forward weighs positions with `torch.where` as Medusa's and EAGLE's do.)
+they are not run here; what follows that forward, the chunked loss over its logits (heads/vocab_loss.py
+rows_loss), is run on the meta device below.)
 
 And the fixed-shape Medusa loss, which weighs every position instead of selecting the supervised ones and runs
 the fused vocabulary loss (heads/vocab_loss.py) on one-hot teachers, equals the selecting one it replaced."""
@@ -18,7 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.data_prep import Collator, PackingCollator
+from draftsmith.heads.distill import forward_kl
 from draftsmith.heads.packing import causal_lm_inputs, documents, num_documents, same_document
+from draftsmith.heads.vocab_loss import at_rows, rows_loss
 from draftsmith.target import TargetOutput, run_target
 from tests.test_split_invariance import conversations, fresh
 
@@ -57,6 +60,20 @@ def test_loss_and_backward_run_on_shapes_alone(kind, packed, monkeypatch):
     loss.backward()
     assert loss.device.type == "meta" and loss.shape == () and stats
     assert any(p.grad is not None and p.grad.device.type == "meta" for p in drafter.parameters())
+
+
+def test_the_chunked_loss_over_a_models_logits_runs_on_shapes_alone():
+    """The draft model's and Medusa-2's divergences, chunk by chunk over logits a model produced."""
+    logits = torch.empty(2, 9, 50, device="meta", requires_grad=True)
+    teacher = torch.empty(2, 8, 50, device="meta")
+
+    def per_row(rows, index, stats):
+        kl = forward_kl(rows.float(), at_rows(teacher, index).float())
+        return kl, {"kl": kl} if stats else {}
+
+    loss, values = rows_loss(logits[:, :-1], torch.empty(2, 8, dtype=torch.bool, device="meta"), per_row, 3)
+    loss.backward()
+    assert loss.shape == () and values["kl"].shape == (2, 8) and logits.grad.device.type == "meta"
 
 
 def selecting_medusa_loss(drafter, batch, hidden):

@@ -10,8 +10,10 @@ import shutil
 import pytest
 
 from draftsmith.errors import UserError
+from draftsmith.files import file_sha256
 from draftsmith.recipe import load_recipe, save_recipe
-from draftsmith.trainer.setup import require_resumed_as_begun
+from draftsmith.trainer.resume_checks import DATA_CONTENT_NAME, record_data_content, require_resumed_as_begun
+from tests.helpers import assert_one_line_error, run_entry_in_process, train_args
 
 RECORDS = [
     {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]} for i in (1, 2)
@@ -59,3 +61,71 @@ def test_a_capture_copied_elsewhere_resumes_and_another_capture_is_refused(tmp_p
     (copied / "manifest.json").write_text(json.dumps({"shards": [{"sha256": "cd"}]}))
     with pytest.raises(UserError, match=r"this recipe changes data.features="):
         require_resumed_as_begun(recipe(run, f"data.features={copied}"), run)
+
+
+def begin(run, *overrides):
+    """A run's folder as train leaves it when it begins: its recipe.yaml and the record of what its data read."""
+    cfg = recipe(run, *overrides)
+    run.mkdir()
+    record_data_content(cfg, run)
+    save_recipe(cfg, run)
+
+
+def test_a_resume_compares_the_bytes_the_run_began_with_not_those_its_path_holds_today(tmp_path):
+    run = tmp_path / "run"
+    began = write_jsonl(tmp_path / "main" / "train.jsonl")
+    begin(run, f"data.train=[{began}]")
+    # a copy of the bytes the run began with resumes, its original path gone (the run's machine, elsewhere)
+    copy = shutil.copy(began, tmp_path / "copy.jsonl")
+    began.unlink()
+    require_resumed_as_begun(recipe(run, f"data.train=[{copy}]"), run)
+
+    # the file edited after the run began, at its path or copied elsewhere: other conversations from the saved position
+    write_jsonl(began, RECORDS[:1])
+    edited = shutil.copy(began, tmp_path / "edited.jsonl")
+    with pytest.raises(UserError, match=r"data.train=\[.*\] \(the run began with"):
+        require_resumed_as_begun(recipe(run, f"data.train=[{edited}]"), run)
+    with pytest.raises(UserError, match=r"whose bytes changed since the run began") as refused:
+        require_resumed_as_begun(recipe(run, f"data.train=[{began}]"), run)
+    assert "\n" not in str(refused.value) and "resume with the run's values and data" in str(refused.value)
+
+
+def test_a_hub_data_set_beside_local_files_compares_by_its_name(tmp_path):
+    run = tmp_path / "run"
+    began = write_jsonl(tmp_path / "main" / "train.jsonl")
+    begin(run, f"data.train=[owner/dataset,{began}]")
+    require_resumed_as_begun(recipe(run, f"data.train=[owner/dataset,{began}]"), run)  # nothing changed
+    copy = shutil.copy(began, tmp_path / "copy.jsonl")
+    require_resumed_as_begun(recipe(run, f"data.train=[owner/dataset,{copy}]"), run)  # its local file elsewhere
+    with pytest.raises(UserError, match=r"data.train=.* \(the run began with"):
+        require_resumed_as_begun(recipe(run, f"data.train=[owner/other,{copy}]"), run)
+
+
+def test_a_run_begun_before_the_record_compares_what_its_paths_hold_today(tmp_path):
+    run = tmp_path / "run"
+    began = write_jsonl(tmp_path / "main" / "train.jsonl")
+    save_recipe(recipe(run, f"data.train=[{began}]"), run)  # no data_content.json
+    write_jsonl(began, RECORDS[:1])  # edited at its path: not known to have changed
+    require_resumed_as_begun(recipe(run, f"data.train=[{began}]"), run)
+    (run / DATA_CONTENT_NAME).write_text("{not json")
+    with pytest.raises(UserError, match=r"corrupt record of the run's data .*remove it to compare"):
+        require_resumed_as_begun(recipe(run, f"data.train=[{began}]"), run)
+
+
+@pytest.mark.slow
+def test_train_records_its_data_as_it_begins_and_refuses_a_resume_over_data_edited_since(
+    tmp_path, small_data, token_cache, capsys
+):
+    data, out = shutil.copy(small_data["train"], tmp_path / "train.jsonl"), tmp_path / "run"
+    args = train_args(out, {**small_data, "train": data}, token_cache, "train.max_steps=2", "train.save_every=1")
+    assert run_entry_in_process(["train.py", *args], capsys).returncode == 0
+    assert json.loads((out / DATA_CONTENT_NAME).read_text())["data.train"] == [file_sha256(data)]
+    lines = data.read_text().splitlines(keepends=True)
+    data.write_text("".join(lines[1:] + lines[:1]))  # the same conversations in another order
+    resume = f"train.resume={out / 'checkpoints' / 'step_0000001'}"
+    refused = run_entry_in_process(["train.py", *args, resume], capsys)
+    assert_one_line_error(refused, 2, "whose bytes changed since the run began")
+    data.write_text("".join(lines))
+    resumed = run_entry_in_process(["train.py", *args, resume], capsys)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert json.loads((out / DATA_CONTENT_NAME).read_text())["data.train"] == [file_sha256(data)]

@@ -209,7 +209,7 @@ def test_the_report_and_the_monitor_weigh_the_drafter_against_the_stronger_free_
      ((1.2, 0.5), (1.6, 1.3), [0.4, 2.2], "cost more here than the target forwards they saved (docs/eval.md")],
 )  # fmt: skip
 def test_a_free_method_is_said_faster_only_beyond_the_timings_noise(chain, suffix, interval, says):
-    """"A free method is faster" was said on a free method's bare point estimate (4 prompts, no interval), where a
+    """ "A free method is faster" was said on a free method's bare point estimate (4 prompts, no interval), where a
     drafter's win needs its 95% interval; and it was not said where the free method beat the drafter but not plain."""
     from draftsmith.eval.render import conclusion
 

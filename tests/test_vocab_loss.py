@@ -1,12 +1,14 @@
 """heads/vocab_loss.py: the fused, chunked soft cross-entropy against an unfused reference (materialised
-logits, log_softmax, autograd)."""
+logits, log_softmax, autograd), its labels' ranks against topk, and the chunked loss over a model's logits
+(`rows_loss`) against the same per-row loss on the whole tensor."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from draftsmith.heads.vocab_loss import chunk_rows_for, soft_cross_entropy
+from draftsmith.heads.distill import forward_kl, reverse_kl
+from draftsmith.heads.vocab_loss import at_rows, chunk_rows_for, rows_loss, soft_cross_entropy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -144,3 +146,88 @@ def test_bf16_weights_without_autocast_train_in_bf16():
 def test_chunk_rows_for():
     assert chunk_rows_for(1 << 27, 32000) == 1048
     assert chunk_rows_for(16, 32000) == 1
+
+
+@pytest.mark.parametrize("every_row", [True, False], ids=["every-row", "scored-rows"])
+def test_the_labels_rank_gives_topk_hits_without_a_second_product(every_row):
+    """rank < k is "the label is among the k highest logits" (Medusa's top5), rank 0 the argmax; -1 unscored."""
+    features, weight, teacher_probs = problem(seed=6)
+    labels = torch.randint(0, VOCAB, (ROWS,), generator=torch.Generator().manual_seed(6))
+    labels[5] = (features[5] @ weight.T).argmax()  # one rank 0
+    row_weight = torch.ones(ROWS)
+    row_weight[2] = 0.0
+    fused = soft_cross_entropy(features, weight, rows_of(teacher_probs), row_weight, 4, every_row, labels=labels)
+    order = (features @ weight.T).sort(dim=-1, descending=True, stable=True).indices
+    expected = (order == labels[:, None]).int().argmax(-1)
+    expected[2] = -1
+    assert (
+        torch.equal(fused.rank, expected) and fused.rank[5] == 0 and torch.equal(fused.rank == 0, fused.best == labels)
+    )
+    assert soft_cross_entropy(features, weight, rows_of(teacher_probs), row_weight, 4).rank.eq(-1).all()
+
+    tied = torch.zeros(2, VOCAB)  # every logit equal: ranks go by index, as argmax's first maximum
+    one_hot = rows_of(torch.eye(VOCAB)[:2])
+    ranks = soft_cross_entropy(tied, torch.eye(VOCAB), one_hot, torch.ones(2), 2, labels=torch.tensor([0, 7])).rank
+    assert ranks.tolist() == [0, 7]
+
+
+def divergence_problem(seed=0):
+    """Logits [B, T, V] as a model gives them (a non-contiguous view of a longer tensor), a teacher's, and
+    which positions are scored; the teacher is top-k-like (-inf) at two unscored positions."""
+    generator = torch.Generator().manual_seed(seed)
+    longer = torch.randn(2, 9, VOCAB, generator=generator)
+    teacher = 2 * torch.randn(2, 7, VOCAB, generator=generator)
+    scored = torch.rand(2, 7, generator=generator) < 0.6
+    scored[0, 1] = scored[1, 4] = False
+    teacher[0, 1, 3:] = teacher[1, 4, :-1] = float("-inf")  # rkl is infinite there
+    return longer, teacher, scored
+
+
+def rkl_rows(teacher, calls=None):
+    def per_row(rows, index, stats):
+        if calls is not None:
+            calls.append(len(index))
+        rows, theirs = rows.float(), at_rows(teacher, index).float()
+        loss = reverse_kl(rows, theirs) + forward_kl(rows, theirs, 2.0)
+        return loss, {"rkl": reverse_kl(rows, theirs), "top1": rows.argmax(-1) == theirs.argmax(-1)} if stats else {}
+
+    return per_row
+
+
+@pytest.mark.parametrize("every_row", [True, False], ids=["every-row", "scored-rows"])
+@pytest.mark.parametrize("chunk_rows", [1, 3, 14])
+def test_rows_loss_equals_the_loss_on_every_position_at_once(chunk_rows, every_row):
+    """The chunked loss, its statistics and its gradient equal the per-row loss on the whole tensor (what the
+    draft model and Medusa-2 computed before): unscored positions count nothing and get a zero gradient, even
+    where their loss is infinite; no call sees more than `chunk_rows` rows, and the backward recomputes."""
+    longer, teacher, scored = divergence_problem()
+    longer.requires_grad_()
+    logits = longer[:, 1:8]
+    calls = []
+    loss, values = rows_loss(logits, scored, rkl_rows(teacher, calls), chunk_rows, every_row)
+    (grad,) = grads(loss, longer)
+    rows = scored.numel() if every_row else int(scored.sum())
+    assert max(calls) <= chunk_rows and sum(calls) == 2 * rows  # forward and backward, chunk by chunk
+
+    whole, theirs = logits.float(), teacher.float()
+    expected_loss = torch.where(scored, reverse_kl(whole, theirs) + forward_kl(whole, theirs, 2.0), 0.0).sum()
+    (expected_grad,) = grads(expected_loss, longer)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=0)
+    assert torch.isfinite(grad).all() and (grad[0, 2] == 0).all() and (grad[1, 5] == 0).all()
+    kept = scored[:, :, None].expand_as(logits)
+    torch.testing.assert_close(grad[:, 1:8][kept], expected_grad[:, 1:8][kept], rtol=1e-5, atol=1e-7)
+    assert (grad[:, 1:8][~kept] == 0).all() and (grad[:, [0, 8]] == 0).all()
+    assert values.keys() == {"rkl", "top1"} and all(value.shape == scored.shape for value in values.values())
+    torch.testing.assert_close(values["rkl"], torch.where(scored, reverse_kl(whole, theirs), 0.0).detach())
+    assert torch.equal(values["top1"], (scored & (whole.argmax(-1) == theirs.argmax(-1))).float())
+
+
+def test_rows_loss_under_no_grad_and_in_bf16():
+    longer, teacher, scored = divergence_problem(seed=1)
+    with torch.no_grad():
+        loss, _ = rows_loss(longer[:, 1:8], scored, rkl_rows(teacher), 4)
+    assert loss.grad_fn is None
+    low = longer.bfloat16().requires_grad_()
+    loss, _ = rows_loss(low[:, 1:8], scored, rkl_rows(teacher), 4)
+    (grad,) = grads(loss, low)
+    assert loss.dtype == torch.float32 and grad.dtype == torch.bfloat16  # float32 math, the logits' own dtype back

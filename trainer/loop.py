@@ -30,10 +30,10 @@ from accelerate import Accelerator
 from omegaconf import DictConfig
 from torch.profiler import record_function
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 
 from draftsmith.errors import Preempted, StopRequest, TrainingDiverged
 from draftsmith.outputs import FINAL_DIR, LOG_NAME
+from draftsmith.progress import progress_bar
 from draftsmith.trainer.checkpoint import TrainerState, save_checkpoint, save_final
 from draftsmith.trainer.curve import write_curve
 from draftsmith.trainer.heldout import BEST_DIR, curve_row, evaluate_heldout, keep_best, patience_spent, reduce_means
@@ -67,7 +67,7 @@ def train(cfg: DictConfig) -> Path:
     counts_row = {f"params/{k}": v for k, v in parameters.items()}  # in this run's first logged row
     flops, meters = FlopCounter(run.target, module), Meters(accelerator.device)
     profiler = StepProfiler(cfg.train.profile_steps, output_dir, rank)
-    progress = tqdm(total=max_steps, initial=state.step, desc="train", disable=not accelerator.is_main_process)
+    progress = progress_bar(total=max_steps, initial=state.step, desc="train", disable=not accelerator.is_main_process)
     stop = StopRequest("SIGTERM: saving a checkpoint at the end of this step, then stopping")
     data_checksum = 0  # the token ids this rank trained on (distributed checks)
     upcoming = next_step(stream, module, cfg.train.grad_accum)
@@ -413,7 +413,13 @@ def log_step(accelerator, output_dir: Path, step: int, metrics: dict[str, float]
     accelerator.log(metrics, step=step)
     if accelerator.is_main_process:
         with open(output_dir / LOG_NAME, "a") as f:
-            f.write(json.dumps({"step": step, **{k: round(v, 6) for k, v in metrics.items()}}) + "\n")
+            f.write(json.dumps({"step": step, **{k: logged(v) for k, v in metrics.items()}}) + "\n")
+
+
+def logged(value: float) -> float:
+    """A value as log.jsonl writes it: 7 significant figures, not decimals (at 6 decimals an lr of 5e-7 read 0.0,
+    which TensorBoard has); a whole number (train/tokens, the parameter counts) as it is."""
+    return value if float(value).is_integer() else float(f"{value:.7g}")
 
 
 def finite_weights_checksum(accelerator, drafter, state: TrainerState) -> float:

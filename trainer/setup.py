@@ -6,7 +6,6 @@ these same pieces.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Callable
@@ -21,13 +20,11 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import get_cosine_schedule_with_warmup
 
 from draftsmith.data_prep import Collator, PackingCollator, load_tokenized
-from draftsmith.data_prep.features import MANIFEST_NAME, expected_features, open_features, require_captured_settings
-from draftsmith.data_prep.local_files import local_content
+from draftsmith.data_prep.features import expected_features, open_features, require_captured_settings
 from draftsmith.data_prep.overlap import eval_in_train, prompts_in_train, warn_of_prompts_in_train
-from draftsmith.errors import UserError, one_line
+from draftsmith.errors import UserError
 from draftsmith.eval.prompts import prompt_conversations, prompt_sources, render_prompts
 from draftsmith.families import check_eval_settings
-from draftsmith.files import file_sha256
 from draftsmith.formats.folder import require_recipes_drafter, require_recipes_kind, start_kind, warm_start
 from draftsmith.heads import drafter_class
 from draftsmith.heads.base import saved_drafter
@@ -35,7 +32,7 @@ from draftsmith.heads.packing import causal_lm_inputs, require_packed_attention
 from draftsmith.outputs import RECIPE_NAME
 from draftsmith.recipe import derived, require_draft_vocab_use, save_recipe
 from draftsmith.recipe_checks import resolve_bool_or_path
-from draftsmith.recipe_schema import CHOICES, RecipeSchema
+from draftsmith.recipe_schema import CHOICES
 from draftsmith.sharding import built_whole
 from draftsmith.target import TargetOutput, load_config, load_target, load_tokenizer, run_target
 from draftsmith.trainer.checkpoint import (
@@ -50,6 +47,7 @@ from draftsmith.trainer.checkpoint import (
 )
 from draftsmith.trainer.heldout import check_best_on_resume, split_heldout
 from draftsmith.trainer.optim import build_optimizer
+from draftsmith.trainer.resume_checks import record_data_content, require_resumed_as_begun, resumed_start
 
 log = logging.getLogger("draftsmith.train")
 
@@ -71,80 +69,6 @@ class Run:
     heldout: Any  # train.heldout conversations never trained on, or None
     max_steps: int
     state: TrainerState  # fresh, or the resumed checkpoint's
-
-
-def resumed_start(cfg: DictConfig, output_dir: Path) -> DictConfig:
-    """A resumed run keeps the start it began from (its recipe.yaml's train.init_from), and the
-    recipe.yaml it writes again names that start: the resumed weights are the checkpoint's, so another
-    train.init_from is not read, and says so (the monitor's retraining may name its start anew)."""
-    saved = output_dir / RECIPE_NAME
-    try:
-        began = OmegaConf.load(saved).train.get("init_from") if saved.is_file() else None
-    except Exception as err:  # the yaml parser's errors, or a file that is not a recipe
-        raise UserError(
-            f"{saved} is not the run's recipe ({one_line(err, 200)}): restore it, or start over with "
-            "train.overwrite=true"
-        ) from None
-    if cfg.train.init_from and str(cfg.train.init_from) != str(began):
-        log.warning(
-            "train.init_from=%s is not read: this run began from %s (its recipe.yaml) and resumes from its checkpoint",
-            cfg.train.init_from,
-            began or "scratch",
-        )
-    return derived(cfg, {"train.init_from": began}) if str(cfg.train.init_from) != str(began) else cfg
-
-
-# What a resumed run must keep as it began: the optimizer's settings, which its saved state restores over the
-# recipe's, the schedule's length and warm-up (the saved optimizer holds the rate the old schedule set for the next
-# step, then the new schedule's takes over mid-run), and what decides the conversations and their order, which the
-# saved data position counts in.
-RESUMED_AS_BEGUN = (
-    "train.lr", "train.optimizer", "train.weight_decay", "train.adam_betas", "train.max_steps", "train.epochs",
-    "train.warmup_steps", "train.seed", "train.heldout", "data.train", "data.max_length", "data.overlong",
-    "data.max_conversations", "data.skip_invalid_utf8", "data.thinking", "data.features", "data.draft_vocab",
-)  # fmt: skip
-
-
-# The RESUMED_AS_BEGUN keys that name local data by path: the same bytes under another path (a clone's copy of
-# demo/, a relative path for an absolute one) are the run's data, so these compare by content where paths differ
-DATA_PATHS = ("data.train", "data.draft_vocab", "data.features")
-
-
-def same_local_data(key: str, began, now) -> bool:
-    """Whether the DATA_PATHS `key`'s values `began` and `now` read the same bytes, file for file in order (a
-    capture by its manifest, which holds every shard's sha256); false where either cannot be read here (a Hub
-    data set, a path moved away), whose content is not known."""
-    if began is None or now is None:
-        return False
-    if key == "data.features":
-        manifests = [Path(value).expanduser() / MANIFEST_NAME for value in (began, now)]
-        return all(path.is_file() for path in manifests) and len({file_sha256(path) for path in manifests}) == 1
-    content = [local_content(value) for value in (began, now)]
-    return content[0] is not None and content[0] == content[1]
-
-
-def require_resumed_as_begun(cfg: DictConfig, output_dir: Path) -> None:
-    """One line naming each RESUMED_AS_BEGUN key the resuming recipe changes from the run's recipe.yaml (a value
-    given anew was ignored, or trained other conversations from the saved position, without a word)."""
-    if not (output_dir / RECIPE_NAME).is_file():  # a checkpoint given by path, of a run elsewhere
-        return
-    saved = OmegaConf.load(output_dir / RECIPE_NAME)  # read by resumed_start just before
-    # a key an earlier draftsmith did not write (data.thinking, train.optimizer) was its default
-    defaults = OmegaConf.structured(RecipeSchema)
-    changed = []
-    for key in RESUMED_AS_BEGUN:
-        began = OmegaConf.select(saved, key, default=OmegaConf.select(defaults, key))
-        now = OmegaConf.select(cfg, key, default=None)
-        began, now = (OmegaConf.to_container(v) if OmegaConf.is_config(v) else v for v in (began, now))
-        if began != now and key in DATA_PATHS and same_local_data(key, began, now):
-            log.info("%s=%s reads the bytes the run began with (%s)", key, json.dumps(now), json.dumps(began))
-        elif began != now:
-            changed.append(f"{key}={json.dumps(now)} (the run began with {json.dumps(began)})")
-    if changed:
-        raise UserError(
-            f"train.resume continues the run in {output_dir} as it began, and this recipe changes {'; '.join(changed)}"
-            ": resume with the run's values, or start a new run from its checkpoint with train.init_from"
-        )
 
 
 def set_up(cfg: DictConfig, output_dir: Path) -> Run:
@@ -205,6 +129,10 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
         check_best_on_resume(output_dir, run.state)
     resuming = resolve_bool_or_path(cfg.train.resume) is not None
     if accelerator.is_main_process:  # after the checkpoint loaded: a refused resume leaves the run's recipe as it was
+        # the run begins here (or its first recipe.yaml here, resumed from a checkpoint given by path): what its
+        # data reads, for its resumes to compare with; written first, so that no recipe.yaml is without its record
+        if resume_from is None or not (output_dir / RECIPE_NAME).is_file():
+            record_data_content(cfg, output_dir)
         save_recipe(cfg, output_dir)
         if resume_from is not None:
             set_newer_checkpoints_aside(output_dir, resume_from)
@@ -318,7 +246,10 @@ def optimization(cfg: DictConfig, accelerator: Accelerator, drafter, conversatio
             f"{conversations} training conversations cannot fill one step of {world} process(es) "
             f"x micro_batch_size {micro} x grad_accum {accumulated}"
         )
-    if conversations % step:  # the reshuffled order leaves other ones out each epoch
+    max_steps = cfg.train.max_steps
+    if max_steps < 0:
+        max_steps = cfg.train.epochs * steps_per_epoch
+    if conversations % step and max_steps >= steps_per_epoch:  # the reshuffled order leaves out others each epoch
         log.info(
             "an epoch is %d steps of %d conversations: %d of the %d training conversations are left out of each one",
             steps_per_epoch,
@@ -326,9 +257,6 @@ def optimization(cfg: DictConfig, accelerator: Accelerator, drafter, conversatio
             conversations % step,
             conversations,
         )
-    max_steps = cfg.train.max_steps
-    if max_steps < 0:
-        max_steps = cfg.train.epochs * steps_per_epoch
     return optimizer, get_cosine_schedule_with_warmup(optimizer, cfg.train.warmup_steps, max_steps), max_steps
 
 
