@@ -28,4 +28,4 @@ def test_a_bar_into_a_file_writes_whole_lines(capsys):
 def test_log_jsonl_keeps_significant_figures_and_whole_numbers():
     """At 6 decimals an lr of 5e-7 read 0.0 in log.jsonl where TensorBoard had it."""
     assert logged(5e-7) == 5e-7 and logged(3e-6 / 2) == 1.5e-6
-    assert logged(1.2345678901) == 1.234568 and logged(123456789012.0) == 123456789012.0
+    assert logged(12.345678901) == 12.3456789 and logged(123456789012.0) == 123456789012.0

@@ -417,9 +417,9 @@ def log_step(accelerator, output_dir: Path, step: int, metrics: dict[str, float]
 
 
 def logged(value: float) -> float:
-    """A value as log.jsonl writes it: 7 significant figures, not decimals (at 6 decimals an lr of 5e-7 read 0.0,
-    which TensorBoard has); a whole number (train/tokens, the parameter counts) as it is."""
-    return value if float(value).is_integer() else float(f"{value:.7g}")
+    """A value as log.jsonl writes it: 9 significant figures, not decimals (at 6 decimals an lr of 5e-7 read 0.0,
+    which TensorBoard has), more than a float32 holds; a whole number (train/tokens, parameter counts) as it is."""
+    return value if float(value).is_integer() else float(f"{value:.9g}")
 
 
 def finite_weights_checksum(accelerator, drafter, state: TrainerState) -> float:
