@@ -33,6 +33,14 @@ def require_at_least_one(section, prefix: str, *keys: str) -> None:
         require(section[key] >= 1, f"{prefix}.{key}={section[key]} must be >= 1")
 
 
+# numpy's seeds (accelerate's set_seed seeds numpy with train.seed): one outside failed in its call, exit 70
+SEED_RANGE = range(2**32)
+
+
+def require_seed(value: int, key: str) -> None:
+    require(value in SEED_RANGE, f"{key}={value} must be in 0 .. {SEED_RANGE[-1]}")
+
+
 def check_finite(settings: dict, prefix: str = "") -> None:
     """Every number of the recipe (`settings`: it as a plain dict) is finite: inf passes the range checks
     (train.lr=inf > 0) and reaches the arithmetic (a run trained to non-finite weights), and nan passes a key
@@ -81,6 +89,7 @@ def check_train(train, data, trains: bool = True) -> None:
         f"train.cpu_threads={train.cpu_threads} must be >= 1, or null to let draftsmith choose",
     )
     require_at_least_one(train, "train", "micro_batch_size", "grad_accum", "log_every", "vocab_chunk_mb")
+    require_seed(train.seed, "train.seed")
     for key in (
         "warmup_steps",
         "save_every",
@@ -156,6 +165,7 @@ def check_data(data) -> None:
     )
     regenerate = data.regenerate
     require_at_least_one(regenerate, "data.regenerate", "batch_size", "max_new_tokens", "samples", "min_turns")
+    require_seed(regenerate.seed, "data.regenerate.seed")
     require(
         regenerate.max_turns is None or regenerate.max_turns >= 1,
         f"data.regenerate.max_turns={regenerate.max_turns} must be >= 1 (or null: every assistant turn)",
@@ -191,6 +201,7 @@ def check_eval(eval_section) -> None:
     from draftsmith.recipe_schema import EvalSection
 
     require_at_least_one(eval_section, "eval", "max_new_tokens", "max_prompts")
+    require_seed(eval_section.seed, "eval.seed")
     require(
         eval_section.num_speculative_tokens >= 1,
         f"eval.num_speculative_tokens={eval_section.num_speculative_tokens} must be >= 1",

@@ -113,6 +113,10 @@ def test_bad_overrides_are_user_errors(override, fragment):
         ("drafter.loss_decay=nan", "drafter.loss_decay=nan must be finite"),
         # finite, but AdamW's first step (lr / (1 - beta1)) is beyond float32: it failed in that step (exit 70)
         ("train.lr=1e38", "train.lr=1e+38 is beyond float32: AdamW's first step"),
+        # a seed numpy does not take (accelerate's set_seed seeds it): it failed in that call (exit 70)
+        ("train.seed=-1", "train.seed=-1 must be in 0 .. 4294967295"),
+        ("eval.seed=5000000000", "eval.seed=5000000000 must be in 0 .. 4294967295"),
+        ("data.regenerate.seed=-2", "data.regenerate.seed=-2 must be in 0 .. 4294967295"),
         # an input path given empty was read as unset (eval read <output_dir>/final)
         ("checkpoint=", "checkpoint is empty: give a path, or leave it out (null) for its default"),
         ("train.init_from=", "train.init_from is empty"),
