@@ -170,3 +170,18 @@ def test_the_runs_second_count_of_unchanged_data_goes_through_no_conversation_ag
     assert len(went_through) == 2 * len(TRAIN) + 1
     assert overlap.prompts_in_train({"chat": chosen["chat"][:1]}, cfg)["prompts"] == 1  # other prompts: counted
     assert len(went_through) == 3 * len(TRAIN) + 2
+
+
+def test_the_eval_split_counts_against_what_the_run_trained_on_not_its_held_out_conversations(
+    tmp_path, token_cache, capsys
+):
+    """With train.heldout the eval split's table prepared its untrained drafter on all of data.train and counted
+    eval_in_train against it, held-out conversations included: an EAGLE-3 untrained baseline had another draft
+    vocabulary than the trained one. data.eval here is data.train's last 2, exactly the held-out ones."""
+    data = {"train": tmp_path / "train.jsonl", "eval": tmp_path / "eval.jsonl"}
+    write(data["train"], TRAIN), write(data["eval"], TRAIN[-2:])
+    args = train_args(tmp_path / "run", data, token_cache, "train.max_steps=1", "train.heldout=2")
+    done = run_entry_in_process(["train.py", *args], capsys)
+    assert done.returncode == 0, done.stderr[-2000:]
+    accuracy = json.loads((tmp_path / "run" / "eval_accuracy.json").read_text())
+    assert accuracy["eval_in_train"] == {"conversations": 0, "of": 2}
