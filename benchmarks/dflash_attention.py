@@ -51,6 +51,7 @@ def one(length: int, anchors: int, block_size: int, threads: int) -> dict:
     def step(tokens: int) -> float:
         ids = torch.randint(3, vocab, (1, tokens))
         batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids)}
+        batch |= drafter.host_fields(batch)  # its blocks per row, counted on the host as the trainer does
         with torch.no_grad():
             out = run_target(target, ids, request=drafter.request)
         start = time.perf_counter()

@@ -76,6 +76,7 @@ def bench(recipe: str, steps: int, warmup: int, pack_length: int | None) -> dict
 
     def step(run: dict, batch: dict) -> tuple[float, float]:
         drafter, optimizer = run["drafter"], run["optimizer"]
+        batch = batch | drafter.host_fields(batch)  # what its loss reads as host values, as the trainer adds them
         start = time.perf_counter()
         with torch.no_grad():
             target_out = run_target(target, batch["input_ids"], request=drafter.request, **causal_lm_inputs(batch))

@@ -21,14 +21,13 @@ from typing import Any, Iterator, Optional
 
 import datasets
 
-from draftsmith.data_prep.local_files import builder, files_matching, files_under, gzipped, suffixes
+from draftsmith.data_prep.local_files import builder, file_digest, files_matching, files_under, gzipped, suffixes
 from draftsmith.data_prep.sources import is_named, named_file
 from draftsmith.data_prep.turns import CUT_KEY as CUT_KEY  # re-exported: regenerate, monitor, benchmarks read them
 from draftsmith.data_prep.turns import REASONING_KEYS as REASONING_KEYS
 from draftsmith.data_prep.turns import ROLES as ROLES
 from draftsmith.data_prep.turns import TURN_FEATURES, normalize_turn
 from draftsmith.errors import HubUnavailable, UserError, one_line
-from draftsmith.files import file_sha256
 from draftsmith.model_files import endpoint_out_of_reach
 
 logger = logging.getLogger("draftsmith.data")
@@ -60,6 +59,7 @@ def load_conversations(
     max_conversations: Optional[int] = None,
     prompts_only: bool = False,
     skip_invalid_utf8: bool = False,
+    digests: Optional[dict[str, str]] = None,
 ) -> datasets.Dataset:
     """Load and validate conversations from every source, in order.
 
@@ -71,7 +71,8 @@ def load_conversations(
     the 1-based record number. `prompts_only` (the eval's prompts) also accepts conversations that end
     with a user turn and have no answer yet. A line that is not valid UTF-8 is a UserError naming the
     file and line, or, with `skip_invalid_utf8` (recipe key data.skip_invalid_utf8), a record skipped
-    and counted in a warning (JSON-lines files; records keep their numbers in the file).
+    and counted in a warning (JSON-lines files; records keep their numbers in the file). `digests`: the files' sha256
+    a training start has read already, where each file read is added (local_files.file_digest).
     """
     if isinstance(sources, str):  # a bare string would otherwise be read character by character
         sources = [sources]
@@ -81,7 +82,7 @@ def load_conversations(
         raise UserError(f"data.max_conversations={max_conversations} must be at least 1 (or null for all)")
     parts = []
     for source in sources:
-        for name, loader in _expand(str(source), skip_invalid_utf8):
+        for name, loader in _expand(str(source), skip_invalid_utf8, digests):
             dataset = loader()
             if max_conversations is not None and len(dataset) > max_conversations:
                 dataset = dataset.select(range(max_conversations))
@@ -91,13 +92,15 @@ def load_conversations(
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
-def _expand(source: str, skip_invalid_utf8: bool = False) -> list[tuple[str, Any]]:
+def _expand(
+    source: str, skip_invalid_utf8: bool = False, digests: Optional[dict[str, str]] = None
+) -> list[tuple[str, Any]]:
     """Resolve one source string into (name, loader) pairs: one per local file, or one Hub split."""
     if not source.strip():  # `data.train=` on a command line: not the Hub's data set '', which fails obscurely
         raise UserError("a data source is empty: give a file, a folder, a glob or a Hub data set id")
     if is_named(source):
         path = str(named_file(source))
-        return [(source, lambda: _load_file(path, skip_invalid_utf8))]
+        return [(source, lambda: _load_file(path, skip_invalid_utf8, digests))]
     local = os.path.expanduser(source)
     if any(char in source for char in "*?["):
         files = files_matching(local, source)
@@ -111,7 +114,7 @@ def _expand(source: str, skip_invalid_utf8: bool = False) -> list[tuple[str, Any
         raise UserError(f"data file {source!r} does not exist")
     else:  # not a local path: a Hub data set id, `owner/name[:split]`
         return [(source, lambda: _load_hub(source))]
-    return [(path, lambda path=path: _load_file(path, skip_invalid_utf8)) for path in files]
+    return [(path, lambda path=path: _load_file(path, skip_invalid_utf8, digests)) for path in files]
 
 
 def _load_hub(source: str) -> datasets.Dataset:
@@ -159,7 +162,9 @@ def _datasets_offline(offline: bool) -> Iterator[None]:
         datasets.config.HF_HUB_OFFLINE = kept
 
 
-def _load_file(path: str, skip_invalid_utf8: bool = False) -> datasets.Dataset:
+def _load_file(
+    path: str, skip_invalid_utf8: bool = False, digests: Optional[dict[str, str]] = None
+) -> datasets.Dataset:
     """The file's records as its builder reads them, known by the file's content. datasets knows a local file by
     its path and modification time alone (data_files.py, _get_single_origin_metadata), so a file edited with its
     time kept (cp -p, rsync -a, tar x) would load its old parse, and the normalization and tokenized caches keyed
@@ -167,11 +172,11 @@ def _load_file(path: str, skip_invalid_utf8: bool = False) -> datasets.Dataset:
     own cache folder, and the fingerprint is the bytes' and the parser's alone: datasets' own also follows the
     modification time, so the same bytes copied or restored read as other data (a capture refused to resume, the
     tokenized cache missed). Cost: the file read once more, 0.65 s per GB on a 2-core AMD EPYC (SHA-NI,
-    page-cached)."""
+    page-cached), once a training start (`digests`: its other reads of the file reuse the digest)."""
     reader = builder(path)
     if reader == "parquet" and _parquet_rows(path) == 0:  # the builder fails on it ("BatchSize must be > 0")
         raise UserError(f"{path} has no records")
-    content = file_sha256(Path(path))
+    content = file_digest(path, digests)
     try:
         with _quiet_builders():
             dataset = datasets.load_dataset(reader, name=f"sha256-{content}", data_files=path, split="train")

@@ -46,16 +46,19 @@ FEATURES = datasets.Features(
 _CODE_HASH = code_digest(*(Path(__file__).parent / name for name in ("template.py", "dataset.py")))
 
 
-def load_tokenized(cfg, sources: Sequence[str], tokenizer, key: str) -> datasets.Dataset:
+def load_tokenized(
+    cfg, sources: Sequence[str], tokenizer, key: str, digests: Optional[dict[str, str]] = None
+) -> datasets.Dataset:
     """The recipe's conversations from `sources` (the value of recipe key `key`, for errors), read,
     validated and tokenized exactly as every stage needs them (training, capture, the eval split):
-    one definition, so a capture lines up with the online data row by row."""
+    one definition, so a capture lines up with the online data row by row. `digests`: a training start's
+    files' sha256 (load_conversations)."""
     from draftsmith.eval.prompts import require_no_aggregate_domain
 
     if not sources:
         raise UserError(f"{key} is empty: give at least one conversation file or Hub data set id")
     require_context(cfg.target, cfg.data.max_length)
-    conversations = _read_conversations(cfg, sources, key)
+    conversations = _read_conversations(cfg, sources, key, digests)
     if key == EVAL_SPLIT:  # its domains are rows of eval_accuracy.json, beside the aggregate one
         require_no_aggregate_domain(conversations, key)
     return tokenize_conversations(
@@ -63,14 +66,20 @@ def load_tokenized(cfg, sources: Sequence[str], tokenizer, key: str) -> datasets
     )
 
 
-def _read_conversations(cfg, sources: Sequence[str], key: str) -> datasets.Dataset:
+def _read_conversations(
+    cfg, sources: Sequence[str], key: str, digests: Optional[dict[str, str]] = None
+) -> datasets.Dataset:
     """load_conversations under the recipe's data settings. data.eval is measured on its answers: a file of
     prompts alone, which eval.data takes, is refused in one line that says so."""
     from draftsmith.data_prep.conversations import load_conversations
 
     def read(prompts_only: bool = False) -> datasets.Dataset:
         return load_conversations(
-            list(sources), cfg.data.max_conversations, prompts_only, skip_invalid_utf8=cfg.data.skip_invalid_utf8
+            list(sources),
+            cfg.data.max_conversations,
+            prompts_only,
+            skip_invalid_utf8=cfg.data.skip_invalid_utf8,
+            digests=digests,
         )
 
     try:

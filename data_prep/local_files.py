@@ -108,12 +108,24 @@ def _warn_not_read(what: str, paths: list[str], folder: Optional[str] = None) ->
         logger.warning("%s: %d file(s) not read, their suffix not %s: %s", what, len(names), suffixes(), shown)
 
 
-def local_content(sources) -> Optional[list[str]]:
+def file_digest(path: str | os.PathLike, digests: Optional[dict[str, str]] = None) -> str:
+    """The sha256 of the file at `path`: from `digests` (path -> sha256, what the caller's training start has
+    read already) where it is there, else read, and added to it. The caller owns it, one per start: a long `monitor
+    watch` retrains in one process, and each retraining must see the files as they are then."""
+    if digests is None:
+        return file_sha256(Path(path))
+    key = os.path.abspath(path)
+    if key not in digests:
+        digests[key] = file_sha256(Path(path))
+    return digests[key]
+
+
+def local_content(sources, digests: Optional[dict[str, str]] = None) -> Optional[list[str]]:
     """The sha256 of each local file a data setting (`data.train`, `data.draft_vocab`: a source or a list of
     them) reads, in the order data_prep/conversations.py reads them; a named data set or a Hub data set by its name
     (whose bytes are read from its package or the Hub, not from a path given). None where a source names local data
     that cannot be read here (a path moved away, a glob or folder that holds no data file now), whose content is
-    not known."""
+    not known. `digests`: those already read (`file_digest`)."""
     content = []
     for source in map(str, [sources] if isinstance(sources, str) else sources):
         local = os.path.expanduser(source)
@@ -134,5 +146,5 @@ def local_content(sources) -> Optional[list[str]]:
                 continue
         except UserError:
             return None
-        content += [file_sha256(Path(path)) for path in files]
+        content += [file_digest(path, digests) for path in files]
     return content

@@ -13,7 +13,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from typing import Any, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence
 
 import datasets
 
@@ -25,10 +26,16 @@ logger = logging.getLogger("draftsmith.data")
 
 Messages = Sequence[dict[str, Any]]
 
-# prompts_in_train's last count: {(data.train's conversations by their fingerprint, which follows the files' bytes;
-# the prompt digests looked for): those found}. A training run counts at its start (trainer/setup.py) and its
-# report again at its end (eval/report.py): the second count of unchanged data goes through no conversation again.
-_last_count: dict[tuple[str, frozenset[str]], set[str]] = {}
+
+@dataclass(frozen=True)
+class PromptCount:
+    """What `prompts_in_train` went through data.train for, for a later count of the same data and prompts: a
+    training run counts at its start (trainer/setup.py) and its report again at its end (eval/report.py), and the
+    start's count passed to the report's spares it a second pass over every conversation."""
+
+    data: str  # data.train's conversations by their fingerprint, which follows the files' bytes
+    looked_for: frozenset[str]  # the prompt digests
+    found: frozenset[str]  # those an assistant turn of data.train answers
 
 
 def eval_in_train(train: datasets.Dataset, eval_split: datasets.Dataset, cfg, warn: bool = True) -> dict[str, int]:
@@ -52,36 +59,43 @@ def eval_in_train(train: datasets.Dataset, eval_split: datasets.Dataset, cfg, wa
     return {"conversations": shared, "of": len(measured)}
 
 
-def prompts_in_train(chosen: dict[str, list[Messages]], cfg) -> dict[str, Any]:
+def prompts_in_train(
+    chosen: dict[str, list[Messages]],
+    cfg,
+    earlier: Optional[PromptCount] = None,
+    digests: Optional[dict[str, str]] = None,
+) -> tuple[dict[str, Any], Optional[PromptCount]]:
     """How many of the eval report's prompts (`chosen`: per domain, as eval/prompts.py's prompt_conversations
-    gives them) are prompts one of data.train's assistant turns answers, turn for turn: {"prompts": n, "of": all,
-    "per_domain": {domain: n}}. data.train is read as training reads it (under data.max_conversations),
-    train.heldout's conversations included; the same data counted again for the same prompts (the run's start,
-    then its report) is not gone through again. Where nothing is counted (no data.train in the recipe, or files
-    this machine cannot read: an eval away from the training data), {"prompts": None, "of": all, "not_counted":
-    why}."""
+    gives them) are prompts one of data.train's assistant turns answers, turn for turn: ({"prompts": n, "of": all,
+    "per_domain": {domain: n}}, the count for a later one). data.train is read as training reads it (under
+    data.max_conversations), train.heldout's conversations included; where `earlier` counted the same data for the
+    same prompts (the run's start, passed to its report) no conversation is gone through again; `digests`: the
+    start's files' sha256 (load_conversations). Where nothing is
+    counted (no data.train in the recipe, or files this machine cannot read: an eval away from the training data),
+    ({"prompts": None, "of": all, "not_counted": why}, None)."""
     total = sum(len(prompts) for prompts in chosen.values())
     if not cfg.data.train:
-        return {"prompts": None, "of": total, "not_counted": "the recipe names no data.train"}
+        return {"prompts": None, "of": total, "not_counted": "the recipe names no data.train"}, None
     wanted = {domain: [prompt_digest(messages) for messages in prompts] for domain, prompts in chosen.items()}
-    looked_for = {digest for digests in wanted.values() for digest in digests}
+    looked_for = frozenset(digest for digests in wanted.values() for digest in digests)
     try:
         conversations = load_conversations(
-            list(cfg.data.train), cfg.data.max_conversations, skip_invalid_utf8=cfg.data.skip_invalid_utf8
+            list(cfg.data.train),
+            cfg.data.max_conversations,
+            skip_invalid_utf8=cfg.data.skip_invalid_utf8,
+            digests=digests,
         ).select_columns(["messages"])
     except (UserError, HubUnavailable) as err:  # an eval away from the training data: the report says so
-        return {"prompts": None, "of": total, "not_counted": f"data.train could not be read: {err}"}
-    key = (conversations._fingerprint, frozenset(looked_for))
-    found = _last_count.get(key)
-    if found is None:
+        return {"prompts": None, "of": total, "not_counted": f"data.train could not be read: {err}"}, None
+    count = earlier
+    if count is None or (count.data, count.looked_for) != (conversations._fingerprint, looked_for):
         found = set()
         for batch in conversations.iter(batch_size=1000):
             for messages in batch["messages"]:
                 found.update(digest for digest in answered_prompt_digests(messages) if digest in looked_for)
-        _last_count.clear()  # one count kept: a process counts one data.train against one set of prompts
-        _last_count[key] = found
-    per_domain = {domain: sum(digest in found for digest in digests) for domain, digests in wanted.items()}
-    return {"prompts": sum(per_domain.values()), "of": total, "per_domain": per_domain}
+        count = PromptCount(conversations._fingerprint, looked_for, frozenset(found))
+    per_domain = {domain: sum(digest in count.found for digest in digests) for domain, digests in wanted.items()}
+    return {"prompts": sum(per_domain.values()), "of": total, "per_domain": per_domain}, count
 
 
 def warn_of_prompts_in_train(counted: dict[str, Any], sources: Sequence[str], cfg) -> None:

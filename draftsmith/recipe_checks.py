@@ -321,6 +321,7 @@ def check_monitor(monitor) -> None:
         monitor.redeploy_command is None or bool(str(monitor.redeploy_command).strip()),
         "monitor.redeploy_command is empty: give the command that rolls out an export, or leave it unset",
     )
+    require(monitor.redeploy_timeout_s > 0, f"monitor.redeploy_timeout_s={monitor.redeploy_timeout_s} must be > 0")
     for url in monitor.metrics:
         try:
             parts = urllib.parse.urlsplit(str(url))

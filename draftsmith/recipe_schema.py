@@ -299,6 +299,7 @@ class MonitorSection:
     # and DRAFTSMITH_REVISION set: `watch` has no exit code to act on; with vLLM's counters every check until the
     # redeploy shows exits 12 again and runs it again, so it must be idempotent
     redeploy_command: Optional[str] = None
+    redeploy_timeout_s: float = 600.0  # seconds redeploy_command may run: then it is killed, with what it started
 
 
 @dataclass

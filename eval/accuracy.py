@@ -97,6 +97,7 @@ def metric_means(drafter: Drafter, target, dataset, collate, batch_size: int) ->
     sums: dict[str, dict[str, torch.Tensor]] = defaultdict(lambda: defaultdict(lambda: torch.zeros(2)))
     batches = [list(range(i, min(i + batch_size, len(dataset)))) for i in range(0, len(dataset), batch_size)]
     for batch in DataLoader(dataset, batch_sampler=batches, collate_fn=collate):
+        batch |= drafter.host_fields(batch)  # counted on the host (heads/base.py)
         batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
         target_out = run_target(target, batch["input_ids"], batch["attention_mask"], drafter.request)
         _, _, stats = drafter(batch, target_out)

@@ -39,7 +39,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from draftsmith.data_prep.dataset import require_context, target_context
-from draftsmith.data_prep.overlap import prompts_in_train
+from draftsmith.data_prep.overlap import PromptCount, prompts_in_train
 from draftsmith.engines import suffix_decoding_installed
 from draftsmith.errors import UserError
 from draftsmith.eval.counts import Counts, ratio, report_row, summed
@@ -84,10 +84,11 @@ def sampling_of(cfg: DictConfig) -> Sampling:
     return Sampling(temperature=float(e.temperature), top_p=float(e.top_p), top_k=int(e.top_k))
 
 
-def evaluate_trained_run(cfg: DictConfig) -> None:
+def evaluate_trained_run(cfg: DictConfig, prompt_count: Optional[PromptCount] = None) -> None:
     """What train.py does after training: eval-split accuracy of the run's final/ (trained vs untrained,
     written to <output_dir>/eval_accuracy.json, where decoding reads it) when data.eval is set, then the
-    speculative-decoding report when eval.enabled; both printed."""
+    speculative-decoding report when eval.enabled, which reuses the run's start's count of its prompts in
+    data.train (`prompt_count`); both printed."""
     from draftsmith.eval.accuracy import accuracy_table, split_accuracy
 
     if not (cfg.data.eval or cfg.eval.enabled):
@@ -97,23 +98,32 @@ def evaluate_trained_run(cfg: DictConfig) -> None:
     if cfg.data.eval:
         print(accuracy_table(split_accuracy(cfg, checkpoint_to_read(cfg), target, tokenizer)))
     if cfg.eval.enabled:
-        print(render_markdown(run_eval(cfg, target=target, tokenizer=tokenizer)))
+        print(render_markdown(run_eval(cfg, target=target, tokenizer=tokenizer, prompt_count=prompt_count)))
 
 
-def run_eval(cfg: DictConfig, checkpoint: Optional[str | Path] = None, target=None, tokenizer=None) -> dict[str, Any]:
+def run_eval(
+    cfg: DictConfig,
+    checkpoint: Optional[str | Path] = None,
+    target=None,
+    tokenizer=None,
+    prompt_count: Optional[PromptCount] = None,
+) -> dict[str, Any]:
     """Evaluate a drafter per domain and write the report; returns report.json's content.
 
     `checkpoint`, a draftsmith checkpoint or a folder an export wrote, defaults to the recipe's
     (`checkpoint=`, else `<output_dir>/final`, what train.py writes). A caller that has the target and
-    tokenizer loaded passes them; otherwise they are loaded from the recipe. The report directory is
+    tokenizer loaded passes them; otherwise they are loaded from the recipe; a training run passes its start's
+    count of the prompts in data.train (`prompt_count`: data_prep/overlap.py). The report directory is
     held (locked) while the eval runs.
     """
     out_dir = Path(cfg.output_dir) / EVAL_DIR
     with DirectoryLock(out_dir, key="output_dir/eval: the eval report"):
-        return _run_eval(cfg, out_dir, checkpoint, target, tokenizer)
+        return _run_eval(cfg, out_dir, checkpoint, target, tokenizer, prompt_count)
 
 
-def _run_eval(cfg: DictConfig, out_dir: Path, checkpoint: Optional[str | Path], target, tokenizer) -> dict[str, Any]:
+def _run_eval(
+    cfg: DictConfig, out_dir: Path, checkpoint: Optional[str | Path], target, tokenizer, prompt_count
+) -> dict[str, Any]:
     sampling = sampling_of(cfg)
     sources, per_file = prompt_sources(cfg)
     if not sources:
@@ -147,7 +157,7 @@ def _run_eval(cfg: DictConfig, out_dir: Path, checkpoint: Optional[str | Path], 
     chosen = prompt_conversations(sources, int(cfg.eval.max_prompts), cfg.data.skip_invalid_utf8, per_file)
     prompts = render_prompts(chosen, tokenizer, prompt_length)
     # τ on prompts the drafter trained on an answer to is no forecast
-    in_train = prompts_in_train(chosen, cfg) if cfg.eval.prompts_in_train else None
+    in_train = prompts_in_train(chosen, cfg, prompt_count)[0] if cfg.eval.prompts_in_train else None
     eos_ids = eos_ids_of(target, tokenizer)
     max_new_tokens, greedy = int(cfg.eval.max_new_tokens), sampling.temperature <= 0
 

@@ -16,6 +16,8 @@ Training side, `Drafter` (an nn.Module) and its `Config` (a dataclass: the recip
   padded and packed batches alike (heads/packing.py). See "The loss contract" below;
 - `loss_tokens(batch)`: that normaliser from the batch alone, computable on the host before the batch
   moves to the device (the trainer counts a whole optimizer step before its first forward);
+- `host_fields(batch)`: what `loss` reads of the batch as host values, counted there before the batch
+  moves to the device (none by default; DFlash's blocks per row), which every caller of `loss` adds;
 - `param_groups()`: the trainable parameters with learning-rate scales.
 
 Decoding side, `Proposer` (heads/proposer.py): built by `drafter.proposer(temperature)`, it holds one
@@ -216,6 +218,14 @@ class Drafter(nn.Module):
         supervised tokens. A function of the batch alone, on whatever device it is (the trainer
         calls it on the host, before the transfer); a sum over documents."""
         return batch["loss_mask"].sum()
+
+    def host_fields(self, batch: dict) -> dict[str, Any]:
+        """Host values (Python numbers) `loss` reads of the batch, counted from the batch alone on the host
+        before it moves to the device, where a shape read from a device tensor would wait for it (a host sync
+        each micro-batch). Every caller of `loss` passes `batch | drafter.host_fields(batch)`: the trainer
+        (trainer/loop.py `next_step`), the held-out evaluation (trainer/heldout.py) and the eval split's
+        accuracy (eval/accuracy.py); a loss that needs a field raises when it is missing. Default: none."""
+        return {}
 
     def loss(self, batch: dict, target_out: TargetOutput) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """`(loss_sum, count, stats)`: the scalar loss summed over the tokens it scores (weighted per

@@ -66,10 +66,12 @@ from draftsmith.heads.dflash_layer import DFlashLayer, add_qk_norm
 from draftsmith.heads.dflash_proposer import DFlashProposer
 from draftsmith.heads.eagle_base import EagleBase, import_qualified, start_from_norm
 from draftsmith.heads.packing import conversation_rand, documents, num_documents, positions, same_document
+from draftsmith.heads.vocab_loss import chunk_rows_for, soft_cross_entropy
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 LOSSES = ("ce", "soft_ce")
 WEIGHTINGS = ("decay", "dpace")  # per block position: exp(-(k-1)/loss_decay), or D-PACE's from confidence
+ROW_BLOCKS = "dflash_row_blocks"  # the batch's key for `host_fields`' count: the blocks of its fullest row
 
 
 @dataclass
@@ -246,7 +248,8 @@ class DFlash(EagleBase):
         """The mask queries' input [H]: the target's embedding of mask_token_id, or the learned vector."""
         if self.config.mask_token_id is None:
             return self.mask_embedding
-        return self.embed(torch.tensor([self.config.mask_token_id], device=self.fc.weight.device))[0]
+        # filled on the device: a tensor copied from the host would make the host wait for the device
+        return self.embed(torch.full((1,), self.config.mask_token_id, device=self.fc.weight.device))[0]
 
     def denoise(
         self, anchors: torch.Tensor, positions: torch.Tensor, context_kv, visible: torch.Tensor
@@ -268,12 +271,13 @@ class DFlash(EagleBase):
 
     # -- training -------------------------------------------------------------------------------
     def sample_anchors(
-        self, loss_mask: torch.Tensor, draws: torch.Tensor, docs: Optional[torch.Tensor] = None
+        self, loss_mask: torch.Tensor, draws: torch.Tensor, count: int, docs: Optional[torch.Tensor] = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Up to `anchors` random positions a per document (`docs` [B, T], heads/packing.py; default:
         one per row) with x_a and x_{a+1} loss-bearing and in a's document, sorted by position:
         ([B, A] positions, [B, A] whether real; rows with fewer anchors are padded with 0). `draws` [B, T]:
-        uniform [0, 1) per position, the highest ones picked (heads/packing.py conversation_rand)."""
+        uniform [0, 1) per position, the highest ones picked (heads/packing.py conversation_rand). `count`:
+        A, the blocks of the fullest row, `host_fields`' count (the draw picks which anchors, never how many)."""
         batch_size, length = loss_mask.shape
         docs = torch.arange(batch_size, device=loss_mask.device)[:, None].expand(-1, length) if docs is None else docs
         valid = loss_mask[:, :-1] & loss_mask[:, 1:] & same_document(docs, 1)
@@ -292,9 +296,6 @@ class DFlash(EagleBase):
             1, order, index - (index * run_start).cummax(dim=1).values
         )
         picked = valid & (rank < self.config.anchors)
-        # One host sync a micro-batch, on purpose: the blocks are computed for `count` anchors a row, and the
-        # static bound (anchors x the documents a packed row holds, or its length) would run many empty ones.
-        count = max(1, int(picked.sum(1).max()))
         anchors = index.masked_fill(~picked, length).sort(dim=1).values[:, :count]  # picked positions first, in order
         real = anchors < length
         return anchors.masked_fill(~real, 0), real
@@ -322,13 +323,29 @@ class DFlash(EagleBase):
         context_kv = self.context_keys(self.context(layers), context_positions)
         return self.denoise(input_ids.gather(1, anchors), block_positions, context_kv, visible)
 
-    def loss_tokens(self, batch: dict) -> torch.Tensor:
-        """DFlash trains on blocks, so its normaliser counts blocks, not tokens: per document,
-        min(anchors, the positions `sample_anchors` draws from), exactly the blocks the loss samples
-        (heads/base.py, "The loss contract"). A function of the batch alone, for the host."""
+    def row_blocks(self, batch: dict) -> torch.Tensor:
+        """[B] long: the blocks each row of `batch` trains, per document in it min(anchors, the positions
+        `sample_anchors` draws from): a function of the batch alone (the draw picks which anchors, never how
+        many), counted on the host."""
         loss_mask, docs = batch["loss_mask"].bool(), documents(batch)
         valid = loss_mask[:, :-1] & loss_mask[:, 1:] & same_document(docs, 1)
-        return torch.bincount(docs[:, :-1][valid]).clamp(max=self.config.anchors).sum()
+        rows, width = docs.shape[0], num_documents(batch)
+        pairs = (torch.arange(rows, device=docs.device)[:, None] * width + docs[:, :-1])[valid]  # (row, document)
+        per_document = torch.bincount(pairs, minlength=rows * width).view(rows, width)
+        return per_document.clamp(max=self.config.anchors).sum(1)
+
+    def loss_tokens(self, batch: dict) -> torch.Tensor:
+        """DFlash trains on blocks, so its normaliser counts blocks, not tokens: exactly the blocks the
+        loss samples (`row_blocks`; heads/base.py, "The loss contract"). A function of the batch alone, for
+        the host."""
+        return self.row_blocks(batch).sum()
+
+    def host_fields(self, batch: dict) -> dict[str, int]:
+        """The blocks of the batch's fullest row (at least 1), the width A of the loss's [B, A] blocks
+        (heads/base.py `host_fields`). Counted on the host so that no shape of the loss waits for the device,
+        and exact, not a static bound (anchors x the documents a packed row holds, or its length), which would
+        run many empty blocks."""
+        return {ROW_BLOCKS: max(1, int(self.row_blocks(batch).max()))}
 
     def loss(self, batch: dict, target_out: TargetOutput):
         """Weighted (soft) cross-entropy over every block position k >= 1 whose token x_{a+k} exists
@@ -338,18 +355,28 @@ class DFlash(EagleBase):
         sum w_k·CE / sum w_k, as before; a block cut short by its document's end weighs less. With
         D-PACE (`dpace_weights`) every block's weights sum to 1 over the positions it scores.
 
+        No shape depends on the batch's values: the blocks' width is `host_fields`' count (the batch must
+        carry it), and every block position runs, weighted by whether it is scored, through the fused
+        vocabulary loss (heads/vocab_loss.py, `loss_chunk_bytes` of logits at a time; the cross-entropy to the
+        data's token is its soft one to a one-hot teacher), so nothing waits for the host on an accelerator.
+
         Metrics: `block{k}/top1`, the argmax at block position k equal to the data's token (the
         target's own greedy text when the data were regenerated by it), teacher-forced on the context
         but not on the earlier block positions (as in decoding: the block is drafted in one pass);
         `accepted`, per anchor the number of leading block positions whose argmax is right, what a
         greedy chain of block_size-1 would accept on this data.
         """
+        if ROW_BLOCKS not in batch:
+            raise KeyError(
+                f"the DFlash loss reads batch[{ROW_BLOCKS!r}], counted on the host before the batch moves to the "
+                "device: pass batch | drafter.host_fields(batch) (heads/base.py)"
+            )
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
-        length = input_ids.shape[1]
+        rows, length = input_ids.shape
         size = self.config.block_size
         docs, num_docs = documents(batch), num_documents(batch)
         draws = conversation_rand(batch, (), input_ids.device, self.optimizer_step if self.training else None)
-        anchors, real = self.sample_anchors(loss_mask, draws, docs)
+        anchors, real = self.sample_anchors(loss_mask, draws, batch[ROW_BLOCKS], docs)
         outputs = self.blocks(input_ids, target_out.layers, anchors, batch)[:, :, 1:]  # [B, A, S-1, H]
 
         scored = anchors[..., None] + torch.arange(1, size, device=input_ids.device)  # x_{a+k}, k = 1..S-1
@@ -362,45 +389,60 @@ class DFlash(EagleBase):
         labels = at_scored(input_ids)
         # A block must not run past its anchor's document (packed rows hold several).
         same = at_scored(docs) == docs.gather(1, anchors)[..., None]
-        supervised = real[..., None] & inside & at_scored(loss_mask) & same
-        rows, blocks, ks = supervised.nonzero(as_tuple=True)
-        log_q = self.logits(outputs[rows, blocks, ks]).log_softmax(-1)  # only supervised positions reach the vocabulary
-        if self.config.loss == "soft_ce":
-            with torch.no_grad():  # the target's distribution of x_{a+k}: its logits one position earlier
-                p = target_out.logits[rows, scored[rows, blocks, ks] - 1].float().softmax(-1)
-            token_loss = -(p * log_q).sum(-1)
+        supervised = real[..., None] & inside & at_scored(loss_mask) & same  # [B, A, S-1]
+
+        weight = self.target_modules()[1].weight  # the target's lm_head, frozen
+        vocab, flat_labels = weight.shape[0], labels.flatten()
+        chunk_rows = chunk_rows_for(self.loss_chunk_bytes, vocab)
+        before = (torch.arange(rows, device=input_ids.device)[:, None, None] * length + clamped - 1).flatten()
+
+        def teacher(index: torch.Tensor) -> torch.Tensor:
+            if self.config.loss == "soft_ce":  # the target's distribution of x_{a+k}: its logits at a+k-1
+                return target_out.logits_at(before[index]).float().softmax(-1)
+            return torch.zeros(len(index), vocab, device=index.device).scatter_(1, flat_labels[index, None], 1.0)
+
+        features = outputs.flatten(0, 2).to(weight.dtype)
+        dpace = self.config.loss_weighting == "dpace"
+        if dpace:
+            # D-PACE's weights come from this very pass's cross-entropies: the pass weighs every scored position
+            # 1, and the backward scales each position's gradient by its weight, `dpace_weight`, set below before
+            # any backward (the lm_head is frozen: the features' gradient is the only one the pass gives).
+            pass_weight = supervised.flatten().float()
+            if features.requires_grad:
+                features.register_hook(lambda grad: (grad * dpace_weight[:, None]).to(grad.dtype))
         else:
-            token_loss = -log_q.gather(1, labels[rows, blocks, ks][:, None])[:, 0]
-        if self.config.loss_weighting == "dpace":
-            weights = self.dpace_weights(supervised, (rows, blocks, ks), token_loss.detach())[rows, blocks, ks]
-        else:
-            weights = torch.exp(
+            decay = torch.exp(
                 -torch.arange(size - 1, device=input_ids.device, dtype=torch.float32) / self.config.loss_decay
             )
-            weights = (weights / weights.sum())[ks]  # a whole block's weights sum to 1: its loss is a weighted mean
-        total = (weights * token_loss).sum()  # the trainer divides by the blocks (loss_tokens)
+            # a whole block's weights sum to 1: its loss is a weighted mean
+            pass_weight = (supervised * (decay / decay.sum())).flatten()
+        result = soft_cross_entropy(features, weight, teacher, pass_weight, chunk_rows)
+        token_loss = result.token_loss.view_as(supervised)  # 0 where not supervised
+        if dpace:
+            dpace_weight = self.dpace_weights(supervised, token_loss).flatten()
+            # the weighted sum's value, and the pass's gradient (which the hook weighs)
+            total = (dpace_weight * result.token_loss).sum() + (result.loss - result.loss.detach())
+        else:
+            total = result.loss  # the trainer divides by the blocks (loss_tokens)
 
         with torch.no_grad():
-            correct = torch.zeros_like(supervised)
-            correct[rows, blocks, ks] = log_q.argmax(-1) == labels[rows, blocks, ks]
+            correct = (result.best.view_as(supervised) == labels) & supervised  # best: -1 where not supervised
+            anchor_docs = docs.gather(1, anchors).clamp(min=0)  # [B, A]: each block's document (padding: never counted)
             stats = {}
-            anchor_docs = docs.gather(1, anchors)  # [B, A]: the document of each block
             for k in range(size - 1):
-                scored_here = supervised[..., k]
-                stats |= per_sample_stats(
-                    {f"block{k + 1}/top1": correct[..., k][scored_here].float()}, anchor_docs[scored_here], num_docs
-                )
-            stats |= per_sample_stats({"token_loss": token_loss.detach()}, anchor_docs[rows, blocks], num_docs)
-            accepted = correct.cumprod(-1).sum(-1)[real].float()
-            stats |= per_sample_stats({"accepted": accepted}, anchor_docs[real], num_docs)
+                values = {f"block{k + 1}/top1": correct[..., k].float()}
+                stats |= per_sample_stats(values, anchor_docs, num_docs, where=supervised[..., k])
+            block_docs = anchor_docs[..., None].expand_as(supervised)
+            stats |= per_sample_stats({"token_loss": token_loss}, block_docs, num_docs, where=supervised)
+            accepted = correct.cumprod(-1).sum(-1).float()
+            stats |= per_sample_stats({"accepted": accepted}, anchor_docs, num_docs, where=real)
         return total, real.sum(), stats
 
-    def dpace_weights(self, supervised: torch.Tensor, where: tuple, token_loss: torch.Tensor) -> torch.Tensor:
-        """D-PACE's weights [B, A, S-1] (module docstring), 0 off the supervised positions `where` (their
-        cross-entropies `token_loss`, detached), each block's summing to 1."""
+    def dpace_weights(self, supervised: torch.Tensor, token_loss: torch.Tensor) -> torch.Tensor:
+        """D-PACE's weights [B, A, S-1] (module docstring) from the supervised positions' cross-entropies
+        `token_loss` [B, A, S-1] (detached), 0 off them, each block's summing to 1."""
         alpha = self.config.dpace_alpha
-        smoothed = torch.ones(supervised.shape, device=token_loss.device)  # 1 where nothing is scored
-        smoothed[where] = (1 - alpha) * torch.exp(-token_loss.float()) + alpha
+        smoothed = torch.where(supervised, (1 - alpha) * torch.exp(-token_loss.float()) + alpha, 1.0)  # 1: unscored
         reach = smoothed.cumprod(-1) * supervised  # the chance the block's drafts are accepted up to k
         weights = reach.flip(-1).cumsum(-1).flip(-1) * supervised
         return weights / weights.sum(-1, keepdim=True).clamp(min=torch.finfo(weights.dtype).tiny)

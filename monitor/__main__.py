@@ -50,7 +50,7 @@ def main(argv: Sequence[str]) -> None:
         outcome = check(cfg)
         print(summary(cfg, outcome), flush=True)
         if outcome == Outcome.PROMOTED and cfg.monitor.redeploy_command:
-            run_redeploy_command(cfg.monitor.redeploy_command, state_dir_of(cfg))
+            run_redeploy_command(cfg.monitor.redeploy_command, state_dir_of(cfg), cfg.monitor.redeploy_timeout_s)
         return outcome
 
     if argv[0] == "check":

@@ -182,7 +182,7 @@ def step_train(cfg: DictConfig, directory: Path, state: State, run_dir: Path) ->
     variant = derived(cfg, changes)
     with claim_output_dir(variant, PartialState()):
         try:
-            final = train(variant)
+            final = train(variant).final
         except Preempted:  # the trainer's line says to resume it by hand: the monitor's next check does
             raise Preempted(
                 f"stopped on SIGTERM in the training of the retraining {state.pipeline['id']} (its checkpoint is "

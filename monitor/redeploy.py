@@ -16,6 +16,7 @@ which runs on, has no exit code for a scheduler to act on).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -64,20 +65,33 @@ def awaiting_action(state: State, waiting: list[str]) -> str:
     )
 
 
-def run_redeploy_command(command: str, directory: Path) -> None:
+def run_redeploy_command(command: str, directory: Path, timeout_s: float) -> None:
     """`command` (monitor.redeploy_command) through /bin/sh, told the promoted export (DRAFTSMITH_EXPORT, the
     folder to serve, and DRAFTSMITH_REVISION) by the environment, its output the monitor's; the monitor waits for it
-    (a `watch` too: its next check is due once it is done). A failure is one line: the check's outcome stands (the
-    export is promoted), and while the monitor awaits the redeploy (vLLM's counters) the next check, 12 again, runs
-    it again; otherwise no check does, and the line says to roll it out by hand."""
+    up to `timeout_s` (monitor.redeploy_timeout_s; a `watch` too: its next check is due once it is done), since a
+    hung hook (a `kubectl rollout status` that never returns) blocked `watch` for good. One still running then is
+    killed with every process it started (it runs in a session of its own), as is one still running when the monitor
+    stops (SIGTERM, Ctrl-C); what one that ended leaves in the background (a server it started) is kept. A failure or
+    a timeout is one line: the check's outcome stands (the export is promoted), and while the monitor awaits the
+    redeploy (vLLM's counters) the next check, 12 again, runs it again; otherwise no check does, and the line says
+    to roll it out by hand."""
     state = State.load(directory)
     deployed = state.deployed
     told = {"DRAFTSMITH_EXPORT": deployed["export"], "DRAFTSMITH_REVISION": str(deployed["revision"])}
     sys.stdout.flush()  # the check's line before the command's output
-    code = subprocess.run(["/bin/sh", "-c", command], env={**os.environ, **told}).returncode
-    if code != 0:
+    hook = subprocess.Popen(["/bin/sh", "-c", command], env={**os.environ, **told}, start_new_session=True)
+    try:
+        code = hook.wait(timeout=timeout_s)
+        failure = None if code == 0 else f"exited {code}"
+    except subprocess.TimeoutExpired:
+        failure = f"was still running after {timeout_s:g} s (monitor.redeploy_timeout_s): killed with its processes"
+    finally:
+        if hook.returncode is None:  # timed out, or the monitor stops: nothing of the hook outlives its wait
+            os.killpg(hook.pid, signal.SIGKILL)  # its session's group: the shell and what it started
+            hook.wait()
+    if failure:
         print(
-            f"monitor: monitor.redeploy_command exited {code} for revision {deployed['revision']} "
+            f"monitor: monitor.redeploy_command {failure} for revision {deployed['revision']} "
             f"({deployed['export']}): not rolled out by it"
             + ("" if state.awaiting_redeploy else "; no later check runs it again: roll it out by hand"),
             file=sys.stderr,

@@ -578,6 +578,7 @@ def fitted_eagle(model, steps: int, seed: int = 0, drafter_type: str = "eagle", 
     drafter = cls.from_target(cls.Config(**config), model, "tiny")
     ids = greedy_text(model, rows=16, length=48, seed=seed)
     batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids)}
+    batch |= drafter.host_fields(batch)  # what the loss reads as host values (heads/base.py), as the trainer adds
     drafter.prepare([{"input_ids": row, "loss_mask": mask} for row, mask in zip(ids, batch["loss_mask"])])
     target_out = run_target(model, ids, request=drafter.request)
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)

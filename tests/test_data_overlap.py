@@ -91,10 +91,19 @@ def test_a_prompt_is_in_train_where_an_answered_turn_answers_it_turn_for_turn():
     assert prompt_digest([system, user, answered[2], answered[3], answered[4], user]) not in trained
 
 
-def test_a_run_warns_at_start_and_records_the_counts_in_eval_accuracy_and_the_report(tmp_path, token_cache, capsys):
+def test_a_run_warns_at_start_and_records_the_counts_in_eval_accuracy_and_the_report(
+    tmp_path, token_cache, capsys, monkeypatch
+):
     """train.py says so before training; the eval split's table records how many of its conversations data.train
     holds (eval_accuracy.json's `eval_in_train`), and the report how many of its prompts data.train answers
-    (report.json's `prompts_in_train`, a line in report.md)."""
+    (report.json's `prompts_in_train`, a line in report.md), from the start's count: data.train is gone through
+    once."""
+    from draftsmith.data_prep import overlap
+
+    went_through = []
+    monkeypatch.setattr(
+        overlap, "answered_prompt_digests", lambda m: went_through.append(m) or answered_prompt_digests(m)
+    )
     data = {"train": tmp_path / "train.jsonl", "eval": tmp_path / "eval.jsonl"}
     write(data["train"], TRAIN), write(data["eval"], EVAL)
     prompts = write(tmp_path / "prompts.jsonl", [
@@ -113,6 +122,7 @@ def test_a_run_warns_at_start_and_records_the_counts_in_eval_accuracy_and_the_re
     assert said.count(f"1 of the 2 prompts of the eval report ({prompts}) are prompts data.train") == 1
     report = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())
     assert report["prompts_in_train"] == {"prompts": 1, "of": 2, "per_domain": {"chat": 1}}
+    assert len(went_through) == len(TRAIN)  # at the start alone: the report reused its count
     assert (
         "**1 of these 2 prompts are prompts data.train answers** (chat 1)"
         in (tmp_path / "run" / "eval" / "report.md").read_text()
@@ -125,7 +135,8 @@ def test_an_eval_away_from_the_training_data_says_its_prompts_were_not_counted(t
     from draftsmith.data_prep.overlap import prompts_in_train
 
     cfg = load_recipe(["recipe=medusa", f"data.train=[{tmp_path / 'elsewhere.jsonl'}]"])
-    counted = prompts_in_train({"chat": [[{"role": "user", "content": "2+2?"}]]}, cfg)
+    counted, count = prompts_in_train({"chat": [[{"role": "user", "content": "2+2?"}]]}, cfg)
+    assert count is None
     assert counted["prompts"] is None and counted["of"] == 1
     assert counted["not_counted"].startswith("data.train could not be read: ")
     assert "elsewhere.jsonl" in counted["not_counted"]
@@ -150,8 +161,9 @@ QUESTIONS = ["2+2?", "Capital of Italy?"]  # data.train answers the first
 
 def test_the_runs_second_count_of_unchanged_data_goes_through_no_conversation_again(tmp_path, monkeypatch):
     """A training run counts the report's prompts in data.train at its start and its report again at its end:
-    the second count of the same data and prompts reads no conversation's turns again (it went through all of
-    data.train twice); data.train edited in between, or other prompts, are counted afresh."""
+    the start's count, passed to the report's, spares it going through every conversation's turns again (it went
+    through all of data.train twice); data.train edited in between, or other prompts, are counted afresh. Nothing
+    is kept between counts but what the caller passes."""
     from draftsmith.data_prep import overlap
 
     went_through = []
@@ -162,14 +174,19 @@ def test_the_runs_second_count_of_unchanged_data_goes_through_no_conversation_ag
     cfg = load_recipe(["recipe=medusa", f"data.train=[{write(train, TRAIN)}]"])
     prompts = write(tmp_path / "prompts.jsonl", [{"messages": [{"role": "user", "content": q}]} for q in QUESTIONS])
     chosen = {"chat": load_conversations([prompts], prompts_only=True)["messages"]}  # every turn's keys, as eval's
-    counts = [overlap.prompts_in_train(chosen, cfg) for _ in range(2)]
-    assert counts == [{"prompts": 1, "of": 2, "per_domain": {"chat": 1}}] * 2
+    counted, start = overlap.prompts_in_train(chosen, cfg)
+    assert overlap.prompts_in_train(chosen, cfg, start) == (counted, start)
+    assert counted == {"prompts": 1, "of": 2, "per_domain": {"chat": 1}}
     assert len(went_through) == len(TRAIN)  # the first count alone
+    overlap.prompts_in_train(chosen, cfg)  # no count passed: counted afresh
+    assert len(went_through) == 2 * len(TRAIN)
     write(train, [*TRAIN, conversation("Capital of Italy?", "Rome.")])  # the same path, other content
-    assert overlap.prompts_in_train(chosen, cfg)["prompts"] == 2
-    assert len(went_through) == 2 * len(TRAIN) + 1
-    assert overlap.prompts_in_train({"chat": chosen["chat"][:1]}, cfg)["prompts"] == 1  # other prompts: counted
-    assert len(went_through) == 3 * len(TRAIN) + 2
+    assert overlap.prompts_in_train(chosen, cfg, start)[0]["prompts"] == 2
+    assert len(went_through) == 3 * len(TRAIN) + 1
+    counted, _ = overlap.prompts_in_train({"chat": chosen["chat"][:1]}, cfg, start)  # other prompts: counted
+    assert counted["prompts"] == 1 and len(went_through) == 4 * len(TRAIN) + 2
+    kept = [name for name, value in vars(overlap).items() if isinstance(value, (dict, set, list))]
+    assert kept == ["__builtins__"]  # no module-level state: a long `monitor watch` retrains in one process
 
 
 def test_the_eval_split_counts_against_what_the_run_trained_on_not_its_held_out_conversations(

@@ -22,7 +22,7 @@ from draftsmith.eval.loop import generate, prefill, propose, verify_step
 from draftsmith.eval.sampling import Sampling
 from draftsmith.heads import drafter_class, load_drafter
 from draftsmith.heads.base import TargetShape
-from draftsmith.heads.dflash import default_target_layers
+from draftsmith.heads.dflash import ROW_BLOCKS, default_target_layers
 from draftsmith.heads.dflash_proposer import best_first_tree
 from draftsmith.heads.packing import conversation_rand
 from draftsmith.heads.proposer import DynamicTree
@@ -111,9 +111,12 @@ def test_loss_scores_block_position_k_against_x_a_plus_k(model, drafter):
     loss_mask[1, 20:26] = True
     loss_mask[2, 27:] = True  # three loss tokens: anchors 27 and 28, blocks running past the end
     batch = {"input_ids": ids, "loss_mask": loss_mask}
+    batch |= drafter.host_fields(batch)
     out = run_target(model, ids, request=drafter.request)
     loss, count, stats = drafter(batch, out)
-    anchors, real = drafter.sample_anchors(loss_mask, conversation_rand(batch, (), ids.device, drafter.optimizer_step))
+    draws = conversation_rand(batch, (), ids.device, drafter.optimizer_step)
+    anchors, real = drafter.sample_anchors(loss_mask, draws, batch[ROW_BLOCKS])
+    assert anchors.shape[1] == int(real.sum(1).max())  # the host's count: as wide as the fullest row, no wider
     for row in range(3):
         picked = anchors[row][real[row]].tolist()
         assert picked == sorted(picked) and all(loss_mask[row, a] and loss_mask[row, a + 1] for a in picked)
@@ -145,9 +148,11 @@ def test_dpace_weighs_each_position_by_the_accepted_length_riding_on_it(model, d
     ids = greedy_text(model, rows=1, length=30, seed=4)
     loss_mask = torch.ones_like(ids, dtype=torch.bool)
     batch = {"input_ids": ids, "loss_mask": loss_mask}
+    batch |= dpace.host_fields(batch)
     out = run_target(model, ids, request=dpace.request)
     loss, count, _ = dpace(batch, out)
-    anchors, real = dpace.sample_anchors(loss_mask, conversation_rand(batch, (), ids.device, dpace.optimizer_step))
+    draws = conversation_rand(batch, (), ids.device, dpace.optimizer_step)
+    anchors, real = dpace.sample_anchors(loss_mask, draws, batch[ROW_BLOCKS])
     with torch.no_grad():
         logits = dpace.logits(dpace.blocks(ids, out.layers, anchors))
     total = 0.0
@@ -170,6 +175,7 @@ def test_soft_loss_reads_the_targets_distribution(model):
     assert soft.request.logits and not DFlash.features(DFlash.Config(**TINY), soft.target).logits
     ids = greedy_text(model, rows=2, length=20, seed=5)
     batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids)}
+    batch |= soft.host_fields(batch)
     out = run_target(model, ids, request=soft.request)
     hard = DFlash(replace(soft.config, loss="ce"), soft.target)
     hard.load_state_dict(soft.state_dict())

@@ -228,6 +228,7 @@ def test_every_kind_trains_and_decodes_losslessly_on_family_quirks(kind, model_t
         return assert_layer_outputs_are_refused(model, requested)
     ids = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(6))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    batch |= drafter.host_fields(batch)  # as the trainer adds them (heads/base.py)
     target_out = run_target(model, ids, request=REGISTRY[kind].features(drafter.config, drafter.target))
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     before = [p.detach().clone() for p in trainable]

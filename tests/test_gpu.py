@@ -9,13 +9,17 @@ Ran 2026-11-27 on a lent H100 (torch 2.11.0+cu130, transformers 5.24.0, accelera
 - the frozen target sharded with FSDP2 (`target.shard=fsdp`) and the drafter under DeepSpeed ZeRO-2 and
   ZeRO-3, each launched by `accelerate launch` with one process;
 - EAGLE-3's training step on CUDA (compiled flex attention, the fused vocabulary loss) equals the
-  straightforward reference, and never waits for the host.
+  straightforward reference, and never waits for the host;
+- nor do the fixed-shape losses of Medusa, EAGLE-1, DFlash, the draft model and Medusa-2
+  (tests/test_no_host_sync.py proves them on the meta device, all but the transformers forward inside the last two).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -143,26 +147,21 @@ def test_eagle3_loss_on_cuda_equals_the_straightforward_reference(variant, packe
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_eagle3_step_never_waits_for_the_host():
-    """The EAGLE-3 loss, its backward and the fused AdamW step (all of the step but the target's forward) raise under
-    torch.cuda.set_sync_debug_mode("error") if anything in them synchronises with the host."""
-    from draftsmith.data_prep import Collator
-    from draftsmith.heads import drafter_class
-    from draftsmith.target import run_target
-    from tests.helpers import TINY_VOCAB, tiny_llama
-    from tests.test_eagle3 import loss_rows
+def on_cuda(batch: dict) -> dict:
+    return {key: value.cuda() if torch.is_tensor(value) else value for key, value in batch.items()}
 
-    model = tiny_llama(vocab=TINY_VOCAB, hidden=64, logit_scale=4.0).cuda()  # heads of 16: flex's least
-    cls = drafter_class("eagle3")
-    drafter = cls.from_target(cls.Config(aux_layers=[-1, 0, 1], draft_vocab_size=24, ttt_steps=4), model, "tiny")
-    drafter = drafter.cuda()
-    rows = loss_rows()
-    drafter.prepare(rows)
-    batch = {key: value.cuda() if torch.is_tensor(value) else value for key, value in Collator(0)(rows).items()}
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-3, fused=True)
-    for step in range(3):  # the first compiles flex attention, which may synchronise
+
+def train_steps_without_waiting_for_the_host(drafter, target, batch: dict) -> None:
+    """Three training steps of `drafter` on `batch` (on CUDA), the last under torch.cuda.set_sync_debug_mode("error"):
+    its loss, backward and fused AdamW step (all of the step but the target's forward) raise if anything in them
+    synchronises with the host. The first two may: compiling flex attention, cuBLAS's start, first allocations."""
+    from draftsmith.heads.packing import causal_lm_inputs
+    from draftsmith.target import run_target
+
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-3, fused=True)
+    for step in range(3):
         with torch.no_grad():  # the target's forward is transformers' (its mask creation may read values)
-            target_out = run_target(model, batch["input_ids"], request=drafter.request)
+            target_out = run_target(target, batch["input_ids"], request=drafter.request, **causal_lm_inputs(batch))
         if step == 2:
             torch.cuda.set_sync_debug_mode("error")
         try:
@@ -172,6 +171,62 @@ def test_eagle3_step_never_waits_for_the_host():
             optimizer.zero_grad(set_to_none=True)
         finally:
             torch.cuda.set_sync_debug_mode(0)
+
+
+def test_eagle3_step_never_waits_for_the_host():
+    """EAGLE-3's step: compiled flex attention, the fused vocabulary loss over the draft vocabulary."""
+    from draftsmith.data_prep import Collator
+    from draftsmith.heads import drafter_class
+    from tests.helpers import TINY_VOCAB, tiny_llama
+    from tests.test_eagle3 import loss_rows
+
+    model = tiny_llama(vocab=TINY_VOCAB, hidden=64, logit_scale=4.0).cuda()  # heads of 16: flex's least
+    cls = drafter_class("eagle3")
+    drafter = cls.from_target(cls.Config(aux_layers=[-1, 0, 1], draft_vocab_size=24, ttt_steps=4), model, "tiny")
+    drafter = drafter.cuda()
+    rows = loss_rows()
+    drafter.prepare(rows)
+    train_steps_without_waiting_for_the_host(drafter, model, on_cuda(Collator(0)(rows)))
+
+
+def host_waits_allowed(function):
+    """`function` with torch.cuda's sync debug mode off while it runs."""
+
+    @functools.wraps(function)
+    def allowed(*args, **kwargs):
+        mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+
+    return allowed
+
+
+# transformers' mask creation, which a modelling module imports by these names
+MASK_CREATION = ("create_causal_mask", "create_sliding_window_causal_mask")
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("kind", ["dflash", "draft_model", "eagle", "medusa", "medusa2"])
+def test_fixed_shape_losses_never_wait_for_the_host(kind, packed, monkeypatch):
+    """The losses tests/test_no_host_sync.py runs on shapes alone, on CUDA: each kind's demo drafter, its loss
+    (the fused vocabulary loss, every position run), backward and fused AdamW step never wait for the host. The
+    draft model and Medusa-2 run a transformers model in their loss, whose mask creation reads the attention
+    mask's or the positions' values (any padding? where do packed documents start?): that alone may wait."""
+    from draftsmith.data_prep import Collator, PackingCollator
+    from tests.test_split_invariance import conversations, fresh
+
+    target, drafter, _ = fresh(kind)
+    target, drafter = target.cuda(), drafter.cuda()  # Medusa-2's adapted target shares the target's weights
+    for module in {sys.modules[type(layer).__module__] for layer in drafter.modules()}:
+        for name in MASK_CREATION:
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, host_waits_allowed(getattr(module, name)))
+    batch = (PackingCollator(0, 96) if packed else Collator(0))(conversations())
+    batch |= drafter.host_fields(batch)  # on the host, as the trainer adds them (trainer/loop.py next_step)
+    train_steps_without_waiting_for_the_host(drafter, target, on_cuda(batch))
 
 
 @pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])

@@ -1,11 +1,11 @@
 """The training losses keep fixed shapes: nothing in a loss or its backward reads a tensor's values on the
 host (`.item()`, `int(...)`) or makes a shape from them (boolean-mask indexing, `nonzero`), each of which is a
 device->host sync on an accelerator, once a micro-batch. Proved on the meta device, where every such operation
-raises: the loss and its backward run there on shapes alone. (DFlash draws its anchors with one sync a
-micro-batch on purpose, heads/dflash.py, and EAGLE-3's fixed-shape loss is proved on CUDA in tests/test_gpu.py.
-Medusa-2 and the draft model run a transformers model inside their loss, whose mask creation reads values, so
-they are not run here; what follows that forward, the chunked loss over its logits (heads/vocab_loss.py
-rows_loss), is run on the meta device below.)
+raises: the loss and its backward run there on shapes alone. What a shape needs of the data is counted on the
+host with the batch (heads/base.py `host_fields`: DFlash's blocks per row); a DFlash batch without it is refused.
+(EAGLE-3's fixed-shape loss is proved on CUDA in tests/test_gpu.py. Medusa-2 and the draft model run a
+transformers model inside their loss, whose mask creation reads values, so they are not run here; what follows
+that forward, the chunked loss over its logits (heads/vocab_loss.py rows_loss), is run on the meta device below.)
 
 And the fixed-shape Medusa loss, which weighs every position instead of selecting the supervised ones and runs
 the fused vocabulary loss (heads/vocab_loss.py) on one-hot teachers, equals the selecting one it replaced."""
@@ -13,6 +13,7 @@ the fused vocabulary loss (heads/vocab_loss.py) on one-hot teachers, equals the 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -32,21 +33,26 @@ def on_meta(value):
     return value.to("meta") if torch.is_tensor(value) else value
 
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle", "medusa", "dflash", "dflash_soft"])
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_loss_and_backward_run_on_shapes_alone(kind, packed, monkeypatch):
     autocast = torch.autocast  # which has no meta device: the fused loss turns it off around a float32 product
     monkeypatch.setattr(
         torch, "autocast", lambda device, **kw: contextlib.nullcontext() if device == "meta" else autocast(device, **kw)
     )
-    # EAGLE's feature noise: a generator per conversation seeded on the host (heads/packing.py conversation_rand),
-    # which reads no value; the meta device has no generator, so its draws are made there without one
-    monkeypatch.setattr(
-        "draftsmith.heads.eagle.conversation_rand",
-        lambda batch, tail, device, step: torch.rand((*batch["input_ids"].shape, *tail), device=device),
-    )
-    target, drafter, _ = fresh(kind)
+    # EAGLE's feature noise, DFlash's anchors: a generator per conversation seeded on the host (heads/packing.py
+    # conversation_rand), which reads no value; the meta device has no generator, so its draws are made there
+    # without one
+    for module in ("eagle", "dflash"):
+        monkeypatch.setattr(
+            f"draftsmith.heads.{module}.conversation_rand",
+            lambda batch, tail, device, step: torch.rand((*batch["input_ids"].shape, *tail), device=device),
+        )
+    target, drafter, _ = fresh(kind.removesuffix("_soft"))
+    if kind == "dflash_soft":  # the soft cross-entropy reads the target's logits
+        drafter = reconfigured(drafter, target, loss="soft_ce", loss_weighting="decay")
     batch = (PackingCollator(0, 96) if packed else Collator(0))(conversations())
+    batch |= drafter.host_fields(batch)  # on the host, as the trainer adds them (trainer/loop.py next_step)
     with torch.no_grad():
         out = run_target(target, batch["input_ids"], request=drafter.request, **causal_lm_inputs(batch))
     fake_out = TargetOutput(
@@ -60,6 +66,23 @@ def test_loss_and_backward_run_on_shapes_alone(kind, packed, monkeypatch):
     loss.backward()
     assert loss.device.type == "meta" and loss.shape == () and stats
     assert any(p.grad is not None and p.grad.device.type == "meta" for p in drafter.parameters())
+
+
+def reconfigured(drafter, target, **settings):
+    """The same drafter's weights under other loss settings."""
+    other = type(drafter)(replace(drafter.config, **settings), drafter.target)
+    other.load_state_dict(drafter.state_dict())
+    other.attach_target(target)
+    return other.train()
+
+
+def test_a_dflash_batch_without_its_host_count_is_refused():
+    target, drafter, _ = fresh("dflash")
+    batch = Collator(0)(conversations())
+    with torch.no_grad():
+        out = run_target(target, batch["input_ids"], request=drafter.request, **causal_lm_inputs(batch))
+    with pytest.raises(KeyError, match=r"dflash_row_blocks.*drafter.host_fields\(batch\)"):
+        drafter(batch, out)
 
 
 def test_the_chunked_loss_over_a_models_logits_runs_on_shapes_alone():

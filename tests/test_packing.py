@@ -236,6 +236,7 @@ def fresh_drafter(name: str, target, rows):
 def test_packed_loss_and_per_conversation_stats_equal_padded(name, target, batches):
     rows, padded, packed = batches
     drafter = fresh_drafter(name, target, rows)
+    padded, packed = (batch | drafter.host_fields(batch) for batch in (padded, packed))  # as the trainer adds them
     request = drafter.request
     with torch.no_grad():
         padded_out = run_target(target, padded["input_ids"], padded["attention_mask"], request)
@@ -257,6 +258,7 @@ def test_packed_loss_and_per_conversation_stats_equal_padded(name, target, batch
     # The same packed rows read as plain rows (a row = one sequence, a 2-D mask) give another loss:
     # the comparison above would catch a leak across conversations.
     plain = {key: value for key, value in packed.items() if key not in ("position_ids", "document_ids")}
+    plain |= drafter.host_fields(plain)
     with torch.no_grad():
         plain_out = run_target(target, plain["input_ids"], plain["attention_mask"], request)
     torch.manual_seed(3)

@@ -129,3 +129,27 @@ def test_train_records_its_data_as_it_begins_and_refuses_a_resume_over_data_edit
     resumed = run_entry_in_process(["train.py", *args, resume], capsys)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert json.loads((out / DATA_CONTENT_NAME).read_text())["data.train"] == [file_sha256(data)]
+
+
+def test_a_training_start_reads_each_data_file_once(tmp_path, small_data, token_cache, capsys, monkeypatch):
+    """A start hashed data.train's files three times: to load them (the datasets builder's name), to count the
+    eval report's prompts data.train answers, and to record them for its resumes (data_content.json). Now the
+    load's digests are passed to the others: each file is read for its sha256 once."""
+    import hashlib
+
+    from draftsmith.trainer import loop
+
+    read, real_digest, real_set_up = [], hashlib.file_digest, loop.set_up
+    monkeypatch.setattr(hashlib, "file_digest", lambda file, name: read.append(file.name) or real_digest(file, name))
+
+    def set_up_alone(cfg, output_dir):  # the start alone: no training step is needed here
+        real_set_up(cfg, output_dir)
+        raise UserError("the start is over")
+
+    monkeypatch.setattr(loop, "set_up", set_up_alone)
+    data, out = shutil.copy(small_data["train"], tmp_path / "train.jsonl"), tmp_path / "run"
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"messages": [{"role": "user", "content": "q1"}]}])
+    args = train_args(out, {**small_data, "train": data}, token_cache, "eval.enabled=true", f"eval.data=[{prompts}]")
+    assert_one_line_error(run_entry_in_process(["train.py", *args], capsys), 2, "the start is over")
+    assert read.count(str(data)) == 1 and sorted(read) == sorted(set(read)), read
+    assert json.loads((out / DATA_CONTENT_NAME).read_text())["data.train"] == [file_sha256(data)]

@@ -78,6 +78,7 @@ def evaluate_heldout(accelerator, drafter, heldout, collate, target_features, cf
     rounds = math.ceil(math.ceil(len(heldout) / world) / micro)
     sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(2, device=accelerator.device))
     held_out_collate = replace(collate, draw_seed=cfg.train.seed)
+    module = accelerator.unwrap_model(drafter)  # its host fields (heads/base.py `host_fields`)
     was_training = drafter.training
     drafter.eval()
     try:
@@ -87,6 +88,7 @@ def evaluate_heldout(accelerator, drafter, heldout, collate, target_features, cf
                 indices = mine[i * micro : (i + 1) * micro]
                 weight = 1.0 if indices else 0.0
                 batch = held_out_collate([heldout[j] for j in (indices or [0])])
+                batch |= module.host_fields(batch)
                 batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
                 target_out = target_features(batch)
                 with accelerator.autocast():

@@ -46,15 +46,16 @@ from draftsmith.trainer.observe import (
     peak_memory_mb,
     write_run_summary,
 )
-from draftsmith.trainer.setup import Run, set_up
+from draftsmith.trainer.setup import Run, Trained, set_up
 
 log = logging.getLogger("draftsmith.train")
 
 
-def train(cfg: DictConfig) -> Path:
-    """Train the recipe's drafter; returns the final checkpoint directory. The caller holds the
-    output directory (`claim_output_dir`). Each pass of the loop is one `train_step`, then the periodic
-    work: the log line, the held-out evaluation, the SIGTERM checkpoint, the periodic checkpoint."""
+def train(cfg: DictConfig) -> Trained:
+    """Train the recipe's drafter; returns the final checkpoint directory (and the start's count the report
+    reuses: `Trained`). The caller holds the output directory (`claim_output_dir`). Each pass of the loop is one
+    `train_step`, then the periodic work: the log line, the held-out evaluation, the SIGTERM checkpoint, the
+    periodic checkpoint."""
     output_dir = Path(cfg.output_dir)
     run = set_up(cfg, output_dir)
     accelerator, state, max_steps = run.accelerator, run.state, run.max_steps
@@ -97,10 +98,10 @@ def train(cfg: DictConfig) -> Path:
             save_if_due(run, output_dir)
     progress.close()
     profiler.after_step(state.step, final=True)  # a range past the run's end: what was profiled
-    final_dir = finish(run, output_dir, data_checksum, parameters)
+    trained = Trained(finish(run, output_dir, data_checksum, parameters), run.prompt_count)
     del run  # see end_run
     end_run(accelerator)
-    return final_dir
+    return trained
 
 
 @dataclass
@@ -353,9 +354,11 @@ class StepData:
 
 
 def next_step(stream, drafter, grad_accum: int) -> StepData:
-    """The next `grad_accum` micro-batches of `stream`, counted on the host. `drafter` is the unwrapped
-    Drafter (its `loss_tokens`)."""
+    """The next `grad_accum` micro-batches of `stream`, with the drafter's host fields (what its loss reads
+    of a batch as host values), counted on the host. `drafter` is the unwrapped Drafter (its `host_fields`,
+    `loss_tokens`)."""
     batches = [next(stream) for _ in range(grad_accum)]
+    batches = [(epoch, index, batch | drafter.host_fields(batch)) for epoch, index, batch in batches]
     counted = [batch for _, _, batch in batches]
     return StepData(
         batches,
@@ -380,8 +383,10 @@ class Agreed:
 
 def agree(accelerator, nonfinite=None, stop: bool = False, upcoming: StepData | None = None) -> Agreed:
     """One all-reduce (a sum over ranks) of the decisions every rank must share and the next step's
-    host counts: this loop's one host sync a step. A drafter's loss may add its own (DFlash's anchor count,
-    heads/dflash.py); the others keep fixed shapes. `nonfinite`: this rank's flag, a device tensor (or None)."""
+    host counts: this loop's one host sync a step. The drafters' loss code adds none: what a shape needs of
+    the data is counted on the host with the batch (Drafter.host_fields, `next_step`; tests/test_no_host_sync.py),
+    though a transformers model inside a loss (Medusa-2's, the draft model's) may read values to build its
+    masks. `nonfinite`: this rank's flag, a device tensor (or None)."""
     device = accelerator.device
     counts = (upcoming.loss_tokens, upcoming.tokens) if upcoming is not None else (0, 0)
     host = torch.tensor([int(stop), *counts], dtype=torch.long)

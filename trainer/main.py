@@ -34,10 +34,10 @@ def main(argv: Sequence[str]) -> None:
         logging.getLogger("draftsmith").setLevel(logging.WARNING)
     try:
         with claim_output_dir(cfg, state):
-            train(cfg)
+            trained = train(cfg)
             if state.is_main_process:
                 from draftsmith.eval.report import evaluate_trained_run
 
-                evaluate_trained_run(cfg)
+                evaluate_trained_run(cfg, trained.prompt_count)
     except KeyboardInterrupt:  # Ctrl-C: the line says how to continue (run_cli prints it), as SIGTERM's does
         raise KeyboardInterrupt(after_interrupt(Path(cfg.output_dir))) from None

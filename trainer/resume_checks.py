@@ -59,23 +59,25 @@ RESUMED_AS_BEGUN = (
 DATA_PATHS = ("data.train", "data.draft_vocab", "data.features")
 
 
-def data_content(key: str, value) -> Any:
+def data_content(key: str, value, digests: Optional[dict[str, str]] = None) -> Any:
     """What the DATA_PATHS `key`'s `value` reads: the sha256 of each file, in order, a Hub or named data set by its
-    name (`local_content`); a capture by its manifest's sha256 (which holds every shard's). None where unset, or
-    where local data cannot be read here (a path moved away), whose content is not known."""
+    name (`local_content`, which takes those the start's load read from `digests`); a capture by its manifest's
+    sha256 (which holds every shard's). None where unset, or where local data cannot be read here (a path moved
+    away), whose content is not known."""
     if value is None:
         return None
     if key == "data.features":
         manifest = Path(value).expanduser() / MANIFEST_NAME
         return file_sha256(manifest) if manifest.is_file() else None
-    return local_content(value)
+    return local_content(value, digests)
 
 
-def record_data_content(cfg: DictConfig, output_dir: Path) -> None:
-    """Write what the run's data settings read as it begins (DATA_CONTENT_NAME), for its resumes to compare with."""
+def record_data_content(cfg: DictConfig, output_dir: Path, digests: Optional[dict[str, str]] = None) -> None:
+    """Write what the run's data settings read as it begins (DATA_CONTENT_NAME), for its resumes to compare with:
+    the files' sha256 as the start's load read them (`digests`), each file not read again."""
     settings = {key: OmegaConf.select(cfg, key, default=None) for key in DATA_PATHS}
     content = {
-        key: data_content(key, OmegaConf.to_container(value) if OmegaConf.is_config(value) else value)
+        key: data_content(key, OmegaConf.to_container(value) if OmegaConf.is_config(value) else value, digests)
         for key, value in settings.items()
     }
     write_json(output_dir / DATA_CONTENT_NAME, content)

@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, Optional
 
 import torch
 from accelerate import Accelerator
@@ -21,7 +21,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from draftsmith.data_prep import Collator, PackingCollator, load_tokenized
 from draftsmith.data_prep.features import expected_features, open_features, require_captured_settings
-from draftsmith.data_prep.overlap import eval_in_train, prompts_in_train, warn_of_prompts_in_train
+from draftsmith.data_prep.overlap import PromptCount, eval_in_train, prompts_in_train, warn_of_prompts_in_train
 from draftsmith.errors import UserError
 from draftsmith.eval.prompts import prompt_conversations, prompt_sources, render_prompts
 from draftsmith.families import check_eval_settings
@@ -69,6 +69,15 @@ class Run:
     heldout: Any  # train.heldout conversations never trained on, or None
     max_steps: int
     state: TrainerState  # fresh, or the resumed checkpoint's
+    # the start's count of the eval report's prompts in data.train, which the report after training reuses
+    prompt_count: Optional[PromptCount] = None
+
+
+class Trained(NamedTuple):
+    """What `train` (trainer/loop.py) returns."""
+
+    final: Path  # the final checkpoint directory
+    prompt_count: Optional[PromptCount]  # Run.prompt_count
 
 
 def set_up(cfg: DictConfig, output_dir: Path) -> Run:
@@ -93,7 +102,9 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
         start = Path(cfg.train.init_from)
         require_recipes_kind(start_kind(start), cfg.drafter.type, f"train.init_from={start}")
     tokenizer = load_tokenizer(cfg.target)
-    train_data, vocab_data, heldout = load_data(cfg, accelerator, tokenizer)
+    # each data file's sha256 as this start's load reads it, for its later reads (the prompts' count, the record)
+    digests: dict[str, str] = {}
+    train_data, vocab_data, heldout, prompt_count = load_data(cfg, accelerator, tokenizer, digests)
     # target.shard=fsdp: each rank holds pieces of the decoder layers (draftsmith/sharding.py); the
     # loop needs nothing else, since every rank runs every step's target forward together.
     target = load_target(cfg.target, accelerator.device, shard=cfg.target.shard)
@@ -113,6 +124,7 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
         drafter.learned = dict(start.learned)
         log.info("warm start from %s", cfg.train.init_from)
     run = prepare_run(cfg, accelerator, target, drafter, train_data, collate, target_features, heldout)
+    run.prompt_count = prompt_count
     if resume_from is not None:
         load_checkpoint(accelerator, resume_from)
         # accelerate restores its count of micro-batches and steps the optimizer at each multiple of grad_accum: a
@@ -132,7 +144,7 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
         # the run begins here (or its first recipe.yaml here, resumed from a checkpoint given by path): what its
         # data reads, for its resumes to compare with; written first, so that no recipe.yaml is without its record
         if resume_from is None or not (output_dir / RECIPE_NAME).is_file():
-            record_data_content(cfg, output_dir)
+            record_data_content(cfg, output_dir, digests)
         save_recipe(cfg, output_dir)
         if resume_from is not None:
             set_newer_checkpoints_aside(output_dir, resume_from)
@@ -166,33 +178,39 @@ def make_accelerator(cfg: DictConfig, output_dir: Path) -> Accelerator:
     )
 
 
-def load_data(cfg: DictConfig, accelerator: Accelerator, tokenizer):
+def load_data(cfg: DictConfig, accelerator: Accelerator, tokenizer, digests: dict[str, str]):
     """(data.train tokenized, or None when training from captured features; data.draft_vocab tokenized, or
-    None; the train.heldout conversations, or None). data.eval is read too, so that a bad file fails now."""
+    None; the train.heldout conversations, or None; the main process's count of the eval report's prompts in
+    data.train, or None). data.eval is read too, so that a bad file fails now. Each file's sha256 is added to
+    `digests` as it is read, and not read again."""
     offline = cfg.data.features is not None  # train from captured shards instead of running the target
     if offline:  # the capture's rows are what trains: a recipe whose data settings differ is refused now
         require_captured_settings(cfg)
     with accelerator.main_process_first():  # rank 0 tokenizes and caches, the others read the cache
-        train_data = None if offline else load_tokenized(cfg, cfg.data.train, tokenizer, "data.train")
+        train_data = None if offline else load_tokenized(cfg, cfg.data.train, tokenizer, "data.train", digests)
         vocab_data = (
-            load_tokenized(cfg, cfg.data.draft_vocab, tokenizer, "data.draft_vocab") if cfg.data.draft_vocab else None
+            load_tokenized(cfg, cfg.data.draft_vocab, tokenizer, "data.draft_vocab", digests)
+            if cfg.data.draft_vocab
+            else None
         )
         if cfg.data.eval:  # the eval stage reads it after training: a bad file must fail now, not then
-            eval_split = load_tokenized(cfg, cfg.data.eval, tokenizer, "data.eval")
+            eval_split = load_tokenized(cfg, cfg.data.eval, tokenizer, "data.eval", digests)
             if train_data is not None:  # a capture's rows (data.features) carry no conversation digests
                 eval_in_train(train_data, eval_split, cfg)
         sources, per_file = prompt_sources(cfg)
+        prompt_count = None
         if cfg.eval.enabled and sources:  # the report's prompts: a bad file must fail now; trained-on ones are said
             chosen = prompt_conversations(sources, int(cfg.eval.max_prompts), cfg.data.skip_invalid_utf8, per_file)
             render_prompts(chosen, tokenizer, int(cfg.data.max_length))
             if accelerator.is_main_process and not offline:
-                warn_of_prompts_in_train(prompts_in_train(chosen, cfg), sources, cfg)
+                counted, prompt_count = prompts_in_train(chosen, cfg, digests=digests)
+                warn_of_prompts_in_train(counted, sources, cfg)
     heldout = None  # train.heldout: the last conversations of data.train, in file order, never trained on
     if cfg.train.heldout > 0:
         train_data, heldout = split_heldout(
             train_data, cfg.train.heldout, accelerator.num_processes * cfg.train.micro_batch_size * cfg.train.grad_accum
         )
-    return train_data, vocab_data, heldout
+    return train_data, vocab_data, heldout, prompt_count
 
 
 def build_drafter(cfg: DictConfig, target, device: torch.device):
