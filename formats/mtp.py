@@ -3,9 +3,10 @@
 vLLM builds an MTP drafter from a folder holding the *target's* config.json (its architecture, which vLLM
 maps to its `<family>_mtp` model: DeepSeek-V3 to deepseek_mtp, GLM-4.5 to glm4_moe_mtp, Qwen3-Next to
 qwen3_next_mtp, Qwen3.5 to qwen3_5_mtp) and the MTP layer's tensors under the names the target's
-checkpoint gives them (`model.layers.{N}.*` or `mtp.*`). So the folder is the target's config with an
-MTP layer count of 1 (vLLM 0.32's proposer runs the first layer for every draft step; a vision-language
-wrapper's, Qwen3.5's releases, is its language model's config, which vLLM serves alike) and the trained
+checkpoint gives them (`model.layers.{N}.*` or `mtp.*`). So the folder is the target's config.json as it
+ships (its own keys, not transformers' `to_dict()` with its defaults and local path) with an MTP layer
+count of 1 (vLLM 0.32's proposer runs the first layer for every draft step; a vision-language wrapper's,
+Qwen3.5's releases, is its language model's config, which vLLM serves alike) and the trained
 layer under exactly the names and shapes of the layer the target shipped; vLLM shares the target's
 embedding and lm_head with it, so neither is in the folder. Served with
 `--speculative-config '{"method": "mtp", "model": <folder>, ...}'`; without `model` vLLM would read the
@@ -25,7 +26,7 @@ from draftsmith.formats import Exporter, Source, register
 from draftsmith.formats.repo import VLLM_SERVE, EngineRepo
 from draftsmith.heads import drafter_class
 from draftsmith.heads.mtp import LAYOUTS, layout_of
-from draftsmith.heads.mtp_layer import shipped_shapes
+from draftsmith.heads.mtp_layer import shipped_config, shipped_shapes
 from draftsmith.target import loaded_config
 
 
@@ -38,16 +39,18 @@ class MtpExporter(Exporter):
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         drafter = source.drafter
-        config = loaded_config(source.target_model)
-        layout = layout_of(config)
-        config[layout.count_key] = 1
+        name_or_path = source.target.shape.name_or_path
+        loaded = loaded_config(source.target_model)
+        layout = layout_of(loaded)
+        # the count written whether the target's config.json holds one or not (Qwen3-Next's release does not)
+        config = {**shipped_config(name_or_path, loaded), layout.count_key: 1}
         prefix = layout.prefix(int(config["num_hidden_layers"]))
         tensors = {prefix + name: tensor for name, tensor in drafter.checkpoint_tensors().items()}
-        expected = shipped_shapes(source.target.shape.name_or_path, source.target.config, layout)
+        expected = shipped_shapes(name_or_path, source.target.config, layout)
         conventions = {
             "config": (
-                f"the target's config (a vision-language wrapper's language model's), {layout.count_key}=1: vLLM "
-                f"builds its {layout.vllm_model} model"
+                f"the target's config.json as shipped (a vision-language wrapper's language model's), "
+                f"{layout.count_key}=1: vLLM builds its {layout.vllm_model} model"
             ),
             "weights": f"the fine-tuned MTP layer under the target checkpoint's names and shapes ({prefix}*)",
             "shared": "embed_tokens and lm_head are the target's (vLLM shares them; not in the folder)",

@@ -32,7 +32,8 @@ random weights at the target's shape, its vocabulary table the target's embeddin
 configuration is resolved once, into the checkpoint, so a warm start (`train.init_from`) or a resumed run
 continues the same function. A released assistant whose lm_head is restricted by token
 centroids (`use_ordered_embeddings`) drafts through them; training scores the full vocabulary and leaves
-the centroids as released.
+the centroids as released. A released assistant's generation config goes with it into the checkpoint and the
+export: vLLM never drafts its `suppress_tokens` (their logits -inf), nor does the drafter here.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 FRESH_LAYERS = 2  # a fresh assistant's layers (drafter.num_layers null): a sliding-window one, a full-attention one
 # The released names of the assistant's vocabulary table and the drafter's (module docstring).
 OWN_TABLE, RELEASED_TABLE = "lm_head.weight", "model.embed_tokens.weight"
+# The drafter config's (`decoder`) copy of a released assistant's generation config, which its export writes back.
+GENERATION = "generation_config"
 # Keys of the target's text config an assistant does not take over (the assistant's config class refuses
 # per-layer inputs, experts and double-wide MLPs; its layers share every key and value).
 NOT_INHERITED = ("architectures", "model_type", "transformers_version", "dtype", "num_kv_shared_layers")
@@ -190,6 +193,9 @@ class Gemma4Assistant(Drafter):
         self.kinds = list(hf_config.text_config.layer_types)
         self.stores = {kind: int(layer) for kind, layer in config.decoder["stores"].items()}
         self.window = hf_config.text_config.sliding_window
+        # tokens the engine never drafts: vLLM 0.32's gemma4_mtp sets their logits to -inf, read from the
+        # assistant folder's generation config (a released assistant's carries some)
+        self.suppressed = list((config.decoder.get(GENERATION) or {}).get("suppress_tokens") or [])
         self.shared: Optional[tuple[nn.Module]] = None  # the target (attach_target)
 
     @classmethod
@@ -232,6 +238,8 @@ class Gemma4Assistant(Drafter):
         if differ:
             raise UserError(f"{'; '.join(differ)}: leave those null, the released assistant's are its own")
         decoder = {"assistant": values, "stores": store_layers(text.to_dict())}
+        if released is not None:  # its generation config, as transformers read it beside the weights
+            decoder[GENERATION] = released.generation_config.to_diff_dict()
         drafter = cls(replace(config, **sizes, decoder=decoder), shape)
         drafter.attach_target(target_model)
         with torch.no_grad():
@@ -297,11 +305,16 @@ class Gemma4Assistant(Drafter):
         return normed, assistant.post_projection(normed)
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
-        """The draft's logits [..., V] (restricted to its centroids' tokens where it has them, as vLLM drafts)."""
+        """The draft's logits [..., V] as vLLM drafts from them: restricted to its centroids' tokens where it has
+        them, the suppressed tokens at -inf."""
         assistant = self.assistant
         if assistant.masked_embedding is not None:
-            return assistant.masked_embedding(normed, assistant.lm_head.weight).float()
-        return assistant.lm_head(normed).float()
+            logits = assistant.masked_embedding(normed, assistant.lm_head.weight).float()
+        else:
+            logits = assistant.lm_head(normed).float()
+        if self.suppressed:
+            logits[..., self.suppressed] = -torch.inf
+        return logits
 
     def masks(self, query_places: torch.Tensor, key_places: torch.Tensor, allowed: torch.Tensor) -> dict[str, Any]:
         """kind -> [B, 1, q, keys]: `allowed` [B, q, keys], within the sliding window for the sliding layers."""

@@ -45,6 +45,7 @@ from draftsmith.heads.mtp_layer import (
     Layout,
     block_from_checkpoint,
     block_to_checkpoint,
+    checkpoint_folder,
     layer_config,
     read_layer,
     tensor_names,
@@ -128,8 +129,8 @@ class MtpConfig(DrafterConfig):
 
 
 def layout_of(config: dict) -> Layout:
-    """The MTP layout of a target config (dict form), or a one-line UserError: no MTP layers, an architecture
-    whose layout draftsmith does not read, or one whose layer it does not train (UNSERVED)."""
+    """The MTP layout of a target config (dict form), or a one-line UserError: an architecture whose layout
+    draftsmith does not read, one whose layer it does not train (UNSERVED), or a quantized checkpoint."""
     architecture = (config.get("architectures") or ["?"])[0]
     if architecture in UNSERVED:
         raise UserError(
@@ -159,12 +160,29 @@ def layout_of(config: dict) -> Layout:
             "config.json's quantization_config), and draftsmith fine-tunes an MTP layer stored unquantized: point "
             "target.name_or_path at the model's BF16 release"
         )
-    if not int(config.get(layout.count_key) or text.get(layout.count_key) or 0):
-        raise UserError(
-            f"drafter.type=mtp: the target ships no MTP layer ({layout.count_key} is unset or 0 in its config.json); "
-            "train another kind"
-        )
     return layout
+
+
+def check_ships_a_layer(config: dict, layout: Layout, name_or_path: str) -> None:
+    """A target whose config (dict form) counts no MTP layer is refused in one line. Where the count is absent, as in
+    Qwen3-Next's release (its checkpoint ships `mtp.*` all the same), vLLM 0.32 serves one layer (Qwen3-Next's and
+    Qwen3.5's models default the count to 1; DeepSeek-V3's and GLM-4.5's read transformers' config class, whose
+    default is 1): then the layers in the checkpoint's tensor names say (safetensors headers only)."""
+    text = text_fields(config)
+    count = config.get(layout.count_key, text.get(layout.count_key))
+    if count is not None:
+        if not int(count):
+            raise UserError(
+                f"drafter.type=mtp: the target ships no MTP layer ({layout.count_key} is 0 in its config.json); "
+                "train another kind"
+            )
+        return
+    layers = int(text["num_hidden_layers"])
+    if not layout.shipped_layers(tensor_names(checkpoint_folder(name_or_path)), layers):
+        raise UserError(
+            f"drafter.type=mtp: the target ships no MTP layer (its config.json has no {layout.count_key} and its "
+            f"weights no tensor named {layout.layers_named(layers)}); train another kind"
+        )
 
 
 def text_fields(config: dict) -> dict:
@@ -180,6 +198,7 @@ def check_target_folder(name_or_path: str) -> None:
         return
     config = json.loads((folder / "config.json").read_text())
     layout = layout_of(config)
+    check_ships_a_layer(config, layout, str(folder))
     prefix = layout.prefix(int(text_fields(config)["num_hidden_layers"]))
     if not any(name.startswith(prefix) for name in tensor_names(folder)):
         raise UserError(
@@ -220,7 +239,9 @@ class Mtp(EagleBase):
     @classmethod
     def from_target(cls, config: MtpConfig, target_model, name_or_path: str) -> Mtp:
         values = loaded_config(target_model)
-        tensors = read_layer(name_or_path, values, layout_of(values))
+        layout = layout_of(values)
+        check_ships_a_layer(values, layout, name_or_path)
+        tensors = read_layer(name_or_path, values, layout)
         return cls.from_layer(config, target_model, name_or_path, tensors)
 
     @classmethod

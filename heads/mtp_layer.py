@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +50,17 @@ class Layout:
         """Tensors under the prefix that vLLM replaces by the target's (its embedding and lm_head)."""
         return ("embed_tokens.", "shared_head.head.") if self.after_layers else ()
 
+    def layers_named(self, num_hidden_layers: int) -> str:
+        """How the MTP layers' tensor names start (for a message)."""
+        return f"model.layers.{num_hidden_layers}.*" if self.after_layers else "mtp.layers.{j}.*"
+
+    def shipped_layers(self, names: Iterable[str], num_hidden_layers: int) -> set[int]:
+        """The indices of the MTP layers whose tensors are among a checkpoint's tensor names: layers N, N+1, ...
+        after the decoder's, or `mtp.layers.{j}`."""
+        pattern = re.compile(r"model\.layers\.(\d+)\." if self.after_layers else r"mtp\.layers\.(\d+)\.")
+        first = num_hidden_layers if self.after_layers else 0
+        return {int(found[1]) for found in map(pattern.match, names) if found and int(found[1]) >= first}
+
 
 def tensor_names(folder: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file of a checkpoint folder that holds it (headers only)."""
@@ -75,6 +88,18 @@ def checkpoint_folder(name_or_path: str) -> Path:
         raise UserError(
             f"drafter.type=mtp: cannot read target {name_or_path!r}'s checkpoint ({one_line(err)})"
         ) from None
+
+
+def shipped_config(name_or_path: str, loaded: dict) -> dict:
+    """The target's config.json as it ships, its keys as the release writes them (not transformers' `to_dict()`,
+    which adds its own defaults and the local path it loaded from), without transformers' `_name_or_path`; a
+    vision-language wrapper's is its `text_config`, named by `loaded` (the language model's config as transformers
+    loads it, dict form) as that language model: what vLLM serves beside the wrapper target."""
+    shipped = json.loads((checkpoint_folder(name_or_path) / "config.json").read_text())
+    shipped.pop("_name_or_path", None)
+    if "text_config" not in shipped or shipped.get("architectures") == loaded["architectures"]:
+        return shipped
+    return {**shipped["text_config"], "architectures": loaded["architectures"], "model_type": loaded["model_type"]}
 
 
 def layer_files(name_or_path: str, config: dict, layout: Layout) -> dict[Path, list[str]]:

@@ -147,8 +147,9 @@ def test_targets_without_a_served_mtp_layer_are_refused_in_one_line(tmp_path):
     gemma = write_random_target("gemma4_text", tmp_path / "gemma")  # its MTP is a model of its own
     with pytest.raises(UserError, match=r"Gemma4ForCausalLM target ships no MTP layer: .* \(an assistant model: "):
         MTP.Config().check(local_target_shape(str(gemma)))
-    bare = write_random_target("qwen3_next", tmp_path / "bare", **SHAPE)  # no MTP layer count in its config
-    with pytest.raises(UserError, match=r"ships no MTP layer \(num_nextn_predict_layers is unset or 0"):
+    bare = write_random_target("qwen3_next", tmp_path / "bare", **SHAPE)  # no MTP layer count, no MTP tensor
+    with pytest.raises(UserError, match=r"ships no MTP layer \(its config.json has no num_nextn_predict_layers and "
+                       r"its weights no tensor named mtp.layers.{j}.\*\)"):  # fmt: skip
         MTP.Config().check(local_target_shape(str(bare)))
     saved = write_random_target("glm4_moe", tmp_path / "saved", **SHAPE)  # a count, but saved by transformers
     with pytest.raises(UserError, match=r"weights hold no MTP layer \(no tensor named model.layers.4.\*"):
@@ -161,6 +162,34 @@ def test_targets_without_a_served_mtp_layer_are_refused_in_one_line(tmp_path):
     (saved / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match=r"checkpoint is quantized \(fp8 .* at the model's BF16 release"):
         MTP.Config().check(local_target_shape(str(saved)))
+
+
+def test_a_qwen3_next_release_without_a_count_in_its_config_trains_its_shipped_layer_and_exports_its_config(
+    tmp_path, small_data, token_cache, capsys
+):
+    """Qwen3-Next-80B-A3B's config.json holds no num_nextn_predict_layers, its checkpoint `mtp.*` all the same, and
+    vLLM 0.32 defaults the count to 1 (qwen3_next_mtp.py): `recipe=mtp` trains that layer and exports it, the
+    folder's config.json the target's as shipped (no `_name_or_path`, none of transformers' to_dict() keys) with
+    the count vLLM reads. A count of 0 is the config's word, whatever the tensors."""
+    folder = write_random_target("qwen3_next", tmp_path / "target", **SHAPE)
+    write_random_layer(folder)
+    shipped = json.loads((folder / "config.json").read_text())
+    del shipped["num_nextn_predict_layers"]
+    (folder / "config.json").write_text(json.dumps(shipped))
+    run = tmp_path / "run"
+    args = [
+        "recipe=mtp", f"target.name_or_path={folder}", f"data.train=[{small_data['train']}]", "data.eval=[]",
+        f"data.cache_dir={token_cache}", "data.max_length=64", "train.max_steps=2", "train.micro_batch_size=2",
+        "train.warmup_steps=0", "train.save_every=0", "eval.enabled=false", f"output_dir={run}",
+    ]  # fmt: skip
+    assert run_entry_in_process(["train.py", *args], capsys).returncode == 0
+    export = ["-m", "export", *args, f"checkpoint={run / 'final'}", f"export.output={tmp_path / 'export'}"]
+    assert run_entry_in_process(export, capsys).returncode == 0
+    written = json.loads((tmp_path / "export" / "vllm" / "config.json").read_text())
+    assert written == {**shipped, "num_nextn_predict_layers": 1}
+    (folder / "config.json").write_text(json.dumps({**shipped, "num_nextn_predict_layers": 0}))
+    with pytest.raises(UserError, match=r"ships no MTP layer \(num_nextn_predict_layers is 0 in its config.json\)"):
+        MTP.Config().check(local_target_shape(str(folder)))
 
 
 # Qwen3.5's releases: vision-language wrapper -> its language model's family (random_target builds that alone)
