@@ -236,9 +236,11 @@ def vocabularies(target, drafter) -> set[int]:
 
 
 def bench(recipe: str, data: str, overrides: list[str], steps: int, warmup: int, profiled: int) -> dict:
+    from accelerate import PartialState
     from omegaconf import OmegaConf
 
     from draftsmith.recipe import load_recipe
+    from draftsmith.trainer.checkpoint import claim_output_dir
     from draftsmith.trainer.loop import end_run
     from draftsmith.trainer.setup import set_up
 
@@ -252,12 +254,14 @@ def bench(recipe: str, data: str, overrides: list[str], steps: int, warmup: int,
                 f"output_dir={scratch}/run",
             ]
         )
-        run = set_up(cfg, Path(cfg.output_dir))
-        measured = time_steps(run, warmup, steps, profiled, Path(scratch))
-        result = report(measured, vocabularies(run.target, run.accelerator.unwrap_model(run.drafter)))
-        accelerator = run.accelerator
-        del run  # see end_run
-        end_run(accelerator)
+        # set_up writes into the output directory from its first checks on: held (and made) as train.py holds it
+        with claim_output_dir(cfg, PartialState(cpu=not torch.cuda.is_available())):
+            run = set_up(cfg, Path(cfg.output_dir))
+            measured = time_steps(run, warmup, steps, profiled, Path(scratch))
+            result = report(measured, vocabularies(run.target, run.accelerator.unwrap_model(run.drafter)))
+            accelerator = run.accelerator
+            del run  # see end_run
+            end_run(accelerator)
     threads = torch.get_num_threads()
     return {
         "recipe": recipe,

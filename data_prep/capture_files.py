@@ -34,7 +34,7 @@ from draftsmith.data_prep.features import (
     shard_name,
 )
 from draftsmith.errors import StorageError, UserError, one_line
-from draftsmith.files import created_file_mode, read_json, write_json
+from draftsmith.files import created_file_mode, read_json, replacing, write_json
 from draftsmith.target import dtype_name
 
 CAPTURE_AGAIN = "remove it to capture again"  # the advice for a capture's own file that is not JSON
@@ -157,9 +157,9 @@ def is_intact(path: Path, entry: dict[str, Any]) -> bool:
 def write_shard(
     directory: Path, shard: ShardPlan, tensors: dict[str, torch.Tensor], domains: list[str]
 ) -> dict[str, Any]:
-    """Write to `<name>.tmp`, make it durable, rename it into place; return its manifest entry."""
+    """Write to `<name>.tmp`, make it durable, rename it into place; return its manifest entry. The `.tmp` is removed
+    when anything stops the write (a full disk, Ctrl-C, SIGTERM): it was left until the next run."""
     path = directory / shard.name
-    tmp = path.with_name(path.name + ".tmp")
     # One metadata key: safetensors writes several in a per-process random order, and a shard must
     # be the same bytes whenever it is made (a resumed capture equals an uninterrupted one).
     header = {
@@ -167,16 +167,15 @@ def write_shard(
         "first_conversation": shard.start,
         "domains": domains,
     }  # domains: one per conversation
-    try:
-        save_file(tensors, str(tmp), metadata={SHARD_METADATA: json.dumps(header, sort_keys=True)})
-    except SafetensorError as err:  # how safetensors reports a full disk; an OSError is one already
-        tmp.unlink(missing_ok=True)
-        raise StorageError(f"could not write {tmp}: {one_line(err)}; the shards before it are intact") from None
-    os.chmod(tmp, created_file_mode())  # a training job run by another user reads the shards
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())  # the rename must never publish bytes still only in the page cache
-    digest = file_sha256(tmp)
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        try:
+            save_file(tensors, str(tmp), metadata={SHARD_METADATA: json.dumps(header, sort_keys=True)})
+        except SafetensorError as err:  # how safetensors reports a full disk; an OSError is one already
+            raise StorageError(f"could not write {tmp}: {one_line(err)}; the shards before it are intact") from None
+        os.chmod(tmp, created_file_mode())  # a training job run by another user reads the shards
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())  # the rename must never publish bytes still only in the page cache
+        digest = file_sha256(tmp)
     return {
         "file": shard.name,
         "rank": shard.rank,

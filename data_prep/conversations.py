@@ -27,7 +27,7 @@ from draftsmith.data_prep.turns import CUT_KEY as CUT_KEY  # re-exported: regene
 from draftsmith.data_prep.turns import REASONING_KEYS as REASONING_KEYS
 from draftsmith.data_prep.turns import ROLES as ROLES
 from draftsmith.data_prep.turns import TURN_FEATURES, normalize_turn
-from draftsmith.errors import HubUnavailable, UserError, one_line
+from draftsmith.errors import HubUnavailable, UserError, cache_fault, one_line, storage_fault
 from draftsmith.model_files import endpoint_out_of_reach
 
 logger = logging.getLogger("draftsmith.data")
@@ -144,6 +144,7 @@ def _load_hub(source: str) -> datasets.Dataset:
         ) from None
     except Exception as err:  # auth, unknown repo or split: the user's to fix (a Hub out of reach further on
         # leaves huggingface_hub's error in the chain, which errors.hub_unreachable finds)
+        _raise_cache_fault(err)
         raise UserError(f"cannot load data set {repo!r} (split {split!r}): {one_line(err, with_type=True)}") from err
     if len(dataset) == 0:
         raise UserError(f"data set {source!r} has no records")
@@ -181,6 +182,7 @@ def _load_file(
         with _quiet_builders():
             dataset = datasets.load_dataset(reader, name=f"sha256-{content}", data_files=path, split="train")
     except Exception as err:  # the builders raise assorted types (ArrowInvalid, StopIteration on empty files, ...)
+        _raise_cache_fault(err)
         if reader == "json":
             _diagnose_json(path, skip_invalid_utf8)  # raises the precise, line-numbered error when it finds one
         raise UserError(f"cannot read {path}: {one_line(err, with_type=True)}") from None
@@ -188,6 +190,22 @@ def _load_file(
         raise UserError(f"{path} has no records")
     dataset._fingerprint = hashlib.sha256(f"{reader}|{content}|{datasets.__version__}".encode()).hexdigest()[:16]
     return dataset
+
+
+def _raise_cache_fault(err: BaseException) -> None:
+    """Raise the line for a load that failed because a cache could not be written (errors.cache_fault): datasets', or
+    the Hub's, into which a Hub data set's files are downloaded. It was `cannot read FILE: DatasetGenerationError`,
+    the data file blamed for the cache's disk (the file itself was read whole before the load, for its digest)."""
+    from huggingface_hub import constants
+
+    fault = storage_fault(err)
+    if fault is None:
+        return
+    cache, variable = datasets.config.HF_DATASETS_CACHE, "HF_DATASETS_CACHE"
+    hub = os.path.abspath(constants.HF_HUB_CACHE)
+    if fault.filename and os.path.abspath(os.fsdecode(fault.filename)).startswith(hub + os.sep):
+        cache, variable = hub, "HF_HUB_CACHE"
+    raise cache_fault(fault, "the Hugging Face cache", cache, variable) from None
 
 
 def _parquet_rows(path: str) -> Optional[int]:

@@ -3,22 +3,26 @@ disk; the collators that lay them into batches are data_prep/collate.py's."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 from collections import Counter
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import datasets
+import pyarrow
 
 from draftsmith.data_prep.conversations import DEFAULT_DOMAIN, code_digest
 from draftsmith.data_prep.overlap import turns_digest
 from draftsmith.data_prep.template import render_rows, require_chat_template
-from draftsmith.errors import UserError
-from draftsmith.files import cache_root, read_json
+from draftsmith.errors import UserError, cache_fault, one_line, storage_fault
+from draftsmith.files import cache_root
 
 logger = logging.getLogger("draftsmith.data")
 
@@ -165,18 +169,72 @@ def tokenize_conversations(
     key = cache_key(conversations, tokenizer, max_length, overlong, thinking)
     root = (Path(cache_dir).expanduser() if cache_dir else cache_root()) / "tokenized"
     final = root / key
-    if final.is_dir():
-        dataset = datasets.load_from_disk(str(final))
-        counts = final / STATS_NAME  # none where the cache was written before they were kept
-        stats = read_json(counts, "tokenized-data counts", f"delete {final} to redo it") if counts.is_file() else {}
+    cached = _read_cached(final) if final.is_dir() else None
+    if cached is not None:
+        dataset, stats = cached
         _log_stats(stats, max_length)
         logger.info("loaded %s from the tokenized cache %s", _counted(stats, dataset), final)
         return dataset
 
+    with _writing_cache(root):
+        stats = _tokenize_into(final, conversations, tokenizer, max_length, overlong, thinking)
+    dataset = datasets.load_from_disk(str(final))
+    logger.info("tokenized %s into %d tokens, cached at %s", _counted(stats, dataset), sum(dataset["length"]), final)
+    return dataset
+
+
+def _read_cached(final: Path) -> Optional[tuple[datasets.Dataset, dict[str, Any]]]:
+    """The tokenized data set cached in `final` and its counts (none where the cache was written before they were
+    kept); None where the folder is damaged (a file cut short or gone, counts of another shape), which is then removed
+    with a warning and the conversations tokenized again: it is draftsmith's own cache, made from the conversations,
+    not input the user gave. It was exit 70 (`ArrowInvalid`, `JSONDecodeError`), in every later run too. A disk's
+    error (EIO), permissions and any other error of the reader (a KeyError of a datasets version's bug, which a new
+    copy would meet again) are raised as such, the folder kept."""
+    try:
+        dataset = datasets.load_from_disk(str(final))
+        counts = final / STATS_NAME
+        stats = json.loads(counts.read_text()) if counts.is_file() else {}
+    except (pyarrow.ArrowInvalid, json.JSONDecodeError, OSError) as err:  # pyarrow's short read: an OSError, no errno
+        if isinstance(err, OSError) and err.errno not in (None, errno.ENOENT):
+            raise
+        damage = one_line(err, with_type=True)
+    else:
+        if isinstance(stats, dict):
+            return dataset, stats
+        damage = f"{STATS_NAME} holds a JSON {type(stats).__name__}, not an object of counts"
+    logger.warning(
+        "the tokenized-data cache %s is damaged (%s): removing it and tokenizing the conversations again", final, damage
+    )
+    # renamed aside first: another job reading the same key sees the whole folder or none
+    aside = tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.damaged-")
+    with contextlib.suppress(FileNotFoundError):  # another job found it damaged too, and moved it first
+        os.replace(final, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+    return None
+
+
+@contextlib.contextmanager
+def _writing_cache(root: Path) -> Iterator[None]:
+    """A full or failing disk, or permissions, while the tokenized-data cache is written, named as that cache
+    (errors.cache_fault): datasets' write errors name no file, and the line said `no space left on device` alone."""
+    try:
+        yield
+    except OSError as err:
+        fault = storage_fault(err)
+        if fault is None:
+            raise
+        raise cache_fault(fault, "the tokenized-data cache", root, "data.cache_dir") from None
+
+
+def _tokenize_into(
+    final: Path, conversations: datasets.Dataset, tokenizer, max_length: int, overlong: str, thinking: str
+) -> Counter[str]:
+    """Tokenize the conversations into the cache folder `final`; their counts."""
+    root = final.parent
     root.mkdir(parents=True, exist_ok=True)
     # Everything is written inside a temporary directory next to the final one and moved into
     # place in one rename, so a killed job never leaves a half-written cache that looks complete.
-    with tempfile.TemporaryDirectory(dir=root, prefix=f".{key}.tmp-") as scratch:
+    with tempfile.TemporaryDirectory(dir=root, prefix=f".{final.name}.tmp-") as scratch:
         stats: Counter[str] = Counter()
         tokenized = conversations.map(
             _tokenize_batch,
@@ -194,7 +252,7 @@ def tokenize_conversations(
             features=FEATURES,
             cache_file_name=os.path.join(scratch, "map.arrow"),
             load_from_cache_file=False,
-            new_fingerprint=key[:16],  # our key already identifies the result; skips hashing the tokenizer
+            new_fingerprint=final.name[:16],  # our key already identifies the result; skips hashing the tokenizer
             desc="tokenizing conversations",
         )
         stats["conversations"] = len(conversations)
@@ -214,9 +272,7 @@ def tokenize_conversations(
             if not final.is_dir():
                 raise
             # Another process finished the same key first; its copy is identical, keep it.
-    dataset = datasets.load_from_disk(str(final))
-    logger.info("tokenized %s into %d tokens, cached at %s", _counted(stats, dataset), sum(dataset["length"]), final)
-    return dataset
+    return stats
 
 
 def _tokenize_batch(

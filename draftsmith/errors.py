@@ -8,6 +8,7 @@ import contextlib
 import errno
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -208,7 +209,9 @@ def outcome(err: BaseException) -> tuple[int, str]:
         where = f"cannot access {err.filename}" if err.filename else "cannot access a file"
         return EXIT_USER_ERROR, f"error: {where}: permission denied; fix its permissions or give another path"
     if isinstance(err, OSError) and err.errno in STORAGE_ERRNOS:
-        where = f" ({err.filename})" if err.filename else ""
+        path = err.filename  # a call of two paths (a rename) names its first
+        left = space_left(path) if path and err.errno == errno.ENOSPC else None
+        where = f" ({path}, {left})" if left else f" ({path})" if path else ""
         return (
             EXIT_IO_ERROR,
             f"I/O error: {os.strerror(err.errno).lower()}{where}; free space (or fix the disk) and {RUN_AGAIN}",
@@ -217,6 +220,49 @@ def outcome(err: BaseException) -> tuple[int, str]:
         EXIT_INTERNAL,
         f"internal error (a draftsmith bug, please report it): {one_line(err, with_type=True)}; {traceback_kept(err)}",
     )
+
+
+def space_left(path: str | os.PathLike) -> str | None:
+    """`N MiB free` on the file system that holds `path` (its nearest folder that exists: the file a full disk
+    refused is often removed, or never made), None where it cannot be read. A full disk's line says it: the disk
+    may have room again, or the file system that filled may not be the one the user looked at (a cache on another
+    disk than the output)."""
+    try:
+        folder = os.path.abspath(os.fsdecode(path))
+        while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+            folder = os.path.dirname(folder)
+        return f"{shutil.disk_usage(folder).free / 2**20:.1f} MiB free"
+    except (OSError, TypeError):  # TypeError: an OSError's filename may be a file descriptor
+        return None
+
+
+# what a file system answers a write with when the disk or the permissions, not the data, are at fault
+WRITE_REFUSED_ERRNOS = STORAGE_ERRNOS | {errno.EACCES, errno.EPERM}
+
+
+def storage_fault(err: BaseException) -> OSError | None:
+    """The OSError of the disk or of permissions (WRITE_REFUSED_ERRNOS) that `err` is or was raised from (a library
+    wraps its own: datasets' DatasetGenerationError), or None."""
+    link: BaseException | None = err
+    while link is not None and not (isinstance(link, OSError) and link.errno in WRITE_REFUSED_ERRNOS):
+        link = link.__cause__ or link.__context__
+    return link
+
+
+def cache_fault(fault: OSError, what: str, cache: str | os.PathLike, setting: str) -> Exception:
+    """The line for a write into a cache that `fault` (`storage_fault`) refused, naming the cache (`what`, at `cache`)
+    and the `setting` that moves it (an environment variable or a recipe key): a cache is often on another disk than
+    the input and the output, and its writers' errors name no file, or one inside it. A full or failing disk is
+    StorageError (exit 74) with the room left there; a read-only one or permissions bad input (exit 2)."""
+    named = f"{what} {cache} ({setting})"
+    if fault.errno in STORAGE_ERRNOS and fault.errno != errno.EROFS:
+        left = space_left(cache) if fault.errno == errno.ENOSPC else None
+        reason = os.strerror(fault.errno).lower() + (f" ({left})" if left else "")
+        return StorageError(
+            f"could not write {named}: {reason}; free space there (or fix the disk), or set {setting} to a folder "
+            f"on another disk, and {RUN_AGAIN}"
+        )
+    return UserError(f"{named} cannot be written: {fault.strerror}; set {setting} to a folder you can write")
 
 
 def hub_unreachable(err: BaseException) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -98,6 +99,25 @@ def replacing(path: Path, suffix: str = ".tmp") -> Iterator[Path]:
         if isinstance(err, OSError) and err.filename is None:
             err.filename = str(path)
         raise
+
+
+def append_lines(path: Path, lines) -> None:
+    """Append the text `lines` to `path` (created if missing) whole or not at all: a write that fails (a full disk)
+    cuts the file back to where it ended, removes a file it created, and names `path` in the error (exit 74's line),
+    so a reader of its lines (a resume, the sweep's rows) never meets a half line or an empty file."""
+    data = "".join(lines).encode()
+    with open(path, "ab", buffering=0) as out:
+        start = out.tell()
+        try:
+            if out.write(data) != len(data):  # an unbuffered write may be cut short instead of failing
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        except OSError as err:
+            out.truncate(start)
+            if start == 0:
+                path.unlink(missing_ok=True)
+            if err.filename is None:
+                err.filename = str(path)
+            raise
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -78,14 +78,36 @@ SAVED_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 def read_tokenizer(load: Callable[..., Any], name_or_path: str, what: str, **kwargs) -> Any:
     """`read_pretrained` for a tokenizer: a local folder without its files is named as such (transformers then tries
-    to build one from a slow tokenizer's files, and says to install sentencepiece or tiktoken)."""
+    to build one from a slow tokenizer's files, and says to install sentencepiece or tiktoken), and so is a
+    tokenizer.json that is JSON but no tokenizer, which transformers reads with a KeyError ('added_tokens'), a
+    TypeError or an AttributeError (exit 70): named where the tokenizers library refuses the file too, the loader's
+    error raised as it is otherwise (a bug, not the file)."""
+    folder = Path(name_or_path).expanduser()
     try:
         return read_pretrained(load, name_or_path, what, **kwargs)
     except UserError as err:
-        folder = Path(name_or_path).expanduser()
         if folder.is_dir() and not any((folder / name).is_file() for name in SAVED_TOKENIZER_FILES):
             raise UserError(f"{what}: the folder holds no {' or '.join(SAVED_TOKENIZER_FILES)}") from err
         raise
+    except Exception as err:
+        refused = not_a_tokenizer(folder / "tokenizer.json") if folder.is_dir() else None
+        if refused is None:
+            raise
+        raise UserError(f"{what}: {folder / 'tokenizer.json'} is not a tokenizer ({refused})") from err
+
+
+def not_a_tokenizer(path: Path) -> Optional[str]:
+    """Why the tokenizers library refuses `path` as a tokenizer (its line names the key and the place in the file),
+    or None where it reads it (or there is no such file)."""
+    from tokenizers import Tokenizer
+
+    if not path.is_file():
+        return None
+    try:
+        Tokenizer.from_file(str(path))
+    except Exception as err:  # noqa: BLE001 - the library raises a plain Exception for a file it cannot read
+        return one_line(err)
+    return None
 
 
 # transformers' names of weights stored as a pickle (a single file, or the shards an index lists)

@@ -73,7 +73,10 @@ def check_output_dir(path: str | os.PathLike, key: str = "output_dir", named: Op
     except OSError as err:
         if err.errno in STORAGE_ERRNOS and err.errno != errno.EROFS:  # a full or failing disk: exit 74, not 2
             raise
-        raise UserError(f"{named} cannot be created under {ancestor}: {err.strerror or one_line(err)}") from None
+        reason = err.strerror or one_line(err)
+        if ancestor == target:  # the folder is there: it is its writing that is refused, not its making
+            raise UserError(f"{named} exists but cannot be written in: {reason}") from None
+        raise UserError(f"{named} cannot be created under {ancestor}: {reason}") from None
 
 
 def loops(path: Path) -> bool:

@@ -15,7 +15,7 @@ import os
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -39,14 +39,11 @@ from draftsmith.recipe_checks import (
 )
 from draftsmith.recipe_schema import CHOICES, RecipeSchema, TrainSection
 from draftsmith.resources import bundled, recipes_dir
-from draftsmith.sharding import check_shard
-from draftsmith.target import (
-    TargetShape,
-    local_target_config,
-    local_target_shape,
-    names_a_missing_folder,
-    unreadable_layers,
-)
+
+if TYPE_CHECKING:
+    from draftsmith.target import TargetShape
+
+# draftsmith.heads, .target and .sharding import torch (seconds): imported where used, after the recipe file is read
 
 
 def _omegaconf_error_line(err: Exception) -> str:
@@ -113,7 +110,8 @@ def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:
                 raise UserError(f"override {override.input_line!r}: sweeps are not supported")
             parsed.append((override.key_or_group, override.value()))
     except HydraException as err:
-        raise UserError(f"cannot parse override: {one_line(err)}") from None
+        hint = "quote a value with other characters than letters, digits and -_./: key='...'"  # Hydra never says
+        raise UserError(f"cannot parse override: {one_line(err)} ({hint})") from None
     return parsed
 
 
@@ -144,8 +142,6 @@ def compose(recipe: str, overrides: Sequence[str]) -> DictConfig:
     Unknown keys, values of the wrong type and missing required values are all caught here, before
     any model or data is touched.
     """
-    from draftsmith.heads import drafter_class  # the drafter section's schema belongs to the drafter type
-
     register_resolvers()
     path = recipe_path(recipe)
     parsed = parse_overrides(overrides)
@@ -174,6 +170,8 @@ def compose(recipe: str, overrides: Sequence[str]) -> DictConfig:
     drafter_type = dict(parsed).get("drafter.type", OmegaConf.select(raw, "drafter.type"))
     if drafter_type is None:
         raise UserError(f"recipe {path}: no drafter.type")
+    from draftsmith.heads import drafter_class  # the drafter section's schema belongs to the drafter type
+
     try:
         schema = OmegaConf.structured(RecipeSchema)
         schema.drafter = OmegaConf.structured(drafter_class(str(drafter_type)).Config)
@@ -270,6 +268,7 @@ def check_drafter(cfg: DictConfig, command: str = "train") -> None:
     checkpoint's own settings (an engine folder's, or a missing one's, its reader checks)."""
     from draftsmith.heads import drafter_class
     from draftsmith.heads.base import saved_drafter
+    from draftsmith.target import local_target_config, local_target_shape, names_a_missing_folder, unreadable_layers
 
     drafter_cls = drafter_class(cfg.drafter.type)
     try:
@@ -362,6 +361,8 @@ def validate(cfg: DictConfig, command: str = "train") -> DictConfig:
     check_outputs(cfg, tokenizes=builds_drafter(command, cfg))  # the commands that read a checkpoint tokenize none
     check_inputs(cfg)
     check_drafter(cfg, command)
+    from draftsmith.sharding import check_shard
+
     check_shard(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg

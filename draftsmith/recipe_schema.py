@@ -10,8 +10,6 @@ from typing import Any, List, Optional
 
 from omegaconf import MISSING
 
-from draftsmith.sharding import SHARD_CHOICES
-
 
 @dataclass
 class TargetSection:
@@ -324,7 +322,7 @@ class RecipeSchema:
 
 CHOICES = {
     "target.dtype": ("auto", "float32", "bfloat16", "float16"),
-    "target.shard": SHARD_CHOICES,
+    "target.shard": ("none", "fsdp"),
     "data.overlong": ("truncate", "drop", "error"),
     "data.thinking": ("train", "mask"),
     "data.capture.logits": ("auto", "none", "topk", "full"),

@@ -55,8 +55,6 @@ from draftsmith.errors import UserError
 
 log = logging.getLogger("draftsmith.sharding")
 
-SHARD_CHOICES = ("none", "fsdp")
-
 
 def unshardable(drafter_config) -> Optional[str]:
     """Why a drafter cannot train against a sharded target, or None when it can: its kind says

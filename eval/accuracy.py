@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
@@ -29,7 +30,7 @@ from draftsmith.files import write_text_atomic
 from draftsmith.heads import drafter_class, load_drafter
 from draftsmith.heads.base import EVAL_SPLIT_METRICS, Drafter, pair_means
 from draftsmith.outputs import ACCURACY_NAME
-from draftsmith.target import TargetShape, run_target
+from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, run_target
 
 
 def split_accuracy(cfg: DictConfig, checkpoint: Path, target, tokenizer) -> dict:
@@ -56,10 +57,13 @@ def split_accuracy(cfg: DictConfig, checkpoint: Path, target, tokenizer) -> dict
         untrained.prepare(train if train is not None else load_tokenized(cfg, cfg.data.train, tokenizer, "data.train"))
     untrained.to(device)
     collate = Collator(tokenizer.pad_token_id, draw_seed=cfg.train.seed)  # DFlash's anchors: the held-out ones'
+    trained_means, untrained_means = metric_means(
+        [trained, untrained], target, data, collate, cfg.train.micro_batch_size
+    )
     table = {
         "checkpoint": str(checkpoint.resolve()),
-        "trained": metric_means(trained, target, data, collate, cfg.train.micro_batch_size),
-        "untrained": metric_means(untrained, target, data, collate, cfg.train.micro_batch_size),
+        "trained": trained_means,
+        "untrained": untrained_means,
         # {"conversations": in data.train too, "of": distinct ones measured}; null where not counted (data.features)
         "eval_in_train": None if train is None else eval_in_train(train, data, cfg, warn=False),
     }
@@ -90,22 +94,32 @@ def with_measured_accuracy(drafter: Drafter, measured: Optional[dict[str, float]
 
 
 @torch.no_grad()
-def metric_means(drafter: Drafter, target, dataset, collate, batch_size: int) -> dict[str, dict[str, float]]:
-    """Per-domain (and `all`) token-weighted means of every metric the drafter's loss reports."""
-    drafter.eval()
+def metric_means(
+    drafters: Sequence[Drafter], target, dataset, collate, batch_size: int
+) -> list[dict[str, dict[str, float]]]:
+    """Per drafter, per-domain (and `all`) token-weighted means of every metric its loss reports. The target runs
+    once a batch for every drafter that asks it for the same features (the trained and the untrained drafter,
+    whose loss is the cheap part): its outputs for one batch are held at a time."""
+    for drafter in drafters:
+        drafter.eval()
     device = target.get_output_embeddings().weight.device
-    sums: dict[str, dict[str, torch.Tensor]] = defaultdict(lambda: defaultdict(lambda: torch.zeros(2)))
+    sums = [defaultdict(lambda: defaultdict(lambda: torch.zeros(2))) for _ in drafters]
     batches = [list(range(i, min(i + batch_size, len(dataset)))) for i in range(0, len(dataset), batch_size)]
     for batch in DataLoader(dataset, batch_sampler=batches, collate_fn=collate):
-        batch |= drafter.host_fields(batch)  # counted on the host (heads/base.py)
-        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-        target_out = run_target(target, batch["input_ids"], batch["attention_mask"], drafter.request)
-        _, _, stats = drafter(batch, target_out)
-        for name, values in stats.items():
-            for row, domain in enumerate(batch["domain"]):
-                sums[domain][name] += values[row].float().cpu()
-                sums["all"][name] += values[row].float().cpu()
-    return {domain: pair_means(pairs) for domain, pairs in sorted(sums.items())}
+        outputs: list[tuple[FeatureRequest, TargetOutput]] = []  # this batch's target outputs, by request
+        on_device = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}  # once, for every drafter
+        for drafter, drafter_sums in zip(drafters, sums):
+            fields = on_device | drafter.host_fields(batch)  # Python numbers, counted on the host (heads/base.py)
+            target_out = next((out for request, out in outputs if request == drafter.request), None)
+            if target_out is None:
+                target_out = run_target(target, fields["input_ids"], fields["attention_mask"], drafter.request)
+                outputs.append((drafter.request, target_out))
+            _, _, stats = drafter(fields, target_out)
+            for name, values in stats.items():
+                for row, domain in enumerate(fields["domain"]):
+                    drafter_sums[domain][name] += values[row].float().cpu()
+                    drafter_sums["all"][name] += values[row].float().cpu()
+    return [{domain: pair_means(pairs) for domain, pairs in sorted(each.items())} for each in sums]
 
 
 def accuracy_table(table: dict) -> str:

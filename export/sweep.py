@@ -57,7 +57,7 @@ from omegaconf import DictConfig
 from draftsmith.engines import SuffixSettings
 from draftsmith.errors import EngineUnavailable, ExportCheckFailed, UserError
 from draftsmith.export.sweep_results import PLAIN, PLAIN_AGAIN, plot, read_sweep, summarize
-from draftsmith.files import read_json
+from draftsmith.files import append_lines, read_json
 from draftsmith.formats.repo import EXPORT_INFO, VLLM_PINNED
 
 NGRAM = "ngram"
@@ -203,8 +203,7 @@ def measure(path: Path, load: Load, session, levels: Sequence[int], method: str,
     log.info("load sweep: %s at γ %d, concurrency %s", method, gamma, missing)
     plain = {row["concurrency"]: row for row in read_rows(path) if row["method"] == PLAIN}
     rows = load.rows(session, method, gamma, speculative_config, source, missing, plain)
-    with path.open("a") as out:
-        out.writelines(json.dumps(row) + "\n" for row in rows)
+    append_lines(path, [json.dumps(row) + "\n" for row in rows])
 
 
 def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None) -> Path:

@@ -22,7 +22,7 @@ from draftsmith.heads import register
 from draftsmith.heads.base import EVAL_SPLIT_METRICS, Drafter, DrafterConfig, per_sample_stats
 from draftsmith.heads.packing import documents, num_documents, same_document
 from draftsmith.heads.proposer import DraftState, DraftTree, Proposer
-from draftsmith.heads.vocab_loss import chunk_rows_for, soft_cross_entropy
+from draftsmith.heads.vocab_loss import chunk_rows_for, cross_entropy
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 
@@ -131,7 +131,7 @@ class Medusa(Drafter):
         No shape depends on the data, so nothing waits for the host on an accelerator: every position
         runs, weighted by whether it is scored, through the fused vocabulary loss (heads/vocab_loss.py),
         which holds `loss_chunk_bytes` of logits at a time rather than logits for every supervised
-        position (the cross-entropy to the data's token is its soft one to a one-hot teacher)."""
+        position, and reads the top-5 statistic off the same logits."""
         hidden = hidden.to(self.lm_heads[0].weight.dtype)
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
         docs, num_docs = documents(batch), num_documents(batch)
@@ -146,18 +146,14 @@ class Medusa(Drafter):
             # The label must be in the hidden state's own document (packed rows hold several).
             scored = (loss_mask[:, shift:] & same_document(docs, shift)).flatten()
             labels = input_ids[:, shift:].flatten()
-
-            def one_hot(rows: torch.Tensor, labels=labels) -> torch.Tensor:
-                return torch.zeros(len(rows), vocab, device=rows.device).scatter_(1, labels[rows, None], 1.0)
-
             features = self.blocks[k](hidden[:, :-shift]).flatten(0, 1)
             head = self.lm_heads[k].weight
-            result = soft_cross_entropy(features, head, one_hot, scored.float(), chunk_rows, labels=labels)
+            result = cross_entropy(features, head, labels, scored.float(), chunk_rows, top_k=True)
             total = total + weight * result.loss
             values = {
-                f"head{k + 1}/loss": result.token_loss,
+                f"head{k + 1}/loss": result.token_loss.detach(),  # a statistic: no graph kept for it
                 f"head{k + 1}/top1": (result.best == labels).float(),
-                f"head{k + 1}/top5": (result.rank < 5).float(),  # unscored rows (rank -1) are not counted
+                f"head{k + 1}/top5": result.top_k.float(),  # vocab_loss.TOP_K
             }
             stats |= per_sample_stats(values, docs[:, :-shift].clamp(min=0), num_docs, where=scored)
         return total, stats

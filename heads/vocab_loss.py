@@ -1,4 +1,5 @@
-"""A fused, chunked soft cross-entropy over a (draft) vocabulary: `soft_cross_entropy`.
+"""A fused, chunked soft cross-entropy over a (draft) vocabulary: `soft_cross_entropy`, and its hard-label case
+`cross_entropy`.
 
 For rows i of output features f_i [H] and an lm_head weight W [V, H] it scores the draft's
 distribution q_i = softmax(f_i @ W.T) against a teacher's distribution p_i:
@@ -10,17 +11,23 @@ everything the backward needs: walking the rows `chunk_rows` at a time, it compu
 their log-softmax, the losses and the argmax, the gradient w.r.t. the logits g = softmax - p (in the
 logits' buffer), and from g the chunk's gradient w.r.t. the features (row_weight * (g @ W)) and its
 contribution to the gradient w.r.t. W (g.T @ (row_weight * f)); the row weights scale [rows, H]
-tensors, never [rows, V] ones. The backward only scales the stored gradients by the loss's incoming
-gradient: nothing is recomputed, unlike activation checkpointing, which runs the lm_head forward twice.
+tensors, never [rows, V] ones. The backward only scales the stored gradients by the incoming ones: nothing
+is recomputed, unlike activation checkpointing, which runs the lm_head forward twice. The features' gradient
+is stored per row unweighted (g @ W), so the per-row losses are differentiable too: the backward scales row i
+by grad_loss * row_weight[i] + grad_token_loss[i] (D-PACE weighs each row by a weight made from this very
+pass's losses). The weight's gradient is summed over the rows in the forward, so it follows `loss` alone: a
+gradient reaching it through `token_loss` is refused.
+Against a token (`cross_entropy`, p one-hot) no teacher's rows are built: CE_i is the log-softmax at the
+label, a gather, and g the softmax less 1 at the label, the same values as the one-hot teacher's.
 
 Which rows run (`row_chunks`, for every loss here): on a CPU, where reading a count costs nothing, only the
 scored rows (row_weight != 0) go through the GEMMs; on an accelerator every row does, at a fixed shape, so
 nothing waits for the host.
 
 Memory held: while a chunk runs, two [chunk_rows, V] float32 buffers (the logits, turned into their
-log-softmax and then into g; the teacher's rows); between forward and backward, the gradients w.r.t.
-the features ([N, H], in the features' dtype) and the weight ([V, H], float32), only those whose inputs
-require grad.
+log-softmax and then into g; the teacher's rows, none against a token); between forward and backward, the
+gradients w.r.t. the features ([N, H], in the features' dtype) and the weight ([V, H], float32), only those
+whose inputs require grad.
 
 This is the CPU path and the numerical reference for a fused GPU kernel (the logits chunk staying in
 on-chip memory); see docs/performance.md "The vocabulary loss".
@@ -48,11 +55,16 @@ from draftsmith.heads.packing import documents, num_documents, same_document, sh
 
 class VocabLoss(NamedTuple):
     loss: torch.Tensor  # scalar float32: sum_i row_weight[i] * CE_i, differentiable w.r.t. features and weight
-    token_loss: torch.Tensor  # [N] float32, detached: CE_i, 0 where row_weight[i] == 0
+    # [N] float32: CE_i, 0 where row_weight[i] == 0; differentiable w.r.t. the features only (module docstring)
+    token_loss: torch.Tensor
     best: torch.Tensor  # [N] long, detached: the first argmax of features_i @ weight.T, -1 where row_weight[i] == 0
-    # [N] long, detached: how many logits of row i rank above labels[i] (greater, or equal at a lower index, so
-    # rank 0 is `best`); -1 where row_weight[i] == 0 or no labels were given
-    rank: torch.Tensor
+    # [N] bool, detached: whether labels[i] is among row i's TOP_K highest logits, ties going to the lower index (as
+    # argmax's first maximum: a right `best` is a hit); False where row_weight[i] == 0 or not asked for
+    # (`cross_entropy(..., top_k=True)`)
+    top_k: torch.Tensor
+
+
+TOP_K = 5  # `VocabLoss.top_k`'s k: Medusa's top-5 statistic
 
 
 def chunk_rows_for(budget_bytes: int, vocab: int) -> int:
@@ -64,10 +76,14 @@ def row_chunks(row_weight: torch.Tensor, chunk_rows: int, every_row: Optional[bo
     """The row indices a chunked loss runs, `chunk_rows` at a time: every row (fixed shapes) or only the scored
     ones (row_weight != 0); None: every row on an accelerator, the scored ones on a CPU, where counting them
     waits for nothing."""
-    if every_row is None:
-        every_row = row_weight.device.type != "cpu"
-    rows = torch.arange(len(row_weight), device=row_weight.device) if every_row else row_weight.nonzero().squeeze(1)
-    return rows.split(chunk_rows)
+    if runs_every_row(row_weight, every_row):
+        return torch.arange(len(row_weight), device=row_weight.device).split(chunk_rows)
+    return row_weight.nonzero().squeeze(1).split(chunk_rows)
+
+
+def runs_every_row(row_weight: torch.Tensor, every_row: Optional[bool]) -> bool:
+    """`every_row` (`row_chunks`), None resolved by the rows' device: every row on an accelerator."""
+    return row_weight.device.type != "cpu" if every_row is None else every_row
 
 
 def soft_cross_entropy(
@@ -77,7 +93,6 @@ def soft_cross_entropy(
     row_weight: torch.Tensor,
     chunk_rows: int,
     every_row: Optional[bool] = None,
-    labels: Optional[torch.Tensor] = None,
 ) -> VocabLoss:
     """Soft cross-entropy of softmax(features @ weight.T) ([N, H] @ [H, V]) against the teacher's
     distribution, `chunk_rows` rows at a time (module docstring).
@@ -87,17 +102,40 @@ def soft_cross_entropy(
     everywhere. It is called once per chunk, under no_grad. `row_weight` [N] weighs each row in `loss`;
     a row of weight 0 is not scored: its token_loss and gradients are exactly 0 and its best -1. The
     lm_head GEMMs run as F.linear would (in bf16 under a bf16 autocast); everything past them runs in
-    float32. `every_row`: see `row_chunks`. `labels` [N] long: each row's token whose `rank` is wanted (a top-k
-    statistic without a second lm_head product)."""
+    float32. `every_row`: see `row_chunks`."""
+    return _fused_loss(features, weight, teacher, None, row_weight, chunk_rows, every_row, False)
+
+
+def cross_entropy(
+    features: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    row_weight: torch.Tensor,
+    chunk_rows: int,
+    every_row: Optional[bool] = None,
+    top_k: bool = False,
+) -> VocabLoss:
+    """Cross-entropy of softmax(features @ weight.T) to each row's token `labels` [N] long (valid token ids on
+    every row, scored or not): `soft_cross_entropy` to one-hot teachers, the same values, without building them
+    (module docstring). `top_k`: also whether each label is among its row's TOP_K highest logits
+    (`VocabLoss.top_k`), read off the logits the loss computes anyway: no second lm_head product."""
+    return _fused_loss(features, weight, None, labels, row_weight, chunk_rows, every_row, top_k)
+
+
+def _fused_loss(features, weight, teacher, labels, row_weight, chunk_rows, every_row, top_k) -> VocabLoss:
+    """`soft_cross_entropy` (`teacher`, labels None) or `cross_entropy` (teacher None, `labels`)."""
     grad_enabled = torch.is_grad_enabled()
+    every_row = runs_every_row(row_weight, every_row)
     return VocabLoss(
-        *_SoftCrossEntropy.apply(
+        *_FusedCrossEntropy.apply(
             features,
             weight,
             teacher,
+            labels,
             row_weight,
             row_chunks(row_weight, chunk_rows, every_row),
-            labels,
+            every_row,
+            top_k,
             grad_enabled and features.requires_grad,
             grad_enabled and weight.requires_grad,
         )
@@ -111,21 +149,44 @@ def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _label_rank(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """[n] long: how many of each row's logits rank above its label's, ties going to the lower index (as
+    """[n] int32: how many of each row's logits rank above its label's, ties going to the lower index (as
     argmax's first maximum does), so rank 0 is the argmax; in a function, so its [n, V] masks are freed at once."""
     at = logits.gather(1, labels[:, None])
     vocab = torch.arange(logits.shape[1], device=logits.device)
-    return ((logits > at) | ((logits == at) & (vocab < labels[:, None]))).sum(-1)
+    return ((logits > at) | ((logits == at) & (vocab < labels[:, None]))).sum(-1, dtype=torch.int32)
 
 
-class _SoftCrossEntropy(torch.autograd.Function):
+def _label_in_top(logits: torch.Tensor, labels: torch.Tensor, k: int, every_row: bool) -> torch.Tensor:
+    """[n] bool: `_label_rank(logits, labels) < k`. With `every_row` (an accelerator's way, `row_chunks`) the rank
+    itself, at a fixed shape. Otherwise (a CPU's) from each row's k+1 highest values, one pass over the logits
+    where the rank takes five: fewer than k logits exceed the label's iff it is at least the k-th highest, and
+    then it ranks within k unless the (k+1)-th highest equals it too, where the indices of the tied logits
+    decide: only those rows, counted (a host sync, free on a CPU), are ranked in full."""
+    if every_row:
+        return _label_rank(logits, labels) < k
+    if logits.shape[1] <= k:
+        return torch.ones(len(labels), dtype=torch.bool, device=labels.device)
+    at = logits.gather(1, labels[:, None])[:, 0]
+    highest = logits.topk(k + 1, -1).values  # sorted: highest[:, k - 1] is the k-th highest
+    hit = at >= highest[:, k - 1]
+    tied = hit & (at == highest[:, k])
+    rows = tied.nonzero().squeeze(1)
+    return hit.index_put_((rows,), _label_rank(logits.index_select(0, rows), labels.index_select(0, rows)) < k)
+
+
+class _FusedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, features, weight, teacher, row_weight, chunks: tuple[torch.Tensor, ...], labels, *wanted):
+    def forward(
+        ctx, features, weight, teacher, labels, row_weight, chunks: tuple[torch.Tensor, ...], every_row, top_k, *wanted
+    ):
+        """`every_row`: whether `chunks` holds every row (`row_chunks`), which decides how the top-k hits are
+        found (`_label_in_top`); `top_k`: whether they are wanted; `wanted`: whether the features' and the
+        weight's gradients are."""
         features_grad, weight_grad = wanted
         row_weight = row_weight.float()
         token_loss = torch.zeros(len(features), dtype=torch.float32, device=features.device)
         best = torch.full((len(features),), -1, dtype=torch.long, device=features.device)
-        rank = torch.full_like(best, -1)
+        in_top_k = torch.zeros(len(features), dtype=torch.bool, device=features.device)
         grad_features = torch.zeros_like(features) if features_grad else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if weight_grad else None
         for index in chunks:
@@ -136,38 +197,56 @@ class _SoftCrossEntropy(torch.autograd.Function):
             # max(-1).indices: argmax's (the first maximum), about twice as fast on CPU
             chunk_best = logits.max(-1).indices
             scored = scale[:, 0] != 0
-            if labels is not None:
-                chunk_rank = _label_rank(logits, labels.index_select(0, index))
-                rank.index_copy_(0, index, torch.where(scored, chunk_rank, -1))
+            chunk_labels = None if labels is None else labels.index_select(0, index)
+            if top_k:
+                in_top_k.index_copy_(0, index, scored & _label_in_top(logits, chunk_labels, TOP_K, every_row))
             log_q = logits.float().log_softmax(-1)
-            p = teacher(index)
-            chunk_loss = -_row_dot(p, log_q)
+            if teacher is None:  # a one-hot teacher's dot product with log_q: log_q at the label
+                chunk_loss = -log_q.gather(1, chunk_labels[:, None])[:, 0]
+            else:
+                p = teacher(index)
+                chunk_loss = -_row_dot(p, log_q)
             token_loss.index_copy_(0, index, torch.where(scored, chunk_loss, 0.0))
             best.index_copy_(0, index, torch.where(scored, chunk_best, -1))
             if not (features_grad or weight_grad):
                 continue
-            g = log_q.exp_().sub_(p).to(gemm_dtype)  # softmax - p: d CE / d logits, row by row
-            if features_grad:
-                grad_features.index_copy_(0, index, (torch.mm(g, weight) * scale).to(features.dtype))
+            g = log_q.exp_()  # softmax - p below: d CE / d logits, row by row
+            if teacher is None:  # the one-hot p: 1 at the label
+                g.scatter_add_(1, chunk_labels[:, None], torch.full_like(chunk_loss[:, None], -1.0))
+            else:
+                g.sub_(p)
+            g = g.to(gemm_dtype)
+            if features_grad:  # per row, unweighted: the backward weighs it (module docstring)
+                chunk_grad = torch.where(scored[:, None], torch.mm(g, weight), 0.0)  # nothing from an unscored row
+                grad_features.index_copy_(0, index, chunk_grad.to(features.dtype))
             if weight_grad:
                 weighted = (chunk * scale).to(g.dtype)  # bf16 weights without autocast (DeepSpeed): a bf16 GEMM
                 if g.dtype == grad_weight.dtype:
                     grad_weight.addmm_(g.T, weighted)
                 else:  # a low-precision GEMM, accumulated in float32
                     grad_weight += torch.mm(g.T, weighted)
-        ctx.save_for_backward(grad_features, grad_weight)
+        ctx.save_for_backward(grad_features, grad_weight, row_weight)
         ctx.weight_dtype = weight.dtype
-        ctx.mark_non_differentiable(token_loss, best, rank)
-        return (row_weight * token_loss).sum(), token_loss, best, rank
+        ctx.mark_non_differentiable(best, in_top_k)
+        ctx.set_materialize_grads(False)  # None for an output the backward does not reach: `loss` or `token_loss`
+        return (row_weight * token_loss).sum(), token_loss, best, in_top_k
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_token_loss, grad_best, grad_rank):
-        grad_features, grad_weight = ctx.saved_tensors
+    def backward(ctx, grad_loss, grad_token_loss, grad_best, grad_in_top_k):
+        grad_features, grad_weight, row_weight = ctx.saved_tensors
+        if grad_token_loss is not None and ctx.needs_input_grad[1]:
+            raise RuntimeError(
+                "the fused vocabulary loss sums the lm_head weight's gradient in its forward, for `loss` alone: "
+                "a gradient through `token_loss` cannot reach the weight (backpropagate `loss`, or freeze the weight)"
+            )
         if grad_features is not None:
-            grad_features = grad_features * grad_loss
+            per_row = torch.zeros_like(row_weight) if grad_loss is None else grad_loss * row_weight
+            if grad_token_loss is not None:
+                per_row = per_row + grad_token_loss
+            grad_features = grad_features * per_row[:, None].to(grad_features.dtype)
         if grad_weight is not None:
-            grad_weight = (grad_weight * grad_loss).to(ctx.weight_dtype)
-        return grad_features, grad_weight, None, None, None, None, None, None
+            grad_weight = None if grad_loss is None else (grad_weight * grad_loss).to(ctx.weight_dtype)
+        return grad_features, grad_weight, None, None, None, None, None, None, None, None
 
 
 # per_row(rows, index, stats) -> (loss [n] float32, {name: [n] values} when `stats`, else {})

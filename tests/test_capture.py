@@ -214,7 +214,9 @@ def test_killed_capture_resumes_without_redoing_finished_shards(tmp_path, conver
     monkeypatch.undo()
     features = tmp_path / "run" / "features"
     assert sorted(shard_stats(features)) == ["shard_00_00000.safetensors", "shard_00_00001.safetensors"]
-    assert (features / "shard_00_00002.safetensors.tmp").is_file() and not (features / "manifest.json").exists()
+    partial = features / "shard_00_00002.safetensors.tmp"
+    assert not partial.exists() and not (features / "manifest.json").exists()  # an exception's removes it (Ctrl-C)
+    partial.write_bytes(b"half a shard")  # what SIGKILL, which runs no cleanup, leaves
     with pytest.raises(UserError, match="has not finished"):
         open_features(features)
 

@@ -5,15 +5,24 @@ before checksums were recorded still resumes, and the log says it is unverified.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
-from draftsmith.errors import UserError
-from draftsmith.trainer.checkpoint import CHECKSUMS_NAME, STATE_NAME, checkpoint_damage, resume_checkpoint
+from draftsmith.errors import StorageError, UserError
+from draftsmith.trainer import checkpoint as checkpoints
+from draftsmith.trainer.checkpoint import (
+    CHECKSUMS_NAME,
+    STATE_NAME,
+    checkpoint_damage,
+    load_checkpoint,
+    resume_checkpoint,
+)
 from tests.helpers import assert_one_line_error, run_entry_in_process, train_args, train_in_process
 
 
@@ -138,3 +147,75 @@ def test_a_resume_whose_saved_recipe_is_damaged_is_one_line_before_any_work(two_
     done = run_entry_in_process(["train.py", *args, "train.resume=true"], capsys)
     assert_one_line_error(done, 2, f"{output_dir / 'recipe.yaml'} is not the run's recipe")
     assert "train.overwrite=true" in done.stderr and snapshot(output_dir) == before
+
+
+# optimizer.bin cut to 5000 bytes: torch's zip reader raises OSError EINVAL (at half its size, a RuntimeError)
+@pytest.mark.parametrize("name, kept", [("optimizer.bin", 5000), ("optimizer.bin", 0.5), ("model.safetensors", 0.5)])
+def test_a_file_cut_short_in_a_checkpoint_saved_before_checksums_is_one_line_naming_it(
+    two_checkpoints, tmp_path, capsys, name, kept
+):
+    """Without checksums.json nothing is verified before loading: a cut-short optimizer.bin was exit 70 (`internal
+    error ...: OSError: [Errno 22] Invalid argument`), and neither its other damage nor model.safetensors' was named."""
+    source, args = two_checkpoints
+    output_dir = tmp_path / "run"
+    shutil.copytree(source, output_dir)
+    args = [arg.replace(str(source), str(output_dir)) for arg in args]
+    for checkpoint in (output_dir / "checkpoints").iterdir():
+        (checkpoint / CHECKSUMS_NAME).unlink()
+    newest = output_dir / "checkpoints" / "step_0000002"
+    damaged = newest / name
+    damaged.write_bytes(damaged.read_bytes()[: kept if kept > 1 else damaged.stat().st_size // 2])
+    result = run_entry_in_process(["train.py", *args, "train.resume=true"], capsys)
+    line = assert_one_line_error(result, 2, f"checkpoint {newest} (saved without checksums) cannot be loaded: ")
+    assert f"loaded: {damaged} may be damaged (" in line
+
+
+class Payload:
+    """An object no safe unpickler allows (unpickling it would run its class's code)."""
+
+
+def test_a_refused_pickle_met_while_naming_a_damaged_file_is_named_as_refused(tmp_path):
+    """Saved without checksums, a scheduler.bin cut short and random states torch's safe unpickler refuses (which
+    accelerate skips): the search for the damaged file met the random states first and called them damaged."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    accelerator.prepare(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0))
+    folder = tmp_path / "step_0000001"
+    accelerator.save_state(str(folder))
+    torch.save({"payload": Payload()}, folder / "random_states_0.pkl")
+    (folder / "scheduler.bin").write_bytes(b"")
+    with pytest.raises(UserError) as info:
+        load_checkpoint(accelerator, folder)
+    assert str(info.value).startswith(f"checkpoint {folder}: {folder / 'random_states_0.pkl'} holds more than tensors")
+
+
+@pytest.mark.parametrize(
+    "fault, reason",
+    [
+        (OSError(errno.EIO, "Input/output error"), "[Errno 5] Input/output error; fix the disk"),
+        (RuntimeError("PytorchStreamWriter failed writing file: No space left"), "no space left on device; free space"),
+    ],
+)
+def test_a_failed_write_on_a_disk_that_cannot_be_measured_or_listed_is_still_its_one_line(
+    tmp_path, monkeypatch, fault, reason
+):
+    """The room left and the checkpoints kept were read inside the handler: on a failing disk their own OSError
+    replaced the write's line (which survived only as its context)."""
+
+    def failing(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(checkpoints.shutil, "disk_usage", failing)
+    monkeypatch.setattr(checkpoints, "completed_checkpoints", failing)
+    tmp = tmp_path / "checkpoints" / "step_0000002.tmp"
+    with pytest.raises(StorageError) as info, checkpoints._writing(tmp, "checkpoint for step 2", tmp_path):
+        tmp.mkdir(parents=True)
+        raise fault
+    assert str(info.value) == (
+        f"could not write the checkpoint for step 2 under {tmp.parent}: {reason} and run the same command with "
+        "train.resume=true to continue from its last complete checkpoint, if any"
+    )
+    assert not tmp.exists()

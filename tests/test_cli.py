@@ -149,6 +149,22 @@ def test_help_into_a_reader_that_stops_reading_is_not_an_error(tmp_path, args):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
+def test_the_recipe_layer_and_a_misspelt_recipes_exit_import_no_torch():
+    """draftsmith.recipe imported torch (draftsmith.sharding, .target: about 2 s) before it read anything, so a
+    misspelt recipe or override waited for it; torch comes with the drafter's schema, once the recipe is read."""
+    code = "import sys, draftsmith.recipe, draftsmith.cli; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout == "False\n", done.stderr[-2000:]
+    code = (
+        "import atexit, runpy, sys; atexit.register(lambda: print('torch' in sys.modules)); "
+        "sys.argv = ['train.py', 'recipe=medusaa']; runpy.run_path('train.py', run_name='__main__')"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert_one_line_error(done, 2, "error: recipe 'medusaa' not found", alone=True)
+    assert done.stdout == "False\n"
+
+
 def test_a_missing_warm_start_is_refused_before_anything_loads(capsys, tmp_path):
     args = ["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"train.init_from={tmp_path / 'no_such_run'}"]
     code, out, err = run("train", args, capsys)

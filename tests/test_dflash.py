@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from draftsmith.data_prep import Collator, PackingCollator
 from draftsmith.data_prep.capture import capture
 from draftsmith.errors import UserError
 from draftsmith.eval.loop import generate, prefill, propose, verify_step
@@ -24,7 +25,7 @@ from draftsmith.heads import drafter_class, load_drafter
 from draftsmith.heads.base import TargetShape
 from draftsmith.heads.dflash import ROW_BLOCKS, default_target_layers
 from draftsmith.heads.dflash_proposer import best_first_tree
-from draftsmith.heads.packing import conversation_rand
+from draftsmith.heads.packing import causal_lm_inputs, conversation_rand, documents, num_documents
 from draftsmith.heads.proposer import DynamicTree
 from draftsmith.recipe import load_recipe
 from draftsmith.target import run_target
@@ -168,6 +169,51 @@ def test_dpace_weighs_each_position_by_the_accepted_length_riding_on_it(model, d
     assert decay(batch, out)[0].item() != pytest.approx(loss.item(), rel=1e-3)
     with pytest.raises(UserError, match="loss_weighting=dpace reads each position's confidence .* set drafter.loss=ce"):
         replace(drafter.config, loss_weighting="dpace", loss="soft_ce").check()
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_dpace_gradients_are_those_of_the_weighted_cross_entropies(model, drafter, packed):
+    """D-PACE's gradient, every trained weight's, is the straightforward loss's: per block the sum over the
+    positions it scores of the detached weight (recomputed by hand as above) times the position's
+    cross-entropy from the full logits' log_softmax, over the block's weights. Padded rows, and packed ones
+    where a block stops at its document's end."""
+    dpace = reweighted(drafter, model, loss_weighting="dpace", dpace_alpha=0.3).train()
+    ids = greedy_text(model, rows=3, length=24, seed=6)
+    conversations = [
+        {"input_ids": row[:length].tolist(), "loss_mask": [0] * 3 + [1] * (length - 3)}
+        for row, length in zip(ids, (24, 17, 11))
+    ]
+    batch = (PackingCollator(0, 32) if packed else Collator(0))(conversations)
+    assert num_documents(batch) == 3 and documents(batch).shape[0] == (2 if packed else 3)
+    batch |= dpace.host_fields(batch)
+    ids, loss_mask, docs = batch["input_ids"], batch["loss_mask"].bool(), documents(batch)
+    with torch.no_grad():
+        out = run_target(model, ids, request=dpace.request, **causal_lm_inputs(batch))
+    trained = [parameter for parameter in dpace.parameters() if parameter.requires_grad]
+    got = torch.autograd.grad(dpace(batch, out)[0], trained)
+
+    draws = conversation_rand(batch, (), ids.device, dpace.optimizer_step)
+    anchors, real = dpace.sample_anchors(loss_mask, draws, batch[ROW_BLOCKS], docs)
+    log_q = dpace.logits(dpace.blocks(ids, out.layers, anchors, batch)).log_softmax(-1)
+    total, blocks = 0.0, 0
+    for row, column in itertools.product(range(anchors.shape[0]), range(anchors.shape[1])):
+        a = int(anchors[row, column])
+        scored = [
+            k
+            for k in range(1, dpace.config.block_size)
+            if real[row, column] and a + k < ids.shape[1] and loss_mask[row, a + k] and docs[row, a + k] == docs[row, a]
+        ]
+        ce = [-log_q[row, column, k, ids[row, a + k]] for k in scored]
+        reach = list(itertools.accumulate((0.7 * math.exp(-c.item()) + 0.3 for c in ce), lambda x, y: x * y))
+        weights = [sum(reach[i:]) for i in range(len(reach))]  # floats: constants of the loss
+        if weights:
+            total = total + sum(w * c for w, c in zip(weights, ce)) / sum(weights)
+            blocks += 1
+    assert blocks > 3
+    expected = torch.autograd.grad(total, trained)
+    for got_grad, expected_grad in zip(got, expected):
+        torch.testing.assert_close(got_grad, expected_grad, rtol=1e-4, atol=1e-6)
+    assert any(grad.abs().sum() > 0 for grad in got)
 
 
 def test_soft_loss_reads_the_targets_distribution(model):

@@ -93,7 +93,8 @@ def test_a_permission_error_anywhere_else_is_bad_input_and_a_full_disk_names_its
     code, line = errors.outcome(PermissionError(errno.EACCES, "Permission denied", "/data/x.jsonl"))
     assert code == 2 and line.startswith("error: cannot access /data/x.jsonl: permission denied;")
     code, line = errors.outcome(OSError(errno.ENOSPC, "No space left on device", "/out/report.json"))
-    assert code == 74 and line.startswith("I/O error: no space left on device (/out/report.json); free space")
+    assert code == 74 and line.startswith("I/O error: no space left on device (/out/report.json, ")
+    assert " MiB free); free space" in line, line  # the room left where it was written
 
 
 def test_an_unreadable_recipe_file_or_data_folder_says_it_cannot_be_read(tmp_path, monkeypatch, capsys, small_data):
@@ -148,10 +149,31 @@ def test_a_full_disk_while_writing_a_file_removes_its_temporary_file_and_names_i
             with pytest.raises(OSError) as info:
                 write(path)
         code, line = errors.outcome(info.value)
-        assert code == 74 and f"no space left on device ({path})" in line, line
+        assert code == 74 and f"no space left on device ({path}, " in line, line
         assert list(tmp_path.iterdir()) == [], "nothing half-written is left"
     write_text_atomic(tmp_path / "report.json", "{}\n")  # and a write that succeeds still renames into place
     assert read_json(tmp_path / "report.json") == {} and [p.name for p in tmp_path.iterdir()] == ["report.json"]
+
+
+def test_a_full_disk_while_appending_a_line_leaves_no_half_line_nor_an_empty_file(tmp_path, monkeypatch):
+    """log.jsonl and the sweep's rows are appended: a write the disk cut short left a half line (a resume's reader
+    then fails on it) or a 0-byte log.jsonl, and the exit-74 line named no file."""
+    from draftsmith import files
+
+    class CutShort(io.FileIO):
+        def write(self, data):  # what an unbuffered write on a filling disk does: writes part, says how much
+            return super().write(bytes(data)[:3])
+
+    log = tmp_path / "log.jsonl"
+    files.append_lines(log, ['{"step": 1}\n'])
+    for path in (log, tmp_path / "sweep.jsonl"):
+        monkeypatch.setattr(files, "open", lambda name, mode, buffering: CutShort(name, mode), raising=False)
+        with pytest.raises(OSError) as info:
+            files.append_lines(path, ['{"step": 2}\n', '{"step": 3}\n'])
+        monkeypatch.undo()
+        code, line = errors.outcome(info.value)
+        assert code == 74 and f"no space left on device ({path}, " in line, line
+    assert log.read_text() == '{"step": 1}\n' and not (tmp_path / "sweep.jsonl").exists()
 
 
 def test_a_full_disk_in_safetensors_exits_74_naming_the_file(checkpoint, tmp_path, monkeypatch, capsys, token_cache):
@@ -170,7 +192,7 @@ def test_a_full_disk_in_safetensors_exits_74_naming_the_file(checkpoint, tmp_pat
     args = ["-m", "data_prep.speculators_features", str(output), "recipe=eagle3", "data.max_conversations=1",
             "data.max_length=64", f"data.cache_dir={token_cache}"]  # fmt: skip
     line = assert_one_line_error(run_entry_in_process(args, capsys), 74, prefix="I/O error: ")
-    assert f"no space left on device ({output / 'hidden_states' / 'hs_0.safetensors.tmp'})" in line, line
+    assert f"no space left on device ({output / 'hidden_states' / 'hs_0.safetensors.tmp'}, " in line, line
     assert not list((output / "hidden_states").iterdir())
 
 

@@ -1,7 +1,8 @@
 """train.optimizer=muon (trainer/optim.py): Muon takes the hidden layers' weight matrices of every
 kind, AdamW the rest (norms, biases, embeddings, output heads), both stepping under one learning-rate
 schedule; a restored state continues exactly. DeepSpeed is refused in one line. A killed Muon run
-resumes into the same weights: tests/test_faults.py."""
+resumes into the same weights: tests/test_faults.py. train.optimizer=adamw runs torch's fused AdamW on a CPU
+too, stepping as the unfused one does to float32 rounding."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from draftsmith.trainer.optim import MuonWithAdamW, build_optimizer, is_hidden_m
 from tests.helpers import KINDS
 
 MUON = SimpleNamespace(optimizer="muon", lr=1e-2, adam_betas=[0.9, 0.95], weight_decay=0.01)
+ADAMW = SimpleNamespace(optimizer="adamw", lr=1e-2, adam_betas=[0.9, 0.95], weight_decay=0.01)
 
 
 @functools.cache
@@ -90,3 +92,40 @@ def test_muon_under_deepspeed_is_refused_in_one_line():
     with pytest.raises(UserError, match="DeepSpeed builds its own optimizer") as info:
         build_optimizer(MUON, drafter_for("medusa"), deepspeed=True)
     assert "\n" not in str(info.value)
+
+
+def test_adamw_is_fused_on_a_cpu_and_steps_as_the_unfused_one_does():
+    """A CPU run's AdamW is torch's fused kernel (several times faster on Medusa's few large tensors): over a few
+    steps its weights and moments stay the unfused AdamW's to float32 rounding; a restored state continues
+    exactly."""
+    torch.manual_seed(0)
+    drafter = drafter_for("medusa")
+    unfused_drafter = copy.deepcopy(drafter)
+    fused = build_optimizer(ADAMW, drafter, deepspeed=False)
+    groups = [{"params": params, "lr": ADAMW.lr * scale} for params, scale in unfused_drafter.param_groups()]
+    unfused = torch.optim.AdamW(groups, lr=ADAMW.lr, betas=ADAMW.adam_betas, weight_decay=ADAMW.weight_decay)
+    assert all(group["fused"] for group in fused.param_groups) and not unfused.param_groups[0]["fused"]
+
+    def steps(module, optimizer, count, seed):
+        generator = torch.Generator().manual_seed(seed)
+        for _ in range(count):
+            for parameter in module.parameters():
+                parameter.grad = torch.randn(parameter.shape, generator=generator) if parameter.requires_grad else None
+            optimizer.step()
+
+    steps(drafter, fused, 3, seed=1)
+    steps(unfused_drafter, unfused, 3, seed=1)
+    for (name, got), expected in zip(drafter.named_parameters(), unfused_drafter.parameters()):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=name)
+    for got, expected in zip(fused.state.values(), unfused.state.values()):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-9)
+
+    saved, middle = copy.deepcopy(fused.state_dict()), copy.deepcopy(drafter.state_dict())
+    steps(drafter, fused, 2, seed=2)
+    restored_drafter = drafter_for("medusa")
+    restored_drafter.load_state_dict(middle)
+    restored = build_optimizer(ADAMW, restored_drafter, deepspeed=False)
+    restored.load_state_dict(saved)
+    steps(restored_drafter, restored, 2, seed=2)
+    assert all(torch.equal(restored_drafter.state_dict()[k], v) for k, v in drafter.state_dict().items())

@@ -64,6 +64,7 @@ def test_overrides_are_typed_and_cover_schema_defaults():
         ("target.dtype=int4", "target.dtype='int4'"),
         ("+train.extra=1", "only plain key=value"),
         ("train.lr=[1", "cannot parse override"),
+        ("output_dir=/tmp/runs_ü", "quote a value with other characters than letters, digits and -_./: key='...'"),
     ],
 )
 def test_bad_overrides_are_user_errors(override, fragment):
@@ -170,7 +171,8 @@ def test_an_output_on_a_read_only_file_system_is_bad_input_for_every_command(rea
             path = read_only_folder / where
             extra = [f"output_dir={tmp_path}"] if key != "output_dir" else []
             result = run_entry_in_process([*command.split(), "recipe=medusa", f"{key}={path}", *extra], capsys)
-            assert_one_line_error(result, 2, f"{key}='{path}' cannot be created under")
+            refused = "cannot be created under" if where == "new" else "exists but cannot be written in"
+            assert_one_line_error(result, 2, f"{key}='{path}' {refused}")
             assert "Read-only file system" in result.stderr
 
 

@@ -1,6 +1,7 @@
 """heads/vocab_loss.py: the fused, chunked soft cross-entropy against an unfused reference (materialised
-logits, log_softmax, autograd), its labels' ranks against topk, and the chunked loss over a model's logits
-(`rows_loss`) against the same per-row loss on the whole tensor."""
+logits, log_softmax, autograd), its per-row losses' gradient too, its hard-label case against it on one-hot
+teachers, its labels' top-5 hits against a stable sort (tied logits too), and the chunked loss over a model's
+logits (`rows_loss`) against the same per-row loss on the whole tensor."""
 
 from __future__ import annotations
 
@@ -8,7 +9,16 @@ import pytest
 import torch
 
 from draftsmith.heads.distill import forward_kl, reverse_kl
-from draftsmith.heads.vocab_loss import at_rows, chunk_rows_for, rows_loss, soft_cross_entropy
+from draftsmith.heads.vocab_loss import (
+    TOP_K,
+    _label_in_top,
+    _label_rank,
+    at_rows,
+    chunk_rows_for,
+    cross_entropy,
+    rows_loss,
+    soft_cross_entropy,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -60,12 +70,55 @@ def test_loss_gradients_and_argmax_equal_the_unfused_ones(chunk_rows, every_row)
     torch.testing.assert_close(fused.loss, loss, rtol=1e-5, atol=0)
     torch.testing.assert_close(fused.token_loss, token_loss.detach(), rtol=1e-5, atol=1e-6)
     assert torch.equal(fused.best, best) and fused.token_loss[3] == 0 and fused.best[3] == -1
-    assert not fused.token_loss.requires_grad and not fused.best.requires_grad
+    assert fused.token_loss.requires_grad and not fused.best.requires_grad  # token_loss: see the test below
     for got, expected in zip(grads(fused.loss, features, weight), grads(loss, features, weight)):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
     # one teacher call per chunk, each at most chunk_rows rows: no [N, V] is built
     run = list(range(ROWS)) if every_row else [row for row in range(ROWS) if row != 3]
     assert calls == [run[start : start + chunk_rows] for start in range(0, len(run), chunk_rows)]
+
+
+@pytest.mark.parametrize("every_row", [True, False], ids=["every-row", "scored-rows"])
+@pytest.mark.parametrize("hard", [False, True], ids=["soft", "hard-label"])
+def test_the_per_row_losses_have_the_unfused_gradient(hard, every_row):
+    """token_loss is differentiable w.r.t. the features (DFlash's D-PACE weighs it by weights made from it): a
+    weighted sum of it, alone or beside `loss`, has the unfused gradient, and an unscored row gets none."""
+    features, weight, teacher_probs = problem(seed=9)
+    labels = torch.randint(0, VOCAB, (ROWS,), generator=torch.Generator().manual_seed(9))
+    if hard:
+        teacher_probs = torch.eye(VOCAB)[labels]
+    row_weight = 0.8 ** torch.arange(ROWS).float()
+    row_weight[[2, 9]] = 0.0
+    per_row = torch.rand(ROWS, generator=torch.Generator().manual_seed(10))
+    features.requires_grad_()
+    if hard:
+        fused = cross_entropy(features, weight, labels, row_weight, 4, every_row)
+    else:
+        fused = soft_cross_entropy(features, weight, rows_of(teacher_probs), row_weight, 4, every_row)
+    loss, token_loss, _ = reference(features, weight, teacher_probs, row_weight)
+    for got, expected in [
+        ((per_row * fused.token_loss).sum(), (per_row * token_loss).sum()),
+        (3 * fused.loss - (per_row * fused.token_loss).sum(), 3 * loss - (per_row * token_loss).sum()),
+    ]:
+        (got_grad,) = torch.autograd.grad(got, features, retain_graph=True)
+        (expected_grad,) = torch.autograd.grad(expected, features, retain_graph=True)
+        torch.testing.assert_close(got_grad, expected_grad, rtol=1e-4, atol=1e-6)
+        assert (got_grad[[2, 9]] == 0).all()
+
+
+def test_a_gradient_through_the_per_row_losses_to_the_weight_is_refused():
+    """The lm_head weight's gradient is summed in the forward for `loss` alone: a trainable weight trains through
+    `loss`, a statistic of token_loss beside it changes nothing, and a backward through token_loss to it is a
+    programming error, refused rather than wrong."""
+    features, weight, teacher_probs = problem(seed=11)
+    weight.requires_grad_()
+    fused = soft_cross_entropy(features, weight, rows_of(teacher_probs), torch.ones(ROWS), 4)
+    statistic = fused.token_loss.mean()  # as Medusa's per-document losses, never backpropagated
+    (got,) = torch.autograd.grad(fused.loss, weight, retain_graph=True)
+    (expected,) = grads(reference(features, weight, teacher_probs, torch.ones(ROWS))[0], weight)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+    with pytest.raises(RuntimeError, match="a gradient through `token_loss` cannot reach the weight"):
+        statistic.backward()
 
 
 @pytest.mark.parametrize("every_row", [True, False], ids=["every-row", "scored-rows"])
@@ -148,27 +201,74 @@ def test_chunk_rows_for():
     assert chunk_rows_for(16, 32000) == 1
 
 
+def stable_ranks(logits, labels):
+    """Each label's place in its row's stable descending sort: ties go to the lower index, as argmax's."""
+    order = logits.sort(dim=-1, descending=True, stable=True).indices
+    return (order == labels[:, None]).int().argmax(-1)
+
+
 @pytest.mark.parametrize("every_row", [True, False], ids=["every-row", "scored-rows"])
-def test_the_labels_rank_gives_topk_hits_without_a_second_product(every_row):
-    """rank < k is "the label is among the k highest logits" (Medusa's top5), rank 0 the argmax; -1 unscored."""
-    features, weight, teacher_probs = problem(seed=6)
+@pytest.mark.parametrize("chunk_rows", [1, 4, ROWS])
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+def test_the_hard_label_loss_is_the_one_hot_soft_one_value_for_value(chunk_rows, every_row, autocast):
+    """`cross_entropy` (a gather, no teacher's rows) gives soft_cross_entropy's results on one-hot teachers: the
+    same loss, per-row losses, argmax and gradients, bit for bit; unscored rows hold any valid token."""
+    features, weight, _ = problem(seed=7)
+    labels = torch.randint(0, VOCAB, (ROWS,), generator=torch.Generator().manual_seed(7))
+    row_weight = 0.8 ** torch.arange(ROWS).float()
+    row_weight[[3, 8]] = 0.0
+    results = []
+    for hard in (True, False):
+        inputs = [features.clone().requires_grad_(), weight.clone().requires_grad_()]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            if hard:
+                fused = cross_entropy(*inputs, labels, row_weight, chunk_rows, every_row)
+            else:
+                one_hot = rows_of(torch.eye(VOCAB)[labels])
+                fused = soft_cross_entropy(*inputs, one_hot, row_weight, chunk_rows, every_row)
+        results.append((fused.loss.detach(), fused.token_loss, fused.best, *grads(fused.loss, *inputs)))
+    for got, expected in zip(*results):
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("every_row", [True, False], ids=["every-row", "scored-rows"])
+def test_the_top5_hits_are_a_stable_sorts_first_five_without_a_second_product(every_row):
+    """top_k: the label among the row's 5 highest logits, ties going to the lower index (a right argmax is a
+    hit); False unscored and where not asked for."""
+    assert TOP_K == 5
+    features, weight, _ = problem(seed=6)
     labels = torch.randint(0, VOCAB, (ROWS,), generator=torch.Generator().manual_seed(6))
-    labels[5] = (features[5] @ weight.T).argmax()  # one rank 0
+    logits = features @ weight.T
+    labels[5] = logits[5].argmax()  # a top-1 hit
+    labels[6] = logits[6].topk(5).indices[-1]  # the 5th highest: a hit
+    labels[7] = logits[7].topk(6).indices[-1]  # the 6th: a miss
     row_weight = torch.ones(ROWS)
     row_weight[2] = 0.0
-    fused = soft_cross_entropy(features, weight, rows_of(teacher_probs), row_weight, 4, every_row, labels=labels)
-    order = (features @ weight.T).sort(dim=-1, descending=True, stable=True).indices
-    expected = (order == labels[:, None]).int().argmax(-1)
-    expected[2] = -1
-    assert (
-        torch.equal(fused.rank, expected) and fused.rank[5] == 0 and torch.equal(fused.rank == 0, fused.best == labels)
-    )
-    assert soft_cross_entropy(features, weight, rows_of(teacher_probs), row_weight, 4).rank.eq(-1).all()
+    fused = cross_entropy(features, weight, labels, row_weight, 4, every_row, top_k=True)
+    expected = stable_ranks(logits, labels) < 5
+    expected[2] = False
+    assert torch.equal(fused.top_k, expected) and fused.top_k[[5, 6]].all() and not fused.top_k[7]
+    assert not cross_entropy(features, weight, labels, row_weight, 4, every_row).top_k.any()
 
-    tied = torch.zeros(2, VOCAB)  # every logit equal: ranks go by index, as argmax's first maximum
-    one_hot = rows_of(torch.eye(VOCAB)[:2])
-    ranks = soft_cross_entropy(tied, torch.eye(VOCAB), one_hot, torch.ones(2), 2, labels=torch.tensor([0, 7])).rank
-    assert ranks.tolist() == [0, 7]
+    tied = torch.zeros(2, VOCAB)  # every logit equal: the first five indices are the top 5
+    hits = cross_entropy(tied, torch.eye(VOCAB), torch.tensor([4, 5]), torch.ones(2), 2, every_row, top_k=True)
+    assert hits.top_k.tolist() == [True, False]
+
+
+@pytest.mark.parametrize("every_row", [True, False], ids=["every-row", "scored-rows"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_top5_shortcut_is_the_full_rank_on_tied_logits(every_row, dtype):
+    """The k+1 highest values decide (`_label_in_top`, scored rows: a CPU's way) what the full rank (`_label_rank`
+    < k, every row's way) does, ties at the k-th place included: logits drawn from a few values tie everywhere,
+    labels at every place."""
+    generator = torch.Generator().manual_seed(8)
+    for values, vocab in [(3, 40), (8, 40), (50, 200), (4, 6), (2, 5), (2, 3)]:
+        logits = torch.randint(0, values, (400, vocab), generator=generator).to(dtype)
+        labels = torch.randint(0, vocab, (400,), generator=generator)
+        for k in (1, 5):
+            expected = stable_ranks(logits, labels) < k
+            assert torch.equal(_label_rank(logits, labels) < k, expected)
+            assert torch.equal(_label_in_top(logits, labels, k, every_row), expected), (values, vocab, k)
 
 
 def divergence_problem(seed=0):

@@ -37,7 +37,7 @@ from typing import Optional
 from omegaconf import DictConfig
 from safetensors import SafetensorError
 
-from draftsmith.errors import StorageError, UserError, one_line
+from draftsmith.errors import STORAGE_ERRNOS, StorageError, UserError, one_line
 from draftsmith.files import file_sha256, publish_folder, read_json, readable_as_created, write_text_atomic
 from draftsmith.outputs import (
     ACCURACY_NAME,
@@ -51,6 +51,7 @@ from draftsmith.outputs import (
     move_aside,
 )
 from draftsmith.recipe_checks import LATEST_INTACT, resolve_bool_or_path
+from draftsmith.trainer.checkpoint_files import UNREADABLE, check_random_states, unreadable_file, unsafe_pickle
 
 log = logging.getLogger("draftsmith.train")
 
@@ -144,19 +145,45 @@ def save_final(accelerator, drafter, directory: Path, files: Optional[dict[str, 
 
 @contextlib.contextmanager
 def _writing(tmp: Path, what: str, output_dir: Path) -> Iterator[None]:
-    """Turn a failed write (a full disk, a quota, permissions) into one line (StorageError, exit 74)
-    and remove the partial copy. The writers report a full disk differently (OSError ENOSPC from Python, SafetensorError
-    from safetensors, RuntimeError from torch.save's zip writer), so the space left decides the reason."""
+    """Remove the partial copy whatever stops the write (Ctrl-C and SIGTERM's Preempted too, raised on), and turn a
+    failed write (a full disk, a quota, an I/O error) into one line (StorageError, exit 74) that says how to continue.
+    The writers report a full disk differently (OSError ENOSPC from Python, SafetensorError from safetensors,
+    RuntimeError from torch.save's zip writer), so the space left decides the reason. A PermissionError is bad input
+    wherever it is met (errors.outcome): exit 2, with the same advice."""
     try:
         yield
-    except (OSError, RuntimeError, SafetensorError) as err:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        found = completed_checkpoints(output_dir)
-        intact = f"the last complete checkpoint, {found[-1]}, is intact" if found else "no earlier checkpoint exists"
-        free = shutil.disk_usage(output_dir).free
-        full = getattr(err, "errno", None) == errno.ENOSPC or "No space left" in str(err) or free < 16 * 2**20
-        reason = f"no space left on device ({free / 2**20:.1f} MiB free)" if full else one_line(err)
-        raise StorageError(f"could not write the {what} under {tmp.parent}: {reason}; {intact}") from None
+        if not isinstance(err, (OSError, RuntimeError, SafetensorError)):
+            raise
+        if isinstance(err, PermissionError):
+            reason, fix, error = f"permission denied ({err.filename or tmp})", "fix its permissions", UserError
+        else:
+            free = _free_bytes(output_dir)
+            full = getattr(err, "errno", None) == errno.ENOSPC or "No space left" in str(err)
+            full = full or (free is not None and free < 16 * 2**20)
+            left = "" if free is None else f" ({free / 2**20:.1f} MiB free)"
+            reason = f"no space left on device{left}" if full else one_line(err)
+            fix, error = ("free space" if full else "fix the disk"), StorageError
+        try:
+            found = completed_checkpoints(output_dir)  # the same command alone is refused (check_earlier_run)
+        except OSError:  # a disk failing under output_dir: the line is the write's, without what it could not list
+            kept, then = "", "continue from its last complete checkpoint, if any"
+        else:
+            kept = f"the last complete checkpoint, {found[-1]}, is intact" if found else "no earlier checkpoint exists"
+            kept, then = f"{kept}: ", "continue from it" if found else "start again from step 0"
+        raise error(
+            f"could not write the {what} under {tmp.parent}: {reason}; {kept}{fix} and run the same command with "
+            f"train.resume=true to {then}"
+        ) from None
+
+
+def _free_bytes(directory: Path) -> Optional[int]:
+    """The room left on `directory`'s file system, None where a failing disk does not say."""
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return None
 
 
 def save_drafter(accelerator, drafter, directory: Path) -> None:
@@ -335,58 +362,23 @@ def keep_log_to(output_dir: Path, step: int) -> None:
 def load_checkpoint(accelerator, path: Path) -> None:
     """Restore accelerate's state (weights, optimizer, scheduler, RNG) from the checkpoint `path`; its trainer state
     is `saved_state`'s. A pickle torch's safe unpickler refuses (its checksums may match a file put in its place) is
-    one line naming it (`unsafe_pickle`); this rank's random states are checked (`check_random_states`)."""
+    one line naming it (`unsafe_pickle`), as is a file of a checkpoint saved without checksums that does not load
+    (`unreadable_file`); this rank's random states are checked (`check_random_states`): trainer/checkpoint_files.py."""
     verified_files = (path / CHECKSUMS_NAME).is_file()
     try:
         accelerator.load_state(str(path))
     except pickle.UnpicklingError:
         raise unsafe_pickle(path, sorted([*path.glob("*.bin"), *path.glob("*.pkl")])) from None
-    except (SafetensorError, EOFError, RuntimeError) as err:
-        if verified_files:  # its files are as saved: the failure is not theirs (a bug, or another recipe)
+    except UNREADABLE as err:
+        # its files as saved: the failure is not theirs (a bug, or another recipe); permissions and a failing disk
+        # mean what errors.outcome says they mean wherever they are met
+        if verified_files or isinstance(err, PermissionError) or getattr(err, "errno", None) in STORAGE_ERRNOS:
             raise
         raise UserError(  # saved before checksums: a damaged file is still the user's to fix, in one line
-            f"checkpoint {path} (saved without checksums) cannot be loaded, a file of it may be damaged: "
-            f"{one_line(err)}"
+            f"checkpoint {path} (saved without checksums) cannot be loaded: {unreadable_file(path) or 'a file of it'} "
+            f"may be damaged ({one_line(err)})"
         ) from None
     check_random_states(accelerator.process_index, path)
-
-
-def unsafe_pickle(path: Path, files: list[Path]) -> UserError:
-    """The line naming the first of `files` torch's safe unpickler refuses (torch names none, says to unpickle)."""
-    from accelerate.utils import load
-
-    refused = None
-    for file in files:
-        try:
-            load(file, map_location="cpu")
-        except pickle.UnpicklingError:
-            refused = refused or file
-    return UserError(
-        f"checkpoint {path}: {refused or 'a file of it'} holds more than tensors and plain values (damaged, or not a "
-        "file draftsmith saved), and draftsmith does not unpickle more (that can run code it holds): give another one"
-    )
-
-
-def check_random_states(rank: int, path: Path) -> None:
-    """This rank's random states, which accelerate skips when they do not load (an INFO line, on rank 0 alone): a
-    missing file (saved by fewer ranks) is a warning naming it; one that does not load, or was not applied, refused."""
-    import random
-
-    from accelerate.utils import load
-
-    file = path / f"random_states_{rank}.pkl"
-    if not file.is_file():
-        log.warning("checkpoint %s holds no %s: rank %d's random numbers are not restored, so its random draws "
-                    "differ from an uninterrupted run's", path, file.name, rank)  # fmt: skip
-        return
-    try:
-        restored = load(file)["random_state"] == random.getstate()
-    except pickle.UnpicklingError:
-        raise unsafe_pickle(path, [file]) from None
-    except (OSError, EOFError, RuntimeError, KeyError, TypeError) as err:
-        raise UserError(f"checkpoint {path}: {file} does not hold random states ({one_line(err)})") from None
-    if not restored:
-        raise UserError(f"checkpoint {path}: {file} does not hold random states that accelerate restores")
 
 
 def saved_state(path: Path) -> TrainerState:

@@ -32,6 +32,7 @@ from torch.profiler import record_function
 from torch.utils.data import DataLoader
 
 from draftsmith.errors import Preempted, StopRequest, TrainingDiverged
+from draftsmith.files import append_lines
 from draftsmith.outputs import FINAL_DIR, LOG_NAME
 from draftsmith.progress import progress_bar
 from draftsmith.trainer.checkpoint import TrainerState, save_checkpoint, save_final
@@ -96,11 +97,17 @@ def train(cfg: DictConfig) -> Trained:
                 end_run(accelerator)
                 raise preempted
             save_if_due(run, output_dir)
+        stopping = agree(accelerator, stop=stop.requested).stop  # SIGTERM in the last step, or after its all-reduce
     progress.close()
     profiler.after_step(state.step, final=True)  # a range past the run's end: what was profiled
     trained = Trained(finish(run, output_dir, data_checksum, parameters), run.prompt_count)
     del run  # see end_run
     end_run(accelerator)
+    if stopping:  # once final/ is saved, before what follows training (the eval stage, a monitor's evaluation)
+        raise Preempted(
+            f"stopped on SIGTERM at the end of training (step {state.step} of {max_steps}): {trained.final} is written;"
+            " run the same command with train.resume=true to run what follows training (its evaluation)"
+        )
     return trained
 
 
@@ -417,8 +424,8 @@ def log_step(accelerator, output_dir: Path, step: int, metrics: dict[str, float]
     """TensorBoard scalars plus one JSON line per logged step (log.jsonl), from the main process."""
     accelerator.log(metrics, step=step)
     if accelerator.is_main_process:
-        with open(output_dir / LOG_NAME, "a") as f:
-            f.write(json.dumps({"step": step, **{k: logged(v) for k, v in metrics.items()}}) + "\n")
+        line = json.dumps({"step": step, **{k: logged(v) for k, v in metrics.items()}}) + "\n"
+        append_lines(output_dir / LOG_NAME, [line])
 
 
 def logged(value: float) -> float:

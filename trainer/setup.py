@@ -7,9 +7,11 @@ these same pieces.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
@@ -17,7 +19,6 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import parse_flag_from_env, set_seed
 from omegaconf import DictConfig, OmegaConf
-from transformers import get_cosine_schedule_with_warmup
 
 from draftsmith.data_prep import Collator, PackingCollator, load_tokenized
 from draftsmith.data_prep.features import expected_features, open_features, require_captured_settings
@@ -275,7 +276,19 @@ def optimization(cfg: DictConfig, accelerator: Accelerator, drafter, conversatio
             conversations % step,
             conversations,
         )
-    return optimizer, get_cosine_schedule_with_warmup(optimizer, cfg.train.warmup_steps, max_steps), max_steps
+    rate = partial(cosine_with_warmup, warmup_steps=cfg.train.warmup_steps, total_steps=max_steps)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, rate), max_steps
+
+
+def cosine_with_warmup(step: int, *, warmup_steps: int, total_steps: int) -> float:
+    """The fraction of train.lr that optimizer step `step` (from 0) trains at: linear warm-up from 0 over
+    `warmup_steps`, then half a cosine down to 0 at `total_steps`. transformers' get_cosine_schedule_with_warmup to
+    the float (as HF Trainer's), written here because importing it imports transformers.trainer_utils and with it
+    peft, seconds of every start; a partial of it, as there, so a checkpoint's scheduler state is the same."""
+    if step < warmup_steps:
+        return step / max(1, warmup_steps)
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
 def prepare_run(

@@ -1,0 +1,149 @@
+"""Training stopped while it ends or writes: SIGTERM in the last step stops the run once final/ is written (it ran
+the whole eval stage and exited 0), Ctrl-C or SIGTERM during a checkpoint's or final/'s write leaves no partial
+copy, and a write that fails says the command that continues (the same command alone is refused)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import draftsmith.trainer.checkpoint as checkpoint
+from draftsmith.errors import EXIT_INTERRUPTED, EXIT_IO_ERROR, EXIT_PREEMPTED, EXIT_USER_ERROR
+from draftsmith.outputs import ACCURACY_NAME
+from tests.helpers import REPO, assert_one_line_error, run_entry_in_process, train_args
+
+pytestmark = pytest.mark.slow  # each trains
+
+QUICK = ("data.max_conversations=8", "train.max_steps=2", "train.cpu_threads=1")
+RESUME = "run the same command with train.resume=true"
+
+
+def test_sigterm_in_the_last_step_stops_once_final_is_written_and_a_resume_runs_the_eval(
+    tmp_path, small_data, token_cache, capsys
+):
+    """A real SIGTERM while the last step runs: it was noted ("saving a checkpoint at the end of this step, then
+    stopping"), then the run wrote final/, ran the whole eval stage and exited 0."""
+    out, marker = tmp_path / "run", tmp_path / "last_step"
+    args = train_args(out, small_data, token_cache, *QUICK, "train.save_every=0")
+    last_step_waits = (  # the real entry point, its last step held long enough for the signal to land in it
+        "import runpy, sys, time\n"
+        "from pathlib import Path\n"
+        "import draftsmith.trainer.loop as loop\n"
+        "real = loop.train_step\n"
+        "def train_step(run, *rest):\n"
+        "    if run.state.step + 1 == run.max_steps:\n"
+        f"        Path({str(marker)!r}).touch()\n"
+        "        time.sleep(3)\n"
+        "    return real(run, *rest)\n"
+        "loop.train_step = train_step\n"
+        f"sys.argv = ['train.py', *{args!r}]\n"
+        "runpy.run_path('train.py', run_name='__main__')\n"
+    )
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    process = subprocess.Popen(
+        [sys.executable, "-c", last_step_waits],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    deadline = time.time() + 300
+    while not marker.exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=300)
+    stopped = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    line = assert_one_line_error(stopped, EXIT_PREEMPTED, prefix="preempted: ")
+    assert line == (
+        f"preempted: stopped on SIGTERM at the end of training (step 2 of 2): {out / 'final'} is written; {RESUME} to "
+        "run what follows training (its evaluation)"
+    )
+    assert "SIGTERM: saving a checkpoint at the end of this step, then stopping" in stderr + stdout
+    assert (out / "checkpoints" / "step_0000002" / "trainer_state.json").is_file()
+    trained = load_file(str(out / "final" / "model.safetensors"))
+    assert not (out / ACCURACY_NAME).exists()  # the eval stage did not start
+
+    resumed = run_entry_in_process(["train.py", *args, "train.resume=true"], capsys)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert (out / ACCURACY_NAME).is_file()  # the eval stage ran, on the same drafter
+    again = load_file(str(out / "final" / "model.safetensors"))
+    assert trained.keys() == again.keys() and all(torch.equal(trained[k], again[k]) for k in trained)
+
+
+@pytest.mark.parametrize("stopped", ["checkpoints/step_0000001", "final"])
+def test_ctrl_c_while_a_checkpoint_or_final_is_written_leaves_no_partial_copy(
+    stopped, tmp_path, small_data, token_cache, monkeypatch, capsys
+):
+    """Ctrl-C once the drafter's weights were written into `<name>.tmp`: the folder was left (`final.tmp/`,
+    `checkpoints/step_0000001.tmp/`), removed only by the next run."""
+    out = tmp_path / "run"
+    real = checkpoint.save_drafter
+
+    def interrupted(accelerator, drafter, directory: Path) -> None:
+        real(accelerator, drafter, directory)
+        if directory.as_posix().endswith(f"{stopped}.tmp") or directory.parent.as_posix().endswith(f"{stopped}.tmp"):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint, "save_drafter", interrupted)
+    args = train_args(out, small_data, token_cache, *QUICK, "train.save_every=1", "data.eval=[]")
+    result = run_entry_in_process(["train.py", *args], capsys)
+    assert_one_line_error(result, EXIT_INTERRUPTED, prefix="interrupted")
+    assert not list(out.rglob("*.tmp")) and (stopped == "final" or not (out / "final").exists())
+
+
+@pytest.mark.parametrize(
+    "failure, step, code, said",
+    [
+        (
+            OSError(errno.ENOSPC, "No space left on device"),
+            2,
+            EXIT_IO_ERROR,
+            "no space left on device ({free} MiB free); the last complete checkpoint, {out}/checkpoints/step_0000001, "
+            f"is intact: free space and {RESUME} to continue from it",
+        ),
+        (  # an immutable checkpoints/ folder (chattr +i): a PermissionError, bad input as anywhere else (it was 74)
+            PermissionError(errno.EPERM, "Operation not permitted", "{out}/checkpoints/step_0000001.tmp/drafter"),
+            1,
+            EXIT_USER_ERROR,
+            "permission denied ({out}/checkpoints/step_0000001.tmp/drafter); no earlier checkpoint exists: fix its "
+            f"permissions and {RESUME} to start again from step 0",
+        ),
+    ],
+    ids=["full-disk", "permission"],
+)
+def test_a_checkpoint_that_cannot_be_written_says_the_command_that_continues(
+    failure, step, code, said, tmp_path, small_data, token_cache, monkeypatch, capsys
+):
+    """It said what was intact but not what to run, and the same command again is refused (`holds an earlier run`);
+    the command the line names continues the run."""
+    out = tmp_path / "run"
+    real = checkpoint.save_drafter
+
+    def failing(accelerator, drafter, directory: Path) -> None:
+        if directory.parent.name == f"step_{step:07d}.tmp":
+            if isinstance(failure, PermissionError):
+                raise PermissionError(failure.errno, failure.strerror, failure.filename.format(out=out))
+            raise failure
+        real(accelerator, drafter, directory)
+
+    monkeypatch.setattr(checkpoint, "save_drafter", failing)
+    args = train_args(out, small_data, token_cache, *QUICK, "train.save_every=1", "data.eval=[]")
+    result = run_entry_in_process(["train.py", *args], capsys)
+    line = assert_one_line_error(result, code, prefix="I/O error: " if code == EXIT_IO_ERROR else "error: ")
+    assert re.search(re.escape(said.format(out=out, free="FREE")).replace("FREE", r"[0-9.]+") + "$", line), line
+    assert not list(out.rglob("*.tmp"))
+    monkeypatch.undo()
+    resumed = run_entry_in_process(["train.py", *args, "train.resume=true"], capsys)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert (out / "final" / "model.safetensors").is_file()
