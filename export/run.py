@@ -164,7 +164,13 @@ def batch_schedule_of(cfg: DictConfig, digest: str) -> Optional[dict[str, Any]]:
     if not cfg.export.batch_sweep:
         return None
     from draftsmith.export.schedule import batch_schedule
+    from draftsmith.export.sweep import NO_SCHEDULE
     from draftsmith.export.sweep_results import PLAIN, PLAIN_AGAIN, at_one_gamma, read_sweep
+
+    exporter = exporter_for(cfg.drafter.type)
+    if not exporter.vllm_takes_schedule:
+        reason = NO_SCHEDULE.format(method=exporter.vllm_method)
+        raise UserError(f"export.batch_sweep={cfg.export.batch_sweep}: {reason}")
 
     path = Path(cfg.export.batch_sweep).resolve()
     if path.is_dir():

@@ -268,13 +268,19 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None) -> P
                     # not the drafter's: the drafter's rows are still what the sweep is for
                     not_measured[f"{baseline} at γ {gamma}"] = str(failed)
                     log.warning("load sweep: %s at γ %d not measured: %s", baseline, gamma, failed)
-            for gamma in [0, *gammas]:
+            if not exporter.vllm_takes_schedule:  # γ 0 is served as a schedule: this proposer takes none
+                not_measured[f"{method} at γ 0"] = NO_SCHEDULE.format(method=exporter.vllm_method)
+            for gamma in [0, *gammas] if exporter.vllm_takes_schedule else gammas:
                 measure(path, load, engines, levels, method, gamma, served_at(folder, gamma, levels), digest)
             measure(path, load, engines, levels, PLAIN_AGAIN, 0, None)
         rows = read_rows(path)
         swept = {name: [gamma for other, gamma, _ in baselines if other == name] for name, _, _ in baselines}
         summary = summarize(rows, [*swept, method], swept)
-        summary["schedule"], predicted = schedule_of(rows, method)
+        summary["schedule"], predicted = (
+            schedule_of(rows, method)
+            if exporter.vllm_takes_schedule
+            else ({"refused": NO_SCHEDULE.format(method=exporter.vllm_method)}, {})
+        )
         summary["settings"] = {
             "concurrency": levels,
             "gammas": gammas,
@@ -294,6 +300,12 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None) -> P
         plot(summary["best_per_concurrency"], predicted, output / PLOT, summary["gammas"])
     log.info("load sweep of %s: %s, %s", checkpoint, path, output / SUMMARY)
     return path
+
+
+NO_SCHEDULE = (
+    "vLLM's {method} proposer drafts the one γ it was loaded with (it asserts it): it takes no γ per batch size "
+    "(num_speculative_tokens_per_batch_size), so neither γ 0 nor a schedule can be served"
+)
 
 
 def require_proposes(gammas: Sequence[int], longest: Optional[int], method: str, checkpoint: Path) -> None:

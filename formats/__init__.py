@@ -50,6 +50,9 @@ class Exporter:
     # export then refuses such an export.output (build) and export.push.repo_id (export/push.py)
     vllm_method_from_name: ClassVar[bool] = False
     vllm_releases: ClassVar[Releases] = Releases()  # the vLLM releases that serve it (formats/versions.py)
+    # whether vLLM's proposer for it takes a γ per batch size (num_speculative_tokens_per_batch_size; γ 0 drafts
+    # nothing): vLLM 0.32's Medusa proposer asserts the one γ it was loaded with
+    vllm_takes_schedule: ClassVar[bool] = True
 
     def check_engines(self, kind: str, engines: list[str], vllm_format: str) -> None:
         """Whether these engines (and vLLM layout) can serve the kind at all: known before any model loads."""

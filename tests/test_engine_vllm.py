@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from draftsmith.errors import ExportCheckFailed
+from draftsmith.errors import ExportCheckFailed, UserError
 from draftsmith.export import export_checkpoint
 from draftsmith.export.run import load_source, served_config
 from draftsmith.export.sweep import run_sweep
@@ -179,3 +179,28 @@ def test_the_sweep_measures_ngram_at_every_gamma_and_suffix_after_it(
     assert summary["gammas"] == {"ngram": {"measured": [1, 2], "not_measured": []},
                                  "suffix": {"measured": [24], "not_measured": []},
                                  "eagle3": {"measured": [0, 1, 2], "not_measured": []}}  # fmt: skip
+
+
+def test_a_medusa_sweep_measures_its_gammas_without_a_schedule_and_its_export_refuses_one(
+    vllm_python, engine_session, target, small_data, tmp_path
+):
+    """vLLM 0.32's Medusa proposer asserts the one γ it was loaded with: the sweep served it at γ 0 as a schedule
+    and failed there (exit 3, an empty AssertionError) after the plain levels, on every Medusa checkpoint. Now the
+    sweep measures its fixed γs, says why γ 0 and a schedule are not measured, and an export asked for a schedule
+    refuses in one line before anything loads."""
+    checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
+    cfg = load_recipe([f"recipe={KINDS['medusa']}", f"output_dir={tmp_path}", f"export.vllm_python={vllm_python}",
+                       f"eval.data=[{small_data['eval']}]", "eval.max_prompts=1", "eval.max_new_tokens=8",
+                       "export.sweep.concurrency=[1]", "export.sweep.gammas=[1]", "export.sweep.ngram=false",
+                       "export.sweep.suffix=false", "export.sweep.min_requests=1",
+                       "export.sweep.requests_per_slot=1"])  # fmt: skip
+    sweep = run_sweep(cfg, checkpoint, engine_session, target)
+    served = [(r["method"], r["gamma"], r["lossless"]) for r in read_sweep(sweep)]
+    assert served == [("plain", 0, None), ("medusa", 1, True), ("plain-rerun", 0, True)]
+    summary = json.loads((tmp_path / "sweep" / "summary.json").read_text())
+    assert "takes no γ per batch size" in summary["settings"]["not_measured"]["medusa at γ 0"]
+    assert "takes no γ per batch size" in summary["schedule"]["refused"]
+    scheduled = OmegaConf.merge(cfg, {"export": {"output": str(tmp_path / "export"), "batch_sweep": str(sweep)}})
+    with pytest.raises(UserError, match="vLLM's medusa proposer drafts the one γ it was loaded with"):
+        export_checkpoint(scheduled, checkpoint, target=target, engines=engine_session)
+    assert not (tmp_path / "export").exists()
