@@ -167,16 +167,15 @@ def batch_schedule_of(cfg: DictConfig, digest: str) -> Optional[dict[str, Any]]:
     from draftsmith.export.sweep import NO_SCHEDULE
     from draftsmith.export.sweep_results import PLAIN, PLAIN_AGAIN, at_one_gamma, read_sweep
 
-    exporter = exporter_for(cfg.drafter.type)
-    if not exporter.vllm_takes_schedule:
-        reason = NO_SCHEDULE.format(method=exporter.vllm_method)
-        raise UserError(f"export.batch_sweep={cfg.export.batch_sweep}: {reason}")
-
     path = Path(cfg.export.batch_sweep).resolve()
     if path.is_dir():
         raise UserError(
             f"export.batch_sweep={cfg.export.batch_sweep} is a directory: give the sweep's JSONL file in it"
         )
+    exporter = exporter_for(cfg.drafter.type)
+    if not exporter.vllm_takes_schedule:
+        reason = NO_SCHEDULE.format(method=exporter.vllm_method)
+        raise UserError(f"export.batch_sweep={cfg.export.batch_sweep}: {reason}")
     rows = [row for row in read_sweep(path) if at_one_gamma(row)]  # a served schedule's rows are left out
     methods = sorted({row["method"] for row in rows if row.get("source_sha256") == digest})
     if len(methods) != 1:
