@@ -36,12 +36,13 @@ from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, run_tar
 def split_accuracy(cfg: DictConfig, checkpoint: Path, target, tokenizer) -> dict:
     """Measure and write `<output_dir>/eval_accuracy.json` (the checkpoint is only read); returns
     {"checkpoint": path, "trained": {domain: {metric: mean}}, "untrained": ...}."""
-    data = load_tokenized(cfg, cfg.data.eval, tokenizer, "data.eval")
+    digests: dict[str, str] = {}  # each data file hashed once, whichever settings name it (load_tokenized)
+    data = load_tokenized(cfg, cfg.data.eval, tokenizer, "data.eval", digests)
     # data.train's rows, where the run trained on them (not a capture's): the untrained drafter prepares on them,
     # and the eval split's conversations among them are counted, for the table to say
     train = None
     if cfg.data.train and not cfg.data.features:
-        train = load_tokenized(cfg, cfg.data.train, tokenizer, "data.train")
+        train = load_tokenized(cfg, cfg.data.train, tokenizer, "data.train", digests)
         if cfg.train.heldout:  # the run's last train.heldout conversations, never trained on (trainer/heldout.py)
             train = train.select(range(max(len(train) - cfg.train.heldout, 0)))
     device = target.get_output_embeddings().weight.device
@@ -50,11 +51,13 @@ def split_accuracy(cfg: DictConfig, checkpoint: Path, target, tokenizer) -> dict
         OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path
     )
     if cfg.data.draft_vocab:  # the rows the trainer prepared on (trainer/setup.py)
-        untrained.prepare(load_tokenized(cfg, cfg.data.draft_vocab, tokenizer, "data.draft_vocab"))
+        untrained.prepare(load_tokenized(cfg, cfg.data.draft_vocab, tokenizer, "data.draft_vocab", digests))
     elif cfg.data.features:
         untrained.prepare(open_features(cfg.data.features))
     else:  # data.train empty: load_tokenized refuses it in one line
-        untrained.prepare(train if train is not None else load_tokenized(cfg, cfg.data.train, tokenizer, "data.train"))
+        untrained.prepare(
+            train if train is not None else load_tokenized(cfg, cfg.data.train, tokenizer, "data.train", digests)
+        )
     untrained.to(device)
     collate = Collator(tokenizer.pad_token_id, draw_seed=cfg.train.seed)  # DFlash's anchors: the held-out ones'
     trained_means, untrained_means = metric_means(
