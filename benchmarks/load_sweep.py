@@ -19,7 +19,8 @@ no batch size).
 
 Stages, each resumable (a row already in <out>/sweep.jsonl is not measured again; a drafter's rows only for
 the checkpoint its RUN_DIR holds now, their source_sha256: rows of another are refused in one line, exit 2,
-before anything is measured, as `draftsmith sweep` refuses them; give such a drafter another --out or NAME):
+before anything is measured, as `draftsmith sweep` refuses them; give such a drafter another --out or NAME; and
+rows that record another load, --new-tokens or --threads say, are refused alike):
 1. sweep: the rows for every (method, γ, concurrency), then plain once more (`plain-rerun`);
 2. schedule: per drafter, `python -m export ... export.batch_sweep=<out>/sweep.jsonl` into
    RUN_DIR/export_scheduled (export/schedule.py chooses K per batch-size range), then that export served
@@ -104,6 +105,11 @@ def main() -> None:
         dtype="float32",
         max_model_len=2048,
     )
+    try:
+        require_same_load([sweep, repeats], load.settings())
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
 
     def measure(method: str, gamma: int, speculative_config, source: str | None = None, round_: int | None = None):
         """Rows of one method at one γ at every concurrency not yet measured: in sweep.jsonl, or with
@@ -224,6 +230,31 @@ def require_same_checkpoints(files: list[Path], digests: dict[str, str]) -> None
                 raise UserError(
                     f"{path} holds rows of {name} from another checkpoint (sha256 {str(row.get('source_sha256'))[:12]}"
                     f", its RUN_DIR's is {digests[name][:12]} now); give another --out, or another NAME"
+                )
+
+
+# Load.settings' names -> the flag that sets them here; the others (target, dtype, prompts) follow the drafters
+LOAD_FLAGS = {
+    "new_tokens": "--new-tokens",
+    "requests_per_slot": "--requests-per-slot",
+    "min_requests": "--min-requests",
+    "threads": "--threads",
+}
+
+
+def require_same_load(files: list[Path], settings: dict) -> None:
+    """Rows resume only for the load they measured (as `draftsmith sweep` refuses, export/sweep_checks.py): a row
+    that records other settings would be summarized as this run's. Rows from before the settings were recorded
+    are taken as they are."""
+    for path in files:
+        for row in read_rows(path):
+            differing = [name for name, value in row.get("load", settings).items() if settings.get(name) != value]
+            if differing:
+                name = differing[0]
+                fix = f"{LOAD_FLAGS[name]} {row['load'][name]}" if name in LOAD_FLAGS else f"the same {name}"
+                raise UserError(
+                    f"{path} holds rows measured with {name}={row['load'][name]}, this run's is {settings.get(name)}: "
+                    f"give {fix} to resume them, or another --out"
                 )
 
 

@@ -25,9 +25,9 @@ import json
 import sys
 from pathlib import Path
 
-from draftsmith.data_prep.conversations import CUT_KEY
 from draftsmith.data_prep.local_files import REGENERATE_SETTINGS
 from draftsmith.data_prep.regenerate import MARKS, write_part
+from draftsmith.data_prep.turns import CUT_KEY
 from draftsmith.files import write_text_atomic
 
 MARGIN = 2  # tokens below max_new_tokens that still mark an answer cut (the module docstring)

@@ -9,7 +9,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from draftsmith.data_prep.bin_packing import pack_rows
-from draftsmith.data_prep.conversations import DEFAULT_DOMAIN
+from draftsmith.data_prep.records import DEFAULT_DOMAIN
 from draftsmith.errors import UserError
 from draftsmith.heads.packing import conversation_seed
 

@@ -1,10 +1,6 @@
 """Read chat conversations from local files, globs, directories or Hub data sets into one
-normalized `datasets.Dataset`.
-
-Every record becomes `{"messages": [{"role", "content", ...}, ...], "domain", "source", "record"}` (a turn also
-holds its reasoning, cut mark and tool calls, None where it has none: data_prep/turns.py):
-`source` is the file path (or Hub id) it came from and `record` its 1-based position there, so
-that any later stage (tokenization, the eval) can point the user at the offending record.
+normalized `datasets.Dataset`, each record validated and normalized by data_prep/records.py; a file the builders
+reject, or text that is not valid UTF-8, is named here by its line.
 """
 
 from __future__ import annotations
@@ -12,46 +8,21 @@ from __future__ import annotations
 import contextlib
 import gzip
 import hashlib
-import inspect
 import json
 import logging
 import os
-from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import datasets
 
-from draftsmith.data_prep.local_files import builder, file_digest, files_matching, files_under, gzipped, suffixes
+from draftsmith.data_prep.cache_faults import hugging_face_caches, raise_cache_fault
+from draftsmith.data_prep.local_files import builder, file_digest, gzipped, source_files
+from draftsmith.data_prep.records import count_turn_order_oddities, normalize_record, normalize_records
 from draftsmith.data_prep.sources import is_named, named_file
-from draftsmith.data_prep.turns import CUT_KEY as CUT_KEY  # re-exported: regenerate, monitor, benchmarks read them
-from draftsmith.data_prep.turns import REASONING_KEYS as REASONING_KEYS
-from draftsmith.data_prep.turns import ROLES as ROLES
-from draftsmith.data_prep.turns import TURN_FEATURES, normalize_turn
-from draftsmith.errors import HubUnavailable, UserError, cache_fault, one_line, storage_fault
+from draftsmith.errors import HubUnavailable, UserError, one_line
 from draftsmith.model_files import endpoint_out_of_reach
 
 logger = logging.getLogger("draftsmith.data")
-
-DEFAULT_DOMAIN = "default"
-FEATURES = datasets.Features(
-    {
-        "messages": datasets.List(TURN_FEATURES),
-        "domain": datasets.Value("string"),
-        "source": datasets.Value("string"),
-        "record": datasets.Value("int64"),
-    }
-)
-
-
-def code_digest(*paths: str | os.PathLike) -> str:
-    """sha256 of source files' bytes, in order: the part of a cache's key that follows the code that wrote it."""
-    return hashlib.sha256(b"".join(Path(path).read_bytes() for path in paths)).hexdigest()
-
-
-# datasets fingerprints a module-level map function by reference, not by its code, so an edit to
-# the normalization below (or a turn's, data_prep/turns.py) would otherwise reuse stale map caches (and stale
-# tokenized caches, whose key builds on this fingerprint). Hashing both files' bytes ties the fingerprint to the code.
-_CODE_HASH = code_digest(__file__, inspect.getfile(normalize_turn))
 
 
 def load_conversations(
@@ -88,33 +59,22 @@ def load_conversations(
                 dataset = dataset.select(range(max_conversations))
             parts.append(_normalize_utf8(dataset, name, prompts_only, skip_invalid_utf8))
             logger.info("loaded %d conversations from %s", len(parts[-1]), name)
-            _count_turn_order_oddities(parts[-1], name)
+            count_turn_order_oddities(parts[-1], name)
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
 def _expand(
     source: str, skip_invalid_utf8: bool = False, digests: Optional[dict[str, str]] = None
 ) -> list[tuple[str, Any]]:
-    """Resolve one source string into (name, loader) pairs: one per local file, or one Hub split."""
-    if not source.strip():  # `data.train=` on a command line: not the Hub's data set '', which fails obscurely
-        raise UserError("a data source is empty: give a file, a folder, a glob or a Hub data set id")
+    """Resolve one source string into (name, loader) pairs: one per local file (local_files.source_files), or one
+    named data set, or one Hub split."""
+    files = source_files(source)
+    if files is not None:
+        return [(path, lambda path=path: _load_file(path, skip_invalid_utf8, digests)) for path in files]
     if is_named(source):
         path = str(named_file(source))
         return [(source, lambda: _load_file(path, skip_invalid_utf8, digests))]
-    local = os.path.expanduser(source)
-    if any(char in source for char in "*?["):
-        files = files_matching(local, source)
-    elif os.path.isdir(local):
-        files = files_under(local, source)
-    elif os.path.isfile(local):
-        if builder(local) is None:
-            raise UserError(f"data file {source!r} has an unsupported format (expected {suffixes()})")
-        files = [local]
-    elif builder(source) is not None or source.startswith((".", "/", "~")):
-        raise UserError(f"data file {source!r} does not exist")
-    else:  # not a local path: a Hub data set id, `owner/name[:split]`
-        return [(source, lambda: _load_hub(source))]
-    return [(path, lambda path=path: _load_file(path, skip_invalid_utf8, digests)) for path in files]
+    return [(source, lambda: _load_hub(source))]
 
 
 def _load_hub(source: str) -> datasets.Dataset:
@@ -144,7 +104,7 @@ def _load_hub(source: str) -> datasets.Dataset:
         ) from None
     except Exception as err:  # auth, unknown repo or split: the user's to fix (a Hub out of reach further on
         # leaves huggingface_hub's error in the chain, which errors.hub_unreachable finds)
-        _raise_cache_fault(err)
+        raise_cache_fault(err, *hugging_face_caches())
         raise UserError(f"cannot load data set {repo!r} (split {split!r}): {one_line(err, with_type=True)}") from err
     if len(dataset) == 0:
         raise UserError(f"data set {source!r} has no records")
@@ -182,7 +142,7 @@ def _load_file(
         with _quiet_builders():
             dataset = datasets.load_dataset(reader, name=f"sha256-{content}", data_files=path, split="train")
     except Exception as err:  # the builders raise assorted types (ArrowInvalid, StopIteration on empty files, ...)
-        _raise_cache_fault(err)
+        raise_cache_fault(err, *hugging_face_caches())
         if reader == "json":
             _diagnose_json(path, skip_invalid_utf8)  # raises the precise, line-numbered error when it finds one
         raise UserError(f"cannot read {path}: {one_line(err, with_type=True)}") from None
@@ -190,22 +150,6 @@ def _load_file(
         raise UserError(f"{path} has no records")
     dataset._fingerprint = hashlib.sha256(f"{reader}|{content}|{datasets.__version__}".encode()).hexdigest()[:16]
     return dataset
-
-
-def _raise_cache_fault(err: BaseException) -> None:
-    """Raise the line for a load that failed because a cache could not be written (errors.cache_fault): datasets', or
-    the Hub's, into which a Hub data set's files are downloaded. It was `cannot read FILE: DatasetGenerationError`,
-    the data file blamed for the cache's disk (the file itself was read whole before the load, for its digest)."""
-    from huggingface_hub import constants
-
-    fault = storage_fault(err)
-    if fault is None:
-        return
-    cache, variable = datasets.config.HF_DATASETS_CACHE, "HF_DATASETS_CACHE"
-    hub = os.path.abspath(constants.HF_HUB_CACHE)
-    if fault.filename and os.path.abspath(os.fsdecode(fault.filename)).startswith(hub + os.sep):
-        cache, variable = hub, "HF_HUB_CACHE"
-    raise cache_fault(fault, "the Hugging Face cache", cache, variable) from None
 
 
 def _parquet_rows(path: str) -> Optional[int]:
@@ -312,13 +256,13 @@ def _invalid_utf8_lines(path: str) -> Iterator[tuple[int, int, UnicodeDecodeErro
 def _normalize_utf8(
     dataset: datasets.Dataset, source: str, prompts_only: bool, skip_invalid_utf8: bool
 ) -> datasets.Dataset:
-    """`_normalize`, with text that is not valid UTF-8 found and named. Arrow's JSON reader takes such
+    """`normalize_records`, with text that is not valid UTF-8 found and named. Arrow's JSON reader takes such
     bytes into its strings without complaint; they fail only when a record is read, here. Then the file
     is scanned for its invalid lines: the first is a UserError naming the file and line, or with
     `skip_invalid_utf8` every such record is left out (the others keep their record numbers) and the
     count is logged. Clean files pay nothing for the check."""
     try:
-        return _normalize(dataset, source, prompts_only)
+        return normalize_records(dataset, source, prompts_only)
     except UnicodeDecodeError as err:
         if builder(source) != "json" or not os.path.isfile(source):
             raise UserError(
@@ -344,102 +288,4 @@ def _normalize_utf8(
     )
     if not keep:
         raise UserError(f"{source}: every record is invalid UTF-8 (lines {shown}), so none is left")
-    return _normalize(dataset.select(keep), source, prompts_only, numbers=[index + 1 for index in keep])
-
-
-def _normalize(
-    dataset: datasets.Dataset, source: str, prompts_only: bool, numbers: Optional[list[int]] = None
-) -> datasets.Dataset:
-    """Every row validated and normalized; `numbers`: each row's record number in its file, where
-    rows were left out (default: the row's position)."""
-    fingerprint = hashlib.sha256(f"{dataset._fingerprint}|{source}|{prompts_only}|{_CODE_HASH}".encode()).hexdigest()[
-        :16
-    ]
-    return dataset.map(
-        _normalize_row,
-        with_indices=True,
-        fn_kwargs={"source": source, "prompts_only": prompts_only, "numbers": numbers},
-        remove_columns=dataset.column_names,
-        features=FEATURES,
-        new_fingerprint=fingerprint,
-        desc=f"checking {source}",
-    )
-
-
-def _normalize_row(
-    row: dict[str, Any], index: int, source: str, prompts_only: bool, numbers: Optional[list[int]] = None
-) -> dict[str, Any]:
-    number = index + 1 if numbers is None else numbers[index]
-    return normalize_record(row, source=source, number=number, prompts_only=prompts_only)
-
-
-def normalize_record(record: dict[str, Any], source: str, number: int, prompts_only: bool = False) -> dict[str, Any]:
-    """Validate one raw record (messages or ShareGPT shape) and return it normalized; with
-    `prompts_only`, a conversation may end with a user turn instead of holding an answer.
-
-    Arrow gives every row all columns of its file, with None for absent ones, so "missing" and
-    "None" are treated alike throughout.
-    """
-    where = f"{source} record {number}"
-    turns = record.get("messages")
-    if turns is None:
-        turns = record.get("conversations")
-    if turns is None:
-        raise UserError(f"{where}: no 'messages' field (nor a ShareGPT 'conversations' field)")
-    if not isinstance(turns, list) or not turns:
-        raise UserError(f"{where}: 'messages' must be a non-empty list of turns")
-    messages = [normalize_turn(turn, f"{where}: turn {turn_number}") for turn_number, turn in enumerate(turns, 1)]
-    if not answered_turns(messages) and not (prompts_only and messages[-1]["role"] == "user"):
-        opening = messages[0]["role"] == "assistant"
-        raise UserError(
-            f"{where}: no assistant turn"
-            + (" after the opening one (which nothing before it asks for: kept as context only)" if opening else "")
-            + ", so nothing to train on"
-            + (" (nor a last user turn to answer)" if prompts_only else "")
-        )
-    domain = record.get("domain")
-    return {
-        "messages": messages,
-        "domain": DEFAULT_DOMAIN if domain is None or domain == "" else str(domain),
-        "source": source,
-        "record": number,
-    }
-
-
-def answered_turns(messages: list[dict[str, Any]]) -> list[int]:
-    """The positions of the assistant turns that answer the turns before them: what training masks in and
-    regeneration rewrites. An opening assistant turn (a chat log's greeting) answers nothing, and no chat
-    template renders an empty conversation to show what the model was asked: it stays, as context."""
-    return [index for index, message in enumerate(messages) if message["role"] == "assistant" and index > 0]
-
-
-def _count_turn_order_oddities(dataset: datasets.Dataset, source: str) -> None:
-    """Warn, with a count and the first record numbers, about conversations kept as they are though often a
-    file joined or cut wrongly: a user turn that follows a user turn (the chat template renders both as the
-    user's, and only assistant turns are trained on), and an opening assistant turn (context only, see
-    `answered_turns`). Read from the Arrow columns, not row by row."""
-    import numpy as np
-    import pyarrow.compute as pc
-
-    messages = dataset.data.column("messages").combine_chunks()
-    roles = pc.list_flatten(messages).field("role").to_numpy(zero_copy_only=False)
-    owners = pc.list_parent_indices(messages).to_numpy()
-    repeated = (roles[1:] == "user") & (roles[:-1] == "user") & (owners[1:] == owners[:-1])
-    first = np.flatnonzero(np.diff(owners, prepend=-1) != 0)  # every conversation's first turn
-    opening = owners[first][roles[first] == "assistant"]
-    kept = {
-        "have two user turns in a row (records {}): kept, both rendered as the user's; check how the file was joined": (
-            np.unique(owners[1:][repeated])
-        ),
-        "open with an assistant turn (records {}): kept as context, neither trained on nor regenerated, since no "
-        "turn before it asks for it": opening,
-    }
-    for what, rows in kept.items():
-        if len(rows):
-            records = ", ".join(map(str, dataset.select(rows[:10].tolist())["record"]))
-            logger.warning(
-                "%s: %d conversation(s) %s",
-                source,
-                len(rows),
-                what.format(records + (", ..." if len(rows) > 10 else "")),
-            )
+    return normalize_records(dataset.select(keep), source, prompts_only, numbers=[index + 1 for index in keep])

@@ -13,15 +13,16 @@ import shutil
 import tempfile
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import datasets
 import pyarrow
 
-from draftsmith.data_prep.conversations import DEFAULT_DOMAIN, code_digest
+from draftsmith.data_prep.cache_faults import Cache, raise_cache_fault
 from draftsmith.data_prep.overlap import turns_digest
+from draftsmith.data_prep.records import DEFAULT_DOMAIN, code_digest
 from draftsmith.data_prep.template import render_rows, require_chat_template
-from draftsmith.errors import UserError, cache_fault, one_line, storage_fault
+from draftsmith.errors import UserError, one_line
 from draftsmith.files import cache_root
 
 logger = logging.getLogger("draftsmith.data")
@@ -68,6 +69,14 @@ def load_tokenized(
     return tokenize_conversations(
         conversations, tokenizer, cfg.data.max_length, cfg.data.overlong, cfg.data.cache_dir, cfg.data.thinking
     )
+
+
+def split_heldout_rows(dataset: datasets.Dataset, count: int) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """(the training rows, the held-out rows) of the tokenized data.train: its last `count` rows (train.heldout), in
+    file order, before any shuffling; all of them where it has fewer. The one rule the trainer holds them out by
+    (trainer/heldout.py) and the eval leaves them out of what the run trained on by (eval/accuracy.py)."""
+    left = max(len(dataset) - count, 0)
+    return dataset.select(range(left)), dataset.select(range(left, len(dataset)))
 
 
 def _read_conversations(
@@ -176,8 +185,11 @@ def tokenize_conversations(
         logger.info("loaded %s from the tokenized cache %s", _counted(stats, dataset), final)
         return dataset
 
-    with _writing_cache(root):
+    try:
         stats = _tokenize_into(final, conversations, tokenizer, max_length, overlong, thinking)
+    except OSError as err:  # datasets' write errors name no file: the line said `no space left on device` alone
+        raise_cache_fault(err, Cache("the tokenized-data cache", root, "data.cache_dir"))
+        raise
     dataset = datasets.load_from_disk(str(final))
     logger.info("tokenized %s into %d tokens, cached at %s", _counted(stats, dataset), sum(dataset["length"]), final)
     return dataset
@@ -211,19 +223,6 @@ def _read_cached(final: Path) -> Optional[tuple[datasets.Dataset, dict[str, Any]
         os.replace(final, aside)
     shutil.rmtree(aside, ignore_errors=True)
     return None
-
-
-@contextlib.contextmanager
-def _writing_cache(root: Path) -> Iterator[None]:
-    """A full or failing disk, or permissions, while the tokenized-data cache is written, named as that cache
-    (errors.cache_fault): datasets' write errors name no file, and the line said `no space left on device` alone."""
-    try:
-        yield
-    except OSError as err:
-        fault = storage_fault(err)
-        if fault is None:
-            raise
-        raise cache_fault(fault, "the tokenized-data cache", root, "data.cache_dir") from None
 
 
 def _tokenize_into(

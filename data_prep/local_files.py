@@ -1,7 +1,8 @@
-"""The local files a data source names, and the `datasets` builder that reads each: a file, a glob, or a folder
-searched recursively. The files a glob or folder holds that are not read are named in one warning, as a file
-named directly with their suffix is refused (data_prep/conversations.py); a symbolic link among them named as data
-that leads to no file (a missing one, or a loop of links) is refused, as a missing file named directly is."""
+"""The local files a data source names (`source_files`: what the load reads, and what a resume compares by
+content), and the `datasets` builder that reads each: a file, a glob, or a folder searched recursively. The files a
+glob or folder holds that are not read are named in one warning, as a file named directly with their suffix is
+refused; a symbolic link among them named as data that leads to no file (a missing one, or a loop of links) is
+refused, as a missing file named directly is."""
 
 from __future__ import annotations
 
@@ -120,31 +121,40 @@ def file_digest(path: str | os.PathLike, digests: Optional[dict[str, str]] = Non
     return digests[key]
 
 
+def source_files(source: str) -> Optional[list[str]]:
+    """The local files one data source names, in the order they are read: the file, or the data files a glob matches
+    or a folder holds (`files_matching`, `files_under`); None for a data set read by its name, a named one
+    (data_prep/sources.py) or a Hub data set id, `owner/name[:split]`. A UserError where it names local data that
+    cannot be read: nothing at all, a path that does not exist, a file of a suffix not read, no data file."""
+    if not source.strip():  # `data.train=` on a command line: not the Hub's data set '', which fails obscurely
+        raise UserError("a data source is empty: give a file, a folder, a glob or a Hub data set id")
+    if is_named(source):
+        return None
+    local = os.path.expanduser(source)
+    if any(char in source for char in "*?["):
+        return files_matching(local, source)
+    if os.path.isdir(local):
+        return files_under(local, source)
+    if os.path.isfile(local):
+        if builder(local) is None:
+            raise UserError(f"data file {source!r} has an unsupported format (expected {suffixes()})")
+        return [local]
+    if builder(source) is not None or source.startswith((".", "/", "~")):  # a path, never a Hub data set id
+        raise UserError(f"data file {source!r} does not exist")
+    return None
+
+
 def local_content(sources, digests: Optional[dict[str, str]] = None) -> Optional[list[str]]:
     """The sha256 of each local file a data setting (`data.train`, `data.draft_vocab`: a source or a list of
-    them) reads, in the order data_prep/conversations.py reads them; a named data set or a Hub data set by its name
-    (whose bytes are read from its package or the Hub, not from a path given). None where a source names local data
-    that cannot be read here (a path moved away, a glob or folder that holds no data file now), whose content is
+    them) reads (`source_files`, as data_prep/conversations.py reads them); a named data set or a Hub data set by its
+    name (whose bytes are read from its package or the Hub, not from a path given). None where a source names local
+    data that cannot be read here (a path moved away, a glob or folder that holds no data file now), whose content is
     not known. `digests`: those already read (`file_digest`)."""
     content = []
     for source in map(str, [sources] if isinstance(sources, str) else sources):
-        local = os.path.expanduser(source)
-        if is_named(source):
-            content.append(source)
-            continue
         try:
-            if any(char in source for char in "*?["):
-                files = files_matching(local, source)
-            elif os.path.isdir(local):
-                files = files_under(local, source)
-            elif os.path.isfile(local):
-                files = [local]
-            elif builder(source) is not None or source.startswith((".", "/", "~")):
-                return None  # a path that is gone: data_prep/conversations.py reads such a name as a path, not an id
-            else:  # a Hub data set id (conversations.py's `owner/name[:split]`)
-                content.append(source)
-                continue
+            files = source_files(source)
         except UserError:
             return None
-        content += [file_digest(path, digests) for path in files]
+        content += [source] if files is None else [file_digest(path, digests) for path in files]
     return content

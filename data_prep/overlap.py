@@ -18,7 +18,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 import datasets
 
-from draftsmith.data_prep.conversations import answered_turns, load_conversations
+from draftsmith.data_prep.conversations import load_conversations
+from draftsmith.data_prep.records import answered_turns
 from draftsmith.data_prep.template import prompt_end
 from draftsmith.errors import HubUnavailable, UserError
 

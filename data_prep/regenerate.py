@@ -59,10 +59,12 @@ from accelerate import PartialState
 from omegaconf import DictConfig, OmegaConf
 
 from draftsmith.data_prep.answer_engines import ANSWER_ENGINES, Answer, answer_engine
-from draftsmith.data_prep.conversations import CUT_KEY, answered_turns, load_conversations
+from draftsmith.data_prep.conversations import load_conversations
 from draftsmith.data_prep.dataset import require_context
 from draftsmith.data_prep.local_files import REGENERATE_SETTINGS
+from draftsmith.data_prep.records import answered_turns
 from draftsmith.data_prep.regenerate_turns import left_out_line, prompt_key, regenerate_batch, without_nulls
+from draftsmith.data_prep.turns import CUT_KEY
 from draftsmith.errors import UserError
 from draftsmith.files import read_json, replacing, require_same_settings, write_text_atomic
 from draftsmith.outputs import held_by_main_process

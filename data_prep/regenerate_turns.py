@@ -10,9 +10,9 @@ from typing import Any, Optional
 import torch
 
 from draftsmith.data_prep.answer_engines import Answer
-from draftsmith.data_prep.conversations import CUT_KEY, REASONING_KEYS, answered_turns
+from draftsmith.data_prep.records import answered_turns
 from draftsmith.data_prep.template import render_prompt
-from draftsmith.data_prep.turns import TOOL_CALLS_KEY, TOOL_KEYS
+from draftsmith.data_prep.turns import CUT_KEY, REASONING_KEYS, TOOL_CALLS_KEY, TOOL_KEYS
 from draftsmith.errors import UserError
 
 

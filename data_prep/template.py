@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence
 
 from jinja2 import TemplateError
 
-from draftsmith.data_prep.conversations import answered_turns
+from draftsmith.data_prep.records import answered_turns
 from draftsmith.data_prep.turns import CUT_KEY, REASONING_KEYS, TOOL_CALLS_KEY
 from draftsmith.errors import UserError
 

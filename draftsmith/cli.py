@@ -49,6 +49,8 @@ COMMANDS = {
 }
 
 
+LOG_FORMAT, LOG_DATE_FORMAT = "%(asctime)s %(name)s: %(message)s", "%H:%M:%S"  # every command's log line, on stderr
+
 STOPS = (signal.SIGINT, signal.SIGTERM)  # the signals that stop a command (draftsmith.errors.run_cli)
 
 SUBCOMMANDS = (["check"], ["watch"])  # monitor's, before its recipe arguments
@@ -99,8 +101,9 @@ def entry_point(
 ) -> NoReturn:
     """Run a command the way every entry point does: `--help`/`-h` prints `help_text` (the `command`'s
     own sections first), `--cfg` the resolved recipe, both with exit 0; otherwise `main(argv)` under
-    run_cli (errors -> exit codes). `positional`: how many arguments before the recipe's the command
-    takes (data_prep.speculators_features' OUTPUT), left out of the recipe `--cfg` resolves."""
+    run_cli (errors -> exit codes, the lines' advice the `command`'s). `positional`: how many arguments
+    before the recipe's the command takes (data_prep.speculators_features' OUTPUT), left out of the recipe
+    `--cfg` resolves."""
     from omegaconf import OmegaConf
 
     from draftsmith.recipe import validated
@@ -119,7 +122,7 @@ def entry_point(
             ),
             [arg for arg in argv if arg != "--cfg"],
         )
-    run_cli(main, argv)
+    run_cli(main, argv, command)
 
 
 def recipe_part(argv: Sequence[str], positional: int = 0) -> list[str]:
@@ -148,9 +151,8 @@ def configure_logging() -> None:
     if not sys.stderr.isatty():  # a log file: datasets' and the Hub's bars redraw on one line (draftsmith/progress.py)
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    logging.basicConfig(
-        stream=sys.stdout, level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
-    )
+    # stderr: stdout holds a command's printed result alone, for `P=$(draftsmith export ...)`
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format=LOG_FORMAT, datefmt=LOG_DATE_FORMAT)
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:
@@ -171,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     configure_logging()
     # The command's module imports torch, which takes seconds: under run_cli, so that Ctrl-C or SIGTERM meanwhile
     # ends the command as it would later (one line, 130 or 75), not with a traceback or a kill.
-    run_cli(lambda args: run_command(command, args), rest)
+    run_cli(lambda args: run_command(command, args), rest, command)
 
 
 def run_command(command: str, argv: Sequence[str]) -> NoReturn:

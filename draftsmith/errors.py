@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import shutil
@@ -65,8 +66,10 @@ class InternalError(Exception):
     Any exception that is none of the above is treated the same way."""
 
 
-class Preempted(Exception):
-    """The job was asked to stop (SIGTERM) and saved what it needs to continue; exit EXIT_PREEMPTED."""
+class Preempted(BaseException):
+    """The job was asked to stop (SIGTERM) and saved what it needs to continue; exit EXIT_PREEMPTED. A BaseException,
+    as KeyboardInterrupt is: raised wherever the job is (`stop_on_sigterm`), it must pass the `except Exception` of a
+    library call it lands in (yaml's, OmegaConf's, a download's), which turned it into that call's own error."""
 
 
 # The exit codes (docs/faults.md): 2 = fix the input; 3 = a correctness check failed (the eval's lossless
@@ -89,6 +92,12 @@ STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, 
 # The advice of a line that does not know which command ran: training refuses its own command again (an earlier
 # run in output_dir) unless it resumes.
 RUN_AGAIN = "run the same command again to continue (a training run: with train.resume=true)"
+# command (draftsmith/cli.py's COMMANDS) -> how it continues after a stop that kept what it finished, where that is
+# not the same command again
+CONTINUE = {
+    "train": "run the same command with train.resume=true to continue",
+    "monitor": "run the same command again to continue (a retraining it was in resumes)",
+}
 DEBUG_ENV = "DRAFTSMITH_DEBUG"  # set (to anything but 0): an internal error prints its traceback on stderr
 
 # exception class -> (exit code, what the line starts with); the first match in order wins
@@ -119,12 +128,19 @@ def close_progress_bars() -> None:
         bar.close()
 
 
-def stop_on_sigterm(signum, frame) -> None:
+def how_to_continue(command: str) -> str:
+    """The advice that ends the line of a `command` stopped with what it finished kept (SIGTERM, a full disk); ""
+    (not known) names training's way too."""
+    return CONTINUE.get(command, "run the same command again to continue" if command else RUN_AGAIN)
+
+
+def stop_on_sigterm(signum, frame, command: str = "") -> NoReturn:
     """SIGTERM outside a loop that finishes its unit of work first (`StopRequest`): stop where the
     job is. Every stage publishes by rename, so what it finished is kept and the same command
-    continues (regeneration and capture after their last finished part, export from its checks)."""
+    continues (regeneration and capture after their last finished part, export from its checks).
+    run_cli binds `command`, the one that runs, for the line's advice."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM during the unwinding kills
-    raise Preempted(f"stopped on SIGTERM; what was finished is kept: {RUN_AGAIN}")
+    raise Preempted(f"stopped on SIGTERM; what was finished is kept: {how_to_continue(command)}")
 
 
 class StopRequest:
@@ -150,18 +166,19 @@ class StopRequest:
             signal.signal(signal.SIGTERM, previous)
 
 
-def run_cli(main: Callable[[Sequence[str]], object], argv: Sequence[str] | None = None) -> NoReturn:
+def run_cli(main: Callable[[Sequence[str]], object], argv: Sequence[str] | None = None, command: str = "") -> NoReturn:
     """Run an entry point; each exception above becomes one line on stderr and its exit code (`outcome`),
-    and SIGTERM becomes Preempted (exit 75) wherever the job is (`stop_on_sigterm`). Once the command is over
-    and its code decided, SIGTERM is ignored, and no handler is put back: the process ends here, and its
-    interpreter's shutdown (thread joins, atexit) takes up to a second, in which a SIGTERM would end it as
-    143 and lose what the command decided (a scheduler acts on `monitor check`'s 12)."""
+    and SIGTERM becomes Preempted (exit 75) wherever the job is (`stop_on_sigterm`); `command` (cli.py's
+    COMMANDS, "" for another entry point) chooses the advice of the lines that say how to continue. Once the
+    command is over and its code decided, SIGTERM is ignored, and no handler is put back: the process ends
+    here, and its interpreter's shutdown (thread joins, atexit) takes up to a second, in which a SIGTERM would
+    end it as 143 and lose what the command decided (a scheduler acts on `monitor check`'s 12)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    signal.signal(signal.SIGTERM, stop_on_sigterm)
-    sys.exit(_run(main, argv))
+    signal.signal(signal.SIGTERM, functools.partial(stop_on_sigterm, command=command))
+    sys.exit(_run(main, argv, command))
 
 
-def _run(main: Callable[[Sequence[str]], object], argv: list[str]) -> int | str | None:
+def _run(main: Callable[[Sequence[str]], object], argv: list[str], command: str) -> int | str | None:
     try:
         main(argv)
         _command_over()
@@ -179,10 +196,10 @@ def _run(main: Callable[[Sequence[str]], object], argv: list[str]) -> int | str 
         # said on stdout; pointed at /dev/null so that the interpreter's last flush does not fail again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except Exception as err:  # noqa: BLE001 - every failure ends as one line and its exit code
+    except (Exception, Preempted) as err:  # noqa: BLE001 - every failure ends as one line and its exit code
         _command_over()
         close_progress_bars()
-        code, line = outcome(err)
+        code, line = outcome(err, command)
         print(line, file=sys.stderr)
         return code
     return 0
@@ -192,12 +209,14 @@ def _command_over() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the exit code is decided (run_cli)
 
 
-def outcome(err: BaseException) -> tuple[int, str]:
-    """The exit code of an exception that ended a command and the one line that says so. A PermissionError
+def outcome(err: BaseException, command: str = "") -> tuple[int, str]:
+    """The exit code of an exception that ended `command` (run_cli's) and the one line that says so. A PermissionError
     is bad input (a file or folder the user gave) and an OSError of the storage (STORAGE_ERRNOS) an I/O error
     wherever it was raised; anything unexpected is a draftsmith bug, its traceback written to a log file (or to
     stderr with DRAFTSMITH_DEBUG=1)."""
-    if hub_unreachable(err):  # wherever a model or file was asked of the Hub: a network fault, not the input
+    # wherever a model or file was asked of the Hub: a network fault, not the input; a stop that landed while a
+    # failed request was handled is the stop
+    if not isinstance(err, Preempted) and hub_unreachable(err):
         err = HubUnavailable(
             f"{one_line(err, limit=2000).rstrip('.')}; run the same command again when the Hub can be reached, or "
             "give a local folder (or set HF_HUB_OFFLINE=1 to read the Hub cache only)"
@@ -209,13 +228,8 @@ def outcome(err: BaseException) -> tuple[int, str]:
         where = f"cannot access {err.filename}" if err.filename else "cannot access a file"
         return EXIT_USER_ERROR, f"error: {where}: permission denied; fix its permissions or give another path"
     if isinstance(err, OSError) and err.errno in STORAGE_ERRNOS:
-        path = err.filename  # a call of two paths (a rename) names its first
-        left = space_left(path) if path and err.errno == errno.ENOSPC else None
-        where = f" ({path}, {left})" if left else f" ({path})" if path else ""
-        return (
-            EXIT_IO_ERROR,
-            f"I/O error: {os.strerror(err.errno).lower()}{where}; free space (or fix the disk) and {RUN_AGAIN}",
-        )
+        reason = storage_reason(err.errno, err.filename)  # a call of two paths (a rename) names its first
+        return EXIT_IO_ERROR, f"I/O error: {reason}; free space (or fix the disk) and {how_to_continue(command)}"
     return (
         EXIT_INTERNAL,
         f"internal error (a draftsmith bug, please report it): {one_line(err, with_type=True)}; {traceback_kept(err)}",
@@ -234,6 +248,14 @@ def space_left(path: str | os.PathLike) -> str | None:
         return f"{shutil.disk_usage(folder).free / 2**20:.1f} MiB free"
     except (OSError, TypeError):  # TypeError: an OSError's filename may be a file descriptor
         return None
+
+
+def storage_reason(number: int, path: str | os.PathLike | None, named: bool = True) -> str:
+    """What the storage answered (an errno of STORAGE_ERRNOS) for the line: `no space left on device (PATH, N MiB
+    free)`, the `path` named unless the line names it elsewhere (`named` False), and a full disk's room left."""
+    left = space_left(path) if path and number == errno.ENOSPC else None
+    details = ([str(path)] if path and named else []) + ([left] if left else [])
+    return os.strerror(number).lower() + (f" ({', '.join(details)})" if details else "")
 
 
 # what a file system answers a write with when the disk or the permissions, not the data, are at fault
@@ -256,8 +278,7 @@ def cache_fault(fault: OSError, what: str, cache: str | os.PathLike, setting: st
     StorageError (exit 74) with the room left there; a read-only one or permissions bad input (exit 2)."""
     named = f"{what} {cache} ({setting})"
     if fault.errno in STORAGE_ERRNOS and fault.errno != errno.EROFS:
-        left = space_left(cache) if fault.errno == errno.ENOSPC else None
-        reason = os.strerror(fault.errno).lower() + (f" ({left})" if left else "")
+        reason = storage_reason(fault.errno, cache, named=False)
         return StorageError(
             f"could not write {named}: {reason}; free space there (or fix the disk), or set {setting} to a folder "
             f"on another disk, and {RUN_AGAIN}"

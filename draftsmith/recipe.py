@@ -43,7 +43,7 @@ from draftsmith.resources import bundled, recipes_dir
 if TYPE_CHECKING:
     from draftsmith.target import TargetShape
 
-# draftsmith.heads, .target and .sharding import torch (seconds): imported where used, after the recipe file is read
+# draftsmith.target, .sharding and the drafter classes import torch (seconds): imported where used, after the read
 
 
 def _omegaconf_error_line(err: Exception) -> str:
@@ -170,11 +170,11 @@ def compose(recipe: str, overrides: Sequence[str]) -> DictConfig:
     drafter_type = dict(parsed).get("drafter.type", OmegaConf.select(raw, "drafter.type"))
     if drafter_type is None:
         raise UserError(f"recipe {path}: no drafter.type")
-    from draftsmith.heads import drafter_class  # the drafter section's schema belongs to the drafter type
+    from draftsmith.heads import config_class  # the drafter section's schema belongs to the drafter type
 
     try:
         schema = OmegaConf.structured(RecipeSchema)
-        schema.drafter = OmegaConf.structured(drafter_class(str(drafter_type)).Config)
+        schema.drafter = OmegaConf.structured(config_class(str(drafter_type)))
         cfg = OmegaConf.merge(schema, raw)
         for key, value in parsed:
             try:  # a required key the recipe file leaves out (output_dir) is there, unset: select's default is

@@ -9,7 +9,9 @@ directly above the field, then the comment on its own line. A section's descript
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import importlib.util
 import inspect
 import io
 import re
@@ -18,6 +20,7 @@ import tokenize
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
@@ -112,11 +115,19 @@ def recipe_sections() -> list[Section]:
 
 
 def drafter_section(kind: str) -> Section:
-    from draftsmith.heads import drafter_class
+    from draftsmith.heads import config_class
 
-    cls = drafter_class(kind)
-    doc = (inspect.getdoc(inspect.getmodule(cls)) or "").split("\n\n")[0]  # the drafter's file says what it is
-    return sections(cls.Config, "drafter.", doc=f"drafter.type={kind}: {doc}")[0]
+    config = config_class(kind)
+    return sections(config, "drafter.", doc=f"drafter.type={kind}: {drafter_summary(config)}")[0]
+
+
+def drafter_summary(config: type) -> str:
+    """The first paragraph of the kind's drafter module's docstring (the drafter's file says what it is), read from
+    its source: importing the module would import torch, which the schema does without (heads/__init__.py)."""
+    from draftsmith.heads import drafter_module
+
+    source = Path(importlib.util.find_spec(drafter_module(config)).origin).read_text(encoding="utf-8")
+    return (ast.get_docstring(ast.parse(source)) or "").split("\n\n")[0]
 
 
 def _show(value: Any) -> str:
@@ -144,7 +155,7 @@ def render_text(cfg: Optional[DictConfig] = None, own: Sequence[str] = ()) -> st
     where the recipe changes it) and the keys of its drafter type; without, the schema's defaults
     and the drafter types to choose from. The sections named in `own` (a command's own: `train`
     also covers `train.*`) come first, the others after an "Other sections" line."""
-    from draftsmith.heads import REGISTRY
+    from draftsmith.heads import CONFIGS
 
     drafter = [drafter_section(str(cfg.drafter.type))] if cfg is not None else []
     raw = OmegaConf.to_container(cfg, resolve=False) if cfg is not None else {}
@@ -170,7 +181,7 @@ def render_text(cfg: Optional[DictConfig] = None, own: Sequence[str] = ()) -> st
                 out += [f"      {line}" for line in textwrap.wrap(key.help, 100)]
     if cfg is None:
         out.append(
-            f"\ndrafter.*: the keys of drafter.type ({', '.join(sorted(REGISTRY))}); give recipe=NAME --help to list "
+            f"\ndrafter.*: the keys of drafter.type ({', '.join(sorted(CONFIGS))}); give recipe=NAME --help to list "
             "them"
         )
     return "\n".join(out).lstrip("\n")
@@ -178,7 +189,7 @@ def render_text(cfg: Optional[DictConfig] = None, own: Sequence[str] = ()) -> st
 
 def render_markdown() -> str:
     """docs/recipe.md: every section of the schema and every drafter type's keys, as tables."""
-    from draftsmith.heads import REGISTRY
+    from draftsmith.heads import CONFIGS
 
     out = [
         "# Recipe reference",
@@ -193,7 +204,7 @@ def render_markdown() -> str:
     def cell(text: str) -> str:
         return text.replace("|", "\\|")
 
-    for section in [*recipe_sections(), *(drafter_section(kind) for kind in sorted(REGISTRY))]:
+    for section in [*recipe_sections(), *(drafter_section(kind) for kind in sorted(CONFIGS))]:
         out += ["", f"## `{section.name}`", ""]
         if section.help:
             out += [section.help, ""]

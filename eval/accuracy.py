@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
 from draftsmith.data_prep import Collator, load_tokenized
+from draftsmith.data_prep.dataset import split_heldout_rows
 from draftsmith.data_prep.features import open_features
 from draftsmith.data_prep.overlap import eval_in_train
 from draftsmith.files import write_text_atomic
@@ -38,13 +39,9 @@ def split_accuracy(cfg: DictConfig, checkpoint: Path, target, tokenizer) -> dict
     {"checkpoint": path, "trained": {domain: {metric: mean}}, "untrained": ...}."""
     digests: dict[str, str] = {}  # each data file hashed once, whichever settings name it (load_tokenized)
     data = load_tokenized(cfg, cfg.data.eval, tokenizer, "data.eval", digests)
-    # data.train's rows, where the run trained on them (not a capture's): the untrained drafter prepares on them,
-    # and the eval split's conversations among them are counted, for the table to say
-    train = None
-    if cfg.data.train and not cfg.data.features:
-        train = load_tokenized(cfg, cfg.data.train, tokenizer, "data.train", digests)
-        if cfg.train.heldout:  # the run's last train.heldout conversations, never trained on (trainer/heldout.py)
-            train = train.select(range(max(len(train) - cfg.train.heldout, 0)))
+    # the rows the run trained on: the untrained drafter prepares on them, and the eval split's conversations among
+    # them are counted, for the table to say
+    train = trained_rows(cfg, tokenizer, digests)
     device = target.get_output_embeddings().weight.device
     trained = load_drafter(checkpoint, TargetShape.of(target, cfg.target.name_or_path), target).to(device)
     untrained = drafter_class(trained.type).from_target(
@@ -72,6 +69,16 @@ def split_accuracy(cfg: DictConfig, checkpoint: Path, target, tokenizer) -> dict
     }
     write_text_atomic(Path(cfg.output_dir) / ACCURACY_NAME, json.dumps(table, indent=2) + "\n")
     return table
+
+
+def trained_rows(cfg: DictConfig, tokenizer, digests: dict[str, str]):
+    """data.train's tokenized rows the run trained on: its last train.heldout ones left out, as the trainer held them
+    out (data_prep/dataset.py `split_heldout_rows`); None where it trained on a capture's (data.features) or
+    data.train is empty. `digests`: the files read already (load_tokenized)."""
+    if not cfg.data.train or cfg.data.features:
+        return None
+    train = load_tokenized(cfg, cfg.data.train, tokenizer, "data.train", digests)
+    return split_heldout_rows(train, cfg.train.heldout)[0] if cfg.train.heldout else train
 
 
 def measured_accuracy(checkpoint: Path) -> tuple[Optional[dict[str, float]], Optional[Path]]:

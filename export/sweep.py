@@ -19,24 +19,28 @@ schedule that drafts at no batch size (γ 0: in vLLM 0.32 that is not free, and 
 at it); the drafter at every γ; plain once more (`plain-rerun`: how far two runs of one setting differ
 on this machine, which the schedule's margin never goes below).
 
-Written into `export.sweep.output` (default `<output_dir>/sweep`), resumable (a row already in
-sweep.jsonl is not measured again):
+Written into `export.sweep.output` (default `<output_dir>/sweep`; refused inside the checkpoint or an
+export), resumable (a row already in sweep.jsonl is not measured again; a resume onto rows measured with
+other load settings, `load` below, or another vLLM is refused in one line, export/sweep_checks.py):
 - `sweep.jsonl`: the rows. A row: method, gamma, concurrency, requests, tokens, seconds, steps,
   mean_batch (requests served per engine step), tok_s, tpot_ms_p50, tpot_ms_p90 (per request: time
   between its first and last token over its tokens - 1), speedup (tok_s over plain's at the same
   concurrency), tau (vLLM: 1 + accepted / drafts), acceptance_per_position (P(accepted >= k)), drafts,
   accepted_per_position, tokens_per_step, lossless (every output equal to plain's for the same prompt at
   the same concurrency), outputs_sha256 (per request), source_sha256 (the drafter checkpoint's), engine
-  (vLLM's version and what it resolved), threads, process_s;
+  (vLLM's version and what it resolved), load (what else decides the measurement: target, dtype,
+  new_tokens, requests_per_slot, min_requests, the engine's threads, prompts_sha256), process_s;
 - `summary.json`: per method the γs it was measured at and those it was not (`gammas`), per method and
-  concurrency the best γ (of those measured), the crossover where speculation stops paying, plain's second
-  run over its first, the γ per batch size the export would write (or why it refuses), the settings
-  (`not_measured`: a free method at a γ the engine failed to serve, and its line; the sweep goes on without
-  its rows); `speedup.png`: each method at its best γ against plain (a method measured at only some of its
-  γs named with those it was measured at), and the schedule's prediction.
+  concurrency the best γ > 0 (of those measured) and whether it beats plain (`beats_plain`: false, serve
+  plain there; γ 0, the drafter loaded drafting nothing, is never a best γ: `loaded_at_gamma_0` has it), the
+  crossover where speculation stops paying, plain's second run over its first, the γ per batch size the
+  export would write (or why it refuses), the settings (`not_measured`: a free method at a γ the engine
+  failed to serve, and its line; the sweep goes on without its rows); `speedup.png`: each method at its
+  best γ against plain (a method measured at only some of its γs named with those it was measured at), and
+  the schedule's prediction.
 
-Prints the path of sweep.jsonl; `draftsmith export ... export.batch_sweep=<that path>` then writes the
-schedule into the served config.
+Prints the path of sweep.jsonl, alone on stdout (the log goes to stderr); `draftsmith export ...
+export.batch_sweep=<that path>` then writes the schedule into the served config.
 """
 
 from __future__ import annotations
@@ -56,6 +60,12 @@ from omegaconf import DictConfig
 
 from draftsmith.engines import SuffixSettings
 from draftsmith.errors import EngineUnavailable, ExportCheckFailed, UserError
+from draftsmith.export.sweep_checks import (
+    require_own_output,
+    require_proposes,
+    require_same_checkpoint,
+    require_same_load,
+)
 from draftsmith.export.sweep_results import PLAIN, PLAIN_AGAIN, plot, read_sweep, summarize
 from draftsmith.files import append_lines, read_json
 from draftsmith.formats.repo import EXPORT_INFO, VLLM_PINNED
@@ -125,6 +135,19 @@ class Load:
             "runs": [{"name": "run", "speculative_config": speculative_config}],
         }
 
+    def settings(self) -> dict[str, Any]:
+        """What besides the method and γ decides a row's measurement, recorded in every row: a sweep resumed with
+        other settings is refused (export/sweep_checks.py), not summarized as if measured with this run's."""
+        return {
+            "target": self.target,
+            "dtype": self.dtype,
+            "new_tokens": self.new_tokens,
+            "requests_per_slot": self.requests_per_slot,
+            "min_requests": self.min_requests,
+            "threads": self.threads,
+            "prompts_sha256": hashlib.sha256(json.dumps(self.prompts).encode()).hexdigest(),
+        }
+
     def rows(
         self,
         session,
@@ -143,13 +166,13 @@ class Load:
         served = {**result["runs"]["run"], "vllm_version": result["vllm_version"]}
         served["process_s"] = time.perf_counter() - began
         return [
-            measured_row(method, gamma, level, plain.get(level["concurrency"]), served, self.threads, source)
+            measured_row(method, gamma, level, plain.get(level["concurrency"]), served, self.settings(), source)
             for level in served["levels"]
         ]
 
 
-def measured_row(method, gamma, level, plain, served, threads, source) -> dict[str, Any]:
-    """A sweep.jsonl row (the module docstring) from one level of the worker's reply."""
+def measured_row(method, gamma, level, plain, served, settings, source) -> dict[str, Any]:
+    """A sweep.jsonl row (the module docstring) from one level of the worker's reply; `settings`: Load.settings."""
     metrics = level["metrics"]
     drafts = metrics["num_drafts"]
     tpot = sorted(level["tpot_s"])
@@ -178,7 +201,7 @@ def measured_row(method, gamma, level, plain, served, threads, source) -> dict[s
         "outputs_sha256": digests(level["outputs"]),
         "source_sha256": source,
         "engine": {"vllm_version": served["vllm_version"], **served["engine_settings"]},
-        "threads": threads,
+        "load": settings,
         "process_s": round(served["process_s"], 1),
     }
 
@@ -221,37 +244,33 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None) -> P
     from draftsmith.outputs import DirectoryLock
 
     settings = cfg.export.sweep
+    output = Path(settings.output or Path(cfg.output_dir) / "sweep")
+    require_own_output(output, checkpoint)
+    levels = sorted(set(settings.concurrency))
+    if not levels or min(levels) < 1:
+        raise UserError(f"export.sweep.concurrency={list(settings.concurrency)} must list integers >= 1, at least one")
     drafter_cls, drafter_config = saved_drafter(checkpoint)[:2]
     method, longest = drafter_cls.type, drafter_cls.max_chain(drafter_config)
     given = None if settings.gammas is None else list(settings.gammas)
-    levels = sorted(set(settings.concurrency))
     default = range(1, min(DEFAULT_LONGEST, longest or DEFAULT_LONGEST) + 1)
     gammas = sorted(set(given)) if given is not None else list(default)
-    if not levels or min(levels) < 1 or not gammas or min(gammas) < 1:
-        raise UserError(
-            f"export.sweep.concurrency={list(settings.concurrency)} and export.sweep.gammas={given} "
-            "must each list at least one integer >= 1"
-        )
+    if not gammas or min(gammas) < 1:
+        raise UserError(f"export.sweep.gammas={given} must list integers >= 1, at least one (unset: 1 up to the chain)")
     require_proposes(gammas, longest, method, checkpoint)
     python = vllm_python(cfg.export.vllm_python, "export.vllm_python")
     exporter = exporter_for(method)  # a release without the method: refused now, not after the free methods' levels
-    require_vllm_serves(exporter.vllm_method, exporter.vllm_releases, python)
+    version = require_vllm_serves(exporter.vllm_method, exporter.vllm_releases, python)
     missing = None if settings.suffix is False else missing_suffix_decoding(python, "export.vllm_python")
     if settings.suffix and missing:
         raise UserError(missing)
     suffix = settings.suffix is not False and missing is None
     digest = checkpoint_digest(checkpoint)
-    output = Path(settings.output or Path(cfg.output_dir) / "sweep")
     path = output / ROWS
     with DirectoryLock(output, key="export.sweep.output"):
-        others = {row.get("source_sha256") for row in read_rows(path) if row.get("source_sha256") not in (None, digest)}
-        if others:
-            raise UserError(
-                f"{path} holds a sweep of another checkpoint (sha256 {min(others)[:12]}); "
-                "give this one another export.sweep.output"
-            )
-        folder = exported_for_sweep(cfg, checkpoint, output / "export", digest, target)
+        require_same_checkpoint(path, read_rows(path), digest)
+        folder = exported_for_sweep(cfg, checkpoint, output / "export", digest, target)  # a resume keeps it: no load
         load = sweep_load(cfg, python, folder)
+        require_same_load(path, read_rows(path), load.settings(), version)
         threads_env = {"OMP_NUM_THREADS": str(load.threads)}
         with nullcontext(session) if session is not None else EngineSession(threads_env) as engines:
             measure(path, load, engines, levels, PLAIN, 0, None)
@@ -306,18 +325,6 @@ NO_SCHEDULE = (
     "vLLM's {method} proposer drafts the one γ it was loaded with (it asserts it): it takes no γ per batch size "
     "(num_speculative_tokens_per_batch_size), so neither γ 0 nor a schedule can be served"
 )
-
-
-def require_proposes(gammas: Sequence[int], longest: Optional[int], method: str, checkpoint: Path) -> None:
-    """Every γ of the sweep within the checkpoint's longest chain (its own config: a read-only command does not
-    hold the recipe's drafter section to the checkpoint's), or the first γ beyond it fails in vLLM only after
-    the plain and n-gram levels have run, minutes in."""
-    if longest is not None and max(gammas) > longest:
-        within = ",".join(map(str, range(1, longest + 1)))
-        raise UserError(
-            f"export.sweep.gammas={list(gammas)} but the {method} drafter in {checkpoint} proposes at most {longest} "
-            f"tokens a step: give γs up to {longest} (export.sweep.gammas=[{within}])"
-        )
 
 
 def served_at(folder: Path, gamma: int, levels: Sequence[int]) -> dict[str, Any]:

@@ -60,9 +60,11 @@ def summarize(
     rows: list[dict[str, Any]], methods: Sequence[str], swept: Optional[dict[str, Sequence[int]]] = None
 ) -> dict[str, Any]:
     """Per method the γs it has rows at and, of those `swept` (method -> γs) says it was served at, those it has
-    none at (a free baseline the engine failed to serve); the best γ at each concurrency and the crossover (the
-    first concurrency where even the best γ is slower than plain), plain's second run over its first, and
-    whether every row was lossless."""
+    none at (a free baseline the engine failed to serve); the best γ > 0 at each concurrency, whether it beats
+    plain (`beats_plain`: false, serve plain there), and the crossover (the first concurrency where even the best
+    γ does not); the drafter loaded at γ 0 over plain; plain's second run over its first, and whether every row
+    was lossless. γ 0 is never a best γ: it is the drafter loaded drafting nothing, plain serving at the drafter's
+    engine settings, not a speculation setting to serve."""
     levels = sorted({r["concurrency"] for r in rows})
     gammas = {}
     for method in methods:
@@ -73,13 +75,19 @@ def summarize(
     for method in methods:
         best[method] = {}
         for c in levels:
-            candidates = [r for r in rows if r["method"] == method and r["concurrency"] == c]
+            candidates = [r for r in rows if r["method"] == method and r["concurrency"] == c and r["gamma"] > 0]
             if candidates:
                 top = max(candidates, key=lambda r: r["tok_s"])
                 best[method][c] = {key: top[key] for key in ("gamma", "speedup", "tok_s", "tau")}
+                best[method][c]["beats_plain"] = None if top["speedup"] is None else top["speedup"] > 1.0
     crossover = {
-        method: next((c for c in levels if c in best[method] and best[method][c]["speedup"] < 1.0), None)
+        method: next((c for c in levels if best[method].get(c, {}).get("beats_plain") is False), None)
         for method in methods
+    }
+    loaded_at_gamma_0 = {
+        method: {r["concurrency"]: r["speedup"] for r in rows if r["method"] == method and r["gamma"] == 0}
+        for method in methods
+        if any(r["method"] == method and r["gamma"] == 0 for r in rows)
     }
     first = {r["concurrency"]: r["tok_s"] for r in rows if r["method"] == PLAIN}
     again = {r["concurrency"]: r["tok_s"] for r in rows if r["method"] == PLAIN_AGAIN}
@@ -91,6 +99,7 @@ def summarize(
         "gammas": gammas,
         "best_per_concurrency": best,
         "crossover": crossover,
+        "loaded_at_gamma_0": loaded_at_gamma_0,
         "lossless": lossless,
         "plain_rerun_over_plain": {c: round(again[c] / first[c], 4) for c in levels if c in again and c in first},
         "engine": rows[0]["engine"]["vllm_version"] if rows else None,
@@ -102,9 +111,10 @@ def best_label(method: str, gammas: Optional[dict[str, list[int]]]) -> str:
     (`gammas`: the method's entry of `summarize`'s "gammas")."""
     if not gammas or not gammas["not_measured"]:
         return f"{method} (best fixed γ)"
-    if not gammas["measured"]:
+    drafting = [gamma for gamma in gammas["measured"] if gamma > 0]  # γ 0 is never a best γ (`summarize`)
+    if not drafting:
         return f"{method} (not measured)"
-    ran, missing = (", ".join(map(str, gammas[key])) for key in ("measured", "not_measured"))
+    ran, missing = (", ".join(map(str, listed)) for listed in (drafting, gammas["not_measured"]))
     return f"{method} (best of γ {ran}; γ {missing} not measured)"
 
 

@@ -1,34 +1,101 @@
 """Drafter architectures, one file each, found by the recipe's `drafter.type` through this registry.
-Adding a kind's code touches its own files and the import line below, no other module; the kind also adds its
-demo recipe, its tests, a README row and its section of the generated recipe reference (docs/adding-a-kind.md)."""
+A kind is its drafter, heads/<name>.py, and that drafter's Config (the recipe's drafter section), beside it in
+heads/<name>_config.py; adding a kind's code touches its own files and the import line below, no other module.
+The kind also adds its demo recipe, its tests, a README row and its section of the generated recipe reference
+(docs/adding-a-kind.md).
+
+The configs import no torch, and this package imports only them: composing a recipe, `--help` and a refused value
+read a kind's schema (`config_class`) in the time the schema takes, not the seconds torch takes. The drafters'
+modules are imported on first use of `drafter_class` or `REGISTRY`."""
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING
+
 from draftsmith.errors import UserError
-from draftsmith.heads.base import Drafter, DrafterConfig, load_drafter
-from draftsmith.heads.proposer import DraftState, DraftTree, DynamicTree, Proposer, Tree
-from draftsmith.target import TargetShape
+from draftsmith.heads.config import DrafterConfig
 
-REGISTRY: dict[str, type[Drafter]] = {}
+if TYPE_CHECKING:
+    from draftsmith.heads.base import Drafter
+
+CONFIGS: dict[str, type[DrafterConfig]] = {}  # drafter.type -> its Config, from the import line below
+_DRAFTERS: dict[str, type[Drafter]] = {}  # drafter.type -> its Drafter, once `drafters` imported their modules
 
 
-def register(cls: type[Drafter]) -> type[Drafter]:
-    if cls.type in REGISTRY:
-        raise ValueError(f"drafter type {cls.type!r} registered twice")
-    REGISTRY[cls.type] = cls
+def register_config(cls: type[DrafterConfig]) -> type[DrafterConfig]:
+    if cls.type in CONFIGS:
+        raise ValueError(f"drafter config type {cls.type!r} registered twice")
+    CONFIGS[cls.type] = cls
     return cls
 
 
+def register(cls: type[Drafter]) -> type[Drafter]:
+    if cls.type in _DRAFTERS:
+        raise ValueError(f"drafter type {cls.type!r} registered twice")
+    _DRAFTERS[cls.type] = cls
+    return cls
+
+
+def unknown_kind(name: str, known) -> UserError:
+    return UserError(f"unknown drafter.type {name!r}; known types: {', '.join(sorted(known))}")
+
+
+def config_class(name: str) -> type[DrafterConfig]:
+    """The recipe's drafter section's schema for `drafter.type=name` (no torch imported)."""
+    if name not in CONFIGS:
+        raise unknown_kind(name, CONFIGS)
+    return CONFIGS[name]
+
+
+def drafter_module(config: type[DrafterConfig]) -> str:
+    """The module of a Config's drafter: heads/<name>.py beside heads/<name>_config.py."""
+    return config.__module__.removesuffix("_config")
+
+
+def drafters() -> dict[str, type[Drafter]]:
+    """drafter.type -> its Drafter class, every kind's module imported (torch, seconds) on the first call."""
+    for config in CONFIGS.values():
+        importlib.import_module(drafter_module(config))
+    return _DRAFTERS
+
+
 def drafter_class(name: str) -> type[Drafter]:
-    if name not in REGISTRY:
-        raise UserError(f"unknown drafter.type {name!r}; known types: {', '.join(sorted(REGISTRY))}")
-    return REGISTRY[name]
+    registry = drafters()
+    if name not in registry:
+        raise unknown_kind(name, registry)
+    return registry[name]
 
 
-# each module registers its kinds
-from draftsmith.heads import dflash, draft_model, eagle, eagle3, gemma4_assistant, medusa, medusa2, mtp  # noqa: E402,F401,I001
+# Names of the drafters' side that this package has always offered, importing torch only when one is read.
+DRAFTER_SIDE = {
+    "Drafter": "draftsmith.heads.base",
+    "load_drafter": "draftsmith.heads.base",
+    "DraftState": "draftsmith.heads.proposer",
+    "DraftTree": "draftsmith.heads.proposer",
+    "DynamicTree": "draftsmith.heads.proposer",
+    "Proposer": "draftsmith.heads.proposer",
+    "Tree": "draftsmith.heads.proposer",
+    "TargetShape": "draftsmith.target",
+}
+
+
+def __getattr__(name: str):
+    if name == "REGISTRY":
+        return drafters()
+    if name in DRAFTER_SIDE:
+        return getattr(importlib.import_module(DRAFTER_SIDE[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# each module registers its kind's config
+from draftsmith.heads import (  # noqa: E402,F401,I001
+    dflash_config, draft_model_config, eagle_config, eagle3_config, gemma4_assistant_config, medusa_config,
+    medusa2_config, mtp_config,
+)  # fmt: skip
 
 __all__ = [
+    "CONFIGS",
     "REGISTRY",
     "DraftState",
     "DraftTree",
@@ -38,7 +105,10 @@ __all__ = [
     "Proposer",
     "TargetShape",
     "Tree",
+    "config_class",
     "drafter_class",
+    "drafters",
     "load_drafter",
     "register",
+    "register_config",
 ]

@@ -1,6 +1,7 @@
-"""The drafter contract. Every drafter architecture is one file in heads/ with two sides.
+"""The drafter contract. Every drafter architecture is one file in heads/ with two sides, and its Config beside it.
 
-Training side, `Drafter` (an nn.Module) and its `Config` (a dataclass: the recipe's drafter section):
+Training side, `Drafter` (an nn.Module) and its `Config` (a dataclass: the recipe's drafter section, in
+heads/<kind>_config.py, which imports no torch: heads/config.py):
 - `Config.check(target)`: one-line errors for bad settings, before any model or data is touched
   (`target` is the target's shape when it is known from its config.json alone, else None);
 - `features(config, target)`: which target outputs it trains and drafts from (a FeatureRequest),
@@ -14,8 +15,8 @@ Training side, `Drafter` (an nn.Module) and its `Config` (a dataclass: the recip
 - `loss(batch, target_out)`: `(loss_sum, count, stats)`: the loss *summed* over the tokens it scores,
   its normaliser `count` (= `loss_tokens(batch)`) and per-sample (per-document) metric statistics, for
   padded and packed batches alike (heads/packing.py). See "The loss contract" below;
-- `loss_tokens(batch)`: that normaliser from the batch alone, computable on the host before the batch
-  moves to the device (the trainer counts a whole optimizer step before its first forward);
+- `loss_tokens(batch)`: that normaliser from the batch alone (with its `host_fields`), computable on the host
+  before the batch moves to the device (the trainer counts a whole optimizer step before its first forward);
 - `host_fields(batch)`: what `loss` reads of the batch as host values, counted there before the batch
   moves to the device (none by default; DFlash's blocks per row), which every caller of `loss` adds;
 - `param_groups()`: the trainable parameters with learning-rate scales.
@@ -60,6 +61,7 @@ from torch import nn
 
 from draftsmith.errors import UserError, one_line
 from draftsmith.files import read_json, require_readable, write_text_atomic
+from draftsmith.heads.config import DrafterConfig
 from draftsmith.heads.proposer import Proposer
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
@@ -79,23 +81,6 @@ class FlopProfile:
 
     passes: int = 1
     once: tuple[str, ...] = ()
-
-
-class DrafterConfig:
-    """Base of every drafter's Config dataclass."""
-
-    # Keys that set how it trains or decodes, not what its weights compute: a warm start may change
-    # them (`architecture`); every other key must be the starting drafter's.
-    SETTINGS: ClassVar[tuple[str, ...]] = ()
-    # Keys from_target fills from the target (a layer's or a whole model's HF config, to rebuild it on
-    # load): neither a setting nor a choice of the recipe's, and recorded in full by the checkpoint only.
-    RESOLVED: ClassVar[tuple[str, ...]] = ("decoder",)
-    # Keys naming released weights a fresh drafter starts from (a Hub id or folder): a warm start or a resume
-    # starts from its own folder instead, so they fix nothing about the weights it loads.
-    STARTS: ClassVar[tuple[str, ...]] = ()
-
-    def check(self, target: Optional[TargetShape] = None) -> None:
-        """Raise a one-line UserError for a bad setting. `target`: the target's shape when known."""
 
 
 class Drafter(nn.Module):
@@ -292,45 +277,6 @@ def per_sample_stats(
         return torch.zeros(batch_size, device=rows.device).index_add_(0, rows, value)
 
     return {name: torch.stack([summed(value), counts], dim=-1) for name, value in values.items()}
-
-
-def check_mask_token(mask_token_id: Optional[int], target: Optional[TargetShape], required_by: str = "") -> None:
-    """A drafter's mask token (P-EAGLE's, PARD's, DFlash's): a token of the target's vocabulary, which
-    the engine feeds at the masked positions; `required_by` names the setting that needs one."""
-    if required_by and mask_token_id is None:
-        raise UserError(
-            f"{required_by} needs drafter.mask_token_id: the token the engine feeds at the masked positions "
-            "(any token of the target's vocabulary)"
-        )
-    if target is not None and mask_token_id is not None and not 0 <= mask_token_id < target.vocab_size:
-        raise UserError(
-            f"drafter.mask_token_id={mask_token_id} is not a token of the target's {target.vocab_size}-token vocabulary"
-        )
-
-
-def check_layer_ids(layers: list[int], num_layers: int, key: str, default: Optional[str], advice: str) -> None:
-    """One-line UserErrors for target layer ids (draftsmith's convention, draftsmith.target) that a
-    drafter concatenates: none given, ids the target lacks, or not strictly increasing (the engines
-    concatenate the captured states in layer order). `default` describes the rule that chose the ids
-    when the recipe left `key` unset (None: the recipe set them); then the error advises setting
-    `key` to `advice`, since a small target's default can be unusable."""
-    if default is None:
-        where, hint = f"{key}={layers}", ""
-    else:
-        where, hint = (
-            f"{default} = {layers} for this {num_layers}-layer target",
-            f"; set {key} to {advice} of your own, e.g. [0, 1, 2]",
-        )
-    if not layers:
-        raise UserError(f"{key} is empty: name at least one target layer")
-    bad = [layer for layer in layers if not -1 <= layer < num_layers]
-    if bad:
-        raise UserError(
-            f"{where}: layer id(s) {bad} out of range for a target with {num_layers} layers (valid: "
-            f"-1..{num_layers - 1}){hint}"
-        )
-    if any(b <= a for a, b in zip(layers, layers[1:])):
-        raise UserError(f"{where}: ids must be distinct and increasing (engines concatenate the layers in order){hint}")
 
 
 def architecture(config: DrafterConfig) -> dict[str, Any]:

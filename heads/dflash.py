@@ -52,16 +52,17 @@ learned mask `mask_embedding [H]`, the one tensor the public layout lacks (it na
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Optional
 
 import torch
 from torch import nn
 
 from draftsmith.errors import UserError
-from draftsmith.families import layer_family, tap_layers
+from draftsmith.families import tap_layers
 from draftsmith.heads import register
-from draftsmith.heads.base import DrafterConfig, check_layer_ids, check_mask_token, per_sample_stats
+from draftsmith.heads.base import per_sample_stats
+from draftsmith.heads.dflash_config import DFlashConfig
 from draftsmith.heads.dflash_layer import DFlashLayer, add_qk_norm
 from draftsmith.heads.dflash_proposer import DFlashProposer
 from draftsmith.heads.eagle_base import EagleBase, import_qualified, start_from_norm
@@ -69,94 +70,18 @@ from draftsmith.heads.packing import conversation_rand, documents, num_documents
 from draftsmith.heads.vocab_loss import chunk_rows_for, cross_entropy, soft_cross_entropy
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
-LOSSES = ("ce", "soft_ce")
-WEIGHTINGS = ("decay", "dpace")  # per block position: exp(-(k-1)/loss_decay), or D-PACE's from confidence
-ROW_BLOCKS = "dflash_row_blocks"  # the batch's key for `host_fields`' count: the blocks of its fullest row
+# The batch's keys for `host_fields`' counts: the blocks of its fullest row (the loss's width), and of all its rows
+ROW_BLOCKS, BLOCKS = "dflash_row_blocks", "dflash_blocks"
 
 
-@dataclass
-class DFlashConfig(DrafterConfig):
-    type: str = "dflash"  # the drafter kind (registry key)
-    SETTINGS = ("anchors", "loss", "loss_decay", "loss_weighting", "dpace_alpha", "tree_topk")  # see DrafterConfig
-    num_layers: int = 2  # draft decoder layers (the reference uses 5 for a 36-layer target)
-    # Target layers whose states form the context, our ids (= DFlash's target_layer_ids; speculators'
-    # aux_hidden_state_layer_ids = ours + 1). None: num_layers ids spread evenly over [1, L-3].
-    target_layers: Optional[list[int]] = None
-    block_size: int = 8  # block = anchor + block_size-1 masks: proposes up to block_size-1 tokens
-    anchors: int = 64  # training: blocks per sequence at most (random loss-bearing anchors)
-    loss: str = "ce"  # ce: to the data's tokens; soft_ce: to the target's distribution
-    loss_decay: float = 7.0  # block position k's loss weight exp(-(k-1)/loss_decay) (loss_weighting=decay)
-    # dpace: D-PACE's weights, from the draft's confidence (the default: +4.7% chain τ on SmolLM2, docs/recipes.md);
-    # decay: the weights above
-    loss_weighting: str = "dpace"
-    dpace_alpha: float = 0.5  # D-PACE's smoothing of the confidence, in (0, 1]
-    tree_topk: int = 8  # DDTree: candidates per block position; eval.tree = node budget
-    # The mask queries' input: this token's row of the target's (frozen) embedding, as vLLM embeds
-    # DFlash's mask queries (dflash_config.mask_token_id); null learns a vector (not exportable).
-    mask_token_id: Optional[int] = None
-    qk_norm: bool = True  # per-head RMSNorm on queries and keys (Qwen3's), as vLLM's DFlash layers apply
-    # The family of the draft's own decoder layers (draftsmith.families); llama with qk_norm is the
-    # function of vLLM's DFlash layers (Qwen3's), whatever the target's family.
-    layer_family: str = "llama"
-    decoder: Optional[dict] = None  # the draft layers' classes and config, resolved by from_target
-
-    def check(self, target: Optional[TargetShape] = None) -> None:
-        layer_family(self.layer_family)
-        if self.num_layers < 1:
-            raise UserError(f"drafter.num_layers must be >= 1 (got {self.num_layers})")
-        if self.block_size < 2:
-            raise UserError(
-                f"drafter.block_size must be >= 2 (the anchor and at least one mask; got {self.block_size})"
-            )
-        if self.anchors < 1 or self.tree_topk < 1 or self.loss_decay <= 0:
-            raise UserError(
-                f"drafter.anchors and tree_topk must be >= 1 and loss_decay > 0 (got {self.anchors}, {self.tree_topk}, "
-                f"{self.loss_decay})"
-            )
-        if self.loss not in LOSSES:
-            raise UserError(f"drafter.loss={self.loss!r} is not one of {', '.join(LOSSES)}")
-        if self.loss_weighting not in WEIGHTINGS:
-            raise UserError(f"drafter.loss_weighting={self.loss_weighting!r} is not one of {', '.join(WEIGHTINGS)}")
-        if self.loss_weighting == "dpace" and self.loss != "ce":
-            raise UserError(
-                "drafter.loss_weighting=dpace reads each position's confidence from its cross-entropy to the data's "
-                "token: set drafter.loss=ce, or drafter.loss_weighting=decay for the soft cross-entropy"
-            )
-        if not 0 < self.dpace_alpha <= 1:
-            raise UserError(f"drafter.dpace_alpha={self.dpace_alpha} must be in (0, 1]")
-        # a weighting's own setting given to the other one, which never reads it
-        reader, key = {"dpace": ("decay", "loss_decay"), "decay": ("dpace", "dpace_alpha")}[self.loss_weighting]
-        if getattr(self, key) != getattr(DFlashConfig, key):
-            raise UserError(
-                f"drafter.{key}={getattr(self, key)} is read only with drafter.loss_weighting={reader}, and this "
-                f"recipe's is {self.loss_weighting}: leave it at its default, or set drafter.loss_weighting={reader}"
-            )
-        check_mask_token(self.mask_token_id, target)
-        if target is not None:
-            default = (
-                None if self.target_layers is not None else "DFlash's default target layers (spread over [1, L-3])"
-            )
-            check_layer_ids(
-                self.layers_for(target.num_hidden_layers),
-                target.num_hidden_layers,
-                "drafter.target_layers",
-                default,
-                "distinct layers",
-            )
-
-    def layers_for(self, num_layers: int) -> list[int]:
-        """The context layers, the even spread for a target of `num_layers` layers when unset."""
-        if self.target_layers is not None:
-            return [int(layer) for layer in self.target_layers]
-        return default_target_layers(num_layers, self.num_layers)
-
-
-def default_target_layers(num_target_layers: int, count: int) -> list[int]:
-    """`count` ids spread evenly over [1, L-3] (the middle layer when count is 1)."""
-    if count == 1:
-        return [num_target_layers // 2]
-    low, high = 1, num_target_layers - 3
-    return [round(low + index * (high - low) / (count - 1)) for index in range(count)]
+def host_field(batch: dict, key: str) -> int:
+    """A count `DFlash.host_fields` added to the batch, or a KeyError that says to add it."""
+    if key not in batch:
+        raise KeyError(
+            f"the DFlash loss reads batch[{key!r}], counted on the host before the batch moves to the device: "
+            "pass batch | drafter.host_fields(batch) (heads/base.py)"
+        )
+    return batch[key]
 
 
 @register
@@ -336,16 +261,16 @@ class DFlash(EagleBase):
 
     def loss_tokens(self, batch: dict) -> torch.Tensor:
         """DFlash trains on blocks, so its normaliser counts blocks, not tokens: exactly the blocks the
-        loss samples (`row_blocks`; heads/base.py, "The loss contract"). A function of the batch alone, for
-        the host."""
-        return self.row_blocks(batch).sum()
+        loss samples (`row_blocks`; heads/base.py, "The loss contract"), as `host_fields` counted them."""
+        return torch.tensor(host_field(batch, BLOCKS))
 
     def host_fields(self, batch: dict) -> dict[str, int]:
         """The blocks of the batch's fullest row (at least 1), the width A of the loss's [B, A] blocks
         (heads/base.py `host_fields`). Counted on the host so that no shape of the loss waits for the device,
         and exact, not a static bound (anchors x the documents a packed row holds, or its length), which would
-        run many empty blocks."""
-        return {ROW_BLOCKS: max(1, int(self.row_blocks(batch).max()))}
+        run many empty blocks. With them the batch's blocks, `loss_tokens`, counted once."""
+        blocks = self.row_blocks(batch)
+        return {ROW_BLOCKS: max(1, int(blocks.max())), BLOCKS: int(blocks.sum())}
 
     def loss(self, batch: dict, target_out: TargetOutput):
         """Weighted (soft) cross-entropy over every block position k >= 1 whose token x_{a+k} exists
@@ -366,17 +291,12 @@ class DFlash(EagleBase):
         `accepted`, per anchor the number of leading block positions whose argmax is right, what a
         greedy chain of block_size-1 would accept on this data.
         """
-        if ROW_BLOCKS not in batch:
-            raise KeyError(
-                f"the DFlash loss reads batch[{ROW_BLOCKS!r}], counted on the host before the batch moves to the "
-                "device: pass batch | drafter.host_fields(batch) (heads/base.py)"
-            )
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
         rows, length = input_ids.shape
         size = self.config.block_size
         docs, num_docs = documents(batch), num_documents(batch)
         draws = conversation_rand(batch, (), input_ids.device, self.optimizer_step if self.training else None)
-        anchors, real = self.sample_anchors(loss_mask, draws, batch[ROW_BLOCKS], docs)
+        anchors, real = self.sample_anchors(loss_mask, draws, host_field(batch, ROW_BLOCKS), docs)
         outputs = self.blocks(input_ids, target_out.layers, anchors, batch)[:, :, 1:]  # [B, A, S-1, H]
 
         scored = anchors[..., None] + torch.arange(1, size, device=input_ids.device)  # x_{a+k}, k = 1..S-1

@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import copy
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -42,10 +42,11 @@ import torch.nn.functional as F
 from draftsmith.errors import UserError
 from draftsmith.families import ATTENTION_KINDS, COMPRESSED, layer_types
 from draftsmith.heads import register
-from draftsmith.heads.base import Drafter, DrafterConfig, check_mask_token, per_sample_stats
-from draftsmith.heads.distill import KINDS, LOSSES, distill_loss, divergences, loss_terms
+from draftsmith.heads.base import Drafter, per_sample_stats
+from draftsmith.heads.distill import KINDS, distill_loss, divergences, loss_terms
+from draftsmith.heads.draft_model_config import DraftModelConfig
 from draftsmith.heads.draft_model_proposer import DraftModelProposer
-from draftsmith.heads.lora import ADAPTER_DIR, LoraSection
+from draftsmith.heads.lora import ADAPTER_DIR
 from draftsmith.heads.packing import (
     causal_document_mask,
     causal_lm_inputs,
@@ -58,58 +59,6 @@ from draftsmith.heads.packing import (
 from draftsmith.heads.vocab_loss import at_rows, chunk_rows_for, rows_loss
 from draftsmith.model_files import read_pretrained
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
-
-
-@dataclass
-class DraftModelConfig(DrafterConfig):
-    type: str = "draft_model"  # the drafter kind (registry key)
-    SETTINGS = ("init", "loss", "mix_weights", "ce_weight", "temperature", "parallel_tokens")  # see DrafterConfig
-    RESOLVED = ("model_config",)
-    STARTS = ("name_or_path",)
-    name_or_path: Optional[str] = None  # an HF causal LM with the target's vocab; None = build from the target
-    init: str = "layers"  # with name_or_path unset: the target's first `num_layers` layers
-    num_layers: int = 1  # decoder layers of a draft built from the target
-    loss: str = "fkl"  # fkl | rkl | tvd | mix (see heads/distill.py)
-    mix_weights: List[float] = field(default_factory=lambda: [1.0, 0.0, 1.0])  # loss=mix: weights of fkl, rkl, tvd
-    ce_weight: float = 0.0  # extra cross-entropy on the data's own next tokens
-    temperature: float = 1.0  # distillation temperature, applied to both distributions
-    lora: Optional[LoraSection] = None  # train LoRA adapters only (merged into the saved weights)
-    model_config: Optional[dict] = None  # filled by from_target: the draft's HF config, to rebuild it on load
-    # PARD: one draft forward proposes `parallel_tokens` tokens, the later ones read at mask_token_id
-    # positions (vLLM: speculative_config parallel_drafting=true, the draft's config.json pard_token) ...
-    parallel_drafting: bool = False
-    mask_token_id: Optional[int] = None  # ... a token of the target's vocabulary (required with parallel_drafting)
-    parallel_tokens: int = 4  # ... tokens per forward that training teaches: the longest chain it proposes
-
-    def __post_init__(self):
-        self.lora = LoraSection.coerce(self.lora)
-
-    def check(self, target: Optional[TargetShape] = None) -> None:
-        if self.loss not in LOSSES:
-            raise UserError(f"drafter.loss={self.loss!r} is not one of {', '.join(LOSSES)}")
-        weights = list(self.mix_weights)
-        if len(weights) != 3 or min(weights) < 0 or sum(weights) <= 0 or self.temperature <= 0 or self.ce_weight < 0:
-            raise UserError(
-                "need 3 drafter.mix_weights >= 0 (fkl, rkl, tvd; not all 0), drafter.temperature > 0 and ce_weight >= "
-                f"0 (got {weights}, {self.temperature}, {self.ce_weight})"
-            )
-        if self.name_or_path is None and self.model_config is None:
-            if self.init != "layers":
-                raise UserError(
-                    f"drafter.init={self.init!r} is not supported (use 'layers', or set drafter.name_or_path)"
-                )
-            if self.num_layers < 1 or (target is not None and self.num_layers > target.num_hidden_layers):
-                limit = (
-                    f"the target's {target.num_hidden_layers} layers"
-                    if target is not None
-                    else "the target's layer count"
-                )
-                raise UserError(f"drafter.num_layers={self.num_layers} must be between 1 and {limit}")
-        if self.lora is not None:
-            self.lora.check()
-        check_mask_token(self.mask_token_id, target, "drafter.parallel_drafting=true" if self.parallel_drafting else "")
-        if self.parallel_tokens < 2:
-            raise UserError(f"drafter.parallel_tokens={self.parallel_tokens} must be >= 2")
 
 
 @register

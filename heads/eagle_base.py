@@ -24,11 +24,6 @@ if TYPE_CHECKING:
     from transformers import DynamicCache
 
 
-def check_tree_settings(config) -> None:
-    if config.tree_depth < 1 or config.tree_topk < 1:
-        raise UserError(f"drafter.tree_depth and tree_topk must be >= 1 (got {config.tree_depth}, {config.tree_topk})")
-
-
 def import_qualified(name: str):
     """A class named in a checkpoint's config. Only transformers' own model code may be named: a
     checkpoint is data, and must not be able to make us import arbitrary modules."""

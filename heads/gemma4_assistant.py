@@ -39,7 +39,7 @@ export: vLLM never drafts its `suppress_tokens` (their logits -inf), nor does th
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
@@ -48,16 +48,14 @@ from torch import nn
 from draftsmith.errors import UserError
 from draftsmith.families import within_window
 from draftsmith.heads import register
-from draftsmith.heads.base import Drafter, DrafterConfig, FlopProfile
+from draftsmith.heads.base import Drafter, FlopProfile
+from draftsmith.heads.gemma4_assistant_config import ASSISTANT_MODEL_TYPE, AssistantConfig
 from draftsmith.heads.packing import documents, positions, shifted
 from draftsmith.heads.proposer import DraftState, DraftTree, Proposer, Tree
-from draftsmith.heads.vocab_loss import check_steps_ahead, chunk_rows_for, steps_ahead_loss
+from draftsmith.heads.vocab_loss import chunk_rows_for, steps_ahead_loss
 from draftsmith.model_files import read_pretrained
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, local_target_config
 
-# The target text models whose KV cache an assistant reads (transformers' model_type), and the assistant's.
-TARGET_MODEL_TYPES = ("gemma4_text",)
-ASSISTANT_MODEL_TYPE = "gemma4_assistant"
 SLIDING, FULL = "sliding_attention", "full_attention"
 FRESH_LAYERS = 2  # a fresh assistant's layers (drafter.num_layers null): a sliding-window one, a full-attention one
 # The released names of the assistant's vocabulary table and the drafter's (module docstring).
@@ -67,33 +65,6 @@ GENERATION = "generation_config"
 # Keys of the target's text config an assistant does not take over (the assistant's config class refuses
 # per-layer inputs, experts and double-wide MLPs; its layers share every key and value).
 NOT_INHERITED = ("architectures", "model_type", "transformers_version", "dtype", "num_kv_shared_layers")
-
-
-@dataclass
-class AssistantConfig(DrafterConfig):
-    type: str = "gemma4_assistant"  # the drafter kind (registry key)
-    SETTINGS = ("ttt_steps", "ttt_decay")  # see DrafterConfig
-    STARTS = ("released_assistant",)
-    # A released assistant to start from (its folder, or a Hub id with a network): its configuration and weights;
-    # null: a fresh assistant at the target's shape, shaped by the three keys below (null where it is released).
-    released_assistant: Optional[str] = None
-    num_layers: Optional[int] = None  # decoder layers (null: 2): sliding-window attention, the last full attention
-    hidden_width: Optional[int] = None  # the assistant's hidden size; null: the target's
-    mlp_width: Optional[int] = None  # its MLP's intermediate size; null: the target's
-    ttt_steps: int = 3  # training-time test: draft steps unrolled, each fed the previous step's output
-    ttt_decay: float = 0.8  # step i's loss weighs ttt_decay**i
-    decoder: Optional[dict] = None  # the assistant's transformers config and the target's store layers
-
-    def check(self, target: Optional[TargetShape] = None) -> None:
-        for key in ("num_layers", "hidden_width", "mlp_width"):
-            if getattr(self, key) is not None and getattr(self, key) < 1:
-                raise UserError(f"drafter.{key} must be >= 1 or null (got {getattr(self, key)})")
-        check_steps_ahead(self)
-        if target is not None and target.model_type not in TARGET_MODEL_TYPES:
-            raise UserError(
-                f"drafter.type={self.type}: the assistant reads a Gemma-4 target's KV cache; this target is "
-                f"{target.model_type}: train another kind (eagle3, mtp where the target ships an MTP layer)"
-            )
 
 
 def store_layers(values: dict) -> dict[str, int]:

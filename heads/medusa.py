@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -19,35 +18,12 @@ from torch import nn
 
 from draftsmith.errors import UserError
 from draftsmith.heads import register
-from draftsmith.heads.base import EVAL_SPLIT_METRICS, Drafter, DrafterConfig, per_sample_stats
+from draftsmith.heads.base import EVAL_SPLIT_METRICS, Drafter, per_sample_stats
+from draftsmith.heads.medusa_config import MedusaConfig
 from draftsmith.heads.packing import documents, num_documents, same_document
 from draftsmith.heads.proposer import DraftState, DraftTree, Proposer
 from draftsmith.heads.vocab_loss import chunk_rows_for, cross_entropy
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
-
-
-@dataclass
-class MedusaConfig(DrafterConfig):
-    type: str = "medusa"  # the drafter kind (registry key)
-    SETTINGS = ("loss_decay", "loss_weights", "init_lm_heads_from_target", "tree_topk")  # see DrafterConfig
-    num_heads: int = 3  # heads, one per draft position: the longest chain
-    num_layers: int = 1  # residual SiLU blocks per head
-    loss_decay: float = 0.8  # head k's loss weight is loss_decay**(k-1) ...
-    loss_weights: Optional[List[float]] = None  # ... unless given explicitly, one per head
-    init_lm_heads_from_target: bool = True  # each head's output layer starts as a copy of the target's lm_head
-    tree_topk: int = 10  # candidates per head considered when building a tree
-
-    def check(self, target: Optional[TargetShape] = None) -> None:
-        if self.num_heads < 1 or self.num_layers < 0:
-            raise UserError(
-                f"drafter.num_heads must be >= 1 and num_layers >= 0 (got {self.num_heads}, {self.num_layers})"
-            )
-        if self.loss_weights is not None and len(self.loss_weights) != self.num_heads:
-            raise UserError(f"drafter.loss_weights has {len(self.loss_weights)} values for {self.num_heads} heads")
-        if self.loss_decay <= 0 or self.tree_topk < 1:
-            raise UserError(
-                f"drafter.loss_decay must be > 0 and tree_topk >= 1 (got {self.loss_decay}, {self.tree_topk})"
-            )
 
 
 class ResidualBlock(nn.Module):

@@ -29,7 +29,7 @@ target's class (`carrier`, heads/mtp_layer.py).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -39,8 +39,9 @@ from torch import nn
 
 from draftsmith.errors import UserError
 from draftsmith.heads import register
-from draftsmith.heads.base import WEIGHTS_NAME, DrafterConfig, FlopProfile
-from draftsmith.heads.eagle_base import EagleBase, check_tree_settings, import_qualified
+from draftsmith.heads.base import WEIGHTS_NAME, FlopProfile
+from draftsmith.heads.eagle_base import EagleBase, import_qualified
+from draftsmith.heads.mtp_config import MtpConfig
 from draftsmith.heads.mtp_layer import (
     Layout,
     block_from_checkpoint,
@@ -57,7 +58,7 @@ from draftsmith.heads.packing import (
     shifted,
 )
 from draftsmith.heads.proposer import DraftState
-from draftsmith.heads.vocab_loss import check_steps_ahead, chunk_rows_for, steps_ahead_loss
+from draftsmith.heads.vocab_loss import chunk_rows_for, steps_ahead_loss
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, loaded_config
 
 if TYPE_CHECKING:
@@ -109,23 +110,6 @@ UNSERVED = {
 # decoder whose layers hold queries only and attend to the target's own KV cache.
 GEMMA4_ASSISTANT = "an assistant model: transformers' gemma4_assistant, vLLM's gemma4_mtp"
 SEPARATE_MODEL = {"Gemma4ForCausalLM": GEMMA4_ASSISTANT, "Gemma4ForConditionalGeneration": GEMMA4_ASSISTANT}
-
-
-@dataclass
-class MtpConfig(DrafterConfig):
-    type: str = "mtp"  # the drafter kind (registry key)
-    SETTINGS = ("ttt_steps", "ttt_decay", "tree_depth", "tree_topk")  # see DrafterConfig
-    ttt_steps: int = 3  # training-time test: draft steps unrolled, each fed the previous step's output
-    ttt_decay: float = 0.8  # step i's loss weighs ttt_decay**i
-    tree_depth: int = 5  # dynamic tree (EAGLE-2) in draftsmith's eval: draft steps ...
-    tree_topk: int = 4  # ... children per expanded node and nodes expanded per step
-    decoder: Optional[dict] = None  # the MTP layer's classes, config and layout, resolved by from_target
-
-    def check(self, target: Optional[TargetShape] = None) -> None:
-        check_tree_settings(self)
-        check_steps_ahead(self)
-        if target is not None:
-            check_target_folder(target.name_or_path)
 
 
 def layout_of(config: dict) -> Layout:

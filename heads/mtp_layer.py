@@ -7,12 +7,14 @@ Apart from the drafter (heads/mtp.py), which holds the table of layouts and trai
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 from safetensors import safe_open
@@ -62,16 +64,31 @@ class Layout:
         return {int(found[1]) for found in map(pattern.match, names) if found and int(found[1]) >= first}
 
 
-def tensor_names(folder: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file of a checkpoint folder that holds it (headers only)."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return {name: folder / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def tensor_names(folder: Path) -> Mapping[str, Path]:
+    """Tensor name -> the safetensors file of a checkpoint folder that holds it (headers only). Read once per
+    checkpoint as its files stand (their sizes and times name it): a start asks three times (the recipe's check,
+    the drafter's own when it is built, reading the layer), and a release's index or headers are megabytes."""
+    index = folder / INDEX_NAME
+    files = (index,) if index.is_file() else tuple(sorted(folder.glob("*.safetensors")))
+    return names_in(tuple((path, stat.st_mtime_ns, stat.st_size) for path in files for stat in [path.stat()]))
+
+
+@functools.lru_cache(maxsize=4)
+def names_in(stamped: tuple[tuple[Path, int, int], ...]) -> Mapping[str, Path]:
+    """`tensor_names` of a folder's index or its safetensors files (`stamped`: each with its time and size), read-only
+    as every caller shares it."""
     names: dict[str, Path] = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            names.update(dict.fromkeys(f.keys(), path))
-    return names
+    for path, _, _ in stamped:
+        if path.name == INDEX_NAME:
+            stored = json.loads(path.read_text())["weight_map"]
+            names.update({name: path.parent / file for name, file in stored.items()})
+        else:
+            with safe_open(str(path), "pt") as f:
+                names.update(dict.fromkeys(f.keys(), path))
+    return MappingProxyType(names)
 
 
 def checkpoint_folder(name_or_path: str) -> Path:

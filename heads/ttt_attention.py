@@ -41,9 +41,6 @@ from draftsmith.errors import UserError
 from draftsmith.families import within_window
 
 ATTENTION = "eagle3_ttt"
-BACKENDS = ("auto", "dense", "flex")
-
-
 BLOCK = 128  # flex attention's block: the flat layout's length is a multiple of it
 # Compiled flex graphs a process may build: one per (length bucket, grad mode, dtype, head shape). Buckets are
 # powers of two from 128 up to rows x width (8 up to 16,384 positions), so a training run with its held-out

@@ -48,7 +48,6 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from draftsmith.errors import UserError
 from draftsmith.heads.base import per_sample_stats
 from draftsmith.heads.packing import documents, num_documents, same_document, shifted
 
@@ -306,14 +305,6 @@ class _RowsLoss(torch.autograd.Function):
             grad_rows = grad_rows.masked_fill(~kept[:, None], 0)
             grad.index_put_((index // logits.shape[1], index % logits.shape[1]), grad_rows)
         return grad, None, None, None, None, None
-
-
-def check_steps_ahead(config) -> None:
-    """One-line errors for the settings `steps_ahead_loss` reads: `ttt_steps` and `ttt_decay`."""
-    if config.ttt_steps < 1:
-        raise UserError(f"drafter.ttt_steps must be >= 1 (got {config.ttt_steps})")
-    if not 0 < config.ttt_decay <= 1:
-        raise UserError(f"drafter.ttt_decay={config.ttt_decay} must be in (0, 1]")
 
 
 def steps_ahead_loss(

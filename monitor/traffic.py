@@ -40,7 +40,7 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import Any, Optional
 
-from draftsmith.data_prep.conversations import DEFAULT_DOMAIN
+from draftsmith.data_prep.records import DEFAULT_DOMAIN
 from draftsmith.data_prep.turns import TOOL_CALLS_KEY, TOOL_KEYS, normalize_turn
 from draftsmith.errors import UserError
 from draftsmith.files import write_text_atomic

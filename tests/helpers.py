@@ -13,6 +13,7 @@ import gzip
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -39,6 +40,7 @@ from draftsmith.trainer.curve import CURVE_JSON
 
 # -- the checkout, the demo data and the real entry points (conftest's fixtures use them too) ---------
 REPO = Path(__file__).resolve().parent.parent
+LOG_LINE = re.compile(r"\d\d:\d\d:\d\d \S+: ")  # how a line of the log starts (draftsmith.cli.LOG_FORMAT)
 
 
 def benchmark_module(name: str):
@@ -149,7 +151,7 @@ def run_entry_in_process(args: list[str], capsys=None) -> subprocess.CompletedPr
     killed or signalled): the same script (`train.py ...`) or module (`-m eval ...`) run as `__main__`
     in this process, its exit code and output. No interpreter start and no imports to pay for (about
     5 s a run); the output of a real process (nothing printed on import) is checked by
-    tests/test_recipes.py, once per entry point. The log lines go to stdout as in a process of its own:
+    tests/test_recipes.py, once per entry point. The log lines go to stderr as in a process of its own:
     there draftsmith's logging.basicConfig does it, here pytest's handlers on the root logger make
     basicConfig a no-op. Without `capsys` (in a fixture wider than a test) the output stays in pytest's
     capture, shown with a failure, and the result holds none."""
@@ -159,10 +161,13 @@ def run_entry_in_process(args: list[str], capsys=None) -> subprocess.CompletedPr
     argv, code = sys.argv, 0
     if capsys:
         capsys.readouterr()
-    root, to_stdout = logging.getLogger(), logging.StreamHandler(sys.stdout)
+    from draftsmith.cli import LOG_DATE_FORMAT, LOG_FORMAT
+
+    root, to_stderr = logging.getLogger(), logging.StreamHandler(sys.stderr)
+    to_stderr.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATE_FORMAT))
     level = root.level
     root.setLevel(logging.INFO)
-    root.addHandler(to_stdout)
+    root.addHandler(to_stderr)
     try:
         if args[0] == "-m":
             sys.argv = [args[1], *args[2:]]
@@ -174,7 +179,7 @@ def run_entry_in_process(args: list[str], capsys=None) -> subprocess.CompletedPr
         code = exit.code if isinstance(exit.code, int) else 1
     finally:
         sys.argv = argv
-        root.removeHandler(to_stdout)
+        root.removeHandler(to_stderr)
         root.setLevel(level)
     out, err = capsys.readouterr() if capsys else ("", "")
     return subprocess.CompletedProcess(args, code, out, err)
@@ -182,17 +187,17 @@ def run_entry_in_process(args: list[str], capsys=None) -> subprocess.CompletedPr
 
 def assert_one_line_error(result, code: int, fragment: str = "", prefix: str = "error: ", alone: bool = False) -> str:
     """A refusal as users see it: exit code `code`, stderr's last non-blank line the only one starting
-    with `prefix` and containing `fragment`, and no traceback; with `alone`, nothing else on stderr (a
-    real process, whose imports print nothing; otherwise progress bars of work already started, or a
-    warning, may precede the line). `result` is a finished process (`run_entry`, `run_entry_in_process`
-    or `subprocess.run`). Returns the line."""
+    with `prefix` and containing `fragment`, and no traceback; with `alone`, nothing else on stderr but log
+    lines (a real process, whose imports print nothing; otherwise progress bars of work already started, or
+    a warning, may precede the line). `result` is a finished process (`run_entry`,
+    `run_entry_in_process` or `subprocess.run`). Returns the line."""
     stderr = result.stderr
     lines = [line for line in stderr.splitlines() if line.strip()]  # splitlines also ends a line at "\r"
     assert result.returncode == code, (result.returncode, stderr[-2000:])
     assert lines and [line for line in lines if line.startswith(prefix)] == [lines[-1]], stderr[-2000:]
     assert fragment in lines[-1], (fragment, lines[-1])
     assert "Traceback" not in stderr, stderr[-2000:]
-    assert not alone or len(lines) == 1, stderr[-2000:]
+    assert not alone or all(LOG_LINE.match(line) for line in lines[:-1]), stderr[-2000:]
     return lines[-1]
 
 

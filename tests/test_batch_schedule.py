@@ -135,8 +135,8 @@ def test_the_rows_the_sweep_writes_are_what_the_export_reads(tmp_path):
                 "metrics": {**metrics, "accepted_per_position": accepted}}  # fmt: skip
 
     served = {"vllm_version": "0.32.0", "engine_settings": {"runner": "cpu"}, "process_s": 1.0}
-    plain = measured_row("plain", 0, level(100.0, 100, [], [[1, 2]]), None, served, 2, None)
-    drafted = measured_row("d", 1, level(110.0, 160, [60], [[1, 2]]), plain, served, 2, "abc")
+    plain = measured_row("plain", 0, level(100.0, 100, [], [[1, 2]]), None, served, {"threads": 2}, None)
+    drafted = measured_row("d", 1, level(110.0, 160, [60], [[1, 2]]), plain, served, {"threads": 2}, "abc")
     path = tmp_path / "sweep.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in (plain, drafted)))
     rows = read_sweep(path)

@@ -88,6 +88,21 @@ def test_load_sweep_resumes_a_drafters_rows_only_for_the_checkpoint_its_run_dir_
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
+def test_load_sweep_resumes_rows_only_of_the_load_it_measures(load_sweep, tmp_path):
+    """Rows that record their load (export/sweep.py Load.settings) resume only under the same settings, the
+    refusal naming the flag; rows from before settings were recorded are taken as they are."""
+    settings = {"target": "t", "dtype": "float32", "new_tokens": 64, "requests_per_slot": 2, "min_requests": 8,
+                "threads": 2, "prompts_sha256": "p" * 64}  # fmt: skip
+    path = tmp_path / "sweep.jsonl"
+    rows = [sweep_row("plain", 0, 1, 1.0), sweep_row("plain", 0, 2, 1.0) | {"load": settings}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    load_sweep.require_same_load([path, tmp_path / "repeats.jsonl"], settings)
+    with pytest.raises(UserError, match="measured with threads=2, this run's is 1: give --threads 2 to resume"):
+        load_sweep.require_same_load([path], settings | {"threads": 1})
+    with pytest.raises(UserError, match="measured with prompts_sha256=p+, this run's is q+: give the same prompts_sha"):
+        load_sweep.require_same_load([path], settings | {"prompts_sha256": "q" * 64})
+
+
 def test_load_sweep_refuses_before_it_writes_anything(load_sweep, tmp_path, monkeypatch, capsys):
     """Run from another directory than the repository's: RUN_DIR and --out are that directory's."""
     target = AutoModelForCausalLM.from_pretrained(REFERENCE_TARGET, dtype=torch.float32)

@@ -79,8 +79,8 @@ def test_damaged_weights_are_named_in_one_line_and_latest_intact_resumes_from_th
 
     resumed = run_entry_in_process(["train.py", *args, "train.resume=latest_intact"], capsys)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert f"checkpoint {newest} is damaged (model.safetensors is {size // 2} bytes" in resumed.stdout
-    assert "resumed from" in resumed.stdout and "step_0000001 at step 1" in resumed.stdout
+    assert f"checkpoint {newest} is damaged (model.safetensors is {size // 2} bytes" in resumed.stderr
+    assert "resumed from" in resumed.stderr and "step_0000001 at step 1" in resumed.stderr
     assert checkpoint_damage(output_dir / "checkpoints" / "step_0000002") is None  # trained again
 
 

@@ -23,7 +23,8 @@ from draftsmith.eval.loop import generate, prefill, propose, verify_step
 from draftsmith.eval.sampling import Sampling
 from draftsmith.heads import drafter_class, load_drafter
 from draftsmith.heads.base import TargetShape
-from draftsmith.heads.dflash import ROW_BLOCKS, default_target_layers
+from draftsmith.heads.dflash import ROW_BLOCKS
+from draftsmith.heads.dflash_config import default_target_layers
 from draftsmith.heads.dflash_proposer import best_first_tree
 from draftsmith.heads.packing import causal_lm_inputs, conversation_rand, documents, num_documents
 from draftsmith.heads.proposer import DynamicTree
@@ -138,6 +139,21 @@ def test_loss_scores_block_position_k_against_x_a_plus_k(model, drafter):
     assert int(count) == int(real.sum()) == int(drafter.loss_tokens(batch))
     assert stats["block4/top1"][2, 1] == 0  # row 2's blocks reach x_{a+4} past the sequence: never scored
     assert stats["accepted"][:, 1].tolist() == real.sum(1).tolist()  # one value per real anchor
+
+
+def test_host_fields_count_a_micro_batchs_blocks_once_for_the_loss_and_its_normaliser(drafter, monkeypatch):
+    """`host_fields` counts the blocks per row once; the loss's width and `loss_tokens` (what the trainer sums
+    over a step before its first forward) both read that count, and a batch without it is refused by name."""
+    ids = torch.arange(48).view(2, 24) % VOCAB
+    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.bool)}
+    counted = []
+    row_blocks = drafter.row_blocks
+    monkeypatch.setattr(drafter, "row_blocks", lambda batch: counted.append(1) or row_blocks(batch))
+    with pytest.raises(KeyError, match=r"dflash_blocks.*drafter.host_fields\(batch\)"):
+        drafter.loss_tokens(batch)
+    batch |= drafter.host_fields(batch)
+    assert int(drafter.loss_tokens(batch)) == int(row_blocks(batch).sum()) == 2 * drafter.config.anchors
+    assert batch[ROW_BLOCKS] == drafter.config.anchors and len(counted) == 1
 
 
 def test_dpace_weighs_each_position_by_the_accepted_length_riding_on_it(model, drafter):

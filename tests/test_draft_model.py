@@ -459,7 +459,7 @@ def test_an_empty_answer_ends_its_conversation_at_the_turn_before_it():
     from omegaconf import OmegaConf
 
     from draftsmith.data_prep.answer_engines import Answer
-    from draftsmith.data_prep.conversations import normalize_record
+    from draftsmith.data_prep.records import normalize_record
     from draftsmith.data_prep.regenerate import regenerate_batch
     from draftsmith.target import load_tokenizer
 

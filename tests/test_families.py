@@ -446,11 +446,12 @@ def test_no_target_family_is_named_in_product_code():
     from draftsmith.families import DRAFT_LAYER_FAMILIES
     from draftsmith.formats.repo import VLLM_NO_STATE_CAPTURE
     from draftsmith.formats.versions import VLLM_IMPORTS_TORCHVISION
-    from draftsmith.heads.gemma4_assistant import ASSISTANT_MODEL_TYPE, TARGET_MODEL_TYPES
+    from draftsmith.heads.gemma4_assistant_config import ASSISTANT_MODEL_TYPE, TARGET_MODEL_TYPES
     from draftsmith.heads.mtp import LAYOUTS, SEPARATE_MODEL, UNSERVED
 
     tables = {
-        "heads/gemma4_assistant.py": {*TARGET_MODEL_TYPES, ASSISTANT_MODEL_TYPE},
+        "heads/gemma4_assistant.py": {ASSISTANT_MODEL_TYPE},  # the kind's name, the assistant's model type
+        "heads/gemma4_assistant_config.py": {*TARGET_MODEL_TYPES, ASSISTANT_MODEL_TYPE},
         "formats/repo.py": set(VLLM_NO_STATE_CAPTURE),
         "formats/versions.py": set(VLLM_IMPORTS_TORCHVISION),
         "heads/mtp.py": {*LAYOUTS, *UNSERVED, *SEPARATE_MODEL},

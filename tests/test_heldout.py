@@ -180,10 +180,10 @@ def test_a_step_counts_accumulation_and_an_epoch_says_what_it_leaves_out(tmp_pat
     result = run("train.max_steps=2")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "an epoch is 2 steps of 4 conversations: 2 of the 10 training conversations are left out of each one" in (
-        result.stdout
+        result.stderr
     )
     shorter = run("train.max_steps=1", output="shorter")  # no epoch ends: none is left out
-    assert shorter.returncode == 0 and "left out of each one" not in shorter.stdout
+    assert shorter.returncode == 0 and "left out of each one" not in shorter.stderr
 
 
 @pytest.mark.parametrize(
@@ -266,7 +266,7 @@ def test_resume_continues_the_best_and_the_curve_exactly(heldout_run, tmp_path, 
 
     resumed = run_entry_in_process(["train.py", *args, "train.resume=true"], capsys)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout and "step_0000002" in resumed.stdout
+    assert "resumed from" in resumed.stderr and "step_0000002" in resumed.stderr
     a, b = read_log(heldout_run), read_log(killed)
     for step in (3, 4):
         for key in ("train/loss", "heldout/tau_est", "train/tokens"):
@@ -293,12 +293,12 @@ def test_patience_stops_training_on_acceptance_and_a_resume_counts_on(tmp_path, 
                       "train.lr=1e-12", "data.eval=[]")  # fmt: skip
     first = run_entry_in_process(["train.py", *args, "train.patience=2"], capsys)
     assert first.returncode == 0, first.stderr[-3000:]
-    assert "stopped at step 3 of 10: 2 held-out evaluations in a row without beating step 1's tau_est" in first.stdout
+    assert "stopped at step 3 of 10: 2 held-out evaluations in a row without beating step 1's tau_est" in first.stderr
     assert max(read_log(out)) == 3 and json.loads((out / "run_summary.json").read_text())["ended"] == "patience"
     assert json.loads((out / BEST_DIR / BEST_JSON).read_text())["step"] == 1 and (out / "final").is_dir()
 
     resumed = run_entry_in_process(["train.py", *args, "train.patience=3", "train.resume=true"], capsys)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "stopped at step 4 of 10: 3 held-out evaluations" in resumed.stdout
+    assert "stopped at step 4 of 10: 3 held-out evaluations" in resumed.stderr
     assert [row["step"] for row in read_curve(out)["rows"]] == [1, 2, 3, 4]
     assert json.loads((out / "run_summary.json").read_text())["steps"] == 4

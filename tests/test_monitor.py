@@ -468,7 +468,7 @@ def test_a_new_engine_version_is_a_reverify_not_a_drift(tmp_path, capsys):
         engine.serve(2000, DROPPED)
         result = run_entry_in_process(["-m", "monitor", "check", *args], capsys)
         assert result.returncode == Outcome.REVERIFY == 13, result.stderr[-1000:]
-        [line] = [line for line in result.stdout.splitlines() if line.startswith("monitor: ")]
+        [line] = result.stdout.splitlines()  # the check's result alone: its log lines are on stderr
         assert line.startswith("monitor: reverify: ") and "checked in vLLM 0.32.0" in line and "vLLM 0.33.0 at" in line
         assert (
             f"draftsmith export recipe=RECIPE checkpoint={folder.parent / 'final'} export.output={folder.parent} "

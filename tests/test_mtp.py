@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -26,7 +29,7 @@ from draftsmith.formats import Source, exporter_for
 from draftsmith.formats.repo import TargetInfo, check_tensors
 from draftsmith.heads import drafter_class
 from draftsmith.heads.mtp import LAYOUTS, write_random_layer
-from draftsmith.heads.mtp_layer import read_layer, shipped_shapes
+from draftsmith.heads.mtp_layer import names_in, read_layer, shipped_shapes, tensor_names
 from draftsmith.random_target import write_random_target
 from draftsmith.recipe import load_recipe
 from draftsmith.target import TargetShape, load_target, local_target_shape, run_target
@@ -243,6 +246,21 @@ def test_a_shipped_layer_of_another_shape_is_one_line(family, targets):
         with pytest.raises(UserError, match=r"MTP layer does not match the target.* is \[\d+, \d+\]") as err:
             MTP.from_layer(MTP.Config(), model, str(folder), cut)
         assert name.rsplit(".", 2)[-2] in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_start_reads_the_checkpoints_tensor_names_once_and_again_when_its_weights_change(targets, tmp_path):
+    """The recipe's check, the drafter's own when it is built and reading its layer each ask for the target's tensor
+    names (a release's index or safetensors headers: megabytes): one read serves a start, until the files change."""
+    folder, model = targets("glm4_moe")
+    names_in.cache_clear()
+    cfg = load_recipe(["recipe=mtp", f"target.name_or_path={folder}", f"output_dir={tmp_path / 'run'}"])
+    MTP.from_target(OmegaConf.to_object(cfg.drafter), model, str(folder))
+    assert (names_in.cache_info().misses, names_in.cache_info().hits) == (1, 2)
+    copy = Path(shutil.copytree(folder, tmp_path / "target"))
+    weights = copy / "model.safetensors"
+    assert "extra.weight" not in tensor_names(copy)
+    save_file({**load_file(weights), "extra.weight": torch.zeros(1)}, weights, metadata={"format": "pt"})
+    assert tensor_names(copy)["extra.weight"] == weights
 
 
 def test_train_refuses_a_target_without_one_before_loading_it(capsys):

@@ -17,7 +17,7 @@ import pytest
 from draftsmith.engines import SERVING_ENGINES
 from draftsmith.errors import UserError
 from draftsmith.formats import EXPORTERS
-from draftsmith.heads import REGISTRY, Drafter, DrafterConfig
+from draftsmith.heads import CONFIGS, REGISTRY, Drafter, DrafterConfig
 from draftsmith.recipe import load_recipe
 from tests.helpers import REPO, demo_recipe, product_strings, train_in_process
 
@@ -135,6 +135,7 @@ def test_a_new_kind_proposes_chains_and_the_recipe_check_refuses_a_tree_before_a
     from draftsmith.resources import recipes_dir
 
     monkeypatch.setitem(REGISTRY, Unexported.type, Unexported)
+    monkeypatch.setitem(CONFIGS, Unexported.type, UnexportedConfig)
     raw = yaml.safe_load((recipes_dir() / f"{demo_recipe(KINDS[0])}.yaml").read_text())
     recipe = tmp_path / "unexported.yaml"
     recipe.write_text(yaml.safe_dump({**raw, "drafter": {"type": Unexported.type}}))
@@ -176,11 +177,14 @@ NOT_KIND_NAMES = {("formats/repo.py", "eagle3"), ("formats/repo.py", "dflash"), 
 
 def test_no_kind_is_named_outside_its_own_files_and_the_registry():
     """Product code knows a kind only through the registry (heads.REGISTRY, formats.EXPORTERS): a string
-    equal to a kind's name appears only in heads/<kind>.py, the format module that declares it, and
-    its recipes (docs and tests may name kinds)."""
+    equal to a kind's name appears only in heads/<kind>.py, its Config's heads/<kind>_config.py, the format
+    module that declares it, and its recipes (docs and tests may name kinds)."""
     import inspect
 
-    own = {kind: {f"heads/{inspect.getmodule(cls).__name__.rsplit('.', 1)[-1]}.py"} for kind, cls in REGISTRY.items()}
+    def heads_file(declared: type) -> str:
+        return f"heads/{inspect.getmodule(declared).__name__.rsplit('.', 1)[-1]}.py"
+
+    own = {kind: {heads_file(cls), heads_file(cls.Config)} for kind, cls in REGISTRY.items()}
     for kind, exporter in EXPORTERS.items():
         own[kind].add(f"formats/{inspect.getmodule(type(exporter)).__name__.rsplit('.', 1)[-1]}.py")
     found = [

@@ -71,7 +71,7 @@ def test_a_rerun_is_refused_resumed_or_started_over_and_nothing_is_deleted(tmp_p
 
     resumed = run_entry_in_process(["train.py", *args, "train.resume=true"], capsys)  # the latest checkpoint; finished
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resumed from" in resumed.stdout and "step_0000002" in resumed.stdout
+    assert "resumed from" in resumed.stderr and "step_0000002" in resumed.stderr
     # train.overwrite=true starts over: the earlier run moves aside, and nothing of it is resumed or mixed in.
     fresh = run_entry_in_process(
         ["train.py", *args[:-2], "train.max_steps=1", "train.save_every=1", "train.overwrite=true"], capsys
@@ -106,7 +106,7 @@ def test_a_resume_continues_as_the_run_began_or_is_refused_in_one_line(tmp_path,
     checkpoint = split / "checkpoints" / "step_0000003"
     resumed = run_entry_in_process(["train.py", *args(split, *resplit, f"train.resume={checkpoint}")], capsys)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resumed on another split of the run's 8 conversations a step" in resumed.stdout
+    assert "resumed on another split of the run's 8 conversations a step" in resumed.stderr
     ours = read_log(split)
     assert ours[4]["train/tokens"] == theirs[4]["train/tokens"] and ours[4]["train/lr"] == theirs[4]["train/lr"]
     assert ours[4]["train/loss"] == pytest.approx(theirs[4]["train/loss"], rel=1e-6)
@@ -182,7 +182,7 @@ def test_a_lock_whose_holder_died_is_taken_over_with_a_warning(tmp_path, small_d
     assert (out / LOCK_NAME).exists()
     result = run_entry_in_process(["train.py", *train_args(out, small_data, token_cache, "train.max_steps=1")], capsys)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert f"taking over the lock of pid {holder.pid}" in result.stdout and "that job is gone" in result.stdout
+    assert f"taking over the lock of pid {holder.pid}" in result.stderr and "that job is gone" in result.stderr
 
 
 # -- 3. preemption ----------------------------------------------------------------------------------
@@ -268,7 +268,7 @@ def test_a_nan_batch_is_skipped_and_counted_then_the_run_stops_naming_where(
     )
     result = run_entry_in_process(["train.py", *args], capsys)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "non-finite loss or gradient at step" in result.stdout and "target final hidden state" in result.stdout
+    assert "non-finite loss or gradient at step" in result.stderr and "target final hidden state" in result.stderr
     log = read_log(skipping)
     assert log[6]["train/skipped_steps"] >= 1
     assert all(torch.isfinite(t).all() for t in load_file(str(skipping / "final" / "model.safetensors")).values())

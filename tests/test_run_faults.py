@@ -15,7 +15,7 @@ from draftsmith.errors import UserError
 from draftsmith.recipe import load_recipe
 from tests.helpers import assert_one_line_error, run_entry_in_process, train_args
 
-RESUME_ADVICE = "run the same command again to continue (a training run: with train.resume=true)"
+RESUME_ADVICE = "run the same command with train.resume=true to continue"
 
 
 @pytest.mark.parametrize("command", [["train.py"], ["-m", "data_prep.capture"]], ids=["train", "capture"])
@@ -105,7 +105,7 @@ def test_a_resume_keyword_or_path_passes_the_recipe_check_and_a_missing_path_is_
 def test_the_advice_to_run_again_holds_for_a_training_run(tmp_path, small_data, token_cache, monkeypatch, capsys):
     """Exit 74's line said "run the same command again", which a training run refuses (its output_dir holds an
     earlier run, exit 2): it names train.resume=true, with which the same command continues. So does the line of
-    SIGTERM outside the training loop (exit 75), which does not know which command it stops either."""
+    SIGTERM outside the training loop (exit 75), which now knows the command it stops."""
     import draftsmith.trainer.loop as loop
 
     out = tmp_path / "run"

@@ -114,7 +114,7 @@ def test_a_warm_start_begins_at_its_start_and_its_saved_recipe_reads_what_it_tra
     resume = [a for a in args if not a.startswith("train.init_from=")]
     resume += ["train.resume=true", f"train.init_from={tmp_path / 'cold'}"]
     done = run_entry_in_process(["train.py", *resume], capsys)
-    assert done.returncode == 0 and f"this run began from {output_dir / 'final'} (its recipe.yaml)" in done.stdout
+    assert done.returncode == 0 and f"this run began from {output_dir / 'final'} (its recipe.yaml)" in done.stderr
     assert yaml.safe_load((warm / "recipe.yaml").read_text())["train"]["init_from"] == str(output_dir / "final")
 
 
@@ -148,7 +148,7 @@ def test_the_precision_a_run_computes_in_is_logged_recorded_and_kept_by_its_resu
         began = run_entry_in_process(args, capsys)
         assert began.returncode == 0, began.stderr[-2000:]
         assert "mixed precision: bf16 (accelerate launch's mixed_precision, under train.mixed_precision=auto)" in (
-            began.stdout
+            began.stderr
         )
         assert yaml.safe_load((out / "recipe.yaml").read_text())["train"]["mixed_precision"] == "bf16"
         monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")
@@ -160,6 +160,6 @@ def test_the_precision_a_run_computes_in_is_logged_recorded_and_kept_by_its_resu
         AcceleratorState._reset_state(reset_partial_state=True)
         resumed = run_entry_in_process([*resume, "train.mixed_precision=bf16"], capsys)
         assert resumed.returncode == 0, resumed.stderr[-2000:]
-        assert "mixed precision: bf16 (train.mixed_precision=bf16)" in resumed.stdout
+        assert "mixed precision: bf16 (train.mixed_precision=bf16)" in resumed.stderr
     finally:  # later in-process runs start from a fresh state, as a process does
         AcceleratorState._reset_state(reset_partial_state=True)

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from draftsmith.data_prep.dataset import split_heldout_rows
 from draftsmith.errors import UserError
 from draftsmith.files import read_json
 from draftsmith.heads import drafter_class
@@ -57,7 +58,7 @@ def split_heldout(dataset, count: int, step_size: int):
             f"fewer than one step of {step_size} (processes x train.micro_batch_size x train.grad_accum); lower "
             "train.heldout"
         )
-    return dataset.select(range(left)), dataset.select(range(left, len(dataset)))
+    return split_heldout_rows(dataset, count)
 
 
 @torch.no_grad()

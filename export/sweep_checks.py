@@ -1,0 +1,97 @@
+"""What `draftsmith sweep` (export/sweep.py) refuses before it measures, each in one line (exit 2): an output
+folder another stage published, γs beyond what the drafter proposes, and a resume onto rows of another
+checkpoint or measured with other settings (their summary would report this run's settings for all)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+from draftsmith.errors import UserError
+from draftsmith.formats.repo import EXPORT_INFO
+
+OUTPUT_KEY = "export.sweep.output"
+# a row's load setting (export/sweep.py's Load.settings) -> the recipe key that sets it
+LOAD_KEYS = {
+    "target": "target.name_or_path",
+    "dtype": "target.dtype",
+    "new_tokens": "eval.max_new_tokens",
+    "requests_per_slot": "export.sweep.requests_per_slot",
+    "min_requests": "export.sweep.min_requests",
+    "threads": "export.sweep.cpu_threads",
+}
+
+
+def require_own_output(output: Path, checkpoint: Path) -> None:
+    """`output` neither in the checkpoint (its files count in the sha256 the rows are matched by) nor in an export's
+    engine folder (export/run.py publishes one with its draftsmith_export.json: the rows and the sweep's own export
+    would be served and pushed with it), nor an export.output holding such folders."""
+    resolved = output.resolve()
+    if resolved.is_relative_to(checkpoint.resolve()):
+        raise UserError(
+            f"{OUTPUT_KEY}={str(output)!r} is inside the checkpoint {checkpoint}: its files would count in the "
+            "checkpoint's sha256, which the rows are matched by; give a folder outside it"
+        )
+    published = next((folder for folder in [resolved, *resolved.parents] if (folder / EXPORT_INFO).is_file()), None)
+    if published is None and resolved.is_dir():
+        published = next((child for child in sorted(resolved.iterdir()) if (child / EXPORT_INFO).is_file()), None)
+    if published is not None:
+        raise UserError(
+            f"{OUTPUT_KEY}={str(output)!r} writes into the export {published} (its {EXPORT_INFO}): the sweep's "
+            "rows and its own export would be served and pushed with it; give a folder of its own (unset: "
+            "<output_dir>/sweep)"
+        )
+
+
+def require_proposes(gammas: Sequence[int], longest: Optional[int], method: str, checkpoint: Path) -> None:
+    """Every γ of the sweep within the checkpoint's longest chain (its own config: a read-only command does not
+    hold the recipe's drafter section to the checkpoint's), or the first γ beyond it fails in vLLM only after
+    the plain and n-gram levels have run, minutes in."""
+    if longest is not None and max(gammas) > longest:
+        within = ",".join(map(str, range(1, longest + 1)))
+        raise UserError(
+            f"export.sweep.gammas={list(gammas)} but the {method} drafter in {checkpoint} proposes at most {longest} "
+            f"tokens a step: give γs up to {longest} (export.sweep.gammas=[{within}])"
+        )
+
+
+def require_same_checkpoint(path: Path, rows: list[dict[str, Any]], digest: str) -> None:
+    """No drafter rows of another checkpoint in the sweep resumed."""
+    others = {row.get("source_sha256") for row in rows if row.get("source_sha256") not in (None, digest)}
+    if others:
+        raise UserError(
+            f"{path} holds a sweep of another checkpoint (sha256 {min(others)[:12]}); "
+            f"give this one another {OUTPUT_KEY}"
+        )
+
+
+def require_same_load(path: Path, rows: list[dict[str, Any]], settings: dict[str, Any], vllm_version: str) -> None:
+    """The rows resumed measured as this run measures: `settings` (Load.settings) and the vLLM. A row is measured
+    once (export/sweep.py's `measure`), so one of other settings would stand in the summary for this run's."""
+    again = f"give this sweep another {OUTPUT_KEY}"
+    for row in rows:
+        if "load" not in row:
+            raise UserError(
+                f"{path} holds rows that do not record the settings they were measured with (written before "
+                f"draftsmith recorded them): {again}"
+            )
+        if row["engine"]["vllm_version"] != vllm_version:
+            raise UserError(
+                f"{path} holds rows measured in vLLM {row['engine']['vllm_version']}, and export.vllm_python is vLLM "
+                f"{vllm_version}: resume with that vLLM, or {again}"
+            )
+        for name, value in settings.items():
+            measured = row["load"].get(name)
+            if measured == value:
+                continue
+            if name == "prompts_sha256":
+                raise UserError(
+                    f"{path} holds rows measured on other eval prompts (eval.data or data.eval, eval.max_prompts, "
+                    f"data.max_length, the target's tokenizer): resume with those, or {again}"
+                )
+            key = LOAD_KEYS[name]
+            raise UserError(
+                f"{path} holds rows measured at {key}={measured}, and this sweep's is {value}: set "
+                f"{key}={measured} to resume them, or {again}"
+            )

@@ -1,0 +1,85 @@
+"""The recipe's side of every drafter kind, without torch: `DrafterConfig`, the base of each kind's Config
+dataclass (the recipe's drafter section, in heads/<kind>_config.py), and the checks of settings several kinds
+share. Composing a recipe, `--help` and a refused value read only these modules (heads/__init__.py's
+`config_class`), so they answer before torch would have imported (seconds); the drafters, heads/<kind>.py,
+import it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar, Optional
+
+from draftsmith.errors import UserError
+
+if TYPE_CHECKING:
+    from draftsmith.target import TargetShape
+
+
+class DrafterConfig:
+    """Base of every drafter's Config dataclass."""
+
+    # Keys that set how it trains or decodes, not what its weights compute: a warm start may change
+    # them (`architecture`); every other key must be the starting drafter's.
+    SETTINGS: ClassVar[tuple[str, ...]] = ()
+    # Keys from_target fills from the target (a layer's or a whole model's HF config, to rebuild it on
+    # load): neither a setting nor a choice of the recipe's, and recorded in full by the checkpoint only.
+    RESOLVED: ClassVar[tuple[str, ...]] = ("decoder",)
+    # Keys naming released weights a fresh drafter starts from (a Hub id or folder): a warm start or a resume
+    # starts from its own folder instead, so they fix nothing about the weights it loads.
+    STARTS: ClassVar[tuple[str, ...]] = ()
+
+    def check(self, target: Optional[TargetShape] = None) -> None:
+        """Raise a one-line UserError for a bad setting. `target`: the target's shape when known."""
+
+
+def check_mask_token(mask_token_id: Optional[int], target: Optional[TargetShape], required_by: str = "") -> None:
+    """A drafter's mask token (P-EAGLE's, PARD's, DFlash's): a token of the target's vocabulary, which
+    the engine feeds at the masked positions; `required_by` names the setting that needs one."""
+    if required_by and mask_token_id is None:
+        raise UserError(
+            f"{required_by} needs drafter.mask_token_id: the token the engine feeds at the masked positions "
+            "(any token of the target's vocabulary)"
+        )
+    if target is not None and mask_token_id is not None and not 0 <= mask_token_id < target.vocab_size:
+        raise UserError(
+            f"drafter.mask_token_id={mask_token_id} is not a token of the target's {target.vocab_size}-token vocabulary"
+        )
+
+
+def check_layer_ids(layers: list[int], num_layers: int, key: str, default: Optional[str], advice: str) -> None:
+    """One-line UserErrors for target layer ids (draftsmith's convention, draftsmith.target) that a
+    drafter concatenates: none given, ids the target lacks, or not strictly increasing (the engines
+    concatenate the captured states in layer order). `default` describes the rule that chose the ids
+    when the recipe left `key` unset (None: the recipe set them); then the error advises setting
+    `key` to `advice`, since a small target's default can be unusable."""
+    if default is None:
+        where, hint = f"{key}={layers}", ""
+    else:
+        where, hint = (
+            f"{default} = {layers} for this {num_layers}-layer target",
+            f"; set {key} to {advice} of your own, e.g. [0, 1, 2]",
+        )
+    if not layers:
+        raise UserError(f"{key} is empty: name at least one target layer")
+    bad = [layer for layer in layers if not -1 <= layer < num_layers]
+    if bad:
+        raise UserError(
+            f"{where}: layer id(s) {bad} out of range for a target with {num_layers} layers (valid: "
+            f"-1..{num_layers - 1}){hint}"
+        )
+    if any(b <= a for a, b in zip(layers, layers[1:])):
+        raise UserError(f"{where}: ids must be distinct and increasing (engines concatenate the layers in order){hint}")
+
+
+def check_tree_settings(config) -> None:
+    """One-line errors for the dynamic tree's settings (heads/eagle_base.py's EagleProposer)."""
+    if config.tree_depth < 1 or config.tree_topk < 1:
+        raise UserError(f"drafter.tree_depth and tree_topk must be >= 1 (got {config.tree_depth}, {config.tree_topk})")
+
+
+def check_steps_ahead(config) -> None:
+    """One-line errors for the settings `steps_ahead_loss` (heads/vocab_loss.py) reads: `ttt_steps` and `ttt_decay`."""
+    if config.ttt_steps < 1:
+        raise UserError(f"drafter.ttt_steps must be >= 1 (got {config.ttt_steps})")
+    if not 0 < config.ttt_decay <= 1:
+        raise UserError(f"drafter.ttt_decay={config.ttt_decay} must be in (0, 1]")

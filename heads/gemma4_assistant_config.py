@@ -1,0 +1,45 @@
+"""The recipe's drafter section of Gemma-4's assistant (heads/gemma4_assistant.py), without torch (heads/config.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+from draftsmith.errors import UserError
+from draftsmith.heads import register_config
+from draftsmith.heads.config import DrafterConfig, check_steps_ahead
+
+if TYPE_CHECKING:
+    from draftsmith.target import TargetShape
+
+# The target text models whose KV cache an assistant reads (transformers' model_type), and the assistant's.
+TARGET_MODEL_TYPES = ("gemma4_text",)
+ASSISTANT_MODEL_TYPE = "gemma4_assistant"
+
+
+@register_config
+@dataclass
+class AssistantConfig(DrafterConfig):
+    type: str = "gemma4_assistant"  # the drafter kind (registry key)
+    SETTINGS = ("ttt_steps", "ttt_decay")  # see DrafterConfig
+    STARTS = ("released_assistant",)
+    # A released assistant to start from (its folder, or a Hub id with a network): its configuration and weights;
+    # null: a fresh assistant at the target's shape, shaped by the three keys below (null where it is released).
+    released_assistant: Optional[str] = None
+    num_layers: Optional[int] = None  # decoder layers (null: 2): sliding-window attention, the last full attention
+    hidden_width: Optional[int] = None  # the assistant's hidden size; null: the target's
+    mlp_width: Optional[int] = None  # its MLP's intermediate size; null: the target's
+    ttt_steps: int = 3  # training-time test: draft steps unrolled, each fed the previous step's output
+    ttt_decay: float = 0.8  # step i's loss weighs ttt_decay**i
+    decoder: Optional[dict] = None  # the assistant's transformers config and the target's store layers
+
+    def check(self, target: Optional[TargetShape] = None) -> None:
+        for key in ("num_layers", "hidden_width", "mlp_width"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise UserError(f"drafter.{key} must be >= 1 or null (got {getattr(self, key)})")
+        check_steps_ahead(self)
+        if target is not None and target.model_type not in TARGET_MODEL_TYPES:
+            raise UserError(
+                f"drafter.type={self.type}: the assistant reads a Gemma-4 target's KV cache; this target is "
+                f"{target.model_type}: train another kind (eagle3, mtp where the target ships an MTP layer)"
+            )

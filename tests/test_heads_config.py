@@ -1,0 +1,27 @@
+"""The kinds' configs (heads/<kind>_config.py, heads/config.py) import no torch: the recipe's schema, `--help`
+and the generated reference read them in the time they take, not the seconds torch takes to import; the drafters
+(heads/<kind>.py) are imported on first use of the registry."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from draftsmith.heads import CONFIGS, REGISTRY, config_class, drafter_module
+
+
+def test_the_schema_and_the_help_of_every_kind_import_no_torch():
+    code = (
+        "import sys; from omegaconf import OmegaConf; from draftsmith.heads import CONFIGS, config_class; "
+        "from draftsmith.recipe_keys import render_markdown, render_text; "
+        "[OmegaConf.structured(config_class(kind)) for kind in CONFIGS]; render_text(); render_markdown(); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "[]", run.stdout
+
+
+def test_every_config_is_its_drafters_and_names_the_module_beside_it():
+    assert set(CONFIGS) == set(REGISTRY)
+    for kind, cls in REGISTRY.items():
+        assert config_class(kind) is cls.Config and drafter_module(cls.Config) == cls.__module__
