@@ -29,7 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-from peer_speculators import SPECULATORS_PYTHON, own_eval, own_eval_taus, run  # benchmarks/, first on sys.path
+from peer_results import own_eval, own_eval_taus  # benchmarks/, first on sys.path
+from peer_speculators import SPECULATORS_PYTHON, run
 from provenance import provenance
 
 REPO = Path(__file__).resolve().parent.parent

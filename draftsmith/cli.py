@@ -76,7 +76,8 @@ def recipe_args(argv: Sequence[str]) -> list[str]:
 def help_text(usage: str, argv: Sequence[str], own: Sequence[str] = ()) -> str:
     """The command's usage, the common options, and the recipe keys (the given recipe's values when
     recipe=NAME is among the arguments), the command's `own` sections first."""
-    from draftsmith.recipe import compose, split_argv
+    from draftsmith.recipe import compose
+    from draftsmith.recipe_input import split_argv
     from draftsmith.recipe_keys import render_text
 
     args = recipe_args(argv)

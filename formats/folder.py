@@ -33,7 +33,8 @@ from draftsmith.heads.base import (
     check_same_target,
     saved_drafter,
 )
-from draftsmith.recipe import checkpoint_to_read, parse_overrides, recipe_advice, split_argv
+from draftsmith.recipe import checkpoint_to_read
+from draftsmith.recipe_input import parse_overrides, recipe_advice, split_argv
 from draftsmith.target import TargetShape
 
 

@@ -1,10 +1,10 @@
 """The target's own MTP layer for vLLM (`method: mtp`), fine-tuned by draftsmith (heads/mtp.py).
 
 vLLM builds an MTP drafter from a folder holding the *target's* config.json (its architecture, which vLLM
-maps to its `<family>_mtp` model: DeepSeek-V3 to deepseek_mtp, GLM-4.5 to glm4_moe_mtp, Qwen3-Next to
-qwen3_next_mtp, Qwen3.5 to qwen3_5_mtp) and the MTP layer's tensors under the names the target's
-checkpoint gives them (`model.layers.{N}.*` or `mtp.*`). So the folder is the target's config.json as it
-ships (its own keys, not transformers' `to_dict()` with its defaults and local path) with an MTP layer
+maps to its `<family>_mtp` model: DeepSeek-V3 to deepseek_mtp, DeepSeek-V3.2 to DeepseekV32MTP, GLM-4.5 to
+glm4_moe_mtp, Qwen3-Next to qwen3_next_mtp, Qwen3.5 to qwen3_5_mtp) and the MTP layer's tensors under the
+names the target's checkpoint gives them (`model.layers.{N}.*` or `mtp.*`). So the folder is the target's
+config.json as it ships (its own keys, not transformers' `to_dict()` with its defaults and local path) with an MTP layer
 count of 1 (vLLM 0.32's proposer runs the first layer for every draft step; a vision-language wrapper's,
 Qwen3.5's releases, is its language model's config, which vLLM serves alike) and the trained
 layer under exactly the names and shapes of the layer the target shipped; vLLM shares the target's

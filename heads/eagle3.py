@@ -299,11 +299,12 @@ class Eagle3(Eagle3Training, EagleBase):
     def attention_window(self) -> Optional[int]:
         return self.config.sliding_window
 
-    def draft(self, tokens, features, positions, mask=None, cache=None, **attention) -> torch.Tensor:
+    def draft(self, tokens, features, positions, mask=None, cache=None, rope=None, **attention) -> torch.Tensor:
         """o = layer(embed(x), g) for input features g (fused target features or earlier outputs);
-        see EagleBase.draft. `attention` goes to the attention function (a later training-time-test step's
-        `ttt_step`: heads/ttt_attention.py's `ttt_attention`, see `unroll`)."""
-        rope = self.rotary_emb(features, positions)
+        see EagleBase.draft. `rope`: RoPE's (cos, sin) at `positions` where the caller has them (`unroll`
+        computes every step's at once). `attention` goes to the attention function (a later training-time-test
+        step's `ttt_step`: heads/ttt_attention.py's `ttt_attention`, see `unroll`)."""
+        rope = self.rotary_emb(features, positions) if rope is None else rope
         out = self.layers[0](self.embed(tokens).to(features.dtype), features, rope, positions, mask, cache, **attention)
         return self.norm(out) if self.config.norm_output else out
 

@@ -12,7 +12,7 @@ import torch
 
 from draftsmith.heads.base import per_sample_stats
 from draftsmith.heads.packing import documents, draft_attention_mask, num_documents, positions, same_document, shifted
-from draftsmith.heads.ttt_attention import FlexLayout, StepKeys, TTTStep, resolved_backend, step_visibility
+from draftsmith.heads.ttt_attention import DenseMasks, FlexLayout, StepKeys, TTTStep, resolved_backend
 from draftsmith.heads.vocab_loss import chunk_rows_for, soft_cross_entropy
 from draftsmith.target import TargetOutput
 
@@ -47,23 +47,36 @@ class Eagle3Training:
         window = self.config.sliding_window
         start, mask = positions(batch)[:, :width], draft_attention_mask(batch, width, window)
         backend = resolved_backend(self.config.ttt_attention, input_ids.device, self.layers[0].self_attn.head_dim)
+        # What every step shares is built once: the backend's masks, each step's RoPE, P-EAGLE's mask inputs
+        layout = masks = None
         if backend == "flex":  # segments: the rows, or with a mask its documents (padding one per row)
             segments = documents(batch)[:, :width] if mask is not None else start.new_zeros(start.shape)
             layout = FlexLayout(segments, start, window, self.config.ttt_steps)
+        else:
+            masks = DenseMasks(start, mask, window)
+        fused = self.fuse(layers)[:, :width]  # step 0's input features
+        ropes = self.step_ropes(fused, start)
+        if self.config.parallel_drafting:  # every later query reads the mask, never an earlier guess
+            tokens, features = self.mask_inputs(rows * width, input_ids.device)
+            masked = tokens.view(rows, width), features.reshape(rows, width, -1)
         cache = StepKeys()  # step i's attention reads the keys of step 0 and of each position's steps 1..i
-        outputs = [self.draft(shifted(input_ids, 1, width), self.fuse(layers)[:, :width], start, mask, cache=cache)]
+        outputs = [self.draft(shifted(input_ids, 1, width), fused, start, mask, cache=cache, rope=ropes[0])]
         for step in range(1, self.config.ttt_steps):
-            if self.config.parallel_drafting:  # every later query reads the mask, never an earlier guess
-                tokens, features = self.mask_inputs(rows * width, input_ids.device)
-                tokens, features = tokens.view(rows, width), features.reshape(rows, width, -1)
+            if self.config.parallel_drafting:
+                tokens, features = masked
             else:
                 tokens, features = shifted(input_ids, 1 + step, width), outputs[-1]
-            if backend == "flex":
-                ttt_step = TTTStep(backend, layout=layout, step=step)
-            else:
-                ttt_step = TTTStep(backend, visible=step_visibility(start, step, mask, window))
-            outputs.append(self.draft(tokens, features, start + step, cache=cache, ttt_step=ttt_step))
+            ttt_step = TTTStep(backend, masks=masks, layout=layout, step=step)
+            outputs.append(self.draft(tokens, features, start + step, cache=cache, rope=ropes[step], ttt_step=ttt_step))
         return outputs
+
+    def step_ropes(self, features: torch.Tensor, start: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """RoPE's (cos, sin) [B, W, d] at every step's positions start + i, from one call over all of them: the
+        draft layers' RoPE kinds (families.PORTABLE_ROPE) have fixed frequencies and treat each row alone, so
+        these are the values a call per step gives. `features` gives the dtype and device."""
+        steps = self.config.ttt_steps
+        cos, sin = self.rotary_emb(features, torch.cat([start + step for step in range(steps)]))
+        return list(zip(cos.chunk(steps), sin.chunk(steps)))
 
     def loss(self, batch: dict, target_out: TargetOutput):
         """Soft cross-entropy to the target's distribution, summed over the TTT steps with weights

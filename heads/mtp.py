@@ -1,6 +1,6 @@
 """MTP: the target's own multi-token-prediction layer, shipped in its checkpoint, fine-tuned as the drafter.
 
-DeepSeek-V3, GLM-4.5, Qwen3-Next and Qwen3.5 ship, next to their decoder layers, a layer trained to
+DeepSeek-V3, DeepSeek-V3.2, GLM-4.5, Qwen3-Next and Qwen3.5 ship, next to their decoder layers, a layer trained to
 predict the token after next. transformers drops it at load (the families' `_keys_to_ignore_on_load_
 unexpected`); vLLM serves it as the `mtp` method. This kind reads it from the target's safetensors, builds
 it as vLLM 0.32's `*_mtp.py` model for that architecture computes it, trains it on the target's own
@@ -11,7 +11,7 @@ Draft position p reads the target's final (post-norm) hidden state f_p, the hidd
 MTP proposer, and the embedding of the next token x_{p+1}:
 
     pre = block(proj(cat(embed_norm(e(x_{p+1})), hidden_norm(f_p))))     block: one decoder layer of the
-    logits = lm_head(final_norm(pre))                                    target's family, MoE/MLA as its own
+    logits = lm_head(final_norm(pre))                                    target's family, MoE/MLA/sparse as its own
 
 where e is the target's embedding, zeroed at position 0 in the DeepSeek and GLM models, and lm_head the
 target's (vLLM shares both with the target; the checkpoint's copies are not read). A later draft step
@@ -77,6 +77,9 @@ QWEN3_5_MOE = replace(QWEN3_5, fused_experts=True)
 # Target architecture -> its MTP layout, as vLLM 0.32's models read and compute it (read from its source).
 LAYOUTS = {
     "DeepseekV3ForCausalLM": Layout("deepseek_mtp", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, True),
+    # vLLM's DeepseekV32MTP (models/deepseek_v32/): DeepSeek-V3's layer and names, its block V3.2's sparse-attention
+    # layer, whose indexer keys the drafter's cache keeps beside its keys (mtp_layer.layer_config)
+    "DeepseekV32ForCausalLM": Layout("DeepseekV32MTP", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, True),
     "Glm4MoeForCausalLM": Layout("glm4_moe_mtp", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, False),
     "Qwen3NextForCausalLM": Layout("qwen3_next_mtp", "num_nextn_predict_layers", QWEN_NAMES, False, False, True),
     "Qwen3_5ForCausalLM": QWEN3_5,
@@ -93,12 +96,6 @@ UNSERVED = {
     "Glm4MoeLiteForCausalLM": (
         "vLLM 0.32's glm4_moe_lite_mtp sets num_hidden_layers to 0 and so loads the target's layer 0 as the MTP "
         "layer, never the shipped one"
-    ),
-    # not vLLM's limit: its GPU builds serve the layer (models/deepseek_v32/nvidia/mtp.py, DeepSeek-V3's names); its
-    # CPU build runs no sparse attention, which the export refuses for every kind (formats/versions.py)
-    "DeepseekV32ForCausalLM": (
-        "its block is V3.2's sparse-attention decoder layer, whose indexer keys the MTP drafter's own KV cache does "
-        "not hold, so draftsmith cannot train or decode it (vLLM 0.32's GPU builds serve the layer as DeepseekV32MTP)"
     ),
     "DeepseekV4ForCausalLM": (
         "its MTP layer passes hyper-connection streams, a layout draftsmith does not read, and no V4 target has "
@@ -210,6 +207,11 @@ class Mtp(EagleBase):
         self.embed_norm, self.hidden_norm, self.final_norm = (norm(hidden, eps=eps) for _ in range(3))
         self.proj = nn.Linear(2 * hidden, hidden, bias=False)
         self.block = import_qualified(spec["layer"])(self.layer_config, layer_idx=0)
+        indexer = getattr(self.block.self_attn, "indexer", None)
+        if indexer is not None:
+            # V3.2's sparse-attention indexer stays as shipped: transformers runs it without gradients (DeepSeek
+            # trains it apart, on its own loss), and a parameter no loss reaches would stall DDP's reduction
+            indexer.requires_grad_(False)
 
     @classmethod
     def features(cls, config: MtpConfig, target: TargetShape) -> FeatureRequest:

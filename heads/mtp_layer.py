@@ -30,7 +30,7 @@ from draftsmith.heads.eagle_base import import_qualified
 class Layout:
     """How a target architecture's checkpoint stores its MTP layers and how vLLM 0.32 computes them."""
 
-    vllm_model: str  # vLLM's module for it (model_executor/models/<name>.py)
+    vllm_model: str  # vLLM's module for it (model_executor/models/<name>.py), or its class where a folder holds it
     count_key: str  # the config key holding the number of MTP layers
     names: tuple[str, str, str, str]  # heads/mtp.py's WRAPPER modules under the checkpoint's names
     after_layers: bool  # stored as layer N (N = num_hidden_layers) of the model, else under `mtp.`
@@ -163,7 +163,8 @@ def first_layer(name: str, layout: Layout) -> bool:
 def layer_config(target_config) -> dict:
     """The target's config for the one decoder layer the engine builds as the MTP block: of the kind of the
     layers after the dense ones (experts where the family has them: vLLM builds layer N, past
-    `first_k_dense_replace`), with full attention (vLLM's `layer_type="full_attention"`)."""
+    `first_k_dense_replace`), with full attention (vLLM's `layer_type="full_attention"`), or the family's sparse
+    attention where every layer has it (DeepSeek-V3.2: its cache layer keeps the indexer's keys too)."""
     values = target_config.to_dict()
     values = values.get("text_config") or values
     values["num_hidden_layers"] = 1
@@ -172,7 +173,8 @@ def layer_config(target_config) -> dict:
     if isinstance(values.get("mlp_layer_types"), list):
         values["mlp_layer_types"] = values["mlp_layer_types"][-1:]
     if isinstance(values.get("layer_types"), list):
-        values["layer_types"] = ["full_attention"]
+        sparse = set(values["layer_types"]) == {"indexed_attention"}
+        values["layer_types"] = ["indexed_attention" if sparse else "full_attention"]
     return values
 
 

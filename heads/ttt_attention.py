@@ -9,9 +9,9 @@ scores, so no shape depends on the data and the unroll never waits for the host.
 
 Two ways to compute a step i > 0 (`Eagle3Config.ttt_attention`):
 
-- `dense`: the scores against step 0's keys [B, heads, W, W] (masked) and the i diagonal scores side
-  by side, one float32 softmax, then the two weighted sums. The reference, and the CPU path: on a CPU
-  a fused kernel would do the same arithmetic.
+- `dense`: the scores against step 0's keys [B, heads, W, W] (masked by an additive bias built once per
+  micro-batch, `DenseMasks`) and the i diagonal scores side by side, one float32 softmax, then the two
+  weighted sums. The reference, and the CPU path: on a CPU a fused kernel would do the same arithmetic.
 - `flex`: `torch.nn.attention.flex_attention`, compiled, over one flat row: the micro-batch's rows laid
   end to end and padded to a power of two (at least 128, flex's block), the queries [1, heads, L, d] and
   the keys of every TTT step in regions of L ([1, kv heads, S·L, d], S = ttt_steps; regions past step i
@@ -50,12 +50,11 @@ FLEX_RECOMPILE_LIMIT = 64
 
 @dataclass
 class TTTStep:
-    """What a step i > 0's attention needs beyond q, k, v: the backend's view of it. `dense`: `visible`
-    [B, 1, W, W] bool, step 0's keys a query at t may read (causal, within its document and its sliding
-    window at position t + i). `flex`: the micro-batch's `FlexLayout` and the step."""
+    """What a step i > 0's attention needs beyond q, k, v: the backend's view of it, built once per micro-batch
+    (`DenseMasks` for `dense`, `FlexLayout` for `flex`), and the step."""
 
     backend: str
-    visible: Optional[torch.Tensor] = None
+    masks: Optional[DenseMasks] = None
     layout: Optional[FlexLayout] = None
     step: int = 0
 
@@ -81,15 +80,38 @@ def resolved_backend(backend: str, device: torch.device, head_dim: int) -> str:
 def step_visibility(
     start: torch.Tensor, step: int, mask: Optional[torch.Tensor], window: Optional[int]
 ) -> torch.Tensor:
-    """[B, 1, W, W] bool: the step-0 keys a step-`step` query at each position reads. `start` [B, W] the
-    RoPE positions of step 0, `mask` step 0's own mask (None: plain causal). The sliding window moves
-    with the query's position t + step (vLLM's window at draft depth step + 1)."""
-    rows, width = start.shape
+    """[B, 1, W, W] bool: the step-0 keys a step-`step` query at each position reads ([1, 1, W, W], the same
+    for every row, for plain causal attention without a window). `start` [B, W] the RoPE positions of step 0,
+    `mask` step 0's own mask (None: plain causal). The sliding window moves with the query's position
+    t + step (vLLM's window at draft depth step + 1)."""
+    width = start.shape[1]
     if mask is None:
-        mask = torch.ones(width, width, dtype=torch.bool, device=start.device).tril().expand(rows, 1, width, width)
+        mask = torch.ones(width, width, dtype=torch.bool, device=start.device).tril()[None, None]
     if window is None:
         return mask
     return mask & within_window(start[:, None, :, None] + step, start[:, None, None, :], window)
+
+
+class DenseMasks:
+    """The `dense` backend's masks of one micro-batch, for all its steps: which step-0 keys a query reads, as an
+    additive bias [B or 1, 1, W, W] float32 (0 visible, -inf hidden) that the scores take in one addition, whose
+    backward passes the gradient through (a masked fill would copy it again). Without a sliding window every
+    step reads the same keys, so one bias serves all steps; with one the window moves with the step, so each
+    step's is its own. `start`, `mask`, `window`: as `step_visibility` takes them."""
+
+    def __init__(self, start: torch.Tensor, mask: Optional[torch.Tensor], window: Optional[int]):
+        self.start, self.mask, self.window = start, mask, window
+        self.shared = None if window is not None else additive(step_visibility(start, 0, mask, None))
+
+    def bias(self, step: int) -> torch.Tensor:
+        if self.shared is not None:
+            return self.shared
+        return additive(step_visibility(self.start, step, self.mask, self.window))
+
+
+def additive(visible: torch.Tensor) -> torch.Tensor:
+    """A boolean mask (True = may attend) as scores' additive bias: 0 where True, -inf where False."""
+    return torch.where(visible, 0.0, float("-inf"))
 
 
 def ttt_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, ttt_step=None, **kwargs):
@@ -111,20 +133,23 @@ def ttt_attention(module, query, key, value, attention_mask, scaling=None, dropo
             raise ValueError("flex attention in the training-time test takes no attention dropout")
         out = flex_step(query, keys, values, own_keys, own_values, ttt_step.layout, ttt_step.step, scaling)
     else:
-        out = dense_step(query, keys, values, own_keys, own_values, ttt_step.visible, scaling, dropout)
+        bias = ttt_step.masks.bias(ttt_step.step)
+        out = dense_step(query, keys, values, own_keys, own_values, bias, scaling, dropout)
     return out.transpose(1, 2), None
 
 
-def dense_step(query, keys, values, own_keys, own_values, visible, scaling, dropout=0.0) -> torch.Tensor:
-    """Step i > 0 with every score materialised: [B, heads, W, d]. Grouped-query attention reads kv head
-    h // group for query head h without copying the keys."""
+def dense_step(query, keys, values, own_keys, own_values, bias, scaling, dropout=0.0) -> torch.Tensor:
+    """Step i > 0 with every score materialised: [B, heads, W, d]; `bias` [B or 1, 1, W, W] (`DenseMasks`) on the
+    scores against step 0's keys. Grouped-query attention reads kv head h // group for query head h without
+    copying the keys. The scale goes on the query ([.., W, d]) rather than on the scores ([.., W, W + i]):
+    a pass fewer each way, the same numbers where the scale is a power of two (head dimensions 16, 64, 256)."""
     batch, heads, width, dim = query.shape
     kv_heads = keys.shape[1]
-    grouped = query.view(batch, kv_heads, heads // kv_heads, width, dim)
+    grouped = (query * scaling).view(batch, kv_heads, heads // kv_heads, width, dim)
     scores = grouped @ keys[:, :, None].transpose(-1, -2)  # [B, kv, group, W, W] against step 0's keys
-    scores = scores.masked_fill(~visible[:, :, None], float("-inf"))
+    scores.add_(bias[:, :, None].to(scores.dtype))  # in place: the product's backward does not read it
     diagonal = torch.einsum("bkgwd,bkwid->bkgwi", grouped, own_keys)  # [B, kv, group, W, i]: its own steps
-    weights = (torch.cat([scores, diagonal], dim=-1) * scaling).softmax(-1, dtype=torch.float32).to(query.dtype)
+    weights = torch.cat([scores, diagonal], dim=-1).softmax(-1, dtype=torch.float32).to(query.dtype)
     weights = nn.functional.dropout(weights, p=dropout)
     first, own = weights.split([width, own_keys.shape[3]], dim=-1)
     out = first @ values[:, :, None] + torch.einsum("bkgwi,bkwid->bkgwd", own, own_values)

@@ -9,6 +9,7 @@ family trained and checked in vLLM."""
 from __future__ import annotations
 
 import fcntl
+import functools
 import gzip
 import importlib.util
 import json
@@ -636,6 +637,7 @@ DFLASH_TINY = {"target_layers": [-1, 0, 1], "block_size": 5, "anchors": 12}
 
 
 # -- recipes and checkpoints ----------------------------------------------------------------------
+@functools.cache  # the shipped recipes do not change during a run; reading them all took 15 ms a call
 def demo_recipe(kind: str) -> str:
     """The shipped recipe that trains `kind` on a bundled demo target (demo/target; demo/mtp-target for a
     kind that needs what only that target ships)."""
@@ -655,12 +657,11 @@ def save_drafter(
     """A fresh drafter of `kind` for `target` (the demo target unless `target_name` says otherwise) with its
     weights perturbed (so a lost or renamed tensor shows), saved as a draftsmith checkpoint. `config`: drafter
     keys, or dotted recipe keys."""
-    overrides = [f"{k}={v}" if "." in k else f"drafter.{k}={v}" for k, v in config.items()]
-    recipe = load_recipe([f"recipe={KINDS[kind]}", *overrides])
+    overrides = tuple(f"{k}={v}" if "." in k else f"drafter.{k}={v}" for k, v in config.items())
     from omegaconf import OmegaConf
 
     cls = drafter_class(kind)
-    drafter = cls.from_target(OmegaConf.to_object(recipe.drafter), target, target_name)
+    drafter = cls.from_target(OmegaConf.to_object(demo_drafter_section(kind, overrides)), target, target_name)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for parameter in drafter.parameters():
@@ -668,6 +669,14 @@ def save_drafter(
                 parameter.add_(0.02 * torch.randn(parameter.shape, generator=generator))
     drafter.save_pretrained(directory)
     return directory
+
+
+@functools.cache
+def demo_drafter_section(kind: str, overrides: tuple[str, ...]):
+    """The drafter section of `kind`'s demo recipe with `overrides`, validated as a run's recipe is: composed
+    once a process for each (30 ms a recipe; the fast tier saves a hundred checkpoints). Never changed: each
+    drafter gets its own config object (OmegaConf.to_object)."""
+    return load_recipe([f"recipe={KINDS[kind]}", *overrides]).drafter
 
 
 def assert_tree_forward_equals_path_forwards(model, prefix: list[int], tokens: torch.Tensor, parents: torch.Tensor):

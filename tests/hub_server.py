@@ -204,7 +204,10 @@ class FakeHub:
 
         self._httpd = ThreadingHTTPServer((self._host, self._port), Handler)
         self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="fake-hub", daemon=True)
+        # stop() waits until serve_forever next looks, every 0.5 s by default: every test with a Hub paid it
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.01}, name="fake-hub", daemon=True
+        )
         self._thread.start()
         return self
 

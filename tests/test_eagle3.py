@@ -302,6 +302,61 @@ def test_loss_and_stats_equal_a_straightforward_reference(model, variant, case, 
         assert expected_stats["step9/top1"][:, 1].sum() == 0 and expected_stats["step1/top1"][:, 1].sum() > 0
 
 
+# Every RoPE kind a draft layer is built with (families.PORTABLE_ROPE), at a scale that reaches the positions used
+ROPE_KINDS = {
+    "default": {},
+    "linear": {"factor": 2.0},
+    "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8},
+}
+
+
+@pytest.mark.parametrize("kind", ROPE_KINDS)
+def test_every_steps_rope_from_one_call_is_a_call_per_step(model, drafter, kind, monkeypatch):
+    """The unroll computes the RoPE of all its steps in one call (`step_ropes`): for every RoPE kind a draft
+    layer may have, each step's (cos, sin) are exactly those of a call at that step's positions, on packed rows
+    whose positions restart per document."""
+    from draftsmith.families import PORTABLE_ROPE
+
+    assert set(ROPE_KINDS) == set(PORTABLE_ROPE)
+    config = drafter.layer_config.__class__.from_dict(drafter.layer_config.to_dict())
+    config.rope_parameters = {"rope_type": kind, "rope_theta": 10000.0, **ROPE_KINDS[kind]}
+    rotary = type(drafter.rotary_emb)(config=config)
+    monkeypatch.setattr(drafter, "rotary_emb", rotary)
+    start = positions(PackingCollator(0, 40)(loss_rows()))
+    features = torch.zeros(*start.shape, 1)
+    for step, (cos, sin) in enumerate(drafter.step_ropes(features, start)):
+        expected_cos, expected_sin = rotary(features, start + step)
+        assert torch.equal(cos, expected_cos) and torch.equal(sin, expected_sin), step
+
+
+@pytest.mark.parametrize("variant", ["drafter", "windowed"])
+def test_the_unroll_builds_rope_and_masks_once_per_micro_batch(model, variant, request, monkeypatch):
+    """What does not change between TTT steps is built once per micro-batch: one RoPE call for all steps, and
+    without a sliding window one attention bias for all later steps (with one, the window moves with the
+    step: one bias each)."""
+    import draftsmith.heads.ttt_attention as ttt_attention
+
+    drafter = request.getfixturevalue(variant)
+    built = {"rope": 0, "bias": 0}
+    rotary, additive = drafter.rotary_emb.forward, ttt_attention.additive
+
+    def counted(name, function):
+        def call(*args, **kwargs):
+            built[name] += 1
+            return function(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(drafter.rotary_emb, "forward", counted("rope", rotary))
+    monkeypatch.setattr(ttt_attention, "additive", counted("bias", additive))
+    batch = PackingCollator(0, 40)(loss_rows())
+    with torch.no_grad():
+        target_out = run_target(model, batch["input_ids"], request=drafter.request, **causal_lm_inputs(batch))
+        drafter.unroll(batch["input_ids"], target_out.layers, batch)
+    steps = drafter.config.ttt_steps
+    assert built == {"rope": 1, "bias": 1 if drafter.config.sliding_window is None else steps - 1}
+
+
 @pytest.mark.parametrize("kind", ["drafter", "parallel_drafter"])
 def test_chunked_loss_equals_the_unchunked_one(model, kind, request, monkeypatch):
     """The loss walks the positions `loss_chunk_bytes` of logits at a time (the draft lm_head, softmax and

@@ -40,6 +40,7 @@ from tests.helpers import (
     exact_conditionals,
     exact_joint,
     exactness_pvalues,
+    fast_tier,
     perturbed_medusa,
     run_entry_in_process,
     tiny_llama,
@@ -223,33 +224,35 @@ ONE_HOT_CHAIN = dict(stochastic=False, tree=None, sampling=Sampling(1.0), mix=0.
 ONE_HOT_TREE = dict(stochastic=False, tree=TREE, sampling=Sampling(0.8, top_k=6), mix=0.5, samples=3 * SAMPLES)
 
 
+SAMPLING_CASES = [
+    dict(SAMPLED_CHAIN, name="chain, stochastic q", rule=exact_rule, exact=True),
+    dict(
+        ONE_HOT_CHAIN,
+        name="chain, one-hot q, top-p",
+        sampling=Sampling(1.0, top_p=0.9),
+        rule=exact_rule,
+        exact=True,
+    ),
+    dict(ONE_HOT_TREE, name="tree, one-hot q, top-k", rule=exact_rule, exact=True),
+    dict(ONE_HOT_CHAIN, name="WRONG chain, one-hot q, no residual", rule=no_residual_rule, exact=False),
+    dict(ONE_HOT_TREE, name="WRONG tree, one-hot q, no residual", samples=SAMPLES, rule=no_residual_rule, exact=False),
+    dict(SAMPLED_CHAIN, name="WRONG chain, stochastic q, one-hot residual", rule=one_hot_residual_rule, exact=False),
+    dict(SAMPLED_CHAIN, name="WRONG chain, stochastic q, sqrt(p/q) acceptance", rule=sqrt_ratio_rule, exact=False),
+    dict(
+        ONE_HOT_TREE,
+        name="WRONG tree, one-hot q, unnormalised residual",
+        rule=unnormalised_residual_rule,
+        exact=False,
+    ),
+]
+# The fast tier keeps the exact cases and one wrong rule, which shows the decoded check has the power to
+# fail one; every wrong rule fails fast where it acts (test_a_wrong_rule_fails_the_first_token_check).
+ONE_WRONG_RULE = "WRONG chain, one-hot q, no residual"
+
+
 @pytest.mark.parametrize(
     "case",
-    [
-        dict(SAMPLED_CHAIN, name="chain, stochastic q", rule=exact_rule, exact=True),
-        dict(
-            ONE_HOT_CHAIN,
-            name="chain, one-hot q, top-p",
-            sampling=Sampling(1.0, top_p=0.9),
-            rule=exact_rule,
-            exact=True,
-        ),
-        dict(ONE_HOT_TREE, name="tree, one-hot q, top-k", rule=exact_rule, exact=True),
-        dict(ONE_HOT_CHAIN, name="WRONG chain, one-hot q, no residual", rule=no_residual_rule, exact=False),
-        dict(
-            ONE_HOT_TREE, name="WRONG tree, one-hot q, no residual", samples=SAMPLES, rule=no_residual_rule, exact=False
-        ),
-        dict(
-            SAMPLED_CHAIN, name="WRONG chain, stochastic q, one-hot residual", rule=one_hot_residual_rule, exact=False
-        ),
-        dict(SAMPLED_CHAIN, name="WRONG chain, stochastic q, sqrt(p/q) acceptance", rule=sqrt_ratio_rule, exact=False),
-        dict(
-            ONE_HOT_TREE,
-            name="WRONG tree, one-hot q, unnormalised residual",
-            rule=unnormalised_residual_rule,
-            exact=False,
-        ),
-    ],
+    fast_tier(SAMPLING_CASES, lambda case: case["exact"] or case["name"] == ONE_WRONG_RULE),
     ids=lambda case: case["name"],
 )
 def test_speculative_sampling_matches_target_distribution(small_model, case, monkeypatch):
@@ -566,7 +569,8 @@ def test_an_eval_of_another_checkpoint_moves_the_earlier_report_aside(eval_setup
     root, recipe, target = eval_setup
     final = root / "run" / "final"
     best = shutil.copytree(final, tmp_path / "run" / "best")
-    cfg = load_recipe([f"recipe={recipe}", f"output_dir={tmp_path / 'run'}"])
+    cheap = ["eval.max_new_tokens=4", "eval.tree=0"]  # what is measured does not matter here, only where it goes
+    cfg = load_recipe([f"recipe={recipe}", f"output_dir={tmp_path / 'run'}", *cheap])
     eval_dir = tmp_path / "run" / "eval"
     for checkpoint in (final, final):
         run_eval(cfg, str(checkpoint), target=target)
@@ -581,7 +585,7 @@ def test_an_eval_of_another_checkpoint_moves_the_earlier_report_aside(eval_setup
     assert f"held the report of {final.resolve()}: moved to {moved}/" in said
     assert f"export.report={moved / 'report.json'}" in said
     exported = load_recipe(
-        [f"recipe={recipe}", f"export.output={tmp_path / 'x'}", f"export.report={moved / 'report.json'}"]
+        [f"recipe={recipe}", f"export.output={tmp_path / 'x'}", f"export.report={moved / 'report.json'}", *cheap]
     )
     assert export_checkpoint(exported, final, target=target)["vllm"].is_dir()
 
@@ -598,11 +602,12 @@ def test_an_export_reads_the_report_of_its_weights_wherever_the_run_moved(eval_s
     root, recipe, target = eval_setup
     run = tmp_path / "run"
     shutil.copytree(root / "run" / "final", run / "final")
-    run_eval(load_recipe([f"recipe={recipe}", f"output_dir={run}"]), str(run / "final"), target=target)
+    cheap = ["eval.max_new_tokens=4", "eval.tree=0"]  # what is measured does not matter here, only whose it is
+    run_eval(load_recipe([f"recipe={recipe}", f"output_dir={run}", *cheap]), str(run / "final"), target=target)
     moved = shutil.copytree(run, tmp_path / "moved")
 
     def export(checkpoint, output):
-        cfg = load_recipe([f"recipe={recipe}", f"output_dir={checkpoint.parent}", f"export.output={output}"])
+        cfg = load_recipe([f"recipe={recipe}", f"output_dir={checkpoint.parent}", f"export.output={output}", *cheap])
         return export_checkpoint(cfg, checkpoint, target=target)
 
     folder = export(moved / "final", tmp_path / "x")["vllm"]

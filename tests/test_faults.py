@@ -484,7 +484,8 @@ def test_every_recipe_key_a_message_names_exists():
 
     from omegaconf import OmegaConf
 
-    from draftsmith.recipe import RENAMED, compose, split_argv
+    from draftsmith.recipe import RENAMED, compose
+    from draftsmith.recipe_input import split_argv
 
     cfg, absent = compose(*split_argv(["recipe=medusa"])), object()
     files = [REPO / "train.py", *(path for root in code_folders() for path in sorted((REPO / root).rglob("*.py")))]

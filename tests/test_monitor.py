@@ -13,6 +13,7 @@ import datetime
 import gzip
 import http.server
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -38,6 +39,27 @@ from tests.helpers import REPO, assert_one_line_error, run_entry_in_process
 
 LABELS = ["model_name", "engine"]
 SERVED = "0.32.0"  # the vLLM version FakeEngine reports unless told otherwise
+
+
+def serve_in_thread(server: http.server.HTTPServer) -> None:
+    """`server` answering on a daemon thread. Its `shutdown()` waits until serve_forever next looks: every
+    0.5 s by default, which the module's 30-odd shutdowns paid in full (15 s of a 28 s run)."""
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True).start()
+
+
+def waits_pass_at_once(monkeypatch, checks: list, sigterm_after: Optional[int] = None) -> None:
+    """`watch`'s waits between checks (time.sleep against time.monotonic, in whole seconds) pass at once; with
+    `sigterm_after`, SIGTERM comes in the first wait after that many `checks` (the list the test's check
+    appends to). Real waits, and timers set to fall in one, took 1-3 s of each watch test."""
+    real_monotonic, slept = time.monotonic, [0.0]
+
+    def sleep(seconds: float) -> None:
+        slept[0] += seconds
+        if sigterm_after is not None and len(checks) >= sigterm_after:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(time, "monotonic", lambda: real_monotonic() + slept[0])
+    monkeypatch.setattr(time, "sleep", sleep)
 
 
 class FakeEngine:
@@ -78,7 +100,7 @@ class FakeEngine:
                 pass
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Endpoints)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        serve_in_thread(self.server)
         self.url = f"http://127.0.0.1:{self.server.server_port}/metrics"
 
     def restart(self) -> None:
@@ -170,7 +192,7 @@ def test_a_bad_scrape_is_one_line_and_a_failing_engine_is_temporary():
     """An HTML page or a body cut off mid-line is bad input (one line, no traceback); a refused
     connection or a 5xx (a proxy in front of a dead engine) is EngineUnavailable: exit 69, retry."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answers)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    serve_in_thread(server)
     base = f"http://127.0.0.1:{server.server_port}"
     try:
         for path in ("/200/html", "/200/cut"):
@@ -192,7 +214,7 @@ def test_a_bad_scrape_is_one_line_and_a_failing_engine_is_temporary():
 def answers():
     """The base URL of a loopback server of Answers."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answers)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    serve_in_thread(server)
     yield f"http://127.0.0.1:{server.server_port}"
     server.shutdown()
     server.server_close()
@@ -248,7 +270,7 @@ def test_the_engine_version_is_read_beside_metrics_and_a_server_without_one_is_u
     routes only /metrics) is "unknown", not an error; not answering or a 5xx is temporary (exit 69) and
     any other answer bad input, as for /metrics."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answers)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    serve_in_thread(server)
     base = f"http://127.0.0.1:{server.server_port}"
     try:
         assert engine_version(base + "/200/version/metrics") == "0.33.0"
@@ -1082,10 +1104,6 @@ def test_watch_stops_on_sigterm_during_a_check_as_check_does_and_between_checks_
     """SIGTERM to `watch` ends it as every stopped job ends, the preempted line and exit 75 (it was exit 0 with no
     line): during a check, where the check is, as `check` stops (a retraining in it resumes at the next check; it
     waited for a whole retraining to end); between checks, at once."""
-    import os
-    import signal
-    import threading
-
     from draftsmith.monitor import check as monitor_check
 
     checks = []
@@ -1104,7 +1122,7 @@ def test_watch_stops_on_sigterm_during_a_check_as_check_does_and_between_checks_
     assert len(checks) == 1 and signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
 
     monkeypatch.setattr(monitor_check, "check", lambda cfg: checks.append(cfg) or Outcome.HEALTHY)
-    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()  # in the 300 s wait after the check
+    waits_pass_at_once(monkeypatch, checks, sigterm_after=2)  # in the 300 s wait after the check
     result = run_entry_in_process(args, capsys)
     assert_one_line_error(result, 75, "stopped on SIGTERM between checks", prefix="preempted: ")
     assert len(checks) == 2 and signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
@@ -1116,8 +1134,6 @@ def test_the_redeploy_command_runs_after_each_promotion_in_check_and_watch_and_a
     """`watch` runs on after a promotion, so no scheduler sees its exit 12 and nothing rolled the export out:
     monitor.redeploy_command runs after each check that exits 12, in `check` and in `watch`, told the export by
     the environment; a command that fails is one line and the check's outcome stands."""
-    import os
-
     from draftsmith.monitor import check as monitor_check
     from draftsmith.monitor.state import State
 
@@ -1138,6 +1154,7 @@ def test_the_redeploy_command_runs_after_each_promotion_in_check_and_watch_and_a
     args = [f"output_dir={tmp_path}", f"monitor.state_dir={directory}", f"monitor.redeploy_command='{command}'"]
     result = run_entry_in_process(["-m", "monitor", "check", "recipe=medusa", *args], capsys)
     assert result.returncode == 12 and told.read_text() == "1 /srv/rev_0001/vllm\n"
+    waits_pass_at_once(monkeypatch, [])
     result = run_entry_in_process(["-m", "monitor", "watch", "recipe=medusa", *args, "monitor.interval_s=1"], capsys)
     assert result.returncode == 75 and told.read_text().splitlines() == ["1 /srv/rev_0001/vllm"] * 2
 
@@ -1439,20 +1456,20 @@ def test_a_request_without_a_time_is_malformed_and_millisecond_logs_are_refused(
 def test_watch_skips_a_check_while_another_holds_the_state_dir(tmp_path, monkeypatch, capsys):
     """A cron `check` holding the state directory ended a running `watch` (exit 2). Now `watch` says in a line that
     it skipped this interval's check and checks again at the next; a `check` alone is still refused (exit 2)."""
-    import os
-    import threading
-
     from draftsmith.monitor import check as monitor_check
 
+    checks = []
+
     def locked_out(cfg):
+        checks.append(cfg)
         with DirectoryLock(tmp_path / "monitor"):
             pass
         return Outcome.HEALTHY
 
     monkeypatch.setattr(monitor_check, "check", locked_out)
     args = ["-m", "monitor", "watch", "recipe=medusa", f"output_dir={tmp_path}", "monitor.interval_s=1"]
+    waits_pass_at_once(monkeypatch, checks, sigterm_after=2)
     with DirectoryLock(tmp_path / "monitor", "a cron check"):
-        threading.Timer(2.5, os.kill, (os.getpid(), signal.SIGTERM)).start()  # after two skipped checks
         result = run_entry_in_process(args, capsys)
     assert result.returncode == 75, result.stderr[-2000:]
     skipped = [line for line in result.stderr.splitlines() if line.startswith("monitor: check skipped: ")]
@@ -1507,9 +1524,6 @@ def test_watch_retries_a_hub_out_of_reach_as_an_engine_and_check_exits_69(tmp_pa
     """A Hub out of reach (the target of a replay, with no network) ended `watch` with exit 69, though the module
     says it exits only on bad input or a signal and an engine that does not answer is retried. Now it is one line
     and the next check tries again; a one-off `check` still exits 69."""
-    import os
-    import threading
-
     import huggingface_hub.constants as constants
 
     from draftsmith import model_files, target
@@ -1527,7 +1541,7 @@ def test_watch_retries_a_hub_out_of_reach_as_an_engine_and_check_exits_69(tmp_pa
 
     monkeypatch.setattr(monitor_check, "check", replaying)
     args = ["-m", "monitor", "watch", "recipe=medusa", f"output_dir={tmp_path}", "monitor.interval_s=1"]
-    threading.Timer(2.5, os.kill, (os.getpid(), signal.SIGTERM)).start()  # after two checks
+    waits_pass_at_once(monkeypatch, checks, sigterm_after=2)
     result = run_entry_in_process(args, capsys)
     assert result.returncode == 75, result.stderr[-2000:]
     said = [line for line in result.stderr.splitlines() if line.startswith("Hub unavailable: ")]

@@ -1,11 +1,12 @@
 """The `mtp` kind: a target's own multi-token-prediction layer, read from its checkpoint, fine-tuned and
 written back under the checkpoint's names (heads/mtp.py, formats/mtp.py).
 
-On tiny random targets of each family vLLM 0.32 serves an MTP layer for (GLM-4.5's and DeepSeek-V3's
+On tiny random targets of each family vLLM 0.32 serves an MTP layer for (GLM-4.5's, DeepSeek-V3's and V3.2's
 layout, `model.layers.{N}.*`; Qwen3-Next's, Qwen3.5's and Qwen3.5-MoE's, `mtp.*`), each given a random first
 MTP layer in its family's layout (`heads.mtp.write_random_layer`, as a released checkpoint ships one): the layer
 reads back exactly, is the block vLLM builds (the family's attention and experts), computes vLLM's
-formula, trains and decodes losslessly; Qwen3.5's vision-language wrappers, as released, train and export as
+formula, trains and decodes losslessly (V3.2's sparse-attention block with its indexer keys in the drafter's
+cache); Qwen3.5's vision-language wrappers, as released, train and export as
 their language models; targets without one are refused in one line before anything loads. The real engine
 serving the export: tests/test_mtp_vllm.py.
 """
@@ -44,7 +45,7 @@ from tests.helpers import (
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FAMILIES = ("glm4_moe", "deepseek_v3", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+FAMILIES = ("glm4_moe", "deepseek_v3", "deepseek_v32", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 SHAPE = {"hidden_size": 64, "intermediate_size": 128, "head_dim": 16}  # 4 layers: Qwen's 4th is full attention
 MTP = drafter_class("mtp")
 
@@ -109,10 +110,11 @@ def test_one_draft_step_computes_vllms_formula_from_the_checkpoint(family, targe
         embedded[:, 0] = 0
     hidden = torch.cat([rms(embedded, embed_norm, eps, qwen), rms(features, hidden_norm, eps, qwen)], -1) @ proj.T
     rope = drafter.rotary_emb(hidden, positions)
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]  # V3.2's sparse attention takes it explicit
     with torch.no_grad():
-        pre = drafter.block(hidden, position_ids=positions, position_embeddings=rope)
+        pre = drafter.block(hidden, attention_mask=causal, position_ids=positions, position_embeddings=rope)
         expected = model.lm_head(rms(pre, final_norm, eps, qwen))[0, -1].argmax()
-        fed = drafter.draft(ids, features, positions)
+        fed = drafter.draft(ids, features, positions, causal)
     assert drafter.top_tokens(fed[0, -1], 1)[1].item() == expected.item()
     # what a later step reads: the normed output (DeepSeek, Qwen) or the block's output itself (GLM)
     assert torch.allclose(fed, rms(pre, final_norm, eps, qwen) if chosen.feeds_back_normed else pre, atol=1e-5)
@@ -167,6 +169,20 @@ def test_targets_without_a_served_mtp_layer_are_refused_in_one_line(tmp_path):
         MTP.Config().check(local_target_shape(str(saved)))
 
 
+def train_and_export(folder: Path, tmp_path: Path, small_data, token_cache, capsys) -> None:
+    """`recipe=mtp` on the target at `folder` trained 2 steps into tmp_path/run and exported to tmp_path/export
+    through the real entry points."""
+    run = tmp_path / "run"
+    args = [
+        "recipe=mtp", f"target.name_or_path={folder}", f"data.train=[{small_data['train']}]", "data.eval=[]",
+        f"data.cache_dir={token_cache}", "data.max_length=64", "train.max_steps=2", "train.micro_batch_size=2",
+        "train.warmup_steps=0", "train.save_every=0", "eval.enabled=false", f"output_dir={run}",
+    ]  # fmt: skip
+    assert run_entry_in_process(["train.py", *args], capsys).returncode == 0
+    export = ["-m", "export", *args, f"checkpoint={run / 'final'}", f"export.output={tmp_path / 'export'}"]
+    assert run_entry_in_process(export, capsys).returncode == 0
+
+
 def test_a_qwen3_next_release_without_a_count_in_its_config_trains_its_shipped_layer_and_exports_its_config(
     tmp_path, small_data, token_cache, capsys
 ):
@@ -179,15 +195,7 @@ def test_a_qwen3_next_release_without_a_count_in_its_config_trains_its_shipped_l
     shipped = json.loads((folder / "config.json").read_text())
     del shipped["num_nextn_predict_layers"]
     (folder / "config.json").write_text(json.dumps(shipped))
-    run = tmp_path / "run"
-    args = [
-        "recipe=mtp", f"target.name_or_path={folder}", f"data.train=[{small_data['train']}]", "data.eval=[]",
-        f"data.cache_dir={token_cache}", "data.max_length=64", "train.max_steps=2", "train.micro_batch_size=2",
-        "train.warmup_steps=0", "train.save_every=0", "eval.enabled=false", f"output_dir={run}",
-    ]  # fmt: skip
-    assert run_entry_in_process(["train.py", *args], capsys).returncode == 0
-    export = ["-m", "export", *args, f"checkpoint={run / 'final'}", f"export.output={tmp_path / 'export'}"]
-    assert run_entry_in_process(export, capsys).returncode == 0
+    train_and_export(folder, tmp_path, small_data, token_cache, capsys)
     written = json.loads((tmp_path / "export" / "vllm" / "config.json").read_text())
     assert written == {**shipped, "num_nextn_predict_layers": 1}
     (folder / "config.json").write_text(json.dumps({**shipped, "num_nextn_predict_layers": 0}))
@@ -332,14 +340,67 @@ def test_loading_a_target_names_its_mtp_layers_in_one_line_and_keeps_transformer
     assert any("LOAD REPORT" in report and "model.stray.weight" in report for report in reports), reports
 
 
-def test_a_deepseek_v32_target_is_refused_for_what_draftsmith_cannot_run_not_for_the_cpu_build(tmp_path):
-    """The line said "vLLM 0.32's CPU build runs no sparse (indexed) attention" on every machine, though vLLM's GPU
-    builds serve V3.2's layer (DeepseekV32MTP) and the export alone refuses the CPU build: what stops it is
-    draftsmith's drafter, whose own KV cache holds no indexer keys for V3.2's sparse-attention block."""
-    folder = write_random_target("deepseek_v32", tmp_path / "v32", **SHAPE)
-    with pytest.raises(UserError) as refused:
-        MTP.Config().check(local_target_shape(str(folder)))
-    line = str(refused.value)
-    assert line.startswith("drafter.type=mtp: draftsmith does not train a DeepseekV32ForCausalLM target's MTP layer: ")
-    assert "indexer keys the MTP drafter's own KV cache does not hold" in line
-    assert "GPU builds serve the layer as DeepseekV32MTP" in line and "CPU build" not in line
+def test_the_sparse_attention_blocks_cache_keeps_and_cuts_its_indexer_keys_as_one_forward_reads_them(targets):
+    """DeepSeek-V3.2's indexer picks `index_topk` (64 here) of the keys for each query: past that many positions, draft
+    steps on the drafter's cache (decoding) compute what one forward over the sequence does (training), after a
+    rejected draft was cut away with its indexer keys (as EagleProposer.catch_up crops it)."""
+    from transformers import DynamicCache
+
+    folder, model = targets("deepseek_v32")
+    drafter = MTP.from_target(MTP.Config(), model, str(folder)).eval()
+    length, cached = 90, 80
+    assert drafter.layer_config.index_topk < cached
+    ids = torch.randint(3, 4000, (1, length), generator=torch.Generator().manual_seed(2))
+    features, positions = run_target(model, ids).final, torch.arange(length)[None]
+    cache = DynamicCache(config=drafter.layer_config)
+
+    def causal(new: int, past: int = 0) -> torch.Tensor:  # the mask the sparse block's indexer scores are masked by
+        return torch.ones(new, past + new, dtype=torch.bool).tril(past)[None, None]
+
+    with torch.no_grad():
+        whole = drafter.draft(ids, features, positions, causal(length))
+        drafter.draft(ids[:, :cached], features[:, :cached], positions[:, :cached], causal(cached), cache)
+        rejected = slice(cached, cached + 3)
+        wrong = ids[:, rejected].flip(-1)
+        drafter.draft(wrong, features[:, rejected], positions[:, rejected], causal(3, cached), cache)
+        cache.crop(-3)
+        steps = [
+            drafter.draft(ids[:, p : p + 1], features[:, p : p + 1], positions[:, p : p + 1], causal(1, p), cache)
+            for p in range(cached, length)
+        ]
+    assert cache.layers[0].indexer_keys.shape[1] == length
+    assert torch.allclose(torch.cat(steps, 1), whole[:, cached:], atol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_deepseek_v32_targets_sparse_attention_layer_trains_decodes_losslessly_and_exports_under_its_names(
+    tmp_path, small_data, token_cache, capsys
+):
+    """DeepSeek-V3.2's MTP block is its sparse-attention decoder layer (was refused: the drafter's cache held no
+    indexer keys). `recipe=mtp` trains it, the export writes it under DeepSeek-V3's names and shapes with the target's
+    config (vLLM 0.32's GPU builds serve it as DeepseekV32MTP; its CPU build runs no sparse attention, as the folder
+    says), and draftsmith's eval, reading the folder back, decodes losslessly with it."""
+    from draftsmith.eval.report import run_eval
+
+    folder = write_random_target("deepseek_v32", tmp_path / "target", **SHAPE)
+    write_random_layer(folder)
+    train_and_export(folder, tmp_path, small_data, token_cache, capsys)
+    vllm = tmp_path / "export" / "vllm"
+    config = json.loads((vllm / "config.json").read_text())
+    architecture = "DeepseekV32ForCausalLM"
+    assert config["architectures"] == [architecture] and config["num_nextn_predict_layers"] == 1
+    written = load_file(str(vllm / "model.safetensors"))
+    assert {n: tuple(t.shape) for n, t in written.items()} == shipped_shapes(str(folder), config, LAYOUTS[architecture])
+    # the indexer as shipped (transformers runs it without gradients), the rest of the layer trained
+    prefix = LAYOUTS[architecture].prefix(config["num_hidden_layers"])
+    shipped = {prefix + name: t for name, t in read_layer(str(folder), config, LAYOUTS[architecture]).items()}
+    indexer = [name for name in written if ".self_attn.indexer." in name]
+    assert indexer and all(torch.equal(written[n], shipped[n].to(written[n].dtype)) for n in indexer)
+    assert not torch.equal(written[prefix + "eh_proj.weight"], shipped[prefix + "eh_proj.weight"])
+    assert "not its CPU build" in (vllm / "draftsmith_export.json").read_text()
+    prompt = first_records(small_data["eval"], tmp_path / "eval.jsonl", 1)
+    quick = [f"eval.data=[{prompt}]", "eval.max_new_tokens=16", "eval.tree=6", "eval.ngram_baseline=false"]
+    recipe = ["recipe=mtp", f"target.name_or_path={folder}", f"output_dir={tmp_path / 'eval'}", *quick]
+    report = run_eval(load_recipe(recipe), str(vllm))
+    rows = [row for domain in report["domains"].values() for row in domain.values() if row.get("lossless") is not None]
+    assert rows and all(row["lossless"] for row in rows)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 
 from draftsmith.progress import LogLines, progress_bar
-from draftsmith.trainer.loop import logged
+from draftsmith.trainer.step_log import logged
 
 
 def test_a_bar_into_a_file_writes_whole_lines(capsys):

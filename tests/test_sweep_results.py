@@ -74,6 +74,14 @@ def swept(target, tmp_path: Path, *extra: str) -> tuple[Path, Path, str]:
     return checkpoint, run_sweep(cfg, checkpoint, EngineFailingSuffix(failing=""), target), python
 
 
+@pytest.fixture(scope="module")
+def settings_sweep(target, tmp_path_factory) -> tuple[Path, Path, str, Path]:
+    """A sweep at SETTINGS, which each case below refuses to resume with one of them changed and then resumes
+    unchanged (writing no row): (checkpoint, rows, python, its output_dir)."""
+    root = tmp_path_factory.mktemp("settings_sweep")
+    return (*swept(target, root, *SETTINGS), root)
+
+
 @pytest.mark.parametrize(
     "changed, fragment",
     [
@@ -83,14 +91,14 @@ def swept(target, tmp_path: Path, *extra: str) -> tuple[Path, Path, str]:
         ("eval.max_prompts=2", "measured on other eval prompts"),
     ],
 )  # fmt: skip
-def test_a_sweep_resumed_with_other_settings_is_refused_naming_the_setting(target, tmp_path, capsys, changed, fragment):
+def test_a_sweep_resumed_with_other_settings_is_refused_naming_the_setting(settings_sweep, capsys, changed, fragment):
     """A resume keyed rows by method, γ and concurrency alone: a rerun with other new tokens, threads or prompts
     kept the old rows and its summary reported the new settings for all. Refused in one line, before any engine,
     the rows as they were; the same settings resume (nothing measured again)."""
-    checkpoint, path, python = swept(target, tmp_path, *SETTINGS)
+    checkpoint, path, python, output_dir = settings_sweep
     before = path.read_text()
     assert all(r["load"]["new_tokens"] == 16 and r["load"]["threads"] == 2 for r in read_sweep(path))
-    base = ["-m", "export.sweep", f"recipe={KINDS['eagle3']}", f"checkpoint={checkpoint}", f"output_dir={tmp_path}",
+    base = ["-m", "export.sweep", f"recipe={KINDS['eagle3']}", f"checkpoint={checkpoint}", f"output_dir={output_dir}",
             f"export.vllm_python={python}", *SWEEP_ARGS, *SETTINGS]  # fmt: skip
     result = run_entry_in_process([*base, changed], capsys)
     assert_one_line_error(result, 2, f"{path} holds rows {fragment}")

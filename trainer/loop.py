@@ -12,15 +12,13 @@ non-finite loss or gradient skips the step, names where it first appeared, and s
 
 The set-up the loop starts from (data, target, drafter, optimizer, resume): trainer/setup.py. Held-out
 evaluation and the best checkpoint: trainer/heldout.py. Locating a non-finite value:
-trainer/nonfinite.py.
+trainer/nonfinite.py. What is logged: trainer/step_log.py.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,22 +30,15 @@ from torch.profiler import record_function
 from torch.utils.data import DataLoader
 
 from draftsmith.errors import Preempted, StopRequest, TrainingDiverged
-from draftsmith.files import append_lines
-from draftsmith.outputs import FINAL_DIR, LOG_NAME
+from draftsmith.outputs import FINAL_DIR
 from draftsmith.progress import progress_bar
 from draftsmith.trainer.checkpoint import TrainerState, save_checkpoint, save_final
 from draftsmith.trainer.curve import write_curve
-from draftsmith.trainer.heldout import BEST_DIR, curve_row, evaluate_heldout, keep_best, patience_spent, reduce_means
+from draftsmith.trainer.heldout import BEST_DIR, curve_row, evaluate_heldout, keep_best, patience_spent
 from draftsmith.trainer.nonfinite import report_nonfinite
-from draftsmith.trainer.observe import (
-    FlopCounter,
-    StepProfiler,
-    mfu,
-    parameter_counts,
-    peak_memory_mb,
-    write_run_summary,
-)
+from draftsmith.trainer.observe import FlopCounter, StepProfiler, parameter_counts, write_run_summary
 from draftsmith.trainer.setup import Run, Trained, set_up
+from draftsmith.trainer.step_log import Meters, log_interval, log_step
 
 log = logging.getLogger("draftsmith.train")
 
@@ -174,56 +165,9 @@ def train_step(run: Run, step: StepData, agreed: Agreed, stream, stop: StopReque
     return StepResult(step, agreed.tokens, stats, lr, upcoming, agreement)
 
 
-class Meters:
-    """What the loop sums between two log lines: the drafter's (sum, count) statistics of the steps that
-    were not skipped, this rank's tokens, positions (tokens plus padding) and rows, all ranks' tokens, and
-    when the interval began; and the learning rate of its last step."""
-
-    def __init__(self, device: torch.device):
-        self.stats: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(2, device=device))
-        self.lr = math.nan  # the last step's, kept across intervals
-        self.reset()
-
-    def reset(self) -> None:
-        self.stats.clear()
-        self.tokens, self.positions, self.global_tokens, self.rows = 0, 0, 0, 0
-        self.start = time.perf_counter()
-
-    def add(self, done: StepResult) -> None:
-        if not done.agreed.nonfinite:
-            for name, values in done.stats.items():
-                self.stats[name] += values
-        self.tokens += done.data.tokens
-        self.positions += done.data.positions
-        self.global_tokens += done.tokens
-        self.rows += done.data.rows
-        self.lr = done.lr
-
-
 def due(step: int, every: int, last: int) -> bool:
     """Whether periodic work of period `every` runs after `step`: at its multiples and at the last step."""
     return step % every == 0 or step == last
-
-
-def log_interval(run: Run, meters: Meters, flops: FlopCounter, progress) -> dict[str, float]:
-    """The log line's train/ metrics over the interval since the last one (statistics averaged over ranks,
-    throughput, padding, MFU, peak memory); starts the next interval."""
-    cfg, accelerator = run.cfg, run.accelerator
-    elapsed = time.perf_counter() - meters.start
-    metrics = reduce_means(accelerator, meters.stats)
-    metrics["lr"] = meters.lr  # the logged step's
-    metrics["tokens_per_s"] = meters.global_tokens / max(elapsed, 1e-9)
-    metrics["padding_fraction"] = 1 - meters.tokens / max(meters.positions, 1)  # this rank's
-    metrics["skipped_steps"] = run.state.skipped_steps
-    per_token = flops.per_token(meters.positions / max(meters.rows, 1))["total"]
-    metrics["model_tflops_per_s"] = per_token * metrics["tokens_per_s"] / 1e12  # all ranks together
-    if cfg.train.peak_tflops:
-        metrics["mfu"] = mfu(per_token, metrics["tokens_per_s"], cfg.train.peak_tflops, accelerator.num_processes)
-    metrics["peak_memory_mb"] = peak_memory_mb(accelerator.device)  # this rank's
-    if "loss" in metrics:
-        progress.set_postfix(loss=f"{metrics['loss']:.3f}")
-    meters.reset()
-    return {f"train/{k}": v for k, v in metrics.items()}
 
 
 def evaluate_if_due(run: Run, output_dir: Path) -> dict[str, float]:
@@ -418,20 +362,6 @@ def loss_scale(accelerator, global_loss_tokens: int) -> float:
     by the step's global count: accelerate divides each backward by grad_accum (DeepSpeed's engine
     does it itself) and DDP, DeepSpeed and FSDP average gradients over ranks, which this undoes."""
     return accelerator.gradient_accumulation_steps * accelerator.num_processes / max(global_loss_tokens, 1)
-
-
-def log_step(accelerator, output_dir: Path, step: int, metrics: dict[str, float]) -> None:
-    """TensorBoard scalars plus one JSON line per logged step (log.jsonl), from the main process."""
-    accelerator.log(metrics, step=step)
-    if accelerator.is_main_process:
-        line = json.dumps({"step": step, **{k: logged(v) for k, v in metrics.items()}}) + "\n"
-        append_lines(output_dir / LOG_NAME, [line])
-
-
-def logged(value: float) -> float:
-    """A value as log.jsonl writes it: 9 significant figures, not decimals (at 6 decimals an lr of 5e-7 read 0.0,
-    which TensorBoard has), more than a float32 holds; a whole number (train/tokens, parameter counts) as it is."""
-    return value if float(value).is_integer() else float(f"{value:.9g}")
 
 
 def finite_weights_checksum(accelerator, drafter, state: TrainerState) -> float:
