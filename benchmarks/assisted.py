@@ -42,7 +42,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from draftsmith.eval.loop import generate
     from draftsmith.eval.prompts import eos_ids_of, load_prompts
-    from draftsmith.heads import load_drafter
+    from draftsmith.heads.base import load_drafter
     from draftsmith.recipe import load_recipe
     from draftsmith.target import TargetShape, load_target, load_tokenizer
 

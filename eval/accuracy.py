@@ -28,8 +28,8 @@ from draftsmith.data_prep.dataset import split_heldout_rows
 from draftsmith.data_prep.features import open_features
 from draftsmith.data_prep.overlap import eval_in_train
 from draftsmith.files import write_text_atomic
-from draftsmith.heads import drafter_class, load_drafter
-from draftsmith.heads.base import EVAL_SPLIT_METRICS, Drafter, pair_means
+from draftsmith.heads import drafter_class
+from draftsmith.heads.base import EVAL_SPLIT_METRICS, Drafter, load_drafter, pair_means
 from draftsmith.outputs import ACCURACY_NAME
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, run_target
 

@@ -42,8 +42,7 @@ from draftsmith.formats.versions import (
     served_builds,
     served_by,
 )
-from draftsmith.heads import load_drafter
-from draftsmith.heads.base import EVAL_SPLIT_METRICS, WEIGHTS_NAME, read_checkpoint_config
+from draftsmith.heads.base import EVAL_SPLIT_METRICS, WEIGHTS_NAME, load_drafter, read_checkpoint_config
 from draftsmith.outputs import EVAL_DIR, REPORT_NAME, DirectoryLock, move_aside
 from draftsmith.target import TargetShape, dtype_name, load_target, loaded_config, resolve_device, resolve_dtype
 

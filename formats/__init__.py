@@ -22,7 +22,7 @@ import torch
 from draftsmith.errors import UserError
 from draftsmith.formats.repo import EngineRepo, TargetInfo, check_vllm_path
 from draftsmith.formats.versions import Releases
-from draftsmith.heads import Drafter
+from draftsmith.heads.base import Drafter
 
 
 @dataclass

@@ -24,13 +24,13 @@ from draftsmith.errors import UserError, one_line
 from draftsmith.files import checkpoint_digest, read_json, require_readable
 from draftsmith.formats import EXPORTERS, Exporter
 from draftsmith.formats.repo import EXPORT_INFO
-from draftsmith.heads import load_drafter
 from draftsmith.heads.base import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     DrafterConfig,
     architecture,
     check_same_target,
+    load_drafter,
     saved_drafter,
 )
 from draftsmith.recipe import checkpoint_to_read

@@ -6,7 +6,8 @@ The kind also adds its demo recipe, its tests, a README row and its section of t
 
 The configs import no torch, and this package imports only them: composing a recipe, `--help` and a refused value
 read a kind's schema (`config_class`) in the time the schema takes, not the seconds torch takes. The drafters'
-modules are imported on first use of `drafter_class` or `REGISTRY`."""
+modules are imported on first use of `drafter_class` or `drafters`; the drafters' side is imported from its
+modules (heads/base.py, heads/proposer.py)."""
 
 from __future__ import annotations
 
@@ -67,27 +68,6 @@ def drafter_class(name: str) -> type[Drafter]:
     return registry[name]
 
 
-# Names of the drafters' side that this package has always offered, importing torch only when one is read.
-DRAFTER_SIDE = {
-    "Drafter": "draftsmith.heads.base",
-    "load_drafter": "draftsmith.heads.base",
-    "DraftState": "draftsmith.heads.proposer",
-    "DraftTree": "draftsmith.heads.proposer",
-    "DynamicTree": "draftsmith.heads.proposer",
-    "Proposer": "draftsmith.heads.proposer",
-    "Tree": "draftsmith.heads.proposer",
-    "TargetShape": "draftsmith.target",
-}
-
-
-def __getattr__(name: str):
-    if name == "REGISTRY":
-        return drafters()
-    if name in DRAFTER_SIDE:
-        return getattr(importlib.import_module(DRAFTER_SIDE[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 # each module registers its kind's config
 from draftsmith.heads import (  # noqa: E402,F401,I001
     dflash_config, draft_model_config, eagle_config, eagle3_config, gemma4_assistant_config, medusa_config,
@@ -96,19 +76,10 @@ from draftsmith.heads import (  # noqa: E402,F401,I001
 
 __all__ = [
     "CONFIGS",
-    "REGISTRY",
-    "DraftState",
-    "DraftTree",
-    "Drafter",
     "DrafterConfig",
-    "DynamicTree",
-    "Proposer",
-    "TargetShape",
-    "Tree",
     "config_class",
     "drafter_class",
     "drafters",
-    "load_drafter",
     "register",
     "register_config",
 ]

@@ -31,8 +31,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from draftsmith.eval.loop import attention_masks, generate, generate_batch, prefill, propose, verify_step
 from draftsmith.eval.sampling import Sampling
 from draftsmith.eval.trees import cache_positions, tree_depths, verify_visibility
-from draftsmith.heads import REGISTRY, drafter_class, load_drafter
-from draftsmith.heads.base import TargetShape
+from draftsmith.heads import drafter_class, drafters
+from draftsmith.heads.base import TargetShape, load_drafter
 from draftsmith.heads.proposer import DraftState, DraftTree, DynamicTree, Proposer
 from draftsmith.recipe import load_recipe
 from draftsmith.resources import recipes_dir
@@ -648,7 +648,7 @@ def demo_recipe(kind: str) -> str:
     raise AssertionError(f"no recipe trains {kind} on the demo target: add recipes/<name>.yaml")
 
 
-KINDS = {kind: demo_recipe(kind) for kind in sorted(REGISTRY)}  # kind -> its demo recipe, from the registry
+KINDS = {kind: demo_recipe(kind) for kind in sorted(drafters())}  # kind -> its demo recipe, from the registry
 
 
 def save_drafter(

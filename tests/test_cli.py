@@ -16,7 +16,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from draftsmith.cli import COMMAND_SECTIONS, COMMANDS, entry_point
-from draftsmith.heads import REGISTRY
+from draftsmith.heads import drafters
 from draftsmith.recipe import load_recipe
 from draftsmith.recipe_keys import drafter_section, recipe_sections, render_markdown
 from tests.helpers import REPO, assert_one_line_error, run_entry_in_process
@@ -109,7 +109,7 @@ def test_train_refuses_checkpoint_and_names_its_start_key(capsys, tmp_path):
 
 
 def test_every_key_is_described_and_the_reference_is_current():
-    sections = [*recipe_sections(), *(drafter_section(kind) for kind in sorted(REGISTRY))]
+    sections = [*recipe_sections(), *(drafter_section(kind) for kind in sorted(drafters()))]
     undescribed = [key.name for section in sections for key in section.keys if not key.help]
     assert not undescribed, f"describe these keys with a comment in the schema: {undescribed}"
     assert (REPO / "docs" / "recipe.md").read_text() == render_markdown(), (

@@ -21,8 +21,8 @@ from draftsmith.data_prep.capture import capture
 from draftsmith.errors import UserError
 from draftsmith.eval.loop import generate, prefill, propose, verify_step
 from draftsmith.eval.sampling import Sampling
-from draftsmith.heads import drafter_class, load_drafter
-from draftsmith.heads.base import TargetShape
+from draftsmith.heads import drafter_class
+from draftsmith.heads.base import TargetShape, load_drafter
 from draftsmith.heads.dflash import ROW_BLOCKS
 from draftsmith.heads.dflash_config import default_target_layers
 from draftsmith.heads.dflash_proposer import best_first_tree

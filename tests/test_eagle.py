@@ -15,8 +15,7 @@ from safetensors.torch import load_file
 from draftsmith.errors import UserError
 from draftsmith.eval.loop import prefill
 from draftsmith.eval.sampling import Sampling
-from draftsmith.heads import load_drafter
-from draftsmith.heads.base import TargetShape
+from draftsmith.heads.base import TargetShape, load_drafter
 from draftsmith.heads.proposer import DynamicTree
 from draftsmith.target import run_target
 from tests.helpers import EAGLE_TREE as TREE

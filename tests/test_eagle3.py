@@ -16,8 +16,8 @@ from transformers import DynamicCache
 from draftsmith.data_prep import Collator, PackingCollator
 from draftsmith.errors import UserError
 from draftsmith.eval.loop import generate, prefill
-from draftsmith.heads import drafter_class, load_drafter
-from draftsmith.heads.base import TargetShape, per_sample_stats
+from draftsmith.heads import drafter_class
+from draftsmith.heads.base import TargetShape, load_drafter, per_sample_stats
 from draftsmith.heads.eagle3 import Eagle3Config
 from draftsmith.heads.packing import (
     causal_lm_inputs,

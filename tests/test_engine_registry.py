@@ -14,7 +14,7 @@ from draftsmith.engines import ENGINE_NAMES, SERVING_ENGINES
 from draftsmith.errors import UserError
 from draftsmith.export.card import served_note
 from draftsmith.export.push import repo_id_for
-from draftsmith.heads import REGISTRY, drafter_class
+from draftsmith.heads import drafter_class, drafters
 from draftsmith.heads.eagle3 import COVERAGE
 from draftsmith.monitor.metrics import require_spec_decode
 from draftsmith.recipe import load_recipe
@@ -56,7 +56,7 @@ def test_a_drafter_kind_writes_its_own_card_lines():
         "- draft vocabulary covers 81.2% of the training data's assistant tokens"
     ]
     assert drafter_class("eagle3").learned_card_lines({}) == []
-    others = [kind for kind in REGISTRY if kind != "eagle3"]
+    others = [kind for kind in drafters() if kind != "eagle3"]
     assert others and all(drafter_class(kind).learned_card_lines({COVERAGE: 0.5}) == [] for kind in others)
 
 

@@ -666,8 +666,7 @@ def test_the_eval_leaves_the_checkpoint_byte_identical_and_the_export_reads_what
     from draftsmith.export import export_checkpoint
     from draftsmith.files import checkpoint_digest
     from draftsmith.formats.repo import EXPORT_INFO
-    from draftsmith.heads import load_drafter
-    from draftsmith.heads.base import EVAL_SPLIT_METRICS
+    from draftsmith.heads.base import EVAL_SPLIT_METRICS, load_drafter
 
     root, recipe, target = eval_setup
     final = tmp_path / "run" / "final"

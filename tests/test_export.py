@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from draftsmith.errors import UserError
 from draftsmith.export import export_checkpoint
 from draftsmith.formats.repo import EXPORT_INFO, VLLM_PINNED
-from draftsmith.heads import REGISTRY
+from draftsmith.heads import drafters
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target
 from tests.helpers import (
@@ -617,7 +617,7 @@ def test_a_checkpoint_of_another_kind_than_the_recipe_s_is_refused_as_a_warm_sta
     )
     assert_one_line_error(result, 2, "holds a medusa drafter, the recipe is for eagle3: pass recipe=medusa")
     assert not output.exists()
-    eagle3 = REGISTRY["eagle3"]
+    eagle3 = drafters()["eagle3"]
     drafter = eagle3.from_target(eagle3.Config(aux_layers=[0, 1, 2]), target, str(REFERENCE_TARGET))
     with pytest.raises(UserError, match="holds a medusa drafter, the recipe trains eagle3: pass recipe=medusa$"):
         warm_start(checkpoint, drafter, target)

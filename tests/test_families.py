@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 from draftsmith.errors import UserError
 from draftsmith.eval.loop import generate, generate_batch
 from draftsmith.families import COMPRESSED, FULL, LINEAR, SLIDING, layer_types, recurrent
-from draftsmith.heads import REGISTRY, drafter_class
+from draftsmith.heads import drafter_class, drafters
 from draftsmith.heads.base import load_drafter
 from draftsmith.random_target import build_config, build_model
 from draftsmith.recipe import load_recipe
@@ -204,7 +204,7 @@ def assert_eagle3_trains_resumes_and_decodes(name: str, model, layer_family: str
 
 
 # EAGLE-3 on the fast tier's quirk families: test_eagle3_trains_resumes_and_decodes_losslessly, which resumes it too
-@pytest.mark.parametrize("kind", fast_tier(sorted(REGISTRY), lambda kind: kind != "eagle3"))
+@pytest.mark.parametrize("kind", fast_tier(sorted(drafters()), lambda kind: kind != "eagle3"))
 @pytest.mark.parametrize(  # the fast tier: experts, linear attention, latent attention, sinks with a hybrid window
     "model_type",
     fast_tier([*QUIRKS, "deepseek_v4"], lambda family: family in ("qwen3_moe", "qwen3_next", "deepseek_v3", "gpt_oss")),
@@ -224,14 +224,14 @@ def test_every_kind_trains_and_decodes_losslessly_on_family_quirks(kind, model_t
         config.target_layers = [0]
     if hasattr(config, "init") and recurrent(model.config):
         config.num_layers = 2  # a draft of the target's layers: linear attention, then the attention it needs
-    drafter = REGISTRY[kind].from_target(config, model, model_type)
-    requested = REGISTRY[kind].features(drafter.config, drafter.target).layers
+    drafter = drafters()[kind].from_target(config, model, model_type)
+    requested = drafters()[kind].features(drafter.config, drafter.target).layers
     if streams(model) > 1 and requested:
         return assert_layer_outputs_are_refused(model, requested)
     ids = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(6))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
     batch |= drafter.host_fields(batch)  # as the trainer adds them (heads/base.py)
-    target_out = run_target(model, ids, request=REGISTRY[kind].features(drafter.config, drafter.target))
+    target_out = run_target(model, ids, request=drafters()[kind].features(drafter.config, drafter.target))
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     before = [p.detach().clone() for p in trainable]
     loss_sum, count, _ = drafter.loss(batch, target_out)
@@ -242,7 +242,7 @@ def test_every_kind_trains_and_decodes_losslessly_on_family_quirks(kind, model_t
     verifier = proposer.verifier if proposer.verifier is not None else model
     prompt = random_prompt(WINDOW + 5, 7)
     plain = generate(verifier, prompt, 2 * WINDOW).tokens
-    gamma = min(3, REGISTRY[kind].max_chain(drafter.config) or 3)
+    gamma = min(3, drafters()[kind].max_chain(drafter.config) or 3)
     assert generate(verifier, prompt, 2 * WINDOW, drafter=proposer, gamma=gamma).tokens == plain
 
 
@@ -403,7 +403,7 @@ def test_a_multi_stream_target_refuses_a_drafter_that_reads_layer_outputs_from_i
     model = tiny("deepseek_v4")
     model.config.save_pretrained(tmp_path / "target")
     shape = TargetShape.from_config(model.config, str(tmp_path / "target"))
-    for kind in sorted(REGISTRY):
+    for kind in sorted(drafters()):
         if kind in ("mtp", "gemma4_assistant"):  # a layer a target ships, a Gemma-4's cache: their own tests
             continue
         args = [f"recipe={demo_recipe(kind)}", f"target.name_or_path={tmp_path / 'target'}", f"output_dir={tmp_path}"]

@@ -24,7 +24,7 @@ import sys
 import pytest
 import torch
 
-from draftsmith.heads import REGISTRY
+from draftsmith.heads import drafters
 from tests.helpers import REPO, demo_recipe, read_log, run_entry, train_in_process
 
 pytestmark = [
@@ -43,7 +43,7 @@ def quick(kind: str, output_dir, small_data, token_cache, *extra: str) -> list[s
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", sorted(REGISTRY))
+@pytest.mark.parametrize("kind", sorted(drafters()))
 def test_every_kind_trains_bf16_steps_on_cuda(kind, tmp_path, small_data, token_cache):
     args = quick(
         kind,

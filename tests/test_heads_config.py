@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from draftsmith.heads import CONFIGS, REGISTRY, config_class, drafter_module
+from draftsmith.heads import CONFIGS, config_class, drafter_module, drafters
 
 
 def test_the_schema_and_the_help_of_every_kind_import_no_torch():
@@ -22,6 +22,6 @@ def test_the_schema_and_the_help_of_every_kind_import_no_torch():
 
 
 def test_every_config_is_its_drafters_and_names_the_module_beside_it():
-    assert set(CONFIGS) == set(REGISTRY)
-    for kind, cls in REGISTRY.items():
+    assert set(CONFIGS) == set(drafters())
+    for kind, cls in drafters().items():
         assert config_class(kind) is cls.Config and drafter_module(cls.Config) == cls.__module__

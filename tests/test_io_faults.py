@@ -71,7 +71,7 @@ def test_an_unreadable_checkpoint_file_is_bad_input_naming_it(checkpoint, tmp_pa
     assert not (tmp_path / "export" / "vllm").exists()
     assert assert_one_line_error(evaluate(checkpoint, tmp_path, capsys), 2) == line
     with pytest.raises(UserError, match="^cannot read .*: permission denied$"):
-        from draftsmith.heads import load_drafter
+        from draftsmith.heads.base import load_drafter
 
         load_drafter(checkpoint)  # the warm start's read too (train.init_from)
 

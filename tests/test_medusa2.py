@@ -52,8 +52,7 @@ def run(tmp_path_factory, small_data, token_cache):
 
 
 def load(output_dir: Path, target):
-    from draftsmith.heads import load_drafter
-    from draftsmith.heads.base import TargetShape
+    from draftsmith.heads.base import TargetShape, load_drafter
 
     return load_drafter(output_dir / "final", TargetShape.of(target, str(REFERENCE_TARGET)), target).eval()
 

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from transformers import get_cosine_schedule_with_warmup
 
 from draftsmith.errors import UserError
-from draftsmith.heads import REGISTRY, drafter_class
+from draftsmith.heads import drafter_class, drafters
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target
 from draftsmith.trainer.optim import MuonWithAdamW, build_optimizer, is_hidden_matrix
@@ -38,7 +38,7 @@ def drafter_for(kind: str):
     return drafter_class(kind).from_target(OmegaConf.to_object(recipe.drafter), target_named(name), name)
 
 
-@pytest.mark.parametrize("kind", sorted(REGISTRY))
+@pytest.mark.parametrize("kind", sorted(drafters()))
 def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(kind):
     drafter = drafter_for(kind)
     optimizer = build_optimizer(MUON, drafter, deepspeed=False)

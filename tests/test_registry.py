@@ -17,16 +17,17 @@ import pytest
 from draftsmith.engines import SERVING_ENGINES
 from draftsmith.errors import UserError
 from draftsmith.formats import EXPORTERS
-from draftsmith.heads import CONFIGS, REGISTRY, Drafter, DrafterConfig
+from draftsmith.heads import CONFIGS, DrafterConfig, drafters
+from draftsmith.heads.base import Drafter
 from draftsmith.recipe import load_recipe
 from tests.helpers import REPO, demo_recipe, product_strings, train_in_process
 
-KINDS = sorted(REGISTRY)
+KINDS = sorted(drafters())
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_kind_is_documented_and_says_where_it_is_served(kind):
-    cls = REGISTRY[kind]
+    cls = drafters()[kind]
     named = {engine for engines in cls.SERVED_BY.values() for engine in engines}
     assert cls.type == kind and "chain" in cls.SERVED_BY, f"{cls.__name__}.SERVED_BY needs a 'chain' key"
     assert named <= set(SERVING_ENGINES), f"{cls.__name__}.SERVED_BY: engines are {sorted(SERVING_ENGINES)}"
@@ -76,7 +77,7 @@ def test_a_kind_declares_its_title_flop_profile_depth_metric_and_whether_it_shar
 
     from draftsmith.heads.base import FlopProfile
 
-    cls = REGISTRY[kind]
+    cls = drafters()[kind]
     assert isinstance(cls.TITLE, str) and cls.TITLE, f"give {cls.__name__} a TITLE (the model card's name for it)"
     cfg = load_recipe([f"recipe={demo_recipe(kind)}"])
     reason = cls.unshardable(cfg.drafter)
@@ -134,7 +135,7 @@ def test_a_new_kind_proposes_chains_and_the_recipe_check_refuses_a_tree_before_a
 
     from draftsmith.resources import recipes_dir
 
-    monkeypatch.setitem(REGISTRY, Unexported.type, Unexported)
+    monkeypatch.setitem(drafters(), Unexported.type, Unexported)
     monkeypatch.setitem(CONFIGS, Unexported.type, UnexportedConfig)
     raw = yaml.safe_load((recipes_dir() / f"{demo_recipe(KINDS[0])}.yaml").read_text())
     recipe = tmp_path / "unexported.yaml"
@@ -176,7 +177,7 @@ NOT_KIND_NAMES = {("formats/repo.py", "eagle3"), ("formats/repo.py", "dflash"), 
 
 
 def test_no_kind_is_named_outside_its_own_files_and_the_registry():
-    """Product code knows a kind only through the registry (heads.REGISTRY, formats.EXPORTERS): a string
+    """Product code knows a kind only through the registry (heads.drafters(), formats.EXPORTERS): a string
     equal to a kind's name appears only in heads/<kind>.py, its Config's heads/<kind>_config.py, the format
     module that declares it, and its recipes (docs and tests may name kinds)."""
     import inspect
@@ -184,12 +185,12 @@ def test_no_kind_is_named_outside_its_own_files_and_the_registry():
     def heads_file(declared: type) -> str:
         return f"heads/{inspect.getmodule(declared).__name__.rsplit('.', 1)[-1]}.py"
 
-    own = {kind: {heads_file(cls), heads_file(cls.Config)} for kind, cls in REGISTRY.items()}
+    own = {kind: {heads_file(cls), heads_file(cls.Config)} for kind, cls in drafters().items()}
     for kind, exporter in EXPORTERS.items():
         own[kind].add(f"formats/{inspect.getmodule(type(exporter)).__name__.rsplit('.', 1)[-1]}.py")
     found = [
         f"{name}:{line}: {value!r}"
-        for name, line, value in product_strings(set(REGISTRY))
+        for name, line, value in product_strings(set(drafters()))
         if name not in own[value] and (name, value) not in NOT_KIND_NAMES
     ]
     assert not found, (
@@ -212,11 +213,11 @@ def kind_specific_names() -> tuple[set[str], set[str]]:
 
     recipe = OmegaConf.to_container(load_recipe([f"recipe={demo_recipe(KINDS[0])}"]))
     elsewhere = {key for section, value in recipe.items() if section != "drafter" for key in {section, *keys(value)}}
-    settings = Counter(field.name for cls in REGISTRY.values() for field in fields(cls.Config))
+    settings = Counter(field.name for cls in drafters().values() for field in fields(cls.Config))
     unique = {name for name, count in settings.items() if count == 1 and name not in elsewhere}
-    prefixes = {prefix.rstrip(".") for cls in REGISTRY.values() for prefix in cls.flop_profile(cls.Config()).once}
-    metrics = {cls.DEPTH_TOP1.split("{")[0] for cls in REGISTRY.values() if cls.DEPTH_TOP1 != Drafter.DEPTH_TOP1}
-    return {*REGISTRY, *unique, *prefixes}, metrics
+    prefixes = {prefix.rstrip(".") for cls in drafters().values() for prefix in cls.flop_profile(cls.Config()).once}
+    metrics = {cls.DEPTH_TOP1.split("{")[0] for cls in drafters().values() if cls.DEPTH_TOP1 != Drafter.DEPTH_TOP1}
+    return {*drafters(), *unique, *prefixes}, metrics
 
 
 def code_words(path: Path) -> list[tuple[int, str, str, bool]]:
@@ -273,7 +274,7 @@ def own_modules() -> dict[str, set[str]]:
         named = {p.stem for p in (REPO / folder).glob("*.py") if any(p.stem.startswith(f"{d}_") for d in declaring)}
         return declaring | named
 
-    return {"heads": stems(REGISTRY.values()), "formats": stems({type(e) for e in EXPORTERS.values()})}
+    return {"heads": stems(drafters().values()), "formats": stems({type(e) for e in EXPORTERS.values()})}
 
 
 def shared_files() -> list[Path]:

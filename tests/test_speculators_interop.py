@@ -41,7 +41,8 @@ from safetensors.torch import load_file, save_file
 from draftsmith.eval.loop import prefill
 from draftsmith.export import export_checkpoint
 from draftsmith.formats.folder import open_drafter, warm_start
-from draftsmith.heads import drafter_class, load_drafter
+from draftsmith.heads import drafter_class
+from draftsmith.heads.base import load_drafter
 from draftsmith.recipe import load_recipe
 from draftsmith.target import TargetShape, load_target, load_tokenizer
 from tests.helpers import REFERENCE_TARGET, train_in_process

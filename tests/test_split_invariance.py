@@ -24,7 +24,7 @@ from accelerate import Accelerator
 from omegaconf import OmegaConf
 
 from draftsmith.data_prep import Collator, PackingCollator, render_with_masks
-from draftsmith.heads import REGISTRY, drafter_class
+from draftsmith.heads import drafter_class, drafters
 from draftsmith.heads.packing import causal_lm_inputs
 from draftsmith.recipe import load_recipe
 from draftsmith.resources import bundled
@@ -34,7 +34,7 @@ from tests.helpers import demo_recipe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-KINDS = sorted(REGISTRY)
+KINDS = sorted(drafters())
 # Drafter keys of the runs compared. EAGLE's feature noise (its recipe's) and DFlash's anchor draw (fewer
 # anchors than a conversation has candidates) stay random: each conversation's own draw, whatever the split
 # (heads/packing.py conversation_rand). Medusa-2's heads ramp stays on, the step taken mid-ramp: it follows

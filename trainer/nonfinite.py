@@ -10,7 +10,7 @@ import torch
 from omegaconf import DictConfig
 
 from draftsmith.errors import TrainingDiverged
-from draftsmith.heads import Drafter
+from draftsmith.heads.base import Drafter
 from draftsmith.target import TargetOutput
 from draftsmith.trainer.checkpoint import TrainerState
 

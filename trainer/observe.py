@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from draftsmith.files import write_text_atomic
-from draftsmith.heads import Drafter
+from draftsmith.heads.base import Drafter
 from draftsmith.outputs import RUN_SUMMARY_NAME
 from draftsmith.sharding import local_bytes
 from draftsmith.trainer.checkpoint import TrainerState
