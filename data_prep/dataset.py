@@ -72,11 +72,23 @@ def load_tokenized(
 
 
 def split_heldout_rows(dataset: datasets.Dataset, count: int) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """(the training rows, the held-out rows) of the tokenized data.train: its last `count` rows (train.heldout), in
-    file order, before any shuffling; all of them where it has fewer. The one rule the trainer holds them out by
+    """(the training rows, the held-out rows) of the tokenized data.train: the rows of its last `count` conversations
+    (train.heldout), in file order, before any shuffling; all of them where it has fewer. A conversation rendered a
+    row per turn (a thinking template) is held out whole: its rows are consecutive and share their `sample`, and
+    its earlier turns trained on would be the held-out turn's context. The one rule the trainer holds them out by
     (trainer/heldout.py) and the eval leaves them out of what the run trained on by (eval/accuracy.py)."""
-    left = max(len(dataset) - count, 0)
-    return dataset.select(range(left)), dataset.select(range(left, len(dataset)))
+    left, held, last = len(dataset), 0, None
+    samples = dataset.select_columns(["sample"])
+    while left > 0 and held <= count:
+        chunk = samples[max(left - 4096, 0) : left]["sample"]  # the tail alone: data.train may hold millions of rows
+        for sample in reversed(chunk):
+            if sample != last:
+                held, last = held + 1, sample
+                if held > count:
+                    break
+            left -= 1
+    held_out = range(left, len(dataset)) if left < len(dataset) else []  # datasets refuses an empty range's start
+    return dataset.select(range(left)), dataset.select(held_out)
 
 
 def _read_conversations(

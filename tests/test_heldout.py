@@ -145,7 +145,8 @@ def test_curve_files_and_plot_of_several_runs(tmp_path):
 
 
 def test_split_heldout_takes_the_last_conversations():
-    data = datasets.Dataset.from_dict({"input_ids": [[i, i] for i in range(10)]})
+    rows = range(10)  # a conversation each
+    data = datasets.Dataset.from_dict({"input_ids": [[i, i] for i in rows], "sample": [f"s:{i}" for i in rows]})
     kept, heldout = split_heldout(data, 3, step_size=4)
     assert [row[0] for row in kept["input_ids"]] == list(range(7)) and [row[0] for row in heldout["input_ids"]] == [
         7,
@@ -154,9 +155,7 @@ def test_split_heldout_takes_the_last_conversations():
     ]
     with pytest.raises(UserError) as info:
         split_heldout(data, 7, step_size=4)
-    assert "train.heldout=7 leaves 3 of the 10 data.train conversations" in str(info.value) and "\n" not in str(
-        info.value
-    )
+    assert "train.heldout=7 leaves 3 of the 10 data.train rows" in str(info.value) and "\n" not in str(info.value)
 
 
 def test_a_step_counts_accumulation_and_an_epoch_says_what_it_leaves_out(tmp_path, small_data, token_cache, capsys):
@@ -173,7 +172,7 @@ def test_a_step_counts_accumulation_and_an_epoch_says_what_it_leaves_out(tmp_pat
     assert_one_line_error(
         run("train.heldout=7", "train.grad_accum=2"),
         2,
-        "leaves 3 of the 10 data.train conversations for training, fewer than one step of 8 (processes x "
+        "leaves 3 of the 10 data.train rows for training, fewer than one step of 8 (processes x "
         "train.micro_batch_size x train.grad_accum)",
     )
     assert_one_line_error(run("train.heldout=3", "train.grad_accum=2"), 2, "train.heldout=3 leaves 7 of the 10")

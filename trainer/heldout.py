@@ -49,16 +49,16 @@ def reduce_means(accelerator, stats: dict[str, torch.Tensor]) -> dict[str, float
 
 
 def split_heldout(dataset, count: int, step_size: int):
-    """(training part, held-out part) of the tokenized data.train: its last `count` conversations, in
-    file order (train.heldout). The training part must still fill one step (`step_size` conversations)."""
-    left = len(dataset) - count
-    if left < step_size:
+    """(training part, held-out part) of the tokenized data.train: the rows of its last `count` conversations, in
+    file order (train.heldout, `split_heldout_rows`). The training part must still fill one step (`step_size`
+    rows)."""
+    train, heldout = split_heldout_rows(dataset, count)
+    if len(train) < step_size:
         raise UserError(
-            f"train.heldout={count} leaves {max(left, 0)} of the {len(dataset)} data.train conversations for training, "
-            f"fewer than one step of {step_size} (processes x train.micro_batch_size x train.grad_accum); lower "
-            "train.heldout"
+            f"train.heldout={count} leaves {len(train)} of the {len(dataset)} data.train rows for training, fewer "
+            f"than one step of {step_size} (processes x train.micro_batch_size x train.grad_accum); lower train.heldout"
         )
-    return split_heldout_rows(dataset, count)
+    return train, heldout
 
 
 @torch.no_grad()
