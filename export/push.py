@@ -12,6 +12,7 @@ export/run.py's claim_export_dir refuses such a local folder.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Optional
 
@@ -23,6 +24,8 @@ from draftsmith.files import read_json
 from draftsmith.formats import exporter_for
 from draftsmith.formats.repo import EXPORT_INFO, check_vllm_repo_id
 from draftsmith.heads import drafter_class
+
+log = logging.getLogger("draftsmith.export")  # a push is a log line: stdout holds the command's result alone
 
 # A refusal of the token (none, expired, without write access) is fixed where the token comes from.
 TOKEN_HINT = "set HF_TOKEN or run `hf auth login` with a token that can write to"
@@ -156,5 +159,5 @@ def push_folders(cfg: DictConfig, folders: dict[str, Path], report: Optional[dic
         except (OSError, ValueError) as err:
             raise UserError(f"could not push {folder} to {repo_id}@{push.revision}: {one_line(err)}") from None
         heads[engine] = commit.oid
-        print(f"pushed {folder} to {repo_id}@{push.revision} ({commit.oid[:12]})")
+        log.info("pushed %s to %s@%s (%s)", folder, repo_id, push.revision, commit.oid[:12])
     return heads
