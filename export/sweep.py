@@ -267,10 +267,11 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None) -> P
     digest = checkpoint_digest(checkpoint)
     path = output / ROWS
     with DirectoryLock(output, key="export.sweep.output"):
-        require_same_checkpoint(path, read_rows(path), digest)
+        resumed = read_rows(path)
+        require_same_checkpoint(path, resumed, digest)
         folder = exported_for_sweep(cfg, checkpoint, output / "export", digest, target)  # a resume keeps it: no load
         load = sweep_load(cfg, python, folder)
-        require_same_load(path, read_rows(path), load.settings(), version)
+        require_same_load(path, resumed, load.settings(), version)
         threads_env = {"OMP_NUM_THREADS": str(load.threads)}
         with nullcontext(session) if session is not None else EngineSession(threads_env) as engines:
             measure(path, load, engines, levels, PLAIN, 0, None)
