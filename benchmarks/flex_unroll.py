@@ -61,7 +61,8 @@ def compiled_graphs() -> int:
 
 def real_micro_batches(cfg, count: int):
     """The first `count` micro-batches the trainer draws for `cfg`, with the target and the recipe's drafter."""
-    from draftsmith.data_prep import Collator, load_tokenized
+    from draftsmith.data_prep.collate import Collator
+    from draftsmith.data_prep.dataset import load_tokenized
     from draftsmith.target import load_target, load_tokenizer
     from draftsmith.trainer.checkpoint import TrainerState
     from draftsmith.trainer.loop import micro_batches

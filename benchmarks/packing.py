@@ -37,7 +37,8 @@ from provenance import provenance
 def bench(recipe: str, steps: int, warmup: int, pack_length: int | None) -> dict:
     from omegaconf import OmegaConf
 
-    from draftsmith.data_prep import Collator, PackingCollator, load_tokenized
+    from draftsmith.data_prep.collate import Collator, PackingCollator
+    from draftsmith.data_prep.dataset import load_tokenized
     from draftsmith.heads import drafter_class
     from draftsmith.heads.packing import causal_lm_inputs
     from draftsmith.recipe import load_recipe

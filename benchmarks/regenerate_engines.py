@@ -41,7 +41,7 @@ def records(directory: Path) -> list[dict]:
 def main() -> None:
     import torch
 
-    from draftsmith.data_prep import render_prompt
+    from draftsmith.data_prep.template import render_prompt
     from draftsmith.recipe import load_recipe
     from draftsmith.target import load_target, load_tokenizer
 

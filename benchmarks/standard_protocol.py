@@ -113,7 +113,8 @@ def prompts_of(source: str, per_domain: int, max_length: int) -> dict[str, list[
 
 def calibration_prompts(skip: int, count: int) -> list[list[int]]:
     """First user turns of ShareGPT conversations past the `skip` that were regenerated and trained on."""
-    from draftsmith.data_prep import load_conversations, render_prompt
+    from draftsmith.data_prep.conversations import load_conversations
+    from draftsmith.data_prep.template import render_prompt
     from draftsmith.target import load_tokenizer
 
     tokenizer, prompts = load_tokenizer(target_dir()), []

@@ -410,7 +410,7 @@ def shape_run(args, kind: str, scratch: Path):
     honoured, train.vocab_chunk_mb included)."""
     from accelerate.utils import set_seed
 
-    from draftsmith.data_prep import Collator
+    from draftsmith.data_prep.collate import Collator
     from draftsmith.recipe import load_recipe
     from draftsmith.trainer.setup import build_drafter, make_accelerator, online_features, prepare_run
 

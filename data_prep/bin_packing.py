@@ -1,4 +1,4 @@
-"""Grouping conversations into rows of a fixed capacity, for `data_prep.PackingCollator` (`data.pack`)."""
+"""Grouping conversations into rows of a fixed capacity, for `data_prep.collate.PackingCollator` (`data.pack`)."""
 
 from __future__ import annotations
 

@@ -16,6 +16,16 @@ never read, only overwritten). After a barrier, rank 0 merges the parts into man
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # run before the imports below (torch's: seconds), which the command makes under run_cli
+    import importlib
+
+    from draftsmith.cli import configure_logging, entry_point
+
+    configure_logging()  # the command is this module by its installed name: nothing below runs in this copy
+    entry_point(
+        lambda argv: importlib.import_module("draftsmith.data_prep.capture").main(argv), __doc__, command="capture"
+    )
+
 import logging
 import time
 from dataclasses import asdict, dataclass
@@ -48,6 +58,7 @@ from draftsmith.progress import progress_bar
 from draftsmith.recipe import load_recipe
 from draftsmith.recipe_schema import CaptureSection
 from draftsmith.sharding import Lockstep, end_process_group
+from draftsmith.streams import not_captured
 from draftsmith.target import (
     FeatureRequest,
     TargetOutput,
@@ -104,7 +115,7 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
     require_context(cfg.target, cfg.data.max_length)
     tokenizer = load_tokenizer(cfg.target)
     with state.main_process_first():  # rank 0 tokenizes and caches, the others read the cache
-        # Exactly as training tokenizes (data_prep.load_tokenized), so a capture lines up with the
+        # Exactly as training tokenizes (data_prep.dataset.load_tokenized), so a capture lines up with the
         # online data set row by row; the conversations' fingerprint also keys the capture.
         conversations = load_conversations(
             list(cfg.data.train), cfg.data.max_conversations, skip_invalid_utf8=cfg.data.skip_invalid_utf8
@@ -205,6 +216,8 @@ def resolve_selection(cfg: DictConfig, target) -> Selection:
     kind = drafter_class(cfg.drafter.type)
     # the layers the drafter train builds reads: a default tap moved onto a hybrid target's attention layers too
     wanted = kind.features(kind.for_target(OmegaConf.to_object(cfg.drafter), shape, target.config), shape)
+    if wanted.streams:
+        raise not_captured(cfg.drafter.type, "python -m data_prep.capture")
     layers = tuple(sorted(set(wanted.layers if section.layers is None else section.layers)))
     check_layers(target, layers)
     final = wanted.final if section.final is None else bool(section.final)
@@ -316,10 +329,3 @@ def refuse_nonfinite(stored: dict[str, torch.Tensor], rows: dict[str, list], ind
                 f"the target's {name} is not finite at token {position} of {rows['sample'][index]}; refusing to write "
                 "a shard with it"
             )
-
-
-if __name__ == "__main__":
-    from draftsmith.cli import configure_logging, entry_point
-
-    configure_logging()
-    entry_point(main, __doc__, command="capture")

@@ -14,8 +14,6 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig
-from safetensors import SafetensorError
-from safetensors.torch import save_file
 
 from draftsmith.data_prep.dataset import tokenizer_identity
 from draftsmith.data_prep.features import (
@@ -33,8 +31,8 @@ from draftsmith.data_prep.features import (
     resolved_sources,
     shard_name,
 )
-from draftsmith.errors import StorageError, UserError, one_line
-from draftsmith.files import created_file_mode, read_json, replacing, write_json
+from draftsmith.errors import UserError
+from draftsmith.files import created_file_mode, read_json, replacing, save_safetensors, write_json
 from draftsmith.target import dtype_name
 
 CAPTURE_AGAIN = "remove it to capture again"  # the advice for a capture's own file that is not JSON
@@ -168,10 +166,9 @@ def write_shard(
         "domains": domains,
     }  # domains: one per conversation
     with replacing(path) as tmp:
-        try:
-            save_file(tensors, str(tmp), metadata={SHARD_METADATA: json.dumps(header, sort_keys=True)})
-        except SafetensorError as err:  # how safetensors reports a full disk; an OSError is one already
-            raise StorageError(f"could not write {tmp}: {one_line(err)}; the shards before it are intact") from None
+        # safetensors' full disk raised as the OSError naming the file: a shard is the capture command's output, and
+        # that line (exit 74) says to free space and run the same command again, which keeps the shards before it
+        save_safetensors(tensors, tmp, metadata={SHARD_METADATA: json.dumps(header, sort_keys=True)})
         os.chmod(tmp, created_file_mode())  # a training job run by another user reads the shards
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())  # the rename must never publish bytes still only in the page cache

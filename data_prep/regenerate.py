@@ -46,6 +46,18 @@ the ranks hold pieces of one target and generate in step (draftsmith/sharding.py
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # run before the imports below (torch's: seconds), which the command makes under run_cli
+    import importlib
+
+    from draftsmith.cli import configure_logging, entry_point
+
+    configure_logging()  # the command is this module by its installed name: nothing below runs in this copy
+    entry_point(
+        lambda argv: importlib.import_module("draftsmith.data_prep.regenerate").main(argv),
+        __doc__,
+        command="regenerate",
+    )
+
 import gzip
 import hashlib
 import json
@@ -375,10 +387,3 @@ def write_part(path: Path, records: list[dict[str, Any]]) -> None:
     with replacing(path) as tmp:
         with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f:
             f.write(text.encode())
-
-
-if __name__ == "__main__":
-    from draftsmith.cli import configure_logging, entry_point
-
-    configure_logging()
-    entry_point(main, __doc__, command="regenerate")

@@ -36,6 +36,18 @@ its states would be mixed with rows they do not belong to. One run at a time wri
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # run before the imports below (torch's: seconds), which the command makes under run_cli
+    import importlib
+
+    from draftsmith.cli import configure_logging, entry_point
+
+    configure_logging()  # the command is this module by its installed name: nothing below runs in this copy
+    entry_point(
+        lambda argv: importlib.import_module("draftsmith.data_prep.speculators_features").main(argv),
+        __doc__,
+        positional=1,
+    )
+
 import hashlib
 import json
 import os
@@ -56,6 +68,7 @@ from draftsmith.target import (
     DTYPES,
     TargetShape,
     dtype_name,
+    layer_output,
     load_config,
     load_target,
     load_tokenizer,
@@ -71,7 +84,8 @@ UNFINISHED = "draftsmith_features.unfinished.json"  # INFO while the folder is b
 
 def speculators_states(model, input_ids: torch.Tensor, layer_ids: Sequence[int]) -> torch.Tensor:
     """[T, len(layer_ids) + 1, H] for one sequence `input_ids` [T]: transformers' `hidden_states[j]`
-    for each vLLM layer id j < L, then the last decoder layer's output before the final norm."""
+    for each vLLM layer id j < L (the mean of its residual streams on a multi-stream target, as vLLM reads it:
+    `layer_output`), then the last decoder layer's output before the final norm."""
     count = num_layers(model)
     if any(not 0 <= j < count for j in layer_ids):
         raise UserError(
@@ -89,7 +103,7 @@ def speculators_states(model, input_ids: torch.Tensor, layer_ids: Sequence[int])
             states = model(input_ids=input_ids[None], output_hidden_states=True, return_dict=True).hidden_states
     finally:
         handle.remove()
-    return torch.stack([*(states[j][0] for j in layer_ids), captured[-1][0]], dim=1)
+    return torch.stack([*(layer_output(states, j - 1)[0] for j in layer_ids), captured[-1][0]], dim=1)
 
 
 def tap_layer_ids(cfg, config, target: TargetShape) -> list[int]:
@@ -212,10 +226,3 @@ def main(argv: Sequence[str]) -> None:
             f"usage: {invoked_usage('python -m data_prep.speculators_features OUTPUT recipe=NAME [key=value ...]')}"
         )
     print(json.dumps(write_speculators_data(load_recipe(list(argv[1:])), Path(argv[0])), indent=2))
-
-
-if __name__ == "__main__":
-    from draftsmith.cli import configure_logging, entry_point
-
-    configure_logging()
-    entry_point(main, __doc__, positional=1)

@@ -32,7 +32,6 @@ import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from importlib.metadata import version
 from typing import NoReturn
 
 from draftsmith.errors import EXIT_USER_ERROR, Preempted, run_cli
@@ -105,10 +104,6 @@ def entry_point(
     run_cli (errors -> exit codes, the lines' advice the `command`'s). `positional`: how many arguments
     before the recipe's the command takes (data_prep.speculators_features' OUTPUT), left out of the recipe
     `--cfg` resolves."""
-    from omegaconf import OmegaConf
-
-    from draftsmith.recipe import validated
-
     argv = list(sys.argv[1:] if argv is None else argv)
     usage = invoked_usage(usage)
     if "--help" in argv or "-h" in argv:
@@ -118,12 +113,20 @@ def entry_point(
         )
     if "--cfg" in argv:  # the arguments the command itself would take, refused as it refuses them
         run_cli(
-            lambda args: print(
-                OmegaConf.to_yaml(validated(recipe_part(args, positional), command or "train"), resolve=True), end=""
-            ),
+            lambda args: print(resolved_yaml(recipe_part(args, positional), command), end=""),
             [arg for arg in argv if arg != "--cfg"],
         )
     run_cli(main, argv, command)
+
+
+def resolved_yaml(args: Sequence[str], command: str) -> str:
+    """`--cfg`'s output: the recipe `args` resolve to, as `command` validates it. Its modules are imported here, under
+    run_cli, as every command's are: Ctrl-C or SIGTERM meanwhile ends with its line."""
+    from omegaconf import OmegaConf
+
+    from draftsmith.recipe import validated
+
+    return OmegaConf.to_yaml(validated(args, command or "train"), resolve=True)
 
 
 def recipe_part(argv: Sequence[str], positional: int = 0) -> list[str]:
@@ -162,6 +165,8 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     if argv[:1] in (["-h"], ["--help"], ["help"]):  # run_cli: a reader that stops reading (`| head -1`) ends it quietly
         run_cli(lambda args: print(__doc__), [])
     if argv[:1] == ["--version"]:
+        from importlib.metadata import version  # here: every command's start, before run_cli, is kept short
+
         run_cli(lambda args: print(f"draftsmith {version('draftsmith')}"), [])
     if not argv:  # a usage error: said on stderr too, as every refusal is
         print(__doc__)

@@ -13,9 +13,11 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
+from types import FrameType
 from typing import NoReturn
 
 
@@ -61,6 +63,11 @@ class StorageError(Exception):
     exit EXIT_IO_ERROR."""
 
 
+class CacheWriteFailed(StorageError):
+    """A cache's full or failing disk refused a write (`cache_fault`): raised by data_prep, which serves several
+    commands, so `outcome` ends its line with the advice of the command that ran (`how_to_continue`)."""
+
+
 class InternalError(Exception):
     """Something that cannot happen did (a draftsmith bug); exit EXIT_INTERNAL with the traceback kept.
     Any exception that is none of the above is treated the same way."""
@@ -70,6 +77,11 @@ class Preempted(BaseException):
     """The job was asked to stop (SIGTERM) and saved what it needs to continue; exit EXIT_PREEMPTED. A BaseException,
     as KeyboardInterrupt is: raised wherever the job is (`stop_on_sigterm`), it must pass the `except Exception` of a
     library call it lands in (yaml's, OmegaConf's, a download's), which turned it into that call's own error."""
+
+
+class PreemptedWhereItWas(Preempted):
+    """SIGTERM's stop outside a loop that stops at its boundary (`stop_on_sigterm`), advised as its command continues
+    (`how_to_continue`): a command that knows what it kept says so instead (train: `after_interrupt`)."""
 
 
 # The exit codes (docs/faults.md): 2 = fix the input; 3 = a correctness check failed (the eval's lossless
@@ -98,6 +110,10 @@ CONTINUE = {
     "train": "run the same command with train.resume=true to continue",
     "monitor": "run the same command again to continue (a retraining it was in resumes)",
 }
+# Python's import system: a frame of one of these on the main thread's stack means that a module is being imported
+IMPORT_SYSTEM = frozenset({"importlib._bootstrap", "importlib._bootstrap_external"})
+# the stops (signal numbers) that landed inside an import and wait for its end (`outside_imports`)
+DEFERRED_STOPS: set[int] = set()
 DEBUG_ENV = "DRAFTSMITH_DEBUG"  # set (to anything but 0): an internal error prints its traceback on stderr
 
 # exception class -> (exit code, what the line starts with); the first match in order wins
@@ -140,7 +156,42 @@ def stop_on_sigterm(signum, frame, command: str = "") -> NoReturn:
     continues (regeneration and capture after their last finished part, export from its checks).
     run_cli binds `command`, the one that runs, for the line's advice."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM during the unwinding kills
-    raise Preempted(f"stopped on SIGTERM; what was finished is kept: {how_to_continue(command)}")
+    raise PreemptedWhereItWas(f"stopped on SIGTERM; what was finished is kept: {how_to_continue(command)}")
+
+
+def importing(frame: FrameType | None) -> bool:
+    """Whether `frame` (the main thread's, where a signal's handler runs) is inside an import."""
+    while frame is not None:
+        if frame.f_globals.get("__name__") in IMPORT_SYSTEM:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def outside_imports(stop: Callable[[int, FrameType | None], object]) -> Callable[[int, FrameType | None], None]:
+    """A signal's handler that raises (`stop`: Ctrl-C's KeyboardInterrupt, SIGTERM's Preempted), run once the main
+    thread imports no module. Raised inside an import (torch's, transformers' lazy ones: seconds, early in every
+    command), the stop was swallowed by a library (the command went on, exit 0), or it left numpy half-imported for
+    the next import to fail on (`internal error ... Could not import module 'LlamaConfig'`, exit 70)."""
+
+    def after_the_import(signum: int) -> None:
+        main = threading.main_thread().ident
+        while importing(sys._current_frames().get(main)):
+            time.sleep(0.01)
+        try:
+            DEFERRED_STOPS.remove(signum)
+        except KeyError:  # raised already, where the command ended (`raise_deferred_stop`)
+            return
+        signal.pthread_kill(main, signum)  # a real signal: it ends a sleep or a wait the main thread went on to
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if not importing(frame):
+            stop(signum, frame)
+        elif signum not in DEFERRED_STOPS:  # a second one meanwhile is the same stop
+            DEFERRED_STOPS.add(signum)
+            threading.Thread(target=after_the_import, args=(signum,), daemon=True).start()
+
+    return handler
 
 
 class StopRequest:
@@ -169,40 +220,66 @@ class StopRequest:
 def run_cli(main: Callable[[Sequence[str]], object], argv: Sequence[str] | None = None, command: str = "") -> NoReturn:
     """Run an entry point; each exception above becomes one line on stderr and its exit code (`outcome`),
     and SIGTERM becomes Preempted (exit 75) wherever the job is (`stop_on_sigterm`); `command` (cli.py's
-    COMMANDS, "" for another entry point) chooses the advice of the lines that say how to continue. Once the
-    command is over and its code decided, SIGTERM is ignored, and no handler is put back: the process ends
-    here, and its interpreter's shutdown (thread joins, atexit) takes up to a second, in which a SIGTERM would
-    end it as 143 and lose what the command decided (a scheduler acts on `monitor check`'s 12)."""
+    COMMANDS, "" for another entry point) chooses the advice of the lines that say how to continue. Ctrl-C and
+    SIGTERM wait for the end of an import they land in (`outside_imports`). Once the command is over and its code
+    decided, SIGTERM is ignored, and no handler is put back: the process ends here, and its interpreter's shutdown
+    (thread joins, atexit) takes up to a second, in which a SIGTERM would end it as 143 and lose what the command
+    decided (a scheduler acts on `monitor check`'s 12)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    signal.signal(signal.SIGTERM, functools.partial(stop_on_sigterm, command=command))
+    signal.signal(signal.SIGTERM, outside_imports(functools.partial(stop_on_sigterm, command=command)))
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not an ignored one (a background job's)
+        signal.signal(signal.SIGINT, outside_imports(signal.default_int_handler))
     sys.exit(_run(main, argv, command))
 
 
 def _run(main: Callable[[Sequence[str]], object], argv: list[str], command: str) -> int | str | None:
     try:
-        main(argv)
+        try:
+            main(argv)
+        finally:
+            raise_deferred_stop()
         _command_over()
     except SystemExit as stop:  # a command that states its own code (`monitor check`'s 10-13)
         _command_over()
         return stop.code
-    except KeyboardInterrupt as err:
-        _command_over()
-        close_progress_bars()  # the line of its own, not the tail of a progress bar's
-        print(f"interrupted: {err}" if str(err) else "interrupted", file=sys.stderr)  # with a command's advice
-        return EXIT_INTERRUPTED
     except BrokenPipeError:
         _command_over()
         # stdout's reader stopped reading (`--help | head`): nothing failed here, and nothing more can be
         # said on stdout; pointed at /dev/null so that the interpreter's last flush does not fail again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (Exception, Preempted) as err:  # noqa: BLE001 - every failure ends as one line and its exit code
+    except (Exception, Preempted, KeyboardInterrupt) as err:  # noqa: BLE001 - every failure: one line, its exit code
         _command_over()
-        close_progress_bars()
+        close_progress_bars()  # the line of its own, not the tail of a progress bar's
+        err = stop_behind(err) or err
+        if isinstance(err, KeyboardInterrupt):
+            print(f"interrupted: {err}" if str(err) else "interrupted", file=sys.stderr)  # with a command's advice
+            return EXIT_INTERRUPTED
         code, line = outcome(err, command)
         print(line, file=sys.stderr)
         return code
     return 0
+
+
+def stop_behind(err: BaseException) -> KeyboardInterrupt | Preempted | None:
+    """The stop (Ctrl-C's KeyboardInterrupt, SIGTERM's Preempted) that `err` is, or was raised while it unwound, if
+    any: a library's cleanup that failed on the work the stop left half done replaced it (OmegaConf's `AttributeError:
+    'NoneType' object has no attribute '_invalidate_flags_cache'`: exit 70, for a job that was asked to stop)."""
+    link: BaseException | None = err
+    while link is not None and not isinstance(link, (KeyboardInterrupt, Preempted)):
+        link = link.__cause__ or link.__context__
+    return link
+
+
+def raise_deferred_stop() -> None:
+    """Raise a stop that waited for the end of an import (`outside_imports`) and that its poll has not raised yet: a
+    command that ended right after the import (a refusal, a last step) exited 2 or 0 for a job asked to stop."""
+    for signum in list(DEFERRED_STOPS):
+        try:
+            DEFERRED_STOPS.remove(signum)
+        except KeyError:  # its poll raised it meanwhile
+            continue
+        signal.raise_signal(signum)
 
 
 def _command_over() -> None:
@@ -221,6 +298,8 @@ def outcome(err: BaseException, command: str = "") -> tuple[int, str]:
             f"{one_line(err, limit=2000).rstrip('.')}; run the same command again when the Hub can be reached, or "
             "give a local folder (or set HF_HUB_OFFLINE=1 to read the Hub cache only)"
         )
+    if isinstance(err, CacheWriteFailed):  # its raiser does not know the command
+        return EXIT_IO_ERROR, f"I/O error: {one_line(err, limit=2000)}, and {how_to_continue(command)}"
     for cls, code, prefix in OUTCOMES:
         if isinstance(err, cls):
             return code, f"{prefix}: {one_line(err, limit=2000)}"
@@ -275,13 +354,14 @@ def cache_fault(fault: OSError, what: str, cache: str | os.PathLike, setting: st
     """The line for a write into a cache that `fault` (`storage_fault`) refused, naming the cache (`what`, at `cache`)
     and the `setting` that moves it (an environment variable or a recipe key): a cache is often on another disk than
     the input and the output, and its writers' errors name no file, or one inside it. A full or failing disk is
-    StorageError (exit 74) with the room left there; a read-only one or permissions bad input (exit 2)."""
+    CacheWriteFailed (exit 74) with the room left there, its command's advice added by `outcome`; a read-only one or
+    permissions bad input (exit 2)."""
     named = f"{what} {cache} ({setting})"
     if fault.errno in STORAGE_ERRNOS and fault.errno != errno.EROFS:
         reason = storage_reason(fault.errno, cache, named=False)
-        return StorageError(
+        return CacheWriteFailed(
             f"could not write {named}: {reason}; free space there (or fix the disk), or set {setting} to a folder "
-            f"on another disk, and {RUN_AGAIN}"
+            "on another disk"
         )
     return UserError(f"{named} cannot be written: {fault.strerror}; set {setting} to a folder you can write")
 

@@ -54,12 +54,6 @@ def text_config(config: Any) -> Any:
     return text if text is not None and _get(config, "hidden_size") is None else config
 
 
-def residual_streams(config: Any) -> int:
-    """How many residual streams a decoder layer passes on: DeepSeek-V4's hyper-connections (`hc_mult`),
-    1 for a family without them."""
-    return int(_get(text_config(config), "hc_mult") or 1)
-
-
 def layer_types(config: Any) -> list[str]:
     """Each decoder layer's attention kind. The config's own `layer_types` where the family has them
     (transformers derives them from `sliding_window`, `use_sliding_window`, `max_window_layers`,

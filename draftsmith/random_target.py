@@ -20,6 +20,14 @@ with the demo target's tokenizer, ready for `target.name_or_path=DIRECTORY`.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # run before the imports below (torch's: a second), which the command makes under run_cli
+    import importlib
+
+    from draftsmith.errors import run_cli
+
+    # the command is this module by its installed name: nothing below runs in this copy
+    run_cli(lambda argv: importlib.import_module("draftsmith.random_target").write_command(argv))
+
 import argparse
 import json
 import os
@@ -294,8 +302,9 @@ def write_random_target(
 
 
 def main(argv: Optional[list[str]] = None) -> NoReturn:
-    """`python -m draftsmith.random_target ...`, under run_cli as every command: a refusal, a full disk or a
-    stop is one line and its exit code (docs/faults.md)."""
+    """`python -m draftsmith.random_target ...` from a process that has imported this module, under run_cli as every
+    command: a refusal, a full disk or a stop is one line and its exit code (docs/faults.md). `python -m` itself runs
+    `write_command` so before this module's imports (its `__main__` block at the top)."""
     run_cli(write_command, argv)
 
 
@@ -348,7 +357,3 @@ def check_target_directory(directory: Path) -> None:
             f"{named} holds files a target written here does not ({', '.join(others[:5])}): it would be replaced; "
             "give a new folder, or one that is empty"
         )
-
-
-if __name__ == "__main__":
-    main()

@@ -25,7 +25,6 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from draftsmith.errors import UserError, one_line
-from draftsmith.families import residual_streams
 from draftsmith.files import cannot_read, write_text_atomic
 from draftsmith.outputs import FINAL_DIR, RECIPE_NAME
 from draftsmith.recipe_checks import (
@@ -173,7 +172,7 @@ def check_drafter(cfg: DictConfig, command: str = "train") -> None:
     checkpoint's own settings (an engine folder's, or a missing one's, its reader checks)."""
     from draftsmith.heads import drafter_class
     from draftsmith.heads.base import saved_drafter
-    from draftsmith.target import local_target_config, local_target_shape, names_a_missing_folder, unreadable_layers
+    from draftsmith.target import local_target_shape, names_a_missing_folder
 
     drafter_cls = drafter_class(cfg.drafter.type)
     try:
@@ -198,16 +197,13 @@ def check_drafter(cfg: DictConfig, command: str = "train") -> None:
         if saved[0].type == cfg.drafter.type:  # of another kind, the command refuses it, naming both
             check_chain(cfg, *saved)
         return
-    streams = 1  # a GGUF file or a Hub id: the target's first forward checks its layers' outputs
     if cfg.target.gguf_file is not None:
         from draftsmith.gguf import header_shape
 
         shape = header_shape(cfg.target.name_or_path, cfg.target.gguf_file)
     else:
         shape = local_target_shape(cfg.target.name_or_path)
-        streams = residual_streams(local_target_config(cfg.target.name_or_path) or {})
     config.check(shape)
-    require(streams == 1 or not drafter_cls.features(config, shape).layers, unreadable_layers(streams))
     require_draft_vocab_use(cfg, config, shape)
     check_chain(cfg, drafter_cls, config)
 

@@ -6,7 +6,8 @@ Layer index convention (used by every drafter and, later, by feature shards): la
 `output_hidden_states`; `-1` means the embeddings (`hidden_states[0]`). The `final` feature is the
 last hidden state after the final norm, the input of the lm_head. Caveat: transformers returns the
 *normed* state as `hidden_states[L]`, so layer L-1 is the same tensor as `final`, not the raw output
-of the last decoder layer (EAGLE-3's default layers 1, L//2-1, L-4 never touch it).
+of the last decoder layer (EAGLE-3's default layers 1, L//2-1, L-4 never touch it). A target whose
+layers pass several residual streams (hyper-connections) is read as vLLM reads it: their mean (`layer_output`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from typing import Any, Optional
 import torch
 
 from draftsmith.errors import UserError
-from draftsmith.families import residual_streams
 from draftsmith.model_files import read_pretrained, read_tokenizer
+from draftsmith.streams import last_layer_streams
 
 log = logging.getLogger("draftsmith.target")
 
@@ -282,13 +283,15 @@ def local_target_shape(name_or_path: str) -> Optional[TargetShape]:
         return None
 
 
-def unreadable_layers(streams: int) -> str:
-    """Why a drafter that reads decoder layers' outputs cannot train on a target with several streams."""
-    return (
-        f"the target's decoder layers pass {streams} residual streams a position (hyper-connections: hc_mult in "
-        "its config), not one hidden state: a drafter that reads layer outputs cannot read them; choose a "
-        "drafter.type that reads the last hidden state only"
-    )
+def layer_output(hidden_states: Sequence[torch.Tensor], layer: int) -> torch.Tensor:
+    """Decoder layer `layer`'s output (the module docstring's convention) from transformers' `hidden_states`,
+    one state a position. A target with hyper-connections (DeepSeek-V4's `hc_mult`) passes several residual
+    streams between layers, [..., streams, H] where the last state is [..., H]: the tap is their mean, as vLLM
+    computes the taps its EAGLE-3 and DFlash drafters read (vllm/models/deepseek_v4/cpu/model.py and
+    nvidia/model.py: `aux_recon.mean(dim=1)` of each tapped layer's mixed streams), so a drafter trains on
+    what it is served."""
+    state = hidden_states[layer + 1]
+    return state.mean(dim=-2) if state.dim() > hidden_states[-1].dim() else state
 
 
 @dataclass
@@ -298,6 +301,7 @@ class FeatureRequest:
     final: bool = True  # last hidden state after the final norm (lm_head input)
     layers: tuple[int, ...] = ()  # outputs of these decoder layers (see the module docstring)
     logits: bool = False  # the target's next-token distribution (soft targets for distillation)
+    streams: bool = False  # the last layer's residual streams [B, T, S, H] (hyper-connections: draftsmith.streams)
 
 
 class TargetOutput:
@@ -317,10 +321,12 @@ class TargetOutput:
         layers: Optional[dict[int, torch.Tensor]] = None,
         cache: object = None,
         head: Optional[torch.nn.Module] = None,
+        streams: Optional[torch.Tensor] = None,
     ):
         self._logits = logits
         self.final = final
         self.layers = {} if layers is None else layers
+        self.streams = streams  # FeatureRequest.streams
         self.cache = cache
         self.head = head if logits is None else None
         self._modes = (torch.is_grad_enabled(), _autocast_state(final)) if self.head is not None else None
@@ -413,16 +419,17 @@ def run_target(
     want_layers = bool(request.layers)
     defer = _defers_logits(model)
     keep = {"logits_to_keep": torch.empty(0, dtype=torch.long, device=input_ids.device)} if defer else {}
-    outputs = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        cache=cache,
-        use_cache=use_cache,
-        output_hidden_states=True,
-        return_dict=True,
-        **keep,
-    )
+    with last_layer_streams(model, request.streams) as captured:
+        outputs = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+            output_hidden_states=True,
+            return_dict=True,
+            **keep,
+        )
     hidden_states = outputs.hidden_states
     final = hidden_states[-1]
     head = model.get_output_embeddings() if defer else None
@@ -431,13 +438,12 @@ def run_target(
             _PLAIN_HEAD[model] = outputs.logits.shape == (*final.shape[:-1], outputs.logits.shape[-1]) and torch.equal(
                 outputs.logits, model.get_output_embeddings()(final)
             )
-    layers = {layer: hidden_states[layer + 1] for layer in request.layers} if want_layers else {}
-    if any(hidden.shape != final.shape for hidden in layers.values()):
-        raise UserError(unreadable_layers(residual_streams(model.config)))
+    layers = {layer: layer_output(hidden_states, layer) for layer in request.layers} if want_layers else {}
     return TargetOutput(
         logits=None if defer else outputs.logits,
         final=final,
         layers=layers,
         cache=outputs.cache if use_cache else None,
         head=head,
+        streams=captured.get("streams"),
     )

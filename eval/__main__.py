@@ -13,11 +13,13 @@ from typing import Sequence
 
 from draftsmith.cli import entry_point
 from draftsmith.errors import NotLossless
-from draftsmith.formats.folder import require_read_drafter_settings
-from draftsmith.recipe import load_recipe
 
 
 def main(argv: Sequence[str]) -> None:
+    # imported here, under entry_point's run_cli: Ctrl-C or SIGTERM during their imports (torch's) ends as later
+    from draftsmith.formats.folder import require_read_drafter_settings
+    from draftsmith.recipe import load_recipe
+
     cfg = load_recipe(argv, "eval")  # checked before the loop's and the libraries' modules load
     require_read_drafter_settings(argv, cfg)
     import datasets

@@ -23,8 +23,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
-from draftsmith.data_prep import Collator, load_tokenized
-from draftsmith.data_prep.dataset import split_heldout_rows
+from draftsmith.data_prep.collate import Collator
+from draftsmith.data_prep.dataset import load_tokenized, split_heldout_rows
 from draftsmith.data_prep.features import open_features
 from draftsmith.data_prep.overlap import eval_in_train
 from draftsmith.files import write_text_atomic

@@ -93,6 +93,7 @@ class RowState:
     new_final: torch.Tensor  # [m, H]
     new_layers: dict[int, torch.Tensor]  # layer id -> [m, H]
     fresh: bool = True
+    new_streams: Optional[torch.Tensor] = None  # [m, S, H], where the drafter reads the target's streams
 
     def draft_state(self) -> DraftState:
         return DraftState(
@@ -102,19 +103,25 @@ class RowState:
             new_final=self.new_final,
             new_layers=self.new_layers,
             fresh=self.fresh,
+            new_streams=self.new_streams,
         )
 
-    def commit_hidden(self, final: torch.Tensor, layers: dict[int, torch.Tensor]) -> None:
-        """Record the target's hidden states [k, H] at newly committed positions (oldest first)."""
+    def commit_hidden(
+        self, final: torch.Tensor, layers: dict[int, torch.Tensor], streams: Optional[torch.Tensor] = None
+    ) -> None:
+        """Record the target's hidden states [k, H] (streams [k, S, H]) at newly committed positions (oldest first)."""
         self.final = final[-1]
         self.layers = {layer: hidden[-1] for layer, hidden in layers.items()}
         self.new_final = torch.cat([self.new_final, final])
         self.new_layers = {layer: torch.cat([self.new_layers[layer], hidden]) for layer, hidden in layers.items()}
+        if streams is not None:
+            self.new_streams = torch.cat([self.new_streams, streams])
 
     def mark_proposed(self) -> None:
         """The drafter has seen everything committed so far."""
         self.new_final = self.new_final[:0]
         self.new_layers = {layer: hidden[:0] for layer, hidden in self.new_layers.items()}
+        self.new_streams = None if self.new_streams is None else self.new_streams[:0]
         self.fresh = False
 
     @property
@@ -228,6 +235,7 @@ def prefill(model, prompts: Sequence[Sequence[int]], request: FeatureRequest = F
                 layers={layer: hidden[-1] for layer, hidden in layers.items()},
                 new_final=out.final[b, width - n :],  # every cached position is new to the drafter
                 new_layers=layers,
+                new_streams=None if out.streams is None else out.streams[b, width - n :],
             )
         )
     return DecodeState(rows=rows, cache=cache)
@@ -323,7 +331,9 @@ def verify_step(
         # earlier); the last of them produced the bonus.
         hidden = keep[p - 1 :]
         row.commit_hidden(
-            out.final[b, hidden], {layer: hidden_states[b, hidden] for layer, hidden_states in out.layers.items()}
+            out.final[b, hidden],
+            {layer: hidden_states[b, hidden] for layer, hidden_states in out.layers.items()},
+            None if out.streams is None else out.streams[b, hidden],
         )
         row.tokens.extend(int(draft.tokens[node]) for node in verdict.path)
         if verdict.bonus is not None:

@@ -39,7 +39,7 @@ def prompt_conversations(
     """The messages of the first `max_prompts` conversations of each domain, domains in order.
     `skip_invalid_utf8`, `max_conversations`: data.skip_invalid_utf8 and the cap per file (load_conversations;
     `prompt_sources` says which cap), applied before `max_prompts`."""
-    from draftsmith.data_prep import load_conversations
+    from draftsmith.data_prep.conversations import load_conversations
 
     conversations = load_conversations(
         sources, max_conversations, prompts_only=True, skip_invalid_utf8=skip_invalid_utf8
@@ -60,7 +60,7 @@ def render_prompts(
 ) -> dict[str, list[list[int]]]:
     """Each conversation rendered up to its last assistant turn with the generation prompt (render_prompt);
     prompts longer than `max_length` keep their last tokens."""
-    from draftsmith.data_prep import render_prompt
+    from draftsmith.data_prep.template import render_prompt
 
     return {
         domain: [render_prompt(tokenizer, messages)[0][-max_length:] for messages in conversations]

@@ -8,9 +8,6 @@ against the target and the engine's loader before it lands, optionally loaded in
 
 This package is the command (export/run.py) and what it does around the folders: the model card,
 the engine check, the load sweep, the γ choice, the batch schedule, the Hub push. The folders' formats,
-one module per drafter kind, are a layer of their own below every stage (draftsmith.formats).
+one module per drafter kind, are a layer of their own below every stage (draftsmith.formats). Nothing is imported
+here: `python -m export` and `-m export.sweep` set their Ctrl-C and SIGTERM handlers before torch's import.
 """
-
-from draftsmith.export.run import export_checkpoint
-
-__all__ = ["export_checkpoint"]

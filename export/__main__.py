@@ -9,13 +9,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from draftsmith.cli import entry_point
-from draftsmith.recipe import load_recipe
 
 
 def main(argv: Sequence[str]) -> None:
-    from draftsmith.export import export_checkpoint
+    # imported here, under entry_point's run_cli: Ctrl-C or SIGTERM during their imports (torch's) ends as later
+    from draftsmith.export.run import export_checkpoint
     from draftsmith.formats.folder import require_read_drafter_settings
-    from draftsmith.recipe import checkpoint_to_read
+    from draftsmith.recipe import checkpoint_to_read, load_recipe
     from draftsmith.recipe_checks import require_export_settings_read
 
     cfg = load_recipe(argv, "export")

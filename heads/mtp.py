@@ -1,7 +1,7 @@
 """MTP: the target's own multi-token-prediction layer, shipped in its checkpoint, fine-tuned as the drafter.
 
-DeepSeek-V3, DeepSeek-V3.2, GLM-4.5, Qwen3-Next and Qwen3.5 ship, next to their decoder layers, a layer trained to
-predict the token after next. transformers drops it at load (the families' `_keys_to_ignore_on_load_
+DeepSeek-V3, V3.2 and V4, GLM-4.5 and GLM-5, Qwen3-Next and Qwen3.5 ship, next to their decoder layers, a layer
+trained to predict the token after next. transformers drops it at load (the families' `_keys_to_ignore_on_load_
 unexpected`); vLLM serves it as the `mtp` method. This kind reads it from the target's safetensors, builds
 it as vLLM 0.32's `*_mtp.py` model for that architecture computes it, trains it on the target's own
 distribution several steps ahead, each step fed its previous step's output (EAGLE's training-time test),
@@ -15,9 +15,10 @@ MTP proposer, and the embedding of the next token x_{p+1}:
 
 where e is the target's embedding, zeroed at position 0 in the DeepSeek and GLM models, and lm_head the
 target's (vLLM shares both with the target; the checkpoint's copies are not read). A later draft step
-reads the previous step's `final_norm(pre)` (DeepSeek, Qwen) or `pre` itself (GLM), as vLLM's proposer
-feeds them back (docs/results/vllm-0.32-source-2026-families.md, section 2). Decoding is EAGLE's: the
-layer's own KV cache over the committed sequence, a chain or a dynamic tree grown from it (EagleProposer);
+reads the previous step's `final_norm(pre)` (DeepSeek, GLM-5, Qwen) or `pre` itself (GLM-4.5), as vLLM's proposer
+feeds them back (docs/results/vllm-0.32-source-2026-families.md, section 2). DeepSeek-V4's layer passes
+hyper-connection streams instead, and reads the target's last layer's (heads/mtp_streams.py). Decoding is EAGLE's:
+the layer's own KV cache over the committed sequence, a chain or a dynamic tree grown from it (EagleProposer);
 vLLM verifies chains.
 
 Only the first MTP layer is used: vLLM 0.32's proposer runs layer 0 for every draft step whatever the
@@ -38,7 +39,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from draftsmith.errors import UserError
-from draftsmith.heads import register
+from draftsmith.families import sliding_window, within_window
+from draftsmith.heads import mtp_streams, register
 from draftsmith.heads.base import WEIGHTS_NAME, FlopProfile
 from draftsmith.heads.eagle_base import EagleBase, import_qualified
 from draftsmith.heads.mtp_config import MtpConfig
@@ -70,6 +72,8 @@ WRAPPER = ("embed_norm", "hidden_norm", "proj", "final_norm")
 
 DEEPSEEK_NAMES = ("enorm", "hnorm", "eh_proj", "shared_head.norm")
 QWEN_NAMES = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm")
+# DeepSeek-V4's release names (mtp_streams.ROLES), the block's beside them under `mtp.{j}.` in DeepSeek's original names
+V4_NAMES = ("enorm", "hnorm", "e_proj", "h_proj", "norm")
 QWEN3_5 = Layout("qwen3_5_mtp", "mtp_num_hidden_layers", QWEN_NAMES, False, False, True)
 # vLLM's Qwen3_5MoeMTP: Qwen3.5's layer with Qwen3-Next's experts (a sigmoid-gated shared expert beside them),
 # stored fused as the releases ship them (vLLM reads either form)
@@ -80,7 +84,15 @@ LAYOUTS = {
     # vLLM's DeepseekV32MTP (models/deepseek_v32/): DeepSeek-V3's layer and names, its block V3.2's sparse-attention
     # layer, whose indexer keys the drafter's cache keeps beside its keys (mtp_layer.layer_config)
     "DeepseekV32ForCausalLM": Layout("DeepseekV32MTP", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, True),
+    # GLM-5 (glm_moe_dsa) is V3.2's sparse-attention architecture: vLLM's speculative config maps it to
+    # deepseek_mtp and builds the same DeepseekV32MTP, so its layer is stored, masked and fed back as V3.2's
+    # (normed, unlike GLM-4.5's glm4_moe_mtp)
+    "GlmMoeDsaForCausalLM": Layout("DeepseekV32MTP", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, True),
     "Glm4MoeForCausalLM": Layout("glm4_moe_mtp", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, False),
+    # vLLM's DeepSeekV4MTP (models/deepseek_v4/nvidia/mtp.py): a layer on hyper-connection streams, fed back unnormed
+    "DeepseekV4ForCausalLM": Layout(
+        "DeepSeekV4MTP", "num_nextn_predict_layers", V4_NAMES, False, True, False, own_prefix=True, streams=True
+    ),
     "Qwen3NextForCausalLM": Layout("qwen3_next_mtp", "num_nextn_predict_layers", QWEN_NAMES, False, False, True),
     "Qwen3_5ForCausalLM": QWEN3_5,
     "Qwen3_5MoeForCausalLM": QWEN3_5_MOE,
@@ -96,10 +108,6 @@ UNSERVED = {
     "Glm4MoeLiteForCausalLM": (
         "vLLM 0.32's glm4_moe_lite_mtp sets num_hidden_layers to 0 and so loads the target's layer 0 as the MTP "
         "layer, never the shipped one"
-    ),
-    "DeepseekV4ForCausalLM": (
-        "its MTP layer passes hyper-connection streams, a layout draftsmith does not read, and no V4 target has "
-        "run in vLLM here (docs/targets.md)"
     ),
 }
 # Architectures whose multi-token prediction is a model released beside the target, not a layer in its
@@ -205,7 +213,10 @@ class Mtp(EagleBase):
         hidden, eps = target.hidden_size, self.layer_config.rms_norm_eps
         norm = import_qualified(spec["norm"])  # the target's RMSNorm (Qwen's computes x * (1 + w))
         self.embed_norm, self.hidden_norm, self.final_norm = (norm(hidden, eps=eps) for _ in range(3))
-        self.proj = nn.Linear(2 * hidden, hidden, bias=False)
+        if self.layout.streams:
+            mtp_streams.build(self, hidden, import_qualified(spec["collapse"]))
+        else:
+            self.proj = nn.Linear(2 * hidden, hidden, bias=False)
         self.block = import_qualified(spec["layer"])(self.layer_config, layer_idx=0)
         indexer = getattr(self.block.self_attn, "indexer", None)
         if indexer is not None:
@@ -214,8 +225,17 @@ class Mtp(EagleBase):
             indexer.requires_grad_(False)
 
     @classmethod
+    def for_target(cls, config: MtpConfig, target: TargetShape, target_config) -> MtpConfig:
+        """The target's architecture, which decides whether the layer reads its streams (`features`), for a stage
+        that builds no drafter (the capture); `from_target` records it with the layer's classes."""
+        if config.decoder is not None:
+            return config
+        return replace(config, decoder={"architecture": (target_config.architectures or ["?"])[0]})
+
+    @classmethod
     def features(cls, config: MtpConfig, target: TargetShape) -> FeatureRequest:
-        return FeatureRequest(final=True, logits=True)
+        layout = LAYOUTS.get(config.decoder["architecture"]) if config.decoder is not None else None
+        return FeatureRequest(final=True, logits=True, streams=layout is not None and layout.streams)
 
     @classmethod
     def flop_profile(cls, config: MtpConfig) -> FlopProfile:
@@ -244,6 +264,7 @@ class Mtp(EagleBase):
         layout_of(values)  # a target without a served MTP layout: its one line, before anything is built
         text = getattr(target_config, "text_config", None) or target_config
         inner = target_model.model
+        layout = LAYOUTS[values["architectures"][0]]
         spec = {
             "architecture": values["architectures"][0],
             "layer": qualified(type(inner.layers[0])),
@@ -252,13 +273,15 @@ class Mtp(EagleBase):
             "config_class": qualified(type(text)),
             "config": layer_config(target_config),
         }
+        if layout.streams:  # the layer's own collapse of its streams is the target's kind (its hc_head)
+            spec["collapse"] = qualified(type(inner.hc_head))
         drafter = cls(replace(config, decoder=spec), TargetShape.of(target_model, name_or_path))
         drafter.attach_target(target_model)
         return drafter
 
     def load_layer(self, tensors: dict[str, torch.Tensor]) -> None:
         block = self.layout.block()
-        wrapper = {f"{own}.weight": f"{theirs}.weight" for own, theirs in zip(WRAPPER, self.layout.names)}
+        wrapper = wrapper_names(self.layout)
         missing = [name for name in wrapper.values() if name not in tensors]
         if missing:
             raise UserError(f"drafter.type=mtp: the checkpoint's MTP layer lacks {missing}")
@@ -273,14 +296,12 @@ class Mtp(EagleBase):
         block_tensors = {name.removeprefix(block): t for name, t in tensors.items() if name.startswith(block)}
         block_tensors = {k: v for k, v in block_tensors.items() if k not in wrapper.values()}
         state |= {f"block.{name}": t for name, t in block_from_checkpoint(block_tensors, self.config.decoder).items()}
-        dtype = self.proj.weight.dtype
+        dtype = self.embed_norm.weight.dtype
         self.load_state_dict({name: t.to(dtype) for name, t in state.items()})
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """The layer under its checkpoint names (without the prefix): what formats/mtp.py writes."""
-        out = {
-            f"{theirs}.weight": getattr(self, own).weight.detach() for own, theirs in zip(WRAPPER, self.layout.names)
-        }
+        out = {theirs: self.get_parameter(own).detach() for own, theirs in wrapper_names(self.layout).items()}
         block = self.layout.block()
         saved = block_to_checkpoint(self.block, self.config.decoder, self.layout.fused_experts)
         out |= {block + name: t for name, t in saved.items()}
@@ -295,17 +316,25 @@ class Mtp(EagleBase):
         mask: Optional[torch.Tensor] = None,
         cache: Optional[DynamicCache] = None,
     ) -> torch.Tensor:
-        """pre = block(proj(cat(embed_norm(e), hidden_norm(f)))); returns what a later step reads (see the
-        module docstring), which `top_tokens` turns into logits."""
+        """pre = block(proj(cat(embed_norm(e), hidden_norm(f)))), or a streams layout's (heads/mtp_streams.py);
+        returns what a later step reads (see the module docstring), which `top_tokens` turns into logits."""
         embedded = self.embed(tokens).to(features.dtype)
         if self.layout.masks_first_position:
             embedded = torch.where(positions[..., None] == 0, 0.0, embedded)
-        hidden = self.proj(torch.cat([self.embed_norm(embedded), self.hidden_norm(features)], dim=-1))
-        rope = self.rotary_emb(hidden, positions)
-        pre = self.block(hidden, attention_mask=mask, position_ids=positions, cache=cache, position_embeddings=rope)
+        if self.layout.streams:
+            hidden = mtp_streams.combine(self, embedded, features)
+            arguments = mtp_streams.block_arguments(self, hidden, positions, mask)
+        else:
+            hidden = self.proj(torch.cat([self.embed_norm(embedded), self.hidden_norm(features)], dim=-1))
+            arguments = {"attention_mask": mask, "position_embeddings": self.rotary_emb(hidden, positions)}
+        pre = self.block(hidden, position_ids=positions, cache=cache, **arguments)
+        if isinstance(pre, tuple):  # GLM-5's layer returns its top-k selection beside, for a later layer to share
+            pre = pre[0]
         return self.final_norm(pre) if self.layout.feeds_back_normed else pre
 
     def head_input(self, fed_back: torch.Tensor) -> torch.Tensor:
+        if self.layout.streams:
+            return mtp_streams.head_input(self, fed_back)
         return fed_back if self.layout.feeds_back_normed else self.final_norm(fed_back)
 
     def top_tokens(self, feature: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -316,7 +345,11 @@ class Mtp(EagleBase):
         return best.values, best.indices
 
     def committed_features(self, state: DraftState) -> Optional[torch.Tensor]:
-        return None if state.new_final is None else state.new_final.to(self.proj.weight.dtype)
+        features = state.new_streams if self.layout.streams else state.new_final
+        return None if features is None else features.to(self.embed_norm.weight.dtype)
+
+    def attention_window(self) -> Optional[int]:
+        return sliding_window(self.layer_config)  # the block's (mtp_layer.layer_config): DeepSeek-V4's
 
     # -- training -------------------------------------------------------------------------------
     def loss(self, batch: dict, target_out: TargetOutput):
@@ -329,19 +362,21 @@ class Mtp(EagleBase):
         as the decode loop's cache holds them when it drafts its (i+1)-th token. Counted where x_{t+i+2}
         is supervised and in t's document; summed over positions and steps (step i weighs ttt_decay**i).
         """
-        from transformers import DynamicCache
-
         input_ids = batch["input_ids"]
         rows, length = input_ids.shape
         width, device, steps = length - 1, input_ids.device, self.config.ttt_steps
         docs, places = documents(batch), positions(batch)
         committed = causal_document_mask(docs[:, :width])  # step 0's entries, [B, 1, W, W]
         own = torch.eye(width, dtype=torch.bool, device=device).expand(rows, 1, width, width)
-        cache = DynamicCache(config=self.layer_config)
-        fed = target_out.final[:, :width].to(self.proj.weight.dtype)
+        cache = self.new_cache()
+        fed = self.target_features(target_out)[:, :width].to(self.embed_norm.weight.dtype)
+        window, keys = self.attention_window(), places[:, None, None, :width]
         outputs = []
         for step in range(steps):
-            mask = torch.cat([committed] + [own] * step, dim=-1)
+            seen = committed
+            if window is not None:  # step 0's entry at s, from position t + step: as decoding's window masks it
+                seen = committed & within_window(places[:, None, :width, None] + step, keys, window)
+            mask = torch.cat([seen] + [own] * step, dim=-1)
             fed = self.draft(shifted(input_ids, step + 1, width), fed, places[:, :width] + step, mask, cache)
             outputs.append(self.head_input(fed))
         _, lm_head = self.target_modules()
@@ -349,9 +384,20 @@ class Mtp(EagleBase):
         loss, stats = steps_ahead_loss(outputs, batch, target_out, lm_head.weight, self.config.ttt_decay, chunk_rows)
         return loss, self.loss_tokens(batch), stats
 
+    def target_features(self, target_out: TargetOutput) -> torch.Tensor:
+        """What step 0 reads of the target, [B, T, ..]: its final hidden state, or a streams layout's streams."""
+        return target_out.streams if self.layout.streams else target_out.final
+
 
 def qualified(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def wrapper_names(layout: Layout) -> dict[str, str]:
+    """The drafter's parameters around the block -> their names in the checkpoint (under the layer's prefix)."""
+    roles = mtp_streams.ROLES if layout.streams else WRAPPER
+    names = {f"{own}.weight": f"{theirs}.weight" for own, theirs in zip(roles, layout.names)}
+    return names | (mtp_streams.COLLAPSE_NAMES if layout.streams else {})
 
 
 @torch.no_grad()
@@ -375,6 +421,12 @@ def write_random_layer(directory: str | Path, std: float = 0.08, seed: int = 0) 
     torch.manual_seed(seed)
     # named apart from the folder, whose weights do not hold the layer yet (MtpConfig.check reads them)
     drafter = Mtp.unloaded(MtpConfig(), target, "random MTP layer")
+    with torch.random.fork_rng():  # the draws below as before, for the families this touches nothing of
+        for module in drafter.modules():
+            # a layer built alone leaves what its family's own initialisation sets uninitialised (torch.empty:
+            # attention sinks, hyper-connection biases and scales); its weights and biases it sets itself
+            if any(name not in ("weight", "bias") for name, _ in module.named_parameters(recurse=False)):
+                target._init_weights(module)
     for parameter in drafter.parameters():
         if parameter.dim() >= 2:
             parameter.normal_(0.0, std)

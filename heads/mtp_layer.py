@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from draftsmith.errors import UserError, one_line
+from draftsmith.families import COMPRESSED, FULL, INDEXED, SLIDING
 from draftsmith.heads.base import WEIGHTS_NAME
 from draftsmith.heads.eagle_base import import_qualified
 
@@ -32,34 +33,48 @@ class Layout:
 
     vllm_model: str  # vLLM's module for it (model_executor/models/<name>.py), or its class where a folder holds it
     count_key: str  # the config key holding the number of MTP layers
-    names: tuple[str, str, str, str]  # heads/mtp.py's WRAPPER modules under the checkpoint's names
+    names: tuple[str, ...]  # heads/mtp.py's WRAPPER modules (mtp_streams.ROLES for `streams`) as the checkpoint names
     after_layers: bool  # stored as layer N (N = num_hidden_layers) of the model, else under `mtp.`
     masks_first_position: bool  # the embedding at position 0 is zeroed
     feeds_back_normed: bool  # a later step reads final_norm(pre), else pre
     # the release stores the block as transformers' modules hold it (each projection's experts fused in one 3-D
     # tensor), not in the per-expert form transformers saves by default; the export writes the release's form
     fused_experts: bool = False
+    # each MTP layer under its own `mtp.{j}.`, its wrapper and block tensors side by side (DeepSeek-V4's release,
+    # in DeepSeek's original names), else the block under `mtp.layers.{j}.` beside one wrapper (Qwen)
+    own_prefix: bool = False
+    # the layer passes hyper-connection streams [.., streams, H] (DeepSeek-V4): heads/mtp_streams.py
+    streams: bool = False
 
     def prefix(self, num_hidden_layers: int) -> str:
         """The first MTP layer's tensor names start with this."""
-        return f"model.layers.{num_hidden_layers}." if self.after_layers else "mtp."
+        if self.after_layers:
+            return f"model.layers.{num_hidden_layers}."
+        return "mtp.0." if self.own_prefix else "mtp."
 
     def block(self) -> str:
         """Where the decoder layer's own tensors sit under `prefix`."""
-        return "" if self.after_layers else "layers.0."
+        return "" if self.after_layers or self.own_prefix else "layers.0."
 
     def shared(self) -> tuple[str, ...]:
         """Tensors under the prefix that vLLM replaces by the target's (its embedding and lm_head)."""
-        return ("embed_tokens.", "shared_head.head.") if self.after_layers else ()
+        if self.after_layers:
+            return ("embed_tokens.", "shared_head.head.")
+        return ("emb.", "head.") if self.own_prefix else ()
 
     def layers_named(self, num_hidden_layers: int) -> str:
         """How the MTP layers' tensor names start (for a message)."""
-        return f"model.layers.{num_hidden_layers}.*" if self.after_layers else "mtp.layers.{j}.*"
+        if self.after_layers:
+            return f"model.layers.{num_hidden_layers}.*"
+        return "mtp.{j}.*" if self.own_prefix else "mtp.layers.{j}.*"
 
     def shipped_layers(self, names: Iterable[str], num_hidden_layers: int) -> set[int]:
         """The indices of the MTP layers whose tensors are among a checkpoint's tensor names: layers N, N+1, ...
-        after the decoder's, or `mtp.layers.{j}`."""
-        pattern = re.compile(r"model\.layers\.(\d+)\." if self.after_layers else r"mtp\.layers\.(\d+)\.")
+        after the decoder's, `mtp.{j}` or `mtp.layers.{j}`."""
+        if self.after_layers:
+            pattern = re.compile(r"model\.layers\.(\d+)\.")
+        else:
+            pattern = re.compile(r"mtp\.(\d+)\." if self.own_prefix else r"mtp\.layers\.(\d+)\.")
         first = num_hidden_layers if self.after_layers else 0
         return {int(found[1]) for found in map(pattern.match, names) if found and int(found[1]) >= first}
 
@@ -157,14 +172,16 @@ def shipped_shapes(name_or_path: str, config: dict, layout: Layout) -> dict[str,
 def first_layer(name: str, layout: Layout) -> bool:
     """Whether a tensor (named under the prefix) belongs to the first MTP layer: under `mtp.` the wrapper
     is shared and the blocks are `layers.{j}`."""
-    return layout.after_layers or not name.startswith("layers.") or name.startswith(layout.block())
+    return layout.after_layers or layout.own_prefix or not name.startswith("layers.") or name.startswith(layout.block())
 
 
 def layer_config(target_config) -> dict:
     """The target's config for the one decoder layer the engine builds as the MTP block: of the kind of the
     layers after the dense ones (experts where the family has them: vLLM builds layer N, past
     `first_k_dense_replace`), with full attention (vLLM's `layer_type="full_attention"`), or the family's sparse
-    attention where every layer has it (DeepSeek-V3.2: its cache layer keeps the indexer's keys too)."""
+    attention where every layer has it (DeepSeek-V3.2: its cache layer keeps the indexer's keys too), or sliding-window
+    attention where the family compresses attention (DeepSeek-V4: vLLM builds the MTP layer with compress ratio 0,
+    the trailing entry of the release's `compress_ratios`, which is its plain sliding-window attention with sinks)."""
     values = target_config.to_dict()
     values = values.get("text_config") or values
     values["num_hidden_layers"] = 1
@@ -173,8 +190,9 @@ def layer_config(target_config) -> dict:
     if isinstance(values.get("mlp_layer_types"), list):
         values["mlp_layer_types"] = values["mlp_layer_types"][-1:]
     if isinstance(values.get("layer_types"), list):
-        sparse = set(values["layer_types"]) == {"indexed_attention"}
-        values["layer_types"] = ["indexed_attention" if sparse else "full_attention"]
+        kinds = set(values["layer_types"])
+        sparse, pooled = kinds == {INDEXED}, bool(kinds & set(COMPRESSED))
+        values["layer_types"] = [INDEXED if sparse else SLIDING if pooled else FULL]
     return values
 
 

@@ -1,9 +1,9 @@
 """Packed batches: several conversations ("documents") share a row, and nothing may cross between them.
 
-`data_prep.PackingCollator` lays a micro-batch's conversations end to end in rows and adds
+`data_prep.collate.PackingCollator` lays a micro-batch's conversations end to end in rows and adds
 `position_ids` [R, L] (restarting at 0 for every document) and `document_ids` [R, L] (the
 conversation's index in the micro-batch, -1 on padding); `domain` and `sample` then list documents,
-not rows. An unpacked batch (`data_prep.Collator`) is the special case of one document per row, and
+not rows. An unpacked batch (`data_prep.collate.Collator`) is the special case of one document per row, and
 every helper here answers for both, so each drafter has one code path:
 
 - `documents(batch)` / `num_documents(batch)`: the document of every position, and how many there

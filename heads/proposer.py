@@ -38,6 +38,7 @@ class DraftState:
     new_final: Optional[torch.Tensor] = None  # [m, H]
     new_layers: dict[int, torch.Tensor] = field(default_factory=dict)  # layer id -> [m, H]
     fresh: bool = True
+    new_streams: Optional[torch.Tensor] = None  # [m, S, H]: the same positions' last-layer streams (FeatureRequest)
 
 
 @dataclass(frozen=True)

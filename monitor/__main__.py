@@ -29,8 +29,6 @@ from draftsmith.errors import (
     hub_unreachable,
     one_line,
 )
-from draftsmith.outputs import DirectoryInUse
-from draftsmith.recipe import load_recipe
 
 
 def main(argv: Sequence[str]) -> None:
@@ -38,6 +36,10 @@ def main(argv: Sequence[str]) -> None:
         # `draftsmith monitor ...` (the console script, or python -m draftsmith) has the command in argv[1]
         program = "draftsmith monitor" if sys.argv[1:2] == ["monitor"] else "python -m monitor"
         raise UserError(f"usage: {program} check|watch recipe=NAME [key=value ...]")
+    # imported here, under entry_point's run_cli: Ctrl-C or SIGTERM during their imports ends as later
+    from draftsmith.outputs import DirectoryInUse
+    from draftsmith.recipe import load_recipe
+
     cfg = load_recipe(argv[1:], "monitor")
     from draftsmith.monitor import Outcome
     from draftsmith.monitor.check import check, state_dir_of, summary

@@ -248,7 +248,7 @@ def step_gate(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -> 
 
 
 def step_export(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -> dict[str, Any]:
-    from draftsmith.export import export_checkpoint
+    from draftsmith.export.run import export_checkpoint
 
     revision = len(state.revisions) + 1
     output = directory / "exports" / f"rev_{revision:04d}"

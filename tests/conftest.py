@@ -178,7 +178,7 @@ def deployed(tmp_path_factory, token_cache):
             )
             (root / "traffic_source.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals + rows[::10]))
             final, _ = train_in_process([*args, "train.max_steps=40", f"output_dir={root / 'deployed'}"])
-            from draftsmith.export import export_checkpoint
+            from draftsmith.export.run import export_checkpoint
             from draftsmith.recipe import load_recipe
 
             export_checkpoint(

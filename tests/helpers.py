@@ -217,6 +217,19 @@ def kill_train_after(checkpoint: Path, args: list[str]) -> None:
     process.wait()
 
 
+def stops_handled(pid: int) -> bool:
+    """Whether process `pid` handles SIGTERM itself (its SigCgt mask in /proc): a draftsmith command from the
+    moment run_cli runs; before, only the interpreter's start and a few standard modules' imports."""
+    import signal
+
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:  # it has ended
+        return False
+    mask = next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(int(mask, 16) >> (signal.SIGTERM - 1) & 1)
+
+
 def train_args(output_dir: Path, data: dict[str, Path], cache: Path, *extra: str) -> list[str]:
     """A quick Medusa run on the reference target and the small corpus slice."""
     return [
@@ -774,7 +787,7 @@ def train_and_export_for_vllm(
     """Train `train.py args` in this process, export the final checkpoint for vLLM with the engine check
     (in `session`, an EngineSession; `export_overrides` for the export alone, such as its tolerance), and return
     what the check verified and the served layers' family."""
-    from draftsmith.export import export_checkpoint
+    from draftsmith.export.run import export_checkpoint
     from draftsmith.formats.repo import EXPORT_INFO
 
     final, _ = train_in_process(args)

@@ -153,7 +153,7 @@ def target():
 
 
 def test_the_export_serves_the_schedule_with_the_pinned_sampling_settings(target, tmp_path):
-    from draftsmith.export import export_checkpoint
+    from draftsmith.export.run import export_checkpoint
     from draftsmith.recipe import load_recipe
 
     checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt")

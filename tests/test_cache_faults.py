@@ -18,14 +18,18 @@ from pathlib import Path
 import datasets
 import huggingface_hub
 import pytest
+import safetensors.torch
 import torch
+from safetensors import SafetensorError
 
 from draftsmith import errors
-from draftsmith.data_prep import capture_files, load_conversations, tokenize_conversations
+from draftsmith.data_prep import capture_files
+from draftsmith.data_prep.conversations import load_conversations
+from draftsmith.data_prep.dataset import tokenize_conversations
 from draftsmith.errors import StorageError, UserError
 from draftsmith.outputs import check_output_dir
 from draftsmith.target import load_tokenizer
-from tests.helpers import REFERENCE_TARGET
+from tests.helpers import REFERENCE_TARGET, assert_one_line_error, run_entry_in_process, train_args
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +189,47 @@ def test_a_full_tokenized_cache_names_its_folder_and_leaves_nothing(tmp_path, to
     monkeypatch.setattr(datasets.Dataset, "save_to_disk", forbidden)
     with pytest.raises(UserError, match=f"^the tokenized-data cache {root} \\(data.cache_dir\\) cannot be written: "):
         tokenize_conversations(conversations, tokenizer, 128, cache_dir=str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "command, advice",
+    [
+        (["train.py"], "run the same command with train.resume=true to continue"),
+        (["-m", "data_prep.capture"], "run the same command again to continue"),
+    ],
+    ids=["train", "capture"],
+)
+def test_a_full_cache_s_line_says_how_its_command_continues(command, advice, tmp_path, small_data, monkeypatch, capsys):
+    """The line ended `run the same command again to continue (a training run: with train.resume=true)` in every
+    command: data_prep, which writes the cache, does not know which command runs; run_cli adds that command's advice."""
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(datasets.Dataset, "save_to_disk", full_disk)
+    cache = tmp_path / "cache"
+    result = run_entry_in_process([*command, *train_args(tmp_path / "run", small_data, cache)], capsys)
+    line = assert_one_line_error(result, errors.EXIT_IO_ERROR, prefix="I/O error: ")
+    named = f"the tokenized-data cache {cache / 'tokenized'} (data.cache_dir)"
+    assert line.startswith(f"I/O error: could not write {named}: no space left on device"), line
+    assert line.endswith(f"set data.cache_dir to a folder on another disk, and {advice}"), line
+
+
+def test_a_full_disk_under_a_capture_s_shard_says_how_to_continue(tmp_path, small_data, monkeypatch, capsys):
+    """safetensors' full disk while a shard was written was `I/O error: could not write PATH.tmp: Error while
+    serializing: ... (os error 28); the shards before it are intact`: no room left, nothing to do. A shard is the
+    capture's output: its line is a full output's, with the capture's advice."""
+
+    def full_disk(tensors, filename, metadata=None):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    features = tmp_path / "run" / "features"
+    args = ["-m", "data_prep.capture", *train_args(tmp_path / "run", small_data, tmp_path / "cache")]
+    line = assert_one_line_error(run_entry_in_process(args, capsys), errors.EXIT_IO_ERROR, prefix="I/O error: ")
+    assert line.startswith(f"I/O error: no space left on device ({features / 'shard_00_00000.safetensors.tmp'}, ")
+    assert line.endswith(" MiB free); free space (or fix the disk) and run the same command again to continue"), line
+    assert not list(features.glob("shard_*")), "no shard, whole or not, is left"
 
 
 def test_a_full_disks_line_names_the_path_and_the_room_left(tmp_path):

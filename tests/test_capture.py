@@ -11,11 +11,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.data_prep import Collator, capture_files, load_conversations, tokenize_conversations
 from draftsmith.data_prep.capture import CaptureResult, capture, main
+from draftsmith.data_prep.collate import Collator
+from draftsmith.data_prep.conversations import load_conversations
+from draftsmith.data_prep.dataset import tokenize_conversations
 from draftsmith.data_prep.features import (
     SCHEMA_VERSION,
     expected_features,
@@ -199,7 +202,7 @@ def test_killed_capture_resumes_without_redoing_finished_shards(tmp_path, conver
     planned = len(uninterrupted.manifest["shards"])
     assert planned >= 4 and uninterrupted.computed == planned
 
-    real_save, written = capture_files.save_file, []
+    real_save, written = safetensors.torch.save_file, []
 
     def dies_on_third_shard(tensors, filename, metadata=None):
         if len(written) == 2:
@@ -208,7 +211,7 @@ def test_killed_capture_resumes_without_redoing_finished_shards(tmp_path, conver
         real_save(tensors, filename, metadata=metadata)
         written.append(filename)
 
-    monkeypatch.setattr(capture_files, "save_file", dies_on_third_shard)
+    monkeypatch.setattr(safetensors.torch, "save_file", dies_on_third_shard)
     with pytest.raises(Killed):
         run_capture(tmp_path / "run", conversations, *settings)
     monkeypatch.undo()

@@ -16,16 +16,10 @@ import pytest
 import torch
 from tokenizers import processors
 
-from draftsmith.data_prep import (
-    Collator,
-    domain_names,
-    load_conversations,
-    render_prompt,
-    render_rows,
-    render_with_masks,
-    tokenize_conversations,
-)
-from draftsmith.data_prep.dataset import cache_key
+from draftsmith.data_prep.collate import Collator
+from draftsmith.data_prep.conversations import load_conversations
+from draftsmith.data_prep.dataset import cache_key, domain_names, tokenize_conversations
+from draftsmith.data_prep.template import render_prompt, render_rows, render_with_masks
 from draftsmith.errors import UserError
 from draftsmith.target import load_tokenizer
 from tests.helpers import assert_one_line_error, run_entry_in_process, train_args
@@ -864,7 +858,8 @@ def test_fingerprint_is_stable_across_processes_and_follows_the_file(tmp_path, i
     fingerprint = load_conversations([str(path)])._fingerprint
     assert load_conversations([str(path)])._fingerprint == fingerprint
     script = (
-        f"from draftsmith.data_prep import load_conversations; print(load_conversations([{str(path)!r}])._fingerprint)"
+        "from draftsmith.data_prep.conversations import load_conversations; "
+        f"print(load_conversations([{str(path)!r}])._fingerprint)"
     )
     env = {**os.environ, "HF_DATASETS_CACHE": isolated_datasets_cache}
     result = subprocess.run(

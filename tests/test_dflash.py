@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.data_prep import Collator, PackingCollator
 from draftsmith.data_prep.capture import capture
+from draftsmith.data_prep.collate import Collator, PackingCollator
 from draftsmith.errors import UserError
 from draftsmith.eval.loop import generate, prefill, propose, verify_step
 from draftsmith.eval.sampling import Sampling

@@ -345,7 +345,7 @@ class CountingTarget:
 
 
 def test_regeneration_resumes_without_redoing_finished_conversations(tmp_path, small_data):
-    from draftsmith.data_prep import load_conversations
+    from draftsmith.data_prep.conversations import load_conversations
     from draftsmith.data_prep.local_files import REGENERATE_SETTINGS
     from draftsmith.data_prep.regenerate import regenerate
     from draftsmith.target import load_tokenizer
@@ -502,9 +502,10 @@ def test_later_turns_reuse_the_first_answers_resume_and_keep_held_out_prompts_ou
     asked only the second ones, each with the target's own first answer before it; the held-out conversation
     and the one-turn one are not regenerated; a killed run resumes; the settings know the data and the reused
     answers by content."""
-    from draftsmith.data_prep import load_conversations, render_prompt
+    from draftsmith.data_prep.conversations import load_conversations
     from draftsmith.data_prep.local_files import REGENERATE_SETTINGS
     from draftsmith.data_prep.regenerate import check_reusable, regenerate
+    from draftsmith.data_prep.template import render_prompt
     from draftsmith.target import load_tokenizer
 
     two_turns = [exchange(f"Name a number above {i}.", "5", "And one below it?", "4") for i in range(5)]
@@ -561,7 +562,7 @@ def test_later_turns_reuse_the_first_answers_resume_and_keep_held_out_prompts_ou
 def test_sampled_answers_are_seeded_draws_that_resume_into_the_same_bytes(tmp_path, small_data):
     """samples=2 at temperature 1: each kept prompt written twice with its own draw; a run killed in its
     second part resumes into an uninterrupted run's bytes; the held-out prompt is not answered."""
-    from draftsmith.data_prep import load_conversations
+    from draftsmith.data_prep.conversations import load_conversations
     from draftsmith.data_prep.regenerate import regenerate
     from draftsmith.target import load_tokenizer
 
@@ -596,9 +597,11 @@ def test_an_answer_cut_at_max_new_tokens_is_marked_and_its_end_of_turn_is_not_tr
     tokens it goes on): the cut one is written marked `"cut": true` and counted, the finished one as before;
     training on the output keeps both answers in the loss mask, and the end-of-turn after the finished one
     only, as the target generated that one and not the other."""
-    from draftsmith.data_prep import load_conversations, render_prompt, tokenize_conversations
     from draftsmith.data_prep.answer_engines import generate as generate_answers
+    from draftsmith.data_prep.conversations import load_conversations
+    from draftsmith.data_prep.dataset import tokenize_conversations
     from draftsmith.data_prep.regenerate import regenerate
+    from draftsmith.data_prep.template import render_prompt
     from draftsmith.target import load_tokenizer
 
     questions = ["Say hi.", "Name a number above 3."]

@@ -15,7 +15,7 @@ from draftsmith.eval.loop import generate_batch
 from draftsmith.eval.methods import GREEDY_DRAFTING, build_methods
 from draftsmith.eval.report import run_eval
 from draftsmith.eval.sampling import Sampling
-from draftsmith.export import export_checkpoint
+from draftsmith.export.run import export_checkpoint
 from draftsmith.formats.repo import EXPORT_INFO, VLLM_PINNED
 from draftsmith.heads import drafter_class
 from draftsmith.recipe import load_recipe

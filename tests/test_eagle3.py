@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import DynamicCache
 
-from draftsmith.data_prep import Collator, PackingCollator
+from draftsmith.data_prep.collate import Collator, PackingCollator
 from draftsmith.errors import UserError
 from draftsmith.eval.loop import generate, prefill
 from draftsmith.heads import drafter_class

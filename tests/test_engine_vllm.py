@@ -24,8 +24,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from draftsmith.errors import ExportCheckFailed, UserError
-from draftsmith.export import export_checkpoint
-from draftsmith.export.run import load_source, served_config
+from draftsmith.export.run import export_checkpoint, load_source, served_config
 from draftsmith.export.sweep import run_sweep
 from draftsmith.export.sweep_results import read_sweep
 from draftsmith.export.verify import verify_in_vllm

@@ -663,7 +663,7 @@ def test_the_eval_leaves_the_checkpoint_byte_identical_and_the_export_reads_what
     import shutil
 
     from draftsmith.eval.report import evaluate_trained_run
-    from draftsmith.export import export_checkpoint
+    from draftsmith.export.run import export_checkpoint
     from draftsmith.files import checkpoint_digest
     from draftsmith.formats.repo import EXPORT_INFO
     from draftsmith.heads.base import EVAL_SPLIT_METRICS, load_drafter

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from draftsmith.data_prep import Collator
+from draftsmith.data_prep.collate import Collator
 from draftsmith.eval import accuracy
 from draftsmith.eval.accuracy import metric_means
 from tests.test_split_invariance import conversations, fresh

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.errors import UserError
-from draftsmith.export import export_checkpoint
+from draftsmith.export.run import export_checkpoint
 from draftsmith.formats.repo import EXPORT_INFO, VLLM_PINNED
 from draftsmith.heads import drafters
 from draftsmith.recipe import load_recipe

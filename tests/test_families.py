@@ -18,6 +18,7 @@ tests/test_families_vllm.py; the whole matrix of kinds is benchmarks/target_matr
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 
 import pytest
@@ -30,18 +31,17 @@ from draftsmith.families import COMPRESSED, FULL, LINEAR, SLIDING, layer_types, 
 from draftsmith.heads import drafter_class, drafters
 from draftsmith.heads.base import load_drafter
 from draftsmith.random_target import build_config, build_model
-from draftsmith.recipe import load_recipe
-from draftsmith.target import FeatureRequest, TargetShape, run_target
+from draftsmith.target import FeatureRequest, run_target
 from tests.helpers import (
     OracleDrafter,
     assert_one_line_error,
     assert_tree_forward_equals_path_forwards,
     demo_drafter_section,
-    demo_recipe,
     fast_tier,
     product_strings,
     run_entry_in_process,
     train_args,
+    train_in_process,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -49,7 +49,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 FAMILIES = (
     "llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2", "gemma3_text", "phi3", "gpt_oss",
     "glm4", "cohere", "granite", "qwen3_next", "qwen3_5_text", "deepseek_v3", "glm4_moe", "glm4_moe_lite",
-    "minimax_m2", "gemma4_text", "deepseek_v32", "deepseek_v4",
+    "minimax_m2", "gemma4_text", "deepseek_v32", "deepseek_v4", "glm_moe_dsa",
 )  # fmt: skip
 # experts; scaled embedding and (1+w) norms; fused projections; sinks, a hybrid window and experts; LayerNorm with a
 # parallel block; linear attention; latent attention with grouped, bias-corrected routing
@@ -91,27 +91,19 @@ def random_prompt(length: int, seed: int) -> list[int]:
     return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def streams(model) -> int:
-    """Residual streams a decoder layer passes on (DeepSeek-V4's hyper-connections: several, none of them the
-    hidden state a drafter reads)."""
-    return getattr(model.config, "hc_mult", 1)
-
-
-def assert_layer_outputs_are_refused(model, layers) -> None:
-    ids = torch.tensor([random_prompt(20, 0)])
-    with pytest.raises(UserError, match=rf"pass {streams(model)} residual streams .* reads the last hidden state"):
-        run_target(model, ids, request=FeatureRequest(layers=tuple(layers)))
+def one_state(hidden: torch.Tensor) -> torch.Tensor:
+    """A layer's output [B, T, H]: DeepSeek-V4's hyper-connections pass [B, T, hc_mult, H], read as their mean
+    (test_a_multi_stream_targets_taps_are_vllms_mean_of_each_layers_mixed_streams)."""
+    return hidden.mean(dim=-2) if hidden.dim() == 4 else hidden
 
 
 def test_captured_layer_i_is_hidden_states_i_plus_1(family):
     _, model = family
-    if streams(model) > 1:
-        return assert_layer_outputs_are_refused(model, (-1, 0, 1))
     ids = torch.tensor([random_prompt(20, 0)])
     out = run_target(model, ids, request=FeatureRequest(layers=(-1, 0, 1)))
     reference = model(ids, output_hidden_states=True).hidden_states
     for layer in (-1, 0, 1):
-        torch.testing.assert_close(out.layers[layer], reference[layer + 1])
+        torch.testing.assert_close(out.layers[layer], one_state(reference[layer + 1]))
     torch.testing.assert_close(out.logits, model(ids).logits)
 
 
@@ -165,8 +157,6 @@ def assert_eagle3_trains_resumes_and_decodes(name: str, model, layer_family: str
     the drafter's weights from its checkpoint, the optimizer's state by parameter order) two more steps
     land exactly where the uninterrupted run's do; its chain decodes exactly plain greedy's tokens."""
     eagle3 = drafter_class("eagle3")
-    if streams(model) > 1:
-        return assert_layer_outputs_are_refused(model, (-1, 0))
     config = eagle3.Config(aux_layers=[-1, 0], draft_vocab_size=VOCAB, ttt_steps=2, layer_family=layer_family)
     drafter = eagle3.from_target(config, model, name)
     assert drafter.config.decoder["config"]["model_type"] == layer_family
@@ -225,9 +215,6 @@ def test_every_kind_trains_and_decodes_losslessly_on_family_quirks(kind, model_t
     if hasattr(config, "init") and recurrent(model.config):
         config.num_layers = 2  # a draft of the target's layers: linear attention, then the attention it needs
     drafter = drafters()[kind].from_target(config, model, model_type)
-    requested = drafters()[kind].features(drafter.config, drafter.target).layers
-    if streams(model) > 1 and requested:
-        return assert_layer_outputs_are_refused(model, requested)
     ids = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(6))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
     batch |= drafter.host_fields(batch)  # as the trainer adds them (heads/base.py)
@@ -397,22 +384,67 @@ def test_random_target_command_writes_a_target_or_one_line(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
-def test_a_multi_stream_target_refuses_a_drafter_that_reads_layer_outputs_from_its_config(tmp_path):
-    """DeepSeek-V4's hyper-connections (hc_mult in its config.json): a recipe whose drafter reads decoder
-    layers' outputs is refused before any model loads; one that reads the last hidden state is accepted."""
+def vllm_mixed_streams(block_output: torch.Tensor, residual: torch.Tensor, hc, config) -> torch.Tensor:
+    """A block's output mixed into the residual streams [..., hc_mult, H], written from vLLM 0.32's own torch kernels
+    (vllm/model_executor/kernels/mhc/torch.py: mhc_pre_torch's post and comb weights, then mhc_post_torch), with
+    the weights of `hc`, a layer's hyper-connection."""
+    n, eps = config.hc_mult, config.hc_eps
+    flat = residual.flatten(-2).float()
+    mixes = (flat @ hc.fn.t()) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + config.rms_norm_eps)
+    post = torch.sigmoid(mixes[..., n : 2 * n] * hc.scale[1] + hc.base[n : 2 * n]) * 2.0  # vLLM's hc_post_alpha
+    comb = mixes[..., 2 * n :].unflatten(-1, (n, n)) * hc.scale[2] + hc.base[2 * n :].view(n, n)
+    comb = torch.softmax(comb, dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(config.hc_sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    mixed = torch.einsum("...ij,...ih->...jh", comb, residual.float())
+    return (mixed + post.unsqueeze(-1) * block_output.unsqueeze(-2).float()).to(residual.dtype)
+
+
+def test_a_multi_stream_targets_taps_are_vllms_mean_of_each_layers_mixed_streams():
+    """DeepSeek-V4's hyper-connections pass hc_mult residual streams between decoder layers. vLLM's EAGLE-3 and
+    DFlash taps are a layer's streams after its last mixing, averaged over the streams
+    (vllm/models/deepseek_v4/cpu/model.py: `aux_recon.mean(dim=1)`): draftsmith's tap of layer i is that, computed
+    here from the streams and the expert block's output that transformers' layer i mixes; the embeddings' tap is
+    the embeddings (every stream starts as them); the final state is the lm_head's input, as for any family."""
     model = tiny("deepseek_v4")
-    model.config.save_pretrained(tmp_path / "target")
-    shape = TargetShape.from_config(model.config, str(tmp_path / "target"))
-    for kind in sorted(drafters()):
-        if kind in ("mtp", "gemma4_assistant"):  # a layer a target ships, a Gemma-4's cache: their own tests
-            continue
-        args = [f"recipe={demo_recipe(kind)}", f"target.name_or_path={tmp_path / 'target'}", f"output_dir={tmp_path}"]
-        config = OmegaConf.to_object(load_recipe(args[:1]).drafter)
-        if drafter_class(kind).features(config, shape).layers:
-            with pytest.raises(UserError, match=r"pass 4 residual streams .* reads the last hidden state only"):
-                load_recipe(args)
-        else:
-            assert load_recipe(args).drafter.type == kind
+    seen, hooks = {}, []
+    for i, layer in enumerate(model.model.layers):  # the streams its expert block's output is mixed into, and that
+        hooks.append(layer.ffn_hc.register_forward_pre_hook(lambda _, args, i=i: seen.update({(i, "in"): args[0]})))
+        hooks.append(layer.mlp.register_forward_hook(lambda _, args, out, i=i: seen.update({(i, "block"): out})))
+    ids = torch.tensor([random_prompt(20, 0)])
+    try:
+        out = run_target(model, ids, request=FeatureRequest(layers=(-1, 0, 1)))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    torch.testing.assert_close(out.layers[-1], model.model.embed_tokens(ids))
+    for i in (0, 1):
+        streams = vllm_mixed_streams(seen[i, "block"], seen[i, "in"], model.model.layers[i].ffn_hc, model.config)
+        assert streams.shape == (1, 20, model.config.hc_mult, model.config.hidden_size)
+        torch.testing.assert_close(out.layers[i], streams.mean(dim=-2))
+    torch.testing.assert_close(out.logits, model(ids).logits)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["eagle3", "dflash"])
+def test_drafters_that_tap_a_multi_stream_target_train_and_decode_losslessly(recipe, tmp_path, small_data, token_cache):
+    """`train.py` on a tiny DeepSeek-V4 (its config.json: hc_mult streams): a drafter that taps its layers trains,
+    and its eval decodes the target's own tokens (chains, prompts one at a time: compressed attention)."""
+    from draftsmith.random_target import write_random_target
+
+    target = write_random_target("deepseek_v4", tmp_path / "target", hidden_size=64, intermediate_size=128)
+    final, _ = train_in_process([
+        f"recipe={recipe}", f"target.name_or_path={target}", f"data.train=[{small_data['train']}]",
+        f"data.eval=[{small_data['eval']}]", f"data.cache_dir={token_cache}", "data.max_length=64",
+        "data.max_conversations=8", "train.micro_batch_size=4", "train.max_steps=2", "train.save_every=0",
+        "eval.max_prompts=1", "eval.max_new_tokens=16", "eval.tree=0", "eval.batch_size=1", f"output_dir={tmp_path}",
+    ])  # fmt: skip
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert report["drafter"]["type"] == recipe and (final / "config.json").is_file()
+    chains = [rows["chain"] for rows in report["domains"].values()]
+    assert chains and all(row["lossless"] is True and row["drafted"] > 0 for row in chains)
 
 
 def test_a_linear_attention_target_refuses_an_eval_it_cannot_run_before_training(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 from draftsmith.errors import UserError
-from draftsmith.export import export_checkpoint
+from draftsmith.export.run import export_checkpoint
 from draftsmith.random_target import demo_tokenizer_dir, write_random_target
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target

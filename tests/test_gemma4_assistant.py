@@ -300,7 +300,7 @@ def test_a_released_assistants_suppressed_tokens_are_left_out_by_vllm_as_by_draf
 
     from transformers import AutoTokenizer
 
-    from draftsmith.export import export_checkpoint
+    from draftsmith.export.run import export_checkpoint
 
     args = [
         "recipe=gemma4_assistant", f"data.train=[{small_data['train']}]", *FAMILY_TRAINING,

@@ -113,7 +113,7 @@ def test_eagle3_loss_on_cuda_equals_the_straightforward_reference(variant, packe
     """On CUDA the training-time test runs through compiled flex attention (drafter.ttt_attention=auto) and
     the fused vocabulary loss: the loss, statistics and gradients equal the straightforward computation
     (one KV cache, one mask, materialised logits; tests/test_eagle3.py) on the same device, float32."""
-    from draftsmith.data_prep import Collator, PackingCollator
+    from draftsmith.data_prep.collate import Collator, PackingCollator
     from draftsmith.heads import drafter_class
     from draftsmith.heads.packing import causal_lm_inputs
     from draftsmith.target import run_target
@@ -175,7 +175,7 @@ def train_steps_without_waiting_for_the_host(drafter, target, batch: dict) -> No
 
 def test_eagle3_step_never_waits_for_the_host():
     """EAGLE-3's step: compiled flex attention, the fused vocabulary loss over the draft vocabulary."""
-    from draftsmith.data_prep import Collator
+    from draftsmith.data_prep.collate import Collator
     from draftsmith.heads import drafter_class
     from tests.helpers import TINY_VOCAB, tiny_llama
     from tests.test_eagle3 import loss_rows
@@ -215,7 +215,7 @@ def test_fixed_shape_losses_never_wait_for_the_host(kind, packed, monkeypatch):
     (the fused vocabulary loss, every position run), backward and fused AdamW step never wait for the host. The
     draft model and Medusa-2 run a transformers model in their loss, whose mask creation reads the attention
     mask's or the positions' values (any padding? where do packed documents start?): that alone may wait."""
-    from draftsmith.data_prep import Collator, PackingCollator
+    from draftsmith.data_prep.collate import Collator, PackingCollator
     from tests.test_split_invariance import conversations, fresh
 
     target, drafter, _ = fresh(kind)

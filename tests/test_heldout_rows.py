@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 from types import SimpleNamespace
 
-from draftsmith.data_prep import load_tokenized
+from draftsmith.data_prep.dataset import load_tokenized
 from draftsmith.eval.accuracy import trained_rows
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_tokenizer

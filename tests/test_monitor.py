@@ -1289,7 +1289,7 @@ def test_a_logged_tool_call_is_kept_as_the_data_loader_reads_it(tmp_path):
     roles OpenAI and Llama-3.1 name otherwise (developer, ipython) are the shared table's; the sample written is
     one the data loader reads. A turn with no content and no call is a malformed line, as is one the loader would
     refuse, not a sample the eval then refuses; a plain request's turns hold role and content alone, as before."""
-    from draftsmith.data_prep import load_conversations
+    from draftsmith.data_prep.conversations import load_conversations
     from draftsmith.monitor.traffic import write_conversations
 
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}

@@ -6,7 +6,8 @@ layout, `model.layers.{N}.*`; Qwen3-Next's, Qwen3.5's and Qwen3.5-MoE's, `mtp.*`
 MTP layer in its family's layout (`heads.mtp.write_random_layer`, as a released checkpoint ships one): the layer
 reads back exactly, is the block vLLM builds (the family's attention and experts), computes vLLM's
 formula, trains and decodes losslessly (V3.2's sparse-attention block with its indexer keys in the drafter's
-cache); Qwen3.5's vision-language wrappers, as released, train and export as
+cache; V4's layer on hyper-connection streams, `mtp.0.*`, its sliding window kept alike in training and decoding);
+Qwen3.5's vision-language wrappers, as released, train and export as
 their language models; targets without one are refused in one line before anything loads. The real engine
 serving the export: tests/test_mtp_vllm.py.
 """
@@ -33,7 +34,7 @@ from draftsmith.heads.mtp import LAYOUTS, write_random_layer
 from draftsmith.heads.mtp_layer import names_in, read_layer, shipped_shapes, tensor_names
 from draftsmith.random_target import write_random_target
 from draftsmith.recipe import load_recipe
-from draftsmith.target import TargetShape, load_target, local_target_shape, run_target
+from draftsmith.target import FeatureRequest, TargetShape, load_target, local_target_shape, run_target
 from tests.helpers import (
     REFERENCE_TARGET,
     assert_one_line_error,
@@ -45,7 +46,7 @@ from tests.helpers import (
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FAMILIES = ("glm4_moe", "deepseek_v3", "deepseek_v32", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+FAMILIES = ("glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 SHAPE = {"hidden_size": 64, "intermediate_size": 128, "head_dim": 16}  # 4 layers: Qwen's 4th is full attention
 MTP = drafter_class("mtp")
 
@@ -113,6 +114,7 @@ def test_one_draft_step_computes_vllms_formula_from_the_checkpoint(family, targe
     causal = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]  # V3.2's sparse attention takes it explicit
     with torch.no_grad():
         pre = drafter.block(hidden, attention_mask=causal, position_ids=positions, position_embeddings=rope)
+        pre = pre[0] if isinstance(pre, tuple) else pre  # GLM-5's layer returns its top-k selection beside
         expected = model.lm_head(rms(pre, final_norm, eps, qwen))[0, -1].argmax()
         fed = drafter.draft(ids, features, positions, causal)
     assert drafter.top_tokens(fed[0, -1], 1)[1].item() == expected.item()
@@ -120,7 +122,7 @@ def test_one_draft_step_computes_vllms_formula_from_the_checkpoint(family, targe
     assert torch.allclose(fed, rms(pre, final_norm, eps, qwen) if chosen.feeds_back_normed else pre, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "deepseek_v4"])
 def test_it_trains_several_steps_ahead_and_decodes_losslessly(family, targets):
     folder, model = targets(family)
     drafter = MTP.from_target(MTP.Config(ttt_steps=3), model, str(folder))
@@ -169,15 +171,20 @@ def test_targets_without_a_served_mtp_layer_are_refused_in_one_line(tmp_path):
         MTP.Config().check(local_target_shape(str(saved)))
 
 
+def mtp_args(folder: Path, run: Path, small_data, token_cache, save_every: int = 0) -> list[str]:
+    """`recipe=mtp` on the target at `folder`, 2 quick steps into `run`, no eval stage."""
+    return [
+        "recipe=mtp", f"target.name_or_path={folder}", f"data.train=[{small_data['train']}]", "data.eval=[]",
+        f"data.cache_dir={token_cache}", "data.max_length=64", "train.max_steps=2", "train.micro_batch_size=2",
+        "train.warmup_steps=0", f"train.save_every={save_every}", "eval.enabled=false", f"output_dir={run}",
+    ]  # fmt: skip
+
+
 def train_and_export(folder: Path, tmp_path: Path, small_data, token_cache, capsys) -> None:
     """`recipe=mtp` on the target at `folder` trained 2 steps into tmp_path/run and exported to tmp_path/export
     through the real entry points."""
     run = tmp_path / "run"
-    args = [
-        "recipe=mtp", f"target.name_or_path={folder}", f"data.train=[{small_data['train']}]", "data.eval=[]",
-        f"data.cache_dir={token_cache}", "data.max_length=64", "train.max_steps=2", "train.micro_batch_size=2",
-        "train.warmup_steps=0", "train.save_every=0", "eval.enabled=false", f"output_dir={run}",
-    ]  # fmt: skip
+    args = mtp_args(folder, run, small_data, token_cache)
     assert run_entry_in_process(["train.py", *args], capsys).returncode == 0
     export = ["-m", "export", *args, f"checkpoint={run / 'final'}", f"export.output={tmp_path / 'export'}"]
     assert run_entry_in_process(export, capsys).returncode == 0
@@ -402,5 +409,190 @@ def test_a_deepseek_v32_targets_sparse_attention_layer_trains_decodes_losslessly
     quick = [f"eval.data=[{prompt}]", "eval.max_new_tokens=16", "eval.tree=6", "eval.ngram_baseline=false"]
     recipe = ["recipe=mtp", f"target.name_or_path={folder}", f"output_dir={tmp_path / 'eval'}", *quick]
     report = run_eval(load_recipe(recipe), str(vllm))
+    rows = [row for domain in report["domains"].values() for row in domain.values() if row.get("lossless") is not None]
+    assert rows and all(row["lossless"] for row in rows)
+
+
+def v4_layer(targets):
+    """The tiny DeepSeek-V4 target with a random `mtp.0.*` layer, its drafter and the shipped layer's tensors."""
+    folder, model = targets("deepseek_v4")
+    config, chosen = layout(folder)
+    return (
+        folder,
+        model,
+        MTP.from_target(MTP.Config(), model, str(folder)).eval(),
+        read_layer(str(folder), config, chosen),
+    )
+
+
+def test_a_deepseek_v4_layer_reads_back_under_its_release_names_as_the_sliding_window_block_vllm_builds(targets):
+    """DeepSeek-V4 releases its MTP layer as `mtp.0.*` in DeepSeek's original names, wrapper and block side by side;
+    vLLM builds the block as target layer num_hidden_layers, whose trailing compress ratio 0 is plain sliding-window
+    attention (no compressor) and whose experts are routed top-k (not hashed)."""
+    folder, model, drafter, shipped = v4_layer(targets)
+    written = drafter.checkpoint_tensors()
+    assert written.keys() == shipped.keys() and all(torch.equal(written[n], shipped[n]) for n in shipped)
+    wrapper = {"enorm.weight", "hnorm.weight", "e_proj.weight", "h_proj.weight", "norm.weight", "hc_head_fn"}
+    assert wrapper | {"attn.wq_a.weight", "attn.attn_sink", "hc_attn_fn", "ffn.gate.bias"} <= shipped.keys()
+    assert drafter.block.self_attn.compressor is None and not drafter.block.mlp.is_hash
+    assert drafter.attention_window() == model.config.sliding_window
+    assert MTP.features(drafter.config, drafter.target).streams
+
+
+def test_a_deepseek_v4_layer_is_refused_captured_features_in_one_line(
+    targets, tmp_path, small_data, token_cache, capsys
+):
+    """A capture holds one state a position (data_prep/features.py), never the last layer's streams the V4 layer
+    reads: the capture command refuses to capture for it, and training refuses a capture (here one made for Medusa,
+    on the same target and data) before the first step, each in one line."""
+    folder, _ = targets("deepseek_v4")
+    data = [
+        f"target.name_or_path={folder}", f"data.train=[{small_data['train']}]", "data.eval=[]",
+        f"data.cache_dir={token_cache}", "data.max_length=64", "data.max_conversations=4",
+    ]  # fmt: skip
+    capture = ["-m", "data_prep.capture", "recipe=mtp", *data, f"data.capture.output={tmp_path / 'mtp'}"]
+    assert assert_one_line_error(run_entry_in_process(capture, capsys), 2).startswith(
+        "error: python -m data_prep.capture: drafter.type=mtp reads the target's last layer's residual streams"
+    )
+    assert not any((tmp_path / "mtp").glob("*.json"))
+    medusa = ["-m", "data_prep.capture", "recipe=medusa", *data, f"data.capture.output={tmp_path / 'medusa'}"]
+    assert run_entry_in_process(medusa, capsys).returncode == 0
+    train = [
+        "train.py", "recipe=mtp", *data, f"data.features={tmp_path / 'medusa'}", "train.max_steps=2",
+        "eval.enabled=false", f"output_dir={tmp_path / 'run'}",
+    ]  # fmt: skip
+    assert assert_one_line_error(run_entry_in_process(train, capsys), 2).startswith(
+        "error: data.features: drafter.type=mtp reads the target's last layer's residual streams"
+    )
+    assert not (tmp_path / "run" / "final").exists()
+
+
+def test_one_deepseek_v4_draft_step_computes_vllms_formula_from_the_checkpoint(targets):
+    """Written from vLLM 0.32's DeepSeekV4MTP (models/deepseek_v4/nvidia/mtp.py, the eager reference of its fused
+    input norm): the target's last layer's streams before its hc_head (what vLLM copies into `_mtp_hidden_buffer`),
+    hnorm per stream, h_proj(streams) + e_proj(embedding) broadcast over the streams, the block, then the layer's own
+    hc_head and shared_head.norm; a later step reads the block's streams themselves."""
+    folder, model, drafter, shipped = v4_layer(targets)
+    config = json.loads((folder / "config.json").read_text())
+    eps, hc_eps = config["rms_norm_eps"], config["hc_eps"]
+    ids = torch.randint(3, 4000, (1, 6), generator=torch.Generator().manual_seed(0))
+    out = run_target(model, ids, request=FeatureRequest(streams=True))
+    streams = out.streams
+    assert torch.allclose(model.model.norm(model.model.hc_head(streams)), out.final, atol=1e-6)
+    positions = torch.arange(6)[None]
+    embedded = model.get_input_embeddings().weight[ids].clone()
+    embedded[:, 0] = 0
+    hidden = rms(streams, shipped["hnorm.weight"], eps, False) @ shipped["h_proj.weight"].T
+    hidden = hidden + (rms(embedded, shipped["enorm.weight"], eps, False) @ shipped["e_proj.weight"].T)[..., None, :]
+    causal = torch.zeros(6, 6).masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        rope = {"main": drafter.rotary_emb(hidden, positions, layer_type="main")}
+        pre = drafter.block(hidden, attention_mask=causal[None, None], position_ids=positions, position_embeddings=rope)
+        flat = pre.flatten(2)
+        flat = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + eps)
+        mixes = torch.sigmoid(flat @ shipped["hc_head_fn"].T * shipped["hc_head_scale"] + shipped["hc_head_base"])
+        collapsed = ((mixes + hc_eps)[..., None] * pre).sum(-2)
+        normed = rms(collapsed, shipped["norm.weight"], eps, False)
+        fed = drafter.draft(ids, streams, positions)
+    assert fed.shape == streams.shape and torch.allclose(fed, pre, atol=1e-5)
+    assert torch.allclose(drafter.head_input(fed), normed, atol=1e-5)
+    assert drafter.top_tokens(fed[0, -1], 1)[1].item() == model.lm_head(normed)[0, -1].argmax().item()
+
+
+def test_a_deepseek_v4_layers_window_is_kept_alike_in_training_and_on_its_decoding_cache(targets):
+    """The block's sliding window (128 here) past its length: one forward over the sequence with the window masked
+    (what the training loss's first step computes) equals draft steps on the drafter's cache (decoding), after a
+    rejected draft was cropped away; the cache keeps every key (the masks hide those out of the window)."""
+    from draftsmith.families import within_window
+
+    _, model, drafter, _ = v4_layer(targets)
+    window = drafter.attention_window()
+    length, cached = window + 22, window + 12
+    ids = torch.randint(3, 4000, (1, length + 1), generator=torch.Generator().manual_seed(2))
+    streams = run_target(model, ids, request=FeatureRequest(streams=True)).streams
+    features, tokens, positions = streams[:, :length], ids[:, 1:], torch.arange(length)[None]
+
+    def seen(new: int, past: int = 0) -> torch.Tensor:
+        query, key = torch.arange(past, past + new)[:, None], torch.arange(past + new)[None]
+        return ((key <= query) & within_window(query, key, window))[None, None]
+
+    firsts = []
+    draft = drafter.draft
+    drafter.draft = lambda *args, **kwargs: firsts.append(draft(*args, **kwargs)) or firsts[-1]
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    with torch.no_grad():
+        drafter.loss(batch, run_target(model, ids, request=MTP.features(drafter.config, drafter.target)))
+        del drafter.draft
+        whole = drafter.draft(tokens, features, positions, seen(length))
+        cache = drafter.new_cache()
+        drafter.draft(tokens[:, :cached], features[:, :cached], positions[:, :cached], seen(cached), cache)
+        rejected = slice(cached, cached + 3)
+        drafter.draft(
+            tokens[:, rejected].flip(-1), features[:, rejected], positions[:, rejected], seen(3, cached), cache
+        )
+        cache.crop(-3)
+        steps = [
+            drafter.draft(tokens[:, p : p + 1], features[:, p : p + 1], positions[:, p : p + 1], seen(1, p), cache)
+            for p in range(cached, length)
+        ]
+    assert torch.allclose(firsts[0], whole, atol=1e-5)  # the loss's first step
+    assert cache.get_seq_length() == length
+    assert torch.allclose(torch.cat(steps, 1), whole[:, cached:], atol=1e-4)
+
+
+def test_a_deepseek_v4_layer_exports_under_its_release_names_with_the_config_vllm_builds_it_from(targets, tmp_path):
+    """The folder: the target's config with one MTP layer and `compress_ratios` one entry longer than its layers, the
+    MTP layer's 0 (vLLM reads compress_ratios[num_hidden_layers] for it; transformers' config names the kinds in
+    layer_types instead), the layer under exactly the shipped names and shapes, read back as the same layer; vLLM's
+    CPU build, which stubs V4's MTP model, is named as the build that cannot check it."""
+    folder, model, drafter, shipped = v4_layer(targets)
+    shape = TargetShape.of(model, str(folder))
+    source = Source(drafter, tmp_path, model, TargetInfo(shape, model.config.to_dict(), str(folder)))
+    exporter = exporter_for("mtp")
+    repo = exporter.vllm(source, 3, tmp_path / "export")
+    check_tensors(repo, "export")
+    assert set(repo.tensors) == {f"mtp.0.{name}" for name in shipped}
+    config = repo.config
+    assert config["num_nextn_predict_layers"] == 1 and config["architectures"] == ["DeepseekV4ForCausalLM"]
+    rates = config["compress_rates"]
+    assert config["compress_ratios"] == [*(rates[kind] for kind in config["layer_types"]), 0]
+    assert "not implemented on CPU" in repo.cpu_build_limit
+    back = exporter.read(tmp_path, config, repo.tensors, model, {})
+    assert all(torch.equal(t, back.checkpoint_tensors()[n]) for n, t in drafter.checkpoint_tensors().items())
+
+
+@pytest.mark.slow
+def test_a_deepseek_v4_targets_layer_trains_resumes_exports_and_decodes_losslessly_through_the_entry_points(
+    tmp_path, small_data, token_cache, capsys
+):
+    """`recipe=mtp` on a DeepSeek-V4 target (was refused: its layer passes hyper-connection streams): it trains,
+    resumes, exports under the release's names, and draftsmith's eval, reading the folder back, decodes losslessly
+    (chains, one prompt at a time: V4's compressed attention)."""
+    from draftsmith.eval.report import run_eval
+
+    folder = write_random_target("deepseek_v4", tmp_path / "target", **SHAPE)
+    write_random_layer(folder)
+    run = tmp_path / "run"
+    args = mtp_args(folder, run, small_data, token_cache, save_every=1)
+    assert run_entry_in_process(["train.py", *args], capsys).returncode == 0
+    shutil.rmtree(run / "checkpoints" / "step_0000002")  # as if stopped after step 1: the resume trains step 2
+    shutil.rmtree(run / "final")
+    resumed = run_entry_in_process(["train.py", *args, "train.resume=true"], capsys)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stderr and "step_0000001" in resumed.stderr
+    assert (run / "final").is_dir()
+    export = ["-m", "export", *args, f"checkpoint={run / 'final'}", f"export.output={tmp_path / 'export'}"]
+    assert run_entry_in_process(export, capsys).returncode == 0
+    vllm = tmp_path / "export" / "vllm"
+    config = json.loads((vllm / "config.json").read_text())
+    written = load_file(str(vllm / "model.safetensors"))
+    assert {n: tuple(t.shape) for n, t in written.items()} == shipped_shapes(
+        str(folder), config, LAYOUTS["DeepseekV4ForCausalLM"]
+    )
+    assert len(config["compress_ratios"]) == config["num_hidden_layers"] + 1 and config["compress_ratios"][-1] == 0
+    assert "not its CPU build" in (vllm / "draftsmith_export.json").read_text()  # it stubs V4's MTP model
+    prompt = first_records(small_data["eval"], tmp_path / "eval.jsonl", 1)
+    quick = [f"eval.data=[{prompt}]", "eval.max_new_tokens=16", "eval.tree=0", "eval.batch_size=1"]
+    recipe = ["recipe=mtp", f"target.name_or_path={folder}", f"output_dir={tmp_path / 'eval'}", *quick]
+    report = run_eval(load_recipe([*recipe, "eval.ngram_baseline=false"]), str(vllm))
     rows = [row for domain in report["domains"].values() for row in domain.values() if row.get("lossless") is not None]
     assert rows and all(row["lossless"] for row in rows)

@@ -47,7 +47,7 @@ def test_a_qwen3_5_wrappers_fine_tuned_mtp_layer_is_served_by_vllm_in_bfloat16(
     layer, the processors' configs): its layer fine-tuned in float32, exported and checked in bfloat16, as vLLM-CPU's
     Gated-DeltaNet layers take nothing else. vLLM builds Qwen3_5MTP for the wrapper target; its outputs with and
     without the drafter may part only at near ties of the target's logits (the check's bfloat16 rule)."""
-    from draftsmith.export import export_checkpoint
+    from draftsmith.export.run import export_checkpoint
     from draftsmith.formats.repo import EXPORT_INFO
 
     if not torchvision_loads(vllm_python, "vllm_python"):

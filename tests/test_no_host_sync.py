@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from draftsmith.data_prep import Collator, PackingCollator
+from draftsmith.data_prep.collate import Collator, PackingCollator
 from draftsmith.heads.distill import forward_kl
 from draftsmith.heads.packing import causal_lm_inputs, documents, num_documents, same_document
 from draftsmith.heads.vocab_loss import at_rows, rows_loss

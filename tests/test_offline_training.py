@@ -7,8 +7,9 @@ import json
 import pytest
 import torch
 
-from draftsmith.data_prep import Collator, load_tokenized
 from draftsmith.data_prep.capture import capture
+from draftsmith.data_prep.collate import Collator
+from draftsmith.data_prep.dataset import load_tokenized
 from draftsmith.data_prep.features import open_features
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target, load_tokenizer, run_target

@@ -11,7 +11,7 @@ import pytest
 
 import draftsmith.export.run as export_run
 from draftsmith.errors import UserError
-from draftsmith.export import export_checkpoint
+from draftsmith.export.run import export_checkpoint
 from draftsmith.formats.folder import open_drafter
 from draftsmith.formats.repo import EXPORT_INFO
 from draftsmith.heads import drafter_class

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.data_prep import Collator, PackingCollator
 from draftsmith.data_prep.bin_packing import pack_rows
+from draftsmith.data_prep.collate import Collator, PackingCollator
 from draftsmith.errors import UserError
 from draftsmith.heads import drafter_class
 from draftsmith.heads.packing import causal_lm_inputs, documents, require_packed_attention, same_document

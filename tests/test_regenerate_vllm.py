@@ -22,8 +22,8 @@ import pytest
 import torch
 from accelerate import PartialState
 
-from draftsmith.data_prep import render_prompt
 from draftsmith.data_prep.answer_engines import answer_engine, generate, vllm_dtype
+from draftsmith.data_prep.template import render_prompt
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target, load_tokenizer
 from tests.helpers import REFERENCE_TARGET, REPO, run_entry_in_process

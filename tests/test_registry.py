@@ -48,7 +48,7 @@ def test_every_kind_is_documented_and_says_where_it_is_served(kind):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_kind_trains_decodes_losslessly_and_exports_or_is_refused(kind, tmp_path, small_data, token_cache):
-    from draftsmith.export import export_checkpoint
+    from draftsmith.export.run import export_checkpoint
 
     args = [
         f"recipe={demo_recipe(kind)}", f"data.train=[{small_data['train']}]", f"data.eval=[{small_data['eval']}]",

@@ -105,7 +105,8 @@ def test_a_resume_keyword_or_path_passes_the_recipe_check_and_a_missing_path_is_
 def test_the_advice_to_run_again_holds_for_a_training_run(tmp_path, small_data, token_cache, monkeypatch, capsys):
     """Exit 74's line said "run the same command again", which a training run refuses (its output_dir holds an
     earlier run, exit 2): it names train.resume=true, with which the same command continues. So does the line of
-    SIGTERM outside the training loop (exit 75), which now knows the command it stops."""
+    SIGTERM outside the training loop (exit 75) says what the run kept (trainer/checkpoint.py after_interrupt), as
+Ctrl-C's does: before anything is written, the same command."""
     import draftsmith.trainer.loop as loop
 
     out = tmp_path / "run"
@@ -129,7 +130,9 @@ def test_the_advice_to_run_again_holds_for_a_training_run(tmp_path, small_data, 
     monkeypatch.setattr(loop, "set_up", sigterm)
     stopped = ["train.py", *train_args(tmp_path / "stopped", small_data, token_cache, "train.max_steps=2")]
     line = assert_one_line_error(run_entry_in_process(stopped, capsys), 75, prefix="preempted: ")
-    assert line == f"preempted: stopped on SIGTERM; what was finished is kept: {RESUME_ADVICE}"
+    assert line == "preempted: stopped on SIGTERM; nothing was written: run the same command again"
+    monkeypatch.undo()
+    assert run_entry_in_process(stopped, capsys).returncode == 0  # as the line says
 
 
 def test_a_resume_of_a_run_saved_before_a_key_existed_reads_it_as_its_default(tmp_path):

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from draftsmith.errors import UserError
 from draftsmith.eval.methods import build_methods, serving
 from draftsmith.eval.report import run_eval
-from draftsmith.export import export_checkpoint
+from draftsmith.export.run import export_checkpoint
 from draftsmith.heads import drafter_class
 from draftsmith.random_target import build_config, build_model
 from draftsmith.recipe import load_recipe

@@ -81,6 +81,64 @@ def test_sigterm_in_the_last_step_stops_once_final_is_written_and_a_resume_runs_
     assert trained.keys() == again.keys() and all(torch.equal(trained[k], again[k]) for k in trained)
 
 
+def sigterm_in(function: str, args: list[str], marker: Path) -> subprocess.CompletedProcess:
+    """`train.py args` in a process of its own, stopped by a real SIGTERM while `function` (module.name) runs: it
+    touches `marker`, then waits for the signal."""
+    module, name = function.rsplit(".", 1)
+    waits = (
+        "import importlib, runpy, sys, time\n"
+        "from pathlib import Path\n"
+        f"module = importlib.import_module({module!r})\n"
+        f"real = module.{name}\n"
+        "def waiting(*args, **kwargs):\n"
+        f"    Path({str(marker)!r}).touch()\n"
+        "    time.sleep(60)\n"
+        "    return real(*args, **kwargs)\n"
+        f"module.{name} = waiting\n"
+        f"sys.argv = ['train.py', *{args!r}]\n"
+        "runpy.run_path('train.py', run_name='__main__')\n"
+    )
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    process = subprocess.Popen(
+        [sys.executable, "-c", waits], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    deadline = time.time() + 300
+    while not marker.exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=300)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+@pytest.mark.parametrize(
+    "function, advice",
+    [
+        (
+            "draftsmith.eval.report.evaluate_trained_run",
+            "checkpoint {out}/checkpoints/step_0000002 is kept: run the same command with train.resume=true to "
+            "continue from it",
+        ),
+        ("draftsmith.trainer.setup.load_data", "nothing was written: run the same command again"),
+    ],
+    ids=["eval-stage", "tokenizing"],
+)
+def test_sigterm_outside_the_training_loop_says_what_continues_the_run(
+    function, advice, tmp_path, small_data, token_cache, capsys
+):
+    """SIGTERM in the eval stage, after final/ is published, or while the data is tokenized before step 0: the line
+    said `train.resume=true to continue` whatever the run had written; it says what Ctrl-C's says there
+    (`after_interrupt`), and the command it names runs to the end."""
+    out = tmp_path / "run"
+    args = train_args(out, small_data, token_cache, *QUICK, "train.save_every=0")
+    stopped = sigterm_in(function, args, tmp_path / "waiting")
+    line = assert_one_line_error(stopped, EXIT_PREEMPTED, prefix="preempted: ")
+    assert line == f"preempted: stopped on SIGTERM; {advice.format(out=out)}"
+    again = [*args, "train.resume=true"] if "train.resume=true" in advice else args
+    continued = run_entry_in_process(["train.py", *again], capsys)
+    assert continued.returncode == 0, continued.stderr[-2000:]
+    assert (out / ACCURACY_NAME).is_file()
+
+
 @pytest.mark.parametrize("stopped", ["checkpoints/step_0000001", "final"])
 def test_ctrl_c_while_a_checkpoint_or_final_is_written_leaves_no_partial_copy(
     stopped, tmp_path, small_data, token_cache, monkeypatch, capsys

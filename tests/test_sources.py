@@ -13,7 +13,7 @@ import huggingface_hub.constants
 import pytest
 
 from draftsmith import model_files
-from draftsmith.data_prep import load_conversations
+from draftsmith.data_prep.conversations import load_conversations
 from draftsmith.data_prep.sources import named_file
 from draftsmith.errors import HubUnavailable, UserError, outcome
 from draftsmith.eval.prompts import load_prompts

@@ -95,6 +95,27 @@ def test_speculators_states_refuses_ids_past_the_layers():
         speculators_states(model, torch.tensor([1, 2, 3]), [1, 4])
 
 
+def test_a_multi_stream_targets_states_are_the_mean_of_each_layers_streams_as_vllm_reads_them():
+    """DeepSeek-V4 passes hc_mult residual streams between layers: each vLLM layer id's slot is their mean
+    (`draftsmith.target.layer_output`), the last slot the lm_head's input before the final norm, one state a
+    position like every other family's."""
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.random_target import build_config
+
+    torch.manual_seed(0)
+    config = build_config("deepseek_v4", 96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, head_dim=16)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.tensor([1, 5, 9, 4, 7, 3])
+    states = speculators_states(model, ids, [0, 1, 2])
+    with torch.no_grad():
+        hidden = model(input_ids=ids[None], output_hidden_states=True).hidden_states
+    assert hidden[1].shape == (1, 6, config.hc_mult, 64)  # the streams the slots average
+    assert states.shape == (6, 4, 64)
+    for slot, layer_id in enumerate([0, 1, 2]):
+        torch.testing.assert_close(states[:, slot], hidden[layer_id][0].mean(dim=-2))
+
+
 def write_features(output, capsys, token_cache, *settings):
     """The entry point (`python -m data_prep.speculators_features`) in-process on 4 short rows."""
     tiny = ["data.max_conversations=4", "data.max_length=64", f"data.cache_dir={token_cache}"]

@@ -39,7 +39,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
 from draftsmith.eval.loop import prefill
-from draftsmith.export import export_checkpoint
+from draftsmith.export.run import export_checkpoint
 from draftsmith.formats.folder import open_drafter, warm_start
 from draftsmith.heads import drafter_class
 from draftsmith.heads.base import load_drafter

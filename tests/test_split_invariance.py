@@ -23,7 +23,8 @@ import torch
 from accelerate import Accelerator
 from omegaconf import OmegaConf
 
-from draftsmith.data_prep import Collator, PackingCollator, render_with_masks
+from draftsmith.data_prep.collate import Collator, PackingCollator
+from draftsmith.data_prep.template import render_with_masks
 from draftsmith.heads import drafter_class, drafters
 from draftsmith.heads.packing import causal_lm_inputs
 from draftsmith.recipe import load_recipe

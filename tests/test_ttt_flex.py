@@ -35,7 +35,8 @@ def real_micro_batches(recipe: list[str], count: int, pack: bool):
     with the target, the tokenizer and the recipe's drafter."""
     from omegaconf import OmegaConf
 
-    from draftsmith.data_prep import Collator, PackingCollator, load_tokenized
+    from draftsmith.data_prep.collate import Collator, PackingCollator
+    from draftsmith.data_prep.dataset import load_tokenized
     from draftsmith.recipe import load_recipe
     from draftsmith.target import load_target, load_tokenizer
     from draftsmith.trainer.checkpoint import TrainerState

@@ -413,8 +413,9 @@ def check_earlier_run(cfg: DictConfig) -> None:
 
 
 def after_interrupt(output_dir: Path) -> str:
-    """What to do after Ctrl-C stopped a run, for its `interrupted` line: once the run has written anything, the
-    same command alone is refused (`check_earlier_run`), as after SIGTERM."""
+    """What to do after Ctrl-C stopped a run, for its `interrupted` line, or a SIGTERM outside its training loop (the
+    data's tokenizing, the eval stage), for its `preempted` one: once the run has written anything, the same command
+    alone is refused (`check_earlier_run`)."""
     steps = completed_checkpoints(output_dir)
     if steps:
         return f"checkpoint {steps[-1]} is kept: run the same command with train.resume=true to continue from it"

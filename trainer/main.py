@@ -23,6 +23,7 @@ def main(argv: Sequence[str]) -> None:
     import torch
     from accelerate import PartialState
 
+    from draftsmith.errors import PreemptedWhereItWas
     from draftsmith.threads import set_cpu_threads
     from draftsmith.trainer.checkpoint import after_interrupt, claim_output_dir
     from draftsmith.trainer.loop import train
@@ -41,3 +42,5 @@ def main(argv: Sequence[str]) -> None:
                 evaluate_trained_run(cfg, trained.prompt_count)
     except KeyboardInterrupt:  # Ctrl-C: the line says how to continue (run_cli prints it), as SIGTERM's does
         raise KeyboardInterrupt(after_interrupt(Path(cfg.output_dir))) from None
+    except PreemptedWhereItWas:  # SIGTERM outside the loop (the data's tokenizing, the eval stage): as Ctrl-C there
+        raise PreemptedWhereItWas(f"stopped on SIGTERM; {after_interrupt(Path(cfg.output_dir))}") from None

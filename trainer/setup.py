@@ -20,7 +20,8 @@ from accelerate import Accelerator
 from accelerate.utils import parse_flag_from_env, set_seed
 from omegaconf import DictConfig, OmegaConf
 
-from draftsmith.data_prep import Collator, PackingCollator, load_tokenized
+from draftsmith.data_prep.collate import Collator, PackingCollator
+from draftsmith.data_prep.dataset import load_tokenized
 from draftsmith.data_prep.features import expected_features, open_features, require_captured_settings
 from draftsmith.data_prep.overlap import PromptCount, eval_in_train, prompts_in_train, warn_of_prompts_in_train
 from draftsmith.errors import UserError
@@ -35,6 +36,7 @@ from draftsmith.recipe import derived, require_draft_vocab_use, save_recipe
 from draftsmith.recipe_checks import resolve_bool_or_path
 from draftsmith.recipe_schema import CHOICES
 from draftsmith.sharding import built_whole
+from draftsmith.streams import not_captured
 from draftsmith.target import TargetOutput, load_config, load_target, load_tokenizer, run_target
 from draftsmith.trainer.checkpoint import (
     DRAFTER_DIR,
@@ -234,6 +236,8 @@ def training_inputs(cfg: DictConfig, tokenizer, target, drafter, train_data):
     pack = packing_collator(cfg, tokenizer, target)
     if cfg.data.features is None:
         return train_data, pack or Collator(tokenizer.pad_token_id), online_features(target, request)
+    if request.streams:
+        raise not_captured(cfg.drafter.type, "data.features")
     store = open_features(cfg.data.features, expect=expected_features(drafter.target, request))
     longest = max(store.lengths())  # captured under the capture's data.max_length, which may be longer
     if pack is not None and longest > pack.pack_length:
