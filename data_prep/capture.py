@@ -16,15 +16,10 @@ never read, only overwritten). After a barrier, rank 0 merges the parts into man
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # run before the imports below (torch's: seconds), which the command makes under run_cli
-    import importlib
+if __name__ == "__main__":  # before the imports below (torch's: seconds): draftsmith.cli.run_module
+    from draftsmith.cli import run_module
 
-    from draftsmith.cli import configure_logging, entry_point
-
-    configure_logging()  # the command is this module by its installed name: nothing below runs in this copy
-    entry_point(
-        lambda argv: importlib.import_module("draftsmith.data_prep.capture").main(argv), __doc__, command="capture"
-    )
+    run_module("draftsmith.data_prep.capture", __doc__, command="capture")
 
 import logging
 import time

@@ -46,17 +46,10 @@ the ranks hold pieces of one target and generate in step (draftsmith/sharding.py
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # run before the imports below (torch's: seconds), which the command makes under run_cli
-    import importlib
+if __name__ == "__main__":  # before the imports below (torch's: seconds): draftsmith.cli.run_module
+    from draftsmith.cli import run_module
 
-    from draftsmith.cli import configure_logging, entry_point
-
-    configure_logging()  # the command is this module by its installed name: nothing below runs in this copy
-    entry_point(
-        lambda argv: importlib.import_module("draftsmith.data_prep.regenerate").main(argv),
-        __doc__,
-        command="regenerate",
-    )
+    run_module("draftsmith.data_prep.regenerate", __doc__, command="regenerate")
 
 import gzip
 import hashlib

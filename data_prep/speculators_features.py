@@ -36,17 +36,10 @@ its states would be mixed with rows they do not belong to. One run at a time wri
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # run before the imports below (torch's: seconds), which the command makes under run_cli
-    import importlib
+if __name__ == "__main__":  # before the imports below (torch's: seconds): draftsmith.cli.run_module
+    from draftsmith.cli import run_module
 
-    from draftsmith.cli import configure_logging, entry_point
-
-    configure_logging()  # the command is this module by its installed name: nothing below runs in this copy
-    entry_point(
-        lambda argv: importlib.import_module("draftsmith.data_prep.speculators_features").main(argv),
-        __doc__,
-        positional=1,
-    )
+    run_module("draftsmith.data_prep.speculators_features", __doc__, positional=1)
 
 import hashlib
 import json

@@ -119,6 +119,15 @@ def entry_point(
     run_cli(main, argv, command)
 
 
+def run_module(module: str, usage: str, command: str = "", positional: int = 0) -> NoReturn:
+    """`python -m` of a command module whose imports take seconds (torch's), called from its `__main__` block at its
+    top, before them: its `main` runs in the module imported anew by its installed name `module`, under
+    `entry_point`'s run_cli, so Ctrl-C and SIGTERM have their handlers from the start (nothing below that block runs in
+    the `__main__` copy)."""
+    configure_logging()
+    entry_point(lambda argv: importlib.import_module(module).main(argv), usage, command=command, positional=positional)
+
+
 def resolved_yaml(args: Sequence[str], command: str) -> str:
     """`--cfg`'s output: the recipe `args` resolve to, as `command` validates it. Its modules are imported here, under
     run_cli, as every command's are: Ctrl-C or SIGTERM meanwhile ends with its line."""

@@ -45,13 +45,10 @@ export.batch_sweep=<that path>` then writes the schedule into the served config.
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # run before the imports below (torch's: seconds), which the command makes under run_cli
-    import importlib
+if __name__ == "__main__":  # before the imports below (torch's: seconds): draftsmith.cli.run_module
+    from draftsmith.cli import run_module
 
-    from draftsmith.cli import configure_logging, entry_point
-
-    configure_logging()  # the command is this module by its installed name: nothing below runs in this copy
-    entry_point(lambda argv: importlib.import_module("draftsmith.export.sweep").main(argv), __doc__, command="sweep")
+    run_module("draftsmith.export.sweep", __doc__, command="sweep")
 
 import hashlib
 import json
