@@ -39,6 +39,7 @@ from typing import Any, NoReturn, Optional
 import torch
 from safetensors import SafetensorError
 
+from draftsmith.causal_lm import causal_lm_types, no_causal_lm
 from draftsmith.errors import UserError, one_line, run_cli
 from draftsmith.files import publish_folder, staging
 from draftsmith.outputs import check_output_dir
@@ -156,9 +157,11 @@ def scaled_fields(defaults: dict[str, Any], fields: dict[str, Any]) -> dict[str,
         # query head, so the heads are not grouped (a group would repeat already expanded heads). Its
         # head_dim is the rotary part's (what the rotary embedding reads): a head_dim given as a field
         # would replace the one the class derives, so it is given as that part. The latent and rotary
-        # sizes stay the released models' (512 + 64): vLLM's CPU MLA kernel takes that latent only.
-        out.update(num_key_value_heads=heads, qk_nope_head_dim=head, qk_rope_head_dim=MLA_ROPE, v_head_dim=head)
-        out.update(head_dim=MLA_ROPE, kv_lora_rank=MLA_LATENT)
+        # sizes stay the released models' (512 + 64): vLLM's CPU MLA kernel takes that latent only. A family whose
+        # class has no rotary part (its sparse layers attend without positions: a NoPE default of 0) keeps none.
+        rope = 0 if defaults.get("qk_rope_head_dim") == 0 else MLA_ROPE
+        out.update(num_key_value_heads=heads, qk_nope_head_dim=head, qk_rope_head_dim=rope, v_head_dim=head)
+        out.update(head_dim=rope, kv_lora_rank=MLA_LATENT)
     if defaults.get("q_lora_rank"):  # a query latent (None where queries are projected at full rank: kept)
         out["q_lora_rank"] = 3 * head  # not the key-value latent's 2 * head: a mix-up of the two fails on shape
     if defaults.get("o_lora_rank"):  # grouped low-rank output projection: groups of two query heads
@@ -231,6 +234,8 @@ def build_model(
     fused projections, experts, biases) stays its own."""
     from transformers import AutoModelForCausalLM
 
+    if config.model_type not in (causal_lm_types() or {config.model_type}):  # transformers' line lists ~200 classes
+        raise UserError(f"{no_causal_lm(config.model_type)}: a target of it cannot be built")
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

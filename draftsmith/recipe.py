@@ -170,9 +170,10 @@ def check_drafter(cfg: DictConfig, command: str = "train") -> None:
     local directory (its config.json, not its weights); and the eval's chain length against what the
     drafter can propose. For a command that reads `checkpoint` (`builds_drafter`), the chain against the
     checkpoint's own settings (an engine folder's, or a missing one's, its reader checks)."""
+    from draftsmith.causal_lm import not_a_causal_lm
     from draftsmith.heads import drafter_class
     from draftsmith.heads.base import saved_drafter
-    from draftsmith.target import local_target_shape, names_a_missing_folder
+    from draftsmith.target import local_target_config, local_target_shape, names_a_missing_folder
 
     drafter_cls = drafter_class(cfg.drafter.type)
     try:
@@ -189,6 +190,10 @@ def check_drafter(cfg: DictConfig, command: str = "train") -> None:
         not names_a_missing_folder(cfg.target.name_or_path),
         f"target.name_or_path={cfg.target.name_or_path}: no such folder (a Hub id reads owner/name)",
     )
+    # every command loads the target (eval, export and monitor too, for their eval): its class is known now
+    target_config = local_target_config(cfg.target.name_or_path) if cfg.target.gguf_file is None else None
+    if target_config is not None and (refusal := not_a_causal_lm(target_config, cfg.target.name_or_path)):
+        raise UserError(refusal)
     if not builds_drafter(command, cfg):
         try:
             saved = saved_drafter(checkpoint_to_read(cfg))[:2]

@@ -1,12 +1,10 @@
-"""The frozen target: load any HF causal LM (local path or Hub id) and run it for the features a
-drafter asks for.
+"""The frozen target: load any HF causal LM (local path or Hub id) and run it for the features a drafter asks for.
 
-Layer index convention (used by every drafter and, later, by feature shards): layer `i` means the
-*output* of decoder layer i (0-based), i.e. `hidden_states[i + 1]` of transformers'
-`output_hidden_states`; `-1` means the embeddings (`hidden_states[0]`). The `final` feature is the
-last hidden state after the final norm, the input of the lm_head. Caveat: transformers returns the
-*normed* state as `hidden_states[L]`, so layer L-1 is the same tensor as `final`, not the raw output
-of the last decoder layer (EAGLE-3's default layers 1, L//2-1, L-4 never touch it). A target whose
+Layer index convention (used by every drafter and, later, by feature shards): layer `i` means the *output* of decoder
+layer i (0-based), i.e. `hidden_states[i + 1]` of transformers' `output_hidden_states`; `-1` means the embeddings
+(`hidden_states[0]`). The `final` feature is the last hidden state after the final norm, the input of the lm_head.
+Caveat: transformers returns the *normed* state as `hidden_states[L]`, so layer L-1 is the same tensor as `final`, not
+the raw output of the last decoder layer (EAGLE-3's default layers 1, L//2-1, L-4 never touch it). A target whose
 layers pass several residual streams (hyper-connections) is read as vLLM reads it: their mean (`layer_output`).
 """
 
@@ -25,6 +23,7 @@ from typing import Any, Optional
 
 import torch
 
+from draftsmith.causal_lm import not_a_causal_lm
 from draftsmith.errors import UserError
 from draftsmith.model_files import read_pretrained, read_tokenizer
 from draftsmith.streams import last_layer_streams
@@ -83,10 +82,10 @@ def load_tokenizer(section):
 
 
 def load_target(section, device: torch.device | str = "cpu", shard: str = "none"):
-    """The target causal LM from the recipe's `target` section (or a path), frozen: eval mode, no
-    parameter requires grad. `shard` is the recipe's `target.shard` for the stages that train, capture
-    or regenerate: `fsdp` shards its decoder layers over the run's ranks (draftsmith.sharding, which
-    this module calls and which calls nothing here); the eval and the export load it whole."""
+    """The target causal LM from the recipe's `target` section (or a path), frozen: eval mode, no parameter requires
+    grad. `shard` is the recipe's `target.shard` for the stages that train, capture or regenerate: `fsdp` shards its
+    decoder layers over the run's ranks (draftsmith.sharding, which this module calls and which calls nothing here);
+    the eval and the export load it whole."""
     from draftsmith.sharding import built_whole, load_sharded
 
     section = target_section(section)
@@ -133,6 +132,11 @@ def read_model(section, dtype: torch.dtype, device: torch.device | str):
             output_loading_info=True,
             adapter_kwargs={},
         )
+    except UserError as err:  # a Hub id's config no causal LM class loads: said as the recipe check says it
+        refusal = not_a_causal_lm(load_config(section).to_dict(), section.name_or_path)
+        if refusal is not None:
+            raise UserError(refusal) from err
+        raise
     finally:
         report.stop()
     report.release(loading, model.config, section.name_or_path)
@@ -206,8 +210,8 @@ EMBEDDING_ROWS = 8  # TargetShape.embedding_norms: the rows read
 
 @dataclass(frozen=True)
 class TargetShape:
-    """What a drafter must agree on with its target; stored in every checkpoint, feature capture
-    and export, and checked wherever two of them meet."""
+    """What a drafter must agree on with its target; stored in every checkpoint, feature capture and export, and
+    checked wherever two of them meet."""
 
     name_or_path: str
     model_type: str
@@ -256,8 +260,7 @@ class TargetShape:
 
 
 def local_target_config(name_or_path: str) -> Optional[dict]:
-    """A local target's config.json (no weights, no network); None for a Hub id or a directory without a
-    readable config."""
+    """A local target's config.json (no weights, no network); None for a Hub id or a folder without a readable one."""
     path = Path(name_or_path) / "config.json"
     try:
         config = json.loads(path.read_text()) if path.is_file() else None
@@ -305,14 +308,13 @@ class FeatureRequest:
 
 
 class TargetOutput:
-    """The target's outputs over a batch: `final` [B, T, H] (post-norm last hidden state), `layers`
-    (layer id -> [B, T, H]), `cache` (the KV cache, when the forward used one), and `logits` [B, T, V].
+    """The target's outputs over a batch: `final` [B, T, H] (post-norm last hidden state), `layers` (layer id ->
+    [B, T, H]), `cache` (the KV cache, when the forward used one), and `logits` [B, T, V].
 
-    `logits` is either given (captured features, a model whose logits are not its lm_head's output)
-    or computed from `final` by `head`, the target's lm_head, on first access (`run_target`), under
-    the grad and autocast modes of the forward: identical to the forward's own logits, and paid for
-    only by a caller that reads them. `logits_at` reads the logits at a few positions without the
-    whole [B, T, V] tensor."""
+    `logits` is either given (captured features, a model whose logits are not its lm_head's output) or computed from
+    `final` by `head`, the target's lm_head, on first access (`run_target`), under the grad and autocast modes of the
+    forward: identical to the forward's own logits, and paid for only by a caller that reads them. `logits_at` reads
+    the logits at a few positions without the whole [B, T, V] tensor."""
 
     def __init__(
         self,
@@ -410,12 +412,11 @@ def run_target(
 ) -> TargetOutput:
     """One forward of the target returning logits, the final hidden state and requested layers.
 
-    The logits are what the model's forward returns, but where they are its lm_head applied to the
-    final hidden state (checked once per model, on its first forward: logit soft-capping or scaling
-    fails the check) the forward skips the lm_head (`logits_to_keep`) and `TargetOutput.logits` applies
-    it on first access. A caller that never reads them (Medusa, a drafter trained on hard labels, the
-    eval loop's prefill) never pays for the [B, T, V] projection; EAGLE-3 reads them at the positions
-    its loss scores (`TargetOutput.logits_at`)."""
+    The logits are what the model's forward returns, but where they are its lm_head applied to the final hidden state
+    (checked once per model, on its first forward: logit soft-capping or scaling fails the check) the forward skips
+    the lm_head (`logits_to_keep`) and `TargetOutput.logits` applies it on first access. A caller that never reads
+    them (Medusa, a drafter trained on hard labels, the eval loop's prefill) never pays for the [B, T, V] projection;
+    EAGLE-3 reads them at the positions its loss scores (`TargetOutput.logits_at`)."""
     want_layers = bool(request.layers)
     defer = _defers_logits(model)
     keep = {"logits_to_keep": torch.empty(0, dtype=torch.long, device=input_ids.device)} if defer else {}

@@ -384,6 +384,24 @@ def test_random_target_command_writes_a_target_or_one_line(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+def test_a_nope_latent_family_keeps_no_rotary_part_and_one_without_a_causal_lm_is_refused_in_one_line(tmp_path, capsys):
+    """GLM-5-Next's language model (`glm5_next_text`) attends in its sparse layers without positions: its class
+    refuses a rotary part ("Expecting NoPE for the DSA attention layers, but got 64 as RoPE dim"), which the tiny
+    config gave every latent-attention family. It keeps the class's 0 now. transformers 5.24 has no causal LM class
+    for it, so the command refuses it in one line (it was exit 70 with transformers' list of ~200 config classes);
+    when transformers has one, this test fails: add the family to FAMILIES then."""
+    from draftsmith.random_target import main
+
+    config = build_config("glm5_next_text", VOCAB, hidden_size=64, num_hidden_layers=2, head_dim=16)
+    assert (config.qk_rope_head_dim, config.qk_nope_head_dim) == (0, 16)
+    with pytest.raises(SystemExit) as done:
+        main(["glm5_next_text", str(tmp_path / "x")])
+    refused = subprocess.CompletedProcess([], done.value.code, "", capsys.readouterr().err)
+    line = assert_one_line_error(refused, 2, "has no causal LM class (AutoModelForCausalLM, what draftsmith loads")
+    assert line.endswith("for model_type 'glm5_next_text': a target of it cannot be built"), line
+    assert not (tmp_path / "x").exists() and not (tmp_path / "x.tmp").exists()
+
+
 def vllm_mixed_streams(block_output: torch.Tensor, residual: torch.Tensor, hc, config) -> torch.Tensor:
     """A block's output mixed into the residual streams [..., hc_mult, H], written from vLLM 0.32's own torch kernels
     (vllm/model_executor/kernels/mhc/torch.py: mhc_pre_torch's post and comb weights, then mhc_post_torch), with

@@ -13,7 +13,7 @@ import pytest
 from draftsmith.errors import UserError, outcome
 from draftsmith.model_files import not_loadable
 from draftsmith.target import load_config, load_target, load_tokenizer, target_section
-from tests.helpers import counted_hub_probes, tiny_llama
+from tests.helpers import assert_one_line_error, counted_hub_probes, run_entry_in_process, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -145,3 +145,61 @@ def test_a_released_assistant_not_in_the_cache_offline_says_so(monkeypatch, tmp_
     code, line = outcome(err.value)
     assert code == 2 and line.startswith("error: cannot load drafter.released_assistant='acme/assistant': not in")
     assert "HF_HUB_OFFLINE=1 forbids downloading it: download it once with a network, or give a local folder" in line
+
+
+@pytest.fixture
+def not_a_causal_lm(tmp_path) -> tuple[Path, str]:
+    """A folder holding the config of a vision-language wrapper transformers maps to no causal LM class (the first by
+    name; GLM-5-Next's `glm5_next` is one in transformers 5.24, and its language model has none either), and its
+    model type."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    model_type = sorted(set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES) - set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))[0]
+    folder = tmp_path / "wrapper"
+    AutoConfig.for_model(model_type).save_pretrained(folder)
+    return folder, model_type
+
+
+def test_a_target_transformers_cannot_load_as_a_causal_lm_is_refused_by_the_recipe_check(
+    not_a_causal_lm, tmp_path, capsys
+):
+    """It was refused once the data was tokenized, in transformers' line listing its ~200 config classes. Now train,
+    eval and export refuse it from its config.json, in one short line naming its model type, with nothing written."""
+    folder, model_type = not_a_causal_lm
+    for command in ("train.py", "-m eval", "-m export"):
+        result = run_entry_in_process(
+            [*command.split(), "recipe=medusa", f"target.name_or_path={folder}", f"output_dir={tmp_path / 'run'}",
+             f"data.cache_dir={tmp_path / 'cache'}", f"export.output={tmp_path / 'export'}"],
+            capsys,
+        )  # fmt: skip
+        line = assert_one_line_error(result, 2, "no causal LM class (AutoModelForCausalLM, what draftsmith loads")
+        assert f"model_type {model_type!r}: give a causal LM" in line, line
+        assert len(line.replace(str(folder), "")) < 200, line  # the classes are not listed (the folder's path aside)
+        assert not any((tmp_path / name).exists() for name in ("run", "cache", "export")), command
+
+
+def test_a_hub_target_transformers_cannot_load_as_a_causal_lm_is_refused_in_a_short_line(
+    not_a_causal_lm, tmp_path, monkeypatch
+):
+    """A Hub id's config.json is read when the target loads: the line there is the recipe check's, not
+    transformers' list of the config classes it has a causal LM for."""
+    import huggingface_hub.constants as constants
+
+    folder, model_type = not_a_causal_lm
+    commit = "0" * 40
+    repo = tmp_path / "hub-cache" / "models--acme--wrapper"
+    (repo / "snapshots").mkdir(parents=True)
+    folder.rename(repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(repo.parent))
+    with pytest.raises(UserError) as err:
+        load_target("acme/wrapper")
+    code, line = outcome(err.value)
+    assert code == 2 and line.startswith("error: cannot load target 'acme/wrapper': transformers "), line
+    assert line.endswith(f"model_type {model_type!r}: give a causal LM") and "Config," not in line, line
