@@ -10,8 +10,9 @@ routed for mixtures of experts, sliding windows of 48 positions where the family
 tensors seeded from the demo target's trained weights wherever name and shape match (so its text is
 predictable and a drafter learns within seconds; every part the family does differently stays
 random), in a temporary directory: nothing downloads. A vision-language wrapper's model type (`qwen3_5`,
-`qwen3_5_moe`: Qwen3.5's release form) gets that text target inside the wrapper (write_random_wrapper). Per kind,
-one row:
+`qwen3_5_moe`: Qwen3.5's release form) gets that text target inside the wrapper (write_random_wrapper); one whose
+language model transformers has no causal LM class for (`glm5_next`) is written whole by write_random_target, its
+language model seeded. Per kind, one row:
 
 - `train`: `python train.py recipe=<kind> target.name_or_path=<target> ...` (a few dozen steps on the
   demo's regenerated data) exited 0, its eval stage included;

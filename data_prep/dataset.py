@@ -126,7 +126,8 @@ def require_context(target, max_length: int, config=None) -> None:
     """data.max_length within the context the target's config states (`target`: the recipe's target section,
     or a path; `config`: its loaded config, else read from config.json alone, no weights): a longer row would run the
     target past the positions it was trained on. A config that states none is taken at its word."""
-    from draftsmith.target import load_config, target_section
+    from draftsmith.target import target_section
+    from draftsmith.target_loading import load_config
 
     context, stated = target_context(load_config(target_section(target)) if config is None else config)
     if context is not None and max_length > context:

@@ -62,12 +62,12 @@ from draftsmith.target import (
     TargetShape,
     dtype_name,
     layer_output,
-    load_config,
     load_target,
     load_tokenizer,
     num_layers,
     resolve_dtype,
 )
+from draftsmith.target_loading import load_config
 
 HIDDEN_STATES = "hidden_states"
 TOKEN_FREQ = "token_freq.pt"

@@ -1,8 +1,9 @@
 """Whether transformers loads a target's config as a causal LM (`AutoModelForCausalLM`, the class draftsmith loads
 every target with), told from the config alone: a model type it maps to no causal LM class (a vision-language
-wrapper whose language model transformers has no causal LM class for) is refused in one line when the recipe is
+wrapper whose language model transformers builds no model of alone) is refused in one line when the recipe is
 checked, and at load time for a Hub id, instead of transformers' line listing its ~200 config classes after the data
-is tokenized. A wrapper that transformers maps to its language model's causal LM class loads as that model."""
+is tokenized. A wrapper that transformers maps to its language model's causal LM class loads as that model; one it
+loads only as an image-text-to-text model (`wraps_a_text_model`) loads as its language model and lm_head."""
 
 from __future__ import annotations
 
@@ -13,15 +14,17 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Optional
 
-# the module defining the model type -> causal LM class table, read as source: a recipe is checked without importing
-# transformers (its modules take seconds), and the table is a literal there
+# the module defining the model type -> class tables, read as source: a recipe is checked without importing
+# transformers (its modules take seconds), and the tables are literals there
 MAPPING_MODULE = ("models", "auto", "modeling_auto.py")
-MAPPING_NAME = "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
+CAUSAL_LM_TABLE = "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
+WRAPPER_TABLE = "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"
+MODEL_TABLE = "MODEL_MAPPING_NAMES"
 
 
 @functools.cache
-def causal_lm_types() -> Optional[frozenset[str]]:
-    """The model types the installed transformers' AutoModelForCausalLM maps to a class, or None where its table is
+def mapped_types(table_name: str) -> Optional[frozenset[str]]:
+    """The model types the installed transformers' table `table_name` maps to a class, or None where the table is
     not where, or not what, this reads (then nothing is refused here, and transformers' load says what it says)."""
     spec = importlib.util.find_spec("transformers")  # a top-level package's spec: transformers is not imported
     if spec is None or not spec.submodule_search_locations:
@@ -33,13 +36,31 @@ def causal_lm_types() -> Optional[frozenset[str]]:
             node.value.args[0]
             for node in tree.body
             if isinstance(node, ast.Assign)
-            and any(isinstance(name, ast.Name) and name.id == MAPPING_NAME for name in node.targets)
+            and any(isinstance(name, ast.Name) and name.id == table_name for name in node.targets)
             and isinstance(node.value, ast.Call)
             and node.value.args
         )
         return frozenset(model_type for model_type, _ in ast.literal_eval(table))
     except (OSError, SyntaxError, StopIteration, ValueError, TypeError):
         return None
+
+
+def causal_lm_types() -> Optional[frozenset[str]]:
+    """The model types AutoModelForCausalLM maps to a class (None: see `mapped_types`)."""
+    return mapped_types(CAUSAL_LM_TABLE)
+
+
+def wraps_a_text_model(config: dict[str, Any]) -> bool:
+    """Whether `config` (a config.json's dict) is a vision-language wrapper draftsmith runs as its language model and
+    lm_head (draftsmith.wrapped_text.TextOfWrapper), as vLLM serves such a wrapper on text prompts: transformers loads
+    it as an image-text-to-text model only, has no causal LM class for its language model either, but builds that
+    model alone (`AutoModel`)."""
+    model_type, text = config.get("model_type"), config.get("text_config")
+    text_type = text.get("model_type") if isinstance(text, dict) else None
+    known, wrappers, models = causal_lm_types(), mapped_types(WRAPPER_TABLE), mapped_types(MODEL_TABLE)
+    if known is None or wrappers is None or models is None:
+        return False
+    return model_type not in known and model_type in wrappers and text_type not in known and text_type in models
 
 
 def not_a_causal_lm(config: dict[str, Any], name_or_path: str) -> Optional[str]:
@@ -49,7 +70,7 @@ def not_a_causal_lm(config: dict[str, Any], name_or_path: str) -> Optional[str]:
     model_type = config.get("model_type")
     known = causal_lm_types()
     auto_map = config.get("auto_map")
-    if not isinstance(model_type, str) or known is None or model_type in known:
+    if not isinstance(model_type, str) or known is None or model_type in known or wraps_a_text_model(config):
         return None
     if isinstance(auto_map, dict) and "AutoModelForCausalLM" in auto_map:
         return None

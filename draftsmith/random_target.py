@@ -39,8 +39,9 @@ from typing import Any, NoReturn, Optional
 import torch
 from safetensors import SafetensorError
 
-from draftsmith.causal_lm import causal_lm_types, no_causal_lm
+from draftsmith.causal_lm import causal_lm_types, no_causal_lm, wraps_a_text_model
 from draftsmith.errors import UserError, one_line, run_cli
+from draftsmith.families import text_config
 from draftsmith.files import publish_folder, staging
 from draftsmith.outputs import check_output_dir
 
@@ -72,6 +73,9 @@ INDEX_HEADS = 16  # the sparse indexers' heads, at least (scaled_fields)
 # Multi-head latent attention's key-value latent and rotary sizes (DeepSeek-V3's, GLM-4.5-Air's, Kimi's):
 # vLLM's CPU MLA kernel serves a 576-wide latent head only (mla/cpu_mla.py), so tiny targets keep them.
 MLA_LATENT, MLA_ROPE = 512, 64
+# A vision-language wrapper's vision tower at a tiny size (its out_hidden_size: the language model's hidden size):
+# text prompts never reach it, but the wrapper's checkpoint holds one, as a release does.
+TINY_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "num_position_embeddings": 16}
 # The demo target's tokenizer files a random target is given (formats/repo.py's TOKENIZER_FILES: any target's).
 RANDOM_TARGET_TOKENIZER_FILES = (
     "tokenizer.json",
@@ -192,6 +196,8 @@ def scaled_fields(defaults: dict[str, Any], fields: dict[str, Any]) -> dict[str,
     if "linear_key_head_dim" in defaults:  # linear attention (Gated DeltaNet): heads as the attention's
         out.update(linear_key_head_dim=head, linear_value_head_dim=head)
         out.update(linear_num_key_heads=kv_heads, linear_num_value_heads=heads)
+    if "linear_head_dim" in defaults:  # linear attention with one head size for keys and values (GLM-5-Next's)
+        out.update(linear_head_dim=head, linear_num_heads=heads)
     if defaults.get("vocab_size_per_layer_input"):  # per-layer input embeddings: of the vocabulary used
         out["vocab_size_per_layer_input"] = fields["vocab_size"]
     if defaults.get("hidden_size_per_layer_input"):
@@ -232,18 +238,21 @@ def build_model(
     only, whatever the families: a trained model's weights make the target's text predictable, so a
     drafter learns something within seconds, while every part the family does differently (its norms,
     fused projections, experts, biases) stays its own."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    if config.model_type not in (causal_lm_types() or {config.model_type}):  # transformers' line lists ~200 classes
-        raise UserError(f"{no_causal_lm(config.model_type)}: a target of it cannot be built")
+    wrapper = wraps_a_text_model(config.to_dict())  # built whole, as draftsmith.target_loading reads one
+    if not wrapper and config.model_type not in (causal_lm_types() or {config.model_type}):
+        raise UserError(f"{no_causal_lm(config.model_type)}: a target of it cannot be built")  # not ~200 classes
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = (AutoModelForImageTextToText if wrapper else AutoModelForCausalLM).from_config(config, dtype=dtype)
     for parameter in model.parameters():
         if parameter.dim() >= 2:
             parameter.normal_(0.0, std)
-    if seed_from is not None:
-        seed_weights(model, Path(seed_from))
+    if seed_from is not None:  # a wrapper's language model, under a causal LM's names as the checkpoint's are
+        from draftsmith.wrapped_text import TextOfWrapper
+
+        seed_weights(TextOfWrapper.of(model) if wrapper else model, Path(seed_from))
     return model.eval()
 
 
@@ -295,8 +304,9 @@ def write_random_target(
     demo = json.loads((source / "config.json").read_text())
     special = {key: demo[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
     config = build_config(model_type, demo["vocab_size"], special, sliding_window=sliding_window, **shape)
+    config = tiny_wrapper_config(model_type, config) or config
     model = build_model(config, seed=seed, seed_from=seed_from)
-    declare_as_released(model.config, model)
+    declare_as_released(text_config(model.config), model)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
@@ -304,6 +314,19 @@ def write_random_target(
         if (source / name).is_file():
             shutil.copyfile(source / name, directory / name)
     return directory
+
+
+def tiny_wrapper_config(model_type: str, text):
+    """The config of `model_type`'s wrapper around the language model `text` with a tiny vision tower, for a
+    wrapper transformers has no causal LM class for (its text model's type has none either: the wrapper is the
+    target); None for any other model type."""
+    from transformers import AutoConfig
+
+    if not wraps_a_text_model({"model_type": model_type, "text_config": text.to_dict()}):
+        return None
+    vision = {**TINY_VISION, "out_hidden_size": text.hidden_size}
+    config = AutoConfig.for_model(model_type, text_config=text.to_dict(), vision_config=vision)
+    return config
 
 
 def main(argv: Optional[list[str]] = None) -> NoReturn:

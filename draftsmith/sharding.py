@@ -51,6 +51,7 @@ from typing import Callable, Iterator, Optional, TypeVar
 import torch
 from torch import nn
 
+from draftsmith.causal_lm import wraps_a_text_model
 from draftsmith.errors import UserError
 
 log = logging.getLogger("draftsmith.sharding")
@@ -112,6 +113,8 @@ def load_sharded(
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
+    from draftsmith.wrapped_text import TextOfWrapper
+
     device = torch.device(device)
     if not dist.is_initialized():
         dist.init_process_group(
@@ -125,7 +128,10 @@ def load_sharded(
     # stored in the checkpoint). No random initialisation runs on meta, but the RNG is kept as it
     # was anyway, so a sharded run draws the same drafter initialisation as an unsharded one.
     with torch.random.fork_rng(devices=[]), init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+        if wraps_a_text_model(config.to_dict()):  # as draftsmith.target_loading.read_model reads its weights
+            model = TextOfWrapper.built(config, dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     model.requires_grad_(False)
     buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
     shard_target(model, init_device_mesh(device.type, (world,)))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import logging
 import os
 import weakref
 from collections.abc import Sequence
@@ -23,12 +22,10 @@ from typing import Any, Optional
 
 import torch
 
-from draftsmith.causal_lm import not_a_causal_lm
 from draftsmith.errors import UserError
-from draftsmith.model_files import read_pretrained, read_tokenizer
+from draftsmith.model_files import read_tokenizer
 from draftsmith.streams import last_layer_streams
-
-log = logging.getLogger("draftsmith.target")
+from draftsmith.target_loading import load_config, read_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -101,89 +98,6 @@ def load_target(section, device: torch.device | str = "cpu", shard: str = "none"
             trust_remote_code=section.trust_remote_code,
         )
     return freeze(model)
-
-
-def load_config(section):
-    from transformers import AutoConfig
-
-    return read_pretrained(
-        AutoConfig.from_pretrained,
-        section.name_or_path,
-        f"cannot load target {section.name_or_path!r}",
-        revision=section.revision,
-        trust_remote_code=section.trust_remote_code,
-    )
-
-
-def read_model(section, dtype: torch.dtype, device: torch.device | str):
-    """The whole model, its weights read from the checkpoint, on `device`."""
-    from transformers import AutoModelForCausalLM
-
-    report = HeldLoadReport()
-    try:
-        model, loading = read_pretrained(
-            AutoModelForCausalLM.from_pretrained,
-            section.name_or_path,
-            f"cannot load target {section.name_or_path!r}",
-            revision=section.revision,
-            dtype=dtype,
-            trust_remote_code=section.trust_remote_code,
-            use_safetensors=True,  # never unpickle a target's weights: a pickle can run code it holds
-            output_loading_info=True,
-            adapter_kwargs={},
-        )
-    except UserError as err:  # a Hub id's config no causal LM class loads: said as the recipe check says it
-        refusal = not_a_causal_lm(load_config(section).to_dict(), section.name_or_path)
-        if refusal is not None:
-            raise UserError(refusal) from err
-        raise
-    finally:
-        report.stop()
-    report.release(loading, model.config, section.name_or_path)
-    return model.to(device)
-
-
-class HeldLoadReport(logging.Filter):
-    """Holds transformers' load report (a table, a row per tensor it did not load as is) back until the load
-    says what it lists: a checkpoint's multi-token-prediction layers, stored as layers past num_hidden_layers
-    (DeepSeek-V3, GLM-4.5; transformers leaves out only the released sizes' indices), are one line instead."""
-
-    LOGGER = "transformers.modeling_utils"
-
-    def __init__(self):
-        super().__init__()
-        self.held: list[logging.LogRecord] = []
-        logging.getLogger(self.LOGGER).addFilter(self)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if "LOAD REPORT" in str(record.msg):
-            self.held.append(record)
-            return False
-        return True
-
-    def stop(self) -> None:
-        logging.getLogger(self.LOGGER).removeFilter(self)
-
-    def release(self, loading: dict, config, name_or_path: str) -> None:
-        text = getattr(config, "text_config", None) or config
-        last = getattr(text, "num_hidden_layers", None)
-        unexpected = loading["unexpected_keys"]
-        past_last = [key for key in unexpected if (index := layer_index(key)) is not None and last and index >= last]
-        if self.held and unexpected and len(past_last) == len(unexpected) and not loading["missing_keys"]:
-            log.info(
-                "target %s: its checkpoint's %d tensors of layers past num_hidden_layers=%d are its "
-                "multi-token-prediction layers, which its forward does not run (drafter.type=mtp reads them)",
-                name_or_path, len(past_last), last,
-            )  # fmt: skip
-            return
-        for record in self.held:
-            logging.getLogger(self.LOGGER).handle(record)
-
-
-def layer_index(key: str) -> Optional[int]:
-    """The decoder layer a checkpoint tensor's name is under (`model.layers.N.`), or None."""
-    parts = key.split(".")
-    return int(parts[2]) if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else None
 
 
 def loaded_config(target_model) -> dict:

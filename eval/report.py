@@ -55,15 +55,8 @@ from draftsmith.formats.folder import checkpoint_kind, open_drafter, require_rec
 from draftsmith.outputs import EVAL_DIR, RECIPE_NAME, REPORT_NAME, DirectoryLock, move_aside
 from draftsmith.progress import progress_bar
 from draftsmith.recipe import checkpoint_to_read, save_recipe
-from draftsmith.target import (
-    TargetShape,
-    dtype_name,
-    load_config,
-    load_target,
-    load_tokenizer,
-    resolve_device,
-    target_id,
-)
+from draftsmith.target import TargetShape, dtype_name, load_target, load_tokenizer, resolve_device, target_id
+from draftsmith.target_loading import load_config
 
 REPORT_VERSION = 1
 WARMUP_TOKENS = 8

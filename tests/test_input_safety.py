@@ -17,7 +17,8 @@ import torch
 from draftsmith.data_prep.local_files import files_matching, files_under
 from draftsmith.errors import UserError, outcome
 from draftsmith.outputs import check_output_dir
-from draftsmith.target import load_config, load_target, load_tokenizer, target_section
+from draftsmith.target import load_target, load_tokenizer, target_section
+from draftsmith.target_loading import load_config
 from draftsmith.trainer.checkpoint import load_checkpoint
 from tests.helpers import REFERENCE_TARGET, assert_one_line_error, run_entry_in_process, tiny_llama
 

@@ -1526,7 +1526,7 @@ def test_watch_retries_a_hub_out_of_reach_as_an_engine_and_check_exits_69(tmp_pa
     and the next check tries again; a one-off `check` still exits 69."""
     import huggingface_hub.constants as constants
 
-    from draftsmith import model_files, target
+    from draftsmith import model_files, target, target_loading
     from draftsmith.monitor import check as monitor_check
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
@@ -1537,7 +1537,7 @@ def test_watch_retries_a_hub_out_of_reach_as_an_engine_and_check_exits_69(tmp_pa
 
     def replaying(cfg):  # a check whose replay loads its target from the Hub, as run_eval does
         checks.append(cfg)
-        target.load_config(target.target_section("acme/not-cached"))
+        target_loading.load_config(target.target_section("acme/not-cached"))
 
     monkeypatch.setattr(monitor_check, "check", replaying)
     args = ["-m", "monitor", "watch", "recipe=medusa", f"output_dir={tmp_path}", "monitor.interval_s=1"]

@@ -258,7 +258,7 @@ NOT_KIND_WORDS = {
     ("draftsmith/families.py", "sliding_window"),
     ("draftsmith/random_target.py", "sliding_window"),
     ("eval/loop.py", "sliding_window"),
-    ("draftsmith/target.py", "mtp"),
+    ("draftsmith/target_loading.py", "mtp"),
 }
 RENAME = "or rename your kind or setting: the name is already used by shared code"
 

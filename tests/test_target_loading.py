@@ -12,7 +12,8 @@ import pytest
 
 from draftsmith.errors import UserError, outcome
 from draftsmith.model_files import not_loadable
-from draftsmith.target import load_config, load_target, load_tokenizer, target_section
+from draftsmith.target import load_target, load_tokenizer, target_section
+from draftsmith.target_loading import load_config
 from tests.helpers import assert_one_line_error, counted_hub_probes, run_entry_in_process, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -149,16 +150,22 @@ def test_a_released_assistant_not_in_the_cache_offline_says_so(monkeypatch, tmp_
 
 @pytest.fixture
 def not_a_causal_lm(tmp_path) -> tuple[Path, str]:
-    """A folder holding the config of a vision-language wrapper transformers maps to no causal LM class (the first by
-    name; GLM-5-Next's `glm5_next` is one in transformers 5.24, and its language model has none either), and its
-    model type."""
+    """A folder holding the config of a vision-language wrapper transformers maps to no causal LM class and whose
+    language model it builds no model of alone (the first by name; one whose language model it builds, as GLM-5-Next's,
+    loads as that model: tests/test_families.py), and its model type."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+        MODEL_MAPPING_NAMES,
     )
 
-    model_type = sorted(set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES) - set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))[0]
+    def text_model_built(model_type: str) -> bool:
+        text = AutoConfig.for_model(model_type).to_dict().get("text_config")
+        return isinstance(text, dict) and text.get("model_type") in MODEL_MAPPING_NAMES
+
+    wrappers = set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES) - set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    model_type = next(model_type for model_type in sorted(wrappers) if not text_model_built(model_type))
     folder = tmp_path / "wrapper"
     AutoConfig.for_model(model_type).save_pretrained(folder)
     return folder, model_type

@@ -37,7 +37,8 @@ from draftsmith.recipe_checks import resolve_bool_or_path
 from draftsmith.recipe_schema import CHOICES
 from draftsmith.sharding import built_whole
 from draftsmith.streams import not_captured
-from draftsmith.target import TargetOutput, load_config, load_target, load_tokenizer, run_target
+from draftsmith.target import TargetOutput, load_target, load_tokenizer, run_target
+from draftsmith.target_loading import load_config
 from draftsmith.trainer.checkpoint import (
     DRAFTER_DIR,
     TrainerState,
