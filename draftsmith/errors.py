@@ -159,10 +159,12 @@ def stop_on_sigterm(signum, frame, command: str = "") -> NoReturn:
     raise PreemptedWhereItWas(f"stopped on SIGTERM; what was finished is kept: {how_to_continue(command)}")
 
 
-def importing(frame: FrameType | None) -> bool:
-    """Whether `frame` (the main thread's, where a signal's handler runs) is inside an import."""
+def stop_would_be_lost(frame: FrameType | None) -> bool:
+    """Whether a stop raised in `frame` (the main thread's, where a signal's handler runs) would be lost: inside an
+    import, or inside a finalizer (`__del__`), whose exceptions Python prints as "Exception ignored in" and drops (a
+    regex pattern's, collected while random_target built its model: the command went on and exited 0)."""
     while frame is not None:
-        if frame.f_globals.get("__name__") in IMPORT_SYSTEM:
+        if frame.f_globals.get("__name__") in IMPORT_SYSTEM or frame.f_code.co_name == "__del__":
             return True
         frame = frame.f_back
     return False
@@ -170,13 +172,14 @@ def importing(frame: FrameType | None) -> bool:
 
 def outside_imports(stop: Callable[[int, FrameType | None], object]) -> Callable[[int, FrameType | None], None]:
     """A signal's handler that raises (`stop`: Ctrl-C's KeyboardInterrupt, SIGTERM's Preempted), run once the main
-    thread imports no module. Raised inside an import (torch's, transformers' lazy ones: seconds, early in every
-    command), the stop was swallowed by a library (the command went on, exit 0), or it left numpy half-imported for
-    the next import to fail on (`internal error ... Could not import module 'LlamaConfig'`, exit 70)."""
+    thread imports no module and runs no finalizer (`stop_would_be_lost`). Raised inside an import (torch's,
+    transformers' lazy ones: seconds, early in every command), the stop was swallowed by a library (the command went
+    on, exit 0), or it left numpy half-imported for the next import to fail on (`internal error ... Could not import
+    module 'LlamaConfig'`, exit 70); inside a finalizer Python drops it."""
 
     def after_the_import(signum: int) -> None:
         main = threading.main_thread().ident
-        while importing(sys._current_frames().get(main)):
+        while stop_would_be_lost(sys._current_frames().get(main)):
             time.sleep(0.01)
         try:
             DEFERRED_STOPS.remove(signum)
@@ -185,7 +188,7 @@ def outside_imports(stop: Callable[[int, FrameType | None], object]) -> Callable
         signal.pthread_kill(main, signum)  # a real signal: it ends a sleep or a wait the main thread went on to
 
     def handler(signum: int, frame: FrameType | None) -> None:
-        if not importing(frame):
+        if not stop_would_be_lost(frame):
             stop(signum, frame)
         elif signum not in DEFERRED_STOPS:  # a second one meanwhile is the same stop
             DEFERRED_STOPS.add(signum)
