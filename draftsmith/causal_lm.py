@@ -23,15 +23,25 @@ MODEL_TABLE = "MODEL_MAPPING_NAMES"
 
 
 @functools.cache
-def mapped_types(table_name: str) -> Optional[frozenset[str]]:
-    """The model types the installed transformers' table `table_name` maps to a class, or None where the table is
-    not where, or not what, this reads (then nothing is refused here, and transformers' load says what it says)."""
+def auto_module_tree() -> Optional[ast.Module]:
+    """transformers' auto-model module, parsed once a process (None where it cannot be read as this reads it)."""
     spec = importlib.util.find_spec("transformers")  # a top-level package's spec: transformers is not imported
     if spec is None or not spec.submodule_search_locations:
         return None
-    source = Path(spec.submodule_search_locations[0], *MAPPING_MODULE)
     try:
-        tree = ast.parse(source.read_text())
+        return ast.parse(Path(spec.submodule_search_locations[0], *MAPPING_MODULE).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+
+@functools.cache
+def mapped_types(table_name: str) -> Optional[frozenset[str]]:
+    """The model types the installed transformers' table `table_name` maps to a class, or None where the table is
+    not where, or not what, this reads (then nothing is refused here, and transformers' load says what it says)."""
+    tree = auto_module_tree()
+    if tree is None:
+        return None
+    try:
         table = next(
             node.value.args[0]
             for node in tree.body
@@ -41,13 +51,19 @@ def mapped_types(table_name: str) -> Optional[frozenset[str]]:
             and node.value.args
         )
         return frozenset(model_type for model_type, _ in ast.literal_eval(table))
-    except (OSError, SyntaxError, StopIteration, ValueError, TypeError):
+    except (StopIteration, ValueError, TypeError):
         return None
 
 
 def causal_lm_types() -> Optional[frozenset[str]]:
     """The model types AutoModelForCausalLM maps to a class (None: see `mapped_types`)."""
     return mapped_types(CAUSAL_LM_TABLE)
+
+
+def may_be_a_causal_lm(model_type: str) -> bool:
+    """Whether AutoModelForCausalLM builds a model of `model_type`, or the table cannot tell (transformers will)."""
+    known = causal_lm_types()
+    return known is None or model_type in known
 
 
 def wraps_a_text_model(config: dict[str, Any]) -> bool:
@@ -68,9 +84,8 @@ def not_a_causal_lm(config: dict[str, Any], name_or_path: str) -> Optional[str]:
     it can, or where it cannot tell: no model_type, or custom code naming its own AutoModelForCausalLM class
     (`auto_map`, loaded with target.trust_remote_code=true)."""
     model_type = config.get("model_type")
-    known = causal_lm_types()
     auto_map = config.get("auto_map")
-    if not isinstance(model_type, str) or known is None or model_type in known or wraps_a_text_model(config):
+    if not isinstance(model_type, str) or may_be_a_causal_lm(model_type) or wraps_a_text_model(config):
         return None
     if isinstance(auto_map, dict) and "AutoModelForCausalLM" in auto_map:
         return None

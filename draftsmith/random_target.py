@@ -39,7 +39,7 @@ from typing import Any, NoReturn, Optional
 import torch
 from safetensors import SafetensorError
 
-from draftsmith.causal_lm import causal_lm_types, no_causal_lm, wraps_a_text_model
+from draftsmith.causal_lm import may_be_a_causal_lm, no_causal_lm, wraps_a_text_model
 from draftsmith.errors import UserError, one_line, run_cli
 from draftsmith.families import text_config
 from draftsmith.files import publish_folder, staging
@@ -241,7 +241,7 @@ def build_model(
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     wrapper = wraps_a_text_model(config.to_dict())  # built whole, as draftsmith.target_loading reads one
-    if not wrapper and config.model_type not in (causal_lm_types() or {config.model_type}):
+    if not wrapper and not may_be_a_causal_lm(config.model_type):
         raise UserError(f"{no_causal_lm(config.model_type)}: a target of it cannot be built")  # not ~200 classes
     torch.manual_seed(seed)
     with torch.device(device):

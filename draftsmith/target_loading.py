@@ -34,14 +34,15 @@ def read_model(section, dtype: torch.dtype, device: torch.device | str):
 
     from draftsmith.wrapped_text import TextOfWrapper
 
-    config = load_config(section).to_dict()
-    wrapper = wraps_a_text_model(config)
+    config = load_config(section)  # read once: handed to the loader, which would read it again
+    wrapper = wraps_a_text_model(config.to_dict())
     report = HeldLoadReport()
     try:
         model, loading = read_pretrained(
             (AutoModelForImageTextToText if wrapper else AutoModelForCausalLM).from_pretrained,
             section.name_or_path,
             f"cannot load target {section.name_or_path!r}",
+            config=config,
             revision=section.revision,
             dtype=dtype,
             trust_remote_code=section.trust_remote_code,
@@ -50,7 +51,7 @@ def read_model(section, dtype: torch.dtype, device: torch.device | str):
             adapter_kwargs={},
         )
     except UserError as err:  # a Hub id's config no causal LM class loads: said as the recipe check says it
-        refusal = not_a_causal_lm(config, section.name_or_path)
+        refusal = not_a_causal_lm(config.to_dict(), section.name_or_path)
         if refusal is not None:
             raise UserError(refusal) from err
         raise

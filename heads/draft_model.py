@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from draftsmith.causal_lm import causal_lm_types, no_causal_lm
+from draftsmith.causal_lm import may_be_a_causal_lm, no_causal_lm
 from draftsmith.errors import UserError
 from draftsmith.families import ATTENTION_KINDS, COMPRESSED, layer_types
 from draftsmith.heads import register
@@ -306,7 +306,7 @@ def layers_of(target_model, config: DraftModelConfig):
                 else "transformers cannot decode with a cache: set drafter.name_or_path"
             )
         )
-    if draft_config.model_type not in (causal_lm_types() or {draft_config.model_type}):  # a wrapper's language model
+    if not may_be_a_causal_lm(draft_config.model_type):  # a wrapper's language model
         raise UserError(
             f"a draft of the target's first {config.num_layers} layers is a causal LM of its language model, and "
             f"{no_causal_lm(draft_config.model_type)}: set drafter.name_or_path"

@@ -15,8 +15,6 @@ streams, as vLLM feeds `hidden_states.flatten(1)` back), so the drafter's state 
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -50,14 +48,9 @@ def combine(drafter: nn.Module, embedded: torch.Tensor, streams: torch.Tensor) -
     )
 
 
-def block_arguments(
-    drafter: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, mask: Optional[torch.Tensor]
-) -> dict:
-    """What the streams block takes besides its input: its rotary table by kind, and an additive mask (its attention
-    adds the mask to its scores, with its sinks: transformers runs it eagerly), causal within the call for None."""
-    if mask is None:
-        length = positions.shape[-1]
-        mask = torch.ones(length, length, dtype=torch.bool, device=positions.device).tril()[None, None]
+def block_arguments(drafter: nn.Module, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> dict:
+    """What the streams block takes besides its input: its rotary table by kind, and `mask` (boolean, what may be
+    seen) made additive (its attention adds the mask to its scores, with its sinks: transformers runs it eagerly)."""
     dtype = drafter.embed_proj.weight.dtype
     additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
     rope = drafter.rotary_emb(hidden, positions, layer_type=ROTARY_KIND)

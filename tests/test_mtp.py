@@ -493,7 +493,7 @@ def test_one_deepseek_v4_draft_step_computes_vllms_formula_from_the_checkpoint(t
         mixes = torch.sigmoid(flat @ shipped["hc_head_fn"].T * shipped["hc_head_scale"] + shipped["hc_head_base"])
         collapsed = ((mixes + hc_eps)[..., None] * pre).sum(-2)
         normed = rms(collapsed, shipped["norm.weight"], eps, False)
-        fed = drafter.draft(ids, streams, positions)
+        fed = drafter.draft(ids, streams, positions, torch.ones(6, 6, dtype=torch.bool).tril()[None, None])
     assert fed.shape == streams.shape and torch.allclose(fed, pre, atol=1e-5)
     assert torch.allclose(drafter.head_input(fed), normed, atol=1e-5)
     assert drafter.top_tokens(fed[0, -1], 1)[1].item() == model.lm_head(normed)[0, -1].argmax().item()
