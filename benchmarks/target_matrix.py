@@ -90,6 +90,7 @@ KINDS = {
                        "drafter.mask_token_id=5", "drafter.parallel_tokens=2", "eval.num_speculative_tokens=2",
                        "train.micro_batch_size=4", "data.max_length=128"]),
     "dflash": ("dflash", ["train.max_steps=40", "drafter.anchors=16"]),
+    "dspark": ("dspark", ["train.max_steps=40", "drafter.anchors=16"]),
     "mtp": ("mtp", ["train.max_steps=40", "train.lr=3e-3"]),
     "gemma4_assistant": ("gemma4_assistant", ["train.max_steps=40", "train.lr=3e-3"]),
 }  # fmt: skip
@@ -170,13 +171,11 @@ def eval_row(run_dir: Path) -> dict:
 
 def shipped_tau(target: Path, args: list[str], out: Path, env: dict) -> float:
     """The chain τ of the MTP layer the target ships, unchanged, on the eval prompts of `args`."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from draftsmith.heads import drafter_class
+    from draftsmith.target import load_target
 
     mtp = drafter_class("mtp")
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    model = load_target(str(target))
     mtp.from_target(mtp.Config(), model, str(target)).save_pretrained(out / "shipped")
     code, error, _ = run(["-m", "eval", *args, f"checkpoint={out / 'shipped'}", f"output_dir={out}"], env)
     if code != 0:
@@ -229,7 +228,8 @@ def write_random_wrapper(model_type: str, directory: str | Path, **text: Any) ->
 
 def with_mtp_layer(target: Path) -> Path:
     """The target, given a random MTP layer where vLLM serves one for its architecture."""
-    from draftsmith.heads.mtp import LAYOUTS, write_random_layer
+    from draftsmith.heads.mtp import write_random_layer
+    from draftsmith.heads.mtp_layouts import LAYOUTS
 
     if json.loads((target / "config.json").read_text())["architectures"][0] in LAYOUTS:
         write_random_layer(target)

@@ -29,12 +29,20 @@ def new_cache(model) -> DynamicCache:
     cut off like any other layer's. A cache that pools positions keeps the family's layers as they are: its
     sliding-window layers keep their window only, as the family's mask expects, and are put back whole."""
     from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
 
     cache = DynamicCache(config=model.config)
     if not pooled_layers(cache):
-        cache.layers = [DynamicLayer() if getattr(layer, "is_sliding", False) else layer for layer in cache.layers]
+        cache.layers = [full_length(layer) if getattr(layer, "is_sliding", False) else layer for layer in cache.layers]
     return cache
+
+
+def full_length(layer):
+    """A sliding-window cache layer's full-length kind: keys only, or keys beside convolution windows (Inkling's)."""
+    from transformers.cache_utils import DynamicLayer, LinearAttentionAndFullAttentionLayer, LinearAttentionLayer
+
+    if isinstance(layer, LinearAttentionLayer):
+        return LinearAttentionAndFullAttentionLayer(number_of_states=layer.number_of_states)
+    return DynamicLayer()
 
 
 def pooled_layers(cache: DynamicCache) -> list:
@@ -47,8 +55,15 @@ def pooled_layers(cache: DynamicCache) -> list:
 
 # What a cache layer may keep per position: (attribute, batch dimension, position dimension). Keys and
 # values [B, heads, positions, d]; a sparse-attention layer's indexer keys [B, positions, d] and their
-# positions [position dims, B, positions] (transformers' DynamicIndexedLayer).
-PER_POSITION = (("keys", 0, 2), ("values", 0, 2), ("indexer_keys", 0, 1), ("indexer_position_ids", 1, 2))
+# positions [position dims, B, positions] (transformers' DynamicIndexedLayer); a block-sparse layer's indexer keys
+# [B, 1, positions, d] (MiniMax-M3's).
+PER_POSITION = (
+    ("keys", 0, 2),
+    ("values", 0, 2),
+    ("indexer_keys", 0, 1),
+    ("indexer_position_ids", 1, 2),
+    ("idx_keys", 0, 2),
+)
 
 
 def key_layers(cache: DynamicCache) -> list:

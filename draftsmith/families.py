@@ -30,7 +30,15 @@ from draftsmith.errors import UserError
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 INDEXED = "indexed_attention"  # sparse attention over keys an indexer picks (DeepSeek-V3.2): its keys too
-ATTENTION_KINDS = (FULL, SLIDING, INDEXED)  # the kinds whose keys the eval loop can crop and gather
+# sparse attention over blocks of keys an indexer picks, counted from the cache's first slot (MiniMax-M3's kind of its
+# own name, told by its config's `index_block_size`): a draft's tokens must sit at their positions' slots, so a draft
+# is a chain and rows decode one at a time (left padding would move the blocks); its keys are cut like any others
+BLOCK_INDEXED = "block_indexed_attention"
+# attention after short convolutions over the last few tokens (transformers' `hybrid` and `hybrid_sliding` cache
+# kinds, Inkling's): keys cut like any others, the convolutions' windows a state read in order
+CONVOLVED = ("hybrid", "hybrid_sliding")
+# the kinds whose keys the eval loop can crop and gather
+ATTENTION_KINDS = (FULL, SLIDING, INDEXED, BLOCK_INDEXED, *CONVOLVED)
 LINEAR = "linear_attention"  # a recurrent state (Gated DeltaNet): the eval loop copies it and puts it back
 # attention over entries pooled from several positions (DeepSeek-V4's compressed sparse and heavily compressed
 # attention): no entry can be cut back to a position, so the eval loop keeps the cache's state and puts it back
@@ -54,6 +62,21 @@ def text_config(config: Any) -> Any:
     return text if text is not None and _get(config, "hidden_size") is None else config
 
 
+def own_layer_kinds(config_class) -> list[str]:
+    """The layer kinds whose cache layers a family's modeling module defines (transformers registers them by kind
+    when the module is imported: MiniMax-M3's sparse attention), none where it has no such module."""
+    import importlib
+
+    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
+
+    name = config_class.__module__.replace(".configuration_", ".modeling_")
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return []
+    return [kind for kind, layer in DYNAMIC_LAYER_TYPE_MAPPING.items() if layer.__module__ == name]
+
+
 def layer_types(config: Any) -> list[str]:
     """Each decoder layer's attention kind. The config's own `layer_types` where the family has them
     (transformers derives them from `sliding_window`, `use_sliding_window`, `max_window_layers`,
@@ -62,37 +85,48 @@ def layer_types(config: Any) -> list[str]:
     config = text_config(config)
     types = _get(config, "layer_types")
     if types:
-        return [str(kind) for kind in types]
+        blocks = _get(config, "index_block_size") is not None
+        return [BLOCK_INDEXED if blocks and kind not in (FULL, SLIDING) else str(kind) for kind in types]
     window = _get(config, "sliding_window")
     uses_window = window is not None and _get(config, "use_sliding_window", True) is not False
     return [SLIDING if uses_window else FULL] * int(_get(config, "num_hidden_layers"))
 
 
-def recurrent(config: Any) -> bool:
-    """Whether some layer folds its tokens into a state read in order, instead of keys one per position: a
-    recurrent state (linear attention) or pooled entries (compressed attention). A rejected draft is undone by
-    putting the state back and feeding the accepted tokens again."""
-    return bool({LINEAR, *COMPRESSED} & set(layer_types(config)))
+def reads_in_order(config: Any) -> bool:
+    """Whether some layer reads a draft's tokens in order: it folds them into a state instead of keys one per
+    position, a recurrent state (linear attention) or pooled entries (compressed attention), where a rejected draft
+    is undone by putting the state back and feeding the accepted tokens again; or it picks blocks of keys counted
+    from the cache's first slot (block-sparse attention), whose keys are cut back as any others; or it convolves
+    the last few tokens before its attention (a state put back, its keys cut)."""
+    return bool({LINEAR, *COMPRESSED, BLOCK_INDEXED, *CONVOLVED} & set(layer_types(config)))
 
 
 def check_eval_settings(config: Any, eval_section: Any) -> None:
     """What draftsmith's eval loop can decode on this target, checked before a run or an eval starts:
-    a recurrent state or pooled entries read a draft's tokens in order (chains only), and no padding may pass
-    through them (the loop decodes its rows one at a time, so a batch's speed cannot be measured)."""
-    if not recurrent(config):
+    a recurrent state, pooled entries or key blocks read a draft's tokens in order (chains only), and no padding may
+    pass through them (the loop decodes its rows one at a time, so a batch's speed cannot be measured)."""
+    if not reads_in_order(config):
         return
     if int(_get(eval_section, "tree", 0)) > 0:
         raise UserError(
-            "eval.tree: a target with linear- or compressed-attention layers verifies chains only (their state reads "
-            "a draft's tokens in order, so a tree's branches would see each other): set eval.tree=0"
+            "eval.tree: a target with linear-, compressed-, block-sparse or convolved attention layers verifies chains "
+            "only (they read a draft's tokens in order, so a tree's branches would see each other): set eval.tree=0"
         )
     sizes = [int(_get(eval_section, "batch_size", 1)), *map(int, _get(eval_section, "batch_sizes", None) or [])]
     if max(sizes) > 1:
         raise UserError(
-            "eval.batch_size / eval.batch_sizes: the eval loop decodes a target with linear- or compressed-attention "
-            "layers one prompt at a time (no padding may pass through its state), so it cannot measure a batch: set "
-            "eval.batch_size=1 eval.batch_sizes=[]"
+            "eval.batch_size / eval.batch_sizes: the eval loop decodes a target with linear-, compressed-, "
+            "block-sparse or convolved attention layers one prompt at a time (no padding may pass through them), so "
+            "it cannot measure a batch: set eval.batch_size=1 eval.batch_sizes=[]"
         )
+
+
+def masks_of_every_kind(config: Any, masks: dict) -> dict:
+    """Masks given per layer kind (full and sliding-window attention's), with one for every kind the model's layers
+    have, under the names its config gives them: a kind given none attends as full attention does (Dots3-Note's
+    indexed layers beside its sliding ones: their indexer picks among the keys that mask lets through)."""
+    kinds = _get(text_config(config), "layer_types") or ()
+    return {kind: masks.get(kind, masks[FULL]) for kind in kinds} | masks
 
 
 def sliding_window(config: Any) -> Optional[int]:

@@ -37,11 +37,12 @@ from pathlib import Path
 from typing import Any, NoReturn, Optional
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 
 from draftsmith.causal_lm import may_be_a_causal_lm, no_causal_lm, wraps_a_text_model
 from draftsmith.errors import UserError, one_line, run_cli
-from draftsmith.families import text_config
+from draftsmith.families import COMPRESSED, LINEAR, own_layer_kinds, text_config
 from draftsmith.files import publish_folder, staging
 from draftsmith.outputs import check_output_dir
 
@@ -64,12 +65,15 @@ EXPERTS = {
     "num_experts_per_tok": 2,
     "moe_intermediate_size": 128,
     "shared_expert_intermediate_size": 128,
+    "shared_intermediate_size": 128,
+    "shared_experts_intermediate_size": 128,
 }
 EXPERT_COUNTS = ("n_routed_experts", "num_local_experts", "num_experts")  # EXPERTS' names of the expert count
 # The sparse indexers' keys per query: short enough that a test's sequences go past it (the selection
 # is exercised), a multiple of 64 as engines' sparse-attention kernels tile the selected keys.
 INDEX_TOPK = 64
 INDEX_HEADS = 16  # the sparse indexers' heads, at least (scaled_fields)
+INDEX_BLOCK = 4  # a block-sparse indexer's keys pooled per block: a power of two, several blocks within INDEX_TOPK
 # Multi-head latent attention's key-value latent and rotary sizes (DeepSeek-V3's, GLM-4.5-Air's, Kimi's):
 # vLLM's CPU MLA kernel serves a 576-wide latent head only (mla/cpu_mla.py), so tiny targets keep them.
 MLA_LATENT, MLA_ROPE = 512, 64
@@ -134,17 +138,41 @@ def build_config(
     given = shape.keys() - TINY.keys()  # a derived size given is kept; TINY's given are what sizes derive from
     fields.update({key: value for key, value in scaled_fields(defaults, sizes).items() if key not in given})
     cls = type(default)
-    config = cls(**fields)
-    overrides = getattr(config, "is_heterogeneous", False) and config.to_dict().get("per_layer_config")
-    if overrides and "per_layer_config" not in shape:
-        # Per-layer overrides (wider heads on some layers) at the tiny shape: each overridden size scaled
-        # as its global field was, so that those layers keep their proportion to the others.
-        scaled = {layer: scaled_overrides(values, defaults, fields) for layer, values in overrides.items()}
-        config = cls(**fields, per_layer_config=scaled)
+    try:
+        config = cls(**fields)
+        kinds = getattr(config, "layer_types", None)
+        if kinds and "layer_types" not in shape:
+            config = cls(**fields) if every_kind(fields, kinds, defaults, cls) else config
+        overrides = getattr(config, "is_heterogeneous", False) and config.to_dict().get("per_layer_config")
+        if overrides and "per_layer_config" not in shape:
+            # Per-layer overrides (wider heads on some layers) at the tiny shape: each overridden size scaled
+            # as its global field was, so that those layers keep their proportion to the others.
+            scaled = {layer: scaled_overrides(values, defaults, fields) for layer, values in overrides.items()}
+            config = cls(**fields, per_layer_config=scaled)
+    except StrictDataclassError as err:  # the class's own checks of its sizes (a field derived from none here)
+        raise UserError(f"transformers' {cls.__name__} refuses the tiny {model_type} target: {one_line(err)}") from None
     if sliding_window is not None and getattr(config, "sliding_window", None) is not None:
         config.sliding_window = sliding_window
     config.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
     return config
+
+
+def every_kind(fields: dict[str, Any], kinds: list[str], defaults: dict[str, Any], config_class) -> bool:
+    """Set `fields`' layer_types so that the tiny depth has every attention kind of the family; whether it changed
+    them. A kind its default has further down (Inkling's full attention, one layer in six) goes last, as in a period;
+    a kind of the family's code its default has none of (a release turns it on: MiniMax-M3's sparse attention) goes on
+    every other layer. Linear and compressed attention keep the class's layout (tests need linear layers only)."""
+    own = [] if set(own_layer_kinds(config_class)) & set(kinds) else own_layer_kinds(config_class)
+    default_kinds = dict.fromkeys(defaults.get("layer_types") or ())
+    kept = {LINEAR, *COMPRESSED} & {*kinds, *default_kinds}
+    further = [kind for kind in default_kinds if kind not in kinds and not kept]
+    chosen = list(kinds)
+    if own:
+        chosen = [own[0] if i % 2 == 0 else kind for i, kind in enumerate(chosen)]
+    if further and len(chosen) > len(further):
+        chosen[-len(further) :] = further
+    fields["layer_types"] = chosen
+    return chosen != list(kinds)
 
 
 def scaled_fields(defaults: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
@@ -178,6 +206,30 @@ def scaled_fields(defaults: dict[str, Any], fields: dict[str, Any]) -> dict[str,
         # never happens, with 4 it did within 20 tokens.
         out.update(index_n_heads=max(heads, INDEX_HEADS), index_head_dim=head + out.get("qk_rope_head_dim", 0))
         out["index_topk"] = min(defaults.get("index_topk") or INDEX_TOPK, INDEX_TOPK)
+    if "index_block_size" in defaults:
+        # An indexer that picks blocks of keys (MiniMax-M3's): blocks of INDEX_BLOCK, as many as make INDEX_TOPK
+        # keys; one indexer head per key-value head where the family ties them (its attention expands each head's
+        # selection to the query heads of its group).
+        out.update(index_block_size=INDEX_BLOCK, index_topk_blocks=INDEX_TOPK // INDEX_BLOCK)
+        if defaults.get("index_n_heads") == defaults.get("num_key_value_heads"):
+            out["index_n_heads"] = kv_heads
+    if isinstance(defaults.get("rotary_dim"), int) and isinstance(defaults.get("head_dim"), int):
+        out["rotary_dim"] = head * defaults["rotary_dim"] // defaults["head_dim"]  # the family's rotated share
+    if "swa_head_dim" in defaults:  # sliding-window layers sized apart (Inkling's): as the others
+        out.update(swa_head_dim=head, swa_num_attention_heads=heads, swa_num_key_value_heads=kv_heads)
+    if defaults.get("unpadded_vocab_size"):  # the lm_head's rows a release pads to `vocab_size`: every row, unpadded
+        out["unpadded_vocab_size"] = fields["vocab_size"]
+    if "dense_intermediate_size" in defaults:  # the dense layers' MLP of a mixture-of-experts family: the tiny one
+        out["dense_intermediate_size"] = fields["intermediate_size"]
+    if "indexer_budget" in defaults:  # a block-sparse indexer (QSA: unset by the class, set by a release): blocks of
+        # INDEX_BLOCK keys scored by one key head, INDEX_TOPK keys kept; heads as above (ties), as wide as attention's
+        out.update(indexer_n_heads=max(heads, INDEX_HEADS), indexer_kv_heads=1, indexer_head_dim=head)
+        out.update(indexer_compress_ratio=INDEX_BLOCK, indexer_budget=INDEX_TOPK)
+    if "ple_layer_ids" in defaults:  # per-layer n-gram embeddings (none by default; a release's hold billions of rows):
+        # on the first layer, each hashed table about the vocabulary's size, saved as one part
+        out.update(ple_layer_ids=[1], ngram_vocab_size_base=fields["vocab_size"], split_ngram_parts=1)
+    if defaults.get("hc_lowrank"):  # hyper-connections' low-rank stream mixer: a head's width (the release's ~hidden/6)
+        out["hc_lowrank"] = head
     if defaults.get("n_group"):
         # Grouped routing: the experts split in groups (each scored by its top two experts), the tokens
         # routed within the best `topk_group` of them; as many groups as divide the experts in pairs, the
@@ -208,14 +260,22 @@ def scaled_fields(defaults: dict[str, Any], fields: dict[str, Any]) -> dict[str,
 
 
 def scaled_overrides(values: dict[str, Any], defaults: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
-    """A layer's overrides of global sizes, each scaled by its field's tiny/default ratio."""
+    """A layer's overrides of global sizes, each scaled by its field's tiny/default ratio; a latent-attention head that
+    is its plain and rotary parts (Dots3-Note's sliding layers') stays their sum, which the family checks."""
 
     def scaled(key: str, value: Any) -> Any:
         if not (isinstance(value, int) and isinstance(defaults.get(key), int) and key in fields):
             return value
         return max(1, value * fields[key] // defaults[key])
 
-    return {key: scaled(key, value) for key, value in values.items()}
+    out = {key: scaled(key, value) for key, value in values.items()}
+    # a part the layer does not override is the global one: the default's, and at the tiny shape the field's
+    default_parts = [values.get(key, defaults.get(key)) for key in ("qk_nope_head_dim", "qk_rope_head_dim")]
+    tiny_parts = [out.get(key, fields.get(key)) for key in ("qk_nope_head_dim", "qk_rope_head_dim")]
+    if "head_dim" in values and all(isinstance(part, int) for part in (*default_parts, *tiny_parts)):
+        if values["head_dim"] == sum(default_parts):
+            out["head_dim"] = sum(tiny_parts)
+    return out
 
 
 def largest_divisor(n: int, cap: int, per_part: int = 1) -> int:

@@ -216,5 +216,7 @@ def render_markdown() -> str:
     return "\n".join(out) + "\n"
 
 
-if __name__ == "__main__":
-    print(render_markdown(), end="")
+if __name__ == "__main__":  # a maintainer's command: `python -m draftsmith.recipe_keys > docs/recipe.md`
+    from draftsmith.errors import run_cli
+
+    run_cli(lambda argv: print(render_markdown(), end=""))

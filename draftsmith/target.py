@@ -206,8 +206,11 @@ def layer_output(hidden_states: Sequence[torch.Tensor], layer: int) -> torch.Ten
     streams between layers, [..., streams, H] where the last state is [..., H]: the tap is their mean, as vLLM
     computes the taps its EAGLE-3 and DFlash drafters read (vllm/models/deepseek_v4/cpu/model.py and
     nvidia/model.py: `aux_recon.mean(dim=1)` of each tapped layer's mixed streams), so a drafter trains on
-    what it is served."""
-    state = hidden_states[layer + 1]
+    what it is served. Streams laid side by side, [..., streams * H] (Qwen4-Exp's `hc_count`), are the same mean.
+    """
+    state, width = hidden_states[layer + 1], hidden_states[-1].shape[-1]
+    if state.dim() == hidden_states[-1].dim() and state.shape[-1] != width:
+        state = state.unflatten(-1, (-1, width))
     return state.mean(dim=-2) if state.dim() > hidden_states[-1].dim() else state
 
 

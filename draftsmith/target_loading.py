@@ -4,6 +4,7 @@ and transformers' load report, said in one line where it lists a checkpoint's mu
 from __future__ import annotations
 
 import logging
+import re
 from typing import Optional
 
 import torch
@@ -99,6 +100,7 @@ class HeldLoadReport(logging.Filter):
 
 
 def layer_index(key: str) -> Optional[int]:
-    """The decoder layer a checkpoint tensor's name is under (`model.layers.N.`), or None."""
-    parts = key.split(".")
-    return int(parts[2]) if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else None
+    """The decoder layer a checkpoint tensor's name is under (`model.layers.N.`, a wrapper's
+    `model.language_model.layers.N.`), or None."""
+    found = re.match(r"model\.(?:language_model\.)?layers\.(\d+)\.", key)
+    return int(found.group(1)) if found else None

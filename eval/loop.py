@@ -69,7 +69,8 @@ from draftsmith.families import (
     LINEAR,
     SLIDING,
     layer_types,
-    recurrent,
+    masks_of_every_kind,
+    reads_in_order,
     sliding_window,
     within_window,
 )
@@ -178,10 +179,10 @@ def check_target(model, tree: Optional[Tree] = None) -> None:
             "the eval loop verifies drafts on attention, linear-attention and compressed-attention layers only "
             f"(whose keys or states it can roll back); this target also has {other} layers"
         )
-    if tree is not None and recurrent(model.config):
+    if tree is not None and reads_in_order(model.config):
         raise UserError(
-            "a target with linear- or compressed-attention layers verifies chains only (their state reads a draft's "
-            "tokens in order, so a tree's branches would see each other): set eval.tree=0"
+            "a target with linear-, compressed-, block-sparse or convolved attention layers verifies chains only (they "
+            "read a draft's tokens in order, so a tree's branches would see each other): set eval.tree=0"
         )
 
 
@@ -197,7 +198,8 @@ def attention_masks(model, sees: torch.Tensor, query_positions: torch.Tensor, ke
     windowed = additive_mask(sees & near, model.dtype)
     if kinds == {SLIDING}:
         return windowed
-    return {FULL: additive_mask(sees, model.dtype), SLIDING: windowed}
+    # a kind of the model's own name (indexed attention beside sliding layers) attends as full attention does
+    return masks_of_every_kind(model.config, {FULL: additive_mask(sees, model.dtype), SLIDING: windowed})
 
 
 @torch.no_grad()
@@ -206,8 +208,11 @@ def prefill(model, prompts: Sequence[Sequence[int]], request: FeatureRequest = F
     are left-padded; a prompt token sees its own row's causal prefix, padding only padding."""
     if any(len(prompt) < 2 for prompt in prompts):
         raise UserError("a prompt needs at least 2 tokens (the chat template alone gives more)")
-    if len(prompts) > 1 and recurrent(model.config):
-        raise ValueError("a target with linear or compressed attention decodes rows one at a time (generate_batch)")
+    if len(prompts) > 1 and reads_in_order(model.config):
+        raise ValueError(
+            "a target with linear, compressed, block-sparse or convolved attention decodes rows one at a time "
+            "(generate_batch)"
+        )
     device = model.get_output_embeddings().weight.device
     cache = new_cache(model)
     lengths = [len(prompt) - 1 for prompt in prompts]
@@ -396,7 +401,7 @@ def generate_batch(
         )
     check_target(model, tree)
     seeds = list(seeds or [0] * size)
-    if size > 1 and recurrent(model.config):
+    if size > 1 and reads_in_order(model.config):
         return [
             generate_batch(model, [prompt], max_new_tokens, [drafter], gamma, tree, sampling, eos_ids, [seed])[0]
             for prompt, drafter, seed in zip(prompts, drafters, seeds)

@@ -33,7 +33,7 @@ from draftsmith.eval.counts import Counts
 from draftsmith.eval.loop import generate_batch
 from draftsmith.eval.partings import BF16_UNIT, parting
 from draftsmith.eval.prompts import eos_ids_of, load_prompts, prompt_sources
-from draftsmith.families import recurrent
+from draftsmith.families import reads_in_order
 from draftsmith.formats import Source
 from draftsmith.formats.repo import EngineRepo, served_dtype
 from draftsmith.target import load_tokenizer
@@ -156,7 +156,7 @@ def verify_in_vllm(
         "dtype": served_dtype(source.target_model),
         "trust_remote_code": source.target.trust_remote_code,  # the target's own code, as draftsmith ran it
     }
-    if recurrent(source.target_model.config):
+    if reads_in_order(source.target_model.config):
         # vLLM 0.32's prefix caching of recurrent states ("align" mode) runs a Triton kernel when it
         # speculates, which a CPU build lacks ('function' object is not subscriptable, mamba_utils.py);
         # the check measures outputs and acceptance, which caching does not change

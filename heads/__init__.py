@@ -70,8 +70,8 @@ def drafter_class(name: str) -> type[Drafter]:
 
 # each module registers its kind's config
 from draftsmith.heads import (  # noqa: E402,F401,I001
-    dflash_config, draft_model_config, eagle_config, eagle3_config, gemma4_assistant_config, medusa_config,
-    medusa2_config, mtp_config,
+    dflash_config, draft_model_config, dspark_config, eagle_config, eagle3_config, gemma4_assistant_config,
+    medusa_config, medusa2_config, mtp_config,
 )  # fmt: skip
 
 __all__ = [

@@ -10,7 +10,7 @@ import torch
 
 from draftsmith.caches import RecurrentCheckpoint, cut_keys, new_cache
 from draftsmith.errors import UserError
-from draftsmith.families import recurrent
+from draftsmith.families import reads_in_order
 from draftsmith.heads.proposer import DraftState, DraftTree, Proposer, draft_stream
 from draftsmith.target import FeatureRequest
 
@@ -48,7 +48,7 @@ class DraftModelProposer(Proposer):
         committed = state.tokens.tolist()
         if self.mask_token_id is not None:  # PARD: the committed tokens, then masks; one forward, every draft
             masks = [self.mask_token_id] * (num_tokens - 1)
-            if recurrent(self.model.config):  # a checkpoint between them: two forwards
+            if reads_in_order(self.model.config):  # a checkpoint between them: two forwards
                 parallel = self._commit(committed, device)
                 if masks:
                     parallel = torch.cat([parallel, self._advance(committed + masks, device, len(masks))])

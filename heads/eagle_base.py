@@ -38,6 +38,13 @@ def import_qualified(name: str):
         ) from None
 
 
+class NoPositions(nn.Module):
+    """The rotary table of a family without one: no position embeddings."""
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, **kwargs) -> None:
+        return None
+
+
 def decoder_spec(target_config, family: str, num_layers: int) -> dict:
     """What it takes to build the draft's decoder layers without the target: the layer, rotary and
     config classes of `family` and its config at the target's shape with `num_layers` layers."""
@@ -90,7 +97,8 @@ class EagleBase(Drafter):
         layer_config = import_qualified(config.decoder["config_class"]).from_dict(config.decoder["config"])
         layer_config._attn_implementation = "sdpa"  # takes the explicit tree masks of decoding
         self.layer_config = layer_config
-        self.rotary_emb = import_qualified(config.decoder["rotary"])(config=layer_config)
+        rotary = config.decoder["rotary"]  # None: a family without rotary embeddings (NoPE attention)
+        self.rotary_emb = import_qualified(rotary)(config=layer_config) if rotary else NoPositions()
         self.shared: Optional[tuple[nn.Module, nn.Module]] = None  # target's (embedding, lm_head): see attach_target
 
     @classmethod

@@ -1,9 +1,9 @@
 """MTP: the target's own multi-token-prediction layer, shipped in its checkpoint, fine-tuned as the drafter.
 
-DeepSeek-V3, V3.2 and V4, GLM-4.5 and GLM-5, Qwen3-Next and Qwen3.5 ship, next to their decoder layers, a layer
-trained to predict the token after next. transformers drops it at load (the families' `_keys_to_ignore_on_load_
-unexpected`); vLLM serves it as the `mtp` method. This kind reads it from the target's safetensors, builds
-it as vLLM 0.32's `*_mtp.py` model for that architecture computes it, trains it on the target's own
+DeepSeek-V3, V3.2 and V4, GLM-4.5, GLM-5 and GLM-5-Next, HY-V4, Qwen3-Next and Qwen3.5 ship, next to their decoder
+layers, a layer trained to predict the token after next. transformers drops it at load (the families' `_keys_to_
+ignore_on_load_unexpected`); vLLM serves it as the `mtp` method. This kind reads it from the target's safetensors,
+builds it as vLLM 0.32's `*_mtp.py` model for that architecture computes it, trains it on the target's own
 distribution several steps ahead, each step fed its previous step's output (EAGLE's training-time test),
 and exports it back under the checkpoint's own names (formats/mtp.py).
 
@@ -15,9 +15,10 @@ MTP proposer, and the embedding of the next token x_{p+1}:
 
 where e is the target's embedding, zeroed at position 0 in the DeepSeek and GLM models, and lm_head the
 target's (vLLM shares both with the target; the checkpoint's copies are not read). A later draft step
-reads the previous step's `final_norm(pre)` (DeepSeek, GLM-5, Qwen) or `pre` itself (GLM-4.5), as vLLM's proposer
-feeds them back (docs/results/vllm-0.32-source-2026-families.md, section 2). DeepSeek-V4's layer passes
-hyper-connection streams instead, and reads the target's last layer's (heads/mtp_streams.py). Decoding is EAGLE's:
+reads the previous step's `final_norm(pre)` (DeepSeek, GLM-5, HY-V4, Qwen) or `pre` itself (GLM-4.5), as vLLM's
+proposer feeds them back (docs/results/vllm-0.32-source-2026-families.md, section 2). DeepSeek-V4's layer passes
+hyper-connection streams instead, and reads the target's last layer's (heads/mtp_streams.py); HY-V4's and GLM-5-Next's
+block is their decoder layer without its hyper-connections (heads/mtp_plain.py). Decoding is EAGLE's:
 the layer's own KV cache over the committed sequence, a chain or a dynamic tree grown from it (EagleProposer);
 vLLM verifies chains.
 
@@ -40,7 +41,7 @@ from torch import nn
 
 from draftsmith.errors import UserError
 from draftsmith.families import sliding_window, within_window
-from draftsmith.heads import mtp_streams, register
+from draftsmith.heads import mtp_plain, mtp_streams, register
 from draftsmith.heads.base import WEIGHTS_NAME, FlopProfile
 from draftsmith.heads.eagle_base import EagleBase, import_qualified
 from draftsmith.heads.mtp_config import MtpConfig
@@ -53,6 +54,7 @@ from draftsmith.heads.mtp_layer import (
     read_layer,
     tensor_names,
 )
+from draftsmith.heads.mtp_layouts import LAYOUTS, SEPARATE_MODEL, UNSERVED
 from draftsmith.heads.packing import (
     causal_document_mask,
     documents,
@@ -61,60 +63,13 @@ from draftsmith.heads.packing import (
 )
 from draftsmith.heads.proposer import DraftState
 from draftsmith.heads.vocab_loss import chunk_rows_for, steps_ahead_loss
-from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, loaded_config
+from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, load_target, loaded_config
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
 
 # The drafter's modules around the block, by role; a layout names them as its checkpoint does.
 WRAPPER = ("embed_norm", "hidden_norm", "proj", "final_norm")
-
-
-DEEPSEEK_NAMES = ("enorm", "hnorm", "eh_proj", "shared_head.norm")
-QWEN_NAMES = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm")
-# DeepSeek-V4's release names (mtp_streams.ROLES), the block's beside them under `mtp.{j}.` in DeepSeek's original names
-V4_NAMES = ("enorm", "hnorm", "e_proj", "h_proj", "norm")
-QWEN3_5 = Layout("qwen3_5_mtp", "mtp_num_hidden_layers", QWEN_NAMES, False, False, True)
-# vLLM's Qwen3_5MoeMTP: Qwen3.5's layer with Qwen3-Next's experts (a sigmoid-gated shared expert beside them),
-# stored fused as the releases ship them (vLLM reads either form)
-QWEN3_5_MOE = replace(QWEN3_5, fused_experts=True)
-# Target architecture -> its MTP layout, as vLLM 0.32's models read and compute it (read from its source).
-LAYOUTS = {
-    "DeepseekV3ForCausalLM": Layout("deepseek_mtp", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, True),
-    # vLLM's DeepseekV32MTP (models/deepseek_v32/): DeepSeek-V3's layer and names, its block V3.2's sparse-attention
-    # layer, whose indexer keys the drafter's cache keeps beside its keys (mtp_layer.layer_config)
-    "DeepseekV32ForCausalLM": Layout("DeepseekV32MTP", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, True),
-    # GLM-5 (glm_moe_dsa) is V3.2's sparse-attention architecture: vLLM's speculative config maps it to
-    # deepseek_mtp and builds the same DeepseekV32MTP, so its layer is stored, masked and fed back as V3.2's
-    # (normed, unlike GLM-4.5's glm4_moe_mtp)
-    "GlmMoeDsaForCausalLM": Layout("DeepseekV32MTP", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, True),
-    "Glm4MoeForCausalLM": Layout("glm4_moe_mtp", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, False),
-    # vLLM's DeepSeekV4MTP (models/deepseek_v4/nvidia/mtp.py): a layer on hyper-connection streams, fed back unnormed
-    "DeepseekV4ForCausalLM": Layout(
-        "DeepSeekV4MTP", "num_nextn_predict_layers", V4_NAMES, False, True, False, own_prefix=True, streams=True
-    ),
-    "Qwen3NextForCausalLM": Layout("qwen3_next_mtp", "num_nextn_predict_layers", QWEN_NAMES, False, False, True),
-    "Qwen3_5ForCausalLM": QWEN3_5,
-    "Qwen3_5MoeForCausalLM": QWEN3_5_MOE,
-    # Qwen3.5's releases are vision-language wrappers: the MTP layer at the top of the checkpoint (`mtp.*`, beside
-    # `model.language_model.*`), its count in text_config. transformers' AutoModelForCausalLM loads their language
-    # model alone (the class above, `loaded_config`), and vLLM serves the layer as for a text-only checkpoint.
-    "Qwen3_5ForConditionalGeneration": QWEN3_5,
-    "Qwen3_5MoeForConditionalGeneration": QWEN3_5_MOE,
-}
-# Architectures with MTP layers that draftsmith does not train, and why: vLLM 0.32 would not serve the layer as
-# trained, or draftsmith's drafter cannot run it.
-UNSERVED = {
-    "Glm4MoeLiteForCausalLM": (
-        "vLLM 0.32's glm4_moe_lite_mtp sets num_hidden_layers to 0 and so loads the target's layer 0 as the MTP "
-        "layer, never the shipped one"
-    ),
-}
-# Architectures whose multi-token prediction is a model released beside the target, not a layer in its
-# checkpoint: Gemma-4's assistant (transformers' gemma4_assistant, vLLM 0.32's gemma4_mtp) is a small
-# decoder whose layers hold queries only and attend to the target's own KV cache.
-GEMMA4_ASSISTANT = "an assistant model: transformers' gemma4_assistant, vLLM's gemma4_mtp"
-SEPARATE_MODEL = {"Gemma4ForCausalLM": GEMMA4_ASSISTANT, "Gemma4ForConditionalGeneration": GEMMA4_ASSISTANT}
 
 
 def layout_of(config: dict) -> Layout:
@@ -140,6 +95,11 @@ def layout_of(config: dict) -> Layout:
         )
     layout = LAYOUTS[architecture]
     text = config.get("text_config") or {}
+    if (text or config).get("index_share_for_mtp_iteration"):
+        raise UserError(
+            "drafter.type=mtp: the target's config sets index_share_for_mtp_iteration, with which vLLM 0.32's later "
+            "draft steps reuse the first step's sparse-attention selection, which draftsmith's drafter does not"
+        )
     quantized = config.get("quantization_config") or text.get("quantization_config")
     if quantized:
         # the layer's weights are stored quantized beside their scales (FP8 releases: `weight_scale_inv` per
@@ -217,7 +177,8 @@ class Mtp(EagleBase):
             mtp_streams.build(self, hidden, import_qualified(spec["collapse"]))
         else:
             self.proj = nn.Linear(2 * hidden, hidden, bias=False)
-        self.block = import_qualified(spec["layer"])(self.layer_config, layer_idx=0)
+        layer = import_qualified(spec["layer"])(self.layer_config, layer_idx=0)
+        self.block = mtp_plain.PlainBlock(layer) if self.layout.plain_block else layer
         indexer = getattr(self.block.self_attn, "indexer", None)
         if indexer is not None:
             # V3.2's sparse-attention indexer stays as shipped: transformers runs it without gradients (DeepSeek
@@ -268,7 +229,8 @@ class Mtp(EagleBase):
         spec = {
             "architecture": values["architectures"][0],
             "layer": qualified(type(inner.layers[0])),
-            "rotary": qualified(type(inner.rotary_emb)),
+            # a family without rotary embeddings (GLM-5-Next's NoPE attention) has no table
+            "rotary": qualified(type(inner.rotary_emb)) if hasattr(inner, "rotary_emb") else None,
             "norm": qualified(type(inner.norm)),
             "config_class": qualified(type(text)),
             "config": layer_config(target_config),
@@ -295,7 +257,8 @@ class Mtp(EagleBase):
                 )
         block_tensors = {name.removeprefix(block): t for name, t in tensors.items() if name.startswith(block)}
         block_tensors = {k: v for k, v in block_tensors.items() if k not in wrapper.values()}
-        state |= {f"block.{name}": t for name, t in block_from_checkpoint(block_tensors, self.config.decoder).items()}
+        converted = block_from_checkpoint(block_tensors, self.config.decoder, self.layout)
+        state |= {f"block.{name}": t for name, t in converted.items()}
         dtype = self.embed_norm.weight.dtype
         self.load_state_dict({name: t.to(dtype) for name, t in state.items()})
 
@@ -303,7 +266,7 @@ class Mtp(EagleBase):
         """The layer under its checkpoint names (without the prefix): what formats/mtp.py writes."""
         out = {theirs: self.get_parameter(own).detach() for own, theirs in wrapper_names(self.layout).items()}
         block = self.layout.block()
-        saved = block_to_checkpoint(self.block, self.config.decoder, self.layout.fused_experts)
+        saved = block_to_checkpoint(self.block, self.config.decoder, self.layout)
         out |= {block + name: t for name, t in saved.items()}
         return out
 
@@ -407,6 +370,8 @@ def write_random_layer(directory: str | Path, std: float = 0.08, seed: int = 0) 
     checkpoint's (tests and benchmarks; every >= 2-D weight from N(0, std²), norms as the family builds them)."""
     from transformers import AutoModelForCausalLM
 
+    from draftsmith.causal_lm import wraps_a_text_model
+
     directory = Path(directory)
     config_path = directory / "config.json"
     values = json.loads(config_path.read_text())
@@ -417,7 +382,10 @@ def write_random_layer(directory: str | Path, std: float = 0.08, seed: int = 0) 
     text = text_fields(values)  # a wrapper's count sits in its text_config, as its releases keep it
     text[layout.count_key] = 1
     config_path.write_text(json.dumps(values, indent=2) + "\n")
-    target = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    if wraps_a_text_model(values):  # its language model and lm_head, as draftsmith loads it
+        target = load_target(str(directory))
+    else:
+        target = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     torch.manual_seed(seed)
     # named apart from the folder, whose weights do not hold the layer yet (MtpConfig.check reads them)
     drafter = Mtp.unloaded(MtpConfig(), target, "random MTP layer")
@@ -426,7 +394,7 @@ def write_random_layer(directory: str | Path, std: float = 0.08, seed: int = 0) 
             # a layer built alone leaves what its family's own initialisation sets uninitialised (torch.empty:
             # attention sinks, hyper-connection biases and scales); its weights and biases it sets itself
             if any(name not in ("weight", "bias") for name, _ in module.named_parameters(recurse=False)):
-                target._init_weights(module)
+                target.get_decoder()._init_weights(module)  # the family's (a TextOfWrapper's own is generic)
     for parameter in drafter.parameters():
         if parameter.dim() >= 2:
             parameter.normal_(0.0, std)

@@ -22,9 +22,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from draftsmith.errors import UserError, one_line
-from draftsmith.families import COMPRESSED, FULL, INDEXED, SLIDING
+from draftsmith.families import COMPRESSED, FULL, INDEXED, LINEAR, SLIDING
 from draftsmith.heads.base import WEIGHTS_NAME
 from draftsmith.heads.eagle_base import import_qualified
+from draftsmith.heads.mtp_plain import kept, strip
 
 
 @dataclass(frozen=True)
@@ -45,12 +46,20 @@ class Layout:
     own_prefix: bool = False
     # the layer passes hyper-connection streams [.., streams, H] (DeepSeek-V4): heads/mtp_streams.py
     streams: bool = False
+    # where the MTP layers are stored when not after the decoder's layers: `mtp.`, or HY-V4's `model.mtp_layers.`
+    under: str = "mtp."
+    # the block is the family's decoder layer without its hyper-connections (heads/mtp_plain.py): the release
+    # ships none for it and vLLM builds it on one residual stream (HY-V4, GLM-5-Next)
+    plain_block: bool = False
+    # how the decoder's layers are named, an `after_layers` layout's among them (a vision-language wrapper's language
+    # model's: GLM-5-Next's `model.language_model.`)
+    decoder_prefix: str = "model."
 
     def prefix(self, num_hidden_layers: int) -> str:
         """The first MTP layer's tensor names start with this."""
         if self.after_layers:
-            return f"model.layers.{num_hidden_layers}."
-        return "mtp.0." if self.own_prefix else "mtp."
+            return f"{self.decoder_prefix}layers.{num_hidden_layers}."
+        return f"{self.under}0." if self.own_prefix else self.under
 
     def block(self) -> str:
         """Where the decoder layer's own tensors sit under `prefix`."""
@@ -60,21 +69,22 @@ class Layout:
         """Tensors under the prefix that vLLM replaces by the target's (its embedding and lm_head)."""
         if self.after_layers:
             return ("embed_tokens.", "shared_head.head.")
-        return ("emb.", "head.") if self.own_prefix else ()
+        # DeepSeek-V4's copies are `emb.` and `head.`, HY-V4's `embed_tokens.` and `shared_head.`
+        return ("emb.", "head.", "embed_tokens.", "shared_head.") if self.own_prefix else ()
 
     def layers_named(self, num_hidden_layers: int) -> str:
         """How the MTP layers' tensor names start (for a message)."""
         if self.after_layers:
-            return f"model.layers.{num_hidden_layers}.*"
-        return "mtp.{j}.*" if self.own_prefix else "mtp.layers.{j}.*"
+            return f"{self.decoder_prefix}layers.{num_hidden_layers}.*"
+        return self.under + ("{j}.*" if self.own_prefix else "layers.{j}.*")
 
     def shipped_layers(self, names: Iterable[str], num_hidden_layers: int) -> set[int]:
         """The indices of the MTP layers whose tensors are among a checkpoint's tensor names: layers N, N+1, ...
         after the decoder's, `mtp.{j}` or `mtp.layers.{j}`."""
         if self.after_layers:
-            pattern = re.compile(r"model\.layers\.(\d+)\.")
+            pattern = re.compile(re.escape(self.decoder_prefix) + r"layers\.(\d+)\.")
         else:
-            pattern = re.compile(r"mtp\.(\d+)\." if self.own_prefix else r"mtp\.layers\.(\d+)\.")
+            pattern = re.compile(re.escape(self.under) + (r"(\d+)\." if self.own_prefix else r"layers\.(\d+)\."))
         first = num_hidden_layers if self.after_layers else 0
         return {int(found[1]) for found in map(pattern.match, names) if found and int(found[1]) >= first}
 
@@ -126,7 +136,8 @@ def shipped_config(name_or_path: str, loaded: dict) -> dict:
     """The target's config.json as it ships, its keys as the release writes them (not transformers' `to_dict()`,
     which adds its own defaults and the local path it loaded from), without transformers' `_name_or_path`; a
     vision-language wrapper's is its `text_config`, named by `loaded` (the language model's config as transformers
-    loads it, dict form) as that language model: what vLLM serves beside the wrapper target."""
+    loads it, dict form) as that language model: what vLLM serves beside the wrapper target; a wrapper draftsmith runs
+    as its language model (`loaded` names the wrapper's architecture: GLM-5-Next) ships whole, as vLLM reads it."""
     shipped = json.loads((checkpoint_folder(name_or_path) / "config.json").read_text())
     shipped.pop("_name_or_path", None)
     if "text_config" not in shipped or shipped.get("architectures") == loaded["architectures"]:
@@ -179,7 +190,8 @@ def layer_config(target_config) -> dict:
     """The target's config for the one decoder layer the engine builds as the MTP block: of the kind of the
     layers after the dense ones (experts where the family has them: vLLM builds layer N, past
     `first_k_dense_replace`), with full attention (vLLM's `layer_type="full_attention"`), or the family's sparse
-    attention where every layer has it (DeepSeek-V3.2: its cache layer keeps the indexer's keys too), or sliding-window
+    attention where every layer that is not linear attention has it (DeepSeek-V3.2, GLM-5-Next: its cache layer keeps
+    the indexer's keys too; its own indexer, as vLLM builds every MTP layer's), or sliding-window
     attention where the family compresses attention (DeepSeek-V4: vLLM builds the MTP layer with compress ratio 0,
     the trailing entry of the release's `compress_ratios`, which is its plain sliding-window attention with sinks)."""
     values = target_config.to_dict()
@@ -189,8 +201,10 @@ def layer_config(target_config) -> dict:
         values["first_k_dense_replace"] = 0
     if isinstance(values.get("mlp_layer_types"), list):
         values["mlp_layer_types"] = values["mlp_layer_types"][-1:]
+    if isinstance(values.get("indexer_types"), list):  # vLLM's MTP layer runs an indexer of its own
+        values["indexer_types"] = ["full"]
     if isinstance(values.get("layer_types"), list):
-        kinds = set(values["layer_types"])
+        kinds = set(values["layer_types"]) - {LINEAR}  # beside GLM-5-Next's indexed attention
         sparse, pooled = kinds == {INDEXED}, bool(kinds & set(COMPRESSED))
         values["layer_types"] = [INDEXED if sparse else SLIDING if pooled else FULL]
     return values
@@ -198,14 +212,25 @@ def layer_config(target_config) -> dict:
 
 def carrier(spec: dict):
     """A one-layer model of the target's class (vocabulary of one token), whose transformers loading and
-    saving code converts the block's tensors between checkpoint names and module parameters."""
-    from transformers import AutoModelForCausalLM
+    saving code converts the block's tensors between checkpoint names and module parameters, and where its layer's
+    tensors are named: a causal LM's, or the base model's of a wrapper's language model transformers has no causal LM
+    class for (GLM-5-Next's, whose names in the wrapper's checkpoint are the base model's under a prefix)."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    from draftsmith.causal_lm import may_be_a_causal_lm
 
     config = import_qualified(spec["config_class"]).from_dict(
         {**spec["config"], "vocab_size": 1, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
     )
     config.tie_word_embeddings = False
-    return config, AutoModelForCausalLM
+    if may_be_a_causal_lm(config.model_type):
+        return config, AutoModelForCausalLM, "model.layers.0."
+    return config, AutoModel, "layers.0."
+
+
+def carried_layer(model: nn.Module) -> nn.Module:
+    """The carrier's one decoder layer."""
+    return model.get_decoder().layers[0]
 
 
 @contextlib.contextmanager
@@ -225,45 +250,48 @@ def quiet_transformers():
             logging.enable_progress_bar()
 
 
-def block_from_checkpoint(tensors: dict[str, torch.Tensor], spec: dict) -> dict[str, torch.Tensor]:
-    """The block's checkpoint tensors (names under the block) -> its parameters, by transformers' loader."""
-    config, auto = carrier(spec)
+def block_from_checkpoint(tensors: dict[str, torch.Tensor], spec: dict, layout: Layout) -> dict[str, torch.Tensor]:
+    """The block's checkpoint tensors (names under the block) -> its parameters, by transformers' loader (a plain
+    block's: the layer's but for its hyper-connections, which the release does not ship)."""
+    config, auto, at = carrier(spec)
     with tempfile.TemporaryDirectory() as tmp:
         config.save_pretrained(tmp)
-        named = {f"model.layers.0.{name}": tensor.contiguous() for name, tensor in tensors.items()}
+        named = {f"{at}{name}": tensor.contiguous() for name, tensor in tensors.items()}
         save_file(named, str(Path(tmp) / WEIGHTS_NAME), metadata={"format": "pt"})
         with quiet_transformers():
             model, info = auto.from_pretrained(
                 tmp, dtype=torch.float32, output_loading_info=True, ignore_mismatched_sizes=True
             )
-    missing = [name for name in info["missing_keys"] if name.startswith("model.layers.0.")]
-    unexpected = [name.removeprefix("model.layers.0.") for name in info["unexpected_keys"]]
+    missing = [
+        name
+        for name in info["missing_keys"]
+        if name.startswith(at) and (not layout.plain_block or kept(name.removeprefix(at)))
+    ]
+    unexpected = [name.removeprefix(at) for name in info["unexpected_keys"]]
     if missing or unexpected:
         raise UserError(
             f"drafter.type=mtp: the checkpoint's MTP layer does not match the target's decoder layer (missing "
-            f"{[name.removeprefix('model.layers.0.') for name in missing][:3]}, unexpected {unexpected[:3]})"
+            f"{[name.removeprefix(at) for name in missing][:3]}, unexpected {unexpected[:3]})"
         )
     if info.get("mismatched_keys"):  # (name, the checkpoint's shape, the layer's shape)
         name, theirs, ours = min(info["mismatched_keys"])
         raise UserError(
             f"drafter.type=mtp: the checkpoint's MTP layer does not match the target's decoder layer "
-            f"({name.removeprefix('model.layers.0.')} is {list(theirs)}, the layer's is {list(ours)})"
+            f"({name.removeprefix(at)} is {list(theirs)}, the layer's is {list(ours)})"
         )
-    return model.model.layers[0].state_dict()
+    state = carried_layer(model).state_dict()
+    return {name: t for name, t in state.items() if kept(name)} if layout.plain_block else state
 
 
-def block_to_checkpoint(block: nn.Module, spec: dict, fused_experts: bool) -> dict[str, torch.Tensor]:
+def block_to_checkpoint(block: nn.Module, spec: dict, layout: Layout) -> dict[str, torch.Tensor]:
     """The block's parameters -> its checkpoint tensors (names under the block), by transformers' saver: in
-    the release's form (`Layout.fused_experts`)."""
-    config, auto = carrier(spec)
+    the release's form (`Layout.fused_experts`; a plain block's without the layer's hyper-connections)."""
+    config, auto, at = carrier(spec)
     model = auto.from_config(config, dtype=torch.float32)
-    model.model.layers[0].load_state_dict({k: v.float() for k, v in block.state_dict().items()})
+    layer = strip(carried_layer(model)) if layout.plain_block else carried_layer(model)
+    layer.load_state_dict({k: v.float() for k, v in block.state_dict().items()})
     with tempfile.TemporaryDirectory() as tmp, quiet_transformers():
-        model.save_pretrained(tmp, save_original_format=not fused_experts)
+        model.save_pretrained(tmp, save_original_format=not layout.fused_experts)
         saved = load_file(str(Path(tmp) / WEIGHTS_NAME))
     dtype = next(block.parameters()).dtype
-    return {
-        name.removeprefix("model.layers.0."): tensor.to(dtype)
-        for name, tensor in saved.items()
-        if name.startswith("model.layers.0.")
-    }
+    return {name.removeprefix(at): tensor.to(dtype) for name, tensor in saved.items() if name.startswith(at)}

@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 
 from draftsmith.errors import UserError
 from draftsmith.eval.loop import generate, generate_batch
-from draftsmith.families import COMPRESSED, FULL, INDEXED, LINEAR, SLIDING, layer_types, recurrent
+from draftsmith.families import BLOCK_INDEXED, COMPRESSED, FULL, LINEAR, SLIDING, layer_types, reads_in_order
 from draftsmith.heads import drafter_class, drafters
 from draftsmith.heads.base import load_drafter
 from draftsmith.random_target import build_config, build_model, tiny_wrapper_config
@@ -50,7 +50,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 FAMILIES = (
     "llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2", "gemma3_text", "phi3", "gpt_oss",
     "glm4", "cohere", "granite", "qwen3_next", "qwen3_5_text", "deepseek_v3", "glm4_moe", "glm4_moe_lite",
-    "minimax_m2", "gemma4_text", "deepseek_v32", "deepseek_v4", "glm_moe_dsa", "glm5_next",
+    "minimax_m2", "gemma4_text", "deepseek_v32", "deepseek_v4", "glm_moe_dsa", "glm5_next", "qwen4_exp", "hy_v4",
+    "minimax_m3_vl", "dots3_note", "inkling_text",
 )  # fmt: skip
 # experts; scaled embedding and (1+w) norms; fused projections; sinks, a hybrid window and experts; LayerNorm with a
 # parallel block; linear attention; latent attention with grouped, bias-corrected routing
@@ -71,8 +72,8 @@ def tiny(model_type: str, attn: str | None = None):
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16,
     )  # fmt: skip
     kinds = set(getattr(config, "layer_types", None) or ())
-    if LINEAR in kinds:
-        attention = INDEXED if getattr(config, "indexer_types", None) else FULL  # the family's attention kind
+    if LINEAR in kinds:  # the family's attention kind: that of its 4-layer default's last layer
+        attention = layer_types(build_config(model_type, VOCAB, {"eos_token_id": 2}))[-1]
         config.num_hidden_layers, config.layer_types = 3, [LINEAR, attention, LINEAR]
         for per_layer in ("mlp_layer_types", "indexer_types"):  # one entry per layer
             if len(getattr(config, per_layer, None) or ()) == 2:
@@ -81,8 +82,12 @@ def tiny(model_type: str, attn: str | None = None):
         config.num_hidden_layers, config.layer_types = 3, [*COMPRESSED, SLIDING]
         config.compress_rates, config.index_topk = dict(zip(COMPRESSED, (2, 4))), 3
         config.mlp_layer_types = [*config.mlp_layer_types, config.mlp_layer_types[-1]]  # one per layer
-    elif SLIDING in kinds:
+    elif SLIDING in kinds and kinds <= {SLIDING, FULL}:
         config.layer_types = [SLIDING, FULL]  # hybrid: both kinds in 2 layers
+    if getattr(config, "indexer_budget", None):  # a block-sparse indexer: 2 blocks of 4, the sequences many more
+        config.indexer_budget = 2 * config.indexer_compress_ratio
+    if getattr(config, "index_block_size", None):  # one that picks blocks of keys: 2 blocks, the local one among them
+        config.index_topk_blocks = 2
     if attn is not None:
         config._attn_implementation = attn
     wrapper = tiny_wrapper_config(model_type, config)
@@ -99,9 +104,12 @@ def random_prompt(length: int, seed: int) -> list[int]:
     return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def one_state(hidden: torch.Tensor) -> torch.Tensor:
+def one_state(hidden: torch.Tensor, width: int | None = None) -> torch.Tensor:
     """A layer's output [B, T, H]: DeepSeek-V4's hyper-connections pass [B, T, hc_mult, H], read as their mean
-    (test_a_multi_stream_targets_taps_are_vllms_mean_of_each_layers_mixed_streams)."""
+    (test_a_multi_stream_targets_taps_are_vllms_mean_of_each_layers_mixed_streams); Qwen4-Exp's lay them side by
+    side, [B, T, hc_count * H] (`width`: H)."""
+    if width is not None and hidden.shape[-1] != width:
+        hidden = hidden.unflatten(-1, (-1, width))
     return hidden.mean(dim=-2) if hidden.dim() == 4 else hidden
 
 
@@ -111,7 +119,7 @@ def test_captured_layer_i_is_hidden_states_i_plus_1(family):
     out = run_target(model, ids, request=FeatureRequest(layers=(-1, 0, 1)))
     reference = model(ids, output_hidden_states=True).hidden_states
     for layer in (-1, 0, 1):
-        torch.testing.assert_close(out.layers[layer], one_state(reference[layer + 1]))
+        torch.testing.assert_close(out.layers[layer], one_state(reference[layer + 1], model.config.hidden_size))
     torch.testing.assert_close(out.logits, model(ids).logits)
 
 
@@ -137,7 +145,7 @@ def test_batch_decodes_as_each_prompt_alone(family):
 def test_tree_forward_equals_path_forwards_past_the_window(family):
     """On attention layers; a linear-attention state reads a draft in order, so a tree is one line."""
     name, model = family
-    if recurrent(model.config):
+    if reads_in_order(model.config):
         with pytest.raises(UserError, match="verifies chains only"):
             generate(model, random_prompt(8, 2), 4, drafter=OracleDrafter([3] * 4, 8, VOCAB, 1.0), tree=[(0,), (1,)])
         return
@@ -228,7 +236,7 @@ def test_every_kind_trains_and_decodes_losslessly_on_family_quirks(kind, model_t
         config.aux_layers = [-1, 0]
     if hasattr(config, "target_layers"):
         config.target_layers = [0]
-    if hasattr(config, "init") and recurrent(model.config):
+    if hasattr(config, "init") and reads_in_order(model.config):
         config.num_layers = 2  # a draft of the target's layers: linear attention, then the attention it needs
     drafter = drafters()[kind].from_target(config, model, model_type)
     ids = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(6))
@@ -302,13 +310,16 @@ def test_a_draft_of_the_first_layers_takes_the_first_entries_of_every_per_layer_
     assert generate(model, prompt, 20, drafter=drafter.proposer(), gamma=3).tokens == generate(model, prompt, 20).tokens
 
 
-def test_compressed_attention_is_put_back_after_every_rejected_draft():
+@pytest.mark.parametrize("model_type", ["deepseek_v4", "qwen4_exp"])
+def test_compressed_attention_is_put_back_after_every_rejected_draft(model_type):
     """DeepSeek-V4's compressed attention pools several positions into one entry (and its window layers keep
     only their window), so no entry can be cut back to a position: the loop keeps the cache's state before
     each verify forward, puts it back after a rejection and feeds the accepted tokens again. Speculative
     decoding far past the window and many pooled entries equals plain decoding, prompt by prompt and in a
-    batch (decoded a row at a time), with drafts accepted and rejected; a tree is refused in one line."""
-    model = tiny("deepseek_v4")
+    batch (decoded a row at a time), with drafts accepted and rejected; a tree is refused in one line.
+    Qwen4-Exp's states are put back so too (linear attention, and its n-gram embeddings' token history and
+    convolution), while its block-sparse attention's keys and indexer keys are cut, far past its budget."""
+    model = tiny(model_type)
     prompts = [random_prompt(length, seed) for seed, length in enumerate((12, 5, 20))]
     plain = [generate(model, prompt, 2 * WINDOW).tokens for prompt in prompts]
     oracles = [
@@ -346,14 +357,17 @@ def test_a_pooled_cache_written_in_place_is_not_put_back_silently():
 
 
 @pytest.mark.parametrize("tree", [None, [(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]], ids=["chain", "tree"])
-def test_sparse_attention_rolls_its_indexer_keys_back_past_the_selection(tree):
+@pytest.mark.parametrize("model_type, layers", [("deepseek_v32", 2), ("hy_v4", 3), ("dots3_note", 2)])
+def test_sparse_attention_rolls_its_indexer_keys_back_past_the_selection(model_type, layers, tree):
     """DeepSeek-V3.2: each query attends to the `index_topk` keys its indexer scores highest, from the
     indexer keys the cache keeps beside the attention's; the loop cuts, moves and gathers those with the
     keys, so speculative decoding far past index_topk equals plain decoding, prompt by prompt and in a
-    batch whose rows accept differently."""
+    batch whose rows accept differently. HY-V4 too, whose third layer reuses the second's selection (a shared
+    indexer) and whose layers pass hyper-connection streams; and Dots3-Note, whose second layer is a sliding-window
+    one sized apart (a mask per kind: its indexed layers take the full-attention one)."""
     config = build_config(
-        "deepseek_v32", VOCAB, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0},
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16, index_topk=8,
+        model_type, VOCAB, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0},
+        hidden_size=64, intermediate_size=128, num_hidden_layers=layers, head_dim=16, index_topk=8,
     )  # fmt: skip
     model = build_model(config, std=0.2).requires_grad_(False)
     prompts = [random_prompt(length, seed) for seed, length in enumerate((12, 5, 20))]
@@ -372,6 +386,35 @@ def test_sparse_attention_rolls_its_indexer_keys_back_past_the_selection(tree):
     assert [row.tokens for row in together] == plain
 
 
+@pytest.mark.parametrize(
+    "model_type, kinds", [("minimax_m3_vl", [BLOCK_INDEXED, FULL]), ("inkling_text", ["hybrid_sliding", "hybrid"])]
+)
+def test_block_sparse_and_convolved_attention_are_cut_back_and_verify_chains_one_row_at_a_time(model_type, kinds):
+    """MiniMax-M3: a sparse layer's indexer picks, per query, 2 blocks of 4 keys (the one the query is in among
+    them) from the indexer keys the cache keeps beside the attention's, blocks counted from the cache's first slot:
+    the loop cuts those keys back with the attention's. Inkling: short convolutions over the last tokens before
+    each attention (a window state, put back after a rejected draft, the accepted tokens fed again) and keys cut
+    back. Speculative chains far past the selection and the window equal plain decoding, drafts accepted and rejected,
+    prompt by prompt and in a batch (decoded a row at a time: left padding would move the blocks, and pass through the
+    convolutions); a tree (its nodes off their positions' slots, or read in order) is refused in one line."""
+    model = tiny(model_type)
+    assert layer_types(model.config) == kinds and getattr(model.config, "index_topk_blocks", 2) == 2
+    prompts = [random_prompt(length, seed) for seed, length in enumerate((12, 5, 20))]
+    plain = [generate(model, prompt, 2 * WINDOW).tokens for prompt in prompts]
+    oracles = [
+        OracleDrafter(t, len(p), VOCAB, hit_rate=r, seed=i)
+        for i, (t, p, r) in enumerate(zip(plain, prompts, (0.9, 0.5, 0.7)))
+    ]
+    alone = [generate(model, p, 2 * WINDOW, drafter=o, gamma=3) for p, o in zip(prompts, oracles)]
+    assert [row.tokens for row in alone] == plain
+    counts = [row.counts for row in alone]
+    assert sum(c.accepted for c in counts) > 0 and any(c.accepted < c.drafted for c in counts)  # both outcomes
+    oracles = [OracleDrafter(t, len(p), VOCAB, hit_rate=r, seed=9) for t, p, r in zip(plain, prompts, (0.9, 0.2, 0.6))]
+    assert [row.tokens for row in generate_batch(model, prompts, 2 * WINDOW, oracles, gamma=3)] == plain
+    with pytest.raises(UserError, match="verifies chains only"):
+        generate(model, prompts[0], 4, drafter=OracleDrafter([3] * 4, 12, VOCAB, 1.0), tree=[(0,), (1,)])
+
+
 def test_default_taps_of_a_hybrid_linear_attention_target_are_attention_layers():
     """Qwen3-Next: three linear-attention layers to each full-attention one; EAGLE-3's and DFlash's
     default taps move to full-attention layers (below the last), every layer's kind from the config."""
@@ -383,6 +426,43 @@ def test_default_taps_of_a_hybrid_linear_attention_target_are_attention_layers()
     assert drafter.config.aux_layers == [3, 7, 11]  # EAGLE-3's [1, 7, 12], each moved to a full-attention layer
     dflash = drafter_class("dflash")
     assert dflash.from_target(dflash.Config(num_layers=2), model, "qwen3_next").config.target_layers == [3, 11]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model_type, kinds",
+    [
+        ("minimax_m3_vl", {"minimax_m3_sparse", FULL}),
+        ("dots3_note", {"indexed_attention", SLIDING}),
+        ("inkling_mm_model", {"hybrid", "hybrid_sliding"}),
+        ("inkling2", {"hybrid", "hybrid_sliding"}),
+    ],
+)
+def test_random_target_writes_every_layer_kind_of_a_family_at_sizes_its_class_accepts(model_type, kinds, tmp_path):
+    """The command writes each family with every layer kind a release has and loads as a target: MiniMax-M3's sparse
+    layers (a kind only its code has; a release's config turns it on), Dots3-Note's sliding layers sized apart (their
+    latent head the sum of its parts, which the class checks: it was an internal error), Inkling's full-attention
+    layers (one in six, past the tiny depth) and Inkling-2's lm_head rows unpadded (a negative padding was an
+    internal error)."""
+    from draftsmith.random_target import main
+    from draftsmith.target import load_target
+
+    with pytest.raises(SystemExit) as done:
+        main([model_type, str(tmp_path / "target")])
+    assert done.value.code == 0
+    config = json.loads((tmp_path / "target" / "config.json").read_text())
+    assert set(config.get("text_config", config)["layer_types"]) == kinds
+    target = load_target(str(tmp_path / "target"))
+    ids = torch.tensor([random_prompt(20, 0)])
+    assert torch.isfinite(run_target(target, ids).logits).all()
+
+
+def test_a_tiny_config_its_class_refuses_is_one_line():
+    """A family's config class checks its sizes (Dots3-Note: each layer kind's overrides alike): sizes it refuses are
+    a one-line refusal naming the class, not an internal error."""
+    overrides = {2: {"head_dim": 7, "qk_nope_head_dim": 2}}  # layer 3, sliding too, left as the others
+    with pytest.raises(UserError, match=r"^transformers' Dots3NoteTextConfig refuses the tiny dots3_note target: "):
+        build_config("dots3_note", VOCAB, per_layer_config=overrides)
 
 
 def test_random_target_command_writes_a_target_or_one_line(tmp_path, capsys):
@@ -439,6 +519,35 @@ def test_a_wrapper_without_a_causal_lm_class_is_written_loaded_and_sharded_as_it
     line = assert_one_line_error(refused, 2, "has no causal LM class (AutoModelForCausalLM, what draftsmith loads")
     assert line.endswith("for model_type 'glm5_next_text': a target of it cannot be built"), line
     assert not (tmp_path / "x").exists() and not (tmp_path / "x.tmp").exists()
+
+
+def test_a_wrapper_transformers_loads_as_a_causal_lm_is_the_target_in_its_release_layout(tmp_path):
+    """Qwen4-Exp ships as a vision-language wrapper (`qwen4_exp`, `Qwen4ExpForConditionalGeneration`, its language
+    model under `model.language_model.*`), which transformers maps to its causal LM class: the release's folder loads
+    as that class, with the wrapper's own logits and its taps the mean of the streams laid side by side."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from draftsmith.random_target import TINY_VISION
+    from draftsmith.target import load_target
+
+    text = build_config("qwen4_exp", VOCAB, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}, hidden_size=64,
+                        intermediate_size=128, num_hidden_layers=4, head_dim=16)  # fmt: skip
+    vision = {**TINY_VISION, "out_hidden_size": text.hidden_size}
+    config = AutoConfig.for_model("qwen4_exp", text_config=text.to_dict(), vision_config=vision)
+    torch.manual_seed(0)
+    release = AutoModelForImageTextToText.from_config(config)
+    for parameter in release.parameters():  # random weights of draftsmith.random_target's spread: decisive logits
+        if parameter.dim() >= 2:
+            parameter.data.normal_(0.0, 0.2)
+    release.save_pretrained(tmp_path / "release")
+    wrapper = AutoModelForImageTextToText.from_pretrained(tmp_path / "release").eval()
+    assert wrapper.config.architectures == ["Qwen4ExpForConditionalGeneration"]
+    ids = torch.tensor([random_prompt(20, 3)])
+    expected = wrapper(input_ids=ids, output_hidden_states=True)
+    target = load_target(str(tmp_path / "release"))
+    out = run_target(target, ids, request=FeatureRequest(layers=(0, 2)))
+    torch.testing.assert_close(out.logits, expected.logits)
+    torch.testing.assert_close(out.layers[2], one_state(expected.hidden_states[3], text.hidden_size))
 
 
 def vllm_mixed_streams(block_output: torch.Tensor, residual: torch.Tensor, hc, config) -> torch.Tensor:
@@ -528,7 +637,7 @@ def test_no_target_family_is_named_in_product_code():
     DRAFT_LAYER_FAMILIES), in the table of targets vLLM cannot capture features from
     (formats/repo.py's VLLM_NO_STATE_CAPTURE), of the architectures whose vLLM module imports torchvision
     (formats/versions.py's VLLM_IMPORTS_TORCHVISION) or in the tables of how vLLM serves each architecture's own
-    MTP layer (heads/mtp.py's LAYOUTS and UNSERVED: the checkpoint layout no config field names, and
+    MTP layer (heads/mtp_layouts.py's LAYOUTS and UNSERVED: the checkpoint layout no config field names, and
     SEPARATE_MODEL: an architecture whose MTP is a model of its own), or as the targets whose cache Gemma-4's
     assistant reads and the assistant's own model type (heads/gemma4_assistant.py), never in a branch of its own."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
@@ -538,14 +647,14 @@ def test_no_target_family_is_named_in_product_code():
     from draftsmith.formats.repo import VLLM_NO_STATE_CAPTURE
     from draftsmith.formats.versions import VLLM_IMPORTS_TORCHVISION
     from draftsmith.heads.gemma4_assistant_config import ASSISTANT_MODEL_TYPE, TARGET_MODEL_TYPES
-    from draftsmith.heads.mtp import LAYOUTS, SEPARATE_MODEL, UNSERVED
+    from draftsmith.heads.mtp_layouts import LAYOUTS, SEPARATE_MODEL, UNSERVED
 
     tables = {
         "heads/gemma4_assistant.py": {ASSISTANT_MODEL_TYPE},  # the kind's name, the assistant's model type
         "heads/gemma4_assistant_config.py": {*TARGET_MODEL_TYPES, ASSISTANT_MODEL_TYPE},
         "formats/repo.py": set(VLLM_NO_STATE_CAPTURE),
         "formats/versions.py": set(VLLM_IMPORTS_TORCHVISION),
-        "heads/mtp.py": {*LAYOUTS, *UNSERVED, *SEPARATE_MODEL},
+        "heads/mtp_layouts.py": {*LAYOUTS, *UNSERVED, *SEPARATE_MODEL},
     }
 
     families = set(CONFIG_MAPPING_NAMES) | set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())

@@ -6,7 +6,9 @@ layout, `model.layers.{N}.*`; Qwen3-Next's, Qwen3.5's and Qwen3.5-MoE's, `mtp.*`
 MTP layer in its family's layout (`heads.mtp.write_random_layer`, as a released checkpoint ships one): the layer
 reads back exactly, is the block vLLM builds (the family's attention and experts), computes vLLM's
 formula, trains and decodes losslessly (V3.2's sparse-attention block with its indexer keys in the drafter's
-cache; V4's layer on hyper-connection streams, `mtp.0.*`, its sliding window kept alike in training and decoding);
+cache; V4's layer on hyper-connection streams, `mtp.0.*`, its sliding window kept alike in training and decoding;
+HY-V4's, `model.mtp_layers.0.*`, and GLM-5-Next's, under its wrapper's language model, each a decoder layer without
+its hyper-connections, GLM-5-Next's pooled sparse attention on the drafter's masks);
 Qwen3.5's vision-language wrappers, as released, train and export as
 their language models; targets without one are refused in one line before anything loads. The real engine
 serving the export: tests/test_mtp_vllm.py.
@@ -30,8 +32,9 @@ from draftsmith.eval.loop import generate
 from draftsmith.formats import Source, exporter_for
 from draftsmith.formats.repo import TargetInfo, check_tensors
 from draftsmith.heads import drafter_class
-from draftsmith.heads.mtp import LAYOUTS, write_random_layer
+from draftsmith.heads.mtp import write_random_layer
 from draftsmith.heads.mtp_layer import names_in, read_layer, shipped_shapes, tensor_names
+from draftsmith.heads.mtp_layouts import LAYOUTS
 from draftsmith.random_target import write_random_target
 from draftsmith.recipe import load_recipe
 from draftsmith.target import FeatureRequest, TargetShape, load_target, local_target_shape, run_target
@@ -46,7 +49,11 @@ from tests.helpers import (
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FAMILIES = ("glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+FAMILIES = (
+    "glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "hy_v4",
+    "glm5_next",
+)  # fmt: skip
+WRAPPED = ("glm5_next",)  # a wrapper transformers has no causal LM class for: draftsmith loads its language model
 SHAPE = {"hidden_size": 64, "intermediate_size": 128, "head_dim": 16}  # 4 layers: Qwen's 4th is full attention
 MTP = drafter_class("mtp")
 
@@ -60,7 +67,10 @@ def targets(tmp_path_factory):
         if family not in built:
             folder = write_random_target(family, tmp_path_factory.mktemp(family), **SHAPE)
             write_random_layer(folder)
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().requires_grad_(False)
+            if family in WRAPPED:
+                model = load_target(str(folder))
+            else:
+                model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().requires_grad_(False)
             built[family] = folder, model
         return built[family]
 
@@ -68,8 +78,10 @@ def targets(tmp_path_factory):
 
 
 def layout(folder):
+    """The target's config.json (a wrapper's text_config, naming the wrapper's architecture) and its MTP layout."""
     config = json.loads((folder / "config.json").read_text())
-    return config, LAYOUTS[config["architectures"][0]]
+    architecture = config["architectures"][0]
+    return {**config.get("text_config", config), "architectures": [architecture]}, LAYOUTS[architecture]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -84,7 +96,12 @@ def test_the_layer_reads_back_under_the_checkpoints_names_as_the_block_vllm_buil
     block = {name for name, _ in drafter.block.named_parameters()}
     last = {name for name, _ in model.model.layers[-1].named_parameters()}
     assert any("experts" in name for name in block) == any("experts" in name for name in last)
-    assert {n for n in block if n.startswith("self_attn.")} == {n for n in last if n.startswith("self_attn.")}
+    attention = {n for n in block if n.startswith("self_attn.") and ".indexer." not in n}
+    assert attention == {n for n in last if n.startswith("self_attn.") and ".indexer." not in n}
+    # its own indexer where the target's layers have one: vLLM builds it so where the last layer shares an earlier
+    # layer's selection (HY-V4's `indexer_types`)
+    indexed = any(".indexer." in name for name, _ in model.model.named_parameters())
+    assert any(".indexer." in n for n in block) == indexed
 
 
 def rms(x: torch.Tensor, weight: torch.Tensor, eps: float, one_plus: bool) -> torch.Tensor:
@@ -102,7 +119,7 @@ def test_one_draft_step_computes_vllms_formula_from_the_checkpoint(family, targe
     config, chosen = layout(folder)
     shipped = read_layer(str(folder), config, chosen)
     embed_norm, hidden_norm, proj, final_norm = (shipped[f"{name}.weight"] for name in chosen.names)
-    qwen, eps = not chosen.after_layers, config["rms_norm_eps"]
+    qwen, eps = chosen.names[0] == "pre_fc_norm_embedding", config["rms_norm_eps"]
     ids = torch.randint(3, 200, (1, 6), generator=torch.Generator().manual_seed(0))
     features = run_target(model, ids).final
     positions = torch.arange(6)[None]
@@ -347,13 +364,15 @@ def test_loading_a_target_names_its_mtp_layers_in_one_line_and_keeps_transformer
     assert any("LOAD REPORT" in report and "model.stray.weight" in report for report in reports), reports
 
 
-def test_the_sparse_attention_blocks_cache_keeps_and_cuts_its_indexer_keys_as_one_forward_reads_them(targets):
-    """DeepSeek-V3.2's indexer picks `index_topk` (64 here) of the keys for each query: past that many positions, draft
-    steps on the drafter's cache (decoding) compute what one forward over the sequence does (training), after a
-    rejected draft was cut away with its indexer keys (as EagleProposer.catch_up crops it)."""
+@pytest.mark.parametrize("family", ["deepseek_v32", "hy_v4", "glm5_next"])
+def test_the_sparse_attention_blocks_cache_keeps_and_cuts_its_indexer_keys_as_one_forward_reads_them(family, targets):
+    """DeepSeek-V3.2's indexer (HY-V4's alike, its block with attention sinks; GLM-5-Next's over pools of keys, on the
+    drafter's masks) picks `index_topk` (64 here) of the keys for each query: past that many positions, draft steps on
+    the drafter's cache (decoding) compute what one forward over the sequence does (training), after a rejected draft
+    was cut away with its indexer keys (as EagleProposer.catch_up crops it)."""
     from transformers import DynamicCache
 
-    folder, model = targets("deepseek_v32")
+    folder, model = targets(family)
     drafter = MTP.from_target(MTP.Config(), model, str(folder)).eval()
     length, cached = 90, 80
     assert drafter.layer_config.index_topk < cached
@@ -561,16 +580,10 @@ def test_a_deepseek_v4_layer_exports_under_its_release_names_with_the_config_vll
     assert all(torch.equal(t, back.checkpoint_tensors()[n]) for n, t in drafter.checkpoint_tensors().items())
 
 
-@pytest.mark.slow
-def test_a_deepseek_v4_targets_layer_trains_resumes_exports_and_decodes_losslessly_through_the_entry_points(
-    tmp_path, small_data, token_cache, capsys
-):
-    """`recipe=mtp` on a DeepSeek-V4 target (was refused: its layer passes hyper-connection streams): it trains,
-    resumes, exports under the release's names, and draftsmith's eval, reading the folder back, decodes losslessly
-    (chains, one prompt at a time: V4's compressed attention)."""
-    from draftsmith.eval.report import run_eval
-
-    folder = write_random_target("deepseek_v4", tmp_path / "target", **SHAPE)
+def trained_resumed_and_exported(family: str, tmp_path, small_data, token_cache, capsys) -> tuple[Path, Path]:
+    """`recipe=mtp` through the entry points on a `family` target with a random layer: trained, stopped after step 1,
+    resumed, exported; (the target, the export's vllm folder)."""
+    folder = write_random_target(family, tmp_path / "target", **SHAPE)
     write_random_layer(folder)
     run = tmp_path / "run"
     args = mtp_args(folder, run, small_data, token_cache, save_every=1)
@@ -579,20 +592,202 @@ def test_a_deepseek_v4_targets_layer_trains_resumes_exports_and_decodes_lossless
     shutil.rmtree(run / "final")
     resumed = run_entry_in_process(["train.py", *args, "train.resume=true"], capsys)
     assert resumed.returncode == 0 and "resumed from" in resumed.stderr and "step_0000001" in resumed.stderr
-    assert (run / "final").is_dir()
     export = ["-m", "export", *args, f"checkpoint={run / 'final'}", f"export.output={tmp_path / 'export'}"]
     assert run_entry_in_process(export, capsys).returncode == 0
-    vllm = tmp_path / "export" / "vllm"
-    config = json.loads((vllm / "config.json").read_text())
-    written = load_file(str(vllm / "model.safetensors"))
-    assert {n: tuple(t.shape) for n, t in written.items()} == shipped_shapes(
-        str(folder), config, LAYOUTS["DeepseekV4ForCausalLM"]
-    )
-    assert len(config["compress_ratios"]) == config["num_hidden_layers"] + 1 and config["compress_ratios"][-1] == 0
-    assert "not its CPU build" in (vllm / "draftsmith_export.json").read_text()  # it stubs V4's MTP model
+    return folder, tmp_path / "export" / "vllm"
+
+
+def written_shapes(vllm: Path) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(tensor.shape) for name, tensor in load_file(str(vllm / "model.safetensors")).items()}
+
+
+def assert_exported_layer_decodes_losslessly(folder: Path, vllm: Path, tmp_path, small_data, tree: int) -> None:
+    """draftsmith's eval, reading the exported folder back, decodes losslessly (one prompt; `tree` nodes, 0: chains)."""
+    from draftsmith.eval.report import run_eval
+
     prompt = first_records(small_data["eval"], tmp_path / "eval.jsonl", 1)
-    quick = [f"eval.data=[{prompt}]", "eval.max_new_tokens=16", "eval.tree=0", "eval.batch_size=1"]
+    quick = [f"eval.data=[{prompt}]", "eval.max_new_tokens=16", f"eval.tree={tree}", "eval.ngram_baseline=false"]
     recipe = ["recipe=mtp", f"target.name_or_path={folder}", f"output_dir={tmp_path / 'eval'}", *quick]
-    report = run_eval(load_recipe([*recipe, "eval.ngram_baseline=false"]), str(vllm))
+    report = run_eval(load_recipe(recipe), str(vllm))
     rows = [row for domain in report["domains"].values() for row in domain.values() if row.get("lossless") is not None]
     assert rows and all(row["lossless"] for row in rows)
+
+
+@pytest.mark.slow
+def test_a_deepseek_v4_targets_layer_trains_resumes_exports_and_decodes_losslessly_through_the_entry_points(
+    tmp_path, small_data, token_cache, capsys
+):
+    """`recipe=mtp` on a DeepSeek-V4 target (was refused: its layer passes hyper-connection streams): it trains,
+    resumes, exports under the release's names, and draftsmith's eval, reading the folder back, decodes losslessly
+    (chains, one prompt at a time: V4's compressed attention)."""
+    folder, vllm = trained_resumed_and_exported("deepseek_v4", tmp_path, small_data, token_cache, capsys)
+    config = json.loads((vllm / "config.json").read_text())
+    assert written_shapes(vllm) == shipped_shapes(str(folder), config, LAYOUTS["DeepseekV4ForCausalLM"])
+    assert len(config["compress_ratios"]) == config["num_hidden_layers"] + 1 and config["compress_ratios"][-1] == 0
+    assert "not its CPU build" in (vllm / "draftsmith_export.json").read_text()  # it stubs V4's MTP model
+    assert_exported_layer_decodes_losslessly(folder, vllm, tmp_path, small_data, tree=0)
+
+
+def test_a_hy_v4_layers_block_is_its_decoder_layer_on_one_stream_with_its_attention_sinks(targets):
+    """vLLM 0.32's HYV4MTP builds the block without the decoder layer's hyper-connections (`enable_ihc = False`; the
+    release ships none for it): h = x + attention(input_layernorm(x)), out = h + mlp(post_attention_layernorm(h)), the
+    attention's sinks counted (transformers' SDPA would drop them)."""
+    folder, model = targets("hy_v4")
+    drafter = MTP.from_target(MTP.Config(), model, str(folder)).eval()
+    config, chosen = layout(folder)
+    shipped = read_layer(str(folder), config, chosen)
+    assert not any("hc_" in name for name in shipped) and not any("_hc." in n for n, _ in drafter.named_parameters())
+    assert any(".hc_pre." in name for name in tensor_names(folder))  # the target's own layers have them
+    block = drafter.block
+    hidden = torch.randn(1, 6, config["hidden_size"], generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(6)[None]
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
+    additive = torch.zeros(6, 6).masked_fill(~causal[0, 0], torch.finfo(torch.float32).min)[None, None]
+    rope = drafter.rotary_emb(hidden, positions)
+    with torch.no_grad():
+        out = block(hidden, attention_mask=causal, position_ids=positions, position_embeddings=rope)[0]
+        attended = block.self_attn(
+            hidden_states=block.input_layernorm(hidden), attention_mask=additive, position_ids=positions,
+            position_embeddings=rope,
+        )[0]  # fmt: skip
+        after = hidden + attended
+        assert torch.allclose(out, after + block.mlp(block.post_attention_layernorm(after)), atol=1e-5)
+        block.self_attn.sinks.add_(3.0)
+        assert not torch.allclose(
+            block(hidden, attention_mask=causal, position_ids=positions, position_embeddings=rope)[0], out
+        )
+        block.self_attn.sinks.sub_(3.0)
+
+
+def test_a_hy_v4_layer_exports_under_its_release_names_with_the_targets_config(targets, tmp_path):
+    """The folder: the target's config.json as shipped with one MTP layer, the layer under exactly the shipped names
+    and shapes (`model.mtp_layers.0.*`, vLLM's HYV4MTP maps them to layer num_hidden_layers), read back alike."""
+    folder, model = targets("hy_v4")
+    drafter = MTP.from_target(MTP.Config(), model, str(folder))
+    config, chosen = layout(folder)
+    shipped = read_layer(str(folder), config, chosen)
+    shape = TargetShape.of(model, str(folder))
+    source = Source(drafter, tmp_path, model, TargetInfo(shape, model.config.to_dict(), str(folder)))
+    exporter = exporter_for("mtp")
+    repo = exporter.vllm(source, 3, tmp_path / "export")
+    check_tensors(repo, "export")
+    assert set(repo.tensors) == {f"model.mtp_layers.0.{name}" for name in shipped}
+    assert repo.config == {**config, "num_nextn_predict_layers": 1}
+    back = exporter.read(tmp_path, repo.config, repo.tensors, model, {})
+    assert all(torch.equal(t, back.checkpoint_tensors()[n]) for n, t in drafter.checkpoint_tensors().items())
+
+
+@pytest.mark.slow
+def test_a_hy_v4_targets_layer_trains_resumes_exports_and_decodes_losslessly_through_the_entry_points(
+    tmp_path, small_data, token_cache, capsys
+):
+    """`recipe=mtp` on a HY-V4 target: it trains, resumes, exports under the release's names and shapes, and
+    draftsmith's eval, reading the folder back, decodes losslessly."""
+    folder, vllm = trained_resumed_and_exported("hy_v4", tmp_path, small_data, token_cache, capsys)
+    config = json.loads((vllm / "config.json").read_text())
+    assert written_shapes(vllm) == shipped_shapes(str(folder), config, LAYOUTS["HYV4ForCausalLM"])
+    assert_exported_layer_decodes_losslessly(folder, vllm, tmp_path, small_data, tree=6)
+
+
+def test_a_glm5_next_blocks_pooled_sparse_attention_is_transformers_on_a_causal_sequence(targets):
+    """GLM-5-Next's block attention runs on the drafter's explicit masks (heads/mtp_pooled.py); on one causal sequence
+    longer than its index_topk (64 here: 4 pools of 16 and the tail) it is transformers' Glm5NextTextAttention, which
+    reads causality from the sequence itself, and the block has no hyper-connections (vLLM's `is_mtp_layer` path)."""
+    from draftsmith.heads import mtp_pooled
+
+    folder, model = targets("glm5_next")
+    drafter = MTP.from_target(MTP.Config(), model, str(folder)).eval()
+    attn = drafter.block.self_attn
+    length = 120
+    assert attn.indexer.index_topk < length and not any("_hc." in n for n, _ in drafter.named_parameters())
+    hidden = torch.randn(2, length, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    causal = torch.ones(length, length, dtype=torch.bool).tril()[None, None].expand(2, 1, -1, -1)
+    with torch.no_grad():
+        ours = mtp_pooled.attention(attn, hidden, causal)
+        theirs = attn(hidden_states=hidden, attention_mask=torch.ones(2, length, dtype=torch.bool))[0]
+        q_resid = attn.q_a_layernorm(attn.q_a_proj(hidden))
+        picked = mtp_pooled.selection(attn.indexer, hidden, q_resid, causal[:, 0], None)
+    assert torch.allclose(ours, theirs, atol=1e-5)
+    # every earlier key while they fit in index_topk, fewer past it: the selection is tested
+    topk = attn.indexer.index_topk
+    assert torch.equal(picked[:, :topk], causal[:, 0, :topk]) and not picked[:, -1].all()
+
+
+def test_a_glm5_next_layers_later_draft_steps_pool_their_own_entries_in_training_as_in_decoding(targets):
+    """The training-time test's later steps attend to step 0's entries and their own earlier steps' (stored after
+    them); pooled by rank, these are the pools vLLM's decoding builds over positions: past index_topk, the loss's
+    steps 1 and 2 at position t are the chain a decoder drafts from t on its cache."""
+    folder, model = targets("glm5_next")
+    drafter = MTP.from_target(MTP.Config(ttt_steps=3), model, str(folder)).eval()
+    length, t = 101, 90
+    ids = torch.randint(3, 4000, (1, length), generator=torch.Generator().manual_seed(5))
+    target_out = run_target(model, ids, request=MTP.features(drafter.config, drafter.target))
+    steps = []
+    draft = drafter.draft
+    drafter.draft = lambda *args, **kwargs: steps.append(draft(*args, **kwargs)) or steps[-1]
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    with torch.no_grad():
+        drafter.loss(batch, target_out)
+        del drafter.draft
+        cache = drafter.new_cache()
+        seen = torch.ones(t + 1, t + 1, dtype=torch.bool).tril()[None, None]
+        fed = drafter.draft(ids[:, 1 : t + 2], target_out.final[:, : t + 1], torch.arange(t + 1)[None], seen, cache)
+        chain = [fed[:, -1:]]
+        for step in (1, 2):
+            seen = torch.ones(1, 1, 1, t + 1 + step, dtype=torch.bool)
+            token, position = ids[:, t + 1 + step : t + 2 + step], torch.tensor([[t + step]])
+            chain.append(drafter.draft(token, chain[-1], position, seen, cache))
+    assert drafter.block.self_attn.indexer.index_topk + 16 < t
+    for step in (0, 1, 2):
+        assert torch.allclose(steps[step][:, t : t + 1], chain[step], atol=1e-4), step
+
+
+def test_a_glm5_next_layer_exports_under_the_wrappers_names_with_its_config(targets, tmp_path):
+    """The folder: the wrapper's config.json as shipped (vLLM maps its model_type glm5_next to glm5_next_mtp) with one
+    MTP layer in its text_config, the layer under exactly the shipped names and shapes (`model.language_model.layers.
+    {N}.*`, which vLLM's Glm5NextMTP reads without the prefix), read back as the same layer."""
+    folder, model = targets("glm5_next")
+    drafter = MTP.from_target(MTP.Config(), model, str(folder))
+    config, chosen = layout(folder)
+    shipped = read_layer(str(folder), config, chosen)
+    shape = TargetShape.of(model, str(folder))
+    source = Source(drafter, tmp_path, model, TargetInfo(shape, model.config.to_dict(), str(folder)))
+    exporter = exporter_for("mtp")
+    repo = exporter.vllm(source, 3, tmp_path / "export")
+    check_tensors(repo, "export")
+    prefix = f"model.language_model.layers.{config['num_hidden_layers']}."
+    assert set(repo.tensors) == {prefix + name for name in shipped}
+    assert any(".mlp.experts.0.gate_proj." in name for name in repo.tensors)  # per expert, as the release's layers
+    wrapper = json.loads((folder / "config.json").read_text())
+    assert repo.config == {**wrapper, "text_config": {**wrapper["text_config"], "num_nextn_predict_layers": 1}}
+    assert exporter.recognises(repo.config, repo.tensors)
+    back = exporter.read(tmp_path, repo.config, repo.tensors, model, {})
+    assert all(torch.equal(t, back.checkpoint_tensors()[n]) for n, t in drafter.checkpoint_tensors().items())
+
+
+def test_a_target_whose_later_draft_steps_share_the_first_ones_selection_is_refused_in_one_line(targets, tmp_path):
+    """index_share_for_mtp_iteration: vLLM's later draft steps reuse step 0's sparse-attention selection, which the
+    drafter does not compute; refused before anything loads."""
+    folder, _ = targets("glm5_next")
+    copy = Path(shutil.copytree(folder, tmp_path / "shared"))
+    config = json.loads((copy / "config.json").read_text())
+    config["text_config"]["index_share_for_mtp_iteration"] = True
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=r"sets index_share_for_mtp_iteration, with which vLLM 0.32's later") as err:
+        MTP.Config().check(local_target_shape(str(copy)))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_a_glm5_next_targets_layer_trains_resumes_exports_and_decodes_losslessly_through_the_entry_points(
+    tmp_path, small_data, token_cache, capsys
+):
+    """`recipe=mtp` on a GLM-5-Next target (a vision-language wrapper draftsmith runs as its language model): it
+    trains, resumes, exports under the wrapper's names and shapes, and draftsmith's eval, reading the folder back,
+    decodes losslessly."""
+    folder, vllm = trained_resumed_and_exported("glm5_next", tmp_path, small_data, token_cache, capsys)
+    config = json.loads((vllm / "config.json").read_text())
+    text = {**config["text_config"], "architectures": config["architectures"]}
+    assert written_shapes(vllm) == shipped_shapes(str(folder), text, LAYOUTS["Glm5NextForConditionalGeneration"])
+    # chains: the target's linear attention verifies no tree
+    assert_exported_layer_decodes_losslessly(folder, vllm, tmp_path, small_data, tree=0)

