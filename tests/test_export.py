@@ -1312,7 +1312,7 @@ def test_the_cards_serve_command_turns_prefix_caching_off_where_the_check_did(hy
     monkeypatch.setattr(
         verify, "compare", lambda *args, **kwargs: {k: v for k, v in CHECKED.items() if k != "engine_arguments"}
     )
-    monkeypatch.setattr(verify, "recurrent", lambda config: hybrid)  # the reference target is a Llama
+    monkeypatch.setattr(verify, "reads_in_order", lambda config: hybrid)  # the reference target is a Llama
     checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
     engine = AnsweringEngine()
     checked_by = f"export.vllm_python={stand_in_vllm(tmp_path)}"
