@@ -3,7 +3,8 @@ every target with), told from the config alone: a model type it maps to no causa
 wrapper whose language model transformers builds no model of alone) is refused in one line when the recipe is
 checked, and at load time for a Hub id, instead of transformers' line listing its ~200 config classes after the data
 is tokenized. A wrapper that transformers maps to its language model's causal LM class loads as that model; one it
-loads only as an image-text-to-text model (`wraps_a_text_model`) loads as its language model and lm_head."""
+loads only as an image-text-to-text model (`wraps_a_text_model`) loads as its language model and lm_head, inside
+the language model's own causal LM class where transformers has one (`text_has_causal_lm`)."""
 
 from __future__ import annotations
 
@@ -68,15 +69,27 @@ def may_be_a_causal_lm(model_type: str) -> bool:
 
 def wraps_a_text_model(config: dict[str, Any]) -> bool:
     """Whether `config` (a config.json's dict) is a vision-language wrapper draftsmith runs as its language model and
-    lm_head (draftsmith.wrapped_text.TextOfWrapper), as vLLM serves such a wrapper on text prompts: transformers loads
-    it as an image-text-to-text model only, has no causal LM class for its language model either, but builds that
-    model alone (`AutoModel`)."""
-    model_type, text = config.get("model_type"), config.get("text_config")
-    text_type = text.get("model_type") if isinstance(text, dict) else None
+    lm_head (draftsmith.wrapped_text.language_causal_lm), as vLLM serves such a wrapper on text prompts: transformers
+    loads it as an image-text-to-text model only, and builds its language model alone, as a causal LM
+    (`text_has_causal_lm`) or as a model (`AutoModel`). The load proves, once, that the result computes the wrapper's
+    own logits, and refuses it in one line where not."""
+    model_type, text_type = config.get("model_type"), text_model_type(config)
     known, wrappers, models = causal_lm_types(), mapped_types(WRAPPER_TABLE), mapped_types(MODEL_TABLE)
     if known is None or wrappers is None or models is None:
         return False
-    return model_type not in known and model_type in wrappers and text_type not in known and text_type in models
+    return model_type not in known and model_type in wrappers and (text_type in known or text_type in models)
+
+
+def text_has_causal_lm(config: dict[str, Any]) -> bool:
+    """Whether the language model of a wrapper (`wraps_a_text_model`) has a causal LM class of its own (MiniMax-M3's,
+    Inkling's), which then computes the logits rather than the bare lm_head (Inkling's scales the final state)."""
+    known = causal_lm_types()
+    return wraps_a_text_model(config) and known is not None and text_model_type(config) in known
+
+
+def text_model_type(config: dict[str, Any]) -> Optional[str]:
+    text = config.get("text_config")
+    return text.get("model_type") if isinstance(text, dict) else None
 
 
 def not_a_causal_lm(config: dict[str, Any], name_or_path: str) -> Optional[str]:

@@ -40,7 +40,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 
-from draftsmith.causal_lm import may_be_a_causal_lm, no_causal_lm, wraps_a_text_model
+from draftsmith.causal_lm import may_be_a_causal_lm, no_causal_lm, text_has_causal_lm, wraps_a_text_model
 from draftsmith.errors import UserError, one_line, run_cli
 from draftsmith.families import COMPRESSED, LINEAR, own_layer_kinds, text_config
 from draftsmith.files import publish_folder, staging
@@ -310,9 +310,9 @@ def build_model(
         if parameter.dim() >= 2:
             parameter.normal_(0.0, std)
     if seed_from is not None:  # a wrapper's language model, under a causal LM's names as the checkpoint's are
-        from draftsmith.wrapped_text import TextOfWrapper
+        from draftsmith.wrapped_text import language_causal_lm
 
-        seed_weights(TextOfWrapper.of(model) if wrapper else model, Path(seed_from))
+        seed_weights(language_causal_lm(model, config.model_type) if wrapper else model, Path(seed_from))
     return model.eval()
 
 
@@ -382,7 +382,8 @@ def tiny_wrapper_config(model_type: str, text):
     target); None for any other model type."""
     from transformers import AutoConfig
 
-    if not wraps_a_text_model({"model_type": model_type, "text_config": text.to_dict()}):
+    wrapped = {"model_type": model_type, "text_config": text.to_dict()}
+    if not wraps_a_text_model(wrapped) or text_has_causal_lm(wrapped):  # then its language model is written alone
         return None
     vision = {**TINY_VISION, "out_hidden_size": text.hidden_size}
     config = AutoConfig.for_model(model_type, text_config=text.to_dict(), vision_config=vision)

@@ -113,7 +113,7 @@ def load_sharded(
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.wrapped_text import TextOfWrapper
+    from draftsmith.wrapped_text import built_language_causal_lm
 
     device = torch.device(device)
     if not dist.is_initialized():
@@ -129,7 +129,7 @@ def load_sharded(
     # was anyway, so a sharded run draws the same drafter initialisation as an unsharded one.
     with torch.random.fork_rng(devices=[]), init_empty_weights(include_buffers=False):
         if wraps_a_text_model(config.to_dict()):  # as draftsmith.target_loading.read_model reads its weights
-            model = TextOfWrapper.built(config, dtype=dtype)
+            model = built_language_causal_lm(config, dtype=dtype)
         else:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     model.requires_grad_(False)

@@ -30,10 +30,11 @@ def load_config(section):
 
 def read_model(section, dtype: torch.dtype, device: torch.device | str):
     """The whole model, its weights read from the checkpoint, on `device`: a causal LM, or the language model and
-    lm_head of a wrapper transformers has no causal LM class for (`TextOfWrapper`)."""
+    lm_head of a wrapper transformers has no causal LM class for (`language_causal_lm`), proven once on a few tokens
+    to compute the wrapper's own logits."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from draftsmith.wrapped_text import TextOfWrapper
+    from draftsmith.wrapped_text import check_computes_as_wrapper, language_causal_lm
 
     config = load_config(section)  # read once: handed to the loader, which would read it again
     wrapper = wraps_a_text_model(config.to_dict())
@@ -59,7 +60,11 @@ def read_model(section, dtype: torch.dtype, device: torch.device | str):
     finally:
         report.stop()
     report.release(loading, model.config, section.name_or_path)
-    return (TextOfWrapper.of(model) if wrapper else model).to(device)
+    if not wrapper:
+        return model.to(device)
+    causal_lm = language_causal_lm(model, section.name_or_path).to(device)  # the wrapper's modules, moved with it
+    check_computes_as_wrapper(causal_lm, model, section.name_or_path)
+    return causal_lm
 
 
 class HeldLoadReport(logging.Filter):
