@@ -1,7 +1,8 @@
 """The residual streams of a target with hyper-connections (DeepSeek-V4's `hc_mult`): its decoder layers pass S
 streams a position, [B, T, S, H], and the decoder's `hc_head` collapses the last layer's into one state before the
-final norm. transformers' outputs hold only that collapse (`hidden_states[-1]`, normed), so a drafter that reads the
-streams themselves (V4's own MTP layer, as vLLM hands it `previous_hidden_states`) gets them as they enter `hc_head`.
+final norm (Qwen4-Exp's `hc_count` streams lie side by side, [B, T, S*H], and its `hyper_connection_mixer` collapses
+them). transformers' outputs hold only that collapse (`hidden_states[-1]`), so a drafter that reads the streams
+themselves (an MTP layer, as vLLM hands it `previous_hidden_states`) gets them as they enter the collapse, [B, T, S, H].
 """
 
 from __future__ import annotations
@@ -16,19 +17,26 @@ from draftsmith.errors import UserError
 
 @contextlib.contextmanager
 def last_layer_streams(model, wanted: bool) -> Iterator[dict[str, torch.Tensor]]:
-    """Within it, a forward of `model` leaves the streams entering its decoder's `hc_head` as `captured["streams"]`
-    (nothing where not `wanted`); a target with one state a position has none to give: one line."""
+    """Within it, a forward of `model` leaves the streams entering its decoder's collapse as `captured["streams"]`,
+    [B, T, S, H] (nothing where not `wanted`); a target with one state a position has none to give: one line."""
     captured: dict[str, torch.Tensor] = {}
     if not wanted:
         yield captured
         return
-    collapse = getattr(model.get_decoder(), "hc_head", None)
+    decoder = model.get_decoder()
+    collapse = getattr(decoder, "hc_head", None) or getattr(decoder, "hyper_connection_mixer", None)
     if collapse is None:
         raise UserError(
             f"the drafter reads the residual streams of a target with hyper-connections; {type(model).__name__} "
             "passes one hidden state a position"
         )
-    hook = collapse.register_forward_pre_hook(lambda _, args: captured.update(streams=args[0]))
+    width = model.config.get_text_config().hidden_size
+
+    def keep(_, args) -> None:
+        streams = args[0]
+        captured["streams"] = streams.unflatten(-1, (-1, width)) if streams.shape[-1] != width else streams
+
+    hook = collapse.register_forward_pre_hook(keep)
     try:
         yield captured
     finally:

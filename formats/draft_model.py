@@ -12,6 +12,7 @@ shipped twice. LoRA-trained checkpoints already hold merged weights.
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ SGLANG_SERVE = (
     "--speculative-num-draft-tokens {gamma_plus_one}" + SGLANG_FLAGS
 )
 PREFIX = "model."  # the DraftModel drafter holds the causal LM as `model`
+FIRST_LAYER = re.compile(r"(^|\.)layers\.0\.")  # a causal LM's first decoder layer's tensors
 
 
 def model_config(source: Source) -> dict[str, Any]:
@@ -126,9 +128,12 @@ class DraftModelExporter(Exporter):
         return replace(self.repo(source, "sglang", SGLANG_SERVE, "STANDALONE"), revision_flag=SGLANG_REVISION_FLAG)
 
     def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
-        # a model of its own that reads tokens alone: no EAGLE fc, no width of another model it reads states of
+        # a model of its own that reads tokens alone: no EAGLE fc, no width of another model it reads states of; its
+        # first decoder layer among its tensors (an MTP folder holds layers past the target's only, and may hold an
+        # embedding of its own: Dots3-Note's)
         return (
             any(name.endswith("embed_tokens.weight") for name in tensors)
+            and any(FIRST_LAYER.search(name) for name in tensors)
             and "fc.weight" not in tensors
             and "backbone_hidden_size" not in config
         )

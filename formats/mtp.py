@@ -78,8 +78,9 @@ class MtpExporter(Exporter):
         text = text_fields(config)
         text[layout.count_key] = 1
         text |= compress_ratios(text)
-        prefix = layout.prefix(int(text["num_hidden_layers"]))
-        tensors = {prefix + name: tensor for name, tensor in drafter.checkpoint_tensors().items()}
+        layers = int(text["num_hidden_layers"])
+        prefix = layout.prefix(layers)
+        tensors = {layout.release_name(name, layers): tensor for name, tensor in drafter.checkpoint_tensors().items()}
         expected = shipped_shapes(name_or_path, source.target.config, layout)
         conventions = {
             "config": (
@@ -87,7 +88,12 @@ class MtpExporter(Exporter):
                 f"{layout.count_key}=1: vLLM builds its {layout.vllm_model} model"
             ),
             "weights": f"the fine-tuned MTP layer under the target checkpoint's names and shapes ({prefix}*)",
-            "shared": "embed_tokens and lm_head are the target's (vLLM shares them; not in the folder)",
+            "shared": (
+                "lm_head is the target's (vLLM shares it; not in the folder); the layer's own embedding "
+                f"({layout.own_embedding}) is in the folder, as shipped"
+                if layout.own_embedding
+                else "embed_tokens and lm_head are the target's (vLLM shares them; not in the folder)"
+            ),
             "hidden": (
                 "the target's last decoder layer's residual streams before its hc_head"
                 if layout.streams
@@ -113,17 +119,17 @@ class MtpExporter(Exporter):
         if layout is None or "num_hidden_layers" not in text_fields(config):
             return False
         prefix = layout.prefix(int(text_fields(config)["num_hidden_layers"]))
-        return bool(tensors) and all(name.startswith(prefix) for name in tensors)
+        return bool(tensors) and all(name.startswith(prefix) or name == layout.own_embedding for name in tensors)
 
     def read(
         self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]
     ):
         mtp = drafter_class("mtp")
-        prefix = layout_of(config).prefix(int(text_fields(config)["num_hidden_layers"]))
+        layout, layers = layout_of(config), int(text_fields(config)["num_hidden_layers"])
         settings = {
             key: value
             for key, value in info.get("drafter_config", {}).items()
             if key in ("ttt_steps", "ttt_decay", "tree_depth", "tree_topk")
         }  # training and decoding settings the engine does not carry
-        layer = {name.removeprefix(prefix): tensor for name, tensor in tensors.items()}
+        layer = {layout.layer_name(name, layers): tensor for name, tensor in tensors.items()}
         return mtp.from_layer(mtp.Config(**settings), target_model, info.get("verifier", "target"), layer)

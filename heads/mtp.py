@@ -1,11 +1,11 @@
 """MTP: the target's own multi-token-prediction layer, shipped in its checkpoint, fine-tuned as the drafter.
 
-DeepSeek-V3, V3.2 and V4, GLM-4.5, GLM-5 and GLM-5-Next, HY-V4, Qwen3-Next and Qwen3.5 ship, next to their decoder
-layers, a layer trained to predict the token after next. transformers drops it at load (the families' `_keys_to_
-ignore_on_load_unexpected`); vLLM serves it as the `mtp` method. This kind reads it from the target's safetensors,
-builds it as vLLM 0.32's `*_mtp.py` model for that architecture computes it, trains it on the target's own
-distribution several steps ahead, each step fed its previous step's output (EAGLE's training-time test),
-and exports it back under the checkpoint's own names (formats/mtp.py).
+DeepSeek-V3, V3.2 and V4, Dots3-Note, GLM-4.5, GLM-5 and GLM-5-Next, HY-V4, Qwen3-Next, Qwen3.5 and Qwen4-Exp ship,
+next to their decoder layers, a layer trained to predict the token after next. transformers drops it at load (the
+families' `_keys_to_ignore_on_load_unexpected`); vLLM serves it as the `mtp` method. This kind reads it from the
+target's safetensors, builds it as vLLM 0.32's `*_mtp.py` model for that architecture computes it, trains it on the
+target's own distribution several steps ahead, each step fed its previous step's output (EAGLE's training-time
+test), and exports it back under the checkpoint's own names (formats/mtp.py).
 
 Draft position p reads the target's final (post-norm) hidden state f_p, the hidden state vLLM hands its
 MTP proposer, and the embedding of the next token x_{p+1}:
@@ -17,8 +17,9 @@ where e is the target's embedding, zeroed at position 0 in the DeepSeek and GLM 
 target's (vLLM shares both with the target; the checkpoint's copies are not read). A later draft step
 reads the previous step's `final_norm(pre)` (DeepSeek, GLM-5, HY-V4, Qwen) or `pre` itself (GLM-4.5), as vLLM's
 proposer feeds them back (docs/results/vllm-0.32-source-2026-families.md, section 2). DeepSeek-V4's layer passes
-hyper-connection streams instead, and reads the target's last layer's (heads/mtp_streams.py); HY-V4's and GLM-5-Next's
-block is their decoder layer without its hyper-connections (heads/mtp_plain.py). Decoding is EAGLE's:
+hyper-connection streams instead, and reads the target's last layer's (heads/mtp_streams.py; Qwen4-Exp's, mixed by
+gated residuals: heads/mtp_gated.py); HY-V4's and GLM-5-Next's block is their decoder layer without its
+hyper-connections (heads/mtp_plain.py). Decoding is EAGLE's:
 the layer's own KV cache over the committed sequence, a chain or a dynamic tree grown from it (EagleProposer);
 vLLM verifies chains.
 
@@ -41,11 +42,12 @@ from torch import nn
 
 from draftsmith.errors import UserError
 from draftsmith.families import sliding_window, within_window
-from draftsmith.heads import mtp_plain, mtp_streams, register
+from draftsmith.heads import mtp_gated, mtp_plain, mtp_streams, register
 from draftsmith.heads.base import WEIGHTS_NAME, FlopProfile
 from draftsmith.heads.eagle_base import EagleBase, import_qualified
 from draftsmith.heads.mtp_config import MtpConfig
 from draftsmith.heads.mtp_layer import (
+    OWN_EMBEDDING,
     Layout,
     block_from_checkpoint,
     block_to_checkpoint,
@@ -172,13 +174,21 @@ class Mtp(EagleBase):
         self.layout = LAYOUTS[spec["architecture"]]
         hidden, eps = target.hidden_size, self.layer_config.rms_norm_eps
         norm = import_qualified(spec["norm"])  # the target's RMSNorm (Qwen's computes x * (1 + w))
-        self.embed_norm, self.hidden_norm, self.final_norm = (norm(hidden, eps=eps) for _ in range(3))
-        if self.layout.streams:
-            mtp_streams.build(self, hidden, import_qualified(spec["collapse"]))
+        if self.layout.gated:  # no final norm: the layer's own mixer feeds the lm_head
+            mtp_gated.build(self, hidden, eps, norm, import_qualified(spec["collapse"]))
         else:
-            self.proj = nn.Linear(2 * hidden, hidden, bias=False)
+            self.embed_norm, self.hidden_norm, self.final_norm = (norm(hidden, eps=eps) for _ in range(3))
+            if self.layout.streams:
+                mtp_streams.build(self, hidden, import_qualified(spec["collapse"]))
+            else:
+                self.proj = nn.Linear(2 * hidden, hidden, bias=False)
+        if self.layout.own_embedding:  # frozen as the target's table is for the other layouts: a vocabulary's rows
+            self.own_embed = nn.Embedding(target.vocab_size, hidden).requires_grad_(False)
         layer = import_qualified(spec["layer"])(self.layer_config, layer_idx=0)
-        self.block = mtp_plain.PlainBlock(layer) if self.layout.plain_block else layer
+        if self.layout.gated:
+            self.block = mtp_gated.GatedBlock(layer, self.rotary_emb)
+        else:
+            self.block = mtp_plain.PlainBlock(layer) if self.layout.plain_block else layer
         indexer = getattr(self.block.self_attn, "indexer", None)
         if indexer is not None:
             # V3.2's sparse-attention indexer stays as shipped: transformers runs it without gradients (DeepSeek
@@ -231,12 +241,13 @@ class Mtp(EagleBase):
             "layer": qualified(type(inner.layers[0])),
             # a family without rotary embeddings (GLM-5-Next's NoPE attention) has no table
             "rotary": qualified(type(inner.rotary_emb)) if hasattr(inner, "rotary_emb") else None,
-            "norm": qualified(type(inner.norm)),
+            # Qwen4-Exp's decoder ends in its mixer, whose norm is the family's
+            "norm": qualified(type(inner.norm if hasattr(inner, "norm") else inner.hyper_connection_mixer.hc_norm)),
             "config_class": qualified(type(text)),
-            "config": layer_config(target_config),
+            "config": layer_config(target_config, layout),
         }
-        if layout.streams:  # the layer's own collapse of its streams is the target's kind (its hc_head)
-            spec["collapse"] = qualified(type(inner.hc_head))
+        if layout.streams:  # the layer's own collapse of its streams is the target's kind (its hc_head, or mixer)
+            spec["collapse"] = qualified(type(inner.hyper_connection_mixer if layout.gated else inner.hc_head))
         drafter = cls(replace(config, decoder=spec), TargetShape.of(target_model, name_or_path))
         drafter.attach_target(target_model)
         return drafter
@@ -256,7 +267,9 @@ class Mtp(EagleBase):
                     f"{list(tensor.shape)}, the target's hidden size makes it {list(expected)})"
                 )
         block_tensors = {name.removeprefix(block): t for name, t in tensors.items() if name.startswith(block)}
-        block_tensors = {k: v for k, v in block_tensors.items() if k not in wrapper.values()}
+        block_tensors = {k: v for k, v in block_tensors.items() if k not in (*wrapper.values(), OWN_EMBEDDING)}
+        if self.layout.own_embedding:
+            state["own_embed.weight"] = tensors[OWN_EMBEDDING]
         converted = block_from_checkpoint(block_tensors, self.config.decoder, self.layout)
         state |= {f"block.{name}": t for name, t in converted.items()}
         dtype = self.embed_norm.weight.dtype
@@ -268,7 +281,7 @@ class Mtp(EagleBase):
         block = self.layout.block()
         saved = block_to_checkpoint(self.block, self.config.decoder, self.layout)
         out |= {block + name: t for name, t in saved.items()}
-        return out
+        return out | ({OWN_EMBEDDING: self.own_embed.weight.detach()} if self.layout.own_embedding else {})
 
     # -- the draft model ------------------------------------------------------------------------
     def draft(
@@ -281,15 +294,17 @@ class Mtp(EagleBase):
     ) -> torch.Tensor:
         """pre = block(proj(cat(embed_norm(e), hidden_norm(f)))), or a streams layout's (heads/mtp_streams.py);
         returns what a later step reads (see the module docstring), which `top_tokens` turns into logits."""
-        embedded = self.embed(tokens).to(features.dtype)
+        embedded = (self.own_embed(tokens) if self.layout.own_embedding else self.embed(tokens)).to(features.dtype)
         if self.layout.masks_first_position:
             embedded = torch.where(positions[..., None] == 0, 0.0, embedded)
         if self.layout.streams:
-            hidden = mtp_streams.combine(self, embedded, features)
-            arguments = mtp_streams.block_arguments(self, hidden, positions, mask)
+            parts = streams_parts(self.layout)
+            hidden = parts.combine(self, embedded, features)
+            arguments = parts.block_arguments(self, hidden, positions, mask)
         else:
             hidden = self.proj(torch.cat([self.embed_norm(embedded), self.hidden_norm(features)], dim=-1))
-            arguments = {"attention_mask": mask, "position_embeddings": self.rotary_emb(hidden, positions)}
+            kind = {"layer_type": self.layer_config.layer_types[0]} if self.layout.block_kind else {}
+            arguments = {"attention_mask": mask, "position_embeddings": self.rotary_emb(hidden, positions, **kind)}
         pre = self.block(hidden, position_ids=positions, cache=cache, **arguments)
         if isinstance(pre, tuple):  # GLM-5's layer returns its top-k selection beside, for a later layer to share
             pre = pre[0]
@@ -297,7 +312,7 @@ class Mtp(EagleBase):
 
     def head_input(self, fed_back: torch.Tensor) -> torch.Tensor:
         if self.layout.streams:
-            return mtp_streams.head_input(self, fed_back)
+            return streams_parts(self.layout).head_input(self, fed_back)
         return fed_back if self.layout.feeds_back_normed else self.final_norm(fed_back)
 
     def top_tokens(self, feature: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -356,11 +371,16 @@ def qualified(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def streams_parts(layout: Layout):
+    """The module computing a streams layout's layer around its block: DeepSeek-V4's, or gated residuals'."""
+    return mtp_gated if layout.gated else mtp_streams
+
+
 def wrapper_names(layout: Layout) -> dict[str, str]:
     """The drafter's parameters around the block -> their names in the checkpoint (under the layer's prefix)."""
-    roles = mtp_streams.ROLES if layout.streams else WRAPPER
+    roles = streams_parts(layout).ROLES if layout.streams else WRAPPER
     names = {f"{own}.weight": f"{theirs}.weight" for own, theirs in zip(roles, layout.names)}
-    return names | (mtp_streams.COLLAPSE_NAMES if layout.streams else {})
+    return names | (streams_parts(layout).COLLAPSE_NAMES if layout.streams else {})
 
 
 @torch.no_grad()
@@ -400,6 +420,6 @@ def write_random_layer(directory: str | Path, std: float = 0.08, seed: int = 0) 
             parameter.normal_(0.0, std)
     weights = directory / WEIGHTS_NAME
     tensors = load_file(str(weights))
-    prefix = layout.prefix(int(text["num_hidden_layers"]))
-    tensors |= {prefix + name: t.contiguous() for name, t in drafter.checkpoint_tensors().items()}
+    layers = int(text["num_hidden_layers"])
+    tensors |= {layout.release_name(name, layers): t.contiguous() for name, t in drafter.checkpoint_tensors().items()}
     save_file(tensors, str(weights), metadata={"format": "pt"})

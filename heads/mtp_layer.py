@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
+from typing import Optional
 
 import torch
 from safetensors import safe_open
@@ -46,6 +47,14 @@ class Layout:
     own_prefix: bool = False
     # the layer passes hyper-connection streams [.., streams, H] (DeepSeek-V4): heads/mtp_streams.py
     streams: bool = False
+    # the streams are mixed by gated residuals, the target's laid side by side (Qwen4-Exp): heads/mtp_gated.py
+    gated: bool = False
+    # vLLM builds the block as this kind of layer (attention, MLP) whatever the target's last layer is (Dots3-Note's
+    # sliding-window attention and dense MLP: layer N takes `mtp_layer_types`, and is past the layers with experts)
+    block_kind: Optional[tuple[str, str]] = None
+    # the layer's own embedding table, which vLLM reads in place of the target's (Dots3-Note's `has_own_embed_tokens`),
+    # by its release name outside the layer's prefix; the drafter holds it as `embed_tokens.weight` under the prefix
+    own_embedding: str = ""
     # where the MTP layers are stored when not after the decoder's layers: `mtp.`, or HY-V4's `model.mtp_layers.`
     under: str = "mtp."
     # the block is the family's decoder layer without its hyper-connections (heads/mtp_plain.py): the release
@@ -78,6 +87,17 @@ class Layout:
             return f"{self.decoder_prefix}layers.{num_hidden_layers}.*"
         return self.under + ("{j}.*" if self.own_prefix else "layers.{j}.*")
 
+    def release_name(self, name: str, num_hidden_layers: int) -> str:
+        """A tensor of the layer (named under the prefix) -> its name in the release."""
+        own = self.own_embedding and name == OWN_EMBEDDING
+        return self.own_embedding if own else self.prefix(num_hidden_layers) + name
+
+    def layer_name(self, release_name: str, num_hidden_layers: int) -> str:
+        """`release_name`'s inverse."""
+        if self.own_embedding and release_name == self.own_embedding:
+            return OWN_EMBEDDING
+        return release_name.removeprefix(self.prefix(num_hidden_layers))
+
     def shipped_layers(self, names: Iterable[str], num_hidden_layers: int) -> set[int]:
         """The indices of the MTP layers whose tensors are among a checkpoint's tensor names: layers N, N+1, ...
         after the decoder's, `mtp.{j}` or `mtp.layers.{j}`."""
@@ -90,6 +110,7 @@ class Layout:
 
 
 INDEX_NAME = "model.safetensors.index.json"
+OWN_EMBEDDING = "embed_tokens.weight"  # Layout.own_embedding, as the drafter names it
 
 
 def tensor_names(folder: Path) -> Mapping[str, Path]:
@@ -157,16 +178,21 @@ def layer_files(name_or_path: str, config: dict, layout: Layout) -> dict[Path, l
             files.setdefault(path, []).append(name)
     if not files:
         raise UserError(f"drafter.type=mtp: {folder}'s weights hold no MTP layer (no tensor named {prefix}*)")
+    if layout.own_embedding:
+        found = tensor_names(folder).get(layout.own_embedding)
+        if found is None:
+            raise UserError(f"drafter.type=mtp: {folder}'s weights hold no {layout.own_embedding}, the MTP layer's own")
+        files.setdefault(found, []).append(layout.own_embedding)
     return files
 
 
 def read_layer(name_or_path: str, config: dict, layout: Layout) -> dict[str, torch.Tensor]:
     """The target's first MTP layer, its tensors named as in the checkpoint minus the prefix."""
-    prefix = layout.prefix(int(config["num_hidden_layers"]))
+    layers = int(config["num_hidden_layers"])
     tensors = {}
     for path, names in layer_files(name_or_path, config, layout).items():
         with safe_open(str(path), "pt") as f:
-            tensors.update({name.removeprefix(prefix): f.get_tensor(name) for name in names})
+            tensors.update({layout.layer_name(name, layers): f.get_tensor(name) for name in names})
     return tensors
 
 
@@ -186,7 +212,7 @@ def first_layer(name: str, layout: Layout) -> bool:
     return layout.after_layers or layout.own_prefix or not name.startswith("layers.") or name.startswith(layout.block())
 
 
-def layer_config(target_config) -> dict:
+def layer_config(target_config, layout: Layout) -> dict:
     """The target's config for the one decoder layer the engine builds as the MTP block: of the kind of the
     layers after the dense ones (experts where the family has them: vLLM builds layer N, past
     `first_k_dense_replace`), with full attention (vLLM's `layer_type="full_attention"`), or the family's sparse
@@ -201,9 +227,17 @@ def layer_config(target_config) -> dict:
         values["first_k_dense_replace"] = 0
     if isinstance(values.get("mlp_layer_types"), list):
         values["mlp_layer_types"] = values["mlp_layer_types"][-1:]
+    if values.get("ple_layer_ids"):  # Qwen4-Exp's n-gram embedding: vLLM's MTP layer (layer N) has none
+        values["ple_layer_ids"] = []
     if isinstance(values.get("indexer_types"), list):  # vLLM's MTP layer runs an indexer of its own
         values["indexer_types"] = ["full"]
-    if isinstance(values.get("layer_types"), list):
+    if layout.block_kind is not None:
+        attention, mlp = layout.block_kind
+        attention = (values.get("mtp_layer_types") or [attention])[0]
+        # the first layer of that kind's overrides of the config (transformers' `per_layer_config`, by layer index)
+        overrides = (values.get("per_layer_config") or {}).get(str(values["layer_types"].index(attention)))
+        values |= {"layer_types": [attention], "mlp_layer_types": [mlp], "per_layer_config": {"0": overrides or {}}}
+    elif isinstance(values.get("layer_types"), list):
         kinds = set(values["layer_types"]) - {LINEAR}  # beside GLM-5-Next's indexed attention
         sparse, pooled = kinds == {INDEXED}, bool(kinds & set(COMPRESSED))
         values["layer_types"] = [INDEXED if sparse else SLIDING if pooled else FULL]

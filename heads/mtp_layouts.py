@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from draftsmith.families import SLIDING
 from draftsmith.heads.mtp_layer import Layout
 
 DEEPSEEK_NAMES = ("enorm", "hnorm", "eh_proj", "shared_head.norm")
@@ -15,6 +16,11 @@ HY_V4_NAMES = ("enorm", "hnorm", "eh_proj", "final_layernorm")
 QWEN_NAMES = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm")
 # DeepSeek-V4's release names (mtp_streams.ROLES), the block's beside them under `mtp.{j}.` in DeepSeek's original names
 V4_NAMES = ("enorm", "hnorm", "e_proj", "h_proj", "norm")
+# Qwen4-Exp's release names (mtp_gated.ROLES), its final mixer's beside them (mtp_gated.COLLAPSE_NAMES)
+QWEN4_EXP_NAMES = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc_embedding", "fc_hidden")
+QWEN4_EXP = Layout(
+    "Qwen4ExpMTP", "mtp_num_hidden_layers", QWEN4_EXP_NAMES, False, False, False, streams=True, gated=True
+)
 QWEN3_5 = Layout("qwen3_5_mtp", "mtp_num_hidden_layers", QWEN_NAMES, False, False, True)
 # vLLM's Qwen3_5MoeMTP: Qwen3.5's layer with Qwen3-Next's experts (a sigmoid-gated shared expert beside them),
 # stored fused as the releases ship them (vLLM reads either form)
@@ -59,6 +65,25 @@ LAYOUTS = {
         True,
         plain_block=True,
         decoder_prefix="model.language_model.",
+    ),  # fmt: skip
+    # vLLM's Qwen4ExpMTP (models/qwen4_exp/nvidia/mtp.py): Qwen's `mtp.` layout, the layer on the target's
+    # `hc_count` streams with its own final mixer (heads/mtp_gated.py), fed back unmixed; draftsmith loads the
+    # release, a vision-language wrapper, as its language model
+    "Qwen4ExpForCausalLM": QWEN4_EXP,
+    # its release: `mtp.*` at the top of the checkpoint (transformers' classes ignore `^mtp.*`), as Qwen3.5's
+    "Qwen4ExpForConditionalGeneration": QWEN4_EXP,
+    # vLLM's Dots3NoteMTP (models/dots3_note/nvidia/mtp.py): V3.2's wrapper, names and feedback, its block layer N
+    # with sliding-window attention (`mtp_layer_types`, sliding by default) and a dense MLP (`is_moe` needs an index
+    # below num_hidden_layers), and an embedding of its own, `model.mtp.embed_tokens` (`has_own_embed_tokens`)
+    "Dots3NoteForCausalLM": Layout(
+        "Dots3NoteMTPModel",
+        "num_nextn_predict_layers",
+        DEEPSEEK_NAMES,
+        True,
+        True,
+        True,
+        block_kind=(SLIDING, "dense"),
+        own_embedding="model.mtp.embed_tokens.weight",
     ),  # fmt: skip
     "Qwen3NextForCausalLM": Layout("qwen3_next_mtp", "num_nextn_predict_layers", QWEN_NAMES, False, False, True),
     "Qwen3_5ForCausalLM": QWEN3_5,

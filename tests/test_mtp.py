@@ -8,7 +8,9 @@ reads back exactly, is the block vLLM builds (the family's attention and experts
 formula, trains and decodes losslessly (V3.2's sparse-attention block with its indexer keys in the drafter's
 cache; V4's layer on hyper-connection streams, `mtp.0.*`, its sliding window kept alike in training and decoding;
 HY-V4's, `model.mtp_layers.0.*`, and GLM-5-Next's, under its wrapper's language model, each a decoder layer without
-its hyper-connections, GLM-5-Next's pooled sparse attention on the drafter's masks);
+its hyper-connections, GLM-5-Next's pooled sparse attention on the drafter's masks; Qwen4-Exp's, `mtp.*`, on the
+target's streams laid side by side, its QSA indexer's pools on the drafter's masks; Dots3-Note's, a sliding-window
+dense block with an embedding of its own);
 Qwen3.5's vision-language wrappers, as released, train and export as
 their language models; targets without one are refused in one line before anything loads. The real engine
 serving the export: tests/test_mtp_vllm.py.
@@ -84,7 +86,10 @@ def layout(folder):
     return {**config.get("text_config", config), "architectures": [architecture]}, LAYOUTS[architecture]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+STREAMS_FAMILIES = ("qwen4_exp",)  # a layer on the target's streams whose block is its decoder layer (not V4's)
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, *STREAMS_FAMILIES])
 def test_the_layer_reads_back_under_the_checkpoints_names_as_the_block_vllm_builds(family, targets):
     folder, model = targets(family)
     drafter = MTP.from_target(MTP.Config(), model, str(folder))
@@ -139,7 +144,7 @@ def test_one_draft_step_computes_vllms_formula_from_the_checkpoint(family, targe
     assert torch.allclose(fed, rms(pre, final_norm, eps, qwen) if chosen.feeds_back_normed else pre, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "deepseek_v4"])
+@pytest.mark.parametrize("family", [*FAMILIES, "deepseek_v4", *STREAMS_FAMILIES, "dots3_note_text"])
 def test_it_trains_several_steps_ahead_and_decodes_losslessly(family, targets):
     folder, model = targets(family)
     drafter = MTP.from_target(MTP.Config(ttt_steps=3), model, str(folder))
@@ -165,7 +170,7 @@ def test_targets_without_a_served_mtp_layer_are_refused_in_one_line(tmp_path):
     """Before any model or data loads (the target's config.json and safetensors headers only)."""
     shape = local_target_shape(str(REFERENCE_TARGET))
     # what draftsmith reads, not a claim about what vLLM serves (vLLM 0.32 serves more MTP families)
-    known = r"draftsmith reads the MTP layers of .*Qwen3_5MoeForConditionalGeneration targets only, each checked"
+    known = r"draftsmith reads the MTP layers of .*Qwen4ExpForConditionalGeneration targets only, each checked"
     with pytest.raises(UserError, match=f"no MTP layer layout is known for a LlamaForCausalLM target: {known}"):
         MTP.Config().check(shape)
     gemma = write_random_target("gemma4_text", tmp_path / "gemma")  # its MTP is a model of its own
@@ -659,10 +664,10 @@ def test_a_hy_v4_layers_block_is_its_decoder_layer_on_one_stream_with_its_attent
         block.self_attn.sinks.sub_(3.0)
 
 
-def test_a_hy_v4_layer_exports_under_its_release_names_with_the_targets_config(targets, tmp_path):
-    """The folder: the target's config.json as shipped with one MTP layer, the layer under exactly the shipped names
-    and shapes (`model.mtp_layers.0.*`, vLLM's HYV4MTP maps them to layer num_hidden_layers), read back alike."""
-    folder, model = targets("hy_v4")
+def exported_and_read_back(family: str, targets, tmp_path) -> tuple[dict, dict, object]:
+    """A `family` target's shipped layer, exported for vLLM and read back as the same layer: (the target's config as
+    shipped, the layer's tensors as shipped, the export's repo)."""
+    folder, model = targets(family)
     drafter = MTP.from_target(MTP.Config(), model, str(folder))
     config, chosen = layout(folder)
     shipped = read_layer(str(folder), config, chosen)
@@ -671,10 +676,17 @@ def test_a_hy_v4_layer_exports_under_its_release_names_with_the_targets_config(t
     exporter = exporter_for("mtp")
     repo = exporter.vllm(source, 3, tmp_path / "export")
     check_tensors(repo, "export")
-    assert set(repo.tensors) == {f"model.mtp_layers.0.{name}" for name in shipped}
-    assert repo.config == {**config, "num_nextn_predict_layers": 1}
     back = exporter.read(tmp_path, repo.config, repo.tensors, model, {})
     assert all(torch.equal(t, back.checkpoint_tensors()[n]) for n, t in drafter.checkpoint_tensors().items())
+    return config, shipped, repo
+
+
+def test_a_hy_v4_layer_exports_under_its_release_names_with_the_targets_config(targets, tmp_path):
+    """The folder: the target's config.json as shipped with one MTP layer, the layer under exactly the shipped names
+    and shapes (`model.mtp_layers.0.*`, vLLM's HYV4MTP maps them to layer num_hidden_layers), read back alike."""
+    config, shipped, repo = exported_and_read_back("hy_v4", targets, tmp_path)
+    assert set(repo.tensors) == {f"model.mtp_layers.0.{name}" for name in shipped}
+    assert repo.config == {**config, "num_nextn_predict_layers": 1}
 
 
 @pytest.mark.slow
@@ -713,11 +725,19 @@ def test_a_glm5_next_blocks_pooled_sparse_attention_is_transformers_on_a_causal_
     assert torch.equal(picked[:, :topk], causal[:, 0, :topk]) and not picked[:, -1].all()
 
 
-def test_a_glm5_next_layers_later_draft_steps_pool_their_own_entries_in_training_as_in_decoding(targets):
+@pytest.mark.parametrize(
+    "family, feature, selected",
+    [
+        ("glm5_next", "final", lambda drafter: drafter.block.self_attn.indexer.index_topk + 16),
+        ("qwen4_exp", "streams", lambda d: d.layer_config.indexer_budget + d.layer_config.indexer_compress_ratio),
+    ],
+)
+def test_later_draft_steps_pool_their_own_entries_in_training_as_in_decoding(family, feature, selected, targets):
     """The training-time test's later steps attend to step 0's entries and their own earlier steps' (stored after
-    them); pooled by rank, these are the pools vLLM's decoding builds over positions: past index_topk, the loss's
-    steps 1 and 2 at position t are the chain a decoder drafts from t on its cache."""
-    folder, model = targets("glm5_next")
+    them); pooled by rank, these are the pools vLLM's decoding builds over positions: past the indexer's budget
+    (`selected` keys), the loss's steps 1 and 2 at position t are the chain a decoder drafts from t on its cache.
+    GLM-5-Next's layer reads the target's final state, Qwen4-Exp's its streams."""
+    folder, model = targets(family)
     drafter = MTP.from_target(MTP.Config(ttt_steps=3), model, str(folder)).eval()
     length, t = 101, 90
     ids = torch.randint(3, 4000, (1, length), generator=torch.Generator().manual_seed(5))
@@ -726,18 +746,19 @@ def test_a_glm5_next_layers_later_draft_steps_pool_their_own_entries_in_training
     draft = drafter.draft
     drafter.draft = lambda *args, **kwargs: steps.append(draft(*args, **kwargs)) or steps[-1]
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    features = getattr(target_out, feature)[:, : t + 1]
     with torch.no_grad():
         drafter.loss(batch, target_out)
         del drafter.draft
         cache = drafter.new_cache()
         seen = torch.ones(t + 1, t + 1, dtype=torch.bool).tril()[None, None]
-        fed = drafter.draft(ids[:, 1 : t + 2], target_out.final[:, : t + 1], torch.arange(t + 1)[None], seen, cache)
+        fed = drafter.draft(ids[:, 1 : t + 2], features, torch.arange(t + 1)[None], seen, cache)
         chain = [fed[:, -1:]]
         for step in (1, 2):
             seen = torch.ones(1, 1, 1, t + 1 + step, dtype=torch.bool)
             token, position = ids[:, t + 1 + step : t + 2 + step], torch.tensor([[t + step]])
             chain.append(drafter.draft(token, chain[-1], position, seen, cache))
-    assert drafter.block.self_attn.indexer.index_topk + 16 < t
+    assert selected(drafter) < t
     for step in (0, 1, 2):
         assert torch.allclose(steps[step][:, t : t + 1], chain[step], atol=1e-4), step
 
@@ -746,23 +767,13 @@ def test_a_glm5_next_layer_exports_under_the_wrappers_names_with_its_config(targ
     """The folder: the wrapper's config.json as shipped (vLLM maps its model_type glm5_next to glm5_next_mtp) with one
     MTP layer in its text_config, the layer under exactly the shipped names and shapes (`model.language_model.layers.
     {N}.*`, which vLLM's Glm5NextMTP reads without the prefix), read back as the same layer."""
-    folder, model = targets("glm5_next")
-    drafter = MTP.from_target(MTP.Config(), model, str(folder))
-    config, chosen = layout(folder)
-    shipped = read_layer(str(folder), config, chosen)
-    shape = TargetShape.of(model, str(folder))
-    source = Source(drafter, tmp_path, model, TargetInfo(shape, model.config.to_dict(), str(folder)))
-    exporter = exporter_for("mtp")
-    repo = exporter.vllm(source, 3, tmp_path / "export")
-    check_tensors(repo, "export")
+    config, shipped, repo = exported_and_read_back("glm5_next", targets, tmp_path)
     prefix = f"model.language_model.layers.{config['num_hidden_layers']}."
     assert set(repo.tensors) == {prefix + name for name in shipped}
     assert any(".mlp.experts.0.gate_proj." in name for name in repo.tensors)  # per expert, as the release's layers
-    wrapper = json.loads((folder / "config.json").read_text())
+    wrapper = json.loads((targets("glm5_next")[0] / "config.json").read_text())
     assert repo.config == {**wrapper, "text_config": {**wrapper["text_config"], "num_nextn_predict_layers": 1}}
-    assert exporter.recognises(repo.config, repo.tensors)
-    back = exporter.read(tmp_path, repo.config, repo.tensors, model, {})
-    assert all(torch.equal(t, back.checkpoint_tensors()[n]) for n, t in drafter.checkpoint_tensors().items())
+    assert exporter_for("mtp").recognises(repo.config, repo.tensors)
 
 
 def test_a_target_whose_later_draft_steps_share_the_first_ones_selection_is_refused_in_one_line(targets, tmp_path):
@@ -791,3 +802,204 @@ def test_a_glm5_next_targets_layer_trains_resumes_exports_and_decodes_losslessly
     assert written_shapes(vllm) == shipped_shapes(str(folder), text, LAYOUTS["Glm5NextForConditionalGeneration"])
     # chains: the target's linear attention verifies no tree
     assert_exported_layer_decodes_losslessly(folder, vllm, tmp_path, small_data, tree=0)
+
+
+def test_one_qwen4_exp_draft_step_computes_vllms_formula_from_the_checkpoint(targets):
+    """Written from vLLM 0.32's Qwen4ExpMTP (models/qwen4_exp/nvidia/mtp.py, its gated residuals' kernels in
+    nvidia/ops/hc.py): the target's last layer's hc_count streams before its final mixer (vLLM's `_mtp_hidden_buffer`),
+    pre_fc_norm_hidden over all S*H of them, fc_hidden per stream, fc_embedding(pre_fc_norm_embedding(e)) added to
+    each (position 0 not masked), transformers' decoder layer (its QSA indexer picking blocks past its budget: 64
+    here) on a causal sequence, then the layer's own mixer for the lm_head; a later step reads the streams."""
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextDecoderLayer
+
+    folder, model = targets("qwen4_exp")
+    drafter = MTP.from_target(MTP.Config(), model, str(folder)).eval()
+    config, chosen = layout(folder)
+    shipped = read_layer(str(folder), config, chosen)
+    eps, count, width, length = config["rms_norm_eps"], config["hc_count"], config["hidden_size"], 100
+    ids = torch.randint(3, 4000, (1, length), generator=torch.Generator().manual_seed(0))
+    out = run_target(model, ids, request=FeatureRequest(streams=True))
+    streams = out.streams
+    assert streams.shape[-2:] == (count, width)
+    assert torch.allclose(model.model.hyper_connection_mixer(streams.flatten(-2)), out.final, atol=1e-6)
+    positions = torch.arange(length)[None]
+    embedded = rms(model.get_input_embeddings().weight[ids], shipped["pre_fc_norm_embedding.weight"], eps, True)
+    joint = rms(streams.flatten(-2), shipped["pre_fc_norm_hidden.weight"], eps, True).unflatten(-1, (count, width))
+    hidden = joint @ shipped["fc_hidden.weight"].T + (embedded @ shipped["fc_embedding.weight"].T)[..., None, :]
+    layer = Qwen4ExpTextDecoderLayer(drafter.layer_config, layer_idx=0).eval()
+    layer.load_state_dict(drafter.block.state_dict())
+    causal = torch.ones(length, length, dtype=torch.bool).tril()[None, None]
+    with torch.no_grad():
+        rope = drafter.rotary_emb(hidden, positions)
+        pre = layer(hidden.flatten(-2), position_embeddings=rope, attention_mask=causal).unflatten(-1, (count, width))
+        normed = rms(pre, shipped["hyper_connection_mixer.hc_norm.weight"].view(count, width), eps, True).flatten(-2)
+        low = normed @ shipped["hyper_connection_mixer.input_mix_weight_down.weight"].T / count
+        gate = torch.sigmoid(low * torch.sigmoid(low) @ shipped["hyper_connection_mixer.input_mix_weight_up.weight"].T)
+        mixed = (gate * normed).unflatten(-1, (count, width)).mean(-2)
+        fed = drafter.draft(ids, streams, positions, causal)
+    assert fed.shape == streams.shape and torch.allclose(fed, pre, atol=1e-4)
+    assert torch.allclose(drafter.head_input(fed), mixed, atol=1e-4)
+    assert drafter.top_tokens(fed[0, -1], 1)[1].item() == model.lm_head(mixed)[0, -1].argmax().item()
+    assert drafter.layer_config.indexer_budget < length
+
+
+def test_a_qwen4_exp_layers_draft_steps_on_its_cache_compute_what_one_forward_does(targets):
+    """Past the QSA indexer's budget (64 here), draft steps on the drafter's cache (decoding) compute what one forward
+    over the sequence does (training), after a rejected draft was cut away with its indexer keys."""
+    folder, model = targets("qwen4_exp")
+    drafter = MTP.from_target(MTP.Config(), model, str(folder)).eval()
+    length, cached = 90, 80
+    ids = torch.randint(3, 4000, (1, length), generator=torch.Generator().manual_seed(2))
+    streams, positions = (
+        run_target(model, ids, request=FeatureRequest(streams=True)).streams,
+        torch.arange(length)[None],
+    )
+
+    def causal(new: int, past: int = 0) -> torch.Tensor:
+        return torch.ones(new, past + new, dtype=torch.bool).tril(past)[None, None]
+
+    with torch.no_grad():
+        whole = drafter.draft(ids, streams, positions, causal(length))
+        cache = drafter.new_cache()
+        drafter.draft(ids[:, :cached], streams[:, :cached], positions[:, :cached], causal(cached), cache)
+        rejected = slice(cached, cached + 3)
+        drafter.draft(ids[:, rejected].flip(-1), streams[:, rejected], positions[:, rejected], causal(3, cached), cache)
+        cache.crop(-3)
+        steps = [
+            drafter.draft(ids[:, p : p + 1], streams[:, p : p + 1], positions[:, p : p + 1], causal(1, p), cache)
+            for p in range(cached, length)
+        ]
+    assert cache.layers[0].indexer_keys.shape[1] == length
+    assert torch.allclose(torch.cat(steps, 1), whole[:, cached:], atol=1e-4)
+
+
+def test_a_qwen4_exp_layer_exports_under_its_release_names_with_the_config_vllm_maps(targets, tmp_path):
+    """The folder: the target's config.json as shipped with one MTP layer (vLLM maps its model_type qwen4_exp_text to
+    qwen4_exp_mtp and reads mtp_num_hidden_layers), the layer under exactly the shipped names and shapes (`mtp.*`, its
+    mixer beside the block), read back as the same layer."""
+    config, shipped, repo = exported_and_read_back("qwen4_exp", targets, tmp_path)
+    assert set(repo.tensors) == {f"mtp.{name}" for name in shipped}
+    assert "mtp.hyper_connection_mixer.input_mix_weight_up.weight" in repo.tensors
+    assert repo.config == {**config, "mtp_num_hidden_layers": 1} and repo.config["model_type"] == "qwen4_exp_text"
+
+
+def test_a_qwen4_exp_releases_layer_is_read_from_its_wrappers_top_and_exports_as_its_language_models(tmp_path):
+    """The release is a vision-language wrapper (`Qwen4ExpForConditionalGeneration`, its count in text_config, the MTP
+    layer at the top of the checkpoint, `mtp.*`, which transformers' classes ignore): its folder passes the check,
+    loads as Qwen4ExpForCausalLM, and its layer reads back and exports under the same names with the language model's
+    config (model_type qwen4_exp_text, which vLLM maps to qwen4_exp_mtp)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from draftsmith.random_target import TINY_VISION
+
+    text = json.loads((write_random_target("qwen4_exp", tmp_path / "text", **SHAPE) / "config.json").read_text())
+    del text["architectures"]
+    vision = {**TINY_VISION, "out_hidden_size": text["hidden_size"]}
+    folder = tmp_path / "release"
+    AutoModelForImageTextToText.from_config(
+        AutoConfig.for_model("qwen4_exp", text_config=text, vision_config=vision)
+    ).save_pretrained(folder)
+    write_random_layer(folder)
+    assert json.loads((folder / "config.json").read_text())["text_config"]["mtp_num_hidden_layers"] == 1
+    MTP.Config().check(local_target_shape(str(folder)))
+    model = load_target(str(folder))
+    assert type(model).__name__ == "Qwen4ExpForCausalLM"
+    drafter = MTP.from_target(MTP.Config(), model, str(folder))
+    shipped = read_layer(str(folder), model.config.to_dict(), LAYOUTS["Qwen4ExpForConditionalGeneration"])
+    written = drafter.checkpoint_tensors()
+    assert written.keys() == shipped.keys() and all(torch.equal(written[n], shipped[n]) for n in shipped)
+    source = Source(drafter, tmp_path, model, TargetInfo(TargetShape.of(model, str(folder)), model.config.to_dict(),
+                                                          str(folder)))  # fmt: skip
+    repo = exporter_for("mtp").vllm(source, 3, tmp_path / "export")
+    check_tensors(repo, "export")
+    assert set(repo.tensors) == {f"mtp.{name}" for name in shipped}
+    assert repo.config["architectures"] == ["Qwen4ExpForCausalLM"] and repo.config["model_type"] == "qwen4_exp_text"
+    assert repo.config["mtp_num_hidden_layers"] == 1 and "vision_config" not in repo.config
+
+
+@pytest.mark.slow
+def test_a_qwen4_exp_targets_layer_trains_resumes_exports_and_decodes_losslessly_through_the_entry_points(
+    tmp_path, small_data, token_cache, capsys
+):
+    """`recipe=mtp` on a Qwen4-Exp target (its layer on the target's streams laid side by side): it trains, resumes,
+    exports under the release's names and shapes, and draftsmith's eval, reading the folder back, decodes losslessly
+    (chains: the target's linear attention verifies no tree)."""
+    folder, vllm = trained_resumed_and_exported("qwen4_exp", tmp_path, small_data, token_cache, capsys)
+    config = json.loads((vllm / "config.json").read_text())
+    assert config["mtp_num_hidden_layers"] == 1
+    assert written_shapes(vllm) == shipped_shapes(str(folder), config, LAYOUTS["Qwen4ExpForCausalLM"])
+    assert_exported_layer_decodes_losslessly(folder, vllm, tmp_path, small_data, tree=0)
+
+
+def test_a_dots3_note_layer_reads_back_with_its_own_embedding_as_the_sliding_dense_block_vllm_builds(targets):
+    """vLLM 0.32's Dots3NoteMTP builds layer N with `mtp_layer_types` (sliding-window attention by default: the
+    target's sliding layers' shapes) and a dense MLP (`is_moe` needs an index below num_hidden_layers), and reads its
+    own embedding, `model.mtp.embed_tokens` (`has_own_embed_tokens`), not the target's."""
+    folder, model = targets("dots3_note_text")
+    drafter = MTP.from_target(MTP.Config(), model, str(folder))
+    config, chosen = layout(folder)
+    shipped = read_layer(str(folder), config, chosen)
+    written = drafter.checkpoint_tensors()
+    assert written.keys() == shipped.keys() and all(torch.equal(written[n], shipped[n]) for n in shipped)
+    sliding = config["layer_types"].index("sliding_attention")
+    theirs = {n: p.shape for n, p in model.model.layers[sliding].self_attn.named_parameters()}
+    assert {n: p.shape for n, p in drafter.block.self_attn.named_parameters()} == theirs
+    assert not any("experts" in n for n, _ in drafter.block.named_parameters())
+    assert drafter.attention_window() == config["sliding_window"]
+    assert "model.mtp.embed_tokens.weight" in tensor_names(folder)
+    assert not torch.equal(shipped["embed_tokens.weight"], model.get_input_embeddings().weight)
+
+
+def test_one_dots3_note_draft_step_computes_vllms_formula_from_the_checkpoint(targets):
+    """Written from vLLM 0.32's Dots3NoteMTP (models/dots3_note/nvidia/mtp.py, V3.2's fused_eh_norm): the layer's own
+    embedding, zeroed at position 0, and the target's final hidden state, RMS-normed by enorm and hnorm, eh_proj, the
+    block, shared_head.norm, fed back normed; the block the drafter's own (read back above) with its sliding rotary."""
+    folder, model = targets("dots3_note_text")
+    drafter = MTP.from_target(MTP.Config(), model, str(folder)).eval()
+    config, chosen = layout(folder)
+    shipped = read_layer(str(folder), config, chosen)
+    eps = config["rms_norm_eps"]
+    ids = torch.randint(3, 200, (1, 6), generator=torch.Generator().manual_seed(0))
+    features, positions = run_target(model, ids).final, torch.arange(6)[None]
+    embedded = shipped["embed_tokens.weight"][ids].clone()
+    embedded[:, 0] = 0
+    normed = [rms(embedded, shipped["enorm.weight"], eps, False), rms(features, shipped["hnorm.weight"], eps, False)]
+    hidden = torch.cat(normed, -1) @ shipped["eh_proj.weight"].T
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
+    with torch.no_grad():
+        rope = drafter.rotary_emb(hidden, positions, layer_type="sliding_attention")
+        pre = drafter.block(hidden, attention_mask=causal, position_ids=positions, position_embeddings=rope)
+        out = rms(pre, shipped["shared_head.norm.weight"], eps, False)
+        fed = drafter.draft(ids, features, positions, causal)
+    assert torch.allclose(fed, out, atol=1e-5)
+    assert drafter.top_tokens(fed[0, -1], 1)[1].item() == model.lm_head(out)[0, -1].argmax().item()
+
+
+def test_a_dots3_note_layer_exports_under_its_release_names_its_own_embedding_beside(targets, tmp_path):
+    """The folder: the target's config.json as shipped with one MTP layer, the layer under exactly the shipped names
+    and shapes (`model.layers.{N}.*` and `model.mtp.embed_tokens.weight`), recognised and read back alike."""
+    folder, model = targets("dots3_note_text")
+    drafter = MTP.from_target(MTP.Config(), model, str(folder))
+    config, chosen = layout(folder)
+    shape = TargetShape.of(model, str(folder))
+    source = Source(drafter, tmp_path, model, TargetInfo(shape, model.config.to_dict(), str(folder)))
+    exporter = exporter_for("mtp")
+    repo = exporter.vllm(source, 3, tmp_path / "export")
+    check_tensors(repo, "export")
+    assert "model.mtp.embed_tokens.weight" in repo.tensors and "model.layers.4.eh_proj.weight" in repo.tensors
+    assert repo.config == {**json.loads((folder / "config.json").read_text()), "num_nextn_predict_layers": 1}
+    assert exporter.recognises(repo.config, repo.tensors)
+    back = exporter.read(tmp_path, repo.config, repo.tensors, model, {})
+    assert all(torch.equal(t, back.checkpoint_tensors()[n]) for n, t in drafter.checkpoint_tensors().items())
+
+
+@pytest.mark.slow
+def test_a_dots3_note_targets_layer_trains_resumes_exports_and_decodes_losslessly_through_the_entry_points(
+    tmp_path, small_data, token_cache, capsys
+):
+    """`recipe=mtp` on a Dots3-Note target (its sliding-window dense block, its own embedding): it trains, resumes,
+    exports under the release's names and shapes, and draftsmith's eval, reading the folder back, decodes losslessly."""
+    folder, vllm = trained_resumed_and_exported("dots3_note_text", tmp_path, small_data, token_cache, capsys)
+    config = json.loads((vllm / "config.json").read_text())
+    assert written_shapes(vllm) == shipped_shapes(str(folder), config, LAYOUTS["Dots3NoteForCausalLM"])
+    assert_exported_layer_decodes_losslessly(folder, vllm, tmp_path, small_data, tree=6)
