@@ -291,25 +291,12 @@ class DFlash(EagleBase):
         `accepted`, per anchor the number of leading block positions whose argmax is right, what a
         greedy chain of block_size-1 would accept on this data.
         """
-        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
+        input_ids = batch["input_ids"]
         rows, length = input_ids.shape
         size = self.config.block_size
-        docs, num_docs = documents(batch), num_documents(batch)
-        draws = conversation_rand(batch, (), input_ids.device, self.optimizer_step if self.training else None)
-        anchors, real = self.sample_anchors(loss_mask, draws, host_field(batch, ROW_BLOCKS), docs)
-        outputs = self.blocks(input_ids, target_out.layers, anchors, batch)[:, :, 1:]  # [B, A, S-1, H]
-
-        scored = anchors[..., None] + torch.arange(1, size, device=input_ids.device)  # x_{a+k}, k = 1..S-1
-        inside = scored < length
-        clamped = scored.clamp(max=length - 1)
-
-        def at_scored(values: torch.Tensor) -> torch.Tensor:
-            return values.gather(1, clamped.flatten(1)).view_as(scored)
-
-        labels = at_scored(input_ids)
-        # A block must not run past its anchor's document (packed rows hold several).
-        same = at_scored(docs) == docs.gather(1, anchors)[..., None]
-        supervised = real[..., None] & inside & at_scored(loss_mask) & same  # [B, A, S-1]
+        anchors, real, outputs = self.sampled_blocks(batch, target_out)
+        outputs = outputs[:, :, 1:]  # [B, A, S-1, H]: block position k scores x_{a+k}, k = 1..S-1
+        clamped, labels, supervised = self.scored(batch, anchors, real, size - 1)
 
         weight = self.target_modules()[1].weight  # the target's lm_head, frozen
         chunk_rows = chunk_rows_for(self.loss_chunk_bytes, weight.shape[0])
@@ -341,18 +328,48 @@ class DFlash(EagleBase):
         else:
             total = result.loss  # the trainer divides by the blocks (loss_tokens)
 
-        with torch.no_grad():
-            correct = (result.best.view_as(supervised) == labels) & supervised  # best: -1 where not supervised
-            anchor_docs = docs.gather(1, anchors).clamp(min=0)  # [B, A]: each block's document (padding: never counted)
-            stats = {}
-            for k in range(size - 1):
-                values = {f"block{k + 1}/top1": correct[..., k].float()}
-                stats |= per_sample_stats(values, anchor_docs, num_docs, where=supervised[..., k])
-            block_docs = anchor_docs[..., None].expand_as(supervised)
-            stats |= per_sample_stats({"token_loss": token_loss}, block_docs, num_docs, where=supervised)
-            accepted = correct.cumprod(-1).sum(-1).float()
-            stats |= per_sample_stats({"accepted": accepted}, anchor_docs, num_docs, where=real)
-        return total, real.sum(), stats
+        return total, real.sum(), self.block_stats(result.best, labels, supervised, token_loss, anchors, real, batch)
+
+    def sampled_blocks(self, batch: dict, target_out: TargetOutput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This step's anchors [B, A], which are real [B, A], and their blocks' outputs [B, A, S, H]."""
+        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
+        draws = conversation_rand(batch, (), input_ids.device, self.optimizer_step if self.training else None)
+        anchors, real = self.sample_anchors(loss_mask, draws, host_field(batch, ROW_BLOCKS), documents(batch))
+        return anchors, real, self.blocks(input_ids, target_out.layers, anchors, batch)
+
+    @staticmethod
+    def scored(
+        batch: dict, anchors: torch.Tensor, real: torch.Tensor, count: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The `count` tokens after each anchor that its block scores, x_{a+1} .. x_{a+count}: their positions
+        clamped into the row [B, A, count], the data's tokens there, and whether each is scored (a real anchor's, in
+        the row, a loss token, in the anchor's document: a packed row holds several)."""
+        input_ids, loss_mask, docs = batch["input_ids"], batch["loss_mask"].bool(), documents(batch)
+        scored = anchors[..., None] + torch.arange(1, count + 1, device=input_ids.device)
+        clamped = scored.clamp(max=input_ids.shape[1] - 1)
+
+        def at_scored(values: torch.Tensor) -> torch.Tensor:
+            return values.gather(1, clamped.flatten(1)).view_as(scored)
+
+        same = at_scored(docs) == docs.gather(1, anchors)[..., None]
+        supervised = real[..., None] & (scored < input_ids.shape[1]) & at_scored(loss_mask) & same
+        return clamped, at_scored(input_ids), supervised
+
+    @torch.no_grad()
+    def block_stats(self, best, labels, supervised, token_loss, anchors, real, batch) -> dict[str, torch.Tensor]:
+        """The metrics per block position (the k-th drafted token), per anchor and per scored token: `best` the
+        argmax per scored position (-1 where not supervised), `token_loss` its cross-entropy [B, A, k]."""
+        docs, num_docs = documents(batch), num_documents(batch)
+        correct = (best.view_as(supervised) == labels) & supervised
+        anchor_docs = docs.gather(1, anchors).clamp(min=0)  # [B, A]: each block's document (padding: never counted)
+        stats = {}
+        for k in range(supervised.shape[-1]):
+            values = {self.DEPTH_TOP1.format(depth=k + 1): correct[..., k].float()}
+            stats |= per_sample_stats(values, anchor_docs, num_docs, where=supervised[..., k])
+        block_docs = anchor_docs[..., None].expand_as(supervised)
+        stats |= per_sample_stats({"token_loss": token_loss.detach()}, block_docs, num_docs, where=supervised)
+        accepted = correct.cumprod(-1).sum(-1).float()
+        return stats | per_sample_stats({"accepted": accepted}, anchor_docs, num_docs, where=real)
 
     def dpace_weights(self, supervised: torch.Tensor, token_loss: torch.Tensor) -> torch.Tensor:
         """D-PACE's weights [B, A, S-1] (module docstring) from the supervised positions' cross-entropies

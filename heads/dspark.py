@@ -39,10 +39,10 @@ from torch import nn
 
 from draftsmith.heads import register
 from draftsmith.heads.base import per_sample_stats
-from draftsmith.heads.dflash import ROW_BLOCKS, DFlash, host_field
+from draftsmith.heads.dflash import DFlash
 from draftsmith.heads.dspark_config import DSparkConfig
 from draftsmith.heads.dspark_proposer import DSparkProposer
-from draftsmith.heads.packing import conversation_rand, documents, num_documents
+from draftsmith.heads.packing import documents, num_documents
 from draftsmith.heads.vocab_loss import chunk_rows_for, cross_entropy, soft_cross_entropy
 from draftsmith.target import TargetOutput, TargetShape
 
@@ -110,26 +110,13 @@ class DSpark(DFlash):
         loss (module docstring); `(sum over blocks, blocks, stats)` as DFlash's loss. Metrics: DFlash's
         (`block{k}/top1` the k-th drafted token, `token_loss`, `accepted`), and `confidence_error`, the mean
         |sigmoid(confidence) - c*| where the head is."""
-        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
+        input_ids = batch["input_ids"]
         rows, length = input_ids.shape
         size = self.config.block_size
-        docs, num_docs = documents(batch), num_documents(batch)
-        draws = conversation_rand(batch, (), input_ids.device, self.optimizer_step if self.training else None)
-        anchors, real = self.sample_anchors(loss_mask, draws, host_field(batch, ROW_BLOCKS), docs)
-        outputs = self.blocks(input_ids, target_out.layers, anchors, batch)  # [B, A, S, H]
-
+        anchors, real, outputs = self.sampled_blocks(batch, target_out)  # [B, A, S, H]
         offsets = torch.arange(size, device=input_ids.device)
-        scored = anchors[..., None] + offsets + 1  # x_{a+k+1}
-        inside = scored < length
-        clamped = scored.clamp(max=length - 1)
-
-        def at(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-            return values.gather(1, index.flatten(1)).view_as(index)
-
-        labels = at(input_ids, clamped)
-        previous = at(input_ids, clamped - 1)  # x_{a+k}: the anchor at k = 0
-        same = at(docs, clamped) == docs.gather(1, anchors)[..., None]  # a block stays in its anchor's document
-        supervised = real[..., None] & inside & at(loss_mask, clamped) & same  # [B, A, S]
+        clamped, labels, supervised = self.scored(batch, anchors, real, size)  # block position k scores x_{a+k+1}
+        previous = input_ids.gather(1, (clamped - 1).flatten(1)).view_as(clamped)  # x_{a+k}: the anchor at k = 0
 
         lm_weight = self.target_modules()[1].weight  # the target's lm_head, frozen
         markov = self.markov_head.markov_w1(previous)  # [B, A, S, r]
@@ -170,8 +157,11 @@ class DSpark(DFlash):
             total = total + self.config.confidence_weight * (bce * confidence_weight).sum()
             with torch.no_grad():
                 error = (confidence.sigmoid() - accepted_chance).abs()
+                docs = documents(batch)
                 block_docs = docs.gather(1, anchors).clamp(min=0)[..., None].expand_as(supervised)
-                stats |= per_sample_stats({"confidence_error": error}, block_docs, num_docs, where=supervised)
+                stats |= per_sample_stats(
+                    {"confidence_error": error}, block_docs, num_documents(batch), where=supervised
+                )
         stats |= self.block_stats(result.best, labels, supervised, token_loss, anchors, real, batch)
         return total, real.sum(), stats
 
@@ -186,18 +176,3 @@ class DSpark(DFlash):
             q = F.linear(features[index], weight).float().softmax(-1)
             overlap[index] = torch.minimum(q, teacher(index)).sum(-1)
         return overlap.view_as(supervised)
-
-    @torch.no_grad()
-    def block_stats(self, best, labels, supervised, token_loss, anchors, real, batch) -> dict[str, torch.Tensor]:
-        """DFlash's metrics per block position (the k-th drafted token), per anchor and per scored token."""
-        docs, num_docs = documents(batch), num_documents(batch)
-        correct = (best.view_as(supervised) == labels) & supervised  # best: -1 where not supervised
-        anchor_docs = docs.gather(1, anchors).clamp(min=0)  # [B, A]: each block's document (padding: never counted)
-        stats = {}
-        for k in range(supervised.shape[-1]):
-            values = {self.DEPTH_TOP1.format(depth=k + 1): correct[..., k].float()}
-            stats |= per_sample_stats(values, anchor_docs, num_docs, where=supervised[..., k])
-        block_docs = anchor_docs[..., None].expand_as(supervised)
-        stats |= per_sample_stats({"token_loss": token_loss}, block_docs, num_docs, where=supervised)
-        accepted = correct.cumprod(-1).sum(-1).float()
-        return stats | per_sample_stats({"accepted": accepted}, anchor_docs, num_docs, where=real)
