@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftsmith.heads import mtp_pooled
+
 # The drafter's modules around the block, by role; the layout names them as the release does.
 ROLES = ("embed_norm", "hidden_norm", "embed_proj", "hidden_proj")
 # The layer's own final mixer (transformers' gated residual without its injection) -> the release's tensors
@@ -35,8 +37,6 @@ COLLAPSE_NAMES = {
     f"collapse.{name}.weight": f"hyper_connection_mixer.{name}.weight"
     for name in ("hc_norm", "input_mix_weight_down", "input_mix_weight_up")
 }
-# Elements of one chunk's per-query pool tensors [B, chunk, keys, index_head_dim]: bounds the memory the pools take
-CHUNK_ELEMENTS = 1 << 26
 
 
 def build(drafter: nn.Module, hidden: int, eps: float, norm: type, collapse: type) -> None:
@@ -123,13 +123,10 @@ def selection(attn: nn.Module, hidden: torch.Tensor, rope, seen: torch.Tensor, r
     ratio = indexer.compress_ratio
     starts = torch.arange(keys.shape[1] // ratio + 1, device=keys.device)[None] * ratio  # each pool's first rank
     pool_rope = rotary(keys, starts)
-    chunk = max(1, CHUNK_ELEMENTS // (batch * keys.shape[1] * dim))
-    return torch.cat(
-        [
-            pooled_pick(attn, keys, queries[:, start : start + chunk], seen[:, start : start + chunk], pool_rope)
-            for start in range(0, length, chunk)
-        ],
-        dim=1,
+    return mtp_pooled.by_query_chunks(
+        lambda part: pooled_pick(attn, keys, queries[:, part], seen[:, part], pool_rope),
+        length,
+        batch * keys.shape[1] * dim,
     )
 
 
@@ -137,10 +134,7 @@ def pooled_pick(attn: nn.Module, keys: torch.Tensor, queries: torch.Tensor, seen
     """`selection` for a chunk of queries: keys [B, K, D], queries [B, C, heads, D], seen [B, C, K]."""
     indexer = attn.indexer
     ratio, dim = indexer.compress_ratio, keys.shape[-1]
-    rank = seen.long().cumsum(-1) - 1
-    complete = seen.sum(-1, keepdim=True) // ratio  # [B, C, 1]
-    pool = rank.clamp(min=0) // ratio
-    member = seen & (pool < complete)
+    rank, complete, pool, member = mtp_pooled.rank_pools(seen, ratio)
     pools = pool_rope[0].shape[1]  # the last one collects the keys in no complete pool
     slot = torch.where(member, pool, pools - 1)[..., None].expand(*member.shape, dim)
     summed = keys.new_zeros((*member.shape[:2], pools, dim), dtype=torch.float32)
@@ -148,8 +142,5 @@ def pooled_pick(attn: nn.Module, keys: torch.Tensor, queries: torch.Tensor, seen
     pooled = indexer.k_layernorm((summed / ratio).to(keys.dtype))
     pooled = rotate(attn)(pooled, cos=pool_rope[0], sin=pool_rope[1], unsqueeze_dim=1)
     scores = F.relu(torch.einsum("bchd,bcpd->bcph", queries.float(), pooled.float())).sum(-1) / dim**0.5
-    candidate = torch.arange(pools, device=keys.device) < complete
-    scores = scores.masked_fill(~candidate, torch.finfo(torch.float32).min)
-    best = scores.topk(min(indexer.block_topk, pools), dim=-1).indices
-    picked = torch.zeros_like(candidate).scatter(-1, best, True) & candidate
-    return (member & picked.gather(-1, pool.clamp(max=pools - 1))) | (seen & (rank >= complete * ratio))
+    chosen = mtp_pooled.best_pools(scores, complete, pool, member, indexer.block_topk)
+    return chosen | (seen & (rank >= complete * ratio))  # and the unfinished pool's keys

@@ -59,15 +59,11 @@ def selection(
     keys, gates = state.float().split(dim, dim=-1)
     queries = indexer.wq_b(q_resid).view(batch, length, -1, dim).float()
     weights = indexer.weights_proj(hidden).float() * indexer.n_heads**-0.5
-    chunk = max(1, CHUNK_ELEMENTS // (batch * keys.shape[1] * dim))
-    return torch.cat(
-        [
-            pooled_pick(indexer, keys, gates, queries[:, start : start + chunk], weights[:, start : start + chunk],
-                        seen[:, start : start + chunk])
-            for start in range(0, length, chunk)
-        ],
-        dim=1,
-    )  # fmt: skip
+    return by_query_chunks(
+        lambda part: pooled_pick(indexer, keys, gates, queries[:, part], weights[:, part], seen[:, part]),
+        length,
+        batch * keys.shape[1] * dim,
+    )
 
 
 def pooled_pick(
@@ -81,10 +77,7 @@ def pooled_pick(
     """`selection` for a chunk of queries: keys, gates [B, K, D], queries [B, C, heads, D], weights [B, C, heads],
     seen [B, C, K]."""
     kpool, total = indexer.index_kpool, keys.shape[1]
-    rank = seen.long().cumsum(-1) - 1
-    complete = seen.sum(-1, keepdim=True) // kpool  # [B, C, 1]
-    pool = rank.clamp(min=0) // kpool
-    member = seen & (pool < complete)
+    rank, complete, pool, member = rank_pools(seen, kpool)
     pools = total // kpool + 1  # the last one collects the keys in no complete pool
     slot = torch.where(member, pool, pools - 1)[..., None].expand(*member.shape, keys.shape[-1])
     # each pool's softmax over its keys, per channel: the pool's largest logit taken out first
@@ -97,11 +90,33 @@ def pooled_pick(
     pooled = torch.zeros_like(grouped).scatter_add(2, slot, share * keys[:, None]) / total_share.clamp_min(1e-30)
     scores = F.relu(torch.einsum("bchd,bcpd->bchp", queries, pooled) * indexer.softmax_scale)
     scores = torch.einsum("bch,bchp->bcp", weights, scores)
-    candidate = torch.arange(pools, device=keys.device) < complete
-    scores = scores.masked_fill(~candidate, torch.finfo(torch.float32).min)
-    best = scores.topk(min(indexer.index_topk // kpool, pools), dim=-1).indices
-    picked = torch.zeros_like(candidate).scatter(-1, best, True) & candidate
-    chosen = member & picked.gather(-1, pool.clamp(max=pools - 1))
+    chosen = best_pools(scores, complete, pool, member, indexer.index_topk // kpool)
     if indexer.index_kpool_always_select_tail:
         chosen |= seen & (rank >= complete * kpool)
     return chosen
+
+
+def by_query_chunks(pick, length: int, elements_per_query: int) -> torch.Tensor:
+    """`pick(part)` [B, C, K] over the queries in chunks (`part` a slice of them), concatenated: a chunk's per-query
+    pool tensors hold about CHUNK_ELEMENTS elements."""
+    chunk = max(1, CHUNK_ELEMENTS // elements_per_query)
+    return torch.cat([pick(slice(start, start + chunk)) for start in range(0, length, chunk)], dim=1)
+
+
+def rank_pools(seen: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pools of `size` keys by rank among the keys each query sees (`seen` [B, C, K]): each key's rank [B, C, K], the
+    query's complete pools [B, C, 1], each key's pool [B, C, K], and whether that pool is complete [B, C, K]."""
+    rank = seen.long().cumsum(-1) - 1
+    complete = seen.sum(-1, keepdim=True) // size
+    pool = rank.clamp(min=0) // size
+    return rank, complete, pool, seen & (pool < complete)
+
+
+def best_pools(scores: torch.Tensor, complete, pool, member, count: int) -> torch.Tensor:
+    """The keys [B, C, K] of each query's `count` best complete pools by `scores` [B, C, P] (`rank_pools`' parts)."""
+    pools = scores.shape[-1]
+    candidate = torch.arange(pools, device=scores.device) < complete
+    scores = scores.masked_fill(~candidate, torch.finfo(torch.float32).min)
+    best = scores.topk(min(count, pools), dim=-1).indices
+    picked = torch.zeros_like(candidate).scatter(-1, best, True) & candidate
+    return member & picked.gather(-1, pool.clamp(max=pools - 1))
