@@ -5,14 +5,16 @@ vLLM both implement, through the real entry points, as JSON rows (docs/targets.m
         [--families qwen3,gpt_oss] [--kinds eagle3,medusa] [--out docs/results/target_matrix.jsonl]
 
 Per family, a random-weight target of that family is built from transformers' config class
-(draftsmith.random_target: hidden 256, 4 layers, 4 heads over 2 KV heads, 4 experts of which 2 are
-routed for mixtures of experts, sliding windows of 48 positions where the family has them), its
-tensors seeded from the demo target's trained weights wherever name and shape match (so its text is
-predictable and a drafter learns within seconds; every part the family does differently stays
-random), in a temporary directory: nothing downloads. A vision-language wrapper's model type (`qwen3_5`,
-`qwen3_5_moe`: Qwen3.5's release form) gets that text target inside the wrapper (write_random_wrapper); one whose
-language model transformers has no causal LM class for (`glm5_next`) is written whole by write_random_target, its
-language model seeded. Per kind, one row:
+(draftsmith.random_target at draftsmith.tiny_config's shape: hidden 256, 4 layers, 4 heads over 2 KV heads,
+4 experts of which 2 are routed for mixtures of experts, sliding windows of 48 positions where the family has them), its
+tensors seeded from the demo target's trained weights wherever name and shape match, then the whole
+target trained --target-steps steps on the demo's conversations (TARGET_STEPS; so its text is predictable
+and varied and a drafter learns within seconds, whatever the family computes differently), in a temporary
+directory: nothing downloads. Every row records the steps and `target_variety`, the share of distinct tokens
+in the target's own greedy text on the eval prompts (1/48 for a target that repeats one token). A
+vision-language wrapper's model type (`qwen3_5`, `qwen3_5_moe`: Qwen3.5's release form) gets that text target
+inside the wrapper (write_random_wrapper); one whose language model transformers has no causal LM class for
+(`glm5_next`) is written whole by write_random_target, its language model seeded and trained. Per kind, one row:
 
 - `train`: `python train.py recipe=<kind> target.name_or_path=<target> ...` (a few dozen steps on the
   demo's regenerated data) exited 0, its eval stage included;
@@ -67,10 +69,18 @@ FAMILIES = (
 # tests/test_mtp.py's wrappers are built by it too)
 TRAIN_DATA = "demo/data/train.regenerated.jsonl.gz"
 EVAL_DATA = "demo/data/eval.jsonl.gz"
+EVAL_PROMPTS = 3  # per domain
+MAX_LENGTH = 192  # tokens of a training row, and of an eval prompt
+VARIETY_TOKENS = 48  # new tokens per prompt: the eval's and target_variety's
+# The steps a seeded target is trained on the demo's conversations before any drafter (random_target.train_on_demo):
+# a family whose own layers the demo has no tensors for (latent attention, experts) otherwise repeats one or two
+# tokens; 120 steps, about 1.5 minutes on 2 cores at the tiny shape, make it write varied text (DeepSeek-V3's: 2 ->
+# 17 distinct tokens of 40 on a chat prompt).
+TARGET_STEPS = 120
 COMMON = [
-    f"data.train=[{TRAIN_DATA}]", "data.eval=[]", f"eval.data=[{EVAL_DATA}]", "data.max_length=192",
-    "train.save_every=0", "train.log_every=10", "eval.max_prompts=3", "eval.max_new_tokens=48", "eval.tree=0",
-    "train.warmup_steps=5",
+    f"data.train=[{TRAIN_DATA}]", "data.eval=[]", f"eval.data=[{EVAL_DATA}]", f"data.max_length={MAX_LENGTH}",
+    "train.save_every=0", "train.log_every=10", f"eval.max_prompts={EVAL_PROMPTS}",
+    f"eval.max_new_tokens={VARIETY_TOKENS}", "eval.tree=0", "train.warmup_steps=5",
 ]  # fmt: skip
 # kind -> (recipe, overrides): short runs that reach accepted drafts on the seeded targets
 KINDS = {
@@ -167,6 +177,22 @@ def eval_row(run_dir: Path) -> dict:
         "lossless": all(method.get("lossless", True) for method in every.values()),
         "tau_draftsmith": round(every["chain"]["tau"], 4) if "chain" in every else None,
     }
+
+
+def target_variety(target: Path) -> float:
+    """The share of distinct tokens among the target's own greedy tokens on the eval prompts (VARIETY_TOKENS per
+    prompt, EOS ignored; eval.max_prompts' prompts of each domain as the runs decode them): about 1/VARIETY_TOKENS for
+    a target that repeats one token, whose rows measure drafters learning that repetition, and whose lossless checks
+    compare runs of one token."""
+    from draftsmith.eval.loop import generate
+    from draftsmith.eval.prompts import load_prompts
+    from draftsmith.target import load_target, load_tokenizer
+
+    model = load_target(str(target))
+    prompts = load_prompts([str(REPO / EVAL_DATA)], load_tokenizer(str(target)), EVAL_PROMPTS, MAX_LENGTH)
+    every = [prompt for domain in prompts.values() for prompt in domain]
+    tokens = [generate(model, prompt, VARIETY_TOKENS).tokens for prompt in every]
+    return round(sum(len(set(row)) for row in tokens) / sum(map(len, tokens)), 3)
 
 
 def shipped_tau(target: Path, args: list[str], out: Path, env: dict) -> float:
@@ -288,6 +314,11 @@ def main() -> None:
         help="an override for the export (and its engine check) only: target.dtype=bfloat16 export.tolerance=0.08 "
         "for a target whose vLLM CPU layers take bfloat16 only, trained and evaluated in float32",
     )  # fmt: skip
+    parser.add_argument(
+        "--target-steps", type=int, default=TARGET_STEPS,
+        help="steps each seeded target is trained on the demo's conversations first (0: seeded only, as rows before "
+        "2026-12-01 were), recorded in the rows",
+    )  # fmt: skip
     parser.add_argument("--markdown", action="store_true", help="print --out as docs/targets.md's table and stop")
     options = parser.parse_args()
     out = options.out.resolve()
@@ -303,20 +334,24 @@ def main() -> None:
         work = Path(tmp)
         for family in options.families.split(","):
             targets: dict[bool, Path] = {}  # with an MTP layer or not -> the family's target
+            varieties: dict[bool, float] = {}  # and its target_variety
             for kind in options.kinds.split(","):
                 if (family, kind) in done:
                     continue
                 mtp = kind == "mtp"
                 if mtp not in targets:
                     folder = work / (f"{family}-with-mtp" if mtp else family)
+                    seeding = {"seed_from": demo_tokenizer_dir(), "train_steps": options.target_steps}
                     if family in WRAPPERS:
-                        seeded = write_random_wrapper(family, folder, seed_from=demo_tokenizer_dir())
+                        seeded = write_random_wrapper(family, folder, **seeding)
                     else:
-                        seeded = write_random_target(family, folder, seed_from=demo_tokenizer_dir())
+                        seeded = write_random_target(family, folder, **seeding)
                     targets[mtp] = with_mtp_layer(seeded) if mtp else seeded
+                    varieties[mtp] = target_variety(targets[mtp])
                 target = targets[mtp]
                 start = time.perf_counter()
                 row = measure(family, kind, target, work, options.vllm_python, env, options.set, options.export_set)
+                row |= {"target_train_steps": options.target_steps, "target_variety": varieties[mtp]}
                 row |= provenance(options.threads, start)  # wall_s: this row's
                 print(json.dumps(row), flush=True)
                 with out.open("a") as stream:

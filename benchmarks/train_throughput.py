@@ -282,7 +282,7 @@ def bench(recipe: str, data: str, overrides: list[str], steps: int, warmup: int,
 
 
 # Named shapes: (transformers model type, config fields). Real models' published configs; the vocabulary
-# and tied embeddings as theirs. `tiny` is draftsmith.random_target.TINY with an 8,192-token vocabulary.
+# and tied embeddings as theirs. `tiny` is draftsmith.tiny_config.TINY with an 8,192-token vocabulary.
 SHAPES: dict[str, tuple[str, dict]] = {
     "llama-3.1-8b": (
         "llama",
@@ -366,7 +366,8 @@ SHAPE_TRAIN = ["train.grad_accum=1", "train.lr=1e-4", "train.warmup_steps=0", "t
 
 def shape_target(name: str, layers: int | None, device: torch.device, dtype: torch.dtype):
     """The random-weight target of shape `name` (built on `device` in `dtype`) and its config fields."""
-    from draftsmith.random_target import build_config, build_model
+    from draftsmith.random_target import build_model
+    from draftsmith.tiny_config import build_config
 
     model_type, fields = SHAPES[name]
     fields = dict(fields)
@@ -381,7 +382,7 @@ def shape_target(name: str, layers: int | None, device: torch.device, dtype: tor
 
 def shape_size(name: str, layers: int | None) -> tuple[int, int]:
     """(vocabulary, decoder layers) of shape `name` (cut to `layers`), without building it."""
-    from draftsmith.random_target import build_config
+    from draftsmith.tiny_config import build_config
 
     model_type, fields = SHAPES[name]
     fields = dict(fields)

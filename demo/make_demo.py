@@ -17,9 +17,10 @@ demo/gemma4-target/ is a Gemma-4 target for `recipe=gemma4_assistant`, whose ass
 cache: a two-layer `Gemma4ForCausalLM` (a sliding-window layer, then a full-attention one) of the demo target's
 shape, without per-layer inputs, started from the demo target's tensors wherever name and shape match (the
 first two layers' projections and MLPs, the embedding) and then trained for GEMMA4_STEPS steps on data/train.jsonl.gz
-(next-token loss on every token, about 2 minutes on 2 CPU threads): Gemma-4's layers compute another function of
-those tensors (normed queries, keys and values, a scaled embedding), and untrained it answers every prompt with
-line breaks, which any drafter predicts. bf16 (5 MiB: the working tree travels to a lent GPU whole).
+(draftsmith.random_target.train_on_demo: next-token loss on every token, about 2 minutes on 2 CPU threads):
+Gemma-4's layers compute another function of those tensors (normed queries, keys and values, a scaled
+embedding), and untrained it answers every prompt with line breaks, which any drafter predicts. bf16 (5 MiB: the
+working tree travels to a lent GPU whole).
 """
 
 import gzip
@@ -33,9 +34,7 @@ from safetensors.torch import load_file, save_file
 
 TRAIN_PER_DOMAIN = 600
 EVAL_PER_DOMAIN = 24
-GEMMA4_STEPS = 300  # demo/gemma4-target's training: steps of GEMMA4_ROWS conversations' first GEMMA4_TOKENS tokens
-GEMMA4_ROWS = 16
-GEMMA4_TOKENS = 256
+GEMMA4_STEPS = 300  # demo/gemma4-target's training (draftsmith.random_target.train_on_demo)
 DOMAINS = ("code", "docs", "math", "packages")
 TARGET_FILES = (
     "config.json",
@@ -66,7 +65,7 @@ def main(shared: Path) -> None:
         with gzip.GzipFile(here / "data" / f"{split}.jsonl.gz", "wb", mtime=0) as f:
             f.writelines(lines)
     make_mtp_target(here / "target", here / "mtp-target")
-    make_gemma4_target(here / "target", here / "gemma4-target", here / "data" / "train.jsonl.gz")
+    make_gemma4_target(here / "target", here / "gemma4-target")
 
 
 def make_mtp_target(demo_target: Path, directory: Path) -> None:
@@ -80,42 +79,17 @@ def make_mtp_target(demo_target: Path, directory: Path) -> None:
     to_bfloat16(directory)
 
 
-def make_gemma4_target(demo_target: Path, directory: Path, data: Path) -> None:
+def make_gemma4_target(demo_target: Path, directory: Path) -> None:
     from draftsmith.random_target import write_random_target
 
     shutil.rmtree(directory, ignore_errors=True)
     kinds = ["sliding_attention", "full_attention"]
     shape = {"num_hidden_layers": len(kinds), "layer_types": kinds, "per_layer_config": {}}
     no_per_layer_inputs = {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}
-    write_random_target("gemma4_text", directory, seed_from=demo_target, **shape, **no_per_layer_inputs)
-    train_briefly(directory, data)
+    write_random_target(
+        "gemma4_text", directory, seed_from=demo_target, train_steps=GEMMA4_STEPS, **shape, **no_per_layer_inputs
+    )
     to_bfloat16(directory)
-
-
-def train_briefly(directory: Path, data: Path) -> None:
-    """The target in `directory` trained on the conversations of `data` (chat template applied, next-token
-    loss on every token; AdamW, linear warm-up and decay, deterministic on one machine and thread count)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    with gzip.open(data, "rt") as f:
-        texts = [tokenizer.apply_chat_template(json.loads(line)["messages"], tokenize=False) for line in f]
-    rows = [tokenizer(text, add_special_tokens=False)["input_ids"][:GEMMA4_TOKENS] for text in texts]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    for step in range(GEMMA4_STEPS):
-        batch = [rows[(step * GEMMA4_ROWS + i) % len(rows)] for i in range(GEMMA4_ROWS)]
-        width = max(map(len, batch))
-        ids = torch.tensor([row + [tokenizer.pad_token_id] * (width - len(row)) for row in batch])
-        mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in batch])
-        for group in optimizer.param_groups:
-            group["lr"] = 3e-3 * min(1.0, (step + 1) / 20) * (1 - step / GEMMA4_STEPS)
-        model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-    model.save_pretrained(directory)
 
 
 def to_bfloat16(directory: Path) -> None:

@@ -21,9 +21,10 @@ from draftsmith.eval.sampling import Sampling, exact_rule
 from draftsmith.families import FULL, LINEAR
 from draftsmith.heads import drafter_class
 from draftsmith.heads.proposer import DraftState, DraftTree
-from draftsmith.random_target import build_config, build_model
+from draftsmith.random_target import build_model
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target
+from draftsmith.tiny_config import build_config
 from tests.helpers import (
     DOMAINS,
     NEW,

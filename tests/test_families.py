@@ -18,6 +18,7 @@ tests/test_families_vllm.py; the whole matrix of kinds is benchmarks/target_matr
 from __future__ import annotations
 
 import copy
+import gzip
 import json
 import subprocess
 
@@ -30,8 +31,9 @@ from draftsmith.eval.loop import generate, generate_batch
 from draftsmith.families import BLOCK_INDEXED, COMPRESSED, FULL, LINEAR, SLIDING, layer_types, reads_in_order
 from draftsmith.heads import drafter_class, drafters
 from draftsmith.heads.base import load_drafter
-from draftsmith.random_target import build_config, build_model, tiny_wrapper_config
+from draftsmith.random_target import build_model
 from draftsmith.target import FeatureRequest, run_target
+from draftsmith.tiny_config import build_config, tiny_wrapper_config
 from draftsmith.wrapped_text import TextOfWrapper
 from tests.helpers import (
     OracleDrafter,
@@ -480,6 +482,33 @@ def test_random_target_command_writes_a_target_or_one_line(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
+def test_a_seeded_target_trained_on_the_demo_conversations_predicts_them_better(tmp_path):
+    """`--train-steps N` trains the seeded target (every weight: DeepSeek-V3's latent attention and experts have no
+    demo tensors) on the demo's conversations before it is written: its next-token loss on them falls below the seeded
+    target's; seeded alone, such a target repeats one token (random_target's docstring; the matrix's rows record
+    `target_variety`)."""
+    from transformers import AutoTokenizer
+
+    from draftsmith.random_target import DEMO_CONVERSATIONS, main
+    from draftsmith.resources import bundled
+    from draftsmith.target import load_target
+
+    losses = {}
+    for steps in ("0", "4"):
+        with pytest.raises(SystemExit) as done:
+            main(["deepseek_v3", str(tmp_path / steps), "--seed-from-demo", "--train-steps", steps])
+        assert done.value.code == 0
+        tokenizer = AutoTokenizer.from_pretrained(tmp_path / steps)
+        with gzip.open(bundled(DEMO_CONVERSATIONS), "rt") as lines:
+            first = [json.loads(next(lines))["messages"] for _ in range(4)]
+        ids = [tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)[:128] for messages in first]
+        target = load_target(str(tmp_path / steps))
+        with torch.no_grad():
+            losses[steps] = [float(target(torch.tensor([row]), labels=torch.tensor([row])).loss) for row in ids]
+    assert sum(losses["4"]) < sum(losses["0"]) - 0.5, losses
+
+
 def test_a_wrapper_without_a_causal_lm_class_is_written_loaded_and_sharded_as_its_language_model(tmp_path, capsys):
     """GLM-5-Next (`glm5_next`) is a vision-language wrapper that transformers 5.24 has no causal LM class for, nor
     for its language model (`glm5_next_text`, whose sparse layers attend without positions: the tiny config keeps the
@@ -527,8 +556,8 @@ def test_a_wrapper_transformers_loads_as_a_causal_lm_is_the_target_in_its_releas
     as that class, with the wrapper's own logits and its taps the mean of the streams laid side by side."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from draftsmith.random_target import TINY_VISION
     from draftsmith.target import load_target
+    from draftsmith.tiny_config import TINY_VISION
 
     text = build_config("qwen4_exp", VOCAB, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}, hidden_size=64,
                         intermediate_size=128, num_hidden_layers=4, head_dim=16)  # fmt: skip
@@ -678,7 +707,7 @@ def test_draft_layers_of_a_partial_rotary_target_rotate_every_dimension_in_trans
     trained on one position encoding, served with another); the export leaves it out of an older drafter's."""
     from draftsmith.families import layer_family
     from draftsmith.heads.eagle_base import import_qualified
-    from draftsmith.random_target import build_config
+    from draftsmith.tiny_config import build_config
 
     target = build_config(model_type, 512, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
     assert target.rope_parameters["partial_rotary_factor"] < 1

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith.random_target import RANDOM_TARGET_TOKENIZER_FILES, build_config, demo_tokenizer_dir
+from draftsmith.random_target import RANDOM_TARGET_TOKENIZER_FILES, demo_tokenizer_dir
 from draftsmith.target import FeatureRequest, load_target, loaded_config, run_target
+from draftsmith.tiny_config import build_config
 from tests.helpers import assert_one_line_error, run_entry_in_process, train_args, train_in_process
 
 pytestmark = pytest.mark.usefixtures("one_thread")

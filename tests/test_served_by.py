@@ -12,9 +12,10 @@ from draftsmith.eval.methods import build_methods, serving
 from draftsmith.eval.report import run_eval
 from draftsmith.export.run import export_checkpoint
 from draftsmith.heads import drafter_class
-from draftsmith.random_target import build_config, build_model
+from draftsmith.random_target import build_model
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target
+from draftsmith.tiny_config import build_config
 from tests.helpers import KINDS, REFERENCE_TARGET, save_drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")

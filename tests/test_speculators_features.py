@@ -101,7 +101,7 @@ def test_a_multi_stream_targets_states_are_the_mean_of_each_layers_streams_as_vl
     position like every other family's."""
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.random_target import build_config
+    from draftsmith.tiny_config import build_config
 
     torch.manual_seed(0)
     config = build_config("deepseek_v4", 96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, head_dim=16)
