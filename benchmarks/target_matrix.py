@@ -330,6 +330,9 @@ def main() -> None:
     if out.exists():
         done = {(row["family"], row["kind"]) for row in map(json.loads, out.read_text().splitlines()) if row}
     env = {**os.environ, "OMP_NUM_THREADS": str(options.threads), "TOKENIZERS_PARALLELISM": "false"}
+    import torch
+
+    torch.set_num_threads(options.threads)  # this process trains each target (write_random_target) as the runs do
     with tempfile.TemporaryDirectory(prefix="target-matrix-") as tmp:
         work = Path(tmp)
         for family in options.families.split(","):
@@ -344,8 +347,8 @@ def main() -> None:
                     seeding = {"seed_from": demo_tokenizer_dir(), "train_steps": options.target_steps}
                     if family in WRAPPERS:
                         seeded = write_random_wrapper(family, folder, **seeding)
-                    else:
-                        seeded = write_random_target(family, folder, **seeding)
+                    else:  # for `mtp` a wrapper as its releases ship it, where its MTP layer is the wrapper's
+                        seeded = write_random_target(family, folder, released=mtp, **seeding)
                     targets[mtp] = with_mtp_layer(seeded) if mtp else seeded
                     varieties[mtp] = target_variety(targets[mtp])
                 target = targets[mtp]

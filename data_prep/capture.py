@@ -46,6 +46,7 @@ from draftsmith.data_prep.collate import Collator
 from draftsmith.data_prep.conversations import load_conversations
 from draftsmith.data_prep.dataset import cache_key, require_context, tokenize_conversations
 from draftsmith.data_prep.features import DISTRIBUTION_DTYPE, encode, hidden_names, part_name
+from draftsmith.data_prep.local_files import source_files
 from draftsmith.errors import UserError
 from draftsmith.files import read_json, write_json
 from draftsmith.outputs import held_by_main_process
@@ -108,7 +109,12 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
         raise UserError("data.train is empty: give at least one conversation file or Hub data set id to capture")
 
     require_context(cfg.target, cfg.data.max_length)
+    for source in cfg.data.train:  # a path that does not exist: one line before the target loads
+        source_files(str(source))
     tokenizer = load_tokenizer(cfg.target)
+    # the target before the data, as training loads it (trainer/setup.py): one that cannot be a target is refused
+    # before minutes of tokenizing
+    target = load_target(cfg.target, state.device, shard=cfg.target.shard)
     with state.main_process_first():  # rank 0 tokenizes and caches, the others read the cache
         # Exactly as training tokenizes (data_prep.dataset.load_tokenized), so a capture lines up with the
         # online data set row by row; the conversations' fingerprint also keys the capture.
@@ -118,7 +124,6 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
         data = tokenize_conversations(
             conversations, tokenizer, cfg.data.max_length, cfg.data.overlong, cfg.data.cache_dir, cfg.data.thinking
         )
-    target = load_target(cfg.target, state.device, shard=cfg.target.shard)
     # A sharded target's forwards are collectives, and ranks have different numbers of them (their
     # slices differ, a resumed run skips finished shards): Lockstep keeps them in step.
     lockstep = Lockstep(target)

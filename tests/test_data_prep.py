@@ -1063,7 +1063,7 @@ def refused_training(run: Path, data: dict, cache: Path, capsys, *extra: str) ->
 
 def test_an_eval_split_domain_named_all_is_refused_before_training(tmp_path, small_data, token_cache, capsys):
     """A domain named `all` in data.eval would merge into eval_accuracy.json's row of every domain (and the
-    report's): one line naming the record, exit 2, where the data loads, before the target loads or a step
+    report's): one line naming the record, exit 2, where the data loads (after the target loads), before a step
     trains; it was refused only by the report, after training, the accuracy table already merged."""
     path = write_jsonl(tmp_path / "eval.jsonl", [{**GOOD, "domain": "code"}, {**GOOD, "domain": "all"}])
     data = {"train": small_data["train"], "eval": path}

@@ -96,11 +96,22 @@ def test_a_release_loads_as_its_language_models_causal_lm_with_the_wrappers_logi
         torch.testing.assert_close(out.layers[1], expected.hidden_states[2])
 
 
+def untokenizable_data(tmp_path: Path, small_data: dict[str, Path]) -> tuple[dict[str, Path], Path]:
+    """(a data.train that is no JSONL file, reading which would be refused, with small_data's eval split; an empty
+    data.cache_dir): a target refused before the data is read says so, and writes no tokenized cache."""
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("this line is no JSON\n")
+    cache = tmp_path / "token_cache"
+    cache.mkdir()
+    return {**small_data, "train": broken}, cache
+
+
 def test_a_wrapper_whose_language_model_is_not_its_causal_lm_classes_model_is_refused_in_one_line(
-    tmp_path, small_data, token_cache, capsys
+    tmp_path, small_data, capsys
 ):
     """BLIP-2 (`blip-2`) holds a whole causal LM (OPT's) as its language model, not the model OPT's causal LM class
-    holds: `train.py` on its folder is refused in one line (exit 2) naming both, and nothing is trained."""
+    holds: `train.py` on its folder is refused in one line (exit 2) naming both, before its data.train (no JSONL) is
+    read; nothing is trained or tokenized."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     text = build_config("opt", 256, hidden_size=64, num_hidden_layers=2, ffn_dim=128, word_embed_proj_dim=64)
@@ -118,19 +129,21 @@ def test_a_wrapper_whose_language_model_is_not_its_causal_lm_classes_model_is_re
         if (demo_tokenizer_dir() / name).is_file():
             shutil.copyfile(demo_tokenizer_dir() / name, folder / name)
     out = tmp_path / "run"
-    args = train_args(out, small_data, token_cache, f"target.name_or_path={folder}")
+    data, cache = untokenizable_data(tmp_path, small_data)
+    args = train_args(out, data, cache, f"target.name_or_path={folder}")
     done = run_entry_in_process(["train.py", *args], capsys)
     line = assert_one_line_error(done, 2, "language model is a OPTForCausalLM, not the OPTModel of OPTForCausalLM")
     assert line.startswith(f"error: cannot load target {str(folder)!r}"), line
-    assert not (out / "final").exists() and not list(out.glob("checkpoint-*"))
+    assert not (out / "final").exists() and not list(out.glob("checkpoint-*")) and not list(cache.iterdir())
 
 
 def test_a_wrapper_whose_logits_its_language_models_causal_lm_does_not_give_is_refused_in_one_line(
-    tmp_path, small_data, token_cache, capsys, monkeypatch
+    tmp_path, small_data, capsys, monkeypatch
 ):
     """A wrapper whose forward does on text what its language model's causal LM class does not (here MiniMax-M3's,
     its logits doubled, standing in for such a family) is refused by `train.py` in one line (exit 2) when the target
-    loads, naming both classes, and nothing is trained: never a drafter of another model than the wrapper."""
+    loads, naming both classes, and nothing is trained: never a drafter of another model than the wrapper. The target
+    loads before the data: its data.train (no JSONL) is not read, nothing is tokenized."""
     from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl
 
     folder = write_release("minimax_m3_vl", tmp_path / "target")
@@ -144,14 +157,15 @@ def test_a_wrapper_whose_logits_its_language_models_causal_lm_does_not_give_is_r
 
     monkeypatch.setattr(wrapper_class, "forward", doubled)
     out = tmp_path / "run"
-    args = train_args(out, small_data, token_cache, f"target.name_or_path={folder}")
+    data, cache = untokenizable_data(tmp_path, small_data)
+    args = train_args(out, data, cache, f"target.name_or_path={folder}")
     done = run_entry_in_process(["train.py", *args], capsys)
     line = assert_one_line_error(
         done, 2, "its language model as a causal LM (MiniMaxM3VLForCausalLM) does not compute its "
         "MiniMaxM3SparseForConditionalGeneration's logits on text (differs by"
     )  # fmt: skip
     assert line.startswith(f"error: cannot load target {str(folder)!r}"), line
-    assert not (out / "final").exists() and not list(out.glob("checkpoint-*"))
+    assert not (out / "final").exists() and not list(out.glob("checkpoint-*")) and not list(cache.iterdir())
 
 
 @pytest.mark.slow

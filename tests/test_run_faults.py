@@ -45,6 +45,26 @@ def test_a_tokenized_data_cache_that_cannot_be_created_is_bad_input_before_the_d
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "recipe, key",
+    [("medusa", "data.train"), ("medusa", "data.eval"), ("medusa", "eval.data"), ("eagle3", "data.draft_vocab")],
+)
+def test_a_data_file_that_does_not_exist_is_named_before_the_target_loads(tmp_path, monkeypatch, capsys, recipe, key):
+    """The target loads before the data is tokenized (a wrapper it cannot be is refused first), but a data path that
+    does not exist is still one line before it: the target's load (here made to fail) is never reached."""
+    import draftsmith.trainer.setup as setup
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr(setup, "load_target", no_load)
+    missing = tmp_path / "no_such.jsonl"
+    args = ["train.py", f"recipe={recipe}", f"output_dir={tmp_path / 'run'}", f"{key}=[{missing}]"]
+    result = run_entry_in_process(args, capsys)
+    assert_one_line_error(result, 2, f"data file '{missing}' does not exist")
+
+
 def test_what_a_command_does_not_read_is_not_refused_and_a_variant_is_checked_for_its_command(tmp_path):
     """A run's saved recipe may hold train.epochs beside max_steps (a command-line max_steps once kept the file's
     epochs): eval never reads them. A variant of a read-only command's recipe (the sweep's export, the monitor's

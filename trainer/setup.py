@@ -21,8 +21,9 @@ from accelerate.utils import parse_flag_from_env, set_seed
 from omegaconf import DictConfig, OmegaConf
 
 from draftsmith.data_prep.collate import Collator, PackingCollator
-from draftsmith.data_prep.dataset import load_tokenized
+from draftsmith.data_prep.dataset import load_tokenized, require_context
 from draftsmith.data_prep.features import expected_features, open_features, require_captured_settings
+from draftsmith.data_prep.local_files import source_files
 from draftsmith.data_prep.overlap import PromptCount, eval_in_train, prompts_in_train, warn_of_prompts_in_train
 from draftsmith.errors import UserError
 from draftsmith.eval.prompts import prompt_conversations, prompt_sources, render_prompts
@@ -106,12 +107,22 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
         start = Path(cfg.train.init_from)
         require_recipes_kind(start_kind(start), cfg.drafter.type, f"train.init_from={start}")
     tokenizer = load_tokenizer(cfg.target)
+    # the data's settings that need no data read, refused before the target loads: a capture's rows are what trains
+    # (a recipe whose data settings differ from data.features's), and no row may outrun the target's context
+    if cfg.data.features is not None:
+        require_captured_settings(cfg)
+    require_context(cfg.target, cfg.data.max_length)
+    require_local_sources(cfg)
+    # the target before the data, which its load reads none of: one that cannot be a target (a wrapper whose language
+    # model is proven on a few tokens not to compute its logits, weights that do not load) is refused before minutes
+    # of tokenizing, and the cache is not written for it. Every rank loads it at once; rank 0 then
+    # tokenizes (one process, on the host) beside it, as training holds both. target.shard=fsdp: each rank holds
+    # pieces of the decoder layers (draftsmith/sharding.py); the loop needs nothing else, since every rank runs every
+    # step's target forward together.
+    target = load_target(cfg.target, accelerator.device, shard=cfg.target.shard)
     # each data file's sha256 as this start's load reads it, for its later reads (the prompts' count, the record)
     digests: dict[str, str] = {}
     train_data, vocab_data, heldout, prompt_count = load_data(cfg, accelerator, tokenizer, digests)
-    # target.shard=fsdp: each rank holds pieces of the decoder layers (draftsmith/sharding.py); the
-    # loop needs nothing else, since every rank runs every step's target forward together.
-    target = load_target(cfg.target, accelerator.device, shard=cfg.target.shard)
     drafter = build_drafter(cfg, target, accelerator.device)
     train_data, collate, target_features = training_inputs(cfg, tokenizer, target, drafter, train_data)
     # what the drafter fits to the data (EAGLE-3's draft vocabulary), on every rank
@@ -182,14 +193,24 @@ def make_accelerator(cfg: DictConfig, output_dir: Path) -> Accelerator:
     )
 
 
+def require_local_sources(cfg: DictConfig) -> None:
+    """Every data source `load_data` reads resolved to its files (local_files.source_files): a path that does not
+    exist or a file of a suffix not read is one line before the target loads (minutes for a large one), not after."""
+    settings = [cfg.data.draft_vocab, cfg.data.eval, prompt_sources(cfg)[0] if cfg.eval.enabled else None]
+    if cfg.data.features is None:
+        settings.append(cfg.data.train)
+    for sources in settings:
+        for source in [sources] if isinstance(sources, str) else sources or []:
+            source_files(str(source))
+
+
 def load_data(cfg: DictConfig, accelerator: Accelerator, tokenizer, digests: dict[str, str]):
     """(data.train tokenized, or None when training from captured features; data.draft_vocab tokenized, or
     None; the train.heldout conversations, or None; the main process's count of the eval report's prompts in
     data.train, or None). data.eval is read too, so that a bad file fails now. Each file's sha256 is added to
-    `digests` as it is read, and not read again."""
+    `digests` as it is read, and not read again. data.features's settings are `set_up`'s to check, before the
+    target loads."""
     offline = cfg.data.features is not None  # train from captured shards instead of running the target
-    if offline:  # the capture's rows are what trains: a recipe whose data settings differ is refused now
-        require_captured_settings(cfg)
     with accelerator.main_process_first():  # rank 0 tokenizes and caches, the others read the cache
         train_data = None if offline else load_tokenized(cfg, cfg.data.train, tokenizer, "data.train", digests)
         vocab_data = (
