@@ -32,7 +32,8 @@ inside the wrapper (write_random_wrapper); one whose language model transformers
   (a combination vLLM 0.32 cannot serve).
 
 For `mtp` the target gets a random first MTP layer in its family's checkpoint layout, as a released one
-ships it (`heads.mtp.write_random_layer`; a family without an MTP layout keeps none, and the row records
+ships it (`heads.mtp.write_random_layer`; a vision-language wrapper is written whole as its releases are, where its
+layer is the wrapper's: MiniMax-M3's; a family without an MTP layout keeps none, and the row records
 the trainer's refusal), and the row adds `tau_shipped`: that layer's own τ, before fine-tuning, through
 `python -m eval` on the same prompts.
 

@@ -174,16 +174,19 @@ def write_random_target(
     seed: int = 0,
     seed_from: Optional[str | Path] = None,
     train_steps: int = 0,
+    released: bool = False,
     **shape: Any,
 ) -> Path:
     """A tiny random target of `model_type` in `directory` (config.json, model.safetensors and the
     demo target's tokenizer and chat template): a local target like any other; trained `train_steps` steps on the
-    demo's conversations (train_on_demo) before it is written."""
+    demo's conversations (train_on_demo) before it is written. `released`: a vision-language wrapper's model type is
+    written as its releases ship it, the wrapper whole, even where its language model alone is a causal LM
+    (tiny_wrapper_config)."""
     source = demo_tokenizer_dir()
     demo = json.loads((source / "config.json").read_text())
     special = {key: demo[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
     config = build_config(model_type, demo["vocab_size"], special, sliding_window=sliding_window, **shape)
-    config = tiny_wrapper_config(model_type, config) or config
+    config = tiny_wrapper_config(model_type, config, released) or config
     model = build_model(config, seed=seed, seed_from=seed_from)
     if train_steps:
         train_on_demo(model, train_steps)

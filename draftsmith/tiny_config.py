@@ -46,6 +46,8 @@ MLA_LATENT, MLA_ROPE = 512, 64
 # A vision-language wrapper's vision tower at a tiny size (its out_hidden_size: the language model's hidden size):
 # text prompts never reach it, but the wrapper's checkpoint holds one, as a release does.
 TINY_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "num_position_embeddings": 16}
+# TINY_VISION's sizes under the names other vision configs give them (MiniMax-M3's layers and heads)
+VISION_NAMES = {"depth": "num_hidden_layers", "num_heads": "num_attention_heads"}
 
 
 def build_config(
@@ -234,15 +236,22 @@ def largest_divisor(n: int, cap: int, per_part: int = 1) -> int:
     return max(d for d in range(1, n + 1) if n % d == 0 and d <= max(cap, 1) and (n // d >= per_part or d == 1))
 
 
-def tiny_wrapper_config(model_type: str, text):
+def tiny_wrapper_config(model_type: str, text, released: bool = False):
     """The config of `model_type`'s wrapper around the language model `text` with a tiny vision tower, for a
     wrapper transformers has no causal LM class for (its text model's type has none either: the wrapper is the
-    target); None for any other model type."""
+    target), or for any wrapper where `released`: the release's form, whose checkpoint names and architecture an
+    engine reads (MiniMax-M3's MTP layer sits under the wrapper's names, and vLLM maps only the wrapper's type to its
+    MTP model); None for any other model type. The tower's sizes are TINY_VISION's under the names its config class
+    gives them, a projector between tower and language model (MiniMax-M3's `projector_hidden_size`) as wide as the
+    language model."""
     from transformers import AutoConfig
 
     wrapped = {"model_type": model_type, "text_config": text.to_dict()}
-    if not wraps_a_text_model(wrapped) or text_has_causal_lm(wrapped):  # then its language model is written alone
-        return None
-    vision = {**TINY_VISION, "out_hidden_size": text.hidden_size}
-    config = AutoConfig.for_model(model_type, text_config=text.to_dict(), vision_config=vision)
-    return config
+    if not wraps_a_text_model(wrapped) or (text_has_causal_lm(wrapped) and not released):
+        return None  # then its language model is written alone
+    default = AutoConfig.for_model(model_type)
+    fields = default.vision_config.to_dict()
+    vision = {name if name in fields else VISION_NAMES.get(name, name): size for name, size in TINY_VISION.items()}
+    vision["out_hidden_size"] = text.hidden_size
+    projector = {"projector_hidden_size": text.hidden_size} if hasattr(default, "projector_hidden_size") else {}
+    return AutoConfig.for_model(model_type, text_config=text.to_dict(), vision_config=vision, **projector)

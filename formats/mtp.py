@@ -2,14 +2,15 @@
 
 vLLM builds an MTP drafter from a folder holding the *target's* config.json (its architecture, which vLLM
 maps to its `<family>_mtp` model: DeepSeek-V3 to deepseek_mtp, DeepSeek-V3.2 to DeepseekV32MTP, DeepSeek-V4 to
-DeepSeekV4MTP, GLM-4.5 to glm4_moe_mtp, GLM-5-Next to Glm5NextMTP, HY-V4 to HYV4MTP, Qwen3-Next to qwen3_next_mtp,
-Qwen3.5 to qwen3_5_mtp) and the MTP layer's tensors under the names the target's checkpoint gives them
-(`model.layers.{N}.*`, GLM-5-Next's `model.language_model.layers.{N}.*`, `mtp.*`, V4's `mtp.0.*` or HY-V4's
-`model.mtp_layers.0.*`).
+DeepSeekV4MTP, GLM-4.5 to glm4_moe_mtp, GLM-5-Next to Glm5NextMTP, HY-V4 to HYV4MTP, MiniMax-M3 to MiniMaxM3MTP,
+Qwen3-Next to qwen3_next_mtp, Qwen3.5 to qwen3_5_mtp) and the MTP layer's tensors under the names the target's
+checkpoint gives them (`model.layers.{N}.*`, GLM-5-Next's `model.language_model.layers.{N}.*`, `mtp.*`, V4's `mtp.0.*`,
+HY-V4's `model.mtp_layers.0.*` or MiniMax-M3's `language_model.model.mtp.layers.0.*`).
 So the folder is the target's config.json as it ships (its own keys, not transformers' `to_dict()` with its defaults
 and local path) with an MTP layer count of 1 (vLLM 0.32's proposer runs the first layer for every draft step; a
 vision-language wrapper's, Qwen3.5's releases, is its language model's config, which vLLM serves alike; GLM-5-Next's
-is the wrapper's whole, the count in its text_config, as vLLM maps only the wrapper's model type to its MTP model) and
+and MiniMax-M3's are the wrapper's whole, the count in its text_config, as vLLM maps only the wrapper's model type to
+its MTP model) and
 the trained
 layer under exactly the names and shapes of the layer the target shipped; vLLM shares the target's
 embedding and lm_head with it, so neither is in the folder. DeepSeek-V4's config also carries `compress_ratios` with

@@ -1,10 +1,10 @@
 """MTP: the target's own multi-token-prediction layer, shipped in its checkpoint, fine-tuned as the drafter.
 
-DeepSeek-V3, V3.2 and V4, Dots3-Note, GLM-4.5, GLM-5 and GLM-5-Next, HY-V4, Qwen3-Next, Qwen3.5 and Qwen4-Exp ship,
-next to their decoder layers, a layer trained to predict the token after next. transformers drops it at load (the
-families' `_keys_to_ignore_on_load_unexpected`); vLLM serves it as the `mtp` method. This kind reads it from the
-target's safetensors, builds it as vLLM 0.32's `*_mtp.py` model for that architecture computes it, trains it on the
-target's own distribution several steps ahead, each step fed its previous step's output (EAGLE's training-time
+DeepSeek-V3, V3.2 and V4, Dots3-Note, GLM-4.5, GLM-5 and GLM-5-Next, HY-V4, MiniMax-M3, Qwen3-Next, Qwen3.5 and
+Qwen4-Exp ship, next to their decoder layers, a layer trained to predict the token after next. transformers drops it
+at load (the families' `_keys_to_ignore_on_load_unexpected`); vLLM serves it as the `mtp` method. This kind reads it
+from the target's safetensors, builds it as vLLM 0.32's `*_mtp.py` model for that architecture computes it, trains it
+on the target's own distribution several steps ahead, each step fed its previous step's output (EAGLE's training-time
 test), and exports it back under the checkpoint's own names (formats/mtp.py).
 
 Draft position p reads the target's final (post-norm) hidden state f_p, the hidden state vLLM hands its
@@ -15,13 +15,13 @@ MTP proposer, and the embedding of the next token x_{p+1}:
 
 where e is the target's embedding, zeroed at position 0 in the DeepSeek and GLM models, and lm_head the
 target's (vLLM shares both with the target; the checkpoint's copies are not read). A later draft step
-reads the previous step's `final_norm(pre)` (DeepSeek, GLM-5, HY-V4, Qwen) or `pre` itself (GLM-4.5), as vLLM's
-proposer feeds them back (docs/results/vllm-0.32-source-2026-families.md, section 2). DeepSeek-V4's layer passes
-hyper-connection streams instead, and reads the target's last layer's (heads/mtp_streams.py; Qwen4-Exp's, mixed by
-gated residuals: heads/mtp_gated.py); HY-V4's and GLM-5-Next's block is their decoder layer without its
-hyper-connections (heads/mtp_plain.py). Decoding is EAGLE's:
-the layer's own KV cache over the committed sequence, a chain or a dynamic tree grown from it (EagleProposer);
-vLLM verifies chains.
+reads the previous step's `final_norm(pre)` (DeepSeek, GLM-5, HY-V4, Qwen) or `pre` itself (GLM-4.5, MiniMax-M3),
+as vLLM's proposer feeds them back (docs/results/vllm-0.32-source-2026-families.md, section 2). DeepSeek-V4's layer
+passes hyper-connection streams instead, and reads the target's last layer's (heads/mtp_streams.py; Qwen4-Exp's, mixed
+by gated residuals: heads/mtp_gated.py); HY-V4's and GLM-5-Next's block is their decoder layer without its
+hyper-connections (heads/mtp_plain.py), as is MiniMax-M3's, its block-sparse attention on the drafter's masks
+(heads/mtp_blocks.py). Decoding is EAGLE's: the layer's own KV cache over the committed sequence, a chain or a
+dynamic tree grown from it (EagleProposer); vLLM verifies chains.
 
 Only the first MTP layer is used: vLLM 0.32's proposer runs layer 0 for every draft step whatever the
 checkpoint's count. The block's tensors are converted between the checkpoint's names and transformers'
@@ -31,6 +31,7 @@ target's class (`carrier`, heads/mtp_layer.py).
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -303,7 +304,9 @@ class Mtp(EagleBase):
             arguments = parts.block_arguments(self, hidden, positions, mask)
         else:
             hidden = self.proj(torch.cat([self.embed_norm(embedded), self.hidden_norm(features)], dim=-1))
-            kind = {"layer_type": self.layer_config.layer_types[0]} if self.layout.block_kind else {}
+            # a family whose rotary tables differ by layer kind (Dots3-Note's) is given the block's
+            kinds = self.layout.block_kind and "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
+            kind = {"layer_type": self.layer_config.layer_types[0]} if kinds else {}
             arguments = {"attention_mask": mask, "position_embeddings": self.rotary_emb(hidden, positions, **kind)}
         pre = self.block(hidden, position_ids=positions, cache=cache, **arguments)
         if isinstance(pre, tuple):  # GLM-5's layer returns its top-k selection beside, for a later layer to share

@@ -10,6 +10,7 @@ import contextlib
 import functools
 import json
 import re
+import sys
 import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -58,11 +59,19 @@ class Layout:
     # where the MTP layers are stored when not after the decoder's layers: `mtp.`, or HY-V4's `model.mtp_layers.`
     under: str = "mtp."
     # the block is the family's decoder layer without its hyper-connections (heads/mtp_plain.py): the release
-    # ships none for it and vLLM builds it on one residual stream (HY-V4, GLM-5-Next)
+    # ships none for it and vLLM builds it on one residual stream (HY-V4, GLM-5-Next; MiniMax-M3's layer, which has
+    # none, for its attention on the drafter's masks)
     plain_block: bool = False
     # how the decoder's layers are named, an `after_layers` layout's among them (a vision-language wrapper's language
     # model's: GLM-5-Next's `model.language_model.`)
     decoder_prefix: str = "model."
+    # where an `own_prefix` layout stores the block under the layer's prefix: beside the wrapper's tensors, or under
+    # a module of its own (MiniMax-M3's `transformer_layer.`)
+    block_prefix: str = ""
+    # the block's tensors take the release's names, between which and its modules transformers converts in the
+    # vision-language wrapper's class only (MiniMax-M3's: its language model's own class keeps its fused form): the
+    # carrier is the wrapper, its decoder's layers under `decoder_prefix` as the release stores them
+    wrapper_carrier: bool = False
 
     def prefix(self, num_hidden_layers: int) -> str:
         """The first MTP layer's tensor names start with this."""
@@ -72,7 +81,9 @@ class Layout:
 
     def block(self) -> str:
         """Where the decoder layer's own tensors sit under `prefix`."""
-        return "" if self.after_layers or self.own_prefix else "layers.0."
+        if self.after_layers:
+            return ""
+        return self.block_prefix if self.own_prefix else "layers.0."
 
     def shared(self) -> tuple[str, ...]:
         """Tensors under the prefix that vLLM replaces by the target's (its embedding and lm_head)."""
@@ -219,7 +230,9 @@ def layer_config(target_config, layout: Layout) -> dict:
     attention where every layer that is not linear attention has it (DeepSeek-V3.2, GLM-5-Next: its cache layer keeps
     the indexer's keys too; its own indexer, as vLLM builds every MTP layer's), or sliding-window
     attention where the family compresses attention (DeepSeek-V4: vLLM builds the MTP layer with compress ratio 0,
-    the trailing entry of the release's `compress_ratios`, which is its plain sliding-window attention with sinks)."""
+    the trailing entry of the release's `compress_ratios`, which is its plain sliding-window attention with sinks), or
+    the kind a layout names (`Layout.block_kind`: Dots3-Note's sliding dense layer, MiniMax-M3's block-sparse attention
+    with experts, which vLLM forces on its MTP block whatever the target's layers have)."""
     values = target_config.to_dict()
     values = values.get("text_config") or values
     values["num_hidden_layers"] = 1
@@ -234,9 +247,12 @@ def layer_config(target_config, layout: Layout) -> dict:
     if layout.block_kind is not None:
         attention, mlp = layout.block_kind
         attention = (values.get("mtp_layer_types") or [attention])[0]
-        # the first layer of that kind's overrides of the config (transformers' `per_layer_config`, by layer index)
-        overrides = (values.get("per_layer_config") or {}).get(str(values["layer_types"].index(attention)))
-        values |= {"layer_types": [attention], "mlp_layer_types": [mlp], "per_layer_config": {"0": overrides or {}}}
+        kinds = values.get("layer_types") or []
+        if "per_layer_config" in values:  # a family with per-layer overrides (Dots3-Note's): the first layer of that
+            # kind's (transformers' `per_layer_config`, by layer index); a target with no such layer has none
+            first = str(kinds.index(attention)) if attention in kinds else None
+            values["per_layer_config"] = {"0": (values["per_layer_config"] or {}).get(first) or {}}
+        values |= {"layer_types": [attention], "mlp_layer_types": [mlp]}
     elif isinstance(values.get("layer_types"), list):
         kinds = set(values["layer_types"]) - {LINEAR}  # beside GLM-5-Next's indexed attention
         sparse, pooled = kinds == {INDEXED}, bool(kinds & set(COMPRESSED))
@@ -244,22 +260,40 @@ def layer_config(target_config, layout: Layout) -> dict:
     return values
 
 
-def carrier(spec: dict):
+def carrier(spec: dict, layout: Layout):
     """A one-layer model of the target's class (vocabulary of one token), whose transformers loading and
     saving code converts the block's tensors between checkpoint names and module parameters, and where its layer's
     tensors are named: a causal LM's, or the base model's of a wrapper's language model transformers has no causal LM
-    class for (GLM-5-Next's, whose names in the wrapper's checkpoint are the base model's under a prefix)."""
-    from transformers import AutoModel, AutoModelForCausalLM
+    class for (GLM-5-Next's, whose names in the wrapper's checkpoint are the base model's under a prefix), or the
+    wrapper's, with a tiny vision tower, where only its class converts the release's names
+    (`Layout.wrapper_carrier`)."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 
     from draftsmith.causal_lm import may_be_a_causal_lm
+    from draftsmith.tiny_config import tiny_wrapper_config
 
     config = import_qualified(spec["config_class"]).from_dict(
         {**spec["config"], "vocab_size": 1, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
     )
     config.tie_word_embeddings = False
+    if layout.wrapper_carrier:
+        wrapper = tiny_wrapper_config(wrapper_model_type(config), config, released=True)
+        wrapper.tie_word_embeddings = False
+        return wrapper, AutoModelForImageTextToText, f"{layout.decoder_prefix}layers.0."
     if may_be_a_causal_lm(config.model_type):
         return config, AutoModelForCausalLM, "model.layers.0."
     return config, AutoModel, "layers.0."
+
+
+def wrapper_model_type(text_config) -> str:
+    """The model type of the vision-language wrapper whose language model `text_config` configures: the config class
+    beside it whose `text_config` is of its class."""
+    module = sys.modules[type(text_config).__module__]
+    return next(
+        value.model_type
+        for value in vars(module).values()
+        if isinstance(value, type) and getattr(value, "sub_configs", {}).get("text_config") is type(text_config)
+    )
 
 
 def carried_layer(model: nn.Module) -> nn.Module:
@@ -287,7 +321,7 @@ def quiet_transformers():
 def block_from_checkpoint(tensors: dict[str, torch.Tensor], spec: dict, layout: Layout) -> dict[str, torch.Tensor]:
     """The block's checkpoint tensors (names under the block) -> its parameters, by transformers' loader (a plain
     block's: the layer's but for its hyper-connections, which the release does not ship)."""
-    config, auto, at = carrier(spec)
+    config, auto, at = carrier(spec, layout)
     with tempfile.TemporaryDirectory() as tmp:
         config.save_pretrained(tmp)
         named = {f"{at}{name}": tensor.contiguous() for name, tensor in tensors.items()}
@@ -320,7 +354,7 @@ def block_from_checkpoint(tensors: dict[str, torch.Tensor], spec: dict, layout: 
 def block_to_checkpoint(block: nn.Module, spec: dict, layout: Layout) -> dict[str, torch.Tensor]:
     """The block's parameters -> its checkpoint tensors (names under the block), by transformers' saver: in
     the release's form (`Layout.fused_experts`; a plain block's without the layer's hyper-connections)."""
-    config, auto, at = carrier(spec)
+    config, auto, at = carrier(spec, layout)
     model = auto.from_config(config, dtype=torch.float32)
     layer = strip(carried_layer(model)) if layout.plain_block else carried_layer(model)
     layer.load_state_dict({k: v.float() for k, v in block.state_dict().items()})

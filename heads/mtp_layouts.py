@@ -12,7 +12,7 @@ from draftsmith.families import SLIDING
 from draftsmith.heads.mtp_layer import Layout
 
 DEEPSEEK_NAMES = ("enorm", "hnorm", "eh_proj", "shared_head.norm")
-HY_V4_NAMES = ("enorm", "hnorm", "eh_proj", "final_layernorm")
+HY_V4_NAMES = ("enorm", "hnorm", "eh_proj", "final_layernorm")  # MiniMax-M3's too
 QWEN_NAMES = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm")
 # DeepSeek-V4's release names (mtp_streams.ROLES), the block's beside them under `mtp.{j}.` in DeepSeek's original names
 V4_NAMES = ("enorm", "hnorm", "e_proj", "h_proj", "norm")
@@ -84,6 +84,28 @@ LAYOUTS = {
         True,
         block_kind=(SLIDING, "dense"),
         own_embedding="model.mtp.embed_tokens.weight",
+    ),  # fmt: skip
+    # vLLM's MiniMaxM3MTP (models/minimax_m3/nvidia/mtp.py; its speculative config maps the release's model type
+    # minimax_m3_vl to minimax_m3_mtp, its text_config's `num_mtp_modules` the count): under the wrapper's language
+    # model, `language_model.model.mtp.layers.{j}.` holds enorm, hnorm, eh_proj and final_layernorm beside the block,
+    # `transformer_layer.`: the decoder layer with block-sparse attention and experts whatever the target's layers
+    # (`force_sparse_attn`, `force_moe`), no hyper-connections to drop, its attention run on the drafter's masks
+    # (heads/mtp_blocks.py); the embedding masked at position 0, Gemma-style (1 + w) norms, fed back unnormed (its
+    # forward returns `pre`, compute_logits applies final_layernorm)
+    "MiniMaxM3SparseForConditionalGeneration": Layout(
+        "MiniMaxM3MTP",
+        "num_mtp_modules",
+        HY_V4_NAMES,
+        False,
+        True,
+        False,
+        own_prefix=True,
+        under="language_model.model.mtp.layers.",
+        block_prefix="transformer_layer.",
+        plain_block=True,
+        decoder_prefix="language_model.model.",
+        wrapper_carrier=True,
+        block_kind=("minimax_m3_sparse", "sparse"),
     ),  # fmt: skip
     "Qwen3NextForCausalLM": Layout("qwen3_next_mtp", "num_nextn_predict_layers", QWEN_NAMES, False, False, True),
     "Qwen3_5ForCausalLM": QWEN3_5,

@@ -1,4 +1,7 @@
-"""An MTP block that is its family's decoder layer without the layer's hyper-connections (`Layout.plain_block`).
+"""An MTP block that is its family's decoder layer without the layer's hyper-connections (`Layout.plain_block`), its
+attention run on the drafter's masks where the family's own reads causality from the cache's slots (GLM-5-Next's pooled
+sparse attention, heads/mtp_pooled.py; MiniMax-M3's block-sparse attention, whose layer has no hyper-connections to
+drop: heads/mtp_blocks.py).
 
 HY-V4's and GLM-5-Next's decoder layers pass `hc_mult` residual streams, mixed by hyper-connections around the
 attention and the MLP; their MTP layers do not: the releases ship no hyper-connection tensors for them and vLLM 0.32
@@ -17,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from draftsmith.heads import mtp_pooled
+from draftsmith.heads import mtp_blocks, mtp_pooled
 
 # The decoder layer's modules the block keeps, by name (as the checkpoint names their tensors)
 KEPT = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
@@ -48,6 +51,8 @@ class PlainBlock(nn.Module):
         self.sinks = getattr(layer.self_attn, "sinks", None) is not None
         # an indexer over pools of keys (GLM-5-Next's) runs on the drafter's masks by heads/mtp_pooled.py
         self.pooled = hasattr(getattr(layer.self_attn, "indexer", None), "index_kpool")
+        # an indexer picking blocks of keys (MiniMax-M3's) runs on the drafter's masks by heads/mtp_blocks.py
+        self.blocked = hasattr(getattr(layer.self_attn, "indexer", None), "topk_blocks")
         if self.sinks:
             layer.self_attn.config._attn_implementation = "eager"
 
@@ -63,6 +68,9 @@ class PlainBlock(nn.Module):
         normed = self.input_layernorm(hidden_states)
         if self.pooled:
             attended, selected = mtp_pooled.attention(self.self_attn, normed, attention_mask, kwargs.get("cache")), None
+        elif self.blocked:
+            rope, cache = kwargs["position_embeddings"], kwargs.get("cache")
+            attended, selected = mtp_blocks.attention(self.self_attn, normed, attention_mask, rope, cache), None
         else:
             attended, _, selected = self.self_attn(hidden_states=normed, attention_mask=attention_mask, **kwargs)
         hidden_states = hidden_states + attended

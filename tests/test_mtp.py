@@ -10,7 +10,8 @@ cache; V4's layer on hyper-connection streams, `mtp.0.*`, its sliding window kep
 HY-V4's, `model.mtp_layers.0.*`, and GLM-5-Next's, under its wrapper's language model, each a decoder layer without
 its hyper-connections, GLM-5-Next's pooled sparse attention on the drafter's masks; Qwen4-Exp's, `mtp.*`, on the
 target's streams laid side by side, its QSA indexer's pools on the drafter's masks; Dots3-Note's, a sliding-window
-dense block with an embedding of its own);
+dense block with an embedding of its own; MiniMax-M3's, `language_model.model.mtp.layers.0.*` in its release written
+whole, its block-sparse attention on the drafter's masks);
 Qwen3.5's vision-language wrappers, as released, train and export as
 their language models; targets without one are refused in one line before anything loads. The real engine
 serving the export: tests/test_mtp_vllm.py.
@@ -56,6 +57,9 @@ FAMILIES = (
     "glm5_next",
 )  # fmt: skip
 WRAPPED = ("glm5_next",)  # a wrapper transformers has no causal LM class for: draftsmith loads its language model
+# a wrapper whose language model transformers has a causal LM class for, written whole as its releases ship it (its
+# MTP layer is under the wrapper's names, and vLLM maps only the wrapper's model type to its MTP model)
+RELEASED = ("minimax_m3_vl",)
 SHAPE = {"hidden_size": 64, "intermediate_size": 128, "head_dim": 16}  # 4 layers: Qwen's 4th is full attention
 MTP = drafter_class("mtp")
 
@@ -67,9 +71,9 @@ def targets(tmp_path_factory):
 
     def build(family: str):
         if family not in built:
-            folder = write_random_target(family, tmp_path_factory.mktemp(family), **SHAPE)
+            folder = write_random_target(family, tmp_path_factory.mktemp(family), released=family in RELEASED, **SHAPE)
             write_random_layer(folder)
-            if family in WRAPPED:
+            if family in (*WRAPPED, *RELEASED):
                 model = load_target(str(folder))
             else:
                 model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().requires_grad_(False)
@@ -89,7 +93,7 @@ def layout(folder):
 STREAMS_FAMILIES = ("qwen4_exp",)  # a layer on the target's streams whose block is its decoder layer (not V4's)
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, *STREAMS_FAMILIES])
+@pytest.mark.parametrize("family", [*FAMILIES, *STREAMS_FAMILIES, *RELEASED])
 def test_the_layer_reads_back_under_the_checkpoints_names_as_the_block_vllm_builds(family, targets):
     folder, model = targets(family)
     drafter = MTP.from_target(MTP.Config(), model, str(folder))
@@ -144,7 +148,7 @@ def test_one_draft_step_computes_vllms_formula_from_the_checkpoint(family, targe
     assert torch.allclose(fed, rms(pre, final_norm, eps, qwen) if chosen.feeds_back_normed else pre, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "deepseek_v4", *STREAMS_FAMILIES, "dots3_note_text"])
+@pytest.mark.parametrize("family", [*FAMILIES, "deepseek_v4", *STREAMS_FAMILIES, "dots3_note_text", *RELEASED])
 def test_it_trains_several_steps_ahead_and_decodes_losslessly(family, targets):
     folder, model = targets(family)
     drafter = MTP.from_target(MTP.Config(ttt_steps=3), model, str(folder))
@@ -588,7 +592,7 @@ def test_a_deepseek_v4_layer_exports_under_its_release_names_with_the_config_vll
 def trained_resumed_and_exported(family: str, tmp_path, small_data, token_cache, capsys) -> tuple[Path, Path]:
     """`recipe=mtp` through the entry points on a `family` target with a random layer: trained, stopped after step 1,
     resumed, exported; (the target, the export's vllm folder)."""
-    folder = write_random_target(family, tmp_path / "target", **SHAPE)
+    folder = write_random_target(family, tmp_path / "target", released=family in RELEASED, **SHAPE)
     write_random_layer(folder)
     run = tmp_path / "run"
     args = mtp_args(folder, run, small_data, token_cache, save_every=1)
@@ -730,13 +734,15 @@ def test_a_glm5_next_blocks_pooled_sparse_attention_is_transformers_on_a_causal_
     [
         ("glm5_next", "final", lambda drafter: drafter.block.self_attn.indexer.index_topk + 16),
         ("qwen4_exp", "streams", lambda d: d.layer_config.indexer_budget + d.layer_config.indexer_compress_ratio),
+        ("minimax_m3_vl", "final", lambda d: (d.layer_config.index_topk_blocks + 1) * d.layer_config.index_block_size),
     ],
 )
 def test_later_draft_steps_pool_their_own_entries_in_training_as_in_decoding(family, feature, selected, targets):
     """The training-time test's later steps attend to step 0's entries and their own earlier steps' (stored after
     them); pooled by rank, these are the pools vLLM's decoding builds over positions: past the indexer's budget
     (`selected` keys), the loss's steps 1 and 2 at position t are the chain a decoder drafts from t on its cache.
-    GLM-5-Next's layer reads the target's final state, Qwen4-Exp's its streams."""
+    GLM-5-Next's and MiniMax-M3's (blocks of keys, by rank) layers read the target's final state, Qwen4-Exp's its
+    streams."""
     folder, model = targets(family)
     drafter = MTP.from_target(MTP.Config(ttt_steps=3), model, str(folder)).eval()
     length, t = 101, 90
@@ -1003,3 +1009,160 @@ def test_a_dots3_note_targets_layer_trains_resumes_exports_and_decodes_losslessl
     config = json.loads((vllm / "config.json").read_text())
     assert written_shapes(vllm) == shipped_shapes(str(folder), config, LAYOUTS["Dots3NoteForCausalLM"])
     assert_exported_layer_decodes_losslessly(folder, vllm, tmp_path, small_data, tree=6)
+
+
+def gemma_rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return rms(x, weight, eps, True)
+
+
+def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return gate * torch.sigmoid(alpha * gate) * (up + 1)
+
+
+def neox_rope(x: torch.Tensor, positions: torch.Tensor, dims: int, theta: float) -> torch.Tensor:
+    """x [T, heads, D] rotated on its first `dims` channels (halves paired), at `positions` [T]."""
+    angles = positions[:, None].float() * theta ** (-torch.arange(0, dims, 2).float() / dims)
+    cos, sin = angles.cos()[:, None], angles.sin()[:, None]
+    low, high, rest = x[..., : dims // 2], x[..., dims // 2 : dims], x[..., dims:]
+    return torch.cat([low * cos - high * sin, high * cos + low * sin, rest], -1)
+
+
+def minimax_m3_block(layer: dict, config: dict, x: torch.Tensor) -> torch.Tensor:
+    """vLLM 0.32's MiniMaxM3DecoderLayer as its MTP block builds it (force_sparse_attn, force_moe), written from
+    models/minimax_m3/nvidia/model.py and common/ops/index_topk.py on one causal sequence x [T, H], reading the
+    release's tensors by name: Gemma norms, per-head QK norms and NeoX rope, the lightning indexer's per-KV-head block
+    scores (the max over a block's causal keys), the query's own block forced, the best `index_topk_blocks` blocks
+    attended; sigmoid-routed experts (w1, w3, w2) with the score-correction bias, scaled, beside the shared expert."""
+    eps, heads, kv_heads = config["rms_norm_eps"], config["num_attention_heads"], config["num_key_value_heads"]
+    dim, index_dim = config["head_dim"], config["index_head_dim"]
+    size, topk, theta = config["index_block_size"], config["index_topk_blocks"], config["rope_parameters"]["rope_theta"]
+    rotated = int(dim * config["rope_parameters"].get("partial_rotary_factor", 1.0))
+    length, positions = x.shape[0], torch.arange(x.shape[0])
+    x_in = gemma_rms(x, layer["input_layernorm.weight"], eps)
+
+    def heads_of(name: str, normed: str, width: int, rope_dims: int) -> torch.Tensor:
+        out = gemma_rms((x_in @ layer[name].T).view(length, -1, width), layer[normed], eps)
+        return neox_rope(out, positions, rope_dims, theta)
+
+    index_q = heads_of(
+        "self_attn.index_q_proj.weight", "self_attn.index_q_norm.weight", index_dim, min(rotated, index_dim)
+    )
+    index_k = heads_of(
+        "self_attn.index_k_proj.weight", "self_attn.index_k_norm.weight", index_dim, min(rotated, index_dim)
+    )
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    scores = torch.einsum("qhd,kd->hqk", index_q, index_k[:, 0]).masked_fill(~causal, float("-inf"))
+    blocks = -(-length // size)
+    padded = torch.nn.functional.pad(scores, (0, blocks * size - length), value=float("-inf"))
+    block_scores = padded.view(kv_heads, length, blocks, size).amax(-1)
+    own = positions // size
+    block_scores[:, positions, own] = float("inf")  # the local block (index_local_blocks = 1)
+    chosen = torch.zeros(kv_heads, length, blocks, dtype=torch.bool)
+    best = block_scores.topk(min(topk, blocks), -1)
+    chosen.scatter_(-1, best.indices, best.values > float("-inf"))
+    allowed = chosen.repeat_interleave(size, -1)[..., :length] & causal  # [kv_heads, T, T]
+    q = heads_of("self_attn.q_proj.weight", "self_attn.q_norm.weight", dim, rotated)
+    k = heads_of("self_attn.k_proj.weight", "self_attn.k_norm.weight", dim, rotated)
+    v = (x_in @ layer["self_attn.v_proj.weight"].T).view(length, -1, dim)
+    group = heads // kv_heads
+    logits = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(group, 1)) * dim**-0.5
+    logits = logits.masked_fill(~allowed.repeat_interleave(group, 0), float("-inf"))
+    attended = torch.einsum("hqk,khd->qhd", logits.softmax(-1), v.repeat_interleave(group, 1)).reshape(length, -1)
+    h = x + attended @ layer["self_attn.o_proj.weight"].T
+    y = gemma_rms(h, layer["post_attention_layernorm.weight"], eps)
+    alpha, limit = config["swiglu_alpha"], config["swiglu_limit"]
+    moe = "block_sparse_moe."
+    weights = torch.sigmoid(y @ layer[f"{moe}gate.weight"].T)
+    picked = (weights + layer[f"{moe}e_score_correction_bias"]).topk(config["num_experts_per_tok"], -1).indices
+    share = weights.gather(-1, picked)
+    share = share / share.sum(-1, keepdim=True)
+    routed = torch.zeros_like(y)
+    for token in range(length):
+        for slot, expert in enumerate(picked[token].tolist()):
+            w1, w2, w3 = (layer[f"{moe}experts.{expert}.w{i}.weight"] for i in (1, 2, 3))
+            routed[token] += share[token, slot] * (swiglu_oai(y[token] @ w1.T, y[token] @ w3.T, alpha, limit) @ w2.T)
+    shared = swiglu_oai(
+        y @ layer[f"{moe}shared_experts.gate_proj.weight"].T, y @ layer[f"{moe}shared_experts.up_proj.weight"].T,
+        alpha, limit,
+    ) @ layer[f"{moe}shared_experts.down_proj.weight"].T  # fmt: skip
+    return h + routed * config["routed_scaling_factor"] + shared
+
+
+def test_one_minimax_m3_draft_step_computes_vllms_formula_from_the_checkpoint(targets):
+    """Written from vLLM 0.32's MiniMaxM3MTP (models/minimax_m3/nvidia/mtp.py): the target's embedding zeroed at
+    position 0, enorm and hnorm (Gemma's x * (1 + w)), eh_proj over [embedding, hidden], the block
+    (`transformer_layer.*`: minimax_m3_block, past its indexer's 16 blocks of 4 keys here), fed back unnormed, the
+    logits lm_head(final_layernorm(pre)); read from the release's names under `language_model.model.mtp.layers.0.`."""
+    folder, model = targets("minimax_m3_vl")
+    drafter = MTP.from_target(MTP.Config(), model, str(folder)).eval()
+    config, chosen = layout(folder)
+    shipped = read_layer(str(folder), config, chosen)
+    eps, length = config["rms_norm_eps"], 100
+    ids = torch.randint(3, 4000, (1, length), generator=torch.Generator().manual_seed(0))
+    features, positions = run_target(model, ids).final, torch.arange(length)[None]
+    embedded = model.get_input_embeddings().weight[ids].clone()
+    embedded[:, 0] = 0
+    normed = [gemma_rms(embedded, shipped["enorm.weight"], eps), gemma_rms(features, shipped["hnorm.weight"], eps)]
+    hidden = torch.cat(normed, -1) @ shipped["eh_proj.weight"].T
+    block = {name.removeprefix("transformer_layer."): t for name, t in shipped.items()}
+    causal = torch.ones(length, length, dtype=torch.bool).tril()[None, None]
+    with torch.no_grad():
+        pre = minimax_m3_block(block, config, hidden[0])[None]
+        fed = drafter.draft(ids, features, positions, causal)
+    assert config["index_topk_blocks"] * config["index_block_size"] < length
+    assert torch.allclose(fed, pre, atol=1e-4)
+    logits = model.lm_head(gemma_rms(pre, shipped["final_layernorm.weight"], eps))
+    assert drafter.top_tokens(fed[0, -1], 1)[1].item() == logits[0, -1].argmax().item()
+
+
+def test_a_minimax_m3_blocks_sparse_attention_is_transformers_on_a_causal_sequence(targets):
+    """MiniMax-M3's block attention runs on the drafter's explicit masks (heads/mtp_blocks.py); on one causal sequence
+    past its indexer's selection (16 blocks of 4 keys) it is transformers' MiniMaxM3VLAttention, which counts the
+    blocks from the cache's first slot, and it attends to fewer keys than the query sees."""
+    from draftsmith.heads import mtp_blocks
+
+    folder, model = targets("minimax_m3_vl")
+    drafter = MTP.from_target(MTP.Config(), model, str(folder)).eval()
+    attn, length = drafter.block.self_attn, 120
+    hidden = torch.randn(2, length, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(length)[None].expand(2, -1)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()[None, None].expand(2, 1, -1, -1)
+    with torch.no_grad():
+        rope = drafter.rotary_emb(hidden, positions)
+        ours = mtp_blocks.attention(attn, hidden, causal, rope)
+        theirs = attn(hidden_states=hidden, position_embeddings=rope, attention_mask=None, position_ids=positions)[0]
+        picked = mtp_blocks.selection(attn.indexer, hidden, rope, causal[:, 0], None)
+    assert torch.allclose(ours, theirs, atol=1e-5)
+    kept = attn.indexer.topk_blocks * attn.indexer.block_size
+    assert torch.equal(picked[:, :, :kept], causal[:, :, :kept].expand_as(picked[:, :, :kept]))
+    assert (picked[:, :, -1].sum(-1) == kept).all()
+
+
+def test_a_minimax_m3_layer_exports_under_the_releases_names_with_its_config(targets, tmp_path):
+    """The folder: the release's config.json as shipped (vLLM maps its model_type minimax_m3_vl to minimax_m3_mtp) with
+    `num_mtp_modules` 1 in its text_config, the layer under exactly the shipped names and shapes
+    (`language_model.model.mtp.layers.0.*`, the block's experts per expert under `transformer_layer.`), read back
+    as the same layer."""
+    config, shipped, repo = exported_and_read_back("minimax_m3_vl", targets, tmp_path)
+    assert set(repo.tensors) == {f"language_model.model.mtp.layers.0.{name}" for name in shipped}
+    assert "language_model.model.mtp.layers.0.transformer_layer.block_sparse_moe.experts.0.w1.weight" in repo.tensors
+    assert "language_model.model.mtp.layers.0.transformer_layer.self_attn.index_q_proj.weight" in repo.tensors
+    release = json.loads((targets("minimax_m3_vl")[0] / "config.json").read_text())
+    assert repo.config == {**release, "text_config": {**release["text_config"], "num_mtp_modules": 1}}
+    assert exporter_for("mtp").recognises(repo.config, repo.tensors)
+
+
+@pytest.mark.slow
+def test_a_minimax_m3_releases_layer_trains_resumes_exports_and_decodes_losslessly_through_the_entry_points(
+    tmp_path, small_data, token_cache, capsys
+):
+    """`recipe=mtp` on a MiniMax-M3 release folder (the wrapper, draftsmith runs its language model): it trains,
+    resumes, exports under the release's names and shapes, and draftsmith's eval, reading the folder back, decodes
+    losslessly (chains: the target's block-sparse attention verifies no tree)."""
+    folder, vllm = trained_resumed_and_exported("minimax_m3_vl", tmp_path, small_data, token_cache, capsys)
+    config = json.loads((vllm / "config.json").read_text())
+    assert config["text_config"]["num_mtp_modules"] == 1
+    text = {**config["text_config"], "architectures": config["architectures"]}
+    assert written_shapes(vllm) == shipped_shapes(str(folder), text, LAYOUTS["MiniMaxM3SparseForConditionalGeneration"])
+    assert_exported_layer_decodes_losslessly(folder, vllm, tmp_path, small_data, tree=0)
