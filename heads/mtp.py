@@ -103,6 +103,16 @@ def layout_of(config: dict) -> Layout:
             "drafter.type=mtp: the target's config sets index_share_for_mtp_iteration, with which vLLM 0.32's later "
             "draft steps reuse the first step's sparse-attention selection, which draftsmith's drafter does not"
         )
+    sparse = (text or config).get("sparse_attention_config") or {}
+    if sparse.get("sparse_init_block", 0) != 0 or sparse.get("sparse_local_block", 1) != 1:
+        # vLLM 0.32's block-sparse indexer always keeps the first `sparse_init_block` blocks and the query's last
+        # `sparse_local_block`; draftsmith's (heads/mtp_blocks.py) keeps the query's own block alone, as releases set
+        raise UserError(
+            "drafter.type=mtp: the target's sparse_attention_config keeps "
+            f"sparse_init_block={sparse.get('sparse_init_block', 0)} first and "
+            f"sparse_local_block={sparse.get('sparse_local_block', 1)} local blocks, which vLLM 0.32's MTP layer "
+            "always attends to and draftsmith's drafter does not (it keeps 0 and 1): train another kind"
+        )
     quantized = config.get("quantization_config") or text.get("quantization_config")
     if quantized:
         # the layer's weights are stored quantized beside their scales (FP8 releases: `weight_scale_inv` per

@@ -795,6 +795,21 @@ def test_a_target_whose_later_draft_steps_share_the_first_ones_selection_is_refu
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("kept", [{"sparse_init_block": 1}, {"sparse_local_block": 2}])
+def test_a_target_whose_sparse_attention_keeps_other_blocks_is_refused_in_one_line(targets, tmp_path, kept):
+    """vLLM's block-sparse MTP layer always attends to the first sparse_init_block blocks and the query's last
+    sparse_local_block; the drafter keeps the query's own block alone (a release's 0 and 1): others refused before
+    anything loads."""
+    folder, _ = targets("minimax_m3_vl")
+    copy = Path(shutil.copytree(folder, tmp_path / "kept"))
+    config = json.loads((copy / "config.json").read_text())
+    config["text_config"]["sparse_attention_config"] = {"sparse_init_block": 0, "sparse_local_block": 1, **kept}
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=r"sparse_attention_config keeps sparse_init_block=") as err:
+        MTP.Config().check(local_target_shape(str(copy)))
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.slow
 def test_a_glm5_next_targets_layer_trains_resumes_exports_and_decodes_losslessly_through_the_entry_points(
     tmp_path, small_data, token_cache, capsys
