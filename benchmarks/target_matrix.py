@@ -271,8 +271,8 @@ def markdown(rows: list[dict]) -> str:
 
     lines = [
         "| family | kind | trains | resumes | lossless (draftsmith) | τ draftsmith | vLLM serves | lossless (vLLM) "
-        "| τ vLLM / draftsmith, same prompts | Δ |",
-        "|---|---|:-:|:-:|:-:|--:|:-:|:-:|--:|--:|",
+        "| τ vLLM / draftsmith, same prompts | Δ | target variety |",
+        "|---|---|:-:|:-:|:-:|--:|:-:|:-:|--:|--:|--:|",
     ]
     order = {family: index for index, family in enumerate(FAMILIES)}
     kinds = {kind: index for index, kind in enumerate(KINDS)}
@@ -290,7 +290,7 @@ def markdown(rows: list[dict]) -> str:
         lines.append(
             f"| {row['family']} | {row['kind']} | {mark(row.get('train'))} | {mark(row.get('resume'))} | "
             f"{mark(row.get('lossless'))} | {row.get('tau_draftsmith') or '–'} | {served} | "
-            f"{lossless} | {pair} | {delta} |"
+            f"{lossless} | {pair} | {delta} | {row.get('target_variety', '–')} |"
         )
     return "\n".join(lines)
 

@@ -17,6 +17,7 @@ from draftsmith.eval.counts import Generation
 from draftsmith.eval.loop import generate_batch
 from draftsmith.eval.ngram import NGramDrafter
 from draftsmith.eval.sampling import Sampling
+from draftsmith.eval.step_costs import priced
 from draftsmith.eval.suffix import SuffixDrafter, SuffixTrees
 from draftsmith.eval.trees import tree_depth
 from draftsmith.formats import refusals
@@ -90,11 +91,16 @@ def build_methods(cfg: DictConfig, drafter, target, verifier, temperature: float
         raise UserError(
             f"eval.num_speculative_tokens={gamma} but this {drafter.type} checkpoint proposes at most {longest} tokens"
         )
-    new_proposer = partial(drafter.proposer, temperature)
+    # where the engine verifies only the drafts its step costs pay for, the costs are profiled near data.max_length
+    context = int(cfg.data.max_length) - gamma - 1
+    new_proposer, costs = priced(partial(drafter.proposer, temperature), verifier, gamma, context)
     served = serving(drafter, target, cfg.export.vllm_format, temperature)
+    chain_info = {"gamma": gamma, **served["chain"]}
+    if costs is not None:
+        chain_info["step_costs"] = {"requests": 1, "context": context, **asdict(costs)}
     methods = [
         Method("plain", "baseline", info={"served_by": "any engine"}),
-        Method("chain", "drafter", new_proposer, gamma, info={"gamma": gamma, **served["chain"]}),
+        Method("chain", "drafter", new_proposer, gamma, info=chain_info),
     ]
     if nodes > 0:
         tree = new_proposer().default_tree(nodes)

@@ -13,6 +13,8 @@ token of the target's embedding, q_norm/k_norm in every layer, target layer ids 
 - `enable_confidence_head` and `confidence_head_with_markov: true`: the confidence head's input is the block
   output and the previous token's Markov embedding, its projection with a bias, as vLLM's head is.
 - `dspark_target_layer_ids` and `dspark_noise_token_id`: the DSpark names of the context layers and the mask token.
+- `enable_adaptive_verification` (drafter.adaptive_verification) in the served speculative config, not config.json:
+  where vLLM reads it (config/speculative.py), default false.
 
 vLLM's CPU build cannot serve it (vLLM implements DSpark only in its GPU model runner V2): the folder says so, and
 an export checked with the CPU build is refused in one line before the engine starts (`CPU_BUILD_LIMIT`).
@@ -39,7 +41,7 @@ CPU_BUILD_LIMIT = (
     '"Model Runner V1 does not support: dspark speculative decoding")'
 )
 SETTINGS = ("tree_topk", "anchors", "loss", "loss_decay", "loss_weighting", "dpace_alpha", "confidence_weight",
-            "confidence_decay")  # fmt: skip  # training settings the folder's draftsmith_export.json carries back
+            "confidence_decay", "adaptive_verification")  # fmt: skip  # settings draftsmith_export.json carries back
 
 
 @register
@@ -83,9 +85,18 @@ class DSparkExporter(DFlashExporter):
                 if settings.confidence_head
                 else "none (enable_confidence_head false)"
             ),
+            "adaptive_verification": (
+                "on (speculative config enable_adaptive_verification): vLLM verifies the drafts whose survival, the "
+                "running product of the previous step's confidences, pays for their profiled verify cost"
+                if settings.adaptive_verification
+                else "off (vLLM's default): every draft verified"
+            ),
         }
+        # vLLM reads it from the speculative config only (SpeculativeConfig.enable_adaptive_verification), written
+        # whatever its value so that the served config says whether the drafts are cut
+        options = {"enable_adaptive_verification": settings.adaptive_verification}
         return EngineRepo(
-            "vllm", config, repo.tensors, expected, repo.serve, conventions, method="dspark",
+            "vllm", config, repo.tensors, expected, repo.serve, conventions, method="dspark", options=options,
             cpu_build_limit=CPU_BUILD_LIMIT,
         )  # fmt: skip
 

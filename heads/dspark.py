@@ -13,7 +13,8 @@ into base logits. What DSpark changes:
   pass and then sampled left to right, each position's q conditioned on the tokens drafted before it: a chain's
   q is the proposal the exact rule reads (heads/dspark_proposer.py).
 - The confidence head, a linear map of cat(position k's output, markov_w1[prev_k]) to one logit, estimates the
-  chance its token is accepted (vLLM's adaptive verification reads it; draftsmith's eval does not).
+  chance its token is accepted: vLLM's adaptive verification (`adaptive_verification`) verifies only the drafts whose
+  survival pays for their cost, and the eval's chain is cut as vLLM would cut it (heads/dspark_proposer.py).
 
 Training (`loss`): DFlash's anchors; position k teacher-forced on prev_k = x_{a+k} (the data's token, as
 speculators trains it) and scored against x_{a+k+1}, by cross-entropy to the data's token or soft cross-entropy

@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 @dataclass
 class DSparkConfig(DFlashConfig):
     type: str = "dspark"  # the drafter kind (registry key)
-    SETTINGS = (*DFlashConfig.SETTINGS, "confidence_weight", "confidence_decay")  # see DrafterConfig
+    # see DrafterConfig; adaptive_verification sets how vLLM serves (and the eval decodes), not the weights
+    SETTINGS = (*DFlashConfig.SETTINGS, "confidence_weight", "confidence_decay", "adaptive_verification")
     # block = anchor + block_size-1 masks, every position predicting the token after it: proposes up to block_size
     # tokens (vLLM's default num_speculative_tokens for the folder)
     block_size: int = 8
@@ -32,6 +33,10 @@ class DSparkConfig(DFlashConfig):
     confidence_weight: float = 1.0  # the confidence head's loss weight (speculators' confidence_head_alpha)
     # block position k's weight exp(-k/confidence_decay) in the confidence loss (speculators' gamma)
     confidence_decay: float = 4.0
+    # vLLM's speculative config `enable_adaptive_verification` (its default false), which the export writes: vLLM
+    # then verifies only as many drafts per step as the confidence head's survival scores pay for (docs/eval.md),
+    # and the eval predicts that. Needs the confidence head (without one vLLM estimates acceptance otherwise)
+    adaptive_verification: bool = False
 
     def check(self, target: Optional[TargetShape] = None) -> None:
         super().check(target)
@@ -41,6 +46,11 @@ class DSparkConfig(DFlashConfig):
             raise UserError(
                 f"drafter.confidence_weight must be >= 0 and confidence_decay > 0 (got {self.confidence_weight}, "
                 f"{self.confidence_decay})"
+            )
+        if self.adaptive_verification and not self.confidence_head:
+            raise UserError(
+                "drafter.adaptive_verification needs confidence_head: true (without the head vLLM sizes the "
+                "verification from an online estimate of the draft logits, which draftsmith's eval does not model)"
             )
         if self.tree_topk != DFlashConfig.tree_topk:
             raise UserError(

@@ -81,6 +81,16 @@ class DraftTree:
         return int(self.tokens.numel())
 
 
+@dataclass(frozen=True)
+class StepCosts:
+    """One request's step costs as an engine that weighs them holds them (vLLM's adaptive verification's cost
+    tables): its draft step, and the verify forward by target tokens, `verify_ms[n - 1]` for n tokens (1 .. γ+1),
+    non-decreasing."""
+
+    draft_ms: float
+    verify_ms: tuple[float, ...]
+
+
 class Proposer:
     """The decoding side of a drafter: one sequence's drafting state.
 
@@ -92,6 +102,10 @@ class Proposer:
     # Forward passes of the draft model so far (a chain of k from an autoregressive drafter costs k;
     # Medusa's heads and DFlash's block cost 1 per proposal): what a proposal costs besides tau.
     draft_forwards: int = 0
+    # True where the engine verifies only the drafts its step costs pay for (DSpark's adaptive verification): the
+    # eval profiles them (eval/step_costs.py) into `step_costs`, and the proposer cuts its proposals by them
+    cut_by_step_costs: bool = False
+    step_costs: Optional[StepCosts] = None
 
     def start(self, seed: int) -> None:
         """A new sequence begins, its row seeded with `seed`: a proposer that samples its drafts seeds its
