@@ -589,6 +589,17 @@ def greedy_text(model, rows: int, length: int, seed: int) -> torch.Tensor:
     return ids
 
 
+def reweighted(drafter, model, **settings):
+    """The same drafter's weights, as a drafter of its kind under its config with `settings` replaced (training-only
+    keys, or none: a copy to change), attached to `model`."""
+    from dataclasses import replace
+
+    other = type(drafter)(replace(drafter.config, **settings), drafter.target)
+    other.load_state_dict(drafter.state_dict())
+    other.attach_target(model)
+    return other
+
+
 def fitted_eagle(model, steps: int, seed: int = 0, drafter_type: str = "eagle", **config):
     """A drafter over the target's features (`eagle`, `eagle3` or `dflash`) fitted briefly to the
     target's greedy text: right often enough that drafts get accepted, wrong often enough that they

@@ -43,6 +43,7 @@ from tests.helpers import (
     fitted_eagle,
     greedy_text,
     read_log,
+    reweighted,
     run_entry_in_process,
     speculative_samples,
     tiny_llama,
@@ -57,14 +58,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def fitted_dflash(model, steps: int, **config):
     return fitted_eagle(model, steps, drafter_type="dflash", **{**TINY, **config})
-
-
-def reweighted(drafter, model, **settings):
-    """The same drafter's weights under other loss settings (training-only keys)."""
-    other = DFlash(replace(drafter.config, **settings), drafter.target)
-    other.load_state_dict(drafter.state_dict())
-    other.attach_target(model)
-    return other
 
 
 @pytest.fixture(scope="module")

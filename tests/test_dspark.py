@@ -11,7 +11,6 @@ import itertools
 import json
 import math
 import shutil
-from dataclasses import replace
 
 import pytest
 import torch
@@ -39,6 +38,7 @@ from tests.helpers import (
     fitted_eagle,
     greedy_text,
     read_log,
+    reweighted,
     run_entry_in_process,
     speculative_samples,
     tiny_llama,
@@ -52,14 +52,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def fitted_dspark(model, steps: int, **config):
     return fitted_eagle(model, steps, drafter_type="dspark", **{**TINY, "markov_rank": 8, **config})
-
-
-def reweighted(drafter, model, **settings):
-    """The same drafter's weights under other loss settings (training-only keys)."""
-    other = DSpark(replace(drafter.config, **settings), drafter.target)
-    other.load_state_dict(drafter.state_dict())
-    other.attach_target(model)
-    return other
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,7 @@ from tests.helpers import (
     exact_conditionals,
     exact_joint,
     exactness_pvalues,
+    reweighted,
     run_entry_in_process,
     save_drafter,
     speculative_samples,
@@ -69,9 +70,7 @@ def costed(drafter, costs: StepCosts, temperature: float = 0.0):
 
 def constant_confidence(drafter, model, value: float):
     """The same drafter, its confidence head saying `value` at every position."""
-    other = DSpark(drafter.config, drafter.target)
-    other.load_state_dict(drafter.state_dict())
-    other.attach_target(model)
+    other = reweighted(drafter, model)
     with torch.no_grad():
         other.confidence_head.proj.weight.zero_()
         other.confidence_head.proj.bias.fill_(math.log(value / (1 - value)))

@@ -312,16 +312,9 @@ def test_a_draft_of_the_first_layers_takes_the_first_entries_of_every_per_layer_
     assert generate(model, prompt, 20, drafter=drafter.proposer(), gamma=3).tokens == generate(model, prompt, 20).tokens
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v4", "qwen4_exp"])
-def test_compressed_attention_is_put_back_after_every_rejected_draft(model_type):
-    """DeepSeek-V4's compressed attention pools several positions into one entry (and its window layers keep
-    only their window), so no entry can be cut back to a position: the loop keeps the cache's state before
-    each verify forward, puts it back after a rejection and feeds the accepted tokens again. Speculative
-    decoding far past the window and many pooled entries equals plain decoding, prompt by prompt and in a
-    batch (decoded a row at a time), with drafts accepted and rejected; a tree is refused in one line.
-    Qwen4-Exp's states are put back so too (linear attention, and its n-gram embeddings' token history and
-    convolution), while its block-sparse attention's keys and indexer keys are cut, far past its budget."""
-    model = tiny(model_type)
+def assert_chains_lossless_far_past_the_window_and_trees_refused(model) -> None:
+    """Oracle chains decoding three prompts far past the window equal plain decoding, prompt by prompt (drafts
+    accepted and rejected) and in a batch; a tree is refused in one line."""
     prompts = [random_prompt(length, seed) for seed, length in enumerate((12, 5, 20))]
     plain = [generate(model, prompt, 2 * WINDOW).tokens for prompt in prompts]
     oracles = [
@@ -333,10 +326,22 @@ def test_compressed_attention_is_put_back_after_every_rejected_draft(model_type)
     counts = [row.counts for row in alone]
     assert sum(c.accepted for c in counts) > 0 and any(c.accepted < c.drafted for c in counts)  # both outcomes
     oracles = [OracleDrafter(t, len(p), VOCAB, hit_rate=r, seed=9) for t, p, r in zip(plain, prompts, (0.9, 0.2, 0.6))]
-    together = generate_batch(model, prompts, 2 * WINDOW, oracles, gamma=3)
-    assert [row.tokens for row in together] == plain
+    assert [row.tokens for row in generate_batch(model, prompts, 2 * WINDOW, oracles, gamma=3)] == plain
     with pytest.raises(UserError, match="verifies chains only"):
         generate(model, prompts[0], 4, drafter=OracleDrafter([3] * 4, 12, VOCAB, 1.0), tree=[(0,), (1,)])
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v4", "qwen4_exp"])
+def test_compressed_attention_is_put_back_after_every_rejected_draft(model_type):
+    """DeepSeek-V4's compressed attention pools several positions into one entry (and its window layers keep
+    only their window), so no entry can be cut back to a position: the loop keeps the cache's state before
+    each verify forward, puts it back after a rejection and feeds the accepted tokens again. Speculative
+    decoding far past the window and many pooled entries equals plain decoding, prompt by prompt and in a
+    batch (decoded a row at a time), with drafts accepted and rejected; a tree is refused in one line.
+    Qwen4-Exp's states are put back so too (linear attention, and its n-gram embeddings' token history and
+    convolution), while its block-sparse attention's keys and indexer keys are cut, far past its budget."""
+    model = tiny(model_type)
+    assert_chains_lossless_far_past_the_window_and_trees_refused(model)
 
 
 def test_a_pooled_cache_written_in_place_is_not_put_back_silently():
@@ -401,20 +406,7 @@ def test_block_sparse_and_convolved_attention_are_cut_back_and_verify_chains_one
     convolutions); a tree (its nodes off their positions' slots, or read in order) is refused in one line."""
     model = tiny(model_type)
     assert layer_types(model.config) == kinds and getattr(model.config, "index_topk_blocks", 2) == 2
-    prompts = [random_prompt(length, seed) for seed, length in enumerate((12, 5, 20))]
-    plain = [generate(model, prompt, 2 * WINDOW).tokens for prompt in prompts]
-    oracles = [
-        OracleDrafter(t, len(p), VOCAB, hit_rate=r, seed=i)
-        for i, (t, p, r) in enumerate(zip(plain, prompts, (0.9, 0.5, 0.7)))
-    ]
-    alone = [generate(model, p, 2 * WINDOW, drafter=o, gamma=3) for p, o in zip(prompts, oracles)]
-    assert [row.tokens for row in alone] == plain
-    counts = [row.counts for row in alone]
-    assert sum(c.accepted for c in counts) > 0 and any(c.accepted < c.drafted for c in counts)  # both outcomes
-    oracles = [OracleDrafter(t, len(p), VOCAB, hit_rate=r, seed=9) for t, p, r in zip(plain, prompts, (0.9, 0.2, 0.6))]
-    assert [row.tokens for row in generate_batch(model, prompts, 2 * WINDOW, oracles, gamma=3)] == plain
-    with pytest.raises(UserError, match="verifies chains only"):
-        generate(model, prompts[0], 4, drafter=OracleDrafter([3] * 4, 12, VOCAB, 1.0), tree=[(0,), (1,)])
+    assert_chains_lossless_far_past_the_window_and_trees_refused(model)
 
 
 def test_default_taps_of_a_hybrid_linear_attention_target_are_attention_layers():
