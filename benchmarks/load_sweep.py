@@ -104,6 +104,7 @@ def main() -> None:
         threads=args.threads,
         dtype="float32",
         max_model_len=2048,
+        drafter={},  # each drafter is served with its checkpoint's own settings
     )
     try:
         require_same_load([sweep, repeats], load.settings())

@@ -17,11 +17,11 @@ from draftsmith.errors import NotLossless
 
 def main(argv: Sequence[str]) -> None:
     # imported here, under entry_point's run_cli: Ctrl-C or SIGTERM during their imports (torch's) ends as later
-    from draftsmith.formats.folder import require_read_drafter_settings
+    from draftsmith.formats.folder import served_settings
     from draftsmith.recipe import load_recipe
 
     cfg = load_recipe(argv, "eval")  # checked before the loop's and the libraries' modules load
-    require_read_drafter_settings(argv, cfg)
+    served = served_settings(argv, cfg)
     import datasets
     import transformers
 
@@ -32,7 +32,7 @@ def main(argv: Sequence[str]) -> None:
     # preparation would otherwise print theirs on stderr too.
     transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()
-    report = run_eval(cfg)
+    report = run_eval(cfg, served=served)
     print(render_markdown(report))
     if failed := failed_lossless(report):
         raise NotLossless(

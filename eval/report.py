@@ -100,22 +100,24 @@ def run_eval(
     target=None,
     tokenizer=None,
     prompt_count: Optional[PromptCount] = None,
+    served: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """Evaluate a drafter per domain and write the report; returns report.json's content.
 
     `checkpoint`, a draftsmith checkpoint or a folder an export wrote, defaults to the recipe's
     (`checkpoint=`, else `<output_dir>/final`, what train.py writes). A caller that has the target and
     tokenizer loaded passes them; otherwise they are loaded from the recipe; a training run passes its start's
-    count of the prompts in data.train (`prompt_count`: data_prep/overlap.py). The report directory is
-    held (locked) while the eval runs.
+    count of the prompts in data.train (`prompt_count`: data_prep/overlap.py); `served`: the SERVED drafter
+    settings the command line gave (formats/folder.py's served_settings). The report directory is held (locked)
+    while the eval runs.
     """
     out_dir = Path(cfg.output_dir) / EVAL_DIR
     with DirectoryLock(out_dir, key="output_dir/eval: the eval report"):
-        return _run_eval(cfg, out_dir, checkpoint, target, tokenizer, prompt_count)
+        return _run_eval(cfg, out_dir, checkpoint, target, tokenizer, prompt_count, served)
 
 
 def _run_eval(
-    cfg: DictConfig, out_dir: Path, checkpoint: Optional[str | Path], target, tokenizer, prompt_count
+    cfg: DictConfig, out_dir: Path, checkpoint: Optional[str | Path], target, tokenizer, prompt_count, served
 ) -> dict[str, Any]:
     sampling = sampling_of(cfg)
     sources, per_file = prompt_sources(cfg)
@@ -137,7 +139,7 @@ def _run_eval(
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.target)
     device = target.get_output_embeddings().weight.device
-    drafter = open_drafter(checkpoint, TargetShape.of(target, name), target).to(device).eval()
+    drafter = open_drafter(checkpoint, TargetShape.of(target, name), target, served).to(device).eval()
     from draftsmith.eval.accuracy import measured_accuracy, with_measured_accuracy
 
     # What the eval split measured (Medusa's tree is built from it): the eval stage's own file, read

@@ -14,14 +14,14 @@ from draftsmith.cli import entry_point
 def main(argv: Sequence[str]) -> None:
     # imported here, under entry_point's run_cli: Ctrl-C or SIGTERM during their imports (torch's) ends as later
     from draftsmith.export.run import export_checkpoint
-    from draftsmith.formats.folder import require_read_drafter_settings
+    from draftsmith.formats.folder import served_settings
     from draftsmith.recipe import checkpoint_to_read, load_recipe
     from draftsmith.recipe_checks import require_export_settings_read
 
     cfg = load_recipe(argv, "export")
-    require_read_drafter_settings(argv, cfg)
+    served = served_settings(argv, cfg)
     require_export_settings_read(cfg.export)
-    for engine, folder in export_checkpoint(cfg, checkpoint_to_read(cfg)).items():
+    for engine, folder in export_checkpoint(cfg, checkpoint_to_read(cfg), served=served).items():
         print(f"{engine}: {folder}")
 
 

@@ -25,7 +25,7 @@ from draftsmith.errors import InternalError, UserError
 from draftsmith.export.gamma import chain_engines, recommended_gamma
 from draftsmith.files import checkpoint_digest, publish_folder, read_json, save_safetensors, staging, write_json
 from draftsmith.formats import Source, exporter_for
-from draftsmith.formats.folder import require_recipes_kind
+from draftsmith.formats.folder import require_recipes_kind, require_same_serving, served_values, with_served
 from draftsmith.formats.repo import (
     EXPORT_INFO,
     EngineRepo,
@@ -42,7 +42,7 @@ from draftsmith.formats.versions import (
     served_builds,
     served_by,
 )
-from draftsmith.heads.base import EVAL_SPLIT_METRICS, WEIGHTS_NAME, load_drafter, read_checkpoint_config
+from draftsmith.heads.base import EVAL_SPLIT_METRICS, WEIGHTS_NAME, load_drafter, read_checkpoint_config, saved_drafter
 from draftsmith.outputs import EVAL_DIR, REPORT_NAME, DirectoryLock, move_aside
 from draftsmith.target import TargetShape, dtype_name, load_target, loaded_config, resolve_device, resolve_dtype
 
@@ -50,9 +50,10 @@ EXPORT_FORMAT = 1
 log = logging.getLogger("draftsmith.export")
 
 
-def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, engines=None) -> dict[str, Path]:
+def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, engines=None, served=None) -> dict[str, Path]:
     """Export `checkpoint` for every engine in export.engines; returns engine -> folder. `engines`: an
-    export.verify.EngineSession to run the vLLM check in (one of its own, closed at the end, if None)."""
+    export.verify.EngineSession to run the vLLM check in (one of its own, closed at the end, if None); `served`:
+    the SERVED drafter settings the command line gave (formats/folder.py's served_settings)."""
     output = Path(cfg.export.output or Path(cfg.output_dir) / "export")
     require_push_allowed(cfg)
     if output.resolve().is_relative_to(checkpoint.resolve()):
@@ -74,8 +75,9 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, engines=No
             exporter = exporter_for(kind)
             require_vllm_serves(exporter.vllm_method, exporter.vllm_releases, cfg.export.vllm_python)
         source_digest = checkpoint_digest(checkpoint)  # its config.json as well as its weights
-        schedule = batch_schedule_of(cfg, source_digest)  # before the target loads: a bad sweep stops here
-        report = find_report(cfg, checkpoint, source_digest, target)  # and a report of other weights
+        serving = served_values(saved_drafter(checkpoint)[1], served)  # what the sweep and report must have served
+        schedule = batch_schedule_of(cfg, source_digest, serving)  # before the target loads: a bad sweep stops here
+        report = find_report(cfg, checkpoint, source_digest, target, serving)  # and a report of other weights
         keep_checked_export(cfg, output, source_digest)
         if cfg.export.push.repo_id:  # before claim_export_dir moves anything aside
             from draftsmith.export.push import claim_hub_repos
@@ -83,7 +85,7 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, engines=No
             claim_hub_repos(cfg, source_digest)
         claim_export_dir(output, source_digest, cfg.export.overwrite)
         target = target if target is not None else load_target(cfg.target, resolve_device(cfg.eval.device))
-        source = load_source(cfg, checkpoint, target)
+        source = load_source(cfg, checkpoint, target, served)
         gamma = serving_gamma(cfg, source, schedule)
         exporter = exporter_for(source.drafter.type)
         repos = {engine: exporter.build(engine, source, gamma, output / engine) for engine in cfg.export.engines}
@@ -138,10 +140,10 @@ def require_push_allowed(cfg: DictConfig) -> None:
         )
 
 
-def load_source(cfg: DictConfig, checkpoint: Path, target) -> Source:
+def load_source(cfg: DictConfig, checkpoint: Path, target, served=None) -> Source:
     name = cfg.target.name_or_path
     shape = TargetShape.of(target, name)
-    drafter = load_drafter(checkpoint, shape, target).eval()
+    drafter = with_served(load_drafter(checkpoint, shape, target), served).eval()
     directory = Path(name) if Path(name).is_dir() else None
     # a local folder by its absolute path: a relative one names the target only where the export ran
     verifier = cfg.export.verifier or (str(directory.resolve()) if directory is not None else name)
@@ -157,9 +159,10 @@ def load_source(cfg: DictConfig, checkpoint: Path, target) -> Source:
     )
 
 
-def batch_schedule_of(cfg: DictConfig, digest: str) -> Optional[dict[str, Any]]:
+def batch_schedule_of(cfg: DictConfig, digest: str, serving=None) -> Optional[dict[str, Any]]:
     """The γ per batch size that export.batch_sweep's measurement of this checkpoint's export gives
-    (export/schedule.py), with what it rests on; None without a sweep."""
+    (export/schedule.py), with what it rests on; None without a sweep. Its rows served the drafter with the SERVED
+    settings `serving` where given."""
     if not cfg.export.batch_sweep:
         return None
     from draftsmith.export.schedule import batch_schedule
@@ -184,6 +187,9 @@ def batch_schedule_of(cfg: DictConfig, digest: str) -> Optional[dict[str, Any]]:
             "sweep this checkpoint (draftsmith sweep)"
         )
     measured = [row for row in rows if row["method"] in (PLAIN, PLAIN_AGAIN) or row.get("source_sha256") == digest]
+    for row in measured if serving is not None else []:
+        advice = "sweep the checkpoint with those (draftsmith sweep)"
+        require_same_serving(row.get("load", {}).get("drafter") or {}, serving, f"export.batch_sweep={path}", advice)
     schedule = batch_schedule(measured, methods[0])
     engines = {json.dumps(row.get("engine"), sort_keys=True) for row in measured}
     log.info(
@@ -285,13 +291,13 @@ def refuse_unchecked_replacement(cfg: DictConfig, info: Any, digest: str, where:
         )
 
 
-def find_report(cfg: DictConfig, checkpoint: Path, digest: str, target=None) -> Optional[dict[str, Any]]:
+def find_report(cfg: DictConfig, checkpoint: Path, digest: str, target=None, serving=None) -> Optional[dict[str, Any]]:
     """The eval report the model card shows: export.report, else the one train.py wrote beside the
     checkpoint (<output_dir>/eval/report.json), else none. It must have measured these weights (`digest`,
     the checkpoint's sha256: a run moved or copied elsewhere keeps its report; a report without one, from an
     earlier draftsmith, is matched by the checkpoint's path), with the target in the dtype the export serves it in:
     the card shows its acceptance under a serving command in that dtype, which is `target`'s when the caller loaded
-    it (the sweep does), else the one target.dtype loads it in."""
+    it (the sweep does), else the one target.dtype loads it in; and with the SERVED settings `serving` where given."""
     path = Path(cfg.export.report) if cfg.export.report else checkpoint.resolve().parent / EVAL_DIR / REPORT_NAME
     if not path.is_file():
         if cfg.export.report:
@@ -324,6 +330,9 @@ def find_report(cfg: DictConfig, checkpoint: Path, digest: str, target=None) -> 
             f"checkpoint with target.dtype={exported} and pass that report as export.report, or export with "
             f"target.dtype={measured}"
         )
+    if serving is not None:
+        advice = "evaluate the checkpoint with those and pass that report as export.report"
+        require_same_serving(evaluated.get("config") or {}, serving, str(path), advice)
     return {**report, "_path": str(path)}
 
 

@@ -120,6 +120,7 @@ class Load:
     threads: int  # the engine's OpenMP threads
     dtype: str
     max_model_len: int
+    drafter: dict[str, Any]  # the SERVED settings the drafter's export serves with (formats/folder.py)
 
     def request(self, levels: Sequence[int], speculative_config: Optional[dict[str, Any]]) -> dict[str, Any]:
         """The worker's "runs" request for one method at one γ at every level (engine_scripts/vllm_worker.py)."""
@@ -151,6 +152,7 @@ class Load:
             "min_requests": self.min_requests,
             "threads": self.threads,
             "prompts_sha256": hashlib.sha256(json.dumps(self.prompts).encode()).hexdigest(),
+            "drafter": self.drafter,
         }
 
     def rows(
@@ -234,16 +236,18 @@ def measure(path: Path, load: Load, session, levels: Sequence[int], method: str,
     append_lines(path, [json.dumps(row) + "\n" for row in rows])
 
 
-def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None) -> Path:
+def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None, served=None) -> Path:
     """Measure `checkpoint`'s export under load (the module docstring); returns sweep.jsonl's path.
     `session`: an export.verify.EngineSession to serve in (one of its own otherwise); `target`: the
-    loaded target for the export (loaded here otherwise)."""
+    loaded target for the export (loaded here otherwise); `served`: the SERVED drafter settings the command line
+    gave (formats/folder.py's served_settings)."""
     from contextlib import nullcontext
 
     from draftsmith.engines import missing_suffix_decoding, vllm_python
     from draftsmith.export.verify import EngineSession
     from draftsmith.files import checkpoint_digest, write_text_atomic
     from draftsmith.formats import exporter_for
+    from draftsmith.formats.folder import served_values
     from draftsmith.formats.versions import require_vllm_serves
     from draftsmith.heads.base import saved_drafter
     from draftsmith.outputs import DirectoryLock
@@ -274,8 +278,9 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None) -> P
     with DirectoryLock(output, key="export.sweep.output"):
         resumed = read_rows(path)
         require_same_checkpoint(path, resumed, digest)
-        folder = exported_for_sweep(cfg, checkpoint, output / "export", digest, target)  # a resume keeps it: no load
-        load = sweep_load(cfg, python, folder)
+        drafter = served_values(drafter_config, served)
+        folder = exported_for_sweep(cfg, checkpoint, output / "export", digest, target, drafter)  # a resume keeps it
+        load = sweep_load(cfg, python, folder, drafter)
         require_same_load(path, resumed, load.settings(), version)
         threads_env = {"OMP_NUM_THREADS": str(load.threads)}
         with nullcontext(session) if session is not None else EngineSession(threads_env) as engines:
@@ -349,15 +354,18 @@ def round_robin(by_domain: dict[str, list[list[int]]]) -> list[list[int]]:
     return [prompts[i] for i in range(longest) for prompts in by_domain.values() if i < len(prompts)]
 
 
-def exported_for_sweep(cfg: DictConfig, checkpoint: Path, output: Path, digest: str, target) -> Path:
+def exported_for_sweep(cfg: DictConfig, checkpoint: Path, output: Path, digest: str, target, drafter) -> Path:
     """The checkpoint's vLLM folder the sweep serves: kept from an earlier run of the sweep when made from
-    the same checkpoint, else exported (vLLM only, unchecked, not pushed)."""
+    the same checkpoint to serve as `drafter` (its SERVED settings), else exported (vLLM only, unchecked, not
+    pushed)."""
     from draftsmith.export.run import export_checkpoint
     from draftsmith.recipe import derived
 
     info = output / "vllm" / EXPORT_INFO
-    if info.is_file() and read_json(info, "export record")["source"]["sha256"] == digest:
-        return output / "vllm"
+    record = read_json(info, "export record") if info.is_file() else {}
+    if record and record["source"]["sha256"] == digest:
+        if all(record["drafter_config"].get(name) == value for name, value in drafter.items()):
+            return output / "vllm"
     variant = derived(
         cfg,
         {
@@ -369,11 +377,12 @@ def exported_for_sweep(cfg: DictConfig, checkpoint: Path, output: Path, digest: 
         },
         "export",
     )
-    return export_checkpoint(variant, checkpoint, target=target)["vllm"]
+    return export_checkpoint(variant, checkpoint, target=target, served=drafter)["vllm"]
 
 
-def sweep_load(cfg: DictConfig, python: str, folder: Path) -> Load:
-    """The sweep's prompts and settings from the recipe: the eval prompts, domains in turn."""
+def sweep_load(cfg: DictConfig, python: str, folder: Path, drafter: dict[str, Any]) -> Load:
+    """The sweep's prompts and settings from the recipe: the eval prompts, domains in turn; `drafter`: the SERVED
+    settings `folder` serves with."""
     from draftsmith.eval.prompts import load_prompts, prompt_sources
     from draftsmith.target import dtype_name, load_tokenizer, resolve_device, resolve_dtype
 
@@ -399,6 +408,7 @@ def sweep_load(cfg: DictConfig, python: str, folder: Path) -> Load:
         threads=int(threads),
         dtype=dtype_name(resolve_dtype(cfg.target.dtype, resolve_device(cfg.eval.device))),
         max_model_len=max(map(len, prompts)) + new_tokens + 8,
+        drafter=drafter,
     )
 
 
@@ -416,9 +426,9 @@ def schedule_of(rows: list[dict[str, Any]], method: str) -> tuple[dict[str, Any]
 
 
 def main(argv: Sequence[str]) -> None:
-    from draftsmith.formats.folder import require_read_drafter_settings
+    from draftsmith.formats.folder import served_settings
     from draftsmith.recipe import checkpoint_to_read, load_recipe
 
     cfg = load_recipe(argv, "sweep")
-    require_read_drafter_settings(argv, cfg)
-    print(run_sweep(cfg, checkpoint_to_read(cfg)))
+    served = served_settings(argv, cfg)
+    print(run_sweep(cfg, checkpoint_to_read(cfg), served=served))

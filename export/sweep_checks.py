@@ -4,6 +4,7 @@ checkpoint or measured with other settings (their summary would report this run'
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -83,8 +84,13 @@ def require_same_load(path: Path, rows: list[dict[str, Any]], settings: dict[str
             )
         for name, value in settings.items():
             measured = row["load"].get(name)
-            if measured == value:
+            if measured == value or (name == "drafter" and name not in row["load"]):  # not recorded before 2026-12
                 continue
+            if name == "drafter":
+                raise UserError(
+                    f"{path} holds rows of the drafter served with {json.dumps(measured)}, and this sweep serves it "
+                    f"with {json.dumps(value)}: give those drafter.* settings to resume them, or {again}"
+                )
             if name == "prompts_sha256":
                 raise UserError(
                     f"{path} holds rows measured on other eval prompts (eval.data or data.eval, eval.max_prompts, "

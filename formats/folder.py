@@ -11,10 +11,10 @@ so a run's saved recipe never points a later command at other weights than the r
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from dataclasses import asdict
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 from safetensors import SafetensorError
@@ -106,18 +106,18 @@ def engine_folder(path: Path) -> Optional[Path]:
     )
 
 
-def open_drafter(path: str | Path, target_shape: TargetShape, target):
+def open_drafter(path: str | Path, target_shape: TargetShape, target, served: Optional[Mapping[str, Any]] = None):
     """A draftsmith checkpoint, or an engine folder an export wrote (its `vllm/` or `sglang/`, or the
-    export directory holding one), as a drafter attached to `target`."""
+    export directory holding one), as a drafter attached to `target`, with the `served` settings given."""
     path = Path(path)
     saved = path / CONFIG_NAME
     if saved.is_file() and "draftsmith_format" in read_json(saved):
-        return load_drafter(path, target_shape, target)
+        return with_served(load_drafter(path, target_shape, target), served)
     folder = engine_folder(path)
     if folder is not None:
         drafter = read_folder(folder, target)
         check_same_target(drafter.target, target_shape, str(folder))
-        return drafter
+        return with_served(drafter, served)
     raise not_a_drafter(path)
 
 
@@ -159,32 +159,68 @@ def require_recipes_kind(kind: Optional[str], recipe_kind: str, what: str, role:
         raise UserError(f"{what} holds a {kind} drafter, the recipe {role} {recipe_kind}: {recipe_advice(kind)}")
 
 
-def require_read_drafter_settings(argv: Sequence[str], cfg: DictConfig) -> None:
-    """eval, export and sweep read the drafter folder's own settings, never the recipe's drafter section: a
-    `drafter.*` the command line sets would be ignored without a word, so one that differs from the checkpoint's
-    (and any, for an engine folder, whose settings are its format's) is refused, naming it. The recipe file's
-    own drafter section may differ: it names the kind only."""
-    given = [
-        key for key, _ in parse_overrides(split_argv(argv)[1]) if key.startswith("drafter.") and key != "drafter.type"
+def served_settings(argv: Sequence[str], cfg: DictConfig) -> dict[str, Any]:
+    """The drafter settings eval, export and sweep take from their command line: the kind's SERVED ones (how it
+    decodes and is served), as `with_served` applies them to the folder they read. Every other drafter setting is
+    the folder's own, never the recipe's: a `drafter.*` the command line sets would be ignored without a word, so
+    one that differs from the checkpoint's (and any, for an engine folder, whose settings are its format's) is
+    refused, naming it. The recipe file's own drafter section may differ: it names the kind only."""
+    names = [
+        key.split(".", 1)[1]
+        for key, _ in parse_overrides(split_argv(argv)[1])
+        if key.startswith("drafter.") and key != "drafter.type"
     ]
+    ours = OmegaConf.to_object(cfg.drafter)
+    served = {name: getattr(ours, name) for name in names if name in ours.SERVED}
+    given = [name for name in names if name not in served]
     path = checkpoint_to_read(cfg)
-    if not given:
-        return
     if checkpoint_kind(path) is None:
-        if engine_folder(path) is None:
-            return  # no folder to read: the command says so
-        raise UserError(
-            f"{', '.join(given)} is not read: {path} is an engine folder, read with the settings its format records"
-        )
-    saved, ours = asdict(saved_drafter(path)[1]), OmegaConf.to_object(cfg.drafter)
-    for key in given:
-        name = key.split(".", 1)[1]
+        if given and engine_folder(path) is not None:
+            raise UserError(
+                f"{', '.join('drafter.' + name for name in given)} is not read: {path} is an engine folder, read with "
+                "the settings its format records"
+            )
+        return served  # no folder to read (the command says so), or an engine folder checked once read
+    saved_config = saved_drafter(path)[1]
+    if served and saved_config.type == ours.type:  # another kind: the command refuses the folder
+        replace(saved_config, **served).check()  # before the target loads
+    saved = asdict(saved_config)
+    taken = f", all but {', '.join(ours.SERVED)}," if ours.SERVED else ""
+    for name in given:
         if name in saved and not same_setting(saved[name], getattr(ours, name, None)):
             raise UserError(
-                f"{key}={json.dumps(getattr(ours, name), default=str)} is not read: {path} holds a drafter with "
-                f"{name}={json.dumps(saved[name], default=str)}, and eval and export read the checkpoint's settings "
-                "(train.init_from trains a new one from it)"
+                f"drafter.{name}={json.dumps(getattr(ours, name), default=str)} is not read: {path} holds a drafter "
+                f"with {name}={json.dumps(saved[name], default=str)}, and eval and export read the checkpoint's "
+                f"settings{taken} (train.init_from trains a new one from it)"
             )
+    return served
+
+
+def with_served(drafter, served: Optional[Mapping[str, Any]]):
+    """`drafter` decoding and served with `served` (`served_settings`) in place of its folder's own: SERVED keys are
+    read when it decodes or is exported, so its weights and what they compute stay the folder's."""
+    if served:
+        drafter.config = replace(drafter.config, **served)
+        drafter.config.check(drafter.target)
+    return drafter
+
+
+def served_values(config: DrafterConfig, served: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+    """The SERVED settings a drafter of `config` decodes and is served with, `served` given: what an eval report
+    and an export record must agree on to describe one way of serving it."""
+    return {name: (served or {}).get(name, getattr(config, name)) for name in config.SERVED}
+
+
+def require_same_serving(recorded: Mapping[str, Any], expected: Mapping[str, Any], what: str, advice: str) -> None:
+    """`recorded` (the drafter settings a report or a sweep row holds) are the SERVED ones `expected` (`served_values`)
+    where it records them (an earlier draftsmith did not)."""
+    differ = [
+        f"drafter.{name}={json.dumps(value)} ({what} has {json.dumps(recorded[name])})"
+        for name, value in expected.items()
+        if name in recorded and not same_setting(recorded[name], value)
+    ]
+    if differ:
+        raise UserError(f"{what} measured another way of serving the drafter: {'; '.join(differ)}; {advice}")
 
 
 def same_setting(a, b) -> bool:

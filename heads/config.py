@@ -21,6 +21,10 @@ class DrafterConfig:
     # Keys that set how it trains or decodes, not what its weights compute: a warm start may change
     # them (`architecture`); every other key must be the starting drafter's.
     SETTINGS: ClassVar[tuple[str, ...]] = ()
+    # Of the SETTINGS, those that set only how it decodes and is served (the eval's trees, the engine's speculative
+    # config), read when it does: eval, export and sweep take them from their command line over the checkpoint's,
+    # so a trained drafter is measured and served another way without training again (formats/folder.py).
+    SERVED: ClassVar[tuple[str, ...]] = ()
     # Keys from_target fills from the target (a layer's or a whole model's HF config, to rebuild it on
     # load): neither a setting nor a choice of the recipe's, and recorded in full by the checkpoint only.
     RESOLVED: ClassVar[tuple[str, ...]] = ("decoder",)

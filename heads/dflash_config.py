@@ -22,6 +22,7 @@ WEIGHTINGS = ("decay", "dpace")  # per block position: exp(-(k-1)/loss_decay), o
 class DFlashConfig(DrafterConfig):
     type: str = "dflash"  # the drafter kind (registry key)
     SETTINGS = ("anchors", "loss", "loss_decay", "loss_weighting", "dpace_alpha", "tree_topk")  # see DrafterConfig
+    SERVED = ("tree_topk",)
     num_layers: int = 2  # draft decoder layers (the reference uses 5 for a 36-layer target)
     # Target layers whose states form the context, our ids (= DFlash's target_layer_ids; speculators'
     # aux_hidden_state_layer_ids = ours + 1). None: num_layers ids spread evenly over [1, L-3].

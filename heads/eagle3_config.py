@@ -22,6 +22,7 @@ BACKENDS = ("auto", "dense", "flex")
 class Eagle3Config(DrafterConfig):
     type: str = "eagle3"  # the drafter kind (registry key)
     SETTINGS = ("ttt_steps", "ttt_decay", "tree_depth", "tree_topk", "ttt_attention")  # see DrafterConfig
+    SERVED = ("tree_depth", "tree_topk")
     # Target layers to fuse, our ids (output of layer i; vLLM id = ours + 1). None: EAGLE-3's default,
     # [1, L//2 - 1, L - 4] (= vLLM's [2, L//2, L-3]), filled in by from_target.
     aux_layers: Optional[list[int]] = None

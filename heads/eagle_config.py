@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 class EagleConfig(DrafterConfig):
     type: str = "eagle"  # the drafter kind (registry key)
     SETTINGS = ("feature_loss_weight", "token_loss_weight", "noise_std", "tree_depth", "tree_topk")  # see DrafterConfig
+    SERVED = ("tree_depth", "tree_topk")
     num_layers: int = 1  # decoder layers (every published EAGLE-1 checkpoint has 1)
     fc_bias: bool = False  # EAGLE's code defaults to True; its LLaMA-3 checkpoints and vLLM's loader have none
     feature_loss_weight: float = 1.0  # v_w: SmoothL1 between predicted and target feature

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 class MedusaConfig(DrafterConfig):
     type: str = "medusa"  # the drafter kind (registry key)
     SETTINGS = ("loss_decay", "loss_weights", "init_lm_heads_from_target", "tree_topk")  # see DrafterConfig
+    SERVED = ("tree_topk",)
     num_heads: int = 3  # heads, one per draft position: the longest chain
     num_layers: int = 1  # residual SiLU blocks per head
     loss_decay: float = 0.8  # head k's loss weight is loss_decay**(k-1) ...

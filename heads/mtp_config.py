@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 class MtpConfig(DrafterConfig):
     type: str = "mtp"  # the drafter kind (registry key)
     SETTINGS = ("ttt_steps", "ttt_decay", "tree_depth", "tree_topk")  # see DrafterConfig
+    SERVED = ("tree_depth", "tree_topk")
     ttt_steps: int = 3  # training-time test: draft steps unrolled, each fed the previous step's output
     ttt_decay: float = 0.8  # step i's loss weighs ttt_decay**i
     tree_depth: int = 5  # dynamic tree (EAGLE-2) in draftsmith's eval: draft steps ...

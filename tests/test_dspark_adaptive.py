@@ -22,11 +22,11 @@ from draftsmith.heads.base import TargetShape
 from draftsmith.heads.dspark_proposer import draft_budget
 from draftsmith.heads.proposer import StepCosts
 from draftsmith.target import load_target
+from tests import test_dspark
 from tests.helpers import DFLASH_TINY as TINY
 from tests.helpers import (
     REFERENCE_TARGET,
     SAMPLES,
-    TINY_VOCAB,
     VOCAB,
     assert_one_line_error,
     exact_conditionals,
@@ -45,20 +45,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 LINEAR = StepCosts(draft_ms=1.0, verify_ms=(1.0, 2.0, 3.0, 4.0, 5.0))  # V[n] = n: each draft costs a root's forward
 
 
-@pytest.fixture(scope="module")
-def model():
-    return tiny_llama(vocab=TINY_VOCAB, logit_scale=4.0)
-
-
-@pytest.fixture(scope="module")
-def drafter(model):
-    return fitted_dspark(model, steps=40)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    rows = torch.randint(3, TINY_VOCAB, (3, 17), generator=torch.Generator().manual_seed(1))
-    return [row[:length].tolist() for row, length in zip(rows, (5, 11, 17))]
+# test_dspark.py's module fixtures, found by their names here (an import would trip ruff's F811 on every parameter)
+model, drafter, prompts = test_dspark.model, test_dspark.drafter, test_dspark.prompts
 
 
 def costed(drafter, costs: StepCosts, temperature: float = 0.0):
