@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 from draftsmith.engines import SERVING_ENGINES
 from draftsmith.errors import InternalError, UserError
 from draftsmith.export.gamma import chain_engines, recommended_gamma
+from draftsmith.export.schedule import batch_schedule_of
 from draftsmith.files import checkpoint_digest, publish_folder, read_json, save_safetensors, staging, write_json
 from draftsmith.formats import Source, exporter_for
 from draftsmith.formats.folder import require_recipes_kind, require_same_serving, served_values, with_served
@@ -157,57 +158,6 @@ def load_source(cfg: DictConfig, checkpoint: Path, target, served=None) -> Sourc
     return Source(
         drafter=drafter, checkpoint=checkpoint, target_model=target, target=info, vllm_format=cfg.export.vllm_format
     )
-
-
-def batch_schedule_of(cfg: DictConfig, digest: str, serving=None) -> Optional[dict[str, Any]]:
-    """The γ per batch size that export.batch_sweep's measurement of this checkpoint's export gives
-    (export/schedule.py), with what it rests on; None without a sweep. Its rows served the drafter with the SERVED
-    settings `serving` where given."""
-    if not cfg.export.batch_sweep:
-        return None
-    from draftsmith.export.schedule import batch_schedule
-    from draftsmith.export.sweep import NO_SCHEDULE
-    from draftsmith.export.sweep_results import PLAIN, PLAIN_AGAIN, at_one_gamma, read_sweep
-
-    path = Path(cfg.export.batch_sweep).resolve()
-    if path.is_dir():
-        raise UserError(
-            f"export.batch_sweep={cfg.export.batch_sweep} is a directory: give the sweep's JSONL file in it"
-        )
-    exporter = exporter_for(cfg.drafter.type)
-    if not exporter.vllm_takes_schedule:
-        reason = NO_SCHEDULE.format(method=exporter.vllm_method)
-        raise UserError(f"export.batch_sweep={cfg.export.batch_sweep}: {reason}")
-    rows = [row for row in read_sweep(path) if at_one_gamma(row)]  # a served schedule's rows are left out
-    methods = sorted({row["method"] for row in rows if row.get("source_sha256") == digest})
-    if len(methods) != 1:
-        found = f"measures it as {', '.join(methods)}" if methods else "measured no export of it"
-        raise UserError(
-            f"export.batch_sweep={cfg.export.batch_sweep}: the sweep {found} (checkpoint sha256 {digest[:12]}); "
-            "sweep this checkpoint (draftsmith sweep)"
-        )
-    measured = [row for row in rows if row["method"] in (PLAIN, PLAIN_AGAIN) or row.get("source_sha256") == digest]
-    for row in measured if serving is not None else []:
-        advice = "sweep the checkpoint with those (draftsmith sweep)"
-        require_same_serving(row.get("load", {}).get("drafter") or {}, serving, f"export.batch_sweep={path}", advice)
-    schedule = batch_schedule(measured, methods[0])
-    engines = {json.dumps(row.get("engine"), sort_keys=True) for row in measured}
-    log.info(
-        "γ per batch size from %s (%s): %s; vLLM ignores it under data parallelism (--data-parallel-size > 1)",
-        path, methods[0], schedule["num_speculative_tokens_per_batch_size"],
-    )  # fmt: skip
-    if schedule["predicted_below_plain_at"]:  # below_plain_at (beyond the margin) is a subset of it
-        log.warning(
-            "predicted below plain decoding at concurrency %s "
-            "(beyond the margin at %s; the drafter's cost at γ 0%s): %s",
-            ", ".join(map(str, schedule["predicted_below_plain_at"])),
-            ", ".join(map(str, schedule["below_plain_at"])) or "none",
-            " was measured" if schedule["gamma_0_measured"] else " was not measured: sweep it, draftsmith sweep",
-            "serve the target without the drafter at any load"
-            if schedule["pays_up_to"] is None
-            else f"it pays up to concurrency {schedule['pays_up_to']}; above that, serve the target alone",
-        )
-    return {**schedule, "sweep": str(path), "method": methods[0], "engine": [json.loads(e) for e in sorted(engines)]}
 
 
 def serving_gamma(cfg: DictConfig, source: Source, schedule: Optional[dict[str, Any]] = None) -> int:

@@ -38,11 +38,18 @@ vLLM ignores the schedule under data parallelism (it warns and drafts the full �
 
 from __future__ import annotations
 
+import json
+import logging
 import math
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig
 
 from draftsmith.errors import ExportCheckFailed, UserError
-from draftsmith.export.sweep_results import PLAIN, PLAIN_AGAIN
+from draftsmith.export.sweep_results import PLAIN, PLAIN_AGAIN, at_one_gamma, read_sweep
+
+log = logging.getLogger("draftsmith.export")
 
 MIN_GAIN = 0.02  # the margin a predicted gain must clear where the sweep's own noise is smaller
 
@@ -166,3 +173,54 @@ def measured_pair(run: dict[str, Any] | None, plain: dict[str, Any]) -> dict[str
     tau = 1 + sum(run["accepted_per_position"]) / drafts if drafts else None
     speedup = (run["tokens"] / run["seconds"]) / (plain["tokens"] / plain["seconds"])
     return {"tau": None if tau is None else round(tau, 4), "speedup": round(speedup, 4)}
+
+
+def batch_schedule_of(cfg: DictConfig, digest: str, serving=None) -> Optional[dict[str, Any]]:
+    """The γ per batch size that export.batch_sweep's measurement of this checkpoint's export gives
+    (`batch_schedule`), with what it rests on; None without a sweep. Its rows served the drafter with the SERVED
+    settings `serving` where given."""
+    if not cfg.export.batch_sweep:
+        return None
+    from draftsmith.export.sweep import NO_SCHEDULE
+    from draftsmith.formats import exporter_for
+    from draftsmith.formats.folder import require_same_serving
+
+    path = Path(cfg.export.batch_sweep).resolve()
+    if path.is_dir():
+        raise UserError(
+            f"export.batch_sweep={cfg.export.batch_sweep} is a directory: give the sweep's JSONL file in it"
+        )
+    exporter = exporter_for(cfg.drafter.type)
+    if not exporter.vllm_takes_schedule:
+        reason = NO_SCHEDULE.format(method=exporter.vllm_method)
+        raise UserError(f"export.batch_sweep={cfg.export.batch_sweep}: {reason}")
+    rows = [row for row in read_sweep(path) if at_one_gamma(row)]  # a served schedule's rows are left out
+    methods = sorted({row["method"] for row in rows if row.get("source_sha256") == digest})
+    if len(methods) != 1:
+        found = f"measures it as {', '.join(methods)}" if methods else "measured no export of it"
+        raise UserError(
+            f"export.batch_sweep={cfg.export.batch_sweep}: the sweep {found} (checkpoint sha256 {digest[:12]}); "
+            "sweep this checkpoint (draftsmith sweep)"
+        )
+    measured = [row for row in rows if row["method"] in (PLAIN, PLAIN_AGAIN) or row.get("source_sha256") == digest]
+    for row in measured if serving is not None else []:
+        advice = "sweep the checkpoint with those (draftsmith sweep)"
+        require_same_serving(row.get("load", {}).get("drafter") or {}, serving, f"export.batch_sweep={path}", advice)
+    schedule = batch_schedule(measured, methods[0])
+    engines = {json.dumps(row.get("engine"), sort_keys=True) for row in measured}
+    log.info(
+        "γ per batch size from %s (%s): %s; vLLM ignores it under data parallelism (--data-parallel-size > 1)",
+        path, methods[0], schedule["num_speculative_tokens_per_batch_size"],
+    )  # fmt: skip
+    if schedule["predicted_below_plain_at"]:  # below_plain_at (beyond the margin) is a subset of it
+        log.warning(
+            "predicted below plain decoding at concurrency %s "
+            "(beyond the margin at %s; the drafter's cost at γ 0%s): %s",
+            ", ".join(map(str, schedule["predicted_below_plain_at"])),
+            ", ".join(map(str, schedule["below_plain_at"])) or "none",
+            " was measured" if schedule["gamma_0_measured"] else " was not measured: sweep it, draftsmith sweep",
+            "serve the target without the drafter at any load"
+            if schedule["pays_up_to"] is None
+            else f"it pays up to concurrency {schedule['pays_up_to']}; above that, serve the target alone",
+        )
+    return {**schedule, "sweep": str(path), "method": methods[0], "engine": [json.loads(e) for e in sorted(engines)]}
