@@ -362,10 +362,9 @@ def exported_for_sweep(cfg: DictConfig, checkpoint: Path, output: Path, digest: 
     from draftsmith.recipe import derived
 
     info = output / "vllm" / EXPORT_INFO
-    record = read_json(info, "export record") if info.is_file() else {}
-    if record and record["source"]["sha256"] == digest:
-        if all(record["drafter_config"].get(name) == value for name, value in drafter.items()):
-            return output / "vllm"
+    record = read_json(info, "export record") if info.is_file() else None
+    if record and record["source"]["sha256"] == digest and drafter.items() <= record["drafter_config"].items():
+        return output / "vllm"
     variant = derived(
         cfg,
         {
