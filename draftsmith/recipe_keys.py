@@ -118,7 +118,11 @@ def drafter_section(kind: str) -> Section:
     from draftsmith.heads import config_class
 
     config = config_class(kind)
-    return sections(config, "drafter.", doc=f"drafter.type={kind}: {drafter_summary(config)}")[0]
+    section = sections(config, "drafter.", doc=f"drafter.type={kind}: {drafter_summary(config)}")[0]
+    for key in section.keys:
+        if key.name.removeprefix("drafter.") in config.SERVED:  # the one drafter key a read-only command takes
+            key.help = f"{key.help} (served: eval, export and sweep take it from their command line)"
+    return section
 
 
 def drafter_summary(config: type) -> str:

@@ -20,7 +20,7 @@ class DSparkConfig(DFlashConfig):
     type: str = "dspark"  # the drafter kind (registry key)
     # see DrafterConfig; adaptive_verification sets how vLLM serves (and the eval decodes), not the weights
     SETTINGS = (*DFlashConfig.SETTINGS, "confidence_weight", "confidence_decay", "adaptive_verification")
-    SERVED = (*DFlashConfig.SERVED, "adaptive_verification")
+    SERVED = ("adaptive_verification",)  # its chains have no tree (tree_topk is refused)
     # block = anchor + block_size-1 masks, every position predicting the token after it: proposes up to block_size
     # tokens (vLLM's default num_speculative_tokens for the folder)
     block_size: int = 8
