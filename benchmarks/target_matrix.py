@@ -35,7 +35,9 @@ For `mtp` the target gets a random first MTP layer in its family's checkpoint la
 ships it (`heads.mtp.write_random_layer`; a vision-language wrapper is written whole as its releases are, where its
 layer is the wrapper's: MiniMax-M3's; a family without an MTP layout keeps none, and the row records
 the trainer's refusal), and the row adds `tau_shipped`: that layer's own τ, before fine-tuning, through
-`python -m eval` on the same prompts.
+`python -m eval` on the same prompts. The layer is added after the target's training, to a copy of the family's
+trained target (the target trained once per family), except where the release is another model than the plain
+target (`released_apart`: Kimi-K2.5's and MiniMax-M3's wrappers), which is trained apart.
 
 Resumable: rows already in --out are kept and their (family, kind) skipped. Timings are of this
 machine with whatever else runs on it; they are not the point.
@@ -253,6 +255,33 @@ def write_random_wrapper(model_type: str, directory: str | Path, **text: Any) ->
     return wrapper
 
 
+def trained_target(family: str, folder: Path, steps: int, released: bool) -> Path:
+    """The family's target, seeded from the demo's and trained `steps` steps, in `folder`: a wrapper of WRAPPERS
+    as its releases lay it out, the family's release form where `released` (write_random_target's)."""
+    seeding = {"seed_from": demo_tokenizer_dir(), "train_steps": steps}
+    if family in WRAPPERS:
+        return write_random_wrapper(family, folder, **seeding)
+    return write_random_target(family, folder, released=released, **seeding)
+
+
+def released_apart(family: str) -> bool:
+    """Whether the family's release form is another model than its plain target: a vision-language wrapper whose
+    language model transformers has a causal LM for (Kimi-K2.5's, MiniMax-M3's) is written as that causal LM alone,
+    and released as the wrapper whole (tiny_wrapper_config), whose language model's random weights are drawn after
+    the vision tower's: other weights, trained apart. Any other family's release form is its plain target, bit for
+    bit (the same config, seed and training), a WRAPPERS one included (write_random_wrapper either way)."""
+    from transformers import AutoConfig
+
+    from draftsmith.causal_lm import text_has_causal_lm
+
+    if family in WRAPPERS:
+        return False
+    try:
+        return text_has_causal_lm(AutoConfig.for_model(family).to_dict())
+    except ValueError:  # not a model type of transformers: write_random_target refuses it in one line
+        return False
+
+
 def with_mtp_layer(target: Path) -> Path:
     """The target, given a random MTP layer where vLLM serves one for its architecture."""
     from draftsmith.heads.mtp import write_random_layer
@@ -337,6 +366,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="target-matrix-") as tmp:
         work = Path(tmp)
         for family in options.families.split(","):
+            trained: dict[bool, Path] = {}  # release form or not -> the family's trained target, no MTP layer
             targets: dict[bool, Path] = {}  # with an MTP layer or not -> the family's target
             varieties: dict[bool, float] = {}  # and its target_variety
             for kind in options.kinds.split(","):
@@ -344,13 +374,16 @@ def main() -> None:
                     continue
                 mtp = kind == "mtp"
                 if mtp not in targets:
-                    folder = work / (f"{family}-with-mtp" if mtp else family)
-                    seeding = {"seed_from": demo_tokenizer_dir(), "train_steps": options.target_steps}
-                    if family in WRAPPERS:
-                        seeded = write_random_wrapper(family, folder, **seeding)
-                    else:  # for `mtp` a wrapper as its releases ship it, where its MTP layer is the wrapper's
-                        seeded = write_random_target(family, folder, released=mtp, **seeding)
-                    targets[mtp] = with_mtp_layer(seeded) if mtp else seeded
+                    # for `mtp` a wrapper as its releases ship it, where its MTP layer is the wrapper's
+                    released = mtp and released_apart(family)
+                    if released not in trained:
+                        folder = work / (f"{family}-released" if released else family)
+                        trained[released] = trained_target(family, folder, options.target_steps, released)
+                    targets[mtp] = trained[released]
+                    if mtp:
+                        # the layer on a copy of the trained target: the target a second training would write,
+                        # without its minutes (the shipped layer is random and added after the training either way)
+                        targets[mtp] = with_mtp_layer(shutil.copytree(trained[released], work / f"{family}-with-mtp"))
                     varieties[mtp] = target_variety(targets[mtp])
                 target = targets[mtp]
                 start = time.perf_counter()
