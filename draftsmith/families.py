@@ -16,7 +16,8 @@ A drafter's own layers (EAGLE-1/3, DFlash) are a *choice*, `drafter.layer_family
 the target: a serving engine builds them from the family its format names, whatever the target is.
 vLLM and SGLang build Llama layers for an EAGLE drafter of any target (what SpecForge and speculators
 train for Qwen, gpt-oss, Kimi); vLLM also builds Qwen3 layers (`Eagle3Qwen3ForCausalLM`, and every
-DFlash drafter). `DRAFT_LAYER_FAMILIES` lists the families a drafter can be built from.
+DFlash drafter), and Gemma-4 layers for a DSpark drafter (`Gemma4DSparkModel`). `DRAFT_LAYER_FAMILIES` lists
+the families a drafter can be built from.
 """
 
 from __future__ import annotations
@@ -197,6 +198,9 @@ class LayerFamily:
     layer: str
     rotary: str
     own_config: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    # a family whose config sets RoPE and head shapes per layer kind (Gemma-4's): every draft layer is a
+    # full-attention layer, its RoPE and heads the ones `config` gives
+    per_kind: bool = False
 
     def config(self, target_config: Any, num_layers: int) -> dict[str, Any]:
         """The draft layers' config: the target's shape (hidden size, heads, head dimension, MLP width,
@@ -221,6 +225,13 @@ class LayerFamily:
             "tie_word_embeddings": False,
         }
         config.update(self.own_config)
+        if self.per_kind:
+            config |= {
+                "layer_types": [FULL] * num_layers,
+                "rope_parameters": {FULL: config["rope_parameters"]},
+                "global_head_dim": config["head_dim"],
+                "num_global_key_value_heads": config["num_key_value_heads"],
+            }
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if _get(target, key) is not None:
                 config[key] = _get(target, key)
@@ -241,16 +252,44 @@ DRAFT_LAYER_FAMILIES = {
         "transformers.models.qwen3.modeling_qwen3.Qwen3DecoderLayer",
         "transformers.models.qwen3.modeling_qwen3.Qwen3RotaryEmbedding",
     ),
+    # vLLM's Gemma4DSparkModel's layers (DSpark only): the sandwich norms, q/k/v norms, GELU MLP and a scaled
+    # embedding of Gemma-4, keys equal to values (attention_k_eq_v: vLLM's fused context projection assumes it on
+    # every layer), no soft-capping, per-layer inputs or experts
+    "gemma4_text": LayerFamily(
+        "gemma4_text",
+        "transformers.models.gemma4.configuration_gemma4.Gemma4TextConfig",
+        "transformers.models.gemma4.modeling_gemma4.Gemma4TextDecoderLayer",
+        "transformers.models.gemma4.modeling_gemma4.Gemma4TextRotaryEmbedding",
+        own_config={
+            "hidden_activation": "gelu_pytorch_tanh",
+            "attention_k_eq_v": True,
+            "final_logit_softcapping": None,
+            "hidden_size_per_layer_input": 0,
+            "num_kv_shared_layers": 0,
+            "enable_moe_block": False,
+            "use_double_wide_mlp": False,
+        },
+        per_kind=True,
+    ),
 }
 
 
-def layer_family(name: str) -> LayerFamily:
+def layer_family(name: str, kind: Optional[str] = None) -> LayerFamily:
+    """The draft layer family `name`; `kind`: the drafter kind it is for, where no engine builds that kind's layers
+    per layer kind (Gemma-4's layers, which vLLM builds for one kind only: that kind's config passes None)."""
     if name not in DRAFT_LAYER_FAMILIES:
         raise UserError(
             f"drafter.layer_family={name!r} is not one of {', '.join(DRAFT_LAYER_FAMILIES)} (the families engines "
             "build draft layers from)"
         )
-    return DRAFT_LAYER_FAMILIES[name]
+    family = DRAFT_LAYER_FAMILIES[name]
+    if family.per_kind and kind is not None:
+        others = ", ".join(other for other, built in DRAFT_LAYER_FAMILIES.items() if not built.per_kind)
+        raise UserError(
+            f"drafter.layer_family={name}: no engine builds a {kind} drafter's layers of that family (vLLM builds them "
+            f"for one other kind only); choose {others}"
+        )
+    return family
 
 
 def tap_layers(config: Any, wanted: list[int]) -> list[int]:

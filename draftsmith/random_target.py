@@ -153,13 +153,19 @@ def declare_as_released(config, model) -> None:
     which engines read instead (vLLM routes with a softmax and no bias, or fails on a missing field,
     without them): a router with a score-correction bias scores experts by a sigmoid and picks them
     with the bias (`noaux_tc` where the experts are grouped); the rotary embedding's width (`rotary_dim`,
-    which the engines that read it take as transformers' head_dim × partial factor)."""
+    which the engines that read it take as transformers' head_dim × partial factor); an embedding normed before the
+    layers and scales learned on the MLPs and routers (`use_embed_norm`, `use_global_scale`: vLLM's Inkling builds
+    neither without them, transformers' always does)."""
     if any(name.endswith("e_score_correction_bias") for name, _ in model.named_buffers()) or any(
         name.endswith("e_score_correction_bias") for name, _ in model.named_parameters()
     ):
         config.scoring_func, config.use_routing_bias = "sigmoid", True
         if getattr(config, "n_group", None):
             config.topk_method = "noaux_tc"
+    if hasattr(model.get_input_embeddings(), "embed_norm"):
+        config.use_embed_norm = True
+    if any(name.endswith("global_scale") for name, _ in model.named_parameters()):
+        config.use_global_scale = True
     fields = config.to_dict()  # global values: a field set per layer (Gemma-4's head_dim) raises as an attribute
     factor = (fields.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
     head_dim = fields.get("head_dim")

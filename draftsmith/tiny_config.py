@@ -132,7 +132,7 @@ def scaled_fields(defaults: dict[str, Any], fields: dict[str, Any]) -> dict[str,
     """The sizes a family keeps apart from TINY's fields, at sizes derived from them so that the tiny
     model is consistent and small (`defaults`: the class's own config, whose fields say which apply;
     `fields`: the tiny sizes under TINY's and EXPERTS' names, and the vocabulary's)."""
-    head, heads = fields["head_dim"], fields["num_attention_heads"]
+    head, heads, hidden = fields["head_dim"], fields["num_attention_heads"], fields["hidden_size"]
     kv_heads, layers = fields["num_key_value_heads"], fields["num_hidden_layers"]
     out: dict[str, Any] = {}
     if defaults.get("num_key_value_heads") == 1:  # multi-query attention: one key-value head, shared by all
@@ -167,7 +167,17 @@ def scaled_fields(defaults: dict[str, Any], fields: dict[str, Any]) -> dict[str,
         if defaults.get("index_n_heads") == defaults.get("num_key_value_heads"):
             out["index_n_heads"] = kv_heads
     if isinstance(defaults.get("rotary_dim"), int) and isinstance(defaults.get("head_dim"), int):
-        out["rotary_dim"] = head * defaults["rotary_dim"] // defaults["head_dim"]  # the family's rotated share
+        # The family's rotated share (MiniMax-M3's half), as `rotary_dim` and as the factor transformers' rotary
+        # embedding reads (head_dim × `partial_rotary_factor` of rope_parameters, where the class's default is 1, the
+        # whole head) and vLLM's (its config's, 0.5 by default): so that both rotate the same channels.
+        out["rotary_dim"] = head * defaults["rotary_dim"] // defaults["head_dim"]
+        share = {"partial_rotary_factor": defaults["rotary_dim"] / defaults["head_dim"]}
+        out["rope_parameters"] = {**(defaults.get("rope_parameters") or {}), **share}
+    if defaults.get("logits_mup_width_multiplier"):
+        # muP's width multiplier (Inkling's: the final state divided by it before the lm_head) is the model's width over
+        # the base width the release was tuned at: at the tiny width the same base's (the class default's 24 at 6144
+        # would squash a tiny model's logits 96-fold too many, and its training with them)
+        out["logits_mup_width_multiplier"] = defaults["logits_mup_width_multiplier"] * hidden / defaults["hidden_size"]
     if "swa_head_dim" in defaults:  # sliding-window layers sized apart (Inkling's): as the others
         out.update(swa_head_dim=head, swa_num_attention_heads=heads, swa_num_key_value_heads=kv_heads)
     if defaults.get("unpadded_vocab_size"):  # the lm_head's rows a release pads to `vocab_size`: every row, unpadded

@@ -42,6 +42,30 @@ from draftsmith.heads import drafter_class
 FAMILIES = ("llama", "qwen3")  # draft layers vLLM's Qwen3 DFlash layer reproduces (with q/k norms)
 
 
+def backbone_parts(layer: dict[str, Any], settings) -> tuple[dict[str, Any], dict[str, tuple], dict[str, Any]]:
+    """What every layout of vLLM's DFlash backbone shares (its Qwen3 DFlash and DSpark, its Gemma-4 DSpark), for the
+    draft layers' config `layer` and the drafter's `settings`: the config's block and `dflash_config`, the fc's and
+    norms' tensors, the tap and mask conventions."""
+    ours = list(settings.target_layers)
+    hidden = layer["hidden_size"]
+    config = {
+        **layer,
+        "tie_word_embeddings": False,  # no lm_head of its own: vLLM shares the target's
+        "block_size": settings.block_size,
+        "dflash_config": {"mask_token_id": settings.mask_token_id, "target_layer_ids": ours},
+    }
+    expected = {"fc.weight": (hidden, len(ours) * hidden), "hidden_norm.weight": (hidden,), "norm.weight": (hidden,)}
+    conventions = {
+        "target_layer_ids": {
+            "draftsmith": ours,
+            "vllm_capture": [i + 1 for i in ours],
+            "rule": "written as draftsmith's ids; vLLM adds 1",
+        },
+        "mask": f"token {settings.mask_token_id}, embedded with the target's embedding (as trained)",
+    }
+    return config, expected, conventions
+
+
 @register
 class DFlashExporter(Exporter):
     kinds = ("dflash",)
@@ -52,7 +76,7 @@ class DFlashExporter(Exporter):
         super().refuse(engine, drafter, target, vllm_format)  # SGLang: refused there
         kind = drafter.TITLE  # DFlash, or DSpark on DFlash's backbone (formats/dspark.py)
         require_vllm_state_capture(target, kind)
-        draft_layer_config(drafter, FAMILIES, "vLLM", kind)
+        self.layer_config(drafter)
         if drafter.config.mask_token_id is None:
             raise UserError(
                 f"this {kind} drafter learned its own mask vector, which vLLM's {kind} layout has no place for (it "
@@ -71,38 +95,24 @@ class DFlashExporter(Exporter):
                 f"cannot capture; retrain with target_layers below {last}"
             )
 
+    def layer_config(self, drafter) -> dict[str, Any]:
+        """The draft layers' config under vLLM's names; layers of a family vLLM's layout does not build refused."""
+        return draft_layer_config(drafter, FAMILIES, "vLLM", drafter.TITLE)
+
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         drafter = source.drafter
         settings = drafter.config
-        layer = draft_layer_config(drafter, FAMILIES, "vLLM", "DFlash")
-        ours = list(settings.target_layers)
-        config = {
-            **layer,
-            "architectures": ["DFlashDraftModel"],
-            "model_type": "qwen3",
-            "tie_word_embeddings": False,  # no lm_head of its own: vLLM shares the target's
-            "block_size": settings.block_size,
-            "dflash_config": {"mask_token_id": settings.mask_token_id, "target_layer_ids": ours},
-        }
-        hidden, head_dim = layer["hidden_size"], layer["head_dim"]
-        expected = {
-            "fc.weight": (hidden, len(ours) * hidden),
-            "hidden_norm.weight": (hidden,),
-            "norm.weight": (hidden,),
-        }
+        layer = self.layer_config(drafter)
+        config, expected, conventions = backbone_parts(layer, settings)
+        config |= {"architectures": ["DFlashDraftModel"], "model_type": "qwen3"}
+        head_dim = layer["head_dim"]
         expected |= llama_layers_expected(layer, skip_first_input_norm=False)
         for i in range(settings.num_layers):
             expected |= {
                 f"layers.{i}.self_attn.q_norm.weight": (head_dim,),
                 f"layers.{i}.self_attn.k_norm.weight": (head_dim,),
             }
-        conventions = {
-            "target_layer_ids": {
-                "draftsmith": ours,
-                "vllm_capture": [i + 1 for i in ours],
-                "rule": "written as draftsmith's ids; vLLM adds 1",
-            },
-            "mask": f"token {settings.mask_token_id}, embedded with the target's embedding (as trained)",
+        conventions |= {
             "block": f"vLLM runs 1 + num_speculative_tokens queries; trained on block_size {settings.block_size}",
             "recommended_num_speculative_tokens": settings.block_size - 1,
             "attention": "non-causal within the block, the context before it; q_norm/k_norm in every layer",

@@ -3,7 +3,9 @@ of vLLM's GPU model runner V2, vllm/v1/worker/gpu/spec_decode/dspark/).
 
 vLLM's backbone is its Qwen3 DFlash model (formats/dflash.py, whose checks and conventions hold here: the mask a
 token of the target's embedding, q_norm/k_norm in every layer, target layer ids as draftsmith's with vLLM adding
-1, no post-norm last layer, Llama/Qwen3 layers without biases). What DSpark adds, each written as vLLM reads it:
+1, no post-norm last layer, Llama/Qwen3 layers without biases); a drafter trained with Gemma-4 layers
+(drafter.layer_family=gemma4_text) goes to vLLM's `Gemma4DSparkModel` instead (formats/dspark_gemma4.py), with the
+same DSpark keys and heads. What DSpark adds, each written as vLLM reads it:
 
 - `sample_from_anchor: true` (and `dspark_bonus_anchor: false`): a request's block is num_speculative_tokens
   queries, the anchor first, every one predicting the token after it, as draftsmith trains (heads/dspark.py);
@@ -28,7 +30,7 @@ from typing import Any
 import torch
 
 from draftsmith.errors import UserError
-from draftsmith.formats import Source, register
+from draftsmith.formats import Source, dspark_gemma4, register
 from draftsmith.formats.dflash import DFlashExporter
 from draftsmith.formats.repo import EngineRepo
 from draftsmith.heads import drafter_class
@@ -50,14 +52,21 @@ class DSparkExporter(DFlashExporter):
     vllm_method = "dspark"
     sglang_reason = "draftsmith's DSpark export has been checked against vLLM's code only; export it for vllm"
 
+    def layer_config(self, drafter) -> dict[str, Any]:
+        if dspark_gemma4.has_gemma4_layers(drafter):
+            return dspark_gemma4.layer_config(drafter)
+        return super().layer_config(drafter)
+
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
-        repo = super().vllm(source, gamma, output)  # the backbone's config, tensors and conventions (DFlash's)
         drafter, settings = source.drafter, source.drafter.config
+        gemma4 = dspark_gemma4.has_gemma4_layers(drafter)
+        # the backbone's config, tensors and conventions: DFlash's (Qwen3 layers), or Gemma-4's
+        repo = dspark_gemma4.backbone(drafter) if gemma4 else super().vllm(source, gamma, output)
         hidden, vocab, rank = drafter.target.hidden_size, drafter.target.vocab_size, settings.markov_rank
         backbone = repo.config.pop("dflash_config")
         config = {
             **repo.config,
-            "architectures": [ARCHITECTURE],
+            "architectures": [dspark_gemma4.ARCHITECTURE if gemma4 else ARCHITECTURE],
             "sample_from_anchor": True,
             "dspark_bonus_anchor": False,
             "dspark_target_layer_ids": backbone["target_layer_ids"],
@@ -101,7 +110,8 @@ class DSparkExporter(DFlashExporter):
         )  # fmt: skip
 
     def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
-        return ARCHITECTURE in config.get("architectures", []) and "markov_rank" in config
+        layouts = {ARCHITECTURE, dspark_gemma4.ARCHITECTURE}
+        return bool(layouts & set(config.get("architectures", []))) and "markov_rank" in config
 
     def read(
         self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]
@@ -123,6 +133,8 @@ class DSparkExporter(DFlashExporter):
             "confidence_head": bool(config.get("enable_confidence_head")),
             "qk_norm": True,
         }
+        if dspark_gemma4.ARCHITECTURE in config.get("architectures", []):
+            settings["layer_family"] = dspark_gemma4.FAMILY
         settings |= {key: value for key, value in info.get("drafter_config", {}).items() if key in SETTINGS}
         drafter = dspark.from_target(dspark.Config(**settings), target_model, info.get("verifier", "target"))
         drafter.load_state_dict(tensors)

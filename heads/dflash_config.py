@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, ClassVar, Optional
 
 from draftsmith.errors import UserError
 from draftsmith.families import layer_family
@@ -41,12 +41,17 @@ class DFlashConfig(DrafterConfig):
     mask_token_id: Optional[int] = None
     qk_norm: bool = True  # per-head RMSNorm on queries and keys (Qwen3's), as vLLM's DFlash layers apply
     # The family of the draft's own decoder layers (draftsmith.families); llama with qk_norm is the
-    # function of vLLM's DFlash layers (Qwen3's), whatever the target's family.
+    # function of vLLM's DFlash layers (Qwen3's), whatever the target's family; gemma4_text: Gemma-4's layers
+    # (heads/dflash_gemma4.py), which vLLM builds for DSpark only (Gemma4DSparkModel)
     layer_family: str = "llama"
     decoder: Optional[dict] = None  # the draft layers' classes and config, resolved by from_target
+    # whether an engine builds this kind's layers of a family set per layer kind (Gemma-4's): vLLM, for DSpark only
+    LAYERS_PER_KIND: ClassVar[bool] = False
 
     def check(self, target: Optional[TargetShape] = None) -> None:
-        layer_family(self.layer_family)
+        family = layer_family(self.layer_family, None if self.LAYERS_PER_KIND else self.type)
+        if family.per_kind and not self.qk_norm:
+            raise UserError(f"drafter.qk_norm=false: {self.layer_family} layers always norm their queries and keys")
         if self.num_layers < 1:
             raise UserError(f"drafter.num_layers must be >= 1 (got {self.num_layers})")
         if self.block_size < 2:

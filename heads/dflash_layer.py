@@ -93,6 +93,11 @@ class DFlashLayer(nn.Module):
     def forward(self, hidden, rope, context_kv, visible) -> torch.Tensor:
         """hidden [B, A, S, H] (A blocks of S) at the positions `rope` encodes ([B, A*S, d] cos/sin);
         context_kv: this layer's context keys/values [B, kv, C, d]; visible [B, A, C]."""
+        hidden = hidden + self.self_attn.o_proj(self.attend(hidden, rope, context_kv, visible))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def attend(self, hidden, rope, context_kv, visible) -> torch.Tensor:
+        """The attention's output heads [B, A, S, heads·d], before o_proj (`forward`'s arguments)."""
         batch, blocks, size, width = hidden.shape
         x = self.input_layernorm(hidden).view(batch, blocks * size, width)
         query = rotate(self._heads("q_proj", "q_norm", x, self.heads), *rope)
@@ -104,6 +109,4 @@ class DFlashLayer(nn.Module):
         attended = block_attention(
             per_block(query), *context_kv, per_block(block_key), per_block(block_value), visible, self.scaling
         )
-        attended = attended.permute(0, 2, 3, 1, 4).reshape(batch, blocks, size, self.heads * self.head_dim)
-        hidden = hidden + self.self_attn.o_proj(attended)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return attended.permute(0, 2, 3, 1, 4).reshape(batch, blocks, size, self.heads * self.head_dim)

@@ -64,7 +64,7 @@ class Eagle3Config(DrafterConfig):
 
     def check(self, target: Optional[TargetShape] = None) -> None:
         check_tree_settings(self)
-        layer_family(self.layer_family)
+        layer_family(self.layer_family, self.type)
         if self.ttt_steps < 1 or self.ttt_decay <= 0:
             raise UserError(
                 f"drafter.ttt_steps must be >= 1 and ttt_decay > 0 (got {self.ttt_steps}, {self.ttt_decay})"

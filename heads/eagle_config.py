@@ -34,7 +34,7 @@ class EagleConfig(DrafterConfig):
 
     def check(self, target: Optional[TargetShape] = None) -> None:
         check_tree_settings(self)
-        layer_family(self.layer_family)
+        layer_family(self.layer_family, self.type)
         if self.num_layers < 1:
             raise UserError(f"drafter.num_layers must be >= 1 (got {self.num_layers})")
         if (

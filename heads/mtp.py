@@ -1,7 +1,7 @@
 """MTP: the target's own multi-token-prediction layer, shipped in its checkpoint, fine-tuned as the drafter.
 
-DeepSeek-V3, V3.2 and V4, Dots3-Note, GLM-4.5, GLM-5 and GLM-5-Next, HY-V4, MiniMax-M3, Qwen3-Next, Qwen3.5 and
-Qwen4-Exp ship, next to their decoder layers, a layer trained to predict the token after next. transformers drops it
+DeepSeek-V3, V3.2 and V4, Dots3-Note, GLM-4.5, GLM-5 and GLM-5-Next, HY-V4, Inkling, MiniMax-M3, Qwen3-Next, Qwen3.5
+and Qwen4-Exp ship, next to their decoder layers, a layer trained to predict the token after next. transformers drops it
 at load (the families' `_keys_to_ignore_on_load_unexpected`); vLLM serves it as the `mtp` method. This kind reads it
 from the target's safetensors, builds it as vLLM 0.32's `*_mtp.py` model for that architecture computes it, trains it
 on the target's own distribution several steps ahead, each step fed its previous step's output (EAGLE's training-time
@@ -20,13 +20,17 @@ as vLLM's proposer feeds them back (docs/results/vllm-0.32-source-2026-families.
 passes hyper-connection streams instead, and reads the target's last layer's (heads/mtp_streams.py; Qwen4-Exp's, mixed
 by gated residuals: heads/mtp_gated.py); HY-V4's and GLM-5-Next's block is their decoder layer without its
 hyper-connections (heads/mtp_plain.py), as is MiniMax-M3's, its block-sparse attention on the drafter's masks
-(heads/mtp_blocks.py). Decoding is EAGLE's: the layer's own KV cache over the committed sequence, a chain or a
-dynamic tree grown from it (EagleProposer); vLLM verifies chains.
+(heads/mtp_blocks.py). Inkling's reads [hidden | embedding], its embedding normed by the target's embedding norm
+first, its block the decoder layer with its short convolutions (heads/mtp_convolved.py), its chain norm as the final
+norm, and its logits divided by the target's muP multiplier (`head_input`), as vLLM's. Decoding is EAGLE's: the
+layer's own KV cache over the committed sequence, a chain or a dynamic tree grown from it (EagleProposer); vLLM
+verifies chains.
 
-Only the first MTP layer is used: vLLM 0.32's proposer runs layer 0 for every draft step whatever the
-checkpoint's count. The block's tensors are converted between the checkpoint's names and transformers'
-modules (fused experts) by transformers' own loading and saving code, through a one-layer model of the
-target's class (`carrier`, heads/mtp_layer.py).
+Only the first MTP layer is used: vLLM 0.32's proposer runs layer 0 for every draft step whatever the checkpoint's
+count (Inkling's runs depth i at step i: a release shipping more than one is refused, heads/mtp_layouts.py). The
+block's tensors are converted between the checkpoint's names and transformers' modules (fused experts) by
+transformers' own loading and saving code, through a one-layer model of the target's class (`carrier`,
+heads/mtp_layer.py).
 """
 
 from __future__ import annotations
@@ -43,21 +47,23 @@ from torch import nn
 
 from draftsmith.errors import UserError
 from draftsmith.families import sliding_window, within_window
-from draftsmith.heads import mtp_gated, mtp_plain, mtp_streams, register
+from draftsmith.heads import mtp_convolved, mtp_gated, mtp_plain, mtp_streams, register
 from draftsmith.heads.base import WEIGHTS_NAME, FlopProfile
 from draftsmith.heads.eagle_base import EagleBase, import_qualified
 from draftsmith.heads.mtp_config import MtpConfig
 from draftsmith.heads.mtp_layer import (
     OWN_EMBEDDING,
+    TARGET_EMBED_NORM,
     Layout,
     block_from_checkpoint,
     block_to_checkpoint,
     checkpoint_folder,
+    count_holder,
     layer_config,
     read_layer,
     tensor_names,
 )
-from draftsmith.heads.mtp_layouts import LAYOUTS, SEPARATE_MODEL, UNSERVED
+from draftsmith.heads.mtp_layouts import LAYOUTS, MTP_FIELDS, layout_of
 from draftsmith.heads.packing import (
     causal_document_mask,
     documents,
@@ -75,56 +81,6 @@ if TYPE_CHECKING:
 WRAPPER = ("embed_norm", "hidden_norm", "proj", "final_norm")
 
 
-def layout_of(config: dict) -> Layout:
-    """The MTP layout of a target config (dict form), or a one-line UserError: an architecture whose layout
-    draftsmith does not read, one whose layer it does not train (UNSERVED), or a quantized checkpoint."""
-    architecture = (config.get("architectures") or ["?"])[0]
-    if architecture in UNSERVED:
-        raise UserError(
-            f"drafter.type=mtp: draftsmith does not train a {architecture} target's MTP layer: {UNSERVED[architecture]}"
-        )
-    if architecture in SEPARATE_MODEL:
-        raise UserError(
-            f"drafter.type=mtp: a {architecture} target ships no MTP layer: its multi-token prediction is a model "
-            f"of its own ({SEPARATE_MODEL[architecture]}; it reads the target's KV cache): train it with "
-            "recipe=gemma4_assistant (drafter.type=gemma4_assistant), or another kind"
-        )
-    if architecture not in LAYOUTS:
-        known = ", ".join(sorted(LAYOUTS))
-        raise UserError(
-            f"drafter.type=mtp: no MTP layer layout is known for a {architecture} target: draftsmith reads the MTP "
-            f"layers of {known} targets only, each checked against vLLM 0.32's model of it (this target may ship "
-            "none, or in a layout not checked here); train another kind"
-        )
-    layout = LAYOUTS[architecture]
-    text = config.get("text_config") or {}
-    if (text or config).get("index_share_for_mtp_iteration"):
-        raise UserError(
-            "drafter.type=mtp: the target's config sets index_share_for_mtp_iteration, with which vLLM 0.32's later "
-            "draft steps reuse the first step's sparse-attention selection, which draftsmith's drafter does not"
-        )
-    sparse = (text or config).get("sparse_attention_config") or {}
-    if sparse.get("sparse_init_block", 0) != 0 or sparse.get("sparse_local_block", 1) != 1:
-        # vLLM 0.32's block-sparse indexer always keeps the first `sparse_init_block` blocks and the query's last
-        # `sparse_local_block`; draftsmith's (heads/mtp_blocks.py) keeps the query's own block alone, as releases set
-        raise UserError(
-            "drafter.type=mtp: the target's sparse_attention_config keeps "
-            f"sparse_init_block={sparse.get('sparse_init_block', 0)} first and "
-            f"sparse_local_block={sparse.get('sparse_local_block', 1)} local blocks, which vLLM 0.32's MTP layer "
-            "always attends to and draftsmith's drafter does not (it keeps 0 and 1): train another kind"
-        )
-    quantized = config.get("quantization_config") or text.get("quantization_config")
-    if quantized:
-        # the layer's weights are stored quantized beside their scales (FP8 releases: `weight_scale_inv` per
-        # 128x128 block): read as plain weights they would train and export wrong
-        raise UserError(
-            f"drafter.type=mtp: the target's checkpoint is quantized ({quantized.get('quant_method', '?')} in its "
-            "config.json's quantization_config), and draftsmith fine-tunes an MTP layer stored unquantized: point "
-            "target.name_or_path at the model's BF16 release"
-        )
-    return layout
-
-
 def check_ships_a_layer(config: dict, layout: Layout, name_or_path: str) -> None:
     """A target whose config (dict form) counts no MTP layer is refused in one line. Where the count is absent, as in
     Qwen3-Next's release (its checkpoint ships `mtp.*` all the same), vLLM 0.32 serves one layer (Qwen3-Next's and
@@ -132,6 +88,8 @@ def check_ships_a_layer(config: dict, layout: Layout, name_or_path: str) -> None
     default is 1): then the layers in the checkpoint's tensor names say (safetensors headers only)."""
     text = text_fields(config)
     count = config.get(layout.count_key, text.get(layout.count_key))
+    if layout.count_block:  # read where vLLM reads it
+        count = (config.get(layout.count_block) or {}).get(layout.count_key)
     if count is not None:
         if not int(count):
             raise UserError(
@@ -198,6 +156,8 @@ class Mtp(EagleBase):
         layer = import_qualified(spec["layer"])(self.layer_config, layer_idx=0)
         if self.layout.gated:
             self.block = mtp_gated.GatedBlock(layer, self.rotary_emb)
+        elif self.layout.convolved:
+            self.block = mtp_convolved.ConvolvedBlock(layer)
         else:
             self.block = mtp_plain.PlainBlock(layer) if self.layout.plain_block else layer
         indexer = getattr(self.block.self_attn, "indexer", None)
@@ -292,6 +252,8 @@ class Mtp(EagleBase):
         block = self.layout.block()
         saved = block_to_checkpoint(self.block, self.config.decoder, self.layout)
         out |= {block + name: t for name, t in saved.items()}
+        if self.layout.target_scales and getattr(self.layer_config, "use_embed_norm", False):
+            out[TARGET_EMBED_NORM] = self.target_modules()[0].embed_norm.weight.detach()  # frozen, as the target's
         return out | ({OWN_EMBEDDING: self.own_embed.weight.detach()} if self.layout.own_embedding else {})
 
     # -- the draft model ------------------------------------------------------------------------
@@ -308,12 +270,15 @@ class Mtp(EagleBase):
         embedded = (self.own_embed(tokens) if self.layout.own_embedding else self.embed(tokens)).to(features.dtype)
         if self.layout.masks_first_position:
             embedded = torch.where(positions[..., None] == 0, 0.0, embedded)
+        if self.layout.target_scales and getattr(self.layer_config, "use_embed_norm", False):
+            embedded = self.target_modules()[0].embed_norm(embedded)  # the target's, as its layers read it
         if self.layout.streams:
             parts = streams_parts(self.layout)
             hidden = parts.combine(self, embedded, features)
             arguments = parts.block_arguments(self, hidden, positions, mask)
         else:
-            hidden = self.proj(torch.cat([self.embed_norm(embedded), self.hidden_norm(features)], dim=-1))
+            inputs = [self.embed_norm(embedded), self.hidden_norm(features)]
+            hidden = self.proj(torch.cat(inputs[::-1] if self.layout.hidden_first else inputs, dim=-1))
             # a family whose rotary tables differ by layer kind (Dots3-Note's) is given the block's
             kinds = self.layout.block_kind and "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
             kind = {"layer_type": self.layer_config.layer_types[0]} if kinds else {}
@@ -326,7 +291,10 @@ class Mtp(EagleBase):
     def head_input(self, fed_back: torch.Tensor) -> torch.Tensor:
         if self.layout.streams:
             return streams_parts(self.layout).head_input(self, fed_back)
-        return fed_back if self.layout.feeds_back_normed else self.final_norm(fed_back)
+        normed = fed_back if self.layout.feeds_back_normed else self.final_norm(fed_back)
+        # vLLM's logits of a layout that scales them: the lm_head's on the state divided by the muP multiplier
+        scale = getattr(self.layer_config, "logits_mup_width_multiplier", None) if self.layout.target_scales else None
+        return normed / scale if scale else normed
 
     def top_tokens(self, feature: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         _, lm_head = self.target_modules()
@@ -338,6 +306,9 @@ class Mtp(EagleBase):
     def committed_features(self, state: DraftState) -> Optional[torch.Tensor]:
         features = state.new_streams if self.layout.streams else state.new_final
         return None if features is None else features.to(self.embed_norm.weight.dtype)
+
+    def new_cache(self) -> DynamicCache:
+        return mtp_convolved.new_cache() if self.layout.convolved else super().new_cache()
 
     def attention_window(self) -> Optional[int]:
         return sliding_window(self.layer_config)  # the block's (mtp_layer.layer_config): DeepSeek-V4's
@@ -412,8 +383,13 @@ def write_random_layer(directory: str | Path, std: float = 0.08, seed: int = 0) 
     if architecture not in LAYOUTS:
         raise UserError(f"no MTP layer layout is known for a {architecture} target")
     layout = LAYOUTS[architecture]
-    text = text_fields(values)  # a wrapper's count sits in its text_config, as its releases keep it
-    text[layout.count_key] = 1
+    text = text_fields(values)
+    count_holder(values, layout)[layout.count_key] = 1  # a wrapper's in its text_config, as its releases keep it
+    if layout.count_block:  # a release's block in the form draftsmith trains (a chain norm, depth 0 as given), its
+        # fields where transformers reads them too, as it copies them at load
+        block = count_holder(values, layout)
+        block |= {"chain_hidden_post_norm": True, "local_layer_ids": block.get("local_layer_ids") or []}
+        text |= {ours: block[theirs] for theirs, ours in MTP_FIELDS}
     config_path.write_text(json.dumps(values, indent=2) + "\n")
     if wraps_a_text_model(values):  # its language model and lm_head, as draftsmith loads it
         target = load_target(str(directory))

@@ -72,6 +72,23 @@ class Layout:
     # vision-language wrapper's class only (MiniMax-M3's: its language model's own class keeps its fused form): the
     # carrier is the wrapper, its decoder's layers under `decoder_prefix` as the release stores them
     wrapper_carrier: bool = False
+    # the block is the family's decoder layer with short convolutions over the last tokens' inputs beside its
+    # attention (Inkling's), run on the drafter's masks and cache by heads/mtp_convolved.py
+    convolved: bool = False
+    # the layer's input is [hidden | embedding] (Inkling's), not [embedding | hidden]
+    hidden_first: bool = False
+    # the target's embedding norm (its input embedding's `embed_norm`) applied to the embedding first where the
+    # config's `use_embed_norm` says, and the logits divided by its `logits_mup_width_multiplier` (Inkling's)
+    target_scales: bool = False
+    # the top-level config block holding `count_key`, where vLLM reads it (Inkling's `mtp_config`), else the config
+    # or its text_config
+    count_block: str = ""
+    # layer tensors stored outside the layer's prefix: (name under the prefix, as the drafter names it; release name)
+    # (Inkling's `chain_norm`, one for every depth, and the target's embedding norm, which vLLM reads from the folder)
+    outside: tuple[tuple[str, str], ...] = ()
+    # the block's attention kind where the config lists depth 0 among its `mtp_local_layer_ids` (Inkling's
+    # sliding-window `hybrid_sliding`), else `block_kind`'s
+    local_kind: str = ""
 
     def prefix(self, num_hidden_layers: int) -> str:
         """The first MTP layer's tensor names start with this."""
@@ -101,13 +118,14 @@ class Layout:
     def release_name(self, name: str, num_hidden_layers: int) -> str:
         """A tensor of the layer (named under the prefix) -> its name in the release."""
         own = self.own_embedding and name == OWN_EMBEDDING
-        return self.own_embedding if own else self.prefix(num_hidden_layers) + name
+        return self.own_embedding if own else dict(self.outside).get(name, self.prefix(num_hidden_layers) + name)
 
     def layer_name(self, release_name: str, num_hidden_layers: int) -> str:
         """`release_name`'s inverse."""
         if self.own_embedding and release_name == self.own_embedding:
             return OWN_EMBEDDING
-        return release_name.removeprefix(self.prefix(num_hidden_layers))
+        outside = {theirs: own for own, theirs in self.outside}
+        return outside.get(release_name, release_name.removeprefix(self.prefix(num_hidden_layers)))
 
     def shipped_layers(self, names: Iterable[str], num_hidden_layers: int) -> set[int]:
         """The indices of the MTP layers whose tensors are among a checkpoint's tensor names: layers N, N+1, ...
@@ -122,6 +140,8 @@ class Layout:
 
 INDEX_NAME = "model.safetensors.index.json"
 OWN_EMBEDDING = "embed_tokens.weight"  # Layout.own_embedding, as the drafter names it
+# the target's embedding norm, as the drafter names it where a layout's export carries it (`Layout.outside`)
+TARGET_EMBED_NORM = "target_embed_norm.weight"
 
 
 def tensor_names(folder: Path) -> Mapping[str, Path]:
@@ -194,6 +214,9 @@ def layer_files(name_or_path: str, config: dict, layout: Layout) -> dict[Path, l
         if found is None:
             raise UserError(f"drafter.type=mtp: {folder}'s weights hold no {layout.own_embedding}, the MTP layer's own")
         files.setdefault(found, []).append(layout.own_embedding)
+    for _, name in layout.outside:  # where the release has one: a layer lacking it is refused when it loads
+        if name in tensor_names(folder):
+            files.setdefault(tensor_names(folder)[name], []).append(name)
     return files
 
 
@@ -247,6 +270,8 @@ def layer_config(target_config, layout: Layout) -> dict:
     if layout.block_kind is not None:
         attention, mlp = layout.block_kind
         attention = (values.get("mtp_layer_types") or [attention])[0]
+        if layout.local_kind and 0 in (values.get("mtp_local_layer_ids") or ()):
+            attention = layout.local_kind
         kinds = values.get("layer_types") or []
         if "per_layer_config" in values:  # a family with per-layer overrides (Dots3-Note's): the first layer of that
             # kind's (transformers' `per_layer_config`, by layer index); a target with no such layer has none
@@ -258,6 +283,14 @@ def layer_config(target_config, layout: Layout) -> dict:
         sparse, pooled = kinds == {INDEXED}, bool(kinds & set(COMPRESSED))
         values["layer_types"] = [INDEXED if sparse else SLIDING if pooled else FULL]
     return values
+
+
+def count_holder(config: dict, layout: Layout) -> dict:
+    """The part of a config (dict form) that holds the MTP layer count, where vLLM reads it: a block of its own
+    (`Layout.count_block`, made where absent), a vision-language wrapper's text_config, or the config."""
+    if layout.count_block:
+        return config.setdefault(layout.count_block, {})
+    return config.get("text_config") or config
 
 
 def carrier(spec: dict, layout: Layout):

@@ -1,15 +1,17 @@
 """The table of MTP layouts (heads/mtp_layer.py's `Layout`): target architecture -> how its checkpoint stores its MTP
 layer and how vLLM 0.32's MTP model for it computes the layer (each read from vLLM's source), and the architectures
 whose layer draftsmith does not train (`UNSERVED`) or whose multi-token prediction is a model of its own
-(`SEPARATE_MODEL`). Apart from the drafter (heads/mtp.py), which reads it.
+(`SEPARATE_MODEL`), and `layout_of`: a target config's layout, or the one line refusing it. Apart from the drafter
+(heads/mtp.py), which reads it.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from draftsmith.errors import UserError
 from draftsmith.families import SLIDING
-from draftsmith.heads.mtp_layer import Layout
+from draftsmith.heads.mtp_layer import TARGET_EMBED_NORM, Layout
 
 DEEPSEEK_NAMES = ("enorm", "hnorm", "eh_proj", "shared_head.norm")
 HY_V4_NAMES = ("enorm", "hnorm", "eh_proj", "final_layernorm")  # MiniMax-M3's too
@@ -25,6 +27,12 @@ QWEN3_5 = Layout("qwen3_5_mtp", "mtp_num_hidden_layers", QWEN_NAMES, False, Fals
 # vLLM's Qwen3_5MoeMTP: Qwen3.5's layer with Qwen3-Next's experts (a sigmoid-gated shared expert beside them),
 # stored fused as the releases ship them (vLLM reads either form)
 QWEN3_5_MOE = replace(QWEN3_5, fused_experts=True)
+# Inkling's `mtp_config` keys (vLLM's reading) -> the text_config fields transformers copies them to
+MTP_FIELDS = (
+    ("num_nextn_predict_layers", "num_mtp_layers"),
+    ("chain_hidden_post_norm", "chain_hidden_post_norm"),
+    ("local_layer_ids", "mtp_local_layer_ids"),
+)
 # Target architecture -> its MTP layout, as vLLM 0.32's models read and compute it (read from its source).
 LAYOUTS = {
     "DeepseekV3ForCausalLM": Layout("deepseek_mtp", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, True),
@@ -107,6 +115,37 @@ LAYOUTS = {
         wrapper_carrier=True,
         block_kind=("minimax_m3_sparse", "sparse"),
     ),  # fmt: skip
+    # vLLM's InklingMTP (models/inkling/nvidia/mtp.py; its speculative config maps the release's model type
+    # inkling_mm_model to inkling_mtp, reading `mtp_config`: `num_nextn_predict_layers`, `chain_hidden_post_norm`,
+    # `local_layer_ids`): depth j under `model.mtp.layers.{j}.` holds hidden_norm, embed_norm, input_proj on
+    # [hidden_norm(f) | embed_norm(e)] and the block, `transformer_block.`: the decoder layer with a dense MLP and its
+    # short convolutions (heads/mtp_convolved.py), full attention or, for a depth in `local_layer_ids`, sliding; the
+    # embedding first normed by the target's `embed_norm` (`use_embed_norm`; vLLM reads it from the drafter's folder,
+    # so the export writes the target's there), nothing masked; one `model.mtp.chain_norm` after every depth, fed back
+    # and read by the lm_head, whose logits vLLM divides by `logits_mup_width_multiplier`
+    "InklingForConditionalGeneration": Layout(
+        "InklingMTP",
+        "num_nextn_predict_layers",
+        ("embed_norm", "hidden_norm", "input_proj", "chain_norm"),
+        False,
+        False,
+        True,
+        own_prefix=True,
+        under="model.mtp.layers.",
+        block_prefix="transformer_block.",
+        decoder_prefix="model.llm.",
+        wrapper_carrier=True,
+        block_kind=("hybrid", "dense"),
+        local_kind="hybrid_sliding",
+        convolved=True,
+        hidden_first=True,
+        target_scales=True,
+        count_block="mtp_config",
+        outside=(
+            ("chain_norm.weight", "model.mtp.chain_norm.weight"),
+            (TARGET_EMBED_NORM, "model.llm.embed_norm.weight"),
+        ),
+    ),  # fmt: skip
     "Qwen3NextForCausalLM": Layout("qwen3_next_mtp", "num_nextn_predict_layers", QWEN_NAMES, False, False, True),
     "Qwen3_5ForCausalLM": QWEN3_5,
     "Qwen3_5MoeForCausalLM": QWEN3_5_MOE,
@@ -129,3 +168,86 @@ UNSERVED = {
 # decoder whose layers hold queries only and attend to the target's own KV cache.
 GEMMA4_ASSISTANT = "an assistant model: transformers' gemma4_assistant, vLLM's gemma4_mtp"
 SEPARATE_MODEL = {"Gemma4ForCausalLM": GEMMA4_ASSISTANT, "Gemma4ForConditionalGeneration": GEMMA4_ASSISTANT}
+
+
+def layout_of(config: dict) -> Layout:
+    """The MTP layout of a target config (dict form), or a one-line UserError: an architecture whose layout
+    draftsmith does not read, one whose layer it does not train (UNSERVED), or a quantized checkpoint."""
+    architecture = (config.get("architectures") or ["?"])[0]
+    if architecture in UNSERVED:
+        raise UserError(
+            f"drafter.type=mtp: draftsmith does not train a {architecture} target's MTP layer: {UNSERVED[architecture]}"
+        )
+    if architecture in SEPARATE_MODEL:
+        raise UserError(
+            f"drafter.type=mtp: a {architecture} target ships no MTP layer: its multi-token prediction is a model "
+            f"of its own ({SEPARATE_MODEL[architecture]}; it reads the target's KV cache): train it with "
+            "recipe=gemma4_assistant (drafter.type=gemma4_assistant), or another kind"
+        )
+    if architecture not in LAYOUTS:
+        known = ", ".join(sorted(LAYOUTS))
+        raise UserError(
+            f"drafter.type=mtp: no MTP layer layout is known for a {architecture} target: draftsmith reads the MTP "
+            f"layers of {known} targets only, each checked against vLLM 0.32's model of it (this target may ship "
+            "none, or in a layout not checked here); train another kind"
+        )
+    layout = LAYOUTS[architecture]
+    text = config.get("text_config") or {}
+    if (text or config).get("index_share_for_mtp_iteration"):
+        raise UserError(
+            "drafter.type=mtp: the target's config sets index_share_for_mtp_iteration, with which vLLM 0.32's later "
+            "draft steps reuse the first step's sparse-attention selection, which draftsmith's drafter does not"
+        )
+    sparse = (text or config).get("sparse_attention_config") or {}
+    if sparse.get("sparse_init_block", 0) != 0 or sparse.get("sparse_local_block", 1) != 1:
+        # vLLM 0.32's block-sparse indexer always keeps the first `sparse_init_block` blocks and the query's last
+        # `sparse_local_block`; draftsmith's (heads/mtp_blocks.py) keeps the query's own block alone, as releases set
+        raise UserError(
+            "drafter.type=mtp: the target's sparse_attention_config keeps "
+            f"sparse_init_block={sparse.get('sparse_init_block', 0)} first and "
+            f"sparse_local_block={sparse.get('sparse_local_block', 1)} local blocks, which vLLM 0.32's MTP layer "
+            "always attends to and draftsmith's drafter does not (it keeps 0 and 1): train another kind"
+        )
+    quantized = config.get("quantization_config") or text.get("quantization_config")
+    if quantized:
+        # the layer's weights are stored quantized beside their scales (FP8 releases: `weight_scale_inv` per
+        # 128x128 block): read as plain weights they would train and export wrong
+        raise UserError(
+            f"drafter.type=mtp: the target's checkpoint is quantized ({quantized.get('quant_method', '?')} in its "
+            "config.json's quantization_config), and draftsmith fine-tunes an MTP layer stored unquantized: point "
+            "target.name_or_path at the model's BF16 release"
+        )
+    if layout.count_block:
+        check_depths(config, layout)
+    return layout
+
+
+def check_depths(config: dict, layout: Layout) -> None:
+    """A target whose MTP block (`Layout.count_block`: Inkling's `mtp_config`, as vLLM reads it; transformers copies
+    it into text_config, MTP_FIELDS) asks for what draftsmith's drafter does not compute is refused in one line:
+    several depths, which vLLM 0.32 runs one per draft step (depth i at step i) where draftsmith trains one layer
+    run at every step; no chain norm, whose absence draftsmith does not build; and a text_config whose depth 0
+    attends otherwise than vLLM's reading of the block (transformers would build another layer than vLLM serves)."""
+    text = config.get("text_config") or config
+    block = config.get(layout.count_block)
+    read = {theirs: (block or {}).get(theirs) if block is not None else text.get(ours) for theirs, ours in MTP_FIELDS}
+    where = f"{layout.count_block}." if block is not None else ""
+    named = {theirs: where + (theirs if block is not None else ours) for theirs, ours in MTP_FIELDS}
+    if int(read[layout.count_key] or 1) > 1:
+        raise UserError(
+            f"drafter.type=mtp: the target ships {read[layout.count_key]} MTP depths ({named[layout.count_key]}), "
+            "which vLLM 0.32 runs one per draft step (depth i at step i), and draftsmith's drafter trains one layer "
+            "run at every step: train another kind"
+        )
+    if not read["chain_hidden_post_norm"]:
+        raise UserError(
+            f"drafter.type=mtp: the target's MTP layer has no chain norm ({named['chain_hidden_post_norm']} is not "
+            "true), a form draftsmith's drafter does not build: train another kind"
+        )
+    # transformers copies the block's value where text_config has none of its own (even null)
+    local = {0 in (text.get("mtp_local_layer_ids") or ()), 0 in (read["local_layer_ids"] or ())}
+    if block is not None and "mtp_local_layer_ids" in text and len(local) > 1:
+        raise UserError(
+            f"drafter.type=mtp: the target's text_config.mtp_local_layer_ids and {named['local_layer_ids']} disagree "
+            "on whether depth 0 attends in a sliding window: transformers reads the first, vLLM 0.32 the second"
+        )

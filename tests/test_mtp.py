@@ -11,7 +11,9 @@ HY-V4's, `model.mtp_layers.0.*`, and GLM-5-Next's, under its wrapper's language 
 its hyper-connections, GLM-5-Next's pooled sparse attention on the drafter's masks; Qwen4-Exp's, `mtp.*`, on the
 target's streams laid side by side, its QSA indexer's pools on the drafter's masks; Dots3-Note's, a sliding-window
 dense block with an embedding of its own; MiniMax-M3's, `language_model.model.mtp.layers.0.*` in its release written
-whole, its block-sparse attention on the drafter's masks);
+whole, its block-sparse attention on the drafter's masks; Inkling's, `model.mtp.layers.0.*` and `model.mtp.chain_norm`
+in its release written whole, its block's short convolutions, relative bias and a local depth's window on the
+drafter's masks and cache);
 Qwen3.5's vision-language wrappers, as released, train and export as
 their language models; targets without one are refused in one line before anything loads. The real engine
 serving the export: tests/test_mtp_vllm.py.
@@ -60,6 +62,10 @@ WRAPPED = ("glm5_next",)  # a wrapper transformers has no causal LM class for: d
 # a wrapper whose language model transformers has a causal LM class for, written whole as its releases ship it (its
 # MTP layer is under the wrapper's names, and vLLM maps only the wrapper's model type to its MTP model)
 RELEASED = ("minimax_m3_vl",)
+# a release written whole whose layer convolves over the last tokens beside its attention (Inkling's); not in RELEASED:
+# its block is dense whatever the target's layers (the shared read-back test compares it with the last layer)
+CONVOLVED = "inkling_mm_model"
+LOCAL = "+local"  # a family's target (`targets`) whose MTP depth 0 attends in a sliding window
 SHAPE = {"hidden_size": 64, "intermediate_size": 128, "head_dim": 16}  # 4 layers: Qwen's 4th is full attention
 MTP = drafter_class("mtp")
 
@@ -71,9 +77,14 @@ def targets(tmp_path_factory):
 
     def build(family: str):
         if family not in built:
-            folder = write_random_target(family, tmp_path_factory.mktemp(family), released=family in RELEASED, **SHAPE)
+            model_type, local = family.removesuffix(LOCAL), family.endswith(LOCAL)
+            released = model_type in (*RELEASED, CONVOLVED)
+            folder = write_random_target(model_type, tmp_path_factory.mktemp(family), released=released, **SHAPE)
+            if local:  # the release's depth 0 attends in a sliding window (its mtp_config's local_layer_ids)
+                config = json.loads((folder / "config.json").read_text())
+                (folder / "config.json").write_text(json.dumps({**config, "mtp_config": {"local_layer_ids": [0]}}))
             write_random_layer(folder)
-            if family in (*WRAPPED, *RELEASED):
+            if model_type in (*WRAPPED, *RELEASED, CONVOLVED):
                 model = load_target(str(folder))
             else:
                 model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().requires_grad_(False)
@@ -148,7 +159,9 @@ def test_one_draft_step_computes_vllms_formula_from_the_checkpoint(family, targe
     assert torch.allclose(fed, rms(pre, final_norm, eps, qwen) if chosen.feeds_back_normed else pre, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "deepseek_v4", *STREAMS_FAMILIES, "dots3_note_text", *RELEASED])
+@pytest.mark.parametrize(
+    "family", [*FAMILIES, "deepseek_v4", *STREAMS_FAMILIES, "dots3_note_text", *RELEASED, CONVOLVED]
+)
 def test_it_trains_several_steps_ahead_and_decodes_losslessly(family, targets):
     folder, model = targets(family)
     drafter = MTP.from_target(MTP.Config(ttt_steps=3), model, str(folder))
@@ -592,7 +605,7 @@ def test_a_deepseek_v4_layer_exports_under_its_release_names_with_the_config_vll
 def trained_resumed_and_exported(family: str, tmp_path, small_data, token_cache, capsys) -> tuple[Path, Path]:
     """`recipe=mtp` through the entry points on a `family` target with a random layer: trained, stopped after step 1,
     resumed, exported; (the target, the export's vllm folder)."""
-    folder = write_random_target(family, tmp_path / "target", released=family in RELEASED, **SHAPE)
+    folder = write_random_target(family, tmp_path / "target", released=family in (*RELEASED, CONVOLVED), **SHAPE)
     write_random_layer(folder)
     run = tmp_path / "run"
     args = mtp_args(folder, run, small_data, token_cache, save_every=1)
@@ -735,6 +748,8 @@ def test_a_glm5_next_blocks_pooled_sparse_attention_is_transformers_on_a_causal_
         ("glm5_next", "final", lambda drafter: drafter.block.self_attn.indexer.index_topk + 16),
         ("qwen4_exp", "streams", lambda d: d.layer_config.indexer_budget + d.layer_config.indexer_compress_ratio),
         ("minimax_m3_vl", "final", lambda d: (d.layer_config.index_topk_blocks + 1) * d.layer_config.index_block_size),
+        (CONVOLVED, "final", lambda d: d.layer_config.conv_kernel_size),
+        (CONVOLVED + LOCAL, "final", lambda d: d.layer_config.sliding_window_size),
     ],
 )
 def test_later_draft_steps_pool_their_own_entries_in_training_as_in_decoding(family, feature, selected, targets):
@@ -742,7 +757,8 @@ def test_later_draft_steps_pool_their_own_entries_in_training_as_in_decoding(fam
     them); pooled by rank, these are the pools vLLM's decoding builds over positions: past the indexer's budget
     (`selected` keys), the loss's steps 1 and 2 at position t are the chain a decoder drafts from t on its cache.
     GLM-5-Next's and MiniMax-M3's (blocks of keys, by rank) layers read the target's final state, Qwen4-Exp's its
-    streams."""
+    streams; Inkling's convolves the inputs of the entries it sees last (by rank: its own earlier steps' after step
+    0's), its relative bias and a local depth's window counted by rank too."""
     folder, model = targets(family)
     drafter = MTP.from_target(MTP.Config(ttt_steps=3), model, str(folder)).eval()
     length, t = 101, 90
@@ -1180,4 +1196,197 @@ def test_a_minimax_m3_releases_layer_trains_resumes_exports_and_decodes_lossless
     assert config["text_config"]["num_mtp_modules"] == 1
     text = {**config["text_config"], "architectures": config["architectures"]}
     assert written_shapes(vllm) == shipped_shapes(str(folder), text, LAYOUTS["MiniMaxM3SparseForConditionalGeneration"])
+    assert_exported_layer_decodes_losslessly(folder, vllm, tmp_path, small_data, tree=0)
+
+
+def inkling_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """vLLM's fused_sconv with its residual (nvidia/ops/sconv.py): x [T, C] convolved over the W taps ending at each
+    position, tap i at position t - (W - 1) + i weighed by weight[:, 0, i], none before position 0."""
+    width, out = weight.shape[-1], x.clone()
+    for t in range(x.shape[0]):
+        for i in range(width):
+            if t - (width - 1) + i >= 0:
+                out[t] += weight[:, 0, i] * x[t - (width - 1) + i]
+    return out
+
+
+def inkling_block(layer: dict, config: dict, x: torch.Tensor, local: bool) -> torch.Tensor:
+    """vLLM 0.32's InklingDecoderLayer as its MTP depth builds it (force_dense_mlp, no log scaling), written from
+    models/inkling/nvidia/model.py, attention.py, mlp.py and ops on one causal sequence x [T, H], reading the release's
+    tensors by name: attn_norm; wq_du, wk_dv, wv_dv, wr_du; the K and V convolutions before the per-head q and k
+    norms; scores q.k / head_dim plus the relative logits (r @ rel_logits_proj) at the distance back, none from the
+    extent on (the sliding window's for a local depth, which sees that many positions); wo_ud, its convolution and
+    the residual; mlp_norm, the interleaved w13_dn's SiLU(gate) * up, w2_md, global_scale, its convolution."""
+    eps, length = config["rms_norm_eps"], x.shape[0]
+    prefix = "swa_" if local else ""
+    heads, kv_heads = config[f"{prefix}num_attention_heads"], config[f"{prefix}num_key_value_heads"]
+    dim = config[f"{prefix}head_dim"]
+    a = rms(x, layer["attn_norm.weight"], eps, False)
+    q = (a @ layer["attn.wq_du.weight"].T).view(length, heads, dim)
+    k = inkling_conv(a @ layer["attn.wk_dv.weight"].T, layer["attn.k_sconv.weight"]).view(length, kv_heads, dim)
+    v = inkling_conv(a @ layer["attn.wv_dv.weight"].T, layer["attn.v_sconv.weight"]).view(length, kv_heads, dim)
+    r = (a @ layer["attn.wr_du.weight"].T).view(length, heads, -1)
+    q, k = rms(q, layer["attn.q_norm.weight"], eps, False), rms(k, layer["attn.k_norm.weight"], eps, False)
+    relative = torch.einsum("thd,de->hte", r, layer["attn.rel_logits_proj.proj"])
+    extent = relative.shape[-1]
+    distance = torch.arange(length)[:, None] - torch.arange(length)[None]
+    bias = relative.gather(-1, distance.clamp(0, extent - 1).expand(heads, -1, -1)).masked_fill(distance >= extent, 0)
+    group = heads // kv_heads
+    scores = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(group, 1)) / dim + bias
+    visible = (distance >= 0) & ((distance < config["sliding_window_size"]) if local else True)
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    attended = torch.einsum("hqk,khd->qhd", weights, v.repeat_interleave(group, 1)).reshape(length, -1)
+    h = x + inkling_conv(attended @ layer["attn.wo_ud.weight"].T, layer["attn_sconv.weight"])
+    m = rms(h, layer["mlp_norm.weight"], eps, False) @ layer["mlp.w13_dn.weight"].T
+    mixed = (torch.nn.functional.silu(m[:, 0::2]) * m[:, 1::2]) @ layer["mlp.w2_md.weight"].T
+    return h + inkling_conv(mixed * layer["mlp.global_scale"], layer["mlp_sconv.weight"])
+
+
+@pytest.mark.parametrize("family", [CONVOLVED, CONVOLVED + LOCAL])
+def test_one_inkling_draft_step_computes_vllms_formula_from_the_checkpoint(family, targets):
+    """Written from vLLM 0.32's InklingMTP (models/inkling/nvidia/mtp.py, ops/norm.py's embed_dual_rmsnorm_cat): the
+    target's embedding normed by its embed_norm (`use_embed_norm`), then by the depth's; the input [hidden_norm(f) |
+    embed_norm(e)] (hidden first), input_proj, the block (`transformer_block.*`: inkling_block, full attention or, for
+    a depth in mtp_config's local_layer_ids, its sliding window past the window here), chain_norm fed back, the logits
+    lm_head(chain_norm(pre)) / logits_mup_width_multiplier; read from the release's names under
+    `model.mtp.layers.0.` and `model.mtp.chain_norm`, nothing masked at position 0."""
+    folder, model = targets(family)
+    drafter = MTP.from_target(MTP.Config(), model, str(folder)).eval()
+    config, chosen = layout(folder)
+    shipped = read_layer(str(folder), config, chosen)
+    release = load_file(str(folder / "model.safetensors"))
+    eps, length, local = config["rms_norm_eps"], 60, family.endswith(LOCAL)
+    ids = torch.randint(3, 4000, (1, length), generator=torch.Generator().manual_seed(0))
+    features, positions = run_target(model, ids).final, torch.arange(length)[None]
+    assert config["use_embed_norm"] and torch.equal(
+        shipped["target_embed_norm.weight"], release["model.llm.embed_norm.weight"]
+    )
+    # the target's embed_norm as a trained one (a random target's is ones, and an RMS norm of ones twice is one)
+    target_norm = model.get_input_embeddings().embed_norm.weight
+    trained = 1 + torch.rand(target_norm.shape, generator=torch.Generator().manual_seed(1))
+    embedded = rms(release["model.llm.embed.weight"][ids], trained, eps, False)
+    normed = [
+        rms(features, shipped["hidden_norm.weight"], eps, False),
+        rms(embedded, shipped["embed_norm.weight"], eps, False),
+    ]
+    hidden = torch.cat(normed, -1) @ shipped["input_proj.weight"].T
+    block = {name.removeprefix("transformer_block."): t for name, t in shipped.items()}
+    with torch.no_grad():
+        pre = inkling_block(block, config, hidden[0], local)[None]
+        shipped_norm = target_norm.clone()
+        target_norm.copy_(trained)
+        fed = drafter.draft(ids, features, positions)
+        target_norm.copy_(shipped_norm)
+        out = rms(pre, release["model.mtp.chain_norm.weight"], eps, False)
+        logits = (out / config["logits_mup_width_multiplier"]) @ release["model.llm.unembed.weight"].T
+        theirs = drafter.top_tokens(fed[0, -1], 5)
+    assert (config["sliding_window_size"] < length) and (local == (drafter.block.self_attn.sliding_window is not None))
+    assert torch.allclose(fed, out, atol=1e-4)
+    assert torch.allclose(theirs[0], logits[0, -1].log_softmax(-1).topk(5).values, atol=1e-4)
+    assert theirs[1].tolist() == logits[0, -1].topk(5).indices.tolist()
+
+
+@pytest.mark.parametrize("family", [CONVOLVED, CONVOLVED + LOCAL])
+def test_an_inkling_block_on_the_drafters_masks_is_transformers_decoder_layer_on_a_causal_sequence(family, targets):
+    """Inkling's block runs its convolutions, relative bias and window on the drafter's explicit masks
+    (heads/mtp_convolved.py); on one causal sequence past the sliding window it is transformers' InklingDecoderLayer
+    (its eager attention, the one adding the relative bias), which reads them from the sequence's slots."""
+    from transformers.models.inkling.modeling_inkling import InklingDecoderLayer
+
+    folder, model = targets(family)
+    drafter = MTP.from_target(MTP.Config(), model, str(folder)).eval()
+    config = drafter.layer_config
+    config._attn_implementation = "eager"
+    layer = InklingDecoderLayer(config, 0).eval()
+    layer.load_state_dict(drafter.block.state_dict())
+    length = 70
+    hidden = torch.randn(2, length, config.hidden_size, generator=torch.Generator().manual_seed(4))
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    if family.endswith(LOCAL):
+        causal &= ~torch.ones(length, length, dtype=torch.bool).tril(-config.sliding_window_size)
+    additive = torch.zeros(length, length).masked_fill(~causal, float("-inf"))[None, None]
+    with torch.no_grad():
+        ours = drafter.block(
+            hidden, torch.ones(length, length, dtype=torch.bool).tril()[None, None].expand(2, 1, -1, -1)
+        )
+        theirs = layer(hidden, attention_mask=additive)
+    assert config.sliding_window_size < length and config.log_scaling_n_floor is None
+    assert torch.allclose(ours, theirs, atol=1e-5)
+
+
+def test_an_inkling_drafters_cache_cuts_its_convolutions_inputs_with_its_keys(targets):
+    """A rejected draft's entries are cut off the drafter's cache (EagleProposer.catch_up crops it): the
+    convolutions' inputs kept beside the keys go with them, so the committed tokens fed again compute what one forward
+    over the committed sequence does."""
+    folder, model = targets(CONVOLVED)
+    drafter = MTP.from_target(MTP.Config(), model, str(folder)).eval()
+    ids = torch.randint(3, 4000, (1, 31), generator=torch.Generator().manual_seed(7))
+    features = run_target(model, ids).final[:, :30]
+    with torch.no_grad():
+        whole = drafter.draft(ids[:, 1:], features, torch.arange(30)[None])
+        cache = drafter.new_cache()
+        drafter.draft(ids[:, 1:26], features[:, :25], torch.arange(25)[None], None, cache)
+        drafted = torch.ones(1, 1, 3, 28, dtype=torch.bool).tril(25)  # three draft entries, a chain
+        drafter.draft(ids[:, 26:29] + 1, features[:, 25:28], torch.arange(25, 28)[None], drafted, cache)
+        cache.crop(22 - 28)  # to the accepted prefix: the last three committed entries are fed again, as catch_up does
+        again = torch.ones(1, 1, 8, 30, dtype=torch.bool).tril(22)
+        fed = drafter.draft(ids[:, 23:31], features[:, 22:30], torch.arange(22, 30)[None], again, cache)
+    assert cache.get_seq_length() == 30
+    assert torch.allclose(fed, whole[:, 22:], atol=1e-5)
+
+
+def test_an_inkling_layer_exports_under_the_releases_names_with_its_config(targets, tmp_path):
+    """The folder: the release's config.json as shipped (vLLM maps its model_type inkling_mm_model to inkling_mtp,
+    reading `mtp_config`) with one depth in its mtp_config and in the text_config's copy transformers reads, the layer
+    under exactly the shipped names and shapes (`model.mtp.layers.0.*`, the block's under `transformer_block.` in the
+    release's fused names, `model.mtp.chain_norm`), and the target's `model.llm.embed_norm`, which vLLM's InklingMTP
+    loads from the drafter's folder (its backbone_embed_norm) and would otherwise leave unset; read back alike."""
+    config, shipped, repo = exported_and_read_back(CONVOLVED, targets, tmp_path)
+    outside = {
+        "chain_norm.weight": "model.mtp.chain_norm.weight",
+        "target_embed_norm.weight": "model.llm.embed_norm.weight",
+    }
+    assert set(repo.tensors) == {outside.get(name, f"model.mtp.layers.0.{name}") for name in shipped}
+    assert "model.mtp.layers.0.transformer_block.attn.wq_du.weight" in repo.tensors
+    assert "model.mtp.layers.0.transformer_block.mlp.w13_dn.weight" in repo.tensors
+    release = json.loads((targets(CONVOLVED)[0] / "config.json").read_text())
+    assert release["mtp_config"]["num_nextn_predict_layers"] == 1 and release["text_config"]["use_embed_norm"]
+    assert repo.config == {**release, "mtp_config": {**release["mtp_config"], "num_nextn_predict_layers": 1}}
+    assert exporter_for("mtp").recognises(repo.config, repo.tensors)
+
+
+@pytest.mark.parametrize(
+    "fields, refused",
+    [
+        ({"num_nextn_predict_layers": 2}, r"ships 2 MTP depths \(mtp_config.num_nextn_predict_layers\), which vLLM"),
+        ({"chain_hidden_post_norm": False}, r"no chain norm \(mtp_config.chain_hidden_post_norm is not true\)"),
+        ({"local_layer_ids": [0]}, r"text_config.mtp_local_layer_ids and mtp_config.local_layer_ids disagree"),
+    ],
+)
+def test_an_inkling_release_asking_for_another_mtp_layer_is_refused_in_one_line(fields, refused, targets, tmp_path):
+    """Per-step depths (vLLM 0.32 runs depth i at draft step i; draftsmith trains one layer run at every step), no
+    chain norm, or a text_config whose depth 0 attends otherwise than the mtp_config vLLM reads: refused before
+    anything loads."""
+    folder, _ = targets(CONVOLVED)
+    copy = Path(shutil.copytree(folder, tmp_path / "release"))
+    config = json.loads((copy / "config.json").read_text())
+    config["mtp_config"] |= fields
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=refused) as err:
+        MTP.Config().check(local_target_shape(str(copy)))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_an_inkling_releases_layer_trains_resumes_exports_and_decodes_losslessly_through_the_entry_points(
+    tmp_path, small_data, token_cache, capsys
+):
+    """`recipe=mtp` on an Inkling release folder (the wrapper, draftsmith runs its language model): it trains,
+    resumes, exports under the release's names and shapes, and draftsmith's eval, reading the folder back, decodes
+    losslessly (chains: the target's convolutions verify no tree)."""
+    folder, vllm = trained_resumed_and_exported(CONVOLVED, tmp_path, small_data, token_cache, capsys)
+    config = json.loads((vllm / "config.json").read_text())
+    assert config["mtp_config"]["num_nextn_predict_layers"] == 1 == config["text_config"]["num_mtp_layers"]
+    text = {**config["text_config"], "architectures": config["architectures"]}
+    assert written_shapes(vllm) == shipped_shapes(str(folder), text, LAYOUTS["InklingForConditionalGeneration"])
     assert_exported_layer_decodes_losslessly(folder, vllm, tmp_path, small_data, tree=0)
