@@ -2,14 +2,16 @@
 exported in vLLM 0.32's `Gemma4DSparkModel` layout (formats/dspark_gemma4.py): one layer computes what vLLM's
 Gemma4DSparkDecoderLayer computes (a reference written from vLLM's source, on weights read back from the folder);
 a teacher-forced block is the decoding block and greedy speculative decoding is plain greedy; the folder is vLLM's
-layout and reads back into the same drafter; what vLLM's layout cannot build is refused in one line; and vLLM's own
-code (its speculative config, its Gemma-4 DSpark model's load_weights and modules, run on a CPU without an engine)
-takes the folder and computes the drafter's block outputs."""
+layout and reads back into the same drafter; through the entry points it trains, resumes, exports and decodes from
+the folder losslessly; what vLLM's layout cannot build is refused in one line; and vLLM's own code (its speculative
+config, its Gemma-4 DSpark model's load_weights and modules, run on a CPU without an engine) takes the folder and
+computes the drafter's block outputs."""
 
 from __future__ import annotations
 
 import copy
 import json
+import shutil
 import subprocess
 
 import pytest
@@ -27,8 +29,10 @@ from tests.helpers import (
     DEMO,
     assert_greedy_equals_plain,
     assert_one_line_error,
+    first_records,
     fitted_eagle,
     greedy_text,
+    read_log,
     run_entry_in_process,
     save_drafter,
 )
@@ -193,6 +197,55 @@ def test_gemma4_layers_train_draft_their_training_block_and_decode_losslessly():
             torch.testing.assert_close(trained, decoded, rtol=1e-4, atol=1e-4)
     rows = torch.randint(3, 32, (3, 17), generator=torch.Generator().manual_seed(1))
     assert_greedy_equals_plain(model, drafter, [row[:n].tolist() for row, n in zip(rows, (5, 11, 17))], None)
+
+
+@pytest.mark.slow
+def test_train_resume_export_and_eval_of_the_folder_through_the_entry_points(
+    target, tmp_path, small_data, token_cache, capsys
+):
+    """`train.py recipe=dspark drafter.layer_family=gemma4_text` on the bundled Gemma-4 target trains and saves; a run
+    stopped after its first checkpoint resumes from it and continues (the resumed steps' losses are the first run's,
+    not a fresh start's); `python -m export` writes vLLM's Gemma4DSparkModel folder; and `python -m eval` with that
+    folder as its checkpoint reads it back through formats/dspark.py and decodes as plain greedy does (drafts accepted
+    and rejected)."""
+    run = tmp_path / "run"
+    args = [
+        "recipe=dspark", f"target.name_or_path={TARGET}", *(f"drafter.{key}={value}" for key, value in LAYERS.items()),
+        "drafter.anchors=8", "drafter.markov_rank=16", f"data.train=[{small_data['train']}]", "data.eval=[]",
+        f"data.cache_dir={token_cache}", "data.max_length=64", "train.max_steps=16", "train.save_every=8",
+        "train.lr=3e-3", "train.micro_batch_size=2", "train.warmup_steps=0", "train.log_every=1", "eval.enabled=false",
+        f"output_dir={run}",
+    ]  # fmt: skip
+    assert run_entry_in_process(["train.py", *args], capsys).returncode == 0
+    first = read_log(run)
+    shutil.rmtree(run / "checkpoints" / "step_0000016")  # as if stopped after step 8: the resume trains 9..16
+    shutil.rmtree(run / "final")
+    resumed = run_entry_in_process(["train.py", *args, "train.resume=true"], capsys)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stderr and "step_0000008 at step 8" in resumed.stderr
+    losses = [(read_log(run)[step]["train/loss"], first[step]["train/loss"]) for step in (9, 16)]
+    assert all(again == pytest.approx(before, rel=1e-3) for again, before in losses), losses
+    state = json.loads((run / "checkpoints" / "step_0000016" / "trainer_state.json").read_text())
+    assert state["step"] == 16 and state["batch_in_epoch"] == 16, state  # the data's position carried on too
+
+    export = ["-m", "export", *args, f"checkpoint={run / 'final'}", f"export.output={tmp_path / 'export'}",
+              "export.engines=[vllm]"]  # fmt: skip
+    assert run_entry_in_process(export, capsys).returncode == 0
+    folder = tmp_path / "export" / "vllm"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == [ARCHITECTURE] and config["dspark_target_layer_ids"] == [0]
+    back = read_folder(folder, target).state_dict()
+    assert all(torch.equal(back[name], t) for name, t in load_file(str(run / "final" / "model.safetensors")).items())
+
+    prompt = first_records(small_data["eval"], tmp_path / "eval.jsonl", 2)
+    quick = [f"eval.data=[{prompt}]", "eval.max_new_tokens=24", "eval.ngram_baseline=false", "eval.tree=0"]
+    # no drafter.* keys: an engine folder is read with the settings its format records (others are refused)
+    plain = [arg for arg in args if not arg.startswith("drafter.")]
+    evaluated = run_entry_in_process(["-m", "eval", *plain, f"checkpoint={folder}", *quick], capsys)
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]  # 3: a row's tokens differ from plain greedy's
+    report = json.loads((run / "eval" / "report.json").read_text())
+    assert report["drafter"]["path"] == str(folder) and report["drafter"]["config"]["layer_family"] == "gemma4_text"
+    chain = report["domains"]["all"]["chain"]
+    assert chain["lossless"] and chain["prompts"] == 2 and 0 < chain["accepted"] < chain["drafted"], chain
 
 
 # Run in vLLM's environment: its speculative config for the folder, and its Gemma-4 DSpark model built on the CPU (one
