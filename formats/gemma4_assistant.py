@@ -2,7 +2,8 @@
 
 vLLM 0.32 serves a Gemma-4 target's assistant from a folder in the released assistant's own format: the
 config transformers writes for a `Gemma4AssistantForCausalLM` (model_type gemma4_assistant, which vLLM maps
-to its gemma4_mtp model) and the tensors transformers' saver writes for it (`pre_projection`,
+to its gemma4_mtp model; for a Gemma-4 Unified target its `Gemma4UnifiedAssistantForCausalLM`, gemma4_unified_assistant,
+which vLLM maps alike) and the tensors transformers' saver writes for it (`pre_projection`,
 `model.layers.*`, `model.norm`, `post_projection`, the vocabulary table as `model.embed_tokens`, to which
 vLLM ties its lm_head; the centroids where the assistant has them), and where the drafter started from a
 released assistant, that assistant's generation_config.json (vLLM's gemma4_mtp never drafts its
@@ -29,13 +30,8 @@ from draftsmith.files import write_json
 from draftsmith.formats import Exporter, Source, register
 from draftsmith.formats.repo import VLLM_SERVE, EngineRepo
 from draftsmith.heads.base import WEIGHTS_NAME
-from draftsmith.heads.gemma4_assistant import (
-    ASSISTANT_MODEL_TYPE,
-    GENERATION,
-    OWN_TABLE,
-    RELEASED_TABLE,
-    Gemma4Assistant,
-)
+from draftsmith.heads.gemma4_assistant import GENERATION, OWN_TABLE, RELEASED_TABLE, Gemma4Assistant
+from draftsmith.heads.gemma4_assistant_config import ASSISTANTS
 
 SETTINGS = ("ttt_steps", "ttt_decay")  # training settings the engine does not carry
 ORDERED_ON_CPU = (
@@ -60,11 +56,9 @@ class AssistantExporter(Exporter):
     sglang_reason = "draftsmith has not verified SGLang's loader for Gemma-4's assistant; export for vllm"
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
-        from transformers import Gemma4AssistantForCausalLM
-
         drafter = source.drafter
         config = drafter.assistant.config
-        released = Gemma4AssistantForCausalLM(config)  # the released layout of this config, tied
+        released = type(drafter.assistant)(config)  # the released layout of this config (its own class), tied
         own = {name: tensor for name, tensor in drafter.assistant.state_dict().items() if name != OWN_TABLE}
         table = drafter.assistant.lm_head.weight
         released.load_state_dict({**own, RELEASED_TABLE: table, OWN_TABLE: table}, strict=True)
@@ -73,7 +67,7 @@ class AssistantExporter(Exporter):
         expected = {name: tuple(t.shape) for name, t in tensors.items()}
         generation = drafter.config.decoder.get(GENERATION)
         conventions = {
-            "config": "the assistant's own config (gemma4_assistant): vLLM builds its gemma4_mtp model from it",
+            "config": f"the assistant's own config ({config.model_type}): vLLM builds its gemma4_mtp model from it",
             "weights": f"the released assistant's names; its vocabulary table as {RELEASED_TABLE} (vLLM ties lm_head)",
             "shared": "the input embedding is the target's, scaled by sqrt(hidden) (vLLM shares it; not in the folder)",
             "kv": (
@@ -96,7 +90,7 @@ class AssistantExporter(Exporter):
         )  # fmt: skip
 
     def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
-        return config.get("model_type") == ASSISTANT_MODEL_TYPE
+        return config.get("model_type") in ASSISTANTS.values()
 
     def read(
         self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]

@@ -40,7 +40,7 @@ VLLM_IMPORTS_TORCHVISION = (
     "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoeForConditionalGeneration", "Glm5NextForCausalLM", "Glm5NextForConditionalGeneration",
     "Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration", "MiniMaxM3SparseForCausalLM",
-    "MiniMaxM3SparseForConditionalGeneration",
+    "MiniMaxM3SparseForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration",
 )  # fmt: skip
 
 

@@ -1,6 +1,7 @@
 """Gemma-4's assistant: the small model Google releases beside each Gemma-4 target for multi-token
 prediction (transformers' `gemma4_assistant`, vLLM 0.32's `gemma4_mtp`, served as `"method": "mtp"`),
-trained or fine-tuned as the drafter.
+trained or fine-tuned as the drafter. For a Gemma-4 Unified target it is that family's own assistant class
+(`gemma4_unified_assistant`: the same module over the unified layers, which compute the same; vLLM maps it alike).
 
 It is not a layer of the target's checkpoint (the `mtp` kind) but a decoder of its own whose attention
 layers hold queries only: each reads the keys and values the target cached in its last non-KV-shared
@@ -49,7 +50,7 @@ from draftsmith.errors import UserError
 from draftsmith.families import within_window
 from draftsmith.heads import register
 from draftsmith.heads.base import Drafter, FlopProfile
-from draftsmith.heads.gemma4_assistant_config import ASSISTANT_MODEL_TYPE, AssistantConfig
+from draftsmith.heads.gemma4_assistant_config import ASSISTANTS, AssistantConfig
 from draftsmith.heads.packing import documents, positions, shifted
 from draftsmith.heads.proposer import DraftState, DraftTree, Proposer, Tree
 from draftsmith.heads.vocab_loss import chunk_rows_for, steps_ahead_loss
@@ -65,6 +66,9 @@ GENERATION = "generation_config"
 # Keys of the target's text config an assistant does not take over (the assistant's config class refuses
 # per-layer inputs, experts and double-wide MLPs; its layers share every key and value).
 NOT_INHERITED = ("architectures", "model_type", "transformers_version", "dtype", "num_kv_shared_layers")
+# The per-layer inputs and experts an assistant goes without, set off where the target's family has them (a family
+# without them, Gemma-4 Unified, has no such fields at all).
+OFF_IN_ASSISTANT = {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0, "enable_moe_block": False}
 
 
 def store_layers(values: dict) -> dict[str, int]:
@@ -89,8 +93,9 @@ def store_layers(values: dict) -> dict[str, int]:
 def assistant_config(text_config, config: AssistantConfig) -> dict[str, Any]:
     """A fresh assistant's transformers config (dict form) for a target's text config: its text config at the
     target's shape (or `hidden_width`/`mlp_width`), `num_layers` layers, each with the head shape of
-    the target layer it reads."""
-    from transformers import Gemma4AssistantConfig, Gemma4TextConfig
+    the target layer it reads; the assistant's model type is the one transformers has for the target's family,
+    its text config of the target's own type."""
+    from transformers import AutoConfig
 
     target = text_config.to_dict()
     stores = store_layers(target)
@@ -99,33 +104,39 @@ def assistant_config(text_config, config: AssistantConfig) -> dict[str, Any]:
     per_layer = target.get("per_layer_config") or {}  # a layer's own head shape (Gemma-4's wider full layers)
     read = {str(i): str(stores[kind]) for i, kind in enumerate(kinds)}  # assistant layer -> the target layer it reads
     text = {key: value for key, value in target.items() if key not in NOT_INHERITED}
+    text.update({key: value for key, value in OFF_IN_ASSISTANT.items() if key in target})
     text.update(
-        num_hidden_layers=layers, layer_types=kinds, num_kv_shared_layers=layers,
-        hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, enable_moe_block=False, use_double_wide_mlp=False,
+        num_hidden_layers=layers, layer_types=kinds, num_kv_shared_layers=layers, use_double_wide_mlp=False,
         per_layer_config={mine: per_layer[theirs] for mine, theirs in read.items() if theirs in per_layer},
         hidden_size=config.hidden_width or target["hidden_size"],
         intermediate_size=config.mlp_width or target["intermediate_size"],
     )  # fmt: skip
-    made = Gemma4AssistantConfig(text_config=Gemma4TextConfig(**text), backbone_hidden_size=target["hidden_size"])
+    family = target["model_type"]
+    own = AutoConfig.for_model(family, **text)
+    made = AutoConfig.for_model(ASSISTANTS[family], text_config=own, backbone_hidden_size=target["hidden_size"])
     made.architectures = [type(made).__name__.replace("Config", "ForCausalLM")]
     return made.to_dict()
 
 
-def load_released(name_or_path: str, target_width: int):
+def load_released(name_or_path: str, text_config):
     """A released assistant (a folder, or a Hub id), loaded by transformers; one line where it is not one for a
-    target of this width."""
-    from transformers import AutoConfig, Gemma4AssistantForCausalLM
+    target of this family (`text_config`: the target's) and width."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     key = f"drafter.released_assistant={name_or_path!r}"
     config = read_pretrained(AutoConfig.from_pretrained, name_or_path, f"cannot load {key}")
-    if config.model_type != ASSISTANT_MODEL_TYPE:
-        raise UserError(f"{key} is a {config.model_type} model, not Gemma-4's assistant")
-    if config.backbone_hidden_size != target_width:
+    wanted = ASSISTANTS[text_config.model_type]
+    if config.model_type != wanted:
         raise UserError(
-            f"{key} drafts for a target of width {config.backbone_hidden_size}; this target's is {target_width}"
+            f"{key} is a {config.model_type} model, not the assistant of a {text_config.model_type} target ({wanted})"
+        )
+    if config.backbone_hidden_size != text_config.hidden_size:
+        raise UserError(
+            f"{key} drafts for a target of width {config.backbone_hidden_size}; this target's is "
+            f"{text_config.hidden_size}"
         )
     return read_pretrained(
-        Gemma4AssistantForCausalLM.from_pretrained,
+        AutoModelForCausalLM.from_pretrained,
         name_or_path,
         f"cannot load {key}",
         dtype=torch.float32,
@@ -146,9 +157,10 @@ class Gemma4Assistant(Drafter):
             raise UserError(
                 f"a {self.type} drafter is built for a target: use from_target (drafter.decoder is filled there)"
             )
-        from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
+        from transformers import CONFIG_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING
 
-        hf_config = Gemma4AssistantConfig.from_dict(config.decoder["assistant"])
+        values = config.decoder["assistant"]  # its model type: Gemma-4's assistant, or its unified target's
+        hf_config = CONFIG_MAPPING[values["model_type"]].from_dict(values)
         if not hf_config.tie_word_embeddings:
             raise UserError(
                 "drafter.type=gemma4_assistant: this assistant's lm_head is untied from its embedding table "
@@ -156,7 +168,7 @@ class Gemma4Assistant(Drafter):
             )
         hf_config._attn_implementation = "sdpa"
         hf_config.text_config._attn_implementation = "sdpa"
-        self.assistant = Gemma4AssistantForCausalLM(hf_config)
+        self.assistant = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)](hf_config)
         # Its embedding table is its lm_head (tied); the input embedding is the target's (module docstring).
         self.assistant.model.embed_tokens = None
         if self.assistant.masked_embedding is not None:  # the centroids stay as released (module docstring)
@@ -199,7 +211,7 @@ class Gemma4Assistant(Drafter):
         shape = TargetShape.of(target_model, name_or_path)
         config.check(shape)
         start = config.released_assistant
-        released = None if start is None else load_released(start, text.hidden_size)
+        released = None if start is None else load_released(start, text)
         values = assistant_config(text, config) if released is None else released.config.to_dict()
         own = values["text_config"]
         sizes = {"num_layers": own["num_hidden_layers"], "hidden_width": own["hidden_size"],
@@ -270,7 +282,8 @@ class Gemma4Assistant(Drafter):
         rope = {kind: model.rotary_emb(x, places, kind) for kind in set(self.kinds)}
         kv = {kind: (k.to(x.dtype), v.to(x.dtype)) for kind, (k, v) in shared.items()}
         for kind, layer in zip(self.kinds, model.layers):
-            x = layer(x, None, shared_kv_states=kv, position_embeddings=rope[kind], attention_mask=masks[kind],
+            # by keyword: a Gemma-4 layer's second argument is its per-layer input (none here), a unified one's is not
+            x = layer(x, shared_kv_states=kv, position_embeddings=rope[kind], attention_mask=masks[kind],
                       position_ids=places)  # fmt: skip
         normed = model.norm(x)
         return normed, assistant.post_projection(normed)

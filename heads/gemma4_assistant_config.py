@@ -12,9 +12,12 @@ from draftsmith.heads.config import DrafterConfig, check_steps_ahead
 if TYPE_CHECKING:
     from draftsmith.target import TargetShape
 
-# The target text models whose KV cache an assistant reads (transformers' model_type), and the assistant's.
-TARGET_MODEL_TYPES = ("gemma4_text",)
-ASSISTANT_MODEL_TYPE = "gemma4_assistant"
+# The target text models whose KV cache an assistant reads (transformers' model_type), each with its assistant's
+# model type: transformers builds each its own assistant class (the unified one's layers are its target's), and vLLM
+# 0.32's speculative config maps both to one gemma4_mtp model.
+ASSISTANTS = {"gemma4_text": "gemma4_assistant", "gemma4_unified_text": "gemma4_unified_assistant"}
+TARGET_MODEL_TYPES = tuple(ASSISTANTS)
+ASSISTANT_MODEL_TYPE = "gemma4_assistant"  # the kind's name, and Gemma-4's assistant's model type
 
 
 @register_config

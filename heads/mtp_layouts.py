@@ -167,7 +167,13 @@ UNSERVED = {
 # checkpoint: Gemma-4's assistant (transformers' gemma4_assistant, vLLM 0.32's gemma4_mtp) is a small
 # decoder whose layers hold queries only and attend to the target's own KV cache.
 GEMMA4_ASSISTANT = "an assistant model: transformers' gemma4_assistant, vLLM's gemma4_mtp"
-SEPARATE_MODEL = {"Gemma4ForCausalLM": GEMMA4_ASSISTANT, "Gemma4ForConditionalGeneration": GEMMA4_ASSISTANT}
+UNIFIED_ASSISTANT = "an assistant model: transformers' gemma4_unified_assistant, vLLM's gemma4_mtp"
+SEPARATE_MODEL = {
+    "Gemma4ForCausalLM": GEMMA4_ASSISTANT,
+    "Gemma4ForConditionalGeneration": GEMMA4_ASSISTANT,
+    "Gemma4UnifiedForCausalLM": UNIFIED_ASSISTANT,
+    "Gemma4UnifiedForConditionalGeneration": UNIFIED_ASSISTANT,
+}
 
 
 def layout_of(config: dict) -> Layout:

@@ -53,7 +53,7 @@ FAMILIES = (
     "llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2", "gemma3_text", "phi3", "gpt_oss",
     "glm4", "cohere", "granite", "qwen3_next", "qwen3_5_text", "deepseek_v3", "glm4_moe", "glm4_moe_lite",
     "minimax_m2", "gemma4_text", "deepseek_v32", "deepseek_v4", "glm_moe_dsa", "glm5_next", "qwen4_exp", "hy_v4",
-    "minimax_m3_vl", "dots3_note", "inkling_text",
+    "minimax_m3_vl", "dots3_note", "inkling_text", "gemma4_unified_text",
 )  # fmt: skip
 # experts; scaled embedding and (1+w) norms; fused projections; sinks, a hybrid window and experts; LayerNorm with a
 # parallel block; linear attention; latent attention with grouped, bias-corrected routing
@@ -660,19 +660,20 @@ def test_no_target_family_is_named_in_product_code():
     (formats/versions.py's VLLM_IMPORTS_TORCHVISION) or in the tables of how vLLM serves each architecture's own
     MTP layer (heads/mtp_layouts.py's LAYOUTS and UNSERVED: the checkpoint layout no config field names, and
     SEPARATE_MODEL: an architecture whose MTP is a model of its own), or as the targets whose cache Gemma-4's
-    assistant reads and the assistant's own model type (heads/gemma4_assistant.py), never in a branch of its own."""
+    assistant reads and each one's assistant model type (heads/gemma4_assistant_config.py's ASSISTANTS), never in a
+    branch of its own."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from draftsmith.families import DRAFT_LAYER_FAMILIES
     from draftsmith.formats.repo import VLLM_NO_STATE_CAPTURE
     from draftsmith.formats.versions import VLLM_IMPORTS_TORCHVISION
-    from draftsmith.heads.gemma4_assistant_config import ASSISTANT_MODEL_TYPE, TARGET_MODEL_TYPES
+    from draftsmith.heads.gemma4_assistant_config import ASSISTANT_MODEL_TYPE, ASSISTANTS
     from draftsmith.heads.mtp_layouts import LAYOUTS, SEPARATE_MODEL, UNSERVED
 
     tables = {
         "heads/gemma4_assistant.py": {ASSISTANT_MODEL_TYPE},  # the kind's name, the assistant's model type
-        "heads/gemma4_assistant_config.py": {*TARGET_MODEL_TYPES, ASSISTANT_MODEL_TYPE},
+        "heads/gemma4_assistant_config.py": {*ASSISTANTS, *ASSISTANTS.values()},
         "formats/repo.py": set(VLLM_NO_STATE_CAPTURE),
         "formats/versions.py": set(VLLM_IMPORTS_TORCHVISION),
         "heads/mtp_layouts.py": {*LAYOUTS, *UNSERVED, *SEPARATE_MODEL},

@@ -136,13 +136,14 @@ def test_a_released_assistant_not_in_the_cache_offline_says_so(monkeypatch, tmp_
     """`drafter.released_assistant=org/assistant` with HF_HUB_OFFLINE=1 said "We couldn't connect to
     'https://huggingface.co'", which it never tried."""
     import huggingface_hub.constants as constants
+    from transformers import Gemma4TextConfig
 
     from draftsmith.heads.gemma4_assistant import load_released
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
     with pytest.raises(UserError) as err:
-        load_released("acme/assistant", 64)
+        load_released("acme/assistant", Gemma4TextConfig(hidden_size=64))
     code, line = outcome(err.value)
     assert code == 2 and line.startswith("error: cannot load drafter.released_assistant='acme/assistant': not in")
     assert "HF_HUB_OFFLINE=1 forbids downloading it: download it once with a network, or give a local folder" in line
