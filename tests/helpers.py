@@ -360,6 +360,23 @@ def built_once(tmp_path_factory, name: str):
 
 
 # -- tiny targets and drafters with known behaviour (the draft-verify loop) -----------------------
+def saved_release(release, directory: Path, std: float) -> Path:
+    """A tiny release folder: `release` (a release's class built from its config) with every matrix weight drawn from
+    N(0, std), saved with the demo tokenizer's files."""
+    from draftsmith.random_target import RANDOM_TARGET_TOKENIZER_FILES, demo_tokenizer_dir
+
+    with torch.no_grad():
+        for parameter in release.parameters():
+            if parameter.dim() >= 2:
+                parameter.normal_(0.0, std)
+    release.save_pretrained(directory)
+    source = demo_tokenizer_dir()
+    for name in RANDOM_TARGET_TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, directory / name)
+    return directory
+
+
 def tiny_llama(
     vocab: int = 96, hidden: int = 48, layers: int = 2, seed: int = 0, attn: str = "sdpa", logit_scale: float = 1.0
 ):

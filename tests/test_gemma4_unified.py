@@ -11,7 +11,6 @@ The family's per-family tests (taps, masks, caches, trees, EAGLE-3) are tests/te
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -24,11 +23,11 @@ from draftsmith.eval.loop import generate, generate_batch
 from draftsmith.heads import drafter_class
 from draftsmith.heads.gemma4_assistant import FULL, SLIDING
 from draftsmith.heads.proposer import DraftState
-from draftsmith.random_target import RANDOM_TARGET_TOKENIZER_FILES, build_model, demo_tokenizer_dir
+from draftsmith.random_target import build_model, demo_tokenizer_dir
 from draftsmith.recipe import load_recipe
 from draftsmith.target import FeatureRequest, TargetShape, load_target, loaded_config, run_target
 from draftsmith.tiny_config import build_config
-from tests.helpers import assert_tree_forward_equals_path_forwards, run_entry_in_process
+from tests.helpers import assert_tree_forward_equals_path_forwards, run_entry_in_process, saved_release
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -55,15 +54,7 @@ def write_release(directory: Path, std: float = 0.1) -> Path:
     config = AutoConfig.for_model("gemma4_unified", text_config=text.to_dict(), vision_config=vision)
     torch.manual_seed(0)
     release = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for parameter in release.parameters():
-            if parameter.dim() >= 2:
-                parameter.normal_(0.0, std)
-    release.save_pretrained(directory)
-    for name in RANDOM_TARGET_TOKENIZER_FILES:
-        if (source / name).is_file():
-            shutil.copyfile(source / name, directory / name)
-    return directory
+    return saved_release(release, directory, std)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import torch
 from draftsmith.random_target import RANDOM_TARGET_TOKENIZER_FILES, demo_tokenizer_dir
 from draftsmith.target import FeatureRequest, load_target, loaded_config, run_target
 from draftsmith.tiny_config import build_config
-from tests.helpers import assert_one_line_error, run_entry_in_process, train_args, train_in_process
+from tests.helpers import assert_one_line_error, run_entry_in_process, saved_release, train_args, train_in_process
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,15 +52,7 @@ def write_release(model_type: str, directory: Path, std: float = 0.2, **shape) -
     config = AutoConfig.for_model(model_type, text_config=text.to_dict(), **towers)
     torch.manual_seed(0)
     release = AutoModelForImageTextToText.from_config(config)
-    with torch.no_grad():
-        for parameter in release.parameters():
-            if parameter.dim() >= 2:
-                parameter.normal_(0.0, std)
-    release.save_pretrained(directory)
-    for name in RANDOM_TARGET_TOKENIZER_FILES:
-        if (source / name).is_file():
-            shutil.copyfile(source / name, directory / name)
-    return directory
+    return saved_release(release, directory, std)
 
 
 @pytest.mark.parametrize(
