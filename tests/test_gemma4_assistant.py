@@ -42,7 +42,8 @@ def target(tmp_path_factory):
     """A tiny Gemma-4 with the quirks an assistant meets: per-layer inputs, wider heads on its full-attention
     layers, and KV-shared last layers (so the layers it reads are not the last of their kind); trained 30 steps on
     the demo's conversations (37 s), since seeded alone it repeats a token or two (target_variety 0.036 -> 0.483),
-    and drafts of a repetition check nothing."""
+    and drafts of a repetition check nothing. Its tests are in the slow tier: the training outlasts the fast tier's
+    budget (tests/test_gemma4_unified.py checks the assistant's computations there, on an untrained target)."""
     from transformers import AutoModelForCausalLM
 
     kinds = [SLIDING, SLIDING, FULL, SLIDING, SLIDING, FULL]
@@ -66,6 +67,7 @@ def sharpened(target) -> object:
     return drafter.eval()
 
 
+@pytest.mark.slow  # the trained target's fixture (`target`)
 def test_it_reads_the_layers_transformers_stores_and_recomputes_their_keys_and_values_exactly(target):
     model, _ = target
     modes = model.config.kv_sharing_modes
@@ -98,6 +100,7 @@ def reference_chain(model, assistant, tokens: list[int], gamma: int) -> list[int
     return drafted
 
 
+@pytest.mark.slow  # the trained target's fixture (`target`)
 def test_its_chains_are_transformers_assistants_as_vllm_drafts_them_as_the_sequence_grows(target):
     """Proposals after commits of 0 to 3 drafted tokens, past the sliding window, from keys and values it keeps
     and cuts back between proposals, equal transformers' assistant module over the whole committed sequence."""
@@ -127,6 +130,7 @@ def test_its_chains_are_transformers_assistants_as_vllm_drafts_them_as_the_seque
     assert len({tuple(reference_chain(model, reference, sequence[:n], 3)) for n in (9, 13, 62)}) == 3
 
 
+@pytest.mark.slow  # the trained target's fixture (`target`)
 def test_a_released_assistant_restricted_by_centroids_is_read_drafts_as_released_and_exports_its_own_layout(
     target, tmp_path, capsys
 ):
@@ -191,6 +195,7 @@ def test_a_released_assistant_restricted_by_centroids_is_read_drafts_as_released
     assert not output.exists()
 
 
+@pytest.mark.slow  # the trained target's fixture (`target`)
 def test_a_released_assistants_suppressed_tokens_are_never_drafted_and_its_generation_config_is_exported(
     target, tmp_path, capsys
 ):
@@ -232,6 +237,7 @@ def test_a_released_assistants_suppressed_tokens_are_never_drafted_and_its_gener
     assert open_drafter(folder, TargetShape.of(model, name), model).suppressed == sorted(drafted)
 
 
+@pytest.mark.slow  # the trained target's fixture (`target`)
 def test_one_step_trains_it_and_it_decodes_losslessly_alone_and_in_a_batch(target):
     model, _ = target
     drafter = sharpened(target).train()
