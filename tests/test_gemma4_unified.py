@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from draftsmith.errors import UserError
 from draftsmith.eval.loop import generate, generate_batch
@@ -24,10 +23,10 @@ from draftsmith.heads import drafter_class
 from draftsmith.heads.gemma4_assistant import FULL, SLIDING
 from draftsmith.heads.proposer import DraftState
 from draftsmith.random_target import build_model, demo_tokenizer_dir
-from draftsmith.recipe import load_recipe
 from draftsmith.target import FeatureRequest, TargetShape, load_target, loaded_config, run_target
 from draftsmith.tiny_config import build_config
 from tests.helpers import assert_tree_forward_equals_path_forwards, run_entry_in_process, saved_release
+from tests.test_gemma4_assistant import sharpened  # the same fresh assistant, for this target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -61,19 +60,6 @@ def write_release(directory: Path, std: float = 0.1) -> Path:
 def target(tmp_path_factory):
     folder = write_release(tmp_path_factory.mktemp("gemma4_unified") / "release")
     return load_target(str(folder)), str(folder)
-
-
-def sharpened(target):
-    """A fresh assistant for `target` as the recipe configures it, with weights large enough that its drafts differ
-    from step to step."""
-    model, name = target
-    drafter = KIND.from_target(OmegaConf.to_object(load_recipe(["recipe=gemma4_assistant"]).drafter), model, name)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for parameter in drafter.parameters():
-            if parameter.dim() >= 2:
-                parameter.normal_(0.0, 0.1)
-    return drafter.eval()
 
 
 def random_prompt(length: int, seed: int) -> list[int]:
