@@ -35,7 +35,7 @@ VLLM_PYTHON_KEY = "export.vllm_python"  # the recipe key of the vLLM the export 
 # package, the text-only class's too: measured, from vllm/transformers_utils/processors/minimax_m3.py), at module level,
 # which imports torchvision: the engine's environment needs a torchvision built for its torch. pip's torchvision
 # wheels are CUDA builds, which do not load with the CPU build of torch (`operator torchvision::nms does not exist`):
-# a CPU install takes the CPU wheel (download.pytorch.org/whl/cpu) or one built from source.
+# a CPU install takes the CPU wheel (download.pytorch.org/whl/cpu).
 VLLM_IMPORTS_TORCHVISION = (
     "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoeForConditionalGeneration", "Glm5NextForCausalLM", "Glm5NextForConditionalGeneration",
