@@ -2,12 +2,13 @@
 
 vLLM builds an MTP drafter from a folder holding the *target's* config.json (its architecture, which vLLM
 maps to its `<family>_mtp` model: DeepSeek-V3 to deepseek_mtp, DeepSeek-V3.2 to DeepseekV32MTP, DeepSeek-V4 to
-DeepSeekV4MTP, GLM-4.5 to glm4_moe_mtp, GLM-5-Next to Glm5NextMTP, HY-V4 to HYV4MTP, Inkling to InklingMTP, MiniMax-M3
-to MiniMaxM3MTP, Qwen3-Next to qwen3_next_mtp, Qwen3.5 to qwen3_5_mtp) and the MTP layer's tensors under the names the
-target's checkpoint gives them (`model.layers.{N}.*`, GLM-5-Next's `model.language_model.layers.{N}.*`, `mtp.*`, V4's
-`mtp.0.*`, HY-V4's `model.mtp_layers.0.*`, MiniMax-M3's `language_model.model.mtp.layers.0.*` or Inkling's
-`model.mtp.layers.0.*` and `model.mtp.chain_norm`, beside the target's `model.llm.embed_norm`, which vLLM's InklingMTP
-reads from the drafter's folder).
+DeepSeekV4MTP, Exaone-MoE to ExaoneMoeMTP, GLM-4.5 to glm4_moe_mtp, GLM-5-Next to Glm5NextMTP, HY-V3 to HYV3MTP,
+HY-V4 to HYV4MTP, Inkling to InklingMTP, MiMo-V2-Flash to MiMoV2MTP, MiniMax-M3 to MiniMaxM3MTP, Qwen3-Next to
+qwen3_next_mtp, Qwen3.5 to qwen3_5_mtp) and the MTP layer's tensors under the names the target's checkpoint gives them
+(`model.layers.{N}.*`, GLM-5-Next's `model.language_model.layers.{N}.*`, `mtp.*`, V4's `mtp.0.*`, HY-V4's
+`model.mtp_layers.0.*`, MiMo-V2-Flash's `model.mtp.layers.0.*`, MiniMax-M3's `language_model.model.mtp.layers.0.*` or
+Inkling's `model.mtp.layers.0.*` and `model.mtp.chain_norm`, beside the target's `model.llm.embed_norm`, which vLLM's
+InklingMTP reads from the drafter's folder).
 So the folder is the target's config.json as it ships (its own keys, not transformers' `to_dict()` with its defaults
 and local path) with an MTP layer count of 1 (vLLM 0.32's proposer runs the first layer for every draft step; a
 vision-language wrapper's, Qwen3.5's releases, is its language model's config, which vLLM serves alike; GLM-5-Next's

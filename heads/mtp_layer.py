@@ -60,7 +60,7 @@ class Layout:
     under: str = "mtp."
     # the block is the family's decoder layer without its hyper-connections (heads/mtp_plain.py): the release
     # ships none for it and vLLM builds it on one residual stream (HY-V4, GLM-5-Next; MiniMax-M3's layer, which has
-    # none, for its attention on the drafter's masks)
+    # none, for its attention on the drafter's masks, and MiMo-V2-Flash's, for its sinks on eager attention)
     plain_block: bool = False
     # how the decoder's layers are named, an `after_layers` layout's among them (a vision-language wrapper's language
     # model's: GLM-5-Next's `model.language_model.`)
@@ -89,6 +89,15 @@ class Layout:
     # the block's attention kind where the config lists depth 0 among its `mtp_local_layer_ids` (Inkling's
     # sliding-window `hybrid_sliding`), else `block_kind`'s
     local_kind: str = ""
+    # the block's modules the release names otherwise than transformers' decoder layer: (release's, transformers')
+    # (MiMo-V2-Flash's `pre_mlp_layernorm.` for the layer's `post_attention_layernorm.`)
+    block_renames: tuple[tuple[str, str], ...] = ()
+    # the config key holding the window vLLM gives the block's sliding-window attention where transformers derives
+    # another from it (MiMo-V2-Flash's `sliding_window_size`: vLLM attends that many keys, transformers one more)
+    window_key: str = ""
+    # vLLM builds the block with the decoder's layer-0 attention kind and window where the config names none for it
+    # (`mtp_layer_types`, `mtp_sliding_windows`; Exaone-MoE's `is_mtp` layer), always rotated: `block_kind`'s or refused
+    kind_of_layer_0: bool = False
 
     def prefix(self, num_hidden_layers: int) -> str:
         """The first MTP layer's tensor names start with this."""
@@ -278,6 +287,8 @@ def layer_config(target_config, layout: Layout) -> dict:
             first = str(kinds.index(attention)) if attention in kinds else None
             values["per_layer_config"] = {"0": (values["per_layer_config"] or {}).get(first) or {}}
         values |= {"layer_types": [attention], "mlp_layer_types": [mlp]}
+        if values.get(layout.window_key) is not None:  # popped: the config class would derive its own from it
+            values["sliding_window"] = values.pop(layout.window_key)
     elif isinstance(values.get("layer_types"), list):
         kinds = set(values["layer_types"]) - {LINEAR}  # beside GLM-5-Next's indexed attention
         sparse, pooled = kinds == {INDEXED}, bool(kinds & set(COMPRESSED))
@@ -357,7 +368,7 @@ def block_from_checkpoint(tensors: dict[str, torch.Tensor], spec: dict, layout: 
     config, auto, at = carrier(spec, layout)
     with tempfile.TemporaryDirectory() as tmp:
         config.save_pretrained(tmp)
-        named = {f"{at}{name}": tensor.contiguous() for name, tensor in tensors.items()}
+        named = {f"{at}{renamed(name, layout.block_renames)}": tensor.contiguous() for name, tensor in tensors.items()}
         save_file(named, str(Path(tmp) / WEIGHTS_NAME), metadata={"format": "pt"})
         with quiet_transformers():
             model, info = auto.from_pretrained(
@@ -395,4 +406,14 @@ def block_to_checkpoint(block: nn.Module, spec: dict, layout: Layout) -> dict[st
         model.save_pretrained(tmp, save_original_format=not layout.fused_experts)
         saved = load_file(str(Path(tmp) / WEIGHTS_NAME))
     dtype = next(block.parameters()).dtype
-    return {name.removeprefix(at): tensor.to(dtype) for name, tensor in saved.items() if name.startswith(at)}
+    release = tuple((theirs, own) for own, theirs in layout.block_renames)
+    saved_block = {name.removeprefix(at): tensor for name, tensor in saved.items() if name.startswith(at)}
+    return {renamed(name, release): tensor.to(dtype) for name, tensor in saved_block.items()}
+
+
+def renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    """A block tensor's name with its leading module renamed by the first (from, to) pair it starts with."""
+    for old, new in renames:
+        if name.startswith(old):
+            return new + name.removeprefix(old)
+    return name

@@ -146,6 +146,41 @@ LAYOUTS = {
             (TARGET_EMBED_NORM, "model.llm.embed_norm.weight"),
         ),
     ),  # fmt: skip
+    # vLLM's MiMoV2MTP (models/mimo_v2_mtp.py; its speculative config maps MiMoV2FlashForCausalLM to it and serves
+    # one layer whatever the count): under `model.mtp.layers.{j}.`, enorm, hnorm, eh_proj and final_layernorm beside
+    # the block: the family's sliding-window attention (its SWA heads and sinks) and a dense MLP, its post-attention
+    # norm named `pre_mlp_layernorm`, its window the release's `sliding_window_size` keys (transformers' layers attend
+    # one more); nothing masked, fed back normed (its forward returns final_layernorm's output)
+    "MiMoV2FlashForCausalLM": Layout(
+        "MiMoV2MTPModel",
+        "num_nextn_predict_layers",
+        HY_V4_NAMES,
+        False,
+        False,
+        True,
+        own_prefix=True,
+        under="model.mtp.layers.",
+        plain_block=True,
+        block_kind=(SLIDING, "dense"),
+        block_renames=(("pre_mlp_layernorm.", "post_attention_layernorm."),),
+        window_key="sliding_window_size",
+    ),  # fmt: skip
+    # vLLM's HYV3MTP (models/hy_v3_mtp.py): DeepSeek-V3's layer N, masked at position 0, its final norm
+    # `final_layernorm` applied before it is fed back (the layer's shared_head.head is the target's lm_head, shared)
+    "HYV3ForCausalLM": Layout("HYV3MTPModel", "num_nextn_predict_layers", HY_V4_NAMES, True, True, True),
+    # vLLM's ExaoneMoeMTP (models/exaone_moe_mtp.py): Qwen's `mtp.` layout and feedback, plain RMSNorms, its block
+    # `mtp.layers.0.` the decoder layer with `is_mtp`: a dense MLP, attention as `mtp_layer_types[0]` or the decoder's
+    # layer 0 (sliding in the releases' LLLG pattern; `check_layer_0_kind`), rotated
+    "ExaoneMoeForCausalLM": Layout(
+        "ExaoneMoeMTP",
+        "num_nextn_predict_layers",
+        QWEN_NAMES,
+        False,
+        False,
+        True,
+        block_kind=(SLIDING, "dense"),
+        kind_of_layer_0=True,
+    ),  # fmt: skip
     "Qwen3NextForCausalLM": Layout("qwen3_next_mtp", "num_nextn_predict_layers", QWEN_NAMES, False, False, True),
     "Qwen3_5ForCausalLM": QWEN3_5,
     "Qwen3_5MoeForCausalLM": QWEN3_5_MOE,
@@ -161,6 +196,26 @@ UNSERVED = {
     "Glm4MoeLiteForCausalLM": (
         "vLLM 0.32's glm4_moe_lite_mtp sets num_hidden_layers to 0 and so loads the target's layer 0 as the MTP "
         "layer, never the shipped one"
+    ),
+    "Step3p5ForCausalLM": (
+        "transformers 5.24 has no causal LM class for model_type step3p5 (its config class, Step3p7TextConfig, "
+        "builds a text model without an lm_head), so draftsmith cannot run the target; and vLLM 0.32's Step3p5MTP "
+        "reads logits through the layer's own lm_head copy (shared_head.output, has_own_lm_head), not the target's"
+    ),
+    "NemotronHForCausalLM": (
+        "vLLM 0.32's NemotronHMTP runs a stack of decoder layers as the layer (`mtp_hybrid_override_pattern`, "
+        "transformers' mtp_layers_block_type: attention then experts by default, each with its own norm), and "
+        "draftsmith's drafter builds one decoder layer as its block"
+    ),
+    "LongcatFlashForCausalLM": (
+        "vLLM 0.32's LongCatFlashMTP builds its block as a DeepSeek-V2 decoder layer (one MLA attention, one dense "
+        "MLP), which transformers' LongcatFlash family has no layer of (its decoder layer runs two attentions and two "
+        "MLPs beside shortcut-connected experts)"
+    ),
+    "Ernie4_5_MoeForCausalLM": (
+        "vLLM 0.32's ErnieMTP builds its block as a Llama decoder layer (neox-style rotary, where Ernie 4.5's layers "
+        "rotate interleaved pairs) and reads logits from its output with no final norm: no layer of transformers' "
+        "Ernie 4.5 family computes it"
     ),
 }
 # Architectures whose multi-token prediction is a model released beside the target, not a layer in its
@@ -225,7 +280,31 @@ def layout_of(config: dict) -> Layout:
         )
     if layout.count_block:
         check_depths(config, layout)
+    if layout.kind_of_layer_0:
+        check_layer_0_kind(text or config, layout)
     return layout
+
+
+def check_layer_0_kind(text: dict, layout: Layout) -> None:
+    """A block vLLM 0.32 builds as the decoder's layer 0 where the config names no kind for it (`kind_of_layer_0`)
+    is built here as `block_kind`'s sliding-window layer: a config whose block would attend otherwise is refused in
+    one line: full attention, which vLLM rotates and the family's full-attention layers beside sliding ones do not
+    (NoPE), or a window of its own (`mtp_sliding_windows`, `sliding_windows`: vLLM reads their first entry,
+    transformers `sliding_window` for every layer)."""
+    kind = (text.get("mtp_layer_types") or text.get("layer_types") or [layout.block_kind[0]])[0]
+    windows = text.get("mtp_sliding_windows") or text.get("sliding_windows")
+    if kind != layout.block_kind[0]:
+        raise UserError(
+            f"drafter.type=mtp: vLLM 0.32 builds the target's MTP layer with {kind} (mtp_layer_types, else layer 0's "
+            "kind), rotated, which no layer of the target's family computes (draftsmith builds "
+            f"{layout.block_kind[0]} only): train another kind"
+        )
+    if windows and windows[0] != text.get("sliding_window"):
+        raise UserError(
+            f"drafter.type=mtp: vLLM 0.32 gives the target's MTP layer a window of {windows[0]} keys "
+            "(mtp_sliding_windows, else sliding_windows), transformers' layers "
+            f"sliding_window={text.get('sliding_window')}: train another kind"
+        )
 
 
 def check_depths(config: dict, layout: Layout) -> None:

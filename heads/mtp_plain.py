@@ -72,6 +72,8 @@ class PlainBlock(nn.Module):
             rope, cache = kwargs["position_embeddings"], kwargs.get("cache")
             attended, selected = mtp_blocks.attention(self.self_attn, normed, attention_mask, rope, cache), None
         else:
-            attended, _, selected = self.self_attn(hidden_states=normed, attention_mask=attention_mask, **kwargs)
+            # (output, weights) or, with a sparse selection, (output, weights, selection) (HY-V4's)
+            attended, _, *chosen = self.self_attn(hidden_states=normed, attention_mask=attention_mask, **kwargs)
+            selected = chosen[0] if chosen else None
         hidden_states = hidden_states + attended
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states)), selected

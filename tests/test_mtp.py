@@ -163,14 +163,19 @@ def test_one_draft_step_computes_vllms_formula_from_the_checkpoint(family, targe
     "family", [*FAMILIES, "deepseek_v4", *STREAMS_FAMILIES, "dots3_note_text", *RELEASED, CONVOLVED]
 )
 def test_it_trains_several_steps_ahead_and_decodes_losslessly(family, targets):
-    folder, model = targets(family)
+    trains_ahead_and_decodes_losslessly(*targets(family), rounds=8, prompt_length=20)
+
+
+def trains_ahead_and_decodes_losslessly(folder, model, rounds: int, prompt_length: int) -> None:
+    """Three training-time-test steps on random tokens lower the loss, report each step's accuracy, and the drafter
+    then decodes a random prompt losslessly in chains of 3."""
     drafter = MTP.from_target(MTP.Config(ttt_steps=3), model, str(folder))
     ids = torch.randint(3, 4000, (2, 40), generator=torch.Generator().manual_seed(6))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
     target_out = run_target(model, ids, request=MTP.features(drafter.config, drafter.target))
     optimizer = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
     losses = []
-    for _ in range(8):
+    for _ in range(rounds):
         loss_sum, count, stats = drafter.loss(batch, target_out)
         (loss_sum / count).backward()
         optimizer.step()
@@ -178,7 +183,7 @@ def test_it_trains_several_steps_ahead_and_decodes_losslessly(family, targets):
         losses.append(float(loss_sum.detach() / count))
     assert losses[-1] < losses[0]
     assert {f"step{i}/top1" for i in (1, 2, 3)} <= stats.keys()
-    prompt = torch.randint(3, 4000, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompt = torch.randint(3, 4000, (prompt_length,), generator=torch.Generator().manual_seed(1)).tolist()
     plain = generate(model, prompt, 24).tokens
     assert generate(model, prompt, 24, drafter=drafter.eval().proposer(), gamma=3).tokens == plain
 
