@@ -18,6 +18,11 @@ these conventions, each checked here and recorded in draftsmith_export.json:
   γ = block_size - 1 is the block the drafter was trained on (recorded as the recommended γ).
 - Embedding and lm_head are the target's (not in the folder; vLLM shares them). Targets with
   attention or MLP biases are refused: their placement in vLLM's layer has not been checked.
+- A drafter started from a released one (`drafter.released_drafter`, heads/dflash_released.py) keeps that one's
+  layers: their own widths and RoPE, and sliding windows where its `layer_types` say so (written with
+  `use_sliding_window` and `dflash_config.causal: false`, vLLM's non-causal window); one started from the encoder
+  layout is written back in it (the released config, its settings at the top and under `dflash_config`, `encoder.fc`
+  and `encoder.output_norm_enc`), which vLLM 0.32 maps to this same DFlash model.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from draftsmith.formats.repo import (
     require_vllm_state_capture,
 )
 from draftsmith.heads import drafter_class
+from draftsmith.heads.dflash_released import ENCODER_NAMES, LAYOUT, encoder_layout, released_names
 
 FAMILIES = ("llama", "qwen3")  # draft layers vLLM's Qwen3 DFlash layer reproduces (with q/k norms)
 
@@ -81,6 +87,51 @@ def context_key_norms_limit(drafter) -> Optional[str]:
     )
 
 
+def mixed_kinds_limit(drafter) -> Optional[str]:
+    """Why vLLM's CPU build cannot build this drafter, or None: its DFlash builds draft layers of mixed sliding and
+    full attention only in its model runner V2 (qwen3_dflash.py `_resolve_layer_attention`), which needs Triton's GPU
+    backend: the CPU build runs V1 (measured on 0.32.0: building such layers raises "DFlash drafters with mixed
+    sliding/full attention require the V2 model runner")."""
+    windows = set(drafter.windows)
+    if None in windows and len(windows) > 1:
+        return (
+            "it builds DFlash draft layers of mixed sliding and full attention only in its model runner V2, which "
+            "needs Triton's GPU backend"
+        )
+    return None
+
+
+def window_config(drafter) -> dict[str, Any]:
+    """The draft layers' sliding windows as vLLM's DFlash reads them (qwen3_dflash.py `_resolve_layer_attention`:
+    `layer_types`, the window where `use_sliding_window` keeps it, non-causal by `dflash_config.causal`); nothing
+    where every layer attends to every key."""
+    if all(window is None for window in drafter.windows):
+        return {}
+    layers = drafter.config.decoder["config"]
+    return {
+        "layer_types": layers["layer_types"],
+        "sliding_window": layers["sliding_window"],
+        "use_sliding_window": True,
+    }
+
+
+def encoder_layout_config(released: dict[str, Any], config: dict[str, Any], settings) -> dict[str, Any]:
+    """The encoder layout's config.json (heads/dflash_released.py) for the vLLM `config` of the same drafter: the
+    released folder's, with the drafter's layers and settings at the top, and under `dflash_config` too, with
+    `causal: false`: vLLM 0.32's model runner V1 (its CPU build's) reads the context layers there only
+    (gpu_model_runner.py), and would capture others for a folder that names them at the top alone (measured)."""
+    written = {key: value for key, value in released.items() if key not in ("torch_dtype", "transformers_version")}
+    written |= {key: value for key, value in config.items() if key != "torch_dtype"}
+    return written | {
+        "architectures": released.get("architectures") or config["architectures"],
+        "model_type": released.get("model_type", config["model_type"]),
+        "target_layer_ids": list(settings.target_layers),
+        "mask_token_id": settings.mask_token_id,
+        "dflash_config": config["dflash_config"] | {"causal": False},
+        "dtype": "float32",
+    }
+
+
 @register
 class DFlashExporter(Exporter):
     kinds = ("dflash",)
@@ -119,7 +170,10 @@ class DFlashExporter(Exporter):
         settings = drafter.config
         layer = self.layer_config(drafter)
         config, expected, conventions = backbone_parts(layer, settings)
-        config |= {"architectures": ["DFlashDraftModel"], "model_type": "qwen3"}
+        windows = window_config(drafter)
+        config |= {"architectures": ["DFlashDraftModel"], "model_type": "qwen3"} | windows
+        if windows:  # vLLM's DFlash runs a sliding layer causally unless told (`_dflash_layer_causal`)
+            config["dflash_config"]["causal"] = False
         head_dim = layer["head_dim"]
         expected |= llama_layers_expected(layer, skip_first_input_norm=False)
         for i in range(settings.num_layers):
@@ -133,18 +187,37 @@ class DFlashExporter(Exporter):
             "attention": "non-causal within the block, the context before it; q_norm/k_norm in every layer",
             "shared": "embed_tokens and lm_head are the target's (not in the folder)",
         }
+        state = drafter.state_dict()
+        released = settings.decoder.get(LAYOUT)
+        if released is not None:
+            config = encoder_layout_config(released, config, settings)
+            state, expected = released_names(state), released_names(expected)
+            names = ", ".join(f"{theirs} (vLLM's {ours})" for theirs, ours in ENCODER_NAMES.items())
+            conventions["layout"] = f"the released encoder layout: settings at the config's top, {names}"
         return EngineRepo(
-            "vllm", config, drafter.state_dict(), expected, VLLM_SERVE, conventions, method="dflash",
-            cpu_build_limit=context_key_norms_limit(drafter),
+            "vllm", config, state, expected, VLLM_SERVE, conventions, method="dflash",
+            cpu_build_limit=context_key_norms_limit(drafter) or mixed_kinds_limit(drafter),
         )  # fmt: skip
 
     def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
-        return "dflash_config" in config and "DFlashDraftModel" in config.get("architectures", [])
+        vllms = "dflash_config" in config and "DFlashDraftModel" in config.get("architectures", [])
+        return vllms or encoder_layout(config, tensors)
 
     def read(
         self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]
     ):
         dflash = drafter_class("dflash")
+        recorded = {
+            key: value
+            for key, value in info.get("drafter_config", {}).items()
+            if key in ("tree_topk", "anchors", "loss", "loss_decay")
+        }
+        if encoder_layout(config, tensors) or config.get("layer_types"):  # the folder's own layers
+            drafter = dflash.from_target(
+                dflash.Config(released_drafter=str(folder), **recorded), target_model, info.get("verifier", "target")
+            )
+            drafter.learned = dict(info.get("learned") or {})
+            return drafter
         options = config["dflash_config"]
         block_size = config.get("block_size") or info.get("drafter_config", {}).get("block_size")
         if not block_size or "mask_token_id" not in options:
@@ -158,12 +231,9 @@ class DFlashExporter(Exporter):
             "mask_token_id": int(options["mask_token_id"]),
             "qk_norm": True,
         }
-        settings |= {
-            key: value
-            for key, value in info.get("drafter_config", {}).items()
-            if key in ("tree_topk", "anchors", "loss", "loss_decay")
-        }
-        drafter = dflash.from_target(dflash.Config(**settings), target_model, info.get("verifier", "target"))
+        drafter = dflash.from_target(
+            dflash.Config(**settings, **recorded), target_model, info.get("verifier", "target")
+        )
         drafter.load_state_dict(tensors)
         drafter.learned = dict(info.get("learned") or {})
         return drafter

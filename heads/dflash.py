@@ -48,6 +48,10 @@ Checkpoint names follow the public DFlash layout: `fc.weight [H, n*H]`, `hidden_
 learned mask `mask_embedding [H]`, the one tensor the public layout lacks (it names the mask by
 `mask_token_id`): formats/dflash.py refuses such a drafter. Gemma-4 layers (`layer_family=gemma4_text`,
 heads/dflash_gemma4.py) keep transformers' Gemma-4 names, which vLLM reads for DSpark only (formats/dspark_gemma4.py).
+
+A drafter started from a released one (`released_drafter`, heads/dflash_released.py) keeps that one's layers: its
+widths, heads and RoPE, and a sliding window on the layers its `layer_types` mark sliding, where a block query at
+position p sees the context keys at positions > p - window (vLLM's non-causal window; `within`), the block whole.
 """
 
 from __future__ import annotations
@@ -65,8 +69,9 @@ from draftsmith.heads import register
 from draftsmith.heads.base import per_sample_stats
 from draftsmith.heads.dflash_config import DFlashConfig
 from draftsmith.heads.dflash_gemma4 import FullAttentionRope, Gemma4DFlashLayer
-from draftsmith.heads.dflash_layer import DFlashLayer, add_qk_norm
+from draftsmith.heads.dflash_layer import DFlashLayer, add_qk_norm, layer_window, within
 from draftsmith.heads.dflash_proposer import DFlashProposer
+from draftsmith.heads.dflash_released import start_from_release
 from draftsmith.heads.eagle_base import EagleBase, import_qualified, start_from_norm
 from draftsmith.heads.packing import conversation_rand, documents, num_documents, positions, same_document
 from draftsmith.heads.vocab_loss import chunk_rows_for, cross_entropy, soft_cross_entropy
@@ -123,12 +128,24 @@ class DFlash(EagleBase):
         if sandwich:
             self.rotary_emb = FullAttentionRope(self.rotary_emb)
         self.norm = copy.deepcopy(family_layers[0].input_layernorm)
+        # Each layer's sliding window (None: full attention): a released drafter's layers may have one
+        self.windows = [layer_window(self.layer_config, i) for i in range(config.num_layers)]
+        narrow = [window for window in self.windows if window is not None and window < config.block_size]
+        if narrow:
+            raise UserError(
+                f"draft layers with a sliding window of {min(narrow)} positions cannot see a whole block of "
+                f"{config.block_size}: DFlash's block attends to itself whole"
+            )
         if config.mask_token_id is None:
             self.mask_embedding = nn.Parameter(torch.randn(hidden) * 0.02)
 
     @classmethod
     def from_target(cls, config: DFlashConfig, target_model, name_or_path: str) -> DFlash:
         shape = TargetShape.of(target_model, name_or_path)
+        if config.released_drafter is not None:
+            if cls.type != DFlash.type:  # its export would not write the release's layers back
+                raise UserError(f"drafter.released_drafter starts a {DFlash.TITLE} drafter only (this is {cls.TITLE})")
+            return start_from_release(cls, config, target_model, shape)
         config.check(shape)
         config = cls.for_target(config, shape, target_model.config)
         drafter = super().from_target(config, target_model, name_or_path)
@@ -192,17 +209,28 @@ class DFlash(EagleBase):
         return self.embed(torch.full((1,), self.config.mask_token_id, device=self.fc.weight.device))[0]
 
     def denoise(
-        self, anchors: torch.Tensor, positions: torch.Tensor, context_kv, visible: torch.Tensor
+        self,
+        anchors: torch.Tensor,
+        positions: torch.Tensor,
+        context_kv,
+        visible: torch.Tensor,
+        context_positions: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Blocks [anchor, mask, ...]: anchor tokens [B, A] at block positions [B, A, S] -> the
-        final-norm outputs [B, A, S, H] of every block position (`logits` turns them into tokens)."""
+        final-norm outputs [B, A, S, H] of every block position (`logits` turns them into tokens).
+        `context_positions` [B, C]: the context's positions, which sliding-window layers read (default 0..C-1,
+        decoding's)."""
         batch, blocks, size = positions.shape
         dtype = self.fc.weight.dtype
         first = self.embed(anchors).to(dtype)[:, :, None]
         hidden = torch.cat([first, self.mask_input().to(dtype).expand(batch, blocks, size - 1, -1)], dim=2)
         rope = self.rotary_emb(hidden, positions.view(batch, blocks * size))
-        for layer, kv in zip(self.layers, context_kv):
-            hidden = layer(hidden, rope, kv, visible)
+        if context_positions is None:
+            context_positions = torch.arange(visible.shape[-1], device=positions.device)[None]
+        for layer, kv, window in zip(self.layers, context_kv, self.windows):
+            hidden = layer(
+                hidden, rope, kv, visible if window is None else within(visible, positions, context_positions, window)
+            )
         return self.norm(hidden)
 
     def logits(self, outputs: torch.Tensor) -> torch.Tensor:
@@ -261,7 +289,7 @@ class DFlash(EagleBase):
             docs[:, None, :] == docs.gather(1, anchors)[..., None]
         )  # [B, A, T]: strictly before, same document
         context_kv = self.context_keys(self.context(layers), context_positions)
-        return self.denoise(input_ids.gather(1, anchors), block_positions, context_kv, visible)
+        return self.denoise(input_ids.gather(1, anchors), block_positions, context_kv, visible, context_positions)
 
     def row_blocks(self, batch: dict) -> torch.Tensor:
         """[B] long: the blocks each row of `batch` trains, per document in it min(anchors, the positions

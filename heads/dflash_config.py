@@ -45,6 +45,11 @@ class DFlashConfig(DrafterConfig):
     # (heads/dflash_gemma4.py), which vLLM builds for DSpark only (Gemma4DSparkModel)
     layer_family: str = "llama"
     decoder: Optional[dict] = None  # the draft layers' classes and config, resolved by from_target
+    # A released DFlash drafter to start from: its folder (vLLM's DFlashDraftModel, or the encoder layout of
+    # transformers' DFlash assistants: heads/dflash_released.py), whose layers' config (widths, heads, RoPE, sliding
+    # windows) and weights it keeps; num_layers, target_layers, block_size and mask_token_id unset or the folder's.
+    # It sets the layers' shape, so a resume or a warm start (train.init_from) names the same folder.
+    released_drafter: Optional[str] = None
     # whether an engine builds this kind's layers of a family set per layer kind (Gemma-4's): vLLM, for DSpark only
     LAYERS_PER_KIND: ClassVar[bool] = False
 

@@ -5,10 +5,13 @@ stacks these layers and trains them (heads/dflash.py, whose docstring describes 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
 from draftsmith.errors import UserError
+from draftsmith.families import SLIDING
 
 
 def add_qk_norm(layer: nn.Module, config) -> None:
@@ -21,6 +24,25 @@ def add_qk_norm(layer: nn.Module, config) -> None:
             setattr(attention, name, type(layer.input_layernorm)(head_dim, eps=getattr(config, "rms_norm_eps", 1e-6)))
 
 
+def layer_window(config, index: int) -> Optional[int]:
+    """Draft layer `index`'s sliding window from its layers' config (`layer_types`, `sliding_window`): a query at
+    position p sees the keys at positions p - window < j < p + window, the window vLLM's non-causal attention
+    applies ((window - 1, window - 1) in flash-attention's terms); None: every key (full attention)."""
+    kinds = getattr(config, "layer_types", None)
+    if not kinds or kinds[index] != SLIDING:
+        return None
+    return int(config.sliding_window)
+
+
+def within(
+    visible: torch.Tensor, positions: torch.Tensor, context_positions: torch.Tensor, window: int
+) -> torch.Tensor:
+    """A sliding-window layer's context visibility [B, A, S, C] per query: `visible` [B, A, C] and the context
+    positions [B, C] (or [1, C]) less than `window` before each block position [B, A, S] (`layer_window`)."""
+    near = positions[..., None] - context_positions[:, None, None, :] < window
+    return visible[:, :, None, :] & near
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE (rotate-half form, as the Llama/Qwen/Mistral families) on [B, heads, n, d] with cos/sin [B, n, d]."""
     first, second = x.chunk(2, dim=-1)
@@ -29,8 +51,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def block_attention(query, context_key, context_value, block_key, block_value, visible, scaling: float) -> torch.Tensor:
     """Attention of A blocks of S queries each: [B, h, A, S, d] queries against the shared context
-    ([B, kv, C, d] keys/values, `visible` [B, A, C] says which context positions block a may see) and
-    its own block's S keys/values ([B, kv, A, S, d], all visible: non-causal). Scores are computed in
+    ([B, kv, C, d] keys/values, `visible` [B, A, C] says which context positions block a may see, or
+    [B, A, S, C] which each query may: a sliding window's) and its own block's S keys/values
+    ([B, kv, A, S, d], all visible: non-causal). Scores are computed in
     two parts, [A, S, C] and [A, S, S] per head, so memory is A·S·(C+S) per head rather than the
     (A·S)·(C + A·S) of one mask over every block. Grouped-query attention reads kv head h // group
     without copying keys. Returns [B, h, A, S, d]."""
@@ -40,7 +63,8 @@ def block_attention(query, context_key, context_value, block_key, block_value, v
     context_scores = (grouped @ context_key[:, :, None].transpose(-1, -2)).view(
         batch, kv_heads, -1, blocks, size, context_key.shape[2]
     )
-    context_scores = context_scores.masked_fill(~visible[:, None, None, :, None, :], float("-inf"))
+    per_query = visible[:, None, None] if visible.dim() == 4 else visible[:, None, None, :, None, :]
+    context_scores = context_scores.masked_fill(~per_query, float("-inf"))
     grouped = grouped.view(batch, kv_heads, -1, blocks, size, dim)
     block_scores = grouped @ block_key[:, :, None].transpose(-1, -2)  # [B, kv, g, A, S, S]
     weights = (
