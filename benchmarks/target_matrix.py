@@ -349,6 +349,12 @@ def main() -> None:
         help="steps each seeded target is trained on the demo's conversations first (0: seeded only, as rows before "
         "2026-12-01 were), recorded in the rows",
     )  # fmt: skip
+    parser.add_argument(
+        "--released", action="store_true",
+        help="every row's target in its family's release form (write_random_target's released: a wrapper "
+        "transformers loads as a causal LM itself written whole), recorded in the rows; default: the plain target, "
+        "an mtp row's the release form where that is another model (released_apart)",
+    )  # fmt: skip
     parser.add_argument("--markdown", action="store_true", help="print --out as docs/targets.md's table and stop")
     options = parser.parse_args()
     out = options.out.resolve()
@@ -373,9 +379,9 @@ def main() -> None:
                 if (family, kind) in done:
                     continue
                 mtp = kind == "mtp"
+                # for `mtp` a wrapper as its releases ship it, where its MTP layer is the wrapper's
+                released = options.released or (mtp and released_apart(family))
                 if mtp not in targets:
-                    # for `mtp` a wrapper as its releases ship it, where its MTP layer is the wrapper's
-                    released = mtp and released_apart(family)
                     if released not in trained:
                         folder = work / (f"{family}-released" if released else family)
                         trained[released] = trained_target(family, folder, options.target_steps, released)
@@ -389,6 +395,7 @@ def main() -> None:
                 start = time.perf_counter()
                 row = measure(family, kind, target, work, options.vllm_python, env, options.set, options.export_set)
                 row |= {"target_train_steps": options.target_steps, "target_variety": varieties[mtp]}
+                row |= {"target_released": released}
                 row |= provenance(options.threads, start)  # wall_s: this row's
                 print(json.dumps(row), flush=True)
                 with out.open("a") as stream:

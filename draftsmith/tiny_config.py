@@ -48,6 +48,9 @@ MLA_LATENT, MLA_ROPE = 512, 64
 TINY_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "num_position_embeddings": 16}
 # TINY_VISION's sizes under the names other vision configs give them (MiniMax-M3's layers and heads)
 VISION_NAMES = {"depth": "num_hidden_layers", "num_heads": "num_attention_heads"}
+# and under those of an encoder-free embedder (Gemma-4 Unified's width and position table), where its class has them
+EMBEDDER_NAMES = {"hidden_size": "mm_embed_dim", "num_position_embeddings": "mm_posemb_size"}
+OUTPUT_NAMES = ("out_hidden_size", "output_proj_dims")  # a tower's output width's names: its language model's
 
 
 def build_config(
@@ -178,10 +181,16 @@ def scaled_fields(defaults: dict[str, Any], fields: dict[str, Any]) -> dict[str,
         # the base width the release was tuned at: at the tiny width the same base's (the class default's 24 at 6144
         # would squash a tiny model's logits 96-fold too many, and its training with them)
         out["logits_mup_width_multiplier"] = defaults["logits_mup_width_multiplier"] * hidden / defaults["hidden_size"]
+    if defaults.get("output_multiplier"):
+        # the logits' scale before the soft cap, 1/sqrt(width / 256) in a release (Muse's): at the tiny width the same
+        # rule's (the release's would squash a tiny model's logits several-fold, and its routers' with them)
+        out["output_multiplier"] = defaults["output_multiplier"] * (defaults["hidden_size"] / hidden) ** 0.5
     if "swa_head_dim" in defaults:  # sliding-window layers sized apart (Inkling's): as the others
         out.update(swa_head_dim=head, swa_num_attention_heads=heads, swa_num_key_value_heads=kv_heads)
     if defaults.get("unpadded_vocab_size"):  # the lm_head's rows a release pads to `vocab_size`: every row, unpadded
         out["unpadded_vocab_size"] = fields["vocab_size"]
+    if defaults.get("moe_hidden_size"):  # the width experts run at, pooled from the hidden size (Muse Spark's half)
+        out["moe_hidden_size"] = hidden * defaults["moe_hidden_size"] // defaults["hidden_size"]
     if "dense_intermediate_size" in defaults:  # the dense layers' MLP of a mixture-of-experts family: the tiny one
         out["dense_intermediate_size"] = fields["intermediate_size"]
     if "indexer_budget" in defaults:  # a block-sparse indexer (QSA: unset by the class, set by a release): blocks of
@@ -251,17 +260,63 @@ def tiny_wrapper_config(model_type: str, text, released: bool = False):
     wrapper transformers has no causal LM class for (its text model's type has none either: the wrapper is the
     target), or for any wrapper where `released`: the release's form, whose checkpoint names and architecture an
     engine reads (MiniMax-M3's MTP layer sits under the wrapper's names, and vLLM maps only the wrapper's type to its
-    MTP model); None for any other model type. The tower's sizes are TINY_VISION's under the names its config class
-    gives them, a projector between tower and language model (MiniMax-M3's `projector_hidden_size`) as wide as the
-    language model."""
+    MTP model; vLLM registers Gemma-4 Unified's wrapper, which transformers loads as a causal LM itself, and not its
+    language model's class); None for any other model type. The towers (vision, and audio where the wrapper has one) are
+    `tiny_tower`'s, a projector between tower and language model (MiniMax-M3's `projector_hidden_size`) as wide as the
+    language model; a class that refuses them is its reason in one line."""
     from transformers import AutoConfig
 
     wrapped = {"model_type": model_type, "text_config": text.to_dict()}
-    if not wraps_a_text_model(wrapped) or (text_has_causal_lm(wrapped) and not released):
+    if not (wraps_a_text_model(wrapped) or released and is_a_causal_lm_wrapper(model_type, text.model_type)):
         return None  # then its language model is written alone
+    if text_has_causal_lm(wrapped) and not released:  # a wrapper of a causal LM: that causal LM, unless released
+        return None
     default = AutoConfig.for_model(model_type)
-    fields = default.vision_config.to_dict()
-    vision = {name if name in fields else VISION_NAMES.get(name, name): size for name, size in TINY_VISION.items()}
-    vision["out_hidden_size"] = text.hidden_size
-    projector = {"projector_hidden_size": text.hidden_size} if hasattr(default, "projector_hidden_size") else {}
-    return AutoConfig.for_model(model_type, text_config=text.to_dict(), vision_config=vision, **projector)
+    # a tower the class's default leaves out (Gemma-4 Unified's, set by its release) is its tower class's default's
+    vision = default.vision_config or type(default).sub_configs["vision_config"]()
+    towers = {"vision_config": tiny_tower(vision.to_dict(), text.hidden_size)}
+    if getattr(default, "audio_config", None) is not None:
+        # an audio encoder beside (Muse Spark's): tiny in the sizes its class has (another's default is kept: Inkling's)
+        fields = default.audio_config.to_dict()
+        audio = {name: size for name, size in tiny_tower(fields, text.hidden_size).items() if name in fields}
+        towers |= {"audio_config": audio} if audio else {}
+    sizes = {"projector_hidden_size": text.hidden_size} if hasattr(default, "projector_hidden_size") else {}
+    if isinstance(getattr(default, "out_hidden_size", None), int):
+        # the tower's merged output the wrapper's projector reads (Muse Glimmer's: the tower's width times the
+        # patches merged), in the same proportion to the tiny tower's width as the release's to its tower's
+        sizes["out_hidden_size"] = default.out_hidden_size // vision.hidden_size * TINY_VISION["hidden_size"]
+    try:
+        return AutoConfig.for_model(model_type, text_config=text.to_dict(), **towers, **sizes)
+    except (StrictDataclassError, ValueError) as err:  # the class's own checks across its towers' sizes
+        name = type(default).__name__
+        raise UserError(f"transformers' {name} refuses the tiny {model_type} wrapper: {one_line(err)}") from None
+
+
+def tiny_tower(fields: dict[str, Any], width: int) -> dict[str, Any]:
+    """A vision or audio tower's sizes (`fields`: its class's defaults) at TINY_VISION's, under the names its class
+    gives them, its output as wide as the language model (`width`). A tower of stages, sized by per-stage lists
+    (Muse Spark's audio encoder: `hidden_sizes`, `depths`), keeps its stages, each at the tiny width and depth, so
+    that its stage count (`num_hidden_layers`) still matches the lists."""
+
+    def named(name: str) -> str:
+        if name in fields or EMBEDDER_NAMES.get(name) not in fields:
+            return name if name in fields else VISION_NAMES.get(name, name)
+        return EMBEDDER_NAMES[name]
+
+    tower = {named(name): size for name, size in TINY_VISION.items()}
+    staged = {f"{name}s": size for name, size in TINY_VISION.items() if isinstance(fields.get(f"{name}s"), list)}
+    if staged:
+        tower = {name: size for name, size in tower.items() if name in fields and name != "num_hidden_layers"}
+        tower.update({name: [size] * len(fields[name]) for name, size in staged.items()})
+    return tower | {next((name for name in OUTPUT_NAMES if name in fields), OUTPUT_NAMES[0]): width}
+
+
+def is_a_causal_lm_wrapper(model_type: str, text_type: str) -> bool:
+    """Whether `model_type` is a vision-language wrapper around the language model `text_type` that transformers loads
+    as a causal LM itself (Gemma-4 Unified's, Qwen4-Exp's)."""
+    from transformers import AutoConfig
+
+    from draftsmith.causal_lm import may_be_a_causal_lm
+
+    wrapper = type(AutoConfig.for_model(model_type))
+    return model_type != text_type and "text_config" in wrapper.sub_configs and may_be_a_causal_lm(model_type)

@@ -165,10 +165,17 @@ class TextOfWrapper(PreTrainedModel, GenerationMixin):
         )
         kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         return CausalLMOutputWithPast(
-            logits=self.lm_head(outputs.last_hidden_state[:, kept, :]),
+            logits=self.capped(self.lm_head(outputs.last_hidden_state[:, kept, :])),
             cache=outputs.cache,
             hidden_states=outputs.hidden_states,
         )
+
+    def capped(self, logits: torch.Tensor) -> torch.Tensor:
+        """The lm_head's logits as the wrapper's forward finishes them, where its text config has the fields (Muse's):
+        scaled by `output_multiplier`, then soft-capped, cap × tanh(logits / cap), at `final_logit_softcapping`."""
+        logits = logits * (getattr(self.config, "output_multiplier", None) or 1.0)
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return cap * torch.tanh(logits / cap) if cap else logits
 
 
 def text_config_of(wrapper_config):

@@ -32,7 +32,8 @@ CPU_CHECKED = "0.32.0"  # the CPU build whose limits cpu_build_limit states
 VLLM_PYTHON_KEY = "export.vllm_python"  # the recipe key of the vLLM the export is checked with
 # Architectures whose vLLM 0.32 module imports transformers' Qwen2-VL (Qwen3.5; Qwen4-Exp, through vLLM's qwen3_5) or
 # GLM-4V (GLM-5-Next, through vLLM's glm4_1v) image processor, or vLLM's own MiniMax-M3 processor (its minimax_m3
-# package, the text-only class's too: measured, from vllm/transformers_utils/processors/minimax_m3.py), at module level,
+# package, the text-only class's too: measured, from vllm/transformers_utils/processors/minimax_m3.py), or vLLM's own
+# Muse Glimmer processor (vllm/transformers_utils/processors/muse_glimmer.py, measured likewise), at module level,
 # which imports torchvision: the engine's environment needs a torchvision built for its torch. pip's torchvision
 # wheels are CUDA builds, which do not load with the CPU build of torch (`operator torchvision::nms does not exist`):
 # a CPU install takes the CPU wheel (download.pytorch.org/whl/cpu).
@@ -40,7 +41,8 @@ VLLM_IMPORTS_TORCHVISION = (
     "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoeForConditionalGeneration", "Glm5NextForCausalLM", "Glm5NextForConditionalGeneration",
     "Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration", "MiniMaxM3SparseForCausalLM",
-    "MiniMaxM3SparseForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration",
+    "MiniMaxM3SparseForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration", "MuseGlimmerForCausalLM",
+    "MuseGlimmerForConditionalGeneration",
 )  # fmt: skip
 
 

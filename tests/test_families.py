@@ -53,7 +53,7 @@ FAMILIES = (
     "llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2", "gemma3_text", "phi3", "gpt_oss",
     "glm4", "cohere", "granite", "qwen3_next", "qwen3_5_text", "deepseek_v3", "glm4_moe", "glm4_moe_lite",
     "minimax_m2", "gemma4_text", "deepseek_v32", "deepseek_v4", "glm_moe_dsa", "glm5_next", "qwen4_exp", "hy_v4",
-    "minimax_m3_vl", "dots3_note", "inkling_text", "gemma4_unified_text",
+    "minimax_m3_vl", "dots3_note", "inkling_text", "gemma4_unified_text", "muse_glimmer", "muse_spark",
 )  # fmt: skip
 # experts; scaled embedding and (1+w) norms; fused projections; sinks, a hybrid window and experts; LayerNorm with a
 # parallel block; linear attention; latent attention with grouped, bias-corrected routing
@@ -216,7 +216,7 @@ def assert_eagle3_trains_resumes_and_decodes(name: str, model, layer_family: str
 @pytest.mark.parametrize(  # the fast tier: experts, linear attention, latent attention, sinks with a hybrid window
     "model_type",
     fast_tier(
-        [*QUIRKS, "deepseek_v4", "glm5_next"],
+        [*QUIRKS, "deepseek_v4", "glm5_next", "muse_spark"],
         lambda family: family in ("qwen3_moe", "qwen3_next", "deepseek_v3", "gpt_oss"),
     ),
 )
@@ -229,7 +229,8 @@ def test_every_kind_trains_and_decodes_losslessly_on_family_quirks(kind, model_t
         pytest.skip("reads a Gemma-4 target's KV cache: tests/test_gemma4_assistant.py")
     model = tiny(model_type)
     config = OmegaConf.to_object(demo_drafter_section(kind, ()))
-    if kind == "draft_model" and model_type == "glm5_next":  # its first layers' draft: a causal LM transformers lacks
+    if kind == "draft_model" and model_type in ("glm5_next", "muse_spark"):  # a draft of the first layers: a causal
+        # LM of the language model, which transformers lacks
         config.num_layers = model.config.num_hidden_layers  # attention among them: the class is what is missing
         with pytest.raises(UserError, match=r"a causal LM of its language model, and transformers .* no causal LM"):
             drafters()[kind].from_target(config, model, model_type)
