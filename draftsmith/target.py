@@ -104,6 +104,10 @@ def loaded_config(target_model) -> dict:
     """A loaded target's config (dict form), naming its architecture: transformers loads a vision-language
     wrapper's language model alone, configured by the wrapper's text_config, which names none."""
     values = target_model.config.to_dict()
+    # a layer count the config class derives (Nemotron-H's, from its layer kinds), which its dict form leaves out
+    layers = getattr(target_model.config, "num_hidden_layers", None)
+    if "num_hidden_layers" not in values and layers is not None:
+        values["num_hidden_layers"] = layers
     return {**values, "architectures": values.get("architectures") or [type(target_model).__name__]}
 
 

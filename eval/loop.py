@@ -40,6 +40,7 @@ from typing import Optional
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DummyLayer
 
 from draftsmith.caches import (
     RecurrentCheckpoint,
@@ -167,7 +168,9 @@ def check_target(model, tree: Optional[Tree] = None) -> None:
             f"the eval loop holds the target's keys and states in transformers' DynamicCache, which "
             f"{type(model).__name__} does not take (it keeps a cache of its own)"
         )
-    kinds = set(layer_types(model.config))
+    # a layer whose cache layer holds nothing (experts or an MLP as a layer of its own) has nothing to roll back
+    cached = zip(layer_types(model.config), new_cache(model).layers)
+    kinds = {kind for kind, layer in cached if not isinstance(layer, DummyLayer)}
     if kinds == {LINEAR}:
         raise UserError(
             "this target's layers are all linear attention: transformers' cache counts the positions it holds on "

@@ -332,7 +332,8 @@ def first_layers_config(target_config, num_layers: int):
     values = target_config.to_dict()
     # every per-layer list (a value per layer: layer_types, DeepSeek-V3.2's mlp_layer_types, ...): its first entries
     per_layer = [key for key, value in values.items() if isinstance(value, list) and not key.endswith("token_id")
-                 and len(value) == values["num_hidden_layers"]]  # fmt: skip
+                 and len(value) == target_config.num_hidden_layers]  # fmt: skip
+    # (the attribute: a class deriving the count, Nemotron-H's from its pattern, leaves it out of its dict)
     values.update({key: values[key][:num_layers] for key in per_layer}, num_hidden_layers=num_layers)
     if values.get("per_layer_config"):
         kept = {layer: sizes for layer, sizes in values["per_layer_config"].items() if int(layer) < num_layers}

@@ -1,11 +1,12 @@
 """MTP: the target's own multi-token-prediction layer, shipped in its checkpoint, fine-tuned as the drafter.
 
 DeepSeek-V3, V3.2 and V4, Dots3-Note, Exaone-MoE, GLM-4.5, GLM-5 and GLM-5-Next, HY-V3, HY-V4, Inkling, MiMo-V2-Flash,
-MiniMax-M3, Qwen3-Next, Qwen3.5 and Qwen4-Exp ship, next to their decoder layers, a layer trained to predict the token
-after next. transformers drops it at load (the families' `_keys_to_ignore_on_load_unexpected`); vLLM serves it as the
-`mtp` method. This kind reads it from the target's safetensors, builds it as vLLM 0.32's `*_mtp.py` model for that
-architecture computes it, trains it on the target's own distribution several steps ahead, each step fed its previous
-step's output (EAGLE's training-time test), and exports it back under the checkpoint's own names (formats/mtp.py).
+MiniMax-M3, Nemotron-H, Qwen3-Next, Qwen3.5 and Qwen4-Exp ship, next to their decoder layers, a layer trained to
+predict the token after next. transformers drops it at load (the families' `_keys_to_ignore_on_load_unexpected`); vLLM
+serves it as the `mtp` method. This kind reads it from the target's safetensors, builds it as vLLM 0.32's `*_mtp.py`
+model for that architecture computes it, trains it on the target's own distribution several steps ahead, each step fed
+its previous step's output (EAGLE's training-time test), and exports it back under the checkpoint's own names
+(formats/mtp.py).
 
 Draft position p reads the target's final (post-norm) hidden state f_p, the hidden state vLLM hands its
 MTP proposer, and the embedding of the next token x_{p+1}:
@@ -20,11 +21,12 @@ as vLLM's proposer feeds them back (docs/results/vllm-0.32-source-2026-families.
 passes hyper-connection streams instead, and reads the target's last layer's (heads/mtp_streams.py; Qwen4-Exp's, mixed
 by gated residuals: heads/mtp_gated.py); HY-V4's and GLM-5-Next's block is their decoder layer without its
 hyper-connections (heads/mtp_plain.py), as is MiniMax-M3's, its block-sparse attention on the drafter's masks
-(heads/mtp_blocks.py). Inkling's reads [hidden | embedding], its embedding normed by the target's embedding norm
-first, its block the decoder layer with its short convolutions (heads/mtp_convolved.py), its chain norm as the final
-norm, and its logits divided by the target's muP multiplier (`head_input`), as vLLM's. Decoding is EAGLE's: the
-layer's own KV cache over the committed sequence, a chain or a dynamic tree grown from it (EagleProposer); vLLM
-verifies chains.
+(heads/mtp_blocks.py); Nemotron-H's is a stack of its attention and expert layers, the wrapper's tensors stored in
+its first and last (heads/mtp_stacked.py). Inkling's reads [hidden | embedding], its embedding normed by the target's
+embedding norm first, its block the decoder layer with its short convolutions (heads/mtp_convolved.py), its chain norm
+as the final norm, and its logits divided by the target's muP multiplier (`head_input`), as vLLM's. Decoding is
+EAGLE's: the layer's own KV cache over the committed sequence, a chain or a dynamic tree grown from it (EagleProposer);
+vLLM verifies chains.
 
 Only the first MTP layer is used: vLLM 0.32's proposer runs layer 0 for every draft step whatever the checkpoint's
 count (Inkling's runs depth i at step i: a release shipping more than one is refused, heads/mtp_layouts.py). The
@@ -46,8 +48,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from draftsmith.errors import UserError
-from draftsmith.families import sliding_window, within_window
-from draftsmith.heads import mtp_convolved, mtp_gated, mtp_plain, mtp_streams, register
+from draftsmith.families import norm_eps, sliding_window, within_window
+from draftsmith.heads import mtp_convolved, mtp_gated, mtp_plain, mtp_stacked, mtp_streams, register
 from draftsmith.heads.base import WEIGHTS_NAME, FlopProfile
 from draftsmith.heads.eagle_base import EagleBase, import_qualified
 from draftsmith.heads.mtp_config import MtpConfig
@@ -141,7 +143,7 @@ class Mtp(EagleBase):
         # on any device; from_pretrained would pick a kernel, a layer built alone gets none
         self.layer_config._experts_implementation = "eager"
         self.layout = LAYOUTS[spec["architecture"]]
-        hidden, eps = target.hidden_size, self.layer_config.rms_norm_eps
+        hidden, eps = target.hidden_size, norm_eps(self.layer_config)
         norm = import_qualified(spec["norm"])  # the target's RMSNorm (Qwen's computes x * (1 + w))
         if self.layout.gated:  # no final norm: the layer's own mixer feeds the lm_head
             mtp_gated.build(self, hidden, eps, norm, import_qualified(spec["collapse"]))
@@ -153,18 +155,22 @@ class Mtp(EagleBase):
                 self.proj = nn.Linear(2 * hidden, hidden, bias=False)
         if self.layout.own_embedding:  # frozen as the target's table is for the other layouts: a vocabulary's rows
             self.own_embed = nn.Embedding(target.vocab_size, hidden).requires_grad_(False)
-        layer = import_qualified(spec["layer"])(self.layer_config, layer_idx=0)
-        if self.layout.gated:
-            self.block = mtp_gated.GatedBlock(layer, self.rotary_emb)
-        elif self.layout.convolved:
-            self.block = mtp_convolved.ConvolvedBlock(layer)
-        else:
-            self.block = mtp_plain.PlainBlock(layer) if self.layout.plain_block else layer
-        indexer = getattr(self.block.self_attn, "indexer", None)
+        self.block = self.build_block(import_qualified(spec["layer"]))
+        indexer = getattr(getattr(self.block, "self_attn", None), "indexer", None)
         if indexer is not None:
             # V3.2's sparse-attention indexer stays as shipped: transformers runs it without gradients (DeepSeek
             # trains it apart, on its own loss), and a parameter no loss reaches would stall DDP's reduction
             indexer.requires_grad_(False)
+
+    def build_block(self, layer_class) -> nn.Module:
+        if self.layout.stacked:
+            return mtp_stacked.StackedBlock(layer_class, self.layer_config)
+        layer = layer_class(self.layer_config, layer_idx=0)
+        if self.layout.gated:
+            return mtp_gated.GatedBlock(layer, self.rotary_emb)
+        if self.layout.convolved:
+            return mtp_convolved.ConvolvedBlock(layer)
+        return mtp_plain.PlainBlock(layer) if self.layout.plain_block else layer
 
     @classmethod
     def for_target(cls, config: MtpConfig, target: TargetShape, target_config) -> MtpConfig:
@@ -212,8 +218,7 @@ class Mtp(EagleBase):
             "layer": qualified(type(inner.layers[0])),
             # a family without rotary embeddings (GLM-5-Next's NoPE attention) has no table
             "rotary": qualified(type(inner.rotary_emb)) if hasattr(inner, "rotary_emb") else None,
-            # Qwen4-Exp's decoder ends in its mixer, whose norm is the family's
-            "norm": qualified(type(inner.norm if hasattr(inner, "norm") else inner.hyper_connection_mixer.hc_norm)),
+            "norm": qualified(type(final_norm_of(inner))),
             "config_class": qualified(type(text)),
             "config": layer_config(target_config, layout),
         }
@@ -225,7 +230,7 @@ class Mtp(EagleBase):
 
     def load_layer(self, tensors: dict[str, torch.Tensor]) -> None:
         block = self.layout.block()
-        wrapper = wrapper_names(self.layout)
+        wrapper = self.wrapper_names()
         missing = [name for name in wrapper.values() if name not in tensors]
         if missing:
             raise UserError(f"drafter.type=mtp: the checkpoint's MTP layer lacks {missing}")
@@ -237,8 +242,8 @@ class Mtp(EagleBase):
                     f"drafter.type=mtp: the checkpoint's MTP layer does not match the target ({wrapper[own]} is "
                     f"{list(tensor.shape)}, the target's hidden size makes it {list(expected)})"
                 )
-        block_tensors = {name.removeprefix(block): t for name, t in tensors.items() if name.startswith(block)}
-        block_tensors = {k: v for k, v in block_tensors.items() if k not in (*wrapper.values(), OWN_EMBEDDING)}
+        apart = (*wrapper.values(), OWN_EMBEDDING)  # a stacked block holds the wrapper's tensors in its layers
+        block_tensors = {n.removeprefix(block): t for n, t in tensors.items() if n.startswith(block) and n not in apart}
         if self.layout.own_embedding:
             state["own_embed.weight"] = tensors[OWN_EMBEDDING]
         converted = block_from_checkpoint(block_tensors, self.config.decoder, self.layout)
@@ -246,9 +251,13 @@ class Mtp(EagleBase):
         dtype = self.embed_norm.weight.dtype
         self.load_state_dict({name: t.to(dtype) for name, t in state.items()})
 
+    def wrapper_names(self) -> dict[str, str]:
+        names = wrapper_names(self.layout)
+        return mtp_stacked.placed(names, len(self.block)) if self.layout.stacked else names
+
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """The layer under its checkpoint names (without the prefix): what formats/mtp.py writes."""
-        out = {theirs: self.get_parameter(own).detach() for own, theirs in wrapper_names(self.layout).items()}
+        out = {theirs: self.get_parameter(own).detach() for own, theirs in self.wrapper_names().items()}
         block = self.layout.block()
         saved = block_to_checkpoint(self.block, self.config.decoder, self.layout)
         out |= {block + name: t for name, t in saved.items()}
@@ -353,6 +362,15 @@ class Mtp(EagleBase):
 
 def qualified(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def final_norm_of(decoder: nn.Module) -> nn.Module:
+    """The decoder's final norm, whose class the layer's norms are (Nemotron-H's `norm_f`; Qwen4-Exp's decoder ends
+    in its mixer, whose norm is the family's)."""
+    for name in ("norm", "norm_f"):
+        if hasattr(decoder, name):
+            return getattr(decoder, name)
+    return decoder.hyper_connection_mixer.hc_norm
 
 
 def streams_parts(layout: Layout):

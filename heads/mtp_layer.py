@@ -25,6 +25,7 @@ from torch import nn
 
 from draftsmith.errors import UserError, one_line
 from draftsmith.families import COMPRESSED, FULL, INDEXED, LINEAR, SLIDING
+from draftsmith.heads import mtp_stacked
 from draftsmith.heads.base import WEIGHTS_NAME
 from draftsmith.heads.eagle_base import import_qualified
 from draftsmith.heads.mtp_plain import kept, strip
@@ -98,6 +99,9 @@ class Layout:
     # vLLM builds the block with the decoder's layer-0 attention kind and window where the config names none for it
     # (`mtp_layer_types`, `mtp_sliding_windows`; Exaone-MoE's `is_mtp` layer), always rotated: `block_kind`'s or refused
     kind_of_layer_0: bool = False
+    # the block is a stack of the family's decoder layers under `layers.{i}.`, the wrapper's tensors in its first and
+    # last layer (Nemotron-H's `mtp_layers_block_type`): heads/mtp_stacked.py
+    stacked: bool = False
 
     def prefix(self, num_hidden_layers: int) -> str:
         """The first MTP layer's tensor names start with this."""
@@ -109,6 +113,8 @@ class Layout:
         """Where the decoder layer's own tensors sit under `prefix`."""
         if self.after_layers:
             return ""
+        if self.stacked:
+            return "layers."
         return self.block_prefix if self.own_prefix else "layers.0."
 
     def shared(self) -> tuple[str, ...]:
@@ -251,8 +257,10 @@ def shipped_shapes(name_or_path: str, config: dict, layout: Layout) -> dict[str,
 
 def first_layer(name: str, layout: Layout) -> bool:
     """Whether a tensor (named under the prefix) belongs to the first MTP layer: under `mtp.` the wrapper
-    is shared and the blocks are `layers.{j}`."""
-    return layout.after_layers or layout.own_prefix or not name.startswith("layers.") or name.startswith(layout.block())
+    is shared and the blocks are `layers.{j}` (a stacked layout's are all the first layer's: vLLM serves one)."""
+    if layout.after_layers or layout.own_prefix or layout.stacked:
+        return True
+    return not name.startswith("layers.") or name.startswith(layout.block())
 
 
 def layer_config(target_config, layout: Layout) -> dict:
@@ -267,6 +275,8 @@ def layer_config(target_config, layout: Layout) -> dict:
     with experts, which vLLM forces on its MTP block whatever the target's layers have)."""
     values = target_config.to_dict()
     values = values.get("text_config") or values
+    if layout.stacked:
+        return mtp_stacked.stack_config(values)
     values["num_hidden_layers"] = 1
     if "first_k_dense_replace" in values:
         values["first_k_dense_replace"] = 0
@@ -325,7 +335,7 @@ def carrier(spec: dict, layout: Layout):
         wrapper.tie_word_embeddings = False
         return wrapper, AutoModelForImageTextToText, f"{layout.decoder_prefix}layers.0."
     if may_be_a_causal_lm(config.model_type):
-        return config, AutoModelForCausalLM, "model.layers.0."
+        return config, AutoModelForCausalLM, "model.layers." if layout.stacked else "model.layers.0."
     return config, AutoModel, "layers.0."
 
 
@@ -340,9 +350,10 @@ def wrapper_model_type(text_config) -> str:
     )
 
 
-def carried_layer(model: nn.Module) -> nn.Module:
-    """The carrier's one decoder layer."""
-    return model.get_decoder().layers[0]
+def carried_layer(model: nn.Module, layout: Layout) -> nn.Module:
+    """The carrier's one decoder layer, or a stacked layout's layers."""
+    layers = model.get_decoder().layers
+    return layers if layout.stacked else layers[0]
 
 
 @contextlib.contextmanager
@@ -391,7 +402,7 @@ def block_from_checkpoint(tensors: dict[str, torch.Tensor], spec: dict, layout: 
             f"drafter.type=mtp: the checkpoint's MTP layer does not match the target's decoder layer "
             f"({name.removeprefix(at)} is {list(theirs)}, the layer's is {list(ours)})"
         )
-    state = carried_layer(model).state_dict()
+    state = carried_layer(model, layout).state_dict()
     return {name: t for name, t in state.items() if kept(name)} if layout.plain_block else state
 
 
@@ -400,13 +411,16 @@ def block_to_checkpoint(block: nn.Module, spec: dict, layout: Layout) -> dict[st
     the release's form (`Layout.fused_experts`; a plain block's without the layer's hyper-connections)."""
     config, auto, at = carrier(spec, layout)
     model = auto.from_config(config, dtype=torch.float32)
-    layer = strip(carried_layer(model)) if layout.plain_block else carried_layer(model)
+    layer = strip(carried_layer(model, layout)) if layout.plain_block else carried_layer(model, layout)
     layer.load_state_dict({k: v.float() for k, v in block.state_dict().items()})
     with tempfile.TemporaryDirectory() as tmp, quiet_transformers():
         model.save_pretrained(tmp, save_original_format=not layout.fused_experts)
         saved = load_file(str(Path(tmp) / WEIGHTS_NAME))
     dtype = next(block.parameters()).dtype
     release = tuple((theirs, own) for own, theirs in layout.block_renames)
+    if layout.stacked:  # the original format renames the decoder too (a release's `backbone.` for `model.`)
+        first = next(iter(layer.state_dict()))
+        at = next(name.removesuffix(first) for name in saved if name.endswith(f".{first}"))
     saved_block = {name.removeprefix(at): tensor for name, tensor in saved.items() if name.startswith(at)}
     return {renamed(name, release): tensor.to(dtype) for name, tensor in saved_block.items()}
 

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 from draftsmith.errors import UserError
 from draftsmith.families import SLIDING
+from draftsmith.heads import mtp_stacked
 from draftsmith.heads.mtp_layer import TARGET_EMBED_NORM, Layout
 
 DEEPSEEK_NAMES = ("enorm", "hnorm", "eh_proj", "shared_head.norm")
@@ -181,6 +182,12 @@ LAYOUTS = {
         block_kind=(SLIDING, "dense"),
         kind_of_layer_0=True,
     ),  # fmt: skip
+    # vLLM's NemotronHMTP (models/nemotron_h_mtp.py): under `mtp.layers.{i}.`, a stack of the family's attention and
+    # expert layers (`mtp_hybrid_override_pattern`), enorm, hnorm and eh_proj in its first, final_layernorm in its
+    # last (heads/mtp_stacked.py); nothing masked, fed back normed (its forward returns final_layernorm's output)
+    "NemotronHForCausalLM": Layout(
+        "nemotron_h_mtp", "num_nextn_predict_layers", HY_V4_NAMES, False, False, True, stacked=True
+    ),
     "Qwen3NextForCausalLM": Layout("qwen3_next_mtp", "num_nextn_predict_layers", QWEN_NAMES, False, False, True),
     "Qwen3_5ForCausalLM": QWEN3_5,
     "Qwen3_5MoeForCausalLM": QWEN3_5_MOE,
@@ -201,11 +208,6 @@ UNSERVED = {
         "transformers 5.24 has no causal LM class for model_type step3p5 (its config class, Step3p7TextConfig, "
         "builds a text model without an lm_head), so draftsmith cannot run the target; and vLLM 0.32's Step3p5MTP "
         "reads logits through the layer's own lm_head copy (shared_head.output, has_own_lm_head), not the target's"
-    ),
-    "NemotronHForCausalLM": (
-        "vLLM 0.32's NemotronHMTP runs a stack of decoder layers as the layer (`mtp_hybrid_override_pattern`, "
-        "transformers' mtp_layers_block_type: attention then experts by default, each with its own norm), and "
-        "draftsmith's drafter builds one decoder layer as its block"
     ),
     "LongcatFlashForCausalLM": (
         "vLLM 0.32's LongCatFlashMTP builds its block as a DeepSeek-V2 decoder layer (one MLA attention, one dense "
@@ -282,6 +284,8 @@ def layout_of(config: dict) -> Layout:
         check_depths(config, layout)
     if layout.kind_of_layer_0:
         check_layer_0_kind(text or config, layout)
+    if layout.stacked:
+        mtp_stacked.kinds(text or config)
     return layout
 
 

@@ -137,6 +137,23 @@ def train_in_process(args: list[str]) -> tuple[Path, object]:
     return Path(load_recipe(args).output_dir) / "final", captured["target"]
 
 
+def trains_and_decodes_its_target_losslessly(
+    recipe: str, target: Path, tmp_path: Path, data: dict, cache: Path
+) -> None:
+    """`train.py` (two steps of `recipe` on the small data) on `target`'s folder: a final checkpoint is saved, and the
+    eval stage decodes one prompt of every domain in chains, one prompt at a time, each lossless with drafts made."""
+    final, _ = train_in_process([
+        f"recipe={recipe}", f"target.name_or_path={target}", f"data.train=[{data['train']}]",
+        f"data.eval=[{data['eval']}]", f"data.cache_dir={cache}", "data.max_length=64",
+        "data.max_conversations=8", "train.micro_batch_size=4", "train.max_steps=2", "train.save_every=0",
+        "eval.max_prompts=1", "eval.max_new_tokens=16", "eval.tree=0", "eval.batch_size=1", f"output_dir={tmp_path}",
+    ])  # fmt: skip
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert report["drafter"]["type"] == recipe and (final / "config.json").is_file()
+    chains = [rows["chain"] for rows in report["domains"].values()]
+    assert chains and all(row["lossless"] is True and row["drafted"] > 0 for row in chains)
+
+
 def run_entry(
     args: list[str], cwd: Path = REPO, timeout: int = 600, env: dict | None = None
 ) -> subprocess.CompletedProcess:

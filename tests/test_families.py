@@ -44,7 +44,7 @@ from tests.helpers import (
     product_strings,
     run_entry_in_process,
     train_args,
-    train_in_process,
+    trains_and_decodes_its_target_losslessly,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -623,16 +623,7 @@ def test_drafters_that_tap_a_multi_stream_target_train_and_decode_losslessly(rec
     from draftsmith.random_target import write_random_target
 
     target = write_random_target("deepseek_v4", tmp_path / "target", hidden_size=64, intermediate_size=128)
-    final, _ = train_in_process([
-        f"recipe={recipe}", f"target.name_or_path={target}", f"data.train=[{small_data['train']}]",
-        f"data.eval=[{small_data['eval']}]", f"data.cache_dir={token_cache}", "data.max_length=64",
-        "data.max_conversations=8", "train.micro_batch_size=4", "train.max_steps=2", "train.save_every=0",
-        "eval.max_prompts=1", "eval.max_new_tokens=16", "eval.tree=0", "eval.batch_size=1", f"output_dir={tmp_path}",
-    ])  # fmt: skip
-    report = json.loads((tmp_path / "eval" / "report.json").read_text())
-    assert report["drafter"]["type"] == recipe and (final / "config.json").is_file()
-    chains = [rows["chain"] for rows in report["domains"].values()]
-    assert chains and all(row["lossless"] is True and row["drafted"] > 0 for row in chains)
+    trains_and_decodes_its_target_losslessly(recipe, target, tmp_path, small_data, token_cache)
 
 
 def test_a_linear_attention_target_refuses_an_eval_it_cannot_run_before_training(
