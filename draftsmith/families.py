@@ -198,9 +198,14 @@ class LayerFamily:
     layer: str
     rotary: str
     own_config: Mapping[str, Any] = field(default_factory=dict, hash=False)
-    # a family whose config sets RoPE and head shapes per layer kind (Gemma-4's): every draft layer is a
+    # a family whose config sets RoPE and head shapes per layer kind (Gemma-4's, Laguna's): every draft layer is a
     # full-attention layer, its RoPE and heads the ones `config` gives
     per_kind: bool = False
+    # config keys set per layer, each layer the one value given here (Laguna's MLP kind: every draft layer dense)
+    per_layer: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    # the one engine model that builds draft layers of this family (vLLM's class, written by one drafter kind's
+    # export, which declares it: heads/dflash_config.py ENGINE_MODELS); empty: every kind's engine models build them
+    engine_model: str = ""
 
     def config(self, target_config: Any, num_layers: int) -> dict[str, Any]:
         """The draft layers' config: the target's shape (hidden size, heads, head dimension, MLP width,
@@ -225,6 +230,7 @@ class LayerFamily:
             "tie_word_embeddings": False,
         }
         config.update(self.own_config)
+        config.update({key: [value] * num_layers for key, value in self.per_layer.items()})
         if self.per_kind:
             config |= {
                 "layer_types": [FULL] * num_layers,
@@ -270,24 +276,39 @@ DRAFT_LAYER_FAMILIES = {
             "use_double_wide_mlp": False,
         },
         per_kind=True,
+        engine_model="Gemma4DSparkModel",
+    ),
+    # vLLM's DFlashLagunaForCausalLM's layers (DFlash only: heads/dflash_laguna.py): q/k norms, a softplus gate per
+    # head on the attention's output, a dense SiLU MLP; RoPE over every dimension
+    "laguna": LayerFamily(
+        "laguna",
+        "transformers.models.laguna.configuration_laguna.LagunaConfig",
+        "transformers.models.laguna.modeling_laguna.LagunaDecoderLayer",
+        "transformers.models.laguna.modeling_laguna.LagunaRotaryEmbedding",
+        own_config={"gating": True, "num_experts": 0},
+        per_kind=True,
+        per_layer={"mlp_layer_types": "dense"},
+        engine_model="DFlashLagunaForCausalLM",
     ),
 }
 
 
-def layer_family(name: str, kind: Optional[str] = None) -> LayerFamily:
-    """The draft layer family `name`; `kind`: the drafter kind it is for, where no engine builds that kind's layers
-    per layer kind (Gemma-4's layers, which vLLM builds for one kind only: that kind's config passes None)."""
+def layer_family(name: str, kind: Optional[str] = None, models: tuple[str, ...] = ()) -> LayerFamily:
+    """The draft layer family `name`; `kind`: the drafter kind it is for, whose export writes the engine `models`,
+    refused where the one engine model building the family's layers is another (`LayerFamily.engine_model`); None:
+    any kind."""
     if name not in DRAFT_LAYER_FAMILIES:
         raise UserError(
             f"drafter.layer_family={name!r} is not one of {', '.join(DRAFT_LAYER_FAMILIES)} (the families engines "
             "build draft layers from)"
         )
     family = DRAFT_LAYER_FAMILIES[name]
-    if family.per_kind and kind is not None:
-        others = ", ".join(other for other, built in DRAFT_LAYER_FAMILIES.items() if not built.per_kind)
+    if kind is not None and family.engine_model and family.engine_model not in models:
+        built_here = ("", *models)
+        others = ", ".join(other for other, built in DRAFT_LAYER_FAMILIES.items() if built.engine_model in built_here)
         raise UserError(
             f"drafter.layer_family={name}: no engine builds a {kind} drafter's layers of that family (vLLM builds them "
-            f"for one other kind only); choose {others}"
+            f"in its {family.engine_model} only); choose {others}"
         )
     return family
 

@@ -23,6 +23,8 @@ these conventions, each checked here and recorded in draftsmith_export.json:
   `use_sliding_window` and `dflash_config.causal: false`, vLLM's non-causal window); one started from the encoder
   layout is written back in it (the released config, its settings at the top and under `dflash_config`, `encoder.fc`
   and `encoder.output_norm_enc`), which vLLM 0.32 maps to this same DFlash model.
+- A drafter of Laguna layers (`drafter.layer_family=laguna`) goes to vLLM's `DFlashLagunaForCausalLM` instead
+  (formats/dflash_laguna.py), which builds Laguna layers.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any, Optional
 import torch
 
 from draftsmith.errors import UserError
-from draftsmith.formats import Exporter, Source, register
+from draftsmith.formats import Exporter, Source, dflash_laguna, register
 from draftsmith.formats.eagle import llama_layers_expected
 from draftsmith.formats.repo import (
     VLLM_SERVE,
@@ -163,6 +165,9 @@ class DFlashExporter(Exporter):
 
     def layer_config(self, drafter) -> dict[str, Any]:
         """The draft layers' config under vLLM's names; layers of a family vLLM's layout does not build refused."""
+        # vLLM builds Laguna layers for DFlash only (a DSpark of them is refused at the recipe: ENGINE_MODELS)
+        if dflash_laguna.has_laguna_layers(drafter) and drafter.type == DFlashExporter.kinds[0]:
+            return dflash_laguna.layer_config(drafter)
         return draft_layer_config(drafter, FAMILIES, "vLLM", drafter.TITLE)
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
@@ -170,6 +175,10 @@ class DFlashExporter(Exporter):
         settings = drafter.config
         layer = self.layer_config(drafter)
         config, expected, conventions = backbone_parts(layer, settings)
+        if layer["model_type"] == dflash_laguna.FAMILY:
+            repo = dflash_laguna.layout(drafter, config, expected, conventions, self.vllm_method)
+            repo.cpu_build_limit = context_key_norms_limit(drafter) or repo.cpu_build_limit
+            return repo
         windows = window_config(drafter)
         config |= {"architectures": ["DFlashDraftModel"], "model_type": "qwen3"} | windows
         if windows:  # vLLM's DFlash runs a sliding layer causally unless told (`_dflash_layer_causal`)
@@ -200,7 +209,8 @@ class DFlashExporter(Exporter):
         )  # fmt: skip
 
     def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
-        vllms = "dflash_config" in config and "DFlashDraftModel" in config.get("architectures", [])
+        layouts = {"DFlashDraftModel", dflash_laguna.ARCHITECTURE}
+        vllms = "dflash_config" in config and bool(layouts & set(config.get("architectures", [])))
         return vllms or encoder_layout(config, tensors)
 
     def read(
@@ -212,7 +222,8 @@ class DFlashExporter(Exporter):
             for key, value in info.get("drafter_config", {}).items()
             if key in ("tree_topk", "anchors", "loss", "loss_decay")
         }
-        if encoder_layout(config, tensors) or config.get("layer_types"):  # the folder's own layers
+        laguna = dflash_laguna.ARCHITECTURE in config.get("architectures", [])
+        if not laguna and (encoder_layout(config, tensors) or config.get("layer_types")):  # the folder's own layers
             drafter = dflash.from_target(
                 dflash.Config(released_drafter=str(folder), **recorded), target_model, info.get("verifier", "target")
             )
@@ -231,6 +242,9 @@ class DFlashExporter(Exporter):
             "mask_token_id": int(options["mask_token_id"]),
             "qk_norm": True,
         }
+        if laguna:
+            settings["layer_family"] = dflash_laguna.FAMILY
+            tensors = dflash_laguna.unfused(tensors, config)
         drafter = dflash.from_target(
             dflash.Config(**settings, **recorded), target_model, info.get("verifier", "target")
         )

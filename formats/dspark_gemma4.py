@@ -23,10 +23,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from draftsmith.errors import UserError
 from draftsmith.families import FULL
 from draftsmith.formats.dflash import backbone_parts
-from draftsmith.formats.repo import VLLM_SERVE, EngineRepo
+from draftsmith.formats.repo import VLLM_SERVE, EngineRepo, require_layers
 
 ARCHITECTURE = "Gemma4DSparkModel"
 FAMILY = "gemma4_text"  # the draft layer family (draftsmith.families) whose layers this layout carries
@@ -49,21 +48,16 @@ def layer_config(drafter) -> dict[str, Any]:
     """The Gemma-4 layers' config as trained, under vLLM's names; layers vLLM's model would build otherwise (or
     not at all) refused in one line."""
     layers = drafter.config.decoder["config"]
-    differs = [
-        what
-        for what, holds in (
+    require_layers(
+        (
             ("a layer other than full_attention", set(layers.get("layer_types") or ()) == {FULL}),
             ("values other than the keys (attention_k_eq_v false)", bool(layers.get("attention_k_eq_v"))),
             ("attention biases", not layers.get("attention_bias")),
             ("final_logit_softcapping", layers.get("final_logit_softcapping") is None),
-        )
-        if not holds
-    ]
-    if differs:
-        raise UserError(
-            f"vLLM's {ARCHITECTURE} builds full-attention Gemma-4 layers whose values are their keys, without "
-            f"biases or soft-capping; this drafter's layers have {', '.join(differs)}"
-        )
+        ),
+        f"vLLM's {ARCHITECTURE} builds full-attention Gemma-4 layers whose values are their keys, without biases or "
+        "soft-capping",
+    )
     config = {key: layers[key] for key in CONFIG_KEYS if key in layers}
     return {**config, "num_hidden_layers": int(layers["num_hidden_layers"]), "torch_dtype": "float32"}
 

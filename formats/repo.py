@@ -225,6 +225,14 @@ LAYER_KEYS = (
 )  # fmt: skip
 
 
+def require_layers(checks: tuple[tuple[str, bool], ...], built: str) -> None:
+    """The one-line refusal of draft layers an engine's model would build otherwise: `checks` (what differs, whether
+    the layers hold to it), `built` what that model builds."""
+    differs = [what for what, holds in checks if not holds]
+    if differs:
+        raise UserError(f"{built}; this drafter's layers have {', '.join(differs)}")
+
+
 def draft_layer_config(drafter, families: tuple[str, ...], engine: str, kind: str) -> dict[str, Any]:
     """The config of a drafter's own decoder layers as it trained them (`drafter.decoder`, its layer
     family at the target's shape), under the names the engine reads, with the layer count it has. An

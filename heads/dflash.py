@@ -48,6 +48,9 @@ Checkpoint names follow the public DFlash layout: `fc.weight [H, n*H]`, `hidden_
 learned mask `mask_embedding [H]`, the one tensor the public layout lacks (it names the mask by
 `mask_token_id`): formats/dflash.py refuses such a drafter. Gemma-4 layers (`layer_family=gemma4_text`,
 heads/dflash_gemma4.py) keep transformers' Gemma-4 names, which vLLM reads for DSpark only (formats/dspark_gemma4.py).
+Laguna layers (`layer_family=laguna`, heads/dflash_laguna.py) gate their attention per head, and the drafter norms
+each tapped state (`aux_hidden_norms`) and each layer its context input, as vLLM's DFlashLagunaForCausalLM computes
+(formats/dflash_laguna.py).
 
 A drafter started from a released one (`released_drafter`, heads/dflash_released.py) keeps that one's layers: its
 widths, heads and RoPE, and a sliding window on the layers its `layer_types` mark sliding, where a block query at
@@ -64,11 +67,12 @@ import torch
 from torch import nn
 
 from draftsmith.errors import UserError
-from draftsmith.families import tap_layers
+from draftsmith.families import layer_family, tap_layers
 from draftsmith.heads import register
 from draftsmith.heads.base import per_sample_stats
 from draftsmith.heads.dflash_config import DFlashConfig
 from draftsmith.heads.dflash_gemma4 import FullAttentionRope, Gemma4DFlashLayer
+from draftsmith.heads.dflash_laguna import GatedDFlashLayer, is_gated, tap_norms
 from draftsmith.heads.dflash_layer import DFlashLayer, add_qk_norm, layer_window, within
 from draftsmith.heads.dflash_proposer import DFlashProposer
 from draftsmith.heads.dflash_released import start_from_release
@@ -120,12 +124,14 @@ class DFlash(EagleBase):
                 add_qk_norm(layer, self.layer_config)
         self.hidden_norm = copy.deepcopy(family_layers[0].input_layernorm)  # fresh norms of the family's class
         sandwich = hasattr(family_layers[0], "pre_feedforward_layernorm")  # Gemma-4's (heads/dflash_gemma4.py)
-        wrapper = Gemma4DFlashLayer if sandwich else DFlashLayer
+        gated = is_gated(family_layers[0])  # Laguna's (heads/dflash_laguna.py)
+        wrapper = Gemma4DFlashLayer if sandwich else GatedDFlashLayer if gated else DFlashLayer
         self.layers = nn.ModuleList(wrapper(layer, self.layer_config) for layer in family_layers)
-        # vLLM's Gemma-4 DSpark embeds its block with the target's table times sqrt(hidden); its rotary table
-        # takes the layer kind
+        # vLLM's Laguna DFlash norms each tapped state before the fc
+        self.aux_hidden_norms = tap_norms(family_layers[0], len(config.target_layers), hidden) if gated else None
+        # vLLM's Gemma-4 DSpark embeds its block with the target's table times sqrt(hidden)
         self.embed_scale = hidden**0.5 if sandwich else None
-        if sandwich:
+        if layer_family(config.layer_family).per_kind:  # its rotary table takes the layer kind
             self.rotary_emb = FullAttentionRope(self.rotary_emb)
         self.norm = copy.deepcopy(family_layers[0].input_layernorm)
         # Each layer's sliding window (None: full attention): a released drafter's layers may have one
@@ -186,14 +192,15 @@ class DFlash(EagleBase):
     def context(self, layers: dict[int, torch.Tensor]) -> torch.Tensor:
         """The target's states [..., H] per context layer -> the context feature [..., H]."""
         dtype = self.fc.weight.dtype
-        return self.hidden_norm(
-            self.fc(torch.cat([layers[layer].to(dtype) for layer in self.config.target_layers], dim=-1))
-        )
+        states = [layers[layer].to(dtype) for layer in self.config.target_layers]
+        if self.aux_hidden_norms is not None:
+            states = [norm(state) for norm, state in zip(self.aux_hidden_norms, states)]
+        return self.hidden_norm(self.fc(torch.cat(states, dim=-1)))
 
     def context_keys(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's keys/values [B, kv, C, d] of the context [B, C, H] at positions [B, C]."""
         rope = self.rotary_emb(context, positions)
-        return [layer.keys_values(context, rope) for layer in self.layers]
+        return [layer.context_keys_values(context, rope) for layer in self.layers]
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The block's token inputs: the target's embedding rows (EagleBase's), scaled where the layers' engine

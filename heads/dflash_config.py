@@ -42,7 +42,8 @@ class DFlashConfig(DrafterConfig):
     qk_norm: bool = True  # per-head RMSNorm on queries and keys (Qwen3's), as vLLM's DFlash layers apply
     # The family of the draft's own decoder layers (draftsmith.families); llama with qk_norm is the
     # function of vLLM's DFlash layers (Qwen3's), whatever the target's family; gemma4_text: Gemma-4's layers
-    # (heads/dflash_gemma4.py), which vLLM builds for DSpark only (Gemma4DSparkModel)
+    # (heads/dflash_gemma4.py), which vLLM builds for DSpark only (Gemma4DSparkModel); laguna: Laguna's layers
+    # (heads/dflash_laguna.py), which vLLM builds for DFlash only (DFlashLagunaForCausalLM)
     layer_family: str = "llama"
     decoder: Optional[dict] = None  # the draft layers' classes and config, resolved by from_target
     # A released DFlash drafter to start from: its folder (vLLM's DFlashDraftModel, or the encoder layout of
@@ -50,11 +51,12 @@ class DFlashConfig(DrafterConfig):
     # windows) and weights it keeps; num_layers, target_layers, block_size and mask_token_id unset or the folder's.
     # It sets the layers' shape, so a resume or a warm start (train.init_from) names the same folder.
     released_drafter: Optional[str] = None
-    # whether an engine builds this kind's layers of a family set per layer kind (Gemma-4's): vLLM, for DSpark only
-    LAYERS_PER_KIND: ClassVar[bool] = False
+    # the engine models its export writes among those that alone build a family's layers (draftsmith.families
+    # `LayerFamily.engine_model`): a family built by another is refused at the recipe
+    ENGINE_MODELS: ClassVar[tuple[str, ...]] = ("DFlashLagunaForCausalLM",)  # formats/dflash_laguna.py
 
     def check(self, target: Optional[TargetShape] = None) -> None:
-        family = layer_family(self.layer_family, None if self.LAYERS_PER_KIND else self.type)
+        family = layer_family(self.layer_family, self.type, self.ENGINE_MODELS)
         if family.per_kind and not self.qk_norm:
             raise UserError(f"drafter.qk_norm=false: {self.layer_family} layers always norm their queries and keys")
         if self.num_layers < 1:

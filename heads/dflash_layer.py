@@ -114,6 +114,13 @@ class DFlashLayer(nn.Module):
             "v_proj", "v_norm", x, self.kv_heads
         )
 
+    def context_keys_values(
+        self, context: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared context's keys and values [B, kv, C, d] (`keys_values` of the context [B, C, H] as is: no
+        input_layernorm on it, as vLLM's Qwen3 DFlash layers project it)."""
+        return self.keys_values(context, rope)
+
     def forward(self, hidden, rope, context_kv, visible) -> torch.Tensor:
         """hidden [B, A, S, H] (A blocks of S) at the positions `rope` encodes ([B, A*S, d] cos/sin);
         context_kv: this layer's context keys/values [B, kv, C, d]; visible [B, A, C]."""

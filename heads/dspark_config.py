@@ -21,7 +21,7 @@ class DSparkConfig(DFlashConfig):
     # see DrafterConfig; adaptive_verification sets how vLLM serves (and the eval decodes), not the weights
     SETTINGS = (*DFlashConfig.SETTINGS, "confidence_weight", "confidence_decay", "adaptive_verification")
     SERVED = ("adaptive_verification",)  # its chains have no tree (tree_topk is refused)
-    LAYERS_PER_KIND = True  # vLLM's Gemma4DSparkModel (formats/dspark_gemma4.py)
+    ENGINE_MODELS = ("Gemma4DSparkModel",)  # formats/dspark_gemma4.py
     # block = anchor + block_size-1 masks, every position predicting the token after it: proposes up to block_size
     # tokens (vLLM's default num_speculative_tokens for the folder)
     block_size: int = 8
