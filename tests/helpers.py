@@ -137,6 +137,17 @@ def train_in_process(args: list[str]) -> tuple[Path, object]:
     return Path(load_recipe(args).output_dir) / "final", captured["target"]
 
 
+def run_in_vllm(vllm_python: str, script: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """`script` (Python source) run by vLLM's environment's `vllm_python` with `args` and a free port last, tests/ on
+    its path (for tests/vllm_dflash_side.py); its output captured."""
+    path = tmp_path / "in_vllm.py"
+    path.write_text(script)
+    port = str(29000 + int(tmp_path.stat().st_ino) % 900)
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
+    return subprocess.run([vllm_python, str(path), *map(str, args), port], capture_output=True, text=True, timeout=600,
+                          env=env)  # fmt: skip
+
+
 def trains_and_decodes_its_target_losslessly(
     recipe: str, target: Path, tmp_path: Path, data: dict, cache: Path
 ) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-import subprocess
 
 import pytest
 import torch
@@ -31,6 +30,7 @@ from tests.helpers import (
     family_target,
     read_log,
     run_entry_in_process,
+    run_in_vllm,
     save_drafter,
     stand_in_vllm,
 )
@@ -265,44 +265,20 @@ VLLM_SCRIPT = """
 import json, sys
 import torch
 from safetensors.torch import load_file, save_file
-from vllm import _custom_ops as ops
 from vllm.config import set_current_vllm_config
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
-from vllm.engine.arg_utils import EngineArgs
 from vllm.model_executor.model_loader.utils import process_weights_after_loading
 from vllm.model_executor.models.laguna_dflash import DFlashLagunaForCausalLM
 from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
 from vllm.v1.worker.gpu.spec_decode.eagle.utils import _should_share
 from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
+from vllm_dflash_side import block_outputs, engine_config, per_layer_rms, single_process
 
 folder, target, inputs, port = sys.argv[1:]
-config = EngineArgs(model=target, dtype="float32", max_model_len=256, enforce_eager=True).create_engine_config()
 gamma = json.load(open(folder + "/config.json"))["block_size"] - 1  # the export's recommended num_speculative_tokens
-options = {"method": "dflash", "model": folder, "num_speculative_tokens": gamma}
-spec = EngineArgs(model=target, speculative_config=options).create_speculative_config(
-    config.model_config, config.parallel_config
-)
-object.__setattr__(config, "speculative_config", spec)
+config, spec = engine_config(target, {"method": "dflash", "model": folder, "num_speculative_tokens": gamma})
 given = load_file(inputs)
-
-
-class ContextThenBlock(torch.nn.Module):
-    def __init__(self, attention, keys, values):
-        super().__init__()
-        self.heads, self.kv, self.dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
-        self.scaling, self.keys, self.values = attention.scaling, keys, values
-
-    def forward(self, q, k, v):
-        n = q.shape[0]
-        keys = torch.cat([self.keys, k.view(n, self.kv, self.dim)]).repeat_interleave(self.heads // self.kv, 1)
-        values = torch.cat([self.values, v.view(n, self.kv, self.dim)]).repeat_interleave(self.heads // self.kv, 1)
-        scores = torch.einsum("qhd,khd->hqk", q.view(n, self.heads, self.dim), keys) * self.scaling
-        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).reshape(n, -1)
-
-
 with set_current_vllm_config(config):
-    init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
-    initialize_model_parallel(1, 1)
+    single_process(port)
     model = DFlashLagunaForCausalLM(vllm_config=config)
     tensors = load_file(folder + "/model.safetensors")
     loaded = model.load_weights(tensors.items())
@@ -314,43 +290,23 @@ with set_current_vllm_config(config):
     shares = [_should_share(model, flag, None, None) for flag in ("has_own_embed_tokens", "has_own_lm_head")]
     process_weights_after_loading(model, spec.draft_model_config, torch.device("cpu"))
     inner = model.model
-    inner.embed_tokens.weight.data.copy_(given["table"])  # what vLLM's loader shares from the target
-    captured = []
-    for layer in inner._attn_layers:
-        layer.impl.do_kv_cache_update = lambda attn, k, v, cache, slots: captured.append((k.clone(), v.clone()))
     context = model.combine_hidden_states(given["aux"])
-    num_ctx, layers = context.shape[0], inner._num_attn_layers
-    shape = (num_ctx, layers, inner._num_kv_heads, inner._head_dim)
-    with torch.no_grad():
-        grouped = inner._project_context_kv(context, *shape)
-    # the grouped RMSNorms (each layer's input_layernorm on the context, each layer's k_norm on its keys): vLLM's
-    # source selects the [L, ...] weight per layer; the CPU build's kernel applies layer 0's row to every layer
-    # (measured below), so they run layer by layer
+    shape = (context.shape[0], inner._num_attn_layers, inner._num_kv_heads, inner._head_dim)
+    # the grouped RMSNorm of the context by each layer's input_layernorm: vLLM's source selects the [L, H] weight per
+    # layer; the CPU build's kernel applies layer 0's row to every layer (measured below), so it runs layer by layer
     def per_layer_project(states, num_ctx, num_layers, num_kv_heads, head_dim):
-        normed = torch.stack([torch.empty_like(states) for _ in range(num_layers)])
-        for i, weight in enumerate(inner._input_layernorm_weights):
-            ops.rms_norm(normed[i], states.contiguous(), weight.contiguous(), inner._rms_norm_eps)
+        normed = per_layer_rms(inner._input_layernorm_weights, states, inner._rms_norm_eps, shared=True)
         flat = torch.bmm(normed, inner._kv_weights.transpose(1, 2))
         kv = flat.view(num_layers, num_ctx, 2, num_kv_heads, head_dim).permute(2, 0, 1, 3, 4).contiguous()
         return kv[0], kv[1]
-    def per_layer_k_norm(all_k):
-        normed = torch.empty_like(all_k)
-        for i, weight in enumerate(inner._k_norm_weights):
-            ops.rms_norm(normed[i], all_k[i].contiguous(), weight.contiguous(), inner._rms_norm_eps)
-        return normed
     with torch.no_grad():
-        each = per_layer_project(context, *shape)
+        grouped, each = inner._project_context_kv(context, *shape), per_layer_project(context, *shape)
     inner._project_context_kv = per_layer_project
-    inner._normalize_context_k = per_layer_k_norm
-    with torch.no_grad():
-        inner.precompute_and_store_context_kv(context, given["context_positions"], given["context_positions"])
-        for layer, (keys, values) in zip(inner.layers, captured):
-            layer.self_attn.attn = ContextThenBlock(layer.self_attn, keys, values)
-        outputs = inner(given["block"], given["positions"])
+    outputs, captured = block_outputs(model, given)
 save_file({"outputs": outputs.contiguous()}, inputs + ".vllm")
 print(json.dumps({"method": spec.method, "architectures": spec.draft_model_config.architectures,
                   "num_speculative_tokens": spec.num_speculative_tokens, "shares": shares,
-                  "aux_layers": list(get_eagle3_aux_layers_from_config(spec)), "captured": len(captured),
+                  "aux_layers": list(get_eagle3_aux_layers_from_config(spec)), "captured": captured,
                   "grouped_input_norm_is_per_layer": bool(torch.allclose(grouped[1], each[1], atol=1e-5)),
                   "mask": get_parallel_drafting_token_id(spec.draft_model_config.hf_config), "taken": taken,
                   "gated": [layer.self_attn.gate_per_head for layer in inner.layers],
@@ -383,11 +339,7 @@ def test_vllms_own_code_takes_the_folder_and_computes_the_drafters_block(
         "positions": torch.arange(anchor, anchor + size),
         "table": target.get_input_embeddings().weight.detach().contiguous(),
     }, str(inputs))  # fmt: skip
-    script = tmp_path / "vllm_dflash_laguna.py"
-    script.write_text(VLLM_SCRIPT)
-    port = str(29000 + int(tmp_path.stat().st_ino) % 900)
-    done = subprocess.run([vllm_python, str(script), str(folder), str(target_dir), str(inputs), port],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = run_in_vllm(vllm_python, VLLM_SCRIPT, tmp_path, folder, target_dir, inputs)
     assert done.returncode == 0, done.stderr[-3000:]
     said = json.loads(done.stdout.strip().splitlines()[-1])
     assert said["method"] == "dflash" and said["architectures"] == [ARCHITECTURE], said

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-import subprocess
 
 import pytest
 import torch
@@ -34,6 +33,7 @@ from tests.helpers import (
     greedy_text,
     read_log,
     run_entry_in_process,
+    run_in_vllm,
     save_drafter,
 )
 
@@ -253,47 +253,24 @@ def test_train_resume_export_and_eval_of_the_folder_through_the_entry_points(
 # need an engine's forward context, so each layer's `attn` is replaced by plain non-causal attention over the context
 # keys/values that vLLM's own precompute_and_store_context_kv hands its cache writer, then the block; every other step
 # (embedding, q/k/v projections and norms, RoPE, o_proj, norms, MLP, layer_scalar, final norm) is vLLM's module, but
-# for the context keys' per-layer k_norm, run layer by layer (the CPU kernel of its grouped form reads one layer's).
+# for the context keys' per-layer k_norm, run layer by layer (tests/vllm_dflash_side.py).
 VLLM_SCRIPT = """
 import json, sys
 import torch
 from safetensors.torch import load_file, save_file
-from vllm import _custom_ops as ops
 from vllm.config import set_current_vllm_config
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
-from vllm.engine.arg_utils import EngineArgs
 from vllm.model_executor.model_loader.utils import process_weights_after_loading
 from vllm.model_executor.models.gemma4_dspark import Gemma4DSparkForCausalLM
 from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
 from vllm.v1.worker.gpu.spec_decode.eagle.utils import _should_share
 from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
+from vllm_dflash_side import block_outputs, engine_config, single_process
 
 folder, target, inputs, port = sys.argv[1:]
-config = EngineArgs(model=target, dtype="float32", max_model_len=256, enforce_eager=True).create_engine_config()
-spec = EngineArgs(model=target, speculative_config={"method": "dspark", "model": folder}).create_speculative_config(
-    config.model_config, config.parallel_config
-)
-object.__setattr__(config, "speculative_config", spec)  # the engine's config check refuses DSpark on a CPU
+config, spec = engine_config(target, {"method": "dspark", "model": folder})  # set directly: CPU engines refuse DSpark
 given = load_file(inputs)
-
-
-class ContextThenBlock(torch.nn.Module):
-    def __init__(self, attention, keys, values):
-        super().__init__()
-        self.heads, self.kv, self.dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
-        self.scaling, self.keys, self.values = attention.scaling, keys, values
-
-    def forward(self, q, k, v):
-        n = q.shape[0]
-        keys = torch.cat([self.keys, k.view(n, self.kv, self.dim)]).repeat_interleave(self.heads // self.kv, 1)
-        values = torch.cat([self.values, v.view(n, self.kv, self.dim)]).repeat_interleave(self.heads // self.kv, 1)
-        scores = torch.einsum("qhd,khd->hqk", q.view(n, self.heads, self.dim), keys) * self.scaling
-        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).reshape(n, -1)
-
-
 with set_current_vllm_config(config):
-    init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
-    initialize_model_parallel(1, 1)
+    single_process(port)
     model = Gemma4DSparkForCausalLM(vllm_config=config)
     tensors = load_file(folder + "/model.safetensors")
     loaded = model.load_weights(tensors.items())
@@ -309,30 +286,12 @@ with set_current_vllm_config(config):
         taken[name] = value is not None and value.shape == tensor.shape and bool(torch.equal(value, tensor))
     shares = [_should_share(model, flag, None, None) for flag in ("has_own_embed_tokens", "has_own_lm_head")]
     process_weights_after_loading(model, spec.draft_model_config, torch.device("cpu"))  # the CPU GEMMs' layout
-    inner = model.model
-    inner.embed_tokens.weight.data.copy_(given["table"])  # what vLLM's loader shares from the target
-    captured = []
-    for layer in inner._attn_layers:
-        layer.impl.do_kv_cache_update = lambda attn, k, v, cache, slots: captured.append((k.clone(), v.clone()))
-    # the grouped k_norm of the context keys: vLLM's comment says the [L, d] weight is selected per layer by the
-    # outermost index; the CPU build's kernel applies layer 0's row to every layer (measured), so it runs per layer
-    def per_layer_k_norm(all_k):
-        normed = torch.empty_like(all_k)
-        for i, weight in enumerate(inner._k_norm_weights):
-            ops.rms_norm(normed[i], all_k[i].contiguous(), weight.contiguous(), inner._rms_norm_eps)
-        return normed
-    inner._normalize_context_k = per_layer_k_norm
-    context = model.combine_hidden_states(given["aux"])
-    with torch.no_grad():
-        inner.precompute_and_store_context_kv(context, given["context_positions"], given["context_positions"])
-        for layer, (keys, values) in zip(inner.layers, captured):
-            layer.self_attn.attn = ContextThenBlock(layer.self_attn, keys, values)
-        outputs = inner(given["block"], given["positions"])
+    outputs, captured = block_outputs(model, given)
 save_file({"outputs": outputs.contiguous()}, inputs + ".vllm")
 print(json.dumps({"method": spec.method, "architectures": spec.draft_model_config.architectures,
                   "num_speculative_tokens": spec.num_speculative_tokens, "shares": shares,
                   "soft_cap": model.logits_processor.soft_cap,
-                  "aux_layers": list(get_eagle3_aux_layers_from_config(spec)), "captured": len(captured),
+                  "aux_layers": list(get_eagle3_aux_layers_from_config(spec)), "captured": captured,
                   "mask": get_parallel_drafting_token_id(spec.draft_model_config.hf_config), "taken": taken}))
 """
 
@@ -359,11 +318,7 @@ def test_vllms_own_code_takes_the_folder_and_computes_the_drafters_block(target,
         "positions": torch.arange(anchor, anchor + size),
         "table": target.get_input_embeddings().weight.detach().contiguous(),
     }, str(inputs))  # fmt: skip
-    script = tmp_path / "vllm_dspark_gemma4.py"
-    script.write_text(VLLM_SCRIPT)
-    port = str(29000 + int(tmp_path.stat().st_ino) % 900)
-    done = subprocess.run([vllm_python, str(script), str(folder), str(TARGET), str(inputs), port],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = run_in_vllm(vllm_python, VLLM_SCRIPT, tmp_path, folder, TARGET, inputs)
     assert done.returncode == 0, done.stderr[-3000:]
     said = json.loads(done.stdout.strip().splitlines()[-1])
     assert said["method"] == "dspark" and said["architectures"] == [ARCHITECTURE], said

@@ -31,7 +31,14 @@ from draftsmith.heads import drafter_class
 from draftsmith.heads.dflash_released import ENCODER_NAMES, renamed
 from draftsmith.random_target import write_random_target
 from draftsmith.target import load_target, run_target
-from tests.helpers import assert_one_line_error, first_records, read_log, run_entry_in_process, stand_in_vllm
+from tests.helpers import (
+    assert_one_line_error,
+    first_records,
+    read_log,
+    run_entry_in_process,
+    run_in_vllm,
+    stand_in_vllm,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -265,45 +272,18 @@ VLLM_SCRIPT = """
 import json, sys
 import torch
 from safetensors.torch import load_file, save_file
-from vllm import _custom_ops as ops
 from vllm.config import set_current_vllm_config
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
-from vllm.engine.arg_utils import EngineArgs
 from vllm.model_executor.model_loader.utils import process_weights_after_loading
 from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
 from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+from vllm_dflash_side import block_outputs, engine_config, single_process
 
 folder, target, inputs, port = sys.argv[1:]
-config = EngineArgs(model=target, dtype="float32", max_model_len=256, enforce_eager=True).create_engine_config()
-spec = EngineArgs(model=target, speculative_config={"model": folder, "num_speculative_tokens": 7}
-                  ).create_speculative_config(config.model_config, config.parallel_config)
-object.__setattr__(config, "speculative_config", spec)
+config, spec = engine_config(target, {"model": folder, "num_speculative_tokens": 7})
 given = load_file(inputs)
 
-
-class ContextThenBlock(torch.nn.Module):
-    def __init__(self, attention, keys, values, positions):
-        super().__init__()
-        self.heads, self.kv, self.dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
-        self.scaling, self.keys, self.values = attention.scaling, keys, values
-        self.window, self.causal, self.positions = attention.sliding_window, attention.causal, positions
-
-    def forward(self, q, k, v):
-        n = q.shape[0]
-        keys = torch.cat([self.keys, k.view(n, self.kv, self.dim)]).repeat_interleave(self.heads // self.kv, 1)
-        values = torch.cat([self.values, v.view(n, self.kv, self.dim)]).repeat_interleave(self.heads // self.kv, 1)
-        scores = torch.einsum("qhd,khd->hqk", q.view(n, self.heads, self.dim), keys) * self.scaling
-        distance = given["positions"][:, None] - torch.cat([self.positions, given["positions"]])[None, :]
-        allowed = torch.ones_like(distance, dtype=torch.bool) if not self.causal else distance >= 0
-        if self.window is not None:
-            allowed &= distance.abs() <= self.window - 1
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).reshape(n, -1)
-
-
 with set_current_vllm_config(config):
-    init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
-    initialize_model_parallel(1, 1)
+    single_process(port)
     model = DFlashQwen3ForCausalLM(vllm_config=config)
     tensors = load_file(folder + "/model.safetensors")
     model.load_weights(tensors.items())
@@ -325,28 +305,13 @@ with set_current_vllm_config(config):
             value = params[mine].data
         taken[name] = value.shape == tensor.shape and bool(torch.equal(value, tensor))
     process_weights_after_loading(model, spec.draft_model_config, torch.device("cpu"))
-    inner.embed_tokens.weight.data.copy_(given["table"])  # what vLLM's loader shares from the target
-    captured = []
-    for layer in inner._attn_layers:
-        layer.impl.do_kv_cache_update = lambda attn, k, v, cache, slots: captured.append((k.clone(), v.clone()))
-    def per_layer_k_norm(all_k):
-        normed = torch.empty_like(all_k)
-        for i, weight in enumerate(inner._k_norm_weights):
-            ops.rms_norm(normed[i], all_k[i].contiguous(), weight.contiguous(), inner._rms_norm_eps)
-        return normed
-    inner._normalize_context_k = per_layer_k_norm
-    context = model.combine_hidden_states(given["aux"])
-    with torch.no_grad():
-        inner.precompute_and_store_context_kv(context, given["context_positions"], given["context_positions"])
-        for layer, (keys, values) in zip(inner.layers, captured):
-            layer.self_attn.attn = ContextThenBlock(layer.self_attn, keys, values, given["context_positions"])
-        outputs = inner(given["block"], given["positions"])
+    outputs, captured = block_outputs(model, given, windowed=True)
 save_file({"outputs": outputs.contiguous()}, inputs + ".vllm")
 print(json.dumps({"method": spec.method, "architectures": spec.draft_model_config.architectures,
                   "num_speculative_tokens": spec.num_speculative_tokens,
                   "windows": [layer.self_attn.sliding_window for layer in inner.layers],
                   "causal": model.get_draft_attn_causal(), "mask": inner.mask_token_id,
-                  "aux_layers": list(get_eagle3_aux_layers_from_config(spec)), "captured": len(captured),
+                  "aux_layers": list(get_eagle3_aux_layers_from_config(spec)), "captured": captured,
                   "taken": taken}))
 """
 
@@ -391,11 +356,7 @@ def test_vllms_own_code_takes_the_exported_assistant_and_computes_the_drafters_b
         "block": torch.tensor([int(ids[0, anchor])] + [SETTINGS["mask_token_id"]] * (BLOCK - 1)),
         "table": target.get_input_embeddings().weight.detach().contiguous(),
     }, str(inputs))  # fmt: skip
-    script = tmp_path / "vllm_muse_glimmer_assistant.py"
-    script.write_text(VLLM_SCRIPT)
-    port = str(29000 + int(tmp_path.stat().st_ino) % 900)
-    done = subprocess.run([vllm_python, str(script), str(out), str(stand_in), str(inputs), port],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = run_in_vllm(vllm_python, VLLM_SCRIPT, tmp_path, out, stand_in, inputs)
     assert done.returncode == 0, done.stderr[-3000:]
     said = json.loads(done.stdout.strip().splitlines()[-1])
     # vLLM names a DFlash draft's architecture DFlash<its own> (registry.py), which it maps to qwen3_dflash
