@@ -2,13 +2,14 @@
 
 vLLM builds an MTP drafter from a folder holding the *target's* config.json (its architecture, which vLLM
 maps to its `<family>_mtp` model: DeepSeek-V3 to deepseek_mtp, DeepSeek-V3.2 to DeepseekV32MTP, DeepSeek-V4 to
-DeepSeekV4MTP, Exaone-MoE to ExaoneMoeMTP, GLM-4.5 to glm4_moe_mtp, GLM-5-Next to Glm5NextMTP, HY-V3 to HYV3MTP,
-HY-V4 to HYV4MTP, Inkling to InklingMTP, MiMo-V2-Flash to MiMoV2MTP, MiniMax-M3 to MiniMaxM3MTP, Qwen3-Next to
-qwen3_next_mtp, Qwen3.5 to qwen3_5_mtp) and the MTP layer's tensors under the names the target's checkpoint gives them
-(`model.layers.{N}.*`, GLM-5-Next's `model.language_model.layers.{N}.*`, `mtp.*`, V4's `mtp.0.*`, HY-V4's
-`model.mtp_layers.0.*`, MiMo-V2-Flash's `model.mtp.layers.0.*`, MiniMax-M3's `language_model.model.mtp.layers.0.*` or
-Inkling's `model.mtp.layers.0.*` and `model.mtp.chain_norm`, beside the target's `model.llm.embed_norm`, which vLLM's
-InklingMTP reads from the drafter's folder).
+DeepSeekV4MTP, ERNIE-4.5 to ErnieMTP, Exaone-MoE to ExaoneMoeMTP, GLM-4.5 to glm4_moe_mtp, GLM-5-Next to
+Glm5NextMTP, HY-V3 to HYV3MTP, HY-V4 to HYV4MTP, Inkling to InklingMTP, LongCat-Flash to LongCatFlashMTP, MiMo-V2-Flash
+to MiMoV2MTP, MiniMax-M3 to MiniMaxM3MTP, Qwen3-Next to qwen3_next_mtp, Qwen3.5 to qwen3_5_mtp) and the MTP layer's
+tensors under the names the target's checkpoint gives them (`model.layers.{N}.*`, GLM-5-Next's
+`model.language_model.layers.{N}.*`, `mtp.*`, V4's `mtp.0.*`, HY-V4's `model.mtp_layers.0.*`, MiMo-V2-Flash's
+`model.mtp.layers.0.*`, LongCat-Flash's `model.mtp.layers.0.*` and `model.mtp.norm`, ERNIE-4.5's `model.mtp_*.0.*`,
+MiniMax-M3's `language_model.model.mtp.layers.0.*` or Inkling's `model.mtp.layers.0.*` and `model.mtp.chain_norm`,
+beside the target's `model.llm.embed_norm`, which vLLM's InklingMTP reads from the drafter's folder).
 So the folder is the target's config.json as it ships (its own keys, not transformers' `to_dict()` with its defaults
 and local path) with an MTP layer count of 1 (vLLM 0.32's proposer runs the first layer for every draft step; a
 vision-language wrapper's, Qwen3.5's releases, is its language model's config, which vLLM serves alike; GLM-5-Next's
@@ -36,6 +37,7 @@ from draftsmith.formats import Exporter, Source, register
 from draftsmith.formats.repo import VLLM_SERVE, EngineRepo
 from draftsmith.heads import drafter_class
 from draftsmith.heads.mtp import layout_of, text_fields
+from draftsmith.heads.mtp_family import decoder_layers
 from draftsmith.heads.mtp_layer import count_holder, shipped_config, shipped_shapes
 from draftsmith.heads.mtp_layouts import LAYOUTS, MTP_FIELDS
 from draftsmith.target import loaded_config
@@ -54,7 +56,7 @@ def compress_ratios(config: dict) -> dict:
     than the decoder's layers, as the releases ship it, the MTP layer's 0 (plain sliding-window attention). A
     config holding the decoder's ratios only is given that entry; one in transformers' form (`layer_types` and
     `compress_rates`) is given the list. {} for a target without compressed attention."""
-    layers = int(config["num_hidden_layers"])
+    layers = decoder_layers(config)
     ratios = config.get("compress_ratios")
     if ratios is None:
         kinds = config.get("layer_types") or []
@@ -85,7 +87,7 @@ class MtpExporter(Exporter):
             block = count_holder(config, layout)
             text |= {ours: block.get(theirs) for theirs, ours in MTP_FIELDS if ours in text}
         text |= compress_ratios(text)
-        layers = int(text["num_hidden_layers"])
+        layers = decoder_layers(text)
         prefix = layout.prefix(layers)
         tensors = {layout.release_name(name, layers): tensor for name, tensor in drafter.checkpoint_tensors().items()}
         expected = shipped_shapes(name_or_path, source.target.config, layout)
@@ -123,9 +125,10 @@ class MtpExporter(Exporter):
 
     def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
         layout = LAYOUTS.get((config.get("architectures") or [""])[0])
-        if layout is None or "num_hidden_layers" not in text_fields(config):
+        text = text_fields(config)
+        if layout is None or not {"num_hidden_layers", "model_type"} & set(text):
             return False
-        prefix = layout.prefix(int(text_fields(config)["num_hidden_layers"]))
+        prefix = layout.prefix(decoder_layers(text))
         outside = {layout.own_embedding, *(name for _, name in layout.outside)}
         return bool(tensors) and all(name.startswith(prefix) or name in outside for name in tensors)
 
@@ -133,7 +136,7 @@ class MtpExporter(Exporter):
         self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]
     ):
         mtp = drafter_class("mtp")
-        layout, layers = layout_of(config), int(text_fields(config)["num_hidden_layers"])
+        layout, layers = layout_of(config), decoder_layers(text_fields(config))
         settings = {
             key: value
             for key, value in info.get("drafter_config", {}).items()

@@ -1,12 +1,12 @@
 """MTP: the target's own multi-token-prediction layer, shipped in its checkpoint, fine-tuned as the drafter.
 
-DeepSeek-V3, V3.2 and V4, Dots3-Note, Exaone-MoE, GLM-4.5, GLM-5 and GLM-5-Next, HY-V3, HY-V4, Inkling, MiMo-V2-Flash,
-MiniMax-M3, Nemotron-H, Qwen3-Next, Qwen3.5 and Qwen4-Exp ship, next to their decoder layers, a layer trained to
-predict the token after next. transformers drops it at load (the families' `_keys_to_ignore_on_load_unexpected`); vLLM
-serves it as the `mtp` method. This kind reads it from the target's safetensors, builds it as vLLM 0.32's `*_mtp.py`
-model for that architecture computes it, trains it on the target's own distribution several steps ahead, each step fed
-its previous step's output (EAGLE's training-time test), and exports it back under the checkpoint's own names
-(formats/mtp.py).
+DeepSeek-V3, V3.2 and V4, Dots3-Note, ERNIE-4.5, Exaone-MoE, GLM-4.5, GLM-5 and GLM-5-Next, HY-V3, HY-V4, Inkling,
+LongCat-Flash, MiMo-V2-Flash, MiniMax-M3, Nemotron-H, Qwen3-Next, Qwen3.5 and Qwen4-Exp ship, next to their decoder
+layers, a layer trained to predict the token after next. transformers drops it at load (the families'
+`_keys_to_ignore_on_load_unexpected`); vLLM serves it as the `mtp` method. This kind reads it from the target's
+safetensors, builds it as vLLM 0.32's `*_mtp.py` model for that architecture computes it, trains it on the target's own
+distribution several steps ahead, each step fed its previous step's output (EAGLE's training-time test), and exports
+it back under the checkpoint's own names (formats/mtp.py).
 
 Draft position p reads the target's final (post-norm) hidden state f_p, the hidden state vLLM hands its
 MTP proposer, and the embedding of the next token x_{p+1}:
@@ -24,9 +24,10 @@ hyper-connections (heads/mtp_plain.py), as is MiniMax-M3's, its block-sparse att
 (heads/mtp_blocks.py); Nemotron-H's is a stack of its attention and expert layers, the wrapper's tensors stored in
 its first and last (heads/mtp_stacked.py). Inkling's reads [hidden | embedding], its embedding normed by the target's
 embedding norm first, its block the decoder layer with its short convolutions (heads/mtp_convolved.py), its chain norm
-as the final norm, and its logits divided by the target's muP multiplier (`head_input`), as vLLM's. Decoding is
-EAGLE's: the layer's own KV cache over the committed sequence, a chain or a dynamic tree grown from it (EagleProposer);
-vLLM verifies chains.
+as the final norm, and its logits divided by the target's muP multiplier (`head_input`), as vLLM's. LongCat-Flash's
+and ERNIE-4.5's block is another family's decoder layer, DeepSeek-V2's and Llama's (heads/mtp_family.py); ERNIE-4.5's
+logits read its output with no final norm. Decoding is EAGLE's: the layer's own KV cache over the committed sequence,
+a chain or a dynamic tree grown from it (EagleProposer); vLLM verifies chains.
 
 Only the first MTP layer is used: vLLM 0.32's proposer runs layer 0 for every draft step whatever the checkpoint's
 count (Inkling's runs depth i at step i: a release shipping more than one is refused, heads/mtp_layouts.py). The
@@ -49,10 +50,11 @@ from torch import nn
 
 from draftsmith.errors import UserError
 from draftsmith.families import norm_eps, sliding_window, within_window
-from draftsmith.heads import mtp_convolved, mtp_gated, mtp_plain, mtp_stacked, mtp_streams, register
+from draftsmith.heads import mtp_convolved, mtp_family, mtp_gated, mtp_plain, mtp_stacked, mtp_streams, register
 from draftsmith.heads.base import WEIGHTS_NAME, FlopProfile
 from draftsmith.heads.eagle_base import EagleBase, import_qualified
 from draftsmith.heads.mtp_config import MtpConfig
+from draftsmith.heads.mtp_family import decoder_layers, qualified
 from draftsmith.heads.mtp_layer import (
     OWN_EMBEDDING,
     TARGET_EMBED_NORM,
@@ -99,7 +101,7 @@ def check_ships_a_layer(config: dict, layout: Layout, name_or_path: str) -> None
                 "train another kind"
             )
         return
-    layers = int(text["num_hidden_layers"])
+    layers = decoder_layers(text)
     if not layout.shipped_layers(tensor_names(checkpoint_folder(name_or_path)), layers):
         raise UserError(
             f"drafter.type=mtp: the target ships no MTP layer (its config.json has no {layout.count_key} and its "
@@ -121,7 +123,7 @@ def check_target_folder(name_or_path: str) -> None:
     config = json.loads((folder / "config.json").read_text())
     layout = layout_of(config)
     check_ships_a_layer(config, layout, str(folder))
-    prefix = layout.prefix(int(text_fields(config)["num_hidden_layers"]))
+    prefix = layout.prefix(decoder_layers(text_fields(config)))
     if not any(name.startswith(prefix) for name in tensor_names(folder)):
         raise UserError(
             f"drafter.type=mtp: {folder}'s weights hold no MTP layer (no tensor named {prefix}*; transformers drops "
@@ -148,7 +150,9 @@ class Mtp(EagleBase):
         if self.layout.gated:  # no final norm: the layer's own mixer feeds the lm_head
             mtp_gated.build(self, hidden, eps, norm, import_qualified(spec["collapse"]))
         else:
-            self.embed_norm, self.hidden_norm, self.final_norm = (norm(hidden, eps=eps) for _ in range(3))
+            self.embed_norm, self.hidden_norm = norm(hidden, eps=eps), norm(hidden, eps=eps)
+            if self.layout.final_norm:
+                self.final_norm = norm(hidden, eps=eps)
             if self.layout.streams:
                 mtp_streams.build(self, hidden, import_qualified(spec["collapse"]))
             else:
@@ -170,6 +174,9 @@ class Mtp(EagleBase):
             return mtp_gated.GatedBlock(layer, self.rotary_emb)
         if self.layout.convolved:
             return mtp_convolved.ConvolvedBlock(layer)
+        if self.layout.block_family:
+            mtp_family.with_config_eps(layer, norm_eps(self.layer_config))
+            mtp_family.with_scaled_norms(layer, self.config.decoder["norm_scales"])
         return mtp_plain.PlainBlock(layer) if self.layout.plain_block else layer
 
     @classmethod
@@ -222,6 +229,8 @@ class Mtp(EagleBase):
             "config_class": qualified(type(text)),
             "config": layer_config(target_config, layout),
         }
+        if layout.block_family:  # the block another family's layer, the wrapper's norms the target's
+            spec |= mtp_family.block_spec(target_config, layout)
         if layout.streams:  # the layer's own collapse of its streams is the target's kind (its hc_head, or mixer)
             spec["collapse"] = qualified(type(inner.hyper_connection_mixer if layout.gated else inner.hc_head))
         drafter = cls(replace(config, decoder=spec), TargetShape.of(target_model, name_or_path))
@@ -300,7 +309,7 @@ class Mtp(EagleBase):
     def head_input(self, fed_back: torch.Tensor) -> torch.Tensor:
         if self.layout.streams:
             return streams_parts(self.layout).head_input(self, fed_back)
-        normed = fed_back if self.layout.feeds_back_normed else self.final_norm(fed_back)
+        normed = fed_back if self.layout.feeds_back_normed or not self.layout.final_norm else self.final_norm(fed_back)
         # vLLM's logits of a layout that scales them: the lm_head's on the state divided by the muP multiplier
         scale = getattr(self.layer_config, "logits_mup_width_multiplier", None) if self.layout.target_scales else None
         return normed / scale if scale else normed
@@ -358,10 +367,6 @@ class Mtp(EagleBase):
     def target_features(self, target_out: TargetOutput) -> torch.Tensor:
         """What step 0 reads of the target, [B, T, ..]: its final hidden state, or a streams layout's streams."""
         return target_out.streams if self.layout.streams else target_out.final
-
-
-def qualified(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def final_norm_of(decoder: nn.Module) -> nn.Module:
@@ -427,6 +432,6 @@ def write_random_layer(directory: str | Path, std: float = 0.08, seed: int = 0) 
             parameter.normal_(0.0, std)
     weights = directory / WEIGHTS_NAME
     tensors = load_file(str(weights))
-    layers = int(text["num_hidden_layers"])
+    layers = decoder_layers(text)
     tensors |= {layout.release_name(name, layers): t.contiguous() for name, t in drafter.checkpoint_tensors().items()}
     save_file(tensors, str(weights), metadata={"format": "pt"})

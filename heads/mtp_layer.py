@@ -28,6 +28,7 @@ from draftsmith.families import COMPRESSED, FULL, INDEXED, LINEAR, SLIDING
 from draftsmith.heads import mtp_stacked
 from draftsmith.heads.base import WEIGHTS_NAME
 from draftsmith.heads.eagle_base import import_qualified
+from draftsmith.heads.mtp_family import decoder_layers
 from draftsmith.heads.mtp_plain import kept, strip
 
 
@@ -67,7 +68,8 @@ class Layout:
     # model's: GLM-5-Next's `model.language_model.`)
     decoder_prefix: str = "model."
     # where an `own_prefix` layout stores the block under the layer's prefix: beside the wrapper's tensors, or under
-    # a module of its own (MiniMax-M3's `transformer_layer.`)
+    # a module of its own (MiniMax-M3's `transformer_layer.`); another's first block, if not `layers.0.` (ERNIE-4.5's
+    # `block.0.` under `model.mtp_`)
     block_prefix: str = ""
     # the block's tensors take the release's names, between which and its modules transformers converts in the
     # vision-language wrapper's class only (MiniMax-M3's: its language model's own class keeps its fused form): the
@@ -102,6 +104,14 @@ class Layout:
     # the block is a stack of the family's decoder layers under `layers.{i}.`, the wrapper's tensors in its first and
     # last layer (Nemotron-H's `mtp_layers_block_type`): heads/mtp_stacked.py
     stacked: bool = False
+    # the model type whose decoder layer vLLM builds the block as, not the target's (LongCat-Flash's deepseek_v2,
+    # ERNIE-4.5's llama), its config the target's fields by name, `block_fields` over them (heads/mtp_family.py)
+    block_family: str = ""
+    block_fields: tuple[tuple[str, object], ...] = ()
+    # (norm, config flag, rank field): vLLM loads the norm's weight times sqrt(hidden_size / rank) where the flag is
+    # set (LongCat-Flash's MLA LoRA norms)
+    scaled_norms: tuple[tuple[str, str, str], ...] = ()
+    final_norm: bool = True  # else the logits and the next step read the block's output as is (ERNIE-4.5's)
 
     def prefix(self, num_hidden_layers: int) -> str:
         """The first MTP layer's tensor names start with this."""
@@ -115,7 +125,7 @@ class Layout:
             return ""
         if self.stacked:
             return "layers."
-        return self.block_prefix if self.own_prefix else "layers.0."
+        return self.block_prefix or ("" if self.own_prefix else "layers.0.")
 
     def shared(self) -> tuple[str, ...]:
         """Tensors under the prefix that vLLM replaces by the target's (its embedding and lm_head)."""
@@ -128,7 +138,7 @@ class Layout:
         """How the MTP layers' tensor names start (for a message)."""
         if self.after_layers:
             return f"{self.decoder_prefix}layers.{num_hidden_layers}.*"
-        return self.under + ("{j}.*" if self.own_prefix else "layers.{j}.*")
+        return self.under + ("{j}.*" if self.own_prefix else self.block().removesuffix("0.") + "{j}.*")
 
     def release_name(self, name: str, num_hidden_layers: int) -> str:
         """A tensor of the layer (named under the prefix) -> its name in the release."""
@@ -148,7 +158,8 @@ class Layout:
         if self.after_layers:
             pattern = re.compile(re.escape(self.decoder_prefix) + r"layers\.(\d+)\.")
         else:
-            pattern = re.compile(re.escape(self.under) + (r"(\d+)\." if self.own_prefix else r"layers\.(\d+)\."))
+            depth = "" if self.own_prefix else re.escape(self.block().removesuffix("0."))
+            pattern = re.compile(re.escape(self.under) + depth + r"(\d+)\.")
         first = num_hidden_layers if self.after_layers else 0
         return {int(found[1]) for found in map(pattern.match, names) if found and int(found[1]) >= first}
 
@@ -216,7 +227,7 @@ def layer_files(name_or_path: str, config: dict, layout: Layout) -> dict[Path, l
     """The safetensors files of the target's checkpoint holding its first MTP layer, with those tensors' names,
     without the copies of the embedding and lm_head vLLM does not read."""
     folder = checkpoint_folder(name_or_path)
-    prefix = layout.prefix(int(config["num_hidden_layers"]))
+    prefix = layout.prefix(decoder_layers(config))
     files: dict[Path, list[str]] = {}
     for name, path in tensor_names(folder).items():
         rest = name.removeprefix(prefix)
@@ -237,7 +248,7 @@ def layer_files(name_or_path: str, config: dict, layout: Layout) -> dict[Path, l
 
 def read_layer(name_or_path: str, config: dict, layout: Layout) -> dict[str, torch.Tensor]:
     """The target's first MTP layer, its tensors named as in the checkpoint minus the prefix."""
-    layers = int(config["num_hidden_layers"])
+    layers = decoder_layers(config)
     tensors = {}
     for path, names in layer_files(name_or_path, config, layout).items():
         with safe_open(str(path), "pt") as f:
@@ -260,7 +271,7 @@ def first_layer(name: str, layout: Layout) -> bool:
     is shared and the blocks are `layers.{j}` (a stacked layout's are all the first layer's: vLLM serves one)."""
     if layout.after_layers or layout.own_prefix or layout.stacked:
         return True
-    return not name.startswith("layers.") or name.startswith(layout.block())
+    return not name.startswith(layout.block().removesuffix("0.")) or name.startswith(layout.block())
 
 
 def layer_config(target_config, layout: Layout) -> dict:

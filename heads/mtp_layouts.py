@@ -188,6 +188,47 @@ LAYOUTS = {
     "NemotronHForCausalLM": Layout(
         "nemotron_h_mtp", "num_nextn_predict_layers", HY_V4_NAMES, False, False, True, stacked=True
     ),
+    # vLLM's LongCatFlashMTP (models/longcat_flash_mtp.py): under `model.mtp.layers.0.`, enorm and hnorm (each
+    # `.m.`), eh_proj and the block: a DeepSeek-V2 decoder layer (heads/mtp_family.py), not LongCat-Flash's own, its MLA
+    # attention beside and its MLP dense (vLLM clears `n_routed_experts`) under `transformer_layer.mlp.`; its final
+    # norm `model.mtp.norm`; the MLA LoRA norms' weights scaled by sqrt(hidden_size / rank) as vLLM loads them where
+    # the config's `mla_scale_*_lora` say (as LongCat-Flash's layers scale their LoRA outputs); nothing masked, fed
+    # back normed (its forward returns final_layernorm's output)
+    "LongcatFlashForCausalLM": Layout(
+        "LongCatFlashMTP",
+        "num_nextn_predict_layers",
+        ("enorm.m", "hnorm.m", "eh_proj", "final_layernorm"),
+        False,
+        False,
+        True,
+        own_prefix=True,
+        under="model.mtp.layers.",
+        block_renames=(("transformer_layer.mlp.", "mlp."),),
+        outside=(("final_layernorm.weight", "model.mtp.norm.weight"),),
+        block_family="deepseek_v2",
+        block_fields=(("first_k_dense_replace", 1),),
+        scaled_norms=(
+            ("self_attn.q_a_layernorm", "mla_scale_q_lora", "q_lora_rank"),
+            ("self_attn.kv_a_layernorm", "mla_scale_kv_lora", "kv_lora_rank"),
+        ),
+    ),  # fmt: skip
+    # vLLM's ErnieMTP (models/ernie_mtp.py; its speculative config maps ernie4_5_moe to it): `model.mtp_emb_norm.0`,
+    # `model.mtp_hidden_norm.0`, `model.mtp_linear_proj.0` and the block `model.mtp_block.0.`: a Llama decoder layer
+    # (heads/mtp_family.py; neox-style rotary, where ERNIE-4.5's own layers rotate interleaved pairs) of the target's
+    # dense MLP width; the embedding masked at position 0; no final norm: the logits and the next step read the
+    # block's output
+    "Ernie4_5_MoeForCausalLM": Layout(
+        "ErnieMTP",
+        "num_nextn_predict_layers",
+        ("emb_norm.0", "hidden_norm.0", "linear_proj.0"),
+        False,
+        True,
+        False,
+        under="model.mtp_",
+        block_prefix="block.0.",
+        block_family="llama",
+        final_norm=False,
+    ),  # fmt: skip
     "Qwen3NextForCausalLM": Layout("qwen3_next_mtp", "num_nextn_predict_layers", QWEN_NAMES, False, False, True),
     "Qwen3_5ForCausalLM": QWEN3_5,
     "Qwen3_5MoeForCausalLM": QWEN3_5_MOE,
@@ -208,16 +249,6 @@ UNSERVED = {
         "transformers 5.24 has no causal LM class for model_type step3p5 (its config class, Step3p7TextConfig, "
         "builds a text model without an lm_head), so draftsmith cannot run the target; and vLLM 0.32's Step3p5MTP "
         "reads logits through the layer's own lm_head copy (shared_head.output, has_own_lm_head), not the target's"
-    ),
-    "LongcatFlashForCausalLM": (
-        "vLLM 0.32's LongCatFlashMTP builds its block as a DeepSeek-V2 decoder layer (one MLA attention, one dense "
-        "MLP), which transformers' LongcatFlash family has no layer of (its decoder layer runs two attentions and two "
-        "MLPs beside shortcut-connected experts)"
-    ),
-    "Ernie4_5_MoeForCausalLM": (
-        "vLLM 0.32's ErnieMTP builds its block as a Llama decoder layer (neox-style rotary, where Ernie 4.5's layers "
-        "rotate interleaved pairs) and reads logits from its output with no final norm: no layer of transformers' "
-        "Ernie 4.5 family computes it"
     ),
 }
 # Architectures whose multi-token prediction is a model released beside the target, not a layer in its

