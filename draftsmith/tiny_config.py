@@ -176,6 +176,13 @@ def scaled_fields(defaults: dict[str, Any], fields: dict[str, Any]) -> dict[str,
         out["rotary_dim"] = head * defaults["rotary_dim"] // defaults["head_dim"]
         share = {"partial_rotary_factor": defaults["rotary_dim"] / defaults["head_dim"]}
         out["rope_parameters"] = {**(defaults.get("rope_parameters") or {}), **share}
+    if isinstance(defaults.get("v_head_dim"), int) and "kv_lora_rank" not in defaults:
+        # value heads of their own width (MiMo-V2's 128 beside 192): as wide as the keys', as vLLM-CPU's attention
+        # has no kernel for value heads of another width
+        out["v_head_dim"] = head
+    rope = out.get("rope_parameters", defaults.get("rope_parameters"))
+    if isinstance(rope, dict) and (even := even_rotary_share(rope, out.get("head_dim", head))) != rope:
+        out["rope_parameters"] = even
     if defaults.get("logits_mup_width_multiplier"):
         # muP's width multiplier (Inkling's: the final state divided by it before the lm_head) is the model's width over
         # the base width the release was tuned at: at the tiny width the same base's (the class default's 24 at 6144
@@ -229,6 +236,18 @@ def scaled_fields(defaults: dict[str, Any], fields: dict[str, Any]) -> dict[str,
     if "num_kv_shared_layers" in defaults:  # layers reusing another's cache: none, each layer its own
         out["num_kv_shared_layers"] = 0
     return {key: value for key, value in out.items() if key in defaults}
+
+
+def even_rotary_share(rope: dict[str, Any], head: int) -> dict[str, Any]:
+    """Rotary parameters (`rope`, or each layer kind's in it) whose `partial_rotary_factor` turns an even number of a
+    `head`-wide head's channels: the engines rotate `int(head × factor)` channels in pairs, where transformers rotates
+    the next even number (MiMo-V2's 0.334 of 64: 21 against 22); an odd count is rounded up to that even one."""
+    if any(isinstance(value, dict) for value in rope.values()):
+        return {
+            kind: even_rotary_share(value, head) if isinstance(value, dict) else value for kind, value in rope.items()
+        }
+    channels = int(head * rope.get("partial_rotary_factor", 1.0))
+    return rope if channels % 2 == 0 else {**rope, "partial_rotary_factor": (channels + 1) / head}
 
 
 def scaled_overrides(values: dict[str, Any], defaults: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
