@@ -33,6 +33,7 @@ EXPERTS = {
     "shared_expert_intermediate_size": 128,
     "shared_intermediate_size": 128,
     "shared_experts_intermediate_size": 128,
+    "moe_shared_expert_intermediate_size": 128,
 }
 EXPERT_COUNTS = ("n_routed_experts", "num_local_experts", "num_experts")  # EXPERTS' names of the expert count
 # The sparse indexers' keys per query: short enough that a test's sequences go past it (the selection
@@ -196,6 +197,8 @@ def scaled_fields(defaults: dict[str, Any], fields: dict[str, Any]) -> dict[str,
         out.update(swa_head_dim=head, swa_num_attention_heads=heads, swa_num_key_value_heads=kv_heads)
     if defaults.get("unpadded_vocab_size"):  # the lm_head's rows a release pads to `vocab_size`: every row, unpadded
         out["unpadded_vocab_size"] = fields["vocab_size"]
+    if "mamba_num_heads" in defaults:  # Mamba-2 layers (Nemotron-H's): heads and state as wide as attention's
+        out.update(mamba_num_heads=heads, mamba_head_dim=head, ssm_state_size=head, n_groups=kv_heads)
     if defaults.get("moe_hidden_size"):  # the width experts run at, pooled from the hidden size (Muse Spark's half)
         out["moe_hidden_size"] = hidden * defaults["moe_hidden_size"] // defaults["hidden_size"]
     if "dense_intermediate_size" in defaults:  # the dense layers' MLP of a mixture-of-experts family: the tiny one

@@ -291,3 +291,12 @@ def test_the_mtp_layer_trains_exports_and_decodes_losslessly_through_the_entry_p
     report = run_eval(load_recipe(recipe), str(vllm))
     rows = [row for domain in report["domains"].values() for row in domain.values() if row.get("lossless") is not None]
     assert rows and all(row["lossless"] for row in rows)
+
+
+def test_its_tiny_config_sizes_mamba2_and_the_shared_expert_at_the_tiny_width():
+    """`draftsmith.random_target nemotron_h`'s config: Mamba-2 heads and state as attention's, its groups as the
+    key-value heads, the shared expert as the routed ones (the class defaults: 128 heads of 64, 7688 wide)."""
+    config = build_config("nemotron_h", 512, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
+    assert (config.mamba_num_heads, config.mamba_head_dim) == (config.num_attention_heads, config.head_dim)
+    assert (config.ssm_state_size, config.n_groups) == (config.head_dim, config.num_key_value_heads)
+    assert config.moe_shared_expert_intermediate_size == config.moe_intermediate_size
