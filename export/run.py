@@ -334,6 +334,7 @@ def export_info(
         "num_speculative_tokens": gamma,
         "conventions": repo.conventions,
         "serve": repo.serve,
+        "target_overrides": repo.target_overrides or None,  # what the serving command tells vLLM of the target
         "target_dtype": served_dtype(source.target_model),  # the dtype the serving command serves the target in
         "speculative_config": served_config(repo, gamma, schedule, drafter),
         "vllm_releases": served_by(repo.method, exporter_for(drafter.type).vllm_releases) if releases_known else None,

@@ -161,6 +161,8 @@ def verify_in_vllm(
         # speculates, which a CPU build lacks ('function' object is not subscriptable, mamba_utils.py);
         # the check measures outputs and acceptance, which caching does not change
         request["enable_prefix_caching"] = False
+    if repo.target_overrides:  # the folder is served with them (formats/repo.py vllm_serve_flags): checked so too
+        request["hf_overrides"] = repo.target_overrides
     # the served target's files and the request: what both loops' plain runs depend on (a drafter that
     # verifies with a target of its own, Medusa-2's adapted one, serves that target from its folder)
     plain_key = json.dumps([cfg.export.vllm_python, stamp(Path(served_target_dir)), request])
@@ -193,7 +195,9 @@ def verify_in_vllm(
     summary["engine_settings"] = {"vllm_version": engine["vllm_version"], **resolved["engine_settings"]}
     # what the check ran vLLM with besides the speculative config, for the model card to state
     summary["engine_arguments"] = {
-        key: request[key] for key in ("dtype", "max_model_len", "enable_prefix_caching") if key in request
+        key: request[key]
+        for key in ("dtype", "max_model_len", "enable_prefix_caching", "hf_overrides")
+        if key in request
     }
     if schedule is not None:
         summary["schedule"] = check_schedule(engine, schedule)

@@ -1,17 +1,20 @@
 """Gemma-4's assistant for vLLM (`method: mtp`), trained by draftsmith (heads/gemma4_assistant.py).
 
-vLLM 0.32 serves a Gemma-4 target's assistant from a folder in the released assistant's own format: the
-config transformers writes for a `Gemma4AssistantForCausalLM` (model_type gemma4_assistant, which vLLM maps
-to its gemma4_mtp model; for a Gemma-4 Unified target its `Gemma4UnifiedAssistantForCausalLM`, gemma4_unified_assistant,
-which vLLM maps alike) and the tensors transformers' saver writes for it (`pre_projection`,
-`model.layers.*`, `model.norm`, `post_projection`, the vocabulary table as `model.embed_tokens`, to which
-vLLM ties its lm_head; the centroids where the assistant has them), and where the drafter started from a
-released assistant, that assistant's generation_config.json (vLLM's gemma4_mtp never drafts its
-`suppress_tokens`; without the file it would). Served with
-`--speculative-config '{"method": "mtp", "model": <folder>, ...}'`: vLLM wires each assistant layer to the
-target's last cached layer of its kind and feeds it the target's embedding (measured:
-benchmarks/vllm_gemma4_assistant.py). Read back, such a folder is what `drafter.released_assistant` starts from, so the
-export and a released assistant downloaded from the Hub are one format.
+vLLM 0.32 serves a Gemma-4 target's assistant from a folder in the released assistant's own format: the config
+transformers writes for a `Gemma4AssistantForCausalLM` (model_type gemma4_assistant, which vLLM maps to its gemma4_mtp
+model; for a Gemma-4 Unified target its `Gemma4UnifiedAssistantForCausalLM`, gemma4_unified_assistant, which vLLM maps
+alike) and the tensors transformers' saver writes for it (`pre_projection`, `model.layers.*`, `model.norm`,
+`post_projection`, the vocabulary table as `model.embed_tokens`, to which vLLM ties its lm_head; the centroids where the
+assistant has them), and where the drafter started from a released assistant, that assistant's generation_config.json
+(vLLM's gemma4_mtp never drafts its `suppress_tokens`; without the file it would). Served with `--speculative-config
+'{"method": "mtp", "model": <folder>, ...}'`: vLLM wires each assistant layer to the target's last cached layer of its
+kind and feeds it the target's embedding (measured: benchmarks/vllm_gemma4_assistant.py). A Gemma-4 Unified language
+model served alone (`Gemma4UnifiedForCausalLM`) it runs on its Transformers backend, whose embedding module scales
+itself, and the assistant scales what it returns once more: vLLM would draft from other inputs than trained (measured:
+benchmarks/vllm_gemma4_unified_assistant.py); run as vLLM's own Gemma-4 class, the same target is served exactly and
+drafted from as trained, so the folder's serving command and the export's check tell vLLM so (`target_overrides`:
+`--hf-overrides`). Read back, such a folder is what `drafter.released_assistant` starts from, so the export and a
+released assistant downloaded from the Hub are one format.
 
 SGLang: draftsmith has not verified its loader for the assistant.
 """
@@ -38,6 +41,19 @@ ORDERED_ON_CPU = (
     "it builds no assistant with ordered embeddings (centroids): RuntimeError: Tried to instantiate dummy base "
     "class CUDAGraph"
 )
+# Target architectures vLLM 0.32 registers no class for -> its own class that runs them exactly. Named as they are, it
+# runs them on its Transformers backend, whose input embedding module scales its rows by sqrt(hidden) itself: its
+# gemma4 proposer hands that module to the assistant, whose gemma4_mtp scales it by sqrt(hidden) again (lossless, τ 9%
+# lower). Told to run the folder as its own Gemma-4 class (hf_overrides), vLLM decodes the same tokens and drafts as
+# draftsmith does (measured, both: benchmarks/vllm_gemma4_unified_assistant.py).
+NATIVE_CLASSES = {"Gemma4UnifiedForCausalLM": "Gemma4ForCausalLM"}
+
+
+def target_overrides(config: dict[str, Any]) -> dict[str, Any]:
+    """What vLLM must be told of the target whose HF config this is for the assistant to draft as trained (its
+    `hf_overrides`; empty: nothing)."""
+    native = [NATIVE_CLASSES[name] for name in config.get("architectures") or () if name in NATIVE_CLASSES]
+    return {"architectures": native[:1]} if native else {}
 
 
 def released_files(assistant) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -84,6 +100,7 @@ class AssistantExporter(Exporter):
         limit = ORDERED_ON_CPU if config.use_ordered_embeddings else None
         return EngineRepo(
             "vllm", values, tensors, expected, VLLM_SERVE, conventions, method="mtp", cpu_build_limit=limit,
+            target_overrides=target_overrides(source.target.config),
             extra=None if generation is None else lambda folder: write_json(
                 folder / f"{GENERATION}.json", generation, sort_keys=True
             ),

@@ -9,6 +9,7 @@ writes (`EngineRepo.expected`), and `check_tensors` refuses a folder that differ
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,12 +64,14 @@ TRUST_REMOTE_CODE_FLAG = " --trust-remote-code"
 SGLANG_REVISION_FLAG = "--speculative-draft-model-revision"  # ServerArgs.speculative_draft_model_revision
 
 
-def vllm_serve_flags(engine_arguments: dict[str, Any]) -> str:
+def vllm_serve_flags(engine_arguments: dict[str, Any], target_overrides: Optional[dict[str, Any]] = None) -> str:
     """The `vllm serve` flags for the engine arguments the export's check ran vLLM with (export/verify.py) that an
     engine needs to run as checked: prefix caching off where the check turned it off (a hybrid target: with it on,
-    vLLM 0.32 speculates through a Triton kernel its CPU build lacks). The check's dtype is the command's `--dtype`;
-    its others (eager, max_model_len) change memory and speed, not the tokens."""
-    return " --no-enable-prefix-caching" if engine_arguments.get("enable_prefix_caching") is False else ""
+    vLLM 0.32 speculates through a Triton kernel its CPU build lacks), and the folder's `target_overrides` (checked or
+    not). The check's dtype is the command's `--dtype`; its others (eager, max_model_len) change memory and speed, not
+    the tokens."""
+    flags = " --no-enable-prefix-caching" if engine_arguments.get("enable_prefix_caching") is False else ""
+    return flags + (f" --hf-overrides '{json.dumps(target_overrides)}'" if target_overrides else "")
 
 
 # vLLM 0.32's defaults for the settings that move τ, written into every served config so that an engine
@@ -115,6 +118,9 @@ class EngineRepo:
     weights_dir: str = ""  # subfolder holding config.json + weights ("" = the folder itself)
     # why vLLM's CPU build cannot serve this folder whatever the target (measured); None: the target decides
     cpu_build_limit: Optional[str] = None
+    # what the engine must be told of the target to serve this folder as trained (vLLM's hf_overrides), passed to the
+    # export's check and written into the serving command
+    target_overrides: dict[str, Any] = field(default_factory=dict)
     # the serving command's flag naming the drafter's Hub branch (its `{revision_flags}`); "": the command names the
     # branch elsewhere or not at all (vLLM's speculative config carries it as `revision`)
     revision_flag: str = ""

@@ -652,13 +652,14 @@ def test_no_target_family_is_named_in_product_code():
     (formats/versions.py's VLLM_IMPORTS_TORCHVISION) or in the tables of how vLLM serves each architecture's own
     MTP layer (heads/mtp_layouts.py's LAYOUTS and UNSERVED: the checkpoint layout no config field names, the family
     a layout's block is built from where vLLM builds another's, and SEPARATE_MODEL: an architecture whose MTP is a
-    model of its own), or as the targets whose cache Gemma-4's
-    assistant reads and each one's assistant model type (heads/gemma4_assistant_config.py's ASSISTANTS), never in a
-    branch of its own."""
+    model of its own), or as the targets whose cache Gemma-4's assistant reads and each one's assistant model type
+    (heads/gemma4_assistant_config.py's ASSISTANTS) and the classes vLLM must run such a target as
+    (formats/gemma4_assistant.py's NATIVE_CLASSES), never in a branch of its own."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from draftsmith.families import DRAFT_LAYER_FAMILIES
+    from draftsmith.formats.gemma4_assistant import NATIVE_CLASSES
     from draftsmith.formats.repo import VLLM_NO_STATE_CAPTURE
     from draftsmith.formats.versions import VLLM_IMPORTS_TORCHVISION
     from draftsmith.heads.gemma4_assistant_config import ASSISTANT_MODEL_TYPE, ASSISTANTS
@@ -668,6 +669,7 @@ def test_no_target_family_is_named_in_product_code():
         "heads/gemma4_assistant.py": {ASSISTANT_MODEL_TYPE},  # the kind's name, the assistant's model type
         "heads/gemma4_assistant_config.py": {*ASSISTANTS, *ASSISTANTS.values()},
         "formats/repo.py": set(VLLM_NO_STATE_CAPTURE),
+        "formats/gemma4_assistant.py": {*NATIVE_CLASSES, *NATIVE_CLASSES.values()},
         "formats/versions.py": set(VLLM_IMPORTS_TORCHVISION),
         "heads/mtp_layouts.py": {
             *LAYOUTS,

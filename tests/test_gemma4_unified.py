@@ -4,7 +4,8 @@ over the unified language model's layers). A release folder (the wrapper whole, 
 language model) loads as the wrapper with its own logits and taps; `drafter.type=gemma4_assistant` on it builds the
 unified assistant, reads the target's keys and values exactly, drafts what transformers' unified assistant module
 drafts, trains, decodes losslessly alone and in a batch, and exports the unified assistant's own folder, which vLLM
-0.32's own config code reads as the assistant it serves (its gemma4_mtp model; slow tier).
+0.32's own config code reads as the assistant it serves (its gemma4_mtp model; slow tier). Its export for the language
+model alone tells vLLM to run that target as its own Gemma-4 class (else its assistant's embedding is scaled twice).
 The family's per-family tests (taps, masks, caches, trees, EAGLE-3) are tests/test_families.py's.
 """
 
@@ -19,13 +20,18 @@ import torch
 
 from draftsmith.errors import UserError
 from draftsmith.eval.loop import generate, generate_batch
+from draftsmith.formats.repo import EXPORT_INFO
 from draftsmith.heads import drafter_class
 from draftsmith.heads.gemma4_assistant import FULL, SLIDING
 from draftsmith.heads.proposer import DraftState
 from draftsmith.random_target import build_model, demo_tokenizer_dir
 from draftsmith.target import FeatureRequest, TargetShape, load_target, loaded_config, run_target
 from draftsmith.tiny_config import build_config
-from tests.helpers import assert_tree_forward_equals_path_forwards, run_entry_in_process, saved_release
+from tests.helpers import (
+    assert_tree_forward_equals_path_forwards,
+    run_entry_in_process,
+    saved_release,
+)
 from tests.test_gemma4_assistant import sharpened  # the same fresh assistant, for this target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -38,17 +44,21 @@ SHAPE = {"hidden_size": 64, "intermediate_size": 128, "head_dim": 16, "num_hidde
 VISION = {"patch_size": 4, "pooling_kernel_size": 2, "mm_embed_dim": 32, "mm_posemb_size": 16}
 
 
+def language_model_config():
+    """The tiny language model's config (`gemma4_unified_text`), the demo tokenizer's vocabulary."""
+    demo = json.loads((demo_tokenizer_dir() / "config.json").read_text())
+    special = {key: demo[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    return build_config("gemma4_unified_text", demo["vocab_size"], special, sliding_window=WINDOW, **SHAPE,
+                        layer_types=KINDS, num_kv_shared_layers=2)  # fmt: skip
+
+
 def write_release(directory: Path, std: float = 0.1) -> Path:
     """A tiny release folder as Gemma-4 Unified ships (config.json naming Gemma4UnifiedForConditionalGeneration, the
     language model under `model.language_model.*`, the vision embedder beside it), random weights, the demo's
     tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    source = demo_tokenizer_dir()
-    demo = json.loads((source / "config.json").read_text())
-    special = {key: demo[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    text = build_config("gemma4_unified_text", demo["vocab_size"], special, sliding_window=WINDOW, **SHAPE,
-                        layer_types=KINDS, num_kv_shared_layers=2)  # fmt: skip
+    text = language_model_config()
     vision = {**VISION, "output_proj_dims": text.hidden_size}
     config = AutoConfig.for_model("gemma4_unified", text_config=text.to_dict(), vision_config=vision)
     torch.manual_seed(0)
@@ -196,6 +206,28 @@ def test_one_step_trains_it_and_it_decodes_losslessly_alone_and_in_a_batch(targe
     assert [generate(model, p, 2 * WINDOW, drafter=drafter.proposer(), gamma=3).tokens for p in prompts] == plain
     batched = generate_batch(model, prompts, 2 * WINDOW, drafters=[drafter.proposer(), drafter.proposer()], gamma=3)
     assert [row.tokens for row in batched] == plain
+
+
+def test_the_language_model_alone_is_served_as_vllms_own_gemma4_class(tmp_path, capsys):
+    """vLLM 0.32 registers no class for the language model alone (`Gemma4UnifiedForCausalLM`) and would run it on its
+    Transformers backend, whose embedding scales itself, while its gemma4_mtp scales that embedding again: lossless,
+    but drafting from other inputs than trained (benchmarks/vllm_gemma4_unified_assistant.py: the matrix row's 327
+    proposals are draftsmith's with the embedding scaled twice, 18 of them as trained; run as vLLM's own Gemma-4 class,
+    every one is draftsmith's). So the export's folder tells vLLM to run the target as its Gemma-4 class: the serving
+    command's `--hf-overrides`, recorded in draftsmith_export.json, which the export's check passes to vLLM too."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    alone = saved_release(AutoModelForCausalLM.from_config(language_model_config()), tmp_path / "alone", 0.1)
+    sharpened((load_target(str(alone)), str(alone))).save_pretrained(tmp_path / "ckpt")
+    export = ["-m", "export", "recipe=gemma4_assistant", f"target.name_or_path={alone}", "export.engines=[vllm]",
+              f"checkpoint={tmp_path / 'ckpt'}", f"export.output={tmp_path / 'export'}",
+              f"output_dir={tmp_path / 'run'}"]  # fmt: skip
+    assert run_entry_in_process(export, capsys).returncode == 0
+    info = json.loads((tmp_path / "export" / "vllm" / EXPORT_INFO).read_text())
+    assert info["target_overrides"] == {"architectures": ["Gemma4ForCausalLM"]}
+    card = (tmp_path / "export" / "vllm" / "README.md").read_text()
+    assert """--hf-overrides '{"architectures": ["Gemma4ForCausalLM"]}' --speculative-config""" in card
 
 
 def exported(target, tmp_path: Path, capsys) -> Path:

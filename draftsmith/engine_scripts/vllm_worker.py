@@ -164,6 +164,8 @@ def measured_run(request, speculative_config):
     }
     if "enable_prefix_caching" in request:
         kwargs["enable_prefix_caching"] = bool(request["enable_prefix_caching"])
+    if "hf_overrides" in request:
+        kwargs["hf_overrides"] = dict(request["hf_overrides"])
     if speculative_config is not None:
         kwargs["speculative_config"] = dict(speculative_config)
     load = request.get("load")
