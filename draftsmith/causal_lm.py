@@ -21,25 +21,28 @@ MAPPING_MODULE = ("models", "auto", "modeling_auto.py")
 CAUSAL_LM_TABLE = "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
 WRAPPER_TABLE = "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"
 MODEL_TABLE = "MODEL_MAPPING_NAMES"
+# the table of model types whose config lives in another model type's module (a wrapper's text config in the wrapper's)
+MODULE_TABLE = ("models", "auto", "auto_mappings.py"), "SPECIAL_MODEL_TYPE_TO_MODULE_NAME"
 
 
 @functools.cache
-def auto_module_tree() -> Optional[ast.Module]:
-    """transformers' auto-model module, parsed once a process (None where it cannot be read as this reads it)."""
+def auto_module_tree(module: tuple[str, ...] = MAPPING_MODULE) -> Optional[ast.Module]:
+    """A module of transformers' (under its package), parsed once a process (None where it cannot be read as this
+    reads it)."""
     spec = importlib.util.find_spec("transformers")  # a top-level package's spec: transformers is not imported
     if spec is None or not spec.submodule_search_locations:
         return None
     try:
-        return ast.parse(Path(spec.submodule_search_locations[0], *MAPPING_MODULE).read_text())
+        return ast.parse(Path(spec.submodule_search_locations[0], *module).read_text())
     except (OSError, SyntaxError, ValueError):
         return None
 
 
 @functools.cache
-def mapped_types(table_name: str) -> Optional[frozenset[str]]:
-    """The model types the installed transformers' table `table_name` maps to a class, or None where the table is
-    not where, or not what, this reads (then nothing is refused here, and transformers' load says what it says)."""
-    tree = auto_module_tree()
+def literal_table(table_name: str, module: tuple[str, ...] = MAPPING_MODULE) -> Optional[dict[str, str]]:
+    """The installed transformers' table `table_name` (model type -> class or module name), or None where the table
+    is not where, or not what, this reads (then nothing is refused here, and transformers' load says what it says)."""
+    tree = auto_module_tree(module)
     if tree is None:
         return None
     try:
@@ -51,9 +54,15 @@ def mapped_types(table_name: str) -> Optional[frozenset[str]]:
             and isinstance(node.value, ast.Call)
             and node.value.args
         )
-        return frozenset(model_type for model_type, _ in ast.literal_eval(table))
+        return dict(ast.literal_eval(table))
     except (StopIteration, ValueError, TypeError):
         return None
+
+
+def mapped_types(table_name: str) -> Optional[frozenset[str]]:
+    """The model types the installed transformers' table `table_name` maps to a class (None: see `literal_table`)."""
+    table = literal_table(table_name)
+    return None if table is None else frozenset(table)
 
 
 def causal_lm_types() -> Optional[frozenset[str]]:
@@ -87,6 +96,21 @@ def text_has_causal_lm(config: dict[str, Any]) -> bool:
     return wraps_a_text_model(config) and known is not None and text_model_type(config) in known
 
 
+def text_model_of_a_wrapper(config: dict[str, Any]) -> bool:
+    """Whether `config` (a config.json's dict) is a text-only release, a causal LM by its architecture's name, that
+    transformers reads as a vision-language wrapper's text config (its module the wrapper's) and maps to no model class
+    of its own (Step-3.5's step3p5 is Step-3.7's text config): draftsmith runs it as the wrapper module's text model and
+    the checkpoint's lm_head (draftsmith.text_model_lm)."""
+    model_type, architectures = config.get("model_type"), config.get("architectures") or []
+    if not any(isinstance(name, str) and name.endswith("ForCausalLM") for name in architectures):
+        return False
+    known, wrappers, models = causal_lm_types(), mapped_types(WRAPPER_TABLE), mapped_types(MODEL_TABLE)
+    modules = literal_table(MODULE_TABLE[1], MODULE_TABLE[0])
+    if known is None or wrappers is None or models is None or modules is None or not isinstance(model_type, str):
+        return False
+    return model_type not in known | wrappers | models and modules.get(model_type) in wrappers
+
+
 def text_model_type(config: dict[str, Any]) -> Optional[str]:
     text = config.get("text_config")
     return text.get("model_type") if isinstance(text, dict) else None
@@ -99,6 +123,8 @@ def not_a_causal_lm(config: dict[str, Any], name_or_path: str) -> Optional[str]:
     model_type = config.get("model_type")
     auto_map = config.get("auto_map")
     if not isinstance(model_type, str) or may_be_a_causal_lm(model_type) or wraps_a_text_model(config):
+        return None
+    if text_model_of_a_wrapper(config):
         return None
     if isinstance(auto_map, dict) and "AutoModelForCausalLM" in auto_map:
         return None

@@ -51,7 +51,7 @@ from typing import Callable, Iterator, Optional, TypeVar
 import torch
 from torch import nn
 
-from draftsmith.causal_lm import wraps_a_text_model
+from draftsmith.causal_lm import text_model_of_a_wrapper, wraps_a_text_model
 from draftsmith.errors import UserError
 
 log = logging.getLogger("draftsmith.sharding")
@@ -127,6 +127,11 @@ def load_sharded(
     # Parameters on the meta device; buffers real (the rotary frequencies are computed here, not
     # stored in the checkpoint). No random initialisation runs on meta, but the RNG is kept as it
     # was anyway, so a sharded run draws the same drafter initialisation as an unsharded one.
+    if text_model_of_a_wrapper(config.to_dict()):  # its weights are read under a wrapper's conversion, unsharded
+        raise UserError(
+            "target.shard=fsdp: this target runs as a wrapper module's text model and the checkpoint's lm_head "
+            "(draftsmith.text_model_lm), which draftsmith loads whole only; set target.shard=none"
+        )
     with torch.random.fork_rng(devices=[]), init_empty_weights(include_buffers=False):
         if wraps_a_text_model(config.to_dict()):  # as draftsmith.target_loading.read_model reads its weights
             model = built_language_causal_lm(config, dtype=dtype)

@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from draftsmith.causal_lm import not_a_causal_lm, wraps_a_text_model
+from draftsmith.causal_lm import not_a_causal_lm, text_model_of_a_wrapper, wraps_a_text_model
 from draftsmith.errors import UserError
 from draftsmith.model_files import read_pretrained
 
@@ -31,12 +31,17 @@ def load_config(section):
 def read_model(section, dtype: torch.dtype, device: torch.device | str):
     """The whole model, its weights read from the checkpoint, on `device`: a causal LM, or the language model and
     lm_head of a wrapper transformers has no causal LM class for (`language_causal_lm`), proven once on a few tokens
-    to compute the wrapper's own logits."""
+    to compute the wrapper's own logits, or a wrapper's text model and a text-only release's lm_head
+    (`read_text_model_lm`)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from draftsmith.wrapped_text import check_computes_as_wrapper, language_causal_lm
 
     config = load_config(section)  # read once: handed to the loader, which would read it again
+    if text_model_of_a_wrapper(config.to_dict()):
+        from draftsmith.text_model_lm import read_text_model_lm
+
+        return read_text_model_lm(section, config, dtype).to(device)
     wrapper = wraps_a_text_model(config.to_dict())
     report = HeldLoadReport()
     try:

@@ -89,7 +89,9 @@ def cpu_build_limit(config: dict, dtype: Optional[str] = None) -> Optional[str]:
             "it computes multi-head latent attention without most of its rotary embedding, so its output is not "
             "the target's (benchmarks/vllm_mla_rope.py)"
         )
-    if config.get("scoring_func") == "sigmoid" and not config.get("n_group"):
+    # the router's scoring under either name configs give it (`scoring_func`, `moe_router_activation`)
+    sigmoid = "sigmoid" in (config.get("scoring_func"), config.get("moe_router_activation"))
+    if sigmoid and not config.get("n_group"):
         return "its mixture-of-experts router takes softmax scoring only, and this target scores experts by a sigmoid"
     return None
 

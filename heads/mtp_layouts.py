@@ -246,9 +246,11 @@ UNSERVED = {
         "layer, never the shipped one"
     ),
     "Step3p5ForCausalLM": (
-        "transformers 5.24 has no causal LM class for model_type step3p5 (its config class, Step3p7TextConfig, "
-        "builds a text model without an lm_head), so draftsmith cannot run the target; and vLLM 0.32's Step3p5MTP "
-        "reads logits through the layer's own lm_head copy (shared_head.output, has_own_lm_head), not the target's"
+        "vLLM 0.32 does not build its Step3p5MTP for a config whose layers' kinds (layer_types) name the sliding "
+        "layers' heads (attention_other_setting), as a release's do: its Step3p5Config cuts layer_types to "
+        "num_hidden_layers, and the MTP block (layer num_hidden_layers) reads past the end (IndexError); and the "
+        "layer reads logits through its own lm_head copy (shared_head.output, has_own_lm_head), not the target's "
+        "lm_head, which draftsmith's MTP drafter reads"
     ),
 }
 # Architectures whose multi-token prediction is a model released beside the target, not a layer in its

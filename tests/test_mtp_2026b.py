@@ -409,7 +409,7 @@ def test_a_releases_fine_tuned_layer_is_served_by_vllm_like_in_draftsmith(
 @pytest.mark.parametrize(
     "architecture, reason",
     [
-        ("Step3p5ForCausalLM", "no causal LM class for model_type step3p5"),
+        ("Step3p5ForCausalLM", "cuts layer_types to num_hidden_layers"),
     ],
 )
 def test_targets_whose_mtp_layer_draftsmith_does_not_train_are_refused_in_one_line(architecture, reason, tmp_path):

