@@ -148,6 +148,20 @@ def run_in_vllm(vllm_python: str, script: str, tmp_path: Path, *args: str) -> su
                           env=env)  # fmt: skip
 
 
+def trains_then_resumes_alike(args: list[str], run: Path, every: int, last: int, capsys) -> None:
+    """`train.py args` trains to step `last`, saving every `every` steps into `run`; then, as if stopped after its
+    first checkpoint, `train.resume=true` resumes from it, and the resumed steps' losses are the first run's (not a
+    fresh start's)."""
+    assert run_entry_in_process(["train.py", *args], capsys).returncode == 0
+    first = read_log(run)
+    shutil.rmtree(run / "checkpoints" / f"step_{last:07d}")
+    shutil.rmtree(run / "final")
+    resumed = run_entry_in_process(["train.py", *args, "train.resume=true"], capsys)
+    assert resumed.returncode == 0 and f"step_{every:07d} at step {every}" in resumed.stderr, resumed.stderr[-2000:]
+    losses = [(read_log(run)[step]["train/loss"], first[step]["train/loss"]) for step in (every + 1, last)]
+    assert all(again == pytest.approx(before, rel=1e-3) for again, before in losses), losses
+
+
 def trains_and_decodes_its_target_losslessly(
     recipe: str, target: Path, tmp_path: Path, data: dict, cache: Path
 ) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 
 import pytest
 import torch
@@ -28,11 +27,11 @@ from draftsmith.target import load_target, run_target
 from tests.helpers import (
     assert_one_line_error,
     family_target,
-    read_log,
     run_entry_in_process,
     run_in_vllm,
     save_drafter,
     stand_in_vllm,
+    trains_then_resumes_alike,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -221,14 +220,7 @@ def test_train_resume_export_and_eval_of_the_folder_through_the_entry_points(tmp
         "data.max_length=192", "train.max_steps=32", "train.save_every=16", "train.lr=3e-3", "train.micro_batch_size=4",
         "train.warmup_steps=0", "train.log_every=1", "eval.enabled=false", f"output_dir={run}",
     ]  # fmt: skip
-    assert run_entry_in_process(["train.py", *args], capsys).returncode == 0
-    first = read_log(run)
-    shutil.rmtree(run / "checkpoints" / "step_0000032")  # as if stopped after step 16: the resume trains 17..32
-    shutil.rmtree(run / "final")
-    resumed = run_entry_in_process(["train.py", *args, "train.resume=true"], capsys)
-    assert resumed.returncode == 0 and "resumed from" in resumed.stderr and "step_0000016 at step 16" in resumed.stderr
-    losses = [(read_log(run)[step]["train/loss"], first[step]["train/loss"]) for step in (17, 32)]
-    assert all(again == pytest.approx(before, rel=1e-3) for again, before in losses), losses
+    trains_then_resumes_alike(args, run, 16, 32, capsys)
 
     export = ["-m", "export", *args, f"checkpoint={run / 'final'}", f"export.output={tmp_path / 'export'}",
               "export.engines=[vllm]"]  # fmt: skip

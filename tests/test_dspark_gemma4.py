@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 
 import pytest
 import torch
@@ -31,10 +30,10 @@ from tests.helpers import (
     first_records,
     fitted_eagle,
     greedy_text,
-    read_log,
     run_entry_in_process,
     run_in_vllm,
     save_drafter,
+    trains_then_resumes_alike,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -216,14 +215,7 @@ def test_train_resume_export_and_eval_of_the_folder_through_the_entry_points(
         "train.lr=3e-3", "train.micro_batch_size=2", "train.warmup_steps=0", "train.log_every=1", "eval.enabled=false",
         f"output_dir={run}",
     ]  # fmt: skip
-    assert run_entry_in_process(["train.py", *args], capsys).returncode == 0
-    first = read_log(run)
-    shutil.rmtree(run / "checkpoints" / "step_0000016")  # as if stopped after step 8: the resume trains 9..16
-    shutil.rmtree(run / "final")
-    resumed = run_entry_in_process(["train.py", *args, "train.resume=true"], capsys)
-    assert resumed.returncode == 0 and "resumed from" in resumed.stderr and "step_0000008 at step 8" in resumed.stderr
-    losses = [(read_log(run)[step]["train/loss"], first[step]["train/loss"]) for step in (9, 16)]
-    assert all(again == pytest.approx(before, rel=1e-3) for again, before in losses), losses
+    trains_then_resumes_alike(args, run, 8, 16, capsys)
     state = json.loads((run / "checkpoints" / "step_0000016" / "trainer_state.json").read_text())
     assert state["step"] == 16 and state["batch_in_epoch"] == 16, state  # the data's position carried on too
 

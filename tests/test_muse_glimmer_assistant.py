@@ -34,10 +34,10 @@ from draftsmith.target import load_target, run_target
 from tests.helpers import (
     assert_one_line_error,
     first_records,
-    read_log,
     run_entry_in_process,
     run_in_vllm,
     stand_in_vllm,
+    trains_then_resumes_alike,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -209,14 +209,7 @@ def test_train_resume_export_and_eval_from_the_assistant_through_the_entry_point
         "train.max_steps=8", "train.save_every=4", "train.lr=3e-3", "train.micro_batch_size=2",
         "train.warmup_steps=0", "train.log_every=1", "eval.enabled=false", f"output_dir={run}",
     ]  # fmt: skip
-    assert run_entry_in_process(["train.py", *args], capsys).returncode == 0
-    first = read_log(run)
-    shutil.rmtree(run / "checkpoints" / "step_0000008")  # as if stopped after step 4: the resume trains 5..8
-    shutil.rmtree(run / "final")
-    resumed = run_entry_in_process(["train.py", *args, "train.resume=true"], capsys)
-    assert resumed.returncode == 0 and "step_0000004 at step 4" in resumed.stderr, resumed.stderr[-2000:]
-    losses = [(read_log(run)[step]["train/loss"], first[step]["train/loss"]) for step in (5, 8)]
-    assert all(again == pytest.approx(before, rel=1e-3) for again, before in losses), losses
+    trains_then_resumes_alike(args, run, 4, 8, capsys)
 
     export = ["-m", "export", *args, f"checkpoint={run / 'final'}", f"export.output={tmp_path / 'export'}",
               "export.engines=[vllm]"]  # fmt: skip
