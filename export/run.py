@@ -40,6 +40,7 @@ from draftsmith.formats.versions import (
     require_build_serves,
     require_engine_imports,
     require_vllm_serves,
+    routing_bias_limit,
     served_builds,
     served_by,
 )
@@ -96,6 +97,7 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, engines=No
                 cfg.export.vllm_python,
                 drafter_limit=repos["vllm"].cpu_build_limit,
                 dtype=served_dtype(source.target_model),  # the check serves it as loaded
+                target_limit=routing_bias_limit(source.target.config, source.target_model),
             )
             require_engine_imports(source.target.config, cfg.export.vllm_python)
         for repo in repos.values():
@@ -338,7 +340,11 @@ def export_info(
         "target_dtype": served_dtype(source.target_model),  # the dtype the serving command serves the target in
         "speculative_config": served_config(repo, gamma, schedule, drafter),
         "vllm_releases": served_by(repo.method, exporter_for(drafter.type).vllm_releases) if releases_known else None,
-        "vllm_builds": served_builds(source.target.config, repo.cpu_build_limit) if releases_known else None,
+        "vllm_builds": served_builds(
+            source.target.config, repo.cpu_build_limit, routing_bias_limit(source.target.config, source.target_model)
+        )
+        if releases_known
+        else None,
         "batch_schedule": schedule,
         "engine_settings": None,  # what the engine resolved, when the export was checked in it
         "recommended_num_speculative_tokens": recommended_gamma(report, chain_engines(source)),

