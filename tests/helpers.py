@@ -137,6 +137,44 @@ def train_in_process(args: list[str]) -> tuple[Path, object]:
     return Path(load_recipe(args).output_dir) / "final", captured["target"]
 
 
+def dflash_block_for_vllm(drafter, target, ids: torch.Tensor, anchor: int, path: Path) -> torch.Tensor:
+    """A DFlash-backbone drafter's block outputs [S, H] for the block anchored at `anchor` of `ids` (its first row),
+    and, written to `path`, what tests/vllm_dflash_side.py `block_outputs` takes to compute them in vLLM: the tapped
+    states before the anchor and their positions, the block (the anchor's token, then the mask token) and its
+    positions, the target's token table."""
+    from safetensors.torch import save_file
+
+    from draftsmith.target import run_target
+
+    size = drafter.config.block_size
+    with torch.no_grad():
+        layers = run_target(target, ids, request=drafter.request).layers
+        ours = drafter.blocks(ids, layers, torch.tensor([[anchor]]))[0, 0]
+    save_file({
+        "aux": torch.cat([layers[i][0, :anchor] for i in drafter.config.target_layers], dim=-1).contiguous(),
+        "context_positions": torch.arange(anchor), "positions": torch.arange(anchor, anchor + size),
+        "block": torch.tensor([int(ids[0, anchor])] + [drafter.config.mask_token_id] * (size - 1)),
+        "table": target.get_input_embeddings().weight.detach().contiguous(),
+    }, str(path))  # fmt: skip
+    return ours
+
+
+def trains_one_step(drafter, model, ids: torch.Tensor) -> None:
+    """One SGD step of the drafter's loss on `ids` (every token loss-bearing, the host fields the trainer adds,
+    heads/base.py) against `model`'s features changes its trainable weights."""
+    from draftsmith.target import run_target
+
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    batch |= drafter.host_fields(batch)
+    target_out = run_target(model, ids, request=type(drafter).features(drafter.config, drafter.target))
+    trainable = [p for p in drafter.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in trainable]
+    loss_sum, count, _ = drafter.loss(batch, target_out)
+    (loss_sum / count).backward()
+    torch.optim.SGD(trainable, lr=1e-2).step()
+    assert any(not torch.equal(p, b) for p, b in zip(trainable, before))
+
+
 def run_in_vllm(vllm_python: str, script: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     """`script` (Python source) run by vLLM's environment's `vllm_python` with `args` and a free port last, tests/ on
     its path (for tests/vllm_dflash_side.py); its output captured."""

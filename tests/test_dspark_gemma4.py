@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from draftsmith.errors import UserError
 from draftsmith.eval.loop import prefill
@@ -27,6 +27,7 @@ from tests.helpers import (
     DEMO,
     assert_greedy_equals_plain,
     assert_one_line_error,
+    dflash_block_for_vllm,
     first_records,
     fitted_eagle,
     greedy_text,
@@ -300,16 +301,8 @@ def test_vllms_own_code_takes_the_folder_and_computes_the_drafters_block(target,
     drafter = read_folder(folder, target)
     size, anchor = drafter.config.block_size, 9
     ids = torch.randint(3, 4096, (1, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        out = run_target(target, ids, request=drafter.request)
-        ours = drafter.blocks(ids, out.layers, torch.tensor([[anchor]]))[0, 0]
     inputs = tmp_path / "inputs.safetensors"
-    save_file({
-        "aux": out.layers[0][0, :anchor].contiguous(), "context_positions": torch.arange(anchor),
-        "block": torch.tensor([int(ids[0, anchor])] + [5] * (size - 1)),
-        "positions": torch.arange(anchor, anchor + size),
-        "table": target.get_input_embeddings().weight.detach().contiguous(),
-    }, str(inputs))  # fmt: skip
+    ours = dflash_block_for_vllm(drafter, target, ids, anchor, inputs)
     done = run_in_vllm(vllm_python, VLLM_SCRIPT, tmp_path, folder, TARGET, inputs)
     assert done.returncode == 0, done.stderr[-3000:]
     said = json.loads(done.stdout.strip().splitlines()[-1])

@@ -45,6 +45,7 @@ from tests.helpers import (
     run_entry_in_process,
     train_args,
     trains_and_decodes_its_target_losslessly,
+    trains_one_step,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -242,16 +243,7 @@ def test_every_kind_trains_and_decodes_losslessly_on_family_quirks(kind, model_t
     if hasattr(config, "init") and reads_in_order(model.config):
         config.num_layers = 2  # a draft of the target's layers: linear attention, then the attention it needs
     drafter = drafters()[kind].from_target(config, model, model_type)
-    ids = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(6))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
-    batch |= drafter.host_fields(batch)  # as the trainer adds them (heads/base.py)
-    target_out = run_target(model, ids, request=drafters()[kind].features(drafter.config, drafter.target))
-    trainable = [p for p in drafter.parameters() if p.requires_grad]
-    before = [p.detach().clone() for p in trainable]
-    loss_sum, count, _ = drafter.loss(batch, target_out)
-    (loss_sum / count).backward()
-    torch.optim.SGD(trainable, lr=1e-2).step()
-    assert any(not torch.equal(p, b) for p, b in zip(trainable, before))
+    trains_one_step(drafter, model, torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(6)))
     proposer = drafter.eval().proposer()
     verifier = proposer.verifier if proposer.verifier is not None else model
     prompt = random_prompt(WINDOW + 5, 7)

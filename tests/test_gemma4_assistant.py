@@ -83,13 +83,13 @@ def test_it_reads_the_layers_transformers_stores_and_recomputes_their_keys_and_v
         assert torch.equal(recomputed[kind][0], keys) and torch.equal(recomputed[kind][1], values), kind
 
 
-def reference_chain(model, assistant, tokens: list[int], gamma: int) -> list[int]:
+def reference_chain(model, assistant, tokens: list[int], gamma: int, window: int = WINDOW) -> list[int]:
     """transformers' assistant drafting after `tokens` (the last one the target's): its query at the position
-    of the hidden state it reads, the sliding layer over the last WINDOW of the target's keys."""
+    of the hidden state it reads, the sliding layer over the last `window` of the target's keys."""
     committed = torch.tensor([tokens[:-1]])
     out = model(input_ids=committed, output_hidden_states=True, return_shared_kv_states=True)
     shared = dict(out.shared_kv_states.items())
-    shared[SLIDING] = tuple(t[:, :, -WINDOW:] for t in shared[SLIDING])
+    shared[SLIDING] = tuple(t[:, :, -window:] for t in shared[SLIDING])
     token, hidden, drafted = torch.tensor([[tokens[-1]]]), out.hidden_states[-1][:, -1:], []
     for _ in range(gamma):
         embedded = model.get_input_embeddings()(token)

@@ -32,7 +32,7 @@ from tests.helpers import (
     run_entry_in_process,
     saved_release,
 )
-from tests.test_gemma4_assistant import sharpened  # the same fresh assistant, for this target
+from tests.test_gemma4_assistant import reference_chain, sharpened  # the same fresh assistant, its reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -102,23 +102,6 @@ def test_a_release_folder_loads_as_the_wrapper_with_its_logits_taps_and_greedy_t
     assert_tree_forward_equals_path_forwards(model, prompt, torch.tensor(random_prompt(len(parents), 3)), parents)
 
 
-def reference_chain(model, assistant, tokens: list[int], gamma: int) -> list[int]:
-    """transformers' unified assistant module drafting after `tokens` (the last one the target's): its query at the
-    position of the final hidden state it reads, the sliding layer over the last WINDOW of the target's keys."""
-    committed = torch.tensor([tokens[:-1]])
-    out = model.get_decoder()(input_ids=committed, return_shared_kv_states=True)
-    shared = dict(out.shared_kv_states.items())
-    shared[SLIDING] = tuple(t[:, :, -WINDOW:] for t in shared[SLIDING])
-    token, hidden, drafted = torch.tensor([[tokens[-1]]]), out.last_hidden_state[:, -1:], []
-    for _ in range(gamma):
-        embedded = model.get_input_embeddings()(token)
-        step = assistant(inputs_embeds=torch.cat([embedded, hidden], -1), shared_kv_states=shared,
-                         position_ids=torch.tensor([[committed.shape[1] - 1]]))  # fmt: skip
-        token, hidden = step.logits.argmax(-1), step.last_hidden_state
-        drafted.append(int(token))
-    return drafted
-
-
 def test_the_assistant_is_the_unified_one_reads_the_stored_keys_exactly_and_drafts_as_its_module(target):
     """The assistant built for a unified target is transformers' Gemma4UnifiedAssistantForCausalLM; it recomputes the
     keys and values of the layers the target stores (the last of each kind before the KV-shared ones) exactly, and its
@@ -152,7 +135,7 @@ def test_the_assistant_is_the_unified_one_reads_the_stored_keys_exactly_and_draf
                 fresh=previous is None,
             )  # fmt: skip
             proposed = proposer.propose(state, 3).tokens.tolist()
-            assert proposed == reference_chain(model, reference, sequence[:length], 3), length
+            assert proposed == reference_chain(model, reference, sequence[:length], 3, WINDOW), length
             chains.add(tuple(proposed))
             previous = length
     assert len(chains) > 2

@@ -124,7 +124,7 @@ def test_the_layer_reads_back_under_the_checkpoints_names_as_the_block_vllm_buil
     assert any(".indexer." in n for n in block) == indexed
 
 
-def rms(x: torch.Tensor, weight: torch.Tensor, eps: float, one_plus: bool) -> torch.Tensor:
+def rms(x: torch.Tensor, weight: torch.Tensor, eps: float, one_plus: bool = False) -> torch.Tensor:
     x = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
     return x * ((1 + weight.float()) if one_plus else weight.float())
 

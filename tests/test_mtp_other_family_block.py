@@ -29,11 +29,12 @@ from draftsmith.heads.mtp import write_random_layer
 from draftsmith.heads.mtp_layer import read_layer, shipped_shapes
 from draftsmith.heads.mtp_layouts import LAYOUTS
 from draftsmith.random_target import demo_tokenizer_dir, write_random_target
-from draftsmith.recipe import load_recipe
 from draftsmith.target import TargetShape, run_target
-from tests.helpers import FAMILY_TRAINING, train_in_process
-from tests.test_mtp import trains_ahead_and_decodes_losslessly
-from tests.test_mtp_2026b import neox_rope, rms, trains_resumes_exports_and_decodes_losslessly
+from tests.test_mtp import neox_rope, rms, trains_ahead_and_decodes_losslessly
+from tests.test_mtp_2026b import (
+    is_served_like_in_draftsmith,
+    trains_resumes_exports_and_decodes_losslessly,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -268,26 +269,12 @@ def test_an_ernie_releases_fine_tuned_layer_is_served_by_vllm_like_in_draftsmith
     expert-score correction biases are zero: vLLM-CPU's router leaves them out of the experts' choice (measured: its
     greedy output of a target with random biases is transformers' with those biases zeroed), which the MTP layer,
     dense, does not involve."""
-    from draftsmith.export.run import export_checkpoint
-    from draftsmith.formats.repo import EXPORT_INFO
-
     folder = release_target("ernie4_5_moe", tmp_path / "target", seed_from=demo_tokenizer_dir())
     weights = folder / "model.safetensors"
     tensors = load_file(str(weights))
     unbiased = {n: torch.zeros_like(t) if n.endswith("e_score_correction_bias") else t for n, t in tensors.items()}
     save_file(unbiased, str(weights), metadata={"format": "pt"})
-    args = [
-        "recipe=mtp", f"target.name_or_path={folder}", f"data.train=[{small_data['train']}]", *FAMILY_TRAINING,
-        f"eval.data=[{small_data['eval']}]", f"data.cache_dir={token_cache}", f"output_dir={tmp_path / 'run'}",
-        "train.lr=3e-3",
-    ]  # fmt: skip
-    final, _ = train_in_process(args)
-    export = [f"export.vllm_python={vllm_python}", f"export.output={tmp_path / 'export'}"]
-    folders = export_checkpoint(load_recipe([*args, *export]), final, engines=engine_session)
-    verified = json.loads((folders["vllm"] / EXPORT_INFO).read_text())["verified"]
-    assert verified["lossless"] and verified["equals_draftsmith_plain"], verified
-    assert verified["counters"]["num_accepted_tokens"] > 0, verified
-    assert abs(verified["relative_difference"]) <= 0.08, verified
+    is_served_like_in_draftsmith(folder, vllm_python, engine_session, tmp_path, small_data, token_cache)
 
 
 def test_a_target_routed_with_nonzero_correction_biases_is_not_the_cpu_builds(released):

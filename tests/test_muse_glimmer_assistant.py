@@ -33,6 +33,7 @@ from draftsmith.random_target import write_random_target
 from draftsmith.target import load_target, run_target
 from tests.helpers import (
     assert_one_line_error,
+    dflash_block_for_vllm,
     first_records,
     run_entry_in_process,
     run_in_vllm,
@@ -339,16 +340,8 @@ def test_vllms_own_code_takes_the_exported_assistant_and_computes_the_drafters_b
     out = tmp_path / "export" / "vllm"
     anchor = 16
     ids = torch.randint(3, 4000, (1, 24), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        layers = run_target(target, ids, request=drafter.request).layers
-        ours = drafter.eval().blocks(ids, layers, torch.tensor([[anchor]]))[0, 0]
     inputs = tmp_path / "inputs.safetensors"
-    save_file({
-        "aux": torch.cat([layers[i][0, :anchor] for i in SETTINGS["target_layer_ids"]], dim=-1).contiguous(),
-        "context_positions": torch.arange(anchor), "positions": torch.arange(anchor, anchor + BLOCK),
-        "block": torch.tensor([int(ids[0, anchor])] + [SETTINGS["mask_token_id"]] * (BLOCK - 1)),
-        "table": target.get_input_embeddings().weight.detach().contiguous(),
-    }, str(inputs))  # fmt: skip
+    ours = dflash_block_for_vllm(drafter.eval(), target, ids, anchor, inputs)
     done = run_in_vllm(vllm_python, VLLM_SCRIPT, tmp_path, out, stand_in, inputs)
     assert done.returncode == 0, done.stderr[-3000:]
     said = json.loads(done.stdout.strip().splitlines()[-1])

@@ -44,8 +44,9 @@ from tests.helpers import (
     first_records,
     run_entry_in_process,
     trains_and_decodes_its_target_losslessly,
+    trains_one_step,
 )
-from tests.test_mtp import trains_ahead_and_decodes_losslessly
+from tests.test_mtp import rms, trains_ahead_and_decodes_losslessly
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -120,16 +121,7 @@ def test_each_kind_trains_and_decodes_losslessly(model, kind):
     if kind == "draft_model":
         config.num_layers = 3
     drafter = drafters()[kind].from_target(config, model, "nemotron_h")
-    ids = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(6))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
-    batch |= drafter.host_fields(batch)
-    target_out = run_target(model, ids, request=drafters()[kind].features(drafter.config, drafter.target))
-    trainable = [p for p in drafter.parameters() if p.requires_grad]
-    before = [p.detach().clone() for p in trainable]
-    loss_sum, count, _ = drafter.loss(batch, target_out)
-    (loss_sum / count).backward()
-    torch.optim.SGD(trainable, lr=1e-2).step()
-    assert any(not torch.equal(p, b) for p, b in zip(trainable, before))
+    trains_one_step(drafter, model, torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(6)))
     prompt = random_prompt(17, 7)
     plain = generate(model, prompt, 24).tokens
     gamma = min(3, drafters()[kind].max_chain(drafter.config) or 3)
@@ -193,10 +185,6 @@ def test_the_mtp_layer_reads_back_under_its_release_names_as_the_stack_vllm_buil
         assert {n: p.shape for n, p in drafter.block[i].named_parameters()} == {
             n: p.shape for n, p in theirs.named_parameters()
         }
-
-
-def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
 def test_one_draft_step_computes_vllms_formula_from_the_checkpoint(release):
