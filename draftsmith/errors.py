@@ -228,15 +228,16 @@ def run_cli(main: Callable[[Sequence[str]], object], argv: Sequence[str] | None 
     decided, SIGTERM is ignored, and no handler is put back: the process ends here, and its interpreter's shutdown
     (thread joins, atexit) takes up to a second, in which a SIGTERM would end it as 143 and lose what the command
     decided (a scheduler acts on `monitor check`'s 12)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    signal.signal(signal.SIGTERM, outside_imports(functools.partial(stop_on_sigterm, command=command)))
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not an ignored one (a background job's)
-        signal.signal(signal.SIGINT, outside_imports(signal.default_int_handler))
-    sys.exit(_run(main, argv, command))
+    sys.exit(_run(main, list(sys.argv[1:] if argv is None else argv), command))
 
 
 def _run(main: Callable[[Sequence[str]], object], argv: list[str], command: str) -> int | str | None:
     try:
+        # inside the try: a Ctrl-C landing while the handlers go in is its line too, not a traceback (it was, in CI);
+        # SIGINT's first, so that a process seen handling SIGTERM handles both
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not an ignored one (a background job's)
+            signal.signal(signal.SIGINT, outside_imports(signal.default_int_handler))
+        signal.signal(signal.SIGTERM, outside_imports(functools.partial(stop_on_sigterm, command=command)))
         try:
             main(argv)
         finally:

@@ -254,6 +254,24 @@ def test_a_stop_while_the_command_loads_is_its_one_line(tmp_path, signum, code, 
     assert not output_dir.exists()
 
 
+def test_a_ctrl_c_while_the_stop_handlers_go_in_is_its_one_line(monkeypatch, capsys):
+    """Python's own Ctrl-C handler raises wherever the command is; landing while run_cli put its handlers in (CI
+    caught it once: the wait above ends once SIGTERM is handled), it was a KeyboardInterrupt traceback (-2)."""
+    from draftsmith.errors import EXIT_INTERRUPTED, run_cli
+
+    def ctrl_c_lands(signum):
+        raise KeyboardInterrupt
+
+    interrupt = signal.getsignal(signal.SIGINT)
+    monkeypatch.setattr(signal, "getsignal", ctrl_c_lands)
+    try:
+        with pytest.raises(SystemExit) as exited:
+            run_cli(lambda args: pytest.fail("the command ran"), [])
+    finally:
+        signal.signal(signal.SIGINT, interrupt)
+    assert exited.value.code == EXIT_INTERRUPTED and capsys.readouterr().err == "interrupted\n"
+
+
 def test_version_prints_the_installed_version(capsys):
     """`draftsmith --version` was `unknown command '--version'`, exit 2."""
     from importlib.metadata import version
