@@ -148,9 +148,8 @@ class DFlash(EagleBase):
     @classmethod
     def from_target(cls, config: DFlashConfig, target_model, name_or_path: str) -> DFlash:
         shape = TargetShape.of(target_model, name_or_path)
-        if config.released_drafter is not None:
-            if cls.type != DFlash.type:  # its export would not write the release's layers back
-                raise UserError(f"drafter.released_drafter starts a {DFlash.TITLE} drafter only (this is {cls.TITLE})")
+        # DFlash's own key: DSpark's config has none (its export would not write the release's layers back)
+        if getattr(config, "released_drafter", None) is not None:
             return start_from_release(cls, config, target_model, shape)
         config.check(shape)
         config = cls.for_target(config, shape, target_model.config)

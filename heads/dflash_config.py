@@ -17,9 +17,10 @@ LOSSES = ("ce", "soft_ce")
 WEIGHTINGS = ("decay", "dpace")  # per block position: exp(-(k-1)/loss_decay), or D-PACE's from confidence
 
 
-@register_config
 @dataclass
-class DFlashConfig(DrafterConfig):
+class DFlashBlockConfig(DrafterConfig):
+    """The settings of DFlash's block drafting, which DSpark (heads/dspark_config.py) shares."""
+
     type: str = "dflash"  # the drafter kind (registry key)
     SETTINGS = ("anchors", "loss", "loss_decay", "loss_weighting", "dpace_alpha", "tree_topk")  # see DrafterConfig
     SERVED = ("tree_topk",)
@@ -46,11 +47,6 @@ class DFlashConfig(DrafterConfig):
     # (heads/dflash_laguna.py), which vLLM builds for DFlash only (DFlashLagunaForCausalLM)
     layer_family: str = "llama"
     decoder: Optional[dict] = None  # the draft layers' classes and config, resolved by from_target
-    # A released DFlash drafter to start from: its folder (vLLM's DFlashDraftModel, or the encoder layout of
-    # transformers' DFlash assistants: heads/dflash_released.py), whose layers' config (widths, heads, RoPE, sliding
-    # windows) and weights it keeps; num_layers, target_layers, block_size and mask_token_id unset or the folder's.
-    # It sets the layers' shape, so a resume or a warm start (train.init_from) names the same folder.
-    released_drafter: Optional[str] = None
     # the engine models its export writes among those that alone build a family's layers (draftsmith.families
     # `LayerFamily.engine_model`): a family built by another is refused at the recipe
     ENGINE_MODELS: ClassVar[tuple[str, ...]] = ("DFlashLagunaForCausalLM",)  # formats/dflash_laguna.py
@@ -83,7 +79,7 @@ class DFlashConfig(DrafterConfig):
             raise UserError(f"drafter.dpace_alpha={self.dpace_alpha} must be in (0, 1]")
         # a weighting's own setting given to the other one, which never reads it
         reader, key = {"dpace": ("decay", "loss_decay"), "decay": ("dpace", "dpace_alpha")}[self.loss_weighting]
-        if getattr(self, key) != getattr(DFlashConfig, key):
+        if getattr(self, key) != getattr(DFlashBlockConfig, key):
             raise UserError(
                 f"drafter.{key}={getattr(self, key)} is read only with drafter.loss_weighting={reader}, and this "
                 f"recipe's is {self.loss_weighting}: leave it at its default, or set drafter.loss_weighting={reader}"
@@ -106,6 +102,17 @@ class DFlashConfig(DrafterConfig):
         if self.target_layers is not None:
             return [int(layer) for layer in self.target_layers]
         return default_target_layers(num_layers, self.num_layers)
+
+
+@register_config
+@dataclass
+class DFlashConfig(DFlashBlockConfig):
+    type: str = "dflash"  # the drafter kind (registry key)
+    # A released DFlash drafter to start from: its folder (vLLM's DFlashDraftModel, or the encoder layout of
+    # transformers' DFlash assistants: heads/dflash_released.py), whose layers' config (widths, heads, RoPE, sliding
+    # windows) and weights it keeps; num_layers, target_layers, block_size and mask_token_id unset or the folder's.
+    # It sets the layers' shape, so a resume or a warm start (train.init_from) names the same folder.
+    released_drafter: Optional[str] = None
 
 
 def default_target_layers(num_target_layers: int, count: int) -> list[int]:

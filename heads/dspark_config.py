@@ -1,5 +1,6 @@
-"""The recipe's drafter section of DSpark (heads/dspark.py), without torch (heads/config.py): DFlash's settings
-(heads/dflash_config.py) and those of the Markov and confidence heads."""
+"""The recipe's drafter section of DSpark (heads/dspark.py), without torch (heads/config.py): DFlash's block
+settings (heads/dflash_config.py; not `released_drafter`, a DFlash drafter's start) and those of the Markov and
+confidence heads."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import TYPE_CHECKING, Optional
 
 from draftsmith.errors import UserError
 from draftsmith.heads import register_config
-from draftsmith.heads.dflash_config import DFlashConfig
+from draftsmith.heads.dflash_config import DFlashBlockConfig
 
 if TYPE_CHECKING:
     from draftsmith.target import TargetShape
@@ -16,10 +17,10 @@ if TYPE_CHECKING:
 
 @register_config
 @dataclass
-class DSparkConfig(DFlashConfig):
+class DSparkConfig(DFlashBlockConfig):
     type: str = "dspark"  # the drafter kind (registry key)
     # see DrafterConfig; adaptive_verification sets how vLLM serves (and the eval decodes), not the weights
-    SETTINGS = (*DFlashConfig.SETTINGS, "confidence_weight", "confidence_decay", "adaptive_verification")
+    SETTINGS = (*DFlashBlockConfig.SETTINGS, "confidence_weight", "confidence_decay", "adaptive_verification")
     SERVED = ("adaptive_verification",)  # its chains have no tree (tree_topk is refused)
     ENGINE_MODELS = ("Gemma4DSparkModel",)  # formats/dspark_gemma4.py
     # block = anchor + block_size-1 masks, every position predicting the token after it: proposes up to block_size
@@ -54,7 +55,7 @@ class DSparkConfig(DFlashConfig):
                 "drafter.adaptive_verification needs confidence_head: true (without the head vLLM sizes the "
                 "verification from an online estimate of the draft logits, which draftsmith's eval does not model)"
             )
-        if self.tree_topk != DFlashConfig.tree_topk:
+        if self.tree_topk != DFlashBlockConfig.tree_topk:
             raise UserError(
                 f"drafter.tree_topk={self.tree_topk}: a dspark drafter proposes chains only (its Markov head samples "
                 "a block left to right), so it builds no tree; leave tree_topk unset"

@@ -30,6 +30,7 @@ from draftsmith.formats.folder import read_folder
 from draftsmith.heads import drafter_class
 from draftsmith.heads.dflash_released import ENCODER_NAMES, renamed
 from draftsmith.random_target import write_random_target
+from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target, run_target
 from tests.helpers import (
     assert_one_line_error,
@@ -160,7 +161,8 @@ def test_the_assistants_folder_is_read_tensor_for_tensor_and_what_differs_is_ref
     refused({"dflash_config": {"causal": True}}, "causal attention within the block")
     refused({"sliding_window": 4}, "a sliding window of 4 positions cannot see a whole block of 8")
     refused({"layer_types": ["chunked_attention", "full_attention"]}, "layer_types ['chunked_attention']")
-    refused({}, "starts a DFlash drafter only", kind="dspark", markov_rank=16)
+    with pytest.raises(UserError, match="unknown recipe key 'drafter.released_drafter'"):  # a DFlash key only
+        load_recipe(["recipe=dspark", f"drafter.released_drafter={assistant}"])
 
 
 def test_an_export_checked_with_vllms_cpu_build_is_refused_in_one_line(release, tmp_path, capsys):
