@@ -44,6 +44,7 @@ from draftsmith.errors import UserError, run_cli
 from draftsmith.families import text_config
 from draftsmith.files import publish_folder, staging
 from draftsmith.outputs import check_output_dir
+from draftsmith.text_release import is_a_text_release, release_architecture, release_config, write_release
 from draftsmith.tiny_config import build_config, tiny_wrapper_config
 
 # The demo target's tokenizer files a random target is given (formats/repo.py's TOKENIZER_FILES: any target's).
@@ -85,12 +86,19 @@ def build_model(
     fused projections, experts, biases) stays its own."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    from draftsmith.text_model_lm import built_text_model_lm
+
     wrapper = wraps_a_text_model(config.to_dict())  # built whole, as draftsmith.target_loading reads one
-    if not wrapper and not may_be_a_causal_lm(config.model_type):
+    text_release = not wrapper and is_a_text_release(config.model_type)  # a wrapper module's text model and lm_head
+    if not wrapper and not text_release and not may_be_a_causal_lm(config.model_type):
         raise UserError(f"{no_causal_lm(config.model_type)}: a target of it cannot be built")  # not ~200 classes
     torch.manual_seed(seed)
     with torch.device(device):
-        model = (AutoModelForImageTextToText if wrapper else AutoModelForCausalLM).from_config(config, dtype=dtype)
+        if text_release:
+            config.architectures = [release_architecture(config.model_type)]
+            model = built_text_model_lm(config, dtype=dtype)
+        else:
+            model = (AutoModelForImageTextToText if wrapper else AutoModelForCausalLM).from_config(config, dtype=dtype)
     for parameter in model.parameters():
         if parameter.dim() >= 2:
             parameter.normal_(0.0, std)
@@ -311,19 +319,29 @@ def write_random_target(
     demo target's tokenizer and chat template): a local target like any other; trained `train_steps` steps on the
     demo's conversations (train_on_demo) before it is written. `released`: a vision-language wrapper's model type is
     written as its releases ship it, the wrapper whole, even where its language model alone is a causal LM
-    (tiny_wrapper_config)."""
+    (tiny_wrapper_config). A text-only release read as a wrapper's text model (Step-3.5's step3p5) is always written as
+    its release ships it (draftsmith.text_release)."""
+    if train_steps and is_a_text_release(model_type):  # before the model is built
+        raise UserError(
+            f"--train-steps: a {model_type} target is a wrapper module's text model and an lm_head, whose forward "
+            "computes no loss to train on; leave --train-steps out"
+        )
     source = demo_tokenizer_dir()
     demo = json.loads((source / "config.json").read_text())
     special = {key: demo[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    config = build_config(model_type, demo["vocab_size"], special, sliding_window=sliding_window, **shape)
+    built = release_config if is_a_text_release(model_type) else build_config
+    config = built(model_type, demo["vocab_size"], special, sliding_window=sliding_window, **shape)
     config = tiny_wrapper_config(model_type, config, released) or config
     model = build_model(config, seed=seed, seed_from=seed_from)
     if train_steps:
         train_on_demo(model, train_steps)
-    declare_as_released(text_config(model.config), model)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory)
+    if is_a_text_release(model_type):  # its release's own fields (not the other families' names declared below)
+        write_release(model, directory)
+    else:
+        declare_as_released(text_config(model.config), model)
+        model.save_pretrained(directory)
     for name in RANDOM_TARGET_TOKENIZER_FILES:
         if (source / name).is_file():
             shutil.copyfile(source / name, directory / name)

@@ -127,13 +127,13 @@ def load_sharded(
     # Parameters on the meta device; buffers real (the rotary frequencies are computed here, not
     # stored in the checkpoint). No random initialisation runs on meta, but the RNG is kept as it
     # was anyway, so a sharded run draws the same drafter initialisation as an unsharded one.
-    if text_model_of_a_wrapper(config.to_dict()):  # its weights are read under a wrapper's conversion, unsharded
-        raise UserError(
-            "target.shard=fsdp: this target runs as a wrapper module's text model and the checkpoint's lm_head "
-            "(draftsmith.text_model_lm), which draftsmith loads whole only; set target.shard=none"
-        )
     with torch.random.fork_rng(devices=[]), init_empty_weights(include_buffers=False):
-        if wraps_a_text_model(config.to_dict()):  # as draftsmith.target_loading.read_model reads its weights
+        # as draftsmith.target_loading.read_model reads its weights (rank 0's `read_weights`, under the names below)
+        if text_model_of_a_wrapper(config.to_dict()):
+            from draftsmith.text_model_lm import built_text_model_lm
+
+            model = built_text_model_lm(config, dtype=dtype)
+        elif wraps_a_text_model(config.to_dict()):
             model = built_language_causal_lm(config, dtype=dtype)
         else:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)

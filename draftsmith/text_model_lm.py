@@ -11,6 +11,7 @@ import importlib
 import inspect
 import json
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -30,10 +31,7 @@ def read_text_model_lm(section, config, dtype: torch.dtype) -> TextOfWrapper:
 
     text_class = text_model_class(config, section.name_or_path)
     register_text_conversion(config)
-    # a config whose layers differ in a field (Step-3.5's sliding layers have more query heads) refuses to give the
-    # field's global value unless asked; draftsmith's readers of the target's shape take the release's global value,
-    # as vLLM's config gives it
-    config.allow_global_per_layer_attribute_access = True
+    allow_global_values(config)
     report = HeldLoadReport()
     try:
         text_model, loading = read_pretrained(
@@ -59,6 +57,24 @@ def read_text_model_lm(section, config, dtype: torch.dtype) -> TextOfWrapper:
         with torch.no_grad():
             head.weight.copy_(head_weight(section))
     return model
+
+
+def built_text_model_lm(config, dtype: Optional[torch.dtype] = None) -> TextOfWrapper:
+    """The model `read_text_model_lm` reads, built from `config` alone with the weights its family initialises (or
+    none, on the meta device): what a sharded load fills and a random target of the family is drawn into."""
+    allow_global_values(config)
+    text_model = text_model_class(config, config.name_or_path or config.model_type)._from_config(config, dtype=dtype)
+    head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=text_model.dtype)
+    model = TextOfWrapper(text_model.config, text_model, head)
+    model.tie_weights()
+    return model
+
+
+def allow_global_values(config) -> None:
+    """A config whose layers differ in a field (Step-3.5's sliding layers have more query heads) refuses to give the
+    field's global value unless asked; draftsmith's readers of the target's shape take the release's global value, as
+    vLLM's config gives it (the attention's FLOPs are counted per layer: draftsmith.trainer.observe.attention_width)."""
+    config.allow_global_per_layer_attribute_access = True
 
 
 def text_model_class(config, name_or_path: str) -> type:

@@ -8,10 +8,12 @@ to MiMoV2MTP, MiniMax-M3 to MiniMaxM3MTP, Qwen3-Next to qwen3_next_mtp, Qwen3.5 
 tensors under the names the target's checkpoint gives them (`model.layers.{N}.*`, GLM-5-Next's
 `model.language_model.layers.{N}.*`, `mtp.*`, V4's `mtp.0.*`, HY-V4's `model.mtp_layers.0.*`, MiMo-V2-Flash's
 `model.mtp.layers.0.*`, LongCat-Flash's `model.mtp.layers.0.*` and `model.mtp.norm`, ERNIE-4.5's `model.mtp_*.0.*`,
-MiniMax-M3's `language_model.model.mtp.layers.0.*` or Inkling's `model.mtp.layers.0.*` and `model.mtp.chain_norm`,
-beside the target's `model.llm.embed_norm`, which vLLM's InklingMTP reads from the drafter's folder).
+MiniMax-M3's `language_model.model.mtp.layers.0.*` or Inkling's `model.mtp.layers.{j}.*` and its chain norm if any,
+`model.mtp.chain_norm`, beside the target's `model.llm.embed_norm`, which vLLM's InklingMTP reads from the drafter's
+folder).
 So the folder is the target's config.json as it ships (its own keys, not transformers' `to_dict()` with its defaults
-and local path) with an MTP layer count of 1 (vLLM 0.32's proposer runs the first layer for every draft step; a
+and local path) with an MTP layer count of 1 (vLLM 0.32's proposer runs the first layer for every draft step, but
+Inkling's depths, depth i at step i: their count, heads/mtp_depths.py, each under `model.mtp.layers.{j}.`; a
 vision-language wrapper's, Qwen3.5's releases, is its language model's config, which vLLM serves alike; GLM-5-Next's
 and MiniMax-M3's are the wrapper's whole, the count in its text_config, as vLLM maps only the wrapper's model type to
 its MTP model; Inkling's too, the count in its `mtp_config` and in the text_config's copy transformers reads) and
@@ -35,7 +37,7 @@ import torch
 from draftsmith.families import COMPRESSED
 from draftsmith.formats import Exporter, Source, register
 from draftsmith.formats.repo import VLLM_SERVE, EngineRepo
-from draftsmith.heads import drafter_class
+from draftsmith.heads import drafter_class, mtp_depths
 from draftsmith.heads.mtp import layout_of, text_fields
 from draftsmith.heads.mtp_family import decoder_layers
 from draftsmith.heads.mtp_layer import count_holder, shipped_config, shipped_shapes
@@ -82,19 +84,22 @@ class MtpExporter(Exporter):
         # the text_config of a wrapper served whole (GLM-5-Next's: vLLM maps its model_type to its MTP model)
         config = shipped_config(name_or_path, loaded)
         text = text_fields(config)
-        count_holder(config, layout)[layout.count_key] = 1
+        depths = mtp_depths.depths_of(drafter)  # vLLM runs depth i at step i (Inkling's), else one layer every step
+        count_holder(config, layout)[layout.count_key] = depths
         if layout.count_block:  # the text_config's copies of the block's fields, where it has them, alike
             block = count_holder(config, layout)
             text |= {ours: block.get(theirs) for theirs, ours in MTP_FIELDS if ours in text}
         text |= compress_ratios(text)
         layers = decoder_layers(text)
         prefix = layout.prefix(layers)
-        tensors = {layout.release_name(name, layers): tensor for name, tensor in drafter.checkpoint_tensors().items()}
+        written = drafter.checkpoint_tensors().items()
+        tensors = {mtp_depths.release_name(layout, name, layers): tensor for name, tensor in written}
         expected = shipped_shapes(name_or_path, source.target.config, layout)
+        expected |= mtp_depths.shipped_depth_shapes(name_or_path, source.target.config, layout, depths)
         conventions = {
             "config": (
                 f"the target's config.json as shipped (a vision-language wrapper's language model's), "
-                f"{layout.count_key}=1: vLLM builds its {layout.vllm_model} model"
+                f"{layout.count_key}={depths}: vLLM builds its {layout.vllm_model} model"
             ),
             "weights": f"the fine-tuned MTP layer under the target checkpoint's names and shapes ({prefix}*)",
             "shared": (
@@ -110,6 +115,13 @@ class MtpExporter(Exporter):
             )
             + ", as vLLM hands it to its MTP proposer",
         }
+        if depths > 1:
+            conventions["steps"] = (
+                f"draft step i runs depth i % {depths} over the whole draft query, as model runner V2's "
+                "MultiModuleMTPSpeculator runs it (vLLM's default where Triton is; the V1 runner passes no step and "
+                f"would run depth 0 at every step); serve num_speculative_tokens <= {depths}: a later step writes its "
+                "entries into that depth's KV cache, where draftsmith's steps keep a cache each"
+            )
         stub = CPU_BUILD_STUBS.get(layout.vllm_model)
         return EngineRepo(
             "vllm",
@@ -130,7 +142,9 @@ class MtpExporter(Exporter):
             return False
         prefix = layout.prefix(decoder_layers(text))
         outside = {layout.own_embedding, *(name for _, name in layout.outside)}
-        return bool(tensors) and all(name.startswith(prefix) or name in outside for name in tensors)
+        layers = decoder_layers(text)
+        later = {name for name in tensors if mtp_depths.layer_name(layout, name, layers).startswith(mtp_depths.DEPTHS)}
+        return bool(tensors) and all(name.startswith(prefix) or name in outside or name in later for name in tensors)
 
     def read(
         self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]
@@ -142,5 +156,5 @@ class MtpExporter(Exporter):
             for key, value in info.get("drafter_config", {}).items()
             if key in ("ttt_steps", "ttt_decay", "tree_depth", "tree_topk")
         }  # training and decoding settings the engine does not carry
-        layer = {layout.layer_name(name, layers): tensor for name, tensor in tensors.items()}
+        layer = {mtp_depths.layer_name(layout, name, layers): tensor for name, tensor in tensors.items()}
         return mtp.from_layer(mtp.Config(**settings), target_model, info.get("verifier", "target"), layer)

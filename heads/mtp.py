@@ -24,16 +24,15 @@ hyper-connections (heads/mtp_plain.py), as is MiniMax-M3's, its block-sparse att
 (heads/mtp_blocks.py); Nemotron-H's is a stack of its attention and expert layers, the wrapper's tensors stored in
 its first and last (heads/mtp_stacked.py). Inkling's reads [hidden | embedding], its embedding normed by the target's
 embedding norm first, its block the decoder layer with its short convolutions (heads/mtp_convolved.py), its chain norm
-as the final norm, and its logits divided by the target's muP multiplier (`head_input`), as vLLM's. LongCat-Flash's
+(if any) as the final norm, its logits divided by the target's muP multiplier (`head_input`), as vLLM's. LongCat-Flash's
 and ERNIE-4.5's block is another family's decoder layer, DeepSeek-V2's and Llama's (heads/mtp_family.py); ERNIE-4.5's
 logits read its output with no final norm. Decoding is EAGLE's: the layer's own KV cache over the committed sequence,
 a chain or a dynamic tree grown from it (EagleProposer); vLLM verifies chains.
 
 Only the first MTP layer is used: vLLM 0.32's proposer runs layer 0 for every draft step whatever the checkpoint's
-count (Inkling's runs depth i at step i: a release shipping more than one is refused, heads/mtp_layouts.py). The
-block's tensors are converted between the checkpoint's names and transformers' modules (fused experts) by
-transformers' own loading and saving code, through a one-layer model of the target's class (`carrier`,
-heads/mtp_layer.py).
+count, but Inkling's depths, each over the whole sequence, depth i at step i (heads/mtp_depths.py). The block's
+tensors are converted between the checkpoint's names and transformers' modules (fused experts) by transformers' own
+loading and saving code, through a one-layer model of the target's class (`carrier`, heads/mtp_layer.py).
 """
 
 from __future__ import annotations
@@ -48,6 +47,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+import draftsmith.heads.mtp_depths as mtp_depths
 from draftsmith.errors import UserError
 from draftsmith.families import norm_eps, sliding_window, within_window
 from draftsmith.heads import mtp_convolved, mtp_family, mtp_gated, mtp_plain, mtp_stacked, mtp_streams, register
@@ -144,7 +144,7 @@ class Mtp(EagleBase):
         # transformers' loop over the experts (a block of a family with experts): runs forward and backward
         # on any device; from_pretrained would pick a kernel, a layer built alone gets none
         self.layer_config._experts_implementation = "eager"
-        self.layout = LAYOUTS[spec["architecture"]]
+        self.layout = mtp_depths.layout_for(LAYOUTS[spec["architecture"]], self.layer_config)
         hidden, eps = target.hidden_size, norm_eps(self.layer_config)
         norm = import_qualified(spec["norm"])  # the target's RMSNorm (Qwen's computes x * (1 + w))
         if self.layout.gated:  # no final norm: the layer's own mixer feeds the lm_head
@@ -160,6 +160,7 @@ class Mtp(EagleBase):
         if self.layout.own_embedding:  # frozen as the target's table is for the other layouts: a vocabulary's rows
             self.own_embed = nn.Embedding(target.vocab_size, hidden).requires_grad_(False)
         self.block = self.build_block(import_qualified(spec["layer"]))
+        mtp_depths.build(self, norm, eps)  # a layout's later depths, one per draft step
         indexer = getattr(getattr(self.block, "self_attn", None), "indexer", None)
         if indexer is not None:
             # V3.2's sparse-attention indexer stays as shipped: transformers runs it without gradients (DeepSeek
@@ -202,7 +203,7 @@ class Mtp(EagleBase):
         values = loaded_config(target_model)
         layout = layout_of(values)
         check_ships_a_layer(values, layout, name_or_path)
-        tensors = read_layer(name_or_path, values, layout)
+        tensors = read_layer(name_or_path, values, layout) | mtp_depths.read_depths(name_or_path, values, layout)
         return cls.from_layer(config, target_model, name_or_path, tensors)
 
     @classmethod
@@ -256,7 +257,7 @@ class Mtp(EagleBase):
         if self.layout.own_embedding:
             state["own_embed.weight"] = tensors[OWN_EMBEDDING]
         converted = block_from_checkpoint(block_tensors, self.config.decoder, self.layout)
-        state |= {f"block.{name}": t for name, t in converted.items()}
+        state |= {f"block.{name}": t for name, t in converted.items()} | mtp_depths.state_of(self, tensors)
         dtype = self.embed_norm.weight.dtype
         self.load_state_dict({name: t.to(dtype) for name, t in state.items()})
 
@@ -272,6 +273,7 @@ class Mtp(EagleBase):
         out |= {block + name: t for name, t in saved.items()}
         if self.layout.target_scales and getattr(self.layer_config, "use_embed_norm", False):
             out[TARGET_EMBED_NORM] = self.target_modules()[0].embed_norm.weight.detach()  # frozen, as the target's
+        out |= mtp_depths.checkpoint_tensors(self)
         return out | ({OWN_EMBEDDING: self.own_embed.weight.detach()} if self.layout.own_embedding else {})
 
     # -- the draft model ------------------------------------------------------------------------
@@ -282,9 +284,12 @@ class Mtp(EagleBase):
         positions: torch.Tensor,
         mask: Optional[torch.Tensor] = None,
         cache: Optional[DynamicCache] = None,
+        depth: int = 0,
     ) -> torch.Tensor:
         """pre = block(proj(cat(embed_norm(e), hidden_norm(f)))), or a streams layout's (heads/mtp_streams.py);
-        returns what a later step reads (see the module docstring), which `top_tokens` turns into logits."""
+        returns what a later step reads (see the module docstring), which `top_tokens` turns into logits (`depth`:
+        heads/mtp_depths.py)."""
+        held = mtp_depths.part(self, depth)
         embedded = (self.own_embed(tokens) if self.layout.own_embedding else self.embed(tokens)).to(features.dtype)
         if self.layout.masks_first_position:
             embedded = torch.where(positions[..., None] == 0, 0.0, embedded)
@@ -295,13 +300,13 @@ class Mtp(EagleBase):
             hidden = parts.combine(self, embedded, features)
             arguments = parts.block_arguments(self, hidden, positions, mask)
         else:
-            inputs = [self.embed_norm(embedded), self.hidden_norm(features)]
-            hidden = self.proj(torch.cat(inputs[::-1] if self.layout.hidden_first else inputs, dim=-1))
+            inputs = [held.embed_norm(embedded), held.hidden_norm(features)]
+            hidden = held.proj(torch.cat(inputs[::-1] if self.layout.hidden_first else inputs, dim=-1))
             # a family whose rotary tables differ by layer kind (Dots3-Note's) is given the block's
             kinds = self.layout.block_kind and "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
             kind = {"layer_type": self.layer_config.layer_types[0]} if kinds else {}
             arguments = {"attention_mask": mask, "position_embeddings": self.rotary_emb(hidden, positions, **kind)}
-        pre = self.block(hidden, position_ids=positions, cache=cache, **arguments)
+        pre = held.block(hidden, position_ids=positions, cache=cache, **arguments)
         if isinstance(pre, tuple):  # GLM-5's layer returns its top-k selection beside, for a later layer to share
             pre = pre[0]
         return self.final_norm(pre) if self.layout.feeds_back_normed else pre
@@ -325,6 +330,9 @@ class Mtp(EagleBase):
         features = state.new_streams if self.layout.streams else state.new_final
         return None if features is None else features.to(self.embed_norm.weight.dtype)
 
+    def proposer(self, temperature: float = 0.0):
+        return mtp_depths.DepthsProposer(self) if hasattr(self, "depths") else super().proposer(temperature)
+
     def new_cache(self) -> DynamicCache:
         return mtp_convolved.new_cache() if self.layout.convolved else super().new_cache()
 
@@ -342,6 +350,8 @@ class Mtp(EagleBase):
         as the decode loop's cache holds them when it drafts its (i+1)-th token. Counted where x_{t+i+2}
         is supervised and in t's document; summed over positions and steps (step i weighs ttt_decay**i).
         """
+        if hasattr(self, "depths"):  # a depth per step, each over the whole sequence
+            return mtp_depths.loss(self, batch, target_out)
         input_ids = batch["input_ids"]
         rows, length = input_ids.shape
         width, device, steps = length - 1, input_ids.device, self.config.ttt_steps
@@ -391,10 +401,11 @@ def wrapper_names(layout: Layout) -> dict[str, str]:
 
 
 @torch.no_grad()
-def write_random_layer(directory: str | Path, std: float = 0.08, seed: int = 0) -> None:
+def write_random_layer(directory: str | Path, std: float = 0.08, seed: int = 0, block: Optional[dict] = None) -> None:
     """Give a target folder written by draftsmith.random_target a random first MTP layer, in its
     architecture's checkpoint layout, and the config key counting it: a tiny stand-in for a released
-    checkpoint's (tests and benchmarks; every >= 2-D weight from N(0, std²), norms as the family builds them)."""
+    checkpoint's (tests and benchmarks; every >= 2-D weight from N(0, std²), norms as the family builds them).
+    `block`: a count-block layout's fields over those (several depths, no chain norm: heads/mtp_depths.py)."""
     from transformers import AutoModelForCausalLM
 
     from draftsmith.causal_lm import wraps_a_text_model
@@ -410,9 +421,10 @@ def write_random_layer(directory: str | Path, std: float = 0.08, seed: int = 0) 
     count_holder(values, layout)[layout.count_key] = 1  # a wrapper's in its text_config, as its releases keep it
     if layout.count_block:  # a release's block in the form draftsmith trains (a chain norm, depth 0 as given), its
         # fields where transformers reads them too, as it copies them at load
-        block = count_holder(values, layout)
-        block |= {"chain_hidden_post_norm": True, "local_layer_ids": block.get("local_layer_ids") or []}
-        text |= {ours: block[theirs] for theirs, ours in MTP_FIELDS}
+        fields = count_holder(values, layout)
+        fields |= {"chain_hidden_post_norm": True, "local_layer_ids": fields.get("local_layer_ids") or []}
+        fields |= block or {}
+        text |= {ours: fields[theirs] for theirs, ours in MTP_FIELDS}
     config_path.write_text(json.dumps(values, indent=2) + "\n")
     if wraps_a_text_model(values):  # its language model and lm_head, as draftsmith loads it
         target = load_target(str(directory))
@@ -433,5 +445,6 @@ def write_random_layer(directory: str | Path, std: float = 0.08, seed: int = 0) 
     weights = directory / WEIGHTS_NAME
     tensors = load_file(str(weights))
     layers = decoder_layers(text)
-    tensors |= {layout.release_name(name, layers): t.contiguous() for name, t in drafter.checkpoint_tensors().items()}
+    written = drafter.checkpoint_tensors().items()
+    tensors |= {mtp_depths.release_name(layout, name, layers): t.contiguous() for name, t in written}
     save_file(tensors, str(weights), metadata={"format": "pt"})

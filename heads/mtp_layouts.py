@@ -122,8 +122,10 @@ LAYOUTS = {
     # [hidden_norm(f) | embed_norm(e)] and the block, `transformer_block.`: the decoder layer with a dense MLP and its
     # short convolutions (heads/mtp_convolved.py), full attention or, for a depth in `local_layer_ids`, sliding; the
     # embedding first normed by the target's `embed_norm` (`use_embed_norm`; vLLM reads it from the drafter's folder,
-    # so the export writes the target's there), nothing masked; one `model.mtp.chain_norm` after every depth, fed back
-    # and read by the lm_head, whose logits vLLM divides by `logits_mup_width_multiplier`
+    # so the export writes the target's there), nothing masked; one `model.mtp.chain_norm` after every depth where
+    # `chain_hidden_post_norm` (else none: mtp_depths.layout_for), fed back and read by the lm_head, whose logits vLLM
+    # divides by `logits_mup_width_multiplier`; depth i at draft step i, each over the whole sequence
+    # (heads/mtp_depths.py)
     "InklingForConditionalGeneration": Layout(
         "InklingMTP",
         "num_nextn_predict_layers",
@@ -345,31 +347,23 @@ def check_layer_0_kind(text: dict, layout: Layout) -> None:
 
 
 def check_depths(config: dict, layout: Layout) -> None:
-    """A target whose MTP block (`Layout.count_block`: Inkling's `mtp_config`, as vLLM reads it; transformers copies
-    it into text_config, MTP_FIELDS) asks for what draftsmith's drafter does not compute is refused in one line:
-    several depths, which vLLM 0.32 runs one per draft step (depth i at step i) where draftsmith trains one layer
-    run at every step; no chain norm, whose absence draftsmith does not build; and a text_config whose depth 0
-    attends otherwise than vLLM's reading of the block (transformers would build another layer than vLLM serves)."""
+    """A target whose MTP block (`Layout.count_block`: Inkling's `mtp_config`, as vLLM reads it) and the text_config's
+    copies of its fields (MTP_FIELDS: transformers copies the block's where text_config has no value of its own, even
+    null, and draftsmith's drafter reads the text_config) disagree is refused in one line: transformers would build
+    other depths than vLLM serves (their count, a chain norm or not, which of them attend in a sliding window)."""
     text = config.get("text_config") or config
     block = config.get(layout.count_block)
-    read = {theirs: (block or {}).get(theirs) if block is not None else text.get(ours) for theirs, ours in MTP_FIELDS}
-    where = f"{layout.count_block}." if block is not None else ""
-    named = {theirs: where + (theirs if block is not None else ours) for theirs, ours in MTP_FIELDS}
-    if int(read[layout.count_key] or 1) > 1:
-        raise UserError(
-            f"drafter.type=mtp: the target ships {read[layout.count_key]} MTP depths ({named[layout.count_key]}), "
-            "which vLLM 0.32 runs one per draft step (depth i at step i), and draftsmith's drafter trains one layer "
-            "run at every step: train another kind"
-        )
-    if not read["chain_hidden_post_norm"]:
-        raise UserError(
-            f"drafter.type=mtp: the target's MTP layer has no chain norm ({named['chain_hidden_post_norm']} is not "
-            "true), a form draftsmith's drafter does not build: train another kind"
-        )
-    # transformers copies the block's value where text_config has none of its own (even null)
-    local = {0 in (text.get("mtp_local_layer_ids") or ()), 0 in (read["local_layer_ids"] or ())}
-    if block is not None and "mtp_local_layer_ids" in text and len(local) > 1:
-        raise UserError(
-            f"drafter.type=mtp: the target's text_config.mtp_local_layer_ids and {named['local_layer_ids']} disagree "
-            "on whether depth 0 attends in a sliding window: transformers reads the first, vLLM 0.32 the second"
-        )
+    if block is None:
+        return
+    count = int(block.get(layout.count_key) or 1)
+    read = {  # as each reads it: no count is one depth, no chain norm false, no local ids none
+        layout.count_key: lambda value: int(value or 1),
+        "chain_hidden_post_norm": bool,
+        "local_layer_ids": lambda value: {depth for depth in value or () if depth < count},
+    }
+    for theirs, ours in MTP_FIELDS:
+        if ours in text and read[theirs](text[ours]) != read[theirs](block.get(theirs)):
+            raise UserError(
+                f"drafter.type=mtp: the target's text_config.{ours} and {layout.count_block}.{theirs} disagree "
+                f"({text[ours]} and {block.get(theirs)}): transformers reads the first, vLLM 0.32 the second"
+            )

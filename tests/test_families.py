@@ -646,7 +646,8 @@ def test_no_target_family_is_named_in_product_code():
     a layout's block is built from where vLLM builds another's, and SEPARATE_MODEL: an architecture whose MTP is a
     model of its own), or as the targets whose cache Gemma-4's assistant reads and each one's assistant model type
     (heads/gemma4_assistant_config.py's ASSISTANTS) and the classes vLLM must run such a target as
-    (formats/gemma4_assistant.py's NATIVE_CLASSES), never in a branch of its own."""
+    (formats/gemma4_assistant.py's NATIVE_CLASSES), or in the table of the fields a text-only release sets that no
+    transformers field tells (draftsmith/text_release.py's RELEASE_CONSTANTS), never in a branch of its own."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -656,8 +657,10 @@ def test_no_target_family_is_named_in_product_code():
     from draftsmith.formats.versions import VLLM_IMPORTS_TORCHVISION
     from draftsmith.heads.gemma4_assistant_config import ASSISTANT_MODEL_TYPE, ASSISTANTS
     from draftsmith.heads.mtp_layouts import LAYOUTS, SEPARATE_MODEL, UNSERVED
+    from draftsmith.text_release import RELEASE_CONSTANTS
 
     tables = {
+        "draftsmith/text_release.py": set(RELEASE_CONSTANTS),
         "heads/gemma4_assistant.py": {ASSISTANT_MODEL_TYPE},  # the kind's name, the assistant's model type
         "heads/gemma4_assistant_config.py": {*ASSISTANTS, *ASSISTANTS.values()},
         "formats/repo.py": set(VLLM_NO_STATE_CAPTURE),

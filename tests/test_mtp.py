@@ -612,6 +612,12 @@ def trained_resumed_and_exported(family: str, tmp_path, small_data, token_cache,
     resumed, exported; (the target, the export's vllm folder)."""
     folder = write_random_target(family, tmp_path / "target", released=family in (*RELEASED, CONVOLVED), **SHAPE)
     write_random_layer(folder)
+    return folder, resumed_and_exported(folder, tmp_path, small_data, token_cache, capsys)
+
+
+def resumed_and_exported(folder: Path, tmp_path, small_data, token_cache, capsys) -> Path:
+    """`recipe=mtp` through the entry points on the release at `folder`: trained, stopped after step 1, resumed,
+    exported; the export's vllm folder."""
     run = tmp_path / "run"
     args = mtp_args(folder, run, small_data, token_cache, save_every=1)
     assert run_entry_in_process(["train.py", *args], capsys).returncode == 0
@@ -621,7 +627,7 @@ def trained_resumed_and_exported(family: str, tmp_path, small_data, token_cache,
     assert resumed.returncode == 0 and "resumed from" in resumed.stderr and "step_0000001" in resumed.stderr
     export = ["-m", "export", *args, f"checkpoint={run / 'final'}", f"export.output={tmp_path / 'export'}"]
     assert run_entry_in_process(export, capsys).returncode == 0
-    return folder, tmp_path / "export" / "vllm"
+    return tmp_path / "export" / "vllm"
 
 
 def written_shapes(vllm: Path) -> dict[str, tuple[int, ...]]:
@@ -1363,15 +1369,15 @@ def test_an_inkling_layer_exports_under_the_releases_names_with_its_config(targe
 @pytest.mark.parametrize(
     "fields, refused",
     [
-        ({"num_nextn_predict_layers": 2}, r"ships 2 MTP depths \(mtp_config.num_nextn_predict_layers\), which vLLM"),
-        ({"chain_hidden_post_norm": False}, r"no chain norm \(mtp_config.chain_hidden_post_norm is not true\)"),
+        ({"num_nextn_predict_layers": 2}, r"text_config.num_mtp_layers and mtp_config.num_nextn_predict_layers disag"),
+        ({"chain_hidden_post_norm": False}, r"text_config.chain_hidden_post_norm and mtp_config.chain_hidden_post_"),
         ({"local_layer_ids": [0]}, r"text_config.mtp_local_layer_ids and mtp_config.local_layer_ids disagree"),
     ],
 )
 def test_an_inkling_release_asking_for_another_mtp_layer_is_refused_in_one_line(fields, refused, targets, tmp_path):
-    """Per-step depths (vLLM 0.32 runs depth i at draft step i; draftsmith trains one layer run at every step), no
-    chain norm, or a text_config whose depth 0 attends otherwise than the mtp_config vLLM reads: refused before
-    anything loads."""
+    """A text_config (transformers' reading, the drafter's) whose depths' count, chain norm or sliding depths differ
+    from the mtp_config vLLM reads: refused before anything loads (several depths, or none of the chain norm, as both
+    read them: tests/test_mtp_depths.py)."""
     folder, _ = targets(CONVOLVED)
     copy = Path(shutil.copytree(folder, tmp_path / "release"))
     config = json.loads((copy / "config.json").read_text())

@@ -33,8 +33,8 @@ from draftsmith.heads.mtp_layouts import LAYOUTS
 from draftsmith.random_target import demo_tokenizer_dir, write_random_target
 from draftsmith.recipe import load_recipe
 from draftsmith.target import TargetShape, local_target_shape, run_target
-from tests.helpers import FAMILY_TRAINING, first_records, run_entry_in_process, train_in_process
-from tests.test_mtp import neox_rope, rms, trains_ahead_and_decodes_losslessly
+from tests.helpers import FAMILY_TRAINING, first_records, train_in_process
+from tests.test_mtp import neox_rope, resumed_and_exported, rms, trains_ahead_and_decodes_losslessly
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -315,15 +315,6 @@ def test_the_layer_exports_under_its_release_names_with_the_targets_config(model
     assert all(torch.equal(t, back.checkpoint_tensors()[n]) for n, t in drafter.checkpoint_tensors().items())
 
 
-def mtp_args(folder: Path, run: Path, small_data, token_cache, save_every: int = 0) -> list[str]:
-    """`recipe=mtp` on the target at `folder`, 2 quick steps into `run`, no eval stage."""
-    return [
-        "recipe=mtp", f"target.name_or_path={folder}", f"data.train=[{small_data['train']}]", "data.eval=[]",
-        f"data.cache_dir={token_cache}", "data.max_length=64", "train.max_steps=2", "train.micro_batch_size=2",
-        "train.warmup_steps=0", f"train.save_every={save_every}", "eval.enabled=false", f"output_dir={run}",
-    ]  # fmt: skip
-
-
 def trains_resumes_exports_and_decodes_losslessly(
     folder: Path, layout, tmp_path: Path, small_data, token_cache, capsys
 ):
@@ -331,16 +322,7 @@ def trains_resumes_exports_and_decodes_losslessly(
     names and shapes (its `layout`'s), and draftsmith's eval, reading the folder back, decodes losslessly (trees)."""
     from draftsmith.eval.report import run_eval
 
-    run = tmp_path / "run"
-    args = mtp_args(folder, run, small_data, token_cache, save_every=1)
-    assert run_entry_in_process(["train.py", *args], capsys).returncode == 0
-    shutil.rmtree(run / "checkpoints" / "step_0000002")  # as if stopped after step 1: the resume trains step 2
-    shutil.rmtree(run / "final")
-    resumed = run_entry_in_process(["train.py", *args, "train.resume=true"], capsys)
-    assert resumed.returncode == 0 and "resumed from" in resumed.stderr and "step_0000001" in resumed.stderr
-    export = ["-m", "export", *args, f"checkpoint={run / 'final'}", f"export.output={tmp_path / 'export'}"]
-    assert run_entry_in_process(export, capsys).returncode == 0
-    vllm = tmp_path / "export" / "vllm"
+    vllm = resumed_and_exported(folder, tmp_path, small_data, token_cache, capsys)
     config = json.loads((vllm / "config.json").read_text())
     written = {name: tuple(t.shape) for name, t in load_file(str(vllm / "model.safetensors")).items()}
     assert written == shipped_shapes(str(folder), config, layout)

@@ -263,6 +263,7 @@ SHARED = ("draftsmith", "data_prep", "trainer", "eval", "export", "monitor", "fo
 NOT_KIND_WORDS = {
     ("draftsmith/families.py", "sliding_window"),
     ("draftsmith/random_target.py", "sliding_window"),
+    ("draftsmith/text_release.py", "sliding_window"),
     ("draftsmith/tiny_config.py", "sliding_window"),
     ("eval/loop.py", "sliding_window"),
     ("draftsmith/target_loading.py", "mtp"),

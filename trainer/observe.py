@@ -88,10 +88,14 @@ def matmul_parameters(
 
 def attention_width(model: nn.Module) -> int:
     """Sum over the model's attention modules of query heads x head dim (num_attention_heads x head_dim
-    of each module's config), the width the attention term of `flops_per_token` multiplies."""
+    of each module's config, of its layer's where the config sets heads per layer: Step-3.5's sliding
+    layers have more), the width the attention term of `flops_per_token` multiplies."""
     width = 0
     for module in model.modules():
         config, head_dim = getattr(module, "config", None), getattr(module, "head_dim", None)
+        layer = getattr(module, "layer_idx", None)
+        if getattr(config, "is_heterogeneous", False) and isinstance(layer, int) and layer < config.num_hidden_layers:
+            config = config.per_layer_config[layer]
         if type(module).__name__.endswith("Attention") and head_dim and hasattr(config, "num_attention_heads"):
             width += int(config.num_attention_heads) * int(head_dim)
     return width

@@ -1,0 +1,271 @@
+"""An MTP layout shipping several depths, one per draft step (Inkling's `mtp_config.num_nextn_predict_layers` > 1,
+`Layout.count_block`), and a chain norm or none (`chain_hidden_post_norm`), as vLLM 0.32 serves them.
+
+vLLM's InklingMTP builds min(depths, num_speculative_tokens) depths and runs depth `spec_step_idx % built` at draft
+step i; its model runner V2 (the default where Triton is) hands it step i through MultiModuleMTPSpeculator
+(v1/worker/gpu/spec_decode/multi_module_mtp/speculator.py, `use_multi_module_mtp`: more than one depth built).
+That speculator runs each depth over the whole draft query, not at one position ahead: step i feeds depth i the
+previous depth's outputs at the same positions and the tokens shifted left once more, so depth i's KV cache (and
+its convolutions' history) holds its own entries over the committed sequence, re-prefilled where a token they read
+was a rejected draft. With x_t the tokens, f_t the target's final hidden state and h^{-1} = f:
+
+    h^i_t  = chain_norm(depth_i(h^{i-1}_t, x_{t+i+1}))   causal over its own entries h^i_{<=t} of t's document
+    logits = lm_head(h^i_t) / logits_mup_width_multiplier   guess x_{t+i+2}
+
+(no chain norm: h^i_t is the block's output, read as is by the lm_head and the next depth, as vLLM's
+`chain_norm = None`). Training (`loss`) computes exactly that for every t, step i by depth i % D; decoding
+(`DepthsProposer`) keeps each step's cache over the committed positions whose tokens it read were committed. vLLM's
+V1 model runner passes no step (EagleProposer): it would run depth 0 at every step. A step i >= D runs depth i % D
+here on a cache of its own, where vLLM's speculator writes its entries into that depth's cache at the query's slots.
+Depth 0 is the drafter's own modules (heads/mtp.py); depth j >= 1 is `depths[j - 1]`, exported under
+`model.mtp.layers.{j}.` (named `depths.{j}.` in the drafter's checkpoint tensors).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from typing import Optional
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from draftsmith.errors import UserError
+from draftsmith.heads import mtp_convolved
+from draftsmith.heads.eagle_base import import_qualified
+from draftsmith.heads.mtp_family import decoder_layers
+from draftsmith.heads.mtp_layer import (
+    Layout,
+    block_from_checkpoint,
+    block_to_checkpoint,
+    checkpoint_folder,
+    tensor_names,
+)
+from draftsmith.heads.packing import causal_document_mask, documents, positions, shifted
+from draftsmith.heads.proposer import DraftState, DraftTree, Proposer, Tree
+from draftsmith.heads.vocab_loss import chunk_rows_for, steps_ahead_loss
+
+DEPTHS = "depths."  # how the drafter names a later depth's tensors: depths.{j}.<name under its release prefix>
+# the drafter's modules of a depth, by role, in the layout's `names` order (the chain norm, the 4th, is shared)
+ROLES = ("embed_norm", "hidden_norm", "proj")
+
+
+def count(layer_config) -> int:
+    """The depths a layer config (the target's text config, where transformers copies the release's `mtp_config`)
+    counts: 1 where it names none."""
+    return int(getattr(layer_config, "num_mtp_layers", None) or 1)
+
+
+def layout_for(layout: Layout, layer_config) -> Layout:
+    """A count-block layout as its config builds it: without a chain norm (`chain_hidden_post_norm` false, vLLM's
+    and transformers' default), the block's output is what the lm_head and the next depth read."""
+    if not layout.count_block or getattr(layer_config, "chain_hidden_post_norm", False):
+        return layout
+    chain = f"{layout.names[3]}.weight"
+    outside = tuple(pair for pair in layout.outside if pair[0] != chain)
+    return replace(layout, names=layout.names[:3], final_norm=False, feeds_back_normed=False, outside=outside)
+
+
+def depth_config(spec: dict, layout: Layout, depth: int) -> dict:
+    """The layer spec of depth `depth`: its attention sliding where the config lists it among `mtp_local_layer_ids`
+    (vLLM's `is_local`), else `block_kind`'s."""
+    config = spec["config"]
+    local = depth in (config.get("mtp_local_layer_ids") or ())
+    kind = layout.local_kind if local else layout.block_kind[0]
+    return {**spec, "config": {**config, "layer_types": [kind]}}
+
+
+class Depth(nn.Module):
+    """Depth j >= 1: its own norms, input projection and block, named as the drafter names depth 0's."""
+
+    def __init__(self, drafter: nn.Module, depth: int, norm, eps: float):
+        super().__init__()
+        hidden = drafter.target.hidden_size
+        self.embed_norm, self.hidden_norm = norm(hidden, eps=eps), norm(hidden, eps=eps)
+        self.proj = nn.Linear(2 * hidden, hidden, bias=False)
+        spec = depth_config(drafter.config.decoder, drafter.layout, depth)
+        config = import_qualified(spec["config_class"]).from_dict(spec["config"])
+        self.block = mtp_convolved.ConvolvedBlock(import_qualified(spec["layer"])(config, layer_idx=0))
+
+
+def build(drafter: nn.Module, norm, eps: float) -> None:
+    """Depths 1.. of a layout counting several (`depths`); those no training step reaches (ttt_steps < D) stay as
+    shipped, frozen (a parameter no loss reaches would stall DDP's reduction)."""
+    total = count(drafter.layer_config) if drafter.layout.count_block else 1
+    if total > 1:
+        drafter.depths = nn.ModuleList(Depth(drafter, j, norm, eps) for j in range(1, total))
+        for j, depth in enumerate(drafter.depths, start=1):
+            depth.requires_grad_(j < drafter.config.ttt_steps)
+
+
+def part(drafter: nn.Module, depth: int) -> nn.Module:
+    """The module holding depth `depth`'s norms, projection and block."""
+    return drafter if depth == 0 else drafter.depths[depth - 1]
+
+
+def depths_of(drafter: nn.Module) -> int:
+    depths = getattr(drafter, "depths", None)
+    return 1 + (len(depths) if depths is not None else 0)
+
+
+# -- the checkpoint ---------------------------------------------------------------------------------
+def read_depths(name_or_path: str, config: dict, layout: Layout) -> dict[str, torch.Tensor]:
+    """Depths 1.. of the target's release, named `depths.{j}.<name under model.mtp.layers.{j}.>` (headers and the
+    files holding them); a depth the release lacks is refused when the layer loads."""
+    total = int(config.get("num_mtp_layers") or 1) if layout.count_block else 1
+    tensors: dict[str, torch.Tensor] = {}
+    if total == 1:
+        return tensors
+    for name, path in tensor_names(checkpoint_folder(name_or_path)).items():
+        own = layer_name(layout, name, decoder_layers(config))
+        found = re.match(re.escape(DEPTHS) + r"(\d+)\.", own)
+        if found and int(found[1]) < total:
+            with safe_open(str(path), "pt") as f:
+                tensors[own] = f.get_tensor(name)
+    return tensors
+
+
+def state_of(drafter: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Depths 1..'s parameters from their checkpoint tensors (`read_depths`' names)."""
+    layout, state = drafter.layout, {}
+    for j in range(1, depths_of(drafter)):
+        at = f"{DEPTHS}{j}."
+        wrapper = {f"{role}.weight": f"{at}{name}.weight" for role, name in zip(ROLES, layout.names)}
+        missing = [name for name in wrapper.values() if name not in tensors]
+        if missing:
+            raise UserError(f"drafter.type=mtp: the checkpoint's MTP depth {j} lacks {missing[:3]}")
+        state |= {f"depths.{j - 1}.{own}": tensors[theirs] for own, theirs in wrapper.items()}
+        block = at + layout.block()
+        named = {n.removeprefix(block): t for n, t in tensors.items() if n.startswith(block)}
+        converted = block_from_checkpoint(named, depth_config(drafter.config.decoder, layout, j), layout)
+        state |= {f"depths.{j - 1}.block.{name}": t for name, t in converted.items()}
+    return state
+
+
+def checkpoint_tensors(drafter: nn.Module) -> dict[str, torch.Tensor]:
+    """Depths 1.. under their checkpoint names (`read_depths`' names)."""
+    layout, out = drafter.layout, {}
+    for j in range(1, depths_of(drafter)):
+        held, at = part(drafter, j), f"{DEPTHS}{j}."
+        out |= {f"{at}{name}.weight": getattr(held, role).weight.detach() for role, name in zip(ROLES, layout.names)}
+        saved = block_to_checkpoint(held.block, depth_config(drafter.config.decoder, layout, j), layout)
+        out |= {at + layout.block() + name: t for name, t in saved.items()}
+    return out
+
+
+def release_name(layout: Layout, name: str, num_hidden_layers: int) -> str:
+    """`Layout.release_name`, a later depth's tensors under `model.mtp.layers.{j}.`."""
+    found = re.match(re.escape(DEPTHS) + r"(\d+)\.", name)
+    if found is None:
+        return layout.release_name(name, num_hidden_layers)
+    return f"{layout.under}{found[1]}.{name.removeprefix(found[0])}"
+
+
+def layer_name(layout: Layout, name: str, num_hidden_layers: int) -> str:
+    """`release_name`'s inverse."""
+    found = re.match(re.escape(layout.under) + r"(\d+)\.", name) if layout.count_block else None
+    if found is None or found[1] == "0":
+        return layout.layer_name(name, num_hidden_layers)
+    return f"{DEPTHS}{found[1]}.{name.removeprefix(found[0])}"
+
+
+def shipped_depth_shapes(name_or_path: str, config: dict, layout: Layout, total: int) -> dict[str, tuple[int, ...]]:
+    """Release name -> shape of depths 1..total-1's tensors in the target's checkpoint (headers only)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    if total == 1:
+        return shapes
+    for name, path in tensor_names(checkpoint_folder(name_or_path)).items():
+        found = re.match(re.escape(DEPTHS) + r"(\d+)\.", layer_name(layout, name, decoder_layers(config)))
+        if found and int(found[1]) < total:
+            with safe_open(str(path), "pt") as f:
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+# -- training -----------------------------------------------------------------------------------------
+def loss(drafter: nn.Module, batch: dict, target_out):
+    """Step i (0 first) at every position t runs depth i % D on step i-1's output at t (step 0: f_t) and x_{t+i+1},
+    causal over its own entries at t's document's positions <= t, and guesses x_{t+i+2} (the module docstring);
+    weighed and counted as `Mtp.loss`' steps are."""
+    input_ids = batch["input_ids"]
+    width, total = input_ids.shape[1] - 1, depths_of(drafter)
+    mask = causal_document_mask(documents(batch)[:, :width])
+    places = positions(batch)[:, :width]
+    fed = drafter.target_features(target_out)[:, :width].to(drafter.embed_norm.weight.dtype)
+    outputs = []
+    for step in range(drafter.config.ttt_steps):
+        fed = drafter.draft(shifted(input_ids, step + 1, width), fed, places, mask, None, depth=step % total)
+        outputs.append(drafter.head_input(fed))
+    _, lm_head = drafter.target_modules()
+    chunk_rows = chunk_rows_for(drafter.loss_chunk_bytes, drafter.target.vocab_size)
+    loss_sum, stats = steps_ahead_loss(outputs, batch, target_out, lm_head.weight, drafter.config.ttt_decay, chunk_rows)
+    return loss_sum, drafter.loss_tokens(batch), stats
+
+
+# -- decoding -----------------------------------------------------------------------------------------
+class DepthsProposer(Proposer):
+    """Greedy chains, step i by depth i % D, each step with its own cache over the committed sequence: entry p of
+    step i reads step i-1's output at p and x_{p+i+1}; after a proposal each step keeps the entries whose token was
+    committed (p <= n - 2 - i of n committed tokens), the others (read a draft) are computed again next time, as
+    vLLM's speculator re-prefills them. Deterministic (probs None)."""
+
+    def __init__(self, drafter: nn.Module):
+        self.drafter = drafter
+        self.features = drafter.request
+        self.caches: list = []
+        self.outputs: list[torch.Tensor] = []  # step i's outputs at the positions its cache keeps
+
+    @torch.no_grad()
+    def propose(self, state: DraftState, num_tokens: int, tree: Optional[Tree] = None) -> DraftTree:
+        if tree is not None:
+            raise UserError(
+                "an MTP drafter with several depths proposes chains only (vLLM verifies chains): set eval.tree=0"
+            )
+        drafter = self.drafter
+        fed = drafter.committed_features(state)
+        if fed is None or len(fed) == 0:
+            raise ValueError(f"{drafter.type} needs the target's hidden states at the newly committed positions")
+        tokens = state.tokens
+        committed, device = len(tokens) - 1, tokens.device
+        start = committed - len(fed)
+        if state.fresh:
+            self.caches, self.outputs = [], []
+        drafts: list[int] = []
+        outputs = fed
+        for step in range(num_tokens):
+            if step == len(self.caches):
+                self.caches.append(drafter.new_cache())
+                self.outputs.append(fed.new_zeros(0, fed.shape[-1]))
+            held = self.caches[step].get_seq_length()
+            if step == 0 and held < start:
+                raise RuntimeError(f"{drafter.type} cache holds {held} positions, the committed sequence needs {start}")
+            begin = start if step == 0 else min(held, committed - 1)
+            self.caches[step] = cache = cut(self.caches[step], begin, drafter)
+            if step > 0:  # step i-1's outputs from begin on: those kept and this proposal's
+                fed = outputs[begin:]
+            ahead = torch.arange(begin, committed, device=device) + step + 1  # the token each entry reads
+            known = tokens[ahead.clamp(max=committed)]
+            drafted = torch.tensor(drafts + [0], device=device)[(ahead - committed - 1).clamp(min=0)]
+            inputs = torch.where(ahead <= committed, known, drafted)
+            mask = torch.ones(1, 1, len(inputs), committed, dtype=torch.bool, device=device).tril(begin)
+            places = torch.arange(begin, committed, device=device)[None]
+            out = drafter.draft(inputs[None], fed[None], places, mask, cache, depth=step % depths_of(drafter))[0]
+            outputs = torch.cat([self.outputs[step][:begin], out])  # at positions 0..committed-1
+            _, best = drafter.top_tokens(out[-1], 1)
+            drafts.append(int(best[0]))
+            kept = max(committed - step, 0)  # entries p <= committed - 1 - step read committed tokens only
+            self.caches[step] = cut(cache, kept, drafter)
+            self.outputs[step] = outputs[:kept]
+        self.draft_forwards += num_tokens
+        return DraftTree.chain(torch.tensor(drafts, dtype=torch.long, device=device))
+
+
+def cut(cache, length: int, drafter: nn.Module):
+    """A cache's first `length` entries (the convolutions' inputs beside follow its keys: mtp_convolved)."""
+    if cache.get_seq_length() <= length:
+        return cache
+    if not length:
+        return drafter.new_cache()
+    cache.crop(length - cache.get_seq_length())  # minus the count to drop
+    return cache
