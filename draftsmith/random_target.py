@@ -33,7 +33,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, NoReturn, Optional
+from typing import Any, NamedTuple, NoReturn, Optional
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
@@ -58,9 +58,18 @@ RANDOM_TARGET_TOKENIZER_FILES = (
 TARGET_FILES = frozenset({"config.json", "model.safetensors", *RANDOM_TARGET_TOKENIZER_FILES})
 
 
-# train_on_demo's conversations and batches: steps of TRAIN_ROWS conversations' first TRAIN_TOKENS tokens
-DEMO_CONVERSATIONS = "demo/data/train.jsonl.gz"
-TRAIN_ROWS, TRAIN_TOKENS, TRAIN_LR, TRAIN_WARMUP = 16, 256, 3e-3, 20
+DEMO_CONVERSATIONS = "demo/data/train.jsonl.gz"  # train_on_demo's
+
+
+class DemoTraining(NamedTuple):
+    """train_on_demo's batches and schedule: steps of `rows` conversations' first `tokens` tokens, AdamW's peak
+    learning rate `lr` reached after `warmup` steps. Tests train on shorter rows at a higher rate
+    (tests/test_gemma4_assistant.py), or on fewer, shorter rows (tests/test_target_matrix.py)."""
+
+    rows: int = 16
+    tokens: int = 256
+    lr: float = 3e-3
+    warmup: int = 20
 
 
 def demo_tokenizer_dir() -> Path:
@@ -124,10 +133,11 @@ def seed_weights(model, directory: Path) -> float:
     return copied / sum(p.numel() for p in model.parameters())
 
 
-def train_on_demo(model, steps: int) -> None:
+def train_on_demo(model, steps: int, training: DemoTraining = DemoTraining()) -> None:
     """Train every weight of `model` for `steps` steps on the demo's conversations (chat template applied, next-token
-    loss on every token; AdamW, a linear warm-up then a linear decay to 0, gradients clipped to norm 1), as it runs
-    as a target (eval mode: no dropout, routers as at inference): deterministic on one machine and thread count."""
+    loss on every token; AdamW, a linear warm-up then a linear decay to 0, gradients clipped to norm 1; `training`'s
+    batches and rates), as it runs as a target (eval mode: no dropout, routers as at inference): deterministic on one
+    machine and thread count."""
     import gzip
 
     from tqdm import tqdm
@@ -137,20 +147,20 @@ def train_on_demo(model, steps: int) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(demo_tokenizer_dir())
     with gzip.open(bundled(DEMO_CONVERSATIONS), "rt") as lines:
-        conversations = [json.loads(line)["messages"] for _, line in zip(range(steps * TRAIN_ROWS), lines)]
+        conversations = [json.loads(line)["messages"] for _, line in zip(range(steps * training.rows), lines)]
     rows = [
         tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
         for messages in conversations
     ]
-    rows = [row[:TRAIN_TOKENS] for row in rows]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=TRAIN_LR, weight_decay=0.0)
+    rows = [row[: training.tokens] for row in rows]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=training.lr, weight_decay=0.0)
     for step in tqdm(range(steps), desc="training the target on the demo's conversations", unit="step"):
-        batch = [rows[(step * TRAIN_ROWS + i) % len(rows)] for i in range(TRAIN_ROWS)]
+        batch = [rows[(step * training.rows + i) % len(rows)] for i in range(training.rows)]
         width = max(map(len, batch))
         ids = torch.tensor([row + [tokenizer.pad_token_id] * (width - len(row)) for row in batch])
         mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in batch])
         for group in optimizer.param_groups:
-            group["lr"] = TRAIN_LR * min(1.0, (step + 1) / TRAIN_WARMUP) * (1 - step / steps)
+            group["lr"] = training.lr * min(1.0, (step + 1) / training.warmup) * (1 - step / steps)
         model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -312,15 +322,16 @@ def write_random_target(
     seed: int = 0,
     seed_from: Optional[str | Path] = None,
     train_steps: int = 0,
+    training: DemoTraining = DemoTraining(),
     released: bool = False,
     **shape: Any,
 ) -> Path:
     """A tiny random target of `model_type` in `directory` (config.json, model.safetensors and the
     demo target's tokenizer and chat template): a local target like any other; trained `train_steps` steps on the
-    demo's conversations (train_on_demo) before it is written. `released`: a vision-language wrapper's model type is
-    written as its releases ship it, the wrapper whole, even where its language model alone is a causal LM
-    (tiny_wrapper_config). A text-only release read as a wrapper's text model (Step-3.5's step3p5) is always written as
-    its release ships it (draftsmith.text_release)."""
+    demo's conversations (train_on_demo, `training`'s batches and rates) before it is written. `released`: a
+    vision-language wrapper's model type is written as its releases ship it, the wrapper whole, even where its language
+    model alone is a causal LM (tiny_wrapper_config). A text-only release read as a wrapper's text model (Step-3.5's
+    step3p5) is always written as its release ships it (draftsmith.text_release)."""
     if train_steps and is_a_text_release(model_type):  # before the model is built
         raise UserError(
             f"--train-steps: a {model_type} target is a wrapper module's text model and an lm_head, whose forward "
@@ -334,7 +345,7 @@ def write_random_target(
     config = tiny_wrapper_config(model_type, config, released) or config
     model = build_model(config, seed=seed, seed_from=seed_from)
     if train_steps:
-        train_on_demo(model, train_steps)
+        train_on_demo(model, train_steps, training)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if is_a_text_release(model_type):  # its release's own fields (not the other families' names declared below)

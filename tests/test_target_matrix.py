@@ -17,6 +17,8 @@ from tests.helpers import benchmark_module
 
 MATRIX = benchmark_module("target_matrix")
 STEPS = 2  # the targets' training steps: enough to tell a trained target from a seeded one
+# what a training here reads: which targets are trained and what they are given is tested, not what they learn
+SMALL_TRAINING = random_target.DemoTraining(rows=2, tokens=64)
 
 
 def run_matrix(family: str, kinds: str, tmp_path: Path, monkeypatch) -> tuple[dict, int, list[dict]]:
@@ -30,9 +32,9 @@ def run_matrix(family: str, kinds: str, tmp_path: Path, monkeypatch) -> tuple[di
         seen[kind] = (load_file(str(target / "model.safetensors")), json.loads((target / "config.json").read_text()))
         return {"family": family, "kind": kind}
 
-    def counted_training(model, steps):
+    def counted_training(model, steps, training):
         trainings.append(steps)
-        train(model, steps)
+        train(model, steps, SMALL_TRAINING)
 
     monkeypatch.setattr(MATRIX, "measure", measure)
     monkeypatch.setattr(MATRIX, "target_variety", lambda target: 0.5)  # decoding is not what is tested
