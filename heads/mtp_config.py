@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from draftsmith.errors import UserError
 from draftsmith.heads import register_config
 from draftsmith.heads.config import DrafterConfig, check_steps_ahead, check_tree_settings
 
@@ -22,12 +23,22 @@ class MtpConfig(DrafterConfig):
     ttt_decay: float = 0.8  # step i's loss weighs ttt_decay**i
     tree_depth: int = 5  # dynamic tree (EAGLE-2) in draftsmith's eval: draft steps ...
     tree_topk: int = 4  # ... children per expanded node and nodes expanded per step
+    # MTP depths trained, depth i for draft step i as vLLM's model runner V2 serves them (exported with their count;
+    # at most the release's; its CPU build runs depth 0 at every step); null: Inkling's release count, else 1, layer 0
+    # at every step
+    mtp_depths: Optional[int] = None
     decoder: Optional[dict] = None  # the MTP layer's classes, config and layout, resolved by from_target
 
     def check(self, target: Optional[TargetShape] = None) -> None:
         check_tree_settings(self)
         check_steps_ahead(self)
+        if self.mtp_depths is not None and self.mtp_depths < 1:
+            raise UserError(
+                f"drafter.mtp_depths={self.mtp_depths}: an MTP drafter has at least one depth (null: as released)"
+            )
         if target is not None:
-            from draftsmith.heads.mtp import check_target_folder  # reads the checkpoint: at validation, past the schema
+            from draftsmith.heads import mtp_depths  # reads the checkpoint: at validation, past the schema
+            from draftsmith.heads.mtp import check_target_folder
 
             check_target_folder(target.name_or_path)
+            mtp_depths.check_target_folder(target.name_or_path, self.mtp_depths)

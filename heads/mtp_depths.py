@@ -1,9 +1,11 @@
-"""An MTP layout shipping several depths, one per draft step (Inkling's `mtp_config.num_nextn_predict_layers` > 1,
-`Layout.count_block`), and a chain norm or none (`chain_hidden_post_norm`), as vLLM 0.32 serves them.
+"""Several MTP depths, one per draft step, as vLLM 0.32 serves them: Inkling's release count (`mtp_config`, with a
+chain norm or none, `chain_hidden_post_norm`) or `drafter.mtp_depths` of a layout whose vLLM model reads the step
+(`Layout.step_depths`: DeepSeek-V3's, GLM-4.5's and HY-V3's layers N + j, Qwen3-Next's blocks `mtp.layers.{j}.`).
 
-vLLM's InklingMTP builds min(depths, num_speculative_tokens) depths and runs depth `spec_step_idx % built` at draft
-step i; its model runner V2 (the default where Triton is) hands it step i through MultiModuleMTPSpeculator
-(v1/worker/gpu/spec_decode/multi_module_mtp/speculator.py, `use_multi_module_mtp`: more than one depth built).
+Those models run depth `spec_step_idx % count` at draft step i (InklingMTP builds min(depths, num_speculative_tokens));
+vLLM's model runner V2 (the default where Triton is) hands them step i through MultiModuleMTPSpeculator
+(v1/worker/gpu/spec_decode/multi_module_mtp/speculator.py, `use_multi_module_mtp`: a `num_nextn_predict_layers` and
+num_speculative_tokens both above 1).
 That speculator runs each depth over the whole draft query, not at one position ahead: step i feeds depth i the
 previous depth's outputs at the same positions and the tokens shifted left once more, so depth i's KV cache (and
 its convolutions' history) holds its own entries over the committed sequence, re-prefilled where a token they read
@@ -13,18 +15,23 @@ was a rejected draft. With x_t the tokens, f_t the target's final hidden state a
     logits = lm_head(h^i_t) / logits_mup_width_multiplier   guess x_{t+i+2}
 
 (no chain norm: h^i_t is the block's output, read as is by the lm_head and the next depth, as vLLM's
-`chain_norm = None`). Training (`loss`) computes exactly that for every t, step i by depth i % D; decoding
-(`DepthsProposer`) keeps each step's cache over the committed positions whose tokens it read were committed. vLLM's
-V1 model runner passes no step (EagleProposer): it would run depth 0 at every step. A step i >= D runs depth i % D
+`chain_norm = None`; another layout's h^i is its one-layer formula, heads/mtp.py, by depth i's block and the wrapper
+modules depth i ships, its final norm among them, which vLLM's compute_logits reads at step i). Training (`loss`)
+computes exactly that for every t, step i by depth i % D; decoding (`DepthsProposer`) keeps each step's cache over
+the committed positions whose tokens it read were committed. vLLM's V1 model runner (the CPU build's) passes no step
+(EagleProposer): it would run depth 0 at every step. A step i >= D runs depth i % D
 here on a cache of its own, where vLLM's speculator writes its entries into that depth's cache at the query's slots.
-Depth 0 is the drafter's own modules (heads/mtp.py); depth j >= 1 is `depths[j - 1]`, exported under
-`model.mtp.layers.{j}.` (named `depths.{j}.` in the drafter's checkpoint tensors).
+Depth 0 is the drafter's own modules (heads/mtp.py); depth j >= 1 is `depths[j - 1]`, exported under its release
+names (`prefix`; named `depths.{j}.` in the drafter's checkpoint tensors), and the count with them.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -32,7 +39,6 @@ from safetensors import safe_open
 from torch import nn
 
 from draftsmith.errors import UserError
-from draftsmith.heads import mtp_convolved
 from draftsmith.heads.eagle_base import import_qualified
 from draftsmith.heads.mtp_family import decoder_layers
 from draftsmith.heads.mtp_layer import (
@@ -47,14 +53,87 @@ from draftsmith.heads.proposer import DraftState, DraftTree, Proposer, Tree
 from draftsmith.heads.vocab_loss import chunk_rows_for, steps_ahead_loss
 
 DEPTHS = "depths."  # how the drafter names a later depth's tensors: depths.{j}.<name under its release prefix>
-# the drafter's modules of a depth, by role, in the layout's `names` order (the chain norm, the 4th, is shared)
-ROLES = ("embed_norm", "hidden_norm", "proj")
+# The drafter's modules around the block, by role, in a layout's `names` order: a depth owns those the release
+# stores under its prefix (`own_roles`).
+WRAPPER = ("embed_norm", "hidden_norm", "proj", "final_norm")
 
 
 def count(layer_config) -> int:
     """The depths a layer config (the target's text config, where transformers copies the release's `mtp_config`)
     counts: 1 where it names none."""
     return int(getattr(layer_config, "num_mtp_layers", None) or 1)
+
+
+def shipped(config: dict, layout: Layout) -> int:
+    """The depths a target config (dict form) counts where vLLM reads the count: 1 where it names none."""
+    text = config.get("text_config") or config
+    if layout.count_block:  # transformers' copy in text_config where the block is not kept
+        value = (config.get(layout.count_block) or {}).get(layout.count_key, text.get("num_mtp_layers"))
+    else:
+        value = config.get(layout.count_key, text.get(layout.count_key))
+    return int(value or 1)
+
+
+def requested(depths: Optional[int], config: dict, layout: Layout) -> int:
+    """The depths a drafter trains: `drafter.mtp_depths`, else the release's count of a layout counting them in a block
+    (Inkling's, all served), else 1 (vLLM's V1 runner and a count of 1 run layer 0 at every step)."""
+    return depths or (shipped(config, layout) if layout.count_block else 1)
+
+
+def check_requested(config: dict, layout: Layout, depths: Optional[int]) -> None:
+    """`drafter.mtp_depths` against the target's layout and release (config dict form): one line where vLLM would not
+    serve them as trained."""
+    if depths is None or depths == 1:
+        return
+    if not layout.step_depths:
+        raise UserError(
+            f"drafter.mtp_depths={depths}: vLLM 0.32's {layout.vllm_model} runs its first MTP layer at every "
+            "draft step (it reads no step index, or builds one layer), so one depth trains as served: set "
+            "drafter.mtp_depths=1"
+        )
+    if depths > shipped(config, layout):
+        raise UserError(
+            f"drafter.mtp_depths={depths}: the target ships {shipped(config, layout)} MTP depths ({layout.count_key}), "
+            "and each trains from its shipped layer: set drafter.mtp_depths to at most that"
+        )
+
+
+def check_target_folder(name_or_path: str, depths: Optional[int]) -> None:
+    """`check_requested` for a local target, at the recipe's check (a Hub id is checked when its layer is read)."""
+    from draftsmith.heads.mtp_layouts import layout_of
+
+    path = Path(name_or_path) / "config.json"
+    if depths is not None and path.is_file():
+        config = json.loads(path.read_text())
+        check_requested(config, layout_of(config), depths)
+
+
+def prefix(layout: Layout, depth: int, num_hidden_layers: int) -> str:
+    """Where depth `depth`'s tensors are named in the release: layer N + j after the decoder's, `{under}{j}.` where
+    each depth ships its wrapper beside its block, else its block's `{under}layers.{j}.` (the wrapper shared)."""
+    if layout.after_layers:
+        return f"{layout.decoder_prefix}layers.{num_hidden_layers + depth}."
+    return f"{layout.under}{'' if layout.own_prefix else layout.block().removesuffix('0.')}{depth}."
+
+
+def own_roles(layout: Layout) -> tuple[str, ...]:
+    """The wrapper modules each depth ships for itself: those under its prefix (one stored outside, Inkling's chain
+    norm, is every depth's), none where the depths share the wrapper."""
+    if not (layout.after_layers or layout.own_prefix):
+        return ()
+    outside = dict(layout.outside)
+    return tuple(role for role, name in zip(WRAPPER, layout.names) if f"{name}.weight" not in outside)
+
+
+def block_at(layout: Layout) -> str:
+    """Where a later depth's block sits under its prefix."""
+    return layout.block() if own_roles(layout) else ""
+
+
+def own_names(layout: Layout) -> dict[str, str]:
+    """A depth's wrapper parameters -> their names under its prefix."""
+    names = dict(zip(WRAPPER, layout.names))
+    return {f"{role}.weight": f"{names[role]}.weight" for role in own_roles(layout)}
 
 
 def layout_for(layout: Layout, layer_config) -> Layout:
@@ -69,7 +148,10 @@ def layout_for(layout: Layout, layer_config) -> Layout:
 
 def depth_config(spec: dict, layout: Layout, depth: int) -> dict:
     """The layer spec of depth `depth`: its attention sliding where the config lists it among `mtp_local_layer_ids`
-    (vLLM's `is_local`), else `block_kind`'s."""
+    (vLLM's `is_local`), else `block_kind`'s; depth 0's where the layout has no local kind (vLLM builds every depth as
+    the layer past the decoder's)."""
+    if not layout.local_kind:
+        return spec
     config = spec["config"]
     local = depth in (config.get("mtp_local_layer_ids") or ())
     kind = layout.local_kind if local else layout.block_kind[0]
@@ -77,31 +159,39 @@ def depth_config(spec: dict, layout: Layout, depth: int) -> dict:
 
 
 class Depth(nn.Module):
-    """Depth j >= 1: its own norms, input projection and block, named as the drafter names depth 0's."""
+    """Depth j >= 1: the wrapper modules it ships for itself (`own_roles`) and its block, named as the drafter names
+    depth 0's."""
 
     def __init__(self, drafter: nn.Module, depth: int, norm, eps: float):
         super().__init__()
         hidden = drafter.target.hidden_size
-        self.embed_norm, self.hidden_norm = norm(hidden, eps=eps), norm(hidden, eps=eps)
-        self.proj = nn.Linear(2 * hidden, hidden, bias=False)
+        for role in own_roles(drafter.layout):
+            setattr(self, role, nn.Linear(2 * hidden, hidden, bias=False) if role == "proj" else norm(hidden, eps=eps))
         spec = depth_config(drafter.config.decoder, drafter.layout, depth)
         config = import_qualified(spec["config_class"]).from_dict(spec["config"])
-        self.block = mtp_convolved.ConvolvedBlock(import_qualified(spec["layer"])(config, layer_idx=0))
+        config._attn_implementation = drafter.layer_config._attn_implementation
+        config._experts_implementation = "eager"  # as depth 0's (heads/mtp.py)
+        self.block = drafter.build_block(import_qualified(spec["layer"]), config)
 
 
 def build(drafter: nn.Module, norm, eps: float) -> None:
-    """Depths 1.. of a layout counting several (`depths`); those no training step reaches (ttt_steps < D) stay as
-    shipped, frozen (a parameter no loss reaches would stall DDP's reduction)."""
-    total = count(drafter.layer_config) if drafter.layout.count_block else 1
+    """Depths 1.. (`drafter.mtp_depths`; null: the release's count of a layout counting them in a block, else 1);
+    those no training step reaches (ttt_steps < D) stay as shipped, frozen (a parameter no loss reaches would stall
+    DDP's reduction)."""
+    total = drafter.config.mtp_depths or (count(drafter.layer_config) if drafter.layout.count_block else 1)
     if total > 1:
         drafter.depths = nn.ModuleList(Depth(drafter, j, norm, eps) for j in range(1, total))
         for j, depth in enumerate(drafter.depths, start=1):
             depth.requires_grad_(j < drafter.config.ttt_steps)
 
 
-def part(drafter: nn.Module, depth: int) -> nn.Module:
-    """The module holding depth `depth`'s norms, projection and block."""
-    return drafter if depth == 0 else drafter.depths[depth - 1]
+def part(drafter: nn.Module, depth: int):
+    """Depth `depth`'s wrapper modules and block, by role: a later depth's own, else the drafter's (shared)."""
+    if depth == 0:
+        return drafter
+    own = drafter.depths[depth - 1]
+    roles = (role for role in (*WRAPPER, "block") if hasattr(own, role) or hasattr(drafter, role))
+    return SimpleNamespace(**{role: getattr(own if hasattr(own, role) else drafter, role) for role in roles})
 
 
 def depths_of(drafter: nn.Module) -> int:
@@ -110,10 +200,11 @@ def depths_of(drafter: nn.Module) -> int:
 
 
 # -- the checkpoint ---------------------------------------------------------------------------------
-def read_depths(name_or_path: str, config: dict, layout: Layout) -> dict[str, torch.Tensor]:
-    """Depths 1.. of the target's release, named `depths.{j}.<name under model.mtp.layers.{j}.>` (headers and the
+def read_depths(name_or_path: str, config: dict, layout: Layout, depths: Optional[int]) -> dict[str, torch.Tensor]:
+    """Depths 1.. (`requested`) of the target's release, named `depths.{j}.<name under its prefix>` (headers and the
     files holding them); a depth the release lacks is refused when the layer loads."""
-    total = int(config.get("num_mtp_layers") or 1) if layout.count_block else 1
+    check_requested(config, layout, depths)
+    total = requested(depths, config, layout)
     tensors: dict[str, torch.Tensor] = {}
     if total == 1:
         return tensors
@@ -126,18 +217,25 @@ def read_depths(name_or_path: str, config: dict, layout: Layout) -> dict[str, to
     return tensors
 
 
+def apart(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A layer's checkpoint tensors: depth 0's, and the later depths' (`depths.{j}.`, `state_of`'s)."""
+    later = {name: t for name, t in tensors.items() if name.startswith(DEPTHS)}
+    return {name: t for name, t in tensors.items() if name not in later}, later
+
+
 def state_of(drafter: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Depths 1..'s parameters from their checkpoint tensors (`read_depths`' names)."""
     layout, state = drafter.layout, {}
     for j in range(1, depths_of(drafter)):
         at = f"{DEPTHS}{j}."
-        wrapper = {f"{role}.weight": f"{at}{name}.weight" for role, name in zip(ROLES, layout.names)}
-        missing = [name for name in wrapper.values() if name not in tensors]
+        wrapper = {own: at + theirs for own, theirs in own_names(layout).items()}
+        block = at + block_at(layout)
+        apart_from = set(wrapper.values())
+        named = {n.removeprefix(block): t for n, t in tensors.items() if n.startswith(block) and n not in apart_from}
+        missing = [name for name in wrapper.values() if name not in tensors] or ([] if named else [f"{block}*"])
         if missing:
             raise UserError(f"drafter.type=mtp: the checkpoint's MTP depth {j} lacks {missing[:3]}")
         state |= {f"depths.{j - 1}.{own}": tensors[theirs] for own, theirs in wrapper.items()}
-        block = at + layout.block()
-        named = {n.removeprefix(block): t for n, t in tensors.items() if n.startswith(block)}
         converted = block_from_checkpoint(named, depth_config(drafter.config.decoder, layout, j), layout)
         state |= {f"depths.{j - 1}.block.{name}": t for name, t in converted.items()}
     return state
@@ -147,27 +245,28 @@ def checkpoint_tensors(drafter: nn.Module) -> dict[str, torch.Tensor]:
     """Depths 1.. under their checkpoint names (`read_depths`' names)."""
     layout, out = drafter.layout, {}
     for j in range(1, depths_of(drafter)):
-        held, at = part(drafter, j), f"{DEPTHS}{j}."
-        out |= {f"{at}{name}.weight": getattr(held, role).weight.detach() for role, name in zip(ROLES, layout.names)}
-        saved = block_to_checkpoint(held.block, depth_config(drafter.config.decoder, layout, j), layout)
-        out |= {at + layout.block() + name: t for name, t in saved.items()}
+        own, at = drafter.depths[j - 1], f"{DEPTHS}{j}."
+        out |= {at + theirs: own.get_parameter(ours).detach() for ours, theirs in own_names(layout).items()}
+        saved = block_to_checkpoint(own.block, depth_config(drafter.config.decoder, layout, j), layout)
+        out |= {at + block_at(layout) + name: t for name, t in saved.items()}
     return out
 
 
 def release_name(layout: Layout, name: str, num_hidden_layers: int) -> str:
-    """`Layout.release_name`, a later depth's tensors under `model.mtp.layers.{j}.`."""
+    """`Layout.release_name`, a later depth's tensors under its `prefix`."""
     found = re.match(re.escape(DEPTHS) + r"(\d+)\.", name)
     if found is None:
         return layout.release_name(name, num_hidden_layers)
-    return f"{layout.under}{found[1]}.{name.removeprefix(found[0])}"
+    return prefix(layout, int(found[1]), num_hidden_layers) + name.removeprefix(found[0])
 
 
 def layer_name(layout: Layout, name: str, num_hidden_layers: int) -> str:
-    """`release_name`'s inverse."""
-    found = re.match(re.escape(layout.under) + r"(\d+)\.", name) if layout.count_block else None
-    if found is None or found[1] == "0":
+    """`release_name`'s inverse (a layout with one served depth names its layers otherwise: Nemotron-H's stack)."""
+    first = num_hidden_layers if layout.after_layers else 0  # the index of depth 0's prefix
+    found = re.match(re.escape(prefix(layout, 0, 0).removesuffix("0.")) + r"(\d+)\.", name)
+    if not layout.step_depths or found is None or int(found[1]) <= first:
         return layout.layer_name(name, num_hidden_layers)
-    return f"{DEPTHS}{found[1]}.{name.removeprefix(found[0])}"
+    return f"{DEPTHS}{int(found[1]) - first}.{name.removeprefix(found[0])}"
 
 
 def shipped_depth_shapes(name_or_path: str, config: dict, layout: Layout, total: int) -> dict[str, tuple[int, ...]]:
@@ -196,7 +295,7 @@ def loss(drafter: nn.Module, batch: dict, target_out):
     outputs = []
     for step in range(drafter.config.ttt_steps):
         fed = drafter.draft(shifted(input_ids, step + 1, width), fed, places, mask, None, depth=step % total)
-        outputs.append(drafter.head_input(fed))
+        outputs.append(drafter.head_input(fed, step % total))
     _, lm_head = drafter.target_modules()
     chunk_rows = chunk_rows_for(drafter.loss_chunk_bytes, drafter.target.vocab_size)
     loss_sum, stats = steps_ahead_loss(outputs, batch, target_out, lm_head.weight, drafter.config.ttt_decay, chunk_rows)
@@ -252,7 +351,7 @@ class DepthsProposer(Proposer):
             places = torch.arange(begin, committed, device=device)[None]
             out = drafter.draft(inputs[None], fed[None], places, mask, cache, depth=step % depths_of(drafter))[0]
             outputs = torch.cat([self.outputs[step][:begin], out])  # at positions 0..committed-1
-            _, best = drafter.top_tokens(out[-1], 1)
+            _, best = drafter.top_tokens(out[-1], 1, step % depths_of(drafter))
             drafts.append(int(best[0]))
             kept = max(committed - step, 0)  # entries p <= committed - 1 - step read committed tokens only
             self.caches[step] = cut(cache, kept, drafter)

@@ -112,6 +112,9 @@ class Layout:
     # set (LongCat-Flash's MLA LoRA norms)
     scaled_norms: tuple[tuple[str, str, str], ...] = ()
     final_norm: bool = True  # else the logits and the next step read the block's output as is (ERNIE-4.5's)
+    # vLLM's model runs depth `spec_step_idx % count` at draft step i, which its model runner V2 passes where the count
+    # (its `num_nextn_predict_layers`) is above 1: several depths train as served (heads/mtp_depths.py)
+    step_depths: bool = False
 
     def prefix(self, num_hidden_layers: int) -> str:
         """The first MTP layer's tensor names start with this."""

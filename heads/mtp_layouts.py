@@ -36,7 +36,10 @@ MTP_FIELDS = (
 )
 # Target architecture -> its MTP layout, as vLLM 0.32's models read and compute it (read from its source).
 LAYOUTS = {
-    "DeepseekV3ForCausalLM": Layout("deepseek_mtp", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, True),
+    # vLLM's deepseek_mtp: depth j is layer N + j, its own wrapper and block, run at draft step j (`step_depths`)
+    "DeepseekV3ForCausalLM": Layout(
+        "deepseek_mtp", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, True, step_depths=True
+    ),
     # vLLM's DeepseekV32MTP (models/deepseek_v32/): DeepSeek-V3's layer and names, its block V3.2's sparse-attention
     # layer, whose indexer keys the drafter's cache keeps beside its keys (mtp_layer.layer_config)
     "DeepseekV32ForCausalLM": Layout("DeepseekV32MTP", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, True),
@@ -44,7 +47,9 @@ LAYOUTS = {
     # deepseek_mtp and builds the same DeepseekV32MTP, so its layer is stored, masked and fed back as V3.2's
     # (normed, unlike GLM-4.5's glm4_moe_mtp)
     "GlmMoeDsaForCausalLM": Layout("DeepseekV32MTP", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, True),
-    "Glm4MoeForCausalLM": Layout("glm4_moe_mtp", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, False),
+    "Glm4MoeForCausalLM": Layout(
+        "glm4_moe_mtp", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, False, step_depths=True
+    ),
     # vLLM's DeepSeekV4MTP (models/deepseek_v4/nvidia/mtp.py): a layer on hyper-connection streams, fed back unnormed
     "DeepseekV4ForCausalLM": Layout(
         "DeepSeekV4MTP", "num_nextn_predict_layers", V4_NAMES, False, True, False, own_prefix=True, streams=True
@@ -144,6 +149,7 @@ LAYOUTS = {
         hidden_first=True,
         target_scales=True,
         count_block="mtp_config",
+        step_depths=True,
         outside=(
             ("chain_norm.weight", "model.mtp.chain_norm.weight"),
             (TARGET_EMBED_NORM, "model.llm.embed_norm.weight"),
@@ -170,7 +176,9 @@ LAYOUTS = {
     ),  # fmt: skip
     # vLLM's HYV3MTP (models/hy_v3_mtp.py): DeepSeek-V3's layer N, masked at position 0, its final norm
     # `final_layernorm` applied before it is fed back (the layer's shared_head.head is the target's lm_head, shared)
-    "HYV3ForCausalLM": Layout("HYV3MTPModel", "num_nextn_predict_layers", HY_V4_NAMES, True, True, True),
+    "HYV3ForCausalLM": Layout(
+        "HYV3MTPModel", "num_nextn_predict_layers", HY_V4_NAMES, True, True, True, step_depths=True
+    ),
     # vLLM's ExaoneMoeMTP (models/exaone_moe_mtp.py): Qwen's `mtp.` layout and feedback, plain RMSNorms, its block
     # `mtp.layers.0.` the decoder layer with `is_mtp`: a dense MLP, attention as `mtp_layer_types[0]` or the decoder's
     # layer 0 (sliding in the releases' LLLG pattern; `check_layer_0_kind`), rotated
@@ -231,7 +239,10 @@ LAYOUTS = {
         block_family="llama",
         final_norm=False,
     ),  # fmt: skip
-    "Qwen3NextForCausalLM": Layout("qwen3_next_mtp", "num_nextn_predict_layers", QWEN_NAMES, False, False, True),
+    # vLLM's qwen3_next_mtp: one wrapper for every depth, depth j's block under `mtp.layers.{j}.`, run at step j
+    "Qwen3NextForCausalLM": Layout(
+        "qwen3_next_mtp", "num_nextn_predict_layers", QWEN_NAMES, False, False, True, step_depths=True
+    ),
     "Qwen3_5ForCausalLM": QWEN3_5,
     "Qwen3_5MoeForCausalLM": QWEN3_5_MOE,
     # Qwen3.5's releases are vision-language wrappers: the MTP layer at the top of the checkpoint (`mtp.*`, beside

