@@ -66,8 +66,10 @@ def mapped_types(table_name: str) -> Optional[frozenset[str]]:
 
 
 def causal_lm_types() -> Optional[frozenset[str]]:
-    """The model types AutoModelForCausalLM maps to a class (None: see `mapped_types`)."""
-    return mapped_types(CAUSAL_LM_TABLE)
+    """The model types AutoModelForCausalLM maps to a class, or loads as one once registered (`misfiled_causal_lms`)
+    (None: see `mapped_types`)."""
+    known = mapped_types(CAUSAL_LM_TABLE)
+    return None if known is None else known | frozenset(misfiled_causal_lms())
 
 
 def may_be_a_causal_lm(model_type: str) -> bool:
@@ -138,3 +140,32 @@ def no_causal_lm(model_type: str) -> str:
         f"transformers {version} has no causal LM class (AutoModelForCausalLM, what draftsmith loads a target as) "
         f"for model_type {model_type!r}"
     )
+
+
+def misfiled_causal_lms() -> dict[str, str]:
+    """The model types whose causal LM class the installed transformers files under image-text-to-text (and
+    pretraining) only, not under AutoModelForCausalLM's table (Mistral-Small-4's mistral4 in 5.24): a text model's
+    class all the same, by its name, which draftsmith loads as the causal LM it is (`register_misfiled_causal_lms`)."""
+    known, wrappers = literal_table(CAUSAL_LM_TABLE), literal_table(WRAPPER_TABLE)
+    if known is None or wrappers is None:
+        return {}
+    return {
+        model_type: name
+        for model_type, name in wrappers.items()
+        if isinstance(name, str) and name.endswith("ForCausalLM") and model_type not in known
+    }
+
+
+@functools.cache
+def register_misfiled_causal_lms() -> None:
+    """Registers each `misfiled_causal_lms` class with AutoModelForCausalLM (transformers' own registry), once a
+    process, so that the loads and builds of draftsmith, all through AutoModelForCausalLM, build it; called where they
+    import it."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    for model_type, name in misfiled_causal_lms().items():
+        model_class = getattr(transformers, name, None)
+        if model_class is not None and model_type in CONFIG_MAPPING:
+            AutoModelForCausalLM.register(CONFIG_MAPPING[model_type], model_class, exist_ok=True)

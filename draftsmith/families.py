@@ -41,9 +41,14 @@ CONVOLVED = ("hybrid", "hybrid_sliding")
 # the kinds whose keys the eval loop can crop and gather
 ATTENTION_KINDS = (FULL, SLIDING, INDEXED, BLOCK_INDEXED, *CONVOLVED)
 LINEAR = "linear_attention"  # a recurrent state (Gated DeltaNet): the eval loop copies it and puts it back
+# short convolutions alone (LFM2's): transformers keeps their windows in linear attention's cache layer, a state read
+# in order and put back after a rejected draft; no keys
+CONV = "conv"
 # attention over entries pooled from several positions (DeepSeek-V4's compressed sparse and heavily compressed
 # attention): no entry can be cut back to a position, so the eval loop keeps the cache's state and puts it back
 COMPRESSED = ("compressed_sparse_attention", "heavily_compressed_attention")
+# the kinds whose keys or states the eval loop rolls back after a rejected draft
+ROLLED_BACK = (*ATTENTION_KINDS, LINEAR, CONV, *COMPRESSED)
 
 
 def _get(config: Any, key: str, default=None):
@@ -98,8 +103,8 @@ def reads_in_order(config: Any) -> bool:
     position, a recurrent state (linear attention) or pooled entries (compressed attention), where a rejected draft
     is undone by putting the state back and feeding the accepted tokens again; or it picks blocks of keys counted
     from the cache's first slot (block-sparse attention), whose keys are cut back as any others; or it convolves
-    the last few tokens before its attention (a state put back, its keys cut)."""
-    return bool({LINEAR, *COMPRESSED, BLOCK_INDEXED, *CONVOLVED} & set(layer_types(config)))
+    the last few tokens before its attention (a state put back, its keys cut), or alone (a state put back)."""
+    return bool({LINEAR, CONV, *COMPRESSED, BLOCK_INDEXED, *CONVOLVED} & set(layer_types(config)))
 
 
 def check_eval_settings(config: Any, eval_section: Any) -> None:

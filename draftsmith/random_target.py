@@ -39,7 +39,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 
-from draftsmith.causal_lm import may_be_a_causal_lm, no_causal_lm, wraps_a_text_model
+from draftsmith.causal_lm import may_be_a_causal_lm, no_causal_lm, register_misfiled_causal_lms, wraps_a_text_model
 from draftsmith.errors import UserError, run_cli
 from draftsmith.families import text_config
 from draftsmith.files import publish_folder, staging
@@ -94,6 +94,8 @@ def build_model(
     drafter learns something within seconds, while every part the family does differently (its norms,
     fused projections, experts, biases) stays its own."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    register_misfiled_causal_lms()
 
     from draftsmith.text_model_lm import built_text_model_lm
 

@@ -51,7 +51,7 @@ from typing import Callable, Iterator, Optional, TypeVar
 import torch
 from torch import nn
 
-from draftsmith.causal_lm import text_model_of_a_wrapper, wraps_a_text_model
+from draftsmith.causal_lm import register_misfiled_causal_lms, text_model_of_a_wrapper, wraps_a_text_model
 from draftsmith.errors import UserError
 
 log = logging.getLogger("draftsmith.sharding")
@@ -136,6 +136,7 @@ def load_sharded(
         elif wraps_a_text_model(config.to_dict()):
             model = built_language_causal_lm(config, dtype=dtype)
         else:
+            register_misfiled_causal_lms()
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     model.requires_grad_(False)
     buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}

@@ -9,7 +9,12 @@ from typing import Optional
 
 import torch
 
-from draftsmith.causal_lm import not_a_causal_lm, text_model_of_a_wrapper, wraps_a_text_model
+from draftsmith.causal_lm import (
+    not_a_causal_lm,
+    register_misfiled_causal_lms,
+    text_model_of_a_wrapper,
+    wraps_a_text_model,
+)
 from draftsmith.errors import UserError
 from draftsmith.model_files import read_pretrained
 
@@ -37,6 +42,7 @@ def read_model(section, dtype: torch.dtype, device: torch.device | str):
 
     from draftsmith.wrapped_text import check_computes_as_wrapper, language_causal_lm
 
+    register_misfiled_causal_lms()
     config = load_config(section)  # read once: handed to the loader, which would read it again
     if text_model_of_a_wrapper(config.to_dict()):
         from draftsmith.text_model_lm import read_text_model_lm

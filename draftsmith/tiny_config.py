@@ -90,13 +90,20 @@ def build_config(
         fields.update({canonical[key]: value for key, value in source.items()})
     fields.update(vocab_size=vocab_size, **(special or {}))
     defaults = default.to_dict()
+    # a field under its other name too: scaled_fields reads the usual names (Bailing-Hybrid's n_group: num_expert_group)
+    defaults |= {alias: defaults[name] for alias, name in aliases.items() if name in defaults and alias not in defaults}
     sizes = {key: fields[canonical[key]] for key in TINY} | {"vocab_size": vocab_size}
     sizes.update({key: fields[canonical[key]] for key in EXPERTS if canonical[key] in fields})
     given = shape.keys() - TINY.keys()  # a derived size given is kept; TINY's given are what sizes derive from
-    fields.update({key: value for key, value in scaled_fields(defaults, sizes).items() if key not in given})
+    scaled = scaled_fields(defaults, sizes)
+    fields.update({aliases.get(key, key): value for key, value in scaled.items() if key not in given})
     cls = type(default)
     try:
         config = cls(**fields)
+        if "layer_types" in defaults and config.layer_types is None and "layer_types" not in shape:
+            # a class that leaves its layers' kinds to the release (LFM2-MoE's): the kinds its modeling module names
+            fields["layer_types"] = module_layer_kinds(cls, fields[canonical["num_hidden_layers"]])
+            config = cls(**fields) if fields["layer_types"] else config
         kinds = getattr(config, "layer_types", None)
         if kinds and "layer_types" not in shape:
             config = cls(**fields) if every_kind(fields, kinds, defaults, cls) else config
@@ -118,11 +125,14 @@ def every_kind(fields: dict[str, Any], kinds: list[str], defaults: dict[str, Any
     """Set `fields`' layer_types so that the tiny depth has every attention kind of the family; whether it changed
     them. A kind its default has further down (Inkling's full attention, one layer in six) goes last, as in a period;
     a kind of the family's code its default has none of (a release turns it on: MiniMax-M3's sparse attention) goes on
-    every other layer. Linear and compressed attention keep the class's layout (tests need linear layers only)."""
+    every other layer. Linear and compressed attention keep the class's layout (tests need linear layers only), unless
+    it leaves linear layers alone."""
     own = [] if set(own_layer_kinds(config_class)) & set(kinds) else own_layer_kinds(config_class)
     default_kinds = dict.fromkeys(defaults.get("layer_types") or ())
     kept = {LINEAR, *COMPRESSED} & {*kinds, *default_kinds}
-    further = [kind for kind in default_kinds if kind not in kinds and not kept]
+    # linear layers alone at the tiny depth (Kimi-Linear's attention one layer in four, Bailing-Hybrid's one in six):
+    # the others go last, as the eval loop decodes no target of linear layers only
+    further = [kind for kind in default_kinds if kind not in kinds and (not kept or set(kinds) == {LINEAR})]
     chosen = list(kinds)
     if own:
         chosen = [own[0] if i % 2 == 0 else kind for i, kind in enumerate(chosen)]
@@ -130,6 +140,25 @@ def every_kind(fields: dict[str, Any], kinds: list[str], defaults: dict[str, Any
         chosen[-len(further) :] = further
     fields["layer_types"] = chosen
     return chosen != list(kinds)
+
+
+def module_layer_kinds(config_class, layers: int) -> list[str]:
+    """`layers` layers' kinds in turn, of the cache kinds of transformers (`DYNAMIC_LAYER_TYPE_MAPPING`) that the
+    modeling module of `config_class`'s family names, in the order its source names them (LFM2-MoE's "conv" and
+    "full_attention"); none where it has no such module."""
+    import importlib
+    import inspect
+
+    from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
+
+    try:
+        source = inspect.getsource(
+            importlib.import_module(config_class.__module__.replace(".configuration_", ".modeling_"))
+        )
+    except (ImportError, OSError, TypeError):
+        return []
+    named = sorted((source.find(f'"{kind}"'), kind) for kind in DYNAMIC_LAYER_TYPE_MAPPING if f'"{kind}"' in source)
+    return [named[i % len(named)][1] for i in range(layers)] if named else []
 
 
 def scaled_fields(defaults: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
@@ -151,6 +180,11 @@ def scaled_fields(defaults: dict[str, Any], fields: dict[str, Any]) -> dict[str,
         rope = 0 if defaults.get("qk_rope_head_dim") == 0 else MLA_ROPE
         out.update(num_key_value_heads=heads, qk_nope_head_dim=head, qk_rope_head_dim=rope, v_head_dim=head)
         out.update(head_dim=rope, kv_lora_rank=MLA_LATENT)
+        share = (defaults.get("rope_parameters") or {}).get("partial_rotary_factor")
+        if share and defaults.get("head_dim") and defaults["head_dim"] * share == defaults.get("qk_rope_head_dim"):
+            # a class whose rotary embedding turns a share of a head as wide as both parts (Mistral-4's, the share
+            # its own of the parts given): that head
+            out["head_dim"] = head + rope
     if defaults.get("q_lora_rank"):  # a query latent (None where queries are projected at full rank: kept)
         out["q_lora_rank"] = 3 * head  # not the key-value latent's 2 * head: a mix-up of the two fails on shape
     if defaults.get("o_lora_rank"):  # grouped low-rank output projection: groups of two query heads

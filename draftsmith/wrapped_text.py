@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from transformers import GenerationMixin, PreTrainedModel
 
-from draftsmith.causal_lm import text_has_causal_lm
+from draftsmith.causal_lm import register_misfiled_causal_lms, text_has_causal_lm
 from draftsmith.errors import UserError, one_line
 
 # the tokens the load runs through the wrapper and the causal LM made of it, to prove they compute the same logits:
@@ -59,6 +59,7 @@ def built_language_causal_lm(wrapper_config, dtype: Optional[torch.dtype] = None
         return TextOfWrapper.built(wrapper_config, dtype=dtype)
     from transformers import AutoModelForCausalLM
 
+    register_misfiled_causal_lms()
     return AutoModelForCausalLM.from_config(text_config_of(wrapper_config), dtype=dtype)
 
 

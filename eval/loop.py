@@ -64,10 +64,9 @@ from draftsmith.eval.trees import (
     verify_visibility,
 )
 from draftsmith.families import (
-    ATTENTION_KINDS,
-    COMPRESSED,
     FULL,
     LINEAR,
+    ROLLED_BACK,
     SLIDING,
     layer_types,
     masks_of_every_kind,
@@ -176,11 +175,11 @@ def check_target(model, tree: Optional[Tree] = None) -> None:
             "this target's layers are all linear attention: transformers' cache counts the positions it holds on "
             "attention layers, which the eval loop reads"
         )
-    other = sorted(kinds - {*ATTENTION_KINDS, LINEAR, *COMPRESSED})
+    other = sorted(kinds - set(ROLLED_BACK))
     if other:
         raise UserError(
-            "the eval loop verifies drafts on attention, linear-attention and compressed-attention layers only "
-            f"(whose keys or states it can roll back); this target also has {other} layers"
+            "the eval loop verifies drafts on attention, linear-attention, convolution and compressed-attention layers "
+            f"only (whose keys or states it can roll back); this target also has {other} layers"
         )
     if tree is not None and reads_in_order(model.config):
         raise UserError(

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from draftsmith.causal_lm import register_misfiled_causal_lms
 from draftsmith.errors import UserError
 from draftsmith.formats import Exporter, Source, register
 from draftsmith.formats.repo import SGLANG_FLAGS, SGLANG_REVISION_FLAG, VLLM_SERVE, EngineRepo, TargetInfo
@@ -51,6 +52,7 @@ def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     settings = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
+    register_misfiled_causal_lms()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **settings))
     expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}

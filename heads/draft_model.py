@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from draftsmith.causal_lm import may_be_a_causal_lm, no_causal_lm
+from draftsmith.causal_lm import may_be_a_causal_lm, no_causal_lm, register_misfiled_causal_lms
 from draftsmith.errors import UserError
 from draftsmith.families import ATTENTION_KINDS, COMPRESSED, layer_types
 from draftsmith.heads import register
@@ -92,6 +92,7 @@ class DraftModel(Drafter):
             from transformers import AutoConfig, AutoModelForCausalLM
 
             settings = dict(config.model_config)
+            register_misfiled_causal_lms()
             model = AutoModelForCausalLM.from_config(
                 AutoConfig.for_model(settings.pop("model_type"), **settings), dtype=torch.float32
             )
@@ -254,6 +255,7 @@ def load_draft(name_or_path: str, target: TargetShape):
     """An existing HF causal LM as the draft; it must score the target's vocabulary."""
     from transformers import AutoModelForCausalLM
 
+    register_misfiled_causal_lms()
     # the Hub handling (cache alone while out of reach, one line) and safetensors alone, as for the target
     model = read_pretrained(
         AutoModelForCausalLM.from_pretrained,
@@ -311,6 +313,7 @@ def layers_of(target_model, config: DraftModelConfig):
             f"a draft of the target's first {config.num_layers} layers is a causal LM of its language model, and "
             f"{no_causal_lm(draft_config.model_type)}: set drafter.name_or_path"
         )
+    register_misfiled_causal_lms()
     model = AutoModelForCausalLM.from_config(draft_config, dtype=torch.float32)
     wanted = model.state_dict()
     # Decoder layers 0..N-1 have the same names in both models; layers >= N exist only in the target.

@@ -814,16 +814,16 @@ def test_a_tiny_temperature_samples_the_argmax_ties_evenly_never_nan():
 
 
 @pytest.mark.parametrize(
-    "model_type, named",
+    "model_type, named, shape",
     [
-        ("minimax", "MiniMaxForCausalLM does not take .it keeps a cache of its own."),
-        ("kimi_linear", "this target's layers are all linear attention"),
+        ("minimax", "MiniMaxForCausalLM does not take .it keeps a cache of its own.", {}),
+        ("kimi_linear", "this target's layers are all linear attention", {"layer_types": ["linear_attention"] * 4}),
     ],
 )
-def test_a_target_whose_cache_the_loop_cannot_hold_is_one_line_before_decoding(model_type, named):
+def test_a_target_whose_cache_the_loop_cannot_hold_is_one_line_before_decoding(model_type, named, shape):
     """MiniMax-Text-01 keeps a cache class of its own, and a target of linear-attention layers only leaves
     transformers' cache no position count: both failed in prefill with transformers' ValueError (exit 70)."""
-    config = build_config(model_type, 96, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
+    config = build_config(model_type, 96, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}, **shape)
     with pytest.raises(UserError, match=named):
         generate(build_model(config).eval(), [1, 5, 6], 4)
 

@@ -1,0 +1,94 @@
+"""Six 2026 families no line of draftsmith names, taken as a new user takes one: `python -m draftsmith.random_target
+TYPE DIR`, then the folder as a target (docs/targets.md, "Families the code never names"). Mistral-Small-4's
+`mistral4` is a causal LM that transformers 5.24 files under image-text-to-text only (not AutoModelForCausalLM's
+table): draftsmith registers it as the causal LM it is (draftsmith.causal_lm.register_misfiled_causal_lms)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from draftsmith.causal_lm import misfiled_causal_lms, not_a_causal_lm, wraps_a_text_model
+from draftsmith.eval.loop import generate
+from draftsmith.families import CONV, FULL, LINEAR, SLIDING, layer_types
+from tests.helpers import OracleDrafter
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# each family's layer kinds at the tiny depth: every kind a release has (Kimi-Linear's and Bailing-Hybrid's attention
+# layer, one in four and one in six, last; LFM2-MoE's class leaves them to the release: the ones its code names)
+FAMILIES = {
+    "mistral4": {FULL},
+    "bailing_hybrid": {LINEAR, FULL},
+    "glmga": {FULL},
+    "kimi_linear": {LINEAR, FULL},
+    "lfm2_moe": {CONV, FULL},
+    "lfm3": {CONV, FULL, SLIDING},
+}
+
+
+def write_and_load(model_type: str, folder):
+    """The command's target of `model_type` in `folder`, loaded as a run loads it."""
+    from draftsmith.random_target import main
+    from draftsmith.target import load_target
+
+    with pytest.raises(SystemExit) as done:
+        main([model_type, str(folder)])
+    assert done.value.code == 0
+    return load_target(str(folder))
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_a_family_no_code_names_is_written_loaded_and_decoded_losslessly(model_type, tmp_path):
+    """The command writes each (Mistral-4 and LFM2-MoE were internal errors: a causal LM transformers files as a
+    wrapper, a class that leaves its layer kinds unset), with every layer kind a release has, and the target loads;
+    plain decoding is transformers' own greedy decoding, and drafts accepted and rejected leave it unchanged (LFM2's
+    convolution-only layers were refused by the eval loop: their windows are a state it now puts back)."""
+    target = write_and_load(model_type, tmp_path / model_type)
+    assert set(layer_types(target.config)) == FAMILIES[model_type]
+    prompt = torch.randint(3, 200, (16,), generator=torch.Generator().manual_seed(0)).tolist()
+    plain = generate(target, prompt, 16).tokens
+    theirs = target.generate(
+        torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0
+    )[0, len(prompt) :].tolist()
+    assert plain == theirs
+    oracle = OracleDrafter(plain, len(prompt), target.config.get_text_config().vocab_size, hit_rate=0.6, seed=0)
+    drafted = generate(target, prompt, 16, drafter=oracle, gamma=3)
+    assert drafted.tokens == plain and 0 < drafted.counts.accepted < drafted.counts.drafted
+
+
+def test_a_causal_lm_transformers_files_as_image_text_to_text_only_loads_as_that_causal_lm(tmp_path):
+    """Mistral-4: transformers 5.24 maps `mistral4` to Mistral4ForCausalLM under image-text-to-text (and pretraining)
+    but not under AutoModelForCausalLM, so it was read as a wrapper (the tiny wrapper's missing vision tower: exit 70).
+    It is a causal LM by its class's name: it loads, whole and sharded, as Mistral4ForCausalLM with that class's
+    logits; and Mistral-Small-4's release form, a Mistral-3 wrapper around it, loads as its language model in it."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, Mistral4ForCausalLM
+
+    from draftsmith.random_target import write_random_target
+    from draftsmith.target import load_target
+    from draftsmith.tiny_config import TINY_VISION, build_config
+
+    assert misfiled_causal_lms() == {"mistral4": "Mistral4ForCausalLM"}
+    shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "head_dim": 16}
+    folder = write_random_target("mistral4", tmp_path / "mistral4", **shape)
+    config = json.loads((folder / "config.json").read_text())
+    assert not wraps_a_text_model(config) and not_a_causal_lm(config, str(folder)) is None
+    ids = torch.randint(3, 200, (1, 20), generator=torch.Generator().manual_seed(1))
+    expected = Mistral4ForCausalLM.from_pretrained(folder).eval()(ids).logits
+    for shard in ("none", "fsdp"):
+        target = load_target(str(folder), shard=shard)
+        assert isinstance(target, Mistral4ForCausalLM)  # sharded: FSDP's subclass of it
+        torch.testing.assert_close(target(ids).logits, expected)
+
+    text = build_config("mistral4", 256, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}, **shape)
+    vision = {**TINY_VISION, "num_hidden_layers": 1, "num_attention_heads": 2, "head_dim": 16}
+    wrapper_config = AutoConfig.for_model("mistral3", text_config=text.to_dict(), vision_config=vision)
+    assert wraps_a_text_model(wrapper_config.to_dict())
+    torch.manual_seed(0)
+    wrapper = AutoModelForImageTextToText.from_config(wrapper_config).eval()
+    wrapper.save_pretrained(tmp_path / "mistral3")
+    target = load_target(str(tmp_path / "mistral3"))
+    assert type(target) is Mistral4ForCausalLM
+    torch.testing.assert_close(target(ids).logits, wrapper(input_ids=ids).logits)
