@@ -132,9 +132,10 @@ class MtpExporter(Exporter):
             conventions["steps"] = (
                 f"draft step i runs depth i % {depths} over the whole draft query, as model runner V2's "
                 "MultiModuleMTPSpeculator runs it (vLLM's default where Triton is; the V1 runner, without Triton or "
-                "with VLLM_USE_V2_MODEL_RUNNER=0, passes no step and would run depth 0 at every step); serve "
-                f"num_speculative_tokens <= {depths}: a later step writes its entries into that depth's KV cache, "
-                "where draftsmith's steps keep a cache each"
+                "with VLLM_USE_V2_MODEL_RUNNER=0, passes no step and would run depth 0 at every step); "
+                f"num_speculative_tokens <= {depths}, as the export and draftsmith's eval refuse more: a step i >= "
+                f"{depths} writes its entries into depth i % {depths}'s KV cache, where draftsmith's steps keep a "
+                "cache each, so no eval measured what vLLM would serve"
             )
         limit = CPU_BUILD_STUBS.get(layout.vllm_model) or depths_limit(depths)
         return EngineRepo(

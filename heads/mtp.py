@@ -68,12 +68,7 @@ from draftsmith.heads.mtp_layer import (
     tensor_names,
 )
 from draftsmith.heads.mtp_layouts import LAYOUTS, MTP_FIELDS, layout_of
-from draftsmith.heads.packing import (
-    causal_document_mask,
-    documents,
-    positions,
-    shifted,
-)
+from draftsmith.heads.packing import causal_document_mask, documents, positions, shifted
 from draftsmith.heads.proposer import DraftState
 from draftsmith.heads.vocab_loss import chunk_rows_for, steps_ahead_loss
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, load_target, loaded_config
@@ -196,6 +191,10 @@ class Mtp(EagleBase):
     @classmethod
     def flop_profile(cls, config: MtpConfig) -> FlopProfile:
         return FlopProfile(passes=config.ttt_steps)
+
+    @classmethod
+    def max_chain(cls, config: MtpConfig) -> Optional[int]:
+        return mtp_depths.longest_chain(config)  # several depths: D (vLLM's step i >= D shares a depth's cache)
 
     # -- building -------------------------------------------------------------------------------
     @classmethod

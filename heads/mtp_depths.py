@@ -20,7 +20,8 @@ modules depth i ships, its final norm among them, which vLLM's compute_logits re
 computes exactly that for every t, step i by depth i % D; decoding (`DepthsProposer`) keeps each step's cache over
 the committed positions whose tokens it read were committed. vLLM's V1 model runner (the CPU build's) passes no step
 (EagleProposer): it would run depth 0 at every step. A step i >= D runs depth i % D
-here on a cache of its own, where vLLM's speculator writes its entries into that depth's cache at the query's slots.
+here on a cache of its own, where vLLM's speculator writes its entries into that depth's cache at the query's slots:
+the eval's and the export's chains are held to D (`longest_chain`), training's steps are not.
 Depth 0 is the drafter's own modules (heads/mtp.py); depth j >= 1 is `depths[j - 1]`, exported under its release
 names (`prefix`; named `depths.{j}.` in the drafter's checkpoint tensors), and the count with them.
 """
@@ -48,6 +49,7 @@ from draftsmith.heads.mtp_layer import (
     checkpoint_folder,
     tensor_names,
 )
+from draftsmith.heads.mtp_layouts import LAYOUTS, layout_of
 from draftsmith.heads.packing import causal_document_mask, documents, positions, shifted
 from draftsmith.heads.proposer import DraftState, DraftTree, Proposer, Tree
 from draftsmith.heads.vocab_loss import chunk_rows_for, steps_ahead_loss
@@ -100,12 +102,25 @@ def check_requested(config: dict, layout: Layout, depths: Optional[int]) -> None
 
 def check_target_folder(name_or_path: str, depths: Optional[int]) -> None:
     """`check_requested` for a local target, at the recipe's check (a Hub id is checked when its layer is read)."""
-    from draftsmith.heads.mtp_layouts import layout_of
-
     path = Path(name_or_path) / "config.json"
     if depths is not None and path.is_file():
         config = json.loads(path.read_text())
         check_requested(config, layout_of(config), depths)
+
+
+def longest_chain(config) -> Optional[int]:
+    """The longest chain a drafter of `config` (MtpConfig) serves as it trained (`Mtp.max_chain`): its depth count D
+    where D > 1, else None (one layer at every step, at any length). vLLM runs a step i >= D by depth i % D and writes
+    its entries into that depth's KV cache at the query's slots, where `DepthsProposer` keeps a cache per step: the
+    eval would measure another drafter than the engine serves. Refused, not capped: the γ a recipe names is the one
+    the eval reports and the export serves, as for every kind's `max_chain`. A null count (Inkling's release count)
+    is read from the layer's config once it is resolved (`decoder`, kept in the checkpoint: a train's recipe check
+    has none yet, the eval's, export's and sweep's read the checkpoint's)."""
+    decoder = config.decoder or {}
+    total = config.mtp_depths
+    if total is None and "config" in decoder and LAYOUTS[decoder["architecture"]].count_block:
+        total = count(SimpleNamespace(**decoder["config"]))
+    return total if total is not None and total > 1 else None
 
 
 def prefix(layout: Layout, depth: int, num_hidden_layers: int) -> str:
@@ -224,19 +239,36 @@ def apart(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], di
 
 
 def state_of(drafter: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Depths 1..'s parameters from their checkpoint tensors (`read_depths`' names)."""
+    """Depths 1..'s parameters from their checkpoint tensors (`read_depths`' names); a depth lacking a tensor, or
+    holding one of another shape than depth 0's (the target's hidden size, its decoder layer's), is one line naming
+    it under its release name, before anything trains (load_state_dict's size mismatch was a traceback, exit 70)."""
     layout, state = drafter.layout, {}
     for j in range(1, depths_of(drafter)):
-        at = f"{DEPTHS}{j}."
+        at, under = f"{DEPTHS}{j}.", prefix(layout, j, drafter.target.num_hidden_layers)
         wrapper = {own: at + theirs for own, theirs in own_names(layout).items()}
         block = at + block_at(layout)
         apart_from = set(wrapper.values())
         named = {n.removeprefix(block): t for n, t in tensors.items() if n.startswith(block) and n not in apart_from}
         missing = [name for name in wrapper.values() if name not in tensors] or ([] if named else [f"{block}*"])
         if missing:
-            raise UserError(f"drafter.type=mtp: the checkpoint's MTP depth {j} lacks {missing[:3]}")
+            released = [under + name.removeprefix(at) for name in missing[:3]]
+            raise UserError(f"drafter.type=mtp: the checkpoint's MTP depth {j} lacks {released}")
+        depth = drafter.depths[j - 1]
+        for own, theirs in wrapper.items():
+            shape, expected = list(tensors[theirs].shape), list(depth.get_parameter(own).shape)
+            if shape != expected:
+                raise UserError(
+                    f"drafter.type=mtp: the checkpoint's MTP depth {j} does not match the target "
+                    f"({under}{theirs.removeprefix(at)} is {shape}, the target's hidden size makes it {expected})"
+                )
         state |= {f"depths.{j - 1}.{own}": tensors[theirs] for own, theirs in wrapper.items()}
-        converted = block_from_checkpoint(named, depth_config(drafter.config.decoder, layout, j), layout)
+        try:
+            converted = block_from_checkpoint(named, depth_config(drafter.config.decoder, layout, j), layout)
+        except UserError as error:  # its line names the tensor under the block, not which depth's block it is
+            raise UserError(
+                f"drafter.type=mtp: MTP depth {j} ({under}{block_at(layout)}*): "
+                + str(error).removeprefix("drafter.type=mtp: ")
+            ) from None
         state |= {f"depths.{j - 1}.block.{name}": t for name, t in converted.items()}
     return state
 

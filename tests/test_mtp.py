@@ -615,11 +615,11 @@ def trained_resumed_and_exported(family: str, tmp_path, small_data, token_cache,
     return folder, resumed_and_exported(folder, tmp_path, small_data, token_cache, capsys)
 
 
-def resumed_and_exported(folder: Path, tmp_path, small_data, token_cache, capsys) -> Path:
-    """`recipe=mtp` through the entry points on the release at `folder`: trained, stopped after step 1, resumed,
-    exported; the export's vllm folder."""
+def resumed_and_exported(folder: Path, tmp_path, small_data, token_cache, capsys, *settings: str) -> Path:
+    """`recipe=mtp` through the entry points on the release at `folder` (with `settings`): trained, stopped after
+    step 1, resumed, exported; the export's vllm folder."""
     run = tmp_path / "run"
-    args = mtp_args(folder, run, small_data, token_cache, save_every=1)
+    args = [*mtp_args(folder, run, small_data, token_cache, save_every=1), *settings]
     assert run_entry_in_process(["train.py", *args], capsys).returncode == 0
     shutil.rmtree(run / "checkpoints" / "step_0000002")  # as if stopped after step 1: the resume trains step 2
     shutil.rmtree(run / "final")
@@ -634,12 +634,16 @@ def written_shapes(vllm: Path) -> dict[str, tuple[int, ...]]:
     return {name: tuple(tensor.shape) for name, tensor in load_file(str(vllm / "model.safetensors")).items()}
 
 
-def assert_exported_layer_decodes_losslessly(folder: Path, vllm: Path, tmp_path, small_data, tree: int) -> None:
-    """draftsmith's eval, reading the exported folder back, decodes losslessly (one prompt; `tree` nodes, 0: chains)."""
+def assert_exported_layer_decodes_losslessly(
+    folder: Path, vllm: Path, tmp_path, small_data, tree: int, *settings: str
+) -> None:
+    """draftsmith's eval, reading the exported folder back, decodes losslessly (one prompt; `tree` nodes, 0: chains;
+    `settings`: recipe keys over those)."""
     from draftsmith.eval.report import run_eval
 
     prompt = first_records(small_data["eval"], tmp_path / "eval.jsonl", 1)
     quick = [f"eval.data=[{prompt}]", "eval.max_new_tokens=16", f"eval.tree={tree}", "eval.ngram_baseline=false"]
+    quick += settings
     recipe = ["recipe=mtp", f"target.name_or_path={folder}", f"output_dir={tmp_path / 'eval'}", *quick]
     report = run_eval(load_recipe(recipe), str(vllm))
     rows = [row for domain in report["domains"].values() for row in domain.values() if row.get("lossless") is not None]

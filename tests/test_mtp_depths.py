@@ -23,12 +23,13 @@ from draftsmith.heads.mtp import write_random_layer
 from draftsmith.heads.proposer import DraftState, DynamicTree
 from draftsmith.random_target import write_random_target
 from draftsmith.target import TargetShape, load_target, run_target
-from tests.helpers import trains_one_step
+from tests.helpers import assert_one_line_error, run_entry_in_process, trains_one_step
 from tests.test_mtp import (
     CONVOLVED,
     SHAPE,
     assert_exported_layer_decodes_losslessly,
     inkling_block,
+    mtp_args,
     resumed_and_exported,
     rms,
     written_shapes,
@@ -223,7 +224,8 @@ def test_an_inkling_release_with_two_depths_trains_resumes_exports_and_decodes_l
     resumes, exports both depths under the release's names and shapes with its count, and draftsmith's eval, reading
     the folder back, decodes losslessly (chains)."""
     folder = release_with_depths(tmp_path / "target", BLOCKS[name])
-    vllm = resumed_and_exported(folder, tmp_path, small_data, token_cache, capsys)
+    two = "eval.num_speculative_tokens=2"  # chains of at most the 2 depths (mtp_depths.longest_chain)
+    vllm = resumed_and_exported(folder, tmp_path, small_data, token_cache, capsys, two)
     config = json.loads((vllm / "config.json").read_text())
     assert config["mtp_config"]["num_nextn_predict_layers"] == 2 == config["text_config"]["num_mtp_layers"]
     shipped = load_file(str(folder / "model.safetensors"))
@@ -234,4 +236,24 @@ def test_an_inkling_release_with_two_depths_trains_resumes_exports_and_decodes_l
         load_file(str(vllm / "model.safetensors"))["model.mtp.layers.1.input_proj.weight"],
         shipped["model.mtp.layers.1.input_proj.weight"],
     )
-    assert_exported_layer_decodes_losslessly(folder, vllm, tmp_path, small_data, tree=0)
+    assert_exported_layer_decodes_losslessly(folder, vllm, tmp_path, small_data, 0, two)
+
+
+@pytest.mark.slow  # the release's write and the target's load (about 3 s)
+def test_a_train_run_asking_a_longer_chain_than_the_releases_depths_is_refused_before_its_first_step(
+    tmp_path, small_data, token_cache, capsys
+):
+    """An Inkling release's count is read with its weights (the recipe names none): `train.py` with its eval stage at
+    the default γ 3 on a two-depth release was refused by that stage, after the training; now once the drafter is
+    built, one line, no checkpoint written."""
+    folder = release_with_depths(tmp_path / "target", BLOCKS["chained"])
+    run = tmp_path / "run"
+    args = [
+        *mtp_args(folder, run, small_data, token_cache),
+        "eval.enabled=true",
+        f"eval.data=[{small_data['eval']}]",
+        "eval.tree=0",
+    ]
+    done = run_entry_in_process(["train.py", *args], capsys)
+    assert_one_line_error(done, 2, "eval.num_speculative_tokens=3 but a mtp drafter with this config proposes at most")
+    assert not list(run.glob("checkpoints/*")) and not (run / "final").exists()

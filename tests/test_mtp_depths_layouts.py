@@ -23,11 +23,14 @@ from draftsmith.formats import Source, exporter_for
 from draftsmith.formats.repo import TargetInfo, check_tensors
 from draftsmith.heads import drafter_class, mtp_depths
 from draftsmith.heads.mtp import write_random_layer
+from draftsmith.heads.mtp_layer import read_layer
+from draftsmith.heads.mtp_layouts import layout_of
 from draftsmith.heads.proposer import DraftState
 from draftsmith.random_target import write_random_target
-from draftsmith.target import TargetShape, load_target, local_target_shape, run_target
-from tests.helpers import assert_one_line_error, run_entry_in_process, stand_in_vllm, trains_one_step
-from tests.test_mtp import SHAPE, assert_exported_layer_decodes_losslessly, mtp_args, rms, written_shapes
+from draftsmith.recipe import load_recipe
+from draftsmith.target import TargetShape, load_target, loaded_config, local_target_shape, run_target
+from tests.helpers import assert_one_line_error, first_records, run_entry_in_process, stand_in_vllm, trains_one_step
+from tests.test_mtp import SHAPE, mtp_args, rms, written_shapes
 from tests.test_mtp_depths import scored_outputs, token_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -189,9 +192,13 @@ def test_a_deepseek_v3_release_with_two_depths_trains_resumes_exports_and_decode
     in one line before anything is written; mtp_depths=3 is refused before training."""
     import shutil
 
+    from draftsmith.eval.report import run_eval
+
     folder = release_with_depths(tmp_path / "target", "deepseek_v3")
     run = tmp_path / "run"
-    args = [*mtp_args(folder, run, small_data, token_cache, save_every=1), "drafter.mtp_depths=2"]
+    # chains of at most 2: a step i >= 2 shares depth i % 2's cache in vLLM (mtp_depths.longest_chain)
+    args = [*mtp_args(folder, run, small_data, token_cache, save_every=1), "eval.num_speculative_tokens=2"]
+    args.append("drafter.mtp_depths=2")
     too_many = run_entry_in_process(["train.py", *args[:-1], "drafter.mtp_depths=3"], capsys)
     assert_one_line_error(too_many, 2, "drafter.mtp_depths=3: the target ships 2 MTP depths")
     assert run_entry_in_process(["train.py", *args], capsys).returncode == 0
@@ -212,4 +219,69 @@ def test_a_deepseek_v3_release_with_two_depths_trains_resumes_exports_and_decode
     trained = load_file(str(vllm / "model.safetensors"))[f"model.layers.{layers + 1}.eh_proj.weight"]  # depth 1's
     assert not torch.equal(trained, shipped[f"model.layers.{layers + 1}.eh_proj.weight"])
     assert "not its CPU build" in (vllm / "draftsmith_export.json").read_text()
-    assert_exported_layer_decodes_losslessly(folder, vllm, tmp_path, small_data, tree=0)
+    assert json.loads((vllm / "draftsmith_export.json").read_text())["num_speculative_tokens"] == 2
+    prompt = first_records(small_data["eval"], tmp_path / "eval.jsonl", 1)
+    quick = [f"eval.data=[{prompt}]", "eval.max_new_tokens=16", "eval.tree=0", "eval.ngram_baseline=false"]
+    recipe = ["recipe=mtp", f"target.name_or_path={folder}", f"output_dir={tmp_path / 'eval'}", *quick]
+    with pytest.raises(UserError, match="eval.num_speculative_tokens=3 but this mtp checkpoint proposes at most 2"):
+        run_eval(load_recipe(recipe), str(vllm))  # the folder's count, read back: 2 depths
+    report = run_eval(load_recipe([*recipe, "eval.num_speculative_tokens=2"]), str(vllm))
+    rows = [row for domain in report["domains"].values() for row in domain.values() if row.get("lossless") is not None]
+    assert rows and all(row["lossless"] for row in rows)
+
+
+def test_a_later_depths_tensor_of_another_shape_or_missing_is_one_line_naming_it(releases):
+    """Depth 1's wrapper tensors (its norms, projection, final norm) of another shape than depth 0's were torch's
+    size-mismatch traceback (exit 70) at the drafter's build; each is one line naming the tensor under its release name,
+    its shape and the expected one, as is its block's tensor (naming the depth) and a tensor the depth lacks."""
+    folder, model, _ = releases("deepseek_v3")
+    config = json.loads((folder / "config.json").read_text())
+    at = f"model.layers.{config['num_hidden_layers'] + 1}."  # depth 1's release prefix
+    values = loaded_config(model)
+    layout = layout_of(values)
+    layer = read_layer(str(folder), values, layout) | mtp_depths.read_depths(str(folder), values, layout, 2)
+    for name, expected in (
+        ("eh_proj.weight", "[64, 128]"),
+        ("enorm.weight", "[64]"),
+        ("shared_head.norm.weight", "[64]"),
+    ):
+        cut = {**layer, f"depths.1.{name}": layer[f"depths.1.{name}"][:-1]}
+        with pytest.raises(UserError) as err:
+            MTP.from_layer(MTP.Config(mtp_depths=2), model, str(folder), cut)
+        assert f"MTP depth 1 does not match the target ({at}{name} is [" in str(err.value)
+        assert str(err.value).endswith(f"the target's hidden size makes it {expected})") and "\n" not in str(err.value)
+    cut = {**layer, "depths.1.self_attn.q_a_proj.weight": layer["depths.1.self_attn.q_a_proj.weight"][:-1]}
+    with pytest.raises(
+        UserError, match=rf"MTP depth 1 \({at}\*\): .*\(self_attn.q_a_proj.weight is \[47, 64\], the lay"
+    ):
+        MTP.from_layer(MTP.Config(mtp_depths=2), model, str(folder), cut)
+    without = {n: t for n, t in layer.items() if n != "depths.1.shared_head.norm.weight"}
+    with pytest.raises(UserError, match=rf"MTP depth 1 lacks \['{at}shared_head.norm.weight'\]"):
+        MTP.from_layer(MTP.Config(mtp_depths=2), model, str(folder), without)
+
+
+def test_a_served_chain_longer_than_the_depths_is_one_line_before_anything_is_written(releases, tmp_path, capsys):
+    """vLLM runs a step i >= D by depth i % D, its entries written into that depth's KV cache, where draftsmith's eval
+    keeps a cache per step: the eval's chain, the export's γ and a sweep's γs above D = 2 are one line, exit 2, at the
+    recipe's check where the recipe names the depths, else from the checkpoint's config (Inkling's null count too, read
+    from its layer's config), before the eval runs or anything is written."""
+    folder, _, drafter = releases("deepseek_v3")
+    checkpoint = tmp_path / "checkpoint"
+    drafter.save_pretrained(checkpoint)
+    recipe = ["recipe=mtp", f"target.name_or_path={folder}", f"output_dir={tmp_path / 'run'}"]
+    train = run_entry_in_process(["train.py", *recipe, "drafter.mtp_depths=2"], capsys)
+    too_long = "eval.num_speculative_tokens=3 but a mtp drafter with this config proposes at most 2"
+    assert_one_line_error(train, 2, too_long)
+    served = ["drafter.mtp_depths=2", "eval.num_speculative_tokens=2", "export.num_speculative_tokens=3"]
+    export = run_entry_in_process(["-m", "export", *recipe, f"checkpoint={checkpoint}", *served], capsys)
+    assert_one_line_error(export, 2, "export.num_speculative_tokens=3 but this mtp drafter proposes at most 2")
+    out = f"export.output={tmp_path / 'export'}"  # a recipe naming no depths
+    export = run_entry_in_process(["-m", "export", *recipe, f"checkpoint={checkpoint}", out], capsys)
+    assert_one_line_error(export, 2, too_long)  # the export's recipe check reads the checkpoint's drafter section
+    gammas = ["eval.num_speculative_tokens=2", "export.sweep.gammas=[1,2,3]", "export.vllm_python=/bin/true"]
+    sweep = run_entry_in_process(["-m", "export.sweep", *recipe, f"checkpoint={checkpoint}", *gammas], capsys)
+    assert_one_line_error(sweep, 2, "export.sweep.gammas=[1, 2, 3] but the mtp drafter in")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "export").exists()
+    assert MTP.max_chain(MTP.Config()) is None and MTP.max_chain(MTP.Config(mtp_depths=1)) is None  # any length
+    inkling = {"architecture": "InklingForConditionalGeneration", "config": {"num_mtp_layers": 3}}
+    assert MTP.max_chain(MTP.Config(decoder=inkling)) == 3 == MTP.max_chain(MTP.Config(mtp_depths=3))

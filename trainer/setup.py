@@ -33,7 +33,7 @@ from draftsmith.heads import drafter_class
 from draftsmith.heads.base import saved_drafter
 from draftsmith.heads.packing import causal_lm_inputs, require_packed_attention
 from draftsmith.outputs import RECIPE_NAME
-from draftsmith.recipe import derived, require_draft_vocab_use, save_recipe
+from draftsmith.recipe import check_chain, derived, require_draft_vocab_use, save_recipe
 from draftsmith.recipe_checks import resolve_bool_or_path
 from draftsmith.recipe_schema import CHOICES
 from draftsmith.sharding import built_whole
@@ -124,6 +124,8 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     digests: dict[str, str] = {}
     train_data, vocab_data, heldout, prompt_count = load_data(cfg, accelerator, tokenizer, digests)
     drafter = build_drafter(cfg, target, accelerator.device)
+    if cfg.eval.enabled:  # the chain the eval stage asks, against the built drafter's (an MTP release's depth count)
+        check_chain(cfg, type(drafter), drafter.config)
     train_data, collate, target_features = training_inputs(cfg, tokenizer, target, drafter, train_data)
     # what the drafter fits to the data (EAGLE-3's draft vocabulary), on every rank
     drafter.prepare(train_data, vocab_from=vocab_data)
