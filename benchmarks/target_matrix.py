@@ -284,8 +284,8 @@ def released_apart(family: str) -> bool:
 
 def with_mtp_layer(target: Path) -> Path:
     """The target, given a random MTP layer where vLLM serves one for its architecture."""
-    from draftsmith.heads.mtp import write_random_layer
     from draftsmith.heads.mtp_layouts import LAYOUTS
+    from draftsmith.heads.mtp_random_layer import write_random_layer
 
     if json.loads((target / "config.json").read_text())["architectures"][0] in LAYOUTS:
         write_random_layer(target)

@@ -69,7 +69,7 @@ def main(shared: Path) -> None:
 
 
 def make_mtp_target(demo_target: Path, directory: Path) -> None:
-    from draftsmith.heads.mtp import write_random_layer
+    from draftsmith.heads.mtp_random_layer import write_random_layer
     from draftsmith.random_target import write_random_target
 
     shutil.rmtree(directory, ignore_errors=True)

@@ -27,9 +27,9 @@ from draftsmith.errors import UserError
 from draftsmith.formats import Source, exporter_for
 from draftsmith.formats.repo import TargetInfo, check_tensors
 from draftsmith.heads import drafter_class
-from draftsmith.heads.mtp import write_random_layer
 from draftsmith.heads.mtp_layer import read_layer, shipped_shapes
 from draftsmith.heads.mtp_layouts import LAYOUTS
+from draftsmith.heads.mtp_random_layer import write_random_layer
 from draftsmith.random_target import demo_tokenizer_dir, write_random_target
 from draftsmith.recipe import load_recipe
 from draftsmith.target import TargetShape, local_target_shape, run_target

@@ -19,7 +19,7 @@ from draftsmith.errors import UserError
 from draftsmith.formats import Source, exporter_for
 from draftsmith.formats.repo import TargetInfo, check_tensors
 from draftsmith.heads import drafter_class, mtp_depths
-from draftsmith.heads.mtp import write_random_layer
+from draftsmith.heads.mtp_random_layer import write_random_layer
 from draftsmith.heads.proposer import DraftState, DynamicTree
 from draftsmith.random_target import write_random_target
 from draftsmith.target import TargetShape, load_target, run_target
@@ -225,7 +225,7 @@ def test_an_inkling_release_with_two_depths_trains_resumes_exports_and_decodes_l
     the folder back, decodes losslessly (chains)."""
     folder = release_with_depths(tmp_path / "target", BLOCKS[name])
     two = "eval.num_speculative_tokens=2"  # chains of at most the 2 depths (mtp_depths.longest_chain)
-    vllm = resumed_and_exported(folder, tmp_path, small_data, token_cache, capsys, two)
+    vllm = resumed_and_exported(folder, tmp_path, small_data, token_cache, capsys, two, "eval.tree=0")
     config = json.loads((vllm / "config.json").read_text())
     assert config["mtp_config"]["num_nextn_predict_layers"] == 2 == config["text_config"]["num_mtp_layers"]
     shipped = load_file(str(folder / "model.safetensors"))

@@ -22,9 +22,9 @@ from draftsmith.eval.loop import generate
 from draftsmith.formats import Source, exporter_for
 from draftsmith.formats.repo import TargetInfo, check_tensors
 from draftsmith.heads import drafter_class, mtp_depths
-from draftsmith.heads.mtp import write_random_layer
 from draftsmith.heads.mtp_layer import read_layer
 from draftsmith.heads.mtp_layouts import layout_of
+from draftsmith.heads.mtp_random_layer import write_random_layer
 from draftsmith.heads.proposer import DraftState
 from draftsmith.random_target import write_random_target
 from draftsmith.recipe import load_recipe
@@ -197,7 +197,11 @@ def test_a_deepseek_v3_release_with_two_depths_trains_resumes_exports_and_decode
     folder = release_with_depths(tmp_path / "target", "deepseek_v3")
     run = tmp_path / "run"
     # chains of at most 2: a step i >= 2 shares depth i % 2's cache in vLLM (mtp_depths.longest_chain)
-    args = [*mtp_args(folder, run, small_data, token_cache, save_every=1), "eval.num_speculative_tokens=2"]
+    args = [
+        *mtp_args(folder, run, small_data, token_cache, save_every=1),
+        "eval.num_speculative_tokens=2",
+        "eval.tree=0",
+    ]
     args.append("drafter.mtp_depths=2")
     too_many = run_entry_in_process(["train.py", *args[:-1], "drafter.mtp_depths=3"], capsys)
     assert_one_line_error(too_many, 2, "drafter.mtp_depths=3: the target ships 2 MTP depths")
@@ -262,16 +266,20 @@ def test_a_later_depths_tensor_of_another_shape_or_missing_is_one_line_naming_it
 
 def test_a_served_chain_longer_than_the_depths_is_one_line_before_anything_is_written(releases, tmp_path, capsys):
     """vLLM runs a step i >= D by depth i % D, its entries written into that depth's KV cache, where draftsmith's eval
-    keeps a cache per step: the eval's chain, the export's γ and a sweep's γs above D = 2 are one line, exit 2, at the
+    keeps a cache per step: the eval's chain, the export's γ and a sweep's γs above D = 2, and a tree (the depths
+    propose chains), are one line, exit 2, at the
     recipe's check where the recipe names the depths, else from the checkpoint's config (Inkling's null count too, read
     from its layer's config), before the eval runs or anything is written."""
     folder, _, drafter = releases("deepseek_v3")
     checkpoint = tmp_path / "checkpoint"
     drafter.save_pretrained(checkpoint)
-    recipe = ["recipe=mtp", f"target.name_or_path={folder}", f"output_dir={tmp_path / 'run'}"]
+    recipe = ["recipe=mtp", f"target.name_or_path={folder}", f"output_dir={tmp_path / 'run'}", "eval.tree=0"]
     train = run_entry_in_process(["train.py", *recipe, "drafter.mtp_depths=2"], capsys)
     too_long = "eval.num_speculative_tokens=3 but a mtp drafter with this config proposes at most 2"
     assert_one_line_error(train, 2, too_long)
+    tree = run_entry_in_process(["train.py", *recipe, "drafter.mtp_depths=2", "eval.num_speculative_tokens=2",
+                                 "eval.tree=8"], capsys)  # fmt: skip
+    assert_one_line_error(tree, 2, "eval.tree=8 but this mtp drafter, as configured, proposes chains only")
     served = ["drafter.mtp_depths=2", "eval.num_speculative_tokens=2", "export.num_speculative_tokens=3"]
     export = run_entry_in_process(["-m", "export", *recipe, f"checkpoint={checkpoint}", *served], capsys)
     assert_one_line_error(export, 2, "export.num_speculative_tokens=3 but this mtp drafter proposes at most 2")
@@ -283,5 +291,6 @@ def test_a_served_chain_longer_than_the_depths_is_one_line_before_anything_is_wr
     assert_one_line_error(sweep, 2, "export.sweep.gammas=[1, 2, 3] but the mtp drafter in")
     assert not (tmp_path / "run").exists() and not (tmp_path / "export").exists()
     assert MTP.max_chain(MTP.Config()) is None and MTP.max_chain(MTP.Config(mtp_depths=1)) is None  # any length
+    assert MTP.proposes_trees(MTP.Config()) and not MTP.proposes_trees(MTP.Config(mtp_depths=2))  # a tree, or chains
     inkling = {"architecture": "InklingForConditionalGeneration", "config": {"num_mtp_layers": 3}}
     assert MTP.max_chain(MTP.Config(decoder=inkling)) == 3 == MTP.max_chain(MTP.Config(mtp_depths=3))

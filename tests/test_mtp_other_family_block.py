@@ -25,9 +25,9 @@ from transformers import AutoModelForCausalLM
 from draftsmith.formats import Source, exporter_for
 from draftsmith.formats.repo import TargetInfo, check_tensors
 from draftsmith.heads import drafter_class
-from draftsmith.heads.mtp import write_random_layer
 from draftsmith.heads.mtp_layer import read_layer, shipped_shapes
 from draftsmith.heads.mtp_layouts import LAYOUTS
+from draftsmith.heads.mtp_random_layer import write_random_layer
 from draftsmith.random_target import demo_tokenizer_dir, write_random_target
 from draftsmith.target import TargetShape, run_target
 from tests.test_mtp import neox_rope, rms, trains_ahead_and_decodes_losslessly

@@ -17,7 +17,7 @@ import json
 import pytest
 
 from draftsmith.engines import torchvision_loads
-from draftsmith.heads.mtp import write_random_layer
+from draftsmith.heads.mtp_random_layer import write_random_layer
 from draftsmith.random_target import demo_tokenizer_dir
 from draftsmith.recipe import load_recipe
 from tests.helpers import FAMILY_TRAINING, benchmark_module, train_and_export_for_vllm, train_in_process
