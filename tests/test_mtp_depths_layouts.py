@@ -1,8 +1,9 @@
 """`drafter.mtp_depths`: several MTP depths of a layout whose vLLM 0.32 model runs depth `spec_step_idx % count` at
 draft step i (`Layout.step_depths`), as model runner V2's MultiModuleMTPSpeculator serves them (heads/mtp_depths.py):
 DeepSeek-V3's layers N and N + 1 (each its own wrapper, its own final norm read back and by the logits), GLM-4.5's (fed
-back unnormed, the logits through depth i's norm) and Qwen3-Next's blocks `mtp.layers.{j}.` under one shared wrapper.
-The formulas are written from vLLM's source (models/deepseek_mtp.py, glm4_moe_mtp.py, qwen3_next_mtp.py and
+back unnormed, the logits through depth i's norm), HY-V3's (DeepSeek-V3's, its `final_layernorm` after the block) and
+Qwen3-Next's blocks `mtp.layers.{j}.` under one shared wrapper. The formulas are written from vLLM's source
+(models/deepseek_mtp.py, glm4_moe_mtp.py, hy_v3_mtp.py, qwen3_next_mtp.py and
 v1/worker/gpu/spec_decode/multi_module_mtp/speculator.py): step i runs depth i over the whole draft query, fed the
 previous step's outputs at the same positions and the tokens one further ahead. vLLM's CPU build (V1 runner: depth 0
 at every step) is refused for such an export; a layout whose vLLM model ignores the step, and more depths than the
@@ -36,7 +37,7 @@ from tests.test_mtp_depths import scored_outputs, token_run
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 MTP = drafter_class("mtp")
-FAMILIES = ("deepseek_v3", "glm4_moe", "qwen3_next")
+FAMILIES = ("deepseek_v3", "glm4_moe", "hy_v3", "qwen3_next")
 TWO = {"num_nextn_predict_layers": 2}
 
 
@@ -81,10 +82,11 @@ def vllm_depth(release: dict, config: dict, family: str, depth: int, drafter, hi
         names = [f"mtp.{name}.weight" for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm")]
     else:  # layer N + j, each its own wrapper
         at = f"model.layers.{config['num_hidden_layers'] + depth}."
-        names = [f"{at}{name}.weight" for name in ("enorm", "hnorm", "eh_proj", "shared_head.norm")]
+        final = "final_layernorm" if family == "hy_v3" else "shared_head.norm"  # HY-V3's after its block
+        names = [f"{at}{name}.weight" for name in ("enorm", "hnorm", "eh_proj", final)]
     enorm, hnorm, proj, norm = (release[name] for name in names)
     embedded = embedding[tokens].clone()
-    if not qwen:  # DeepSeek's and GLM's mask position 0
+    if not qwen:  # DeepSeek's, GLM's and HY-V3's mask position 0
         embedded[0] = 0
     hidden = torch.cat([rms(embedded, enorm, eps, qwen), rms(hidden, hnorm, eps, qwen)], -1) @ proj.T
     block = mtp_depths.part(drafter, depth).block
