@@ -159,6 +159,21 @@ def dflash_block_for_vllm(drafter, target, ids: torch.Tensor, anchor: int, path:
     return ours
 
 
+def block_computed_in_vllm(vllm_python: str, script: str, drafter, target, ids, anchor: int, folder, target_dir,
+                           tmp_path: Path) -> dict:  # fmt: skip
+    """`script` (a tests/vllm_dflash_side.py user) run in vLLM on the exported `folder` and its target at `target_dir`
+    computes the drafter's block outputs for the block anchored at `anchor` of `ids` (`dflash_block_for_vllm`), equal
+    to draftsmith's to 1e-4; what the script said of vLLM's model (its last output line)."""
+    from safetensors.torch import load_file
+
+    inputs = tmp_path / "inputs.safetensors"
+    ours = dflash_block_for_vllm(drafter, target, ids, anchor, inputs)
+    done = run_in_vllm(vllm_python, script, tmp_path, folder, target_dir, inputs)
+    assert done.returncode == 0, done.stderr[-3000:]
+    torch.testing.assert_close(load_file(f"{inputs}.vllm")["outputs"], ours, rtol=1e-4, atol=1e-4)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def trains_one_step(drafter, model, ids: torch.Tensor) -> None:
     """One SGD step of the drafter's loss on `ids` (every token loss-bearing, the host fields the trainer adds,
     heads/base.py) against `model`'s features changes its trainable weights."""

@@ -16,6 +16,7 @@ and trained on the demo's answers its Medusa heads and draft model were hardly e
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -54,13 +55,11 @@ EXTRA = {  # (family, case) -> its own last overrides
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory, token_cache):
     """family -> its tiny target and the target's own answers, built once."""
-    built = {}
 
+    @functools.cache
     def build(family: str):
-        if family not in built:
-            # 128 answers: the parallel drafters' later guesses need more distinct text than 24 steps read
-            built[family] = family_target(family, tmp_path_factory.mktemp(family), token_cache, answers=128)
-        return built[family]
+        # 128 answers: the parallel drafters' later guesses need more distinct text than 24 steps read
+        return family_target(family, tmp_path_factory.mktemp(family), token_cache, answers=128)
 
     return build
 

@@ -21,6 +21,7 @@ serving the export: tests/test_mtp_vllm.py.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import shutil
@@ -73,23 +74,21 @@ MTP = drafter_class("mtp")
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory):
     """family -> (folder, model) of a tiny target with a random MTP layer, built once."""
-    built = {}
 
+    @functools.cache
     def build(family: str):
-        if family not in built:
-            model_type, local = family.removesuffix(LOCAL), family.endswith(LOCAL)
-            released = model_type in (*RELEASED, CONVOLVED)
-            folder = write_random_target(model_type, tmp_path_factory.mktemp(family), released=released, **SHAPE)
-            if local:  # the release's depth 0 attends in a sliding window (its mtp_config's local_layer_ids)
-                config = json.loads((folder / "config.json").read_text())
-                (folder / "config.json").write_text(json.dumps({**config, "mtp_config": {"local_layer_ids": [0]}}))
-            write_random_layer(folder)
-            if model_type in (*WRAPPED, *RELEASED, CONVOLVED):
-                model = load_target(str(folder))
-            else:
-                model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().requires_grad_(False)
-            built[family] = folder, model
-        return built[family]
+        model_type, local = family.removesuffix(LOCAL), family.endswith(LOCAL)
+        released = model_type in (*RELEASED, CONVOLVED)
+        folder = write_random_target(model_type, tmp_path_factory.mktemp(family), released=released, **SHAPE)
+        if local:  # the release's depth 0 attends in a sliding window (its mtp_config's local_layer_ids)
+            config = json.loads((folder / "config.json").read_text())
+            (folder / "config.json").write_text(json.dumps({**config, "mtp_config": {"local_layer_ids": [0]}}))
+        write_random_layer(folder)
+        if model_type in (*WRAPPED, *RELEASED, CONVOLVED):
+            model = load_target(str(folder))
+        else:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().requires_grad_(False)
+        return folder, model
 
     return build
 

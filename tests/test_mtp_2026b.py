@@ -13,6 +13,7 @@ family's layer: tests/test_mtp_other_family_block.py).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import shutil
@@ -102,14 +103,12 @@ def release_target(model_type: str, directory: Path, **settings) -> Path:
 def released(tmp_path_factory):
     """model type -> (folder, model, config.json) of a tiny release (`release_target`, its sliding windows 48
     positions, which short sequences cross), built once."""
-    built = {}
 
+    @functools.cache
     def build(model_type: str):
-        if model_type not in built:
-            folder = release_target(model_type, tmp_path_factory.mktemp(model_type))
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().requires_grad_(False)
-            built[model_type] = folder, model, json.loads((folder / "config.json").read_text())
-        return built[model_type]
+        folder = release_target(model_type, tmp_path_factory.mktemp(model_type))
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().requires_grad_(False)
+        return folder, model, json.loads((folder / "config.json").read_text())
 
     return build
 

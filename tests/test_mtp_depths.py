@@ -8,6 +8,7 @@ single-depth one is."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -54,14 +55,12 @@ def release_with_depths(directory: Path, block: dict) -> Path:
 @pytest.fixture(scope="module")
 def releases(tmp_path_factory):
     """name -> (folder, model, drafter) of a tiny Inkling release with the BLOCKS entry's depths, built once."""
-    built = {}
 
+    @functools.cache
     def build(name: str):
-        if name not in built:
-            folder = release_with_depths(tmp_path_factory.mktemp(name), BLOCKS[name])
-            model = load_target(str(folder))
-            built[name] = folder, model, MTP.from_target(MTP.Config(), model, str(folder)).eval()
-        return built[name]
+        folder = release_with_depths(tmp_path_factory.mktemp(name), BLOCKS[name])
+        model = load_target(str(folder))
+        return folder, model, MTP.from_target(MTP.Config(), model, str(folder)).eval()
 
     return build
 

@@ -11,6 +11,7 @@ release ships, are refused at the recipe's check."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -60,14 +61,12 @@ def release_with_depths(directory: Path, family: str, block: dict = TWO) -> Path
 @pytest.fixture(scope="module")
 def releases(tmp_path_factory):
     """family -> (folder, model, drafter with 2 depths) of a tiny release shipping 2 MTP layers, built once."""
-    built = {}
 
+    @functools.cache
     def build(family: str):
-        if family not in built:
-            folder = release_with_depths(tmp_path_factory.mktemp(family), family)
-            model = load_target(str(folder))
-            built[family] = folder, model, MTP.from_target(MTP.Config(mtp_depths=2), model, str(folder)).eval()
-        return built[family]
+        folder = release_with_depths(tmp_path_factory.mktemp(family), family)
+        model = load_target(str(folder))
+        return folder, model, MTP.from_target(MTP.Config(mtp_depths=2), model, str(folder)).eval()
 
     return build
 

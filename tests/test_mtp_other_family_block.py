@@ -12,6 +12,7 @@ family's layer, one draft step computes vLLM's formula written here from its sou
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 from pathlib import Path
@@ -68,14 +69,12 @@ def release_target(model_type: str, directory: Path, **settings) -> Path:
 @pytest.fixture(scope="module")
 def released(tmp_path_factory):
     """model type -> (folder, model, config.json) of a tiny release, built once."""
-    built = {}
 
+    @functools.cache
     def build(model_type: str):
-        if model_type not in built:
-            folder = release_target(model_type, tmp_path_factory.mktemp(model_type))
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().requires_grad_(False)
-            built[model_type] = folder, model, json.loads((folder / "config.json").read_text())
-        return built[model_type]
+        folder = release_target(model_type, tmp_path_factory.mktemp(model_type))
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().requires_grad_(False)
+        return folder, model, json.loads((folder / "config.json").read_text())
 
     return build
 

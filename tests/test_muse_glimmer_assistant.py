@@ -34,10 +34,9 @@ from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target, run_target
 from tests.helpers import (
     assert_one_line_error,
-    dflash_block_for_vllm,
+    block_computed_in_vllm,
     first_records,
     run_entry_in_process,
-    run_in_vllm,
     stand_in_vllm,
     trains_then_resumes_alike,
 )
@@ -342,18 +341,15 @@ def test_vllms_own_code_takes_the_exported_assistant_and_computes_the_drafters_b
     out = tmp_path / "export" / "vllm"
     anchor = 16
     ids = torch.randint(3, 4000, (1, 24), generator=torch.Generator().manual_seed(3))
-    inputs = tmp_path / "inputs.safetensors"
-    ours = dflash_block_for_vllm(drafter.eval(), target, ids, anchor, inputs)
-    done = run_in_vllm(vllm_python, VLLM_SCRIPT, tmp_path, out, stand_in, inputs)
-    assert done.returncode == 0, done.stderr[-3000:]
-    said = json.loads(done.stdout.strip().splitlines()[-1])
+    said = block_computed_in_vllm(
+        vllm_python, VLLM_SCRIPT, drafter.eval(), target, ids, anchor, out, stand_in, tmp_path
+    )
     # vLLM names a DFlash draft's architecture DFlash<its own> (registry.py), which it maps to qwen3_dflash
     assert said["method"] == "dflash" and said["architectures"] == ["DFlashMuseGlimmerAssistantModel"], said
     assert said["num_speculative_tokens"] == 7, said
     assert said["windows"] == [WINDOW, WINDOW] and said["causal"] == [False, False], said
     assert said["aux_layers"] == [1, 2, 3] and said["mask"] == 5 and said["captured"] == 2, said
     assert said["taken"] and all(said["taken"].values()), said["taken"]
-    torch.testing.assert_close(load_file(f"{inputs}.vllm")["outputs"], ours, rtol=1e-4, atol=1e-4)
 
 
 def test_a_dflash_draft_model_folder_with_sliding_layers_reads_and_exports_its_windows(release, tmp_path, capsys):

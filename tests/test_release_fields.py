@@ -5,6 +5,7 @@ transformers builds, and none written for a family whose engines read the name o
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -24,14 +25,12 @@ PER_LAYER_FORM = {"hybrid_layer_pattern", "moe_layer_freq", "swa_num_attention_h
 def written(tmp_path_factory):
     """model type -> (config.json, the causal LM transformers builds from the folder) of a tiny target at the
     matrix's shape (head_dim 64), written once."""
-    built = {}
 
+    @functools.cache
     def write(model_type: str):
-        if model_type not in built:
-            folder = write_random_target(model_type, tmp_path_factory.mktemp(model_type))
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-            built[model_type] = json.loads((folder / "config.json").read_text()), model
-        return built[model_type]
+        folder = write_random_target(model_type, tmp_path_factory.mktemp(model_type))
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        return json.loads((folder / "config.json").read_text()), model
 
     return write
 
