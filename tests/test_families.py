@@ -55,7 +55,7 @@ FAMILIES = (
     "glm4", "cohere", "granite", "qwen3_next", "qwen3_5_text", "deepseek_v3", "glm4_moe", "glm4_moe_lite",
     "minimax_m2", "gemma4_text", "deepseek_v32", "deepseek_v4", "glm_moe_dsa", "glm5_next", "qwen4_exp", "hy_v4",
     "minimax_m3_vl", "dots3_note", "inkling_text", "gemma4_unified_text", "muse_glimmer", "muse_spark", "mistral4",
-    "bailing_hybrid", "kimi_linear",
+    "bailing_hybrid", "kimi_linear", "glmga",
 )  # fmt: skip
 # experts; scaled embedding and (1+w) norms; fused projections; sinks, a hybrid window and experts; LayerNorm with a
 # parallel block; linear attention; latent attention with grouped, bias-corrected routing
@@ -63,6 +63,9 @@ QUIRKS = ("qwen3_moe", "gemma3_text", "phi3", "gpt_oss", "cohere", "qwen3_next",
 # the fast tier runs the per-family tests on Llama and the quirks' families; the others in the slow tier
 TIERED = fast_tier(list(FAMILIES), lambda family: family == "llama" or family in QUIRKS)
 VOCAB, WINDOW = 256, 12  # a window far shorter than the sequences below
+# GLM-GA's rotary embedding splits a head's frequencies in the sections its rope parameters give, else in those of a
+# 64-wide head ([8, 12, 12]): a 16-wide head's in the same shares
+ROPE_SECTIONS = {"glmga": [2, 3, 3]}
 
 
 def tiny(model_type: str, attn: str | None = None):
@@ -75,6 +78,8 @@ def tiny(model_type: str, attn: str | None = None):
         model_type, VOCAB, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}, sliding_window=WINDOW,
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16,
     )  # fmt: skip
+    if model_type in ROPE_SECTIONS:
+        config.rope_parameters = {**config.rope_parameters, "mrope_section": ROPE_SECTIONS[model_type]}
     kinds = set(getattr(config, "layer_types", None) or ())
     if LINEAR in kinds:  # the family's attention kind: that of its 4-layer default's last layer
         attention = layer_types(build_config(model_type, VOCAB, {"eos_token_id": 2}))[-1]
@@ -188,10 +193,11 @@ def assert_eagle3_trains_resumes_and_decodes(name: str, model, layer_family: str
         losses = []
         for _ in range(count):
             loss_sum, tokens, _ = drafter.loss(batch, target_out)
-            (loss_sum / tokens).backward()
+            loss = loss_sum / tokens
+            loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-            losses.append(float(loss_sum / tokens))
+            losses.append(loss.item())
         return losses
 
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
