@@ -154,11 +154,12 @@ class Mtp(EagleBase):
             self.own_embed = nn.Embedding(target.vocab_size, hidden).requires_grad_(False)
         self.block = self.build_block(import_qualified(spec["layer"]))
         mtp_depths.build(self, norm, eps)  # a layout's later depths, one per draft step
-        indexer = getattr(getattr(self.block, "self_attn", None), "indexer", None)
-        if indexer is not None:
-            # V3.2's sparse-attention indexer stays as shipped: transformers runs it without gradients (DeepSeek
-            # trains it apart, on its own loss), and a parameter no loss reaches would stall DDP's reduction
-            indexer.requires_grad_(False)
+        for block in (self.block, *(depth.block for depth in getattr(self, "depths", ()))):
+            indexer = getattr(getattr(block, "self_attn", None), "indexer", None)
+            if indexer is not None:
+                # V3.2's sparse-attention indexer stays as shipped: transformers runs it without gradients (DeepSeek
+                # trains it apart, on its own loss), and a parameter no loss reaches would stall DDP's reduction
+                indexer.requires_grad_(False)
 
     def build_block(self, layer_class, config=None) -> nn.Module:  # `config`: a later depth's (heads/mtp_depths.py)
         if self.layout.stacked:

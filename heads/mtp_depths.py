@@ -1,6 +1,8 @@
 """Several MTP depths, one per draft step, as vLLM 0.32 serves them: Inkling's release count (`mtp_config`, with a
 chain norm or none, `chain_hidden_post_norm`) or `drafter.mtp_depths` of a layout whose vLLM model reads the step
-(`Layout.step_depths`: DeepSeek-V3's, GLM-4.5's and HY-V3's layers N + j, Qwen3-Next's blocks `mtp.layers.{j}.`).
+(`Layout.step_depths`: DeepSeek-V3's, V3.2's, GLM-4.5's, GLM-5's and HY-V3's layers N + j, Qwen3-Next's blocks
+`mtp.layers.{j}.`). V3.2's and GLM-5's depths are sparse-attention layers: each its own indexer, and each step's cache
+its indexer's keys beside its keys, cut with them (`cut`), as vLLM builds each depth's indexer key cache.
 
 Those models run depth `spec_step_idx % count` at draft step i (InklingMTP builds min(depths, num_speculative_tokens));
 vLLM's model runner V2 (the default where Triton is) hands them step i through MultiModuleMTPSpeculator

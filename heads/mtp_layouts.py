@@ -41,12 +41,17 @@ LAYOUTS = {
         "deepseek_mtp", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, True, step_depths=True
     ),
     # vLLM's DeepseekV32MTP (models/deepseek_v32/): DeepSeek-V3's layer and names, its block V3.2's sparse-attention
-    # layer, whose indexer keys the drafter's cache keeps beside its keys (mtp_layer.layer_config)
-    "DeepseekV32ForCausalLM": Layout("DeepseekV32MTP", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, True),
+    # layer, whose indexer keys the drafter's cache keeps beside its keys (mtp_layer.layer_config); depth j is layer
+    # N + j, its own block, indexer and caches (vLLM's `{prefix}.self_attn.indexer.k_cache`), run at draft step j
+    "DeepseekV32ForCausalLM": Layout(
+        "DeepseekV32MTP", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, True, step_depths=True
+    ),
     # GLM-5 (glm_moe_dsa) is V3.2's sparse-attention architecture: vLLM's speculative config maps it to
     # deepseek_mtp and builds the same DeepseekV32MTP, so its layer is stored, masked and fed back as V3.2's
     # (normed, unlike GLM-4.5's glm4_moe_mtp)
-    "GlmMoeDsaForCausalLM": Layout("DeepseekV32MTP", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, True),
+    "GlmMoeDsaForCausalLM": Layout(
+        "DeepseekV32MTP", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, True, step_depths=True
+    ),
     "Glm4MoeForCausalLM": Layout(
         "glm4_moe_mtp", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, False, step_depths=True
     ),

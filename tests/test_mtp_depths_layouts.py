@@ -42,10 +42,10 @@ FAMILIES = ("deepseek_v3", "glm4_moe", "hy_v3", "qwen3_next")
 TWO = {"num_nextn_predict_layers": 2}
 
 
-def release_with_depths(directory: Path, family: str, block: dict = TWO) -> Path:
+def release_with_depths(directory: Path, family: str, block: dict = TWO, **shape) -> Path:
     """A tiny `family` release shipping the MTP layers `block` counts, their norms trained-like (a random layer's are
-    the family's ones: a depth reading another's norm would go unseen)."""
-    folder = write_random_target(family, directory, **SHAPE)
+    the family's ones: a depth reading another's norm would go unseen); `shape`: config fields over SHAPE."""
+    folder = write_random_target(family, directory, **(SHAPE | shape))
     write_random_layer(folder, block=block)
     weights = folder / "model.safetensors"
     release, draw = load_file(str(weights)), torch.Generator().manual_seed(2)
@@ -92,7 +92,8 @@ def vllm_depth(release: dict, config: dict, family: str, depth: int, drafter, hi
     positions = torch.arange(width)[None]
     causal = torch.ones(width, width, dtype=torch.bool).tril()[None, None]
     pre = block(hidden[None], attention_mask=causal, position_ids=positions,
-                position_embeddings=drafter.rotary_emb(hidden[None], positions))[0]  # fmt: skip
+                position_embeddings=drafter.rotary_emb(hidden[None], positions))  # fmt: skip
+    pre = (pre[0] if isinstance(pre, tuple) else pre)[0]  # GLM-5's layer returns its top-k selection beside
     normed = rms(pre, norm, eps, qwen)
     return (pre if family == "glm4_moe" else normed), normed
 
