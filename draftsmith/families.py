@@ -141,6 +141,22 @@ def sliding_window(config: Any) -> Optional[int]:
     return int(_get(config, "sliding_window")) if SLIDING in layer_types(config) else None
 
 
+# The release field stating how many keys (the query's own included) vLLM's sliding-window layers attend. A
+# transformers class reading it as its `sliding_window` agrees (Inkling's, Dots3-Note's); one deriving another count
+# from it (MiMo-V2's one more, after SGLang's reference, its comment says) runs another target than vLLM serves.
+SERVED_WINDOW_FIELD = "sliding_window_size"
+
+
+def served_window(config: Any) -> Optional[int]:
+    """The window vLLM's sliding-window layers attend where the release states it (SERVED_WINDOW_FIELD) and
+    transformers' `sliding_window` says another; None where they agree or no layer slides."""
+    text = text_config(config)
+    stated, ours = _get(text, SERVED_WINDOW_FIELD), _get(text, "sliding_window")
+    if not isinstance(stated, int) or not isinstance(ours, int) or stated == ours:
+        return None
+    return stated if SLIDING in layer_types(text) else None
+
+
 def within_window(query_positions, key_positions, window: int):
     """Whether a key is inside a query's sliding window of `window` positions (its own included), as
     vLLM's and transformers' sliding-window attention count it: key position > query position - window.

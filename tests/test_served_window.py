@@ -1,0 +1,67 @@
+"""The target draftsmith runs is the target vLLM serves: where a release states its sliding window in a field of its
+own (`sliding_window_size`) and transformers' class derives another `sliding_window` from it (MiMo-V2-Flash's one
+key more), draftsmith's target attends the release's count, as vLLM 0.32's layers do, and the release's config.json
+stays as written (docs/targets.md, MiMo-V2-Flash)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from draftsmith.families import served_window
+from draftsmith.random_target import write_random_target
+from draftsmith.target import load_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+WINDOW = 8  # the keys vLLM attends: shorter than the prompt below, so every sliding layer cuts keys off
+SHAPE = {"hidden_size": 64, "intermediate_size": 128, "head_dim": 32, "v_head_dim": 32}
+
+
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_a_mimo_v2_flash_target_attends_the_releases_sliding_window_size_keys(tmp_path, caplog):
+    """The loaded target's logits over 24 positions equal transformers' model built with a window of exactly
+    `sliding_window_size` keys and differ from transformers' own reading (one key more), past the window only; the
+    load says so in one line."""
+    folder = write_random_target("mimo_v2_flash", tmp_path / "target", sliding_window=WINDOW + 1, **SHAPE)
+    written = (folder / "config.json").read_text()
+    release = json.loads(written)
+    assert release["sliding_window_size"] == WINDOW and "sliding_attention" in release["layer_types"]
+    with caplog.at_level(logging.INFO, logger="draftsmith.target"):
+        model = load_target(str(folder))
+    said = [record.getMessage() for record in caplog.records if "as vLLM serves it" in record.getMessage()]
+    assert len(said) == 1 and f"sliding_window_size={WINDOW} keys" in said[0], said
+    assert model.config.sliding_window == WINDOW
+    ids = torch.randint(3, 4000, (1, 24), generator=torch.Generator().manual_seed(0))
+    served = AutoConfig.from_pretrained(folder)
+    assert served.sliding_window == WINDOW + 1  # transformers' own reading
+    served.sliding_window = WINDOW
+    reference = AutoModelForCausalLM.from_pretrained(folder, config=served, dtype=torch.float32).eval()
+    wider = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ours, ref, more = logits(model, ids), logits(reference, ids), logits(wider, ids)
+    assert torch.equal(ours, ref)
+    assert torch.equal(ours[:, :WINDOW], more[:, :WINDOW])  # within the window the two agree
+    assert (ours[0, WINDOW:] - more[0, WINDOW:]).abs().amax(-1).min() > 1e-4  # past it, every position differs
+    assert (folder / "config.json").read_text() == written  # the release as written: vLLM reads its window there
+
+
+@pytest.mark.parametrize(
+    "fields, window",
+    [
+        ({"sliding_window": 9, "sliding_window_size": 8}, 8),  # a class deriving one key more (MiMo-V2's)
+        ({"sliding_window": 8, "sliding_window_size": 8}, None),  # a class reading it as its window (Inkling's)
+        ({"sliding_window": 9}, None),  # no release field: transformers' window is vLLM's
+        ({"sliding_window": 9, "sliding_window_size": 8, "layer_types": ["full_attention"] * 2}, None),  # none slides
+    ],
+)
+def test_the_served_window_is_the_releases_field_where_transformers_reads_another(fields, window):
+    config = {"num_hidden_layers": 2, "layer_types": ["full_attention", "sliding_attention"], **fields}
+    assert served_window(config) == window
