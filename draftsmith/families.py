@@ -157,6 +157,16 @@ def served_window(config: Any) -> Optional[int]:
     return stated if SLIDING in layer_types(text) else None
 
 
+def serve_window(config: Any) -> Optional[int]:
+    """Sets a config built by transformers' class to attend the window vLLM serves (`served_window`), in place: the
+    target's as draftsmith loads it, and a draft model's each time its class builds its config from a dict (which
+    derives transformers' window again). Returns that window, None where nothing changed."""
+    window = served_window(config)
+    if window is not None:
+        text_config(config).sliding_window = window
+    return window
+
+
 def within_window(query_positions, key_positions, window: int):
     """Whether a key is inside a query's sliding window of `window` positions (its own included), as
     vLLM's and transformers' sliding-window attention count it: key position > query position - window.

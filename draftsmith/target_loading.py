@@ -17,7 +17,7 @@ from draftsmith.causal_lm import (
     wraps_a_text_model,
 )
 from draftsmith.errors import UserError
-from draftsmith.families import SERVED_WINDOW_FIELD, served_window, text_config
+from draftsmith.families import SERVED_WINDOW_FIELD, serve_window, text_config
 from draftsmith.model_files import read_pretrained
 
 log = logging.getLogger("draftsmith.target")
@@ -38,14 +38,12 @@ def load_config(section, say: bool = False):
         revision=section.revision,
         trust_remote_code=section.trust_remote_code,
     )
-    window = served_window(config)
-    if window is not None:
-        text = text_config(config)
+    theirs = getattr(text_config(config), "sliding_window", None)
+    if (window := serve_window(config)) is not None:
         (log.info if say else log.debug)(
             "target %s: its sliding-window layers attend %s=%d keys, as vLLM serves it (transformers' class "
-            "reads sliding_window=%d from it)", section.name_or_path, SERVED_WINDOW_FIELD, window, text.sliding_window,
+            "reads sliding_window=%d from it)", section.name_or_path, SERVED_WINDOW_FIELD, window, theirs,
         )  # fmt: skip
-        text.sliding_window = window
     return config
 
 

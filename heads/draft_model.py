@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from draftsmith.causal_lm import may_be_a_causal_lm, no_causal_lm, register_misfiled_causal_lms
 from draftsmith.errors import UserError
-from draftsmith.families import ATTENTION_KINDS, COMPRESSED, layer_types
+from draftsmith.families import ATTENTION_KINDS, COMPRESSED, layer_types, serve_window
 from draftsmith.heads import register
 from draftsmith.heads.base import Drafter, per_sample_stats
 from draftsmith.heads.distill import KINDS, distill_loss, divergences, loss_terms
@@ -93,9 +93,9 @@ class DraftModel(Drafter):
 
             settings = dict(config.model_config)
             register_misfiled_causal_lms()
-            model = AutoModelForCausalLM.from_config(
-                AutoConfig.for_model(settings.pop("model_type"), **settings), dtype=torch.float32
-            )
+            built = AutoConfig.for_model(settings.pop("model_type"), **settings)
+            serve_window(built)
+            model = AutoModelForCausalLM.from_config(built, dtype=torch.float32)
         self.model = model
         self.packing_checked = False  # see loss
 
@@ -253,17 +253,17 @@ def untied(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def load_draft(name_or_path: str, target: TargetShape):
     """An existing HF causal LM as the draft; it must score the target's vocabulary."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     register_misfiled_causal_lms()
     # the Hub handling (cache alone while out of reach, one line) and safetensors alone, as for the target
+    refused = f"cannot load draft model {name_or_path!r}"
+    built = read_pretrained(AutoConfig.from_pretrained, name_or_path, refused)
+    serve_window(built)
     model = read_pretrained(
-        AutoModelForCausalLM.from_pretrained,
-        name_or_path,
-        f"cannot load draft model {name_or_path!r}",
-        dtype=torch.float32,
+        AutoModelForCausalLM.from_pretrained, name_or_path, refused, config=built, dtype=torch.float32,
         use_safetensors=True,
-    )
+    )  # fmt: skip
     vocab = int(model.get_output_embeddings().weight.shape[0])
     if vocab != target.vocab_size:
         raise UserError(
@@ -341,7 +341,9 @@ def first_layers_config(target_config, num_layers: int):
     if values.get("per_layer_config"):
         kept = {layer: sizes for layer, sizes in values["per_layer_config"].items() if int(layer) < num_layers}
         values["per_layer_config"] = kept or None
-    return type(target_config).from_dict(values)
+    config = type(target_config).from_dict(values)
+    serve_window(config)
+    return config
 
 
 def first_layers_of(name: str, tensor: torch.Tensor, shape: torch.Size, layers: int, kept: int) -> torch.Tensor:

@@ -65,3 +65,21 @@ def test_a_mimo_v2_flash_target_attends_the_releases_sliding_window_size_keys(tm
 def test_the_served_window_is_the_releases_field_where_transformers_reads_another(fields, window):
     config = {"num_hidden_layers": 2, "layer_types": ["full_attention", "sliding_attention"], **fields}
     assert served_window(config) == window
+
+
+def test_a_draft_model_of_a_mimo_v2_flash_targets_layers_attends_the_served_window_built_and_reloaded(tmp_path):
+    """A draft of the target's first layers, and a small model of the family named as the draft, attend the
+    release's `sliding_window_size` keys as vLLM serves a draft model, when built and when reloaded from its
+    checkpoint: the config's class, rebuilding from a dict, would derive one key more each time."""
+    from draftsmith.heads import drafter_class
+    from draftsmith.heads.base import load_drafter
+
+    folder = write_random_target("mimo_v2_flash", tmp_path / "target", sliding_window=WINDOW + 1, **SHAPE)
+    target = load_target(str(folder))
+    cls = drafter_class("draft_model")
+    for config in (cls.Config(num_layers=2), cls.Config(name_or_path=str(folder))):  # layers 0 (full) and 1 (sliding)
+        drafter = cls.from_target(config, target, str(folder))
+        assert "sliding_attention" in drafter.model.config.layer_types
+        assert drafter.model.config.sliding_window == WINDOW
+        drafter.save_pretrained(tmp_path / "draft")
+        assert load_drafter(tmp_path / "draft", target_model=target).model.config.sliding_window == WINDOW
