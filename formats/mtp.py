@@ -1,10 +1,12 @@
 """The target's own MTP layer for vLLM (`method: mtp`), fine-tuned by draftsmith (heads/mtp.py).
 
 vLLM builds an MTP drafter from a folder holding the *target's* config.json (its architecture, which vLLM
-maps to its `<family>_mtp` model: DeepSeek-V3 to deepseek_mtp, DeepSeek-V3.2 to DeepseekV32MTP, DeepSeek-V4 to
-DeepSeekV4MTP, ERNIE-4.5 to ErnieMTP, Exaone-MoE to ExaoneMoeMTP, GLM-4.5 to glm4_moe_mtp, GLM-5-Next to
-Glm5NextMTP, HY-V3 to HYV3MTP, HY-V4 to HYV4MTP, Inkling to InklingMTP, LongCat-Flash to LongCatFlashMTP, MiMo-V2-Flash
-to MiMoV2MTP, MiniMax-M3 to MiniMaxM3MTP, Qwen3-Next to qwen3_next_mtp, Qwen3.5 to qwen3_5_mtp) and the MTP layer's
+maps to its `<family>_mtp` model: Bailing-Hybrid (Ling-3.0) to BailingMoeV3MTPModel,
+DeepSeek-V3 to deepseek_mtp, DeepSeek-V3.2 to DeepseekV32MTP, DeepSeek-V4 to
+DeepSeekV4MTP, ERNIE-4.5 to ErnieMTP, Exaone-MoE to ExaoneMoeMTP, Exaone-4.5 to Exaone4_5_MTP, GLM-4.5 to
+glm4_moe_mtp, GLM-5-Next to Glm5NextMTP, HY-V3 to HYV3MTP, HY-V4 to HYV4MTP, Inkling to InklingMTP, LongCat-Flash to
+LongCatFlashMTP, MiMo-V2-Flash to MiMoV2MTP, MiniMax-M3 to MiniMaxM3MTP, Qwen3-Next to qwen3_next_mtp, Qwen3.5 to
+qwen3_5_mtp) and the MTP layer's
 tensors under the names the target's checkpoint gives them (`model.layers.{N}.*`, GLM-5-Next's
 `model.language_model.layers.{N}.*`, `mtp.*`, V4's `mtp.0.*`, HY-V4's `model.mtp_layers.0.*`, MiMo-V2-Flash's
 `model.mtp.layers.0.*`, LongCat-Flash's `model.mtp.layers.0.*` and `model.mtp.norm`, ERNIE-4.5's `model.mtp_*.0.*`,
@@ -17,7 +19,8 @@ the depths trained one per draft step, Inkling's or `drafter.mtp_depths`: their 
 heads/mtp_depths.py, which vLLM's CPU build would serve at depth 0 every step: `depths_limit`; a
 vision-language wrapper's, Qwen3.5's releases, is its language model's config, which vLLM serves alike; GLM-5-Next's
 and MiniMax-M3's are the wrapper's whole, the count in its text_config, as vLLM maps only the wrapper's model type to
-its MTP model; Inkling's too, the count in its `mtp_config` and in the text_config's copy transformers reads) and
+its MTP model; Inkling's too, the count in its `mtp_config` and in the text_config's copy transformers reads;
+Exaone-4.5's too, the count at its top, where vLLM reads it) and
 the trained
 layer under exactly the names and shapes of the layer the target shipped; vLLM shares the target's
 embedding and lm_head with it, so neither is in the folder. DeepSeek-V4's config also carries `compress_ratios` with
@@ -103,6 +106,8 @@ class MtpExporter(Exporter):
             block = count_holder(config, layout)
             text |= {ours: block.get(theirs) for theirs, ours in MTP_FIELDS if ours in text}
         text |= compress_ratios(text)
+        if isinstance(text.get("mtp_layer_types"), list):  # vLLM's Dots3-Note config asks one entry per depth built
+            text["mtp_layer_types"] = text["mtp_layer_types"][:depths]
         layers = decoder_layers(text)
         prefix = layout.prefix(layers)
         written = drafter.checkpoint_tensors().items()

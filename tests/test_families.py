@@ -55,7 +55,7 @@ FAMILIES = (
     "glm4", "cohere", "granite", "qwen3_next", "qwen3_5_text", "deepseek_v3", "glm4_moe", "glm4_moe_lite",
     "minimax_m2", "gemma4_text", "deepseek_v32", "deepseek_v4", "glm_moe_dsa", "glm5_next", "qwen4_exp", "hy_v4",
     "minimax_m3_vl", "dots3_note", "inkling_text", "gemma4_unified_text", "muse_glimmer", "muse_spark", "mistral4",
-    "bailing_hybrid", "kimi_linear", "glmga",
+    "bailing_hybrid", "kimi_linear", "glmga", "exaone4_5",
 )  # fmt: skip
 # experts; scaled embedding and (1+w) norms; fused projections; sinks, a hybrid window and experts; LayerNorm with a
 # parallel block; linear attention; latent attention with grouped, bias-corrected routing

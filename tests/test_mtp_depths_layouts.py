@@ -24,6 +24,7 @@ from draftsmith.eval.loop import generate
 from draftsmith.formats import Source, exporter_for
 from draftsmith.formats.repo import TargetInfo, check_tensors
 from draftsmith.heads import drafter_class, mtp_depths
+from draftsmith.heads.mtp import text_fields
 from draftsmith.heads.mtp_layer import read_layer
 from draftsmith.heads.mtp_layouts import layout_of
 from draftsmith.heads.mtp_random_layer import write_random_layer
@@ -49,7 +50,7 @@ def release_with_depths(directory: Path, family: str, block: dict = TWO, **shape
     write_random_layer(folder, block=block)
     weights = folder / "model.safetensors"
     release, draw = load_file(str(weights)), torch.Generator().manual_seed(2)
-    layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    layers = text_fields(json.loads((folder / "config.json").read_text()))["num_hidden_layers"]  # a wrapper's too
     mtp = ("mtp.", *(f"model.layers.{layers + j}." for j in range(4)))
     for name, tensor in release.items():
         if name.startswith(mtp) and tensor.dim() == 1 and "norm" in name:
