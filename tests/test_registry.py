@@ -267,6 +267,7 @@ NOT_KIND_WORDS = {
     ("draftsmith/tiny_config.py", "sliding_window"),
     ("eval/loop.py", "sliding_window"),
     ("draftsmith/target_loading.py", "mtp"),
+    ("draftsmith/target_loading.py", "sliding_window"),  # the target's window, served as vLLM serves it
 }
 RENAME = "or rename your kind or setting: the name is already used by shared code"
 
