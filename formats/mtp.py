@@ -1,32 +1,27 @@
 """The target's own MTP layer for vLLM (`method: mtp`), fine-tuned by draftsmith (heads/mtp.py).
 
-vLLM builds an MTP drafter from a folder holding the *target's* config.json (its architecture, which vLLM
-maps to its `<family>_mtp` model: Bailing-Hybrid (Ling-3.0) to BailingMoeV3MTPModel,
-DeepSeek-V3 to deepseek_mtp, DeepSeek-V3.2 to DeepseekV32MTP, DeepSeek-V4 to
-DeepSeekV4MTP, ERNIE-4.5 to ErnieMTP, Exaone-MoE to ExaoneMoeMTP, Exaone-4.5 to Exaone4_5_MTP, GLM-4.5 to
-glm4_moe_mtp, GLM-5-Next to Glm5NextMTP, HY-V3 to HYV3MTP, HY-V4 to HYV4MTP, Inkling to InklingMTP, LongCat-Flash to
-LongCatFlashMTP, MiMo-V2-Flash to MiMoV2MTP, MiniMax-M3 to MiniMaxM3MTP, Qwen3-Next to qwen3_next_mtp, Qwen3.5 to
-qwen3_5_mtp) and the MTP layer's
-tensors under the names the target's checkpoint gives them (`model.layers.{N}.*`, GLM-5-Next's
-`model.language_model.layers.{N}.*`, `mtp.*`, V4's `mtp.0.*`, HY-V4's `model.mtp_layers.0.*`, MiMo-V2-Flash's
-`model.mtp.layers.0.*`, LongCat-Flash's `model.mtp.layers.0.*` and `model.mtp.norm`, ERNIE-4.5's `model.mtp_*.0.*`,
-MiniMax-M3's `language_model.model.mtp.layers.0.*` or Inkling's `model.mtp.layers.{j}.*` and its chain norm if any,
-`model.mtp.chain_norm`, beside the target's `model.llm.embed_norm`, which vLLM's InklingMTP reads from the drafter's
-folder).
-So the folder is the target's config.json as it ships (its own keys, not transformers' `to_dict()` with its defaults
-and local path) with an MTP layer count of 1 (vLLM 0.32's proposer runs the first layer for every draft step, but
-the depths trained one per draft step, Inkling's or `drafter.mtp_depths`: their count, each under its release names,
-heads/mtp_depths.py, which vLLM's CPU build would serve at depth 0 every step: `depths_limit`; a
-vision-language wrapper's, Qwen3.5's releases, is its language model's config, which vLLM serves alike; GLM-5-Next's
-and MiniMax-M3's are the wrapper's whole, the count in its text_config, as vLLM maps only the wrapper's model type to
-its MTP model; Inkling's too, the count in its `mtp_config` and in the text_config's copy transformers reads;
-Exaone-4.5's too, the count at its top, where vLLM reads it) and
-the trained
-layer under exactly the names and shapes of the layer the target shipped; vLLM shares the target's
-embedding and lm_head with it, so neither is in the folder. DeepSeek-V4's config also carries `compress_ratios` with
-an entry for the MTP layer (`compress_ratios` below). Served with
-`--speculative-config '{"method": "mtp", "model": <folder>, ...}'`; without `model` vLLM would read the
-layer the target shipped, not this one.
+vLLM builds an MTP drafter from a folder holding the *target's* config.json (its architecture, which vLLM maps to its
+`<family>_mtp` model: Bailing-Hybrid (Ling-3.0) to BailingMoeV3MTPModel, DeepSeek-V3 to deepseek_mtp, DeepSeek-V3.2 to
+DeepseekV32MTP, DeepSeek-V4 to DeepSeekV4MTP, ERNIE-4.5 to ErnieMTP, Exaone-MoE to ExaoneMoeMTP, Exaone-4.5 to
+Exaone4_5_MTP, GLM-4.5 to glm4_moe_mtp, GLM-5-Next to Glm5NextMTP, HY-V3 to HYV3MTP, HY-V4 to HYV4MTP, Inkling to
+InklingMTP, LongCat-Flash to LongCatFlashMTP, MiMo-V2-Flash to MiMoV2MTP, MiniMax-M3 to MiniMaxM3MTP, Qwen3-Next to
+qwen3_next_mtp, Qwen3.5 to qwen3_5_mtp) and the MTP layer's tensors under the names the target's checkpoint gives them
+(`model.layers.{N}.*`, GLM-5-Next's `model.language_model.layers.{N}.*`, `mtp.*`, V4's `mtp.0.*`, HY-V4's
+`model.mtp_layers.0.*`, MiMo-V2-Flash's `model.mtp.layers.0.*`, LongCat-Flash's `model.mtp.layers.0.*` and
+`model.mtp.norm`, ERNIE-4.5's `model.mtp_*.0.*`, MiniMax-M3's `language_model.model.mtp.layers.0.*` or Inkling's
+`model.mtp.layers.{j}.*` and its chain norm if any, `model.mtp.chain_norm`, beside the target's `model.llm.embed_norm`,
+which vLLM's InklingMTP reads from the drafter's folder). So the folder is the target's config.json as it ships (its own
+keys, not transformers' `to_dict()` with its defaults and local path) with an MTP layer count of 1 (vLLM 0.32's proposer
+runs the first layer for every draft step, but the depths trained one per draft step, Inkling's or `drafter.mtp_depths`:
+their count, each under its release names, heads/mtp_depths.py, which vLLM's CPU build would serve at depth 0 every
+step: `depths_limit`; a vision-language wrapper's, Qwen3.5's releases, is its language model's config, which vLLM serves
+alike; GLM-5-Next's and MiniMax-M3's are the wrapper's whole, the count in its text_config, as vLLM maps only the
+wrapper's model type to its MTP model; Inkling's too, the count in its `mtp_config` and in the text_config's copy
+transformers reads; Exaone-4.5's too, the count at its top, where vLLM reads it) and the trained layer under exactly the
+names and shapes of the layer the target shipped; vLLM shares the target's embedding and lm_head with it, so neither is
+in the folder. DeepSeek-V4's config also carries `compress_ratios` with an entry for the MTP layer (`compress_ratios`
+below). Served with `--speculative-config '{"method": "mtp", "model": <folder>, ...}'`; without `model` vLLM would read
+the layer the target shipped, not this one.
 
 SGLang serves DeepSeek's MTP layer as its NEXTN algorithm; draftsmith has not verified that loader.
 """
