@@ -52,17 +52,23 @@ def release_with_depths(directory: Path, block: dict) -> Path:
     return folder
 
 
+def built_releases(tmp_path_factory, write, config):
+    """key -> (folder, model, drafter of `config`) of the release `write(folder, key)` writes, built once a key."""
+
+    @functools.cache
+    def build(key: str):
+        folder = write(tmp_path_factory.mktemp(key), key)
+        model = load_target(str(folder))
+        return folder, model, MTP.from_target(config, model, str(folder)).eval()
+
+    return build
+
+
 @pytest.fixture(scope="module")
 def releases(tmp_path_factory):
     """name -> (folder, model, drafter) of a tiny Inkling release with the BLOCKS entry's depths, built once."""
-
-    @functools.cache
-    def build(name: str):
-        folder = release_with_depths(tmp_path_factory.mktemp(name), BLOCKS[name])
-        model = load_target(str(folder))
-        return folder, model, MTP.from_target(MTP.Config(), model, str(folder)).eval()
-
-    return build
+    write = lambda folder, name: release_with_depths(folder, BLOCKS[name])  # noqa: E731
+    return built_releases(tmp_path_factory, write, MTP.Config())
 
 
 def vllm_step(release: dict, config: dict, depth: int, hidden, tokens, embed_norm, chained: bool):

@@ -11,7 +11,6 @@ tests/test_mtp_depths_layouts.py's, and no engine has served it here."""
 
 from __future__ import annotations
 
-import functools
 import json
 
 import pytest
@@ -25,10 +24,10 @@ from draftsmith.formats.repo import TargetInfo
 from draftsmith.formats.versions import cpu_build_limit
 from draftsmith.heads import drafter_class, mtp_depths
 from draftsmith.heads.proposer import DraftState, DynamicTree
-from draftsmith.target import TargetShape, load_target, local_target_shape, run_target
+from draftsmith.target import TargetShape, local_target_shape, run_target
 from tests.helpers import assert_one_line_error, run_entry_in_process, stand_in_vllm, trains_one_step
 from tests.test_mtp import assert_exported_layer_decodes_losslessly, mtp_args, resumed_and_exported, written_shapes
-from tests.test_mtp_depths import scored_outputs, token_run
+from tests.test_mtp_depths import built_releases, scored_outputs, token_run
 from tests.test_mtp_depths_layouts import release_with_depths, vllm_depth
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -41,14 +40,8 @@ TOPK = {"index_topk": 16}
 @pytest.fixture(scope="module")
 def releases(tmp_path_factory):
     """family -> (folder, model, drafter with 2 depths) of a tiny release shipping 2 sparse-attention MTP layers."""
-
-    @functools.cache
-    def build(family: str):
-        folder = release_with_depths(tmp_path_factory.mktemp(family), family, **TOPK)
-        model = load_target(str(folder))
-        return folder, model, MTP.from_target(MTP.Config(mtp_depths=2), model, str(folder)).eval()
-
-    return build
+    write = lambda folder, family: release_with_depths(folder, family, **TOPK)  # noqa: E731
+    return built_releases(tmp_path_factory, write, MTP.Config(mtp_depths=2))
 
 
 def indexers(drafter) -> list[torch.nn.Module]:

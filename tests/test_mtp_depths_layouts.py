@@ -11,7 +11,6 @@ release ships, are refused at the recipe's check."""
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 
@@ -31,10 +30,10 @@ from draftsmith.heads.mtp_random_layer import write_random_layer
 from draftsmith.heads.proposer import DraftState
 from draftsmith.random_target import write_random_target
 from draftsmith.recipe import load_recipe
-from draftsmith.target import TargetShape, load_target, loaded_config, local_target_shape, run_target
+from draftsmith.target import TargetShape, loaded_config, local_target_shape, run_target
 from tests.helpers import assert_one_line_error, first_records, run_entry_in_process, stand_in_vllm, trains_one_step
 from tests.test_mtp import SHAPE, mtp_args, rms, written_shapes
-from tests.test_mtp_depths import scored_outputs, token_run
+from tests.test_mtp_depths import built_releases, scored_outputs, token_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -62,14 +61,7 @@ def release_with_depths(directory: Path, family: str, block: dict = TWO, **shape
 @pytest.fixture(scope="module")
 def releases(tmp_path_factory):
     """family -> (folder, model, drafter with 2 depths) of a tiny release shipping 2 MTP layers, built once."""
-
-    @functools.cache
-    def build(family: str):
-        folder = release_with_depths(tmp_path_factory.mktemp(family), family)
-        model = load_target(str(folder))
-        return folder, model, MTP.from_target(MTP.Config(mtp_depths=2), model, str(folder)).eval()
-
-    return build
+    return built_releases(tmp_path_factory, release_with_depths, MTP.Config(mtp_depths=2))
 
 
 def vllm_depth(release: dict, config: dict, family: str, depth: int, drafter, hidden, tokens, embedding):

@@ -19,7 +19,6 @@ and has no Dots3-Note model) nor the V2 runner: no engine has served these depth
 
 from __future__ import annotations
 
-import functools
 import json
 
 import pytest
@@ -34,7 +33,7 @@ from draftsmith.heads import drafter_class, mtp_depths
 from draftsmith.heads.mtp_random_layer import write_random_layer
 from draftsmith.heads.proposer import DraftState
 from draftsmith.random_target import write_random_target
-from draftsmith.target import FeatureRequest, TargetShape, load_target, local_target_shape, run_target
+from draftsmith.target import FeatureRequest, TargetShape, local_target_shape, run_target
 from tests.helpers import assert_one_line_error, run_entry_in_process, stand_in_vllm, trains_one_step
 from tests.test_mtp import (
     SHAPE,
@@ -44,7 +43,7 @@ from tests.test_mtp import (
     rms,
     written_shapes,
 )
-from tests.test_mtp_depths import scored_outputs, token_run
+from tests.test_mtp_depths import built_releases, scored_outputs, token_run
 from tests.test_mtp_depths_layouts import release_with_depths
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -81,14 +80,7 @@ def release(directory, family: str):
 @pytest.fixture(scope="module")
 def releases(tmp_path_factory):
     """family -> (folder, model, drafter with 2 depths), built once."""
-
-    @functools.cache
-    def build(family: str):
-        folder = release(tmp_path_factory.mktemp(family), family)
-        model = load_target(str(folder))
-        return folder, model, MTP.from_target(MTP.Config(mtp_depths=2), model, str(folder)).eval()
-
-    return build
+    return built_releases(tmp_path_factory, release, MTP.Config(mtp_depths=2))
 
 
 def prefix(config: dict, family: str, depth: int) -> str:
