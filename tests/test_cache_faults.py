@@ -215,6 +215,7 @@ def test_a_full_cache_s_line_says_how_its_command_continues(command, advice, tmp
     assert line.endswith(f"set data.cache_dir to a folder on another disk, and {advice}"), line
 
 
+@pytest.mark.slow  # 2.3-3 s on a 2-core CI machine: over the fast tier's share (docs/tests.md)
 def test_a_full_disk_under_a_capture_s_shard_says_how_to_continue(tmp_path, small_data, monkeypatch, capsys):
     """safetensors' full disk while a shard was written was `I/O error: could not write PATH.tmp: Error while
     serializing: ... (os error 28); the shards before it are intact`: no room left, nothing to do. A shard is the

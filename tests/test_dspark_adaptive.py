@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 from dataclasses import replace
 
 import pytest
@@ -37,6 +36,7 @@ from tests.helpers import (
     save_drafter,
     speculative_samples,
     tiny_llama,
+    vllm_script,
 )
 from tests.test_dspark import DSpark, fitted_dspark
 
@@ -218,7 +218,7 @@ def test_the_budget_is_the_one_vllms_code_chooses(tmp_path, vllm_python):
     given, script = tmp_path / "cases.json", tmp_path / "budget.py"
     given.write_text(json.dumps(cases))
     script.write_text(VLLM_BUDGET)
-    done = subprocess.run([vllm_python, str(script), str(given)], capture_output=True, text=True, timeout=300)
+    done = vllm_script(vllm_python, [str(script), str(given)], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     theirs = json.loads(done.stdout.strip().splitlines()[-1])
     ours = [
@@ -250,7 +250,6 @@ def test_the_export_serves_it_in_the_speculative_config_vllm_takes(tmp_path, cap
         "    config.model_config, config.parallel_config)\n"
         "print(json.dumps([spec.method, spec.enable_adaptive_verification]))\n"
     )
-    done = subprocess.run([vllm_python, str(script), str(REFERENCE_TARGET), str(folder), json.dumps(served)],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = vllm_script(vllm_python, [str(script), str(REFERENCE_TARGET), str(folder), json.dumps(served)], timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == ["dspark", True]

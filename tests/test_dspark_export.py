@@ -7,7 +7,6 @@ draftsmith does."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 import torch
@@ -16,7 +15,14 @@ from safetensors.torch import load_file, save_file
 from draftsmith.formats.dspark import ARCHITECTURE
 from draftsmith.formats.folder import read_folder
 from draftsmith.target import load_target
-from tests.helpers import REFERENCE_TARGET, assert_one_line_error, run_entry_in_process, save_drafter, stand_in_vllm
+from tests.helpers import (
+    REFERENCE_TARGET,
+    assert_one_line_error,
+    run_entry_in_process,
+    save_drafter,
+    stand_in_vllm,
+    vllm_script,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -135,8 +141,7 @@ def test_vllms_own_code_takes_the_folder_and_computes_what_draftsmith_does(targe
     port = str(29000 + int(tmp_path.stat().st_ino) % 900)
     script = tmp_path / "vllm_dspark.py"
     script.write_text(VLLM_SCRIPT)
-    done = subprocess.run([vllm_python, str(script), str(folder), str(REFERENCE_TARGET), str(inputs), port],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = vllm_script(vllm_python, [str(script), str(folder), str(REFERENCE_TARGET), str(inputs), port], timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     said = json.loads(done.stdout.strip().splitlines()[-1])
     assert said["method"] == "dspark" and said["architectures"] == [ARCHITECTURE], said

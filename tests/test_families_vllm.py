@@ -27,8 +27,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 EAGLE3 = ["drafter.ttt_steps=2", "train.lr=3e-3"]
 # the other families vLLM 0.32 serves EAGLE-3 drafters for (measured): Llama is the demo target
-# (tests/test_engine_vllm.py), Qwen3 and Qwen3-MoE are tests/test_kinds_vllm.py's
-SERVED = ("qwen2", "mistral", "phi3", "granite", "gpt_oss")
+# (tests/test_engine_vllm.py), Qwen3 and Qwen3-MoE are tests/test_kinds_vllm.py's; Mistral, whose vLLM class is a
+# subclass of Llama's (its capture of hidden states inherited), is served with every kind in
+# benchmarks/target_matrix.py (docs/targets.md), not here (14 s of the suite's budget)
+SERVED = ("qwen2", "phi3", "granite", "gpt_oss")
 # families whose vLLM 0.32 model class has no EAGLE-3 hidden-state capture (measured: the engine refuses to start)
 NOT_CAPTURED = {
     "mixtral": "MixtralForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",

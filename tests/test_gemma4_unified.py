@@ -12,7 +12,6 @@ The family's per-family tests (taps, masks, caches, trees, EAGLE-3) are tests/te
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -31,6 +30,7 @@ from tests.helpers import (
     assert_tree_forward_equals_path_forwards,
     run_entry_in_process,
     saved_release,
+    vllm_script,
 )
 from tests.test_gemma4_assistant import reference_chain, sharpened  # the same fresh assistant, its reference
 
@@ -328,8 +328,7 @@ def test_vllms_own_code_reads_the_export_as_the_assistant_it_serves_and_loads_ev
     script = tmp_path / "vllm_gemma4_unified.py"
     script.write_text(VLLM_SCRIPT)
     port = str(29000 + int(tmp_path.stat().st_ino) % 900)
-    done = subprocess.run([vllm_python, str(script), str(folder), str(stand_in), port], capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    done = vllm_script(vllm_python, [str(script), str(folder), str(stand_in), port], timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     said = json.loads(done.stdout.strip().splitlines()[-1])
     taken = said.pop("taken")

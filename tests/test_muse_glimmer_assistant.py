@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 
 import pytest
 import torch
@@ -39,6 +38,7 @@ from tests.helpers import (
     run_entry_in_process,
     stand_in_vllm,
     trains_then_resumes_alike,
+    vllm_script,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -451,7 +451,7 @@ def test_vllm_cpus_attention_kernel_admits_the_keys_draftsmiths_window_does(tmp_
     window - 1 positions of a query, draftsmith's (`layer_window`), not transformers' window (one more)."""
     script = tmp_path / "cpu_window.py"
     script.write_text(CPU_WINDOW)
-    done = subprocess.run([vllm_python, str(script)], capture_output=True, text=True, timeout=600)
+    done = vllm_script(vllm_python, [str(script)], timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     error = json.loads(done.stdout.strip().splitlines()[-1])
     assert error["window - 1"] < 1e-5 < error["window"], error

