@@ -603,7 +603,8 @@ def test_a_deepseek_v4_layer_exports_under_its_release_names_with_the_config_vll
     assert config["compress_ratios"] == [*(rates[kind] for kind in config["layer_types"]), 0]
     assert "not implemented on CPU" in repo.cpu_build_limit
     back = exporter.read(tmp_path, config, repo.tensors, model, {})
-    assert all(torch.equal(t, back.checkpoint_tensors()[n]) for n, t in drafter.checkpoint_tensors().items())
+    read_back = back.checkpoint_tensors()
+    assert all(torch.equal(t, read_back[n]) for n, t in drafter.checkpoint_tensors().items())
 
 
 def trained_resumed_and_exported(family: str, tmp_path, small_data, token_cache, capsys) -> tuple[Path, Path]:
@@ -708,7 +709,8 @@ def exported_and_read_back(family: str, targets, tmp_path) -> tuple[dict, dict, 
     repo = exporter.vllm(source, 3, tmp_path / "export")
     check_tensors(repo, "export")
     back = exporter.read(tmp_path, repo.config, repo.tensors, model, {})
-    assert all(torch.equal(t, back.checkpoint_tensors()[n]) for n, t in drafter.checkpoint_tensors().items())
+    read_back = back.checkpoint_tensors()
+    assert all(torch.equal(t, read_back[n]) for n, t in drafter.checkpoint_tensors().items())
     return config, shipped, repo
 
 
@@ -1041,7 +1043,8 @@ def test_a_dots3_note_layer_exports_under_its_release_names_its_own_embedding_be
     assert repo.config == {**json.loads((folder / "config.json").read_text()), "num_nextn_predict_layers": 1}
     assert exporter.recognises(repo.config, repo.tensors)
     back = exporter.read(tmp_path, repo.config, repo.tensors, model, {})
-    assert all(torch.equal(t, back.checkpoint_tensors()[n]) for n, t in drafter.checkpoint_tensors().items())
+    read_back = back.checkpoint_tensors()
+    assert all(torch.equal(t, read_back[n]) for n, t in drafter.checkpoint_tensors().items())
 
 
 @pytest.mark.slow

@@ -311,7 +311,8 @@ def test_the_layer_exports_under_its_release_names_with_the_targets_config(model
     assert repo.config == {**config, "num_nextn_predict_layers": 1}
     assert exporter.recognises(repo.config, repo.tensors)
     back = exporter.read(tmp_path, repo.config, repo.tensors, model, {})
-    assert all(torch.equal(t, back.checkpoint_tensors()[n]) for n, t in drafter.checkpoint_tensors().items())
+    read_back = back.checkpoint_tensors()
+    assert all(torch.equal(t, read_back[n]) for n, t in drafter.checkpoint_tensors().items())
 
 
 def trains_resumes_exports_and_decodes_losslessly(
