@@ -55,6 +55,7 @@ def read_pretrained(load: Callable[..., Any], name_or_path: str, what: str, **kw
     """`load(name_or_path, **kwargs)`, a transformers `from_pretrained`: from the Hub cache alone while the Hub is
     out of reach (`hub_out_of_reach`); a local folder's files checked first (`check_local_files`); a model that does
     not load is one line starting with `what` (`not_loadable`)."""
+    from huggingface_hub.errors import StrictDataclassError
     from safetensors import SafetensorError
 
     folder = Path(name_or_path).expanduser()
@@ -68,7 +69,8 @@ def read_pretrained(load: Callable[..., Any], name_or_path: str, what: str, **kw
             kwargs["adapter_kwargs"] = {**kwargs["adapter_kwargs"], "local_files_only": True}
     try:
         return load(name_or_path, **kwargs)
-    except (OSError, ValueError, SafetensorError) as err:
+    # StrictDataclassError: a config its class's own checks refuse (per-layer lists longer than num_hidden_layers)
+    except (OSError, ValueError, SafetensorError, StrictDataclassError) as err:
         raise not_loadable(what, err, name_or_path, out_of_reach, kwargs.get("use_safetensors", False)) from err
 
 
@@ -156,6 +158,7 @@ def not_loadable(
     was out of reach instead (errors.hub_unreachable); `out_of_reach` is the failed probe's error of a load that
     read the cache alone (`hub_out_of_reach`)."""
     from huggingface_hub import constants
+    from huggingface_hub.errors import StrictDataclassError
     from safetensors import SafetensorError
 
     miss = hub_cache_miss(err)
@@ -184,6 +187,8 @@ def not_loadable(
             f"{what}: its config asks to run code of its own (auto_map), which draftsmith runs only with "
             "target.trust_remote_code=true: read that code, then set it"
         )
+    if chained(err, StrictDataclassError):  # a config class's own checks, whatever loads it (a tokenizer reads it too)
+        return UserError(f"{what}: transformers refuses its config.json ({one_line(err)})")
     if chained(err, SafetensorError):  # safetensors' line names no file
         corrupt = first_unparsed(folder, "*.safetensors", safetensors_header) if local else None
         return UserError(

@@ -44,7 +44,13 @@ from draftsmith.errors import UserError, run_cli
 from draftsmith.families import text_config
 from draftsmith.files import publish_folder, staging
 from draftsmith.outputs import check_output_dir
-from draftsmith.text_release import is_a_text_release, release_architecture, release_config, write_release
+from draftsmith.text_release import (
+    is_a_text_release,
+    release_architecture,
+    release_config,
+    write_release,
+    write_release_form,
+)
 from draftsmith.tiny_config import build_config, tiny_wrapper_config
 
 # The demo target's tokenizer files a random target is given (formats/repo.py's TOKENIZER_FILES: any target's).
@@ -350,6 +356,7 @@ def write_random_target(
     else:
         declare_as_released(text_config(model.config), model)
         model.save_pretrained(directory)
+        write_release_form(model.config, directory)  # a release naming another architecture than transformers'
     for name in RANDOM_TARGET_TOKENIZER_FILES:
         if (source / name).is_file():
             shutil.copyfile(source / name, directory / name)

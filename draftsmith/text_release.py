@@ -14,8 +14,27 @@ from typing import Any, Optional
 from draftsmith.causal_lm import text_model_of_a_wrapper
 
 # Release fields no transformers field or module tells, by model type: vLLM's Step3p5ForCausalLM asserts the router's
-# scores in float32 (transformers' router computes them so) and builds grouped-query attention only
-RELEASE_CONSTANTS = {"step3p5": {"need_fp32_gate": True, "att_impl_type": "GQA"}}
+# scores in float32 (transformers' router computes them so) and builds grouped-query attention only; vLLM's
+# BailingMoeV3ForCausalLM (Ling-3.0, transformers' bailing_hybrid) builds the head-wise gate on the MLA output, KDA
+# without LoRA and projections without biases that transformers' layers always compute only where the release says so
+RELEASE_CONSTANTS = {
+    "step3p5": {"need_fp32_gate": True, "att_impl_type": "GQA"},
+    "bailing_hybrid": {"gated_attention_proj_granularity_type": "head_wise", "no_kda_lora": True, "use_bias": False},
+}
+# A model type whose releases name another architecture than transformers' class, one vLLM has a model of (vLLM has
+# none of transformers' name, and maps its MTP layer to another model), and the fields they carry under vLLM's names
+# for transformers' (release name -> transformers field; vLLM's defaults otherwise: 8 experts a token, 8 groups, the
+# shared expert 512 wide): Ling-3.0's
+RELEASE_FORMS = {
+    "bailing_hybrid": (
+        "BailingMoeV3ForCausalLM",
+        {
+            "num_experts_per_tok": "num_experts_per_token",
+            "n_group": "num_expert_group",
+            "moe_shared_expert_intermediate_size": "moe_intermediate_size",  # transformers' width a shared expert
+        },
+    ),
+}
 # what a release says of a router with a score-correction bias (draftsmith.random_target.declare_as_released's rule:
 # it scores the experts by a sigmoid, and picks them with the bias)
 BIASED_ROUTER = {"moe_router_activation": "sigmoid", "use_moe_router_bias": True}
@@ -139,3 +158,22 @@ def release_fields(config, model) -> dict[str, Any]:
         out["use_head_wise_attn_gate"] = True
     new = {name: value for name, value in out.items() if name not in fields}
     return {name: value for name, value in new.items() if reads_back_alike(config, {name: value})}
+
+
+def write_release_form(config, directory: Path) -> None:
+    """A target saved in `directory` (config.json as transformers wrote it from `config`) named and described as its
+    model type's releases are where they name another architecture (RELEASE_FORMS): that architecture, the fields
+    under vLLM's names and RELEASE_CONSTANTS', each kept only where transformers reads the config back the same
+    (draftsmith.random_target.reads_back_alike); nothing for another model type."""
+    from draftsmith.random_target import reads_back_alike
+
+    if config.model_type not in RELEASE_FORMS:
+        return
+    architecture, names = RELEASE_FORMS[config.model_type]
+    fields = config.to_dict()
+    added = {name: fields[field] for name, field in names.items()} | RELEASE_CONSTANTS.get(config.model_type, {})
+    path = directory / "config.json"
+    written = json.loads(path.read_text())
+    written |= {name: value for name, value in added.items() if reads_back_alike(config, {name: value})}
+    written["architectures"] = [architecture]
+    path.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")

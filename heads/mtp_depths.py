@@ -1,11 +1,11 @@
 """Several MTP depths, one per draft step, as vLLM 0.32 serves them: Inkling's release count (`mtp_config`, with a
 chain norm or none, `chain_hidden_post_norm`) or `drafter.mtp_depths` of a layout whose vLLM model reads the step
 (`Layout.step_depths`: DeepSeek-V3's, V3.2's, GLM-4.5's, GLM-5's, HY-V3's and Dots3-Note's layers N + j, DeepSeek-V4's
-`mtp.{j}.`, HY-V4's `model.mtp_layers.{j}.`, Qwen3-Next's blocks `mtp.layers.{j}.`). V3.2's, GLM-5's and HY-V4's depths
-are sparse-attention layers: each its own indexer, and each step's cache its indexer's keys beside its keys, cut with
-them (`cut`), as vLLM builds each depth's indexer key cache; DeepSeek-V4's and Dots3-Note's attend in a sliding window,
-each step's cache every key, the masks hiding those out of the window; DeepSeek-V4's pass hyper-connection streams,
-each depth its own collapse (hc_head) of them.
+`mtp.{j}.`, HY-V4's `model.mtp_layers.{j}.`, Qwen3-Next's, Exaone-MoE's and Exaone-4.5's blocks `mtp.layers.{j}.`).
+V3.2's, GLM-5's and HY-V4's depths are sparse-attention layers: each its own indexer, and each step's cache its
+indexer's keys beside its keys, cut with them (`cut`), as vLLM builds each depth's indexer key cache; DeepSeek-V4's
+and Dots3-Note's attend in a sliding window, each step's cache every key, the masks hiding those out of the window;
+DeepSeek-V4's pass hyper-connection streams, each depth its own collapse (hc_head) of them.
 
 Those models run depth `spec_step_idx % count` at draft step i (InklingMTP builds min(depths, num_speculative_tokens));
 vLLM's model runner V2 (the default where Triton is) hands them step i through MultiModuleMTPSpeculator
@@ -56,7 +56,7 @@ from draftsmith.heads.mtp_layer import (
     checkpoint_folder,
     tensor_names,
 )
-from draftsmith.heads.mtp_layouts import LAYOUTS, layout_of
+from draftsmith.heads.mtp_layouts import LAYOUTS, check_layer_0_kind, layout_of
 from draftsmith.heads.packing import causal_document_mask, documents, positions, shifted
 from draftsmith.heads.proposer import DraftState, DraftTree, Proposer, Tree
 from draftsmith.heads.vocab_loss import chunk_rows_for, steps_ahead_loss
@@ -118,6 +118,8 @@ def check_requested(config: dict, layout: Layout, depths: Optional[int]) -> None
             f"drafter.mtp_depths={depths}: the target ships {shipped(config, layout)} MTP depths ({layout.count_key}), "
             "and each trains from its shipped layer: set drafter.mtp_depths to at most that"
         )
+    if layout.kind_of_layer_0:  # Exaone's: depth j attends as mtp_layer_types[j], else the decoder's layer j
+        check_layer_0_kind(config.get("text_config") or config, layout, depths)
 
 
 def check_target_folder(name_or_path: str, depths: Optional[int]) -> None:

@@ -30,7 +30,7 @@ QWEN3_5 = Layout("qwen3_5_mtp", "mtp_num_hidden_layers", QWEN_NAMES, False, Fals
 QWEN3_5_MOE = replace(QWEN3_5, fused_experts=True)
 EXAONE_MOE = Layout(
     "ExaoneMoeMTP", "num_nextn_predict_layers", QWEN_NAMES, False, False, True, block_kind=(SLIDING, "dense"),
-    kind_of_layer_0=True,
+    kind_of_layer_0=True, step_depths=True,
 )  # fmt: skip
 # Inkling's `mtp_config` keys (vLLM's reading) -> the text_config fields transformers copies them to
 MTP_FIELDS = (
@@ -216,17 +216,16 @@ LAYOUTS = {
     "BailingMoeV3ForCausalLM": Layout(
         "BailingMoeV3MTPModel", "num_nextn_predict_layers", HY_V4_NAMES, True, False, True, step_depths=True
     ),
-    # vLLM's ExaoneMoeMTP (models/exaone_moe_mtp.py): Qwen's `mtp.` layout and feedback, plain RMSNorms, its block
-    # `mtp.layers.0.` the decoder layer with `is_mtp`: a dense MLP, attention as `mtp_layer_types[0]` or the decoder's
-    # layer 0 (sliding in the releases' LLLG pattern; `check_layer_0_kind`), rotated
+    # vLLM's ExaoneMoeMTP (models/exaone_moe_mtp.py): Qwen's `mtp.` layout and feedback, plain RMSNorms, one wrapper
+    # for every depth; depth j's block `mtp.layers.{j}.` the decoder layer with `is_mtp`: a dense MLP, attention as
+    # `mtp_layer_types[j]` or the decoder's layer j (sliding in the releases' LLLG pattern; `check_layer_0_kind`),
+    # its window `mtp_sliding_windows[j]` or `sliding_windows[j]`, rotated; run at step `spec_step_idx % count`
     "ExaoneMoeForCausalLM": EXAONE_MOE,
     # vLLM's Exaone4_5_MTP (models/exaone4_5_mtp.py; its speculative config maps the release's model type exaone4_5 to
     # it): Exaone-MoE's wrapper, names and feedback, its depth j `mtp.layers.{j}.` Exaone-4's post-norm decoder layer
     # (dense) of the wrapper's text_config, attending as the decoder's layer j (sliding in the releases' LLLG pattern,
     # `check_layer_0_kind`); the count at the top of the wrapper's config, run at step `spec_step_idx % count`
-    "Exaone4_5_ForConditionalGeneration": replace(
-        EXAONE_MOE, vllm_model="Exaone4_5_MTP", count_at_top=True, step_depths=True
-    ),
+    "Exaone4_5_ForConditionalGeneration": replace(EXAONE_MOE, vllm_model="Exaone4_5_MTP", count_at_top=True),
     # vLLM's NemotronHMTP (models/nemotron_h_mtp.py): under `mtp.layers.{i}.`, a stack of the family's attention and
     # expert layers (`mtp_hybrid_override_pattern`), enorm, hnorm and eh_proj in its first, final_layernorm in its
     # last (heads/mtp_stacked.py); nothing masked, fed back normed (its forward returns final_layernorm's output)
@@ -376,9 +375,8 @@ def layout_of(config: dict) -> Layout:
         )
     if layout.count_block:
         check_depths(config, layout)
-    if layout.kind_of_layer_0:  # a layout reading the step builds depth j as the decoder's layer j (Exaone-4.5's)
-        depths = int(config.get(layout.count_key, (text or config).get(layout.count_key)) or 1)
-        check_layer_0_kind(text or config, layout, depths if layout.step_depths else 1)
+    if layout.kind_of_layer_0:  # depth 0's; the later depths asked for at mtp_depths.check_requested
+        check_layer_0_kind(text or config, layout)
     if layout.stacked:
         mtp_stacked.kinds(text or config)
     return layout
@@ -389,21 +387,22 @@ def check_layer_0_kind(text: dict, layout: Layout, depths: int = 1) -> None:
     first `depths` blocks as layers 0.. where its model reads the step) is built here as `block_kind`'s sliding-window
     layer: a config whose block would attend otherwise is refused in one line: full attention, which vLLM rotates and
     the family's full-attention layers beside sliding ones do not (NoPE), or a window of its own
-    (`mtp_sliding_windows`, `sliding_windows`: vLLM reads their first entry, transformers `sliding_window` for every
-    layer)."""
+    (`mtp_sliding_windows`, `sliding_windows`: vLLM reads entry j for depth j, transformers `sliding_window` for
+    every layer). `layout_of` checks depth 0, `mtp_depths.check_requested` the depths asked for."""
     kinds = text.get("mtp_layer_types") or text.get("layer_types") or [layout.block_kind[0]]
     kind = next((kind for kind in kinds[:depths] if kind != layout.block_kind[0]), kinds[0])
-    windows = text.get("mtp_sliding_windows") or text.get("sliding_windows")
+    windows = text.get("mtp_sliding_windows") or text.get("sliding_windows") or []
+    window = next((window for window in windows[:depths] if window != text.get("sliding_window")), None)
     if kind != layout.block_kind[0]:
         raise UserError(
             f"drafter.type=mtp: vLLM 0.32 builds the target's MTP layer with {kind} (mtp_layer_types, else layer 0's "
             "kind; depth j's, layer j's where its model reads the step), rotated, which no layer of the target's "
             f"family computes (draftsmith builds {layout.block_kind[0]} only): train another kind"
         )
-    if windows and windows[0] != text.get("sliding_window"):
+    if window is not None:
         raise UserError(
-            f"drafter.type=mtp: vLLM 0.32 gives the target's MTP layer a window of {windows[0]} keys "
-            "(mtp_sliding_windows, else sliding_windows), transformers' layers "
+            f"drafter.type=mtp: vLLM 0.32 gives the target's MTP layer a window of {window} keys "
+            "(mtp_sliding_windows, else sliding_windows; depth j's entry j), transformers' layers "
             f"sliding_window={text.get('sliding_window')}: train another kind"
         )
 

@@ -93,6 +93,28 @@ def vllm_logits(release: dict, config: dict, out: torch.Tensor) -> torch.Tensor:
     return (out / config["logits_mup_width_multiplier"]) @ release["model.llm.unembed.weight"].T
 
 
+def proposed_past_rejections(proposer, drafter, model, tokens: torch.Tensor, state, expected):
+    """Proposals of two tokens after `tokens`, then after the first one's first draft and the next one's second were
+    rejected (the target's token committed in its place), each `expected(tokens, fed)` (vLLM's chain), and one from
+    scratch at the end alike; `state(tokens, since, fresh)`: (DraftState, what `expected` reads). Returns the
+    proposer from scratch, for its caches."""
+    with torch.no_grad():
+        now, fed = state(tokens, 0, True)
+        drafts = proposer.propose(now, 2).tokens.tolist()
+        assert drafts == expected(tokens, fed)
+        for accepted in (0, 1):
+            kept = torch.cat([tokens, torch.tensor(drafts[:accepted], dtype=torch.long)])
+            target_token = int(run_target(model, kept[None]).logits[0, -1].argmax())  # the target's in its place
+            assert target_token != drafts[accepted]
+            since, tokens = len(tokens) - 1, torch.cat([kept, torch.tensor([target_token])])
+            now, fed = state(tokens, since, False)
+            drafts = proposer.propose(now, 2).tokens.tolist()
+            assert drafts == expected(tokens, fed)
+        scratch = drafter.proposer()
+        assert drafts == scratch.propose(state(tokens, 0, True)[0], 2).tokens.tolist()
+    return scratch
+
+
 def trained_embed_norm(model) -> torch.Tensor:
     """A trained-like target embed_norm put in place (a random target's is ones, and RMS-norming twice by ones is
     norming once, which would hide a missing one)."""

@@ -43,7 +43,7 @@ from tests.test_mtp import (
     rms,
     written_shapes,
 )
-from tests.test_mtp_depths import built_releases, scored_outputs, token_run
+from tests.test_mtp_depths import built_releases, proposed_past_rejections, scored_outputs, token_run
 from tests.test_mtp_depths_layouts import release_with_depths
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -202,21 +202,8 @@ def test_a_chain_is_vllms_and_each_steps_cache_rolls_back_past_a_rejected_draft(
         new, streams = final[since : len(tokens) - 1], fed[since : len(tokens) - 1] if fed.dim() == 3 else None
         return DraftState(tokens=tokens, final=new[-1], layers={}, new_final=new, new_streams=streams, fresh=fresh), fed
 
-    proposer, tokens = drafter.proposer(), ids[0, :56]
-    with torch.no_grad():
-        now, fed = state(tokens, 0, True)
-        drafts = proposer.propose(now, 2).tokens.tolist()
-        assert drafts == expected(tokens, fed)
-        for accepted in (0, 1):
-            kept = torch.cat([tokens, torch.tensor(drafts[:accepted], dtype=torch.long)])
-            target_token = int(run_target(model, kept[None]).logits[0, -1].argmax())  # the target's in its place
-            assert target_token != drafts[accepted]
-            since, tokens = len(tokens) - 1, torch.cat([kept, torch.tensor([target_token])])
-            now, fed = state(tokens, since, False)
-            drafts = proposer.propose(now, 2).tokens.tolist()
-            assert drafts == expected(tokens, fed)
-        scratch = drafter.proposer()
-        assert drafts == scratch.propose(state(tokens, 0, True)[0], 2).tokens.tolist()
+    proposer = drafter.proposer()
+    scratch = proposed_past_rejections(proposer, drafter, model, ids[0, :56], state, expected)
     assert [cache.get_seq_length() for cache in proposer.caches] == [58, 57]  # step i keeps committed - i entries
     for kept, fresh in zip(proposer.caches, scratch.caches):
         assert torch.allclose(kept.layers[0].keys, fresh.layers[0].keys, atol=1e-5)

@@ -230,14 +230,17 @@ def test_a_release_whose_depths_vllm_builds_with_full_attention_is_refused_in_on
     fields, refused, released, tmp_path
 ):
     """vLLM builds depth j as the decoder's layer j: full attention (unrotated beside sliding layers, rotated
-    without them), which draftsmith's sliding block does not compute."""
+    without them), which draftsmith's sliding block does not compute; depth 3 is refused where it is asked for (one
+    depth of a four-depth release trains, exported with count 1)."""
     folder, _, config = released(1)
     for name in ("config.json", "model.safetensors"):
         shutil.copyfile(folder / name, tmp_path / name)
     text = {**config["text_config"], **{k: v for k, v in fields.items() if k != COUNT}}
     (tmp_path / "config.json").write_text(json.dumps({**config, "text_config": text, COUNT: fields.get(COUNT, 1)}))
     with pytest.raises(UserError, match=refused):
-        MTP.Config().check(local_target_shape(str(tmp_path)))
+        MTP.Config(mtp_depths=fields.get(COUNT)).check(local_target_shape(str(tmp_path)))
+    if COUNT in fields:
+        MTP.Config(mtp_depths=3).check(local_target_shape(str(tmp_path)))
 
 
 def test_an_export_checked_with_a_vllm_that_cannot_import_the_targets_model_is_refused_before_it_starts(
