@@ -62,6 +62,23 @@ def recipe_schema() -> DictConfig:
     return OmegaConf.structured(RecipeSchema)
 
 
+@functools.lru_cache(maxsize=32)
+def parsed_recipe(path: str, text: str) -> DictConfig:
+    """The recipe file `path` holding `text`, parsed (a test process or a monitor composes one recipe hundreds of
+    times: YAML's pure-Python parser twice a time was a sixth of the time a recipe took); UserError on what is not
+    a mapping of sections, or names a key twice. Callers copy what they change."""
+    try:
+        repeated = repeated_key(yaml.compose(text, Loader=yaml.SafeLoader))
+        raw = None if repeated else OmegaConf.create(text)
+    except Exception as err:  # YAML syntax errors come from the yaml parser
+        raise UserError(f"recipe {path}: not valid YAML ({one_line(err, 200)})") from None
+    if repeated:
+        raise UserError(f"recipe {path}: {repeated}: give it once")
+    if not isinstance(raw, DictConfig):
+        raise UserError(f"recipe {path}: top level must be a mapping of sections")
+    return raw
+
+
 def compose(recipe: str, overrides: Sequence[str]) -> DictConfig:
     """Read a recipe, merge it into the typed schema, apply overrides; raise UserError on any misfit.
 
@@ -72,16 +89,10 @@ def compose(recipe: str, overrides: Sequence[str]) -> DictConfig:
     path = recipe_path(recipe)
     parsed = parse_overrides(overrides)
     try:
-        repeated = repeated_key(yaml.compose(path.read_text(encoding="utf-8"), Loader=yaml.SafeLoader))
-        raw = None if repeated else OmegaConf.load(path)
+        text = path.read_text(encoding="utf-8")
     except PermissionError:
         raise cannot_read(path) from None
-    except Exception as err:  # YAML syntax errors come from the yaml parser
-        raise UserError(f"recipe {path}: not valid YAML ({one_line(err, 200)})") from None
-    if repeated:
-        raise UserError(f"recipe {path}: {repeated}: give it once")
-    if not isinstance(raw, DictConfig):
-        raise UserError(f"recipe {path}: top level must be a mapping of sections")
+    raw = copy.deepcopy(parsed_recipe(str(path), text))  # the copy is changed below
     for name in RECIPE_SECTIONS:  # a list or a number where a section belongs: one line, not OmegaConf's
         if raw.get(name) is not None and not isinstance(raw[name], DictConfig):
             given = OmegaConf.to_container(raw[name]) if OmegaConf.is_config(raw[name]) else raw[name]
@@ -99,9 +110,9 @@ def compose(recipe: str, overrides: Sequence[str]) -> DictConfig:
     from draftsmith.heads import config_class  # the drafter section's schema belongs to the drafter type
 
     try:
-        schema = copy.deepcopy(recipe_schema())
-        schema.drafter = OmegaConf.structured(config_class(str(drafter_type)))
-        cfg = OmegaConf.merge(schema, raw)
+        cfg = copy.deepcopy(recipe_schema())
+        cfg.drafter = OmegaConf.structured(config_class(str(drafter_type)))
+        cfg.merge_with(raw)  # in place: OmegaConf.merge would copy the schema's copy once more
         for key, value in parsed:
             try:  # a required key the recipe file leaves out (output_dir) is there, unset: select's default is
                 # for a key that is not
