@@ -11,6 +11,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from draftsmith.errors import EXIT_PREEMPTED, Preempted, run_cli
+from draftsmith.recipe import parsed_recipe
 from tests.helpers import assert_one_line_error, run_entry_in_process
 
 KEPT = "preempted: stopped on SIGTERM; what was finished is kept: "
@@ -41,6 +42,7 @@ def test_sigterm_while_the_recipe_is_read_is_preempted_with_the_command_s_advice
         raise AssertionError("SIGTERM did not stop the read")
 
     monkeypatch.setattr(yaml, reader, terminated)
+    parsed_recipe.cache_clear()  # a recipe file is parsed once a process: this test's read must parse it
     output_dir = tmp_path / "run"
     result = run_entry_in_process([*command, "recipe=medusa", f"output_dir={output_dir}"], capsys)
     monkeypatch.setattr(yaml, reader, real)
