@@ -207,6 +207,7 @@ def batch_schedule_of(cfg: DictConfig, digest: str, serving=None) -> Optional[di
         advice = "sweep the checkpoint with those (draftsmith sweep)"
         require_same_serving(row.get("load", {}).get("drafter") or {}, serving, f"export.batch_sweep={path}", advice)
     schedule = batch_schedule(measured, methods[0])
+    require_schedule_served(cfg, schedule["num_speculative_tokens_per_batch_size"])
     engines = {json.dumps(row.get("engine"), sort_keys=True) for row in measured}
     log.info(
         "γ per batch size from %s (%s): %s; vLLM ignores it under data parallelism (--data-parallel-size > 1)",
@@ -224,3 +225,23 @@ def batch_schedule_of(cfg: DictConfig, digest: str, serving=None) -> Optional[di
             else f"it pays up to concurrency {schedule['pays_up_to']}; above that, serve the target alone",
         )
     return {**schedule, "sweep": str(path), "method": methods[0], "engine": [json.loads(e) for e in sorted(engines)]}
+
+
+def require_schedule_served(cfg: DictConfig, per_batch_size: list[list[int]]) -> None:
+    """A schedule that drafts fewer than its largest γ at some batch size, for a target whose export check's vLLM
+    verifies only steps of γ + 1 tokens (formats/versions.py `varied_drafts_limit`: the CPU build's linear-attention
+    verify): refused before the target loads, where the check's scheduled run would stop the engine or part its
+    output."""
+    from draftsmith.formats.versions import varied_drafts_limit
+    from draftsmith.target import local_target_config
+
+    gammas = [gamma for *_, gamma in per_batch_size]
+    if not cfg.export.vllm_python or "vllm" not in cfg.export.engines or min(gammas) == max(gammas):
+        return
+    config = local_target_config(cfg.target.name_or_path)
+    reason = varied_drafts_limit(config, cfg.export.vllm_python) if config is not None else None
+    if reason:
+        raise UserError(
+            f"export.batch_sweep={cfg.export.batch_sweep}: its schedule drafts {min(gammas)} to {max(gammas)} tokens "
+            f"by batch size, and {reason}; export without export.batch_sweep, or check the export with a GPU build"
+        )

