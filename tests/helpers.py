@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -209,23 +210,21 @@ class VllmForkServer:
     child forked from it (what `python SCRIPT` gives, about 6 s sooner)."""
 
     def __init__(self, vllm_python: str):
-        read_end, self.write_end = os.pipe()
+        read_end, write_end = os.pipe()
         self.process = subprocess.Popen(
-            [vllm_python, str(REPO / "tests" / "vllm_fork_server.py"), str(self.write_end)], stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(self.write_end,), text=True,
+            [vllm_python, str(REPO / "tests" / "vllm_fork_server.py"), str(write_end)], stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(write_end,), text=True,
         )  # fmt: skip
-        os.close(self.write_end)
+        os.close(write_end)
         self.replies = os.fdopen(read_end)
 
     def run(self, argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-        import tempfile
-
         with tempfile.TemporaryDirectory() as scratch:
             out, err = Path(scratch, "stdout"), Path(scratch, "stderr")
             request = {"argv": argv, "env": env, "cwd": os.getcwd(), "stdout": str(out), "stderr": str(err)}
             self.process.stdin.write(json.dumps(request) + "\n")
             self.process.stdin.flush()
-            child = json.loads(self.replies.readline())["pid"]
+            child = self.reply()["pid"]
             expired = threading.Event()
 
             def kill() -> None:
@@ -235,12 +234,19 @@ class VllmForkServer:
             timer = threading.Timer(timeout, kill)
             timer.start()
             try:
-                code = json.loads(self.replies.readline())["returncode"]
+                code = self.reply()["returncode"]
             finally:
                 timer.cancel()
             if expired.is_set():
                 raise subprocess.TimeoutExpired(argv, timeout, out.read_text(), err.read_text())
             return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
+
+    def reply(self) -> dict:
+        line = self.replies.readline()
+        if not line:  # its vLLM import failed, or it was killed: `python -c "import vllm"` in that Python says why
+            ended = self.process.wait()
+            raise RuntimeError(f"tests/vllm_fork_server.py under {self.process.args[0]} ended (exit {ended})")
+        return json.loads(line)
 
     def close(self) -> None:
         self.process.stdin.close()
