@@ -2,7 +2,7 @@
 vLLM both implement, through the real entry points, as JSON rows (docs/targets.md is this table).
 
     python benchmarks/target_matrix.py --vllm-python /path/to/vllm-venv/bin/python
-        [--families qwen3,gpt_oss] [--kinds eagle3,medusa] [--out docs/results/target_matrix.jsonl]
+        [--families qwen3,gpt_oss] [--kinds eagle3,medusa] [--out docs/results/target_matrix.jsonl] [--work DIR]
 
 Per family, a random-weight target of that family is built from transformers' config class
 (draftsmith.random_target at draftsmith.tiny_config's shape: hidden 256, 4 layers, 4 heads over 2 KV heads,
@@ -27,9 +27,10 @@ inside the wrapper (write_random_wrapper); one whose language model transformers
   folder and served the eval prompts with the drafter: `vllm_lossless` (vLLM's tokens with the
   drafter equal its tokens without it and draftsmith's), `tau_vllm` and `tau_draftsmith_same_prompts`
   (draftsmith's chain τ on the prompts vLLM served), `relative_difference`, and for a target checked
-  in bfloat16 `vllm_partings` (where its outputs with and without the drafter parted, each at a near
-  tie of the target's logits, which the check passes); or `refused` with the export's one-line error
-  (a combination vLLM 0.32 cannot serve).
+  in bfloat16 `vllm_partings` (where its outputs with and without the drafter parted) and
+  `vllm_plain_partings` (where its plain output parted from draftsmith's), each at a near tie of the
+  target's logits, which the check passes; or `refused` with the export's one-line error (a combination
+  vLLM 0.32 cannot serve, or a parting beyond a near tie).
 
 For `mtp` the target gets a random first MTP layer in its family's checkpoint layout, as a released one
 ships it (`heads.mtp.write_random_layer`; a vision-language wrapper is written whole as its releases are, where its
@@ -164,8 +165,10 @@ def measure(
     return row | {
         "export": True,
         "vllm_lossless": bool(verified["lossless"] and verified["equals_draftsmith_plain"]),
-        # bfloat16: where vLLM's outputs with and without the drafter parted, each at a near tie (export/verify.py)
+        # bfloat16: where vLLM's outputs with and without the drafter parted, and where its plain output parted from
+        # draftsmith's, each at a near tie (export/verify.py)
         **({"vllm_partings": verified["partings"]} if "partings" in verified else {}),
+        **({"vllm_plain_partings": verified["plain_partings"]} if "plain_partings" in verified else {}),
         "tau_vllm": verified["tau_engine"],
         "tau_draftsmith_same_prompts": verified["tau_draftsmith"],
         "relative_difference": verified["relative_difference"],
@@ -313,9 +316,11 @@ def markdown(rows: list[dict]) -> str:
         pair = f"{row['tau_vllm']:.3f} / {row['tau_draftsmith_same_prompts']:.3f}" if row.get("export") else "–"
         delta = f"{100 * row['relative_difference']:+.1f}%" if row.get("export") else "–"
         lossless = mark(row.get("vllm_lossless"))
-        if row.get("vllm_partings"):  # bfloat16: passed with partings at near ties only
-            units = max(parting["units"] for parting in row["vllm_partings"])
-            lossless = f"up to {len(row['vllm_partings'])} near ties (≤ {units} units)"
+        ties = [f"{len(row[key])} {what}" for key, what in (("vllm_partings", "near ties"),
+                ("vllm_plain_partings", "near ties from draftsmith's plain")) if row.get(key)]  # fmt: skip
+        if ties:  # bfloat16: passed with partings at near ties only
+            units = max(p.get("units", 0) for key in ("vllm_partings", "vllm_plain_partings") for p in row.get(key, []))
+            lossless = f"up to {', '.join(ties)} (≤ {units} units)"
         lines.append(
             f"| {row['family']} | {row['kind']} | {mark(row.get('train'))} | {mark(row.get('resume'))} | "
             f"{mark(row.get('lossless'))} | {row.get('tau_draftsmith') or '–'} | {served} | "
@@ -356,6 +361,10 @@ def main() -> None:
         "an mtp row's the release form where that is another model (released_apart)",
     )  # fmt: skip
     parser.add_argument("--markdown", action="store_true", help="print --out as docs/targets.md's table and stop")
+    parser.add_argument(
+        "--work", type=Path,
+        help="keep the targets, runs and export folders here (default: a temporary directory, removed at the end)",
+    )  # fmt: skip
     options = parser.parse_args()
     out = options.out.resolve()
     if options.markdown:
@@ -370,7 +379,8 @@ def main() -> None:
 
     torch.set_num_threads(options.threads)  # this process trains each target (write_random_target) as the runs do
     with tempfile.TemporaryDirectory(prefix="target-matrix-") as tmp:
-        work = Path(tmp)
+        work = options.work.resolve() if options.work else Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         for family in options.families.split(","):
             trained: dict[bool, Path] = {}  # release form or not -> the family's trained target, no MTP layer
             targets: dict[bool, Path] = {}  # with an MTP layer or not -> the family's target

@@ -119,9 +119,13 @@ def served_note(engine: str, verified: Optional[dict[str, Any]], dtype: str) -> 
     measured), and the command carries the check's settings that serving needs (`vllm_serve_flags`)."""
     if verified:
         arguments = verified["engine_arguments"]
+        ties = verified.get("plain_partings")  # absent from checks before 2026-12-01, which did not compare them
         ours = (
             "vLLM's plain output equals draftsmith's plain decoding."
             if verified["equals_draftsmith_plain"]
+            else f"vLLM's plain output parts from draftsmith's plain decoding in {arguments['dtype']} on {len(ties)} "
+            f"of them, each at a near tie (up to {max(tie['units'] for tie in ties)} units)."
+            if ties
             else f"draftsmith's plain decoding in {arguments['dtype']} differed from vLLM's (the two engines round "
             "differently): the acceptance was compared instead."
         )

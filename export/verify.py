@@ -1,16 +1,16 @@
 """The proof of an export: load the folder in the real vLLM, as the speculative model for the target,
 on the eval prompts, and compare with draftsmith's own decoding of the same prompts.
 
-Passes when (a) vLLM's greedy output with the drafter equals its output without it and draftsmith's
-plain greedy output, token for token (draftsmith's only in float32: in bfloat16 the two engines round
-differently and a near-tie flips, so there each engine's own losslessness and (c) are what is checked,
-at the tolerance set for it; and in bfloat16 a prompt whose output with the drafter parts from its output
-without it passes only where the parting is such a flip: the target's own logits at the common prefix put
-the two tokens within NEAR_TIE_UNITS (eval/partings.py) units of bfloat16 at the logits' magnitude, `partings` in the
-summary; the rest of such a prompt is not compared); (b) vLLM's counters show accepted draft tokens (where
-draftsmith's own decoding accepted none either, the line says the drafter is undertrained); (c) vLLM's τ
-(1 + accepted / drafts) is within `export.tolerance` (relative) of draftsmith's chain τ at the same γ.
-A drafter the engine reads differently from how it was trained (a missing `norm_before_residual`,
+Passes when (a) vLLM's greedy output with the drafter equals its output without it, which equals draftsmith's
+plain greedy output, token for token in float32; in bfloat16 the engines round differently and a near tie flips,
+so there a prompt whose outputs part passes only where the parting is such a flip: the target's own logits (as
+draftsmith runs it) at the common prefix put the two tokens within NEAR_TIE_UNITS (eval/partings.py) units of
+bfloat16 at the logits' magnitude (`partings` in the summary for vLLM with against without the drafter,
+`plain_partings` for vLLM's plain output against draftsmith's: a parting beyond a near tie there means vLLM serves
+another target than the one draftsmith evaluated); the rest of such a prompt is not compared; (b) vLLM's counters
+show accepted draft tokens (where draftsmith's own decoding accepted none either, the line says the drafter is
+undertrained); (c) vLLM's τ (1 + accepted / drafts) is within `export.tolerance` (relative) of draftsmith's chain
+τ at the same γ. A drafter the engine reads differently from how it was trained (a missing `norm_before_residual`,
 layer ids off by one, dropped biases) stays lossless but accepts less, and fails (c).
 
 vLLM runs in its own Python environment (`export.vllm_python`): its pinned torch and transformers
@@ -184,13 +184,14 @@ def verify_in_vllm(
         request["runs"].insert(0, {"name": "plain", "speculative_config": None})
     engine = session.run(cfg.export.vllm_python, request)
     engine["runs"]["plain"] = session.plain_runs.setdefault(plain_key, engine["runs"].get("plain"))
-    exact = source.target_model.dtype == torch.float32
-    partings = None
-    if not exact:
+    partings = plain_partings = None  # float32: every parting fails
+    if source.target_model.dtype != torch.float32:
         verifier = source.drafter.proposer().verifier or source.target_model
-        partings = parting_gaps(verifier, prompts, engine["runs"]["speculative"]["outputs"],
-                                engine["runs"]["plain"]["outputs"])  # fmt: skip
-    summary = compare(engine, ours, gamma, float(cfg.export.tolerance), len(prompts), max_new, exact, partings)
+        plain = engine["runs"]["plain"]["outputs"]
+        partings = parting_gaps(verifier, prompts, engine["runs"]["speculative"]["outputs"], plain)
+        # the target vLLM serves against the one draftsmith evaluated (Medusa-2's: merged from the adapters it ran)
+        plain_partings = parting_gaps(verifier, prompts, plain, ours["plain"])
+    summary = compare(engine, ours, gamma, float(cfg.export.tolerance), len(prompts), max_new, partings, plain_partings)
     resolved = engine["runs"]["scheduled" if schedule is not None else "speculative"]
     summary["engine_settings"] = {"vllm_version": engine["vllm_version"], **resolved["engine_settings"]}
     # what the check ran vLLM with besides the speculative config, for the model card to state
@@ -205,15 +206,31 @@ def verify_in_vllm(
 
 
 def parting_gaps(
-    model, prompts: list[list[int]], speculative: list[list[int]], plain: list[list[int]]
+    model, prompts: list[list[int]], outputs: list[list[int]], reference: list[list[int]]
 ) -> list[dict[str, Any]]:
-    """Each prompt whose output with the drafter parts from its output without it (eval/partings.py, in
+    """Each prompt whose greedy output in `outputs` parts from the one in `reference` (vLLM's with the drafter
+    from its own without, or its plain output from draftsmith's), the gap in `model`'s logits (eval/partings.py, in
     bfloat16's units: the engine computes in it)."""
     return [
-        {"prompt": index, **parting(model, prompt, alone, drafted, BF16_UNIT)}
-        for index, (prompt, drafted, alone) in enumerate(zip(prompts, speculative, plain))
-        if drafted != alone
+        {"prompt": index, **parting(model, prompt, ours, theirs, BF16_UNIT)}
+        for index, (prompt, theirs, ours) in enumerate(zip(prompts, outputs, reference))
+        if theirs != ours
     ]
+
+
+def parting_problem(problem: str, partings: Optional[list[dict[str, Any]]]) -> list[str]:
+    """The check's one rule for two greedy outputs that should agree: `problem` where they part, unless every
+    parting is a bfloat16 near tie (`partings`, parting_gaps'; None in float32, where any parting fails)."""
+    far = [parting for parting in partings or [] if not parting["near_tie"]]
+    if partings is not None and not far:
+        return []
+    if far:
+        where = f"{far[0]['units']} units" if "units" in far[0] else "one output ends there"
+        problem += (
+            f" on {len(far)} prompt(s) not at a bfloat16 near tie (prompt {far[0]['prompt']}, token "
+            f"{far[0]['position']}: {where})"
+        )
+    return [problem]
 
 
 def check_schedule(engine: dict[str, Any], schedule: list[list[int]]) -> dict[str, Any]:
@@ -254,11 +271,12 @@ def compare(
     tolerance: float,
     prompts: int,
     max_new: int,
-    exact: bool = True,
     partings: Optional[list[dict[str, Any]]] = None,
+    plain_partings: Optional[list[dict[str, Any]]] = None,
 ) -> dict[str, Any]:
-    """The check's verdict; `exact`: both loops run in float32, so their plain outputs must agree;
-    `partings` (bfloat16): where vLLM's outputs with and without the drafter part (parting_gaps)."""
+    """The check's verdict; in bfloat16 `partings`: where vLLM's outputs with and without the drafter part,
+    `plain_partings`: where its plain outputs part from draftsmith's (parting_gaps); None: both loops ran in
+    float32, where outputs must agree token for token."""
     plain, speculative = engine["runs"]["plain"], engine["runs"]["speculative"]
     counters = speculative["metrics"]
     drafts, accepted = counters["num_drafts"], counters["num_accepted_tokens"]
@@ -279,21 +297,15 @@ def compare(
         "at_least_engine": [round(n / drafts, 4) for n in counters["accepted_per_position"]] if drafts else [],
         "at_least_draftsmith": [round(p, 4) for p in ours["at_least"]],
     }
+    summary |= {"partings": partings} if partings is not None else {}
+    summary |= {"plain_partings": plain_partings} if plain_partings is not None else {}
     problems = []
-    if partings is not None:
-        summary["partings"] = partings
-    far = [parting for parting in partings or [] if not parting["near_tie"]]
-    if not summary["lossless"] and (partings is None or far):
-        problem = "vLLM's greedy output with the drafter differs from its output without it"
-        if far:
-            where = f"{far[0]['units']} units" if "units" in far[0] else "one output ends there"
-            problem += (
-                f" on {len(far)} prompt(s) not at a bfloat16 near tie (prompt {far[0]['prompt']}, token "
-                f"{far[0]['position']}: {where})"
-            )
-        problems.append(problem)
-    if exact and not summary["equals_draftsmith_plain"]:
-        problems.append("vLLM's plain greedy output differs from draftsmith's")
+    if not summary["lossless"]:
+        problems += parting_problem(
+            "vLLM's greedy output with the drafter differs from its output without it", partings
+        )
+    if not summary["equals_draftsmith_plain"]:
+        problems += parting_problem("vLLM's plain greedy output differs from draftsmith's", plain_partings)
     if not accepted and ours["tau"] == 1:  # nothing to compare: the drafter, not its conversion, accepts nothing
         problems.append(
             f"vLLM accepted no draft token in {drafts} drafts, nor did draftsmith's own decoding of the same prompts "

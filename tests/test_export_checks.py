@@ -172,6 +172,43 @@ def test_a_check_where_neither_engine_accepted_a_draft_says_the_drafter_is_under
     assert summary["tau_engine"] == 1.5
 
 
+def test_a_bfloat16_plain_output_parting_from_draftsmiths_beyond_a_near_tie_fails_the_check():
+    """A bfloat16 check compared vLLM's plain output with draftsmith's only in float32: Medusa-2's Qwen3-Next row
+    passed with `equals_draftsmith_plain` false and nothing saying where or by how much, and a served target other
+    than the one draftsmith evaluated would have passed the same way. The plain partings are recorded (prompt,
+    position, tokens, gap in bfloat16 units) and judged by the near-tie rule the speculative ones are: a near
+    tie passes, a parting beyond one fails in one line naming it; in float32 (no partings) any parting fails."""
+    from draftsmith.export.verify import parting_gaps
+    from tests.helpers import bfloat16_partings
+
+    model, prompts, plain, closest, farthest, parted = bfloat16_partings()
+
+    def check(served, plain_partings=True):
+        metrics = {"num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": 5,
+                   "accepted_per_position": [3, 1, 1]}  # fmt: skip
+        runs = {"plain": {"outputs": served}, "speculative": {"outputs": served, "metrics": metrics}}
+        engine = {"vllm_version": "0.32.0", "runs": runs}
+        ours = {"plain": plain, "tau": 1.5, "at_least": [0.3, 0.1, 0.1]}
+        partings = parting_gaps(model, prompts, served, plain) if plain_partings else None
+        return compare(engine, ours, 3, 0.02, len(prompts), 24, [], partings)
+
+    summary = check(parted(closest))  # vLLM with and without the drafter alike, its plain output at a near tie
+    assert summary["lossless"] and not summary["equals_draftsmith_plain"] and summary["partings"] == []
+    (tie,) = summary["plain_partings"]
+    assert (tie["prompt"], tie["position"], tie["near_tie"]) == (closest[1], closest[2], True)
+    assert tie["tokens"] == [closest[3], plain[closest[1]][closest[2]]] and tie["units"] == round(closest[0], 2)
+    from draftsmith.export.card import served_note
+
+    line = served_note("vllm", {**summary, "engine_arguments": {"dtype": "bfloat16", "max_model_len": 64}}, "")
+    assert f"plain decoding in bfloat16 on 1 of them, each at a near tie (up to {tie['units']} units)" in line
+    assert check(plain)["plain_partings"] == []
+    far = f"on 1 prompt\\(s\\) not at a bfloat16 near tie \\(prompt {farthest[1]}, token {farthest[2]}: "
+    with pytest.raises(ExportCheckFailed, match=rf"failed: vLLM's plain greedy output differs from draftsmith's {far}"):
+        check(parted(farthest))
+    with pytest.raises(ExportCheckFailed, match=r"failed: vLLM's plain greedy output differs from draftsmith's$"):
+        check(parted(closest), plain_partings=False)
+
+
 # -- what `checkpoint` export reads ------------------------------------------------------------------------------
 def test_export_reads_a_checkpoint_not_an_engine_folder_as_the_keys_help_says(target, tmp_path):
     """docs/recipe.md said export reads "a draftsmith checkpoint or an export's engine folder"; export refuses an
