@@ -390,8 +390,14 @@ def check_layer_0_kind(text: dict, layout: Layout, depths: int = 1) -> None:
     (`mtp_sliding_windows`, `sliding_windows`: vLLM reads entry j for depth j, transformers `sliding_window` for
     every layer). `layout_of` checks depth 0, `mtp_depths.check_requested` the depths asked for."""
     kinds = text.get("mtp_layer_types") or text.get("layer_types") or [layout.block_kind[0]]
-    kind = next((kind for kind in kinds[:depths] if kind != layout.block_kind[0]), kinds[0])
     windows = text.get("mtp_sliding_windows") or text.get("sliding_windows") or []
+    for name, values in (("mtp_layer_types", kinds), ("mtp_sliding_windows", windows)):
+        if text.get(name) and len(values) < depths:  # vLLM indexes entry j for depth j: an IndexError as it builds
+            raise UserError(
+                f"drafter.mtp_depths={depths}: vLLM 0.32 builds depth j from {name}[j], and the target's {name} has "
+                f"{len(values)} entries: set drafter.mtp_depths to at most {len(values)}"
+            )
+    kind = next((kind for kind in kinds[:depths] if kind != layout.block_kind[0]), kinds[0])
     window = next((window for window in windows[:depths] if window != text.get("sliding_window")), None)
     if kind != layout.block_kind[0]:
         raise UserError(
