@@ -233,13 +233,12 @@ def require_schedule_served(cfg: DictConfig, per_batch_size: list[list[int]]) ->
     verify): refused before the target loads, where the check's scheduled run would stop the engine or part its
     output."""
     from draftsmith.formats.versions import varied_drafts_limit
-    from draftsmith.target import local_target_config
+    from draftsmith.target_loading import load_config
 
     gammas = [gamma for *_, gamma in per_batch_size]
     if not cfg.export.vllm_python or "vllm" not in cfg.export.engines or min(gammas) == max(gammas):
         return
-    config = local_target_config(cfg.target.name_or_path)
-    reason = varied_drafts_limit(config, cfg.export.vllm_python) if config is not None else None
+    reason = varied_drafts_limit(load_config(cfg.target), cfg.export.vllm_python)  # as the sweep reads it
     if reason:
         raise UserError(
             f"export.batch_sweep={cfg.export.batch_sweep}: its schedule drafts {min(gammas)} to {max(gammas)} tokens "

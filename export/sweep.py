@@ -281,7 +281,8 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None, serv
     if settings.suffix and missing:
         raise UserError(missing)
     suffix = settings.suffix is not False and missing is None
-    varied = varied_drafts(load_config(cfg.target), python, settings)
+    target_config = load_config(cfg.target)
+    varied = varied_drafts(target_config, python, settings)
     digest = checkpoint_digest(checkpoint)
     path = output / ROWS
     with DirectoryLock(output, key="export.sweep.output"):
@@ -289,7 +290,7 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None, serv
         require_same_checkpoint(path, resumed, digest)
         drafter = served_values(drafter_config, served)
         folder = exported_for_sweep(cfg, checkpoint, output / "export", digest, target, drafter)  # a resume keeps it
-        load = sweep_load(cfg, python, folder, drafter)
+        load = sweep_load(cfg, python, folder, drafter, target_config)
         require_same_load(path, resumed, load.settings(), version)
         threads_env = {"OMP_NUM_THREADS": str(load.threads)}
         with nullcontext(session) if session is not None else EngineSession(threads_env) as engines:
@@ -389,13 +390,12 @@ def exported_for_sweep(cfg: DictConfig, checkpoint: Path, output: Path, digest: 
     return export_checkpoint(variant, checkpoint, target=target, served=drafter)["vllm"]
 
 
-def sweep_load(cfg: DictConfig, python: str, folder: Path, drafter: dict[str, Any]) -> Load:
+def sweep_load(cfg: DictConfig, python: str, folder: Path, drafter: dict[str, Any], target_config) -> Load:
     """The sweep's prompts and settings from the recipe: the eval prompts, domains in turn; `drafter`: the SERVED
-    settings `folder` serves with."""
+    settings `folder` serves with; `target_config`: the target's (target_loading.load_config)."""
     from draftsmith.eval.prompts import load_prompts, prompt_sources
     from draftsmith.families import reads_in_order
     from draftsmith.target import dtype_name, load_tokenizer, resolve_device, resolve_dtype
-    from draftsmith.target_loading import load_config
 
     sources, per_file = prompt_sources(cfg)  # the eval report's prompts
     if not sources:
@@ -420,7 +420,7 @@ def sweep_load(cfg: DictConfig, python: str, folder: Path, drafter: dict[str, An
         dtype=dtype_name(resolve_dtype(cfg.target.dtype, resolve_device(cfg.eval.device))),
         max_model_len=max(map(len, prompts)) + new_tokens + 8,
         drafter=drafter,
-        engine_arguments={"enable_prefix_caching": False} if reads_in_order(load_config(cfg.target)) else {},
+        engine_arguments={"enable_prefix_caching": False} if reads_in_order(target_config) else {},
     )
 
 
