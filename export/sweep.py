@@ -29,7 +29,8 @@ other load settings, `load` below, or another vLLM is refused in one line, expor
   accepted_per_position, tokens_per_step, lossless (every output equal to plain's for the same prompt at
   the same concurrency), outputs_sha256 (per request), source_sha256 (the drafter checkpoint's), engine
   (vLLM's version and what it resolved), load (what else decides the measurement: target, dtype,
-  new_tokens, requests_per_slot, min_requests, the engine's threads, prompts_sha256), process_s;
+  new_tokens, requests_per_slot, min_requests, the engine's threads, prompts_sha256, the drafter's SERVED
+  settings, engine_arguments: prefix caching off for a target read in order), process_s;
 - `summary.json`: per method the γs it was measured at and those it was not (`gammas`), per method and
   concurrency the best γ > 0 (of those measured) and whether it beats plain (`beats_plain`: false, serve
   plain there; γ 0, the drafter loaded drafting nothing, is never a best γ: `loaded_at_gamma_0` has it), the
@@ -160,6 +161,7 @@ class Load:
             "threads": self.threads,
             "prompts_sha256": hashlib.sha256(json.dumps(self.prompts).encode()).hexdigest(),
             "drafter": self.drafter,
+            "engine_arguments": self.engine_arguments,
         }
 
     def rows(
@@ -335,6 +337,7 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None, serv
             "threads": load.threads,
             "dtype": load.dtype,
             "prompts": len(load.prompts),
+            "engine_arguments": load.engine_arguments,
             "not_measured": not_measured,
         }
         write_text_atomic(output / SUMMARY, json.dumps(summary, indent=2) + "\n")

@@ -103,9 +103,15 @@ def require_same_load(path: Path, rows: list[dict[str, Any]], settings: dict[str
                 f"{vllm_version}: resume with that vLLM, or {again}"
             )
         for name, value in settings.items():
-            measured = row["load"].get(name)
+            # engine arguments not recorded: the sweep passed none before 2026-12-01 (prefix caching at vLLM's default)
+            measured = row["load"].get(name, {} if name == "engine_arguments" else None)
             if measured == value or (name == "drafter" and name not in row["load"]):  # not recorded before 2026-12
                 continue
+            if name == "engine_arguments":
+                raise UserError(
+                    f"{path} holds rows served with {arguments(measured, value)}: the table would compare rows served "
+                    f"both ways; no setting resumes them (the sweep passes these for the target itself): {again}"
+                )
             if name == "drafter":
                 raise UserError(
                     f"{path} holds rows of the drafter served with {json.dumps(measured)}, and this sweep serves it "
@@ -121,3 +127,14 @@ def require_same_load(path: Path, rows: list[dict[str, Any]], settings: dict[str
                 f"{path} holds rows measured at {key}={measured}, and this sweep's is {value}: set "
                 f"{key}={measured} to resume them, or {again}"
             )
+
+
+def arguments(measured: dict[str, Any], given: dict[str, Any]) -> str:
+    """The engine arguments the rows and this run differ in, each as `KEY=VALUE` or unset (vLLM's default)."""
+
+    def shown(served: dict[str, Any], key: str) -> str:
+        return f"{key}={json.dumps(served[key])}" if key in served else f"{key} unset (vLLM's default)"
+
+    keys = sorted(key for key in measured.keys() | given.keys() if measured.get(key, ...) != given.get(key, ...))
+    rows, this = (", ".join(shown(served, key) for key in keys) for served in (measured, given))
+    return f"{rows}, and this sweep serves this target with {this}"

