@@ -167,6 +167,40 @@ def serve_window(config: Any) -> Optional[int]:
     return window
 
 
+# The release field whose entry i (> 0; else none) vLLM 0.32 clamps decoder layer i's SwiGLU inputs by: its dense or
+# shared-expert MLP, its routed experts (on GPUs: vLLM-CPU's fused experts take no limit), and an MTP block built as
+# layer j (entry j). A transformers config class declaring it has its model clamp alike (Step-3.5's text config); one
+# that does not keeps it as an extra its model never reads (Exaone-MoE's) and computes every layer unclamped.
+CLAMP_FIELD = "swiglu_limits"
+
+
+def unserved_clamp(config: Any, name_or_path: str) -> Optional[str]:
+    """Why draftsmith cannot run the target vLLM serves for `config` (a config.json's dict or transformers' config), in
+    one line: it clamps some decoder layer's SwiGLU (CLAMP_FIELD), which transformers' class for it does not declare;
+    None where both compute alike, or where the class is not known yet (remote code: checked once its config loads)."""
+    import inspect
+
+    from transformers import CONFIG_MAPPING
+
+    text = text_config(config)
+    limits = _get(text, CLAMP_FIELD)
+    if not isinstance(limits, list):
+        return None
+    read = limits[: int(_get(text, "num_hidden_layers") or len(limits))]  # vLLM reads one entry per decoder layer
+    layers = [index for index, limit in enumerate(read) if isinstance(limit, (int, float)) and limit > 0]
+    model_type = _get(text, "model_type")
+    known = isinstance(text, dict) and isinstance(model_type, str) and model_type in CONFIG_MAPPING
+    config_class = type(text) if not isinstance(text, dict) else CONFIG_MAPPING[model_type] if known else None
+    if not layers or config_class is None or CLAMP_FIELD in inspect.signature(config_class.__init__).parameters:
+        return None
+    return (
+        f"cannot load target {name_or_path!r}: its config's {CLAMP_FIELD} clamps the SwiGLU of decoder layers {layers} "
+        f"(and of an MTP block j built as layer j) where vLLM 0.32 reads it, and transformers' {config_class.__name__} "
+        f"declares no {CLAMP_FIELD} (its model computes them unclamped): draftsmith would train and measure its "
+        "drafter on another target than vLLM serves"
+    )
+
+
 def within_window(query_positions, key_positions, window: int):
     """Whether a key is inside a query's sliding window of `window` positions (its own included), as
     vLLM's and transformers' sliding-window attention count it: key position > query position - window.

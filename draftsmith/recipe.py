@@ -182,6 +182,7 @@ def check_drafter(cfg: DictConfig, command: str = "train") -> None:
     drafter can propose. For a command that reads `checkpoint` (`builds_drafter`), the chain against the
     checkpoint's own settings (an engine folder's, or a missing one's, its reader checks)."""
     from draftsmith.causal_lm import not_a_causal_lm
+    from draftsmith.families import unserved_clamp
     from draftsmith.heads import drafter_class
     from draftsmith.heads.base import saved_drafter
     from draftsmith.target import local_target_config, local_target_shape, names_a_missing_folder
@@ -204,6 +205,8 @@ def check_drafter(cfg: DictConfig, command: str = "train") -> None:
     # every command loads the target (eval, export and monitor too, for their eval): its class is known now
     target_config = local_target_config(cfg.target.name_or_path) if cfg.target.gguf_file is None else None
     if target_config is not None and (refusal := not_a_causal_lm(target_config, cfg.target.name_or_path)):
+        raise UserError(refusal)
+    if target_config is not None and (refusal := unserved_clamp(target_config, cfg.target.name_or_path)):
         raise UserError(refusal)
     if not builds_drafter(command, cfg):
         try:

@@ -17,7 +17,7 @@ from draftsmith.causal_lm import (
     wraps_a_text_model,
 )
 from draftsmith.errors import UserError
-from draftsmith.families import SERVED_WINDOW_FIELD, serve_window, text_config
+from draftsmith.families import SERVED_WINDOW_FIELD, serve_window, text_config, unserved_clamp
 from draftsmith.model_files import read_pretrained
 
 log = logging.getLogger("draftsmith.target")
@@ -28,7 +28,7 @@ def load_config(section, say: bool = False):
     attending the keys vLLM serves it with (`served_window`; `say`: in a log line, once per model read). Only this
     in-memory object changes: the release's config.json stays as written (the export ships it), and a dict saved from
     this config keeps the release's `sliding_window_size`, from which vLLM reads its window and transformers derives
-    its own again."""
+    its own again. One whose layers vLLM clamps and transformers' class does not is refused (`unserved_clamp`)."""
     from transformers import AutoConfig
 
     config = read_pretrained(
@@ -38,6 +38,8 @@ def load_config(section, say: bool = False):
         revision=section.revision,
         trust_remote_code=section.trust_remote_code,
     )
+    if refusal := unserved_clamp(config, section.name_or_path):  # a Hub id's, whose config the recipe check cannot read
+        raise UserError(refusal)
     theirs = getattr(text_config(config), "sliding_window", None)
     if (window := serve_window(config)) is not None:
         (log.info if say else log.debug)(

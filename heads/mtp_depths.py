@@ -105,7 +105,7 @@ def check_requested(config: dict, layout: Layout, depths: Optional[int]) -> None
             f"drafter.mtp_depths={depths}: vLLM 0.32's {layout.vllm_model} runs its first MTP layer at every "
             f"draft step ({why}), so one depth trains as served: set drafter.mtp_depths=1"
         )
-    kinds = (config.get("text_config") or config).get("mtp_layer_types") or []
+    kinds = layout.reads_mtp_fields and (config.get("text_config") or config).get("mtp_layer_types") or []
     alike = next((j for j, kind in enumerate(kinds) if kind != kinds[0]), len(kinds))  # depth 0's kind, from the start
     if alike < min(depths, len(kinds)):  # Dots3-Note's: vLLM builds depth j's attention as its entry
         raise UserError(
@@ -118,7 +118,7 @@ def check_requested(config: dict, layout: Layout, depths: Optional[int]) -> None
             f"drafter.mtp_depths={depths}: the target ships {shipped(config, layout)} MTP depths ({layout.count_key}), "
             "and each trains from its shipped layer: set drafter.mtp_depths to at most that"
         )
-    if layout.kind_of_layer_0:  # Exaone's: depth j attends as mtp_layer_types[j], else the decoder's layer j
+    if layout.kind_of_layer_0:  # Exaone's: depth j attends as mtp_layer_types[j] (where read), else layer j
         check_layer_0_kind(config.get("text_config") or config, layout, depths)
 
 

@@ -99,9 +99,10 @@ class Layout:
     # the config key holding the window vLLM gives the block's sliding-window attention where transformers derives
     # another from it (MiMo-V2-Flash's `sliding_window_size`: vLLM attends that many keys, transformers one more)
     window_key: str = ""
-    # vLLM builds the block with the decoder's layer-0 attention kind and window where the config names none for it
-    # (`mtp_layer_types`, `mtp_sliding_windows`; Exaone-MoE's `is_mtp` layer), always rotated: `block_kind`'s or refused
+    # vLLM builds depth j's block as the decoder's layer j (its kind, window; `block_kind`'s or refused) where the
+    # config's `mtp_layer_types`, `mtp_sliding_windows` name none, read where `reads_mtp_fields` (not Exaone-4.5's)
     kind_of_layer_0: bool = False
+    reads_mtp_fields: bool = True
     # the block is a stack of the family's decoder layers under `layers.{i}.`, the wrapper's tensors in its first and
     # last layer (Nemotron-H's `mtp_layers_block_type`): heads/mtp_stacked.py
     stacked: bool = False
@@ -304,7 +305,7 @@ def layer_config(target_config, layout: Layout) -> dict:
         values["indexer_types"] = ["full"]
     if layout.block_kind is not None:
         attention, mlp = layout.block_kind
-        attention = (values.get("mtp_layer_types") or [attention])[0]
+        attention = (layout.reads_mtp_fields and values.get("mtp_layer_types") or [attention])[0]
         if layout.local_kind and 0 in (values.get("mtp_local_layer_ids") or ()):
             attention = layout.local_kind
         kinds = values.get("layer_types") or []

@@ -223,9 +223,13 @@ LAYOUTS = {
     "ExaoneMoeForCausalLM": EXAONE_MOE,
     # vLLM's Exaone4_5_MTP (models/exaone4_5_mtp.py; its speculative config maps the release's model type exaone4_5 to
     # it): Exaone-MoE's wrapper, names and feedback, its depth j `mtp.layers.{j}.` Exaone-4's post-norm decoder layer
-    # (dense) of the wrapper's text_config, attending as the decoder's layer j (sliding in the releases' LLLG pattern,
-    # `check_layer_0_kind`); the count at the top of the wrapper's config, run at step `spec_step_idx % count`
-    "Exaone4_5_ForConditionalGeneration": replace(EXAONE_MOE, vllm_model="Exaone4_5_MTP", count_at_top=True),
+    # (dense) of the wrapper's text_config, attending as the decoder's layer j (`layer_types[j]`, sliding in the
+    # releases' LLLG pattern, its window `sliding_window`: Exaone4Attention reads no `mtp_layer_types`,
+    # `mtp_sliding_windows` nor `sliding_windows`; `check_layer_0_kind`); the count at the top of the wrapper's config,
+    # run at step `spec_step_idx % count`
+    "Exaone4_5_ForConditionalGeneration": replace(
+        EXAONE_MOE, vllm_model="Exaone4_5_MTP", count_at_top=True, reads_mtp_fields=False
+    ),
     # vLLM's NemotronHMTP (models/nemotron_h_mtp.py): under `mtp.layers.{i}.`, a stack of the family's attention and
     # expert layers (`mtp_hybrid_override_pattern`), enorm, hnorm and eh_proj in its first, final_layernorm in its
     # last (heads/mtp_stacked.py); nothing masked, fed back normed (its forward returns final_layernorm's output)
@@ -385,14 +389,18 @@ def layout_of(config: dict) -> Layout:
 def check_layer_0_kind(text: dict, layout: Layout, depths: int = 1) -> None:
     """A block vLLM 0.32 builds as the decoder's layer 0 where the config names no kind for it (`kind_of_layer_0`; the
     first `depths` blocks as layers 0.. where its model reads the step) is built here as `block_kind`'s sliding-window
-    layer: a config whose block would attend otherwise is refused in one line: full attention, which vLLM rotates and
-    the family's full-attention layers beside sliding ones do not (NoPE), or a window of its own
+    layer: a config whose block would attend otherwise is refused in one line: full attention (which vLLM's Exaone-MoE
+    block rotates, and the family's full-attention layers beside sliding ones do not: NoPE), or a window of its own
     (`mtp_sliding_windows`, `sliding_windows`: vLLM reads entry j for depth j, transformers `sliding_window` for
-    every layer). `layout_of` checks depth 0, `mtp_depths.check_requested` the depths asked for."""
-    kinds = text.get("mtp_layer_types") or text.get("layer_types") or [layout.block_kind[0]]
-    windows = text.get("mtp_sliding_windows") or text.get("sliding_windows") or []
+    every layer). Only the fields vLLM reads for the layout (`reads_mtp_fields`; else `layer_types` alone, its window
+    transformers' `sliding_window`). `layout_of` checks depth 0, `mtp_depths.check_requested` the depths asked for."""
+    own = ("mtp_layer_types", "mtp_sliding_windows", "sliding_windows") if layout.reads_mtp_fields else ()
+    read = {name: text.get(name) for name in own}
+    kinds = read.get("mtp_layer_types") or text.get("layer_types") or [layout.block_kind[0]]
+    windows = read.get("mtp_sliding_windows") or read.get("sliding_windows") or []
+    named = "mtp_layer_types[j], else layer j's kind" if layout.reads_mtp_fields else "layer_types[j]: layer j's kind"
     for name, values in (("mtp_layer_types", kinds), ("mtp_sliding_windows", windows)):
-        if text.get(name) and len(values) < depths:  # vLLM indexes entry j for depth j: an IndexError as it builds
+        if read.get(name) and len(values) < depths:  # vLLM indexes entry j for depth j: an IndexError as it builds
             raise UserError(
                 f"drafter.mtp_depths={depths}: vLLM 0.32 builds depth j from {name}[j], and the target's {name} has "
                 f"{len(values)} entries: set drafter.mtp_depths to at most {len(values)}"
@@ -401,9 +409,8 @@ def check_layer_0_kind(text: dict, layout: Layout, depths: int = 1) -> None:
     window = next((window for window in windows[:depths] if window != text.get("sliding_window")), None)
     if kind != layout.block_kind[0]:
         raise UserError(
-            f"drafter.type=mtp: vLLM 0.32 builds the target's MTP layer with {kind} (mtp_layer_types, else layer 0's "
-            "kind; depth j's, layer j's where its model reads the step), rotated, which no layer of the target's "
-            f"family computes (draftsmith builds {layout.block_kind[0]} only): train another kind"
+            f"drafter.type=mtp: vLLM 0.32 builds the target's MTP layer with {kind} (depth j's {named}), and "
+            f"draftsmith builds {layout.block_kind[0]} only: train another kind"
         )
     if window is not None:
         raise UserError(

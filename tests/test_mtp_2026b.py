@@ -273,8 +273,8 @@ def test_one_exaone_moe_draft_step_computes_vllms_formula_from_the_checkpoint(re
 @pytest.mark.parametrize(
     "fields, refused",
     [
-        ({"mtp_layer_types": ["full_attention"]}, "with full_attention .* rotated, which no layer"),
-        ({"layer_types": ["full_attention"] * 4}, "with full_attention .* rotated, which no layer"),
+        ({"mtp_layer_types": ["full_attention"]}, "with full_attention .*, and draftsmith builds sliding_attention"),
+        ({"layer_types": ["full_attention"] * 4}, "with full_attention .*, and draftsmith builds sliding_attention"),
         ({"mtp_sliding_windows": [16]}, "a window of 16 keys .* sliding_window=48"),
     ],
 )

@@ -165,7 +165,7 @@ def test_the_depths_train_and_export_under_the_releases_names_with_the_count(dep
         ({}, 3, r"drafter.mtp_depths=3: the target ships 2 MTP depths \(num_nextn_predict_layers\)"),
         ({"mtp_layer_types": ["sliding_attention", "full_attention"]}, 2, r"name \['sliding_attention', 'full_att"),
         ({"mtp_sliding_windows": [48, 16]}, 2, "a window of 16 keys .* depth j's entry j"),
-        ({COUNT: 4}, 4, r"with full_attention .* depth j's, layer j's"),  # block 3: the decoder's layer 3, full
+        ({COUNT: 4}, 4, r"full_attention \(depth j's mtp_layer_types\[j\], else layer j"),  # block 3: layer 3, full
         # vLLM reads entry j of the per-depth list it is given: shorter than the depths, an IndexError as it builds
         ({"mtp_layer_types": ["sliding_attention"]}, 2, r"\[j\], and the target's mtp_layer_types has 1"),
     ],

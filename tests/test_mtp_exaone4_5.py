@@ -222,8 +222,8 @@ def test_the_layer_exports_under_its_release_names_with_the_wrappers_config(dept
 @pytest.mark.parametrize(
     "fields, refused",
     [
-        ({"layer_types": ["full_attention"] * 4}, "with full_attention .* rotated, which no layer"),
-        ({COUNT: 4}, "with full_attention .* depth j's, layer j's"),  # depth 3: the LLLG pattern's full layer
+        ({"layer_types": ["full_attention"] * 4}, "with full_attention .*, and draftsmith builds sliding_attention"),
+        ({COUNT: 4}, r"with full_attention \(depth j's layer_types\[j\]: layer j"),  # depth 3: LLLG's full layer
     ],
 )
 def test_a_release_whose_depths_vllm_builds_with_full_attention_is_refused_in_one_line(
@@ -241,6 +241,25 @@ def test_a_release_whose_depths_vllm_builds_with_full_attention_is_refused_in_on
         MTP.Config(mtp_depths=fields.get(COUNT)).check(local_target_shape(str(tmp_path)))
     if COUNT in fields:
         MTP.Config(mtp_depths=3).check(local_target_shape(str(tmp_path)))
+
+
+def test_the_mtp_fields_vllm_reads_for_exaone_moe_and_not_here_change_nothing(released, tmp_path):
+    """vLLM 0.32's Exaone4_5_MTP builds depth j as Exaone4DecoderLayer(text_config) at index j, whose attention reads
+    `layer_types[j]` and `sliding_window` alone: a release naming its blocks otherwise in `mtp_layer_types`,
+    `mtp_sliding_windows` or `sliding_windows` (which Exaone-MoE's MTP reads, and whose check refused it) trains two
+    depths as the decoder's sliding layers 0 and 1, the block the one built without them."""
+    folder, model, config = released(2)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(folder / name, tmp_path / name)
+    unread = {"mtp_layer_types": ["full_attention", "sliding_attention"], "mtp_sliding_windows": [16, 8]}
+    text = {**config["text_config"], **unread, "sliding_windows": [8] * 4}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "text_config": text}))
+    MTP.Config(mtp_depths=2).check(local_target_shape(str(tmp_path)))
+    asked = MTP.from_target(MTP.Config(mtp_depths=2), load_target(str(tmp_path)), str(tmp_path))
+    plain = MTP.from_target(MTP.Config(mtp_depths=2), model, str(folder))
+    assert asked.attention_window() == plain.attention_window() == text["sliding_window"]
+    assert asked.layer_config.layer_types == plain.layer_config.layer_types == ["sliding_attention"]
+    assert asked.config.decoder["config"]["layer_types"] == ["sliding_attention"]  # every depth's (mtp_depths)
 
 
 def test_an_export_checked_with_a_vllm_that_cannot_import_the_targets_model_is_refused_before_it_starts(
