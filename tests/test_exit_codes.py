@@ -266,6 +266,23 @@ def test_a_sigterm_after_the_command_decided_its_code_keeps_that_code():
         assert process.returncode == code and err.strip() == said, err
 
 
+def test_a_commands_process_ends_with_its_heap_frozen_and_its_code():
+    """The interpreter's last collections walked the whole heap of a command's process (torch, transformers, a model:
+    1.6 s of a short training run's end, benchmarks/cli_exit.py) to free memory the process gives back anyway: run_cli
+    freezes it at exit, after the atexit handlers registered once the command began, and the code is the command's."""
+    program = (
+        "import atexit, gc, sys\n"
+        "from draftsmith.errors import run_cli\n"
+        "atexit.register(lambda: print('frozen' if gc.get_freeze_count() else 'walked', flush=True))\n"
+        "def main(argv):\n"
+        "    atexit.register(lambda: print('own handler', gc.get_freeze_count(), flush=True))\n"
+        "    sys.exit(11)\n"
+        "run_cli(main, [])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (11, "own handler 0\nfrozen\n"), done.stderr
+
+
 def test_a_diverged_training_run_exits_4(tmp_path, small_data, token_cache, capsys):
     """A learning rate that blows the weights up: every step after the first is non-finite, and past
     train.max_nonfinite the run stops with one line naming where."""

@@ -35,7 +35,7 @@ from draftsmith.monitor.metrics import UNKNOWN, collect, engine_version, window
 from draftsmith.monitor.traffic import read_requests, sample
 from draftsmith.outputs import DirectoryLock
 from draftsmith.recipe import load_recipe
-from tests.helpers import REPO, assert_one_line_error, run_entry_in_process
+from tests.helpers import REPO, assert_one_line_error, run_entry_in_process, stops_handled
 
 LABELS = ["model_name", "engine"]
 SERVED = "0.32.0"  # the vLLM version FakeEngine reports unless told otherwise
@@ -1254,14 +1254,20 @@ def test_the_deploy_examples_run_as_written(healthy_setup):
     assert container["command"][:2] == ["/bin/sh", "-c"]
     assert run_as_written(container["command"][2], recipe).returncode == 0
     # the shell forwards SIGTERM (as PID 1 it would get none): a stand-in check that exits 75 on it, as a
-    # retraining does after its checkpoint
-    on_sigterm = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(75)); time.sleep(60)"
+    # retraining does after its checkpoint. SIGTERM once the check says its handler is in place and the shell's trap
+    # is (its SigCgt mask), not after a fixed 2 s wait
+    on_sigterm = (
+        "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(75)); "
+        'print("ready", flush=True); time.sleep(60)'
+    )
     stand_in = f"{sys.executable} -c '{on_sigterm}'"
     drained = container["command"][2].replace("draftsmith monitor check recipe=/etc/draftsmith/monitor.yaml", stand_in)
-    shell = subprocess.Popen(["/bin/sh", "-c", drained])
-    time.sleep(2)
-    shell.send_signal(signal.SIGTERM)
-    assert shell.wait(timeout=30) == 75
+    with subprocess.Popen(["/bin/sh", "-c", drained], stdout=subprocess.PIPE, text=True) as shell:
+        assert shell.stdout.readline() == "ready\n"
+        while not stops_handled(shell.pid) and shell.poll() is None:
+            time.sleep(0.01)
+        shell.send_signal(signal.SIGTERM)
+        assert shell.wait(timeout=30) == 75
     bad = run_as_written(container["command"][2], recipe.parent / "missing.yaml")
     assert bad.returncode == 2  # bad input fails the Job
     engine.server.shutdown()
