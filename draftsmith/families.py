@@ -178,20 +178,22 @@ def unserved_clamp(config: Any, name_or_path: str) -> Optional[str]:
     """Why draftsmith cannot run the target vLLM serves for `config` (a config.json's dict or transformers' config), in
     one line: it clamps some decoder layer's SwiGLU (CLAMP_FIELD), which transformers' class for it does not declare;
     None where both compute alike, or where the class is not known yet (remote code: checked once its config loads)."""
-    import inspect
-
-    from transformers import CONFIG_MAPPING
-
     text = text_config(config)
     limits = _get(text, CLAMP_FIELD)
     if not isinstance(limits, list):
         return None
     read = limits[: int(_get(text, "num_hidden_layers") or len(limits))]  # vLLM reads one entry per decoder layer
     layers = [index for index, limit in enumerate(read) if isinstance(limit, (int, float)) and limit > 0]
+    if not layers:  # before transformers' import (a second of every recipe check)
+        return None
+    import inspect
+
+    from transformers import CONFIG_MAPPING
+
     model_type = _get(text, "model_type")
     known = isinstance(text, dict) and isinstance(model_type, str) and model_type in CONFIG_MAPPING
     config_class = type(text) if not isinstance(text, dict) else CONFIG_MAPPING[model_type] if known else None
-    if not layers or config_class is None or CLAMP_FIELD in inspect.signature(config_class.__init__).parameters:
+    if config_class is None or CLAMP_FIELD in inspect.signature(config_class.__init__).parameters:
         return None
     return (
         f"cannot load target {name_or_path!r}: its config's {CLAMP_FIELD} clamps the SwiGLU of decoder layers {layers} "
