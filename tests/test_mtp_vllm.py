@@ -53,7 +53,8 @@ def test_a_qwen3_5_wrappers_fine_tuned_mtp_layer_is_served_by_vllm_in_bfloat16(
     if not torchvision_loads(vllm_python, "vllm_python"):
         pytest.skip(
             "vLLM's qwen3_5 module imports torchvision, which does not load in this vLLM environment (missing, "
-            "or pip's CUDA wheel beside the CPU torch); the CPU wheel (download.pytorch.org/whl/cpu) loads"
+            "or pip's CUDA wheel beside the CPU torch); the CPU wheel (download.pytorch.org/whl/cpu) loads, and PyPI's "
+            "torch with its torchvision does (benchmarks/vision_vllm_env.sh; DRAFTSMITH_VLLM_PYTHON names its python)"
         )
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the engine too: tiny models run faster on one thread (one_thread)
     target = benchmark_module("target_matrix").write_random_wrapper(
