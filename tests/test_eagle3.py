@@ -235,7 +235,7 @@ def loss_rows(lengths=(24, 17, 9, 30, 6), seed: int = 4) -> list[dict]:
 
 
 EQUIVALENCE_CASES = ["padded", "packed", "captured-topk", "full-vocabulary", "more-steps-than-positions"]
-# the fast tier runs each variant on packed rows (the harder layout); padded rows in the slow tier
+# the fast tier runs EAGLE-3.1 on packed rows (the harder layout); the other variants and padded rows in the slow tier
 VARIANT_CASES = [
     (variant, case) for variant in ("drafter31", "windowed", "parallel_drafter") for case in ("padded", "packed")
 ]
@@ -244,7 +244,7 @@ VARIANT_CASES = [
 @pytest.mark.parametrize(
     "variant, case",
     [("drafter", case) for case in EQUIVALENCE_CASES]
-    + fast_tier(VARIANT_CASES, lambda variant: variant[1] == "packed"),
+    + fast_tier(VARIANT_CASES, lambda variant: variant == ("drafter31", "packed")),
     ids=[f"eagle3-{case}" for case in EQUIVALENCE_CASES] + [f"{v}-{c}" for v, c in VARIANT_CASES],
 )
 def test_loss_and_stats_equal_a_straightforward_reference(model, variant, case, request, monkeypatch):

@@ -511,13 +511,14 @@ def one_prompt(small_data, tmp_path_factory) -> Path:
 EAGLE31 = {"fc_norm": "true", "norm_output": "true"}
 
 
-SLOW = pytest.mark.slow  # the fast tier reads back one folder of each engine's format family: Medusa's, EAGLE-3's
+SLOW = pytest.mark.slow  # the fast tier evaluates Medusa's folder; the other kinds' in the slow tier
 
 
 @pytest.mark.parametrize(
     "kind, engines, config",
     [("medusa", ["vllm"], {}), pytest.param("medusa2", ["vllm"], {}, marks=SLOW),
-     pytest.param("eagle", ["vllm", "sglang"], {}, marks=SLOW), ("eagle3", ["vllm", "sglang"], {}),
+     pytest.param("eagle", ["vllm", "sglang"], {}, marks=SLOW),
+     pytest.param("eagle3", ["vllm", "sglang"], {}, marks=SLOW),
      pytest.param("eagle3", ["vllm"], EAGLE31, marks=SLOW),
      pytest.param("eagle3", ["vllm"], PEAGLE | EAGLE31, marks=SLOW),
      pytest.param("draft_model", ["vllm"], {}, marks=SLOW), pytest.param("draft_model", ["vllm"], PARD, marks=SLOW),

@@ -60,8 +60,10 @@ FAMILIES = (
 # experts; scaled embedding and (1+w) norms; fused projections; sinks, a hybrid window and experts; LayerNorm with a
 # parallel block; linear attention; latent attention with grouped, bias-corrected routing
 QUIRKS = ("qwen3_moe", "gemma3_text", "phi3", "gpt_oss", "cohere", "qwen3_next", "deepseek_v3")
-# the fast tier runs the per-family tests on Llama and the quirks' families; the others in the slow tier
-TIERED = fast_tier(list(FAMILIES), lambda family: family == "llama" or family in QUIRKS)
+# the fast tier runs the per-family tests on Llama and a window, sinks, linear and latent attention; the other
+# quirks' families and the rest in the slow tier
+FAST_QUIRKS = ("gemma3_text", "gpt_oss", "qwen3_next", "deepseek_v3")
+TIERED = fast_tier(list(FAMILIES), lambda family: family == "llama" or family in FAST_QUIRKS)
 VOCAB, WINDOW = 256, 12  # a window far shorter than the sequences below
 # GLM-GA's rotary embedding splits a head's frequencies in the sections its rope parameters give, else in those of a
 # 64-wide head ([8, 12, 12]): a 16-wide head's in the same shares
@@ -171,7 +173,7 @@ def test_eagle3_trains_resumes_and_decodes_losslessly(family, tmp_path):
 
 # Qwen3 draft layers differ from Llama's in the drafter only: a dense, a sliding-window, a linear-attention
 # and a latent-attention target suffice (every family with Llama layers above)
-@pytest.mark.parametrize("name", ["qwen3", "gemma3_text", "qwen3_next", "deepseek_v3"])
+@pytest.mark.parametrize("name", fast_tier(["qwen3", "gemma3_text", "qwen3_next", "deepseek_v3"], "qwen3".__eq__))
 def test_eagle3_with_qwen3_draft_layers_trains_resumes_and_decodes_losslessly(name, tmp_path):
     assert_eagle3_trains_resumes_and_decodes(name, tiny(name), "qwen3", tmp_path)
 
@@ -221,11 +223,11 @@ def assert_eagle3_trains_resumes_and_decodes(name: str, model, layer_family: str
 
 # EAGLE-3 on the fast tier's quirk families: test_eagle3_trains_resumes_and_decodes_losslessly, which resumes it too
 @pytest.mark.parametrize("kind", fast_tier(sorted(drafters()), lambda kind: kind != "eagle3"))
-@pytest.mark.parametrize(  # the fast tier: experts, linear attention, latent attention, sinks with a hybrid window
+@pytest.mark.parametrize(  # the fast tier: linear attention, latent attention with experts
     "model_type",
     fast_tier(
         [*QUIRKS, "deepseek_v4", "glm5_next", "muse_spark"],
-        lambda family: family in ("qwen3_moe", "qwen3_next", "deepseek_v3", "gpt_oss"),
+        lambda family: family in ("qwen3_next", "deepseek_v3"),
     ),
 )
 def test_every_kind_trains_and_decodes_losslessly_on_family_quirks(kind, model_type):
@@ -331,7 +333,7 @@ def assert_chains_lossless_far_past_the_window_and_trees_refused(model) -> None:
         generate(model, prompts[0], 4, drafter=OracleDrafter([3] * 4, 12, VOCAB, 1.0), tree=[(0,), (1,)])
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v4", "qwen4_exp"])
+@pytest.mark.parametrize("model_type", fast_tier(["deepseek_v4", "qwen4_exp"], lambda name: name == "deepseek_v4"))
 def test_compressed_attention_is_put_back_after_every_rejected_draft(model_type):
     """DeepSeek-V4's compressed attention pools several positions into one entry (and its window layers keep
     only their window), so no entry can be cut back to a position: the loop keeps the cache's state before
@@ -364,7 +366,10 @@ def test_a_pooled_cache_written_in_place_is_not_put_back_silently():
 
 
 @pytest.mark.parametrize("tree", [None, [(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]], ids=["chain", "tree"])
-@pytest.mark.parametrize("model_type, layers", [("deepseek_v32", 2), ("hy_v4", 3), ("dots3_note", 2)])
+@pytest.mark.parametrize(
+    "model_type, layers",
+    fast_tier([("deepseek_v32", 2), ("hy_v4", 3), ("dots3_note", 2)], lambda case: case[0] == "deepseek_v32"),
+)
 def test_sparse_attention_rolls_its_indexer_keys_back_past_the_selection(model_type, layers, tree):
     """DeepSeek-V3.2: each query attends to the `index_topk` keys its indexer scores highest, from the
     indexer keys the cache keeps beside the attention's; the loop cuts, moves and gathers those with the

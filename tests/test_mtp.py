@@ -48,6 +48,7 @@ from tests.helpers import (
     REFERENCE_TARGET,
     assert_one_line_error,
     benchmark_module,
+    fast_tier,
     first_records,
     run_entry_in_process,
     save_drafter,
@@ -101,9 +102,11 @@ def layout(folder):
 
 
 STREAMS_FAMILIES = ("qwen4_exp",)  # a layer on the target's streams whose block is its decoder layer (not V4's)
+# the per-family tests' fast tier: latent attention, linear attention, a release written whole; the rest slow
+FAST_FAMILIES = ("deepseek_v3", "qwen3_next", "minimax_m3_vl")
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, *STREAMS_FAMILIES, *RELEASED])
+@pytest.mark.parametrize("family", fast_tier([*FAMILIES, *STREAMS_FAMILIES, *RELEASED], FAST_FAMILIES.__contains__))
 def test_the_layer_reads_back_under_the_checkpoints_names_as_the_block_vllm_builds(family, targets):
     folder, model = targets(family)
     drafter = MTP.from_target(MTP.Config(), model, str(folder))
@@ -159,7 +162,11 @@ def test_one_draft_step_computes_vllms_formula_from_the_checkpoint(family, targe
 
 
 @pytest.mark.parametrize(
-    "family", [*FAMILIES, "deepseek_v4", *STREAMS_FAMILIES, "dots3_note_text", *RELEASED, CONVOLVED]
+    "family",
+    fast_tier(
+        [*FAMILIES, "deepseek_v4", *STREAMS_FAMILIES, "dots3_note_text", *RELEASED, CONVOLVED],
+        FAST_FAMILIES.__contains__,
+    ),
 )
 def test_it_trains_several_steps_ahead_and_decodes_losslessly(family, targets):
     trains_ahead_and_decodes_losslessly(*targets(family), rounds=8, prompt_length=20)

@@ -34,7 +34,7 @@ from draftsmith.heads.mtp_random_layer import write_random_layer
 from draftsmith.heads.proposer import DraftState
 from draftsmith.random_target import write_random_target
 from draftsmith.target import FeatureRequest, TargetShape, local_target_shape, run_target
-from tests.helpers import assert_one_line_error, run_entry_in_process, stand_in_vllm, trains_one_step
+from tests.helpers import assert_one_line_error, fast_tier, run_entry_in_process, stand_in_vllm, trains_one_step
 from tests.test_mtp import (
     SHAPE,
     assert_exported_layer_decodes_losslessly,
@@ -176,7 +176,7 @@ def test_training_step_i_runs_depth_i_mod_2_as_vllms_speculator_past_the_selecti
     assert all(not torch.allclose(a[0, :width], b[0, :width], atol=1e-3) for a, b in zip(outputs, unselected))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", fast_tier(list(FAMILIES), lambda family: family == "deepseek_v4"))
 def test_a_chain_is_vllms_and_each_steps_cache_rolls_back_past_a_rejected_draft(family, releases):
     """A proposal of two tokens after 56 committed is vLLM's chain (step i's last position, depth i % 2, over the
     whole query); after its first draft was rejected (step 1's entry at the last position read it), then the next

@@ -31,7 +31,7 @@ from draftsmith.recipe import load_recipe
 from draftsmith.resources import bundled
 from draftsmith.target import load_target, load_tokenizer, run_target
 from draftsmith.trainer.loop import agree, forward_backward, loss_scale, next_step
-from tests.helpers import demo_recipe
+from tests.helpers import demo_recipe, fast_tier
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -140,7 +140,8 @@ def assert_same(result: dict, reference: dict, what) -> None:
         assert errors["all"] < TOLERANCE and not worst, (what, kind, errors["all"], worst)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+# the fast tier: a training-time-test unroll, parallel heads and a target's own layer; the other kinds in the slow tier
+@pytest.mark.parametrize("kind", fast_tier(KINDS, lambda kind: kind in ("eagle3", "medusa", "mtp")))
 def test_one_step_is_the_same_however_the_step_is_split(kind):
     rows = conversations()
     target, drafter, start = fresh(kind)

@@ -13,7 +13,7 @@ import torch
 from draftsmith.causal_lm import misfiled_causal_lms, not_a_causal_lm, wraps_a_text_model
 from draftsmith.eval.loop import generate
 from draftsmith.families import CONV, FULL, LINEAR, SLIDING, layer_types
-from tests.helpers import OracleDrafter
+from tests.helpers import OracleDrafter, fast_tier
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -40,7 +40,8 @@ def write_and_load(model_type: str, folder):
     return load_target(str(folder))
 
 
-@pytest.mark.parametrize("model_type", list(FAMILIES))
+# the fast tier: a full-attention and a convolving family; the others in the slow tier
+@pytest.mark.parametrize("model_type", fast_tier(list(FAMILIES), lambda name: name in ("mistral4", "lfm2_moe")))
 def test_a_family_no_code_names_is_written_loaded_and_decoded_losslessly(model_type, tmp_path):
     """The command writes each (Mistral-4 and LFM2-MoE were internal errors: a causal LM transformers files as a
     wrapper, a class that leaves its layer kinds unset), with every layer kind a release has, and the target loads;
