@@ -161,6 +161,7 @@ def test_layers_vllms_layouts_cannot_build_are_refused_in_one_line(target, tmp_p
         assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow  # 2.5-3.4 s
 def test_gemma4_layers_train_draft_their_training_block_and_decode_losslessly():
     """On a tiny Gemma-4 target (sliding and full layers, wider full-attention heads, soft-capped logits) a DSpark of
     Gemma-4 layers trains; a teacher-forced block is the decoding block after the same committed tokens (Markov bias

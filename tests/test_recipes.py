@@ -271,6 +271,7 @@ def test_accelerate_launch_fp8_is_refused_in_one_line(tmp_path, small_data, toke
     assert not out.exists()
 
 
+@pytest.mark.slow  # 2.5-4.4 s
 def test_weights_an_update_made_non_finite_end_the_run_as_diverged_with_nothing_published(
     tmp_path, small_data, token_cache, monkeypatch, capsys
 ):
