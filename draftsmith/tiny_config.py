@@ -52,6 +52,12 @@ VISION_NAMES = {"depth": "num_hidden_layers", "num_heads": "num_attention_heads"
 # and under those of an encoder-free embedder (Gemma-4 Unified's width and position table), where its class has them
 EMBEDDER_NAMES = {"hidden_size": "mm_embed_dim", "num_position_embeddings": "mm_posemb_size"}
 OUTPUT_NAMES = ("out_hidden_size", "output_proj_dims")  # a tower's output width's names: its language model's
+# A wrapper's tower sizes its class keeps at its top that a release's vision config also carries, under the release's
+# names, where vLLM reads them (Muse Glimmer's merged output and adapter widths): release name -> the class's name
+TOWER_RELEASE_NAMES = {"output_dim": "out_hidden_size", "adapter_dim": "projector_hidden_size"}
+# A release's vision config's tokens per image (vLLM's Gemma-4 Unified reads `num_soft_tokens`), which its class has
+# no field for: the default of the family's processor class (its image budget) -> release name
+PROCESSOR_BUDGETS = {"image_seq_length": "num_soft_tokens"}
 
 
 def build_config(
@@ -342,10 +348,46 @@ def tiny_wrapper_config(model_type: str, text, released: bool = False):
         # patches merged), in the same proportion to the tiny tower's width as the release's to its tower's
         sizes["out_hidden_size"] = default.out_hidden_size // vision.hidden_size * TINY_VISION["hidden_size"]
     try:
-        return AutoConfig.for_model(model_type, text_config=text.to_dict(), **towers, **sizes)
+        config = AutoConfig.for_model(model_type, text_config=text.to_dict(), **towers, **sizes)
     except (StrictDataclassError, ValueError) as err:  # the class's own checks across its towers' sizes
         name = type(default).__name__
         raise UserError(f"transformers' {name} refuses the tiny {model_type} wrapper: {one_line(err)}") from None
+    top, vision = release_wrapper_fields(config, text)
+    for name, value in top.items():
+        setattr(config, name, value)
+    for name, value in vision.items():
+        setattr(config.vision_config, name, value)
+    return config
+
+
+def release_wrapper_fields(config, text) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The fields a wrapper's release carries that transformers' class has none for and vLLM 0.32 reads, at the
+    wrapper's top and in its vision config, each where the class lacks it: the language model's vocabulary at the top
+    (vLLM's MTP model of a wrapper reads it there: Exaone-4.5's); the tower's sizes the class keeps at the top, in the
+    vision config under the release's names (TOWER_RELEASE_NAMES); the tower's tokens per image, its processor
+    class's default (PROCESSOR_BUDGETS)."""
+    fields = config.to_dict()
+    top = {} if "vocab_size" in fields else {"vocab_size": text.vocab_size}
+    vision = {ours: fields[theirs] for ours, theirs in TOWER_RELEASE_NAMES.items() if theirs in fields}
+    vision |= processor_budgets(config.model_type)
+    return top, {name: value for name, value in vision.items() if name not in fields["vision_config"]}
+
+
+def processor_budgets(model_type: str) -> dict[str, int]:
+    """PROCESSOR_BUDGETS' defaults of `model_type`'s processor class, under the release's names; none where transformers
+    has no processor for it or cannot import one here (a processor module that imports torchvision)."""
+    import inspect
+
+    import transformers
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    try:
+        processor = getattr(transformers, PROCESSOR_MAPPING_NAMES.get(model_type) or "", None)
+    except ImportError:
+        return {}
+    defaults = inspect.signature(processor.__init__).parameters if processor else {}
+    budgets = {ours: defaults[theirs].default for theirs, ours in PROCESSOR_BUDGETS.items() if theirs in defaults}
+    return {name: value for name, value in budgets.items() if isinstance(value, int)}
 
 
 def tiny_tower(fields: dict[str, Any], width: int) -> dict[str, Any]:
@@ -360,6 +402,8 @@ def tiny_tower(fields: dict[str, Any], width: int) -> dict[str, Any]:
         return EMBEDDER_NAMES[name]
 
     tower = {named(name): size for name, size in TINY_VISION.items()}
+    if "num_key_value_heads" in fields:  # a tower's own key-value heads (Exaone-4.5's 8): as many as its tiny heads
+        tower["num_key_value_heads"] = TINY_VISION["num_heads"]
     staged = {f"{name}s": size for name, size in TINY_VISION.items() if isinstance(fields.get(f"{name}s"), list)}
     if staged:
         tower = {name: size for name, size in tower.items() if name in fields and name != "num_hidden_layers"}

@@ -130,7 +130,9 @@ def served_note(engine: str, verified: Optional[dict[str, Any]], dtype: str) -> 
             "differently): the acceptance was compared instead."
         )
         flags = vllm_serve_flags(arguments)
-        caching = f", and with prefix caching off, as the command serves it (`{flags.strip()}`)" if flags else ""
+        said = {"--no-enable-prefix-caching": "with prefix caching off", "--language-model-only": "text only"}
+        settings = " and ".join(what for flag, what in said.items() if flag in flags)
+        caching = f", and {settings}, as the command serves it (`{flags.strip()}`)" if settings else ""
         return (
             f"Tested: this folder was loaded in vLLM {verified['engine_version']} as the speculative model for the "
             f"target in {arguments['dtype']} (the command's `--dtype`) on {verified['prompts']} eval prompts (greedy, "

@@ -35,7 +35,7 @@ from draftsmith.eval.partings import BF16_UNIT, parting
 from draftsmith.eval.prompts import eos_ids_of, load_prompts, prompt_sources
 from draftsmith.families import reads_in_order
 from draftsmith.formats import Source
-from draftsmith.formats.repo import EngineRepo, served_dtype
+from draftsmith.formats.repo import EngineRepo, served_dtype, serves_language_model_only
 from draftsmith.target import load_tokenizer
 
 ENGINE_TIMEOUT_S = 1800
@@ -161,6 +161,8 @@ def verify_in_vllm(
         # speculates, which a CPU build lacks ('function' object is not subscriptable, mamba_utils.py);
         # the check measures outputs and acceptance, which caching does not change
         request["enable_prefix_caching"] = False
+    if serves_language_model_only(served_target_dir):  # as the folder's serving command serves it
+        request["language_model_only"] = True
     if repo.target_overrides:  # the folder is served with them (formats/repo.py vllm_serve_flags): checked so too
         request["hf_overrides"] = repo.target_overrides
     # the served target's files and the request: what both loops' plain runs depend on (a drafter that
@@ -197,7 +199,7 @@ def verify_in_vllm(
     # what the check ran vLLM with besides the speculative config, for the model card to state
     summary["engine_arguments"] = {
         key: request[key]
-        for key in ("dtype", "max_model_len", "enable_prefix_caching", "hf_overrides")
+        for key in ("dtype", "max_model_len", "enable_prefix_caching", "language_model_only", "hf_overrides")
         if key in request
     }
     if schedule is not None:

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from draftsmith.errors import UserError
-from draftsmith.formats.repo import EngineRepo, TargetInfo, check_vllm_path
+from draftsmith.formats.repo import EngineRepo, TargetInfo, check_vllm_path, image_token_overrides
 from draftsmith.formats.versions import Releases
 from draftsmith.heads.base import Drafter
 
@@ -53,6 +53,9 @@ class Exporter:
     # whether vLLM's proposer for it takes a γ per batch size (num_speculative_tokens_per_batch_size; γ 0 drafts
     # nothing): vLLM 0.32's Medusa proposer asserts the one γ it was loaded with
     vllm_takes_schedule: ClassVar[bool] = True
+    # whether vLLM's proposer for it reads a multimodal target's image token at load (image_token_overrides): every
+    # proposer built on vLLM 0.32's shared one does, Medusa's reads nothing of the target's
+    vllm_reads_image_token: ClassVar[bool] = True
 
     def check_engines(self, kind: str, engines: list[str], vllm_format: str) -> None:
         """Whether these engines (and vLLM layout) can serve the kind at all: known before any model loads."""
@@ -83,7 +86,10 @@ class Exporter:
         self.refuse(engine, source.drafter, source.target, source.vllm_format)
         if engine == "vllm" and self.vllm_method_from_name:
             check_vllm_path(output, source.drafter.TITLE)
-        return getattr(self, engine)(source, gamma, output)
+        repo = getattr(self, engine)(source, gamma, output)
+        if engine == "vllm" and self.vllm_reads_image_token:
+            repo.target_overrides = image_token_overrides(source.target.shape.name_or_path) | repo.target_overrides
+        return repo
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         raise NotImplementedError

