@@ -77,7 +77,7 @@ from draftsmith.export.sweep_checks import (
 )
 from draftsmith.export.sweep_results import PLAIN, PLAIN_AGAIN, plot, read_sweep, summarize
 from draftsmith.files import append_lines, read_json
-from draftsmith.formats.repo import EXPORT_INFO, VLLM_PINNED
+from draftsmith.formats.repo import EXPORT_INFO, VLLM_PINNED, target_arguments
 
 NGRAM = "ngram"
 SUFFIX = "suffix"
@@ -412,6 +412,7 @@ def sweep_load(cfg: DictConfig, python: str, folder: Path, drafter: dict[str, An
     threads = cfg.export.sweep.cpu_threads or int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
     # a drafter that verifies with a target of its own (Medusa-2's adapted one) serves it from its folder
     served_target = folder / "target" if (folder / "target").is_dir() else cfg.target.name_or_path
+    overrides = read_json(folder / EXPORT_INFO, "export record").get("target_overrides") or {}  # as the check's
     return Load(
         python=python,
         target=str(served_target),
@@ -423,7 +424,7 @@ def sweep_load(cfg: DictConfig, python: str, folder: Path, drafter: dict[str, An
         dtype=dtype_name(resolve_dtype(cfg.target.dtype, resolve_device(cfg.eval.device))),
         max_model_len=max(map(len, prompts)) + new_tokens + 8,
         drafter=drafter,
-        engine_arguments={"enable_prefix_caching": False} if reads_in_order(target_config) else {},
+        engine_arguments=target_arguments(reads_in_order(target_config), served_target, overrides),
     )
 
 

@@ -35,7 +35,7 @@ from draftsmith.eval.partings import BF16_UNIT, parting
 from draftsmith.eval.prompts import eos_ids_of, load_prompts, prompt_sources
 from draftsmith.families import reads_in_order
 from draftsmith.formats import Source
-from draftsmith.formats.repo import EngineRepo, served_dtype, serves_language_model_only
+from draftsmith.formats.repo import EngineRepo, served_dtype, target_arguments
 from draftsmith.target import load_tokenizer
 
 ENGINE_TIMEOUT_S = 1800
@@ -156,15 +156,8 @@ def verify_in_vllm(
         "dtype": served_dtype(source.target_model),
         "trust_remote_code": source.target.trust_remote_code,  # the target's own code, as draftsmith ran it
     }
-    if reads_in_order(source.target_model.config):
-        # vLLM 0.32's prefix caching of recurrent states ("align" mode) runs a Triton kernel when it
-        # speculates, which a CPU build lacks ('function' object is not subscriptable, mamba_utils.py);
-        # the check measures outputs and acceptance, which caching does not change
-        request["enable_prefix_caching"] = False
-    if serves_language_model_only(served_target_dir):  # as the folder's serving command serves it
-        request["language_model_only"] = True
-    if repo.target_overrides:  # the folder is served with them (formats/repo.py vllm_serve_flags): checked so too
-        request["hf_overrides"] = repo.target_overrides
+    # as the folder's serving command serves the target (formats/repo.py vllm_serve_flags): checked so too
+    request |= target_arguments(reads_in_order(source.target_model.config), served_target_dir, repo.target_overrides)
     # the served target's files and the request: what both loops' plain runs depend on (a drafter that
     # verifies with a target of its own, Medusa-2's adapted one, serves that target from its folder)
     plain_key = json.dumps([cfg.export.vllm_python, stamp(Path(served_target_dir)), request])

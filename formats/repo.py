@@ -107,6 +107,19 @@ def serves_language_model_only(target: str | Path) -> bool:
     return "vision_config" in config and not (folder / "preprocessor_config.json").is_file()
 
 
+def target_arguments(in_order: bool, served_target: str | Path, target_overrides: dict[str, Any]) -> dict[str, Any]:
+    """The LLM arguments vLLM serves the target with beside the speculative config, the same in the export's check,
+    the load sweep and the folder's serving command (vllm_serve_flags): prefix caching off for a target whose layers
+    read tokens in order (`in_order`: vLLM 0.32 caches recurrent states through a Triton kernel when it speculates,
+    which a CPU build lacks: 'function' object is not subscriptable, mamba_utils.py; caching changes neither outputs
+    nor acceptance), the language model alone where `serves_language_model_only`, and the folder's
+    `target_overrides`."""
+    arguments: dict[str, Any] = {"enable_prefix_caching": False} if in_order else {}
+    if serves_language_model_only(served_target):
+        arguments["language_model_only"] = True
+    return arguments | ({"hf_overrides": dict(target_overrides)} if target_overrides else {})
+
+
 # vLLM 0.32's defaults for the settings that move τ, written into every served config so that an engine
 # version with other defaults cannot change acceptance silently (vLLM 0.28 changed draft_sample_method's).
 # greedy: vLLM drafts the argmax and reads q as one-hot in the ratio test, as draftsmith's proposers that draft

@@ -90,6 +90,7 @@ def test_the_check_and_the_serve_command_run_a_text_only_wrapper_alike(text_only
     """The check sends vLLM `language_model_only` where the target is served so, records it among its engine
     arguments, and the card's `vllm serve` line carries `--language-model-only`."""
     import draftsmith.export.verify as verify
+    import draftsmith.formats.repo as repo
     from draftsmith.target import load_target
     from tests.helpers import REFERENCE_TARGET
     from tests.test_export import CHECKED, checked_medusa_export
@@ -97,7 +98,7 @@ def test_the_check_and_the_serve_command_run_a_text_only_wrapper_alike(text_only
     monkeypatch.setattr(
         verify, "compare", lambda *args, **kwargs: {k: v for k, v in CHECKED.items() if k != "engine_arguments"}
     )
-    monkeypatch.setattr(verify, "serves_language_model_only", lambda target: text_only)
+    monkeypatch.setattr(repo, "serves_language_model_only", lambda target: text_only)
     request, folder = checked_medusa_export(load_target(str(REFERENCE_TARGET)), tmp_path)
     card = (folder / "README.md").read_text()
     assert request.get("language_model_only", False) is text_only
@@ -131,3 +132,31 @@ def test_every_proposer_but_medusas_is_told_a_wrappers_image_token_under_the_nam
         target = SimpleNamespace(shape=SimpleNamespace(name_or_path=str(folder)))
         source = SimpleNamespace(drafter=SimpleNamespace(TITLE=kind), target=target, vllm_format=None)
         assert exporter.build("vllm", source, 3, tmp_path / "export" / "vllm").target_overrides == {**expected, **own}
+
+
+def test_a_load_sweep_serves_the_target_as_the_check_and_the_serving_command_do(small_data, tmp_path):
+    """`draftsmith sweep` measures the folder as it is served: a wrapper folder without an image processor config as
+    its language model only, with the folder's `target_overrides` (its record's) as vLLM's hf_overrides, the same
+    arguments the export's check ran it with (formats/repo.py target_arguments); else vLLM stops at start, or serves
+    another model than the check measured."""
+    from transformers import AutoConfig
+
+    from draftsmith.export.sweep import sweep_load
+    from draftsmith.formats.repo import EXPORT_INFO
+    from draftsmith.recipe import load_recipe
+    from tests.helpers import KINDS, REFERENCE_TARGET
+
+    cfg = load_recipe([f"recipe={KINDS['medusa']}", f"target.name_or_path={REFERENCE_TARGET}",
+                       f"output_dir={tmp_path / 'run'}", f"eval.data=[{small_data['eval']}]",
+                       "eval.max_prompts=1"])  # fmt: skip
+    folder = tmp_path / "export"
+    write_config(folder, {})
+    overrides = {"image_token_index": 7}
+    (folder / EXPORT_INFO).write_text(json.dumps({"target_overrides": overrides}))
+    reference = AutoConfig.from_pretrained(REFERENCE_TARGET)  # a target read out of order: caching stays on
+    plain = sweep_load(cfg, "python", folder, {}, reference)
+    assert plain.engine_arguments == {"hf_overrides": overrides}
+    write_config(folder / "target", {"model_type": "wrapper", "vision_config": {}})  # served from the folder
+    wrapper = sweep_load(cfg, "python", folder, {}, reference)
+    assert wrapper.engine_arguments == {"language_model_only": True, "hf_overrides": overrides}
+    assert wrapper.request([1], None)["language_model_only"] is True
