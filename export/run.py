@@ -40,9 +40,9 @@ from draftsmith.formats.versions import (
     require_build_serves,
     require_engine_imports,
     require_vllm_serves,
-    routing_bias_limit,
     served_builds,
     served_by,
+    served_target_limit,
 )
 from draftsmith.heads.base import EVAL_SPLIT_METRICS, WEIGHTS_NAME, load_drafter, read_checkpoint_config, saved_drafter
 from draftsmith.outputs import EVAL_DIR, REPORT_NAME, DirectoryLock, move_aside
@@ -97,7 +97,7 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, engines=No
                 cfg.export.vllm_python,
                 drafter_limit=repos["vllm"].cpu_build_limit,
                 dtype=served_dtype(source.target_model),  # the check serves it as loaded
-                target_limit=routing_bias_limit(source.target.config, source.target_model),
+                target_limit=served_target_limit(source.target.config, source.target_model, repos["vllm"].method),
             )
             require_engine_imports(source.target.config, cfg.export.vllm_python)
         for repo in repos.values():
@@ -341,7 +341,9 @@ def export_info(
         "speculative_config": served_config(repo, gamma, schedule, drafter),
         "vllm_releases": served_by(repo.method, exporter_for(drafter.type).vllm_releases) if releases_known else None,
         "vllm_builds": served_builds(
-            source.target.config, repo.cpu_build_limit, routing_bias_limit(source.target.config, source.target_model)
+            source.target.config,
+            repo.cpu_build_limit,
+            served_target_limit(source.target.config, source.target_model, repo.method),
         )
         if releases_known
         else None,

@@ -21,7 +21,7 @@ import torch
 
 from draftsmith.errors import UserError
 from draftsmith.formats.repo import EngineRepo, TargetInfo, check_vllm_path, image_token_overrides
-from draftsmith.formats.versions import Releases
+from draftsmith.formats.versions import Releases, require_language_model_shares
 from draftsmith.heads.base import Drafter
 
 
@@ -71,6 +71,8 @@ class Exporter:
         read from their configs alone (no tensor is built): `build` asks it before it builds anything, and
         the eval's report names only the engines it passes (`refusal`). An exporter adds its kinds' checks."""
         self.check_engines(drafter.type, [engine], vllm_format)
+        if engine == "vllm":
+            require_language_model_shares(target.config, self.vllm_method)
 
     def refusal(
         self, engine: str, drafter: Drafter, target: TargetInfo, vllm_format: str = "speculators"

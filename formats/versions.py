@@ -46,6 +46,19 @@ VLLM_IMPORTS_TORCHVISION = (
     "MiniMaxM3SparseForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration", "MuseGlimmerForCausalLM",
     "MuseGlimmerForConditionalGeneration", "Exaone4_5_ForConditionalGeneration",
 )  # fmt: skip
+# Architectures whose vLLM 0.32 language model (get_language_model(): the module the class marks as one) is the decoder
+# itself, with no `.model` inside, where the proposers that share the target's input embedding look for it (measured:
+# "AttributeError: Target model does not have 'model' attribute", vllm/v1/spec_decode/llm_base_proposer.py
+# _maybe_share_embeddings, which raises it before it looks at the draft's own embedding: shipping one does not help).
+# Wrappers whose language model is a causal LM class (Gemma-4 Unified, Exaone-4.5, Qwen3.5, MiniMax-M3) have one.
+VLLM_BARE_LANGUAGE_MODEL = ("MuseGlimmerForCausalLM", "MuseGlimmerForConditionalGeneration")
+# vLLM's methods whose proposer shares the target's input embedding through that `.model`, and the builds it does so in
+# (None: every build). Every one of the V1 model runner's does (vllm/v1/spec_decode: eagle.py, dflash.py,
+# llm_base_proposer.py), the only runner the CPU build runs (it has no Triton); GPU builds run V2 by default
+# (vllm/v1/worker/gpu/spec_decode), whose EAGLE, MTP and DSpark loaders read `.model` too (eagle/utils.py
+# load_eagle_model, dspark/utils.py) and P-EAGLE falls back to V1, while its DFlash loader takes the decoder itself
+# (dflash/utils.py: source read). Medusa's proposer and the draft-model one share nothing.
+VLLM_SHARES_EMBEDDING = {"eagle": None, "eagle3": None, "mtp": None, "dspark": None, "dflash": CPU_BUILD}
 
 
 @dataclass(frozen=True)
@@ -144,10 +157,41 @@ def routing_bias_limit(config: dict, model) -> Optional[str]:
     )
 
 
+def bare_language_model_limit(config: dict, method: str, build: Optional[str] = None) -> Optional[str]:
+    """Why vLLM 0.32 cannot serve a drafter served as `method` for the target whose HF config this is, in every build
+    (`build` None) or in `build` alone (None: it can there): its proposer shares the target's input embedding through
+    a `.model` the target's language model lacks (VLLM_BARE_LANGUAGE_MODEL)."""
+    bare = [name for name in config.get("architectures") or [] if name in VLLM_BARE_LANGUAGE_MODEL]
+    if not bare or method not in VLLM_SHARES_EMBEDDING or VLLM_SHARES_EMBEDDING[method] != build:
+        return None
+    return (
+        f"its {method} proposer shares the target's input embedding through its language model's `.model`, and vLLM's "
+        f"{bare[0]} language model is the decoder itself (AttributeError: Target model does not have 'model' "
+        "attribute, at the engine's start)"
+    )
+
+
+def require_language_model_shares(config: dict, method: str) -> None:
+    """The one-line refusal of a drafter whose method no build of vLLM 0.32 serves for this target (before anything is
+    built: the export's and the eval's refusal)."""
+    limit = bare_language_model_limit(config, method)
+    if limit is not None:
+        raise UserError(
+            f"vLLM 0.32 cannot serve this drafter for this target in any build: {limit}; export a kind whose proposer "
+            "reads nothing of the target's (medusa) for it"
+        )
+
+
+def served_target_limit(config: dict, model, method: str) -> Optional[str]:
+    """Why vLLM's CPU build cannot serve a drafter served as `method` for the loaded target `model` (None: it can),
+    beyond what its config alone says (cpu_build_limit): its weights, or the method's proposer."""
+    return routing_bias_limit(config, model) or bare_language_model_limit(config, method, CPU_BUILD)
+
+
 def served_builds(config: dict, drafter_limit: Optional[str] = None, target_limit: Optional[str] = None) -> str:
     """One line for the folder: which builds of vLLM serve a drafter of this target (`drafter_limit`: why the
     CPU build cannot serve this drafter whatever the target, its EngineRepo's `cpu_build_limit`; `target_limit`: why
-    it cannot serve this loaded target, `routing_bias_limit`)."""
+    it cannot serve this loaded target, `served_target_limit`)."""
     limit = drafter_limit or target_limit or cpu_build_limit(config)
     if limit is None and LINEAR in layer_types(config):  # measured: docs/targets.md, the hybrid families
         return (

@@ -653,7 +653,8 @@ def test_no_target_family_is_named_in_product_code():
     its causal-LM class) only as a family draft layers are built from (draftsmith.families'
     DRAFT_LAYER_FAMILIES), in the table of targets vLLM cannot capture features from
     (formats/repo.py's VLLM_NO_STATE_CAPTURE), of the architectures whose vLLM module imports torchvision
-    (formats/versions.py's VLLM_IMPORTS_TORCHVISION) or in the tables of how vLLM serves each architecture's own
+    (formats/versions.py's VLLM_IMPORTS_TORCHVISION), of those whose vLLM language model has no `.model`
+    (VLLM_BARE_LANGUAGE_MODEL) or in the tables of how vLLM serves each architecture's own
     MTP layer (heads/mtp_layouts.py's LAYOUTS and UNSERVED: the checkpoint layout no config field names, the family
     a layout's block is built from where vLLM builds another's, and SEPARATE_MODEL: an architecture whose MTP is a
     model of its own), or as the targets whose cache Gemma-4's assistant reads and each one's assistant model type
@@ -666,7 +667,7 @@ def test_no_target_family_is_named_in_product_code():
     from draftsmith.families import DRAFT_LAYER_FAMILIES
     from draftsmith.formats.gemma4_assistant import NATIVE_CLASSES
     from draftsmith.formats.repo import VLLM_NO_STATE_CAPTURE
-    from draftsmith.formats.versions import VLLM_IMPORTS_TORCHVISION
+    from draftsmith.formats.versions import VLLM_BARE_LANGUAGE_MODEL, VLLM_IMPORTS_TORCHVISION
     from draftsmith.heads.gemma4_assistant_config import ASSISTANT_MODEL_TYPE, ASSISTANTS
     from draftsmith.heads.mtp_layouts import LAYOUTS, SEPARATE_MODEL, UNSERVED
     from draftsmith.text_release import RELEASE_CONSTANTS
@@ -677,7 +678,7 @@ def test_no_target_family_is_named_in_product_code():
         "heads/gemma4_assistant_config.py": {*ASSISTANTS, *ASSISTANTS.values()},
         "formats/repo.py": set(VLLM_NO_STATE_CAPTURE),
         "formats/gemma4_assistant.py": {*NATIVE_CLASSES, *NATIVE_CLASSES.values()},
-        "formats/versions.py": set(VLLM_IMPORTS_TORCHVISION),
+        "formats/versions.py": {*VLLM_IMPORTS_TORCHVISION, *VLLM_BARE_LANGUAGE_MODEL},
         "heads/mtp_layouts.py": {
             *LAYOUTS,
             *UNSERVED,

