@@ -97,7 +97,9 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, engines=No
                 cfg.export.vllm_python,
                 drafter_limit=repos["vllm"].cpu_build_limit,
                 dtype=served_dtype(source.target_model),  # the check serves it as loaded
-                target_limit=served_target_limit(source.target.config, source.target_model, repos["vllm"].method),
+                target_limit=served_target_limit(
+                    source.target.config, source.target_model, repos["vllm"].method, exporter.vllm_shares_embedding
+                ),
             )
             require_engine_imports(source.target.config, cfg.export.vllm_python)
         for repo in repos.values():
@@ -343,7 +345,9 @@ def export_info(
         "vllm_builds": served_builds(
             source.target.config,
             repo.cpu_build_limit,
-            served_target_limit(source.target.config, source.target_model, repo.method),
+            served_target_limit(
+                source.target.config, source.target_model, repo.method, exporter_for(drafter.type).vllm_shares_embedding
+            ),
         )
         if releases_known
         else None,

@@ -21,7 +21,7 @@ import torch
 
 from draftsmith.errors import UserError
 from draftsmith.formats.repo import EngineRepo, TargetInfo, check_vllm_path, image_token_overrides
-from draftsmith.formats.versions import Releases, require_language_model_shares
+from draftsmith.formats.versions import EVERY_BUILD, Releases, require_language_model_shares
 from draftsmith.heads.base import Drafter
 
 
@@ -56,6 +56,13 @@ class Exporter:
     # whether vLLM's proposer for it reads a multimodal target's image token at load (image_token_overrides): every
     # proposer built on vLLM 0.32's shared one does, Medusa's reads nothing of the target's
     vllm_reads_image_token: ClassVar[bool] = True
+    # the vLLM builds whose proposer for it shares the target's input embedding through its language model's `.model`
+    # (formats/versions.py VLLM_BARE_LANGUAGE_MODEL): EVERY_BUILD, the CPU build (CPU_BUILD) or None. Every V1 model
+    # runner proposer built on the shared one does (vllm/v1/spec_decode: eagle.py, dflash.py, llm_base_proposer.py),
+    # the only runner the CPU build runs (it has no Triton); GPU builds run V2 by default, whose EAGLE, MTP and DSpark
+    # loaders read `.model` too (vllm/v1/worker/gpu/spec_decode: eagle/utils.py, dspark/utils.py; P-EAGLE falls back
+    # to V1) while its DFlash loader takes the decoder itself (dflash/utils.py: source read)
+    vllm_shares_embedding: ClassVar[Optional[str]] = EVERY_BUILD
 
     def check_engines(self, kind: str, engines: list[str], vllm_format: str) -> None:
         """Whether these engines (and vLLM layout) can serve the kind at all: known before any model loads."""
@@ -72,7 +79,8 @@ class Exporter:
         the eval's report names only the engines it passes (`refusal`). An exporter adds its kinds' checks."""
         self.check_engines(drafter.type, [engine], vllm_format)
         if engine == "vllm":
-            require_language_model_shares(target.config, self.vllm_method)
+            sharing_nothing = sorted(kind for kind, other in EXPORTERS.items() if other.vllm_shares_embedding is None)
+            require_language_model_shares(target.config, self.vllm_method, self.vllm_shares_embedding, sharing_nothing)
 
     def refusal(
         self, engine: str, drafter: Drafter, target: TargetInfo, vllm_format: str = "speculators"

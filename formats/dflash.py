@@ -44,6 +44,7 @@ from draftsmith.formats.repo import (
     draft_layer_config,
     require_vllm_state_capture,
 )
+from draftsmith.formats.versions import CPU_BUILD
 from draftsmith.heads import drafter_class
 from draftsmith.heads.dflash_released import ENCODER_NAMES, LAYOUT, encoder_layout, released_names
 
@@ -138,6 +139,7 @@ def encoder_layout_config(released: dict[str, Any], config: dict[str, Any], sett
 class DFlashExporter(Exporter):
     kinds = ("dflash",)
     vllm_method = "dflash"
+    vllm_shares_embedding = CPU_BUILD  # V1's proposer shares it; GPU builds' V2 loader takes a bare decoder as it is
     sglang_reason = "draftsmith's DFlash export has been checked against vLLM's loader only; export it for vllm"
 
     def refuse(self, engine: str, drafter, target: TargetInfo, vllm_format: str = "speculators") -> None:

@@ -77,6 +77,7 @@ class DraftModelExporter(Exporter):
     kinds = ("draft_model",)
     vllm_method = "draft_model"
     vllm_method_from_name = True
+    vllm_shares_embedding = None  # the draft model embeds with its own weights
 
     def refuse(self, engine: str, drafter, target: TargetInfo, vllm_format: str = "speculators") -> None:
         super().refuse(engine, drafter, target, vllm_format)

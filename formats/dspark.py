@@ -33,6 +33,7 @@ from draftsmith.errors import UserError
 from draftsmith.formats import Source, dspark_gemma4, register
 from draftsmith.formats.dflash import DFlashExporter
 from draftsmith.formats.repo import EngineRepo
+from draftsmith.formats.versions import EVERY_BUILD
 from draftsmith.heads import drafter_class
 
 ARCHITECTURE = "Qwen3DSparkModel"
@@ -50,6 +51,7 @@ SETTINGS = ("tree_topk", "anchors", "loss", "loss_decay", "loss_weighting", "dpa
 class DSparkExporter(DFlashExporter):
     kinds = ("dspark",)
     vllm_method = "dspark"
+    vllm_shares_embedding = EVERY_BUILD  # V2's DSpark loader reads `.model`, unlike DFlash's
     sglang_reason = "draftsmith's DSpark export has been checked against vLLM's code only; export it for vllm"
 
     def layer_config(self, drafter) -> dict[str, Any]:

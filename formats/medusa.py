@@ -69,6 +69,7 @@ class MedusaExporter(Exporter):
     vllm_method_from_name = True
     vllm_takes_schedule = False  # vllm/v1/spec_decode/medusa.py: `assert num_speculative_tokens == self.num_...`
     vllm_reads_image_token = False  # vllm/v1/spec_decode/medusa.py reads the target's hidden states only
+    vllm_shares_embedding = None  # and shares nothing
     vllm_releases = Releases(
         removed_in="0.33.0",  # its SpeculativeMethod has no "medusa", its wheel no Medusa model
         instead="vLLM 0.32 or earlier, or draftsmith's eval; for a newer vLLM train an EAGLE-3 drafter "

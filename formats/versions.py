@@ -52,13 +52,9 @@ VLLM_IMPORTS_TORCHVISION = (
 # _maybe_share_embeddings, which raises it before it looks at the draft's own embedding: shipping one does not help).
 # Wrappers whose language model is a causal LM class (Gemma-4 Unified, Exaone-4.5, Qwen3.5, MiniMax-M3) have one.
 VLLM_BARE_LANGUAGE_MODEL = ("MuseGlimmerForCausalLM", "MuseGlimmerForConditionalGeneration")
-# vLLM's methods whose proposer shares the target's input embedding through that `.model`, and the builds it does so in
-# (None: every build). Every one of the V1 model runner's does (vllm/v1/spec_decode: eagle.py, dflash.py,
-# llm_base_proposer.py), the only runner the CPU build runs (it has no Triton); GPU builds run V2 by default
-# (vllm/v1/worker/gpu/spec_decode), whose EAGLE, MTP and DSpark loaders read `.model` too (eagle/utils.py
-# load_eagle_model, dspark/utils.py) and P-EAGLE falls back to V1, while its DFlash loader takes the decoder itself
-# (dflash/utils.py: source read). Medusa's proposer and the draft-model one share nothing.
-VLLM_SHARES_EMBEDDING = {"eagle": None, "eagle3": None, "mtp": None, "dspark": None, "dflash": CPU_BUILD}
+# An exporter's `vllm_shares_embedding` (formats/__init__.py): the builds whose proposer for it shares the target's
+# input embedding through that `.model`: every build, the CPU build alone, or none
+EVERY_BUILD = "every build"
 
 
 @dataclass(frozen=True)
@@ -157,12 +153,13 @@ def routing_bias_limit(config: dict, model) -> Optional[str]:
     )
 
 
-def bare_language_model_limit(config: dict, method: str, build: Optional[str] = None) -> Optional[str]:
-    """Why vLLM 0.32 cannot serve a drafter served as `method` for the target whose HF config this is, in every build
-    (`build` None) or in `build` alone (None: it can there): its proposer shares the target's input embedding through
-    a `.model` the target's language model lacks (VLLM_BARE_LANGUAGE_MODEL)."""
+def bare_language_model_limit(config: dict, method: str, shares: Optional[str], build: str) -> Optional[str]:
+    """Why vLLM 0.32 cannot serve a drafter served as `method`, whose proposer shares the target's input embedding in
+    the builds `shares` names (its exporter's `vllm_shares_embedding`), for the target whose HF config this is, in
+    `build` (EVERY_BUILD or CPU_BUILD; None: it can there): the target's language model lacks the `.model` it is
+    shared through (VLLM_BARE_LANGUAGE_MODEL)."""
     bare = [name for name in config.get("architectures") or [] if name in VLLM_BARE_LANGUAGE_MODEL]
-    if not bare or method not in VLLM_SHARES_EMBEDDING or VLLM_SHARES_EMBEDDING[method] != build:
+    if not bare or shares != build:
         return None
     return (
         f"its {method} proposer shares the target's input embedding through its language model's `.model`, and vLLM's "
@@ -171,21 +168,22 @@ def bare_language_model_limit(config: dict, method: str, build: Optional[str] = 
     )
 
 
-def require_language_model_shares(config: dict, method: str) -> None:
+def require_language_model_shares(config: dict, method: str, shares: Optional[str], instead: list[str]) -> None:
     """The one-line refusal of a drafter whose method no build of vLLM 0.32 serves for this target (before anything is
-    built: the export's and the eval's refusal)."""
-    limit = bare_language_model_limit(config, method)
+    built: the export's and the eval's refusal), naming the kinds whose proposers share nothing (`instead`)."""
+    limit = bare_language_model_limit(config, method, shares, EVERY_BUILD)
     if limit is not None:
         raise UserError(
             f"vLLM 0.32 cannot serve this drafter for this target in any build: {limit}; export a kind whose proposer "
-            "reads nothing of the target's (medusa) for it"
+            f"shares nothing of the target's ({', '.join(instead)}) for it"
         )
 
 
-def served_target_limit(config: dict, model, method: str) -> Optional[str]:
-    """Why vLLM's CPU build cannot serve a drafter served as `method` for the loaded target `model` (None: it can),
-    beyond what its config alone says (cpu_build_limit): its weights, or the method's proposer."""
-    return routing_bias_limit(config, model) or bare_language_model_limit(config, method, CPU_BUILD)
+def served_target_limit(config: dict, model, method: str, shares: Optional[str]) -> Optional[str]:
+    """Why vLLM's CPU build cannot serve a drafter served as `method` (its proposer sharing the target's embedding in
+    the builds `shares` names) for the loaded target `model` (None: it can), beyond what its config alone says
+    (cpu_build_limit): its weights, or the method's proposer."""
+    return routing_bias_limit(config, model) or bare_language_model_limit(config, method, shares, CPU_BUILD)
 
 
 def served_builds(config: dict, drafter_limit: Optional[str] = None, target_limit: Optional[str] = None) -> str:

@@ -141,7 +141,9 @@ def test_a_kind_whose_vllm_proposer_shares_the_embedding_is_refused_for_muse_gli
         if not served:
             line = assert_one_line_error(result, 2, "vLLM 0.32 cannot serve this drafter for this target in any build")
             assert "MuseGlimmerForConditionalGeneration language model is the decoder itself" in line, line
-            assert line.endswith("export a kind whose proposer reads nothing of the target's (medusa) for it"), line
+            assert line.endswith(
+                "export a kind whose proposer shares nothing of the target's (draft_model, medusa, medusa2) for it"
+            ), line
             assert not output.exists()
             continue
         assert result.returncode == 0, result.stderr[-2000:]
