@@ -244,25 +244,27 @@ def test_sigterm_exits_75_and_ctrl_c_130(checkpoint, tmp_path, monkeypatch, caps
 def test_a_sigterm_after_the_command_decided_its_code_keeps_that_code():
     """The interpreter's shutdown after a command (thread joins, atexit: up to a second after `monitor check`'s
     line) ran with SIGTERM's default action put back: a SIGTERM then ended the process as 143, and a scheduler
-    lost the command's code (a promotion's 12). A real process whose shutdown waits for the signal."""
+    lost the command's code (a promotion's 12). A real process whose shutdown waits for the signal: until its stdin
+    closes, which the test does once the signal is sent."""
     for ending, code, said in (
         ("raise UserError('the decided line')", errors.EXIT_USER_ERROR, "error: the decided line"),
         ("sys.exit(12)", 12, ""),  # a command that states its own code, as `monitor check` does
     ):
         program = (
-            "import atexit, sys, time\n"
+            "import atexit, sys\n"
             "from draftsmith.errors import UserError, run_cli\n"
-            "atexit.register(lambda: (print('shutting down', flush=True), time.sleep(5)))\n"
+            "atexit.register(lambda: (print('shutting down', flush=True), sys.stdin.read()))\n"
             "def main(argv):\n"
             f"    {ending}\n"
             "run_cli(main, [])\n"
         )
         process = subprocess.Popen(
-            [sys.executable, "-c", program], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
+            [sys.executable, "-c", program],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
         assert process.stdout.readline() == "shutting down\n"
         process.send_signal(signal.SIGTERM)
-        out, err = process.communicate(timeout=60)
+        out, err = process.communicate(timeout=60)  # closes its stdin: the shutdown goes on
         assert process.returncode == code and err.strip() == said, err
 
 

@@ -484,7 +484,8 @@ def test_a_seeded_target_trained_on_the_demo_conversations_predicts_them_better(
     """`--train-steps N` trains the seeded target (every weight: DeepSeek-V3's latent attention and experts have no
     demo tensors) on the demo's conversations before it is written: its next-token loss on them falls below the seeded
     target's; seeded alone, such a target repeats one token (random_target's docstring; the matrix's rows record
-    `target_variety`)."""
+    `target_variety`). Two steps suffice: the 4 rows' summed loss falls by 3.3 (35.5 to 32.2; by 6.2 after 4 steps,
+    which cost 4.6 s more)."""
     from transformers import AutoTokenizer
 
     from draftsmith.random_target import DEMO_CONVERSATIONS, main
@@ -492,7 +493,7 @@ def test_a_seeded_target_trained_on_the_demo_conversations_predicts_them_better(
     from draftsmith.target import load_target
 
     losses = {}
-    for steps in ("0", "4"):
+    for steps in ("0", "2"):
         with pytest.raises(SystemExit) as done:
             main(["deepseek_v3", str(tmp_path / steps), "--seed-from-demo", "--train-steps", steps])
         assert done.value.code == 0
@@ -503,7 +504,7 @@ def test_a_seeded_target_trained_on_the_demo_conversations_predicts_them_better(
         target = load_target(str(tmp_path / steps))
         with torch.no_grad():
             losses[steps] = [float(target(torch.tensor([row]), labels=torch.tensor([row])).loss) for row in ids]
-    assert sum(losses["4"]) < sum(losses["0"]) - 0.5, losses
+    assert sum(losses["2"]) < sum(losses["0"]) - 0.5, losses
 
 
 def test_a_wrapper_without_a_causal_lm_class_is_written_loaded_and_sharded_as_its_language_model(tmp_path, capsys):

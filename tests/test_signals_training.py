@@ -35,16 +35,18 @@ def test_sigterm_in_the_last_step_stops_once_final_is_written_and_a_resume_runs_
     stopping"), then the run wrote final/, ran the whole eval stage and exited 0."""
     out, marker = tmp_path / "run", tmp_path / "last_step"
     args = train_args(out, small_data, token_cache, *QUICK, "train.save_every=0")
-    last_step_waits = (  # the real entry point, its last step held long enough for the signal to land in it
+    last_step_waits = (  # the real entry point, its last step held until the signal has landed in it (a poll)
         "import runpy, sys, time\n"
         "from pathlib import Path\n"
         "import draftsmith.trainer.loop as loop\n"
         "real = loop.train_step\n"
-        "def train_step(run, *rest):\n"
+        "def train_step(run, step, agreed, stream, stop):\n"
         "    if run.state.step + 1 == run.max_steps:\n"
         f"        Path({str(marker)!r}).touch()\n"
-        "        time.sleep(3)\n"
-        "    return real(run, *rest)\n"
+        "        deadline = time.monotonic() + 60\n"
+        "        while not stop.requested and time.monotonic() < deadline:\n"
+        "            time.sleep(0.01)\n"
+        "    return real(run, step, agreed, stream, stop)\n"
         "loop.train_step = train_step\n"
         f"sys.argv = ['train.py', *{args!r}]\n"
         "runpy.run_path('train.py', run_name='__main__')\n"
