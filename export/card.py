@@ -132,13 +132,13 @@ def served_note(engine: str, verified: Optional[dict[str, Any]], dtype: str) -> 
         flags = vllm_serve_flags(arguments)
         said = {"--no-enable-prefix-caching": "with prefix caching off", "--language-model-only": "text only"}
         settings = " and ".join(what for flag, what in said.items() if flag in flags)
-        caching = f", and {settings}, as the command serves it (`{flags.strip()}`)" if settings else ""
+        served_so = f", and {settings}, as the command serves it (`{flags.strip()}`)" if settings else ""
         return (
             f"Tested: this folder was loaded in vLLM {verified['engine_version']} as the speculative model for the "
             f"target in {arguments['dtype']} (the command's `--dtype`) on {verified['prompts']} eval prompts (greedy, "
             f"{verified['max_new_tokens']} new tokens, γ={verified['num_speculative_tokens']}): "
             f"{found_identical(verified)} {ours} The check ran vLLM eager (`enforce_eager`) with max_model_len "
-            f"{arguments['max_model_len']}, settings that change memory and speed, not the tokens{caching}."
+            f"{arguments['max_model_len']}, settings that change memory and speed, not the tokens{served_so}."
         )
     return (
         f"{SERVING_ENGINES[engine].unchecked} The command serves the target in {dtype}, the dtype draftsmith loaded "
