@@ -56,6 +56,18 @@ def sigterm_handler_put_back():
     signal.signal(signal.SIGTERM, handler)
 
 
+@pytest.fixture(autouse=True)
+def ctrl_c_as_in_the_foreground():
+    """A pytest started as a script's background job (`pytest ... &`) inherits SIGINT ignored, as do the commands its
+    tests start, and run_cli keeps a background job's Ctrl-C ignored: every Ctrl-C test failed there. Each test gets it
+    as a foreground process has it (the processes it starts: the default action)."""
+    import signal
+
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, handler)
+
+
 def pytest_xdist_auto_num_workers(config) -> int:
     return min(CORES, MAX_WORKERS)
 

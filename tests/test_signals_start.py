@@ -120,6 +120,19 @@ def test_a_library_error_raised_while_a_stop_unwinds_is_the_stop(signum, code, l
     assert capsys.readouterr().err.splitlines()[-1].startswith(line)
 
 
+def test_a_background_job_keeps_ignoring_ctrl_c():
+    """A command started as a background job (`draftsmith train ... &` in a script) inherits SIGINT ignored, so that
+    the Ctrl-C typed for the foreground job does not stop it: run_cli leaves it ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # put back by tests/conftest.py's ctrl_c_as_in_the_foreground
+
+    def main(args):
+        signal.raise_signal(signal.SIGINT)
+
+    with pytest.raises(SystemExit) as finished:
+        run_cli(main, [], "eval")
+    assert finished.value.code == 0 and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     return save_drafter("medusa", load_target(str(REFERENCE_TARGET)), tmp_path_factory.mktemp("start") / "final")

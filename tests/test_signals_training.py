@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 import draftsmith.trainer.checkpoint as checkpoint
 from draftsmith.errors import EXIT_INTERRUPTED, EXIT_IO_ERROR, EXIT_PREEMPTED, EXIT_USER_ERROR
 from draftsmith.outputs import ACCURACY_NAME
-from tests.helpers import REPO, assert_one_line_error, run_entry_in_process, train_args
+from tests.helpers import REPO, assert_one_line_error, corpus_slice, run_entry_in_process, train_args
 
 pytestmark = pytest.mark.slow  # each trains
 
@@ -28,13 +28,21 @@ QUICK = ("data.max_conversations=8", "train.max_steps=2", "train.cpu_threads=1")
 RESUME = "run the same command with train.resume=true"
 
 
+@pytest.fixture(scope="module")
+def data(small_data, tmp_path_factory) -> dict[str, Path]:
+    """The small corpus slice with an eval split of one conversation a domain: the eval stage here is where a run is
+    stopped or whose end is checked, never what it measures (the slice's 24 conversations: about 1.5 s a stage)."""
+    eval_split = corpus_slice(tmp_path_factory.mktemp("eval") / "eval.jsonl", "eval", 1)
+    return {"train": small_data["train"], "eval": eval_split}
+
+
 def test_sigterm_in_the_last_step_stops_once_final_is_written_and_a_resume_runs_the_eval(
-    tmp_path, small_data, token_cache, capsys
+    tmp_path, data, token_cache, capsys
 ):
     """A real SIGTERM while the last step runs: it was noted ("saving a checkpoint at the end of this step, then
     stopping"), then the run wrote final/, ran the whole eval stage and exited 0."""
     out, marker = tmp_path / "run", tmp_path / "last_step"
-    args = train_args(out, small_data, token_cache, *QUICK, "train.save_every=0")
+    args = train_args(out, data, token_cache, *QUICK, "train.save_every=0")
     last_step_waits = (  # the real entry point, its last step held until the signal has landed in it (a poll)
         "import runpy, sys, time\n"
         "from pathlib import Path\n"
@@ -125,13 +133,13 @@ def sigterm_in(function: str, args: list[str], marker: Path) -> subprocess.Compl
     ids=["eval-stage", "tokenizing"],
 )
 def test_sigterm_outside_the_training_loop_says_what_continues_the_run(
-    function, advice, tmp_path, small_data, token_cache, capsys
+    function, advice, tmp_path, data, token_cache, capsys
 ):
     """SIGTERM in the eval stage, after final/ is published, or while the data is tokenized before step 0: the line
     said `train.resume=true to continue` whatever the run had written; it says what Ctrl-C's says there
     (`after_interrupt`), and the command it names runs to the end."""
     out = tmp_path / "run"
-    args = train_args(out, small_data, token_cache, *QUICK, "train.save_every=0")
+    args = train_args(out, data, token_cache, *QUICK, "train.save_every=0")
     stopped = sigterm_in(function, args, tmp_path / "waiting")
     line = assert_one_line_error(stopped, EXIT_PREEMPTED, prefix="preempted: ")
     assert line == f"preempted: stopped on SIGTERM; {advice.format(out=out)}"

@@ -16,11 +16,13 @@ import gzip
 import json
 import os
 import socket
+import time
 from dataclasses import replace
 
 import pytest
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
 from omegaconf import OmegaConf
 
 from draftsmith.data_prep.collate import Collator, PackingCollator
@@ -189,7 +191,11 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     )
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    assert not torch.distributed.is_initialized()  # forked from a test process that holds no group
+    AcceleratorState._reset_state(reset_partial_state=True)  # nor its parent's Accelerator: this rank's own
+    GradientState._reset_state()
     accelerator = Accelerator(gradient_accumulation_steps=1, cpu=True)
+    assert accelerator.num_processes == world
     rows = conversations()[rank::world]  # every world-th conversation, as trainer/loop.py deals them
     results = {}
     for kind in GLOO_KINDS:
@@ -210,7 +216,17 @@ def test_two_gloo_ranks_of_four_give_the_one_rank_step(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "ranks.pt"
-    torch.multiprocessing.spawn(_rank, args=(2, port, str(out)), nprocs=2, join=True)
+    # forked from this process, whose imports they share: spawned, each rank imported torch, transformers, accelerate
+    # and this module again (about 6 s of CPU a rank)
+    launched = torch.multiprocessing.start_processes(
+        _rank, args=(2, port, str(out)), nprocs=2, join=False, start_method="fork"
+    )
+    deadline = time.monotonic() + 180  # a fork copies locks other threads held: a rank could hang on one, not CI
+    while not launched.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in launched.processes:
+                process.kill()
+            pytest.fail("the forked gloo ranks did not finish in 180 s")
     ranks = torch.load(out)
     rows = conversations()
     for kind in GLOO_KINDS:
