@@ -42,7 +42,8 @@ pytestmark = pytest.mark.slow  # its fixture trains two checkpoints
 def two_checkpoints(tmp_path_factory, small_data, token_cache):
     """A two-step run with a checkpoint after each step."""
     output_dir = tmp_path_factory.mktemp("integrity") / "run"
-    args = train_args(output_dir, small_data, token_cache, "train.max_steps=2", "train.save_every=1")
+    steps = ("train.max_steps=2", "train.save_every=1", "data.eval=[]")  # no eval stage: no test reads it
+    args = train_args(output_dir, small_data, token_cache, *steps)
     train_in_process(args)
     return output_dir, args
 

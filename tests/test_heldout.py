@@ -166,8 +166,10 @@ def test_a_step_counts_accumulation_and_an_epoch_says_what_it_leaves_out(tmp_pat
     a word."""
     from tests.helpers import assert_one_line_error
 
-    def run(*extra, output="run"):
-        args = train_args(tmp_path / output, small_data, token_cache, "data.max_conversations=10", *extra)
+    def run(*extra, output="run"):  # no eval stage: nothing here reads it
+        args = train_args(
+            tmp_path / output, small_data, token_cache, "data.max_conversations=10", "data.eval=[]", *extra
+        )
         return run_entry_in_process(["train.py", *args], capsys)
 
     assert_one_line_error(

@@ -60,6 +60,7 @@ def test_a_short_run_logs_throughput_memory_parameters_and_writes_a_trace(tmp_pa
             "train.max_steps=3",
             "train.profile_steps=[2,3]",
             "train.peak_tflops=0.001",
+            "data.eval=[]",  # the training's log, trace and summary are read, not its eval stage
         )
     )
     log = read_log(output_dir)

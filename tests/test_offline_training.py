@@ -18,6 +18,7 @@ from draftsmith.trainer.loop import micro_batches
 from tests.helpers import REFERENCE_TARGET, assert_one_line_error, run_entry_in_process, train_args
 
 pytestmark = pytest.mark.slow
+SIX_STEPS = ("train.max_steps=6", "data.eval=[]")  # the runs' losses are compared, not their eval stage (0.5-2 s)
 
 
 @pytest.fixture(scope="module")
@@ -59,14 +60,12 @@ def test_offline_and_online_batches_match(captured, small_data, token_cache, tmp
 def test_train_py_from_features(captured, small_data, token_cache, tmp_path, capsys):
     out = tmp_path / "offline_run"
     result = run_entry_in_process(
-        ["train.py", *train_args(out, small_data, token_cache, "train.max_steps=6", f"data.features={captured}")],
+        ["train.py", *train_args(out, small_data, token_cache, *SIX_STEPS, f"data.features={captured}")],
         capsys,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     online_out = tmp_path / "online_run"
-    online = run_entry_in_process(
-        ["train.py", *train_args(online_out, small_data, token_cache, "train.max_steps=6")], capsys
-    )
+    online = run_entry_in_process(["train.py", *train_args(online_out, small_data, token_cache, *SIX_STEPS)], capsys)
     assert online.returncode == 0, online.stderr[-2000:]
     offline_loss = [
         json.loads(line)["train/loss"]

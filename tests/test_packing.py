@@ -296,6 +296,7 @@ def test_pack_length_shorter_than_max_length_is_refused_before_anything_runs(tmp
 def test_train_py_packed_trains_into_the_padded_losses_and_resumes_exactly(tmp_path, small_data, token_cache, capsys):
     # Conversations of up to 256 tokens (most of the slice is longer), packed into rows of 256.
     steps = ["train.max_steps=4", "train.save_every=2", "train.micro_batch_size=6", "data.max_length=256"]
+    steps.append("data.eval=[]")  # nothing here reads the eval stage (0.5-2 s a run)
     packed_dir, padded_dir = tmp_path / "packed", tmp_path / "padded"
     packed = run_entry_in_process(
         ["train.py", *train_args(packed_dir, small_data, token_cache, *steps, "data.pack=true")], capsys
@@ -379,6 +380,7 @@ def test_training_from_captured_features_packs_them_into_the_padded_losses(tmp_p
                 "train.max_steps=2",
                 f"data.features={features}",
                 "data.pack=true",
+                "data.eval=[]",  # only its exit is checked: no eval stage
             ),
         ],
         capsys,

@@ -167,7 +167,8 @@ def test_eagle3_trains_on_a_release_and_decodes_losslessly(tmp_path, small_data,
     target = write_release("minimax_m3_vl", tmp_path / "target", std=0.08, num_hidden_layers=4)
     final, _ = train_in_process([
         "recipe=eagle3", f"target.name_or_path={target}", f"data.train=[{small_data['train']}]",
-        f"data.eval=[{small_data['eval']}]", f"data.cache_dir={token_cache}", "data.max_length=64",
+        f"eval.data=[{small_data['eval']}]", "data.eval=[]",  # the report's prompts; no split accuracy, unread
+        f"data.cache_dir={token_cache}", "data.max_length=64",
         "data.max_conversations=8", "train.micro_batch_size=4", "train.max_steps=2", "train.save_every=0",
         "eval.max_prompts=1", "eval.max_new_tokens=16", "eval.tree=0", "eval.batch_size=1", f"output_dir={tmp_path}",
     ])  # fmt: skip

@@ -117,7 +117,8 @@ def test_train_records_its_data_as_it_begins_and_refuses_a_resume_over_data_edit
     tmp_path, small_data, token_cache, capsys
 ):
     data, out = shutil.copy(small_data["train"], tmp_path / "train.jsonl"), tmp_path / "run"
-    args = train_args(out, {**small_data, "train": data}, token_cache, "train.max_steps=2", "train.save_every=1")
+    steps = ("train.max_steps=2", "train.save_every=1", "data.eval=[]")  # no eval stage: nothing here reads it
+    args = train_args(out, {**small_data, "train": data}, token_cache, *steps)
     assert run_entry_in_process(["train.py", *args], capsys).returncode == 0
     assert json.loads((out / DATA_CONTENT_NAME).read_text())["data.train"] == [file_sha256(data)]
     lines = data.read_text().splitlines(keepends=True)

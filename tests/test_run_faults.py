@@ -131,7 +131,8 @@ def test_the_advice_to_run_again_holds_for_a_training_run(tmp_path, small_data, 
     import draftsmith.trainer.loop as loop
 
     out = tmp_path / "run"
-    args = ["train.py", *train_args(out, small_data, token_cache, "train.max_steps=2", "data.eval=[]")]
+    quick = ("train.max_steps=2", "data.eval=[]")  # no eval stage: nothing here reads it
+    args = ["train.py", *train_args(out, small_data, token_cache, *quick)]
 
     def full_disk(accelerator, output_dir, *rest):
         raise OSError(errno.ENOSPC, "No space left on device", str(output_dir / "run_summary.json"))
@@ -149,7 +150,7 @@ def test_the_advice_to_run_again_holds_for_a_training_run(tmp_path, small_data, 
         time.sleep(30)
 
     monkeypatch.setattr(loop, "set_up", sigterm)
-    stopped = ["train.py", *train_args(tmp_path / "stopped", small_data, token_cache, "train.max_steps=2")]
+    stopped = ["train.py", *train_args(tmp_path / "stopped", small_data, token_cache, *quick)]
     line = assert_one_line_error(run_entry_in_process(stopped, capsys), 75, prefix="preempted: ")
     assert line == "preempted: stopped on SIGTERM; nothing was written: run the same command again"
     monkeypatch.undo()

@@ -141,7 +141,7 @@ def test_the_precision_a_run_computes_in_is_logged_recorded_and_kept_by_its_resu
     from accelerate.state import AcceleratorState
 
     out = tmp_path / "run"
-    args = ["train.py", *train_args(out, small_data, token_cache, "train.max_steps=1")]
+    args = ["train.py", *train_args(out, small_data, token_cache, "train.max_steps=1", "data.eval=[]")]  # no eval stage
     try:
         AcceleratorState._reset_state(reset_partial_state=True)  # in-process: an earlier run's precision is kept
         monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # what accelerate launch's config sets
