@@ -28,7 +28,8 @@ from draftsmith.data_prep.features import (
 from draftsmith.errors import UserError, run_cli
 from draftsmith.recipe import load_recipe
 from draftsmith.target import FeatureRequest, TargetShape, load_target, load_tokenizer, run_target
-from tests.helpers import REFERENCE_TARGET, assert_one_line_error, corpus_slice, run_entry
+from tests.forked_ranks import run_forked_ranks
+from tests.helpers import REFERENCE_TARGET, assert_one_line_error, corpus_slice
 
 LAYERS = (-1, 0, 2)  # embeddings and two decoder layers of the 4-layer reference target
 TOPK = 8
@@ -245,24 +246,12 @@ def test_killed_capture_resumes_without_redoing_finished_shards(tmp_path, conver
     assert_same_shards(again, uninterrupted)
 
 
-@pytest.mark.slow  # two ranks under torch.distributed.run: real processes
+@pytest.mark.slow  # two ranks: processes forked from this one (torchrun's launch: tests/test_sharding.py's capture)
 def test_two_ranks_write_their_own_shards_and_one_manifest(tmp_path, conversations):
     single = run_capture(tmp_path / "single", conversations, "data.capture.shard_tokens=150")
     output = tmp_path / "ddp"
-    result = run_entry(
-        [
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "data_prep.capture",
-            *capture_args(output, conversations, "data.capture.shard_tokens=150"),
-        ],
-        timeout=300,
-        env={"OMP_NUM_THREADS": "1"},
-    )
+    args = ["-m", "data_prep.capture", *capture_args(output, conversations, "data.capture.shard_tokens=150")]
+    result = run_forked_ranks(args, tmp_path / "logs")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "bytes/token" in result.stdout
     features = output / "features"

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 from draftsmith.errors import UserError
 from draftsmith.recipe import load_recipe
+from tests.forked_ranks import run_forked_ranks
 from tests.helpers import (
     REFERENCE_TARGET,
     REPO,
@@ -156,27 +157,29 @@ def test_a_sharded_target_leaves_no_gloo_thread_to_die_with_the_interpreter(one_
 
 
 # -- slow: two ranks, the real entry points ---------------------------------------------------
-def launch_train(output_dir: Path, data: dict[str, Path], cache: Path, port: int, *extra: str):
-    """train.py under the shipped launch config with 2 processes (on CPU: DDP over gloo)."""
-    launch = [
-        "-m", "accelerate.commands.launch", "--config_file", str(FSDP_LAUNCH), "--num_processes", "2",
-        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
+def train_args(output_dir: Path, data: dict[str, Path], cache: Path, shard: str) -> list[str]:
+    return [
+        "train.py", "recipe=eagle3", f"target.name_or_path={REFERENCE_TARGET}", f"data.train=[{data['train']}]",
+        "data.eval=[]", f"data.cache_dir={cache}", "data.max_length=128", "drafter.ttt_steps=3",
+        "train.micro_batch_size=4", "train.max_steps=3", "train.warmup_steps=2", "train.log_every=1",
+        "eval.enabled=false", f"target.shard={shard}", f"output_dir={output_dir}",
     ]  # fmt: skip
-    recipe = [
-        "recipe=eagle3", f"target.name_or_path={REFERENCE_TARGET}", f"data.train=[{data['train']}]", "data.eval=[]",
-        f"data.cache_dir={cache}", "data.max_length=128", "drafter.ttt_steps=3", "train.micro_batch_size=4",
-        "train.max_steps=3", "train.warmup_steps=2", "train.log_every=1", "eval.enabled=false",
-        f"output_dir={output_dir}",
-    ]  # fmt: skip
-    return run_entry([*launch, "train.py", *recipe, *extra], timeout=300, env={"OMP_NUM_THREADS": "1"})
 
 
 @pytest.mark.slow
-def test_two_ranks_hold_half_the_layers_and_train_the_same_drafter(tmp_path, small_data, token_cache):
+def test_two_ranks_hold_half_the_layers_and_train_the_same_drafter(tmp_path, small_data, token_cache, one_thread):
     whole_run, sharded_run = tmp_path / "whole", tmp_path / "sharded"
-    for output_dir, shard, port in ((whole_run, "none", 29541), (sharded_run, "fsdp", 29542)):
-        done = launch_train(output_dir, small_data, token_cache, port, f"target.shard={shard}")
-        assert done.returncode == 0, done.stderr[-3000:]
+    # the unsharded reference: the same train.py on two ranks forked from this process (DDP over gloo, as launched)
+    done = run_forked_ranks(train_args(whole_run, small_data, token_cache, "none"), tmp_path / "whole_logs")
+    assert done.returncode == 0, done.stderr[-3000:]
+    # what is tested: train.py under the shipped launch config with 2 processes (on CPU: DDP over gloo)
+    launch = [
+        "-m", "accelerate.commands.launch", "--config_file", str(FSDP_LAUNCH), "--num_processes", "2",
+        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29542",
+    ]  # fmt: skip
+    sharded_args = [*launch, *train_args(sharded_run, small_data, token_cache, "fsdp")]
+    done = run_entry(sharded_args, timeout=300, env={"OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
 
     whole, sharded = (json.loads((run / "run_summary.json").read_text()) for run in (whole_run, sharded_run))
     assert whole["world_size"] == sharded["world_size"] == 2 and sharded["steps"] == 3
@@ -223,7 +226,7 @@ def torchrun(*args: str):
 
 
 @pytest.mark.slow
-def test_two_rank_capture_with_a_sharded_target_writes_the_same_shards(tmp_path, seven):
+def test_two_rank_capture_with_a_sharded_target_writes_the_same_shards(tmp_path, seven, one_thread):
     manifests = {}
     for shard in ("none", "fsdp"):
         recipe = [
@@ -231,7 +234,10 @@ def test_two_rank_capture_with_a_sharded_target_writes_the_same_shards(tmp_path,
             f"data.cache_dir={tmp_path / 'cache'}", "data.max_length=96", "train.micro_batch_size=1",
             "data.capture.shard_tokens=150", f"target.shard={shard}", f"output_dir={tmp_path / shard}",
         ]  # fmt: skip
-        done = torchrun("-m", "data_prep.capture", *recipe)
+        if shard == "none":  # the reference: two ranks forked from this process; what is tested under torchrun
+            done = run_forked_ranks(["-m", "data_prep.capture", *recipe], tmp_path / "logs")
+        else:
+            done = torchrun("-m", "data_prep.capture", *recipe)
         assert done.returncode == 0, done.stderr[-3000:]
         manifests[shard] = json.loads((tmp_path / shard / "features" / "manifest.json").read_text())
     per_rank = [sum(s["conversations"] for s in manifests["fsdp"]["shards"] if s["rank"] == rank) for rank in (0, 1)]
