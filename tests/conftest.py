@@ -13,6 +13,7 @@ import gzip
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 # Tests run offline: everything they load is on disk (demo/, ../shared, models built in memory), and a
@@ -30,6 +31,12 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 # start with it; the tests' tiny targets need a few MiB. 1 GiB: 0.45 s instead of 2.6 s per engine.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 MAX_WORKERS = 4  # each worker may hold a vLLM engine or an accelerate launch: memory, not cores, bounds more
+# Bytecode caches written (the checkout's __pycache__/, which git ignores) even where the environment turns them off
+# (PYTHONDONTWRITEBYTECODE, as this machine's image does): each of the suite's Python processes (entry points, ranks,
+# launches) would compile draftsmith's modules again, about 0.5 CPU-seconds a process, and a later run's collection
+# would rewrite every test module's asserts again (5 s a worker).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 import pytest  # noqa: E402
 

@@ -878,6 +878,19 @@ FAMILY_TRAINING = [
 ]  # fmt: skip
 
 
+def speculators_features(output: Path, token_cache: Path, rows: int) -> dict:
+    """EAGLE-3's features of the reference target over `rows` of the demo's regenerated conversations, written in
+    speculators' format (data_prep/speculators_features.py) to `output`; returns what its info file holds."""
+    from draftsmith.data_prep.speculators_features import write_speculators_data
+
+    cfg = load_recipe([
+        "recipe=eagle3", f"target.name_or_path={REFERENCE_TARGET}",
+        f"data.train=[{DEMO / 'data/train.regenerated.jsonl.gz'}]", f"data.max_conversations={rows}",
+        f"data.cache_dir={token_cache}", f"output_dir={output.parent / 'run'}",
+    ])  # fmt: skip
+    return write_speculators_data(cfg, output, dtype="float32")
+
+
 def family_target(family: str, directory: Path, token_cache: Path, answers: int = 96) -> tuple[Path, Path]:
     """A tiny random target of `family` (seeded from the demo's weights where name and shape match) and
     its own greedy answers to `answers` of the demo's training prompts (`data_prep.regenerate`, the product's

@@ -1,14 +1,14 @@
 """Features in speculators' format (data_prep/speculators_features.py): the files hold what vLLM's
 `extract_hidden_states` would (speculators' layer ids = transformers' `hidden_states` indices, the last
-slot the final layer's output before the final norm), line up with draftsmith's tokenization, and
-speculators 0.9.0's own offline dataset class reads them (slow tier, in its venv)."""
+slot the final layer's output before the final norm) and line up with draftsmith's tokenization;
+speculators 0.9.0's own offline dataset class reads them in tests/test_speculators_interop.py (in its venv, in the
+one speculators process of that module)."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import subprocess
 
 import pytest
 import torch
@@ -21,12 +21,11 @@ from draftsmith.data_prep.speculators_features import (
     UNFINISHED,
     speculators_states,
     tap_layer_ids,
-    write_speculators_data,
 )
 from draftsmith.outputs import DirectoryLock
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target
-from tests.helpers import DEMO, REFERENCE_TARGET, assert_one_line_error, run_entry_in_process
+from tests.helpers import REFERENCE_TARGET, assert_one_line_error, run_entry_in_process, speculators_features
 
 ROWS = 3
 
@@ -34,19 +33,9 @@ ROWS = 3
 @pytest.fixture(scope="module")
 def written(tmp_path_factory, token_cache):
     output = tmp_path_factory.mktemp("speculators") / "data"
-    cfg = load_recipe(
-        [
-            "recipe=eagle3",
-            f"target.name_or_path={REFERENCE_TARGET}",
-            f"data.train=[{DEMO / 'data/train.regenerated.jsonl.gz'}]",
-            f"data.max_conversations={ROWS}",
-            f"data.cache_dir={token_cache}",
-            f"output_dir={output.parent / 'run'}",
-        ]  # fmt: skip
-    )
     umask = os.umask(0o022)  # test_files_have_the_umasks_mode's
     try:
-        return output, write_speculators_data(cfg, output, dtype="float32")
+        return output, speculators_features(output, token_cache, ROWS)
     finally:
         os.umask(umask)
 
@@ -232,29 +221,3 @@ def test_the_taps_are_the_recipe_kinds_own_as_train_resolves_them(tmp_path):
     assert trained.config.target_layers != list(unmoved)
     chosen = load_recipe(["recipe=dflash", f"target.name_or_path={folder}", "drafter.target_layers=[0,2]"])
     assert tap_layer_ids(chosen, config, TargetShape.from_config(config, str(folder))) == [0, 2]
-
-
-# speculators' offline reader over the folder: every row read back, split as its trainer splits it
-READ = """
-import json, sys, torch
-from speculators.train.data import ArrowDataset
-data = ArrowDataset(max_len=4096, datapath=sys.argv[1], on_missing="raise", hidden_states_dtype=torch.float32)
-rows = [data[i] for i in range(len(data))]
-print(json.dumps({"rows": len(rows),
-                  "shapes": [[list(r["hidden_states"].shape), list(r["verifier_last_hidden_states"].shape)]
-                             for r in rows],
-                  "masked": [int(r["loss_mask"].sum()) for r in rows]}))
-"""
-
-
-@pytest.mark.slow
-def test_speculators_reads_the_files(written, speculators_python):
-    output, info = written
-    done = subprocess.run([speculators_python, "-c", READ, str(output)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    rows = load_from_disk(str(output))
-    assert result["rows"] == ROWS
-    assert result["shapes"] == [[[n, 3 * 256], [n, 256]] for n in map(int, rows["seq_len"])]
-    assert sum(result["masked"]) == info["masked_tokens"]
-    assert json.loads((output / INFO).read_text())["speculators_layer_ids"] == [1, 2, 3]

@@ -25,7 +25,11 @@ target, built by its own classes in its own random init, saved in bfloat16 as it
 one) is read by `open_drafter` (the eval's) into a drafter that proposes the chain speculators' forward
 proposes on the same states, logits within 1e-4, and `warm_start` (training's) returns every tensor of
 the folder to the bit. What such a folder may set that draftsmith cannot compute is refused in one line
-(tests/test_export.py, without speculators)."""
+(tests/test_export.py, without speculators).
+
+And speculators' offline dataset class reads the features draftsmith writes in its format
+(data_prep/speculators_features.py; their contents are checked in tests/test_speculators_features.py): every row,
+split as its trainer splits it. Everything speculators runs here runs in one process: its imports take about 12 s."""
 
 from __future__ import annotations
 
@@ -45,7 +49,7 @@ from draftsmith.heads import drafter_class
 from draftsmith.heads.base import load_drafter
 from draftsmith.recipe import load_recipe
 from draftsmith.target import TargetShape, load_target, load_tokenizer
-from tests.helpers import REFERENCE_TARGET, train_in_process
+from tests.helpers import REFERENCE_TARGET, speculators_features, train_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -164,15 +168,30 @@ def build(folder, target, window):
     draft.save_pretrained(folder, state_dict=convert_float_dtype(draft.state_dict(), torch.bfloat16))
     patch_config_dtype(Path(folder) / "config.json", torch.bfloat16)
 """
-# The jobs (argv[1], JSON) in one process: speculators' imports take about 5 s.
+# speculators' offline reader over a features folder: every row read back, split as its trainer splits it
+READ_FEATURES = """
+from speculators.train.data import ArrowDataset
+
+
+def read_features(datapath):
+    data = ArrowDataset(max_len=4096, datapath=datapath, on_missing="raise", hidden_states_dtype=torch.float32)
+    rows = [data[i] for i in range(len(data))]
+    return {"rows": len(rows),
+            "shapes": [[list(r["hidden_states"].shape), list(r["verifier_last_hidden_states"].shape)] for r in rows],
+            "masked": [int(r["loss_mask"].sum()) for r in rows]}
+"""
+# The jobs (argv[1], JSON) and the features folder (argv[2]) in one process: speculators' imports take about 12 s.
 RUN_JOBS = """
 findings = {}
 for job in json.loads(sys.argv[1]):
     if job["build"]:
         build(job["folder"], *job["build"])
     findings[job["name"]] = check(job["folder"], job["states"], job["out"], job["gamma"])
+findings["features"] = read_features(sys.argv[2])
 print(json.dumps(findings))
 """
+FEATURES = "features"  # RUN_JOBS's name for the features folder's findings, beside the cases'
+FEATURE_ROWS = 3
 SPECULATORS_DEFAULTS = ["norm_before_residual", "norm_before_fc", "norm_output"]  # its trainer's, for EAGLE-3
 WINDOWS = {"default-window": 2048, "window-inside-the-prompt": 8}
 
@@ -229,9 +248,11 @@ def speculators_read(speculators_python, small_data, token_cache, tmp_path_facto
         case["prompt"] = target_states(case["target"], case["recipe"], tmp / "states.safetensors")
         case["folder"], case["out"] = Path(job["folder"]), tmp / "speculators.safetensors"
         job.update(states=str(tmp / "states.safetensors"), out=str(case["out"]), gamma=DRAFT_TOKENS)
-    script = CHECK + BUILD + RUN_JOBS
+    features = tmp_path_factory.mktemp("features") / "data"
+    cases[FEATURES] = {"folder": features, "info": speculators_features(features, token_cache, FEATURE_ROWS)}
+    script = CHECK + BUILD + READ_FEATURES + RUN_JOBS
     done = subprocess.run(
-        [speculators_python, "-c", script, json.dumps(jobs)], capture_output=True, text=True, timeout=900
+        [speculators_python, "-c", script, json.dumps(jobs), str(features)], capture_output=True, text=True, timeout=900
     )
     assert done.returncode == 0, done.stderr[-2000:]
     for name, findings in json.loads(done.stdout.strip().splitlines()[-1]).items():
@@ -296,3 +317,19 @@ def test_draftsmith_evaluates_and_warm_starts_from_a_speculators_checkpoint(name
     assert set(saved) - set(start) == {"embed_tokens.weight"} and set(start) <= set(saved)  # the target's embedding
     assert all(torch.equal(start[name], saved[name].to(start[name].dtype)) for name in start)
     recipe_drafter.load_state_dict(start)  # what the trainer does with it
+
+
+def test_speculators_reads_draftsmiths_features(speculators_read):
+    """speculators' ArrowDataset (its offline trainer's reader) reads every row of the features folder draftsmith
+    wrote, the taps concatenated and the last state apart, split as its trainer splits them, with every loss-bearing
+    token draftsmith counted."""
+    from datasets import load_from_disk
+
+    from draftsmith.data_prep.speculators_features import INFO
+
+    read = speculators_read[FEATURES]
+    result, rows = read["result"], load_from_disk(str(read["folder"]))
+    assert result["rows"] == FEATURE_ROWS
+    assert result["shapes"] == [[[n, 3 * 256], [n, 256]] for n in map(int, rows["seq_len"])]
+    assert sum(result["masked"]) == read["info"]["masked_tokens"]
+    assert json.loads((read["folder"] / INFO).read_text())["speculators_layer_ids"] == [1, 2, 3]
