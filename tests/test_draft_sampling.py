@@ -20,7 +20,7 @@ from draftsmith.formats.repo import EXPORT_INFO, VLLM_PINNED
 from draftsmith.heads import drafter_class
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target
-from tests.helpers import KINDS, REFERENCE_TARGET, save_drafter
+from tests.helpers import KINDS, REFERENCE_TARGET, first_records, save_drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -92,8 +92,9 @@ def test_at_temperature_above_zero_sglang_does_not_serve_a_draft_model():
 
 def test_the_report_at_temperature_above_zero_names_vllm_alone_for_a_draft_model(target, small_data, tmp_path):
     checkpoint = save_drafter("draft_model", target, tmp_path / "final")
+    one_prompt = first_records(small_data["eval"], tmp_path / "eval.jsonl", 1)  # the rows' labels are read, not τ
     args = [
-        f"recipe={KINDS['draft_model']}", f"data.eval=[{small_data['eval']}]", "eval.max_prompts=1",
+        f"recipe={KINDS['draft_model']}", f"data.eval=[{one_prompt}]", "eval.max_prompts=1",
         "eval.max_new_tokens=8", "eval.temperature=0.8", "eval.ngram_baseline=false", "eval.suffix_baseline=false",
         f"output_dir={tmp_path / 'run'}",
     ]  # fmt: skip

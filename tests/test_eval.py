@@ -571,7 +571,7 @@ def test_an_eval_of_another_checkpoint_moves_the_earlier_report_aside(eval_setup
     root, recipe, target = eval_setup
     final = root / "run" / "final"
     best = shutil.copytree(final, tmp_path / "run" / "best")
-    cheap = ["eval.max_new_tokens=4", "eval.tree=0"]  # what is measured does not matter here, only where it goes
+    cheap = ["eval.max_new_tokens=4", "eval.tree=0", "eval.ngram_baseline=false"]  # only where what is measured goes
     cfg = load_recipe([f"recipe={recipe}", f"output_dir={tmp_path / 'run'}", *cheap])
     eval_dir = tmp_path / "run" / "eval"
     for checkpoint in (final, final):
@@ -604,7 +604,7 @@ def test_an_export_reads_the_report_of_its_weights_wherever_the_run_moved(eval_s
     root, recipe, target = eval_setup
     run = tmp_path / "run"
     shutil.copytree(root / "run" / "final", run / "final")
-    cheap = ["eval.max_new_tokens=4", "eval.tree=0"]  # what is measured does not matter here, only whose it is
+    cheap = ["eval.max_new_tokens=4", "eval.tree=0", "eval.ngram_baseline=false"]  # only whose it is matters here
     run_eval(load_recipe([f"recipe={recipe}", f"output_dir={run}", *cheap]), str(run / "final"), target=target)
     moved = shutil.copytree(run, tmp_path / "moved")
 
@@ -645,7 +645,8 @@ def test_a_failed_lossless_check_writes_the_report_and_exits_3(eval_setup, tmp_p
     root, recipe, _ = eval_setup
     monkeypatch.setattr(sampling_module, "exact_rule", lambda p, q, token, u: (True, p))  # accepts everything
     with pytest.raises(SystemExit) as exited:
-        run_cli(main, [f"recipe={recipe}", f"output_dir={tmp_path}", f"checkpoint={root / 'run' / 'final'}"])
+        cheap = ["eval.tree=0", "eval.ngram_baseline=false"]  # the chain's row is the one read
+        run_cli(main, [f"recipe={recipe}", f"output_dir={tmp_path}", f"checkpoint={root / 'run' / 'final'}", *cheap])
     assert exited.value.code == EXIT_CHECK_FAILED == 3
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert report["domains"]["all"]["chain"]["lossless"] is False
