@@ -32,6 +32,9 @@ def test_the_fine_tuned_mtp_layer_is_served_by_vllm_like_in_draftsmith(
     args = [
         "recipe=mtp", f"data.train=[{small_data['train']}]", *FAMILY_TRAINING, f"eval.data=[{small_data['eval']}]",
         f"data.cache_dir={token_cache}", f"output_dir={tmp_path / 'run'}", "train.lr=3e-3",
+        # 8 steps accept 18 tokens in 260 drafts (-0.2% from draftsmith's τ); the target's own layer exported in
+        # place of the fine-tuned one accepts none
+        "train.max_steps=8",
     ]  # fmt: skip
     verified = train_and_export_for_vllm(args, vllm_python, tmp_path / "export", engine_session)["verified"]
     assert verified["lossless"] and verified["equals_draftsmith_plain"], verified
