@@ -28,7 +28,7 @@ from draftsmith.data_prep.features import (
 from draftsmith.errors import UserError, run_cli
 from draftsmith.recipe import load_recipe
 from draftsmith.target import FeatureRequest, TargetShape, load_target, load_tokenizer, run_target
-from tests.forked_ranks import run_forked_ranks
+from tests.forked import run_forked_ranks
 from tests.helpers import REFERENCE_TARGET, assert_one_line_error, corpus_slice
 
 LAYERS = (-1, 0, 2)  # embeddings and two decoder layers of the 4-layer reference target

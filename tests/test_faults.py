@@ -13,13 +13,11 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import os
 import random
 import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 import zipfile
@@ -30,6 +28,7 @@ import yaml
 from safetensors.torch import load_file
 
 from draftsmith.outputs import LOCK_NAME
+from tests.forked import ForkedEntry
 from tests.helpers import (
     REFERENCE_TARGET,
     REPO,
@@ -99,27 +98,25 @@ def has_written(directory: Path) -> bool:
     return directory.is_dir() and any(p.is_file() for p in directory.rglob("*"))
 
 
-def wait_for_first_write(process: subprocess.Popen, directory: Path) -> None:
+def wait_for_first_write(process: ForkedEntry, directory: Path) -> None:
     """Until `process` has written a file into `directory` (or ended)."""
     while process.poll() is None and not has_written(directory):
         time.sleep(0.02)
 
 
 def run_killed_then_resumed(args: list[str], watched: Path, kill_after: float, resume: list[str], capsys) -> bool:
-    """Start `python args`, wait until it has written into `watched` (its lock file at least: it has
-    claimed the directory), SIGKILL it `kill_after` seconds later unless it finished, then run
-    `args + resume` until it exits 0 (in this process: nothing kills it), with a reader watching
-    `watched` throughout. A job that finished before its kill ran faster than the reference run the
-    moment was drawn from: it starts over in an emptied `watched`, killed sooner (up to three times).
+    """Start `python args` (forked from this process: what is tested is the job's writes, not its start), wait until
+    it has written into `watched` (its lock file at least: it has claimed the directory), SIGKILL it `kill_after`
+    seconds later unless it finished, then run `args + resume` until it exits 0 (in this process: nothing kills it),
+    with a reader watching `watched` throughout. A job that finished before its kill ran faster than the reference
+    run the moment was drawn from: it starts over in an emptied `watched`, killed sooner (up to three times).
     Returns whether the kill landed mid-run."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    reader = PartialFileReader(watched)
-    reader.start()
+    readers = []
     try:
         for _ in range(3):
-            process = subprocess.Popen(
-                [sys.executable, *args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
-            )
+            process = ForkedEntry(args)
+            readers.append(PartialFileReader(watched))  # started after the fork, which copies the locks threads hold
+            readers[-1].start()
             wait_for_first_write(process, watched)
             first_write = time.perf_counter()
             try:
@@ -129,6 +126,8 @@ def run_killed_then_resumed(args: list[str], watched: Path, kill_after: float, r
                 process.wait()
                 break
             kill_after = min(kill_after, 0.5 * (time.perf_counter() - first_write))
+            readers[-1].stop.set()
+            readers[-1].join()
             shutil.rmtree(watched)
         for _ in range(3):
             again = run_entry_in_process([*args, *resume], capsys)
@@ -136,10 +135,12 @@ def run_killed_then_resumed(args: list[str], watched: Path, kill_after: float, r
                 break
         assert again.returncode == 0, again.stderr[-3000:]
     finally:
-        reader.stop.set()
-        reader.join()
-    assert not reader.problems, reader.problems[:5]
-    assert reader.reads > 0
+        for reader in readers:
+            reader.stop.set()
+            reader.join()
+    problems = [problem for reader in readers for problem in reader.problems]
+    assert not problems, problems[:5]
+    assert sum(reader.reads for reader in readers) > 0
     assert not (watched / LOCK_NAME).exists()
     return process.returncode == -signal.SIGKILL
 
@@ -267,29 +268,15 @@ def test_regeneration_killed_anywhere_resumes_into_the_same_bytes(
 
 
 def sigterm_mid_run(args: list[str], mid_run, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Start `python args`, send SIGTERM once `mid_run(stderr so far)` says the job is under way (it
-    must not have finished by then), and return how it ended."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    process = subprocess.Popen(
-        [sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
-    )
-    stderr = bytearray()
-    reader = threading.Thread(
-        target=lambda: [stderr.extend(chunk) for chunk in iter(lambda: process.stderr.read1(4096), b"")], daemon=True
-    )
-    reader.start()
-    deadline = time.monotonic() + timeout
-    while not mid_run(stderr.decode(errors="replace")):
-        assert process.poll() is None, (
-            "the job ended before it could be interrupted: " + stderr.decode(errors="replace")[-2000:]
-        )
-        assert time.monotonic() < deadline
+    """Start `python args` (forked: what is tested is the job's stop, not its start), send SIGTERM once
+    `mid_run(stderr so far)` says the job is under way (it must not have finished by then), and return how it ended."""
+    process = ForkedEntry(args, timeout=timeout)
+    while not mid_run(process.output()[1]):
+        assert process.poll() is None, "the job ended before it could be interrupted: " + process.output()[1][-2000:]
         time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
-    stdout = process.stdout.read()
-    process.wait(timeout=timeout)
-    reader.join()
-    return subprocess.CompletedProcess(args, process.returncode, stdout.decode(), stderr.decode(errors="replace"))
+    stdout, stderr = process.communicate()
+    return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
 
 
 def assert_preempted(done: subprocess.CompletedProcess) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -21,24 +20,19 @@ from safetensors.torch import load_file, save_file
 from draftsmith.data_prep.features import MANIFEST_NAME, file_sha256
 from draftsmith.errors import EXIT_DIVERGED, EXIT_IO_ERROR, EXIT_PREEMPTED, StorageError, UserError
 from draftsmith.outputs import LOCK_NAME, DirectoryLock
+from tests.forked import ForkedEntry
 from tests.helpers import REFERENCE_TARGET, REPO, assert_one_line_error, read_log, run_entry_in_process, train_args
 
 pytestmark = pytest.mark.slow
 
 
-def start_train(args: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.Popen(
-        [sys.executable, "train.py", *args],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+def start_train(args: list[str]) -> ForkedEntry:
+    """`train.py args` forked from this process, to be stopped or paused: what is tested is what training does then,
+    not the interpreter's start."""
+    return ForkedEntry(["train.py", *args], timeout=600)
 
 
-def wait_for(condition, process: subprocess.Popen | None = None, timeout: float = 300) -> None:
+def wait_for(condition, process: subprocess.Popen | ForkedEntry | None = None, timeout: float = 300) -> None:
     deadline = time.time() + timeout
     while not condition():
         assert process is None or process.poll() is None, f"process ended early: {process.communicate()[1][-2000:]}"

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from draftsmith.errors import UserError
 from draftsmith.recipe import load_recipe
-from tests.forked_ranks import run_forked_ranks
+from tests.forked import run_forked_ranks
 from tests.helpers import (
     REFERENCE_TARGET,
     REPO,

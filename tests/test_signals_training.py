@@ -5,11 +5,10 @@ copy, and a write that fails says the command that continues (the same command a
 from __future__ import annotations
 
 import errno
-import os
+import importlib
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,9 +17,11 @@ import torch
 from safetensors.torch import load_file
 
 import draftsmith.trainer.checkpoint as checkpoint
+import draftsmith.trainer.loop as loop
 from draftsmith.errors import EXIT_INTERRUPTED, EXIT_IO_ERROR, EXIT_PREEMPTED, EXIT_USER_ERROR
 from draftsmith.outputs import ACCURACY_NAME
-from tests.helpers import REPO, assert_one_line_error, corpus_slice, run_entry_in_process, train_args
+from tests.forked import ForkedEntry
+from tests.helpers import assert_one_line_error, corpus_slice, run_entry_in_process, train_args
 
 pytestmark = pytest.mark.slow  # each trains
 
@@ -37,39 +38,26 @@ def data(small_data, tmp_path_factory) -> dict[str, Path]:
 
 
 def test_sigterm_in_the_last_step_stops_once_final_is_written_and_a_resume_runs_the_eval(
-    tmp_path, data, token_cache, capsys
+    tmp_path, data, token_cache, monkeypatch, capsys
 ):
     """A real SIGTERM while the last step runs: it was noted ("saving a checkpoint at the end of this step, then
     stopping"), then the run wrote final/, ran the whole eval stage and exited 0."""
     out, marker = tmp_path / "run", tmp_path / "last_step"
     args = train_args(out, data, token_cache, *QUICK, "train.save_every=0")
-    last_step_waits = (  # the real entry point, its last step held until the signal has landed in it (a poll)
-        "import runpy, sys, time\n"
-        "from pathlib import Path\n"
-        "import draftsmith.trainer.loop as loop\n"
-        "real = loop.train_step\n"
-        "def train_step(run, step, agreed, stream, stop):\n"
-        "    if run.state.step + 1 == run.max_steps:\n"
-        f"        Path({str(marker)!r}).touch()\n"
-        "        deadline = time.monotonic() + 60\n"
-        "        while not stop.requested and time.monotonic() < deadline:\n"
-        "            time.sleep(0.01)\n"
-        "    return real(run, step, agreed, stream, stop)\n"
-        "loop.train_step = train_step\n"
-        f"sys.argv = ['train.py', *{args!r}]\n"
-        "runpy.run_path('train.py', run_name='__main__')\n"
-    )
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    process = subprocess.Popen(
-        [sys.executable, "-c", last_step_waits],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    deadline = time.time() + 300
-    while not marker.exists() and process.poll() is None and time.time() < deadline:
+    real = loop.train_step
+
+    def last_step_waits(run, step, agreed, stream, stop):  # held until the signal has landed in it (a poll)
+        if run.state.step + 1 == run.max_steps:
+            marker.touch()
+            deadline = time.monotonic() + 60
+            while not stop.requested and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return real(run, step, agreed, stream, stop)
+
+    with monkeypatch.context() as patch:  # in the forked run only: the real entry point, its last step waiting
+        patch.setattr(loop, "train_step", last_step_waits)
+        process = ForkedEntry(["train.py", *args])
+    while not marker.exists() and process.poll() is None:
         time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
     stdout, stderr = process.communicate(timeout=300)
@@ -91,29 +79,21 @@ def test_sigterm_in_the_last_step_stops_once_final_is_written_and_a_resume_runs_
     assert trained.keys() == again.keys() and all(torch.equal(trained[k], again[k]) for k in trained)
 
 
-def sigterm_in(function: str, args: list[str], marker: Path) -> subprocess.CompletedProcess:
-    """`train.py args` in a process of its own, stopped by a real SIGTERM while `function` (module.name) runs: it
-    touches `marker`, then waits for the signal."""
+def sigterm_in(function: str, args: list[str], marker: Path, monkeypatch) -> subprocess.CompletedProcess:
+    """`train.py args` forked from this process (what is tested is the stop, not the interpreter's start), stopped by
+    a real SIGTERM while `function` (module.name) runs: it touches `marker`, then waits for the signal."""
     module, name = function.rsplit(".", 1)
-    waits = (
-        "import importlib, runpy, sys, time\n"
-        "from pathlib import Path\n"
-        f"module = importlib.import_module({module!r})\n"
-        f"real = module.{name}\n"
-        "def waiting(*args, **kwargs):\n"
-        f"    Path({str(marker)!r}).touch()\n"
-        "    time.sleep(60)\n"
-        "    return real(*args, **kwargs)\n"
-        f"module.{name} = waiting\n"
-        f"sys.argv = ['train.py', *{args!r}]\n"
-        "runpy.run_path('train.py', run_name='__main__')\n"
-    )
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    process = subprocess.Popen(
-        [sys.executable, "-c", waits], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
-    deadline = time.time() + 300
-    while not marker.exists() and process.poll() is None and time.time() < deadline:
+    real = getattr(importlib.import_module(module), name)
+
+    def waiting(*args, **kwargs):
+        marker.touch()
+        time.sleep(60)
+        return real(*args, **kwargs)
+
+    with monkeypatch.context() as patch:  # in the forked run only
+        patch.setattr(importlib.import_module(module), name, waiting)
+        process = ForkedEntry(["train.py", *args])
+    while not marker.exists() and process.poll() is None:
         time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
     stdout, stderr = process.communicate(timeout=300)
@@ -133,14 +113,14 @@ def sigterm_in(function: str, args: list[str], marker: Path) -> subprocess.Compl
     ids=["eval-stage", "tokenizing"],
 )
 def test_sigterm_outside_the_training_loop_says_what_continues_the_run(
-    function, advice, tmp_path, data, token_cache, capsys
+    function, advice, tmp_path, data, token_cache, monkeypatch, capsys
 ):
     """SIGTERM in the eval stage, after final/ is published, or while the data is tokenized before step 0: the line
     said `train.resume=true to continue` whatever the run had written; it says what Ctrl-C's says there
     (`after_interrupt`), and the command it names runs to the end."""
     out = tmp_path / "run"
     args = train_args(out, data, token_cache, *QUICK, "train.save_every=0")
-    stopped = sigterm_in(function, args, tmp_path / "waiting")
+    stopped = sigterm_in(function, args, tmp_path / "waiting", monkeypatch)
     line = assert_one_line_error(stopped, EXIT_PREEMPTED, prefix="preempted: ")
     assert line == f"preempted: stopped on SIGTERM; {advice.format(out=out)}"
     again = [*args, "train.resume=true"] if "train.resume=true" in advice else args
