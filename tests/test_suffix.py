@@ -19,6 +19,7 @@ from draftsmith.engines import suffix_decoding_installed
 from draftsmith.eval.loop import generate
 from draftsmith.heads import drafter_class
 from draftsmith.target import load_target
+from tests.forked import ForkedEntry
 from tests.helpers import (
     KINDS,
     REFERENCE_TARGET,
@@ -66,20 +67,21 @@ def test_suffix_decoding_is_lossless_and_drafts_from_earlier_answers_until_it_fo
 
 
 @pytest.mark.slow
-def test_the_eval_reports_suffix_decoding_beside_ngram(arctic_path, small_data, tmp_path):
+def test_the_eval_reports_suffix_decoding_beside_ngram(arctic_path, small_data, tmp_path, monkeypatch):
     """`python -m eval` with arctic-inference importable (eval.suffix_baseline=true): a suffix row in every
     domain, lossless, with its settings and arctic-inference's version; the conclusion weighs the drafter
     against both free baselines."""
     target = load_target(str(REFERENCE_TARGET))
     medusa = drafter_class("medusa")
     medusa.from_target(medusa.Config(num_heads=3), target, str(REFERENCE_TARGET)).save_pretrained(tmp_path / "final")
-    result = run_entry(
+    monkeypatch.syspath_prepend(arctic_path)  # arctic-inference importable in the eval forked below, not before
+    run = ForkedEntry(
         ["-m", "eval", f"recipe={KINDS['medusa']}", f"checkpoint={tmp_path / 'final'}", f"output_dir={tmp_path}",
          f"data.eval=[{small_data['eval']}]", "eval.max_prompts=1", "eval.max_new_tokens=24", "eval.tree=0",
          "eval.suffix_baseline=true"],
-        env={"PYTHONPATH": arctic_path, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-2000:]
+    _, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err[-2000:]
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert report["versions"]["arctic-inference"] == "0.3.0" and report["not_measured"] == {}
     assert report["methods"]["suffix"]["suffix_decoding_max_tree_depth"] == 24
