@@ -3,7 +3,9 @@
 
 `ForkedEntry` is a killed or signalled entry point (Popen's pid, send_signal/kill, poll, wait and communicate); the
 test's subject is what the product does on the stop (its checkpoint, exit code and line, nothing half-written), not
-the interpreter's start, which tests/test_signals_start.py stops in. `run_forked_ranks` is the ranks of a one-node
+the interpreter's start, which tests/test_signals_start.py stops in. `run_forked` runs one to its end, for a command
+that must not change the test process (a benchmark that sets torch's threads and runs the profiler, an import that
+only the command may see). `run_forked_ranks` is the ranks of a one-node
 CPU launch (RANK, WORLD_SIZE, MASTER_*: torch's env:// rendezvous over gloo), for a test that compares a launch with a
 reference run of the same entry point: it launches what it tests and forks the reference.
 
@@ -132,6 +134,13 @@ class ForkedEntry:
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
         self.wait(timeout)
         return self.output()
+
+
+def run_forked(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """`args` run to their end in a `ForkedEntry`: its exit code and output, as `subprocess.run` gives a process's."""
+    entry = ForkedEntry(args, timeout=timeout)
+    out, err = entry.communicate()
+    return subprocess.CompletedProcess(args, entry.returncode, out, err)
 
 
 def run_forked_ranks(args: list[str], logs: Path, world: int = 2, timeout: float = 180) -> subprocess.CompletedProcess:

@@ -249,17 +249,16 @@ def test_train_throughput_refuses_the_options_its_mode_would_ignore(monkeypatch,
 def test_train_throughput_times_a_recipes_run_end_to_end(small_data, token_cache, monkeypatch):
     """The recipe mode built its run with the trainer's set_up in an output folder nobody had made: exit 1,
     FileNotFoundError on run/data_content.json.tmp, before the first step."""
-    from tests.forked import ForkedEntry
+    from tests.forked import run_forked
 
     args = ["--recipe", "medusa", "--data", str(small_data["train"]), "--steps", "1", "--warmup", "0",
             "--profile-steps", "1", "--threads", "1", f"data.cache_dir={token_cache}", "data.max_length=64",
             "train.micro_batch_size=2"]  # fmt: skip
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # as `python benchmarks/train_throughput.py` has it
     # forked, not run in this process (the script sets torch's threads, runs the profiler), nor started (6 s of imports)
-    run = ForkedEntry(["benchmarks/train_throughput.py", *args])
-    out, err = run.communicate(timeout=300)
-    assert run.returncode == 0, err[-3000:]
-    measured = json.loads(out)
+    result = run_forked(["benchmarks/train_throughput.py", *args])
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = json.loads(result.stdout)
     assert measured["recipe"] == "medusa" and measured["timed_steps"] == 1 and measured["profiled_steps"] == 1
     assert measured["tokens_per_s"] > 0 and len(measured["losses"]) == 2 and measured["part_s_median"]["optimizer"] > 0
 

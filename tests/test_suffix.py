@@ -19,12 +19,12 @@ from draftsmith.engines import suffix_decoding_installed
 from draftsmith.eval.loop import generate
 from draftsmith.heads import drafter_class
 from draftsmith.target import load_target
-from tests.forked import ForkedEntry
+from tests.forked import run_forked
 from tests.helpers import (
     KINDS,
     REFERENCE_TARGET,
+    REPO,
     assert_one_line_error,
-    run_entry,
     run_entry_in_process,
     stand_in_vllm,
     tiny_llama,
@@ -75,13 +75,12 @@ def test_the_eval_reports_suffix_decoding_beside_ngram(arctic_path, small_data, 
     medusa = drafter_class("medusa")
     medusa.from_target(medusa.Config(num_heads=3), target, str(REFERENCE_TARGET)).save_pretrained(tmp_path / "final")
     monkeypatch.syspath_prepend(arctic_path)  # arctic-inference importable in the eval forked below, not before
-    run = ForkedEntry(
+    result = run_forked(
         ["-m", "eval", f"recipe={KINDS['medusa']}", f"checkpoint={tmp_path / 'final'}", f"output_dir={tmp_path}",
          f"data.eval=[{small_data['eval']}]", "eval.max_prompts=1", "eval.max_new_tokens=24", "eval.tree=0",
          "eval.suffix_baseline=true"],
     )  # fmt: skip
-    _, err = run.communicate(timeout=300)
-    assert run.returncode == 0, err[-2000:]
+    assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert report["versions"]["arctic-inference"] == "0.3.0" and report["not_measured"] == {}
     assert report["methods"]["suffix"]["suffix_decoding_max_tree_depth"] == 24
@@ -102,17 +101,18 @@ def test_without_arctic_inference_the_report_says_suffix_was_not_measured_and_tr
 
 
 @pytest.mark.slow
-def test_a_vllm_without_arctic_inference_is_refused_before_anything_is_written(tmp_path, capsys):
+def test_a_vllm_without_arctic_inference_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch):
     """Every command that serves suffix decoding: the standard protocol's time stage, the load sweep's
     sweep stage and `draftsmith sweep export.sweep.suffix=true` (a stand-in interpreter: a vLLM 0.32.0
     that cannot import arctic-inference)."""
     stub = str(stand_in_vllm(tmp_path))
     fragment = f"--vllm-python='{stub}' cannot run vLLM's suffix decoding: arctic-inference is not installed there"
-    protocol = run_entry(["benchmarks/standard_protocol.py", "--vllm-python", stub, "--runs", str(tmp_path / "runs"),
-                          "--stages", "time"])  # fmt: skip
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # as `python benchmarks/<script>.py` has it
+    protocol = run_forked(["benchmarks/standard_protocol.py", "--vllm-python", stub, "--runs", str(tmp_path / "runs"),
+                           "--stages", "time"])  # fmt: skip
     assert_one_line_error(protocol, 2, fragment, alone=True)
-    sweep = run_entry(["benchmarks/load_sweep.py", "--vllm-python", stub, "--out", str(tmp_path / "load"),
-                       "--drafter", f"d={tmp_path}"])  # fmt: skip
+    sweep = run_forked(["benchmarks/load_sweep.py", "--vllm-python", stub, "--out", str(tmp_path / "load"),
+                        "--drafter", f"d={tmp_path}"])  # fmt: skip
     assert_one_line_error(sweep, 2, fragment, alone=True)
     assert not (tmp_path / "runs").exists() and not (tmp_path / "load").exists()
 
