@@ -40,6 +40,7 @@ from tests.helpers import (
     exact_conditionals,
     exact_joint,
     exactness_pvalues,
+    first_records,
     fitted_eagle,
     greedy_text,
     read_log,
@@ -402,7 +403,10 @@ def test_real_trainer_online_and_from_shards(tmp_path, small_data, token_cache):
     quick = ["data.max_length=96", "drafter.anchors=16"]
     output_dir = tmp_path / "run"
     args = ["recipe=dflash", *train_args(output_dir, small_data, token_cache, "train.max_steps=16", *quick)[1:]]
-    final, target = train_in_process([*args, "eval.enabled=true", "eval.max_prompts=2", "eval.max_new_tokens=24"])
+    # two prompts (two domains) and no prompt-lookup baseline: the report's "all" chain and tree rows are read
+    two = first_records(small_data["eval"], tmp_path / "eval.jsonl", 2)
+    evaluated = [f"data.eval=[{two}]", "eval.enabled=true", "eval.max_new_tokens=24", "eval.ngram_baseline=false"]
+    final, target = train_in_process([*args, *evaluated])
     assert all(not p.requires_grad for p in target.parameters())
     log = read_log(output_dir)
     assert sum(log[step]["train/loss"] for step in range(13, 17)) / 4 < 0.8 * log[1]["train/loss"]
@@ -416,7 +420,8 @@ def test_real_trainer_online_and_from_shards(tmp_path, small_data, token_cache):
     assert config["drafter_type"] == "dflash" and config["drafter"]["target_layers"] == [0, 1, 2]
 
     features = tmp_path / "features"
-    short = [*args, "train.max_steps=3", "data.eval=[]"]  # the last value of a key wins; the losses alone are read
+    # the last value of a key wins; the losses alone are read, and 3 steps of 4 rows read 24 conversations at most
+    short = [*args, "train.max_steps=3", "data.eval=[]", "data.max_conversations=24"]
     capture(
         load_recipe(
             [*short, f"output_dir={tmp_path / 'c'}", "data.capture.dtype=float16", f"data.capture.output={features}"]

@@ -35,6 +35,7 @@ from tests.helpers import (
     exact_conditionals,
     exact_joint,
     exactness_pvalues,
+    first_records,
     fitted_eagle,
     greedy_text,
     read_log,
@@ -224,9 +225,12 @@ def test_train_py_trains_resumes_and_evaluates_losslessly(tmp_path, small_data, 
     """`train.py recipe=dspark` lowers the loss with the target frozen, resumes from a checkpoint, and ends with an
     eval report whose chain is lossless at one draft forward per cycle."""
     run = tmp_path / "run"
-    quick = ["data.max_length=96", "drafter.anchors=16", "drafter.markov_rank=16", "train.save_every=6"]
+    quick = ["data.max_length=96", "drafter.anchors=16", "drafter.markov_rank=16", "train.save_every=9"]
     args = ["recipe=dspark", *train_args(run, small_data, token_cache, "train.max_steps=12", *quick)[1:]]
-    evaluated = [*args, "eval.enabled=true", "eval.max_prompts=2", "eval.max_new_tokens=24"]
+    # two prompts (two domains) and no prompt-lookup baseline: the report's "all" chain row is read
+    two = first_records(small_data["eval"], tmp_path / "eval.jsonl", 2)
+    evaluated = [*args, f"data.eval=[{two}]", "eval.enabled=true", "eval.max_new_tokens=24"]
+    evaluated.append("eval.ngram_baseline=false")
     assert run_entry_in_process(["train.py", *evaluated], capsys).returncode == 0
     log = read_log(run)
     assert sum(log[step]["train/loss"] for step in range(10, 13)) / 3 < 0.8 * log[1]["train/loss"]
@@ -239,8 +243,8 @@ def test_train_py_trains_resumes_and_evaluates_losslessly(tmp_path, small_data, 
     config = json.loads((run / "final" / "config.json").read_text())
     assert config["drafter_type"] == "dspark" and config["drafter"]["markov_rank"] == 16
 
-    shutil.rmtree(run / "checkpoints" / "step_0000012")  # as if stopped after step 6: the resume trains 7..12
+    shutil.rmtree(run / "checkpoints" / "step_0000012")  # as if stopped after step 9: the resume trains 10..12
     shutil.rmtree(run / "final")
     resumed = run_entry_in_process(["train.py", *args, "train.resume=true", "data.eval=[]"], capsys)  # no eval read
-    assert resumed.returncode == 0 and "resumed from" in resumed.stderr and "step_0000006" in resumed.stderr
+    assert resumed.returncode == 0 and "resumed from" in resumed.stderr and "step_0000009" in resumed.stderr
     assert (run / "final").is_dir() and read_log(run)[12]["train/loss"] == pytest.approx(log[12]["train/loss"], 1e-3)
