@@ -1,22 +1,25 @@
-"""Entry points run in processes forked from the test process, sharing its imports: a started `python train.py` (or
-`-m eval`, ...) imports torch, transformers, accelerate and draftsmith again, about 6-8 s of CPU a process.
+"""Entry points and other work run in processes forked from the test process, sharing its imports: a started
+`python train.py` (or `-m eval`, ...) imports torch, transformers, accelerate and draftsmith again, about 6-8 s of CPU
+a process.
 
-`ForkedEntry` is a killed or signalled entry point (Popen's pid, send_signal/kill, poll, wait and communicate); the
-test's subject is what the product does on the stop (its checkpoint, exit code and line, nothing half-written), not
-the interpreter's start, which tests/test_signals_start.py stops in. `run_forked` runs one to its end, for a command
-that must not change the test process (a benchmark that sets torch's threads and runs the profiler, an import that
-only the command may see). `run_forked_ranks` is the ranks of a one-node
-CPU launch (RANK, WORLD_SIZE, MASTER_*: torch's env:// rendezvous over gloo), for a test that compares a launch with a
-reference run of the same entry point: it launches what it tests and forks the reference.
+`ForkedEntry` (a `ForkedCall` of an entry point) is a killed or signalled entry point (Popen's pid, send_signal/kill,
+poll, wait and communicate); the test's subject is what the product does on the stop (its checkpoint, exit code and
+line, nothing half-written), not the interpreter's start, which tests/test_signals_start.py stops in. `run_forked`
+runs one to its end, for a command that must not change the test process (a benchmark that sets torch's threads and
+runs the profiler, an import that only the command may see). `forked_ranks` is the ranks of a one-node CPU launch
+(RANK, WORLD_SIZE, MASTER_*: torch's env:// rendezvous over gloo) of any work, `run_forked_ranks` of an entry point,
+for a test that compares a launch with a reference run of the same entry point: it launches what it tests and forks
+the reference.
 
 The child is made what a fresh process is for what these tests see: the stop signals as a foreground process has
 them (SIGTERM's default, SIGINT's KeyboardInterrupt; a test process that ran a command in-process ignores SIGTERM),
 no Python handler of pytest's, a root logger without pytest's handlers (the command's log lines go to its stderr),
-accelerate's state and torch's process group unset, one torch thread (OpenMP's pool does not survive a fork), and
-output of its own. Warnings stay in pytest's record, unprinted. It never returns into pytest's code: it ends with
-`os._exit` and the entry's exit code (no atexit handler of the test process runs; draftsmith closes what it opens,
-and its threads are daemons), or dies of a signal (returncode -N, as Popen's). A fork copies the locks other threads
-held: a child still running after `timeout` seconds is killed (-9) rather than left to hang the suite."""
+accelerate's state and torch's process group unset, one torch thread (OpenMP's pool does not survive a fork: after a
+parent ran two threads, a child at two hangs in libgomp, at one it runs), and output of its own. Warnings stay in
+pytest's record, unprinted. It never returns into pytest's code: it ends with `os._exit` and the work's exit code (no
+atexit handler of the test process runs; draftsmith closes what it opens, and its threads are daemons), or dies of a
+signal (returncode -N, as Popen's). A fork copies the locks other threads held: a child still running after `timeout`
+seconds is killed (-9) rather than left to hang the suite."""
 
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 STOPS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}  # a foreground process's
@@ -59,7 +64,7 @@ def _become_fresh(env: dict[str, str]) -> None:
     GradientState._reset_state()
 
 
-def _child(args: list[str], env: dict[str, str], outputs: list) -> None:
+def _child(work: Callable[[], int], env: dict[str, str], outputs: list) -> None:
     code = 1
     try:
         for fd, output in zip((1, 2), outputs):
@@ -70,10 +75,7 @@ def _child(args: list[str], env: dict[str, str], outputs: list) -> None:
             for fd in (1, 2)
         )
         _become_fresh(env)
-        from tests.helpers import REPO, run_entry_in_process
-
-        os.chdir(REPO)
-        code = run_entry_in_process(args).returncode
+        code = work()
     except KeyboardInterrupt:  # uncaught, as the interpreter ends: by the signal
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
@@ -85,18 +87,26 @@ def _child(args: list[str], env: dict[str, str], outputs: list) -> None:
         os._exit(code)
 
 
-class ForkedEntry:
-    """`python *args` (a script, or `-m module`, as `run_entry_in_process` takes them) as a child forked from this
-    process, its stdout and stderr each to a file of its own (or both to `log`), `env` added to its environment."""
+def _entry_point(args: list[str]) -> int:
+    from tests.helpers import REPO, run_entry_in_process
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, log: Path | None = None, timeout=300.0):
+    os.chdir(REPO)
+    return run_entry_in_process(args).returncode
+
+
+class ForkedCall:
+    """`work()` (its return value the exit code) in a child forked from this process, its stdout and stderr each to a
+    file of its own (or both to `log`), `env` added to its environment; `args` name it in a TimeoutExpired."""
+
+    def __init__(self, work: Callable[[], int], args=(), env: dict[str, str] | None = None, log: Path | None = None,
+                 timeout=300.0):  # fmt: skip
         self.args, self.returncode = args, None
         self._outputs = [open(log, "w+b")] * 2 if log else [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
         sys.stdout.flush()
         sys.stderr.flush()
         self.pid = os.fork()
         if self.pid == 0:
-            _child(args, env or {}, self._outputs)
+            _child(work, env or {}, self._outputs)
         self._ended = threading.Event()
         self._deadline = threading.Timer(timeout, self.kill)
         self._deadline.daemon = True
@@ -136,6 +146,14 @@ class ForkedEntry:
         return self.output()
 
 
+class ForkedEntry(ForkedCall):
+    """`python *args` (a script, or `-m module`, as `run_entry_in_process` takes them) as a child forked from this
+    process, run from the repository root."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, log: Path | None = None, timeout=300.0):
+        super().__init__(partial(_entry_point, args), args, env, log, timeout)
+
+
 def run_forked(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
     """`args` run to their end in a `ForkedEntry`: its exit code and output, as `subprocess.run` gives a process's."""
     entry = ForkedEntry(args, timeout=timeout)
@@ -143,16 +161,18 @@ def run_forked(args: list[str], timeout: float = 300) -> subprocess.CompletedPro
     return subprocess.CompletedProcess(args, entry.returncode, out, err)
 
 
-def run_forked_ranks(args: list[str], logs: Path, world: int = 2, timeout: float = 180) -> subprocess.CompletedProcess:
-    """`args` on `world` forked ranks, each with the variables a launcher gives it (its output in `logs`): the worst
-    exit code, rank 0's output as stdout and every rank's as stderr."""
+def forked_ranks(
+    work: Callable[[], int], world: int, logs: Path | None = None, timeout: float = 180
+) -> list[ForkedCall]:
+    """`work` on `world` forked ranks, each with the variables a launcher gives it (each rank's output in `logs`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    logs.mkdir(parents=True, exist_ok=True)
-    ranks = [
-        ForkedEntry(
-            args,
+    if logs is not None:
+        logs.mkdir(parents=True, exist_ok=True)
+    return [
+        ForkedCall(
+            work,
             env={
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
@@ -161,11 +181,17 @@ def run_forked_ranks(args: list[str], logs: Path, world: int = 2, timeout: float
                 "WORLD_SIZE": str(world),
                 "LOCAL_WORLD_SIZE": str(world),
             },
-            log=logs / f"rank{rank}.log",
+            log=None if logs is None else logs / f"rank{rank}.log",
             timeout=timeout,
-        )  # fmt: skip
+        )
         for rank in range(world)
     ]
+
+
+def run_forked_ranks(args: list[str], logs: Path, world: int = 2, timeout: float = 180) -> subprocess.CompletedProcess:
+    """`args` (an entry point) on `world` forked ranks (`forked_ranks`): the worst exit code, rank 0's output as stdout
+    and every rank's as stderr."""
+    ranks = forked_ranks(partial(_entry_point, args), world, logs, timeout)
     codes = [rank.wait() for rank in ranks]
     texts = [rank.output()[0] for rank in ranks]
     return subprocess.CompletedProcess(args, max(codes, key=abs), texts[0], "".join(texts))

@@ -14,15 +14,11 @@ from __future__ import annotations
 import functools
 import gzip
 import json
-import os
-import socket
-import time
 from dataclasses import replace
 
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
 from omegaconf import OmegaConf
 
 from draftsmith.data_prep.collate import Collator, PackingCollator
@@ -33,6 +29,7 @@ from draftsmith.recipe import load_recipe
 from draftsmith.resources import bundled
 from draftsmith.target import load_target, load_tokenizer, run_target
 from draftsmith.trainer.loop import agree, forward_backward, loss_scale, next_step
+from tests.forked import forked_ranks
 from tests.helpers import demo_recipe, fast_tier
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -185,17 +182,11 @@ def test_a_micro_batch_mean_would_not_be_split_invariant():
 GLOO_KINDS = ("medusa", "eagle3")
 
 
-def _rank(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world)
-    )
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    assert not torch.distributed.is_initialized()  # forked from a test process that holds no group
-    AcceleratorState._reset_state(reset_partial_state=True)  # nor its parent's Accelerator: this rank's own
-    GradientState._reset_state()
+def _rank(out: str) -> int:
+    """One rank of two (tests/forked.py's `forked_ranks`: the launcher's variables, one thread, accelerate unset)."""
     accelerator = Accelerator(gradient_accumulation_steps=1, cpu=True)
-    assert accelerator.num_processes == world
+    assert accelerator.num_processes == 2
+    rank, world = accelerator.process_index, accelerator.num_processes
     rows = conversations()[rank::world]  # every world-th conversation, as trainer/loop.py deals them
     results = {}
     for kind in GLOO_KINDS:
@@ -208,25 +199,16 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         torch.save(results, out)
     accelerator.wait_for_everyone()
     torch.distributed.destroy_process_group()
+    return 0
 
 
 @pytest.mark.slow
 def test_two_gloo_ranks_of_four_give_the_one_rank_step(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "ranks.pt"
     # forked from this process, whose imports they share: spawned, each rank imported torch, transformers, accelerate
-    # and this module again (about 6 s of CPU a rank)
-    launched = torch.multiprocessing.start_processes(
-        _rank, args=(2, port, str(out)), nprocs=2, join=False, start_method="fork"
-    )
-    deadline = time.monotonic() + 180  # a fork copies locks other threads held: a rank could hang on one, not CI
-    while not launched.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in launched.processes:
-                process.kill()
-            pytest.fail("the forked gloo ranks did not finish in 180 s")
+    # and this module again (about 6 s of CPU a rank); a rank still running after 180 s is killed
+    launched = forked_ranks(functools.partial(_rank, str(out)), world=2)
+    assert [rank.wait() for rank in launched] == [0, 0], [rank.output()[1][-2000:] for rank in launched]
     ranks = torch.load(out)
     rows = conversations()
     for kind in GLOO_KINDS:
