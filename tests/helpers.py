@@ -810,6 +810,27 @@ def save_drafter(
     return directory
 
 
+def drafts_along_plain_decoding(path: Path, target, target_name: str = str(REFERENCE_TARGET)) -> list[list[int]]:
+    """The chains of 3 that the drafter read from `path` (as the eval reads it, its verifier included) proposes
+    while decoding 16 tokens after a fixed prompt: a drafter of random weights is hardly ever accepted, so eval rows
+    alone are the same for any drafter, and these tell one apart."""
+    from draftsmith.formats.folder import open_drafter
+
+    drafter = open_drafter(path, TargetShape.of(target, target_name), target).eval()
+    proposer, proposed = drafter.proposer(), []
+    propose = proposer.propose
+
+    def recorded(state, num_tokens, tree=None):
+        drafted = propose(state, num_tokens, tree)
+        proposed.append(drafted.tokens.tolist())
+        return drafted
+
+    proposer.propose = recorded
+    with torch.no_grad():
+        generate(proposer.verifier or target, [1, *range(300, 340)], 16, drafter=proposer, gamma=3)
+    return proposed
+
+
 @functools.cache
 def demo_drafter_section(kind: str, overrides: tuple[str, ...]):
     """The drafter section of `kind`'s demo recipe with `overrides`, validated as a run's recipe is: composed

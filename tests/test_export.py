@@ -25,6 +25,7 @@ from tests.helpers import (
     KINDS,
     REFERENCE_TARGET,
     assert_one_line_error,
+    drafts_along_plain_decoding,
     first_records,
     run_entry,
     run_entry_in_process,
@@ -558,28 +559,6 @@ def test_an_exported_folder_evaluates_like_its_checkpoint(kind, engines, config,
     assert len(proposed) >= 4 and len({tuple(p) for p in proposed}) > 1, proposed
     for engine in engines:
         assert drafts_along_plain_decoding(folders[engine], target) == proposed, engine
-
-
-def drafts_along_plain_decoding(path: Path, target) -> list[list[int]]:
-    """The chains of 3 that the drafter read from `path` (as the eval reads it, its verifier included) proposes
-    while decoding 16 tokens after a fixed prompt."""
-    from draftsmith.eval.loop import generate
-    from draftsmith.formats.folder import open_drafter
-    from draftsmith.heads.base import TargetShape
-
-    drafter = open_drafter(path, TargetShape.of(target, str(REFERENCE_TARGET)), target).eval()
-    proposer, proposed = drafter.proposer(), []
-    propose = proposer.propose
-
-    def recorded(state, num_tokens, tree=None):
-        drafted = propose(state, num_tokens, tree)
-        proposed.append(drafted.tokens.tolist())
-        return drafted
-
-    proposer.propose = recorded
-    with torch.no_grad():
-        generate(proposer.verifier or target, [1, *range(300, 340)], 16, drafter=proposer, gamma=3)
-    return proposed
 
 
 # -- the output directory ----------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from tests.helpers import (
     REFERENCE_TARGET,
     assert_one_line_error,
     benchmark_module,
+    drafts_along_plain_decoding,
     fast_tier,
     first_records,
     run_entry_in_process,
@@ -365,6 +366,8 @@ def test_the_export_is_the_shipped_layers_form_and_evaluates_like_the_checkpoint
             for m, row in report["domains"][d].items()
         }
     assert rows["vllm"] == rows["checkpoint"]
+    proposed = drafts_along_plain_decoding(checkpoint, target, name)
+    assert len({tuple(p) for p in proposed}) > 1 and drafts_along_plain_decoding(folder, target, name) == proposed
 
 
 def test_loading_a_target_names_its_mtp_layers_in_one_line_and_keeps_transformers_report_for_anything_else(
