@@ -123,9 +123,25 @@ def run_module(module: str, usage: str, command: str = "", positional: int = 0) 
     """`python -m` of a command module whose imports take seconds (torch's), called from its `__main__` block at its
     top, before them: its `main` runs in the module imported anew by its installed name `module`, under
     `entry_point`'s run_cli, so Ctrl-C and SIGTERM have their handlers from the start (nothing below that block runs in
-    the `__main__` copy)."""
+    the `__main__` copy); its recipe is validated before those imports (`refuse_bad_settings_first`)."""
     configure_logging()
-    entry_point(lambda argv: importlib.import_module(module).main(argv), usage, command=command, positional=positional)
+
+    def main(argv: Sequence[str]) -> None:
+        refuse_bad_settings_first(argv, command, positional)
+        importlib.import_module(module).main(argv)
+
+    entry_point(main, usage, command=command, positional=positional)
+
+
+def refuse_bad_settings_first(argv: Sequence[str], command: str, positional: int = 0) -> None:
+    """The recipe `argv` gives validated as the `command` validates it (what `--cfg` prints), before the command's
+    module and its imports (torch's: seconds) load: bad settings are one line at once, not seconds later. Without
+    recipe arguments, or asked for `--help`/`--cfg`, the command itself says what it lacks."""
+    args = recipe_part(argv, positional)
+    if args and not {"--help", "-h", "--cfg"} & set(args):
+        from draftsmith.recipe import validated
+
+        validated(args, command or "train")
 
 
 def resolved_yaml(args: Sequence[str], command: str) -> str:
@@ -194,6 +210,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
 def run_command(command: str, argv: Sequence[str]) -> NoReturn:
     """Import the `command`'s module and run it through `entry_point`."""
     module, function = COMMANDS[command]
+    refuse_bad_settings_first(argv, command)
     with signals_held() as held:
         loaded = importlib.import_module(module)
     if signal.SIGINT in held:

@@ -17,10 +17,11 @@ from draftsmith.errors import NotLossless
 
 def main(argv: Sequence[str]) -> None:
     # imported here, under entry_point's run_cli: Ctrl-C or SIGTERM during their imports (torch's) ends as later
-    from draftsmith.formats.folder import served_settings
     from draftsmith.recipe import load_recipe
 
-    cfg = load_recipe(argv, "eval")  # checked before the loop's and the libraries' modules load
+    cfg = load_recipe(argv, "eval")  # checked before the loop's and the libraries' modules (torch's: seconds) load
+    from draftsmith.formats.folder import served_settings
+
     served = served_settings(argv, cfg)
     import datasets
     import transformers

@@ -13,14 +13,15 @@ from draftsmith.cli import entry_point
 
 def main(argv: Sequence[str]) -> None:
     # imported here, under entry_point's run_cli: Ctrl-C or SIGTERM during their imports (torch's) ends as later
-    from draftsmith.export.run import export_checkpoint
-    from draftsmith.formats.folder import served_settings
     from draftsmith.recipe import checkpoint_to_read, load_recipe
     from draftsmith.recipe_checks import require_export_settings_read
 
-    cfg = load_recipe(argv, "export")
-    served = served_settings(argv, cfg)
+    cfg = load_recipe(argv, "export")  # checked before the export's modules (torch's: seconds) load
     require_export_settings_read(cfg.export)
+    from draftsmith.export.run import export_checkpoint
+    from draftsmith.formats.folder import served_settings
+
+    served = served_settings(argv, cfg)
     for engine, folder in export_checkpoint(cfg, checkpoint_to_read(cfg), served=served).items():
         print(f"{engine}: {folder}")
 
