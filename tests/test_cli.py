@@ -256,11 +256,11 @@ def test_a_recipe_file_without_output_dir_takes_it_from_the_command_line(tmp_pat
     "signum, code, line", [(signal.SIGTERM, 75, "preempted: stopped on SIGTERM"), (signal.SIGINT, 130, "interrupted")]
 )
 def test_a_stop_while_the_command_loads_is_its_one_line(tmp_path, signum, code, line):
-    """`draftsmith eval` stopped while it imports its module (torch: seconds), as soon as it handles SIGTERM: a
-    SIGTERM killed it (-15, 143 in a shell) and a Ctrl-C printed a KeyboardInterrupt traceback; now each is its
-    line and exit code, as later in the run. The import finishes first (a stop raised inside it was swallowed by
-    a library's `except Exception`, or left numpy half-imported). Where the stop lands (the command's import, or
-    its recipe's reading after it) decides the rest of the line."""
+    """`draftsmith eval` stopped as soon as it handles SIGTERM, while it checks its recipe or imports its modules
+    (torch: seconds): a SIGTERM killed it (-15, 143 in a shell) and a Ctrl-C printed a KeyboardInterrupt traceback;
+    now each is its line and exit code, as later in the run. An import stopped finishes first (a stop raised inside it
+    was swallowed by a library's `except Exception`, or left numpy half-imported:
+    tests/test_signals_start.py). Where the stop lands decides the rest of the line."""
     output_dir = tmp_path / "run"
     command = [sys.executable, "-m", "draftsmith", "eval", "recipe=medusa", f"output_dir={output_dir}"]
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
