@@ -163,7 +163,7 @@ def test_the_recipe_layer_and_a_misspelt_recipes_exit_import_no_torch():
     assert_one_line_error(done, 2, "error: recipe 'medusaa' not found", alone=True)
     assert done.stdout == "False\n"
     # every command's bad setting, refused before the command's module loads (capture's, regenerate's and sweep's
-    # import torch at their top: 2.4 s before their line)
+    # modules import torch at their top: their line came 2.4 s late)
     bad = {"train": "train.micro_batch_size=0", "eval": "eval.top_k=-1", "capture": "data.capture.shard_tokens=0",
            "regenerate": "data.regenerate.max_new_tokens=0", "export": "export.tolerance=-1",
            "sweep": "export.tolerance=-1", "monitor": "monitor.min_drafts=0"}  # fmt: skip
