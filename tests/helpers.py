@@ -320,7 +320,7 @@ def run_entry_in_process(args: list[str], capsys=None) -> subprocess.CompletedPr
     import logging
     import runpy
 
-    argv, code = sys.argv, 0
+    argv, path, code = sys.argv, list(sys.path), 0
     if capsys:
         capsys.readouterr()
     from draftsmith.cli import LOG_DATE_FORMAT, LOG_FORMAT
@@ -336,11 +336,13 @@ def run_entry_in_process(args: list[str], capsys=None) -> subprocess.CompletedPr
             runpy.run_module(args[1], run_name="__main__", alter_sys=True)
         else:
             sys.argv = list(args)
-            runpy.run_path(str(REPO / args[0]), run_name="__main__")
+            script = REPO / args[0]
+            sys.path.insert(0, str(script.parent))  # as `python SCRIPT` has it: the script's folder first
+            runpy.run_path(str(script), run_name="__main__")
     except SystemExit as exit:
         code = exit.code if isinstance(exit.code, int) else 1
     finally:
-        sys.argv = argv
+        sys.argv, sys.path[:] = argv, path
         root.removeHandler(to_stderr)
         root.setLevel(level)
     out, err = capsys.readouterr() if capsys else ("", "")

@@ -246,7 +246,7 @@ def test_train_throughput_refuses_the_options_its_mode_would_ignore(monkeypatch,
 
 
 @pytest.mark.slow
-def test_train_throughput_times_a_recipes_run_end_to_end(small_data, token_cache, monkeypatch):
+def test_train_throughput_times_a_recipes_run_end_to_end(small_data, token_cache):
     """The recipe mode built its run with the trainer's set_up in an output folder nobody had made: exit 1,
     FileNotFoundError on run/data_content.json.tmp, before the first step."""
     from tests.forked import run_forked
@@ -254,7 +254,6 @@ def test_train_throughput_times_a_recipes_run_end_to_end(small_data, token_cache
     args = ["--recipe", "medusa", "--data", str(small_data["train"]), "--steps", "1", "--warmup", "0",
             "--profile-steps", "1", "--threads", "1", f"data.cache_dir={token_cache}", "data.max_length=64",
             "train.micro_batch_size=2"]  # fmt: skip
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # as `python benchmarks/train_throughput.py` has it
     # forked, not run in this process (the script sets torch's threads, runs the profiler), nor started (6 s of imports)
     result = run_forked(["benchmarks/train_throughput.py", *args])
     assert result.returncode == 0, result.stderr[-3000:]

@@ -23,7 +23,6 @@ from tests.forked import run_forked
 from tests.helpers import (
     KINDS,
     REFERENCE_TARGET,
-    REPO,
     assert_one_line_error,
     run_entry_in_process,
     stand_in_vllm,
@@ -101,13 +100,12 @@ def test_without_arctic_inference_the_report_says_suffix_was_not_measured_and_tr
 
 
 @pytest.mark.slow
-def test_a_vllm_without_arctic_inference_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch):
+def test_a_vllm_without_arctic_inference_is_refused_before_anything_is_written(tmp_path, capsys):
     """Every command that serves suffix decoding: the standard protocol's time stage, the load sweep's
     sweep stage and `draftsmith sweep export.sweep.suffix=true` (a stand-in interpreter: a vLLM 0.32.0
     that cannot import arctic-inference)."""
     stub = str(stand_in_vllm(tmp_path))
     fragment = f"--vllm-python='{stub}' cannot run vLLM's suffix decoding: arctic-inference is not installed there"
-    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # as `python benchmarks/<script>.py` has it
     protocol = run_forked(["benchmarks/standard_protocol.py", "--vllm-python", stub, "--runs", str(tmp_path / "runs"),
                            "--stages", "time"])  # fmt: skip
     assert_one_line_error(protocol, 2, fragment, alone=True)
