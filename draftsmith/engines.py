@@ -1,7 +1,7 @@
 """Serving engines as draftsmith uses them: what it knows of each (`SERVING_ENGINES`, which shared code asks
 instead of branching on an engine's name), and vLLM in an environment of its own, driven through
-draftsmith/engine_scripts/vllm_worker.py (which imports only vLLM and the standard library), so vLLM's
-pinned torch and transformers never meet draftsmith's."""
+draftsmith/engine_scripts/vllm_worker.py (which imports only vLLM, its dependencies and the standard library), so
+vLLM's pinned torch and transformers never meet draftsmith's."""
 
 from __future__ import annotations
 
@@ -277,10 +277,10 @@ class VllmWorker:
         self.close()
 
 
-class VllmGenerator:
+class VllmEngine:
     """One long-lived vLLM engine in a VllmWorker, answering batches of token-id prompts with token ids
-    (data_prep.regenerate). A worker that cannot start or dies is EngineUnavailable (a temporary fault);
-    work finished before it stays finished."""
+    (data_prep.regenerate) or with the target's states over them (data_prep.capture_vllm). A worker that cannot start
+    or dies is EngineUnavailable (a temporary fault); work finished before it stays finished."""
 
     def __init__(self, python: str, key: str, engine: dict[str, Any], env: Optional[dict[str, str]] = None):
         self.worker = VllmWorker(python, key, env)
@@ -300,10 +300,15 @@ class VllmGenerator:
         reply = self.worker.ask({"generate": batch}, "generate")
         return reply["outputs"], reply["finish_reasons"]
 
+    def capture(self, prompts: Sequence[Sequence[int]], topk: int, directory: Path) -> list[str]:
+        """The file of each prompt's states and top-k next tokens (the worker's "capture" request), in `directory`."""
+        request = {"prompts": [list(p) for p in prompts], "topk": topk, "directory": str(directory)}
+        return self.worker.ask({"capture": request}, "capture the target's states")["files"]
+
     def close(self) -> None:
         self.worker.close()
 
-    def __enter__(self) -> VllmGenerator:
+    def __enter__(self) -> VllmEngine:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -163,6 +163,7 @@ def check_data(data) -> None:
         capture.layers is None or all(layer >= -1 for layer in capture.layers),
         f"data.capture.layers={list(capture.layers or [])}: ids are >= -1 (-1 = embeddings)",
     )
+    check_vllm_engine(capture.vllm, "data.capture.vllm")
     regenerate = data.regenerate
     require_at_least_one(regenerate, "data.regenerate", "batch_size", "max_new_tokens", "samples", "min_turns")
     require_seed(regenerate.seed, "data.regenerate.seed")
@@ -189,11 +190,14 @@ def check_data(data) -> None:
         "data.regenerate.reuse needs greedy answers (temperature 0): "
         "a sampled answer is one draw, not the target's answer",
     )
-    vllm = regenerate.vllm
-    require_at_least_one(vllm, "data.regenerate.vllm", "tensor_parallel_size", "max_num_seqs")
+    check_vllm_engine(regenerate.vllm, "data.regenerate.vllm")
+
+
+def check_vllm_engine(vllm, key: str) -> None:
+    require_at_least_one(vllm, key, "tensor_parallel_size", "max_num_seqs")
     require(
         vllm.gpu_memory_utilization is None or 0 < vllm.gpu_memory_utilization <= 1,
-        f"data.regenerate.vllm.gpu_memory_utilization={vllm.gpu_memory_utilization} must be in (0, 1]",
+        f"{key}.gpu_memory_utilization={vllm.gpu_memory_utilization} must be in (0, 1]",
     )
 
 

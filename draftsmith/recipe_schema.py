@@ -29,6 +29,21 @@ class TargetSection:
 
 
 @dataclass
+class VllmEngineSection:
+    """How a data stage runs vLLM (data.regenerate.engine=vllm, data.capture.engine=vllm; passed to vLLM's `LLM`)."""
+
+    python: Optional[str] = None  # a Python with vLLM installed (its own environment); default this one
+    # the target's weights as vLLM runs them: auto = as the trainer loads the target (target.dtype, whose auto is
+    # float32 on CPU, bfloat16 on a GPU), not vLLM's own auto; the stage's record names the one that ran
+    dtype: str = "auto"
+    # GPUs per engine; N processes (accelerate launch / torchrun) run N engines on their own GPUs
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: Optional[float] = None  # default 0.9 with a GPU, 0.3 without (then it is host memory)
+    enforce_eager: Optional[bool] = None  # default: on without a GPU (no graphs to capture on CPU)
+    max_num_seqs: int = 256  # sequences decoded together
+
+
+@dataclass
 class CaptureSection:
     """`python -m data_prep.capture`: what to store from the target's forward over data.train.
     None means "what the recipe's drafter asks for" (its `features`)."""
@@ -40,21 +55,10 @@ class CaptureSection:
     topk: int = 32  # entries kept per token when logits=topk
     dtype: str = "bfloat16"  # bfloat16 | float16 | float8 (e4m3 with a float32 scale per token)
     shard_tokens: int = 65536  # tokens per shard, approximately (shards hold whole conversations)
-
-
-@dataclass
-class RegenerateVllmSection:
-    """How data.regenerate.engine=vllm runs the engine (passed to vLLM's `LLM`)."""
-
-    python: Optional[str] = None  # a Python with vLLM installed (its own environment); default this one
-    # the target's weights as vLLM runs them: auto = as the trainer loads the target (target.dtype, whose auto is
-    # float32 on CPU, bfloat16 on a GPU), not vLLM's own auto; regenerate.settings records the one that ran
-    dtype: str = "auto"
-    # GPUs per engine; N processes (accelerate launch / torchrun) run N engines on their own GPUs
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: Optional[float] = None  # default 0.9 with a GPU, 0.3 without (then it is host memory)
-    enforce_eager: Optional[bool] = None  # default: on without a GPU (no graphs to capture on CPU)
-    max_num_seqs: int = 256  # sequences decoded together
+    # transformers (the target in this process, as training runs it) | vllm (the target in a vLLM engine, see `vllm`:
+    # the states vLLM serves the drafter with, sharded by vLLM, the target never loaded here; layers and top-k only)
+    engine: str = "transformers"
+    vllm: VllmEngineSection = field(default_factory=VllmEngineSection)
 
 
 @dataclass
@@ -85,7 +89,7 @@ class RegenerateSection:
     # held-out conversations (files, directories): a data.train conversation whose first user turn is one of
     # theirs is not regenerated, so no record written holds a held-out prompt
     exclude: List[str] = field(default_factory=list)
-    vllm: RegenerateVllmSection = field(default_factory=RegenerateVllmSection)
+    vllm: VllmEngineSection = field(default_factory=VllmEngineSection)
 
 
 @dataclass
@@ -327,6 +331,8 @@ CHOICES = {
     "data.thinking": ("train", "mask"),
     "data.capture.logits": ("auto", "none", "topk", "full"),
     "data.capture.dtype": ("bfloat16", "float16", "float8"),
+    "data.capture.engine": ("transformers", "vllm"),
+    "data.capture.vllm.dtype": ("auto", "float32", "bfloat16", "float16"),
     "data.regenerate.engine": ("transformers", "vllm"),
     "data.regenerate.vllm.dtype": ("auto", "float32", "bfloat16", "float16"),
     "train.mixed_precision": ("auto", "no", "bf16", "fp16"),

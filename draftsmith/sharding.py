@@ -99,6 +99,27 @@ def release_device_mesh() -> None:
     gc.collect()  # the target's modules hold the mesh in reference cycles (FSDP's hooks)
 
 
+def built_empty(config, dtype: torch.dtype, trust_remote_code: bool):
+    """The model of `config` as draftsmith.target_loading.read_model builds it, its parameters on the meta device and
+    its buffers real (the rotary frequencies are computed here, not stored in the checkpoint): no weight is read. No
+    random initialisation runs on meta, but the RNG is kept as it was anyway, so a sharded run draws the same drafter
+    initialisation as an unsharded one."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.wrapped_text import built_language_causal_lm
+
+    with torch.random.fork_rng(devices=[]), init_empty_weights(include_buffers=False):
+        if text_model_of_a_wrapper(config.to_dict()):
+            from draftsmith.text_model_lm import built_text_model_lm
+
+            return built_text_model_lm(config, dtype=dtype)
+        if wraps_a_text_model(config.to_dict()):
+            return built_language_causal_lm(config, dtype=dtype)
+        register_misfiled_causal_lms()
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+
+
 def load_sharded(
     config, dtype: torch.dtype, device: torch.device | str, read_weights: Callable[[], dict], trust_remote_code: bool
 ):
@@ -108,12 +129,8 @@ def load_sharded(
     Collective: every rank calls it. Without a process group (plain `python`), a one-process group is
     formed, so a single process runs the same code."""
     import torch.distributed as dist
-    from accelerate import init_empty_weights
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
-    from transformers import AutoModelForCausalLM
-
-    from draftsmith.wrapped_text import built_language_causal_lm
 
     device = torch.device(device)
     if not dist.is_initialized():
@@ -124,20 +141,7 @@ def load_sharded(
     atexit.unregister(release_device_mesh)  # once per process, however many targets it loads
     atexit.register(release_device_mesh)
 
-    # Parameters on the meta device; buffers real (the rotary frequencies are computed here, not
-    # stored in the checkpoint). No random initialisation runs on meta, but the RNG is kept as it
-    # was anyway, so a sharded run draws the same drafter initialisation as an unsharded one.
-    with torch.random.fork_rng(devices=[]), init_empty_weights(include_buffers=False):
-        # as draftsmith.target_loading.read_model reads its weights (rank 0's `read_weights`, under the names below)
-        if text_model_of_a_wrapper(config.to_dict()):
-            from draftsmith.text_model_lm import built_text_model_lm
-
-            model = built_text_model_lm(config, dtype=dtype)
-        elif wraps_a_text_model(config.to_dict()):
-            model = built_language_causal_lm(config, dtype=dtype)
-        else:
-            register_misfiled_causal_lms()
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    model = built_empty(config, dtype, trust_remote_code)
     model.requires_grad_(False)
     buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
     shard_target(model, init_device_mesh(device.type, (world,)))

@@ -100,6 +100,15 @@ def load_target(section, device: torch.device | str = "cpu", shard: str = "none"
     return freeze(model)
 
 
+def empty_target(section, dtype: torch.dtype):
+    """The target causal LM of the recipe's `target` section as load_target builds it, without its weights (they stay
+    on the meta device): its config, layers and shapes, for a stage whose target runs elsewhere (a vLLM engine)."""
+    from draftsmith.sharding import built_empty
+
+    section = target_section(section)
+    return freeze(built_empty(load_config(section), dtype, section.trust_remote_code))
+
+
 def loaded_config(target_model) -> dict:
     """A loaded target's config (dict form), naming its architecture: transformers loads a vision-language
     wrapper's language model alone, configured by the wrapper's text_config, which names none."""
@@ -146,6 +155,8 @@ class TargetShape:
         shape = cls.from_config(model.config, name_or_path)
         vocab = int(model.get_output_embeddings().weight.shape[0])
         rows = model.get_input_embeddings().weight[:EMBEDDING_ROWS].detach().float()
+        if rows.is_meta:  # a target without its weights (empty_target)
+            return cls(**{**shape.__dict__, "vocab_size": vocab})
         norms = tuple(round(norm, 6) for norm in rows.norm(dim=1).tolist())  # one copy to the host
         return cls(**{**shape.__dict__, "vocab_size": vocab, "embedding_norms": norms})
 

