@@ -8,9 +8,9 @@ Both engines capture the first --conversations of the recipe's data.train (the d
 through the real `python -m data_prep.capture`, each into its own directory, one after the other on the otherwise idle
 machine: vLLM (data.capture.engine=vllm: an engine of its own, its extract_hidden_states method) and transformers (the
 target in the capture's process, batches of train.micro_batch_size). tokens/s counts the conversations' tokens over
-the job's wall time, vLLM's imports and engine start included (tens of seconds on a CPU, fixed per job). Agreement:
-per stored layer the largest difference relative to the layer's largest state, and the share of positions whose top-k
-ids differ (near ties of two engines).
+the job's wall time, vLLM's imports and engine start included; tok_s_engine_started over the capture's own time once
+the engine had started (its manifest's last run). Agreement: per stored layer the largest difference relative to the
+layer's largest state, and the share of positions whose top-k ids differ (near ties of two engines).
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ def main() -> None:
             "wall_s": round(wall, 1),
             "tokens": manifest["tokens"],
             "tok_s": round(manifest["tokens"] / wall, 1),
+            "tok_s_engine_started": manifest["last_run"]["tokens_per_s"],
             "bytes_per_token": manifest["bytes_per_token"],
         }
     ours, theirs = tensors["vllm"], tensors["transformers"]

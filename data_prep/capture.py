@@ -166,7 +166,6 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
 
     record()  # from the start, so the merge finds a part for every rank, even one with no conversations
     computed = 0
-    started = time.perf_counter()
     progress = progress_bar(
         total=sum(s.tokens for s in plan), unit="tok", desc="capture", disable=not state.is_main_process
     )
@@ -176,6 +175,7 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
     progress.update(sum(shard.tokens for shard in plan if shard not in missing))
     reused = len(plan) - len(missing)
     with engine.opened(cfg, target, tokenizer, selection, directory, state, bool(missing)) as computing:
+        started = time.perf_counter()  # the engine started: its start is not this run's capture rate
         for shard in missing:
             rows = data[shard.start : shard.stop]
             stored = computing.shard(rows, progress)
