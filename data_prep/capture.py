@@ -119,7 +119,7 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
     # be a target, or a capture the engine cannot make, is refused before minutes of tokenizing
     target = engine.target(cfg, state)
     selection = resolve_selection(cfg, target)
-    if refusal := engine.refusal(selection, target):
+    if refusal := engine.refusal(cfg, selection, target):
         raise UserError(refusal)
     with state.main_process_first():  # rank 0 tokenizes and caches, the others read the cache
         # Exactly as training tokenizes (data_prep.dataset.load_tokenized), so a capture lines up with the
@@ -269,7 +269,7 @@ class TransformersCapture:
         return load_target(cfg.target, state.device, shard=cfg.target.shard)
 
     @staticmethod
-    def refusal(selection: Selection, target) -> Optional[str]:
+    def refusal(cfg: DictConfig, selection: Selection, target) -> Optional[str]:
         return None
 
     @classmethod

@@ -28,8 +28,9 @@ from safetensors.torch import load_file
 
 from draftsmith.data_prep.features import DISTRIBUTION_DTYPE, encode, hidden_names
 from draftsmith.data_prep.vllm_stage import engine_arguments, vllm_dtype
-from draftsmith.engines import VllmEngine, vllm_python
-from draftsmith.target import empty_target, num_layers, resolve_dtype
+from draftsmith.engines import VllmEngine, vllm_distribution, vllm_python
+from draftsmith.formats.versions import CPU_BUILD, cpu_build_limit, require_engine_imports
+from draftsmith.target import empty_target, loaded_config, num_layers, resolve_dtype
 
 PYTHON_KEY = "data.capture.vllm.python"
 
@@ -44,27 +45,23 @@ class VllmCapture:
         return empty_target(cfg.target, resolve_dtype(vllm_dtype(cfg.target, cfg.data.capture.vllm), "cpu"))
 
     @staticmethod
-    def refusal(selection, target) -> Optional[str]:
-        """Why vLLM cannot capture `selection` of `target`, in one line; None when it can."""
-        last = num_layers(target) - 1
-        if last in selection.layers:
+    def refusal(cfg, selection, target) -> Optional[str]:
+        """Why vLLM cannot capture `selection` of `target`, in one line; None when it can: what vLLM hands out, then
+        the engine's environment (a Python without vLLM, or without what the target's vLLM model imports, is a line
+        of its own) and build."""
+        asked = unextractable(selection, num_layers(target))
+        if asked is not None:
+            return f"data.capture.engine=vllm cannot capture {asked}: set data.capture.engine=transformers"
+        python = vllm_python(cfg.data.capture.vllm.python, PYTHON_KEY)
+        config = loaded_config(target)
+        require_engine_imports(config, python, PYTHON_KEY)
+        limit = cpu_build_limit(config, vllm_dtype(cfg.target, cfg.data.capture.vllm))
+        if limit is not None and vllm_distribution(python, PYTHON_KEY) == CPU_BUILD:
             return (
-                f"data.capture.engine=vllm cannot capture layer {last}: in draftsmith's convention the target's last "
-                f"state after its final norm (transformers' hidden_states[{last + 1}]), where vLLM's id {last + 1} is "
-                "the state before that norm: set data.capture.engine=transformers, or leave the last layer out"
+                f"{PYTHON_KEY} is vLLM's CPU build ({CPU_BUILD}), which does not compute this target as it is "
+                f"defined: {limit}; capture with a GPU build of vLLM, or set data.capture.engine=transformers"
             )
-        if selection.final:
-            asked = "the state after the final norm (data.capture.final, or the drafter's own features)"
-        elif selection.logits == "full":
-            asked = "the whole next-token distribution (data.capture.logits=full)"
-        elif not selection.layers:
-            asked = "no layer's states (data.capture.layers), which is all vLLM's extract_hidden_states gives"
-        else:
-            return None
-        return (
-            f"data.capture.engine=vllm captures decoder layers' states and the top-k next tokens; this capture asks "
-            f"for {asked}: set data.capture.engine=transformers"
-        )
+        return None
 
     @classmethod
     @contextlib.contextmanager
@@ -127,3 +124,21 @@ class VllmCapture:
             stored["topk_ids"] = tensors["topk_ids"].to(torch.int32)
             stored["topk_logprobs"] = tensors["topk_logprobs"].to(DISTRIBUTION_DTYPE)
         return {name: tensor.contiguous() for name, tensor in stored.items()}
+
+
+def unextractable(selection, layers: int) -> Optional[str]:
+    """What of `selection` vLLM's extract_hidden_states does not hand out (its decoder layers' states and, from the
+    prompt log-probabilities, the top-k), of a target of `layers` layers; None when it hands out all of it."""
+    last = layers - 1
+    if last in selection.layers:
+        return (
+            f"layer {last}, in draftsmith's convention the target's last state after its final norm (transformers' "
+            f"hidden_states[{last + 1}]), where vLLM's id {last + 1} is the state before that norm (or leave it out)"
+        )
+    if selection.final:
+        return "the state after the final norm (data.capture.final, or the drafter's own features)"
+    if selection.logits == "full":
+        return "the whole next-token distribution (data.capture.logits=full)"
+    if not selection.layers:
+        return "the top-k alone: it hands out the top-k beside layers' states (set data.capture.layers)"
+    return None

@@ -221,13 +221,14 @@ def require_build_serves(
         )
 
 
-def require_engine_imports(config: dict, python: str) -> None:
-    """The one-line refusal of checking a drafter with a vLLM whose environment cannot import the target's
-    model module (before the engine starts, where the failure would be a traceback of the engine's)."""
+def require_engine_imports(config: dict, python: str, key: str = VLLM_PYTHON_KEY) -> None:
+    """The one-line refusal of running the target in a vLLM (the recipe key `key` names its Python: the export's check,
+    a capture's engine) whose environment cannot import the target's model module (before the engine starts, where the
+    failure would be a traceback of the engine's)."""
     needing = sorted(set(config.get("architectures") or []) & set(VLLM_IMPORTS_TORCHVISION))
-    if needing and not torchvision_loads(python, VLLM_PYTHON_KEY):
+    if needing and not torchvision_loads(python, key):
         raise UserError(
-            f"{VLLM_PYTHON_KEY}'s environment cannot import vLLM's {needing[0]} model: it imports torchvision, which "
+            f"{key}'s environment cannot import vLLM's {needing[0]} model: it imports torchvision, which "
             "is missing there or was built for another torch; install the torchvision built for that torch (for the "
             "CPU build: pip install torchvision --index-url https://download.pytorch.org/whl/cpu, or, from PyPI alone, "
             "PyPI's torch with its torchvision: benchmarks/vision_vllm_env.sh) and retry"
