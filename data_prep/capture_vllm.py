@@ -78,20 +78,21 @@ class VllmCapture:
             "enable_prefix_caching": False,
             "max_logprobs": max(selection.topk or 0, 1),
             "logprobs_mode": "raw_logprobs",  # log-softmax of the target's logits, as draftsmith's forward stores
-            "speculative_config": {
+        }
+        if selection.layers:  # a capture of the top-k alone needs no states
+            arguments["speculative_config"] = {
                 "method": "extract_hidden_states",
                 "num_speculative_tokens": 1,
                 "draft_model_config": {
                     "hf_config": {"eagle_aux_hidden_state_layer_ids": [layer + 1 for layer in selection.layers]}
                 },
-            },
-            "kv_transfer_config": {
+            }
+            arguments["kv_transfer_config"] = {
                 "kv_connector": "HiddenStatesConnector",
                 "kv_connector_module_path": "hidden_states",
                 "kv_role": "kv_producer",
                 "kv_connector_extra_config": {"shared_storage_path": str(scratch), "allow_custom_save_path": True},
-            },
-        }
+            }
         with VllmEngine(vllm_python(v.python, PYTHON_KEY), PYTHON_KEY, arguments, env) as engine:
             yield cls(engine, selection, scratch, v.max_num_seqs)
         shutil.rmtree(scratch, ignore_errors=True)
@@ -107,7 +108,8 @@ class VllmCapture:
             prompts = rows["input_ids"][first : first + self.requests]
             shutil.rmtree(self.scratch, ignore_errors=True)
             self.scratch.mkdir()
-            for prompt, path in zip(prompts, self.engine.capture(prompts, self.selection.topk or 0, self.scratch)):
+            files = self.engine.capture(prompts, self.selection.topk or 0, bool(self.selection.layers), self.scratch)
+            for prompt, path in zip(prompts, files):
                 stored.append(self.converted(load_file(path), prompt))
             progress.update(sum(map(len, prompts)))
         shutil.rmtree(self.scratch, ignore_errors=True)
@@ -117,9 +119,9 @@ class VllmCapture:
         if tensors["token_ids"].tolist() != list(prompt):  # a file of another request: never stored as this one's
             raise RuntimeError("vLLM's captured states are of other tokens than the conversation's")
         stored: dict[str, torch.Tensor] = {}
-        states = tensors["hidden_states"]  # [T, layers, H], in the order of the ascending layer ids asked
         for column, name in enumerate(hidden_names(False, self.selection.layers)):
-            stored |= encode(name, states[:, column], self.selection.dtype)
+            # [T, layers, H], in the order of the ascending layer ids asked
+            stored |= encode(name, tensors["hidden_states"][:, column], self.selection.dtype)
         if self.selection.logits == "topk":
             stored["topk_ids"] = tensors["topk_ids"].to(torch.int32)
             stored["topk_logprobs"] = tensors["topk_logprobs"].to(DISTRIBUTION_DTYPE)
@@ -127,8 +129,8 @@ class VllmCapture:
 
 
 def unextractable(selection, layers: int) -> Optional[str]:
-    """What of `selection` vLLM's extract_hidden_states does not hand out (its decoder layers' states and, from the
-    prompt log-probabilities, the top-k), of a target of `layers` layers; None when it hands out all of it."""
+    """What of `selection` vLLM does not hand out (its decoder layers' states, through extract_hidden_states, and the
+    top-k, from the prompt log-probabilities), of a target of `layers` layers; None when it hands out all of it."""
     last = layers - 1
     if last in selection.layers:
         return (
@@ -139,6 +141,4 @@ def unextractable(selection, layers: int) -> Optional[str]:
         return "the state after the final norm (data.capture.final, or the drafter's own features)"
     if selection.logits == "full":
         return "the whole next-token distribution (data.capture.logits=full)"
-    if not selection.layers:
-        return "the top-k alone: it hands out the top-k beside layers' states (set data.capture.layers)"
     return None

@@ -300,9 +300,10 @@ class VllmEngine:
         reply = self.worker.ask({"generate": batch}, "generate")
         return reply["outputs"], reply["finish_reasons"]
 
-    def capture(self, prompts: Sequence[Sequence[int]], topk: int, directory: Path) -> list[str]:
-        """The file of each prompt's states and top-k next tokens (the worker's "capture" request), in `directory`."""
-        request = {"prompts": [list(p) for p in prompts], "topk": topk, "directory": str(directory)}
+    def capture(self, prompts: Sequence[Sequence[int]], topk: int, states: bool, directory: Path) -> list[str]:
+        """The file of each prompt's states (with `states`) and top-k next tokens (the worker's "capture" request), in
+        `directory`."""
+        request = {"prompts": [list(p) for p in prompts], "topk": topk, "states": states, "directory": str(directory)}
         return self.worker.ask({"capture": request}, "capture the target's states")["files"]
 
     def close(self) -> None:

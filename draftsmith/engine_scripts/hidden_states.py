@@ -51,11 +51,12 @@ class HiddenStatesConnector(ExampleHiddenStatesConnector):
 
 def capture(llm, request):
     """The worker's "capture" request (vllm_worker.py) on `llm`, an engine opened with extract_hidden_states and this
-    connector: one file a prompt, its states with the next-token top-k beside them."""
+    connector (for `states`; without, any engine): one file a prompt, its states with the next-token top-k beside
+    them."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    k, directory = int(request["topk"]), request["directory"]
+    k, states, directory = int(request["topk"]), bool(request["states"]), request["directory"]
     paths = [os.path.join(directory, f"{i}.safetensors") for i in range(len(request["prompts"]))]
     params = [
         SamplingParams(
@@ -64,7 +65,7 @@ def capture(llm, request):
             prompt_logprobs=k or None,
             logprobs=k or None,
             detokenize=False,
-            extra_args={"kv_transfer_params": {"hidden_states_path": path + ".engine"}},
+            extra_args={"kv_transfer_params": {"hidden_states_path": path + ".engine"}} if states else None,
         )
         for path in paths
     ]
@@ -73,7 +74,7 @@ def capture(llm, request):
     outputs = llm.generate(prompts, params, use_tqdm=False)
     # generate() returns once the requests are answered; their states are handed to the connector by the engine's
     # next steps, which only a caller drives when the engine runs in this process
-    written = [output.kv_transfer_params["hidden_states_path"] for output in outputs]
+    written = [output.kv_transfer_params["hidden_states_path"] for output in outputs] if states else []
     for _ in range(STEPS_TO_WRITE):
         if all(os.path.exists(path) for path in written):
             break
@@ -81,7 +82,7 @@ def capture(llm, request):
     else:
         raise RuntimeError(f"vLLM's connector wrote no states within {STEPS_TO_WRITE} engine steps")
     for output, path in zip(outputs, paths):
-        with_top_k(output, path, k)
+        with_top_k(output, path, k, states)
     return {"files": paths, "seconds": time.perf_counter() - start}
 
 
@@ -92,13 +93,15 @@ def top_entries(logprobs, k):
     return [token for token, _ in ranked], [entry.logprob for _, entry in ranked]
 
 
-def with_top_k(output, path, k):
-    """One prompt's file: the connector's states (read once its writer's lock is free), with the next-token top-k
-    beside them. vLLM's prompt logprobs at position t are of token t given the tokens before it: position t's next
-    token is entry t + 1, and the last position's is the one generated token's."""
-    written = output.kv_transfer_params["hidden_states_path"]
-    tensors = load_hidden_states(written)
-    cleanup_hidden_states(written)
+def with_top_k(output, path, k, states):
+    """One prompt's file: its tokens, the connector's states (with `states`: read once its writer's lock is free), and
+    the next-token top-k beside them. vLLM's prompt logprobs at position t are of token t given the tokens before it:
+    position t's next token is entry t + 1, and the last position's is the one generated token's."""
+    tensors = {"token_ids": torch.tensor(output.prompt_token_ids)}
+    if states:
+        written = output.kv_transfer_params["hidden_states_path"]
+        tensors = load_hidden_states(written)
+        cleanup_hidden_states(written)
     if k:
         positions = [*output.prompt_logprobs[1:], output.outputs[0].logprobs[0]]
         ids, logprobs = zip(*(top_entries(entries, k) for entries in positions))

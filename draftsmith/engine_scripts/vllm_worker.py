@@ -19,12 +19,12 @@ A request is an object with one key, the name of what it asks for, whose value h
   chat template and the decoding are draftsmith's own; every prompt of a batch goes to `LLM.generate`
   at once (continuous batching), each with its own seed, so sampled answers do not depend on the batch
   they were in.
-- {"capture": {"prompts": [[token ids], ...], "topk": K, "directory": DIR}} the target's states over each prompt
-  on that engine, opened with vLLM's `extract_hidden_states` method and draftsmith's connector (hidden_states.py,
-  which answers it; data_prep/capture_vllm.py opens it): one safetensors file a prompt, DIR/{i}.safetensors, holding
-  `token_ids` [T], `hidden_states` [T, layers, H] and, when K > 0, the target's K most likely next tokens at every
-  position, `topk_ids` [T, K] (int32) and `topk_logprobs` [T, K] (float32, log-softmax of the raw logits, best
-  first). Reply: {"ok": true, "files": [path, ...], "seconds": S}.
+- {"capture": {"prompts": [[token ids], ...], "topk": K, "states": S, "directory": DIR}} the target's states over
+  each prompt on that engine, opened (for S true) with vLLM's `extract_hidden_states` method and draftsmith's
+  connector (hidden_states.py, which answers it; data_prep/capture_vllm.py opens it): one safetensors file a prompt,
+  DIR/{i}.safetensors, holding `token_ids` [T], with S `hidden_states` [T, layers, H] and, when K > 0, the target's K
+  most likely next tokens at every position, `topk_ids` [T, K] (int32) and `topk_logprobs` [T, K] (float32,
+  log-softmax of the raw logits, best first). Reply: {"ok": true, "files": [path, ...], "seconds": S}.
 - {"close": {}} shuts that engine down, the worker kept for later requests. Reply: {"ok": true}.
 - {"runs": {"target": DIR, "prompts": [[token ids], ...], "max_tokens": N, "dtype": "float32",
   "max_model_len": N, "gpu_memory_utilization": 0.3, "runs": [{"name": ..., "speculative_config": null
