@@ -172,7 +172,7 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
     missing = [
         shard for shard in plan if shard.name not in done or not is_intact(directory / shard.name, done[shard.name])
     ]
-    progress.update(sum(shard.tokens for shard in plan if shard not in missing))
+    progress.update(sum(shard.tokens for shard in plan) - sum(shard.tokens for shard in missing))
     reused = len(plan) - len(missing)
     with engine.opened(cfg, target, tokenizer, selection, directory, state, bool(missing)) as computing:
         started = time.perf_counter()  # the engine started: its start is not this run's capture rate

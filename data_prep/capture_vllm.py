@@ -10,10 +10,9 @@ sharded however vLLM shards it (`data.capture.vllm.tensor_parallel_size`); draft
 vLLM's layer id j is the input of decoder layer j: draftsmith's layer i (its output) is vLLM's i + 1, and draftsmith's
 -1 (the embeddings) vLLM's 0. vLLM hands out no state after the final norm and no whole next-token distribution: a
 capture that asks for `final`, for the last layer (draftsmith's L - 1 is after the final norm, transformers'
-`hidden_states[L]`; vLLM's L before it) or for `logits=full` is refused in one line before the engine starts, as is one
-whose target
-vLLM's model class gives no states from (vLLM's own line: a class without `SupportsEagle3`, an MLA target, whose cache
-vLLM's connector cannot read).
+`hidden_states[L]`; vLLM's L before it) or for `logits=full` is refused in one line before the data is read, as is a
+vLLM environment that cannot import the target's model and vLLM's CPU build for a target it does not compute as defined
+(formats/versions.py's limits). A model class without `SupportsEagle3` stops at the engine's start with vLLM's line.
 """
 
 from __future__ import annotations

@@ -97,11 +97,12 @@ def with_top_k(output, path, k, states):
     """One prompt's file: its tokens, the connector's states (with `states`: read once its writer's lock is free), and
     the next-token top-k beside them. vLLM's prompt logprobs at position t are of token t given the tokens before it:
     position t's next token is entry t + 1, and the last position's is the one generated token's."""
-    tensors = {"token_ids": torch.tensor(output.prompt_token_ids)}
     if states:
         written = output.kv_transfer_params["hidden_states_path"]
-        tensors = load_hidden_states(written)
+        tensors = load_hidden_states(written)  # its token_ids too
         cleanup_hidden_states(written)
+    else:
+        tensors = {"token_ids": torch.tensor(output.prompt_token_ids)}
     if k:
         positions = [*output.prompt_logprobs[1:], output.outputs[0].logprobs[0]]
         ids, logprobs = zip(*(top_entries(entries, k) for entries in positions))
