@@ -8,30 +8,48 @@ states vLLM hands its own EAGLE-3 drafter when it serves the target, computed by
 sharded however vLLM shards it (`data.capture.vllm.tensor_parallel_size`); draftsmith never loads its weights.
 
 vLLM's layer id j is the input of decoder layer j: draftsmith's layer i (its output) is vLLM's i + 1, and draftsmith's
--1 (the embeddings) vLLM's 0. vLLM hands out no state after the final norm and no whole next-token distribution: a
-capture that asks for `final`, for the last layer (draftsmith's L - 1 is after the final norm, transformers'
-`hidden_states[L]`; vLLM's L before it) or for `logits=full` is refused in one line before the data is read, as is a
-vLLM environment that cannot import the target's model and vLLM's CPU build for a target it does not compute as defined
-(formats/versions.py's limits). A model class without `SupportsEagle3` stops at the engine's start with vLLM's line.
+-1 (the embeddings) vLLM's 0. vLLM's id L (after the last of L layers) is the last layer's state before the final norm:
+`final`, and draftsmith's layer L - 1 (after the norm, as transformers' `hidden_states[L]`), are that state through the
+target's own final norm, its module built here from the target's code and its weights read alone from the checkpoint
+(`FinalNorm`). On the first request the norm is proved against the engine: the target's lm_head (read alone too) over
+the normed states picks the engine's own most likely next token at almost every position, or the capture stops, as it
+would for a model whose state at id L is not the one the norm takes. vLLM hands out no whole next-token distribution:
+`logits=full` is refused in one line before the data is read, as is a target whose final norm's weights cannot be
+found by name in its checkpoint, a vLLM environment that cannot import the target's model and vLLM's CPU build for a
+target it does not compute as defined (formats/versions.py's limits). A model class without `SupportsEagle3` stops at
+the engine's start with vLLM's line.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import shutil
 from pathlib import Path
 from typing import Optional
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
+from torch import nn
 
 from draftsmith.data_prep.features import DISTRIBUTION_DTYPE, encode, hidden_names
 from draftsmith.data_prep.vllm_stage import engine_arguments, vllm_dtype
 from draftsmith.engines import VllmEngine, vllm_distribution, vllm_python
+from draftsmith.errors import CheckFailed, UserError
 from draftsmith.formats.versions import CPU_BUILD, cpu_build_limit, require_engine_imports
+from draftsmith.model_files import checkpoint_folder, tensor_names
 from draftsmith.target import empty_target, loaded_config, num_layers, resolve_dtype
 
 PYTHON_KEY = "data.capture.vllm.python"
+READER = "data.capture.engine=vllm"  # what reads the final norm's weights, in the line when it cannot
+# the share of the first request's positions at which the normed states' most likely next token must be the engine's:
+# not all, as a near tie can fall either way between the engine's kernels and these
+NORM_PROOF_AGREEMENT = 0.98
+# the proof's positions (the first of the first prompt) and the lm_head rows read at a time: a bounded matmul on this
+# process's CPU and a bounded slice of a large vocabulary's head in memory, whatever the target's size
+NORM_PROOF_POSITIONS = 64
+HEAD_ROWS = 16384
 
 
 class VllmCapture:
@@ -48,9 +66,13 @@ class VllmCapture:
         """Why vLLM cannot capture `selection` of `target`, in one line; None when it can: what vLLM hands out, then
         the engine's environment (a Python without vLLM, or without what the target's vLLM model imports, is a line
         of its own) and build."""
-        asked = unextractable(selection, num_layers(target))
-        if asked is not None:
-            return f"data.capture.engine=vllm cannot capture {asked}: set data.capture.engine=transformers"
+        if selection.logits == "full":
+            return (
+                "data.capture.engine=vllm cannot capture the whole next-token distribution (data.capture.logits=full): "
+                "set data.capture.engine=transformers"
+            )
+        if normed(selection, num_layers(target)):
+            FinalNorm.names(target, cfg.target.name_or_path)  # the norm's weights found by name, or one line
         python = vllm_python(cfg.data.capture.vllm.python, PYTHON_KEY)
         config = loaded_config(target)
         require_engine_imports(config, python, PYTHON_KEY)
@@ -78,13 +100,12 @@ class VllmCapture:
             "max_logprobs": max(selection.topk or 0, 1),
             "logprobs_mode": "raw_logprobs",  # log-softmax of the target's logits, as draftsmith's forward stores
         }
-        if selection.layers:  # a capture of the top-k alone needs no states
+        ids = engine_ids(selection, num_layers(target))
+        if ids:  # a capture of the top-k alone needs no states
             arguments["speculative_config"] = {
                 "method": "extract_hidden_states",
                 "num_speculative_tokens": 1,
-                "draft_model_config": {
-                    "hf_config": {"eagle_aux_hidden_state_layer_ids": [layer + 1 for layer in selection.layers]}
-                },
+                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": ids}},
             }
             arguments["kv_transfer_config"] = {
                 "kv_connector": "HiddenStatesConnector",
@@ -92,12 +113,14 @@ class VllmCapture:
                 "kv_role": "kv_producer",
                 "kv_connector_extra_config": {"shared_storage_path": str(scratch), "allow_custom_save_path": True},
             }
+        norm = FinalNorm(target, cfg.target.name_or_path) if normed(selection, num_layers(target)) else None
         with VllmEngine(vllm_python(v.python, PYTHON_KEY), PYTHON_KEY, arguments, env) as engine:
-            yield cls(engine, selection, scratch, v.max_num_seqs)
+            yield cls(engine, selection, scratch, v.max_num_seqs, ids, norm)
         shutil.rmtree(scratch, ignore_errors=True)
 
-    def __init__(self, engine: VllmEngine, selection, scratch: Path, requests: int):
+    def __init__(self, engine: VllmEngine, selection, scratch: Path, requests: int, ids: list[int], norm):
         self.engine, self.selection, self.scratch, self.requests = engine, selection, scratch, requests
+        self.ids, self.norm = ids, norm  # the engine's layer ids, ascending; the final norm where the last is asked
 
     def shard(self, rows: dict[str, list], progress) -> list[dict[str, torch.Tensor]]:
         """Each conversation's stored tensors (as data_prep.capture.stored_tensors converts a forward's), a request
@@ -107,9 +130,14 @@ class VllmCapture:
             prompts = rows["input_ids"][first : first + self.requests]
             shutil.rmtree(self.scratch, ignore_errors=True)
             self.scratch.mkdir()
-            files = self.engine.capture(prompts, self.selection.topk or 0, bool(self.selection.layers), self.scratch)
+            # the norm's proof reads the engine's most likely next token, asked for even where no top-k is stored
+            topk = max(self.selection.topk or 0, 1 if self.norm is not None and not self.norm.proved else 0)
+            files = self.engine.capture(prompts, topk, bool(self.ids), self.scratch)
             for prompt, path in zip(prompts, files):
-                stored.append(self.converted(load_file(path), prompt))
+                tensors = load_file(path)
+                if self.norm is not None and not self.norm.proved:
+                    self.norm.prove(tensors["hidden_states"][:, -1], tensors["topk_ids"][:, 0])
+                stored.append(self.converted(tensors, prompt))
             progress.update(sum(map(len, prompts)))
         shutil.rmtree(self.scratch, ignore_errors=True)
         return stored
@@ -117,27 +145,114 @@ class VllmCapture:
     def converted(self, tensors: dict[str, torch.Tensor], prompt: list[int]) -> dict[str, torch.Tensor]:
         if tensors["token_ids"].tolist() != list(prompt):  # a file of another request: never stored as this one's
             raise RuntimeError("vLLM's captured states are of other tokens than the conversation's")
+        states = {}  # engine id -> [T, H]; the file's are [T, ids, H], in the order of the ascending ids asked
+        for column, engine_id in enumerate(self.ids):
+            state = tensors["hidden_states"][:, column]
+            states[engine_id] = self.norm(state) if self.norm is not None and engine_id == self.ids[-1] else state
+        hidden = {"final": states.get(self.ids[-1]) if self.ids else None}
+        hidden |= {f"layer_{layer}": states[layer + 1] for layer in self.selection.layers}
         stored: dict[str, torch.Tensor] = {}
-        for column, name in enumerate(hidden_names(False, self.selection.layers)):
-            # [T, layers, H], in the order of the ascending layer ids asked
-            stored |= encode(name, tensors["hidden_states"][:, column], self.selection.dtype)
+        for name in hidden_names(self.selection.final, self.selection.layers):
+            stored |= encode(name, hidden[name], self.selection.dtype)
         if self.selection.logits == "topk":
             stored["topk_ids"] = tensors["topk_ids"].to(torch.int32)
             stored["topk_logprobs"] = tensors["topk_logprobs"].to(DISTRIBUTION_DTYPE)
         return {name: tensor.contiguous() for name, tensor in stored.items()}
 
 
-def unextractable(selection, layers: int) -> Optional[str]:
-    """What of `selection` vLLM does not hand out (its decoder layers' states, through extract_hidden_states, and the
-    top-k, from the prompt log-probabilities), of a target of `layers` layers; None when it hands out all of it."""
-    last = layers - 1
-    if last in selection.layers:
-        return (
-            f"layer {last}, in draftsmith's convention the target's last state after its final norm (transformers' "
-            f"hidden_states[{last + 1}]), where vLLM's id {last + 1} is the state before that norm (or leave it out)"
-        )
-    if selection.final:
-        return "the state after the final norm (data.capture.final, or the drafter's own features)"
-    if selection.logits == "full":
-        return "the whole next-token distribution (data.capture.logits=full)"
-    return None
+def engine_ids(selection, layers: int) -> list[int]:
+    """vLLM's layer ids of the states `selection` asks of a target of `layers` layers, ascending: draftsmith's layer i
+    is vLLM's i + 1; `final` (and draftsmith's last layer, L - 1) are vLLM's L, through the final norm."""
+    return sorted({layer + 1 for layer in selection.layers} | ({layers} if selection.final else set()))
+
+
+def normed(selection, layers: int) -> bool:
+    """Whether `selection` asks a target of `layers` layers for a state after its final norm (`final`, or draftsmith's
+    layer L - 1): vLLM's id L through the norm."""
+    return selection.final or layers - 1 in selection.layers
+
+
+class FinalNorm:
+    """The target's final norm, its module the target's own (built from its code, `get_decoder().norm`) and its
+    weights read alone from the checkpoint by the module's name: what turns vLLM's state at id L into transformers'
+    last hidden state. `prove` checks it once against the engine."""
+
+    def __init__(self, target, name_or_path: str):
+        self.name_or_path, self.proved = name_or_path, False
+        names = self.names(target, name_or_path)
+        norm = copy.deepcopy(target.get_decoder().norm).to_empty(device="cpu")
+        norm.load_state_dict({key: read_tensor(name_or_path, name) for key, name in names.items()}, strict=True)
+        self.module = norm.to(target.dtype)  # the dtype vLLM runs the target in (VllmCapture.target)
+        self.head_name = head_name(target, name_or_path)
+
+    @staticmethod
+    def names(target, name_or_path: str) -> dict[str, str]:
+        """The norm's parameter -> its tensor's name in the checkpoint; a norm missing, holding buffers of its own or
+        stored under other names is refused in one line (a capture through transformers reads it as the model
+        loads), as is a checkpoint without the lm_head the proof reads."""
+        norm = getattr(target.get_decoder(), "norm", None)
+        if not isinstance(norm, nn.Module) or list(norm.buffers()):
+            raise UserError(
+                f"data.capture.engine=vllm cannot apply {type(target).__name__}'s final norm (no `norm` module of "
+                "parameters alone in its decoder): leave out data.capture.final and the last layer, or set "
+                "data.capture.engine=transformers"
+            )
+        prefix = next(name for name, module in target.named_modules() if module is norm)
+        names = {key: f"{prefix}.{key}" for key, _ in norm.named_parameters()}
+        stored = tensor_names(checkpoint_folder(name_or_path, READER))
+        missing = sorted(name for name in names.values() if name not in stored)
+        if missing or head_name(target, name_or_path) is None:
+            held = missing[0] if missing else "lm_head (the output embedding's weight, or a tied input embedding's)"
+            raise UserError(
+                f"data.capture.engine=vllm reads the target's final norm and lm_head by their names, and "
+                f"{name_or_path}'s checkpoint holds no {held}: leave out data.capture.final and the last layer, or set "
+                "data.capture.engine=transformers"
+            )
+        return names
+
+    def __call__(self, state: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.module(state.to(next(self.module.parameters()).dtype))
+
+    def prove(self, state: torch.Tensor, engine_top: torch.Tensor) -> None:
+        """The normed states of one prompt (its first NORM_PROOF_POSITIONS) through the target's lm_head pick the
+        engine's most likely next tokens (`engine_top`) at NORM_PROOF_AGREEMENT of them, or the capture stops before
+        a shard is written (a failed check, exit 3)."""
+        normed = self(state[:NORM_PROOF_POSITIONS]).float()
+        best = torch.full((len(normed),), -float("inf"))
+        picked = torch.zeros(len(normed), dtype=torch.long)
+        with safe_open(str(tensor_names(checkpoint_folder(self.name_or_path, READER))[self.head_name]), "pt") as f:
+            head = f.get_slice(self.head_name)
+            for first in range(0, head.get_shape()[0], HEAD_ROWS):
+                value, index = (normed @ head[first : first + HEAD_ROWS].float().T).max(-1)
+                better = value > best
+                best, picked = torch.where(better, value, best), torch.where(better, index + first, picked)
+        agreement = (picked == engine_top[: len(normed)].long()).float().mean().item()
+        if agreement < NORM_PROOF_AGREEMENT:
+            raise CheckFailed(
+                f"vLLM's last state through the target's final norm picks the engine's own next token at "
+                f"{agreement:.0%} of the positions: this model's state at id L is not the one its norm takes"
+            )
+        self.proved = True
+
+
+def head_name(target, name_or_path: str) -> Optional[str]:
+    """The checkpoint name of the target's lm_head weight: the output embedding's, or with tied embeddings the input
+    embedding's, which the checkpoint stores alone; None when it holds neither."""
+    output = weight_name(target, target.get_output_embeddings(), name_or_path)
+    return output or weight_name(target, target.get_input_embeddings(), name_or_path)
+
+
+def weight_name(model, module, name_or_path: str) -> Optional[str]:
+    """The checkpoint name of `module`'s weight, if the checkpoint holds it."""
+    if module is None:
+        return None
+    prefix = next(name for name, found in model.named_modules() if found is module)
+    name = f"{prefix}.weight"
+    return name if name in tensor_names(checkpoint_folder(name_or_path, READER)) else None
+
+
+def read_tensor(name_or_path: str, name: str) -> torch.Tensor:
+    """One tensor of the target's checkpoint, read alone."""
+    with safe_open(str(tensor_names(checkpoint_folder(name_or_path, READER))[name]), "pt") as f:
+        return f.get_tensor(name)

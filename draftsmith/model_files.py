@@ -6,12 +6,16 @@ out of reach, read from the Hub cache alone at once, not after huggingface_hub's
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Optional
+
+from safetensors import safe_open
 
 from draftsmith.errors import UserError, hub_cache_miss, one_line
 
@@ -19,6 +23,7 @@ from draftsmith.errors import UserError, hub_cache_miss, one_line
 # again at a later check
 HUB_PROBE_TTL_S = 30.0
 _hub_probes: dict[str, tuple[float, Optional[Exception]]] = {}  # endpoint -> (time.monotonic() asked, its failure)
+SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
 def hub_out_of_reach(name_or_path: str) -> Optional[Exception]:
@@ -258,3 +263,41 @@ def first_unreadable(folder: Path) -> Optional[Path]:
             except PermissionError:
                 return Path(parent, name)
     return Path(denied[0]) if denied else None
+
+
+def tensor_names(folder: Path) -> Mapping[str, Path]:
+    """Tensor name -> the safetensors file of a checkpoint folder that holds it (headers only). Read once per
+    checkpoint as its files stand (their sizes and times name it): an MTP start asks three times (the recipe's
+    check, the drafter's own when it is built, reading the layer), and a release's index or headers are megabytes."""
+    index = folder / SAFETENSORS_INDEX
+    files = (index,) if index.is_file() else tuple(sorted(folder.glob("*.safetensors")))
+    return names_in(tuple((path, stat.st_mtime_ns, stat.st_size) for path in files for stat in [path.stat()]))
+
+
+@functools.lru_cache(maxsize=4)
+def names_in(stamped: tuple[tuple[Path, int, int], ...]) -> Mapping[str, Path]:
+    """`tensor_names` of a folder's index or its safetensors files (`stamped`: each with its time and size), read-only
+    as every caller shares it."""
+    names: dict[str, Path] = {}
+    for path, _, _ in stamped:
+        if path.name == SAFETENSORS_INDEX:
+            stored = json.loads(path.read_text())["weight_map"]
+            names.update({name: path.parent / file for name, file in stored.items()})
+        else:
+            with safe_open(str(path), "pt") as f:
+                names.update(dict.fromkeys(f.keys(), path))
+    return MappingProxyType(names)
+
+
+def checkpoint_folder(name_or_path: str, reader: str) -> Path:
+    """The target's checkpoint folder: a local one, or a Hub id's snapshot in the cache (its weights fetched when the
+    target loaded, or by the engine that runs it). `reader` names what reads it, for the line when it cannot."""
+    if Path(name_or_path).is_dir():
+        return Path(name_or_path)
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(name_or_path, allow_patterns=["*.safetensors", "*.json"]))
+    except (HfHubHTTPError, LocalEntryNotFoundError, ValueError, OSError) as err:
+        raise UserError(f"{reader}: cannot read target {name_or_path!r}'s checkpoint ({one_line(err)})") from None

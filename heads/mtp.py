@@ -56,20 +56,20 @@ from draftsmith.heads.mtp_config import MtpConfig
 from draftsmith.heads.mtp_family import decoder_layers, qualified
 from draftsmith.heads.mtp_layer import (
     OWN_EMBEDDING,
+    READER,
     TARGET_EMBED_NORM,
     Layout,
     block_from_checkpoint,
     block_to_checkpoint,
-    checkpoint_folder,
     layer_config,
     read_layer,
     shipped_config,
-    tensor_names,
 )
 from draftsmith.heads.mtp_layouts import LAYOUTS, layout_of
 from draftsmith.heads.packing import causal_document_mask, documents, positions, shifted
 from draftsmith.heads.proposer import DraftState
 from draftsmith.heads.vocab_loss import chunk_rows_for, steps_ahead_loss
+from draftsmith.model_files import checkpoint_folder, tensor_names
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, loaded_config
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ def check_ships_a_layer(config: dict, layout: Layout, name_or_path: str) -> None
             )
         return
     layers = decoder_layers(text)
-    if not layout.shipped_layers(tensor_names(checkpoint_folder(name_or_path)), layers):
+    if not layout.shipped_layers(tensor_names(checkpoint_folder(name_or_path, READER)), layers):
         raise UserError(
             f"drafter.type=mtp: the target ships no MTP layer (its config.json has no {layout.count_key} and its "
             f"weights no tensor named {layout.layers_named(layers)}); train another kind"

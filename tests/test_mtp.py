@@ -38,9 +38,10 @@ from draftsmith.eval.loop import generate
 from draftsmith.formats import Source, exporter_for
 from draftsmith.formats.repo import TargetInfo, check_tensors
 from draftsmith.heads import drafter_class
-from draftsmith.heads.mtp_layer import names_in, read_layer, shipped_shapes, tensor_names
+from draftsmith.heads.mtp_layer import read_layer, shipped_shapes
 from draftsmith.heads.mtp_layouts import LAYOUTS
 from draftsmith.heads.mtp_random_layer import write_random_layer
+from draftsmith.model_files import names_in, tensor_names
 from draftsmith.random_target import write_random_target
 from draftsmith.recipe import load_recipe
 from draftsmith.target import FeatureRequest, TargetShape, load_target, local_target_shape, run_target
