@@ -10,7 +10,8 @@ machine: vLLM (data.capture.engine=vllm: an engine of its own, its extract_hidde
 target in the capture's process, batches of train.micro_batch_size). tokens/s counts the conversations' tokens over
 the job's wall time, vLLM's imports and engine start included; tok_s_engine_started over the capture's own time once
 the engine had started (its manifest's last run). Agreement: per stored layer the largest difference relative to the
-layer's largest state, and the share of positions whose top-k ids differ (near ties of two engines).
+layer's largest state (`final` too: vLLM's last state through the target's final norm), and where the recipe distils
+the top-k the share of positions whose top-k ids differ (near ties of two engines).
 """
 
 from __future__ import annotations
@@ -79,13 +80,17 @@ def main() -> None:
                 float((ours[name].float() - theirs[name].float()).abs().max() / theirs[name].float().abs().max()), 6
             )
             for name in theirs
-            if name.startswith("layer_")
+            if name.startswith("layer_") or name == "final"
         },
-        "topk_positions_differing": round(float((ours["topk_ids"] != theirs["topk_ids"]).any(-1).float().mean()), 6),
-        "topk_logprobs_max_difference": round(
-            float((ours["topk_logprobs"].float() - theirs["topk_logprobs"].float()).abs().max()), 4
-        ),
     }
+    if "topk_ids" in theirs:  # a recipe that distils the target's top-k (EAGLE-3's default; not Medusa's)
+        differing = (ours["topk_ids"] != theirs["topk_ids"]).any(-1).float().mean()
+        result["agreement"] |= {
+            "topk_positions_differing": round(float(differing), 6),
+            "topk_logprobs_max_difference": round(
+                float((ours["topk_logprobs"].float() - theirs["topk_logprobs"].float()).abs().max()), 4
+            ),
+        }
     result["speedup_vllm_over_transformers"] = round(result["vllm"]["tok_s"] / result["transformers"]["tok_s"], 2)
     print(json.dumps(result | provenance(torch.get_num_threads(), began), indent=2))
 
