@@ -197,14 +197,15 @@ def test_the_final_norm_is_proved_against_the_engines_next_tokens():
     with torch.no_grad():
         out = target(ids, output_hidden_states=True)
     hook.remove()
-    before, top = inputs["state"][0], out.logits[0].argmax(-1)
+    before = inputs["state"][0]
+    logprobs, top = torch.log_softmax(out.logits[0], -1).topk(4, dim=-1)
     norm = FinalNorm(empty_target(section, target.dtype), str(REFERENCE_TARGET))
     torch.testing.assert_close(norm(before), out.hidden_states[-1][0])
-    norm.prove(before, top)
+    norm.prove(before, top, logprobs)
     assert norm.proved
     off_by_one = FinalNorm(empty_target(section, target.dtype), str(REFERENCE_TARGET))
     with pytest.raises(CheckFailed, match="is not the one its norm takes"):
-        off_by_one.prove(out.hidden_states[-2][0], top)
+        off_by_one.prove(out.hidden_states[-2][0], top, logprobs)
     assert not off_by_one.proved
 
 
