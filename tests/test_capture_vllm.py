@@ -57,7 +57,7 @@ def capture_args(output: Path, data: dict[str, Path], *extra: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.engine
 def test_vllm_captures_the_shards_transformers_captures(vllm_python, session_worker, tmp_path, conversations, capsys):
-    both = ("data.capture.topk=8", "data.capture.final=true")
+    both = ("data.capture.topk=2", "data.capture.final=true")  # fewer than the norm's proof asks of the first request
     through_vllm = ["data.capture.engine=vllm", f"data.capture.vllm.python={vllm_python}", *both]
     served = capture(load_recipe(capture_args(tmp_path / "vllm", conversations, *through_vllm)))
     here = capture(load_recipe(capture_args(tmp_path / "here", conversations, *both)))
@@ -82,7 +82,7 @@ def test_vllm_captures_the_shards_transformers_captures(vllm_python, session_wor
         torch.testing.assert_close(mine["topk_logprobs"].float(), theirs["topk_logprobs"].float(), rtol=0, atol=1e-2)
         differ += int((mine["topk_ids"] != theirs["topk_ids"]).any(-1).sum())
         positions += len(mine["topk_ids"])
-    assert differ <= positions // 100  # the same top 8 at all but near ties of two float32 engines
+    assert differ <= positions // 100  # the same top 2 at all but near ties of two float32 engines
 
     # the same command again: every shard intact, no engine started (session_worker would serve one)
     again = capture(load_recipe(capture_args(tmp_path / "vllm", conversations, *through_vllm)))
