@@ -12,13 +12,13 @@ vLLM's layer id j is the input of decoder layer j: draftsmith's layer i (its out
 `final`, and draftsmith's layer L - 1 (after the norm, as transformers' `hidden_states[L]`), are that state through the
 target's own final norm, its module built here from the target's code and its weights read alone from the checkpoint
 (`FinalNorm`). On the first request the norm is proved against the engine: the target's lm_head (read alone too) over
-the normed states picks the engine's own most likely next token at almost every position, or the capture stops, as it
-would for a model whose state at id L is not the one the norm takes. vLLM hands out no whole next-token distribution:
-`logits=full` is refused in one line before the data is read, as is a target whose final norm's weights cannot be
-found by name in its checkpoint, a vLLM environment that cannot import the target's model and vLLM's CPU build for a
-target it does not compute as defined (formats/versions.py's limits; a softmax router's correction biases read alone
-from the checkpoint). A model class without `SupportsEagle3` stops at
-the engine's start with vLLM's line.
+the normed states picks the engine's own most likely next token (or a bfloat16 near tie) at almost every position, or
+the capture stops, as it would for a model whose state at id L is not the one the norm takes. vLLM hands out no whole
+next-token distribution: `logits=full` is refused in one line before the data is read, as is a target whose final
+norm's weights cannot be found by name in its checkpoint, a vLLM environment that cannot import the target's model and
+vLLM's CPU build for a target it does not compute as defined (formats/versions.py's limits; a softmax router's
+correction biases read alone from the checkpoint). A model class without `SupportsEagle3` stops at the engine's start
+with vLLM's line.
 """
 
 from __future__ import annotations
