@@ -145,14 +145,13 @@ class VllmCapture:
             prompts = rows["input_ids"][first : first + self.requests]
             shutil.rmtree(self.scratch, ignore_errors=True)
             self.scratch.mkdir()
-            # the norm's proof reads the engine's most likely next token, asked for even where no top-k is stored
-            topk = max(
-                self.selection.topk or 0, NORM_PROOF_TOPK if self.norm is not None and not self.norm.proved else 0
-            )
+            # the norm's proof reads the engine's most likely next tokens, asked for even where no top-k is stored
+            proving = self.norm is not None and not self.norm.proved
+            topk = max(self.selection.topk or 0, NORM_PROOF_TOPK if proving else 0)
             files = self.engine.capture(prompts, topk, bool(self.ids), self.scratch)
             for prompt, path in zip(prompts, files):
                 tensors = load_file(path)
-                if self.norm is not None and not self.norm.proved:
+                if proving and not self.norm.proved:  # the first prompt's file proves it
                     self.norm.prove(tensors["hidden_states"][:, -1], tensors["topk_ids"], tensors["topk_logprobs"])
                 stored.append(self.converted(tensors, prompt))
             progress.update(sum(map(len, prompts)))

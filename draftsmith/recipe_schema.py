@@ -56,7 +56,8 @@ class CaptureSection:
     dtype: str = "bfloat16"  # bfloat16 | float16 | float8 (e4m3 with a float32 scale per token)
     shard_tokens: int = 65536  # tokens per shard, approximately (shards hold whole conversations)
     # transformers (the target in this process, as training runs it) | vllm (the target in a vLLM engine, see `vllm`:
-    # the states vLLM serves the drafter with, sharded by vLLM, the target never loaded here; layers and top-k only)
+    # the states vLLM serves the drafter with, sharded by vLLM, the target never loaded here; layers, final and the
+    # top-k, no logits=full)
     engine: str = "transformers"
     vllm: VllmEngineSection = field(default_factory=VllmEngineSection)
 
