@@ -48,7 +48,9 @@ def test_a_mimo_v2_flash_target_attends_the_releases_sliding_window_size_keys(tm
     wider = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ours, ref, more = logits(model, ids), logits(reference, ids), logits(wider, ids)
     assert torch.equal(ours, ref)
-    assert torch.equal(ours[:, :WINDOW], more[:, :WINDOW])  # within the window the two agree
+    # within the window the two agree up to rounding: the masks differ past it, and how a CPU's matmul kernels
+    # block the masked scores moves the last bits (5e-7 on one AVX-512 Xeon box of 2026-12-02, exact on others)
+    assert (ours[:, :WINDOW] - more[:, :WINDOW]).abs().max() < 1e-5
     assert (ours[0, WINDOW:] - more[0, WINDOW:]).abs().amax(-1).min() > 1e-4  # past it, every position differs
     assert (folder / "config.json").read_text() == written  # the release as written: vLLM reads its window there
 
