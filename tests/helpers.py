@@ -143,7 +143,7 @@ def train_in_process(args: list[str]) -> tuple[Path, object]:
 
 def dflash_block_for_vllm(drafter, target, ids: torch.Tensor, anchor: int, path: Path) -> torch.Tensor:
     """A DFlash-backbone drafter's block outputs [S, H] for the block anchored at `anchor` of `ids` (its first row),
-    and, written to `path`, what tests/vllm_dflash_side.py `block_outputs` takes to compute them in vLLM: the tapped
+    and, written to `path`, what tests/vllm_side.py `block_outputs` takes to compute them in vLLM: the tapped
     states before the anchor and their positions, the block (the anchor's token, then the mask token) and its
     positions, the target's token table."""
     from safetensors.torch import save_file
@@ -165,7 +165,7 @@ def dflash_block_for_vllm(drafter, target, ids: torch.Tensor, anchor: int, path:
 
 def block_computed_in_vllm(vllm_python: str, script: str, drafter, target, ids, anchor: int, folder, target_dir,
                            tmp_path: Path) -> dict:  # fmt: skip
-    """`script` (a tests/vllm_dflash_side.py user) run in vLLM on the exported `folder` and its target at `target_dir`
+    """`script` (a tests/vllm_side.py user) run in vLLM on the exported `folder` and its target at `target_dir`
     computes the drafter's block outputs for the block anchored at `anchor` of `ids` (`dflash_block_for_vllm`), equal
     to draftsmith's to 1e-4; what the script said of vLLM's model (its last output line)."""
     from safetensors.torch import load_file
@@ -196,7 +196,7 @@ def trains_one_step(drafter, model, ids: torch.Tensor) -> None:
 
 def run_in_vllm(vllm_python: str, script: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     """`script` (Python source) run by vLLM's environment's `vllm_python` with `args` and a free port last, tests/ on
-    its path (for tests/vllm_dflash_side.py); its output captured."""
+    its path (for tests/vllm_side.py); its output captured."""
     path = tmp_path / "in_vllm.py"
     path.write_text(script)
     port = str(29000 + int(tmp_path.stat().st_ino) % 900)

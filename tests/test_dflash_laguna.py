@@ -263,7 +263,7 @@ from vllm.model_executor.models.laguna_dflash import DFlashLagunaForCausalLM
 from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
 from vllm.v1.worker.gpu.spec_decode.eagle.utils import _should_share
 from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
-from vllm_dflash_side import block_outputs, engine_config, per_layer_rms, single_process
+from vllm_side import block_outputs, engine_config, per_layer_rms, single_process
 
 folder, target, inputs, port = sys.argv[1:]
 gamma = json.load(open(folder + "/config.json"))["block_size"] - 1  # the export's recommended num_speculative_tokens

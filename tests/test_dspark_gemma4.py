@@ -246,7 +246,7 @@ def test_train_resume_export_and_eval_of_the_folder_through_the_entry_points(
 # need an engine's forward context, so each layer's `attn` is replaced by plain non-causal attention over the context
 # keys/values that vLLM's own precompute_and_store_context_kv hands its cache writer, then the block; every other step
 # (embedding, q/k/v projections and norms, RoPE, o_proj, norms, MLP, layer_scalar, final norm) is vLLM's module, but
-# for the context keys' per-layer k_norm, run layer by layer (tests/vllm_dflash_side.py).
+# for the context keys' per-layer k_norm, run layer by layer (tests/vllm_side.py).
 VLLM_SCRIPT = """
 import json, sys
 import torch
@@ -257,7 +257,7 @@ from vllm.model_executor.models.gemma4_dspark import Gemma4DSparkForCausalLM
 from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
 from vllm.v1.worker.gpu.spec_decode.eagle.utils import _should_share
 from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
-from vllm_dflash_side import block_outputs, engine_config, single_process
+from vllm_side import block_outputs, engine_config, single_process
 
 folder, target, inputs, port = sys.argv[1:]
 config, spec = engine_config(target, {"method": "dspark", "model": folder})  # set directly: CPU engines refuse DSpark

@@ -10,8 +10,9 @@ draft layer's sliding window. A load sweep (`draftsmith sweep`) measures the exp
 with a γ per batch size (export.batch_sweep) is served with it: the engine takes it as written, drafts
 less once the batch is past it, and stays lossless.
 
-Every kind (Medusa-1/2, EAGLE-1, EAGLE-3.1, P-EAGLE, the draft model, PARD, DFlash) is served in
-tests/test_kinds_vllm.py, on Qwen3 and Qwen3-MoE targets; EAGLE-3 on every family in
+What vLLM's own modules compute from each EAGLE-3 layout, number for number, whatever the acceptance:
+tests/test_eagle3_vllm_modules.py. Every kind (Medusa-1/2, EAGLE-1, EAGLE-3.1, P-EAGLE, the draft model, PARD,
+DFlash) is served in tests/test_kinds_vllm.py, on Qwen3 and Qwen3-MoE targets; EAGLE-3 on every family in
 tests/test_families_vllm.py."""
 
 from __future__ import annotations

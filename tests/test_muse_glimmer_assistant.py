@@ -272,7 +272,7 @@ from vllm.config import set_current_vllm_config
 from vllm.model_executor.model_loader.utils import process_weights_after_loading
 from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
 from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
-from vllm_dflash_side import block_outputs, engine_config, single_process
+from vllm_side import block_outputs, engine_config, single_process
 
 folder, target, inputs, port = sys.argv[1:]
 config, spec = engine_config(target, {"model": folder, "num_speculative_tokens": 7})

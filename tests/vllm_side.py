@@ -1,9 +1,10 @@
-"""What the engine tests of DFlash-backbone drafters run inside vLLM's environment, not draftsmith's (their scripts
-import it from tests/, which `helpers.run_in_vllm` puts on that environment's path): vLLM's engine and speculative
-config for a drafter folder, and its model's block outputs for a context and a block, computed by vLLM's own modules
-with its attention kernel replaced by plain attention over [the context's keys/values ; the block's own]
-(`ContextThenBlock`) and its grouped RMSNorms over stacked per-layer weights run layer by layer (the CPU build's
-kernel applies layer 0's weight to every layer: tests/test_dflash_cpu_build.py)."""
+"""What the engine tests that run vLLM's own modules without an engine (DFlash-backbone drafters' blocks, EAGLE-3's
+draft step) run inside vLLM's environment, not draftsmith's (their scripts import it from tests/, which
+`helpers.run_in_vllm` puts on that environment's path): vLLM's engine and speculative config for a drafter folder, and
+its model's block outputs for a context and a block, computed by vLLM's own modules with its attention kernel replaced
+by plain attention over [the context's keys/values ; the block's own] (`ContextThenBlock`; with an empty context, a
+layer's own causal, windowed attention) and its grouped RMSNorms over stacked per-layer weights run layer by layer (the
+CPU build's kernel applies layer 0's weight to every layer: tests/test_dflash_cpu_build.py)."""
 
 from __future__ import annotations
 
