@@ -429,6 +429,10 @@ def test_real_trainer_online_and_from_shards(tmp_path, small_data, token_cache):
     )
     manifest = json.loads((features / "manifest.json").read_text())
     assert manifest["layers"] == [0, 1, 2] and not manifest["final"] and manifest["logits"] == "none"
+    # stored in float16, as asked: the losses below cannot tell it from bfloat16 (both within 2e-3 of online)
+    assert manifest["dtype"] == "float16"
+    stored = [load_file(str(shard)) for shard in sorted(features.rglob("*.safetensors"))]
+    assert stored and {shard[f"layer_{i}"].dtype for shard in stored for i in (0, 1, 2)} == {torch.float16}
     train_in_process([*short, f"output_dir={tmp_path / 'offline'}", f"data.features={features}"])
     train_in_process([*short, f"output_dir={tmp_path / 'online'}"])
     offline, online = read_log(tmp_path / "offline"), read_log(tmp_path / "online")
