@@ -3,7 +3,8 @@ built once under ~/.cache/draftsmith/engines by the first test that needs it, wh
 built one is used without waiting on the lock another's build holds. On a fresh machine (CI) they take about 3.5
 minutes from PyPI (2026-12-01: vLLM 104 s, arctic-inference 28 s, speculators 63 s). `python -m tests.engine_builds
 vllm arctic speculators` builds them ahead (and prints where). Building them in the background from the session's
-start was measured and left: a fresh machine's suite took 1,432 s with it, 1,389 s without (docs/tests.md)."""
+start was measured and left: a fresh machine's suite took 1,432 s with it, 1,389 s without
+(docs/results/suite_rehearsals.md)."""
 
 from __future__ import annotations
 
