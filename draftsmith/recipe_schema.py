@@ -172,6 +172,12 @@ class TrainSection:
     # MiB of [rows, vocabulary] float32 logits a vocabulary loss holds at once (heads/vocab_loss.py: every kind's
     # but DFlash's, the draft model's and Medusa-2's divergences too); larger chunks mean fewer, bigger GEMMs
     vocab_chunk_mb: int = 256
+    # the fused vocabulary loss's chunk math past the lm_head GEMM (argmax, log-softmax, the loss, its gradient)
+    # as one torch.compile graph for every chunk size (heads/vocab_loss.py `compiled_chunk_math`): fewer passes
+    # over the chunk's [rows, vocabulary] float32 values, a compile of a few seconds per variant at the start; the
+    # kinds whose loss is the cross-entropy to the target's distribution or tokens (not the draft model's or
+    # Medusa-2's divergences); losses equal to the eager math's within float32 rounding. Not yet measured on a GPU
+    compile_vocab_loss: bool = False
     # threads torch computes with on a CPU run; null = draftsmith chooses (draftsmith/threads.py): OMP_NUM_THREADS
     # where it is the user's, else the available cores / the processes on this machine. `accelerate launch`
     # sets OMP_NUM_THREADS=1 for its processes, which cannot be told from a user's 1: under a launcher set this.

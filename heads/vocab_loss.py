@@ -30,7 +30,11 @@ gradients w.r.t. the features ([N, H], in the features' dtype) and the weight ([
 whose inputs require grad.
 
 This is the CPU path and the numerical reference for a fused GPU kernel (the logits chunk staying in
-on-chip memory); see docs/performance.md "The vocabulary loss".
+on-chip memory); see docs/performance.md "The vocabulary loss". Within `compiled_chunk_math()` (the trainer's
+`train.compile_vocab_loss`) each chunk's math past the lm_head GEMM (argmax, log-softmax, the losses, softmax - p)
+runs as one torch.compile graph for every chunk size (inductor's kernels: Triton on a GPU, C++ on a CPU), which
+reads and writes the [chunk_rows, V] rows about three times where the eager ops take about ten passes; the GEMMs,
+the teacher's rows and the top-k hits stay as they are.
 
 `rows_loss` chunks a loss over logits a model already produced (a draft model's, Medusa-2's adapted target's):
 per-row values such as the divergences of heads/distill.py run `chunk_rows` rows at a time, so no [rows, V]
@@ -42,7 +46,10 @@ gradient w.r.t. the logits, in their dtype, which any backward through them allo
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator
 from typing import NamedTuple, Optional
 
 import torch
@@ -173,6 +180,59 @@ def _label_in_top(logits: torch.Tensor, labels: torch.Tensor, k: int, every_row:
     return hit.index_put_((rows,), _label_rank(logits.index_select(0, rows), labels.index_select(0, rows)) < k)
 
 
+# Whether the chunk math runs compiled: a context, as autocast is, so that it holds for the trainer's forward
+# and nothing else in the process (tests train many runs in one).
+_COMPILED = contextvars.ContextVar("compiled_chunk_math", default=False)
+# The graphs one process may compile for the chunk math: shapes are dynamic, so only the variants (a teacher or
+# labels, with or without the gradient, the logits' dtype) make new ones, two each at most (torch specializes a
+# chunk of one row, which a last chunk can be); past it torch would run the math eagerly unannounced, which
+# `compiled_math` turns into an error.
+CHUNK_MATH_RECOMPILE_LIMIT = 32
+
+
+@contextlib.contextmanager
+def compiled_chunk_math(enabled: bool = True) -> Iterator[None]:
+    """Within it (`enabled`), the fused loss's chunk math runs compiled (module docstring)."""
+    token = _COMPILED.set(enabled)
+    try:
+        yield
+    finally:
+        _COMPILED.reset(token)
+
+
+def _chunk_math(logits, p, labels, gradient: bool, fused: bool):
+    """One chunk's math past the GEMM: each row's argmax (the first maximum), its loss against the teacher's
+    probabilities `p` (or the token `labels`, p None) and, with `gradient`, d loss / d logits = softmax - p in the
+    logits' dtype (else None). `fused`: written for a compiler, whose kernels need no [n, V] temporary for the
+    dot product; eager, a bmm avoids it and the softmax overwrites the log-softmax in place."""
+    best = logits.max(-1).indices  # argmax's first maximum, about twice as fast on CPU
+    log_q = logits.float().log_softmax(-1)
+    if p is None:  # a one-hot teacher's dot product with log_q: log_q at the label
+        loss = -log_q.gather(1, labels[:, None])[:, 0]
+    else:
+        loss = -(p * log_q).sum(-1) if fused else -_row_dot(p, log_q)
+    if not gradient:
+        return loss, best, None
+    g = log_q.exp() if fused else log_q.exp_()
+    if p is None:  # the one-hot p: 1 at the label
+        g = g.scatter_add(1, labels[:, None], torch.full_like(loss[:, None], -1.0))
+    else:
+        g = g - p if fused else g.sub_(p)
+    return loss, best, g.to(logits.dtype)
+
+
+def compiled_math(logits, p, labels, gradient: bool):
+    """`_chunk_math` compiled, at most CHUNK_MATH_RECOMPILE_LIMIT graphs: past them torch would run it eagerly
+    without a word; here it raises."""
+    with torch._dynamo.config.patch(recompile_limit=CHUNK_MATH_RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+        return _compiled_chunk_math()(logits, p, labels, gradient)
+
+
+@functools.cache
+def _compiled_chunk_math():
+    return torch.compile(functools.partial(_chunk_math, fused=True), dynamic=True)
+
+
 class _FusedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -188,33 +248,22 @@ class _FusedCrossEntropy(torch.autograd.Function):
         in_top_k = torch.zeros(len(features), dtype=torch.bool, device=features.device)
         grad_features = torch.zeros_like(features) if features_grad else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if weight_grad else None
+        math = compiled_math if _COMPILED.get() else functools.partial(_chunk_math, fused=False)
         for index in chunks:
             chunk = features.index_select(0, index)
             scale = row_weight.index_select(0, index)[:, None]
-            logits = F.linear(chunk, weight)
-            gemm_dtype = logits.dtype  # bf16 under a bf16 autocast
-            # max(-1).indices: argmax's (the first maximum), about twice as fast on CPU
-            chunk_best = logits.max(-1).indices
+            logits = F.linear(chunk, weight)  # bf16 under a bf16 autocast
             scored = scale[:, 0] != 0
             chunk_labels = None if labels is None else labels.index_select(0, index)
             if top_k:
                 in_top_k.index_copy_(0, index, scored & _label_in_top(logits, chunk_labels, TOP_K, every_row))
-            log_q = logits.float().log_softmax(-1)
-            if teacher is None:  # a one-hot teacher's dot product with log_q: log_q at the label
-                chunk_loss = -log_q.gather(1, chunk_labels[:, None])[:, 0]
-            else:
-                p = teacher(index)
-                chunk_loss = -_row_dot(p, log_q)
+            p = None if teacher is None else teacher(index)
+            gradient = features_grad or weight_grad
+            chunk_loss, chunk_best, g = math(logits, p, chunk_labels, gradient)
             token_loss.index_copy_(0, index, torch.where(scored, chunk_loss, 0.0))
             best.index_copy_(0, index, torch.where(scored, chunk_best, -1))
-            if not (features_grad or weight_grad):
+            if not gradient:
                 continue
-            g = log_q.exp_()  # softmax - p below: d CE / d logits, row by row
-            if teacher is None:  # the one-hot p: 1 at the label
-                g.scatter_add_(1, chunk_labels[:, None], torch.full_like(chunk_loss[:, None], -1.0))
-            else:
-                g.sub_(p)
-            g = g.to(gemm_dtype)
             if features_grad:  # per row, unweighted: the backward weighs it (module docstring)
                 chunk_grad = torch.where(scored[:, None], torch.mm(g, weight), 0.0)  # nothing from an unscored row
                 grad_features.index_copy_(0, index, chunk_grad.to(features.dtype))

@@ -8,8 +8,8 @@ Ran 2026-11-27 on a lent H100 (torch 2.11.0+cu130, transformers 5.24.0, accelera
 - a drafter trained on CUDA decodes losslessly there (greedy speculative = plain greedy);
 - the frozen target sharded with FSDP2 (`target.shard=fsdp`) and the drafter under DeepSpeed ZeRO-2 and
   ZeRO-3, each launched by `accelerate launch` with one process;
-- EAGLE-3's training step on CUDA (compiled flex attention, the fused vocabulary loss) equals the
-  straightforward reference, and never waits for the host;
+- EAGLE-3's training step on CUDA (compiled flex attention, the fused vocabulary loss, its chunk math eager and
+  compiled) equals the straightforward reference, and never waits for the host;
 - nor do the fixed-shape losses of Medusa, EAGLE-1, DFlash, the draft model and Medusa-2
   (tests/test_no_host_sync.py proves them on the meta device, all but the transformers forward inside the last two).
 """
@@ -107,15 +107,25 @@ EAGLE3_VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-@pytest.mark.parametrize("variant", sorted(EAGLE3_VARIANTS))
-def test_eagle3_loss_on_cuda_equals_the_straightforward_reference(variant, packed):
+# (variant, packed, the loss's chunk math compiled: train.compile_vocab_loss) for every variant eager, two compiled
+REFERENCE_CASES = [(variant, packed, False) for variant in sorted(EAGLE3_VARIANTS) for packed in (False, True)]
+REFERENCE_CASES += [("eagle3", False, True), ("eagle3.1", True, True)]
+
+
+@pytest.mark.parametrize(
+    "variant, packed, compiled_loss",
+    REFERENCE_CASES,
+    ids=[f"{v}-{'packed' if p else 'padded'}{'-compiled-loss' if c else ''}" for v, p, c in REFERENCE_CASES],
+)
+def test_eagle3_loss_on_cuda_equals_the_straightforward_reference(variant, packed, compiled_loss):
     """On CUDA the training-time test runs through compiled flex attention (drafter.ttt_attention=auto) and
-    the fused vocabulary loss: the loss, statistics and gradients equal the straightforward computation
-    (one KV cache, one mask, materialised logits; tests/test_eagle3.py) on the same device, float32."""
+    the fused vocabulary loss (its chunk math compiled too where `compiled_loss`): the loss, statistics and
+    gradients equal the straightforward computation (one KV cache, one mask, materialised logits;
+    tests/test_eagle3.py) on the same device, float32."""
     from draftsmith.data_prep.collate import Collator, PackingCollator
     from draftsmith.heads import drafter_class
     from draftsmith.heads.packing import causal_lm_inputs
+    from draftsmith.heads.vocab_loss import compiled_chunk_math
     from draftsmith.target import run_target
     from tests.helpers import TINY_VOCAB, tiny_llama
     from tests.test_eagle3 import loss_rows, reference_loss
@@ -135,7 +145,8 @@ def test_eagle3_loss_on_cuda_equals_the_straightforward_reference(variant, packe
     results = []
     for compute in (lambda: drafter(batch, target_out), lambda: reference_loss(drafter, batch, target_out)):
         drafter.zero_grad()
-        loss, count, stats = compute()
+        with compiled_chunk_math(compiled_loss):
+            loss, count, stats = compute()
         (loss / count).backward()
         grads = {name: p.grad.clone() for name, p in drafter.named_parameters() if p.grad is not None}
         results.append((loss.detach(), stats, grads))
@@ -173,10 +184,13 @@ def train_steps_without_waiting_for_the_host(drafter, target, batch: dict) -> No
             torch.cuda.set_sync_debug_mode(0)
 
 
-def test_eagle3_step_never_waits_for_the_host():
-    """EAGLE-3's step: compiled flex attention, the fused vocabulary loss over the draft vocabulary."""
+@pytest.mark.parametrize("compiled_loss", [False, True], ids=["eager-loss", "compiled-loss"])
+def test_eagle3_step_never_waits_for_the_host(compiled_loss):
+    """EAGLE-3's step: compiled flex attention, the fused vocabulary loss over the draft vocabulary (its chunk
+    math compiled too where `compiled_loss`: train.compile_vocab_loss)."""
     from draftsmith.data_prep.collate import Collator
     from draftsmith.heads import drafter_class
+    from draftsmith.heads.vocab_loss import compiled_chunk_math
     from tests.helpers import TINY_VOCAB, tiny_llama
     from tests.test_eagle3 import loss_rows
 
@@ -186,7 +200,8 @@ def test_eagle3_step_never_waits_for_the_host():
     drafter = drafter.cuda()
     rows = loss_rows()
     drafter.prepare(rows)
-    train_steps_without_waiting_for_the_host(drafter, model, on_cuda(Collator(0)(rows)))
+    with compiled_chunk_math(compiled_loss):
+        train_steps_without_waiting_for_the_host(drafter, model, on_cuda(Collator(0)(rows)))
 
 
 def host_waits_allowed(function):

@@ -108,7 +108,7 @@ def step(drafter, target, rows: list[dict], micro: int, accum: int, packed: bool
     counted, reported = 0, set()
     for _, _, batch in upcoming.batches:
         with accelerator.accumulate(drafter):
-            _, _, (_, count, stats) = forward_backward(accelerator, drafter, batch, features, scale)
+            _, _, (_, count, stats) = forward_backward(accelerator, drafter, batch, features, scale, False)
         counted += int(count)
         reported |= set(stats)
     assert counted == upcoming.loss_tokens > 0

@@ -1,7 +1,8 @@
 """heads/vocab_loss.py: the fused, chunked soft cross-entropy against an unfused reference (materialised
 logits, log_softmax, autograd), its per-row losses' gradient too, its hard-label case against it on one-hot
 teachers, its labels' top-5 hits against a stable sort (tied logits too), and the chunked loss over a model's
-logits (`rows_loss`) against the same per-row loss on the whole tensor."""
+logits (`rows_loss`) against the same per-row loss on the whole tensor; the compiled chunk math
+(`train.compile_vocab_loss`) against the eager one, at the function and through the real trainer."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from draftsmith.heads.vocab_loss import (
     _label_rank,
     at_rows,
     chunk_rows_for,
+    compiled_chunk_math,
     cross_entropy,
     rows_loss,
     soft_cross_entropy,
@@ -331,3 +333,60 @@ def test_rows_loss_under_no_grad_and_in_bf16():
     loss, _ = rows_loss(low[:, 1:8], scored, rkl_rows(teacher), 4)
     (grad,) = grads(loss, low)
     assert loss.dtype == torch.float32 and grad.dtype == torch.bfloat16  # float32 math, the logits' own dtype back
+
+
+def fused_results(hard: bool, chunk_rows: int, every_row: bool, autocast: bool):
+    """The fused loss's outputs on one problem with some unscored rows, and its gradients."""
+    features, weight, teacher_probs = problem(seed=11, rows=29)
+    labels = torch.randint(0, VOCAB, (29,), generator=torch.Generator().manual_seed(11))
+    row_weight = 0.8 ** torch.arange(29).float()
+    row_weight[[0, 7, 8]] = 0.0
+    inputs = [features.requires_grad_(), weight.requires_grad_()]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        if hard:
+            fused = cross_entropy(*inputs, labels, row_weight, chunk_rows, every_row)
+        else:
+            fused = soft_cross_entropy(*inputs, rows_of(teacher_probs), row_weight, chunk_rows, every_row)
+    return fused.loss.detach(), fused.token_loss.detach(), fused.best, *grads(fused.loss, *inputs)
+
+
+@pytest.mark.slow  # compiles two graphs per variant, 1-2 s each
+def test_the_compiled_chunk_math_gives_the_eager_results_with_two_graphs_per_variant_at_most():
+    """Soft and hard labels, float32 and a bf16 autocast, every row or the scored ones, chunks of any size (the last
+    one shorter, of one row too): the compiled math's losses, argmax and gradients are the eager ones to float32
+    rounding, and it compiles at most two graphs per variant (chunks of one row, which torch specializes, and the
+    rest) whatever the chunk sizes."""
+    from torch._dynamo.utils import counters
+
+    variants = [(hard, autocast) for hard in (False, True) for autocast in (False, True)]
+    before = counters["stats"]["unique_graphs"]
+    for hard, autocast in variants:
+        for chunk_rows, every_row in ((4, True), (5, False), (29, True), (64, False)):
+            eager = fused_results(hard, chunk_rows, every_row, autocast)
+            with compiled_chunk_math():
+                compiled = fused_results(hard, chunk_rows, every_row, autocast)
+            assert torch.equal(compiled[2], eager[2])  # the argmax
+            for got, expected in zip(compiled[:2] + compiled[3:], eager[:2] + eager[3:]):
+                tolerance = 2e-2 if autocast and got.dtype == torch.bfloat16 else 1e-5
+                torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+    assert counters["stats"]["unique_graphs"] - before <= 2 * len(variants)
+
+
+@pytest.mark.slow  # two short trainings, one compiling its loss's graph
+def test_the_trainer_with_the_compiled_loss_logs_the_eager_losses(tmp_path, small_data, token_cache, monkeypatch):
+    """`train.py recipe=eagle3 train.compile_vocab_loss=true` runs its loss's chunks through the compiled math and
+    trains as the eager math does: the same losses at every step to float32 rounding."""
+    from draftsmith.heads import vocab_loss
+    from tests.helpers import read_log, train_args, train_in_process
+
+    chunks, compiled_math = [], vocab_loss.compiled_math
+    monkeypatch.setattr(vocab_loss, "compiled_math", lambda *args: chunks.append(1) or compiled_math(*args))
+    losses, counted = [], []
+    for compiled in ("false", "true"):
+        run = tmp_path / compiled
+        args = train_args(run, small_data, token_cache, "train.max_steps=3", f"train.compile_vocab_loss={compiled}")
+        train_in_process(["recipe=eagle3", *args[1:], "drafter.ttt_steps=2"])
+        losses.append([read_log(run)[step]["train/loss"] for step in (1, 2, 3)])
+        counted.append(len(chunks))
+    assert counted[0] == 0 and counted[1] >= 3  # every step's loss ran compiled, and only where asked
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)

@@ -7,6 +7,7 @@
 # 3. the demo recipe's real micro-batches trained through compiled flex attention (varying rows and widths):
 #    equal to dense, at most one graph per length bucket, no fallback (tests/test_gpu.py, "real_batches");
 # 4. SmolLM2-135M's shape with 8 rows; 5. Qwen3-0.6B at speculators' workload (3 TTT steps, PR #1111);
+# 5b. SmolLM2's shape again with the vocabulary loss's chunk math compiled (train.compile_vocab_loss=true);
 # 6. with BASELINE_DIR carried (`python benchmarks/step_compare.py --make-baseline .gpu/baseline` here), the
 #    SmolLM2 shape against that commit's step, alternating; 7. the rest of the GPU tier, if time is left.
 # Every part's stdout and stderr are kept (a fresh /tmp/step_logs.XXXXXX per run, outside $OUT, packed into
@@ -51,6 +52,8 @@ part real_batches "${CHECKS_S:-120}" "${tier[@]}" -k "real_batches"
 part "${small/:/_x}" "${PART_S:-150}" "${throughput[@]}" $(shape "$small") --profile-steps "$profile"
 part speculators_ttt3 "${PART_S:-150}" "${throughput[@]}" $(shape "$speculators") --profile-steps "$profile" \
   drafter.ttt_steps=3
+part "${small/:/_x}_compiled_loss" "${PART_S:-150}" "${throughput[@]}" $(shape "$small") --profile-steps "$profile" \
+  train.compile_vocab_loss=true
 if [ -d "$baseline" ]; then
   part baseline_compare "${PART_S:-150}" python3 benchmarks/step_compare.py --baseline-dir "$baseline" --rounds 1 \
     -- $(shape "$small") --kinds eagle3 "${args[@]}"
