@@ -147,11 +147,16 @@ def changed_data(recorded: Any, data: dict[str, Any]) -> dict[str, tuple[Any, An
     }
 
 
+# The temporary files a capture writes (`replacing`'s shards and manifests, the vLLM engine's folders of states): a
+# killed run's are removed by the next, and nothing else is (the output folder may be a user's own, holding other
+# `.tmp` files).
+LEFTOVERS = ("shard_*.safetensors.tmp", "manifest*.json.tmp", "engine-*.tmp")
+
+
 def remove_leftovers(directory: Path) -> None:
-    """Temporary files of a killed run: ours (`*.tmp`: shards, and the vLLM engine's folders of states) and
-    safetensors' own (`.tmp*`). They are never read; removing them only reclaims the space, and is safe while no rank
-    is writing."""
-    for path in [*directory.glob("*.tmp"), *directory.glob(".tmp*")]:
+    """The temporary files a killed capture left (`LEFTOVERS`). They are never read; removing them only reclaims
+    the space, and is safe while no rank is writing."""
+    for path in [path for pattern in LEFTOVERS for path in directory.glob(pattern)]:
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
         else:

@@ -221,6 +221,11 @@ def test_killed_capture_resumes_without_redoing_finished_shards(tmp_path, conver
     partial = features / "shard_00_00002.safetensors.tmp"
     assert not partial.exists() and not (features / "manifest.json").exists()  # an exception's removes it (Ctrl-C)
     partial.write_bytes(b"half a shard")  # what SIGKILL, which runs no cleanup, leaves
+    (features / "engine-0.tmp").mkdir()  # a killed vLLM capture's folder of states
+    users = [features / "results.tmp" / "kept.txt", features / ".tmp_notes", features / "data.tmp"]
+    users[0].parent.mkdir()
+    for path in users:  # the user's own files beside the capture: never removed
+        path.write_text("kept")
     with pytest.raises(UserError, match="has not finished"):
         open_features(features)
 
@@ -229,7 +234,8 @@ def test_killed_capture_resumes_without_redoing_finished_shards(tmp_path, conver
     assert (resumed.computed, resumed.reused) == (planned - 2, 2)
     after = shard_stats(features)
     assert {name: after[name] for name in before} == before  # finished shards untouched
-    assert not list(features.glob("*.tmp")) and not list(features.glob(".tmp*"))
+    assert not list(features.glob("shard_*.tmp")) and not (features / "engine-0.tmp").exists()
+    assert all(path.read_text() == "kept" for path in users)
     assert_same_shards(resumed, uninterrupted)
 
     # A finished shard damaged on disk (same size) fails its checksum when read, and is redone on resume.
