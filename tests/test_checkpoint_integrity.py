@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from draftsmith.errors import StorageError, UserError
 from draftsmith.trainer import checkpoint as checkpoints
@@ -23,7 +24,7 @@ from draftsmith.trainer.checkpoint import (
     load_checkpoint,
     resume_checkpoint,
 )
-from tests.helpers import assert_one_line_error, run_entry_in_process, train_args, train_in_process
+from tests.helpers import REFERENCE_TARGET, assert_one_line_error, run_entry_in_process, train_args, train_in_process
 
 
 def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
@@ -133,6 +134,20 @@ def test_a_resume_with_another_drafter_is_refused_in_one_line_and_the_runs_recip
     other = run_entry_in_process([*[a for a in resume if a != "recipe=medusa"], "recipe=eagle3"], capsys)
     assert_one_line_error(other, 2, "train.resume's")
     assert "holds a medusa drafter, the recipe trains eagle3: " in other.stderr and "recipe=medusa" in other.stderr
+    # a training setting of the drafter (its loss here): the resumed steps would train another loss, recorded as the
+    # whole run's
+    decayed = run_entry_in_process([*resume, "drafter.loss_decay=0.5"], capsys)
+    assert_one_line_error(decayed, 2, "train.resume continues the run of train.resume's")
+    assert "drafter.loss_decay=0.5 (the run began with 0.8)" in decayed.stderr and "train.init_from" in decayed.stderr
+    # a target of the run's shape with other weights: it trained on from the run's weights without a word
+    target = tmp_path / "other_target"
+    shutil.copytree(REFERENCE_TARGET, target)
+    weights = load_file(str(target / "model.safetensors"))
+    weights = {name: tensor * 1.5 if "embed" in name else tensor for name, tensor in weights.items()}
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    moved = run_entry_in_process([*resume, f"target.name_or_path={target}"], capsys)
+    assert_one_line_error(moved, 2, "drafter train.resume's")
+    assert "has the same shape but other weights" in moved.stderr
     assert snapshot(output_dir) == before
 
 

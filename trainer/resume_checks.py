@@ -142,3 +142,20 @@ def require_resumed_as_begun(cfg: DictConfig, output_dir: Path) -> None:
             f"train.resume continues the run in {output_dir} as it began, and this recipe changes {'; '.join(changed)}"
             ": resume with the run's values and data, or start a new run from its checkpoint with train.init_from"
         )
+
+
+def require_trained_as_begun(saved, recipe, what: str) -> None:
+    """The drafter settings of how the run trains (its DrafterConfig.SETTINGS but those that set only how it decodes,
+    SERVED) are the checkpoint's `saved` ones: another training-time-test depth or loss would go on from the run's
+    weights and record itself as the whole run's, without a word (a warm start, train.init_from, may change them)."""
+    changed = [
+        f"drafter.{key}={json.dumps(getattr(recipe, key), default=str)} (the run began with "
+        f"{json.dumps(getattr(saved, key), default=str)})"
+        for key in type(recipe).SETTINGS
+        if key not in type(recipe).SERVED and getattr(saved, key, None) != getattr(recipe, key)
+    ]
+    if changed:
+        raise UserError(
+            f"train.resume continues the run of {what} as it trained, and this recipe changes {'; '.join(changed)}: "
+            "resume with the run's values, or start a new run from its checkpoint with train.init_from"
+        )

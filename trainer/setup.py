@@ -30,7 +30,7 @@ from draftsmith.eval.prompts import prompt_conversations, prompt_sources, render
 from draftsmith.families import check_eval_settings
 from draftsmith.formats.folder import require_recipes_drafter, require_recipes_kind, start_kind, warm_start
 from draftsmith.heads import drafter_class
-from draftsmith.heads.base import saved_drafter
+from draftsmith.heads.base import check_same_target, saved_drafter
 from draftsmith.heads.packing import causal_lm_inputs, require_packed_attention
 from draftsmith.outputs import RECIPE_NAME
 from draftsmith.recipe import check_chain, derived, require_draft_vocab_use, save_recipe
@@ -38,7 +38,7 @@ from draftsmith.recipe_checks import resolve_bool_or_path
 from draftsmith.recipe_schema import CHOICES
 from draftsmith.sharding import built_whole
 from draftsmith.streams import not_captured
-from draftsmith.target import TargetOutput, load_target, load_tokenizer, run_target
+from draftsmith.target import TargetOutput, TargetShape, load_target, load_tokenizer, run_target
 from draftsmith.target_loading import load_config
 from draftsmith.trainer.checkpoint import (
     DRAFTER_DIR,
@@ -52,7 +52,12 @@ from draftsmith.trainer.checkpoint import (
 )
 from draftsmith.trainer.heldout import check_best_on_resume, split_heldout
 from draftsmith.trainer.optim import build_optimizer
-from draftsmith.trainer.resume_checks import record_data_content, require_resumed_as_begun, resumed_start
+from draftsmith.trainer.resume_checks import (
+    record_data_content,
+    require_resumed_as_begun,
+    require_trained_as_begun,
+    resumed_start,
+)
 
 log = logging.getLogger("draftsmith.train")
 
@@ -98,7 +103,7 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     resume_from = resume_checkpoint(output_dir, cfg.train.resume, accelerator)
     if resume_from is not None:  # the checkpoint holds the weights: the run's start is not loaded again
         cfg = resumed_start(cfg, output_dir)
-        saved_kind, saved_config = saved_drafter(resume_from / DRAFTER_DIR)[:2]
+        saved_kind, saved_config, saved_target = saved_drafter(resume_from / DRAFTER_DIR)[:3]
         require_recipes_kind(saved_kind.type, cfg.drafter.type, f"train.resume's {resume_from}")  # said first
         require_resumed_as_begun(cfg, output_dir)
         require_precision_as_begun(cfg.train.mixed_precision, given_precision, output_dir)
@@ -120,6 +125,9 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     # pieces of the decoder layers (draftsmith/sharding.py); the loop needs nothing else, since every rank runs every
     # step's target forward together.
     target = load_target(cfg.target, accelerator.device, shard=cfg.target.shard)
+    if resume_from is not None:  # the run's target: another of its shape would train on from the run's weights
+        shape = TargetShape.of(target, cfg.target.name_or_path)
+        check_same_target(saved_target, shape, f"train.resume's {resume_from}")
     # each data file's sha256 as this start's load reads it, for its later reads (the prompts' count, the record)
     digests: dict[str, str] = {}
     train_data, vocab_data, heldout, prompt_count = load_data(cfg, accelerator, tokenizer, digests)
@@ -132,6 +140,7 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     if resume_from is not None:  # its weights must be of the drafter the recipe builds
         what = f"train.resume's {resume_from}"
         require_recipes_drafter(saved_kind.type, saved_config, drafter.type, drafter.config, what, resume_from)
+        require_trained_as_begun(saved_config, drafter.config, what)
     elif cfg.train.init_from:  # warm start: its weights and data-fitted state (draft vocabulary kept, not re-fitted)
         start = warm_start(cfg.train.init_from, drafter, target)  # a checkpoint, an export's folder or speculators'
         for key in drafter.config.STARTS:
