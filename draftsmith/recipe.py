@@ -223,6 +223,12 @@ def check_drafter(cfg: DictConfig, command: str = "train") -> None:
     else:
         shape = local_target_shape(cfg.target.name_or_path)
     config.check(shape)
+    steps = getattr(config, "ttt_steps", None)  # a training-time test's: step k scores the token k + 2 ahead
+    require(
+        steps is None or steps <= cfg.data.max_length - 2,
+        f"drafter.ttt_steps={steps} scores tokens past any row of data.max_length={cfg.data.max_length}: at most "
+        f"{cfg.data.max_length - 2} steps find a token to score",
+    )
     require_draft_vocab_use(cfg, config, shape)
     check_chain(cfg, drafter_cls, config)
 
