@@ -39,7 +39,7 @@ from torch.utils.data import Dataset
 
 from draftsmith.errors import UserError, one_line
 from draftsmith.files import file_sha256, read_json
-from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, target_id
+from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, same_embedding_norms, target_id
 
 SCHEMA_VERSION = 2  # 2: shard metadata in one key (reproducible bytes)
 SHARD_METADATA = "draftsmith_features"
@@ -93,6 +93,7 @@ def expected_features(target: TargetShape, request: FeatureRequest) -> dict[str,
         "hidden_size": target.hidden_size,
         "vocab_size": target.vocab_size,
         "num_hidden_layers": target.num_hidden_layers,
+        "embedding_norms": target.embedding_norms,
         "final": request.final,
         "layers": list(request.layers),
         "logits": request.logits,
@@ -292,6 +293,12 @@ def _check_expectation(directory: Path, manifest: Mapping[str, Any], expect: Map
         raise UserError(
             f"features in {directory} were captured from target {captured['name_or_path']} ({captured_shape}) "
             f"but the recipe's target is {expect.get('name_or_path', '?')} ({expected_shape})"
+        )
+    if not same_embedding_norms(expect.get("embedding_norms"), captured.get("embedding_norms")):
+        raise UserError(
+            f"features in {directory} were captured from target {captured['name_or_path']}, and the recipe's target "
+            f"{expect.get('name_or_path', '?')} has the same shape but other weights (its input embedding differs): "
+            "capture again from this target, or give the one captured"
         )
     needed = sorted(set(expect.get("layers") or ()))
     if not set(needed) <= set(manifest["layers"]):

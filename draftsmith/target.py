@@ -135,6 +135,15 @@ def target_id(name_or_path: str) -> str:
 EMBEDDING_ROWS = 8  # TargetShape.embedding_norms: the rows read
 
 
+def same_embedding_norms(mine: Optional[Sequence[float]], theirs: Optional[Sequence[float]]) -> bool:
+    """Whether two records of a target's first embedding rows' norms (`TargetShape.embedding_norms`) are of the same
+    weights, as far as both know: bfloat16 rounds a row's norm by under 0.5%, two different models' first rows differ
+    by far more."""
+    if mine is None or theirs is None or len(mine) != len(theirs):
+        return True
+    return all(abs(a - b) <= 1e-2 * max(abs(a), abs(b), 1e-6) for a, b in zip(mine, theirs))
+
+
 @dataclass(frozen=True)
 class TargetShape:
     """What a drafter must agree on with its target; stored in every checkpoint, feature capture and export, and
@@ -161,12 +170,8 @@ class TargetShape:
         return cls(**{**shape.__dict__, "vocab_size": vocab, "embedding_norms": norms})
 
     def same_weights(self, other: TargetShape) -> bool:
-        """Whether two shapes are of the same target's weights, as far as both know: bfloat16 rounds a row's
-        norm by under 0.5%, two different models' first rows differ by far more."""
-        mine, theirs = self.embedding_norms, other.embedding_norms
-        if mine is None or theirs is None or len(mine) != len(theirs):
-            return True
-        return all(abs(a - b) <= 1e-2 * max(abs(a), abs(b), 1e-6) for a, b in zip(mine, theirs))
+        """Whether two shapes are of the same target's weights, as far as both know (`same_embedding_norms`)."""
+        return same_embedding_norms(self.embedding_norms, other.embedding_norms)
 
     @classmethod
     def from_config(cls, config: Any, name_or_path: str) -> TargetShape:

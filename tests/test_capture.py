@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -285,6 +286,12 @@ def test_features_from_another_target_or_layer_set_are_refused(tmp_path, capture
         open_features(directory, expect=expected_features(TargetShape.of(other, "tiny"), FeatureRequest(final=True)))
     with pytest.raises(UserError, match=r"hold layers \[-1, 0, 2\] but the drafter needs \[1, 2\]"):
         open_features(directory, expect={"layers": [1, 2]})
+    # the run's target by name and shape, with other weights: trained on another target's states without a word
+    ours = TargetShape.of(load_target(str(REFERENCE_TARGET)), str(REFERENCE_TARGET))
+    reweighted = replace(ours, embedding_norms=tuple(1.5 * norm for norm in ours.embedding_norms))
+    with pytest.raises(UserError, match="has the same shape but other weights"):
+        open_features(directory, expect=expected_features(reweighted, FeatureRequest(final=True)))
+    open_features(directory, expect=expected_features(ours, FeatureRequest(final=True)))  # its own target's
     # A drafter that distils from the target's distribution cannot train on a capture without one.
     final_only = run_capture(tmp_path, conversations)  # the medusa recipe's default: final only
     with pytest.raises(UserError, match="hold no target distribution"):
