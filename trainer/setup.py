@@ -103,9 +103,11 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     resume_from = resume_checkpoint(output_dir, cfg.train.resume, accelerator)
     if resume_from is not None:  # the checkpoint holds the weights: the run's start is not loaded again
         cfg = resumed_start(cfg, output_dir)
+        resumed_what = f"train.resume's {resume_from}"
         saved_kind, saved_config, saved_target = saved_drafter(resume_from / DRAFTER_DIR)[:3]
-        require_recipes_kind(saved_kind.type, cfg.drafter.type, f"train.resume's {resume_from}")  # said first
+        require_recipes_kind(saved_kind.type, cfg.drafter.type, resumed_what)  # said first
         require_resumed_as_begun(cfg, output_dir)
+        require_trained_as_begun(saved_config, OmegaConf.to_object(cfg.drafter), resumed_what)
         require_precision_as_begun(cfg.train.mixed_precision, given_precision, output_dir)
         resumed = resplit(saved_state(resume_from), split_of(cfg, accelerator))  # another step size: before any load
     elif cfg.train.init_from:  # its kind is known before any data or model loads
@@ -126,8 +128,7 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     # step's target forward together.
     target = load_target(cfg.target, accelerator.device, shard=cfg.target.shard)
     if resume_from is not None:  # the run's target: another of its shape would train on from the run's weights
-        shape = TargetShape.of(target, cfg.target.name_or_path)
-        check_same_target(saved_target, shape, f"train.resume's {resume_from}")
+        check_same_target(saved_target, TargetShape.of(target, cfg.target.name_or_path), resumed_what)
     # each data file's sha256 as this start's load reads it, for its later reads (the prompts' count, the record)
     digests: dict[str, str] = {}
     train_data, vocab_data, heldout, prompt_count = load_data(cfg, accelerator, tokenizer, digests)
@@ -138,9 +139,7 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     # what the drafter fits to the data (EAGLE-3's draft vocabulary), on every rank
     drafter.prepare(train_data, vocab_from=vocab_data)
     if resume_from is not None:  # its weights must be of the drafter the recipe builds
-        what = f"train.resume's {resume_from}"
-        require_recipes_drafter(saved_kind.type, saved_config, drafter.type, drafter.config, what, resume_from)
-        require_trained_as_begun(saved_config, drafter.config, what)
+        require_recipes_drafter(saved_kind.type, saved_config, drafter.type, drafter.config, resumed_what, resume_from)
     elif cfg.train.init_from:  # warm start: its weights and data-fitted state (draft vocabulary kept, not re-fitted)
         start = warm_start(cfg.train.init_from, drafter, target)  # a checkpoint, an export's folder or speculators'
         for key in drafter.config.STARTS:
