@@ -11,8 +11,9 @@ from typing import Any, ClassVar, NamedTuple, Optional
 import torch
 from omegaconf import DictConfig
 
-from draftsmith.data_prep.vllm_stage import engine_arguments, vllm_dtype
+from draftsmith.data_prep.vllm_stage import engine_arguments, engine_refusal, vllm_dtype
 from draftsmith.engines import VllmEngine, vllm_python
+from draftsmith.errors import UserError
 from draftsmith.sharding import Lockstep, is_sharded
 from draftsmith.target import load_target
 
@@ -85,6 +86,8 @@ class VllmAnswers:
             yield None
             return
         section = cfg.data.regenerate
+        if refused := engine_refusal(cfg.target, section.vllm, "data.regenerate.vllm"):
+            raise UserError(refused)
         settings, env = engine_arguments(
             cfg.target, section.vllm, cfg.data.max_length + section.max_new_tokens, section.seed, state
         )

@@ -132,7 +132,7 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
         )
 
     settings = {
-        "target": target_description(target, cfg),
+        "target": target_description(engine.shape(cfg, target), target, cfg),
         "data_fingerprint": cache_key(
             conversations, tokenizer, cfg.data.max_length, cfg.data.overlong, cfg.data.thinking
         ),
@@ -146,7 +146,7 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
         "engine": section.engine,
     }
     # Every rank checks before any rank writes, so all of them see the same files and agree.
-    made_from = data_record(cfg, tokenizer, data)
+    made_from = data_record(cfg, tokenizer, data) | {"engine_release": engine.release(cfg)}  # recorded, not compared
     refuse_other_capture(directory, settings, made_from)
     if state.is_main_process:
         remove_leftovers(directory)
@@ -166,13 +166,16 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
 
     record()  # from the start, so the merge finds a part for every rank, even one with no conversations
     computed = 0
-    progress = progress_bar(
-        total=sum(s.tokens for s in plan), unit="tok", desc="capture", disable=not state.is_main_process
-    )
     missing = [
         shard for shard in plan if shard.name not in done or not is_intact(directory / shard.name, done[shard.name])
     ]
-    progress.update(sum(shard.tokens for shard in plan) - sum(shard.tokens for shard in missing))
+    progress = progress_bar(
+        total=sum(s.tokens for s in plan),
+        initial=sum(shard.tokens for shard in plan) - sum(shard.tokens for shard in missing),  # not in its rate
+        unit="tok",
+        desc="capture",
+        disable=not state.is_main_process,
+    )
     reused = len(plan) - len(missing)
     with engine.opened(cfg, target, tokenizer, selection, directory, state, bool(missing)) as computing:
         started = time.perf_counter()  # the engine started: its start is not this run's capture rate
@@ -193,11 +196,13 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
     manifest = None
     if state.is_main_process:
         manifest = merge_manifest(directory, settings, made_from)
+        rate = manifest["last_run"]["tokens_per_s"]
         print(
             f"captured {manifest['tokens']} tokens ({manifest['conversations']} conversations, "
             f"{len(manifest['shards'])} shards) into {directory}: {manifest['bytes_per_token']:.1f} bytes/token; "
             f"EAGLE-3's four bf16 features (8*H) would be {manifest['anchor_bytes_per_token']} bytes/token (ratio "
-            f"{manifest['anchor_ratio']:.3f}); this run captured {manifest['last_run']['tokens_per_s']:.0f} tokens/s",
+            f"{manifest['anchor_ratio']:.3f}); "
+            + (f"this run captured {rate:.0f} tokens/s" if rate else "every shard was complete, none computed"),
             flush=True,
         )
     return CaptureResult(directory=directory, computed=computed, reused=reused, manifest=manifest)
@@ -213,7 +218,7 @@ def resolve_selection(cfg: DictConfig, target) -> Selection:
     # the layers the drafter train builds reads: a default tap moved onto a hybrid target's attention layers too
     wanted = kind.features(kind.for_target(OmegaConf.to_object(cfg.drafter), shape, target.config), shape)
     if wanted.streams:
-        raise not_captured(cfg.drafter.type, "python -m data_prep.capture")
+        raise not_captured(cfg.drafter.type, "draftsmith capture")
     layers = tuple(sorted(set(wanted.layers if section.layers is None else section.layers)))
     check_layers(target, layers)
     final = wanted.final if section.final is None else bool(section.final)
@@ -231,9 +236,9 @@ def resolve_selection(cfg: DictConfig, target) -> Selection:
     return Selection(final, layers, logits, section.topk if logits == "topk" else None, section.dtype)
 
 
-def target_description(target, cfg: DictConfig) -> dict[str, Any]:
-    """The target's shape, id, revision and the dtype its forward ran in (features depend on it)."""
-    shape = TargetShape.of(target, cfg.target.name_or_path)
+def target_description(shape: TargetShape, target, cfg: DictConfig) -> dict[str, Any]:
+    """The target's shape (as the capture's engine reads it), id, revision and the dtype its forward ran in (features
+    depend on it)."""
     return {
         **asdict(shape),
         "id": shape.id,
@@ -267,6 +272,16 @@ class TransformersCapture:
     @staticmethod
     def target(cfg: DictConfig, state):
         return load_target(cfg.target, state.device, shard=cfg.target.shard)
+
+    @staticmethod
+    def shape(cfg: DictConfig, target) -> TargetShape:
+        return TargetShape.of(target, cfg.target.name_or_path)
+
+    @staticmethod
+    def release(cfg: DictConfig) -> str:
+        import transformers
+
+        return f"transformers {transformers.__version__}, torch {torch.__version__}"
 
     @staticmethod
     def refusal(cfg: DictConfig, selection: Selection, target) -> Optional[str]:

@@ -85,14 +85,16 @@ RECORDED_SINCE = {"engine": "transformers"}
 
 def refuse_other_capture(directory: Path, settings: dict[str, Any], record: dict[str, Any]) -> None:
     """A directory holding a capture with other settings is never mixed into: resuming it would join shards of
-    two different captures under one manifest. One line names each setting that differs with both values and,
-    where the data's fingerprint differs, which of its inputs changed in words (`data_changes`; `record`: this
-    run's `data_record`), never the two hashes."""
+    two different captures under one manifest (a manifest part without shards holds nothing to join). One line names
+    each setting that differs with both values and, where the data's fingerprint differs, which of its inputs changed
+    in words (`data_changes`; `record`: this run's `data_record`), never the two hashes."""
     settings = json.loads(json.dumps(settings))  # as the files hold them (a tuple is a list there)
     for path in [directory / MANIFEST_NAME, *sorted(directory.glob("manifest_part_*.json"))]:
         if not path.is_file():
             continue
         file = read_json(path, advice=CAPTURE_AGAIN)
+        if path.name != MANIFEST_NAME and not file.get("shards"):
+            continue  # a part of a run that stopped before its first shard (an engine that did not start) holds none
         found = file.get("settings", file)  # parts keep settings apart; the manifest at top level
         found = {**RECORDED_SINCE, **found}
         differ = [

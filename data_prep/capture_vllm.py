@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,8 +37,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from draftsmith.data_prep.features import DISTRIBUTION_DTYPE, encode, hidden_names
-from draftsmith.data_prep.vllm_stage import engine_arguments, vllm_dtype
-from draftsmith.engines import VllmEngine, vllm_distribution, vllm_python
+from draftsmith.data_prep.vllm_stage import engine_arguments, engine_refusal, vllm_dtype
+from draftsmith.engines import VllmEngine, installed_vllm, vllm_distribution, vllm_python
 from draftsmith.errors import CheckFailed, UserError
 from draftsmith.formats.versions import (
     CORRECTION_BIAS,
@@ -47,7 +48,15 @@ from draftsmith.formats.versions import (
     routing_bias_limit,
 )
 from draftsmith.model_files import checkpoint_folder, tensor_names
-from draftsmith.target import empty_target, loaded_config, num_layers, resolve_dtype
+from draftsmith.target import (
+    EMBEDDING_ROWS,
+    TargetShape,
+    empty_target,
+    loaded_config,
+    num_layers,
+    resolve_dtype,
+    row_norms,
+)
 
 PYTHON_KEY = "data.capture.vllm.python"
 READER = "data.capture.engine=vllm"  # what reads the final norm's weights, in the line when it cannot
@@ -74,6 +83,24 @@ class VllmCapture:
         return empty_target(cfg.target, resolve_dtype(vllm_dtype(cfg.target, cfg.data.capture.vllm), "cpu"))
 
     @staticmethod
+    def shape(cfg, target) -> TargetShape:
+        """The target's shape with its input embedding's first rows' norms (which weights: TargetShape) read alone from
+        the checkpoint, so training from the capture is checked against the target it is given as a transformers
+        capture's is; none where the checkpoint stores the embedding under another name."""
+        shape = TargetShape.of(target, cfg.target.name_or_path)
+        name = weight_name(target, target.get_input_embeddings(), cfg.target.name_or_path)
+        if name is None:
+            return shape
+        with safe_open(str(tensor_names(checkpoint_folder(cfg.target.name_or_path, READER))[name]), "pt") as f:
+            return dataclasses.replace(shape, embedding_norms=row_norms(f.get_slice(name)[:EMBEDDING_ROWS]))
+
+    @staticmethod
+    def release(cfg) -> str:
+        """The vLLM build and release that computed the states, and the Python that ran it."""
+        python = vllm_python(cfg.data.capture.vllm.python, PYTHON_KEY)
+        return f"{vllm_distribution(python, PYTHON_KEY) or 'vllm'} {installed_vllm(python, PYTHON_KEY)} ({python})"
+
+    @staticmethod
     def refusal(cfg, selection, target) -> Optional[str]:
         """Why vLLM cannot capture `selection` of `target`, in one line; None when it can: what vLLM hands out, then
         the engine's environment (a Python without vLLM, or without what the target's vLLM model imports, is a line
@@ -83,6 +110,8 @@ class VllmCapture:
                 "data.capture.engine=vllm cannot capture the whole next-token distribution (data.capture.logits=full): "
                 "set data.capture.engine=transformers"
             )
+        if refused := engine_refusal(cfg.target, cfg.data.capture.vllm, "data.capture.vllm"):
+            return refused
         if normed(selection, num_layers(target)):
             FinalNorm.names(target, cfg.target.name_or_path)  # the norm's weights found by name, or one line
         python = vllm_python(cfg.data.capture.vllm.python, PYTHON_KEY)

@@ -177,7 +177,7 @@ class FeatureStore(Dataset):
             return
         if file_sha256(shard.path) != shard.sha256:
             raise UserError(
-                f"feature shard {shard.path} is corrupt (sha256 differs from {MANIFEST_NAME}); run data_prep.capture "
+                f"feature shard {shard.path} is corrupt (sha256 differs from {MANIFEST_NAME}); run draftsmith capture "
                 "again with the same recipe to redo it"
             )
         self._verified.add(shard.path)
@@ -267,7 +267,7 @@ def _read_manifest(directory: Path) -> dict[str, Any]:
         hint = (
             "the capture has not finished" if any(directory.glob("manifest_part_*.json")) else "not a feature capture"
         )
-        raise UserError(f"{directory} holds no {MANIFEST_NAME} ({hint}); run python -m data_prep.capture to write it")
+        raise UserError(f"{directory} holds no {MANIFEST_NAME} ({hint}); run draftsmith capture to write it")
     manifest = read_json(path, "feature manifest")
     version = manifest.get("schema_version") if isinstance(manifest, dict) else None
     if version != SCHEMA_VERSION:
@@ -285,8 +285,6 @@ def _check_expectation(directory: Path, manifest: Mapping[str, Any], expect: Map
     captured = manifest["target"]
     shape_keys = ("hidden_size", "vocab_size", "num_hidden_layers")
     mismatch = [key for key in shape_keys if key in expect and expect[key] != captured[key]]
-    if "name_or_path" in expect and target_id(str(expect["name_or_path"])) != captured["id"]:
-        mismatch.append("name_or_path")
     if mismatch:
         captured_shape = ", ".join(f"{key}={captured[key]}" for key in shape_keys)
         expected_shape = ", ".join(f"{key}={expect[key]}" for key in shape_keys if key in expect)
@@ -294,11 +292,21 @@ def _check_expectation(directory: Path, manifest: Mapping[str, Any], expect: Map
             f"features in {directory} were captured from target {captured['name_or_path']} ({captured_shape}) "
             f"but the recipe's target is {expect.get('name_or_path', '?')} ({expected_shape})"
         )
-    if not same_embedding_norms(expect.get("embedding_norms"), captured.get("embedding_norms")):
+    mine, theirs = expect.get("embedding_norms"), captured.get("embedding_norms")
+    if not same_embedding_norms(mine, theirs):
         raise UserError(
             f"features in {directory} were captured from target {captured['name_or_path']}, and the recipe's target "
             f"{expect.get('name_or_path', '?')} has the same shape but other weights (its input embedding differs): "
             "capture again from this target, or give the one captured"
+        )
+    # the same weights found under another name (a copied or moved folder) are the target captured; where either side
+    # records no weights (a capture by an earlier draftsmith), only the name can say so
+    unweighed = mine is None or theirs is None
+    if unweighed and "name_or_path" in expect and target_id(str(expect["name_or_path"])) != captured["id"]:
+        raise UserError(
+            f"features in {directory} were captured from target {captured['name_or_path']}, and the recipe's target "
+            f"{expect['name_or_path']} has its shape under another name; the capture records no weights to compare "
+            "(an earlier draftsmith's): give the target captured, or capture again from this one"
         )
     needed = sorted(set(expect.get("layers") or ()))
     if not set(needed) <= set(manifest["layers"]):

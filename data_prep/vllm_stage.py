@@ -5,11 +5,13 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 import torch
 
-from draftsmith.target import dtype_name, resolve_device, resolve_dtype
+from draftsmith.model_files import SAFETENSORS_INDEX
+from draftsmith.target import dtype_name, local_target_config, resolve_device, resolve_dtype
 
 
 def vllm_dtype(target, vllm) -> str:
@@ -41,3 +43,21 @@ def engine_arguments(target, vllm, max_model_len: int, seed: int, state) -> tupl
         first = state.local_process_index * vllm.tensor_parallel_size
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(vllm.tensor_parallel_size))
     return arguments, env
+
+
+def engine_refusal(target, vllm, key: str) -> Optional[str]:
+    """Why vLLM would not start on the stage's settings (`key`: its `vllm` section's recipe key), in one line before
+    any data is read; None when it may: a local target folder without safetensors weights, and a tensor-parallel size
+    that does not divide the target's attention heads. What vLLM refuses beyond these (its config's own validation) is
+    the same kind of line when the engine starts (VllmEngine)."""
+    folder = Path(target.name_or_path)
+    if folder.is_dir() and not ((folder / SAFETENSORS_INDEX).is_file() or any(folder.glob("*.safetensors"))):
+        return f"target.name_or_path={target.name_or_path!r} holds no safetensors weights for vLLM to load"
+    config = local_target_config(target.name_or_path) or {}
+    heads = (config.get("text_config") or config).get("num_attention_heads")
+    if isinstance(heads, int) and heads % vllm.tensor_parallel_size:
+        return (
+            f"{key}.tensor_parallel_size={vllm.tensor_parallel_size} does not divide the target's {heads} attention "
+            "heads, which vLLM splits evenly over its GPUs"
+        )
+    return None

@@ -78,10 +78,13 @@ def vllm_python(setting: Optional[str], key: str) -> str:
     """The Python that runs vLLM: `setting` (the recipe key `key`) when given, and the Python of an
     environment with vllm (`installed_vllm`), else this one when it can import vllm."""
     if setting:
-        if not Path(setting).expanduser().is_file():
+        # absolute, not resolved: `vpy` (or `./vpy`, which a Path prints as `vpy`) would be looked up on PATH, and a
+        # venv's python resolved through its link would be the base interpreter, without the venv's packages
+        python = Path(setting).expanduser().absolute()
+        if not python.is_file():
             raise UserError(f"{key}={setting!r} is not a Python executable")
-        installed_vllm(str(Path(setting).expanduser()), key)
-        return str(Path(setting).expanduser())
+        installed_vllm(str(python), key)
+        return str(python)
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
     raise UserError(
@@ -222,8 +225,9 @@ class VllmWorker:
     def running(self) -> bool:
         return self.process.poll() is None
 
-    def ask(self, request: dict[str, Any], doing: str) -> dict[str, Any]:
-        """The worker's reply to `request`; `doing` names what it asks for in errors ("start", ...)."""
+    def ask(self, request: dict[str, Any], doing: str, invalid: tuple[str, ...] = ()) -> dict[str, Any]:
+        """The worker's reply to `request`; `doing` names what it asks for in errors ("start", ...). A failure whose
+        error is of a type named in `invalid` is the request's settings refused: a UserError, whatever `refusal` is."""
         try:
             self.process.stdin.write(json.dumps(request) + "\n")
             self.process.stdin.flush()
@@ -237,7 +241,8 @@ class VllmWorker:
             ) from None
         if not reply.get("ok"):
             self.close()
-            raise self.refusal(f"vLLM could not {doing}: {self.cause(reply)}")
+            refused = reply.get("error", "").split(":")[0] in invalid
+            raise (UserError if refused else self.refusal)(f"vLLM could not {doing}: {self.cause(reply)}")
         if reply.get("ended"):
             self.close()
         return reply
@@ -277,6 +282,10 @@ class VllmWorker:
         self.close()
 
 
+# the error types of a vLLM engine's start that are its settings refused (its config classes' validation)
+SETTINGS_REFUSED = ("ValidationError",)
+
+
 class VllmEngine:
     """One long-lived vLLM engine in a VllmWorker, answering batches of token-id prompts with token ids
     (data_prep.regenerate) or with the target's states over them (data_prep.capture_vllm). A worker that cannot start
@@ -284,7 +293,8 @@ class VllmEngine:
 
     def __init__(self, python: str, key: str, engine: dict[str, Any], env: Optional[dict[str, str]] = None):
         self.worker = VllmWorker(python, key, env)
-        self.worker.ask({"open": engine}, "start")
+        # vLLM validating its config (pydantic) refuses the stage's settings: bad input, which a retry would not mend
+        self.worker.ask({"open": engine}, "start", invalid=SETTINGS_REFUSED)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], max_tokens: int, temperature: float, top_p: float, seeds: Sequence[int]

@@ -163,6 +163,9 @@ def check_data(data) -> None:
         capture.layers is None or all(layer >= -1 for layer in capture.layers),
         f"data.capture.layers={list(capture.layers or [])}: ids are >= -1 (-1 = embeddings)",
     )
+    layers = list(capture.layers or [])
+    repeated = sorted({layer for layer in layers if layers.count(layer) > 1})
+    require(not repeated, f"data.capture.layers={layers} names {repeated} more than once: each layer is stored once")
     check_vllm_engine(capture.vllm, "data.capture.vllm")
     regenerate = data.regenerate
     require_at_least_one(regenerate, "data.regenerate", "batch_size", "max_new_tokens", "samples", "min_turns")

@@ -135,6 +135,11 @@ def target_id(name_or_path: str) -> str:
 EMBEDDING_ROWS = 8  # TargetShape.embedding_norms: the rows read
 
 
+def row_norms(rows: torch.Tensor) -> tuple[float, ...]:
+    """`TargetShape.embedding_norms` of the input embedding's first rows (one copy to the host)."""
+    return tuple(round(norm, 6) for norm in rows.float().norm(dim=1).tolist())
+
+
 def same_embedding_norms(mine: Optional[Sequence[float]], theirs: Optional[Sequence[float]]) -> bool:
     """Whether two records of a target's first embedding rows' norms (`TargetShape.embedding_norms`) are of the same
     weights, as far as both know: bfloat16 rounds a row's norm by under 0.5%, two different models' first rows differ
@@ -163,11 +168,10 @@ class TargetShape:
         """A loaded target's shape (the vocabulary is the lm_head's rows, which may be padded)."""
         shape = cls.from_config(model.config, name_or_path)
         vocab = int(model.get_output_embeddings().weight.shape[0])
-        rows = model.get_input_embeddings().weight[:EMBEDDING_ROWS].detach().float()
+        rows = model.get_input_embeddings().weight[:EMBEDDING_ROWS].detach()
         if rows.is_meta:  # a target without its weights (empty_target)
             return cls(**{**shape.__dict__, "vocab_size": vocab})
-        norms = tuple(round(norm, 6) for norm in rows.norm(dim=1).tolist())  # one copy to the host
-        return cls(**{**shape.__dict__, "vocab_size": vocab, "embedding_norms": norms})
+        return cls(**{**shape.__dict__, "vocab_size": vocab, "embedding_norms": row_norms(rows)})
 
     def same_weights(self, other: TargetShape) -> bool:
         """Whether two shapes are of the same target's weights, as far as both know (`same_embedding_norms`)."""

@@ -17,13 +17,14 @@ with a CPU build is refused in one line for such a target before the engine star
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from packaging.version import Version
 
-from draftsmith.engines import installed_vllm, torchvision_loads, vllm_distribution
+from draftsmith.engines import installed_vllm, run_python, torchvision_loads, vllm_distribution
 from draftsmith.errors import UserError
 from draftsmith.families import INDEXED, LINEAR, layer_types, text_config
 
@@ -78,7 +79,10 @@ def serves(releases: Releases, version: str) -> bool:
 def served_by(method: str, releases: Releases) -> str:
     """One line for the folder: which vLLM releases load a drafter served as `method`."""
     if releases.removed_in is None:
-        return f"vLLM releases up to {NEWEST_CHECKED} (the newest checked) serve method {method!r}"
+        return (
+            f"vLLM releases whose speculative config accepts method {method!r} serve it, up to {NEWEST_CHECKED} (the "
+            "newest checked)"
+        )
     return (
         f"vLLM {releases.removed_in} and later cannot serve it (they removed method {method!r}); served by "
         f"{releases.instead}"
@@ -241,10 +245,58 @@ def require_engine_imports(config: dict, python: str, key: str = VLLM_PYTHON_KEY
 
 
 def require_vllm_serves(method: str, releases: Releases, python: str) -> str:
-    """The installed vLLM's version, or the one-line refusal of a release without the method."""
+    """The installed vLLM's version, or the one-line refusal of a release without the method: past the table's last
+    release (`releases`), and before the release that added it, which its own speculative config says
+    (`accepted_methods`): the table knows when methods left vLLM, not when each came."""
     version = installed_vllm(python, VLLM_PYTHON_KEY)
     if not serves(releases, version):
         raise UserError(
             f"{VLLM_PYTHON_KEY} is vLLM {version}, which cannot serve this drafter: {served_by(method, releases)}"
         )
+    accepted = accepted_methods(python)
+    if accepted is not None and method not in accepted:
+        raise UserError(
+            f"{VLLM_PYTHON_KEY} is vLLM {version}, whose speculative config does not accept method {method!r}: "
+            "check the export with a vLLM release that does (a newer one)"
+        )
     return version
+
+
+# Run by a vLLM Python, the standard library alone and nothing of vLLM imported (its import takes seconds): the
+# methods its SpeculativeConfig accepts, read from the source of its `SpeculativeMethod` Literal (nested Literal
+# aliases followed), as JSON; null where the release keeps none there.
+ACCEPTED_METHODS = """
+import ast, importlib.util, json, os
+root = importlib.util.find_spec("vllm").submodule_search_locations[0]
+found = None
+for name in ("config/speculative.py", "config.py"):
+    path = os.path.join(root, name)
+    if found is None and os.path.isfile(path):
+        body = ast.parse(open(path, encoding="utf-8").read()).body
+        aliases = {node.target.id if isinstance(node, ast.AnnAssign) else node.targets[0].id: node.value
+                   for node in body if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None
+                   and isinstance(node.targets[0] if isinstance(node, ast.Assign) else node.target, ast.Name)}
+        def names(node):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                return [node.value]
+            if isinstance(node, ast.Name) and node.id in aliases:
+                return names(aliases[node.id])
+            if isinstance(node, ast.Subscript):
+                return names(node.slice)
+            if isinstance(node, ast.Tuple):
+                return [name for element in node.elts for name in names(element)]
+            return []
+        if "SpeculativeMethod" in aliases:
+            found = names(aliases["SpeculativeMethod"])
+print(json.dumps(found))
+"""
+
+
+def accepted_methods(python: str) -> Optional[frozenset[str]]:
+    """The speculative methods the vLLM of `python` accepts (`ACCEPTED_METHODS`); None where it cannot be read."""
+    done = run_python(python, VLLM_PYTHON_KEY, ACCEPTED_METHODS)
+    try:
+        found = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
+    except (ValueError, IndexError):
+        return None
+    return frozenset(found) if isinstance(found, list) else None

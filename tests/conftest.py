@@ -158,8 +158,8 @@ class SessionWorker:
     def __init__(self, worker):
         self.worker = worker
 
-    def ask(self, request: dict, doing: str) -> dict:
-        return self.worker.ask(request, doing)
+    def ask(self, request: dict, doing: str, invalid: tuple[str, ...] = ()) -> dict:
+        return self.worker.ask(request, doing, invalid)
 
     def close(self, grace_s: float = 60) -> None:
         if self.worker.running:

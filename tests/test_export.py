@@ -869,21 +869,31 @@ def test_published_files_have_the_umasks_mode(small_data, token_cache, target, t
 def test_medusa_states_the_vllm_releases_that_serve_it_and_a_newer_vllm_is_refused(target, tmp_path, capsys):
     """vLLM 0.33 removed the medusa method: a Medusa folder says so (draftsmith_export.json, the card),
     and an export checked with a vLLM 0.33 (a stub interpreter reporting that version) is refused in
-    one line before anything is written."""
+    one line before anything is written. The table knows when a method left vLLM, not when it came: a release whose own
+    speculative config does not accept it (a stand-in answering the source's `SpeculativeMethod` without `medusa`) is
+    refused the same way, where the engine's check would have failed (exit 3) after the target loaded."""
+    from draftsmith.formats.versions import accepted_methods
+
     checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
     folder = run_export("medusa", checkpoint, tmp_path / "export", target=target)["vllm"]
     releases = json.loads((folder / EXPORT_INFO).read_text())["vllm_releases"]
     assert releases.startswith("vLLM 0.33.0 and later cannot serve it") and "recipe=eagle3" in releases
     assert releases in (folder / "README.md").read_text()
     stub = stand_in_vllm(tmp_path, "0.33.0")
+    earlier = stand_in_vllm(tmp_path / "earlier", "0.32.0", methods=["ngram", "eagle3", "mtp"])
+    assert accepted_methods(str(earlier)) == {"ngram", "eagle3", "mtp"} and accepted_methods(str(stub)) is None
     output = tmp_path / "refused"
-    result = run_entry_in_process(
-        ["-m", "export", *export_args("medusa", checkpoint, output, f"checkpoint={checkpoint}"),
-         f"export.vllm_python={stub}"],
-        capsys,
-    )  # fmt: skip
-    assert_one_line_error(result, 2, "export.vllm_python is vLLM 0.33.0, which cannot serve this drafter")
-    assert not output.exists()
+    for python, line in [
+        (stub, "export.vllm_python is vLLM 0.33.0, which cannot serve this drafter"),
+        (earlier, "export.vllm_python is vLLM 0.32.0, whose speculative config does not accept method 'medusa'"),
+    ]:
+        result = run_entry_in_process(
+            ["-m", "export", *export_args("medusa", checkpoint, output, f"checkpoint={checkpoint}"),
+             f"export.vllm_python={python}"],
+            capsys,
+        )  # fmt: skip
+        assert_one_line_error(result, 2, line)
+        assert not output.exists()
     # the load sweep too, before it serves plain decoding and the free methods for minutes (it refused at the
     # drafter's level, after them)
     result = run_entry_in_process(["-m", "export.sweep", "recipe=medusa", f"checkpoint={checkpoint}",
