@@ -94,6 +94,7 @@ def expected_features(target: TargetShape, request: FeatureRequest) -> dict[str,
         "vocab_size": target.vocab_size,
         "num_hidden_layers": target.num_hidden_layers,
         "embedding_norms": target.embedding_norms,
+        "layer_values": target.layer_values,
         "final": request.final,
         "layers": list(request.layers),
         "logits": request.logits,
@@ -293,11 +294,13 @@ def _check_expectation(directory: Path, manifest: Mapping[str, Any], expect: Map
             f"but the recipe's target is {expect.get('name_or_path', '?')} ({expected_shape})"
         )
     mine, theirs = expect.get("embedding_norms"), captured.get("embedding_norms")
-    if not same_embedding_norms(mine, theirs):
+    layers_differ = not same_embedding_norms(expect.get("layer_values"), captured.get("layer_values"))
+    if not same_embedding_norms(mine, theirs) or layers_differ:
         raise UserError(
             f"features in {directory} were captured from target {captured['name_or_path']}, and the recipe's target "
-            f"{expect.get('name_or_path', '?')} has the same shape but other weights (its input embedding differs): "
-            "capture again from this target, or give the one captured"
+            f"{expect.get('name_or_path', '?')} has the same shape but other weights (its "
+            f"{'last layer' if layers_differ else 'input embedding'} differs): capture again from this target, or give "
+            "the one captured"
         )
     # the same weights found under another name (a copied or moved folder) are the target captured; where either side
     # records no weights (a capture by an earlier draftsmith), only the name can say so

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from draftsmith.errors import UserError
 from draftsmith.model_files import read_tokenizer
@@ -133,11 +134,29 @@ def target_id(name_or_path: str) -> str:
 
 
 EMBEDDING_ROWS = 8  # TargetShape.embedding_norms: the rows read
+LAYER_VALUES = 8  # TargetShape.layer_values: the values read of each weight of the last layer
 
 
 def row_norms(rows: torch.Tensor) -> tuple[float, ...]:
     """`TargetShape.embedding_norms` of the input embedding's first rows (one copy to the host)."""
     return tuple(round(norm, 6) for norm in rows.float().norm(dim=1).tolist())
+
+
+def last_layer_values(model) -> Optional[tuple[float, ...]]:
+    """`TargetShape.layer_values`: the first LAYER_VALUES values of each weight (a tensor of two or more dimensions) of
+    the target's last decoder layer, in the module's order; None where its decoder keeps no list of its layer count, or
+    where the target is sharded.
+    Values, not norms: a fine-tune's small update moves a row's norm by far less than bfloat16 rounds it (second order),
+    and a small value by far more."""
+    decoder = model.get_decoder()
+    count = getattr(getattr(decoder, "config", None), "num_hidden_layers", None)
+    stacks = [m for m in decoder.children() if isinstance(m, torch.nn.ModuleList) and len(m) == count]
+    weights = [p.detach() for p in stacks[0][-1].parameters() if p.dim() >= 2] if stacks else []
+    # a sharded target's (DTensor) would be read by a collective every rank must join: not read, as without weights
+    if not weights or any(w.is_meta or isinstance(w, DTensor) for w in weights):
+        return None
+    values = torch.cat([w.reshape(-1)[:LAYER_VALUES].float() for w in weights]).tolist()  # one copy to the host
+    return tuple(float(f"{value:.6g}") for value in values)
 
 
 def same_embedding_norms(mine: Optional[Sequence[float]], theirs: Optional[Sequence[float]]) -> bool:
@@ -160,8 +179,11 @@ class TargetShape:
     vocab_size: int
     num_hidden_layers: int
     # which weights, wherever they are and in whatever dtype they load: the norms of the input embedding's first
-    # rows (None where only a config was read, and in what an earlier draftsmith saved)
+    # rows, and the first values of each weight of the last decoder layer (`last_layer_values`: a fine-tune that keeps
+    # the embedding, a LoRA merged into the layers, changes them); None where only a config was read, and in what an
+    # earlier draftsmith saved
     embedding_norms: Optional[tuple[float, ...]] = None
+    layer_values: Optional[tuple[float, ...]] = None
 
     @classmethod
     def of(cls, model, name_or_path: str) -> TargetShape:
@@ -171,11 +193,14 @@ class TargetShape:
         rows = model.get_input_embeddings().weight[:EMBEDDING_ROWS].detach()
         if rows.is_meta:  # a target without its weights (empty_target)
             return cls(**{**shape.__dict__, "vocab_size": vocab})
-        return cls(**{**shape.__dict__, "vocab_size": vocab, "embedding_norms": row_norms(rows)})
+        norms = {"embedding_norms": row_norms(rows), "layer_values": last_layer_values(model)}
+        return cls(**{**shape.__dict__, "vocab_size": vocab, **norms})
 
     def same_weights(self, other: TargetShape) -> bool:
         """Whether two shapes are of the same target's weights, as far as both know (`same_embedding_norms`)."""
-        return same_embedding_norms(self.embedding_norms, other.embedding_norms)
+        return same_embedding_norms(self.embedding_norms, other.embedding_norms) and same_embedding_norms(
+            self.layer_values, other.layer_values
+        )
 
     @classmethod
     def from_config(cls, config: Any, name_or_path: str) -> TargetShape:

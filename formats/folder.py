@@ -185,13 +185,13 @@ def served_settings(argv: Sequence[str], cfg: DictConfig) -> dict[str, Any]:
     if served and saved_config.type == ours.type:  # another kind: the command refuses the folder
         replace(saved_config, **served).check()  # before the target loads
     saved = asdict(saved_config)
-    taken = f", all but {', '.join(ours.SERVED)}," if ours.SERVED else ""
+    taken = f" (all but {', '.join(ours.SERVED)})" if ours.SERVED else ""
     for name in given:
         if name in saved and not same_setting(saved[name], getattr(ours, name, None)):
             raise UserError(
                 f"drafter.{name}={json.dumps(getattr(ours, name), default=str)} is not read: {path} holds a drafter "
                 f"with {name}={json.dumps(saved[name], default=str)}, and eval and export read the checkpoint's "
-                f"settings{taken} (train.init_from trains a new one from it)"
+                f"settings{taken}; train.init_from trains a new one from it"
             )
     return served
 

@@ -104,7 +104,8 @@ class MtpExporter(Exporter):
         if isinstance(text.get("mtp_layer_types"), list):  # vLLM's Dots3-Note config asks one entry per depth built
             text["mtp_layer_types"] = text["mtp_layer_types"][:depths]
         layers = decoder_layers(text)
-        prefix = layout.prefix(layers)
+        # depth 0's tensors, then each later depth's (heads/mtp_depths.py), as the record names them
+        depth_prefixes = [layout.prefix(layers), *(mtp_depths.prefix(layout, j, layers) for j in range(1, depths))]
         written = drafter.checkpoint_tensors().items()
         tensors = {mtp_depths.release_name(layout, name, layers): tensor for name, tensor in written}
         expected = shipped_shapes(name_or_path, source.target.config, layout)
@@ -114,7 +115,8 @@ class MtpExporter(Exporter):
                 f"the target's config.json as shipped (a vision-language wrapper's language model's), "
                 f"{layout.count_key}={depths}: vLLM builds its {layout.vllm_model} model"
             ),
-            "weights": f"the fine-tuned MTP layer under the target checkpoint's names and shapes ({prefix}*)",
+            "weights": f"the fine-tuned MTP layer{'s' if depths > 1 else ''} under the target checkpoint's names and "
+            f"shapes ({', '.join(f'{named}*' for named in depth_prefixes)})",
             "shared": (
                 "lm_head is the target's (vLLM shares it; not in the folder); the layer's own embedding "
                 f"({layout.own_embedding}) is in the folder, as shipped"

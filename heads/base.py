@@ -375,5 +375,6 @@ def check_same_target(made_for: TargetShape, target: TargetShape, what: str) -> 
     if not made_for.same_weights(target):
         raise UserError(
             f"drafter {what} was made for target {made_for.name_or_path!r}, and the target {target.name_or_path!r} "
-            "has the same shape but other weights (its input embedding differs): give the target it was trained for"
+            "has the same shape but other weights (its input embedding or last layer differs): give the target it was "
+            "trained for"
         )

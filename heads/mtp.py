@@ -121,7 +121,8 @@ def check_target_folder(name_or_path: str) -> None:
     if not any(name.startswith(prefix) for name in tensor_names(folder)):
         raise UserError(
             f"drafter.type=mtp: {folder}'s weights hold no MTP layer (no tensor named {prefix}*; transformers drops "
-            "it when it saves a model): point target.name_or_path at the released checkpoint"
+            "it when it saves a model): point target.name_or_path at the released checkpoint (a target written by "
+            "python -m draftsmith.random_target gets a random one with --mtp-layer)"
         )
 
 

@@ -54,3 +54,12 @@ def test_the_eval_pages_first_command_reads_files_that_exist(tmp_path):
     assert command[:3] == ["python", "-m", "eval"]
     cfg = load_recipe([*command[3:], f"output_dir={tmp_path}"])
     assert cfg.eval.data and all((REPO / path).is_file() for path in cfg.eval.data), cfg.eval.data
+
+
+def test_every_shipped_recipe_is_named_in_the_recipes_page():
+    """docs/recipes.md's "Shipped recipes" names each recipe file the package ships (`recipe=NAME`)."""
+    text = (REPO / "docs" / "recipes.md").read_text()
+    listed = text[text.index("Shipped recipes:") :].split("\n\n")[0]
+    named = set(re.findall(r"`([a-z0-9_]+)`", listed))
+    shipped = {path.stem for path in (REPO / "recipes").glob("*.yaml")}
+    assert shipped <= named, sorted(shipped - named)

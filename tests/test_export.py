@@ -699,20 +699,30 @@ def test_a_drafter_setting_the_command_line_gives_a_read_only_command_is_refused
 
 def test_an_export_for_a_target_of_the_same_shape_but_other_weights_is_refused(target, tmp_path):
     """A drafter exported for another target of the same shape wrote a whole folder, exit 0, its card naming the
-    other target: each shape now carries its target's first embedding rows' norms (the same in bfloat16 and float32)
-    and a drafter is refused with another target's weights, in one line."""
+    other target: each shape now carries its target's first embedding rows' norms and its last layer's first values (the
+    same in bfloat16 and float32) and a drafter is refused with another target's weights, in one line: another input
+    embedding, or the same one with a fine-tuned last layer (a LoRA merged: it passed on the embedding alone)."""
     from draftsmith.target import TargetShape
 
     checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
     same = TargetShape.of(target, "a")
     assert same.same_weights(TargetShape.of(copy.deepcopy(target).to(torch.bfloat16), "b"))
-    other = copy.deepcopy(target)
+    assert TargetShape.of(copy.deepcopy(target).to(torch.bfloat16), "b").layer_values == pytest.approx(
+        same.layer_values, rel=1e-2
+    )
+    other, tuned = copy.deepcopy(target), copy.deepcopy(target)
     with torch.no_grad():
         other.get_input_embeddings().weight.mul_(1.5)
-    other.save_pretrained(tmp_path / "other")
-    with pytest.raises(UserError, match="has the same shape but other weights .*: give the target it was trained for"):
-        run_export("medusa", checkpoint, tmp_path / "x", f"target.name_or_path={tmp_path / 'other'}", target=other)
-    assert not (tmp_path / "x" / "vllm").exists()
+        # a fine-tune that keeps the embedding: a rank-1 update (a merged LoRA's form) of the last layer's query
+        # projection by 1% of its values' mean magnitude, which moves its rows' norms by far less than 1%
+        query = tuned.get_decoder().layers[-1].self_attn.q_proj.weight
+        query.add_(0.01 * query.abs().mean())
+    for name, model in {"other": other, "tuned": tuned}.items():
+        model.save_pretrained(tmp_path / name)
+        assert not same.same_weights(TargetShape.of(model, name))
+        with pytest.raises(UserError, match="has the same shape but other weights .*: give the target it was trained"):
+            run_export("medusa", checkpoint, tmp_path / "x", f"target.name_or_path={tmp_path / name}", target=model)
+        assert not (tmp_path / "x" / "vllm").exists()
 
 
 def test_a_drafter_for_one_family_is_refused_on_a_target_of_another_of_the_same_shape(tmp_path):

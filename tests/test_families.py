@@ -472,6 +472,18 @@ def test_random_target_command_writes_a_target_or_one_line(tmp_path, capsys):
     assert done.value.code == 0
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (tmp_path / "qwen3").iterdir()}
     capsys.readouterr()
+    # --mtp-layer: recipe=mtp's target, the first MTP layer in the release's layout (the refusal without it says so)
+    from draftsmith.heads.mtp import check_target_folder
+
+    with pytest.raises(SystemExit) as done:
+        main(["glm4_moe", str(tmp_path / "bare"), "--seed-from-demo"])
+    with pytest.raises(UserError, match=r"random_target gets a random one with --mtp-layer\)$"):
+        check_target_folder(str(tmp_path / "bare"))
+    with pytest.raises(SystemExit) as done:
+        main(["glm4_moe", str(tmp_path / "glm4_moe"), "--seed-from-demo", "--mtp-layer"])
+    assert done.value.code == 0
+    check_target_folder(str(tmp_path / "glm4_moe"))
+    capsys.readouterr()
     with pytest.raises(SystemExit) as done:
         main(["no_such_family", str(tmp_path / "x")])
     refused = subprocess.CompletedProcess([], done.value.code, "", capsys.readouterr().err)

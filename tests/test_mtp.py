@@ -508,7 +508,7 @@ def test_a_deepseek_v4_layer_is_refused_captured_features_in_one_line(
     ]  # fmt: skip
     capture = ["-m", "data_prep.capture", "recipe=mtp", *data, f"data.capture.output={tmp_path / 'mtp'}"]
     assert assert_one_line_error(run_entry_in_process(capture, capsys), 2).startswith(
-        "error: python -m data_prep.capture: drafter.type=mtp reads the target's last layer's residual streams"
+        "error: draftsmith capture: drafter.type=mtp reads the target's last layer's residual streams"
     )
     assert not any((tmp_path / "mtp").glob("*.json"))
     medusa = ["-m", "data_prep.capture", "recipe=medusa", *data, f"data.capture.output={tmp_path / 'medusa'}"]

@@ -12,6 +12,7 @@ release ships, are refused at the recipe's check."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,9 @@ def test_every_depth_trains_exports_under_the_releases_names_with_the_count_and_
     assert set(repo.tensors) == {n for n in mtp if ".embed_tokens." not in n and ".shared_head.head." not in n}
     assert repo.config == json.loads((folder / "config.json").read_text())
     assert repo.config["num_nextn_predict_layers"] == 2 and "num_speculative_tokens <= 2" in repo.conventions["steps"]
+    # the record names where each depth is (it named depth 0's prefix alone)
+    named = re.findall(r"([\w.]+)\*", repo.conventions["weights"])
+    assert len(named) == 2 and all(any(n.startswith(prefix) for n in repo.tensors) for prefix in named), named
     assert "depth 0 at every draft step" in repo.cpu_build_limit
     back = exporter.read(tmp_path, repo.config, repo.tensors, model, {})
     assert all(torch.equal(t, back.state_dict()[n]) for n, t in drafter.state_dict().items())
