@@ -182,6 +182,18 @@ def configure_logging() -> None:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     # stderr: stdout holds a command's printed result alone, for `P=$(draftsmith export ...)`
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format=LOG_FORMAT, datefmt=LOG_DATE_FORMAT)
+    # DeepSpeed logs to stdout, through a handler its import adds to its own logger (which transformers imports as it
+    # loads a model; on a machine without a GPU its first record is a warning): a filter on that logger, which the
+    # import keeps, hands its records to stderr's handlers instead
+    logging.getLogger("DeepSpeed").addFilter(on_stderr)
+
+
+def on_stderr(record: logging.LogRecord) -> bool:
+    """A logger filter: the record handled by the root logger's handlers (stderr), not by its logger's own."""
+    for handler in logging.getLogger().handlers:
+        if record.levelno >= handler.level:
+            handler.handle(record)
+    return False
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

@@ -13,9 +13,8 @@ family computes as a Llama does; a family whose own layers the demo has no tenso
 experts) is then trained a few minutes on the demo's conversations (`train_steps`), or it repeats one or two
 tokens, which any drafter predicts and no lossless check tests.
 
-`python -m draftsmith.random_target MODEL_TYPE DIRECTORY [--seed-from-demo] [--train-steps N] [--mtp-layer]` writes one
-such target with the demo target's tokenizer, ready for `target.name_or_path=DIRECTORY` (with `--mtp-layer`, and a
-random first MTP layer in its release's layout: `recipe=mtp`'s).
+`python -m draftsmith.random_target MODEL_TYPE DIRECTORY [--seed-from-demo] [--train-steps N]` writes one such target
+with the demo target's tokenizer, ready for `target.name_or_path=DIRECTORY`.
 """
 
 from __future__ import annotations
@@ -372,7 +371,10 @@ def main(argv: Optional[list[str]] = None) -> NoReturn:
 
 
 def write_command(argv: list[str]) -> None:
-    """Write the target the arguments name into DIRECTORY, whole or not at all."""
+    """Write the target the arguments name into DIRECTORY, whole or not at all (its path alone on stdout)."""
+    from draftsmith.cli import configure_logging
+
+    configure_logging()
     parser = argparse.ArgumentParser(prog="python -m draftsmith.random_target", description=__doc__.split("\n\n")[0])
     parser.add_argument("model_type", help="a transformers model type: qwen3, gemma3_text, gpt_oss, ...")
     parser.add_argument("directory")
@@ -390,12 +392,6 @@ def write_command(argv: list[str]) -> None:
         help="then train the target this many steps on the demo's conversations (about 100 steps: a family whose "
         "own layers the demo has no tensors for writes varied text, not one repeated token)",
     )
-    parser.add_argument(
-        "--mtp-layer",
-        action="store_true",
-        help="then give it a random first MTP layer in its release's checkpoint layout, and the config key counting it "
-        "(a family whose release ships one: recipe=mtp's target)",
-    )
     args = parser.parse_args(argv)
     directory = Path(args.directory)
     check_target_directory(directory)
@@ -411,10 +407,6 @@ def write_command(argv: list[str]) -> None:
                 seed_from=demo_tokenizer_dir() if args.seed_from_demo else None,
                 train_steps=args.train_steps,
             )
-            if args.mtp_layer:
-                from draftsmith.heads.mtp_random_layer import write_random_layer
-
-                write_random_layer(staged)
         except SafetensorError as err:  # a full disk under save_pretrained: the OSError it is (files.save_safetensors)
             number = re.search(r"\(os error (\d+)\)", str(err))
             if number is None:

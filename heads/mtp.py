@@ -122,7 +122,8 @@ def check_target_folder(name_or_path: str) -> None:
         raise UserError(
             f"drafter.type=mtp: {folder}'s weights hold no MTP layer (no tensor named {prefix}*; transformers drops "
             "it when it saves a model): point target.name_or_path at the released checkpoint (a target written by "
-            "python -m draftsmith.random_target gets a random one with --mtp-layer)"
+            "python -m draftsmith.random_target gets a random one from python -m draftsmith.heads.mtp_random_layer "
+            "DIRECTORY)"
         )
 
 

@@ -1,8 +1,23 @@
 """A random MTP layer in a target folder's checkpoint, as its release ships one: a tiny stand-in for a released
-checkpoint's (tests, benchmarks and the demo; heads/mtp.py's drafter writes it under the release's names)."""
+checkpoint's (tests, benchmarks and the demo; heads/mtp.py's drafter writes it under the release's names).
+
+    python -m draftsmith.heads.mtp_random_layer DIRECTORY [--seed N]
+
+gives a target `python -m draftsmith.random_target` wrote (transformers saves no MTP layer) a random first one, ready
+for `recipe=mtp target.name_or_path=DIRECTORY`.
+"""
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # run before the imports below (torch's: seconds), which the command makes under run_cli
+    import importlib
+
+    from draftsmith.errors import run_cli
+
+    # the command is this module by its installed name: nothing below runs in this copy
+    run_cli(lambda argv: importlib.import_module("draftsmith.heads.mtp_random_layer").write_command(argv))
+
+import argparse
 import json
 from pathlib import Path
 from typing import Optional
@@ -69,3 +84,21 @@ def write_random_layer(directory: str | Path, std: float = 0.08, seed: int = 0, 
     written = drafter.checkpoint_tensors().items()
     tensors |= {mtp_depths.release_name(layout, name, layers): t.contiguous() for name, t in written}
     save_file(tensors, str(weights), metadata={"format": "pt"})
+
+
+def write_command(argv: list[str]) -> None:
+    """Give the target folder the arguments name a random first MTP layer (`write_random_layer`; its path alone on
+    stdout)."""
+    from draftsmith.cli import configure_logging
+
+    configure_logging()
+    parser = argparse.ArgumentParser(
+        prog="python -m draftsmith.heads.mtp_random_layer", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("directory", help="a target folder python -m draftsmith.random_target wrote")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if not (Path(args.directory) / "config.json").is_file() or not (Path(args.directory) / WEIGHTS_NAME).is_file():
+        raise UserError(f"DIRECTORY {args.directory!r} holds no target written by python -m draftsmith.random_target")
+    write_random_layer(args.directory, seed=args.seed)
+    print(args.directory)

@@ -20,7 +20,9 @@ from __future__ import annotations
 import copy
 import gzip
 import json
+import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -472,16 +474,17 @@ def test_random_target_command_writes_a_target_or_one_line(tmp_path, capsys):
     assert done.value.code == 0
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (tmp_path / "qwen3").iterdir()}
     capsys.readouterr()
-    # --mtp-layer: recipe=mtp's target, the first MTP layer in the release's layout (the refusal without it says so)
+    # recipe=mtp's target: the first MTP layer in the release's layout, by its own command (the refusal without it
+    # names it)
     from draftsmith.heads.mtp import check_target_folder
 
     with pytest.raises(SystemExit) as done:
-        main(["glm4_moe", str(tmp_path / "bare"), "--seed-from-demo"])
-    with pytest.raises(UserError, match=r"random_target gets a random one with --mtp-layer\)$"):
-        check_target_folder(str(tmp_path / "bare"))
-    with pytest.raises(SystemExit) as done:
-        main(["glm4_moe", str(tmp_path / "glm4_moe"), "--seed-from-demo", "--mtp-layer"])
-    assert done.value.code == 0
+        main(["glm4_moe", str(tmp_path / "glm4_moe"), "--seed-from-demo"])
+    with pytest.raises(UserError, match=r"from python -m draftsmith.heads.mtp_random_layer DIRECTORY\)$"):
+        check_target_folder(str(tmp_path / "glm4_moe"))
+    added = subprocess.run([sys.executable, "-m", "draftsmith.heads.mtp_random_layer", str(tmp_path / "glm4_moe")],
+                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert added.returncode == 0 and added.stdout.strip() == str(tmp_path / "glm4_moe"), added.stderr[-2000:]
     check_target_folder(str(tmp_path / "glm4_moe"))
     capsys.readouterr()
     with pytest.raises(SystemExit) as done:
