@@ -39,7 +39,14 @@ from torch.utils.data import Dataset
 
 from draftsmith.errors import UserError, one_line
 from draftsmith.files import file_sha256, read_json
-from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, same_embedding_norms, target_id
+from draftsmith.target import (
+    FeatureRequest,
+    TargetOutput,
+    TargetShape,
+    same_embedding_norms,
+    same_layer_values,
+    target_id,
+)
 
 SCHEMA_VERSION = 2  # 2: shard metadata in one key (reproducible bytes)
 SHARD_METADATA = "draftsmith_features"
@@ -294,7 +301,7 @@ def _check_expectation(directory: Path, manifest: Mapping[str, Any], expect: Map
             f"but the recipe's target is {expect.get('name_or_path', '?')} ({expected_shape})"
         )
     mine, theirs = expect.get("embedding_norms"), captured.get("embedding_norms")
-    layers_differ = not same_embedding_norms(expect.get("layer_values"), captured.get("layer_values"))
+    layers_differ = not same_layer_values(expect.get("layer_values"), captured.get("layer_values"))
     if not same_embedding_norms(mine, theirs) or layers_differ:
         raise UserError(
             f"features in {directory} were captured from target {captured['name_or_path']}, and the recipe's target "

@@ -135,6 +135,7 @@ def target_id(name_or_path: str) -> str:
 
 EMBEDDING_ROWS = 8  # TargetShape.embedding_norms: the rows read
 LAYER_VALUES = 8  # TargetShape.layer_values: the values read of each weight of the last layer
+LAYER_TOLERANCE = 4e-3  # same_layer_values: how far apart they may be, of the largest of a weight's values
 
 
 def row_norms(rows: torch.Tensor) -> tuple[float, ...]:
@@ -147,16 +148,33 @@ def last_layer_values(model) -> Optional[tuple[float, ...]]:
     the target's last decoder layer, in the module's order; None where its decoder keeps no list of its layer count, or
     where the target is sharded.
     Values, not norms: a fine-tune's small update moves a row's norm by far less than bfloat16 rounds it (second order),
-    and a small value by far more."""
+    and its values by more (`same_layer_values`)."""
     decoder = model.get_decoder()
     count = getattr(getattr(decoder, "config", None), "num_hidden_layers", None)
     stacks = [m for m in decoder.children() if isinstance(m, torch.nn.ModuleList) and len(m) == count]
-    weights = [p.detach() for p in stacks[0][-1].parameters() if p.dim() >= 2] if stacks else []
+    if not stacks:
+        return None
+    weights = [p.detach() for p in stacks[0][-1].parameters() if p.dim() >= 2 and p.numel() >= LAYER_VALUES]
     # a sharded target's (DTensor) would be read by a collective every rank must join: not read, as without weights
     if not weights or any(w.is_meta or isinstance(w, DTensor) for w in weights):
         return None
     values = torch.cat([w.reshape(-1)[:LAYER_VALUES].float() for w in weights]).tolist()  # one copy to the host
     return tuple(float(f"{value:.6g}") for value in values)
+
+
+def same_layer_values(mine: Optional[Sequence[float]], theirs: Optional[Sequence[float]]) -> bool:
+    """Whether two records of a target's last layer's values (`TargetShape.layer_values`) are of the same weights, as
+    far as both know: each weight's LAYER_VALUES values within LAYER_TOLERANCE of the largest of them, as bfloat16 and
+    float16 round them (0.2% and 0.05% of a value; a float16 subnormal, absolutely, far less), and a fine-tune moves
+    them by more."""
+    if mine is None or theirs is None or len(mine) != len(theirs):
+        return True
+    for first in range(0, len(mine), LAYER_VALUES):
+        a, b = mine[first : first + LAYER_VALUES], theirs[first : first + LAYER_VALUES]
+        scale = max(max(map(abs, a)), max(map(abs, b)), 1e-12)
+        if any(abs(x - y) > LAYER_TOLERANCE * scale for x, y in zip(a, b)):
+            return False
+    return True
 
 
 def same_embedding_norms(mine: Optional[Sequence[float]], theirs: Optional[Sequence[float]]) -> bool:
@@ -197,8 +215,9 @@ class TargetShape:
         return cls(**{**shape.__dict__, "vocab_size": vocab, **norms})
 
     def same_weights(self, other: TargetShape) -> bool:
-        """Whether two shapes are of the same target's weights, as far as both know (`same_embedding_norms`)."""
-        return same_embedding_norms(self.embedding_norms, other.embedding_norms) and same_embedding_norms(
+        """Whether two shapes are of the same target's weights, as far as both know (`same_embedding_norms`,
+        `same_layer_values`)."""
+        return same_embedding_norms(self.embedding_norms, other.embedding_norms) and same_layer_values(
             self.layer_values, other.layer_values
         )
 

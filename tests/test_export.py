@@ -707,16 +707,15 @@ def test_an_export_for_a_target_of_the_same_shape_but_other_weights_is_refused(t
     checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
     same = TargetShape.of(target, "a")
     assert same.same_weights(TargetShape.of(copy.deepcopy(target).to(torch.bfloat16), "b"))
-    assert TargetShape.of(copy.deepcopy(target).to(torch.bfloat16), "b").layer_values == pytest.approx(
-        same.layer_values, rel=1e-2
-    )
+    for dtype in (torch.bfloat16, torch.float16):  # rounded alike, float16's subnormals too
+        assert same.same_weights(TargetShape.of(copy.deepcopy(target).to(dtype), "b"))
     other, tuned = copy.deepcopy(target), copy.deepcopy(target)
     with torch.no_grad():
         other.get_input_embeddings().weight.mul_(1.5)
         # a fine-tune that keeps the embedding: a rank-1 update (a merged LoRA's form) of the last layer's query
-        # projection by 1% of its values' mean magnitude, which moves its rows' norms by far less than 1%
+        # projection by 3% of its values' mean magnitude, which moves its rows' norms by far less than 1%
         query = tuned.get_decoder().layers[-1].self_attn.q_proj.weight
-        query.add_(0.01 * query.abs().mean())
+        query.add_(0.03 * query.abs().mean())
     for name, model in {"other": other, "tuned": tuned}.items():
         model.save_pretrained(tmp_path / name)
         assert not same.same_weights(TargetShape.of(model, name))
