@@ -34,7 +34,7 @@ from draftsmith.data_prep.features import (
 )
 from draftsmith.errors import UserError
 from draftsmith.files import created_file_mode, read_json, replacing, save_safetensors, write_json
-from draftsmith.target import dtype_name
+from draftsmith.target import WEIGHT_RECORDS, dtype_name, same_embedding_norms, same_layer_values
 
 CAPTURE_AGAIN = "remove it to capture again"  # the advice for a capture's own file that is not JSON
 
@@ -98,9 +98,14 @@ def refuse_other_capture(directory: Path, settings: dict[str, Any], record: dict
         found = file.get("settings", file)  # parts keep settings apart; the manifest at top level
         found = {**RECORDED_SINCE, **found}
         differ = [
-            f"{key}: {found.get(key)!r} -> {value!r}"
+            change
             for key, value in settings.items()
-            if key != "data_fingerprint" and found.get(key) != value
+            if key != "data_fingerprint"
+            for change in (
+                target_changes(found[key], value)
+                if key == "target" and isinstance(found.get(key), dict)
+                else [f"{key}: {found.get(key)!r} -> {value!r}"] * (found.get(key) != value)
+            )
         ]
         if found.get("data_fingerprint") != settings["data_fingerprint"]:
             differ += data_changes(file, record)
@@ -109,6 +114,21 @@ def refuse_other_capture(directory: Path, settings: dict[str, Any], record: dict
                 f"{directory} already holds a capture with other settings ({'; '.join(differ)[:600]}): put back "
                 "what it was made with, or remove it or set data.capture.output to another directory"
             )
+
+
+def target_changes(found: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """What differs between a capture's target record (`target_description`) and this run's: each field by name, and
+    the weights as TargetShape.same_weights compares them, as far as both records know them (an engine that reads no
+    layer of the target, or an earlier draftsmith, records fewer: not a change)."""
+    changes = [
+        f"target {key}: {found.get(key)!r} -> {value!r}"
+        for key, value in now.items()
+        if key not in WEIGHT_RECORDS and found.get(key) != value
+    ]
+    same = same_embedding_norms(found.get("embedding_norms"), now.get("embedding_norms")) and same_layer_values(
+        found.get("layer_values"), now.get("layer_values")
+    )
+    return changes if same else [*changes, "the target's weights (its input embedding or last layer differs)"]
 
 
 def data_changes(file: dict[str, Any], record: dict[str, Any]) -> list[str]:

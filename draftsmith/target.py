@@ -136,6 +136,7 @@ def target_id(name_or_path: str) -> str:
 EMBEDDING_ROWS = 8  # TargetShape.embedding_norms: the rows read
 LAYER_VALUES = 8  # TargetShape.layer_values: the values read of each weight of the last layer
 LAYER_TOLERANCE = 4e-3  # same_layer_values: how far apart they may be, of the largest of a weight's values
+WEIGHT_RECORDS = ("embedding_norms", "layer_values")  # the fields of TargetShape that say which weights
 
 
 def row_norms(rows: torch.Tensor) -> tuple[float, ...]:

@@ -461,3 +461,35 @@ def test_a_capture_resumed_over_other_data_says_which_input_changed_not_two_hash
     part_path.write_text(json.dumps(part))
     resumed = run_capture(tmp_path, data, "data.capture.shard_tokens=250")  # the data it was made from: resumed
     assert resumed.computed == 0 and resumed.manifest["shards"] == first.manifest["shards"]
+
+
+def test_a_capture_recording_fewer_of_its_targets_weights_resumes_and_other_weights_are_refused(
+    tmp_path, conversations, capsys
+):
+    """A capture's target record says which weights by what its engine read (a vLLM capture reads no layer: no
+    `layer_values`; an earlier draftsmith recorded neither): what both records know is compared, as training compares
+    it, so such a capture resumes; a target of its shape with other weights is refused, saying so, not as a field's
+    two long lists."""
+    from draftsmith.target import load_target
+
+    done = run_capture(tmp_path, conversations)
+    features = done.directory
+    for path in [features / "manifest.json", *features.glob("manifest_part_*.json")]:
+        record = json.loads(path.read_text())
+        (record.get("settings") or record)["target"].pop("layer_values")
+        path.write_text(json.dumps(record))
+    again = run_capture(tmp_path, conversations)
+    assert (again.computed, again.reused) == (0, done.computed)
+    other = load_target(str(REFERENCE_TARGET))
+    with torch.no_grad():
+        other.get_input_embeddings().weight.mul_(1.5)
+    shutil.copytree(REFERENCE_TARGET, tmp_path / "other")  # its tokenizer and template
+    other.save_pretrained(tmp_path / "other")
+    args = capture_args(tmp_path, conversations, f"target.name_or_path={tmp_path / 'other'}")
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(main, args)
+    refused = assert_one_line_error(
+        subprocess.CompletedProcess(args, exit_info.value.code, "", capsys.readouterr().err), 2
+    )
+    assert "the target's weights (its input embedding or last layer differs)" in refused
+    assert "embedding_norms" not in refused
