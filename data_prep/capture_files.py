@@ -34,7 +34,8 @@ from draftsmith.data_prep.features import (
 )
 from draftsmith.errors import UserError
 from draftsmith.files import created_file_mode, read_json, replacing, save_safetensors, write_json
-from draftsmith.target import WEIGHT_RECORDS, dtype_name, same_embedding_norms, same_layer_values
+from draftsmith.target import dtype_name
+from draftsmith.target_weights import WEIGHT_RECORDS, same_embedding_norms, same_layer_values
 
 CAPTURE_AGAIN = "remove it to capture again"  # the advice for a capture's own file that is not JSON
 

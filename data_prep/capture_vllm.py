@@ -49,14 +49,13 @@ from draftsmith.formats.versions import (
 )
 from draftsmith.model_files import checkpoint_folder, tensor_names
 from draftsmith.target import (
-    EMBEDDING_ROWS,
     TargetShape,
     empty_target,
     loaded_config,
     num_layers,
     resolve_dtype,
-    row_norms,
 )
+from draftsmith.target_weights import stored_records
 
 PYTHON_KEY = "data.capture.vllm.python"
 READER = "data.capture.engine=vllm"  # what reads the final norm's weights, in the line when it cannot
@@ -84,15 +83,10 @@ class VllmCapture:
 
     @staticmethod
     def shape(cfg, target) -> TargetShape:
-        """The target's shape with its input embedding's first rows' norms (which weights: TargetShape) read alone from
-        the checkpoint, so training from the capture is checked against the target it is given as a transformers
-        capture's is; none where the checkpoint stores the embedding under another name."""
+        """The target's shape with what says which weights (TargetShape) read alone from the checkpoint, so training
+        from the capture is checked against the target it is given as a transformers capture's is."""
         shape = TargetShape.of(target, cfg.target.name_or_path)
-        name = weight_name(target, target.get_input_embeddings(), cfg.target.name_or_path)
-        if name is None:
-            return shape
-        with safe_open(str(tensor_names(checkpoint_folder(cfg.target.name_or_path, READER))[name]), "pt") as f:
-            return dataclasses.replace(shape, embedding_norms=row_norms(f.get_slice(name)[:EMBEDDING_ROWS]))
+        return dataclasses.replace(shape, **stored_records(target, cfg.target.name_or_path, READER))
 
     @staticmethod
     def release(cfg) -> str:

@@ -39,14 +39,8 @@ from torch.utils.data import Dataset
 
 from draftsmith.errors import UserError, one_line
 from draftsmith.files import file_sha256, read_json
-from draftsmith.target import (
-    FeatureRequest,
-    TargetOutput,
-    TargetShape,
-    same_embedding_norms,
-    same_layer_values,
-    target_id,
-)
+from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, target_id
+from draftsmith.target_weights import same_embedding_norms, same_layer_values
 
 SCHEMA_VERSION = 2  # 2: shard metadata in one key (reproducible bytes)
 SHARD_METADATA = "draftsmith_features"

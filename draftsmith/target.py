@@ -21,12 +21,12 @@ from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from draftsmith.errors import UserError
 from draftsmith.model_files import read_tokenizer
 from draftsmith.streams import last_layer_streams
 from draftsmith.target_loading import load_config, read_model
+from draftsmith.target_weights import loaded_records, same_embedding_norms, same_layer_values
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -133,60 +133,6 @@ def target_id(name_or_path: str) -> str:
     return path.resolve().name if path.exists() else name_or_path
 
 
-EMBEDDING_ROWS = 8  # TargetShape.embedding_norms: the rows read
-LAYER_VALUES = 8  # TargetShape.layer_values: the values read of each weight of the last layer
-LAYER_TOLERANCE = 4e-3  # same_layer_values: how far apart they may be, of the largest of a weight's values
-WEIGHT_RECORDS = ("embedding_norms", "layer_values")  # the fields of TargetShape that say which weights
-
-
-def row_norms(rows: torch.Tensor) -> tuple[float, ...]:
-    """`TargetShape.embedding_norms` of the input embedding's first rows (one copy to the host)."""
-    return tuple(round(norm, 6) for norm in rows.float().norm(dim=1).tolist())
-
-
-def last_layer_values(model) -> Optional[tuple[float, ...]]:
-    """`TargetShape.layer_values`: the first LAYER_VALUES values of each weight (a tensor of two or more dimensions) of
-    the target's last decoder layer, in the module's order; None where its decoder keeps no list of its layer count, or
-    where the target is sharded.
-    Values, not norms: a fine-tune's small update moves a row's norm by far less than bfloat16 rounds it (second order),
-    and its values by more (`same_layer_values`)."""
-    decoder = model.get_decoder()
-    count = getattr(getattr(decoder, "config", None), "num_hidden_layers", None)
-    stacks = [m for m in decoder.children() if isinstance(m, torch.nn.ModuleList) and len(m) == count]
-    if not stacks:
-        return None
-    weights = [p.detach() for p in stacks[0][-1].parameters() if p.dim() >= 2 and p.numel() >= LAYER_VALUES]
-    # a sharded target's (DTensor) would be read by a collective every rank must join: not read, as without weights
-    if not weights or any(w.is_meta or isinstance(w, DTensor) for w in weights):
-        return None
-    values = torch.cat([w.reshape(-1)[:LAYER_VALUES].float() for w in weights]).tolist()  # one copy to the host
-    return tuple(float(f"{value:.6g}") for value in values)
-
-
-def same_layer_values(mine: Optional[Sequence[float]], theirs: Optional[Sequence[float]]) -> bool:
-    """Whether two records of a target's last layer's values (`TargetShape.layer_values`) are of the same weights, as
-    far as both know: each weight's LAYER_VALUES values within LAYER_TOLERANCE of the largest of them, as bfloat16 and
-    float16 round them (0.2% and 0.05% of a value; a float16 subnormal, absolutely, far less), and a fine-tune moves
-    them by more."""
-    if mine is None or theirs is None or len(mine) != len(theirs):
-        return True
-    for first in range(0, len(mine), LAYER_VALUES):
-        a, b = mine[first : first + LAYER_VALUES], theirs[first : first + LAYER_VALUES]
-        scale = max(max(map(abs, a)), max(map(abs, b)), 1e-12)
-        if any(abs(x - y) > LAYER_TOLERANCE * scale for x, y in zip(a, b)):
-            return False
-    return True
-
-
-def same_embedding_norms(mine: Optional[Sequence[float]], theirs: Optional[Sequence[float]]) -> bool:
-    """Whether two records of a target's first embedding rows' norms (`TargetShape.embedding_norms`) are of the same
-    weights, as far as both know: bfloat16 rounds a row's norm by under 0.5%, two different models' first rows differ
-    by far more."""
-    if mine is None or theirs is None or len(mine) != len(theirs):
-        return True
-    return all(abs(a - b) <= 1e-2 * max(abs(a), abs(b), 1e-6) for a, b in zip(mine, theirs))
-
-
 @dataclass(frozen=True)
 class TargetShape:
     """What a drafter must agree on with its target; stored in every checkpoint, feature capture and export, and
@@ -197,10 +143,10 @@ class TargetShape:
     hidden_size: int
     vocab_size: int
     num_hidden_layers: int
-    # which weights, wherever they are and in whatever dtype they load: the norms of the input embedding's first
-    # rows, and the first values of each weight of the last decoder layer (`last_layer_values`: a fine-tune that keeps
-    # the embedding, a LoRA merged into the layers, changes them); None where only a config was read, and in what an
-    # earlier draftsmith saved
+    # which weights, wherever they are and in whatever dtype they load (draftsmith.target_weights): the norms of the
+    # input embedding's first rows, and the first values of each weight of the last decoder layer (a fine-tune that
+    # keeps the embedding, a LoRA merged into the layers, changes them); None where only a config was read, and in
+    # what an earlier draftsmith saved
     embedding_norms: Optional[tuple[float, ...]] = None
     layer_values: Optional[tuple[float, ...]] = None
 
@@ -209,11 +155,9 @@ class TargetShape:
         """A loaded target's shape (the vocabulary is the lm_head's rows, which may be padded)."""
         shape = cls.from_config(model.config, name_or_path)
         vocab = int(model.get_output_embeddings().weight.shape[0])
-        rows = model.get_input_embeddings().weight[:EMBEDDING_ROWS].detach()
-        if rows.is_meta:  # a target without its weights (empty_target)
+        if model.get_input_embeddings().weight.is_meta:  # a target without its weights (empty_target)
             return cls(**{**shape.__dict__, "vocab_size": vocab})
-        norms = {"embedding_norms": row_norms(rows), "layer_values": last_layer_values(model)}
-        return cls(**{**shape.__dict__, "vocab_size": vocab, **norms})
+        return cls(**{**shape.__dict__, "vocab_size": vocab, **loaded_records(model, name_or_path)})
 
     def same_weights(self, other: TargetShape) -> bool:
         """Whether two shapes are of the same target's weights, as far as both know (`same_embedding_norms`,

