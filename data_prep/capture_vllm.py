@@ -47,7 +47,7 @@ from draftsmith.formats.versions import (
     require_engine_imports,
     routing_bias_limit,
 )
-from draftsmith.model_files import checkpoint_folder, tensor_names
+from draftsmith.model_files import checkpoint_folder, stored_name, tensor_names
 from draftsmith.target import (
     TargetShape,
     empty_target,
@@ -238,8 +238,8 @@ class FinalNorm:
                 "data.capture.engine=transformers"
             )
         prefix = next(name for name, module in target.named_modules() if module is norm)
-        names = {key: f"{prefix}.{key}" for key, _ in norm.named_parameters()}
         stored = tensor_names(checkpoint_folder(name_or_path, READER))
+        names = {key: stored_name(f"{prefix}.{key}", stored) or f"{prefix}.{key}" for key, _ in norm.named_parameters()}
         missing = sorted(name for name in names.values() if name not in stored)
         if missing or head_name(target, name_or_path) is None:
             held = missing[0] if missing else "lm_head (the output embedding's weight, or a tied input embedding's)"
@@ -288,12 +288,11 @@ def head_name(target, name_or_path: str) -> Optional[str]:
 
 
 def weight_name(model, module, name_or_path: str) -> Optional[str]:
-    """The checkpoint name of `module`'s weight, if the checkpoint holds it."""
+    """The checkpoint name of `module`'s weight (`stored_name`), if the checkpoint holds it."""
     if module is None:
         return None
     prefix = next(name for name, found in model.named_modules() if found is module)
-    name = f"{prefix}.weight"
-    return name if name in tensor_names(checkpoint_folder(name_or_path, READER)) else None
+    return stored_name(f"{prefix}.weight", tensor_names(checkpoint_folder(name_or_path, READER)))
 
 
 def checkpoint_biases(section) -> Iterator[tuple[str, torch.Tensor]]:

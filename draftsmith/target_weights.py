@@ -17,7 +17,7 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
 from draftsmith.errors import UserError
-from draftsmith.model_files import checkpoint_folder, tensor_names
+from draftsmith.model_files import checkpoint_folder, stored_name, tensor_names
 
 EMBEDDING_ROWS = 8  # TargetShape.embedding_norms: the rows read
 LAYER_VALUES = 8  # TargetShape.layer_values: the values read of each weight of the last layer
@@ -71,13 +71,13 @@ def loaded_records(model, name_or_path: str) -> dict:
 
 def stored_records(model, name_or_path: str, reader: str) -> dict:
     """The records of `model`'s weights read alone from its checkpoint `name_or_path` by the modules' names (`model`
-    may hold none: a target built empty); each None where the checkpoint stores its weights under other names or in
-    other shapes. `reader` names what reads them, for the line when the checkpoint cannot be read."""
+    may hold none: a target built empty; a wrapper's language model by the names its release stores: `stored_name`);
+    each None where the checkpoint stores its weights under other names or in other shapes. `reader` names what reads
+    them, for the line when the checkpoint cannot be read."""
     stored = tensor_names(checkpoint_folder(name_or_path, reader))
     prefix = next(name for name, found in model.named_modules() if found is model.get_input_embeddings())
-    embedding = f"{prefix}.weight"
-    norms = None
-    if embedding in stored:
+    embedding, norms = stored_name(f"{prefix}.weight", stored), None
+    if embedding is not None:
         with safe_open(str(stored[embedding]), "pt") as f:
             norms = row_norms(f.get_slice(embedding)[:EMBEDDING_ROWS])
     return {"embedding_norms": norms, "layer_values": stored_layer_values(model, name_or_path, reader)}
@@ -86,8 +86,8 @@ def stored_records(model, name_or_path: str, reader: str) -> dict:
 def stored_layer_values(model, name_or_path: str, reader: str = "target.shard") -> Optional[tuple[float, ...]]:
     """`layer_values` of `last_layer_weights(model)` read alone from the checkpoint, each tensor's first values only."""
     stored = tensor_names(checkpoint_folder(name_or_path, reader))
-    layer = last_layer_weights(model)
-    if not layer or any(name not in stored for name, _ in layer):
+    layer = [(stored_name(name, stored), weight) for name, weight in last_layer_weights(model)]
+    if not layer or any(name is None for name, _ in layer):
         return None
     leading = []
     for name, weight in layer:

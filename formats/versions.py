@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Optional
 
 from packaging.version import Version
 
-from draftsmith.engines import installed_vllm, run_python, torchvision_loads, vllm_distribution
+from draftsmith.engines import TORCHVISION_INSTALL, installed_vllm, run_python, torchvision_loads, vllm_distribution
 from draftsmith.errors import UserError
 from draftsmith.families import INDEXED, LINEAR, layer_types, text_config
 
@@ -238,9 +238,7 @@ def require_engine_imports(config: dict, python: str, key: str = VLLM_PYTHON_KEY
     if needing and not torchvision_loads(python, key):
         raise UserError(
             f"{key}'s environment cannot import vLLM's {needing[0]} model: it imports torchvision, which "
-            "is missing there or was built for another torch; install the torchvision built for that torch (for the "
-            "CPU build: pip install torchvision --index-url https://download.pytorch.org/whl/cpu, or, from PyPI alone, "
-            "PyPI's torch with its torchvision: benchmarks/vision_vllm_env.sh) and retry"
+            f"is missing there or was built for another torch; install {TORCHVISION_INSTALL} and retry"
         )
 
 

@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from draftsmith.data_prep.capture import capture, main
 from draftsmith.data_prep.capture_vllm import FinalNorm, VllmCapture
 from draftsmith.errors import CheckFailed, run_cli
+from draftsmith.model_files import stored_name
 from draftsmith.random_target import write_random_target
 from draftsmith.recipe import load_recipe
 from draftsmith.target import TargetShape, empty_target, load_target
@@ -217,6 +218,39 @@ def test_settings_vllm_refuses_as_it_starts_are_exit_2_and_leave_nothing_that_bl
     assert done.computed >= 2 and done.manifest["dtype"] == "float16"
 
 
+@pytest.mark.slow
+@pytest.mark.engine
+def test_a_module_the_engines_environment_lacks_is_one_line_naming_it(vllm_python, tmp_path, conversations, capsys):
+    """vLLM's model for a vision-language release imports torchvision, which the CPU build's environment here lacks
+    (the torch its wheels are built for is another): the engine's start fails on it, exit 2 with a line naming the
+    module and how to install it, not vLLM's traceback or a temporary fault (69)."""
+    folder = write_random_target("qwen3_vl", tmp_path / "target", released=True)
+    args = capture_args(tmp_path, conversations, "recipe=medusa", f"target.name_or_path={folder}",
+                        "data.capture.engine=vllm", f"data.capture.vllm.python={vllm_python}")  # fmt: skip
+    if subprocess.run([vllm_python, "-c", "import torchvision"], capture_output=True).returncode == 0:
+        pytest.skip("this vLLM environment has a torchvision that loads")
+    line = assert_one_line_error(capture_cli(args, capsys), 2, "'s environment (data.capture.vllm.python) lacks ")
+    assert "'torchvision', which vLLM's model for this target imports: install the torchvision built for" in line
+    assert not list((tmp_path / "features").glob("*.safetensors"))
+
+
+def test_a_tensor_is_found_under_its_releases_name_only_where_one_name_is_its():
+    """`stored_name`: the model's own name first; else the one stored name ending in the longest tail of it, of a
+    vision tower's and a language model's alike the language model's; several alike, or none, is no name (read as
+    not stored, never as another tensor)."""
+    q = "layers.3.self_attn.q_proj.weight"
+    stored = dict.fromkeys([f"model.language_model.{q}", f"model.vision_tower.encoder.{q}", "model.norm.weight"])
+    assert stored_name("model.norm.weight", stored) == "model.norm.weight"
+    assert stored_name(f"model.{q}", stored) == f"model.language_model.{q}"
+    assert stored_name(f"model.{q}", {f"language_model.model.{q}": None}) == f"language_model.model.{q}"
+    assert stored_name(f"model.{q}", dict.fromkeys([f"a.language_model.{q}", f"b.language_model.{q}"])) is None
+    assert (
+        stored_name("model.norm.weight", dict.fromkeys(["model.layers.0.linear_attn.norm.weight", "x.norm.weight"]))
+        is None
+    )
+    assert stored_name("model.final_norm.weight", stored) is None
+
+
 def test_a_final_norm_the_checkpoint_does_not_hold_by_its_name_is_one_line(tmp_path, conversations, capsys):
     """The norm's weights are read by the module's name; a checkpoint storing them under another is refused before
     anything is captured, naming the tensor (a capture through transformers reads it as the model loads)."""
@@ -255,13 +289,20 @@ def test_the_final_norm_is_proved_against_the_engines_next_tokens():
     assert not off_by_one.proved
 
 
-@pytest.mark.parametrize("model_type", ["reference", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", ["reference", "qwen3_moe", "deepseek_v3", "mistral3", "qwen3_vl"])
 def test_which_weights_a_vllm_capture_records_is_read_from_the_checkpoint_as_a_load_records_it(tmp_path, model_type):
     """A vLLM capture never loads the target; what says which weights it captured (its embedding rows' norms, its last
     layer's first values) is read alone from the checkpoint as the load reads it (an expert stack, a low-rank
-    attention too), so training from it is checked against the target it is given. The same weights built in
-    bfloat16 read the same; a last layer changed by a fine-tune that keeps the embeddings reads as other weights."""
-    folder = REFERENCE_TARGET if model_type == "reference" else write_random_target(model_type, tmp_path / "target")
+    attention, a vision-language release's language model under its release's names: `language_model.model.*`,
+    `model.language_model.*`), so training from it is checked against the target it is given; so is the final norm.
+    The same weights built in bfloat16 read the same; a last layer changed by a fine-tune that keeps the embeddings
+    reads as other weights."""
+    released = model_type in ("mistral3", "qwen3_vl")
+    folder = (
+        REFERENCE_TARGET
+        if model_type == "reference"
+        else write_random_target(model_type, tmp_path / "target", released=released)
+    )
 
     def read_from(checkpoint: Path, dtype: torch.dtype) -> TargetShape:
         section = load_recipe(["recipe=eagle3", f"target.name_or_path={checkpoint}"]).target
@@ -273,11 +314,14 @@ def test_which_weights_a_vllm_capture_records_is_read_from_the_checkpoint_as_a_l
     read = read_from(folder, torch.bfloat16)
     assert read.layer_values is not None and read.embedding_norms is not None
     assert len(read.layer_values) == len(loaded.layer_values) and read.same_weights(loaded)
+    state = torch.randn(5, target.config.hidden_size)
+    norm = FinalNorm(empty_target(section, torch.float32), str(folder))
+    torch.testing.assert_close(norm(state), target.get_decoder().norm(state))
 
     tuned = tmp_path / "tuned"
     shutil.copytree(folder, tuned)
     weights = load_file(tuned / "model.safetensors")
-    name = last_layer_weights(target)[-1][0]
+    name = stored_name(last_layer_weights(target)[-1][0], weights)
     weights[name] = weights[name] + 0.03 * weights[name].abs().mean()
     save_file(weights, tuned / "model.safetensors", metadata={"format": "pt"})
     other = read_from(tuned, torch.float32)
