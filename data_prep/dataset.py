@@ -415,8 +415,3 @@ def tokenizer_identity(tokenizer) -> dict[str, Any]:
 
 def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def domain_names(dataset: datasets.Dataset) -> list[str]:
-    """The sorted distinct domains of a (tokenized or conversations) data set."""
-    return sorted(dataset.unique("domain"))
