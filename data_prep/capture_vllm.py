@@ -48,6 +48,7 @@ from draftsmith.formats.versions import (
     routing_bias_limit,
 )
 from draftsmith.model_files import checkpoint_folder, stored_name, tensor_names
+from draftsmith.streams import stream_collapse
 from draftsmith.target import (
     TargetShape,
     empty_target,
@@ -230,6 +231,12 @@ class FinalNorm:
         """The norm's parameter -> its tensor's name in the checkpoint; a norm missing, holding buffers of its own or
         stored under other names is refused in one line (a capture through transformers reads it as the model
         loads), as is a checkpoint without the lm_head the proof reads."""
+        if stream_collapse(target) is not None:  # what vLLM hands out at id L is the streams' mean, not their collapse
+            raise UserError(
+                f"data.capture.engine=vllm cannot give {type(target).__name__}'s state after its final norm: its last "
+                "layer's residual streams pass its own collapse before the norm, and vLLM hands out their mean: leave "
+                "out data.capture.final and the last layer, or set data.capture.engine=transformers"
+            )
         norm = getattr(target.get_decoder(), "norm", None)
         if not isinstance(norm, nn.Module) or list(norm.buffers()):
             raise UserError(

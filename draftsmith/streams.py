@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Optional
 
 import torch
 
@@ -23,8 +24,7 @@ def last_layer_streams(model, wanted: bool) -> Iterator[dict[str, torch.Tensor]]
     if not wanted:
         yield captured
         return
-    decoder = model.get_decoder()
-    collapse = getattr(decoder, "hc_head", None) or getattr(decoder, "hyper_connection_mixer", None)
+    collapse = stream_collapse(model)
     if collapse is None:
         raise UserError(
             f"the drafter reads the residual streams of a target with hyper-connections; {type(model).__name__} "
@@ -41,6 +41,13 @@ def last_layer_streams(model, wanted: bool) -> Iterator[dict[str, torch.Tensor]]
         yield captured
     finally:
         hook.remove()
+
+
+def stream_collapse(model) -> Optional[torch.nn.Module]:
+    """The module of `model`'s decoder that collapses its last layer's streams into the final norm's input; None for a
+    target passing one state a position."""
+    decoder = model.get_decoder()
+    return getattr(decoder, "hc_head", None) or getattr(decoder, "hyper_connection_mixer", None)
 
 
 def not_captured(kind: str, setting: str) -> UserError:

@@ -234,6 +234,21 @@ def test_a_module_the_engines_environment_lacks_is_one_line_naming_it(vllm_pytho
     assert not list((tmp_path / "features").glob("*.safetensors"))
 
 
+@pytest.mark.parametrize("model_type", ["deepseek_v4", "qwen4_exp"])
+def test_the_final_state_of_a_target_whose_streams_collapse_before_its_norm_is_one_line(
+    tmp_path, conversations, capsys, model_type
+):
+    """A target with hyper-connections collapses its last layer's residual streams (its own hc_head, or mixer) into
+    the final norm's input, where vLLM hands out the streams' mean: its `final` would fail the norm's proof once an
+    engine had started (exit 3); it is refused in one line before, exit 2."""
+    folder = write_random_target(model_type, tmp_path / "target")
+    args = capture_args(tmp_path, conversations, "recipe=medusa", f"target.name_or_path={folder}",
+                        "data.capture.engine=vllm")  # fmt: skip
+    line = assert_one_line_error(capture_cli(args, capsys), 2, "state after its final norm: its last layer's residual")
+    assert "leave out data.capture.final and the last layer" in line
+    assert not (tmp_path / "features").exists()
+
+
 def test_a_tensor_is_found_under_its_releases_name_only_where_one_name_is_its():
     """`stored_name`: the model's own name first; else the one stored name ending in the longest tail of it, of a
     vision tower's and a language model's alike the language model's; several alike, or none, is no name (read as
