@@ -34,7 +34,10 @@ def last_layer_weights(model) -> list[tuple[str, torch.nn.Parameter]]:
     """The weights `TargetShape.layer_values` reads, by their names in `model`: each module's `weight` of two or more
     dimensions (and at least LAYER_VALUES values) in the target's last decoder layer, in the module's order (a
     checkpoint stores them by these names; a fused expert stack is a load's own, built from the experts'); none where
-    its decoder keeps no list of its layer count."""
+    its decoder keeps no list of its layer count, and for a quantized target, whose values as loaded depend on where
+    (FP8 kept on a GPU, dequantized on a CPU) and differ from its checkpoint's."""
+    if getattr(model.config, "quantization_config", None) is not None:
+        return []
     decoder = model.get_decoder()
     count = getattr(getattr(decoder, "config", None), "num_hidden_layers", None)
     stacks = [m for m in decoder.children() if isinstance(m, torch.nn.ModuleList) and len(m) == count]

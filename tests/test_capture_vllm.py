@@ -342,6 +342,10 @@ def test_which_weights_a_vllm_capture_records_is_read_from_the_checkpoint_as_a_l
     other = read_from(tuned, torch.float32)
     assert other.embedding_norms == read.embedding_norms and not other.same_weights(loaded)
 
+    # a quantized target's layer values are not recorded: loaded, they are its quantized or dequantized values by where
+    target.config.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    assert TargetShape.of(target, str(folder)).layer_values is None
+
 
 def capture_cli(args: list[str], capsys) -> subprocess.CompletedProcess:
     """The capture's entry point in this process, as users see it (its exit code and stderr)."""
