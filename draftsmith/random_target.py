@@ -13,8 +13,8 @@ family computes as a Llama does; a family whose own layers the demo has no tenso
 experts) is then trained a few minutes on the demo's conversations (`train_steps`), or it repeats one or two
 tokens, which any drafter predicts and no lossless check tests.
 
-`python -m draftsmith.random_target MODEL_TYPE DIRECTORY [--seed-from-demo] [--train-steps N]` writes one such target
-with the demo target's tokenizer, ready for `target.name_or_path=DIRECTORY`.
+`python -m draftsmith.random_target MODEL_TYPE DIRECTORY [--seed-from-demo] [--train-steps N] [--released]` writes one
+such target with the demo target's tokenizer, ready for `target.name_or_path=DIRECTORY`.
 """
 
 from __future__ import annotations
@@ -392,6 +392,12 @@ def write_command(argv: list[str]) -> None:
         help="then train the target this many steps on the demo's conversations (about 100 steps: a family whose "
         "own layers the demo has no tensors for writes varied text, not one repeated token)",
     )
+    parser.add_argument(
+        "--released",
+        action="store_true",
+        help="a vision-language wrapper's model type written as its releases ship it, the wrapper whole and its "
+        "language model under the release's names",
+    )
     args = parser.parse_args(argv)
     directory = Path(args.directory)
     check_target_directory(directory)
@@ -406,6 +412,7 @@ def write_command(argv: list[str]) -> None:
                 args.seed,
                 seed_from=demo_tokenizer_dir() if args.seed_from_demo else None,
                 train_steps=args.train_steps,
+                released=args.released,
             )
         except SafetensorError as err:  # a full disk under save_pretrained: the OSError it is (files.save_safetensors)
             number = re.search(r"\(os error (\d+)\)", str(err))

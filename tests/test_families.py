@@ -522,6 +522,24 @@ def test_a_seeded_target_trained_on_the_demo_conversations_predicts_them_better(
     assert sum(losses["2"]) < sum(losses["0"]) - 0.5, losses
 
 
+def test_the_command_writes_a_wrappers_release_whole_when_asked(tmp_path, capsys):
+    """`--released`: a vision-language wrapper's model type written as its releases ship it (the wrapper's
+    architecture, its language model under the release's names), which loads as the same causal LM as without."""
+    from draftsmith.model_files import tensor_names
+    from draftsmith.random_target import main
+    from draftsmith.target import load_target
+
+    for flags in ([], ["--released"]):
+        with pytest.raises(SystemExit) as done:
+            main(["qwen3_vl", str(tmp_path / (flags[0][2:] if flags else "text")), *flags])
+        assert done.value.code == 0
+    released = json.loads((tmp_path / "released" / "config.json").read_text())
+    assert released["architectures"] == ["Qwen3VLForConditionalGeneration"]
+    assert "model.language_model.norm.weight" in tensor_names(tmp_path / "released")
+    whole, text = load_target(str(tmp_path / "released")), load_target(str(tmp_path / "text"))
+    assert whole.state_dict().keys() == text.state_dict().keys()
+
+
 def test_a_wrapper_without_a_causal_lm_class_is_written_loaded_and_sharded_as_its_language_model(tmp_path, capsys):
     """GLM-5-Next (`glm5_next`) is a vision-language wrapper that transformers 5.24 has no causal LM class for, nor
     for its language model (`glm5_next_text`, whose sparse layers attend without positions: the tiny config keeps the
