@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import torch
 
+from draftsmith.engines import serves_language_model_only
 from draftsmith.model_files import SAFETENSORS_INDEX
 from draftsmith.target import dtype_name, local_target_config, resolve_device, resolve_dtype
 
@@ -38,6 +39,8 @@ def engine_arguments(target, vllm, max_model_len: int, seed: int, state) -> tupl
         "seed": seed,
         "trust_remote_code": bool(target.trust_remote_code),  # the target's own code, as draftsmith runs it
     }
+    if serves_language_model_only(target.name_or_path):  # text prompts: a wrapper's processor is never used
+        arguments["language_model_only"] = True
     env = {} if gpu or "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(torch.get_num_threads())}
     if gpu and state.num_processes > 1:  # data parallel: this rank's engine on its own GPUs
         first = state.local_process_index * vllm.tensor_parallel_size

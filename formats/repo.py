@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch
 
+from draftsmith.engines import serves_language_model_only
 from draftsmith.errors import UserError
 from draftsmith.target import TargetShape, dtype_name
 
@@ -92,19 +93,6 @@ def image_token_overrides(target: str) -> dict[str, Any]:
     if "vision_config" in config and "image_token_id" in config and "image_token_index" not in config:
         return {"image_token_index": config["image_token_id"]}
     return {}
-
-
-def serves_language_model_only(target: str | Path) -> bool:
-    """Whether vLLM is told to serve the target (`target`: its name or folder) as its language model only
-    (`language_model_only`): a vision-language wrapper whose folder ships no image processor config. vLLM builds a
-    wrapper's multimodal processor at start, text prompts or not, and cannot without that file (Exaone-4.5's: `OSError:
-    Can't load image processor`); with it, it serves images as well, as the check does not measure. A target named on
-    the Hub is served as it is (a release ships its processor)."""
-    folder = Path(target)
-    if not (folder / "config.json").is_file():
-        return False
-    config = json.loads((folder / "config.json").read_text())
-    return "vision_config" in config and not (folder / "preprocessor_config.json").is_file()
 
 
 def target_arguments(in_order: bool, served_target: str | Path, target_overrides: dict[str, Any]) -> dict[str, Any]:

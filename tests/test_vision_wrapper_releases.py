@@ -64,8 +64,9 @@ def test_a_wrapper_without_an_image_processor_is_served_as_its_language_model_on
     """vLLM builds a wrapper's multimodal processor at start, text prompts or not, and a tiny release ships no
     image processor config (Exaone-4.5's: `OSError: Can't load image processor`): such a target is checked and served
     with `language_model_only`; a wrapper that ships one, or a text model, is served as it is."""
+    from draftsmith.engines import serves_language_model_only
     from draftsmith.export.card import served_note
-    from draftsmith.formats.repo import serves_language_model_only, vllm_serve_flags
+    from draftsmith.formats.repo import vllm_serve_flags
 
     wrapper, text = tmp_path / "wrapper", tmp_path / "text"
     write_config(wrapper, {"model_type": "wrapper", "vision_config": {}, "text_config": {}})
