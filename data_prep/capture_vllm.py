@@ -40,6 +40,7 @@ from draftsmith.data_prep.features import DISTRIBUTION_DTYPE, encode, hidden_nam
 from draftsmith.data_prep.vllm_stage import engine_arguments, engine_refusal, vllm_dtype
 from draftsmith.engines import VllmEngine, installed_vllm, vllm_distribution, vllm_python
 from draftsmith.errors import CheckFailed, UserError
+from draftsmith.formats.repo import no_state_capture
 from draftsmith.formats.versions import (
     CORRECTION_BIAS,
     CPU_BUILD,
@@ -107,10 +108,16 @@ class VllmCapture:
             )
         if refused := engine_refusal(cfg.target, cfg.data.capture.vllm, "data.capture.vllm"):
             return refused
+        config = loaded_config(target)
+        if (selection.layers or selection.final) and (architecture := no_state_capture(config)):
+            return (
+                f"data.capture.engine=vllm cannot capture a {architecture} target's hidden states: vLLM 0.32's model "
+                "of it lacks the EAGLE-3 interface its extract_hidden_states needs (it refuses to start); set "
+                "data.capture.engine=transformers"
+            )
         if normed(selection, num_layers(target)):
             FinalNorm.names(target, cfg.target.name_or_path)  # the norm's weights found by name, or one line
         python = vllm_python(cfg.data.capture.vllm.python, PYTHON_KEY)
-        config = loaded_config(target)
         require_engine_imports(config, python, PYTHON_KEY)
         if vllm_distribution(python, PYTHON_KEY) != CPU_BUILD:
             return None

@@ -242,8 +242,9 @@ class VllmWorker:
             ) from None
         if not reply.get("ok"):
             self.close()
-            refused = reply.get("error", "").split(":")[0] in invalid
-            raise (UserError if refused else self.refusal)(f"vLLM could not {doing}: {self.cause(reply)}")
+            cause = self.cause(reply)
+            refused = reply.get("error", "").split(":")[0] in invalid or any(line in cause for line in TARGET_REFUSED)
+            raise (UserError if refused else self.refusal)(f"vLLM could not {doing}: {cause}")
         if reply.get("ended"):
             self.close()
         return reply
@@ -313,6 +314,10 @@ TORCHVISION_INSTALL = (
     "https://download.pytorch.org/whl/cpu, or, from PyPI alone, PyPI's torch with its torchvision: "
     "benchmarks/vision_vllm_env.sh)"
 )
+# what vLLM says of a target its model cannot run as asked, whatever the settings: bad input, which a retry would not
+# mend (a model without the EAGLE-3 interface that extract_hidden_states and EAGLE-3 drafters need: formats/repo.py's
+# VLLM_NO_STATE_CAPTURE names those measured, refused before an engine starts)
+TARGET_REFUSED = ("Model does not support EAGLE3 interface",)
 # the error types of a vLLM engine's start that are its settings refused (its config classes' validation)
 SETTINGS_REFUSED = ("ValidationError",)
 

@@ -287,7 +287,8 @@ class TargetOutput:
 
 
 def num_layers(model) -> int:
-    return int(model.config.num_hidden_layers)
+    """The target's decoder layers (a vision-language wrapper's: its language model's)."""
+    return int(model.config.get_text_config().num_hidden_layers)
 
 
 def check_layers(model, layers: Sequence[int]) -> None:

@@ -244,12 +244,17 @@ VLLM_NO_STATE_CAPTURE = (
 )  # fmt: skip
 
 
+def no_state_capture(config: dict) -> Optional[str]:
+    """The target's architecture (its config's) from which vLLM 0.32 captures no hidden states
+    (VLLM_NO_STATE_CAPTURE); None where it may."""
+    return next((name for name in config.get("architectures") or [] if name in VLLM_NO_STATE_CAPTURE), None)
+
+
 def require_vllm_state_capture(target: TargetInfo, kind: str) -> None:
-    architectures = list(target.config.get("architectures") or [])
-    refused = [name for name in architectures if name in VLLM_NO_STATE_CAPTURE]
+    refused = no_state_capture(target.config)
     if refused:
         raise UserError(
-            f"vLLM 0.32 cannot capture the hidden states {kind} drafters read from a {refused[0]} target (the model "
+            f"vLLM 0.32 cannot capture the hidden states {kind} drafters read from a {refused} target (the model "
             "lacks its EAGLE-3 interface: it refuses to serve them); for this target export a kind that reads at most "
             "its final hidden state"
         )

@@ -40,7 +40,8 @@ VLLM_PYTHON_KEY = "export.vllm_python"  # the recipe key of the vLLM the export 
 # Exaone-4.5, through vLLM's qwen2_vl: measured) or
 # GLM-4V (GLM-5-Next, through vLLM's glm4_1v) image processor, or vLLM's own MiniMax-M3 processor (its minimax_m3
 # package, the text-only class's too: measured, from vllm/transformers_utils/processors/minimax_m3.py), or vLLM's own
-# Muse Glimmer processor (vllm/transformers_utils/processors/muse_glimmer.py, measured likewise), at module level,
+# Muse Glimmer processor (vllm/transformers_utils/processors/muse_glimmer.py, measured likewise), at module level, as
+# do its Qwen3-VL, Mistral-3 and LLaVA wrappers (measured 2026-12-03: `No module named 'torchvision'` at the start),
 # which imports torchvision: the engine's environment needs a torchvision built for its torch. pip's torchvision
 # wheels are CUDA builds, which do not load with the CPU build of torch (`operator torchvision::nms does not exist`):
 # a CPU install takes the CPU wheel (download.pytorch.org/whl/cpu), or PyPI's torch (a CUDA build, which runs on a
@@ -50,7 +51,8 @@ VLLM_IMPORTS_TORCHVISION = (
     "Qwen3_5MoeForConditionalGeneration", "Glm5NextForCausalLM", "Glm5NextForConditionalGeneration",
     "Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration", "MiniMaxM3SparseForCausalLM",
     "MiniMaxM3SparseForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration", "MuseGlimmerForCausalLM",
-    "MuseGlimmerForConditionalGeneration", "Exaone4_5_ForConditionalGeneration",
+    "MuseGlimmerForConditionalGeneration", "Exaone4_5_ForConditionalGeneration", "Qwen3VLForConditionalGeneration",
+    "Mistral3ForConditionalGeneration", "LlavaForConditionalGeneration",
 )  # fmt: skip
 # Architectures whose vLLM 0.32 language model (get_language_model(): the module the class marks as one) is the decoder
 # itself, with no `.model` inside, where the proposers that share the target's input embedding look for it (measured:

@@ -399,6 +399,18 @@ def test_bad_capture_settings_exit_2_with_one_line(captures, conversations, caps
     assert_one_line_error(done, 2, message)
 
 
+def test_a_vision_language_release_whose_config_keeps_its_layer_count_in_its_text_config_is_captured(
+    tmp_path, conversations
+):
+    """A wrapper transformers loads whole (Gemma-3's) keeps its layer count in its text config, not at its config's
+    top: its layers are checked and captured as its language model's (it stopped with an internal error)."""
+    from draftsmith.random_target import write_random_target
+
+    folder = write_random_target("gemma3", tmp_path / "release", released=True)
+    done = run_capture(tmp_path / "run", conversations, f"target.name_or_path={folder}", "recipe=eagle3")
+    assert done.computed >= 1 and done.manifest["target"]["num_hidden_layers"] == 4
+
+
 @pytest.mark.parametrize("recipe, taps", [("eagle3", "aux_layers"), ("dflash", "target_layers")])
 def test_a_capture_keeps_the_layers_the_drafter_train_builds_reads_on_a_hybrid_target(tmp_path, recipe, taps):
     """On a hybrid target a kind's default taps move onto attention layers when the drafter is built

@@ -222,9 +222,10 @@ def test_settings_vllm_refuses_as_it_starts_are_exit_2_and_leave_nothing_that_bl
 @pytest.mark.engine
 def test_a_module_the_engines_environment_lacks_is_one_line_naming_it(vllm_python, tmp_path, conversations, capsys):
     """vLLM's model for a vision-language release imports torchvision, which the CPU build's environment here lacks
-    (the torch its wheels are built for is another): the engine's start fails on it, exit 2 with a line naming the
-    module and how to install it, not vLLM's traceback or a temporary fault (69)."""
-    folder = write_random_target("qwen3_vl", tmp_path / "target", released=True)
+    (the torch its wheels are built for is another): for a release formats/versions.py's VLLM_IMPORTS_TORCHVISION does
+    not name (Qwen2.5-VL's) the engine's start fails on it, exit 2 with a line naming the module and how to install
+    it, not vLLM's traceback or a temporary fault (69)."""
+    folder = write_random_target("qwen2_5_vl", tmp_path / "target", released=True)
     args = capture_args(tmp_path, conversations, "recipe=medusa", f"target.name_or_path={folder}",
                         "data.capture.engine=vllm", f"data.capture.vllm.python={vllm_python}")  # fmt: skip
     if subprocess.run([vllm_python, "-c", "import torchvision"], capture_output=True).returncode == 0:
@@ -234,14 +235,14 @@ def test_a_module_the_engines_environment_lacks_is_one_line_naming_it(vllm_pytho
     assert not list((tmp_path / "features").glob("*.safetensors"))
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v4", "qwen4_exp"])
 def test_the_final_state_of_a_target_whose_streams_collapse_before_its_norm_is_one_line(
-    tmp_path, conversations, capsys, model_type
+    tmp_path, conversations, capsys
 ):
-    """A target with hyper-connections collapses its last layer's residual streams (its own hc_head, or mixer) into
-    the final norm's input, where vLLM hands out the streams' mean: its `final` would fail the norm's proof once an
-    engine had started (exit 3); it is refused in one line before, exit 2."""
-    folder = write_random_target(model_type, tmp_path / "target")
+    """A target with hyper-connections (DeepSeek-V4's) collapses its last layer's residual streams (its own hc_head)
+    into the final norm's input, where vLLM hands out the streams' mean: its `final` would fail the norm's proof once
+    an engine had started (exit 3); it is refused in one line before, exit 2. (Qwen4-Exp's vLLM model hands out no
+    states at all: refused before this.)"""
+    folder = write_random_target("deepseek_v4", tmp_path / "target")
     args = capture_args(tmp_path, conversations, "recipe=medusa", f"target.name_or_path={folder}",
                         "data.capture.engine=vllm")  # fmt: skip
     line = assert_one_line_error(capture_cli(args, capsys), 2, "state after its final norm: its last layer's residual")
@@ -282,6 +283,26 @@ def test_a_tensor_is_found_under_its_releases_name_only_where_one_name_is_its():
         is None
     )
     assert stored_name("model.final_norm.weight", stored) is None
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_a_target_whose_vllm_model_hands_out_no_states_is_one_line_before_and_as_the_engine_starts(
+    vllm_python, tmp_path, conversations, capsys, monkeypatch
+):
+    """vLLM's models without the EAGLE-3 interface (Gemma-3's) refuse extract_hidden_states as the engine starts: those
+    measured (formats/repo.py's VLLM_NO_STATE_CAPTURE) are one line before anything starts, and one the table does not
+    name is one line as the engine refuses, exit 2 both, not a temporary fault (69) to retry."""
+    from draftsmith.data_prep import capture_vllm
+
+    folder = write_random_target("gemma3_text", tmp_path / "target")
+    args = capture_args(tmp_path, conversations, f"target.name_or_path={folder}", "data.capture.engine=vllm",
+                        f"data.capture.vllm.python={vllm_python}")  # fmt: skip
+    before = assert_one_line_error(capture_cli(args, capsys), 2, "cannot capture a Gemma3ForCausalLM target's hidden")
+    assert before.endswith("set data.capture.engine=transformers")
+    monkeypatch.setattr(capture_vllm, "no_state_capture", lambda config: None)  # a model the table does not name
+    assert_one_line_error(capture_cli(args, capsys), 2, "Model does not support EAGLE3 interface")
+    assert not list((tmp_path / "features").glob("*.safetensors"))
 
 
 def test_a_final_norm_the_checkpoint_does_not_hold_by_its_name_is_one_line(tmp_path, conversations, capsys):
