@@ -4,6 +4,9 @@ field name, so that the model is consistent and small (draftsmith.random_target 
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import re
 from typing import Any, Optional
 
 from huggingface_hub.errors import StrictDataclassError
@@ -121,6 +124,10 @@ def build_config(
             config = cls(**fields, per_layer_config=scaled)
     except StrictDataclassError as err:  # the class's own checks of its sizes (a field derived from none here)
         raise UserError(f"transformers' {cls.__name__} refuses the tiny {model_type} target: {one_line(err)}") from None
+    sections = module_rotary_sections(cls, config)
+    rope = getattr(config, "rope_parameters", None)
+    if sections and isinstance(rope, dict) and "mrope_section" not in rope:
+        config.rope_parameters = {**rope, "mrope_section": sections}
     if sliding_window is not None and getattr(config, "sliding_window", None) is not None:
         config.sliding_window = sliding_window
     config.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -148,21 +155,43 @@ def every_kind(fields: dict[str, Any], kinds: list[str], defaults: dict[str, Any
     return chosen != list(kinds)
 
 
+def modeling_source(config_class) -> str:
+    """The source of the modeling module of `config_class`'s family; empty where it has none."""
+    try:
+        return inspect.getsource(
+            importlib.import_module(config_class.__module__.replace(".configuration_", ".modeling_"))
+        )
+    except (ImportError, OSError, TypeError):
+        return ""
+
+
+def module_rotary_sections(config_class, config) -> Optional[list[int]]:
+    """The multimodal rotary sections (`rope_parameters.mrope_section`: each head's rotary frequencies split between
+    the position's time, height and width) of a family whose modeling module splits them by a default sized for a
+    release's head (Qwen2-VL's [16, 24, 24] of 128 / 2) that the tiny `config`'s head does not fit: the default scaled
+    to it (the model would fail on its first forward; a text prompt's three positions are one, so no output depends on
+    the split); None where the module has no such default or it fits."""
+    source = modeling_source(config_class)
+    found = re.search(r'"mrope_section",\s*\[([\d,\s]+)\]', source)
+    splits = re.search(r"split\((self\.)?mrope_section", source)  # not interleaved: sections that must add up
+    if not (found and splits):
+        return None
+    default = [int(size) for size in found[1].split(",")]
+    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if sum(default) == head // 2:
+        return None
+    scaled = [size * (head // 2) // sum(default) for size in default]
+    scaled[0] += head // 2 - sum(scaled)  # what rounding left, so the sections cover the half head exactly
+    return scaled
+
+
 def module_layer_kinds(config_class, layers: int) -> list[str]:
     """`layers` layers' kinds in turn, of the cache kinds of transformers (`DYNAMIC_LAYER_TYPE_MAPPING`) that the
     modeling module of `config_class`'s family names, in the order its source names them (LFM2-MoE's "conv" and
     "full_attention"); none where it has no such module."""
-    import importlib
-    import inspect
-
     from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
 
-    try:
-        source = inspect.getsource(
-            importlib.import_module(config_class.__module__.replace(".configuration_", ".modeling_"))
-        )
-    except (ImportError, OSError, TypeError):
-        return []
+    source = modeling_source(config_class)
     named = sorted((source.find(f'"{kind}"'), kind) for kind in DYNAMIC_LAYER_TYPE_MAPPING if f'"{kind}"' in source)
     return [named[i % len(named)][1] for i in range(layers)] if named else []
 
@@ -376,8 +405,6 @@ def release_wrapper_fields(config, text) -> tuple[dict[str, Any], dict[str, Any]
 def processor_budgets(model_type: str) -> dict[str, int]:
     """PROCESSOR_BUDGETS' defaults of `model_type`'s processor class, under the release's names; none where transformers
     has no processor for it or cannot import one here (a processor module that imports torchvision)."""
-    import inspect
-
     import transformers
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 

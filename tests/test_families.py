@@ -540,6 +540,21 @@ def test_the_command_writes_a_wrappers_release_whole_when_asked(tmp_path, capsys
     assert whole.state_dict().keys() == text.state_dict().keys()
 
 
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl"])
+def test_a_family_splitting_its_rotary_frequencies_by_section_is_written_to_run_at_the_tiny_head(tmp_path, model_type):
+    """Qwen2-VL's code splits each head's rotary frequencies into its multimodal sections, by default the release's
+    [16, 24, 24] (of a 128-wide head): at the tiny head they are scaled to it, or the target fails its first forward
+    and does not load."""
+    from draftsmith.random_target import write_random_target
+    from draftsmith.target import load_target
+
+    folder = write_random_target(model_type, tmp_path / "target")
+    text = json.loads((folder / "config.json").read_text())["text_config"]
+    assert text["rope_parameters"]["mrope_section"] == [8, 12, 12] and text["head_dim"] == 64
+    ids = torch.tensor([[1, 5, 9, 13]])
+    assert load_target(str(folder))(ids).logits.shape == (1, 4, 4096)
+
+
 def test_a_wrapper_without_a_causal_lm_class_is_written_loaded_and_sharded_as_its_language_model(tmp_path, capsys):
     """GLM-5-Next (`glm5_next`) is a vision-language wrapper that transformers 5.24 has no causal LM class for, nor
     for its language model (`glm5_next_text`, whose sparse layers attend without positions: the tiny config keeps the
