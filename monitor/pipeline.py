@@ -195,7 +195,7 @@ def step_evaluate(cfg: DictConfig, directory: Path, state: State, run_dir: Path)
     from draftsmith.eval.report import run_eval
     from draftsmith.recipe_schema import EvalSection
 
-    prompts = [*(list(cfg.eval.data) or list(cfg.data.eval)), state.pipeline["done"]["sample"]["eval"]]
+    prompts = [state.pipeline["done"]["sample"]["eval"], *old_domain_prompts(cfg, state, run_dir)]
     reports = {}
     for name, drafter in (
         ("deployed", state.pipeline["deployed"]["export"]),
@@ -210,6 +210,18 @@ def step_evaluate(cfg: DictConfig, directory: Path, state: State, run_dir: Path)
         run_eval(variant, drafter)  # the deployed one is an export folder
         reports[name] = str(run_dir / f"eval_{name}" / EVAL_DIR / REPORT_NAME)
     return reports
+
+
+def old_domain_prompts(cfg: DictConfig, state: State, run_dir: Path) -> list[str]:
+    """The recipe's eval prompts of the domains that did not drift, as a file of this run's (none where every domain
+    drifted): the drifted ones are judged on the held-out traffic alone, which the eval's first prompts of a domain
+    (eval.max_prompts) would otherwise leave out for the recipe's own of that domain."""
+    from draftsmith.data_prep.conversations import load_conversations
+
+    drifted = set(state.pipeline["domains"])
+    recipe = load_conversations(list(cfg.eval.data) or list(cfg.data.eval), prompts_only=True)
+    kept = [row for row in recipe if row["domain"] not in drifted]
+    return [str(write_conversations(kept, run_dir / "eval_old_domains.jsonl"))] if kept else []
 
 
 def group_tau(report: dict[str, Any], domains: list[str]) -> float:

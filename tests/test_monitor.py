@@ -1407,6 +1407,34 @@ def test_the_gate_s_line_says_over_how_many_held_out_prompts_and_which_drifted_d
     )
 
 
+def test_the_gate_judges_the_drifted_domains_on_the_held_out_traffic_and_the_others_on_the_recipes_prompts(
+    tmp_path, monkeypatch
+):
+    """The eval takes the first eval.max_prompts prompts of each domain: the recipe's own prompts of a drifted domain
+    (the demo's 24 a domain) would leave every held-out request out. Both drafters are judged on the held-out
+    traffic alone for the drifted domains and on the recipe's prompts for the others."""
+    from types import SimpleNamespace
+
+    from draftsmith.data_prep.conversations import load_conversations
+    from draftsmith.eval import report
+    from draftsmith.monitor.pipeline import step_evaluate
+
+    held = tmp_path / "traffic_eval.jsonl"
+    asked = [{"messages": [{"role": "user", "content": f"held {i}"}], "domain": "code"} for i in range(2)]
+    held.write_text("".join(json.dumps(request) + "\n" for request in asked))
+    judged = []
+    monkeypatch.setattr(report, "run_eval", lambda cfg, drafter: judged.append(list(cfg.eval.data)))
+    cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path / 'run'}"])
+    done = {"sample": {"eval": str(held)}, "train": {"checkpoint": "candidate"}}
+    state = SimpleNamespace(pipeline={"domains": ["code"], "deployed": {"export": "deployed"}, "done": done})
+    step_evaluate(cfg, tmp_path, state, tmp_path / "run")
+    assert len(judged) == 2 and judged[0] == judged[1]
+    prompts = load_conversations(judged[0], prompts_only=True)
+    code = [row["messages"][0]["content"] for row in prompts if row["domain"] == "code"]
+    assert code == ["held 0", "held 1"]
+    assert {row["domain"] for row in prompts} == {"code", "math", "docs", "packages"}
+
+
 def test_the_state_records_absolute_paths_under_a_relative_state_dir(tmp_path, monkeypatch):
     """monitor.state_dir=st from one directory recorded `st/...` paths (the promoted export among them), which a
     check from another directory could not find."""
