@@ -79,15 +79,21 @@ class Baseline:
 
         if "domains" not in report or "all" not in report["domains"]:
             raise UserError(f"{source} is not a draftsmith eval report (no domains.all)")
-        overall = report["domains"]["all"]["chain"]
-        counts = overall["per_position_counts"]
-        cycles = counts["reached"][0] if counts["reached"] else 0
-        at_least = [accepted / cycles for accepted in counts["accepted"]] if cycles else []
-        domains = {
-            name: alpha(rows["chain"])
-            for name, rows in report["domains"].items()
-            if name != "all" and rows["chain"].get("drafted")
-        }
+        try:
+            overall = report["domains"]["all"]["chain"]
+            counts = overall["per_position_counts"]
+            cycles = counts["reached"][0] if counts["reached"] else 0
+            at_least = [accepted / cycles for accepted in counts["accepted"]] if cycles else []
+            domains = {
+                name: alpha(rows["chain"])
+                for name, rows in report["domains"].items()
+                if name != "all" and rows["chain"].get("drafted")
+            }
+        except (KeyError, TypeError, AttributeError) as err:  # a report of another shape, or an edited one
+            raise UserError(
+                f"{source} is not a draftsmith eval report with chain rows ({type(err).__name__}: {err}): give the "
+                "report.json the deployed drafter's eval wrote"
+            ) from None
         return cls(
             alpha=alpha(overall),
             at_least=at_least,

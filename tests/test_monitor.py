@@ -385,6 +385,16 @@ def served_export(folder: Path, weights: str = "0" * 64, **info) -> Path:
     return folder
 
 
+@pytest.mark.parametrize(
+    "all_rows", [{"tree": {}}, {"chain": {"drafted": 4, "accepted": 1}}, {"chain": {"per_position_counts": None}}]
+)
+def test_a_baseline_report_without_the_chain_rows_it_reads_is_one_line(all_rows):
+    """A report whose domains.all has no chain row, or one without its counts (another tool's, an edited one), is
+    one line naming what it lacks, exit 2, not an internal error."""
+    with pytest.raises(UserError, match="is not a draftsmith eval report with chain rows"):
+        Baseline.from_report({"domains": {"all": all_rows}}, "baseline.json")
+
+
 def test_a_baseline_report_of_other_weights_is_refused_in_one_line(tmp_path, capsys):
     """The baseline report must have measured the deployed drafter: its drafter.sha256 is the checkpoint's
     the export was made from (#62's fault 3: another drafter's report was accepted)."""
