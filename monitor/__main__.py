@@ -48,12 +48,13 @@ def main(argv: Sequence[str]) -> None:
 
     require_export_settings_read(cfg.export)
 
-    def checked() -> Outcome:
-        outcome = check(cfg)
+    def reported(outcome: Outcome) -> None:  # the state directory still held: no other check overlaps the hook
         print(summary(cfg, outcome), flush=True)
         if outcome == Outcome.PROMOTED and cfg.monitor.redeploy_command:
             run_redeploy_command(cfg.monitor.redeploy_command, state_dir_of(cfg), cfg.monitor.redeploy_timeout_s)
-        return outcome
+
+    def checked() -> Outcome:
+        return check(cfg, held=reported)
 
     if argv[0] == "check":
         sys.exit(int(checked()))

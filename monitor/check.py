@@ -20,6 +20,7 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
@@ -63,22 +64,27 @@ def state_dir_of(cfg: DictConfig) -> Path:
     return Path(cfg.monitor.state_dir or Path(cfg.output_dir) / "monitor").absolute()
 
 
-def check(cfg: DictConfig, now: Optional[float] = None) -> Outcome:
+def check(cfg: DictConfig, now: Optional[float] = None, held: Callable[[Outcome], None] = lambda _: None) -> Outcome:
+    """One check; `held(outcome)` runs while the check still holds the state directory (the line it prints, the
+    redeploy command a promotion runs: no other check starts before they are done)."""
     require_inputs(cfg.monitor)
     directory = state_dir_of(cfg)
     with DirectoryLock(directory, key="monitor.state_dir"):
         state = State.load(directory)
         deployed = deployed_of(cfg, state, directory)
-        if state.pipeline is not None:  # a retraining was interrupted: finish it first
-            if cfg.monitor.retrain:
-                return retrain(cfg, directory, state)
-            log.info(
-                "the retraining %s in %s is left unfinished (monitor.retrain=false): the next check with "
-                "monitor.retrain=true resumes it",
-                state.pipeline["id"],
-                directory,
-            )
-        return measure_and_decide(cfg, directory, state, deployed, time.time() if now is None else now)
+        if state.pipeline is not None and cfg.monitor.retrain:  # a retraining was interrupted: finish it first
+            outcome = retrain(cfg, directory, state)
+        else:
+            if state.pipeline is not None:
+                log.info(
+                    "the retraining %s in %s is left unfinished (monitor.retrain=false): the next check with "
+                    "monitor.retrain=true resumes it",
+                    state.pipeline["id"],
+                    directory,
+                )
+            outcome = measure_and_decide(cfg, directory, state, deployed, time.time() if now is None else now)
+        held(outcome)
+        return outcome
 
 
 def require_inputs(settings: DictConfig) -> None:

@@ -153,15 +153,41 @@ def require_spec_decode(found: dict[str, float], text: str, url: str, engine: st
             f"{url} is not the /metrics of {SERVING_ENGINES[engine].name} serving with speculative decoding "
             f"({answer}): check monitor.metrics and the engine's speculative config"
         )
-    for key, accepted in found.items():
-        if key.startswith("accepted|"):
-            drafted = found.get("draft_tokens|" + key.split("|", 1)[1], 0.0)
-            if accepted > drafted:
-                labels = key.rsplit("|", 1)[1]
+    for key in found:
+        if key.startswith("drafts|"):
+            impossible = impossible_counts(found, key.split("|", 1)[1])
+            if impossible:
                 raise UserError(
-                    f"{url} reports more accepted draft tokens ({accepted:g}) than draft tokens ({drafted:g}) for "
-                    f"{{{labels}}}: these are not vLLM's counters; check monitor.metrics"
+                    f"{url} reports {impossible} for {{{key.rsplit('|', 1)[1]}}}: these are not vLLM's counters; "
+                    "check monitor.metrics"
                 )
+
+
+def impossible_counts(found: dict[str, float], series_id: str) -> Optional[str]:
+    """What no vLLM counts of one label set (`series_id`: its replica and labels) could be, in words; None where they
+    may be counts: each draft proposes a token or more, and accepts at each position at most once, fewer at a later
+    position than an earlier, the positions' acceptances summing to the accepted tokens, which are at most those
+    drafted."""
+    drafts, drafted = found[f"drafts|{series_id}"], found.get(f"draft_tokens|{series_id}", 0.0)
+    accepted = found.get(f"accepted|{series_id}", 0.0)
+    positions = [value for key, value in sorted(found.items(), key=lambda item: position_of(item[0]))
+                 if key.startswith("pos") and key.split("|", 1)[1] == series_id]  # fmt: skip
+    if accepted > drafted:
+        return f"more accepted draft tokens ({accepted:g}) than draft tokens ({drafted:g})"
+    if drafted < drafts:
+        return f"fewer draft tokens ({drafted:g}) than drafts ({drafts:g})"
+    if any(count > drafts for count in positions):
+        return f"more acceptances at a draft position ({max(positions):g}) than drafts ({drafts:g})"
+    if any(later > earlier for earlier, later in zip(positions, positions[1:])):
+        return f"more acceptances at a later draft position than an earlier one ({[f'{n:g}' for n in positions]})"
+    if positions and abs(sum(positions) - accepted) > 0.5:
+        return f"acceptances per draft position summing to {sum(positions):g}, not the accepted tokens ({accepted:g})"
+    return None
+
+
+def position_of(key: str) -> int:
+    """A per-position series key's position (`pos<k>|...`); -1 for any other key."""
+    return int(key.split("|", 1)[0][3:]) if key.startswith("pos") else -1
 
 
 @dataclass

@@ -174,7 +174,8 @@ def logged_turn(turn: Any) -> dict[str, Any]:
 def spec_decode_counts(metrics: Any) -> Optional[dict[str, Any]]:
     """A request's acceptance from vLLM's per-request `metrics.speculative_decoding`: verify steps
     (`drafts`), proposed and accepted draft tokens, and the histogram of accepted tokens per step;
-    None when the record has none (or a malformed one: then the request is replayed instead)."""
+    None when the record has none (or a malformed one, or counts no engine makes: more tokens accepted, or steps
+    taken, than proposed; then the request is replayed instead)."""
     spec = metrics.get("speculative_decoding") if isinstance(metrics, dict) else None
     if not isinstance(spec, dict):
         return None
@@ -186,6 +187,8 @@ def spec_decode_counts(metrics: Any) -> Optional[dict[str, Any]]:
     ):
         return None
     accepted = sum(j * count for j, count in enumerate(histogram))
+    if accepted > proposed or sum(histogram) > proposed:  # counts no engine makes: each draft proposes a token or more
+        return None
     return {"drafts": sum(histogram), "draft_tokens": proposed, "accepted": accepted, "histogram": histogram}
 
 

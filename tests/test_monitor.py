@@ -154,6 +154,15 @@ def vllm_counters(drafts, draft_tokens, accepted) -> str:
     )
 
 
+def per_position(*counts) -> str:
+    """vLLM's per-position accepted counter as its /metrics writes it, one sample a position."""
+    labels = 'model_name="demo",engine="0"'
+    return "".join(
+        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{k}"}} {n}\n'
+        for k, n in enumerate(counts)
+    )
+
+
 def sglang_gauge(name: str, value) -> str:
     return f'# TYPE {name} gauge\n{name}{{model_name="demo"}} {value}\n'
 
@@ -172,6 +181,11 @@ class Answers(http.server.BaseHTTPRequestHandler):
         "negative": vllm_counters(100, 300, -5),
         "infinite": vllm_counters(100, "+Inf", 100),
         "alpha_above_1": vllm_counters(100, 300, 301),
+        "fewer_tokens_than_drafts": vllm_counters(1000, 500, 100),
+        "position_above_drafts": vllm_counters(1000, 3000, 2800) + per_position(2000, 500, 300),
+        "position_rising": vllm_counters(1000, 3000, 1500) + per_position(300, 500, 700),
+        "positions_not_the_accepted": vllm_counters(1000, 3000, 1500) + per_position(10, 5, 1),
+        "counts": vllm_counters(1000, 3000, 1500) + per_position(700, 500, 300),
         "sglang_fresh": sglang_gauge("sglang:spec_accept_length", "NaN"),
         "sglang_levels": sglang_gauge("sglang:spec_accept_length", 2.5),
         "sglang_negative": sglang_gauge("sglang:spec_accept_rate", -1),
@@ -230,6 +244,10 @@ def answers():
         ("negative", "reports vllm:spec_decode_num_accepted_tokens_total{engine=0,model_name=demo} = -5:"),
         ("infinite", "reports vllm:spec_decode_num_draft_tokens_total{engine=0,model_name=demo} = inf"),
         ("alpha_above_1", "more accepted draft tokens (301) than draft tokens (300) for {engine=0,model_name=demo}"),
+        ("fewer_tokens_than_drafts", "fewer draft tokens (500) than drafts (1000)"),
+        ("position_above_drafts", "more acceptances at a draft position (2000) than drafts (1000)"),
+        ("position_rising", "more acceptances at a later draft position than an earlier one (['300', '500', '700'])"),
+        ("positions_not_the_accepted", "acceptances per draft position summing to 16, not the accepted tokens (1500)"),
     ],
 )  # fmt: skip
 def test_an_answer_that_is_not_vllm_s_spec_decode_counters_is_refused(answers, body, fragment):
@@ -241,6 +259,7 @@ def test_an_answer_that_is_not_vllm_s_spec_decode_counters_is_refused(answers, b
     with pytest.raises(UserError) as err:
         collect([url])
     assert fragment in str(err.value) and str(err.value).startswith(url) and "\n" not in str(err.value)
+    assert len(collect([f"{answers}/200/counts/metrics"])) == 6  # counts that may be vLLM's pass
 
 
 def test_sglang_acceptance_gauges_not_measured_yet_are_left_out_and_impossible_ones_refused(answers):
@@ -333,6 +352,12 @@ def test_per_request_acceptance_judges_a_domain_without_replay(tmp_path):
     lines += [
         {**ask, "domain": "math"},
         {**ask, "domain": "docs", "metrics": {"speculative_decoding": {"acceptance_histogram": "x"}}},
+        # counts no engine makes (60 tokens accepted, 20 steps, of 10 proposed): replayed, never judged healthy
+        {
+            **ask,
+            "domain": "tools",
+            "metrics": {"speculative_decoding": {"acceptance_histogram": [0, 0, 0, 20], "num_draft_tokens": 10}},
+        },
     ]
     (logs / "requests.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     picked, summary = sample(logs, per_domain=4, window_s=3600)
@@ -355,7 +380,7 @@ def test_per_request_acceptance_judges_a_domain_without_replay(tmp_path):
         and tests["code"]["source"] == "engine per-request"
     )
     assert tests["code"]["tau"] == pytest.approx(1 + 170 / 400)
-    assert sorted({r["domain"] for r in picked} - set(tests)) == ["docs", "math"]  # replayed
+    assert sorted({r["domain"] for r in picked} - set(tests)) == ["docs", "math", "tools"]  # replayed
 
 
 # -- the engine the export was checked in -------------------------------------------------------------
@@ -429,6 +454,8 @@ def test_a_window_with_more_accepted_than_drafted_tokens_is_not_judged_and_resta
         engine.drafts.labels("demo", "0").inc(100)
         engine.tokens.labels("demo", "0").inc(300)
         engine.accepted.labels("demo", "0").inc(2000)  # 2100 of 3300: each scrape passes; the window's 2000 of 300
+        for position in ("0", "1"):  # each scrape's positions, 1100 and 1000 of 1100 drafts, sum to its accepted
+            engine.per_position.labels("demo", "0", position).inc(1000)
         assert check(cfg) == Outcome.HEALTHY
         record = check_record(tmp_path, 2)
         assert record["engine"]["verdict"] == "too few samples" and "not one engine's" in record["engine"]["note"]
@@ -1119,10 +1146,11 @@ def test_watch_stops_on_sigterm_during_a_check_as_check_does_and_between_checks_
 
     checks = []
 
-    def terminated_during_a_check(cfg):
+    def terminated_during_a_check(cfg, held):
         checks.append(cfg)
         os.kill(os.getpid(), signal.SIGTERM)
         checks.append("went on")
+        held(Outcome.HEALTHY)
         return Outcome.HEALTHY
 
     monkeypatch.setattr(monitor_check, "check", terminated_during_a_check)
@@ -1132,7 +1160,7 @@ def test_watch_stops_on_sigterm_during_a_check_as_check_does_and_between_checks_
     # no handler of watch's is left: once a command is over, SIGTERM is ignored until its process ends (run_cli)
     assert len(checks) == 1 and signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
 
-    monkeypatch.setattr(monitor_check, "check", lambda cfg: checks.append(cfg) or Outcome.HEALTHY)
+    monkeypatch.setattr(monitor_check, "check", lambda cfg, held: checks.append(cfg) or Outcome.HEALTHY)
     waits_pass_at_once(monkeypatch, checks, sigterm_after=2)  # in the 300 s wait after the check
     result = run_entry_in_process(args, capsys)
     assert_one_line_error(result, 75, "stopped on SIGTERM between checks", prefix="preempted: ")
@@ -1152,11 +1180,12 @@ def test_the_redeploy_command_runs_after_each_promotion_in_check_and_watch_and_a
     State(deployed={"export": "/srv/rev_0001/vllm", "revision": 1, "baseline": "r"}).save(directory)
     outcomes = iter([Outcome.PROMOTED, Outcome.HEALTHY, Outcome.PROMOTED])  # `check`, then `watch` twice
 
-    def next_check(cfg):
+    def next_check(cfg, held):
         outcome = next(outcomes, None)
         if outcome is None:  # the third check of `watch`: stop it
             os.kill(os.getpid(), signal.SIGTERM)
-            return Outcome.HEALTHY
+            outcome = Outcome.HEALTHY
+        held(outcome)
         return outcome
 
     monkeypatch.setattr(monitor_check, "check", next_check)
@@ -1169,7 +1198,7 @@ def test_the_redeploy_command_runs_after_each_promotion_in_check_and_watch_and_a
     result = run_entry_in_process(["-m", "monitor", "watch", "recipe=medusa", *args, "monitor.interval_s=1"], capsys)
     assert result.returncode == 75 and told.read_text().splitlines() == ["1 /srv/rev_0001/vllm"] * 2
 
-    monkeypatch.setattr(monitor_check, "check", lambda cfg: Outcome.PROMOTED)
+    monkeypatch.setattr(monitor_check, "check", lambda cfg, held: held(Outcome.PROMOTED) or Outcome.PROMOTED)
     args[-1] = "monitor.redeploy_command='exit 3'"
     result = run_entry_in_process(["-m", "monitor", "check", "recipe=medusa", *args], capsys)
     assert result.returncode == 12 and result.stdout.strip() == "monitor: promoted"
@@ -1185,6 +1214,28 @@ def test_the_redeploy_command_runs_after_each_promotion_in_check_and_watch_and_a
     args[-1] = "monitor.redeploy_command=' '"
     result = run_entry_in_process(["-m", "monitor", "check", "recipe=medusa", *args], capsys)
     assert_one_line_error(result, 2, "monitor.redeploy_command is empty", alone=True)
+
+
+def test_what_a_check_runs_after_its_outcome_runs_while_it_holds_the_state_directory(tmp_path, monkeypatch):
+    """The line and the redeploy command a promotion runs (`held`) ran after the check let go of the state
+    directory: a second check, or `watch`, started meanwhile and ran the hook again beside the first. Now they run
+    while the check holds it."""
+    from draftsmith.monitor import check as monitor_check
+    from draftsmith.outputs import DirectoryInUse, DirectoryLock
+
+    monkeypatch.setattr(monitor_check, "deployed_of", lambda cfg, state, directory: None)
+    monkeypatch.setattr(monitor_check, "measure_and_decide", lambda *args: Outcome.PROMOTED)
+    cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path}", "monitor.metrics=[http://127.0.0.1:9/metrics]",
+                       "monitor.retrain=false"])  # fmt: skip
+    overlapping = []
+
+    def held(outcome):
+        with pytest.raises(DirectoryInUse):
+            DirectoryLock(tmp_path / "monitor").acquire()
+        overlapping.append(outcome)
+
+    assert monitor_check.check(cfg, held=held) == Outcome.PROMOTED and overlapping == [Outcome.PROMOTED]
+    DirectoryLock(tmp_path / "monitor").acquire().release()  # let go once it is done
 
 
 def test_watch_refuses_an_interval_under_a_second(tmp_path, capsys):
@@ -1505,7 +1556,7 @@ def test_watch_skips_a_check_while_another_holds_the_state_dir(tmp_path, monkeyp
 
     checks = []
 
-    def locked_out(cfg):
+    def locked_out(cfg, held):
         checks.append(cfg)
         with DirectoryLock(tmp_path / "monitor"):
             pass
@@ -1580,7 +1631,7 @@ def test_watch_retries_a_hub_out_of_reach_as_an_engine_and_check_exits_69(tmp_pa
     monkeypatch.setattr(model_files, "_hub_probes", {})
     checks = []
 
-    def replaying(cfg):  # a check whose replay loads its target from the Hub, as run_eval does
+    def replaying(cfg, held):  # a check whose replay loads its target from the Hub, as run_eval does
         checks.append(cfg)
         target_loading.load_config(target.target_section("acme/not-cached"))
 

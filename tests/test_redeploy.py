@@ -30,7 +30,7 @@ def test_a_hook_still_running_after_monitor_redeploy_timeout_s_is_killed_with_wh
 
     directory, child = tmp_path / "monitor", tmp_path / "child.pid"
     State(deployed={"export": "/srv/rev_0001/vllm", "revision": 1, "baseline": "r"}).save(directory)
-    monkeypatch.setattr(monitor_check, "check", lambda cfg: Outcome.PROMOTED)
+    monkeypatch.setattr(monitor_check, "check", lambda cfg, held: held(Outcome.PROMOTED) or Outcome.PROMOTED)
     monkeypatch.setattr(monitor_check, "summary", lambda cfg, outcome: "monitor: promoted")
     hook = f"sleep 60 & echo $! > {child}; wait"  # the shell waits on a child of its own: both must end
     args = [f"output_dir={tmp_path}", f"monitor.state_dir={directory}", f"monitor.redeploy_command='{hook}'"]
@@ -60,7 +60,7 @@ def test_a_hook_that_ends_in_time_leaves_what_it_started_in_the_background_runni
 
     directory, child = tmp_path / "monitor", tmp_path / "child.pid"
     State(deployed={"export": "/srv/rev_0001/vllm", "revision": 1, "baseline": "r"}).save(directory)
-    monkeypatch.setattr(monitor_check, "check", lambda cfg: Outcome.PROMOTED)
+    monkeypatch.setattr(monitor_check, "check", lambda cfg, held: held(Outcome.PROMOTED) or Outcome.PROMOTED)
     monkeypatch.setattr(monitor_check, "summary", lambda cfg, outcome: "monitor: promoted")
     hook = f"sleep 60 > /dev/null 2>&1 & echo $! > {child}"
     args = [f"output_dir={tmp_path}", f"monitor.state_dir={directory}", f"monitor.redeploy_command='{hook}'"]
