@@ -59,6 +59,11 @@ def judge(measured: Optional[float], trials: float, baseline: float, settings) -
     return Judgement(measured, baseline, threshold, upper, lower, trials, verdict)
 
 
+def plural(count: float, noun: str) -> str:
+    """`count` `noun`s, a single one without the s ("1 logged request")."""
+    return f"{count:g} {noun}{'' if count == 1 else 's'}"
+
+
 @dataclass
 class Baseline:
     """What the deployed drafter accepted in its eval (chain rows of the report)."""
@@ -214,7 +219,7 @@ def drift_reason(record: dict[str, Any]) -> str:
         requests = (
             f"{test['prompts']} replayed requests"
             if test["source"] == "replay"
-            else f"{test['requests']} logged requests (the engine's own counts)"
+            else f"{plural(test['requests'], 'logged request')} (the engine's own counts)"
         )
         new = " (a domain new to the drafter)" if test["new_domain"] else ""
         parts.append(
@@ -242,7 +247,7 @@ def measured_summary(record: dict[str, Any]) -> str:
     if traffic is not None:
         verdicts = ", ".join(f"{domain} {test['verdict']}" for domain, test in traffic.get("domains", {}).items())
         parts.append(
-            f"{traffic.get('in_window', 0)} logged requests in the last {settings['traffic_window_s']:g} s"
+            f"{plural(traffic.get('in_window', 0), 'logged request')} in the last {settings['traffic_window_s']:g} s"
             + (f" ({verdicts})" if verdicts else "")
         )
     return "; ".join(parts)

@@ -26,6 +26,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from packaging.version import InvalidVersion, Version
 from prometheus_client.parser import text_string_to_metric_families
 
 from draftsmith.engines import SERVING_ENGINES
@@ -83,12 +84,21 @@ def engine_version(metrics_url: str, timeout: float = 10.0) -> str:
         version = json.loads(text)["version"]
     except (json.JSONDecodeError, TypeError, KeyError):
         version = None
-    if not isinstance(version, str):
+    if not isinstance(version, str) or not is_a_version(version):
         raise UserError(
             f"{url} did not answer with vLLM's version (it begins {one_line(text, limit=80)!r}): monitor.metrics must "
             "name vLLM's own server"
         )
     return version
+
+
+def is_a_version(text: str) -> bool:
+    """Whether `text` is a release's version (0.32.0, 0.33.0rc1, 0.32.0+cpu), which the export's table compares."""
+    try:
+        Version(text)
+    except InvalidVersion:
+        return False
+    return True
 
 
 def series(text: str, url: str) -> dict[str, float]:

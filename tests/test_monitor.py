@@ -174,6 +174,7 @@ class Answers(http.server.BaseHTTPRequestHandler):
         "html": "<html><body><h1>502 Bad Gateway</h1></body></html>",
         "cut": 'vllm:spec_decode_num_drafts_total{model_name="demo",engine="0"} 10.0\nvllm:spec_decode_num_dr',
         "version": '{"version": "0.33.0"}',
+        "not_a_version": '{"version": "garbage"}',
         "other": '{"status": "ok"}',
         "empty": "",
         "no_spec_decode": "# TYPE process_cpu_seconds counter\nprocess_cpu_seconds_total 1.5\n",
@@ -294,7 +295,7 @@ def test_the_engine_version_is_read_beside_metrics_and_a_server_without_one_is_u
     try:
         assert engine_version(base + "/200/version/metrics") == "0.33.0"
         assert engine_version(base + "/404/html/metrics") == UNKNOWN
-        for path in ("/200/html/metrics", "/200/other/metrics"):
+        for path in ("/200/html/metrics", "/200/other/metrics", "/200/not_a_version/metrics"):
             with pytest.raises(UserError, match="did not answer with vLLM's version") as err:
                 engine_version(base + path)
             assert "\n" not in str(err.value)
