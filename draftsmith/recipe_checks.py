@@ -320,8 +320,10 @@ def check_monitor(monitor) -> None:
     require_at_least_one(
         monitor, "monitor", "min_drafts", "consecutive", "sample_per_domain", "retrain_samples", "new_data_weight"
     )
-    for key in ("cooldown_s", "traffic_window_s", "gate_min_gain", "gate_max_loss"):
+    for key in ("cooldown_s", "gate_min_gain", "gate_max_loss"):
         require(monitor[key] >= 0, f"monitor.{key}={monitor[key]} must be >= 0")
+    # a window of no time holds no request: every check would wait for traffic that never counts
+    require(monitor.traffic_window_s > 0, f"monitor.traffic_window_s={monitor.traffic_window_s} must be > 0 (seconds)")
     # each check scrapes every replica (and may start a retraining): more often than each second is no interval
     require(monitor.interval_s >= 1, f"monitor.interval_s={monitor.interval_s} must be >= 1 (seconds between checks)")
     require(

@@ -30,6 +30,14 @@ def deployed_of(cfg: DictConfig, state: State, directory: Path) -> dict[str, Any
     before it); else the recipe's checkpoint. The state belongs to the drafter it was started with and
     the revisions it promoted (by the sha256 of the checkpoint each was exported from): a checkpoint of
     another drafter is refused, as its streak, window and cooldown are not this one's."""
+    if state.deployed is not None and cfg.monitor.baseline and cfg.monitor.baseline != state.deployed["baseline"]:
+        log.warning(
+            "monitor.baseline=%s is not read: revision %d, which this monitor promoted, is judged against its own "
+            "eval by the gate (%s, state.json's deployed.baseline)",
+            cfg.monitor.baseline,
+            state.deployed["revision"],
+            state.deployed["baseline"],
+        )
     if state.deployed is not None and not cfg.checkpoint:  # after a promotion the state names what is deployed
         return state.deployed
     named = recipe_drafter(cfg)

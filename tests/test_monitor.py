@@ -1350,6 +1350,8 @@ def test_monitor_cli_bad_input_is_one_line_exit_2(tmp_path, capsys):
         args = ["-m", "monitor", "check", "recipe=medusa", f"output_dir={tmp_path}", f"monitor.metrics=[{url}]"]
         line = assert_one_line_error(run_entry_in_process(args, capsys), 2, alone=True)
         assert f"error: monitor.metrics: '{url.strip(chr(39))}' is not an http(s) URL of a host" in line
+    args = ["-m", "monitor", "check", "recipe=medusa", f"output_dir={tmp_path}", "monitor.traffic_window_s=0"]
+    assert_one_line_error(run_entry_in_process(args, capsys), 2, "monitor.traffic_window_s=0.0 must be > 0", alone=True)
 
 
 def test_a_logged_tool_call_is_kept_as_the_data_loader_reads_it(tmp_path):
