@@ -243,6 +243,9 @@ def measured_summary(record: dict[str, Any]) -> str:
         )
     elif engine.get("note"):
         parts.append(f"the engine: {engine['note']}")
+    elif "drafts" in engine:  # a window without a draft (no request served since the last scrape)
+        minimum = settings["min_drafts"]
+        parts.append(f"the engine: {engine['drafts']:.0f} drafts, fewer than monitor.min_drafts={minimum}")
     traffic = record.get("traffic")
     if traffic is not None:
         verdicts = ", ".join(f"{domain} {test['verdict']}" for domain, test in traffic.get("domains", {}).items())

@@ -1816,3 +1816,13 @@ def test_the_latest_requests_are_the_newest_by_time_whichever_file_holds_them(tm
     (logs / "requests.jsonl").write_text(asked("chat", now - 5, "first") + asked("chat", now - 5, "second"))
     picked, _ = sample(logs, per_domain=1, window_s=600, now=now)
     assert [r["messages"][0]["content"] for r in picked] == ["second"]
+
+
+def test_a_check_without_a_draft_in_its_window_says_so_in_its_line():
+    """An engine window with no draft (nothing served since the last scrape) was a bare `monitor: too few samples`:
+    the line says what the engine measured, as it does for a window of a few drafts."""
+    from draftsmith.monitor.drift import measured_summary
+
+    record = {"settings": {"min_drafts": 200, "traffic_window_s": 3600}, "baseline": {"alpha": 0.5},
+              "engine": {"drafts": 0, "alpha": None, "verdict": TOO_FEW}}  # fmt: skip
+    assert measured_summary(record) == "the engine: 0 drafts, fewer than monitor.min_drafts=200"
