@@ -61,7 +61,13 @@ def released_files(assistant) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     config's own keys and one dtype key, the weights')."""
     with tempfile.TemporaryDirectory() as tmp:
         assistant.save_pretrained(tmp)
-        return json.loads((Path(tmp) / "config.json").read_text()), load_file(str(Path(tmp) / WEIGHTS_NAME))
+        config = json.loads((Path(tmp) / "config.json").read_text())
+        # the text config the assistant was built from names the target's folder (a local path, in a folder for the
+        # Hub); transformers drops the top level's only
+        for section in config.values():
+            if isinstance(section, dict):
+                section.pop("_name_or_path", None)
+        return config, load_file(str(Path(tmp) / WEIGHTS_NAME))
 
 
 @register

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Optional
 
@@ -96,6 +97,16 @@ class DFlashBlockConfig(DrafterConfig):
                 default,
                 "distinct layers",
             )
+            last = target.num_hidden_layers - 1
+            if last in self.layers_for(target.num_hidden_layers):  # trains and evals here; no engine serves it
+                logging.getLogger(__name__).warning(
+                    "drafter.target_layers %s hold layer %d, the target's post-norm last state, which vLLM cannot "
+                    "capture: the export for vLLM, the engine that serves this kind, will refuse this drafter; take "
+                    "layers below %d to serve it",
+                    self.layers_for(target.num_hidden_layers),
+                    last,
+                    last,
+                )
 
     def layers_for(self, num_layers: int) -> list[int]:
         """The context layers, the even spread for a target of `num_layers` layers when unset."""

@@ -50,6 +50,14 @@ class DSparkConfig(DFlashBlockConfig):
                 f"drafter.confidence_weight must be >= 0 and confidence_decay > 0 (got {self.confidence_weight}, "
                 f"{self.confidence_decay})"
             )
+        unread = [
+            key for key in ("confidence_weight", "confidence_decay") if getattr(self, key) != getattr(DSparkConfig, key)
+        ]
+        if unread and not self.confidence_head:  # the head's loss settings, for a drafter without the head
+            raise UserError(
+                f"drafter.{unread[0]}={getattr(self, unread[0])} is read only with drafter.confidence_head=true, and "
+                "this recipe's is false: leave it at its default, or set drafter.confidence_head=true"
+            )
         if self.adaptive_verification and not self.confidence_head:
             raise UserError(
                 "drafter.adaptive_verification needs confidence_head: true (without the head vLLM sizes the "

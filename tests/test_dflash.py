@@ -455,3 +455,22 @@ def test_a_weightings_setting_given_to_the_other_weighting_is_refused(settings, 
         load_recipe(["recipe=dflash", *settings])
     decay = load_recipe(["recipe=dflash", "drafter.loss_weighting=decay", "drafter.loss_decay=3"])
     assert decay.drafter.loss_decay == 3
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_a_context_layer_no_engine_can_capture_is_warned_of_when_training_starts(kind, caplog):
+    """vLLM, the one engine that serves DFlash and DSpark, cannot capture the target's last layer (its post-norm last
+    state): a drafter reading it trains and evals here, and its export is refused; the start of training says so,
+    not the export after the run."""
+    from draftsmith.heads import drafter_class
+    from draftsmith.target import TargetShape
+
+    target = TargetShape("t", "llama", 256, 4096, 4)
+    config = drafter_class(kind).Config(target_layers=[1, 3], mask_token_id=5)
+    with caplog.at_level("WARNING"):
+        config.check(target)
+    assert "hold layer 3, the target's post-norm last state, which vLLM cannot capture" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        drafter_class(kind).Config(target_layers=[1, 2], mask_token_id=5).check(target)
+    assert "post-norm" not in caplog.text

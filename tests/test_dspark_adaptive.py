@@ -129,6 +129,14 @@ def test_adaptive_verification_needs_the_confidence_head(model):
         DSpark.Config(**TINY, confidence_head=False, adaptive_verification=True).check(TargetShape.of(model, "tiny"))
 
 
+@pytest.mark.parametrize("setting", [{"confidence_weight": 2.0}, {"confidence_decay": 2.0}])
+def test_the_confidence_heads_settings_without_the_head_are_refused(model, setting):
+    """The confidence head's loss settings were accepted for a drafter without the head, and recorded in its export as
+    if used."""
+    with pytest.raises(UserError, match=f"drafter.{next(iter(setting))}=2.0 is read only with drafter.confidence_head"):
+        DSpark.Config(**TINY, confidence_head=False, **setting).check(TargetShape.of(model, "tiny"))
+
+
 def test_a_bad_value_is_refused_in_one_line(tmp_path, capsys):
     args = ["train.py", "recipe=dspark", "drafter.adaptive_verification=maybe", f"output_dir={tmp_path / 'run'}"]
     assert "adaptive_verification" in assert_one_line_error(run_entry_in_process(args, capsys), 2, prefix="error:")

@@ -237,6 +237,7 @@ def test_a_released_assistants_suppressed_tokens_are_never_drafted_and_its_gener
     assert json.loads((folder / "generation_config.json").read_text())["suppress_tokens"] == sorted(drafted)
     config = json.loads((folder / "config.json").read_text())
     assert config["dtype"] == "float32" and "torch_dtype" not in config and "_name_or_path" not in config
+    assert not [key for key, section in config.items() if isinstance(section, dict) and "_name_or_path" in section]
     assert open_drafter(folder, TargetShape.of(model, name), model).suppressed == sorted(drafted)
 
 
