@@ -194,7 +194,7 @@ class DFlashExporter(Exporter):
             }
         conventions |= {
             "block": f"vLLM runs 1 + num_speculative_tokens queries; trained on block_size {settings.block_size}",
-            "recommended_num_speculative_tokens": settings.block_size - 1,
+            "most_num_speculative_tokens": settings.block_size - 1,
             "attention": "non-causal within the block, the context before it; q_norm/k_norm in every layer",
             "shared": "embed_tokens and lm_head are the target's (not in the folder)",
         }

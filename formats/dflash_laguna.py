@@ -121,7 +121,7 @@ def layout(drafter, config: dict[str, Any], expected: dict[str, tuple], conventi
         }
     conventions |= {
         "block": f"vLLM runs 1 + num_speculative_tokens queries; trained on block_size {settings.block_size}",
-        "recommended_num_speculative_tokens": settings.block_size - 1,
+        "most_num_speculative_tokens": settings.block_size - 1,
         "layers": (
             "Laguna: q/k norms, a softplus gate per head on the attention's output, dense SiLU MLP, RoPE over every "
             "dimension; non-causal within the block, the context before it, normed by each layer's input_layernorm"

@@ -89,7 +89,7 @@ class DSparkExporter(DFlashExporter):
                 "every one of vLLM's num_speculative_tokens queries (the anchor, then masks) predicts the token after "
                 f"it (sample_from_anchor); trained on block_size {settings.block_size}"
             ),
-            "recommended_num_speculative_tokens": settings.block_size,
+            "most_num_speculative_tokens": settings.block_size,
             "markov": "vanilla: markov_w2(markov_w1[previous token]) added to the target lm_head's logits",
             "confidence": (
                 "sigmoid(proj(cat(block output, markov_w1[previous token]))): vLLM's adaptive verification reads it"

@@ -115,7 +115,8 @@ def check_requested(config: dict, layout: Layout, depths: Optional[int]) -> None
         )
     if depths > shipped(config, layout):
         raise UserError(
-            f"drafter.mtp_depths={depths}: the target ships {shipped(config, layout)} MTP depths ({layout.count_key}), "
+            f"drafter.mtp_depths={depths}: the target ships {shipped(config, layout)} MTP "
+            f"depth{'' if shipped(config, layout) == 1 else 's'} ({layout.count_key}), "
             "and each trains from its shipped layer: set drafter.mtp_depths to at most that"
         )
     if layout.kind_of_layer_0:  # Exaone's: depth j attends as mtp_layer_types[j] (where read), else layer j

@@ -61,7 +61,7 @@ def test_the_folder_is_vllms_qwen3_dspark_layout_and_reads_back(target, tmp_path
     assert heads == ({"confidence_head.proj.weight", "confidence_head.proj.bias"} if confidence_head else set())
     assert not any("embed_tokens" in name or "lm_head" in name for name in tensors)
     info = json.loads((folder / "draftsmith_export.json").read_text())
-    assert "not its CPU build" in json.dumps(info) and info["conventions"]["recommended_num_speculative_tokens"] == 7
+    assert "not its CPU build" in json.dumps(info) and info["conventions"]["most_num_speculative_tokens"] == 7
     drafter = read_folder(folder, target)
     saved = load_file(str(checkpoint / "model.safetensors"))
     assert drafter.type == "dspark" and all(torch.equal(drafter.state_dict()[n], t) for n, t in saved.items())

@@ -396,7 +396,7 @@ def test_dflash_conventions_are_converted_and_written(target, tmp_path):
     ]  # the target's, and a token
     info = json.loads((folder / EXPORT_INFO).read_text())
     assert (
-        info["conventions"]["recommended_num_speculative_tokens"] == 7
+        info["conventions"]["most_num_speculative_tokens"] == 7
         and '"method": "dflash"' in (folder / "README.md").read_text()
     )
 
