@@ -29,6 +29,7 @@ if __name__ == "__main__":  # run before the imports below (torch's: a second), 
 
 import argparse
 import json
+import logging
 import os
 import re
 import shutil
@@ -401,6 +402,8 @@ def write_command(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     directory = Path(args.directory)
     check_target_directory(directory)
+    if directory.is_dir() and any(directory.iterdir()):  # what was written there since (an MTP layer) goes with it
+        logging.getLogger(__name__).warning("%s held a target: it is replaced by the one written now", directory)
     # Written beside it and renamed into place: a full disk or a stop leaves no half-written target (a config.json
     # without its weights would load as a target and fail later, far from the cause).
     with staging(directory) as staged:

@@ -15,8 +15,9 @@ from draftsmith.engines import SERVING_ENGINES
 from draftsmith.eval.partings import NEAR_TIE_UNITS
 from draftsmith.formats.repo import TRUST_REMOTE_CODE_FLAG, EngineRepo, vllm_serve_flags
 from draftsmith.heads import drafter_class
+from draftsmith.heads.base import DRAFTER_DIR
 from draftsmith.outputs import FINAL_DIR, RECIPE_NAME, RUN_SUMMARY_NAME
-from draftsmith.trainer.checkpoint import DRAFTER_DIR, STATE_NAME
+from draftsmith.trainer.checkpoint import STATE_NAME
 from draftsmith.trainer.heldout import BEST_DIR, BEST_JSON
 
 

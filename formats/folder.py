@@ -156,9 +156,7 @@ def require_recipes_kind(kind: Optional[str], recipe_kind: str, what: str, role:
     """The drafter `what` holds is of the kind the recipe trains (`role` "is for": the kind a read-only
     command's recipe names); None: not known yet (an engine folder, read as its format's kind)."""
     if kind not in (None, recipe_kind):
-        article = "an" if kind[0] in "aeiou" or kind.startswith("mtp") else "a"  # "an mtp drafter", said em-tee-pee
-        advice = recipe_advice(kind)
-        raise UserError(f"{what} holds {article} {kind} drafter, the recipe {role} {recipe_kind}: {advice}")
+        raise UserError(f"{what} holds a {kind} drafter, the recipe {role} {recipe_kind}: {recipe_advice(kind)}")
 
 
 def served_settings(argv: Sequence[str], cfg: DictConfig) -> dict[str, Any]:

@@ -67,6 +67,7 @@ from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+DRAFTER_DIR = "drafter"  # a training checkpoint's drafter (the folder init_from or eval reads)
 FORMAT_VERSION = 2  # 2: learned facts under "learned" (1 kept them in the drafter config)
 # `learned` key (in memory, never in a checkpoint) for the trained drafter's eval-split metric means
 # (`head2/top1`, `step1/top1`, ...), read from the eval's eval_accuracy.json (see eval/accuracy.py).
@@ -297,6 +298,10 @@ def config_from_dict(config_cls: type, values: dict):
 def read_checkpoint_config(directory: Path) -> dict[str, Any]:
     """A draftsmith checkpoint's config.json; a one-line UserError for anything else."""
     config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
+    if not directory.exists():  # a run stopped before its end has no final/: its saved steps are under checkpoints/
+        raise UserError(f"no drafter checkpoint at {directory}: train first, or pass checkpoint=<checkpoint dir>")
+    if (directory / DRAFTER_DIR / CONFIG_NAME).is_file():  # a training checkpoint: its drafter/ folder is the drafter
+        raise UserError(f"{directory} is a training checkpoint: its drafter is {directory / DRAFTER_DIR}")
     if not config_path.is_file() or not weights_path.is_file():
         raise UserError(f"{directory} is not a drafter checkpoint (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
     saved = read_json(config_path, "drafter config")

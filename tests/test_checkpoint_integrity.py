@@ -235,3 +235,19 @@ def test_a_failed_write_on_a_disk_that_cannot_be_measured_or_listed_is_still_its
         "train.resume=true to continue from its last complete checkpoint, if any"
     )
     assert not tmp.exists()
+
+
+def test_a_missing_final_and_a_training_checkpoint_given_as_the_drafter_say_where_the_drafter_is(tmp_path):
+    """A run killed before its end has no final/ (it said 'not a drafter checkpoint (needs config.json ...)' of a
+    folder that does not exist), and a training checkpoint holds its drafter in drafter/ (the same line, of a folder
+    with a model.safetensors of its own): each says what to give instead."""
+    from draftsmith.heads.base import read_checkpoint_config
+
+    with pytest.raises(UserError, match=r"no drafter checkpoint at .*final: train first, or pass checkpoint="):
+        read_checkpoint_config(tmp_path / "run" / "final")
+    step = tmp_path / "run" / "checkpoints" / "step_0000360"
+    (step / "drafter").mkdir(parents=True)
+    (step / "drafter" / "config.json").write_text("{}")
+    (step / "model.safetensors").write_bytes(b"")
+    with pytest.raises(UserError, match=f"is a training checkpoint: its drafter is {step / 'drafter'}"):
+        read_checkpoint_config(step)

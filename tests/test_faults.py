@@ -455,7 +455,7 @@ def test_a_monitor_check_that_reads_no_request_is_refused_and_one_that_judges_no
     assert result.returncode == 0, result.stderr[-2000:]
     # what was measured, and that it was too little to judge: the check's result alone on stdout
     assert result.stdout.splitlines() == [
-        "monitor: too few samples: 1 logged requests in the last 86400 s (code too few samples)"
+        "monitor: too few samples: 1 logged request in the last 86400 s (code too few samples)"
     ]
     record = json.loads((run / "monitor" / "checks" / "00001.json").read_text())
     assert record["traffic"]["malformed_lines"] == 50 and record["verdict"] == "too few samples"

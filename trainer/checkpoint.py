@@ -39,6 +39,7 @@ from safetensors import SafetensorError
 
 from draftsmith.errors import STORAGE_ERRNOS, StorageError, UserError, one_line
 from draftsmith.files import file_sha256, publish_folder, read_json, readable_as_created, write_text_atomic
+from draftsmith.heads.base import DRAFTER_DIR
 from draftsmith.outputs import (
     ACCURACY_NAME,
     DATA_CONTENT_NAME,
@@ -56,7 +57,6 @@ from draftsmith.trainer.checkpoint_files import UNREADABLE, check_random_states,
 log = logging.getLogger("draftsmith.train")
 
 STATE_NAME = "trainer_state.json"
-DRAFTER_DIR = "drafter"  # a checkpoint's drafter, as save_pretrained writes it (a folder init_from or eval reads)
 CHECKSUMS_NAME = "checksums.json"  # every other file of a checkpoint: {"files": {path: {"bytes", "sha256"}}}
 # What a training run writes into its output directory: an earlier run is recognised by these.
 RUN_OUTPUTS = ["checkpoints", FINAL_DIR, "best", "curve.json", "curve.png", LOG_NAME, "tb", EVAL_DIR, ACCURACY_NAME,

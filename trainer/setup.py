@@ -30,7 +30,7 @@ from draftsmith.eval.prompts import prompt_conversations, prompt_sources, render
 from draftsmith.families import check_eval_settings
 from draftsmith.formats.folder import require_recipes_drafter, require_recipes_kind, start_kind, warm_start
 from draftsmith.heads import drafter_class
-from draftsmith.heads.base import check_same_target, saved_drafter
+from draftsmith.heads.base import DRAFTER_DIR, check_same_target, saved_drafter
 from draftsmith.heads.packing import causal_lm_inputs, require_packed_attention
 from draftsmith.outputs import RECIPE_NAME
 from draftsmith.recipe import check_chain, derived, require_draft_vocab_use, save_recipe
@@ -41,7 +41,6 @@ from draftsmith.streams import not_captured
 from draftsmith.target import TargetOutput, TargetShape, load_target, load_tokenizer, run_target
 from draftsmith.target_loading import load_config
 from draftsmith.trainer.checkpoint import (
-    DRAFTER_DIR,
     TrainerState,
     keep_log_to,
     load_checkpoint,
