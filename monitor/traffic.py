@@ -121,7 +121,7 @@ def log_files(directory: Path) -> list[Path]:
     """The request logs under `directory` (REQUEST_LOG_PATTERN), by path; a folder in it that cannot be listed is
     refused, not skipped (its requests would be missing from every check). Files named like a log but not one (`.jsonl`
     in the name: a backup, another compression) are named in a warning: skipped silently, their requests would be
-    missing without a word."""
+    missing without a word; a folder holding no log at all is warned of too."""
 
     def unlisted(err: OSError) -> None:
         if isinstance(err, PermissionError):
@@ -131,6 +131,9 @@ def log_files(directory: Path) -> list[Path]:
     files = sorted(Path(parent, name) for parent, _, names in os.walk(directory, onerror=unlisted) for name in names)
     logs = [path for path in files if REQUEST_LOG_PATTERN.fullmatch(path.name)]
     look_alikes = [path for path in files if ".jsonl" in path.name and not REQUEST_LOG_PATTERN.fullmatch(path.name)]
+    if not logs:  # an empty folder, or logs under other names (`chat.log`): every check would count 0 requests
+        others = f" (it holds {len(files)} other file(s), e.g. {files[0].name})" if files else " (it is empty)"
+        log.warning("monitor: monitor.traffic=%s holds no request log named %s%s", directory, REQUEST_LOG_NAMES, others)
     if look_alikes:
         named = ", ".join(str(path) for path in look_alikes[:LOOK_ALIKES_NAMED])
         more = len(look_alikes) - LOOK_ALIKES_NAMED

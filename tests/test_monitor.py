@@ -1801,6 +1801,15 @@ def test_logrotate_s_rotated_logs_are_read_and_a_look_alike_is_named(tmp_path, c
     assert len(warnings) == 1 and "not read as request logs" in warnings[0]
     assert str(logs / "requests.jsonl.bak") in warnings[0] and str(logs / "requests.jsonl.3.xz") in warnings[0]
     assert "notes.txt" not in warnings[0]
+    # a folder holding no log at all (an empty one, or logs under another name) counted 0 requests without a word
+    for folder, files in (("empty", []), ("named_otherwise", ["chat.log"])):
+        (tmp_path / folder).mkdir()
+        for name in files:
+            (tmp_path / folder / name).write_text(asked("chat", now - 10))
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="draftsmith.monitor"):
+            assert read_requests(tmp_path / folder) == ([], 0)
+        assert "holds no request log named" in caplog.text and ("chat.log" in caplog.text) == bool(files)
 
 
 def test_the_latest_requests_are_the_newest_by_time_whichever_file_holds_them(tmp_path):
