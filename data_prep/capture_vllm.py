@@ -57,7 +57,7 @@ from draftsmith.target import (
     num_layers,
     resolve_dtype,
 )
-from draftsmith.target_weights import stored_records
+from draftsmith.target_weights import decoder_of, stored_records
 
 PYTHON_KEY = "data.capture.vllm.python"
 READER = "data.capture.engine=vllm"  # what reads the final norm's weights, in the line when it cannot
@@ -221,14 +221,14 @@ def normed(selection, layers: int) -> bool:
 
 
 class FinalNorm:
-    """The target's final norm, its module the target's own (built from its code, `get_decoder().norm`) and its
+    """The target's final norm, its module the target's own (built from its code, its decoder's `norm`) and its
     weights read alone from the checkpoint by the module's name: what turns vLLM's state at id L into transformers'
     last hidden state. `prove` checks it once against the engine."""
 
     def __init__(self, target, name_or_path: str):
         self.name_or_path, self.proved = name_or_path, False
         names = self.names(target, name_or_path)
-        norm = copy.deepcopy(target.get_decoder().norm).to_empty(device="cpu")
+        norm = copy.deepcopy(decoder_of(target).norm).to_empty(device="cpu")
         norm.load_state_dict({key: read_tensor(name_or_path, name) for key, name in names.items()}, strict=True)
         self.module = norm.to(target.dtype)  # the dtype vLLM runs the target in (VllmCapture.target)
         self.head_name = head_name(target, name_or_path)
@@ -244,7 +244,7 @@ class FinalNorm:
                 "layer's residual streams pass its own collapse before the norm, and vLLM hands out their mean: leave "
                 "out data.capture.final and the last layer, or set data.capture.engine=transformers"
             )
-        norm = getattr(target.get_decoder(), "norm", None)
+        norm = getattr(decoder_of(target), "norm", None)
         if not isinstance(norm, nn.Module) or list(norm.buffers()):
             raise UserError(
                 f"data.capture.engine=vllm cannot apply {type(target).__name__}'s final norm (no `norm` module of "

@@ -38,7 +38,7 @@ def last_layer_weights(model) -> list[tuple[str, torch.nn.Parameter]]:
     (FP8 kept on a GPU, dequantized on a CPU) and differ from its checkpoint's."""
     if getattr(model.config, "quantization_config", None) is not None:
         return []
-    decoder = model.get_decoder()
+    decoder = decoder_of(model)
     count = getattr(getattr(decoder, "config", None), "num_hidden_layers", None)
     stacks = [m for m in decoder.children() if isinstance(m, torch.nn.ModuleList) and len(m) == count]
     if not stacks:
@@ -47,6 +47,17 @@ def last_layer_weights(model) -> list[tuple[str, torch.nn.Parameter]]:
     named = stacks[0][-1].named_parameters()
     kept = [(name, p) for name, p in named if name.rpartition(".")[2] == "weight" and p.dim() >= 2]
     return [(f"{prefix}.{name}", p) for name, p in kept if p.numel() >= LAYER_VALUES]
+
+
+def decoder_of(model) -> torch.nn.Module:
+    """The target's decoder (its layers and final norm): `get_decoder()`, or where that answers the causal LM itself
+    (Llama-4's text model class) the model it wraps."""
+    from transformers import PreTrainedModel
+
+    decoder = model.get_decoder()
+    if decoder is model:
+        decoder = next((child for child in model.children() if isinstance(child, PreTrainedModel)), model)
+    return decoder
 
 
 def layer_values(weights: Sequence[torch.Tensor]) -> Optional[tuple[float, ...]]:

@@ -27,7 +27,7 @@ from draftsmith.model_files import stored_name
 from draftsmith.random_target import write_random_target
 from draftsmith.recipe import load_recipe
 from draftsmith.target import TargetShape, empty_target, load_target
-from draftsmith.target_weights import last_layer_weights
+from draftsmith.target_weights import decoder_of, last_layer_weights
 from tests.helpers import REFERENCE_TARGET, assert_one_line_error, corpus_slice
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -343,11 +343,12 @@ def test_the_final_norm_is_proved_against_the_engines_next_tokens():
     assert not off_by_one.proved
 
 
-@pytest.mark.parametrize("model_type", ["reference", "qwen3_moe", "deepseek_v3", "mistral3", "qwen3_vl"])
+@pytest.mark.parametrize("model_type", ["reference", "qwen3_moe", "deepseek_v3", "llama4", "mistral3", "qwen3_vl"])
 def test_which_weights_a_vllm_capture_records_is_read_from_the_checkpoint_as_a_load_records_it(tmp_path, model_type):
     """A vLLM capture never loads the target; what says which weights it captured (its embedding rows' norms, its last
     layer's first values) is read alone from the checkpoint as the load reads it (an expert stack, a low-rank
-    attention, a vision-language release's language model under its release's names: `language_model.model.*`,
+    attention, Llama-4's text model, whose get_decoder() answers itself, a vision-language release's language model
+    under its release's names: `language_model.model.*`,
     `model.language_model.*`), so training from it is checked against the target it is given; so is the final norm.
     The same weights built in bfloat16 read the same; a last layer changed by a fine-tune that keeps the embeddings
     reads as other weights."""
@@ -370,7 +371,7 @@ def test_which_weights_a_vllm_capture_records_is_read_from_the_checkpoint_as_a_l
     assert len(read.layer_values) == len(loaded.layer_values) and read.same_weights(loaded)
     state = torch.randn(5, target.config.hidden_size)
     norm = FinalNorm(empty_target(section, torch.float32), str(folder))
-    torch.testing.assert_close(norm(state), target.get_decoder().norm(state))
+    torch.testing.assert_close(norm(state), decoder_of(target).norm(state))
 
     tuned = tmp_path / "tuned"
     shutil.copytree(folder, tuned)
