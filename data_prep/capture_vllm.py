@@ -57,7 +57,7 @@ from draftsmith.target import (
     num_layers,
     resolve_dtype,
 )
-from draftsmith.target_weights import decoder_of, stored_records
+from draftsmith.target_weights import decoder_of, stored_records, stored_weight_name
 
 PYTHON_KEY = "data.capture.vllm.python"
 READER = "data.capture.engine=vllm"  # what reads the final norm's weights, in the line when it cannot
@@ -297,16 +297,8 @@ class FinalNorm:
 def head_name(target, name_or_path: str) -> Optional[str]:
     """The checkpoint name of the target's lm_head weight: the output embedding's, or with tied embeddings the input
     embedding's, which the checkpoint stores alone; None when it holds neither."""
-    output = weight_name(target, target.get_output_embeddings(), name_or_path)
-    return output or weight_name(target, target.get_input_embeddings(), name_or_path)
-
-
-def weight_name(model, module, name_or_path: str) -> Optional[str]:
-    """The checkpoint name of `module`'s weight (`stored_name`), if the checkpoint holds it."""
-    if module is None:
-        return None
-    prefix = next(name for name, found in model.named_modules() if found is module)
-    return stored_name(f"{prefix}.weight", tensor_names(checkpoint_folder(name_or_path, READER)))
+    output = stored_weight_name(target, target.get_output_embeddings(), name_or_path, READER)
+    return output or stored_weight_name(target, target.get_input_embeddings(), name_or_path, READER)
 
 
 def checkpoint_biases(section) -> Iterator[tuple[str, torch.Tensor]]:

@@ -88,13 +88,20 @@ def stored_records(model, name_or_path: str, reader: str) -> dict:
     may hold none: a target built empty; a wrapper's language model by the names its release stores: `stored_name`);
     each None where the checkpoint stores its weights under other names or in other shapes. `reader` names what reads
     them, for the line when the checkpoint cannot be read."""
-    stored = tensor_names(checkpoint_folder(name_or_path, reader))
-    prefix = next(name for name, found in model.named_modules() if found is model.get_input_embeddings())
-    embedding, norms = stored_name(f"{prefix}.weight", stored), None
+    embedding, norms = stored_weight_name(model, model.get_input_embeddings(), name_or_path, reader), None
     if embedding is not None:
+        stored = tensor_names(checkpoint_folder(name_or_path, reader))
         with safe_open(str(stored[embedding]), "pt") as f:
             norms = row_norms(f.get_slice(embedding)[:EMBEDDING_ROWS])
     return {"embedding_norms": norms, "layer_values": stored_layer_values(model, name_or_path, reader)}
+
+
+def stored_weight_name(model, module, name_or_path: str, reader: str) -> Optional[str]:
+    """The checkpoint name of `module`'s weight (`stored_name`), if the checkpoint holds it."""
+    if module is None:
+        return None
+    prefix = next(name for name, found in model.named_modules() if found is module)
+    return stored_name(f"{prefix}.weight", tensor_names(checkpoint_folder(name_or_path, reader)))
 
 
 def stored_layer_values(model, name_or_path: str, reader: str = "target.shard") -> Optional[tuple[float, ...]]:

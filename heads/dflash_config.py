@@ -90,20 +90,14 @@ class DFlashBlockConfig(DrafterConfig):
             default = (
                 None if self.target_layers is not None else "DFlash's default target layers (spread over [1, L-3])"
             )
-            check_layer_ids(
-                self.layers_for(target.num_hidden_layers),
-                target.num_hidden_layers,
-                "drafter.target_layers",
-                default,
-                "distinct layers",
-            )
-            last = target.num_hidden_layers - 1
-            if last in self.layers_for(target.num_hidden_layers):  # trains and evals here; no engine serves it
+            layers, last = self.layers_for(target.num_hidden_layers), target.num_hidden_layers - 1
+            check_layer_ids(layers, target.num_hidden_layers, "drafter.target_layers", default, "distinct layers")
+            if last in layers:  # trains and evals here; no engine serves it
                 logging.getLogger(__name__).warning(
                     "drafter.target_layers %s hold layer %d, the target's post-norm last state, which vLLM cannot "
                     "capture: the export for vLLM, the engine that serves this kind, will refuse this drafter; take "
                     "layers below %d to serve it",
-                    self.layers_for(target.num_hidden_layers),
+                    layers,
                     last,
                     last,
                 )

@@ -180,8 +180,9 @@ def impossible_counts(found: dict[str, float], series_id: str) -> Optional[str]:
     drafted."""
     drafts, drafted = found[f"drafts|{series_id}"], found.get(f"draft_tokens|{series_id}", 0.0)
     accepted = found.get(f"accepted|{series_id}", 0.0)
-    positions = [value for key, value in sorted(found.items(), key=lambda item: position_of(item[0]))
-                 if key.startswith("pos") and key.split("|", 1)[1] == series_id]  # fmt: skip
+    positions: list[float] = []  # vLLM's positions 0, 1, ... of this label set
+    while f"pos{len(positions)}|{series_id}" in found:
+        positions.append(found[f"pos{len(positions)}|{series_id}"])
     if accepted > drafted:
         return f"more accepted draft tokens ({accepted:g}) than draft tokens ({drafted:g})"
     if drafted < drafts:
@@ -193,11 +194,6 @@ def impossible_counts(found: dict[str, float], series_id: str) -> Optional[str]:
     if positions and abs(sum(positions) - accepted) > 0.5:
         return f"acceptances per draft position summing to {sum(positions):g}, not the accepted tokens ({accepted:g})"
     return None
-
-
-def position_of(key: str) -> int:
-    """A per-position series key's position (`pos<k>|...`); -1 for any other key."""
-    return int(key.split("|", 1)[0][3:]) if key.startswith("pos") else -1
 
 
 @dataclass
