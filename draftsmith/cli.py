@@ -181,11 +181,40 @@ def configure_logging() -> None:
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     # stderr: stdout holds a command's printed result alone, for `P=$(draftsmith export ...)`
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format=LOG_FORMAT, datefmt=LOG_DATE_FORMAT)
+    to_stderr = logging.StreamHandler(sys.stderr)
+    to_stderr.addFilter(DATA_LINES_SAID)
+    logging.basicConfig(handlers=[to_stderr], level=logging.INFO, format=LOG_FORMAT, datefmt=LOG_DATE_FORMAT)
     # DeepSpeed logs to stdout, through a handler its import adds to its own logger (which transformers imports as it
     # loads a model; on a machine without a GPU its first record is a warning): a filter on that logger, which the
     # import keeps, hands its records to stderr's handlers instead
     logging.getLogger("DeepSpeed").addFilter(on_stderr)
+
+
+class SaidOnce(logging.Filter):
+    """A handler filter: a data stage's information line said already (`forget` clears them) is not said again.
+    One run reads a file once per purpose (the training set, the held-out rows, the eval's prompts and their
+    overlap with the training set), and each read would say the same "loaded 8 conversations from ...". Warnings
+    always pass; so does every record handled by another handler, pytest's caplog's among them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.said: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name != DATA_LOGGER or record.levelno > logging.INFO:
+            return True
+        line = record.getMessage()
+        if line in self.said:
+            return False
+        self.said.add(line)
+        return True
+
+    def forget(self) -> None:
+        self.said.clear()
+
+
+DATA_LOGGER = "draftsmith.data"
+DATA_LINES_SAID = SaidOnce()  # one per process: the stderr handler's (configure_logging)
 
 
 def on_stderr(record: logging.LogRecord) -> bool:

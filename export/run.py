@@ -38,6 +38,7 @@ from draftsmith.formats.repo import (
 )
 from draftsmith.formats.versions import (
     require_build_serves,
+    require_draft_config_read_as_written,
     require_engine_imports,
     require_vllm_serves,
     served_builds,
@@ -102,6 +103,8 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, engines=No
                 ),
             )
             require_engine_imports(source.target.config, cfg.export.vllm_python)
+            if exporter.vllm_writes_family_config:
+                require_draft_config_read_as_written(repos["vllm"].config, repos["vllm"].method, cfg.export.vllm_python)
         for repo in repos.values():
             check_tensors(repo, f"{source.drafter.type} checkpoint {checkpoint}")
         with_reported_accuracy(source, report)

@@ -63,6 +63,10 @@ class Exporter:
     # loaders read `.model` too (vllm/v1/worker/gpu/spec_decode: eagle/utils.py, dspark/utils.py; P-EAGLE falls back
     # to V1) while its DFlash loader takes the decoder itself (dflash/utils.py: source read)
     vllm_shares_embedding: ClassVar[Optional[str]] = EVERY_BUILD
+    # whether its vLLM folder's config.json is a target family's own causal-LM config, which vLLM's speculative config
+    # maps to the family's MTP model where the family ships one (formats/versions.py
+    # require_draft_config_read_as_written, asked of the export's engine)
+    vllm_writes_family_config: ClassVar[bool] = False
 
     def check_engines(self, kind: str, engines: list[str], vllm_format: str) -> None:
         """Whether these engines (and vLLM layout) can serve the kind at all: known before any model loads."""

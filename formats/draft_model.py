@@ -78,6 +78,7 @@ class DraftModelExporter(Exporter):
     vllm_method = "draft_model"
     vllm_method_from_name = True
     vllm_shares_embedding = None  # the draft model embeds with its own weights
+    vllm_writes_family_config = True  # a causal LM of the target's family, or of another with its vocabulary
 
     def refuse(self, engine: str, drafter, target: TargetInfo, vllm_format: str = "speculators") -> None:
         super().refuse(engine, drafter, target, vllm_format)

@@ -37,6 +37,7 @@ def main(argv: Sequence[str]) -> None:
         program = "draftsmith monitor" if sys.argv[1:2] == ["monitor"] else "python -m monitor"
         raise UserError(f"usage: {program} check|watch recipe=NAME [key=value ...]")
     # imported here, under entry_point's run_cli: Ctrl-C or SIGTERM during their imports ends as later
+    from draftsmith.cli import DATA_LINES_SAID
     from draftsmith.outputs import DirectoryInUse
     from draftsmith.recipe import load_recipe
 
@@ -54,6 +55,7 @@ def main(argv: Sequence[str]) -> None:
             run_redeploy_command(cfg.monitor.redeploy_command, state_dir_of(cfg), cfg.monitor.redeploy_timeout_s)
 
     def checked() -> Outcome:
+        DATA_LINES_SAID.forget()  # each check's log says what it read
         return check(cfg, held=reported)
 
     if argv[0] == "check":

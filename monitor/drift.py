@@ -16,6 +16,7 @@ sample and the confidence absorb that, and the hysteresis (a drift must persist 
 from __future__ import annotations
 
 import datetime
+import logging
 import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -23,6 +24,8 @@ from statistics import NormalDist
 from typing import Any, Optional
 
 from draftsmith.errors import UserError
+
+log = logging.getLogger("draftsmith.monitor")
 
 DRIFT, HEALTHY, UNDECIDED, TOO_FEW = "drift", "healthy", "undecided", "too few samples"
 # The engine's verdict when it is not the engine the export was checked in (monitor/check.py): its
@@ -99,6 +102,19 @@ class Baseline:
                 f"{source} is not a draftsmith eval report with chain rows ({type(err).__name__}: {err}): give the "
                 "report.json the deployed drafter's eval wrote"
             ) from None
+        if alpha(overall) == 0:  # the threshold is 0 as well: no measured rate falls below it
+            raise UserError(
+                f"the baseline report {source} measured acceptance 0 (the drafter accepted none of its "
+                f"{overall['drafted']:g} drafted tokens): no drift can be seen below it; monitor a drafter that "
+                "accepts tokens, evaluated on its traffic (python -m eval)"
+            )
+        if unjudged := sorted(name for name, rate in domains.items() if rate == 0):
+            log.warning(
+                "the baseline report %s measured acceptance 0 in domain(s) %s: their own drift cannot be seen, only "
+                "the overall acceptance's",
+                source,
+                ", ".join(unjudged),
+            )
         return cls(
             alpha=alpha(overall),
             at_least=at_least,

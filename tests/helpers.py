@@ -323,10 +323,12 @@ def run_entry_in_process(args: list[str], capsys=None) -> subprocess.CompletedPr
     argv, path, code = sys.argv, list(sys.path), 0
     if capsys:
         capsys.readouterr()
-    from draftsmith.cli import LOG_DATE_FORMAT, LOG_FORMAT
+    from draftsmith.cli import DATA_LINES_SAID, LOG_DATE_FORMAT, LOG_FORMAT
 
     root, to_stderr = logging.getLogger(), logging.StreamHandler(sys.stderr)
     to_stderr.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATE_FORMAT))
+    to_stderr.addFilter(DATA_LINES_SAID)  # as configure_logging's handler, in a process that has said nothing yet
+    DATA_LINES_SAID.forget()
     level = root.level
     root.setLevel(logging.INFO)
     root.addHandler(to_stderr)

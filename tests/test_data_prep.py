@@ -762,6 +762,20 @@ def test_regeneration_keeps_an_opening_assistant_turn_and_answers_the_prompt_aft
     assert ended == [None, None] and engine.asked == [render_prompt(tokenizer, [GREETING, USER, ASSISTANT])[0]] * 2
 
 
+def test_a_run_says_each_file_it_read_once(tmp_path, capsys):
+    """Training reads data.train and data.eval for the training, again for the held-out accuracy and the eval's
+    prompts and their overlap with the training set: each read said "loaded 8 conversations from ..." again, three or
+    four times a file. The stderr log says each once."""
+    args = ["recipe=medusa", f"output_dir={tmp_path / 'run'}", "data.max_conversations=8", "train.max_steps=1",
+            "eval.max_prompts=1", "eval.max_new_tokens=4"]  # fmt: skip
+    done = run_entry_in_process(["train.py", *args], capsys)
+    assert done.returncode == 0, done.stderr[-2000:]
+    loaded = [line.split("draftsmith.data: ")[1] for line in done.stderr.splitlines() if "conversations from /" in line]
+    assert sorted(loaded) == [
+        f"loaded 8 conversations from {REPO / 'demo' / 'data' / name}.jsonl.gz" for name in ("eval", "train")
+    ]
+
+
 def test_opening_assistant_turns_through_regenerate_and_train(tmp_path, token_cache, capsys):
     """The real commands on a chat log with greetings: regenerate keeps each greeting, answers the rest,
     writes no null keys and counts what it wrote (a conversation whose first prompt is over data.max_length

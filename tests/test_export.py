@@ -972,6 +972,35 @@ def test_a_vllm_that_cannot_import_the_targets_model_is_refused_before_it_starts
     require_engine_imports({"architectures": ["Qwen3NextForCausalLM"]}, str(without))
 
 
+@pytest.mark.slow  # vLLM's Python imports its speculative config twice (about 10 s each)
+def test_a_draft_model_vllm_would_serve_as_its_familys_mtp_layer_is_refused_before_the_engine_starts(
+    tmp_path, capsys, vllm_python
+):
+    """vLLM 0.32 maps the draft config of every family that ships MTP layers to the family's MTP model whatever the
+    method (SpeculativeConfig.hf_config_override): the check of a draft model of GLM-4.5's first layers failed once
+    the engine had started ("Following weights were not initialized from checkpoint: model.layers.4.mtp_block...").
+    Asked of the real vLLM before it starts: one line, nothing written. A family it reads as written passes. The
+    draft model is the one kind whose folder holds a family's own config (the MTP kind's is meant to be read so)."""
+    from draftsmith.formats import EXPORTERS
+    from draftsmith.formats.versions import require_draft_config_read_as_written
+    from draftsmith.random_target import demo_tokenizer_dir, write_random_target
+
+    directory = write_random_target("glm4_moe", tmp_path / "target", seed_from=demo_tokenizer_dir())
+    checkpoint = save_drafter("draft_model", load_target(str(directory)), tmp_path / "ckpt", target_name=str(directory))
+    output = tmp_path / "refused"
+    args = ["-m", "export", *export_args("draft_model", checkpoint, output, f"checkpoint={checkpoint}",
+                                         f"target.name_or_path={directory}", "export.engines=[vllm]")]  # fmt: skip
+    result = run_entry_in_process([*args, f"export.vllm_python={vllm_python}"], capsys)
+    assert_one_line_error(
+        result, 2, "vLLM reads this draft_model folder's config (glm4_moe, Glm4MoeForCausalLM) as its Glm4MoeMTPModel"
+    )
+    assert "draft this target with another kind (its own MTP layer, where it ships one)" in result.stderr
+    assert not output.exists()
+    llama = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    require_draft_config_read_as_written(llama, "draft_model", vllm_python)
+    assert [kind for kind, exporter in EXPORTERS.items() if exporter.vllm_writes_family_config] == ["draft_model"]
+
+
 # -- push ----------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_push_lands_every_file_and_an_unchanged_rerun_makes_no_commit(target, tmp_path):

@@ -13,6 +13,7 @@ import datetime
 import gzip
 import http.server
 import json
+import logging
 import os
 import shutil
 import signal
@@ -419,6 +420,29 @@ def test_a_baseline_report_without_the_chain_rows_it_reads_is_one_line(all_rows)
     one line naming what it lacks, exit 2, not an internal error."""
     with pytest.raises(UserError, match="is not a draftsmith eval report with chain rows"):
         Baseline.from_report({"domains": {"all": all_rows}}, "baseline.json")
+
+
+def chain_row(drafted: int, accepted: int) -> dict:
+    """An eval report's chain row of `drafted` tokens over drafts of 2, `accepted` of them at the first position."""
+    counts = {"reached": [drafted // 2, accepted], "accepted": [accepted, 0]}
+    return {"chain": {"drafted": drafted, "accepted": accepted, "per_position_counts": counts}}
+
+
+def test_a_baseline_that_accepted_nothing_is_refused_and_a_domain_that_did_is_warned_of(caplog):
+    """At baseline acceptance 0 the drift threshold is 0 too: no window could ever be judged drifted, so a monitor
+    of it would watch nothing. Overall it is refused in one line; a domain at 0 is warned of: only the overall rate can
+    show its drift."""
+    with pytest.raises(UserError, match="measured acceptance 0 .*none of its 8 drafted tokens.*no drift can be seen"):
+        Baseline.from_report({"domains": {"all": chain_row(8, 0), "code": chain_row(8, 0)}}, "baseline.json")
+    with caplog.at_level(logging.WARNING, logger="draftsmith.monitor"):
+        baseline = Baseline.from_report(
+            {"domains": {"all": chain_row(16, 2), "code": chain_row(8, 0), "math": chain_row(8, 2)}}, "baseline.json"
+        )
+    assert baseline.alpha == 2 / 16 and baseline.domains == {"code": 0.0, "math": 0.25}
+    assert [record.getMessage() for record in caplog.records] == [
+        "the baseline report baseline.json measured acceptance 0 in domain(s) code: their own drift cannot be seen, "
+        "only the overall acceptance's"
+    ]
 
 
 def test_a_baseline_report_of_other_weights_is_refused_in_one_line(tmp_path, capsys):
