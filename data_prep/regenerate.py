@@ -146,6 +146,10 @@ def regenerate(cfg: DictConfig, target=None, tokenizer=None) -> RegenerateResult
     if not cfg.data.train:
         raise UserError("data.train is empty: give at least one conversation file or Hub data set id to regenerate")
     require_context(cfg.target, cfg.data.max_length, None if target is None else target.config)
+    refused = ANSWER_ENGINES[section.engine].SHARDING_REFUSED
+    if refused and cfg.target.shard != "none":
+        raise UserError(f"data.regenerate.engine={section.engine} with target.shard={cfg.target.shard}: {refused}")
+    ANSWER_ENGINES[section.engine].require_runnable(cfg)
 
     conversations = load_conversations(
         list(cfg.data.train),
@@ -153,9 +157,6 @@ def regenerate(cfg: DictConfig, target=None, tokenizer=None) -> RegenerateResult
         prompts_only=True,
         skip_invalid_utf8=cfg.data.skip_invalid_utf8,
     ).map(with_a_turn_to_answer, desc="prompts get a turn to answer")
-    refused = ANSWER_ENGINES[section.engine].SHARDING_REFUSED
-    if refused and cfg.target.shard != "none":
-        raise UserError(f"data.regenerate.engine={section.engine} with target.shard={cfg.target.shard}: {refused}")
     conversations, excluded, short = kept_conversations(conversations, section)
     settings = {
         "target": cfg.target.name_or_path,
@@ -355,17 +356,23 @@ def require_marks(saved: dict[str, Any], directory: Path, advice: str) -> None:
 
 def claim_directory(directory: Path, settings: dict[str, Any]) -> None:
     """Start a new output directory, or resume one made with the same settings; drop partial parts."""
-    path = directory / REGENERATE_SETTINGS
+    path, advice = directory / REGENERATE_SETTINGS, "use another data.regenerate.output or delete it"
     if path.is_file():
-        saved = read_json(path, "regeneration record", "use another data.regenerate.output or delete it")
-        require_marks(saved, directory, "use another data.regenerate.output or delete it")
-        require_same_settings(
-            saved, settings, f"{directory} holds a regeneration", "use another data.regenerate.output or delete it"
-        )
+        saved = read_json(path, "regeneration record", advice)
+        require_marks(saved, directory, advice)
+        if saved.get("data") != settings["data"]:  # a digest: say what it is of
+            advice = (
+                "data is the digest of the conversations to answer (data.train, data.max_conversations, "
+                f"data.regenerate.exclude and min_turns decide them); {advice}"
+            )
+        require_same_settings(saved, settings, f"{directory} holds a regeneration", advice)
     elif any(directory.glob("part-*")):
+        raise UserError(f"{directory} holds part files but no {REGENERATE_SETTINGS}; {advice}")
+    elif foreign := sorted(entry.name for entry in directory.iterdir() if not entry.name.startswith(".")):
         raise UserError(
-            f"{directory} holds part files but no {REGENERATE_SETTINGS}; use another data.regenerate.output or "
-            "delete it"
+            f"{directory} holds files no regeneration wrote ({', '.join(foreign[:3])}"
+            f"{', ...' if len(foreign) > 3 else ''}): data.train=[{directory}] would read them with its parts; "
+            "use another data.regenerate.output"
         )
     else:
         write_text_atomic(path, json.dumps(settings, indent=2) + "\n")

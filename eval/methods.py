@@ -4,6 +4,7 @@ prompts and turns their counters into the report."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -24,6 +25,8 @@ from draftsmith.formats import refusals
 from draftsmith.formats.repo import TargetInfo
 from draftsmith.heads.proposer import DynamicTree, Proposer, Tree
 from draftsmith.target import loaded_config
+
+log = logging.getLogger("draftsmith.eval")
 
 EVAL_ONLY = "draftsmith eval only"  # a method no engine serves for this drafter and target
 # Engines that draft their argmax at any temperature and verify as if q were one-hot: SGLang's EAGLE worker, and
@@ -104,6 +107,13 @@ def build_methods(cfg: DictConfig, drafter, target, verifier, temperature: float
     ]
     if nodes > 0:
         tree = new_proposer().default_tree(nodes)
+        if not isinstance(tree, DynamicTree) and len(tree) < nodes:  # its heads' ranks hold no more paths
+            log.warning(
+                "eval.tree=%d: this %s drafter's tree holds at most %d nodes, measured with those",
+                nodes,
+                drafter.type,
+                len(tree),
+            )
         methods.append(
             Method(
                 "tree",

@@ -194,23 +194,25 @@ def claim_export_dir(output: Path, digest: str, overwrite: bool) -> None:
     """An engine folder made from another checkpoint is never replaced implicitly; one made from this
     checkpoint is re-exported in place (the same inputs give the same bytes). Every engine's folder counts, not
     only those exported now: another checkpoint's left beside this one's would read as one export of two drafters."""
-    others = []
+    others, foreign = [], []  # engine folders of another checkpoint's export; folders no export wrote
     for engine in SERVING_ENGINES:
         info_path = output / engine / EXPORT_INFO
         if (output / engine).exists():
-            made_from = (
-                json.loads(info_path.read_text()).get("source", {}).get("sha256") if info_path.is_file() else None
-            )
-            if made_from != digest:
+            if not info_path.is_file():
+                foreign.append(engine)
+            elif json.loads(info_path.read_text()).get("source", {}).get("sha256") != digest:
                 others.append(engine)
-    if not others:
+    if not others and not foreign:
         return
     if not overwrite:
+        held = [f"{', '.join(others)} export(s) of another checkpoint"] if others else []
+        if foreign:
+            held.append(f"{', '.join(f'{engine}/' for engine in foreign)} no export wrote (no {EXPORT_INFO})")
         raise UserError(
-            f"{output} holds {', '.join(others)} export(s) of another checkpoint; use another export.output, "
+            f"{output} holds {' and '.join(held)}; use another export.output, "
             f"or export.overwrite=true to move them to {output}/replaced/<time>/"
         )
-    move_aside(output, others)
+    move_aside(output, others + foreign)
 
 
 def checked_in_engine(cfg: DictConfig, engine: str) -> bool:

@@ -55,19 +55,29 @@ def read_folder(folder: Path, target):
     exporter, config, tensors = engine_format(folder)
     info_path = next((p for p in (folder / EXPORT_INFO, folder.parent / EXPORT_INFO) if p.is_file()), None)
     info = read_json(info_path) if info_path else {}
-    drafter = exporter.read(folder, config, tensors, target, info)
+    try:  # a folder in the format, with a config.json edited to values its reader cannot take
+        drafter = exporter.read(folder, config, tensors, target, info)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
+        raise UserError(
+            f"{folder / CONFIG_NAME}: corrupt {exporter.kinds[0]} engine config ({one_line(err, with_type=True)})"
+        ) from None
     return drafter.eval()
 
 
 def engine_format(folder: Path) -> tuple[Exporter, dict, dict]:
     """The format registry's entry that reads an engine folder, with its config.json and weights."""
     config = read_json(folder / CONFIG_NAME)
+    if not isinstance(config, dict):
+        raise UserError(f"{folder / CONFIG_NAME}: corrupt engine config (JSON {type(config).__name__}, not an object)")
     require_readable(folder / WEIGHTS_NAME)  # safetensors calls a file it may not read missing
     try:
         tensors = load_file(str(folder / WEIGHTS_NAME))
     except (SafetensorError, OSError) as err:
         raise UserError(f"{folder / WEIGHTS_NAME}: corrupt weights file ({one_line(err)})") from None
-    matches = [exporter for exporter in dict.fromkeys(EXPORTERS.values()) if exporter.recognises(config, tensors)]
+    try:  # a format's fields of another type (`architectures: null`) are no format's
+        matches = [exporter for exporter in dict.fromkeys(EXPORTERS.values()) if exporter.recognises(config, tensors)]
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise UserError(f"{folder / CONFIG_NAME}: corrupt engine config ({one_line(err, with_type=True)})") from None
     if len(matches) != 1:
         raise UserError(
             f"{folder} is not a drafter folder draftsmith can read "
@@ -156,7 +166,10 @@ def require_recipes_kind(kind: Optional[str], recipe_kind: str, what: str, role:
     """The drafter `what` holds is of the kind the recipe trains (`role` "is for": the kind a read-only
     command's recipe names); None: not known yet (an engine folder, read as its format's kind)."""
     if kind not in (None, recipe_kind):
-        raise UserError(f"{what} holds a {kind} drafter, the recipe {role} {recipe_kind}: {recipe_advice(kind)}")
+        article = "an" if kind[0] in "aeiou" else "a"
+        raise UserError(
+            f"{what} holds {article} {kind} drafter, the recipe {role} {recipe_kind}: {recipe_advice(kind)}"
+        )
 
 
 def served_settings(argv: Sequence[str], cfg: DictConfig) -> dict[str, Any]:

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -287,6 +288,12 @@ def architecture(config: DrafterConfig) -> dict[str, Any]:
     return {key: value for key, value in asdict(config).items() if key not in skipped}
 
 
+def filled_from_target(key: str) -> UserError:
+    """The line for a drafter built without a setting `from_target` reads from the target: a hand-edited
+    checkpoint's config.json that lost it (load_drafter names the file)."""
+    return UserError(f"drafter.{key} is missing: it is read from the target when the drafter is made (from_target)")
+
+
 def config_from_dict(config_cls: type, values: dict):
     known = {f.name for f in fields(config_cls)}
     unknown = sorted(set(values) - known)
@@ -341,7 +348,14 @@ def load_drafter(directory: str | os.PathLike, target: Optional[TargetShape] = N
     cls, config, saved_target, saved = saved_drafter(directory)
     if target is not None:
         check_same_target(saved_target, target, str(directory))
-    drafter = cls(config, saved_target)
+    try:  # a config saved whole builds; a hand-edited one may not (a head count, an activation transformers lacks)
+        drafter = cls(config, saved_target)
+    except UserError as err:
+        raise UserError(f"{directory / CONFIG_NAME}: corrupt drafter config ({err})") from None
+    except (KeyError, TypeError, ValueError, AttributeError, StrictDataclassError) as err:
+        raise UserError(
+            f"{directory / CONFIG_NAME}: corrupt drafter config ({one_line(err, with_type=True)})"
+        ) from None
     if target_model is not None:  # before loading: a drafter may hold weights inside the target (Medusa-2's LoRA)
         drafter.attach_target(target_model)
     weights_path = directory / WEIGHTS_NAME

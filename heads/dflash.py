@@ -69,7 +69,7 @@ from torch import nn
 from draftsmith.errors import UserError
 from draftsmith.families import layer_family, tap_layers
 from draftsmith.heads import register
-from draftsmith.heads.base import per_sample_stats
+from draftsmith.heads.base import filled_from_target, per_sample_stats
 from draftsmith.heads.dflash_config import DFlashConfig
 from draftsmith.heads.dflash_gemma4 import FullAttentionRope, Gemma4DFlashLayer
 from draftsmith.heads.dflash_laguna import GatedDFlashLayer, is_gated, tap_norms
@@ -112,9 +112,7 @@ class DFlash(EagleBase):
     def __init__(self, config: DFlashConfig, target: TargetShape):
         super().__init__(config, target)
         if not config.target_layers:
-            raise UserError(
-                "a dflash drafter is built for a target: use from_target (drafter.target_layers is filled there)"
-            )
+            raise filled_from_target("target_layers")
         hidden = target.hidden_size
         layer_cls = import_qualified(config.decoder["layer"])
         self.fc = nn.Linear(len(config.target_layers) * hidden, hidden, bias=False)

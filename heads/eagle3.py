@@ -63,7 +63,7 @@ from torch import nn
 from draftsmith.errors import UserError
 from draftsmith.families import tap_layers
 from draftsmith.heads import register
-from draftsmith.heads.base import FlopProfile
+from draftsmith.heads.base import FlopProfile, filled_from_target
 from draftsmith.heads.eagle3_config import Eagle3Config
 from draftsmith.heads.eagle3_training import Eagle3Training
 from draftsmith.heads.eagle_base import EagleBase, EagleProposer, import_qualified, start_from_norm
@@ -147,9 +147,7 @@ class Eagle3(Eagle3Training, EagleBase):
     def __init__(self, config: Eagle3Config, target: TargetShape):
         super().__init__(config, target)
         if not config.aux_layers:
-            raise UserError(
-                "an eagle3 drafter is built for a target: use from_target (drafter.aux_layers is filled there)"
-            )
+            raise filled_from_target("aux_layers")
         if config.draft_vocab_size > target.vocab_size:
             raise UserError(
                 f"drafter.draft_vocab_size={config.draft_vocab_size} exceeds the target's vocabulary "

@@ -16,7 +16,7 @@ from torch import nn
 
 from draftsmith.errors import UserError
 from draftsmith.families import layer_family, within_window
-from draftsmith.heads.base import Drafter
+from draftsmith.heads.base import Drafter, filled_from_target
 from draftsmith.heads.proposer import DraftState, DraftTree, DynamicTree, Proposer, Tree
 from draftsmith.target import TargetShape
 
@@ -91,9 +91,7 @@ class EagleBase(Drafter):
     def __init__(self, config, target: TargetShape):
         super().__init__(config, target)
         if config.decoder is None:
-            raise UserError(
-                f"an {self.type} drafter is built for a target: use from_target (drafter.decoder is filled there)"
-            )
+            raise filled_from_target("decoder")
         layer_config = import_qualified(config.decoder["config_class"]).from_dict(config.decoder["config"])
         layer_config._attn_implementation = "sdpa"  # takes the explicit tree masks of decoding
         self.layer_config = layer_config

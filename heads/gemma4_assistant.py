@@ -49,7 +49,7 @@ from torch import nn
 from draftsmith.errors import UserError
 from draftsmith.families import within_window
 from draftsmith.heads import register
-from draftsmith.heads.base import Drafter, FlopProfile
+from draftsmith.heads.base import Drafter, FlopProfile, filled_from_target
 from draftsmith.heads.gemma4_assistant_config import ASSISTANTS, AssistantConfig
 from draftsmith.heads.packing import documents, positions, shifted
 from draftsmith.heads.proposer import DraftState, DraftTree, Proposer, Tree
@@ -154,9 +154,7 @@ class Gemma4Assistant(Drafter):
     def __init__(self, config: AssistantConfig, target: TargetShape):
         super().__init__(config, target)
         if config.decoder is None:
-            raise UserError(
-                f"a {self.type} drafter is built for a target: use from_target (drafter.decoder is filled there)"
-            )
+            raise filled_from_target("decoder")
         from transformers import CONFIG_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING
 
         values = config.decoder["assistant"]  # its model type: Gemma-4's assistant, or its unified target's

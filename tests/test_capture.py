@@ -399,6 +399,20 @@ def test_bad_capture_settings_exit_2_with_one_line(captures, conversations, caps
     assert_one_line_error(done, 2, message)
 
 
+def test_a_directory_of_files_no_capture_wrote_is_not_written_into(tmp_path, conversations, capsys):
+    """data.capture.output naming a training run's output_dir was written into, its shards and manifest beside the
+    run's files: refused in one line before the target loads, nothing added."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("drafter: {type: medusa}\n")
+    args = capture_args(tmp_path, conversations, f"data.capture.output={run}")
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(main, args)
+    done = subprocess.CompletedProcess(args, exit_info.value.code, "", capsys.readouterr().err)
+    assert_one_line_error(done, 2, f"{run} holds files no capture wrote (config.yaml): set data.capture.output to a")
+    assert sorted(path.name for path in run.iterdir()) == ["config.yaml"]
+
+
 def test_a_vision_language_release_whose_config_keeps_its_layer_count_in_its_text_config_is_captured(
     tmp_path, conversations
 ):

@@ -594,6 +594,8 @@ GOOD = {"messages": [USER, ASSISTANT]}
         ),
         ([{"prompt": "Hi", "response": "Hello!"}], r"bad\.jsonl record 1: no 'messages' field"),
         ([], r"bad\.jsonl has no records"),
+        # was a report row named "['a']"
+        ([GOOD, {**GOOD, "domain": ["a"]}], r"bad\.jsonl record 2: 'domain' must be a name \(a string\), not list"),
     ],
     ids=[
         "malformed",
@@ -604,6 +606,7 @@ GOOD = {"messages": [USER, ASSISTANT]}
         "non-string",
         "no-messages",
         "empty-file",
+        "list-domain",
     ],
 )
 def test_bad_records_name_file_and_record(tmp_path, lines, message):

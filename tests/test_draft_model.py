@@ -397,14 +397,14 @@ def test_regeneration_resumes_without_redoing_finished_conversations(tmp_path, s
 def test_a_finished_regeneration_is_known_by_its_conversations_not_their_path(tmp_path, small_data):
     """The same conversations read through another file (a moved or re-installed source, another machine,
     edited loading code) resume the finished directory without generating anything; other
-    conversations are refused, naming `data`."""
+    conversations are refused, naming `data` and saying what it is; a folder of other files is not written into."""
     from draftsmith.data_prep.regenerate import regenerate
     from draftsmith.target import load_tokenizer
 
-    def recipe(source, count=3):
+    def recipe(source, count=3, output=tmp_path / "out"):
         return load_recipe([
             "recipe=draft", f"target.name_or_path={REFERENCE_TARGET}", f"data.train=[{source}]",
-            f"data.max_conversations={count}", f"data.regenerate.output={tmp_path / 'out'}",
+            f"data.max_conversations={count}", f"data.regenerate.output={output}",
             "data.regenerate.max_new_tokens=2", "data.regenerate.max_turns=1", f"output_dir={tmp_path}",
         ])  # fmt: skip
 
@@ -414,8 +414,14 @@ def test_a_finished_regeneration_is_known_by_its_conversations_not_their_path(tm
     elsewhere.parent.mkdir()
     elsewhere.write_bytes(small_data["train"].read_bytes())
     assert regenerate(recipe(elsewhere), model, tokenizer).generated == 0
-    with pytest.raises(UserError, match=r"other settings \(data: '\w+' -> '\w+'\)"):
+    with pytest.raises(UserError, match=r"other settings \(data: '\w+' -> '\w+'\): data is the digest of the conv"):
         regenerate(recipe(elsewhere, count=4), model, tokenizer)
+    # nor into a folder of the user's own files, which a training run on it would read with the parts as one data set
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.jsonl").write_text("{}")
+    with pytest.raises(UserError, match=r"mine holds files no regeneration wrote \(notes.jsonl\): data.train="):
+        regenerate(recipe(elsewhere, output=tmp_path / "mine"), model, tokenizer)
+    assert sorted(path.name for path in (tmp_path / "mine").iterdir()) == ["notes.jsonl"]
 
 
 def test_max_turns_answers_the_first_turns_and_ends_the_conversation_there():

@@ -5,6 +5,7 @@ and the report / CLI."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -524,7 +525,7 @@ def test_bad_settings_are_user_errors(eval_setup, tmp_path):
 def test_a_damaged_folder_or_one_of_another_kind_is_one_line_naming_it(eval_setup, small_data, tmp_path):
     """A drafter folder cut short or edited by hand (a checkpoint's config.json; an export's config.json,
     draftsmith_export.json or weights) is a UserError naming the file (exit 2; they were internal errors), and
-    a checkpoint of another kind than the recipe's is refused as export and a warm start refuse it."""
+    a checkpoint or an export of another kind than the recipe's is refused as export and a warm start refuse it."""
     import shutil
 
     from draftsmith.export.run import export_checkpoint
@@ -553,11 +554,67 @@ def test_a_damaged_folder_or_one_of_another_kind_is_one_line_naming_it(eval_setu
         damaged = shutil.copytree(folder, tmp_path / f"export-{name}")
         (damaged / name).write_bytes(damage)
         refused(damaged, rf"{name}: corrupt")
+    # valid JSON its reader cannot take: they were internal errors (exit 70)
+    engine_config = json.loads((folder / "config.json").read_text())
+    for name, edited_config in {"list": [], "architectures": {**engine_config, "architectures": None},
+                                "heads": {**engine_config, "num_heads": "x"}}.items():  # fmt: skip
+        damaged = shutil.copytree(folder, tmp_path / f"export-edited-{name}")
+        (damaged / "config.json").write_text(json.dumps(edited_config))
+        refused(damaged, rf"export-edited-{name}/config.json: corrupt (medusa )?engine config \(")
     # its own output_dir: not the checkout's runs/eagle3, where a user's run may be
     eagle3 = ["recipe=eagle3", f"target.name_or_path={REFERENCE_TARGET}", f"data.eval=[{small_data['eval']}]",
               f"output_dir={tmp_path / 'eagle3'}"]  # fmt: skip
     refused(checkpoint, r"holds a medusa drafter, the recipe is for eagle3: .*recipe=medusa", load_recipe(eagle3))
+    # an export of another kind alike: it was evaluated, its report naming one kind drafter, another the recipe's
+    refused(folder, r"vllm holds a medusa drafter, the recipe is for eagle3: .*recipe=medusa", load_recipe(eagle3))
     refused(checkpoint.parent, r"holds neither a drafter checkpoint .*; its final/ does \(pass that\)")  # the run
+
+
+@pytest.mark.parametrize(
+    "edit, said",
+    [
+        (lambda decoder: decoder["config"].update(num_attention_heads=3), "not a multiple of the number of attention"),
+        (lambda decoder: decoder["config"].update(hidden_act="bogus"), "KeyError: 'bogus'"),
+        (lambda decoder: decoder.clear(), "drafter.decoder is missing: it is read from the target"),
+    ],
+    ids=["heads", "activation", "no-decoder"],
+)
+def test_a_checkpoint_whose_draft_layer_config_does_not_build_is_one_line(tmp_path, edit, said):
+    """An EAGLE-3 checkpoint's draft layer config edited by hand to values transformers refuses was an internal error
+    (exit 70), and one without it asked the user to "use from_target": the file's corrupt drafter config, exit 2."""
+    from draftsmith.heads.base import load_drafter
+    from draftsmith.target import load_target
+    from tests.helpers import save_drafter
+
+    checkpoint = save_drafter("eagle3", load_target(str(REFERENCE_TARGET)), tmp_path / "ckpt")
+    saved = json.loads((checkpoint / "config.json").read_text())
+    edit(saved["drafter"]["decoder"])
+    if not saved["drafter"]["decoder"]:
+        saved["drafter"]["decoder"] = None
+    (checkpoint / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(UserError, match=rf"ckpt/config.json: corrupt drafter config \(.*{re.escape(said)}"):
+        load_drafter(checkpoint)
+
+
+def test_a_tree_budget_beyond_what_a_static_tree_holds_is_said(eval_setup, caplog):
+    """eval.tree is a node budget; Medusa's static tree holds at most its heads' ranks' paths, and a budget beyond
+    them was measured with fewer nodes in silence (the report's recipe said 100000, its tree 1110)."""
+    import logging
+
+    from draftsmith.eval.methods import build_methods
+
+    root, recipe, target = eval_setup
+    medusa = drafter_class("medusa")
+    drafter = medusa.from_target(medusa.Config(num_heads=3), target, str(REFERENCE_TARGET))
+    with caplog.at_level(logging.WARNING, logger="draftsmith.eval"):
+        small = build_methods(load_recipe([f"recipe={recipe}", "eval.tree=6"]), drafter, target, target, 0.0)
+        assert not caplog.records
+        large = build_methods(load_recipe([f"recipe={recipe}", "eval.tree=100000"]), drafter, target, target, 0.0)
+    nodes = next(method.info["nodes"] for method in large if method.name == "tree")
+    assert next(method.info["nodes"] for method in small if method.name == "tree") == 6 and 6 < nodes < 100000
+    assert [record.getMessage() for record in caplog.records] == [
+        f"eval.tree=100000: this medusa drafter's tree holds at most {nodes} nodes, measured with those"
+    ]
 
 
 def test_an_eval_of_another_checkpoint_moves_the_earlier_report_aside(eval_setup, tmp_path, capsys):

@@ -578,6 +578,11 @@ def test_a_reexport_is_byte_identical_and_another_checkpoint_is_not_mixed_in(tar
     (moved,) = (tmp_path / "export" / "replaced").iterdir()
     assert {p.name: p.read_bytes() for p in (moved / "vllm").iterdir()} == before
     assert (moved / "sglang").is_dir() and not (tmp_path / "export" / "sglang").exists()
+    # a folder no export wrote is not called an export (it was "vllm export(s) of another checkpoint")
+    (tmp_path / "mine" / "vllm").mkdir(parents=True)
+    (tmp_path / "mine" / "vllm" / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match=r"mine holds vllm/ no export wrote \(no draftsmith_export.json\); use"):
+        run_export("eagle3", two, tmp_path / "mine", target=target)
 
 
 @pytest.mark.parametrize(
