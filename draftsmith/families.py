@@ -280,10 +280,12 @@ class LayerFamily:
         sliding windows, `num_layers` of them; nothing else from the target's family."""
         target = text_config(target_config)
         hidden, heads = int(_get(target, "hidden_size")), int(_get(target, "num_attention_heads"))
+        width = _get(target, "intermediate_size")
+        width = width[-1] if isinstance(width, (list, tuple)) else width  # one per layer (Gemma-3n): the last layer's
         config = {
             "model_type": self.model_type,
             "hidden_size": hidden,
-            "intermediate_size": int(_get(target, "intermediate_size") or 4 * hidden),
+            "intermediate_size": int(width or 4 * hidden),
             "num_attention_heads": heads,
             "num_key_value_heads": int(_get(target, "num_key_value_heads") or heads),
             "head_dim": int(_get(target, "head_dim") or hidden // heads),

@@ -41,7 +41,7 @@ from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 
 from draftsmith.causal_lm import may_be_a_causal_lm, no_causal_lm, register_misfiled_causal_lms, wraps_a_text_model
-from draftsmith.errors import UserError, run_cli
+from draftsmith.errors import UserError, one_line, run_cli
 from draftsmith.families import text_config
 from draftsmith.files import publish_folder, staging
 from draftsmith.outputs import check_output_dir
@@ -63,8 +63,6 @@ RANDOM_TARGET_TOKENIZER_FILES = (
 )
 # what write_random_target writes
 TARGET_FILES = frozenset({"config.json", "model.safetensors", *RANDOM_TARGET_TOKENIZER_FILES})
-
-
 DEMO_CONVERSATIONS = "demo/data/train.jsonl.gz"  # train_on_demo's
 
 
@@ -422,6 +420,9 @@ def write_command(argv: list[str]) -> None:
             if number is None:
                 raise
             raise OSError(int(number[1]), os.strerror(int(number[1])), str(staged / "model.safetensors")) from err
+        except (AttributeError, TypeError, ValueError, IndexError, KeyError, StopIteration) as err:
+            # the family's own code at a tiny shape (a sub-config it reads a field of that the tiny one lacks)
+            raise UserError(f"cannot build a tiny {args.model_type} target: {one_line(err, with_type=True)}") from None
         publish_folder(staged, directory)
     print(directory)
 

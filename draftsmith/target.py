@@ -365,6 +365,12 @@ def run_target(
     hidden_states = outputs.hidden_states
     final = hidden_states[-1]
     head = model.get_output_embeddings() if defer else None
+    if defer is None and final.dim() != input_ids.dim() + 1:  # first forward: one state a position, as drafters read
+        raise UserError(
+            f"cannot use target {type(model).__name__}: its hidden states are {tuple(final.shape)} for "
+            f"{tuple(input_ids.shape)} tokens (streams stacked before the batch, as AltUp's), and draftsmith's "
+            "drafters read one state a position"
+        )
     if defer is None:  # first forward of this model: are its logits its lm_head's output?
         with torch.no_grad():
             _PLAIN_HEAD[model] = outputs.logits.shape == (*final.shape[:-1], outputs.logits.shape[-1]) and torch.equal(

@@ -122,7 +122,7 @@ def build_config(
             # as its global field was, so that those layers keep their proportion to the others.
             scaled = {layer: scaled_overrides(values, defaults, fields) for layer, values in overrides.items()}
             config = cls(**fields, per_layer_config=scaled)
-    except StrictDataclassError as err:  # the class's own checks of its sizes (a field derived from none here)
+    except (StrictDataclassError, AttributeError) as err:  # its own checks of its sizes; a size it derives (Falcon)
         raise UserError(f"transformers' {cls.__name__} refuses the tiny {model_type} target: {one_line(err)}") from None
     sections = module_rotary_sections(cls, config)
     rope = getattr(config, "rope_parameters", None)
@@ -281,7 +281,7 @@ def scaled_fields(defaults: dict[str, Any], fields: dict[str, Any]) -> dict[str,
         out.update(ple_layer_ids=[1], ngram_vocab_size_base=fields["vocab_size"], split_ngram_parts=1)
     if defaults.get("hc_lowrank"):  # hyper-connections' low-rank stream mixer: a head's width (the release's ~hidden/6)
         out["hc_lowrank"] = head
-    if defaults.get("n_group"):
+    if defaults.get("n_group") and any(fields.get(key) for key in EXPERT_COUNTS):  # Dots1's default: no experts
         # Grouped routing: the experts split in groups (each scored by its top two experts), the tokens
         # routed within the best `topk_group` of them; as many groups as divide the experts in pairs, the
         # family's share of them kept (at least enough groups for the experts a token takes).

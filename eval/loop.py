@@ -40,7 +40,6 @@ from typing import Optional
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DummyLayer
 
 from draftsmith.caches import (
     RecurrentCheckpoint,
@@ -54,8 +53,9 @@ from draftsmith.caches import (
 from draftsmith.errors import UserError
 from draftsmith.eval.counts import Generation
 from draftsmith.eval.sampling import Sampling, Verdict, verify
+from draftsmith.eval.target_checks import check_target
 from draftsmith.eval.trees import (
-    additive_mask,
+    attention_masks,
     cache_positions,
     cut_tree,
     draft_depth,
@@ -64,15 +64,7 @@ from draftsmith.eval.trees import (
     verify_visibility,
 )
 from draftsmith.families import (
-    FULL,
-    LINEAR,
-    ROLLED_BACK,
-    SLIDING,
-    layer_types,
-    masks_of_every_kind,
     reads_in_order,
-    sliding_window,
-    within_window,
 )
 from draftsmith.heads.packing import causal_document_mask
 from draftsmith.heads.proposer import DraftState, DraftTree, Proposer, Tree
@@ -148,60 +140,6 @@ class DecodeState:
         self.rows = [self.rows[b] for b in keep]
         width = max(row.cached for row in self.rows)
         select_rows(self.cache, torch.tensor(list(keep), device=key_layers(self.cache)[0].keys.device), width)
-
-
-def check_target(model, tree: Optional[Tree] = None) -> None:
-    """Tree verification needs a backend that takes a custom 4D mask; rolling a rejected draft back
-    needs layers whose keys can be cut and gathered (full or sliding-window attention: a sliding-window
-    layer keeps every key in the loop's cache, and its mask hides those out of the window) or whose
-    state can be kept and put back (linear and compressed attention, for chains: they read tokens in order)."""
-    implementation = getattr(model.config, "_attn_implementation", "eager")
-    if implementation not in ("eager", "sdpa"):
-        raise UserError(
-            "the eval loop needs attn_implementation 'sdpa' or 'eager' (custom tree masks); the target uses "
-            f"{implementation!r}"
-        )
-    own_cache = getattr(model, "_supports_default_dynamic_cache", None)  # what transformers' generate asks
-    if own_cache is not None and not own_cache():
-        raise UserError(
-            f"the eval loop holds the target's keys and states in transformers' DynamicCache, which "
-            f"{type(model).__name__} does not take (it keeps a cache of its own)"
-        )
-    # a layer whose cache layer holds nothing (experts or an MLP as a layer of its own) has nothing to roll back
-    cached = zip(layer_types(model.config), new_cache(model).layers)
-    kinds = {kind for kind, layer in cached if not isinstance(layer, DummyLayer)}
-    if kinds == {LINEAR}:
-        raise UserError(
-            "this target's layers are all linear attention: transformers' cache counts the positions it holds on "
-            "attention layers, which the eval loop reads"
-        )
-    other = sorted(kinds - set(ROLLED_BACK))
-    if other:
-        raise UserError(
-            "the eval loop verifies drafts on attention, linear-attention, convolution and compressed-attention layers "
-            f"only (whose keys or states it can roll back); this target also has {other} layers"
-        )
-    if tree is not None and reads_in_order(model.config):
-        raise UserError(
-            "a target with linear-, compressed-, block-sparse or convolved attention layers verifies chains only (they "
-            "read a draft's tokens in order, so a tree's branches would see each other): set eval.tree=0"
-        )
-
-
-def attention_masks(model, sees: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor):
-    """The attention mask(s) of a forward whose queries see keys as `sees` [B, Q, K] says, at
-    `query_positions` [B, Q] and `key_positions` [B, K]: one additive mask where every layer attends
-    alike, and for a target with full and sliding-window layers one per kind (transformers' mapping by
-    layer type), the sliding-window one also hiding keys `sliding_window` or more positions back."""
-    kinds = set(layer_types(model.config))
-    if SLIDING not in kinds:
-        return additive_mask(sees, model.dtype)
-    near = within_window(query_positions[:, :, None], key_positions[:, None, :], sliding_window(model.config))
-    windowed = additive_mask(sees & near, model.dtype)
-    if kinds == {SLIDING}:
-        return windowed
-    # a kind of the model's own name (indexed attention beside sliding layers) attends as full attention does
-    return masks_of_every_kind(model.config, {FULL: additive_mask(sees, model.dtype), SLIDING: windowed})
 
 
 @torch.no_grad()
@@ -401,7 +339,7 @@ def generate_batch(
         raise ValueError(
             "generate_batch needs one proposer of its own per prompt (a proposer holds one sequence's state)"
         )
-    check_target(model, tree)
+    check_target(model, tree is not None, size > 1)
     seeds = list(seeds or [0] * size)
     if size > 1 and reads_in_order(model.config):
         return [

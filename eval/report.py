@@ -41,7 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 from draftsmith.data_prep.dataset import require_context, target_context
 from draftsmith.data_prep.overlap import PromptCount, prompts_in_train
 from draftsmith.engines import suffix_decoding_installed
-from draftsmith.errors import UserError
+from draftsmith.errors import NotLossless, UserError
 from draftsmith.eval.counts import Counts, ratio, report_row, summed
 from draftsmith.eval.loop import generate
 from draftsmith.eval.methods import Method, build_methods
@@ -91,7 +91,18 @@ def evaluate_trained_run(cfg: DictConfig, prompt_count: Optional[PromptCount] = 
     if cfg.data.eval:
         print(accuracy_table(split_accuracy(cfg, checkpoint_to_read(cfg), target, tokenizer)))
     if cfg.eval.enabled:
-        print(render_markdown(run_eval(cfg, target=target, tokenizer=tokenizer, prompt_count=prompt_count)))
+        report = run_eval(cfg, target=target, tokenizer=tokenizer, prompt_count=prompt_count)
+        print(render_markdown(report))
+        require_lossless(report)
+
+
+def require_lossless(report: dict[str, Any]) -> None:
+    """Exit 3 (`NotLossless`) when a greedy row of the report parted from plain decoding: the eval command's rule and
+    the training run's eval stage's (whose report is written, the rows marked, and whose run has finished)."""
+    if failed := failed_lossless(report):
+        raise NotLossless(
+            f"{', '.join(failed)}: tokens differ from plain greedy decoding (the WARNING lines above say where)"
+        )
 
 
 def run_eval(

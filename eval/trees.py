@@ -1,6 +1,6 @@
 """The shapes of drafts, as the verify forward needs them: each node's depth, which node sees which
-(itself and its ancestors), the additive attention mask of a batch of drafts over the cache, and the
-depth a tree request fills."""
+(itself and its ancestors), the additive attention mask of a batch of drafts over the cache (per layer kind for the
+target: `attention_masks`), and the depth a tree request fills."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
+from draftsmith.families import FULL, SLIDING, layer_types, masks_of_every_kind, sliding_window, within_window
 from draftsmith.heads.proposer import DraftTree, DynamicTree, Tree
 
 
@@ -78,3 +79,19 @@ def tree_depth(tree: Tree) -> int:
 def cut_tree(tree: Tree, max_depth: int) -> Tree:
     """The request no deeper than `max_depth` (a prefix-closed cut of static paths stays a tree)."""
     return tree.cut(max_depth) if isinstance(tree, DynamicTree) else [path for path in tree if len(path) <= max_depth]
+
+
+def attention_masks(model, sees: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor):
+    """The attention mask(s) of a forward whose queries see keys as `sees` [B, Q, K] says, at
+    `query_positions` [B, Q] and `key_positions` [B, K]: one additive mask where every layer attends
+    alike, and for a target with full and sliding-window layers one per kind (transformers' mapping by
+    layer type), the sliding-window one also hiding keys `sliding_window` or more positions back."""
+    kinds = set(layer_types(model.config))
+    if SLIDING not in kinds:
+        return additive_mask(sees, model.dtype)
+    near = within_window(query_positions[:, :, None], key_positions[:, None, :], sliding_window(model.config))
+    windowed = additive_mask(sees & near, model.dtype)
+    if kinds == {SLIDING}:
+        return windowed
+    # a kind of the model's own name (indexed attention beside sliding layers) attends as full attention does
+    return masks_of_every_kind(model.config, {FULL: additive_mask(sees, model.dtype), SLIDING: windowed})

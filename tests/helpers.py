@@ -32,9 +32,9 @@ import torch
 import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draftsmith.eval.loop import attention_masks, generate, generate_batch, prefill, propose, verify_step
+from draftsmith.eval.loop import generate, generate_batch, prefill, propose, verify_step
 from draftsmith.eval.sampling import Sampling
-from draftsmith.eval.trees import cache_positions, tree_depths, verify_visibility
+from draftsmith.eval.trees import attention_masks, cache_positions, tree_depths, verify_visibility
 from draftsmith.heads import drafter_class, drafters
 from draftsmith.heads.base import TargetShape, load_drafter
 from draftsmith.heads.proposer import DraftState, DraftTree, DynamicTree, Proposer

@@ -617,6 +617,25 @@ def test_a_tree_budget_beyond_what_a_static_tree_holds_is_said(eval_setup, caplo
     ]
 
 
+def test_a_training_runs_eval_stage_that_fails_the_lossless_check_exits_3(eval_setup, monkeypatch, capsys):
+    """The eval command's rule held only there: a training run's eval stage printed its WARNING and exited 0 (MPT's
+    tree, before such a target was refused trees). Its report as the eval wrote it, a row marked: NotLossless."""
+    from draftsmith.errors import NotLossless
+    from draftsmith.eval import report as reports
+
+    root, recipe, target = eval_setup
+    row = {"lossless": False}
+    failed = {"domains": {"all": {"tree": row}, "math": {"chain": {"lossless": True}, "tree": row}},
+              "baselines": {}, "batch_size": 1}  # fmt: skip
+    monkeypatch.setattr(reports, "run_eval", lambda *args, **kwargs: failed)
+    monkeypatch.setattr(reports, "render_markdown", lambda report: "the table")
+    monkeypatch.setattr(reports, "load_target", lambda *args, **kwargs: target)
+    cfg = load_recipe([f"recipe={recipe}", "data.eval=[]"])
+    with pytest.raises(NotLossless, match=r"^tree on math: tokens differ from plain greedy decoding"):
+        reports.evaluate_trained_run(cfg)
+    assert capsys.readouterr().out == "the table\n"
+
+
 def test_an_eval_of_another_checkpoint_moves_the_earlier_report_aside(eval_setup, tmp_path, capsys):
     """The eval of a run's best/ into its output_dir kept no trace of final/'s report (which final/'s export
     reads): the earlier report moves to eval/replaced/<time>/, said in a line naming the export.report that reads

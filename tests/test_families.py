@@ -492,6 +492,16 @@ def test_random_target_command_writes_a_target_or_one_line(tmp_path, capsys):
     refused = subprocess.CompletedProcess([], done.value.code, "", capsys.readouterr().err)
     assert assert_one_line_error(refused, 2).startswith("error: transformers has no model type 'no_such_family'")
     assert not (tmp_path / "x").exists()
+    # families whose own code fails at a tiny shape were internal errors (exit 70): one line each, nothing written
+    for family, said in [
+        ("dbrx", "cannot build a tiny dbrx target: AttributeError: 'DbrxAttentionConfig' object"),
+        ("falcon", "transformers' FalconConfig refuses the tiny falcon target: property 'head_dim'"),
+    ]:
+        with pytest.raises(SystemExit) as done:
+            main([family, str(tmp_path / family)])
+        refused = subprocess.CompletedProcess([], done.value.code, "", capsys.readouterr().err)
+        assert_one_line_error(refused, 2, said)
+        assert not (tmp_path / family).exists() and not (tmp_path / f"{family}.tmp").exists()
 
 
 @pytest.mark.slow

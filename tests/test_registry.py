@@ -270,7 +270,7 @@ NOT_KIND_WORDS = {
     ("draftsmith/random_target.py", "sliding_window"),
     ("draftsmith/text_release.py", "sliding_window"),
     ("draftsmith/tiny_config.py", "sliding_window"),
-    ("eval/loop.py", "sliding_window"),
+    ("eval/trees.py", "sliding_window"),
     ("draftsmith/target_loading.py", "mtp"),
     ("draftsmith/target_loading.py", "sliding_window"),  # the target's window, served as vLLM serves it
 }
