@@ -27,6 +27,7 @@ from draftsmith.data_prep.collate import Collator
 from draftsmith.data_prep.dataset import load_tokenized, split_heldout_rows
 from draftsmith.data_prep.features import open_features
 from draftsmith.data_prep.overlap import eval_in_train
+from draftsmith.eval.render import cell
 from draftsmith.files import write_text_atomic
 from draftsmith.heads import drafter_class
 from draftsmith.heads.base import EVAL_SPLIT_METRICS, Drafter, load_drafter, pair_means
@@ -146,7 +147,7 @@ def accuracy_table(table: dict) -> str:
     lines = [header, "|" + "---|" * (len(names) + 1)]
     for domain in trained:
         cells = [f"{untrained[domain][n]:.3f} → {trained[domain][n]:.3f}" for n in names]
-        lines.append(f"| {domain} | " + " | ".join(cells) + " |")
+        lines.append(f"| {cell(domain)} | " + " | ".join(cells) + " |")
     shared = table.get("eval_in_train") or {}
     if shared.get("conversations"):  # the warning at the run's start said which files
         lines += [

@@ -107,12 +107,13 @@ def build_methods(cfg: DictConfig, drafter, target, verifier, temperature: float
     ]
     if nodes > 0:
         tree = new_proposer().default_tree(nodes)
-        if not isinstance(tree, DynamicTree) and len(tree) < nodes:  # its heads' ranks hold no more paths
+        held = tree.nodes if isinstance(tree, DynamicTree) else len(tree)
+        if held < nodes:  # its heads' ranks hold no more paths; its growth makes no more candidates
             log.warning(
                 "eval.tree=%d: this %s drafter's tree holds at most %d nodes, measured with those",
                 nodes,
                 drafter.type,
-                len(tree),
+                held,
             )
         methods.append(
             Method(

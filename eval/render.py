@@ -73,9 +73,9 @@ def render_markdown(report: dict[str, Any]) -> str:
             per_position = per_position or "–"
             served_by = methods[name].get("served_by", "–")
             lines.append(
-                f"| {domain} | {name} | {served_by} | {row['prompts']} | {_fmt(row['tau'])} | {_fmt(row['alpha'])} "
-                f"| {per_position} | {_fmt(row['draft_forwards_per_cycle'])} | {row['tokens_per_s']:.1f} "
-                f"| {_fmt(row['speedup'])}×{_spread(row, name)} | {lossless} |"
+                f"| {cell(domain)} | {name} | {served_by} | {row['prompts']} | {_fmt(row['tau'])} "
+                f"| {_fmt(row['alpha'])} | {per_position} | {_fmt(row['draft_forwards_per_cycle'])} "
+                f"| {row['tokens_per_s']:.1f} | {_fmt(row['speedup'])}×{_spread(row, name)} | {lossless} |"
             )
     lines += [
         "",
@@ -182,6 +182,12 @@ def conclusion(report: dict[str, Any]) -> list[str]:
             else f"{FREE_BASELINES[strongest]}'s {row['speedup']:.2f}× is within the timing's noise of it (decode "
             "more: eval.max_prompts, eval.max_new_tokens)"
         )
+    elif best["tau"] is not None and best["tau"] <= 1.0:  # nothing saved, so nothing to weigh a cost against
+        why = "at τ ≤ 1 it saved no target forward" + (
+            ", and it proposed no draft (decode more: eval.max_new_tokens)"
+            if not best["draft_forwards_per_cycle"]
+            else f", and each took {_fmt(best['draft_forwards_per_cycle'])} of the drafter's forwards"
+        )
     else:
         why = (
             f"each target forward gave {_fmt(best['tau'])} tokens, and each also took "
@@ -195,6 +201,11 @@ def conclusion(report: dict[str, Any]) -> list[str]:
                 else f"; {FREE_BASELINES[strongest]} is faster than the drafter, though not than plain decoding"
             )
     return [f"**Result:** {measured}: no wall-clock win on {report['device']}: {why}{unmeasured}.", ""]
+
+
+def cell(text: str) -> str:
+    """A name (a data set's domain) as a markdown table's cell: a `|` in it would end the cell."""
+    return text.replace("|", "\\|")
 
 
 def beyond_noise(row: dict[str, Any], than: float) -> bool:
@@ -244,7 +255,7 @@ def render_batch_sweep(sweep: dict[str, Any]) -> list[str]:
                 row = sweep["rows"][str(size)][domain][name]
                 flag = " **NOT LOSSLESS**" if row["lossless"] is False else ""
                 cells.append(f"{_fmt(row['tau'])} / {row['tokens_per_s']:.1f} / {_fmt(row['speedup'])}×{flag}")
-            lines.append(f"| {domain} | {name} | " + " | ".join(cells) + " |")
+            lines.append(f"| {cell(domain)} | {name} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 

@@ -297,9 +297,15 @@ def find_report(cfg: DictConfig, checkpoint: Path, digest: str, target=None, ser
 
 def with_reported_accuracy(source: Source, report: Optional[dict[str, Any]]) -> None:
     """What the eval report measured on the eval split and decoding read (`drafter.learned`), taken
-    from the report the export was given: the checkpoint never holds it (the eval writes only its own
-    files), and the export records it in draftsmith_export.json's `learned`."""
+    from the report the export was given, else from where the checkpoint's own eval reads it (the run's
+    eval_accuracy.json beside it: a run without an eval stage, a Medusa tree shaped by default priors in its export
+    otherwise): the checkpoint never holds it (the eval writes only its own files), and the export records it in
+    draftsmith_export.json's `learned`."""
     measured = ((report or {}).get("drafter", {}).get("learned") or {}).get(EVAL_SPLIT_METRICS)
+    if not measured:
+        from draftsmith.eval.accuracy import measured_accuracy
+
+        measured = measured_accuracy(source.checkpoint)[0]
     if measured:
         source.drafter.learned = {**source.drafter.learned, EVAL_SPLIT_METRICS: dict(measured)}
 

@@ -188,7 +188,9 @@ class EagleProposer(Proposer):
         self.cache: Optional[DynamicCache] = None
 
     def default_tree(self, size: int) -> DynamicTree:
-        return DynamicTree(nodes=size, depth=self.drafter.config.tree_depth, topk=self.drafter.config.tree_topk)
+        depth, topk = self.drafter.config.tree_depth, self.drafter.config.tree_topk
+        most = topk + (depth - 1) * topk * topk  # `grow`'s candidates: topk children of the topk best, each step
+        return DynamicTree(nodes=min(size, most), depth=depth, topk=topk)
 
     @torch.no_grad()
     def propose(self, state: DraftState, num_tokens: int, tree: Optional[Tree] = None) -> DraftTree:

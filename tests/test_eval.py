@@ -597,8 +597,9 @@ def test_a_checkpoint_whose_draft_layer_config_does_not_build_is_one_line(tmp_pa
 
 
 def test_a_tree_budget_beyond_what_a_static_tree_holds_is_said(eval_setup, caplog):
-    """eval.tree is a node budget; Medusa's static tree holds at most its heads' ranks' paths, and a budget beyond
-    them was measured with fewer nodes in silence (the report's recipe said 100000, its tree 1110)."""
+    """eval.tree is a node budget; Medusa's static tree holds at most its heads' ranks' paths, EAGLE's dynamic one
+    the candidates its growth makes, and a budget beyond them was measured with fewer nodes in silence (the report's
+    recipe said 100000, its tree 1110; an EAGLE-3 report said 40 nodes of 10)."""
     import logging
 
     from draftsmith.eval.methods import build_methods
@@ -614,6 +615,21 @@ def test_a_tree_budget_beyond_what_a_static_tree_holds_is_said(eval_setup, caplo
     assert next(method.info["nodes"] for method in small if method.name == "tree") == 6 and 6 < nodes < 100000
     assert [record.getMessage() for record in caplog.records] == [
         f"eval.tree=100000: this medusa drafter's tree holds at most {nodes} nodes, measured with those"
+    ]
+    # EAGLE's dynamic tree, grown topk children of the topk best nodes a step: 2 + 2 * 4 candidates at depth 3, topk 2
+    # (eval.tree=40 measured the 10 and reported 40)
+    from omegaconf import OmegaConf
+
+    from tests.helpers import KINDS
+
+    caplog.clear()
+    eagle3 = load_recipe([f"recipe={KINDS['eagle3']}", "drafter.tree_depth=3", "drafter.tree_topk=2", "eval.tree=40"])
+    drafter = drafter_class("eagle3").from_target(OmegaConf.to_object(eagle3.drafter), target, str(REFERENCE_TARGET))
+    with caplog.at_level(logging.WARNING, logger="draftsmith.eval"):
+        methods = build_methods(eagle3, drafter, target, target, 0.0)
+    assert next(method.info["nodes"] for method in methods if method.name == "tree") == 10
+    assert [record.getMessage() for record in caplog.records] == [
+        "eval.tree=40: this eagle3 drafter's tree holds at most 10 nodes, measured with those"
     ]
 
 
@@ -634,6 +650,20 @@ def test_a_training_runs_eval_stage_that_fails_the_lossless_check_exits_3(eval_s
     with pytest.raises(NotLossless, match=r"^tree on math: tokens differ from plain greedy decoding"):
         reports.evaluate_trained_run(cfg)
     assert capsys.readouterr().out == "the table\n"
+
+
+def test_a_domain_with_a_pipe_keeps_report_mds_columns(eval_setup, small_data, tmp_path):
+    """A `|` in a domain's name ended its cell: the row had a column more than its header."""
+    root, recipe, target = eval_setup
+    record = json.loads(small_data["eval"].read_text().splitlines()[0])
+    data = tmp_path / "pipe.jsonl"
+    data.write_text(json.dumps({**record, "domain": "a|b"}) + "\n")
+    cfg = load_recipe([f"recipe={recipe}", f"output_dir={tmp_path}", f"eval.data=[{data}]", "eval.max_new_tokens=4"])
+    run_eval(cfg, str(root / "run" / "final"), target=target)
+    table = [line for line in (tmp_path / "eval" / "report.md").read_text().splitlines() if line.startswith("| ")]
+    header = table[0].count(" | ")
+    rows = [line for line in table if line.startswith("| a\\|b | ")]
+    assert rows and all(row.replace("\\|", "").count(" | ") == header for row in rows)
 
 
 def test_an_eval_of_another_checkpoint_moves_the_earlier_report_aside(eval_setup, tmp_path, capsys):

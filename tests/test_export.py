@@ -561,6 +561,29 @@ def test_an_exported_folder_evaluates_like_its_checkpoint(kind, engines, config,
         assert drafts_along_plain_decoding(folders[engine], target) == proposed, engine
 
 
+def test_a_medusa_export_without_an_eval_report_keeps_the_accuracy_its_checkpoints_eval_reads(
+    target, one_prompt, tmp_path
+):
+    """A run without an eval stage has no report, but its eval_accuracy.json beside final/, which the checkpoint's eval
+    reads to shape Medusa's tree: its export wrote `learned: {}`, and evaluated with a tree of default priors (another
+    τ than its checkpoint's, said nowhere). The export takes what the checkpoint's eval reads."""
+    from draftsmith.eval.report import run_eval
+    from draftsmith.outputs import ACCURACY_NAME
+
+    checkpoint = save_drafter("medusa", target, tmp_path / "run" / "final", seed=3)
+    measured = {"head1/top1": 0.2, "head1/top5": 0.5, "head2/top1": 0.9, "head2/top5": 0.95, "head3/top1": 0.05}
+    table = {"checkpoint": str(checkpoint.resolve()), "trained": {"all": measured}}
+    (tmp_path / "run" / ACCURACY_NAME).write_text(json.dumps(table))
+    folder = run_export("medusa", checkpoint, tmp_path / "export", "export.engines=[vllm]", target=target)["vllm"]
+    assert json.loads((folder / EXPORT_INFO).read_text())["learned"] == {"eval_split_metrics": measured}
+    trees = []
+    for name, path in (("checkpoint", checkpoint), ("export", folder)):
+        cfg = load_recipe([f"recipe={KINDS['medusa']}", f"output_dir={tmp_path / name}", f"eval.data=[{one_prompt}]",
+                           "eval.max_new_tokens=8", "eval.ngram_baseline=false", "eval.tree=12"])  # fmt: skip
+        trees.append(run_eval(cfg, str(path), target=target)["methods"]["tree"]["paths"])
+    assert trees[0] == trees[1] and [1, 0] in trees[0]  # head 2's measured 0.9 grows the second level first
+
+
 # -- the output directory ----------------------------------------------------------------------------
 def test_a_reexport_is_byte_identical_and_another_checkpoint_is_not_mixed_in(target, tmp_path):
     """Another checkpoint's engine folders are refused, or moved aside with export.overwrite=true: all of them,

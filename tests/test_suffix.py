@@ -147,7 +147,10 @@ def report_rows(chain: tuple[float, float], ngram: tuple[float, float], suffix: 
                                  "reaches plain's 1.00×"),
      (2.0, 1.3, [1.1, 1.5], 1.2, "its 95% interval over the prompts, 1.10–1.50×, reaches suffix decoding's 1.20×"),
      (2.0, 1.3, None, 0.8, "the trained drafter wins"),  # a report from before the interval
-     (1.0, 1.3, [1.2, 1.4], 0.8, "at τ ≤ 1 it saved no target forward")],
+     (1.0, 1.3, [1.2, 1.4], 0.8, "at τ ≤ 1 it saved no target forward"),
+     # below plain at τ 1 having drafted nothing (eval.max_new_tokens=1): it said the drafter's 0.00 forwards a cycle
+     # cost more than the forwards they saved
+     (1.0, 0.9, [0.8, 1.0], 0.8, "at τ ≤ 1 it saved no target forward, and it proposed no draft (decode more")],
 )  # fmt: skip
 def test_a_speed_up_the_prompts_timings_do_not_carry_is_no_win(tau, speedup, interval, suffix, says):
     from draftsmith.eval.render import conclusion
