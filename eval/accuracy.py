@@ -32,6 +32,7 @@ from draftsmith.files import write_text_atomic
 from draftsmith.heads import drafter_class
 from draftsmith.heads.base import EVAL_SPLIT_METRICS, Drafter, load_drafter, pair_means
 from draftsmith.outputs import ACCURACY_NAME
+from draftsmith.progress import progress_bar
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, run_target
 
 
@@ -116,6 +117,8 @@ def metric_means(
     device = target.get_output_embeddings().weight.device
     sums = [defaultdict(lambda: defaultdict(lambda: torch.zeros(2))) for _ in drafters]
     batches = [list(range(i, min(i + batch_size, len(dataset)))) for i in range(0, len(dataset), batch_size)]
+    # minutes on a target whose kernels run in Python on a CPU (linear attention's reference code): said as it goes
+    progress = progress_bar(total=len(dataset), desc="eval-split accuracy", unit="row")
     for batch in DataLoader(dataset, batch_sampler=batches, collate_fn=collate):
         outputs: list[tuple[FeatureRequest, TargetOutput]] = []  # this batch's target outputs, by request
         on_device = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}  # once, for every drafter
@@ -130,6 +133,8 @@ def metric_means(
                 for row, domain in enumerate(fields["domain"]):
                     drafter_sums[domain][name] += values[row].float().cpu()
                     drafter_sums["all"][name] += values[row].float().cpu()
+        progress.update(len(fields["domain"]))
+    progress.close()
     return [{domain: pair_means(pairs) for domain, pairs in sorted(each.items())} for each in sums]
 
 

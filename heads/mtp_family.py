@@ -42,9 +42,13 @@ def decoder_layers(config: dict) -> int:
     or what the class derives it from (LongCat-Flash's `num_layers`, each layer two sublayers)."""
     if "num_hidden_layers" in config:
         return int(config["num_hidden_layers"])
+    from transformers import PreTrainedConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    return int(CONFIG_MAPPING[config["model_type"]].from_dict(config).num_hidden_layers)
+    # a config.json's infinite floats as transformers writes them (`{"__float__": "Infinity"}`: Nemotron-H's
+    # time_step_limit), read back as its own loading reads them
+    values = PreTrainedConfig._decode_special_floats(config)
+    return int(CONFIG_MAPPING[config["model_type"]].from_dict(values).num_hidden_layers)
 
 
 def family_config_class(family: str) -> type:

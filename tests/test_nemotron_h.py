@@ -162,6 +162,23 @@ def release_target(directory: Path, pattern: str = "*E") -> Path:
     return folder
 
 
+def test_transformers_own_config_json_with_its_infinite_float_gets_its_mtp_layer(tmp_path):
+    """transformers' config.json of Nemotron-H (random_target's) holds no num_hidden_layers and writes
+    time_step_limit's infinity as {"__float__": "Infinity"}: reading its layer count through the config class was an
+    internal error (exit 70) in mtp_random_layer and at recipe=mtp's start. Read as transformers reads it."""
+    from draftsmith.heads.mtp import check_target_folder
+    from draftsmith.heads.mtp_family import decoder_layers
+
+    folder = write_random_target(
+        "nemotron_h", tmp_path / "t", hidden_size=64, intermediate_size=128, head_dim=16, **MAMBA
+    )
+    config = json.loads((folder / "config.json").read_text())
+    assert "num_hidden_layers" not in config and {"__float__": "Infinity"} in config["time_step_limit"]
+    assert decoder_layers(config) == len(config["layers_block_type"])
+    write_random_layer(folder)
+    check_target_folder(str(folder))
+
+
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
     folder = release_target(tmp_path_factory.mktemp("nemotron_h"))
