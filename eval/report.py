@@ -51,7 +51,7 @@ from draftsmith.eval.render import REPORT_FILES, render_markdown, write_report
 from draftsmith.eval.sampling import Sampling
 from draftsmith.eval.suffix import INSTALL
 from draftsmith.families import check_eval_settings
-from draftsmith.formats.folder import open_drafter, require_recipes_kind, start_kind, weights_digest
+from draftsmith.formats.folder import open_drafter, recorded_kind, require_recipes_kind, weights_digest
 from draftsmith.outputs import EVAL_DIR, RECIPE_NAME, REPORT_NAME, DirectoryLock, move_aside
 from draftsmith.progress import progress_bar
 from draftsmith.recipe import checkpoint_to_read, save_recipe
@@ -140,7 +140,7 @@ def _run_eval(
         advice = "" if given else ": train first, or pass checkpoint=<checkpoint dir>"
         raise UserError(f"no drafter checkpoint at {checkpoint}{advice}")
     # the rule of export and warm start: the recipe is for the drafter it reads
-    require_recipes_kind(start_kind(checkpoint), cfg.drafter.type, f"checkpoint={checkpoint}", role="is for")
+    require_recipes_kind(recorded_kind(checkpoint), cfg.drafter.type, f"checkpoint={checkpoint}", role="is for")
     require_context(cfg.target, int(cfg.data.max_length))  # prompts are cut to data.max_length
     prompt_length = prompt_room(cfg)
     name = cfg.target.name_or_path

@@ -95,6 +95,18 @@ def checkpoint_kind(path: Path) -> Optional[str]:
     return None
 
 
+def recorded_kind(path: Path) -> Optional[str]:
+    """The kind of the drafter at `path` as its command names it, known without a target: a checkpoint's own, the
+    kind an export recorded (draftsmith_export.json: a Medusa-2 export's is medusa2, its vLLM folder read as Medusa),
+    else the kind its engine folder reads as (`start_kind`)."""
+    folder = engine_folder(path) if checkpoint_kind(path) is None else None
+    info = (
+        next((p for p in (folder / EXPORT_INFO, folder.parent / EXPORT_INFO) if p.is_file()), None) if folder else None
+    )
+    recorded = read_json(info).get("drafter_type") if info is not None else None
+    return recorded if isinstance(recorded, str) else start_kind(path)
+
+
 def start_kind(path: Path) -> Optional[str]:
     """The kind a training start (`train.init_from`) is read as, known without a target: a checkpoint's own, an
     engine folder's format's (`Exporter.kinds[0]`: Medusa-2's vLLM folder reads as Medusa); None when `path`
