@@ -344,7 +344,7 @@ def require_draft_config_read_as_written(config: dict, method: str, python: str)
     if not read or read.get("served") == read["written"]:
         return
     named = f"{config.get('model_type')}, {(read['written'] or ['no architecture'])[0]}"
-    served = f"as its {read['served'][0]} model" if read.get("served") else f"not at all ({read['error']})"
+    served = f"as its {read['served'][0]} model" if read.get("served") else f"not at all ({read.get('error')})"
     raise UserError(
         f"{VLLM_PYTHON_KEY}'s vLLM reads this {method} folder's config ({named}) {served}: its speculative config "
         "maps a draft config of this family to the family's MTP model whatever the method (SpeculativeConfig."
