@@ -24,6 +24,7 @@ seconds is killed (-9) rather than left to hang the suite."""
 from __future__ import annotations
 
 import io
+import multiprocessing
 import os
 import signal
 import socket
@@ -59,6 +60,15 @@ def _become_fresh(env: dict[str, str]) -> None:
         root.removeHandler(handler)
     os.environ.update(PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", **env)
     torch.set_num_threads(1)
+    # tqdm's write lock: a multiprocessing RLock, a semaphore the fork shares with the test process, and a thread lock
+    # another of its threads may hold as it forks. A child killed (SIGKILL) while writing a bar left the semaphore
+    # held, and the test process's next bar waited for it forever (tests/test_faults.py's in-process resume): the
+    # child's own
+    from tqdm import tqdm
+    from tqdm.std import TqdmDefaultWriteLock
+
+    TqdmDefaultWriteLock.mp_lock, TqdmDefaultWriteLock.th_lock = multiprocessing.RLock(), threading.RLock()
+    tqdm.set_lock(TqdmDefaultWriteLock())
     assert not torch.distributed.is_initialized()  # a test process holds no group
     AcceleratorState._reset_state(reset_partial_state=True)  # nor its Accelerator: the child's own
     GradientState._reset_state()
