@@ -107,6 +107,11 @@ def reads_in_order(config: Any) -> bool:
     return bool({LINEAR, CONV, *COMPRESSED, BLOCK_INDEXED, *CONVOLVED} & set(layer_types(config)))
 
 
+def largest_eval_batch(eval_section: Any) -> int:
+    """The most prompts the eval decodes together: eval.batch_size, or the largest of its eval.batch_sizes sweep."""
+    return max([int(_get(eval_section, "batch_size", 1)), *map(int, _get(eval_section, "batch_sizes", None) or [])])
+
+
 def check_eval_settings(config: Any, eval_section: Any) -> None:
     """What draftsmith's eval loop can decode on this target, checked before a run or an eval starts:
     a recurrent state, pooled entries or key blocks read a draft's tokens in order (chains only), and no padding may
@@ -118,8 +123,7 @@ def check_eval_settings(config: Any, eval_section: Any) -> None:
             "eval.tree: a target with linear-, compressed-, block-sparse or convolved attention layers verifies chains "
             "only (they read a draft's tokens in order, so a tree's branches would see each other): set eval.tree=0"
         )
-    sizes = [int(_get(eval_section, "batch_size", 1)), *map(int, _get(eval_section, "batch_sizes", None) or [])]
-    if max(sizes) > 1:
+    if largest_eval_batch(eval_section) > 1:
         raise UserError(
             "eval.batch_size / eval.batch_sizes: the eval loop decodes a target with linear-, compressed-, "
             "block-sparse or convolved attention layers one prompt at a time (no padding may pass through them), so "

@@ -43,17 +43,22 @@ def weights_digest(path: str | Path) -> str:
     a checkpoint's sha256 (draftsmith.files.checkpoint_digest), and for an export folder the sha256 of the
     checkpoint it was made from (its draftsmith_export.json), so that a report on either names the same
     drafter."""
-    path = Path(path)
-    info_path = next((p for p in (path / EXPORT_INFO, path.parent / EXPORT_INFO) if p.is_file()), None)
+    info_path = export_info_path(Path(path))
     if info_path is not None:
         return read_json(info_path)["source"]["sha256"]
     return checkpoint_digest(path)
 
 
+def export_info_path(folder: Path) -> Optional[Path]:
+    """The draftsmith_export.json of an engine folder an export wrote: in it, or beside it (Medusa-2's `vllm/`
+    holds its drafter in a subfolder); None for a folder written elsewhere."""
+    return next((p for p in (folder / EXPORT_INFO, folder.parent / EXPORT_INFO) if p.is_file()), None)
+
+
 def read_folder(folder: Path, target):
     """The draftsmith drafter an engine folder holds, attached to `target`."""
     exporter, config, tensors = engine_format(folder)
-    info_path = next((p for p in (folder / EXPORT_INFO, folder.parent / EXPORT_INFO) if p.is_file()), None)
+    info_path = export_info_path(folder)
     info = read_json(info_path) if info_path else {}
     try:  # a folder in the format, with a config.json edited to values its reader cannot take
         drafter = exporter.read(folder, config, tensors, target, info)
@@ -100,9 +105,7 @@ def recorded_kind(path: Path) -> Optional[str]:
     kind an export recorded (draftsmith_export.json: a Medusa-2 export's is medusa2, its vLLM folder read as Medusa),
     else the kind its engine folder reads as (`start_kind`)."""
     folder = engine_folder(path) if checkpoint_kind(path) is None else None
-    info = (
-        next((p for p in (folder / EXPORT_INFO, folder.parent / EXPORT_INFO) if p.is_file()), None) if folder else None
-    )
+    info = export_info_path(folder) if folder is not None else None
     recorded = read_json(info).get("drafter_type") if info is not None else None
     return recorded if isinstance(recorded, str) else start_kind(path)
 

@@ -28,7 +28,7 @@ from draftsmith.data_prep.overlap import PromptCount, eval_in_train, prompts_in_
 from draftsmith.errors import UserError
 from draftsmith.eval.prompts import prompt_conversations, prompt_sources, render_prompts
 from draftsmith.eval.target_checks import check_target
-from draftsmith.families import check_eval_settings
+from draftsmith.families import check_eval_settings, largest_eval_batch
 from draftsmith.formats.folder import require_recipes_drafter, require_recipes_kind, start_kind, warm_start
 from draftsmith.heads import drafter_class
 from draftsmith.heads.base import DRAFTER_DIR, check_same_target, saved_drafter
@@ -130,8 +130,7 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     if resume_from is not None:  # the run's target: another of its shape would train on from the run's weights
         check_same_target(saved_target, TargetShape.of(target, cfg.target.name_or_path), resumed_what)
     if cfg.eval.enabled and cfg.target.shard == "none":  # what the eval stage's loop cannot decode, refused now
-        sizes = [int(cfg.eval.batch_size), *map(int, cfg.eval.batch_sizes or [])]
-        check_target(target, tree=int(cfg.eval.tree) > 0, batch=max(sizes) > 1)
+        check_target(target, tree=int(cfg.eval.tree) > 0, batch=largest_eval_batch(cfg.eval) > 1)
     # each data file's sha256 as this start's load reads it, for its later reads (the prompts' count, the record)
     digests: dict[str, str] = {}
     train_data, vocab_data, heldout, prompt_count = load_data(cfg, accelerator, tokenizer, digests)
