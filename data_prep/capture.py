@@ -122,21 +122,8 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
     selection = resolve_selection(cfg, target)
     if refusal := engine.refusal(cfg, selection, target):
         raise UserError(refusal)
-    with state.main_process_first():  # rank 0 tokenizes and caches, the others read the cache
-        # Exactly as training tokenizes (data_prep.dataset.load_tokenized), so a capture lines up with the
-        # online data set row by row; the conversations' fingerprint also keys the capture.
-        conversations = load_conversations(
-            list(cfg.data.train), cfg.data.max_conversations, skip_invalid_utf8=cfg.data.skip_invalid_utf8
-        )
-        data = tokenize_conversations(
-            conversations, tokenizer, cfg.data.max_length, cfg.data.overlong, cfg.data.cache_dir, cfg.data.thinking
-        )
-
-    settings = {
+    made_with = {
         "target": target_description(engine.shape(cfg, target), target, cfg),
-        "data_fingerprint": cache_key(
-            conversations, tokenizer, cfg.data.max_length, cfg.data.overlong, cfg.data.thinking
-        ),
         "final": selection.final,
         "layers": list(selection.layers),
         "logits": selection.logits,
@@ -146,6 +133,18 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
         "world_size": state.num_processes,
         "engine": section.engine,
     }
+    refuse_other_capture(directory, made_with)  # every setting but the data's, before minutes of tokenizing
+    with state.main_process_first():  # rank 0 tokenizes and caches, the others read the cache
+        # Exactly as training tokenizes (data_prep.dataset.load_tokenized), so a capture lines up with the
+        # online data set row by row; the conversations' fingerprint also keys the capture.
+        conversations = load_conversations(
+            list(cfg.data.train), cfg.data.max_conversations, skip_invalid_utf8=cfg.data.skip_invalid_utf8
+        )
+        data = tokenize_conversations(
+            conversations, tokenizer, cfg.data.max_length, cfg.data.overlong, cfg.data.cache_dir, cfg.data.thinking
+        )
+    fingerprint = cache_key(conversations, tokenizer, cfg.data.max_length, cfg.data.overlong, cfg.data.thinking)
+    settings = {"target": made_with["target"], "data_fingerprint": fingerprint, **made_with}  # the files' key order
     # Every rank checks before any rank writes, so all of them see the same files and agree.
     made_from = data_record(cfg, tokenizer, data) | {"engine_release": engine.release(cfg)}  # recorded, not compared
     refuse_other_capture(directory, settings, made_from)

@@ -12,7 +12,7 @@ import shutil
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -85,11 +85,12 @@ def data_record(cfg: DictConfig, tokenizer, data) -> dict[str, Any]:
 RECORDED_SINCE = {"engine": "transformers"}
 
 
-def refuse_other_capture(directory: Path, settings: dict[str, Any], record: dict[str, Any]) -> None:
+def refuse_other_capture(directory: Path, settings: dict[str, Any], record: Optional[dict[str, Any]] = None) -> None:
     """A directory holding a capture with other settings is never mixed into: resuming it would join shards of
     two different captures under one manifest (a manifest part without shards holds nothing to join). One line names
     each setting that differs with both values and, where the data's fingerprint differs, which of its inputs changed
-    in words (`data_changes`; `record`: this run's `data_record`), never the two hashes."""
+    in words (`data_changes`; `record`: this run's `data_record`), never the two hashes. Settings without a
+    `data_fingerprint` are compared without the data (before it is tokenized)."""
     settings = json.loads(json.dumps(settings))  # as the files hold them (a tuple is a list there)
     for path in [directory / MANIFEST_NAME, *sorted(directory.glob("manifest_part_*.json"))]:
         if not path.is_file():
@@ -109,7 +110,7 @@ def refuse_other_capture(directory: Path, settings: dict[str, Any], record: dict
                 else [f"{key}: {found.get(key)!r} -> {value!r}"] * (found.get(key) != value)
             )
         ]
-        if found.get("data_fingerprint") != settings["data_fingerprint"]:
+        if "data_fingerprint" in settings and found.get("data_fingerprint") != settings["data_fingerprint"]:
             differ += data_changes(file, record)
         if differ:
             raise UserError(

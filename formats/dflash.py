@@ -41,6 +41,7 @@ from draftsmith.formats.repo import (
     VLLM_SERVE,
     EngineRepo,
     TargetInfo,
+    check_draft_layer,
     draft_layer_config,
     require_vllm_state_capture,
 )
@@ -250,6 +251,8 @@ class DFlashExporter(Exporter):
         drafter = dflash.from_target(
             dflash.Config(**settings, **recorded), target_model, info.get("verifier", "target")
         )
+        if not laguna:  # the engine builds the folder's layers (Laguna's config names its own keys)
+            check_draft_layer(folder, config, drafter.config.decoder["config"])
         drafter.load_state_dict(tensors)
         drafter.learned = dict(info.get("learned") or {})
         return drafter

@@ -27,6 +27,7 @@ from draftsmith.formats.repo import (
     VLLM_SERVE,
     EngineRepo,
     TargetInfo,
+    check_draft_layer,
     draft_layer_config,
 )
 from draftsmith.heads import drafter_class
@@ -143,5 +144,6 @@ class EagleExporter(Exporter):
             key: value for key, value in info.get("drafter_config", {}).items() if key in ("tree_depth", "tree_topk")
         }  # decode-only
         drafter = eagle.from_target(eagle.Config(**settings), target_model, info.get("verifier", "target"))
+        check_draft_layer(folder, config, drafter.config.decoder["config"])  # the engine builds the folder's
         drafter.load_state_dict(tensors)
         return drafter

@@ -47,7 +47,6 @@ from draftsmith.formats.eagle3_layout import (
     Layout,
     as_midlayer,
     attention_convention,
-    check_draft_layer,
     draftsmith_ids,
     eagle3_architecture,
     extension_values,
@@ -64,6 +63,7 @@ from draftsmith.formats.repo import (
     VLLM_SERVE,
     EngineRepo,
     TargetInfo,
+    check_draft_layer,
     draft_layer_config,
     require_vllm_state_capture,
 )

@@ -79,14 +79,6 @@ def as_midlayer(named: dict[str, Any]) -> dict[str, Any]:
     return {name.replace("layers.0.", "midlayer."): value for name, value in named.items()}
 
 
-# What a folder's draft-layer config sets that changes the layer's function (its shapes, activation,
-# norms' epsilon, rotary embedding, biases): each must be what draftsmith builds for the target.
-LAYER_FUNCTION_KEYS = (
-    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
-    "rms_norm_eps", "rope_parameters", "rope_theta", "rope_scaling", "attention_bias", "mlp_bias",
-)  # fmt: skip
-
-
 def folder_target(
     config: dict[str, Any],
     layer: dict[str, Any],
@@ -149,26 +141,6 @@ def attention_convention(drafter) -> str:
         f"a sliding window of {window} positions (layer_types [sliding_attention], sliding_window {window}: "
         "vLLM's draft layer honours both)"
     )
-
-
-def check_draft_layer(folder: Path, layer: dict[str, Any], ours: dict[str, Any]) -> None:
-    """The folder's draft-layer config must be the one draftsmith builds for this target (`ours`: the
-    drafter's decoder config) wherever the folder sets a key that changes the layer's function."""
-
-    def value(config: dict[str, Any], key: str):
-        if key == "head_dim":
-            return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        return config.get(key)
-
-    differ = [
-        f"{key}={value(layer, key)!r} (draftsmith's: {value(ours, key)!r})"
-        for key in LAYER_FUNCTION_KEYS
-        if layer.get(key) is not None and value(layer, key) != value(ours, key)
-    ]
-    if differ:
-        raise UserError(
-            f"{folder}: its draft layer differs from the one draftsmith builds for this target: {', '.join(differ)}"
-        )
 
 
 def same_values(saved: torch.Tensor, tensor: torch.Tensor) -> bool:

@@ -66,6 +66,12 @@ def read_folder(folder: Path, target):
         raise UserError(
             f"{folder / CONFIG_NAME}: corrupt {exporter.kinds[0]} engine config ({one_line(err, with_type=True)})"
         ) from None
+    except RuntimeError as err:  # load_state_dict's: names or shapes the config.json does not describe
+        if "loading state_dict" not in str(err):
+            raise
+        raise UserError(
+            f"{folder}: its {WEIGHTS_NAME} is not what its config.json describes ({one_line(err)})"
+        ) from None
     return drafter.eval()
 
 

@@ -108,6 +108,17 @@ class MedusaExporter(Exporter):
             key: value for key, value in info.get("drafter_config", {}).items() if key == "tree_topk"
         }  # decode-only
         drafter = medusa(medusa.Config(**settings), TargetShape.of(target_model, info.get("verifier", "target")))
+        target = {"hidden_size": drafter.target.hidden_size, "vocab_size": drafter.target.vocab_size}
+        target["truncated_vocab_size"] = target["vocab_size"]  # a smaller one maps a draft vocabulary
+        differ = [
+            f"{key}={config.get(key)} (the target's: {value})"
+            for key, value in target.items()
+            if config.get(key, value) != value
+        ]
+        if differ:  # vLLM builds the heads at the config's shape, draftsmith at the target's
+            raise UserError(
+                f"{folder}: its config.json describes heads of another shape than the target's: {', '.join(differ)}"
+            )
         if not config.get("medusa_fc_bias"):  # a Medusa folder without biases is draftsmith's with zero biases
             tensors = tensors | {
                 n.replace(".weight", ".bias"): torch.zeros(t.shape[0])

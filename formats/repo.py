@@ -270,6 +270,34 @@ LAYER_KEYS = (
 )  # fmt: skip
 
 
+# What a folder's draft-layer config sets that changes the layer's function (its shapes, activation,
+# norms' epsilon, rotary embedding, biases): each must be what draftsmith builds for the target.
+LAYER_FUNCTION_KEYS = (
+    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
+    "rms_norm_eps", "rope_parameters", "rope_theta", "rope_scaling", "attention_bias", "mlp_bias",
+)  # fmt: skip
+
+
+def check_draft_layer(folder: Path, layer: dict[str, Any], ours: dict[str, Any]) -> None:
+    """The folder's draft-layer config must be the one draftsmith builds for this target (`ours`: the
+    drafter's decoder config) wherever the folder sets a key that changes the layer's function."""
+
+    def value(config: dict[str, Any], key: str):
+        if key == "head_dim":
+            return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        return config.get(key)
+
+    differ = [
+        f"{key}={value(layer, key)!r} (draftsmith's: {value(ours, key)!r})"
+        for key in LAYER_FUNCTION_KEYS
+        if layer.get(key) is not None and value(layer, key) != value(ours, key)
+    ]
+    if differ:
+        raise UserError(
+            f"{folder}: its draft layer differs from the one draftsmith builds for this target: {', '.join(differ)}"
+        )
+
+
 def require_layers(checks: tuple[tuple[str, bool], ...], built: str) -> None:
     """The one-line refusal of draft layers an engine's model would build otherwise: `checks` (what differs, whether
     the layers hold to it), `built` what that model builds."""

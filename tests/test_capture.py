@@ -390,13 +390,24 @@ def test_truncated_shard_or_missing_manifest_is_a_user_error(tmp_path, captures)
         ("data.capture.logits=none", "data.capture.topk=8 is read when the capture keeps the top-k distribution"),
     ],
 )
-def test_bad_capture_settings_exit_2_with_one_line(captures, conversations, capsys, override, message):
+def test_bad_capture_settings_exit_2_with_one_line(captures, conversations, capsys, monkeypatch, override, message):
+    """Settings the data is not made of are refused before it is tokenized (minutes for a large data set)."""
+    import draftsmith.data_prep.capture as capture_module
+
+    tokenized = []
+
+    def counted(*args):
+        tokenized.append(1)
+        return tokenize_conversations(*args)
+
+    monkeypatch.setattr(capture_module, "tokenize_conversations", counted)
     output = captures["bfloat16"].directory.parent  # holds a bfloat16 capture
     args = capture_args(output, conversations, *FULL, "data.capture.shard_tokens=250", override)
     with pytest.raises(SystemExit) as exit_info:
         run_cli(main, args)
     done = subprocess.CompletedProcess(args, exit_info.value.code, "", capsys.readouterr().err)
     assert_one_line_error(done, 2, message)
+    assert bool(tokenized) == override.startswith("data.max_length"), tokenized
 
 
 def test_a_directory_of_files_no_capture_wrote_is_not_written_into(tmp_path, conversations, capsys):

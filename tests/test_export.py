@@ -584,6 +584,36 @@ def test_a_medusa_export_without_an_eval_report_keeps_the_accuracy_its_checkpoin
     assert trees[0] == trees[1] and [1, 0] in trees[0]  # head 2's measured 0.9 grows the second level first
 
 
+@pytest.mark.parametrize(
+    "kind, edit, said",
+    [("medusa", {"hidden_size": 128}, "heads of another shape than the target's: hidden_size=128"),
+     ("medusa", {"num_hidden_layers": 2}, "model.safetensors is not what its config.json describes"),
+     ("eagle", {"rms_norm_eps": 0.1}, "draft layer differs from the one draftsmith builds .*: rms_norm_eps"),
+     ("eagle", {"hidden_size": 128}, "draft layer differs .*: hidden_size=128"),
+     ("dflash", {"rope_parameters": {"rope_theta": 500.0}}, "draft layer differs .*rope_theta': 500"),
+     ("dflash", {"intermediate_size": 64}, "draft layer differs .*: intermediate_size=64")],
+    ids=["medusa-hidden", "medusa-layers", "eagle-eps", "eagle-hidden", "dflash-rope", "dflash-intermediate"],
+)  # fmt: skip
+def test_an_exported_folder_whose_config_the_engine_would_build_otherwise_is_refused(
+    kind, edit, said, target, tmp_path
+):
+    """vLLM builds a drafter from its folder's config.json; draftsmith's reader built EAGLE-1's, DFlash's and Medusa's
+    at the target's shape and settings, so a config edited to other ones evaluated as draftsmith's drafter while the
+    engine would fail to load it or run another function. Such a folder is refused in one line (exit 2), and a
+    config naming layers its weights lack was an internal error (exit 70)."""
+    from draftsmith.formats.folder import open_drafter
+    from draftsmith.target import TargetShape
+
+    checkpoint = save_drafter(kind, target, tmp_path / "ckpt")
+    folder = run_export(kind, checkpoint, tmp_path / "export", "export.engines=[vllm]", target=target)["vllm"]
+    shape = TargetShape.of(target, str(REFERENCE_TARGET))
+    open_drafter(folder, shape, target)  # as written, it reads
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | edit))
+    with pytest.raises(UserError, match=rf"{folder}: .*{said}"):
+        open_drafter(folder, shape, target)
+
+
 # -- the output directory ----------------------------------------------------------------------------
 def test_a_reexport_is_byte_identical_and_another_checkpoint_is_not_mixed_in(target, tmp_path):
     """Another checkpoint's engine folders are refused, or moved aside with export.overwrite=true: all of them,

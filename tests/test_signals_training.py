@@ -105,8 +105,8 @@ def sigterm_in(function: str, args: list[str], marker: Path, monkeypatch) -> sub
     [
         (
             "draftsmith.eval.report.evaluate_trained_run",
-            "checkpoint {out}/checkpoints/step_0000002 is kept: run the same command with train.resume=true to "
-            "continue from it",
+            "training finished ({out}/final is written): run the same command with train.resume=true to run what "
+            "follows training (its evaluation)",
         ),
         ("draftsmith.trainer.setup.load_data", "nothing was written: run the same command again"),
     ],
@@ -117,7 +117,8 @@ def test_sigterm_outside_the_training_loop_says_what_continues_the_run(
 ):
     """SIGTERM in the eval stage, after final/ is published, or while the data is tokenized before step 0: the line
     said `train.resume=true to continue` whatever the run had written; it says what Ctrl-C's says there
-    (`after_interrupt`), and the command it names runs to the end."""
+    (`after_interrupt`: in the eval stage, that training finished and what runs the evaluation, not which checkpoint
+    a resume continues from), and the command it names runs to the end."""
     out = tmp_path / "run"
     args = train_args(out, data, token_cache, *QUICK, "train.save_every=0")
     stopped = sigterm_in(function, args, tmp_path / "waiting", monkeypatch)

@@ -412,15 +412,19 @@ def check_earlier_run(cfg: DictConfig) -> None:
     )
 
 
-def after_interrupt(output_dir: Path) -> str:
+def after_interrupt(output_dir: Path, trained: bool = False) -> str:
     """What to do after Ctrl-C stopped a run, for its `interrupted` line, or a SIGTERM outside its training loop (the
-    data's tokenizing, the eval stage), for its `preempted` one: once the run has written anything, the same command
-    alone is refused (`check_earlier_run`)."""
-    steps = completed_checkpoints(output_dir)
+    data's tokenizing, the eval stage: `trained`), for its `preempted` one: once the run has written anything, the
+    same command alone is refused (`check_earlier_run`)."""
+    steps, final = completed_checkpoints(output_dir), output_dir / FINAL_DIR
+    if trained and steps:  # in the eval stage: a resume writes final/ again from the last checkpoint, then evaluates
+        return (
+            f"training finished ({final} is written): run the same command with train.resume=true to run what "
+            "follows training (its evaluation)"
+        )
     if steps:
         return f"checkpoint {steps[-1]} is kept: run the same command with train.resume=true to continue from it"
-    if (output_dir / FINAL_DIR).exists():  # train.resume=true refuses a finished run without a checkpoint
-        final = output_dir / FINAL_DIR
+    if final.exists():  # train.resume=true refuses a finished run without a checkpoint
         return f"the trained drafter is in {final}: evaluate it with the eval command and checkpoint={final}"
     if earlier_run(output_dir):
         return "no checkpoint was saved yet: run the same command with train.resume=true to start again from step 0"

@@ -33,6 +33,7 @@ def main(argv: Sequence[str]) -> None:
     state = PartialState(cpu=not torch.cuda.is_available())
     if not state.is_main_process:  # a run's information once, not once per rank; each rank's warnings stay
         logging.getLogger("draftsmith").setLevel(logging.WARNING)
+    trained = None
     try:
         with claim_output_dir(cfg, state):
             trained = train(cfg)
@@ -41,6 +42,7 @@ def main(argv: Sequence[str]) -> None:
 
                 evaluate_trained_run(cfg, trained.prompt_count)
     except KeyboardInterrupt:  # Ctrl-C: the line says how to continue (run_cli prints it), as SIGTERM's does
-        raise KeyboardInterrupt(after_interrupt(Path(cfg.output_dir))) from None
+        raise KeyboardInterrupt(after_interrupt(Path(cfg.output_dir), trained is not None)) from None
     except PreemptedWhereItWas:  # SIGTERM outside the loop (the data's tokenizing, the eval stage): as Ctrl-C there
-        raise PreemptedWhereItWas(f"stopped on SIGTERM; {after_interrupt(Path(cfg.output_dir))}") from None
+        advice = after_interrupt(Path(cfg.output_dir), trained is not None)
+        raise PreemptedWhereItWas(f"stopped on SIGTERM; {advice}") from None
