@@ -350,8 +350,17 @@ class Eagle3Exporter(Exporter):
         check_same_target(folder_target(config, layer_config, tensors, info, target), target, str(folder))
         settings = layout.read(folder, config, num_layers)
         refuse_unhonoured(folder, layer_config, settings["aux_layers"], num_layers)
-        # vLLM reads norm_before_fc from eagle_config first, then the top level, in every layout
-        norm_before_fc = config.get("eagle_config", {}).get("norm_before_fc", config.get("norm_before_fc", False))
+        # vLLM reads norm_before_fc from its model config's eagle_config first (the draft layer's: a speculators
+        # folder's transformer_layer_config), then the top level, in every layout
+        eagle_config = layer_config.get("eagle_config") or {}
+        norm_before_fc = eagle_config.get("norm_before_fc", config.get("norm_before_fc", False))
+        aux = int(layer_config.get("num_aux_hidden_states") or len(settings["aux_layers"]))
+        if not eagle_config.get("use_aux_hidden_state", True) or aux != len(settings["aux_layers"]):
+            raise UserError(
+                f"{folder}: vLLM would feed its fc {aux if eagle_config.get('use_aux_hidden_state', True) else 'no'} "
+                f"aux hidden states (num_aux_hidden_states, eagle_config.use_aux_hidden_state), draftsmith the "
+                f"{len(settings['aux_layers'])} its layer ids name"
+            )
         settings |= {
             "norm_before_fc": bool(norm_before_fc),
             "sliding_window": layer_window(layer_config),

@@ -125,8 +125,9 @@ class SGLang(Layout):
                 f"{folder}: top-level eagle_aux_hidden_state_layer_ids {top} disagree with eagle_config's {ours} "
                 "(+1 expected)"
             )
-        return {
-            "aux_layers": ours,
-            "layer_family": self.families[0],
-            "norm_before_residual": bool(config.get("norm_before_residual", self.norm_before_residual)),
-        }
+        if bool(config.get("norm_before_residual")) != self.norm_before_residual:  # read: it would evaluate another
+            raise UserError(
+                f"{folder}: norm_before_residual is true, which SGLang's EAGLE-3 layer ignores (it keeps the "
+                "un-normalised feature as its residual): SGLang would serve another function than the folder says"
+            )
+        return {"aux_layers": ours, "layer_family": self.families[0], "norm_before_residual": self.norm_before_residual}

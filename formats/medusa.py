@@ -115,9 +115,12 @@ class MedusaExporter(Exporter):
             for key, value in target.items()
             if config.get(key, value) != value
         ]
+        if config.get("original_lm_head"):  # vLLM would read lm_heads.0 as every head's
+            differ.append("original_lm_head=true (draftsmith's heads each have their own lm_head)")
         if differ:  # vLLM builds the heads at the config's shape, draftsmith at the target's
             raise UserError(
-                f"{folder}: its config.json describes heads of another shape than the target's: {', '.join(differ)}"
+                f"{folder}: its config.json describes other heads than draftsmith reads for the target: "
+                + ", ".join(differ)
             )
         if not config.get("medusa_fc_bias"):  # a Medusa folder without biases is draftsmith's with zero biases
             tensors = tensors | {

@@ -276,26 +276,62 @@ LAYER_FUNCTION_KEYS = (
     "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
     "rms_norm_eps", "rope_parameters", "rope_theta", "rope_scaling", "attention_bias", "mlp_bias",
 )  # fmt: skip
+# Keys an engine's draft layer reads (vLLM's llama.py) that draftsmith's layers never set, each with the value under
+# which the engine computes what they do: a folder setting another runs another function.
+ENGINE_ONLY_LAYER_KEYS = {
+    "bias": False,
+    "qkv_bias": False,
+    "is_causal": True,
+    "logit_scale": 1.0,
+    "is_neox_style": True,
+}
+UNBIASED = ("attention_bias", "mlp_bias")  # a family without the key has no bias
 
 
 def check_draft_layer(folder: Path, layer: dict[str, Any], ours: dict[str, Any]) -> None:
-    """The folder's draft-layer config must be the one draftsmith builds for this target (`ours`: the
-    drafter's decoder config) wherever the folder sets a key that changes the layer's function."""
+    """The folder's draft-layer config must be the one draftsmith builds for this target (`ours`: the drafter's
+    decoder config) in every key that changes the layer's function: those it sets, and those it leaves to the
+    engine, which builds them as its model type's config class does (`engine_layer_config`)."""
 
     def value(config: dict[str, Any], key: str):
         if key == "head_dim":
             return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        return config.get(key)
+        return bool(config.get(key)) if key in UNBIASED else config.get(key)
 
+    built = engine_layer_config(layer)
     differ = [
         f"{key}={value(layer, key)!r} (draftsmith's: {value(ours, key)!r})"
         for key in LAYER_FUNCTION_KEYS
         if layer.get(key) is not None and value(layer, key) != value(ours, key)
     ]
+    differ += [
+        f"{key} unset (its model type's default: {value(built, key)!r}; draftsmith's: {value(ours, key)!r})"
+        for key in LAYER_FUNCTION_KEYS
+        if layer.get(key) is None
+        and None not in (built.get(key), ours.get(key))
+        and value(built, key) != value(ours, key)
+    ]
+    differ += [
+        f"{key}={layer[key]!r} (draftsmith's layers compute as {neutral!r})"
+        for key, neutral in ENGINE_ONLY_LAYER_KEYS.items()
+        if layer.get(key) is not None and layer[key] != neutral
+    ]
     if differ:
         raise UserError(
             f"{folder}: its draft layer differs from the one draftsmith builds for this target: {', '.join(differ)}"
         )
+
+
+def engine_layer_config(layer: dict[str, Any]) -> dict[str, Any]:
+    """A draft layer's config as the engine's reader of its `model_type` completes it: transformers' config class of
+    that type built from it, its defaults where it sets nothing (empty for a type transformers does not know)."""
+    from transformers import AutoConfig
+
+    try:
+        settings = {key: value for key, value in layer.items() if key != "model_type"}
+        return AutoConfig.for_model(str(layer.get("model_type")), **settings).to_dict()
+    except (ValueError, TypeError, KeyError):  # an unknown model type, or values its class refuses
+        return {}
 
 
 def require_layers(checks: tuple[tuple[str, bool], ...], built: str) -> None:

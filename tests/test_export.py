@@ -584,32 +584,53 @@ def test_a_medusa_export_without_an_eval_report_keeps_the_accuracy_its_checkpoin
     assert trees[0] == trees[1] and [1, 0] in trees[0]  # head 2's measured 0.9 grows the second level first
 
 
+def unset(key: str):
+    return lambda config: config.pop(key)
+
+
+def in_layer(**values):  # a speculators folder's draft layer config
+    return lambda config: config["transformer_layer_config"].update(values)
+
+
 @pytest.mark.parametrize(
-    "kind, edit, said",
-    [("medusa", {"hidden_size": 128}, "heads of another shape than the target's: hidden_size=128"),
-     ("medusa", {"num_hidden_layers": 2}, "model.safetensors is not what its config.json describes"),
-     ("eagle", {"rms_norm_eps": 0.1}, "draft layer differs from the one draftsmith builds .*: rms_norm_eps"),
-     ("eagle", {"hidden_size": 128}, "draft layer differs .*: hidden_size=128"),
-     ("dflash", {"rope_parameters": {"rope_theta": 500.0}}, "draft layer differs .*rope_theta': 500"),
-     ("dflash", {"intermediate_size": 64}, "draft layer differs .*: intermediate_size=64")],
-    ids=["medusa-hidden", "medusa-layers", "eagle-eps", "eagle-hidden", "dflash-rope", "dflash-intermediate"],
+    "kind, engine, edit, said",
+    [("medusa", "vllm", {"hidden_size": 128}, "other heads than draftsmith reads for the target: hidden_size=128"),
+     ("medusa", "vllm", {"original_lm_head": True}, "other heads .*: original_lm_head=true"),
+     ("medusa", "vllm", {"num_hidden_layers": 2}, "model.safetensors is not what its config.json describes"),
+     ("eagle", "vllm", {"rms_norm_eps": 0.1}, "draft layer differs from the one draftsmith builds .*: rms_norm_eps"),
+     ("eagle", "vllm", {"hidden_size": 128}, "draft layer differs .*: hidden_size=128"),
+     ("eagle", "vllm", unset("intermediate_size"), "intermediate_size unset \\(its model type's default: 11008; dr"),
+     ("eagle", "sglang", {"bias": True}, "draft layer differs .*: bias=True \\(draftsmith's layers compute as False"),
+     ("eagle3", "vllm", in_layer(eagle_config={"use_aux_hidden_state": False}), "vLLM would feed its fc no aux"),
+     ("eagle3", "vllm", in_layer(num_aux_hidden_states=2), "vLLM would feed its fc 2 aux hidden states"),
+     ("eagle3", "sglang", {"norm_before_residual": True}, "SGLang's EAGLE-3 layer ignores"),
+     ("dflash", "vllm", {"rope_parameters": {"rope_theta": 500.0}}, "draft layer differs .*rope_theta': 500"),
+     ("dflash", "vllm", {"is_causal": False}, "draft layer differs .*: is_causal=False")],
+    ids=["medusa-hidden", "medusa-original-lm-head", "medusa-layers", "eagle-eps", "eagle-hidden",
+         "eagle-intermediate-unset", "eagle-sglang-bias", "eagle3-no-aux", "eagle3-aux-count",
+         "eagle3-sglang-norm-before-residual", "dflash-rope", "dflash-not-causal"],
 )  # fmt: skip
 def test_an_exported_folder_whose_config_the_engine_would_build_otherwise_is_refused(
-    kind, edit, said, target, tmp_path
+    kind, engine, edit, said, target, tmp_path
 ):
-    """vLLM builds a drafter from its folder's config.json; draftsmith's reader built EAGLE-1's, DFlash's and Medusa's
-    at the target's shape and settings, so a config edited to other ones evaluated as draftsmith's drafter while the
-    engine would fail to load it or run another function. Such a folder is refused in one line (exit 2), and a
-    config naming layers its weights lack was an internal error (exit 70)."""
+    """An engine builds a drafter from its folder's config.json; draftsmith's reader built EAGLE-1's, DFlash's and
+    Medusa's at the target's shape and settings, and took EAGLE-3's fc inputs from its ids, so a config edited to other
+    ones (or leaving a key to the engine's default) evaluated as draftsmith's drafter while the engine would fail to
+    load it or run another function. Such a folder is refused in one line (exit 2), and a config naming layers its
+    weights lack was an internal error (exit 70)."""
     from draftsmith.formats.folder import open_drafter
     from draftsmith.target import TargetShape
 
     checkpoint = save_drafter(kind, target, tmp_path / "ckpt")
-    folder = run_export(kind, checkpoint, tmp_path / "export", "export.engines=[vllm]", target=target)["vllm"]
+    folder = run_export(kind, checkpoint, tmp_path / "export", f"export.engines=[{engine}]", target=target)[engine]
     shape = TargetShape.of(target, str(REFERENCE_TARGET))
     open_drafter(folder, shape, target)  # as written, it reads
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps(config | edit))
+    if isinstance(edit, dict):
+        config |= edit
+    else:
+        edit(config)
+    (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match=rf"{folder}: .*{said}"):
         open_drafter(folder, shape, target)
 
