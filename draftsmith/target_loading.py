@@ -63,7 +63,7 @@ def read_model(section, dtype: torch.dtype, device: torch.device | str):
     if text_model_of_a_wrapper(config.to_dict()):
         from draftsmith.text_model_lm import read_text_model_lm
 
-        return read_text_model_lm(section, config, dtype).to(device)
+        return named(read_text_model_lm(section, config, dtype).to(device), section.name_or_path)
     wrapper = wraps_a_text_model(config.to_dict())
     report = HeldLoadReport()
     try:
@@ -91,7 +91,14 @@ def read_model(section, dtype: torch.dtype, device: torch.device | str):
         return model.to(device)
     causal_lm = language_causal_lm(model, section.name_or_path).to(device)  # the wrapper's modules, moved with it
     check_computes_as_wrapper(causal_lm, model, section.name_or_path)
-    return causal_lm
+    return named(causal_lm, section.name_or_path)
+
+
+def named(model, name_or_path: str):
+    """A causal LM draftsmith built from a release's modules, named by the release it was read from, as one
+    transformers loads is (its `name_or_path`: where a reader finds the release's own files, its config.json)."""
+    model.name_or_path = str(name_or_path)
+    return model
 
 
 class HeldLoadReport(logging.Filter):

@@ -29,6 +29,7 @@ these conventions, each checked here and recorded in draftsmith_export.json:
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Optional
 
@@ -134,6 +135,30 @@ def encoder_layout_config(released: dict[str, Any], config: dict[str, Any], sett
         "dflash_config": config["dflash_config"] | {"causal": False},
         "dtype": "float32",
     }
+
+
+def check_block_layers(folder: Path, config: dict[str, Any], drafter) -> None:
+    """A block-parallel drafter's folder (DFlash's, DSpark's) builds in vLLM the layers draftsmith reads it as: its
+    draft layer config (`check_draft_layer`: the layers attend within the block both ways, `is_causal` false), and
+    what vLLM's qwen3_dflash.py reads besides: no causal or sliding attention, sink bias or value scale in
+    `dflash_config`, the target's hidden states and vocabulary."""
+    check_draft_layer(folder, config, drafter.config.decoder["config"], {"is_causal": False})
+    options = config.get("dflash_config") or {}
+    target = drafter.target
+    unread = [
+        f"dflash_config.{key}={json.dumps(options[key])}"
+        for key, neutral in (("causal", False), ("use_swa", False), ("attention_sink_bias", False),
+                             ("attention_value_scale", None), ("use_aux_hidden_state", True))
+        if options.get(key, neutral) != neutral
+    ] + [
+        f"{key}={config[key]} (the target's: {value})"
+        for key, value in (("target_hidden_size", target.hidden_size), ("draft_vocab_size", target.vocab_size))
+        if config.get(key) not in (None, value)
+    ]  # fmt: skip
+    if unread:
+        raise UserError(
+            f"{folder}: vLLM would build its layers otherwise than draftsmith reads them: {', '.join(unread)}"
+        )
 
 
 @register
@@ -252,7 +277,7 @@ class DFlashExporter(Exporter):
             dflash.Config(**settings, **recorded), target_model, info.get("verifier", "target")
         )
         if not laguna:  # the engine builds the folder's layers (Laguna's config names its own keys)
-            check_draft_layer(folder, config, drafter.config.decoder["config"])
+            check_block_layers(folder, config, drafter)
         drafter.load_state_dict(tensors)
         drafter.learned = dict(info.get("learned") or {})
         return drafter

@@ -157,7 +157,13 @@ class DraftModelExporter(Exporter):
         from draftsmith.target import TargetShape
 
         drafter = draft(draft.Config(**settings), TargetShape.of(target_model, info.get("verifier", "target")))
-        if config.get("tie_word_embeddings") and "lm_head.weight" not in tensors:
-            tensors = tensors | {"lm_head.weight": tensors["model.embed_tokens.weight"]}
+        if config.get("tie_word_embeddings"):  # the engines read the embedding as the lm_head too, and drop one
+            embedding = tensors["model.embed_tokens.weight"]
+            if "lm_head.weight" in tensors and not torch.equal(tensors["lm_head.weight"], embedding):
+                raise UserError(
+                    f"{folder}: its config.json ties the lm_head to the embedding (tie_word_embeddings), and its "
+                    "lm_head.weight is another tensor: the engines would serve the embedding as the lm_head"
+                )
+            tensors = tensors | {"lm_head.weight": embedding}
         drafter.load_state_dict({PREFIX + name: tensor for name, tensor in tensors.items()})
         return drafter

@@ -31,8 +31,8 @@ import torch
 
 from draftsmith.errors import UserError
 from draftsmith.formats import Source, dspark_gemma4, register
-from draftsmith.formats.dflash import DFlashExporter
-from draftsmith.formats.repo import EngineRepo, check_draft_layer
+from draftsmith.formats.dflash import DFlashExporter, check_block_layers
+from draftsmith.formats.repo import EngineRepo
 from draftsmith.formats.versions import EVERY_BUILD
 from draftsmith.heads import drafter_class
 
@@ -140,7 +140,7 @@ class DSparkExporter(DFlashExporter):
         settings |= {key: value for key, value in info.get("drafter_config", {}).items() if key in SETTINGS}
         drafter = dspark.from_target(dspark.Config(**settings), target_model, info.get("verifier", "target"))
         if "layer_family" not in settings:  # the engine builds the folder's layers (Gemma-4's config names its own)
-            check_draft_layer(folder, config, drafter.config.decoder["config"])
+            check_block_layers(folder, config, drafter)
         drafter.load_state_dict(tensors)
         drafter.learned = dict(info.get("learned") or {})
         return drafter

@@ -28,11 +28,13 @@ SGLang serves DeepSeek's MTP layer as its NEXTN algorithm; draftsmith has not ve
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
+from draftsmith.errors import UserError
 from draftsmith.families import COMPRESSED
 from draftsmith.formats import Exporter, Source, register
 from draftsmith.formats.repo import VLLM_SERVE, EngineRepo
@@ -79,6 +81,45 @@ def compress_ratios(config: dict) -> dict:
     return {"compress_ratios": [*ratios[:layers], 0]}
 
 
+def served_config(name_or_path: str, loaded: dict, depths: int) -> dict:
+    """The config.json vLLM builds `depths` MTP depths of the target at `name_or_path` (`loaded`: its config as
+    transformers loads it, dict form) from: the target's as shipped, with what vLLM reads for those depths."""
+    layout = layout_of(loaded)
+    # the count written whether the target's config.json holds one or not (Qwen3-Next's release does not), in
+    # the text_config of a wrapper served whole (GLM-5-Next's: vLLM maps its model_type to its MTP model)
+    config = shipped_config(name_or_path, loaded)
+    text = text_fields(config)
+    count_holder(config, layout)[layout.count_key] = depths
+    if layout.count_block:  # the text_config's copies of the block's fields, where it has them, alike
+        block = count_holder(config, layout)
+        text |= {ours: block.get(theirs) for theirs, ours in MTP_FIELDS if ours in text}
+    text |= compress_ratios(text)
+    if isinstance(text.get("mtp_layer_types"), list):  # vLLM's Dots3-Note config asks one entry per depth built
+        text["mtp_layer_types"] = text["mtp_layer_types"][:depths]
+    return config
+
+
+# Keys of a config.json no MTP layer's function depends on (a load's dtype, the writer's version)
+UNBUILT_KEYS = ("torch_dtype", "dtype", "transformers_version", "use_cache")
+
+
+def require_served_config(folder: Path, config: dict, target_model, depths: int) -> None:
+    """The folder's config.json is the one vLLM would serve the target's MTP layer from (`served_config`), key by key
+    where both set one: draftsmith builds the layer from the target's config, vLLM from the folder's."""
+    served = served_config(target_model.name_or_path, loaded_config(target_model), depths)
+    ours, theirs = text_fields(config), text_fields(served)
+    differ = [
+        f"{key}={json.dumps(ours[key])} (the target's: {json.dumps(theirs[key])})"
+        for key in sorted(ours.keys() & theirs.keys())
+        if key not in UNBUILT_KEYS and ours[key] != theirs[key]
+    ]
+    if differ:
+        raise UserError(
+            f"{folder}: its config.json is not the target's, from which draftsmith builds the MTP layer (vLLM builds "
+            f"it from the folder's): {'; '.join(differ)[:600]}"
+        )
+
+
 @register
 class MtpExporter(Exporter):
     kinds = ("mtp",)
@@ -91,19 +132,9 @@ class MtpExporter(Exporter):
         name_or_path = source.target.shape.name_or_path
         loaded = loaded_config(source.target_model)
         layout = layout_of(loaded)
-        # the count written whether the target's config.json holds one or not (Qwen3-Next's release does not), in
-        # the text_config of a wrapper served whole (GLM-5-Next's: vLLM maps its model_type to its MTP model)
-        config = shipped_config(name_or_path, loaded)
-        text = text_fields(config)
         depths = mtp_depths.depths_of(drafter)  # vLLM runs depth i at step i, one layer (1) at every step
-        count_holder(config, layout)[layout.count_key] = depths
-        if layout.count_block:  # the text_config's copies of the block's fields, where it has them, alike
-            block = count_holder(config, layout)
-            text |= {ours: block.get(theirs) for theirs, ours in MTP_FIELDS if ours in text}
-        text |= compress_ratios(text)
-        if isinstance(text.get("mtp_layer_types"), list):  # vLLM's Dots3-Note config asks one entry per depth built
-            text["mtp_layer_types"] = text["mtp_layer_types"][:depths]
-        layers = decoder_layers(text)
+        config = served_config(name_or_path, loaded, depths)
+        layers = decoder_layers(text_fields(config))
         # depth 0's tensors, then each later depth's (heads/mtp_depths.py), as the record names them
         depth_prefixes = [layout.prefix(layers), *(mtp_depths.prefix(layout, j, layers) for j in range(1, depths))]
         written = drafter.checkpoint_tensors().items()
@@ -174,5 +205,6 @@ class MtpExporter(Exporter):
             if key in ("ttt_steps", "ttt_decay", "tree_depth", "tree_topk")
         }  # training and decoding settings the engine does not carry
         settings["mtp_depths"] = mtp_depths.shipped(config, layout)  # the folder's count: the depths it holds
+        require_served_config(folder, config, target_model, settings["mtp_depths"])
         layer = {mtp_depths.layer_name(layout, name, layers): tensor for name, tensor in tensors.items()}
         return mtp.from_layer(mtp.Config(**settings), target_model, info.get("verifier", "target"), layer)

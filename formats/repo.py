@@ -288,10 +288,14 @@ ENGINE_ONLY_LAYER_KEYS = {
 UNBIASED = ("attention_bias", "mlp_bias")  # a family without the key has no bias
 
 
-def check_draft_layer(folder: Path, layer: dict[str, Any], ours: dict[str, Any]) -> None:
+def check_draft_layer(
+    folder: Path, layer: dict[str, Any], ours: dict[str, Any], engine_only: Optional[dict[str, Any]] = None
+) -> None:
     """The folder's draft-layer config must be the one draftsmith builds for this target (`ours`: the drafter's
     decoder config) in every key that changes the layer's function: those it sets, and those it leaves to the
-    engine, which builds them as its model type's config class does (`engine_layer_config`)."""
+    engine, which builds them as its model type's config class does (`engine_layer_config`); `engine_only`: a kind's
+    own values for ENGINE_ONLY_LAYER_KEYS (a block-parallel drafter's layers are not causal)."""
+    engine_only = ENGINE_ONLY_LAYER_KEYS | (engine_only or {})
 
     def value(config: dict[str, Any], key: str):
         if key == "head_dim":
@@ -313,7 +317,7 @@ def check_draft_layer(folder: Path, layer: dict[str, Any], ours: dict[str, Any])
     ]
     differ += [
         f"{key}={layer[key]!r} (draftsmith's layers compute as {neutral!r})"
-        for key, neutral in ENGINE_ONLY_LAYER_KEYS.items()
+        for key, neutral in engine_only.items()
         if layer.get(key) is not None and layer[key] != neutral
     ]
     if differ:

@@ -605,19 +605,24 @@ def in_layer(**values):  # a speculators folder's draft layer config
      ("eagle3", "vllm", in_layer(num_aux_hidden_states=2), "vLLM would feed its fc 2 aux hidden states"),
      ("eagle3", "sglang", {"norm_before_residual": True}, "SGLang's EAGLE-3 layer ignores"),
      ("dflash", "vllm", {"rope_parameters": {"rope_theta": 500.0}}, "draft layer differs .*rope_theta': 500"),
-     ("dflash", "vllm", {"is_causal": False}, "draft layer differs .*: is_causal=False")],
+     ("dflash", "vllm", {"is_causal": True}, "draft layer differs .*: is_causal=True"),
+     ("dflash", "vllm", lambda config: config["dflash_config"].update(causal=True), "otherwise .*: dflash_config.caus"),
+     ("dflash", "vllm", {"target_hidden_size": 128}, "otherwise .*: target_hidden_size=128 \\(the target's: 256"),
+     ("dspark", "vllm", {"rms_norm_eps": 0.1}, "draft layer differs .*: rms_norm_eps=0.1"),
+     ("draft_model", "vllm", {"tie_word_embeddings": True}, "ties the lm_head to the embedding .*another tensor")],
     ids=["medusa-hidden", "medusa-original-lm-head", "medusa-layers", "eagle-eps", "eagle-hidden",
          "eagle-intermediate-unset", "eagle-sglang-bias", "eagle3-no-aux", "eagle3-aux-count",
-         "eagle3-sglang-norm-before-residual", "dflash-rope", "dflash-not-causal"],
+         "eagle3-sglang-norm-before-residual", "dflash-rope", "dflash-causal", "dflash-causal-option",
+         "dflash-target-hidden", "dspark-eps", "draft-model-tied"],
 )  # fmt: skip
 def test_an_exported_folder_whose_config_the_engine_would_build_otherwise_is_refused(
     kind, engine, edit, said, target, tmp_path
 ):
-    """An engine builds a drafter from its folder's config.json; draftsmith's reader built EAGLE-1's, DFlash's and
-    Medusa's at the target's shape and settings, and took EAGLE-3's fc inputs from its ids, so a config edited to other
-    ones (or leaving a key to the engine's default) evaluated as draftsmith's drafter while the engine would fail to
-    load it or run another function. Such a folder is refused in one line (exit 2), and a config naming layers its
-    weights lack was an internal error (exit 70)."""
+    """An engine builds a drafter from its folder's config.json; draftsmith's reader built EAGLE-1's, DFlash's,
+    DSpark's and Medusa's at the target's shape and settings, took EAGLE-3's fc inputs from its ids and a tied draft
+    model's lm_head from its own tensor, so a config edited to other ones (or leaving a key to the engine's default)
+    evaluated as draftsmith's drafter while the engine would fail to load it or run another function. Such a folder
+    is refused in one line (exit 2), and a config naming layers its weights lack was an internal error (exit 70)."""
     from draftsmith.formats.folder import open_drafter
     from draftsmith.target import TargetShape
 

@@ -618,6 +618,28 @@ def test_a_deepseek_v4_layer_exports_under_its_release_names_with_the_config_vll
     assert all(torch.equal(t, read_back[n]) for n, t in drafter.checkpoint_tensors().items())
 
 
+@pytest.mark.parametrize(
+    "edit, said",
+    [({"rms_norm_eps": 0.1}, "rms_norm_eps=0.1 \\(the target's: 1e-06\\)"),
+     ({"routed_scaling_factor": 9.0}, "routed_scaling_factor=9.0"), ({"kv_lora_rank": 8}, "kv_lora_rank=8")],
+    ids=["eps", "routing", "latent-rank"],
+)  # fmt: skip
+def test_an_mtp_folder_whose_config_is_not_the_targets_is_refused(edit, said, targets, tmp_path):
+    """vLLM builds the MTP layer from the folder's config.json, draftsmith from the target's: a folder whose config
+    differs from the target's (edited by hand) evaluated as the target's layer while vLLM would run another function or
+    fail to load it. It is refused in one line naming each key; the folder as exported reads."""
+    folder, model = targets("deepseek_v3")
+    drafter = MTP.from_target(MTP.Config(), model, str(folder))
+    shape = TargetShape.of(model, str(folder))
+    exporter = exporter_for("mtp")
+    repo = exporter.vllm(
+        Source(drafter, tmp_path, model, TargetInfo(shape, model.config.to_dict(), str(folder))), 1, tmp_path
+    )
+    exporter.read(tmp_path, repo.config, repo.tensors, model, {})
+    with pytest.raises(UserError, match=rf"{tmp_path}: its config.json is not the target's, .*: {said}"):
+        exporter.read(tmp_path, {**repo.config, **edit}, repo.tensors, model, {})
+
+
 def trained_resumed_and_exported(family: str, tmp_path, small_data, token_cache, capsys) -> tuple[Path, Path]:
     """`recipe=mtp` through the entry points on a `family` target with a random layer: trained, stopped after step 1,
     resumed, exported; (the target, the export's vllm folder)."""
