@@ -26,9 +26,12 @@ Recurrent layers (the linear attention of hybrid targets such as Qwen3.5 and Qwe
 token fed into one state that cannot be cut back to a prefix the way keys can. Before a verify forward
 the loop keeps a copy of those states; when a draft is rejected it puts the copies back, cuts the keys
 to the same point, and feeds the accepted tokens again at the head of the next cycle's forward (the
-row's `pending` tokens: still one target forward a cycle, only a wider one). A recurrent state sees its
-tokens in sequence, so such a target verifies chains only, and decodes a batch's rows one at a time (no
-padding may pass through a state).
+row's `pending` tokens: still one target forward a cycle, only a wider one). While drafts keep being
+rejected those tokens are never kept, so past REFEED_LIMIT of them they are fed on their own
+(`commit_pending`): without it a drafter that is never right makes each forward as wide as the answer so far.
+A recurrent state sees its tokens in sequence, so such a target verifies chains only, and decodes a batch's
+rows one at a time (no padding may pass through a state). Mamba-2 layers scanning in PyTorch take narrow
+chunks in these forwards (eval/scans.py).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from draftsmith.caches import (
 from draftsmith.errors import UserError
 from draftsmith.eval.counts import Generation
 from draftsmith.eval.sampling import Sampling, Verdict, verify
+from draftsmith.eval.scans import scan_chunks
 from draftsmith.eval.target_checks import check_target
 from draftsmith.eval.trees import (
     attention_masks,
@@ -168,7 +172,8 @@ def prefill(model, prompts: Sequence[Sequence[int]], request: FeatureRequest = F
         # The padding is a document of its own (-1), so its queries stay finite and no prompt sees it.
         documents = torch.where(column >= pad, 0, -1)
         mask = attention_masks(model, causal_document_mask(documents)[:, 0], positions, positions)
-    out = run_target(model, ids, mask, request, positions, cache, use_cache=True)
+    with scan_chunks(model, width):
+        out = run_target(model, ids, mask, request, positions, cache, use_cache=True)
     rows = []
     for b, (prompt, n) in enumerate(zip(prompts, lengths)):
         layers = {layer: hidden[b, width - n :] for layer, hidden in out.layers.items()}
@@ -265,7 +270,8 @@ def verify_step(
         keys = torch.cat([cache_positions(cached, width, device), positions], dim=1)
         mask = attention_masks(model, verify_visibility(drafts, cached, width), positions, keys)
     checkpoint = RecurrentCheckpoint(state.cache) if any(len(draft) for draft in drafts) else None
-    out = run_target(model, ids, mask, request, positions, state.cache, use_cache=True)
+    with scan_chunks(model, queries):
+        out = run_target(model, ids, mask, request, positions, state.cache, use_cache=True)
 
     verdicts, keeps = [], []
     for b, (row, draft, p) in enumerate(zip(rows, drafts, pending)):
@@ -294,9 +300,28 @@ def verify_step(
         keeps.append(keep)
     if len(rows) == 1:
         keep_in_cache(state.cache, width, keeps[0])
+        if len(rows[0].pending) > REFEED_LIMIT:
+            commit_pending(model, rows[0], state.cache)
     else:
         gather_cache(state.cache, width, cached, keeps)
     return verdicts
+
+
+REFEED_LIMIT = 16  # the most tokens a row of a recurrent target takes into a verify forward before its draft
+
+
+def commit_pending(model, row: RowState, cache: DynamicCache) -> None:
+    """Feed the row's pending tokens before its root to the target in a forward of their own, into its cache and
+    recurrent states for good. Their hidden states were committed by the forward that verified them, so its output
+    is not read; it is not a cycle (an engine keeps the states at every draft position and never feeds a token
+    twice), though its time counts in the method's wall time."""
+    tokens = row.pending[:-1]
+    device = row.final.device
+    positions = row.cached + torch.arange(len(tokens), device=device)[None]
+    ids = torch.tensor([tokens], device=device)
+    with scan_chunks(model, len(tokens)):
+        run_target(model, ids, None, FeatureRequest(), positions, cache, use_cache=True)
+    row.cached += len(tokens)
 
 
 @torch.no_grad()

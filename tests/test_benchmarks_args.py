@@ -262,6 +262,18 @@ def test_train_throughput_times_a_recipes_run_end_to_end(small_data, token_cache
     assert measured["tokens_per_s"] > 0 and len(measured["losses"]) == 2 and measured["part_s_median"]["optimizer"] > 0
 
 
+@pytest.mark.slow  # the loop as it ran before: about 10 s of 256-token scans
+def test_mamba2_scan_compares_the_loop_before_and_now_on_the_same_outputs():
+    from tests.forked import run_forked
+
+    result = run_forked(["benchmarks/mamba2_scan.py", "--prompts", "1", "--new-tokens", "24", "--gamma", "3"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {row["loop"]: row for row in json.loads(result.stdout)["rows"]}
+    assert list(rows) == ["before", "narrow chunks", "now"] and all(row["outputs_equal"] for row in rows.values())
+    assert rows["now"]["widest_forward"] <= 16 + 1 + 3 < rows["before"]["widest_forward"]
+    assert rows["now"]["chain_tok_s"] > rows["before"]["chain_tok_s"]
+
+
 def test_drafters_refuses_an_unknown_name_before_any_drafter_trains(tmp_path, monkeypatch, capsys):
     drafters = benchmark("drafters", monkeypatch)
     argv = ["--only", "medusa,foo", "--runs", str(tmp_path / "runs")]

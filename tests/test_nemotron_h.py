@@ -100,6 +100,67 @@ def test_mamba2_states_are_put_back_after_every_rejected_draft(model, hit_rate):
         assert 0 < spec.counts.accepted < spec.counts.drafted  # drafts both accepted and rejected
 
 
+def widths_of_forwards(model) -> tuple[list[int], list[int], object]:
+    """Hooks recording every target forward's token count and each Mamba-2 mixer's chunk as it runs."""
+    widths, chunks = [], []
+    mixers = [layer.mixer for layer in model.model.layers if hasattr(layer.mixer, "A_log")]
+    hooks = [model.register_forward_pre_hook(lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
+                                             with_kwargs=True)]  # fmt: skip
+    hooks += [m.register_forward_pre_hook(lambda mixer, _: chunks.append(mixer.chunk_size)) for m in mixers]
+    return widths, chunks, hooks
+
+
+def test_drafts_rejected_again_and_again_do_not_widen_the_verify_forward_without_end(model):
+    """After a rejected draft the accepted tokens are fed again, at the head of the next forward; a drafter that is
+    never right would make each forward as wide as the answer so far (quadratic). Past REFEED_LIMIT such tokens are
+    fed on their own: the forwards stay narrow, and the tokens are still plain greedy's."""
+    from draftsmith.eval.loop import REFEED_LIMIT
+
+    prompt = random_prompt(9, 4)
+    plain = generate(model, prompt, 80).tokens
+    widths, _, hooks = widths_of_forwards(model)
+    try:
+        never = generate(model, prompt, 80, drafter=OracleDrafter(plain, len(prompt), VOCAB, 0.0), gamma=3)
+        wide = max(widths)
+        widths.clear()
+        often = generate(model, prompt, 80, drafter=OracleDrafter(plain, len(prompt), VOCAB, 0.6, seed=2), gamma=3)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert never.tokens == plain and often.tokens == plain
+    assert never.counts.accepted == 0 and 0 < often.counts.accepted < often.counts.drafted
+    assert REFEED_LIMIT < wide <= REFEED_LIMIT + 1 + 3  # it did reach the limit (fed again, the root, the draft)
+    assert max(widths) <= REFEED_LIMIT + 1 + 3
+
+
+def test_a_mamba2_scan_takes_narrow_chunks_in_the_loops_forwards_and_decodes_as_plain_greedy():
+    """transformers' PyTorch Mamba-2 scan pads a forward to its config's chunk (256 here, as Bamba's and Falcon-H1's
+    releases): a verify forward of 4 tokens costing what one of 256 does would make a CPU eval report speculative
+    decoding far slower than engines serve it. The loop's forwards scan in chunks of at most SCAN_CHUNK tokens,
+    the config's chunk is put back after each, and chains still decode plain greedy's tokens (and transformers')."""
+    from draftsmith.eval.scans import SCAN_CHUNK
+
+    config = build_config(
+        "nemotron_h", VOCAB, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0},
+        hidden_size=64, intermediate_size=128, head_dim=16, layers_block_type=KINDS, **(MAMBA | {"chunk_size": 256}),
+    )  # fmt: skip
+    model = build_model(config, std=0.2).requires_grad_(False)
+    prompt = random_prompt(70, 5)  # a prefill of several chunks of SCAN_CHUNK
+    widths, chunks, hooks = widths_of_forwards(model)
+    try:
+        plain = generate(model, prompt, 30).tokens
+        spec = generate(model, prompt, 30, drafter=OracleDrafter(plain, len(prompt), VOCAB, 0.6, seed=1), gamma=4)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert spec.tokens == plain and 0 < spec.counts.accepted < spec.counts.drafted
+    theirs = model.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, eos_token_id=None)
+    assert theirs[0, len(prompt) :].tolist() == plain
+    assert len(widths) == len(chunks) and max(widths) > SCAN_CHUNK  # one Mamba-2 layer: a chunk per forward
+    assert all(chunk == min(width, SCAN_CHUNK) for width, chunk in zip(widths, chunks) if width > 1)
+    assert all(layer.mixer.chunk_size == 256 for layer in model.model.layers if hasattr(layer.mixer, "A_log"))
+
+
 def test_a_batch_decodes_its_prompts_one_at_a_time_and_a_tree_is_refused_in_one_line(model):
     prompts = [random_prompt(length, seed) for seed, length in enumerate((5, 17, 9))]
     together = [result.tokens for result in generate_batch(model, prompts, 20)]
