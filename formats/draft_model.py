@@ -7,7 +7,8 @@ parallel draft model and is refused (it would draft sequentially, from masks it 
 
 Checked: the vocabulary equals the target's (vLLM refuses another), max_position_embeddings is at
 least the target's (vLLM raises an EAGLE drafter's, not a draft model's), and a tied lm_head is not
-shipped twice. LoRA-trained checkpoints already hold merged weights.
+shipped twice. LoRA-trained checkpoints already hold merged weights. A folder read back is refused where vLLM would
+serve another model than transformers builds (check_engine_only_keys).
 """
 
 from __future__ import annotations
@@ -22,7 +23,14 @@ import torch
 from draftsmith.causal_lm import register_misfiled_causal_lms
 from draftsmith.errors import UserError
 from draftsmith.formats import Exporter, Source, register
-from draftsmith.formats.repo import SGLANG_FLAGS, SGLANG_REVISION_FLAG, VLLM_SERVE, EngineRepo, TargetInfo
+from draftsmith.formats.repo import (
+    ENGINE_ONLY_LAYER_KEYS,
+    SGLANG_FLAGS,
+    SGLANG_REVISION_FLAG,
+    VLLM_SERVE,
+    EngineRepo,
+    TargetInfo,
+)
 from draftsmith.heads import drafter_class
 
 SGLANG_SERVE = (
@@ -156,6 +164,7 @@ class DraftModelExporter(Exporter):
             settings |= {"parallel_drafting": True, "mask_token_id": int(config["pard_token"])}
         from draftsmith.target import TargetShape
 
+        check_engine_only_keys(folder, config)
         drafter = draft(draft.Config(**settings), TargetShape.of(target_model, info.get("verifier", "target")))
         if config.get("tie_word_embeddings"):  # the engines read the embedding as the lm_head too, and drop one
             embedding = tensors["model.embed_tokens.weight"]
@@ -167,3 +176,26 @@ class DraftModelExporter(Exporter):
             tensors = tensors | {"lm_head.weight": embedding}
         drafter.load_state_dict({PREFIX + name: tensor for name, tensor in tensors.items()})
         return drafter
+
+
+def check_engine_only_keys(folder: Path, config: dict[str, Any]) -> None:
+    """Keys of the folder's config.json that its model type's transformers class keeps unread and vLLM's model
+    reads (its llama.py: `bias`, `qkv_bias`, `is_causal`, `logit_scale`, and `layer_types` for sliding-window
+    layers): draftsmith trains and evaluates the model transformers builds, so any value under which the two do not
+    compute alike would serve another model than the one measured."""
+    from transformers import AutoConfig
+
+    known = AutoConfig.for_model(str(config.get("model_type"))).to_dict()
+    differ = [
+        f"{key}={config[key]!r} (transformers' model computes as {neutral!r})"
+        for key, neutral in ENGINE_ONLY_LAYER_KEYS.items()
+        if key not in known and config.get(key) is not None and config[key] != neutral
+    ]
+    kinds = config.get("layer_types") if "layer_types" not in known else None
+    if isinstance(kinds, list) and set(kinds) - {"full_attention"}:
+        differ.append(f"layer_types={sorted(set(kinds))} (transformers' model attends to every key)")
+    if differ:
+        raise UserError(
+            f"{folder}: its config.json sets keys its model type's transformers class ignores and vLLM's model "
+            f"reads: {', '.join(differ)}"
+        )
