@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 
 from draftsmith.engines import serves_language_model_only
-from draftsmith.errors import UserError
+from draftsmith.errors import UserError, one_line
 from draftsmith.target import TargetShape, dtype_name
 
 EXPORT_INFO = "draftsmith_export.json"
@@ -302,7 +302,7 @@ def check_draft_layer(
             return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         return bool(config.get(key)) if key in UNBIASED else config.get(key)
 
-    built = engine_layer_config(layer)
+    built = engine_layer_config(folder, layer)
     differ = [
         f"{key}={value(layer, key)!r} (draftsmith's: {value(ours, key)!r})"
         for key in LAYER_FUNCTION_KEYS
@@ -326,16 +326,22 @@ def check_draft_layer(
         )
 
 
-def engine_layer_config(layer: dict[str, Any]) -> dict[str, Any]:
+def engine_layer_config(folder: Path, layer: dict[str, Any]) -> dict[str, Any]:
     """A draft layer's config as the engine's reader of its `model_type` completes it: transformers' config class of
-    that type built from it, its defaults where it sets nothing (empty for a type transformers does not know)."""
+    that type built from it, its defaults where it sets nothing (empty for a type transformers does not know). Values
+    the class refuses (a `layer_types` of another length than the layers) are one line: the engine would refuse them."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    try:
-        settings = {key: value for key, value in layer.items() if key != "model_type"}
-        return AutoConfig.for_model(str(layer.get("model_type")), **settings).to_dict()
-    except (ValueError, TypeError, KeyError):  # an unknown model type, or values its class refuses
+    model_type = str(layer.get("model_type"))
+    if model_type not in CONFIG_MAPPING_NAMES:
         return {}
+    try:
+        return AutoConfig.for_model(model_type, **{k: v for k, v in layer.items() if k != "model_type"}).to_dict()
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as err:
+        refusal = f"{folder}: transformers' {model_type} config refuses its draft layer: {one_line(err)}"
+        raise UserError(refusal) from None
 
 
 def require_layers(checks: tuple[tuple[str, bool], ...], built: str) -> None:

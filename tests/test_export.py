@@ -609,6 +609,9 @@ def in_layer(**values):  # a speculators folder's draft layer config
      ("dflash", "vllm", lambda config: config["dflash_config"].update(causal=True), "otherwise .*: dflash_config.caus"),
      ("dflash", "vllm", {"target_hidden_size": 128}, "otherwise .*: target_hidden_size=128 \\(the target's: 256"),
      ("dspark", "vllm", {"rms_norm_eps": 0.1}, "draft layer differs .*: rms_norm_eps=0.1"),
+     ("dspark", "vllm", {"layer_types": ["full_attention"]}, "qwen3 config refuses its draft layer: .*layer_types"),
+     ("dspark", "vllm", {"enable_confidence_head": True, "confidence_head_with_markov": False},
+      "without confidence_head_with_markov makes vLLM build a confidence head of the hidden state alone"),
      ("draft_model", "vllm", {"tie_word_embeddings": True}, "ties the lm_head to the embedding .*another tensor"),
      ("draft_model", "vllm", {"qkv_bias": True}, "transformers class ignores and vLLM's model reads: qkv_bias=True"),
      ("draft_model", "vllm", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4},
@@ -616,7 +619,8 @@ def in_layer(**values):  # a speculators folder's draft layer config
     ids=["medusa-hidden", "medusa-original-lm-head", "medusa-layers", "eagle-eps", "eagle-hidden",
          "eagle-intermediate-unset", "eagle-sglang-bias", "eagle3-no-aux", "eagle3-aux-count",
          "eagle3-sglang-norm-before-residual", "dflash-rope", "dflash-causal", "dflash-causal-option",
-         "dflash-target-hidden", "dspark-eps", "draft-model-tied", "draft-model-qkv-bias",
+         "dflash-target-hidden", "dspark-eps", "dspark-layer-count", "dspark-confidence-alone",
+         "draft-model-tied", "draft-model-qkv-bias",
          "draft-model-sliding"],
 )  # fmt: skip
 def test_an_exported_folder_whose_config_the_engine_would_build_otherwise_is_refused(

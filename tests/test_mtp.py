@@ -621,8 +621,9 @@ def test_a_deepseek_v4_layer_exports_under_its_release_names_with_the_config_vll
 @pytest.mark.parametrize(
     "edit, said",
     [({"rms_norm_eps": 0.1}, "rms_norm_eps=0.1 \\(the target's: 1e-06\\)"),
-     ({"routed_scaling_factor": 9.0}, "routed_scaling_factor=9.0"), ({"kv_lora_rank": 8}, "kv_lora_rank=8")],
-    ids=["eps", "routing", "latent-rank"],
+     ({"routed_scaling_factor": 9.0}, "routed_scaling_factor=9.0"), ({"kv_lora_rank": 8}, "kv_lora_rank=8"),
+     ({"num_nextn_predict_layers": 0}, "num_nextn_predict_layers=0")],
+    ids=["eps", "routing", "latent-rank", "no-depth"],
 )  # fmt: skip
 def test_an_mtp_folder_whose_config_is_not_the_targets_is_refused(edit, said, targets, tmp_path):
     """vLLM builds the MTP layer from the folder's config.json, draftsmith from the target's: a folder whose config
