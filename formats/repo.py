@@ -241,6 +241,22 @@ VLLM_NO_STATE_CAPTURE = (
     # read from vLLM 0.32's source, not run (no build here serves them): no EAGLE-3 interface on the text models, and
     # the Qwen4-Exp wrapper's inherited one would assert on its language model (not an EagleModelMixin)
     "Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration", "HYV4ForCausalLM",
+    # every other text-generation architecture whose vLLM 0.32 model class lacks the EAGLE-3 interface (its
+    # supports_eagle3 false where its CPU build loads the class: tests/test_families_vllm.py keeps the table so)
+    "AXK1ForCausalLM", "BailingMoeForCausalLM", "BailingMoeV2ForCausalLM", "BailingMoeV2_5ForCausalLM",
+    "BailingMoeV3ForCausalLM", "BloomForCausalLM", "ChatGLMForConditionalGeneration", "ChatGLMModel",
+    "Cohere2ForCausalLM", "DbrxForCausalLM", "DeciLMForCausalLM", "Ernie4_5_MoeForCausalLM", "Exaone4ForCausalLM",
+    "ExaoneForCausalLM", "ExaoneMoEForCausalLM", "ExaoneMoeForCausalLM", "FalconForCausalLM", "FalconH1ForCausalLM",
+    "FalconMambaForCausalLM", "GPT2LMHeadModel", "GPTJForCausalLM", "Gemma3nForCausalLM", "GemmaForCausalLM",
+    "GraniteMoeForCausalLM", "GraniteMoeHybridForCausalLM", "GraniteMoeSWAForCausalLM", "GraniteMoeSharedForCausalLM",
+    "HYV3ForCausalLM", "HrmTextForCausalLM", "HyperCLOVAXForCausalLM", "IQuestLoopCoderForCausalLM",
+    "InklingForCausalLM", "InklingForConditionalGeneration", "InternLM2ForCausalLM", "JambaForCausalLM",
+    "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "LongcatFlashForCausalLM", "LongcatFlashNgramForCausalLM",
+    "Mamba2ForCausalLM", "MambaForCausalLM", "NemotronForCausalLM", "OPTForCausalLM", "OlmoHybridForCausalLM",
+    "OlmoeForCausalLM", "OrionForCausalLM", "PanguEmbeddedForCausalLM", "PanguProMoEV2ForCausalLM",
+    "PanguUltraMoEForCausalLM", "Param2MoEForCausalLM", "PhiMoEForCausalLM", "Qwen2MoeForCausalLM", "Rnj1ForCausalLM",
+    "SarvamMoEForCausalLM", "SolarForCausalLM", "StableLmForCausalLM", "Step3TextForCausalLM", "Step3p5ForCausalLM",
+    "Zamba2ForCausalLM",
 )  # fmt: skip
 
 

@@ -69,3 +69,32 @@ def test_a_target_vllm_cannot_capture_for_eagle3_is_refused_in_one_line(tmp_path
             export_checkpoint(cfg, final)
         assert "\n" not in str(info.value)
         assert not (run / "export" / "vllm").exists()
+
+
+# vLLM's own answer, per text-generation architecture its environment loads: whether the model class has the EAGLE-3
+# interface (supports_eagle3), which the engine's start requires of a target whose states a drafter reads
+EAGLE3_INTERFACES = """
+import json
+from vllm.model_executor.models.interfaces import supports_eagle3
+from vllm.model_executor.models.registry import _TEXT_GENERATION_MODELS, ModelRegistry
+classes = {arch: ModelRegistry._try_load_model_cls(arch) for arch in sorted(_TEXT_GENERATION_MODELS)}
+print(json.dumps({arch: bool(supports_eagle3(cls)) for arch, cls in classes.items() if cls is not None}))
+"""
+
+
+def test_the_table_of_targets_vllm_captures_no_states_from_is_vllms_own(vllm_python):
+    """formats/repo.py's VLLM_NO_STATE_CAPTURE names every architecture whose vLLM model class lacks the EAGLE-3
+    interface (an export for one was refused only once the engine check started vLLM, and without a check it was
+    written: a Granite-4.0-H target's EAGLE-3 drafter, whose engine would refuse to start, "Model does not support
+    EAGLE3 interface") and none that has it."""
+    import json
+    import subprocess
+
+    from draftsmith.formats.repo import VLLM_NO_STATE_CAPTURE
+
+    found = subprocess.run([vllm_python, "-c", EAGLE3_INTERFACES], capture_output=True, text=True, timeout=300)
+    assert found.returncode == 0, found.stderr[-2000:]
+    interfaces = json.loads(found.stdout.strip().splitlines()[-1])
+    assert len(interfaces) > 100  # the classes loaded (a few import torchvision, which the CPU build's lacks)
+    assert {arch for arch, has in interfaces.items() if not has} <= set(VLLM_NO_STATE_CAPTURE)
+    assert not {arch for arch, has in interfaces.items() if has} & set(VLLM_NO_STATE_CAPTURE)

@@ -1,0 +1,86 @@
+"""Granite-4.0-H (`granitemoehybrid`, IBM's Mamba-2 hybrid) and Bamba as targets, with no code of their own.
+
+Their Mamba-2 layers (transformers' LinearAttentionLayer in the cache, as Nemotron-H's: tests/test_nemotron_h.py)
+are put back after a rejected draft and the accepted tokens fed again; their attention layers' keys are cut. The
+class defaults build Mamba-2 layers alone (a release names its attention layers: Granite's `layer_types`, Bamba's
+`attn_layer_indices`), and 128 heads with a 256-wide state; the tiny targets here set both, an attention layer after
+each Mamba-2 one. vLLM 0.32's Granite-4.0-H class lacks the EAGLE-3 interface, so the kinds that read the target's
+intermediate states are refused at export (vLLM 0.32 serves no Bamba target: it left in 0.23); Medusa, EAGLE-1 and
+draft models read the final state only and train here. Not served by vLLM here yet."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from draftsmith.eval.loop import generate, generate_batch
+from draftsmith.formats.repo import no_state_capture
+from draftsmith.heads import drafters
+from draftsmith.random_target import build_model
+from draftsmith.tiny_config import build_config
+from tests.helpers import OracleDrafter, demo_drafter_section, trains_one_step
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB = 256
+# Mamba-2 at the attention's size: 4 heads of 32 (the layer's inner width, twice the hidden), one group of 16-wide
+# states, chunks of 8 so that a prompt's scan crosses chunks
+MAMBA = {"mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 16, "mamba_n_groups": 1, "mamba_chunk_size": 8}
+LAYERS = {
+    "granitemoehybrid": {"layer_types": ["mamba", "attention", "mamba", "attention"]},
+    "bamba": {"attn_layer_indices": [1, 3]},
+}
+
+
+@pytest.fixture(scope="module", params=list(LAYERS))
+def model(request):
+    config = build_config(
+        request.param, VOCAB, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0},
+        hidden_size=64, intermediate_size=128, head_dim=16, **MAMBA, **LAYERS[request.param],
+    )  # fmt: skip
+    return build_model(config, std=0.2).requires_grad_(False)
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_plain_decoding_is_transformers_and_chains_put_the_mamba2_states_back(model):
+    """Plain decoding equals transformers' greedy generate; chains whose drafts are accepted and rejected at random
+    depths decode the same tokens (a state left holding a rejected token would part them), and a batch decodes its
+    prompts one at a time."""
+    assert model.config.layer_types == ["linear_attention", "full_attention"] * 2
+    prompt = random_prompt(19, 1)
+    plain = generate(model, prompt, 30).tokens
+    theirs = model.generate(
+        torch.tensor([prompt]), max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0
+    )[0, len(prompt) :].tolist()
+    assert plain == theirs
+    for seed, rate in enumerate((0.3, 0.7)):
+        spec = generate(model, prompt, 30, drafter=OracleDrafter(plain, len(prompt), VOCAB, rate, seed=seed), gamma=4)
+        assert spec.tokens == plain and 0 < spec.counts.accepted < spec.counts.drafted
+    prompts = [random_prompt(length, seed) for seed, length in enumerate((5, 12))]
+    alone = [generate(model, prompt, 12).tokens for prompt in prompts]
+    assert [row.tokens for row in generate_batch(model, prompts, 12)] == alone
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "draft_model"])
+def test_the_kinds_vllm_could_serve_train_and_decode_losslessly(model, kind):
+    """One training step moves the drafter and its chains decode plain greedy's tokens. The draft model is the
+    target's first 2 layers (Mamba-2 and attention), its own Mamba-2 states put back as the target's are."""
+    config = OmegaConf.to_object(demo_drafter_section(kind, ()))
+    if kind == "draft_model":
+        config.num_layers = 2
+    drafter = drafters()[kind].from_target(config, model, model.config.model_type)
+    trains_one_step(drafter, model, torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(6)))
+    prompt = random_prompt(17, 7)
+    plain = generate(model, prompt, 24).tokens
+    assert generate(model, prompt, 24, drafter=drafter.eval().proposer(), gamma=3).tokens == plain
+
+
+def test_vllm_captures_no_intermediate_states_from_granite_4_h():
+    """The export's table (read from vLLM 0.32's classes: tests/test_families_vllm.py) names Granite-4.0-H, so
+    EAGLE-3, P-EAGLE, DFlash and DSpark drafters of it are refused at export, before any engine starts. (vLLM 0.32
+    serves no Bamba target at all: its registry says the architecture left in 0.23.)"""
+    assert no_state_capture({"architectures": ["GraniteMoeHybridForCausalLM"]}) == "GraniteMoeHybridForCausalLM"
