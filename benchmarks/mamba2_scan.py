@@ -9,7 +9,7 @@ Medusa built from it, whose drafts are nearly all rejected, the case where the r
 the accepted tokens fed again every cycle. Each prompt (random tokens, 40 long) is decoded plainly and with a chain
 of --gamma tokens under three loops, one after the other per prompt:
 - `before`: every forward scans in the config's chunk, and the tokens fed again are carried whatever their number
-  (the loop before eval/scans.py and REFEED_LIMIT: no mixer narrowed, the limit unreachable);
+  (the loop before draftsmith/scans.py and REFEED_LIMIT: no mixer narrowed, the limit unreachable);
 - `narrow chunks`: chunks of at most SCAN_CHUNK, the tokens carried without limit;
 - `now`: both, as the eval command runs.
 Reports each loop's tokens/s plainly and with the drafter, the widest target forward after the prefill, and whether
@@ -27,7 +27,8 @@ import torch
 from provenance import provenance  # benchmarks/, first on sys.path
 from transformers import BambaConfig
 
-from draftsmith.eval import loop, scans
+from draftsmith import scans
+from draftsmith.eval import loop
 from draftsmith.eval.loop import generate
 from draftsmith.heads import drafter_class
 from draftsmith.random_target import build_model

@@ -31,7 +31,7 @@ rejected those tokens are never kept, so past REFEED_LIMIT of them they are fed 
 (`commit_pending`): without it a drafter that is never right makes each forward as wide as the answer so far.
 A recurrent state sees its tokens in sequence, so such a target verifies chains only, and decodes a batch's
 rows one at a time (no padding may pass through a state). Mamba-2 layers scanning in PyTorch take narrow
-chunks in these forwards (eval/scans.py).
+chunks in these forwards (draftsmith/scans.py).
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ from draftsmith.caches import (
 from draftsmith.errors import UserError
 from draftsmith.eval.counts import Generation
 from draftsmith.eval.sampling import Sampling, Verdict, verify
-from draftsmith.eval.scans import scan_chunks
 from draftsmith.eval.target_checks import check_target
 from draftsmith.eval.trees import (
     attention_masks,
@@ -72,6 +71,7 @@ from draftsmith.families import (
 )
 from draftsmith.heads.packing import causal_document_mask
 from draftsmith.heads.proposer import DraftState, DraftTree, Proposer, Tree
+from draftsmith.scans import scan_chunks
 from draftsmith.target import FeatureRequest, run_target
 
 

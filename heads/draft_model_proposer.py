@@ -12,6 +12,7 @@ from draftsmith.caches import RecurrentCheckpoint, cut_keys, new_cache
 from draftsmith.errors import UserError
 from draftsmith.families import reads_in_order
 from draftsmith.heads.proposer import DraftState, DraftTree, Proposer, draft_stream
+from draftsmith.scans import scan_chunks
 from draftsmith.target import FeatureRequest
 
 if TYPE_CHECKING:
@@ -97,7 +98,8 @@ class DraftModelProposer(Proposer):
         cut_keys(self._cache, common)
         ids = torch.tensor([tokens[common:]], device=device)
         positions = torch.arange(common, len(tokens), device=device)[None]
-        out = self.model(input_ids=ids, position_ids=positions, cache=self._cache, use_cache=True)
+        with scan_chunks(self.model, ids.shape[1]):
+            out = self.model(input_ids=ids, position_ids=positions, cache=self._cache, use_cache=True)
         self.draft_forwards += 1
         self._cached = list(tokens)
         return out.logits[0, -outputs:]

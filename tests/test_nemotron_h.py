@@ -137,8 +137,9 @@ def test_a_mamba2_scan_takes_narrow_chunks_in_the_loops_forwards_and_decodes_as_
     """transformers' PyTorch Mamba-2 scan pads a forward to its config's chunk (256 here, as Bamba's and Falcon-H1's
     releases): a verify forward of 4 tokens costing what one of 256 does would make a CPU eval report speculative
     decoding far slower than engines serve it. The loop's forwards scan in chunks of at most SCAN_CHUNK tokens,
-    the config's chunk is put back after each, and chains still decode plain greedy's tokens (and transformers')."""
-    from draftsmith.eval.scans import SCAN_CHUNK
+    the config's chunk is put back after each, and chains still decode plain greedy's tokens (and transformers'); a
+    draft model of its layers scans its own forwards so."""
+    from draftsmith.scans import SCAN_CHUNK
 
     config = build_config(
         "nemotron_h", VOCAB, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0},
@@ -159,6 +160,16 @@ def test_a_mamba2_scan_takes_narrow_chunks_in_the_loops_forwards_and_decodes_as_
     assert len(widths) == len(chunks) and max(widths) > SCAN_CHUNK  # one Mamba-2 layer: a chunk per forward
     assert all(chunk == min(width, SCAN_CHUNK) for width, chunk in zip(widths, chunks) if width > 1)
     assert all(layer.mixer.chunk_size == 256 for layer in model.model.layers if hasattr(layer.mixer, "A_log"))
+    # a draft model of its first 3 layers scans its own forwards of several tokens so too
+    config = OmegaConf.to_object(demo_drafter_section("draft_model", ()))
+    config.num_layers = 3
+    draft = drafters()["draft_model"].from_target(config, model, "nemotron_h").eval()
+    scans = []
+    for mixer in (module for module in draft.modules() if hasattr(module, "A_log")):
+        mixer.register_forward_pre_hook(lambda mixer, args: scans.append((args[0].shape[1], mixer.chunk_size)))
+    assert generate(model, prompt, 30, drafter=draft.proposer(), gamma=3).tokens == plain
+    assert max(width for width, _ in scans) > SCAN_CHUNK
+    assert all(chunk == min(width, SCAN_CHUNK) for width, chunk in scans if width > 1)
 
 
 def test_a_batch_decodes_its_prompts_one_at_a_time_and_a_tree_is_refused_in_one_line(model):

@@ -1,4 +1,5 @@
-"""The chunk of transformers' PyTorch Mamba-2 scan in the eval loop's multi-token forwards.
+"""The chunk of transformers' PyTorch Mamba-2 scan in the multi-token forwards of decoding: the eval loop's target,
+and a draft model built from a Mamba-2 target's layers.
 
 Mamba-2 mixers (hybrid targets with Mamba-2 layers) scan a forward of several tokens in chunks of the config's
 `chunk_size` (128 or 256 in releases), padding the forward up to a whole chunk and working on [chunk x chunk] blocks
@@ -6,7 +7,7 @@ per head; one token takes the recurrent step and no chunk. mamba_ssm's CUDA kern
 PyTorch code that runs without them (on a CPU, or a GPU without mamba_ssm) makes a verify forward of 4 tokens cost
 what one of 256 does: about 50 one-token steps on a CPU, which would make every speculative method look slower than
 it is served. The scan is exact for any chunk (only the rounding of its sums moves, about 1e-6 in a tiny target's
-logits), so the loop's forwards take chunks no wider than SCAN_CHUNK there; the prefill every method shares alike."""
+logits), so these forwards take chunks no wider than SCAN_CHUNK there; the prefill every method shares alike."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
-SCAN_CHUNK = 32  # the widest chunk a PyTorch Mamba-2 scan takes in the eval loop's forwards
+SCAN_CHUNK = 32  # the widest chunk a PyTorch Mamba-2 scan takes in decoding's forwards
 _MIXERS: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.nn.Module]] = weakref.WeakKeyDictionary()
 
 
