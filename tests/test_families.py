@@ -318,9 +318,15 @@ def test_a_draft_of_the_first_layers_takes_the_first_entries_of_every_per_layer_
 
 def assert_chains_lossless_far_past_the_window_and_trees_refused(model) -> None:
     """Oracle chains decoding three prompts far past the window equal plain decoding, prompt by prompt (drafts
-    accepted and rejected) and in a batch; a tree is refused in one line."""
+    accepted and rejected) and in a batch, and so do drafts never accepted (the tokens carried past them fed on their
+    own once more than REFEED_LIMIT); a tree is refused in one line."""
+    from draftsmith.eval.loop import REFEED_LIMIT
+
     prompts = [random_prompt(length, seed) for seed, length in enumerate((12, 5, 20))]
     plain = [generate(model, prompt, 2 * WINDOW).tokens for prompt in prompts]
+    assert 2 * WINDOW > REFEED_LIMIT + 1  # one token a cycle: the carried tokens pass the limit
+    never = generate(model, prompts[0], 2 * WINDOW, drafter=OracleDrafter(plain[0], 12, VOCAB, 0.0), gamma=3)
+    assert never.tokens == plain[0] and never.counts.accepted == 0
     oracles = [
         OracleDrafter(tokens, len(prompt), VOCAB, hit_rate=rate, seed=i)
         for i, (tokens, prompt, rate) in enumerate(zip(plain, prompts, (0.9, 0.5, 0.7)))
