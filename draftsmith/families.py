@@ -83,6 +83,18 @@ def own_layer_kinds(config_class) -> list[str]:
     return [kind for kind, layer in DYNAMIC_LAYER_TYPE_MAPPING.items() if layer.__module__ == name]
 
 
+def even_rotary_share(rope: dict[str, Any], head: int) -> dict[str, Any]:
+    """Rotary parameters (`rope`, or each layer kind's in it) whose `partial_rotary_factor` turns an even number of a
+    `head`-wide head's channels: the engines rotate `int(head × factor)` channels in pairs, where transformers rotates
+    the next even number (MiMo-V2's 0.334 of 64: 21 against 22); an odd count is rounded up to that even one."""
+    if any(isinstance(value, dict) for value in rope.values()):
+        return {
+            kind: even_rotary_share(value, head) if isinstance(value, dict) else value for kind, value in rope.items()
+        }
+    channels = int(head * rope.get("partial_rotary_factor", 1.0))
+    return rope if channels % 2 == 0 else {**rope, "partial_rotary_factor": (channels + 1) / head}
+
+
 def layer_types(config: Any) -> list[str]:
     """Each decoder layer's attention kind. The config's own `layer_types` where the family has them
     (transformers derives them from `sliding_window`, `use_sliding_window`, `max_window_layers`,

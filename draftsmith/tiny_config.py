@@ -13,7 +13,7 @@ from huggingface_hub.errors import StrictDataclassError
 
 from draftsmith.causal_lm import text_has_causal_lm, wraps_a_text_model
 from draftsmith.errors import UserError, one_line
-from draftsmith.families import COMPRESSED, LINEAR, own_layer_kinds
+from draftsmith.families import COMPRESSED, FULL, LINEAR, even_rotary_share, own_layer_kinds
 
 # The tiny shape every family is proven at (the target-families matrix): hidden 256, 4 layers,
 # 4 heads over 2 KV heads of 64, and for mixtures of experts 4 experts of which 2 are routed.
@@ -146,12 +146,17 @@ def every_kind(fields: dict[str, Any], kinds: list[str], defaults: dict[str, Any
     # linear layers alone at the tiny depth (Kimi-Linear's attention one layer in four, Bailing-Hybrid's one in six):
     # the others go last, as the eval loop decodes no target of linear layers only
     further = [kind for kind in default_kinds if kind not in kinds and (not kept or set(kinds) == {LINEAR})]
+    named = {"layer_types", "attn_layer_indices"} & defaults.keys()  # kinds a release names (Granite-4.0-H, Bamba)
+    if set(kinds) == {LINEAR} and not further and named and f'"{FULL}"' in modeling_source(config_class):
+        further = [FULL]  # linear layers alone by default: attention, which the family's code has, last
     chosen = list(kinds)
     if own:
         chosen = [own[0] if i % 2 == 0 else kind for i, kind in enumerate(chosen)]
     if further and len(chosen) > len(further):
         chosen[-len(further) :] = further
     fields["layer_types"] = chosen
+    if "attn_layer_indices" in defaults:  # kinds a class derives from its attention layers' indices (Bamba's)
+        fields["attn_layer_indices"] = [i for i, kind in enumerate(fields.pop("layer_types")) if kind == FULL]
     return chosen != list(kinds)
 
 
@@ -268,6 +273,10 @@ def scaled_fields(defaults: dict[str, Any], fields: dict[str, Any]) -> dict[str,
         out["unpadded_vocab_size"] = fields["vocab_size"]
     if "mamba_num_heads" in defaults:  # Mamba-2 layers (Nemotron-H's): heads and state as wide as attention's
         out.update(mamba_num_heads=heads, mamba_head_dim=head, ssm_state_size=head, n_groups=kv_heads)
+    if "mamba_n_heads" in defaults:  # under Bamba's names (Granite-4.0-H's, Falcon-H1's): heads of attention's width,
+        inner = (defaults.get("mamba_expand") or 2) * hidden  # as many as fill the inner width the class checks
+        out.update(mamba_n_heads=inner // head, mamba_d_head=head, mamba_d_state=head, mamba_n_groups=kv_heads)
+        out["mamba_d_ssm"] = inner  # the inner width itself, where the class has it (Falcon-H1's)
     if defaults.get("moe_hidden_size"):  # the width experts run at, pooled from the hidden size (Muse Spark's half)
         out["moe_hidden_size"] = hidden * defaults["moe_hidden_size"] // defaults["hidden_size"]
     if "dense_intermediate_size" in defaults:  # the dense layers' MLP of a mixture-of-experts family: the tiny one
@@ -308,18 +317,6 @@ def scaled_fields(defaults: dict[str, Any], fields: dict[str, Any]) -> dict[str,
     if "num_kv_shared_layers" in defaults:  # layers reusing another's cache: none, each layer its own
         out["num_kv_shared_layers"] = 0
     return {key: value for key, value in out.items() if key in defaults}
-
-
-def even_rotary_share(rope: dict[str, Any], head: int) -> dict[str, Any]:
-    """Rotary parameters (`rope`, or each layer kind's in it) whose `partial_rotary_factor` turns an even number of a
-    `head`-wide head's channels: the engines rotate `int(head × factor)` channels in pairs, where transformers rotates
-    the next even number (MiMo-V2's 0.334 of 64: 21 against 22); an odd count is rounded up to that even one."""
-    if any(isinstance(value, dict) for value in rope.values()):
-        return {
-            kind: even_rotary_share(value, head) if isinstance(value, dict) else value for kind, value in rope.items()
-        }
-    channels = int(head * rope.get("partial_rotary_factor", 1.0))
-    return rope if channels % 2 == 0 else {**rope, "partial_rotary_factor": (channels + 1) / head}
 
 
 def scaled_overrides(values: dict[str, Any], defaults: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:

