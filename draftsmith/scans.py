@@ -27,14 +27,17 @@ def reference_scan_mixers(model: torch.nn.Module) -> list[torch.nn.Module]:
     if model not in _MIXERS:
         device = model.get_output_embeddings().weight.device
         kernels = device.type == "cuda" and importlib.util.find_spec("mamba_ssm") is not None
-        _MIXERS[model] = [
-            module
-            for module in model.modules()
-            if not kernels
-            and isinstance(getattr(module, "chunk_size", None), int)
-            and hasattr(module, "A_log")
-            and hasattr(module, "dt_bias")
-        ]
+        _MIXERS[model] = (
+            []
+            if kernels
+            else [
+                module
+                for module in model.modules()
+                if isinstance(getattr(module, "chunk_size", None), int)
+                and hasattr(module, "A_log")
+                and hasattr(module, "dt_bias")
+            ]
+        )
     return _MIXERS[model]
 
 

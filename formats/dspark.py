@@ -121,14 +121,13 @@ class DSparkExporter(DFlashExporter):
         dspark = drafter_class("dspark")
         needed = ("block_size", "dspark_target_layer_ids", "dspark_noise_token_id", "markov_rank")
         missing = [key for key in needed if key not in config]
-        # vLLM sizes the confidence head's input by confidence_head_with_markov; draftsmith's reads the Markov state
-        markov_confidence = config.get("confidence_head_with_markov") or not config.get("enable_confidence_head")
         if missing or config.get("markov_head_type", "vanilla") != "vanilla" or not config.get("sample_from_anchor"):
             raise UserError(
                 f"{folder}: a DSpark folder draftsmith reads needs {', '.join(needed)}, markov_head_type vanilla and "
                 f"sample_from_anchor true in its config.json (missing {missing})"
             )
-        if not markov_confidence:
+        # vLLM sizes the confidence head's input by confidence_head_with_markov; draftsmith's reads the Markov state
+        if config.get("enable_confidence_head") and not config.get("confidence_head_with_markov"):
             raise UserError(
                 f"{folder}: its config.json's enable_confidence_head without confidence_head_with_markov makes vLLM "
                 "build a confidence head of the hidden state alone; draftsmith's reads the Markov state too"
