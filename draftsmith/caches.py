@@ -66,6 +66,14 @@ PER_POSITION = (
 )
 
 
+def cached_length(cache: DynamicCache) -> int:
+    """How many positions `cache` holds: the count of its layers that keep keys, else the cache's own. Not
+    `cache.get_seq_length()` alone: since transformers 5.25 a cache whose first layer is linear attention answers
+    with that layer's token count, a tensor the next forward adds to in place."""
+    keyed = key_layers(cache)
+    return int((keyed[0] if keyed else cache).get_seq_length())
+
+
 def key_layers(cache: DynamicCache) -> list:
     """The cache layers holding keys and values that can be cut per position (a linear-attention layer holds a
     state instead; a cache that pools positions is put back whole)."""
@@ -122,13 +130,16 @@ def select_rows(cache: DynamicCache, rows: torch.Tensor, width: int) -> None:
 
 
 def recurrent_states(cache: DynamicCache) -> list[torch.Tensor]:
-    """Every recurrent (linear-attention) state of the cache: convolution windows and recurrent states."""
+    """Every recurrent (linear-attention) state of the cache: convolution windows, recurrent states, and the count
+    of tokens folded into them (transformers 5.25 and later: the positions a forward without position ids takes
+    its own from, when the cache's first layer is linear attention)."""
     from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
     states = []
     for layer in cache.layers:
         if isinstance(layer, LinearAttentionCacheLayerMixin):
-            for state in (*layer.conv_states.values(), *layer.recurrent_states.values()):
+            count = getattr(layer, "cumulative_length_linear", None)
+            for state in (*layer.conv_states.values(), *layer.recurrent_states.values(), count):
                 if state is not None:
                     states.append(state)
     return states

@@ -46,6 +46,7 @@ from transformers import DynamicCache
 
 from draftsmith.caches import (
     RecurrentCheckpoint,
+    cached_length,
     cut_keys,
     gather_positions,
     key_layers,
@@ -137,7 +138,7 @@ class DecodeState:
 
     @property
     def width(self) -> int:
-        return self.cache.get_seq_length()
+        return cached_length(self.cache)
 
     def keep_rows(self, keep: Sequence[int]) -> None:
         """Drop the other rows (finished sequences), and the left padding nobody needs any more."""

@@ -32,6 +32,7 @@ import torch
 import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from draftsmith.caches import cached_length
 from draftsmith.eval.loop import generate, generate_batch, prefill, propose, verify_step
 from draftsmith.eval.sampling import Sampling
 from draftsmith.eval.trees import attention_masks, cache_positions, tree_depths, verify_visibility
@@ -854,7 +855,7 @@ def assert_tree_forward_equals_path_forwards(model, prefix: list[int], tokens: t
     """One verify forward over [root] + the tree after `prefix` (the eval loop's cache and masks) gives
     every node the logits of a plain forward over the prefix and that node's path."""
     state = prefill(model, [prefix])  # caches prefix[:-1]; prefix[-1] is the root
-    past = state.cache.get_seq_length()
+    past = cached_length(state.cache)
     positions = (tree_depths(parents) + past)[None]
     keys = torch.cat([cache_positions([past], past, positions.device), positions], dim=1)
     mask = attention_masks(model, verify_visibility([DraftTree(tokens, parents)], [past], past), positions, keys)

@@ -15,8 +15,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from draftsmith.caches import cached_length
 from draftsmith.errors import UserError
-from draftsmith.eval.loop import generate, generate_batch
+from draftsmith.eval.loop import generate, generate_batch, prefill, propose, verify_step
+from draftsmith.eval.sampling import Sampling
 from draftsmith.formats.repo import no_state_capture
 from draftsmith.heads import drafters
 from draftsmith.random_target import build_model
@@ -66,6 +68,22 @@ def test_plain_decoding_is_transformers_and_chains_put_the_mamba2_states_back(mo
     prompts = [random_prompt(length, seed) for seed, length in enumerate((5, 12))]
     alone = [generate(model, prompt, 12).tokens for prompt in prompts]
     assert [row.tokens for row in generate_batch(model, prompts, 12)] == alone
+
+
+def test_a_cache_put_back_after_rejected_drafts_counts_the_positions_it_holds(model):
+    """Since transformers 5.25 a linear-attention cache layer counts the tokens folded into its states, in a tensor
+    each forward adds to in place, and a cache whose first layer is such a layer answers `get_seq_length` with it,
+    as a forward without position ids takes its positions from it. After verify forwards that reject drafts, the
+    count is back at the positions the cache holds, the tokens committed before the row's pending ones."""
+    prompt = random_prompt(19, 1)
+    plain = generate(model, prompt, 30).tokens
+    state = prefill(model, [prompt])
+    row, drafter, rejected = state.rows[0], OracleDrafter(plain, len(prompt), VOCAB, 0.5, seed=3), 0
+    for _ in range(6):
+        draft = propose(drafter, row, 4, None, 4)
+        rejected += len(verify_step(model, state, [draft], Sampling(), [torch.Generator()])[0].path) < len(draft)
+        assert int(state.cache.get_seq_length()) == cached_length(state.cache) == row.cached
+    assert rejected and row.tokens == prompt + plain[: len(row.tokens) - len(prompt)]
 
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle", "draft_model"])
