@@ -190,6 +190,13 @@ def serve_window(config: Any) -> Optional[int]:
 CLAMP_FIELD = "swiglu_limits"
 
 
+def clamp_lists(values: Mapping[str, Any]) -> list[str]:
+    """The keys of a config's dict that hold per-layer SwiGLU limits: CLAMP_FIELD, and the names a release gives its
+    own (Ling-3.0's `expert_swiglu_limit_list` and `share_expert_swiglu_limit_list`, which transformers 5.25 and later
+    read as `swiglu_limits` and `swiglu_limits_shared`)."""
+    return [key for key, value in values.items() if "swiglu_limit" in key and isinstance(value, list)]
+
+
 def unserved_clamp(config: Any, name_or_path: str) -> Optional[str]:
     """Why draftsmith cannot run the target vLLM serves for `config` (a config.json's dict or transformers' config), in
     one line: it clamps some decoder layer's SwiGLU (CLAMP_FIELD), which transformers' class for it does not declare;
@@ -209,7 +216,10 @@ def unserved_clamp(config: Any, name_or_path: str) -> Optional[str]:
     model_type = _get(text, "model_type")
     known = isinstance(text, dict) and isinstance(model_type, str) and model_type in CONFIG_MAPPING
     config_class = type(text) if not isinstance(text, dict) else CONFIG_MAPPING[model_type] if known else None
-    if config_class is None or CLAMP_FIELD in inspect.signature(config_class.__init__).parameters:
+    if config_class is None:
+        return None
+    # a field the class declares under its own name or under a release's (its attribute_map: Ling-3.0's)
+    if CLAMP_FIELD in {*inspect.signature(config_class.__init__).parameters, *config_class.attribute_map}:
         return None
     return (
         f"cannot load target {name_or_path!r}: its config's {CLAMP_FIELD} clamps the SwiGLU of decoder layers {layers} "

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from draftsmith.errors import UserError
-from draftsmith.families import COMPRESSED, FULL, INDEXED, LINEAR, SLIDING
+from draftsmith.families import COMPRESSED, FULL, INDEXED, LINEAR, SLIDING, clamp_lists
 from draftsmith.heads import mtp_stacked
 from draftsmith.heads.base import WEIGHTS_NAME
 from draftsmith.heads.eagle_base import import_qualified
@@ -258,6 +258,9 @@ def layer_config(target_config, layout: Layout) -> dict:
         values["first_k_dense_replace"] = 0
     if isinstance(values.get("mlp_layer_types"), list):
         values["mlp_layer_types"] = values["mlp_layer_types"][-1:]
+    # SwiGLU limit lists: Ling-3.0's block is layer N to vLLM, past their N entries, so unclamped (a release whose
+    # class leaves them unread computes unclamped too, and one limit above 0 is refused: families.unserved_clamp)
+    values.update({key: [0] for key in clamp_lists(values)})
     if values.get("ple_layer_ids"):  # Qwen4-Exp's n-gram embedding: vLLM's MTP layer (layer N) has none
         values["ple_layer_ids"] = []
     if isinstance(values.get("indexer_types"), list):  # vLLM's MTP layer runs an indexer of its own

@@ -30,7 +30,16 @@ from omegaconf import OmegaConf
 
 from draftsmith.errors import UserError
 from draftsmith.eval.loop import generate, generate_batch
-from draftsmith.families import BLOCK_INDEXED, COMPRESSED, FULL, LINEAR, SLIDING, layer_types, reads_in_order
+from draftsmith.families import (
+    BLOCK_INDEXED,
+    COMPRESSED,
+    FULL,
+    LINEAR,
+    SLIDING,
+    clamp_lists,
+    layer_types,
+    reads_in_order,
+)
 from draftsmith.heads import drafter_class, drafters
 from draftsmith.heads.base import load_drafter
 from draftsmith.random_target import build_model
@@ -92,7 +101,7 @@ def tiny(model_type: str, attn: str | None = None):
             config.attn_layer_indices = [1]
         else:
             config.layer_types = [LINEAR, attention, LINEAR]
-        for per_layer in ("mlp_layer_types", "indexer_types"):  # one entry per layer
+        for per_layer in ("mlp_layer_types", "indexer_types", *clamp_lists(config.to_dict())):  # one entry per layer
             if len(getattr(config, per_layer, None) or ()) == 2:
                 setattr(config, per_layer, [*getattr(config, per_layer), getattr(config, per_layer)[-1]])
     elif kinds & set(COMPRESSED):

@@ -122,6 +122,20 @@ def test_a_layer_reads_back_under_its_release_names_as_the_gated_mla_block_with_
     assert {n: p.shape for n, p in drafter.block.named_parameters()} == last
 
 
+def test_a_releases_swiglu_limits_leave_the_block_unclamped_as_vllm_builds_it(tmp_path):
+    """A Ling-3.0 release may clamp its layers' SwiGLU (`expert_swiglu_limit_list`, `share_expert_swiglu_limit_list`:
+    an entry a decoder layer, which transformers 5.25 reads and checks); vLLM builds the MTP block as layer N, past
+    them, so unclamped: the block's config has one 0 for each and its experts no limit. (The target's lists, copied
+    into the one-layer config, had it refused: `must contain one limit per decoder layer`.)"""
+    limits = [0.0, 7.0, 7.0, 7.0]
+    folder = release_target(tmp_path, expert_swiglu_limit_list=limits, share_expert_swiglu_limit_list=limits)
+    model = load_target(str(folder))
+    drafter = MTP.from_target(MTP.Config(), model, str(folder))
+    assert model.config.swiglu_limits == limits and model.model.layers[-1].mlp.experts.limit == 7.0
+    assert drafter.layer_config.swiglu_limits == drafter.layer_config.swiglu_limits_shared == [0]
+    assert drafter.block.mlp.experts.limit is None
+
+
 def gated_mla(layer: dict, config: dict, x: torch.Tensor) -> torch.Tensor:
     """vLLM 0.32's BailingMoeV3MLAAttention on one sequence x [T, H] (normed), from the release's tensors by name:
     queries by q_proj (no LoRA), the latent and the shared rope key by kv_a_proj_with_mqa, the latent RMS-normed and

@@ -73,6 +73,15 @@ def test_a_config_class_declaring_the_field_is_not_refused():
     assert unserved_clamp(exaone_moe(model_type="not_in_transformers", **{CLAMP_FIELD: [7.0] * 4}), "t") is None
 
 
+def test_a_field_the_class_declares_under_a_releases_name_is_not_refused():
+    """Ling-3.0's release names its limits `expert_swiglu_limit_list`, which transformers 5.25's BailingHybridConfig
+    reads as `swiglu_limits` (its attribute_map) and its experts clamp by, as vLLM's BailingMoeV3 does: its loaded
+    config is not refused (it was, as a class declaring no such field)."""
+    config = build_config("bailing_hybrid", 512, {}, expert_swiglu_limit_list=[0.0, 7.0, 7.0, 7.0])
+    assert getattr(config, CLAMP_FIELD) == [0.0, 7.0, 7.0, 7.0]
+    assert unserved_clamp(config, "t") is None
+
+
 # the target's greedy tokens as vLLM 0.32 serves it, and the activation its dense layer 0 is built with
 SERVE = """
 import json, os, sys
