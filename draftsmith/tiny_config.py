@@ -237,6 +237,8 @@ def scaled_fields(defaults: dict[str, Any], fields: dict[str, Any]) -> dict[str,
         # never happens, with 4 it did within 20 tokens.
         out.update(index_n_heads=max(heads, INDEX_HEADS), index_head_dim=head + out.get("qk_rope_head_dim", 0))
         out["index_topk"] = min(defaults.get("index_topk") or INDEX_TOPK, INDEX_TOPK)
+    if "index_num_heads" in defaults:  # an indexer scoring with key head 0's query heads (Kolibri-1.1's): all of them
+        out["index_num_heads"] = heads // out.get("num_key_value_heads", kv_heads)
     if "index_block_size" in defaults:
         # An indexer that picks blocks of keys (MiniMax-M3's): blocks of INDEX_BLOCK, as many as make INDEX_TOPK
         # keys; one indexer head per key-value head where the family ties them (its attention expands each head's
