@@ -365,7 +365,7 @@ def generate_batch(
         raise ValueError(
             "generate_batch needs one proposer of its own per prompt (a proposer holds one sequence's state)"
         )
-    check_target(model, tree is not None, size > 1)
+    check_target(model, tree is not None, size > 1, max(map(len, prompts)) + max_new_tokens)
     seeds = list(seeds or [0] * size)
     if size > 1 and reads_in_order(model.config):
         return [

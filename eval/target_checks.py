@@ -9,22 +9,23 @@ import weakref
 import torch
 from transformers.cache_utils import DummyLayer
 
-from draftsmith.caches import new_cache
+from draftsmith.caches import cut_keys, new_cache
 from draftsmith.errors import UserError, one_line
 from draftsmith.eval.trees import attention_masks
 from draftsmith.families import LINEAR, ROLLED_BACK, layer_types, reads_in_order
 from draftsmith.target import FeatureRequest, run_target
 
-# models proven to compute by explicit masks and positions (check_explicit_masks), each proven once
-_FOLLOWS_MASKS: weakref.WeakSet = weakref.WeakSet()
+# models proven to compute by explicit masks and positions (check_explicit_masks), each with the longest context proven
+_PROVEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def check_target(model, tree: bool = False, batch: bool = False) -> None:
+def check_target(model, tree: bool = False, batch: bool = False, length: int = 4) -> None:
     """Tree verification (`tree`) needs a backend that takes a custom 4D mask; rolling a rejected draft back
     needs layers whose keys can be cut and gathered (full or sliding-window attention: a sliding-window
     layer keeps every key in the loop's cache, and its mask hides those out of the window) or whose
     state can be kept and put back (linear and compressed attention, for chains: they read tokens in order). A tree,
-    or a batch of rows (`batch`), is verified under explicit masks and positions (`check_explicit_masks`)."""
+    or a batch of rows (`batch`), is verified under explicit masks and positions (`check_explicit_masks`, at the
+    longest context the run decodes, `length`)."""
     implementation = getattr(model.config, "_attn_implementation", "eager")
     if implementation not in ("eager", "sdpa"):
         raise UserError(
@@ -57,38 +58,50 @@ def check_target(model, tree: bool = False, batch: bool = False) -> None:
             "read a draft's tokens in order, so a tree's branches would see each other): set eval.tree=0"
         )
     if (tree or batch) and not reads_in_order(model.config):  # such a target decodes chains, its rows one at a time
-        check_explicit_masks(model)
+        check_explicit_masks(model, length)
 
 
 @torch.no_grad()
-def check_explicit_masks(model) -> None:
-    """Prove, once per model, that the target computes a token by the mask and position the eval loop gives it, not
-    by its index among the keys: of two sibling nodes at one position, the second, behind the first in the forward but
-    not seeing it, must get the logits it gets alone. A target biasing attention by key index (ALiBi: MPT, Bloom)
-    would verify a tree's later branches, and a left-padded row, against other logits (measured: MPT's tree parted
-    from plain decoding; Bloom's forward takes no 4D mask)."""
-    if model in _FOLLOWS_MASKS:
+def check_explicit_masks(model, length: int = 4) -> None:
+    """Prove, once per model and context, that the target computes a token by the mask and position the eval loop
+    gives it, not by its index among the keys: after a prefix of `length` - 2 tokens (the longest context the run
+    decodes), two sibling nodes at one position, the second behind the first in the verify forward but not seeing it,
+    must give the second the logits it gets alone. A target biasing attention by key index (ALiBi: MPT, Bloom) would
+    verify a tree's later branches, and a left-padded row, against other logits (measured: MPT's tree parted from plain
+    decoding; Bloom's forward takes no 4D mask); one whose sparse attention picks keys by their index (its newest, its
+    blocks) once a query sees more than a budget does so past that budget only (Kolibri-1.1's indexer: its trees
+    parted from plain decoding on a 70-token prompt with a pool of 32 keys)."""
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    length = min(length, int(context or length))  # the eval keeps a longer prompt's last tokens only
+    if _PROVEN.get(model, 0) >= length:
         return
     device = model.get_output_embeddings().weight.device
-    ids = torch.arange(4, device=device)[None] % model.config.get_text_config().vocab_size + 1
-    positions = torch.tensor([[0, 1, 2, 2]], device=device)
-    sees = torch.tril(torch.ones(1, 4, 4, dtype=torch.bool, device=device))
-    sees[0, 3, 2] = False  # the second sibling sees the prompt, not the first
-    alone = [0, 1, 3]
+    prefix = max(length - 2, 2)
+    ids = torch.arange(prefix + 2, device=device)[None] % (model.config.get_text_config().vocab_size - 1) + 1
+    positions = torch.arange(prefix + 2, device=device)[None].clamp(max=prefix)  # the siblings both at `prefix`
+    sees = torch.ones(1, 2, prefix + 2, dtype=torch.bool, device=device)
+    sees[0, 0, prefix + 1] = sees[0, 1, prefix] = False  # each sibling sees the prefix and itself
+    cache = new_cache(model)
     try:
-        tree = run_target(model, ids, attention_masks(model, sees, positions, positions), FeatureRequest(), positions)
-        path = run_target(model, ids[:, alone], None, FeatureRequest(), positions[:, alone])
-        theirs, ours = tree.logits[0, 3].float(), path.logits[0, 2].float()
+        run_target(model, ids[:, :prefix], None, FeatureRequest(), positions[:, :prefix], cache, use_cache=True)
+        mask = attention_masks(model, sees, positions[:, prefix:], positions)
+        tree = run_target(model, ids[:, prefix:], mask, FeatureRequest(), positions[:, prefix:], cache, use_cache=True)
+        cut_keys(cache, prefix)
+        path = run_target(model, ids[:, -1:], None, FeatureRequest(), positions[:, -1:], cache, use_cache=True)
+        theirs, ours = tree.logits[0, 1].float(), path.logits[0, 0].float()
     except Exception as err:  # the model's own code refusing the mask
         differs = f"its forward refuses them ({one_line(err, with_type=True)})"
     else:
         # the two forwards' kernels sum in other orders; a position or bias of its own moves logits far more
         rounding = 1e-4 if model.dtype == torch.float32 else 0.016
         if torch.allclose(theirs, ours, rtol=rounding, atol=rounding * ours.abs().max().item()):
-            _FOLLOWS_MASKS.add(model)
+            _PROVEN[model] = length
             return
         gap = (theirs - ours).abs().max().item()
-        differs = f"a tree's second sibling differs from its logits alone by {gap:.3g}: attention biased by key index"
+        differs = (
+            f"after {prefix} tokens, a tree's second sibling differs from its logits alone by {gap:.3g}: attention "
+            "by key index"
+        )
     raise UserError(
         f"eval.tree / eval.batch_size: {type(model).__name__} does not compute a token by the explicit mask and "
         f"position the eval loop gives a tree's nodes and a batch's padded rows ({differs}): set eval.tree=0 "

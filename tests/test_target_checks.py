@@ -9,6 +9,8 @@ import re
 
 import pytest
 import torch
+from transformers import CONFIG_MAPPING
+from transformers import __version__ as transformers_version
 
 from draftsmith.errors import UserError
 from draftsmith.eval.target_checks import check_explicit_masks, check_target
@@ -28,7 +30,7 @@ from tests.helpers import VOCAB, assert_one_line_error, run_entry_in_process
 )
 def test_a_target_biasing_attention_by_key_index_is_refused_trees_and_batches(family, said):
     model = build_model(build_config(family, VOCAB), std=0.2)
-    with pytest.raises(UserError, match=rf"does not compute a token by the explicit mask .*\({re.escape(said)}"):
+    with pytest.raises(UserError, match=rf"does not compute a token by the explicit mask .*\((after 2 tokens, )?{re.escape(said)}"):
         check_explicit_masks(model)
     check_target(model)  # a single chain gets no explicit mask: decoded as plain decoding is
     with pytest.raises(UserError, match="set eval.tree=0 eval.batch_size=1 eval.batch_sizes=\\[\\]$"):
@@ -39,6 +41,24 @@ def test_a_target_biasing_attention_by_key_index_is_refused_trees_and_batches(fa
 def test_targets_that_compute_by_positions_and_masks_pass(family):
     """Rotary, learned absolute positions, sliding windows, latent attention with routed experts."""
     check_explicit_masks(build_model(build_config(family, VOCAB), std=0.2))
+
+
+def test_a_target_picking_keys_by_index_past_a_budget_is_refused_where_the_run_decodes_past_it():
+    """Kolibri-1.1's indexer (transformers 5.25) keeps a query's newest keys and scores blocks of keys by their index
+    among the keys it sees, once it sees more than its budget (here a pool of 32 keys, 16 + 8 local + 2 sink picked):
+    a tree's second sibling then loses itself, so its trees parted from plain decoding. Proven at the longest context
+    the run decodes: below the budget it computes by the mask, past it it is refused."""
+    if "kolibri1_1" not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers_version} has no kolibri1_1")
+    kinds = ["sliding_attention", "indexed_attention"] * 2
+    indexer = {"index_num_heads": 2, "index_topk": 16, "index_pool_size": 32, "index_num_local_tokens": 8}
+    config = build_config("kolibri1_1", VOCAB, {}, layer_types=kinds, index_num_sink_tokens=2, **indexer)
+    model = build_model(config, std=0.2).requires_grad_(False)
+    check_explicit_masks(model, 20)
+    with pytest.raises(UserError, match="after 68 tokens, a tree's second sibling differs from its logits alone"):
+        check_explicit_masks(model, 70)
+    with pytest.raises(UserError, match="set eval.tree=0 eval.batch_size=1"):
+        check_target(model, tree=True, length=70)
 
 
 def test_a_run_whose_eval_stage_could_not_decode_trees_is_refused_before_it_trains(tmp_path, capsys):

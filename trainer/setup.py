@@ -130,7 +130,8 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     if resume_from is not None:  # the run's target: another of its shape would train on from the run's weights
         check_same_target(saved_target, TargetShape.of(target, cfg.target.name_or_path), resumed_what)
     if cfg.eval.enabled and cfg.target.shard == "none":  # what the eval stage's loop cannot decode, refused now
-        check_target(target, tree=int(cfg.eval.tree) > 0, batch=largest_eval_batch(cfg.eval) > 1)
+        longest = int(cfg.data.max_length) + int(cfg.eval.max_new_tokens)  # a prompt of data.max_length and its answer
+        check_target(target, tree=int(cfg.eval.tree) > 0, batch=largest_eval_batch(cfg.eval) > 1, length=longest)
     # each data file's sha256 as this start's load reads it, for its later reads (the prompts' count, the record)
     digests: dict[str, str] = {}
     train_data, vocab_data, heldout, prompt_count = load_data(cfg, accelerator, tokenizer, digests)
