@@ -30,7 +30,8 @@ from tests.helpers import VOCAB, assert_one_line_error, run_entry_in_process
 )
 def test_a_target_biasing_attention_by_key_index_is_refused_trees_and_batches(family, said):
     model = build_model(build_config(family, VOCAB), std=0.2)
-    with pytest.raises(UserError, match=rf"does not compute a token by the explicit mask .*\((after 2 tokens, )?{re.escape(said)}"):
+    refused = rf"does not compute a token by the explicit mask .*\((after 2 tokens, )?{re.escape(said)}"
+    with pytest.raises(UserError, match=refused):
         check_explicit_masks(model)
     check_target(model)  # a single chain gets no explicit mask: decoded as plain decoding is
     with pytest.raises(UserError, match="set eval.tree=0 eval.batch_size=1 eval.batch_sizes=\\[\\]$"):
