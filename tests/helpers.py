@@ -707,6 +707,15 @@ TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)]  # rank 2 duplicates rank 1 (N
 EAGLE_TREE = DynamicTree(nodes=10, depth=4, topk=3)
 
 
+def transformers_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers' own greedy `generate` of `new_tokens` after `prompt`, not stopping at an EOS: what plain
+    decoding must equal."""
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
+
+
 def greedy_text(model, rows: int, length: int, seed: int) -> torch.Tensor:
     """Random 4-token prompts continued greedily by the target: what decoding will feed the drafter."""
     generator = torch.Generator().manual_seed(seed)

@@ -57,6 +57,7 @@ from tests.helpers import (
     train_args,
     trains_and_decodes_its_target_losslessly,
     trains_one_step,
+    transformers_greedy,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -155,9 +156,7 @@ def test_plain_loop_equals_generate_past_the_window(family):
     name, model = family
     prompt = random_prompt(2 * WINDOW, 1)
     ours = generate(model, prompt, 3 * WINDOW).tokens
-    theirs = model.generate(
-        torch.tensor([prompt]), max_new_tokens=3 * WINDOW, do_sample=False, eos_token_id=None, pad_token_id=0
-    )[0, len(prompt) :].tolist()
+    theirs = transformers_greedy(model, prompt, 3 * WINDOW)
     assert ours == theirs, name
 
 

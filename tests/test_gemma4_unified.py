@@ -30,6 +30,7 @@ from tests.helpers import (
     assert_tree_forward_equals_path_forwards,
     run_entry_in_process,
     saved_release,
+    transformers_greedy,
     vllm_script,
 )
 from tests.test_gemma4_assistant import reference_chain, sharpened  # the same fresh assistant, its reference
@@ -91,8 +92,7 @@ def test_a_release_folder_loads_as_the_wrapper_with_its_logits_taps_and_greedy_t
     for layer in (-1, 0, 3):
         torch.testing.assert_close(out.layers[layer], reference.hidden_states[layer + 1])
     prompt = random_prompt(2 * WINDOW, 1)
-    theirs = model.generate(torch.tensor([prompt]), max_new_tokens=2 * WINDOW, do_sample=False, eos_token_id=None,
-                            pad_token_id=0)[0, len(prompt):].tolist()  # fmt: skip
+    theirs = transformers_greedy(model, prompt, 2 * WINDOW)
     assert generate(model, prompt, 2 * WINDOW).tokens == theirs
     assert len(set(theirs)) > 4  # not one repeated token: drafts below are checked against varied text
     prompts = [random_prompt(length, seed) for seed, length in enumerate((5, 2 * WINDOW, WINDOW + 3))]

@@ -24,7 +24,14 @@ from draftsmith.heads import drafters
 from draftsmith.random_target import build_model
 from draftsmith.recipe import load_recipe
 from draftsmith.tiny_config import build_config
-from tests.helpers import OracleDrafter, demo_drafter_section, family_recipe, family_target, trains_one_step
+from tests.helpers import (
+    OracleDrafter,
+    demo_drafter_section,
+    family_recipe,
+    family_target,
+    trains_one_step,
+    transformers_greedy,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -58,9 +65,7 @@ def test_plain_decoding_is_transformers_and_chains_put_the_mamba2_states_back(mo
     assert model.config.layer_types == ["linear_attention", "full_attention"] * 2
     prompt = random_prompt(19, 1)
     plain = generate(model, prompt, 30).tokens
-    theirs = model.generate(
-        torch.tensor([prompt]), max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0
-    )[0, len(prompt) :].tolist()
+    theirs = transformers_greedy(model, prompt, 30)
     assert plain == theirs
     for seed, rate in enumerate((0.3, 0.7)):
         spec = generate(model, prompt, 30, drafter=OracleDrafter(plain, len(prompt), VOCAB, rate, seed=seed), gamma=4)

@@ -45,6 +45,7 @@ from tests.helpers import (
     run_entry_in_process,
     trains_and_decodes_its_target_losslessly,
     trains_one_step,
+    transformers_greedy,
 )
 from tests.test_mtp import rms, trains_ahead_and_decodes_losslessly
 
@@ -81,9 +82,7 @@ def test_the_tiny_target_has_every_kind_of_layer(model):
 def test_plain_loop_equals_transformers_generate(model):
     prompt = random_prompt(19, 1)
     ours = generate(model, prompt, 30).tokens
-    theirs = model.generate(
-        torch.tensor([prompt]), max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0
-    )[0, len(prompt) :].tolist()
+    theirs = transformers_greedy(model, prompt, 30)
     assert ours == theirs
 
 
@@ -155,8 +154,7 @@ def test_a_mamba2_scan_takes_narrow_chunks_in_the_loops_forwards_and_decodes_as_
         for hook in hooks:
             hook.remove()
     assert spec.tokens == plain and 0 < spec.counts.accepted < spec.counts.drafted
-    theirs = model.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, eos_token_id=None)
-    assert theirs[0, len(prompt) :].tolist() == plain
+    assert transformers_greedy(model, prompt, 30) == plain
     assert len(widths) == len(chunks) and max(widths) > SCAN_CHUNK  # one Mamba-2 layer: a chunk per forward
     assert all(chunk == min(width, SCAN_CHUNK) for width, chunk in zip(widths, chunks) if width > 1)
     assert all(layer.mixer.chunk_size == 256 for layer in model.model.layers if hasattr(layer.mixer, "A_log"))

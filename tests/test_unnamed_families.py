@@ -16,7 +16,7 @@ from transformers import __version__ as transformers_version
 from draftsmith.causal_lm import misfiled_causal_lms, not_a_causal_lm, wraps_a_text_model
 from draftsmith.eval.loop import generate
 from draftsmith.families import CONV, FULL, INDEXED, LINEAR, SLIDING, layer_types
-from tests.helpers import OracleDrafter, fast_tier
+from tests.helpers import OracleDrafter, fast_tier, transformers_greedy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -62,9 +62,7 @@ def test_a_family_no_code_names_is_written_loaded_and_decoded_losslessly(model_t
     assert set(layer_types(target.config)) == FAMILIES[model_type]
     prompt = torch.randint(3, 200, (16,), generator=torch.Generator().manual_seed(0)).tolist()
     plain = generate(target, prompt, 16).tokens
-    theirs = target.generate(
-        torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0
-    )[0, len(prompt) :].tolist()
+    theirs = transformers_greedy(target, prompt, 16)
     assert plain == theirs
     oracle = OracleDrafter(plain, len(prompt), target.config.get_text_config().vocab_size, hit_rate=0.6, seed=0)
     drafted = generate(target, prompt, 16, drafter=oracle, gamma=3)
