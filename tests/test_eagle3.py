@@ -325,7 +325,8 @@ def test_every_steps_rope_from_one_call_is_a_call_per_step(model, drafter, kind,
     config = drafter.layer_config.__class__.from_dict(drafter.layer_config.to_dict())
     config.rope_parameters = {"rope_type": kind, "rope_theta": 10000.0, **ROPE_KINDS[kind]}
     rotary = type(drafter.rotary_emb)(config=config)
-    monkeypatch.setattr(drafter, "rotary_emb", rotary)
+    # a submodule lives in `_modules`, not the instance's __dict__: pytest >= 9.2 would delete it on undo after setattr
+    monkeypatch.setitem(drafter._modules, "rotary_emb", rotary)
     start = positions(PackingCollator(0, 40)(loss_rows()))
     features = torch.zeros(*start.shape, 1)
     for step, (cos, sin) in enumerate(drafter.step_ropes(features, start)):
