@@ -65,7 +65,8 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, engines=No
             "checkpoint's sha256 (which the eval report and the monitor identify it by); give a folder outside it"
         )
     with DirectoryLock(output, key="export.output"):
-        kind = read_checkpoint_config(checkpoint)["drafter_type"]
+        saved = read_checkpoint_config(checkpoint)
+        kind = saved["drafter_type"]
         # the rule a warm start follows: the recipe is for the drafter it reads
         require_recipes_kind(kind, cfg.drafter.type, f"checkpoint={checkpoint}", role="is for")
         exporter_for(kind).check_engines(
@@ -76,7 +77,8 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, engines=No
         require_served_names(cfg, kind)
         if "vllm" in cfg.export.engines and cfg.export.vllm_python:  # a release without the method: refused now
             exporter = exporter_for(kind)
-            require_vllm_serves(exporter.vllm_method, exporter.vllm_releases, cfg.export.vllm_python)
+            releases = exporter.releases(saved["drafter"], cfg.export.num_speculative_tokens)
+            require_vllm_serves(exporter.vllm_method, releases, cfg.export.vllm_python)
         source_digest = checkpoint_digest(checkpoint)  # its config.json as well as its weights
         serving = served_values(saved_drafter(checkpoint)[1], served)  # what the sweep and report must have served
         schedule = batch_schedule_of(cfg, source_digest, serving)  # before the target loads: a bad sweep stops here
@@ -335,6 +337,7 @@ def export_info(
 
     drafter = source.drafter
     releases_known = SERVING_ENGINES[repo.engine].knows_releases
+    releases = exporter_for(drafter.type).releases(asdict(drafter.config), gamma)
     info = {
         "draftsmith_export": EXPORT_FORMAT,
         "draftsmith_version": metadata.version("draftsmith"),
@@ -352,7 +355,10 @@ def export_info(
         "target_overrides": repo.target_overrides or None,  # what the serving command tells vLLM of the target
         "target_dtype": served_dtype(source.target_model),  # the dtype the serving command serves the target in
         "speculative_config": served_config(repo, gamma, schedule, drafter),
-        "vllm_releases": served_by(repo.method, exporter_for(drafter.type).vllm_releases) if releases_known else None,
+        "vllm_releases": served_by(repo.method, releases) if releases_known else None,
+        # the same for programs (the monitor's re-verify): the releases serving it as trained, from `first` to before
+        # `removed_in` (None: unbounded)
+        "vllm_release_range": {"first": releases.first, "removed_in": releases.removed_in} if releases_known else None,
         "vllm_builds": served_builds(
             source.target.config,
             repo.cpu_build_limit,

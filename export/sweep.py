@@ -278,7 +278,8 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None, serv
     require_proposes(gammas, longest, method, checkpoint)
     python = vllm_python(cfg.export.vllm_python, "export.vllm_python")
     exporter = exporter_for(method)  # a release without the method: refused now, not after the free methods' levels
-    version = require_vllm_serves(exporter.vllm_method, exporter.vllm_releases, python)
+    releases = exporter.releases(asdict(drafter_config), max(gammas))
+    version = require_vllm_serves(exporter.vllm_method, releases, python)
     missing = None if settings.suffix is False else missing_suffix_decoding(python, "export.vllm_python")
     if settings.suffix and missing:
         raise UserError(missing)

@@ -13,6 +13,7 @@ releases that serve each method. The layers: draftsmith (core) <- heads <- forma
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Optional
@@ -67,6 +68,12 @@ class Exporter:
     # maps to the family's MTP model where the family ships one (formats/versions.py
     # require_draft_config_read_as_written, asked of the export's engine)
     vllm_writes_family_config: ClassVar[bool] = False
+
+    def releases(self, drafter_config: Mapping[str, Any], gamma: Optional[int] = None) -> Releases:
+        """The vLLM releases that serve a drafter of this config (its fields as its checkpoint keeps them) as trained,
+        drafting `gamma` tokens a step (None: not known yet, any): `vllm_releases`, unless an exporter serves some of
+        its drafters in fewer."""
+        return self.vllm_releases
 
     def check_engines(self, kind: str, engines: list[str], vllm_format: str) -> None:
         """Whether these engines (and vLLM layout) can serve the kind at all: known before any model loads."""

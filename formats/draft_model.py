@@ -14,9 +14,10 @@ serve another model than transformers builds (check_engine_only_keys).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -31,6 +32,7 @@ from draftsmith.formats.repo import (
     EngineRepo,
     TargetInfo,
 )
+from draftsmith.formats.versions import PARALLEL_DRAFTING_RELEASES, Releases
 from draftsmith.heads import drafter_class
 
 SGLANG_SERVE = (
@@ -87,6 +89,9 @@ class DraftModelExporter(Exporter):
     vllm_method_from_name = True
     vllm_shares_embedding = None  # the draft model embeds with its own weights
     vllm_writes_family_config = True  # a causal LM of the target's family, or of another with its vocabulary
+
+    def releases(self, drafter_config: Mapping[str, Any], gamma: Optional[int] = None) -> Releases:
+        return PARALLEL_DRAFTING_RELEASES if drafter_config.get("parallel_drafting") else self.vllm_releases
 
     def refuse(self, engine: str, drafter, target: TargetInfo, vllm_format: str = "speculators") -> None:
         super().refuse(engine, drafter, target, vllm_format)

@@ -32,9 +32,10 @@ The conversions, each checked and recorded in draftsmith_export.json:
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 import torch
 
@@ -67,6 +68,7 @@ from draftsmith.formats.repo import (
     draft_layer_config,
     require_vllm_state_capture,
 )
+from draftsmith.formats.versions import PARALLEL_DRAFTING_RELEASES, Releases
 from draftsmith.heads import drafter_class
 from draftsmith.heads.base import check_same_target
 from draftsmith.target import TargetShape
@@ -315,6 +317,9 @@ class Eagle3Exporter(Exporter):
     kinds = ("eagle3",)
     vllm_method = "eagle3"
     vllm_formats = ("speculators", "native")
+
+    def releases(self, drafter_config: Mapping[str, Any], gamma: Optional[int] = None) -> Releases:
+        return PARALLEL_DRAFTING_RELEASES if drafter_config.get("parallel_drafting") else self.vllm_releases
 
     def refuse(self, engine: str, drafter, target: TargetInfo, vllm_format: str = "speculators") -> None:
         super().refuse(engine, drafter, target, vllm_format)

@@ -29,6 +29,8 @@ SGLang serves DeepSeek's MTP layer as its NEXTN algorithm; draftsmith has not ve
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -38,6 +40,7 @@ from draftsmith.errors import UserError
 from draftsmith.families import COMPRESSED
 from draftsmith.formats import Exporter, Source, register
 from draftsmith.formats.repo import VLLM_SERVE, EngineRepo
+from draftsmith.formats.versions import Releases
 from draftsmith.heads import drafter_class, mtp_depths
 from draftsmith.heads.mtp import layout_of, text_fields
 from draftsmith.heads.mtp_family import decoder_layers
@@ -120,12 +123,52 @@ def require_served_config(folder: Path, config: dict, target_model, depths: int)
         )
 
 
+@dataclass(frozen=True)
+class ReleaseChange:
+    """A vLLM release that computes an MTP model's draft steps otherwise than the releases before it, for drafters of
+    at least `depths` depths drafting at least `gamma` tokens a step: `releases` serve them as trained."""
+
+    depths: int
+    gamma: int
+    releases: Releases
+
+
+# vLLM's MTP models (Layout.vllm_model) whose draft steps a release computes otherwise, read from the wheels' source
+# (vllm/model_executor/models/<name>.py of 0.32.0, 0.33.0 and 0.34.0)
+RELEASE_CHANGES = {
+    # 0.34.0's Glm4MoeMTP.forward hands the next draft step final_norm(pre); 0.32's and 0.33's hand it pre, which the
+    # layout trains (`feeds_back_normed` False). The first step reads the target's state in every release.
+    "glm4_moe_mtp": ReleaseChange(1, 2, Releases(
+        removed_in="0.34.0",
+        removed="from the second draft step on they feed the MTP layer its own output after the final norm, and it "
+        "was trained on that output before the norm, which vLLM 0.33 and earlier feed",
+        instead="vLLM 0.33 or earlier, or draftsmith's eval; a newer vLLM serves its first draft step as trained "
+        "(export.num_speculative_tokens=1)",
+    )),
+    # 0.32's and 0.33's Qwen3NextMTP.forward takes the draft step in **kwargs and passes none on: depth 0 runs at every
+    # step; 0.34.0's passes it (spec_step_idx), running depth i at step i as draftsmith trains them
+    "qwen3_next_mtp": ReleaseChange(2, 2, Releases(
+        first="0.34.0",
+        earlier="run its first depth at every draft step (their Qwen3NextMTP passes the step on to no depth)",
+        instead="vLLM 0.34 or later, or draftsmith's eval; for an earlier vLLM train one depth (drafter.mtp_depths=1)",
+    )),
+}  # fmt: skip
+
+
 @register
 class MtpExporter(Exporter):
     kinds = ("mtp",)
     vllm_method = "mtp"
     vllm_method_from_name = True
     sglang_reason = "draftsmith has not verified SGLang's MTP (NEXTN) loader; export for vllm"
+
+    def releases(self, drafter_config: Mapping[str, Any], gamma: Optional[int] = None) -> Releases:
+        layout = LAYOUTS.get((drafter_config.get("decoder") or {}).get("architecture"))
+        change = RELEASE_CHANGES.get(layout.vllm_model) if layout is not None else None
+        depths = drafter_config.get("mtp_depths") or 1  # a null count is Inkling's release count, a layout not above
+        if change is None or depths < change.depths or (gamma is not None and gamma < change.gamma):
+            return self.vllm_releases
+        return change.releases
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         drafter = source.drafter

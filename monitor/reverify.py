@@ -54,7 +54,13 @@ def engine_change(deployed: dict[str, Any], versions: dict[str, str]) -> Optiona
     else:
         sampling = f"pinned in the served config: {', '.join(f'{key}={pinned[key]}' for key in VLLM_PINNED)}"
     exporter = exporter_for(info["drafter_type"])
-    unserved = [version for version in by_version if not serves_version(exporter.vllm_releases, version)]
+    recorded_range = info.get("vllm_release_range")
+    if recorded_range:  # the export's own reading (an MTP layer's records its model, which drafter_config omits)
+        releases, releases_line = Releases(**recorded_range), info["vllm_releases"]
+    else:  # an earlier export's: the table's reading of its drafter config
+        releases = exporter.releases(info.get("drafter_config") or {}, info.get("num_speculative_tokens"))
+        releases_line = served_by(exporter.vllm_method, releases)
+    unserved = [version for version in by_version if not serves_version(releases, version)]
     serving = [version for version in by_version if version not in unserved]
     engines = " / ".join(f"vLLM {version}" for version in serving)
     return {
@@ -64,7 +70,7 @@ def engine_change(deployed: dict[str, Any], versions: dict[str, str]) -> Optiona
         "reason": reason,
         "unserved": (
             f"No export of this {info['drafter_type']} drafter can be checked in vLLM {' / '.join(unserved)}: "
-            f"{served_by(exporter.vllm_method, exporter.vllm_releases)}"
+            f"{releases_line}"
             if unserved
             else None
         ),

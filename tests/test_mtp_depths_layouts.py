@@ -293,3 +293,50 @@ def test_a_served_chain_longer_than_the_depths_is_one_line_before_anything_is_wr
     assert MTP.proposes_trees(MTP.Config()) and not MTP.proposes_trees(MTP.Config(mtp_depths=2))  # a tree, or chains
     inkling = {"architecture": "InklingForConditionalGeneration", "config": {"num_mtp_layers": 3}}
     assert MTP.max_chain(MTP.Config(decoder=inkling)) == 3 == MTP.max_chain(MTP.Config(mtp_depths=3))
+
+
+def test_an_export_says_which_vllm_releases_compute_its_draft_steps_as_trained(releases, tmp_path, capsys):
+    """vLLM 0.34.0 changed two of these models (formats/mtp.py RELEASE_CHANGES): GLM-4.5's feeds its later draft steps
+    the MTP layer's output after the final norm, where 0.32 and 0.33 feed it before the norm, as draftsmith trains it
+    (`feeds_back_normed` False); Qwen3-Next's runs depth i at step i, where 0.32's and 0.33's run depth 0 at every step.
+    An export says which releases serve it as trained, by its depths and γ (draftsmith_export.json, the card), and a
+    check with a release that does not is refused in one line before anything is written."""
+    from dataclasses import asdict
+
+    from draftsmith.heads.mtp_layouts import LAYOUTS
+
+    assert not LAYOUTS["Glm4MoeForCausalLM"].feeds_back_normed
+    exporter = exporter_for("mtp")
+    for family in FAMILIES:
+        config = asdict(releases(family)[2].config)
+        one_depth = {**config, "mtp_depths": 1}
+        chains = {gamma: exporter.releases(config, gamma) for gamma in (1, 2, None)}
+        assert chains[1] == exporter.vllm_releases  # one draft step: the target's state, depth 0, in every release
+        if family == "glm4_moe":
+            assert chains[2].removed_in == chains[None].removed_in == "0.34.0"
+            assert exporter.releases(one_depth, 3).removed_in == "0.34.0"  # one layer fed back its own output
+        elif family == "qwen3_next":
+            assert chains[2].first == chains[None].first == "0.34.0"
+            assert exporter.releases(one_depth, 3) == exporter.vllm_releases  # depth 0 at every step, as trained
+        else:
+            assert chains[2] == chains[None] == exporter.vllm_releases
+    for family, release, line in [
+        ("glm4_moe", "0.34.0", "vLLM 0.34.0 and later cannot serve it (from the second draft step on they feed"),
+        ("qwen3_next", "0.33.0", "vLLM 0.34.0 and later serve it, up to 0.34.0 (the newest checked); earlier releases"),
+    ]:
+        folder, _, drafter = releases(family)
+        checkpoint, output = tmp_path / family / "final", tmp_path / family / "export"
+        drafter.save_pretrained(checkpoint)
+        chain = ["export.num_speculative_tokens=2", "eval.num_speculative_tokens=2", "eval.tree=0"]
+        export = ["-m", "export", "recipe=mtp", f"target.name_or_path={folder}", f"output_dir={tmp_path / family}",
+                  f"checkpoint={checkpoint}", f"export.output={output}", *chain]  # fmt: skip
+        checked = f"export.vllm_python={stand_in_vllm(tmp_path / family, release)}"
+        refused = run_entry_in_process([*export, checked], capsys)
+        said = assert_one_line_error(
+            refused, 2, f"export.vllm_python is vLLM {release}, which cannot serve this drafter"
+        )
+        assert line in said and not output.exists()
+        assert run_entry_in_process(export, capsys).returncode == 0
+        info = json.loads((output / "vllm" / "draftsmith_export.json").read_text())
+        assert line in info["vllm_releases"] and info["vllm_releases"] in (output / "vllm" / "README.md").read_text()
+        assert set(info["vllm_release_range"].values()) == {"0.34.0", None}
