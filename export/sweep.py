@@ -278,8 +278,7 @@ def run_sweep(cfg: DictConfig, checkpoint: Path, session=None, target=None, serv
     require_proposes(gammas, longest, method, checkpoint)
     python = vllm_python(cfg.export.vllm_python, "export.vllm_python")
     exporter = exporter_for(method)  # a release without the method: refused now, not after the free methods' levels
-    releases = exporter.releases(asdict(drafter_config), max(gammas))
-    version = require_vllm_serves(exporter.vllm_method, releases, python)
+    version = require_vllm_serves(exporter.vllm_method, exporter.releases(asdict(drafter_config), max(gammas)), python)
     missing = None if settings.suffix is False else missing_suffix_decoding(python, "export.vllm_python")
     if settings.suffix and missing:
         raise UserError(missing)
