@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -123,38 +122,6 @@ def require_served_config(folder: Path, config: dict, target_model, depths: int)
         )
 
 
-@dataclass(frozen=True)
-class ReleaseChange:
-    """A vLLM release that computes an MTP model's draft steps otherwise than the releases before it, for drafters of
-    at least `depths` depths drafting at least `gamma` tokens a step: `releases` serve them as trained."""
-
-    depths: int
-    gamma: int
-    releases: Releases
-
-
-# vLLM's MTP models (Layout.vllm_model) whose draft steps a release computes otherwise, read from the wheels' source
-# (vllm/model_executor/models/<name>.py of 0.32.0, 0.33.0 and 0.34.0)
-RELEASE_CHANGES = {
-    # 0.34.0's Glm4MoeMTP.forward hands the next draft step final_norm(pre); 0.32's and 0.33's hand it pre, which the
-    # layout trains (`feeds_back_normed` False). The first step reads the target's state in every release.
-    "glm4_moe_mtp": ReleaseChange(1, 2, Releases(
-        removed_in="0.34.0",
-        removed="from the second draft step on they feed the MTP layer its own output after the final norm, and it "
-        "was trained on that output before the norm, which vLLM 0.33 and earlier feed",
-        instead="vLLM 0.33 or earlier, or draftsmith's eval; a newer vLLM serves its first draft step as trained "
-        "(export.num_speculative_tokens=1)",
-    )),
-    # 0.32's and 0.33's Qwen3NextMTP.forward takes the draft step in **kwargs and passes none on: depth 0 runs at every
-    # step; 0.34.0's passes it (spec_step_idx), running depth i at step i as draftsmith trains them
-    "qwen3_next_mtp": ReleaseChange(2, 2, Releases(
-        first="0.34.0",
-        earlier="run its first depth at every draft step (their Qwen3NextMTP passes the step on to no depth)",
-        instead="vLLM 0.34 or later, or draftsmith's eval; for an earlier vLLM train one depth (drafter.mtp_depths=1)",
-    )),
-}  # fmt: skip
-
-
 @register
 class MtpExporter(Exporter):
     kinds = ("mtp",)
@@ -163,12 +130,40 @@ class MtpExporter(Exporter):
     sglang_reason = "draftsmith has not verified SGLang's MTP (NEXTN) loader; export for vllm"
 
     def releases(self, drafter_config: Mapping[str, Any], gamma: Optional[int] = None) -> Releases:
+        """Where the vLLM model of the drafter's layout computes later draft steps otherwise in some releases (its
+        `step_depths_from`, `feedback_changed_in`: read from the source of vLLM 0.32.0, 0.33.0 and 0.34.0), the
+        releases that compute them as the drafter trained; γ 1 runs depth 0 on the target's state in every release."""
         layout = LAYOUTS.get((drafter_config.get("decoder") or {}).get("architecture"))
-        change = RELEASE_CHANGES.get(layout.vllm_model) if layout is not None else None
-        depths = drafter_config.get("mtp_depths") or 1  # a null count is Inkling's release count, a layout not above
-        if change is None or depths < change.depths or (gamma is not None and gamma < change.gamma):
+        if layout is None or (gamma is not None and gamma < 2):
             return self.vllm_releases
-        return change.releases
+        if layout.step_depths_from and (drafter_config.get("mtp_depths") or 1) > 1:  # a null count: one depth here
+            return Releases(
+                first=layout.step_depths_from,
+                earlier=f"run its first depth at every draft step (their {layout.vllm_model} model passes the step on "
+                "to no depth)",
+                instead=f"vLLM {layout.step_depths_from} or later, or draftsmith's eval; for an earlier vLLM train one "
+                "depth (drafter.mtp_depths=1)",
+            )
+        changed = layout.feedback_changed_in
+        if not changed:
+            return self.vllm_releases
+        default = bool(layout.feeds_back_normed)
+        normed = default if drafter_config.get("feeds_back_normed") is None else drafter_config["feeds_back_normed"]
+        trained = f"its output {'after' if normed else 'before'} the final norm"
+        other = f"its output {'before' if normed else 'after'} the final norm"
+        if normed == default:  # as the releases before the change compute it
+            return Releases(
+                removed_in=changed,
+                removed=f"from the second draft step on they feed the MTP layer {other}, and it trained on {trained}",
+                instead=f"vLLM releases before {changed}, or draftsmith's eval; for a newer vLLM train it with "
+                f"drafter.feeds_back_normed={str(not default).lower()} (at γ 1 any release serves it)",
+            )
+        return Releases(
+            first=changed,
+            earlier=f"feed the MTP layer {other} from the second draft step on, and it trained on {trained}",
+            instead=f"vLLM {changed} or later, or draftsmith's eval; for an earlier vLLM train it with "
+            f"drafter.feeds_back_normed={str(default).lower()}",
+        )
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         drafter = source.drafter
@@ -245,8 +240,8 @@ class MtpExporter(Exporter):
         settings = {
             key: value
             for key, value in info.get("drafter_config", {}).items()
-            if key in ("ttt_steps", "ttt_decay", "tree_depth", "tree_topk")
-        }  # training and decoding settings the engine does not carry
+            if key in ("ttt_steps", "ttt_decay", "tree_depth", "tree_topk", "feeds_back_normed")
+        }  # training and decoding settings the engine does not carry (the vLLM release decides the feedback)
         settings["mtp_depths"] = mtp_depths.shipped(config, layout)  # the folder's count: the depths it holds
         require_served_config(folder, config, target_model, settings["mtp_depths"])
         layer = {mtp_depths.layer_name(layout, name, layers): tensor for name, tensor in tensors.items()}

@@ -108,14 +108,28 @@ def text_fields(config: dict) -> dict:
     return config.get("text_config") or config
 
 
-def check_target_folder(name_or_path: str) -> None:
-    """For a local target: its config names an MTP layout and its weights hold the first MTP layer (the
-    safetensors headers only); a Hub id is checked when the target loads."""
+def fed_back(layout: Layout, normed: Optional[bool]) -> Layout:
+    """The layout as `drafter.feeds_back_normed` trains it (None: as it is, as the vLLM releases before its
+    `feedback_changed_in` compute it); one line for a feedback no vLLM release checked computes."""
+    if normed is None or normed == layout.feeds_back_normed:
+        return layout
+    if not layout.feedback_changed_in:
+        fed = "after" if layout.feeds_back_normed else "before"
+        raise UserError(
+            f"drafter.feeds_back_normed={str(normed).lower()}: every vLLM release checked feeds {layout.vllm_model}'s "
+            f"later draft steps the MTP layer's output {fed} its final norm; leave it null"
+        )
+    return replace(layout, feeds_back_normed=normed)
+
+
+def check_target_folder(name_or_path: str, feeds_back_normed: Optional[bool] = None) -> None:
+    """For a local target: its config names an MTP layout (one that computes `feeds_back_normed`) and its weights hold
+    the first MTP layer (the safetensors headers only); a Hub id is checked when the target loads."""
     folder = Path(name_or_path)
     if not (folder / "config.json").is_file():
         return
     config = json.loads((folder / "config.json").read_text())
-    layout = layout_of(config)
+    layout = fed_back(layout_of(config), feeds_back_normed)
     check_ships_a_layer(config, layout, str(folder))
     prefix = layout.prefix(decoder_layers(text_fields(config)))
     if not any(name.startswith(prefix) for name in tensor_names(folder)):
@@ -140,7 +154,8 @@ class Mtp(EagleBase):
         # transformers' loop over the experts (a block of a family with experts): runs forward and backward
         # on any device; from_pretrained would pick a kernel, a layer built alone gets none
         self.layer_config._experts_implementation = "eager"
-        self.layout = mtp_depths.layout_for(LAYOUTS[spec["architecture"]], self.layer_config)
+        built = mtp_depths.layout_for(LAYOUTS[spec["architecture"]], self.layer_config)
+        self.layout = fed_back(built, config.feeds_back_normed)
         hidden, eps = target.hidden_size, norm_eps(self.layer_config)
         norm = import_qualified(spec["norm"])  # the target's RMSNorm (Qwen's computes x * (1 + w))
         if self.layout.gated:  # no final norm: the layer's own mixer feeds the lm_head

@@ -27,6 +27,9 @@ class MtpConfig(DrafterConfig):
     # at most the release's; its CPU build runs depth 0 at every step); null: Inkling's release count, else 1, layer 0
     # at every step
     mtp_depths: Optional[int] = None
+    # a later draft step reads the MTP layer's output after its final norm (true) or before it (false), as the vLLM
+    # release served computes it (GLM-4.5's: before until 0.33, after from 0.34: formats/mtp.py); null: as 0.32 does
+    feeds_back_normed: Optional[bool] = None
     decoder: Optional[dict] = None  # the MTP layer's classes, config and layout, resolved by from_target
 
     def check(self, target: Optional[TargetShape] = None) -> None:
@@ -40,5 +43,5 @@ class MtpConfig(DrafterConfig):
             from draftsmith.heads import mtp_depths  # reads the checkpoint: at validation, past the schema
             from draftsmith.heads.mtp import check_target_folder
 
-            check_target_folder(target.name_or_path)
+            check_target_folder(target.name_or_path, self.feeds_back_normed)
             mtp_depths.check_target_folder(target.name_or_path, self.mtp_depths)

@@ -117,6 +117,13 @@ class Layout:
     # (its `num_nextn_predict_layers`) is above 1: several depths train as served (heads/mtp_depths.py)
     step_depths: bool = False
     one_depth: str = ""  # else why vLLM runs depth 0 at every step, its model building several (the refusal's)
+    # the vLLM release from which its model runs depth i at step i (None: every release that runs model runner V2);
+    # earlier ones run depth 0 at every step (Qwen3-Next's, before 0.34.0: formats/mtp.py says which serve a folder)
+    step_depths_from: Optional[str] = None
+    # the vLLM release from which its model feeds a later draft step the other state than `feeds_back_normed` says,
+    # which the releases before it feed (GLM-4.5's: final_norm(pre) from 0.34.0); `drafter.feeds_back_normed` trains for
+    # either
+    feedback_changed_in: Optional[str] = None
 
     def prefix(self, num_hidden_layers: int) -> str:
         """The first MTP layer's tensor names start with this."""

@@ -32,6 +32,17 @@ EXAONE_MOE = Layout(
     "ExaoneMoeMTP", "num_nextn_predict_layers", QWEN_NAMES, False, False, True, block_kind=(SLIDING, "dense"),
     kind_of_layer_0=True, step_depths=True,
 )  # fmt: skip
+# vLLM's glm4_moe_mtp: fed back unnormed before 0.34.0, normed from it (its forward returns final_norm(pre) twice)
+GLM4_MOE = Layout(
+    "glm4_moe_mtp", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, False, step_depths=True,
+    feedback_changed_in="0.34.0",
+)  # fmt: skip
+# vLLM's qwen3_next_mtp: one wrapper for every depth, depth j's block under `mtp.layers.{j}.`, run at step j from
+# vLLM 0.34.0 (0.32's and 0.33's Qwen3NextMTP.forward takes the step in **kwargs and passes none on)
+QWEN3_NEXT = Layout(
+    "qwen3_next_mtp", "num_nextn_predict_layers", QWEN_NAMES, False, False, True, step_depths=True,
+    step_depths_from="0.34.0",
+)  # fmt: skip
 # Inkling's `mtp_config` keys (vLLM's reading) -> the text_config fields transformers copies them to
 MTP_FIELDS = (
     ("num_nextn_predict_layers", "num_mtp_layers"),
@@ -56,9 +67,7 @@ LAYOUTS = {
     "GlmMoeDsaForCausalLM": Layout(
         "DeepseekV32MTP", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, True, step_depths=True
     ),
-    "Glm4MoeForCausalLM": Layout(
-        "glm4_moe_mtp", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, False, step_depths=True
-    ),
+    "Glm4MoeForCausalLM": GLM4_MOE,
     # vLLM's DeepSeekV4MTP (models/deepseek_v4/nvidia/mtp.py): a layer on hyper-connection streams, fed back unnormed;
     # depth j `mtp.{j}.` (layer N + j: compress ratio 1 past the decoder's, plain sliding-window attention), its own
     # wrapper, hc_head, norm, block and caches, run at draft step j
@@ -277,11 +286,7 @@ LAYOUTS = {
         block_family="llama",
         final_norm=False,
     ),  # fmt: skip
-    # vLLM's qwen3_next_mtp: one wrapper for every depth, depth j's block under `mtp.layers.{j}.`, run at step j from
-    # vLLM 0.34 (0.32 and 0.33 pass it no step: depth 0 at every step; formats/mtp.py RELEASE_CHANGES)
-    "Qwen3NextForCausalLM": Layout(
-        "qwen3_next_mtp", "num_nextn_predict_layers", QWEN_NAMES, False, False, True, step_depths=True
-    ),
+    "Qwen3NextForCausalLM": QWEN3_NEXT,
     "Qwen3_5ForCausalLM": QWEN3_5,
     "Qwen3_5MoeForCausalLM": QWEN3_5_MOE,
     # Qwen3.5's releases are vision-language wrappers: the MTP layer at the top of the checkpoint (`mtp.*`, beside

@@ -770,7 +770,7 @@ def test_a_run_says_each_file_it_read_once(tmp_path, capsys):
     prompts and their overlap with the training set: each read said "loaded 8 conversations from ..." again, three or
     four times a file. The stderr log says each once."""
     args = ["recipe=medusa", f"output_dir={tmp_path / 'run'}", "data.max_conversations=8", "train.max_steps=1",
-            "eval.max_prompts=1", "eval.max_new_tokens=4"]  # fmt: skip
+            "eval.max_prompts=1", "eval.max_new_tokens=4", "eval.tree=0", "eval.ngram_baseline=false"]  # fmt: skip
     done = run_entry_in_process(["train.py", *args], capsys)
     assert done.returncode == 0, done.stderr[-2000:]
     loaded = [line.split("draftsmith.data: ")[1] for line in done.stderr.splitlines() if "conversations from /" in line]
@@ -1020,7 +1020,7 @@ def test_a_regeneration_record_cut_short_is_one_line_naming_it(tmp_path, token_c
     (earlier / "regenerate.settings").write_text("{not json")
     output = tmp_path / "regenerated"
     args = ["-m", "data_prep.regenerate", "recipe=draft", "data.max_conversations=2", f"output_dir={tmp_path}/run",
-            f"data.cache_dir={token_cache}", f"data.regenerate.output={earlier if not reuse else output}"]  # fmt: skip
+            f"data.regenerate.output={earlier if not reuse else output}"]  # fmt: skip
     if reuse:
         args.append(f"data.regenerate.reuse=[{earlier}]")
     line = assert_one_line_error(run_entry_in_process(args, capsys), 2, "regenerate.settings: corrupt regeneration")

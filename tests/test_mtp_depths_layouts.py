@@ -65,11 +65,14 @@ def releases(tmp_path_factory):
     return built_releases(tmp_path_factory, release_with_depths, MTP.Config(mtp_depths=2))
 
 
-def vllm_depth(release: dict, config: dict, family: str, depth: int, drafter, hidden, tokens, embedding):
+def vllm_depth(
+    release: dict, config: dict, family: str, depth: int, drafter, hidden, tokens, embedding, release_034=False
+):
     """The family's MTP model at spec_step_idx = depth over a whole draft query (positions 0..T-1): hidden [T, H]
     (the target's or the previous depth's), tokens [T] (each position's, depth + 1 ahead). Returns (what the next
     depth reads, what compute_logits projects). Wrapper tensors read by their release names; the block is the
-    drafter's depth's own (its tensors are the release's: `test_every_depth_...`)."""
+    drafter's depth's own (its tensors are the release's: `test_every_depth_...`). `release_034`: as vLLM 0.34.0's
+    model computes it (GLM-4.5's feeds the next depth the normed output)."""
     eps, width, qwen = config["rms_norm_eps"], len(tokens), family == "qwen3_next"
     if qwen:  # one wrapper under `mtp.`, depth j's block `mtp.layers.{j}.`
         names = [f"mtp.{name}.weight" for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm")]
@@ -89,14 +92,18 @@ def vllm_depth(release: dict, config: dict, family: str, depth: int, drafter, hi
                 position_embeddings=drafter.rotary_emb(hidden[None], positions))  # fmt: skip
     pre = (pre[0] if isinstance(pre, tuple) else pre)[0]  # GLM-5's layer returns its top-k selection beside
     normed = rms(pre, norm, eps, qwen)
-    return (pre if family == "glm4_moe" else normed), normed
+    return (pre if family == "glm4_moe" and not release_034 else normed), normed
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "glm4_moe-0.34"])
 def test_training_step_i_runs_depth_i_mod_2_over_the_whole_sequence_as_vllms_speculator(family, releases, monkeypatch):
     """ttt_steps=3 are vLLM's draft steps 0, 1, 2 at every position t: depth i % 2 on step i-1's outputs at t (step 0:
-    the target's final hidden states) and x_{t+i+1}; what the loss scores is what compute_logits projects at step i."""
+    the target's final hidden states) and x_{t+i+1}; what the loss scores is what compute_logits projects at step i.
+    GLM-4.5's with drafter.feeds_back_normed=true, as vLLM 0.34.0 computes it: each later step reads the normed one."""
+    family, release_034 = family.split("-")[0], family.endswith("0.34")
     folder, model, drafter = releases(family)
+    if release_034:
+        drafter = MTP.from_target(MTP.Config(mtp_depths=2, feeds_back_normed=True), model, str(folder)).eval()
     release, config = load_file(str(folder / "model.safetensors")), json.loads((folder / "config.json").read_text())
     length = 24
     ids, target_out = token_run(model, drafter, length)
@@ -105,7 +112,9 @@ def test_training_step_i_runs_depth_i_mod_2_over_the_whole_sequence_as_vllms_spe
         width, hidden = length - 3, target_out.final[0, : length - 3]
         for step in range(3):
             tokens = ids[0, step + 1 : step + 1 + width]
-            hidden, logits_input = vllm_depth(release, config, family, step % 2, drafter, hidden, tokens, embedding)
+            hidden, logits_input = vllm_depth(
+                release, config, family, step % 2, drafter, hidden, tokens, embedding, release_034
+            )
             assert torch.allclose(outputs[step][0, :width], logits_input, atol=1e-4), step
     # depth 1's modules are its own where the release ships them per depth, the wrapper's where it shares one
     assert hasattr(drafter.depths[0], "final_norm") == (family != "qwen3_next")
@@ -113,11 +122,14 @@ def test_training_step_i_runs_depth_i_mod_2_over_the_whole_sequence_as_vllms_spe
     assert later.keys() == first.keys() and any(not torch.equal(later[n], first[n]) for n in first)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "glm4_moe-0.34"])
 def test_a_chain_drafts_vllms_tokens_and_decodes_losslessly(family, releases):
     """A proposal of three tokens is vLLM's chain (step i's last position, by depth i % 2); greedy decoding with the
-    drafter is the target's own."""
+    drafter is the target's own; GLM-4.5's with drafter.feeds_back_normed=true drafts vLLM 0.34.0's."""
+    family, release_034 = family.split("-")[0], family.endswith("0.34")
     folder, model, drafter = releases(family)
+    if release_034:
+        drafter = MTP.from_target(MTP.Config(mtp_depths=2, feeds_back_normed=True), model, str(folder)).eval()
     release, config = load_file(str(folder / "model.safetensors")), json.loads((folder / "config.json").read_text())
     ids = torch.randint(3, 4000, (1, 30), generator=torch.Generator().manual_seed(3))
     final, embedding = run_target(model, ids).final[0], model.get_input_embeddings().weight
@@ -126,7 +138,9 @@ def test_a_chain_drafts_vllms_tokens_and_decodes_losslessly(family, releases):
         hidden, drafts = final[:29], []
         for step in range(3):
             ahead = torch.cat([ids[0], torch.tensor(drafts, dtype=torch.long)])[step + 1 : step + 30]
-            hidden, logits_input = vllm_depth(release, config, family, step % 2, drafter, hidden, ahead, embedding)
+            hidden, logits_input = vllm_depth(
+                release, config, family, step % 2, drafter, hidden, ahead, embedding, release_034
+            )
             drafts.append(int((logits_input[-1] @ lm_head.T).argmax()))
         state = DraftState(tokens=ids[0], final=final[-2], layers={}, new_final=final[:29], fresh=True)
         assert drafter.proposer().propose(state, 3).tokens.tolist() == drafts
@@ -296,11 +310,12 @@ def test_a_served_chain_longer_than_the_depths_is_one_line_before_anything_is_wr
 
 
 def test_an_export_says_which_vllm_releases_compute_its_draft_steps_as_trained(releases, tmp_path, capsys):
-    """vLLM 0.34.0 changed two of these models (formats/mtp.py RELEASE_CHANGES): GLM-4.5's feeds its later draft steps
-    the MTP layer's output after the final norm, where 0.32 and 0.33 feed it before the norm, as draftsmith trains it
-    (`feeds_back_normed` False); Qwen3-Next's runs depth i at step i, where 0.32's and 0.33's run depth 0 at every step.
-    An export says which releases serve it as trained, by its depths and γ (draftsmith_export.json, the card), and a
-    check with a release that does not is refused in one line before anything is written."""
+    """vLLM 0.34.0 changed two of these models (their layouts' `feedback_changed_in`, `step_depths_from`): GLM-4.5's
+    feeds its later draft steps the MTP layer's output after the final norm, where 0.32 and 0.33 feed it before the
+    norm, as draftsmith trains it by default (drafter.feeds_back_normed=true trains it for 0.34); Qwen3-Next's runs
+    depth i at step i, where 0.32's and 0.33's run depth 0 at every step. An export says which releases serve it as
+    trained, by its depths and γ (draftsmith_export.json, the card), and a check with a release that does not is
+    refused in one line before anything is written; a feedback no release computes is refused at the recipe's check."""
     from dataclasses import asdict
 
     from draftsmith.heads.mtp_layouts import LAYOUTS
@@ -315,13 +330,22 @@ def test_an_export_says_which_vllm_releases_compute_its_draft_steps_as_trained(r
         if family == "glm4_moe":
             assert chains[2].removed_in == chains[None].removed_in == "0.34.0"
             assert exporter.releases(one_depth, 3).removed_in == "0.34.0"  # one layer fed back its own output
+            for normed in (True, False):  # trained for 0.34 (from it), or as the default (until it)
+                served = exporter.releases({**config, "feeds_back_normed": normed}, 3)
+                assert (served.first, served.removed_in) == (("0.34.0", None) if normed else (None, "0.34.0"))
         elif family == "qwen3_next":
             assert chains[2].first == chains[None].first == "0.34.0"
             assert exporter.releases(one_depth, 3) == exporter.vllm_releases  # depth 0 at every step, as trained
         else:
             assert chains[2] == chains[None] == exporter.vllm_releases
     for family, release, line in [
-        ("glm4_moe", "0.34.0", "vLLM 0.34.0 and later cannot serve it (from the second draft step on they feed"),
+        (
+            "glm4_moe",
+            "0.34.0",
+            "vLLM 0.34.0 and later cannot serve it (from the second draft step on they feed the MTP layer its output "
+            "after the final norm, and it trained on its output before the final norm); served by vLLM releases before "
+            "0.34.0, or draftsmith's eval; for a newer vLLM train it with drafter.feeds_back_normed=true",
+        ),
         ("qwen3_next", "0.33.0", "vLLM 0.34.0 and later serve it, up to 0.34.0 (the newest checked); earlier releases"),
     ]:
         folder, _, drafter = releases(family)
@@ -340,3 +364,9 @@ def test_an_export_says_which_vllm_releases_compute_its_draft_steps_as_trained(r
         info = json.loads((output / "vllm" / "draftsmith_export.json").read_text())
         assert line in info["vllm_releases"] and info["vllm_releases"] in (output / "vllm" / "README.md").read_text()
         assert set(info["vllm_release_range"].values()) == {"0.34.0", None}
+    deepseek, _, _ = releases("deepseek_v3")
+    with pytest.raises(
+        UserError, match="drafter.feeds_back_normed=false: every vLLM release checked feeds deepseek_mtp's"
+    ):
+        MTP.Config(feeds_back_normed=False).check(local_target_shape(str(deepseek)))
+    MTP.Config(feeds_back_normed=True).check(local_target_shape(str(deepseek)))  # as every release computes it
