@@ -21,8 +21,9 @@ from draftsmith.eval.sampling import Sampling
 from draftsmith.eval.step_costs import priced
 from draftsmith.eval.suffix import SuffixDrafter, SuffixTrees
 from draftsmith.eval.trees import tree_depth
-from draftsmith.formats import refusals
+from draftsmith.formats import exporter_for, refusals
 from draftsmith.formats.repo import TargetInfo
+from draftsmith.formats.versions import releases_span
 from draftsmith.heads.proposer import DynamicTree, Proposer, Tree
 from draftsmith.target import loaded_config
 
@@ -97,7 +98,7 @@ def build_methods(cfg: DictConfig, drafter, target, verifier, temperature: float
     # where the engine verifies only the drafts its step costs pay for, the costs are profiled near data.max_length
     context = int(cfg.data.max_length) - gamma - 1
     new_proposer, costs = priced(partial(drafter.proposer, temperature), verifier, gamma, context)
-    served = serving(drafter, target, cfg.export.vllm_format, temperature)
+    served = serving(drafter, target, cfg.export.vllm_format, temperature, gamma)
     chain_info = {"gamma": gamma, **served["chain"]}
     if costs is not None:
         chain_info["step_costs"] = {"requests": 1, "context": context, **asdict(costs)}
@@ -159,25 +160,35 @@ def build_methods(cfg: DictConfig, drafter, target, verifier, temperature: float
     return methods
 
 
-def serving(drafter, target, vllm_format: str = "speculators", temperature: float = 0.0) -> dict[str, dict[str, Any]]:
+def serving(
+    drafter, target, vllm_format: str = "speculators", temperature: float = 0.0, gamma: Optional[int] = None
+) -> dict[str, dict[str, Any]]:
     """Eval method (chain, tree) -> what the report says serves it: `served_by`, the engines the kind
     names for it (SERVED_BY) whose export does not refuse this drafter for this target (the export's own
     check, formats.Exporter.refuse: the report never names an engine whose export draftsmith refuses),
     else draftsmith's eval only; and `not_served_by`, each refused engine's line, where one is. `vllm_format`: the
     vLLM layout the recipe exports (export.vllm_format). At `temperature` > 0 a drafter that samples its drafts is
-    not served by an engine that drafts greedily (GREEDY_DRAFTING): its rows' acceptance is not that engine's."""
+    not served by an engine that drafts greedily (GREEDY_DRAFTING): its rows' acceptance is not that engine's. vLLM
+    is named with the releases that serve the drafter as trained, drafting `gamma` tokens a step, where not every
+    release checked does (formats/versions.py: "vLLM (before 0.34.0)")."""
     shape = drafter.target
     info = TargetInfo(shape=shape, config=loaded_config(target), verifier=shape.name_or_path)
     greedy_engines = GREEDY_DRAFTING if temperature > 0 and drafter.SAMPLES_DRAFTS else {}
     said = {}
     for method, refused in refusals(drafter, info, vllm_format).items():
         refused = {engine: why or greedy_engines.get(engine) for engine, why in refused.items()}
-        serving_engines = [ENGINE_NAMES[e] for e, why in refused.items() if why is None]
+        serving_engines = [served_name(drafter, e, gamma) for e, why in refused.items() if why is None]
         said[method] = {"served_by": ", ".join(serving_engines) or EVAL_ONLY}
         reasons = {ENGINE_NAMES[e]: why for e, why in refused.items() if why is not None}
         if reasons:
             said[method]["not_served_by"] = reasons
     return said
+
+
+def served_name(drafter, engine: str, gamma: Optional[int]) -> str:
+    """The report's name of an engine serving the drafter: vLLM's with its releases' span where it has one."""
+    span = releases_span(exporter_for(drafter.type).releases(asdict(drafter.config), gamma)) if engine == "vllm" else ""
+    return f"{ENGINE_NAMES[engine]} ({span})" if span else ENGINE_NAMES[engine]
 
 
 def suffix_baseline_runs(setting: Optional[bool]) -> bool:

@@ -117,6 +117,13 @@ def served_by(method: str, releases: Releases) -> str:
     )
 
 
+def releases_span(releases: Releases) -> str:
+    """The releases a report names beside vLLM where not every release checked serves the drafter ("": every one)."""
+    if releases.removed_in is not None:
+        return f"before {releases.removed_in}"
+    return f"{releases.first} and later" if releases.first is not None else ""
+
+
 # The target architectures vLLM's releases register a model class for, and the model types the newest transformers
 # they install knows (their Transformers backend's), read from the wheels (benchmarks/vllm_targets_table.py writes it)
 TARGETS_TABLE = Path(__file__).with_name("vllm_targets.json")

@@ -318,6 +318,7 @@ def test_an_export_says_which_vllm_releases_compute_its_draft_steps_as_trained(r
     refused in one line before anything is written; a feedback no release computes is refused at the recipe's check."""
     from dataclasses import asdict
 
+    from draftsmith.eval.methods import serving
     from draftsmith.heads.mtp_layouts import LAYOUTS
 
     assert not LAYOUTS["Glm4MoeForCausalLM"].feeds_back_normed
@@ -336,6 +337,9 @@ def test_an_export_says_which_vllm_releases_compute_its_draft_steps_as_trained(r
         elif family == "qwen3_next":
             assert chains[2].first == chains[None].first == "0.34.0"
             assert exporter.releases(one_depth, 3) == exporter.vllm_releases  # depth 0 at every step, as trained
+            _, model, drafter = releases(family)  # the eval's report names vLLM with the releases serving its chain
+            assert serving(drafter, model, gamma=2)["chain"]["served_by"] == "vLLM (0.34.0 and later)"
+            assert serving(drafter, model, gamma=1)["chain"]["served_by"] == "vLLM"
         else:
             assert chains[2] == chains[None] == exporter.vllm_releases
     for family, release, line in [

@@ -111,7 +111,7 @@ def test_the_vllm_layout_the_recipe_exports_is_the_one_asked(target):
         target,
         str(REFERENCE_TARGET),
     )
-    assert serving(peagle, target)["chain"]["served_by"].startswith("vLLM")
+    assert serving(peagle, target)["chain"]["served_by"] == "vLLM (before 0.34.0)"  # 0.34 drafts in parallel no more
     native = build_methods(recipe("eagle3", "eval.tree=0", "export.vllm_format=native"), peagle, target, target, 0.0)
     chain = info_of(native, "chain")
     assert (
