@@ -20,9 +20,7 @@ from __future__ import annotations
 import copy
 import gzip
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -500,8 +498,7 @@ def test_random_target_command_writes_a_target_or_one_line(tmp_path, capsys):
         main(["glm4_moe", str(tmp_path / "glm4_moe"), "--seed-from-demo"])
     with pytest.raises(UserError, match=r"from python -m draftsmith.heads.mtp_random_layer DIRECTORY\)$"):
         check_target_folder(str(tmp_path / "glm4_moe"))
-    added = subprocess.run([sys.executable, "-m", "draftsmith.heads.mtp_random_layer", str(tmp_path / "glm4_moe")],
-                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    added = run_entry_in_process(["-m", "draftsmith.heads.mtp_random_layer", str(tmp_path / "glm4_moe")], capsys)
     assert added.returncode == 0 and added.stdout.strip() == str(tmp_path / "glm4_moe"), added.stderr[-2000:]
     check_target_folder(str(tmp_path / "glm4_moe"))
     capsys.readouterr()
