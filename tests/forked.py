@@ -63,12 +63,18 @@ def _become_fresh(env: dict[str, str]) -> None:
     # tqdm's write lock: a multiprocessing RLock, a semaphore the fork shares with the test process, and a thread lock
     # another of its threads may hold as it forks. A child killed (SIGKILL) while writing a bar left the semaphore
     # held, and the test process's next bar waited for it forever (tests/test_faults.py's in-process resume): the
-    # child's own
+    # child's own, for tqdm and every subclass holding a lock of its own (get_lock keeps it on the class it is asked
+    # of: tqdm.auto's, whose bars transformers 5.25 draws as it loads a model, and huggingface_hub's)
     from tqdm import tqdm
     from tqdm.std import TqdmDefaultWriteLock
 
     TqdmDefaultWriteLock.mp_lock, TqdmDefaultWriteLock.th_lock = multiprocessing.RLock(), threading.RLock()
-    tqdm.set_lock(TqdmDefaultWriteLock())
+    fresh, classes = TqdmDefaultWriteLock(), [tqdm]
+    while classes:
+        cls = classes.pop()
+        if cls is tqdm or "_lock" in vars(cls):
+            cls.set_lock(fresh)
+        classes.extend(cls.__subclasses__())
     assert not torch.distributed.is_initialized()  # a test process holds no group
     AcceleratorState._reset_state(reset_partial_state=True)  # nor its Accelerator: the child's own
     GradientState._reset_state()

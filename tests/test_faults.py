@@ -145,6 +145,44 @@ def run_killed_then_resumed(args: list[str], watched: Path, kill_after: float, r
     return process.returncode == -signal.SIGKILL
 
 
+def test_a_child_killed_while_it_draws_a_bar_leaves_the_test_processs_bars_free():
+    """run_killed_then_resumed kills a forked export anywhere, then resumes it in this process: the resume hung
+    forever on tqdm's write lock (a semaphore a fork shares) when the kill landed while the child drew one of the bars
+    transformers 5.25 draws as it loads a model, whose class (tqdm.auto's) keeps a lock of its own. A child killed
+    holding that class's lock leaves this process's free."""
+    import multiprocessing
+
+    from tqdm.auto import tqdm as auto_tqdm
+    from tqdm.std import TqdmDefaultWriteLock
+
+    from tests.forked import ForkedCall
+
+    def hold() -> int:
+        auto_tqdm.get_lock().acquire()
+        print("held", flush=True)
+        time.sleep(60)
+        return 0
+
+    lock = auto_tqdm.get_lock()  # the test process's, kept on the subclass as a bar drawn before keeps it
+    child = ForkedCall(hold)
+    try:
+        while "held" not in child.output()[0] and child.poll() is None:
+            time.sleep(0.01)
+        child.kill()
+        child.wait(timeout=30)
+        acquired = [one.acquire(timeout=5) for one in lock.locks]
+        for one, held in zip(lock.locks[::-1], acquired[::-1]):
+            if held:
+                one.release()
+        assert all(acquired), "the killed child still holds this process's tqdm lock"
+    finally:  # a dead child's hold would stop this worker's later bars: the class then gets a fresh lock
+        if lock.locks[0].acquire(timeout=0):
+            lock.locks[0].release()
+        else:
+            TqdmDefaultWriteLock.mp_lock = multiprocessing.RLock()
+            auto_tqdm.set_lock(TqdmDefaultWriteLock())
+
+
 def writing_window(args: list[str], watched: Path, capsys=None) -> float:
     """Run `args` to completion in this process (the reference run: nothing kills it); the seconds from
     its first write into `watched` to its end: the window in which a kill lands mid-run (before it, a job
