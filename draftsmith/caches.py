@@ -4,10 +4,13 @@ Speculative decoding feeds tokens that may be rejected, so every decode loop (th
 a draft model's own) must put its cache back to the accepted prefix. What a layer keeps per position
 (keys and values; a sparse-attention layer's indexer keys too, DeepSeek-V3.2) is cut, moved or gathered
 position by position. A recurrent state (the linear attention of hybrid targets: Qwen3.5,
-Qwen3-Next) folds all its tokens into one tensor that cannot be cut, so it is copied before tokens that
-may be rejected (`RecurrentCheckpoint`) and put back after, and the accepted tokens are fed again. So is a
-cache whose attention pools several positions into one entry (DeepSeek-V4's compressed attention): there
-every layer is put back whole, as the family's own cache layers keep them.
+Qwen3-Next) folds all its tokens into one tensor that cannot be cut. Where the family's transformers code keeps
+that state at every position of a forward (`RecordedStates`: transformers' own past recording, as an engine keeps
+a state per draft position), the states of the rejected positions are dropped and nothing is fed again. Elsewhere
+the states are copied before tokens that may be rejected (`RecurrentCheckpoint`) and put back after, and the
+accepted tokens are fed again. So is a cache whose attention pools several positions into one entry
+(DeepSeek-V4's compressed attention): there every layer is put back whole, as the family's own cache layers keep
+them.
 """
 
 from __future__ import annotations
@@ -145,6 +148,35 @@ def recurrent_states(cache: DynamicCache) -> list[torch.Tensor]:
     return states
 
 
+def recordable_layers(cache: DynamicCache) -> list:
+    """The linear-attention layers of `cache`, where they are its only layers that read tokens in order and each holds
+    one state: transformers 5.25 keeps one history list for all of a layer's states (`dict.fromkeys(..., [])`), and
+    its `crop` slices a convolution window for states without one (Qwen4-Exp's, GLM-5-Next's). Empty otherwise."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    layers = [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+    if pooled_layers(cache) or any(layer.number_of_states != 1 for layer in layers):
+        return []
+    return layers
+
+
+class RecordedStates:
+    """transformers keeps the states of `layers` (`recordable_layers`) at each of the next forward's last `width`
+    positions; `put_back(dropped)` keeps those of all but the last `dropped` (none: it drops the history alone, which
+    must follow every such forward). The accepted tokens need not be fed again."""
+
+    def __init__(self, layers: list, width: int):
+        self.layers = layers
+        for layer in layers:
+            layer.activate_past_recording(recurrent_states_to_keep=width)
+
+    def put_back(self, dropped: int) -> bool:
+        """Whether the accepted tokens must be fed again: never."""
+        for layer in self.layers:
+            layer.crop(-dropped)
+        return False
+
+
 class RecurrentCheckpoint:
     """What a cache's in-order layers hold, taken before tokens that may be rejected; `restore` puts it back.
     Linear attention updates its states in place: they are copied, and written back in place (the layers
@@ -161,6 +193,14 @@ class RecurrentCheckpoint:
 
     def __bool__(self) -> bool:
         return bool(self.states or self.pooled)
+
+    def put_back(self, dropped: int) -> bool:
+        """After a forward whose last `dropped` tokens were rejected: whether the accepted ones must be fed again (the
+        states put back to before the forward), else nothing to do."""
+        if not (dropped and self):
+            return False
+        self.restore()
+        return True
 
     def restore(self) -> None:
         for state, copy in zip(self.states, self.copies):

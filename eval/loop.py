@@ -23,12 +23,14 @@ token budget) leaves the batch. Each row has its own proposer (its own drafting 
 random stream, seeded as it would be alone, so a batch changes nothing but the arithmetic's grouping.
 
 Recurrent layers (the linear attention of hybrid targets such as Qwen3.5 and Qwen3-Next) fold every
-token fed into one state that cannot be cut back to a prefix the way keys can. Before a verify forward
-the loop keeps a copy of those states; when a draft is rejected it puts the copies back, cuts the keys
-to the same point, and feeds the accepted tokens again at the head of the next cycle's forward (the
-row's `pending` tokens: still one target forward a cycle, only a wider one). While drafts keep being
-rejected those tokens are never kept, so past REFEED_LIMIT of them they are fed on their own
-(`commit_pending`): without it a drafter that is never right makes each forward as wide as the answer so far.
+token fed into one state that cannot be cut back to a prefix the way keys can. Where the family's transformers
+code keeps those states at every position of a forward (`keeps_each_position`, proven once per model), a verify
+forward keeps them and the loop drops those of the rejected positions, as an engine does. Elsewhere the loop
+keeps a copy of the states before a verify forward; when a draft is rejected it puts the copies back, cuts the
+keys to the same point, and feeds the accepted tokens again at the head of the next cycle's forward (the row's
+`pending` tokens: still one target forward a cycle, only a wider one). While drafts keep being rejected those
+tokens are never kept, so past REFEED_LIMIT of them they are fed on their own (`commit_pending`): without it a
+drafter that is never right makes each forward as wide as the answer so far.
 A recurrent state sees its tokens in sequence, so such a target verifies chains only, and decodes a batch's
 rows one at a time (no padding may pass through a state). Mamba-2 layers scanning in PyTorch take narrow
 chunks in these forwards (draftsmith/scans.py).
@@ -38,13 +40,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from transformers import DynamicCache
 
 from draftsmith.caches import (
+    RecordedStates,
     RecurrentCheckpoint,
     cached_length,
     cut_keys,
@@ -52,12 +55,13 @@ from draftsmith.caches import (
     key_layers,
     move_positions,
     new_cache,
+    recordable_layers,
     select_rows,
 )
 from draftsmith.errors import UserError
 from draftsmith.eval.counts import Generation
 from draftsmith.eval.sampling import Sampling, Verdict, verify
-from draftsmith.eval.target_checks import check_target
+from draftsmith.eval.target_checks import check_target, keeps_each_position
 from draftsmith.eval.trees import (
     attention_masks,
     cache_positions,
@@ -135,6 +139,7 @@ class DecodeState:
 
     rows: list[RowState]
     cache: DynamicCache
+    recorded: list = field(default_factory=list)  # layers whose states each verify forward keeps per position
 
     @property
     def width(self) -> int:
@@ -270,7 +275,11 @@ def verify_step(
     if not single_chain:
         keys = torch.cat([cache_positions(cached, width, device), positions], dim=1)
         mask = attention_masks(model, verify_visibility(drafts, cached, width), positions, keys)
-    checkpoint = RecurrentCheckpoint(state.cache) if any(len(draft) for draft in drafts) else None
+    rollback = None
+    if state.recorded:  # every forward while a drafter decodes: the history of each is dropped after it
+        rollback = RecordedStates(state.recorded, queries)
+    elif any(len(draft) for draft in drafts):
+        rollback = RecurrentCheckpoint(state.cache)
     with scan_chunks(model, queries):
         out = run_target(model, ids, mask, request, positions, state.cache, use_cache=True)
 
@@ -290,10 +299,9 @@ def verify_step(
         row.tokens.extend(int(draft.tokens[node]) for node in verdict.path)
         if verdict.bonus is not None:
             row.tokens.append(verdict.bonus)
-        if checkpoint and len(verdict.path) < len(draft):
-            # The states have read the rejected tokens: back to before the forward, and the accepted ones
-            # go into the next forward (one row: a recurrent target decodes rows alone).
-            checkpoint.restore()
+        if rollback is not None and rollback.put_back(len(draft) - len(verdict.path)):
+            # The states are back to before the forward, and the accepted tokens go into the next forward (one
+            # row: a recurrent target decodes rows alone).
             keep = keep[:0]
         else:
             row.cached = len(row.tokens) - 1
@@ -372,6 +380,7 @@ def generate_batch(
             generate_batch(model, [prompt], max_new_tokens, [drafter], gamma, tree, sampling, eos_ids, [seed])[0]
             for prompt, drafter, seed in zip(prompts, drafters, seeds)
         ]
+    records = drafters[0] is not None and reads_in_order(model.config) and keeps_each_position(model)  # proven once
     start = time.perf_counter()
     device = model.get_output_embeddings().weight.device
     generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
@@ -382,6 +391,8 @@ def generate_batch(
     forwards_before = [d.draft_forwards if d is not None else 0 for d in drafters]
     results = [Generation() for _ in range(size)]
     state = prefill(model, prompts, request)
+    if records:
+        state.recorded = recordable_layers(state.cache)
     active = list(range(size)) if max_new_tokens > 0 else []  # prompt index of each row of `state`
     while active:
         drafts = [

@@ -9,14 +9,17 @@ import weakref
 import torch
 from transformers.cache_utils import DummyLayer
 
-from draftsmith.caches import cut_keys, new_cache
+from draftsmith.caches import RecordedStates, cut_keys, new_cache, recordable_layers
 from draftsmith.errors import UserError, one_line
 from draftsmith.eval.trees import attention_masks
 from draftsmith.families import LINEAR, ROLLED_BACK, layer_types, reads_in_order
+from draftsmith.scans import scan_chunks
 from draftsmith.target import FeatureRequest, run_target
 
 # models proven to compute by explicit masks and positions (check_explicit_masks), each with the longest context proven
 _PROVEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# whether a model's transformers code keeps its linear-attention states at every position (keeps_each_position)
+_RECORDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def check_target(model, tree: bool = False, batch: bool = False, length: int = 4) -> None:
@@ -107,3 +110,37 @@ def check_explicit_masks(model, length: int = 4) -> None:
         f"position the eval loop gives a tree's nodes and a batch's padded rows ({differs}): set eval.tree=0 "
         "eval.batch_size=1 eval.batch_sizes=[]"
     )
+
+
+@torch.no_grad()
+def keeps_each_position(model) -> bool:
+    """Whether the target's transformers code keeps its linear-attention states at every position of a forward when
+    the cache asks it to (`RecordedStates`), proven once per model: after a token, a forward of three more recording
+    their positions, cut back by one, must give the last token fed again alone the logits the forward gave it (code
+    keeping the last state alone would put back the state before the forward). Where it does not, or where
+    transformers cannot cut the cache's layers (`recordable_layers`), the loop puts the states back from a copy and
+    feeds the accepted tokens again."""
+    if model not in _RECORDS:
+        cache = new_cache(model)
+        layers = recordable_layers(cache)
+        _RECORDS[model] = bool(layers) and _records_each_position(model, cache, layers)
+    return _RECORDS[model]
+
+
+def _records_each_position(model, cache, layers: list) -> bool:
+    device = model.get_output_embeddings().weight.device
+    ids = torch.arange(1, 5, device=device)[None] % (model.config.get_text_config().vocab_size - 1) + 1
+    positions = torch.arange(4, device=device)[None]
+    run_target(model, ids[:, :1], None, FeatureRequest(), positions[:, :1], cache, use_cache=True)
+    recorded = RecordedStates(layers, 3)
+    with scan_chunks(model, 3):  # as the loop's forwards scan
+        three = run_target(model, ids[:, 1:], None, FeatureRequest(), positions[:, 1:], cache, use_cache=True)
+    try:
+        recorded.put_back(1)
+    except (IndexError, TypeError, RuntimeError):  # the layers' code kept fewer states than it was asked to
+        return False
+    cut_keys(cache, 3)
+    alone = run_target(model, ids[:, 3:], None, FeatureRequest(), positions[:, 3:], cache, use_cache=True)
+    theirs, ours = three.logits[0, 2].float(), alone.logits[0, 0].float()
+    rounding = 1e-4 if model.dtype == torch.float32 else 0.016  # a chunked scan sums in another order
+    return torch.allclose(theirs, ours, rtol=rounding, atol=rounding * ours.abs().max().item())

@@ -19,6 +19,7 @@ from draftsmith.eval.ngram import NGramDrafter
 from draftsmith.eval.render import conclusion
 from draftsmith.eval.report import run_eval
 from draftsmith.eval.sampling import Sampling, exact_rule
+from draftsmith.eval.target_checks import keeps_each_position
 from draftsmith.families import FULL, LINEAR
 from draftsmith.heads import drafter_class
 from draftsmith.heads.proposer import DraftState, DraftTree
@@ -295,9 +296,9 @@ def test_speculative_sampling_matches_target_distribution(small_model, case, mon
 
 @pytest.mark.slow  # ~30 s: the 1,200 rows of a linear-attention target decode one at a time
 def test_speculative_sampling_on_a_linear_attention_target_matches_its_distribution():
-    """A hybrid target (Qwen3-Next: a Gated-DeltaNet layer, then attention): every rejection puts the
-    recurrent state back and feeds the accepted tokens again; the samples still follow the target's
-    exact distribution."""
+    """A hybrid target (Qwen3-Next: a Gated-DeltaNet layer, then attention): every rejection drops the
+    recurrent states of the rejected positions (transformers keeps one per position); the samples still follow the
+    target's exact distribution."""
     config = build_config(
         "qwen3_next", VOCAB, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}, hidden_size=16,
         intermediate_size=32, num_hidden_layers=2, head_dim=4, linear_key_head_dim=4, linear_value_head_dim=4,
@@ -323,6 +324,7 @@ def test_speculative_sampling_on_a_linear_attention_target_matches_its_distribut
         counts[tuple(row.tokens)] += 1
     accepted = sum(row.counts.accepted for row in rows)
     assert 0.1 * SAMPLES < accepted < 1.9 * SAMPLES  # both acceptances and rejections (rollbacks) were exercised
+    assert keeps_each_position(model)
     pvalues = exactness_pvalues(counts, exact_joint(conditionals))
     assert min(pvalues.values()) > 1e-3, pvalues
 

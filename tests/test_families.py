@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 
 from draftsmith.errors import UserError
 from draftsmith.eval.loop import generate, generate_batch
+from draftsmith.eval.target_checks import keeps_each_position
 from draftsmith.families import (
     BLOCK_INDEXED,
     COMPRESSED,
@@ -73,6 +74,9 @@ QUIRKS = ("qwen3_moe", "gemma3_text", "phi3", "gpt_oss", "cohere", "qwen3_next",
 # the fast tier runs the per-family tests on Llama and a window, sinks, linear and latent attention; the other
 # quirks' families and the rest in the slow tier
 FAST_QUIRKS = ("gemma3_text", "gpt_oss", "qwen3_next", "deepseek_v3")
+# whose linear-attention layers transformers keeps a state per position for (Qwen4-Exp's and Inkling's hold several)
+LINEAR_FAMILIES = ("qwen3_next", "qwen3_5_text", "glm5_next", "bailing_hybrid", "kimi_linear", "granitemoehybrid",
+                   "bamba", "falcon_h1")  # fmt: skip
 TIERED = fast_tier(list(FAMILIES), lambda family: family == "llama" or family in FAST_QUIRKS)
 VOCAB, WINDOW = 256, 12  # a window far shorter than the sequences below
 # GLM-GA's rotary embedding splits a head's frequencies in the sections its rope parameters give, else in those of a
@@ -326,17 +330,25 @@ def test_a_draft_of_the_first_layers_takes_the_first_entries_of_every_per_layer_
     assert generate(model, prompt, 20, drafter=drafter.proposer(), gamma=3).tokens == generate(model, prompt, 20).tokens
 
 
-def assert_chains_lossless_far_past_the_window_and_trees_refused(model) -> None:
+def assert_chains_lossless_far_past_the_window_and_trees_refused(model, fed_again: bool) -> None:
     """Oracle chains decoding three prompts far past the window equal plain decoding, prompt by prompt (drafts
-    accepted and rejected) and in a batch, and so do drafts never accepted (the tokens carried past them fed on their
-    own once more than REFEED_LIMIT); a tree is refused in one line."""
+    accepted and rejected) and in a batch, and so do drafts never accepted; a tree is refused in one line. Where the
+    states are put back from a copy (`fed_again`), the tokens carried past drafts never accepted are fed on their own
+    once more than REFEED_LIMIT; elsewhere no verify forward is wider than the root and the draft."""
     from draftsmith.eval.loop import REFEED_LIMIT
 
     prompts = [random_prompt(length, seed) for seed, length in enumerate((12, 5, 20))]
     plain = [generate(model, prompt, 2 * WINDOW).tokens for prompt in prompts]
     assert 2 * WINDOW > REFEED_LIMIT + 1  # one token a cycle: the carried tokens pass the limit
-    never = generate(model, prompts[0], 2 * WINDOW, drafter=OracleDrafter(plain[0], 12, VOCAB, 0.0), gamma=3)
+    widths = []
+    hook = model.register_forward_pre_hook(lambda _, __, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        never = generate(model, prompts[0], 2 * WINDOW, drafter=OracleDrafter(plain[0], 12, VOCAB, 0.0), gamma=3)
+    finally:
+        hook.remove()
     assert never.tokens == plain[0] and never.counts.accepted == 0
+    widest = max(widths[-2 * WINDOW :])  # the verify forwards (one a token: none accepted), not a check's or prefill
+    assert REFEED_LIMIT < widest <= REFEED_LIMIT + 1 + 3 if fed_again else widest == 1 + 3
     oracles = [
         OracleDrafter(tokens, len(prompt), VOCAB, hit_rate=rate, seed=i)
         for i, (tokens, prompt, rate) in enumerate(zip(plain, prompts, (0.9, 0.5, 0.7)))
@@ -361,7 +373,32 @@ def test_compressed_attention_is_put_back_after_every_rejected_draft(model_type)
     Qwen4-Exp's states are put back so too (linear attention, and its n-gram embeddings' token history and
     convolution), while its block-sparse attention's keys and indexer keys are cut, far past its budget."""
     model = tiny(model_type)
-    assert_chains_lossless_far_past_the_window_and_trees_refused(model)
+    assert not keeps_each_position(model)
+    assert_chains_lossless_far_past_the_window_and_trees_refused(model, fed_again=True)
+
+
+@pytest.mark.parametrize("model_type", fast_tier(list(LINEAR_FAMILIES), "qwen3_next".__eq__))
+def test_linear_attention_keeps_each_positions_state_and_feeds_no_accepted_token_again(model_type):
+    """Gated DeltaNet (Qwen3-Next, Qwen3.5, GLM-5-Next, Bailing), Kimi Delta Attention and Mamba-2 (Granite-4.0-H,
+    Bamba, Falcon-H1): transformers keeps each layer's state at every position of a verify forward, proven on the
+    model, and the loop drops the rejected positions' states as an engine does: no accepted token is fed again,
+    every verify forward is the root and the draft, and chains far past the window equal plain decoding."""
+    model = tiny(model_type)
+    assert keeps_each_position(model)
+    assert_chains_lossless_far_past_the_window_and_trees_refused(model, fed_again=False)
+
+
+@pytest.mark.slow  # the copy's path runs in the fast tier on DeepSeek-V4 (above)
+def test_linear_attention_whose_code_keeps_the_last_state_alone_is_put_back_from_a_copy(monkeypatch):
+    """A family whose transformers code ignores the cache's request for every position's state (it keeps the last one
+    alone, as the code of a family written before transformers 5.25 does) fails the proof on its model, so the loop
+    puts its states back from a copy and feeds the accepted tokens again: still plain greedy's tokens."""
+    from transformers.cache_utils import DynamicCache
+
+    monkeypatch.setattr(DynamicCache, "get_recurrent_states_to_keep", lambda self, layer_idx=None: 0)
+    model = tiny("qwen3_next")
+    assert not keeps_each_position(model)
+    assert_chains_lossless_far_past_the_window_and_trees_refused(model, fed_again=True)
 
 
 def test_a_pooled_cache_written_in_place_is_not_put_back_silently():
@@ -429,7 +466,8 @@ def test_block_sparse_and_convolved_attention_are_cut_back_and_verify_chains_one
     convolutions); a tree (its nodes off their positions' slots, or read in order) is refused in one line."""
     model = tiny(model_type)
     assert layer_types(model.config) == kinds and getattr(model.config, "index_topk_blocks", 2) == 2
-    assert_chains_lossless_far_past_the_window_and_trees_refused(model)
+    assert not keeps_each_position(model)  # Inkling's layers hold four states each; MiniMax-M3 holds none
+    assert_chains_lossless_far_past_the_window_and_trees_refused(model, fed_again=model_type == "inkling_text")
 
 
 def test_default_taps_of_a_hybrid_linear_attention_target_are_attention_layers():
