@@ -5,13 +5,17 @@ mamba_ssm), as it ran before and as it runs now, side by side in one process, as
 
 The target: a random Bamba (4 layers, attention at layers 1 and 3, hidden 256, Mamba-2 heads of 4 with the
 class's 256-wide state and its 256-token chunk, as Bamba's and Falcon-H1's releases scan); the drafter: an untrained
-Medusa built from it, whose drafts are nearly all rejected, the case where the recurrent states are put back and
-the accepted tokens fed again every cycle. Each prompt (random tokens, 40 long) is decoded plainly and with a chain
-of --gamma tokens under three loops, one after the other per prompt:
-- `before`: every forward scans in the config's chunk, and the tokens fed again are carried whatever their number
-  (the loop before draftsmith/scans.py and REFEED_LIMIT: no mixer narrowed, the limit unreachable);
+Medusa built from it, whose drafts are nearly all rejected, the case where the recurrent states are put back every
+cycle. Each prompt (random tokens, 40 long) is decoded plainly and with a chain of --gamma tokens under four loops,
+one after the other per prompt:
+- `before`: every forward scans in the config's chunk, the states are put back from a copy and the accepted tokens
+  fed again, carried whatever their number (the loop before draftsmith/scans.py and REFEED_LIMIT: no mixer narrowed,
+  the limit unreachable);
 - `narrow chunks`: chunks of at most SCAN_CHUNK, the tokens carried without limit;
-- `now`: both, as the eval command runs.
+- `fed again`: both;
+- `now`: narrow chunks, and transformers keeps the states at every position of a verify forward, so the rejected
+  positions' states are dropped and nothing is fed again (eval/target_checks.py::keeps_each_position), as the eval
+  command runs.
 Reports each loop's tokens/s plainly and with the drafter, the widest target forward after the prefill, and whether
 every output equals the `now` loop's plain decoding (float32: the chunk moves rounding only).
 """
@@ -19,12 +23,11 @@ every output equals the `now` loop's plain decoding (float32: the chunk moves ro
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
-from provenance import provenance  # benchmarks/, first on sys.path
+from provenance import emit, provenance  # benchmarks/, first on sys.path
 from transformers import BambaConfig
 
 from draftsmith import scans
@@ -34,7 +37,14 @@ from draftsmith.heads import drafter_class
 from draftsmith.random_target import build_model
 
 NARROWED = scans.reference_scan_mixers
-LOOPS = {"before": (False, 10**9), "narrow chunks": (True, 10**9), "now": (True, loop.REFEED_LIMIT)}
+KEEPS_EACH_POSITION = loop.keeps_each_position
+# loop: (narrow chunks, REFEED_LIMIT, states kept per position)
+LOOPS = {
+    "before": (False, 10**9, False),
+    "narrow chunks": (True, 10**9, False),
+    "fed again": (True, loop.REFEED_LIMIT, False),
+    "now": (True, loop.REFEED_LIMIT, True),
+}
 
 
 def bamba_target():
@@ -62,15 +72,17 @@ def main() -> None:
     drafter = medusa.from_target(medusa.Config(), target, "random bamba").eval()
     prompts = [torch.randint(3, 4096, (40,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(4)]
     prompts = (prompts * args.prompts)[: args.prompts]
+    KEEPS_EACH_POSITION(target)  # proven once per model: before any forward is counted
     widths = []
     target.register_forward_pre_hook(lambda _, a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
 
     totals = {name: {"plain_s": 0.0, "chain_s": 0.0, "tokens": 0, "widest": 0, "equal": True} for name in LOOPS}
     for prompt in prompts:
         reference = None
-        for name, (narrow, refeed_limit) in reversed(LOOPS.items()):  # `now` first: the reference tokens
+        for name, (narrow, refeed_limit, kept) in reversed(LOOPS.items()):  # `now` first: the reference tokens
             scans.reference_scan_mixers = NARROWED if narrow else lambda model: []
             loop.REFEED_LIMIT = refeed_limit
+            loop.keeps_each_position = KEEPS_EACH_POSITION if kept else lambda model: False
             plain = generate(target, prompt, args.new_tokens)
             widths.clear()
             chain = generate(target, prompt, args.new_tokens, drafter=drafter.proposer(), gamma=args.gamma)
@@ -102,10 +114,7 @@ def main() -> None:
         "rows": rows,
         **provenance(args.threads, began),
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.provenance import provenance  # noqa: E402
+from benchmarks.provenance import emit, provenance  # noqa: E402
 from benchmarks.vllm_probe import add_vllm_python  # noqa: E402
 
 
@@ -132,10 +131,7 @@ def main() -> None:
         "draftsmith_plain": plain,
         **provenance(options.threads, began),
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if options.out:
-        options.out.write_text(text + "\n")
+    emit(result, options.out, indent=1)
 
 
 if __name__ == "__main__":

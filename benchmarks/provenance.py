@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import os
 import platform
 import subprocess
@@ -91,3 +92,11 @@ def provenance(threads: int | None, began: float) -> dict:
         "versions": versions(),
         "wall_s": round(time.perf_counter() - began, 1),
     }
+
+
+def emit(report: dict, out: Path | None, indent: int = 2) -> None:
+    """Print `report` as JSON, and write the same text to `out` where one is given."""
+    text = json.dumps(report, indent=indent)
+    print(text)
+    if out:
+        out.write_text(text + "\n")

@@ -269,9 +269,30 @@ def test_mamba2_scan_compares_the_loop_before_and_now_on_the_same_outputs():
     result = run_forked(["benchmarks/mamba2_scan.py", "--prompts", "1", "--new-tokens", "24", "--gamma", "3"])
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {row["loop"]: row for row in json.loads(result.stdout)["rows"]}
-    assert list(rows) == ["before", "narrow chunks", "now"] and all(row["outputs_equal"] for row in rows.values())
-    assert rows["now"]["widest_forward"] <= 16 + 1 + 3 < rows["before"]["widest_forward"]
-    assert rows["now"]["chain_tok_s"] > rows["before"]["chain_tok_s"]
+    assert list(rows) == ["before", "narrow chunks", "fed again", "now"]
+    assert all(row["outputs_equal"] for row in rows.values())
+    assert rows["now"]["widest_forward"] == 1 + 3 < rows["fed again"]["widest_forward"] <= 16 + 1 + 3
+    assert 16 + 1 + 3 < rows["before"]["widest_forward"]
+    assert rows["fed again"]["chain_tok_s"] > rows["before"]["chain_tok_s"]
+
+
+@pytest.mark.slow  # two targets, two drafters, both rollbacks: about 4 s
+def test_recurrent_rollback_compares_states_kept_per_position_with_tokens_fed_again_on_the_same_outputs():
+    from tests.forked import run_forked
+
+    result = run_forked(["benchmarks/recurrent_rollback.py", "--prompts", "1", "--new-tokens", "12", "--gamma", "3"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(result.stdout)["rows"]
+    assert [(row["target"], row["drafter"] is None) for row in rows if row["rollback"] is None] == [
+        ("bamba", True),
+        ("qwen3_next", True),
+    ]
+    chains = {(row["target"], row["drafter"], row["rollback"]): row for row in rows if row["rollback"]}
+    assert len(chains) == 8 and all(row["outputs_equal"] for row in chains.values())
+    for target in ("bamba", "qwen3_next"):
+        kept, fed = (chains[target, "untrained Medusa", rollback] for rollback in ("kept per position", "fed again"))
+        assert kept["widest_forward"] == 1 + 3 < fed["widest_forward"]
+        assert kept["target_forwards"] == 1 + 12  # the prefill, then a forward a token: every draft rejected
 
 
 def test_drafters_refuses_an_unknown_name_before_any_drafter_trains(tmp_path, monkeypatch, capsys):
