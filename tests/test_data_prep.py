@@ -765,6 +765,7 @@ def test_regeneration_keeps_an_opening_assistant_turn_and_answers_the_prompt_aft
     assert ended == [None, None] and engine.asked == [render_prompt(tokenizer, [GREETING, USER, ASSISTANT])[0]] * 2
 
 
+@pytest.mark.slow  # a whole train.py run with its eval, for its log lines: 3.4 s
 def test_a_run_says_each_file_it_read_once(tmp_path, capsys):
     """Training reads data.train and data.eval for the training, again for the held-out accuracy and the eval's
     prompts and their overlap with the training set: each read said "loaded 8 conversations from ..." again, three or
