@@ -39,6 +39,7 @@ from draftsmith.data_prep.capture_files import (
     data_record,
     is_intact,
     merge_manifest,
+    recorded_data,
     refuse_foreign_files,
     refuse_other_capture,
     remove_leftovers,
@@ -133,7 +134,8 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
         "world_size": state.num_processes,
         "engine": section.engine,
     }
-    refuse_other_capture(directory, made_with)  # every setting but the data's, before minutes of tokenizing
+    # every setting, the data's as the recipe gives them, before minutes of tokenizing
+    refuse_other_capture(directory, made_with, {"data": recorded_data(cfg)})
     with state.main_process_first():  # rank 0 tokenizes and caches, the others read the cache
         # Exactly as training tokenizes (data_prep.dataset.load_tokenized), so a capture lines up with the
         # online data set row by row; the conversations' fingerprint also keys the capture.

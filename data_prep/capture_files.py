@@ -90,7 +90,8 @@ def refuse_other_capture(directory: Path, settings: dict[str, Any], record: Opti
     two different captures under one manifest (a manifest part without shards holds nothing to join). One line names
     each setting that differs with both values and, where the data's fingerprint differs, which of its inputs changed
     in words (`data_changes`; `record`: this run's `data_record`), never the two hashes. Settings without a
-    `data_fingerprint` are compared without the data (before it is tokenized)."""
+    `data_fingerprint` are compared before the data is read, with the data settings alone where `record` holds them
+    (`{"data": recorded_data(cfg)}`)."""
     settings = json.loads(json.dumps(settings))  # as the files hold them (a tuple is a list there)
     for path in [directory / MANIFEST_NAME, *sorted(directory.glob("manifest_part_*.json"))]:
         if not path.is_file():
@@ -112,6 +113,8 @@ def refuse_other_capture(directory: Path, settings: dict[str, Any], record: Opti
         ]
         if "data_fingerprint" in settings and found.get("data_fingerprint") != settings["data_fingerprint"]:
             differ += data_changes(file, record)
+        elif "data_fingerprint" not in settings and record is not None:  # before tokenizing: the data settings alone
+            differ += setting_changes(file.get("data"), record["data"])
         if differ:
             raise UserError(
                 f"{directory} already holds a capture with other settings ({'; '.join(differ)[:600]}): put back "
@@ -138,9 +141,9 @@ def data_changes(file: dict[str, Any], record: dict[str, Any]) -> list[str]:
     """In words, what changed in the data a capture's file (a part or the manifest) was made from, against this
     run's `data_record`: the data settings it records, else its tokenizer, else data.train's content, else how the
     same data was read. A capture begun before draftsmith recorded these says so."""
-    changed = changed_data(file.get("data"), record["data"])
+    changed = setting_changes(file.get("data"), record["data"])
     if changed:
-        return [f"{key}: {before!r} -> {now!r}" for key, (before, now) in changed.items()]
+        return changed
     tokenizer = file.get("tokenizer")
     if isinstance(tokenizer, dict) and tokenizer != record["tokenizer"]:
         keys = [key for key, now in record["tokenizer"].items() if tokenizer.get(key) != now]
@@ -158,18 +161,19 @@ def data_changes(file: dict[str, Any], record: dict[str, Any]) -> list[str]:
     ]
 
 
-def changed_data(recorded: Any, data: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """{recipe key: (the manifest's value, the recipe's)} for each data setting a manifest's `data` records
-    otherwise (sources compared as resolved paths); empty for a manifest part, which records none."""
+def setting_changes(recorded: Any, data: dict[str, Any]) -> list[str]:
+    """Each data setting a manifest's `data` records otherwise than the recipe gives it (sources compared as resolved
+    paths), as `data.max_length: 96 -> 64`; none where the file records no data settings (a capture made before
+    draftsmith recorded them)."""
     if not isinstance(recorded, dict):
-        return {}
+        return []
     if "sources" in recorded:
         recorded = {**recorded, "sources": resolved_sources(recorded["sources"] or [])}
-    return {
-        "data.train" if key == "sources" else f"data.{key}": (recorded[key], now)
+    return [
+        f"{'data.train' if key == 'sources' else f'data.{key}'}: {recorded[key]!r} -> {now!r}"
         for key, now in data.items()
         if key in recorded and recorded[key] != now
-    }
+    ]
 
 
 # The temporary files a capture writes (`replacing`'s shards and manifests, the vLLM engine's folders of states): a
