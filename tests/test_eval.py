@@ -294,7 +294,7 @@ def test_speculative_sampling_matches_target_distribution(small_model, case, mon
         assert min(pvalues.values()) < 1e-6, f"the wrong rule went undetected: {pvalues}"
 
 
-@pytest.mark.slow  # ~30 s: the 1,200 rows of a linear-attention target decode one at a time
+@pytest.mark.slow  # ~18 s: the 1,200 rows of a linear-attention target decode one at a time
 def test_speculative_sampling_on_a_linear_attention_target_matches_its_distribution():
     """A hybrid target (Qwen3-Next: a Gated-DeltaNet layer, then attention): every rejection drops the
     recurrent states of the rejected positions (transformers keeps one per position); the samples still follow the
