@@ -4,6 +4,7 @@ and positions (a tree's nodes, a batch's padded rows), a target that computes by
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
@@ -15,6 +16,8 @@ from draftsmith.eval.trees import attention_masks
 from draftsmith.families import LINEAR, ROLLED_BACK, layer_types, reads_in_order
 from draftsmith.scans import scan_chunks
 from draftsmith.target import FeatureRequest, run_target
+
+log = logging.getLogger("draftsmith.eval")
 
 # models proven to compute by explicit masks and positions (check_explicit_masks), each with the longest context proven
 _PROVEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -124,6 +127,14 @@ def keeps_each_position(model) -> bool:
         cache = new_cache(model)
         layers = recordable_layers(cache)
         _RECORDS[model] = bool(layers) and _records_each_position(model, cache, layers)
+        if layers:  # which of the two the eval's speeds come from
+            log.info(
+                "the target's linear-attention states: %s",
+                "kept at each verify position, as engines keep them"
+                if _RECORDS[model]
+                else "put back from a copy after a rejected draft, the accepted tokens fed again (its transformers "
+                "code does not keep them per position)",
+            )
     return _RECORDS[model]
 
 

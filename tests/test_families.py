@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import gzip
 import json
+import logging
 import subprocess
 
 import pytest
@@ -378,18 +379,21 @@ def test_compressed_attention_is_put_back_after_every_rejected_draft(model_type)
 
 
 @pytest.mark.parametrize("model_type", fast_tier(list(LINEAR_FAMILIES), "qwen3_next".__eq__))
-def test_linear_attention_keeps_each_positions_state_and_feeds_no_accepted_token_again(model_type):
+def test_linear_attention_keeps_each_positions_state_and_feeds_no_accepted_token_again(model_type, caplog):
     """Gated DeltaNet (Qwen3-Next, Qwen3.5, GLM-5-Next, Bailing), Kimi Delta Attention and Mamba-2 (Granite-4.0-H,
     Bamba, Falcon-H1): transformers keeps each layer's state at every position of a verify forward, proven on the
     model, and the loop drops the rejected positions' states as an engine does: no accepted token is fed again,
-    every verify forward is the root and the draft, and chains far past the window equal plain decoding."""
+    every verify forward is the root and the draft, and chains far past the window equal plain decoding; the log says
+    which way the eval's speeds were measured."""
     model = tiny(model_type)
-    assert keeps_each_position(model)
+    with caplog.at_level(logging.INFO, logger="draftsmith.eval"):
+        assert keeps_each_position(model)
+    assert "the target's linear-attention states: kept at each verify position" in caplog.text
     assert_chains_lossless_far_past_the_window_and_trees_refused(model, fed_again=False)
 
 
 @pytest.mark.slow  # the copy's path runs in the fast tier on DeepSeek-V4 (above)
-def test_linear_attention_whose_code_keeps_the_last_state_alone_is_put_back_from_a_copy(monkeypatch):
+def test_linear_attention_whose_code_keeps_the_last_state_alone_is_put_back_from_a_copy(monkeypatch, caplog):
     """A family whose transformers code ignores the cache's request for every position's state (it keeps the last one
     alone, as the code of a family written before transformers 5.25 does) fails the proof on its model, so the loop
     puts its states back from a copy and feeds the accepted tokens again: still plain greedy's tokens."""
@@ -397,7 +401,9 @@ def test_linear_attention_whose_code_keeps_the_last_state_alone_is_put_back_from
 
     monkeypatch.setattr(DynamicCache, "get_recurrent_states_to_keep", lambda self, layer_idx=None: 0)
     model = tiny("qwen3_next")
-    assert not keeps_each_position(model)
+    with caplog.at_level(logging.INFO, logger="draftsmith.eval"):
+        assert not keeps_each_position(model)
+    assert "linear-attention states: put back from a copy after a rejected draft" in caplog.text
     assert_chains_lossless_far_past_the_window_and_trees_refused(model, fed_again=True)
 
 
