@@ -151,7 +151,7 @@ def recurrent_states(cache: DynamicCache) -> list[torch.Tensor]:
 def recordable_layers(cache: DynamicCache) -> list:
     """The linear-attention layers of `cache`, where they are its only layers that read tokens in order and each holds
     one state: transformers 5.25 keeps one history list for all of a layer's states (`dict.fromkeys(..., [])`), and
-    its `crop` slices a convolution window for states without one (Qwen4-Exp's, GLM-5-Next's). Empty otherwise."""
+    its `crop` slices a convolution window for states without one (Qwen4-Exp's, Inkling's). Empty otherwise."""
     from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
     layers = [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]

@@ -99,8 +99,7 @@ def check_explicit_masks(model, length: int = 4) -> None:
         differs = f"its forward refuses them ({one_line(err, with_type=True)})"
     else:
         # the two forwards' kernels sum in other orders; a position or bias of its own moves logits far more
-        rounding = 1e-4 if model.dtype == torch.float32 else 0.016
-        if torch.allclose(theirs, ours, rtol=rounding, atol=rounding * ours.abs().max().item()):
+        if equal_but_rounding(model, theirs, ours):
             _PROVEN[model] = length
             return
         gap = (theirs - ours).abs().max().item()
@@ -153,5 +152,11 @@ def _records_each_position(model, cache, layers: list) -> bool:
     cut_keys(cache, 3)
     alone = run_target(model, ids[:, 3:], None, FeatureRequest(), positions[:, 3:], cache, use_cache=True)
     theirs, ours = three.logits[0, 2].float(), alone.logits[0, 0].float()
-    rounding = 1e-4 if model.dtype == torch.float32 else 0.016  # a forward of 3 and one of 1 sum in other orders
+    return equal_but_rounding(model, theirs, ours)  # a forward of 3 and one of 1 sum in other orders
+
+
+def equal_but_rounding(model, theirs: torch.Tensor, ours: torch.Tensor) -> bool:
+    """Whether two logit rows the model computed in forwards of other shapes differ by no more than its format's
+    rounding (relative to the largest logit)."""
+    rounding = 1e-4 if model.dtype == torch.float32 else 0.016
     return torch.allclose(theirs, ours, rtol=rounding, atol=rounding * ours.abs().max().item())
