@@ -130,6 +130,9 @@ VOCABULARY_NOTE = (
     "backward, softmaxes, the losses over the vocabulary) in the target's forward and the drafter's forward "
     "and backward, as a share of the step's profiled time"
 )
+# the host's wall time in the ranges of the parts that launch most kernels: beside their kernel time, whether the GPU
+# waited for the host to launch them
+HOST = ("host_target_forward", "host_drafter_forward_backward")
 LAUNCHES = ("cuda_runtime", "cuda_driver")  # the trace's categories of kernel launches (a kernel's start on the host)
 
 
@@ -159,7 +162,9 @@ def trace_parts(path: Path, vocab_sizes: set[int]) -> list[dict[str, float]]:
     (the backward, which autograd may run on a thread of its own, starts while the step waits in
     `drafter_forward_backward`). On a GPU a part is the time of the kernels it launched and `total` all
     the step's kernel time; on a CPU a part is its ranges' wall time and `total` the step's.
-    `vocabulary`: VOCABULARY_NOTE, their kernels on a GPU, their own time on a CPU."""
+    `vocabulary`: VOCABULARY_NOTE, their kernels on a GPU, their own time on a CPU. HOST: the ranges' wall time.
+    `total` on a GPU against the timed step's wall time (or a part's kernels against its host time) says whether
+    the GPU ran all the while or waited for the host to launch its kernels."""
     events = [e for e in json.loads(Path(path).read_text())["traceEvents"] if e.get("ph") == "X"]
     ranges = sorted(
         (e for e in events if e.get("cat") == "user_annotation" and e["name"] in RANGES), key=lambda e: e["ts"]
@@ -167,7 +172,7 @@ def trace_parts(path: Path, vocab_sizes: set[int]) -> list[dict[str, float]]:
     ends = [e["ts"] + e["dur"] for e in ranges if e["name"] == "optimizer_step"]
     windows = [(e["ts"], e["ts"] + e["dur"], RANGES[e["name"]]) for e in ranges]
     ops = [e for e in events if e.get("cat") == "cpu_op"]
-    steps = [dict.fromkeys((*PARTS, "vocabulary", "total"), 0.0) for _ in ends]
+    steps = [dict.fromkeys((*PARTS, "vocabulary", "total", *HOST), 0.0) for _ in ends]
 
     def place(ts: float) -> tuple[dict, str]:
         """(the step, the part) that work started at `ts` belongs to."""
@@ -180,6 +185,9 @@ def trace_parts(path: Path, vocab_sizes: set[int]) -> list[dict[str, float]]:
         return part in ("target_forward", "drafter_forward_backward") and not vocab_sizes.isdisjoint(dims)
 
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    for start, end, part in windows:
+        if part != "optimizer":
+            place(start)[0][f"host_{part}"] += end - start
     if kernels:
         by_id = {op["args"].get("External id"): op for op in ops}
         launches = {e["args"].get("correlation"): e["ts"] for e in events if e.get("cat") in LAUNCHES}
@@ -206,6 +214,24 @@ def trace_parts(path: Path, vocab_sizes: set[int]) -> list[dict[str, float]]:
     return [{name: value / 1e6 for name, value in step.items()} for step in steps]
 
 
+def kernel_table(path: Path, steps: int, count: int = 15) -> dict:
+    """The kernels launched a step and the `count` GPU kernels (by name) of most time in the trace, each [name,
+    milliseconds a step, launches a step]; empty on a CPU."""
+    totals: dict[str, list[float]] = {}
+    for event in json.loads(Path(path).read_text())["traceEvents"]:
+        if event.get("ph") == "X" and event.get("cat") == "kernel":
+            total = totals.setdefault(event["name"][:120], [0.0, 0])
+            total[0] += event["dur"]
+            total[1] += 1
+    if not totals:
+        return {}
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:count]
+    return {
+        "launches_per_step": sum(launches for _, launches in totals.values()) // steps,
+        "top": [[name, round(us / 1e3 / steps, 3), launches // steps] for name, (us, launches) in ranked],
+    }
+
+
 def report(measured: dict, vocab_sizes: set[int]) -> dict:
     """The JSON fields both modes share: the timed steps' throughput and median, the profiled parts."""
     seconds, tokens = measured["seconds"], measured["tokens"]
@@ -221,10 +247,13 @@ def report(measured: dict, vocab_sizes: set[int]) -> dict:
         "profiled_steps": len(profiled),
         "part_s_median": {part: round(statistics.median(s[part] for s in profiled), 4) for part in PARTS},
         "parts_note": PARTS_NOTE,
+        "host_s_median": {part[5:]: round(statistics.median(s[part] for s in profiled), 4) for part in HOST},
+        "kernel_s_median": round(statistics.median(s["total"] for s in profiled), 4),
         "vocabulary_s_median": round(statistics.median(s["vocabulary"] for s in profiled), 4),
         "vocabulary_share": round(statistics.median(s["vocabulary"] / max(s["total"], 1e-12) for s in profiled), 4),
         "vocabulary_note": VOCABULARY_NOTE,
         "vocab_coverage": round(statistics.mean(measured["coverage"]), 4) if measured["coverage"] else None,
+        "kernels": kernel_table(measured["trace"], len(profiled)),
         "losses": [round(value, 4) for value in measured["losses"]],
     }
 
@@ -449,7 +478,7 @@ def shape_run(args, kind: str, scratch: Path):
     drafter.prepare(rows)
     if args.compile:  # automatic dynamic shapes: the positions scored per draft step vary, the rows do not
         drafter.compile()
-    features = online_features(target, drafter.request)
+    features = online_features(target, drafter.request, cfg.train.compile_target)
     return prepare_run(cfg, accelerator, target, drafter, rows, Collator(PAD), features), fields
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from draftsmith import files
 from draftsmith.errors import UserError, one_line
 from draftsmith.files import file_sha256, readable_as_created
+from draftsmith.model_files import TRANSFORMERS_LAYERS
 from draftsmith.target import TargetShape
 
 SOURCE_FILE = "gguf_source.json"  # provenance: which GGUF file (and hash) a cached directory came from
@@ -172,7 +173,9 @@ def convert(source: Path, directory: Path) -> None:
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-        loaded = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+        loaded = AutoModelForCausalLM.from_pretrained(
+            source.parent, gguf_file=source.name, dtype=torch.float32, **TRANSFORMERS_LAYERS
+        )
     except (OSError, ValueError, KeyError, RuntimeError) as err:
         raise UserError(f"cannot read GGUF target {source}: {one_line(err)}") from None
     config = loaded.config

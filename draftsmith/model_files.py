@@ -56,6 +56,13 @@ def endpoint_out_of_reach(endpoint: str) -> Optional[Exception]:
     return failure
 
 
+# Every model draftsmith loads with `from_pretrained` runs transformers' own layers. Since transformers 5.25 a load
+# kernelizes the model by default (use_kernels): matching layers are replaced by kernels the `kernels` package
+# fetches from the Hub (compiled code from outside the release, like remote code; on a machine that cannot reach the
+# Hub, a failed load). The trainer's fused layers come from torch.compile instead (train.compile_target).
+TRANSFORMERS_LAYERS = {"use_kernels": False}
+
+
 def read_pretrained(load: Callable[..., Any], name_or_path: str, what: str, **kwargs) -> Any:
     """`load(name_or_path, **kwargs)`, a transformers `from_pretrained`: from the Hub cache alone while the Hub is
     out of reach (`hub_out_of_reach`); a local folder's files checked first (`check_local_files`); a model that does

@@ -123,6 +123,10 @@ def check_train(train, data, trains: bool = True) -> None:
         "set train.heldout=0",
     )
     require(
+        not (trains and train.compile_target) or data.features is None,
+        "train.compile_target=true compiles the target's layers, which a run on data.features never runs; drop one",
+    )
+    require(
         train.patience == 0 or train.eval_every > 0,
         f"train.patience={train.patience} needs train.eval_every > 0 (it counts held-out evaluations without a "
         "new best)",

@@ -176,8 +176,15 @@ class TrainSection:
     # as one torch.compile graph for every chunk size (heads/vocab_loss.py `compiled_chunk_math`): fewer passes
     # over the chunk's [rows, vocabulary] float32 values, a compile of a few seconds per variant at the start; the
     # kinds whose loss is the cross-entropy to the target's distribution or tokens (not the draft model's or
-    # Medusa-2's divergences); losses equal to the eager math's within float32 rounding. Not yet measured on a GPU
+    # Medusa-2's divergences); losses equal to the eager math's within float32 rounding. On an H200 it made
+    # Qwen3-0.6B's 3-step EAGLE-3 step 1.46x faster (docs/performance.md)
     compile_vocab_loss: bool = False
+    # each of the frozen target's decoder layers under torch.compile for its forward in training (draftsmith/
+    # compiled_layers.py): its norms, rotary embedding and activations fused, several times fewer kernel launches;
+    # one set of graphs for the layers of one class, shapes dynamic after a second width, a recompile limit that
+    # raises rather than falls back; a compile of seconds at the start. Not with data.features (no target runs).
+    # On an H200 it halved the target's forward and made SmolLM2's EAGLE-3 step 1.47x faster (docs/performance.md)
+    compile_target: bool = False
     # threads torch computes with on a CPU run; null = draftsmith chooses (draftsmith/threads.py): OMP_NUM_THREADS
     # where it is the user's, else the available cores / the processes on this machine. `accelerate launch`
     # sets OMP_NUM_THREADS=1 for its processes, which cannot be told from a user's 1: under a launcher set this.

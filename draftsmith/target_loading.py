@@ -18,7 +18,7 @@ from draftsmith.causal_lm import (
 )
 from draftsmith.errors import UserError
 from draftsmith.families import SERVED_WINDOW_FIELD, serve_window, text_config, unserved_clamp
-from draftsmith.model_files import read_pretrained
+from draftsmith.model_files import TRANSFORMERS_LAYERS, read_pretrained
 
 log = logging.getLogger("draftsmith.target")
 
@@ -78,6 +78,7 @@ def read_model(section, dtype: torch.dtype, device: torch.device | str):
             use_safetensors=True,  # never unpickle a target's weights: a pickle can run code it holds
             output_loading_info=True,
             adapter_kwargs={},
+            **TRANSFORMERS_LAYERS,
         )
     except UserError as err:  # a Hub id's config no causal LM class loads: said as the recipe check says it
         refusal = not_a_causal_lm(config.to_dict(), section.name_or_path)

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from draftsmith.errors import UserError
-from draftsmith.model_files import read_pretrained
+from draftsmith.model_files import TRANSFORMERS_LAYERS, read_pretrained
 from draftsmith.wrapped_text import TextOfWrapper
 
 HEAD = "lm_head.weight"
@@ -43,6 +43,7 @@ def read_text_model_lm(section, config, dtype: torch.dtype) -> TextOfWrapper:
             dtype=dtype,
             use_safetensors=True,  # never unpickle a target's weights: a pickle can run code it holds
             output_loading_info=True,
+            **TRANSFORMERS_LAYERS,
         )
     finally:
         report.stop()

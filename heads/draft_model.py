@@ -58,7 +58,7 @@ from draftsmith.heads.packing import (
     same_document,
 )
 from draftsmith.heads.vocab_loss import at_rows, chunk_rows_for, rows_loss
-from draftsmith.model_files import read_pretrained
+from draftsmith.model_files import TRANSFORMERS_LAYERS, read_pretrained
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape
 
 
@@ -262,7 +262,7 @@ def load_draft(name_or_path: str, target: TargetShape):
     serve_window(built)
     model = read_pretrained(
         AutoModelForCausalLM.from_pretrained, name_or_path, refused, config=built, dtype=torch.float32,
-        use_safetensors=True,
+        use_safetensors=True, **TRANSFORMERS_LAYERS,
     )  # fmt: skip
     vocab = int(model.get_output_embeddings().weight.shape[0])
     if vocab != target.vocab_size:

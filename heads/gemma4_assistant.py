@@ -54,7 +54,7 @@ from draftsmith.heads.gemma4_assistant_config import ASSISTANTS, AssistantConfig
 from draftsmith.heads.packing import documents, positions, shifted
 from draftsmith.heads.proposer import DraftState, DraftTree, Proposer, Tree
 from draftsmith.heads.vocab_loss import chunk_rows_for, steps_ahead_loss
-from draftsmith.model_files import read_pretrained
+from draftsmith.model_files import TRANSFORMERS_LAYERS, read_pretrained
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, local_target_config
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -142,6 +142,7 @@ def load_released(name_or_path: str, text_config):
         dtype=torch.float32,
         use_safetensors=True,
         output_loading_info=True,
+        **TRANSFORMERS_LAYERS,
     )
     if loading["missing_keys"]:  # initialised at random: its config.json asks for modules its weights do not hold
         missing = sorted(loading["missing_keys"])

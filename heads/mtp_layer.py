@@ -28,7 +28,7 @@ from draftsmith.heads.base import WEIGHTS_NAME
 from draftsmith.heads.eagle_base import import_qualified
 from draftsmith.heads.mtp_family import decoder_layers
 from draftsmith.heads.mtp_plain import kept, strip
-from draftsmith.model_files import checkpoint_folder, tensor_names
+from draftsmith.model_files import TRANSFORMERS_LAYERS, checkpoint_folder, tensor_names
 
 
 @dataclass(frozen=True)
@@ -369,7 +369,7 @@ def block_from_checkpoint(tensors: dict[str, torch.Tensor], spec: dict, layout: 
         save_file(named, str(Path(tmp) / WEIGHTS_NAME), metadata={"format": "pt"})
         with quiet_transformers():
             model, info = auto.from_pretrained(
-                tmp, dtype=torch.float32, output_loading_info=True, ignore_mismatched_sizes=True
+                tmp, dtype=torch.float32, output_loading_info=True, ignore_mismatched_sizes=True, **TRANSFORMERS_LAYERS
             )
     missing = [
         name

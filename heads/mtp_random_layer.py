@@ -33,6 +33,7 @@ from draftsmith.heads.mtp_config import MtpConfig
 from draftsmith.heads.mtp_family import decoder_layers
 from draftsmith.heads.mtp_layer import count_holder
 from draftsmith.heads.mtp_layouts import LAYOUTS, MTP_FIELDS
+from draftsmith.model_files import TRANSFORMERS_LAYERS
 from draftsmith.target import load_target
 
 
@@ -65,7 +66,7 @@ def write_random_layer(directory: str | Path, std: float = 0.08, seed: int = 0, 
     if wraps_a_text_model(values):  # its language model and lm_head, as draftsmith loads it
         target = load_target(str(directory))
     else:
-        target = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        target = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **TRANSFORMERS_LAYERS)
     torch.manual_seed(seed)
     # named apart from the folder, whose weights do not hold the layer yet (MtpConfig.check reads them)
     drafter = Mtp.unloaded(MtpConfig(mtp_depths=int(fields[layout.count_key])), target, "random MTP layer")

@@ -14,7 +14,7 @@ from draftsmith.errors import UserError, outcome
 from draftsmith.model_files import not_loadable
 from draftsmith.target import load_target, load_tokenizer, target_section
 from draftsmith.target_loading import load_config
-from tests.helpers import assert_one_line_error, counted_hub_probes, run_entry_in_process, tiny_llama
+from tests.helpers import REPO, assert_one_line_error, counted_hub_probes, run_entry_in_process, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -79,6 +79,17 @@ def denied_to_open(monkeypatch, path: Path) -> None:
         return real_open(file, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "open", guarded)
+
+
+def test_targets_load_with_transformers_own_layers_whatever_kernels_package_is_installed(monkeypatch):
+    """transformers 5.25 kernelizes a model at load by default, with kernels the `kernels` package fetches from the
+    Hub, and refuses to load at all where that package is missing or of another version (every CUDA test of the
+    GPU tier on 2026-12-04, an image without it). draftsmith loads transformers' own layers."""
+    import transformers.modeling_utils as modeling_utils
+
+    assert not load_target(target_section(str(REPO / "demo" / "target"))).use_kernels
+    monkeypatch.setattr(modeling_utils, "is_kernels_available", lambda *args, **kwargs: False)
+    assert not load_target(target_section(str(REPO / "demo" / "target"))).use_kernels
 
 
 def test_a_target_file_that_cannot_be_read_is_named(saved_target, monkeypatch):

@@ -270,7 +270,8 @@ def training_inputs(cfg: DictConfig, tokenizer, target, drafter, train_data):
     request = drafter.request
     pack = packing_collator(cfg, tokenizer, target)
     if cfg.data.features is None:
-        return train_data, pack or Collator(tokenizer.pad_token_id), online_features(target, request)
+        features = online_features(target, request, cfg.train.compile_target)
+        return train_data, pack or Collator(tokenizer.pad_token_id), features
     if request.streams:
         raise not_captured(cfg.drafter.type, "data.features")
     store = open_features(cfg.data.features, expect=expected_features(drafter.target, request))
@@ -283,11 +284,18 @@ def training_inputs(cfg: DictConfig, tokenizer, target, drafter, train_data):
     return store, pack or Collator(tokenizer.pad_token_id), store.to_target_output
 
 
-def online_features(target, request) -> Callable[[dict], TargetOutput]:
-    """A batch -> the frozen target's features the drafter's `request` names, from its forward on the batch."""
+def online_features(target, request, compiled: bool = False) -> Callable[[dict], TargetOutput]:
+    """A batch -> the frozen target's features the drafter's `request` names, from its forward on the batch; with
+    `compiled` (train.compile_target) its decoder layers compiled (draftsmith/compiled_layers.py)."""
+    if not compiled:
+        return lambda batch: run_target(target, batch["input_ids"], request=request, **causal_lm_inputs(batch))
+    from draftsmith import compiled_layers
+
+    log.info("the target's %d decoder layers compiled (train.compile_target)", compiled_layers.compile_layers(target))
 
     def target_features(batch: dict) -> TargetOutput:
-        return run_target(target, batch["input_ids"], request=request, **causal_lm_inputs(batch))
+        with compiled_layers.limits():
+            return run_target(target, batch["input_ids"], request=request, **causal_lm_inputs(batch))
 
     return target_features
 

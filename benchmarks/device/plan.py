@@ -2,7 +2,7 @@
 
 A `run` call carries the working tree as git would carry it (the tracked files and the untracked ones git does
 not ignore, and shared/ where the checkout has one) plus the ignored paths its `carry` names: 64 MiB in all.
-The xz-compressed SmolLM2 GGUF (87 MiB) and the wheels the device image lacks (about 19 MiB) do not fit beside
+The xz-compressed SmolLM2 GGUF (87 MiB) and the wheels the device image lacks (about 9 MiB packed) do not fit beside
 the tree in one call, so they are spread over several:
 
     python benchmarks/device/plan.py prepare   # prepare.sh: cut .gpu/gguf.xz into parts for the tree as it is

