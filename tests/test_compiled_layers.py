@@ -29,10 +29,17 @@ def test_compiled_layers_equal_eager_on_real_batches_in_a_bounded_number_of_grap
     """Twelve of the demo recipe's micro-batches (padded: 4 rows of each batch's longest conversation; packed:
     1-4 rows of up to 384 positions): every feature the drafter reads equals the eager target's; the graphs
     stay within a few per layer function however many shapes come (not one set per shape), the same batches run
-    again compile nothing, and no call runs uncompiled (past the limit it would raise)."""
+    again compile nothing, and no call runs uncompiled (past the limit it would raise). The GPU tier runs the same
+    on CUDA (tests/test_gpu.py)."""
+    assert_compiled_layers_equal_eager(pack, torch.device("cpu"))
+
+
+def assert_compiled_layers_equal_eager(pack: bool, device: torch.device) -> None:
     from draftsmith import compiled_layers
 
     target, drafter, batches = real_micro_batches(["recipe=eagle3"], 12, pack)
+    target = target.to(device)
+    batches = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()} for batch in batches]
     eager = [features(target, drafter, batch) for batch in batches]
     before = compiled_graphs()
     assert compiled_layers.compile_layers(target) == target.config.num_hidden_layers

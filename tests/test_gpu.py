@@ -11,7 +11,8 @@ Ran 2026-11-27 on a lent H100 (torch 2.11.0+cu130, transformers 5.24.0, accelera
 - EAGLE-3's training step on CUDA (compiled flex attention, the fused vocabulary loss, its chunk math eager and
   compiled) equals the straightforward reference, and never waits for the host;
 - nor do the fixed-shape losses of Medusa, EAGLE-1, DFlash, the draft model and Medusa-2
-  (tests/test_no_host_sync.py proves them on the meta device, all but the transformers forward inside the last two).
+  (tests/test_no_host_sync.py proves them on the meta device, all but the transformers forward inside the last two);
+- the target's decoder layers compiled (train.compile_target) give the eager features on real micro-batches.
 """
 
 from __future__ import annotations
@@ -202,6 +203,15 @@ def test_eagle3_step_never_waits_for_the_host(compiled_loss):
     drafter.prepare(rows)
     with compiled_chunk_math(compiled_loss):
         train_steps_without_waiting_for_the_host(drafter, model, on_cuda(Collator(0)(rows)))
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
+def test_target_layers_compiled_on_cuda_equal_the_straightforward_reference(pack):
+    """train.compile_target on CUDA: the demo recipe's real micro-batches through the target's compiled decoder
+    layers give the eager target's features, in a bounded number of graphs (tests/test_compiled_layers.py)."""
+    from tests.test_compiled_layers import assert_compiled_layers_equal_eager
+
+    assert_compiled_layers_equal_eager(pack, torch.device("cuda"))
 
 
 def host_waits_allowed(function):
