@@ -54,7 +54,7 @@ def train(cfg: DictConfig) -> Trained:
     accelerator, state, max_steps = run.accelerator, run.state, run.max_steps
     world, rank = accelerator.num_processes, accelerator.process_index
     stream = micro_batches(run.train_data, run.collate, cfg, world, rank, state)
-    module = accelerator.unwrap_model(run.drafter)
+    module = run.module
     # Observability (trainer/observe.py): parameter counts once, MFU and peak memory at log_every, the profiler
     parameters = parameter_counts(run.target, module)
     log.info("parameters: %s trainable, %s frozen", f"{parameters['trainable']:,}", f"{parameters['frozen']:,}")
@@ -133,7 +133,7 @@ def train_step(run: Run, step: StepData, agreed: Agreed, stream, stop: StopReque
     all-reduce (`agree`), with the decisions every rank must share (non-finite, SIGTERM)."""
     cfg, accelerator, drafter, state = run.cfg, run.accelerator, run.drafter, run.state
     scale = loss_scale(accelerator, agreed.loss_tokens)
-    accelerator.unwrap_model(drafter).optimizer_step = state.step
+    run.module.optimizer_step = state.step
     step_loss = torch.zeros((), device=accelerator.device)
     stats: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(2, device=accelerator.device))
     for epoch, batch_index, batch in step.batches:
@@ -148,8 +148,9 @@ def train_step(run: Run, step: StepData, agreed: Agreed, stream, stop: StopReque
             if accelerator.sync_gradients:
                 with record_function("clip_grad_norm"):
                     grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), cfg.train.max_grad_norm)
-                module = accelerator.unwrap_model(drafter)
-                upcoming = next_step(stream, module, cfg.train.grad_accum) if state.step + 1 < run.max_steps else None
+                upcoming = (
+                    next_step(stream, run.module, cfg.train.grad_accum) if state.step + 1 < run.max_steps else None
+                )
                 agreement = agree(accelerator, not_finite(step_loss, grad_norm), stop.requested, upcoming)
                 with record_function("optimizer_step"):
                     if agreement.nonfinite and accelerator.scaler is None:
