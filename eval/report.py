@@ -50,6 +50,7 @@ from draftsmith.eval.prompts import ALL, eos_ids_of, prompt_conversations, promp
 from draftsmith.eval.render import REPORT_FILES, render_markdown, write_report
 from draftsmith.eval.sampling import Sampling
 from draftsmith.eval.suffix import INSTALL
+from draftsmith.eval.target_checks import rollback
 from draftsmith.families import check_eval_settings
 from draftsmith.formats.folder import open_drafter, recorded_kind, require_recipes_kind, weights_digest
 from draftsmith.outputs import EVAL_DIR, RECIPE_NAME, REPORT_NAME, DirectoryLock, move_aside
@@ -379,6 +380,7 @@ def assemble(
             "name_or_path": cfg.target.name_or_path,
             "id": target_id(cfg.target.name_or_path),
             "revision": cfg.target.revision,
+            "rollback": rollback(target),  # states kept per position, or put back and tokens fed again
         },
         "drafter": {
             "path": str(checkpoint.resolve()),

@@ -129,12 +129,24 @@ def keeps_each_position(model) -> bool:
         if layers:  # which of the two the eval's speeds come from
             log.info(
                 "the target's linear-attention states: %s",
-                "kept at each verify position, as engines keep them"
+                f"{KEPT}, as engines keep them"
                 if _RECORDS[model]
-                else "put back from a copy after a rejected draft, the accepted tokens fed again (its transformers "
-                "code does not keep them per position)",
+                else f"{FED_AGAIN} (its transformers code does not keep them per position)",
             )
     return _RECORDS[model]
+
+
+# What the loop does after a rejected draft on a target whose layers read tokens in order (`rollback`)
+KEPT = "kept at each verify position"
+FED_AGAIN = "put back from a copy after a rejected draft, the accepted tokens fed again"
+
+
+def rollback(model) -> str | None:
+    """How the eval loop undoes a rejected draft in the layers that read tokens in order (report.json's
+    `target.rollback`: which of the two the speeds come from): KEPT or FED_AGAIN; None where keys alone are cut."""
+    if not reads_in_order(model.config):
+        return None
+    return KEPT if keeps_each_position(model) else FED_AGAIN
 
 
 def _records_each_position(model, cache, layers: list) -> bool:

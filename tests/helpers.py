@@ -282,9 +282,10 @@ def trains_then_resumes_alike(args: list[str], run: Path, every: int, last: int,
 
 def trains_and_decodes_its_target_losslessly(
     recipe: str, target: Path, tmp_path: Path, data: dict, cache: Path
-) -> None:
+) -> dict:
     """`train.py` (two steps of `recipe` on the small data) on `target`'s folder: a final checkpoint is saved, and the
-    eval stage decodes one prompt of every domain in chains, one prompt at a time, each lossless with drafts made."""
+    eval stage decodes one prompt of every domain in chains, one prompt at a time, each lossless with drafts made.
+    Returns the eval's report."""
     final, _ = train_in_process([
         f"recipe={recipe}", f"target.name_or_path={target}", f"data.train=[{data['train']}]",
         # the report's prompts from eval.data (the first of each domain, as from data.eval): no eval-split accuracy,
@@ -297,6 +298,7 @@ def trains_and_decodes_its_target_losslessly(
     assert report["drafter"]["type"] == recipe and (final / "config.json").is_file()
     chains = [rows["chain"] for rows in report["domains"].values()]
     assert chains and all(row["lossless"] is True and row["drafted"] > 0 for row in chains)
+    return report
 
 
 def run_entry(

@@ -403,6 +403,7 @@ def test_report_has_every_field(eval_setup):
     if report["versions"]["arctic-inference"] == "not installed":  # the suffix baseline: where it is
         assert report["not_measured"]["suffix"].startswith("arctic-inference is not installed (build it")
     assert report["drafter"]["type"] == "medusa"
+    assert report["target"]["rollback"] is None  # attention alone: its keys are cut back
     assert set(report["domains"]) == set(report["baselines"]) == {*DOMAINS, "all"}
     for domain in (*DOMAINS, "all"):
         assert set(report["domains"][domain]) == {"chain", "tree"}
