@@ -66,9 +66,15 @@ def unshardable(drafter_config) -> Optional[str]:
 
 
 def check_shard(cfg) -> None:
-    """Recipe validation: target.shard=fsdp with a drafter that cannot work with it is a one-line error."""
+    """Recipe validation: target.shard=fsdp with a drafter that cannot work with it, or with the target's layers
+    compiled, is a one-line error."""
     if cfg.target.shard == "none":
         return
+    if cfg.train.compile_target:  # FSDP2's hooks around each layer, compiled with it: never run
+        raise UserError(
+            f"train.compile_target=true with target.shard={cfg.target.shard}: compiling a sharded target's layers is "
+            "not supported yet; drop one"
+        )
     reason = unshardable(cfg.drafter)
     if reason:
         raise UserError(f"target.shard={cfg.target.shard} does not work with drafter.type={cfg.drafter.type}: {reason}")

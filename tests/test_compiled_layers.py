@@ -91,11 +91,19 @@ def test_a_run_with_the_target_compiled_learns_what_an_eager_run_learns(tmp_path
     assert losses[True] == pytest.approx(losses[False], rel=1e-4)
 
 
-def test_compile_target_with_captured_features_is_refused_in_one_line():
-    """A run on data.features never runs the target: the setting would be ignored."""
+@pytest.mark.parametrize(
+    "setting, fragment",
+    [
+        ("data.features=/nonexistent", "train.compile_target=true compiles the target's layers, which a run on"),
+        ("target.shard=fsdp", "train.compile_target=true with target.shard=fsdp: compiling a sharded target's"),
+    ],
+    ids=["captured-features", "sharded-target"],
+)
+def test_compile_target_where_it_would_not_run_as_asked_is_refused_in_one_line(setting, fragment):
+    """A run on data.features never runs the target (the setting would be ignored); a sharded target's layers
+    compiled were never run."""
     from draftsmith.errors import UserError
 
     with pytest.raises(UserError) as info:
-        load_recipe(["recipe=medusa", "data.features=/nonexistent", "train.compile_target=true"])
-    assert "train.compile_target=true compiles the target's layers" in str(info.value)
-    assert "\n" not in str(info.value)
+        load_recipe(["recipe=eagle3", setting, "train.compile_target=true"])
+    assert fragment in str(info.value) and "\n" not in str(info.value)
