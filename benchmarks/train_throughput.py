@@ -11,8 +11,10 @@ The run is built by the trainer's own set-up (trainer/setup.py `set_up`: data, t
 and schedule under accelerate) and each step is the trainer's `train_step`: every micro-batch's target
 forward, drafter forward and backward, gradient clipping, the next step's micro-batches collated, the
 step's all-reduce, the optimizer and the schedule. After `--warmup` untimed steps, `--steps` steps are
-timed (wall clock); the report gives real tokens (padding not counted, as the trainer's
-train/tokens_per_s) per second over the timed steps, per core (torch thread), the median step, the
+timed (wall clock, the device synchronised around each), then `--steps` more back to back as the loop runs
+them (`tokens_per_s_together`: the host may run ahead of the device); the report gives real tokens (padding
+not counted, as the trainer's train/tokens_per_s) per second over the steps timed one at a time, per core
+(torch thread), the median step, the
 per-token loss of every step (same data and seed give the same losses on any code that learns the same
 thing, up to float rounding), the peak RSS of the process, and where the numbers came from (machine,
 threads, versions, wall time: benchmarks/provenance.py). Then `--profile-steps` more steps run under the
@@ -76,40 +78,51 @@ def device_name(device: torch.device) -> str:
 
 
 def time_steps(run, warmup: int, steps: int, profiled: int, scratch: Path) -> dict:
-    """The trainer's `train_step` on `run` as the loop calls it: `warmup` untimed steps, `steps` timed
-    (wall clock, the device synchronised around each), then `profiled` steps under the trainer's
-    profiler. Returns the timed steps' seconds, tokens and positions, every step's per-token loss, the
-    drafter's vocabulary coverage where it reports one, and the profiler's trace."""
+    """The trainer's `train_step` on `run` as the loop calls it: `warmup` untimed steps, `steps` timed one at a time
+    (wall clock, the device synchronised around each), `steps` more timed together as the loop runs them (one
+    synchronisation before and after: the host may run ahead of the device, as in training), then `profiled` steps
+    under the trainer's profiler. Returns the steps' seconds, tokens and positions one at a time and together, every
+    step's per-token loss, the drafter's vocabulary coverage where it reports one, and the profiler's trace."""
     from draftsmith.errors import StopRequest
     from draftsmith.trainer.loop import agree, micro_batches, next_step, train_step
     from draftsmith.trainer.observe import StepProfiler
 
     accelerator, cfg = run.accelerator, run.cfg
     stream = micro_batches(run.train_data, run.collate, cfg, 1, 0, run.state)
-    upcoming = next_step(stream, accelerator.unwrap_model(run.drafter), cfg.train.grad_accum)
+    upcoming = next_step(stream, run.module, cfg.train.grad_accum)
     agreed = agree(accelerator, upcoming=upcoming)
-    first = warmup + steps + 1
+    together = range(warmup + steps + 1, warmup + 2 * steps + 1)  # the steps timed as the loop runs them
+    first = together.stop
     profiler, stop = StepProfiler([first, first + profiled - 1], scratch, 0), StopRequest()
     measured = {"seconds": [], "tokens": 0, "positions": 0, "losses": [], "coverage": [], "trace": None}
+    measured |= {"together_s": 0.0, "together_tokens": 0}
+    stats = []  # read after the steps: reading them is a wait for the device
     run.drafter.train()
-    for number in range(1, warmup + steps + profiled + 1):
+    for number in range(1, first + profiled):
         profiler.before_step(number)
-        sync(accelerator.device)
-        start = time.perf_counter()
+        if number not in together or number == together.start:
+            sync(accelerator.device)
+            start = time.perf_counter()
         done = train_step(run, upcoming, agreed, stream, stop)
-        sync(accelerator.device)
-        seconds = time.perf_counter() - start
+        if number not in together or number == together[-1]:
+            sync(accelerator.device)
+            seconds = time.perf_counter() - start
         measured["trace"] = profiler.after_step(number) or measured["trace"]
         upcoming, agreed = done.upcoming, done.agreed
-        loss, count = done.stats["loss"].tolist()
-        measured["losses"].append(loss / max(count, 1))
-        if "vocab_coverage" in done.stats:
-            covered, scored = done.stats["vocab_coverage"].tolist()
-            measured["coverage"].append(covered / max(scored, 1))
+        stats.append(done.stats)
         if warmup < number <= warmup + steps:
             measured["seconds"].append(seconds)
             measured["tokens"] += done.data.tokens
             measured["positions"] += done.data.positions
+        if number in together:
+            measured["together_tokens"] += done.data.tokens
+            measured["together_s"] = seconds  # from the first of them, at the last
+    for step_stats in stats:
+        loss, count = step_stats["loss"].tolist()
+        measured["losses"].append(loss / max(count, 1))
+        if "vocab_coverage" in step_stats:
+            covered, scored = step_stats["vocab_coverage"].tolist()
+            measured["coverage"].append(covered / max(scored, 1))
     return measured
 
 
@@ -240,6 +253,8 @@ def report(measured: dict, vocab_sizes: set[int]) -> dict:
     return {
         "timed_steps": len(seconds),
         "tokens_per_s": round(tokens / sum(seconds), 1),
+        # the same number of steps back to back, as the loop runs them (the host may run ahead of the device)
+        "tokens_per_s_together": round(measured["together_tokens"] / measured["together_s"], 1),
         "tokens_per_step": round(tokens / len(seconds), 1),
         "padding_fraction": round(1 - tokens / max(measured["positions"], 1), 4),
         "step_s_mean": round(sum(seconds) / len(seconds), 4),
@@ -279,7 +294,7 @@ def bench(recipe: str, data: str, overrides: list[str], steps: int, warmup: int,
                 f"recipe={recipe}",
                 f"data.train=[{json.dumps(str(data))}]",
                 *overrides,
-                f"train.max_steps={warmup + steps + profiled}",
+                f"train.max_steps={warmup + 2 * steps + profiled}",
                 f"output_dir={scratch}/run",
             ]
         )
@@ -444,7 +459,7 @@ def shape_run(args, kind: str, scratch: Path):
     from draftsmith.recipe import load_recipe
     from draftsmith.trainer.setup import build_drafter, make_accelerator, online_features, prepare_run
 
-    total = args.warmup + args.steps + args.profile_steps
+    total = args.warmup + 2 * args.steps + args.profile_steps
     precision = "bf16" if args.dtype == "bfloat16" else "no"
     vocab, layers = shape_size(args.shape, args.layers)
     draft_vocab = min(args.draft_vocab or 32000, vocab // 2)  # pruned, as EAGLE-3 trains

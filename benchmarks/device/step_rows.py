@@ -12,7 +12,8 @@ for line in sys.stdin:
     drafter = row.get("drafter") or {}
     print(
         f"  {row.get('shape')} x{row.get('batch')} {row.get('kind')} ttt_steps={drafter.get('ttt_steps')}: "
-        f"{row['tokens_per_s']:,.0f} tokens/s, mfu {row.get('mfu')}, "
+        f"{row['tokens_per_s']:,.0f} tokens/s ({row.get('tokens_per_s_together', 0):,.0f} back to back), "
+        f"mfu {row.get('mfu')}, "
         f"peak {row.get('peak_memory_mb', row.get('peak_rss_mb'))} MB, {row.get('wall_s')} s "
         f"[{row.get('tree', 'current')}] {' '.join(row.get('overrides', []))}"
         f"{' --compile' if row.get('compiled') else ''}"
