@@ -142,8 +142,8 @@ FED_AGAIN = "put back from a copy after a rejected draft, the accepted tokens fe
 
 
 def rollback(model) -> str | None:
-    """How the eval loop undoes a rejected draft in the layers that read tokens in order (report.json's
-    `target.rollback`: which of the two the speeds come from): KEPT or FED_AGAIN; None where keys alone are cut."""
+    """How the eval loop undoes a rejected draft in the layers that read tokens in order (`rollback` in report.json's
+    target section: which of the two the speeds come from): KEPT or FED_AGAIN; None where keys alone are cut."""
     if not reads_in_order(model.config):
         return None
     return KEPT if keeps_each_position(model) else FED_AGAIN
