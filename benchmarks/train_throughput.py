@@ -143,9 +143,9 @@ VOCABULARY_NOTE = (
     "backward, softmaxes, the losses over the vocabulary) in the target's forward and the drafter's forward "
     "and backward, as a share of the step's profiled time"
 )
-# the host's wall time in the ranges of the parts that launch most kernels: beside their kernel time, whether the GPU
+# the parts that launch most kernels, whose host wall time (`host_<part>`) beside their kernel time says whether the GPU
 # waited for the host to launch them
-HOST = ("host_target_forward", "host_drafter_forward_backward")
+HOST_PARTS = ("target_forward", "drafter_forward_backward")
 LAUNCHES = ("cuda_runtime", "cuda_driver")  # the trace's categories of kernel launches (a kernel's start on the host)
 
 
@@ -169,23 +169,29 @@ def self_times(ops: list[dict]) -> dict[int, float]:
     return own
 
 
-def trace_parts(path: Path, vocab_sizes: set[int]) -> list[dict[str, float]]:
+def trace_events(path: Path) -> list[dict]:
+    """The complete events ("X") of a Chrome trace, read once for `trace_parts` and `kernel_table`."""
+    return [e for e in json.loads(Path(path).read_text())["traceEvents"] if e.get("ph") == "X"]
+
+
+def trace_parts(events: list[dict], vocab_sizes: set[int]) -> list[dict[str, float]]:
     """Seconds per part of each profiled step, and `vocabulary`, from the trainer's profiler trace (a
     Chrome trace). A step ends with its `optimizer_step` range; work belongs to the range it started in
     (the backward, which autograd may run on a thread of its own, starts while the step waits in
     `drafter_forward_backward`). On a GPU a part is the time of the kernels it launched and `total` all
     the step's kernel time; on a CPU a part is its ranges' wall time and `total` the step's.
-    `vocabulary`: VOCABULARY_NOTE, their kernels on a GPU, their own time on a CPU. HOST: the ranges' wall time.
+    `vocabulary`: VOCABULARY_NOTE, their kernels on a GPU, their own time on a CPU. `host_<part>` (HOST_PARTS): the
+    ranges' wall time.
     `total` on a GPU against the timed step's wall time (or a part's kernels against its host time) says whether
     the GPU ran all the while or waited for the host to launch its kernels."""
-    events = [e for e in json.loads(Path(path).read_text())["traceEvents"] if e.get("ph") == "X"]
     ranges = sorted(
         (e for e in events if e.get("cat") == "user_annotation" and e["name"] in RANGES), key=lambda e: e["ts"]
     )
     ends = [e["ts"] + e["dur"] for e in ranges if e["name"] == "optimizer_step"]
     windows = [(e["ts"], e["ts"] + e["dur"], RANGES[e["name"]]) for e in ranges]
     ops = [e for e in events if e.get("cat") == "cpu_op"]
-    steps = [dict.fromkeys((*PARTS, "vocabulary", "total", *HOST), 0.0) for _ in ends]
+    host = [f"host_{part}" for part in HOST_PARTS]
+    steps = [dict.fromkeys((*PARTS, "vocabulary", "total", *host), 0.0) for _ in ends]
 
     def place(ts: float) -> tuple[dict, str]:
         """(the step, the part) that work started at `ts` belongs to."""
@@ -199,7 +205,7 @@ def trace_parts(path: Path, vocab_sizes: set[int]) -> list[dict[str, float]]:
 
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     for start, end, part in windows:
-        if part != "optimizer":
+        if part in HOST_PARTS:
             place(start)[0][f"host_{part}"] += end - start
     if kernels:
         by_id = {op["args"].get("External id"): op for op in ops}
@@ -227,12 +233,12 @@ def trace_parts(path: Path, vocab_sizes: set[int]) -> list[dict[str, float]]:
     return [{name: value / 1e6 for name, value in step.items()} for step in steps]
 
 
-def kernel_table(path: Path, steps: int, count: int = 15) -> dict:
+def kernel_table(events: list[dict], steps: int, count: int = 15) -> dict:
     """The kernels launched a step and the `count` GPU kernels (by name) of most time in the trace, each [name,
     milliseconds a step, launches a step]; empty on a CPU."""
     totals: dict[str, list[float]] = {}
-    for event in json.loads(Path(path).read_text())["traceEvents"]:
-        if event.get("ph") == "X" and event.get("cat") == "kernel":
+    for event in events:
+        if event.get("cat") == "kernel":
             total = totals.setdefault(event["name"][:120], [0.0, 0])
             total[0] += event["dur"]
             total[1] += 1
@@ -248,7 +254,8 @@ def kernel_table(path: Path, steps: int, count: int = 15) -> dict:
 def report(measured: dict, vocab_sizes: set[int]) -> dict:
     """The JSON fields both modes share: the timed steps' throughput and median, the profiled parts."""
     seconds, tokens = measured["seconds"], measured["tokens"]
-    profiled = trace_parts(measured["trace"], vocab_sizes)
+    events = trace_events(measured["trace"])
+    profiled = trace_parts(events, vocab_sizes)
     median = statistics.median(seconds)
     return {
         "timed_steps": len(seconds),
@@ -262,13 +269,15 @@ def report(measured: dict, vocab_sizes: set[int]) -> dict:
         "profiled_steps": len(profiled),
         "part_s_median": {part: round(statistics.median(s[part] for s in profiled), 4) for part in PARTS},
         "parts_note": PARTS_NOTE,
-        "host_s_median": {part[5:]: round(statistics.median(s[part] for s in profiled), 4) for part in HOST},
+        "host_s_median": {
+            part: round(statistics.median(s[f"host_{part}"] for s in profiled), 4) for part in HOST_PARTS
+        },
         "kernel_s_median": round(statistics.median(s["total"] for s in profiled), 4),
         "vocabulary_s_median": round(statistics.median(s["vocabulary"] for s in profiled), 4),
         "vocabulary_share": round(statistics.median(s["vocabulary"] / max(s["total"], 1e-12) for s in profiled), 4),
         "vocabulary_note": VOCABULARY_NOTE,
         "vocab_coverage": round(statistics.mean(measured["coverage"]), 4) if measured["coverage"] else None,
-        "kernels": kernel_table(measured["trace"], len(profiled)),
+        "kernels": kernel_table(events, len(profiled)),
         "losses": [round(value, 4) for value in measured["losses"]],
     }
 
