@@ -1,4 +1,5 @@
-"""The frozen target's decoder layers under torch.compile (train.compile_target).
+"""The frozen target's decoder layers (train.compile_target) and the drafter's blocks (train.compile_drafter) under
+torch.compile.
 
 Why layers and not the whole model: transformers records the hidden states the drafters read at the layers'
 boundaries (output_hidden_states), and a decoder's forward around them builds masks and positions once; a layer
@@ -12,12 +13,20 @@ linear-attention and attention layers) compile their own. transformers records o
 ContextVar, which torch.compile cannot trace (transformers 5.25): each layer runs as a few graphs, split where its
 attention's hook runs. Past RECOMPILE_LIMIT graphs of one function torch would run it uncompiled without a word;
 here it raises instead (`limits`).
+
+The drafter's blocks (`Drafter.COMPILED_BLOCKS`: EAGLE-3's draft layer) run once per training-time-test step, forward
+and backward: compiled, each step's layer is one graph each way, its attention included (flex attention traced into
+it on a GPU). A step's keys differ in kind from the step before's (step 0's alone, then one, two, more earlier
+steps' beside them), so the first four steps compile a graph each and the later ones share one; with the static,
+then dynamic widths and both grad modes (the held-out evaluation's forward) that is at most 16 graphs: 9 at 3
+steps on the demo recipe's padded micro-batches, 16 at 7 on its packed ones. Past DRAFTER_RECOMPILE_LIMIT it
+raises (`drafter_limits`).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -26,6 +35,10 @@ from draftsmith.target_weights import decoder_of
 
 # graphs of one layer class: (static, then dynamic) x grad mode x the mask kinds a family builds, with room
 RECOMPILE_LIMIT = 16
+# graphs of a drafter's block: 4 step kinds x (static, then dynamic) x grad mode, twice over for batches of one row
+# (torch specializes a size of 1)
+DRAFTER_RECOMPILE_LIMIT = 32
+BACKEND = "inductor"  # torch.compile's: fused Triton kernels on a GPU, C++ on a CPU
 
 
 def compile_layers(model) -> int:
@@ -40,8 +53,24 @@ def compile_layers(model) -> int:
     return len(layers)
 
 
+def compile_drafter(drafter) -> int:
+    """Each of `drafter`'s blocks (its kind's COMPILED_BLOCKS) compiled in place; returns how many. Their parameters
+    stay where they are (nn.Module.compile): the checkpoint's names do not change."""
+    blocks = getattr(drafter, type(drafter).COMPILED_BLOCKS)
+    for block in blocks:
+        block.compile(backend=BACKEND)
+    return len(blocks)
+
+
 @contextmanager
-def limits() -> Iterator[None]:
-    """The compiled layers within RECOMPILE_LIMIT graphs per function, an error past it (not torch's eager fallback)."""
-    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+def limits(limit: Optional[int] = None) -> Iterator[None]:
+    """The compiled layers within `limit` graphs per function (RECOMPILE_LIMIT by default), an error past it (not
+    torch's eager fallback)."""
+    limit = RECOMPILE_LIMIT if limit is None else limit
+    with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
         yield
+
+
+def drafter_limits():
+    """`limits` of the drafter's compiled blocks (train.compile_drafter), around each call of the drafter."""
+    return limits(DRAFTER_RECOMPILE_LIMIT)

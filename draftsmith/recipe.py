@@ -183,7 +183,7 @@ def check_drafter(cfg: DictConfig, command: str = "train") -> None:
     checkpoint's own settings (an engine folder's, or a missing one's, its reader checks)."""
     from draftsmith.causal_lm import not_a_causal_lm
     from draftsmith.families import unserved_clamp
-    from draftsmith.heads import drafter_class
+    from draftsmith.heads import drafter_class, drafters
     from draftsmith.heads.base import saved_drafter
     from draftsmith.target import local_target_config, local_target_shape, names_a_missing_folder
 
@@ -208,6 +208,12 @@ def check_drafter(cfg: DictConfig, command: str = "train") -> None:
         raise UserError(refusal)
     if target_config is not None and (refusal := unserved_clamp(target_config, cfg.target.name_or_path)):
         raise UserError(refusal)
+    if builds_drafter(command, cfg) and cfg.train.compile_drafter and drafter_cls.COMPILED_BLOCKS is None:
+        offered = sorted(name for name, kind in drafters().items() if kind.COMPILED_BLOCKS is not None)
+        raise UserError(
+            f"train.compile_drafter=true compiles a drafter's repeated blocks; a {drafter_cls.type} drafter offers "
+            f"none (the kinds that do: {', '.join(offered)}); drop it"
+        )
     if not builds_drafter(command, cfg):
         try:
             saved = saved_drafter(checkpoint_to_read(cfg))[:2]

@@ -185,6 +185,11 @@ class TrainSection:
     # raises rather than falls back; a compile of seconds at the start. Not with data.features (no target runs).
     # On an H200 it halved the target's forward and made SmolLM2's EAGLE-3 step 1.47x faster (docs/performance.md)
     compile_target: bool = False
+    # the drafter's repeated blocks under torch.compile, forward and backward (draftsmith/compiled_layers.py): EAGLE-3's
+    # draft layer, once per training-time-test step, its attention included; a few graphs per step kind, width and
+    # grad mode, a recompile limit that raises rather than falls back, a compile of seconds (a GPU) to minutes (a CPU)
+    # at the start. The kinds that offer blocks (Drafter.COMPILED_BLOCKS); losses equal eager within float32 rounding
+    compile_drafter: bool = False
     # threads torch computes with on a CPU run; null = draftsmith chooses (draftsmith/threads.py): OMP_NUM_THREADS
     # where it is the user's, else the available cores / the processes on this machine. `accelerate launch`
     # sets OMP_NUM_THREADS=1 for its processes, which cannot be told from a user's 1: under a launcher set this.

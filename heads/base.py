@@ -107,6 +107,10 @@ class Drafter(nn.Module):
     # Bytes of [rows, vocabulary] float32 logits a loss over a vocabulary holds at once (heads/vocab_loss.py);
     # the trainer sets it from train.vocab_chunk_mb.
     loss_chunk_bytes: int = 256 << 20
+    # The attribute holding the blocks its forward runs again and again (an nn.ModuleList: the draft layer run once per
+    # training-time-test step), which train.compile_drafter compiles one by one (draftsmith/compiled_layers.py);
+    # None: the kind offers none, and the setting is refused at recipe validation.
+    COMPILED_BLOCKS: ClassVar[Optional[str]] = None
 
     @classmethod
     def unshardable(cls, config) -> Optional[str]:

@@ -143,6 +143,7 @@ class Eagle3(Eagle3Training, EagleBase):
     type = "eagle3"
     TITLE = "EAGLE-3"
     Config = Eagle3Config
+    COMPILED_BLOCKS = "layers"  # the draft layer, once per training-time-test step
 
     def __init__(self, config: Eagle3Config, target: TargetShape):
         super().__init__(config, target)

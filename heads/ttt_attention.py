@@ -221,13 +221,16 @@ class FlexLayout:
     def mask_mod(self, step: int):
         segment, position, length, window = self.segment, self.position, self.length, self.window
         query_position = position + step  # the window moves with the query's draft depth
+        # the regions of steps 0..step (those past it hold zeros): a tensor, so that every step shares one graph
+        keys = segment.new_full((), (step + 1) * length)
 
         def visible(b, h, q_idx, kv_idx):
+            # whole on its own, as flex's unfused path reads it, not only within the BlockMask's blocks
             key = kv_idx % length
             first = (segment[key] == segment[q_idx]) & (key <= q_idx)
             if window is not None:
                 first = first & (position[key] > query_position[q_idx] - window)
-            return torch.where(kv_idx < length, first, key == q_idx)
+            return torch.where(kv_idx < length, first, (key == q_idx) & (kv_idx < keys))
 
         return visible
 
@@ -273,7 +276,12 @@ def flex_step(query, keys, values, own_keys, own_values, layout: FlexLayout, ste
 
 def compiled_flex(*args, **kwargs) -> torch.Tensor:
     """flex_attention compiled (uncompiled it materialises every score), at most FLEX_RECOMPILE_LIMIT
-    graphs: past them torch would fall back to that unfused path without a word; here it raises."""
+    graphs: past them torch would fall back to that unfused path without a word; here it raises. Inside a
+    compiled draft layer (train.compile_drafter) it is traced into the layer's graph instead."""
+    if torch.compiler.is_compiling():
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention(*args, **kwargs)
     with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
         return _compiled_flex()(*args, **kwargs)
 

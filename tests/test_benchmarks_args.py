@@ -5,11 +5,12 @@ one line, exit 2); peer_ablation.py stops in one line when the
 speculators checkpoint it was asked to score is not there. And export/gamma.py's recommended γ names only the
 engines that serve the drafter's chains (an MTP drafter's: vLLM alone; SGLang's export refuses it), and the
 model card lists draftsmith's P(accepted >= k) up to γ as vLLM's. Options a benchmark would ignore or could not
-run are refused before any work (train_throughput.py's of the other mode, drafters.py's unknown names,
-step_compare.py's zero rounds and missing baseline, speculators_cpu.py outside its venv), every benchmark's
-JSON says where it came from (benchmarks/provenance.py), and standard_protocol.py's time stage measures its
-noise as load_sweep.py does (plain once more, last). Every benchmark that runs vLLM reads --vllm-python alike
-(benchmarks/vllm_probe.py), and the ones that train a recipe first do it one way (benchmarks/draftsmith_commands.py)."""
+run are refused before any work (train_throughput.py's of the other mode, step_operators.py's compile settings,
+drafters.py's unknown names, step_compare.py's zero rounds and missing baseline, speculators_cpu.py outside its
+venv), every benchmark's JSON says where it came from (benchmarks/provenance.py), and standard_protocol.py's time
+stage measures its noise as load_sweep.py does (plain once more, last). Every benchmark that runs vLLM reads
+--vllm-python alike (benchmarks/vllm_probe.py), and the ones that train a recipe first do it one way
+(benchmarks/draftsmith_commands.py)."""
 
 from __future__ import annotations
 
@@ -264,6 +265,32 @@ def test_train_throughput_times_a_recipes_run_end_to_end(small_data, token_cache
 
 
 @pytest.mark.slow  # the loop as it ran before: about 10 s of 256-token scans
+@pytest.mark.slow
+def test_step_operators_counts_what_each_part_of_a_trainer_step_dispatches():
+    """The trainer's step on a tiny random target: every part dispatches operators, the drafter's forward and
+    backward most (its draft layer named among their sources), and the same run counts the same again."""
+    from tests.forked import run_forked
+
+    args = ["benchmarks/step_operators.py", "--shape", "tiny", "--seq", "32", "--top", "40", "drafter.ttt_steps=2"]
+    counted = []
+    for _ in range(2):
+        result = run_forked(args)
+        assert result.returncode == 0, result.stderr[-3000:]
+        counted.append(json.loads(result.stdout))
+    operators = counted[0]["operators"]
+    assert {"target_forward", "drafter_forward_backward", "optimizer"} <= set(operators)
+    assert operators["drafter_forward_backward"] == max(v for k, v in operators.items() if k != "total")
+    assert operators["total"] == sum(v for k, v in operators.items() if k != "total")
+    assert "heads/eagle3.py:forward" in dict(counted[0]["drafter_sources"])
+    assert counted[1]["operators"] == operators and counted[0]["versions"]["torch"] == torch.__version__
+
+
+def test_step_operators_refuses_the_compile_settings_it_would_ignore(monkeypatch, capsys):
+    main = benchmark("step_operators", monkeypatch).main
+    ended = exits(main, ["train.compile_drafter=true"], monkeypatch, capsys)
+    assert_one_line_error(ended, 2, "train.compile_drafter=true: torch.compile does not run under the counting")
+
+
 def test_mamba2_scan_compares_the_loop_before_and_now_on_the_same_outputs():
     from tests.forked import run_forked
 

@@ -12,7 +12,8 @@ Ran 2026-11-27 on a lent H100 (torch 2.11.0+cu130, transformers 5.24.0, accelera
   compiled) equals the straightforward reference, and never waits for the host;
 - nor do the fixed-shape losses of Medusa, EAGLE-1, DFlash, the draft model and Medusa-2
   (tests/test_no_host_sync.py proves them on the meta device, all but the transformers forward inside the last two);
-- the target's decoder layers compiled (train.compile_target) give the eager features on real micro-batches.
+- the target's decoder layers compiled (train.compile_target) give the eager features on real micro-batches;
+- EAGLE-3's draft layer compiled (train.compile_drafter), flex attention inside, trains as the eager layer does.
 """
 
 from __future__ import annotations
@@ -212,6 +213,15 @@ def test_target_layers_compiled_on_cuda_equal_the_straightforward_reference(pack
     from tests.test_compiled_layers import assert_compiled_layers_equal_eager
 
     assert_compiled_layers_equal_eager(pack, torch.device("cuda"))
+
+
+def test_compiled_draft_layer_trains_on_cuda_as_the_eager_one():
+    """train.compile_drafter on CUDA: inductor compiles EAGLE-3's draft layer forward and backward with flex attention
+    traced into it; on real packed micro-batches the losses and gradients equal the eager layer's, in a bounded number
+    of graphs, without a graph break (tests/test_compiled_drafter.py)."""
+    from tests.test_compiled_drafter import assert_compiled_drafter_trains_as_eager
+
+    assert_compiled_drafter_trains_as_eager(torch.device("cuda"), "flex", [0, 7, 8])
 
 
 def host_waits_allowed(function):

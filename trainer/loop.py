@@ -29,6 +29,7 @@ from omegaconf import DictConfig
 from torch.profiler import record_function
 from torch.utils.data import DataLoader
 
+from draftsmith import compiled_layers
 from draftsmith.errors import Preempted, StopRequest, TrainingDiverged
 from draftsmith.heads.vocab_loss import compiled_chunk_math
 from draftsmith.outputs import FINAL_DIR
@@ -288,7 +289,7 @@ def forward_backward(accelerator, drafter, batch: dict, target_features, scale: 
         with torch.no_grad():
             target_out = target_features(batch)
     with record_function("drafter_forward_backward"):
-        with accelerator.autocast(), compiled_chunk_math(compiled_loss):
+        with accelerator.autocast(), compiled_chunk_math(compiled_loss), compiled_layers.drafter_limits():
             out = drafter(batch, target_out)
         accelerator.backward(out[0] * scale)
     return batch, target_out, out
