@@ -25,6 +25,7 @@ raises (`drafter_limits`).
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
@@ -32,6 +33,8 @@ import torch
 
 from draftsmith.errors import UserError
 from draftsmith.target_weights import decoder_of
+
+log = logging.getLogger("draftsmith.compiled_layers")
 
 # graphs of one layer class: (static, then dynamic) x grad mode x the mask kinds a family builds, with room
 RECOMPILE_LIMIT = 16
@@ -53,12 +56,19 @@ def compile_layers(model) -> int:
     return len(layers)
 
 
-def compile_drafter(drafter) -> int:
+def compile_drafter(drafter, deepspeed_plugin=None) -> int:
     """Each of `drafter`'s blocks (its kind's COMPILED_BLOCKS) compiled in place; returns how many. Their parameters
-    stay where they are (nn.Module.compile): the checkpoint's names do not change."""
+    stay where they are (nn.Module.compile): the checkpoint's names do not change. `deepspeed_plugin`: accelerate's,
+    of a DeepSpeed launch."""
+    if deepspeed_plugin is not None and deepspeed_plugin.zero_stage == 3:
+        raise UserError(
+            "train.compile_drafter=true under DeepSpeed ZeRO-3 (whose hooks gather a block's weights as it runs) was "
+            "never run compiled; drop it, or launch with ZeRO-2 or without DeepSpeed"
+        )
     blocks = getattr(drafter, type(drafter).COMPILED_BLOCKS)
     for block in blocks:
         block.compile(backend=BACKEND)
+    log.info("the drafter's %d blocks compiled (train.compile_drafter)", len(blocks))
     return len(blocks)
 
 

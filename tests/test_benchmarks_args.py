@@ -264,7 +264,6 @@ def test_train_throughput_times_a_recipes_run_end_to_end(small_data, token_cache
     assert len(measured["losses"]) == 3 and measured["part_s_median"]["optimizer"] > 0  # timed, together, profiled
 
 
-@pytest.mark.slow  # the loop as it ran before: about 10 s of 256-token scans
 @pytest.mark.slow
 def test_step_operators_counts_what_each_part_of_a_trainer_step_dispatches():
     """The trainer's step on a tiny random target: every part dispatches operators, the drafter's forward and
@@ -291,6 +290,7 @@ def test_step_operators_refuses_the_compile_settings_it_would_ignore(monkeypatch
     assert_one_line_error(ended, 2, "train.compile_drafter=true: torch.compile does not run under the counting")
 
 
+@pytest.mark.slow  # the loop as it ran before: about 10 s of 256-token scans
 def test_mamba2_scan_compares_the_loop_before_and_now_on_the_same_outputs():
     from tests.forked import run_forked
 

@@ -457,6 +457,7 @@ def test_a_capture_keeps_the_layers_the_drafter_train_builds_reads_on_a_hybrid_t
     assert resolve_selection(cfg, target).layers == tuple(sorted(set(read))) != tuple(sorted(set(unmoved)))
 
 
+@pytest.mark.slow  # runs an entry point (the fast tier stays within its 2 minutes)
 def test_a_capture_resumed_over_other_data_says_which_input_changed_not_two_hashes(tmp_path, conversations, capsys):
     """An unfinished capture (its parts alone: no manifest) resumed after data.train's content, a data setting or
     the tokenizer changed, or one begun before draftsmith recorded them, is refused in one line saying in words

@@ -10,6 +10,7 @@ in the GPU tier (tests/test_gpu.py)."""
 from __future__ import annotations
 
 import copy
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -123,7 +124,7 @@ def test_a_drafter_graph_past_the_limit_is_an_error_not_an_uncompiled_block(monk
 
 @pytest.mark.slow
 def test_a_run_with_the_draft_layer_compiled_learns_what_an_eager_run_learns(
-    tmp_path, small_data, token_cache, monkeypatch
+    tmp_path, small_data, token_cache, monkeypatch, caplog
 ):
     """train.py, EAGLE-3 on the reference target, 3 steps each way: the same losses within float rounding, and
     the log says what was compiled."""
@@ -147,10 +148,12 @@ def test_a_run_with_the_draft_layer_compiled_learns_what_an_eager_run_learns(
             f"output_dir={output_dir}",
             f"train.compile_drafter={compiled}",
         ]
-        train_in_process(args)
+        with caplog.at_level(logging.INFO, logger="draftsmith.compiled_layers"):
+            train_in_process(args)
         losses[compiled] = [row["train/loss"] for _, row in sorted(read_log(output_dir).items()) if "train/loss" in row]
     assert len(losses[True]) == 3
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+    assert caplog.text.count("the drafter's 1 blocks compiled (train.compile_drafter)") == 1
 
 
 def test_compile_drafter_on_a_kind_without_blocks_is_refused_in_one_line():
@@ -162,8 +165,5 @@ def test_compile_drafter_on_a_kind_without_blocks_is_refused_in_one_line():
 
 def test_compile_drafter_under_zero3_is_refused_in_one_line():
     """DeepSpeed ZeRO-3 gathers a block's weights in hooks around it: never run compiled, refused before training."""
-    from draftsmith.trainer.setup import compile_drafter
-
-    accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3)))
     with pytest.raises(UserError, match="train.compile_drafter=true under DeepSpeed ZeRO-3"):
-        compile_drafter(accelerator, drafter=None)
+        compiled_layers.compile_drafter(None, SimpleNamespace(zero_stage=3))

@@ -8,6 +8,8 @@ import json
 import logging
 from collections import Counter
 
+import pytest
+
 from draftsmith.data_prep.conversations import load_conversations
 from draftsmith.data_prep.dataset import load_tokenized
 from draftsmith.data_prep.overlap import answered_prompt_digests, eval_in_train, prompt_digest
@@ -91,6 +93,7 @@ def test_a_prompt_is_in_train_where_an_answered_turn_answers_it_turn_for_turn():
     assert prompt_digest([system, user, answered[2], answered[3], answered[4], user]) not in trained
 
 
+@pytest.mark.slow  # runs an entry point (the fast tier stays within its 2 minutes)
 def test_a_run_warns_at_start_and_records_the_counts_in_eval_accuracy_and_the_report(
     tmp_path, token_cache, capsys, monkeypatch
 ):

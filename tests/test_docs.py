@@ -10,6 +10,8 @@ import shlex
 import subprocess
 import sys
 
+import pytest
+
 from draftsmith.cli import recipe_args
 from draftsmith.recipe import load_recipe
 from tests.helpers import REPO
@@ -23,6 +25,7 @@ def test_the_readme_is_short_and_its_links_resolve():
             assert (REPO / target).exists(), target
 
 
+@pytest.mark.slow  # runs an entry point (the fast tier stays within its 2 minutes)
 def test_the_docs_site_builds_strictly(tmp_path):
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     done = subprocess.run(

@@ -389,6 +389,7 @@ ROW_KEYS = {
 }
 
 
+@pytest.mark.slow  # runs an entry point (the fast tier stays within its 2 minutes)
 def test_report_has_every_field(eval_setup):
     root, recipe, target = eval_setup
     report = run_eval(load_recipe([f"recipe={recipe}"]), target=target)  # checkpoint: <output_dir>/final
@@ -669,6 +670,7 @@ def test_a_domain_with_a_pipe_keeps_report_mds_columns(eval_setup, small_data, t
     assert rows and all(row.replace("\\|", "").count(" | ") == header for row in rows)
 
 
+@pytest.mark.slow  # runs an entry point (the fast tier stays within its 2 minutes)
 def test_an_eval_of_another_checkpoint_moves_the_earlier_report_aside(eval_setup, tmp_path, capsys):
     """The eval of a run's best/ into its output_dir kept no trace of final/'s report (which final/'s export
     reads): the earlier report moves to eval/replaced/<time>/, said in a line naming the export.report that reads

@@ -319,6 +319,7 @@ def test_every_outcome_has_its_own_code():
 RESUME = "run the same command with train.resume=true to continue from it"
 
 
+@pytest.mark.slow  # runs an entry point (the fast tier stays within its 2 minutes)
 def test_ctrl_c_during_training_says_how_to_continue(tmp_path, small_data, token_cache, monkeypatch, capsys):
     """Ctrl-C said `interrupted` only, and the same command was then refused (`holds an earlier run`): the line
     names the checkpoint kept and train.resume=true, as SIGTERM's does, or says that none was saved yet."""

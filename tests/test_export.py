@@ -526,6 +526,7 @@ SLOW = pytest.mark.slow  # the fast tier evaluates Medusa's folder; the other ki
      pytest.param("dflash", ["vllm"], {}, marks=SLOW)],
     ids=["medusa", "medusa2", "eagle", "eagle3", "eagle3.1", "peagle", "draft_model", "pard", "dflash"],
 )  # fmt: skip
+@pytest.mark.slow  # runs an entry point (the fast tier stays within its 2 minutes)
 def test_an_exported_folder_evaluates_like_its_checkpoint(kind, engines, config, target, one_prompt, tmp_path):
     """Each engine's folder, read back by draftsmith's eval, decodes exactly like the checkpoint it came from."""
     from draftsmith.eval.report import run_eval
@@ -561,6 +562,7 @@ def test_an_exported_folder_evaluates_like_its_checkpoint(kind, engines, config,
         assert drafts_along_plain_decoding(folders[engine], target) == proposed, engine
 
 
+@pytest.mark.slow  # runs an entry point (the fast tier stays within its 2 minutes)
 def test_a_medusa_export_without_an_eval_report_keeps_the_accuracy_its_checkpoints_eval_reads(
     target, one_prompt, tmp_path
 ):

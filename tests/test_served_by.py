@@ -83,6 +83,7 @@ def test_a_target_vllm_cannot_capture_states_from_leaves_the_chain_to_the_engine
         assert "cannot capture the hidden states" in said["chain"]["not_served_by"]["vLLM"]
 
 
+@pytest.mark.slow  # runs an entry point (the fast tier stays within its 2 minutes)
 def test_the_report_says_what_the_export_refuses(target, small_data, tmp_path):
     """The report of an EAGLE-3.1 drafter names vLLM alone; its SGLang export is the refusal the report quotes."""
     checkpoint = save_drafter("eagle3", target, tmp_path / "final", **EAGLE31)

