@@ -52,7 +52,7 @@ def compile_layers(model) -> int:
             f"train.compile_target=true compiles a target's decoder layers; {type(model).__name__} has no `layers`"
         )
     for layer in layers:
-        layer.compile()
+        layer.compile(backend=BACKEND)
     return len(layers)
 
 
