@@ -24,16 +24,27 @@ from tests.helpers import read_log, train_in_process
 from tests.test_ttt_flex import compiled_graphs, real_micro_batches
 
 
-def drafter_runs(drafter, target, batches, grad: bool) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
-    """(loss, gradients) of `drafter` on each of `batches`, as the trainer calls it (within the drafter's limits)."""
+def with_target_outputs(drafter, target, batches) -> list[tuple[dict, object]]:
+    """Each of `batches` with the host fields the drafter's loss reads, and the target's output on it (once, for every
+    drafter run on it)."""
     from draftsmith.heads.packing import causal_lm_inputs
     from draftsmith.target import run_target
 
-    results = []
+    inputs = []
     for batch in batches:
         batch = batch | drafter.host_fields(batch)
         with torch.no_grad():
-            target_out = run_target(target, batch["input_ids"], request=drafter.request, **causal_lm_inputs(batch))
+            inputs.append(
+                (batch, run_target(target, batch["input_ids"], request=drafter.request, **causal_lm_inputs(batch)))
+            )
+    return inputs
+
+
+def drafter_runs(drafter, inputs, grad: bool) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """(loss, gradients) of `drafter` on each (batch, target output) of `inputs`, as the trainer calls it (within the
+    drafter's limits)."""
+    results = []
+    for batch, target_out in inputs:
         drafter.zero_grad(set_to_none=True)
         with torch.set_grad_enabled(grad), compiled_layers.drafter_limits():
             loss = drafter(batch, target_out)[0]
@@ -61,12 +72,13 @@ def assert_compiled_drafter_trains_as_eager(
     target, eager, batches = real_micro_batches(recipe, max(picked) + 1, pack=True)
     target, eager = target.to(device), eager.to(device)
     batches = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in batches[i].items()} for i in picked]
+    inputs = with_target_outputs(eager, target, batches)
     compiled = copy.deepcopy(eager)
     assert compiled_layers.compile_drafter(compiled) == 1
     before, breaks = compiled_graphs(), graph_breaks()
     for grad in grad_modes:
-        expected = drafter_runs(eager, target, batches, grad)
-        got = drafter_runs(compiled, target, batches, grad)
+        expected = drafter_runs(eager, inputs, grad)
+        got = drafter_runs(compiled, inputs, grad)
         for (want_loss, want_grads), (loss, grads) in zip(expected, got):
             torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=0)
             assert len(grads) == len(want_grads)
@@ -77,7 +89,7 @@ def assert_compiled_drafter_trains_as_eager(
     assert len({rows for rows, _ in shapes}) >= 2 and len({width for _, width in shapes}) >= 2, shapes
     # a step kind each (their keys differ: the first, the second, the later) x (static, dynamic) x grad mode
     assert min(steps, 3) <= graphs <= min(steps, 3) * 2 * len(grad_modes) and graph_breaks() == breaks, (graphs, shapes)
-    drafter_runs(compiled, target, batches, grad=True)
+    drafter_runs(compiled, inputs, grad=True)
     assert compiled_graphs() - before == graphs
 
 
@@ -122,9 +134,10 @@ def test_a_drafter_graph_past_the_limit_is_an_error_not_an_uncompiled_block(monk
     torch._dynamo.reset()  # the graphs other tests compiled count against the limit of the same function
     monkeypatch.setattr(compiled_layers, "BACKEND", "aot_eager")
     monkeypatch.setattr(compiled_layers, "DRAFTER_RECOMPILE_LIMIT", 1)
+    inputs = with_target_outputs(drafter, target, batches)
     compiled_layers.compile_drafter(drafter)
     with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
-        drafter_runs(drafter, target, batches, grad=False)
+        drafter_runs(drafter, inputs, grad=False)
 
 
 @pytest.mark.slow

@@ -93,7 +93,7 @@ def evaluate_heldout(accelerator, drafter, heldout, collate, target_features, cf
                 batch |= module.host_fields(batch)
                 batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
                 target_out = target_features(batch)
-                with accelerator.autocast(), compiled_layers.drafter_limits():  # train.compile_drafter's blocks
+                with accelerator.autocast(), compiled_layers.drafter_limits(cfg.train.compile_drafter):
                     loss, count, stats = drafter(batch, target_out)
                 sums["loss"] += weight * torch.stack([loss.float(), torch.as_tensor(count).to(loss.device).float()])
                 for name, values in stats.items():

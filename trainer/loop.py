@@ -137,10 +137,11 @@ def train_step(run: Run, step: StepData, agreed: Agreed, stream, stop: StopReque
     run.module.optimizer_step = state.step
     step_loss = torch.zeros((), device=accelerator.device)
     stats: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(2, device=accelerator.device))
+    compiled = cfg.train.compile_vocab_loss, cfg.train.compile_drafter
     for epoch, batch_index, batch in step.batches:
         with accelerator.accumulate(drafter):
             batch, target_out, (loss, count, batch_stats) = forward_backward(
-                accelerator, drafter, batch, run.target_features, scale, cfg.train.compile_vocab_loss
+                accelerator, drafter, batch, run.target_features, scale, *compiled
             )
             step_loss += loss.detach().float()
             stats["loss"] += torch.stack([loss.detach().float(), torch.as_tensor(count).to(step_loss)])
@@ -278,18 +279,21 @@ def micro_batches(dataset, collate, cfg: DictConfig, world: int, rank: int, stat
         epoch, skip = epoch + 1, 0
 
 
-def forward_backward(accelerator, drafter, batch: dict, target_features, scale: float, compiled_loss: bool):
+def forward_backward(
+    accelerator, drafter, batch: dict, target_features, scale: float, compiled_loss: bool, compiled_drafter: bool = False
+):
     """One micro-batch, inside `accelerator.accumulate`: the batch to the device, the target's
     features, the drafter's (loss_sum, count, stats), and the backward of loss_sum x `scale`
-    (`loss_scale`); `compiled_loss`: train.compile_vocab_loss. Returns (the batch on the device, the
-    target's features, the drafter's output)."""
+    (`loss_scale`); `compiled_loss`: train.compile_vocab_loss, `compiled_drafter`: train.compile_drafter.
+    Returns (the batch on the device, the target's features, the drafter's output)."""
     with record_function("target_forward"):  # ranges a profiler trace names (benchmarks/train_throughput.py)
         # pinned by the loader on CUDA (micro_batches), so the copy does not block the host
         batch = {k: v.to(accelerator.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
         with torch.no_grad():
             target_out = target_features(batch)
     with record_function("drafter_forward_backward"):
-        with accelerator.autocast(), compiled_chunk_math(compiled_loss), compiled_layers.drafter_limits():
+        limits = compiled_layers.drafter_limits(compiled_drafter)
+        with accelerator.autocast(), compiled_chunk_math(compiled_loss), limits:
             out = drafter(batch, target_out)
         accelerator.backward(out[0] * scale)
     return batch, target_out, out
