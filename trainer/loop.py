@@ -280,7 +280,13 @@ def micro_batches(dataset, collate, cfg: DictConfig, world: int, rank: int, stat
 
 
 def forward_backward(
-    accelerator, drafter, batch: dict, target_features, scale: float, compiled_loss: bool, compiled_drafter: bool = False
+    accelerator,
+    drafter,
+    batch: dict,
+    target_features,
+    scale: float,
+    compiled_loss: bool,
+    compiled_drafter: bool = False,
 ):
     """One micro-batch, inside `accelerator.accumulate`: the batch to the device, the target's
     features, the drafter's (loss_sum, count, stats), and the backward of loss_sum x `scale`
