@@ -55,7 +55,7 @@ log = logging.getLogger("draftsmith.export")
 
 def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, engines=None, served=None) -> dict[str, Path]:
     """Export `checkpoint` for every engine in export.engines; returns engine -> folder. `engines`: an
-    export.verify.EngineSession to run the vLLM check in (one of its own, closed at the end, if None); `served`:
+    export.verify.EngineSession to ask vLLM and run its check in (one of its own, closed at the end, if None); `served`:
     the SERVED drafter settings the command line gave (formats/folder.py's served_settings)."""
     output = Path(cfg.export.output or Path(cfg.output_dir) / "export")
     require_push_allowed(cfg)
@@ -64,7 +64,11 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, engines=No
             f"export.output={str(output)!r} is inside the checkpoint {checkpoint}: its files would count in the "
             "checkpoint's sha256 (which the eval report and the monitor identify it by); give a folder outside it"
         )
-    with DirectoryLock(output, key="export.output"):
+    from draftsmith.export.verify import EngineSession
+
+    # one session for every question put to vLLM and the check: vLLM imported once (its own, closed at the end)
+    opened = nullcontext(engines) if engines is not None else EngineSession()
+    with DirectoryLock(output, key="export.output"), opened as session:
         saved = read_checkpoint_config(checkpoint)
         kind = saved["drafter_type"]
         # the rule a warm start follows: the recipe is for the drafter it reads
@@ -106,7 +110,8 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, engines=No
             )
             require_engine_imports(source.target.config, cfg.export.vllm_python)
             if exporter.vllm_writes_family_config:
-                require_draft_config_read_as_written(repos["vllm"].config, repos["vllm"].method, cfg.export.vllm_python)
+                config, python = repos["vllm"].config, cfg.export.vllm_python
+                require_draft_config_read_as_written(config, repos["vllm"].method, session.served_as(python, config))
         for repo in repos.values():
             check_tensors(repo, f"{source.drafter.type} checkpoint {checkpoint}")
         with_reported_accuracy(source, report)
@@ -118,12 +123,9 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, engines=No
                 write_json(staged / EXPORT_INFO, info, sort_keys=True)
                 check_round_trip(exporter, source, repo, staged, target, gamma, output / engine)
                 if checked_in_engine(cfg, engine):
-                    from draftsmith.export.verify import EngineSession, verify_in_vllm
+                    from draftsmith.export.verify import verify_in_vllm
 
-                    with nullcontext(engines) if engines is not None else EngineSession() as session:
-                        info["verified"] = verify_in_vllm(
-                            cfg, source, repo, staged, info["speculative_config"], session
-                        )
+                    info["verified"] = verify_in_vllm(cfg, source, repo, staged, info["speculative_config"], session)
                     info["engine_settings"] = info["verified"].pop("engine_settings")  # recorded once, at the top
                     write_json(staged / EXPORT_INFO, info, sort_keys=True)
                 from draftsmith.export.card import write_card

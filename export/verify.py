@@ -62,6 +62,15 @@ class EngineSession:
         """The reply to the "runs" request `request` (see draftsmith/engine_scripts/vllm_worker.py) under
         `python`: ExportCheckFailed when vLLM answers that it failed, EngineUnavailable when it gives no
         answer; `doing` says what the request is for in either's line."""
+        return self.worker(python).ask({"runs": request}, doing)
+
+    def served_as(self, python: str, config: dict[str, Any]) -> Optional[dict[str, Any]]:
+        """How the vLLM of `python` reads a draft folder holding `config` as its config.json (the worker's
+        "served_as" request), asked of the worker that then runs the check: vLLM imported once for both."""
+        return self.worker(python).ask({"served_as": {"config": config}}, "read the draft config")["read"]
+
+    def worker(self, python: str) -> VllmWorker:
+        """The session's worker under `python`, a new one where it has none running."""
         worker = self.workers.get(python)
         if worker is None or not worker.running:
             worker = self.workers[python] = VllmWorker(
@@ -72,7 +81,7 @@ class EngineSession:
                 refusal=ExportCheckFailed,
                 timeout_s=ENGINE_TIMEOUT_S,
             )
-        return worker.ask({"runs": request}, doing)
+        return worker
 
     def close(self) -> None:
         for worker in self.workers.values():

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import json
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -371,43 +370,15 @@ def accepted_methods(python: str) -> Optional[frozenset[str]]:
     return frozenset(found) if isinstance(found, list) else None
 
 
-# Run by a vLLM Python, `folder` set before it: the architectures of the config.json there as vLLM reads it
-# (get_config), then as its speculative config makes a draft's config (SpeculativeConfig.hf_config_override,
-# which it applies to every draft config but Medusa's, whatever the method), as JSON; an error of that function is
-# its line; null where the release has no such function.
-SERVED_AS = """
-import json, sys
-try:
-    from vllm.config.speculative import SpeculativeConfig
-    from vllm.transformers_utils.config import get_config
-    override = SpeculativeConfig.hf_config_override
-except (ImportError, AttributeError):
-    print("null")
-    sys.exit()
-config = get_config(folder, trust_remote_code=False)
-read = {"written": list(config.architectures or [])}
-try:
-    read["served"] = list(override(config).architectures or [])
-except Exception as err:
-    read["error"] = f"{type(err).__name__}: {err}"
-print(json.dumps(read))
-"""
-
-
-def require_draft_config_read_as_written(config: dict, method: str, python: str) -> None:
-    """The one-line refusal of a folder of `method` whose config.json (a target family's own) the vLLM of `python`
-    would serve as another model, before its engine starts. vLLM 0.32 maps the draft config of every family that ships
-    MTP layers (DeepSeek-V3, GLM-4.5, Qwen3-Next, Qwen3.5, ...) to that family's MTP model whatever the method
-    (`SERVED_AS`): a draft model of such a family would be loaded as an MTP layer it does not hold (measured: "MTP
-    speculative decoding layer 4 weights missing", docs/targets.md), or, for a smaller release that ships its own,
-    served as that layer. Nothing is said where the release cannot tell (its check still runs)."""
-    with tempfile.TemporaryDirectory() as folder:
-        (Path(folder) / "config.json").write_text(json.dumps(config))
-        done = run_python(python, VLLM_PYTHON_KEY, f"folder = {folder!r}\n{SERVED_AS}")
-    try:
-        read = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
-    except (ValueError, IndexError):
-        read = None
+def require_draft_config_read_as_written(config: dict, method: str, read: Optional[dict]) -> None:
+    """The one-line refusal of a folder of `method` whose config.json (a target family's own, `config`) the vLLM of
+    export.vllm_python would serve as another model, before its engine starts; `read` is that vLLM's answer
+    (export/verify.py's EngineSession.served_as: the architectures as written and as served, or the error of serving
+    them). vLLM 0.32 maps the draft config of every family that ships MTP layers (DeepSeek-V3, GLM-4.5, Qwen3-Next,
+    Qwen3.5, ...) to that family's MTP model whatever the method (SpeculativeConfig.hf_config_override): a draft
+    model of such a family would be loaded as an MTP layer it does not hold (measured: "MTP speculative decoding layer
+    4 weights missing", docs/targets.md), or, for a smaller release that ships its own, served as that layer. Nothing
+    is said where the release cannot tell (`read` None; its check still runs)."""
     if not read or read.get("served") == read["written"]:
         return
     named = f"{config.get('model_type')}, {(read['written'] or ['no architecture'])[0]}"

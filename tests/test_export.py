@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Optional
 
@@ -1098,13 +1099,14 @@ def test_a_vllm_that_cannot_import_the_targets_model_is_refused_before_it_starts
 
 @pytest.mark.slow  # vLLM's Python imports its speculative config twice (about 10 s each)
 def test_a_draft_model_vllm_would_serve_as_its_familys_mtp_layer_is_refused_before_the_engine_starts(
-    tmp_path, capsys, vllm_python
+    tmp_path, capsys, vllm_python, engine_session, monkeypatch
 ):
     """vLLM 0.32 maps the draft config of every family that ships MTP layers to the family's MTP model whatever the
     method (SpeculativeConfig.hf_config_override): the check of a draft model of GLM-4.5's first layers failed once
     the engine had started ("Following weights were not initialized from checkpoint: model.layers.4.mtp_block...").
     Asked of the real vLLM before it starts: one line, nothing written. A family it reads as written passes. The
     draft model is the one kind whose folder holds a family's own config (the MTP kind's is meant to be read so)."""
+    from draftsmith.export import verify
     from draftsmith.formats import EXPORTERS
     from draftsmith.formats.versions import require_draft_config_read_as_written
     from draftsmith.random_target import demo_tokenizer_dir, write_random_target
@@ -1114,6 +1116,7 @@ def test_a_draft_model_vllm_would_serve_as_its_familys_mtp_layer_is_refused_befo
     output = tmp_path / "refused"
     args = ["-m", "export", *export_args("draft_model", checkpoint, output, f"checkpoint={checkpoint}",
                                          f"target.name_or_path={directory}", "export.engines=[vllm]")]  # fmt: skip
+    monkeypatch.setattr(verify, "EngineSession", lambda: nullcontext(engine_session))  # the session's vLLM import
     result = run_entry_in_process([*args, f"export.vllm_python={vllm_python}"], capsys)
     assert_one_line_error(
         result, 2, "vLLM reads this draft_model folder's config (glm4_moe, Glm4MoeForCausalLM) as its Glm4MoeMTPModel"
@@ -1121,8 +1124,28 @@ def test_a_draft_model_vllm_would_serve_as_its_familys_mtp_layer_is_refused_befo
     assert "draft this target with another kind (its own MTP layer, where it ships one)" in result.stderr
     assert not output.exists()
     llama = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
-    require_draft_config_read_as_written(llama, "draft_model", vllm_python)
+    read = engine_session.served_as(vllm_python, llama)
+    assert read == {"written": ["LlamaForCausalLM"], "served": ["LlamaForCausalLM"]}
+    require_draft_config_read_as_written(llama, "draft_model", read)
     assert [kind for kind, exporter in EXPORTERS.items() if exporter.vllm_writes_family_config] == ["draft_model"]
+
+
+def test_a_draft_config_vllm_serves_as_another_model_or_cannot_serve_is_refused_and_one_it_cannot_tell_is_not():
+    """The refusal reads vLLM's answer (EngineSession.served_as): read as written, or a release that cannot tell
+    (None), passes; served as another model, or not at all, is one line naming both."""
+    from draftsmith.formats.versions import require_draft_config_read_as_written
+
+    glm = {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"]}
+    require_draft_config_read_as_written(glm, "draft_model", None)
+    require_draft_config_read_as_written(glm, "draft_model", {"written": ["A"], "served": ["A"]})
+    with pytest.raises(UserError, match=r"config \(glm4_moe, Glm4MoeForCausalLM\) as its Glm4MoeMTPModel model"):
+        require_draft_config_read_as_written(
+            glm, "draft_model", {"written": ["Glm4MoeForCausalLM"], "served": ["Glm4MoeMTPModel"]}
+        )
+    with pytest.raises(UserError, match=r"not at all \(ValueError: no MTP layers\)"):
+        require_draft_config_read_as_written(
+            glm, "draft_model", {"written": ["Glm4MoeForCausalLM"], "error": "ValueError: no MTP layers"}
+        )
 
 
 # -- push ----------------------------------------------------------------------------------------------

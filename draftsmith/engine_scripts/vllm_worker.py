@@ -26,6 +26,8 @@ A request is an object with one key, the name of what it asks for, whose value h
   most likely next tokens at every position, `topk_ids` [T, K] (int32) and `topk_logprobs` [T, K] (float32,
   log-softmax of the raw logits, best first). Reply: {"ok": true, "files": [path, ...], "seconds": S}.
 - {"close": {}} shuts that engine down, the worker kept for later requests. Reply: {"ok": true}.
+- {"served_as": {"config": {config.json's fields}}} how this vLLM reads a draft folder with that config.json, no
+  engine started (draft_config.py). Reply: {"ok": true, "read": {"written", "served" or "error"} or null}.
 - {"runs": {"target": DIR, "prompts": [[token ids], ...], "max_tokens": N, "dtype": "float32",
   "max_model_len": N, "gpu_memory_utilization": 0.3, "runs": [{"name": ..., "speculative_config": null
   | {...}}, ...]}} greedy generation with and without a drafter, each run in an engine of its own that
@@ -66,6 +68,8 @@ import sys
 import threading
 import time
 import traceback
+
+import draft_config  # draftsmith's, beside this script (the standard library alone)
 
 COUNTERS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
@@ -413,6 +417,7 @@ def main():
         "capture": engine.capture,
         "close": closed,
         "runs": runs_alone,
+        "served_as": draft_config.served_as,
     }
 
     def reply(message):
