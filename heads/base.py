@@ -49,6 +49,7 @@ only: the eval writes it to its own file and the eval and export read it from th
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -271,18 +272,26 @@ def per_sample_stats(
 ) -> dict[str, torch.Tensor]:
     """Per-position metric values -> `name -> [D, 2]` (sum, count) per sample, the shape `loss`
     returns; `rows[i]` is the sample (document, heads/packing.py `documents`) position i belongs
-    to, `batch_size` the number of samples (`num_documents`). `where` (rows' shape, bool): the
-    positions that count, every one when None; a fixed-shape caller masks instead of gathering."""
+    to, `batch_size` the number of samples (`num_documents`). `where` (the values' shape, bool): the
+    positions that count, every one when None; a fixed-shape caller masks instead of gathering.
+    Values (and `where`) may lead with dimensions rows lacks (one per draft step, say): each index of
+    those is summed on its own, `[*leading, D, 2]`, in the operators of one."""
+    shape = (where if where is not None else next(iter(values.values()))).shape
+    leading = shape[: len(shape) - rows.dim()]
+    size = math.prod(leading) * batch_size
     rows = rows.flatten()
+    if leading:  # leading index j's samples at j * batch_size + sample
+        rows = (torch.arange(0, size, batch_size, device=rows.device)[:, None] + rows).flatten()
     counted = torch.ones(rows.shape[0], device=rows.device) if where is None else where.flatten().float()
-    counts = torch.zeros(batch_size, device=rows.device).index_add_(0, rows, counted)
+    counts = torch.zeros(size, device=rows.device).index_add_(0, rows, counted)
 
     def summed(value: torch.Tensor) -> torch.Tensor:
         value = value.flatten().float()
         value = value if where is None else torch.where(where.flatten(), value, 0.0)
-        return torch.zeros(batch_size, device=rows.device).index_add_(0, rows, value)
+        return torch.zeros(size, device=rows.device).index_add_(0, rows, value)
 
-    return {name: torch.stack([summed(value), counts], dim=-1) for name, value in values.items()}
+    table = {name: torch.stack([summed(value), counts], dim=-1) for name, value in values.items()}
+    return {name: pairs.view(*leading, batch_size, 2) for name, pairs in table.items()}
 
 
 def architecture(config: DrafterConfig) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from draftsmith.heads.base import per_sample_stats
-from draftsmith.heads.packing import documents, draft_attention_mask, num_documents, positions, same_document, shifted
+from draftsmith.heads.packing import documents, draft_attention_mask, num_documents, positions, shifted
 from draftsmith.heads.ttt_attention import DenseMasks, FlexLayout, StepKeys, TTTStep, resolved_backend
 from draftsmith.heads.vocab_loss import chunk_rows_for, soft_cross_entropy
 from draftsmith.target import TargetOutput
@@ -111,24 +111,27 @@ class Eagle3Training:
         draft_ids = self.draft_ids()
         chunk = chunk_rows_for(self.loss_chunk_bytes, self.config.draft_vocab_size)
         outputs = self.unroll(input_ids, target_out.layers, batch)
-        counted, weights = [], []
-        for step in range(len(outputs)):
-            supervised = shifted(loss_mask, 2 + step, width, fill=False) & same_document(docs, 2 + step, width)
-            counted.append((supervised, supervised & shifted(teacher.in_vocab, 1 + step, width, fill=False)))
-            weights.append(self.config.ttt_decay**step * counted[-1][1].flatten().float())
+        steps = len(outputs)
+        # [S, B, W], step i's position t at t + 2 + i: every step's masks at once (few operators for the host to issue)
+        ahead = step_windows(docs, 2, steps, width, fill=-1)
+        supervised = step_windows(loss_mask, 2, steps, width, fill=False) & (docs[:, :width] == ahead) & (ahead >= 0)
+        scored = supervised & step_windows(teacher.in_vocab, 1, steps, width, fill=False)
+        decay = self.config.ttt_decay ** torch.arange(steps, dtype=torch.float64, device=input_ids.device)
+        weights = scored.float() * decay.float()[:, None, None]
         # Every step's rows in one fused call: one float32 lm_head gradient for the whole unroll
         features = torch.cat([self.lm_input(output).flatten(0, 1) for output in outputs])
-        result = soft_cross_entropy(features, self.lm_head.weight, teacher.rows(width), torch.cat(weights), chunk)
-        stats: dict[str, torch.Tensor] = {}
+        result = soft_cross_entropy(features, self.lm_head.weight, teacher.rows(width), weights.flatten(), chunk)
         with torch.no_grad():
-            steps = zip(result.best.view(-1, rows, width), result.token_loss.view(-1, rows, width), counted)
-            for step, (best, token_loss, (supervised, scored)) in enumerate(steps):
-                best = draft_ids[best.clamp(min=0)]  # -1: not scored
-                hits = scored & (best == shifted(teacher.best, 1 + step, width))
-                stats |= per_sample_stats({f"step{step + 1}/top1": hits}, samples, num_docs, where=supervised)
-                stats |= per_sample_stats({f"step{step + 1}/loss": token_loss}, samples, num_docs, where=scored)
+            best = draft_ids[result.best.clamp(min=0)].view(steps, rows, width)  # -1: not scored
+            hits = scored & (best == step_windows(teacher.best, 1, steps, width, fill=-1))
+            top1 = per_sample_stats({"top1": hits}, samples, num_docs, where=supervised)["top1"]
+            token_loss = result.token_loss.view(steps, rows, width)
+            loss = per_sample_stats({"loss": token_loss}, samples, num_docs, where=scored)["loss"]
+            stats = {}
+            for step in range(steps):
+                stats |= {f"step{step + 1}/top1": top1[step], f"step{step + 1}/loss": loss[step]}
                 if step == 0 and self.pruned:
-                    stats |= per_sample_stats({"vocab_coverage": scored}, samples, num_docs, where=supervised)
+                    stats |= per_sample_stats({"vocab_coverage": scored[0]}, samples, num_docs, where=supervised[0])
         return result.loss, self.loss_tokens(batch), stats
 
     @torch.no_grad()
@@ -153,6 +156,14 @@ class Eagle3Training:
         in_vocab = self.t2d[best] if self.pruned else torch.ones_like(best, dtype=torch.bool)
         probs.masked_fill_(~in_vocab[:, None], 0.0)
         return Teacher(best.view(shape), in_vocab.view(shape), probs)
+
+
+def step_windows(x: torch.Tensor, first: int, steps: int, width: int, fill) -> torch.Tensor:
+    """[steps, B, width]: step i's window x[:, first + i : first + i + width] of the [B, T] `x`, padded with `fill`
+    past its end; one operator (the pad) where `shifted` once a step takes up to two, the windows views of it."""
+    missing = first + steps - 1 + width - x.shape[1]
+    padded = torch.nn.functional.pad(x, (0, missing), value=fill) if missing > 0 else x
+    return padded.unfold(1, width, 1)[:, first : first + steps].transpose(0, 1)
 
 
 @dataclass

@@ -314,6 +314,25 @@ ROPE_KINDS = {
 }
 
 
+def test_every_steps_statistics_from_one_call_are_a_call_per_step():
+    """The loss's statistics of every TTT step at once (`per_sample_stats` over a leading step dimension, the masks
+    as windows of one padded copy, `step_windows`) are exactly those of a call per step (`shifted`)."""
+    from draftsmith.heads.eagle3_training import step_windows
+
+    torch.manual_seed(0)
+    samples = torch.tensor([[0, 0, 1, 1, 1], [2, 2, 2, 2, 2]])
+    values, where = torch.randn(3, 2, 5), torch.rand(3, 2, 5) > 0.3
+    for mask in (where, None):
+        stacked = per_sample_stats({"v": values}, samples, 3, where=mask)["v"]
+        assert stacked.shape == (3, 3, 2)
+        for step in range(3):
+            alone = per_sample_stats({"v": values[step]}, samples, 3, where=None if mask is None else mask[step])
+            assert torch.equal(stacked[step], alone["v"])
+    x = torch.arange(14).view(2, 7)
+    windows = step_windows(x, 2, 4, 5, fill=-1)
+    assert torch.equal(windows, torch.stack([shifted(x, 2 + step, 5, fill=-1) for step in range(4)]))
+
+
 @pytest.mark.parametrize("kind", ROPE_KINDS)
 def test_every_steps_rope_from_one_call_is_a_call_per_step(model, drafter, kind, monkeypatch):
     """The unroll computes the RoPE of all its steps in one call (`step_ropes`): for every RoPE kind a draft

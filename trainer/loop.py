@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -136,7 +135,7 @@ def train_step(run: Run, step: StepData, agreed: Agreed, stream, stop: StopReque
     scale = loss_scale(accelerator, agreed.loss_tokens)
     run.module.optimizer_step = state.step
     step_loss = torch.zeros((), device=accelerator.device)
-    stats: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(2, device=accelerator.device))
+    stats: dict[str, torch.Tensor] = {}  # name -> (sum, count) over the step's micro-batches
     compiled = cfg.train.compile_vocab_loss, cfg.train.compile_drafter
     for epoch, batch_index, batch in step.batches:
         with accelerator.accumulate(drafter):
@@ -144,9 +143,10 @@ def train_step(run: Run, step: StepData, agreed: Agreed, stream, stop: StopReque
                 accelerator, drafter, batch, run.target_features, scale, *compiled
             )
             step_loss += loss.detach().float()
-            stats["loss"] += torch.stack([loss.detach().float(), torch.as_tensor(count).to(step_loss)])
-            for name, values in batch_stats.items():
-                stats[name] += values.detach().float().sum(0)
+            pairs = {"loss": torch.stack([loss.detach().float(), torch.as_tensor(count).to(step_loss)])}
+            pairs |= {name: values.detach().float().sum(0) for name, values in batch_stats.items()}
+            for name, pair in pairs.items():
+                stats[name] = stats[name] + pair if name in stats else pair  # the first needs no zeros to add to
             if accelerator.sync_gradients:
                 with record_function("clip_grad_norm"):
                     grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), cfg.train.max_grad_norm)
