@@ -118,8 +118,8 @@ class Eagle3Training:
         scored = supervised & step_windows(teacher.in_vocab, 1, steps, width, fill=False)
         decay = self.config.ttt_decay ** torch.arange(steps, dtype=torch.float64, device=input_ids.device)
         weights = scored.float() * decay.float()[:, None, None]
-        # Every step's rows in one fused call: one float32 lm_head gradient for the whole unroll
-        features = torch.cat([self.lm_input(output).flatten(0, 1) for output in outputs])
+        # Every step's rows in one fused call: one float32 lm_head gradient for the whole unroll (and one norm)
+        features = self.lm_input(torch.cat([output.flatten(0, 1) for output in outputs]))
         result = soft_cross_entropy(features, self.lm_head.weight, teacher.rows(width), weights.flatten(), chunk)
         with torch.no_grad():
             best = draft_ids[result.best.clamp(min=0)].view(steps, rows, width)  # -1: not scored
