@@ -120,7 +120,7 @@ class Eagle3Training:
         weights = scored.float() * decay.float()[:, None, None]
         # Every step's rows in one fused call: one float32 lm_head gradient for the whole unroll (and one norm)
         features = self.lm_input(torch.cat([output.flatten(0, 1) for output in outputs]))
-        result = soft_cross_entropy(features, self.lm_head.weight, teacher.rows(width), weights.flatten(), chunk)
+        result = soft_cross_entropy(features, self.lm_head.weight, teacher.rows(width, steps), weights.flatten(), chunk)
         with torch.no_grad():
             best = draft_ids[result.best.clamp(min=0)].view(steps, rows, width)  # -1: not scored
             hits = scored & (best == step_windows(teacher.best, 1, steps, width, fill=-1))
@@ -174,16 +174,14 @@ class Teacher:
     in_vocab: torch.Tensor  # [B, T] bool: whether that argmax is a draft token
     probs: torch.Tensor  # [B * T, draft vocab] float32: its distribution over the draft vocabulary (0: not in it)
 
-    def rows(self, width: int):
+    def rows(self, width: int, steps: int):
         """The teacher of the whole unroll for the fused loss: rows of the steps' flattened [S, B, W]
         positions (W = T - 2) -> the distributions they are scored against, step i's position t against
-        the one at t + 1 + i (clamped to the row: a position past it is never scored)."""
-        length = self.best.shape[1]
-        per_step = self.best.shape[0] * width
-
-        def rows(index: torch.Tensor) -> torch.Tensor:
-            step, place = index // per_step, index % per_step
-            places = (place % width + 1 + step).clamp(max=length - 1)
-            return self.probs.index_select(0, place // width * length + places)
-
-        return rows
+        the one at t + 1 + i (clamped to the row: a position past it is never scored). The row each reads
+        is worked out once for every chunk: a chunk then costs one gather."""
+        rows, length = self.best.shape
+        step = torch.arange(steps, device=self.best.device)[:, None, None]
+        place = torch.arange(width, device=self.best.device)
+        row = torch.arange(rows, device=self.best.device)[None, :, None]
+        source = (row * length + (place + 1 + step).clamp(max=length - 1)).flatten()
+        return lambda index: self.probs.index_select(0, source[index])
