@@ -37,7 +37,7 @@ NO_KERNEL = {
     "empty_strided", "expand", "expand_as", "flatten", "lift_fresh", "movedim", "narrow", "new_empty",
     "new_empty_strided", "permute", "reshape", "select", "slice", "split", "split_with_sizes", "squeeze",
     "sym_numel", "sym_size", "sym_storage_offset", "sym_stride", "t", "transpose", "unbind", "unflatten",
-    "unsqueeze", "view", "view_as",
+    "unfold", "unsqueeze", "view", "view_as",
 }  # fmt: skip
 PARTS = train_throughput.RANGES  # the trainer's profiler range -> the part of the step
 
