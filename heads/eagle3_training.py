@@ -124,12 +124,12 @@ class Eagle3Training:
         with torch.no_grad():
             best = draft_ids[result.best.clamp(min=0)].view(steps, rows, width)  # -1: not scored
             hits = scored & (best == step_windows(teacher.best, 1, steps, width, fill=-1))
-            top1 = per_sample_stats({"top1": hits}, samples, num_docs, where=supervised)["top1"]
             token_loss = result.token_loss.view(steps, rows, width)
-            loss = per_sample_stats({"loss": token_loss}, samples, num_docs, where=scored)["loss"]
-            stats = {}
+            per_step = per_sample_stats({"top1": hits}, samples, num_docs, where=supervised)  # [S, D, 2] each
+            per_step |= per_sample_stats({"loss": token_loss}, samples, num_docs, where=scored)
+            stats: dict[str, torch.Tensor] = {}
             for step in range(steps):
-                stats |= {f"step{step + 1}/top1": top1[step], f"step{step + 1}/loss": loss[step]}
+                stats |= {f"step{step + 1}/{name}": pairs[step] for name, pairs in per_step.items()}
                 if step == 0 and self.pruned:
                     stats |= per_sample_stats({"vocab_coverage": scored[0]}, samples, num_docs, where=supervised[0])
         return result.loss, self.loss_tokens(batch), stats
