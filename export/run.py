@@ -64,7 +64,7 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, engines=No
             f"export.output={str(output)!r} is inside the checkpoint {checkpoint}: its files would count in the "
             "checkpoint's sha256 (which the eval report and the monitor identify it by); give a folder outside it"
         )
-    from draftsmith.export.verify import EngineSession
+    from draftsmith.export.verify import EngineSession, verify_in_vllm
 
     # one session for every question put to vLLM and the check: vLLM imported once (its own, closed at the end)
     opened = nullcontext(engines) if engines is not None else EngineSession()
@@ -123,8 +123,6 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, engines=No
                 write_json(staged / EXPORT_INFO, info, sort_keys=True)
                 check_round_trip(exporter, source, repo, staged, target, gamma, output / engine)
                 if checked_in_engine(cfg, engine):
-                    from draftsmith.export.verify import verify_in_vllm
-
                     info["verified"] = verify_in_vllm(cfg, source, repo, staged, info["speculative_config"], session)
                     info["engine_settings"] = info["verified"].pop("engine_settings")  # recorded once, at the top
                     write_json(staged / EXPORT_INFO, info, sort_keys=True)

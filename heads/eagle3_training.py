@@ -177,11 +177,9 @@ class Teacher:
     def rows(self, width: int, steps: int):
         """The teacher of the whole unroll for the fused loss: rows of the steps' flattened [S, B, W]
         positions (W = T - 2) -> the distributions they are scored against, step i's position t against
-        the one at t + 1 + i (clamped to the row: a position past it is never scored). The row each reads
-        is worked out once for every chunk: a chunk then costs one gather."""
+        the one at t + 1 + i (a position past the row reads the batch's first: it is never scored). The
+        row each reads is worked out once for every chunk: a chunk then costs one gather."""
         rows, length = self.best.shape
-        step = torch.arange(steps, device=self.best.device)[:, None, None]
-        place = torch.arange(width, device=self.best.device)
-        row = torch.arange(rows, device=self.best.device)[None, :, None]
-        source = (row * length + (place + 1 + step).clamp(max=length - 1)).flatten()
+        places = torch.arange(rows * length, device=self.best.device).view(rows, length)
+        source = step_windows(places, 1, steps, width, fill=0).flatten()
         return lambda index: self.probs.index_select(0, source[index])
