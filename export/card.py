@@ -53,7 +53,9 @@ def write_card(
         speculative_config=speculative_config,
         dtype=info["target_dtype"],
         engine_flags=vllm_serve_flags(
-            (info.get("verified") or {}).get("engine_arguments", {}), info.get("target_overrides")
+            (info.get("verified") or {}).get("engine_arguments", {}),
+            info.get("target_overrides"),
+            info.get("compilation_config"),
         ),
         revision_flags=f" {repo.revision_flag} {revision}" if revision and repo.revision_flag else "",
         trust_flags=TRUST_REMOTE_CODE_FLAG if info.get("trust_remote_code") else "",

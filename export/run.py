@@ -353,6 +353,7 @@ def export_info(
         "conventions": repo.conventions,
         "serve": repo.serve,
         "target_overrides": repo.target_overrides or None,  # what the serving command tells vLLM of the target
+        "compilation_config": repo.compilation_config or None,  # how the serving command has vLLM compile
         "target_dtype": served_dtype(source.target_model),  # the dtype the serving command serves the target in
         "speculative_config": served_config(repo, gamma, schedule, drafter),
         "vllm_releases": served_by(repo.method, releases) if releases_known else None,

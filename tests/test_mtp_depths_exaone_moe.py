@@ -154,6 +154,8 @@ def test_the_depths_train_and_export_under_the_releases_names_with_the_count(dep
     assert repo.config == {**config, COUNT: depths}
     assert (repo.cpu_build_limit is None) == (depths == 1)
     assert depths == 1 or "depth 0 at every draft step" in repo.cpu_build_limit
+    # vLLM compiles ExaoneMoeMTP once, its first call's block then every step's: 2 depths are served uncompiled
+    assert repo.compilation_config == ({"mode": 0} if depths == 2 else {})
     back = exporter.read(tmp_path, repo.config, repo.tensors, model, {})
     assert all(torch.equal(t, back.state_dict()[n]) for n, t in drafter.state_dict().items())
     assert exporter.recognises(repo.config, repo.tensors)

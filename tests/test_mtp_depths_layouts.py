@@ -173,6 +173,10 @@ def test_every_depth_trains_exports_under_the_releases_names_with_the_count_and_
     named = re.findall(r"([\w.]+)\*", repo.conventions["weights"])
     assert len(named) == 2 and all(any(n.startswith(prefix) for n in repo.tensors) for prefix in named), named
     assert "depth 0 at every draft step" in repo.cpu_build_limit
+    # vLLM compiles DeepSeekMTP once, its first call's depth then every step's: the folder is served uncompiled
+    compiled = family == "deepseek_v3"
+    assert repo.compilation_config == ({"mode": 0} if compiled else {})
+    assert ("compilation" in repo.conventions) == compiled
     back = exporter.read(tmp_path, repo.config, repo.tensors, model, {})
     assert all(torch.equal(t, back.state_dict()[n]) for n, t in drafter.state_dict().items())
     assert exporter.recognises(repo.config, repo.tensors)
@@ -237,6 +241,8 @@ def test_a_deepseek_v3_release_with_two_depths_trains_resumes_exports_and_decode
     assert not torch.equal(trained, shipped[f"model.layers.{layers + 1}.eh_proj.weight"])
     assert "not its CPU build" in (vllm / "draftsmith_export.json").read_text()
     assert json.loads((vllm / "draftsmith_export.json").read_text())["num_speculative_tokens"] == 2
+    # vLLM compiles its DeepSeekMTP once, with the first step's depth: the command serves it with compilation off
+    assert "--compilation-config '{\"mode\": 0}' --speculative-config" in (vllm / "README.md").read_text()
     prompt = first_records(small_data["eval"], tmp_path / "eval.jsonl", 1)
     quick = [f"eval.data=[{prompt}]", "eval.max_new_tokens=16", "eval.tree=0", "eval.ngram_baseline=false"]
     recipe = ["recipe=mtp", f"target.name_or_path={folder}", f"output_dir={tmp_path / 'eval'}", *quick]
