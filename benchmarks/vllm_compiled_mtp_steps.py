@@ -50,6 +50,11 @@ MTP_CLASSES = {
     "ExaoneMoeForCausalLM": "ExaoneMoeMTP",
     "Exaone4_5_ForConditionalGeneration": "Exaone4_5_MTP",
     "Qwen3NextForCausalLM": "Qwen3NextMTP",
+    "Qwen3_5ForCausalLM": "Qwen3_5MTP",
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5MTP",
+    "Qwen3_5MoeForCausalLM": "Qwen3_5MoeMTP",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeMTP",
+    "Glm5NextForConditionalGeneration": "Glm5NextMTPModel",
 }
 # run by --vllm-python's interpreter: vLLM's decorator on three layers chosen by the step, as its MTP models choose
 DECORATOR_RUN = """
@@ -111,10 +116,12 @@ def registry_entries(source: Source) -> dict[str, tuple[str, str]]:
 
 
 def module_file(source: Source, module: str) -> str:
-    """The file a registry module names, as vLLM's GPU builds import it: a `vllm.models.X` package's nvidia module."""
+    """The file a registry module names, as vLLM's GPU builds import it: a `vllm.models.X` package's nvidia module
+    (its common one where it has no other)."""
     if module.startswith("vllm.models."):
         package = "vllm/models/" + module.removeprefix("vllm.models.").replace(".", "/")
-        return next(name for name in (f"{package}/nvidia/mtp.py", f"{package}/mtp.py") if source.has(name))
+        kept = (f"{package}/nvidia/mtp.py", f"{package}/common/mtp.py", f"{package}/mtp.py")
+        return next(name for name in kept if source.has(name))
     return f"vllm/model_executor/models/{module}.py"
 
 

@@ -59,7 +59,7 @@ CPU_BUILD_STUBS = {
 # every later draft step runs the depth that call ran, so several depths serve as trained with compilation off only.
 # Read from the releases' source, and vLLM's decorator run, by benchmarks/vllm_compiled_mtp_steps.py; the installed
 # vLLM checked by tests/test_families_vllm.py. V3.2's and GLM-5's GPU model is not compiled, nor (from 0.34.0, which
-# first runs its depths one per step) Qwen3-Next's where several depths serve.
+# first runs their depths one per step) Qwen3-Next's where several depths serve, nor Qwen3.5's.
 COMPILED_ONCE = {"deepseek_mtp", "ExaoneMoeMTP", "Exaone4_5_MTP", "BailingMoeV3MTPModel"}
 
 
@@ -147,8 +147,8 @@ class MtpExporter(Exporter):
         if layout.step_depths_from and (drafter_config.get("mtp_depths") or 1) > 1:  # a null count: one depth here
             return Releases(
                 first=layout.step_depths_from,
-                earlier=f"run its first depth at every draft step (their {layout.vllm_model} model passes the step on "
-                "to no depth)",
+                earlier=f"run its first depth at every draft step (their {layout.vllm_model} model is handed no step, "
+                "or passes none on)",
                 instead=f"vLLM {layout.step_depths_from} or later, or draftsmith's eval; for an earlier vLLM train one "
                 "depth (drafter.mtp_depths=1)",
             )

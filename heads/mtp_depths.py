@@ -1,7 +1,8 @@
 """Several MTP depths, one per draft step, as vLLM 0.32 serves them: Inkling's release count (`mtp_config`, with a
 chain norm or none, `chain_hidden_post_norm`) or `drafter.mtp_depths` of a layout whose vLLM model reads the step
 (`Layout.step_depths`: DeepSeek-V3's, V3.2's, GLM-4.5's, GLM-5's, HY-V3's and Dots3-Note's layers N + j, DeepSeek-V4's
-`mtp.{j}.`, HY-V4's `model.mtp_layers.{j}.`, Qwen3-Next's, Exaone-MoE's and Exaone-4.5's blocks `mtp.layers.{j}.`).
+`mtp.{j}.`, HY-V4's `model.mtp_layers.{j}.`, Qwen3-Next's, Qwen3.5's, Exaone-MoE's and Exaone-4.5's blocks
+`mtp.layers.{j}.`).
 V3.2's, GLM-5's and HY-V4's depths are sparse-attention layers: each its own indexer, and each step's cache its
 indexer's keys beside its keys, cut with them (`cut`), as vLLM builds each depth's indexer key cache; DeepSeek-V4's
 and Dots3-Note's attend in a sliding window, each step's cache every key, the masks hiding those out of the window;
@@ -100,10 +101,10 @@ def check_requested(config: dict, layout: Layout, depths: Optional[int]) -> None
     if depths is None or depths == 1:
         return
     if not layout.step_depths:
-        why = layout.one_depth or "it reads no step index, or builds one layer"
         raise UserError(
             f"drafter.mtp_depths={depths}: vLLM 0.32's {layout.vllm_model} runs its first MTP layer at every "
-            f"draft step ({why}), so one depth trains as served: set drafter.mtp_depths=1"
+            "draft step (it reads no step index, or builds one layer), so one depth trains as served: set "
+            "drafter.mtp_depths=1"
         )
     kinds = layout.reads_mtp_fields and (config.get("text_config") or config).get("mtp_layer_types") or []
     alike = next((j for j, kind in enumerate(kinds) if kind != kinds[0]), len(kinds))  # depth 0's kind, from the start

@@ -116,9 +116,9 @@ class Layout:
     # vLLM's model runs depth `spec_step_idx % count` at draft step i, which its model runner V2 passes where the count
     # (its `num_nextn_predict_layers`) is above 1: several depths train as served (heads/mtp_depths.py)
     step_depths: bool = False
-    one_depth: str = ""  # else why vLLM runs depth 0 at every step, its model building several (the refusal's)
     # the vLLM release from which its model runs depth i at step i (None: every release that runs model runner V2);
-    # earlier ones run depth 0 at every step (Qwen3-Next's, before 0.34.0: formats/mtp.py says which serve a folder)
+    # earlier ones run depth 0 at every step (Qwen3-Next's, Qwen3.5's and GLM-5-Next's before 0.34.0: formats/mtp.py
+    # says which serve a folder)
     step_depths_from: Optional[str] = None
     # the vLLM release from which its model feeds a later draft step the other state than `feeds_back_normed` says,
     # which the releases before it feed (GLM-4.5's: final_norm(pre) from 0.34.0); `drafter.feeds_back_normed` trains for

@@ -24,10 +24,6 @@ QWEN4_EXP_NAMES = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc_embedding"
 QWEN4_EXP = Layout(
     "Qwen4ExpMTP", "mtp_num_hidden_layers", QWEN4_EXP_NAMES, False, False, False, streams=True, gated=True
 )
-QWEN3_5 = Layout("qwen3_5_mtp", "mtp_num_hidden_layers", QWEN_NAMES, False, False, True)
-# vLLM's Qwen3_5MoeMTP: Qwen3.5's layer with Qwen3-Next's experts (a sigmoid-gated shared expert beside them),
-# stored fused as the releases ship them (vLLM reads either form)
-QWEN3_5_MOE = replace(QWEN3_5, fused_experts=True)
 EXAONE_MOE = Layout(
     "ExaoneMoeMTP", "num_nextn_predict_layers", QWEN_NAMES, False, False, True, block_kind=(SLIDING, "dense"),
     kind_of_layer_0=True, step_depths=True,
@@ -43,6 +39,11 @@ QWEN3_NEXT = Layout(
     "qwen3_next_mtp", "num_nextn_predict_layers", QWEN_NAMES, False, False, True, step_depths=True,
     step_depths_from="0.34.0",
 )  # fmt: skip
+# vLLM's qwen3_5_mtp: Qwen3-Next's, counted by mtp_num_hidden_layers (0.32 and 0.33 read no count: depth 0 every step)
+QWEN3_5 = replace(QWEN3_NEXT, vllm_model="qwen3_5_mtp", count_key="mtp_num_hidden_layers")
+# vLLM's Qwen3_5MoeMTP: Qwen3.5's layer with Qwen3-Next's experts (a sigmoid-gated shared expert beside them),
+# stored fused as the releases ship them (vLLM reads either form)
+QWEN3_5_MOE = replace(QWEN3_5, fused_experts=True)
 # Inkling's `mtp_config` keys (vLLM's reading) -> the text_config fields transformers copies them to
 MTP_FIELDS = (
     ("num_nextn_predict_layers", "num_mtp_layers"),
@@ -100,7 +101,8 @@ LAYOUTS = {
     # vLLM's Glm5NextMTP (models/glm5next/common/mtp.py): V3.2's wrapper, names and feedback, under the wrapper's
     # language model (`model.language_model.layers.{N}.`); its block the decoder layer without its hyper-connections,
     # with the family's pooled sparse attention (heads/mtp_pooled.py) where the decoder mostly has linear attention; its
-    # depths at the count in text_config, where use_multi_module_mtp() does not look: one at every step (`one_depth`)
+    # depths at the count in text_config, which use_multi_module_mtp() reads from vLLM 0.34.0 (as n_predict; 0.32 and
+    # 0.33 at the wrapper config's top, where the release has none: depth 0 at every step)
     "Glm5NextForConditionalGeneration": Layout(
         "Glm5NextMTPModel",
         "num_nextn_predict_layers",
@@ -110,11 +112,8 @@ LAYOUTS = {
         True,
         plain_block=True,
         decoder_prefix="model.language_model.",
-        one_depth=(
-            "it builds text_config.num_nextn_predict_layers depths and runs depth spec_step_idx % count, but "
-            "SpeculativeConfig.use_multi_module_mtp() reads num_nextn_predict_layers at the wrapper config's top, "
-            "where the release has none, so model runner V2's plain MTPSpeculator runs it and passes no step"
-        ),
+        step_depths=True,
+        step_depths_from="0.34.0",
     ),  # fmt: skip
     # vLLM's Qwen4ExpMTP (models/qwen4_exp/nvidia/mtp.py): Qwen's `mtp.` layout, the layer on the target's
     # `hc_count` streams with its own final mixer (heads/mtp_gated.py), fed back unmixed; draftsmith loads the

@@ -2,8 +2,8 @@
 draft step i (`Layout.step_depths`), as model runner V2's MultiModuleMTPSpeculator serves them (heads/mtp_depths.py):
 DeepSeek-V3's layers N and N + 1 (each its own wrapper, its own final norm read back and by the logits), GLM-4.5's (fed
 back unnormed, the logits through depth i's norm), HY-V3's (DeepSeek-V3's, its `final_layernorm` after the block) and
-Qwen3-Next's blocks `mtp.layers.{j}.` under one shared wrapper. The formulas are written from vLLM's source
-(models/deepseek_mtp.py, glm4_moe_mtp.py, hy_v3_mtp.py, qwen3_next_mtp.py and
+Qwen3-Next's and Qwen3.5's blocks `mtp.layers.{j}.` under one shared wrapper. The formulas are written from vLLM's
+source (models/deepseek_mtp.py, glm4_moe_mtp.py, hy_v3_mtp.py, qwen3_next_mtp.py, 0.34.0's qwen3_5/nvidia/mtp.py and
 v1/worker/gpu/spec_decode/multi_module_mtp/speculator.py): step i runs depth i over the whole draft query, fed the
 previous step's outputs at the same positions and the tokens one further ahead. vLLM's CPU build (V1 runner: depth 0
 at every step) is refused for such an export; a layout whose vLLM model ignores the step, and more depths than the
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -39,22 +40,24 @@ from tests.test_mtp_depths import built_releases, scored_outputs, token_run
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 MTP = drafter_class("mtp")
-FAMILIES = ("deepseek_v3", "glm4_moe", "hy_v3", "qwen3_next")
+FAMILIES = ("deepseek_v3", "glm4_moe", "hy_v3", "qwen3_next", "qwen3_5_text")
+QWEN = ("qwen3_next", "qwen3_5_text")  # one wrapper for every depth, (1 + w) norms
 TWO = {"num_nextn_predict_layers": 2}
+COUNTS = {"qwen3_5_text": {"mtp_num_hidden_layers": 2}}  # where a family's release counts its MTP layers
 
 
-def release_with_depths(directory: Path, family: str, block: dict = TWO, **shape) -> Path:
+def release_with_depths(directory: Path, family: str, block: Optional[dict] = None, **shape) -> Path:
     """A tiny `family` release shipping the MTP layers `block` counts, their norms trained-like (a random layer's are
     the family's ones: a depth reading another's norm would go unseen); `shape`: config fields over SHAPE."""
     folder = write_random_target(family, directory, **(SHAPE | shape))
-    write_random_layer(folder, block=block)
+    write_random_layer(folder, block=block or COUNTS.get(family, TWO))
     weights = folder / "model.safetensors"
     release, draw = load_file(str(weights)), torch.Generator().manual_seed(2)
     layers = text_fields(json.loads((folder / "config.json").read_text()))["num_hidden_layers"]  # a wrapper's too
     mtp = ("mtp.", *(f"model.layers.{layers + j}." for j in range(4)))
     for name, tensor in release.items():
         if name.startswith(mtp) and tensor.dim() == 1 and "norm" in name:
-            tensor.copy_(torch.rand(tensor.shape, generator=draw) * 0.5 + (0.0 if family == "qwen3_next" else 0.75))
+            tensor.copy_(torch.rand(tensor.shape, generator=draw) * 0.5 + (0.0 if family in QWEN else 0.75))
     save_file(release, str(weights), metadata={"format": "pt"})
     return folder
 
@@ -73,7 +76,7 @@ def vllm_depth(
     depth reads, what compute_logits projects). Wrapper tensors read by their release names; the block is the
     drafter's depth's own (its tensors are the release's: `test_every_depth_...`). `release_034`: as vLLM 0.34.0's
     model computes it (GLM-4.5's feeds the next depth the normed output)."""
-    eps, width, qwen = config["rms_norm_eps"], len(tokens), family == "qwen3_next"
+    eps, width, qwen = config["rms_norm_eps"], len(tokens), family in QWEN
     if qwen:  # one wrapper under `mtp.`, depth j's block `mtp.layers.{j}.`
         names = [f"mtp.{name}.weight" for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm")]
     else:  # layer N + j, each its own wrapper
@@ -117,7 +120,7 @@ def test_training_step_i_runs_depth_i_mod_2_over_the_whole_sequence_as_vllms_spe
             )
             assert torch.allclose(outputs[step][0, :width], logits_input, atol=1e-4), step
     # depth 1's modules are its own where the release ships them per depth, the wrapper's where it shares one
-    assert hasattr(drafter.depths[0], "final_norm") == (family != "qwen3_next")
+    assert hasattr(drafter.depths[0], "final_norm") == (family not in QWEN)
     later, first = mtp_depths.part(drafter, 1).block.state_dict(), drafter.block.state_dict()
     assert later.keys() == first.keys() and any(not torch.equal(later[n], first[n]) for n in first)
 
@@ -168,7 +171,8 @@ def test_every_depth_trains_exports_under_the_releases_names_with_the_count_and_
     mtp = {n for n in release if n.startswith(("mtp.", f"model.layers.{layers}.", f"model.layers.{layers + 1}."))}
     assert set(repo.tensors) == {n for n in mtp if ".embed_tokens." not in n and ".shared_head.head." not in n}
     assert repo.config == json.loads((folder / "config.json").read_text())
-    assert repo.config["num_nextn_predict_layers"] == 2 and "num_speculative_tokens <= 2" in repo.conventions["steps"]
+    assert mtp_depths.shipped(repo.config, layout_of(repo.config)) == 2  # its count key: Qwen3.5's is its own
+    assert "num_speculative_tokens <= 2" in repo.conventions["steps"]
     # the record names where each depth is (it named depth 0's prefix alone)
     named = re.findall(r"([\w.]+)\*", repo.conventions["weights"])
     assert len(named) == 2 and all(any(n.startswith(prefix) for n in repo.tensors) for prefix in named), named
@@ -191,12 +195,13 @@ def test_more_depths_than_shipped_or_for_a_model_ignoring_the_step_are_refused_i
     with pytest.raises(UserError, match="at least one depth"):
         MTP.Config(mtp_depths=0).check(local_target_shape(str(folder)))
     MTP.Config(mtp_depths=1).check(local_target_shape(str(folder)))  # layer 0 at every step, as before
-    qwen = release_with_depths(tmp_path / "qwen3_5", "qwen3_5_text", {"mtp_num_hidden_layers": 2})
+    mimo = write_random_target("mimo_v2_flash", tmp_path / "mimo", **SHAPE)  # vLLM builds one layer of its 2
+    write_random_layer(mimo, block=TWO)
     with pytest.raises(
-        UserError, match=r"drafter.mtp_depths=2: vLLM 0.32's qwen3_5_mtp runs its first MTP layer at every"
+        UserError, match=r"drafter.mtp_depths=2: vLLM 0.32's MiMoV2MTPModel runs its first MTP layer at every"
     ):
-        MTP.Config(mtp_depths=2).check(local_target_shape(str(qwen)))
-    MTP.Config().check(local_target_shape(str(qwen)))  # null: one layer, as vLLM serves it
+        MTP.Config(mtp_depths=2).check(local_target_shape(str(mimo)))
+    MTP.Config().check(local_target_shape(str(mimo)))  # null: one layer, as vLLM serves it
 
 
 @pytest.mark.slow
@@ -318,10 +323,11 @@ def test_a_served_chain_longer_than_the_depths_is_one_line_before_anything_is_wr
 def test_an_export_says_which_vllm_releases_compute_its_draft_steps_as_trained(releases, tmp_path, capsys):
     """vLLM 0.34.0 changed two of these models (their layouts' `feedback_changed_in`, `step_depths_from`): GLM-4.5's
     feeds its later draft steps the MTP layer's output after the final norm, where 0.32 and 0.33 feed it before the
-    norm, as draftsmith trains it by default (drafter.feeds_back_normed=true trains it for 0.34); Qwen3-Next's runs
-    depth i at step i, where 0.32's and 0.33's run depth 0 at every step. An export says which releases serve it as
-    trained, by its depths and γ (draftsmith_export.json, the card), and a check with a release that does not is
-    refused in one line before anything is written; a feedback no release computes is refused at the recipe's check."""
+    norm, as draftsmith trains it by default (drafter.feeds_back_normed=true trains it for 0.34); Qwen3-Next's and
+    Qwen3.5's run depth i at step i, where 0.32's and 0.33's run depth 0 at every step. An export says which releases
+    serve it as trained, by its depths and γ (draftsmith_export.json, the card), and a check with a release that does
+    not is refused in one line before anything is written; a feedback no release computes is refused at the recipe's
+    check."""
     from dataclasses import asdict
 
     from draftsmith.eval.methods import serving
@@ -340,7 +346,7 @@ def test_an_export_says_which_vllm_releases_compute_its_draft_steps_as_trained(r
             for normed in (True, False):  # trained for 0.34 (from it), or as the default (until it)
                 served = exporter.releases({**config, "feeds_back_normed": normed}, 3)
                 assert (served.first, served.removed_in) == (("0.34.0", None) if normed else (None, "0.34.0"))
-        elif family == "qwen3_next":
+        elif family in QWEN:  # 0.34.0's Qwen3-Next model passes the step on, its speculative config counts Qwen3.5's
             assert chains[2].first == chains[None].first == "0.34.0"
             assert exporter.releases(one_depth, 3) == exporter.vllm_releases  # depth 0 at every step, as trained
             _, model, drafter = releases(family)  # the eval's report names vLLM with the releases serving its chain
@@ -356,7 +362,10 @@ def test_an_export_says_which_vllm_releases_compute_its_draft_steps_as_trained(r
             "after the final norm, and it trained on its output before the final norm); served by vLLM releases before "
             "0.34.0, or draftsmith's eval; for a newer vLLM train it with drafter.feeds_back_normed=true",
         ),
-        ("qwen3_next", "0.33.0", "vLLM 0.34.0 and later serve it, up to 0.34.0 (the newest checked); earlier releases"),
+        *[
+            (qwen, "0.33.0", "vLLM 0.34.0 and later serve it, up to 0.34.0 (the newest checked); earlier releases")
+            for qwen in QWEN
+        ],
     ]:
         folder, _, drafter = releases(family)
         checkpoint, output = tmp_path / family / "final", tmp_path / family / "export"

@@ -30,13 +30,10 @@ from draftsmith.eval.loop import generate
 from draftsmith.formats import Source, exporter_for
 from draftsmith.formats.repo import TargetInfo
 from draftsmith.heads import drafter_class, mtp_depths
-from draftsmith.heads.mtp_random_layer import write_random_layer
 from draftsmith.heads.proposer import DraftState
-from draftsmith.random_target import write_random_target
 from draftsmith.target import FeatureRequest, TargetShape, local_target_shape, run_target
 from tests.helpers import assert_one_line_error, fast_tier, run_entry_in_process, stand_in_vllm, trains_one_step
 from tests.test_mtp import (
-    SHAPE,
     assert_exported_layer_decodes_losslessly,
     mtp_args,
     resumed_and_exported,
@@ -268,10 +265,9 @@ def test_a_dots3_note_export_lists_one_mtp_layer_type_per_depth_it_serves(releas
     assert repo.config["mtp_layer_types"] == ["sliding_attention"] and repo.config["num_nextn_predict_layers"] == 1
 
 
-def test_more_depths_than_shipped_mixed_depth_kinds_and_glm5_nexts_count_are_refused_in_one_line(releases, tmp_path):
+def test_more_depths_than_shipped_and_mixed_depth_kinds_are_refused_in_one_line(releases, tmp_path):
     """mtp_depths=3 of a release shipping 2; a Dots3-Note release whose `mtp_layer_types` give depth 1 another
-    attention than depth 0 (vLLM builds depth j's as entry j; draftsmith every depth as depth 0's); GLM-5-Next's 2,
-    whose count vLLM's use_multi_module_mtp() does not read (it is in the wrapper's text_config): depth 0 every step."""
+    attention than depth 0 (vLLM builds depth j's as entry j; draftsmith every depth as depth 0's)."""
     for family in FAMILIES:
         folder, _, _ = releases(family)
         with pytest.raises(UserError, match=r"drafter.mtp_depths=3: the target ships 2 MTP depths") as err:
@@ -281,11 +277,6 @@ def test_more_depths_than_shipped_mixed_depth_kinds_and_glm5_nexts_count_are_ref
     mixed = with_config(folder, tmp_path / "mixed", mtp_layer_types=["sliding_attention", "full_attention"])
     with pytest.raises(UserError, match=r"name \['sliding_attention', 'full_attention'\], .* at most 1$"):
         MTP.Config(mtp_depths=2).check(local_target_shape(str(mixed)))
-    glm = write_random_target("glm5_next", tmp_path / "glm5_next", **SHAPE)
-    write_random_layer(glm, block={"num_nextn_predict_layers": 2})  # in its text_config, as the release keeps it
-    with pytest.raises(UserError, match=r"Glm5NextMTPModel runs its first MTP layer at every draft step \(it builds "):
-        MTP.Config(mtp_depths=2).check(local_target_shape(str(glm)))
-    MTP.Config().check(local_target_shape(str(glm)))  # one layer at every step, as vLLM serves it
 
 
 @pytest.mark.slow
