@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -43,7 +44,7 @@ from draftsmith.formats.versions import Releases
 from draftsmith.heads import drafter_class, mtp_depths
 from draftsmith.heads.mtp import layout_of, text_fields
 from draftsmith.heads.mtp_family import decoder_layers
-from draftsmith.heads.mtp_layer import count_holder, shipped_config, shipped_shapes
+from draftsmith.heads.mtp_layer import Layout, count_holder, shipped_config, shipped_shapes
 from draftsmith.heads.mtp_layouts import LAYOUTS, MTP_FIELDS
 from draftsmith.target import loaded_config
 
@@ -61,6 +62,13 @@ CPU_BUILD_STUBS = {
 # vLLM checked by tests/test_families_vllm.py. V3.2's and GLM-5's GPU model is not compiled, nor (from 0.34.0, which
 # first runs their depths one per step) Qwen3-Next's where several depths serve, nor Qwen3.5's.
 COMPILED_ONCE = {"deepseek_mtp", "ExaoneMoeMTP", "Exaone4_5_MTP", "BailingMoeV3MTPModel"}
+UNCOMPILED = {"mode": 0}  # the compilation config that serves them (vLLM's CompilationMode.NONE)
+SERVED_UNCOMPILED = f"compilation off: --compilation-config '{json.dumps(UNCOMPILED)}'"
+
+
+def runs_depths_compiled_once(layout: Layout, depths: int, gamma: Optional[int]) -> bool:
+    """Several depths drafting chains longer than 1 (γ; None: not set yet) on a model vLLM compiles once."""
+    return depths > 1 and (gamma is None or gamma > 1) and layout.vllm_model in COMPILED_ONCE
 
 
 def depths_limit(depths: int) -> Optional[str]:
@@ -153,6 +161,8 @@ class MtpExporter(Exporter):
                 "depth (drafter.mtp_depths=1)",
             )
         changed = layout.feedback_changed_in
+        if runs_depths_compiled_once(layout, drafter_config.get("mtp_depths") or 1, gamma):
+            return replace(self.vllm_releases, condition=SERVED_UNCOMPILED)
         if not changed:
             return self.vllm_releases
         default = bool(layout.feeds_back_normed)
@@ -217,13 +227,13 @@ class MtpExporter(Exporter):
                 "cache each, so no eval measured what vLLM would serve"
             )
         compiled = {}
-        if depths > 1 and layout.vllm_model in COMPILED_ONCE:
-            compiled = {"mode": 0}  # vLLM's CompilationMode.NONE
+        if runs_depths_compiled_once(layout, depths, gamma):
+            compiled = UNCOMPILED
             conventions["compilation"] = (
-                f"served with vLLM's compilation off (--compilation-config '{json.dumps(compiled)}'): vLLM compiles "
-                f"its {layout.vllm_model} model once, at its first call, with every guard dropped, so compiled, "
-                "every later step would run the depth traced first (vLLM 0.32.0 to 0.34.0). Off, the target runs "
-                "uncompiled too: measure its speed, or train one depth (drafter.mtp_depths=1) to serve compiled"
+                f"served with vLLM's {SERVED_UNCOMPILED}. vLLM compiles its {layout.vllm_model} model once, at "
+                "its first call, with every guard dropped, so compiled, every later step would run the depth traced "
+                "first (vLLM 0.32.0 to 0.34.0). Off, the target runs uncompiled too: measure its speed, or train one "
+                "depth (drafter.mtp_depths=1) to serve compiled"
             )
         limit = CPU_BUILD_STUBS.get(layout.vllm_model) or depths_limit(depths)
         return EngineRepo(

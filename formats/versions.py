@@ -72,13 +72,15 @@ class Releases:
     """The vLLM releases that serve a drafter as it was trained: from `first` (None: every release whose speculative
     config accepts its method) to before `removed_in` (None: every release up to NEWEST_CHECKED); why the releases
     from `removed_in` do not (`removed`; "": they removed the method), what the releases before `first` do instead
-    (`earlier`), and what serves such a drafter where a release does not (`instead`)."""
+    (`earlier`), what serves such a drafter where a release does not (`instead`), and how those releases must run to
+    serve it as trained where that needs saying (`condition`: several MTP depths on a model vLLM compiles once)."""
 
     removed_in: Optional[str] = None
     instead: str = ""
     removed: str = ""
     first: Optional[str] = None
     earlier: str = ""
+    condition: str = ""
 
 
 # What serves a drafter of a method other than DFlash or DSpark proposing its chain in one forward (P-EAGLE, PARD):
@@ -102,25 +104,29 @@ def serves(releases: Releases, version: str) -> bool:
 
 def served_by(method: str, releases: Releases) -> str:
     """One line for the folder: which vLLM releases serve a drafter served as `method` as it was trained."""
+    condition = f" ({releases.condition})" if releases.condition else ""
     if releases.removed_in is not None:
         removed = releases.removed or f"they removed method {method!r}"
         return f"vLLM {releases.removed_in} and later cannot serve it ({removed}); served by {releases.instead}"
     if releases.first is not None:
         return (
-            f"vLLM {releases.first} and later serve it, up to {NEWEST_CHECKED} (the newest checked); earlier releases "
-            f"{releases.earlier}; served by {releases.instead}"
+            f"vLLM {releases.first} and later serve it{condition}, up to {NEWEST_CHECKED} (the newest checked); "
+            f"earlier releases {releases.earlier}; served by {releases.instead}"
         )
     return (
-        f"vLLM releases whose speculative config accepts method {method!r} serve it, up to {NEWEST_CHECKED} (the "
-        "newest checked)"
+        f"vLLM releases whose speculative config accepts method {method!r} serve it{condition}, up to "
+        f"{NEWEST_CHECKED} (the newest checked)"
     )
 
 
 def releases_span(releases: Releases) -> str:
-    """The releases a report names beside vLLM where not every release checked serves the drafter ("": every one)."""
+    """What a report names beside vLLM where not every release checked serves the drafter, or serves it only run so
+    ("": every one, as it runs by default)."""
     if releases.removed_in is not None:
-        return f"before {releases.removed_in}"
-    return f"{releases.first} and later" if releases.first is not None else ""
+        span = f"before {releases.removed_in}"
+    else:
+        span = f"{releases.first} and later" if releases.first is not None else ""
+    return ", ".join(part for part in (span, releases.condition) if part)
 
 
 # The target architectures vLLM's releases register a model class for, and the model types the newest transformers

@@ -181,6 +181,8 @@ def test_every_depth_trains_exports_under_the_releases_names_with_the_count_and_
     compiled = family == "deepseek_v3"
     assert repo.compilation_config == ({"mode": 0} if compiled else {})
     assert ("compilation" in repo.conventions) == compiled
+    # at γ 1 a step runs depth 0 alone, whatever vLLM compiled: served as it runs by default
+    assert not exporter.vllm(Source(drafter, tmp_path, model, info), 1, tmp_path / "export1").compilation_config
     back = exporter.read(tmp_path, repo.config, repo.tensors, model, {})
     assert all(torch.equal(t, back.state_dict()[n]) for n, t in drafter.state_dict().items())
     assert exporter.recognises(repo.config, repo.tensors)
@@ -328,9 +330,11 @@ def test_an_export_says_which_vllm_releases_compute_its_draft_steps_as_trained(r
     serve it as trained, by its depths and γ (draftsmith_export.json, the card), and a check with a release that does
     not is refused in one line before anything is written; a feedback no release computes is refused at the recipe's
     check."""
-    from dataclasses import asdict
+    from dataclasses import asdict, replace
 
     from draftsmith.eval.methods import serving
+    from draftsmith.formats.mtp import SERVED_UNCOMPILED
+    from draftsmith.formats.versions import served_by
     from draftsmith.heads.mtp_layouts import LAYOUTS
 
     assert not LAYOUTS["Glm4MoeForCausalLM"].feeds_back_normed
@@ -352,6 +356,15 @@ def test_an_export_says_which_vllm_releases_compute_its_draft_steps_as_trained(r
             _, model, drafter = releases(family)  # the eval's report names vLLM with the releases serving its chain
             assert serving(drafter, model, gamma=2)["chain"]["served_by"] == "vLLM (0.34.0 and later)"
             assert serving(drafter, model, gamma=1)["chain"]["served_by"] == "vLLM"
+        elif family == "deepseek_v3":  # its DeepSeekMTP is compiled once: several depths served uncompiled
+            assert chains[2] == chains[None] == replace(exporter.vllm_releases, condition=SERVED_UNCOMPILED)
+            assert exporter.releases(one_depth, 3) == exporter.vllm_releases
+            _, model, drafter = releases(family)
+            assert serving(drafter, model, gamma=2)["chain"]["served_by"] == f"vLLM ({SERVED_UNCOMPILED})"
+            assert (
+                SERVED_UNCOMPILED in served_by("mtp", chains[2])
+                and serving(drafter, model, gamma=1)["chain"]["served_by"] == "vLLM"
+            )
         else:
             assert chains[2] == chains[None] == exporter.vllm_releases
     for family, release, line in [
