@@ -250,6 +250,9 @@ def test_a_deepseek_v3_release_with_two_depths_trains_resumes_exports_and_decode
     assert json.loads((vllm / "draftsmith_export.json").read_text())["num_speculative_tokens"] == 2
     # vLLM compiles its DeepSeekMTP once, with the first step's depth: the command serves it with compilation off
     assert "--compilation-config '{\"mode\": 0}' --speculative-config" in (vllm / "README.md").read_text()
+    said = json.loads((vllm / "draftsmith_export.json").read_text())
+    assert said["compilation_config"] == {"mode": 0}
+    assert "(compilation off: --compilation-config" in said["vllm_releases"]
     prompt = first_records(small_data["eval"], tmp_path / "eval.jsonl", 1)
     quick = [f"eval.data=[{prompt}]", "eval.max_new_tokens=16", "eval.tree=0", "eval.ngram_baseline=false"]
     recipe = ["recipe=mtp", f"target.name_or_path={folder}", f"output_dir={tmp_path / 'eval'}", *quick]
