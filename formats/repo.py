@@ -161,8 +161,8 @@ class EngineRepo:
     # export's check and written into the serving command
     target_overrides: dict[str, Any] = field(default_factory=dict)
     # vLLM's compilation config the folder serves as trained with (its serving command's `--compilation-config`):
-    # {"mode": 0}, compilation off, for several MTP depths of a model vLLM compiles once (heads/mtp_layer.py's
-    # `compiled_once`); the export's check runs vLLM eager whatever this says
+    # {"mode": 0}, compilation off, for several MTP depths of a model vLLM compiles once (formats/mtp.py's
+    # COMPILED_ONCE); the export's check runs vLLM eager whatever this says
     compilation_config: dict[str, Any] = field(default_factory=dict)
     # the serving command's flag naming the drafter's Hub branch (its `{revision_flags}`); "": the command names the
     # branch elsewhere or not at all (vLLM's speculative config carries it as `revision`)
