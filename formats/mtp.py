@@ -226,6 +226,15 @@ class MtpExporter(Exporter):
                 f"{depths} writes its entries into depth i % {depths}'s KV cache, where draftsmith's steps keep a "
                 "cache each, so no eval measured what vLLM would serve"
             )
+        options = {}
+        if text_fields(config).get("index_share_for_mtp_iteration"):
+            options = {"index_share_for_mtp_iteration": False}  # SpeculativeConfig's, read by 0.32.0 to 0.34.0
+            conventions["selection"] = (
+                "the target's config has later draft steps reuse the first one's sparse-attention selection "
+                "(index_share_for_mtp_iteration), which the drafter did not train with: the speculative config turns "
+                "it off (every vLLM release checked reads it there), so each draft step selects its own keys, as "
+                "trained"
+            )
         compiled = {}
         if runs_depths_compiled_once(layout, depths, gamma):
             compiled = UNCOMPILED
@@ -247,6 +256,7 @@ class MtpExporter(Exporter):
             tokenizer=True,
             cpu_build_limit=limit,
             compilation_config=compiled,
+            options=options,
         )
 
     def recognises(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:

@@ -358,11 +358,6 @@ def layout_of(config: dict) -> Layout:
         )
     layout = LAYOUTS[architecture]
     text = config.get("text_config") or {}
-    if (text or config).get("index_share_for_mtp_iteration"):
-        raise UserError(
-            "drafter.type=mtp: the target's config sets index_share_for_mtp_iteration, with which vLLM 0.32's later "
-            "draft steps reuse the first step's sparse-attention selection, which draftsmith's drafter does not"
-        )
     sparse = (text or config).get("sparse_attention_config") or {}
     if sparse.get("sparse_init_block", 0) != 0 or sparse.get("sparse_local_block", 1) != 1:
         # vLLM 0.32's block-sparse indexer always keeps the first `sparse_init_block` blocks and the query's last

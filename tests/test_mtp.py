@@ -35,6 +35,7 @@ from transformers import AutoModelForCausalLM
 
 from draftsmith.errors import UserError
 from draftsmith.eval.loop import generate
+from draftsmith.export.run import served_config
 from draftsmith.formats import Source, exporter_for
 from draftsmith.formats.repo import TargetInfo, check_tensors
 from draftsmith.heads import drafter_class
@@ -848,17 +849,27 @@ def test_a_glm5_next_layer_exports_under_the_wrappers_names_with_its_config(targ
     assert exporter_for("mtp").recognises(repo.config, repo.tensors)
 
 
-def test_a_target_whose_later_draft_steps_share_the_first_ones_selection_is_refused_in_one_line(targets, tmp_path):
-    """index_share_for_mtp_iteration: vLLM's later draft steps reuse step 0's sparse-attention selection, which the
-    drafter does not compute; refused before anything loads."""
-    folder, _ = targets("glm5_next")
+def test_a_target_whose_later_draft_steps_share_the_first_ones_selection_is_served_selecting_at_every_step(
+    targets, tmp_path
+):
+    """index_share_for_mtp_iteration: vLLM's later draft steps would reuse step 0's sparse-attention selection, which
+    the drafter does not compute (each of its steps selects its own keys). It trains as any target, and the export's
+    speculative config turns the sharing off (`"index_share_for_mtp_iteration": false`, which vLLM 0.32.0 to 0.34.0
+    read from it over the draft's config); a target without it gets no such key. It was refused."""
+    folder, model = targets("glm5_next")
     copy = Path(shutil.copytree(folder, tmp_path / "shared"))
     config = json.loads((copy / "config.json").read_text())
     config["text_config"]["index_share_for_mtp_iteration"] = True
     (copy / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UserError, match=r"sets index_share_for_mtp_iteration, with which vLLM 0.32's later") as err:
-        MTP.Config().check(local_target_shape(str(copy)))
-    assert "\n" not in str(err.value)
+    MTP.Config().check(local_target_shape(str(copy)))
+    exporter = exporter_for("mtp")
+    for target, shared in ((copy, True), (folder, False)):
+        drafter = MTP.from_target(MTP.Config(), model, str(target))
+        info = TargetInfo(TargetShape.of(model, str(target)), model.config.to_dict(), str(target))
+        repo = exporter.vllm(Source(drafter, tmp_path, model, info), 3, tmp_path / "export")
+        assert repo.options == ({"index_share_for_mtp_iteration": False} if shared else {})
+        assert ("selection" in repo.conventions) == shared
+        assert served_config(repo, 3, None, drafter).get("index_share_for_mtp_iteration", True) is not shared
 
 
 @pytest.mark.parametrize("kept", [{"sparse_init_block": 1}, {"sparse_local_block": 2}])

@@ -164,10 +164,12 @@ def test_both_depths_train_but_their_indexers_and_export_under_the_releases_name
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_more_depths_than_shipped_and_a_shared_selection_are_refused_in_one_line(family, releases, tmp_path):
-    """mtp_depths=3 of a release shipping 2; index_share_for_mtp_iteration (vLLM's later steps reuse step 0's
-    selection, which no depth computes) whatever the count."""
-    folder, _, _ = releases(family)
+def test_more_depths_than_shipped_are_refused_in_one_line_and_a_shared_selection_is_turned_off(
+    family, releases, tmp_path
+):
+    """mtp_depths=3 of a release shipping 2; index_share_for_mtp_iteration (vLLM's later steps would reuse step 0's
+    selection, which no depth computes) trains, and the export's speculative config turns it off."""
+    folder, model, _ = releases(family)
     with pytest.raises(UserError, match=r"drafter.mtp_depths=3: the target ships 2 MTP depths") as err:
         MTP.Config(mtp_depths=3).check(local_target_shape(str(folder)))
     assert "\n" not in str(err.value)
@@ -178,8 +180,11 @@ def test_more_depths_than_shipped_and_a_shared_selection_are_refused_in_one_line
     config = json.loads((folder / "config.json").read_text()) | {"index_share_for_mtp_iteration": True}
     (shared / "config.json").unlink()
     (shared / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UserError, match="sets index_share_for_mtp_iteration"):
-        MTP.Config(mtp_depths=2).check(local_target_shape(str(shared)))
+    MTP.Config(mtp_depths=2).check(local_target_shape(str(shared)))
+    drafter = MTP.from_target(MTP.Config(mtp_depths=2), model, str(shared))
+    info = TargetInfo(TargetShape.of(model, str(shared)), model.config.to_dict(), str(shared))
+    repo = exporter_for("mtp").vllm(Source(drafter, tmp_path, model, info), 2, tmp_path / "export")
+    assert repo.options == {"index_share_for_mtp_iteration": False}
 
 
 @pytest.mark.slow

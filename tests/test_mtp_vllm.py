@@ -21,7 +21,7 @@ from draftsmith.engines import torchvision_loads
 from draftsmith.heads.mtp_random_layer import write_random_layer
 from draftsmith.random_target import demo_tokenizer_dir
 from draftsmith.recipe import load_recipe
-from tests.helpers import FAMILY_TRAINING, benchmark_module, train_and_export_for_vllm, train_in_process
+from tests.helpers import FAMILY_TRAINING, REPO, benchmark_module, train_and_export_for_vllm, train_in_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
@@ -29,8 +29,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine]
 def test_the_fine_tuned_mtp_layer_is_served_by_vllm_like_in_draftsmith(
     vllm_python, engine_session, tmp_path, small_data, token_cache
 ):
+    """The bundled target, its config setting index_share_for_mtp_iteration as sparse-attention releases may: the
+    export's speculative config turns the sharing off (`"index_share_for_mtp_iteration": false`), which vLLM takes."""
+    target = tmp_path / "target"
+    target.mkdir()
+    for path in (REPO / "demo" / "mtp-target").iterdir():
+        (target / path.name).symlink_to(path)
+    config = json.loads((REPO / "demo" / "mtp-target" / "config.json").read_text())
+    (target / "config.json").unlink()
+    (target / "config.json").write_text(json.dumps({**config, "index_share_for_mtp_iteration": True}))
     args = [
-        "recipe=mtp", f"data.train=[{small_data['train']}]", *FAMILY_TRAINING, f"eval.data=[{small_data['eval']}]",
+        "recipe=mtp", f"target.name_or_path={target}", f"data.train=[{small_data['train']}]", *FAMILY_TRAINING,
+        f"eval.data=[{small_data['eval']}]",
         f"data.cache_dir={token_cache}", f"output_dir={tmp_path / 'run'}", "train.lr=3e-3",
         # 8 steps accept 18 tokens in 260 drafts (-0.2% from draftsmith's τ); the target's own layer exported in
         # place of the fine-tuned one accepts none
@@ -40,6 +50,8 @@ def test_the_fine_tuned_mtp_layer_is_served_by_vllm_like_in_draftsmith(
     assert verified["lossless"] and verified["equals_draftsmith_plain"], verified
     assert verified["counters"]["num_accepted_tokens"] > 0, verified
     assert abs(verified["relative_difference"]) <= 0.08, verified
+    served = json.loads((tmp_path / "export" / "vllm" / "draftsmith_export.json").read_text())["speculative_config"]
+    assert served["index_share_for_mtp_iteration"] is False
 
 
 def skip_without_torchvision(vllm_python: str, module: str) -> None:
