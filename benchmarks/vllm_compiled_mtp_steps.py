@@ -11,9 +11,9 @@ class vLLM's GPU builds serve them with (its speculative-decoding registry entry
 nvidia module's), and whether that class, a class it derives from in its module, or a module class whose forward
 reads `spec_step_idx` is wrapped by `@support_torch_compile` without an `enable_if`. Such a model is compiled at its
 first call with every guard dropped (vllm/compilation/wrapper.py), so the depth that call ran is every later step's
-(formats/mtp.py's COMPILED_ONCE, which tests/test_families_vllm.py checks against the installed
-vLLM). `--vllm-python`: that environment's vLLM decorator is run on a module choosing its layer by `spec_step_idx`,
-compiled (CompilationMode.VLLM_COMPILE) and not (NONE), and the layer each of three steps ran is printed.
+(formats/mtp.py's COMPILED_ONCE, which tests/test_families_vllm.py checks against the installed vLLM).
+`--vllm-python`: that environment's vLLM decorator is run on a module choosing its layer by `spec_step_idx`, compiled
+(CompilationMode.VLLM_COMPILE) and not (NONE), and the layer each of three steps ran is printed.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ MTP_CLASSES = {
 }
 # run by --vllm-python's interpreter: vLLM's decorator on three layers chosen by the step, as its MTP models choose
 DECORATOR_RUN = """
-import json, torch
+import json, torch, vllm
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import CompilationConfig, CompilationMode, VllmConfig, set_current_vllm_config
@@ -81,7 +81,7 @@ for mode in (CompilationMode.VLLM_COMPILE, CompilationMode.NONE):
         alone = [layer(hidden) for layer in model.layers]
         served = [model(hidden, spec_step_idx=step) for step in range(3)]
     ran[mode.name] = [next(j for j, out in enumerate(alone) if torch.equal(out, got)) for got in served]
-print(json.dumps(ran))
+print(json.dumps({"vllm": vllm.__version__, "step_ran_layer": ran}))
 """
 
 
@@ -172,10 +172,7 @@ def main() -> None:
         run = subprocess.run([args.vllm_python, "-c", DECORATOR_RUN], capture_output=True, text=True, timeout=600)
         if run.returncode != 0:
             sys.exit(f"error: vLLM's decorator run failed: {run.stderr.strip().splitlines()[-1:]}")
-        version = subprocess.run(
-            [args.vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True
-        ).stdout.strip()
-        result["decorator_run"] = {"vllm": version, "step_ran_layer": json.loads(run.stdout.strip().splitlines()[-1])}
+        result["decorator_run"] = json.loads(run.stdout.strip().splitlines()[-1])
     result |= provenance(None, began)
     text = json.dumps(result, indent=1)
     print(text)

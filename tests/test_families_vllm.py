@@ -131,7 +131,8 @@ def test_the_mtp_models_the_installed_vllm_compiles_once_are_the_layouts_that_sa
     """formats/mtp.py's COMPILED_ONCE, among the layouts whose depths the installed vLLM runs one per step, is the
     models whose GPU build runs its first call's depth at every step once compiled (`@support_torch_compile` without an
     enable_if), as benchmarks/vllm_compiled_mtp_steps.py reads it from the installed vLLM's source; the script names the
-    MTP model of every layout with several depths."""
+    MTP model of every layout with several depths. The installed vLLM's decorator, run on a module choosing its layer
+    by the step as those models do, runs layer 0 at steps 0, 1, 2 compiled and layers 0, 1, 2 with compilation off."""
     import json
     import subprocess
     import sys
@@ -145,10 +146,12 @@ def test_the_mtp_models_the_installed_vllm_compiles_once_are_the_layouts_that_sa
     out = tmp_path / "compiled.json"
     read = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "vllm_compiled_mtp_steps.py"), "--vllm", f"0.32.0={site}",
-         "--out", str(out)], capture_output=True, text=True, timeout=120,
+         "--vllm-python", vllm_python, "--out", str(out)], capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert read.returncode == 0, read.stderr[-2000:]
-    models = json.loads(out.read_text())["releases"]["0.32.0"]
+    result = json.loads(out.read_text())
+    assert result["decorator_run"]["step_ran_layer"] == {"VLLM_COMPILE": [0, 0, 0], "NONE": [0, 1, 2]}
+    models = result["releases"]["0.32.0"]
     assert set(models) == {architecture for architecture, layout in LAYOUTS.items() if layout.step_depths}
     served = {architecture for architecture in models if not LAYOUTS[architecture].step_depths_from}
     flagged = {architecture for architecture in served if LAYOUTS[architecture].vllm_model in COMPILED_ONCE}
