@@ -65,11 +65,12 @@ class Medusa(Drafter):
         self._verifier: tuple[nn.Module, ...] = ()  # see verify_with; a tuple keeps it out of the module tree
         hidden, vocab = target.hidden_size, target.vocab_size
         self.blocks = nn.ModuleList(MedusaBlocks(hidden, config.num_layers) for _ in range(config.num_heads))
-        # left uninitialised: from_target copies the target's lm_head in or draws them, a load fills them (a random
-        # [V, H] draw that is then overwritten took 2.75 s a head at 152k x 4096 on one thread)
         self.lm_heads = nn.ModuleList(
             nn.utils.skip_init(nn.Linear, hidden, vocab, bias=False) for _ in range(config.num_heads)
         )
+        for head in self.lm_heads:  # zeros, not nn.Linear's draw: from_target copies the target's lm_head in (or
+            # draws them), a load fills them; the draw, then overwritten, cost 1.5 s a head more at 152k x 4096
+            nn.init.zeros_(head.weight)
         self._register_state_dict_hook(_vllm_names)
         self._register_load_state_dict_pre_hook(_from_vllm_names)
 

@@ -1,18 +1,21 @@
 """Medusa-1's heads as `from_target` starts them: each output layer a copy of the target's lm_head
-(`drafter.init_lm_heads_from_target`, the default) or a fresh draw; the module builds them uninitialised, which a
-load or `from_target` always fills."""
+(`drafter.init_lm_heads_from_target`, the default) or a fresh draw; the module builds them zeroed (not drawn), which
+a load or `from_target` fills."""
 
 from __future__ import annotations
 
 import torch
 
 from draftsmith.heads import drafter_class
+from draftsmith.target import TargetShape
 from tests.helpers import tiny_llama
 
 MEDUSA = drafter_class("medusa")
 
 
 def test_heads_start_as_the_targets_lm_head_or_a_fresh_draw_of_linears_init():
+    built = MEDUSA(MEDUSA.Config(num_heads=2), TargetShape("tiny", "llama", 32, 512, 1))
+    assert all(not head.weight.any() for head in built.lm_heads)  # defined memory, whatever fills it next
     target = tiny_llama(vocab=512, hidden=32, layers=1, seed=5)
     lm_head = target.get_output_embeddings().weight
     copied = MEDUSA.from_target(MEDUSA.Config(num_heads=3), target, "tiny")
