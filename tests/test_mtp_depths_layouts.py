@@ -23,11 +23,12 @@ from safetensors.torch import load_file, save_file
 from draftsmith.errors import UserError
 from draftsmith.eval.loop import generate
 from draftsmith.formats import Source, exporter_for
+from draftsmith.formats.mtp import COMPILED_ONCE
 from draftsmith.formats.repo import TargetInfo, check_tensors
 from draftsmith.heads import drafter_class, mtp_depths
 from draftsmith.heads.mtp import text_fields
 from draftsmith.heads.mtp_layer import read_layer
-from draftsmith.heads.mtp_layouts import layout_of
+from draftsmith.heads.mtp_layouts import LAYOUTS, layout_of
 from draftsmith.heads.mtp_random_layer import write_random_layer
 from draftsmith.heads.proposer import DraftState
 from draftsmith.random_target import write_random_target
@@ -183,6 +184,7 @@ def test_every_depth_trains_exports_under_the_releases_names_with_the_count_and_
     assert ("compilation" in repo.conventions) == compiled
     # at γ 1 a step runs depth 0 alone, whatever vLLM compiled: served as it runs by default
     assert not exporter.vllm(Source(drafter, tmp_path, model, info), 1, tmp_path / "export1").compilation_config
+    assert COMPILED_ONCE <= {layout.vllm_model for layout in LAYOUTS.values() if layout.step_depths}  # no stray name
     back = exporter.read(tmp_path, repo.config, repo.tensors, model, {})
     assert all(torch.equal(t, back.state_dict()[n]) for n, t in drafter.state_dict().items())
     assert exporter.recognises(repo.config, repo.tensors)
