@@ -77,10 +77,10 @@ class Medusa(Drafter):
     @classmethod
     def from_target(cls, config: MedusaConfig, target_model, name_or_path: str) -> Medusa:
         drafter = cls(config, TargetShape.of(target_model, name_or_path))
-        weight = target_model.get_output_embeddings().weight.detach().float()
+        weight = target_model.get_output_embeddings().weight.detach()
         for head in drafter.lm_heads:
             if config.init_lm_heads_from_target:
-                head.weight.data.copy_(weight)
+                head.weight.data.copy_(weight)  # cast into the head's float32 in place: no float copy of the table
             else:
                 head.reset_parameters()
         return drafter
