@@ -23,7 +23,7 @@ in the folder. DeepSeek-V4's config also carries `compress_ratios` with an entry
 below). Served with `--speculative-config '{"method": "mtp", "model": <folder>, ...}'`; without `model` vLLM would read
 the layer the target shipped, not this one.
 
-SGLang serves DeepSeek's MTP layer as its NEXTN algorithm; draftsmith has not verified that loader.
+SGLang serves the layer as its NEXTN algorithm from the same folder, one depth, as formats/mtp_sglang.py says.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ import torch
 
 from draftsmith.errors import UserError
 from draftsmith.families import COMPRESSED
-from draftsmith.formats import Exporter, Source, register
-from draftsmith.formats.repo import VLLM_SERVE, EngineRepo
+from draftsmith.formats import Exporter, Source, mtp_sglang, register
+from draftsmith.formats.repo import VLLM_SERVE, EngineRepo, TargetInfo
 from draftsmith.formats.versions import Releases
 from draftsmith.heads import drafter_class, mtp_depths
 from draftsmith.heads.mtp import layout_of, text_fields
@@ -117,8 +117,9 @@ def served_config(name_or_path: str, loaded: dict, depths: int) -> dict:
     return config
 
 
-# Keys of a config.json no MTP layer's function depends on (a load's dtype, the writer's version)
-UNBUILT_KEYS = ("torch_dtype", "dtype", "transformers_version", "use_cache")
+# Keys of a config.json no MTP layer's function depends on (a load's dtype, the writer's version), or which only say how
+# an engine serves it (an SGLang folder turns the selection's sharing off: draftsmith's layer selects at every step)
+UNBUILT_KEYS = ("torch_dtype", "dtype", "transformers_version", "use_cache", "index_share_for_mtp_iteration")
 
 
 def require_served_config(folder: Path, config: dict, target_model, depths: int) -> None:
@@ -143,7 +144,6 @@ class MtpExporter(Exporter):
     kinds = ("mtp",)
     vllm_method = "mtp"
     vllm_method_from_name = True
-    sglang_reason = "draftsmith has not verified SGLang's MTP (NEXTN) loader; export for vllm"
 
     def releases(self, drafter_config: Mapping[str, Any], gamma: Optional[int] = None) -> Releases:
         """Where the vLLM model of the drafter's layout computes later draft steps otherwise in some releases (its
@@ -183,20 +183,43 @@ class MtpExporter(Exporter):
             f"drafter.feeds_back_normed={str(default).lower()}",
         )
 
-    def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
-        drafter = source.drafter
+    def refuse(self, engine: str, drafter, target: TargetInfo, vllm_format: str = "speculators") -> None:
+        super().refuse(engine, drafter, target, vllm_format)
+        if engine == "sglang":
+            mtp_sglang.refuse(drafter, target)
+        elif (
+            drafter.layout.masks_first_position != LAYOUTS[drafter.config.decoder["architecture"]].masks_first_position
+        ):
+            raise UserError(
+                f"this MTP drafter trained with the embedding at position 0 read (drafter.masks_first_position=false, "
+                f"as SGLang computes it), and every vLLM release checked zeroes it in {drafter.layout.vllm_model}: "
+                "export it for sglang, or train with drafter.masks_first_position unset for vllm"
+            )
+
+    def folder(self, source: Source, depths: int) -> tuple[Layout, dict, dict, dict]:
+        """What both engines' folders hold for `depths` depths: the layout, the served config.json, the tensors under
+        their release names and the shapes the target's release gives them."""
         name_or_path = source.target.shape.name_or_path
         loaded = loaded_config(source.target_model)
         layout = layout_of(loaded)
-        depths = mtp_depths.depths_of(drafter)  # vLLM runs depth i at step i, one layer (1) at every step
         config = served_config(name_or_path, loaded, depths)
         layers = decoder_layers(text_fields(config))
-        # depth 0's tensors, then each later depth's (heads/mtp_depths.py), as the record names them
-        depth_prefixes = [layout.prefix(layers), *(mtp_depths.prefix(layout, j, layers) for j in range(1, depths))]
-        written = drafter.checkpoint_tensors().items()
+        written = source.drafter.checkpoint_tensors().items()
         tensors = {mtp_depths.release_name(layout, name, layers): tensor for name, tensor in written}
         expected = shipped_shapes(name_or_path, source.target.config, layout)
         expected |= mtp_depths.shipped_depth_shapes(name_or_path, source.target.config, layout, depths)
+        return layout, config, tensors, expected
+
+    def sglang(self, source: Source, gamma: int, output: Path) -> EngineRepo:
+        _, config, tensors, expected = self.folder(source, 1)
+        return mtp_sglang.repo(source, config, tensors, expected, text_fields(config))
+
+    def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
+        depths = mtp_depths.depths_of(source.drafter)  # vLLM runs depth i at step i, one layer (1) at every step
+        layout, config, tensors, expected = self.folder(source, depths)
+        layers = decoder_layers(text_fields(config))
+        # depth 0's tensors, then each later depth's (heads/mtp_depths.py), as the record names them
+        depth_prefixes = [layout.prefix(layers), *(mtp_depths.prefix(layout, j, layers) for j in range(1, depths))]
         conventions = {
             "config": (
                 f"the target's config.json as shipped (a vision-language wrapper's language model's), "
@@ -281,6 +304,8 @@ class MtpExporter(Exporter):
             if key in ("ttt_steps", "ttt_decay", "tree_depth", "tree_topk", "feeds_back_normed")
         }  # training and decoding settings the engine does not carry (the vLLM release decides the feedback)
         settings["mtp_depths"] = mtp_depths.shipped(config, layout)  # the folder's count: the depths it holds
+        if info.get("engine") == "sglang":  # the layer as SGLang computes it (formats/mtp_sglang.py)
+            settings |= {"masks_first_position": False, "feeds_back_normed": True}
         require_served_config(folder, config, target_model, settings["mtp_depths"])
         layer = {mtp_depths.layer_name(layout, name, layers): tensor for name, tensor in tensors.items()}
         return mtp.from_layer(mtp.Config(**settings), target_model, info.get("verifier", "target"), layer)

@@ -14,20 +14,21 @@ MTP proposer, and the embedding of the next token x_{p+1}:
     pre = block(proj(cat(embed_norm(e(x_{p+1})), hidden_norm(f_p))))     block: one decoder layer of the
     logits = lm_head(final_norm(pre))                                    target's family, MoE/MLA/sparse as its own
 
-where e is the target's embedding, zeroed at position 0 in the DeepSeek and GLM models, and lm_head the
-target's (vLLM shares both with the target; the checkpoint's copies are not read). A later draft step
-reads the previous step's `final_norm(pre)` (DeepSeek, GLM-5, HY-V4, Qwen) or `pre` itself (GLM-4.5, MiniMax-M3),
-as vLLM's proposer feeds them back (docs/results/vllm-0.32-source-2026-families.md, section 2). DeepSeek-V4's layer
-passes hyper-connection streams instead, and reads the target's last layer's (heads/mtp_streams.py; Qwen4-Exp's, mixed
-by gated residuals: heads/mtp_gated.py); HY-V4's and GLM-5-Next's block is their decoder layer without its
-hyper-connections (heads/mtp_plain.py), as is MiniMax-M3's, its block-sparse attention on the drafter's masks
-(heads/mtp_blocks.py); Nemotron-H's is a stack of its attention and expert layers, the wrapper's tensors stored in
-its first and last (heads/mtp_stacked.py). Inkling's reads [hidden | embedding], its embedding normed by the target's
-embedding norm first, its block the decoder layer with its short convolutions (heads/mtp_convolved.py), its chain norm
-(if any) as the final norm, its logits divided by the target's muP multiplier (`head_input`), as vLLM's. LongCat-Flash's
-and ERNIE-4.5's block is another family's decoder layer, DeepSeek-V2's and Llama's (heads/mtp_family.py); ERNIE-4.5's
-logits read its output with no final norm. Decoding is EAGLE's: the layer's own KV cache over the committed sequence,
-a chain or a dynamic tree grown from it (EagleProposer); vLLM verifies chains.
+where e is the target's embedding, zeroed at position 0 in vLLM's DeepSeek and GLM models (SGLang's read it:
+`drafter.masks_first_position`), and lm_head the target's (both engines share both with the target; the checkpoint's
+copies are not read). A later draft step reads the previous step's `final_norm(pre)` (DeepSeek, GLM-5, HY-V4, Qwen)
+or `pre` itself (GLM-4.5, MiniMax-M3), as vLLM's proposer feeds them back
+(docs/results/vllm-0.32-source-2026-families.md, section 2). DeepSeek-V4's layer passes hyper-connection streams
+instead, and reads the target's last layer's (heads/mtp_streams.py; Qwen4-Exp's, mixed by gated residuals:
+heads/mtp_gated.py); HY-V4's and GLM-5-Next's block is their decoder layer without its hyper-connections
+(heads/mtp_plain.py), as is MiniMax-M3's, its block-sparse attention on the drafter's masks (heads/mtp_blocks.py);
+Nemotron-H's is a stack of its attention and expert layers, the wrapper's tensors stored in its first and last
+(heads/mtp_stacked.py). Inkling's reads [hidden | embedding], its embedding normed by the target's embedding norm
+first, its block the decoder layer with its short convolutions (heads/mtp_convolved.py), its chain norm (if any) as
+the final norm, its logits divided by the target's muP multiplier (`head_input`), as vLLM's. LongCat-Flash's and
+ERNIE-4.5's block is another family's decoder layer, DeepSeek-V2's and Llama's (heads/mtp_family.py); ERNIE-4.5's
+logits read its output with no final norm. Decoding is EAGLE's: the layer's own KV cache over the committed
+sequence, a chain or a dynamic tree grown from it (EagleProposer); vLLM and SGLang verify chains.
 
 The first MTP layer runs every draft step (vLLM 0.32's V1 runner runs layer 0 whatever the count), but Inkling's
 depths and `drafter.mtp_depths` of a layout whose vLLM model reads the step: depth i at step i (heads/mtp_depths.py).
@@ -122,14 +123,30 @@ def fed_back(layout: Layout, normed: Optional[bool]) -> Layout:
     return replace(layout, feeds_back_normed=normed)
 
 
-def check_target_folder(name_or_path: str, feeds_back_normed: Optional[bool] = None) -> None:
-    """For a local target: its config names an MTP layout (one that computes `feeds_back_normed`) and its weights hold
-    the first MTP layer (the safetensors headers only); a Hub id is checked when the target loads."""
+def first_position(layout: Layout, masked: Optional[bool]) -> Layout:
+    """The layout as `drafter.masks_first_position` trains it (None: as vLLM computes it); one line for a zeroed first
+    position where no engine checked zeroes it (SGLang's NextN models read it where vLLM's models zero it)."""
+    if masked is None or masked == layout.masks_first_position:
+        return layout
+    if masked:
+        raise UserError(
+            f"drafter.masks_first_position=true: vLLM's {layout.vllm_model} does not zero the embedding at position 0, "
+            "nor does an SGLang model draftsmith checked; leave it null"
+        )
+    return replace(layout, masks_first_position=False)
+
+
+def check_target_folder(
+    name_or_path: str, feeds_back_normed: Optional[bool] = None, masks_first_position: Optional[bool] = None
+) -> None:
+    """For a local target: its config names an MTP layout (one that computes `feeds_back_normed` and
+    `masks_first_position`) and its weights hold the first MTP layer (the safetensors headers only); a Hub id is checked
+    when the target loads."""
     folder = Path(name_or_path)
     if not (folder / "config.json").is_file():
         return
     config = json.loads((folder / "config.json").read_text())
-    layout = fed_back(layout_of(config), feeds_back_normed)
+    layout = first_position(fed_back(layout_of(config), feeds_back_normed), masks_first_position)
     check_ships_a_layer(config, layout, str(folder))
     prefix = layout.prefix(decoder_layers(text_fields(config)))
     if not any(name.startswith(prefix) for name in tensor_names(folder)):
@@ -146,7 +163,7 @@ class Mtp(EagleBase):
     type = "mtp"
     TITLE = "MTP"
     Config = MtpConfig
-    SERVED_BY = {"chain": ("vllm",), "tree": ()}
+    SERVED_BY = {"chain": ("vllm", "sglang"), "tree": ()}  # SGLang: one depth (formats/mtp_sglang.py)
 
     def __init__(self, config: MtpConfig, target: TargetShape):
         super().__init__(config, target)
@@ -155,7 +172,7 @@ class Mtp(EagleBase):
         # on any device; from_pretrained would pick a kernel, a layer built alone gets none
         self.layer_config._experts_implementation = "eager"
         built = mtp_depths.layout_for(LAYOUTS[spec["architecture"]], self.layer_config)
-        self.layout = fed_back(built, config.feeds_back_normed)
+        self.layout = first_position(fed_back(built, config.feeds_back_normed), config.masks_first_position)
         hidden, eps = target.hidden_size, norm_eps(self.layer_config)
         norm = import_qualified(spec["norm"])  # the target's RMSNorm (Qwen's computes x * (1 + w))
         if self.layout.gated:  # no final norm: the layer's own mixer feeds the lm_head

@@ -30,6 +30,9 @@ class MtpConfig(DrafterConfig):
     # a later draft step reads the MTP layer's output after its final norm (true) or before it (false), as the vLLM
     # release served computes it (GLM-4.5's: before until 0.33, after from 0.34: formats/mtp.py); null: as 0.32 does
     feeds_back_normed: Optional[bool] = None
+    # the embedding at position 0 zeroed (true) or read (false), as the engine served computes the layer: vLLM's
+    # DeepSeek and GLM models zero it, SGLang's (NextN) read it (formats/mtp_sglang.py); null: as vLLM does
+    masks_first_position: Optional[bool] = None
     decoder: Optional[dict] = None  # the MTP layer's classes, config and layout, resolved by from_target
 
     def check(self, target: Optional[TargetShape] = None) -> None:
@@ -43,5 +46,5 @@ class MtpConfig(DrafterConfig):
             from draftsmith.heads import mtp_depths  # reads the checkpoint: at validation, past the schema
             from draftsmith.heads.mtp import check_target_folder
 
-            check_target_folder(target.name_or_path, self.feeds_back_normed)
+            check_target_folder(target.name_or_path, self.feeds_back_normed, self.masks_first_position)
             mtp_depths.check_target_folder(target.name_or_path, self.mtp_depths)

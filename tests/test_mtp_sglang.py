@@ -1,0 +1,213 @@
+"""The `mtp` kind for SGLang (formats/mtp_sglang.py): the layer trained as SGLang's NextN models compute it (the
+embedding at position 0 read, later steps fed the normed output, one layer at every step), exported to the folder
+SGLang reads, and refused in one line where SGLang would serve another function. SGLang cannot run here (its kernels
+need CUDA): the folder is checked against its loader source, the layer's function against the formula read there."""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from draftsmith.errors import UserError
+from draftsmith.formats import Source, exporter_for
+from draftsmith.formats.mtp import served_config
+from draftsmith.formats.repo import TargetInfo, check_tensors
+from draftsmith.heads import drafter_class
+from draftsmith.heads.mtp_layer import read_layer
+from draftsmith.heads.mtp_random_layer import write_random_layer
+from draftsmith.random_target import write_random_target
+from draftsmith.recipe import load_recipe
+from draftsmith.target import TargetShape, load_target, loaded_config, local_target_shape, run_target
+from tests.helpers import first_records, run_entry_in_process
+from tests.test_mtp import layout, rms
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MTP = drafter_class("mtp")
+SHAPE = {"hidden_size": 64, "intermediate_size": 128, "head_dim": 16}
+# SGLang's DeepSeek NextN norms its inputs with a CUDA kernel taking hidden sizes of 512 to 8192 in steps of 256
+WIDE = {**SHAPE, "hidden_size": 512}
+SHAPES = {"deepseek_v3": WIDE, "deepseek_v32": WIDE}
+TWO_DEPTHS = "+2"  # a family's target (`targets`) shipping two MTP depths
+FOR_SGLANG = {"masks_first_position": False, "feeds_back_normed": True}  # SGLang's function (GLM-4.5's feedback too)
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    """family -> (folder, model) of a tiny target with a random MTP layer, built once."""
+
+    @functools.cache
+    def build(family: str):
+        model_type, depths = family.removesuffix(TWO_DEPTHS), 2 if family.endswith(TWO_DEPTHS) else 1
+        folder = write_random_target(model_type, tmp_path_factory.mktemp(model_type), **SHAPES.get(family, SHAPE))
+        if family == "deepseek_v32":  # later steps share the first one's selection, as the target's config asks
+            config = json.loads((folder / "config.json").read_text())
+            (folder / "config.json").write_text(json.dumps({**config, "index_share_for_mtp_iteration": True}))
+        write_random_layer(folder, block={"num_nextn_predict_layers": depths} if depths > 1 else None)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().requires_grad_(False)
+        return folder, model
+
+    return build
+
+
+def source_of(family: str, targets, tmp_path, **config) -> Source:
+    folder, model = targets(family)
+    drafter = MTP.from_target(MTP.Config(**config), model, str(folder))
+    shape = TargetShape.of(model, str(folder))
+    return Source(drafter, tmp_path, model, TargetInfo(shape, model.config.to_dict(), str(folder)))
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_a_layer_trained_for_sglang_computes_its_nextn_formula_reading_position_0(family, targets):
+    """SGLang's DeepseekModelNextN and Glm4MoeModelNextN: shared_head.norm(decoder(eh_proj(cat(enorm(e), hnorm(f)))))
+    with the embedding at position 0 read (vLLM's models zero it), the normed output fed to the next step; the
+    position-0 entry of the layer's cache reaches the last position's draft, which vLLM's function drafts otherwise."""
+    folder, model = targets(family)
+    drafter = MTP.from_target(MTP.Config(**FOR_SGLANG), model, str(folder)).eval()
+    vllms = MTP.from_target(MTP.Config(), model, str(folder)).eval()
+    config, chosen = layout(folder)
+    shipped = read_layer(str(folder), config, chosen)
+    embed_norm, hidden_norm, proj, final_norm = (shipped[f"{name}.weight"] for name in chosen.names)
+    eps = config["rms_norm_eps"]
+    ids = torch.randint(3, 200, (1, 6), generator=torch.Generator().manual_seed(0))
+    features = run_target(model, ids).final
+    positions = torch.arange(6)[None]
+    embedded = model.get_input_embeddings().weight[ids]  # position 0 read
+    hidden = torch.cat([rms(embedded, embed_norm, eps), rms(features, hidden_norm, eps)], -1) @ proj.T
+    rope = drafter.rotary_emb(hidden, positions)
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
+    with torch.no_grad():
+        pre = drafter.block(hidden, attention_mask=causal, position_ids=positions, position_embeddings=rope)
+        pre = pre[0] if isinstance(pre, tuple) else pre
+        fed, vllms_fed = (each.draft(ids, features, positions, causal) for each in (drafter, vllms))
+    assert torch.allclose(fed, rms(pre, final_norm, eps), atol=1e-5)
+    assert not torch.allclose(fed[0, -1], vllms_fed[0, -1], atol=1e-3)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32", "glm4_moe", "qwen3_next", "qwen3_5_text"])
+def test_a_layer_trained_for_sglang_exports_to_the_folder_its_nextn_model_reads(family, targets, tmp_path):
+    """The target's config.json with one MTP layer (num_nextn_predict_layers, which DeepSeek's and GLM's loaders
+    assert is 1; V3.2's selection sharing off, where SGLang reads it), the layer under exactly the shipped names and
+    shapes (SGLang leaves a missing tensor uninitialised without a word), served as NEXTN; read back as SGLang computes
+    it. vLLM's export of a DeepSeek or GLM layer trained so is refused; a Qwen layer is the same function in both."""
+    source = source_of(family, targets, tmp_path, **FOR_SGLANG)
+    exporter = exporter_for("mtp")
+    repo = exporter.build("sglang", source, 3, tmp_path / "sglang")
+    check_tensors(repo, "export")
+    folder, model = targets(family)
+    served = served_config(str(folder), loaded_config(model), 1)
+    if family == "deepseek_v32":
+        assert served["index_share_for_mtp_iteration"] and not repo.config["index_share_for_mtp_iteration"]
+        assert "selection" in repo.conventions
+    assert repo.config == {**served, "index_share_for_mtp_iteration": False} if family == "deepseek_v32" else served
+    assert repo.config.get("num_nextn_predict_layers", repo.config.get("mtp_num_hidden_layers")) == 1
+    assert set(repo.tensors) == set(exporter.vllm(source_of(family, targets, tmp_path), 3, tmp_path / "v").tensors)
+    assert "--speculative-algorithm NEXTN --speculative-draft-model-path {path}" in repo.serve
+    # GLM-4.5's loader skips fused experts without a word and Qwen3-Next's raises on them: one tensor per expert
+    assert any(".experts.0.gate_proj." in name for name in repo.tensors) != (family == "qwen3_5_text")
+    assert not any(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in repo.tensors)
+    back = exporter.read(tmp_path, repo.config, repo.tensors, model, {"engine": "sglang"})
+    assert not back.layout.masks_first_position and back.layout.feeds_back_normed
+    written = source.drafter.checkpoint_tensors()
+    assert all(torch.equal(tensor, back.checkpoint_tensors()[name]) for name, tensor in written.items())
+    if family.startswith("qwen"):
+        check_tensors(exporter.build("vllm", source, 3, tmp_path / "vllm"), "export")
+    else:
+        with pytest.raises(UserError, match=r"drafter.masks_first_position=false, as SGLang computes it\), and every "
+                           r"vLLM release checked zeroes it in"):  # fmt: skip
+            exporter.build("vllm", source, 3, tmp_path / "vllm")
+
+
+@pytest.mark.parametrize(
+    "family, config, said",
+    [
+        ("deepseek_v3", {}, r"trained with the embedding at position 0 zeroed, as vLLM's deepseek_mtp computes it, "
+         r"and SGLang's DeepseekV3ForCausalLMNextN reads it: export it for vllm, or train with "
+         r"drafter.masks_first_position=false for sglang"),
+        ("glm4_moe", {"masks_first_position": False}, r"SGLang's Glm4MoeForCausalLMNextN feeds them the output after "
+         r"it: .* drafter.feeds_back_normed=true for sglang"),
+        ("qwen3_next+2", {"mtp_depths": 2}, r"trained 2 depths, one per draft step, and SGLang's "
+         r"Qwen3NextForCausalLMMTP runs one layer at every step"),
+        ("hy_v4", {}, r"draftsmith has not checked SGLang's MTP model for HYV4ForCausalLM \(checked: DeepseekV3, "),
+    ],
+)  # fmt: skip
+def test_a_layer_sglang_would_compute_otherwise_is_refused_in_one_line(family, config, said, targets, tmp_path):
+    source = source_of(family, targets, tmp_path, **config)
+    with pytest.raises(UserError, match=said):
+        exporter_for("mtp").build("sglang", source, 3, tmp_path / "sglang")
+
+
+def test_sglangs_kernel_and_layer_reading_limits_are_refused_and_a_zeroed_position_no_engine_computes(tmp_path):
+    """DeepSeek's NextN norms with a CUDA kernel that refuses a hidden size not a multiple of 256 (the tiny
+    targets'), reads a one-layer target's own layer 0 as the MTP layer; and zeroing position 0 where vLLM does not is
+    refused at the recipe's check, before anything loads."""
+    narrow = write_random_target("deepseek_v3", tmp_path / "narrow", **SHAPE)
+    write_random_layer(narrow)
+    model = AutoModelForCausalLM.from_pretrained(narrow, dtype=torch.float32).eval().requires_grad_(False)
+    drafter = MTP.from_target(MTP.Config(**FOR_SGLANG), model, str(narrow))
+    info = TargetInfo(TargetShape.of(model, str(narrow)), model.config.to_dict(), str(narrow))
+    with pytest.raises(UserError, match=r"fused_eh_norm\) that refuses hidden_size=64"):
+        exporter_for("mtp").refuse("sglang", drafter, info)
+    one_layer = TargetInfo(info.shape, {**info.config, "hidden_size": 512, "num_hidden_layers": 1}, str(narrow))
+    with pytest.raises(UserError, match=r"reads a one-layer target's layer 0 \(its decoder's own\) as the MTP layer"):
+        exporter_for("mtp").refuse("sglang", drafter, replace_hidden(one_layer, 512))
+    qwen = write_random_target("qwen3_next", tmp_path / "qwen", **SHAPE)
+    write_random_layer(qwen)
+    with pytest.raises(UserError, match=r"masks_first_position=true: vLLM's qwen3_next_mtp does not zero"):
+        MTP.Config(masks_first_position=True).check(local_target_shape(str(qwen)))
+
+
+def replace_hidden(info: TargetInfo, hidden: int) -> TargetInfo:
+    return replace(info, shape=replace(info.shape, hidden_size=hidden))
+
+
+@pytest.mark.slow
+def test_the_demo_targets_layer_trains_for_sglang_and_its_folder_evaluates_like_the_checkpoint(
+    small_data, token_cache, tmp_path, capsys
+):
+    """Through the entry points on the demo MTP target (GLM-4.5's layout): trained for SGLang (`drafter.*` keys), the
+    checkpoint exports for sglang (exit 0, its card's command NEXTN), for vllm it is refused in one line before
+    anything is written (exit 2); read back by draftsmith's eval, the SGLang folder decodes as the checkpoint does,
+    losslessly."""
+    from draftsmith.eval.report import run_eval
+
+    name = load_recipe(["recipe=mtp"]).target.name_or_path
+    target = load_target(name)
+    settings = [f"drafter.{key}={str(value).lower()}" for key, value in FOR_SGLANG.items()]
+    train = [f"data.train=[{small_data['train']}]", "data.eval=[]", f"data.cache_dir={token_cache}"]
+    train += ["data.max_length=64", "train.max_steps=2", "train.micro_batch_size=2", "train.warmup_steps=0"]
+    run = tmp_path / "run"
+    train += ["eval.enabled=false", f"output_dir={run}"]
+    assert run_entry_in_process(["train.py", "recipe=mtp", *settings, *train], capsys).returncode == 0
+    checkpoint = run / "final"
+    assert json.loads((checkpoint / "config.json").read_text())["drafter"]["masks_first_position"] is False
+    export = ["-m", "export", "recipe=mtp", *settings, f"checkpoint={checkpoint}", f"output_dir={run}"]
+    refused = run_entry_in_process([*export, f"export.output={tmp_path / 'both'}"], capsys)
+    assert refused.returncode == 2 and "every vLLM release checked zeroes it" in refused.stderr
+    assert not (tmp_path / "both").exists()
+    done = run_entry_in_process([*export, f"export.output={tmp_path / 'export'}", "export.engines=[sglang]"], capsys)
+    assert done.returncode == 0
+    folder = tmp_path / "export" / "sglang"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["Glm4MoeForCausalLM"] and config["num_nextn_predict_layers"] == 1
+    assert all(name.startswith("model.layers.4.") for name in load_file(str(folder / "model.safetensors")))
+    info = json.loads((folder / "draftsmith_export.json").read_text())
+    assert info["engine"] == "sglang" and "--speculative-algorithm NEXTN" in (folder / "README.md").read_text()
+    prompt = first_records(small_data["eval"], tmp_path / "eval.jsonl", 1)
+    quick = [f"eval.data=[{prompt}]", "eval.max_new_tokens=16", "eval.tree=0", "eval.ngram_baseline=false"]
+    rows = {}
+    for label, path in (("checkpoint", checkpoint), ("sglang", folder)):
+        recipe = load_recipe(["recipe=mtp", f"output_dir={tmp_path / label}", *quick])
+        report = run_eval(recipe, str(path), target=target)
+        rows[label] = [
+            (row["new_tokens"], row["target_forwards"], row["accepted"], row["lossless"])
+            for domain in report["domains"].values()
+            for row in domain.values()
+        ]
+    assert rows["sglang"] == rows["checkpoint"] and all(row[3] for row in rows["sglang"])
