@@ -187,6 +187,11 @@ class MtpExporter(Exporter):
         super().refuse(engine, drafter, target, vllm_format)
         if engine == "sglang":
             mtp_sglang.refuse(drafter, target)
+        elif drafter.layout.vllm_refused:
+            raise UserError(
+                f"no vLLM release checked serves this target's MTP layer: {drafter.layout.vllm_refused}; "
+                "export it for sglang"
+            )
         elif (
             drafter.layout.masks_first_position != LAYOUTS[drafter.config.decoder["architecture"]].masks_first_position
         ):

@@ -2,7 +2,8 @@
 
 SGLang builds the draft from a folder holding the target's config.json, whose architecture its ModelConfig rewrites
 to its MTP model (configs/model_config.py `_config_draft_model`): DeepSeek-V3's and V3.2's to
-DeepseekV3ForCausalLMNextN, GLM-5's to GlmMoeDsaForCausalLMNextN, GLM-4.5's to Glm4MoeForCausalLMNextN, Qwen3-Next's to
+DeepseekV3ForCausalLMNextN, GLM-5's to GlmMoeDsaForCausalLMNextN, GLM-4.5's to Glm4MoeForCausalLMNextN, GLM-4.7-Flash's
+(glm4_moe_lite, which no vLLM release serves: heads/mtp_layouts.py) to Glm4MoeLiteForCausalLMNextN, Qwen3-Next's to
 Qwen3NextForCausalLMMTP and Qwen3.5's to Qwen3_5ForCausalLMMTP. Those models read the layer under the names the vLLM
 folder holds (formats/mtp.py): DeepSeek's and GLM's loaders take `model.layers.{num_hidden_layers}.*` and assert
 `num_nextn_predict_layers == 1`; Qwen's take `mtp.*`, layer 0 only. Checked against SGLang 0.5.23's source (read, not
@@ -42,12 +43,15 @@ SGLANG_MODELS = {
     "DeepseekV32ForCausalLM": "DeepseekV3ForCausalLMNextN",
     "GlmMoeDsaForCausalLM": "GlmMoeDsaForCausalLMNextN",
     "Glm4MoeForCausalLM": "Glm4MoeForCausalLMNextN",
+    "Glm4MoeLiteForCausalLM": "Glm4MoeLiteForCausalLMNextN",
     "Qwen3NextForCausalLM": "Qwen3NextForCausalLMMTP",
     "Qwen3_5ForCausalLM": "Qwen3_5ForCausalLMMTP",
     "Qwen3_5MoeForCausalLM": "Qwen3_5ForCausalLMMTP",
 }
 # Models whose loader reads layer `num_hidden_layers`, or layer 0 where the decoder has one layer (the target's own)
-READS_LAYER_N = {"DeepseekV3ForCausalLMNextN", "GlmMoeDsaForCausalLMNextN", "Glm4MoeForCausalLMNextN"}
+READS_LAYER_N = {
+    "DeepseekV3ForCausalLMNextN", "GlmMoeDsaForCausalLMNextN", "Glm4MoeForCausalLMNextN", "Glm4MoeLiteForCausalLMNextN"
+}  # fmt: skip
 # Models whose CUDA forward norms [embedding | hidden] with one kernel (DeepseekModelNextN's fused_eh_norm), which
 # raises unless 256 < hidden_size <= 8192 and hidden_size % 256 == 0, with no fallback
 FUSED_EH_NORM = {"DeepseekV3ForCausalLMNextN", "GlmMoeDsaForCausalLMNextN"}

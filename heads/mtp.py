@@ -1,9 +1,10 @@
 """MTP: the target's own multi-token-prediction layer, shipped in its checkpoint, fine-tuned as the drafter.
 
-Bailing-Hybrid (Ling-3.0), DeepSeek-V3, V3.2 and V4, Dots3-Note, ERNIE-4.5, Exaone-MoE, Exaone-4.5, GLM-4.5, GLM-5 and
-GLM-5-Next, HY-V3, HY-V4, Inkling, LongCat-Flash, MiMo-V2-Flash, MiniMax-M3, Nemotron-H, Qwen3-Next, Qwen3.5 and
-Qwen4-Exp ship, next to their decoder layers, a layer trained to predict the token after next. transformers drops it at
-load (the families' `_keys_to_ignore_on_load_unexpected`); vLLM serves it as the `mtp` method. This kind reads it from
+Bailing-Hybrid (Ling-3.0), DeepSeek-V3, V3.2 and V4, Dots3-Note, ERNIE-4.5, Exaone-MoE, Exaone-4.5, GLM-4.5,
+GLM-4.7-Flash, GLM-5 and GLM-5-Next, HY-V3, HY-V4, Inkling, LongCat-Flash, MiMo-V2-Flash, MiniMax-M3, Nemotron-H,
+Qwen3-Next, Qwen3.5 and Qwen4-Exp ship, next to their decoder layers, a layer trained to predict the token after next.
+transformers drops it at load (the families' `_keys_to_ignore_on_load_unexpected`); vLLM serves it as the `mtp` method,
+SGLang as its NEXTN algorithm (formats/mtp_sglang.py; GLM-4.7-Flash's by SGLang only). This kind reads it from
 the target's safetensors, builds it as vLLM 0.32's `*_mtp.py` model for that architecture computes it, trains it on the
 target's own distribution several steps ahead, each step fed its previous step's output (EAGLE's training-time test),
 and exports it back under the checkpoint's own names (formats/mtp.py).
@@ -129,9 +130,10 @@ def first_position(layout: Layout, masked: Optional[bool]) -> Layout:
     if masked is None or masked == layout.masks_first_position:
         return layout
     if masked:
+        served = f"vLLM's {layout.vllm_model}" if not layout.vllm_refused else "SGLang's model (no vLLM serves it)"
         raise UserError(
-            f"drafter.masks_first_position=true: vLLM's {layout.vllm_model} does not zero the embedding at position 0, "
-            "nor does an SGLang model draftsmith checked; leave it null"
+            f"drafter.masks_first_position=true: {served} does not zero the embedding at position 0, nor does an "
+            "SGLang model draftsmith checked; leave it null"
         )
     return replace(layout, masks_first_position=False)
 

@@ -124,6 +124,9 @@ class Layout:
     # which the releases before it feed (GLM-4.5's: final_norm(pre) from 0.34.0); `drafter.feeds_back_normed` trains for
     # either
     feedback_changed_in: Optional[str] = None
+    # why no vLLM release checked serves the layer as the checkpoint ships it ("": they do); the layout is then SGLang's
+    # model's (formats/mtp_sglang.py), the only engine to serve it
+    vllm_refused: str = ""
 
     def prefix(self, num_hidden_layers: int) -> str:
         """The first MTP layer's tensor names start with this."""

@@ -33,6 +33,13 @@ GLM4_MOE = Layout(
     "glm4_moe_mtp", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, True, False, step_depths=True,
     feedback_changed_in="0.34.0",
 )  # fmt: skip
+# GLM-4.7-Flash's layer, computed as SGLang's Glm4MoeLiteForCausalLMNextN (formats/mtp_sglang.py): DeepSeek's names at
+# layer N, its block the MLA decoder layer with experts, position 0 read, the normed output fed back
+GLM4_MOE_LITE = Layout(
+    "glm4_moe_lite_mtp", "num_nextn_predict_layers", DEEPSEEK_NAMES, True, False, True,
+    vllm_refused="vLLM's glm4_moe_lite_mtp (0.32.0 to 0.34.0) sets num_hidden_layers to 0 and so builds and loads the "
+    "target's layer 0 as the MTP layer, never the shipped one",
+)  # fmt: skip
 # vLLM's qwen3_next_mtp: one wrapper for every depth, depth j's block under `mtp.layers.{j}.`, run at step j from
 # vLLM 0.34.0 (0.32's and 0.33's Qwen3NextMTP.forward takes the step in **kwargs and passes none on)
 QWEN3_NEXT = Layout(
@@ -285,6 +292,7 @@ LAYOUTS = {
         block_family="llama",
         final_norm=False,
     ),  # fmt: skip
+    "Glm4MoeLiteForCausalLM": GLM4_MOE_LITE,
     "Qwen3NextForCausalLM": QWEN3_NEXT,
     "Qwen3_5ForCausalLM": QWEN3_5,
     "Qwen3_5MoeForCausalLM": QWEN3_5_MOE,
@@ -297,10 +305,6 @@ LAYOUTS = {
 # Architectures with MTP layers that draftsmith does not train, and why: vLLM 0.32 would not serve the layer as
 # trained, or draftsmith's drafter cannot run it.
 UNSERVED = {
-    "Glm4MoeLiteForCausalLM": (
-        "vLLM 0.32's glm4_moe_lite_mtp sets num_hidden_layers to 0 and so loads the target's layer 0 as the MTP "
-        "layer, never the shipped one"
-    ),
     # measured in tests/test_step3p5.py (the IndexError) and tests/test_mtp_step3p5.py (built once put back)
     "Step3p5ForCausalLM": (
         "vLLM 0.32 builds its Step3p5MTP from no release as served: a release's config gives each MTP layer an entry "

@@ -214,9 +214,6 @@ def test_targets_without_a_served_mtp_layer_are_refused_in_one_line(tmp_path):
     saved = write_random_target("glm4_moe", tmp_path / "saved", **SHAPE)  # a count, but saved by transformers
     with pytest.raises(UserError, match=r"weights hold no MTP layer \(no tensor named model.layers.4.\*"):
         MTP.Config().check(local_target_shape(str(saved)))
-    lite = write_random_target("glm4_moe_lite", tmp_path / "lite", **SHAPE)
-    with pytest.raises(UserError, match="glm4_moe_lite_mtp sets num_hidden_layers to 0"):
-        MTP.Config().check(local_target_shape(str(lite)))
     config = json.loads((saved / "config.json").read_text())  # an FP8 release: weights beside block scales
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     (saved / "config.json").write_text(json.dumps(config))
