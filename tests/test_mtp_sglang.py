@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -19,11 +20,14 @@ from draftsmith.formats import Source, exporter_for
 from draftsmith.formats.mtp import served_config
 from draftsmith.formats.repo import TargetInfo, check_tensors
 from draftsmith.heads import drafter_class
+from draftsmith.heads.mtp import text_fields
 from draftsmith.heads.mtp_layer import read_layer
+from draftsmith.heads.mtp_layouts import LAYOUTS
 from draftsmith.heads.mtp_random_layer import write_random_layer
 from draftsmith.random_target import write_random_target
 from draftsmith.recipe import load_recipe
 from draftsmith.target import TargetShape, load_target, loaded_config, local_target_shape, run_target
+from tests import test_mtp_2026b, test_mtp_other_family_block
 from tests.helpers import first_records, run_entry_in_process
 from tests.test_mtp import layout, rms, trains_ahead_and_decodes_losslessly
 
@@ -33,7 +37,14 @@ MTP = drafter_class("mtp")
 SHAPE = {"hidden_size": 64, "intermediate_size": 128, "head_dim": 16}
 # SGLang's DeepSeek NextN norms its inputs with a CUDA kernel taking hidden sizes of 512 to 8192 in steps of 256
 WIDE = {**SHAPE, "hidden_size": 512}
-SHAPES = {"deepseek_v3": WIDE, "deepseek_v32": WIDE}
+SHAPES = {"deepseek_v3": WIDE, "deepseek_v32": WIDE, "glm5_next": WIDE}
+SHARING = ("deepseek_v32", "glm5_next")  # targets whose config has later draft steps share the first one's selection
+WRAPPED = ("glm5_next",)  # a wrapper draftsmith loads as its language model
+# releases whose config.json carries fields transformers' lacks: HY-V3's routing, LongCat-Flash's MLA LoRA scaling
+RELEASES = {
+    "hy_v3": functools.partial(test_mtp_2026b.release_target, "hy_v3"),
+    "longcat_flash": functools.partial(test_mtp_other_family_block.release_target, "longcat_flash"),
+}
 TWO_DEPTHS = "+2"  # a family's target (`targets`) shipping two MTP depths
 FOR_SGLANG = {"masks_first_position": False, "feeds_back_normed": True}  # SGLang's function (GLM-4.5's feedback too)
 
@@ -45,13 +56,24 @@ def targets(tmp_path_factory):
     @functools.cache
     def build(family: str):
         model_type, depths = family.removesuffix(TWO_DEPTHS), 2 if family.endswith(TWO_DEPTHS) else 1
+        if model_type in RELEASES:  # a release's config as shipped (other modules' fixtures), its layer
+            return RELEASES[model_type](tmp_path_factory.mktemp(model_type)), None
         folder = write_random_target(model_type, tmp_path_factory.mktemp(model_type), **SHAPES.get(family, SHAPE))
-        if family == "deepseek_v32":  # later steps share the first one's selection, as the target's config asks
+        if model_type in SHARING:  # later steps share the first one's selection, as the target's config asks
             config = json.loads((folder / "config.json").read_text())
-            (folder / "config.json").write_text(json.dumps({**config, "index_share_for_mtp_iteration": True}))
+            text_fields(config)["index_share_for_mtp_iteration"] = True  # a wrapper's in its text_config
+            (folder / "config.json").write_text(json.dumps(config))
         write_random_layer(folder, block={"num_nextn_predict_layers": depths} if depths > 1 else None)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().requires_grad_(False)
-        return folder, model
+        return folder, None
+
+    @functools.cache
+    def loaded(family: str):
+        folder, _ = build(family)
+        if family in WRAPPED:
+            return folder, load_target(str(folder))
+        return folder, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().requires_grad_(False)
+
+    return loaded
 
     return build
 
@@ -92,8 +114,12 @@ def test_a_layer_trained_for_sglang_computes_its_nextn_formula_reading_position_
 
 
 @pytest.mark.parametrize(
-    "family", ["deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "qwen3_next", "qwen3_5_text"]
-)
+    "family",
+    [
+        "deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "glm5_next", "hy_v3", "longcat_flash", "qwen3_next",
+        "qwen3_5_text",
+    ],
+)  # fmt: skip
 def test_a_layer_trained_for_sglang_exports_to_the_folder_its_nextn_model_reads(family, targets, tmp_path):
     """The target's config.json with one MTP layer (num_nextn_predict_layers, which DeepSeek's and GLM's loaders
     assert is 1; V3.2's selection sharing off, where SGLang reads it), the layer under exactly the shipped names and
@@ -105,26 +131,27 @@ def test_a_layer_trained_for_sglang_exports_to_the_folder_its_nextn_model_reads(
     check_tensors(repo, "export")
     folder, model = targets(family)
     served = served_config(str(folder), loaded_config(model), 1)
-    if family == "deepseek_v32":
-        assert served["index_share_for_mtp_iteration"] and not repo.config["index_share_for_mtp_iteration"]
-        assert "selection" in repo.conventions
-    assert repo.config == {**served, "index_share_for_mtp_iteration": False} if family == "deepseek_v32" else served
-    assert repo.config.get("num_nextn_predict_layers", repo.config.get("mtp_num_hidden_layers")) == 1
+    if family in SHARING:
+        assert text_fields(served)["index_share_for_mtp_iteration"] and "selection" in repo.conventions
+        assert not text_fields(repo.config)["index_share_for_mtp_iteration"]
+        text_fields(served)["index_share_for_mtp_iteration"] = False
+    assert repo.config == served
+    assert text_fields(repo.config).get("num_nextn_predict_layers", repo.config.get("mtp_num_hidden_layers")) == 1
     assert set(repo.tensors) == set(exporter.vllm(source_of(family, targets, tmp_path), 3, tmp_path / "v").tensors)
     assert "--speculative-algorithm NEXTN --speculative-draft-model-path {path}" in repo.serve
     # GLM-4.5's loader skips fused experts without a word and Qwen3-Next's raises on them: one tensor per expert
-    assert any(".experts.0.gate_proj." in name for name in repo.tensors) != (family == "qwen3_5_text")
     assert not any(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in repo.tensors)
     back = exporter.read(tmp_path, repo.config, repo.tensors, model, {"engine": "sglang"})
     assert not back.layout.masks_first_position and back.layout.feeds_back_normed
     written = source.drafter.checkpoint_tensors()
     assert all(torch.equal(tensor, back.checkpoint_tensors()[name]) for name, tensor in written.items())
-    if family.startswith("qwen"):
-        check_tensors(exporter.build("vllm", source, 3, tmp_path / "vllm"), "export")
-    elif family == "glm4_moe_lite":
+    layout = LAYOUTS[source.drafter.config.decoder["architecture"]]
+    if layout.vllm_refused:
         with pytest.raises(UserError, match=r"no vLLM release checked serves .* glm4_moe_lite_mtp .* sets "
                            r"num_hidden_layers to 0 .*; export it for sglang"):  # fmt: skip
             exporter.build("vllm", source, 3, tmp_path / "vllm")
+    elif not layout.masks_first_position:  # the same function in both engines
+        check_tensors(exporter.build("vllm", source, 3, tmp_path / "vllm"), "export")
     else:
         with pytest.raises(UserError, match=r"drafter.masks_first_position=false, as SGLang computes it\), and every "
                            r"vLLM release checked zeroes it in"):  # fmt: skip
@@ -162,7 +189,7 @@ def test_sglangs_kernel_and_layer_reading_limits_are_refused_and_a_zeroed_positi
     with pytest.raises(UserError, match=r"fused_eh_norm\) that refuses hidden_size=64"):
         exporter_for("mtp").refuse("sglang", drafter, info)
     one_layer = TargetInfo(info.shape, {**info.config, "hidden_size": 512, "num_hidden_layers": 1}, str(narrow))
-    with pytest.raises(UserError, match=r"reads a one-layer target's layer 0 \(its decoder's own\) as the MTP layer"):
+    with pytest.raises(UserError, match=r"does not load a one-layer target's MTP layer \(layer 1\): its loader then"):
         exporter_for("mtp").refuse("sglang", drafter, replace_hidden(one_layer, 512))
     qwen = write_random_target("qwen3_next", tmp_path / "qwen", **SHAPE)
     write_random_layer(qwen)
@@ -225,3 +252,21 @@ def test_a_glm_4_7_flash_layer_trains_as_sglang_computes_it_and_decodes_lossless
     from layer N, trains several steps ahead as SGLang's Glm4MoeLiteForCausalLMNextN computes it and decodes
     losslessly in draftsmith's loop."""
     trains_ahead_and_decodes_losslessly(*targets("glm4_moe_lite"), rounds=8, prompt_length=20)
+
+
+def test_a_longcat_flash_release_without_its_lora_scaling_flags_writes_them_as_draftsmith_trained(targets, tmp_path):
+    """SGLang's LongCat-Flash config reads an absent `mla_scale_*_lora` as true (scaling the MLA LoRA norms), draftsmith
+    and transformers as false: the SGLang folder's config says false, as the layer trained."""
+    folder, _ = targets("longcat_flash")
+    bare = tmp_path / "bare"
+    shutil.copytree(folder, bare)
+    config = json.loads((bare / "config.json").read_text())
+    flags = ("mla_scale_q_lora", "mla_scale_kv_lora")
+    (bare / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k not in flags}))
+    model = AutoModelForCausalLM.from_pretrained(bare, dtype=torch.float32).eval().requires_grad_(False)
+    drafter = MTP.from_target(MTP.Config(), model, str(bare))
+    assert drafter.config.decoder["norm_scales"] == {}  # unscaled, as transformers' layers compute an absent flag
+    info = TargetInfo(TargetShape.of(model, str(bare)), model.config.to_dict(), str(bare))
+    source = Source(drafter, tmp_path, model, info)
+    repo = exporter_for("mtp").build("sglang", source, 3, tmp_path / "sglang")
+    assert {flag: repo.config[flag] for flag in flags} == dict.fromkeys(flags, False)
