@@ -8,7 +8,8 @@ Qwen3.5's to Qwen3_5ForCausalLMMTP, GLM-5-Next's to Glm5NextForConditionalGenera
 HYV3ForCausalLMNextN and LongCat-Flash's to LongcatFlashForCausalLMNextN. Those models read the layer under the names
 the vLLM folder holds (formats/mtp.py): DeepSeek's and GLM's loaders take `model.layers.{num_hidden_layers}.*` and
 assert `num_nextn_predict_layers == 1`; Qwen's take `mtp.*`, layer 0 only. Checked against SGLang 0.5.23's source
-(read, not run: SGLang's kernels need CUDA), where each differs from vLLM's models:
+(read, not run: SGLang's kernels need CUDA; docs/results/sglang-0.5.23-mtp-source.md), where each differs from vLLM's
+models:
 
 - one layer at every draft step: no depth i for step i (its multi-layer worker takes none of these models);
 - the embedding at position 0 is read, not zeroed (no model above masks it): a DeepSeek, GLM or HY-V3 layer trains for
