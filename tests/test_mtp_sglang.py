@@ -37,7 +37,7 @@ MTP = drafter_class("mtp")
 SHAPE = {"hidden_size": 64, "intermediate_size": 128, "head_dim": 16}
 # SGLang's DeepSeek NextN norms its inputs with a CUDA kernel taking hidden sizes of 512 to 8192 in steps of 256
 WIDE = {**SHAPE, "hidden_size": 512}
-SHAPES = {"deepseek_v3": WIDE, "deepseek_v32": WIDE, "glm5_next": WIDE}
+SHAPES = {"deepseek_v3": WIDE, "deepseek_v32": WIDE, "glm_moe_dsa": WIDE, "glm5_next": WIDE}
 SHARING = ("deepseek_v32", "glm5_next")  # targets whose config has later draft steps share the first one's selection
 WRAPPED = ("glm5_next",)  # a wrapper draftsmith loads as its language model
 # releases whose config.json carries fields transformers' lacks: HY-V3's routing, LongCat-Flash's MLA LoRA scaling
@@ -116,8 +116,8 @@ def test_a_layer_trained_for_sglang_computes_its_nextn_formula_reading_position_
 @pytest.mark.parametrize(
     "family",
     [
-        "deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "glm5_next", "hy_v3", "longcat_flash", "qwen3_next",
-        "qwen3_5_text",
+        "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe", "glm4_moe_lite", "glm5_next", "hy_v3",
+        "longcat_flash", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text",
     ],
 )  # fmt: skip
 def test_a_layer_trained_for_sglang_exports_to_the_folder_its_nextn_model_reads(family, targets, tmp_path):
@@ -139,8 +139,10 @@ def test_a_layer_trained_for_sglang_exports_to_the_folder_its_nextn_model_reads(
     assert text_fields(repo.config).get("num_nextn_predict_layers", repo.config.get("mtp_num_hidden_layers")) == 1
     assert set(repo.tensors) == set(exporter.vllm(source_of(family, targets, tmp_path), 3, tmp_path / "v").tensors)
     assert "--speculative-algorithm NEXTN --speculative-draft-model-path {path}" in repo.serve
-    # GLM-4.5's loader skips fused experts without a word and Qwen3-Next's raises on them: one tensor per expert
-    assert not any(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in repo.tensors)
+    # GLM-4.5's loader skips fused experts without a word and Qwen3-Next's raises on them: one tensor per expert (the
+    # Qwen3.5-MoE releases' fused form is read by Qwen3.5's loader, which splits it)
+    fused = any(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in repo.tensors)
+    assert fused == (family == "qwen3_5_moe_text")
     back = exporter.read(tmp_path, repo.config, repo.tensors, model, {"engine": "sglang"})
     assert not back.layout.masks_first_position and back.layout.feeds_back_normed
     written = source.drafter.checkpoint_tensors()
