@@ -216,8 +216,7 @@ class MtpExporter(Exporter):
         return layout, config, tensors, expected
 
     def sglang(self, source: Source, gamma: int, output: Path) -> EngineRepo:
-        _, config, tensors, expected = self.folder(source, 1)
-        return mtp_sglang.repo(source, config, tensors, expected, text_fields(config))
+        return mtp_sglang.repo(source, *self.folder(source, 1))
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         depths = mtp_depths.depths_of(source.drafter)  # vLLM runs depth i at step i, one layer (1) at every step
@@ -309,8 +308,8 @@ class MtpExporter(Exporter):
             if key in ("ttt_steps", "ttt_decay", "tree_depth", "tree_topk", "feeds_back_normed")
         }  # training and decoding settings the engine does not carry (the vLLM release decides the feedback)
         settings["mtp_depths"] = mtp_depths.shipped(config, layout)  # the folder's count: the depths it holds
-        if info.get("engine") == "sglang":  # the layer as SGLang computes it (formats/mtp_sglang.py)
-            settings |= {"masks_first_position": False, "feeds_back_normed": True}
+        if info.get("engine") == "sglang":
+            settings |= mtp_sglang.COMPUTED_AS
         require_served_config(folder, config, target_model, settings["mtp_depths"])
         layer = {mtp_depths.layer_name(layout, name, layers): tensor for name, tensor in tensors.items()}
         return mtp.from_layer(mtp.Config(**settings), target_model, info.get("verifier", "target"), layer)

@@ -31,14 +31,17 @@ from draftsmith.errors import UserError
 from draftsmith.formats import Source
 from draftsmith.formats.repo import SGLANG_FLAGS, SGLANG_REVISION_FLAG, EngineRepo, TargetInfo
 from draftsmith.heads import mtp_depths
+from draftsmith.heads.mtp import text_fields
 from draftsmith.heads.mtp_family import decoder_layers
-from draftsmith.heads.mtp_layouts import LAYOUTS
+from draftsmith.heads.mtp_layer import Layout
 
 SGLANG_SERVE = (
     "python -m sglang.launch_server --model-path {target} --speculative-algorithm NEXTN "
     "--speculative-draft-model-path {path} --speculative-num-steps {gamma} --speculative-eagle-topk 1 "
     "--speculative-num-draft-tokens {gamma_plus_one}" + SGLANG_FLAGS
 )
+# the layer as SGLang computes it (`drafter.*`): an SGLang folder read back is built so
+COMPUTED_AS = {"masks_first_position": False, "feeds_back_normed": True}
 SERVED_AS = {"method": "NEXTN", "revision_flag": SGLANG_REVISION_FLAG}  # SGLang's name for it, its revision flag
 CHECKED = "SGLang 0.5.23"  # the release whose source this module was read from
 # The served config's architecture -> the MTP model SGLang builds for it
@@ -103,18 +106,17 @@ def refuse(drafter, target: TargetInfo) -> None:
             f"SGLang's {model} norms its inputs with a CUDA kernel (fused_eh_norm) that refuses hidden_size={hidden} "
             "(it takes multiples of 256 from 512 to 8192): export it for vllm"
         )
-    if model in MISREADS_ONE_LAYER and decoder_layers(target.config.get("text_config") or target.config) == 1:
+    if model in MISREADS_ONE_LAYER and decoder_layers(text_fields(target.config)) == 1:
         raise UserError(
             f"SGLang's {model} does not load a one-layer target's MTP layer (layer 1): its loader then reads layer 0, "
             "the decoder's own: export it for vllm"
         )
 
 
-def repo(source: Source, config: dict, tensors: dict, expected: dict, text: dict) -> EngineRepo:
-    """The SGLang folder: the vLLM folder's config (one depth; `text`, its language-model fields, edited in place) and
-    tensors, served as NEXTN."""
+def repo(source: Source, layout: Layout, config: dict, tensors: dict, expected: dict) -> EngineRepo:
+    """The SGLang folder: the vLLM folder's config (one depth, edited in place) and tensors, served as NEXTN."""
     model = sglang_model(source.drafter.config.decoder["architecture"])
-    layout = LAYOUTS[source.drafter.config.decoder["architecture"]]
+    text = text_fields(config)
     conventions = {
         "config": f"the target's config.json as shipped, {layout.count_key}=1: SGLang builds its {model} model",
         "weights": f"the fine-tuned MTP layer under the target checkpoint's names and shapes "

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from draftsmith.errors import UserError
 from draftsmith.formats import Source, exporter_for
 from draftsmith.formats.mtp import served_config
+from draftsmith.formats.mtp_sglang import COMPUTED_AS
 from draftsmith.formats.repo import TargetInfo, check_tensors
 from draftsmith.heads import drafter_class
 from draftsmith.heads.mtp import text_fields
@@ -46,7 +47,7 @@ RELEASES = {
     "longcat_flash": functools.partial(test_mtp_other_family_block.release_target, "longcat_flash"),
 }
 TWO_DEPTHS = "+2"  # a family's target (`targets`) shipping two MTP depths
-FOR_SGLANG = {"masks_first_position": False, "feeds_back_normed": True}  # SGLang's function (GLM-4.5's feedback too)
+FOR_SGLANG = COMPUTED_AS  # SGLang's function (GLM-4.5's feedback too)
 
 
 @pytest.fixture(scope="module")
