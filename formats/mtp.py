@@ -118,8 +118,11 @@ def served_config(name_or_path: str, loaded: dict, depths: int) -> dict:
 
 
 # Keys of a config.json no MTP layer's function depends on (a load's dtype, the writer's version), or which only say how
-# an engine serves it (an SGLang folder turns the selection's sharing off: draftsmith's layer selects at every step)
-UNBUILT_KEYS = ("torch_dtype", "dtype", "transformers_version", "use_cache", "index_share_for_mtp_iteration")
+# an engine serves it (an SGLang folder turns the selection's sharing off: draftsmith's layer selects at every step;
+# it sets the rotation SGLang's ERNIE-4.5 MTP block reads, formats/mtp_sglang.py's DRAFT_KEYS)
+UNBUILT_KEYS = (
+    "torch_dtype", "dtype", "transformers_version", "use_cache", "index_share_for_mtp_iteration", "rope_is_neox_style",
+)  # fmt: skip
 
 
 def require_served_config(folder: Path, config: dict, target_model, depths: int) -> None:
@@ -309,7 +312,7 @@ class MtpExporter(Exporter):
         }  # training and decoding settings the engine does not carry (the vLLM release decides the feedback)
         settings["mtp_depths"] = mtp_depths.shipped(config, layout)  # the folder's count: the depths it holds
         if info.get("engine") == "sglang":
-            settings |= mtp_sglang.COMPUTED_AS
+            settings |= mtp_sglang.computed_as(config["architectures"][0])
         require_served_config(folder, config, target_model, settings["mtp_depths"])
         layer = {mtp_depths.layer_name(layout, name, layers): tensor for name, tensor in tensors.items()}
         return mtp.from_layer(mtp.Config(**settings), target_model, info.get("verifier", "target"), layer)

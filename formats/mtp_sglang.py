@@ -5,27 +5,35 @@ its MTP model (configs/model_config.py `_config_draft_model`): DeepSeek-V3's and
 GLM-5's to GlmMoeDsaForCausalLMNextN, GLM-4.5's to Glm4MoeForCausalLMNextN, GLM-4.7-Flash's (glm4_moe_lite, which no
 vLLM release serves: heads/mtp_layouts.py) to Glm4MoeLiteForCausalLMNextN, Qwen3-Next's to Qwen3NextForCausalLMMTP,
 Qwen3.5's to Qwen3_5ForCausalLMMTP, GLM-5-Next's to Glm5NextForConditionalGenerationNextN, HY-V3's to
-HYV3ForCausalLMNextN and LongCat-Flash's to LongcatFlashForCausalLMNextN. Those models read the layer under the names
-the vLLM folder holds (formats/mtp.py): DeepSeek's and GLM's loaders take `model.layers.{num_hidden_layers}.*` and
-assert `num_nextn_predict_layers == 1`; Qwen's take `mtp.*`, layer 0 only. Checked against SGLang 0.5.23's source
-(read, not run: SGLang's kernels need CUDA; docs/results/sglang-0.5.23-mtp-source.md), where each differs from vLLM's
-models:
+HYV3ForCausalLMNextN, LongCat-Flash's to LongcatFlashForCausalLMNextN, DeepSeek-V4's to DeepseekV4ForCausalLMNextN,
+ERNIE-4.5's to Ernie4_5_MoeForCausalLMMTP, Nemotron-H's to NemotronHForCausalLMMTP, Ling-3.0's to
+BailingMoeForCausalLMNextN and HY-V4's to HYV4ForCausalLMNextN. Those models read the layer under the names the vLLM
+folder holds (formats/mtp.py): DeepSeek's, GLM's and Ling's loaders take `model.layers.{num_hidden_layers}.*` and
+assert `num_nextn_predict_layers == 1` (V4's maps `mtp.0.*` there, HY-V4's `model.mtp_layers.0.*`); Qwen's and
+Nemotron-H's take `mtp.*`, ERNIE's `model.mtp_*.0`, depth 0 only. Checked against SGLang 0.5.23's source (read,
+not run: SGLang's kernels need CUDA; docs/results/sglang-0.5.23-mtp-source.md), where each differs from vLLM's models:
 
 - one layer at every draft step: no depth i for step i (its multi-layer worker takes none of these models);
-- the embedding at position 0 is read, not zeroed (no model above masks it): a DeepSeek, GLM or HY-V3 layer trains for
-  SGLang with `drafter.masks_first_position=false`, a function no vLLM release computes;
+- the embedding at position 0 is read, not zeroed (no model above but ERNIE's masks it): a DeepSeek (V4 too), GLM or
+  HY (V3, V4) layer trains for SGLang with `drafter.masks_first_position=false`, a function no vLLM release computes;
 - a later step reads the layer's output after its final norm (the state each forward returns to the logits
-  processor, which the EAGLE worker feeds back): GLM-4.5's trains with `drafter.feeds_back_normed=true`;
+  processor, which the EAGLE worker feeds back; V4's its streams, ERNIE's the block's output, as vLLM's): GLM-4.5's
+  trains with `drafter.feeds_back_normed=true`;
 - a tensor the folder lacks is left uninitialised and one it does not read is skipped, without a word (the export
   checks the names exactly: GLM-4.5's loader skips fused experts, Qwen3-Next's raises on them, and their layouts write
   one tensor per expert); embed_tokens and lm_head are the target's (set_embed_and_head), read from no folder;
 - V3.2's, GLM-5's and GLM-5-Next's later steps reuse the first one's sparse-attention selection where the draft's
   config says `index_share_for_mtp_iteration` (there is no server flag), which the folder's config turns off;
 - LongCat-Flash's config defaults `mla_scale_q_lora` and `mla_scale_kv_lora` to true where draftsmith (and
-  transformers) read an absent key as false: the folder's config writes them.
+  transformers) read an absent key as false: the folder's config writes them;
+- ERNIE-4.5's MTP block rotates interleaved pairs unless the config says `rope_is_neox_style` (vLLM's, a Llama layer,
+  neox-style): the folder's config sets it, which SGLang's target does not read;
+- some read the target's config.json otherwise than transformers, for the target too (READS_OTHERWISE): refused.
 """
 
 from __future__ import annotations
+
+import json
 
 from draftsmith.errors import UserError
 from draftsmith.formats import Source
@@ -33,7 +41,7 @@ from draftsmith.formats.repo import SGLANG_FLAGS, SGLANG_REVISION_FLAG, EngineRe
 from draftsmith.heads import mtp_depths
 from draftsmith.heads.mtp import text_fields
 from draftsmith.heads.mtp_family import decoder_layers
-from draftsmith.heads.mtp_layer import Layout
+from draftsmith.heads.mtp_layer import Layout, shipped_config
 
 SGLANG_SERVE = (
     "python -m sglang.launch_server --model-path {target} --speculative-algorithm NEXTN "
@@ -57,16 +65,147 @@ SGLANG_MODELS = {
     "Qwen3NextForCausalLM": "Qwen3NextForCausalLMMTP",
     "Qwen3_5ForCausalLM": "Qwen3_5ForCausalLMMTP",
     "Qwen3_5MoeForCausalLM": "Qwen3_5ForCausalLMMTP",
+    "DeepseekV4ForCausalLM": "DeepseekV4ForCausalLMNextN",
+    "Ernie4_5_MoeForCausalLM": "Ernie4_5_MoeForCausalLMMTP",
+    "NemotronHForCausalLM": "NemotronHForCausalLMMTP",
+    "BailingMoeV3ForCausalLM": "BailingMoeForCausalLMNextN",
+    "HYV4ForCausalLM": "HYV4ForCausalLMNextN",
 }
+# Models computing the layer otherwise than COMPUTED_AS: DeepSeek-V4's forward hands the next step its
+# hyper-connection streams before its hc_head, unnormed; ERNIE-4.5's zeroes position 0 and has no final norm (both as
+# vLLM's models do)
+COMPUTES = {
+    "DeepseekV4ForCausalLMNextN": {"feeds_back_normed": False},
+    "Ernie4_5_MoeForCausalLMMTP": {"masks_first_position": True, "feeds_back_normed": False},
+}
+# Keys the folder's config.json sets for the draft alone (SGLang's target reads its own), so that its model computes
+# the layer as trained: ERNIE-4.5's MTP block is SGLang's ERNIE decoder layer, which rotates interleaved pairs unless
+# rope_is_neox_style, where vLLM's (a Llama layer) rotates neox-style, as draftsmith trains it
+DRAFT_KEYS = {"Ernie4_5_MoeForCausalLMMTP": {"rope_is_neox_style": True}}
 # Models whose loader reads layer `num_hidden_layers`, but layer 0 where the decoder has one layer (the target's own;
 # GLM-5-Next's keeps layer 1's names first, then looks for layer 0's: it loads nothing)
 MISREADS_ONE_LAYER = {
     "DeepseekV3ForCausalLMNextN", "GlmMoeDsaForCausalLMNextN", "Glm4MoeForCausalLMNextN", "Glm4MoeLiteForCausalLMNextN",
-    "Glm5NextForConditionalGenerationNextN",
+    "Glm5NextForConditionalGenerationNextN", "DeepseekV4ForCausalLMNextN", "BailingMoeForCausalLMNextN",
+    "HYV4ForCausalLMNextN",
 }  # fmt: skip
 # Models whose CUDA forward norms [embedding | hidden] with one kernel (DeepseekModelNextN's fused_eh_norm), which
 # raises unless 256 < hidden_size <= 8192 and hidden_size % 256 == 0, with no fallback
 FUSED_EH_NORM = {"DeepseekV3ForCausalLMNextN", "GlmMoeDsaForCausalLMNextN", "Glm5NextForConditionalGenerationNextN"}
+
+
+def deepseek_v4_read_otherwise(shipped: dict, loaded: dict) -> str:
+    """How SGLang reads a DeepSeek-V4 config.json otherwise than transformers (for the target too, so the folder's
+    config cannot mend it), or ""."""
+    if shipped.get("sliding_window") != 128:
+        return (
+            f"attends the last 128 keys (its attention backend's SWA_WINDOW) whatever the config says, and the "
+            f"target's sliding_window is {shipped.get('sliding_window')}"
+        )
+    absent = [key for key in ("swiglu_limit", "routed_scaling_factor", "num_experts_per_tok") if key not in shipped]
+    if absent:
+        return f"reads the config.json as DeepSeek-V3's, whose defaults are not V4's, and it lacks {', '.join(absent)}"
+    if shipped.get("q_head_norm", True) is not True or shipped.get("hc_pre_from_prev_sublayer", False):
+        return "reads q_head_norm=false or hc_pre_from_prev_sublayer=true (V4.1's), which transformers' V4 does not"
+    return ""
+
+
+def ernie_read_otherwise(shipped: dict, loaded: dict) -> str:
+    """How SGLang's ERNIE-4.5 MTP block reads the config.json otherwise than draftsmith's (vLLM's Llama layer), or
+    ""."""
+    if shipped.get("use_bias"):
+        return "adds biases to the attention's projections and the layer's input projection (use_bias=true)"
+    if shipped.get("rope_is_neox_style"):
+        return "rotates the target's layers neox-style (rope_is_neox_style=true), transformers' interleaved"
+    if shipped.get("partial_rotary_factor", 1.0) != 1.0:
+        return f"rotates a part of each head (partial_rotary_factor={shipped['partial_rotary_factor']})"
+    if shipped.get("hidden_act", "silu") != "silu":
+        return f"runs SiLU MLPs only (hidden_act={shipped['hidden_act']})"
+    return ""
+
+
+# The layer kinds SGLang's Nemotron-H config accepts (transformers writes the attention and Mamba kinds otherwise)
+NEMOTRON_H_KINDS = ("mamba", "attention", "mlp", "moe")
+
+
+def nemotron_h_read_otherwise(shipped: dict, loaded: dict) -> str:
+    """How SGLang reads a Nemotron-H config.json otherwise than transformers, or ""."""
+    kinds = {kind for key in ("layers_block_type", "mtp_layers_block_type") for kind in shipped.get(key) or ()}
+    if kinds - set(NEMOTRON_H_KINDS):
+        return (
+            f"accepts the layer kinds {', '.join(NEMOTRON_H_KINDS)} and refuses the config.json's "
+            f"{', '.join(sorted(kinds - set(NEMOTRON_H_KINDS)))} (transformers' names; releases ship "
+            "hybrid_override_pattern), the target's too"
+        )
+    if shipped.get("sliding_window") is not None:
+        return f"attends a window of sliding_window={shipped['sliding_window']} keys, which transformers ignores"
+    if shipped.get("n_shared_experts", 1) != 1:
+        return f"builds its shared expert n_shared_experts={shipped['n_shared_experts']} times wide, transformers once"
+    if shipped.get("mlp_hidden_act", "relu2") != "relu2" or shipped.get("mlp_bias"):
+        return "builds its shared expert with ReLU² and no biases (mlp_hidden_act, mlp_bias)"
+    return ""
+
+
+def ling_read_otherwise(shipped: dict, loaded: dict) -> str:
+    """Where SGLang's Bailing NextN reads a Ling-3.0 config.json (its own config class: its keys and defaults) as
+    another value than transformers' target (`loaded`) computes with, or "": its routing (SGLang routes by softmax
+    without the expert bias, unrenormalised, unless told), experts, the MLA layer's rotation, gate and norms' eps, the
+    Ling-3.0 layer itself (else Ling-2.5's), and the clamp of its experts (entry 0 of the lists; draftsmith trains the
+    layer unclamped, as vLLM serves it)."""
+    default_shared = loaded["moe_intermediate_size"] * shipped.get("num_shared_experts", 1)
+    readings = (  # (key, SGLang's value, transformers')
+        ("model_type", shipped.get("model_type"), loaded["model_type"]),
+        ("short_conv_kernel_size", shipped.get("short_conv_kernel_size"), loaded["short_conv_kernel_size"]),
+        ("moe_router_enable_expert_bias", shipped.get("moe_router_enable_expert_bias", False), True),
+        ("norm_topk_prob", shipped.get("norm_topk_prob", False), loaded["moe_renormalize"]),
+        ("routed_scaling_factor", shipped.get("routed_scaling_factor", 1.0), loaded["routed_scaling_factor"]),
+        ("n_group", shipped.get("n_group", 8), loaded["num_expert_group"]),
+        ("topk_group", shipped.get("topk_group", 4), loaded["topk_group"]),
+        ("num_experts", shipped.get("num_experts", 256), loaded["num_experts"]),
+        ("num_experts_per_tok", shipped.get("num_experts_per_tok", 8), loaded["num_experts_per_token"]),
+        (
+            "moe_shared_expert_intermediate_size",
+            shipped.get("moe_shared_expert_intermediate_size", default_shared),
+            loaded["moe_intermediate_size"] * loaded["num_shared_experts"],
+        ),
+        ("gated_attention_proj_granularity_type", shipped.get("gated_attention_proj_granularity_type"), "head_wise"),
+        ("rope_interleave", shipped.get("rope_interleave", True), True),
+        ("rms_norm_eps", shipped.get("rms_norm_eps", 1e-6), 1e-6),  # transformers' MLA layernorms' eps
+        ("expert_swiglu_limit_list[0]", (shipped.get("expert_swiglu_limit_list") or [0])[0] or 0, 0),
+        ("share_expert_swiglu_limit_list[0]", (shipped.get("share_expert_swiglu_limit_list") or [0])[0] or 0, 0),
+    )
+    for key, sglangs, transformers in readings:
+        if sglangs != transformers:
+            default = " (its default: the config.json lacks it)" if key.split("[")[0] not in shipped else ""
+            return (
+                f"reads {key} as {json.dumps(sglangs)}{default}, where draftsmith (transformers) computes the layer "
+                f"with {json.dumps(transformers)}"
+            )
+    return ""
+
+
+def hy_v4_read_otherwise(shipped: dict, loaded: dict) -> str:
+    """How SGLang's HY-V4 NextN (its own config class) computes the layer otherwise than transformers' config says, or
+    ""."""
+    if loaded["mlp_layer_types"][-1] != "sparse":
+        return "builds the layer with experts, and draftsmith (vLLM) the target's last layer's dense MLP"
+    n_group, topk_group = loaded.get("n_group"), loaded.get("topk_group")
+    if (n_group, topk_group) != (1, 1):
+        return f"routes ungrouped (it sets n_group and topk_group to 1; the target's: {n_group}, {topk_group})"
+    if (loaded.get("rope_parameters") or {}).get("rope_type", "default") != "default":
+        return "rotates with DeepSeek's YaRN whatever rope_type the config names"
+    return ""
+
+
+# Model -> how it reads the target's config.json (as shipped; transformers' reading of it, dict form, beside) otherwise
+# than draftsmith trained on, or ""
+READS_OTHERWISE = {
+    "DeepseekV4ForCausalLMNextN": deepseek_v4_read_otherwise,
+    "Ernie4_5_MoeForCausalLMMTP": ernie_read_otherwise,
+    "NemotronHForCausalLMMTP": nemotron_h_read_otherwise,
+    "BailingMoeForCausalLMNextN": ling_read_otherwise,
+    "HYV4ForCausalLMNextN": hy_v4_read_otherwise,
+}
 
 
 def sglang_model(architecture: str) -> str:
@@ -79,6 +218,11 @@ def sglang_model(architecture: str) -> str:
     return model
 
 
+def computed_as(architecture: str) -> dict:
+    """The layer as SGLang's model for `architecture` computes it (`drafter.*` settings)."""
+    return COMPUTED_AS | COMPUTES.get(sglang_model(architecture), {})
+
+
 def refuse(drafter, target: TargetInfo) -> None:
     """One line for why SGLang would not serve this MTP drafter as it trained, from the configs alone."""
     model = sglang_model(drafter.config.decoder["architecture"])
@@ -88,17 +232,24 @@ def refuse(drafter, target: TargetInfo) -> None:
             f"this MTP drafter trained {depths} depths, one per draft step, and SGLang's {model} runs one layer at "
             "every step (it reads layer 0 alone): export it for vllm, or train with drafter.mtp_depths=1"
         )
-    if drafter.layout.masks_first_position:
-        raise UserError(
-            f"this MTP drafter trained with the embedding at position 0 zeroed, as vLLM's {drafter.layout.vllm_model} "
-            f"computes it, and SGLang's {model} reads it: export it for vllm, or train with "
-            "drafter.masks_first_position=false for sglang"
+    computed = computed_as(drafter.config.decoder["architecture"])
+    if drafter.layout.masks_first_position != computed["masks_first_position"]:
+        trained, served = (
+            (f"zeroed, as vLLM's {drafter.layout.vllm_model} computes it,", "reads")
+            if drafter.layout.masks_first_position
+            else ("read,", "zeroes")
         )
-    if not drafter.layout.feeds_back_normed:
+        setting = "=false" if drafter.layout.masks_first_position else " unset"
         raise UserError(
-            f"this MTP drafter trained later draft steps on the layer's output before its final norm, and SGLang's "
-            f"{model} feeds them the output after it: export it for vllm, or train with drafter.feeds_back_normed=true "
-            "for sglang"
+            f"this MTP drafter trained with the embedding at position 0 {trained} and SGLang's {model} {served} it: "
+            f"export it for vllm, or train with drafter.masks_first_position{setting} for sglang"
+        )
+    if drafter.layout.feeds_back_normed != computed["feeds_back_normed"]:
+        trained, served = ("after", "before") if drafter.layout.feeds_back_normed else ("before", "after")
+        raise UserError(
+            f"this MTP drafter trained later draft steps on the layer's output {trained} its final norm, and SGLang's "
+            f"{model} feeds them the output {served} it: export it for vllm, or train with "
+            f"drafter.feeds_back_normed={str(computed['feeds_back_normed']).lower()} for sglang"
         )
     hidden = target.shape.hidden_size
     if model in FUSED_EH_NORM and not (256 < hidden <= 8192 and hidden % 256 == 0):
@@ -111,6 +262,11 @@ def refuse(drafter, target: TargetInfo) -> None:
             f"SGLang's {model} does not load a one-layer target's MTP layer (layer 1): its loader then reads layer 0, "
             "the decoder's own: export it for vllm"
         )
+    read_otherwise = READS_OTHERWISE.get(model)
+    shipped = text_fields(shipped_config(target.shape.name_or_path, target.config))
+    why = read_otherwise(shipped, text_fields(target.config)) if read_otherwise else ""
+    if why:
+        raise UserError(f"SGLang's {model} {why}: export it for vllm")
 
 
 def repo(source: Source, layout: Layout, config: dict, tensors: dict, expected: dict) -> EngineRepo:
@@ -122,13 +278,30 @@ def repo(source: Source, layout: Layout, config: dict, tensors: dict, expected: 
         "weights": f"the fine-tuned MTP layer under the target checkpoint's names and shapes "
         f"({layout.prefix(decoder_layers(text))}*), which {model} reads",
         "shared": "embed_tokens and lm_head are the target's (SGLang shares them; not in the folder)",
-        "hidden": "the target's final (post-norm) hidden state at the first draft step, the layer's output after its "
-        "final norm at later ones; the embedding at position 0 read, not zeroed",
+        "hidden": (
+            "the target's last hyper-connection streams (before its hc_head) at the first draft step, the layer's "
+            "own, unnormed, at later ones"
+            if layout.streams
+            else "the target's final (post-norm) hidden state at the first draft step, the layer's output "
+            + ("after its final norm" if layout.final_norm else "(it has no final norm)")
+            + " at later ones"
+        )
+        + (
+            "; the embedding at position 0 zeroed"
+            if layout.masks_first_position
+            else "; the embedding at position 0 read, not zeroed"
+        ),
         "checked_against": f"{CHECKED}'s source: configs/model_config.py, its model of the layer, "
         "speculative/eagle_worker_v2.py (read, not run)",
     }
     for flag in (flag for _, flag, _ in layout.scaled_norms if flag not in text):
         text[flag] = False  # as draftsmith read the config; SGLang's LongCat config defaults it to true
+    if DRAFT_KEYS.get(model):
+        text |= DRAFT_KEYS[model]
+        conventions["draft_keys"] = (
+            f"{', '.join(f'{key}={json.dumps(value)}' for key, value in DRAFT_KEYS[model].items())}: read by SGLang's "
+            f"{model} alone (its target reads the target's config), so that it computes the layer as trained"
+        )
     sharing = [fields for fields in (config, text) if fields.get("index_share_for_mtp_iteration")]
     for fields in sharing:  # SGLang reads it from the draft's config alone (a wrapper's at either level)
         fields["index_share_for_mtp_iteration"] = False

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from draftsmith.errors import UserError
 from draftsmith.formats import Source, exporter_for
 from draftsmith.formats.mtp import served_config
-from draftsmith.formats.mtp_sglang import COMPUTED_AS
+from draftsmith.formats.mtp_sglang import COMPUTED_AS, DRAFT_KEYS, computed_as, sglang_model
 from draftsmith.formats.repo import TargetInfo, check_tensors
 from draftsmith.heads import drafter_class
 from draftsmith.heads.mtp import text_fields
@@ -28,7 +28,7 @@ from draftsmith.heads.mtp_random_layer import write_random_layer
 from draftsmith.random_target import write_random_target
 from draftsmith.recipe import load_recipe
 from draftsmith.target import TargetShape, load_target, loaded_config, local_target_shape, run_target
-from tests import test_mtp_2026b, test_mtp_other_family_block
+from tests import test_mtp_2026b, test_mtp_bailing, test_mtp_other_family_block
 from tests.helpers import first_records, run_entry_in_process
 from tests.test_mtp import layout, rms, trains_ahead_and_decodes_losslessly
 
@@ -38,16 +38,53 @@ MTP = drafter_class("mtp")
 SHAPE = {"hidden_size": 64, "intermediate_size": 128, "head_dim": 16}
 # SGLang's DeepSeek NextN norms its inputs with a CUDA kernel taking hidden sizes of 512 to 8192 in steps of 256
 WIDE = {**SHAPE, "hidden_size": 512}
-SHAPES = {"deepseek_v3": WIDE, "deepseek_v32": WIDE, "glm_moe_dsa": WIDE, "glm5_next": WIDE}
+# SGLang's DeepSeek-V4 attends a fixed window of 128 keys
+SHAPES = {"deepseek_v3": WIDE, "deepseek_v32": WIDE, "glm_moe_dsa": WIDE, "glm5_next": WIDE,
+          "deepseek_v4": {**SHAPE, "sliding_window": 128}}  # fmt: skip
 SHARING = ("deepseek_v32", "glm5_next")  # targets whose config has later draft steps share the first one's selection
-WRAPPED = ("glm5_next",)  # a wrapper draftsmith loads as its language model
-# releases whose config.json carries fields transformers' lacks: HY-V3's routing, LongCat-Flash's MLA LoRA scaling
+# targets draftsmith's load_target builds: a wrapper as its language model, Ling-3.0's release architecture (which
+# transformers has no class of)
+LOADED_BY_DRAFTSMITH = ("glm5_next", "bailing_hybrid")
+# what a Ling-3.0 release says of its routing, which SGLang's config reads (softmax without the expert bias,
+# unrenormalised, where it lacks them)
+LING_ROUTING = {"moe_router_enable_expert_bias": True, "norm_topk_prob": True}
+NEMOTRON_H_LETTERS = {"linear_attention": "M", "moe": "E", "full_attention": "*", "mlp": "-"}  # its pattern's
+NEMOTRON_H_PATTERNS = {
+    "layers_block_type": "hybrid_override_pattern",
+    "mtp_layers_block_type": "mtp_hybrid_override_pattern",
+}
+
+
+def nemotron_h_release(directory):
+    """A tiny Nemotron-H whose config.json names its layer kinds as the releases do (hybrid_override_pattern, which
+    SGLang's config reads; it refuses transformers' names), with a random MTP layer."""
+    folder = write_random_target("nemotron_h", directory, **SHAPE)
+    config = json.loads((folder / "config.json").read_text())
+    for kinds, pattern in NEMOTRON_H_PATTERNS.items():
+        config[pattern] = "".join(NEMOTRON_H_LETTERS[kind] for kind in config.pop(kinds))
+    (folder / "config.json").write_text(json.dumps(config))
+    write_random_layer(folder)
+    return folder
+
+
+def ling_release(directory):
+    """A tiny Ling-3.0 release (tests/test_mtp_bailing.py's) whose config.json says its routing as releases do."""
+    folder = test_mtp_bailing.release_target(directory)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | LING_ROUTING))
+    return folder
+
+
+# releases whose config.json carries fields transformers' lacks: HY-V3's routing, LongCat-Flash's MLA LoRA scaling;
+# Nemotron-H's layer kinds as its releases name them; Ling-3.0's (vLLM's and SGLang's names)
 RELEASES = {
     "hy_v3": functools.partial(test_mtp_2026b.release_target, "hy_v3"),
     "longcat_flash": functools.partial(test_mtp_other_family_block.release_target, "longcat_flash"),
+    "nemotron_h": nemotron_h_release,
+    "bailing_hybrid": ling_release,
 }
 TWO_DEPTHS = "+2"  # a family's target (`targets`) shipping two MTP depths
-FOR_SGLANG = COMPUTED_AS  # SGLang's function (GLM-4.5's feedback too)
+FOR_SGLANG = COMPUTED_AS  # SGLang's function but DeepSeek-V4's and ERNIE-4.5's (computed_as; GLM-4.5's feedback too)
 
 
 @pytest.fixture(scope="module")
@@ -70,13 +107,11 @@ def targets(tmp_path_factory):
     @functools.cache
     def loaded(family: str):
         folder, _ = build(family)
-        if family in WRAPPED:
+        if family in LOADED_BY_DRAFTSMITH:
             return folder, load_target(str(folder))
         return folder, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().requires_grad_(False)
 
     return loaded
-
-    return build
 
 
 def source_of(family: str, targets, tmp_path, **config) -> Source:
@@ -118,7 +153,8 @@ def test_a_layer_trained_for_sglang_computes_its_nextn_formula_reading_position_
     "family",
     [
         "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe", "glm4_moe_lite", "glm5_next", "hy_v3",
-        "longcat_flash", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text",
+        "longcat_flash", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "deepseek_v4",
+        "ernie4_5_moe", "nemotron_h", "bailing_hybrid", "hy_v4",
     ],
 )  # fmt: skip
 def test_a_layer_trained_for_sglang_exports_to_the_folder_its_nextn_model_reads(family, targets, tmp_path):
@@ -126,26 +162,28 @@ def test_a_layer_trained_for_sglang_exports_to_the_folder_its_nextn_model_reads(
     assert is 1; V3.2's selection sharing off, where SGLang reads it), the layer under exactly the shipped names and
     shapes (SGLang leaves a missing tensor uninitialised without a word), served as NEXTN; read back as SGLang computes
     it. vLLM's export of a DeepSeek or GLM layer trained so is refused; a Qwen layer is the same function in both."""
-    source = source_of(family, targets, tmp_path, **FOR_SGLANG)
+    folder, model = targets(family)
+    computed = computed_as(loaded_config(model)["architectures"][0])
+    source = source_of(family, targets, tmp_path, **computed)
     exporter = exporter_for("mtp")
     repo = exporter.build("sglang", source, 3, tmp_path / "sglang")
     check_tensors(repo, "export")
-    folder, model = targets(family)
     served = served_config(str(folder), loaded_config(model), 1)
     if family in SHARING:
         assert text_fields(served)["index_share_for_mtp_iteration"] and "selection" in repo.conventions
         assert not text_fields(repo.config)["index_share_for_mtp_iteration"]
         text_fields(served)["index_share_for_mtp_iteration"] = False
+    text_fields(served).update(DRAFT_KEYS.get(sglang_model(served["architectures"][0]), {}))  # ERNIE's rotation
     assert repo.config == served
     assert text_fields(repo.config).get("num_nextn_predict_layers", repo.config.get("mtp_num_hidden_layers")) == 1
     assert set(repo.tensors) == set(exporter.vllm(source_of(family, targets, tmp_path), 3, tmp_path / "v").tensors)
     assert "--speculative-algorithm NEXTN --speculative-draft-model-path {path}" in repo.serve
     # GLM-4.5's loader skips fused experts without a word and Qwen3-Next's raises on them: one tensor per expert (the
-    # Qwen3.5-MoE releases' fused form is read by Qwen3.5's loader, which splits it)
+    # Qwen3.5-MoE and HY-V4 releases' fused form is read by Qwen3.5's loader and DeepSeek's, which split it)
     fused = any(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in repo.tensors)
-    assert fused == (family == "qwen3_5_moe_text")
+    assert fused == (family in ("qwen3_5_moe_text", "hy_v4"))
     back = exporter.read(tmp_path, repo.config, repo.tensors, model, {"engine": "sglang"})
-    assert not back.layout.masks_first_position and back.layout.feeds_back_normed
+    assert (back.layout.masks_first_position, back.layout.feeds_back_normed) == tuple(computed.values())
     written = source.drafter.checkpoint_tensors()
     assert all(torch.equal(tensor, back.checkpoint_tensors()[name]) for name, tensor in written.items())
     layout = LAYOUTS[source.drafter.config.decoder["architecture"]]
@@ -153,7 +191,7 @@ def test_a_layer_trained_for_sglang_exports_to_the_folder_its_nextn_model_reads(
         with pytest.raises(UserError, match=r"no vLLM release checked serves .* glm4_moe_lite_mtp .* sets "
                            r"num_hidden_layers to 0 .*; export it for sglang"):  # fmt: skip
             exporter.build("vllm", source, 3, tmp_path / "vllm")
-    elif not layout.masks_first_position:  # the same function in both engines
+    elif layout.masks_first_position == computed["masks_first_position"]:  # the same function in both engines
         check_tensors(exporter.build("vllm", source, 3, tmp_path / "vllm"), "export")
     else:
         with pytest.raises(UserError, match=r"drafter.masks_first_position=false, as SGLang computes it\), and every "
@@ -171,7 +209,10 @@ def test_a_layer_trained_for_sglang_exports_to_the_folder_its_nextn_model_reads(
          r"it: .* drafter.feeds_back_normed=true for sglang"),
         ("qwen3_next+2", {"mtp_depths": 2}, r"trained 2 depths, one per draft step, and SGLang's "
          r"Qwen3NextForCausalLMMTP runs one layer at every step"),
-        ("hy_v4", {}, r"draftsmith has not checked SGLang's MTP model for HYV4ForCausalLM \(checked: DeepseekV3, "),
+        ("ernie4_5_moe", {"masks_first_position": False}, r"position 0 read, and SGLang's Ernie4_5_MoeForCausalLMMTP "
+         r"zeroes it: export it for vllm, or train with drafter.masks_first_position unset for sglang"),
+        ("dots3_note", {}, r"draftsmith has not checked SGLang's MTP model for Dots3NoteForCausalLM \(checked: "
+         r"BailingMoeV3, DeepseekV3, "),
     ],
 )  # fmt: skip
 def test_a_layer_sglang_would_compute_otherwise_is_refused_in_one_line(family, config, said, targets, tmp_path):
@@ -198,6 +239,83 @@ def test_sglangs_kernel_and_layer_reading_limits_are_refused_and_a_zeroed_positi
     write_random_layer(qwen)
     with pytest.raises(UserError, match=r"masks_first_position=true: vLLM's qwen3_next_mtp does not zero"):
         MTP.Config(masks_first_position=True).check(local_target_shape(str(qwen)))
+
+
+@pytest.mark.parametrize(
+    "model_type, cases",
+    [
+        ("deepseek_v4", [  # a 48-key window as written
+            ({}, r"SGLang's DeepseekV4ForCausalLMNextN attends the last 128 keys .*sliding_window is 48: export it"),
+            ({"sliding_window": 128, "swiglu_limit": None}, r"as DeepSeek-V3's, .* it lacks swiglu_limit: export it"),
+            ({"sliding_window": 128, "q_head_norm": False}, r"reads q_head_norm=false or hc_pre_from_prev_sublayer"),
+            ({"sliding_window": 128, "hc_pre_from_prev_sublayer": True}, r"hc_pre_from_prev_sublayer=true \(V4.1's"),
+            ({"sliding_window": 128}, None),
+        ]),
+        ("ernie4_5_moe", [
+            ({"use_bias": True}, r"SGLang's Ernie4_5_MoeForCausalLMMTP adds biases to the attention's projections"),
+            ({"rope_is_neox_style": True}, r"rotates the target's layers neox-style \(rope_is_neox_style=true\)"),
+            ({"partial_rotary_factor": 0.5}, r"rotates a part of each head \(partial_rotary_factor=0.5\)"),
+            ({"hidden_act": "gelu"}, r"runs SiLU MLPs only \(hidden_act=gelu\): export it for vllm"),
+            ({"rope_is_neox_style": False}, None),
+        ]),
+        ("nemotron_h", [  # the release's pattern
+            ({"layers_block_type": list(NEMOTRON_H_LETTERS)}, r"NemotronHForCausalLMMTP accepts the layer kinds "
+             r"mamba, attention, mlp, moe and refuses the config.json's full_attention, linear_attention \(transf"),
+            ({"sliding_window": 64}, r"attends a window of sliding_window=64 keys, which transformers ignores"),
+            ({"n_shared_experts": 2}, r"n_shared_experts=2 times wide"),
+            ({"mlp_bias": True}, r"with ReLU² and no biases \(mlp_hidden_act, mlp_bias\)"),
+            ({}, None),
+        ]),
+        ("bailing_hybrid", [  # Ling-3.0's release, its routing said
+            ({"moe_router_enable_expert_bias": None}, r"BailingMoeForCausalLMNextN reads moe_router_enable_expert_bias "
+             r"as false \(its default: the config.json lacks it\), where draftsmith \(transformers\) computes "
+             r"the layer with true: export it for vllm"),
+            ({"norm_topk_prob": None}, r"reads norm_topk_prob as false"),
+            ({"expert_swiglu_limit_list": [7.0, 0, 0, 0]}, r"swiglu_limit_list\[0\] as 7.0, where .* with 0:"),
+            ({"rms_norm_eps": 1e-5}, r"reads rms_norm_eps as 1e-05, where draftsmith \(transformers\) computes the "
+             r"layer with 1e-06"),
+            ({"short_conv_kernel_size": None}, r"reads short_conv_kernel_size as null \(its default: .* with 4"),
+            ({}, None),
+        ]),
+        ("hy_v4", [
+            ({"mlp_layer_types": ["dense"] * 4}, r"HYV4ForCausalLMNextN builds the layer with experts, and draftsmith "
+             r"\(vLLM\) the target's last layer's dense MLP: export it for vllm"),
+            ({"n_group": 2, "topk_group": 1}, r"routes ungrouped \(it sets n_group and topk_group to 1; the "
+             r"target's: 2, 1\)"),
+            ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}}, r"DeepSeek's YaRN"),
+            ({}, None),
+        ]),
+    ],
+)  # fmt: skip
+def test_a_config_sglang_reads_otherwise_than_transformers_is_refused_in_one_line(model_type, cases, tmp_path):
+    """SGLang's DeepSeek-V4 attends a fixed 128-key window, reads the config.json as DeepSeek-V3's (another model's
+    defaults for what it lacks) and reads V4.1's attention and stream switches; its ERNIE-4.5 MTP block reads biases,
+    the rotation's style and part, and the activation; its Nemotron-H config refuses transformers' names of the layer
+    kinds and reads a window and the shared expert's width and activation; its Ling-3.0 config reads the routing,
+    the experts, the MLA layer's eps and the clamp under its own names and defaults: for the target too (the folder
+    cannot mend it), each refused in one line, read from the config.json as shipped; with none of them it exports."""
+    if model_type in RELEASES:
+        folder = RELEASES[model_type](tmp_path / model_type)
+    else:
+        folder = write_random_target(model_type, tmp_path / model_type, **SHAPE)
+        write_random_layer(folder)
+    if model_type in LOADED_BY_DRAFTSMITH:
+        model = load_target(str(folder))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().requires_grad_(False)
+    computed = computed_as(model.config.architectures[0])
+    drafter = MTP.from_target(MTP.Config(**computed), model, str(folder))
+    info = TargetInfo(TargetShape.of(model, str(folder)), model.config.to_dict(), str(folder))
+    shipped = json.loads((folder / "config.json").read_text())
+    for edit, said in cases:  # edited as shipped and as transformers reads it (a key removed: read as it was)
+        config = {key: value for key, value in (shipped | edit).items() if value is not None}
+        (folder / "config.json").write_text(json.dumps(config))
+        read = replace(info, config=info.config | {key: value for key, value in edit.items() if value is not None})
+        if said is None:
+            exporter_for("mtp").refuse("sglang", drafter, read)
+        else:
+            with pytest.raises(UserError, match=said):
+                exporter_for("mtp").refuse("sglang", drafter, read)
 
 
 def replace_hidden(info: TargetInfo, hidden: int) -> TargetInfo:
