@@ -101,20 +101,6 @@ def pytest_collection_finish(session) -> None:
     gc.freeze()
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item, nextitem):
-    """After a module's last test, its fixtures torn down: what is left (the modules its tests imported, transformers'
-    modeling code of each family, session fixtures, caches) frozen too, with the garbage collected first. The heap
-    frozen at collection covers less and less as the session imports more: a training run's collections walked
-    300,000-600,000 objects again by the suite's end (0.19 s each, 158 of them, 30 s of CPU)."""
-    yield
-    if nextitem is None or nextitem.module is not item.module:
-        import gc
-
-        gc.collect()
-        gc.freeze()
-
-
 @pytest.fixture(scope="session")
 def vllm_python() -> str:
     """A Python with the real vLLM (CPU build) in an environment of its own, as users serve it.
