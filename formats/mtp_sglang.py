@@ -7,11 +7,13 @@ vLLM release serves: heads/mtp_layouts.py) to Glm4MoeLiteForCausalLMNextN, Qwen3
 Qwen3.5's to Qwen3_5ForCausalLMMTP, GLM-5-Next's to Glm5NextForConditionalGenerationNextN, HY-V3's to
 HYV3ForCausalLMNextN, LongCat-Flash's to LongcatFlashForCausalLMNextN, DeepSeek-V4's to DeepseekV4ForCausalLMNextN,
 ERNIE-4.5's to Ernie4_5_MoeForCausalLMMTP, Nemotron-H's to NemotronHForCausalLMMTP, Ling-3.0's to
-BailingMoeForCausalLMNextN and HY-V4's to HYV4ForCausalLMNextN. Those models read the layer under the names the vLLM
-folder holds (formats/mtp.py): DeepSeek's, GLM's and Ling's loaders take `model.layers.{num_hidden_layers}.*` and
-assert `num_nextn_predict_layers == 1` (V4's maps `mtp.0.*` there, HY-V4's `model.mtp_layers.0.*`); Qwen's and
-Nemotron-H's take `mtp.*`, ERNIE's `model.mtp_*.0`, depth 0 only. Checked against SGLang 0.5.23's source (read,
-not run: SGLang's kernels need CUDA; docs/results/sglang-0.5.23-mtp-source.md), where each differs from vLLM's models:
+BailingMoeForCausalLMNextN, HY-V4's to HYV4ForCausalLMNextN and the Qwen4-Exp release's wrapper (the only Qwen4-Exp
+architecture SGLang serves, a target or a draft: the folder holds the wrapper's config whole) to Qwen4ExpForCausalLMMTP.
+Those models read the layer under the names the vLLM folder holds (formats/mtp.py): DeepSeek's, GLM's and Ling's
+loaders take `model.layers.{num_hidden_layers}.*` and assert `num_nextn_predict_layers == 1` (V4's maps `mtp.0.*`
+there, HY-V4's `model.mtp_layers.0.*`); Qwen's and Nemotron-H's take `mtp.*`, ERNIE's `model.mtp_*.0`, depth 0
+only. Checked against SGLang 0.5.23's source (read, not run: SGLang's kernels need CUDA;
+docs/results/sglang-0.5.23-mtp-source.md), where each differs from vLLM's models:
 
 - one layer at every draft step: no depth i for step i (its multi-layer worker takes none of these models);
 - the embedding at position 0 is read, not zeroed (no model above but ERNIE's masks it): a DeepSeek (V4 too), GLM or
@@ -24,6 +26,7 @@ not run: SGLang's kernels need CUDA; docs/results/sglang-0.5.23-mtp-source.md), 
   one tensor per expert); embed_tokens and lm_head are the target's (set_embed_and_head), read from no folder;
 - V3.2's, GLM-5's and GLM-5-Next's later steps reuse the first one's sparse-attention selection where the draft's
   config says `index_share_for_mtp_iteration` (there is no server flag), which the folder's config turns off;
+  Qwen4-Exp's where its text_config does not say false (SGLang's default is true): the folder's says false;
 - LongCat-Flash's config defaults `mla_scale_q_lora` and `mla_scale_kv_lora` to true where draftsmith (and
   transformers) read an absent key as false: the folder's config writes them;
 - ERNIE-4.5's MTP block rotates interleaved pairs unless the config says `rope_is_neox_style` (vLLM's, a Llama layer,
@@ -34,6 +37,7 @@ not run: SGLang's kernels need CUDA; docs/results/sglang-0.5.23-mtp-source.md), 
 from __future__ import annotations
 
 import json
+import re
 
 from draftsmith.errors import UserError
 from draftsmith.formats import Source
@@ -41,7 +45,7 @@ from draftsmith.formats.repo import SGLANG_FLAGS, SGLANG_REVISION_FLAG, EngineRe
 from draftsmith.heads import mtp_depths
 from draftsmith.heads.mtp import text_fields
 from draftsmith.heads.mtp_family import decoder_layers
-from draftsmith.heads.mtp_layer import Layout, shipped_config
+from draftsmith.heads.mtp_layer import Layout, shipped_config, shipped_whole
 
 SGLANG_SERVE = (
     "python -m sglang.launch_server --model-path {target} --speculative-algorithm NEXTN "
@@ -70,18 +74,33 @@ SGLANG_MODELS = {
     "NemotronHForCausalLM": "NemotronHForCausalLMMTP",
     "BailingMoeV3ForCausalLM": "BailingMoeForCausalLMNextN",
     "HYV4ForCausalLM": "HYV4ForCausalLMNextN",
+    "Qwen4ExpForCausalLM": "Qwen4ExpForCausalLMMTP",  # draftsmith's load of the wrapper: its language model
+    "Qwen4ExpForConditionalGeneration": "Qwen4ExpForCausalLMMTP",
 }
+# Models SGLang builds only from a vision-language wrapper's config (its _config_draft_model rewrites the wrapper's
+# architecture alone, and it has no model for the language model's): the folder holds the wrapper's config.json whole
+WRAPPED = {"Qwen4ExpForCausalLMMTP": "Qwen4ExpForConditionalGeneration"}
 # Models computing the layer otherwise than COMPUTED_AS: DeepSeek-V4's forward hands the next step its
 # hyper-connection streams before its hc_head, unnormed; ERNIE-4.5's zeroes position 0 and has no final norm (both as
 # vLLM's models do)
 COMPUTES = {
     "DeepseekV4ForCausalLMNextN": {"feeds_back_normed": False},
+    "Qwen4ExpForCausalLMMTP": {"feeds_back_normed": False},  # its streams, unmixed (vLLM's too)
     "Ernie4_5_MoeForCausalLMMTP": {"masks_first_position": True, "feeds_back_normed": False},
 }
 # Keys the folder's config.json sets for the draft alone (SGLang's target reads its own), so that its model computes
 # the layer as trained: ERNIE-4.5's MTP block is SGLang's ERNIE decoder layer, which rotates interleaved pairs unless
-# rope_is_neox_style, where vLLM's (a Llama layer) rotates neox-style, as draftsmith trains it
-DRAFT_KEYS = {"Ernie4_5_MoeForCausalLMMTP": {"rope_is_neox_style": True}}
+# rope_is_neox_style, where vLLM's (a Llama layer) rotates neox-style, as draftsmith trains it; Qwen4-Exp's later draft
+# steps reuse the first one's QSA selection unless its text_config says index_share_for_mtp_iteration false (SGLang's
+# Qwen4ExpTextConfig defaults it to true; speculative/eagle_worker_v2.py reads the text_config's), where draftsmith's
+# layer selects at every step, as vLLM's does
+DRAFT_KEYS = {
+    "Ernie4_5_MoeForCausalLMMTP": {"rope_is_neox_style": True},
+    "Qwen4ExpForCausalLMMTP": {"index_share_for_mtp_iteration": False},
+}
+# Models whose hyper-connection weights SGLang builds in one dtype whatever --dtype says (Qwen4-Exp's gated residuals:
+# HyperConnectionConfig(params_dtype=bfloat16), the target's too): another dtype's activations meet them in F.linear
+SERVED_DTYPE = {"Qwen4ExpForCausalLMMTP": "bfloat16"}
 # Models whose loader reads layer `num_hidden_layers`, but layer 0 where the decoder has one layer (the target's own;
 # GLM-5-Next's keeps layer 1's names first, then looks for layer 0's: it loads nothing)
 MISREADS_ONE_LAYER = {
@@ -174,6 +193,12 @@ def ling_read_otherwise(shipped: dict, loaded: dict) -> str:
         ("expert_swiglu_limit_list[0]", (shipped.get("expert_swiglu_limit_list") or [0])[0] or 0, 0),
         ("share_expert_swiglu_limit_list[0]", (shipped.get("share_expert_swiglu_limit_list") or [0])[0] or 0, 0),
     )
+    return first_read_otherwise(readings, shipped)
+
+
+def first_read_otherwise(readings: tuple, shipped: dict) -> str:
+    """The first of `readings` ((key, SGLang's value, transformers') read from the config.json `shipped`) whose values
+    differ, as a reason, or ""."""
     for key, sglangs, transformers in readings:
         if sglangs != transformers:
             default = " (its default: the config.json lacks it)" if key.split("[")[0] not in shipped else ""
@@ -197,6 +222,43 @@ def hy_v4_read_otherwise(shipped: dict, loaded: dict) -> str:
     return ""
 
 
+# SGLang's QSA indexer: its top-k kernel (fast_topk_v2) selects 512 or 2048 blocks (layers/attention/qsa/config.py),
+# whole blocks on its 64-key pages (model_overrides/qwen4_exp.py, mem_cache/qsa_kv_pool.py, qsa/mqa.py): of 2, 4 or 8
+QSA_BLOCKS_SELECTED = (512, 2048)
+QSA_BLOCK_SIZES = (2, 4, 8)
+
+
+def qwen4_exp_read_otherwise(shipped: dict, loaded: dict) -> str:
+    """How SGLang's Qwen4-Exp (its text config a Qwen3-Next one: other defaults) reads the language model's
+    config.json otherwise than transformers, or builds a layer draftsmith did not train (its QSA indexer's limits),
+    or ""."""
+    rope = shipped.get("rope_parameters") or {}
+    sglangs_rotary = shipped.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))
+    rotary = (loaded.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
+    readings = (  # (key, SGLang's value, transformers')
+        ("partial_rotary_factor", sglangs_rotary, rotary),
+        ("vocab_size", shipped.get("vocab_size", 151936), loaded["vocab_size"]),
+    )
+    why = first_read_otherwise(readings, shipped)
+    if why:
+        return why
+    blocks, size = loaded["indexer_budget"] // loaded["indexer_compress_ratio"], loaded["indexer_compress_ratio"]
+    if blocks not in QSA_BLOCKS_SELECTED or loaded["indexer_budget"] % size or size not in QSA_BLOCK_SIZES:
+        return (
+            f"selects {' or '.join(map(str, QSA_BLOCKS_SELECTED))} blocks of {', '.join(map(str, QSA_BLOCK_SIZES))} "
+            f"keys (indexer_budget / indexer_compress_ratio), and the target {blocks} of {size}"
+        )
+    if loaded["indexer_kv_heads"] != 1 or int(loaded["head_dim"] * rotary) > loaded["indexer_head_dim"]:
+        return "builds its QSA indexer with one key head rotating at most indexer_head_dim channels"
+    if loaded["hidden_act"] != "silu":
+        return f"runs SiLU experts only (hidden_act={loaded['hidden_act']})"
+    if loaded.get("attention_bias"):
+        return "builds its attention without biases (attention_bias=true) and its loader drops them without a word"
+    if loaded.get("tie_word_embeddings"):
+        return "leaves its own lm_head unset where the target ties it to the embedding (tie_word_embeddings=true)"
+    return ""
+
+
 # Model -> how it reads the target's config.json (as shipped; transformers' reading of it, dict form, beside) otherwise
 # than draftsmith trained on, or ""
 READS_OTHERWISE = {
@@ -205,13 +267,15 @@ READS_OTHERWISE = {
     "NemotronHForCausalLMMTP": nemotron_h_read_otherwise,
     "BailingMoeForCausalLMNextN": ling_read_otherwise,
     "HYV4ForCausalLMNextN": hy_v4_read_otherwise,
+    "Qwen4ExpForCausalLMMTP": qwen4_exp_read_otherwise,
 }
 
 
 def sglang_model(architecture: str) -> str:
     model = SGLANG_MODELS.get(architecture)
     if model is None:
-        checked = ", ".join(sorted({name.removesuffix("ForCausalLM") for name in SGLANG_MODELS}))
+        families = {re.sub("For(CausalLM|ConditionalGeneration)$", "", name) for name in SGLANG_MODELS}
+        checked = ", ".join(sorted(families))
         raise UserError(
             f"draftsmith has not checked SGLang's MTP model for {architecture} (checked: {checked}); export for vllm"
         )
@@ -262,6 +326,18 @@ def refuse(drafter, target: TargetInfo) -> None:
             f"SGLang's {model} does not load a one-layer target's MTP layer (layer 1): its loader then reads layer 0, "
             "the decoder's own: export it for vllm"
         )
+    if model in WRAPPED and shipped_whole(target.shape.name_or_path).get("architectures") != [WRAPPED[model]]:
+        raise UserError(
+            f"SGLang builds its {model} from a {WRAPPED[model]} target only (the release's wrapper: it has no model "
+            f"for {drafter.config.decoder['architecture']}): export it for vllm"
+        )
+    dtype = SERVED_DTYPE.get(model)
+    if dtype and target.config.get("dtype") != dtype:
+        raise UserError(
+            f"SGLang's {model} builds its hyper-connections' weights in {dtype} whatever --dtype says (its target's "
+            f"too), and this export serves the target in {target.config.get('dtype')}: export with "
+            f"target.dtype={dtype}, or for vllm"
+        )
     read_otherwise = READS_OTHERWISE.get(model)
     shipped = text_fields(shipped_config(target.shape.name_or_path, target.config))
     why = read_otherwise(shipped, text_fields(target.config)) if read_otherwise else ""
@@ -272,15 +348,21 @@ def refuse(drafter, target: TargetInfo) -> None:
 def repo(source: Source, layout: Layout, config: dict, tensors: dict, expected: dict) -> EngineRepo:
     """The SGLang folder: the vLLM folder's config (one depth, edited in place) and tensors, served as NEXTN."""
     model = sglang_model(source.drafter.config.decoder["architecture"])
+    built_from = f"the target's config.json as shipped, {layout.count_key}=1"
+    if model in WRAPPED:  # the wrapper's whole, the language model's config as the vLLM folder holds it its text_config
+        whole = shipped_whole(source.target.shape.name_or_path)
+        language_model = {key: value for key, value in config.items() if key not in ("architectures", "model_type")}
+        config = {**whole, "text_config": {**whole["text_config"], **language_model}}
+        built_from = f"the target's config.json as shipped ({WRAPPED[model]}'s, whole), {layout.count_key}=1 in it"
     text = text_fields(config)
     conventions = {
-        "config": f"the target's config.json as shipped, {layout.count_key}=1: SGLang builds its {model} model",
+        "config": f"{built_from}: SGLang builds its {model} model",
         "weights": f"the fine-tuned MTP layer under the target checkpoint's names and shapes "
         f"({layout.prefix(decoder_layers(text))}*), which {model} reads",
         "shared": "embed_tokens and lm_head are the target's (SGLang shares them; not in the folder)",
         "hidden": (
-            "the target's last hyper-connection streams (before its hc_head) at the first draft step, the layer's "
-            "own, unnormed, at later ones"
+            "the target's last hyper-connection streams (before it mixes them down) at the first draft step, the "
+            "layer's own (unnormed, unmixed) at later ones"
             if layout.streams
             else "the target's final (post-norm) hidden state at the first draft step, the layer's output "
             + ("after its final norm" if layout.final_norm else "(it has no final norm)")

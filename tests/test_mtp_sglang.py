@@ -9,6 +9,7 @@ import functools
 import json
 import shutil
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,7 +31,13 @@ from draftsmith.recipe import load_recipe
 from draftsmith.target import TargetShape, load_target, loaded_config, local_target_shape, run_target
 from tests import test_mtp_2026b, test_mtp_bailing, test_mtp_other_family_block
 from tests.helpers import fast_tier, first_records, run_entry_in_process
-from tests.test_mtp import layout, rms, trains_ahead_and_decodes_losslessly
+from tests.test_mtp import (
+    assert_exported_layer_decodes_losslessly,
+    layout,
+    mtp_args,
+    rms,
+    trains_ahead_and_decodes_losslessly,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -396,3 +403,103 @@ def test_a_longcat_flash_release_without_its_lora_scaling_flags_writes_them_as_d
     source = Source(drafter, tmp_path, model, info)
     repo = exporter_for("mtp").build("sglang", source, 3, tmp_path / "sglang")
     assert {flag: repo.config[flag] for flag in flags} == dict.fromkeys(flags, False)
+
+
+# A Qwen4-Exp language model SGLang builds: its QSA indexer selecting 2048 / 4 = 512 blocks (its top-k kernel's width),
+# its rotation's part written (SGLang's text config reads an absent one as 0.25, transformers as 1.0)
+QWEN4_EXP_SERVED = {"indexer_budget": 2048, "indexer_compress_ratio": 4}
+QWEN4_EXP_ROTARY = {"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 1.0}
+
+
+def qwen4_exp_release(directory, **text):
+    """A tiny Qwen4-Exp release: the vision-language wrapper (the only Qwen4-Exp architecture SGLang serves) whose
+    text_config is a tiny language model's with `text`, and a random MTP layer at the top of its checkpoint."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from draftsmith.tiny_config import TINY_VISION
+
+    text_only = write_random_target("qwen4_exp", directory / "text", **SHAPE)
+    language_model = json.loads((text_only / "config.json").read_text())
+    del language_model["architectures"]
+    vision = {**TINY_VISION, "out_hidden_size": language_model["hidden_size"]}
+    folder = directory / "release"
+    AutoModelForImageTextToText.from_config(
+        AutoConfig.for_model("qwen4_exp", text_config=language_model | text, vision_config=vision)
+    ).save_pretrained(folder)
+    for tokenizer in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(text_only / tokenizer, folder)
+    write_random_layer(folder)
+    return folder
+
+
+def test_a_qwen4_exp_releases_layer_exports_for_sglang_in_its_wrappers_config_each_step_selecting(tmp_path):
+    """SGLang rewrites only the wrapper (Qwen4ExpForConditionalGeneration) to its Qwen4ExpForCausalLMMTP, which
+    computes vLLM's function (the target's streams, then the layer's own, unmixed; position 0 read): the folder holds
+    the wrapper's config.json whole, its text_config the vLLM folder's with later draft steps selecting their own keys
+    (SGLang's default shares the first one's), the vLLM folder's tensors, and reads back as trained. Refused in one
+    line: a target served in another dtype than the bfloat16 its hyper-connections are built in, a config SGLang reads
+    otherwise or whose indexer it cannot build, and the language model's own architecture, for which it has no model."""
+    folder = qwen4_exp_release(tmp_path, **QWEN4_EXP_SERVED, rope_parameters=QWEN4_EXP_ROTARY)
+    model = load_target(SimpleNamespace(name_or_path=str(folder), revision=None, dtype="bfloat16",
+                                        trust_remote_code=False))  # fmt: skip
+    drafter = MTP.from_target(MTP.Config(**computed_as("Qwen4ExpForConditionalGeneration")), model, str(folder))
+    info = TargetInfo(TargetShape.of(model, str(folder)), loaded_config(model), str(folder))
+    source, exporter = Source(drafter, tmp_path, model, info), exporter_for("mtp")
+    repo = exporter.build("sglang", source, 3, tmp_path / "sglang")
+    check_tensors(repo, "export")
+    shipped = json.loads((folder / "config.json").read_text())
+    assert repo.config == {
+        **shipped,
+        "text_config": {**shipped["text_config"], "mtp_num_hidden_layers": 1, "index_share_for_mtp_iteration": False},
+    }
+    assert set(repo.tensors) == set(exporter.build("vllm", source, 3, tmp_path / "vllm").tensors)
+    back = exporter.read(tmp_path, repo.config, repo.tensors, model, {"engine": "sglang"})
+    assert not back.layout.masks_first_position and not back.layout.feeds_back_normed
+    written = drafter.checkpoint_tensors()
+    assert all(torch.equal(tensor, back.checkpoint_tensors()[name]) for name, tensor in written.items())
+    text = text_fields(info.config)
+    cases = [
+        ({"indexer_budget": 64}, r"SGLang's Qwen4ExpForCausalLMMTP selects 512 or 2048 blocks of 2, 4, 8 keys "
+         r"\(indexer_budget / indexer_compress_ratio\), and the target 16 of 4: export it for vllm"),
+        ({"rope_parameters": {**QWEN4_EXP_ROTARY, "partial_rotary_factor": None}}, r"reads partial_rotary_factor "
+         r"as 0.25 \(its default: the config.json lacks it\), where draftsmith \(transformers\) computes the layer "
+         r"with 1.0"),
+        ({"tie_word_embeddings": True}, r"leaves its own lm_head unset where the target ties it"),
+        ({"attention_bias": True}, r"builds its attention without biases \(attention_bias=true\)"),
+        ({"dtype": "float32"}, r"builds its hyper-connections' weights in bfloat16 whatever --dtype says \(its "
+         r"target's too\), and this export serves the target in float32: export with target.dtype=bfloat16, or for "
+         r"vllm"),
+    ]  # fmt: skip
+    for edit, said in cases:  # the text_config as shipped and as transformers reads it (None: removed)
+        written_text = {**shipped["text_config"], **edit}
+        written_text["rope_parameters"] = {k: v for k, v in written_text["rope_parameters"].items() if v is not None}
+        (folder / "config.json").write_text(json.dumps({**shipped, "text_config": written_text}))
+        read = replace(info, config={**text, **{k: written_text[k] for k in edit}})
+        with pytest.raises(UserError, match=said):
+            exporter.refuse("sglang", drafter, read)
+    language_model = tmp_path / "text"
+    with pytest.raises(UserError, match=r"SGLang builds its Qwen4ExpForCausalLMMTP from a "
+                       r"Qwen4ExpForConditionalGeneration target only \(the release's wrapper: it has no model for "
+                       r"Qwen4ExpForCausalLM\): export it for vllm"):  # fmt: skip
+        exporter.refuse("sglang", drafter, replace(info, shape=replace(info.shape, name_or_path=str(language_model))))
+
+
+@pytest.mark.slow
+def test_a_qwen4_exp_releases_layer_trains_in_bfloat16_exports_for_both_engines_and_its_sglang_folder_is_lossless(
+    tmp_path, small_data, token_cache, capsys
+):
+    """`recipe=mtp` on a Qwen4-Exp release loaded in bfloat16 (SGLang's dtype for its hyper-connections) through the
+    entry points: it trains, exports for vllm and sglang, and draftsmith's eval, reading the SGLang folder (the
+    wrapper's config) back, decodes losslessly."""
+    folder = qwen4_exp_release(tmp_path, **QWEN4_EXP_SERVED, rope_parameters=QWEN4_EXP_ROTARY)
+    run, export = tmp_path / "run", tmp_path / "export"
+    args = [*mtp_args(folder, run, small_data, token_cache), "target.dtype=bfloat16"]
+    assert run_entry_in_process(["train.py", *args], capsys).returncode == 0
+    engines = "export.engines=[vllm,sglang]"
+    exported = ["-m", "export", *args, f"checkpoint={run / 'final'}", f"export.output={export}", engines]
+    assert run_entry_in_process(exported, capsys).returncode == 0
+    assert json.loads((export / "sglang" / "config.json").read_text())["architectures"] == [
+        "Qwen4ExpForConditionalGeneration"
+    ]
+    assert "--dtype bfloat16" in (export / "sglang" / "README.md").read_text()
+    assert_exported_layer_decodes_losslessly(folder, export / "sglang", tmp_path, small_data, 0, args[-1])
