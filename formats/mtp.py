@@ -219,7 +219,7 @@ class MtpExporter(Exporter):
         return layout, config, tensors, expected
 
     def sglang(self, source: Source, gamma: int, output: Path) -> EngineRepo:
-        return mtp_sglang.repo(source, *self.folder(source, 1))
+        return mtp_sglang.repo(source, gamma, *self.folder(source, 1))
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         depths = mtp_depths.depths_of(source.drafter)  # vLLM runs depth i at step i, one layer (1) at every step

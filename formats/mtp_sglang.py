@@ -7,17 +7,19 @@ vLLM release serves: heads/mtp_layouts.py) to Glm4MoeLiteForCausalLMNextN, Qwen3
 Qwen3.5's to Qwen3_5ForCausalLMMTP, GLM-5-Next's to Glm5NextForConditionalGenerationNextN, HY-V3's to
 HYV3ForCausalLMNextN, LongCat-Flash's to LongcatFlashForCausalLMNextN, DeepSeek-V4's to DeepseekV4ForCausalLMNextN,
 ERNIE-4.5's to Ernie4_5_MoeForCausalLMMTP, Nemotron-H's to NemotronHForCausalLMMTP, Ling-3.0's to
-BailingMoeForCausalLMNextN, HY-V4's to HYV4ForCausalLMNextN and the Qwen4-Exp release's wrapper (the only Qwen4-Exp
-architecture SGLang serves, a target or a draft: the folder holds the wrapper's config whole) to Qwen4ExpForCausalLMMTP.
-Those models read the layer under the names the vLLM folder holds (formats/mtp.py): DeepSeek's, GLM's and Ling's
-loaders take `model.layers.{num_hidden_layers}.*` and assert `num_nextn_predict_layers == 1` (V4's maps `mtp.0.*`
-there, HY-V4's `model.mtp_layers.0.*`); Qwen's and Nemotron-H's take `mtp.*`, ERNIE's `model.mtp_*.0`, depth 0
-only. Checked against SGLang 0.5.23's source (read, not run: SGLang's kernels need CUDA;
-docs/results/sglang-0.5.23-mtp-source.md), where each differs from vLLM's models:
+BailingMoeForCausalLMNextN, HY-V4's to HYV4ForCausalLMNextN, the Qwen4-Exp release's wrapper (the only Qwen4-Exp
+architecture SGLang serves, a target or a draft: the folder holds the wrapper's config whole) to Qwen4ExpForCausalLMMTP
+and the Dots3-Note release's flat config (its model type the only one SGLang reads) to Dots3NoteForCausalLMNextN.
+Those models read the layer under the names the vLLM folder holds (formats/mtp.py): DeepSeek's, GLM's, Ling's and
+Dots3's loaders take `model.layers.{num_hidden_layers}.*` (V4's maps `mtp.0.*` there, HY-V4's `model.mtp_layers.0.*`;
+Dots3's reads its own embedding beside) and all but Dots3's assert `num_nextn_predict_layers == 1`; Qwen's and
+Nemotron-H's take `mtp.*`, ERNIE's `model.mtp_*.0`, depth 0 only. Checked against SGLang 0.5.23's source (read, not
+run: SGLang's kernels need CUDA; docs/results/sglang-0.5.23-mtp-source.md), where each differs from vLLM's models:
 
 - one layer at every draft step: no depth i for step i (its multi-layer worker takes none of these models);
-- the embedding at position 0 is read, not zeroed (no model above but ERNIE's masks it): a DeepSeek (V4 too), GLM or
-  HY (V3, V4) layer trains for SGLang with `drafter.masks_first_position=false`, a function no vLLM release computes;
+- the embedding at position 0 is read, not zeroed (no model above but ERNIE's masks it): a DeepSeek (V4 too), GLM,
+  HY (V3, V4) or Dots3-Note layer trains for SGLang with `drafter.masks_first_position=false`, a function no vLLM
+  release computes;
 - a later step reads the layer's output after its final norm (the state each forward returns to the logits
   processor, which the EAGLE worker feeds back; V4's its streams, ERNIE's the block's output, as vLLM's): GLM-4.5's
   trains with `drafter.feeds_back_normed=true`;
@@ -31,7 +33,8 @@ docs/results/sglang-0.5.23-mtp-source.md), where each differs from vLLM's models
   transformers) read an absent key as false: the folder's config writes them;
 - ERNIE-4.5's MTP block rotates interleaved pairs unless the config says `rope_is_neox_style` (vLLM's, a Llama layer,
   neox-style): the folder's config sets it, which SGLang's target does not read;
-- some read the target's config.json otherwise than transformers, for the target too (READS_OTHERWISE): refused.
+- some read the target's config.json otherwise than transformers, for the target too (formats/mtp_sglang_reads.py),
+  serve one dtype whatever --dtype says (SERVED_DTYPE) or only some chains (SERVED_GAMMAS): refused.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import re
 
 from draftsmith.errors import UserError
 from draftsmith.formats import Source
+from draftsmith.formats.mtp_sglang_reads import READS_OTHERWISE
 from draftsmith.formats.repo import SGLANG_FLAGS, SGLANG_REVISION_FLAG, EngineRepo, TargetInfo
 from draftsmith.heads import mtp_depths
 from draftsmith.heads.mtp import text_fields
@@ -76,6 +80,7 @@ SGLANG_MODELS = {
     "HYV4ForCausalLM": "HYV4ForCausalLMNextN",
     "Qwen4ExpForCausalLM": "Qwen4ExpForCausalLMMTP",  # draftsmith's load of the wrapper: its language model
     "Qwen4ExpForConditionalGeneration": "Qwen4ExpForCausalLMMTP",
+    "Dots3NoteForCausalLM": "Dots3NoteForCausalLMNextN",  # the release's flat config.json (model_type dots3_note)
 }
 # Models SGLang builds only from a vision-language wrapper's config (its _config_draft_model rewrites the wrapper's
 # architecture alone, and it has no model for the language model's): the folder holds the wrapper's config.json whole
@@ -98,177 +103,26 @@ DRAFT_KEYS = {
     "Ernie4_5_MoeForCausalLMMTP": {"rope_is_neox_style": True},
     "Qwen4ExpForCausalLMMTP": {"index_share_for_mtp_iteration": False},
 }
-# Models whose hyper-connection weights SGLang builds in one dtype whatever --dtype says (Qwen4-Exp's gated residuals:
-# HyperConnectionConfig(params_dtype=bfloat16), the target's too): another dtype's activations meet them in F.linear
-SERVED_DTYPE = {"Qwen4ExpForCausalLMMTP": "bfloat16"}
+# Models SGLang serves in one dtype whatever --dtype says, the target's too -> (the dtype, why): Qwen4-Exp's gated
+# residuals' weights (HyperConnectionConfig(params_dtype=bfloat16), which another dtype's activations meet in F.linear),
+# Dots3's MLA kv_b_proj (models/dots3_common/modeling.py asserts it)
+SERVED_DTYPE = {
+    "Qwen4ExpForCausalLMMTP": ("bfloat16", "builds its hyper-connections' weights in bfloat16 whatever --dtype says"),
+    "Dots3NoteForCausalLMNextN": ("bfloat16", "asserts its MLA kv_b_proj is bfloat16 (or block FP8)"),
+}
+# Models that serve only these γ: Dots3's sliding-window MLA attends through a fallback taking 1 or 4 query tokens
+# a request (layers/attention/swa_mla_fallback/forward.py), the target's verification and the draft's extend γ + 1
+SERVED_GAMMAS = {"Dots3NoteForCausalLMNextN": (3,)}
 # Models whose loader reads layer `num_hidden_layers`, but layer 0 where the decoder has one layer (the target's own;
 # GLM-5-Next's keeps layer 1's names first, then looks for layer 0's: it loads nothing)
 MISREADS_ONE_LAYER = {
     "DeepseekV3ForCausalLMNextN", "GlmMoeDsaForCausalLMNextN", "Glm4MoeForCausalLMNextN", "Glm4MoeLiteForCausalLMNextN",
     "Glm5NextForConditionalGenerationNextN", "DeepseekV4ForCausalLMNextN", "BailingMoeForCausalLMNextN",
-    "HYV4ForCausalLMNextN",
+    "HYV4ForCausalLMNextN", "Dots3NoteForCausalLMNextN",
 }  # fmt: skip
 # Models whose CUDA forward norms [embedding | hidden] with one kernel (DeepseekModelNextN's fused_eh_norm), which
 # raises unless 256 < hidden_size <= 8192 and hidden_size % 256 == 0, with no fallback
 FUSED_EH_NORM = {"DeepseekV3ForCausalLMNextN", "GlmMoeDsaForCausalLMNextN", "Glm5NextForConditionalGenerationNextN"}
-
-
-def deepseek_v4_read_otherwise(shipped: dict, loaded: dict) -> str:
-    """How SGLang reads a DeepSeek-V4 config.json otherwise than transformers (for the target too, so the folder's
-    config cannot mend it), or ""."""
-    if shipped.get("sliding_window") != 128:
-        return (
-            f"attends the last 128 keys (its attention backend's SWA_WINDOW) whatever the config says, and the "
-            f"target's sliding_window is {shipped.get('sliding_window')}"
-        )
-    absent = [key for key in ("swiglu_limit", "routed_scaling_factor", "num_experts_per_tok") if key not in shipped]
-    if absent:
-        return f"reads the config.json as DeepSeek-V3's, whose defaults are not V4's, and it lacks {', '.join(absent)}"
-    if shipped.get("q_head_norm", True) is not True or shipped.get("hc_pre_from_prev_sublayer", False):
-        return "reads q_head_norm=false or hc_pre_from_prev_sublayer=true (V4.1's), which transformers' V4 does not"
-    return ""
-
-
-def ernie_read_otherwise(shipped: dict, loaded: dict) -> str:
-    """How SGLang's ERNIE-4.5 MTP block reads the config.json otherwise than draftsmith's (vLLM's Llama layer), or
-    ""."""
-    if shipped.get("use_bias"):
-        return "adds biases to the attention's projections and the layer's input projection (use_bias=true)"
-    if shipped.get("rope_is_neox_style"):
-        return "rotates the target's layers neox-style (rope_is_neox_style=true), transformers' interleaved"
-    if shipped.get("partial_rotary_factor", 1.0) != 1.0:
-        return f"rotates a part of each head (partial_rotary_factor={shipped['partial_rotary_factor']})"
-    if shipped.get("hidden_act", "silu") != "silu":
-        return f"runs SiLU MLPs only (hidden_act={shipped['hidden_act']})"
-    return ""
-
-
-# The layer kinds SGLang's Nemotron-H config accepts (transformers writes the attention and Mamba kinds otherwise)
-NEMOTRON_H_KINDS = ("mamba", "attention", "mlp", "moe")
-
-
-def nemotron_h_read_otherwise(shipped: dict, loaded: dict) -> str:
-    """How SGLang reads a Nemotron-H config.json otherwise than transformers, or ""."""
-    kinds = {kind for key in ("layers_block_type", "mtp_layers_block_type") for kind in shipped.get(key) or ()}
-    if kinds - set(NEMOTRON_H_KINDS):
-        return (
-            f"accepts the layer kinds {', '.join(NEMOTRON_H_KINDS)} and refuses the config.json's "
-            f"{', '.join(sorted(kinds - set(NEMOTRON_H_KINDS)))} (transformers' names; releases ship "
-            "hybrid_override_pattern), the target's too"
-        )
-    if shipped.get("sliding_window") is not None:
-        return f"attends a window of sliding_window={shipped['sliding_window']} keys, which transformers ignores"
-    if shipped.get("n_shared_experts", 1) != 1:
-        return f"builds its shared expert n_shared_experts={shipped['n_shared_experts']} times wide, transformers once"
-    if shipped.get("mlp_hidden_act", "relu2") != "relu2" or shipped.get("mlp_bias"):
-        return "builds its shared expert with ReLU² and no biases (mlp_hidden_act, mlp_bias)"
-    return ""
-
-
-def ling_read_otherwise(shipped: dict, loaded: dict) -> str:
-    """Where SGLang's Bailing NextN reads a Ling-3.0 config.json (its own config class: its keys and defaults) as
-    another value than transformers' target (`loaded`) computes with, or "": its routing (SGLang routes by softmax
-    without the expert bias, unrenormalised, unless told), experts, the MLA layer's rotation, gate and norms' eps, the
-    Ling-3.0 layer itself (else Ling-2.5's), and the clamp of its experts (entry 0 of the lists; draftsmith trains the
-    layer unclamped, as vLLM serves it)."""
-    default_shared = loaded["moe_intermediate_size"] * shipped.get("num_shared_experts", 1)
-    readings = (  # (key, SGLang's value, transformers')
-        ("model_type", shipped.get("model_type"), loaded["model_type"]),
-        ("short_conv_kernel_size", shipped.get("short_conv_kernel_size"), loaded["short_conv_kernel_size"]),
-        ("moe_router_enable_expert_bias", shipped.get("moe_router_enable_expert_bias", False), True),
-        ("norm_topk_prob", shipped.get("norm_topk_prob", False), loaded["moe_renormalize"]),
-        ("routed_scaling_factor", shipped.get("routed_scaling_factor", 1.0), loaded["routed_scaling_factor"]),
-        ("n_group", shipped.get("n_group", 8), loaded["num_expert_group"]),
-        ("topk_group", shipped.get("topk_group", 4), loaded["topk_group"]),
-        ("num_experts", shipped.get("num_experts", 256), loaded["num_experts"]),
-        ("num_experts_per_tok", shipped.get("num_experts_per_tok", 8), loaded["num_experts_per_token"]),
-        (
-            "moe_shared_expert_intermediate_size",
-            shipped.get("moe_shared_expert_intermediate_size", default_shared),
-            loaded["moe_intermediate_size"] * loaded["num_shared_experts"],
-        ),
-        ("gated_attention_proj_granularity_type", shipped.get("gated_attention_proj_granularity_type"), "head_wise"),
-        ("rope_interleave", shipped.get("rope_interleave", True), True),
-        ("rms_norm_eps", shipped.get("rms_norm_eps", 1e-6), 1e-6),  # transformers' MLA layernorms' eps
-        ("expert_swiglu_limit_list[0]", (shipped.get("expert_swiglu_limit_list") or [0])[0] or 0, 0),
-        ("share_expert_swiglu_limit_list[0]", (shipped.get("share_expert_swiglu_limit_list") or [0])[0] or 0, 0),
-    )
-    return first_read_otherwise(readings, shipped)
-
-
-def first_read_otherwise(readings: tuple, shipped: dict) -> str:
-    """The first of `readings` ((key, SGLang's value, transformers') read from the config.json `shipped`) whose values
-    differ, as a reason, or ""."""
-    for key, sglangs, transformers in readings:
-        if sglangs != transformers:
-            default = " (its default: the config.json lacks it)" if key.split("[")[0] not in shipped else ""
-            return (
-                f"reads {key} as {json.dumps(sglangs)}{default}, where draftsmith (transformers) computes the layer "
-                f"with {json.dumps(transformers)}"
-            )
-    return ""
-
-
-def hy_v4_read_otherwise(shipped: dict, loaded: dict) -> str:
-    """How SGLang's HY-V4 NextN (its own config class) computes the layer otherwise than transformers' config says, or
-    ""."""
-    if loaded["mlp_layer_types"][-1] != "sparse":
-        return "builds the layer with experts, and draftsmith (vLLM) the target's last layer's dense MLP"
-    n_group, topk_group = loaded.get("n_group"), loaded.get("topk_group")
-    if (n_group, topk_group) != (1, 1):
-        return f"routes ungrouped (it sets n_group and topk_group to 1; the target's: {n_group}, {topk_group})"
-    if (loaded.get("rope_parameters") or {}).get("rope_type", "default") != "default":
-        return "rotates with DeepSeek's YaRN whatever rope_type the config names"
-    return ""
-
-
-# SGLang's QSA indexer: its top-k kernel (fast_topk_v2) selects 512 or 2048 blocks (layers/attention/qsa/config.py),
-# whole blocks on its 64-key pages (model_overrides/qwen4_exp.py, mem_cache/qsa_kv_pool.py, qsa/mqa.py): of 2, 4 or 8
-QSA_BLOCKS_SELECTED = (512, 2048)
-QSA_BLOCK_SIZES = (2, 4, 8)
-
-
-def qwen4_exp_read_otherwise(shipped: dict, loaded: dict) -> str:
-    """How SGLang's Qwen4-Exp (its text config a Qwen3-Next one: other defaults) reads the language model's
-    config.json otherwise than transformers, or builds a layer draftsmith did not train (its QSA indexer's limits),
-    or ""."""
-    rope = shipped.get("rope_parameters") or {}
-    sglangs_rotary = shipped.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))
-    rotary = (loaded.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
-    readings = (  # (key, SGLang's value, transformers')
-        ("partial_rotary_factor", sglangs_rotary, rotary),
-        ("vocab_size", shipped.get("vocab_size", 151936), loaded["vocab_size"]),
-    )
-    why = first_read_otherwise(readings, shipped)
-    if why:
-        return why
-    blocks, size = loaded["indexer_budget"] // loaded["indexer_compress_ratio"], loaded["indexer_compress_ratio"]
-    if blocks not in QSA_BLOCKS_SELECTED or loaded["indexer_budget"] % size or size not in QSA_BLOCK_SIZES:
-        return (
-            f"selects {' or '.join(map(str, QSA_BLOCKS_SELECTED))} blocks of {', '.join(map(str, QSA_BLOCK_SIZES))} "
-            f"keys (indexer_budget / indexer_compress_ratio), and the target {blocks} of {size}"
-        )
-    if loaded["indexer_kv_heads"] != 1 or int(loaded["head_dim"] * rotary) > loaded["indexer_head_dim"]:
-        return "builds its QSA indexer with one key head rotating at most indexer_head_dim channels"
-    if loaded["hidden_act"] != "silu":
-        return f"runs SiLU experts only (hidden_act={loaded['hidden_act']})"
-    if loaded.get("attention_bias"):
-        return "builds its attention without biases (attention_bias=true) and its loader drops them without a word"
-    if loaded.get("tie_word_embeddings"):
-        return "leaves its own lm_head unset where the target ties it to the embedding (tie_word_embeddings=true)"
-    return ""
-
-
-# Model -> how it reads the target's config.json (as shipped; transformers' reading of it, dict form, beside) otherwise
-# than draftsmith trained on, or ""
-READS_OTHERWISE = {
-    "DeepseekV4ForCausalLMNextN": deepseek_v4_read_otherwise,
-    "Ernie4_5_MoeForCausalLMMTP": ernie_read_otherwise,
-    "NemotronHForCausalLMMTP": nemotron_h_read_otherwise,
-    "BailingMoeForCausalLMNextN": ling_read_otherwise,
-    "HYV4ForCausalLMNextN": hy_v4_read_otherwise,
-    "Qwen4ExpForCausalLMMTP": qwen4_exp_read_otherwise,
-}
 
 
 def sglang_model(architecture: str) -> str:
@@ -331,12 +185,11 @@ def refuse(drafter, target: TargetInfo) -> None:
             f"SGLang builds its {model} from a {WRAPPED[model]} target only (the release's wrapper: it has no model "
             f"for {drafter.config.decoder['architecture']}): export it for vllm"
         )
-    dtype = SERVED_DTYPE.get(model)
+    dtype, why = SERVED_DTYPE.get(model, (None, ""))
     if dtype and target.config.get("dtype") != dtype:
         raise UserError(
-            f"SGLang's {model} builds its hyper-connections' weights in {dtype} whatever --dtype says (its target's "
-            f"too), and this export serves the target in {target.config.get('dtype')}: export with "
-            f"target.dtype={dtype}, or for vllm"
+            f"SGLang's {model} {why} (its target's too), and this export serves the target in "
+            f"{target.config.get('dtype')}: export with target.dtype={dtype}, or for vllm"
         )
     read_otherwise = READS_OTHERWISE.get(model)
     shipped = text_fields(shipped_config(target.shape.name_or_path, target.config))
@@ -345,9 +198,17 @@ def refuse(drafter, target: TargetInfo) -> None:
         raise UserError(f"SGLang's {model} {why}: export it for vllm")
 
 
-def repo(source: Source, layout: Layout, config: dict, tensors: dict, expected: dict) -> EngineRepo:
-    """The SGLang folder: the vLLM folder's config (one depth, edited in place) and tensors, served as NEXTN."""
+def repo(source: Source, gamma: int, layout: Layout, config: dict, tensors: dict, expected: dict) -> EngineRepo:
+    """The SGLang folder drafting `gamma` tokens a step: the vLLM folder's config (one depth, edited in place) and
+    tensors, served as NEXTN."""
     model = sglang_model(source.drafter.config.decoder["architecture"])
+    if model in SERVED_GAMMAS and gamma not in SERVED_GAMMAS[model]:
+        served = " or ".join(map(str, SERVED_GAMMAS[model]))
+        raise UserError(
+            f"SGLang's {model} verifies {served} draft tokens a step only (its sliding-window attention's fallback "
+            f"takes 1 or 4 query tokens a request), and this export drafts {gamma}: export with "
+            f"export.num_speculative_tokens={served}, or for vllm"
+        )
     built_from = f"the target's config.json as shipped, {layout.count_key}=1"
     if model in WRAPPED:  # the wrapper's whole, the language model's config as the vLLM folder holds it its text_config
         whole = shipped_whole(source.target.shape.name_or_path)

@@ -777,8 +777,9 @@ def test_no_target_family_is_named_in_product_code():
     (VLLM_BARE_LANGUAGE_MODEL) or in the tables of how vLLM serves each architecture's own
     MTP layer (heads/mtp_layouts.py's LAYOUTS and UNSERVED: the checkpoint layout no config field names, the family
     a layout's block is built from where vLLM builds another's, and SEPARATE_MODEL: an architecture whose MTP is a
-    model of its own; formats/mtp_sglang.py's SGLANG_MODELS, SGLang's model of each, and NEMOTRON_H_KINDS, the
-    layer kinds its Nemotron-H config accepts), or as the targets whose cache Gemma-4's assistant reads and each
+    model of its own; formats/mtp_sglang.py's SGLANG_MODELS, SGLang's model of each, and formats/mtp_sglang_reads.py's
+    NEMOTRON_H_KINDS, the layer kinds its Nemotron-H config accepts, and DOTS3_RELEASE_MODEL_TYPE, the one model type
+    its Dots3 config reads), or as the targets whose cache Gemma-4's assistant reads and each
     one's assistant model type
     (heads/gemma4_assistant_config.py's ASSISTANTS) and the classes vLLM must run such a target as
     (formats/gemma4_assistant.py's NATIVE_CLASSES), or in the table of the fields a text-only release sets that no
@@ -788,7 +789,8 @@ def test_no_target_family_is_named_in_product_code():
 
     from draftsmith.families import DRAFT_LAYER_FAMILIES
     from draftsmith.formats.gemma4_assistant import NATIVE_CLASSES
-    from draftsmith.formats.mtp_sglang import NEMOTRON_H_KINDS, SGLANG_MODELS
+    from draftsmith.formats.mtp_sglang import SGLANG_MODELS
+    from draftsmith.formats.mtp_sglang_reads import DOTS3_RELEASE_MODEL_TYPE, NEMOTRON_H_KINDS
     from draftsmith.formats.repo import VLLM_NO_STATE_CAPTURE
     from draftsmith.formats.versions import VLLM_BARE_LANGUAGE_MODEL, VLLM_IMPORTS_TORCHVISION
     from draftsmith.heads.gemma4_assistant_config import ASSISTANT_MODEL_TYPE, ASSISTANTS
@@ -800,7 +802,8 @@ def test_no_target_family_is_named_in_product_code():
         "heads/gemma4_assistant.py": {ASSISTANT_MODEL_TYPE},  # the kind's name, the assistant's model type
         "heads/gemma4_assistant_config.py": {*ASSISTANTS, *ASSISTANTS.values()},
         "formats/repo.py": set(VLLM_NO_STATE_CAPTURE),
-        "formats/mtp_sglang.py": {*SGLANG_MODELS, *NEMOTRON_H_KINDS},
+        "formats/mtp_sglang.py": set(SGLANG_MODELS),
+        "formats/mtp_sglang_reads.py": {*NEMOTRON_H_KINDS, DOTS3_RELEASE_MODEL_TYPE},
         "formats/gemma4_assistant.py": {*NATIVE_CLASSES, *NATIVE_CLASSES.values()},
         "formats/versions.py": {*VLLM_IMPORTS_TORCHVISION, *VLLM_BARE_LANGUAGE_MODEL},
         "heads/mtp_layouts.py": {

@@ -20,7 +20,7 @@ from draftsmith.errors import UserError
 from draftsmith.formats import Source, exporter_for
 from draftsmith.formats.mtp import served_config
 from draftsmith.formats.mtp_sglang import COMPUTED_AS, DRAFT_KEYS, computed_as, sglang_model
-from draftsmith.formats.repo import TargetInfo, check_tensors
+from draftsmith.formats.repo import EngineRepo, TargetInfo, check_tensors
 from draftsmith.heads import drafter_class
 from draftsmith.heads.mtp import text_fields
 from draftsmith.heads.mtp_layer import read_layer
@@ -223,7 +223,7 @@ def test_a_layer_trained_for_sglang_exports_to_the_folder_its_nextn_model_reads(
          r"Qwen3NextForCausalLMMTP runs one layer at every step"),
         ("ernie4_5_moe", {"masks_first_position": False}, r"position 0 read, and SGLang's Ernie4_5_MoeForCausalLMMTP "
          r"zeroes it: export it for vllm, or train with drafter.masks_first_position unset for sglang"),
-        ("dots3_note", {}, r"draftsmith has not checked SGLang's MTP model for Dots3NoteForCausalLM \(checked: "
+        ("exaone_moe", {}, r"draftsmith has not checked SGLang's MTP model for ExaoneMoeForCausalLM \(checked: "
          r"BailingMoeV3, DeepseekV3, "),
     ],
 )  # fmt: skip
@@ -432,6 +432,20 @@ def qwen4_exp_release(directory, **text):
     return folder
 
 
+def exported_for_sglang_in_bfloat16(folder, tmp_path) -> tuple[Source, EngineRepo]:
+    """The release at `folder` loaded in bfloat16 (the dtype SGLang serves Qwen4-Exp and Dots3-Note in), its layer
+    as SGLang computes it, exported for sglang at γ 3 with the tensors checked: (the export's source, the folder)."""
+    model = load_target(SimpleNamespace(name_or_path=str(folder), revision=None, dtype="bfloat16",
+                                        trust_remote_code=False))  # fmt: skip
+    computed = computed_as(loaded_config(model)["architectures"][0])
+    drafter = MTP.from_target(MTP.Config(**computed), model, str(folder))
+    info = TargetInfo(TargetShape.of(model, str(folder)), loaded_config(model), str(folder))
+    source = Source(drafter, tmp_path, model, info)
+    repo = exporter_for("mtp").build("sglang", source, 3, tmp_path / "sglang")
+    check_tensors(repo, "export")
+    return source, repo
+
+
 def test_a_qwen4_exp_releases_layer_exports_for_sglang_in_its_wrappers_config_each_step_selecting(tmp_path):
     """SGLang rewrites only the wrapper (Qwen4ExpForConditionalGeneration) to its Qwen4ExpForCausalLMMTP, which
     computes vLLM's function (the target's streams, then the layer's own, unmixed; position 0 read): the folder holds
@@ -440,13 +454,8 @@ def test_a_qwen4_exp_releases_layer_exports_for_sglang_in_its_wrappers_config_ea
     line: a target served in another dtype than the bfloat16 its hyper-connections are built in, a config SGLang reads
     otherwise or whose indexer it cannot build, and the language model's own architecture, for which it has no model."""
     folder = qwen4_exp_release(tmp_path, **QWEN4_EXP_SERVED, rope_parameters=QWEN4_EXP_ROTARY)
-    model = load_target(SimpleNamespace(name_or_path=str(folder), revision=None, dtype="bfloat16",
-                                        trust_remote_code=False))  # fmt: skip
-    drafter = MTP.from_target(MTP.Config(**computed_as("Qwen4ExpForConditionalGeneration")), model, str(folder))
-    info = TargetInfo(TargetShape.of(model, str(folder)), loaded_config(model), str(folder))
-    source, exporter = Source(drafter, tmp_path, model, info), exporter_for("mtp")
-    repo = exporter.build("sglang", source, 3, tmp_path / "sglang")
-    check_tensors(repo, "export")
+    source, repo = exported_for_sglang_in_bfloat16(folder, tmp_path)
+    model, drafter, info, exporter = source.target_model, source.drafter, source.target, exporter_for("mtp")
     shipped = json.loads((folder / "config.json").read_text())
     assert repo.config == {
         **shipped,
@@ -503,3 +512,97 @@ def test_a_qwen4_exp_releases_layer_trains_in_bfloat16_exports_for_both_engines_
     ]
     assert "--dtype bfloat16" in (export / "sglang" / "README.md").read_text()
     assert_exported_layer_decodes_losslessly(folder, export / "sglang", tmp_path, small_data, 0, args[-1])
+
+
+def dots3_note_release(directory):
+    """A tiny Dots3-Note release: the tiny language model's weights and tokenizer under the flat config.json releases
+    ship (model_type dots3_note, the sliding layers' geometry in `swa_*` keys, the window as `sliding_window_size`,
+    both rope bases, layer kinds named full and sliding; the vision and audio towers' configs transformers checks),
+    which transformers reads as its wrapper's text config and SGLang's Dots3Config as its own; a random MTP layer."""
+    text_only = write_random_target("dots3_note_text", directory / "text", **SHAPE)
+    text = json.loads((text_only / "config.json").read_text())
+    sliding = {**text, **text["per_layer_config"][str(text["layer_types"].index("sliding_attention"))]}
+    kept = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "n_shared_experts", "n_routed_experts", "num_experts_per_tok",
+            "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "head_dim",
+            "index_topk", "index_head_dim", "index_n_heads", "rms_norm_eps", "max_position_embeddings",
+            "shared_experts_intermediate_size", "bos_token_id", "eos_token_id", "pad_token_id")  # fmt: skip
+    swa = ("num_attention_heads", "num_key_value_heads", "q_lora_rank", "kv_lora_rank", "head_dim", "qk_nope_head_dim",
+           "qk_rope_head_dim", "v_head_dim")  # fmt: skip
+    release = {
+        "architectures": ["Dots3NoteForCausalLM"], "model_type": "dots3_note", **{key: text[key] for key in kept},
+        **{f"swa_{key}": sliding[key] for key in swa}, "sliding_window_size": text["sliding_window"],
+        "rope_theta": text["rope_parameters"]["indexed_attention"]["rope_theta"],
+        "swa_rope_theta": text["rope_parameters"]["sliding_attention"]["rope_theta"],
+        "layer_types": [kind.replace("indexed_attention", "full_attention") for kind in text["layer_types"]],
+        **{tower: {"adapter_out_dim": text["hidden_size"]} for tower in ("vision_config", "audio_config")},
+    }  # fmt: skip
+    folder = directory / "release"
+    shutil.copytree(text_only, folder)
+    (folder / "config.json").write_text(json.dumps(release))
+    write_random_layer(folder)
+    return folder
+
+
+def test_a_dots3_note_releases_layer_trained_for_sglang_exports_its_flat_config_at_the_one_chain_it_verifies(tmp_path):
+    """SGLang's Dots3NoteForCausalLMNextN reads the release's flat config.json (SGLang's own Dots3Config: its pinned
+    transformers knows no Dots3) and computes the layer with position 0 read, the normed output fed back, its block a
+    sliding-window layer of the `swa_*` geometry: a layer trained so exports the config as shipped and the vLLM
+    folder's tensors, and reads back as trained. Refused in one line: a chain other than 3 (its sliding-window MLA
+    verifies 1 or 4 tokens a request), a target not served in bfloat16 (kv_b_proj), a config SGLang reads otherwise
+    (its own defaults where a `swa_*` key, the window or the sliding rope base is absent), an MTP block of another
+    kind, another gate, and transformers' form of the config (the tiny language model's), which SGLang cannot read."""
+    folder = dots3_note_release(tmp_path)
+    source, repo = exported_for_sglang_in_bfloat16(folder, tmp_path)
+    model, drafter, info, exporter = source.target_model, source.drafter, source.target, exporter_for("mtp")
+    shipped = json.loads((folder / "config.json").read_text())
+    assert repo.config == shipped and shipped["num_nextn_predict_layers"] == 1
+    vllms = MTP.from_target(MTP.Config(), model, str(folder))
+    assert set(repo.tensors) == set(exporter.vllm(replace(source, drafter=vllms), 3, tmp_path / "vllm").tensors)
+    back = exporter.read(tmp_path, repo.config, repo.tensors, model, {"engine": "sglang"})
+    assert not back.layout.masks_first_position and back.layout.feeds_back_normed
+    written = drafter.checkpoint_tensors()
+    assert all(torch.equal(tensor, back.checkpoint_tensors()[name]) for name, tensor in written.items())
+    with pytest.raises(UserError, match=r"SGLang's Dots3NoteForCausalLMNextN verifies 3 draft tokens a step only \(its "
+                       r"sliding-window attention's fallback takes 1 or 4 query tokens a request\), and this export "
+                       r"drafts 4: export with export.num_speculative_tokens=3, or for vllm"):  # fmt: skip
+        exporter.build("sglang", source, 4, tmp_path / "sglang4")
+    cases = [
+        ({"swa_num_attention_heads": None}, r"Dots3NoteForCausalLMNextN reads swa_num_attention_heads as 32 \(its "
+         r"default: the config.json lacks it\), where draftsmith \(transformers\) computes the layer with 2: export "
+         r"it"),
+        ({"sliding_window_size": None}, r"reads sliding_window_size as 512 \(its default"),
+        ({"swa_rope_theta": None}, r"reads swa_rope_theta as 80000000.0 \(its default: .* with 50000.0"),
+        ({"mtp_layer_types": ["full_attention"]}, r"builds the layer with sliding-window attention, and "
+         r"mtp_layer_types"),
+        ({"swa_attention_gate_type": "elementwise"}, r"gates the attention elementwise, transformers per head"),
+        ({"dtype": "float32"}, r"asserts its MLA kv_b_proj is bfloat16 \(or block FP8\) \(its target's too\), and this "
+         r"export serves the target in float32"),
+    ]  # fmt: skip
+    for edit, said in cases:  # as shipped (None: removed); the dtype the target is loaded in
+        (folder / "config.json").write_text(json.dumps({k: v for k, v in (shipped | edit).items() if v is not None}))
+        read = replace(info, config={**info.config, "dtype": edit.get("dtype", "bfloat16")})
+        with pytest.raises(UserError, match=said):
+            exporter.refuse("sglang", drafter, read)
+    text_only = replace(info, shape=replace(info.shape, name_or_path=str(tmp_path / "text")))
+    with pytest.raises(UserError, match=r"reads a release's flat config.json only \(model_type dots3_note, its swa_\* "
+                       r"keys\), and the target's is transformers' form \(dots3_note_text"):  # fmt: skip
+        exporter.refuse("sglang", drafter, text_only)
+
+
+@pytest.mark.slow
+def test_a_dots3_note_releases_layer_trains_for_sglang_in_bfloat16_and_its_folder_decodes_losslessly(
+    tmp_path, small_data, token_cache, capsys
+):
+    """`recipe=mtp drafter.masks_first_position=false` on a Dots3-Note release loaded in bfloat16 through the entry
+    points: it trains, exports for sglang at γ 3, and draftsmith's eval, reading the folder back, decodes losslessly."""
+    folder = dots3_note_release(tmp_path)
+    run, export = tmp_path / "run", tmp_path / "export"
+    settings = ["target.dtype=bfloat16", "drafter.masks_first_position=false"]
+    args = [*mtp_args(folder, run, small_data, token_cache), *settings]
+    assert run_entry_in_process(["train.py", *args], capsys).returncode == 0
+    engine = ["export.engines=[sglang]", "export.num_speculative_tokens=3"]
+    exported = ["-m", "export", *args, f"checkpoint={run / 'final'}", f"export.output={export}", *engine]
+    assert run_entry_in_process(exported, capsys).returncode == 0
+    assert "--speculative-num-steps 3" in (export / "sglang" / "README.md").read_text()
+    assert_exported_layer_decodes_losslessly(folder, export / "sglang", tmp_path, small_data, 0, settings[0])
