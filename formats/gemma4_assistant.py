@@ -16,7 +16,13 @@ drafted from as trained, so the folder's serving command and the export's check 
 `--hf-overrides`). Read back, such a folder is what `drafter.released_assistant` starts from, so the export and a
 released assistant downloaded from the Hub are one format.
 
-SGLang: draftsmith has not verified its loader for the assistant.
+SGLang 0.5.23 serves the same folder (models/gemma4_mtp.py; its speculative_hook.py turns `--speculative-algorithm
+NEXTN` for an assistant draft into FROZEN_KV_MTP): the target's post-norm state and scaled embedding through
+`pre_projection`, the layers on the KV owner of the target's last layer of each kind, every step at the last cached
+position, `post_projection` of the normed output fed back, its own tied vocabulary table and centroids, as vLLM and
+draftsmith (docs/results/sglang-0.5.23-mtp-source.md; read, not run: SGLang's kernels need CUDA). Refused there: an
+assistant whose generation config suppresses tokens (SGLang never reads it), a target whose last two layers are not
+each kind the assistant reads (SGLang looks no further), a target architecture SGLang has no Gemma-4 model for.
 """
 
 from __future__ import annotations
@@ -29,12 +35,16 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from draftsmith.errors import UserError
 from draftsmith.files import write_json
 from draftsmith.formats import Exporter, Source, register
-from draftsmith.formats.repo import VLLM_SERVE, EngineRepo
+from draftsmith.formats.mtp_sglang import CHECKED, SERVED_AS, SGLANG_SERVE
+from draftsmith.formats.repo import VLLM_SERVE, EngineRepo, TargetInfo
 from draftsmith.heads.base import WEIGHTS_NAME
 from draftsmith.heads.gemma4_assistant import GENERATION, OWN_TABLE, RELEASED_TABLE, Gemma4Assistant
 from draftsmith.heads.gemma4_assistant_config import ASSISTANTS
+from draftsmith.heads.mtp import text_fields
+from draftsmith.heads.mtp_layer import shipped_whole
 
 SETTINGS = ("ttt_steps", "ttt_decay")  # training settings the engine does not carry
 ORDERED_ON_CPU = (
@@ -47,6 +57,9 @@ ORDERED_ON_CPU = (
 # lower). Told to run the folder as its own Gemma-4 class (hf_overrides), vLLM decodes the same tokens and drafts as
 # draftsmith does (measured, both: benchmarks/vllm_gemma4_unified_assistant.py).
 NATIVE_CLASSES = {"Gemma4UnifiedForCausalLM": "Gemma4ForCausalLM"}
+# The Gemma-4 target architectures SGLang 0.5.23 has a model for (models/gemma4_causal.py, gemma4_mm.py,
+# gemma4_unified.py): a Unified language model alone it does not serve
+SGLANG_TARGETS = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration")
 
 
 def target_overrides(config: dict[str, Any]) -> dict[str, Any]:
@@ -75,7 +88,35 @@ class AssistantExporter(Exporter):
     kinds = (Gemma4Assistant.type,)
     vllm_method = "mtp"
     vllm_method_from_name = True
-    sglang_reason = "draftsmith has not verified SGLang's loader for Gemma-4's assistant; export for vllm"
+
+    def refuse(self, engine: str, drafter, target: TargetInfo, vllm_format: str = "speculators") -> None:
+        super().refuse(engine, drafter, target, vllm_format)
+        if engine != "sglang":
+            return
+        architecture = (shipped_whole(target.shape.name_or_path).get("architectures") or ["none"])[0]
+        if architecture not in SGLANG_TARGETS:
+            raise UserError(
+                f"SGLang 0.5.23 has no Gemma-4 model for a {architecture} target (it serves "
+                f"{', '.join(SGLANG_TARGETS)}): export it for vllm"
+            )
+        kinds = text_fields(target.config)["layer_types"]
+        if not set(drafter.kinds) <= set(kinds[-2:]):
+            raise UserError(
+                "SGLang's Gemma4AssistantForCausalLM wires each assistant layer to the target's last two layers "
+                f"only, and they are {', '.join(kinds[-2:])}, not every kind the assistant reads: export it for vllm"
+            )
+        if drafter.suppressed:
+            raise UserError(
+                f"this assistant never drafts tokens {drafter.suppressed[:5]} (its {GENERATION}.json's "
+                "suppress_tokens, as vLLM reads it), which SGLang does not read: export it for vllm"
+            )
+
+    def sglang(self, source: Source, gamma: int, output: Path) -> EngineRepo:
+        repo = self.vllm(source, gamma, output)
+        conventions = {**repo.conventions, "checked_against": f"{CHECKED}'s source: models/gemma4_mtp.py, "
+                       "speculative/frozen_kv_mtp_worker_v2.py (read, not run)"}  # fmt: skip
+        conventions.pop("generation", None)
+        return EngineRepo("sglang", repo.config, repo.tensors, repo.expected, SGLANG_SERVE, conventions, **SERVED_AS)
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         drafter = source.drafter

@@ -158,7 +158,7 @@ class Gemma4Assistant(Drafter):
     type = "gemma4_assistant"
     TITLE = "Gemma-4 assistant (MTP)"
     Config = AssistantConfig
-    SERVED_BY = {"chain": ("vllm",)}  # vLLM 0.32's gemma4 proposer drafts chains
+    SERVED_BY = {"chain": ("vllm", "sglang")}  # vLLM 0.32's gemma4 proposer, SGLang's FROZEN_KV_MTP at topk 1: chains
 
     def __init__(self, config: AssistantConfig, target: TargetShape):
         super().__init__(config, target)

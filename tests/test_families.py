@@ -788,7 +788,7 @@ def test_no_target_family_is_named_in_product_code():
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from draftsmith.families import DRAFT_LAYER_FAMILIES
-    from draftsmith.formats.gemma4_assistant import NATIVE_CLASSES
+    from draftsmith.formats.gemma4_assistant import NATIVE_CLASSES, SGLANG_TARGETS
     from draftsmith.formats.mtp_sglang import SGLANG_MODELS
     from draftsmith.formats.mtp_sglang_reads import DOTS3_RELEASE_MODEL_TYPE, NEMOTRON_H_KINDS
     from draftsmith.formats.repo import VLLM_NO_STATE_CAPTURE
@@ -804,7 +804,7 @@ def test_no_target_family_is_named_in_product_code():
         "formats/repo.py": set(VLLM_NO_STATE_CAPTURE),
         "formats/mtp_sglang.py": set(SGLANG_MODELS),
         "formats/mtp_sglang_reads.py": {*NEMOTRON_H_KINDS, DOTS3_RELEASE_MODEL_TYPE},
-        "formats/gemma4_assistant.py": {*NATIVE_CLASSES, *NATIVE_CLASSES.values()},
+        "formats/gemma4_assistant.py": {*NATIVE_CLASSES, *NATIVE_CLASSES.values(), *SGLANG_TARGETS},
         "formats/versions.py": {*VLLM_IMPORTS_TORCHVISION, *VLLM_BARE_LANGUAGE_MODEL},
         "heads/mtp_layouts.py": {
             *LAYOUTS,

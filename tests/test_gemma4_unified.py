@@ -362,3 +362,43 @@ def test_train_eval_and_export_through_the_entry_points(target, tmp_path, small_
     assert run_entry_in_process(export, capsys).returncode == 0
     config = json.loads((tmp_path / "export" / "vllm" / "config.json").read_text())
     assert config["model_type"] == "gemma4_unified_assistant", config
+
+
+def test_the_assistants_folder_is_served_by_sglang_as_nextn_and_refused_where_sglang_would_draft_otherwise(
+    target, tmp_path
+):
+    """SGLang 0.5.23 serves the released assistant's folder (its speculative_hook turns NEXTN into FROZEN_KV_MTP for
+    an assistant draft; models/gemma4_mtp.py computes vLLM's function, read, not run): the SGLang folder is the vLLM
+    one, served as NEXTN at topk 1. Refused in one line: suppressed tokens (SGLang never reads the generation config),
+    a target whose last two layers are not each kind the assistant reads (SGLang wires its layers to those two only),
+    and a Unified language model alone (SGLang has no model for it)."""
+    from dataclasses import replace
+
+    from draftsmith.formats import Source, exporter_for
+    from draftsmith.formats.repo import TargetInfo, check_tensors
+    from draftsmith.heads.mtp import text_fields
+
+    model, name = target
+    drafter = sharpened(target)
+    info = TargetInfo(TargetShape.of(model, name), loaded_config(model), name)
+    source, exporter = Source(drafter, tmp_path, model, info), exporter_for("gemma4_assistant")
+    sglang, vllm = (exporter.build(engine, source, 3, tmp_path / engine) for engine in ("sglang", "vllm"))
+    check_tensors(sglang, "export")
+    assert sglang.config == vllm.config and sglang.tensors.keys() == vllm.tensors.keys()
+    assert all(torch.equal(tensor, vllm.tensors[key]) for key, tensor in sglang.tensors.items())
+    assert "--speculative-algorithm NEXTN" in sglang.serve and "--speculative-eagle-topk 1" in sglang.serve
+    config = json.loads(json.dumps(info.config))
+    text_fields(config)["layer_types"] = [*KINDS[:-2], SLIDING, SLIDING]
+    both_sliding = replace(info, config=config)
+    with pytest.raises(UserError, match=r"wires each assistant layer to the target's last two layers only, and they "
+                       r"are sliding_attention, sliding_attention"):  # fmt: skip
+        exporter.refuse("sglang", drafter, both_sliding)
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "config.json").write_text(json.dumps({"architectures": ["Gemma4UnifiedForCausalLM"]}))
+    with pytest.raises(UserError, match=r"SGLang 0.5.23 has no Gemma-4 model for a Gemma4UnifiedForCausalLM target"):
+        exporter.refuse("sglang", drafter, replace(info, shape=replace(info.shape, name_or_path=str(alone))))
+    drafter.suppressed = [7]
+    with pytest.raises(UserError, match=r"never drafts tokens \[7\] \(its generation_config.json's suppress_tokens, "
+                       r"as vLLM reads it\), which SGLang does not read: export it for vllm"):  # fmt: skip
+        exporter.refuse("sglang", drafter, info)
