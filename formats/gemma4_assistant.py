@@ -22,7 +22,10 @@ NEXTN` for an assistant draft into FROZEN_KV_MTP): the target's post-norm state 
 position, `post_projection` of the normed output fed back, its own tied vocabulary table and centroids, as vLLM and
 draftsmith (docs/results/sglang-0.5.23-mtp-source.md; read, not run: SGLang's kernels need CUDA). Refused there: an
 assistant whose generation config suppresses tokens (SGLang never reads it), a target whose last two layers are not
-each kind the assistant reads (SGLang looks no further), a target architecture SGLang has no Gemma-4 model for.
+each kind the assistant reads (SGLang looks no further), a target architecture SGLang has no Gemma-4 model for, a
+language model's config.json with per-layer head shapes (SGLang's transformers 5.19 cannot read it). SGLang reads the
+tie from the text_config: the folder writes it there too. On its triton attention (Hopper's default) the assistant's
+sliding layers attend W - 1 keys where draftsmith trained W: lossless, drafts differ past the window (read, not run).
 """
 
 from __future__ import annotations
@@ -93,11 +96,18 @@ class AssistantExporter(Exporter):
         super().refuse(engine, drafter, target, vllm_format)
         if engine != "sglang":
             return
-        architecture = (shipped_whole(target.shape.name_or_path).get("architectures") or ["none"])[0]
+        shipped = shipped_whole(target.shape.name_or_path)
+        architecture = (shipped.get("architectures") or ["none"])[0]
         if architecture not in SGLANG_TARGETS:
             raise UserError(
                 f"SGLang 0.5.23 has no Gemma-4 model for a {architecture} target (it serves "
                 f"{', '.join(SGLANG_TARGETS)}): export it for vllm"
+            )
+        if "text_config" not in shipped and (shipped.get("per_layer_config") or shipped.get("global_head_dim")):
+            raise UserError(
+                "SGLang 0.5.23 reads Gemma-4's per-layer head shapes from a wrapper's config only; this "
+                f"{architecture} target's language-model config.json declares them per layer, which its pinned "
+                "transformers 5.19 refuses to read (head_dim): export it for vllm"
             )
         kinds = text_fields(target.config)["layer_types"]
         if not set(drafter.kinds) <= set(kinds[-2:]):
@@ -116,7 +126,11 @@ class AssistantExporter(Exporter):
         conventions = {**repo.conventions, "checked_against": f"{CHECKED}'s source: models/gemma4_mtp.py, "
                        "speculative/frozen_kv_mtp_worker_v2.py (read, not run)"}  # fmt: skip
         conventions.pop("generation", None)
-        return EngineRepo("sglang", repo.config, repo.tensors, repo.expected, SGLANG_SERVE, conventions, **SERVED_AS)
+        # SGLang reads the tie from the assistant's text_config (transformers and vLLM from the top level): untied
+        # there, it builds an lm_head the folder holds no weights for
+        config = {**repo.config, "text_config": {**repo.config["text_config"], "tie_word_embeddings": True}}
+        conventions["tie"] = "tie_word_embeddings true in the text_config too, where SGLang reads it"
+        return EngineRepo("sglang", config, repo.tensors, repo.expected, SGLANG_SERVE, conventions, **SERVED_AS)
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         drafter = source.drafter

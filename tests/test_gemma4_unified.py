@@ -371,7 +371,8 @@ def test_the_assistants_folder_is_served_by_sglang_as_nextn_and_refused_where_sg
     an assistant draft; models/gemma4_mtp.py computes vLLM's function, read, not run): the SGLang folder is the vLLM
     one, served as NEXTN at topk 1. Refused in one line: suppressed tokens (SGLang never reads the generation config),
     a target whose last two layers are not each kind the assistant reads (SGLang wires its layers to those two only),
-    and a Unified language model alone (SGLang has no model for it)."""
+    a Unified language model alone (SGLang has no model for it) and a language model whose config.json declares
+    per-layer head shapes (SGLang's transformers cannot read it). The tie is written where SGLang reads it too."""
     from dataclasses import replace
 
     from draftsmith.formats import Source, exporter_for
@@ -384,7 +385,9 @@ def test_the_assistants_folder_is_served_by_sglang_as_nextn_and_refused_where_sg
     source, exporter = Source(drafter, tmp_path, model, info), exporter_for("gemma4_assistant")
     sglang, vllm = (exporter.build(engine, source, 3, tmp_path / engine) for engine in ("sglang", "vllm"))
     check_tensors(sglang, "export")
-    assert sglang.config == vllm.config and sglang.tensors.keys() == vllm.tensors.keys()
+    tied = {**vllm.config["text_config"], "tie_word_embeddings": True}  # where SGLang reads the tie
+    assert vllm.config["tie_word_embeddings"] and sglang.config == {**vllm.config, "text_config": tied}
+    assert sglang.tensors.keys() == vllm.tensors.keys()
     assert all(torch.equal(tensor, vllm.tensors[key]) for key, tensor in sglang.tensors.items())
     assert "--speculative-algorithm NEXTN" in sglang.serve and "--speculative-eagle-topk 1" in sglang.serve
     config = json.loads(json.dumps(info.config))
@@ -398,6 +401,12 @@ def test_the_assistants_folder_is_served_by_sglang_as_nextn_and_refused_where_sg
     (alone / "config.json").write_text(json.dumps({"architectures": ["Gemma4UnifiedForCausalLM"]}))
     with pytest.raises(UserError, match=r"SGLang 0.5.23 has no Gemma-4 model for a Gemma4UnifiedForCausalLM target"):
         exporter.refuse("sglang", drafter, replace(info, shape=replace(info.shape, name_or_path=str(alone))))
+    per_layer = tmp_path / "per_layer"
+    per_layer.mkdir()
+    (per_layer / "config.json").write_text(json.dumps({"architectures": ["Gemma4ForCausalLM"], "global_head_dim": 32}))
+    with pytest.raises(UserError, match=r"reads Gemma-4's per-layer head shapes from a wrapper's config only; this "
+                       r"Gemma4ForCausalLM target's language-model config.json declares them per layer"):  # fmt: skip
+        exporter.refuse("sglang", drafter, replace(info, shape=replace(info.shape, name_or_path=str(per_layer))))
     drafter.suppressed = [7]
     with pytest.raises(UserError, match=r"never drafts tokens \[7\] \(its generation_config.json's suppress_tokens, "
                        r"as vLLM reads it\), which SGLang does not read: export it for vllm"):  # fmt: skip
