@@ -169,8 +169,7 @@ def dots3_note_read_otherwise(shipped: dict, loaded: dict) -> str:
     if shipped.get("model_type") != DOTS3_RELEASE_MODEL_TYPE or transformers_form:
         return (
             f"reads a release's flat config.json only (model_type {DOTS3_RELEASE_MODEL_TYPE}, its swa_* keys), and the "
-            "target's is "
-            f"transformers' form ({shipped.get('model_type')}, per_layer_config, rope_parameters)"
+            f"target's is transformers' form ({shipped.get('model_type')}, per_layer_config, rope_parameters)"
         )
     kinds = set(shipped.get("layer_types") or ["none"])
     if kinds - {SLIDING, FULL} or shipped.get("rope_scaling"):
