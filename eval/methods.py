@@ -25,7 +25,7 @@ from draftsmith.formats import exporter_for, refusals
 from draftsmith.formats.repo import TargetInfo
 from draftsmith.formats.versions import releases_span
 from draftsmith.heads.proposer import DynamicTree, Proposer, Tree
-from draftsmith.target import loaded_config
+from draftsmith.target import config_json, loaded_config
 
 log = logging.getLogger("draftsmith.eval")
 
@@ -172,7 +172,7 @@ def serving(
     is named with the releases that serve the drafter as trained, drafting `gamma` tokens a step, where not every
     release checked does (formats/versions.py: "vLLM (before 0.34.0)")."""
     shape = drafter.target
-    info = TargetInfo(shape=shape, config=loaded_config(target), verifier=shape.name_or_path)
+    info = TargetInfo(shape, loaded_config(target), shape.name_or_path, config_json(target))
     greedy_engines = GREEDY_DRAFTING if temperature > 0 and drafter.SAMPLES_DRAFTS else {}
     said = {}
     for method, refused in refusals(drafter, info, vllm_format).items():

@@ -47,7 +47,15 @@ from draftsmith.formats.versions import (
 )
 from draftsmith.heads.base import EVAL_SPLIT_METRICS, WEIGHTS_NAME, load_drafter, read_checkpoint_config, saved_drafter
 from draftsmith.outputs import EVAL_DIR, REPORT_NAME, DirectoryLock, move_aside
-from draftsmith.target import TargetShape, dtype_name, load_target, loaded_config, resolve_device, resolve_dtype
+from draftsmith.target import (
+    TargetShape,
+    config_json,
+    dtype_name,
+    load_target,
+    loaded_config,
+    resolve_device,
+    resolve_dtype,
+)
 
 EXPORT_FORMAT = 1
 log = logging.getLogger("draftsmith.export")
@@ -161,6 +169,7 @@ def load_source(cfg: DictConfig, checkpoint: Path, target, served=None) -> Sourc
         shape=shape,
         config=loaded_config(target),
         verifier=verifier,
+        config_json=config_json(target),
         directory=directory,
         trust_remote_code=bool(cfg.target.trust_remote_code),
     )

@@ -89,7 +89,9 @@ class Exporter:
         read from their configs alone (no tensor is built): `build` asks it before it builds anything, and
         the eval's report names only the engines it passes (`refusal`). An exporter adds its kinds' checks."""
         self.check_engines(drafter.type, [engine], vllm_format)
-        unloadable = unloadable_target(target.config) if engine == "vllm" else None
+        unloadable = (
+            unloadable_target(target.config, target.config_json, target.trust_remote_code) if engine == "vllm" else None
+        )
         if unloadable:
             raise UserError(f"no vLLM release checked can serve a drafter of this target: {unloadable}")
         if engine == "vllm":

@@ -47,7 +47,6 @@ from draftsmith.heads.base import WEIGHTS_NAME
 from draftsmith.heads.gemma4_assistant import GENERATION, OWN_TABLE, RELEASED_TABLE, Gemma4Assistant
 from draftsmith.heads.gemma4_assistant_config import ASSISTANTS
 from draftsmith.heads.mtp import text_fields
-from draftsmith.heads.mtp_layer import shipped_whole
 
 SETTINGS = ("ttt_steps", "ttt_decay")  # training settings the engine does not carry
 ORDERED_ON_CPU = (
@@ -96,7 +95,7 @@ class AssistantExporter(Exporter):
         super().refuse(engine, drafter, target, vllm_format)
         if engine != "sglang":
             return
-        shipped = shipped_whole(target.shape.name_or_path)
+        shipped = target.config_json
         architecture = (shipped.get("architectures") or ["none"])[0]
         if architecture not in SGLANG_TARGETS:
             raise UserError(
@@ -130,7 +129,20 @@ class AssistantExporter(Exporter):
         # there, it builds an lm_head the folder holds no weights for
         config = {**repo.config, "text_config": {**repo.config["text_config"], "tie_word_embeddings": True}}
         conventions["tie"] = "tie_word_embeddings true in the text_config too, where SGLang reads it"
-        return EngineRepo("sglang", config, repo.tensors, repo.expected, SGLANG_SERVE, conventions, **SERVED_AS)
+        serve = SGLANG_SERVE
+        # SGLang gives the draft the target's context length and starts no draft whose own (its text_config's
+        # max_position_embeddings) is shorter: a ValueError, unless SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1
+        # (configs/model_config.py `_derive_context_length`)
+        own = config["text_config"].get("max_position_embeddings")
+        targets = text_fields(source.target.config).get("max_position_embeddings")
+        if own is not None and targets is not None and own < targets:
+            serve += f" --context-length {own}"
+            conventions["context"] = (
+                f"served at --context-length {own}, the assistant's max_position_embeddings: SGLang starts no draft "
+                f"whose context is shorter than the target's ({targets}); for the target's, set "
+                "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 instead (no draft past the assistant's was measured)"
+            )
+        return EngineRepo("sglang", config, repo.tensors, repo.expected, serve, conventions, **SERVED_AS)
 
     def vllm(self, source: Source, gamma: int, output: Path) -> EngineRepo:
         drafter = source.drafter

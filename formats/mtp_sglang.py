@@ -49,7 +49,7 @@ from draftsmith.formats.repo import SGLANG_FLAGS, SGLANG_REVISION_FLAG, EngineRe
 from draftsmith.heads import mtp_depths
 from draftsmith.heads.mtp import text_fields
 from draftsmith.heads.mtp_family import decoder_layers
-from draftsmith.heads.mtp_layer import Layout, shipped_config, shipped_whole
+from draftsmith.heads.mtp_layer import Layout, shipped_config
 
 SGLANG_SERVE = (
     "python -m sglang.launch_server --model-path {target} --speculative-algorithm NEXTN "
@@ -180,7 +180,7 @@ def refuse(drafter, target: TargetInfo) -> None:
             f"SGLang's {model} does not load a one-layer target's MTP layer (layer 1): its loader then reads layer 0, "
             "the decoder's own: export it for vllm"
         )
-    if model in WRAPPED and shipped_whole(target.shape.name_or_path).get("architectures") != [WRAPPED[model]]:
+    if model in WRAPPED and target.config_json.get("architectures") != [WRAPPED[model]]:
         raise UserError(
             f"SGLang builds its {model} from a {WRAPPED[model]} target only (the release's wrapper: it has no model "
             f"for {drafter.config.decoder['architecture']}): export it for vllm"
@@ -211,7 +211,7 @@ def repo(source: Source, gamma: int, layout: Layout, config: dict, tensors: dict
         )
     built_from = f"the target's config.json as shipped, {layout.count_key}=1"
     if model in WRAPPED:  # the wrapper's whole, the language model's config as the vLLM folder holds it its text_config
-        whole = shipped_whole(source.target.shape.name_or_path)
+        whole = source.target.config_json
         language_model = {key: value for key, value in config.items() if key not in ("architectures", "model_type")}
         config = {**whole, "text_config": {**whole["text_config"], **language_model}}
         built_from = f"the target's config.json as shipped ({WRAPPED[model]}'s, whole), {layout.count_key}=1 in it"

@@ -43,6 +43,7 @@ class TargetInfo:
     shape: TargetShape
     config: dict[str, Any]
     verifier: str
+    config_json: dict[str, Any]  # its config.json as it ships, which the engines read (draftsmith.target.config_json)
     directory: Optional[Path] = None
     trust_remote_code: bool = False  # target.trust_remote_code: the engines run the target's own code too
 

@@ -129,32 +129,46 @@ def releases_span(releases: Releases) -> str:
     return ", ".join(part for part in (span, releases.condition) if part)
 
 
-# The target architectures vLLM's releases register a model class for, and the model types the newest transformers
-# they install knows (their Transformers backend's), read from the wheels (benchmarks/vllm_targets_table.py writes it)
+# The target architectures vLLM's releases register a model class for, the model types the newest transformers they
+# install knows (their Transformers backend's) and those they read with config classes of their own, read from the
+# wheels (benchmarks/vllm_targets_table.py writes it)
 TARGETS_TABLE = Path(__file__).with_name("vllm_targets.json")
 
 
 @functools.cache
 def vllm_targets() -> tuple[dict, frozenset[str], frozenset[str]]:
-    """TARGETS_TABLE: (the table, its architectures, its model types)."""
+    """TARGETS_TABLE: (the table, its architectures, the model types transformers knows)."""
     table = json.loads(TARGETS_TABLE.read_text())
     return table, frozenset(table["architectures"]), frozenset(table["model_types"])
 
 
-def unloadable_target(config: dict) -> Optional[str]:
-    """Why no vLLM release checked can load the target whose HF config this is (None: one may): none registers a model
-    class for its architectures, and the newest transformers they install does not know its model type, from which
-    their Transformers backend would build it (a target newer than them: MiniCPM-5-MoE, Ergo, Kolibri-1.1)."""
-    table, architectures, model_types = vllm_targets()
-    names, model_type = config.get("architectures") or [], config.get("model_type")
-    if not names or set(names) & architectures or model_type in model_types:
+def unloadable_target(config: dict, shipped: dict, trust_remote_code: bool = False) -> Optional[str]:
+    """Why no vLLM release checked can load the target whose HF config (as transformers loads it) is `config` and whose
+    config.json ships as `shipped` (None: one may). None registers a model class for its architectures and the newest
+    transformers they install does not know its model type, from which their Transformers backend would build it (a
+    target newer than them: MiniCPM-5-MoE, Ergo, Kolibri-1.1); or they cannot read its config.json, which vLLM reads
+    first, through a config class of its own for its model type, else that transformers, whatever model classes it
+    registers (Dots3-Note's language model saved alone: vLLM reads the release's config; a model type new in
+    transformers 5.23 or later). A target run with its own code (`trust_remote_code`, a config.json naming it in
+    `auto_map`) brings its own config class and model: not refused."""
+    if trust_remote_code and shipped.get("auto_map"):
         return None
-    releases = ", ".join(table["vllm_releases"])
-    return (
-        f"vLLM {releases} register no model class for {names[0]}, and the newest transformers they install "
-        f"({table['transformers']}) does not know model type {model_type!r}, from which their Transformers backend "
-        "would build it"
-    )
+    table, architectures, model_types = vllm_targets()
+    releases, transformers = ", ".join(table["vllm_releases"]), table["transformers"]
+    names, model_type = config.get("architectures") or [], config.get("model_type")
+    if names and not set(names) & architectures and model_type not in model_types:
+        return (
+            f"vLLM {releases} register no model class for {names[0]}, and the newest transformers they install "
+            f"({transformers}) does not know model type {model_type!r}, from which their Transformers backend would "
+            "build it"
+        )
+    shipped_type = shipped.get("model_type")  # none: transformers (and vLLM through it) guess it from the folder's name
+    if shipped_type is not None and shipped_type not in model_types | set(table["config_types"]):
+        return (
+            f"vLLM {releases} cannot read its config.json: its model type {shipped_type!r} is one neither the newest "
+            f"transformers they install ({transformers}) nor a config class of vLLM's own knows"
+        )
+    return None
 
 
 def cpu_build_limit(config: dict, dtype: Optional[str] = None) -> Optional[str]:

@@ -34,7 +34,7 @@ from draftsmith.files import checkpoint_digest
 from draftsmith.formats import Source
 from draftsmith.formats.repo import TargetInfo
 from draftsmith.heads import drafter_class
-from draftsmith.target import TargetShape
+from draftsmith.target import TargetShape, config_json
 from tests.helpers import DEMO, REFERENCE_TARGET, REPO, assert_one_line_error, save_drafter, sweep_row
 
 
@@ -155,7 +155,9 @@ def source_of(kind: str, target_dir, **config) -> Source:
     cls = drafter_class(kind)
     drafter = cls.from_target(cls.Config(**config), model, str(target_dir))
     shape = TargetShape.of(model, str(target_dir))
-    return Source(drafter, target_dir, model, TargetInfo(shape, model.config.to_dict(), str(target_dir)))
+    return Source(
+        drafter, target_dir, model, TargetInfo(shape, model.config.to_dict(), str(target_dir), config_json(model))
+    )
 
 
 def test_the_recommended_gamma_names_only_the_engines_that_serve_the_drafters_chains():

@@ -132,6 +132,42 @@ def test_the_table_of_targets_vllm_loads_holds_the_installed_vllms(vllm_python, 
     assert installed["vllm_releases"]["0.32.0"] == table["vllm_releases"]["0.32.0"]
     assert len(installed["architectures"]) > 300 and set(installed["architectures"]) <= set(table["architectures"])
     assert set(installed["model_types"]) <= set(table["model_types"])
+    assert "dots3_note" in installed["config_types"] and set(installed["config_types"]) <= set(table["config_types"])
+
+
+def test_the_config_jsons_the_export_says_no_vllm_reads_are_those_the_installed_vllm_cannot_read(vllm_python, tmp_path):
+    """vLLM reads a target's config.json before it builds a model (vllm/transformers_utils/config.py `get_config`):
+    the installed vLLM reads the tiny targets' config.json that formats/versions.py::unloadable_target passes and
+    fails on those it refuses (Dots3-Note's language model saved alone, and the families new in the installed
+    transformers, saved under an architecture vLLM registers), as the table says."""
+    import json
+    import subprocess
+
+    from transformers import CONFIG_MAPPING
+
+    from draftsmith.formats.versions import unloadable_target
+    from draftsmith.tiny_config import build_config
+
+    folders = {}
+    for model_type in ("llama", "dots3_note_text", "param2moe", "sarvam_mla"):
+        if model_type in CONFIG_MAPPING:
+            build_config(model_type, 96).save_pretrained(folders.setdefault(model_type, tmp_path / model_type))
+    release = {"architectures": ["Dots3NoteForCausalLM"], "model_type": "dots3_note", "vocab_size": 96}
+    (folders.setdefault("dots3_note", tmp_path / "dots3_note")).mkdir()
+    (folders["dots3_note"] / "config.json").write_text(json.dumps(release))
+    read = (
+        "import json, sys\nfrom vllm.transformers_utils.config import get_config\nfor folder in sys.argv[1:]:\n"
+        "    try:\n        get_config(folder, trust_remote_code=False)\n        print(json.dumps(True))\n"
+        "    except ValueError:\n        print(json.dumps(False))\n"
+    )
+    ran = subprocess.run([vllm_python, "-c", read, *map(str, folders.values())], capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    reads = dict(zip(folders, map(json.loads, ran.stdout.split())))
+    for model_type, folder in folders.items():
+        shipped = json.loads((folder / "config.json").read_text())
+        assert reads[model_type] == (unloadable_target(shipped, shipped) is None), (model_type, reads)
+    assert reads["llama"] and reads["dots3_note"] and not reads["dots3_note_text"]
 
 
 def test_the_mtp_models_the_installed_vllm_compiles_once_are_the_layouts_that_say_so(vllm_python, tmp_path):

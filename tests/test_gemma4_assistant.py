@@ -151,7 +151,7 @@ def test_a_released_assistant_restricted_by_centroids_is_read_drafts_as_released
     from draftsmith.formats.repo import TargetInfo
     from draftsmith.formats.versions import served_builds
     from draftsmith.heads.gemma4_assistant import assistant_config
-    from draftsmith.target import TargetShape
+    from draftsmith.target import TargetShape, config_json
 
     model, name = target
     values = assistant_config(model.config, KIND.Config())
@@ -180,7 +180,9 @@ def test_a_released_assistant_restricted_by_centroids_is_read_drafts_as_released
     trainable = {n for n, p in drafter.named_parameters() if p.requires_grad}
     assert trainable and not any("masked_embedding" in n for n in trainable)
     repo = exporter_for(drafter.type).vllm(
-        Source(drafter, tmp_path, model, TargetInfo(shape, model.config.to_dict(), name)), 3, tmp_path / "export"
+        Source(drafter, tmp_path, model, TargetInfo(shape, model.config.to_dict(), name, config_json(model))),
+        3,
+        tmp_path / "export",
     )
     written = load_file(str(tmp_path / "released" / "model.safetensors"))
     assert repo.tensors.keys() == written.keys() == repo.expected.keys()

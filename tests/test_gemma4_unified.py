@@ -24,7 +24,7 @@ from draftsmith.heads import drafter_class
 from draftsmith.heads.gemma4_assistant import FULL, SLIDING
 from draftsmith.heads.proposer import DraftState
 from draftsmith.random_target import build_model, demo_tokenizer_dir
-from draftsmith.target import FeatureRequest, TargetShape, load_target, loaded_config, run_target
+from draftsmith.target import FeatureRequest, TargetShape, config_json, load_target, loaded_config, run_target
 from draftsmith.tiny_config import build_config
 from tests.helpers import (
     assert_tree_forward_equals_path_forwards,
@@ -381,7 +381,7 @@ def test_the_assistants_folder_is_served_by_sglang_as_nextn_and_refused_where_sg
 
     model, name = target
     drafter = sharpened(target)
-    info = TargetInfo(TargetShape.of(model, name), loaded_config(model), name)
+    info = TargetInfo(TargetShape.of(model, name), loaded_config(model), name, config_json(model))
     source, exporter = Source(drafter, tmp_path, model, info), exporter_for("gemma4_assistant")
     sglang, vllm = (exporter.build(engine, source, 3, tmp_path / engine) for engine in ("sglang", "vllm"))
     check_tensors(sglang, "export")
@@ -390,23 +390,25 @@ def test_the_assistants_folder_is_served_by_sglang_as_nextn_and_refused_where_sg
     assert sglang.tensors.keys() == vllm.tensors.keys()
     assert all(torch.equal(tensor, vllm.tensors[key]) for key, tensor in sglang.tensors.items())
     assert "--speculative-algorithm NEXTN" in sglang.serve and "--speculative-eagle-topk 1" in sglang.serve
+    own = sglang.config["text_config"]["max_position_embeddings"]
+    assert own >= text_fields(info.config)["max_position_embeddings"] and "--context-length" not in sglang.serve
+    longer = json.loads(json.dumps(info.config))
+    text_fields(longer)["max_position_embeddings"] = own + 1  # SGLang would refuse to start the assistant beside it
+    capped = exporter.build("sglang", replace(source, target=replace(info, config=longer)), 3, tmp_path / "capped")
+    assert capped.serve.endswith(f" --context-length {own}") and "SGLANG_ALLOW" in capped.conventions["context"]
     config = json.loads(json.dumps(info.config))
     text_fields(config)["layer_types"] = [*KINDS[:-2], SLIDING, SLIDING]
     both_sliding = replace(info, config=config)
     with pytest.raises(UserError, match=r"wires each assistant layer to the target's last two layers only, and they "
                        r"are sliding_attention, sliding_attention"):  # fmt: skip
         exporter.refuse("sglang", drafter, both_sliding)
-    alone = tmp_path / "alone"
-    alone.mkdir()
-    (alone / "config.json").write_text(json.dumps({"architectures": ["Gemma4UnifiedForCausalLM"]}))
+    alone = {"architectures": ["Gemma4UnifiedForCausalLM"], "model_type": "gemma4_unified_text"}
     with pytest.raises(UserError, match=r"SGLang 0.5.23 has no Gemma-4 model for a Gemma4UnifiedForCausalLM target"):
-        exporter.refuse("sglang", drafter, replace(info, shape=replace(info.shape, name_or_path=str(alone))))
-    per_layer = tmp_path / "per_layer"
-    per_layer.mkdir()
-    (per_layer / "config.json").write_text(json.dumps({"architectures": ["Gemma4ForCausalLM"], "global_head_dim": 32}))
+        exporter.refuse("sglang", drafter, replace(info, config_json=alone))
+    per_layer = {"architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "global_head_dim": 32}
     with pytest.raises(UserError, match=r"reads Gemma-4's per-layer head shapes from a wrapper's config only; this "
                        r"Gemma4ForCausalLM target's language-model config.json declares them per layer"):  # fmt: skip
-        exporter.refuse("sglang", drafter, replace(info, shape=replace(info.shape, name_or_path=str(per_layer))))
+        exporter.refuse("sglang", drafter, replace(info, config_json=per_layer))
     drafter.suppressed = [7]
     with pytest.raises(UserError, match=r"never drafts tokens \[7\] \(its generation_config.json's suppress_tokens, "
                        r"as vLLM reads it\), which SGLang does not read: export it for vllm"):  # fmt: skip

@@ -45,7 +45,7 @@ from draftsmith.heads.mtp_random_layer import write_random_layer
 from draftsmith.model_files import names_in, tensor_names
 from draftsmith.random_target import write_random_target
 from draftsmith.recipe import load_recipe
-from draftsmith.target import FeatureRequest, TargetShape, load_target, local_target_shape, run_target
+from draftsmith.target import FeatureRequest, TargetShape, config_json, load_target, local_target_shape, run_target
 from tests.helpers import (
     REFERENCE_TARGET,
     assert_one_line_error,
@@ -292,7 +292,9 @@ def test_a_released_vision_language_wrappers_layer_trains_and_exports_as_its_lan
     plain = generate(model, prompt, 12).tokens
     assert generate(model, prompt, 12, drafter=drafter.eval().proposer(), gamma=3).tokens == plain
     shape = TargetShape.of(model, str(folder))
-    source = Source(drafter, tmp_path, model, TargetInfo(shape, model.config.to_dict(), str(folder)))
+    source = Source(
+        drafter, tmp_path, model, TargetInfo(shape, model.config.to_dict(), str(folder), config_json(model))
+    )
     repo = exporter_for("mtp").vllm(source, 3, tmp_path / "export")
     check_tensors(repo, "export")  # exactly the shipped layer's names and shapes
     assert repo.config["architectures"] == [architecture] and repo.config["mtp_num_hidden_layers"] == 1
@@ -601,7 +603,9 @@ def test_a_deepseek_v4_layer_exports_under_its_release_names_with_the_config_vll
     CPU build, which stubs V4's MTP model, is named as the build that cannot check it."""
     folder, model, drafter, shipped = v4_layer(targets)
     shape = TargetShape.of(model, str(folder))
-    source = Source(drafter, tmp_path, model, TargetInfo(shape, model.config.to_dict(), str(folder)))
+    source = Source(
+        drafter, tmp_path, model, TargetInfo(shape, model.config.to_dict(), str(folder), config_json(model))
+    )
     exporter = exporter_for("mtp")
     repo = exporter.vllm(source, 3, tmp_path / "export")
     check_tensors(repo, "export")
@@ -632,7 +636,9 @@ def test_an_mtp_folder_whose_config_is_not_the_targets_is_refused(edit, said, ta
     shape = TargetShape.of(model, str(folder))
     exporter = exporter_for("mtp")
     repo = exporter.vllm(
-        Source(drafter, tmp_path, model, TargetInfo(shape, model.config.to_dict(), str(folder))), 1, tmp_path
+        Source(drafter, tmp_path, model, TargetInfo(shape, model.config.to_dict(), str(folder), config_json(model))),
+        1,
+        tmp_path,
     )
     exporter.read(tmp_path, repo.config, repo.tensors, model, {})
     with pytest.raises(UserError, match=rf"{tmp_path}: its config.json is not the target's, .*: {said}"):
@@ -736,7 +742,9 @@ def exported_and_read_back(family: str, targets, tmp_path) -> tuple[dict, dict, 
     config, chosen = layout(folder)
     shipped = read_layer(str(folder), config, chosen)
     shape = TargetShape.of(model, str(folder))
-    source = Source(drafter, tmp_path, model, TargetInfo(shape, model.config.to_dict(), str(folder)))
+    source = Source(
+        drafter, tmp_path, model, TargetInfo(shape, model.config.to_dict(), str(folder), config_json(model))
+    )
     exporter = exporter_for("mtp")
     repo = exporter.vllm(source, 3, tmp_path / "export")
     check_tensors(repo, "export")
@@ -862,7 +870,7 @@ def test_a_target_whose_later_draft_steps_share_the_first_ones_selection_is_serv
     exporter = exporter_for("mtp")
     for target, shared in ((copy, True), (folder, False)):
         drafter = MTP.from_target(MTP.Config(), model, str(target))
-        info = TargetInfo(TargetShape.of(model, str(target)), model.config.to_dict(), str(target))
+        info = TargetInfo(TargetShape.of(model, str(target)), model.config.to_dict(), str(target), config_json(model))
         repo = exporter.vllm(Source(drafter, tmp_path, model, info), 3, tmp_path / "export")
         assert repo.options == ({"index_share_for_mtp_iteration": False} if shared else {})
         assert ("selection" in repo.conventions) == shared
@@ -1004,7 +1012,7 @@ def test_a_qwen4_exp_releases_layer_is_read_from_its_wrappers_top_and_exports_as
     written = drafter.checkpoint_tensors()
     assert written.keys() == shipped.keys() and all(torch.equal(written[n], shipped[n]) for n in shipped)
     source = Source(drafter, tmp_path, model, TargetInfo(TargetShape.of(model, str(folder)), model.config.to_dict(),
-                                                          str(folder)))  # fmt: skip
+                                                          str(folder), config_json(model)))  # fmt: skip
     repo = exporter_for("mtp").vllm(source, 3, tmp_path / "export")
     check_tensors(repo, "export")
     assert set(repo.tensors) == {f"mtp.{name}" for name in shipped}
@@ -1077,7 +1085,9 @@ def test_a_dots3_note_layer_exports_under_its_release_names_its_own_embedding_be
     drafter = MTP.from_target(MTP.Config(), model, str(folder))
     config, chosen = layout(folder)
     shape = TargetShape.of(model, str(folder))
-    source = Source(drafter, tmp_path, model, TargetInfo(shape, model.config.to_dict(), str(folder)))
+    source = Source(
+        drafter, tmp_path, model, TargetInfo(shape, model.config.to_dict(), str(folder), config_json(model))
+    )
     exporter = exporter_for("mtp")
     repo = exporter.vllm(source, 3, tmp_path / "export")
     check_tensors(repo, "export")
@@ -1089,13 +1099,50 @@ def test_a_dots3_note_layer_exports_under_its_release_names_its_own_embedding_be
     assert all(torch.equal(t, read_back[n]) for n, t in drafter.checkpoint_tensors().items())
 
 
+def dots3_note_release(directory):
+    """A tiny Dots3-Note release: the tiny language model's weights and tokenizer under the flat config.json releases
+    ship (model_type dots3_note, the sliding layers' geometry in `swa_*` keys, the window as `sliding_window_size`,
+    both rope bases, layer kinds named full and sliding; the vision and audio towers' configs transformers checks),
+    which transformers reads as its wrapper's text config and SGLang's Dots3Config as its own; a random MTP layer."""
+    text_only = write_random_target("dots3_note_text", directory / "text", **SHAPE)
+    text = json.loads((text_only / "config.json").read_text())
+    sliding = {**text, **text["per_layer_config"][str(text["layer_types"].index("sliding_attention"))]}
+    kept = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "n_shared_experts", "n_routed_experts", "num_experts_per_tok",
+            "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "head_dim",
+            "index_topk", "index_head_dim", "index_n_heads", "rms_norm_eps", "max_position_embeddings",
+            "shared_experts_intermediate_size", "bos_token_id", "eos_token_id", "pad_token_id")  # fmt: skip
+    swa = ("num_attention_heads", "num_key_value_heads", "q_lora_rank", "kv_lora_rank", "head_dim", "qk_nope_head_dim",
+           "qk_rope_head_dim", "v_head_dim")  # fmt: skip
+    release = {
+        "architectures": ["Dots3NoteForCausalLM"], "model_type": "dots3_note", **{key: text[key] for key in kept},
+        **{f"swa_{key}": sliding[key] for key in swa}, "sliding_window_size": text["sliding_window"],
+        "rope_theta": text["rope_parameters"]["indexed_attention"]["rope_theta"],
+        "swa_rope_theta": text["rope_parameters"]["sliding_attention"]["rope_theta"],
+        "layer_types": [kind.replace("indexed_attention", "full_attention") for kind in text["layer_types"]],
+        **{tower: {"adapter_out_dim": text["hidden_size"]} for tower in ("vision_config", "audio_config")},
+    }  # fmt: skip
+    folder = directory / "release"
+    shutil.copytree(text_only, folder)
+    (folder / "config.json").write_text(json.dumps(release))
+    write_random_layer(folder)
+    return folder
+
+
 @pytest.mark.slow
 def test_a_dots3_note_targets_layer_trains_resumes_exports_and_decodes_losslessly_through_the_entry_points(
     tmp_path, small_data, token_cache, capsys
 ):
-    """`recipe=mtp` on a Dots3-Note target (its sliding-window dense block, its own embedding): it trains, resumes,
-    exports under the release's names and shapes, and draftsmith's eval, reading the folder back, decodes losslessly."""
-    folder, vllm = trained_resumed_and_exported("dots3_note_text", tmp_path, small_data, token_cache, capsys)
+    """`recipe=mtp` on a Dots3-Note release (its sliding-window dense block, its own embedding): it trains, resumes,
+    exports under the release's names and shapes, its config.json as shipped, and draftsmith's eval, reading the
+    folder back, decodes losslessly. (The language model's config saved alone, `dots3_note_text`, is one no vLLM
+    reads: its export for vLLM is refused, tests/test_unnamed_families.py.)"""
+    folder = dots3_note_release(tmp_path)
+    vllm = resumed_and_exported(folder, tmp_path, small_data, token_cache, capsys)
+    assert json.loads((vllm / "config.json").read_text()) == {
+        **json.loads((folder / "config.json").read_text()),
+        "num_nextn_predict_layers": 1,
+    }
     config = json.loads((vllm / "config.json").read_text())
     assert written_shapes(vllm) == shipped_shapes(str(folder), config, LAYOUTS["Dots3NoteForCausalLM"])
     assert_exported_layer_decodes_losslessly(folder, vllm, tmp_path, small_data, tree=6)

@@ -33,7 +33,7 @@ from draftsmith.heads.mtp_layouts import LAYOUTS
 from draftsmith.heads.mtp_random_layer import write_random_layer
 from draftsmith.random_target import demo_tokenizer_dir, write_random_target
 from draftsmith.recipe import load_recipe
-from draftsmith.target import TargetShape, local_target_shape, run_target
+from draftsmith.target import TargetShape, config_json, local_target_shape, run_target
 from tests.helpers import FAMILY_TRAINING, first_records, train_in_process
 from tests.test_mtp import neox_rope, resumed_and_exported, rms, trains_ahead_and_decodes_losslessly
 
@@ -303,7 +303,9 @@ def test_the_layer_exports_under_its_release_names_with_the_targets_config(model
     drafter = MTP.from_target(MTP.Config(), model, str(folder))
     shipped = read_layer(str(folder), config, chosen)
     shape = TargetShape.of(model, str(folder))
-    source = Source(drafter, tmp_path, model, TargetInfo(shape, model.config.to_dict(), str(folder)))
+    source = Source(
+        drafter, tmp_path, model, TargetInfo(shape, model.config.to_dict(), str(folder), config_json(model))
+    )
     exporter = exporter_for("mtp")
     repo = exporter.vllm(source, 3, tmp_path / "export")
     check_tensors(repo, "export")

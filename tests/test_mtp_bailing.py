@@ -30,7 +30,7 @@ from draftsmith.heads.mtp_layer import read_layer, shipped_shapes
 from draftsmith.heads.mtp_layouts import LAYOUTS
 from draftsmith.heads.mtp_random_layer import write_random_layer
 from draftsmith.random_target import write_random_target
-from draftsmith.target import TargetShape, load_target, local_target_shape, run_target
+from draftsmith.target import TargetShape, config_json, load_target, local_target_shape, run_target
 from tests.helpers import assert_one_line_error, run_entry_in_process, stand_in_vllm, trains_one_step
 from tests.test_mtp import (
     assert_exported_layer_decodes_losslessly,
@@ -252,7 +252,7 @@ def test_two_depths_train_and_export_under_layers_n_and_n_plus_1(two_depths, tmp
     trains_one_step(drafter, model, torch.randint(3, 4000, (2, 24), generator=torch.Generator().manual_seed(5)))
     moved = drafter.checkpoint_tensors()
     assert any(not torch.equal(moved[n], t) for n, t in before.items() if n.startswith(mtp_depths.DEPTHS))
-    info = TargetInfo(TargetShape.of(model, str(folder)), config, str(folder))
+    info = TargetInfo(TargetShape.of(model, str(folder)), config, str(folder), config_json(model))
     exporter = exporter_for("mtp")
     repo = exporter.vllm(Source(drafter, tmp_path, model, info), 2, tmp_path / "export")
     check_tensors(repo, "export")

@@ -23,7 +23,7 @@ from draftsmith.heads import drafter_class, mtp_depths
 from draftsmith.heads.mtp_random_layer import write_random_layer
 from draftsmith.heads.proposer import DraftState, DynamicTree
 from draftsmith.random_target import write_random_target
-from draftsmith.target import TargetShape, load_target, run_target
+from draftsmith.target import TargetShape, config_json, load_target, run_target
 from tests.helpers import assert_one_line_error, run_entry_in_process, trains_one_step
 from tests.test_mtp import (
     CONVOLVED,
@@ -227,7 +227,10 @@ def test_every_depth_exports_under_the_releases_names_and_reads_back(name, relea
     alike."""
     folder, model, drafter = releases(name)
     source = Source(
-        drafter, tmp_path, model, TargetInfo(TargetShape.of(model, str(folder)), model.config.to_dict(), str(folder))
+        drafter,
+        tmp_path,
+        model,
+        TargetInfo(TargetShape.of(model, str(folder)), model.config.to_dict(), str(folder), config_json(model)),
     )
     exporter = exporter_for("mtp")
     repo = exporter.vllm(source, 3, tmp_path / "export")

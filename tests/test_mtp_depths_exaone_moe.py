@@ -24,7 +24,7 @@ from draftsmith.formats import Source, exporter_for
 from draftsmith.formats.repo import TargetInfo, check_tensors
 from draftsmith.heads import drafter_class
 from draftsmith.heads.proposer import DraftState
-from draftsmith.target import TargetShape, local_target_shape, run_target
+from draftsmith.target import TargetShape, config_json, local_target_shape, run_target
 from tests.helpers import trains_one_step
 from tests.test_mtp import neox_rope, rms
 from tests.test_mtp_depths import built_releases, proposed_past_rejections, scored_outputs, token_run
@@ -139,7 +139,7 @@ def test_the_depths_train_and_export_under_the_releases_names_with_the_count(dep
     folder, model, _ = releases("exaone_moe")
     drafter = MTP.from_target(MTP.Config(mtp_depths=depths), model, str(folder))
     trains_one_step(drafter, model, torch.randint(3, 4000, (2, 24), generator=torch.Generator().manual_seed(5)))
-    info = TargetInfo(TargetShape.of(model, str(folder)), model.config.to_dict(), str(folder))
+    info = TargetInfo(TargetShape.of(model, str(folder)), model.config.to_dict(), str(folder), config_json(model))
     exporter = exporter_for("mtp")
     repo = exporter.vllm(Source(drafter, tmp_path, model, info), depths, tmp_path / "export")
     check_tensors(repo, "export")

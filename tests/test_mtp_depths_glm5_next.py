@@ -21,7 +21,7 @@ from draftsmith.eval.loop import generate
 from draftsmith.formats import Source, exporter_for
 from draftsmith.formats.repo import TargetInfo, check_tensors
 from draftsmith.heads import drafter_class, mtp_depths
-from draftsmith.target import TargetShape, load_target
+from draftsmith.target import TargetShape, config_json, load_target
 from tests.helpers import trains_one_step
 from tests.test_mtp_depths import scored_outputs, token_run
 from tests.test_mtp_depths_layouts import release_with_depths, vllm_depth
@@ -69,7 +69,7 @@ def test_both_depths_train_decode_losslessly_and_export_for_vllm_0_34_under_the_
     assert any(not torch.equal(moved[n], t) for n, t in shipped.items() if n.startswith(mtp_depths.DEPTHS))
     prompt = torch.randint(3, 4000, (24,), generator=torch.Generator().manual_seed(1)).tolist()
     assert generate(model, prompt, 16, drafter=drafter.proposer(), gamma=2).tokens == generate(model, prompt, 16).tokens
-    info = TargetInfo(TargetShape.of(model, str(folder)), model.config.to_dict(), str(folder))
+    info = TargetInfo(TargetShape.of(model, str(folder)), model.config.to_dict(), str(folder), config_json(model))
     exporter = exporter_for("mtp")
     repo = exporter.vllm(Source(drafter, tmp_path, model, info), 2, tmp_path / "export")
     check_tensors(repo, "export")

@@ -24,7 +24,7 @@ from draftsmith.formats.repo import TargetInfo
 from draftsmith.formats.versions import cpu_build_limit
 from draftsmith.heads import drafter_class, mtp_depths
 from draftsmith.heads.proposer import DraftState, DynamicTree
-from draftsmith.target import TargetShape, local_target_shape, run_target
+from draftsmith.target import TargetShape, config_json, local_target_shape, run_target
 from tests.helpers import assert_one_line_error, run_entry_in_process, stand_in_vllm, trains_one_step
 from tests.test_mtp import assert_exported_layer_decodes_losslessly, mtp_args, resumed_and_exported, written_shapes
 from tests.test_mtp_depths import built_releases, scored_outputs, token_run
@@ -139,7 +139,7 @@ def test_both_depths_train_but_their_indexers_and_export_under_the_releases_name
     folder, model, _ = releases(family)
     drafter = MTP.from_target(MTP.Config(mtp_depths=2), model, str(folder))
     trains_one_step(drafter, model, torch.randint(3, 4000, (2, 40), generator=torch.Generator().manual_seed(5)))
-    info = TargetInfo(TargetShape.of(model, str(folder)), model.config.to_dict(), str(folder))
+    info = TargetInfo(TargetShape.of(model, str(folder)), model.config.to_dict(), str(folder), config_json(model))
     exporter = exporter_for("mtp")
     repo = exporter.vllm(Source(drafter, tmp_path, model, info), 2, tmp_path / "export")
     release = load_file(str(folder / "model.safetensors"))
@@ -182,7 +182,7 @@ def test_more_depths_than_shipped_are_refused_in_one_line_and_a_shared_selection
     (shared / "config.json").write_text(json.dumps(config))
     MTP.Config(mtp_depths=2).check(local_target_shape(str(shared)))
     drafter = MTP.from_target(MTP.Config(mtp_depths=2), model, str(shared))
-    info = TargetInfo(TargetShape.of(model, str(shared)), model.config.to_dict(), str(shared))
+    info = TargetInfo(TargetShape.of(model, str(shared)), model.config.to_dict(), str(shared), config_json(model))
     repo = exporter_for("mtp").vllm(Source(drafter, tmp_path, model, info), 2, tmp_path / "export")
     assert repo.options == {"index_share_for_mtp_iteration": False}
 

@@ -33,7 +33,7 @@ from draftsmith.heads.mtp_random_layer import write_random_layer
 from draftsmith.heads.proposer import DraftState
 from draftsmith.random_target import write_random_target
 from draftsmith.recipe import load_recipe
-from draftsmith.target import TargetShape, loaded_config, local_target_shape, run_target
+from draftsmith.target import TargetShape, config_json, loaded_config, local_target_shape, run_target
 from tests.helpers import assert_one_line_error, first_records, run_entry_in_process, stand_in_vllm, trains_one_step
 from tests.test_mtp import SHAPE, mtp_args, rms, written_shapes
 from tests.test_mtp_depths import built_releases, scored_outputs, token_run
@@ -164,7 +164,7 @@ def test_every_depth_trains_exports_under_the_releases_names_with_the_count_and_
     trains_one_step(drafter, model, torch.randint(3, 4000, (2, 24), generator=torch.Generator().manual_seed(5)))
     moved = drafter.checkpoint_tensors()
     assert any(not torch.equal(moved[n], t) for n, t in shipped_depth.items() if n.startswith(mtp_depths.DEPTHS))
-    info = TargetInfo(TargetShape.of(model, str(folder)), model.config.to_dict(), str(folder))
+    info = TargetInfo(TargetShape.of(model, str(folder)), model.config.to_dict(), str(folder), config_json(model))
     exporter = exporter_for("mtp")
     repo = exporter.vllm(Source(drafter, tmp_path, model, info), 3, tmp_path / "export")
     check_tensors(repo, "export")

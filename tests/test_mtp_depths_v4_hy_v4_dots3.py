@@ -31,7 +31,7 @@ from draftsmith.formats import Source, exporter_for
 from draftsmith.formats.repo import TargetInfo
 from draftsmith.heads import drafter_class, mtp_depths
 from draftsmith.heads.proposer import DraftState
-from draftsmith.target import FeatureRequest, TargetShape, local_target_shape, run_target
+from draftsmith.target import FeatureRequest, TargetShape, config_json, local_target_shape, run_target
 from tests.helpers import assert_one_line_error, fast_tier, run_entry_in_process, stand_in_vllm, trains_one_step
 from tests.test_mtp import (
     assert_exported_layer_decodes_losslessly,
@@ -219,7 +219,7 @@ def test_both_depths_train_and_export_under_the_releases_names_with_the_count(fa
     folder, model, _ = releases(family)
     drafter = MTP.from_target(MTP.Config(mtp_depths=2), model, str(folder))
     trains_one_step(drafter, model, torch.randint(3, 4000, (2, 40), generator=torch.Generator().manual_seed(5)))
-    info = TargetInfo(TargetShape.of(model, str(folder)), model.config.to_dict(), str(folder))
+    info = TargetInfo(TargetShape.of(model, str(folder)), model.config.to_dict(), str(folder), config_json(model))
     exporter = exporter_for("mtp")
     repo = exporter.vllm(Source(drafter, tmp_path, model, info), 2, tmp_path / "export")
     shipped, config = load_file(str(folder / "model.safetensors")), json.loads((folder / "config.json").read_text())
@@ -260,7 +260,7 @@ def test_a_dots3_note_export_lists_one_mtp_layer_type_per_depth_it_serves(releas
     folder, model, _ = releases("dots3_note_text")
     listed = with_config(folder, tmp_path / "listed", mtp_layer_types=["sliding_attention"] * 2)
     drafter = MTP.from_target(MTP.Config(), model, str(listed))
-    info = TargetInfo(TargetShape.of(model, str(listed)), model.config.to_dict(), str(listed))
+    info = TargetInfo(TargetShape.of(model, str(listed)), model.config.to_dict(), str(listed), config_json(model))
     repo = exporter_for("mtp").vllm(Source(drafter, tmp_path, model, info), 2, tmp_path / "export")
     assert repo.config["mtp_layer_types"] == ["sliding_attention"] and repo.config["num_nextn_predict_layers"] == 1
 

@@ -33,7 +33,7 @@ from draftsmith.heads import drafter_class
 from draftsmith.heads.mtp_layer import read_layer, shipped_shapes
 from draftsmith.heads.mtp_layouts import LAYOUTS
 from draftsmith.heads.proposer import DraftState
-from draftsmith.target import TargetShape, load_target, local_target_shape, run_target
+from draftsmith.target import TargetShape, config_json, load_target, local_target_shape, run_target
 from tests.helpers import (
     assert_one_line_error,
     run_entry_in_process,
@@ -205,7 +205,9 @@ def test_the_layer_exports_under_its_release_names_with_the_wrappers_config(dept
     folder, model, config = released(depths)
     drafter = MTP.from_target(MTP.Config(mtp_depths=depths), model, str(folder))
     shape = TargetShape.of(model, str(folder))
-    source = Source(drafter, tmp_path, model, TargetInfo(shape, model.config.to_dict(), str(folder)))
+    source = Source(
+        drafter, tmp_path, model, TargetInfo(shape, model.config.to_dict(), str(folder), config_json(model))
+    )
     exporter = exporter_for("mtp")
     repo = exporter.vllm(source, 3, tmp_path / "export")
     check_tensors(repo, "export")

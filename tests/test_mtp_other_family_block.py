@@ -30,7 +30,7 @@ from draftsmith.heads.mtp_layer import read_layer, shipped_shapes
 from draftsmith.heads.mtp_layouts import LAYOUTS
 from draftsmith.heads.mtp_random_layer import write_random_layer
 from draftsmith.random_target import demo_tokenizer_dir, write_random_target
-from draftsmith.target import TargetShape, run_target
+from draftsmith.target import TargetShape, config_json, run_target
 from tests.test_mtp import neox_rope, rms, trains_ahead_and_decodes_losslessly
 from tests.test_mtp_2026b import (
     is_served_like_in_draftsmith,
@@ -230,7 +230,9 @@ def test_the_layer_exports_under_its_release_names_with_the_targets_config(model
     chosen = LAYOUTS[RELEASES[model_type][0]]
     drafter = MTP.from_target(MTP.Config(), model, str(folder))
     shape = TargetShape.of(model, str(folder))
-    source = Source(drafter, tmp_path, model, TargetInfo(shape, model.config.to_dict(), str(folder)))
+    source = Source(
+        drafter, tmp_path, model, TargetInfo(shape, model.config.to_dict(), str(folder), config_json(model))
+    )
     exporter = exporter_for("mtp")
     repo = exporter.vllm(source, 3, tmp_path / "export")
     check_tensors(repo, "export")

