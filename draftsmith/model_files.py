@@ -84,6 +84,13 @@ def read_pretrained(load: Callable[..., Any], name_or_path: str, what: str, **kw
     # StrictDataclassError: a config its class's own checks refuse (per-layer lists longer than num_hidden_layers)
     except (OSError, ValueError, SafetensorError, StrictDataclassError) as err:
         raise not_loadable(what, err, name_or_path, out_of_reach, kwargs.get("use_safetensors", False)) from err
+    except RuntimeError as err:  # transformers' words for weights of other shapes than the config gives them
+        if "ignore_mismatched_sizes" not in str(err) and "size mismatch" not in str(err):
+            raise
+        raise UserError(
+            f"{what}: its weights' shapes are not those its config.json gives them (transformers' load report, "
+            "logged above, lists them): a config.json edited, or of another model"
+        ) from err
 
 
 # the files a saved tokenizer holds (save_pretrained writes both; formats/repo.py TOKENIZER_FILES: all an export copies)
@@ -136,17 +143,21 @@ CONVERT_PICKLE = (
 )
 
 
+# the JSON files of settings transformers reads from a model's folder, each an object
+SETTINGS_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
 def check_local_files(folder: Path, what: str, safetensors_only: bool) -> None:
-    """Refuse, in one line naming the file, what transformers would fail on without naming it: a config.json that
-    holds no JSON object (a list read as a config is a TypeError); with `safetensors_only`, weights stored only as a
-    pickle, which draftsmith never unpickles (unpickling a file can run code it holds)."""
-    config = folder / "config.json"
-    try:
-        values = json.loads(config.read_text()) if config.is_file() else {}
-    except (OSError, ValueError):  # unreadable or not JSON: not_loadable names it
-        values = {}
-    if not isinstance(values, dict):
-        raise UserError(f"{what}: {config} holds a JSON {type(values).__name__}, not an object of settings")
+    """Refuse, in one line naming the file, what transformers would fail on without naming it: a file of settings
+    (SETTINGS_FILES) that holds no JSON object (a list read as a config is a TypeError); with `safetensors_only`,
+    weights stored only as a pickle, which draftsmith never unpickles (unpickling a file can run code it holds)."""
+    for settings in (folder / name for name in SETTINGS_FILES):
+        try:
+            values = json.loads(settings.read_text()) if settings.is_file() else {}
+        except (OSError, ValueError):  # unreadable or not JSON: not_loadable names it
+            values = {}
+        if not isinstance(values, dict):
+            raise UserError(f"{what}: {settings} holds a JSON {type(values).__name__}, not an object of settings")
     pickled = [folder / name for name in PICKLED_WEIGHTS if (folder / name).is_file()]
     if safetensors_only and pickled and not any((folder / name).is_file() for name in SAFETENSORS_WEIGHTS):
         raise UserError(f"{what}: its weights are a pickle ({pickled[0]}), {CONVERT_PICKLE}")

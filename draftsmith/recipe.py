@@ -92,6 +92,8 @@ def compose(recipe: str, overrides: Sequence[str]) -> DictConfig:
         text = path.read_text(encoding="utf-8")
     except PermissionError:
         raise cannot_read(path) from None
+    except UnicodeDecodeError as err:
+        raise UserError(f"recipe {path}: not UTF-8 text, so no YAML ({one_line(err)})") from None
     raw = copy.deepcopy(parsed_recipe(str(path), text))  # the copy is changed below
     for name in RECIPE_SECTIONS:  # a list or a number where a section belongs: one line, not OmegaConf's
         if raw.get(name) is not None and not isinstance(raw[name], DictConfig):

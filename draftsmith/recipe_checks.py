@@ -286,6 +286,16 @@ def check_export(export) -> None:
     require(
         repo is None or bool(re.fullmatch(r"[\w.-]+/[\w.-]+", repo)), f"export.push.repo_id={repo!r} is not ORG/NAME"
     )
+    sweep = export.sweep  # a level serves max(min_requests, requests_per_slot x concurrency) requests
+    require(
+        min(sweep.requests_per_slot, sweep.min_requests) >= 0 and max(sweep.requests_per_slot, sweep.min_requests) >= 1,
+        f"export.sweep.requests_per_slot={sweep.requests_per_slot} and min_requests={sweep.min_requests} must be >= 0, "
+        "one of them >= 1: a level of no requests measures nothing",
+    )
+    require(
+        sweep.cpu_threads is None or sweep.cpu_threads >= 1,
+        f"export.sweep.cpu_threads={sweep.cpu_threads} must be >= 1, or null for the engine's default",
+    )
 
 
 def require_export_settings_read(export) -> None:

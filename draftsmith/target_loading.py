@@ -84,6 +84,7 @@ def read_model(section, dtype: torch.dtype, device: torch.device | str):
         refusal = not_a_causal_lm(config.to_dict(), section.name_or_path)
         if refusal is not None:
             raise UserError(refusal) from err
+        report.show()  # transformers' table of what it did not load (weights of other shapes), which the line cites
         raise
     finally:
         report.stop()
@@ -135,6 +136,10 @@ class HeldLoadReport(logging.Filter):
                 name_or_path, len(past_last), last,
             )  # fmt: skip
             return
+        self.show()
+
+    def show(self) -> None:
+        self.stop()  # else the filter holds each record again as it is handled
         for record in self.held:
             logging.getLogger(self.LOGGER).handle(record)
 

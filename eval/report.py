@@ -216,10 +216,18 @@ def _run_eval(
     return report
 
 
-def prompt_room(cfg) -> int:
+def check_eval_stage(cfg) -> None:
+    """What the eval stage after training refuses from the recipe and the target's config alone (its settings, its
+    device, a prompt's room), refused before the run trains, not after it (trainer/setup.py asks)."""
+    check_eval_settings(load_config(cfg.target), cfg.eval)
+    resolve_device(cfg.eval.device)
+    prompt_room(cfg, say=False)
+
+
+def prompt_room(cfg, say: bool = True) -> int:
     """The most tokens of a prompt the eval keeps: data.max_length, or fewer where a prompt that long and
-    eval.max_new_tokens new tokens would run the target past the context its config states (said in a line);
-    one line (UserError) where no prompt is left room. Read from the target's config alone."""
+    eval.max_new_tokens new tokens would run the target past the context its config states (said in a line, where
+    `say`); one line (UserError) where no prompt is left room. Read from the target's config alone."""
     context, stated = target_context(load_config(cfg.target))
     length, new = int(cfg.data.max_length), int(cfg.eval.max_new_tokens)
     if context is None or length + new <= context:
@@ -229,11 +237,12 @@ def prompt_room(cfg) -> int:
             f"eval.max_new_tokens={new} leaves no room for a prompt in the target's context of {context} tokens "
             f"({stated}): set eval.max_new_tokens below {context}"
         )
-    print(
-        f"note: eval prompts are cut to their last {context - new} tokens, not data.max_length={length}: with "
-        f"eval.max_new_tokens={new} new ones they fill the target's context of {context} tokens ({stated})",
-        file=sys.stderr,
-    )
+    if say:
+        print(
+            f"note: eval prompts are cut to their last {context - new} tokens, not data.max_length={length}: with "
+            f"eval.max_new_tokens={new} new ones they fill the target's context of {context} tokens ({stated})",
+            file=sys.stderr,
+        )
     return context - new
 
 

@@ -23,6 +23,8 @@ log = logging.getLogger("draftsmith.eval")
 _PROVEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # whether a model's transformers code keeps its linear-attention states at every position (keeps_each_position)
 _RECORDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# models whose logits on a probe were finite (check_finite)
+_FINITE: weakref.WeakSet = weakref.WeakSet()
 
 
 def check_target(model, tree: bool = False, batch: bool = False, length: int = 4) -> None:
@@ -32,6 +34,7 @@ def check_target(model, tree: bool = False, batch: bool = False, length: int = 4
     state can be kept and put back (linear and compressed attention, for chains: they read tokens in order). A tree,
     or a batch of rows (`batch`), is verified under explicit masks and positions (`check_explicit_masks`, at the
     longest context the run decodes, `length`)."""
+    check_finite(model)
     implementation = getattr(model.config, "_attn_implementation", "eager")
     if implementation not in ("eager", "sdpa"):
         raise UserError(
@@ -65,6 +68,25 @@ def check_target(model, tree: bool = False, batch: bool = False, length: int = 4
         )
     if (tree or batch) and not reads_in_order(model.config):  # such a target decodes chains, its rows one at a time
         check_explicit_masks(model, length)
+
+
+@torch.no_grad()
+def check_finite(model) -> None:
+    """A target whose logits are not finite (NaN or inf in its weights: a damaged file) is refused, proven once per
+    model on a few tokens: the loop would decode its argmax of NaN as lossless, and the checks below would fail on
+    their own arithmetic."""
+    if model in _FINITE:
+        return
+    device = model.get_output_embeddings().weight.device
+    ids = torch.arange(1, 5, device=device)[None] % (model.config.get_text_config().vocab_size - 1) + 1
+    with scan_chunks(model, ids.shape[1]):  # as the loop's forwards scan
+        finite = run_target(model, ids).logits.isfinite().all()
+    if not finite:
+        raise UserError(
+            f"the target ({type(model).__name__}) computes non-finite logits (NaN or inf) on a 4-token probe: its "
+            "weights hold non-finite values (a damaged file), or its dtype cannot hold what it computes"
+        )
+    _FINITE.add(model)
 
 
 @torch.no_grad()

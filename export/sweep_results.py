@@ -33,7 +33,11 @@ def read_sweep(path: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise UserError(f"export.batch_sweep={str(path)!r} does not exist")
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path}: not UTF-8 text, so no load-sweep rows ({one_line(err)})") from None
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:

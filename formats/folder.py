@@ -101,9 +101,9 @@ def checkpoint_kind(path: Path) -> Optional[str]:
     """The kind of the draftsmith checkpoint at `path`, read without a target; None for an engine folder,
     which an export may have written as another kind's format (Medusa-2's is vLLM's Medusa)."""
     saved = path / CONFIG_NAME
-    if saved.is_file() and "draftsmith_format" in read_json(saved):
-        return saved_drafter(path)[0].type
-    return None
+    values = read_json(saved) if saved.is_file() else {}
+    # another JSON value (a list, null): no draftsmith checkpoint's, the engine folder's reader names it
+    return saved_drafter(path)[0].type if isinstance(values, dict) and "draftsmith_format" in values else None
 
 
 def recorded_kind(path: Path) -> Optional[str]:

@@ -119,6 +119,10 @@ class Drafter(nn.Module):
         when it can (draftsmith/sharding.py asks)."""
         return None
 
+    def untrainable_on(self, device: torch.device) -> Optional[str]:
+        """Why this drafter cannot train on `device` (None: it can), asked before a run writes anything."""
+        return None
+
     def __init__(self, config, target: TargetShape):
         super().__init__()
         config.check(target)
@@ -308,6 +312,8 @@ def filled_from_target(key: str) -> UserError:
 
 
 def config_from_dict(config_cls: type, values: dict):
+    if not isinstance(values, dict):  # a hand-edited config.json's section (saved_drafter names the file)
+        raise TypeError(f"the drafter section is a {type(values).__name__}, not a mapping of settings")
     known = {f.name for f in fields(config_cls)}
     unknown = sorted(set(values) - known)
     if unknown:
@@ -377,6 +383,12 @@ def load_drafter(directory: str | os.PathLike, target: Optional[TargetShape] = N
         state = load_file(str(weights_path))
     except (SafetensorError, OSError) as err:
         raise UserError(f"{weights_path}: corrupt weights file ({one_line(err)})") from None
+    # training writes finite weights only (trainer/loop.py): a NaN or inf here is a damaged file, which an eval would
+    # measure without a word and an export's read-back check would call a draftsmith bug (NaN is not NaN)
+    if nonfinite := [
+        name for name, tensor in state.items() if tensor.is_floating_point() and not tensor.isfinite().all()
+    ]:
+        raise UserError(f"{weights_path}: corrupt weights file (non-finite values in {', '.join(nonfinite[:3])})")
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise UserError(

@@ -12,7 +12,14 @@ import torch
 
 from draftsmith.heads.base import per_sample_stats
 from draftsmith.heads.packing import documents, draft_attention_mask, num_documents, positions, shifted
-from draftsmith.heads.ttt_attention import DenseMasks, FlexLayout, StepKeys, TTTStep, resolved_backend
+from draftsmith.heads.ttt_attention import (
+    DenseMasks,
+    FlexLayout,
+    StepKeys,
+    TTTStep,
+    resolved_backend,
+    unrunnable_backend,
+)
 from draftsmith.heads.vocab_loss import chunk_rows_for, soft_cross_entropy
 from draftsmith.target import TargetOutput
 
@@ -20,6 +27,9 @@ from draftsmith.target import TargetOutput
 class Eagle3Training:
     """The training side of `Eagle3` (heads/eagle3.py), on the draft model it defines (`draft`, `fuse`,
     `mask_inputs`, `lm_input`, `draft_ids`)."""
+
+    def untrainable_on(self, device: torch.device) -> Optional[str]:
+        return unrunnable_backend(self.config.ttt_attention, device, self.layers[0].self_attn.head_dim, training=True)
 
     def unroll(
         self, input_ids: torch.Tensor, layers: dict[int, torch.Tensor], batch: Optional[dict] = None

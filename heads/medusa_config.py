@@ -33,6 +33,11 @@ class MedusaConfig(DrafterConfig):
             )
         if self.loss_weights is not None and len(self.loss_weights) != self.num_heads:
             raise UserError(f"drafter.loss_weights has {len(self.loss_weights)} values for {self.num_heads} heads")
+        if self.loss_weights is not None and (min(self.loss_weights) < 0 or max(self.loss_weights) <= 0):
+            raise UserError(
+                f"drafter.loss_weights={list(self.loss_weights)} must be >= 0, one of them > 0: a negative weight "
+                "trains its head to guess worse, all zero trains nothing"
+            )
         if self.loss_decay <= 0 or self.tree_topk < 1:
             raise UserError(
                 f"drafter.loss_decay must be > 0 and tree_topk >= 1 (got {self.loss_decay}, {self.tree_topk})"

@@ -63,18 +63,26 @@ FLEX_MIN_HEAD_DIM = 16  # flex attention's CUDA kernels refuse a smaller head (t
 
 
 def resolved_backend(backend: str, device: torch.device, head_dim: int) -> str:
-    """`auto` -> `flex` on CUDA (for heads of at least FLEX_MIN_HEAD_DIM), `dense` elsewhere; `flex` with
-    gradients off CUDA, or on a head flex cannot run, is an error (no backward elsewhere; no kernel)."""
+    """`auto` -> `flex` on CUDA (for heads of at least FLEX_MIN_HEAD_DIM), `dense` elsewhere; `flex` where
+    `unrunnable_backend` says why not is an error."""
     if backend == "auto":
         return "flex" if device.type == "cuda" and head_dim >= FLEX_MIN_HEAD_DIM else "dense"
-    if backend == "flex" and device.type != "cuda" and torch.is_grad_enabled():
-        raise UserError("drafter.ttt_attention=flex trains on CUDA only (no backward elsewhere): use auto or dense")
+    if (unrunnable := unrunnable_backend(backend, device, head_dim, torch.is_grad_enabled())) is not None:
+        raise UserError(unrunnable)
+    return backend
+
+
+def unrunnable_backend(backend: str, device: torch.device, head_dim: int, training: bool) -> Optional[str]:
+    """Why `backend` cannot run here (None: it can): `flex` training off CUDA (no backward elsewhere), or on a head
+    flex has no kernel for."""
+    if backend == "flex" and device.type != "cuda" and training:
+        return "drafter.ttt_attention=flex trains on CUDA only (no backward elsewhere): use auto or dense"
     if backend == "flex" and head_dim < FLEX_MIN_HEAD_DIM:
-        raise UserError(
+        return (
             f"drafter.ttt_attention=flex needs a head dimension of at least {FLEX_MIN_HEAD_DIM} (the draft layer's "
             f"is {head_dim}): use auto or dense"
         )
-    return backend
+    return None
 
 
 def step_visibility(

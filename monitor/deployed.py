@@ -103,7 +103,7 @@ def load_baseline(path: str, weights: str) -> Baseline:
     """The baseline report at `path`, which must have measured the deployed weights (sha256 `weights`)."""
     try:
         baseline = Baseline.from_report(json.loads(Path(path).read_text()), path)
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
         raise UserError(f"cannot read the baseline report {path}: {err}") from None
     if baseline.weights != weights:
         measured = f"weights of sha256 {baseline.weights[:12]}" if baseline.weights else "weights it names no sha256 of"

@@ -99,6 +99,13 @@ def test_a_config_that_is_no_object_and_tokenizer_files_missing_or_cut_short_are
     for load in (load_tokenizer, load_target):
         assert f"{config} holds a JSON list, not an object of settings" in refused(load, str(target))
     config.write_text(settings)
+    for name in ("generation_config.json", "tokenizer_config.json"):  # exit 70: a TypeError, an AttributeError
+        other = target / name
+        kept = other.read_text() if other.is_file() else None
+        other.write_text("[1]")
+        for load in (load_tokenizer, load_target):
+            assert f"{other} holds a JSON list, not an object of settings" in refused(load, str(target))
+        other.unlink() if kept is None else other.write_text(kept)
 
     tokenizer = target / "tokenizer.json"
     tokenizer.write_text(tokenizer.read_text()[:3000])
@@ -108,6 +115,73 @@ def test_a_config_that_is_no_object_and_tokenizer_files_missing_or_cut_short_are
     (target / "tokenizer_config.json").unlink()
     line = refused(load_tokenizer, str(target))
     assert line.endswith("the folder holds no tokenizer.json or tokenizer_config.json"), line
+
+
+def test_weights_of_other_shapes_than_the_config_gives_and_non_finite_ones_are_named(target, tmp_path):
+    """A target whose config.json gives a vocabulary its weights do not have was transformers' RuntimeError (exit 70);
+    one whose logits are not finite (a damaged weight) failed the eval's check on its own arithmetic (exit 70), or was
+    decoded as lossless; a drafter checkpoint holding NaN was measured without a word, and its export's read-back
+    check called the NaN a draftsmith bug (exit 70). Each is one line, exit 2."""
+    from safetensors.torch import load_file, save_file
+
+    from draftsmith.eval.target_checks import check_target
+    from draftsmith.heads.base import load_drafter
+    from tests.helpers import save_drafter
+
+    config = target / "config.json"
+    settings = json.loads(config.read_text())
+    config.write_text(json.dumps({**settings, "vocab_size": settings["vocab_size"] - 1}))
+    line = refused(load_target, str(target))
+    assert line.endswith("its weights' shapes are not those its config.json gives them (transformers' load report, "
+                         "logged above, lists them): a config.json edited, or of another model"), line  # fmt: skip
+    config.write_text(json.dumps(settings))
+    weights = target / "model.safetensors"
+    tensors = load_file(str(weights))
+    tensors["model.norm.weight"][0] = float("nan")
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    line = refused(check_target, load_target(str(target)))
+    assert "computes non-finite logits (NaN or inf) on a 4-token probe" in line, line
+    checkpoint = save_drafter("medusa", load_target(str(REFERENCE_TARGET)), tmp_path / "final")
+    drafted = load_file(str(checkpoint / "model.safetensors"))
+    name = sorted(drafted)[0]
+    drafted[name].view(-1)[0] = float("inf")
+    save_file(drafted, str(checkpoint / "model.safetensors"))
+    line = refused(load_drafter, checkpoint)
+    assert line == f"error: {checkpoint / 'model.safetensors'}: corrupt weights file (non-finite values in {name})"
+
+
+def test_a_drafter_config_whose_json_is_null_or_whose_drafter_section_is_a_list_is_named(tmp_path):
+    """Both were exit 70 (a TypeError in the kind's read, an AttributeError in the config's)."""
+    from draftsmith.formats.folder import recorded_kind
+    from draftsmith.heads.base import saved_drafter
+    from tests.helpers import save_drafter
+
+    checkpoint = save_drafter("medusa", load_target(str(REFERENCE_TARGET)), tmp_path / "final")
+    config = checkpoint / "config.json"
+    saved = json.loads(config.read_text())
+    config.write_text(json.dumps({**saved, "drafter": [1, 2]}))
+    line = refused(saved_drafter, checkpoint)
+    said = "corrupt drafter config (TypeError: the drafter section is a list, not a mapping of settings)"
+    assert line == f"error: {config}: {said}", line
+    config.write_text("null")
+    said = "corrupt engine config (JSON NoneType, not an object)"  # read as no checkpoint's: as a list is
+    assert refused(recorded_kind, checkpoint) == f"error: {config}: {said}"
+
+
+def test_files_that_are_not_utf_8_text_are_named(tmp_path, capsys):
+    """A recipe file, a load sweep's rows and a monitor's baseline report of other bytes were exit 70
+    (`UnicodeDecodeError`)."""
+    from draftsmith.export.sweep_results import read_sweep
+    from draftsmith.monitor.deployed import load_baseline
+
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe garbage")
+    result = run_entry_in_process(["train.py", f"recipe={binary}", f"output_dir={tmp_path / 'run'}"], capsys)
+    assert_one_line_error(result, 2, f"recipe {binary}: not UTF-8 text, so no YAML (")
+    assert refused(read_sweep, binary).startswith(f"error: {binary}: not UTF-8 text, so no load-sweep rows (")
+    assert refused(load_baseline, str(binary), "0" * 64).startswith(
+        f"error: cannot read the baseline report {binary}: "
+    )
 
 
 def test_custom_code_without_trust_names_the_recipe_key(target):

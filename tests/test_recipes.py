@@ -112,6 +112,12 @@ def test_bad_overrides_are_user_errors(override, fragment):
         ("train.adam_betas=[0.9,-inf]", "train.adam_betas=[0.9, -inf] must be finite"),
         ("monitor.cooldown_s=inf", "monitor.cooldown_s=inf must be finite"),
         ("drafter.loss_decay=nan", "drafter.loss_decay=nan must be finite"),
+        # accepted, and trained a head to guess worse or nothing at all (a CLI audit)
+        ("drafter.loss_weights=[-1,0,0]", "drafter.loss_weights=[-1.0, 0.0, 0.0] must be >= 0, one of them > 0"),
+        ("drafter.loss_weights=[0,0,0]", "drafter.loss_weights=[0.0, 0.0, 0.0] must be >= 0, one of them > 0"),
+        # passed to the engine's start: a level of no requests, OMP_NUM_THREADS=-1
+        ("export.sweep.requests_per_slot=0 export.sweep.min_requests=0", "a level of no requests measures nothing"),
+        ("export.sweep.cpu_threads=-1", "export.sweep.cpu_threads=-1 must be >= 1, or null"),
         # finite, but AdamW's first step (lr / (1 - beta1)) is beyond float32: it failed in that step (exit 70)
         ("train.lr=1e38", "train.lr=1e+38 is beyond float32: AdamW's first step"),
         # a seed numpy does not take (accelerate's set_seed seeds it): it failed in that call (exit 70)

@@ -242,14 +242,20 @@ def nan_features(tmp_path_factory, small_data, token_cache) -> Path:
     tensors = load_file(str(path))
     first = slice(int(tensors["offsets"][0]), int(tensors["offsets"][1]))
     tensors["final"][first, 7] = float("nan")  # every token of conversation 0
+    rewrite_shard(features, manifest, entry, tensors)
+    return features
+
+
+def rewrite_shard(features: Path, manifest: dict, entry: dict, tensors: dict) -> None:
+    """A capture's shard rewritten with `tensors`, its manifest entry consistent with it."""
     from safetensors import safe_open
 
+    path = features / entry["file"]
     with safe_open(str(path), framework="pt") as f:
         metadata = f.metadata()
     save_file(tensors, str(path), metadata=metadata)
     entry["bytes"], entry["sha256"] = path.stat().st_size, file_sha256(path)
     (features / MANIFEST_NAME).write_text(json.dumps(manifest))
-    return features
 
 
 def test_a_nan_batch_is_skipped_and_counted_then_the_run_stops_naming_where(
@@ -288,6 +294,28 @@ def test_a_nan_batch_is_skipped_and_counted_then_the_run_stops_naming_where(
     line = assert_one_line_error(result, EXIT_DIVERGED, prefix="training diverged: ")
     assert "more than train.max_nonfinite=0 steps skipped" in line and "at step " in line
     assert "target final hidden state" in line and "shard_00_00000.safetensors conversation 0" in line
+
+
+def test_a_run_whose_every_step_was_skipped_publishes_nothing_and_ends_as_diverged(
+    tmp_path, small_data, token_cache, nan_features, capsys
+):
+    """Every step non-finite (the NaN conversation alone), fewer than train.max_nonfinite of them: no update was ever
+    made, and the run ended exit 0 with final/ holding the drafter's initialization. It ends as diverged (exit 4),
+    saying so, with no final/."""
+    features = tmp_path / "features"
+    shutil.copytree(nan_features, features)
+    manifest = json.loads((features / MANIFEST_NAME).read_text())
+    for entry in manifest["shards"]:
+        tensors = load_file(str(features / entry["file"]))
+        tensors["final"][:, 7] = float("nan")  # every conversation's every token
+        rewrite_shard(features, manifest, entry, tensors)
+    run = tmp_path / "run"
+    args = train_args(run, small_data, token_cache, "data.max_conversations=8", f"data.features={features}",
+                      "train.max_steps=3", "train.max_nonfinite=5")  # fmt: skip
+    result = run_entry_in_process(["train.py", *args], capsys)
+    line = assert_one_line_error(result, EXIT_DIVERGED, prefix="training diverged: ")
+    assert "every one of the run's 3 step(s) was skipped for a non-finite loss or gradient" in line
+    assert not (run / "final").exists()
 
 
 def test_a_drafter_layer_that_produces_nan_is_named(tmp_path):

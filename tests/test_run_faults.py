@@ -195,3 +195,30 @@ def test_a_resume_in_another_precision_is_refused_unless_the_run_did_not_record_
     saved.train.mixed_precision = "auto"
     (tmp_path / "recipe.yaml").write_text(OmegaConf.to_yaml(saved))
     require_precision_as_begun("bf16", "auto", tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "settings, fragment",
+    [
+        (["eval.enabled=true", "eval.device=cuda"], "device 'cuda' asked for but no CUDA device is available"),
+        (["eval.enabled=true", "eval.max_new_tokens=100000"], "eval.max_new_tokens=100000 leaves no room for a prompt"),
+        (["recipe=eagle3", "drafter.ttt_attention=flex"], "drafter.ttt_attention=flex trains on CUDA only"),
+    ],
+    ids=["eval-device", "eval-room", "flex"],
+)
+def test_what_the_run_cannot_do_on_this_machine_is_refused_before_it_trains_or_writes(
+    tmp_path, small_data, token_cache, capsys, settings, fragment
+):
+    """The eval stage's device and a prompt's room were refused after the whole training (its rerun then refused as
+    an earlier run), flex training off CUDA at the first step, after recipe.yaml, the data's record and tb/ were
+    written (following its own advice was then refused as an earlier run). Each is one line before anything is
+    written."""
+    import torch
+
+    if "cuda" in fragment and torch.cuda.is_available():
+        pytest.skip("a CUDA device is available")
+    run = tmp_path / "run"
+    result = run_entry_in_process(["train.py", *train_args(run, small_data, token_cache, *settings)], capsys)
+    assert_one_line_error(result, 2, fragment)
+    assert [path.name for path in run.glob("*") if not path.name.startswith(".")] == []  # its lock aside

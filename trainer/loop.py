@@ -216,6 +216,12 @@ def finish(run: Run, output_dir: Path, data_checksum: int, parameters: dict[str,
     `final/` (returned), curve.json and run_summary.json."""
     cfg, accelerator, state = run.cfg, run.accelerator, run.state
     checksum = finite_weights_checksum(accelerator, run.drafter, state)  # before anything of the run's end is saved
+    if state.step and state.skipped_steps >= state.step:  # fewer than train.max_nonfinite, but no update ever made
+        raise TrainingDiverged(
+            f"every one of the run's {state.step} step(s) was skipped for a non-finite loss or gradient (the warnings "
+            "above name where each appeared): no step updated the drafter, so no final/ was written; fix the input "
+            "they name (a target or features whose values are not finite)"
+        )
     ended = "max_steps" if state.step >= run.max_steps else "patience"
     if ended == "patience":
         log.info(

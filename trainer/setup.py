@@ -27,8 +27,9 @@ from draftsmith.data_prep.local_files import source_files
 from draftsmith.data_prep.overlap import PromptCount, eval_in_train, prompts_in_train, warn_of_prompts_in_train
 from draftsmith.errors import UserError
 from draftsmith.eval.prompts import prompt_conversations, prompt_sources, render_prompts
+from draftsmith.eval.report import check_eval_stage
 from draftsmith.eval.target_checks import check_target
-from draftsmith.families import check_eval_settings, largest_eval_batch
+from draftsmith.families import largest_eval_batch
 from draftsmith.formats.folder import require_recipes_drafter, require_recipes_kind, start_kind, warm_start
 from draftsmith.heads import drafter_class
 from draftsmith.heads.base import DRAFTER_DIR, check_same_target, saved_drafter
@@ -40,7 +41,6 @@ from draftsmith.recipe_schema import CHOICES
 from draftsmith.sharding import built_whole
 from draftsmith.streams import not_captured
 from draftsmith.target import TargetOutput, TargetShape, load_target, load_tokenizer, run_target
-from draftsmith.target_loading import load_config
 from draftsmith.trainer.checkpoint import (
     TrainerState,
     keep_log_to,
@@ -100,8 +100,8 @@ class Trained(NamedTuple):
 def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     """Accelerator, data, target, drafter, optimizer, schedule and the resumed state, every input
     checked before anything is written; the loop reads them from the returned `Run`."""
-    if cfg.eval.enabled:  # the eval stage after training: settings it cannot run refused now, not after the run
-        check_eval_settings(load_config(cfg.target), cfg.eval)
+    if cfg.eval.enabled:  # the eval stage after training: what it cannot run refused now, not after the run
+        check_eval_stage(cfg)
     accelerator = make_accelerator(cfg, output_dir)
     given_precision = cfg.train.mixed_precision
     cfg = with_precision_used(cfg, accelerator)
@@ -265,6 +265,8 @@ def build_drafter(cfg: DictConfig, target, device: torch.device):
             OmegaConf.to_object(cfg.drafter), target, cfg.target.name_or_path
         )
     drafter = drafter.to(device)
+    if (untrainable := drafter.untrainable_on(device)) is not None:  # before the run writes anything
+        raise UserError(untrainable)
     drafter.loss_chunk_bytes = cfg.train.vocab_chunk_mb << 20
     # again with the loaded target's shape (a Hub or GGUF target's is known only now)
     require_draft_vocab_use(cfg, drafter.config, drafter.target)
@@ -362,20 +364,9 @@ def prepare_run(
 
         compiled_layers.compile_drafter(drafter, accelerator.state.deepspeed_plugin)
     drafter, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
-    return Run(
-        cfg,
-        accelerator,
-        target,
-        drafter,
-        optimizer,
-        scheduler,
-        train_data,
-        collate,
-        target_features,
-        heldout,
-        max_steps,
-        TrainerState(split=split_of(cfg, accelerator)),
-    )
+    data = (train_data, collate, target_features, heldout)
+    state = TrainerState(split=split_of(cfg, accelerator))
+    return Run(cfg, accelerator, target, drafter, optimizer, scheduler, *data, max_steps, state)
 
 
 def split_of(cfg: DictConfig, accelerator: Accelerator) -> dict[str, int]:
