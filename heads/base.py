@@ -352,6 +352,9 @@ def saved_drafter(directory: Path) -> tuple[type, DrafterConfig, TargetShape, di
         cls = drafter_class(saved["drafter_type"])
         config = config_from_dict(cls.Config, saved["drafter"])
         saved_target = TargetShape(**saved["target"])
+        sizes = {key: getattr(saved_target, key) for key in ("hidden_size", "vocab_size", "num_hidden_layers")}
+        if odd := {key: value for key, value in sizes.items() if type(value) is not int}:  # a hand-edited "256"
+            raise TypeError(f"the target's sizes must be integers: {odd}")
         config.check(saved_target)
     except (KeyError, TypeError, ValueError) as err:
         raise UserError(

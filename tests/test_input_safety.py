@@ -163,6 +163,10 @@ def test_a_drafter_config_whose_json_is_null_or_whose_drafter_section_is_a_list_
     line = refused(saved_drafter, checkpoint)
     said = "corrupt drafter config (TypeError: the drafter section is a list, not a mapping of settings)"
     assert line == f"error: {config}: {said}", line
+    config.write_text(json.dumps({**saved, "target": {**saved["target"], "hidden_size": "256"}}))
+    line = refused(saved_drafter, checkpoint)  # it said "made for hidden_size=256, but the target has hidden_size=256"
+    assert line == f"error: {config}: corrupt drafter config (TypeError: the target's sizes must be integers: " \
+        "{'hidden_size': '256'})", line  # fmt: skip
     config.write_text("null")
     said = "corrupt engine config (JSON NoneType, not an object)"  # read as no checkpoint's: as a list is
     assert refused(recorded_kind, checkpoint) == f"error: {config}: {said}"

@@ -37,11 +37,11 @@ def real_micro_batches(recipe: list[str], count: int, pack: bool):
 
     from draftsmith.data_prep.collate import Collator, PackingCollator
     from draftsmith.data_prep.dataset import load_tokenized
+    from draftsmith.heads import drafter_class
     from draftsmith.recipe import load_recipe
     from draftsmith.target import load_target, load_tokenizer
     from draftsmith.trainer.checkpoint import TrainerState
     from draftsmith.trainer.loop import micro_batches
-    from draftsmith.trainer.setup import build_drafter
 
     cfg = load_recipe([*recipe, f"train.micro_batch_size={ROWS}"])
     tokenizer = load_tokenizer(cfg.target)
@@ -50,7 +50,9 @@ def real_micro_batches(recipe: list[str], count: int, pack: bool):
     collate = PackingCollator(tokenizer.pad_token_id, cfg.data.max_length) if pack else Collator(tokenizer.pad_token_id)
     stream = micro_batches(data, collate, OmegaConf.create({"train": dict(cfg.train)}), 1, 0, TrainerState())
     torch.manual_seed(0)
-    drafter = build_drafter(cfg, target, torch.device("cpu"))
+    # the recipe's drafter, not the trainer's build of it, which refuses flex off CUDA: these tests run its forward
+    settings = OmegaConf.to_object(cfg.drafter)
+    drafter = drafter_class(cfg.drafter.type).from_target(settings, target, str(cfg.target.name_or_path))
     drafter.prepare(data)
     return target, drafter, [next(stream)[2] for _ in range(count)]
 
