@@ -63,12 +63,14 @@ from draftsmith.target import (
     FeatureRequest,
     TargetOutput,
     TargetShape,
+    check_layer_ids,
     check_layers,
     dtype_name,
     load_target,
     load_tokenizer,
     run_target,
 )
+from draftsmith.target_loading import load_config
 
 log = logging.getLogger("draftsmith.capture")
 
@@ -113,6 +115,8 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
         raise UserError("data.train is empty: give at least one conversation file or Hub data set id to capture")
     refuse_foreign_files(directory)
     require_context(cfg.target, cfg.data.max_length)
+    if section.layers is not None:  # read from config.json: a layer the target has not, before its weights load
+        check_layer_ids(load_config(cfg.target).get_text_config().num_hidden_layers, section.layers)
     for source in cfg.data.train:  # a path that does not exist: one line before the target loads
         source_files(str(source))
     tokenizer = load_tokenizer(cfg.target)

@@ -308,7 +308,11 @@ def num_layers(model) -> int:
 
 
 def check_layers(model, layers: Sequence[int]) -> None:
-    count = num_layers(model)
+    check_layer_ids(num_layers(model), layers)
+
+
+def check_layer_ids(count: int, layers: Sequence[int]) -> None:
+    """Each of `layers` a hidden state of a target of `count` decoder layers (-1: the embeddings)."""
     for layer in layers:
         if not -1 <= layer < count:
             raise UserError(
