@@ -190,6 +190,7 @@ def _diagnose_json(path: str, skip_invalid_utf8: bool = False) -> None:
             raw = handle.read()
     except (OSError, EOFError) as err:
         raise UserError(f"cannot read {path}: {one_line(err, with_type=True)}") from None
+    numbered = None
     if raw.lstrip().startswith(b"["):  # one JSON document holding a list of records
         try:
             text = raw.decode("utf-8")
@@ -200,11 +201,11 @@ def _diagnose_json(path: str, skip_invalid_utf8: bool = False) -> None:
                 " of JSON-lines files only, and this file is one JSON document)"
             ) from None
         try:
-            records = json.loads(text)
+            numbered = list(enumerate(json.loads(text), 1))
         except json.JSONDecodeError as err:
-            raise UserError(f"{path}:{err.lineno}: malformed JSON ({err.msg})") from None
-        numbered = list(enumerate(records, 1))
-    else:  # JSON lines; blank lines are skipped like the builder does
+            if err.msg != "Extra data":  # else JSON lines whose first record is an array: read as lines below
+                raise UserError(f"{path}:{err.lineno}: malformed JSON ({err.msg})") from None
+    if numbered is None:  # JSON lines; blank lines are skipped like the builder does
         numbered, record = [], 0
         for lineno, raw_line in enumerate(raw.split(b"\n"), 1):
             if not raw_line.strip():

@@ -596,6 +596,8 @@ GOOD = {"messages": [USER, ASSISTANT]}
         ([], r"bad\.jsonl has no records"),
         # was a report row named "['a']"
         ([GOOD, {**GOOD, "domain": ["a"]}], r"bad\.jsonl record 2: 'domain' must be a name \(a string\), not list"),
+        # lines that are arrays were read as one JSON document: "bad.jsonl:2: malformed JSON (Extra data)"
+        ([[1, 2, 3], GOOD], r"bad\.jsonl record 1: expected a JSON object, got list"),
     ],
     ids=[
         "malformed",
@@ -607,6 +609,7 @@ GOOD = {"messages": [USER, ASSISTANT]}
         "no-messages",
         "empty-file",
         "list-domain",
+        "array-lines",
     ],
 )
 def test_bad_records_name_file_and_record(tmp_path, lines, message):
