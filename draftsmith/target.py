@@ -122,18 +122,23 @@ def loaded_config(target_model) -> dict:
 
 
 def config_json(target_model) -> dict:
-    """The loaded target's config.json as it ships, what an engine reads: a vision-language wrapper's whole, a flat
-    release's keys as written (`loaded_config` is transformers' reading: a wrapper's language model alone), at the
-    revision the target loaded from; a model built in memory, the one `save_pretrained` would write."""
-    from transformers import PretrainedConfig
-
+    """The loaded target's config.json as it ships (`shipped_config_json`), at the revision it loaded from; a model
+    built in memory, the one `save_pretrained` would write."""
     name = target_model.name_or_path
     if not name:
         return target_model.config.to_dict()
-    revision = getattr(target_model.config, "_commit_hash", None)
-    read = f"cannot read target {name!r}"
-    config = read_pretrained(PretrainedConfig.get_config_dict, name, read, revision=revision)[0]
-    config.pop("_name_or_path", None)  # transformers' own key, where a saver left it: no release's
+    return shipped_config_json(name, getattr(target_model.config, "_commit_hash", None))
+
+
+def shipped_config_json(name_or_path: str, revision: Optional[str] = None) -> dict:
+    """A target's config.json as it ships, what an engine reads: a vision-language wrapper's whole, a flat release's
+    keys as written (`loaded_config` is transformers' reading: a wrapper's language model alone), without
+    transformers' own `_name_or_path` where a saver left it."""
+    from transformers import PretrainedConfig
+
+    read = f"cannot read target {name_or_path!r}"
+    config = read_pretrained(PretrainedConfig.get_config_dict, name_or_path, read, revision=revision)[0]
+    config.pop("_name_or_path", None)
     return config
 
 

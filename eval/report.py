@@ -219,16 +219,18 @@ def _run_eval(
 def check_eval_stage(cfg) -> None:
     """What the eval stage after training refuses from the recipe and the target's config alone (its settings, its
     device, a prompt's room), refused before the run trains, not after it (trainer/setup.py asks)."""
-    check_eval_settings(load_config(cfg.target), cfg.eval)
+    config = load_config(cfg.target)
+    check_eval_settings(config, cfg.eval)
     resolve_device(cfg.eval.device)
-    prompt_room(cfg, say=False)
+    prompt_room(cfg, say=False, config=config)
 
 
-def prompt_room(cfg, say: bool = True) -> int:
+def prompt_room(cfg, say: bool = True, config=None) -> int:
     """The most tokens of a prompt the eval keeps: data.max_length, or fewer where a prompt that long and
     eval.max_new_tokens new tokens would run the target past the context its config states (said in a line, where
-    `say`); one line (UserError) where no prompt is left room. Read from the target's config alone."""
-    context, stated = target_context(load_config(cfg.target))
+    `say`); one line (UserError) where no prompt is left room. Read from the target's config alone (`config`: it
+    loaded, else read here)."""
+    context, stated = target_context(load_config(cfg.target) if config is None else config)
     length, new = int(cfg.data.max_length), int(cfg.eval.max_new_tokens)
     if context is None or length + new <= context:
         return length

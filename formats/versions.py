@@ -136,10 +136,11 @@ TARGETS_TABLE = Path(__file__).with_name("vllm_targets.json")
 
 
 @functools.cache
-def vllm_targets() -> tuple[dict, frozenset[str], frozenset[str]]:
-    """TARGETS_TABLE: (the table, its architectures, the model types transformers knows)."""
+def vllm_targets() -> tuple[dict, frozenset[str], frozenset[str], frozenset[str]]:
+    """TARGETS_TABLE: (the table, its architectures, the model types transformers knows, those it or vLLM reads)."""
     table = json.loads(TARGETS_TABLE.read_text())
-    return table, frozenset(table["architectures"]), frozenset(table["model_types"])
+    known = frozenset(table["model_types"])
+    return table, frozenset(table["architectures"]), known, known | frozenset(table["config_types"])
 
 
 def unloadable_target(config: dict, shipped: dict, trust_remote_code: bool = False) -> Optional[str]:
@@ -153,7 +154,7 @@ def unloadable_target(config: dict, shipped: dict, trust_remote_code: bool = Fal
     `auto_map`) brings its own config class and model: not refused."""
     if trust_remote_code and shipped.get("auto_map"):
         return None
-    table, architectures, model_types = vllm_targets()
+    table, architectures, model_types, readable = vllm_targets()
     releases, transformers = ", ".join(table["vllm_releases"]), table["transformers"]
     names, model_type = config.get("architectures") or [], config.get("model_type")
     if names and not set(names) & architectures and model_type not in model_types:
@@ -163,7 +164,7 @@ def unloadable_target(config: dict, shipped: dict, trust_remote_code: bool = Fal
             "build it"
         )
     shipped_type = shipped.get("model_type")  # none: transformers (and vLLM through it) guess it from the folder's name
-    if shipped_type is not None and shipped_type not in model_types | set(table["config_types"]):
+    if shipped_type is not None and shipped_type not in readable:
         return (
             f"vLLM {releases} cannot read its config.json: its model type {shipped_type!r} is one neither the newest "
             f"transformers they install ({transformers}) nor a config class of vLLM's own knows"

@@ -7,7 +7,6 @@ Apart from the drafter (heads/mtp.py), which holds the table of layouts and trai
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from draftsmith.heads.eagle_base import import_qualified
 from draftsmith.heads.mtp_family import decoder_layers
 from draftsmith.heads.mtp_plain import kept, strip
 from draftsmith.model_files import TRANSFORMERS_LAYERS, checkpoint_folder, tensor_names
+from draftsmith.target import shipped_config_json
 
 
 @dataclass(frozen=True)
@@ -185,21 +185,12 @@ OWN_EMBEDDING = "embed_tokens.weight"  # Layout.own_embedding, as the drafter na
 TARGET_EMBED_NORM = "target_embed_norm.weight"
 
 
-def shipped_whole(name_or_path: str) -> dict:
-    """The target's config.json as it ships, its keys as the release writes them (not transformers' `to_dict()`,
-    which adds its own defaults and the local path it loaded from), without transformers' `_name_or_path`: a
-    vision-language wrapper's whole."""
-    shipped = json.loads((checkpoint_folder(name_or_path, READER) / "config.json").read_text())
-    shipped.pop("_name_or_path", None)
-    return shipped
-
-
 def shipped_config(name_or_path: str, loaded: dict) -> dict:
-    """The target's config.json as it ships (`shipped_whole`); a vision-language wrapper's is its `text_config`, named
-    by `loaded` (the language model's config as transformers loads it, dict form) as that language model: what vLLM
-    serves beside the wrapper target; a wrapper draftsmith runs as its language model (`loaded` names the wrapper's
-    architecture: GLM-5-Next) ships whole, as vLLM reads it."""
-    shipped = shipped_whole(name_or_path)
+    """The target's config.json as it ships (`shipped_config_json`); a vision-language wrapper's is its
+    `text_config`, named by `loaded` (the language model's config as transformers loads it, dict form) as that
+    language model: what vLLM serves beside the wrapper target; a wrapper draftsmith runs as its language model
+    (`loaded` names the wrapper's architecture: GLM-5-Next) ships whole, as vLLM reads it."""
+    shipped = shipped_config_json(name_or_path)
     if "text_config" not in shipped or shipped.get("architectures") == loaded["architectures"]:
         return shipped
     return {**shipped["text_config"], "architectures": loaded["architectures"], "model_type": loaded["model_type"]}
