@@ -132,12 +132,13 @@ def config_json(target_model) -> dict:
 
 def shipped_config_json(name_or_path: str, revision: Optional[str] = None) -> dict:
     """A target's config.json as it ships, what an engine reads: a vision-language wrapper's whole, a flat release's
-    keys as written (`loaded_config` is transformers' reading: a wrapper's language model alone), without
-    transformers' own `_name_or_path` where a saver left it."""
-    from transformers import PretrainedConfig
+    keys and values as written (`loaded_config` is transformers' reading: a wrapper's language model alone, an
+    infinity its saver encoded decoded), without transformers' own `_name_or_path` where a saver left it."""
+    from transformers.utils import cached_file
 
     read = f"cannot read target {name_or_path!r}"
-    config = read_pretrained(PretrainedConfig.get_config_dict, name_or_path, read, revision=revision)[0]
+    path = read_pretrained(cached_file, name_or_path, read, filename="config.json", revision=revision)
+    config = json.loads(Path(path).read_text())
     config.pop("_name_or_path", None)
     return config
 
