@@ -23,7 +23,8 @@ inside the wrapper (write_random_wrapper); one whose language model transformers
   its eval stage decoded the eval prompts (greedy, γ of the recipe) with the weights the export then
   serves: `lossless` (every method's tokens equal plain greedy decoding's) and `tau_draftsmith` are that
   report's (the first run's where the resume failed, and then nothing is exported);
-- `export`: `python -m export ... export.vllm_python=<venv>` exited 0, which means vLLM loaded the
+- `export` (with --vllm-python; a row without has none of the columns below): `python -m export ...
+  export.vllm_python=<venv>` exited 0, which means vLLM loaded the
   folder and served the eval prompts with the drafter: `vllm_lossless` (vLLM's tokens with the
   drafter equal its tokens without it and draftsmith's), `tau_vllm` and `tau_draftsmith_same_prompts`
   (draftsmith's chain τ on the prompts vLLM served), `relative_difference`, and for a target checked
@@ -40,7 +41,8 @@ the trainer's refusal), and the row adds `tau_shipped`: that layer's own τ, bef
 trained target (the target trained once per family), except where the release is another model than the plain
 target (`released_apart`: Kimi-K2.5's and MiniMax-M3's wrappers), which is trained apart.
 
-Resumable: rows already in --out are kept and their (family, kind) skipped. Timings are of this
+Every family, kind and override is checked before the first target is written (one line, exit 2). Resumable: rows
+already in --out are kept and their (family, kind) skipped. Timings are of this
 machine with whatever else runs on it; they are not the point.
 """
 
@@ -55,7 +57,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -125,7 +127,7 @@ def measure(
     kind: str,
     target: Path,
     work: Path,
-    vllm_python: str,
+    vllm_python: Optional[str],
     env: dict,
     extra: list[str],
     export_extra: list[str],
@@ -152,6 +154,8 @@ def measure(
     if code != 0:
         return row | {"error": error}
     row |= eval_row(out)
+    if vllm_python is None:  # rows without vLLM's columns
+        return row
     code, error, seconds = run(
         ["-m", "export", *args, f"checkpoint={out / 'final'}", f"export.output={work / f'served-{family}-{kind}'}",
          f"export.vllm_python={vllm_python}", *export_extra],
@@ -329,6 +333,37 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def check_options(parser: argparse.ArgumentParser, options: argparse.Namespace) -> None:
+    """Every kind, family and override of the run, refused in one line before any target is written: a misspelt
+    family would stop the run after the earlier families' minutes, and an override no recipe takes would append a
+    row of failed runs for each family and kind to --out."""
+    from draftsmith.errors import UserError
+    from draftsmith.random_target import tiny_target_config
+    from draftsmith.recipe import validated
+
+    if options.markdown:
+        return
+    kinds = options.kinds.split(",")
+    unknown = [kind for kind in kinds if kind not in KINDS]
+    if unknown:
+        parser.error(f"--kinds: {', '.join(unknown)} not among {', '.join(KINDS)}")
+    try:
+        for family in options.families.split(","):  # the configs of the targets trained_target writes, no weights
+            tiny_target_config(WRAPPERS.get(family, family), released=options.released)
+            if "mtp" in kinds and released_apart(family):
+                tiny_target_config(family, released=True)
+    except UserError as err:
+        parser.error(f"--families: {err}")
+    for kind in kinds:
+        recipe, overrides = KINDS[kind]
+        args = [f"recipe={recipe}", *COMMON, *overrides, *options.set, "output_dir=runs/target_matrix"]
+        try:
+            validated(args, "train")
+            validated([*args, *options.export_set], "export")
+        except UserError as err:
+            parser.error(f"--set/--export-set with --kinds {kind}: {err}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # optional here (rows without vLLM's columns), read as every benchmark reads it: relative to the current directory
@@ -366,6 +401,7 @@ def main() -> None:
         help="keep the targets, runs and export folders here (default: a temporary directory, removed at the end)",
     )  # fmt: skip
     options = parser.parse_args()
+    check_options(parser, options)
     out = options.out.resolve()
     if options.markdown:
         print(markdown([json.loads(line) for line in out.read_text().splitlines() if line]))

@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Any, NamedTuple, NoReturn, Optional
 
 import torch
-from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 
 from draftsmith.causal_lm import may_be_a_causal_lm, no_causal_lm, register_misfiled_causal_lms, wraps_a_text_model
+from draftsmith.declared_fields import declare_as_released
 from draftsmith.errors import UserError, one_line, run_cli
 from draftsmith.families import text_config
 from draftsmith.files import publish_folder, staging
@@ -100,14 +100,9 @@ def build_model(
     fused projections, experts, biases) stays its own."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    register_misfiled_causal_lms()
-
     from draftsmith.text_model_lm import built_text_model_lm
 
-    wrapper = wraps_a_text_model(config.to_dict())  # built whole, as draftsmith.target_loading reads one
-    text_release = not wrapper and is_a_text_release(config.model_type)  # a wrapper module's text model and lm_head
-    if not wrapper and not text_release and not may_be_a_causal_lm(config.model_type):
-        raise UserError(f"{no_causal_lm(config.model_type)}: a target of it cannot be built")  # not ~200 classes
+    wrapper, text_release = built_as(config)
     torch.manual_seed(seed)
     with torch.device(device):
         if text_release:
@@ -123,6 +118,29 @@ def build_model(
 
         seed_weights(language_causal_lm(model, config.model_type) if wrapper else model, Path(seed_from))
     return model.eval()
+
+
+def built_as(config) -> tuple[bool, bool]:
+    """How build_model builds `config`'s model: (a wrapper, built whole as draftsmith.target_loading reads one; a
+    wrapper module's text model and lm_head); a model type with neither and no causal LM class is refused."""
+    register_misfiled_causal_lms()
+    wrapper = wraps_a_text_model(config.to_dict())
+    text_release = not wrapper and is_a_text_release(config.model_type)
+    if not wrapper and not text_release and not may_be_a_causal_lm(config.model_type):
+        raise UserError(f"{no_causal_lm(config.model_type)}: a target of it cannot be built")  # not ~200 classes
+    return wrapper, text_release
+
+
+def tiny_target_config(model_type: str, sliding_window: Optional[int] = 48, released: bool = False, **shape: Any):
+    """The config write_random_target builds its target from (its arguments'), refused as build_model would refuse
+    it, before any weight: a command that writes targets of many families checks them all first with it."""
+    demo = json.loads((demo_tokenizer_dir() / "config.json").read_text())
+    special = {key: demo[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    built = release_config if is_a_text_release(model_type) else build_config
+    config = built(model_type, demo["vocab_size"], special, sliding_window=sliding_window, **shape)
+    config = tiny_wrapper_config(model_type, config, released) or config
+    built_as(config)
+    return config
 
 
 def seed_weights(model, directory: Path) -> float:
@@ -174,154 +192,6 @@ def train_on_demo(model, steps: int, training: DemoTraining = DemoTraining()) ->
         optimizer.zero_grad()
 
 
-def declare_as_released(config, model) -> None:
-    """Add the config fields released checkpoints carry for what transformers' class always computes,
-    which engines read instead (vLLM routes with a softmax and no bias, or fails on a missing field,
-    without them): a router with a score-correction bias scores experts by a sigmoid and picks them
-    with the bias (`noaux_tc` where the experts are grouped); the rotary embedding's width (`rotary_dim`,
-    which the engines that read it take as transformers' head_dim × partial factor); an embedding normed before the
-    layers and scales learned on the MLPs and routers (`use_embed_norm`, `use_global_scale`: vLLM's Inkling builds
-    neither without them, transformers' always does); and `release_fields`' (a field the class already has is kept)."""
-    if any(name.endswith("e_score_correction_bias") for name, _ in model.named_buffers()) or any(
-        name.endswith("e_score_correction_bias") for name, _ in model.named_parameters()
-    ):
-        config.scoring_func, config.use_routing_bias = "sigmoid", True
-        if getattr(config, "n_group", None):
-            config.topk_method = "noaux_tc"
-    if hasattr(model.get_input_embeddings(), "embed_norm"):
-        config.use_embed_norm = True
-    if any(name.endswith("global_scale") for name, _ in model.named_parameters()):
-        config.use_global_scale = True
-    fields = config.to_dict()  # global values: a field set per layer (Gemma-4's head_dim) raises as an attribute
-    factor = rotary_share(fields.get("rope_parameters") or {})
-    head_dim = fields.get("head_dim")
-    if isinstance(head_dim, int) and factor is not None and fields.get("rotary_dim") is None:
-        config.rotary_dim = int(head_dim * factor)
-    for name, value in release_fields(config, model).items():
-        setattr(config, name, value)
-
-
-def rotary_share(rope: dict[str, Any]) -> Optional[float]:
-    """The share of each head the rotary embedding turns (`partial_rotary_factor`, 1 where unset): of the parameters
-    themselves, or the one all layer kinds' parameters agree on where they are set per layer kind (MiMo-V2's); None
-    where those differ (no one width describes the model)."""
-    kinds = [value for value in rope.values() if isinstance(value, dict)]
-    shares = {kind.get("partial_rotary_factor", 1.0) for kind in kinds} or {rope.get("partial_rotary_factor", 1.0)}
-    return shares.pop() if len(shares) == 1 else None
-
-
-# Release fields that are another name of a transformers field (MiMo-V2's `layernorm_epsilon`, HY-V3's
-# `expert_hidden_dim`; vLLM's HY-V3 and AFMoE read `route_norm` where transformers says `norm_topk_prob`)
-RELEASE_NAMES = {
-    "layernorm_epsilon": "rms_norm_eps",
-    "expert_hidden_dim": "moe_intermediate_size",
-    "route_norm": "norm_topk_prob",
-}
-# Release fields whose value a transformers class fixes in its code, with no field for it, keyed by the field that
-# marks such classes: a router scaled by `router_scaling_factor` without a `norm_topk_prob` switch always
-# renormalises the chosen experts' weights (HY-V3's, Step-3.7's), which vLLM's HY-V3 reads as `route_norm`
-FIXED_IN_CODE = {"router_scaling_factor": {"route_norm": True}}
-
-
-def release_fields(config, model) -> dict[str, Any]:
-    """The fields a release carries in place of transformers' own, derived from what the config and `model` compute,
-    each kept only where transformers reading it back builds the same config (`reads_back_alike`): RELEASE_NAMES and
-    FIXED_IN_CODE; query-key norms in every attention (`qk_norm`, which transformers' layers always compute); the
-    dense layers before the first with experts (`first_k_dense_replace`, of `mlp_layer_types`); the window under the
-    name the class reads it from (`sliding_window_size`, by the class's own conversion); and where sliding layers are
-    built apart from full ones (`sliding_layers_apart`), the release's per-layer form of them."""
-    fields = config.to_dict()
-    out: dict[str, Any] = {name: fields[field] for name, field in RELEASE_NAMES.items() if field in fields}
-    for field, values in FIXED_IN_CODE.items():
-        out |= {name: value for name, value in values.items() if field in fields and name not in out}
-    attentions = [module for name, module in model.named_modules() if name.endswith("self_attn")]
-    if attentions and all(hasattr(attention, "q_norm") and hasattr(attention, "k_norm") for attention in attentions):
-        out["qk_norm"] = True
-    kinds = fields.get("mlp_layer_types")
-    if isinstance(kinds, list) and "dense" in kinds:
-        dense = next((i for i, kind in enumerate(kinds) if kind != "dense"), len(kinds))
-        if "dense" not in kinds[dense:]:  # dense layers first, then none: what the one number says
-            out["first_k_dense_replace"] = dense
-    window = fields.get("sliding_window")
-    if isinstance(window, int):
-        # the class's own name for the window, where it derives `sliding_window` from one (MiMo-V2's: one more)
-        read = [size for size in (window, window - 1) if reads_window_as(config, size) == window]
-        out |= {"sliding_window_size": read[0]} if read else {}
-    out |= sliding_layers_apart(fields, model)
-    new = {name: value for name, value in out.items() if name not in fields and not hasattr(config, name)}
-    return {name: value for name, value in new.items() if reads_back_alike(config, {name: value})}
-
-
-def reads_window_as(config, size: int) -> Any:
-    """The `sliding_window` transformers' class sets when a release gives `sliding_window_size` = `size` (and some
-    other `sliding_window`, which it is then derived from `size` or not at all)."""
-    back = read_back(config, {"sliding_window": -1, "sliding_window_size": size})
-    return None if back is None else back.sliding_window
-
-
-def reads_back_alike(config, added: dict[str, Any]) -> bool:
-    """Whether transformers reading `config` back with the fields `added` builds the same config (a field it reads
-    as another of its own, a legacy `rope_theta` into the rotary parameters, would change the target it runs)."""
-    back = read_back(config, added)
-    fields = config.to_dict()
-    return back is not None and {name: v for name, v in back.to_dict().items() if name not in added} == fields
-
-
-def read_back(config, changed: dict[str, Any]):
-    """`config` as transformers reads it from a config.json with the fields `changed`; None where its class refuses
-    them (its own checks of a field's type or range)."""
-    try:
-        return type(config).from_dict({**config.to_dict(), **changed})
-    except (StrictDataclassError, TypeError, ValueError):
-        return None
-
-
-def sliding_layers_apart(fields: dict[str, Any], model) -> dict[str, Any]:
-    """Where a family builds its sliding-window layers apart from its full-attention ones (other heads, or attention
-    sinks on one kind only: MiMo-V2's twice the key-value heads and sinks), the fields its release describes them by
-    (vLLM's MiMo-V2 reads them): each layer's kind (`hybrid_layer_pattern`, 1 for sliding) and MLP (`moe_layer_freq`,
-    1 for experts), the sliding layers' heads and sinks (`swa_*`, `add_*_attention_sink_bias`), as the model's
-    modules are; the norms' epsilon; and the rotary parameters set per layer kind as fields (`rope_theta`,
-    `swa_rope_theta`, their shared `partial_rotary_factor`). Nothing for any other family."""
-    kinds, layers = fields.get("layer_types"), getattr(model.base_model, "layers", None)
-    if not (isinstance(kinds, list) and {"sliding_attention", "full_attention"} <= set(kinds) and layers is not None):
-        return {}
-    built = {
-        kind: attention_sizes(layers[kinds.index(kind)].self_attn) for kind in ("sliding_attention", "full_attention")
-    }
-    sliding, full = built["sliding_attention"], built["full_attention"]
-    if sliding is None or full is None or sliding == full:
-        return {}
-    out = {"hybrid_layer_pattern": [int(kind == "sliding_attention") for kind in kinds]}
-    if isinstance(fields.get("mlp_layer_types"), list):
-        out["moe_layer_freq"] = [int(kind != "dense") for kind in fields["mlp_layer_types"]]
-    heads, kv_heads, head_dim, value_dim, sinks = sliding
-    out |= {"swa_num_attention_heads": heads, "swa_num_key_value_heads": kv_heads, "swa_head_dim": head_dim}
-    out |= {"swa_v_head_dim": value_dim, "add_swa_attention_sink_bias": sinks, "add_full_attention_sink_bias": full[-1]}
-    rope = fields.get("rope_parameters") or {}
-    if isinstance(rope.get("full_attention"), dict) and isinstance(rope.get("sliding_attention"), dict):
-        out |= {
-            "rope_theta": rope["full_attention"]["rope_theta"],
-            "swa_rope_theta": rope["sliding_attention"]["rope_theta"],
-        }
-        share = rotary_share(rope)
-        out |= {"partial_rotary_factor": share} if share is not None else {}
-    return out
-
-
-def attention_sizes(attention) -> Optional[tuple[int, int, int, int, bool]]:
-    """An attention module's query heads, key-value heads, key and value widths and whether it has sinks, as its
-    projections are built; None for one without separate query, key and value projections."""
-    projections = [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj")]
-    head_dim = getattr(attention, "head_dim", None)
-    if not isinstance(head_dim, int) or not all(isinstance(p, torch.nn.Linear) for p in projections):
-        return None
-    query, key, value = (p.out_features for p in projections)
-    kv_heads = key // head_dim
-    sinks = any(name.split(".")[-1] in ("sinks", "attention_sink_bias") for name, _ in attention.named_parameters())
-    return query // head_dim, kv_heads, head_dim, value // kv_heads, sinks
-
-
 def write_random_target(
     model_type: str,
     directory: str | Path,
@@ -339,13 +209,9 @@ def write_random_target(
     vision-language wrapper's model type is written as its releases ship it, the wrapper whole, even where its language
     model alone is a causal LM (tiny_wrapper_config). A text-only release read as a wrapper's text model (Step-3.5's
     step3p5) is always written as its release ships it (draftsmith.text_release)."""
-    source = demo_tokenizer_dir()
-    demo = json.loads((source / "config.json").read_text())
-    special = {key: demo[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    built = release_config if is_a_text_release(model_type) else build_config
-    config = built(model_type, demo["vocab_size"], special, sliding_window=sliding_window, **shape)
-    config = tiny_wrapper_config(model_type, config, released) or config
-    model = build_model(config, seed=seed, seed_from=seed_from)
+    model = build_model(
+        tiny_target_config(model_type, sliding_window, released, **shape), seed=seed, seed_from=seed_from
+    )
     if train_steps:
         train_on_demo(model, train_steps, training)
     directory = Path(directory)
@@ -357,8 +223,8 @@ def write_random_target(
         model.save_pretrained(directory)
         write_release_form(model.config, directory)  # a release naming another architecture than transformers'
     for name in RANDOM_TARGET_TOKENIZER_FILES:
-        if (source / name).is_file():
-            shutil.copyfile(source / name, directory / name)
+        if (demo_tokenizer_dir() / name).is_file():
+            shutil.copyfile(demo_tokenizer_dir() / name, directory / name)
     return directory
 
 

@@ -3,7 +3,7 @@ no model class (draftsmith.causal_lm.text_model_of_a_wrapper; Step-3.5's step3p5
 an lm_head (draftsmith.text_model_lm.built_text_model_lm), written as such a release ships: its architecture's name, its
 tensors under the release's names (the wrapper's checkpoint conversion, reversed as transformers saves a model), and
 beside transformers' own config fields the release's (what vLLM's model of the architecture reads), each kept only
-where transformers reads the config back the same (draftsmith.random_target.reads_back_alike)."""
+where transformers reads the config back the same (draftsmith.declared_fields.reads_back_alike)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ RELEASE_FORMS = {
         },
     ),
 }
-# what a release says of a router with a score-correction bias (draftsmith.random_target.declare_as_released's rule:
+# what a release says of a router with a score-correction bias (draftsmith.declared_fields.declare_as_released's rule:
 # it scores the experts by a sigmoid, and picks them with the bias)
 BIASED_ROUTER = {"moe_router_activation": "sigmoid", "use_moe_router_bias": True}
 # a release's values of what transformers' router does in its code, with no field for it, keyed by the field that
@@ -123,7 +123,7 @@ def release_fields(config, model) -> dict[str, Any]:
     built apart (`attention_other_setting`); a sigmoid gate per attention head (`use_head_wise_attn_gate`)."""
     import torch
 
-    from draftsmith.random_target import attention_sizes, reads_back_alike
+    from draftsmith.declared_fields import attention_sizes, reads_back_alike
 
     fields = config.to_dict()
     out = {alias: fields[name] for alias, name in type(config).attribute_map.items() if name in fields}
@@ -164,8 +164,8 @@ def write_release_form(config, directory: Path) -> None:
     """A target saved in `directory` (config.json as transformers wrote it from `config`) named and described as its
     model type's releases are where they name another architecture (RELEASE_FORMS): that architecture, the fields
     under vLLM's names and RELEASE_CONSTANTS', each kept only where transformers reads the config back the same
-    (draftsmith.random_target.reads_back_alike); nothing for another model type."""
-    from draftsmith.random_target import reads_back_alike
+    (draftsmith.declared_fields.reads_back_alike); nothing for another model type."""
+    from draftsmith.declared_fields import reads_back_alike
 
     if config.model_type not in RELEASE_FORMS:
         return

@@ -4,6 +4,7 @@ field name, so that the model is consistent and small (draftsmith.random_target 
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import re
@@ -78,12 +79,12 @@ def build_config(
     own initialisation (per-layer kinds, MLA's query head size, rotary sizes) follows the tiny shape;
     the fields a family sizes apart from TINY's (latent ranks, linear-attention heads, indexer heads,
     expert groups, per-layer overrides) are derived from TINY's, by field name (`scaled_fields`)."""
-    from transformers import AutoConfig
+    from transformers import CONFIG_MAPPING, AutoConfig
 
-    try:
-        default = AutoConfig.for_model(model_type)
-    except ValueError as err:
-        raise UserError(f"transformers has no model type {model_type!r}: {one_line(err)}") from None
+    if model_type not in CONFIG_MAPPING:  # not transformers' list of its hundreds of types: the closest
+        close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING), n=3)
+        raise UserError(f"transformers has no model type {model_type!r} (closest: {', '.join(close) or 'none'})")
+    default = AutoConfig.for_model(model_type)
     # A multimodal family: its language model's config, built with the fields (the outer config's
     # constructor would leave its text config at the full size).
     default = getattr(default, "text_config", None) or default

@@ -267,6 +267,7 @@ SHARED = ("draftsmith", "data_prep", "trainer", "eval", "export", "monitor", "fo
 # out of the target's forward.
 NOT_KIND_WORDS = {
     ("draftsmith/families.py", "sliding_window"),
+    ("draftsmith/declared_fields.py", "sliding_window"),
     ("draftsmith/random_target.py", "sliding_window"),
     ("draftsmith/text_release.py", "sliding_window"),
     ("draftsmith/tiny_config.py", "sliding_window"),

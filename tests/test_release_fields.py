@@ -109,7 +109,8 @@ def test_families_whose_layers_one_config_describes_get_no_per_layer_form(model_
 
 def test_a_field_the_class_has_is_kept():
     """DeepSeek-V3's own `first_k_dense_replace` (2 given here) stays, not the count its layer kinds would give."""
-    from draftsmith.random_target import build_model, declare_as_released
+    from draftsmith.declared_fields import declare_as_released
+    from draftsmith.random_target import build_model
 
     config = build_config("deepseek_v3", 4096, first_k_dense_replace=2, num_hidden_layers=3)
     declare_as_released(config, build_model(config))

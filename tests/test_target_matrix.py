@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from safetensors.torch import load_file
 
 import draftsmith.random_target as random_target
-from tests.helpers import benchmark_module
+from tests.helpers import assert_one_line_error, benchmark_module
 
 MATRIX = benchmark_module("target_matrix")
 STEPS = 2  # the targets' training steps: enough to tell a trained target from a seeded one
@@ -80,3 +81,50 @@ def test_a_release_of_another_model_is_trained_apart(tmp_path, monkeypatch):
     assert trainings == 2
     assert seen["eagle3"][1]["architectures"] == ["DeepseekV3ForCausalLM"]
     assert seen["mtp"][1]["architectures"] == ["Kimi_K25ForConditionalGeneration"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--kinds", "eagle3,medusa3"], "--kinds: medusa3 not among eagle3, "),
+        (["--families", "llama,qwen9"], "--families: transformers has no model type 'qwen9' (closest: qwen3"),
+        (["--set", "train.lrr=1"], "--set/--export-set with --kinds eagle3: unknown recipe key 'train.lrr'"),
+        (["--export-set", "export.tolerance=x"], "with --kinds eagle3: override export.tolerance='x'"),
+    ],
+)
+def test_a_bad_family_kind_or_override_is_refused_before_any_target_is_written(
+    argv, fragment, tmp_path, monkeypatch, capsys
+):
+    """A misspelt family used to stop the run with a traceback after the earlier families' minutes, and an override
+    no recipe takes appended a row of failed runs per family and kind: both are one line, exit 2, nothing written."""
+    monkeypatch.setattr(random_target, "write_random_target", lambda *args, **kwargs: pytest.fail("a target written"))
+    out, work = tmp_path / "rows.jsonl", tmp_path / "work"
+    defaults = {"--families": "llama", "--kinds": "eagle3"}
+    given = dict(zip(argv[::2], argv[1::2]))
+    args = [
+        *(x for key, value in (defaults | given).items() for x in (key, value)),
+        "--out",
+        str(out),
+        "--work",
+        str(work),
+    ]
+    monkeypatch.setattr(sys, "argv", ["script", *args])
+    with pytest.raises(SystemExit) as ended:
+        MATRIX.main()
+    result = SimpleNamespace(returncode=ended.value.code, stderr=capsys.readouterr().err)
+    assert_one_line_error(result, 2, fragment, prefix="script: error: ")
+    assert not out.exists() and not work.exists()
+
+
+def test_without_vllm_python_a_row_has_no_export(tmp_path, monkeypatch):
+    """--vllm-python is optional: without it the row ends after the resumed run, where it used to record the export
+    as refused for a Python named 'None'."""
+    commands = []
+    monkeypatch.setattr(MATRIX, "run", lambda args, env: commands.append(args) or (0, "", 1.0))
+    monkeypatch.setattr(MATRIX, "eval_row", lambda run_dir: {"lossless": True, "tau_draftsmith": 2.0})
+    row = MATRIX.measure("llama", "eagle3", tmp_path / "target", tmp_path, None, {}, [], [])
+    assert [args[0] for args in commands] == ["train.py", "train.py"]
+    assert row == {"family": "llama", "kind": "eagle3", "train": True, "train_s": 1.0, "resume": True} | {
+        "lossless": True,
+        "tau_draftsmith": 2.0,
+    }
