@@ -115,8 +115,11 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
         raise UserError("data.train is empty: give at least one conversation file or Hub data set id to capture")
     refuse_foreign_files(directory)
     require_context(cfg.target, cfg.data.max_length)
-    if section.layers is not None:  # read from config.json: a layer the target has not, before its weights load
-        check_layer_ids(load_config(cfg.target).get_text_config().num_hidden_layers, section.layers)
+    config = load_config(cfg.target).get_text_config()  # config.json: what the target has not, before its weights load
+    if section.layers is not None:
+        check_layer_ids(config.num_hidden_layers, section.layers)
+    if section.logits == "topk" or section.topk != CaptureSection.topk:  # a top-k the capture keeps, or refuses unused
+        require_topk_within(section.topk, getattr(config, "vocab_size", None))
     for source in cfg.data.train:  # a path that does not exist: one line before the target loads
         source_files(str(source))
     tokenizer = load_tokenizer(cfg.target)
@@ -214,6 +217,11 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
     return CaptureResult(directory=directory, computed=computed, reused=reused, manifest=manifest)
 
 
+def require_topk_within(topk: int, vocab: Optional[int]) -> None:
+    if vocab is not None and topk > vocab:
+        raise UserError(f"data.capture.topk={topk} is more than the target's vocabulary of {vocab}")
+
+
 def resolve_selection(cfg: DictConfig, target) -> Selection:
     """data.capture with None/auto replaced by what the recipe's drafter asks for."""
     from draftsmith.heads import drafter_class
@@ -234,9 +242,8 @@ def resolve_selection(cfg: DictConfig, target) -> Selection:
             f"data.capture.topk={section.topk} is read when the capture keeps the top-k distribution, and this one "
             f"keeps {logits} (data.capture.logits={section.logits}): set data.capture.logits=topk, or leave topk out"
         )
-    vocab = target.get_output_embeddings().weight.shape[0]
-    if logits == "topk" and section.topk > vocab:
-        raise UserError(f"data.capture.topk={section.topk} is more than the target's vocabulary of {vocab}")
+    if logits == "topk":
+        require_topk_within(section.topk, target.get_output_embeddings().weight.shape[0])
     if not (final or layers or logits != "none"):
         raise UserError("nothing to capture: data.capture has final=false, no layers and logits=none")
     return Selection(final, layers, logits, section.topk if logits == "topk" else None, section.dtype)

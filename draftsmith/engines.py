@@ -79,8 +79,8 @@ def vllm_python(setting: Optional[str], key: str) -> str:
     """The Python that runs vLLM: `setting` (the recipe key `key`) when given, and the Python of an
     environment with vllm (`installed_vllm`), else this one when it can import vllm."""
     if setting:
-        # absolute, not resolved: `vpy` (or `./vpy`, which a Path prints as `vpy`) would be looked up on PATH, and a
-        # venv's python resolved through its link would be the base interpreter, without the venv's packages
+        # absolute, not resolved (a venv's python resolved through its link would be the base interpreter, without the
+        # venv's packages): a loaded recipe's is already (draftsmith.recipe.with_engine_pythons: a bare name from PATH)
         python = Path(setting).expanduser().absolute()
         if not python.is_file():
             raise UserError(f"{key}={setting!r} is not a Python executable")

@@ -310,8 +310,9 @@ def validated(argv: Sequence[str], command: str = "train") -> DictConfig:
 
 def load_recipe(argv: Sequence[str], command: str = "train") -> DictConfig:
     """Parse `recipe=NAME key=value ...` into a config validated for `command` (`check_drafter`), read-only,
-    whose target is a local directory or a Hub id (`with_local_target`)."""
-    return with_local_target(validated(argv, command), command)
+    whose target is a local directory or a Hub id (`with_local_target`) and whose engine Pythons are absolute
+    paths (`with_engine_pythons`)."""
+    return with_engine_pythons(with_local_target(validated(argv, command), command), command)
 
 
 def load_train_recipe(argv: Sequence[str]) -> DictConfig:
@@ -319,7 +320,7 @@ def load_train_recipe(argv: Sequence[str]) -> DictConfig:
     is touched)."""
     cfg = validated(argv)
     check_train_start(cfg)
-    return with_local_target(cfg)
+    return with_engine_pythons(with_local_target(cfg))
 
 
 def check_train_start(cfg: DictConfig) -> None:
@@ -358,6 +359,30 @@ def with_local_target(cfg: DictConfig, command: str = "train") -> DictConfig:
 
     directory = materialize(cfg.target.name_or_path, cfg.target.gguf_file, cfg.target.revision)
     return derived(cfg, {"target.name_or_path": str(directory), "target.gguf_file": None}, command)
+
+
+# the keys naming the Python of an engine's environment
+ENGINE_PYTHONS = ("export.vllm_python", "data.capture.vllm.python", "data.regenerate.vllm.python")
+
+
+def with_engine_pythons(cfg: DictConfig, command: str = "train") -> DictConfig:
+    """Each engine Python read as a shell reads a program, once: a bare name (`python3`) the program PATH finds, a path
+    from the current directory, either made absolute (not resolved: a venv's python is a link that works under its own
+    path). Every command then runs the same program, and a run's saved recipe names it from any directory; a name
+    PATH lacks is one line."""
+    import shutil
+
+    changes = {}
+    for key in ENGINE_PYTHONS:
+        setting = OmegaConf.select(cfg, key)
+        if setting is None:
+            continue
+        found = str(Path(setting).expanduser().absolute()) if os.sep in setting else shutil.which(setting)
+        if found is None:
+            raise UserError(f"{key}={setting!r}: no program of that name on PATH (give the path of a Python)")
+        if found != setting:
+            changes[key] = found
+    return derived(cfg, changes, command) if changes else cfg
 
 
 def derived(cfg: DictConfig, changes: dict[str, Any], command: str = "train") -> DictConfig:

@@ -32,7 +32,9 @@ class TargetSection:
 class VllmEngineSection:
     """How a data stage runs vLLM (data.regenerate.engine=vllm, data.capture.engine=vllm; passed to vLLM's `LLM`)."""
 
-    python: Optional[str] = None  # a Python with vLLM installed (its own environment); default this one
+    # a Python with vLLM installed (its own environment; a bare name is looked up on PATH, a path read from the
+    # current directory); default this one
+    python: Optional[str] = None
     # the target's weights as vLLM runs them: auto = as the trainer loads the target (target.dtype, whose auto is
     # float32 on CPU, bfloat16 on a GPU), not vLLM's own auto; the stage's record names the one that ran
     dtype: str = "auto"
@@ -281,7 +283,8 @@ class ExportSection:
     verifier: Optional[str] = None
     # eval report.json for the model card; default <checkpoint>/../eval/report.json if present
     report: Optional[str] = None
-    # a Python with vLLM installed: load the vllm folder in the engine and compare it with draftsmith's eval
+    # a Python with vLLM installed: load the vllm folder in the engine and compare it with draftsmith's eval (a bare
+    # name is looked up on PATH, a path read from the current directory)
     vllm_python: Optional[str] = None
     # largest relative difference between the engine's tau and draftsmith's (same prompts and schedule)
     tolerance: float = 0.02

@@ -411,19 +411,32 @@ def test_bad_capture_settings_exit_2_with_one_line(captures, conversations, caps
     assert not tokenized
 
 
-def test_a_layer_the_target_has_not_is_refused_before_the_target_loads(tmp_path, conversations, capsys, monkeypatch):
-    """Read from the target's config.json: it was refused once the target's weights had loaded (minutes at scale)."""
+@pytest.mark.parametrize(
+    ("setting", "line"),
+    [
+        (["data.capture.layers=[1,4]"], "layer id 4 is out of range for a target with 4 layers (valid: -1..3)"),
+        (
+            ["data.capture.logits=topk", "data.capture.topk=5000"],
+            "data.capture.topk=5000 is more than the target's vocabulary of 4096",
+        ),
+    ],
+)
+def test_a_layer_or_a_top_k_the_target_has_not_is_refused_before_the_target_loads(
+    setting, line, tmp_path, conversations, capsys, monkeypatch
+):
+    """Read from the target's config.json: they were refused once the target's weights had loaded (minutes at
+    scale)."""
     import draftsmith.data_prep.capture as capture_module
 
     def no_load(*args, **kwargs):
         raise AssertionError("the tokenizer or the target was loaded")
 
     monkeypatch.setattr(capture_module, "load_tokenizer", no_load)
-    args = capture_args(tmp_path / "features", conversations, *FULL, "data.capture.layers=[1,4]")
+    args = capture_args(tmp_path / "features", conversations, *FULL, *setting)
     with pytest.raises(SystemExit) as exit_info:
         run_cli(main, args)
     done = subprocess.CompletedProcess(args, exit_info.value.code, "", capsys.readouterr().err)
-    assert_one_line_error(done, 2, "layer id 4 is out of range for a target with 4 layers (valid: -1..3)")
+    assert_one_line_error(done, 2, line)
 
 
 def test_a_directory_of_files_no_capture_wrote_is_not_written_into(tmp_path, conversations, capsys):

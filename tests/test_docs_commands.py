@@ -106,14 +106,14 @@ def inline_commands(text: str) -> list[list[str]]:
 def whole_command(command: list[str]) -> bool:
     """Not a command's name alone (`python -m eval`), nor a fragment of a recipe command without its recipe (`python
     train.py target.shard=fsdp`: an override to add)."""
+    module = command[1:2] == ["-m"]
     if (
         command[0] in ("draftsmith", "accelerate", "torchrun")
-        or command[1] == "train.py"
-        or command[2:3] == ["draftsmith"]
-        or (command[1] == "-m" and command[2] in MODULE_COMMANDS)
+        or command[1:2] == ["train.py"]
+        or (module and command[2:3] and (command[2] == "draftsmith" or command[2] in MODULE_COMMANDS))
     ):
         return any(word.startswith("recipe=") for word in command)
-    return len(command) > (3 if command[1] == "-m" else 2)
+    return len(command) > (3 if module else 2)
 
 
 def documented() -> list[tuple[str, list[str]]]:

@@ -356,3 +356,23 @@ def test_a_drafter_key_filled_from_the_target_is_refused_in_a_recipe(command):
 
     with pytest.raises(UserError, match="^drafter.decoder is filled from the target when a drafter is built"):
         validated(["recipe=eagle3", "drafter.decoder={architecture: DeepseekV3ForCausalLM}"], command)
+
+
+@pytest.mark.parametrize("key", ["export.vllm_python", "data.capture.vllm.python", "data.regenerate.vllm.python"])
+def test_an_engine_python_is_read_as_a_shell_reads_a_program_by_every_command(key, tmp_path, monkeypatch):
+    """`export.vllm_python=python3` used to run PATH's python3 in an export and ./python3 in a sweep ("not a Python
+    executable"): a bare name is now PATH's program for every command, a path is read from the current directory,
+    both made absolute once as the recipe loads (a run's saved recipe names the same program from any directory)."""
+    import shutil
+
+    from draftsmith.recipe import load_train_recipe
+
+    monkeypatch.chdir(tmp_path)
+    common = ["recipe=eagle3", f"output_dir={tmp_path / 'run'}"]
+    for command in ("export", "sweep", "eval", "monitor"):
+        cfg = load_recipe([*common, f"{key}=python3"], command)
+        assert OmegaConf.select(cfg, key) == shutil.which("python3")
+    cfg = load_train_recipe([*common, f"{key}=venv/bin/python", "eval.enabled=false"])
+    assert OmegaConf.select(cfg, key) == str(tmp_path / "venv" / "bin" / "python")
+    with pytest.raises(UserError, match=rf"{key}='no-such-python': no program of that name on PATH"):
+        load_recipe([*common, f"{key}=no-such-python"], "export")
