@@ -19,12 +19,15 @@ from pathlib import Path
 
 import torch
 from draftsmith_commands import REPO, train_unless_trained  # benchmarks/ is the script's directory, first on sys.path
+from names import names_of, shipped_recipes
 from provenance import provenance
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="medusa,eagle3", help="drafter recipes, comma-separated")
+    parser.add_argument(
+        "--only", type=names_of(shipped_recipes()), default="medusa,eagle3", help="drafter recipes, comma-separated"
+    )
     parser.add_argument("--batch-sizes", default="1,2,4,8")
     parser.add_argument(
         "--runs", type=Path, default=REPO / "runs/bench_batch", help="where the trained runs live (reused when present)"
@@ -40,7 +43,7 @@ def main() -> None:
     sizes = [int(size) for size in args.batch_sizes.split(",")]
     summary: dict = {"batch_sizes": sizes, "drafters": {}}
     start = time.perf_counter()
-    for name in args.only.split(","):
+    for name in args.only:
         output_dir = (args.runs / name).resolve()
         trained_s = train_unless_trained([f"recipe={name}"], output_dir)
         overrides = [

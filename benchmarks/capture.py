@@ -22,7 +22,10 @@ import sys
 import time
 from pathlib import Path
 
+from names import names_of
 from provenance import provenance  # benchmarks/ is the script's directory, first on sys.path
+
+from draftsmith.recipe_schema import CHOICES
 
 REPO = Path(__file__).resolve().parent.parent
 TOLERANCE = 0.02
@@ -53,7 +56,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="eagle3")
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--dtypes", default="bfloat16,float16,float8")
+    parser.add_argument("--dtypes", type=names_of(CHOICES["data.capture.dtype"]), default="bfloat16,float16,float8")
     parser.add_argument("--train-data", default="demo/data/train.regenerated.jsonl.gz")
     parser.add_argument("--runs", default="runs/bench_capture")
     args = parser.parse_args()
@@ -64,7 +67,7 @@ def main() -> None:
     results: dict = {"recipe": args.recipe, "steps": args.steps, "train_data": args.train_data}
     results["online"] = train(common, runs / "online")
     captures = {}
-    for dtype in args.dtypes.split(","):
+    for dtype in args.dtypes:
         shards = runs / f"features_{dtype}"
         wall, _ = run(
             [

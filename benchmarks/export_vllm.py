@@ -40,13 +40,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_vllm_python(parser)
     parser.add_argument("--runs", type=Path, default=REPO / "runs/bench_drafters")
-    parser.add_argument("--only", default=",".join(RECIPES))
+    parser.add_argument(
+        "--only", type=lambda text: [name for name in text.split(",") if name], default=",".join(RECIPES)
+    )
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
+    # a run of another benchmark is exported under any name; one to train first, only under a recipe's
+    untrained = [name for name in args.only if not (args.runs / name / "final" / "model.safetensors").is_file()]
+    if unknown := [name for name in untrained if name not in RECIPES]:
+        parser.error(
+            f"--only: {', '.join(unknown)}: no trained run in {args.runs}, nor a recipe to train one "
+            f"(one of {', '.join(RECIPES)})"
+        )
     began = time.perf_counter()
     results = {}
-    for name in args.only.split(","):
+    for name in args.only:
         run_dir = (args.runs / name).resolve()
         eval_settings = [
             f"output_dir={run_dir}",

@@ -50,6 +50,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from names import names_of
 from provenance import provenance  # benchmarks/, first on sys.path
 from vllm_probe import add_vllm_python
 
@@ -76,11 +77,11 @@ def main() -> None:
     parser.add_argument("--min-requests", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--stages", default=",".join(STAGES))
+    parser.add_argument("--stages", type=names_of(STAGES), default=",".join(STAGES))
     args = parser.parse_args()
     began = time.perf_counter()
     try:  # before anything is written
-        stages = args.stages.split(",")
+        stages = args.stages
         if "sweep" in stages:  # the sweep serves suffix decoding
             require_suffix_decoding(args.vllm_python, "--vllm-python")
         out, drafters = paths(args.out, args.drafter)

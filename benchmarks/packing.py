@@ -31,6 +31,7 @@ import tempfile
 import time
 
 import torch
+from names import names_of, shipped_recipes
 from provenance import provenance
 
 
@@ -129,7 +130,7 @@ def bench(recipe: str, steps: int, warmup: int, pack_length: int | None) -> dict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipes", default="medusa,eagle3")
+    parser.add_argument("--recipes", type=names_of(shipped_recipes()), default="medusa,eagle3")
     parser.add_argument(
         "--steps", default="30,12", help="timed steps per recipe (one value for all, or one per recipe)"
     )
@@ -137,10 +138,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--pack-length", type=int, default=None, help="default: each recipe's data.max_length")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    recipes = args.recipes.split(",")
+    recipes = args.recipes
     steps = [int(s) for s in args.steps.split(",")]
     steps = steps * len(recipes) if len(steps) == 1 else steps
+    if len(steps) != len(recipes):  # zip would drop the recipes past the last count, without a word
+        parser.error(f"--steps {args.steps}: one count for all recipes, or one per recipe ({len(recipes)})")
+    torch.set_num_threads(args.threads)
     start = time.perf_counter()
     results = [bench(recipe, count, args.warmup, args.pack_length) for recipe, count in zip(recipes, steps)]
     summary = {

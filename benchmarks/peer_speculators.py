@@ -53,6 +53,7 @@ import sys
 import time
 from pathlib import Path
 
+from names import names_of
 from peer_results import defaults_as_run, own_eval, report  # benchmarks/, first on sys.path
 from protocol_results import load_json, save_json, stage_timer
 from provenance import provenance
@@ -286,7 +287,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=3, help="MT-bench first turns per category (10 = all 80)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="OMP threads of training and the engine")
-    parser.add_argument("--stages", default=",".join(STAGES))
+    parser.add_argument("--stages", type=names_of(STAGES), default=",".join(STAGES))
     parser.add_argument(
         "--own-defaults", action="store_true",
         help="each trainer with its own defaults (speculators: the whole vocabulary, 8192-token rows, its steps and "
@@ -308,7 +309,7 @@ def main() -> None:
         sys.exit(2)
     runs, out = args.runs.resolve(), args.out.resolve()
     runs.mkdir(parents=True, exist_ok=True)
-    stages, log, timed = args.stages.split(","), runs / "peer.log", stage_timer(runs / "walls.json")
+    stages, log, timed = args.stages, runs / "peer.log", stage_timer(runs / "walls.json")
     began = time.perf_counter()
 
     info = timed("prepare", stage_prepare, args, runs)

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from drafters import training_threads
 from draftsmith_commands import run_python  # benchmarks/ is the script's directory, first on sys.path
+from names import names_of
 from provenance import provenance
 
 REPO = Path(__file__).resolve().parent.parent
@@ -225,7 +226,7 @@ def main() -> None:
     )
     parser.add_argument("--answer-tokens", type=int, default=160, help="max_new_tokens of each regenerated answer")
     parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--only", default=",".join(DRAFTERS))
+    parser.add_argument("--only", type=names_of(DRAFTERS), default=",".join(DRAFTERS))
     parser.add_argument("--prompts", type=int, default=4, help="eval prompts per domain")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--no-sampled", action="store_true", help="skip the T=1 evals (the slowest stage on a CPU)")
@@ -262,7 +263,7 @@ def main() -> None:
     manifest = json.loads((features / "manifest.json").read_text())
 
     drafters = {}
-    for name in args.only.split(","):
+    for name in args.only:
         out, (recipe, overrides) = runs / name, DRAFTERS[name]
         if not (out / "eval" / "report.json").exists():
             walls.record(f"{name}_train_and_greedy_eval_s",

@@ -56,6 +56,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from names import names_of
 from protocol_results import load_json, log_linear_fit, plot_timing, save_json, stage_timer, summarize
 from provenance import provenance
 from vllm_probe import add_vllm_python  # benchmarks/ is the script's directory, first on sys.path
@@ -316,8 +317,8 @@ def main() -> None:
         "copied into <runs>/data/regenerated, where the regenerate stage checks its settings "
         "and finishes what is missing",
     )
-    parser.add_argument("--kinds", default="eagle3")
-    parser.add_argument("--stages", default=",".join(STAGES))
+    parser.add_argument("--kinds", type=names_of(RECIPES), default="eagle3")
+    parser.add_argument("--stages", type=names_of(STAGES), default=",".join(STAGES))
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--max-steps", type=int, default=-1, help="optimizer steps (-1: --epochs epochs)")
     parser.add_argument("--heldout", type=int, default=64)
@@ -350,7 +351,7 @@ def main() -> None:
     began = time.perf_counter()
     if args.max_steps > 0 and args.epochs != 1:
         parser.error(f"--epochs {args.epochs} is not read with --max-steps {args.max_steps}: give one of them")
-    kinds, stages = args.kinds.split(","), args.stages.split(",")
+    kinds, stages = args.kinds, args.stages
     if "regenerate" in stages and args.regenerated and not args.regenerated.is_dir():
         print(f"error: --regenerated {args.regenerated}: no such folder (a finished regeneration)", file=sys.stderr)
         sys.exit(2)

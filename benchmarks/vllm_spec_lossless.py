@@ -29,10 +29,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.names import names_of  # noqa: E402
 from benchmarks.vllm_probe import add_vllm_python  # noqa: E402
 
 EVAL_DATA = "demo/data/eval.jsonl.gz"
 PROMPTS_PER_DOMAIN, MAX_LENGTH, MAX_NEW = 3, 192, 48  # benchmarks/target_matrix.py's check settings
+# the methods --methods takes: vLLM's own proposers, and the oracle proposer drafting the target's tokens (none wrong,
+# or the first draft of each step wrong: vllm_oracle_proposer.py)
+METHODS = ("ngram", "suffix", "mtp", "oracle", "oracle_reject")
 LOOKUP_MIN, LOOKUP_MAX = 1, 4  # n-gram: draft from any single-token match, so that it drafts often
 # Run by the vLLM Python: its own plain logits (raw, bfloat16 computed) of two tokens after each given context, and
 # the largest of its top 100 (a parting's scale), one JSON line.
@@ -96,7 +100,7 @@ def main() -> None:
     parser.add_argument("--target", required=True, type=Path)
     parser.add_argument("--gamma", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--methods", default="ngram,suffix")
+    parser.add_argument("--methods", type=names_of(METHODS), default="ngram,suffix")
     parser.add_argument(
         "--batched",
         action="store_true",
@@ -130,7 +134,7 @@ def main() -> None:
         # drafts every step as a drafter of draftsmith's; a random layer's are nearly all rejected
         "mtp": {"method": "mtp", "num_speculative_tokens": args.gamma},
     }
-    methods = args.methods.split(",")
+    methods = args.methods
     oracles = {"oracle": None, "oracle_reject": 1}  # vllm_oracle_proposer.py's wrong_at: none, or draft 1 of each step
     runs = [{"name": "plain", "speculative_config": None}]
     # the n-gram proposer leaves the worker unable to start another engine: its run goes last

@@ -6,11 +6,12 @@ speculators checkpoint it was asked to score is not there. And export/gamma.py's
 engines that serve the drafter's chains (an MTP drafter's: vLLM alone; SGLang's export refuses it), and the
 model card lists draftsmith's P(accepted >= k) up to γ as vLLM's. Options a benchmark would ignore or could not
 run are refused before any work (train_throughput.py's of the other mode, step_operators.py's compile settings,
-drafters.py's unknown names, step_compare.py's zero rounds and missing baseline, speculators_cpu.py outside its
-venv), every benchmark's JSON says where it came from (benchmarks/provenance.py), and standard_protocol.py's time
-stage measures its noise as load_sweep.py does (plain once more, last). Every benchmark that runs vLLM reads
---vllm-python alike (benchmarks/vllm_probe.py), and the ones that train a recipe first do it one way
-(benchmarks/draftsmith_commands.py)."""
+drafters.py's unknown names, a misspelt name in any benchmark's --only, --kinds, --stages,
+--methods or --dtypes list (benchmarks/names.py), step_compare.py's zero rounds and missing baseline,
+speculators_cpu.py outside its venv), every benchmark's JSON says where it came from (benchmarks/provenance.py),
+and standard_protocol.py's time stage measures its noise as load_sweep.py does (plain once more, last). Every
+benchmark that runs vLLM reads --vllm-python alike (benchmarks/vllm_probe.py), and the ones that train a recipe
+first do it one way (benchmarks/draftsmith_commands.py)."""
 
 from __future__ import annotations
 
@@ -487,3 +488,31 @@ def test_batch_sweeps_json_says_where_its_numbers_came_from(tmp_path, monkeypatc
     summary = json.loads(capsys.readouterr().out)
     assert summary["threads"] == threads and summary["machine"]["cores"] and summary["versions"]["torch"]
     assert summary["wall_s"] >= 0 and "cpu" not in summary and summary["drafters"]["medusa"]["train_s"] is None
+
+
+@pytest.mark.parametrize(
+    ("name", "argv", "fragment"),
+    [
+        ("export_vllm", ["--vllm-python", "x", "--only", "medusa,eagel"], "--only: eagel: no trained run in "),
+        ("real_target", ["--only", "eagle3,medusa3"], "argument --only: medusa3: not among medusa, "),
+        ("standard_protocol", ["--vllm-python", "x", "--stages", "train,evl"], "argument --stages: evl: not among "),
+        (
+            "standard_protocol",
+            ["--vllm-python", "x", "--kinds", "eagle"],
+            "argument --kinds: eagle: not among eagle3, ",
+        ),
+        ("peer_speculators", ["--vllm-python", "x", "--stages", "prepare,mesure"], "argument --stages: mesure: "),
+        ("load_sweep", ["--vllm-python", "x", "--drafter", "a=b", "--stages", "sweeps"], "argument --stages: sweeps: "),
+        ("vllm_spec_lossless", ["--vllm-python", "x", "--target", "t", "--methods", "ngram,sufix"], "sufix: not among"),
+        ("capture", ["--dtypes", "float8,float32"], "argument --dtypes: float32: not among bfloat16, float16, float8"),
+        ("batch_sweep", ["--only", "medusa,eagle4"], "argument --only: eagle4: not among dflash, "),
+        ("packing", ["--recipes", "medusa,eagle3,eagle", "--steps", "3,2"], "--steps 3,2: one count for all recipes"),
+    ],
+)
+def test_a_misspelt_name_in_a_benchmarks_list_is_refused_before_any_work(name, argv, fragment, monkeypatch, capsys):
+    """A name a benchmark's --only, --kinds, --stages, --methods or --dtypes does not know used to stop the run with a
+    traceback after the earlier names' work (export_vllm, real_target, standard_protocol's kinds, vllm_spec_lossless,
+    capture, batch_sweep), or to be skipped without a word (the stages); packing.py ran the recipes its --steps had
+    counts for. Each is one line at parse, exit 2 (benchmarks/names.py)."""
+    result = exits(benchmark(name, monkeypatch).main, argv, monkeypatch, capsys)
+    assert_one_line_error(result, 2, fragment, prefix="script: error: ")
