@@ -49,7 +49,7 @@ from draftsmith.data_prep.capture_vllm import VllmCapture
 from draftsmith.data_prep.collate import Collator
 from draftsmith.data_prep.conversations import load_conversations
 from draftsmith.data_prep.dataset import cache_key, require_context, tokenize_conversations
-from draftsmith.data_prep.features import DISTRIBUTION_DTYPE, encode, hidden_names, part_name
+from draftsmith.data_prep.features import DISTRIBUTION_DTYPE, encode, hidden_names, manifest_part_name
 from draftsmith.data_prep.local_files import source_files
 from draftsmith.errors import UserError
 from draftsmith.files import read_json, write_json
@@ -162,7 +162,7 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
     state.wait_for_everyone()
 
     plan = plan_shards(list(data["length"]), state.num_processes, section.shard_tokens)[state.process_index]
-    part_path = directory / part_name(state.process_index)
+    part_path = directory / manifest_part_name(state.process_index)
     part = read_json(part_path, advice=CAPTURE_AGAIN) if part_path.is_file() else {"shards": []}
     done = {entry["file"]: entry for entry in part["shards"]}
 

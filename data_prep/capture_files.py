@@ -29,7 +29,7 @@ from draftsmith.data_prep.features import (
     STORAGE_DTYPES,
     file_sha256,
     hidden_names,
-    part_name,
+    manifest_part_name,
     resolved_sources,
     shard_name,
 )
@@ -252,7 +252,9 @@ def write_shard(
 
 def merge_manifest(directory: Path, settings: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
     """Join every rank's part into manifest.json, with totals and the bytes/token comparison."""
-    parts = [read_json(directory / part_name(rank), advice=CAPTURE_AGAIN) for rank in range(settings["world_size"])]
+    parts = [
+        read_json(directory / manifest_part_name(rank), advice=CAPTURE_AGAIN) for rank in range(settings["world_size"])
+    ]
     shards = sorted(
         (entry for part in parts for entry in part["shards"]), key=lambda entry: entry["first_conversation"]
     )

@@ -17,7 +17,7 @@ import datasets
 
 from draftsmith.data_prep.cache_faults import hugging_face_caches, raise_cache_fault
 from draftsmith.data_prep.local_files import builder, file_digest, gzipped, source_files
-from draftsmith.data_prep.records import count_turn_order_oddities, normalize_record, normalize_records
+from draftsmith.data_prep.records import normalize_record, normalize_records, warn_of_turn_order_oddities
 from draftsmith.data_prep.sources import is_named, named_file
 from draftsmith.errors import HubUnavailable, UserError, one_line
 from draftsmith.model_files import endpoint_out_of_reach
@@ -59,7 +59,7 @@ def load_conversations(
                 dataset = dataset.select(range(max_conversations))
             parts.append(_normalize_utf8(dataset, name, prompts_only, skip_invalid_utf8))
             logger.info("loaded %d conversations from %s", len(parts[-1]), name)
-            count_turn_order_oddities(parts[-1], name)
+            warn_of_turn_order_oddities(parts[-1], name)
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 

@@ -37,7 +37,7 @@ _ROW_COUNTS = {  # a tokenization's counts of rows (each row in one at most) and
     "dropped_overlong": "dropped %d of %s longer than data.max_length=%d tokens",
     "dropped_no_assistant_token": "dropped %d of %s with no assistant token within data.max_length=%d",
 }
-FEATURES = datasets.Features(
+TOKENIZED_FEATURES = datasets.Features(
     {
         "input_ids": datasets.List(datasets.Value("int32")),
         "loss_mask": datasets.List(datasets.Value("int8")),
@@ -261,7 +261,7 @@ def _tokenize_into(
                 "seen": set(),
             },
             remove_columns=conversations.column_names,
-            features=FEATURES,
+            features=TOKENIZED_FEATURES,
             cache_file_name=os.path.join(scratch, "map.arrow"),
             load_from_cache_file=False,
             new_fingerprint=final.name[:16],  # our key already identifies the result; skips hashing the tokenizer

@@ -60,7 +60,7 @@ def shard_name(rank: int, index: int) -> str:
     return f"shard_{rank:02d}_{index:05d}.safetensors"
 
 
-def part_name(rank: int) -> str:
+def manifest_part_name(rank: int) -> str:
     return f"manifest_part_{rank:02d}.json"
 
 

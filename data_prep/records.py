@@ -24,7 +24,7 @@ from draftsmith.errors import UserError
 logger = logging.getLogger("draftsmith.data")
 
 DEFAULT_DOMAIN = "default"
-FEATURES = datasets.Features(
+RECORD_FEATURES = datasets.Features(
     {
         "messages": datasets.List(TURN_FEATURES),
         "domain": datasets.Value("string"),
@@ -58,7 +58,7 @@ def normalize_records(
         with_indices=True,
         fn_kwargs={"source": source, "prompts_only": prompts_only, "numbers": numbers},
         remove_columns=dataset.column_names,
-        features=FEATURES,
+        features=RECORD_FEATURES,
         new_fingerprint=fingerprint,
         desc=f"checking {source}",
     )
@@ -113,7 +113,7 @@ def answered_turns(messages: list[dict[str, Any]]) -> list[int]:
     return [index for index, message in enumerate(messages) if message["role"] == "assistant" and index > 0]
 
 
-def count_turn_order_oddities(dataset: datasets.Dataset, source: str) -> None:
+def warn_of_turn_order_oddities(dataset: datasets.Dataset, source: str) -> None:
     """Warn, with a count and the first record numbers, about conversations kept as they are though often a
     file joined or cut wrongly: a user turn that follows a user turn (the chat template renders both as the
     user's, and only assistant turns are trained on), and an opening assistant turn (context only, see

@@ -133,7 +133,7 @@ def main(argv: Sequence[str]) -> None:
     end_process_group()
 
 
-def part_name(index: int) -> str:
+def output_part_name(index: int) -> str:
     return f"part-{index:05d}.jsonl.gz"
 
 
@@ -257,7 +257,7 @@ def regenerate_into(
     tokenizer = tokenizer or load_tokenizer(cfg.target)
     batch_size, rows_total = section.batch_size, len(conversations) * section.samples
     chunks = [list(range(start, min(start + batch_size, rows_total))) for start in range(0, rows_total, batch_size)]
-    todo = [index for index in range(len(chunks)) if not (directory / part_name(index)).is_file()]
+    todo = [index for index in range(len(chunks)) if not (directory / output_part_name(index)).is_file()]
     mine = todo[state.process_index :: state.num_processes]
     done = rows_total - sum(len(chunks[index]) for index in todo)
     progress = progress_bar(
@@ -289,7 +289,7 @@ def regenerate_into(
                 for m, row in zip(messages, rows)
                 if m is not None
             ]
-            write_part(directory / part_name(index), records)
+            write_part(directory / output_part_name(index), records)
             why_kept_ended = [why for m, why in zip(messages, ended) if m is not None]
             generated += len(records)
             cut += why_kept_ended.count("max_length")
@@ -312,7 +312,7 @@ def regenerate_into(
     # the output's totals, read from every part (earlier runs' too): what a part does not hold of its batch was left out
     written = cut_in_all = left_out_in_all = 0
     for index, chunk in enumerate(chunks):
-        with gzip.open(directory / part_name(index), "rt") as part:
+        with gzip.open(directory / output_part_name(index), "rt") as part:
             records = [json.loads(line) for line in part]
         written += len(records)
         left_out_in_all += len(chunk) - len(records)

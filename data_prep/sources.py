@@ -62,7 +62,7 @@ class NamedSource:
     convert: Callable[[Path], tuple[list[dict[str, Any]], dict[str, int]]]  # file -> (records, counts)
 
 
-def cache_root() -> Path:
+def sources_cache() -> Path:
     return files.cache_root() / "sources"
 
 
@@ -85,7 +85,7 @@ def named_file(source: str) -> Path:
             f"{source}: {original} is missing from the installed package {spec.package!r}; reinstall it "
             f"({spec.install})"
         )
-    directory = cache_root() / f"{name}-{file_sha256(original)[:16]}"
+    directory = sources_cache() / f"{name}-{file_sha256(original)[:16]}"
     converted = directory / f"{name}.jsonl.gz"
     if not converted.is_file():
         records, counts = spec.convert(original)

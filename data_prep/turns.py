@@ -13,7 +13,7 @@ from draftsmith.errors import UserError
 
 # ShareGPT speakers (and other APIs' names for a role) and the roles chat templates expect. Roles already in the
 # target vocabulary map to themselves so that both shapes go through the same table.
-ROLES = {
+ROLE_ALIASES = {
     "user": "user",
     "human": "user",
     "assistant": "assistant",
@@ -69,9 +69,9 @@ def normalize_turn(turn: Any, where: str) -> dict[str, Any]:
     content = turn.get("content") if turn.get("content") is not None else turn.get("value")
     if role is None:
         raise UserError(f"{where} has no role ('role', or ShareGPT 'from')")
-    if not isinstance(role, str) or role.lower() not in ROLES:
-        raise UserError(f"{where} has an unknown role {role!r} (known: {', '.join(ROLES)})")
-    role = ROLES[role.lower()]
+    if not isinstance(role, str) or role.lower() not in ROLE_ALIASES:
+        raise UserError(f"{where} has an unknown role {role!r} (known: {', '.join(ROLE_ALIASES)})")
+    role = ROLE_ALIASES[role.lower()]
     tool_calls = _tool_calls(turn.get(TOOL_CALLS_KEY), where, role)
     if content is None and tool_calls:  # OpenAI's `"content": null` beside the calls
         content = ""

@@ -22,6 +22,7 @@ the families a drafter can be built from.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -155,6 +156,13 @@ def sliding_window(config: Any) -> Optional[int]:
     """The number of positions a sliding-window layer sees (itself included), None without one."""
     config = text_config(config)
     return int(_get(config, "sliding_window")) if SLIDING in layer_types(config) else None
+
+
+def layer_window(config: Any, index: int = 0) -> Optional[int]:
+    """Layer `index`'s sliding window as its config states it, dict or config (`sliding_window` where `layer_types`
+    makes the layer "sliding_attention"), as vLLM reads a draft layer's config; None: a full-attention layer."""
+    kinds, window = _get(config, "layer_types") or [], _get(config, "sliding_window")
+    return int(window) if index < len(kinds) and kinds[index] == SLIDING and window is not None else None
 
 
 # The release field stating how many keys (the query's own included) vLLM's sliding-window layers attend. A
@@ -420,3 +428,9 @@ def tap_layers(config: Any, wanted: list[int]) -> list[int]:
     usable = [layer for layer in allowed if layer < len(kinds) - 1] or allowed
     snapped = [min(usable, key=lambda layer: (abs(layer - want), layer)) for want in wanted]
     return sorted(dict.fromkeys(snapped))
+
+
+def family_rotation(module) -> Any:
+    """transformers' rotary application of the family whose module `module` is (`apply_rotary_pos_emb` of its modeling
+    file: partial rotary where its table is narrower than a head)."""
+    return sys.modules[type(module).__module__].apply_rotary_pos_emb

@@ -28,7 +28,7 @@ from draftsmith.target import TargetShape
 SOURCE_FILE = "gguf_source.json"  # provenance: which GGUF file (and hash) a cached directory came from
 
 
-def cache_root() -> Path:
+def targets_cache() -> Path:
     """Dequantized targets live under the cache's targets/ (draftsmith.files.cache_root)."""
     return files.cache_root() / "targets"
 
@@ -136,7 +136,7 @@ def materialize(name_or_path: str, gguf_file: str, revision: str | None = None) 
     """The transformers directory for a GGUF target, converting it on first use."""
     source = locate(name_or_path, gguf_file, revision)
     digest = file_sha256(source)
-    directory = cache_root() / f"{source.stem}-{digest[:16]}"
+    directory = targets_cache() / f"{source.stem}-{digest[:16]}"
     if (directory / SOURCE_FILE).is_file():
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)

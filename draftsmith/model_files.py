@@ -10,7 +10,7 @@ import functools
 import json
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Optional
@@ -339,3 +339,12 @@ def checkpoint_folder(name_or_path: str, reader: str) -> Path:
         return Path(snapshot_download(name_or_path, allow_patterns=["*.safetensors", "*.json"]))
     except (HfHubHTTPError, LocalEntryNotFoundError, ValueError, OSError) as err:
         raise UserError(f"{reader}: cannot read target {name_or_path!r}'s checkpoint ({one_line(err)})") from None
+
+
+def prefix_renamed(name: str, renames: Iterable[tuple[str, str]]) -> str:
+    """A tensor's name with its leading module renamed by the first (from, to) pair it starts with (a layout's names
+    to another's)."""
+    for old, new in renames:
+        if name.startswith(old):
+            return new + name.removeprefix(old)
+    return name

@@ -31,7 +31,7 @@ from draftsmith.recipe_checks import (
     check_data,
     check_eval,
     check_export,
-    check_finite,
+    check_finite_settings,
     check_inputs,
     check_monitor,
     check_outputs,
@@ -286,7 +286,7 @@ def validate(cfg: DictConfig, command: str = "train") -> DictConfig:
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
             raise UserError(f"{key}={value!r} is not one of {', '.join(allowed)}")
-    check_finite(OmegaConf.to_container(cfg))
+    check_finite_settings(OmegaConf.to_container(cfg))
     check_train(cfg.train, cfg.data, trains=builds_drafter(command, cfg))
     check_data(cfg.data)
     check_eval(cfg.eval)

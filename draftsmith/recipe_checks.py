@@ -41,14 +41,14 @@ def require_seed(value: int, key: str) -> None:
     require(value in SEED_RANGE, f"{key}={value} must be in 0 .. {SEED_RANGE[-1]}")
 
 
-def check_finite(settings: dict, prefix: str = "") -> None:
+def check_finite_settings(settings: dict, prefix: str = "") -> None:
     """Every number of the recipe (`settings`: it as a plain dict) is finite: inf passes the range checks
     (train.lr=inf > 0) and reaches the arithmetic (a run trained to non-finite weights), and nan passes a key
     that no range check compares."""
     for key, value in settings.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
-            check_finite(value, f"{name}.")
+            check_finite_settings(value, f"{name}.")
             continue
         numbers = value if isinstance(value, list) else [value]
         require(

@@ -95,7 +95,7 @@ def release_config(
 def write_release(model, directory: Path) -> None:
     """Save `model` (built_text_model_lm's) to `directory` as a release of its model type: its tensors under the
     release's names (the wrapper's conversion registered, which saving reverses), its config.json naming the release's
-    architecture, with `release_fields` beside transformers' own fields; without transformers' own form of what the
+    architecture, with `text_release_fields` beside transformers' own fields; without transformers' own form of what the
     release's fields say (OWN_FORMS), where transformers reads the config back the same without it."""
     from draftsmith.text_model_lm import register_text_conversion
 
@@ -106,7 +106,7 @@ def write_release(model, directory: Path) -> None:
     written = json.loads(path.read_text())
     written.pop("allow_global_per_layer_attribute_access", None)  # how draftsmith reads the config, not the release's
     config.architectures = written["architectures"] = [release_architecture(config.model_type)]  # saving set its class
-    written |= release_fields(config, model)
+    written |= text_release_fields(config, model)
     for form in OWN_FORMS:
         without = {name: value for name, value in written.items() if name != form}
         back = type(config).from_dict(without).to_dict()
@@ -115,7 +115,7 @@ def write_release(model, directory: Path) -> None:
     path.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
 
 
-def release_fields(config, model) -> dict[str, Any]:
+def text_release_fields(config, model) -> dict[str, Any]:
     """The fields a release carries beside transformers' own, from what `config` and `model` compute: the aliases of
     its class's `attribute_map` (`num_attention_groups`, `moe_num_experts`, ...); BIASED_ROUTER, FIXED_IN_CODE and
     RELEASE_CONSTANTS; rotary parameters set per layer kind, as per-layer lists (`rope_theta`,

@@ -23,7 +23,7 @@ log = logging.getLogger("draftsmith.eval")
 _PROVEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # whether a model's transformers code keeps its linear-attention states at every position (keeps_each_position)
 _RECORDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# models whose logits on a probe were finite (check_finite)
+# models whose logits on a probe were finite (check_finite_logits)
 _FINITE: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -34,7 +34,7 @@ def check_target(model, tree: bool = False, batch: bool = False, length: int = 4
     state can be kept and put back (linear and compressed attention, for chains: they read tokens in order). A tree,
     or a batch of rows (`batch`), is verified under explicit masks and positions (`check_explicit_masks`, at the
     longest context the run decodes, `length`)."""
-    check_finite(model)
+    check_finite_logits(model)
     implementation = getattr(model.config, "_attn_implementation", "eager")
     if implementation not in ("eager", "sdpa"):
         raise UserError(
@@ -71,7 +71,7 @@ def check_target(model, tree: bool = False, batch: bool = False, length: int = 4
 
 
 @torch.no_grad()
-def check_finite(model) -> None:
+def check_finite_logits(model) -> None:
     """A target whose logits are not finite (NaN or inf in its weights: a damaged file) is refused, proven once per
     model on a few tokens: the loop would decode its argmax of NaN as lossless, and the checks below would fail on
     their own arithmetic."""
@@ -151,24 +151,25 @@ def keeps_each_position(model) -> bool:
         if layers:  # which of the two the eval's speeds come from
             log.info(
                 "the target's linear-attention states: %s",
-                f"{KEPT}, as engines keep them"
+                f"{STATES_KEPT}, as engines keep them"
                 if _RECORDS[model]
-                else f"{FED_AGAIN} (its transformers code does not keep them per position)",
+                else f"{STATES_FED_AGAIN} (its transformers code does not keep them per position)",
             )
     return _RECORDS[model]
 
 
 # What the loop does after a rejected draft on a target whose layers read tokens in order (`rollback`)
-KEPT = "kept at each verify position"
-FED_AGAIN = "put back from a copy after a rejected draft, the accepted tokens fed again"
+STATES_KEPT = "kept at each verify position"
+STATES_FED_AGAIN = "put back from a copy after a rejected draft, the accepted tokens fed again"
 
 
 def rollback(model) -> str | None:
     """How the eval loop undoes a rejected draft in the layers that read tokens in order (`rollback` in report.json's
-    target section: which of the two the speeds come from): KEPT or FED_AGAIN; None where keys alone are cut."""
+    target section: which of the two the speeds come from): STATES_KEPT or STATES_FED_AGAIN; None where keys alone are
+    cut."""
     if not reads_in_order(model.config):
         return None
-    return KEPT if keeps_each_position(model) else FED_AGAIN
+    return STATES_KEPT if keeps_each_position(model) else STATES_FED_AGAIN
 
 
 def _records_each_position(model, cache, layers: list) -> bool:

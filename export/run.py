@@ -11,7 +11,6 @@ folder). Pushing comes last.
 from __future__ import annotations
 
 import json
-import logging
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
@@ -58,7 +57,6 @@ from draftsmith.target import (
 )
 
 EXPORT_FORMAT = 1
-log = logging.getLogger("draftsmith.export")
 
 
 def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, engines=None, served=None) -> dict[str, Path]:

@@ -48,9 +48,7 @@ from draftsmith.formats.repo import (
 )
 from draftsmith.formats.versions import CPU_BUILD
 from draftsmith.heads import drafter_class
-from draftsmith.heads.dflash_released import ENCODER_NAMES, LAYOUT, encoder_layout, released_names
-
-FAMILIES = ("llama", "qwen3")  # draft layers vLLM's Qwen3 DFlash layer reproduces (with q/k norms)
+from draftsmith.heads.dflash_released import ENCODER_NAMES, FAMILIES, LAYOUT, encoder_layout, released_names
 
 
 def backbone_parts(layer: dict[str, Any], settings) -> tuple[dict[str, Any], dict[str, tuple], dict[str, Any]]:

@@ -43,8 +43,6 @@ CPU_BUILD_LIMIT = (
     "it drafts DSpark only in its model runner V2, which needs Triton's GPU backend (measured: "
     '"Model Runner V1 does not support: dspark speculative decoding")'
 )
-SETTINGS = ("tree_topk", "anchors", "loss", "loss_decay", "loss_weighting", "dpace_alpha", "confidence_weight",
-            "confidence_decay", "adaptive_verification")  # fmt: skip  # settings draftsmith_export.json carries back
 
 
 @register
@@ -143,7 +141,9 @@ class DSparkExporter(DFlashExporter):
         }
         if dspark_gemma4.ARCHITECTURE in config.get("architectures", []):
             settings["layer_family"] = dspark_gemma4.FAMILY
-        settings |= {key: value for key, value in info.get("drafter_config", {}).items() if key in SETTINGS}
+        # the settings draftsmith_export.json carries back (the engine's folder has no field for them)
+        carried = info.get("drafter_config", {})
+        settings |= {key: value for key, value in carried.items() if key in dspark.Config.SETTINGS}
         drafter = dspark.from_target(dspark.Config(**settings), target_model, info.get("verifier", "target"))
         if "layer_family" not in settings:  # the engine builds the folder's layers (Gemma-4's config names its own)
             check_block_layers(folder, config, drafter)

@@ -40,6 +40,7 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from draftsmith.errors import UserError
+from draftsmith.families import layer_window
 from draftsmith.formats import Exporter, Source, register
 from draftsmith.formats.eagle3_layout import (
     EXTENSIONS,
@@ -53,7 +54,6 @@ from draftsmith.formats.eagle3_layout import (
     extension_values,
     folder_target,
     layer_expected,
-    layer_window,
     refuse_unhonoured,
     same_values,
     vllm_ids,

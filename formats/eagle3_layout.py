@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar
 
 import torch
 
@@ -114,14 +114,6 @@ def refuse_unhonoured(folder: Path, layer: dict[str, Any], ours: list[int], num_
             f"{folder}: {layer['num_hidden_layers']} draft layers; draftsmith's EAGLE-3 has one (as vLLM's and "
             "SGLang's layouts)"
         )
-
-
-def layer_window(layer: dict[str, Any]) -> Optional[int]:
-    """The draft layer's sliding window as vLLM reads a layer config (Llama's and Qwen3's EAGLE-3
-    layers): `sliding_window` where `layer_types` makes the first layer "sliding_attention", else None."""
-    if (layer.get("layer_types") or [None])[0] == SLIDING and layer.get("sliding_window") is not None:
-        return int(layer["sliding_window"])
-    return None
 
 
 def window_keys(drafter) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Reading a drafter folder, for every stage that reads one: eval and the monitor evaluate it, the export
 reads its own folders back, and training warm-starts from it. A folder is a draftsmith checkpoint
-(`heads.load_drafter`) or an engine folder (an export's `vllm/` or `sglang/`, or one speculators saved),
+(`heads.base.load_drafter`) or an engine folder (an export's `vllm/` or `sglang/`, or one speculators saved),
 read through the export formats' registry, where each format's writer and reader live together.
 
 Which folder a command reads: `checkpoint=`, else the run's own `<output_dir>/final`. Only the

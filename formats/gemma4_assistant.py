@@ -48,7 +48,6 @@ from draftsmith.heads.gemma4_assistant import GENERATION, OWN_TABLE, RELEASED_TA
 from draftsmith.heads.gemma4_assistant_config import ASSISTANTS
 from draftsmith.heads.mtp import text_fields
 
-SETTINGS = ("ttt_steps", "ttt_decay")  # training settings the engine does not carry
 ORDERED_ON_CPU = (
     "it builds no assistant with ordered embeddings (centroids): RuntimeError: Tried to instantiate dummy base "
     "class CUDAGraph"
@@ -186,6 +185,8 @@ class AssistantExporter(Exporter):
         self, folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], target_model, info: dict[str, Any]
     ):
         # the folder is a released assistant's (this export's, or Google's): the kind starts from it as from one
-        settings = {key: value for key, value in info.get("drafter_config", {}).items() if key in SETTINGS}
+        # the training settings draftsmith_export.json carries back (the engine's folder has no field for them)
+        kept = Gemma4Assistant.Config.SETTINGS
+        settings = {key: value for key, value in info.get("drafter_config", {}).items() if key in kept}
         config = Gemma4Assistant.Config(released_assistant=str(folder), **settings)
         return Gemma4Assistant.from_target(config, target_model, info.get("verifier", "target"))

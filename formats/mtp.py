@@ -99,7 +99,7 @@ def compress_ratios(config: dict) -> dict:
     return {"compress_ratios": [*ratios[:layers], 0]}
 
 
-def served_config(name_or_path: str, loaded: dict, depths: int) -> dict:
+def served_target_config(name_or_path: str, loaded: dict, depths: int) -> dict:
     """The config.json vLLM builds `depths` MTP depths of the target at `name_or_path` (`loaded`: its config as
     transformers loads it, dict form) from: the target's as shipped, with what vLLM reads for those depths."""
     layout = layout_of(loaded)
@@ -126,9 +126,9 @@ UNBUILT_KEYS = (
 
 
 def require_served_config(folder: Path, config: dict, target_model, depths: int) -> None:
-    """The folder's config.json is the one vLLM would serve the target's MTP layer from (`served_config`), key by key
-    where both set one: draftsmith builds the layer from the target's config, vLLM from the folder's."""
-    served = served_config(target_model.name_or_path, loaded_config(target_model), depths)
+    """The folder's config.json is the one vLLM would serve the target's MTP layer from (`served_target_config`), key
+    by key where both set one: draftsmith builds the layer from the target's config, vLLM from the folder's."""
+    served = served_target_config(target_model.name_or_path, loaded_config(target_model), depths)
     ours, theirs = text_fields(config), text_fields(served)
     differ = [
         f"{key}={json.dumps(ours[key])} (the target's: {json.dumps(theirs[key])})"
@@ -210,7 +210,7 @@ class MtpExporter(Exporter):
         name_or_path = source.target.shape.name_or_path
         loaded = loaded_config(source.target_model)
         layout = layout_of(loaded)
-        config = served_config(name_or_path, loaded, depths)
+        config = served_target_config(name_or_path, loaded, depths)
         layers = decoder_layers(text_fields(config))
         written = source.drafter.checkpoint_tensors().items()
         tensors = {mtp_depths.release_name(layout, name, layers): tensor for name, tensor in written}

@@ -50,7 +50,7 @@ def check_mask_token(mask_token_id: Optional[int], target: Optional[TargetShape]
         )
 
 
-def check_layer_ids(layers: list[int], num_layers: int, key: str, default: Optional[str], advice: str) -> None:
+def check_tap_layers(layers: list[int], num_layers: int, key: str, default: Optional[str], advice: str) -> None:
     """One-line UserErrors for target layer ids (draftsmith's convention, draftsmith.target) that a
     drafter concatenates: none given, ids the target lacks, or not strictly increasing (the engines
     concatenate the captured states in layer order). `default` describes the rule that chose the ids

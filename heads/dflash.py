@@ -67,13 +67,13 @@ import torch
 from torch import nn
 
 from draftsmith.errors import UserError
-from draftsmith.families import layer_family, tap_layers
+from draftsmith.families import layer_family, layer_window, tap_layers
 from draftsmith.heads import register
 from draftsmith.heads.base import filled_from_target, per_sample_stats
 from draftsmith.heads.dflash_config import DFlashConfig
 from draftsmith.heads.dflash_gemma4 import FullAttentionRope, Gemma4DFlashLayer
 from draftsmith.heads.dflash_laguna import GatedDFlashLayer, is_gated, tap_norms
-from draftsmith.heads.dflash_layer import DFlashLayer, add_qk_norm, layer_window, within
+from draftsmith.heads.dflash_layer import DFlashLayer, add_qk_norm, within
 from draftsmith.heads.dflash_proposer import DFlashProposer
 from draftsmith.heads.dflash_released import start_from_release
 from draftsmith.heads.eagle_base import EagleBase, import_qualified, start_from_norm
@@ -133,6 +133,8 @@ class DFlash(EagleBase):
             self.rotary_emb = FullAttentionRope(self.rotary_emb)
         self.norm = copy.deepcopy(family_layers[0].input_layernorm)
         # Each layer's sliding window (None: full attention): a released drafter's layers may have one
+        # a query at position p sees the keys at p - window < j < p + window: vLLM's non-causal attention's window
+        # ((window - 1, window - 1) in flash-attention's terms)
         self.windows = [layer_window(self.layer_config, i) for i in range(config.num_layers)]
         narrow = [window for window in self.windows if window is not None and window < config.block_size]
         if narrow:

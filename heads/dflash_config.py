@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, ClassVar, Optional
 from draftsmith.errors import UserError
 from draftsmith.families import layer_family
 from draftsmith.heads import register_config
-from draftsmith.heads.config import DrafterConfig, check_layer_ids, check_mask_token
+from draftsmith.heads.config import DrafterConfig, check_mask_token, check_tap_layers
 
 if TYPE_CHECKING:
     from draftsmith.target import TargetShape
@@ -91,7 +91,7 @@ class DFlashBlockConfig(DrafterConfig):
                 None if self.target_layers is not None else "DFlash's default target layers (spread over [1, L-3])"
             )
             layers, last = self.layers_for(target.num_hidden_layers), target.num_hidden_layers - 1
-            check_layer_ids(layers, target.num_hidden_layers, "drafter.target_layers", default, "distinct layers")
+            check_tap_layers(layers, target.num_hidden_layers, "drafter.target_layers", default, "distinct layers")
             if last in layers:  # trains and evals here; no engine serves it
                 logging.getLogger(__name__).warning(
                     "drafter.target_layers %s hold layer %d, the target's post-norm last state, which vLLM cannot "

@@ -5,13 +5,10 @@ stacks these layers and trains them (heads/dflash.py, whose docstring describes 
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
 from draftsmith.errors import UserError
-from draftsmith.families import SLIDING
 
 
 def add_qk_norm(layer: nn.Module, config) -> None:
@@ -22,16 +19,6 @@ def add_qk_norm(layer: nn.Module, config) -> None:
     for name in ("q_norm", "k_norm"):
         if getattr(attention, name, None) is None:
             setattr(attention, name, type(layer.input_layernorm)(head_dim, eps=getattr(config, "rms_norm_eps", 1e-6)))
-
-
-def layer_window(config, index: int) -> Optional[int]:
-    """Draft layer `index`'s sliding window from its layers' config (`layer_types`, `sliding_window`): a query at
-    position p sees the keys at positions p - window < j < p + window, the window vLLM's non-causal attention
-    applies ((window - 1, window - 1) in flash-attention's terms); None: every key (full attention)."""
-    kinds = getattr(config, "layer_types", None)
-    if not kinds or kinds[index] != SLIDING:
-        return None
-    return int(config.sliding_window)
 
 
 def within(

@@ -8,7 +8,7 @@ settings under `dflash_config`. The *encoder layout* (transformers' DFlash assis
 `encoder.fc` and `encoder.output_norm_enc` (vLLM 0.32 builds it as its generic DFlash, qwen3_dflash.py renaming those
 to `fc` and `hidden_norm`). Its layers compute draftsmith's DFlash layers: Llama's function with per-head q/k norms,
 non-causal over [context ; block], a sliding window on the layers its `layer_types` mark sliding
-(heads/dflash_layer.py `layer_window`). The export writes such a drafter back in the encoder layout, its
+(draftsmith/families.py `layer_window`). The export writes such a drafter back in the encoder layout, its
 config as released plus a `dflash_config` (its settings again, where vLLM's model runner V1 reads them, and
 `causal: false`, what vLLM's config for it sets), so the export starts a later run the same way.
 """
@@ -27,6 +27,7 @@ from draftsmith.errors import UserError, one_line
 from draftsmith.families import FULL, SLIDING
 from draftsmith.files import read_json, require_readable
 from draftsmith.heads.eagle_base import decoder_spec
+from draftsmith.model_files import prefix_renamed
 
 ENCODER_NAMES = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}  # released -> draftsmith's
 LAYOUT = "released_layout"  # the decoder's key holding an encoder-layout folder's config, for the export
@@ -49,12 +50,7 @@ def encoder_layout(config: dict[str, Any], tensors) -> bool:
 
 def renamed(tensors: dict[str, torch.Tensor], names: dict[str, str]) -> dict[str, torch.Tensor]:
     """`tensors` with each name starting with a key of `names` given that key's value instead."""
-
-    def rename(name: str) -> str:
-        old = next((old for old in names if name.startswith(old)), None)
-        return name if old is None else names[old] + name[len(old) :]
-
-    return {rename(name): tensor for name, tensor in tensors.items()}
+    return {prefix_renamed(name, names.items()): tensor for name, tensor in tensors.items()}
 
 
 def released_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

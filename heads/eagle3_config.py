@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Optional
 from draftsmith.errors import UserError
 from draftsmith.families import layer_family
 from draftsmith.heads import register_config
-from draftsmith.heads.config import DrafterConfig, check_layer_ids, check_mask_token, check_tree_settings
+from draftsmith.heads.config import DrafterConfig, check_mask_token, check_tap_layers, check_tree_settings
 
 if TYPE_CHECKING:
     from draftsmith.target import TargetShape
@@ -80,7 +80,7 @@ class Eagle3Config(DrafterConfig):
         check_mask_token(self.mask_token_id, target, "drafter.parallel_drafting=true" if self.parallel_drafting else "")
         if target is not None:
             default = None if self.aux_layers is not None else "EAGLE-3's default aux layers [1, L//2-1, L-4]"
-            check_layer_ids(
+            check_tap_layers(
                 self.layers_for(target.num_hidden_layers),
                 target.num_hidden_layers,
                 "drafter.aux_layers",

@@ -39,7 +39,6 @@ export: vLLM never drafts its `suppress_tokens` (their logits -inf), nor does th
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import replace
 from typing import Any, Optional
 
@@ -47,7 +46,7 @@ import torch
 from torch import nn
 
 from draftsmith.errors import UserError
-from draftsmith.families import within_window
+from draftsmith.families import FULL, SLIDING, family_rotation, within_window
 from draftsmith.heads import register
 from draftsmith.heads.base import Drafter, FlopProfile, filled_from_target
 from draftsmith.heads.gemma4_assistant_config import ASSISTANTS, AssistantConfig
@@ -57,7 +56,6 @@ from draftsmith.heads.vocab_loss import chunk_rows_for, steps_ahead_loss
 from draftsmith.model_files import TRANSFORMERS_LAYERS, read_pretrained
 from draftsmith.target import FeatureRequest, TargetOutput, TargetShape, local_target_config
 
-SLIDING, FULL = "sliding_attention", "full_attention"
 FRESH_LAYERS = 2  # a fresh assistant's layers (drafter.num_layers null): a sliding-window one, a full-attention one
 # The released names of the assistant's vocabulary table and the drafter's (module docstring).
 OWN_TABLE, RELEASED_TABLE = "lm_head.weight", "model.embed_tokens.weight"
@@ -265,8 +263,7 @@ class Gemma4Assistant(Drafter):
             keys = attention.k_proj(hidden).view(shape)
             values = attention.v_proj(hidden).view(shape) if attention.v_proj is not None else keys
             cos, sin = decoder.rotary_emb(hidden, places, kind)
-            rotate = importlib.import_module(type(attention).__module__).apply_rotary_pos_emb
-            keys = rotate(attention.k_norm(keys), cos, sin, unsqueeze_dim=2).transpose(1, 2)
+            keys = family_rotation(attention)(attention.k_norm(keys), cos, sin, unsqueeze_dim=2).transpose(1, 2)
             shared[kind] = (keys, attention.v_norm(values).transpose(1, 2))
         return shared
 

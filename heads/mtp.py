@@ -336,7 +336,7 @@ class Mtp(EagleBase):
         if self.layout.target_scales and getattr(self.layer_config, "use_embed_norm", False):
             embedded = self.target_modules()[0].embed_norm(embedded)  # the target's, as its layers read it
         if self.layout.streams:
-            parts = streams_parts(self.layout)
+            parts = mtp_depths.streams_parts(self.layout)
             hidden = parts.combine(held, embedded, features)
             arguments = parts.block_arguments(self, hidden, positions, mask)
         else:
@@ -353,7 +353,7 @@ class Mtp(EagleBase):
 
     def head_input(self, fed_back: torch.Tensor, depth: int = 0) -> torch.Tensor:
         if self.layout.streams:
-            return streams_parts(self.layout).head_input(mtp_depths.part(self, depth), fed_back)
+            return mtp_depths.streams_parts(self.layout).head_input(mtp_depths.part(self, depth), fed_back)
         as_fed = self.layout.feeds_back_normed or not self.layout.final_norm  # else depth's final norm
         normed = fed_back if as_fed else mtp_depths.part(self, depth).final_norm(fed_back)
         # vLLM's logits of a layout that scales them: the lm_head's on the state divided by the muP multiplier
@@ -429,13 +429,7 @@ def final_norm_of(decoder: nn.Module) -> nn.Module:
     return decoder.hyper_connection_mixer.hc_norm
 
 
-def streams_parts(layout: Layout):
-    """The module computing a streams layout's layer around its block: DeepSeek-V4's, or gated residuals'."""
-    return mtp_gated if layout.gated else mtp_streams
-
-
 def wrapper_names(layout: Layout) -> dict[str, str]:
     """The drafter's parameters around the block -> their names in the checkpoint (under the layer's prefix)."""
-    roles = streams_parts(layout).ROLES if layout.streams else WRAPPER
-    names = {f"{own}.weight": f"{theirs}.weight" for own, theirs in zip(roles, layout.names)}
-    return names | (streams_parts(layout).COLLAPSE_NAMES if layout.streams else {})
+    names = {f"{own}.weight": f"{theirs}.weight" for own, theirs in zip(mtp_depths.roles_of(layout), layout.names)}
+    return names | (mtp_depths.streams_parts(layout).COLLAPSE_NAMES if layout.streams else {})

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftsmith.families import family_rotation
 from draftsmith.heads import mtp_pooled
-from draftsmith.heads.mtp_gated import rotate
 
 
 def attention(attn: nn.Module, hidden: torch.Tensor, seen: torch.Tensor, rope, cache=None) -> torch.Tensor:
@@ -36,7 +36,7 @@ def attention(attn: nn.Module, hidden: torch.Tensor, seen: torch.Tensor, rope, c
     query = attn.q_norm(attn.q_proj(hidden).view(shape)).transpose(1, 2)
     key = attn.k_norm(attn.k_proj(hidden).view(shape)).transpose(1, 2)
     value = attn.v_proj(hidden).view(shape).transpose(1, 2)
-    query, key = rotate(attn)(query, key, *rope)
+    query, key = family_rotation(attn)(query, key, *rope)
     if cache is not None:
         key, value = cache.update(key, value, attn.layer_idx)
     picked = selection(attn.indexer, hidden, rope, seen[:, 0], cache)  # [B, index heads, Q, K]
@@ -66,7 +66,7 @@ def selection(indexer: nn.Module, hidden: torch.Tensor, rope, seen: torch.Tensor
     queries = indexer.q_norm(indexer.q_proj(hidden).view(batch, length, -1, dim)).transpose(1, 2)
     keys = indexer.k_norm(indexer.k_proj(hidden).view(batch, length, 1, dim)).transpose(1, 2)
     cos, sin = rope
-    queries, keys = rotate(indexer)(queries, keys, cos[..., :dim], sin[..., :dim])
+    queries, keys = family_rotation(indexer)(queries, keys, cos[..., :dim], sin[..., :dim])
     if cache is not None:
         keys = cache.layers[indexer.layer_idx].update_index(keys)
     queries, keys = queries.float(), keys.float()

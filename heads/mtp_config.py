@@ -47,4 +47,4 @@ class MtpConfig(DrafterConfig):
             from draftsmith.heads.mtp import check_target_folder
 
             check_target_folder(target.name_or_path, self.feeds_back_normed, self.masks_first_position)
-            mtp_depths.check_target_folder(target.name_or_path, self.mtp_depths)
+            mtp_depths.check_target_depths(target.name_or_path, self.mtp_depths)

@@ -47,7 +47,7 @@ from torch import nn
 
 from draftsmith.errors import UserError
 from draftsmith.families import within_window
-from draftsmith.heads import mtp_streams
+from draftsmith.heads import mtp_gated, mtp_streams
 from draftsmith.heads.eagle_base import import_qualified
 from draftsmith.heads.mtp_family import decoder_layers
 from draftsmith.heads.mtp_layer import (
@@ -68,9 +68,15 @@ DEPTHS = "depths."  # how the drafter names a later depth's tensors: depths.{j}.
 WRAPPER = ("embed_norm", "hidden_norm", "proj", "final_norm")
 
 
+def streams_parts(layout: Layout):
+    """The module computing a streams layout's layer around its block: DeepSeek-V4's, or gated residuals'."""
+    return mtp_gated if layout.gated else mtp_streams
+
+
 def roles_of(layout: Layout) -> tuple[str, ...]:
-    """The wrapper's roles in `Layout.names` order: a streams layout's two projections (DeepSeek-V4's), else one."""
-    return mtp_streams.ROLES if layout.streams else WRAPPER
+    """The wrapper's roles in `Layout.names` order: a streams layout's two projections (DeepSeek-V4's, or gated
+    residuals'), else one."""
+    return streams_parts(layout).ROLES if layout.streams else WRAPPER
 
 
 def count(layer_config) -> int:
@@ -124,7 +130,7 @@ def check_requested(config: dict, layout: Layout, depths: Optional[int]) -> None
         check_layer_0_kind(config.get("text_config") or config, layout, depths)
 
 
-def check_target_folder(name_or_path: str, depths: Optional[int]) -> None:
+def check_target_depths(name_or_path: str, depths: Optional[int]) -> None:
     """`check_requested` for a local target, at the recipe's check (a Hub id is checked when its layer is read)."""
     path = Path(name_or_path) / "config.json"
     if depths is not None and path.is_file():
@@ -172,7 +178,7 @@ def block_at(layout: Layout) -> str:
 def own_names(layout: Layout) -> dict[str, str]:
     """A depth's wrapper parameters -> their names under its prefix (a streams layout's collapse, its hc_head, too)."""
     names, roles = dict(zip(roles_of(layout), layout.names)), own_roles(layout)
-    collapse = mtp_streams.COLLAPSE_NAMES if layout.streams and roles else {}
+    collapse = streams_parts(layout).COLLAPSE_NAMES if layout.streams and roles else {}
     return {f"{role}.weight": f"{names[role]}.weight" for role in roles} | collapse
 
 
@@ -233,7 +239,7 @@ def part(drafter: nn.Module, depth: int):
     if depth == 0:
         return drafter
     own = drafter.depths[depth - 1]
-    every = (*WRAPPER, *mtp_streams.ROLES, "collapse", "block")
+    every = (*WRAPPER, *mtp_streams.ROLES, *mtp_gated.ROLES, "collapse", "block")
     roles = (role for role in dict.fromkeys(every) if hasattr(own, role) or hasattr(drafter, role))
     return SimpleNamespace(**{role: getattr(own if hasattr(own, role) else drafter, role) for role in roles})
 

@@ -22,12 +22,11 @@ its first key's position; in every mask draftsmith builds a key's rank among tho
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftsmith.families import family_rotation
 from draftsmith.heads import mtp_pooled
 
 # The drafter's modules around the block, by role; the layout names them as the release does.
@@ -86,11 +85,6 @@ class GatedBlock(nn.Module):
         return flat.unflatten(-1, hidden_states.shape[-2:])
 
 
-def rotate(attn: nn.Module):
-    """transformers' rotary application of the family (partial rotary where its table is narrower than a head)."""
-    return sys.modules[type(attn).__module__].apply_rotary_pos_emb
-
-
 def attention(attn: nn.Module, hidden: torch.Tensor, seen: torch.Tensor, rope, rotary: nn.Module, cache=None):
     """Qwen4ExpTextAttention `attn` on `hidden` [B, Q, H] (its gated output), `seen` [B, 1, Q, K] (boolean: which of
     the cache's keys, these queries' own last, each query may see), `rope` its queries' (cos, sin)."""
@@ -100,7 +94,7 @@ def attention(attn: nn.Module, hidden: torch.Tensor, seen: torch.Tensor, rope, r
     query = attn.q_norm(query).transpose(1, 2)
     key = attn.k_norm(attn.k_proj(hidden).view(shape)).transpose(1, 2)
     value = attn.v_proj(hidden).view(shape).transpose(1, 2)
-    query, key = rotate(attn)(query, key, *rope)
+    query, key = family_rotation(attn)(query, key, *rope)
     if cache is not None:
         key, value = cache.update(key, value, attn.layer_idx)
     attended = seen & selection(attn, hidden, rope, seen[:, 0], rotary, cache)[:, None]
@@ -116,7 +110,7 @@ def selection(attn: nn.Module, hidden: torch.Tensor, rope, seen: torch.Tensor, r
     batch, length = hidden.shape[:2]
     dim = indexer.index_head_dim
     queries, keys = indexer.index_qk_proj(hidden).split([indexer.index_n_heads * dim, dim], dim=-1)
-    queries = rotate(attn)(indexer.q_layernorm(queries.view(batch, length, -1, dim)), cos=rope[0], sin=rope[1],
+    queries = family_rotation(attn)(indexer.q_layernorm(queries.view(batch, length, -1, dim)), cos=rope[0], sin=rope[1],
                            unsqueeze_dim=2)  # fmt: skip
     if cache is not None:
         keys = cache.update_indexer(keys, indexer.layer_idx)
@@ -140,7 +134,7 @@ def pooled_pick(attn: nn.Module, keys: torch.Tensor, queries: torch.Tensor, seen
     summed = keys.new_zeros((*member.shape[:2], pools, dim), dtype=torch.float32)
     summed = summed.scatter_add(2, slot, keys.float()[:, None].expand(*member.shape, dim) * member[..., None])
     pooled = indexer.k_layernorm((summed / ratio).to(keys.dtype))
-    pooled = rotate(attn)(pooled, cos=pool_rope[0], sin=pool_rope[1], unsqueeze_dim=1)
+    pooled = family_rotation(attn)(pooled, cos=pool_rope[0], sin=pool_rope[1], unsqueeze_dim=1)
     scores = F.relu(torch.einsum("bchd,bcpd->bcph", queries.float(), pooled.float())).sum(-1) / dim**0.5
     chosen = mtp_pooled.best_pools(scores, complete, pool, member, indexer.block_topk)
     return chosen | (seen & (rank >= complete * ratio))  # and the unfinished pool's keys

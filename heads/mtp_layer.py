@@ -27,7 +27,7 @@ from draftsmith.heads.base import WEIGHTS_NAME
 from draftsmith.heads.eagle_base import import_qualified
 from draftsmith.heads.mtp_family import decoder_layers
 from draftsmith.heads.mtp_plain import kept, strip
-from draftsmith.model_files import TRANSFORMERS_LAYERS, checkpoint_folder, tensor_names
+from draftsmith.model_files import TRANSFORMERS_LAYERS, checkpoint_folder, prefix_renamed, tensor_names
 from draftsmith.target import shipped_config_json
 
 
@@ -366,7 +366,8 @@ def block_from_checkpoint(tensors: dict[str, torch.Tensor], spec: dict, layout: 
     config, auto, at = carrier(spec, layout)
     with tempfile.TemporaryDirectory() as tmp:
         config.save_pretrained(tmp)
-        named = {f"{at}{renamed(name, layout.block_renames)}": tensor.contiguous() for name, tensor in tensors.items()}
+        renames = layout.block_renames
+        named = {f"{at}{prefix_renamed(name, renames)}": tensor.contiguous() for name, tensor in tensors.items()}
         save_file(named, str(Path(tmp) / WEIGHTS_NAME), metadata={"format": "pt"})
         with quiet_transformers():
             model, info = auto.from_pretrained(
@@ -409,12 +410,4 @@ def block_to_checkpoint(block: nn.Module, spec: dict, layout: Layout) -> dict[st
         first = next(iter(layer.state_dict()))
         at = next(name.removesuffix(first) for name in saved if name.endswith(f".{first}"))
     saved_block = {name.removeprefix(at): tensor for name, tensor in saved.items() if name.startswith(at)}
-    return {renamed(name, release): tensor.to(dtype) for name, tensor in saved_block.items()}
-
-
-def renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
-    """A block tensor's name with its leading module renamed by the first (from, to) pair it starts with."""
-    for old, new in renames:
-        if name.startswith(old):
-            return new + name.removeprefix(old)
-    return name
+    return {prefix_renamed(name, release): tensor.to(dtype) for name, tensor in saved_block.items()}

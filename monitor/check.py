@@ -158,7 +158,7 @@ def measure_and_decide(cfg: DictConfig, directory: Path, state: State, deployed:
             state.last_check["time"],
             record["time"],
         )
-    folder, record_path = check_paths(directory, state.checks)
+    folder, record_path = check_record_paths(directory, state.checks)
     # a check killed before its record was saved left its folder under the number this one takes; nothing reads it
     shutil.rmtree(folder, ignore_errors=True)
     try:
@@ -203,7 +203,7 @@ def retrain(cfg: DictConfig, directory: Path, state: State) -> Outcome:
     of the check that started it, which recorded DRIFT before the retraining ran."""
     from draftsmith.monitor.pipeline import run_pipeline
 
-    started_by = check_paths(directory, int(state.pipeline["id"].rsplit("_", 1)[1]))[1]
+    started_by = check_record_paths(directory, int(state.pipeline["id"].rsplit("_", 1)[1]))[1]
     outcome = run_pipeline(cfg, directory, state)
     if started_by.is_file():  # else a state from before the check records (nothing to write back to)
         record = json.loads(started_by.read_text())
@@ -355,7 +355,7 @@ def decide(
     return Outcome.DRIFT, "retrain"
 
 
-def check_paths(directory: Path, number: int) -> tuple[Path, Path]:
+def check_record_paths(directory: Path, number: int) -> tuple[Path, Path]:
     """Check `number`'s folder (its traffic sample and the replay's eval) and its record."""
     return directory / "checks" / f"{number:05d}", directory / "checks" / f"{number:05d}.json"
 
@@ -415,7 +415,7 @@ def drifted_domains(record: dict[str, Any]) -> list[str]:
 
 
 def write_record(directory: Path, number: int, record: dict[str, Any], now: float) -> Path:
-    path = check_paths(directory, number)[1]
+    path = check_record_paths(directory, number)[1]
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(record, indent=2, default=str) + "\n")
     from torch.utils.tensorboard import SummaryWriter

@@ -742,12 +742,13 @@ def test_a_multi_stream_targets_taps_are_vllms_mean_of_each_layers_mixed_streams
 def test_drafters_that_tap_a_multi_stream_target_train_and_decode_losslessly(recipe, tmp_path, small_data, token_cache):
     """`train.py` on a tiny DeepSeek-V4 (its config.json: hc_mult streams): a drafter that taps its layers trains,
     and its eval decodes the target's own tokens (chains, prompts one at a time: compressed attention)."""
-    from draftsmith.eval.target_checks import FED_AGAIN
+    from draftsmith.eval.target_checks import STATES_FED_AGAIN
     from draftsmith.random_target import write_random_target
 
     target = write_random_target("deepseek_v4", tmp_path / "target", hidden_size=64, intermediate_size=128)
     report = trains_and_decodes_its_target_losslessly(recipe, target, tmp_path, small_data, token_cache)
-    assert report["target"]["rollback"] == FED_AGAIN  # compressed attention's pooled entries: no per-position states
+    # compressed attention's pooled entries: no per-position states
+    assert report["target"]["rollback"] == STATES_FED_AGAIN
 
 
 def test_a_linear_attention_target_refuses_an_eval_it_cannot_run_before_training(

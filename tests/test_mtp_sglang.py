@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from draftsmith.errors import UserError
 from draftsmith.formats import Source, exporter_for
-from draftsmith.formats.mtp import served_config
+from draftsmith.formats.mtp import served_target_config
 from draftsmith.formats.mtp_sglang import COMPUTED_AS, DRAFT_KEYS, computed_as, sglang_model
 from draftsmith.formats.repo import EngineRepo, TargetInfo, check_tensors
 from draftsmith.heads import drafter_class
@@ -181,7 +181,7 @@ def test_a_layer_trained_for_sglang_exports_to_the_folder_its_nextn_model_reads(
     exporter = exporter_for("mtp")
     repo = exporter.build("sglang", source, 3, tmp_path / "sglang")
     check_tensors(repo, "export")
-    served = served_config(str(folder), loaded_config(model), 1)
+    served = served_target_config(str(folder), loaded_config(model), 1)
     if family in SHARING:
         assert text_fields(served)["index_share_for_mtp_iteration"] and "selection" in repo.conventions
         assert not text_fields(repo.config)["index_share_for_mtp_iteration"]

@@ -213,13 +213,13 @@ def test_a_draft_of_mamba2_and_experts_alone_is_refused_in_one_line(model):
 def test_train_py_trains_and_its_eval_decodes_the_target_losslessly(recipe, tmp_path, small_data, token_cache):
     """`train.py` on a tiny Nemotron-H target folder (config.json, safetensors, the demo's tokenizer): the drafter
     trains, and the eval stage decodes the target's own tokens (chains, prompts one at a time)."""
-    from draftsmith.eval.target_checks import KEPT
+    from draftsmith.eval.target_checks import STATES_KEPT
 
     target = write_random_target(
         "nemotron_h", tmp_path / "target", hidden_size=64, intermediate_size=128, head_dim=16, **MAMBA
     )
     report = trains_and_decodes_its_target_losslessly(recipe, target, tmp_path, small_data, token_cache)
-    assert report["target"]["rollback"] == KEPT  # which way the report's speeds were measured
+    assert report["target"]["rollback"] == STATES_KEPT  # which way the report's speeds were measured
 
 
 # -- its MTP layer -----------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The fields a tiny target's config.json carries as its family's releases do (draftsmith.random_target's
+"""The fields a tiny target's config.json carries as its family's releases do (draftsmith.declared_fields's
 `release_fields`), which vLLM reads where transformers has others or none: each equal to what transformers computes
 from the written folder (its modules, its rotary embedding, its config read back), none of them changing the target
 transformers builds, and none written for a family whose engines read the name otherwise."""
