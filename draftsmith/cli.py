@@ -218,7 +218,11 @@ DATA_LINES_SAID = SaidOnce()  # one per process: the stderr handler's (configure
 
 
 def on_stderr(record: logging.LogRecord) -> bool:
-    """A logger filter: the record handled by the root logger's handlers (stderr), not by its logger's own."""
+    """A logger filter: the record handled by the root logger's handlers (stderr), not by its logger's own. DeepSpeed's
+    import on a machine without a GPU says it "was unable to detect" one on every command that loads a model: the
+    CPU run draftsmith was asked for, not a fault, so it is not said."""
+    if record.getMessage().startswith("Setting accelerator to CPU"):
+        return False
     for handler in logging.getLogger().handlers:
         if record.levelno >= handler.level:
             handler.handle(record)

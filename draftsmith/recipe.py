@@ -124,7 +124,7 @@ def compose(recipe: str, overrides: Sequence[str]) -> DictConfig:
             if isinstance(current, ListConfig) and isinstance(value, str):
                 value = [value]  # `data.train=file.jsonl` means a list of one file
             if current is _ABSENT:
-                raise UserError(f"unknown recipe key {key!r} (override {key}={value})")
+                raise UserError(f"unknown recipe key {key!r} (override {key}={value}){closest_key(cfg, key)}")
             try:
                 OmegaConf.update(cfg, key, value, merge=False)
             except OmegaConfBaseException as err:
@@ -145,6 +145,21 @@ RECIPE_SECTIONS = (
     "drafter",
     *(n for n, t in typing.get_type_hints(RecipeSchema).items() if dataclasses.is_dataclass(t)),
 )
+
+
+def closest_key(cfg: DictConfig, key: str) -> str:
+    """`: did you mean KEY?` with the recipe key most like `key` (a misspelling's), or nothing."""
+    import difflib
+
+    def keys(node: Any, prefix: str) -> list[str]:
+        if not isinstance(node, dict):
+            return [prefix]
+        return [path for name, value in node.items() for path in keys(value, f"{prefix}{name}.")]
+
+    known = [path.rstrip(".") for path in keys(OmegaConf.to_container(cfg, throw_on_missing=False), "")]
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+    return f": did you mean {close[0]}?" if close else ""
+
 
 # Keys an earlier draftsmith read, and the key that means the same now: one line instead of "unknown key".
 RENAMED = {"drafter.path": "checkpoint", "monitor.deployed": "checkpoint"}

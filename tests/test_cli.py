@@ -319,3 +319,18 @@ def test_a_command_with_an_output_argument_prints_its_recipe_and_names_itself_as
     assert_one_line_error(done, 2, "usage: python -m draftsmith.data_prep.speculators_features OUTPUT recipe=NAME")
     done = run_entry_in_process(["-m", "draftsmith.data_prep.speculators_features", "--help"], capsys)
     assert done.returncode == 0 and "    python -m draftsmith.data_prep.speculators_features OUTPUT" in done.stdout
+
+
+def test_deepspeeds_line_that_it_found_no_gpu_is_not_said_and_its_other_records_are(caplog):
+    """DeepSpeed's import says "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to
+    detect it." on every command that loads a model on a machine without a GPU: the run asked for, not a fault."""
+    import logging
+
+    from draftsmith.cli import configure_logging
+
+    configure_logging()
+    deepspeed = logging.getLogger("DeepSpeed")
+    with caplog.at_level(logging.INFO), caplog.at_level(logging.INFO, logger="DeepSpeed"):  # as its import sets it
+        deepspeed.info("Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it.")
+        deepspeed.info("DeepSpeed info: version=0.18.0")
+    assert [record.getMessage() for record in caplog.records] == ["DeepSpeed info: version=0.18.0"]

@@ -2,13 +2,13 @@
 `accelerate launch` and `torchrun` line's recipe and overrides resolve as that command validates them (what `--cfg`
 does), each `python benchmarks/<script>.py` line parses with the script's own parser (target_matrix.py's families,
 kinds and overrides checked as its run checks them first), each `python -m draftsmith.random_target` family builds,
-and every file a command names as a script or a launcher config is in the checkout. Fenced shell blocks and inline
-code spans of README.md and docs/ are read alike. Nothing runs: what a command does is other tests' (the README's
-path end to end in tests/test_cli.py; the benchmarks' results are each in docs/results/).
+each `vllm serve` line's speculative config is JSON of a method an export writes, and every file a command names as a
+script, a launcher config or a test file is in the checkout. Fenced shell blocks and inline code spans of README.md
+and docs/ are read alike. Nothing runs: what a command does is other tests' and the benchmarks' (docs/results/).
 
 A placeholder stands for what the reader has (`<venv>/bin/python`, `/path/to/...`, `$VLLM`, `...`: the arguments
 the prose gives elsewhere); a recipe file an earlier step of the same page writes stands in as the recipe it was made
-from (STAND_INS). Commands of other programs (pip, vllm, zcat, cp, python -c) are listed and not checked."""
+from (STAND_INS). Commands of other programs (pip, zcat, cp, python -c) are listed and not checked."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import argparse
 import importlib
 import importlib.util
 import inspect
+import json
 import re
 import shlex
 import sys
@@ -30,8 +31,8 @@ from tests.helpers import REPO, benchmark_module
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "docs" / "results").glob("*.md"))]
 # the programs whose commands are checked, as a command line starts (after any NAME=value environment)
-CHECKED = ("draftsmith ", "python ", "accelerate launch ", "torchrun ", "bash benchmarks/")
-OTHER_PROGRAMS = ("pip", "vllm", "zcat", "cp")  # a program's name, whatever its folder (a venv's bin/pip)
+CHECKED = ("draftsmith ", "python ", "accelerate launch ", "torchrun ", "bash benchmarks/", "vllm serve ")
+OTHER_PROGRAMS = ("pip", "zcat", "cp")  # a program's name, whatever its folder (a venv's bin/pip)
 NOT_CHECKED = ("python -m venv ", "python -c ")
 # recipe files an earlier step of the same page writes -> the recipe they were made from
 STAND_INS = {
@@ -182,6 +183,16 @@ def check_recipe(command: str, args: list[str], tmp_path: Path) -> None:
     validated([*given, f"output_dir={tmp_path / 'out'}"], command)
 
 
+def check_vllm_serve(args: list[str]) -> None:
+    """`vllm serve TARGET ... --speculative-config JSON`: a speculative config of a method an export writes, as JSON."""
+    from draftsmith.formats import EXPORTERS
+
+    assert args[1] == "serve" and "--speculative-config" in args, args
+    config = json.loads(args[args.index("--speculative-config") + 1])
+    assert config["method"] in {exporter.vllm_method for exporter in EXPORTERS.values()}, config
+    assert isinstance(config["num_speculative_tokens"], int) and config["num_speculative_tokens"] >= 1, config
+
+
 def check_launched(args: list[str], tmp_path: Path) -> None:
     """`accelerate launch`'s or `torchrun`'s options, then `train.py ...` or `-m MODULE ...`."""
     while args and args[0].startswith("-") and args[0] != "-m":
@@ -203,6 +214,8 @@ def check_program(args: list[str], tmp_path: Path, monkeypatch=None) -> None:
         return check_recipe(args[1], args[2:], tmp_path)
     if args[0] in ("accelerate", "torchrun"):
         return check_launched(args[2:] if args[0] == "accelerate" else args[1:], tmp_path)
+    if args[0] == "vllm":
+        return check_vllm_serve(args)
     if args[0] == "bash":
         assert (REPO / args[1]).is_file(), args[1]
         return None

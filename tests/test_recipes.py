@@ -376,3 +376,21 @@ def test_an_engine_python_is_read_as_a_shell_reads_a_program_by_every_command(ke
     assert OmegaConf.select(cfg, key) == str(tmp_path / "venv" / "bin" / "python")
     with pytest.raises(UserError, match=rf"{key}='no-such-python': no program of that name on PATH"):
         load_recipe([*common, f"{key}=no-such-python"], "export")
+
+
+@pytest.mark.parametrize(
+    ("override", "said"),
+    [
+        ("train.lrr=1e-3", ": did you mean train.lr?"),
+        ("data.max_lenght=12", ": did you mean data.max_length?"),
+        ("drafter.ttt_step=2", ": did you mean drafter.ttt_steps?"),
+        ("foo.bar=1", ""),
+    ],
+)
+def test_a_misspelt_key_is_told_the_key_it_is_most_like(override, said, tmp_path):
+    """`unknown recipe key 'train.lrr'` named no key: the closest one, where one is close, ends the line."""
+    with pytest.raises(UserError) as refused:
+        load_recipe(["recipe=eagle3", override, f"output_dir={tmp_path}"])
+    key, value = override.split("=")
+    assert str(refused.value).startswith(f"unknown recipe key {key!r} (override {key}=")
+    assert str(refused.value).endswith(")" + said)
