@@ -22,7 +22,6 @@ import argparse
 import collections
 import gzip
 import json
-import sys
 from pathlib import Path
 
 from draftsmith.data_prep.local_files import REGENERATE_SETTINGS
@@ -76,7 +75,7 @@ def main() -> None:
     args = parser.parse_args()
     for folder in args.folders:
         if not (folder / REGENERATE_SETTINGS).is_file():
-            sys.exit(f"error: {folder} holds no {REGENERATE_SETTINGS}: not a regeneration")
+            parser.error(f"{folder} holds no {REGENERATE_SETTINGS}: not a regeneration")
     for folder in args.folders:
         print(json.dumps(mark_folder(folder)), flush=True)
 

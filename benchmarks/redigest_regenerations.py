@@ -26,7 +26,6 @@ import argparse
 import gzip
 import hashlib
 import json
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,7 +124,7 @@ def main() -> None:
     args = parser.parse_args()
     unknown = [folder for folder in args.folders if folder not in FOLDERS]
     if unknown:
-        sys.exit(f"error: no recorded input for {', '.join(unknown)} (known: {', '.join(FOLDERS)})")
+        parser.error(f"no recorded input for {', '.join(unknown)} (known: {', '.join(FOLDERS)})")
     with tempfile.TemporaryDirectory() as scratch:
         for folder in args.folders:
             print(json.dumps(redigest(folder, Path(scratch))), flush=True)

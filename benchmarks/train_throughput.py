@@ -485,7 +485,8 @@ def shape_run(args, kind: str, scratch: Path):
     )
     accelerator = make_accelerator(cfg, scratch / "run")
     if args.device and torch.device(args.device).type != accelerator.device.type:
-        sys.exit(f"--device {args.device}: the trainer runs on {accelerator.device} here")
+        print(f"error: --device {args.device}: the trainer runs on {accelerator.device} here", file=sys.stderr)
+        sys.exit(2)  # bad input, as every refusal of the benchmarks
     set_seed(cfg.train.seed)
     target, fields = shape_target(args.shape, args.layers, accelerator.device, getattr(torch, args.dtype))
     with torch.no_grad():  # the target's argmax in the draft vocabulary, as on real data (see the module doc)
@@ -522,7 +523,12 @@ def bench_shape(args, kind: str) -> dict:
         accelerator, drafter = run.accelerator, run.accelerator.unwrap_model(run.drafter)
         vocab_sizes = vocabularies(run.target, drafter)
         if vocab_sizes & {args.seq, args.seq * args.batch}:  # trace_parts would count every row-sized operator
-            sys.exit(f"--seq {args.seq} x --batch {args.batch}: a row dimension equals a vocabulary size {vocab_sizes}")
+            print(
+                f"error: --seq {args.seq} x --batch {args.batch}: a row dimension equals a vocabulary size "
+                f"{vocab_sizes}: give another",
+                file=sys.stderr,
+            )
+            sys.exit(2)
         measured = time_steps(run, args.warmup, args.steps, args.profile_steps, Path(scratch))
         result = report(measured, vocab_sizes)
         flops = FlopCounter(run.target, drafter).per_token(args.seq)

@@ -83,13 +83,14 @@ def vllm_own_gaps(args, prompts: list[list[int]], plain: list[list[int]], rows: 
 def ask_worker(python: str, request: dict, env: dict) -> dict:
     """vLLM's reply to the "runs" `request`, from a worker of its own with `env` (one OpenMP thread)."""
     from draftsmith.engines import VllmWorker
-    from draftsmith.errors import EngineUnavailable
+    from draftsmith.errors import EXIT_UNAVAILABLE, EngineUnavailable
 
     worker = VllmWorker(python, "--vllm-python", env={"OMP_NUM_THREADS": "1", **env}, show_log=False)
     try:
         return worker.ask({"runs": request}, "run the target with and without speculation")
     except EngineUnavailable as err:  # n-gram and suffix decoding on a CPU build's hybrid target: one line
-        sys.exit(f"error: {err}")
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(EXIT_UNAVAILABLE)  # the engine's code, as draftsmith's commands exit with it
     finally:
         worker.close()
 

@@ -43,6 +43,7 @@ def benchmark(name: str, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # as `python benchmarks/<name>.py` has it
     spec = importlib.util.spec_from_file_location(f"benchmark_{name}", REPO / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # as a script's `__main__` is: its dataclasses look it up
     spec.loader.exec_module(module)
     return module
 
@@ -507,6 +508,9 @@ def test_batch_sweeps_json_says_where_its_numbers_came_from(tmp_path, monkeypatc
         ("capture", ["--dtypes", "float8,float32"], "argument --dtypes: float32: not among bfloat16, float16, float8"),
         ("batch_sweep", ["--only", "medusa,eagle4"], "argument --only: eagle4: not among dflash, "),
         ("packing", ["--recipes", "medusa,eagle3,eagle", "--steps", "3,2"], "--steps 3,2: one count for all recipes"),
+        # these two exited 1, the code of a failed run, for bad input
+        ("redigest_regenerations", ["sharegpt_smollm3"], "no recorded input for sharegpt_smollm3 (known: "),
+        ("mark_cut_answers", ["demo"], "demo holds no regenerate.settings: not a regeneration"),
     ],
 )
 def test_a_misspelt_name_in_a_benchmarks_list_is_refused_before_any_work(name, argv, fragment, monkeypatch, capsys):
