@@ -19,9 +19,10 @@ def main(argv: Sequence[str]) -> None:
     from draftsmith.recipe import load_recipe
 
     cfg = load_recipe(argv, "eval")  # checked before the loop's and the libraries' modules (torch's: seconds) load
-    from draftsmith.formats.folder import served_settings
+    from draftsmith.formats.folder import require_weights_as_configured, served_settings
 
     served = served_settings(argv, cfg)
+    require_weights_as_configured(cfg)
     import datasets
     import transformers
 

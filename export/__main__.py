@@ -19,9 +19,10 @@ def main(argv: Sequence[str]) -> None:
     cfg = load_recipe(argv, "export")  # checked before the export's modules (torch's: seconds) load
     require_export_settings_read(cfg.export)
     from draftsmith.export.run import export_checkpoint
-    from draftsmith.formats.folder import served_settings
+    from draftsmith.formats.folder import require_weights_as_configured, served_settings
 
     served = served_settings(argv, cfg)
+    require_weights_as_configured(cfg)
     for engine, folder in export_checkpoint(cfg, checkpoint_to_read(cfg), served=served).items():
         print(f"{engine}: {folder}")
 

@@ -98,10 +98,9 @@ def ngram_config(gamma: int) -> dict[str, Any]:
 
 
 def suffix_config(cached_answers: int = SuffixSettings.max_cached_requests) -> dict[str, Any]:
-    """vLLM's suffix decoding (arXiv 2411.04975: suffix trees over the prompt and the engine's earlier
-    answers, arctic-inference's) at vLLM 0.32's own defaults (SuffixSettings), written out so a row records
-    them, with the last `cached_answers` answers kept (0: the prompt's tree only). It chooses its own length
-    per step, up to the tree's depth, so it has no γ to sweep."""
+    """vLLM's suffix decoding (arXiv 2411.04975: suffix trees over the prompt and the engine's earlier answers,
+    arctic-inference's) at vLLM 0.32's own defaults (SuffixSettings), written out so a row records them, with the last
+    `cached_answers` answers kept (0: the prompt's tree only). Its length per step is its own, so no γ to sweep."""
     settings = replace(SuffixSettings(), max_cached_requests=cached_answers)
     return {
         "method": SUFFIX,
@@ -442,9 +441,10 @@ def schedule_of(rows: list[dict[str, Any]], method: str) -> tuple[dict[str, Any]
 
 
 def main(argv: Sequence[str]) -> None:
-    from draftsmith.formats.folder import served_settings
+    from draftsmith.formats.folder import require_weights_as_configured, served_settings
     from draftsmith.recipe import checkpoint_to_read, load_recipe
 
     cfg = load_recipe(argv, "sweep")
     served = served_settings(argv, cfg)
+    require_weights_as_configured(cfg)
     print(run_sweep(cfg, checkpoint_to_read(cfg), served=served))

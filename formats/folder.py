@@ -29,6 +29,7 @@ from draftsmith.heads.base import (
     WEIGHTS_NAME,
     DrafterConfig,
     architecture,
+    built_drafter,
     check_same_target,
     load_drafter,
     saved_drafter,
@@ -279,4 +280,40 @@ def require_recipes_drafter(
     if differ:
         raise UserError(
             f"{what} is another architecture than the recipe's: {'; '.join(differ)}; set those to the checkpoint's"
+        )
+
+
+def require_weights_as_configured(cfg: DictConfig) -> None:
+    """The draftsmith checkpoint eval, export and sweep read holds every tensor its config.json builds, at the shape it
+    builds it: the drafter built on the meta device (no memory, no target) against the weights file's header, before
+    the target loads. A config edited to other sizes than its weights (more heads) was refused only once the target's
+    weights had loaded, minutes at scale. Tensors the file holds beyond them are the target's modules a drafter adapts
+    (Medusa-2's LoRA), which load_drafter checks once it has the target. An engine folder is its format's to read."""
+    import torch
+    from safetensors import safe_open
+
+    path = checkpoint_to_read(cfg)
+    if checkpoint_kind(path) is None:
+        return
+    cls, config, saved_target, _ = saved_drafter(path)
+    with torch.device("meta"):
+        drafter = built_drafter(path, cls, config, saved_target)
+    built = {name: tuple(tensor.shape) for name, tensor in drafter.state_dict().items()}
+    weights = path / WEIGHTS_NAME
+    require_readable(weights)
+    try:
+        with safe_open(str(weights), framework="pt") as stored:
+            held = {name: tuple(stored.get_slice(name).get_shape()) for name in stored.keys()}
+    except (SafetensorError, OSError) as err:
+        raise UserError(f"{weights}: corrupt weights file ({one_line(err)})") from None
+    missing = [name for name in built if name not in held]
+    other = [
+        f"{name} {list(held[name])} (its config builds {list(shape)})"
+        for name, shape in built.items()
+        if name in held and held[name] != shape
+    ]
+    if missing or other:
+        raise UserError(
+            f"{weights}: weights do not match a {cls.type} drafter as its {CONFIG_NAME} builds it "
+            f"(missing {missing[:3]}, other shapes: {other[:3]})"
         )

@@ -370,14 +370,7 @@ def load_drafter(directory: str | os.PathLike, target: Optional[TargetShape] = N
     cls, config, saved_target, saved = saved_drafter(directory)
     if target is not None:
         check_same_target(saved_target, target, str(directory))
-    try:  # a config saved whole builds; a hand-edited one may not (a head count, an activation transformers lacks)
-        drafter = cls(config, saved_target)
-    except UserError as err:
-        raise UserError(f"{directory / CONFIG_NAME}: corrupt drafter config ({err})") from None
-    except (KeyError, TypeError, ValueError, AttributeError, StrictDataclassError) as err:
-        raise UserError(
-            f"{directory / CONFIG_NAME}: corrupt drafter config ({one_line(err, with_type=True)})"
-        ) from None
+    drafter = built_drafter(directory, cls, config, saved_target)
     if target_model is not None:  # before loading: a drafter may hold weights inside the target (Medusa-2's LoRA)
         drafter.attach_target(target_model)
     weights_path = directory / WEIGHTS_NAME
@@ -400,6 +393,19 @@ def load_drafter(directory: str | os.PathLike, target: Optional[TargetShape] = N
         )
     drafter.learned = dict(saved.get("learned") or {})
     return drafter
+
+
+def built_drafter(directory: Path, cls: type, config: DrafterConfig, saved_target: TargetShape) -> Drafter:
+    """The drafter a checkpoint's config.json builds (on the device in force), its weights unread: a config saved whole
+    builds; a hand-edited one may not (a head count, an activation transformers lacks), which is one line."""
+    try:
+        return cls(config, saved_target)
+    except UserError as err:
+        raise UserError(f"{directory / CONFIG_NAME}: corrupt drafter config ({err})") from None
+    except (KeyError, TypeError, ValueError, AttributeError, StrictDataclassError) as err:
+        raise UserError(
+            f"{directory / CONFIG_NAME}: corrupt drafter config ({one_line(err, with_type=True)})"
+        ) from None
 
 
 def check_same_target(made_for: TargetShape, target: TargetShape, what: str) -> None:

@@ -266,3 +266,27 @@ def test_random_states_that_do_not_load_are_named(saved_state, caplog):
     with caplog.at_level(logging.WARNING, "draftsmith.train"):
         load_checkpoint(accelerator, folder)
     assert f"checkpoint {folder} holds no random_states_0.pkl: rank 0's random numbers are not restored" in caplog.text
+
+
+@pytest.mark.parametrize("command", [["-m", "eval"], ["-m", "export"], ["-m", "draftsmith", "sweep"]])
+def test_a_checkpoint_whose_config_builds_other_weights_than_it_holds_is_refused_before_the_target_loads(
+    command, tmp_path, capsys, monkeypatch
+):
+    """A drafter checkpoint whose config.json was edited to more heads than its weights hold was refused only once
+    the target's weights had loaded (minutes at scale): it is one line, exit 2, from the config and the weights
+    file's header, the target untouched."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import save_drafter
+
+    checkpoint = save_drafter("medusa", load_target(str(REFERENCE_TARGET)), tmp_path / "final")
+    config = checkpoint / "config.json"
+    saved = json.loads(config.read_text())
+    heads = saved["drafter"]["num_heads"]
+    config.write_text(json.dumps({**saved, "drafter": {**saved["drafter"], "num_heads": heads + 1}}))
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *args, **kwargs: pytest.fail("target loaded"))
+    args = [*command, "recipe=medusa", f"checkpoint={checkpoint}", f"output_dir={tmp_path / 'run'}"]
+    args += ["export.vllm_python=/bin/true"] if "sweep" in command else []
+    line = assert_one_line_error(run_entry_in_process(args, capsys), 2)
+    said = f"weights do not match a medusa drafter as its config.json builds it (missing ['lm_heads.{heads}.weight', "
+    assert line.startswith(f"error: {checkpoint / 'model.safetensors'}: {said}"), line
