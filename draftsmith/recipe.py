@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from draftsmith.errors import UserError, one_line
 from draftsmith.files import cannot_read, write_text_atomic
@@ -134,8 +134,9 @@ def compose(recipe: str, overrides: Sequence[str]) -> DictConfig:
             # the command line sets the run's length: the recipe file's epochs is not read, and the saved recipe
             # says so (a recipe's or a command line's epochs beside a max_steps is refused: recipe_checks)
             cfg.train.epochs = TrainSection.epochs
-    except OmegaConfBaseException as err:
-        raise UserError(f"invalid recipe {path.name}: {_omegaconf_error_line(err)}") from None
+    except OmegaConfBaseException as err:  # a key the file misspells: told the closest, as an override's
+        hint = closest_key(cfg, err.full_key) if isinstance(err, ConfigKeyError) and err.full_key else ""
+        raise UserError(f"invalid recipe {path.name}: {_omegaconf_error_line(err)}{hint}") from None
     return cfg
 
 

@@ -399,3 +399,10 @@ def test_a_misspelt_key_is_told_the_key_it_is_most_like(override, said, tmp_path
     key, value = override.split("=")
     assert str(refused.value).startswith(f"unknown recipe key {key!r} (override {key}=")
     assert str(refused.value).endswith(")" + said)
+
+
+def test_a_misspelt_key_in_a_recipe_file_is_told_the_key_it_is_most_like(tmp_path):
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("drafter:\n  type: medusa\ntrain:\n  lrr: 0.001\n")
+    with pytest.raises(UserError, match=r"^invalid recipe mine.yaml: Key 'lrr' not in 'TrainSection': did you mean tr"):
+        load_recipe([f"recipe={recipe}", f"output_dir={tmp_path}"])
