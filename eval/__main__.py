@@ -16,13 +16,13 @@ from draftsmith.cli import entry_point
 
 def main(argv: Sequence[str]) -> None:
     # imported here, under entry_point's run_cli: Ctrl-C or SIGTERM during their imports (torch's) ends as later
-    from draftsmith.recipe import load_recipe
+    from draftsmith.recipe import checkpoint_to_read, load_recipe
 
     cfg = load_recipe(argv, "eval")  # checked before the loop's and the libraries' modules (torch's: seconds) load
     from draftsmith.formats.folder import require_weights_as_configured, served_settings
 
     served = served_settings(argv, cfg)
-    require_weights_as_configured(cfg)
+    require_weights_as_configured(checkpoint_to_read(cfg))
     import datasets
     import transformers
 

@@ -22,7 +22,7 @@ def main(argv: Sequence[str]) -> None:
     from draftsmith.formats.folder import require_weights_as_configured, served_settings
 
     served = served_settings(argv, cfg)
-    require_weights_as_configured(cfg)
+    require_weights_as_configured(checkpoint_to_read(cfg))
     for engine, folder in export_checkpoint(cfg, checkpoint_to_read(cfg), served=served).items():
         print(f"{engine}: {folder}")
 

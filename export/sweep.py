@@ -446,5 +446,5 @@ def main(argv: Sequence[str]) -> None:
 
     cfg = load_recipe(argv, "sweep")
     served = served_settings(argv, cfg)
-    require_weights_as_configured(cfg)
+    require_weights_as_configured(checkpoint_to_read(cfg))
     print(run_sweep(cfg, checkpoint_to_read(cfg), served=served))

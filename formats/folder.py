@@ -173,6 +173,7 @@ def require_drafter_folder(cfg) -> None:
     folder = Path(cfg.train.init_from).expanduser()
     if engine_folder(folder) is None:
         raise not_a_drafter(folder)
+    require_weights_as_configured(folder)
 
 
 def warm_start(path: str | Path, drafter, target_model):
@@ -283,16 +284,16 @@ def require_recipes_drafter(
         )
 
 
-def require_weights_as_configured(cfg: DictConfig) -> None:
-    """The draftsmith checkpoint eval, export and sweep read holds every tensor its config.json builds, at the shape it
-    builds it: the drafter built on the meta device (no memory, no target) against the weights file's header, before
-    the target loads. A config edited to other sizes than its weights (more heads) was refused only once the target's
-    weights had loaded, minutes at scale. Tensors the file holds beyond them are the target's modules a drafter adapts
-    (Medusa-2's LoRA), which load_drafter checks once it has the target. An engine folder is its format's to read."""
+def require_weights_as_configured(path: Path) -> None:
+    """The draftsmith checkpoint at `path` (the one eval, export and sweep read, a training's warm start) holds every
+    tensor its config.json builds, at the shape it builds it: the drafter built on the meta device (no memory, no
+    target) against the weights file's header, before the target loads. A config edited to other sizes than its
+    weights (more heads) was refused only once the target's weights had loaded, minutes at scale. Tensors the file
+    holds beyond them are the target's modules a drafter adapts (Medusa-2's LoRA), which load_drafter checks once it
+    has the target. An engine folder is its format's to read."""
     import torch
     from safetensors import safe_open
 
-    path = checkpoint_to_read(cfg)
     if checkpoint_kind(path) is None:
         return
     cls, config, saved_target, _ = saved_drafter(path)

@@ -268,13 +268,13 @@ def test_random_states_that_do_not_load_are_named(saved_state, caplog):
     assert f"checkpoint {folder} holds no random_states_0.pkl: rank 0's random numbers are not restored" in caplog.text
 
 
-@pytest.mark.parametrize("command", [["-m", "eval"], ["-m", "export"], ["-m", "draftsmith", "sweep"]])
+@pytest.mark.parametrize("command", [["-m", "eval"], ["-m", "export"], ["-m", "draftsmith", "sweep"], ["train.py"]])
 def test_a_checkpoint_whose_config_builds_other_weights_than_it_holds_is_refused_before_the_target_loads(
     command, tmp_path, capsys, monkeypatch
 ):
-    """A drafter checkpoint whose config.json was edited to more heads than its weights hold was refused only once
-    the target's weights had loaded (minutes at scale): it is one line, exit 2, from the config and the weights
-    file's header, the target untouched."""
+    """A drafter checkpoint whose config.json was edited to more heads than its weights hold, read by eval, export or
+    sweep or warm-started from (`train.init_from`), was refused only once the target's weights had loaded (minutes at
+    scale): it is one line, exit 2, from the config and the weights file's header, the target untouched."""
     from transformers import AutoModelForCausalLM
 
     from tests.helpers import save_drafter
@@ -285,7 +285,8 @@ def test_a_checkpoint_whose_config_builds_other_weights_than_it_holds_is_refused
     heads = saved["drafter"]["num_heads"]
     config.write_text(json.dumps({**saved, "drafter": {**saved["drafter"], "num_heads": heads + 1}}))
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *args, **kwargs: pytest.fail("target loaded"))
-    args = [*command, "recipe=medusa", f"checkpoint={checkpoint}", f"output_dir={tmp_path / 'run'}"]
+    read = "train.init_from" if command == ["train.py"] else "checkpoint"
+    args = [*command, "recipe=medusa", f"{read}={checkpoint}", f"output_dir={tmp_path / 'run'}"]
     args += ["export.vllm_python=/bin/true"] if "sweep" in command else []
     line = assert_one_line_error(run_entry_in_process(args, capsys), 2)
     said = f"weights do not match a medusa drafter as its config.json builds it (missing ['lm_heads.{heads}.weight', "
