@@ -65,6 +65,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.provenance import provenance  # noqa: E402
 from benchmarks.vllm_probe import engine_python  # noqa: E402
 from draftsmith.random_target import RANDOM_TARGET_TOKENIZER_FILES, demo_tokenizer_dir, write_random_target  # noqa: E402
+from draftsmith.tiny_wrapper import TINY_VISION  # noqa: E402
 
 FAMILIES = (
     "llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2", "gemma3_text", "phi3", "gpt_oss",
@@ -220,7 +221,6 @@ def shipped_tau(target: Path, args: list[str], out: Path, env: dict) -> float:
 
 
 WRAPPERS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
-TINY_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "num_position_embeddings": 16}
 
 
 def write_random_wrapper(model_type: str, directory: str | Path, **text: Any) -> Path:

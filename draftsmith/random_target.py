@@ -52,7 +52,8 @@ from draftsmith.text_release import (
     write_release,
     write_release_form,
 )
-from draftsmith.tiny_config import build_config, tiny_wrapper_config
+from draftsmith.tiny_config import build_config
+from draftsmith.tiny_wrapper import tiny_wrapper_config
 
 # The demo target's tokenizer files a random target is given (formats/repo.py's TOKENIZER_FILES: any target's).
 RANDOM_TARGET_TOKENIZER_FILES = (

@@ -311,7 +311,7 @@ def carrier(spec: dict, layout: Layout):
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 
     from draftsmith.causal_lm import may_be_a_causal_lm
-    from draftsmith.tiny_config import tiny_wrapper_config
+    from draftsmith.tiny_wrapper import tiny_wrapper_config
 
     config = import_qualified(spec["config_class"]).from_dict(
         {**spec["config"], "vocab_size": 1, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}

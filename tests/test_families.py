@@ -44,7 +44,8 @@ from draftsmith.heads import drafter_class, drafters
 from draftsmith.heads.base import load_drafter
 from draftsmith.random_target import build_model
 from draftsmith.target import FeatureRequest, run_target
-from draftsmith.tiny_config import build_config, tiny_wrapper_config
+from draftsmith.tiny_config import build_config
+from draftsmith.tiny_wrapper import tiny_wrapper_config
 from draftsmith.wrapped_text import TextOfWrapper
 from tests.helpers import (
     OracleDrafter,
@@ -673,7 +674,7 @@ def test_a_wrapper_transformers_loads_as_a_causal_lm_is_the_target_in_its_releas
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from draftsmith.target import load_target
-    from draftsmith.tiny_config import TINY_VISION
+    from draftsmith.tiny_wrapper import TINY_VISION
 
     text = build_config("qwen4_exp", VOCAB, {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}, hidden_size=64,
                         intermediate_size=128, num_hidden_layers=4, head_dim=16)  # fmt: skip

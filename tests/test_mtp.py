@@ -993,7 +993,7 @@ def test_a_qwen4_exp_releases_layer_is_read_from_its_wrappers_top_and_exports_as
     config (model_type qwen4_exp_text, which vLLM maps to qwen4_exp_mtp)."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from draftsmith.tiny_config import TINY_VISION
+    from draftsmith.tiny_wrapper import TINY_VISION
 
     text = json.loads((write_random_target("qwen4_exp", tmp_path / "text", **SHAPE) / "config.json").read_text())
     del text["architectures"]

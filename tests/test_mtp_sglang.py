@@ -419,7 +419,7 @@ def qwen4_exp_release(directory, **text):
     text_config is a tiny language model's with `text`, and a random MTP layer at the top of its checkpoint."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from draftsmith.tiny_config import TINY_VISION
+    from draftsmith.tiny_wrapper import TINY_VISION
 
     text_only = write_random_target("qwen4_exp", directory / "text", **SHAPE)
     language_model = json.loads((text_only / "config.json").read_text())

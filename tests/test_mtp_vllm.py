@@ -102,7 +102,7 @@ def test_an_exaone4_5_releases_fine_tuned_mtp_layer_is_served_by_vllm_as_its_lan
     vllm_python, engine_session, tmp_path, small_data, token_cache, monkeypatch
 ):
     """A tiny Exaone-4.5 release (write_random_target's released form: the wrapper whole, with the fields vLLM reads
-    that transformers' config has none for, tiny_config.release_wrapper_fields, and no image processor config) and a
+    that transformers' config has none for, tiny_wrapper.release_wrapper_fields, and no image processor config) and a
     random MTP layer (`mtp.*`): the layer fine-tuned, exported and checked in float32, vLLM told to serve the language
     model only (`--language-model-only`: it builds no multimodal processor), builds Exaone4_5_MTP and decodes the same
     tokens as without it and as draftsmith, drafts accepted, τ within 8% of draftsmith's."""

@@ -11,7 +11,8 @@ import subprocess
 import pytest
 import torch
 
-from draftsmith.tiny_config import TINY, build_config, tiny_wrapper_config
+from draftsmith.tiny_config import TINY, build_config
+from draftsmith.tiny_wrapper import tiny_wrapper_config
 from tests.helpers import assert_one_line_error
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -45,15 +46,15 @@ def test_the_wrappers_tiny_towers_and_sizes_follow_the_tiny_shape():
 def test_a_wrapper_the_class_refuses_is_one_line(monkeypatch):
     """A tiny tower whose sizes the wrapper's class refuses (an audio output narrower than the language model) is the
     class's reason in one line, not an internal error."""
-    from draftsmith import tiny_config
+    from draftsmith import tiny_wrapper
     from draftsmith.errors import UserError
 
     text = build_config("muse_spark", VOCAB, **SMALL)
     narrow = {"hidden_size": 32, "out_hidden_size": SMALL["hidden_size"] // 2}
-    monkeypatch.setattr(tiny_config, "tiny_tower", lambda fields, width: narrow)
+    monkeypatch.setattr(tiny_wrapper, "tiny_tower", lambda fields, width: narrow)
     refusal = r"^transformers' MuseSparkConfig refuses the tiny muse_spark wrapper: .*out_hidden_size"
     with pytest.raises(UserError, match=refusal):
-        tiny_config.tiny_wrapper_config("muse_spark", text)
+        tiny_wrapper.tiny_wrapper_config("muse_spark", text)
 
 
 @pytest.mark.parametrize("model_type", ["muse_glimmer", "muse_spark"])

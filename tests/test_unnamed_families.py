@@ -78,7 +78,8 @@ def test_a_causal_lm_transformers_files_as_image_text_to_text_only_loads_as_that
 
     from draftsmith.random_target import write_random_target
     from draftsmith.target import load_target
-    from draftsmith.tiny_config import TINY_VISION, build_config
+    from draftsmith.tiny_config import build_config
+    from draftsmith.tiny_wrapper import TINY_VISION
 
     assert misfiled_causal_lms() == {"mistral4": "Mistral4ForCausalLM"}
     shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "head_dim": 16}

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.tiny_config import TINY, TINY_VISION, build_config, tiny_wrapper_config
+from draftsmith.tiny_config import TINY, build_config
+from draftsmith.tiny_wrapper import TINY_VISION, tiny_wrapper_config
 
 SPECIAL = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 VOCAB = 512
