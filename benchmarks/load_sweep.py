@@ -56,7 +56,8 @@ from vllm_probe import add_vllm_python
 
 from draftsmith.engines import require_suffix_decoding
 from draftsmith.errors import UserError
-from draftsmith.export.sweep import NGRAM, SUFFIX, Load, ngram_config, read_rows, round_robin, served_at, suffix_config
+from draftsmith.export.free_methods import NGRAM, SUFFIX, ngram_config, suffix_config
+from draftsmith.export.sweep import Load, read_rows, round_robin, served_at
 from draftsmith.export.sweep_results import PLAIN, PLAIN_AGAIN, plot, summarize
 from draftsmith.export.verify import EngineSession
 from draftsmith.files import checkpoint_digest

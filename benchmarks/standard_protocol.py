@@ -27,7 +27,7 @@ Stages, each resumable and skipped when its output exists (`--stages regenerate,
    <runs>/<kind>/export_served (= export when the γ is the recipe's);
 6. time: vLLM alone on the machine, batch size 1, greedy, each MT-bench first turn on its own: plain,
    vLLM's n-gram (γ 3, lookup 2-4, as in the reference measurement), vLLM's suffix decoding
-   (`export.sweep.suffix_config`: vLLM's defaults; its tree caches the run's earlier answers, as a served
+   (`export/free_methods.py`'s `suffix_config`: vLLM's defaults; its tree caches the run's earlier answers, as a served
    engine's does; the --vllm-python must have arctic-inference, `draftsmith.engines.arctic_build`) and
    each drafter at its γ (and at each of --time-gammas), then plain once more (`plain_rerun`, last: how far two
    runs of one setting differ on this machine, the noise a speed-up must clear), one engine process per method
@@ -63,8 +63,7 @@ from vllm_probe import add_vllm_python  # benchmarks/ is the script's directory,
 
 from draftsmith.engines import VllmWorker, require_suffix_decoding
 from draftsmith.errors import UserError
-from draftsmith.export.sweep import suffix_config
-from draftsmith.formats.repo import VLLM_PINNED
+from draftsmith.export.free_methods import ngram_config, suffix_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -81,7 +80,6 @@ RECIPES = {
     "peagle": KindRecipe("eagle3_sharegpt_smollm2", ["drafter.parallel_drafting=true", "drafter.mask_token_id=16"]),
 }
 STAGES = ("regenerate", "train", "eval", "export", "gamma", "time")
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4, **VLLM_PINNED}
 
 
 def run(args: list[str], log: Path) -> float:
@@ -257,7 +255,7 @@ def stage_time(args, runs: Path, kinds: list[str], gammas: dict[str, int], log: 
     timing = load_json(path)
     by_category = prompts_of("named:mt_bench", args.prompts, 1024)
     prompts = [p for rows in by_category.values() for p in rows]
-    methods = {"plain": None, "vllm_ngram": NGRAM, "vllm_suffix": suffix_config()}
+    methods = {"plain": None, "vllm_ngram": ngram_config(3), "vllm_suffix": suffix_config()}
     methods |= {
         f"{kind}_gamma{gammas[kind]}": drafter_config(runs / kind, gammas[kind], "export_served") for kind in kinds
     }

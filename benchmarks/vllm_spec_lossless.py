@@ -115,7 +115,7 @@ def main() -> None:
 
     from draftsmith.eval.partings import parting, rounding_unit
     from draftsmith.eval.prompts import load_prompts
-    from draftsmith.export.sweep import ngram_config, suffix_config
+    from draftsmith.export.free_methods import ngram_config, suffix_config
 
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(args.target)

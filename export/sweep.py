@@ -60,14 +60,14 @@ import os
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig
 
-from draftsmith.engines import SuffixSettings
 from draftsmith.errors import EngineUnavailable, ExportCheckFailed, UserError
+from draftsmith.export.free_methods import NGRAM, SUFFIX, ngram_config, suffix_config
 from draftsmith.export.sweep_checks import (
     require_own_output,
     require_proposes,
@@ -77,37 +77,11 @@ from draftsmith.export.sweep_checks import (
 )
 from draftsmith.export.sweep_results import PLAIN, PLAIN_AGAIN, plot, read_sweep, summarize
 from draftsmith.files import append_lines, read_json
-from draftsmith.formats.repo import EXPORT_INFO, VLLM_PINNED, target_arguments
+from draftsmith.formats.repo import EXPORT_INFO, target_arguments
 
-NGRAM = "ngram"
-SUFFIX = "suffix"
 DEFAULT_LONGEST = 5  # export.sweep.gammas unset: 1 up to the drafter's longest chain, at most this
 ROWS, SUMMARY, PLOT = "sweep.jsonl", "summary.json", "speedup.png"
 log = logging.getLogger("draftsmith.export")
-
-
-def ngram_config(gamma: int) -> dict[str, Any]:
-    """vLLM's n-gram proposer (prompt lookup of 2 to 4 tokens) at γ, with the pinned sampling settings."""
-    return {
-        "method": NGRAM,
-        "prompt_lookup_min": 2,
-        "prompt_lookup_max": 4,
-        **VLLM_PINNED,
-        "num_speculative_tokens": gamma,
-    }
-
-
-def suffix_config(cached_answers: int = SuffixSettings.max_cached_requests) -> dict[str, Any]:
-    """vLLM's suffix decoding (arXiv 2411.04975: suffix trees over the prompt and the engine's earlier answers,
-    arctic-inference's) at vLLM 0.32's own defaults (SuffixSettings), written out so a row records them, with the last
-    `cached_answers` answers kept (0: the prompt's tree only). Its length per step is its own, so no γ to sweep."""
-    settings = replace(SuffixSettings(), max_cached_requests=cached_answers)
-    return {
-        "method": SUFFIX,
-        "num_speculative_tokens": settings.max_tree_depth,
-        **{f"suffix_decoding_{key}": value for key, value in asdict(settings).items()},
-        **VLLM_PINNED,
-    }
 
 
 @dataclass
