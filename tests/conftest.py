@@ -75,6 +75,22 @@ def ctrl_c_as_in_the_foreground():
     signal.signal(signal.SIGINT, handler)
 
 
+@pytest.fixture(autouse=True)
+def no_process_group_left():
+    """A test that loads a sharded target in this process (`load_target(..., shard="fsdp")`) forms a one-process group
+    (draftsmith/sharding.py) and ends with it: destroyed after the test, with the target's mesh, so the ranks a later
+    test of this worker forks start without one (tests/forked.py refuses to fork a process that holds a group: seen
+    when the suite's modules fell to workers in another order)."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        from draftsmith.sharding import release_device_mesh
+
+        release_device_mesh()
+        dist.destroy_process_group()
+
+
 def pytest_xdist_auto_num_workers(config) -> int:
     return min(CORES, MAX_WORKERS)
 
