@@ -114,8 +114,9 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
     if not cfg.data.train:
         raise UserError("data.train is empty: give at least one conversation file or Hub data set id to capture")
     refuse_foreign_files(directory)
-    require_context(cfg.target, cfg.data.max_length)
-    config = load_config(cfg.target).get_text_config()  # config.json: what the target has not, before its weights load
+    config = load_config(cfg.target)  # config.json, read once: what the target has not, before its weights load
+    require_context(cfg.target, cfg.data.max_length, config)
+    config = config.get_text_config()
     if section.layers is not None:
         check_layer_ids(config.num_hidden_layers, section.layers)
     if section.logits == "topk" or section.topk != CaptureSection.topk:  # a top-k the capture keeps, or refuses unused

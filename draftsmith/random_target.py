@@ -223,9 +223,10 @@ def write_random_target(
         declare_as_released(text_config(model.config), model)
         model.save_pretrained(directory)
         write_release_form(model.config, directory)  # a release naming another architecture than transformers'
+    source = demo_tokenizer_dir()
     for name in RANDOM_TARGET_TOKENIZER_FILES:
-        if (demo_tokenizer_dir() / name).is_file():
-            shutil.copyfile(demo_tokenizer_dir() / name, directory / name)
+        if (source / name).is_file():
+            shutil.copyfile(source / name, directory / name)
     return directory
 
 
