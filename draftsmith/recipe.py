@@ -125,6 +125,10 @@ def compose(recipe: str, overrides: Sequence[str]) -> DictConfig:
                 value = [value]  # `data.train=file.jsonl` means a list of one file
             if current is _ABSENT:
                 raise UserError(f"unknown recipe key {key!r} (override {key}={value}){closest_key(cfg, key)}")
+            if isinstance(current, DictConfig):  # `target=Qwen/Qwen3-8B`: OmegaConf's line names a schema class
+                inside = [f"{key}.{name}" for name in current]
+                shown = ", ".join(inside[:3]) + (", ..." if len(inside) > 3 else "")
+                raise UserError(f"override {key}={value}: {key} is a section, not one value: set its keys ({shown})")
             try:
                 OmegaConf.update(cfg, key, value, merge=False)
             except OmegaConfBaseException as err:
@@ -159,7 +163,10 @@ def closest_key(cfg: DictConfig, key: str) -> str:
 
     known = [path.rstrip(".") for path in keys(OmegaConf.to_container(cfg, throw_on_missing=False), "")]
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
-    return f": did you mean {close[0]}?" if close else ""
+    if not close:  # a word of a key's name, in its section: `target.path` for target.name_or_path
+        section, _, leaf = key.rpartition(".")
+        close = [k for k in known if k.rpartition(".")[0] == section and leaf in k.rpartition(".")[2].split("_")]
+    return f": did you mean {close[0]}?" if len(close) == 1 else ""
 
 
 # Keys an earlier draftsmith read, and the key that means the same now: one line instead of "unknown key".

@@ -107,9 +107,7 @@ class DraftModel(Drafter):
         model.config.use_cache = True
         config = replace(config, model_config=model.config.to_dict())
         if config.lora is not None:
-            from peft import get_peft_model
-
-            model = get_peft_model(model, config.lora.peft_config())  # freezes every base weight
+            model = config.lora.adapted(model, f"the draft model ({type(model).__name__})")
         return cls(config, shape, model)
 
     @classmethod

@@ -30,7 +30,6 @@ from typing import Optional
 
 import torch
 
-from draftsmith.errors import UserError, one_line
 from draftsmith.heads import register
 from draftsmith.heads.base import per_sample_stats
 from draftsmith.heads.distill import forward_kl
@@ -73,14 +72,9 @@ class Medusa2(Medusa):
     def attach_target(self, target_model) -> None:
         """Build the adapted target: a copy of the target's modules whose frozen tensors *are* the
         target's (deepcopy's memo maps each to itself), with peft's LoRA layers injected."""
-        from peft import get_peft_model
-
         shared = {id(t): t for t in itertools.chain(target_model.parameters(), target_model.buffers())}
         backbone = copy.deepcopy(target_model, memo=shared)
-        try:
-            self.backbone = get_peft_model(backbone, self.config.lora.peft_config())
-        except ValueError as err:  # e.g. target_modules that the target does not have
-            raise UserError(f"drafter.lora does not fit {type(target_model).__name__}: {one_line(err)}") from None
+        self.backbone = self.config.lora.adapted(backbone, type(target_model).__name__)
 
     def adapted_target(self) -> torch.nn.Module:
         if self.backbone is None:

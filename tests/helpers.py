@@ -338,7 +338,13 @@ def run_entry_in_process(args: list[str], capsys=None) -> subprocess.CompletedPr
     try:
         if args[0] == "-m":
             sys.argv = [args[1], *args[2:]]
-            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+            # A fresh `python -m` has not imported the module yet: runpy warns of one an earlier run left imported
+            imported = sys.modules.pop(args[1], None)
+            try:
+                runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+            finally:
+                if imported is not None:
+                    sys.modules[args[1]] = imported
         else:
             sys.argv = list(args)
             script = REPO / args[0]

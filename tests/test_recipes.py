@@ -389,6 +389,7 @@ def test_an_engine_python_is_read_as_a_shell_reads_a_program_by_every_command(ke
         ("train.lrr=1e-3", ": did you mean train.lr?"),
         ("data.max_lenght=12", ": did you mean data.max_length?"),
         ("drafter.ttt_step=2", ": did you mean drafter.ttt_steps?"),
+        ("target.path=x", ": did you mean target.name_or_path?"),
         ("foo.bar=1", ""),
     ],
 )
@@ -399,6 +400,14 @@ def test_a_misspelt_key_is_told_the_key_it_is_most_like(override, said, tmp_path
     key, value = override.split("=")
     assert str(refused.value).startswith(f"unknown recipe key {key!r} (override {key}=")
     assert str(refused.value).endswith(")" + said)
+
+
+@pytest.mark.parametrize("override", ["target=Qwen/Qwen3-8B", "drafter=eagle3", "target={name_or_path: x}"])
+def test_a_value_for_a_whole_section_names_the_sections_keys(override, tmp_path):
+    """OmegaConf's line said `str is not a subclass of TargetSection`: a class name the recipe never shows."""
+    section = override.split("=")[0]
+    with pytest.raises(UserError, match=rf": {section} is a section, not one value: set its keys \({section}\.\w+, "):
+        load_recipe(["recipe=eagle3", override, f"output_dir={tmp_path}"])
 
 
 def test_a_misspelt_key_in_a_recipe_file_is_told_the_key_it_is_most_like(tmp_path):
