@@ -25,6 +25,14 @@ def test_the_readme_is_short_and_its_links_resolve():
             assert (REPO / target).exists(), target
 
 
+def test_every_relative_link_of_the_docs_is_a_file():
+    """A link to a folder shows on GitHub and is a missing page on the rendered site, which has no folder index."""
+    for page in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if not target.startswith(("http", "mailto:")):
+                assert (page.parent / target).is_file(), f"{page.relative_to(REPO)}: {target}"
+
+
 @pytest.mark.slow  # runs an entry point (the fast tier stays within its 2 minutes)
 def test_the_docs_site_builds_strictly(tmp_path):
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
