@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from draftsmith_commands import run_python  # benchmarks/ is the script's directory, first on sys.path
+from names import names_of
 from provenance import provenance
 
 # name -> recipe overrides; every run also gets train.max_steps and its own output_dir.
@@ -66,13 +67,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--runs", default="runs/bench_drafters")
-    parser.add_argument("--only", default=",".join(DRAFTERS))
+    parser.add_argument("--only", type=names_of(DRAFTERS), default=list(DRAFTERS))
     parser.add_argument("--train-data", default="demo/data/train.regenerated.jsonl.gz")
     args = parser.parse_args()
-    names = args.only.split(",")
-    unknown = [name for name in names if name not in DRAFTERS]
-    if unknown:
-        parser.error(f"--only: unknown drafters {', '.join(unknown)}; known: {', '.join(DRAFTERS)}")
+    names = args.only
     runs = Path(args.runs).resolve()
     began = time.perf_counter()
 

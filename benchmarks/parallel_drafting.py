@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from draftsmith_commands import REPO, run_python  # benchmarks/ is the script's directory, first on sys.path
+from names import names_of
 from provenance import provenance
 from vllm_probe import add_vllm_python
 
@@ -97,11 +98,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--gamma", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="OMP threads of the vLLM engine")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS))
+    parser.add_argument(
+        "--variants", type=names_of(VARIANTS), default=list(VARIANTS), help="comma-separated, of: " + ",".join(VARIANTS)
+    )
     args = parser.parse_args()
-    names = args.variants.split(",")
-    if unknown := set(names) - set(VARIANTS):
-        parser.error(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
+    names = args.variants
     runs = args.runs.resolve()
     common = [
         f"data.train=[{DATA}]", f"eval.max_prompts={args.prompts}", f"eval.max_new_tokens={args.new_tokens}",

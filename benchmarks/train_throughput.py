@@ -62,6 +62,7 @@ import time
 from pathlib import Path
 
 import torch
+from names import names_of
 from provenance import cpu_model, provenance
 
 REPO = Path(__file__).resolve().parent.parent
@@ -582,7 +583,7 @@ def main_shape(args, output) -> None:
     from draftsmith.errors import UserError
 
     torch.set_num_threads(args.threads)
-    for kind in args.kinds.split(","):
+    for kind in args.kinds:
         start = time.perf_counter()
         try:
             result = bench_shape(args, kind)
@@ -597,7 +598,7 @@ def main_shape(args, output) -> None:
 # Options of one mode -> their defaults (None: the mode decides); given to the other mode, which would ignore them,
 # they are refused.
 SHAPE_ONLY = {
-    "kinds": ",".join(KINDS),
+    "kinds": list(KINDS),
     "seq": 2048,
     "batch": 1,
     "layers": None,
@@ -619,7 +620,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="recipe overrides, KEY=VALUE")
     parser.add_argument("--shape", choices=sorted(SHAPES), help="a named real model's shape, random weights")
-    parser.add_argument("--kinds", help="with --shape: eagle3, peagle, dflash (default all three)")
+    parser.add_argument("--kinds", type=names_of(KINDS), help="with --shape: eagle3, peagle, dflash (default all 3)")
     parser.add_argument("--seq", type=int, help="with --shape: tokens per row (default 2048)")
     parser.add_argument("--batch", type=int, help="with --shape: rows per step (default 1)")
     parser.add_argument("--layers", type=int, help="with --shape: decoder layers instead of the shape's")
@@ -661,9 +662,6 @@ def main() -> None:
         parser.error(f"{flags(given['shape'])}: with --shape only (without it the recipe's own target trains)")
     for dest, default in (SHAPE_ONLY if args.shape else RECIPE_ONLY).items():
         setattr(args, dest, default if getattr(args, dest) is None else getattr(args, dest))
-    unknown = [kind for kind in args.kinds.split(",") if kind not in KINDS] if args.shape else []
-    if unknown:
-        parser.error(f"--kinds: {', '.join(unknown)} not among {', '.join(KINDS)}")
     output = json_output()
     if args.shape:
         args.dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
