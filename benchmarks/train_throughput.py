@@ -467,7 +467,8 @@ def shape_run(args, kind: str, scratch: Path):
 
     from draftsmith.data_prep.collate import Collator
     from draftsmith.recipe import load_recipe
-    from draftsmith.trainer.setup import build_drafter, make_accelerator, online_features, prepare_run
+    from draftsmith.trainer.launcher import make_accelerator
+    from draftsmith.trainer.setup import build_drafter, online_features, prepare_run
 
     total = args.warmup + 2 * args.steps + args.profile_steps
     precision = "bf16" if args.dtype == "bfloat16" else "no"

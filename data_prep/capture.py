@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
-from accelerate import PartialState
 from omegaconf import DictConfig, OmegaConf
 
 from draftsmith.data_prep.capture_files import (
@@ -57,7 +56,7 @@ from draftsmith.outputs import held_by_main_process
 from draftsmith.progress import progress_bar
 from draftsmith.recipe import load_recipe
 from draftsmith.recipe_schema import CaptureSection
-from draftsmith.sharding import Lockstep, end_process_group
+from draftsmith.sharding import Lockstep, end_process_group, ranks_state
 from draftsmith.streams import not_captured
 from draftsmith.target import (
     FeatureRequest,
@@ -102,8 +101,7 @@ def main(argv: Sequence[str]) -> None:
 
 def capture(cfg: DictConfig) -> CaptureResult:
     """Capture on every rank; the main process holds the capture directory while they run."""
-    # Without a GPU, accelerate forms a (gloo) process group only when told the run is on CPU.
-    state = PartialState(cpu=not torch.cuda.is_available())
+    state = ranks_state()
     directory = Path(cfg.data.capture.output or Path(cfg.output_dir) / "features")
     with held_by_main_process(directory, state, key="data.capture.output"):
         return capture_into(cfg, directory, state)

@@ -75,7 +75,7 @@ from draftsmith.files import read_json, replacing, require_same_settings, write_
 from draftsmith.outputs import held_by_main_process
 from draftsmith.progress import progress_bar
 from draftsmith.recipe import load_recipe
-from draftsmith.sharding import end_process_group
+from draftsmith.sharding import end_process_group, ranks_state
 from draftsmith.target import load_tokenizer
 
 # The settings that decide a turn's answer: a reused regeneration must have made its answers with these.
@@ -172,8 +172,7 @@ def regenerate(cfg: DictConfig, target=None, tokenizer=None) -> RegenerateResult
     check_reusable(section.reuse, settings)
     reused = load_conversations(list(section.reuse)) if section.reuse else None
     settings["reuse"] = None if reused is None else content_digest(reused)  # the answers by their content
-    # Without a GPU, accelerate forms a (gloo) process group only when told the run is on CPU.
-    state = PartialState(cpu=not torch.cuda.is_available())
+    state = ranks_state()
     started = not (directory / REGENERATE_SETTINGS).is_file()
     with held_by_main_process(
         directory, state, check=lambda: claim_directory(directory, settings), key="data.regenerate.output"

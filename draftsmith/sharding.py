@@ -80,6 +80,22 @@ def check_shard(cfg) -> None:
         raise UserError(f"target.shard={cfg.target.shard} does not work with drafter.type={cfg.drafter.type}: {reason}")
 
 
+# What a rank waits in a collective before torch ends the job (its default: 10 minutes for NCCL, 30 for gloo). Rank 0
+# works alone longer than that where the others wait in a barrier or broadcast: tokenizing a large data set into the
+# cache (main_process_first), reading a whole target to shard it (load_sharded). A hang is a bug, not a rank's work.
+RANKS_TIMEOUT_S = 4 * 3600
+
+
+def ranks_state():
+    """accelerate's PartialState of a train, capture or regenerate command: its ranks' process group, formed here with
+    RANKS_TIMEOUT_S. Without a GPU accelerate forms a (gloo) group only when told the run is on CPU."""
+    from datetime import timedelta
+
+    from accelerate import PartialState
+
+    return PartialState(cpu=not torch.cuda.is_available(), timeout=timedelta(seconds=RANKS_TIMEOUT_S))
+
+
 def end_process_group() -> None:
     """At the end of a multi-process job: every rank past its last collective, then the group
     destroyed while the interpreter is still whole (gloo's worker threads outliving it can abort a
@@ -182,17 +198,8 @@ def load_sharded(
 def shard_target(model: nn.Module, mesh) -> nn.Module:
     """Apply FSDP2 to a target in place: each matrix-holding child of each decoder layer is a unit,
     the root holds the rest of the layers; embedding, final norm and lm_head are left whole."""
-    import inspect
+    from torch.distributed.fsdp import fully_shard
 
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:
-        fully_shard = None
-    if fully_shard is None or "ignored_params" not in inspect.signature(fully_shard).parameters:
-        raise UserError(
-            "target.shard=fsdp needs torch 2.7 or later (FSDP2's fully_shard with ignored_params); this is torch "
-            f"{torch.__version__}"
-        )
     decoder = model.get_decoder()
     layers = getattr(decoder, "layers", None)
     if layers is None:

@@ -78,6 +78,11 @@ class Eagle3Config(DrafterConfig):
         if self.fc_norm and self.norm_before_fc:  # speculators' loader refuses the pair (vLLM would chain them)
             raise UserError("drafter.fc_norm and drafter.norm_before_fc both normalise the taps before fc: choose one")
         check_mask_token(self.mask_token_id, target, "drafter.parallel_drafting=true" if self.parallel_drafting else "")
+        if self.parallel_drafting and self.ttt_steps < 2:  # mask_hidden would take part in no loss: DDP raises on it
+            raise UserError(
+                "drafter.parallel_drafting=true trains the chain's later tokens, from mask_hidden, at training-time-"
+                f"test steps 2 and on: set drafter.ttt_steps >= 2 (got {self.ttt_steps})"
+            )
         if target is not None:
             default = None if self.aux_layers is not None else "EAGLE-3's default aux layers [1, L//2-1, L-4]"
             check_tap_layers(

@@ -192,6 +192,9 @@ class Mtp(EagleBase):
         self.block = self.build_block(import_qualified(spec["layer"]))
         mtp_depths.build(self, norm, eps)  # a layout's later depths, one per draft step
         for block in (self.block, *(depth.block for depth in getattr(self, "depths", ()))):
+            for module in block.modules():  # a layer built alone runs SDPA, which drops attention sinks (V4's)
+                if isinstance(getattr(module, "sinks", None), nn.Parameter):
+                    module.config._attn_implementation = "eager"  # as the target's class runs, and vLLM computes
             indexer = getattr(getattr(block, "self_attn", None), "indexer", None)
             if indexer is not None:
                 # V3.2's sparse-attention indexer stays as shipped: transformers runs it without gradients (DeepSeek

@@ -261,3 +261,17 @@ def test_the_export_serves_it_in_the_speculative_config_vllm_takes(tmp_path, cap
     done = vllm_script(vllm_python, [str(script), str(REFERENCE_TARGET), str(folder), json.dumps(served)], timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == ["dspark", True]
+
+
+def test_a_step_costs_clock_starts_after_the_devices_queue_is_drained(monkeypatch):
+    """On CUDA the fresh input (a deepcopy of the KV cache: device copies) and the warm-up run asynchronously: the
+    clock started with them queued and timed them with the verify forward. The order of calls, with
+    torch.cuda.synchronize recorded in place of a GPU's (none here)."""
+    from draftsmith.eval import step_costs
+
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("drain"))
+    monkeypatch.setattr(step_costs.time, "perf_counter", lambda: events.append("clock") or 0.0)
+    step_costs._median_ms(lambda _: events.append("run"), torch.device("cuda"), lambda: events.append("given"))
+    timed = events[events.index("run") + 1 :]  # after the untimed warm-up
+    assert timed[:5] == ["given", "drain", "clock", "run", "drain"] and timed.count("clock") == 2 * step_costs.REPLAYS

@@ -194,6 +194,11 @@ def test_an_output_on_a_read_only_file_system_is_bad_input_for_every_command(rea
         (["recipe=eagle3", "drafter.aux_layers=[0,4]"], "layer id(s) [4] out of range for a target with 4 layers"),
         (["recipe=eagle3", "drafter.aux_layers=null"], "default aux layers [1, L//2-1, L-4] = [1, 1, 0]"),
         (["recipe=eagle3", "drafter.ttt_steps=0"], "drafter.ttt_steps must be >= 1"),
+        # P-EAGLE's mask_hidden in no loss: DDP refused it at a multi-process launch's second step
+        (
+            ["recipe=eagle3", "drafter.parallel_drafting=true", "drafter.mask_token_id=1", "drafter.ttt_steps=1"],
+            "set drafter.ttt_steps >= 2 (got 1)",
+        ),
         (["recipe=eagle3", "data.max_length=128", "drafter.ttt_steps=1000"], "ttt_steps=1000 scores tokens past"),
         (["recipe=mtp", "data.max_length=64", "drafter.ttt_steps=63"], "at most 62 steps find a token to score"),
         (["recipe=eagle", "drafter.num_layers=0"], "drafter.num_layers must be >= 1"),

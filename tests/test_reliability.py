@@ -332,6 +332,12 @@ def test_a_drafter_layer_that_produces_nan_is_named(tmp_path):
     target_out = run_target(target, ids, batch["attention_mask"], drafter.request)
     loss, _, _ = drafter(batch, target_out)
     assert locate_nonfinite(drafter, batch, target_out, loss) == "drafter module blocks.1.layers.0.linear"
+    # A non-finite target output is named first, and the drafter's forward still runs: under ZeRO-3 it gathers the
+    # weights, collectives every rank makes (a rank that returned before it left the others waiting in them)
+    forwards = []
+    drafter.register_forward_hook(lambda module, args, output: forwards.append(module))
+    target_out.final[0, 0, 0] = float("nan")
+    assert locate_nonfinite(drafter, batch, target_out, loss) == "target final hidden state" and forwards
 
 
 def test_capture_refuses_to_write_nonfinite_features(tmp_path, small_data, token_cache, capsys):
@@ -445,3 +451,23 @@ def test_a_publish_killed_before_its_cleanup_is_followed_by_a_publish_that_lands
     assert (directory / "weights").read_text() == "second" and (tmp_path / "best.old" / "weights").is_file()
     publish_folder(tmp_path / "again", directory)
     assert (directory / "weights").read_text() == "third" and not (tmp_path / "best.old").exists()
+
+
+def test_weights_a_zero_3_rank_holds_in_its_partition_are_checked_before_a_checkpoint():
+    """DeepSpeed ZeRO-3 leaves every parameter's local tensor empty (its sum 0 on every rank) and keeps the rank's
+    partition in `ds_tensor`: the check summed the empty tensors and passed non-finite weights into a checkpoint. A
+    stand-in parameter of that shape (ZeRO-3 needs CUDA) is refused; an unpartitioned one is summed as before."""
+    from types import SimpleNamespace
+
+    from draftsmith.errors import TrainingDiverged
+    from draftsmith.trainer.checkpoint import TrainerState
+    from draftsmith.trainer.loop import finite_weights_checksum
+
+    accelerator = SimpleNamespace(unwrap_model=lambda module: module, device=torch.device("cpu"), num_processes=1)
+    module = torch.nn.Linear(2, 2, bias=False)
+    torch.nn.init.ones_(module.weight)
+    assert finite_weights_checksum(accelerator, module, TrainerState()) == 4.0
+    module.weight.data = torch.empty(0)
+    module.weight.ds_tensor = torch.tensor([1.0, float("inf")])
+    with pytest.raises(TrainingDiverged, match="the drafter's weights are not finite after step 0"):
+        finite_weights_checksum(accelerator, module, TrainerState())

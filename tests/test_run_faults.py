@@ -184,7 +184,7 @@ def test_a_resume_in_another_precision_is_refused_unless_the_run_did_not_record_
     from omegaconf import OmegaConf
 
     from draftsmith.recipe import derived, save_recipe
-    from draftsmith.trainer.setup import require_precision_as_begun
+    from draftsmith.trainer.launcher import require_precision_as_begun
 
     cfg = load_recipe(["recipe=medusa", f"output_dir={tmp_path}"])
     save_recipe(derived(cfg, {"train.mixed_precision": "no"}), tmp_path)

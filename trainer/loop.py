@@ -148,6 +148,8 @@ def train_step(run: Run, step: StepData, agreed: Agreed, stream, stop: StopReque
             for name, pair in pairs.items():
                 stats[name] = stats[name] + pair if name in stats else pair  # the first needs no zeros to add to
             if accelerator.sync_gradients:
+                if not run.gradients_checked:
+                    require_every_parameter_trained(run)
                 with record_function("clip_grad_norm"):
                     grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), cfg.train.max_grad_norm)
                 upcoming = (
@@ -161,12 +163,26 @@ def train_step(run: Run, step: StepData, agreed: Agreed, stream, stop: StopReque
                     else:  # an fp16 GradScaler skips non-finite steps itself and lowers its scale
                         run.optimizer.step()
             run.optimizer.zero_grad(set_to_none=True)
+        # the micro-batch's target features (a draft model's [B, T, V] logits too) not held through the next one's
+        del batch, target_out, loss, batch_stats
         state.epoch, state.batch_in_epoch = epoch, batch_index + 1
     lr = run.scheduler.get_last_lr()[0]  # this step's lr: read before scheduler.step() moves on to the next's
     run.scheduler.step()
     state.step += 1
     state.tokens += agreed.tokens
     return StepResult(step, agreed.tokens, stats, lr, upcoming, agreement)
+
+
+def require_every_parameter_trained(run: Run) -> None:
+    """At this process's first step: a trainable parameter of the drafter that got no gradient takes part in no loss,
+    which DDP refuses on a multi-process launch at its next step, after the run's start (minutes on a large target).
+    The recipe checks refuse such settings (P-EAGLE at one training-time-test step was one): reaching here is a bug."""
+    run.gradients_checked = True
+    if run.accelerator.state.deepspeed_plugin is not None:  # its gradients live in its engine's buffers, not .grad
+        return
+    unused = [name for name, p in run.module.named_parameters() if p.requires_grad and p.grad is None]
+    if unused:
+        raise RuntimeError(f"the drafter's trainable parameters {', '.join(unused)} got no gradient: in no loss")
 
 
 def due(step: int, every: int, last: int) -> bool:
@@ -390,7 +406,9 @@ def finite_weights_checksum(accelerator, drafter, state: TrainerState) -> float:
     and gradient, and every later step is skipped) stop the run as diverged on every rank, before a checkpoint
     (or final/) of them is written: the checkpoints kept hold finite weights."""
     module = accelerator.unwrap_model(drafter)
-    checksum = float(sum(p.detach().double().sum() for p in module.parameters()))
+    # DeepSpeed ZeRO-3 leaves each parameter's local tensor empty and holds this rank's partition in `ds_tensor`:
+    # its sum, where the empty one sums to 0 on every rank and passes weights of any value
+    checksum = float(sum(getattr(p, "ds_tensor", p).detach().double().sum() for p in module.parameters()))
     if agree(accelerator, torch.tensor(not math.isfinite(checksum), device=accelerator.device)).nonfinite:
         raise TrainingDiverged(
             f"the drafter's weights are not finite after step {state.step} ({state.skipped_steps} step(s) skipped "

@@ -20,17 +20,15 @@ def main(argv: Sequence[str]) -> None:
     from draftsmith.formats.folder import require_drafter_folder
 
     require_drafter_folder(cfg)
-    import torch
-    from accelerate import PartialState
-
     from draftsmith.errors import PreemptedWhereItWas
+    from draftsmith.sharding import ranks_state
     from draftsmith.threads import set_cpu_threads
     from draftsmith.trainer.checkpoint import after_interrupt, claim_output_dir
     from draftsmith.trainer.loop import train
 
     set_cpu_threads(cfg.train.cpu_threads)  # accelerate launch's OMP_NUM_THREADS=1 is not a choice (threads.py)
 
-    state = PartialState(cpu=not torch.cuda.is_available())
+    state = ranks_state()
     if not state.is_main_process:  # a run's information once, not once per rank; each rank's warnings stay
         logging.getLogger("draftsmith").setLevel(logging.WARNING)
     trained = None

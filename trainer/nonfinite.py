@@ -9,8 +9,10 @@ import math
 import torch
 from omegaconf import DictConfig
 
+from draftsmith import compiled_layers
 from draftsmith.errors import TrainingDiverged
 from draftsmith.heads.base import Drafter
+from draftsmith.heads.vocab_loss import compiled_chunk_math
 from draftsmith.target import TargetOutput
 from draftsmith.trainer.checkpoint import TrainerState
 
@@ -29,7 +31,12 @@ def report_nonfinite(
     """Log where a non-finite loss or gradient first appeared, with the batch's samples; raise a
     TrainingDiverged (exit 4) once more than `train.max_nonfinite` steps have been skipped. Collective:
     every rank calls it."""
-    where = locate_nonfinite(accelerator.unwrap_model(drafter), batch, target_out, loss)
+    with (  # the forward run again as training ran it: a bf16 overflow may not show in float32
+        accelerator.autocast(),
+        compiled_chunk_math(cfg.train.compile_vocab_loss),
+        compiled_layers.drafter_limits(cfg.train.compile_drafter),
+    ):
+        where = locate_nonfinite(accelerator.unwrap_model(drafter), batch, target_out, loss)
     found = accelerator.gather_for_metrics(
         [{"rank": accelerator.process_index, "where": where, "samples": batch.get("sample", [])}],
         use_gather_object=True,
@@ -53,16 +60,17 @@ def report_nonfinite(
 def locate_nonfinite(drafter: Drafter, batch: dict, target_out: TargetOutput, loss: torch.Tensor) -> str:
     """The first place a NaN/inf shows: the target's outputs (or captured features), else the first
     drafter module whose output is non-finite when the forward is re-run, else the loss, else the
-    first parameter with a non-finite gradient. Empty when this rank's side is finite."""
+    first parameter with a non-finite gradient. Empty when this rank's side is finite. Every rank runs the forward,
+    whatever its target's outputs: under ZeRO-3 it gathers each module's weights, collectives the ranks make in step."""
     inputs = {"target final hidden state": target_out.final, "target logits": target_out.logits}
     inputs |= {f"target layer {layer} hidden state": hidden for layer, hidden in target_out.layers.items()}
-    for name, tensor in inputs.items():
-        if (
-            tensor is not None
-            and tensor.is_floating_point()
-            and not torch.isfinite(tensor[batch["attention_mask"].bool()]).all()
-        ):
-            return name
+    in_target = [
+        name
+        for name, tensor in inputs.items()
+        if tensor is not None
+        and tensor.is_floating_point()
+        and not torch.isfinite(tensor[batch["attention_mask"].bool()]).all()
+    ]
     first: list[str] = []
 
     def hook(name):
@@ -81,6 +89,8 @@ def locate_nonfinite(drafter: Drafter, batch: dict, target_out: TargetOutput, lo
     finally:
         for handle in handles:
             handle.remove()
+    if in_target:
+        return in_target[0]
     if first:
         return f"drafter module {first[0]}"
     if not math.isfinite(float(loss)):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property, partial
@@ -17,7 +16,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import parse_flag_from_env, set_seed
+from accelerate.utils import set_seed
 from omegaconf import DictConfig, OmegaConf
 
 from draftsmith.data_prep.collate import Collator, PackingCollator
@@ -35,9 +34,8 @@ from draftsmith.heads import drafter_class
 from draftsmith.heads.base import DRAFTER_DIR, check_same_target, saved_drafter
 from draftsmith.heads.packing import causal_lm_inputs, require_packed_attention
 from draftsmith.outputs import RECIPE_NAME
-from draftsmith.recipe import check_chain, derived, require_draft_vocab_use, save_recipe
+from draftsmith.recipe import check_chain, require_draft_vocab_use, save_recipe
 from draftsmith.recipe_checks import resolve_bool_or_path
-from draftsmith.recipe_schema import CHOICES
 from draftsmith.sharding import built_whole
 from draftsmith.streams import not_captured
 from draftsmith.target import TargetOutput, TargetShape, load_target, load_tokenizer, run_target
@@ -51,6 +49,12 @@ from draftsmith.trainer.checkpoint import (
     set_newer_checkpoints_aside,
 )
 from draftsmith.trainer.heldout import check_best_on_resume, split_heldout
+from draftsmith.trainer.launcher import (
+    make_accelerator,
+    require_precision_as_begun,
+    require_resumable_split,
+    with_precision_used,
+)
 from draftsmith.trainer.optim import build_optimizer
 from draftsmith.trainer.resume_checks import (
     record_data_content,
@@ -81,6 +85,7 @@ class Run:
     state: TrainerState  # fresh, or the resumed checkpoint's
     # the start's count of the eval report's prompts in data.train, which the report after training reuses
     prompt_count: Optional[PromptCount] = None
+    gradients_checked: bool = False  # the loop's require_every_parameter_trained, at this process's first step
 
     @cached_property
     def module(self) -> torch.nn.Module:
@@ -116,7 +121,9 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
         require_resumed_as_begun(cfg, output_dir)
         require_trained_as_begun(saved_config, OmegaConf.to_object(cfg.drafter), resumed_what)
         require_precision_as_begun(cfg.train.mixed_precision, given_precision, output_dir)
-        resumed = resplit(saved_state(resume_from), split_of(cfg, accelerator))  # another step size: before any load
+        saved, split = saved_state(resume_from), split_of(cfg, accelerator)
+        require_resumable_split(saved.split or split, split, accelerator.state.deepspeed_plugin is not None)
+        resumed = resplit(saved, split)  # another step size: before any load
     elif cfg.train.init_from:  # its kind is known before any data or model loads
         start = Path(cfg.train.init_from)
         require_recipes_kind(start_kind(start), cfg.drafter.type, f"train.init_from={start}")
@@ -189,28 +196,6 @@ def set_up(cfg: DictConfig, output_dir: Path) -> Run:
     # TensorBoard drops what an earlier attempt logged past the step the run resumes at (SummaryWriter's purge_step)
     accelerator.init_trackers("tb", init_kwargs={"tensorboard": {"purge_step": run.state.step + 1}} if resuming else {})
     return run
-
-
-def make_accelerator(cfg: DictConfig, output_dir: Path) -> Accelerator:
-    """The run's Accelerator: train.grad_accum, train.mixed_precision, TensorBoard under the output directory."""
-    # accelerate launch's DeepSpeed configs (its environment variable): without CUDA, cpu=True below drops the
-    # DeepSpeed plugin and the run is plain DDP without a word
-    if parse_flag_from_env("ACCELERATE_USE_DEEPSPEED") and not torch.cuda.is_available():
-        raise UserError(
-            "accelerate launch with a DeepSpeed config needs a CUDA GPU (on a CPU accelerate would run plain DDP): "
-            "launch with recipes/accelerate/multi_gpu.yaml on a CPU"
-        )
-    return Accelerator(
-        gradient_accumulation_steps=cfg.train.grad_accum,
-        mixed_precision=mixed_precision(cfg.train.mixed_precision),
-        log_with="tensorboard",
-        project_dir=str(output_dir),
-        # The schedule counts optimizer steps; we step it ourselves once per optimizer step.
-        step_scheduler_with_optimizer=False,
-        # Without a GPU, accelerate only forms a process group (gloo) when told the run is on CPU;
-        # this makes `torchrun`/`accelerate launch --multi_gpu` with N processes real DDP on CPU.
-        cpu=not torch.cuda.is_available(),
-    )
 
 
 def require_local_sources(cfg: DictConfig) -> None:
@@ -353,12 +338,6 @@ def prepare_run(
     """The Run of `drafter` at step 0: its optimizer and schedule over `train_data` (`optimization`), and
     the three wrapped by `accelerator.prepare` for the run's backend."""
     optimizer, scheduler, max_steps = optimization(cfg, accelerator, drafter, len(train_data))
-    if accelerator.state.deepspeed_plugin is not None:
-        # DeepSpeed wants its micro-batch size up front; accelerate reads it off a prepared DataLoader,
-        # and ours is not prepared (each rank streams its own micro-batches): without this, prepare() fails
-        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = (
-            cfg.train.micro_batch_size
-        )
     if cfg.train.compile_drafter:  # before any wrapper holds the drafter
         from draftsmith import compiled_layers
 
@@ -376,60 +355,6 @@ def split_of(cfg: DictConfig, accelerator: Accelerator) -> dict[str, int]:
         "micro_batch_size": int(cfg.train.micro_batch_size),
         "grad_accum": int(cfg.train.grad_accum),
     }
-
-
-def mixed_precision(setting: str):
-    """`auto`: whatever `accelerate launch` was told, else bf16 on a GPU that has it, else none. fp16 needs a
-    CUDA GPU: on a CPU accelerate runs it as float32 without a word."""
-    launched = os.environ.get("ACCELERATE_MIXED_PRECISION") if setting == "auto" else None
-    # accelerate also takes fp8, which the recipe cannot record (and needs TransformerEngine or MS-AMP on a GPU)
-    if launched and launched not in CHOICES["train.mixed_precision"]:
-        raise UserError(
-            f"mixed precision {launched} is not supported: train.mixed_precision takes "
-            f"{', '.join(CHOICES['train.mixed_precision'])} (accelerate launch --mixed_precision {launched} gave it)"
-        )
-    if "fp16" in (setting, launched) and not torch.cuda.is_available():
-        given = "train.mixed_precision=fp16" if setting == "fp16" else "accelerate launch --mixed_precision fp16"
-        raise UserError(f"{given} needs a CUDA GPU; use bf16 or no on a CPU")
-    if setting != "auto":
-        return setting
-    if launched:
-        return None
-    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
-        return "bf16"
-    return "no"
-
-
-def precision_source(given: str) -> str:
-    """Where the run's precision came from, for its log line and a refused resume: the recipe's
-    train.mixed_precision, or under `auto` accelerate launch's setting or the device."""
-    if given != "auto":
-        return f"train.mixed_precision={given}"
-    if os.environ.get("ACCELERATE_MIXED_PRECISION"):
-        return "accelerate launch's mixed_precision, under train.mixed_precision=auto"
-    return "train.mixed_precision=auto on this device"
-
-
-def with_precision_used(cfg: DictConfig, accelerator: Accelerator) -> DictConfig:
-    """The recipe with train.mixed_precision the precision the run computes in (`auto` resolved: accelerate launch's
-    bundled configs say bf16, applied on a CPU too), logged: the recipe.yaml the run saves says what ran, and a
-    resume under another precision is refused (require_precision_as_begun)."""
-    used, given = accelerator.mixed_precision, cfg.train.mixed_precision
-    log.info("mixed precision: %s (%s)", used, precision_source(given))
-    return derived(cfg, {"train.mixed_precision": used}) if used != given else cfg
-
-
-def require_precision_as_begun(used: str, given: str, output_dir: Path) -> None:
-    """One line when a resume computes in another precision than the run began in (its recipe.yaml's resolved
-    train.mixed_precision): its losses would differ from the run's without a word."""
-    if not (output_dir / RECIPE_NAME).is_file():  # a checkpoint given by path, of a run elsewhere
-        return
-    began = OmegaConf.load(output_dir / RECIPE_NAME).train.get("mixed_precision", "auto")
-    if began not in ("auto", used):  # auto: saved by an earlier draftsmith, which did not record what ran
-        raise UserError(
-            f"train.resume continues the run in {output_dir} as it began, in mixed precision {began}, and this launch "
-            f"runs {used} ({precision_source(given)}): resume with train.mixed_precision={began}"
-        )
 
 
 def packing_collator(cfg: DictConfig, tokenizer, target) -> PackingCollator | None:

@@ -1,0 +1,151 @@
+"""The run's Accelerator, and what `accelerate launch` decides beside the recipe: its mixed precision, and under
+DeepSpeed the step's accumulation and clipping.
+
+The recipe says how a step trains (train.grad_accum, train.max_grad_norm, train.micro_batch_size); a launcher's
+config can say it again, and then wins without a word: accelerate prefers ACCELERATE_GRADIENT_ACCUMULATION_STEPS
+(which `accelerate launch` exports from a DeepSpeed config's gradient_accumulation_steps) over the Accelerator's
+argument, and under DeepSpeed clips in its engine at the config's gradient_clipping (accelerate fills an unset one
+with 1.0), where clip_grad_norm_ only reads the norm. A step of grad_accum 4 would then step the optimizer on every
+micro-batch. So the launcher's value, where it gives one, must be the recipe's (one line, exit 2, before any model
+or data is touched), and DeepSpeed's unset ("auto") values are filled from the recipe.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import parse_flag_from_env
+from omegaconf import DictConfig, OmegaConf
+
+from draftsmith.errors import UserError
+from draftsmith.outputs import RECIPE_NAME
+from draftsmith.recipe import derived
+from draftsmith.recipe_schema import CHOICES
+
+log = logging.getLogger("draftsmith.train")
+
+
+def make_accelerator(cfg: DictConfig, output_dir: Path) -> Accelerator:
+    """The run's Accelerator: train.grad_accum, train.mixed_precision, TensorBoard under the output directory."""
+    # accelerate launch's DeepSpeed configs (its environment variable): without CUDA, cpu=True below drops the
+    # DeepSpeed plugin and the run is plain DDP without a word
+    if parse_flag_from_env("ACCELERATE_USE_DEEPSPEED") and not torch.cuda.is_available():
+        raise UserError(
+            "accelerate launch with a DeepSpeed config needs a CUDA GPU (on a CPU accelerate would run plain DDP): "
+            "launch with recipes/accelerate/multi_gpu.yaml on a CPU"
+        )
+    accelerator = Accelerator(
+        gradient_accumulation_steps=cfg.train.grad_accum,
+        mixed_precision=mixed_precision(cfg.train.mixed_precision),
+        log_with="tensorboard",
+        project_dir=str(output_dir),
+        # The schedule counts optimizer steps; we step it ourselves once per optimizer step.
+        step_scheduler_with_optimizer=False,
+        # Without a GPU, accelerate only forms a process group (gloo) when told the run is on CPU;
+        # this makes `torchrun`/`accelerate launch --multi_gpu` with N processes real DDP on CPU.
+        cpu=not torch.cuda.is_available(),
+    )
+    plugin = accelerator.state.deepspeed_plugin
+    take_recipes_step(cfg, accelerator.gradient_accumulation_steps, plugin.deepspeed_config if plugin else None)
+    return accelerator
+
+
+def take_recipes_step(cfg: DictConfig, accumulated: int, deepspeed_config: Optional[dict[str, Any]]) -> None:
+    """Refuse a launcher that would train steps other than the recipe's; fill DeepSpeed's config (in place) where it
+    leaves the recipe's values unset. `accumulated`: the Accelerator's micro-batches a step."""
+    train = cfg.train
+    if accumulated != train.grad_accum:
+        raise UserError(
+            f"accelerate would accumulate {accumulated} micro-batches a step (ACCELERATE_GRADIENT_ACCUMULATION_STEPS="
+            f"{os.environ.get('ACCELERATE_GRADIENT_ACCUMULATION_STEPS')}, from accelerate launch's config), the "
+            f"recipe's train.grad_accum {train.grad_accum}: leave gradient_accumulation_steps out of the accelerate "
+            "config (draftsmith sets it from the recipe), or set train.grad_accum to it"
+        )
+    if deepspeed_config is None:
+        return
+    for key, recipe_key, value in (
+        ("gradient_accumulation_steps", "train.grad_accum", int(train.grad_accum)),
+        ("gradient_clipping", "train.max_grad_norm", float(train.max_grad_norm)),
+    ):
+        given = deepspeed_config.get(key, "auto")
+        if given == "auto":
+            deepspeed_config[key] = value
+        elif float(given) != value:
+            raise UserError(
+                f"the DeepSpeed config's {key} is {given} and the recipe's {recipe_key} {value}: DeepSpeed would "
+                f'train with {given}; leave {key} out of the accelerate config ("auto" in a DeepSpeed JSON file: '
+                f"draftsmith sets it from the recipe), or set {recipe_key}={given}"
+            )
+    # DeepSpeed wants its micro-batch size up front; accelerate reads it off a prepared DataLoader, and ours is not
+    # prepared (each rank streams its own micro-batches): without this, prepare() fails
+    deepspeed_config["train_micro_batch_size_per_gpu"] = int(train.micro_batch_size)
+
+
+def require_resumable_split(saved: dict[str, int], split: dict[str, int], deepspeed: bool) -> None:
+    """DeepSpeed's ZeRO checkpoint resumes on the number of processes that saved it only (its engine raises after the
+    target and data have loaded): refused first. DDP's optimizer state is whole, and resumes on any split."""
+    if deepspeed and saved.get("processes", split["processes"]) != split["processes"]:
+        raise UserError(
+            f"train.resume: this run's checkpoint was saved by DeepSpeed on {saved['processes']} processes, which "
+            f"it resumes on only (this launch has {split['processes']}): resume on {saved['processes']}, or start a "
+            "new run from its checkpoint with train.init_from"
+        )
+
+
+def mixed_precision(setting: str):
+    """`auto`: whatever `accelerate launch` was told, else bf16 on a GPU that has it, else none. fp16 needs a
+    CUDA GPU: on a CPU accelerate runs it as float32 without a word."""
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION") if setting == "auto" else None
+    # accelerate also takes fp8, which the recipe cannot record (and needs TransformerEngine or MS-AMP on a GPU)
+    if launched and launched not in CHOICES["train.mixed_precision"]:
+        raise UserError(
+            f"mixed precision {launched} is not supported: train.mixed_precision takes "
+            f"{', '.join(CHOICES['train.mixed_precision'])} (accelerate launch --mixed_precision {launched} gave it)"
+        )
+    if "fp16" in (setting, launched) and not torch.cuda.is_available():
+        given = "train.mixed_precision=fp16" if setting == "fp16" else "accelerate launch --mixed_precision fp16"
+        raise UserError(f"{given} needs a CUDA GPU; use bf16 or no on a CPU")
+    if setting != "auto":
+        return setting
+    if launched:
+        return None
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "no"
+
+
+def precision_source(given: str) -> str:
+    """Where the run's precision came from, for its log line and a refused resume: the recipe's
+    train.mixed_precision, or under `auto` accelerate launch's setting or the device."""
+    if given != "auto":
+        return f"train.mixed_precision={given}"
+    if os.environ.get("ACCELERATE_MIXED_PRECISION"):
+        return "accelerate launch's mixed_precision, under train.mixed_precision=auto"
+    return "train.mixed_precision=auto on this device"
+
+
+def with_precision_used(cfg: DictConfig, accelerator: Accelerator) -> DictConfig:
+    """The recipe with train.mixed_precision the precision the run computes in (`auto` resolved: accelerate launch's
+    bundled configs say bf16, applied on a CPU too), logged: the recipe.yaml the run saves says what ran, and a
+    resume under another precision is refused (require_precision_as_begun)."""
+    used, given = accelerator.mixed_precision, cfg.train.mixed_precision
+    log.info("mixed precision: %s (%s)", used, precision_source(given))
+    return derived(cfg, {"train.mixed_precision": used}) if used != given else cfg
+
+
+def require_precision_as_begun(used: str, given: str, output_dir: Path) -> None:
+    """One line when a resume computes in another precision than the run began in (its recipe.yaml's resolved
+    train.mixed_precision): its losses would differ from the run's without a word."""
+    if not (output_dir / RECIPE_NAME).is_file():  # a checkpoint given by path, of a run elsewhere
+        return
+    began = OmegaConf.load(output_dir / RECIPE_NAME).train.get("mixed_precision", "auto")
+    if began not in ("auto", used):  # auto: saved by an earlier draftsmith, which did not record what ran
+        raise UserError(
+            f"train.resume continues the run in {output_dir} as it began, in mixed precision {began}, and this launch "
+            f"runs {used} ({precision_source(given)}): resume with train.mixed_precision={began}"
+        )
