@@ -146,7 +146,7 @@ def main() -> None:
         help="speculators' checkpoint of the head-to-head, scored by the same eval ('': none)",
     )
     parser.add_argument("--speculators-variants", default=",".join(SPECULATORS_VARIANTS))
-    parser.add_argument("--out", type=Path, default=REPO / "docs/results/peer_speculators/ablation.jsonl")
+    parser.add_argument("--out", type=Path, default=REPO / "runs/peer_speculators/ablation.jsonl")
     parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=10, help="MT-bench first turns per category (10 = all 80)")
     parser.add_argument("--new-tokens", type=int, default=64)

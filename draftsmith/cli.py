@@ -191,17 +191,18 @@ def configure_logging() -> None:
 
 
 class SaidOnce(logging.Filter):
-    """A handler filter: a data stage's information line said already (`forget` clears them) is not said again.
-    One run reads a file once per purpose (the training set, the held-out rows, the eval's prompts and their
-    overlap with the training set), and each read would say the same "loaded 8 conversations from ...". Warnings
-    always pass; so does every record handled by another handler, pytest's caplog's among them."""
+    """A handler filter: a data stage's information or warning line said already (`forget` clears them) is not said
+    again. One run reads a file once per purpose (the training set, the held-out rows, the eval's prompts and their
+    overlap with the training set), and each read would say the same "loaded 8 conversations from ..." (and a
+    folder's files not read, five times). Errors always pass; so does every record handled by another handler,
+    pytest's caplog's among them."""
 
     def __init__(self) -> None:
         super().__init__()
         self.said: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.name != DATA_LOGGER or record.levelno > logging.INFO:
+        if record.name != DATA_LOGGER or record.levelno > logging.WARNING:
             return True
         line = record.getMessage()
         if line in self.said:

