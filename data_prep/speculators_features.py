@@ -218,4 +218,6 @@ def main(argv: Sequence[str]) -> None:
         raise UserError(
             f"usage: {invoked_usage('python -m data_prep.speculators_features OUTPUT recipe=NAME [key=value ...]')}"
         )
+    if not argv[0]:  # `"$OUT"` with OUT unset: Path("") is the current folder
+        raise UserError("OUTPUT is empty: give the folder to write the features to")
     print(json.dumps(write_speculators_data(load_recipe(list(argv[1:])), Path(argv[0])), indent=2))

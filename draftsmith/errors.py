@@ -89,14 +89,16 @@ class PreemptedWhereItWas(Preempted):
 # The exit codes (docs/faults.md): 2 = fix the input; 3 = a correctness check failed (the eval's lossless
 # check, the export's engine check: a bug to report); 4 = training diverged; 10/11/12/13 = monitor outcomes
 # (monitor/check.py); 69 (EX_UNAVAILABLE) = an engine or the Hugging Face Hub the job needs is down, retry
-# later; 70 (EX_SOFTWARE) = a draftsmith bug, traceback in a log file; 74 (EX_IOERR) = an output could
-# not be written (disk full), free space and rerun; 75 (EX_TEMPFAIL) = stopped on request after saving,
-# requeue the same command (train.resume=true for training); 130 = Ctrl-C.
+# later; 70 (EX_SOFTWARE) = a draftsmith bug, traceback in a log file; 71 (EX_OSERR) = out of memory, a device's
+# or the host's, rerun with less a step; 74 (EX_IOERR) = an output could not be written (disk full), free space
+# and rerun; 75 (EX_TEMPFAIL) = stopped on request after saving, requeue the same command (train.resume=true for
+# training); 130 = Ctrl-C.
 EXIT_USER_ERROR = 2
 EXIT_CHECK_FAILED = 3
 EXIT_DIVERGED = 4
 EXIT_UNAVAILABLE = 69
 EXIT_INTERNAL = 70
+EXIT_OUT_OF_MEMORY = 71
 EXIT_IO_ERROR = 74
 EXIT_PREEMPTED = 75
 EXIT_INTERRUPTED = 130
@@ -319,6 +321,13 @@ def outcome(err: BaseException, command: str = "") -> tuple[int, str]:
     for cls, code, prefix in OUTCOMES:
         if isinstance(err, cls):
             return code, f"{prefix}: {one_line(err, limit=2000)}"
+    if out_of_memory(err):  # the job's size, not draftsmith: the most common failure of a GPU run
+        return EXIT_OUT_OF_MEMORY, (
+            f"out of memory: {one_line(err)}; give each step less (a smaller train.micro_batch_size with a larger "
+            "train.grad_accum keeps the step; a shorter data.max_length; fewer eval.batch_sizes or "
+            "data.regenerate.batch_size), or more memory (target.shard=fsdp over several GPUs), and "
+            f"{how_to_continue(command)}"
+        )
     if isinstance(err, PermissionError):  # a path the user gave that this user may not use: fix it, no retry helps
         where = f"cannot access {err.filename}" if err.filename else "cannot access a file"
         return EXIT_USER_ERROR, f"error: {where}: permission denied; fix its permissions or give another path"
@@ -329,6 +338,19 @@ def outcome(err: BaseException, command: str = "") -> tuple[int, str]:
         EXIT_INTERNAL,
         f"internal error (a draftsmith bug, please report it): {one_line(err, with_type=True)}; {traceback_kept(err)}",
     )
+
+
+# what torch's allocators say when they cannot allocate: CUDA's torch.OutOfMemoryError, the CPU's and MPS's RuntimeError
+OUT_OF_MEMORY_SAID = ("out of memory", "can't allocate memory")
+
+
+def out_of_memory(err: BaseException) -> bool:
+    """Whether `err` is an allocation that failed: Python's MemoryError, or torch's (a RuntimeError subclass on CUDA,
+    a RuntimeError on a CPU), torch imported only if the job imported it."""
+    torch = sys.modules.get("torch")
+    if isinstance(err, MemoryError) or (torch is not None and isinstance(err, torch.OutOfMemoryError)):
+        return True
+    return isinstance(err, RuntimeError) and any(said in str(err) for said in OUT_OF_MEMORY_SAID)
 
 
 def space_left(path: str | os.PathLike) -> str | None:

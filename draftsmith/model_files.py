@@ -154,7 +154,9 @@ def check_local_files(folder: Path, what: str, safetensors_only: bool) -> None:
     for settings in (folder / name for name in SETTINGS_FILES):
         try:
             values = json.loads(settings.read_text()) if settings.is_file() else {}
-        except (OSError, ValueError):  # unreadable or not JSON: not_loadable names it
+        except ValueError as err:  # transformers skips a generation_config.json it cannot parse: its stop ids with it
+            raise UserError(f"{what}: {settings} is not valid JSON ({one_line(err)})") from None
+        except OSError:  # unreadable: not_loadable names it
             values = {}
         if not isinstance(values, dict):
             raise UserError(f"{what}: {settings} holds a JSON {type(values).__name__}, not an object of settings")

@@ -266,7 +266,9 @@ def write_command(argv: list[str]) -> None:
         "language model under the release's names",
     )
     args = parser.parse_args(argv)
-    directory = Path(args.directory)
+    if not args.directory:  # `"$OUT"` with OUT unset: Path("") is the current folder
+        raise UserError("DIRECTORY is empty: give the folder to write the target to")
+    directory = Path(args.directory).absolute()  # `.` names the current folder: the staging folder goes beside it
     check_target_directory(directory)
     if directory.is_dir() and any(directory.iterdir()):  # what was written there since (an MTP layer) goes with it
         logging.getLogger(__name__).warning("%s held a target: it is replaced by the one written now", directory)

@@ -39,7 +39,14 @@ from draftsmith.recipe_checks import (
     require,
     resolve_bool_or_path,
 )
-from draftsmith.recipe_input import parse_overrides, recipe_path, register_resolvers, repeated_key, split_argv
+from draftsmith.recipe_input import (
+    expand_home,
+    parse_overrides,
+    recipe_path,
+    register_resolvers,
+    repeated_key,
+    split_argv,
+)
 from draftsmith.recipe_schema import CHOICES, RecipeSchema, TrainSection
 
 if TYPE_CHECKING:
@@ -133,6 +140,7 @@ def compose(recipe: str, overrides: Sequence[str]) -> DictConfig:
                 OmegaConf.update(cfg, key, value, merge=False)
             except OmegaConfBaseException as err:
                 raise UserError(f"override {key}={value!r}: {_omegaconf_error_line(err)}") from None
+        expand_home(cfg)
         given = dict(parsed)
         if "train.max_steps" in given and "train.epochs" not in given and str(given["train.max_steps"]) != "-1":
             # the command line sets the run's length: the recipe file's epochs is not read, and the saved recipe

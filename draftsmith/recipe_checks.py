@@ -161,6 +161,11 @@ def check_data(data) -> None:
         f"data.pack_length={data.pack_length} must be >= data.max_length={data.max_length}: "
         "a conversation is packed whole into one row",
     )
+    require(
+        data.pack or data.pack_length is None,
+        f"data.pack_length={data.pack_length} is the length of packed rows, and data.pack=false pads a row per "
+        "conversation: set data.pack=true, or leave it out",
+    )
     capture = data.capture
     require_at_least_one(capture, "data.capture", "topk", "shard_tokens")
     require(
@@ -186,6 +191,11 @@ def check_data(data) -> None:
         regenerate.max_turns is None or regenerate.max_turns >= regenerate.min_turns,
         f"data.regenerate.max_turns={regenerate.max_turns} is below min_turns={regenerate.min_turns}: no "
         "conversation would be written",
+    )
+    require(  # a setting of a part that does not run, changed from its default, as eval.top_p's
+        regenerate.temperature > 0 or regenerate.top_p == 1.0,
+        f"data.regenerate.top_p={regenerate.top_p} samples, and data.regenerate.temperature=0 answers greedily: set "
+        "a temperature > 0, or leave it out",
     )
     require(
         regenerate.samples == 1 or regenerate.temperature > 0,
@@ -382,10 +392,27 @@ def check_outputs(cfg, tokenizes: bool = True) -> None:
         unset = "" if key == "output_dir" else ", or null for its default under output_dir"
         require(str(path) != "", f"{key} is empty: give a directory{unset}")
         check_output_dir(path, key)
+        check_outside_data(cfg, str(path), key)
     cache = cfg.data.cache_dir
     if cache or tokenizes:
         unset = f"data.cache_dir=null (its default, {cache_root()})"
         check_output_dir(cache or cache_root(), "data.cache_dir", named=None if cache else unset)
+
+
+def check_outside_data(cfg, output: str, key: str) -> None:
+    """An output directory is no data folder the recipe reads, nor inside one: a run wrote its checkpoints, logs and
+    checksums into its data.train folder, and its own eval's read of that folder (and every later run's) then met
+    them as conversations (`checksums.json record 1: no 'messages' field`), after the whole training."""
+    written = Path(output).expanduser().absolute()
+    for data_key in ("data.train", "data.eval", "data.draft_vocab"):
+        sources = OmegaConf.select(cfg, data_key) or []
+        for source in [sources] if isinstance(sources, str) else sources:
+            folder = Path(str(source)).expanduser().absolute()
+            require(
+                not folder.is_dir() or not written.is_relative_to(folder),
+                f"{key}={output} is inside the {data_key} folder {source}, whose every file is read as data: give "
+                "an output directory outside it",
+            )
 
 
 # paths a command reads, each with a default when null: given empty, it was read as unset, without a word

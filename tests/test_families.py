@@ -552,6 +552,10 @@ def test_random_target_command_writes_a_target_or_one_line(tmp_path, capsys):
         main(["no_such_family", str(tmp_path / "x")])
     refused = subprocess.CompletedProcess([], done.value.code, "", capsys.readouterr().err)
     assert assert_one_line_error(refused, 2).startswith("error: transformers has no model type 'no_such_family'")
+    with pytest.raises(SystemExit) as done:  # `"$OUT"` with OUT unset was the current folder (exit 70 in an empty one)
+        main(["llama", ""])
+    refused = subprocess.CompletedProcess([], done.value.code, "", capsys.readouterr().err)
+    assert assert_one_line_error(refused, 2) == "error: DIRECTORY is empty: give the folder to write the target to"
     assert not (tmp_path / "x").exists()
     # families whose own code fails at a tiny shape were internal errors (exit 70): one line each, nothing written
     for family, said in [

@@ -105,6 +105,9 @@ def test_a_config_that_is_no_object_and_tokenizer_files_missing_or_cut_short_are
         other.write_text("[1]")
         for load in (load_tokenizer, load_target):
             assert f"{other} holds a JSON list, not an object of settings" in refused(load, str(target))
+        other.write_text('{"bos')  # a generation_config.json transformers cannot parse was skipped: its stop ids too
+        for load in (load_tokenizer, load_target):
+            assert f"{other} is not valid JSON (" in refused(load, str(target))
         other.unlink() if kept is None else other.write_text(kept)
 
     tokenizer = target / "tokenizer.json"

@@ -142,6 +142,9 @@ def test_bad_overrides_are_user_errors(override, fragment):
         # a path that is no folder, before the Hub is asked (it would only object to the id's form)
         ("target.name_or_path=/nonexistent/target", "target.name_or_path=/nonexistent/target: no such folder"),
         ("target.name_or_path=./missing", "target.name_or_path=./missing: no such folder"),
+        # settings of a part that does not run, changed from their defaults: read by nothing
+        ("data.regenerate.top_p=0.5", "data.regenerate.top_p=0.5 samples, and data.regenerate.temperature=0 answers"),
+        ("data.pack_length=512", "data.pack_length=512 is the length of packed rows, and data.pack=false pads"),
     ],
 )
 def test_bad_values_are_refused_before_anything_runs(override, fragment):
@@ -420,3 +423,29 @@ def test_a_misspelt_key_in_a_recipe_file_is_told_the_key_it_is_most_like(tmp_pat
     recipe.write_text("drafter:\n  type: medusa\ntrain:\n  lrr: 0.001\n")
     with pytest.raises(UserError, match=r"^invalid recipe mine.yaml: Key 'lrr' not in 'TrainSection': did you mean tr"):
         load_recipe([f"recipe={recipe}", f"output_dir={tmp_path}"])
+
+
+def test_a_path_under_home_is_the_homes_for_every_key(tmp_path, monkeypatch):
+    """`output_dir: ~/runs/x` made a folder named `~` in the current one (its obvious removal, `rm -rf ~`, removes the
+    home), data.train read the home's, and target.name_or_path was refused as a Hub id of the wrong form."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "t").symlink_to(REPO / "demo" / "target")
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("drafter:\n  type: medusa\ntarget:\n  name_or_path: ~/t\noutput_dir: ~/runs/x\n")
+    cfg = load_recipe([f"recipe={recipe}", "data.train=['~/a.jsonl']", "export.output='~/served'"])
+    assert cfg.output_dir == str(tmp_path / "runs" / "x") and cfg.target.name_or_path == str(tmp_path / "t")
+    assert list(cfg.data.train) == [str(tmp_path / "a.jsonl")] and cfg.export.output == str(tmp_path / "served")
+
+
+@pytest.mark.parametrize("inside", ["", "run"])
+def test_an_output_directory_in_a_data_folder_is_refused_before_anything_runs(inside, tmp_path):
+    """A run wrote its checkpoints and logs into its data.train folder: its own eval's read of the folder met them
+    as conversations (`checksums.json record 1: no 'messages' field`) after the whole training, and so did every
+    later run on that data."""
+    folder = tmp_path / "chats"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    output = folder / inside
+    with pytest.raises(UserError, match=rf"^output_dir={output} is inside the data.train folder {folder}, whose"):
+        load_recipe(["recipe=medusa", f"data.train=[{folder}]", f"output_dir={output}"])
+    load_recipe(["recipe=medusa", f"data.train=[{folder}]", f"output_dir={tmp_path / 'run'}"])
