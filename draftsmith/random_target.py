@@ -237,12 +237,19 @@ def main(argv: Optional[list[str]] = None) -> NoReturn:
     run_cli(write_command, argv)
 
 
+class OneLineArguments(argparse.ArgumentParser):
+    """argparse's refusals as every command's: one line, exit 2 (its usage block is --help's)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError(f"{message} (python -m draftsmith.random_target --help lists the arguments)")
+
+
 def write_command(argv: list[str]) -> None:
     """Write the target the arguments name into DIRECTORY, whole or not at all (its path alone on stdout)."""
     from draftsmith.cli import configure_logging
 
     configure_logging()
-    parser = argparse.ArgumentParser(prog="python -m draftsmith.random_target", description=__doc__.split("\n\n")[0])
+    parser = OneLineArguments(prog="python -m draftsmith.random_target", description=__doc__.split("\n\n")[0])
     parser.add_argument("model_type", help="a transformers model type: qwen3, gemma3_text, gpt_oss, ...")
     parser.add_argument("directory")
     parser.add_argument("--sliding-window", type=int, default=48)

@@ -556,6 +556,10 @@ def test_random_target_command_writes_a_target_or_one_line(tmp_path, capsys):
         main(["llama", ""])
     refused = subprocess.CompletedProcess([], done.value.code, "", capsys.readouterr().err)
     assert assert_one_line_error(refused, 2) == "error: DIRECTORY is empty: give the folder to write the target to"
+    with pytest.raises(SystemExit) as done:  # argparse's refusal came after its 7-line usage block
+        main(["llama", str(tmp_path / "x"), "--seed", "abc"])
+    refused = subprocess.CompletedProcess([], done.value.code, "", capsys.readouterr().err)
+    assert assert_one_line_error(refused, 2).startswith("error: argument --seed: invalid int value: 'abc' (python -m")
     assert not (tmp_path / "x").exists()
     # families whose own code fails at a tiny shape were internal errors (exit 70): one line each, nothing written
     for family, said in [
