@@ -1244,3 +1244,19 @@ def test_a_folders_files_not_read_are_named_and_suffixes_match_in_any_case(tmp_p
     with pytest.raises(UserError, match=r"x\.jsonl\.bz2' has an unsupported format \(expected \.jsonl/"):
         load_conversations([str(folder / "sub" / "x.jsonl.bz2")])
     assert len(load_conversations([str(folder / "UPPER.JSONL")])) == 1
+
+
+def test_a_local_files_load_asks_nothing_of_the_network(tmp_path, monkeypatch):
+    """datasets sent a HEAD request to count a download of its json builder on every local file's load: 0.14 s a
+    file without a network (a regeneration's folder of 75 parts read in 11 s, 0.4 s without), a round trip with."""
+    import datasets.load
+
+    asked = []
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_UPDATE_DOWNLOAD_COUNTS", True)  # as a user's default (AUTO)
+    session = type("Session", (), {"head": lambda self, url, **options: asked.append(url)})
+    monkeypatch.setattr(datasets.load, "get_session", session)
+    for part in range(3):
+        write_jsonl(tmp_path / f"part-{part:05d}.jsonl.gz", [GOOD], gzip.open)
+    assert len(load_conversations([str(tmp_path)])) == 3 and asked == []
+    assert datasets.config.HF_UPDATE_DOWNLOAD_COUNTS  # the setting is the user's again for a Hub data set's load
