@@ -299,12 +299,14 @@ def require_weights_as_configured(path: Path) -> None:
     cls, config, saved_target, _ = saved_drafter(path)
     with torch.device("meta"):
         drafter = built_drafter(path, cls, config, saved_target)
-    built = {name: tuple(tensor.shape) for name, tensor in drafter.state_dict().items()}
+    state = drafter.state_dict()
+    built = {name: tuple(tensor.shape) for name, tensor in state.items()}
     weights = path / WEIGHTS_NAME
     require_readable(weights)
     try:
         with safe_open(str(weights), framework="pt") as stored:
             held = {name: tuple(stored.get_slice(name).get_shape()) for name in stored.keys()}
+            kinds = {name: stored.get_slice(name).get_dtype() for name in stored.keys()}  # F32, BF16, I64, BOOL, ...
     except (SafetensorError, OSError) as err:
         raise UserError(f"{weights}: corrupt weights file ({one_line(err)})") from None
     missing = [name for name in built if name not in held]
@@ -313,8 +315,14 @@ def require_weights_as_configured(path: Path) -> None:
         for name, shape in built.items()
         if name in held and held[name] != shape
     ]
+    # a weight stored as integers or booleans was cast to floats without a word, and evaluated and exported so
+    other += [
+        f"{name} stored as {kinds[name]} (its config builds floating-point weights)"
+        for name, tensor in state.items()
+        if name in kinds and tensor.is_floating_point() and not kinds[name].startswith(("F", "BF"))
+    ]
     if missing or other:
         raise UserError(
             f"{weights}: weights do not match a {cls.type} drafter as its {CONFIG_NAME} builds it "
-            f"(missing {missing[:3]}, other shapes: {other[:3]})"
+            f"(missing {missing[:3]}, other shapes or types: {other[:3]})"
         )

@@ -294,3 +294,20 @@ def test_a_checkpoint_whose_config_builds_other_weights_than_it_holds_is_refused
     line = assert_one_line_error(run_entry_in_process(args, capsys), 2)
     said = f"weights do not match a medusa drafter as its config.json builds it (missing ['lm_heads.{heads}.weight', "
     assert line.startswith(f"error: {checkpoint / 'model.safetensors'}: {said}"), line
+
+
+def test_a_checkpoint_holding_integer_weights_is_refused(tmp_path):
+    """Weights stored as int32 (or bool) were cast to floats and evaluated and exported, exit 0."""
+    from safetensors.torch import load_file, save_file
+
+    from draftsmith.formats.folder import require_weights_as_configured
+    from tests.helpers import save_drafter
+
+    checkpoint = save_drafter("medusa", load_target(str(REFERENCE_TARGET)), tmp_path / "final")
+    weights = checkpoint / "model.safetensors"
+    tensors = load_file(weights)
+    name = sorted(tensors)[0]
+    save_file({**tensors, name: (tensors[name] * 1000).to(torch.int32)}, weights, metadata={"format": "pt"})
+    said = rf"other shapes or types: \['{name} stored as I32 \(its config builds floating-point"
+    with pytest.raises(UserError, match=said):
+        require_weights_as_configured(checkpoint)

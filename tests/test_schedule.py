@@ -71,6 +71,17 @@ def saved(scheduler) -> dict:
     return torch.load(buffer, weights_only=True)
 
 
+@pytest.mark.parametrize("warmup_steps, max_steps, said", [(20, 5, True), (5, 5, True), (4, 5, False)])
+def test_a_warm_up_the_run_never_finishes_is_said(warmup_steps, max_steps, said, caplog):
+    """A short run of a recipe's 20-step warm-up (train.max_steps=5) trained at 20% of train.lr at most, unsaid."""
+    with caplog.at_level("WARNING", logger="draftsmith.train"):
+        schedule(warmup_steps, max_steps)
+    lines = [record.getMessage() for record in caplog.records]
+    assert bool(lines) == said
+    if said:
+        assert lines[0].startswith(f"train.warmup_steps={warmup_steps} is not shorter than the run's {max_steps} steps")
+
+
 def test_a_resumed_schedule_continues_exactly_also_from_a_transformers_schedules_checkpoint():
     optimizer, scheduler = schedule(4, 15)
     rates(optimizer, scheduler, 6)

@@ -317,6 +317,16 @@ def optimization(cfg: DictConfig, accelerator: Accelerator, drafter, conversatio
             conversations % step,
             conversations,
         )
+    if cfg.train.warmup_steps >= max_steps:  # a short run of a recipe's warm-up: said, as it trains below train.lr
+        log.warning(
+            "train.warmup_steps=%d is not shorter than the run's %d steps: it never trains at train.lr=%g (it ends at "
+            "%.0f%% of it); set train.warmup_steps below %d for the schedule to reach it",
+            cfg.train.warmup_steps,
+            max_steps,
+            cfg.train.lr,
+            100 * (max_steps - 1) / max(1, cfg.train.warmup_steps),
+            max_steps,
+        )
     rate = partial(cosine_with_warmup, warmup_steps=cfg.train.warmup_steps, total_steps=max_steps)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, rate), max_steps
 
