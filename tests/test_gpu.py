@@ -79,7 +79,12 @@ def test_a_drafter_trained_on_cuda_decodes_losslessly_there(kind, tmp_path, smal
 
 @pytest.mark.parametrize(
     "config, extra",
-    [("fsdp_target.yaml", ["target.shard=fsdp"]), ("deepspeed_zero2.yaml", []), ("deepspeed_zero3.yaml", [])],
+    [
+        ("fsdp_target.yaml", ["target.shard=fsdp"]),
+        # the recipe's accumulation and clipping given to DeepSpeed (trainer/launcher.py): its config leaves them out
+        ("deepspeed_zero2.yaml", ["train.grad_accum=2", "train.max_grad_norm=0.5"]),
+        ("deepspeed_zero3.yaml", ["train.grad_accum=2", "train.max_grad_norm=0.5"]),
+    ],
     ids=["fsdp2-target", "zero2", "zero3"],
 )
 def test_distributed_configs_train_with_one_rank(config, extra, tmp_path, small_data, token_cache):
