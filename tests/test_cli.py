@@ -353,3 +353,15 @@ def test_a_folders_files_not_read_are_said_once_a_run(tmp_path, small_data, toke
     done = run_entry_in_process(["train.py", *args], capsys)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stderr.count("1 file(s) not read, their suffix not") == 1
+
+
+def test_cfg_under_a_launcher_prints_the_recipe_once(monkeypatch, capsys):
+    """`accelerate launch --num_processes 8 train.py ... --cfg` printed eight copies: rank 0's alone now, every rank
+    still refusing a bad recipe."""
+    monkeypatch.setenv("RANK", "1")
+    done = run_entry_in_process(["train.py", "recipe=medusa", "--cfg"], capsys)
+    assert (done.returncode, done.stdout) == (0, "")
+    assert_one_line_error(run_entry_in_process(["train.py", "recipe=medusaa", "--cfg"], capsys), 2)
+    monkeypatch.setenv("RANK", "0")
+    done = run_entry_in_process(["train.py", "recipe=medusa", "--cfg"], capsys)
+    assert done.returncode == 0 and yaml.safe_load(done.stdout)["drafter"]["type"] == "medusa"

@@ -38,7 +38,7 @@ NOT_CHECKED = ("python -m venv ", "python -c ")
 STAND_INS = {
     "recipe=runs/load/eagle3/recipe.yaml": "recipe=eagle3",
     "recipe=runs/gpu_protocol/eagle3/recipe.yaml": "recipe=eagle3",
-    "recipe=my_recipe": "recipe=medusa",
+    "recipe=runs/eagle3/recipe.yaml": "recipe=eagle3",
     "target.name_or_path=/tmp/qwen3-vl": "target.name_or_path=demo/target",
 }
 # targets an earlier step of the same page writes, whose kind a recipe checks (an MTP layer) -> how it writes them

@@ -32,13 +32,7 @@ log = logging.getLogger("draftsmith.train")
 
 def make_accelerator(cfg: DictConfig, output_dir: Path) -> Accelerator:
     """The run's Accelerator: train.grad_accum, train.mixed_precision, TensorBoard under the output directory."""
-    # accelerate launch's DeepSpeed configs (its environment variable): without CUDA, cpu=True below drops the
-    # DeepSpeed plugin and the run is plain DDP without a word
-    if parse_flag_from_env("ACCELERATE_USE_DEEPSPEED") and not torch.cuda.is_available():
-        raise UserError(
-            "accelerate launch with a DeepSpeed config needs a CUDA GPU (on a CPU accelerate would run plain DDP): "
-            "launch with recipes/accelerate/multi_gpu.yaml on a CPU"
-        )
+    require_deepspeed_on_cuda()
     accelerator = Accelerator(
         gradient_accumulation_steps=cfg.train.grad_accum,
         mixed_precision=mixed_precision(cfg.train.mixed_precision),
@@ -53,6 +47,17 @@ def make_accelerator(cfg: DictConfig, output_dir: Path) -> Accelerator:
     plugin = accelerator.state.deepspeed_plugin
     take_recipes_step(cfg, accelerator.gradient_accumulation_steps, plugin.deepspeed_config if plugin else None)
     return accelerator
+
+
+def require_deepspeed_on_cuda() -> None:
+    """accelerate launch's DeepSpeed configs (its environment variable) need CUDA: without it, the Accelerator's
+    cpu=True drops the DeepSpeed plugin and the run is plain DDP without a word. Refused before the ranks form their
+    process group (trainer/main.py): a rank that leaves one formed aborted at exit, named as the launch's cause."""
+    if parse_flag_from_env("ACCELERATE_USE_DEEPSPEED") and not torch.cuda.is_available():
+        raise UserError(
+            "accelerate launch with a DeepSpeed config needs a CUDA GPU (on a CPU accelerate would run plain DDP): "
+            "launch with recipes/accelerate/multi_gpu.yaml on a CPU"
+        )
 
 
 def take_recipes_step(cfg: DictConfig, accumulated: int, deepspeed_config: Optional[dict[str, Any]]) -> None:

@@ -24,10 +24,12 @@ def main(argv: Sequence[str]) -> None:
     from draftsmith.sharding import ranks_state
     from draftsmith.threads import set_cpu_threads
     from draftsmith.trainer.checkpoint import after_interrupt, claim_output_dir
+    from draftsmith.trainer.launcher import require_deepspeed_on_cuda
     from draftsmith.trainer.loop import train
 
     set_cpu_threads(cfg.train.cpu_threads)  # accelerate launch's OMP_NUM_THREADS=1 is not a choice (threads.py)
 
+    require_deepspeed_on_cuda()
     state = ranks_state()
     if not state.is_main_process:  # a run's information once, not once per rank; each rank's warnings stay
         logging.getLogger("draftsmith").setLevel(logging.WARNING)
