@@ -245,6 +245,16 @@ def resolve_selection(cfg: DictConfig, target) -> Selection:
         require_topk_within(section.topk, target.get_output_embeddings().weight.shape[0])
     if not (final or layers or logits != "none"):
         raise UserError("nothing to capture: data.capture has final=false, no layers and logits=none")
+    left_out = [f"layer {layer}" for layer in wanted.layers if layer not in layers]
+    left_out += ["the final hidden state"] * (wanted.final and not final)
+    left_out += ["the logits"] * (wanted.logits and logits == "none")
+    if left_out:  # a capture of part of it is the user's to make; training this drafter from it is refused later
+        log.warning(
+            "the recipe's %s drafter reads %s, which these data.capture settings leave out: training it from this "
+            "capture will be refused (leave data.capture.layers, final and logits unset for what it reads)",
+            cfg.drafter.type,
+            ", ".join(left_out),
+        )
     return Selection(final, layers, logits, section.topk if logits == "topk" else None, section.dtype)
 
 

@@ -560,3 +560,13 @@ def test_a_capture_recording_fewer_of_its_targets_weights_resumes_and_other_weig
     )
     assert "the target's weights (its input embedding or last layer differs)" in refused
     assert "embedding_norms" not in refused
+
+
+def test_a_capture_leaving_out_what_the_recipes_drafter_reads_says_so(conversations, tmp_path, caplog):
+    """A capture of part of what the drafter reads is the user's to make (another drafter's, a comparison of engines'
+    layers), and training this recipe's drafter from it is refused: said at its start, not only after it is whole."""
+    args = capture_args(tmp_path / "run", conversations, "data.capture.final=false", "data.capture.layers=[0]")
+    with caplog.at_level("WARNING", logger="draftsmith.capture"):
+        capture(load_recipe(args))
+    (line,) = [record.getMessage() for record in caplog.records if record.name == "draftsmith.capture"]
+    assert line.startswith("the recipe's medusa drafter reads the final hidden state, which these data.capture")
