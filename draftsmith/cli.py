@@ -112,12 +112,13 @@ def entry_point(
             [arg for arg in argv if arg not in ("--help", "-h")],
         )
     if "--cfg" in argv:  # the arguments the command itself would take, refused as it refuses them
-        # once under a launcher (accelerate launch, torchrun): each rank resolves it, rank 0 prints it
-        first = os.environ.get("RANK", "0") == "0"
-        run_cli(
-            lambda args: print(resolved_yaml(recipe_part(args, positional), command)[: None if first else 0], end=""),
-            [arg for arg in argv if arg != "--cfg"],
-        )
+
+        def print_resolved(args: Sequence[str]) -> None:
+            resolved = resolved_yaml(recipe_part(args, positional), command)  # every rank refuses a bad recipe
+            if os.environ.get("RANK", "0") == "0":  # once under a launcher (accelerate launch, torchrun)
+                print(resolved, end="")
+
+        run_cli(print_resolved, [arg for arg in argv if arg != "--cfg"])
     run_cli(main, argv, command)
 
 

@@ -17,21 +17,17 @@ from draftsmith.cli import entry_point
 
 def main(argv: Sequence[str]) -> None:
     # imported here, under entry_point's run_cli: Ctrl-C or SIGTERM during their imports (torch's) ends as later
-    from draftsmith.errors import UserError
     from draftsmith.recipe import checkpoint_to_read, load_recipe
 
     cfg = load_recipe(argv, "eval")  # checked before the loop's and the libraries' modules (torch's: seconds) load
-    from draftsmith.formats.folder import require_weights_as_configured, served_settings
+    from draftsmith.formats.folder import require_outside_checkpoint, require_weights_as_configured, served_settings
 
     served = served_settings(argv, cfg)
     checkpoint = checkpoint_to_read(cfg)
     require_weights_as_configured(checkpoint)
-    report_dir = Path(cfg.output_dir) / "eval"
-    if report_dir.resolve().is_relative_to(Path(checkpoint).resolve()):
-        raise UserError(  # as export.output: export and the monitor would then refuse the report as of other weights
-            f"the eval's report folder {report_dir} (output_dir/eval) is inside the checkpoint {checkpoint}: its files "
-            "would count in the checkpoint's sha256, which the report identifies it by; give an output_dir outside it"
-        )
+    report_dir = Path(cfg.output_dir) / "eval"  # export and the monitor would refuse it as of other weights
+    named = f"the eval's report folder {report_dir} (output_dir/eval)"
+    require_outside_checkpoint(report_dir, checkpoint, named, "the report identifies it by", give="an output_dir")
     import datasets
     import transformers
 

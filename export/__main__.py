@@ -32,20 +32,20 @@ def main(argv: Sequence[str]) -> None:
 def engine_check_line(folder) -> str:
     """What the folder's engine check measured (its draftsmith_export.json `verified`), or that none ran: the export's
     output named the folders alone, whether or not the engine had served the drafter."""
-    import json
-
+    from draftsmith.files import read_json
     from draftsmith.formats.repo import EXPORT_INFO
 
-    checked = json.loads((folder / EXPORT_INFO).read_text()).get("verified")
+    checked = read_json(folder / EXPORT_INFO).get("verified")
     if not checked:
         return "not checked in an engine (export.vllm_python unset, or an engine that cannot run here)"
-    measured = ("engine", "engine_version", "prompts", "lossless", "tau_engine", "tau_draftsmith", "tolerance")
-    if not all(checked.get(key) is not None for key in (*measured, "relative_difference")):
+    said = "engine engine_version prompts lossless tau_engine tau_draftsmith relative_difference tolerance".split()
+    if any(checked.get(key) is None for key in said):
         return f"checked in an engine: {folder / EXPORT_INFO} says what it measured"
     return (
         f"checked in {checked['engine']} {checked['engine_version']} on {checked['prompts']} prompts: "
-        f"{'lossless' if checked['lossless'] else 'NOT lossless'}, τ {checked['tau_engine']:.3f} against draftsmith's "
-        f"{checked['tau_draftsmith']:.3f} ({checked['relative_difference']:+.1%}, tolerance {checked['tolerance']:.0%})"
+        f"{'lossless' if checked['lossless'] else 'NOT lossless'}, τ {checked['tau_engine']:.3f} "
+        f"against draftsmith's {checked['tau_draftsmith']:.3f} ({checked['relative_difference']:+.1%}, tolerance "
+        f"{checked['tolerance']:.0%})"
     )
 
 

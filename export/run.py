@@ -25,7 +25,13 @@ from draftsmith.export.gamma import chain_engines, recommended_gamma
 from draftsmith.export.schedule import batch_schedule_of
 from draftsmith.files import checkpoint_digest, publish_folder, read_json, save_safetensors, staging, write_json
 from draftsmith.formats import Source, exporter_for
-from draftsmith.formats.folder import require_recipes_kind, require_same_serving, served_values, with_served
+from draftsmith.formats.folder import (
+    require_outside_checkpoint,
+    require_recipes_kind,
+    require_same_serving,
+    served_values,
+    with_served,
+)
 from draftsmith.formats.repo import (
     EXPORT_INFO,
     EngineRepo,
@@ -65,11 +71,8 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, engines=No
     the SERVED drafter settings the command line gave (formats/folder.py's served_settings)."""
     output = Path(cfg.export.output or Path(cfg.output_dir) / "export")
     require_push_allowed(cfg)
-    if output.resolve().is_relative_to(checkpoint.resolve()):
-        raise UserError(
-            f"export.output={str(output)!r} is inside the checkpoint {checkpoint}: its files would count in the "
-            "checkpoint's sha256 (which the eval report and the monitor identify it by); give a folder outside it"
-        )
+    named = f"export.output={str(output)!r}"
+    require_outside_checkpoint(output, checkpoint, named, "the eval report and the monitor identify it by")
     from draftsmith.export.verify import EngineSession, verify_in_vllm
 
     # one session for every question put to vLLM and the check: vLLM imported once (its own, closed at the end)

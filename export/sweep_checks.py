@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from draftsmith.errors import UserError
+from draftsmith.formats.folder import require_outside_checkpoint
 from draftsmith.formats.repo import EXPORT_INFO
 
 OUTPUT_KEY = "export.sweep.output"
@@ -29,12 +30,8 @@ def require_own_output(output: Path, checkpoint: Path) -> None:
     """`output` neither in the checkpoint (its files count in the sha256 the rows are matched by) nor in an export's
     engine folder (export/run.py publishes one with its draftsmith_export.json: the rows and the sweep's own export
     would be served and pushed with it), nor an export.output holding such folders."""
+    require_outside_checkpoint(output, checkpoint, f"{OUTPUT_KEY}={str(output)!r}", "the rows are matched by")
     resolved = output.resolve()
-    if resolved.is_relative_to(checkpoint.resolve()):
-        raise UserError(
-            f"{OUTPUT_KEY}={str(output)!r} is inside the checkpoint {checkpoint}: its files would count in the "
-            "checkpoint's sha256, which the rows are matched by; give a folder outside it"
-        )
     published = next((folder for folder in [resolved, *resolved.parents] if (folder / EXPORT_INFO).is_file()), None)
     if published is None and resolved.is_dir():
         published = next((child for child in sorted(resolved.iterdir()) if (child / EXPORT_INFO).is_file()), None)

@@ -284,6 +284,16 @@ def require_recipes_drafter(
         )
 
 
+def require_outside_checkpoint(output: Path, checkpoint: Path, named: str, matched_by: str, give: str = "a folder"):
+    """`output` (an export's, a sweep's, an eval report's folder) not inside the checkpoint it reads: its files would
+    count in the checkpoint's sha256, which what it writes is matched by (`matched_by`)."""
+    if output.resolve().is_relative_to(checkpoint.resolve()):
+        raise UserError(
+            f"{named} is inside the checkpoint {checkpoint}: its files would count in the checkpoint's sha256, which "
+            f"{matched_by}; give {give} outside it"
+        )
+
+
 def require_weights_as_configured(path: Path) -> None:
     """The draftsmith checkpoint at `path` (the one eval, export and sweep read, a training's warm start) holds every
     tensor its config.json builds, at the shape it builds it: the drafter built on the meta device (no memory, no

@@ -46,15 +46,13 @@ class PlainBlock(nn.Module):
         super().__init__()
         self.self_attn, self.mlp = layer.self_attn, layer.mlp
         self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
-        # attention sinks (HY-V4's): transformers' eager attention adds them, its SDPA drops them; the eager one adds
-        # the mask to the scores, so takes it additive
+        # attention sinks (HY-V4's): transformers' eager attention adds them (the drafter runs such blocks eagerly:
+        # heads/mtp.py); it adds the mask to the scores, so takes it additive
         self.sinks = getattr(layer.self_attn, "sinks", None) is not None
         # an indexer over pools of keys (GLM-5-Next's) runs on the drafter's masks by heads/mtp_pooled.py
         self.pooled = hasattr(getattr(layer.self_attn, "indexer", None), "index_kpool")
         # an indexer picking blocks of keys (MiniMax-M3's) runs on the drafter's masks by heads/mtp_blocks.py
         self.blocked = hasattr(getattr(layer.self_attn, "indexer", None), "topk_blocks")
-        if self.sinks:
-            layer.self_attn.config._attn_implementation = "eager"
 
     def forward(
         self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, **kwargs
