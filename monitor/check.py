@@ -138,7 +138,7 @@ def measure_and_decide(cfg: DictConfig, directory: Path, state: State, deployed:
     """One check of the `deployed` drafter: measure (the engine's counters, the traffic sample), decide,
     record, and run the retraining when that is the decision."""
     settings = cfg.monitor
-    baseline = load_baseline(deployed["baseline"], deployed["sha256"])
+    baseline = load_baseline(deployed)
     require_baseline_drafting(deployed["export"], baseline)
     state.checks += 1
     record: dict[str, Any] = {

@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from draftsmith.errors import UserError
+from draftsmith.files import file_sha256
 from draftsmith.formats.repo import EXPORT_INFO
 from draftsmith.monitor.drift import Baseline
 from draftsmith.monitor.state import State
@@ -76,7 +77,8 @@ def recipe_drafter(cfg: DictConfig) -> dict[str, Any]:
             f"checkpoint={folder!r} is not an export folder (an export's vllm/ or sglang/ holding {EXPORT_INFO})"
         )
     info = read_export_info(folder)
-    report = cfg.monitor.baseline or (info.get("eval_report") or {}).get("path")
+    recorded = info.get("eval_report") or {}
+    report = cfg.monitor.baseline or recorded.get("path")
     if not report:
         raise UserError(
             f"{folder} was exported without an eval report: set monitor.baseline=<report.json> (evaluate the "
@@ -86,6 +88,9 @@ def recipe_drafter(cfg: DictConfig) -> dict[str, Any]:
         "export": str(Path(folder).resolve()),
         "revision": 0,
         "baseline": str(report),
+        # the report as the export recorded it (absent from an export of an earlier draftsmith); a baseline given
+        # by monitor.baseline is taken as it is
+        "baseline_sha256": None if cfg.monitor.baseline else recorded.get("sha256"),
         "checkpoint": info["source"]["checkpoint"],
         "sha256": info["source"]["sha256"],
     }
@@ -99,8 +104,17 @@ def read_export_info(folder: str) -> dict[str, Any]:
         raise UserError(f"cannot read the deployed export's {path}: {err}") from None
 
 
-def load_baseline(path: str, weights: str) -> Baseline:
-    """The baseline report at `path`, which must have measured the deployed weights (sha256 `weights`)."""
+def load_baseline(deployed: dict[str, Any]) -> Baseline:
+    """The `deployed` drafter's baseline report, which must have measured its weights and, where the export or the
+    promotion recorded the report's sha256, be that report still: an eval written over it since (other prompts,
+    another temperature) would move the baseline every later check is judged against, unsaid."""
+    path, weights, recorded = deployed["baseline"], deployed["sha256"], deployed.get("baseline_sha256")
+    if recorded is not None and Path(path).is_file() and file_sha256(Path(path)) != recorded:
+        raise UserError(
+            f"the baseline report {path} is not the one recorded when {deployed['export']} was deployed (sha256 "
+            f"{recorded[:12]}, now {file_sha256(Path(path))[:12]}): an eval replaced it since; export the checkpoint "
+            f"again to judge against the new report, or set monitor.baseline={path} to take it as it is"
+        )
     try:
         baseline = Baseline.from_report(json.loads(Path(path).read_text()), path)
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:

@@ -34,7 +34,7 @@ from omegaconf import DictConfig
 
 from draftsmith.data_prep.overlap import turns_digest
 from draftsmith.errors import Preempted
-from draftsmith.files import checkpoint_digest
+from draftsmith.files import checkpoint_digest, file_sha256
 from draftsmith.heads.base import WEIGHTS_NAME
 from draftsmith.monitor import Outcome
 from draftsmith.monitor.redeploy import after_promotion
@@ -289,6 +289,7 @@ def step_record(cfg: DictConfig, directory: Path, state: State, run_dir: Path) -
     checkpoint = Path(train["checkpoint"])
     state.deployed = {
         "export": exported["folders"][engine], "revision": exported["revision"], "baseline": exported["report"],
+        "baseline_sha256": file_sha256(Path(exported["report"])),
         "checkpoint": str(checkpoint), "sha256": checkpoint_digest(checkpoint),
     }  # fmt: skip
     replaced = state.pipeline["deployed"]

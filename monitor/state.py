@@ -20,7 +20,7 @@ STATE_VERSION = 1
 
 @dataclass
 class State:
-    deployed: Optional[dict[str, Any]] = None  # {"export": folder, "revision": n, "baseline": report path}
+    deployed: Optional[dict[str, Any]] = None  # {"export": folder, "revision": n, "baseline": report path, ...}
     # the drafter the monitoring started with, {"export", "sha256"}: the state is its and its revisions' only
     first_deployed: Optional[dict[str, Any]] = None
     counters: Optional[dict[str, float]] = None  # the last scrape, by series

@@ -4,6 +4,7 @@ and the report / CLI."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 
@@ -724,7 +725,9 @@ def test_an_export_reads_the_report_of_its_weights_wherever_the_run_moved(eval_s
         return export_checkpoint(cfg, checkpoint, target=target)
 
     folder = export(moved / "final", tmp_path / "x")["vllm"]
-    assert json.loads((folder / "draftsmith_export.json").read_text())["eval_report"]["path"].startswith(str(moved))
+    recorded = json.loads((folder / "draftsmith_export.json").read_text())["eval_report"]
+    assert recorded["path"] == str(moved / "eval" / "report.json")
+    assert recorded["sha256"] == hashlib.sha256((moved / "eval" / "report.json").read_bytes()).hexdigest()
     other = save_drafter("medusa", target, tmp_path / "other" / "final", seed=1, num_heads=3)
     shutil.copytree(run / "eval", other.parent / "eval")
     with pytest.raises(UserError, match=r"report.json evaluates other weights .* than .*other/final"):

@@ -186,9 +186,8 @@ def test_files_that_are_not_utf_8_text_are_named(tmp_path, capsys):
     result = run_entry_in_process(["train.py", f"recipe={binary}", f"output_dir={tmp_path / 'run'}"], capsys)
     assert_one_line_error(result, 2, f"recipe {binary}: not UTF-8 text, so no YAML (")
     assert refused(read_sweep, binary).startswith(f"error: {binary}: not UTF-8 text, so no load-sweep rows (")
-    assert refused(load_baseline, str(binary), "0" * 64).startswith(
-        f"error: cannot read the baseline report {binary}: "
-    )
+    deployed = {"export": str(tmp_path / "vllm"), "baseline": str(binary), "sha256": "0" * 64}
+    assert refused(load_baseline, deployed).startswith(f"error: cannot read the baseline report {binary}: ")
 
 
 def test_custom_code_without_trust_names_the_recipe_key(target):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import configparser
 import datetime
 import gzip
+import hashlib
 import http.server
 import json
 import logging
@@ -458,6 +459,24 @@ def test_a_baseline_report_of_other_weights_is_refused_in_one_line(tmp_path, cap
     )
 
 
+def test_a_baseline_report_replaced_since_the_export_is_refused_and_monitor_baseline_takes_it(tmp_path, capsys):
+    """The export records its report's sha256: an eval written over that report since (other prompts, another
+    temperature) moved every later check's baseline without a word. It is refused in one line; naming the report
+    by monitor.baseline takes it as it is now."""
+    folder = served_export(tmp_path / "export" / "vllm")
+    report = folder.parent / "report.json"
+    record = json.loads((folder / EXPORT_INFO).read_text())
+    record["eval_report"]["sha256"] = hashlib.sha256(report.read_bytes()).hexdigest()
+    (folder / EXPORT_INFO).write_text(json.dumps(record))
+    report.write_text(report.read_text().replace('"temperature": 0.0', '"temperature": 0.7'))
+    check = ["-m", "monitor", "check", "recipe=medusa", f"checkpoint={folder}", "monitor.retrain=false",
+             "monitor.metrics=[http://127.0.0.1:9/metrics]"]  # fmt: skip
+    result = run_entry_in_process([*check, f"output_dir={tmp_path / 'run'}"], capsys)
+    assert_one_line_error(result, 2, f"the baseline report {report} is not the one recorded when {folder} was deployed")
+    result = run_entry_in_process([*check, f"output_dir={tmp_path / 'again'}", f"monitor.baseline={report}"], capsys)
+    assert result.returncode == 69 and "engine unavailable: cannot scrape" in result.stderr, result.stderr  # measuring
+
+
 def checked_in(version: str) -> dict:
     """engine_settings as an export checked in vLLM `version` records them."""
     return {"vllm_version": version, "runner": "cpu", "method": "medusa", "num_speculative_tokens": 3, **VLLM_PINNED}
@@ -677,6 +696,7 @@ def test_a_promoted_retraining_s_line_says_the_gate_s_tau_and_what_to_serve(tmp_
     tau = {"deployed": {"new": 1.02, "old": 1.21}, "candidate": {"new": 1.1, "old": 1.2}}
     gate = {"promote": True, "new_domains": ["code"], "old_domains": ["math"], "gain_new": 0.0784,
             "change_old": -0.0083, "tau": tau, "per_domain": {}}  # fmt: skip
+    (tmp_path / "report.json").write_text("{}")  # the gate's eval report: the promotion records its sha256
     exported = {"revision": 1, "folders": {"vllm": str(revision / "vllm")}, "report": str(tmp_path / "report.json")}
     done = {"sample": {}, "regenerate": {}, "train": {"checkpoint": str(checkpoint)}, "evaluate": {}, "gate": gate,
             "export": exported}  # fmt: skip
