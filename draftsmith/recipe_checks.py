@@ -41,6 +41,19 @@ def require_seed(value: int, key: str) -> None:
     require(value in SEED_RANGE, f"{key}={value} must be in 0 .. {SEED_RANGE[-1]}")
 
 
+def refuse_unread_sampling(section, defaults: type, prefix: str, greedy: str) -> None:
+    """Sampling settings changed from their defaults (`defaults`, the section's class) where temperature 0 decodes
+    greedily and reads none of them: they changed nothing, and what the part wrote recorded them as applied."""
+    keys = [key for key in ("top_p", "top_k", "seed") if hasattr(defaults, key)]
+    changed = [f"{prefix}.{key}={section[key]}" for key in keys if section[key] != getattr(defaults, key)]
+    one = len(changed) == 1
+    require(
+        section.temperature > 0 or not changed,
+        f"{' and '.join(changed)} {'is' if one else 'are'} read only when sampling, and {prefix}.temperature=0 "
+        f"{greedy}: set a {prefix}.temperature > 0, or leave {'it' if one else 'them'} out",
+    )
+
+
 def check_finite_settings(settings: dict, prefix: str = "") -> None:
     """Every number of the recipe (`settings`: it as a plain dict) is finite: inf passes the range checks
     (train.lr=inf > 0) and reaches the arithmetic (a run trained to non-finite weights), and nan passes a key
@@ -150,6 +163,8 @@ def check_train(train, data, trains: bool = True) -> None:
 
 
 def check_data(data) -> None:
+    from draftsmith.recipe_schema import RegenerateSection
+
     # A prompt needs 2 tokens (the last one is the first decode root), a training row 3 (predict 2 ahead).
     require(data.max_length >= 3, f"data.max_length={data.max_length} must be >= 3")
     require(
@@ -192,11 +207,7 @@ def check_data(data) -> None:
         f"data.regenerate.max_turns={regenerate.max_turns} is below min_turns={regenerate.min_turns}: no "
         "conversation would be written",
     )
-    require(  # a setting of a part that does not run, changed from its default, as eval.top_p's
-        regenerate.temperature > 0 or regenerate.top_p == 1.0,
-        f"data.regenerate.top_p={regenerate.top_p} samples, and data.regenerate.temperature=0 answers greedily: set "
-        "a temperature > 0, or leave it out",
-    )
+    refuse_unread_sampling(regenerate, RegenerateSection, "data.regenerate", "answers greedily")
     require(
         regenerate.samples == 1 or regenerate.temperature > 0,
         f"data.regenerate.samples={regenerate.samples} needs temperature > 0: greedy answers to one prompt are "
@@ -234,14 +245,7 @@ def check_eval(eval_section) -> None:
         f"{eval_section.top_p}, {eval_section.top_k})",
     )
     require(eval_section.ngram_max >= 1, f"eval.ngram_max={eval_section.ngram_max} must be >= 1")
-    # settings of a part of the eval that does not run, changed from their defaults: they changed nothing, and the
-    # report recorded them as applied
-    require(
-        eval_section.temperature > 0 or (eval_section.top_p == 1.0 and eval_section.top_k == 0),
-        f"eval.top_p={eval_section.top_p} and eval.top_k={eval_section.top_k} sample, and eval.temperature=0 "
-        "decodes greedily: set an "
-        "eval.temperature > 0, or leave them out",
-    )
+    refuse_unread_sampling(eval_section, EvalSection, "eval", "decodes greedily")
     require(
         eval_section.ngram_baseline or eval_section.ngram_max == EvalSection.ngram_max,
         f"eval.ngram_max={eval_section.ngram_max} is the n-gram baseline's, and eval.ngram_baseline=false: "

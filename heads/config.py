@@ -50,6 +50,25 @@ def check_mask_token(mask_token_id: Optional[int], target: Optional[TargetShape]
         )
 
 
+def refuse_unread(config: DrafterConfig, keys: tuple[str, ...], setting: str, read_at: object) -> None:
+    """One-line UserError for a key of `keys` changed from its default when drafter.`setting` is not `read_at`, the
+    value it is read at: the drafter would train and be served as if it were left out."""
+    actual = getattr(config, setting)
+    if actual == read_at:
+        return
+
+    def shown(value: object) -> object:
+        return str(value).lower() if isinstance(value, bool) else value
+
+    for key in keys:
+        if getattr(config, key) != getattr(type(config), key):
+            raise UserError(
+                f"drafter.{key}={shown(getattr(config, key))} is read only with drafter.{setting}={shown(read_at)}, "
+                f"and this recipe's is {shown(actual)}: leave it at its default, or set drafter.{setting}="
+                f"{shown(read_at)}"
+            )
+
+
 def check_tap_layers(layers: list[int], num_layers: int, key: str, default: Optional[str], advice: str) -> None:
     """One-line UserErrors for target layer ids (draftsmith's convention, draftsmith.target) that a
     drafter concatenates: none given, ids the target lacks, or not strictly increasing (the engines

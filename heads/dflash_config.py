@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, ClassVar, Optional
 from draftsmith.errors import UserError
 from draftsmith.families import layer_family
 from draftsmith.heads import register_config
-from draftsmith.heads.config import DrafterConfig, check_mask_token, check_tap_layers
+from draftsmith.heads.config import DrafterConfig, check_mask_token, check_tap_layers, refuse_unread
 
 if TYPE_CHECKING:
     from draftsmith.target import TargetShape
@@ -79,12 +79,8 @@ class DFlashBlockConfig(DrafterConfig):
         if not 0 < self.dpace_alpha <= 1:
             raise UserError(f"drafter.dpace_alpha={self.dpace_alpha} must be in (0, 1]")
         # a weighting's own setting given to the other one, which never reads it
-        reader, key = {"dpace": ("decay", "loss_decay"), "decay": ("dpace", "dpace_alpha")}[self.loss_weighting]
-        if getattr(self, key) != getattr(DFlashBlockConfig, key):
-            raise UserError(
-                f"drafter.{key}={getattr(self, key)} is read only with drafter.loss_weighting={reader}, and this "
-                f"recipe's is {self.loss_weighting}: leave it at its default, or set drafter.loss_weighting={reader}"
-            )
+        refuse_unread(self, ("loss_decay",), "loss_weighting", "decay")
+        refuse_unread(self, ("dpace_alpha",), "loss_weighting", "dpace")
         check_mask_token(self.mask_token_id, target)
         if target is not None:
             default = (

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, List, Optional
 
 from draftsmith.errors import UserError
 from draftsmith.heads import register_config
-from draftsmith.heads.config import DrafterConfig, check_mask_token
+from draftsmith.heads.config import DrafterConfig, check_mask_token, refuse_unread
 from draftsmith.heads.lora import LoraSection
 
 if TYPE_CHECKING:
@@ -65,5 +65,6 @@ class DraftModelConfig(DrafterConfig):
         if self.lora is not None:
             self.lora.check()
         check_mask_token(self.mask_token_id, target, "drafter.parallel_drafting=true" if self.parallel_drafting else "")
+        refuse_unread(self, ("mask_token_id", "parallel_tokens"), "parallel_drafting", True)
         if self.parallel_tokens < 2:
             raise UserError(f"drafter.parallel_tokens={self.parallel_tokens} must be >= 2")

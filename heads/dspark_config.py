@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Optional
 
 from draftsmith.errors import UserError
 from draftsmith.heads import register_config
+from draftsmith.heads.config import refuse_unread
 from draftsmith.heads.dflash_config import DFlashBlockConfig
 
 if TYPE_CHECKING:
@@ -50,14 +51,7 @@ class DSparkConfig(DFlashBlockConfig):
                 f"drafter.confidence_weight must be >= 0 and confidence_decay > 0 (got {self.confidence_weight}, "
                 f"{self.confidence_decay})"
             )
-        unread = [
-            key for key in ("confidence_weight", "confidence_decay") if getattr(self, key) != getattr(DSparkConfig, key)
-        ]
-        if unread and not self.confidence_head:  # the head's loss settings, for a drafter without the head
-            raise UserError(
-                f"drafter.{unread[0]}={getattr(self, unread[0])} is read only with drafter.confidence_head=true, and "
-                "this recipe's is false: leave it at its default, or set drafter.confidence_head=true"
-            )
+        refuse_unread(self, ("confidence_weight", "confidence_decay"), "confidence_head", True)  # the head's loss
         if self.adaptive_verification and not self.confidence_head:
             raise UserError(
                 "drafter.adaptive_verification needs confidence_head: true (without the head vLLM sizes the "

@@ -8,7 +8,13 @@ from typing import TYPE_CHECKING, Optional
 from draftsmith.errors import UserError
 from draftsmith.families import layer_family
 from draftsmith.heads import register_config
-from draftsmith.heads.config import DrafterConfig, check_mask_token, check_tap_layers, check_tree_settings
+from draftsmith.heads.config import (
+    DrafterConfig,
+    check_mask_token,
+    check_tap_layers,
+    check_tree_settings,
+    refuse_unread,
+)
 
 if TYPE_CHECKING:
     from draftsmith.target import TargetShape
@@ -78,6 +84,7 @@ class Eagle3Config(DrafterConfig):
         if self.fc_norm and self.norm_before_fc:  # speculators' loader refuses the pair (vLLM would chain them)
             raise UserError("drafter.fc_norm and drafter.norm_before_fc both normalise the taps before fc: choose one")
         check_mask_token(self.mask_token_id, target, "drafter.parallel_drafting=true" if self.parallel_drafting else "")
+        refuse_unread(self, ("mask_token_id",), "parallel_drafting", True)
         if self.parallel_drafting and self.ttt_steps < 2:  # mask_hidden would take part in no loss: DDP raises on it
             raise UserError(
                 "drafter.parallel_drafting=true trains the chain's later tokens, from mask_hidden, at training-time-"

@@ -106,8 +106,10 @@ def test_bad_overrides_are_user_errors(override, fragment):
         ("eval.top_p=0", "0 < eval.top_p <= 1"),
         ("eval.ngram_max=0", "eval.ngram_max=0 must be >= 1"),
         # a setting of a part of the eval that does not run: it changed nothing, and the report recorded it
-        ("eval.top_p=0.5", "eval.top_p=0.5 and eval.top_k=0 sample, and eval.temperature=0 decodes greedily"),
-        ("eval.top_k=5", "eval.top_k=5 sample, and eval.temperature=0 decodes greedily"),
+        ("eval.top_p=0.5", "eval.top_p=0.5 is read only when sampling, and eval.temperature=0 decodes greedily"),
+        ("eval.top_k=5", "eval.top_k=5 is read only when sampling, and eval.temperature=0 decodes greedily"),
+        ("eval.seed=3", "eval.seed=3 is read only when sampling, and eval.temperature=0 decodes greedily"),
+        ("data.regenerate.seed=3", "data.regenerate.seed=3 is read only when sampling, and data.regenerate.temp"),
         ("eval.ngram_baseline=false eval.ngram_max=7", "eval.ngram_max=7 is the n-gram baseline's"),
         ("eval.device=tpu", "eval.device='tpu' is not auto, cpu, cuda or cuda:N"),
         ("export.vllm_format=eagle", "export.vllm_format='eagle' is not one of speculators, native"),
@@ -143,7 +145,10 @@ def test_bad_overrides_are_user_errors(override, fragment):
         ("target.name_or_path=/nonexistent/target", "target.name_or_path=/nonexistent/target: no such folder"),
         ("target.name_or_path=./missing", "target.name_or_path=./missing: no such folder"),
         # settings of a part that does not run, changed from their defaults: read by nothing
-        ("data.regenerate.top_p=0.5", "data.regenerate.top_p=0.5 samples, and data.regenerate.temperature=0 answers"),
+        (
+            "data.regenerate.top_p=0.5",
+            "data.regenerate.top_p=0.5 is read only when sampling, and data.regenerate.temp",
+        ),
         ("data.pack_length=512", "data.pack_length=512 is the length of packed rows, and data.pack=false pads"),
     ],
 )
@@ -203,6 +208,9 @@ def test_an_output_on_a_read_only_file_system_is_bad_input_for_every_command(rea
             "set drafter.ttt_steps >= 2 (got 1)",
         ),
         (["recipe=eagle3", "data.max_length=128", "drafter.ttt_steps=1000"], "ttt_steps=1000 scores tokens past"),
+        # the mask token and PARD's depth of a drafter that drafts one token a forward: read by nothing
+        (["recipe=eagle3", "drafter.mask_token_id=5"], "drafter.mask_token_id=5 is read only with drafter.parallel_"),
+        (["recipe=draft", "drafter.parallel_tokens=3"], "drafter.parallel_tokens=3 is read only with drafter.parallel"),
         (["recipe=mtp", "data.max_length=64", "drafter.ttt_steps=63"], "at most 62 steps find a token to score"),
         (["recipe=eagle", "drafter.num_layers=0"], "drafter.num_layers must be >= 1"),
         (["recipe=eagle", "drafter.tree_topk=0"], "drafter.tree_depth and tree_topk must be >= 1"),
