@@ -186,6 +186,7 @@ def not_loadable(
     from huggingface_hub.errors import StrictDataclassError
     from safetensors import SafetensorError
 
+    what += read_as_hub_id(name_or_path)
     miss = hub_cache_miss(err)
     if constants.HF_HUB_OFFLINE and miss is not None:  # offline, no request was made
         return UserError(
@@ -224,6 +225,21 @@ def not_loadable(
         if malformed is not None:
             return UserError(f"{what}: {malformed[0]} is not valid JSON ({one_line(malformed[1])})")
     return UserError(f"{what}: {one_line(err)}")
+
+
+def read_as_hub_id(name_or_path: str) -> str:
+    """What to add to a load's line where `name_or_path` is no folder but its first part is one here: a local path
+    mistyped, read as the Hub id owner/name (offline, or asked of the Hub, it failed as a Hub id); the closest
+    folder there, where one is close."""
+    import difflib
+
+    folder = Path(name_or_path).expanduser()
+    if folder.is_dir() or folder.parent == Path(".") or not folder.parent.is_dir():
+        return ""
+    names = [entry.name for entry in folder.parent.iterdir() if entry.is_dir()]
+    close = difflib.get_close_matches(folder.name, names, n=1)
+    said = f": did you mean {folder.parent / close[0]}?" if close else ""
+    return f" (read as a Hub id: the folder {folder.parent} here has no {folder.name}{said})"
 
 
 def chained(err: BaseException, kind: type) -> bool:

@@ -219,9 +219,9 @@ def local_target_config(name_or_path: str) -> Optional[dict]:
 
 
 def names_a_missing_folder(name_or_path: str) -> bool:
-    """A name written as a path (absolute, `./`, `../`, `~`) that is no folder: a Hub id reads `owner/name`,
-    so the Hub would only answer with a complaint about the id's form."""
-    written_as_path = name_or_path.startswith(("/", ".", "~")) or "\\" in name_or_path
+    """A name written as a path (absolute, `./`, `../`, `~`, two slashes or more) that is no folder: a Hub id reads
+    `owner/name`, so the Hub would only answer with a complaint about the id's form."""
+    written_as_path = name_or_path.startswith(("/", ".", "~")) or "\\" in name_or_path or name_or_path.count("/") > 1
     return written_as_path and not Path(name_or_path).expanduser().is_dir()
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from draftsmith.errors import UserError, outcome
 from draftsmith.model_files import not_loadable
+from draftsmith.recipe import load_recipe
 from draftsmith.target import load_target, load_tokenizer, target_section
 from draftsmith.target_loading import load_config
 from tests.helpers import REPO, assert_one_line_error, counted_hub_probes, run_entry_in_process, tiny_llama
@@ -222,3 +223,29 @@ def test_a_hub_target_transformers_cannot_load_as_a_causal_lm_is_refused_in_a_sh
     code, line = outcome(err.value)
     assert code == 2 and line.startswith("error: cannot load target 'acme/wrapper': transformers "), line
     assert line.endswith(f"model_type {model_type!r}: give a causal LM") and "Config," not in line, line
+
+
+def test_a_mistyped_local_target_path_read_as_a_hub_id_names_the_folder_it_meant(monkeypatch, tmp_path):
+    """`target.name_or_path=models/reference-targt` (a local folder mistyped) reads as the Hub id owner/name: offline
+    it was "not in the Hub cache", online "Hub unavailable" (exit 69, retry later), neither naming the folder. The line
+    now says the first part is a folder here and names its closest folder; a path of two slashes or more, which no Hub
+    id has, is refused as no such folder before anything loads."""
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "reference-target").mkdir(parents=True)
+    line = refused_line(lambda: load_config(target_section("models/reference-targt")))
+    assert "cannot load target 'models/reference-targt' (read as a Hub id: the folder models here has no " in line
+    assert "did you mean models/reference-target?): not in the Hub cache" in line
+    line = refused_line(lambda: load_config(target_section("acme/model")))  # no folder acme here: a Hub id as given
+    assert line.startswith("cannot load target 'acme/model': not in the Hub cache")
+    with pytest.raises(UserError, match="models/x/reference-target: no such folder"):
+        load_recipe(["recipe=medusa", "target.name_or_path=models/x/reference-target"])
+
+
+def refused_line(load) -> str:
+    with pytest.raises(UserError) as err:
+        load()
+    return str(err.value)
