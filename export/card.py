@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 
 from draftsmith.engines import SERVING_ENGINES
 from draftsmith.eval.partings import NEAR_TIE_UNITS
-from draftsmith.formats.repo import TRUST_REMOTE_CODE_FLAG, EngineRepo, vllm_serve_flags
+from draftsmith.formats.repo import TRUST_REMOTE_CODE_FLAG, EngineRepo, vllm_cpu_serve, vllm_serve_flags
+from draftsmith.formats.versions import CPU_BUILD
 from draftsmith.heads import drafter_class
 from draftsmith.heads.base import DRAFTER_DIR
 from draftsmith.outputs import FINAL_DIR, RECIPE_NAME, RUN_SUMMARY_NAME
@@ -78,6 +79,7 @@ def write_card(
         command,
         "```",
         "",
+        *cpu_build_serving(command, info.get("verified")),
         served_note(engine, info.get("verified"), info["target_dtype"]),
         "",
         *([f"Engine releases: {info['vllm_releases']}.", ""] if info.get("vllm_releases") else []),
@@ -96,6 +98,22 @@ def write_card(
         "",
     ]
     ModelCard("\n".join(lines)).save(folder / "README.md")
+
+
+def cpu_build_serving(command: str, verified: Optional[dict[str, Any]]) -> list[str]:
+    """The serving command as vLLM's CPU build runs it, where the folder was checked in that build (the `vllm` command
+    of its wheel stops at start)."""
+    if (verified or {}).get("engine_build") != CPU_BUILD:
+        return []
+    return [
+        f"With vLLM's CPU build (`{CPU_BUILD}`, which the check below ran), whose `vllm` command stops at start, the "
+        "same server runs from its module (host memory for its cache, eager):",
+        "",
+        "```bash",
+        vllm_cpu_serve(command),
+        "```",
+        "",
+    ]
 
 
 def gamma_note(engine: str, gamma: int, recommended: Optional[dict[str, Any]]) -> list[str]:

@@ -27,7 +27,7 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig
 
-from draftsmith.engines import VllmWorker
+from draftsmith.engines import VllmWorker, vllm_distribution
 from draftsmith.errors import ExportCheckFailed, UserError
 from draftsmith.eval.counts import Counts
 from draftsmith.eval.loop import generate_batch
@@ -198,6 +198,7 @@ def verify_in_vllm(
     summary = compare(engine, ours, gamma, float(cfg.export.tolerance), len(prompts), max_new, partings, plain_partings)
     resolved = engine["runs"]["scheduled" if schedule is not None else "speculative"]
     summary["engine_settings"] = {"vllm_version": engine["vllm_version"], **resolved["engine_settings"]}
+    summary["engine_build"] = vllm_distribution(cfg.export.vllm_python, "export.vllm_python")  # the card's command
     # what the check ran vLLM with besides the speculative config, for the model card to state
     summary["engine_arguments"] = {
         key: request[key]

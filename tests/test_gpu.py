@@ -13,7 +13,8 @@ Ran 2026-11-27 on a lent H100 (torch 2.11.0+cu130, transformers 5.24.0, accelera
 - nor do the fixed-shape losses of Medusa, EAGLE-1, DFlash, the draft model and Medusa-2
   (tests/test_no_host_sync.py proves them on the meta device, all but the transformers forward inside the last two);
 - the target's decoder layers compiled (train.compile_target) give the eager features on real micro-batches;
-- EAGLE-3's draft layer compiled (train.compile_drafter), flex attention inside, trains as the eager layer does.
+- EAGLE-3's draft layer compiled (train.compile_drafter), flex attention inside, trains as the eager layer does;
+- the loop's agreement of a step waits for the device once.
 """
 
 from __future__ import annotations
@@ -209,6 +210,29 @@ def test_eagle3_step_never_waits_for_the_host(compiled_loss):
     drafter.prepare(rows)
     with compiled_chunk_math(compiled_loss):
         train_steps_without_waiting_for_the_host(drafter, model, on_cuda(Collator(0)(rows)))
+
+
+def test_the_steps_agreement_waits_for_the_device_once():
+    """trainer/loop.py `agree`, the loop's one host sync a step: its host counts reach the device without a wait of
+    their own (a blocking copy from pageable memory waited for the stream before the all-reduce's read did)."""
+    import warnings
+    from types import SimpleNamespace
+
+    from draftsmith.trainer.loop import agree
+
+    accelerator = SimpleNamespace(device=torch.device("cuda"), num_processes=1)
+    nonfinite = torch.ones((), dtype=torch.bool, device="cuda")
+    agree(accelerator, nonfinite)  # the first: the pinned allocator's start
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            agreed = agree(accelerator, nonfinite, stop=True, upcoming=SimpleNamespace(loss_tokens=7, tokens=9))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert (agreed.nonfinite, agreed.stop, agreed.loss_tokens, agreed.tokens) == (True, True, 7, 9)
+    waits = [str(warning.message) for warning in caught if "synchroniz" in str(warning.message)]
+    assert len(waits) == 1, waits  # the read of the agreed values
 
 
 @pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])

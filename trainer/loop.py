@@ -377,8 +377,10 @@ def agree(accelerator, nonfinite=None, stop: bool = False, upcoming: StepData | 
     device = accelerator.device
     counts = (upcoming.loss_tokens, upcoming.tokens) if upcoming is not None else (0, 0)
     host = torch.tensor([int(stop), *counts], dtype=torch.long)
+    if device.type == "cuda":  # a copy from pageable memory waits for the stream: a second sync a step
+        host = host.pin_memory()
     flag = torch.zeros(1, dtype=torch.long, device=device) if nonfinite is None else nonfinite.reshape(1).long()
-    packed = torch.cat([flag, host.to(device)])
+    packed = torch.cat([flag, host.to(device, non_blocking=True)])
     if accelerator.num_processes > 1:
         packed = accelerator.reduce(packed, reduction="sum")
     bad, stopping, loss_tokens, tokens = packed.tolist()
