@@ -139,7 +139,10 @@ def run_module(module: str, usage: str, command: str = "", positional: int = 0) 
 def refuse_bad_settings_first(argv: Sequence[str], command: str, positional: int = 0) -> None:
     """The recipe `argv` gives validated as the `command` validates it (what `--cfg` prints), before the command's
     module and its imports (torch's: seconds) load: bad settings are one line at once, not seconds later. Without
-    recipe arguments, or asked for `--help`/`--cfg`, the command itself says what it lacks."""
+    recipe arguments, or asked for `--help`/`--cfg`, the command itself says what it lacks, as monitor does of a
+    sub-command it does not have."""
+    if command == "monitor" and argv[:1] not in SUBCOMMANDS:
+        return
     args = recipe_part(argv, positional)
     if args and not {"--help", "-h", "--cfg"} & set(args):
         from draftsmith.recipe import validated

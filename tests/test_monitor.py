@@ -1412,6 +1412,10 @@ def test_monitor_cli_bad_input_is_one_line_exit_2(tmp_path, capsys):
         ["-m", "monitor", "check", "recipe=medusa", f"output_dir={tmp_path}"],
     ):
         assert_one_line_error(run_entry_in_process(args, capsys), 2, alone=True)
+    # a sub-command it has not was read as a recipe argument ("argument 'chek' is not key=value")
+    usage = "error: usage: python -m monitor check|watch recipe=NAME [key=value ...]"
+    for first in ("chek", "recipe=medusa"):
+        assert_one_line_error(run_entry_in_process(["-m", "monitor", first, "recipe=medusa"], capsys), 2, usage)
     # a port out of range was exit 69 (retried forever), as an engine down is: refused by the recipe check
     for url in ("localhost:9", "http://localhost:99999/metrics", "'http://[::1/metrics'", "http://localhost:port/"):
         args = ["-m", "monitor", "check", "recipe=medusa", f"output_dir={tmp_path}", f"monitor.metrics=[{url}]"]
