@@ -105,6 +105,9 @@ class Drafter(nn.Module):
     # The name of its loss's statistic for the teacher-forced top-1 at draft depth `depth` (1 first),
     # which the held-out evaluation chains into tau_est and curve.json plots (trainer/curve.py).
     DEPTH_TOP1: ClassVar[str] = "step{depth}/top1"
+    # Fragments of the names of its embeddings and output heads: train.optimizer=muon leaves a parameter whose name
+    # holds one to AdamW, as every other parameter but a hidden layer's weight matrix (trainer/optim.py)
+    NOT_HIDDEN: ClassVar[tuple[str, ...]] = ("lm_head", "embed")
     # Bytes of [rows, vocabulary] float32 logits a loss over a vocabulary holds at once (heads/vocab_loss.py);
     # the trainer sets it from train.vocab_chunk_mb.
     loss_chunk_bytes: int = 256 << 20

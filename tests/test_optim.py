@@ -40,16 +40,22 @@ def drafter_for(kind: str):
 
 @pytest.mark.parametrize("kind", sorted(drafters()))
 def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(kind):
+    """Every trainable parameter once: Muon the hidden layers' weight matrices, AdamW the rest (the kind's embeddings
+    and output heads by Drafter.NOT_HIDDEN); a kind with no hidden matrix is refused Muon in one line."""
     drafter = drafter_for(kind)
+    if not any(is_hidden_matrix(n, p, drafter.NOT_HIDDEN) for n, p in drafter.named_parameters() if p.requires_grad):
+        with pytest.raises(UserError, match="this drafter has no hidden weight matrix for Muon"):
+            build_optimizer(MUON, drafter, deepspeed=False)
+        return
     optimizer = build_optimizer(MUON, drafter, deepspeed=False)
     muon = {id(p) for group in optimizer.muon.param_groups for p in group["params"]}
-    adamw = {id(p) for group in optimizer.adamw.param_groups for p in group["params"]}
+    adamw = {id(p) for group in optimizer.adamw_groups() for p in group["params"]}
     trainable = {id(p): name for name, p in drafter.named_parameters() if p.requires_grad}
     assert muon | adamw == set(trainable) and not muon & adamw  # every trainable parameter, once
     assert muon and all(dict(drafter.named_parameters())[trainable[i]].ndim == 2 for i in muon)
     for index in adamw:
         name = trainable[index]
-        assert not is_hidden_matrix(name, dict(drafter.named_parameters())[name]), name
+        assert not is_hidden_matrix(name, dict(drafter.named_parameters())[name], drafter.NOT_HIDDEN), name
 
 
 def test_both_follow_the_schedule_and_a_restored_state_continues_exactly():
@@ -129,3 +135,38 @@ def test_adamw_is_fused_on_a_cpu_and_steps_as_the_unfused_one_does():
     restored.load_state_dict(saved)
     steps(restored_drafter, restored, 2, seed=2)
     assert all(torch.equal(restored_drafter.state_dict()[k], v) for k, v in drafter.state_dict().items())
+
+
+class TwoMatrices(torch.nn.Module):
+    """A kind's shape at its least: a hidden matrix and an output head named as the kind likes (`head`), declared by
+    NOT_HIDDEN; `with_head=False`: the hidden matrix alone."""
+
+    NOT_HIDDEN = ("head",)
+
+    def __init__(self, with_head: bool = True):
+        super().__init__()
+        self.block = torch.nn.Linear(8, 8, bias=False)
+        self.head = torch.nn.Linear(8, 16, bias=False) if with_head else None
+
+    def param_groups(self):
+        return [([p for p in self.parameters()], 1.0)]
+
+
+def test_a_kind_names_its_output_head_as_it_likes_and_a_drafter_of_hidden_matrices_alone_steps():
+    """Muon took a head named `head` (the name match knew `lm_head` only) and left AdamW no parameter: torch's
+    `ValueError: optimizer got an empty parameter list`, exit 70. The kind declares its heads (Drafter.NOT_HIDDEN);
+    and a drafter whose every parameter is a hidden matrix steps with Muon alone."""
+    drafter = TwoMatrices()
+    optimizer = build_optimizer(MUON, drafter, deepspeed=False)
+    assert [p for group in optimizer.muon.param_groups for p in group["params"]] == [drafter.block.weight]
+    assert [p for group in optimizer.adamw_groups() for p in group["params"]] == [drafter.head.weight]
+    alone = TwoMatrices(with_head=False)
+    optimizer = build_optimizer(MUON, alone, deepspeed=False)
+    assert optimizer.adamw is None and len(optimizer.param_groups) == 1
+    before = alone.block.weight.detach().clone()
+    alone.block.weight.sum().backward()
+    optimizer.step()
+    assert not torch.equal(before, alone.block.weight)
+    again = build_optimizer(MUON, TwoMatrices(with_head=False), deepspeed=False)
+    again.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    assert again.state_dict()["adamw"] is None
