@@ -14,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from draftsmith.errors import UserError
+from draftsmith.errors import InternalError, UserError
 from draftsmith.heads import drafter_class
 from draftsmith.recipe import load_recipe
 from draftsmith.target import TargetShape
@@ -55,7 +55,10 @@ def test_depth_top1_and_chain_tau():
     head = "head{depth}/top1"
     assert depth_top1(metrics, 2, head) == [("head1/top1", 0.8), ("head2/top1", 0.5)]
     assert [name for name, _ in depth_top1(metrics, 9, head)] == ["head1/top1", "head2/top1", "head3/top1"]
-    assert depth_top1(metrics, 2, "step{depth}/top1") == []  # only the run's kind's metrics
+    # only the run's kind's metrics: a kind whose loss names none by its DEPTH_TOP1 is a bug (its held-out τ estimate
+    # was 1 at every evaluation, and best/ and train.patience followed that constant)
+    with pytest.raises(InternalError, match=r"reports no step1/top1 \(its Drafter.DEPTH_TOP1, 'step\{depth\}/top1'\)"):
+        depth_top1(metrics, 2, "step{depth}/top1")
     step = "step{depth}/top1"
     assert depth_top1({"step1/top1": 0.7, "step3/top1": 0.1}, 3, step) == [("step1/top1", 0.7)]  # consecutive from 1
     blocks = {"block1/top1": 0.6, "block2/top1": 0.3}

@@ -151,7 +151,8 @@ def test_one_step_is_the_same_however_the_step_is_split(kind):
     reference = results["1x8"]
     assert any(g.abs().sum() > 0 for g in reference["grads"].values())
     # what the trainer reads by the kind's declarations: its depth-1 top-1 and its FLOP profile's parameters
-    assert drafter.DEPTH_TOP1.format(depth=1) in reference["reported"]
+    depth_1 = drafter.DEPTH_TOP1.format(depth=1)
+    assert depth_1 in reference["reported"], f"its loss reports no {depth_1} (DEPTH_TOP1): {reference['reported']}"
     once = type(drafter).flop_profile(drafter.config).once
     assert all(any(name.startswith(prefix) for name in reference["grads"]) for prefix in once)
     for name, result in results.items():

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
+from draftsmith.errors import InternalError
 from draftsmith.files import save_figure_atomic, write_text_atomic
 
 CURVE_JSON = "curve.json"
@@ -23,13 +24,20 @@ CURVE_PNG = "curve.png"
 def depth_top1(metrics: Mapping[str, float], max_depth: int, template: str) -> list[tuple[str, float]]:
     """(name, value) of the per-depth top-1 metrics in `metrics`, named by `template` as the run's kind
     reports them (its `Drafter.DEPTH_TOP1`), depth 1 first: consecutive depths from 1, at most `max_depth`
-    (the chain length evaluated), fewer when the drafter reports fewer."""
+    (the chain length evaluated), fewer when the drafter reports fewer. A kind whose loss reports no depth 1 under
+    its template is a bug of the kind's: its held-out τ estimate would be 1 at every evaluation, and best/ and
+    train.patience would follow that constant."""
     found = []
     for depth in range(1, max_depth + 1):
         name = template.format(depth=depth)
         if name not in metrics:
             break
         found.append((name, float(metrics[name])))
+    if not found:
+        raise InternalError(
+            f"the drafter's loss reports no {template.format(depth=1)} (its Drafter.DEPTH_TOP1, {template!r}), only "
+            f"{', '.join(sorted(metrics))}: name its per-depth top-1 statistics by DEPTH_TOP1"
+        )
     return found
 
 
