@@ -423,6 +423,7 @@ def main() -> None:
             varieties: dict[bool, float] = {}  # and its target_variety
             for kind in options.kinds.split(","):
                 if (family, kind) in done:
+                    print(f"{family} {kind}: already in {out}, not measured again", file=sys.stderr)
                     continue
                 mtp = kind == "mtp"
                 # for `mtp` a wrapper as its releases ship it, where its MTP layer is the wrapper's

@@ -284,7 +284,7 @@ def check_chain(cfg: DictConfig, drafter_cls, config) -> None:
     require(
         longest is None or gamma <= longest,
         f"eval.num_speculative_tokens={gamma} but a {drafter_cls.type} drafter with this config "
-        f"proposes at most {longest} tokens",
+        f"proposes at most {longest} token{'s' if longest != 1 else ''}",
     )
     # the export's γ, when given, is the served one (export/run.py serving_gamma): refused now, not once the
     # target has loaded

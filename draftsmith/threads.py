@@ -79,7 +79,8 @@ def choose_cpu_threads(setting: Optional[int], env: Mapping[str, str], cores: in
         f"{cores} core{'s' if cores > 1 else ''} available / {local} process{'es' if local > 1 else ''} on this machine"
     )
     if omp:
-        by = f"{started_by}'s default" if started_by else "not a number of threads"
+        # a launcher's default cannot be told from the same value exported by the user
+        by = f"{started_by}'s default, or yours: the same" if started_by else "not a number of threads"
         reason += f"; OMP_NUM_THREADS={omp} ignored ({by}): train.cpu_threads=N sets them"
     return ThreadChoice(max(1, cores // local), reason)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from draftsmith.errors import UserError
+from draftsmith.errors import InternalError, UserError
 from draftsmith.heads.config import DrafterConfig
 
 if TYPE_CHECKING:
@@ -55,9 +55,25 @@ def drafter_module(config: type[DrafterConfig]) -> str:
 
 
 def drafters() -> dict[str, type[Drafter]]:
-    """drafter.type -> its Drafter class, every kind's module imported (torch, seconds) on the first call."""
+    """drafter.type -> its Drafter class, every kind's module imported (torch, seconds) on the first call. A kind
+    whose Config is registered without its drafter (no heads/<name>.py beside heads/<name>_config.py, or none
+    registered there) is a bug of the kind's, said in one line naming the file."""
     for config in CONFIGS.values():
-        importlib.import_module(drafter_module(config))
+        module = drafter_module(config)
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as err:
+            if err.name != module:  # an import inside the drafter's module: its own line
+                raise
+            raise InternalError(
+                f"drafter.type {config.type!r} has its Config in {config.__module__} but no drafter module {module} "
+                "beside it: a kind's drafter is heads/<name>.py, its Config heads/<name>_config.py"
+            ) from None
+        if config.type not in _DRAFTERS:
+            raise InternalError(
+                f"drafter.type {config.type!r} has its Config in {config.__module__}, and {module} registers no "
+                f"Drafter of that type (@register on a class whose `type` is {config.type!r})"
+            )
     return _DRAFTERS
 
 

@@ -153,6 +153,25 @@ def test_a_new_kind_proposes_chains_and_the_recipe_check_refuses_a_tree_before_a
     assert load_recipe([*args, "eval.tree=0"]).drafter.type == Unexported.type
 
 
+@pytest.mark.parametrize(
+    "module, said",
+    [
+        ("draftsmith.heads.unexported_config", "no drafter module draftsmith.heads.unexported beside it"),
+        ("draftsmith.heads.medusa_config", "draftsmith.heads.medusa registers no Drafter of that type (@register"),
+    ],
+)
+def test_a_kind_registered_without_its_drafter_is_named_in_one_line(module, said, monkeypatch):
+    """A kind's Config registered while its drafter module is missing, misnamed, or registers no Drafter: an internal
+    error naming ModuleNotFoundError, or `unknown drafter.type` after the recipe check had accepted the type."""
+    from draftsmith.errors import InternalError
+    from draftsmith.heads import drafter_class
+
+    monkeypatch.setattr(UnexportedConfig, "__module__", module)
+    monkeypatch.setitem(CONFIGS, UnexportedConfig.type, UnexportedConfig)
+    with pytest.raises(InternalError, match=f"type 'unexported' has its Config in {module}.* {re.escape(said)}"):
+        drafter_class(UnexportedConfig.type)
+
+
 def own_tests(kind: str) -> list[str]:
     """The tests of a kind's own: tests/test_<kind>.py, or test functions named after it (test_medusa_...)."""
     import ast

@@ -23,9 +23,9 @@ TORCHRUN_TWO = {"LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "none", "OMP_NUM
     ("setting", "env", "cores", "cuda", "threads", "reason"),
     [
         (None, ACCELERATE_ONE, 2, False, 2, "2 cores available / 1 process on this machine; OMP_NUM_THREADS=1 "
-         "ignored (accelerate launch's default): train.cpu_threads=N sets them"),
+         "ignored (accelerate launch's default, or yours: the same): train.cpu_threads=N sets them"),
         (None, ACCELERATE_TWO, 8, False, 4, "8 cores available / 2 processes on this machine"),
-        (None, TORCHRUN_TWO, 4, False, 2, "(torchrun's default)"),
+        (None, TORCHRUN_TWO, 4, False, 2, "(torchrun's default, or yours: the same)"),
         (None, {**TORCHRUN_TWO, "LOCAL_WORLD_SIZE": "4"}, 2, False, 1, "2 cores available / 4 processes"),
         (3, ACCELERATE_ONE, 2, False, 3, "train.cpu_threads=3"),
         (1, {}, 16, True, 1, "train.cpu_threads=1"),
