@@ -2,7 +2,7 @@
 target's weights in the dtype the export loaded it in) parts from draftsmith's plain decoding of the target it
 evaluated (the unmerged adapted target, the export check's reference), of the merged folder, and of the original
 target; and how much of the adapters' weight change the merged weights keep against a merge in float32 rounded
-once (docs/targets.md, the Qwen3-Next Medusa-2 row).
+once (docs/targets-matrix.md, the Qwen3-Next Medusa-2 row).
 
     python benchmarks/target_matrix.py --vllm-python $VLLM --families qwen3_next --kinds medusa2 \\
         --set target.dtype=bfloat16 --export-set export.tolerance=0.08 --out ROWS --work WORK

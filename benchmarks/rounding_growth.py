@@ -4,7 +4,7 @@ Two vLLM engines computing the same target in bfloat16 differ by a rounding here
 DeltaNet layer computes one prefill a unit apart with and without a speculative config); the export check excuses a
 parting of their outputs where the target's logits near-tie there (eval/partings.py). A target that grows such a
 difference layer by layer, and whose routers then choose other experts, parts beyond any near tie, whatever the
-drafter: the seeded, untrained tiny Qwen3.5-MoE did (docs/targets.md, "Why the seeded Qwen3.5-MoE parted").
+drafter: the seeded, untrained tiny Qwen3.5-MoE did (docs/targets-matrix.md, "Why the seeded Qwen3.5-MoE parted").
 
 Measured here in float32, so that the growth is the target's and not this machine's rounding: the export check's
 prompts (the demo's eval prompts, 3 a domain, as target_matrix.py's rows run them) go through the target as written,

@@ -1,5 +1,5 @@
 """The target-family matrix: every drafter kind on tiny targets of every family that transformers and
-vLLM both implement, through the real entry points, as JSON rows (docs/targets.md is this table).
+vLLM both implement, through the real entry points, as JSON rows (docs/targets-matrix.md is this table).
 
     python benchmarks/target_matrix.py --vllm-python /path/to/vllm-venv/bin/python
         [--families qwen3,gpt_oss] [--kinds eagle3,medusa] [--out docs/results/target_matrix.jsonl] [--work DIR]
@@ -300,7 +300,7 @@ def with_mtp_layer(target: Path) -> Path:
 
 
 def markdown(rows: list[dict]) -> str:
-    """The matrix as docs/targets.md shows it: one line per (family, kind)."""
+    """The matrix as docs/targets-matrix.md shows it: one line per (family, kind)."""
 
     def mark(value) -> str:
         return {True: "yes", False: "**no**", None: "–"}.get(value, str(value))
@@ -395,7 +395,7 @@ def main() -> None:
         "transformers loads as a causal LM itself written whole), recorded in the rows; default: the plain target, "
         "an mtp row's the release form where that is another model (released_apart)",
     )  # fmt: skip
-    parser.add_argument("--markdown", action="store_true", help="print --out as docs/targets.md's table and stop")
+    parser.add_argument("--markdown", action="store_true", help="print --out as docs/targets-matrix.md's table, stop")
     parser.add_argument(
         "--work", type=Path,
         help="keep the targets, runs and export folders here (default: a temporary directory, removed at the end)",

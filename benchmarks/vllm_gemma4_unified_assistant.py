@@ -6,7 +6,7 @@ against draftsmith's proposer on the same committed tokens.
         [--out docs/results/vllm_gemma4_unified_assistant.json]
         [--target <a gemma4_unified_text target folder> --checkpoint <its gemma4_assistant checkpoint>]
 
-A pair like the matrix row's (docs/targets.md, "Gemma-4 Unified rows") is trained in a temporary directory with
+A pair like the matrix row's (docs/targets-mtp.md, "Gemma-4 Unified rows") is trained in a temporary directory with
 the matrix's settings (its seeded tiny `gemma4_unified_text` target trained on the demo's conversations, then
 `train.py recipe=gemma4_assistant` with the row's overrides, without its resume; about 4 minutes on 2 cores), or with
 --target and --checkpoint that pair is read; the assistant's folder is what the export writes. vLLM runs the target

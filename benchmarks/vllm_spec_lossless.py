@@ -1,6 +1,7 @@
 """Is vLLM's speculative decoding itself lossless on a target, whatever drafts it verifies: the target's plain
 greedy output in vLLM against its output under speculation by drafters draftsmith does not train, each parting's gap
-in units of bfloat16 in transformers' logits and in vLLM's own (the tiny Qwen3-Next's export check, docs/targets.md).
+in units of bfloat16 in transformers' logits and in vLLM's own (the tiny Qwen3-Next's export check,
+docs/targets-matrix.md).
 
     python benchmarks/vllm_spec_lossless.py --vllm-python /path/to/vllm-venv/bin/python --target DIR
         [--methods oracle,oracle_reject,mtp,ngram,suffix] [--gamma 3] [--dtype bfloat16] [--batched] [--out FILE]

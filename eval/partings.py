@@ -4,7 +4,7 @@ A format with few significant bits (bfloat16 keeps 8) computes the same logits d
 forward over several tokens, a decode step over one, or a batch of another shape: they differ by a few of its
 units at the logits' magnitude, and a greedy choice between two tokens that close can go either way. A
 rollback or a misread state parts the outputs wherever it lands, mostly far from such ties (the tiny hybrid
-targets' partings in bfloat16: docs/targets.md). float32 leaves no such excuse: there every parting fails.
+targets' partings in bfloat16: docs/targets-matrix.md). float32 leaves no such excuse: there every parting fails.
 """
 
 from __future__ import annotations

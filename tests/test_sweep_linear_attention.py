@@ -1,7 +1,7 @@
 """`draftsmith sweep` of a drafter of a target with linear-attention layers (a tiny Qwen3-Next) served by vLLM's CPU
 build: vLLM's n-gram proposer and suffix decoding, whose drafts vary in length from step to step, fail in that
-build's linear-attention verify (formats/versions.py's varied_drafts_limit; measured in docs/targets.md). The sweep
-leaves them out before anything is served, one line in the summary's `not_measured`, and measures the drafter; an
+build's linear-attention verify (formats/versions.py's varied_drafts_limit; measured in docs/targets-matrix.md). The
+sweep leaves them out before anything is served, one line in the summary's `not_measured`, and measures the drafter; an
 explicit export.sweep.suffix=true is refused in one line; the drafter at γ 0 (a schedule drafting nowhere, steps of
 one token) is left out the same way; a GPU build serves them all as before; a resume onto rows served with other
 engine arguments (prefix caching at vLLM's default) is refused in one line. The engine is a stand-in

@@ -1,5 +1,5 @@
 """Ten 2026 families no line of draftsmith names, taken as a new user takes one: `python -m draftsmith.random_target
-TYPE DIR`, then the folder as a target (docs/targets.md, "Families the code never names"). Mistral-Small-4's
+TYPE DIR`, then the folder as a target (docs/targets-matrix.md, "Families the code never names"). Mistral-Small-4's
 `mistral4` is a causal LM that transformers 5.24 files under image-text-to-text only (not AutoModelForCausalLM's
 table): draftsmith registers it as the causal LM it is (draftsmith.causal_lm.register_misfiled_causal_lms). Four are new
 in transformers 5.25 (Ergo, MiniCPM-5-MoE, Param-2-MoE, Kolibri-1.1), skipped under an earlier one."""

@@ -2,7 +2,7 @@
 torchvision loads (Muse Glimmer, Gemma-4 Unified, Exaone-4.5): each carries the fields vLLM reads that transformers'
 config classes have none for, in its written config.json, at sizes consistent with the tiny tower; and a wrapper
 whose folder ships no image processor config is checked and served as its language model only, which vLLM builds
-without one (docs/targets.md, the rows and the commands that measured them)."""
+without one (docs/targets-matrix.md, the rows and the commands that measured them)."""
 
 from __future__ import annotations
 
