@@ -151,7 +151,7 @@ def train_step(run: Run, step: StepData, agreed: Agreed, stream, stop: StopReque
                 if not run.gradients_checked:
                     require_every_parameter_trained(run)
                 with record_function("clip_grad_norm"):
-                    grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), cfg.train.max_grad_norm)
+                    grad_norm = clipped_norm(accelerator, drafter, cfg.train.max_grad_norm)
                 upcoming = (
                     next_step(stream, run.module, cfg.train.grad_accum) if state.step + 1 < run.max_steps else None
                 )
@@ -387,9 +387,18 @@ def agree(accelerator, nonfinite=None, stop: bool = False, upcoming: StepData | 
     return Agreed(nonfinite=bad > 0, stop=stopping > 0, loss_tokens=loss_tokens, tokens=tokens)
 
 
+def clipped_norm(accelerator, drafter, max_norm: float):
+    """The step's gradients clipped to `max_norm`, and their norm before clipping (a device tensor; None where none
+    was computed). DeepSpeed clips in its engine's step, within the step's last backward: its norm is read from the
+    engine as it keeps it, where accelerate's reading of it waits for the device (`.item()`)."""
+    if accelerator.state.deepspeed_plugin is not None:
+        return accelerator.deepspeed_engine_wrapped.engine.get_global_grad_norm()
+    return accelerator.clip_grad_norm_(drafter.parameters(), max_norm)
+
+
 def not_finite(step_loss: torch.Tensor, grad_norm) -> torch.Tensor:
     """This rank's non-finite flag as a device tensor (no sync): the step's summed loss or the
-    gradient norm (None or a float under DeepSpeed)."""
+    gradient norm (None, a float or a tensor under DeepSpeed)."""
     norm = torch.as_tensor(0.0 if grad_norm is None else grad_norm, device=step_loss.device, dtype=torch.float32)
     return ~(torch.isfinite(step_loss) & torch.isfinite(norm))
 
