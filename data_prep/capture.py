@@ -50,6 +50,7 @@ from draftsmith.data_prep.conversations import load_conversations
 from draftsmith.data_prep.dataset import cache_key, require_context, tokenize_conversations
 from draftsmith.data_prep.features import DISTRIBUTION_DTYPE, encode, hidden_names, manifest_part_name
 from draftsmith.data_prep.local_files import source_files
+from draftsmith.data_prep.vllm_stage import warn_unread_vllm
 from draftsmith.errors import UserError
 from draftsmith.files import read_json, write_json
 from draftsmith.outputs import held_by_main_process
@@ -111,6 +112,7 @@ def capture_into(cfg: DictConfig, directory: Path, state) -> CaptureResult:
     section = cfg.data.capture
     if not cfg.data.train:
         raise UserError("data.train is empty: give at least one conversation file or Hub data set id to capture")
+    warn_unread_vllm(section, "data.capture")
     refuse_foreign_files(directory)
     config = load_config(cfg.target)  # config.json, read once: what the target has not, before its weights load
     require_context(cfg.target, cfg.data.max_length, config)

@@ -70,6 +70,7 @@ from draftsmith.data_prep.local_files import REGENERATE_SETTINGS
 from draftsmith.data_prep.records import answered_turns
 from draftsmith.data_prep.regenerate_turns import left_out_line, prompt_key, regenerate_batch, without_nulls
 from draftsmith.data_prep.turns import CUT_KEY
+from draftsmith.data_prep.vllm_stage import warn_unread_vllm
 from draftsmith.errors import UserError
 from draftsmith.files import read_json, replacing, require_same_settings, write_text_atomic
 from draftsmith.outputs import held_by_main_process
@@ -150,6 +151,7 @@ def regenerate(cfg: DictConfig, target=None, tokenizer=None) -> RegenerateResult
     if refused and cfg.target.shard != "none":
         raise UserError(f"data.regenerate.engine={section.engine} with target.shard={cfg.target.shard}: {refused}")
     ANSWER_ENGINES[section.engine].require_runnable(cfg)
+    warn_unread_vllm(section, "data.regenerate")
 
     conversations = load_conversations(
         list(cfg.data.train),
@@ -364,6 +366,8 @@ def claim_directory(directory: Path, settings: dict[str, Any]) -> None:
                 "data is the digest of the conversations to answer (data.train, data.max_conversations, "
                 f"data.regenerate.exclude and min_turns decide them); {advice}"
             )
+        if saved.get("temperature") == settings["temperature"] == 0:  # greedy answers read no seed (one was recorded)
+            saved = {**saved, "seed": settings["seed"]}
         require_same_settings(saved, settings, f"{directory} holds a regeneration", advice)
     elif any(directory.glob("part-*")):
         raise UserError(f"{directory} holds part files but no {REGENERATE_SETTINGS}; {advice}")

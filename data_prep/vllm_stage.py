@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any, Optional
@@ -13,6 +14,28 @@ import torch
 from draftsmith.engines import serves_language_model_only
 from draftsmith.model_files import SAFETENSORS_INDEX
 from draftsmith.target import dtype_name, local_target_config, resolve_device, resolve_dtype
+
+log = logging.getLogger("draftsmith.data")
+
+
+def warn_unread_vllm(section, prefix: str) -> None:
+    """A data stage run by transformers says which of its `vllm` settings (`section`: data.capture or
+    data.regenerate, under `prefix`) it does not read: a recipe made for vLLM (eagle3_sharegpt_smollm2's) switched to
+    transformers keeps them, and a vLLM setting given without `engine=vllm` would run the stage without it, unsaid."""
+    from draftsmith.recipe_schema import VllmEngineSection
+
+    if section.engine == "vllm":
+        return
+    unread = [
+        f"{prefix}.vllm.{key}={value}"
+        for key, value in section.vllm.items()
+        if value != getattr(VllmEngineSection, key)
+    ]
+    if unread:
+        log.warning(
+            "%s: not read: %s.engine=%s runs the target in this process (%s.engine=vllm reads them)",
+            ", ".join(unread), prefix, section.engine, prefix,
+        )  # fmt: skip
 
 
 def vllm_dtype(target, vllm) -> str:

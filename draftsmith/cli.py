@@ -141,7 +141,7 @@ def refuse_bad_settings_first(argv: Sequence[str], command: str, positional: int
     module and its imports (torch's: seconds) load: bad settings are one line at once, not seconds later. Without
     recipe arguments, or asked for `--help`/`--cfg`, the command itself says what it lacks, as monitor does of a
     sub-command it does not have."""
-    if command == "monitor" and argv[:1] not in SUBCOMMANDS:
+    if command == "monitor" and list(argv[:1]) not in SUBCOMMANDS:
         return
     args = recipe_part(argv, positional)
     if args and not {"--help", "-h", "--cfg"} & set(args):

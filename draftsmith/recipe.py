@@ -262,6 +262,7 @@ def check_drafter(cfg: DictConfig, command: str = "train") -> None:
     else:
         shape = local_target_shape(cfg.target.name_or_path)
     config.check(shape)
+    config.check_read()
     steps = getattr(config, "ttt_steps", None)  # a training-time test's: step k scores the token k + 2 ahead
     require(
         steps is None or steps <= cfg.data.max_length - 2,

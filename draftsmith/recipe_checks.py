@@ -50,7 +50,7 @@ def refuse_unread_sampling(section, defaults: type, prefix: str, greedy: str) ->
     require(
         section.temperature > 0 or not changed,
         f"{' and '.join(changed)} {'is' if one else 'are'} read only when sampling, and {prefix}.temperature=0 "
-        f"{greedy}: set a {prefix}.temperature > 0, or leave {'it' if one else 'them'} out",
+        f"{greedy}: set {prefix}.temperature > 0, or leave {'it' if one else 'them'} out",
     )
 
 
@@ -103,10 +103,17 @@ def check_train(train, data, trains: bool = True) -> None:
     )
     require_at_least_one(train, "train", "micro_batch_size", "grad_accum", "log_every", "vocab_chunk_mb")
     require_seed(train.seed, "train.seed")
-    counts = (
-        "warmup_steps save_every keep_checkpoints num_workers max_nonfinite weight_decay heldout eval_every patience"
-    )
-    for key in counts.split():
+    for key in (
+        "warmup_steps",
+        "save_every",
+        "keep_checkpoints",
+        "num_workers",
+        "max_nonfinite",
+        "weight_decay",
+        "heldout",
+        "eval_every",
+        "patience",
+    ):
         require(train[key] >= 0, f"train.{key}={train[key]} must be >= 0")
     require(train.max_grad_norm > 0, f"train.max_grad_norm={train.max_grad_norm} must be > 0")
     require(
@@ -180,7 +187,7 @@ def check_data(data) -> None:
     require(all(layer >= -1 for layer in layers), f"data.capture.layers={layers}: ids are >= -1 (-1 = embeddings)")
     repeated = sorted({layer for layer in layers if layers.count(layer) > 1})
     require(not repeated, f"data.capture.layers={layers} names {repeated} more than once: each layer is stored once")
-    check_vllm_engine(capture, "data.capture")
+    check_vllm_engine(capture.vllm, "data.capture.vllm")
     regenerate = data.regenerate
     require_at_least_one(regenerate, "data.regenerate", "batch_size", "max_new_tokens", "samples", "min_turns")
     require_seed(regenerate.seed, "data.regenerate.seed")
@@ -208,25 +215,14 @@ def check_data(data) -> None:
         "data.regenerate.reuse needs greedy answers (temperature 0): "
         "a sampled answer is one draw, not the target's answer",
     )
-    check_vllm_engine(regenerate, "data.regenerate")
+    check_vllm_engine(regenerate.vllm, "data.regenerate.vllm")
 
 
-def check_vllm_engine(section, prefix: str) -> None:
-    """A data stage's `vllm` settings (`section`, data.capture or data.regenerate, under `prefix`): a setting changed
-    from its default while the stage runs transformers is read by nothing, and the stage would run without it."""
-    from draftsmith.recipe_schema import VllmEngineSection
-
-    vllm, key = section.vllm, f"{prefix}.vllm"
+def check_vllm_engine(vllm, key: str) -> None:
     require_at_least_one(vllm, key, "tensor_parallel_size", "max_num_seqs")
     require(
         vllm.gpu_memory_utilization is None or 0 < vllm.gpu_memory_utilization <= 1,
         f"{key}.gpu_memory_utilization={vllm.gpu_memory_utilization} must be in (0, 1]",
-    )
-    changed = [f"{key}.{name}={vllm[name]}" for name in vllm if vllm[name] != getattr(VllmEngineSection, name)]
-    require(
-        section.engine == "vllm" or not changed,
-        f"{', '.join(changed)}: read only with {prefix}.engine=vllm, and this recipe's is {section.engine}: leave "
-        f"{'it' if len(changed) == 1 else 'them'} out, or set {prefix}.engine=vllm",
     )
 
 

@@ -93,7 +93,8 @@ def build_methods(cfg: DictConfig, drafter, target, verifier, temperature: float
     longest = type(drafter).max_chain(drafter.config)
     if longest is not None and gamma > longest:
         raise UserError(
-            f"eval.num_speculative_tokens={gamma} but this {drafter.type} checkpoint proposes at most {longest} tokens"
+            f"eval.num_speculative_tokens={gamma} but this {drafter.type} checkpoint proposes at most {longest} "
+            f"token{'s' if longest != 1 else ''}"
         )
     # where the engine verifies only the drafts its step costs pay for, the costs are profiled near data.max_length
     context = int(cfg.data.max_length) - gamma - 1

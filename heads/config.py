@@ -35,6 +35,11 @@ class DrafterConfig:
     def check(self, target: Optional[TargetShape] = None) -> None:
         """Raise a one-line UserError for a bad setting. `target`: the target's shape when known."""
 
+    def check_read(self) -> None:
+        """Raise a one-line UserError for a setting changed from its default that the config's other settings leave
+        unread (`refuse_unread`). Checked where a recipe builds a drafter; a saved drafter's config is read as it was
+        trained."""
+
 
 def check_mask_token(mask_token_id: Optional[int], target: Optional[TargetShape], required_by: str = "") -> None:
     """A drafter's mask token (P-EAGLE's, PARD's, DFlash's): a token of the target's vocabulary, which
@@ -52,7 +57,7 @@ def check_mask_token(mask_token_id: Optional[int], target: Optional[TargetShape]
 
 def refuse_unread(config: DrafterConfig, keys: tuple[str, ...], setting: str, read_at: object) -> None:
     """One-line UserError for a key of `keys` changed from its default when drafter.`setting` is not `read_at`, the
-    value it is read at: the drafter would train and be served as if it were left out."""
+    value it is read at: the drafter would train and be served as if it were left out (a Config's `check_read`)."""
     actual = getattr(config, setting)
     if actual == read_at:
         return

@@ -52,6 +52,11 @@ class DFlashBlockConfig(DrafterConfig):
     # `LayerFamily.engine_model`): a family built by another is refused at the recipe
     ENGINE_MODELS: ClassVar[tuple[str, ...]] = ("DFlashLagunaForCausalLM",)  # formats/dflash_laguna.py
 
+    def check_read(self) -> None:
+        # a weighting's own setting given to the other one, which never reads it
+        refuse_unread(self, ("loss_decay",), "loss_weighting", "decay")
+        refuse_unread(self, ("dpace_alpha",), "loss_weighting", "dpace")
+
     def check(self, target: Optional[TargetShape] = None) -> None:
         family = layer_family(self.layer_family, self.type, self.ENGINE_MODELS)
         if family.per_kind and not self.qk_norm:
@@ -78,9 +83,6 @@ class DFlashBlockConfig(DrafterConfig):
             )
         if not 0 < self.dpace_alpha <= 1:
             raise UserError(f"drafter.dpace_alpha={self.dpace_alpha} must be in (0, 1]")
-        # a weighting's own setting given to the other one, which never reads it
-        refuse_unread(self, ("loss_decay",), "loss_weighting", "decay")
-        refuse_unread(self, ("dpace_alpha",), "loss_weighting", "dpace")
         check_mask_token(self.mask_token_id, target)
         if target is not None:
             default = (

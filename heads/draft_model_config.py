@@ -39,6 +39,10 @@ class DraftModelConfig(DrafterConfig):
     def __post_init__(self):
         self.lora = LoraSection.coerce(self.lora)
 
+    def check_read(self) -> None:
+        # PARD's mask token and depth, for a draft model that drafts one token a forward
+        refuse_unread(self, ("mask_token_id", "parallel_tokens"), "parallel_drafting", True)
+
     def check(self, target: Optional[TargetShape] = None) -> None:
         from draftsmith.heads.distill import LOSSES  # the losses' module imports torch: read at validation only
 
@@ -65,6 +69,5 @@ class DraftModelConfig(DrafterConfig):
         if self.lora is not None:
             self.lora.check()
         check_mask_token(self.mask_token_id, target, "drafter.parallel_drafting=true" if self.parallel_drafting else "")
-        refuse_unread(self, ("mask_token_id", "parallel_tokens"), "parallel_drafting", True)
         if self.parallel_tokens < 2:
             raise UserError(f"drafter.parallel_tokens={self.parallel_tokens} must be >= 2")

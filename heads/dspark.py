@@ -83,6 +83,8 @@ class DSpark(DFlash):
     type = "dspark"
     TITLE = "DSpark"
     DEPTH_TOP1 = "block{depth}/top1"  # the depth-th drafted token, block position depth-1
+    # the Markov head's token embedding (V x r) and its projection back to the vocabulary (r -> V): AdamW's under Muon
+    NOT_HIDDEN = (*DFlash.NOT_HIDDEN, "markov_head")
     Config = DSparkConfig
     SERVED_BY = {"chain": ("vllm",)}  # vLLM 0.32's GPU model runner V2 only (formats/dspark.py); no trees
     # At temperature > 0 each position is sampled from its own Markov-corrected q, which the ratio test reads

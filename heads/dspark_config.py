@@ -42,6 +42,10 @@ class DSparkConfig(DFlashBlockConfig):
     # and the eval predicts that. Needs the confidence head (without one vLLM estimates acceptance otherwise)
     adaptive_verification: bool = False
 
+    def check_read(self) -> None:
+        super().check_read()
+        refuse_unread(self, ("confidence_weight", "confidence_decay"), "confidence_head", True)  # the head's loss
+
     def check(self, target: Optional[TargetShape] = None) -> None:
         super().check(target)
         if self.markov_rank < 1:
@@ -51,7 +55,6 @@ class DSparkConfig(DFlashBlockConfig):
                 f"drafter.confidence_weight must be >= 0 and confidence_decay > 0 (got {self.confidence_weight}, "
                 f"{self.confidence_decay})"
             )
-        refuse_unread(self, ("confidence_weight", "confidence_decay"), "confidence_head", True)  # the head's loss
         if self.adaptive_verification and not self.confidence_head:
             raise UserError(
                 "drafter.adaptive_verification needs confidence_head: true (without the head vLLM sizes the "

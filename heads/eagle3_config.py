@@ -68,6 +68,9 @@ class Eagle3Config(DrafterConfig):
     sliding_window: Optional[int] = None
     decoder: Optional[dict] = None  # the draft layers' classes and config, resolved by from_target
 
+    def check_read(self) -> None:
+        refuse_unread(self, ("mask_token_id",), "parallel_drafting", True)  # P-EAGLE's mask token
+
     def check(self, target: Optional[TargetShape] = None) -> None:
         check_tree_settings(self)
         layer_family(self.layer_family, self.type)
@@ -84,7 +87,6 @@ class Eagle3Config(DrafterConfig):
         if self.fc_norm and self.norm_before_fc:  # speculators' loader refuses the pair (vLLM would chain them)
             raise UserError("drafter.fc_norm and drafter.norm_before_fc both normalise the taps before fc: choose one")
         check_mask_token(self.mask_token_id, target, "drafter.parallel_drafting=true" if self.parallel_drafting else "")
-        refuse_unread(self, ("mask_token_id",), "parallel_drafting", True)
         if self.parallel_drafting and self.ttt_steps < 2:  # mask_hidden would take part in no loss: DDP raises on it
             raise UserError(
                 "drafter.parallel_drafting=true trains the chain's later tokens, from mask_hidden, at training-time-"

@@ -32,12 +32,13 @@ from draftsmith.errors import (
 
 
 def main(argv: Sequence[str]) -> None:
-    if not argv or argv[0] not in ("check", "watch"):
+    # imported here, under entry_point's run_cli: Ctrl-C or SIGTERM during their imports ends as later
+    from draftsmith.cli import DATA_LINES_SAID, SUBCOMMANDS
+
+    if list(argv[:1]) not in SUBCOMMANDS:
         # `draftsmith monitor ...` (the console script, or python -m draftsmith) has the command in argv[1]
         program = "draftsmith monitor" if sys.argv[1:2] == ["monitor"] else "python -m monitor"
-        raise UserError(f"usage: {program} check|watch recipe=NAME [key=value ...]")
-    # imported here, under entry_point's run_cli: Ctrl-C or SIGTERM during their imports ends as later
-    from draftsmith.cli import DATA_LINES_SAID
+        raise UserError(f"usage: {program} {'|'.join(name for (name,) in SUBCOMMANDS)} recipe=NAME [key=value ...]")
     from draftsmith.outputs import DirectoryInUse
     from draftsmith.recipe import load_recipe
 

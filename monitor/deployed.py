@@ -40,7 +40,7 @@ def deployed_of(cfg: DictConfig, state: State, directory: Path) -> dict[str, Any
             state.deployed["baseline"],
         )
     if state.deployed is not None and not cfg.checkpoint:  # after a promotion the state names what is deployed
-        return state.deployed
+        return promoted(cfg, state)
     named = recipe_drafter(cfg)
     if state.first_deployed is None:
         state.first_deployed = {"export": named["export"], "sha256": named["sha256"]}
@@ -62,6 +62,14 @@ def deployed_of(cfg: DictConfig, state: State, directory: Path) -> dict[str, Any
             state.deployed["revision"],
             state.deployed["export"],
         )
+    return promoted(cfg, state)
+
+
+def promoted(cfg: DictConfig, state: State) -> dict[str, Any]:
+    """The revision this monitor promoted, judged against the gate's report as the promotion recorded it; or as it is
+    now, where monitor.baseline names that report (an eval written over it since)."""
+    if cfg.monitor.baseline == state.deployed["baseline"]:
+        return {**state.deployed, "baseline_sha256": None}
     return state.deployed
 
 
@@ -112,8 +120,9 @@ def load_baseline(deployed: dict[str, Any]) -> Baseline:
     if recorded is not None and Path(path).is_file() and file_sha256(Path(path)) != recorded:
         raise UserError(
             f"the baseline report {path} is not the one recorded when {deployed['export']} was deployed (sha256 "
-            f"{recorded[:12]}, now {file_sha256(Path(path))[:12]}): an eval replaced it since; export the checkpoint "
-            f"again to judge against the new report, or set monitor.baseline={path} to take it as it is"
+            f"{recorded[:12]}, now {file_sha256(Path(path))[:12]}): an eval replaced it since; set "
+            f"monitor.baseline={path} to take it as it is"
+            + ("" if deployed["revision"] else ", or export the checkpoint again to record it")
         )
     try:
         baseline = Baseline.from_report(json.loads(Path(path).read_text()), path)

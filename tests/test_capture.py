@@ -570,3 +570,18 @@ def test_a_capture_leaving_out_what_the_recipes_drafter_reads_says_so(conversati
         capture(load_recipe(args))
     (line,) = [record.getMessage() for record in caplog.records if record.name == "draftsmith.capture"]
     assert line.startswith("the recipe's medusa drafter reads the final hidden state, which these data.capture")
+
+
+def test_vllm_settings_of_a_capture_transformers_runs_are_said_not_read(conversations, tmp_path, caplog):
+    """A vLLM setting given without data.capture.engine=vllm (or kept by a recipe made for vLLM, switched to
+    transformers) ran the capture without it, unsaid: one warning names them; nothing is said of the engine's own."""
+    from draftsmith.data_prep.vllm_stage import warn_unread_vllm
+
+    given = ["data.capture.vllm.max_num_seqs=8", "data.capture.vllm.dtype=float16"]
+    with caplog.at_level("WARNING", logger="draftsmith.data"):
+        capture(load_recipe(capture_args(tmp_path / "run", conversations, *given)))
+        warn_unread_vllm(load_recipe(["recipe=medusa", "data.capture.engine=vllm", *given]).data.capture, "x")
+    assert [record.getMessage() for record in caplog.records if record.name == "draftsmith.data"] == [
+        "data.capture.vllm.dtype=float16, data.capture.vllm.max_num_seqs=8: not read: data.capture.engine=transformers "
+        "runs the target in this process (data.capture.engine=vllm reads them)"
+    ]

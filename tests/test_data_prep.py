@@ -1260,3 +1260,20 @@ def test_a_local_files_load_asks_nothing_of_the_network(tmp_path, monkeypatch):
         write_jsonl(tmp_path / f"part-{part:05d}.jsonl.gz", [GOOD], gzip.open)
     assert len(load_conversations([str(tmp_path)])) == 3 and asked == []
     assert datasets.config.HF_UPDATE_DOWNLOAD_COUNTS  # the setting is the user's again for a Hub data set's load
+
+
+def test_a_greedy_regeneration_recorded_with_a_seed_resumes_and_a_sampled_one_keeps_its_seed(tmp_path):
+    """A greedy regeneration recorded the seed it was given (accepted until data.regenerate.seed at temperature 0 was
+    refused as unread): it resumes at the default seed. A sampled one's seed is its answers', compared as before."""
+    from draftsmith.data_prep.local_files import REGENERATE_SETTINGS
+    from draftsmith.data_prep.regenerate import MARKS, claim_directory
+
+    settings = {"data": "d", "temperature": 0.0, "seed": 0, "marks": MARKS}
+    (tmp_path / "greedy").mkdir()
+    (tmp_path / "greedy" / REGENERATE_SETTINGS).write_text(json.dumps({**settings, "seed": 7}))
+    claim_directory(tmp_path / "greedy", settings)
+    (tmp_path / "sampled").mkdir()
+    sampled = {**settings, "temperature": 0.7}
+    (tmp_path / "sampled" / REGENERATE_SETTINGS).write_text(json.dumps({**sampled, "seed": 7}))
+    with pytest.raises(UserError, match="holds a regeneration"):
+        claim_directory(tmp_path / "sampled", sampled)

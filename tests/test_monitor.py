@@ -769,6 +769,17 @@ def test_after_a_promotion_nothing_is_judged_until_the_engine_serves_the_promote
         assert record["traffic"]["in_window"] == 0 and record["traffic"]["requests_read"] == 50
         engine.serve(1000, DROPPED)
         assert check(cfg) == Outcome.DRIFT  # judged again, against revision 1's baseline
+        # the gate's report written over since the promotion: refused, and monitor.baseline takes it as it is now
+        report = revision.parent / "report.json"
+        report.write_text(report.read_text().replace('"temperature": 0.0', '"temperature": 0.0, "again": true'))
+        engine.serve(1000, DROPPED)
+        with pytest.raises(UserError, match=f"an eval replaced it since; set monitor.baseline={report} to ") as refused:
+            check(cfg)
+        assert str(refused.value).endswith(
+            "to take it as it is"
+        )  # a promoted revision: no export of the user's to redo
+        cfg = load_recipe([*args, f"monitor.metrics=[{engine.url}]", f"monitor.baseline={report}"])
+        assert check(cfg) == Outcome.DRIFT
     finally:
         engine.server.shutdown()
     assert State.load(directory).awaiting_redeploy is None
@@ -1412,10 +1423,12 @@ def test_monitor_cli_bad_input_is_one_line_exit_2(tmp_path, capsys):
         ["-m", "monitor", "check", "recipe=medusa", f"output_dir={tmp_path}"],
     ):
         assert_one_line_error(run_entry_in_process(args, capsys), 2, alone=True)
-    # a sub-command it has not was read as a recipe argument ("argument 'chek' is not key=value")
-    usage = "error: usage: python -m monitor check|watch recipe=NAME [key=value ...]"
+    # a sub-command it has not: the console script's early recipe check read it as a recipe argument ("argument 'chek'
+    # is not key=value")
+    usage = "error: usage: draftsmith monitor check|watch recipe=NAME [key=value ...]"
     for first in ("chek", "recipe=medusa"):
-        assert_one_line_error(run_entry_in_process(["-m", "monitor", first, "recipe=medusa"], capsys), 2, usage)
+        done = run_entry_in_process(["-m", "draftsmith", "monitor", first, "recipe=medusa"], capsys)
+        assert_one_line_error(done, 2, usage)
     # a port out of range was exit 69 (retried forever), as an engine down is: refused by the recipe check
     for url in ("localhost:9", "http://localhost:99999/metrics", "'http://[::1/metrics'", "http://localhost:port/"):
         args = ["-m", "monitor", "check", "recipe=medusa", f"output_dir={tmp_path}", f"monitor.metrics=[{url}]"]

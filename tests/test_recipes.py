@@ -150,10 +150,6 @@ def test_bad_overrides_are_user_errors(override, fragment):
             "data.regenerate.top_p=0.5 is read only when sampling, and data.regenerate.temp",
         ),
         ("data.pack_length=512", "data.pack_length=512 is the length of packed rows, and data.pack=false pads"),
-        (
-            "data.capture.vllm.max_num_seqs=8",
-            "data.capture.vllm.max_num_seqs=8: read only with data.capture.engine=vllm, and this recipe's",
-        ),
     ],
 )
 def test_bad_values_are_refused_before_anything_runs(override, fragment):
@@ -393,9 +389,7 @@ def test_an_engine_python_is_read_as_a_shell_reads_a_program_by_every_command(ke
     from draftsmith.recipe import load_train_recipe
 
     monkeypatch.chdir(tmp_path)
-    stage = key.removesuffix(".vllm.python")  # a data stage's python is read with its engine=vllm only
-    engine = [f"{stage}.engine=vllm"] if stage != key else []
-    common = ["recipe=eagle3", f"output_dir={tmp_path / 'run'}", *engine]
+    common = ["recipe=eagle3", f"output_dir={tmp_path / 'run'}"]
     for command in ("export", "sweep", "eval", "monitor"):
         cfg = load_recipe([*common, f"{key}=python3"], command)
         assert OmegaConf.select(cfg, key) == shutil.which("python3")

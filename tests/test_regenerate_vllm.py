@@ -206,6 +206,4 @@ def test_vllm_runs_the_target_in_the_dtype_the_trainer_loads_it_in(tmp_path, sma
 
     assert dtype() == "float32"  # target.dtype auto, on CPU
     assert dtype("target.dtype=bfloat16") == "bfloat16"
-    assert (
-        dtype("target.dtype=bfloat16", "data.regenerate.engine=vllm", "data.regenerate.vllm.dtype=float16") == "float16"
-    )
+    assert dtype("target.dtype=bfloat16", "data.regenerate.vllm.dtype=float16") == "float16"

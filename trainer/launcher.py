@@ -46,6 +46,11 @@ def make_accelerator(cfg: DictConfig, output_dir: Path) -> Accelerator:
     )
     plugin = accelerator.state.deepspeed_plugin
     take_recipes_step(cfg, accelerator.gradient_accumulation_steps, plugin.deepspeed_config if plugin else None)
+    if plugin is not None and accelerator.mixed_precision == "bf16" and accelerator.is_main_process:
+        log.warning(
+            "DeepSpeed with bf16 keeps the drafter's weights as bfloat16 copies of the fp32 masters its optimizer "
+            "holds: the saved drafter (final/, each checkpoint's drafter/) holds those copies (docs/distributed.md)"
+        )
     return accelerator
 
 
