@@ -117,10 +117,11 @@ def load_baseline(deployed: dict[str, Any]) -> Baseline:
     promotion recorded the report's sha256, be that report still: an eval written over it since (other prompts,
     another temperature) would move the baseline every later check is judged against, unsaid."""
     path, weights, recorded = deployed["baseline"], deployed["sha256"], deployed.get("baseline_sha256")
-    if recorded is not None and Path(path).is_file() and file_sha256(Path(path)) != recorded:
+    now = file_sha256(Path(path)) if recorded is not None and Path(path).is_file() else recorded
+    if now != recorded:
         raise UserError(
             f"the baseline report {path} is not the one recorded when {deployed['export']} was deployed (sha256 "
-            f"{recorded[:12]}, now {file_sha256(Path(path))[:12]}): an eval replaced it since; set "
+            f"{recorded[:12]}, now {now[:12]}): an eval replaced it since; set "
             f"monitor.baseline={path} to take it as it is"
             + ("" if deployed["revision"] else ", or export the checkpoint again to record it")
         )
