@@ -23,6 +23,7 @@ def main(argv: Sequence[str]) -> None:
     from draftsmith.formats.folder import require_outside_checkpoint, require_weights_as_configured, served_settings
 
     served = served_settings(argv, cfg)
+    warn_eval_disabled(argv)
     checkpoint = checkpoint_to_read(cfg)
     require_weights_as_configured(checkpoint)
     report_dir = Path(cfg.output_dir) / "eval"  # export and the monitor would refuse it as of other weights
@@ -41,6 +42,19 @@ def main(argv: Sequence[str]) -> None:
     report = run_eval(cfg, served=served)
     print(render_markdown(report))
     require_lossless(report)
+
+
+def warn_eval_disabled(argv: Sequence[str]) -> None:
+    """`eval.enabled=false` on this command's line is read by nothing: it is train's setting (no report after
+    training), and the eval command reports regardless. Said, not refused: a shared list of overrides may hold it."""
+    import logging
+
+    from draftsmith.recipe_input import parse_overrides, split_argv
+
+    if ("eval.enabled", False) in parse_overrides(split_argv(argv)[1]):
+        logging.getLogger("draftsmith.eval").warning(
+            "eval.enabled=false: not read: it says whether train reports after training; the eval command reports"
+        )
 
 
 if __name__ == "__main__":

@@ -749,6 +749,17 @@ def test_cli_rejects_a_missing_and_a_foreign_checkpoint(eval_setup, tmp_path, ca
     assert_one_line_error(foreign, 2, "vocab_size=64", alone=True)
 
 
+def test_eval_enabled_false_on_the_eval_commands_line_is_said_unread(eval_setup, tmp_path, capsys):
+    """train's setting (no report after training) given to the command that only reports: said, then the command
+    goes on (here to its missing checkpoint's line)."""
+    _, recipe, _ = eval_setup
+    args = ["-m", "eval", f"recipe={recipe}", f"checkpoint={tmp_path / 'nothing'}"]
+    said = run_entry_in_process([*args, "eval.enabled=false"], capsys)
+    assert said.returncode == 2
+    assert "eval.enabled=false: not read: it says whether train reports after training" in said.stderr
+    assert "not read" not in run_entry_in_process([*args, "eval.enabled=true"], capsys).stderr
+
+
 def test_a_failed_lossless_check_writes_the_report_and_exits_3(eval_setup, tmp_path, monkeypatch, capsys):
     """A verifier that accepts every drafted token (a broken rule) makes the untrained Medusa's output
     differ from plain greedy decoding: the eval writes its report with the rows marked, then exits 3
