@@ -7,7 +7,7 @@ Ran 2026-11-27 on a lent H100 (torch 2.11.0+cu130, transformers 5.24.0, accelera
 - every drafter kind trains two bf16 steps on CUDA (the target in bfloat16, mixed precision bf16);
 - a drafter trained on CUDA decodes losslessly there (greedy speculative = plain greedy);
 - the frozen target sharded with FSDP2 (`target.shard=fsdp`) and the drafter under DeepSpeed ZeRO-2 and
-  ZeRO-3, each launched by `accelerate launch` with one process;
+  ZeRO-3, each launched by `accelerate launch` with one process, DeepSpeed's saving its optimizer's float32 weights;
 - EAGLE-3's training step on CUDA (compiled flex attention, the fused vocabulary loss, its chunk math eager and
   compiled) equals the straightforward reference, and never waits for the host;
 - nor do the fixed-shape losses of Medusa, EAGLE-1, DFlash, the draft model and Medusa-2
@@ -105,6 +105,12 @@ def test_distributed_configs_train_with_one_rank(config, extra, tmp_path, small_
     losses = [row["train/loss"] for row in read_log(tmp_path / "run").values() if "train/loss" in row]
     assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    if config.startswith("deepspeed"):  # bf16: the optimizer's float32 weights saved, not the module's copies
+        from safetensors.torch import load_file
+
+        saved = load_file(tmp_path / "run" / "final" / "model.safetensors")
+        assert {tensor.dtype for tensor in saved.values()} == {torch.float32}
+        assert any(not torch.equal(t, t.bfloat16().float()) for t in saved.values()), "bfloat16 values saved"
 
 
 EAGLE3_VARIANTS = {

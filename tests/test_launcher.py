@@ -1,6 +1,6 @@
 """What `accelerate launch` decides beside the recipe (trainer/launcher.py): a launcher's step settings that differ
 from the recipe's are refused before anything loads, DeepSpeed's unset ones are the recipe's, and a DeepSpeed run
-resumes on the number of processes that saved it."""
+resumes on the number of processes that saved it, its saved drafter holding the weights its optimizer steps."""
 
 from __future__ import annotations
 
@@ -122,3 +122,52 @@ def test_a_trainable_parameter_in_no_loss_stops_the_first_step_as_a_bug():
     module[1].requires_grad_(True)
     run.accelerator.state.deepspeed_plugin = object()  # its gradients are in its engine's buffers: not read
     require_every_parameter_trained(run)
+
+
+def test_deepspeeds_saved_drafter_is_its_optimizers_float32_weights_under_every_name(tmp_path, monkeypatch):
+    """DeepSpeed cannot run here (it needs CUDA): a stand-in accelerator and `safe_get_full_fp32_param` that gives
+    each trainable parameter's master, the module in bfloat16 as DeepSpeed's bf16 leaves it. The saved drafter holds
+    the masters, read once per parameter in the module's order (the collective every rank runs alike); the frozen
+    weights are float32 copies; a tied weight's master is under its every name. The GPU tier runs the engine."""
+    from types import SimpleNamespace
+
+    import deepspeed.utils
+    import torch
+    from safetensors.torch import load_file
+
+    from draftsmith.heads import drafter_class
+    from draftsmith.target import load_target
+    from draftsmith.trainer.checkpoint import save_drafter
+    from draftsmith.trainer.launcher import deepspeed_fp32_masters
+    from tests.helpers import REFERENCE_TARGET
+
+    medusa = drafter_class("medusa")
+    drafter = medusa.from_target(medusa.Config(num_heads=2), load_target(str(REFERENCE_TARGET)), "tiny")
+    drafter.lm_heads[0].requires_grad_(False)
+    masters = {id(p): torch.randn(p.shape) for p in drafter.parameters() if p.requires_grad}
+    drafter.to(torch.bfloat16)
+    asked = []
+
+    def master(param):
+        asked.append(id(param))
+        return masters.get(id(param))
+
+    monkeypatch.setattr(deepspeed.utils, "safe_get_full_fp32_param", master)
+    accelerator = SimpleNamespace(
+        state=SimpleNamespace(deepspeed_plugin=object()), mixed_precision="bf16", is_main_process=True,
+        get_state_dict=lambda module: module.state_dict(), unwrap_model=lambda module: module,
+    )  # fmt: skip
+    save_drafter(accelerator, drafter, tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    held = drafter.state_dict(keep_vars=True)  # Medusa saves its blocks under vLLM's names
+    assert {tensor.dtype for tensor in saved.values()} == {torch.float32} and set(saved) == set(held)
+    for name, tensor in saved.items():
+        expected = masters[id(held[name])] if held[name].requires_grad else held[name].float()
+        assert torch.equal(tensor, expected), name
+    assert asked == [id(p) for p in held.values() if p.requires_grad]
+
+    drafter.lm_heads[0].weight = drafter.lm_heads[1].weight  # tied: one parameter, two names
+    asked.clear()
+    read = deepspeed_fp32_masters(accelerator, drafter)
+    assert read["lm_heads.0.weight"] is read["lm_heads.1.weight"] is masters[id(drafter.lm_heads[1].weight)]
+    assert len(asked) == len(set(asked))

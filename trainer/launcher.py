@@ -7,7 +7,8 @@ config can say it again, and then wins without a word: accelerate prefers ACCELE
 argument, and under DeepSpeed clips in its engine at the config's gradient_clipping (accelerate fills an unset one
 with 1.0), where clip_grad_norm_ only reads the norm. A step of grad_accum 4 would then step the optimizer on every
 micro-batch. So the launcher's value, where it gives one, must be the recipe's (one line, exit 2, before any model
-or data is touched), and DeepSpeed's unset ("auto") values are filled from the recipe.
+or data is touched), and DeepSpeed's unset ("auto") values are filled from the recipe. Under DeepSpeed's mixed
+precision the saved drafter is read from its optimizer's float32 weights (`deepspeed_fp32_masters`).
 """
 
 from __future__ import annotations
@@ -46,11 +47,6 @@ def make_accelerator(cfg: DictConfig, output_dir: Path) -> Accelerator:
     )
     plugin = accelerator.state.deepspeed_plugin
     take_recipes_step(cfg, accelerator.gradient_accumulation_steps, plugin.deepspeed_config if plugin else None)
-    if plugin is not None and accelerator.mixed_precision == "bf16" and accelerator.is_main_process:
-        log.warning(
-            "DeepSpeed with bf16 keeps the drafter's weights as bfloat16 copies of the fp32 masters its optimizer "
-            "holds: the saved drafter (final/, each checkpoint's drafter/) holds those copies (docs/distributed.md)"
-        )
     return accelerator
 
 
@@ -159,3 +155,24 @@ def require_precision_as_begun(used: str, given: str, output_dir: Path) -> None:
             f"train.resume continues the run in {output_dir} as it began, in mixed precision {began}, and this launch "
             f"runs {used} ({precision_source(given)}): resume with train.mixed_precision={began}"
         )
+
+
+def deepspeed_fp32_masters(accelerator, drafter) -> Optional[dict]:
+    """Under DeepSpeed with bf16 or fp16 the module holds 16-bit copies of the float32 weights its optimizer keeps
+    and steps: those weights on the main process, under the names the saved drafter holds (a kind's state-dict hooks
+    rename some: Medusa's vLLM names), a tied one under each; None without. Every rank calls it, reading the
+    parameters in the same order (DeepSpeed assembles each from the ranks' partitions with a collective)."""
+    if accelerator.state.deepspeed_plugin is None or accelerator.mixed_precision == "no":
+        return None
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    masters, read = {}, {}
+    for name, param in accelerator.unwrap_model(drafter).state_dict(keep_vars=True).items():
+        if not (isinstance(param, torch.nn.Parameter) and param.requires_grad):
+            continue
+        if id(param) not in read:
+            master = safe_get_full_fp32_param(param)  # a collective: on every rank
+            read[id(param)] = master.cpu() if master is not None and accelerator.is_main_process else None
+        if read[id(param)] is not None:
+            masters[name] = read[id(param)]
+    return masters
