@@ -137,6 +137,8 @@ def _load_file(
     reader = builder(path)
     if reader == "parquet" and _parquet_rows(path) == 0:  # the builder fails on it ("BatchSize must be > 0")
         raise UserError(f"{path} has no records")
+    if reader == "json":
+        _refuse_leading_null(path)
     content = file_digest(path, digests)
     try:
         with _quiet_builders():
@@ -150,6 +152,19 @@ def _load_file(
         raise UserError(f"{path} has no records")
     dataset._fingerprint = hashlib.sha256(f"{reader}|{content}|{datasets.__version__}".encode()).hexdigest()[:16]
     return dataset
+
+
+def _refuse_leading_null(path: str) -> None:
+    """pyarrow's JSON reader (26.0) crashes the process, SIGSEGV and no line, on a file whose first value is `null`:
+    refused as the record it is, before the builder reads it."""
+    opener = gzip.open if gzipped(path) else open
+    try:
+        with opener(path, "rb") as handle:
+            start = handle.read(1 << 16).lstrip(b"\xef\xbb\xbf \t\r\n")
+    except (OSError, EOFError):
+        return  # the builder's read says what is wrong
+    if start[:4] == b"null" and start[4:5] in (b"", b" ", b"\t", b"\r", b"\n", b","):
+        raise UserError(f"{path} record 1: expected a JSON object, got null")
 
 
 def _parquet_rows(path: str) -> Optional[int]:

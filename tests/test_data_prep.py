@@ -6,6 +6,7 @@ import gzip
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -617,6 +618,18 @@ def test_bad_records_name_file_and_record(tmp_path, lines, message):
     with pytest.raises(UserError, match=message) as caught:
         load_conversations([str(path)])
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "name, content",
+    [("null.jsonl", b"null\n"), ("first.jsonl", b'\xef\xbb\xbf\n  null\n{"messages": []}\n'), ("one.json", b"null"),
+     ("null.jsonl.gz", gzip.compress(b"null\n"))],
+)  # fmt: skip
+def test_a_file_whose_first_record_is_null_is_one_line_not_a_crash(tmp_path, name, content):
+    """pyarrow's JSON reader ended the process with SIGSEGV (exit 139, no line, the run's lock left) on these."""
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(UserError, match=rf"^\S+{re.escape(name)} record 1: expected a JSON object, got null$"):
+        load_conversations([str(tmp_path / name)])
 
 
 def test_bad_sources(tmp_path):
