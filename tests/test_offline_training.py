@@ -92,3 +92,26 @@ def test_train_py_refuses_data_settings_the_capture_was_not_made_with(
         "were captured with data.max_length=128: set the capture's values, or capture again with the recipe's"
     )
     assert not (out / "recipe.yaml").exists() and not (out / "checkpoints").exists()
+
+
+def test_a_shard_damaged_on_disk_found_in_training_says_how_to_run_the_command_again(
+    captured, small_data, token_cache, tmp_path, capsys
+):
+    """A shard's checksum is checked as training reads it (hashing a capture of terabytes up front would cost
+    minutes), after the run wrote its start: the line says that the rerun starts over (the same command alone is
+    refused as an earlier run), and that rerun trains once the shard is whole again."""
+    import shutil
+
+    features = tmp_path / "features"
+    shutil.copytree(captured, features)
+    victim = features / "shard_00_00000.safetensors"
+    whole = victim.read_bytes()
+    victim.write_bytes(whole[:-10] + bytes(b ^ 0xFF for b in whole[-10:]))  # same size: found when read
+    out = tmp_path / "run"
+    args = train_args(out, small_data, token_cache, "train.max_steps=2", "data.eval=[]", f"data.features={features}")
+    line = assert_one_line_error(run_entry_in_process(["train.py", *args], capsys), 2)
+    assert "shard_00_00000.safetensors is corrupt (sha256 differs from manifest.json)" in line
+    assert line.endswith("(the run saved no checkpoint: once that is fixed, start it over with train.overwrite=true)")
+    victim.write_bytes(whole)
+    again = run_entry_in_process(["train.py", *args, "train.overwrite=true"], capsys)
+    assert again.returncode == 0, again.stderr[-2000:]

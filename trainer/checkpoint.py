@@ -436,6 +436,14 @@ def after_interrupt(output_dir: Path, trained: bool = False) -> str:
     return "nothing was written: run the same command again"
 
 
+def rerun_advice(output_dir: Path) -> str:
+    """What a line of bad input found in training adds when the run wrote its start and saved no checkpoint: the
+    same command is then refused as an earlier run (`check_earlier_run`), so the line says how to run it again."""
+    if completed_checkpoints(output_dir) or not earlier_run(output_dir):
+        return ""
+    return " (the run saved no checkpoint: once that is fixed, start it over with train.overwrite=true)"
+
+
 def claim_output_dir(cfg: DictConfig, state):
     """Hold the output directory for this job (`state`: accelerate's PartialState): locked, and
     checked for an earlier run, before any rank writes."""

@@ -20,10 +20,10 @@ def main(argv: Sequence[str]) -> None:
     from draftsmith.formats.folder import require_drafter_folder
 
     require_drafter_folder(cfg)
-    from draftsmith.errors import PreemptedWhereItWas
+    from draftsmith.errors import PreemptedWhereItWas, UserError
     from draftsmith.sharding import ranks_state
     from draftsmith.threads import set_cpu_threads
-    from draftsmith.trainer.checkpoint import after_interrupt, claim_output_dir
+    from draftsmith.trainer.checkpoint import after_interrupt, claim_output_dir, rerun_advice
     from draftsmith.trainer.launcher import require_deepspeed_on_cuda
     from draftsmith.trainer.loop import train
 
@@ -36,7 +36,12 @@ def main(argv: Sequence[str]) -> None:
     trained = None
     try:
         with claim_output_dir(cfg, state):
-            trained = train(cfg)
+            try:
+                trained = train(cfg)
+            except UserError as err:  # found once the run had written its start (a feature shard's checksum)
+                if not (advice := rerun_advice(Path(cfg.output_dir))):
+                    raise
+                raise UserError(f"{err}{advice}") from None
             if state.is_main_process:
                 from draftsmith.eval.report import evaluate_trained_run
 
