@@ -160,6 +160,11 @@ def regenerate(cfg: DictConfig, target=None, tokenizer=None) -> RegenerateResult
         skip_invalid_utf8=cfg.data.skip_invalid_utf8,
     ).map(with_a_turn_to_answer, desc="prompts get a turn to answer")
     conversations, excluded, short = kept_conversations(conversations, section)
+    if len(conversations) == 0:  # it wrote its settings alone and exited 0; training then found no data file
+        raise UserError(
+            f"no conversation of data.train is left to regenerate ({excluded} held out by data.regenerate.exclude, "
+            f"{short} with fewer than data.regenerate.min_turns={section.min_turns} assistant turns): nothing written"
+        )
     settings = {
         "target": cfg.target.name_or_path,
         "revision": cfg.target.revision,

@@ -1044,6 +1044,20 @@ def test_a_regeneration_record_cut_short_is_one_line_naming_it(tmp_path, token_c
     assert line.endswith("leave it out of data.regenerate.reuse" if reuse else "or delete it")
 
 
+def test_a_regeneration_that_would_keep_no_conversation_is_one_line_writing_nothing(tmp_path, capsys):
+    """Every conversation held out or below min_turns: it wrote its settings file alone and exited 0, and training
+    on the folder then found no data file."""
+    output = tmp_path / "regenerated"
+    args = ["-m", "data_prep.regenerate", "recipe=draft", "data.max_conversations=3", f"output_dir={tmp_path}/run",
+            f"data.regenerate.output={output}", "data.regenerate.min_turns=5"]  # fmt: skip
+    line = assert_one_line_error(run_entry_in_process(args, capsys), 2)
+    assert line == (
+        "error: no conversation of data.train is left to regenerate (0 held out by data.regenerate.exclude, 3 with "
+        "fewer than data.regenerate.min_turns=5 assistant turns): nothing written"
+    )
+    assert not output.exists()
+
+
 # ---- the eval split's refusals at load, and tokenization's counts (cache hit or not) -----------------------------
 
 
