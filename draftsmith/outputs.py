@@ -237,13 +237,19 @@ def _only_lock_inside(directory: Path) -> bool:
 
 def move_aside(directory: Path, names: list[str]) -> Optional[Path]:
     """Move the entries `names` of `directory` (paths relative to it; those that exist) into
-    `directory/replaced/<UTC time>/`, each at the same relative path, and return that folder; None if none
-    existed. Nothing is deleted."""
+    `directory/replaced/<UTC time>/` (`<UTC time>-2/` for a second move within that second), each at the same
+    relative path, and return that folder; None if none existed. Nothing is deleted."""
     present = [name for name in names if (directory / name).exists()]
     if not present:
         return None
-    destination = directory / REPLACED_DIR / utc_stamp()
-    destination.mkdir(parents=True, exist_ok=False)
+    stamp, moves = utc_stamp(), 1
+    while True:
+        destination = directory / REPLACED_DIR / (stamp if moves == 1 else f"{stamp}-{moves}")
+        try:
+            destination.mkdir(parents=True, exist_ok=False)
+            break
+        except FileExistsError:  # two quick evals' reports, moved within one second
+            moves += 1
     for name in present:
         (destination / name).parent.mkdir(parents=True, exist_ok=True)  # a nested entry keeps its folders
         shutil.move(str(directory / name), str(destination / name))

@@ -4,13 +4,14 @@ batch_sweep.png, written beside report.json."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
 from draftsmith.eval.counts import MIN_TIMED_BATCHES
 from draftsmith.eval.prompts import ALL
 from draftsmith.files import save_figure_atomic, write_text_atomic
-from draftsmith.outputs import REPORT_NAME
+from draftsmith.outputs import RECIPE_NAME, REPORT_NAME, move_aside
 
 REPORT_FILES = (REPORT_NAME, "report.md", "acceptance.png", "batch_sweep.png")  # what write_report writes
 
@@ -25,6 +26,45 @@ def write_report(report: dict[str, Any], out_dir: Path) -> None:
     if "batch_sweep" in report:
         plot_batch_sweep(report, out_dir / sweep_name)
     write_text_atomic(out_dir / json_name, json.dumps(report, indent=2) + "\n")
+
+
+def keep_an_earlier_report(out_dir: Path, checkpoint: Path, recipe: dict[str, Any]) -> None:
+    """A report in `out_dir` is moved to `out_dir/replaced/<time>/`, not overwritten, when it is of another
+    checkpoint (a run's `final/`, when this eval reads its `best/`: the export of that checkpoint reads it,
+    `export.report`) or of this one measured otherwise (`measured_as`: a quick eval.max_prompts=2 replaced the
+    training run's report, which the export's card and the monitor's baseline then read). The same checkpoint
+    measured the same way again is replaced. `recipe`: this eval's, resolved, as its report records it."""
+    earlier = out_dir / REPORT_NAME
+    if not earlier.is_file():
+        return
+    try:
+        saved = json.loads(earlier.read_text())
+        evaluated, measured = saved["drafter"]["path"], measured_as(saved["recipe"])
+    except (ValueError, KeyError, TypeError, AttributeError):  # cut short or edited: kept aside too
+        evaluated = measured = None
+    ours = measured_as(recipe)
+    if evaluated == str(checkpoint.resolve()) and measured == ours:
+        return
+    moved = move_aside(out_dir, [*REPORT_FILES, RECIPE_NAME])  # save_recipe's
+    if evaluated != str(checkpoint.resolve()):
+        held = f"the report of {evaluated or 'an unreadable report'}"
+        then = f"export that checkpoint with export.report={moved / REPORT_NAME}"
+    else:
+        keys = sorted(set(ours) | set(measured))
+        changed = ", ".join(f"{k} {measured.get(k)} -> {ours.get(k)}" for k in keys if ours.get(k) != measured.get(k))
+        held = f"a report of this checkpoint measured otherwise ({changed})"
+        then = f"an export reads the newest report, or the one given as export.report={moved / REPORT_NAME}"
+    print(f"{out_dir} held {held}: moved to {moved}/ ({then})", file=sys.stderr)
+
+
+def measured_as(recipe: dict[str, Any]) -> dict[str, Any]:
+    """What decides what an eval measures, from the recipe its report records: the eval section but whether train
+    runs it (`eval.enabled`), and the prompts' files."""
+    settings = {f"eval.{key}": value for key, value in recipe["eval"].items() if key != "enabled"}
+    return settings | {
+        "data.eval": recipe["data"]["eval"],
+        "data.max_conversations": recipe["data"]["max_conversations"],
+    }
 
 
 def _fmt(value: Optional[float]) -> str:

@@ -27,7 +27,6 @@ tokens_per_s is the batch's throughput. eval.batch_sizes runs every method at ea
 
 from __future__ import annotations
 
-import json
 import platform
 import sys
 from dataclasses import asdict
@@ -47,13 +46,13 @@ from draftsmith.eval.loop import generate
 from draftsmith.eval.methods import Method, build_methods
 from draftsmith.eval.partings import parting, rounding_unit
 from draftsmith.eval.prompts import ALL, eos_ids_of, prompt_conversations, prompt_sources, render_prompts
-from draftsmith.eval.render import REPORT_FILES, render_markdown, write_report
+from draftsmith.eval.render import keep_an_earlier_report, render_markdown, write_report
 from draftsmith.eval.sampling import Sampling
 from draftsmith.eval.suffix import INSTALL
 from draftsmith.eval.target_checks import rollback
 from draftsmith.families import check_eval_settings
 from draftsmith.formats.folder import open_drafter, recorded_kind, require_recipes_kind, weights_digest
-from draftsmith.outputs import EVAL_DIR, RECIPE_NAME, REPORT_NAME, DirectoryLock, move_aside
+from draftsmith.outputs import EVAL_DIR, DirectoryLock
 from draftsmith.progress import progress_bar
 from draftsmith.recipe import checkpoint_to_read, save_recipe
 from draftsmith.target import TargetShape, dtype_name, load_target, load_tokenizer, resolve_device, target_id
@@ -205,7 +204,7 @@ def _run_eval(
     report["prompts_in_train"] = in_train
     if sweep:
         report["batch_sweep"] = sweep_rows(sweep, methods, greedy)
-    keep_another_checkpoints_report(out_dir, checkpoint)
+    keep_an_earlier_report(out_dir, checkpoint, report["recipe"])
     save_recipe(cfg, out_dir)
     write_report(report, out_dir)  # report.json last
     print(
@@ -246,27 +245,6 @@ def prompt_room(cfg, say: bool = True, config=None) -> int:
             file=sys.stderr,
         )
     return context - new
-
-
-def keep_another_checkpoints_report(out_dir: Path, checkpoint: Path) -> None:
-    """A report in `out_dir` of another checkpoint (a run's `final/`, when this eval reads its `best/`) is moved
-    to `out_dir/replaced/<time>/`, not overwritten: the export of that checkpoint reads it (`export.report`).
-    One of the same checkpoint is an eval run again, and replaced."""
-    earlier = out_dir / REPORT_NAME
-    if not earlier.is_file():
-        return
-    try:
-        evaluated = json.loads(earlier.read_text())["drafter"]["path"]
-    except (ValueError, KeyError, TypeError):  # cut short or edited: kept aside too, nothing is deleted
-        evaluated = None
-    if evaluated == str(checkpoint.resolve()):
-        return
-    moved = move_aside(out_dir, [*REPORT_FILES, RECIPE_NAME])  # save_recipe's
-    print(
-        f"{out_dir} held the report of {evaluated or 'an unreadable report'}: moved to {moved}/ "
-        f"(export that checkpoint with export.report={moved / 'report.json'})",
-        file=sys.stderr,
-    )
 
 
 def decode_all(

@@ -675,7 +675,8 @@ def test_a_domain_with_a_pipe_keeps_report_mds_columns(eval_setup, small_data, t
 def test_an_eval_of_another_checkpoint_moves_the_earlier_report_aside(eval_setup, tmp_path, capsys):
     """The eval of a run's best/ into its output_dir kept no trace of final/'s report (which final/'s export
     reads): the earlier report moves to eval/replaced/<time>/, said in a line naming the export.report that reads
-    it; an eval of the same checkpoint again replaces its report."""
+    it; an eval of the same checkpoint again replaces its report, unless it measures otherwise (fewer prompts: a
+    quick check replaced the training run's report, which the export's card and the monitor's baseline read)."""
     import shutil
 
     from draftsmith.export.run import export_checkpoint
@@ -702,6 +703,16 @@ def test_an_eval_of_another_checkpoint_moves_the_earlier_report_aside(eval_setup
         [f"recipe={recipe}", f"export.output={tmp_path / 'x'}", f"export.report={moved / 'report.json'}", *cheap]
     )
     assert export_checkpoint(exported, final, target=target)["vllm"].is_dir()
+
+    # the same checkpoint measured otherwise (a quicker check): the earlier report is kept aside too
+    quick = load_recipe([f"recipe={recipe}", f"output_dir={tmp_path / 'run'}", *cheap, "eval.max_new_tokens=2"])
+    capsys.readouterr()
+    run_eval(quick, str(best), target=target)
+    [again] = [path for path in (eval_dir / "replaced").iterdir() if path != moved]
+    assert json.loads((again / "report.json").read_text())["max_new_tokens"] == 4
+    said = capsys.readouterr().err
+    assert "held a report of this checkpoint measured otherwise (eval.max_new_tokens 4 -> 2)" in said
+    assert f"export.report={again / 'report.json'}" in said
 
 
 def test_an_export_reads_the_report_of_its_weights_wherever_the_run_moved(eval_setup, tmp_path):
