@@ -18,7 +18,7 @@ warm start).
 
 Exit codes (one line on stderr; docs/faults.md): 0 done, 2 bad input, 3 a lossless or export check
 failed, 4 training diverged, 69 an engine or the Hugging Face Hub the job needs is down (retry), 70 a
-draftsmith bug (the traceback in a log file, or on stderr with DRAFTSMITH_DEBUG=1), 74 a full disk or
+draftsmith bug (the traceback in a log file, or on stderr with DRAFTSMITH_DEBUG=1), 71 out of memory, 74 a full disk or
 I/O error, 75 stopped on SIGTERM (requeue; training saves a checkpoint first: train.resume=true), 130
 interrupted with Ctrl-C; `monitor check` adds its outcomes 10, 11, 12, 13.
 """

@@ -40,6 +40,7 @@ STAND_INS = {
     "recipe=runs/gpu_protocol/eagle3/recipe.yaml": "recipe=eagle3",
     "recipe=runs/eagle3/recipe.yaml": "recipe=eagle3",
     "target.name_or_path=/tmp/qwen3-vl": "target.name_or_path=demo/target",
+    "target.name_or_path=/tmp/helium": "target.name_or_path=demo/target",
 }
 # targets an earlier step of the same page writes, whose kind a recipe checks (an MTP layer) -> how it writes them
 WRITTEN_TARGETS = {"target.name_or_path=/tmp/glm4-mtp": ("glm4_moe", "with an MTP layer")}
