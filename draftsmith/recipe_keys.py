@@ -208,8 +208,10 @@ def render_markdown() -> str:
     def cell(text: str) -> str:
         return text.replace("|", "\\|")
 
-    for section in [*recipe_sections(), *(drafter_section(kind) for kind in sorted(CONFIGS))]:
-        out += ["", f"## `{section.name}`", ""]
+    titled = [(f"`{section.name}`", section) for section in recipe_sections()]
+    titled += [(f"`drafter` of `type: {kind}`", drafter_section(kind)) for kind in sorted(CONFIGS)]
+    for title, section in titled:
+        out += ["", f"## {title}", ""]
         if section.help:
             out += [section.help, ""]
         out += ["| key | type | default | description |", "|---|---|---|---|"]
