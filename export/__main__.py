@@ -26,18 +26,20 @@ def main(argv: Sequence[str]) -> None:
     require_weights_as_configured(checkpoint_to_read(cfg))
     for engine, folder in export_checkpoint(cfg, checkpoint_to_read(cfg), served=served).items():
         print(f"{engine}: {folder}")
-        print(f"{engine}: {engine_check_line(folder)}", file=sys.stderr)  # stdout holds the folders alone
+        print(f"{engine}: {engine_check_line(folder, engine)}", file=sys.stderr)  # stdout holds the folders alone
 
 
-def engine_check_line(folder) -> str:
-    """What the folder's engine check measured (its draftsmith_export.json `verified`), or that none ran: the export's
+def engine_check_line(folder, engine: str = "vllm") -> str:
+    """What the folder's engine check measured (its draftsmith_export.json `verified`), or why none ran: the export's
     output named the folders alone, whether or not the engine had served the drafter."""
     from draftsmith.files import read_json
     from draftsmith.formats.repo import EXPORT_INFO
 
     checked = read_json(folder / EXPORT_INFO).get("verified")
+    if not checked and engine != "vllm":  # the line blamed an unset export.vllm_python that was set
+        return f"not checked in an engine ({engine} does not run here: its format is checked against its source)"
     if not checked:
-        return "not checked in an engine (export.vllm_python unset, or an engine that cannot run here)"
+        return "not checked in an engine (export.vllm_python unset)"
     said = "engine engine_version prompts lossless tau_engine tau_draftsmith relative_difference tolerance".split()
     if any(checked.get(key) is None for key in said):
         return f"checked in an engine: {folder / EXPORT_INFO} says what it measured"

@@ -121,9 +121,9 @@ def batch_schedule(rows: list[dict[str, Any]], method: str) -> dict[str, Any]:
         summary = ", ".join(f"c={c}: {max(rates[c].values()) / plain_rate[c]:.2f}×" for c in levels)
         noisy = margin > MIN_GAIN
         raise ExportCheckFailed(
-            f"speculation with this drafter beats plain decoding by {margin:.0%}"
-            + (", how far the sweep's two plain runs differ" if noisy else "")
-            + f", at no measured concurrency (best predicted speed-up {summary}); serve the target without it"
+            f"at no measured concurrency does speculation with this drafter beat plain decoding by {margin:.0%}"
+            + (" (how far the sweep's two plain runs differ)" if noisy else "")
+            + f": best predicted speed-up {summary}; serve the target without it"
             + (", or measure again on a quieter machine" if noisy else "")
         )
     ranges: list[list[int]] = []

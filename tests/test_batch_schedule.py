@@ -111,7 +111,9 @@ def test_the_margin_is_the_sweeps_own_noise_where_that_is_larger():
     assert schedule["below_plain_at"] == [] and schedule["predicted_below_plain_at"] == [1]
     assert schedule["pays_up_to"] is None
     swamped = sweep({1: 1.0}, {(1, 1): 1.1}) + [sweep_row("plain-rerun", 0, 1, 1 / 1.6)]  # 45% gain, 60% noise
-    with pytest.raises(ExportCheckFailed, match="by 60%, how far the sweep's two plain runs differ.*quieter machine"):
+    with pytest.raises(
+        ExportCheckFailed, match=r"plain decoding by 60% \(how far the sweep.s two plain runs differ\).*quieter machine"
+    ):
         batch_schedule(swamped, "d")
 
 

@@ -1579,4 +1579,7 @@ def test_the_export_says_what_its_engine_check_measured(tmp_path):
         "checked in vllm 0.32.0 on 32 prompts: lossless, τ 1.194 against draftsmith's 1.195 (-0.1%, tolerance 2%)"
     )
     (tmp_path / EXPORT_INFO).write_text(json.dumps({"verified": None}))
-    assert engine_check_line(tmp_path).startswith("not checked in an engine (export.vllm_python unset")
+    assert engine_check_line(tmp_path) == "not checked in an engine (export.vllm_python unset)"
+    assert engine_check_line(tmp_path, "sglang") == (
+        "not checked in an engine (sglang does not run here: its format is checked against its source)"
+    )
