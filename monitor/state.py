@@ -16,6 +16,8 @@ from draftsmith.files import read_json, write_text_atomic
 
 STATE_NAME = "state.json"
 STATE_VERSION = 1
+EARLIER_OUTPUTS = ("retrain", "exports")  # what a retraining writes beside the state, numbered by it
+START_OVER = "to start over, give another monitor.state_dir (or move this one aside)"
 
 
 @dataclass
@@ -40,14 +42,27 @@ class State:
 
     @classmethod
     def load(cls, directory: Path) -> State:
+        """The state in `directory`; a new one where it holds none. A state directory whose earlier checks are there
+        without their state is refused: a new state would number its checks and retrainings from 1 again, over the
+        earlier ones' records, traffic samples and retraining runs."""
         path = directory / STATE_NAME
-        if not path.is_file():
+        if path.exists() and not path.is_file():
+            raise UserError(f"{path} is not a file, so no monitor state; {START_OVER}")
+        if not path.exists():
+            records = sorted((directory / "checks").glob("*.json"))  # a killed check's folder alone is no record
+            earlier = [f"checks/{records[0].name}", *([] if len(records) < 2 else ["..."])] if records else []
+            earlier += [f"{name}/" for name in EARLIER_OUTPUTS if (directory / name).exists()]
+            if earlier:
+                raise UserError(
+                    f"monitor.state_dir {directory} holds what earlier checks wrote ({', '.join(earlier)}) but no "
+                    f"{STATE_NAME}: put it back to go on; {START_OVER}"
+                )
             return cls()
-        saved = read_json(path, "monitor state", "move it aside to start over")
+        saved = read_json(path, "monitor state", START_OVER)
+        if not isinstance(saved, dict):
+            raise UserError(f"{path}: corrupt monitor state (JSON {type(saved).__name__}, not an object); {START_OVER}")
         if saved.pop("state_version", None) != STATE_VERSION:
-            raise UserError(
-                f"{path}: written by another draftsmith version (state_version); move it aside to start over"
-            )
+            raise UserError(f"{path}: written by another draftsmith version (state_version); {START_OVER}")
         return cls(**saved)
 
     def save(self, directory: Path) -> None:

@@ -1798,6 +1798,42 @@ def test_a_check_that_does_not_finish_leaves_no_folder_and_the_next_takes_its_nu
     assert check_record(tmp_path, 1)["check"] == 1
 
 
+def test_a_state_moved_aside_a_folder_or_not_an_object_is_refused_and_no_earlier_record_is_touched(tmp_path):
+    """A corrupt state's line said "move it aside to start over": the next check then numbered from 1 again and wrote
+    over checks/00001.json (and its folder of traffic); a state.json that is a folder read as no state and the check
+    removed checks/ at its end (exit 70); one of JSON but no object was exit 70. Each is one line, exit 2, nothing
+    touched."""
+    from draftsmith.errors import UserError
+    from draftsmith.monitor.check import check
+
+    folder = served_export(tmp_path / "export" / "vllm", engine_settings=checked_in(SERVED))
+    engine = FakeEngine()
+    state_dir = tmp_path / "run" / "monitor"
+    args = ["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}", "monitor.retrain=false",
+            f"monitor.metrics=[{engine.url}]"]  # fmt: skip
+    try:
+        assert check(load_recipe(args)) == Outcome.HEALTHY
+        record = (state_dir / "checks" / "00001.json").read_bytes()
+        state = state_dir / "state.json"
+        state.rename(state_dir / "state.aside")
+        with pytest.raises(UserError, match=r"holds what earlier checks wrote \(checks/00001.json\) but no state.json"):
+            check(load_recipe(args))
+        state.mkdir()
+        with pytest.raises(UserError, match=r"state.json is not a file, so no monitor state; to start over, give"):
+            check(load_recipe(args))
+        state.rmdir()
+        state.write_text("[]")
+        with pytest.raises(UserError, match=r"corrupt monitor state \(JSON list, not an object\)"):
+            check(load_recipe(args))
+        assert (state_dir / "checks" / "00001.json").read_bytes() == record
+        state.unlink()
+        (state_dir / "state.aside").rename(state)  # put back: the next check is the second
+        assert check(load_recipe(args)) == Outcome.HEALTHY
+    finally:
+        engine.server.shutdown()
+    assert (state_dir / "checks" / "00001.json").read_bytes() == record and check_record(tmp_path, 2)["check"] == 2
+
+
 def test_a_request_log_that_cannot_be_read_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
     """An unreadable log was exit 70 (PermissionError); a folder of logs that cannot be listed was skipped, its
     requests missing from every check. Each is one line naming it, exit 2, nothing written."""
