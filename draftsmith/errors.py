@@ -329,7 +329,7 @@ def outcome(err: BaseException, command: str = "") -> tuple[int, str]:
             f"{how_to_continue(command)}"
         )
     if isinstance(err, PermissionError):  # a path the user gave that this user may not use: fix it, no retry helps
-        where = f"cannot access {err.filename}" if err.filename else "cannot access a file"
+        where = f"cannot access {os.fsdecode(err.filename)}" if err.filename else "cannot access a file"  # bytes too
         return EXIT_USER_ERROR, f"error: {where}: permission denied; fix its permissions or give another path"
     if isinstance(err, OSError) and err.errno in STORAGE_ERRNOS:
         reason = storage_reason(err.errno, err.filename)  # a call of two paths (a rename) names its first
@@ -371,7 +371,7 @@ def storage_reason(number: int, path: str | os.PathLike | None, named: bool = Tr
     """What the storage answered (an errno of STORAGE_ERRNOS) for the line: `no space left on device (PATH, N MiB
     free)`, the `path` named unless the line names it elsewhere (`named` False), and a full disk's room left."""
     left = space_left(path) if path and number == errno.ENOSPC else None
-    details = ([str(path)] if path and named else []) + ([left] if left else [])
+    details = ([os.fsdecode(path)] if path and named else []) + ([left] if left else [])
     return os.strerror(number).lower() + (f" ({', '.join(details)})" if details else "")
 
 

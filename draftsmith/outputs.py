@@ -79,6 +79,15 @@ def check_output_dir(path: str | os.PathLike, key: str = "output_dir", named: Op
         raise UserError(f"{named} cannot be created under {ancestor}: {reason}") from None
 
 
+def check_output_folders(directory: Path, names: list[str]) -> None:
+    """The folders `names` of `directory` a job writes into again (a resumed run's `tb/`, `checkpoints/`, `eval/`)
+    can be written in, probed as `check_output_dir` does: bad input before anything loads (a read-only `tb/` failed
+    in TensorBoard's writer thread once the data had loaded, its traceback around the line)."""
+    for name in names:
+        if (directory / name).is_dir():
+            check_output_dir(directory / name, named=f"{directory / name} (in output_dir)")
+
+
 def loops(path: Path) -> bool:
     """Whether following `path`'s symbolic links runs into a loop of them (which `Path.exists` reads as missing)."""
     try:

@@ -195,6 +195,24 @@ def test_an_output_on_a_read_only_file_system_is_bad_input_for_every_command(rea
             assert "Read-only file system" in result.stderr
 
 
+def test_a_resumed_runs_folder_that_cannot_be_written_in_is_one_line_before_anything_loads(tmp_path, capsys):
+    """A resumed run's `tb/` on a read-only file system (a read-only bind mount of it) failed in TensorBoard's writer
+    thread once the data had loaded: exit 2 with a traceback of 30-45 lines around the line, the path as bytes."""
+    tb = tmp_path / "run" / "tb"
+    tb.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "--bind", str(tb), str(tb)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a file system here: {mounted.stderr.decode().strip()}")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(tb)], check=True)
+        result = run_entry_in_process(["train.py", "recipe=medusa", f"output_dir={tmp_path / 'run'}",
+                                       "train.resume=true"], capsys)  # fmt: skip
+    finally:
+        subprocess.run(["umount", str(tb)], check=True)
+    line = assert_one_line_error(result, 2, f"{tb} (in output_dir) exists but cannot be written in", alone=True)
+    assert line.endswith("Read-only file system")
+
+
 @pytest.mark.parametrize(
     "args, fragment",
     [

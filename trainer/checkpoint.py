@@ -48,6 +48,7 @@ from draftsmith.outputs import (
     LOG_NAME,
     RECIPE_NAME,
     RUN_SUMMARY_NAME,
+    check_output_folders,
     held_by_main_process,
     move_aside,
 )
@@ -70,9 +71,8 @@ class TrainerState:
     epoch: int = 0  # epoch the next micro-batch comes from
     batch_in_epoch: int = 0  # micro-batches of that epoch already consumed (per rank)
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
-    # Fields added later default when a checkpoint lacks them (an older run resumes; its token count
-    # then starts from 0). `tokens`: tokens consumed by training so far, all ranks together.
-    tokens: int = 0
+    # Fields added later default when a checkpoint lacks them (an older run resumes, its token count from 0)
+    tokens: int = 0  # tokens consumed by training so far, all ranks together
     best: Optional[dict] = None  # the best held-out evaluation so far, as <output_dir>/best/best.json holds it
     curve: list = field(default_factory=list)  # one row per held-out evaluation (curve.json's rows)
     # how a step is split: {"processes", "micro_batch_size", "grad_accum"} (None in what an earlier draftsmith
@@ -402,7 +402,7 @@ def earlier_run(output_dir: Path) -> list[str]:
 def check_earlier_run(cfg: DictConfig) -> None:
     """Refuse to start a new run over an earlier one; with train.overwrite=true move it aside first."""
     output_dir = Path(cfg.output_dir)
-    found = earlier_run(output_dir)
+    check_output_folders(output_dir, found := earlier_run(output_dir))
     if not found or resolve_bool_or_path(cfg.train.resume) is not None:
         return
     if cfg.train.overwrite:
@@ -437,8 +437,8 @@ def after_interrupt(output_dir: Path, trained: bool = False) -> str:
 
 
 def rerun_advice(output_dir: Path) -> str:
-    """What a line of bad input found in training adds when the run wrote its start and saved no checkpoint: the
-    same command is then refused as an earlier run (`check_earlier_run`), so the line says how to run it again."""
+    """What a line of bad input found in training adds when the run wrote its start and saved no checkpoint, which
+    the same command alone is refused as (`check_earlier_run`)."""
     if completed_checkpoints(output_dir) or not earlier_run(output_dir):
         return ""
     return " (the run saved no checkpoint: once that is fixed, start it over with train.overwrite=true)"
