@@ -35,7 +35,6 @@ from draftsmith.recipe_checks import (
     check_inputs,
     check_monitor,
     check_outputs,
-    check_train,
     require,
     resolve_bool_or_path,
 )
@@ -48,6 +47,7 @@ from draftsmith.recipe_input import (
     split_argv,
 )
 from draftsmith.recipe_schema import CHOICES, RecipeSchema, TrainSection
+from draftsmith.train_checks import check_train
 
 if TYPE_CHECKING:
     from draftsmith.target import TargetShape
@@ -390,7 +390,9 @@ def with_local_target(cfg: DictConfig, command: str = "train") -> DictConfig:
     from draftsmith.gguf import materialize
 
     directory = materialize(cfg.target.name_or_path, cfg.target.gguf_file, cfg.target.revision)
-    return derived(cfg, {"target.name_or_path": str(directory), "target.gguf_file": None}, command)
+    # the folder holds what the revision named: a local folder has none (recipe_checks.check_inputs)
+    changes = {"target.name_or_path": str(directory), "target.gguf_file": None, "target.revision": None}
+    return derived(cfg, changes, command)
 
 
 # the keys naming the Python of an engine's environment

@@ -7,6 +7,7 @@ import it.
 
 from __future__ import annotations
 
+from dataclasses import MISSING, fields
 from typing import TYPE_CHECKING, ClassVar, Optional
 
 from draftsmith.errors import UserError
@@ -63,10 +64,12 @@ def refuse_unread(config: DrafterConfig, keys: tuple[str, ...], setting: str, re
         return
 
     def shown(value: object) -> object:
-        return str(value).lower() if isinstance(value, bool) else value
+        return "null" if value is None else str(value).lower() if isinstance(value, bool) else value
 
+    defaults = {field.name: field.default_factory() if field.default is MISSING else field.default for field in
+                fields(config)}  # fmt: skip
     for key in keys:
-        if getattr(config, key) != getattr(type(config), key):
+        if getattr(config, key) != defaults[key]:
             raise UserError(
                 f"drafter.{key}={shown(getattr(config, key))} is read only with drafter.{setting}={shown(read_at)}, "
                 f"and this recipe's is {shown(actual)}: leave it at its default, or set drafter.{setting}="

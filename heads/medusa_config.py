@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, List, Optional
 
 from draftsmith.errors import UserError
 from draftsmith.heads import register_config
-from draftsmith.heads.config import DrafterConfig
+from draftsmith.heads.config import DrafterConfig, refuse_unread
 
 if TYPE_CHECKING:
     from draftsmith.target import TargetShape
@@ -25,6 +25,9 @@ class MedusaConfig(DrafterConfig):
     loss_weights: Optional[List[float]] = None  # ... unless given explicitly, one per head
     init_lm_heads_from_target: bool = True  # each head's output layer starts as a copy of the target's lm_head
     tree_topk: int = 10  # candidates per head considered when building a tree
+
+    def check_read(self) -> None:
+        refuse_unread(self, ("loss_decay",), "loss_weights", None)  # the weights given replace the decay's
 
     def check(self, target: Optional[TargetShape] = None) -> None:
         if self.num_heads < 1 or self.num_layers < 0:
