@@ -40,6 +40,7 @@ from draftsmith.recipe_checks import (
 )
 from draftsmith.recipe_input import (
     expand_home,
+    open_null_sections,
     parse_overrides,
     recipe_path,
     register_resolvers,
@@ -123,6 +124,7 @@ def compose(recipe: str, overrides: Sequence[str]) -> DictConfig:
         cfg.drafter = OmegaConf.structured(config_class(str(drafter_type)))
         cfg.merge_with(raw)  # in place: OmegaConf.merge would copy the schema's copy once more
         for key, value in parsed:
+            open_null_sections(cfg, key)
             try:  # a required key the recipe file leaves out (output_dir) is there, unset: select's default is
                 # for a key that is not
                 current = OmegaConf.select(cfg, key, default=_ABSENT, throw_on_missing=True)

@@ -5,6 +5,7 @@ imports torch."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -79,6 +80,21 @@ def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:
         hint = "quote a value with other characters than letters, digits and -_./: key='...'"  # Hydra never says
         raise UserError(f"cannot parse override: {one_line(err)} ({hint})") from None
     return parsed
+
+
+def open_null_sections(cfg: DictConfig, key: str) -> None:
+    """`drafter.lora.r=4` where the recipe leaves `drafter.lora` null (a section the schema types, off unless
+    given): the section takes its defaults first, then the override its key. It was an unknown key, and the whole
+    section given as `drafter.lora={r: 4}` OmegaConf's own error. OmegaConf keeps a null node's type in its
+    metadata only (`ref_type`)."""
+    node = cfg
+    for name in key.split(".")[:-1]:
+        if not isinstance(node, DictConfig) or name not in node:
+            return
+        declared = node._get_node(name)._metadata.ref_type
+        if node[name] is None and dataclasses.is_dataclass(declared):
+            node[name] = OmegaConf.structured(declared)
+        node = node[name]
 
 
 def repeated_key(node, path: str = "") -> Optional[str]:

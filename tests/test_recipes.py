@@ -488,3 +488,16 @@ def test_an_output_directory_in_a_data_folder_is_refused_before_anything_runs(in
     with pytest.raises(UserError, match=rf"^output_dir={output} is inside the data.train folder {folder}, whose"):
         load_recipe(["recipe=medusa", f"data.train=[{folder}]", f"output_dir={output}"])
     load_recipe(["recipe=medusa", f"data.train=[{folder}]", f"output_dir={tmp_path / 'run'}"])
+
+
+def test_a_key_of_a_section_the_recipe_leaves_null_opens_it_with_its_defaults():
+    """`drafter.lora.r=4` for a draft model, whose recipe leaves its LoRA section null: an unknown key, and the
+    section given whole (`drafter.lora={r: 4}`) OmegaConf's own error."""
+    from draftsmith.heads.lora import LoraSection
+
+    cfg = load_recipe(["recipe=draft", "drafter.lora.r=4", "drafter.lora.target_modules=[q_proj]"])
+    assert cfg.drafter.lora.r == 4 and cfg.drafter.lora.alpha == LoraSection.alpha
+    assert list(cfg.drafter.lora.target_modules) == ["q_proj"]
+    assert load_recipe(["recipe=draft"]).drafter.lora is None
+    with pytest.raises(UserError, match=r"unknown recipe key 'drafter.lora.rank'"):
+        load_recipe(["recipe=draft", "drafter.lora.rank=4"])
