@@ -48,9 +48,6 @@ def split_argv(argv: Sequence[str]) -> tuple[str, list[str]]:
     recipe, overrides = None, []
     for arg in argv:
         if arg.startswith("recipe="):
-            # not an override a script's user appends to its defaults (docs/recipes.md): the whole recipe another
-            if recipe is not None and arg.split("=", 1)[1] != recipe:
-                raise UserError(f"recipe= is given twice ({recipe} and {arg.split('=', 1)[1]}): give one")
             recipe = arg.split("=", 1)[1]
         elif arg.startswith("-"):
             raise UserError(f"unexpected option {arg!r}: arguments are recipe=NAME and key=value overrides")

@@ -81,18 +81,6 @@ def test_cfg_prints_the_resolved_recipe_and_a_bad_one_is_one_line(capsys, tmp_pa
     assert code == 0 and yaml.safe_load(out)["drafter"]["type"] == "medusa"
 
 
-def test_two_recipes_on_the_command_line_are_one_line_and_a_key_given_twice_takes_its_last_value(capsys):
-    """`recipe=medusa recipe=eagle` trained EAGLE without a word: a recipe is not an override a script's user appends
-    to its defaults, as a key is (the last value taken, docs/recipes.md)."""
-    code, out, err = run("train", ["recipe=medusa", "recipe=eagle", "--cfg"], capsys)
-    line = assert_one_line_error(subprocess.CompletedProcess([], code, out, err), 2, alone=True)
-    assert line == "error: recipe= is given twice (medusa and eagle): give one"
-    code, out, _ = run(
-        "train", ["recipe=medusa", "recipe=medusa", "train.max_steps=2", "train.max_steps=3", "--cfg"], capsys
-    )
-    assert code == 0 and yaml.safe_load(out)["train"]["max_steps"] == 3
-
-
 @pytest.mark.parametrize("old", ["drafter.path", "monitor.deployed"])
 def test_the_keys_that_became_checkpoint_say_so(old, capsys, tmp_path):
     """Three names meant "a checkpoint to read"; the old ones are one line naming the new key, and a
