@@ -352,7 +352,10 @@ def saved_drafter(directory: Path) -> tuple[type, DrafterConfig, TargetShape, di
 
     saved = read_checkpoint_config(directory)
     try:
-        cls = drafter_class(saved["drafter_type"])
+        try:
+            cls = drafter_class(saved["drafter_type"])
+        except UserError as err:  # a kind this draftsmith has not: its line named no file, read as a recipe key's
+            raise UserError(f"{directory / CONFIG_NAME}: drafter_type: {err}") from None
         config = config_from_dict(cls.Config, saved["drafter"])
         saved_target = TargetShape(**saved["target"])
         sizes = {key: getattr(saved_target, key) for key in ("hidden_size", "vocab_size", "num_hidden_layers")}

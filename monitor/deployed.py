@@ -21,6 +21,7 @@ from draftsmith.files import file_sha256
 from draftsmith.formats.repo import EXPORT_INFO
 from draftsmith.monitor.drift import Baseline
 from draftsmith.monitor.state import State
+from draftsmith.outputs import REPLACED_DIR
 
 log = logging.getLogger("draftsmith.monitor")
 
@@ -119,10 +120,14 @@ def load_baseline(deployed: dict[str, Any]) -> Baseline:
     path, weights, recorded = deployed["baseline"], deployed["sha256"], deployed.get("baseline_sha256")
     now = file_sha256(Path(path)) if recorded is not None and Path(path).is_file() else recorded
     if now != recorded:
+        # the eval that replaced it moved it aside (eval/replaced/<time>/): named, the line's first choice
+        aside = sorted(Path(path).parent.glob(f"{REPLACED_DIR}/*/{Path(path).name}"), reverse=True)
+        kept = next((report for report in aside if file_sha256(report) == recorded), None)
         raise UserError(
             f"the baseline report {path} is not the one recorded when {deployed['export']} was deployed (sha256 "
-            f"{recorded[:12]}, now {now[:12]}): an eval replaced it since; set "
-            f"monitor.baseline={path} to take it as it is"
+            f"{recorded[:12]}, now {now[:12]}): an eval replaced it since; "
+            + (f"the recorded one is {kept}: set monitor.baseline={kept} to judge against it, or " if kept else "set ")
+            + f"monitor.baseline={path} to take it as it is"
             + ("" if deployed["revision"] else ", or export the checkpoint again to record it")
         )
     try:

@@ -154,7 +154,8 @@ def test_weights_of_other_shapes_than_the_config_gives_and_non_finite_ones_are_n
 
 
 def test_a_drafter_config_whose_json_is_null_or_whose_drafter_section_is_a_list_is_named(tmp_path):
-    """Both were exit 70 (a TypeError in the kind's read, an AttributeError in the config's)."""
+    """Both were exit 70 (a TypeError in the kind's read, an AttributeError in the config's); a kind this draftsmith
+    has not is named with the file."""
     from draftsmith.formats.folder import recorded_kind
     from draftsmith.heads.base import saved_drafter
     from tests.helpers import save_drafter
@@ -170,6 +171,8 @@ def test_a_drafter_config_whose_json_is_null_or_whose_drafter_section_is_a_list_
     line = refused(saved_drafter, checkpoint)  # it said "made for hidden_size=256, but the target has hidden_size=256"
     assert line == f"error: {config}: corrupt drafter config (TypeError: the target's sizes must be integers: " \
         "{'hidden_size': '256'})", line  # fmt: skip
+    config.write_text(json.dumps({**saved, "drafter_type": "bogus"}))  # it named no file: read as a recipe key's
+    assert refused(recorded_kind, checkpoint).startswith(f"error: {config}: drafter_type: unknown drafter.type 'bogus'")
     config.write_text("null")
     said = "corrupt engine config (JSON NoneType, not an object)"  # read as no checkpoint's: as a list is
     assert refused(recorded_kind, checkpoint) == f"error: {config}: {said}"

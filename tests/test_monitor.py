@@ -771,10 +771,16 @@ def test_after_a_promotion_nothing_is_judged_until_the_engine_serves_the_promote
         assert check(cfg) == Outcome.DRIFT  # judged again, against revision 1's baseline
         # the gate's report written over since the promotion: refused, and monitor.baseline takes it as it is now
         report = revision.parent / "report.json"
+        aside = revision.parent / "replaced" / "20261206T000000Z" / "report.json"  # where that eval moved it
+        aside.parent.mkdir(parents=True)
+        aside.write_bytes(report.read_bytes())
         report.write_text(report.read_text().replace('"temperature": 0.0', '"temperature": 0.0, "again": true'))
         engine.serve(1000, DROPPED)
-        with pytest.raises(UserError, match=f"an eval replaced it since; set monitor.baseline={report} to ") as refused:
+        with pytest.raises(
+            UserError, match=f"replaced it since; the recorded one is {aside}: set monitor.baseline="
+        ) as refused:
             check(cfg)
+        assert f"monitor.baseline={aside} to judge against it, or monitor.baseline={report} to " in str(refused.value)
         assert str(refused.value).endswith(
             "to take it as it is"
         )  # a promoted revision: no export of the user's to redo

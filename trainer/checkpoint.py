@@ -436,10 +436,10 @@ def after_interrupt(output_dir: Path, trained: bool = False) -> str:
     return "nothing was written: run the same command again"
 
 
-def rerun_advice(output_dir: Path) -> str:
-    """What a line of bad input found in training adds when the run wrote its start and saved no checkpoint, which
-    the same command alone is refused as (`check_earlier_run`)."""
-    if completed_checkpoints(output_dir) or not earlier_run(output_dir):
+def rerun_advice(output_dir: Path, said: str) -> str:
+    """What a line of bad input found in training (`said`) adds when the run wrote its start and saved no checkpoint,
+    which the same command alone is refused as (`check_earlier_run`); nothing to a line that says how to go on."""
+    if "train.resume" in said or completed_checkpoints(output_dir) or not earlier_run(output_dir):
         return ""
     return " (the run saved no checkpoint: once that is fixed, start it over with train.overwrite=true)"
 

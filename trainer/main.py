@@ -39,7 +39,7 @@ def main(argv: Sequence[str]) -> None:
             try:
                 trained = train(cfg)
             except UserError as err:  # found once the run had written its start (a feature shard's checksum)
-                if not (advice := rerun_advice(Path(cfg.output_dir))):
+                if not (advice := rerun_advice(Path(cfg.output_dir), str(err))):
                     raise
                 raise UserError(f"{err}{advice}") from None
             if state.is_main_process:
