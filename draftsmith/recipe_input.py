@@ -51,7 +51,7 @@ def split_argv(argv: Sequence[str]) -> tuple[str, list[str]]:
             recipe = arg.split("=", 1)[1]
         elif arg.startswith("-"):
             raise UserError(f"unexpected option {arg!r}: arguments are recipe=NAME and key=value overrides")
-        elif "=" not in arg:
+        elif "=" not in arg or arg.startswith("="):  # `=5` named every section, as a key's section would be
             raise UserError(f"argument {arg!r} is not key=value")
         else:
             overrides.append(arg)

@@ -155,6 +155,8 @@ def open_drafter(path: str | Path, target_shape: TargetShape, target, served: Op
 
 def not_a_drafter(path: Path) -> UserError:
     """The line for a path `open_drafter` cannot read, naming the folder inside it that it could."""
+    if path.is_file():  # a file was read as a folder holding nothing
+        return UserError(f"{path} is a file: give the folder of a drafter checkpoint or of an exported drafter")
     inside = sorted(p.parent.name for p in path.glob(f"*/{CONFIG_NAME}") if (p.parent / WEIGHTS_NAME).is_file())
     where = f"; its {inside[0]}/ does (pass that)" if inside else ""  # a run's final/, a training checkpoint's drafter/
     return UserError(

@@ -74,7 +74,7 @@ def test_cfg_prints_the_resolved_recipe_and_a_bad_one_is_one_line(capsys, tmp_pa
     line = assert_one_line_error(subprocess.CompletedProcess([], code, out, err), 2, alone=True)
     assert line == "error: unknown recipe key 'train.nope' (override train.nope=1)"
     # what the command refuses, --cfg refuses (it printed the recipe without them); monitor's sub-command passes
-    for refused in (["train.lr", "1e-3"], ["~train.lr"]):
+    for refused in (["train.lr", "1e-3"], ["~train.lr"], ["=5"]):  # `=5` was "a section: set its keys (.drafter, ...)"
         code, out, err = run("train", ["recipe=medusa", *refused, "--cfg"], capsys)
         assert code == 2 and not out and f"argument {refused[0]!r} is not key=value" in err
     code, out, _ = run("monitor", ["check", "recipe=medusa", "--cfg"], capsys)

@@ -752,6 +752,9 @@ def test_cli_rejects_a_missing_and_a_foreign_checkpoint(eval_setup, tmp_path, ca
     _, recipe, _ = eval_setup
     missing = run_entry_in_process(["-m", "eval", f"recipe={recipe}", f"checkpoint={tmp_path / 'nothing'}"], capsys)
     assert_one_line_error(missing, 2, prefix="error: no drafter checkpoint", alone=True)
+    (tmp_path / "a-file").write_text("")  # was "holds neither a drafter checkpoint nor ...", read as an empty folder
+    a_file = run_entry_in_process(["-m", "eval", f"recipe={recipe}", f"checkpoint={tmp_path / 'a-file'}"], capsys)
+    assert_one_line_error(a_file, 2, f"{tmp_path / 'a-file'} is a file: give the folder of a drafter", alone=True)
 
     foreign_target = tiny_llama(vocab=64, hidden=256, layers=1)
     medusa = drafter_class("medusa")
