@@ -11,6 +11,8 @@ import hashlib
 import json
 import logging
 import os
+import re
+import zlib
 from typing import Any, Iterator, Optional
 
 import datasets
@@ -138,7 +140,7 @@ def _load_file(
     if reader == "parquet" and _parquet_rows(path) == 0:  # the builder fails on it ("BatchSize must be > 0")
         raise UserError(f"{path} has no records")
     if reader == "json":
-        _refuse_leading_null(path)
+        _refuse_null_records(path)
     content = file_digest(path, digests)
     try:
         with _quiet_builders():
@@ -154,17 +156,34 @@ def _load_file(
     return dataset
 
 
-def _refuse_leading_null(path: str) -> None:
-    """pyarrow's JSON reader (26.0) crashes the process, SIGSEGV and no line, on a file whose first value is `null`:
-    refused as the record it is, before the builder reads it."""
+def _refuse_null_records(path: str) -> None:
+    """pyarrow's JSON reader (26.0) crashes the process, SIGSEGV and no line, on a `null` line that starts a block it
+    parses (the file's first, or the first of any later 10 MiB batch of datasets' builder): every line that is
+    `null` is refused as the record it is, before the builder reads the file. One more read of it, a regular
+    expression over 16 MiB at a time (about a second a GB)."""
     opener = gzip.open if gzipped(path) else open
+    lines, tail = 0, b""  # lines before `tail`, the part line the last chunk ended in
     try:
         with opener(path, "rb") as handle:
-            start = handle.read(1 << 16).lstrip(b"\xef\xbb\xbf \t\r\n")
-    except (OSError, EOFError):
+            while chunk := handle.read(16 << 20):
+                text = tail + chunk
+                cut = text.rfind(b"\n") + 1  # whole lines now, the rest with the next chunk
+                text, tail = text[:cut], text[cut:]
+                _refuse_null_line(path, text, lines)
+                lines += text.count(b"\n")
+    except (OSError, EOFError, zlib.error):
         return  # the builder's read says what is wrong
-    if start[:4] == b"null" and start[4:5] in (b"", b" ", b"\t", b"\r", b"\n", b","):
-        raise UserError(f"{path} record 1: expected a JSON object, got null")
+    _refuse_null_line(path, tail + b"\n", lines)
+
+
+def _refuse_null_line(path: str, text: bytes, lines: int) -> None:
+    """`text`: whole lines of `path`, `lines` lines into it."""
+    if found := NULL_LINE.search(text):
+        line = lines + text.count(b"\n", 0, found.start()) + 1
+        raise UserError(f"{path}:{line}: a record that is null, not a JSON object")
+
+
+NULL_LINE = re.compile(rb"^(?:\xef\xbb\xbf)?[ \t]*null[ \t\r]*,?[ \t\r]*$", re.MULTILINE)
 
 
 def _parquet_rows(path: str) -> Optional[int]:

@@ -620,15 +620,21 @@ def test_bad_records_name_file_and_record(tmp_path, lines, message):
     assert "\n" not in str(caught.value)
 
 
+GOOD_LINE = json.dumps(GOOD).encode() + b"\n"
+BEYOND_A_BATCH = (10 << 20) // len(GOOD_LINE) + 1  # datasets' builder hands pyarrow the file 10 MiB at a time
+
+
 @pytest.mark.parametrize(
-    "name, content",
-    [("null.jsonl", b"null\n"), ("first.jsonl", b'\xef\xbb\xbf\n  null\n{"messages": []}\n'), ("one.json", b"null"),
-     ("null.jsonl.gz", gzip.compress(b"null\n"))],
+    "name, content, line",
+    [("null.jsonl", b"null\n", 1), ("first.jsonl", b'\xef\xbb\xbf\n  null\n{"messages": []}\n', 2),
+     ("one.json", b"null", 1), ("null.jsonl.gz", gzip.compress(b"null\n"), 1),
+     ("second-batch.jsonl", GOOD_LINE * BEYOND_A_BATCH + b"null\n" + GOOD_LINE, BEYOND_A_BATCH + 1)],
 )  # fmt: skip
-def test_a_file_whose_first_record_is_null_is_one_line_not_a_crash(tmp_path, name, content):
-    """pyarrow's JSON reader ended the process with SIGSEGV (exit 139, no line, the run's lock left) on these."""
+def test_a_null_record_is_one_line_not_a_crash(tmp_path, name, content, line):
+    """pyarrow's JSON reader ended the process with SIGSEGV (exit 139, no line, the run's lock left) on a null line
+    that starts a block it parses: the file's first, or a later batch's first."""
     (tmp_path / name).write_bytes(content)
-    with pytest.raises(UserError, match=rf"^\S+{re.escape(name)} record 1: expected a JSON object, got null$"):
+    with pytest.raises(UserError, match=rf"^\S+{re.escape(name)}:{line}: a record that is null, not a JSON object$"):
         load_conversations([str(tmp_path / name)])
 
 
