@@ -197,6 +197,7 @@ class DraftModel(Drafter):
         if isinstance(self.model, PeftModel):
             adapted = copy.deepcopy(self.model)
             if state_dict is not None:  # gathered from shards: the training module's own names
+                adapted.float()  # DeepSpeed's float32 weights, not rounded again to its module's bfloat16
                 adapted.load_state_dict({name.removeprefix("model."): value for name, value in state_dict.items()})
             adapted.save_pretrained(Path(directory) / ADAPTER_DIR)
             state_dict = {f"model.{name}": value for name, value in adapted.merge_and_unload().state_dict().items()}

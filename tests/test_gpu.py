@@ -7,7 +7,8 @@ Ran 2026-11-27 on a lent H100 (torch 2.11.0+cu130, transformers 5.24.0, accelera
 - every drafter kind trains two bf16 steps on CUDA (the target in bfloat16, mixed precision bf16);
 - a drafter trained on CUDA decodes losslessly there (greedy speculative = plain greedy);
 - the frozen target sharded with FSDP2 (`target.shard=fsdp`) and the drafter under DeepSpeed ZeRO-2 and
-  ZeRO-3, each launched by `accelerate launch` with one process, DeepSpeed's saving its optimizer's float32 weights;
+  ZeRO-3, each launched by `accelerate launch` with one process (DeepSpeed's saving its optimizer's float32 weights:
+  checked since 2026-12-06, not yet run on a GPU);
 - EAGLE-3's training step on CUDA (compiled flex attention, the fused vocabulary loss, its chunk math eager and
   compiled) equals the straightforward reference, and never waits for the host;
 - nor do the fixed-shape losses of Medusa, EAGLE-1, DFlash, the draft model and Medusa-2
@@ -109,8 +110,8 @@ def test_distributed_configs_train_with_one_rank(config, extra, tmp_path, small_
         from safetensors.torch import load_file
 
         saved = load_file(tmp_path / "run" / "final" / "model.safetensors")
-        assert {tensor.dtype for tensor in saved.values()} == {torch.float32}
-        assert any(not torch.equal(t, t.bfloat16().float()) for t in saved.values()), "bfloat16 values saved"
+        trained = [t for t in saved.values() if t.dtype == torch.float32 and not torch.equal(t, t.bfloat16().float())]
+        assert trained, "bfloat16 values saved"
 
 
 EAGLE3_VARIANTS = {

@@ -127,8 +127,9 @@ def test_a_trainable_parameter_in_no_loss_stops_the_first_step_as_a_bug():
 def test_deepspeeds_saved_drafter_is_its_optimizers_float32_weights_under_every_name(tmp_path, monkeypatch):
     """DeepSpeed cannot run here (it needs CUDA): a stand-in accelerator and `safe_get_full_fp32_param` that gives
     each trainable parameter's master, the module in bfloat16 as DeepSpeed's bf16 leaves it. The saved drafter holds
-    the masters, read once per parameter in the module's order (the collective every rank runs alike); the frozen
-    weights are float32 copies; a tied weight's master is under its every name. The GPU tier runs the engine."""
+    the masters, read once per parameter in the module's order (the collective every rank runs alike), under the
+    names the state dict had: the module's (Medusa's hooks give vLLM's names) or, as ZeRO-3 gathers it, the
+    parameters' own; frozen weights stay as they were. The GPU tier runs the engine."""
     from types import SimpleNamespace
 
     import deepspeed.utils
@@ -138,7 +139,6 @@ def test_deepspeeds_saved_drafter_is_its_optimizers_float32_weights_under_every_
     from draftsmith.heads import drafter_class
     from draftsmith.target import load_target
     from draftsmith.trainer.checkpoint import save_drafter
-    from draftsmith.trainer.launcher import deepspeed_fp32_masters
     from tests.helpers import REFERENCE_TARGET
 
     medusa = drafter_class("medusa")
@@ -153,21 +153,18 @@ def test_deepspeeds_saved_drafter_is_its_optimizers_float32_weights_under_every_
         return masters.get(id(param))
 
     monkeypatch.setattr(deepspeed.utils, "safe_get_full_fp32_param", master)
-    accelerator = SimpleNamespace(
-        state=SimpleNamespace(deepspeed_plugin=object()), mixed_precision="bf16", is_main_process=True,
-        get_state_dict=lambda module: module.state_dict(), unwrap_model=lambda module: module,
-    )  # fmt: skip
-    save_drafter(accelerator, drafter, tmp_path)
-    saved = load_file(tmp_path / "model.safetensors")
-    held = drafter.state_dict(keep_vars=True)  # Medusa saves its blocks under vLLM's names
-    assert {tensor.dtype for tensor in saved.values()} == {torch.float32} and set(saved) == set(held)
-    for name, tensor in saved.items():
-        expected = masters[id(held[name])] if held[name].requires_grad else held[name].float()
-        assert torch.equal(tensor, expected), name
-    assert asked == [id(p) for p in held.values() if p.requires_grad]
-
-    drafter.lm_heads[0].weight = drafter.lm_heads[1].weight  # tied: one parameter, two names
-    asked.clear()
-    read = deepspeed_fp32_masters(accelerator, drafter)
-    assert read["lm_heads.0.weight"] is read["lm_heads.1.weight"] is masters[id(drafter.lm_heads[1].weight)]
-    assert len(asked) == len(set(asked))
+    zero3 = {name: param.detach().clone() for name, param in drafter.named_parameters()}  # gathered, hooks not run
+    for gathered, hooked in ((lambda module: module.state_dict(), True), (lambda module: zero3, False)):
+        accelerator = SimpleNamespace(
+            state=SimpleNamespace(deepspeed_plugin=object()), mixed_precision="bf16", is_main_process=True,
+            get_state_dict=gathered, unwrap_model=lambda module: module,
+        )  # fmt: skip
+        asked.clear()
+        save_drafter(accelerator, drafter, tmp_path / str(hooked))
+        saved = load_file(tmp_path / str(hooked) / "model.safetensors")
+        held = drafter.state_dict(keep_vars=True) if hooked else dict(drafter.named_parameters())
+        assert set(saved) == set(held) and any(".linear." in name for name in saved) != hooked
+        for name, tensor in saved.items():
+            expected = masters[id(held[name])] if held[name].requires_grad else held[name].detach()
+            assert torch.equal(tensor, expected), name
+        assert asked == [id(p) for p in drafter.parameters() if p.requires_grad]

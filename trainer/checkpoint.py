@@ -54,7 +54,7 @@ from draftsmith.outputs import (
 )
 from draftsmith.recipe_checks import LATEST_INTACT, resolve_bool_or_path
 from draftsmith.trainer.checkpoint_files import UNREADABLE, check_random_states, unreadable_file, unsafe_pickle
-from draftsmith.trainer.launcher import deepspeed_fp32_masters
+from draftsmith.trainer.launcher import with_fp32_masters
 
 log = logging.getLogger("draftsmith.train")
 
@@ -189,12 +189,9 @@ def _free_bytes(directory: Path) -> Optional[int]:
 
 def save_drafter(accelerator, drafter, directory: Path) -> None:
     """The drafter alone, as eval and export read it. Gathers shards under ZeRO-3/FSDP; under DeepSpeed with mixed
-    precision, the weights its optimizer steps (`deepspeed_fp32_masters`), not the module's 16-bit copies."""
-    state_dict = accelerator.get_state_dict(drafter)
-    masters = deepspeed_fp32_masters(accelerator, drafter)  # every rank: DeepSpeed gathers each with a collective
+    precision, the weights its optimizer steps, not the module's 16-bit copies (`with_fp32_masters`)."""
+    state_dict = with_fp32_masters(accelerator, drafter, accelerator.get_state_dict(drafter))  # every rank
     if accelerator.is_main_process:
-        if masters is not None:  # the frozen ones have no master: float32 as a run without DeepSpeed saves them
-            state_dict = {name: t.float() if t.is_floating_point() else t for name, t in state_dict.items()} | masters
         accelerator.unwrap_model(drafter).save_pretrained(directory, state_dict=state_dict)
 
 

@@ -8,7 +8,7 @@ argument, and under DeepSpeed clips in its engine at the config's gradient_clipp
 with 1.0), where clip_grad_norm_ only reads the norm. A step of grad_accum 4 would then step the optimizer on every
 micro-batch. So the launcher's value, where it gives one, must be the recipe's (one line, exit 2, before any model
 or data is touched), and DeepSpeed's unset ("auto") values are filled from the recipe. Under DeepSpeed's mixed
-precision the saved drafter is read from its optimizer's float32 weights (`deepspeed_fp32_masters`).
+precision the saved drafter is read from its optimizer's float32 weights (`with_fp32_masters`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import parse_flag_from_env
 from omegaconf import DictConfig, OmegaConf
+from torch.nn import Parameter
 
 from draftsmith.errors import UserError
 from draftsmith.outputs import RECIPE_NAME
@@ -157,22 +158,30 @@ def require_precision_as_begun(used: str, given: str, output_dir: Path) -> None:
         )
 
 
-def deepspeed_fp32_masters(accelerator, drafter) -> Optional[dict]:
-    """Under DeepSpeed with bf16 or fp16 the module holds 16-bit copies of the float32 weights its optimizer keeps
-    and steps: those weights on the main process, under the names the saved drafter holds (a kind's state-dict hooks
-    rename some: Medusa's vLLM names), a tied one under each; None without. Every rank calls it, reading the
-    parameters in the same order (DeepSpeed assembles each from the ranks' partitions with a collective)."""
+def with_fp32_masters(accelerator, drafter, state_dict: dict) -> dict:
+    """`state_dict` as `accelerator.get_state_dict` gave it, with each trainable parameter's 16-bit copy replaced by
+    the float32 weight DeepSpeed's optimizer keeps and steps, in a DeepSpeed run computing in bf16 or fp16 (the
+    module holds those copies); as it is otherwise. Its names are kept: under ZeRO-3 DeepSpeed gathers the
+    parameters under their own names, else it is the module's state dict, under the names a kind's hooks give
+    (Medusa's vLLM names). Every rank calls it: each weight is assembled from the ranks' partitions with a
+    collective, in the module's order of parameters on every rank. A parameter DeepSpeed keeps no master of (ZeRO
+    stage 0) keeps its copy, and a warning says so."""
     if accelerator.state.deepspeed_plugin is None or accelerator.mixed_precision == "no":
-        return None
+        return state_dict
     from deepspeed.utils import safe_get_full_fp32_param
 
-    masters, read = {}, {}
-    for name, param in accelerator.unwrap_model(drafter).state_dict(keep_vars=True).items():
-        if not (isinstance(param, torch.nn.Parameter) and param.requires_grad):
-            continue
-        if id(param) not in read:
+    module = accelerator.unwrap_model(drafter)
+    masters = {}
+    for param in module.parameters():  # each parameter once (a tied one too)
+        if param.requires_grad:
             master = safe_get_full_fp32_param(param)  # a collective: on every rank
-            read[id(param)] = master.cpu() if master is not None and accelerator.is_main_process else None
-        if read[id(param)] is not None:
-            masters[name] = read[id(param)]
-    return masters
+            if master is not None and accelerator.is_main_process:
+                masters[id(param)] = master.cpu()
+    named = dict(module.named_parameters(remove_duplicate=False))  # ZeRO-3's names
+    named |= {name: value for name, value in module.state_dict(keep_vars=True).items() if isinstance(value, Parameter)}
+    if not accelerator.is_main_process:
+        return state_dict
+    trained = [name for name in state_dict if name in named and named[name].requires_grad]
+    if kept := [name for name in trained if id(named[name]) not in masters]:
+        log.warning("DeepSpeed keeps no float32 weight of %s: saved as the module's 16-bit copies", ", ".join(kept[:3]))
+    return {name: masters.get(id(named[name]), value) if name in named else value for name, value in state_dict.items()}
