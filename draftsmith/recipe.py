@@ -264,7 +264,8 @@ def check_drafter(cfg: DictConfig, command: str = "train") -> None:
     else:
         shape = local_target_shape(cfg.target.name_or_path)
     config.check(shape)
-    config.check_read()
+    if resolve_bool_or_path(cfg.train.resume) is None:  # a resumed run's recipe is its own (resume_checks)
+        config.check_read()
     steps = getattr(config, "ttt_steps", None)  # a training-time test's: step k scores the token k + 2 ahead
     require(
         steps is None or steps <= cfg.data.max_length - 2,
@@ -373,8 +374,14 @@ def check_train_start(cfg: DictConfig) -> None:
         "no eval data: eval.enabled=true reports on eval.data or data.eval after training, and both are empty: "
         "set eval.data=[files] or data.eval in the recipe, or eval.enabled=false",
     )
+    resumed = resolve_bool_or_path(cfg.train.resume) is not None  # its recipe is its own: checked as it began
+    require(  # the folder was read, and the run's and its report's recipes recorded the revision as if applied
+        resumed or cfg.target.revision is None or not Path(str(cfg.target.name_or_path)).expanduser().is_dir(),
+        f"target.revision={cfg.target.revision} names a revision of a Hub repository, and target.name_or_path is the "
+        f"local folder {cfg.target.name_or_path}, which has none: leave target.revision out",
+    )
     start = cfg.train.init_from
-    if start is None or resolve_bool_or_path(cfg.train.resume) is not None:
+    if start is None or resumed:
         return  # a resumed run does not read its start again (trainer/setup.py resumed_start)
     folder = Path(start).expanduser()
     require(
@@ -392,9 +399,7 @@ def with_local_target(cfg: DictConfig, command: str = "train") -> DictConfig:
     from draftsmith.gguf import materialize
 
     directory = materialize(cfg.target.name_or_path, cfg.target.gguf_file, cfg.target.revision)
-    # the folder holds what the revision named: a local folder has none (recipe_checks.check_inputs)
-    changes = {"target.name_or_path": str(directory), "target.gguf_file": None, "target.revision": None}
-    return derived(cfg, changes, command)
+    return derived(cfg, {"target.name_or_path": str(directory), "target.gguf_file": None}, command)
 
 
 # the keys naming the Python of an engine's environment

@@ -333,12 +333,9 @@ def check_inputs(cfg) -> None:
             OmegaConf.select(cfg, key) != "", f"{key} is empty: give a path, or leave it out (null) for its default"
         )
     # else refused as no such folder, or read as a Hub id
-    target = Path(str(cfg.target.name_or_path)).expanduser()
-    require(not loops(target), f"target.name_or_path={cfg.target.name_or_path}: a loop of symbolic links, no folder")
-    require(  # the folder was read, and the run's and the report's recipes recorded the revision as if applied
-        cfg.target.revision is None or not target.is_dir(),
-        f"target.revision={cfg.target.revision} names a revision of a Hub repository, and target.name_or_path is the "
-        f"local folder {target}, which has none: leave target.revision out",
+    require(
+        not loops(Path(str(cfg.target.name_or_path)).expanduser()),
+        f"target.name_or_path={cfg.target.name_or_path}: a loop of symbolic links, no folder",
     )
 
 

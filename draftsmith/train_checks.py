@@ -72,8 +72,8 @@ def check_train(train, data, trains: bool = True) -> None:
         steps is None or (len(steps) == 2 and 1 <= steps[0] <= steps[1]),
         f"train.profile_steps={steps} must be [first, last] optimizer steps with 1 <= first <= last, or null",
     )
-    require(  # the run ended with nothing profiled, and no word
-        not trains or steps is None or train.max_steps == -1 or steps[0] <= train.max_steps,
+    require(  # the run ended with nothing profiled, and no word; a resumed run's recipe is its own
+        not trains or steps is None or train.max_steps == -1 or steps[0] <= train.max_steps or resume is not None,
         f"train.profile_steps={steps} starts after the run's last step (train.max_steps={train.max_steps}): nothing "
         "would be profiled",
     )

@@ -43,7 +43,6 @@ class DraftModelConfig(DrafterConfig):
         # PARD's mask token and depth, for a draft model that drafts one token a forward
         refuse_unread(self, ("mask_token_id", "parallel_tokens"), "parallel_drafting", True)
         refuse_unread(self, ("mix_weights",), "loss", "mix")
-        refuse_unread(self, ("init", "num_layers"), "name_or_path", None)  # how a draft built from the target is
 
     def check(self, target: Optional[TargetShape] = None) -> None:
         from draftsmith.heads.distill import LOSSES  # the losses' module imports torch: read at validation only

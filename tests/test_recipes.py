@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 from pathlib import Path
 
@@ -89,7 +90,6 @@ def test_bad_overrides_are_user_errors(override, fragment):
         ("train.max_steps=-5", "train.max_steps=-5 must be >= 1, or -1"),
         ("train.max_steps=2 train.profile_steps=[5,10]", "train.profile_steps=[5, 10] starts after the run's last"),
         ("train.micro_batch_size=0", "train.micro_batch_size=0 must be >= 1"),
-        ("target.revision=v2", "target.revision=v2 names a revision of a Hub repository, and target.name_or_path is"),
         ("output_dir=/proc/xx", "output_dir='/proc/xx' cannot be created"),
         # every section's ranges
         ("train.lr=0", "train.lr=0.0 must be > 0"),
@@ -231,17 +231,12 @@ def test_a_resumed_runs_folder_that_cannot_be_written_in_is_one_line_before_anyt
         # the mask token and PARD's depth of a drafter that drafts one token a forward: read by nothing
         (["recipe=eagle3", "drafter.mask_token_id=5"], "drafter.mask_token_id=5 is read only with drafter.parallel_"),
         (["recipe=draft", "drafter.parallel_tokens=3"], "drafter.parallel_tokens=3 is read only with drafter.parallel"),
-        # Medusa's decay beside the weights that replace it, a draft model's settings of another loss or of a draft
-        # built from the target beside a model given by name: read by nothing
+        # Medusa's decay beside the weights that replace it, a draft model's weights of another loss: read by nothing
         (
             ["recipe=medusa", "drafter.loss_weights=[1,1,1]", "drafter.loss_decay=0.5"],
             "drafter.loss_decay=0.5 is read only with drafter.loss_weights=null, and this recipe's is [1.0, 1.0, 1.0]",
         ),
         (["recipe=draft", "drafter.mix_weights=[1,1,1]"], "mix_weights=[1.0, 1.0, 1.0] is read only with drafter.loss"),
-        (
-            ["recipe=draft", "drafter.name_or_path=demo/target", "drafter.num_layers=2"],
-            "drafter.num_layers=2 is read only with drafter.name_or_path=null",
-        ),
         (["recipe=mtp", "data.max_length=64", "drafter.ttt_steps=63"], "at most 62 steps find a token to score"),
         (["recipe=eagle", "drafter.num_layers=0"], "drafter.num_layers must be >= 1"),
         (["recipe=eagle", "drafter.tree_topk=0"], "drafter.tree_depth and tree_topk must be >= 1"),
@@ -501,3 +496,22 @@ def test_a_key_of_a_section_the_recipe_leaves_null_opens_it_with_its_defaults():
     assert load_recipe(["recipe=draft"]).drafter.lora is None
     with pytest.raises(UserError, match=r"unknown recipe key 'drafter.lora.rank'"):
         load_recipe(["recipe=draft", "drafter.lora.rank=4"])
+
+
+@pytest.mark.parametrize(
+    "unread, said",
+    [
+        (["target.revision=v2"], "target.revision=v2 names a revision of a Hub repository, and target.name_or_path is"),
+        (["drafter.loss_weights=[1,1,1]", "drafter.loss_decay=0.5"], "drafter.loss_decay=0.5 is read only with"),
+        (["train.max_steps=2", "train.profile_steps=[5,10]"], "train.profile_steps=[5, 10] starts after the run's"),
+    ],
+)
+def test_a_setting_left_unread_is_refused_as_a_run_starts_and_its_resume_is_not(unread, said, tmp_path):
+    """A resumed run's recipe is its saved one (resume_checks refuses another): one begun before a refusal was added
+    must still resume with its own command."""
+    from draftsmith.recipe import load_train_recipe
+
+    args = ["recipe=medusa", f"output_dir={tmp_path}", *unread]
+    with pytest.raises(UserError, match=re.escape(said)):
+        load_train_recipe(args)
+    load_train_recipe([*args, "train.resume=true"])
