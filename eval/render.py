@@ -28,43 +28,54 @@ def write_report(report: dict[str, Any], out_dir: Path) -> None:
     write_text_atomic(out_dir / json_name, json.dumps(report, indent=2) + "\n")
 
 
-def keep_an_earlier_report(out_dir: Path, checkpoint: Path, recipe: dict[str, Any]) -> None:
+def keep_an_earlier_report(out_dir: Path, report: dict[str, Any]) -> None:
     """A report in `out_dir` is moved to `out_dir/replaced/<time>/`, not overwritten, when it is of another
     checkpoint (a run's `final/`, when this eval reads its `best/`: the export of that checkpoint reads it,
-    `export.report`) or of this one measured otherwise (`measured_as`: a quick eval.max_prompts=2 replaced the
-    training run's report, which the export's card and the monitor's baseline then read). The same checkpoint
-    measured the same way again is replaced. `recipe`: this eval's, resolved, as its report records it."""
+    `export.report`) or of this one measured otherwise than `report`, the one about to be written (`measured_as`: a
+    quick eval.max_prompts=2 replaced the training run's report, which the export's card and the monitor's baseline
+    then read). The same checkpoint measured the same way again is replaced."""
     earlier = out_dir / REPORT_NAME
     if not earlier.is_file():
         return
     try:
         saved = json.loads(earlier.read_text())
-        evaluated, measured = saved["drafter"]["path"], measured_as(saved["recipe"])
+        evaluated, theirs = saved["drafter"]["path"], measured_as(saved)
     except (ValueError, KeyError, TypeError, AttributeError):  # cut short or edited: kept aside too
-        evaluated = measured = None
-    ours = measured_as(recipe)
-    if evaluated == str(checkpoint.resolve()) and measured == ours:
+        evaluated, theirs = None, {}
+    ours = measured_as(report)
+    changed = [key for key in ours if key in theirs and ours[key] != theirs[key]]  # an older report lacks newer keys
+    if evaluated == report["drafter"]["path"] and not changed:
         return
     moved = move_aside(out_dir, [*REPORT_FILES, RECIPE_NAME])  # save_recipe's
-    if evaluated != str(checkpoint.resolve()):
-        held = f"the report of {evaluated or 'an unreadable report'}"
-        then = f"export that checkpoint with export.report={moved / REPORT_NAME}"
+    if evaluated is None:
+        held = "an unreadable report"
+    elif evaluated != report["drafter"]["path"]:
+        held = f"the report of {evaluated}"
     else:
-        keys = sorted(set(ours) | set(measured))
-        changed = ", ".join(f"{k} {measured.get(k)} -> {ours.get(k)}" for k in keys if ours.get(k) != measured.get(k))
-        held = f"a report of this checkpoint measured otherwise ({changed})"
-        then = f"an export reads the newest report, or the one given as export.report={moved / REPORT_NAME}"
-    print(f"{out_dir} held {held}: moved to {moved}/ ({then})", file=sys.stderr)
+        held = (
+            "a report of this checkpoint measured otherwise ("
+            + ", ".join(f"{key} {theirs[key]} -> {ours[key]}" for key in changed)
+            + ")"
+        )
+    print(f"{out_dir} held {held}: moved to {moved}/ (export.report={moved / REPORT_NAME} reads it)", file=sys.stderr)
 
 
-def measured_as(recipe: dict[str, Any]) -> dict[str, Any]:
-    """What decides what an eval measures, from the recipe its report records: the eval section but whether train
-    runs it (`eval.enabled`), and the prompts' files."""
-    settings = {f"eval.{key}": value for key, value in recipe["eval"].items() if key != "enabled"}
-    return settings | {
-        "data.eval": recipe["data"]["eval"],
-        "data.max_conversations": recipe["data"]["max_conversations"],
-    }
+def measured_as(report: dict[str, Any]) -> dict[str, Any]:
+    """What decides what an eval measures, from its report: the eval settings that do (not whether train runs the
+    eval, nor whether it counts its prompts in data.train; a greedy one's sampling settings neither), the prompts'
+    files, the target as loaded and the drafter's settings (a served one given on the eval's line included)."""
+    recipe = report.get("recipe") or {}
+    settings = {f"eval.{key}": value for key, value in (recipe.get("eval") or {}).items()}
+    for key in ("enabled", "prompts_in_train", *(("seed", "top_p", "top_k") if not report.get("temperature") else ())):
+        settings.pop(f"eval.{key}", None)
+    if not settings.get("eval.data"):  # read from data.eval, under data.max_conversations
+        data = recipe.get("data") or {}
+        settings |= {"data.eval": data.get("eval"), "data.max_conversations": data.get("max_conversations")}
+    target = report.get("target") or {}
+    settings |= {f"target.{key}": target.get(key) for key in ("name_or_path", "revision") if key in target}
+    settings |= {"dtype": report.get("dtype")} if "dtype" in report else {}
+    drafter = (report.get("drafter") or {}).get("config") or {}
+    return settings | {f"drafter.{key}": value for key, value in drafter.items()}
 
 
 def _fmt(value: Optional[float]) -> str:

@@ -204,7 +204,7 @@ def _run_eval(
     report["prompts_in_train"] = in_train
     if sweep:
         report["batch_sweep"] = sweep_rows(sweep, methods, greedy)
-    keep_an_earlier_report(out_dir, checkpoint, report["recipe"])
+    keep_an_earlier_report(out_dir, report)
     save_recipe(cfg, out_dir)
     write_report(report, out_dir)  # report.json last
     print(
