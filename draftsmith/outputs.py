@@ -80,9 +80,10 @@ def check_output_dir(path: str | os.PathLike, key: str = "output_dir", named: Op
 
 
 def check_output_folders(directory: Path, names: list[str]) -> None:
-    """The folders `names` of `directory` a job writes into again (a resumed run's `tb/`, `checkpoints/`, `eval/`)
-    can be written in, probed as `check_output_dir` does: bad input before anything loads (a read-only `tb/` failed
-    in TensorBoard's writer thread once the data had loaded, its traceback around the line)."""
+    """The folders `names` of `directory` a job writes into again, those that exist (a resumed run's `tb/`,
+    `checkpoints/`, `eval/`), can be written in, probed as `check_output_dir` does: bad input before anything loads
+    (a read-only `tb/` failed in TensorBoard's writer thread once the data had loaded, its traceback around the
+    line)."""
     for name in names:
         if (directory / name).is_dir():
             check_output_dir(directory / name, named=f"{directory / name} (in output_dir)")

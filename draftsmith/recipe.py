@@ -124,7 +124,7 @@ def compose(recipe: str, overrides: Sequence[str]) -> DictConfig:
         cfg.drafter = OmegaConf.structured(config_class(str(drafter_type)))
         cfg.merge_with(raw)  # in place: OmegaConf.merge would copy the schema's copy once more
         for key, value in parsed:
-            open_null_sections(cfg, key)
+            open_null_sections(cfg, key, value)
             try:  # a required key the recipe file leaves out (output_dir) is there, unset: select's default is
                 # for a key that is not
                 current = OmegaConf.select(cfg, key, default=_ABSENT, throw_on_missing=True)

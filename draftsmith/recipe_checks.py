@@ -1,6 +1,7 @@
 """Each recipe section's own values checked (ranges, choices, paths that must exist or be creatable),
 before any model or data is touched: `draftsmith.recipe.validate` calls them after the schema has typed
-every key; the drafter section is its kind's own check (`draftsmith.recipe.check_drafter`)."""
+every key; the train section's are in draftsmith/train_checks.py, the drafter section is its kind's own check
+(`draftsmith.recipe.check_drafter`)."""
 
 from __future__ import annotations
 

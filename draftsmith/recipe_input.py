@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -79,18 +80,18 @@ def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:
     return parsed
 
 
-def open_null_sections(cfg: DictConfig, key: str) -> None:
+def open_null_sections(cfg: DictConfig, key: str, value: Any) -> None:
     """`drafter.lora.r=4` where the recipe leaves `drafter.lora` null (a section the schema types, off unless
-    given): the section takes its defaults first, then the override its key. It was an unknown key, and the whole
-    section given as `drafter.lora={r: 4}` OmegaConf's own error. OmegaConf keeps a null node's type in its
-    metadata only (`ref_type`)."""
+    given): the section takes its defaults first, then the override its key (`value`; a null leaves it off). It was
+    an unknown key, and the whole section given as `drafter.lora={r: 4}` OmegaConf's own error."""
     node = cfg
     for name in key.split(".")[:-1]:
-        if not isinstance(node, DictConfig) or name not in node:
+        if value is None or not isinstance(node, DictConfig) or name not in node:
             return
-        declared = node._get_node(name)._metadata.ref_type
-        if node[name] is None and dataclasses.is_dataclass(declared):
-            node[name] = OmegaConf.structured(declared)
+        declared = typing.get_type_hints(OmegaConf.get_type(node)).get(name)  # Optional[LoraSection]
+        section = next((t for t in typing.get_args(declared) if dataclasses.is_dataclass(t)), None)
+        if node.get(name) is None and section is not None:
+            node[name] = OmegaConf.structured(section)
         node = node[name]
 
 

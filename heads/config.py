@@ -66,10 +66,10 @@ def refuse_unread(config: DrafterConfig, keys: tuple[str, ...], setting: str, re
     def shown(value: object) -> object:
         return "null" if value is None else str(value).lower() if isinstance(value, bool) else value
 
-    defaults = {field.name: field.default_factory() if field.default is MISSING else field.default for field in
-                fields(config)}  # fmt: skip
+    declared = {field.name: field for field in fields(config)}
     for key in keys:
-        if getattr(config, key) != defaults[key]:
+        default = declared[key].default
+        if getattr(config, key) != (declared[key].default_factory() if default is MISSING else default):
             raise UserError(
                 f"drafter.{key}={shown(getattr(config, key))} is read only with drafter.{setting}={shown(read_at)}, "
                 f"and this recipe's is {shown(actual)}: leave it at its default, or set drafter.{setting}="

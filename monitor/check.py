@@ -51,7 +51,7 @@ from draftsmith.monitor.drift import (
 from draftsmith.monitor.metrics import collect, engine_version, window
 from draftsmith.monitor.redeploy import AWAITING, awaiting_action, note_restarts
 from draftsmith.monitor.reverify import engine_change, reverify_action
-from draftsmith.monitor.state import State, iso_seconds
+from draftsmith.monitor.state import State, iso_seconds, set_stateless_checks_aside
 from draftsmith.monitor.traffic import sample, write_conversations
 from draftsmith.outputs import EVAL_DIR, REPORT_NAME, DirectoryLock
 from draftsmith.recipe import derived
@@ -70,6 +70,7 @@ def check(cfg: DictConfig, now: Optional[float] = None, held: Callable[[Outcome]
     require_inputs(cfg.monitor)
     directory = state_dir_of(cfg)
     with DirectoryLock(directory, key="monitor.state_dir"):
+        set_stateless_checks_aside(directory)
         state = State.load(directory)
         deployed = deployed_of(cfg, state, directory)
         if state.pipeline is not None and cfg.monitor.retrain:  # a retraining was interrupted: finish it first

@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from draftsmith.errors import UserError
 from draftsmith.files import read_json, write_text_atomic
+from draftsmith.outputs import move_aside
+
+log = logging.getLogger("draftsmith.monitor")
 
 STATE_NAME = "state.json"
 STATE_VERSION = 1
-EARLIER_OUTPUTS = ("retrain", "exports")  # what a retraining writes beside the state, numbered by it
-START_OVER = "to start over, give another monitor.state_dir (or move this one aside)"
+START_OVER = "move it aside to start over (the next check keeps what earlier checks wrote aside too)"
 
 
 @dataclass
@@ -42,21 +45,12 @@ class State:
 
     @classmethod
     def load(cls, directory: Path) -> State:
-        """The state in `directory`; a new one where it holds none. A state directory whose earlier checks are there
-        without their state is refused: a new state would number its checks and retrainings from 1 again, over the
-        earlier ones' records, traffic samples and retraining runs."""
+        """The state in `directory`; a new one where it holds none (`set_stateless_checks_aside` has kept what
+        earlier checks wrote there)."""
         path = directory / STATE_NAME
-        if path.exists() and not path.is_file():
+        if path.exists() and not path.is_file():  # it read as no state: the check removed checks/ at its end
             raise UserError(f"{path} is not a file, so no monitor state; {START_OVER}")
         if not path.exists():
-            records = sorted((directory / "checks").glob("*.json"))  # a killed check's folder alone is no record
-            earlier = [f"checks/{records[0].name}", *([] if len(records) < 2 else ["..."])] if records else []
-            earlier += [f"{name}/" for name in EARLIER_OUTPUTS if (directory / name).exists()]
-            if earlier:
-                raise UserError(
-                    f"monitor.state_dir {directory} holds what earlier checks wrote ({', '.join(earlier)}) but no "
-                    f"{STATE_NAME}: put it back to go on; {START_OVER}"
-                )
             return cls()
         saved = read_json(path, "monitor state", START_OVER)
         if not isinstance(saved, dict):
@@ -76,3 +70,19 @@ class State:
 def iso_seconds(timestamp: float) -> str:
     """A time the state or a check's line gives, in UTC to the second."""
     return datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def set_stateless_checks_aside(directory: Path) -> None:
+    """What earlier checks wrote in `directory` (their records, traffic samples, retrainings and exports) moved to
+    `replaced/<time>/` when their state is gone (moved aside to start over, or a first check killed between its
+    record and its state): a new state numbers its checks and retrainings from 1 again, and wrote over checks/00001.json
+    and its folder. A killed check's folder alone (`checks/00001/`, no record) is left: the next check takes its
+    number."""
+    if (directory / STATE_NAME).exists():
+        return
+    earlier = [name for name in ("retrain", "exports") if (directory / name).exists()]
+    earlier += ["checks"] if any((directory / "checks").glob("*.json")) else []
+    if earlier:
+        moved = move_aside(directory, earlier)
+        log.warning("%s holds no %s: what earlier checks wrote (%s) moved to %s", directory, STATE_NAME,
+                    ", ".join(f"{name}/" for name in earlier), moved)  # fmt: skip

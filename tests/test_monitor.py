@@ -1804,11 +1804,13 @@ def test_a_check_that_does_not_finish_leaves_no_folder_and_the_next_takes_its_nu
     assert check_record(tmp_path, 1)["check"] == 1
 
 
-def test_a_state_moved_aside_a_folder_or_not_an_object_is_refused_and_no_earlier_record_is_touched(tmp_path):
+def test_a_state_moved_aside_starts_over_keeping_the_earlier_records_and_a_bad_one_is_one_line(tmp_path, caplog):
     """A corrupt state's line said "move it aside to start over": the next check then numbered from 1 again and wrote
     over checks/00001.json (and its folder of traffic); a state.json that is a folder read as no state and the check
-    removed checks/ at its end (exit 70); one of JSON but no object was exit 70. Each is one line, exit 2, nothing
-    touched."""
+    removed checks/ at its end (exit 70); one of JSON but no object was exit 70. A state moved aside starts over with
+    the earlier checks' records moved aside too; the others are one line, exit 2, nothing touched."""
+    import logging
+
     from draftsmith.errors import UserError
     from draftsmith.monitor.check import check
 
@@ -1817,27 +1819,36 @@ def test_a_state_moved_aside_a_folder_or_not_an_object_is_refused_and_no_earlier
     state_dir = tmp_path / "run" / "monitor"
     args = ["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}", "monitor.retrain=false",
             f"monitor.metrics=[{engine.url}]"]  # fmt: skip
+    state = state_dir / "state.json"
     try:
         assert check(load_recipe(args)) == Outcome.HEALTHY
         record = (state_dir / "checks" / "00001.json").read_bytes()
-        state = state_dir / "state.json"
-        state.rename(state_dir / "state.aside")
-        with pytest.raises(UserError, match=r"holds what earlier checks wrote \(checks/00001.json\) but no state.json"):
-            check(load_recipe(args))
-        state.mkdir()
-        with pytest.raises(UserError, match=r"state.json is not a file, so no monitor state; to start over, give"):
-            check(load_recipe(args))
-        state.rmdir()
-        state.write_text("[]")
-        with pytest.raises(UserError, match=r"corrupt monitor state \(JSON list, not an object\)"):
-            check(load_recipe(args))
-        assert (state_dir / "checks" / "00001.json").read_bytes() == record
-        state.unlink()
-        (state_dir / "state.aside").rename(state)  # put back: the next check is the second
+        for bad, said in (
+            (None, r"state.json is not a file, so no monitor state; move it aside to start over"),
+            ("[]", r"corrupt monitor state \(JSON list, not an object\); move it aside to start over"),
+        ):
+            state.rename(state_dir / "state.aside")
+            if bad is None:
+                state.mkdir()
+            else:
+                state.write_text(bad)
+            with pytest.raises(UserError, match=said):
+                check(load_recipe(args))
+            if bad is None:
+                state.rmdir()
+            else:
+                state.unlink()
+            (state_dir / "state.aside").rename(state)
+            assert (state_dir / "checks" / "00001.json").read_bytes() == record
+        state.unlink()  # moved aside, as the line says, to start over
+        caplog.set_level(logging.WARNING, logger="draftsmith.monitor")
         assert check(load_recipe(args)) == Outcome.HEALTHY
     finally:
         engine.server.shutdown()
-    assert (state_dir / "checks" / "00001.json").read_bytes() == record and check_record(tmp_path, 2)["check"] == 2
+    [kept] = (state_dir / "replaced").iterdir()
+    assert (kept / "checks" / "00001.json").read_bytes() == record
+    assert check_record(tmp_path, 1)["check"] == 1 and (state_dir / "checks" / "00001.json").read_bytes() != record
+    assert f"holds no state.json: what earlier checks wrote (checks/) moved to {kept}" in caplog.text
 
 
 def test_a_request_log_that_cannot_be_read_is_one_line_naming_it(tmp_path, monkeypatch, capsys):

@@ -126,7 +126,7 @@ def test_a_resume_keyword_or_path_passes_the_recipe_check_and_a_missing_path_is_
 def test_the_advice_to_run_again_holds_for_a_training_run(tmp_path, small_data, token_cache, monkeypatch, capsys):
     """Exit 74's line said "run the same command again", which a training run refuses (its output_dir holds an
     earlier run, exit 2): it names train.resume=true, with which the same command continues. The line of SIGTERM
-    outside the training loop (exit 75) says what the run kept (trainer/checkpoint.py after_interrupt), as Ctrl-C's
+    outside the training loop (exit 75) says what the run kept (trainer/main.py after_interrupt), as Ctrl-C's
     does: before anything is written, the same command, which then runs."""
     import draftsmith.trainer.loop as loop
 

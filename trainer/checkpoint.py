@@ -399,8 +399,9 @@ def earlier_run(output_dir: Path) -> list[str]:
 def check_earlier_run(cfg: DictConfig) -> None:
     """Refuse to start a new run over an earlier one; with train.overwrite=true move it aside first."""
     output_dir = Path(cfg.output_dir)
-    check_output_folders(output_dir, found := earlier_run(output_dir))
+    found = earlier_run(output_dir)
     if not found or resolve_bool_or_path(cfg.train.resume) is not None:
+        check_output_folders(output_dir, ["tb", "checkpoints", EVAL_DIR])  # what a resumed run writes into again
         return
     if cfg.train.overwrite:
         moved = move_aside(output_dir, RUN_OUTPUTS)
@@ -412,33 +413,6 @@ def check_earlier_run(cfg: DictConfig) -> None:
         f"output_dir {output_dir} holds an earlier run ({held}); continue it with train.resume=true, "
         f"or start over with train.overwrite=true (moves it to {output_dir}/replaced/<time>/)"
     )
-
-
-def after_interrupt(output_dir: Path, trained: bool = False) -> str:
-    """What to do after Ctrl-C stopped a run, for its `interrupted` line, or a SIGTERM outside its training loop (the
-    data's tokenizing, the eval stage: `trained`), for its `preempted` one: once the run has written anything, the
-    same command alone is refused (`check_earlier_run`)."""
-    steps, final = completed_checkpoints(output_dir), output_dir / FINAL_DIR
-    if trained and steps:  # in the eval stage: a resume writes final/ again from the last checkpoint, then evaluates
-        return (
-            f"training finished ({final} is written): run the same command with train.resume=true to run what "
-            "follows training (its evaluation)"
-        )
-    if steps:
-        return f"checkpoint {steps[-1]} is kept: run the same command with train.resume=true to continue from it"
-    if final.exists():  # train.resume=true refuses a finished run without a checkpoint
-        return f"the trained drafter is in {final}: evaluate it with the eval command and checkpoint={final}"
-    if earlier_run(output_dir):
-        return "no checkpoint was saved yet: run the same command with train.resume=true to start again from step 0"
-    return "nothing was written: run the same command again"
-
-
-def rerun_advice(output_dir: Path, said: str) -> str:
-    """What a line of bad input found in training (`said`) adds when the run wrote its start and saved no checkpoint,
-    which the same command alone is refused as (`check_earlier_run`); nothing to a line that says how to go on."""
-    if "train.resume" in said or completed_checkpoints(output_dir) or not earlier_run(output_dir):
-        return ""
-    return " (the run saved no checkpoint: once that is fixed, start it over with train.overwrite=true)"
 
 
 def claim_output_dir(cfg: DictConfig, state):
