@@ -229,6 +229,8 @@ def _diagnose_json(path: str, skip_invalid_utf8: bool = False) -> None:
             raw = handle.read()
     except (OSError, EOFError) as err:
         raise UserError(f"cannot read {path}: {one_line(err, with_type=True)}") from None
+    except zlib.error as err:  # a gzip file damaged inside: exit 70 before
+        raise UserError(f"cannot read {path}: a damaged gzip file ({one_line(err)})") from None
     numbered = None
     if raw.lstrip().startswith(b"["):  # one JSON document holding a list of records
         try:

@@ -639,6 +639,15 @@ def test_a_null_record_is_one_line_not_a_crash(tmp_path, name, content, line):
         load_conversations([str(tmp_path / name)])
 
 
+def test_a_gzip_file_damaged_inside_is_one_line(tmp_path):
+    """Its deflate stream broken past the header: zlib's error was exit 70, an internal error."""
+    damaged = bytearray(gzip.compress(json.dumps(GOOD).encode() * 200))
+    damaged[30:60] = bytes(byte ^ 0x55 for byte in damaged[30:60])
+    (tmp_path / "damaged.jsonl.gz").write_bytes(bytes(damaged))
+    with pytest.raises(UserError, match=r"damaged.jsonl.gz: a damaged gzip file \(Error -3 while decompressing"):
+        load_conversations([str(tmp_path / "damaged.jsonl.gz")])
+
+
 def test_bad_sources(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         load_conversations([str(tmp_path / "missing.jsonl")])
