@@ -6,6 +6,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -194,8 +195,18 @@ def publish_folder(staged: Path, directory: Path) -> None:
     """Replace `directory` by the `staged` folder with renames only: a job killed anywhere leaves the
     earlier folder or the new one in place, never a mix. The earlier one is moved to `<name>.old` and
     removed after; a `.old` a killed job left behind is removed first, or the next rename would fail.
-    Its files get the umask's mode first (`readable_as_created`)."""
+    Its files get the umask's mode first (`readable_as_created`). A file of `directory` that `staged` does not hold
+    (a user's beside an export's files, a folder exported into it) is moved to `replaced/<time>/` beside it first,
+    with a warning: it was removed with the earlier folder."""
     readable_as_created(staged)
+    if directory.is_dir() and (kept := [name for name in sorted(directory.rglob("*")) if not name.is_dir()
+                                        and not (staged / name.relative_to(directory)).exists()]):  # fmt: skip
+        from draftsmith.outputs import move_aside
+
+        moved = move_aside(directory.parent, [name.relative_to(directory.parent).as_posix() for name in kept])
+        logging.getLogger("draftsmith.outputs").warning(
+            "%s held %d file(s) the new one does not (%s): moved to %s", directory, len(kept), kept[0].name, moved
+        )
     old = directory.with_name(directory.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
     if directory.exists():

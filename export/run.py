@@ -34,7 +34,7 @@ from draftsmith.files import (
 )
 from draftsmith.formats import Source, exporter_for
 from draftsmith.formats.folder import (
-    require_outside_checkpoint,
+    require_outside_published,
     require_recipes_kind,
     require_same_serving,
     served_values,
@@ -80,7 +80,7 @@ def export_checkpoint(cfg: DictConfig, checkpoint: Path, target=None, engines=No
     output = Path(cfg.export.output or Path(cfg.output_dir) / "export")
     require_push_allowed(cfg)
     named = f"export.output={str(output)!r}"
-    require_outside_checkpoint(output, checkpoint, named, "the eval report and the monitor identify it by")
+    require_outside_published(output, checkpoint, named, "the eval report and the monitor identify it by")
     from draftsmith.export.verify import EngineSession, verify_in_vllm
 
     # one session for every question put to vLLM and the check: vLLM imported once (its own, closed at the end)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from draftsmith.errors import UserError
-from draftsmith.formats.folder import require_outside_checkpoint
+from draftsmith.formats.folder import require_outside_published
 from draftsmith.formats.repo import EXPORT_INFO
 
 OUTPUT_KEY = "export.sweep.output"
@@ -30,14 +30,12 @@ def require_own_output(output: Path, checkpoint: Path) -> None:
     """`output` neither in the checkpoint (its files count in the sha256 the rows are matched by) nor in an export's
     engine folder (export/run.py publishes one with its draftsmith_export.json: the rows and the sweep's own export
     would be served and pushed with it), nor an export.output holding such folders."""
-    require_outside_checkpoint(output, checkpoint, f"{OUTPUT_KEY}={str(output)!r}", "the rows are matched by")
+    require_outside_published(output, checkpoint, f"{OUTPUT_KEY}={str(output)!r}", "the rows are matched by")
     resolved = output.resolve()
-    published = next((folder for folder in [resolved, *resolved.parents] if (folder / EXPORT_INFO).is_file()), None)
-    if published is None and resolved.is_dir():
-        published = next((child for child in sorted(resolved.iterdir()) if (child / EXPORT_INFO).is_file()), None)
-    if published is not None:
+    held = sorted(child for child in resolved.iterdir() if (child / EXPORT_INFO).is_file()) if resolved.is_dir() else []
+    if held:
         raise UserError(
-            f"{OUTPUT_KEY}={str(output)!r} writes into the export {published} (its {EXPORT_INFO}): the sweep's "
+            f"{OUTPUT_KEY}={str(output)!r} writes into the export {held[0]} (its {EXPORT_INFO}): the sweep's "
             "rows and its own export would be served and pushed with it; give a folder of its own (unset: "
             "<output_dir>/sweep)"
         )

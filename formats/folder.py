@@ -286,13 +286,22 @@ def require_recipes_drafter(
         )
 
 
-def require_outside_checkpoint(output: Path, checkpoint: Path, named: str, matched_by: str, give: str = "a folder"):
-    """`output` (an export's, a sweep's, an eval report's folder) not inside the checkpoint it reads: its files would
-    count in the checkpoint's sha256, which what it writes is matched by (`matched_by`)."""
-    if output.resolve().is_relative_to(checkpoint.resolve()):
+def require_outside_published(output: Path, checkpoint: Path, named: str, matched_by: str, give: str = "a folder"):
+    """`output` (an export's, a sweep's, an eval report's folder) not inside the checkpoint it reads, whose sha256 its
+    files would count in, which what it writes is matched by (`matched_by`); nor inside an engine folder an export
+    published (its draftsmith_export.json), which it would be served and pushed with (an export.output of the vllm/
+    folder wrote a whole export into it, and the next export in place removed it)."""
+    resolved = output.resolve()
+    if resolved.is_relative_to(checkpoint.resolve()):
         raise UserError(
             f"{named} is inside the checkpoint {checkpoint}: its files would count in the checkpoint's sha256, which "
             f"{matched_by}; give {give} outside it"
+        )
+    published = next((folder for folder in [resolved, *resolved.parents] if (folder / EXPORT_INFO).is_file()), None)
+    if published is not None:
+        raise UserError(
+            f"{named} is inside the export {published} (its {EXPORT_INFO}): what it writes would be served and pushed "
+            f"with it; give {give} outside it"
         )
 
 

@@ -862,6 +862,20 @@ def test_an_export_output_that_is_a_file_is_refused_in_one_line_and_kept(target,
     assert mine.read_text() == "mine"
 
 
+def test_an_export_output_inside_a_published_export_is_refused_and_it_is_left_as_it_was(target, tmp_path, capsys):
+    """export.output=<an export>/vllm wrote a whole export into the served (and pushed) folder, which the next export
+    in place then removed with the folder."""
+    checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
+    given = f"checkpoint={checkpoint}"
+    first = run_entry_in_process(["-m", "export", *export_args("medusa", checkpoint, tmp_path / "out", given)], capsys)
+    assert first.returncode == 0, first.stderr[-2000:]
+    served = tmp_path / "out" / "vllm"
+    before = sorted(p.name for p in served.iterdir())
+    inside = run_entry_in_process(["-m", "export", *export_args("medusa", checkpoint, served, given)], capsys)
+    assert_one_line_error(inside, 2, f"export.output={str(served)!r} is inside the export {served} (its ")
+    assert sorted(p.name for p in served.iterdir()) == before
+
+
 def test_a_check_that_fails_after_staging_leaves_no_folder_behind(target, tmp_path, monkeypatch, capsys):
     """The vLLM check refusing the staged folder (a stand-in interpreter gets the export past what is decided
     before the engine starts; the check itself stubbed): exit 3, and neither `vllm.tmp` nor the export.output

@@ -453,6 +453,29 @@ def test_a_publish_killed_before_its_cleanup_is_followed_by_a_publish_that_lands
     assert (directory / "weights").read_text() == "third" and not (tmp_path / "best.old").exists()
 
 
+def test_a_file_the_new_folder_does_not_hold_is_moved_aside_not_removed(tmp_path, caplog):
+    """A re-export in place removed a user's file beside the export's, and an export written into the engine folder
+    (a folder of its own inside it), with the earlier folder: they move to replaced/<time>/ with a warning."""
+    import logging
+
+    from draftsmith.files import publish_folder
+
+    published, staged = tmp_path / "out" / "vllm", tmp_path / "out" / "vllm.tmp"
+    for folder in (published, staged):
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_text(folder.name)
+    (published / "notes.txt").write_text("mine")
+    (published / "vllm").mkdir()
+    (published / "vllm" / "config.json").write_text("{}")
+    caplog.set_level(logging.WARNING, logger="draftsmith.outputs")
+    publish_folder(staged, published)
+    [moved] = (tmp_path / "out" / "replaced").iterdir()
+    assert (moved / "vllm" / "notes.txt").read_text() == "mine" and (moved / "vllm" / "vllm" / "config.json").is_file()
+    assert sorted(p.name for p in published.iterdir()) == ["model.safetensors"]
+    assert (published / "model.safetensors").read_text() == "vllm.tmp"
+    assert "held 2 file(s) the new one does not" in caplog.text and str(moved) in caplog.text
+
+
 def test_weights_a_zero_3_rank_holds_in_its_partition_are_checked_before_a_checkpoint():
     """DeepSpeed ZeRO-3 leaves every parameter's local tensor empty (its sum 0 on every rank) and keeps the rank's
     partition in `ds_tensor`: the check summed the empty tensors and passed non-finite weights into a checkpoint. A

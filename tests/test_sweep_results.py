@@ -145,8 +145,8 @@ def test_a_sweep_output_in_an_export_or_the_checkpoint_is_refused_before_anythin
     (engine_folder / EXPORT_INFO).write_text("{}\n")
     (engine_folder / "config.json").write_text("{}\n")
     for output, fragment in [
-        (engine_folder, f"writes into the export {engine_folder} (its {EXPORT_INFO})"),
-        (engine_folder / "sweep", f"writes into the export {engine_folder}"),
+        (engine_folder, f"is inside the export {engine_folder} (its {EXPORT_INFO})"),
+        (engine_folder / "sweep", f"is inside the export {engine_folder}"),
         (tmp_path / "export", f"writes into the export {engine_folder}"),
         (checkpoint / "sweep", f"is inside the checkpoint {checkpoint}"),
     ]:
