@@ -78,6 +78,17 @@ def measured_as(report: dict[str, Any]) -> dict[str, Any]:
     return settings | {f"drafter.{key}": value for key, value in drafter.items()}
 
 
+def report_gaps(report: Any) -> list[str]:
+    """The sections of an eval report that `report` (a report.json read) lacks, of those an export's card and the
+    monitor's baseline read; a hand-made or cut file was exit 70 once the export had converted the drafter."""
+    if not isinstance(report, dict):
+        return ["drafter"]
+    gaps = [] if isinstance(report.get("drafter"), dict) else ["drafter"]
+    gaps += [key for key in ("temperature", "methods", "baselines") if key not in report]
+    chain = ((report.get("domains") or {}).get("all") or {}).get("chain") or {}
+    return gaps + (["domains.all.chain.tau"] if "tau" not in chain else [])
+
+
 def _fmt(value: Optional[float]) -> str:
     return "–" if value is None else f"{value:.2f}"
 

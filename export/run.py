@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 
 from draftsmith.engines import SERVING_ENGINES
 from draftsmith.errors import InternalError, UserError
+from draftsmith.eval.render import report_gaps
 from draftsmith.export.gamma import chain_engines, recommended_gamma
 from draftsmith.export.schedule import batch_schedule_of
 from draftsmith.files import (
@@ -284,8 +285,8 @@ def find_report(cfg: DictConfig, checkpoint: Path, digest: str, target=None, ser
             raise UserError(f"export.report={cfg.export.report!r} {found}")
         return None
     report = read_json(path, "eval report")
-    if not isinstance(report, dict) or not isinstance(report.get("drafter"), dict):
-        raise UserError(f"{path}: not an eval report (no drafter section)")
+    if gaps := report_gaps(report):
+        raise UserError(f"{path}: not an eval report (no {', '.join(gaps)})")
     evaluated = report["drafter"]
     same = (
         evaluated["sha256"] == digest if "sha256" in evaluated else evaluated.get("path") == str(checkpoint.resolve())

@@ -5,6 +5,7 @@ which serves the export in vLLM to take them): the export and the benchmarks rea
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -44,11 +45,45 @@ def read_sweep(path: str | Path) -> list[dict[str, Any]]:
             row = json.loads(line)
         except json.JSONDecodeError as err:
             raise UserError(f"{path}:{number}: not JSON ({one_line(err)})") from None
-        missing = [key for key in FIELDS if key not in row]
+        missing = [key for key in FIELDS if key not in row] if isinstance(row, dict) else list(FIELDS)
         if missing:
             raise UserError(f"{path}:{number}: not a load-sweep row (missing {', '.join(missing)})")
+        if bad := next((key for key, fits in FITS.items() if key in row and not fits(row[key])), None):
+            raise UserError(f"{path}:{number}: not a load-sweep row ({bad}={json.dumps(row[bad])}: {SAID[bad]})")
         rows.append(row)
     return rows
+
+
+def _count(value: Any, least: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _measure(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+# what a row's values must be; hand-edited ones were exit 70 (a division by 0 seconds) or exported (negative rates,
+# NaN written into draftsmith_export.json)
+FITS = {
+    "method": lambda v: isinstance(v, str),
+    **{key: _count for key in ("gamma", "tokens", "steps", "drafts")},
+    "concurrency": lambda v: _count(v, 1),
+    "seconds": lambda v: _measure(v) and v > 0,
+    "mean_batch": _measure,
+    "accepted_per_position": lambda v: isinstance(v, list) and all(_measure(x) for x in v),
+    "source_sha256": lambda v: v is None or isinstance(v, str),
+    **{key: lambda v: isinstance(v, dict) for key in ("engine", "load")},
+}
+SAID = {
+    "method": "a name",
+    **{key: "a count >= 0" for key in ("gamma", "tokens", "steps", "drafts")},
+    "concurrency": "a count >= 1",
+    "seconds": "a finite time > 0",
+    "mean_batch": "a finite number >= 0",
+    "accepted_per_position": "a list of finite counts >= 0",
+    "source_sha256": "a sha256 or null",
+    **{key: "a mapping" for key in ("engine", "load")},
+}
 
 
 def at_one_gamma(row: dict[str, Any]) -> bool:

@@ -8,6 +8,7 @@ side, the sweep measured in vLLM included, is tests/test_engine_vllm.py."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -123,6 +124,18 @@ def test_a_malformed_sweep_is_named_by_its_line(tmp_path):
     with pytest.raises(UserError, match="sweep.jsonl:2: not JSON"):
         read_sweep(path)
     path.write_text(json.dumps({"method": "plain"}) + "\n")
+    with pytest.raises(UserError, match="sweep.jsonl:1: not a load-sweep row"):
+        read_sweep(path)
+    # values edited by hand: exit 70 (0 seconds divided by, a count read as int("x")), or exported (negative rates,
+    # NaN written into draftsmith_export.json)
+    for key, value, said in (("seconds", 0, "a finite time > 0"), ("concurrency", "x", "a count >= 1"),
+                             ("seconds", float("nan"), "a finite time > 0"), ("drafts", -1, "a count >= 0"),
+                             ("accepted_per_position", None, "a list of finite counts >= 0"),
+                             ("engine", None, "a mapping"), ("source_sha256", 5, "a sha256 or null")):  # fmt: skip
+        path.write_text(json.dumps({**sweep_row("d", 1, 1, 1.0, (5,), 10), key: value}) + "\n")
+        with pytest.raises(UserError, match=rf"sweep.jsonl:1: not a load-sweep row \({key}=.*: {re.escape(said)}\)$"):
+            read_sweep(path)
+    path.write_text("[1, 2]\n")
     with pytest.raises(UserError, match="sweep.jsonl:1: not a load-sweep row"):
         read_sweep(path)
 

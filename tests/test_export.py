@@ -1271,12 +1271,19 @@ def test_a_bfloat16_parting_passes_the_check_only_at_a_near_tie():
 
 
 def test_an_export_report_that_is_no_report_is_one_line(target, tmp_path):
-    """export.report naming a folder, or a JSON file that is no eval report (a list), is a UserError saying
-    so (a folder was called missing; a list was an internal error)."""
+    """export.report naming a folder, or a JSON file that is no eval report (a list, a report without its rows), is a
+    UserError saying so (a folder was called missing; the others were internal errors)."""
+    from draftsmith.files import checkpoint_digest
+
     checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
     (tmp_path / "list.json").write_text("[1, 2]")
-    with pytest.raises(UserError, match=r"list.json: not an eval report \(no drafter section\)"):
+    with pytest.raises(UserError, match=r"list.json: not an eval report \(no drafter\)"):
         run_export("medusa", checkpoint, tmp_path / "a", f"export.report={tmp_path / 'list.json'}", target=target)
+    # this checkpoint's drafter section alone: exit 70 (KeyError 'temperature') once the drafter had been converted
+    drafter = {"path": str(checkpoint.resolve()), "sha256": checkpoint_digest(checkpoint)}
+    (tmp_path / "cut.json").write_text(json.dumps({"drafter": drafter, "temperature": 0.0}))
+    with pytest.raises(UserError, match=r"cut.json: not an eval report \(no methods, baselines, domains.all.chain"):
+        run_export("medusa", checkpoint, tmp_path / "a", f"export.report={tmp_path / 'cut.json'}", target=target)
     with pytest.raises(UserError, match=r"is a folder, not an eval's report.json"):
         run_export("medusa", checkpoint, tmp_path / "b", f"export.report={tmp_path}", target=target)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
