@@ -87,7 +87,7 @@ def require_same_load(path: Path, rows: list[dict[str, Any]], settings: dict[str
     once (export/sweep.py's `measure`), so one of other settings would stand in the summary for this run's."""
     again = f"give this sweep another {OUTPUT_KEY}"
     for row in rows:
-        if "load" not in row:
+        if "load" not in row or "vllm_version" not in row.get("engine", {}):  # read_sweep has checked their kinds
             raise UserError(
                 f"{path} holds rows that do not record the settings they were measured with (written before "
                 f"draftsmith recorded them): {again}"
