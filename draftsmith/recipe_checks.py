@@ -268,6 +268,7 @@ def check_monitor(monitor) -> None:
         try:
             parts = urllib.parse.urlsplit(str(url))
             reachable = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+            reachable = reachable and str(url).isprintable() and " " not in str(url)  # http.client refuses them
         except ValueError:  # a port out of range or not a number, an unclosed [IPv6 address]
             reachable = False
         require(

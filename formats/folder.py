@@ -286,23 +286,38 @@ def require_recipes_drafter(
         )
 
 
-def require_outside_published(output: Path, checkpoint: Path, named: str, matched_by: str, give: str = "a folder"):
+def require_outside_published(
+    output: Path, checkpoint: Optional[Path], named: str, matched_by: str, give: str = "a folder"
+) -> None:
     """`output` (an export's, a sweep's, an eval report's folder) not inside the checkpoint it reads, whose sha256 its
     files would count in, which what it writes is matched by (`matched_by`); nor inside an engine folder an export
     published (its draftsmith_export.json), which it would be served and pushed with (an export.output of the vllm/
     folder wrote a whole export into it, and the next export in place removed it)."""
     resolved = output.resolve()
-    if resolved.is_relative_to(checkpoint.resolve()):
+    if checkpoint is not None and resolved.is_relative_to(checkpoint.resolve()):
         raise UserError(
             f"{named} is inside the checkpoint {checkpoint}: its files would count in the checkpoint's sha256, which "
             f"{matched_by}; give {give} outside it"
         )
-    published = next((folder for folder in [resolved, *resolved.parents] if (folder / EXPORT_INFO).is_file()), None)
-    if published is not None:
-        raise UserError(
-            f"{named} is inside the export {published} (its {EXPORT_INFO}): what it writes would be served and pushed "
-            f"with it; give {give} outside it"
-        )
+    for folder in [resolved, *resolved.parents]:  # another drafter's folder: a checkpoint or an export
+        if (folder / EXPORT_INFO).is_file():
+            raise UserError(
+                f"{named} is inside the export {folder} (its {EXPORT_INFO}): what it writes would be served and pushed "
+                f"with it; give {give} outside it"
+            )
+        if is_drafter_checkpoint(folder):
+            raise UserError(
+                f"{named} is inside the drafter checkpoint {folder}: its files would count in its sha256, which its "
+                f"eval report and exports identify it by; give {give} outside it"
+            )
+
+
+def is_drafter_checkpoint(folder: Path) -> bool:
+    """Whether `folder` holds a draftsmith checkpoint's config.json (a model's, or a damaged one, does not count)."""
+    try:
+        return "draftsmith_format" in json.loads((folder / CONFIG_NAME).read_text())
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def require_weights_as_configured(path: Path) -> None:

@@ -30,6 +30,7 @@ from omegaconf import DictConfig
 from draftsmith.engines import SERVING_ENGINES
 from draftsmith.errors import UserError
 from draftsmith.files import write_text_atomic
+from draftsmith.formats.folder import require_outside_published
 from draftsmith.monitor import Outcome
 from draftsmith.monitor.deployed import deployed_of, load_baseline, require_baseline_drafting
 from draftsmith.monitor.drift import (
@@ -69,6 +70,8 @@ def check(cfg: DictConfig, now: Optional[float] = None, held: Callable[[Outcome]
     redeploy command a promotion runs: no other check starts before they are done)."""
     require_inputs(cfg.monitor)
     directory = state_dir_of(cfg)
+    deployed = Path(cfg.checkpoint) if cfg.checkpoint else None  # inside it, the state was removed by a re-export
+    require_outside_published(directory, deployed, "monitor.state_dir", "the monitor knows it by", give="another")
     with DirectoryLock(directory, key="monitor.state_dir"):
         set_stateless_checks_aside(directory)
         state = State.load(directory)

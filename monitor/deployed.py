@@ -16,7 +16,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from draftsmith.errors import UserError
+from draftsmith.errors import UserError, one_line
 from draftsmith.files import file_sha256
 from draftsmith.formats.repo import EXPORT_INFO
 from draftsmith.monitor.drift import Baseline
@@ -132,8 +132,15 @@ def load_baseline(deployed: dict[str, Any]) -> Baseline:
         )
     try:
         baseline = Baseline.from_report(json.loads(Path(path).read_text()), path)
+        if not isinstance(baseline.weights, (str, type(None))) or not isinstance(baseline.temperature, (int, float)):
+            raise TypeError(f"drafter.sha256 {baseline.weights!r}, temperature {baseline.temperature!r}")
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
         raise UserError(f"cannot read the baseline report {path}: {err}") from None
+    except (TypeError, ValueError, KeyError, AttributeError) as err:  # values of another kind: exit 70 before
+        raise UserError(
+            f"{path} is not a draftsmith eval report ({one_line(err, with_type=True)}): give the report.json the "
+            "deployed drafter's eval wrote"
+        ) from None
     if baseline.weights != weights:
         measured = f"weights of sha256 {baseline.weights[:12]}" if baseline.weights else "weights it names no sha256 of"
         raise UserError(

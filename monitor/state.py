@@ -8,7 +8,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
@@ -57,6 +57,8 @@ class State:
             raise UserError(f"{path}: corrupt monitor state (JSON {type(saved).__name__}, not an object); {START_OVER}")
         if saved.pop("state_version", None) != STATE_VERSION:
             raise UserError(f"{path}: written by another draftsmith version (state_version); {START_OVER}")
+        if unknown := sorted(set(saved) - {field.name for field in fields(cls)}):  # a TypeError, exit 70, before
+            raise UserError(f"{path}: corrupt monitor state (unknown keys {', '.join(unknown)}); {START_OVER}")
         return cls(**saved)
 
     def save(self, directory: Path) -> None:

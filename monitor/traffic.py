@@ -29,6 +29,7 @@ naming it (its requests would be missing from every check).
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import logging
 import os
@@ -78,6 +79,10 @@ def read_requests(directory: Path) -> tuple[list[dict[str, Any]], int]:
             raw = path.read_bytes()
         except PermissionError:
             raise UserError(f"monitor.traffic: cannot read {path}: permission denied") from None
+        except OSError as err:  # a link to a log rotated away, a loop of links: was exit 70
+            if err.errno not in (errno.ENOENT, errno.ELOOP):
+                raise
+            raise UserError(f"monitor.traffic: cannot read {path}: {err.strerror} (a link to no file)") from None
         raw, whole = decompressed(raw) if path.name.endswith(".gz") else (raw, True)
         if not whole:  # the rest, cut off or not gzip, is one malformed part of the file
             log.warning("monitor: %s is not whole gzip: only its first %d decompressed bytes are read", path, len(raw))

@@ -191,6 +191,11 @@ def test_files_that_are_not_utf_8_text_are_named(tmp_path, capsys):
     assert refused(read_sweep, binary).startswith(f"error: {binary}: not UTF-8 text, so no load-sweep rows (")
     deployed = {"export": str(tmp_path / "vllm"), "baseline": str(binary), "sha256": "0" * 64}
     assert refused(load_baseline, deployed).startswith(f"error: cannot read the baseline report {binary}: ")
+    # JSON of another kind than a report's, or values of another kind: exit 70 (TypeError) in the monitor's check
+    for text in ("5", json.dumps({"domains": {"all": {"chain": {"drafted": "abc", "accepted": 1}}}}),
+                 json.dumps({"domains": {}, "drafter": {"sha256": 5}})):  # fmt: skip
+        binary.write_text(text)
+        assert refused(load_baseline, deployed).startswith(f"error: {binary} is not a draftsmith eval report"), text
 
 
 def test_custom_code_without_trust_names_the_recipe_key(target):

@@ -16,6 +16,7 @@ import http.server
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -1436,7 +1437,9 @@ def test_monitor_cli_bad_input_is_one_line_exit_2(tmp_path, capsys):
         done = run_entry_in_process(["-m", "draftsmith", "monitor", first, "recipe=medusa"], capsys)
         assert_one_line_error(done, 2, usage)
     # a port out of range was exit 69 (retried forever), as an engine down is: refused by the recipe check
-    for url in ("localhost:9", "http://localhost:99999/metrics", "'http://[::1/metrics'", "http://localhost:port/"):
+    # a space was exit 70 (http.client's InvalidURL at the scrape)
+    for url in ("localhost:9", "http://localhost:99999/metrics", "'http://[::1/metrics'", "http://localhost:port/",
+                "'http://localhost:9/metrics with space'"):  # fmt: skip
         args = ["-m", "monitor", "check", "recipe=medusa", f"output_dir={tmp_path}", f"monitor.metrics=[{url}]"]
         line = assert_one_line_error(run_entry_in_process(args, capsys), 2, alone=True)
         assert f"error: monitor.metrics: '{url.strip(chr(39))}' is not an http(s) URL of a host" in line
@@ -1826,6 +1829,7 @@ def test_a_state_moved_aside_starts_over_keeping_the_earlier_records_and_a_bad_o
         for bad, said in (
             (None, r"state.json is not a file, so no monitor state; move it aside to start over"),
             ("[]", r"corrupt monitor state \(JSON list, not an object\); move it aside to start over"),
+            ('{"state_version": 1, "streak": null}', r"corrupt monitor state \(unknown keys streak\); move it aside"),
         ):
             state.rename(state_dir / "state.aside")
             if bad is None:
@@ -1849,6 +1853,26 @@ def test_a_state_moved_aside_starts_over_keeping_the_earlier_records_and_a_bad_o
     assert (kept / "checks" / "00001.json").read_bytes() == record
     assert check_record(tmp_path, 1)["check"] == 1 and (state_dir / "checks" / "00001.json").read_bytes() != record
     assert f"holds no state.json: what earlier checks wrote (checks/) moved to {kept}" in caplog.text
+
+
+def test_a_state_dir_inside_a_published_folder_is_refused_before_anything_is_written(tmp_path):
+    """monitor.state_dir inside the served export folder: a re-export in place (what a re-verify's line says to run)
+    removed the whole state with the folder; inside the training checkpoint, it changed the checkpoint's sha256 that
+    its eval report and exports know it by."""
+    from draftsmith.errors import UserError
+    from draftsmith.monitor.check import check
+    from draftsmith.target import load_target
+    from tests.helpers import REFERENCE_TARGET, save_drafter
+
+    folder = served_export(tmp_path / "export" / "vllm", engine_settings=checked_in(SERVED))
+    trained = save_drafter("medusa", load_target(str(REFERENCE_TARGET)), tmp_path / "run" / "final")
+    args = ["recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}", "monitor.retrain=false",
+            "monitor.metrics=[http://127.0.0.1:9/metrics]"]  # fmt: skip
+    for inside, said in ((folder / "monitor", f"is inside the checkpoint {folder}"),
+                         (trained / "monitor", f"is inside the drafter checkpoint {trained}")):  # fmt: skip
+        with pytest.raises(UserError, match=f"^monitor.state_dir {re.escape(said)}"):
+            check(load_recipe([*args, f"monitor.state_dir={inside}"]))
+        assert not inside.exists()
 
 
 def test_a_request_log_that_cannot_be_read_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
@@ -1885,6 +1909,16 @@ def test_a_request_log_that_cannot_be_read_is_one_line_naming_it(tmp_path, monke
         result = run_entry_in_process(args, capsys)
     assert_one_line_error(result, 2, f"monitor.traffic: cannot read {logs / 'older'}: permission denied")
     assert not (tmp_path / "run" / "monitor" / "state.json").exists()
+    # a link to a log rotated away, a loop of links: exit 70 (FileNotFoundError, OSError ELOOP)
+    (logs / "older" / "b.jsonl").unlink()
+    (logs / "older" / "b.jsonl").symlink_to(tmp_path / "rotated-away.jsonl")
+    result = run_entry_in_process(args, capsys)
+    assert_one_line_error(result, 2, f"monitor.traffic: cannot read {logs / 'older' / 'b.jsonl'}: No such file")
+    (logs / "older" / "b.jsonl").unlink()
+    (logs / "older" / "b.jsonl").symlink_to(logs / "older" / "c.jsonl")
+    (logs / "older" / "c.jsonl").symlink_to(logs / "older" / "b.jsonl")
+    result = run_entry_in_process(args, capsys)
+    assert_one_line_error(result, 2, f"monitor.traffic: cannot read {logs / 'older' / 'b.jsonl'}: Too many levels")
 
 
 @pytest.mark.parametrize(
