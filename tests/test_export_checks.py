@@ -39,12 +39,16 @@ def recipe_args(kind: str, output: Path, *extra: str) -> list[str]:
 
 def write_report(checkpoint: Path, dtype: str) -> Path:
     """The eval report train writes beside the checkpoint (<run>/eval/report.json), as much of it as the
-    export reads before the target loads: which weights it measured, and in which dtype."""
+    export reads before the target loads: which weights it measured, and in which dtype, with the sections of a
+    report (export/run.py find_report checks they are there), empty."""
     path = checkpoint.parent / "eval" / "report.json"
     path.parent.mkdir(parents=True)
     drafter = {"path": str(checkpoint.resolve()), "sha256": checkpoint_digest(checkpoint)}
-    path.write_text(json.dumps({"drafter": drafter, "dtype": dtype}))
+    path.write_text(json.dumps({"drafter": drafter, "dtype": dtype, **REPORT_SECTIONS}))
     return path
+
+
+REPORT_SECTIONS = {"temperature": 0.0, "methods": [], "baselines": {}, "domains": {"all": {"chain": {"tau": 1.0}}}}
 
 
 # -- the report's dtype ------------------------------------------------------------------------------------------
@@ -81,7 +85,7 @@ def test_a_report_in_the_dtype_the_export_loads_the_target_in_is_taken(target, t
     for dtype in ("auto", "float32"):
         cfg = load_recipe(recipe_args("medusa", tmp_path / "export", f"target.dtype={dtype}"))
         assert export_run.find_report(cfg, checkpoint, digest)["_path"] == str(report)
-    report.write_text(json.dumps({"drafter": json.loads(report.read_text())["drafter"]}))
+    report.write_text(json.dumps({"drafter": json.loads(report.read_text())["drafter"], **REPORT_SECTIONS}))
     cfg = load_recipe(recipe_args("medusa", tmp_path / "export", "target.dtype=bfloat16"))
     assert export_run.find_report(cfg, checkpoint, digest)["_path"] == str(report)
 
