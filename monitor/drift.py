@@ -83,6 +83,12 @@ class Baseline:
         def alpha(row: dict[str, Any]) -> float:
             if not row.get("drafted"):
                 raise UserError(f"the baseline report {source} has no drafted tokens in a chain row")
+            if not 0 <= row["accepted"] <= row["drafted"]:  # counts no eval makes: a baseline no check can fall below
+                raise UserError(
+                    f"the baseline report {source} counts {row['accepted']:g} accepted of {row['drafted']:g} drafted "
+                    "tokens in a chain row, which no eval counts: give the report.json the deployed drafter's eval "
+                    "wrote"
+                )
             return row["accepted"] / row["drafted"]
 
         if "domains" not in report or "all" not in report["domains"]:

@@ -75,6 +75,8 @@ def read_requests(directory: Path) -> tuple[list[dict[str, Any]], int]:
         raise UserError(f"monitor.traffic={str(directory)!r} is not a directory of JSONL request logs")
     requests, malformed, first_malformed = [], 0, None
     for path in log_files(directory):
+        if path.exists() and not path.is_file():  # a FIFO or a device: its read blocked the check until a SIGTERM
+            raise UserError(f"monitor.traffic: {path} is not a regular file (a pipe or a device): move it out")
         try:
             raw = path.read_bytes()
         except PermissionError:

@@ -196,6 +196,11 @@ def test_files_that_are_not_utf_8_text_are_named(tmp_path, capsys):
                  json.dumps({"domains": {}, "drafter": {"sha256": 5}})):  # fmt: skip
         binary.write_text(text)
         assert refused(load_baseline, deployed).startswith(f"error: {binary} is not a draftsmith eval report"), text
+    # more accepted than drafted: taken, a baseline no window could fall below (the engine's counters are refused so)
+    chain = {"drafted": 3, "accepted": 15, "per_position_counts": {"reached": [3], "accepted": [15]}}
+    binary.write_text(json.dumps({"domains": {"all": {"chain": chain}}, "drafter": {"sha256": "0" * 64}}))
+    said = f"error: the baseline report {binary} counts 15 accepted of 3 drafted tokens in a chain row, which no eval"
+    assert refused(load_baseline, deployed).startswith(said)
 
 
 def test_custom_code_without_trust_names_the_recipe_key(target):

@@ -1919,6 +1919,11 @@ def test_a_request_log_that_cannot_be_read_is_one_line_naming_it(tmp_path, monke
     (logs / "older" / "c.jsonl").symlink_to(logs / "older" / "b.jsonl")
     result = run_entry_in_process(args, capsys)
     assert_one_line_error(result, 2, f"monitor.traffic: cannot read {logs / 'older' / 'b.jsonl'}: Too many levels")
+    for link in ("b.jsonl", "c.jsonl"):  # a pipe named as a log: its read blocked the check until a SIGTERM
+        (logs / "older" / link).unlink()
+    os.mkfifo(logs / "older" / "b.jsonl")
+    result = run_entry_in_process(args, capsys)
+    assert_one_line_error(result, 2, f"monitor.traffic: {logs / 'older' / 'b.jsonl'} is not a regular file")
 
 
 @pytest.mark.parametrize(
