@@ -48,8 +48,8 @@ def read_sweep(path: str | Path) -> list[dict[str, Any]]:
         missing = [key for key in FIELDS if key not in row] if isinstance(row, dict) else list(FIELDS)
         if missing:
             raise UserError(f"{path}:{number}: not a load-sweep row (missing {', '.join(missing)})")
-        if bad := next((key for key, fits in FITS.items() if key in row and not fits(row[key])), None):
-            raise UserError(f"{path}:{number}: not a load-sweep row ({bad}={json.dumps(row[bad])}: {SAID[bad]})")
+        if bad := next((key for key, (fits, _) in FITS.items() if key in row and not fits(row[key])), None):
+            raise UserError(f"{path}:{number}: not a load-sweep row ({bad}={json.dumps(row[bad])}: {FITS[bad][1]})")
         rows.append(row)
     return rows
 
@@ -62,27 +62,17 @@ def _measure(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
-# what a row's values must be; hand-edited ones were exit 70 (a division by 0 seconds) or exported (negative rates,
-# NaN written into draftsmith_export.json)
+# what a row's value must be, and how its line says so; hand-edited ones were exit 70 (a division by 0 seconds) or
+# exported (negative rates, NaN written into draftsmith_export.json)
 FITS = {
-    "method": lambda v: isinstance(v, str),
-    **{key: _count for key in ("gamma", "tokens", "steps", "drafts")},
-    "concurrency": lambda v: _count(v, 1),
-    "seconds": lambda v: _measure(v) and v > 0,
-    "mean_batch": _measure,
-    "accepted_per_position": lambda v: isinstance(v, list) and all(_measure(x) for x in v),
-    "source_sha256": lambda v: v is None or isinstance(v, str),
-    **{key: lambda v: isinstance(v, dict) for key in ("engine", "load")},
-}
-SAID = {
-    "method": "a name",
-    **{key: "a count >= 0" for key in ("gamma", "tokens", "steps", "drafts")},
-    "concurrency": "a count >= 1",
-    "seconds": "a finite time > 0",
-    "mean_batch": "a finite number >= 0",
-    "accepted_per_position": "a list of finite counts >= 0",
-    "source_sha256": "a sha256 or null",
-    **{key: "a mapping" for key in ("engine", "load")},
+    "method": (lambda v: isinstance(v, str), "a name"),
+    **{key: (_count, "a count >= 0") for key in ("gamma", "tokens", "steps", "drafts")},
+    "concurrency": (lambda v: _count(v, 1), "a count >= 1"),
+    "seconds": (lambda v: _measure(v) and v > 0, "a finite time > 0"),
+    "mean_batch": (_measure, "a finite number >= 0"),
+    "accepted_per_position": (lambda v: isinstance(v, list) and all(map(_measure, v)), "a list of finite counts >= 0"),
+    "source_sha256": (lambda v: v is None or isinstance(v, str), "a sha256 or null"),
+    **{key: (lambda v: isinstance(v, dict), "a mapping") for key in ("engine", "load")},
 }
 
 

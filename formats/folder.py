@@ -315,9 +315,10 @@ def require_outside_published(
 def is_drafter_checkpoint(folder: Path) -> bool:
     """Whether `folder` holds a draftsmith checkpoint's config.json (a model's, or a damaged one, does not count)."""
     try:
-        return "draftsmith_format" in json.loads((folder / CONFIG_NAME).read_text())
-    except (OSError, ValueError, TypeError):
+        saved = json.loads((folder / CONFIG_NAME).read_text())
+    except (OSError, ValueError):
         return False
+    return isinstance(saved, dict) and "draftsmith_format" in saved
 
 
 def require_weights_as_configured(path: Path) -> None:
