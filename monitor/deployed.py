@@ -131,9 +131,21 @@ def load_baseline(deployed: dict[str, Any]) -> Baseline:
             + ("" if deployed["revision"] else ", or export the checkpoint again to record it")
         )
     try:
-        baseline = Baseline.from_report(json.loads(Path(path).read_text()), path)
-        if not isinstance(baseline.weights, (str, type(None))) or not isinstance(baseline.temperature, (int, float)):
-            raise TypeError(f"drafter.sha256 {baseline.weights!r}, temperature {baseline.temperature!r}")
+        report = json.loads(Path(path).read_text())
+        measured = (report.get("drafter") or {}).get("sha256")
+        if not isinstance(measured, (str, type(None))):
+            raise TypeError(f"drafter.sha256 {measured!r}")
+        # whose weights first: another drafter's report is refused as that, whatever else is wrong with it for this one
+        if measured != weights:
+            raise UserError(
+                f"the baseline report {path} measured "
+                + (f"weights of sha256 {measured[:12]}" if measured else "weights it names no sha256 of")
+                + f", not the deployed drafter's ({weights[:12]}): evaluate the deployed checkpoint (python -m eval) "
+                "and set monitor.baseline to its report"
+            )
+        baseline = Baseline.from_report(report, path)
+        if not isinstance(baseline.temperature, (int, float)):
+            raise TypeError(f"temperature {baseline.temperature!r}")
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
         raise UserError(f"cannot read the baseline report {path}: {err}") from None
     except (TypeError, ValueError, KeyError, AttributeError) as err:  # values of another kind: exit 70 before
@@ -141,12 +153,6 @@ def load_baseline(deployed: dict[str, Any]) -> Baseline:
             f"{path} is not a draftsmith eval report ({one_line(err, with_type=True)}): give the report.json the "
             "deployed drafter's eval wrote"
         ) from None
-    if baseline.weights != weights:
-        measured = f"weights of sha256 {baseline.weights[:12]}" if baseline.weights else "weights it names no sha256 of"
-        raise UserError(
-            f"the baseline report {path} measured {measured}, not the deployed drafter's ({weights[:12]}): evaluate "
-            "the deployed checkpoint (python -m eval) and set monitor.baseline to its report"
-        )
     return baseline
 
 

@@ -40,16 +40,19 @@ VLLM_COUNTERS = {
 VLLM_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 SGLANG_GAUGES = ("sglang:spec_accept_length", "sglang:spec_accept_rate")
 UNKNOWN = "unknown"  # a replica's version when its server has no /version
+# an engine's /metrics is kilobytes to a few MB (per-position counters, histograms per model); a body past this is no
+# single engine's page (a log, a dump behind a misrouted URL): 83 MB took 42 s and 2.1 GB to parse before it was refused
+MAX_BODY_BYTES = 32 << 20
 
 
 def get(url: str, timeout: float = 10.0) -> Optional[str]:
     """The body at `url`, or None when the server has no such path (404). An engine that does not
     answer, or answers with a server error (5xx: a proxy in front of a dead engine, say), is a
     temporary fault (EngineUnavailable: retry); another client error or a URL that cannot be fetched
-    at all is bad input."""
+    at all is bad input, as is a body past MAX_BODY_BYTES (read no further)."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.read().decode("utf-8", "replace")
+            body = response.read(MAX_BODY_BYTES + 1)
     except urllib.error.HTTPError as err:
         if err.code == 404:
             return None
@@ -60,6 +63,12 @@ def get(url: str, timeout: float = 10.0) -> Optional[str]:
         raise UserError(f"cannot scrape {url}: {one_line(err)}") from None
     except (urllib.error.URLError, OSError) as err:  # refused, unreachable, timed out
         raise EngineUnavailable(f"cannot scrape {url}: {one_line(getattr(err, 'reason', err))}") from None
+    if len(body) > MAX_BODY_BYTES:
+        raise UserError(
+            f"{url} answered more than {MAX_BODY_BYTES >> 20} MiB, no engine's metrics page (it begins "
+            f"{one_line(body[:80].decode('utf-8', 'replace'), limit=80)!r}): check monitor.metrics"
+        )
+    return body.decode("utf-8", "replace")
 
 
 def scrape(url: str, timeout: float = 10.0) -> str:

@@ -19,7 +19,8 @@ age, the rotated `requests.jsonl.1` after the live `requests.jsonl`), written as
 and regeneration read: each request's messages, ending with the logged answer, or with a placeholder answer when
 none was logged (the eval reads only what precedes it, regeneration replaces it). Logs being written are read
 safely: a last line without its newline is skipped as incomplete, as is a gzip log's cut-off end (or a
-`.jsonl.gz` that is not gzip: a warning names it, its rest counted as one malformed line), and malformed lines
+`.jsonl.gz` that is not gzip: a warning names it, its rest counted as one malformed line); logs are streamed, and a
+line past MAX_REQUEST_BYTES is malformed, read past and never held; malformed lines
 are counted, not fatal, unless no line is a request (logs in another format: refused, naming the first line); a
 request timed more than a day ahead of the monitor's clock counts as malformed, and when every request is
 (timestamps in milliseconds), the logs are refused. A log or a folder of logs that cannot be read is refused,
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import datetime
 import errno
+import gzip
 import json
 import logging
 import os
@@ -39,7 +41,7 @@ import zlib
 from collections import defaultdict
 from itertools import zip_longest
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, BinaryIO, Iterator, Optional
 
 from draftsmith.data_prep.records import DEFAULT_DOMAIN
 from draftsmith.data_prep.turns import TOOL_CALLS_KEY, TOOL_KEYS, normalize_turn
@@ -53,6 +55,9 @@ FUTURE_TOLERANCE_S = 86400.0  # a request's time may be this far ahead of the mo
 # optionally .gz (compress)
 REQUEST_LOG_PATTERN = re.compile(r".*\.jsonl(\.\d+|-\d{8,})?(\.gz)?")
 REQUEST_LOG_NAMES = "NAME.jsonl, NAME.jsonl.N, NAME.jsonl-YYYYMMDD, each optionally .gz"
+# a logged request longer than this (about 4M tokens of text, past any served context) is malformed, never held
+MAX_REQUEST_BYTES = 16 << 20
+READ_CHUNK_BYTES = 1 << 20
 LOOK_ALIKES_NAMED = 5  # look-alike logs named in the warning; the rest counted
 
 
@@ -78,43 +83,40 @@ def read_requests(directory: Path) -> tuple[list[dict[str, Any]], int]:
         if path.exists() and not path.is_file():  # a FIFO or a device: its read blocked the check until a SIGTERM
             raise UserError(f"monitor.traffic: {path} is not a regular file (a pipe or a device): move it out")
         try:
-            raw = path.read_bytes()
+            stream = gzip.open(path, "rb") if path.name.endswith(".gz") else path.open("rb")
         except PermissionError:
             raise UserError(f"monitor.traffic: cannot read {path}: permission denied") from None
         except OSError as err:  # a link to a log rotated away, a loop of links: was exit 70
             if err.errno not in (errno.ENOENT, errno.ELOOP):
                 raise
             raise UserError(f"monitor.traffic: cannot read {path}: {err.strerror} (a link to no file)") from None
-        raw, whole = decompressed(raw) if path.name.endswith(".gz") else (raw, True)
-        if not whole:  # the rest, cut off or not gzip, is one malformed part of the file
-            log.warning("monitor: %s is not whole gzip: only its first %d decompressed bytes are read", path, len(raw))
-            malformed += 1
-            first_malformed = first_malformed or f"{path} (not whole gzip)"
-        lines = raw.decode("utf-8", "replace").split("\n")
-        for number, line in enumerate(lines[:-1], 1):  # the text after the last newline is still being written
-            if not line.strip():
-                continue
+        too_long = []
+        with stream:
             try:
-                record = json.loads(line)
-                messages = [logged_turn(turn) for turn in record["messages"]]
-                logged_at = timestamp_of(record["timestamp"])
-                domain = record.get("domain") or DEFAULT_DOMAIN
-            except (json.JSONDecodeError, KeyError, TypeError, UserError):
-                messages, logged_at, domain = [], None, None
-            # no time: it would stay in every window, as the newest traffic; a domain that is not a name (a list, a
-            # number) would become a domain of its own (`['a']`), judged and retrained apart from the named ones
-            if (
-                not messages
-                or not any(m["role"] == "user" for m in messages)
-                or logged_at is None
-                or not isinstance(domain, str)
-            ):
-                malformed += 1
-                first_malformed = first_malformed or f"{path}:{number}"
-                continue
-            request = {"messages": messages, "domain": domain, "time": logged_at}
-            request["spec_decode"] = spec_decode_counts(record.get("metrics"))
-            requests.append(request)
+                for number, line in enumerate(complete_lines(stream), 1):
+                    if line is not None and not line.strip():
+                        continue
+                    request = None if line is None else logged_request(line)
+                    if request is None:
+                        malformed += 1
+                        first_malformed = first_malformed or f"{path}:{number}"
+                        if line is None:
+                            too_long.append(number)
+                        continue
+                    requests.append(request)
+            except (EOFError, gzip.BadGzipFile, zlib.error) as err:  # cut off (still being written), or not gzip
+                log.warning("monitor: %s is not whole gzip (%s): only the lines before it are read", path, err)
+                malformed += 1  # the rest of the file is one malformed part of it
+                first_malformed = first_malformed or f"{path} (not whole gzip)"
+        if too_long:
+            log.warning(
+                "monitor: %s: %d line(s) longer than %d MiB skipped as malformed (the first: line %d): no served "
+                "request is that long",
+                path,
+                len(too_long),
+                MAX_REQUEST_BYTES >> 20,
+                too_long[0],
+            )
     if malformed and not requests:
         raise UserError(
             f"monitor.traffic={str(directory)!r}: none of its {malformed} logged line(s) is a request (the first: "
@@ -122,6 +124,49 @@ def read_requests(directory: Path) -> tuple[list[dict[str, Any]], int]:
             'a user turn among them), "timestamp" (Unix seconds or ISO 8601), and optionally "domain" (a string)'
         )
     return requests, malformed
+
+
+def logged_request(line: bytes) -> Optional[dict[str, Any]]:
+    """The request a log line holds, or None when it is malformed."""
+    try:
+        record = json.loads(line.decode("utf-8", "replace"))
+        messages = [logged_turn(turn) for turn in record["messages"]]
+        logged_at = timestamp_of(record["timestamp"])
+        domain = record.get("domain") or DEFAULT_DOMAIN
+    except (json.JSONDecodeError, KeyError, TypeError, UserError):
+        return None
+    # no time: it would stay in every window, as the newest traffic; a domain that is not a name (a list, a number)
+    # would become a domain of its own (`['a']`), judged and retrained apart from the named ones
+    if (
+        not messages
+        or not any(m["role"] == "user" for m in messages)
+        or logged_at is None
+        or not isinstance(domain, str)
+    ):
+        return None
+    return {
+        "messages": messages,
+        "domain": domain,
+        "time": logged_at,
+        "spec_decode": spec_decode_counts(record.get("metrics")),
+    }
+
+
+def complete_lines(stream: BinaryIO) -> Iterator[Optional[bytes]]:
+    """Each complete line of a log, streamed (a log of gigabytes is never held whole), None in place of a line
+    longer than MAX_REQUEST_BYTES, read past in chunks (one 200 MB line drove a check to 24 GB and a kernel kill).
+    The text after the last newline is still being written: not a line yet."""
+    while line := stream.readline(MAX_REQUEST_BYTES + 1):
+        if line.endswith(b"\n"):
+            yield line
+        elif len(line) <= MAX_REQUEST_BYTES:
+            return
+        else:
+            while (rest := stream.readline(READ_CHUNK_BYTES)) and not rest.endswith(b"\n"):
+                pass
+            if not rest:  # an over-long last line still being written
+                return
+            yield None
 
 
 def log_files(directory: Path) -> list[Path]:
@@ -151,22 +196,6 @@ def log_files(directory: Path) -> list[Path]:
             f" and {more} more" if more > 0 else "",
         )
     return logs
-
-
-def decompressed(raw: bytes) -> tuple[bytes, bool]:
-    """A gzip log's text (every member, as appending writers leave it), and whether it was whole: a log still being
-    written ends mid-member, and a file that is not gzip gives no text."""
-    text = []
-    while raw:
-        member = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
-        try:
-            text.append(member.decompress(raw))
-        except zlib.error:
-            return b"".join(text), False
-        if not member.eof:
-            return b"".join(text), False
-        raw = member.unused_data
-    return b"".join(text), True
 
 
 def logged_turn(turn: Any) -> dict[str, Any]:

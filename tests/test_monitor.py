@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from draftsmith.errors import EngineUnavailable, UserError
 from draftsmith.formats.repo import EXPORT_INFO, VLLM_PINNED
-from draftsmith.monitor import Outcome
+from draftsmith.monitor import Outcome, metrics
 from draftsmith.monitor.drift import DRIFT, HEALTHY, REVERIFY, TOO_FEW, UNDECIDED, Baseline, judge, request_tests
 from draftsmith.monitor.metrics import UNKNOWN, collect, engine_version, window
 from draftsmith.monitor.traffic import read_requests, sample
@@ -175,6 +175,7 @@ class Answers(http.server.BaseHTTPRequestHandler):
 
     BODIES = {
         "html": "<html><body><h1>502 Bad Gateway</h1></body></html>",
+        "huge": "# HELP a_log_not_metrics x\n" * 50_000,
         "cut": 'vllm:spec_decode_num_drafts_total{model_name="demo",engine="0"} 10.0\nvllm:spec_decode_num_dr',
         "version": '{"version": "0.33.0"}',
         "not_a_version": '{"version": "garbage"}',
@@ -206,8 +207,8 @@ class Answers(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_a_bad_scrape_is_one_line_and_a_failing_engine_is_temporary():
-    """An HTML page or a body cut off mid-line is bad input (one line, no traceback); a refused
+def test_a_bad_scrape_is_one_line_and_a_failing_engine_is_temporary(monkeypatch):
+    """An HTML page, a body cut off mid-line or one past the size cap is bad input (one line, no traceback); a refused
     connection or a 5xx (a proxy in front of a dead engine) is EngineUnavailable: exit 69, retry."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answers)
     serve_in_thread(server)
@@ -219,6 +220,10 @@ def test_a_bad_scrape_is_one_line_and_a_failing_engine_is_temporary():
             assert "\n" not in str(err.value)
         with pytest.raises(UserError, match="HTTP 404"):
             collect([base + "/404/html"])
+        with monkeypatch.context() as patched:  # 83 MB took 42 s and 2.1 GB to parse: no body past the cap is read
+            patched.setattr(metrics, "MAX_BODY_BYTES", 1 << 20)
+            with pytest.raises(UserError, match=r"more than 1 MiB, no engine's metrics page \(it begins '# HELP"):
+                collect([base + "/200/huge"])
         with pytest.raises(EngineUnavailable, match="HTTP 502"):
             collect([base + "/502/html"])
     finally:
@@ -449,15 +454,22 @@ def test_a_baseline_that_accepted_nothing_is_refused_and_a_domain_that_did_is_wa
 
 def test_a_baseline_report_of_other_weights_is_refused_in_one_line(tmp_path, capsys):
     """The baseline report must have measured the deployed drafter: its drafter.sha256 is the checkpoint's
-    the export was made from (#62's fault 3: another drafter's report was accepted)."""
+    the export was made from (#62's fault 3: another drafter's report was accepted), said first, before what else
+    the report lacks for this drafter."""
     folder = served_export(tmp_path / "export" / "vllm", source={"checkpoint": "final", "sha256": "1" * 64})
-    result = run_entry_in_process(
-        ["-m", "monitor", "check", "recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}",
-         "monitor.metrics=[http://127.0.0.1:9/metrics]", "monitor.retrain=false"], capsys,
-    )  # fmt: skip
-    assert_one_line_error(
-        result, 2, "measured weights of sha256 000000000000, not the deployed drafter's (111111111111)"
-    )
+    # and another drafter's report that accepted nothing: it was refused as "acceptance 0", whose advice (monitor a
+    # drafter that accepts tokens) was wrong for the deployed one
+    nothing_accepted = {"temperature": 0.0, "drafter": {"sha256": "0" * 64}, "domains": {"all": chain_row(8, 0)}}
+    for report in (None, nothing_accepted):
+        if report:
+            (folder.parent / "report.json").write_text(json.dumps(report))
+        result = run_entry_in_process(
+            ["-m", "monitor", "check", "recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}",
+             "monitor.metrics=[http://127.0.0.1:9/metrics]", "monitor.retrain=false"], capsys,
+        )  # fmt: skip
+        assert_one_line_error(
+            result, 2, "measured weights of sha256 000000000000, not the deployed drafter's (111111111111)"
+        )
 
 
 def test_a_baseline_report_replaced_since_the_export_is_refused_and_monitor_baseline_takes_it(tmp_path, capsys):
@@ -1627,6 +1639,28 @@ def test_a_cut_off_or_non_gzip_log_is_read_as_far_as_it_decompresses(tmp_path, c
     assert f"{logs / 'a.jsonl.gz'} is not whole gzip" in caplog.text and f"{logs / 'b.jsonl.gz'} is not" in caplog.text
 
 
+def test_a_request_line_past_the_cap_is_malformed_and_never_held(tmp_path, caplog, monkeypatch):
+    """One 200 MB logged request drove a check to 24 GB and a kernel kill (exit 137, no line): the logs were read
+    whole and every line parsed. Now they are streamed, and a line longer than the cap (a few bytes here) is read past
+    in chunks, counted malformed and named in a warning; the lines around it, in plain and gzip logs, are read
+    (the cap is 1 MiB here, 16 MiB in a check)."""
+    import draftsmith.monitor.traffic as traffic
+
+    monkeypatch.setattr(traffic, "MAX_REQUEST_BYTES", 1 << 20)
+    monkeypatch.setattr(traffic, "READ_CHUNK_BYTES", 1 << 16)
+    logs, now = tmp_path / "logs", time.time()
+    logs.mkdir()
+    ask = {"messages": [{"role": "user", "content": "hi"}], "domain": "chat", "timestamp": now}
+    huge = {**ask, "messages": [{"role": "user", "content": "x" * (3 << 19)}]}
+    text = "".join(json.dumps(r) + "\n" for r in (ask, huge, ask)) + json.dumps(huge)  # the last still being written
+    (logs / "a.jsonl").write_text(text)
+    (logs / "b.jsonl.gz").write_bytes(gzip.compress(text.encode()))
+    with caplog.at_level("WARNING", logger="draftsmith.monitor"):
+        requests, malformed = read_requests(logs)
+    assert len(requests) == 4 and malformed == 2
+    assert f"{logs / 'a.jsonl'}: 1 line(s) longer than 1 MiB skipped as malformed (the first: line 2)" in caplog.text
+
+
 def test_a_request_without_a_time_is_malformed_and_millisecond_logs_are_refused(tmp_path):
     """A missing or unparseable timestamp, or `true` (read as 1.0), kept the request in every window: now each is
     malformed. Timestamps in milliseconds made every request "more than a day ahead", malformed: `too few
@@ -1888,12 +1922,12 @@ def test_a_request_log_that_cannot_be_read_is_one_line_naming_it(tmp_path, monke
     folder = served_export(tmp_path / "export" / "vllm")
     args = ["-m", "monitor", "check", "recipe=medusa", f"output_dir={tmp_path / 'run'}", f"checkpoint={folder}",
             f"monitor.traffic={logs}", "monitor.retrain=false"]  # fmt: skip
-    real_read, real_scandir = Path.read_bytes, os.scandir
+    real_open, real_scandir = Path.open, os.scandir
 
-    def read_bytes(path):
+    def open_log(path, *args, **kwargs):
         if path == logs / "a.jsonl":
             raise PermissionError(13, "Permission denied", str(path))
-        return real_read(path)
+        return real_open(path, *args, **kwargs)
 
     def scandir(path="."):
         if Path(path) == logs / "older":
@@ -1901,7 +1935,7 @@ def test_a_request_log_that_cannot_be_read_is_one_line_naming_it(tmp_path, monke
         return real_scandir(path)
 
     with monkeypatch.context() as patched:
-        patched.setattr(Path, "read_bytes", read_bytes)
+        patched.setattr(Path, "open", open_log)
         result = run_entry_in_process(args, capsys)
     assert_one_line_error(result, 2, f"monitor.traffic: cannot read {logs / 'a.jsonl'}: permission denied")
     with monkeypatch.context() as patched:
