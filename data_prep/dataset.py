@@ -302,13 +302,14 @@ def _tokenize_batch(
     out: dict[str, list] = {"input_ids": [], "loss_mask": [], "domain": [], "length": [], "sample": [], "digest": []}
     count = len(batch["messages"])
     domains = batch.get("domain") or [DEFAULT_DOMAIN] * count
+    cut_to = max_length if overlong == "truncate" else None  # drop and error read each row's whole length
     for row in range(count):
         where = _where(batch, row, indices[row])
         digest = turns_digest(batch["messages"][row])
         stats["duplicate_conversations"] += digest in seen
         seen.add(digest)
         try:
-            rendered = render_rows(tokenizer, batch["messages"][row], thinking)
+            rendered = render_rows(tokenizer, batch["messages"][row], thinking, cut_to)
         except UserError as err:
             raise UserError(f"{where}: {err}") from None
         stats["split_into_turns"] += len(rendered) > 1

@@ -17,6 +17,7 @@ model is asked for that turn (`render_rows`), which is the text a serving engine
 
 from __future__ import annotations
 
+import bisect
 import json
 from typing import Any, Optional, Sequence
 
@@ -45,7 +46,7 @@ def render_with_masks(tokenizer, messages: Sequence[Message], thinking: str = "t
     earlier turns is refused in one line (`render_rows` renders such a conversation a turn at a time)."""
     messages = checked(messages, thinking)
     try:
-        return _whole(tokenizer, messages, thinking)
+        return _whole(tokenizer, messages, thinking, None)
     except NotPrefixStable as err:
         raise UserError(
             f"chat template of {_name(tokenizer)} is not prefix-stable for assistant turn {err.args[0] + 1}: "
@@ -54,20 +55,28 @@ def render_with_masks(tokenizer, messages: Sequence[Message], thinking: str = "t
         ) from None
 
 
-def render_rows(tokenizer, messages: Sequence[Message], thinking: str = "train") -> list[Row]:
+def render_rows(
+    tokenizer, messages: Sequence[Message], thinking: str = "train", kept_tokens: Optional[int] = None
+) -> list[Row]:
     """The conversation as training rows: one (`render_with_masks`) where the template is prefix-stable;
     else one row per assistant turn, the conversation up to that turn as the template renders it last
-    (what the model is shown when it generates the turn), only that turn in the mask."""
+    (what the model is shown when it generates the turn), only that turn in the mask. `kept_tokens`: the rows are
+    cut to that many tokens (data.overlong=truncate), so a prefix-stable conversation's turns that begin past them
+    are neither rendered on their own nor checked (each turn's prefix is rendered once more: a conversation of
+    thousands of short turns took minutes, its tokens past the cut thrown away)."""
     messages = checked(messages, thinking)
     try:
-        return [_whole(tokenizer, messages, thinking)]
+        return [_whole(tokenizer, messages, thinking, kept_tokens)]
     except NotPrefixStable:
         pass
     rows = []
     for index in answered_turns(messages):
         text = _render(tokenizer, messages[: index + 1], add_generation_prompt=False)
+        prompt = _render(tokenizer, messages[:index], add_generation_prompt=True)
         try:
-            rows.append(_masked(tokenizer, text, _turn_spans(tokenizer, messages, index, text, thinking)))
+            rows.append(
+                _masked(_encode(tokenizer, text), _turn_spans(tokenizer, messages, index, text, prompt, thinking))
+            )
         except NotPrefixStable:
             raise UserError(
                 f"chat template of {_name(tokenizer)} does not render assistant turn {index + 1} after its own "
@@ -82,19 +91,30 @@ def checked(messages: Sequence[Message], thinking: str) -> list[Message]:
     return list(messages)
 
 
-def _whole(tokenizer, messages: list[Message], thinking: str) -> Row:
+def _whole(tokenizer, messages: list[Message], thinking: str, kept_tokens: Optional[int]) -> Row:
     """The conversation rendered once, every assistant turn that answers one before it in the mask (an opening
-    one is context: `answered_turns`); NotPrefixStable where it cannot be."""
+    one is context: `answered_turns`), up to the turns that begin past its first `kept_tokens` tokens (None: all);
+    NotPrefixStable where it cannot be."""
     full = _render(tokenizer, messages, add_generation_prompt=False)
-    turns = answered_turns(messages)
-    return _masked(tokenizer, full, [s for i in turns for s in _turn_spans(tokenizer, messages, i, full, thinking)])
+    encoded = _encode(tokenizer, full)
+    ids, offsets = encoded
+    # where the first token cut off begins: a turn whose prompt ends after it has no token in the row kept
+    cut_at = offsets[kept_tokens][0] if kept_tokens is not None and len(ids) > kept_tokens else len(full)
+    spans = []
+    for index in answered_turns(messages):
+        prompt = _render(tokenizer, messages[:index], add_generation_prompt=True)
+        if len(prompt) > cut_at:  # it and every later turn begin past the tokens kept
+            break
+        spans += _turn_spans(tokenizer, messages, index, full, prompt, thinking)
+    return _masked(encoded, spans)
 
 
-def _turn_spans(tokenizer, messages: list[Message], index: int, text: str, thinking: str) -> list[tuple[int, int]]:
+def _turn_spans(
+    tokenizer, messages: list[Message], index: int, text: str, prompt: str, thinking: str
+) -> list[tuple[int, int]]:
     """The characters of `text` the model generates for assistant turn `index` (less its reasoning with
-    data.thinking=mask); NotPrefixStable where `text` does not hold that turn as the template renders it
-    after the generation prompt."""
-    prompt = _render(tokenizer, messages[:index], add_generation_prompt=True)
+    data.thinking=mask), `prompt` being the conversation before it rendered with the generation prompt;
+    NotPrefixStable where `text` does not hold that turn as the template renders it after the generation prompt."""
     turn = _render(tokenizer, messages[: index + 1], add_generation_prompt=False)
     if not (text.startswith(prompt) and text.startswith(turn) and len(turn) > len(prompt)):
         raise NotPrefixStable(index)
@@ -146,10 +166,18 @@ def _content_end(text: str, start: int, end: int, content: str, index: int) -> i
     )
 
 
-def _masked(tokenizer, text: str, spans: list[tuple[int, int]]) -> Row:
-    ids, offsets = _encode(tokenizer, text)
+def _masked(encoded: tuple[list[int], list[tuple[int, int]]], spans: list[tuple[int, int]]) -> Row:
+    """The token ids and their mask: 1 where a token's first character lies in one of `spans` (disjoint, in order:
+    found by bisection, as a conversation of thousands of turns has thousands of spans)."""
+    ids, offsets = encoded
+    starts = [lo for lo, _ in spans]
+
+    def generated(start: int) -> bool:
+        found = bisect.bisect_right(starts, start) - 1
+        return found >= 0 and start < spans[found][1]
+
     # Offsets (0, 0) belong to tokens the tokenizer added itself (BOS), never to the rendered text.
-    return ids, [int(end > start and any(lo <= start < hi for lo, hi in spans)) for start, end in offsets]
+    return ids, [int(end > start and generated(start)) for start, end in offsets]
 
 
 def _without(span: tuple[int, int], full: str, reasoning: str, index: int) -> list[tuple[int, int]]:

@@ -91,6 +91,36 @@ def reference_tokenizer():
     return load_tokenizer(str(REFERENCE))
 
 
+def test_a_conversation_of_thousands_of_turns_renders_only_the_turns_a_truncated_row_keeps(
+    reference_tokenizer, monkeypatch
+):
+    """Every assistant turn's prefix was rendered through the template and each token tested against every turn's
+    span: quadratic in the turns, before data.max_length cut the row (2,000 short exchanges took 89 s for 64 tokens
+    kept). With data.overlong=truncate the turns that begin past the tokens kept are not rendered on their own, and
+    the rows cut are as before, token for token and mask for mask, whichever token the cut falls on (multi-byte
+    characters included)."""
+    import draftsmith.data_prep.template as template
+
+    def exchanges(count: int) -> list[dict]:
+        return [
+            m
+            for i in range(count)
+            for m in ({"role": "user", "content": f"q{i} é"}, {"role": "assistant", "content": f"a{i} 🙂"})
+        ]
+
+    whole = render_rows(reference_tokenizer, exchanges(12))
+    assert len(whole) == 1
+    ids, mask = whole[0]
+    for kept in range(1, len(ids) + 2):
+        (cut_ids, cut_mask), *more = render_rows(reference_tokenizer, exchanges(12), kept_tokens=kept)
+        assert not more and (cut_ids[:kept], cut_mask[:kept]) == (ids[:kept], mask[:kept]), kept
+    renders = []
+    real = template._render
+    monkeypatch.setattr(template, "_render", lambda *args, **kwargs: renders.append(1) or real(*args, **kwargs))
+    (cut_ids, cut_mask), *_ = render_rows(reference_tokenizer, exchanges(2000), kept_tokens=64)
+    assert len(renders) < 20 and any(cut_mask[:64])
+
+
 def llama3_tokenizer(eos: str):
     tokenizer = load_tokenizer(str(REFERENCE))
     tokenizer.add_special_tokens(
