@@ -20,12 +20,18 @@ def main(argv: Sequence[str]) -> None:
     from draftsmith.recipe import checkpoint_to_read, load_recipe
 
     cfg = load_recipe(argv, "eval")  # checked before the loop's and the libraries' modules (torch's: seconds) load
-    from draftsmith.formats.folder import require_outside_published, require_weights_as_configured, served_settings
+    from draftsmith.formats.folder import (
+        require_outside_published,
+        require_target_before_load,
+        require_weights_as_configured,
+        served_settings,
+    )
 
     served = served_settings(argv, cfg)
     warn_eval_disabled(argv)
     checkpoint = checkpoint_to_read(cfg)
     require_weights_as_configured(checkpoint)
+    require_target_before_load(checkpoint, cfg.target)
     report_dir = Path(cfg.output_dir) / "eval"  # export and the monitor would refuse it as of other weights
     named = f"the eval's report folder {report_dir} (output_dir/eval)"
     require_outside_published(report_dir, checkpoint, named, "the report identifies it by", give="an output_dir")

@@ -20,10 +20,11 @@ def main(argv: Sequence[str]) -> None:
     cfg = load_recipe(argv, "export")  # checked before the export's modules (torch's: seconds) load
     require_export_settings_read(cfg.export)
     from draftsmith.export.run import export_checkpoint
-    from draftsmith.formats.folder import require_weights_as_configured, served_settings
+    from draftsmith.formats.folder import require_target_before_load, require_weights_as_configured, served_settings
 
     served = served_settings(argv, cfg)
     require_weights_as_configured(checkpoint_to_read(cfg))
+    require_target_before_load(checkpoint_to_read(cfg), cfg.target)
     for engine, folder in export_checkpoint(cfg, checkpoint_to_read(cfg), served=served).items():
         print(f"{engine}: {folder}")
         print(f"{engine}: {engine_check_line(folder, engine)}", file=sys.stderr)  # stdout holds the folders alone

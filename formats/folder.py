@@ -16,6 +16,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors import SafetensorError
 from safetensors.torch import load_file
@@ -312,6 +313,23 @@ def require_outside_published(
             )
 
 
+def require_target_before_load(path: Path, section) -> None:
+    """`load_drafter`'s check that the target is the one the drafter at `path` was made for, before the target loads
+    (minutes, for a large one): a local target's shape and the records of its weights read alone from its checkpoint
+    (`stored_records`: a few rows). A Hub target, a quantized one (its stored values are not the ones it loads) and an
+    engine folder at `path` are checked as the target loads."""
+    if not Path(section.name_or_path).is_dir() or not is_drafter_checkpoint(path):
+        return
+    from draftsmith.target import empty_target
+    from draftsmith.target_weights import stored_records
+
+    empty = empty_target(section, torch.float32)
+    if getattr(empty.config, "quantization_config", None) is not None:
+        return
+    stored = stored_records(empty, section.name_or_path, "the target's check")
+    check_same_target(saved_drafter(path)[2], replace(TargetShape.of(empty, section.name_or_path), **stored), str(path))
+
+
 def is_drafter_checkpoint(folder: Path) -> bool:
     """Whether `folder` holds a draftsmith checkpoint's config.json (a model's, or a damaged one, does not count)."""
     try:
@@ -328,7 +346,6 @@ def require_weights_as_configured(path: Path) -> None:
     weights (more heads) was refused only once the target's weights had loaded, minutes at scale. Tensors the file
     holds beyond them are the target's modules a drafter adapts (Medusa-2's LoRA), which load_drafter checks once it
     has the target. An engine folder is its format's to read."""
-    import torch
     from safetensors import safe_open
 
     if checkpoint_kind(path) is None:

@@ -819,6 +819,37 @@ def test_an_export_for_a_target_of_the_same_shape_but_other_weights_is_refused(t
         assert not (tmp_path / "x" / "vllm").exists()
 
 
+def test_eval_and_export_refuse_a_local_target_of_other_weights_before_it_loads(target, tmp_path, capsys, monkeypatch):
+    """A target of the drafter's shape but other weights was refused only once it had loaded (minutes, for a large
+    one): eval and export now read its weights' records alone from its checkpoint first (a few rows), and refuse
+    before any load; the target the drafter was made for passes that check."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    checkpoint = save_drafter("medusa", target, tmp_path / "ckpt")
+    other = tmp_path / "other_target"
+    shutil.copytree(REFERENCE_TARGET, other)
+    weights = load_file(str(other / "model.safetensors"))
+    scaled = {name: tensor * 1.5 if "embed" in name else tensor for name, tensor in weights.items()}
+    save_file(scaled, str(other / "model.safetensors"), metadata={"format": "pt"})
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the target loaded")
+
+    monkeypatch.setattr("draftsmith.export.run.load_target", no_load)
+    monkeypatch.setattr("draftsmith.eval.report.load_target", no_load)
+    common = [f"checkpoint={checkpoint}", f"target.name_or_path={other}", "recipe=medusa"]
+    for command in (["-m", "export", f"output_dir={tmp_path / 'x'}"], ["-m", "eval", f"output_dir={tmp_path / 'y'}"]):
+        result = run_entry_in_process([*command, *common], capsys)
+        assert_one_line_error(result, 2, "has the same shape but other weights (its input embedding or last layer")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    from draftsmith.formats.folder import require_target_before_load
+    from draftsmith.recipe_schema import TargetSection
+
+    require_target_before_load(checkpoint, TargetSection(name_or_path=str(REFERENCE_TARGET)))
+
+
 def test_a_drafter_for_one_family_is_refused_on_a_target_of_another_of_the_same_shape(tmp_path):
     """check_same_target: a drafter made for a target of one family is refused on a target of another, even where
     both have its sizes and input embedding (tiny random targets seeded alike), in eval, export and a warm start
