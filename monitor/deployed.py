@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import DictConfig
 
@@ -135,17 +135,14 @@ def load_baseline(deployed: dict[str, Any]) -> Baseline:
         measured = (report.get("drafter") or {}).get("sha256")
         if not isinstance(measured, (str, type(None))):
             raise TypeError(f"drafter.sha256 {measured!r}")
-        # whose weights first: another drafter's report is refused as that, whatever else is wrong with it for this one
-        if measured != weights:
-            raise UserError(
-                f"the baseline report {path} measured "
-                + (f"weights of sha256 {measured[:12]}" if measured else "weights it names no sha256 of")
-                + f", not the deployed drafter's ({weights[:12]}): evaluate the deployed checkpoint (python -m eval) "
-                "and set monitor.baseline to its report"
-            )
+        # another drafter's report is refused as that, whatever else is wrong with it for this one (acceptance 0)
+        if measured is not None and measured != weights:
+            raise other_weights(path, measured, weights)
         baseline = Baseline.from_report(report, path)
         if not isinstance(baseline.temperature, (int, float)):
             raise TypeError(f"temperature {baseline.temperature!r}")
+        if measured != weights:
+            raise other_weights(path, measured, weights)
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
         raise UserError(f"cannot read the baseline report {path}: {err}") from None
     except (TypeError, ValueError, KeyError, AttributeError) as err:  # values of another kind: exit 70 before
@@ -154,6 +151,16 @@ def load_baseline(deployed: dict[str, Any]) -> Baseline:
             "deployed drafter's eval wrote"
         ) from None
     return baseline
+
+
+def other_weights(path: str, measured: Optional[str], weights: str) -> UserError:
+    """The refusal of a baseline report that measured other weights than the deployed drafter's, or names none."""
+    return UserError(
+        f"the baseline report {path} measured "
+        + (f"weights of sha256 {measured[:12]}" if measured else "weights it names no sha256 of")
+        + f", not the deployed drafter's ({weights[:12]}): evaluate the deployed checkpoint (python -m eval) and set "
+        "monitor.baseline to its report"
+    )
 
 
 def require_baseline_drafting(export: str, baseline: Baseline) -> None:
